@@ -1,0 +1,229 @@
+"""Process groups for tensor, pipeline and data parallelism, in Megatron's rank order.
+
+Global rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank: tensor-parallel ranks vary fastest
+(so a TP group stays inside one node), then data-parallel, then pipeline-parallel.
+
+Nothing here is a hidden global: :func:`initialize_model_parallel` returns a :class:`ParallelState`
+that the caller passes to whatever needs a group. Layers take their group as an argument.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+__all__ = [
+    "ParallelLayout",
+    "ParallelState",
+    "initialize_model_parallel",
+    "group_size",
+    "group_rank",
+]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """World size of ``group``; ``None`` means "no parallelism" (size 1)."""
+    if group is None:
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group``; ``None`` means "no parallelism" (rank 0)."""
+    if group is None:
+        return 0
+    return dist.get_rank(group)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """The sizes of a layout and their validation; no process groups (pure arithmetic)."""
+
+    world_size: int
+    """Total number of processes."""
+    tensor_model_parallel_size: int = 1
+    """Ranks a linear layer is split across (TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Number of pipeline stages (PP)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank for the interleaved schedule (VP); None for one chunk."""
+
+    def __post_init__(self) -> None:
+        tp, pp, w = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.world_size
+        for name, value in (("world_size", w), ("tensor_model_parallel_size", tp),
+                            ("pipeline_model_parallel_size", pp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if w % (tp * pp) != 0:
+            raise ValueError(
+                f"world_size={w} is not divisible by tensor_model_parallel_size={tp} * "
+                f"pipeline_model_parallel_size={pp} (= {tp * pp}); choose sizes whose product divides "
+                f"the number of processes"
+            )
+        vp = self.virtual_pipeline_model_parallel_size
+        if vp is not None:
+            if not isinstance(vp, int) or vp < 1:
+                raise ValueError(f"virtual_pipeline_model_parallel_size={vp!r} must be a positive integer or None")
+            if vp > 1 and pp < 2:
+                raise ValueError(
+                    f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
+                    f"(got {pp}); set it to None without pipelining"
+                )
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
+        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
+        return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
+        return pp_rank * dp * tp + dp_rank * tp + tp_rank
+
+    def tp_groups(self) -> list[list[int]]:
+        tp, dp, pp = self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size
+        return [[self.rank_of(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        tp, dp, pp = self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size
+        return [[self.rank_of(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        tp, dp, pp = self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size
+        return [[self.rank_of(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+
+    def mp_groups(self) -> list[list[int]]:
+        """Model-parallel groups: every TP and PP rank of one data-parallel replica."""
+        tp, dp, pp = self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size
+        return [[self.rank_of(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline (one rank when PP=1)."""
+        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
+
+
+@dataclass(kw_only=True)
+class ParallelState:
+    """This rank's place in a layout and the groups it belongs to.
+
+    Groups are ``None`` when the job is a single process without ``torch.distributed``.
+    """
+
+    layout: ParallelLayout
+    rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    mp_group: dist.ProcessGroup | None = None
+    embedding_group: dist.ProcessGroup | None = None
+    pp_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks of this rank's pipeline, stage 0 first (for point-to-point sends)."""
+    embedding_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks of this rank's embedding group (first and last stage)."""
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pipeline_model_parallel_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.data_parallel_size
+
+    @property
+    def vp_size(self) -> int | None:
+        return self.layout.virtual_pipeline_model_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coordinates(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coordinates(self.rank)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.coordinates(self.rank)[2]
+
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @classmethod
+    def single_process(cls) -> ParallelState:
+        """The trivial layout: one process, no groups."""
+        return cls(layout=ParallelLayout(world_size=1))
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    *,
+    timeout: datetime.timedelta | None = None,
+) -> ParallelState:
+    """Build the TP, DP, PP, model-parallel and embedding groups on the default process group.
+
+    Every rank must call this with the same arguments (``new_group`` is collective). Returns this
+    rank's :class:`ParallelState`. Raises ``ValueError`` before creating any group when the world
+    size is not divisible by ``tp * pp``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "initialize_model_parallel needs an initialized default process group; call "
+            "torch.distributed.init_process_group first (the MegatronStrategy does this for you)"
+        )
+    layout = ParallelLayout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+    )
+    rank = dist.get_rank()
+    kwargs = {} if timeout is None else {"timeout": timeout}
+
+    def mine(all_groups: list[list[int]]) -> tuple[dist.ProcessGroup | None, list[int]]:
+        chosen, chosen_ranks = None, [rank]
+        for ranks in all_groups:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks, **kwargs)
+            if rank in ranks:
+                chosen, chosen_ranks = group, ranks
+        return chosen, chosen_ranks
+
+    tp_group, _ = mine(layout.tp_groups())
+    dp_group, _ = mine(layout.dp_groups())
+    pp_group, pp_ranks = mine(layout.pp_groups())
+    mp_group, _ = mine(layout.mp_groups())
+    embedding_group, embedding_ranks = mine(layout.embedding_groups())
+    return ParallelState(
+        layout=layout,
+        rank=rank,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        pp_group=pp_group,
+        mp_group=mp_group,
+        embedding_group=embedding_group,
+        pp_ranks=list(pp_ranks),
+        embedding_ranks=list(embedding_ranks),
+    )
