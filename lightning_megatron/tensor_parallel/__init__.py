@@ -1,0 +1,49 @@
+"""Megatron's tensor-parallel building blocks. No Lightning imports here."""
+
+from __future__ import annotations
+
+from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lightning_megatron.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce_sequence_parallel_grads,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from lightning_megatron.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from lightning_megatron.tensor_parallel.random import (
+    MODEL_PARALLEL_RNG_TRACKER_NAME,
+    RNGStatesTracker,
+    checkpoint,
+    get_rng_tracker,
+    model_parallel_seed,
+)
+from lightning_megatron.tensor_parallel.utils import (
+    VocabUtility,
+    divide,
+    pad_vocab_size,
+    param_is_not_tensor_parallel_duplicate,
+    set_tensor_model_parallel_attributes,
+    split_tensor_along_last_dim,
+)
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "all_reduce_sequence_parallel_grads",
+    "init_method_normal", "scaled_init_method_normal", "RNGStatesTracker", "get_rng_tracker",
+    "model_parallel_seed", "checkpoint", "MODEL_PARALLEL_RNG_TRACKER_NAME", "VocabUtility", "divide",
+    "pad_vocab_size", "param_is_not_tensor_parallel_duplicate", "set_tensor_model_parallel_attributes",
+    "split_tensor_along_last_dim",
+]

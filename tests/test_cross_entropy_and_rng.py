@@ -1,0 +1,128 @@
+"""vocab_parallel_cross_entropy equals F.cross_entropy; RNG tracker and recompute semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist_utils import run_distributed
+from lightning_megatron.parallel_state import initialize_model_parallel
+from lightning_megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    checkpoint,
+    get_rng_tracker,
+    model_parallel_seed,
+    pad_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+
+TOL = dict(atol=1e-6, rtol=1e-6)
+
+
+def _ce_cases(tp: int, group, rank: int) -> None:
+    for vocab, smoothing, scale in [(48, 0.0, 1.0), (50, 0.0, 1.0), (50, 0.1, 1.0), (47, 0.2, 1e3), (48, 0.0, 1e3)]:
+        padded = pad_vocab_size(vocab, tp, make_vocab_size_divisible_by=1)
+        torch.manual_seed(vocab + int(100 * smoothing))
+        logits = torch.randn(3, 5, padded) * scale
+        target = torch.randint(0, vocab, (3, 5))
+        target[0, 1] = -100
+        target[2, 4] = -100
+        ref_logits = logits[..., :vocab].clone().requires_grad_()
+        ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none",
+                              label_smoothing=smoothing, ignore_index=-100).reshape(3, 5)
+        dloss = torch.rand(3, 5)
+        ref.backward(dloss)
+        local = logits.chunk(tp, -1)[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, target, smoothing, tp_group=group,
+                                            vocab_size=None if vocab == padded else vocab)
+        loss.backward(dloss)
+        torch.testing.assert_close(loss, ref, **TOL)
+        full_grad = torch.zeros(3, 5, padded)
+        full_grad[..., :vocab] = ref_logits.grad
+        torch.testing.assert_close(local.grad, full_grad.chunk(tp, -1)[rank], **TOL)
+        assert torch.isfinite(loss).all()
+
+
+def _ce_worker(tp: int) -> None:
+    ps = initialize_model_parallel(tp)
+    _ce_cases(tp, ps.tp_group, ps.tp_rank)
+
+
+def test_cross_entropy_single_process():
+    _ce_cases(1, None, 0)
+
+
+@pytest.mark.parametrize("tp", [2, 4], ids=lambda t: f"tp{t}")
+def test_vocab_parallel_cross_entropy_equals_torch(tp):
+    run_distributed(_ce_worker, tp, tp, timeout=120)
+
+
+def test_cross_entropy_bf16_logits_give_fp32_loss_and_bf16_grad():
+    logits = torch.randn(4, 10, dtype=torch.bfloat16, requires_grad=True)
+    loss = vocab_parallel_cross_entropy(logits, torch.randint(0, 10, (4,)))
+    assert loss.dtype == torch.float32
+    loss.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def _rng_worker() -> dict:
+    ps = initialize_model_parallel(2)
+    model_parallel_seed(1234, ps.tp_rank)
+    tracker = get_rng_tracker()
+    x = torch.ones(64, 64)
+    replicated = F.dropout(x, 0.5)  # default generator: same on every TP rank
+    with tracker.fork():
+        sharded = F.dropout(x, 0.5)  # model-parallel stream: differs per TP rank
+    after = torch.rand(4)  # the fork must not advance the default generator
+
+    # recompute: checkpointed dropout + column-parallel layer gives the same output and grads
+    layer = ColumnParallelLinear(16, 32, tp_group=ps.tp_group)
+
+    def block(inp):
+        out, _ = layer(inp)
+        with tracker.fork():
+            out = F.dropout(out, 0.3)
+        return F.dropout(torch.tanh(out), 0.2)
+
+    model_parallel_seed(7, ps.tp_rank)
+    inp = torch.randn(4, 16)
+    a_in = inp.clone().requires_grad_()
+    a = block(a_in)
+    a.sum().backward()
+    grads_plain = (a_in.grad.clone(), layer.weight.grad.clone())
+    layer.zero_grad()
+    model_parallel_seed(7, ps.tp_rank)
+    _ = torch.randn(4, 16)  # same RNG consumption as above
+    b_in = inp.clone().requires_grad_()
+    b = checkpoint(block, b_in)
+    torch.rand(3)  # RNG moves on before backward, recompute must still replay the forward masks
+    with tracker.fork():
+        torch.rand(3)
+    b.sum().backward()
+    assert torch.equal(a, b)
+    assert torch.equal(grads_plain[0], b_in.grad)
+    assert torch.equal(grads_plain[1], layer.weight.grad)
+    return {"replicated": replicated, "sharded": sharded, "after": after}
+
+
+def test_rng_tracker_semantics_and_recompute():
+    r0, r1 = run_distributed(_rng_worker, 2, timeout=60)
+    assert torch.equal(r0["replicated"], r1["replicated"])
+    assert not torch.equal(r0["sharded"], r1["sharded"])
+    assert torch.equal(r0["after"], r1["after"])
+    again = run_distributed(_rng_worker, 2, timeout=60)
+    assert torch.equal(again[0]["sharded"], r0["sharded"]), "same seed must give the same masks"
+
+
+def test_tracker_rejects_duplicates_and_unknown_names():
+    from lightning_megatron.tensor_parallel import RNGStatesTracker
+
+    t = RNGStatesTracker()
+    t.add("a", 1)
+    with pytest.raises(ValueError):
+        t.add("b", 1)
+    with pytest.raises(KeyError, match="model_parallel_seed"):
+        with t.fork("missing"):
+            pass
