@@ -1,0 +1,42 @@
+"""Pipeline parallelism without Lightning: layer layout, point-to-point transfers, microbatch schedules.
+
+- :mod:`.layout`: which global layers each stage and virtual model chunk owns.
+- :mod:`.p2p`: batched isend/irecv of ``[s, b, h]`` activations and their gradients.
+- :mod:`.schedules`: no pipelining, 1F1B and interleaved 1F1B (Megatron's schedules).
+"""
+
+from __future__ import annotations
+
+from lightning_megatron.pipeline.layout import (
+    ChunkLayout,
+    get_layer_range,
+    get_num_layers_to_build,
+    is_first_chunk_stage,
+    is_last_chunk_stage,
+    stage_chunks,
+)
+from lightning_megatron.pipeline.p2p import P2PCommunicator
+from lightning_megatron.pipeline.schedules import (
+    ScheduleEvent,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+    validate_num_microbatches,
+)
+
+__all__ = [
+    "ChunkLayout",
+    "P2PCommunicator",
+    "ScheduleEvent",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func",
+    "get_layer_range",
+    "get_num_layers_to_build",
+    "is_first_chunk_stage",
+    "is_last_chunk_stage",
+    "stage_chunks",
+    "validate_num_microbatches",
+]

@@ -1,0 +1,110 @@
+"""Pure-arithmetic parts of the pipeline: layer layout, schedule choice, microbatch validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_megatron.parallel_state import ParallelLayout, ParallelState
+from lightning_megatron.pipeline import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+    get_layer_range,
+    is_first_chunk_stage,
+    is_last_chunk_stage,
+    stage_chunks,
+    validate_num_microbatches,
+)
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "pp", "vp", "expected"),
+    [
+        # expected[pp_rank][vp_rank] = (start, stop)
+        (8, 2, None, [[(0, 4)], [(4, 8)]]),
+        (8, 4, None, [[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]]),
+        # interleaved: piece vp * pp + pp_rank; stage 0 holds pieces 0 and 2
+        (8, 2, 2, [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]),
+        (8, 4, 2, [[(0, 1), (4, 5)], [(1, 2), (5, 6)], [(2, 3), (6, 7)], [(3, 4), (7, 8)]]),
+        # uneven: the first L % pieces pieces get one extra layer
+        (10, 4, None, [[(0, 3)], [(3, 6)], [(6, 8)], [(8, 10)]]),
+        (6, 2, 2, [[(0, 2), (4, 5)], [(2, 4), (5, 6)]]),
+        (5, 1, None, [[(0, 5)]]),
+    ],
+    ids=lambda x: str(x),
+)
+def test_layer_range_table(num_layers, pp, vp, expected):
+    v = 1 if vp is None else vp
+    got = [[(r.start, r.stop) for r in (get_layer_range(num_layers, pp, s, vp, c) for c in range(v))]
+           for s in range(pp)]
+    assert got == expected
+    # The pieces tile [0, L) exactly once.
+    covered = sorted(i for s in range(pp) for c in range(v) for i in get_layer_range(num_layers, pp, s, vp, c))
+    assert covered == list(range(num_layers))
+
+
+def test_layer_range_rejects_more_pieces_than_layers():
+    with pytest.raises(ValueError, match=r"num_layers=6 .*pp_size=4 \* vp_size=2 = 8"):
+        get_layer_range(6, 4, 0, 2, 0)
+    with pytest.raises(ValueError, match=r"pp_rank=2 is outside \[0, pp_size=2\)"):
+        get_layer_range(8, 2, 2)
+    with pytest.raises(ValueError, match=r"vp_rank=2 is outside \[0, vp_size=2\)"):
+        get_layer_range(8, 2, 0, 2, 2)
+
+
+def test_embedding_and_loss_chunks():
+    chunks = {s: stage_chunks(8, 4, s, 2) for s in range(4)}
+    pre = [(s, c.vp_rank) for s, cs in chunks.items() for c in cs if c.pre_process]
+    post = [(s, c.vp_rank) for s, cs in chunks.items() for c in cs if c.post_process]
+    assert pre == [(0, 0)] and post == [(3, 1)]
+    assert is_first_chunk_stage(0, 0) and not is_first_chunk_stage(0, 1) and not is_first_chunk_stage(1, 0)
+    assert is_last_chunk_stage(3, 4, 1, 2) and not is_last_chunk_stage(3, 4, 0, 2) and is_last_chunk_stage(1, 2)
+    assert [c.layers for c in chunks[2]] == [range(2, 3), range(6, 7)]
+
+
+def test_schedule_choice():
+    assert get_forward_backward_func(1, None) is forward_backward_no_pipelining
+    assert get_forward_backward_func(4, None) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(4, 1) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(4, 2) is forward_backward_pipelining_with_interleaving
+
+
+def test_validate_num_microbatches():
+    validate_num_microbatches(3, 4, None)  # 1F1B takes any m >= 1 (warm-up is capped at m)
+    validate_num_microbatches(8, 4, 2)
+    with pytest.raises(ValueError, match=r"num_microbatches=6 is not divisible by pipeline_model_parallel_size=4.*"
+                                         r"virtual_pipeline_model_parallel_size=2"):
+        validate_num_microbatches(6, 4, 2)
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        validate_num_microbatches(0, 2, None)
+
+
+class _Chunk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def set_input_tensor(self, tensor):  # pragma: no cover - never reached
+        raise AssertionError("the schedule ran a forward pass before validating")
+
+
+def test_invalid_microbatches_raise_before_any_communication():
+    """No process group exists here: any p2p call would fail with a different error than ValueError."""
+    layout = ParallelLayout(world_size=4, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    ps = ParallelState(layout=layout, rank=1, pp_ranks=[0, 1, 2, 3])
+    common = dict(forward_step_func=None, parallel_state=ps, tensor_shape=(2, 1, 2), dtype=torch.float32)
+    with pytest.raises(ValueError, match="num_microbatches=6 is not divisible by pipeline_model_parallel_size=4"):
+        forward_backward_pipelining_with_interleaving(microbatches=[{}] * 6, model=[_Chunk(), _Chunk()],
+                                                      num_microbatches=6, **common)
+    with pytest.raises(ValueError, match="got 3 microbatches but num_microbatches=4"):
+        forward_backward_pipelining_with_interleaving(microbatches=[{}] * 3, model=[_Chunk(), _Chunk()],
+                                                      num_microbatches=4, **common)
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        forward_backward_pipelining_without_interleaving(microbatches=[], model=[_Chunk()], num_microbatches=0,
+                                                         **common)
+    with pytest.raises(ValueError, match="expects 1 model chunk"):
+        forward_backward_pipelining_without_interleaving(microbatches=[{}] * 2, model=[_Chunk(), _Chunk()],
+                                                         num_microbatches=2, **common)
