@@ -1,0 +1,320 @@
+"""BertModel: embeddings -> TransformerBlock -> (pooler + binary head, LM head tied to the embedding).
+
+Shapes: tokens [b, s]; activations [s, b, h] inside (sequence first, [s/t, b, h] between TP regions
+under sequence parallelism); LM logits [b, s, V_padded / t], vocab-parallel (never gathered: the
+vocab-parallel cross entropy works on the shards); binary logits [b, 2].
+
+Layout independence: every submodule is built inside an RNG stream keyed by its name
+("embedding.word_embeddings", "layers.3", "pooler", ...), and the parallel layers draw full fp32
+master weights and keep their slice. A pipeline chunk that builds layers 2..3 therefore gets the
+same numbers as the full model, and TP=k shards are slices of TP=1. The last stage's copy of the
+tied word embedding is drawn from the first stage's key, so both copies start identical.
+
+No Lightning imports here: the LightningModule wraps this.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_megatron.parallel_state import group_size
+from lightning_megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_sequence_parallel_region,
+    init_method_normal,
+    pad_vocab_size,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from lightning_megatron.tensor_parallel.random import get_rng_tracker
+from lightning_megatron.transformer import (
+    ModuleSpec,
+    TransformerBlock,
+    TransformerConfig,
+    build_module,
+    get_activation_func,
+    get_spec,
+    layer_norm_spec,
+    mark_sequence_parallel,
+    norm_placement,
+    resolve_norm_class,
+    seeded,
+)
+
+__all__ = ["BertModel", "BertEmbedding", "Pooler", "BertLMHead", "bert_loss", "count_parameters",
+           "bert_attention_mask"]
+
+
+def _resolve_spec(spec: ModuleSpec | str) -> ModuleSpec:
+    if isinstance(spec, str):
+        # Importing the package registers the built-in BERT specs.
+        import lightning_megatron.models.bert.specs  # noqa: F401
+
+        return get_spec(spec)
+    return spec
+
+
+def bert_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, s] with 1 = real token, 0 = padding -> bool [b, 1, 1, s], True where a KEY is hidden.
+
+    Only keys are masked (as Hugging Face does): pad positions still produce outputs, which the
+    loss mask ignores.
+    """
+    return (attention_mask == 0).view(attention_mask.size(0), 1, 1, attention_mask.size(1))
+
+
+class BertEmbedding(nn.Module):
+    """word (vocab-parallel) + position + token type -> [norm] -> dropout. [b, s] -> [s, b, h].
+
+    The norm exists for post-norm specs (Hugging Face's ``embeddings.LayerNorm``). Under sequence
+    parallelism the sum is scattered along s first, so the norm and dropout run on [s/t, b, h],
+    and the dropout draws from the per-rank model-parallel stream (different chunks per rank).
+    """
+
+    def __init__(self, config: TransformerConfig, padded_vocab_size: int, max_sequence_length: int,
+                 num_tokentypes: int, *, tp_group: dist.ProcessGroup | None, norm: ModuleSpec | type | None,
+                 seed: int) -> None:
+        super().__init__()
+        self.config, self.tp_group = config, tp_group
+        init = init_method_normal(config.init_method_std)
+        with seeded(seed, "embedding.word_embeddings"):
+            self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp_group=tp_group,
+                                                          init_method=init, params_dtype=config.params_dtype)
+        with seeded(seed, "embedding.position_embeddings"):
+            self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size,
+                                                    dtype=config.params_dtype)
+            init(self.position_embeddings.weight.data)
+        self.tokentype_embeddings = None
+        if num_tokentypes > 0:
+            with seeded(seed, "embedding.tokentype_embeddings"):
+                self.tokentype_embeddings = nn.Embedding(num_tokentypes, config.hidden_size, dtype=config.params_dtype)
+                init(self.tokentype_embeddings.weight.data)
+        self.layernorm = None if norm is None else build_module(norm, config=config, hidden_size=config.hidden_size,
+                                                                eps=config.layernorm_epsilon)
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        embeddings = self.word_embeddings(tokens) + self.position_embeddings(position_ids)  # [b, s, h]
+        if self.tokentype_embeddings is not None:
+            if token_types is None:
+                token_types = torch.zeros_like(tokens)
+            embeddings = embeddings + self.tokentype_embeddings(token_types)
+        elif token_types is not None:
+            raise ValueError("token_types given but the model was built with num_tokentypes=0")
+        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.config.sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/t, b, h]
+        if self.layernorm is not None:
+            embeddings = self.layernorm(embeddings)
+        if self.config.sequence_parallel and self.training and self.embedding_dropout.p > 0:
+            with get_rng_tracker().fork():
+                return self.embedding_dropout(embeddings)
+        return self.embedding_dropout(embeddings)
+
+
+class Pooler(nn.Module):
+    """tanh(W h_0 + b) on the first token: [s, b, h] -> [b, h]. Replicated across TP.
+
+    Under sequence parallelism the first token lives on TP rank 0's chunk: gather the sequence
+    (its backward is a split, since every rank computes the same, complete pooler gradient).
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.config, self.tp_group = config, tp_group
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, dtype=config.params_dtype)
+        init_method_normal(config.init_method_std)(self.dense.weight.data)
+        nn.init.zeros_(self.dense.bias.data)
+
+    def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
+        if self.config.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, self.tp_group,
+                                                                 tensor_parallel_output_grad=False)
+        return torch.tanh(self.dense(hidden_states[sequence_index]))
+
+
+class BertLMHead(nn.Module):
+    """norm(act(W x + b)): [s, b, h] -> [s, b, h], before the output layer tied to the embedding.
+
+    Runs on the local sequence chunk under sequence parallelism, so its parameters are marked
+    ``sequence_parallel`` (their gradients are summed over TP).
+    """
+
+    def __init__(self, config: TransformerConfig, norm: ModuleSpec | type) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, dtype=config.params_dtype)
+        init_method_normal(config.init_method_std)(self.dense.weight.data)
+        nn.init.zeros_(self.dense.bias.data)
+        mark_sequence_parallel(self.dense, config.sequence_parallel)
+        self.activation_func = get_activation_func(config.activation)
+        self.layer_norm = build_module(norm, config=config, hidden_size=config.hidden_size,
+                                       eps=config.layernorm_epsilon)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(self.activation_func(self.dense(hidden_states)))
+
+
+class BertModel(nn.Module):
+    """BERT built from a layer spec (a ModuleSpec or a registered name), for one pipeline chunk.
+
+    Args:
+        config: sizes and options; ``config.tensor_model_parallel_size`` must equal the size of ``tp_group``.
+        spec: layer spec or its registered name. Pre-norm specs get a final norm after the last
+            layer; post-norm specs get a norm on the embeddings instead (Hugging Face layout).
+        vocab_size: the real vocabulary; the embedding and logits are padded to
+            ``pad_vocab_size(vocab_size, t, make_vocab_size_divisible_by)`` (``self.padded_vocab_size``).
+        max_sequence_length: number of learned positions.
+        layer_range: GLOBAL indices of the layers this chunk builds (None: all).
+        pre_process / post_process: this chunk owns the embeddings / the heads and the loss.
+        seed: the base of every submodule's init stream.
+    """
+
+    def __init__(self, config: TransformerConfig, spec: ModuleSpec | str, vocab_size: int, max_sequence_length: int,
+                 *, tp_group: dist.ProcessGroup | None = None, num_tokentypes: int = 2, add_binary_head: bool = True,
+                 pre_process: bool = True, post_process: bool = True,
+                 share_embeddings_and_output_weights: bool = True, layer_range: range | None = None,
+                 make_vocab_size_divisible_by: int = 128, seed: int = 1234) -> None:
+        super().__init__()
+        t = group_size(tp_group)
+        if t != config.tensor_model_parallel_size:
+            raise ValueError(f"tensor_model_parallel_size={config.tensor_model_parallel_size} in the config but the "
+                             f"tp_group has {t} ranks; set config.tensor_model_parallel_size={t}")
+        layer_range = range(config.num_layers) if layer_range is None else layer_range
+        if pre_process and layer_range.start != 0:
+            raise ValueError(f"layer_range={layer_range}: the chunk with pre_process=True must start at layer 0")
+        if post_process and layer_range.stop != config.num_layers:
+            raise ValueError(f"layer_range={layer_range}: the chunk with post_process=True must end at "
+                             f"num_layers={config.num_layers}")
+        spec = _resolve_spec(spec)
+        self.config, self.spec, self.tp_group = config, spec, tp_group
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = pad_vocab_size(vocab_size, t, make_vocab_size_divisible_by)
+        self.max_sequence_length = max_sequence_length
+        self.pre_process, self.post_process = pre_process, post_process
+        self.add_binary_head = add_binary_head
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        post_norm = norm_placement(spec) == "post"
+        norm = layer_norm_spec(spec)  # the LM head (and the embeddings, if post-norm) use the layers' norm
+
+        if pre_process:
+            self.embedding = BertEmbedding(config, self.padded_vocab_size, max_sequence_length, num_tokentypes,
+                                           tp_group=tp_group, norm=norm if post_norm else None, seed=seed)
+        self.encoder = TransformerBlock(config, spec, tp_group=tp_group, layer_range=layer_range,
+                                        pre_process=pre_process, post_process=post_process, seed=seed)
+        if post_process:
+            with seeded(seed, "lm_head"):
+                self.lm_head = BertLMHead(config, norm)
+            # Tied: the embedding's weight is passed in forward, unless this chunk has no embedding
+            # (pipeline last stage): then it owns a copy drawn from the embedding's own stream.
+            owns_weight = not (pre_process and share_embeddings_and_output_weights)
+            key = "embedding.word_embeddings" if share_embeddings_and_output_weights else "output_layer"
+            with seeded(seed, key):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, self.padded_vocab_size, tp_group=tp_group, bias=True, gather_output=False,
+                    init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
+                    params_dtype=config.params_dtype, skip_weight_param_allocation=not owns_weight)
+            if add_binary_head:
+                with seeded(seed, "pooler"):
+                    self.pooler = Pooler(config, tp_group)
+                with seeded(seed, "binary_head"):
+                    self.binary_head = nn.Linear(config.hidden_size, 2, dtype=config.params_dtype)
+                    init_method_normal(config.init_method_std)(self.binary_head.weight.data)
+                    nn.init.zeros_(self.binary_head.bias.data)
+        if share_embeddings_and_output_weights and (pre_process or post_process):
+            # The strategy all-reduces this grad over the embedding group (first + last stage).
+            self.shared_embedding_or_output_weight().shared_embedding = True
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter:
+        """The word-embedding weight [V_padded/t, h] this chunk holds (its own copy on a last stage)."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process and self.output_layer.weight is not None:
+            return self.output_layer.weight
+        raise ValueError("this chunk holds no word embedding (pre_process=False and post_process=False)")
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        """Pipeline hook: the [s, b, h] input of a chunk with ``pre_process=False``."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.encoder.set_input_tensor(input_tensor)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, token_types: torch.Tensor | None = None,
+                lm_labels: torch.Tensor | None = None):
+        """See the class docstring for shapes. Returns
+
+        - ``post_process=False``: hidden states [s, b, h] (input of the next stage);
+        - else ``(lm_logits [b, s, V_padded/t], binary_logits [b, 2] | None)``;
+        - with ``lm_labels`` [b, s] (-100 = not masked): ``(lm_loss [b, s], binary_logits)``.
+        """
+        mask = bert_attention_mask(attention_mask)
+        hidden_states = None
+        if self.pre_process:
+            position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+            hidden_states = self.embedding(tokens, position_ids, token_types)
+        hidden_states = self.encoder(hidden_states, mask)
+        if not self.post_process:
+            return hidden_states
+        binary_logits = self.binary_head(self.pooler(hidden_states)) if self.add_binary_head else None
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(self.lm_head(hidden_states), weight=weight)  # [s, b, V/t]
+        logits = logits.transpose(0, 1).contiguous()  # [b, s, V/t]
+        if lm_labels is None:
+            return logits, binary_logits
+        lm_loss = vocab_parallel_cross_entropy(logits, lm_labels, tp_group=self.tp_group, vocab_size=self.vocab_size)
+        return lm_loss, binary_logits
+
+
+def bert_loss(lm_loss_per_token: torch.Tensor, loss_mask: torch.Tensor, binary_logits: torch.Tensor | None = None,
+              binary_labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """MLM loss averaged over masked tokens, plus the binary (NSP / SOP) cross entropy.
+
+    lm_loss = sum(loss * mask) / sum(mask);  binary_loss = CE(binary_logits, binary_labels) (labels
+    -1 ignored); total = lm_loss + binary_loss. Returns ``(total, {"lm_loss", "binary_loss"})`` with
+    detached values for logging (``binary_loss`` only when a binary head is used).
+    """
+    mask = loss_mask.float()
+    lm_loss = (lm_loss_per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)
+    stats = {"lm_loss": lm_loss.detach()}
+    total = lm_loss
+    if binary_logits is not None:
+        if binary_labels is None:
+            raise ValueError("bert_loss: binary_logits given without binary_labels")
+        binary_loss = F.cross_entropy(binary_logits.float(), binary_labels.view(-1), ignore_index=-1)
+        stats["binary_loss"] = binary_loss.detach()
+        total = total + binary_loss
+    return total, stats
+
+
+def count_parameters(config: TransformerConfig, vocab_size: int, max_sequence_length: int, *,
+                     spec: ModuleSpec | str = "bert_layer_local_spec", num_tokentypes: int = 2,
+                     add_binary_head: bool = True, share_embeddings_and_output_weights: bool = True,
+                     make_vocab_size_divisible_by: int = 128) -> int:
+    """Closed-form parameter count of the whole model (all TP shards and pipeline stages, each
+    parameter once), with V = the padded vocab at ``config.tensor_model_parallel_size``:
+
+        layer      = 3hP + P h + 2 h f  (+ 3P + h + f + h biases)  + 2 norms
+        embeddings = V h + S h + T h (+ a norm for post-norm specs)
+        heads      = LM head (h^2 + h + norm) + vocab bias V (+ V h if untied)
+                     + pooler (h^2 + h) + binary head (2h + 2)
+        final norm for pre-norm specs;  P = n d, f = ffn, norm = 2h (LayerNorm) or h (RMSNorm).
+    """
+    spec = _resolve_spec(spec)
+    h, n, d, f = config.hidden_size, config.num_attention_heads, config.kv_channels, config.ffn_hidden_size
+    proj = n * d
+    v = pad_vocab_size(vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
+    norm_cls = layer_norm_spec(spec)
+    norm_cls = resolve_norm_class(norm_cls.module if isinstance(norm_cls, ModuleSpec) else norm_cls, config)
+    norm = {"RMSNorm": h, "LayerNorm": 2 * h, "IdentityOp": 0}[norm_cls.__name__]
+    biases = (3 * proj + h + f + h) if config.add_bias_linear else 0
+    layer = 3 * h * proj + proj * h + 2 * h * f + biases + 2 * norm
+    post_norm = norm_placement(spec) == "post"
+    embeddings = v * h + max_sequence_length * h + num_tokentypes * h + (norm if post_norm else 0)
+    heads = (h * h + h + norm) + v + (0 if share_embeddings_and_output_weights else v * h)
+    if add_binary_head:
+        heads += h * h + h + 2 * h + 2
+    return config.num_layers * layer + embeddings + heads + (0 if post_norm else norm)

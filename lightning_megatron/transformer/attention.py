@@ -1,0 +1,174 @@
+"""Self-attention with heads split across TP ranks, and the core dot-product attention.
+
+For one head with queries Q, keys K, values V ([s, d] each):
+
+    S = Q K^T / sqrt(d)          scores, masked keys set to -inf
+    A = softmax(S)               row-wise
+    O = dropout(A) V
+
+Backward of the softmax, row by row (a_i is row i of A, g_i = dL/da_i):
+
+    dL/ds_i = a_i * (g_i - <g_i, a_i>)        i.e.  dS = A * (dA - rowsum(dA * A))
+
+so the gradient only needs A (or, as Flash-Attention does, O and dO: rowsum(dA * A) = rowsum(dO * O)).
+
+TP layout: ``linear_qkv`` is column-parallel with output width 3 * n * d laid out head-major,
+[head 0: q, k, v | head 1: q, k, v | ...], so a contiguous 1/t slice of its rows (what a TP rank
+keeps) holds whole heads with their q, k and v. Each rank runs attention on its n/t heads;
+``linear_proj`` is row-parallel and sums the heads' contributions (one all-reduce forward).
+
+Dropout on the attention probabilities uses the model-parallel RNG stream: each rank holds
+different heads, so their masks must be independent, yet reproducible under recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_megatron.parallel_state import group_size
+from lightning_megatron.tensor_parallel import (
+    checkpoint,
+    divide,
+    get_rng_tracker,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.spec import ModuleSpec, build_module
+from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp
+
+__all__ = ["SelfAttentionSubmodules", "SelfAttention", "DotProductAttention"]
+
+Spec = ModuleSpec | type
+
+
+@dataclass(kw_only=True)
+class SelfAttentionSubmodules:
+    """Submodule slots of :class:`SelfAttention` (Megatron's names)."""
+
+    linear_qkv: Spec
+    """Up-projection to [q, k, v] of every head: column-parallel."""
+    core_attention: Spec
+    """softmax(QK^T/sqrt(d))V on this rank's heads."""
+    linear_proj: Spec
+    """Down-projection back to the hidden size: row-parallel."""
+    q_layernorm: Spec = IdentityOp
+    """Optional norm on the queries (per head); identity for BERT."""
+    k_layernorm: Spec = IdentityOp
+    """Optional norm on the keys (per head); identity for BERT."""
+
+
+class DotProductAttention(nn.Module):
+    """Core attention on this rank's heads: q, k, v [s, b, n/t, d] -> context [s, b, n/t * d].
+
+    ``attention_mask``: bool, broadcastable to [b, n/t, s, s], True where a key is hidden (padding).
+    The "sdpa" backend calls ``torch.nn.functional.scaled_dot_product_attention``; "unfused" spells
+    the math out (softmax in fp32 if asked), which the tests use as the reference.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 *, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config, self.layer_number, self.attn_mask_type = config, layer_number, attn_mask_type
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+
+    def _dropout_rng(self) -> contextlib.AbstractContextManager:
+        # Under sequence parallelism the whole block already runs in the model-parallel stream
+        # (TransformerBlock forks it); forking again would replay the same numbers.
+        if self.config.sequence_parallel:
+            return contextlib.nullcontext()
+        return get_rng_tracker().fork()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
+        s, b, heads, d = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n/t, s, d]
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if self.attn_mask_type == AttnMaskType.no_mask:
+            attention_mask = None
+        p = self.config.attention_dropout if self.training else 0.0
+        if self.config.attention_backend == "sdpa":
+            # SDPA takes True = "may attend"; our mask is True = "hidden".
+            keep = None if attention_mask is None else ~attention_mask
+            rng = self._dropout_rng() if p > 0 else contextlib.nullcontext()
+            with rng:
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p,
+                                                         is_causal=causal and keep is None)
+        else:
+            context = self._unfused(q, k, v, attention_mask, causal, p)
+        return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, n/t * d]
+
+    def _unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
+                 causal: bool, p: float) -> torch.Tensor:
+        dtype = torch.float32 if self.config.attention_softmax_in_fp32 else q.dtype
+        scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * self.softmax_scale  # [b, n/t, s, s]
+        if causal:
+            s = scores.size(-1)
+            upper = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+            attention_mask = upper if attention_mask is None else attention_mask | upper
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        if p > 0:
+            with self._dropout_rng():
+                probs = F.dropout(probs, p=p, training=True)
+        return torch.matmul(probs, v)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention: [s, b, h] -> (output [s, b, h], bias [h] or None for the bda).
+
+    Under sequence parallelism the input is [s/t, b, h]: linear_qkv all-gathers it and linear_proj
+    reduce-scatters its output back to [s/t, b, h].
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: SelfAttentionSubmodules, layer_number: int,
+                 attn_mask_type: AttnMaskType = AttnMaskType.padding, *,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        world = group_size(tp_group)
+        d, n = config.kv_channels, config.num_attention_heads
+        self.hidden_size_per_attention_head = d
+        self.num_attention_heads_per_partition = divide(n, world, "num_attention_heads")
+        projection_size = n * d
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype)
+        self.linear_qkv = build_module(submodules.linear_qkv, config.hidden_size, 3 * projection_size,
+                                       gather_output=False, init_method=init_method_normal(config.init_method_std),
+                                       **common)
+        self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
+                                           attn_mask_type=attn_mask_type, tp_group=tp_group)
+        # The bias of the row-parallel projection is added by the bias-dropout-add after the reduce.
+        self.linear_proj = build_module(submodules.linear_proj, projection_size, config.hidden_size,
+                                        input_is_parallel=True, skip_bias_add=True,
+                                        init_method=scaled_init_method_normal(config.init_method_std,
+                                                                              config.num_layers),
+                                        **common)
+        self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=d,
+                                        eps=config.layernorm_epsilon)
+        self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=d,
+                                        eps=config.layernorm_epsilon)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, n/t * 3 * d], head-major
+        s, b = mixed.shape[:2]
+        d = self.hidden_size_per_attention_head
+        mixed = mixed.view(s, b, self.num_attention_heads_per_partition, 3 * d)
+        query, key, value = torch.split(mixed, d, dim=-1)  # [s, b, n/t, d] each
+        query, key = self.q_layernorm(query), self.k_layernorm(key)
+        if self.config.recompute_granularity == "selective":
+            # Core attention holds the O(s^2) activations (scores, probs, dropout mask) and is cheap
+            # to recompute compared with the matmuls around it: Megatron's selective recomputation.
+            context = checkpoint(self.core_attention, query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)
+        return self.linear_proj(context)

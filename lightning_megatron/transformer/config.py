@@ -1,0 +1,132 @@
+"""TransformerConfig: the sizes and options of a transformer, validated eagerly.
+
+Every check raises ``ValueError`` naming the offending field and the fix, before any module is built.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["TransformerConfig", "ACTIVATIONS", "NORMALIZATIONS"]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+"""Supported MLP activations: exact erf GELU (Hugging Face "gelu"), tanh-approximated GELU, ReLU, SiLU."""
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    """Sizes and options shared by every layer of a transformer (Megatron's field names)."""
+
+    num_layers: int
+    """Number of transformer layers in the whole model (all pipeline stages together)."""
+    hidden_size: int
+    """Width h of the residual stream."""
+    num_attention_heads: int
+    """Number of attention heads n; each TP rank holds n / t whole heads."""
+    ffn_hidden_size: int | None = None
+    """Width of the MLP's hidden layer; None means 4 * hidden_size."""
+    kv_channels: int | None = None
+    """Per-head width d; None means hidden_size // num_attention_heads."""
+    hidden_dropout: float = 0.1
+    """Dropout probability on the residual branches and the embeddings."""
+    attention_dropout: float = 0.1
+    """Dropout probability on the attention probabilities."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon added to the variance (LayerNorm) or mean square (RMSNorm)."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Norm used by the LM head and by specs that take the norm from the config."""
+    activation: Literal["gelu", "gelu_tanh", "relu", "silu"] = "gelu"
+    """MLP (and BERT LM-head) activation; "gelu" is the exact erf GELU (Hugging Face "gelu")."""
+    add_bias_linear: bool = True
+    """Whether the linear layers of attention and MLP have biases (BERT: yes)."""
+    init_method_std: float = 0.02
+    """Std of the N(0, std^2) weight init; output projections use std / sqrt(2 * num_layers)."""
+    params_dtype: torch.dtype = torch.float32
+    """Dtype of the parameters (float32, bfloat16 or float16)."""
+    tensor_model_parallel_size: int = 1
+    """TP size t the model is built for (must equal the size of the tp_group given to the model)."""
+    sequence_parallel: bool = False
+    """Split activations outside the TP regions along the sequence (needs t > 1 to have any effect)."""
+    attention_backend: Literal["sdpa", "unfused"] = "sdpa"
+    """"sdpa": torch's scaled_dot_product_attention; "unfused": the explicit softmax(QK^T/sqrt(d))V."""
+    attention_softmax_in_fp32: bool = True
+    """Unfused backend: compute the softmax in fp32 when the activations are bf16/fp16."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recomputation: "full" (whole layers), "selective" (core attention only) or None."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With "full": "uniform" checkpoints groups of recompute_num_layers layers; "block" checkpoints
+    the first recompute_num_layers layers of each pipeline chunk and keeps the rest."""
+    recompute_num_layers: int | None = None
+    """With "full": layers per checkpointed group ("uniform") or layers checkpointed ("block")."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; choose a hidden_size that is a multiple of the head count "
+                    f"or set kv_channels explicitly")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        elif self.kv_channels < 1:
+            raise ValueError(f"kv_channels={self.kv_channels} must be a positive integer or None")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        elif self.ffn_hidden_size < 1:
+            raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} must be a positive integer or None")
+        t = self.tensor_model_parallel_size
+        if self.num_attention_heads % t != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_model_parallel_size="
+                f"{t}; each TP rank must hold whole heads: choose a head count that is a multiple of {t} "
+                f"or a TP size that divides {self.num_attention_heads}")
+        if self.ffn_hidden_size % t != 0:
+            raise ValueError(
+                f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tensor_model_parallel_size={t}; "
+                f"choose an ffn_hidden_size that is a multiple of {t}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name}={p} must be in [0, 1); use 0.0 to turn dropout off")
+        if not self.layernorm_epsilon > 0:
+            raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0 (e.g. 1e-5)")
+        if not self.init_method_std > 0:
+            raise ValueError(f"init_method_std={self.init_method_std} must be > 0 (e.g. 0.02)")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization={self.normalization!r} is not supported; use one of {NORMALIZATIONS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not supported; use one of {ACTIVATIONS}")
+        if self.attention_backend not in ("sdpa", "unfused"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; use 'sdpa' or 'unfused'")
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(f"params_dtype={self.params_dtype} is not supported; use one of {_DTYPES}")
+        if self.sequence_parallel and t == 1:
+            warnings.warn("sequence_parallel=True has no effect with tensor_model_parallel_size=1", stacklevel=3)
+        self._validate_recompute()
+
+    def _validate_recompute(self) -> None:
+        granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity={granularity!r} is not supported; use 'full', 'selective' or None")
+        if granularity == "full":
+            if method not in ("uniform", "block"):
+                raise ValueError(f"recompute_method={method!r}: recompute_granularity='full' needs "
+                                 f"recompute_method='uniform' or 'block'")
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"recompute_num_layers={n!r}: recompute_granularity='full' needs a positive "
+                                 f"number of layers per checkpoint")
+            if n > self.num_layers:
+                raise ValueError(f"recompute_num_layers={n} exceeds num_layers={self.num_layers}; "
+                                 f"choose at most {self.num_layers}")
+        elif method is not None or n is not None:
+            raise ValueError(f"recompute_method={method!r} / recompute_num_layers={n!r} only apply to "
+                             f"recompute_granularity='full' (got {granularity!r}); set them to None")

@@ -1,0 +1,136 @@
+"""TransformerLayer: attention and MLP, each wrapped in a norm and a residual bias-dropout-add.
+
+Pre-norm (Megatron's BERT, modern LLMs), with the post-norm slots left as identity::
+
+    x = x + dropout(attn(norm_1(x)) + b_attn)
+    x = x + dropout(mlp(norm_2(x)) + b_mlp)
+
+Post-norm (original and Hugging Face BERT), with the pre-norm slots left as identity::
+
+    x = norm_1(x + dropout(attn(x) + b_attn))
+    x = norm_2(x + dropout(mlp(x) + b_mlp))
+
+In pre-norm the residual path is a clean sum from the input to the output, in both directions:
+the gradient reaches every layer through the identity, untouched by any norm. In post-norm every
+layer's output, and so the gradient flowing back along the residual, passes through a norm,
+which is why deep post-norm stacks need warm-up and careful init, and why LLMs use pre-norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.spec import ModuleSpec, build_module
+from lightning_megatron.transformer.utils import IdentityFuncOp, IdentityOp
+
+__all__ = [
+    "TransformerLayerSubmodules",
+    "TransformerLayer",
+    "get_bias_dropout_add",
+    "norm_placement",
+    "layer_norm_spec",
+]
+
+Spec = ModuleSpec | type | Callable[..., object]
+BiasDropoutAdd = Callable[[tuple[torch.Tensor, torch.Tensor | None], torch.Tensor, float], torch.Tensor]
+
+
+def get_bias_dropout_add(training: bool, fused: bool = False) -> BiasDropoutAdd:
+    """Megatron's bias-dropout-add: ``((x, bias), residual, p) -> residual + dropout(x + bias, p)``.
+
+    ``fused`` is accepted for Megatron compatibility; the unfused form is what runs here.
+    """
+
+    def bias_dropout_add(x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor,
+                         prob: float) -> torch.Tensor:
+        x, bias = x_with_bias
+        if bias is not None:
+            x = x + bias
+        return residual + F.dropout(x, p=prob, training=training)
+
+    return bias_dropout_add
+
+
+@dataclass(kw_only=True)
+class TransformerLayerSubmodules:
+    """Submodule slots of :class:`TransformerLayer` (Megatron's names, plus two post-norm slots)."""
+
+    input_layernorm: Spec = IdentityOp
+    """Pre-norm before attention (identity in post-norm specs)."""
+    self_attention: Spec = IdentityOp
+    """The attention module spec (SelfAttention)."""
+    self_attn_bda: Spec = IdentityFuncOp
+    """Bias-dropout-add after attention (get_bias_dropout_add)."""
+    post_self_attn_layernorm: Spec = IdentityOp
+    """Post-norm after the attention residual add (identity in pre-norm specs)."""
+    pre_mlp_layernorm: Spec = IdentityOp
+    """Pre-norm before the MLP (identity in post-norm specs)."""
+    mlp: Spec = IdentityOp
+    """The MLP module spec."""
+    mlp_bda: Spec = IdentityFuncOp
+    """Bias-dropout-add after the MLP."""
+    post_mlp_layernorm: Spec = IdentityOp
+    """Post-norm after the MLP residual add (identity in pre-norm specs)."""
+
+
+def norm_placement(spec: ModuleSpec) -> Literal["pre", "post"]:
+    """"post" when the layer spec normalizes after the residual adds, else "pre".
+
+    A model reads this to know what surrounds the layers: post-norm layers expect a normalized
+    input (a norm on the embeddings) and emit a normalized output; pre-norm layers leave the
+    residual stream raw, so the stack ends with a final norm.
+    """
+    subs = spec.submodules
+    return "post" if subs is not None and subs.post_mlp_layernorm is not IdentityOp else "pre"
+
+
+def layer_norm_spec(spec: ModuleSpec) -> Spec:
+    """The norm a layer spec uses (its input norm if pre-norm, its last norm if post-norm)."""
+    subs = spec.submodules
+    return subs.post_mlp_layernorm if norm_placement(spec) == "post" else subs.input_layernorm
+
+
+class TransformerLayer(nn.Module):
+    """One transformer layer: [s, b, h] -> [s, b, h] ([s/t, b, h] under sequence parallelism).
+
+    ``layer_number`` is the 1-based global index (Megatron's convention), whatever pipeline chunk
+    builds the layer.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int = 1,
+                 *, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        self.hidden_dropout = config.hidden_dropout
+
+        def norm(slot: Spec) -> nn.Module:
+            return build_module(slot, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+
+        self.input_layernorm = norm(submodules.input_layernorm)
+        self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number,
+                                           tp_group=tp_group)
+        self.self_attn_bda = build_module(submodules.self_attn_bda)
+        self.post_self_attn_layernorm = norm(submodules.post_self_attn_layernorm)
+        self.pre_mlp_layernorm = norm(submodules.pre_mlp_layernorm)
+        self.mlp = build_module(submodules.mlp, config=config, tp_group=tp_group)
+        self.mlp_bda = build_module(submodules.mlp_bda)
+        self.post_mlp_layernorm = norm(submodules.post_mlp_layernorm)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        residual = hidden_states
+        attention_output_with_bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask)
+        hidden_states = self.self_attn_bda(self.training)(attention_output_with_bias, residual, self.hidden_dropout)
+        hidden_states = self.post_self_attn_layernorm(hidden_states)
+
+        residual = hidden_states
+        mlp_output_with_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        hidden_states = self.mlp_bda(self.training)(mlp_output_with_bias, residual, self.hidden_dropout)
+        return self.post_mlp_layernorm(hidden_states)

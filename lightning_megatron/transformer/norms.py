@@ -1,0 +1,73 @@
+"""LayerNorm and RMSNorm over the last (hidden) dimension.
+
+LayerNorm:  y = (x - mean(x)) / sqrt(var(x) + eps) * gamma + beta
+RMSNorm:    y = x / sqrt(mean(x^2) + eps) * gamma
+
+LayerNorm's gradient w.r.t. x is orthogonal to the all-ones direction and to x_hat: moving x along
+either would be undone by the normalization, so no step ever goes there. RMSNorm drops the mean
+(shift invariance is mostly redundant in a transformer; the scale control is what matters) and is
+cheaper: one reduction instead of two.
+
+Both are replicated across TP. Under sequence parallelism each rank normalizes only its own
+sequence chunk, so gamma and beta get partial gradients: they are marked ``sequence_parallel`` and
+the strategy sums their gradients over TP. Statistics are computed in fp32 for half-precision inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_megatron.transformer.config import TransformerConfig
+
+__all__ = ["LayerNorm", "RMSNorm", "Norm", "get_norm_class", "resolve_norm_class"]
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight (gamma, ones) and bias (beta, zeros) of shape [hidden_size]."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None) -> None:
+        super().__init__()
+        self.eps = config.layernorm_epsilon if eps is None else eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for param in (self.weight, self.bias):
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with weight (gamma, ones) of shape [hidden_size] and no bias."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None) -> None:
+        super().__init__()
+        self.eps = config.layernorm_epsilon if eps is None else eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def get_norm_class(config: TransformerConfig) -> type[nn.Module]:
+    """The norm class named by ``config.normalization``."""
+    return LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+
+
+class Norm:
+    """Spec slot that builds the norm named by ``config.normalization`` (Megatron's ``TENorm`` idea):
+    ``Norm(config, hidden_size, eps)`` returns a :class:`LayerNorm` or an :class:`RMSNorm`."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float | None = None) -> nn.Module:
+        return get_norm_class(config)(config, hidden_size, eps)
+
+
+def resolve_norm_class(norm: type, config: TransformerConfig) -> type:
+    """The concrete class a norm slot builds (``Norm`` resolves through the config)."""
+    return get_norm_class(config) if norm is Norm else norm
