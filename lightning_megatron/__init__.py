@@ -3,3 +3,17 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
+
+
+def __getattr__(name: str):
+    # The Lightning glue is imported lazily so that `tensor_parallel` / `transformer` users do not pay for it.
+    if name == "MegatronStrategy":
+        from lightning_megatron.strategy import MegatronStrategy
+
+        return MegatronStrategy
+    raise AttributeError(f"module 'lightning_megatron' has no attribute {name!r}")
+
+
+__all__ = ["MegatronStrategy", "ParallelLayout", "ParallelState", "initialize_model_parallel", "__version__"]

@@ -1,0 +1,263 @@
+"""BertLightningModule: BERT pretraining as a LightningModule for the MegatronStrategy.
+
+The module builds this rank's model chunks in ``configure_model`` from the strategy's
+``parallel_state`` (one chunk per virtual pipeline stage, each with its global layer range), and
+implements the strategy's protocol:
+
+- ``forward_step(microbatch, chunk) -> (output, loss_func)``: Megatron's forward-step function;
+  the last chunk computes the masked-LM + binary loss and its logged statistics;
+- ``pipeline_tensor_shape(microbatch)``: the [s, b, h] activation exchanged between stages;
+- ``sharded_named_parameters()``: parameters under global, layout-independent names (global layer
+  numbers), which is what makes checkpoints reshardable across TP, PP and VP.
+
+It also works without the MegatronStrategy (plain single-device Lightning): then one chunk is built
+and ``training_step`` computes the loss of the whole batch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torchmetrics.functional as tmf
+from lightning.pytorch import LightningModule
+from torch import nn
+from typing_extensions import override
+
+from lightning_megatron.models.bert.model import BertModel, bert_loss
+from lightning_megatron.optimizer.param_groups import get_param_groups
+from lightning_megatron.parallel_state import ParallelState, group_rank, group_size
+from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
+from lightning_megatron.tensor_parallel import vocab_parallel_cross_entropy
+from lightning_megatron.transformer.config import TransformerConfig
+
+__all__ = ["BertLightningModule", "vocab_parallel_argmax"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | None, vocab_size: int) -> torch.Tensor:
+    """Global argmax over vocab-parallel logits [..., V/t] without gathering them (padding excluded)."""
+    partition = logits.size(-1)
+    start = group_rank(tp_group) * partition
+    valid = max(0, min(partition, vocab_size - start))
+    local = logits.detach().float()
+    if valid < partition:
+        local = local.clone()
+        local[..., valid:] = float("-inf")
+    values, index = local.max(dim=-1)
+    index = index + start
+    if group_size(tp_group) == 1:
+        return index
+    both = torch.stack([values, index.float()], dim=-1)  # ids < 2^24 are exact in fp32
+    gathered = [torch.empty_like(both) for _ in range(group_size(tp_group))]
+    dist.all_gather(gathered, both.contiguous(), group=tp_group)
+    stacked = torch.stack(gathered)  # [t, ..., 2]
+    best = stacked[..., 0].argmax(dim=0, keepdim=True)  # first rank wins ties, as a global argmax would
+    return stacked[..., 1].gather(0, best).squeeze(0).long()
+
+
+class BertLightningModule(LightningModule):
+    """BERT masked-LM + sentence-order pretraining (Megatron's BERT), any TP x PP x VP x DP layout.
+
+    Args:
+        num_layers, hidden_size, num_attention_heads, ffn_hidden_size, ...: the TransformerConfig.
+        vocab_size: None reads ``trainer.datamodule.vocab_size``.
+        spec: a registered layer spec name (``bert_layer_local_spec`` pre-norm as Megatron,
+            ``bert_layer_post_norm_spec`` as Hugging Face, ``bert_layer_rmsnorm_spec``).
+        params_dtype: "float32", "bfloat16" or "float16" (bf16/fp16 pair with the
+            MegatronOptimizerCallback, which keeps fp32 main params).
+        optimizer: "adamw", "adam" or "sgd"; lr/weight_decay/betas/eps/momentum as in torch.
+            The learning rate is usually driven by the OptimizerParamSchedulerCallback.
+        init_seed: seed of the layout-independent weight initialization.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int = 2,
+        hidden_size: int = 128,
+        num_attention_heads: int = 4,
+        ffn_hidden_size: int | None = None,
+        vocab_size: int | None = None,
+        max_sequence_length: int = 128,
+        spec: str = "bert_layer_local_spec",
+        hidden_dropout: float = 0.1,
+        attention_dropout: float = 0.1,
+        layernorm_epsilon: float = 1e-12,
+        init_method_std: float = 0.02,
+        params_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        add_binary_head: bool = True,
+        make_vocab_size_divisible_by: int = 128,
+        recompute_granularity: Literal["full", "selective"] | None = None,
+        recompute_method: Literal["uniform", "block"] | None = None,
+        recompute_num_layers: int | None = None,
+        attention_backend: Literal["sdpa", "unfused"] = "sdpa",
+        init_seed: int = 1234,
+        optimizer: Literal["adamw", "adam", "sgd"] = "adamw",
+        lr: float = 1e-4,
+        weight_decay: float = 0.01,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
+        adam_eps: float = 1e-8,
+        sgd_momentum: float = 0.9,
+    ) -> None:
+        super().__init__()
+        if params_dtype not in _DTYPES:
+            raise ValueError(f"params_dtype={params_dtype!r} must be one of {sorted(_DTYPES)}")
+        if optimizer not in ("adamw", "adam", "sgd"):
+            raise ValueError(f"optimizer={optimizer!r} must be 'adamw', 'adam' or 'sgd'")
+        self.save_hyperparameters()
+        self.model_chunks: nn.ModuleList | None = None
+        self.parallel_state: ParallelState | None = None
+        self.micro_batch_size: int | None = None
+        self._config_kwargs = dict(
+            num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+            ffn_hidden_size=ffn_hidden_size, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+            layernorm_epsilon=layernorm_epsilon, init_method_std=init_method_std,
+            params_dtype=_DTYPES[params_dtype], recompute_granularity=recompute_granularity,
+            recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
+            attention_backend=attention_backend)
+        # Validate sizes now (heads, ffn...) with TP=1; TP-dependent checks run in configure_model.
+        TransformerConfig(**self._config_kwargs)
+
+    # ------------------------------------------------------------------ model
+
+    def _resolve_parallel_state(self) -> ParallelState:
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        ps = getattr(strategy, "parallel_state", None)
+        return ps if ps is not None else ParallelState.single_process()
+
+    @override
+    def configure_model(self) -> None:
+        if self.model_chunks is not None:
+            return
+        ps = self._resolve_parallel_state()
+        self.parallel_state = ps
+        hp = self.hparams
+        vocab_size = hp.vocab_size
+        if vocab_size is None:
+            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            vocab_size = getattr(dm, "vocab_size", None)
+            if vocab_size is None:
+                raise ValueError("BertLightningModule: vocab_size is None and the datamodule has no vocab_size; "
+                                 "pass vocab_size=... or use BertDataModule")
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        sequence_parallel = bool(getattr(strategy, "sequence_parallel", False))
+        config = TransformerConfig(**self._config_kwargs, tensor_model_parallel_size=ps.tp_size,
+                                   sequence_parallel=sequence_parallel)
+        self.config = config
+        self.vocab_size = int(vocab_size)
+        vp = ps.vp_size or 1
+        chunks = []
+        for vp_rank in range(vp):
+            layer_range = get_layer_range(config.num_layers, ps.pp_size, ps.pp_rank, ps.vp_size, vp_rank)
+            chunk = BertModel(
+                config, hp.spec, self.vocab_size, hp.max_sequence_length, tp_group=ps.tp_group,
+                add_binary_head=hp.add_binary_head,
+                pre_process=is_first_chunk_stage(ps.pp_rank, vp_rank),
+                post_process=is_last_chunk_stage(ps.pp_rank, ps.pp_size, vp_rank, ps.vp_size),
+                layer_range=layer_range, make_vocab_size_divisible_by=hp.make_vocab_size_divisible_by,
+                seed=hp.init_seed)
+            _tag_vocab_parallel(chunk, self.vocab_size)
+            chunks.append(chunk)
+        self.model_chunks = nn.ModuleList(chunks)
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        self.micro_batch_size = getattr(dm, "micro_batch_size", None)
+
+    def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters under layout-independent names: global layer numbers, no chunk index."""
+        assert self.model_chunks is not None
+        for chunk in self.model_chunks:
+            start = chunk.encoder.layer_range.start
+            for name, p in chunk.named_parameters():
+                m = re.match(r"encoder\.layers\.(\d+)\.(.*)", name)
+                if m:
+                    name = f"encoder.layers.{start + int(m.group(1))}.{m.group(2)}"
+                elif name.startswith("encoder.final_layernorm"):
+                    name = name  # only on the last chunk: unique
+                yield name, p
+
+    def pipeline_tensor_shape(self, microbatch: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+        """[s, b, h] exchanged between stages ([s/t, b, h] under sequence parallelism)."""
+        b, s = microbatch["tokens"].shape
+        if self.config.sequence_parallel:
+            s //= self.config.tensor_model_parallel_size
+        return (s, b, self.config.hidden_size)
+
+    # ------------------------------------------------------------------ steps
+
+    def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
+        """Megatron's forward-step: run ``chunk``; on the last chunk return the loss function too."""
+        out = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"))
+        if not chunk.post_process:
+            return out, None
+        lm_logits, binary_logits = out
+        tp_group = self.parallel_state.tp_group if self.parallel_state else None
+        labels = batch["lm_labels"]
+        lm_loss_per_token = vocab_parallel_cross_entropy(lm_logits, labels, tp_group=tp_group,
+                                                         vocab_size=self.vocab_size)
+        total, stats = bert_loss(lm_loss_per_token, batch["loss_mask"], binary_logits, batch.get("binary_labels"))
+        with torch.no_grad():
+            preds = vocab_parallel_argmax(lm_logits, tp_group, self.vocab_size)
+            masked = batch["loss_mask"] > 0
+            target = labels.masked_fill(~masked, -100)
+            stats["mlm_accuracy"] = tmf.accuracy(preds.reshape(-1), target.reshape(-1), task="multiclass",
+                                                 num_classes=self.vocab_size, ignore_index=-100, average="micro")
+            stats["num_masked_tokens"] = masked.sum().float()
+
+        def loss_func(output: torch.Tensor):
+            return output, {"loss": output.detach(), **stats}
+
+        return total, loss_func
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # Used without the MegatronStrategy (single device): the whole batch is one microbatch.
+        assert self.model_chunks is not None and len(self.model_chunks) == 1
+        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
+        _, stats = loss_func(loss)
+        for k, v in stats.items():
+            self.log(k if k == "loss" else f"train_{k}", v, prog_bar=k == "loss")
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
+        _, stats = loss_func(loss)
+        for k, v in stats.items():
+            self.log(f"val_{k}", v)
+        return loss
+
+    # ------------------------------------------------------------------ optimizer
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        assert self.model_chunks is not None
+        groups = get_param_groups(list(self.model_chunks), lr=hp.lr, weight_decay=hp.weight_decay)
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
+        cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
+        return cls(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
+                   weight_decay=hp.weight_decay)
+
+
+def _tag_vocab_parallel(chunk: BertModel, vocab_size: int) -> None:
+    """Mark the vocab-padded tensors so checkpoints store only the real rows (padding depends on TP)."""
+    tensors = []
+    if chunk.pre_process:
+        tensors.append(chunk.embedding.word_embeddings.weight)
+    if chunk.post_process:
+        if chunk.output_layer.weight is not None:
+            tensors.append(chunk.output_layer.weight)
+        if chunk.output_layer.bias is not None:
+            tensors.append(chunk.output_layer.bias)
+    for t in tensors:
+        t.real_vocab_size = vocab_size
+        if not hasattr(t, "partition_dim"):
+            t.partition_dim = 0

@@ -1,0 +1,710 @@
+"""MegatronStrategy: tensor, pipeline and data parallelism for Lightning's Trainer.
+
+It extends Lightning's DDPStrategy (launching, process-group set-up, cluster environments) through
+public hooks only, and replaces what DDP does per step:
+
+- ``setup_environment``: after ``init_process_group``, builds the TP/DP/PP/embedding groups
+  (:func:`initialize_model_parallel`) and seeds the RNG tracker; the LightningModule reads
+  ``trainer.strategy.parallel_state`` in ``configure_model``.
+- ``training_step``: splits this DP rank's batch into ``micro_batch_size`` microbatches and runs the
+  microbatch schedule (no pipelining, 1F1B or interleaved) forward and backward; then finalizes the
+  gradients: TP all-reduce of sequence-parallel grads, bucketed DP all-reduce (mean), and the
+  all-reduce of the tied word embedding over the first and last stage. The model is not wrapped
+  in DistributedDataParallel; ``backward`` is a no-op because the schedule already ran it.
+- validation/test/predict run the forward-only schedule.
+- checkpoints are sharded and reshardable (:mod:`lightning_megatron.checkpoint`).
+
+Batch semantics: global_batch = micro_batch_size x num_microbatches x DP. The dataloader of each DP
+rank yields micro_batch_size x num_microbatches samples per step (every TP and PP rank of a replica
+gets the same batch); the logged loss is the mean over the global batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from typing_extensions import override
+
+from lightning_megatron import checkpoint as ckpt
+from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
+from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
+from lightning_megatron.tensor_parallel.layers import all_reduce_sequence_parallel_grads
+from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+
+__all__ = ["MegatronStrategy"]
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"MegatronStrategy: {name}={value!r} must be a positive integer")
+
+
+class MegatronStrategy(DDPStrategy):
+    """Megatron-style TP x PP x DP training under ``lightning.Trainer``.
+
+    Args:
+        tensor_model_parallel_size: ranks each linear layer is split across (TP).
+        pipeline_model_parallel_size: number of pipeline stages (PP).
+        virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved 1F1B).
+        sequence_parallel: split activations outside the TP regions along the sequence.
+        micro_batch_size: samples per microbatch; None reads ``micro_batch_size`` from the datamodule
+            (then the LightningModule), else the whole per-rank batch is one microbatch.
+        seed: seed of the default and model-parallel RNG streams (dropout); weights are seeded by the model.
+        ddp_bucket_size_mb: size of the flat buckets for the data-parallel gradient all-reduce.
+        timeout: collective timeout; a failing rank ends the job after at most this long.
+        Others as :class:`lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None,
+        sequence_parallel: bool = False,
+        *,
+        micro_batch_size: int | None = None,
+        seed: int = 1234,
+        ddp_bucket_size_mb: float = 25.0,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: datetime.timedelta | int | None = datetime.timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        _positive("tensor_model_parallel_size", tensor_model_parallel_size)
+        _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
+        if virtual_pipeline_model_parallel_size is not None:
+            _positive("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
+            if pipeline_model_parallel_size < 2:
+                raise ValueError(
+                    f"MegatronStrategy: virtual_pipeline_model_parallel_size="
+                    f"{virtual_pipeline_model_parallel_size} needs pipeline_model_parallel_size >= 2 "
+                    f"(got {pipeline_model_parallel_size}); leave it None without pipelining")
+        if micro_batch_size is not None:
+            _positive("micro_batch_size", micro_batch_size)
+        if sequence_parallel and tensor_model_parallel_size == 1:
+            raise ValueError("MegatronStrategy: sequence_parallel=True has no effect with "
+                             "tensor_model_parallel_size=1; set tensor_model_parallel_size > 1 or turn it off")
+        if ddp_bucket_size_mb <= 0:
+            raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
+        if isinstance(timeout, int):
+            timeout = datetime.timedelta(seconds=timeout)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self.tensor_model_parallel_size = tensor_model_parallel_size
+        self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        self.virtual_pipeline_model_parallel_size = virtual_pipeline_model_parallel_size
+        self.sequence_parallel = sequence_parallel
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.ddp_bucket_size_mb = ddp_bucket_size_mb
+        self.parallel_state: ParallelState | None = None
+        self.schedule_trace: list | None = None
+        """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(world_size=self.num_nodes * self.num_processes,
+                              tensor_model_parallel_size=self.tensor_model_parallel_size,
+                              pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+                              virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size)
+
+    @override
+    def setup_environment(self) -> None:
+        _ = self.layout  # validate sizes against the world size before launching collectives
+        super().setup_environment()
+        self.parallel_state = initialize_model_parallel(
+            self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+            self.virtual_pipeline_model_parallel_size, timeout=self._timeout)
+        model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every TP and PP rank of one replica reads the same samples: shard data over DP only.
+        ps = self.parallel_state
+        if ps is None:
+            layout = self.layout
+            tp_rank, dp_rank, _ = layout.coordinates(self.global_rank)
+            return {"num_replicas": layout.data_parallel_size, "rank": dp_rank}
+        return {"num_replicas": ps.dp_size, "rank": ps.dp_rank}
+
+    @override
+    def configure_ddp(self) -> None:
+        # No DistributedDataParallel wrapper: gradients are reduced by finalize_model_grads after
+        # the microbatch schedule (DDP would all-reduce once per microbatch backward).
+        assert isinstance(self.model, LightningModule)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"MegatronStrategy: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
+                f"supported: gradient accumulation is the microbatch schedule. Set accumulate_grad_batches=1 and "
+                f"choose global_batch_size = micro_batch_size x num_microbatches x data-parallel size instead")
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                f"MegatronStrategy: Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip each rank's "
+                f"shard separately. Use lightning_megatron.callbacks.MegatronOptimizerCallback(clip_grad=...), "
+                f"which clips by the norm over all tensor- and pipeline-parallel ranks")
+        self._validate_model()
+        super().setup(trainer)
+
+    def _validate_model(self) -> None:
+        ps = self.parallel_state
+        assert ps is not None
+        chunks = self.model_chunks
+        expected = self.virtual_pipeline_model_parallel_size or 1
+        if len(chunks) != expected:
+            raise ValueError(
+                f"MegatronStrategy: the LightningModule built {len(chunks)} model chunk(s) but "
+                f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs {expected}; "
+                f"build one chunk per virtual stage in configure_model (see docs/pipeline.md)")
+        if ps.pp_size > 1 and not hasattr(self.lightning_module, "forward_step"):
+            raise ValueError(
+                "MegatronStrategy: pipeline_model_parallel_size > 1 needs the LightningModule to implement "
+                "forward_step(microbatch, chunk) -> (output_tensor, loss_func) and pipeline_tensor_shape(microbatch)")
+
+    @property
+    def model_chunks(self) -> list[nn.Module]:
+        """This rank's model chunks: ``lightning_module.model_chunks`` or the module itself."""
+        module = self.lightning_module
+        chunks = getattr(module, "model_chunks", None)
+        if chunks is None:
+            return [module]
+        return list(chunks)
+
+    # ------------------------------------------------------------------ the step
+
+    def _micro_batch_size(self) -> int | None:
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        trainer = self.lightning_module.trainer
+        dm = getattr(trainer, "datamodule", None)
+        for source in (dm, self.lightning_module):
+            mbs = getattr(source, "micro_batch_size", None)
+            if mbs is not None:
+                return int(mbs)
+        return None
+
+    def split_microbatches(self, batch: Any) -> list[Any]:
+        """Split the per-rank batch along dim 0 into microbatches of ``micro_batch_size``."""
+        size = _batch_size(batch)
+        mbs = self._micro_batch_size() or size
+        if size % mbs != 0:
+            raise ValueError(f"MegatronStrategy: the per-rank batch has {size} samples, not divisible by "
+                             f"micro_batch_size={mbs}; make global_batch_size a multiple of "
+                             f"micro_batch_size x data-parallel size")
+        n = size // mbs
+        return [_slice_batch(batch, i * mbs, (i + 1) * mbs) for i in range(n)]
+
+    def _grad_scale_func(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        # The MegatronOptimizerCallback wraps the optimizer; a wrapper with a loss scale exposes it.
+        for opt in self.optimizers:
+            scale_loss = getattr(opt, "scale_loss", None)
+            if scale_loss is not None:
+                return scale_loss
+        return None
+
+    def _forward_step_func(self, stage: str, batch_idx: int) -> Callable:
+        module = self.lightning_module
+        if hasattr(module, "forward_step"):
+            return module.forward_step
+
+        hook = {"train": module.training_step, "val": module.validation_step,
+                "test": module.test_step, "predict": module.predict_step}[stage]
+
+        def forward_step(microbatch: Any, chunk: nn.Module):
+            out = hook(microbatch, batch_idx)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+
+            def loss_func(output: torch.Tensor):
+                return output, {"loss": output.detach()}
+
+            return loss, loss_func
+
+        return forward_step
+
+    def run_schedule(self, batch: Any, batch_idx: int, stage: str, forward_only: bool) -> dict[str, torch.Tensor]:
+        """Run all microbatches of ``batch`` through this rank's chunks; return the logged means."""
+        ps = self.parallel_state
+        assert ps is not None
+        microbatches = self.split_microbatches(batch)
+        validate_num_microbatches(len(microbatches), ps.pp_size, ps.vp_size)
+        module = self.lightning_module
+        chunks = self.model_chunks
+        tensor_shape: tuple[int, ...] = ()
+        dtype = next(iter(module.parameters())).dtype
+        if ps.pp_size > 1:
+            tensor_shape = tuple(module.pipeline_tensor_shape(microbatches[0]))
+        fb = get_forward_backward_func(ps.pp_size, ps.vp_size)
+        logged = fb(forward_step_func=self._forward_step_func(stage, batch_idx), microbatches=microbatches,
+                    model=chunks, num_microbatches=len(microbatches), parallel_state=ps,
+                    tensor_shape=tensor_shape, dtype=dtype, forward_only=forward_only,
+                    grad_scale_func=None if forward_only else self._grad_scale_func(),
+                    trace=self.schedule_trace)
+        if not forward_only:
+            self.finalize_model_grads()
+        return self._reduce_logged(logged)
+
+    def _reduce_logged(self, logged: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Mean over microbatches (last stage), mean over DP, then broadcast along the pipeline."""
+        ps = self.parallel_state
+        assert ps is not None
+        means: dict[str, torch.Tensor] = {}
+        if ps.is_pipeline_last_stage() and logged:
+            keys = sorted(k for k, v in logged[0].items() if torch.is_tensor(v) and v.numel() == 1)
+            stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
+            values = stacked.mean(dim=0)
+            if ps.dp_size > 1:
+                dist.all_reduce(values, group=ps.dp_group)
+                values /= ps.dp_size
+            means = dict(zip(keys, values.unbind(0)))
+        if ps.pp_size > 1:
+            holder = [{k: v.item() for k, v in means.items()}]
+            dist.broadcast_object_list(holder, src=ps.pp_ranks[-1], group=ps.pp_group)
+            device = self.root_device
+            means = {k: torch.tensor(v, device=device) for k, v in holder[0].items()}
+        return means
+
+    def finalize_model_grads(self) -> None:
+        """After the schedule: TP all-reduce of sequence-parallel grads, DP mean, tied embeddings."""
+        ps = self.parallel_state
+        assert ps is not None
+        params = [p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+        if ps.tp_size > 1:
+            all_reduce_sequence_parallel_grads(params, ps.tp_group)
+        if ps.dp_size > 1:
+            _bucketed_all_reduce_mean([p.grad for p in params if p.grad is not None], ps.dp_group,
+                                      int(self.ddp_bucket_size_mb * 2**20))
+        if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
+            shared = [p for p in params if getattr(p, "shared_embedding", False)]
+            for p in shared:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=ps.embedding_group)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        assert self.lightning_module is not None
+        with self.precision_plugin.train_step_context():
+            means = self.run_schedule(batch, batch_idx, "train", forward_only=False)
+        self._log(means, "train", on_step=True, on_epoch=False)
+        loss = means.get("loss")
+        if loss is None:
+            loss = torch.zeros((), device=self.root_device)
+        # Returned for Lightning's bookkeeping (progress bar, callbacks); backward already ran.
+        return {"loss": loss}
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The microbatch schedule ran backward for every microbatch (with loss scaling); nothing to do.
+        return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("val", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test", *args, **kwargs)
+
+    def _eval_step(self, stage: str, *args: Any, **kwargs: Any) -> Any:
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        ctx = self.precision_plugin.val_step_context() if stage == "val" else self.precision_plugin.test_step_context()
+        with ctx:
+            means = self.run_schedule(batch, batch_idx, stage, forward_only=True)
+        self._log(means, stage, on_step=False, on_epoch=True)
+        return means.get("loss")
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        ps = self.parallel_state
+        assert ps is not None
+        if ps.pp_size == 1:
+            return super().predict_step(*args, **kwargs)
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        microbatches = self.split_microbatches(batch)
+        module = self.lightning_module
+        fb = get_forward_backward_func(ps.pp_size, ps.vp_size)
+        with self.precision_plugin.predict_step_context():
+            logged = fb(forward_step_func=module.forward_step, microbatches=microbatches, model=self.model_chunks,
+                        num_microbatches=len(microbatches), parallel_state=ps,
+                        tensor_shape=tuple(module.pipeline_tensor_shape(microbatches[0])),
+                        dtype=next(iter(module.parameters())).dtype, forward_only=True)
+        # Predictions live on the last pipeline stage; other stages return None.
+        return logged if ps.is_pipeline_last_stage() else None
+
+    def _log(self, means: dict[str, torch.Tensor], stage: str, on_step: bool, on_epoch: bool) -> None:
+        module = self.lightning_module
+        for key, value in means.items():
+            name = key if stage == "train" and key == "loss" else f"{stage}_{key}"
+            # Values are already reduced over DP and broadcast along the pipeline: no sync_dist.
+            module.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=key in ("loss", "lm_loss"),
+                       sync_dist=False, batch_size=1)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Sharded optimizer state is loaded into the optimizers, which exist only after setup.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint already restored them
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the sharded model state is written by save_checkpoint from the live parameters
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, torch.Tensor]:
+        return {}  # likewise: written sharded by save_checkpoint
+
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        module = self.lightning_module
+        named = getattr(module, "sharded_named_parameters", None)
+        if named is not None:
+            return list(named())
+        return list(module.named_parameters())
+
+    def _sharded_state(self, include_optimizer: bool) -> dict[str, Any]:
+        ps = self.parallel_state
+        assert ps is not None
+        tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
+        state: dict[str, Any] = {}
+
+        def put(key: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
+            info = ckpt.shard_info(like, ps.tp_rank, ps.tp_size, tp_ranks, getattr(like, "real_vocab_size", None))
+            if info is None:
+                state[key] = tensor
+            else:
+                sharded = ckpt.to_sharded(tensor, info)
+                if sharded is not None:
+                    state[key] = sharded
+
+        named = self._named_parameters()
+        for name, p in named:
+            if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+                continue  # the tied copy on the last stage is stored once, by the first stage
+            put(f"model.{name}", p.detach(), p)
+        if include_optimizer:
+            for i, opt in enumerate(self.optimizers):
+                inner = getattr(opt, "optimizer", opt)
+                for name, p in named:
+                    if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+                        continue
+                    opt_param = getattr(p, "main_param", p)
+                    if opt_param is not p:
+                        put(f"optim.{i}.main.{name}", opt_param.detach(), p)
+                    for k, v in inner.state.get(opt_param, {}).items():
+                        if torch.is_tensor(v) and v.shape == p.shape:
+                            put(f"optim.{i}.state.{name}.{k}", v, p)
+                        elif torch.is_tensor(v):
+                            state[f"optim.{i}.state.{name}.{k}"] = v
+        return state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options")
+        ps = self.parallel_state
+        assert ps is not None
+        final = Path(filepath)
+        # Every rank must write into the same temporary directory: rank 0 picks its name.
+        tmp_name = self.broadcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}" if self.is_global_zero else None)
+        tmp = final.parent / tmp_name
+        if self.is_global_zero:
+            tmp.mkdir(parents=True, exist_ok=False)
+            (tmp / "rng").mkdir()
+        self.barrier("megatron_save_mkdir")
+        include_optimizer = "optimizer_states" in checkpoint
+        ckpt.save_dcp(self._sharded_state(include_optimizer), tmp)
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{self.global_rank}.pt")
+        if self.is_global_zero:
+            extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            if include_optimizer:
+                extra["megatron_optimizers"] = [_optimizer_extra(opt) for opt in self.optimizers]
+            if "hyper_parameters" in extra:
+                extra["hyper_parameters"] = _plain(extra["hyper_parameters"])
+            torch.save(extra, tmp / "extra.pt")
+        self.barrier("megatron_save_written")
+        if self.is_global_zero:
+            ckpt.write_marker(tmp, {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size,
+                                    "vp": ps.vp_size, "dp": ps.dp_size})
+            ckpt.finalize_directory(tmp, final)
+        self.barrier("megatron_save_done")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        ps = self.parallel_state
+        assert ps is not None
+        path = Path(checkpoint_path)
+        info = ckpt.validate_checkpoint_dir(path)
+        try:
+            extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001 - name the file and the cause
+            raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
+                                       f"(weights_only=True): {e}") from e
+        include_optimizer = "optimizer_states" in extra or "megatron_optimizers" in extra
+        state = self._sharded_state(include_optimizer=False)
+        opt_targets: list[tuple[Any, nn.Parameter, str, str]] = []
+        if include_optimizer and self.optimizers:
+            metadata = ckpt.read_dcp_metadata(path).state_dict_metadata
+            for i, opt in enumerate(self.optimizers):
+                inner = getattr(opt, "optimizer", opt)
+                for name, p in self._named_parameters():
+                    if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+                        continue
+                    opt_param = getattr(p, "main_param", p)
+                    if opt_param is not p:
+                        self._put_like(state, f"optim.{i}.main.{name}", opt_param.detach(), p)
+                    prefix = f"optim.{i}.state.{name}."
+                    for key, md in metadata.items():
+                        if not key.startswith(prefix) or not hasattr(md, "size"):
+                            continue
+                        k = key[len(prefix):]
+                        current = inner.state.get(opt_param, {}).get(k)
+                        if current is None:
+                            full_like = tuple(md.size) != tuple(p.shape) and _global_shape(p, ps) == tuple(md.size)
+                            current = torch.zeros_like(opt_param, dtype=md.properties.dtype) if (
+                                full_like or tuple(md.size) == tuple(p.shape)) else torch.zeros(
+                                tuple(md.size), dtype=md.properties.dtype, device=opt_param.device)
+                            inner.state.setdefault(opt_param, {})[k] = current
+                        if current.shape == p.shape:
+                            self._put_like(state, key, current, p)
+                        else:
+                            state[key] = current
+                        opt_targets.append((inner, opt_param, k, key))
+        try:
+            ckpt.load_dcp(state, path)
+        except Exception as e:  # noqa: BLE001
+            raise ckpt.CheckpointError(f"checkpoint {str(path)!r} could not be loaded into this model "
+                                       f"(saved at layout {info.get('layout')}): {e}") from e
+        # Tied copies on the last stage take the first stage's weights.
+        self._sync_shared_embeddings()
+        if include_optimizer and self.optimizers:
+            for opt, saved in zip(self.optimizers, extra.get("megatron_optimizers", [])):
+                _load_optimizer_extra(opt, saved)
+                self._copy_main_to_model(opt)
+        saved_layout = info.get("layout", {})
+        if saved_layout.get("world_size") == ps.layout.world_size and saved_layout.get("tp") == ps.tp_size \
+                and saved_layout.get("pp") == ps.pp_size:
+            rng_file = path / "rng" / f"rank_{self.global_rank}.pt"
+            if rng_file.is_file():
+                _set_rng_state(torch.load(rng_file, weights_only=True))
+        extra.setdefault("state_dict", {})
+        return extra
+
+    def _put_like(self, state: dict[str, Any], key: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
+        ps = self.parallel_state
+        assert ps is not None
+        tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
+        info = ckpt.shard_info(like, ps.tp_rank, ps.tp_size, tp_ranks, getattr(like, "real_vocab_size", None))
+        if info is None:
+            state[key] = tensor
+        else:
+            sharded = ckpt.to_sharded(tensor, info)
+            if sharded is not None:
+                state[key] = sharded
+
+    def _copy_main_to_model(self, opt: Any) -> None:
+        with torch.no_grad():
+            for _, p in self._named_parameters():
+                main = getattr(p, "main_param", None)
+                if main is not None:
+                    if getattr(p, "shared_embedding", False) and not self.parallel_state.is_pipeline_first_stage():
+                        continue
+                    p.copy_(main)
+        self._sync_shared_embeddings()
+
+    def _sync_shared_embeddings(self) -> None:
+        ps = self.parallel_state
+        assert ps is not None
+        if ps.pp_size == 1 or ps.embedding_group is None or len(ps.embedding_ranks) < 2:
+            return
+        with torch.no_grad():
+            for _, p in self._named_parameters():
+                if getattr(p, "shared_embedding", False):
+                    dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
+                    main = getattr(p, "main_param", None)
+                    if main is not None:
+                        dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # The model was loaded in place by load_checkpoint (sharded); nothing left to do.
+        return None
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        return None
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _batch_size(batch: Any) -> int:
+    if torch.is_tensor(batch):
+        return batch.size(0)
+    if isinstance(batch, Mapping):
+        return _batch_size(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return _batch_size(batch[0])
+    raise TypeError(f"MegatronStrategy cannot split a batch of type {type(batch).__name__} into microbatches; "
+                    f"use a tensor, a dict or a tuple of tensors")
+
+
+def _slice_batch(batch: Any, start: int, end: int) -> Any:
+    if torch.is_tensor(batch):
+        return batch[start:end]
+    if isinstance(batch, Mapping):
+        return {k: _slice_batch(v, start, end) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(_slice_batch(v, start, end) for v in batch)
+    if isinstance(batch, list):
+        return [_slice_batch(v, start, end) for v in batch]
+    return batch
+
+
+def _bucketed_all_reduce_mean(grads: list[torch.Tensor], group: Any, bucket_bytes: int) -> None:
+    """All-reduce grads over ``group`` and divide by its size, in flat buckets per dtype."""
+    world = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for tensors in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in tensors + [None]:  # type: ignore[list-item]
+            if g is not None:
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+            if bucket and (g is None or size >= bucket_bytes):
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                flat.div_(world)
+                dist.all_reduce(flat, group=group)
+                offset = 0
+                for t in bucket:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+                bucket, size = [], 0
+
+
+def _global_shape(p: torch.Tensor, ps: ParallelState) -> tuple[int, ...]:
+    shape = list(p.shape)
+    if getattr(p, "tensor_model_parallel", False):
+        shape[p.partition_dim % p.dim()] *= ps.tp_size
+    return tuple(shape)
+
+
+def _rng_state() -> dict[str, Any]:
+    tracker = get_rng_tracker().get_states()
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    for name, (cpu, accel) in tracker.items():
+        state[f"tracker.{name}.cpu"] = cpu
+        if accel is not None:
+            state[f"tracker.{name}.accel"] = accel
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    tracker = get_rng_tracker()
+    current = tracker.get_states()
+    for name in list(current):
+        cpu = state.get(f"tracker.{name}.cpu")
+        if cpu is not None:
+            current[name] = (cpu, state.get(f"tracker.{name}.accel", current[name][1]))
+    tracker.set_states(current)
+
+
+def _optimizer_extra(opt: Any) -> dict[str, Any]:
+    inner = getattr(opt, "optimizer", opt)
+    groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    out: dict[str, Any] = {"param_groups": groups}
+    scaler = getattr(opt, "grad_scaler", None)
+    if scaler is not None:
+        out["grad_scaler"] = scaler.state_dict()
+    if hasattr(opt, "num_skipped_steps"):
+        out["num_skipped_steps"] = int(opt.num_skipped_steps)
+    return out
+
+
+def _load_optimizer_extra(opt: Any, saved: dict[str, Any]) -> None:
+    inner = getattr(opt, "optimizer", opt)
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(inner.param_groups):
+        raise ckpt.CheckpointError(f"the checkpoint has {len(groups)} optimizer parameter groups, "
+                                   f"this optimizer has {len(inner.param_groups)}")
+    for group, saved_group in zip(inner.param_groups, groups):
+        group.update(saved_group)
+    scaler = getattr(opt, "grad_scaler", None)
+    if scaler is not None and saved.get("grad_scaler") is not None:
+        scaler.load_state_dict(saved["grad_scaler"])
+    if "num_skipped_steps" in saved and hasattr(opt, "num_skipped_steps"):
+        opt.num_skipped_steps = saved["num_skipped_steps"]
+
+
+def _plain(value: Any) -> Any:
+    """Reduce hyper-parameters to types ``torch.load(weights_only=True)`` accepts."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)) or torch.is_tensor(value):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if hasattr(value, "__dataclass_fields__"):
+        import dataclasses
+
+        return _plain(dataclasses.asdict(value))
+    return repr(value)
+
+
+def _iter_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if "megatron" not in StrategyRegistry:
+        StrategyRegistry.register("megatron", MegatronStrategy,
+                                  description="Megatron-style tensor, pipeline and data parallelism")
+
+
+_register()

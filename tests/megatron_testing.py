@@ -1,0 +1,108 @@
+"""Shared pieces of the Trainer-level parity tests: a deterministic BERT batch source, a tiny model
+config, a Trainer factory for spawned ranks, and gathering of sharded parameters to full size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+VOCAB = 1000
+SEQ = 16
+MASKED_PER_SAMPLE = 3  # constant: the mean over microbatch means equals the token mean for any grouping
+
+TINY_MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=VOCAB,
+                  max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0, lr=1e-3,
+                  weight_decay=0.01, make_vocab_size_divisible_by=128)
+
+
+class SyntheticBertDataset(Dataset):
+    """Deterministic BERT samples from (seed, index): padding, 3 masked tokens, a binary label."""
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        self.num_samples, self.seed = num_samples, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + index)
+        length = int(torch.randint(SEQ // 2, SEQ + 1, (1,), generator=g))
+        tokens = torch.randint(5, VOCAB, (SEQ,), generator=g)
+        attention_mask = (torch.arange(SEQ) < length).long()
+        tokens = tokens * attention_mask
+        token_types = (torch.arange(SEQ) >= length // 2).long() * attention_mask
+        positions = torch.randperm(length - 1, generator=g)[:MASKED_PER_SAMPLE] + 1
+        lm_labels = torch.full((SEQ,), -100)
+        lm_labels[positions] = tokens[positions]
+        tokens[positions] = 3  # [MASK]
+        loss_mask = torch.zeros(SEQ)
+        loss_mask[positions] = 1.0
+        return {"tokens": tokens, "token_types": token_types, "attention_mask": attention_mask,
+                "lm_labels": lm_labels, "loss_mask": loss_mask,
+                "binary_labels": torch.randint(0, 2, (), generator=g)}
+
+
+def dataloader(per_rank_batch: int, dp_size: int, dp_rank: int, num_samples: int = 512) -> DataLoader:
+    """Per-DP-rank batches of a global batch of ``per_rank_batch * dp_size`` samples, in order."""
+    ds = SyntheticBertDataset(num_samples)
+    sampler = DistributedSampler(ds, num_replicas=dp_size, rank=dp_rank, shuffle=False)
+    return DataLoader(ds, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
+
+
+class LossRecorder:
+    """A Lightning callback recording the logged training loss of every step."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):  # built lazily so importing this module skips Lightning
+        from lightning.pytorch import Callback
+
+        class _Recorder(Callback):
+            def __init__(self) -> None:
+                self.losses: list[float] = []
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                self.losses.append(float(outputs["loss"]))
+
+        return _Recorder()
+
+
+def make_trainer(strategy: Any, world_size: int, max_steps: int, callbacks: list | None = None, **kwargs: Any):
+    from lightning.pytorch import Trainer
+
+    defaults = dict(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+    defaults.update(kwargs)
+    return Trainer(callbacks=callbacks or [], **defaults)
+
+
+def local_shards(module: Any) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """name -> (tensor, partition dim if TP-sharded) of this rank, under global names."""
+    ps = module.parallel_state
+    out = {}
+    for name, p in module.sharded_named_parameters():
+        if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+            continue
+        dim = p.partition_dim % p.dim() if getattr(p, "tensor_model_parallel", False) else None
+        out[name] = (p.detach().clone(), dim)
+    return out
+
+
+def full_params(per_rank: list[dict[str, Any]], tp: int, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    """Combine the ranks' shards (DP rank 0 of every stage) into full, unpadded tensors."""
+    merged: dict[str, list[tuple[int, torch.Tensor, int | None]]] = {}
+    for r in per_rank:
+        if r["dp_rank"] != 0:
+            continue
+        for name, (t, dim) in r["shards"].items():
+            merged.setdefault(name, []).append((r["tp_rank"], t, dim))
+    full = {}
+    for name, parts in merged.items():
+        parts.sort(key=lambda x: x[0])
+        dim = parts[0][2]
+        t = torch.cat([p[1] for p in parts], dim=dim) if dim is not None and len(parts) > 1 else parts[0][1]
+        if "word_embeddings" in name or name.startswith("output_layer"):
+            t = t.narrow(0, 0, vocab)
+        full[name] = t
+    return full

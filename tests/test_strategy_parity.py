@@ -1,0 +1,77 @@
+"""MegatronStrategy under Trainer.fit: TP, DP and TP x DP equal one process (fp32, dropout off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron_testing import TINY_MODEL, LossRecorder, dataloader, full_params, local_shards, make_trainer
+
+GLOBAL_BATCH, MICRO = 8, 2
+STEPS = 10
+
+
+def _fit_worker(tp: int, pp: int, vp: int | None, world: int, steps: int, extra: dict | None = None) -> dict:
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.strategy import MegatronStrategy
+
+    strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=vp, micro_batch_size=MICRO,
+                                **(extra or {}))
+    module = BertLightningModule(**TINY_MODEL)
+    recorder = LossRecorder()
+    trainer = make_trainer(strategy, world, steps, callbacks=[recorder])
+    dp = world // (tp * pp)
+    ps_layout = strategy.layout
+    dp_rank = ps_layout.coordinates(torch.distributed.get_rank())[1]
+    trainer.fit(module, train_dataloaders=dataloader(GLOBAL_BATCH // dp, dp, dp_rank))
+    ps = strategy.parallel_state
+    return {"losses": recorder.losses, "shards": local_shards(module), "tp_rank": ps.tp_rank, "dp_rank": ps.dp_rank,
+            "pp_rank": ps.pp_rank}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    [r] = run_distributed(_fit_worker, 1, 1, 1, None, 1, STEPS, timeout=300)
+    return r["losses"], full_params([r], 1)
+
+
+def _compare(results, tp, reference):
+    ref_losses, ref_params = reference
+    last = [r for r in results if r["losses"]]
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    params = full_params(results, tp)
+    assert params.keys() == ref_params.keys()
+    for name in ref_params:
+        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert last
+
+
+def _fit_many(layouts: list[tuple[int, int, int | None]], world: int, steps: int) -> list[dict]:
+    # Several Trainer.fit runs in the same ranks: process start-up and imports are paid once.
+    return [_fit_worker(tp, pp, vp, world, steps) for tp, pp, vp in layouts]
+
+
+def _layout_id(layout, world):
+    tp, pp, vp = layout
+    return f"tp{tp}-pp{pp}" + (f"-vp{vp}" if vp else "") + f"-dp{world // (tp * pp)}"
+
+
+@pytest.mark.parametrize("world,layouts", [
+    (2, [(2, 1, None), (1, 1, None), (1, 2, None), (1, 2, 2)]),
+    (4, [(2, 1, None), (1, 4, None), (2, 2, None), (1, 2, None)]),
+], ids=["world2", "world4"])
+def test_layouts_equal_one_process(world, layouts, reference):
+    """TP, DP, PP (1F1B), PP x VP (interleaved) and mixes: per-step loss over 10 steps within 1e-5
+    relative and final parameters within 1e-5 of one process with the same global batch."""
+    ref_losses, _ = reference
+    assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference run must learn"
+    per_rank = run_distributed(_fit_many, world, layouts, world, STEPS, timeout=600)
+    for i, layout in enumerate(layouts):
+        results = [r[i] for r in per_rank]
+        try:
+            _compare(results, layout[0], reference)
+        except AssertionError as e:
+            raise AssertionError(f"layout {_layout_id(layout, world)}: {e}") from e
