@@ -1,0 +1,55 @@
+"""Data, Megatron's way: WordPiece tokenizer, built-in corpus, memory-mapped indexed dataset,
+BERT samples with MLM + sentence-order masking, consumed-samples samplers and a LightningDataModule.
+
+See ``docs/data.md``. The Lightning-free parts import without Lightning; :class:`BertDataModule`
+is loaded on first access.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_megatron.data.bert_dataset import (
+    BertDataset,
+    build_samples_mapping,
+    create_masked_lm_predictions,
+    get_train_valid_test_split_,
+)
+from lightning_megatron.data.corpus import CorpusStats, default_corpus_documents, read_documents, split_sentences
+from lightning_megatron.data.indexed_dataset import CorruptIndexedDatasetError, IndexedDataset, IndexedDatasetBuilder
+from lightning_megatron.data.preprocess import PreprocessStats, preprocess_corpus
+from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from lightning_megatron.data.tokenizer import BertTokenizer, default_vocab_file, train_wordpiece_tokenizer
+
+if TYPE_CHECKING:
+    from lightning_megatron.data.datamodule import BertDataModule
+
+__all__ = [
+    "BertDataModule",
+    "BertDataset",
+    "BertTokenizer",
+    "CorpusStats",
+    "CorruptIndexedDatasetError",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "MegatronPretrainingRandomSampler",
+    "MegatronPretrainingSampler",
+    "PreprocessStats",
+    "build_samples_mapping",
+    "create_masked_lm_predictions",
+    "default_corpus_documents",
+    "default_vocab_file",
+    "get_train_valid_test_split_",
+    "preprocess_corpus",
+    "read_documents",
+    "split_sentences",
+    "train_wordpiece_tokenizer",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BertDataModule":  # importing lightning.pytorch costs seconds: only when asked for
+        from lightning_megatron.data.datamodule import BertDataModule
+
+        return BertDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,276 @@
+"""``BertDataModule``: tokenizer, indexed dataset, BERT datasets and consumed-samples samplers for Lightning.
+
+The batch a training step receives is this data-parallel rank's share of one global batch:
+``micro_batch_size * num_microbatches`` samples with ``num_microbatches = global_batch_size //
+(micro_batch_size * dp_size)``; the strategy cuts it into micro-batches. The DP coordinates come from
+``trainer.strategy.parallel_state`` when the strategy has one, else ``(0, 1)``.
+
+Resuming: the train sampler starts after ``consumed_samples``, which is the value restored from the
+checkpoint (``state_dict`` / ``load_state_dict``) or else ``trainer.global_step * global_batch_size``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_
+from lightning_megatron.data.corpus import default_corpus_fingerprint
+from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
+from lightning_megatron.data.preprocess import preprocess_corpus
+from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from lightning_megatron.data.tokenizer import BertTokenizer, default_cache_dir, default_vocab_file, file_lock
+
+__all__ = ["BertDataModule", "MegatronDataLoader"]
+
+
+class MegatronDataLoader(DataLoader):
+    """A DataLoader whose position is its batch sampler's ``consumed_samples``, which the datamodule
+    sets from its own checkpointed state when it builds the loader. ``state_dict`` /
+    ``load_state_dict`` exist so that Lightning knows a mid-epoch resume continues where it stopped
+    (and does not warn that the loader is not resumable); they carry nothing themselves."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+class BertDataModule(pl.LightningDataModule):
+    """BERT pretraining data, Megatron's way.
+
+    Args:
+        data_prefix: prefix of a preprocessed indexed dataset (``<prefix>.bin``/``.idx``, see
+            ``lightning-megatron preprocess``); ``None``: the built-in corpus, preprocessed once and
+            cached under ``cache_dir``.
+        vocab_file: WordPiece ``vocab.txt``; ``None``: the default vocabulary (see
+            :func:`~lightning_megatron.data.tokenizer.default_vocab_file`). Must be the vocabulary the
+            dataset was preprocessed with.
+        max_seq_length: tokens per sample, ``[CLS] A [SEP] B [SEP]`` plus padding.
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        micro_batch_size: samples per forward/backward pass on one rank.
+        seed: seed of the samples mapping, of every sample's masking and of the random sampler.
+        masked_lm_prob: fraction of non-special tokens selected for MLM.
+        short_seq_prob: probability of a sample with a shorter random target length.
+        binary_head: ``"sop"`` (sentence order, Megatron's default), ``"nsp"`` (next sentence) or ``None``.
+        whole_word_masking: mask all ``##`` pieces of a word together.
+        max_ngrams: longest n-gram (in words) masked as one unit.
+        splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style.
+        train_samples: length of the training set; ``None``: ``trainer.max_steps * global_batch_size``
+            when a trainer with ``max_steps`` is attached, else one epoch of the training documents.
+        eval_samples: length of the validation and test sets; ``None``: one epoch of their documents
+            (at least one global batch).
+        shuffle: ``"sequential"`` (the samples mapping is already shuffled; Megatron's default) or
+            ``"random"`` (additionally shuffled per epoch per DP rank).
+        num_workers: DataLoader worker processes.
+        cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or
+            ``~/.cache/lightning_megatron``.
+    """
+
+    def __init__(self, data_prefix: str | None = None, vocab_file: str | None = None, *,
+                 max_seq_length: int = 128, global_batch_size: int = 32, micro_batch_size: int = 8,
+                 seed: int = 1234, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
+                 binary_head: Literal["sop", "nsp"] | None = "sop", whole_word_masking: bool = True,
+                 max_ngrams: int = 1, splits: str = "949,50,1", train_samples: int | None = None,
+                 eval_samples: int | None = None, shuffle: Literal["sequential", "random"] = "sequential",
+                 num_workers: int = 0, cache_dir: str | None = None) -> None:
+        super().__init__()
+        if global_batch_size < 1 or micro_batch_size < 1 or global_batch_size % micro_batch_size:
+            raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
+                             f"micro_batch_size={micro_batch_size}")
+        if shuffle not in ("sequential", "random"):
+            raise ValueError(f"shuffle={shuffle!r} must be 'sequential' or 'random'")
+        if binary_head not in ("sop", "nsp", None):
+            raise ValueError(f"binary_head={binary_head!r} must be 'sop', 'nsp' or None")
+        get_train_valid_test_split_(splits, 1)  # validates the string now, not at setup
+        self.save_hyperparameters()
+        self.data_prefix = data_prefix
+        self.vocab_file = vocab_file
+        self.max_seq_length = max_seq_length
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.splits = splits
+        self.train_samples = train_samples
+        self.eval_samples = eval_samples
+        self.shuffle = shuffle
+        self.num_workers = num_workers
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self._dataset_kwargs: dict[str, Any] = dict(
+            max_seq_length=max_seq_length, seed=seed, masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
+            binary_head=binary_head, whole_word_masking=whole_word_masking, max_ngrams=max_ngrams)
+        self._tokenizer: BertTokenizer | None = None
+        self._restored: tuple[int, int] = (0, 0)
+        """(consumed_samples, global_step) at the last checkpoint restored."""
+        self.train_dataset: BertDataset | None = None
+        self.val_dataset: BertDataset | None = None
+        self.test_dataset: BertDataset | None = None
+
+    # --- tokenizer and corpus -------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> BertTokenizer:
+        if self._tokenizer is None:
+            vocab = self.vocab_file if self.vocab_file is not None else default_vocab_file(self.cache_dir)
+            self._tokenizer = BertTokenizer(vocab)
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Pieces in the vocabulary (the model pads it for tensor parallelism)."""
+        return self.tokenizer.vocab_size
+
+    def _prefix(self) -> Path:
+        """The dataset prefix: ``data_prefix``, or the cache entry of the built-in corpus, keyed by
+        the corpus fingerprint, the vocabulary's contents and ``max_seq_length`` (long sentences are
+        split to fit it)."""
+        if self.data_prefix is not None:
+            return Path(self.data_prefix)
+        vocab_hash = hashlib.sha256(Path(self.tokenizer.vocab_file).read_bytes()).hexdigest()[:12]
+        key = f"{default_corpus_fingerprint()}-{vocab_hash}-s{self.max_seq_length}"
+        return self.cache_dir / f"default-corpus-{key}" / "corpus"
+
+    def _build_default_corpus(self) -> None:
+        """Preprocess the built-in corpus into the cache (under a file lock: one process builds)."""
+        if self.data_prefix is not None:
+            return
+        prefix = self._prefix()
+        with file_lock(prefix.parent / "build.lock"):
+            if not index_file_path(prefix).is_file():
+                preprocess_corpus(None, prefix, self.tokenizer, max_seq_length=self.max_seq_length)
+
+    @override
+    def prepare_data(self) -> None:
+        """Lightning runs this on one process per node before ``setup``: build the cache there."""
+        self._build_default_corpus()
+
+    # --- parallel layout --------------------------------------------------------------------------
+
+    def num_microbatches(self, dp_size: int) -> int:
+        """``global_batch_size // (micro_batch_size * dp_size)``; raises when it does not divide."""
+        if dp_size < 1 or self.global_batch_size % (self.micro_batch_size * dp_size):
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
+                             f"{self.micro_batch_size} * data_parallel_size={dp_size}")
+        return self.global_batch_size // (self.micro_batch_size * dp_size)
+
+    def _dp_coordinates(self) -> tuple[int, int]:
+        trainer = self._trainer_or_none()
+        state = getattr(trainer.strategy, "parallel_state", None) if trainer is not None else None
+        return (int(state.dp_rank), int(state.dp_size)) if state is not None else (0, 1)
+
+    def _trainer_or_none(self) -> Any:
+        return getattr(self, "trainer", None)
+
+    # --- datasets ---------------------------------------------------------------------------------
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        """Build the cache if ``prepare_data`` did not (rank 0 of the node, others wait at a
+        barrier), open the indexed dataset and build the train/valid/test datasets."""
+        if self.train_dataset is not None:
+            return
+        trainer = self._trainer_or_none()
+        if trainer is None:
+            self._build_default_corpus()
+        else:
+            if trainer.local_rank == 0:
+                self._build_default_corpus()
+            trainer.strategy.barrier("lightning_megatron.data.build")
+        indexed = IndexedDataset(self._prefix())
+        bounds = get_train_valid_test_split_(self.splits, indexed.num_documents)
+        split_docs = [range(bounds[i], bounds[i + 1]) for i in range(3)]
+        train_samples = self.train_samples
+        if train_samples is None and trainer is not None and (trainer.max_steps or -1) > 0:
+            train_samples = trainer.max_steps * self.global_batch_size
+        self.train_dataset = self._dataset(indexed, split_docs[0], train_samples, "train")
+        self.val_dataset = self._dataset(indexed, split_docs[1], self.eval_samples, "valid")
+        self.test_dataset = self._dataset(indexed, split_docs[2], self.eval_samples, "test")
+
+    def _dataset(self, indexed: IndexedDataset, documents: range, num_samples: int | None,
+                 name: str) -> BertDataset | None:
+        if len(documents) == 0:
+            if name == "train":
+                raise ValueError(f"splits={self.splits!r} leaves no training documents; give train a weight")
+            return None
+        try:
+            dataset = BertDataset(indexed, self.tokenizer, documents=documents, num_samples=num_samples,
+                                  **self._dataset_kwargs)
+        except ValueError as error:
+            if name == "train":
+                raise
+            warnings.warn(f"no {name} dataset: {error}", stacklevel=2)
+            return None
+        if num_samples is None and len(dataset) < self.global_batch_size:
+            dataset = BertDataset(indexed, self.tokenizer, documents=documents, num_samples=self.global_batch_size,
+                                  **self._dataset_kwargs)
+        return dataset
+
+    # --- loaders ----------------------------------------------------------------------------------
+
+    @property
+    def consumed_samples(self) -> int:
+        """Training samples consumed so far: the count restored from a checkpoint plus
+        ``global_batch_size`` per optimizer step taken since (exact even if the global batch
+        size changed between runs)."""
+        base_samples, base_step = self._restored
+        trainer = self._trainer_or_none()
+        if trainer is None:
+            return base_samples
+        return base_samples + (int(trainer.global_step) - base_step) * self.global_batch_size
+
+    def _loader(self, dataset: BertDataset, sampler: Any) -> DataLoader:
+        return MegatronDataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers,
+                                  persistent_workers=self.num_workers > 0)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        assert self.train_dataset is not None
+        dp_rank, dp_size = self._dp_coordinates()
+        common = dict(total_samples=len(self.train_dataset), consumed_samples=self.consumed_samples,
+                      micro_batch_size=self.micro_batch_size, data_parallel_rank=dp_rank,
+                      data_parallel_size=dp_size, num_microbatches=self.num_microbatches(dp_size))
+        sampler = (MegatronPretrainingRandomSampler(seed=self.seed, **common) if self.shuffle == "random"
+                   else MegatronPretrainingSampler(**common))
+        return self._loader(self.train_dataset, sampler)
+
+    def _eval_loader(self, dataset: BertDataset | None) -> DataLoader | list:
+        if dataset is None:
+            return []
+        dp_rank, dp_size = self._dp_coordinates()
+        sampler = MegatronPretrainingSampler(
+            total_samples=len(dataset), consumed_samples=0, micro_batch_size=self.micro_batch_size,
+            data_parallel_rank=dp_rank, data_parallel_size=dp_size, num_microbatches=self.num_microbatches(dp_size))
+        return self._loader(dataset, sampler)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        if self.train_dataset is None:
+            self.setup("validate")
+        return self._eval_loader(self.val_dataset)
+
+    @override
+    def test_dataloader(self) -> DataLoader | list:
+        if self.train_dataset is None:
+            self.setup("test")
+        return self._eval_loader(self.test_dataset)
+
+    # --- checkpointing ----------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer_or_none()
+        step = int(trainer.global_step) if trainer is not None else self._restored[1]
+        return {"consumed_samples": self.consumed_samples, "global_step": step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = (int(state_dict["consumed_samples"]), int(state_dict.get("global_step", 0)))

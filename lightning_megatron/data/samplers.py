@@ -1,0 +1,118 @@
+"""Batch samplers by consumed samples (Megatron's ``MegatronPretrainingSampler`` family).
+
+One *global batch* is ``micro_batch_size * num_microbatches * data_parallel_size`` consecutive
+sample indices. Each data-parallel rank takes its contiguous slice of ``micro_batch_size *
+num_microbatches`` of them: every tensor- and pipeline-parallel rank of one DP replica gets the same
+indices, the DP ranks together cover the global batch exactly once, and the strategy cuts the
+local batch into ``num_microbatches`` micro-batches.
+
+Iteration starts after ``consumed_samples``, so a run resumed with the number of samples consumed
+so far (``global_step * global_batch_size`` when the batch size never changed) continues with the
+next unseen sample.
+
+``len()`` is the number of steps in a whole pass (epoch), counting the ones consumed before a resume:
+that is what Lightning expects, since it counts the batches of the interrupted epoch it already ran
+and stops the resumed epoch after the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["MegatronPretrainingRandomSampler", "MegatronPretrainingSampler"]
+
+
+class _ConsumedSamplesSampler:
+    def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, num_microbatches: int = 1) -> None:
+        for name, value in (("total_samples", total_samples), ("micro_batch_size", micro_batch_size),
+                            ("data_parallel_size", data_parallel_size), ("num_microbatches", num_microbatches)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be positive")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank={data_parallel_rank} must be in [0, data_parallel_size="
+                             f"{data_parallel_size})")
+        self.total_samples = total_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.num_microbatches = num_microbatches
+        self.local_batch_size = micro_batch_size * num_microbatches
+        """Samples this DP rank gets per step (all its micro-batches)."""
+        self.global_batch_size = self.local_batch_size * data_parallel_size
+        """Samples of one optimizer step over all DP ranks."""
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples={consumed_samples} must be non-negative")
+        self.consumed_samples = consumed_samples
+
+
+class MegatronPretrainingSampler(_ConsumedSamplesSampler):
+    """Sequential: global batch ``k`` is indices ``k*G .. (k+1)*G - 1`` and this rank yields its slice
+    ``[k*G + r*L, k*G + (r+1)*L)`` (``G`` global, ``L`` local batch size). The first ``iter()``
+    starts at ``consumed_samples``; later ones (the next epochs, or every evaluation) make a full
+    pass from 0. An incomplete last global batch is dropped unless ``drop_last=False``, in which case
+    it is split as evenly as possible over the DP ranks (for evaluation)."""
+
+    def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, num_microbatches: int = 1,
+                 drop_last: bool = True) -> None:
+        super().__init__(total_samples=total_samples, consumed_samples=consumed_samples,
+                         micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
+                         data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
+        self.drop_last = drop_last
+        self._resume_from = consumed_samples
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.total_samples, self.global_batch_size)
+        return full + (0 if self.drop_last or rest == 0 else 1)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        first, self._resume_from = self._resume_from, 0
+        start_local = self.data_parallel_rank * self.local_batch_size
+        for start in range(first, self.total_samples, self.global_batch_size):
+            end = start + self.global_batch_size
+            if end <= self.total_samples:
+                yield list(range(start + start_local, start + start_local + self.local_batch_size))
+            elif not self.drop_last:
+                tail = torch.arange(start, self.total_samples).tensor_split(self.data_parallel_size)
+                yield tail[self.data_parallel_rank].tolist()
+
+
+class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
+    """Shuffled per epoch, seeded: each epoch covers ``total_samples`` rounded down to whole
+    global batches; DP rank ``r`` owns the bucket ``[r*B, (r+1)*B)`` of it (``B`` = samples per
+    rank per epoch) and walks a permutation of its bucket drawn from ``seed + epoch``. Iteration
+    resumes mid-epoch from ``consumed_samples`` and advances it, so the next ``iter()`` continues with
+    the next epoch (Megatron's ``MegatronPretrainingRandomSampler``)."""
+
+    def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, num_microbatches: int = 1, seed: int = 1234) -> None:
+        super().__init__(total_samples=total_samples, consumed_samples=consumed_samples,
+                         micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
+                         data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
+        if consumed_samples % self.global_batch_size:
+            raise ValueError(f"consumed_samples={consumed_samples} must be a multiple of the global batch size "
+                             f"{self.global_batch_size} = micro_batch_size {micro_batch_size} * num_microbatches "
+                             f"{num_microbatches} * data_parallel_size {data_parallel_size}")
+        self.seed = seed
+        self.epoch_samples = total_samples - total_samples % self.global_batch_size
+        if self.epoch_samples == 0:
+            raise ValueError(f"total_samples={total_samples} is less than one global batch "
+                             f"({self.global_batch_size}); use more samples or a smaller batch")
+
+    def __len__(self) -> int:
+        return self.epoch_samples // self.global_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, done = divmod(self.consumed_samples, self.epoch_samples)
+        bucket_size = self.epoch_samples // self.data_parallel_size
+        offset = done // self.data_parallel_size
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(bucket_size, generator=generator)[offset:] + self.data_parallel_rank * bucket_size
+        for batch in order.split(self.local_batch_size):
+            if len(batch) < self.local_batch_size:
+                break
+            self.consumed_samples += self.global_batch_size
+            yield batch.tolist()

