@@ -34,7 +34,9 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
@@ -170,7 +172,17 @@ class MegatronStrategy(DDPStrategy):
                 f"shard separately. Use lightning_megatron.callbacks.MegatronOptimizerCallback(clip_grad=...), "
                 f"which clips by the norm over all tensor- and pipeline-parallel ranks")
         self._validate_model()
-        super().setup(trainer)
+        # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
+        # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     def _validate_model(self) -> None:
         ps = self.parallel_state

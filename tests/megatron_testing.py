@@ -106,3 +106,34 @@ def full_params(per_rank: list[dict[str, Any]], tp: int, vocab: int = VOCAB) -> 
             t = t.narrow(0, 0, vocab)
         full[name] = t
     return full
+
+
+def consumed_samples_loader(trainer: Any, global_batch: int, micro: int, dp_size: int, dp_rank: int,
+                            num_samples: int = 512, consumed: int | None = None, seed: int = 0):
+    """A loader that starts at ``trainer.global_step * global_batch`` (Megatron's resume rule)."""
+    from lightning_megatron.data.datamodule import MegatronDataLoader
+    from lightning_megatron.data.samplers import MegatronPretrainingSampler
+
+    per_rank = global_batch // dp_size
+    sampler = MegatronPretrainingSampler(
+        total_samples=num_samples, consumed_samples=consumed if consumed is not None else trainer.global_step * global_batch,
+        micro_batch_size=micro, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
+        num_microbatches=per_rank // micro)
+    return MegatronDataLoader(SyntheticBertDataset(num_samples, seed), batch_sampler=sampler)
+
+
+def synthetic_datamodule(global_batch: int, micro: int, dp_size: int, dp_rank: int, val_samples: int = 64):
+    """A LightningDataModule over SyntheticBertDataset whose train loader resumes by consumed samples."""
+    from lightning.pytorch import LightningDataModule
+
+    class _DM(LightningDataModule):
+        micro_batch_size = micro
+
+        def train_dataloader(self):
+            return consumed_samples_loader(self.trainer, global_batch, micro, dp_size, dp_rank)
+
+        def val_dataloader(self):
+            return consumed_samples_loader(self.trainer, global_batch, micro, dp_size, dp_rank,
+                                           num_samples=val_samples, consumed=0, seed=1)
+
+    return _DM()

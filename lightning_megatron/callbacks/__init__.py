@@ -1,0 +1,8 @@
+"""Lightning callbacks that put Megatron's optimizer pieces into a Trainer."""
+
+from __future__ import annotations
+
+from lightning_megatron.callbacks.optimizer import MegatronOptimizerCallback
+from lightning_megatron.callbacks.scheduler import OptimizerParamSchedulerCallback
+
+__all__ = ["MegatronOptimizerCallback", "OptimizerParamSchedulerCallback"]

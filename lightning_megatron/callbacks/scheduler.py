@@ -1,0 +1,122 @@
+"""OptimizerParamSchedulerCallback: Megatron's lr + weight-decay schedule in a Lightning Trainer.
+
+The scheduler is built at ``on_fit_start`` on the trainer's first optimizer (its constructor sets
+the step-0 lr and weight decay), advanced by one after every optimizer step that was not skipped
+for overflow (as Megatron: a skipped iteration does not advance the schedule), and saved in the
+checkpoint as this callback's state. Lightning restores callback state before ``on_fit_start``
+(or after it for strategies with ``restore_checkpoint_after_setup``): both orders are handled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
+
+__all__ = ["OptimizerParamSchedulerCallback"]
+
+
+class OptimizerParamSchedulerCallback(Callback):
+    """Sets lr and weight decay on every param group each step (see :class:`OptimizerParamScheduler`).
+
+    Arguments are the scheduler's, with two defaults resolved at fit time:
+    ``lr_decay_steps=None`` -> ``trainer.max_steps`` and ``wd_incr_steps=None`` -> the same.
+    Logs ``lr`` and ``wd``: the schedule's values before per-group ``lr_mult`` / ``wd_mult``.
+    """
+
+    def __init__(
+        self,
+        init_lr: float = 0.0,
+        max_lr: float = 1e-4,
+        min_lr: float = 0.0,
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: int | None = None,
+        lr_decay_style: str = "linear",
+        start_wd: float = 0.01,
+        end_wd: float = 0.01,
+        wd_incr_steps: int | None = None,
+        wd_incr_style: str = "constant",
+        use_checkpoint_opt_param_scheduler: bool = True,
+        override_opt_param_scheduler: bool = False,
+        wsd_decay_steps: int | None = None,
+        lr_wsd_decay_style: str | None = None,
+    ) -> None:
+        self.kwargs: dict[str, Any] = dict(
+            init_lr=init_lr,
+            max_lr=max_lr,
+            min_lr=min_lr,
+            lr_warmup_steps=lr_warmup_steps,
+            lr_decay_steps=lr_decay_steps,
+            lr_decay_style=lr_decay_style,
+            start_wd=start_wd,
+            end_wd=end_wd,
+            wd_incr_steps=wd_incr_steps,
+            wd_incr_style=wd_incr_style,
+            use_checkpoint_opt_param_scheduler=use_checkpoint_opt_param_scheduler,
+            override_opt_param_scheduler=override_opt_param_scheduler,
+            wsd_decay_steps=wsd_decay_steps,
+            lr_wsd_decay_style=lr_wsd_decay_style,
+        )
+        self.scheduler: OptimizerParamScheduler | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._last_global_step = 0
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.lr_scheduler_configs:
+            raise ValueError(
+                "configure_optimizers returned an lr scheduler and OptimizerParamSchedulerCallback also sets the "
+                "lr every step; return only the optimizer, or drop the callback"
+            )
+        if not trainer.optimizers:
+            raise ValueError("OptimizerParamSchedulerCallback needs an optimizer from configure_optimizers")
+        kwargs = dict(self.kwargs)
+        for name in ("lr_decay_steps", "wd_incr_steps"):
+            if kwargs[name] is None:
+                if trainer.max_steps is None or trainer.max_steps <= 0:
+                    raise ValueError(
+                        f"{name}=None means Trainer.max_steps, but max_steps={trainer.max_steps}; "
+                        f"set Trainer(max_steps=...) or {name}=..."
+                    )
+                kwargs[name] = trainer.max_steps
+        self.scheduler = OptimizerParamScheduler(trainer.optimizers[0], **kwargs)
+        if self._pending_state is not None:
+            self.scheduler.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the checkpoint restore: global_step is where this run continues from.
+        self._last_global_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self.scheduler is not None
+        if trainer.global_step > self._last_global_step:  # an optimizer step ran this batch
+            self._last_global_step = trainer.global_step
+            if not getattr(trainer.optimizers[0], "last_step_skipped", False):
+                self.scheduler.step(1)
+        pl_module.log("lr", self.scheduler.get_lr({}), on_step=True, on_epoch=False, rank_zero_only=True)
+        pl_module.log("wd", self.scheduler.get_wd(), on_step=True, on_epoch=False, rank_zero_only=True)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.scheduler is not None:
+            return {"opt_param_scheduler": self.scheduler.state_dict()}
+        return {} if self._pending_state is None else {"opt_param_scheduler": dict(self._pending_state)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("opt_param_scheduler")
+        if state is None:
+            return
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state)
+        else:
+            self._pending_state = dict(state)

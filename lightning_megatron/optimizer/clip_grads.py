@@ -1,0 +1,149 @@
+"""Gradient norm, clipping and zero counting over all model-parallel ranks.
+
+The norm of the *whole* model's gradient, although each rank holds only a piece of it:
+
+    ||g||_p = ( sum over TP and PP ranks of sum over this rank's counted params of ||g_i||_p^p )^(1/p)
+    ||g||_inf = max over ranks and params of max |g_i|
+
+A parameter is counted on exactly one rank of its model-parallel replica:
+
+- tensor-parallel shards (``param.tensor_model_parallel = True``) are disjoint slices: every rank
+  counts its own slice;
+- parameters replicated across TP (no attribute, or ``False``) are counted on ``tp_rank == 0`` only;
+- the tied word embedding (``param.shared_embedding = True``) lives on the first and the last
+  pipeline stage: counted on ``pp_rank == 0`` only.
+
+Clipping scales every gradient (counted or not: duplicates must stay equal) by
+``max_norm / (norm + 1e-6)`` when that coefficient is below 1, as ``torch.nn.utils.clip_grad_norm_``.
+Data-parallel replicas hold identical (already reduced) gradients, so the group is the model-parallel
+group of one replica (``ParallelState.mp_group``), never the world.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "get_grad_norm_fp32",
+    "clip_grad_norm",
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+    "grads_for_norm",
+]
+
+
+def _is_counted(param: torch.Tensor, tp_rank: int, pp_rank: int) -> bool:
+    """Whether this rank contributes ``param`` to the norm (each duplicate counted once)."""
+    if getattr(param, "shared_embedding", False) and pp_rank != 0:
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    return list(parameters)
+
+
+def grads_for_norm(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, *, tp_rank: int = 0, pp_rank: int = 0
+) -> list[torch.Tensor]:
+    """The gradients this rank contributes to the global norm (see the module docstring)."""
+    return [p.grad for p in _as_list(parameters) if p.grad is not None and _is_counted(p, tp_rank, pp_rank)]
+
+
+def _device_of(tensors: list[torch.Tensor]) -> torch.device:
+    # A rank may hold no gradient at all (e.g. a stage whose params are frozen); it still has to take
+    # part in the collective, on CPU for gloo.
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: Iterable[torch.Tensor] | torch.Tensor,
+    norm_type: float = 2,
+    model_parallel_group: dist.ProcessGroup | None = None,
+) -> float:
+    """Total ``norm_type``-norm of ``grads_for_norm`` over ``model_parallel_group``, in fp32.
+
+    ``grads_for_norm`` must already exclude duplicates (use :func:`grads_for_norm`). p-norms sum
+    ``||g_i||_p^p`` locally, all-reduce SUM, then take the p-th root; the inf-norm all-reduces MAX.
+    ``None`` group means a single process. Returns a Python float (inf or nan propagate).
+    """
+    grads = _as_list(grads_for_norm)
+    norm_type = float(norm_type)
+    device = _device_of(grads)
+    if norm_type == math.inf:
+        local = [g.detach().abs().max().float() for g in grads if g.numel() > 0]
+        total = torch.stack(local).max() if local else torch.zeros((), device=device)
+        total = total.reshape(1).clone()
+        if model_parallel_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+        return float(total.item())
+    if norm_type <= 0:
+        raise ValueError(f"norm_type={norm_type!r} must be > 0 or inf")
+    local = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
+    total = (torch.stack(local) ** norm_type).sum() if local else torch.zeros((), device=device)
+    total = total.reshape(1).clone()
+    if model_parallel_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    return float(total.item()) ** (1.0 / norm_type)
+
+
+def clip_grad_by_total_norm_fp32(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, total_norm: float
+) -> None:
+    """Scale every grad of ``parameters`` by ``max_norm / (total_norm + 1e-6)`` if that is < 1.
+
+    A nan or inf ``total_norm`` gives a coefficient that is not < 1: grads are left alone (the
+    mixed-precision optimizer skips such steps before clipping).
+    """
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for p in _as_list(parameters):
+            if p.grad is not None:
+                p.grad.detach().mul_(clip_coeff)
+
+
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2,
+    *,
+    model_parallel_group: dist.ProcessGroup | None = None,
+    tp_rank: int = 0,
+    pp_rank: int = 0,
+) -> float:
+    """Clip the gradients of ``parameters`` in place by their global norm; return that norm.
+
+    Equivalent to ``torch.nn.utils.clip_grad_norm_`` applied to the unsharded one-process model.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be > 0; to only measure the norm use get_grad_norm_fp32")
+    params = _as_list(parameters)
+    total_norm = get_grad_norm_fp32(
+        grads_for_norm(params, tp_rank=tp_rank, pp_rank=pp_rank), norm_type, model_parallel_group
+    )
+    clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
+    return total_norm
+
+
+def count_zeros_fp32(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    *,
+    model_parallel_group: dist.ProcessGroup | None = None,
+    tp_rank: int = 0,
+    pp_rank: int = 0,
+) -> int:
+    """Number of exactly-zero gradient entries over the model-parallel replica (duplicates once)."""
+    grads = grads_for_norm(parameters, tp_rank=tp_rank, pp_rank=pp_rank)
+    device = _device_of(grads)
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.numel() - torch.count_nonzero(g)
+    if model_parallel_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    return int(total.item())

@@ -1,0 +1,330 @@
+"""Megatron's optimizer wrappers: fp32 main params, loss-scale unscaling, overflow skip, clipping.
+
+Both wrappers subclass ``torch.optim.Optimizer`` (so Lightning accepts them) without owning any
+state: ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects, so a
+torch LR scheduler built on the inner optimizer keeps driving the learning rate.
+
+One step (``step(closure)``), in Megatron's order:
+
+1. ``closure()`` if given (Lightning's closure runs forward and backward);
+2. copy the model grads into the fp32 main grads (``Float16OptimizerWithFloat16Params``);
+3. with a grad scaler: main grads ``*= 1 / scale`` and ``found_inf`` = any inf/nan, MAX-reduced over
+   the model-parallel group so that every rank takes the same decision; ``scaler.update(found_inf)``;
+   on overflow the step is skipped: parameters and optimizer state are untouched;
+4. global grad norm (and clipping by it when ``clip_grad > 0``), zero count if asked;
+5. the inner optimizer's step on the fp32 main params;
+6. copy the main params back into the bf16/fp16 model params (one rounding per step).
+
+Why main params: a bf16 weight has 8 significant bits, so an update smaller than ``2^-8 |w|`` rounds
+back to ``w`` and is lost. Accumulating in an fp32 copy keeps every small update and rounds only
+once, when the model copy is refreshed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_megatron.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    grads_for_norm,
+)
+from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
+
+__all__ = ["MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params"]
+
+# Attributes a main param inherits from its model param: the norm needs them to count each
+# parameter once (see clip_grads.py).
+_COPIED_PARAM_ATTRIBUTES = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared_embedding",
+    "sequence_parallel",
+)
+
+
+class MegatronOptimizer(torch.optim.Optimizer):
+    """Common part of the wrappers: shared param groups, overflow check, norm, clipping, counters.
+
+    Attributes set after every :meth:`step`: ``last_grad_norm`` (float, ``None`` on a skipped step),
+    ``last_num_zeros`` (int or ``None``), ``last_step_skipped`` (bool), ``num_skipped_steps`` (int).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_scaler: MegatronGradScaler | None = None,
+        clip_grad: float = 0.0,
+        log_num_zeros_in_grad: bool = False,
+        model_parallel_group: dist.ProcessGroup | None = None,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+    ) -> None:
+        # Deliberately no super().__init__: it would build new param groups and state; ours are the
+        # inner optimizer's. The hook dicts exist so Optimizer's hook-registration API still works.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, MegatronOptimizer):
+            raise TypeError("optimizer is already a MegatronOptimizer; wrap the plain torch optimizer once")
+        if clip_grad < 0.0:
+            raise ValueError(f"clip_grad={clip_grad!r} must be >= 0 (0 disables clipping)")
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.grad_scaler = grad_scaler
+        self.clip_grad = float(clip_grad)
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.model_parallel_group = model_parallel_group
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        if grad_scaler is not None and self.get_parameters():
+            grad_scaler.to(self.get_parameters()[0].device)  # the scale lives next to the grads
+        self.last_grad_norm: float | None = None
+        self.last_num_zeros: int | None = None
+        self.last_step_skipped = False
+        self.num_skipped_steps = 0
+
+    # -- shared containers ---------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        """The parameters the inner optimizer updates (fp32 main params for fp16/bf16 models)."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support add_param_group; add the group to the inner "
+            "optimizer before wrapping it"
+        )
+
+    # -- loss scale ----------------------------------------------------------------------------
+    def get_loss_scale(self) -> torch.Tensor:
+        """Current loss scale as a ``[1]`` fp32 tensor (1.0 without a scaler)."""
+        if self.grad_scaler is None:
+            device = self.get_parameters()[0].device if self.get_parameters() else "cpu"
+            return torch.ones(1, dtype=torch.float32, device=device)
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` in fp32 (a 2**32 scale overflows fp16); call before ``backward``."""
+        return loss * self.get_loss_scale().to(loss.device).reshape(())
+
+    # -- step pieces (overridden by the fp16/bf16 wrapper) ---------------------------------------
+    def _copy_model_grads_to_main_grads(self) -> None:
+        # A Megatron-style DDP accumulates into ``param.main_grad``; hand it to the optimizer.
+        for p in self.get_parameters():
+            if hasattr(p, "main_grad"):
+                p.grad = p.main_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        pass
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.get_parameters() if p.grad is not None]
+
+    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        """``g *= inv_scale`` for every main grad; True when any is inf/nan on any model-parallel rank."""
+        assert self.grad_scaler is not None
+        grads = self._main_grads()
+        device = grads[0].device if grads else torch.device("cpu")
+        inv_scale = self.grad_scaler.inv_scale.to(device)
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        unit_scale = bool(inv_scale.item() == 1.0)
+        for g in grads:
+            if not unit_scale:
+                g.mul_(inv_scale)
+            found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float().reshape(1))
+        if self.model_parallel_group is not None:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+        return bool(found_inf.item() > 0)
+
+    # -- public API ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run ``closure`` (forward + backward) if given, then one Megatron step; return its loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_main_grads_and_check_for_nan()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.last_step_skipped = True
+                self.num_skipped_steps += 1
+                self.last_grad_norm = None
+                self.last_num_zeros = None
+                return loss
+
+        params = self.get_parameters()
+        self.last_grad_norm = get_grad_norm_fp32(
+            grads_for_norm(params, tp_rank=self.tp_rank, pp_rank=self.pp_rank),
+            2,
+            self.model_parallel_group,
+        )
+        if self.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, self.clip_grad, self.last_grad_norm)
+        self.last_num_zeros = (
+            count_zeros_fp32(params, model_parallel_group=self.model_parallel_group,
+                             tp_rank=self.tp_rank, pp_rank=self.pp_rank)
+            if self.log_num_zeros_in_grad
+            else None
+        )
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        self.last_step_skipped = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _scaler_state(self) -> dict[str, Any] | None:
+        return None if self.grad_scaler is None else self.grad_scaler.state_dict()
+
+    def _load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        if self.grad_scaler is not None and state is not None:
+            self.grad_scaler.load_state_dict(state)
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 model: no main copies; norm, clipping, counters and (optional) overflow skip only.
+
+    ``state_dict() = {"optimizer": inner state, "grad_scaler": scaler state or None}``;
+    ``load_state_dict`` also accepts a bare torch optimizer state dict (a checkpoint written
+    without this wrapper).
+    """
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {"optimizer": self.optimizer.state_dict(), "grad_scaler": self._scaler_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        if "optimizer" not in state_dict and "param_groups" in state_dict:
+            self.optimizer.load_state_dict(state_dict)
+            return
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._load_scaler_state(state_dict.get("grad_scaler"))
+
+
+class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+    """bf16/fp16 model params with fp32 main params inside the optimizer.
+
+    At construction every bf16/fp16 parameter ``p`` in the inner optimizer's groups is replaced by
+    ``main = p.detach().clone().float()`` (its optimizer state, if any, moves with it and its TP
+    attributes are copied); fp32 parameters are kept as they are. Works with or without loss
+    scaling: bf16 usually runs with no scaler or ``ConstantGradScaler(1.0)``.
+
+    ``state_dict() = {"optimizer", "grad_scaler", "fp32_from_fp16_params"}`` (Megatron's keys).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.float16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_float16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
+        for group in self.optimizer.param_groups:
+            float16_params, fp32_from_float16_params, fp32_params = [], [], []
+            for i, param in enumerate(group["params"]):
+                if not param.requires_grad:
+                    continue
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    main_param = param.detach().clone().float()
+                    for name in _COPIED_PARAM_ATTRIBUTES:
+                        if hasattr(param, name):
+                            setattr(main_param, name, getattr(param, name))
+                    group["params"][i] = main_param
+                    param.main_param = main_param
+                    if param in self.optimizer.state:
+                        self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                    float16_params.append(param)
+                    fp32_from_float16_params.append(main_param)
+                elif param.dtype == torch.float32:
+                    fp32_params.append(param)
+                else:
+                    raise TypeError(
+                        f"parameter of dtype {param.dtype} is not supported; use float32, float16 or bfloat16"
+                    )
+            self.float16_groups.append(float16_params)
+            self.fp32_from_float16_groups.append(fp32_from_float16_params)
+            self.fp32_from_fp32_groups.append(fp32_params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The model params (where backward writes) and the main params (where the optimizer reads).
+        for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
+            for group in groups:
+                for p in group:
+                    if p.grad is None:
+                        continue
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                source = getattr(model_param, "main_grad", None)
+                if source is None:
+                    source = model_param.grad
+                main_param.grad = None if source is None else source.float()
+                # The model grad is now redundant; freeing it is what keeps the fp32 copy cheap.
+                model_param.grad = None
+        for group in self.fp32_from_fp32_groups:
+            for param in group:
+                if hasattr(param, "main_grad"):
+                    param.grad = param.main_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                model_param.data.copy_(main_param.data)  # round to nearest, once per step
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": self._scaler_state(),
+            "fp32_from_fp16_params": self.fp32_from_float16_groups,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        if "fp32_from_fp16_params" not in state_dict:
+            raise KeyError(
+                "state_dict has no 'fp32_from_fp16_params': it was not written by "
+                "Float16OptimizerWithFloat16Params (was the MegatronOptimizerCallback missing when it was saved?)"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._load_scaler_state(state_dict.get("grad_scaler"))
+        saved_groups = state_dict["fp32_from_fp16_params"]
+        if [len(g) for g in saved_groups] != [len(g) for g in self.fp32_from_float16_groups]:
+            raise ValueError("fp32_from_fp16_params does not match this optimizer's parameter groups")
+        for current_group, saved_group in zip(self.fp32_from_float16_groups, saved_groups):
+            for current, saved in zip(current_group, saved_group):
+                current.data.copy_(saved.data)

@@ -1,0 +1,295 @@
+"""Megatron's OptimizerParamScheduler: learning rate and weight decay set on every step.
+
+Learning rate at step n (warm-up W = ``lr_warmup_steps``, decay end D = ``lr_decay_steps``):
+
+    n <= W (W > 0):     lr = init_lr + (max_lr - init_lr) * n / W
+    constant:           lr = max_lr
+    n > D:              lr = min_lr
+    inverse-square-root lr = max(min_lr, max_lr * sqrt(max(W, 1)) / sqrt(max(n, 1)))
+    otherwise           r = (n - W) / (D - W),  lr = min_lr + c(r) * (max_lr - min_lr) with
+      linear  c = 1 - r        cosine  c = (1 + cos(pi r)) / 2
+      WSD     c = 1 until n <= D - S (S = wsd_decay_steps), then with s = (n - D + S) / S:
+              linear 1 - s | cosine (1 + cos(pi s)) / 2 | exponential 2 * 0.5^s - 1 | minus_sqrt 1 - sqrt(s)
+
+Weight decay at step n (I = ``wd_incr_steps``): ``end_wd`` when n > I or the style is constant; else
+with r = n / I, ``start_wd + c(r) (end_wd - start_wd)``, c = r (linear) or (1 + cos(pi (1 - r))) / 2
+(cosine). Every param group gets ``lr = get_lr(group) * lr_mult`` and
+``weight_decay = get_wd(group) * wd_mult``; a group may override ``max_lr``, ``min_lr``,
+``start_wd`` and ``end_wd``.
+
+Works on any object with ``param_groups`` (a torch optimizer or a Megatron wrapper). No Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+__all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES"]
+
+logger = logging.getLogger(__name__)
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+class OptimizerParamScheduler:
+    """Anneals the learning rate and increments weight decay, with Megatron's checkpoint rules.
+
+    ``use_checkpoint_opt_param_scheduler``: on load, take the values stored in the checkpoint.
+    ``override_opt_param_scheduler``: on load, keep the constructor's values (only the step count
+    is restored). With neither, the two must agree or loading fails. Both at once is an error.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        init_lr: float,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: int,
+        lr_decay_steps: int,
+        lr_decay_style: str,
+        start_wd: float,
+        end_wd: float,
+        wd_incr_steps: int,
+        wd_incr_style: str,
+        use_checkpoint_opt_param_scheduler: bool = True,
+        override_opt_param_scheduler: bool = False,
+        wsd_decay_steps: int | None = None,
+        lr_wsd_decay_style: str | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.init_lr = init_lr
+        self.max_lr = float(max_lr)
+        self.min_lr = min_lr
+        if min_lr < 0.0:
+            raise ValueError(f"min_lr={min_lr!r} must be >= 0")
+        if self.max_lr < min_lr:
+            raise ValueError(f"max_lr={max_lr!r} must be >= min_lr={min_lr!r}")
+        if init_lr > self.max_lr:
+            raise ValueError(f"init_lr={init_lr!r} must be <= max_lr={max_lr!r}")
+
+        self.lr_warmup_steps = lr_warmup_steps
+        self.num_steps = 0
+        self.lr_decay_steps = lr_decay_steps
+        self.wsd_decay_steps = wsd_decay_steps
+        self.lr_wsd_decay_style = lr_wsd_decay_style
+        if not lr_decay_steps > 0:
+            raise ValueError(f"lr_decay_steps={lr_decay_steps!r} must be > 0")
+        if not lr_warmup_steps < lr_decay_steps:
+            raise ValueError(
+                f"lr_warmup_steps={lr_warmup_steps!r} must be < lr_decay_steps={lr_decay_steps!r}"
+            )
+        if lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style={lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+        self.lr_decay_style = lr_decay_style
+        if lr_decay_style == "WSD":
+            if wsd_decay_steps is None or not 0 < wsd_decay_steps <= lr_decay_steps:
+                raise ValueError(
+                    f"wsd_decay_steps={wsd_decay_steps!r} must be in (0, lr_decay_steps={lr_decay_steps}] "
+                    "for lr_decay_style='WSD'"
+                )
+            if lr_wsd_decay_style not in WSD_DECAY_STYLES:
+                raise ValueError(
+                    f"lr_wsd_decay_style={lr_wsd_decay_style!r} is not one of {WSD_DECAY_STYLES} (needed for WSD)"
+                )
+
+        self.start_wd = start_wd
+        self.end_wd = end_wd
+        if start_wd < 0.0:
+            raise ValueError(f"start_wd={start_wd!r} must be >= 0")
+        if end_wd < start_wd:
+            raise ValueError(f"end_wd={end_wd!r} must be >= start_wd={start_wd!r}")
+        if wd_incr_style not in WD_INCR_STYLES:
+            raise ValueError(f"wd_incr_style={wd_incr_style!r} is not one of {WD_INCR_STYLES}")
+        if wd_incr_style == "constant" and start_wd != end_wd:
+            raise ValueError(
+                f"wd_incr_style='constant' needs start_wd == end_wd (got {start_wd} and {end_wd}); "
+                "choose 'linear' or 'cosine' to increase weight decay"
+            )
+        if wd_incr_style != "constant" and not wd_incr_steps > 0:
+            raise ValueError(f"wd_incr_steps={wd_incr_steps!r} must be > 0 for wd_incr_style={wd_incr_style!r}")
+        self.wd_incr_steps = wd_incr_steps
+        self.wd_incr_style = wd_incr_style
+
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
+            raise ValueError(
+                "override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
+                "each other; set use_checkpoint_opt_param_scheduler=False to override"
+            )
+
+        # Megatron sets the initial lr and wd on construction.
+        self.step(0)
+        logger.info("learning rate decay style: %s", self.lr_decay_style)
+
+    def get_wd(self, param_group: dict | None = None) -> float:
+        """Weight decay at ``self.num_steps`` (Megatron's increment functions)."""
+        if param_group is not None:
+            start_wd = param_group.get("start_wd", self.start_wd)
+            end_wd = param_group.get("end_wd", self.end_wd)
+        else:
+            start_wd = self.start_wd
+            end_wd = self.end_wd
+
+        if self.num_steps > self.wd_incr_steps:
+            return end_wd
+
+        if self.wd_incr_style == "constant":
+            assert start_wd == end_wd
+            return end_wd
+
+        incr_ratio = float(self.num_steps) / float(self.wd_incr_steps)
+        assert incr_ratio >= 0.0
+        assert incr_ratio <= 1.0
+        delta_wd = end_wd - start_wd
+
+        if self.wd_incr_style == "linear":
+            coeff = incr_ratio
+        elif self.wd_incr_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * (1 - incr_ratio)) + 1.0)
+        else:
+            raise Exception(f"{self.wd_incr_style} weight decay increment style is not supported.")
+
+        return start_wd + coeff * delta_wd
+
+    def get_lr(self, param_group: dict) -> float:
+        """Learning rate at ``self.num_steps`` (Megatron's decay functions, kept exactly)."""
+        max_lr = param_group.get("max_lr", self.max_lr)
+        min_lr = param_group.get("min_lr", self.min_lr)
+
+        # Linear warm-up from init_lr.
+        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
+            return self.init_lr + ((max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps))
+
+        if self.lr_decay_style == "constant":
+            return max_lr
+
+        # Past the decay horizon: min_lr.
+        if self.num_steps > self.lr_decay_steps:
+            return min_lr
+
+        if self.lr_decay_style == "inverse-square-root":
+            warmup_steps = max(self.lr_warmup_steps, 1)
+            num_steps = max(self.num_steps, 1)
+            lr = max_lr * warmup_steps**0.5 / (num_steps**0.5)
+            return max(min_lr, lr)
+
+        num_steps_ = self.num_steps - self.lr_warmup_steps
+        decay_steps_ = self.lr_decay_steps - self.lr_warmup_steps
+        decay_ratio = float(num_steps_) / float(decay_steps_)
+        assert decay_ratio >= 0.0
+        assert decay_ratio <= 1.0
+        delta_lr = max_lr - min_lr
+
+        coeff = None
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        elif self.lr_decay_style == "WSD":
+            wsd_anneal_start_ = self.lr_decay_steps - self.wsd_decay_steps
+            if self.num_steps <= wsd_anneal_start_:
+                coeff = 1.0
+            else:
+                wsd_steps = self.num_steps - wsd_anneal_start_
+                wsd_decay_ratio = float(wsd_steps) / float(self.wsd_decay_steps)
+                if self.lr_wsd_decay_style == "linear":
+                    coeff = 1.0 - wsd_decay_ratio
+                elif self.lr_wsd_decay_style == "cosine":
+                    coeff = 0.5 * (math.cos(math.pi * wsd_decay_ratio) + 1.0)
+                elif self.lr_wsd_decay_style == "exponential":
+                    coeff = (2.0 * math.pow(0.5, wsd_decay_ratio)) - 1.0
+                elif self.lr_wsd_decay_style == "minus_sqrt":
+                    coeff = 1.0 - math.sqrt(wsd_decay_ratio)
+        else:
+            raise Exception(f"{self.lr_decay_style} decay style is not supported.")
+        assert coeff is not None
+
+        return min_lr + coeff * delta_lr
+
+    def step(self, increment: int) -> None:
+        """Advance ``num_steps`` by ``increment`` and set lr and weight decay on every group."""
+        self.num_steps += increment
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = self.get_lr(param_group) * param_group.get("lr_mult", 1.0)
+            param_group["weight_decay"] = self.get_wd(param_group) * param_group.get("wd_mult", 1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Megatron's keys: the schedule's values and ``num_steps``."""
+        return {
+            "max_lr": self.max_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "num_steps": self.num_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "lr_decay_steps": self.lr_decay_steps,
+            "min_lr": self.min_lr,
+            "start_wd": self.start_wd,
+            "end_wd": self.end_wd,
+            "wd_incr_style": self.wd_incr_style,
+            "wd_incr_steps": self.wd_incr_steps,
+        }
+
+    def _check_and_set(self, cls_value: Any, sd_value: Any, name: str) -> Any:
+        """Pick the constructor's or the checkpoint's value per the override / use-checkpoint flags."""
+        if self.override_opt_param_scheduler:
+            logger.info("overriding %s value to %s", name, cls_value)
+            return cls_value
+        if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
+            raise ValueError(
+                f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value {sd_value} "
+                f"for {name} do not match; set use_checkpoint_opt_param_scheduler=True to take the "
+                "checkpoint's value or override_opt_param_scheduler=True to keep yours"
+            )
+        logger.info("using checkpoint value %s for %s", sd_value, name)
+        return sd_value
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from Megatron's keys or their legacy names (``start_lr``, ``warmup_iter``/
+        ``warmup_steps``, ``end_iter``/``decay_steps``, ``decay_style``, ``num_iters``)."""
+        max_lr_ = state_dict["start_lr"] if "start_lr" in state_dict else state_dict["max_lr"]
+        self.max_lr = self._check_and_set(self.max_lr, max_lr_, "learning rate")
+        self.min_lr = self._check_and_set(self.min_lr, state_dict["min_lr"], "minimum learning rate")
+
+        if "warmup_iter" in state_dict:
+            lr_warmup_steps_ = state_dict["warmup_iter"]
+        elif "warmup_steps" in state_dict:
+            lr_warmup_steps_ = state_dict["warmup_steps"]
+        else:
+            lr_warmup_steps_ = state_dict["lr_warmup_steps"]
+        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, lr_warmup_steps_, "warmup iterations")
+
+        if "end_iter" in state_dict:
+            lr_decay_steps_ = state_dict["end_iter"]
+        elif "decay_steps" in state_dict:
+            lr_decay_steps_ = state_dict["decay_steps"]
+        else:
+            lr_decay_steps_ = state_dict["lr_decay_steps"]
+        self.lr_decay_steps = self._check_and_set(
+            self.lr_decay_steps, lr_decay_steps_, "total number of iterations"
+        )
+
+        lr_decay_style_ = state_dict["decay_style"] if "decay_style" in state_dict else state_dict["lr_decay_style"]
+        self.lr_decay_style = self._check_and_set(self.lr_decay_style, lr_decay_style_, "learning rate decay style")
+
+        num_steps = state_dict["num_iters"] if "num_iters" in state_dict else state_dict["num_steps"]
+        # Megatron adds num_steps to a freshly built scheduler (num_steps == 0). Resetting first gives
+        # the same result there and restores, rather than adds, when loading into a used scheduler.
+        self.num_steps = 0
+        self.step(increment=num_steps)
+
+        if "start_wd" in state_dict:
+            self.start_wd = self._check_and_set(self.start_wd, state_dict["start_wd"], "start weight decay")
+            self.end_wd = self._check_and_set(self.end_wd, state_dict["end_wd"], "end weight decay")
+            self.wd_incr_steps = self._check_and_set(
+                self.wd_incr_steps, state_dict["wd_incr_steps"], "total number of weight decay iterations"
+            )
+            self.wd_incr_style = self._check_and_set(
+                self.wd_incr_style, state_dict["wd_incr_style"], "weight decay incr style"
+            )
+            # Megatron set lr/wd above with the old wd values; refresh so the groups match the state.
+            self.step(0)

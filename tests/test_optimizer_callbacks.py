@@ -1,0 +1,190 @@
+"""The optimizer callbacks in a real single-process Trainer.fit: wrapping, logging, resume, torch schedulers."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
+from lightning_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, get_param_groups
+
+
+class TinyModule(pl.LightningModule):
+    """8 -> 16 -> 1 MLP on a fixed regression set of 4 batches of 8 (an epoch is 4 steps)."""
+
+    def __init__(self, make_optimizer=None, make_scheduler=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.LayerNorm(16),
+                                       torch.nn.Linear(16, 1))
+        self.make_optimizer = make_optimizer
+        self.make_scheduler = make_scheduler
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).float(), y.float())
+
+    def configure_optimizers(self):
+        if self.make_optimizer is None:
+            opt = torch.optim.AdamW(get_param_groups(self, lr=1e-3, weight_decay=0.01), lr=1e-3)
+        else:
+            opt = self.make_optimizer(self.parameters())
+        if self.make_scheduler is None:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.make_scheduler(opt), "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(32, 8, generator=g)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8, shuffle=False)
+
+
+class ScaledBackwardModule(TinyModule):
+    """fp16 on plain Lightning: the module multiplies the loss by the scale before backward."""
+
+    def backward(self, loss, *args, **kwargs):
+        self.trainer.strategy.optimizers[0].scale_loss(loss).backward()
+
+
+class LrRecorder(pl.Callback):
+    def __init__(self):
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _trainer(max_steps: int, callbacks: list, precision: str = "32-true", **kw) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks, precision=precision,
+                      max_epochs=kw.pop("max_epochs", None),
+                      enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                      enable_model_summary=False, **kw)
+
+
+def _sched_cb(**kw) -> OptimizerParamSchedulerCallback:
+    args = dict(init_lr=1e-4, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
+                lr_decay_style="cosine", start_wd=0.0, end_wd=0.1, wd_incr_steps=10, wd_incr_style="linear")
+    args.update(kw)
+    return OptimizerParamSchedulerCallback(**args)
+
+
+def test_bf16_fit_wraps_logs_and_schedules():
+    opt_cb, sched_cb = MegatronOptimizerCallback(clip_grad=0.5, log_num_zeros_in_grad=True), _sched_cb()
+    module = TinyModule()
+    trainer = _trainer(6, [opt_cb, sched_cb], precision="bf16-true")
+    trainer.fit(module)
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, Float16OptimizerWithFloat16Params) and opt.num_skipped_steps == 0
+    assert module.net[0].weight.dtype == torch.bfloat16
+    main = opt.fp32_from_float16_groups[0][0]
+    assert main.dtype == torch.float32 and torch.equal(main.bfloat16(), module.net[0].weight.data)
+    m = trainer.callback_metrics
+    assert {"lr", "wd", "grad_norm", "loss_scale", "skipped_steps", "num_zeros"} <= set(m)
+    assert float(m["loss_scale"]) == 1.0 and float(m["skipped_steps"]) == 0.0 and float(m["grad_norm"]) > 0
+    # Six optimizer steps -> the schedule at n = 6: cosine between warm-up 2 and decay 10.
+    assert sched_cb.scheduler.num_steps == 6
+    lr6 = 1e-3 + 0.5 * (1 + math.cos(math.pi * 4 / 8)) * (1e-2 - 1e-3)
+    decayed, undecayed = opt.param_groups
+    assert decayed["lr"] == pytest.approx(lr6) and float(m["lr"]) == pytest.approx(lr6)
+    assert decayed["weight_decay"] == pytest.approx(0.06) and undecayed["weight_decay"] == 0.0
+    # Callback state both ways round: loaded after the scheduler exists (strategies that restore after
+    # setup) it applies at once; loaded before (the usual order) it waits for on_fit_start.
+    state = sched_cb.state_dict()
+    assert state["opt_param_scheduler"]["num_steps"] == 6
+    sched_cb.load_state_dict({"opt_param_scheduler": {**state["opt_param_scheduler"], "num_steps": 2}})
+    assert sched_cb.scheduler.num_steps == 2 and decayed["lr"] == pytest.approx(1e-2)
+    fresh = _sched_cb()
+    fresh.load_state_dict(state)
+    assert fresh.scheduler is None and fresh.state_dict() == state
+
+
+def _fp16_run(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None):
+    opt_cb = MegatronOptimizerCallback(clip_grad=1.0, initial_loss_scale=2.0**14, loss_scale_window=3, hysteresis=2)
+    sched_cb = _sched_cb()
+    module = ScaledBackwardModule()
+    # Stop on epoch boundaries: Lightning replays a plain DataLoader from its start when resuming mid-epoch.
+    trainer = _trainer(-1, [opt_cb, sched_cb], precision="16-true", max_epochs=epochs)
+    trainer.fit(module, ckpt_path=ckpt_in)
+    if ckpt_out is not None:
+        trainer.save_checkpoint(ckpt_out)
+    return module, trainer.optimizers[0], sched_cb
+
+
+def test_fp16_checkpoint_resume_is_exact(tmp_path):
+    """2 epochs straight == 1 epoch, checkpoint, fit(ckpt_path=...) to 2: model, main params, scaler, schedule."""
+    straight_module, straight_opt, straight_sched = _fp16_run(tmp_path, 2)
+    assert straight_module.net[0].weight.dtype == torch.float16
+    assert float(straight_opt.get_loss_scale().item()) != 2.0**14  # the scaler did move
+    ckpt = str(tmp_path / "half.ckpt")
+    _fp16_run(tmp_path, 1, ckpt_out=ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert set(saved["optimizer_states"][0]) == {"optimizer", "grad_scaler", "fp32_from_fp16_params"}
+    resumed_module, resumed_opt, resumed_sched = _fp16_run(tmp_path, 2, ckpt_in=ckpt)
+    assert isinstance(resumed_opt, Float16OptimizerWithFloat16Params)
+    for a, b in zip(straight_module.state_dict().values(), resumed_module.state_dict().values()):
+        assert torch.equal(a, b)
+    sa, sb = straight_opt.state_dict(), resumed_opt.state_dict()
+    assert torch.equal(sa["grad_scaler"]["scale"], sb["grad_scaler"]["scale"])
+    for key in ("growth_tracker", "hysteresis_tracker"):
+        assert sa["grad_scaler"][key] == sb["grad_scaler"][key]
+    for a, b in zip(sa["fp32_from_fp16_params"][0], sb["fp32_from_fp16_params"][0]):
+        assert torch.equal(a, b)
+    for k, st in sa["optimizer"]["state"].items():
+        for name, value in st.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["optimizer"]["state"][k][name]))
+    assert straight_sched.scheduler.state_dict() == resumed_sched.scheduler.state_dict()
+    assert resumed_sched.scheduler.num_steps == 8 - straight_opt.num_skipped_steps
+
+
+TORCH_SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "MultiStepLR": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[1, 4], gamma=0.1),
+    "ExponentialLR": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5, eta_min=1e-3),
+    "CosineAnnealingWarmRestarts": lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=3),
+    "LinearLR": lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.25, total_iters=4),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3),
+            torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4)], milestones=[3]),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH_SCHEDULERS))
+def test_torch_lr_schedulers_drive_the_wrapper(name):
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True)  # noqa: E731
+    steps = 7
+    recorder = LrRecorder()
+    module = TinyModule(make_opt, TORCH_SCHEDULERS[name])
+    before = copy.deepcopy(module.net[0].weight.detach())
+    trainer = _trainer(steps, [MegatronOptimizerCallback(clip_grad=1.0), recorder])
+    trainer.fit(module)
+    assert isinstance(trainer.optimizers[0], FP32Optimizer)
+    assert not torch.equal(before, module.net[0].weight)
+    # The same scheduler on a bare optimizer gives the lr of each of the 7 steps.
+    ref_opt = make_opt([torch.nn.Parameter(torch.zeros(1))])
+    ref_sched = TORCH_SCHEDULERS[name](ref_opt)
+    expected = []
+    for _ in range(steps):
+        expected.append(ref_opt.param_groups[0]["lr"])
+        ref_opt.step()
+        ref_sched.step()
+    assert recorder.lrs == pytest.approx(expected, rel=1e-12)
+    assert len(set(expected)) > 1  # the schedule changes the lr in this window
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="clip_grad"):
+        _trainer(1, [MegatronOptimizerCallback()], gradient_clip_val=1.0).fit(TinyModule())
+    with pytest.raises(ValueError, match="scale"):
+        _trainer(1, [MegatronOptimizerCallback()], precision="16-true").fit(TinyModule())
+    with pytest.raises(ValueError, match="lr scheduler"):
+        _trainer(1, [_sched_cb()]).fit(TinyModule(lambda p: torch.optim.SGD(p, lr=0.1), TORCH_SCHEDULERS["StepLR"]))
+    with pytest.raises(ValueError, match="loss_scale"):
+        MegatronOptimizerCallback(loss_scale=0.0)
+    with pytest.raises(ValueError, match="hysteresis"):
+        MegatronOptimizerCallback(hysteresis=0)

@@ -1,0 +1,175 @@
+"""Model-parallel gradient norm and clipping equal torch.nn.utils.clip_grad_norm_ on the one-process model.
+
+The "model" is a list of parameters with known full gradients; each rank holds its tensor-parallel
+slice or replica of the parameters of its pipeline stage, with Megatron's metadata, exactly as the
+parallel layers would leave them. Tolerance: 1e-6 relative on the norm, 1e-6 on the clipped grads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from lightning_megatron.optimizer import clip_grad_norm, count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
+
+# name, full shape, how TP holds it (col: split dim 0, row: split dim 1, rep: replicated), pipeline stage
+# ("both": the tied word embedding on the first and the last stage).
+SPECS = [
+    ("word_embedding", (12, 6), "col", "both"),
+    ("fc1.weight", (8, 6), "col", 0),
+    ("fc1.bias", (8,), "col", 0),
+    ("fc2.weight", (6, 8), "row", 0),
+    ("fc2.bias", (6,), "rep", 0),
+    ("norm.weight", (6,), "rep", 1),
+    ("head.weight", (10, 6), "col", 1),
+    ("head.bias", (10,), "rep", 1),
+]
+CASES = [(2.0, 0.5), (2.0, 1e3), (math.inf, 0.5), (math.inf, 1e3)]  # (norm_type, max_norm): clip and no-clip
+
+
+def _full_grads() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    grads = {name: torch.randn(shape, generator=g) for name, shape, _, _ in SPECS}
+    grads["fc1.weight"][::3] = 0.0  # zeros for count_zeros
+    grads["head.bias"][:4] = 0.0
+    return grads
+
+
+def _reference(norm_type: float, max_norm: float) -> tuple[float, dict[str, torch.Tensor], int]:
+    full = _full_grads()
+    params = {}
+    for name, grad in full.items():
+        p = torch.nn.Parameter(torch.zeros_like(grad))
+        p.grad = grad.clone()
+        params[name] = p
+    zeros = sum(int((p.grad == 0).sum()) for p in params.values())
+    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm, norm_type)
+    return float(norm), {n: p.grad for n, p in params.items()}, zeros
+
+
+def _local_params(tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict[str, torch.nn.Parameter]:
+    """This rank's parameters with the full grads sliced as the parallel layers would hold them."""
+    out = {}
+    for name, _, kind, stage in SPECS:
+        here = pp_rank in (0, pp - 1) if stage == "both" else stage % pp == pp_rank
+        if not here:
+            continue
+        grad = _full_grads()[name]
+        if kind != "rep":
+            dim = 0 if kind == "col" else 1
+            grad = grad.chunk(tp, dim=dim)[tp_rank]
+        p = torch.nn.Parameter(torch.zeros_like(grad))
+        p.grad = grad.clone()
+        p.tensor_model_parallel = kind != "rep"
+        if kind != "rep":
+            p.partition_dim = 0 if kind == "col" else 1
+        if stage == "both":
+            p.shared_embedding = True
+        out[name] = p
+    return out
+
+
+def _slice(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    kind = next(k for n, _, k, _ in SPECS if n == name)
+    return full if kind == "rep" else full.chunk(tp, dim=0 if kind == "col" else 1)[tp_rank]
+
+
+def _check_layouts(layouts: list[tuple[int, int]]) -> list[dict]:
+    from lightning_megatron.parallel_state import initialize_model_parallel
+
+    results = []
+    for tp, pp in layouts:
+        ps = initialize_model_parallel(tp, pp)
+        for norm_type, max_norm in CASES:
+            ref_norm, ref_grads, ref_zeros = _reference(norm_type, max_norm)
+            params = _local_params(tp, ps.tp_rank, pp, ps.pp_rank)
+            kwargs = dict(model_parallel_group=ps.mp_group, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
+            zeros = count_zeros_fp32(params.values(), **kwargs)
+            unclipped = get_grad_norm_fp32(grads_for_norm(params.values(), tp_rank=ps.tp_rank, pp_rank=ps.pp_rank),
+                                           norm_type, ps.mp_group)
+            norm = clip_grad_norm(params.values(), max_norm, norm_type, **kwargs)
+            grad_err = max(
+                float((p.grad - _slice(n, ref_grads[n], tp, ps.tp_rank)).abs().max()) for n, p in params.items()
+            )
+            results.append(dict(layout=(tp, pp), norm_type=norm_type, max_norm=max_norm, norm=norm,
+                                unclipped=unclipped, ref_norm=ref_norm, grad_err=grad_err, zeros=zeros,
+                                ref_zeros=ref_zeros))
+    return results
+
+
+def _assert_results(per_rank: list[list[dict]]) -> None:
+    for rank_results in per_rank:
+        for r in rank_results:
+            tag = f"layout tp,pp={r['layout']} p={r['norm_type']} max_norm={r['max_norm']}"
+            assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-6), tag
+            assert r["unclipped"] == r["norm"], tag
+            assert r["grad_err"] <= 1e-6, tag
+            assert r["zeros"] == r["ref_zeros"], tag
+    # Every rank saw the same norm (one decision for the whole replica).
+    assert len({r["norm"] for rank_results in per_rank for r in rank_results
+                if r["norm_type"] == 2.0 and r["layout"] == per_rank[0][0]["layout"]}) == 1
+
+
+def test_single_process_equals_torch():
+    for norm_type, max_norm in CASES:
+        ref_norm, ref_grads, ref_zeros = _reference(norm_type, max_norm)
+        params = _local_params(1, 0, 1, 0)
+        assert count_zeros_fp32(params.values()) == ref_zeros
+        assert clip_grad_norm(params.values(), max_norm, norm_type) == pytest.approx(ref_norm, rel=1e-6)
+        for n, p in params.items():
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm(params.values(), 0.0)
+
+
+def test_duplicates_would_change_the_norm():
+    """Guard for the test itself: counting replicas twice gives a different norm."""
+    params = _local_params(1, 0, 1, 0)
+    wrong = get_grad_norm_fp32([p.grad for p in params.values()] + [params["fc2.bias"].grad])
+    assert wrong != pytest.approx(get_grad_norm_fp32([p.grad for p in params.values()]), rel=1e-6)
+
+
+def _overflow_on_one_rank() -> list[bool]:
+    """A Float16 wrapper per rank of a TP=2 group; only rank 1 sees an inf. Both must skip."""
+    import torch.distributed as dist
+
+    from lightning_megatron.optimizer import DynamicGradScaler, Float16OptimizerWithFloat16Params
+    from lightning_megatron.parallel_state import initialize_model_parallel
+
+    ps = initialize_model_parallel(2, 1)
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    w.tensor_model_parallel = True
+    opt = Float16OptimizerWithFloat16Params(
+        torch.optim.SGD([w], lr=0.1),
+        grad_scaler=DynamicGradScaler(initial_scale=8.0, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                                      growth_interval=10, hysteresis=1),
+        model_parallel_group=ps.mp_group, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
+    skipped = []
+    for step in range(2):
+        w.grad = torch.full((4,), 8.0, dtype=torch.bfloat16)
+        if step == 0 and dist.get_rank() == 1:
+            w.grad[2] = float("inf")
+        opt.step()
+        skipped.append(opt.last_step_skipped)
+    return skipped + [float(w[0]), float(opt.get_loss_scale().item())]
+
+
+def _world2() -> tuple[list[dict], list]:
+    return _check_layouts([(2, 1), (1, 2)]), _overflow_on_one_rank()
+
+
+def test_tp2_and_pp2():
+    per_rank = run_distributed(_world2, 2, timeout=120)
+    _assert_results([r[0] for r in per_rank])
+    # inf on rank 1 only: both ranks skip step 0 (MAX-reduced flag), halve the scale, and take step 1
+    # with grad 8 / 4 = 2: w = 1 - 0.1 * 2 on both.
+    for _, overflow in per_rank:
+        assert overflow[:2] == [True, False] and overflow[2] == pytest.approx(0.8, abs=4e-3) and overflow[3] == 4.0
+
+
+def test_tp2_pp2_and_tp2_dp2():
+    per_rank = run_distributed(_check_layouts, 4, [(2, 2), (2, 1)], timeout=180)
+    _assert_results(per_rank)

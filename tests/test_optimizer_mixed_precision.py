@@ -1,0 +1,237 @@
+"""Mixed-precision optimizer wrappers: fp32 main params, overflow skip, state round trip, torch optimizers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_megatron.optimizer import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16: fp32 main params keep updates smaller than half a bf16 ulp
+# ---------------------------------------------------------------------------------------------
+def _regression(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Least squares with weights in [1, 2): a bf16 ulp there is 2^-7, and SGD steps are ~1e-3."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 128, generator=g)
+    w_true = 1.2 + 0.6 * torch.rand(128, generator=g)
+    # Start from bf16-representable weights so that every run starts from the same loss.
+    w0 = (w_true + 0.5 * torch.randn(128, generator=g)).bfloat16().float()
+    return x, x @ w_true, w0
+
+
+def _bf16_curve(mode: str, steps: int = 50, lr: float = 2e-3) -> list[float]:
+    x, y, w0 = _regression()
+    w = torch.nn.Parameter(w0.clone() if mode == "fp32" else w0.clone().bfloat16())
+    opt: torch.optim.Optimizer = torch.optim.SGD([w], lr=lr)
+    if mode == "main":
+        opt = Float16OptimizerWithFloat16Params(opt)  # bf16 without any loss scaling
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        # fp32 arithmetic on the (possibly bf16) weights: the runs differ only in how updates are stored.
+        loss = ((x @ w.float() - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_bf16_main_params_track_fp32():
+    fp32, main, bf16 = _bf16_curve("fp32"), _bf16_curve("main"), _bf16_curve("bf16")
+    rel = [abs(m - f) / f for m, f in zip(main, fp32)]
+    assert max(rel) <= 2e-2, max(rel)  # measured: ~1e-3
+    assert fp32[-1] < 0.7 * fp32[0]  # the task does move
+    assert abs(main[-1] - fp32[-1]) < 0.1 * abs(bf16[-1] - fp32[-1])  # bf16 params lose most updates
+
+
+# ---------------------------------------------------------------------------------------------
+# fp16 with dynamic loss scaling: injected inf/nan steps are skipped, nothing moves
+# ---------------------------------------------------------------------------------------------
+def _fp16_setup(initial_scale: float = 2.0**10, hysteresis: int = 1):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    model = torch.nn.Linear(8, 1).half()
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)
+    scaler = DynamicGradScaler(initial_scale=initial_scale, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                               growth_interval=4, hysteresis=hysteresis)
+    opt = Float16OptimizerWithFloat16Params(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                            grad_scaler=scaler)
+    return x, y, model, opt
+
+
+def _fp16_step(x, y, model, opt, inject: float | None = None) -> float:
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = ((model(x.half()).float() - y) ** 2).mean()
+        opt.scale_loss(loss).backward()
+        if inject is not None:
+            model.weight.grad[0, 3] = inject  # one bad value on one rank is enough
+        return loss
+
+    return float(opt.step(closure).detach())
+
+
+def _snapshot(model, opt) -> dict:
+    return copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+
+
+def _bit_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_bit_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bit_equal(u, v) for u, v in zip(a, b))
+    return a == b
+
+
+def test_fp16_injected_overflow_steps_are_skipped():
+    x, y, model, opt = _fp16_setup()
+    bad = {4: float("inf"), 11: float("nan"), 12: float("-inf")}
+    skipped, losses = [], []
+    for step in range(40):
+        before = _snapshot(model, opt)
+        scale_before = float(opt.get_loss_scale().item())
+        losses.append(_fp16_step(x, y, model, opt, bad.get(step)))
+        if opt.last_step_skipped:
+            skipped.append(step)
+            after = _snapshot(model, opt)
+            # Parameters, main params and momentum untouched; only the scaler moved.
+            assert _bit_equal(before["model"], after["model"])
+            assert _bit_equal(before["opt"]["optimizer"], after["opt"]["optimizer"])
+            assert _bit_equal(before["opt"]["fp32_from_fp16_params"], after["opt"]["fp32_from_fp16_params"])
+            assert float(opt.get_loss_scale().item()) == scale_before / 2
+            assert opt.last_grad_norm is None
+        else:
+            assert opt.last_grad_norm is not None and opt.last_grad_norm == opt.last_grad_norm  # finite
+    assert skipped == sorted(bad)
+    assert opt.num_skipped_steps == len(bad)
+    assert losses[-1] < 1e-4 * losses[0]  # measured: ~2e-7 of the start
+
+
+def test_fp16_huge_initial_scale_backs_off_then_trains():
+    """2**32 * grad overflows fp16 (max 65504): the scaler halves, skipping, until steps go through."""
+    x, y, model, opt = _fp16_setup(initial_scale=2.0**32, hysteresis=1)
+    skipped, losses = [], []
+    for step in range(60):
+        losses.append(_fp16_step(x, y, model, opt))
+        if opt.last_step_skipped:
+            skipped.append(step)
+    first_ok = next(i for i in range(60) if i not in skipped)
+    # |grad| ~ 10 at the start: the scale must fall below 65504 / 10, about 2**12, i.e. >= 15 halvings.
+    assert first_ok >= 15 and skipped[:first_ok] == list(range(first_ok))
+    assert losses[-1] < 1e-4 * losses[0]
+
+
+def test_scale_loss_is_fp32_and_scaler_free_wrapper_works():
+    x, y, model, _ = _fp16_setup()
+    opt = Float16OptimizerWithFloat16Params(torch.optim.SGD(model.parameters(), lr=0.1))
+    loss = torch.tensor(3.0, dtype=torch.float16)
+    assert float(opt.get_loss_scale().item()) == 1.0
+    assert opt.scale_loss(loss).dtype == torch.float32 and float(opt.scale_loss(loss)) == 3.0
+    scaled = Float16OptimizerWithFloat16Params(torch.optim.SGD(torch.nn.Linear(2, 2).half().parameters(), lr=0.1),
+                                               grad_scaler=ConstantGradScaler(2.0**20))
+    out = scaled.scale_loss(loss)
+    assert out.dtype == torch.float32 and out.shape == () and float(out) == 3.0 * 2.0**20
+
+
+# ---------------------------------------------------------------------------------------------
+# state_dict: scaler, main params and inner state survive a round trip exactly
+# ---------------------------------------------------------------------------------------------
+def test_float16_state_dict_round_trip_continues_bit_identically():
+    x, y, model, opt = _fp16_setup(hysteresis=2)
+    for step in range(6):
+        _fp16_step(x, y, model, opt, float("inf") if step in (2, 3) else None)
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd) == {"optimizer", "grad_scaler", "fp32_from_fp16_params"}
+    assert sd["fp32_from_fp16_params"][0][0].dtype == torch.float32
+
+    twin = copy.deepcopy(model)
+    twin_opt = Float16OptimizerWithFloat16Params(
+        torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.5),
+        grad_scaler=DynamicGradScaler(initial_scale=4.0, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                                      growth_interval=4, hysteresis=2),
+    )
+    twin_opt.load_state_dict(sd)
+    assert _bit_equal(twin_opt.state_dict(), opt.state_dict())
+    for step in range(8):
+        inject = float("nan") if step == 5 else None
+        _fp16_step(x, y, model, opt, inject)
+        _fp16_step(x, y, twin, twin_opt, inject)
+    assert _bit_equal(model.state_dict(), twin.state_dict())
+    assert _bit_equal(opt.state_dict(), twin_opt.state_dict())
+
+
+def test_fp32_state_dict_round_trip_and_bare_torch_state():
+    model = torch.nn.Linear(4, 3)
+    opt = FP32Optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd) == {"optimizer", "grad_scaler"}
+    fresh = FP32Optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    fresh.load_state_dict(sd)
+    assert _bit_equal(fresh.state_dict(), sd)
+    bare = FP32Optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    bare.load_state_dict(sd["optimizer"])  # a checkpoint written without the wrapper
+    assert _bit_equal(bare.state_dict()["optimizer"], sd["optimizer"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Any torch optimizer: the fp32 wrapper is the optimizer itself (and clipping is torch's)
+# ---------------------------------------------------------------------------------------------
+OPTIMIZERS = {
+    "sgd-momentum-dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3),
+    "sgd-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("clip", [0.0, 0.3])
+def test_fp32_wrapper_equals_torch_optimizer(name, clip):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    mine = copy.deepcopy(ref)
+    ref_opt = OPTIMIZERS[name](ref.parameters())
+    opt = FP32Optimizer(OPTIMIZERS[name](mine.parameters()), clip_grad=clip)
+    assert opt.param_groups is opt.optimizer.param_groups and opt.state is opt.optimizer.state
+    data = torch.randn(6, 8, 6)
+    for batch in data:
+        for m, o in ((ref, ref_opt), (mine, opt)):
+            o.zero_grad()
+            m(batch).square().mean().backward()
+            if o is ref_opt and clip > 0:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            o.step()
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        if clip == 0.0:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_float16_wrapper_keeps_fp32_params_and_moves_existing_state():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).bfloat16(), torch.nn.LayerNorm(4))
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    w = model[0].weight
+    inner.state[w]["marker"] = torch.tensor(1.0)
+    opt = Float16OptimizerWithFloat16Params(inner)
+    assert w not in inner.state and inner.state[w.main_param]["marker"].item() == 1.0
+    assert opt.fp32_from_fp32_groups[0] == [model[1].weight, model[1].bias]
+    with pytest.raises(TypeError, match="already"):
+        FP32Optimizer(opt)
+    with pytest.raises(ValueError, match="clip_grad"):
+        FP32Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad=-1.0)
