@@ -22,6 +22,7 @@ gets the same batch); the logged loss is the mean over the global batch.
 from __future__ import annotations
 
 import datetime
+import warnings
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -43,10 +44,12 @@ from typing_extensions import override
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
-from lightning_megatron.tensor_parallel.layers import all_reduce_sequence_parallel_grads
 from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
 
 __all__ = ["MegatronStrategy"]
+
+# Metrics are reduced over DP and broadcast along the pipeline before logging: sync_dist is not needed.
+warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -272,6 +275,12 @@ class MegatronStrategy(DDPStrategy):
         if ps.pp_size > 1:
             tensor_shape = tuple(module.pipeline_tensor_shape(microbatches[0]))
         fb = get_forward_backward_func(ps.pp_size, ps.vp_size)
+        if not forward_only:
+            # Lightning zeroes grads only after the training step (before its backward), too late
+            # for a schedule that runs backward inside the step: start every step from no grads.
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    p.grad = None
         logged = fb(forward_step_func=self._forward_step_func(stage, batch_idx), microbatches=microbatches,
                     model=chunks, num_microbatches=len(microbatches), parallel_state=ps,
                     tensor_shape=tensor_shape, dtype=dtype, forward_only=forward_only,
@@ -302,21 +311,52 @@ class MegatronStrategy(DDPStrategy):
         return means
 
     def finalize_model_grads(self) -> None:
-        """After the schedule: TP all-reduce of sequence-parallel grads, DP mean, tied embeddings."""
+        """After the schedule: move grads to fp32 ``main_grad`` and reduce them there.
+
+        Reductions, all in fp32 (Megatron's main-grad semantics, whatever the parameter dtype):
+        TP all-reduce of sequence-parallel grads, bucketed DP mean, and the sum of the tied word
+        embedding's grads over the first and last pipeline stage.
+
+        The grads are parked in ``main_grad`` (and ``.grad`` set to None) because Lightning's
+        automatic optimization zeroes ``.grad`` between the training step and backward; they are put
+        back right before the optimizer step (see :meth:`optimizer_step`).
+        """
         ps = self.parallel_state
         assert ps is not None
         params = [p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            else:
+                p.main_grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+            p.grad = None
         if ps.tp_size > 1:
-            all_reduce_sequence_parallel_grads(params, ps.tp_group)
-        if ps.dp_size > 1:
-            _bucketed_all_reduce_mean([p.grad for p in params if p.grad is not None], ps.dp_group,
+            _all_reduce_flat([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], ps.tp_group)
+        if ps.dp_size > 1 and not any(_is_distributed_optimizer(opt) for opt in self.optimizers):
+            _bucketed_all_reduce_mean([p.main_grad for p in params], ps.dp_group,
                                       int(self.ddp_bucket_size_mb * 2**20))
         if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
-            shared = [p for p in params if getattr(p, "shared_embedding", False)]
-            for p in shared:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=ps.embedding_group)
+            _all_reduce_flat([p.main_grad for p in params if getattr(p, "shared_embedding", False)],
+                             ps.embedding_group)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        params = [p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+
+        def closure_with_grads() -> Any:
+            out = closure()  # training_step: the whole microbatch schedule, then Lightning's zero_grad
+            for p in params:
+                main = getattr(p, "main_grad", None)
+                if main is not None:
+                    p.grad = main if main.dtype == p.dtype else main.to(p.dtype)
+            return out
+
+        try:
+            return super().optimizer_step(optimizer, closure_with_grads, model, **kwargs)
+        finally:
+            for p in params:
+                if hasattr(p, "main_grad"):
+                    del p.main_grad
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -428,6 +468,20 @@ class MegatronStrategy(DDPStrategy):
             put(f"model.{name}", p.detach(), p)
         if include_optimizer:
             for i, opt in enumerate(self.optimizers):
+                if _is_distributed_optimizer(opt):
+                    # Gathered over DP into per-parameter tensors: the same keys as the
+                    # non-distributed optimizer, so checkpoints reshard across DP (and TP, PP).
+                    views = _distributed_optimizer_views(opt, opt.full_state_dict())
+                    for name, p in named:
+                        v = views.get(id(p))
+                        if v is None or (getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage()):
+                            continue
+                        put(f"optim.{i}.main.{name}", v["main"], p)
+                        for k, t in v["state"].items():
+                            put(f"optim.{i}.state.{name}.{k}", t, p)
+                        for k, t in v["scalars"].items():
+                            state[f"optim.{i}.state.{name}.{k}"] = t
+                    continue
                 inner = getattr(opt, "optimizer", opt)
                 for name, p in named:
                     if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
@@ -487,10 +541,13 @@ class MegatronStrategy(DDPStrategy):
                                        f"(weights_only=True): {e}") from e
         include_optimizer = "optimizer_states" in extra or "megatron_optimizers" in extra
         state = self._sharded_state(include_optimizer=False)
-        opt_targets: list[tuple[Any, nn.Parameter, str, str]] = []
         if include_optimizer and self.optimizers:
             metadata = ckpt.read_dcp_metadata(path).state_dict_metadata
+            dist_targets: dict[int, dict[int, dict[str, Any]]] = {}
             for i, opt in enumerate(self.optimizers):
+                if _is_distributed_optimizer(opt):
+                    dist_targets[i] = self._distributed_optimizer_targets(i, state, metadata)
+                    continue
                 inner = getattr(opt, "optimizer", opt)
                 for name, p in self._named_parameters():
                     if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
@@ -504,17 +561,16 @@ class MegatronStrategy(DDPStrategy):
                             continue
                         k = key[len(prefix):]
                         current = inner.state.get(opt_param, {}).get(k)
+                        param_like = tuple(md.size) == self._checkpoint_shape(p)
                         if current is None:
-                            full_like = tuple(md.size) != tuple(p.shape) and _global_shape(p, ps) == tuple(md.size)
-                            current = torch.zeros_like(opt_param, dtype=md.properties.dtype) if (
-                                full_like or tuple(md.size) == tuple(p.shape)) else torch.zeros(
-                                tuple(md.size), dtype=md.properties.dtype, device=opt_param.device)
+                            current = (torch.zeros_like(opt_param, dtype=md.properties.dtype) if param_like
+                                       else torch.zeros(tuple(md.size), dtype=md.properties.dtype,
+                                                        device=opt_param.device))
                             inner.state.setdefault(opt_param, {})[k] = current
-                        if current.shape == p.shape:
+                        if param_like:
                             self._put_like(state, key, current, p)
                         else:
                             state[key] = current
-                        opt_targets.append((inner, opt_param, k, key))
         try:
             ckpt.load_dcp(state, path)
         except Exception as e:  # noqa: BLE001
@@ -523,7 +579,10 @@ class MegatronStrategy(DDPStrategy):
         # Tied copies on the last stage take the first stage's weights.
         self._sync_shared_embeddings()
         if include_optimizer and self.optimizers:
-            for opt, saved in zip(self.optimizers, extra.get("megatron_optimizers", [])):
+            for i, (opt, saved) in enumerate(zip(self.optimizers, extra.get("megatron_optimizers", []))):
+                if _is_distributed_optimizer(opt):
+                    opt.load_full_state_dict(_distributed_optimizer_full_state(opt, dist_targets[i], saved))
+                    continue
                 _load_optimizer_extra(opt, saved)
                 self._copy_main_to_model(opt)
         saved_layout = info.get("layout", {})
@@ -534,6 +593,43 @@ class MegatronStrategy(DDPStrategy):
                 _set_rng_state(torch.load(rng_file, weights_only=True))
         extra.setdefault("state_dict", {})
         return extra
+
+    def _distributed_optimizer_targets(self, i: int, state: dict[str, Any], metadata: Any
+                                       ) -> dict[int, dict[str, Any]]:
+        """Per-parameter destination tensors for a DistributedOptimizer's state (filled by DCP)."""
+        ps = self.parallel_state
+        assert ps is not None
+        targets: dict[int, dict[str, Any]] = {}
+        for name, p in self._named_parameters():
+            if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+                continue
+            entry: dict[str, Any] = {"main": torch.zeros_like(p, dtype=torch.float32), "state": {}, "scalars": {}}
+            main_key = f"optim.{i}.main.{name}"
+            if main_key in metadata:
+                self._put_like(state, main_key, entry["main"], p)
+            else:
+                entry["main"] = None  # not in the checkpoint: keep the model weights
+            prefix = f"optim.{i}.state.{name}."
+            for key, md in metadata.items():
+                if not key.startswith(prefix) or not hasattr(md, "size"):
+                    continue
+                k = key[len(prefix):]
+                if tuple(md.size) == self._checkpoint_shape(p):
+                    entry["state"][k] = torch.zeros_like(p, dtype=torch.float32)
+                    self._put_like(state, key, entry["state"][k], p)
+                else:
+                    entry["scalars"][k] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+                    state[key] = entry["scalars"][k]
+            targets[id(p)] = entry
+        return targets
+
+    def _checkpoint_shape(self, like: torch.Tensor) -> tuple[int, ...]:
+        """The global shape under which ``like`` (or a tensor shaped like it) is stored."""
+        ps = self.parallel_state
+        assert ps is not None
+        tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
+        info = ckpt.shard_info(like, ps.tp_rank, ps.tp_size, tp_ranks, getattr(like, "real_vocab_size", None))
+        return tuple(like.shape) if info is None else tuple(info.global_shape)
 
     def _put_like(self, state: dict[str, Any], key: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
         ps = self.parallel_state
@@ -635,11 +731,16 @@ def _bucketed_all_reduce_mean(grads: list[torch.Tensor], group: Any, bucket_byte
                 bucket, size = [], 0
 
 
-def _global_shape(p: torch.Tensor, ps: ParallelState) -> tuple[int, ...]:
-    shape = list(p.shape)
-    if getattr(p, "tensor_model_parallel", False):
-        shape[p.partition_dim % p.dim()] *= ps.tp_size
-    return tuple(shape)
+def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` over ``group`` with one flat all-reduce."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _rng_state() -> dict[str, Any]:
@@ -661,6 +762,53 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         if cpu is not None:
             current[name] = (cpu, state.get(f"tracker.{name}.accel", current[name][1]))
     tracker.set_states(current)
+
+
+def _is_distributed_optimizer(opt: Any) -> bool:
+    return bool(getattr(opt, "reduces_gradients", False)) and hasattr(opt, "full_state_dict")
+
+
+def _distributed_optimizer_views(opt: Any, full: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Split a DistributedOptimizer's full (DP-gathered) flat state into per-parameter tensors."""
+    views: dict[int, dict[str, Any]] = {}
+    offset = 0
+    for g, group in enumerate(opt.model_groups):
+        scalars = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in full["group_state"][g].items()}
+        for p in group:
+            n = p.numel()
+            views[id(p)] = {
+                "main": full["full_main_params"][offset:offset + n].view(p.shape),
+                "state": {k: v[offset:offset + n].view(p.shape) for k, v in full["full_state"].items()},
+                "scalars": scalars,
+            }
+            offset += n
+    return views
+
+
+def _distributed_optimizer_full_state(opt: Any, targets: dict[int, dict[str, Any]],
+                                      saved: dict[str, Any]) -> dict[str, Any]:
+    """Reassemble loaded per-parameter tensors into DistributedOptimizer.load_full_state_dict's format."""
+    mains, states, group_state = [], {}, []
+    for group in opt.model_groups:
+        scalars: dict[str, Any] = {}
+        for p in group:
+            entry = targets.get(id(p))
+            main = entry["main"] if entry is not None and entry["main"] is not None else p.detach().float()
+            mains.append(main.reshape(-1))
+            for k in (entry or {}).get("state", {}):
+                states.setdefault(k, [])
+            for k, t in (entry or {}).get("scalars", {}).items():
+                scalars.setdefault(k, t.clone())
+        group_state.append(scalars)
+    for k in states:
+        states[k] = torch.cat([
+            (targets[id(p)]["state"][k] if id(p) in targets and k in targets[id(p)]["state"]
+             else torch.zeros_like(p, dtype=torch.float32)).reshape(-1)
+            for group in opt.model_groups for p in group])
+    return {"full_main_params": torch.cat(mains), "full_state": states, "group_state": group_state,
+            "param_groups": saved.get("param_groups", [{} for _ in opt.model_groups]),
+            "grad_scaler": saved.get("grad_scaler"),
+            "param_shapes": [[tuple(p.shape) for p in g] for g in opt.model_groups]}
 
 
 def _optimizer_extra(opt: Any) -> dict[str, Any]:

@@ -4,5 +4,6 @@ from __future__ import annotations
 
 from lightning_megatron.callbacks.optimizer import MegatronOptimizerCallback
 from lightning_megatron.callbacks.scheduler import OptimizerParamSchedulerCallback
+from lightning_megatron.callbacks.throughput import ThroughputCallback
 
-__all__ = ["MegatronOptimizerCallback", "OptimizerParamSchedulerCallback"]
+__all__ = ["MegatronOptimizerCallback", "OptimizerParamSchedulerCallback", "ThroughputCallback"]

@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
 from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import (
     Float16OptimizerWithFloat16Params,
@@ -48,6 +49,9 @@ class MegatronOptimizerCallback(Callback):
         loss_scale_window: clean steps before the dynamic scale doubles (``growth_interval``).
         hysteresis: overflows tolerated before the dynamic scale halves.
         log_num_zeros_in_grad: also count and log the zero entries of the gradient.
+        use_distributed_optimizer: shard the fp32 main params and optimizer state over the
+            data-parallel group (Megatron's DistributedOptimizer, ZeRO stage 1): grads are
+            reduce-scattered instead of all-reduced, updated params all-gathered.
 
     Logged every training batch (rank zero): ``grad_norm`` (not on skipped steps), ``loss_scale``,
     ``skipped_steps`` and ``num_zeros`` if enabled; with several optimizers, names of optimizer
@@ -63,6 +67,7 @@ class MegatronOptimizerCallback(Callback):
         loss_scale_window: int = 1000,
         hysteresis: int = 2,
         log_num_zeros_in_grad: bool = False,
+        use_distributed_optimizer: bool = False,
     ) -> None:
         if clip_grad < 0:
             raise ValueError(f"clip_grad={clip_grad!r} must be >= 0 (0 disables clipping)")
@@ -75,6 +80,7 @@ class MegatronOptimizerCallback(Callback):
         self.loss_scale_window = loss_scale_window
         self.hysteresis = hysteresis
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.use_distributed_optimizer = use_distributed_optimizer
         # Validate the dynamic scaler's arguments now rather than at fit time.
         if loss_scale is None:
             self._make_scaler(torch.float16)
@@ -108,6 +114,12 @@ class MegatronOptimizerCallback(Callback):
             pp_rank=0 if ps is None else ps.pp_rank,
         )
         dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"]}
+        if self.use_distributed_optimizer:
+            low = next((d for d in (torch.float16, torch.bfloat16) if d in dtypes), torch.float32)
+            scaler = self._make_scaler(low) if low != torch.float32 else (
+                None if self.loss_scale is None else ConstantGradScaler(self.loss_scale))
+            return DistributedOptimizer(optimizer, grad_scaler=scaler,
+                                        data_parallel_group=None if ps is None else ps.dp_group, **kwargs)
         if torch.float16 in dtypes or torch.bfloat16 in dtypes:
             low = torch.float16 if torch.float16 in dtypes else torch.bfloat16
             return Float16OptimizerWithFloat16Params(optimizer, grad_scaler=self._make_scaler(low), **kwargs)

@@ -149,7 +149,12 @@ class _Runner:
         """Run one chunk; on the last piece return ``loss / m`` (the tensor backward starts from)."""
         start = time.perf_counter()
         module = self.model[chunk]
-        module.set_input_tensor(input_tensor)
+        set_input_tensor = getattr(module, "set_input_tensor", None)
+        if set_input_tensor is not None:
+            set_input_tensor(input_tensor)
+        elif input_tensor is not None:
+            raise ValueError(f"{type(module).__name__} receives activations from the previous pipeline stage "
+                             f"but has no set_input_tensor(tensor) method (see docs/strategy.md)")
         output_tensor, loss_func = self.forward_step_func(self.microbatches[microbatch], module)
         if last_piece:
             loss, logged = loss_func(output_tensor)

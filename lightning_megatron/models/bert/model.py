@@ -244,12 +244,18 @@ class BertModel(nn.Module):
         self.encoder.set_input_tensor(input_tensor)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, token_types: torch.Tensor | None = None,
-                lm_labels: torch.Tensor | None = None):
+                lm_labels: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None):
         """See the class docstring for shapes. Returns
 
         - ``post_process=False``: hidden states [s, b, h] (input of the next stage);
         - else ``(lm_logits [b, s, V_padded/t], binary_logits [b, 2] | None)``;
         - with ``lm_labels`` [b, s] (-100 = not masked): ``(lm_loss [b, s], binary_logits)``.
+
+        ``lm_positions`` [b, s] bool: run the LM head only where True (the masked tokens, ~15%):
+        logits become [n, V_padded/t] for the n selected tokens (and ``lm_labels``, if given, is
+        read at those positions, giving ``lm_loss`` [n]). Each token's head is independent of the
+        others, so this is the same numbers for the tokens that count in the loss, at a fraction of
+        the cost (the head's output layer is a [h, V] matmul per token). Not with sequence parallel.
         """
         mask = bert_attention_mask(attention_mask)
         hidden_states = None
@@ -261,6 +267,18 @@ class BertModel(nn.Module):
             return hidden_states
         binary_logits = self.binary_head(self.pooler(hidden_states)) if self.add_binary_head else None
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if lm_positions is not None:
+            if self.config.sequence_parallel:
+                raise ValueError("lm_positions is not supported with sequence_parallel=True (the head runs on "
+                                 "each rank's sequence chunk); pass lm_positions=None")
+            selected = hidden_states.transpose(0, 1)[lm_positions].unsqueeze(1)  # [n, 1, h]
+            logits, _ = self.output_layer(self.lm_head(selected), weight=weight)
+            logits = logits.squeeze(1)  # [n, V/t]
+            if lm_labels is None:
+                return logits, binary_logits
+            lm_loss = vocab_parallel_cross_entropy(logits, lm_labels[lm_positions], tp_group=self.tp_group,
+                                                   vocab_size=self.vocab_size)
+            return lm_loss, binary_logits
         logits, _ = self.output_layer(self.lm_head(hidden_states), weight=weight)  # [s, b, V/t]
         logits = logits.transpose(0, 1).contiguous()  # [b, s, V/t]
         if lm_labels is None:

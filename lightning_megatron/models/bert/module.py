@@ -73,6 +73,9 @@ class BertLightningModule(LightningModule):
             MegatronOptimizerCallback, which keeps fp32 main params).
         optimizer: "adamw", "adam" or "sgd"; lr/weight_decay/betas/eps/momentum as in torch.
             The learning rate is usually driven by the OptimizerParamSchedulerCallback.
+        lm_head_on_masked_only: run the LM head (dense, norm, [h, V] output layer) only on the
+            masked tokens, the only ones in the loss: same loss and gradients, ~6x less head work.
+            Ignored (full head) under sequence parallelism.
         init_seed: seed of the layout-independent weight initialization.
     """
 
@@ -97,6 +100,7 @@ class BertLightningModule(LightningModule):
         recompute_method: Literal["uniform", "block"] | None = None,
         recompute_num_layers: int | None = None,
         attention_backend: Literal["sdpa", "unfused"] = "sdpa",
+        lm_head_on_masked_only: bool = True,
         init_seed: int = 1234,
         optimizer: Literal["adamw", "adam", "sgd"] = "adamw",
         lr: float = 1e-4,
@@ -193,18 +197,22 @@ class BertLightningModule(LightningModule):
 
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
         """Megatron's forward-step: run ``chunk``; on the last chunk return the loss function too."""
-        out = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"))
+        selective = chunk.post_process and self.hparams.lm_head_on_masked_only and not self.config.sequence_parallel
+        positions = batch["loss_mask"] > 0 if selective else None
+        out = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"), lm_positions=positions)
         if not chunk.post_process:
             return out, None
         lm_logits, binary_logits = out
         tp_group = self.parallel_state.tp_group if self.parallel_state else None
-        labels = batch["lm_labels"]
+        labels, loss_mask = batch["lm_labels"], batch["loss_mask"]
+        if selective:  # logits [n, V/t] of the masked tokens only
+            labels, loss_mask = labels[positions], loss_mask[positions]
         lm_loss_per_token = vocab_parallel_cross_entropy(lm_logits, labels, tp_group=tp_group,
                                                          vocab_size=self.vocab_size)
-        total, stats = bert_loss(lm_loss_per_token, batch["loss_mask"], binary_logits, batch.get("binary_labels"))
+        total, stats = bert_loss(lm_loss_per_token, loss_mask, binary_logits, batch.get("binary_labels"))
         with torch.no_grad():
             preds = vocab_parallel_argmax(lm_logits, tp_group, self.vocab_size)
-            masked = batch["loss_mask"] > 0
+            masked = loss_mask > 0
             target = labels.masked_fill(~masked, -100)
             stats["mlm_accuracy"] = tmf.accuracy(preds.reshape(-1), target.reshape(-1), task="multiclass",
                                                  num_classes=self.vocab_size, ignore_index=-100, average="micro")

@@ -1,0 +1,129 @@
+"""The ``lightning-megatron`` command.
+
+    lightning-megatron fit --config recipes/bert_tiny.yaml [--trainer.max_steps 50 ...]
+    lightning-megatron validate|test --config ... --ckpt_path CKPT
+    lightning-megatron preprocess --input a.txt b.jsonl --output-prefix data/my_corpus [--vocab-file vocab.txt]
+    lightning-megatron train-tokenizer --input a.txt --vocab-size 8192 --output-dir tok/
+    lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
+
+fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
+so every argument of the Trainer, the strategy, the model and the data is a dotted override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main", "plot_runs"]
+
+_OWN_COMMANDS = ("preprocess", "train-tokenizer", "plot")
+
+
+def _wandb_offline_unless_configured() -> None:
+    # W&B must never hang a run without network or key: default to offline mode.
+    if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
+        os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def _lightning_cli(args: list[str]) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_megatron.strategy  # noqa: F401  registers strategy="megatron"
+    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    LightningCLI(BertLightningModule, BertDataModule, args=args, save_config_kwargs={"overwrite": True},
+                 seed_everything_default=1234)
+
+
+def _preprocess(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-megatron preprocess",
+                                     description="text/jsonl corpus -> Megatron indexed dataset (.bin/.idx)")
+    parser.add_argument("--input", nargs="*", default=None,
+                        help=".txt (blank line between documents) or .jsonl files; none: the built-in corpus")
+    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--vocab-file", default=None, help="WordPiece vocab.txt (default: the packaged BERT vocab)")
+    parser.add_argument("--json-key", default="text")
+    parser.add_argument("--max-seq-length", type=int, default=512)
+    a = parser.parse_args(argv)
+    from lightning_megatron.data.preprocess import preprocess_corpus
+
+    stats = preprocess_corpus(a.input, a.output_prefix, a.vocab_file, json_key=a.json_key,
+                              max_seq_length=a.max_seq_length)
+    for k, v in stats.as_dict().items():
+        print(f"{k}: {v}")
+
+
+def _train_tokenizer(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-megatron train-tokenizer")
+    parser.add_argument("--input", nargs="*", default=None, help="text/jsonl files; none: the built-in corpus")
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--output-dir", required=True)
+    a = parser.parse_args(argv)
+    from lightning_megatron.data.tokenizer import train_wordpiece_tokenizer
+
+    print(train_wordpiece_tokenizer(a.input, a.vocab_size, a.output_dir))
+
+
+def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[str],
+              metrics: tuple[str, ...] = ("loss", "train_lm_loss", "val_lm_loss")) -> Path:
+    """Write a PNG of the loss curves in the CSV metrics of one or more runs."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for run in run_dirs:
+        found = sorted(Path(run).rglob("metrics.csv"))
+        if not found:
+            raise FileNotFoundError(f"no metrics.csv under {str(run)!r}: is it a run directory with a CSVLogger?")
+        files.extend(found)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = 0
+    for f in files:
+        with open(f) as fh:
+            rows = list(csv.DictReader(fh))
+        for metric in metrics:
+            pts = [(int(r["step"]), float(r[metric])) for r in rows if r.get(metric) not in (None, "")]
+            if pts:
+                ax.plot(*zip(*pts), label=f"{f.parent.parent.name}/{f.parent.name}: {metric}")
+                plotted += 1
+    if not plotted:
+        raise ValueError(f"none of the metrics {metrics} were found in {[str(f) for f in files]}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def _plot(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-megatron plot")
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--output", default="loss_curves.png")
+    a = parser.parse_args(argv)
+    print(plot_runs(a.runs, a.output))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _OWN_COMMANDS:
+        {"preprocess": _preprocess, "train-tokenizer": _train_tokenizer, "plot": _plot}[argv[0]](argv[1:])
+        return
+    _wandb_offline_unless_configured()
+    _lightning_cli(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""BertLightningModule details, and a plain LightningModule under the MegatronStrategy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dist_utils import run_distributed
+from megatron_testing import TINY_MODEL, SyntheticBertDataset
+
+
+def _loss_and_grads(masked_only: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.tensor_parallel import model_parallel_seed
+
+    model_parallel_seed(1234, 0)
+    module = BertLightningModule(**{**TINY_MODEL, "lm_head_on_masked_only": masked_only})
+    module.configure_model()
+    ds = SyntheticBertDataset(4)
+    batch = {k: torch.stack([ds[i][k] for i in range(4)]) for k in ds[0]}
+    loss, loss_func = module.forward_step(batch, module.model_chunks[0])
+    loss.backward()
+    _, stats = loss_func(loss)
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}, stats
+
+
+def test_lm_head_on_masked_tokens_only_gives_the_same_loss_and_grads():
+    full_loss, full_grads, full_stats = _loss_and_grads(False)
+    sel_loss, sel_grads, sel_stats = _loss_and_grads(True)
+    torch.testing.assert_close(sel_loss, full_loss, rtol=1e-6, atol=1e-6)
+    for name in full_grads:
+        torch.testing.assert_close(sel_grads[name], full_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert sel_stats["mlm_accuracy"] == full_stats["mlm_accuracy"]
+    assert sel_stats["num_masked_tokens"] == full_stats["num_masked_tokens"] == 12
+
+
+def _plain_module_worker() -> list[float]:
+    """The docs' example: a LightningModule with only training_step, TP=2 layers, no forward_step."""
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_megatron.strategy import MegatronStrategy
+    from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    class TPRegressor(LightningModule):
+        def configure_model(self):
+            tp_group = self.trainer.strategy.parallel_state.tp_group
+            torch.manual_seed(0)
+            self.fc1 = ColumnParallelLinear(32, 128, tp_group=tp_group)
+            self.fc2 = RowParallelLinear(128, 1, tp_group=tp_group, input_is_parallel=True)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h, _ = self.fc1(x)
+            out, _ = self.fc2(F.gelu(h))
+            return F.mse_loss(out.squeeze(-1), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class Losses(Callback):
+        losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=g)
+    data = TensorDataset(x, x[:, :4].sum(-1))
+    rec = Losses()
+    trainer = Trainer(accelerator="cpu", devices=2, max_steps=30, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                      strategy=MegatronStrategy(tensor_model_parallel_size=2, micro_batch_size=4))
+    trainer.fit(TPRegressor(), DataLoader(data, batch_size=16))
+    return rec.losses
+
+
+def test_plain_lightning_module_trains_with_tensor_parallel_layers():
+    r0, r1 = run_distributed(_plain_module_worker, 2, timeout=180)
+    assert r0 == r1, "every rank logs the same loss"
+    assert len(r0) == 30
+    assert sum(r0[-5:]) / 5 < 0.5 * sum(r0[:5]) / 5, f"the regressor must learn: {r0}"

@@ -1,0 +1,85 @@
+"""The distributed optimizer (ZeRO-1) through Trainer.fit equals the non-distributed one, and a run
+resumes after a data-parallel size change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
+
+GLOBAL_BATCH, MICRO = 8, 2
+
+
+def _recorder():
+    from lightning.pytorch import Callback
+
+    class Recorder(Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.norms: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"]))
+            self.norms.append(float(trainer.strategy.optimizers[0].last_grad_norm))
+
+    return Recorder()
+
+
+def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str | None = None,
+         ckpt_in: str | None = None, clip_grad: float = 0.05) -> dict:
+    from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.strategy import MegatronStrategy
+
+    strategy = MegatronStrategy(tensor_model_parallel_size=tp)
+    recorder = _recorder()
+    callback = MegatronOptimizerCallback(clip_grad=clip_grad, use_distributed_optimizer=distributed)
+    trainer = make_trainer(strategy, 4, max_steps, callbacks=[callback, recorder])
+    _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
+    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
+    module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype})
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)
+    if save_to:
+        trainer.save_checkpoint(save_to)
+    opt = trainer.strategy.optimizers[0]
+    return {"losses": recorder.losses, "norms": recorder.norms, "type": type(opt).__name__}
+
+
+def _worker(root: str) -> dict:
+    out = {}
+    # bf16 without clipping: the clipping coefficient comes from a norm summed in another order
+    # (per shard vs per parameter), and a last-bit change of an fp32 main param can flip the
+    # rounding of its bf16 copy. Without clipping the two optimizers are bit-identical.
+    for dtype, clip in (("float32", 0.05), ("bfloat16", 0.0)):
+        out[f"plain_{dtype}"] = _run(2, dtype, False, 10, clip_grad=clip)
+        out[f"zero1_{dtype}"] = _run(2, dtype, True, 10, clip_grad=clip)
+    out["first"] = _run(2, "float32", True, 5, save_to=f"{root}/zero1")
+    out["resumed_dp4"] = _run(1, "float32", True, 10, ckpt_in=f"{root}/zero1")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero1")
+    return run_distributed(_worker, 4, str(root), timeout=600)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_distributed_optimizer_equals_non_distributed_tp2_dp2(runs, dtype):
+    plain, zero1 = runs[f"plain_{dtype}"], runs[f"zero1_{dtype}"]
+    assert zero1["type"] == "DistributedOptimizer"
+    assert plain["type"] != "DistributedOptimizer"
+    torch.testing.assert_close(torch.tensor(zero1["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+    if dtype == "float32":  # clip_grad=0.05 clips on every step: the clipping norm must be the same number
+        assert min(plain["norms"]) > 0.05
+    torch.testing.assert_close(torch.tensor(zero1["norms"]), torch.tensor(plain["norms"]), rtol=1e-6, atol=0)
+
+
+def test_resume_after_data_parallel_size_change(runs):
+    straight = runs["zero1_float32"]["losses"]
+    assert runs["first"]["losses"] == pytest.approx(straight[:5], rel=1e-6)
+    # Saved at TP=2 x DP=2 with the optimizer state sharded over 2 ranks, resumed at TP=1 x DP=4.
+    torch.testing.assert_close(torch.tensor(runs["resumed_dp4"]["losses"]), torch.tensor(straight[5:]),
+                               rtol=1e-5, atol=0)
