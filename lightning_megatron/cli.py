@@ -29,6 +29,30 @@ def _wandb_offline_unless_configured() -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def _summary(trainer) -> str:
+    """A few closing lines: how the loss moved, where metrics and checkpoints are."""
+    import csv
+
+    lines = []
+    csv_dirs = [lg.log_dir for lg in trainer.loggers if type(lg).__name__ == "CSVLogger"]
+    for d in csv_dirs:
+        path = Path(d) / "metrics.csv"
+        if not path.is_file():
+            continue
+        with path.open() as fh:
+            rows = list(csv.DictReader(fh))
+        for key in ("train_lm_loss", "train_binary_loss", "val_lm_loss", "train_mlm_accuracy", "tokens_per_sec"):
+            values = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+            if values:
+                (s0, v0), (s1, v1) = values[0], values[-1]
+                lines.append(f"  {key:20s} step {s0:>5d}: {v0:10.4f}   ->   step {s1:>5d}: {v1:10.4f}")
+        lines.append(f"  metrics: {path}")
+    for cb in trainer.checkpoint_callbacks:
+        if getattr(cb, "dirpath", None):
+            lines.append(f"  checkpoints: {cb.dirpath} (last: {cb.last_model_path or cb.best_model_path})")
+    return "\n".join(["lightning-megatron: run summary"] + lines)
+
+
 def _lightning_cli(args: list[str]) -> None:
     from lightning.pytorch.cli import LightningCLI
 
@@ -36,8 +60,13 @@ def _lightning_cli(args: list[str]) -> None:
     from lightning_megatron.data.datamodule import BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
 
-    LightningCLI(BertLightningModule, BertDataModule, args=args, save_config_kwargs={"overwrite": True},
-                 seed_everything_default=1234)
+    class MegatronCLI(LightningCLI):
+        def after_fit(self) -> None:
+            if self.trainer.is_global_zero:
+                print(_summary(self.trainer), flush=True)
+
+    MegatronCLI(BertLightningModule, BertDataModule, args=args, save_config_kwargs={"overwrite": True},
+                seed_everything_default=1234)
 
 
 def _preprocess(argv: list[str]) -> None:

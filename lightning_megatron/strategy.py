@@ -25,7 +25,7 @@ import datetime
 import warnings
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,7 +44,16 @@ from typing_extensions import override
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
-from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+from lightning_megatron.sharded_state import (
+    ShardedStateMapper,
+    is_distributed_optimizer,
+    optimizer_extra,
+    plain,
+    rng_state,
+    set_rng_state,
+)
+from lightning_megatron.tensor_parallel.mappings import all_reduce_coalesced
+from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
 __all__ = ["MegatronStrategy"]
 
@@ -331,12 +340,12 @@ class MegatronStrategy(DDPStrategy):
                 p.main_grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
             p.grad = None
         if ps.tp_size > 1:
-            _all_reduce_flat([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], ps.tp_group)
-        if ps.dp_size > 1 and not any(_is_distributed_optimizer(opt) for opt in self.optimizers):
+            all_reduce_coalesced([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], ps.tp_group)
+        if ps.dp_size > 1 and not any(is_distributed_optimizer(opt) for opt in self.optimizers):
             _bucketed_all_reduce_mean([p.main_grad for p in params], ps.dp_group,
                                       int(self.ddp_bucket_size_mb * 2**20))
         if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
-            _all_reduce_flat([p.main_grad for p in params if getattr(p, "shared_embedding", False)],
+            all_reduce_coalesced([p.main_grad for p in params if getattr(p, "shared_embedding", False)],
                              ps.embedding_group)
 
     @override
@@ -446,55 +455,9 @@ class MegatronStrategy(DDPStrategy):
             return list(named())
         return list(module.named_parameters())
 
-    def _sharded_state(self, include_optimizer: bool) -> dict[str, Any]:
-        ps = self.parallel_state
-        assert ps is not None
-        tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
-        state: dict[str, Any] = {}
-
-        def put(key: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
-            info = ckpt.shard_info(like, ps.tp_rank, ps.tp_size, tp_ranks, getattr(like, "real_vocab_size", None))
-            if info is None:
-                state[key] = tensor
-            else:
-                sharded = ckpt.to_sharded(tensor, info)
-                if sharded is not None:
-                    state[key] = sharded
-
-        named = self._named_parameters()
-        for name, p in named:
-            if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
-                continue  # the tied copy on the last stage is stored once, by the first stage
-            put(f"model.{name}", p.detach(), p)
-        if include_optimizer:
-            for i, opt in enumerate(self.optimizers):
-                if _is_distributed_optimizer(opt):
-                    # Gathered over DP into per-parameter tensors: the same keys as the
-                    # non-distributed optimizer, so checkpoints reshard across DP (and TP, PP).
-                    views = _distributed_optimizer_views(opt, opt.full_state_dict())
-                    for name, p in named:
-                        v = views.get(id(p))
-                        if v is None or (getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage()):
-                            continue
-                        put(f"optim.{i}.main.{name}", v["main"], p)
-                        for k, t in v["state"].items():
-                            put(f"optim.{i}.state.{name}.{k}", t, p)
-                        for k, t in v["scalars"].items():
-                            state[f"optim.{i}.state.{name}.{k}"] = t
-                    continue
-                inner = getattr(opt, "optimizer", opt)
-                for name, p in named:
-                    if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
-                        continue
-                    opt_param = getattr(p, "main_param", p)
-                    if opt_param is not p:
-                        put(f"optim.{i}.main.{name}", opt_param.detach(), p)
-                    for k, v in inner.state.get(opt_param, {}).items():
-                        if torch.is_tensor(v) and v.shape == p.shape:
-                            put(f"optim.{i}.state.{name}.{k}", v, p)
-                        elif torch.is_tensor(v):
-                            state[f"optim.{i}.state.{name}.{k}"] = v
-        return state
+    def _state_mapper(self) -> ShardedStateMapper:
+        assert self.parallel_state is not None
+        return ShardedStateMapper(self.parallel_state, self._named_parameters(), list(self.optimizers))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
@@ -512,14 +475,14 @@ class MegatronStrategy(DDPStrategy):
             (tmp / "rng").mkdir()
         self.barrier("megatron_save_mkdir")
         include_optimizer = "optimizer_states" in checkpoint
-        ckpt.save_dcp(self._sharded_state(include_optimizer), tmp)
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{self.global_rank}.pt")
+        ckpt.save_dcp(self._state_mapper().save_state(include_optimizer), tmp)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{self.global_rank}.pt")
         if self.is_global_zero:
             extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             if include_optimizer:
-                extra["megatron_optimizers"] = [_optimizer_extra(opt) for opt in self.optimizers]
+                extra["megatron_optimizers"] = [optimizer_extra(opt) for opt in self.optimizers]
             if "hyper_parameters" in extra:
-                extra["hyper_parameters"] = _plain(extra["hyper_parameters"])
+                extra["hyper_parameters"] = plain(extra["hyper_parameters"])
             torch.save(extra, tmp / "extra.pt")
         self.barrier("megatron_save_written")
         if self.is_global_zero:
@@ -539,132 +502,26 @@ class MegatronStrategy(DDPStrategy):
         except Exception as e:  # noqa: BLE001 - name the file and the cause
             raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
                                        f"(weights_only=True): {e}") from e
-        include_optimizer = "optimizer_states" in extra or "megatron_optimizers" in extra
-        state = self._sharded_state(include_optimizer=False)
-        if include_optimizer and self.optimizers:
-            metadata = ckpt.read_dcp_metadata(path).state_dict_metadata
-            dist_targets: dict[int, dict[int, dict[str, Any]]] = {}
-            for i, opt in enumerate(self.optimizers):
-                if _is_distributed_optimizer(opt):
-                    dist_targets[i] = self._distributed_optimizer_targets(i, state, metadata)
-                    continue
-                inner = getattr(opt, "optimizer", opt)
-                for name, p in self._named_parameters():
-                    if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
-                        continue
-                    opt_param = getattr(p, "main_param", p)
-                    if opt_param is not p:
-                        self._put_like(state, f"optim.{i}.main.{name}", opt_param.detach(), p)
-                    prefix = f"optim.{i}.state.{name}."
-                    for key, md in metadata.items():
-                        if not key.startswith(prefix) or not hasattr(md, "size"):
-                            continue
-                        k = key[len(prefix):]
-                        current = inner.state.get(opt_param, {}).get(k)
-                        param_like = tuple(md.size) == self._checkpoint_shape(p)
-                        if current is None:
-                            current = (torch.zeros_like(opt_param, dtype=md.properties.dtype) if param_like
-                                       else torch.zeros(tuple(md.size), dtype=md.properties.dtype,
-                                                        device=opt_param.device))
-                            inner.state.setdefault(opt_param, {})[k] = current
-                        if param_like:
-                            self._put_like(state, key, current, p)
-                        else:
-                            state[key] = current
+        include_optimizer = "megatron_optimizers" in extra and bool(self.optimizers)
+        mapper = self._state_mapper()
+        metadata = ckpt.read_dcp_metadata(path).state_dict_metadata
+        state, targets = mapper.load_targets(metadata, include_optimizer)
         try:
             ckpt.load_dcp(state, path)
         except Exception as e:  # noqa: BLE001
             raise ckpt.CheckpointError(f"checkpoint {str(path)!r} could not be loaded into this model "
                                        f"(saved at layout {info.get('layout')}): {e}") from e
-        # Tied copies on the last stage take the first stage's weights.
-        self._sync_shared_embeddings()
-        if include_optimizer and self.optimizers:
-            for i, (opt, saved) in enumerate(zip(self.optimizers, extra.get("megatron_optimizers", []))):
-                if _is_distributed_optimizer(opt):
-                    opt.load_full_state_dict(_distributed_optimizer_full_state(opt, dist_targets[i], saved))
-                    continue
-                _load_optimizer_extra(opt, saved)
-                self._copy_main_to_model(opt)
+        if include_optimizer:
+            mapper.finish_optimizer_load(targets, extra["megatron_optimizers"])
+        mapper.sync_shared_embeddings()
         saved_layout = info.get("layout", {})
         if saved_layout.get("world_size") == ps.layout.world_size and saved_layout.get("tp") == ps.tp_size \
                 and saved_layout.get("pp") == ps.pp_size:
             rng_file = path / "rng" / f"rank_{self.global_rank}.pt"
             if rng_file.is_file():
-                _set_rng_state(torch.load(rng_file, weights_only=True))
+                set_rng_state(torch.load(rng_file, weights_only=True))
         extra.setdefault("state_dict", {})
         return extra
-
-    def _distributed_optimizer_targets(self, i: int, state: dict[str, Any], metadata: Any
-                                       ) -> dict[int, dict[str, Any]]:
-        """Per-parameter destination tensors for a DistributedOptimizer's state (filled by DCP)."""
-        ps = self.parallel_state
-        assert ps is not None
-        targets: dict[int, dict[str, Any]] = {}
-        for name, p in self._named_parameters():
-            if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
-                continue
-            entry: dict[str, Any] = {"main": torch.zeros_like(p, dtype=torch.float32), "state": {}, "scalars": {}}
-            main_key = f"optim.{i}.main.{name}"
-            if main_key in metadata:
-                self._put_like(state, main_key, entry["main"], p)
-            else:
-                entry["main"] = None  # not in the checkpoint: keep the model weights
-            prefix = f"optim.{i}.state.{name}."
-            for key, md in metadata.items():
-                if not key.startswith(prefix) or not hasattr(md, "size"):
-                    continue
-                k = key[len(prefix):]
-                if tuple(md.size) == self._checkpoint_shape(p):
-                    entry["state"][k] = torch.zeros_like(p, dtype=torch.float32)
-                    self._put_like(state, key, entry["state"][k], p)
-                else:
-                    entry["scalars"][k] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
-                    state[key] = entry["scalars"][k]
-            targets[id(p)] = entry
-        return targets
-
-    def _checkpoint_shape(self, like: torch.Tensor) -> tuple[int, ...]:
-        """The global shape under which ``like`` (or a tensor shaped like it) is stored."""
-        ps = self.parallel_state
-        assert ps is not None
-        tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
-        info = ckpt.shard_info(like, ps.tp_rank, ps.tp_size, tp_ranks, getattr(like, "real_vocab_size", None))
-        return tuple(like.shape) if info is None else tuple(info.global_shape)
-
-    def _put_like(self, state: dict[str, Any], key: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
-        ps = self.parallel_state
-        assert ps is not None
-        tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
-        info = ckpt.shard_info(like, ps.tp_rank, ps.tp_size, tp_ranks, getattr(like, "real_vocab_size", None))
-        if info is None:
-            state[key] = tensor
-        else:
-            sharded = ckpt.to_sharded(tensor, info)
-            if sharded is not None:
-                state[key] = sharded
-
-    def _copy_main_to_model(self, opt: Any) -> None:
-        with torch.no_grad():
-            for _, p in self._named_parameters():
-                main = getattr(p, "main_param", None)
-                if main is not None:
-                    if getattr(p, "shared_embedding", False) and not self.parallel_state.is_pipeline_first_stage():
-                        continue
-                    p.copy_(main)
-        self._sync_shared_embeddings()
-
-    def _sync_shared_embeddings(self) -> None:
-        ps = self.parallel_state
-        assert ps is not None
-        if ps.pp_size == 1 or ps.embedding_group is None or len(ps.embedding_ranks) < 2:
-            return
-        with torch.no_grad():
-            for _, p in self._named_parameters():
-                if getattr(p, "shared_embedding", False):
-                    dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
-                    main = getattr(p, "main_param", None)
-                    if main is not None:
-                        dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -708,7 +565,7 @@ def _slice_batch(batch: Any, start: int, end: int) -> Any:
 
 
 def _bucketed_all_reduce_mean(grads: list[torch.Tensor], group: Any, bucket_bytes: int) -> None:
-    """All-reduce grads over ``group`` and divide by its size, in flat buckets per dtype."""
+    """Mean of ``grads`` over ``group``: flat all-reduces of about ``bucket_bytes`` each, per dtype."""
     world = dist.get_world_size(group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
@@ -716,147 +573,14 @@ def _bucketed_all_reduce_mean(grads: list[torch.Tensor], group: Any, bucket_byte
     for tensors in by_dtype.values():
         bucket: list[torch.Tensor] = []
         size = 0
-        for g in tensors + [None]:  # type: ignore[list-item]
-            if g is not None:
-                bucket.append(g)
-                size += g.numel() * g.element_size()
-            if bucket and (g is None or size >= bucket_bytes):
-                flat = torch.cat([t.reshape(-1) for t in bucket])
-                flat.div_(world)
-                dist.all_reduce(flat, group=group)
-                offset = 0
+        for g in tensors:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= bucket_bytes or g is tensors[-1]:
+                all_reduce_coalesced(bucket, group)
                 for t in bucket:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+                    t.div_(world)
                 bucket, size = [], 0
-
-
-def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
-    """Sum ``tensors`` over ``group`` with one flat all-reduce."""
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def _rng_state() -> dict[str, Any]:
-    tracker = get_rng_tracker().get_states()
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    for name, (cpu, accel) in tracker.items():
-        state[f"tracker.{name}.cpu"] = cpu
-        if accel is not None:
-            state[f"tracker.{name}.accel"] = accel
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    tracker = get_rng_tracker()
-    current = tracker.get_states()
-    for name in list(current):
-        cpu = state.get(f"tracker.{name}.cpu")
-        if cpu is not None:
-            current[name] = (cpu, state.get(f"tracker.{name}.accel", current[name][1]))
-    tracker.set_states(current)
-
-
-def _is_distributed_optimizer(opt: Any) -> bool:
-    return bool(getattr(opt, "reduces_gradients", False)) and hasattr(opt, "full_state_dict")
-
-
-def _distributed_optimizer_views(opt: Any, full: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Split a DistributedOptimizer's full (DP-gathered) flat state into per-parameter tensors."""
-    views: dict[int, dict[str, Any]] = {}
-    offset = 0
-    for g, group in enumerate(opt.model_groups):
-        scalars = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in full["group_state"][g].items()}
-        for p in group:
-            n = p.numel()
-            views[id(p)] = {
-                "main": full["full_main_params"][offset:offset + n].view(p.shape),
-                "state": {k: v[offset:offset + n].view(p.shape) for k, v in full["full_state"].items()},
-                "scalars": scalars,
-            }
-            offset += n
-    return views
-
-
-def _distributed_optimizer_full_state(opt: Any, targets: dict[int, dict[str, Any]],
-                                      saved: dict[str, Any]) -> dict[str, Any]:
-    """Reassemble loaded per-parameter tensors into DistributedOptimizer.load_full_state_dict's format."""
-    mains, states, group_state = [], {}, []
-    for group in opt.model_groups:
-        scalars: dict[str, Any] = {}
-        for p in group:
-            entry = targets.get(id(p))
-            main = entry["main"] if entry is not None and entry["main"] is not None else p.detach().float()
-            mains.append(main.reshape(-1))
-            for k in (entry or {}).get("state", {}):
-                states.setdefault(k, [])
-            for k, t in (entry or {}).get("scalars", {}).items():
-                scalars.setdefault(k, t.clone())
-        group_state.append(scalars)
-    for k in states:
-        states[k] = torch.cat([
-            (targets[id(p)]["state"][k] if id(p) in targets and k in targets[id(p)]["state"]
-             else torch.zeros_like(p, dtype=torch.float32)).reshape(-1)
-            for group in opt.model_groups for p in group])
-    return {"full_main_params": torch.cat(mains), "full_state": states, "group_state": group_state,
-            "param_groups": saved.get("param_groups", [{} for _ in opt.model_groups]),
-            "grad_scaler": saved.get("grad_scaler"),
-            "param_shapes": [[tuple(p.shape) for p in g] for g in opt.model_groups]}
-
-
-def _optimizer_extra(opt: Any) -> dict[str, Any]:
-    inner = getattr(opt, "optimizer", opt)
-    groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
-    out: dict[str, Any] = {"param_groups": groups}
-    scaler = getattr(opt, "grad_scaler", None)
-    if scaler is not None:
-        out["grad_scaler"] = scaler.state_dict()
-    if hasattr(opt, "num_skipped_steps"):
-        out["num_skipped_steps"] = int(opt.num_skipped_steps)
-    return out
-
-
-def _load_optimizer_extra(opt: Any, saved: dict[str, Any]) -> None:
-    inner = getattr(opt, "optimizer", opt)
-    groups = saved.get("param_groups", [])
-    if len(groups) != len(inner.param_groups):
-        raise ckpt.CheckpointError(f"the checkpoint has {len(groups)} optimizer parameter groups, "
-                                   f"this optimizer has {len(inner.param_groups)}")
-    for group, saved_group in zip(inner.param_groups, groups):
-        group.update(saved_group)
-    scaler = getattr(opt, "grad_scaler", None)
-    if scaler is not None and saved.get("grad_scaler") is not None:
-        scaler.load_state_dict(saved["grad_scaler"])
-    if "num_skipped_steps" in saved and hasattr(opt, "num_skipped_steps"):
-        opt.num_skipped_steps = saved["num_skipped_steps"]
-
-
-def _plain(value: Any) -> Any:
-    """Reduce hyper-parameters to types ``torch.load(weights_only=True)`` accepts."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)) or torch.is_tensor(value):
-        return value
-    if isinstance(value, torch.dtype):
-        return str(value)
-    if hasattr(value, "__dataclass_fields__"):
-        import dataclasses
-
-        return _plain(dataclasses.asdict(value))
-    return repr(value)
-
-
-def _iter_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None]
 
 
 def _register() -> None:

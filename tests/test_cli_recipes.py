@@ -85,3 +85,32 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
     assert len(tp1) == len(tp2) == 12
     for a, b in zip(tp1, tp2):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, tp2)
+
+
+def test_preprocess_and_plot_commands(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes("The first document has two sentences. Here is the second one.\n\n"
+                       "Another document follows.\n\n\n".encode() + b"bad bytes \xff\xfe here.\n")
+    proc = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "preprocess", "--input", str(corpus),
+                           "--output-prefix", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out.bin").is_file() and (tmp_path / "out.idx").is_file()
+    assert "documents" in proc.stdout
+    missing = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "preprocess", "--input",
+                              str(tmp_path / "nope.txt"), "--output-prefix", str(tmp_path / "x")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and "nope.txt" in missing.stderr
+
+    from lightning_megatron.cli import plot_runs
+
+    for run, scale in (("run_a", 1.0), ("run_b", 0.9)):
+        d = tmp_path / run / "csv" / "version_0"
+        d.mkdir(parents=True)
+        with (d / "metrics.csv").open("w") as fh:
+            fh.write("step,train_lm_loss,val_lm_loss\n")
+            for step in range(10):
+                fh.write(f"{step},{scale * (10 - step * 0.3)},\n")
+    out = plot_runs([tmp_path / "run_a", tmp_path / "run_b"], tmp_path / "curves.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(FileNotFoundError, match="no metrics.csv"):
+        plot_runs([tmp_path / "empty"], tmp_path / "x.png")

@@ -1,10 +1,15 @@
 """Tokens/s, achieved TFLOP/s and MFU per device, logged every step.
 
-FLOPs per step (Megatron's count for a transformer, fwd + bwd = 3x fwd, no recompute):
-    6 * N * T  +  12 * L * s * h * T      (N parameters of the whole model, T tokens per step,
-                                           L layers, s sequence length, h hidden size)
-where the first term is every weight used once per token in forward (2 FLOPs per multiply-add) and
-three times that with backward, and the second the attention scores and their weighted sum.
+FLOPs per step, Megatron's count (forward 2 FLOPs per multiply-add; backward twice the forward;
+recomputation not counted):
+
+    6 T L (4 h^2 + 2 h f)  +  12 T L s h  +  6 T_head (h V + h^2)
+
+with T tokens per step, L layers, h hidden, f ffn hidden, s sequence length, V vocabulary: the
+layers' weight matmuls (qkv 3h^2, projection h^2, MLP 2hf), the attention scores and their
+weighted sum, and the LM head (dense h^2 and the [h, V] output layer) on T_head tokens: every
+token, or only the masked ones when the model runs its head on those (``lm_head_on_masked_only``).
+For models without these attributes, 6 N T + 12 T L s h with N the parameter count.
 Achieved TFLOP/s per device = FLOPs / step time / world size. MFU = achieved / peak; the peak is
 ``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype.
 """
@@ -69,7 +74,11 @@ class ThroughputCallback(Callback):
         ps = getattr(trainer.strategy, "parallel_state", None)
         dp = ps.dp_size if ps is not None else trainer.world_size
         global_tokens = tokens.numel() * dp
-        flops = _step_flops(pl_module, global_tokens, tokens.size(-1))
+        head_tokens = global_tokens
+        if isinstance(batch, dict) and "loss_mask" in batch and getattr(pl_module, "hparams", {}).get(
+                "lm_head_on_masked_only", False):
+            head_tokens = int((batch["loss_mask"] > 0).sum().item()) * dp
+        flops = _step_flops(pl_module, global_tokens, tokens.size(-1), head_tokens)
         tflops_per_device = flops / step_time / trainer.world_size / 1e12
         pl_module.log("tokens_per_sec", global_tokens / step_time, on_step=True, rank_zero_only=True)
         pl_module.log("tflops_per_device", tflops_per_device, on_step=True, rank_zero_only=True)
@@ -77,13 +86,16 @@ class ThroughputCallback(Callback):
             pl_module.log("mfu", tflops_per_device / self.peak_tflops, on_step=True, rank_zero_only=True)
 
 
-def _step_flops(pl_module: LightningModule, tokens: int, seq: int) -> float:
+def _step_flops(pl_module: LightningModule, tokens: int, seq: int, head_tokens: int) -> float:
     config = getattr(pl_module, "config", None)
-    hp = getattr(pl_module, "hparams", {})
-    num_params = _total_params(pl_module)
-    layers = getattr(config, "num_layers", hp.get("num_layers", 0))
-    hidden = getattr(config, "hidden_size", hp.get("hidden_size", 0))
-    return 6.0 * num_params * tokens + 12.0 * layers * seq * hidden * tokens
+    vocab = getattr(pl_module, "vocab_size", None)
+    if config is None or vocab is None:
+        hp = getattr(pl_module, "hparams", {})
+        layers, hidden = hp.get("num_layers", 0), hp.get("hidden_size", 0)
+        return 6.0 * _total_params(pl_module) * tokens + 12.0 * layers * seq * hidden * tokens
+    L, h, f = config.num_layers, config.hidden_size, config.ffn_hidden_size
+    return (6.0 * tokens * L * (4 * h * h + 2 * h * f) + 12.0 * tokens * L * seq * h
+            + 6.0 * head_tokens * (h * vocab + h * h))
 
 
 def _total_params(pl_module: LightningModule) -> int:

@@ -32,6 +32,7 @@ from torch import nn
 
 from lightning_megatron.parallel_state import group_rank, group_size
 from lightning_megatron.tensor_parallel.mappings import (
+    all_reduce_coalesced,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -233,14 +234,5 @@ class VocabParallelEmbedding(nn.Module):
 def all_reduce_sequence_parallel_grads(parameters: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None) -> None:
     """Sum over TP the grads of parameters marked ``sequence_parallel`` (replicated weights that saw
     only this rank's sequence chunk: norms, row-parallel biases). One flat all-reduce."""
-    if group_size(tp_group) == 1:
-        return
-    grads = [p.grad for p in parameters if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_coalesced([p.grad for p in parameters if getattr(p, "sequence_parallel", False) and p.grad is not None],
+                         tp_group)

@@ -33,6 +33,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "all_reduce_coalesced",
 ]
 
 Group = dist.ProcessGroup | None
@@ -104,6 +105,18 @@ def _reduce_scatter_along_first_dim(t: torch.Tensor, group: Group) -> torch.Tens
     out = torch.empty((chunk, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _reduce_scatter_single(out, t, group)
     return out
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> None:
+    """Sum ``tensors`` (one dtype) over ``group`` in place, with one flat all-reduce (no autograd)."""
+    if not tensors or group_size(group) == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 # ---------------------------------------------------------------------------------------------
