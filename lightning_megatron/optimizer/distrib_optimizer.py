@@ -38,13 +38,12 @@ it for the current DP size: that is how a run resumes after a DP size change.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.optimizer.clip_grads import _is_counted, clip_grad_by_total_norm_fp32
+from lightning_megatron.optimizer.clip_grads import _is_counted
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 
@@ -229,33 +228,12 @@ class DistributedOptimizer(MegatronOptimizer):
         return [p for group in getattr(self, "model_groups", [])
                 for p in group] or [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run ``closure`` (forward + backward) if given, then one sharded step; return its loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._copy_model_grads_to_main_grads()
-        if self.grad_scaler is not None:
-            found_inf = self._unscale_main_grads_and_check_for_nan()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                self.last_step_skipped = True
-                self.num_skipped_steps += 1
-                self.last_grad_norm = None
-                self.last_num_zeros = None
-                self._release_grad_shard()
-                return loss
-        self.last_grad_norm = self._grad_norm()
-        if self.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(self.main_params, self.clip_grad, self.last_grad_norm)
-        self.last_num_zeros = self._num_zeros() if self.log_num_zeros_in_grad else None
-        self.optimizer.step()
+    # step() is MegatronOptimizer.step; these hooks make it work on the flat shard.
+    def _clip_parameters(self) -> list[torch.Tensor]:
+        return self.main_params
+
+    def _release_main_grads(self) -> None:
         self._release_grad_shard()
-        self._copy_main_params_to_model_params()
-        self.last_step_skipped = False
-        return loss
 
     def _release_grad_shard(self) -> None:
         for main in self.main_params:

@@ -183,26 +183,34 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 self.num_skipped_steps += 1
                 self.last_grad_norm = None
                 self.last_num_zeros = None
+                self._release_main_grads()
                 return loss
 
-        params = self.get_parameters()
-        self.last_grad_norm = get_grad_norm_fp32(
-            grads_for_norm(params, tp_rank=self.tp_rank, pp_rank=self.pp_rank),
-            2,
-            self.model_parallel_group,
-        )
+        self.last_grad_norm = self._grad_norm()
         if self.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(params, self.clip_grad, self.last_grad_norm)
-        self.last_num_zeros = (
-            count_zeros_fp32(params, model_parallel_group=self.model_parallel_group,
-                             tp_rank=self.tp_rank, pp_rank=self.pp_rank)
-            if self.log_num_zeros_in_grad
-            else None
-        )
+            clip_grad_by_total_norm_fp32(self._clip_parameters(), self.clip_grad, self.last_grad_norm)
+        self.last_num_zeros = self._num_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
+        self._release_main_grads()
         self._copy_main_params_to_model_params()
         self.last_step_skipped = False
         return loss
+
+    # Hooks of the step; the DistributedOptimizer overrides them for its flat shards.
+    def _grad_norm(self) -> float:
+        """Global L2 norm over TP/PP (each duplicated parameter once)."""
+        grads = grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank, pp_rank=self.pp_rank)
+        return get_grad_norm_fp32(grads, 2, self.model_parallel_group)
+
+    def _num_zeros(self) -> int:
+        return count_zeros_fp32(self.get_parameters(), model_parallel_group=self.model_parallel_group,
+                                tp_rank=self.tp_rank, pp_rank=self.pp_rank)
+
+    def _clip_parameters(self) -> list[torch.Tensor]:
+        return self.get_parameters()
+
+    def _release_main_grads(self) -> None:
+        """Free what the step no longer needs (nothing here: main grads live until zero_grad)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
