@@ -184,6 +184,7 @@ class MegatronStrategy(DDPStrategy):
                 f"shard separately. Use lightning_megatron.callbacks.MegatronOptimizerCallback(clip_grad=...), "
                 f"which clips by the norm over all tensor- and pipeline-parallel ranks")
         self._validate_model()
+        self._validate_batch_sizes(trainer)
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
         assert self.accelerator is not None
@@ -210,6 +211,22 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(
                 "MegatronStrategy: pipeline_model_parallel_size > 1 needs the LightningModule to implement "
                 "forward_step(microbatch, chunk) -> (output_tensor, loss_func) and pipeline_tensor_shape(microbatch)")
+
+    def _validate_batch_sizes(self, trainer: Trainer) -> None:
+        """global_batch_size = micro_batch_size x num_microbatches x DP, checked before any step."""
+        ps = self.parallel_state
+        assert ps is not None
+        dm = getattr(trainer, "datamodule", None)
+        global_batch = getattr(dm, "global_batch_size", None)
+        micro = self._micro_batch_size()
+        if global_batch is None or micro is None:
+            return
+        if global_batch % (micro * ps.dp_size) != 0:
+            raise ValueError(
+                f"MegatronStrategy: global_batch_size={global_batch} is not divisible by micro_batch_size={micro} "
+                f"x data-parallel size={ps.dp_size} (= {micro * ps.dp_size}); choose a global batch that is a "
+                f"multiple of it")
+        validate_num_microbatches(global_batch // (micro * ps.dp_size), ps.pp_size, ps.vp_size)
 
     @property
     def model_chunks(self) -> list[nn.Module]:

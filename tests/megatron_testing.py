@@ -128,6 +128,7 @@ def synthetic_datamodule(global_batch: int, micro: int, dp_size: int, dp_rank: i
 
     class _DM(LightningDataModule):
         micro_batch_size = micro
+        global_batch_size = global_batch
 
         def train_dataloader(self):
             return consumed_samples_loader(self.trainer, global_batch, micro, dp_size, dp_rank)

@@ -1,0 +1,54 @@
+"""Bad configurations raise a ValueError that names the numbers, before any training step."""
+
+from __future__ import annotations
+
+from dist_utils import run_distributed
+from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
+
+
+def _attempt(strategy_kwargs: dict, model_kwargs: dict, trainer_kwargs: dict, global_batch: int = 8,
+             micro: int = 2, dp: int = 1) -> str:
+    from lightning.pytorch import Callback
+
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.strategy import MegatronStrategy
+
+    class CountSteps(Callback):
+        steps = 0
+
+        def on_train_batch_start(self, *args) -> None:
+            CountSteps.steps += 1
+
+    try:
+        strategy = MegatronStrategy(**strategy_kwargs)
+        trainer = make_trainer(strategy, 2, 3, callbacks=[CountSteps()], **trainer_kwargs)
+        trainer.fit(BertLightningModule(**{**TINY_MODEL, **model_kwargs}),
+                    datamodule=synthetic_datamodule(global_batch, micro, dp, 0))
+    except ValueError as e:
+        assert CountSteps.steps == 0, "the error must come before any training step"
+        return str(e)
+    return "no error"
+
+
+def _errors_worker() -> dict:
+    return {
+        "world": _attempt({"tensor_model_parallel_size": 4}, {}, {}),
+        "heads": _attempt({"tensor_model_parallel_size": 2}, {"num_attention_heads": 3, "hidden_size": 30,
+                                                              "ffn_hidden_size": 60}, {}),
+        "batch": _attempt({"tensor_model_parallel_size": 1}, {}, {}, global_batch=6, micro=2, dp=2),
+        "accumulate": _attempt({"tensor_model_parallel_size": 2}, {}, {"accumulate_grad_batches": 2}),
+        "clip": _attempt({"tensor_model_parallel_size": 2}, {}, {"gradient_clip_val": 1.0}),
+        "microbatches": _attempt({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+                                  "virtual_pipeline_model_parallel_size": 2}, {"num_layers": 4}, {},
+                                 global_batch=6, micro=2),
+    }
+
+
+def test_bad_configurations_raise_before_training():
+    e = run_distributed(_errors_worker, 2, timeout=300)[0]
+    assert "world_size=2 is not divisible by tensor_model_parallel_size=4" in e["world"], e["world"]
+    assert "num_attention_heads" in e["heads"] and "tensor_model_parallel_size" in e["heads"], e["heads"]
+    assert "global_batch_size=6 is not divisible by micro_batch_size=2 x data-parallel size=2" in e["batch"], e["batch"]
+    assert "accumulate_grad_batches=2" in e["accumulate"], e["accumulate"]
+    assert "MegatronOptimizerCallback" in e["clip"], e["clip"]
+    assert "3" in e["microbatches"] and "pipeline" in e["microbatches"].lower(), e["microbatches"]
