@@ -1,0 +1,116 @@
+"""Where one TP=1 training step of our BERT goes: forward / backward / optimizer, top ops, copy sources.
+
+    .venv/bin/python benchmarks/profile_step.py [--size base] [--dtype bf16] [--ops aten::copy_,aten::max]
+
+Runs the model of :class:`BertLightningModule` directly (no Trainer: one process, all cores), the
+way the MegatronStrategy's no-pipelining schedule does: ``forward_step`` -> ``backward`` -> optimizer
+step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping).
+After ``--warmup`` steps one step runs under ``torch.profiler`` with shapes recorded, and prints
+
+- wall time of the phases (``FWD``, ``BWD``, ``OPT`` record_function ranges);
+- the top ops by self CPU time;
+- for each op named in ``--ops``: its time grouped by the chain of calling ops and input shape, which
+  tells which line of the model issued it (e.g. ``aten::clone < aten::contiguous < FWD`` on
+  [b, s, V] is ``logits.transpose(0, 1).contiguous()`` in BertModel.forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import CPU_COUNT, SIZES  # noqa: E402
+from bert_step import LR, WEIGHT_DECAY, SyntheticBatches  # noqa: E402
+
+
+def build(size_name: str, dtype: str, batch: int, seq: int):
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.tensor_parallel.random import model_parallel_seed
+
+    model_parallel_seed(1234, 0)
+    s = SIZES[size_name]
+    module = BertLightningModule(num_layers=s.num_layers, hidden_size=s.hidden_size,
+                                 num_attention_heads=s.num_attention_heads, ffn_hidden_size=s.ffn_hidden_size,
+                                 vocab_size=s.vocab_size, max_sequence_length=s.max_position_embeddings,
+                                 spec="bert_layer_post_norm_spec", params_dtype="bfloat16" if dtype == "bf16" else
+                                 "float32", lr=LR, weight_decay=WEIGHT_DECAY)
+    module.configure_model()
+    opt = module.configure_optimizers()
+    if dtype == "bf16":
+        from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler
+        from lightning_megatron.optimizer.mixed_precision import Float16OptimizerWithFloat16Params
+
+        opt = Float16OptimizerWithFloat16Params(opt, grad_scaler=ConstantGradScaler(1.0), clip_grad=0.0)
+    ds = SyntheticBatches(batch, seq, s.vocab_size)
+    data = {k: torch.stack([ds[i][k] for i in range(batch)]) for k in ds[0]}
+    return module, opt, data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="base", choices=sorted(SIZES))
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--ops", default="aten::copy_", help="comma-separated ops to attribute to their callers")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(CPU_COUNT)
+    module, opt, data = build(args.size, args.dtype, args.batch, args.seq)
+    chunk = module.model_chunks[0]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("FWD"):
+            loss, _ = module.forward_step(data, chunk)
+        with torch.profiler.record_function("BWD"):
+            loss.backward()
+        with torch.profiler.record_function("OPT"):
+            opt.step()
+
+    for _ in range(args.warmup):
+        t0 = time.perf_counter()
+        step()
+        print(f"warm-up step {time.perf_counter() - t0:.3f} s")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    phases = collections.Counter()
+    for e in events:
+        if e.name in ("FWD", "BWD", "OPT"):
+            phases[e.name] += e.cpu_time_total / 1e6
+    print(f"\nprofiled step {wall:.3f} s: " + ", ".join(f"{k} {v:.3f} s ({100 * v / wall:.0f}%)"
+                                                      for k, v in phases.items()))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=50))
+    wanted = set(args.ops.split(","))
+    by_caller: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    for e in events:
+        if e.name not in wanted:
+            continue
+        chain, parent = [], e.cpu_parent
+        while parent is not None and len(chain) < 3:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        key = (e.name, " < ".join(chain), str(e.input_shapes[:1]) if e.input_shapes else "")
+        by_caller[key] += e.cpu_time_total / 1e3
+        calls[key] += 1
+    print(f"\n{', '.join(sorted(wanted))} by caller chain and first input shape:")
+    for key, ms in by_caller.most_common(args.top):
+        print(f"{ms:9.1f} ms  x{calls[key]:<4d} {key[0]} < {key[1][:90]}  {key[2][:50]}")
+
+
+if __name__ == "__main__":
+    main()
