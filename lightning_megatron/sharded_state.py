@@ -151,7 +151,10 @@ class ShardedStateMapper:
                     with torch.no_grad():
                         opt_param.copy_(entry["main"])
                         p.copy_(entry["main"])
-                loaded = {**entry["scalars"], **{k: v.to(opt_param.device) for k, v in entry["state"].items()}}
+                # Fused/capturable Adam keep ``step`` on the parameter's device, the others on the CPU.
+                on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
+                scalars = {k: v.to(opt_param.device) if on_device else v for k, v in entry["scalars"].items()}
+                loaded = {**scalars, **{k: v.to(opt_param.device) for k, v in entry["state"].items()}}
                 if loaded:
                     inner.state[opt_param] = loaded
             _load_optimizer_extra(opt, saved)

