@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
+from lightning_megatron.pipeline.microbatches import split_microbatches
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
 from lightning_megatron.sharded_state import (
     ShardedStateMapper,
@@ -252,14 +253,7 @@ class MegatronStrategy(DDPStrategy):
 
     def split_microbatches(self, batch: Any) -> list[Any]:
         """Split the per-rank batch along dim 0 into microbatches of ``micro_batch_size``."""
-        size = _batch_size(batch)
-        mbs = self._micro_batch_size() or size
-        if size % mbs != 0:
-            raise ValueError(f"MegatronStrategy: the per-rank batch has {size} samples, not divisible by "
-                             f"micro_batch_size={mbs}; make global_batch_size a multiple of "
-                             f"micro_batch_size x data-parallel size")
-        n = size // mbs
-        return [_slice_batch(batch, i * mbs, (i + 1) * mbs) for i in range(n)]
+        return split_microbatches(batch, self._micro_batch_size())
 
     def _grad_scale_func(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         # The MegatronOptimizerCallback wraps the optimizer; a wrapper with a loss scale exposes it.
@@ -556,29 +550,6 @@ class MegatronStrategy(DDPStrategy):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _batch_size(batch: Any) -> int:
-    if torch.is_tensor(batch):
-        return batch.size(0)
-    if isinstance(batch, Mapping):
-        return _batch_size(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return _batch_size(batch[0])
-    raise TypeError(f"MegatronStrategy cannot split a batch of type {type(batch).__name__} into microbatches; "
-                    f"use a tensor, a dict or a tuple of tensors")
-
-
-def _slice_batch(batch: Any, start: int, end: int) -> Any:
-    if torch.is_tensor(batch):
-        return batch[start:end]
-    if isinstance(batch, Mapping):
-        return {k: _slice_batch(v, start, end) for k, v in batch.items()}
-    if isinstance(batch, tuple):
-        return tuple(_slice_batch(v, start, end) for v in batch)
-    if isinstance(batch, list):
-        return [_slice_batch(v, start, end) for v in batch]
-    return batch
 
 
 def _bucketed_all_reduce_mean(grads: list[torch.Tensor], group: Any, bucket_bytes: int) -> None:

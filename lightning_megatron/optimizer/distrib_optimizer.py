@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from lightning_megatron.optimizer.clip_grads import _is_counted
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
-from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
+from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
 
 __all__ = ["DistributedOptimizer"]
 
@@ -241,14 +241,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self._grad_shard = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for params in self.model_groups:
-            for p in params:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        zero_grads([p for params in self.model_groups for p in params], set_to_none)
         for main in self.main_params:
             main.grad = None
 

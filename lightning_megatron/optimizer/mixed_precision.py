@@ -50,6 +50,17 @@ _COPIED_PARAM_ATTRIBUTES = (
 )
 
 
+def zero_grads(params: list[torch.Tensor], set_to_none: bool = True) -> None:
+    """Drop (or zero) the ``.grad`` of every tensor in ``params``."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.detach_().zero_()
+
+
 class MegatronOptimizer(torch.optim.Optimizer):
     """Common part of the wrappers: shared param groups, overflow check, norm, clipping, counters.
 
@@ -287,15 +298,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The model params (where backward writes) and the main params (where the optimizer reads).
-        for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
-            for group in groups:
-                for p in group:
-                    if p.grad is None:
-                        continue
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.detach_().zero_()
+        zero_grads([p for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups)
+                    for group in groups for p in group], set_to_none)
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
