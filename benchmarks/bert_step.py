@@ -14,10 +14,9 @@
 
 Ours: :class:`BertLightningModule` with the post-norm spec (Hugging Face's layout), the
 MegatronStrategy, torch AdamW; bf16 = bf16 parameters with :class:`MegatronOptimizerCallback`
-(fp32 main params, no clipping) under ``precision="bf16-true"``. With ``zero_grad_workaround`` the
-module zeroes gradients before the step instead of letting Lightning do it after ``training_step``
-(for strategy versions where that wiped the gradients the schedule had just computed);
-``optimizer_stepped`` in the result tells whether AdamW really updated the parameters.
+(fp32 main params, no clipping) under ``precision="bf16-true"``. ``optimizer_stepped`` in the
+result tells whether AdamW really updated the parameters (a guard against timing a step that
+updates nothing).
 Hugging Face: ``BertForPreTraining`` (SDPA attention) in a plain LightningModule, torch AdamW with
 the same weight-decay groups; bf16 = ``precision="bf16-mixed"`` (autocast, fp32 params).
 """
@@ -107,30 +106,14 @@ def _cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _ours_module(size: BertSize, bf16: bool, zero_grad_workaround: bool):
+def _ours_module(size: BertSize, bf16: bool):
     from lightning_megatron.models.bert.module import BertLightningModule
 
-    kwargs = dict(num_layers=size.num_layers, hidden_size=size.hidden_size,
-                  num_attention_heads=size.num_attention_heads, ffn_hidden_size=size.ffn_hidden_size,
-                  vocab_size=size.vocab_size, max_sequence_length=size.max_position_embeddings,
-                  spec="bert_layer_post_norm_spec", params_dtype="bfloat16" if bf16 else "float32", lr=LR,
-                  weight_decay=WEIGHT_DECAY)
-    if not zero_grad_workaround:
-        return BertLightningModule(**kwargs)
-
-    class StepFixedBert(BertLightningModule):
-        """Lightning's automatic optimization calls ``zero_grad`` AFTER ``training_step`` and before
-        ``backward``; the MegatronStrategy runs forward AND backward inside ``training_step``, so the
-        grads are wiped and the optimizer steps on nothing. Zero them before the step instead."""
-
-        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            for opt in self.trainer.strategy.optimizers:
-                opt.zero_grad(set_to_none=True)
-
-        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
-            pass
-
-    return StepFixedBert(**kwargs)
+    return BertLightningModule(
+        num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
+        ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
+        max_sequence_length=size.max_position_embeddings, spec="bert_layer_post_norm_spec",
+        params_dtype="bfloat16" if bf16 else "float32", lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def _optimizer_stepped(optimizers: list[Any]) -> bool:
@@ -260,7 +243,7 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
 
         strategy: Any = MegatronStrategy(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=run["pp"],
                                          micro_batch_size=run["micro_batch"])
-        module: Any = _ours_module(size, bf16, run.get("zero_grad_workaround", False))
+        module: Any = _ours_module(size, bf16)
         precision = "32-true"
         if bf16:
             precision = "bf16-true"

@@ -108,15 +108,10 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
         f"`--omp-spin` keeps the default). Waited for a quiet machine: {meta['quiet_waited_s']:.0f} s in all. "
         "The host of this 2-core VM is shared too, beyond what *background* can see: expect 10-30% between "
         "runs of the same configuration and compare ratios within one run.\n")
-    if meta["workaround"]:
-        add("**Our runs applied `--zero-grad-workaround`** (benchmarks/bert_step.py, `StepFixedBert`): gradients "
-            "are zeroed in `on_train_batch_start` and `optimizer_zero_grad` is a no-op, for library versions whose "
-            "MegatronStrategy let Lightning's `zero_grad()` (called after `training_step`, where the strategy "
-            "already ran backward) wipe the gradients before the optimizer step.\n")
     if not all(r["optimizer_stepped"] for r in rows):
         add("**WARNING: in some runs below the optimizer never updated a parameter** (AdamW holds no state after "
             "the timed steps: *optimizer stepped* = no); their step times measure forward and backward only. "
-            "Rerun with `--zero-grad-workaround` or fix the strategy.\n")
+            "The strategy is not applying its gradients: fix it before reading these numbers.\n")
     else:
         add("*Optimizer stepped* checks, in every run, that AdamW holds state after the timed steps (the "
             "parameters were really updated).\n")

@@ -159,7 +159,7 @@ def run_gemm(quick: bool, previous: dict[str, Any] | None = None) -> dict[str, A
     return {"rows": rows, "peak": peak, "runs": runs}
 
 
-def run_bert(quick: bool, rounds: int, workaround: bool, sizes: list[str]) -> list[dict[str, Any]]:
+def run_bert(quick: bool, rounds: int, sizes: list[str]) -> list[dict[str, Any]]:
     from bert_step import bert_rank
 
     steps = {"tiny": (1, 3) if quick else (2, 6), "base": (1, 2) if quick else (1, 3)}  # (warm-up, timed)
@@ -177,8 +177,7 @@ def run_bert(quick: bool, rounds: int, workaround: bool, sizes: list[str]) -> li
                 # Profile once per configuration (one extra, untimed step): top ops and collective time.
                 spec = dict(framework=fw, precision=prec, tp=tp, pp=pp, size=size.as_dict(), seq=SEQ, batch=BATCH,
                             micro_batch=PP_MICRO_BATCH if pp > 1 else BATCH, warmup=warmup, steps=n_steps,
-                            profile=r == 0 and size_name == "base" and (not quick or fw == "ours"),
-                            zero_grad_workaround=workaround)
+                            profile=r == 0 and size_name == "base" and (not quick or fw == "ours"))
                 ranks, background, wall = _measured(bert_rank, world, spec)
                 # Ranks advance in lock-step: per step, the slowest rank's time.
                 step_times = [max(ts) for ts in zip(*(rk["step_times"] for rk in ranks))]
@@ -239,9 +238,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (about 5 minutes)")
     parser.add_argument("--rounds", type=int, default=None, help="runs per configuration (default 1 quick, 2 full)")
     parser.add_argument("--sizes", default="tiny,base", help="comma-separated subset of: " + ",".join(SIZES))
-    parser.add_argument("--zero-grad-workaround", action="store_true",
-                        help="for library versions whose MegatronStrategy lets Lightning's zero_grad wipe the "
-                             "gradients after training_step: zero them before the step instead")
     parser.add_argument("--markdown", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     parser.add_argument("--png", default=os.path.join(ROOT, "docs", "img", "benchmarks.png"))
     parser.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "lightning_megatron_benchmarks.json"),
@@ -268,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
             data = json.load(f)
     else:
         gemm = run_gemm(args.quick)
-        rows = run_bert(args.quick, rounds, args.zero_grad_workaround, sizes)
+        rows = run_bert(args.quick, rounds, sizes)
         gemm = run_gemm(args.quick, gemm)
         _log("tensor-parallel MLP: ours vs megatron-core")
         mlp = run_tp_mlp(args.quick)
@@ -277,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             gemm = run_gemm(args.quick, gemm)
         meta = {"command": ".venv/bin/python benchmarks/run.py" + (" --quick" if args.quick else ""),
                 "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
-                "versions": _versions(), "git": _git_version(), "rounds": rounds, "workaround": args.zero_grad_workaround,
+                "versions": _versions(), "git": _git_version(), "rounds": rounds,
                 "elapsed_min": (time.monotonic() - t0) / 60, "quiet_waited_s": QUIET.waited_s,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin)")}
         data = {"meta": meta, "gemm": gemm, "bert": rows, "mlp": mlp, "adamw": adamw}
