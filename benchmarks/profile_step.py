@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/profile_step.py [--size base] [--dtype bf16] [--ops aten::copy_,aten::max]
 
 Runs the model of :class:`BertLightningModule` directly (no Trainer: one process, all cores), the
-way the MegatronStrategy's no-pipelining schedule does: ``forward_step`` -> ``backward`` -> optimizer
-step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping).
+way the MegatronStrategy's no-pipelining schedule does: ``forward_step`` -> ``backward`` (16-bit grads
+added into fp32 main grads by :class:`MainGrads`' hooks) -> optimizer step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping).
 After ``--warmup`` steps one step runs under ``torch.profiler`` with shapes recorded, and prints
 
 - wall time of the phases (``FWD``, ``BWD``, ``OPT`` record_function ranges);
@@ -66,17 +66,29 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(CPU_COUNT)
+    import torch.distributed as dist
+
+    from lightning_megatron.grads import MainGrads
+    from lightning_megatron.parallel_state import initialize_model_parallel
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    ps = initialize_model_parallel(1, 1)
     module, opt, data = build(args.size, args.dtype, args.batch, args.seq)
     chunk = module.model_chunks[0]
+    main_grads = MainGrads([chunk])  # the strategy's fp32 main grads (accumulated by backward hooks)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
+        main_grads.start()
         with torch.profiler.record_function("FWD"):
             loss, _ = module.forward_step(data, chunk)
         with torch.profiler.record_function("BWD"):
             loss.backward()
         with torch.profiler.record_function("OPT"):
+            main_grads.finish(ps)
+            main_grads.expose(reads_main_grad=args.dtype == "bf16")
             opt.step()
+            main_grads.release()
 
     for _ in range(args.warmup):
         t0 = time.perf_counter()

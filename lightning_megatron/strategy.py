@@ -42,6 +42,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
+from lightning_megatron.grads import MainGrads
+from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.microbatches import split_microbatches
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
@@ -53,7 +55,6 @@ from lightning_megatron.sharded_state import (
     rng_state,
     set_rng_state,
 )
-from lightning_megatron.tensor_parallel.mappings import all_reduce_coalesced
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
 __all__ = ["MegatronStrategy"]
@@ -134,6 +135,7 @@ class MegatronStrategy(DDPStrategy):
         self.seed = seed
         self.ddp_bucket_size_mb = ddp_bucket_size_mb
         self.parallel_state: ParallelState | None = None
+        self._main_grads: MainGrads | None = None
         self.schedule_trace: list | None = None
         """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
 
@@ -197,6 +199,9 @@ class MegatronStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self._main_grads is not None:
+                self._main_grads.remove()
+            self._main_grads = MainGrads(self.model_chunks)
 
     def _validate_model(self) -> None:
         ps = self.parallel_state
@@ -298,9 +303,9 @@ class MegatronStrategy(DDPStrategy):
         if not forward_only:
             # Lightning zeroes grads only after the training step (before its backward), too late
             # for a schedule that runs backward inside the step: start every step from no grads.
-            for chunk in chunks:
-                for p in chunk.parameters():
-                    p.grad = None
+            if self._main_grads is None:
+                self._main_grads = MainGrads(chunks)
+            self._main_grads.start()
         logged = fb(forward_step_func=self._forward_step_func(stage, batch_idx), microbatches=microbatches,
                     model=chunks, num_microbatches=len(microbatches), parallel_state=ps,
                     tensor_shape=tensor_shape, dtype=dtype, forward_only=forward_only,
@@ -331,52 +336,33 @@ class MegatronStrategy(DDPStrategy):
         return means
 
     def finalize_model_grads(self) -> None:
-        """After the schedule: move grads to fp32 ``main_grad`` and reduce them there.
+        """After the schedule: every gradient in fp32 ``param.main_grad``, reduced (:mod:`lightning_megatron.grads`).
 
-        Reductions, all in fp32 (Megatron's main-grad semantics, whatever the parameter dtype):
-        TP all-reduce of sequence-parallel grads, bucketed DP mean, and the sum of the tied word
-        embedding's grads over the first and last pipeline stage.
-
-        The grads are parked in ``main_grad`` (and ``.grad`` set to None) because Lightning's
-        automatic optimization zeroes ``.grad`` between the training step and backward; they are put
-        back right before the optimizer step (see :meth:`optimizer_step`).
+        TP all-reduce of sequence-parallel grads, bucketed DP mean (left to the distributed
+        optimizer when there is one), the tied word embedding summed over the first and last stage.
+        ``.grad`` stays None until :meth:`optimizer_step` because Lightning's automatic optimization
+        zeroes ``.grad`` between the training step and backward.
         """
-        ps = self.parallel_state
-        assert ps is not None
-        params = [p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-            else:
-                p.main_grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-            p.grad = None
-        if ps.tp_size > 1:
-            all_reduce_coalesced([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], ps.tp_group)
-        if ps.dp_size > 1 and not any(is_distributed_optimizer(opt) for opt in self.optimizers):
-            _bucketed_all_reduce_mean([p.main_grad for p in params], ps.dp_group,
-                                      int(self.ddp_bucket_size_mb * 2**20))
-        if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
-            all_reduce_coalesced([p.main_grad for p in params if getattr(p, "shared_embedding", False)],
-                             ps.embedding_group)
+        assert self.parallel_state is not None and self._main_grads is not None
+        self._main_grads.finish(self.parallel_state,
+                                reduce_dp=not any(is_distributed_optimizer(opt) for opt in self.optimizers),
+                                bucket_bytes=int(self.ddp_bucket_size_mb * 2**20))
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        params = [p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+        main_grads = self._main_grads
 
         def closure_with_grads() -> Any:
             out = closure()  # training_step: the whole microbatch schedule, then Lightning's zero_grad
-            for p in params:
-                main = getattr(p, "main_grad", None)
-                if main is not None:
-                    p.grad = main if main.dtype == p.dtype else main.to(p.dtype)
+            if main_grads is not None:
+                main_grads.expose(reads_main_grad=isinstance(optimizer, MegatronOptimizer))
             return out
 
         try:
             return super().optimizer_step(optimizer, closure_with_grads, model, **kwargs)
         finally:
-            for p in params:
-                if hasattr(p, "main_grad"):
-                    del p.main_grad
+            if main_grads is not None:
+                main_grads.release()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -548,27 +534,15 @@ class MegatronStrategy(DDPStrategy):
         if self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True)
 
+    @override
+    def teardown(self) -> None:
+        if self._main_grads is not None:
+            self._main_grads.remove()
+            self._main_grads = None
+        super().teardown()
+
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _bucketed_all_reduce_mean(grads: list[torch.Tensor], group: Any, bucket_bytes: int) -> None:
-    """Mean of ``grads`` over ``group``: flat all-reduces of about ``bucket_bytes`` each, per dtype."""
-    world = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for tensors in by_dtype.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for g in tensors:
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-            if size >= bucket_bytes or g is tensors[-1]:
-                all_reduce_coalesced(bucket, group)
-                for t in bucket:
-                    t.div_(world)
-                bucket, size = [], 0
 
 
 def _register() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lightning_megatron.transformer.attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from lightning_megatron.transformer.block import TransformerBlock
 from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.dropout import Dropout, dropout
 from lightning_megatron.transformer.layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -30,6 +31,6 @@ __all__ = [
     "TransformerConfig", "TransformerLayer", "TransformerLayerSubmodules", "TransformerBlock",
     "SelfAttention", "SelfAttentionSubmodules", "DotProductAttention", "MLP", "MLPSubmodules",
     "LayerNorm", "RMSNorm", "Norm", "get_norm_class", "resolve_norm_class", "get_bias_dropout_add", "norm_placement", "layer_norm_spec",
-    "AttnMaskType", "IdentityOp", "IdentityFuncOp", "get_activation_func", "mark_sequence_parallel",
+    "Dropout", "dropout", "AttnMaskType", "IdentityOp", "IdentityFuncOp", "get_activation_func", "mark_sequence_parallel",
     "seeded", "stable_seed",
 ]

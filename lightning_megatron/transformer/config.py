@@ -53,8 +53,9 @@ class TransformerConfig:
     """TP size t the model is built for (must equal the size of the tp_group given to the model)."""
     sequence_parallel: bool = False
     """Split activations outside the TP regions along the sequence (needs t > 1 to have any effect)."""
-    attention_backend: Literal["sdpa", "unfused"] = "sdpa"
-    """"sdpa": torch's scaled_dot_product_attention; "unfused": the explicit softmax(QK^T/sqrt(d))V."""
+    attention_backend: Literal["auto", "sdpa", "unfused"] = "auto"
+    """"sdpa": torch's scaled_dot_product_attention; "unfused": the explicit softmax(QK^T/sqrt(d))V;
+    "auto": SDPA on accelerators, on CPU whichever of the two is faster (see DotProductAttention)."""
     attention_softmax_in_fp32: bool = True
     """Unfused backend: compute the softmax in fp32 when the activations are bf16/fp16."""
     recompute_granularity: Literal["full", "selective"] | None = None
@@ -105,8 +106,9 @@ class TransformerConfig:
             raise ValueError(f"normalization={self.normalization!r} is not supported; use one of {NORMALIZATIONS}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r} is not supported; use one of {ACTIVATIONS}")
-        if self.attention_backend not in ("sdpa", "unfused"):
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; use 'sdpa' or 'unfused'")
+        if self.attention_backend not in ("auto", "sdpa", "unfused"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; "
+                             "use 'auto', 'sdpa' or 'unfused'")
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"params_dtype={self.params_dtype} is not supported; use one of {_DTYPES}")
         if self.sequence_parallel and t == 1:

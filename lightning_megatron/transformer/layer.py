@@ -24,10 +24,10 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.dropout import dropout
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import IdentityFuncOp, IdentityOp
 
@@ -54,7 +54,7 @@ def get_bias_dropout_add(training: bool, fused: bool = False) -> BiasDropoutAdd:
         x, bias = x_with_bias
         if bias is not None:
             x = x + bias
-        return residual + F.dropout(x, p=prob, training=training)
+        return residual + dropout(x, prob, training)
 
     return bias_dropout_add
 

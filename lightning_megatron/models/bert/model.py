@@ -32,6 +32,7 @@ from lightning_megatron.tensor_parallel import (
 )
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 from lightning_megatron.transformer import (
+    Dropout,
     ModuleSpec,
     TransformerBlock,
     TransformerConfig,
@@ -95,7 +96,7 @@ class BertEmbedding(nn.Module):
                 init(self.tokentype_embeddings.weight.data)
         self.layernorm = None if norm is None else build_module(norm, config=config, hidden_size=config.hidden_size,
                                                                 eps=config.layernorm_epsilon)
-        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        self.embedding_dropout = Dropout(config.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:

@@ -101,7 +101,7 @@ class BertLightningModule(LightningModule):
         recompute_granularity: Literal["full", "selective"] | None = None,
         recompute_method: Literal["uniform", "block"] | None = None,
         recompute_num_layers: int | None = None,
-        attention_backend: Literal["sdpa", "unfused"] = "sdpa",
+        attention_backend: Literal["auto", "sdpa", "unfused"] = "auto",
         lm_head_on_masked_only: bool = True,
         init_seed: int = 1234,
         optimizer: Literal["adamw", "adam", "sgd"] = "adamw",
