@@ -19,6 +19,7 @@ result tells whether AdamW really updated the parameters (a guard against timing
 updates nothing).
 Hugging Face: ``BertForPreTraining`` (SDPA attention) in a plain LightningModule, torch AdamW with
 the same weight-decay groups; bf16 = ``precision="bf16-mixed"`` (autocast, fp32 params).
+"hf-malloc": the same, with the glibc malloc settings of :mod:`lightning_megatron.cpu_allocator`.
 """
 
 from __future__ import annotations
@@ -235,6 +236,10 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                 result["top_ops"] = _top_ops(self.prof)
                 self.prof = None
 
+    if run["framework"] == "hf-malloc":  # HF with the allocator settings our strategy applies on CPU
+        from lightning_megatron.cpu_allocator import keep_freed_memory
+
+        keep_freed_memory()
     result["rss_before_model"] = current_rss_bytes()
     probe = Probe()
     callbacks: list[Any] = [probe]

@@ -43,6 +43,20 @@ def _ce_cases(tp: int, group, rank: int) -> None:
         full_grad[..., :vocab] = ref_logits.grad
         torch.testing.assert_close(local.grad, full_grad.chunk(tp, -1)[rank], **TOL)
         assert torch.isfinite(loss).all()
+    _argmax_cases(tp, group, rank)
+
+
+def _argmax_cases(tp: int, group, rank: int) -> None:
+    from lightning_megatron.models.bert.module import vocab_parallel_argmax
+
+    # 48 columns in all; vocab 35 at tp=4 leaves the last rank padding only.
+    for vocab, dtype in [(48, torch.float32), (41, torch.bfloat16), (35, torch.float32)]:
+        torch.manual_seed(vocab)
+        logits = torch.randn(4, 6, 48).to(dtype)
+        logits[..., vocab:] = 100.0  # padding must never win
+        local = logits.chunk(tp, -1)[rank]
+        got = vocab_parallel_argmax(local, group, vocab)
+        assert torch.equal(got, logits[..., :vocab].float().argmax(-1)), (vocab, dtype)
 
 
 def _ce_worker(tp: int) -> None:

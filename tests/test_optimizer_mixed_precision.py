@@ -235,3 +235,24 @@ def test_float16_wrapper_keeps_fp32_params_and_moves_existing_state():
         FP32Optimizer(opt)
     with pytest.raises(ValueError, match="clip_grad"):
         FP32Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad=-1.0)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_overflow_in_a_duplicate_the_norm_skips_is_still_found(bad):
+    """On TP rank 1 a replicated parameter is left out of the norm (rank 0 counts it) but is checked."""
+    sharded = torch.nn.Parameter(torch.ones(4).bfloat16())
+    sharded.tensor_model_parallel = True
+    replicated = torch.nn.Parameter(torch.ones(3).bfloat16())
+    opt = Float16OptimizerWithFloat16Params(torch.optim.SGD([sharded, replicated], lr=0.1),
+                                            grad_scaler=ConstantGradScaler(1.0), tp_rank=1)
+    sharded.grad = torch.full((4,), 2.0).bfloat16()
+    replicated.grad = torch.full((3,), 5.0).bfloat16()
+    opt.step()
+    assert not opt.last_step_skipped
+    assert opt.last_grad_norm == pytest.approx(4.0)  # ||(2, 2, 2, 2)||: the duplicate is not counted
+    before = (sharded.detach().clone(), replicated.detach().clone())
+    sharded.grad = torch.full((4,), 2.0).bfloat16()
+    replicated.grad = torch.tensor([1.0, bad, 1.0]).bfloat16()
+    opt.step()
+    assert opt.last_step_skipped and opt.last_grad_norm is None
+    assert torch.equal(sharded, before[0]) and torch.equal(replicated, before[1])

@@ -33,6 +33,7 @@ __all__ = [
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "grads_for_norm",
+    "grad_norm_and_found_inf",
 ]
 
 
@@ -91,6 +92,36 @@ def get_grad_norm_fp32(
     if model_parallel_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
+
+
+def grad_norm_and_found_inf(
+    counted: Iterable[torch.Tensor],
+    others: Iterable[torch.Tensor] = (),
+    model_parallel_group: dist.ProcessGroup | None = None,
+) -> tuple[float, bool]:
+    """(global L2 norm of ``counted``, whether any of ``counted`` or ``others`` holds inf/nan).
+
+    One pass over every gradient instead of two (an overflow check, then the norm): the per-tensor
+    norm ``||g||_2`` is inf/nan exactly when ``g`` holds an inf or a nan (or is so large that its
+    norm overflows fp32, which is an overflow too). ``counted`` are the grads this rank contributes
+    to the norm (:func:`grads_for_norm`), ``others`` the duplicates it holds but does not count:
+    they are checked, not counted. One all-reduce (SUM) over ``model_parallel_group`` of
+    ``[sum ||g||^2 over counted, sum ||g|| over others]`` answers both; a non-finite value on any
+    rank makes the sum non-finite on every rank, so all ranks take the same decision (Megatron
+    MAX-reduces a found-inf flag over the same group).
+    """
+    counted, others = _as_list(counted), _as_list(others)
+    device = _device_of(counted + others)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sq = [torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32) for g in counted]
+    rest = [torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32) for g in others]
+    total = torch.stack([(torch.stack(sq).double() ** 2).sum() if sq else zero,
+                         torch.stack(rest).double().sum() if rest else zero])
+    if model_parallel_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    squares, checked = total.tolist()
+    found_inf = not (math.isfinite(squares) and math.isfinite(checked))
+    return squares**0.5, found_inf
 
 
 def clip_grad_by_total_norm_fp32(

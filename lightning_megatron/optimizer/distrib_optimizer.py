@@ -38,6 +38,7 @@ it for the current DP size: that is how a run resumes after a DP size change.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -183,15 +184,11 @@ class DistributedOptimizer(MegatronOptimizer):
             if group is not None:
                 dist.all_reduce(t, op=op, group=group)
 
-    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+    def _unscale_main_grads(self) -> None:
         assert self.grad_scaler is not None
-        g = self._grad_shard
-        inv_scale = self.grad_scaler.inv_scale.to(g.device)
+        inv_scale = self.grad_scaler.inv_scale.to(self._grad_shard.device)
         if not bool(inv_scale.item() == 1.0):
-            g.mul_(inv_scale)
-        found_inf = (~torch.isfinite(g)).any().float().reshape(1)
-        self._all_reduce(found_inf, dist.ReduceOp.MAX)
-        return bool(found_inf.item() > 0)
+            self._grad_shard.mul_(inv_scale)
 
     def _counted_grad_pieces(self) -> list[torch.Tensor]:
         """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
@@ -204,6 +201,20 @@ class DistributedOptimizer(MegatronOptimizer):
             total += g.double().pow(2).sum()
         self._all_reduce(total, dist.ReduceOp.SUM)
         return float(total.item()) ** 0.5
+
+    def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
+        # One pass over the shard: counted pieces give the norm, the rest are only checked
+        # (see clip_grads.grad_norm_and_found_inf); reduced over DP and the model-parallel group.
+        total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
+        for p, lo, hi, s in self._all_segments():
+            piece = self._grad_shard[s: s + hi - lo]
+            if _is_counted(p, self.tp_rank, self.pp_rank):
+                total[0] += piece.double().pow(2).sum()
+            else:
+                total[1] += torch.linalg.vector_norm(piece, 2, dtype=torch.float32).double()
+        self._all_reduce(total, dist.ReduceOp.SUM)
+        squares, checked = total.tolist()
+        return squares ** 0.5, not (math.isfinite(squares) and math.isfinite(checked))
 
     def _num_zeros(self) -> int:
         total = torch.zeros(1, dtype=torch.float64, device=self.grad_buffer.device)

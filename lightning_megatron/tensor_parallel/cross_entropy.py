@@ -59,14 +59,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         _all_reduce(predicted, group)
 
-        exp_logits = logits.exp()
+        sum_logits = logits[..., :valid].sum(dim=-1) if label_smoothing > 0 else None
+        exp_logits = logits.exp_()  # the shifted logits are not needed any more: exp in place
         sum_exp = exp_logits.sum(dim=-1)
         _all_reduce(sum_exp, group)
         log_z = sum_exp.log()
         loss = log_z - predicted
 
-        if label_smoothing > 0:
-            sum_logits = logits[..., :valid].sum(dim=-1)
+        if sum_logits is not None:
             _all_reduce(sum_logits, group)
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_logits / real_vocab)
         loss = loss.masked_fill(ignored, 0.0)

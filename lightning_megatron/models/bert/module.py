@@ -45,15 +45,16 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | No
     partition = logits.size(-1)
     start = group_rank(tp_group) * partition
     valid = max(0, min(partition, vocab_size - start))
-    local = logits.detach().float()
-    if valid < partition:
-        local = local.clone()
-        local[..., valid:] = float("-inf")
-    values, index = local.max(dim=-1)
+    if valid == 0:  # a rank holding only padding: never the argmax
+        values = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
+        index = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    else:
+        # The real columns only, in the logits' own dtype (the max of bf16 values is exact in bf16).
+        values, index = logits.detach()[..., :valid].max(dim=-1)
     index = index + start
     if group_size(tp_group) == 1:
         return index
-    both = torch.stack([values, index.float()], dim=-1)  # ids < 2^24 are exact in fp32
+    both = torch.stack([values.float(), index.float()], dim=-1)  # ids < 2^24 are exact in fp32
     gathered = [torch.empty_like(both) for _ in range(group_size(tp_group))]
     dist.all_gather(gathered, both.contiguous(), group=tp_group)
     stacked = torch.stack(gathered)  # [t, ..., 2]
