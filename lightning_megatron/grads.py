@@ -9,6 +9,9 @@ gradients of all microbatches of a step are summed and then reduced:
   the 16-bit grads never all exist at the same time, and no step allocates (and page-faults in)
   a fresh fp32 copy of every gradient.
 - fp32 parameters keep autograd's own accumulation; their ``main_grad`` is ``.grad`` itself.
+- With the DistributedOptimizer, every main grad (any dtype) is a view of its flat fp32 grad
+  buffer (:meth:`MainGrads.use_buffer`): backward accumulates straight into what the optimizer
+  reduce-scatters, so the fp32 grads exist once.
 
 :meth:`MainGrads.finish` then reduces in fp32: TP all-reduce of sequence-parallel grads, the
 bucketed DP mean, and the sum of the tied word embedding's grads over the first and last stage.
@@ -39,11 +42,21 @@ class MainGrads:
         self.params: list[nn.Parameter] = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         self._active = False
         self._written: set[int] = set()
+        self._buffer: torch.Tensor | None = None
+        self._in_buffer: set[int] = set()
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
 
-    @staticmethod
-    def _persistent(p: torch.Tensor) -> bool:
-        return p.dtype != torch.float32
+    def _persistent(self, p: torch.Tensor) -> bool:
+        return p.dtype != torch.float32 or id(p) in self._in_buffer
+
+    def use_buffer(self, buffer: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make ``main_grad`` of each param in ``views`` its given view of ``buffer`` (once per buffer)."""
+        if buffer is self._buffer:
+            return
+        self._buffer = buffer
+        self._in_buffer = {id(p) for p, _ in views}
+        for p, view in views:
+            p.main_grad = view
 
     def _accumulate(self, p: torch.Tensor) -> None:
         if not self._active or p.grad is None or not self._persistent(p):
@@ -60,6 +73,8 @@ class MainGrads:
         self._written.clear()
         for p in self.params:
             p.grad = None
+            if id(p) in self._in_buffer:
+                continue
             if self._persistent(p):
                 main = getattr(p, "main_grad", None)
                 if main is None or main.shape != p.shape or main.device != p.device or main.dtype != torch.float32:
@@ -122,6 +137,7 @@ class MainGrads:
             handle.remove()
         self._handles = []
         self._active = False
+        self._buffer, self._in_buffer = None, set()
         for p in self.params:
             if hasattr(p, "main_grad"):
                 del p.main_grad

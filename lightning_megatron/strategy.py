@@ -314,6 +314,9 @@ class MegatronStrategy(DDPStrategy):
             # for a schedule that runs backward inside the step: start every step from no grads.
             if self._main_grads is None:
                 self._main_grads = MainGrads(chunks)
+            for opt in self.optimizers:
+                if is_distributed_optimizer(opt):  # main grads live in its flat buffer
+                    self._main_grads.use_buffer(opt.grad_buffer, opt.main_grad_views())
             self._main_grads.start()
         logged = fb(forward_step_func=self._forward_step_func(stage, batch_idx), microbatches=microbatches,
                     model=chunks, num_microbatches=len(microbatches), parallel_state=ps,

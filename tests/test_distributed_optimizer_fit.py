@@ -19,10 +19,17 @@ def _recorder():
         def __init__(self) -> None:
             self.losses: list[float] = []
             self.norms: list[float] = []
+            self.main_grads_in_buffer: list[bool] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            opt = trainer.strategy.optimizers[0]
             self.losses.append(float(outputs["loss"]))
-            self.norms.append(float(trainer.strategy.optimizers[0].last_grad_norm))
+            self.norms.append(float(opt.last_grad_norm))
+            buf = getattr(opt, "grad_buffer", None)
+            if buf is not None:  # the fp32 grads must exist once: main_grad is a view of the buffer
+                lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+                self.main_grads_in_buffer.append(all(lo <= p.main_grad.data_ptr() < hi
+                                                     for p in pl_module.parameters() if p.requires_grad))
 
     return Recorder()
 
@@ -44,7 +51,8 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
     if save_to:
         trainer.save_checkpoint(save_to)
     opt = trainer.strategy.optimizers[0]
-    return {"losses": recorder.losses, "norms": recorder.norms, "type": type(opt).__name__}
+    return {"losses": recorder.losses, "norms": recorder.norms, "type": type(opt).__name__,
+            "main_grads_in_buffer": recorder.main_grads_in_buffer}
 
 
 def _worker(root: str) -> dict:
@@ -71,6 +79,7 @@ def test_distributed_optimizer_equals_non_distributed_tp2_dp2(runs, dtype):
     plain, zero1 = runs[f"plain_{dtype}"], runs[f"zero1_{dtype}"]
     assert zero1["type"] == "DistributedOptimizer"
     assert plain["type"] != "DistributedOptimizer"
+    assert len(zero1["main_grads_in_buffer"]) == 10 and all(zero1["main_grads_in_buffer"])
     torch.testing.assert_close(torch.tensor(zero1["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
     if dtype == "float32":  # clip_grad=0.05 clips on every step: the clipping norm must be the same number
         assert min(plain["norms"]) > 0.05

@@ -152,18 +152,29 @@ class DistributedOptimizer(MegatronOptimizer):
         for segs in self._segments:
             yield from segs
 
+    def main_grad_views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(param, its slice of the flat fp32 grad buffer shaped like it), for every model param.
+
+        The strategy's main grads (:class:`lightning_megatron.grads.MainGrads`) use these as
+        ``param.main_grad``: backward accumulates straight into the buffer this optimizer
+        reduce-scatters, so the fp32 grads exist once (4 bytes per parameter), not twice.
+        """
+        return [(p, self.grad_buffer[o: o + p.numel()].view_as(p))
+                for params, offs in zip(self.model_groups, self._offsets) for p, o in zip(params, offs)]
+
     def _copy_model_grads_to_main_grads(self) -> None:
         buf = self.grad_buffer
         buf[self.numel:].zero_()
         for params, offs in zip(self.model_groups, self._offsets):
             for p, o in zip(params, offs):
+                target = buf[o: o + p.numel()]
                 g = getattr(p, "main_grad", None)
                 if g is None:
                     g = p.grad
                 if g is None:
-                    buf[o: o + p.numel()].zero_()
-                else:
-                    buf[o: o + p.numel()].copy_(g.reshape(-1))
+                    target.zero_()
+                elif g.data_ptr() != target.data_ptr():  # not already in place (see main_grad_views)
+                    target.copy_(g.reshape(-1))
                 p.grad = None  # now redundant: freeing it is what keeps the fp32 buffer cheap
         if self.grads_already_reduced or self.dp_size == 1:
             shard = buf[self.shard_start: self.shard_end].clone()
