@@ -12,6 +12,8 @@ Measures, each in fresh spawned gloo processes (tests/dist_utils.run_distributed
    collectives, and the top ops of our TP=1 step;
 3. the tensor-parallel MLP, ours against megatron-core (tp_mlp.py);
 4. the AdamW step, for-loop vs foreach vs fused (adamw_step.py);
+5. ZeRO-1 at DP=2 on bert-base: our DistributedOptimizer against DeepSpeed's ZeRO stage 1 on the
+   same model (zero1.py; needs the ``bench`` extra, skipped with ``--quick``);
 
 then writes docs/benchmarks.md and docs/img/benchmarks.png. Every process uses all cores between
 its ranks (2 threads for one process, 1 each for two). Other work on the machine slows a run down:
@@ -102,7 +104,7 @@ def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for pkg in ("torch", "lightning", "transformers", "megatron-core"):
+    for pkg in ("torch", "lightning", "transformers", "megatron-core", "deepspeed"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -226,6 +228,39 @@ def run_tp_mlp(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def run_zero1(rounds: int) -> dict[str, Any]:
+    """Our ZeRO-1 against DeepSpeed's on bert-base at DP=2 (zero1.py); skipped without deepspeed."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        _log(f"ZeRO-1 vs DeepSpeed: skipped ({e}); install the bench extra: pip install -e '.[bench]'")
+        return {"skipped": f"deepspeed is not installed ({e}); `pip install -e '.[bench]'`"}
+    from zero1 import zero1_rank
+
+    _log("ZeRO-1 at DP=2: ours vs DeepSpeed")
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    order = [(fw, prec) for prec in ("fp32", "bf16") for fw in ("ours", "ours-zero1", "deepspeed")]
+    for r in range(rounds):
+        for fw, prec in (order if r % 2 == 0 else order[::-1]):
+            spec = dict(framework=fw, precision=prec, size=SIZES["base"].as_dict(), warmup=1, steps=3)
+            try:
+                ranks, background, _ = _measured(zero1_rank, 2, spec, timeout=900)
+            except Exception as e:  # noqa: BLE001 - report, don't abort the other sections
+                best.setdefault((fw, prec), {"framework": fw, "precision": prec,
+                                             "error": f"{type(e).__name__}: {str(e)[-300:]}"})
+                _log(f"  {fw} {prec}: FAILED {type(e).__name__}")
+                continue
+            step = median([max(ts) for ts in zip(*(rk["step_times"] for rk in ranks))])
+            row = {"framework": fw, "precision": prec, "step_s": step, "background": background,
+                   "optimizer": ranks[0]["optimizer"], "num_params": ranks[0]["num_params"],
+                   "live_bytes": max(rk["live_bytes"] for rk in ranks), "max_rss": max(rk["max_rss"] for rk in ranks)}
+            _log(f"  {fw} {prec}: {step:.3f} s/step, {row['live_bytes'] / 2**20:.0f} MiB of tensors per rank "
+                 f"(background {background:.2f} cores)")
+            if "step_s" not in best.get((fw, prec), {}) or step < best[(fw, prec)]["step_s"]:
+                best[(fw, prec)] = row
+    return {"rows": [best[k] for k in order if k in best], "tokens_per_step": 2 * 4 * SEQ}
+
+
 def run_adamw(quick: bool) -> dict[str, Any]:
     from adamw_step import adamw_rank
 
@@ -273,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         _log("tensor-parallel MLP: ours vs megatron-core")
         mlp = run_tp_mlp(args.quick)
         adamw = None if args.quick else run_adamw(args.quick)
+        zero1 = None if args.quick else run_zero1(1)
         if not args.quick:
             gemm = run_gemm(args.quick, gemm)
         meta = {"command": ".venv/bin/python benchmarks/run.py" + (" --quick" if args.quick else ""),
@@ -280,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                 "versions": _versions(), "git": _git_version(), "rounds": rounds,
                 "elapsed_min": (time.monotonic() - t0) / 60, "quiet_waited_s": QUIET.waited_s,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin)")}
-        data = {"meta": meta, "gemm": gemm, "bert": rows, "mlp": mlp, "adamw": adamw}
+        data = {"meta": meta, "gemm": gemm, "bert": rows, "mlp": mlp, "adamw": adamw, "zero1": zero1}
         # Raw measurements first: a failure while rendering must not lose minutes of measuring.
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1, default=str)
@@ -289,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     derive(rows, data["gemm"]["peak"])
     tgt = targets(rows, "base" if any(r["size"] == "base" for r in rows) else rows[-1]["size"])
     os.makedirs(os.path.dirname(args.png), exist_ok=True)
-    write_markdown(args.markdown, data["meta"], data["gemm"], rows, data["mlp"], data["adamw"], tgt)
+    write_markdown(args.markdown, data["meta"], data["gemm"], rows, data["mlp"], data["adamw"], tgt,
+                   data.get("zero1"))
     write_png(args.png, rows, data["mlp"], tgt)
     for t in tgt:
         if t["target"] is None:

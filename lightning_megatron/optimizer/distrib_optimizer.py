@@ -176,10 +176,11 @@ class DistributedOptimizer(MegatronOptimizer):
                 elif g.data_ptr() != target.data_ptr():  # not already in place (see main_grad_views)
                     target.copy_(g.reshape(-1))
                 p.grad = None  # now redundant: freeing it is what keeps the fp32 buffer cheap
-        if self.grads_already_reduced or self.dp_size == 1:
-            shard = buf[self.shard_start: self.shard_end].clone()
-        else:
-            shard = torch.empty(self.shard_size, dtype=torch.float32, device=buf.device)
+        # This rank's slice of the buffer is its grad shard: reduce-scatter in place (Megatron's
+        # layout; NCCL and gloo both take an output that is the rank's own chunk of the input),
+        # so the step allocates no shard. The buffer is only overwritten by the all-gather after it.
+        shard = buf[self.shard_start: self.shard_end]
+        if not self.grads_already_reduced and self.dp_size > 1:
             _reduce_scatter(shard, buf, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
             shard.div_(self.dp_size)  # DP mean, as the strategy's all-reduce would give
         for main in self.main_params:
