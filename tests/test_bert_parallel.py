@@ -56,15 +56,22 @@ def _count_checkpoints(loss: torch.Tensor) -> int:
 CHECKPOINTS: dict[str, int] = {}
 
 
-def _step(model, batch, tp_group, tp_rank: int, seed: int = 99) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Seed, forward, bert_loss, backward; return the loss and every grad gathered to full size."""
+def _step(model, batch, tp_group, tp_rank: int, seed: int = 99, masked_only: bool = False
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Seed, forward, bert_loss, backward; return the loss and every grad gathered to full size.
+
+    ``masked_only``: the LM head runs on the masked tokens only (``lm_positions``).
+    """
     from lightning_megatron.models.bert import bert_loss
     from lightning_megatron.tensor_parallel import all_reduce_sequence_parallel_grads, model_parallel_seed
 
     model.zero_grad(set_to_none=True)
     model_parallel_seed(seed, tp_rank)
-    lm_loss, binary_logits = model(batch["tokens"], batch["attention_mask"], batch["token_types"], batch["lm_labels"])
-    loss, _ = bert_loss(lm_loss, batch["loss_mask"], binary_logits, batch["binary_labels"])
+    positions = batch["loss_mask"] > 0 if masked_only else None
+    lm_loss, binary_logits = model(batch["tokens"], batch["attention_mask"], batch["token_types"], batch["lm_labels"],
+                                   lm_positions=positions)
+    loss_mask = batch["loss_mask"] if positions is None else batch["loss_mask"][positions]
+    loss, _ = bert_loss(lm_loss, loss_mask, binary_logits, batch["binary_labels"])
     CHECKPOINTS["last"] = _count_checkpoints(loss)
     loss.backward()
     all_reduce_sequence_parallel_grads(model.parameters(), tp_group)
@@ -117,6 +124,9 @@ def _worker() -> dict:
             for spec in ("bert_layer_local_spec", "bert_layer_post_norm_spec"):
                 res = _step(build(_config(tp, sequence_parallel=sp), g, spec), batch, g, r)
                 out[f"tp{tp}-sp{int(sp)}-{spec}"] = _compare(*res, *refs[spec])
+            # LM head on the masked tokens only, against the one-process run of the full head.
+            res = _step(build(_config(tp, sequence_parallel=sp), g), batch, g, r, masked_only=True)
+            out[f"tp{tp}-sp{int(sp)}-masked"] = _compare(*res, *refs["bert_layer_local_spec"])
 
     # Dropout on, TP=2: two runs from one seed agree bit for bit; dropout really acts; recomputation
     # (full uniform, full block, selective) gives the same loss and grads as none.
@@ -166,6 +176,15 @@ def test_tensor_parallel_matches_tp1(measured, tp, sp, spec):
     m = measured[f"tp{tp}-sp{int(sp)}-{spec}"]
     assert m["loss"] <= TOL, m
     assert m["grad"] <= TOL, m  # the worst of every parameter's gathered gradient
+    assert m["num_params"] >= 30
+
+
+@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4"])
+@pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
+def test_lm_head_on_masked_tokens_only_matches_tp1_full_head(measured, tp, sp):
+    """Under sequence parallelism the masked tokens are spread over the ranks' chunks (gathered first)."""
+    m = measured[f"tp{tp}-sp{int(sp)}-masked"]
+    assert m["loss"] <= TOL and m["grad"] <= TOL, m
     assert m["num_params"] >= 30
 
 

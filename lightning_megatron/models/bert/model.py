@@ -238,6 +238,28 @@ class BertModel(nn.Module):
             return self.output_layer.weight
         raise ValueError("this chunk holds no word embedding (pre_process=False and post_process=False)")
 
+    def _masked_lm_logits(self, hidden_states: torch.Tensor, lm_positions: torch.Tensor,
+                          weight: torch.Tensor | None) -> torch.Tensor:
+        """Logits [n, 1, V/t] of the n selected tokens (``lm_positions`` [b, s], in (b, s) order).
+
+        Under sequence parallelism the selected tokens lie in every rank's sequence chunk: the
+        sequence is all-gathered first (its backward reduce-scatters), every rank runs the head on
+        all n tokens, and the output layer is applied without its own input all-gather. Its input
+        gradient is then a partial sum over the vocabulary shards (each rank holds V/t columns), and
+        stays partial through the head, which is linear in it: the head's parameters are marked
+        ``sequence_parallel`` (summed over TP after backward) and the reduce-scatter of the gather
+        sums the hidden states' gradient, exactly where the non-selective path sums them.
+        """
+        if not self.config.sequence_parallel:
+            selected = hidden_states.transpose(0, 1)[lm_positions].unsqueeze(1)  # [n, 1, h]
+            logits, _ = self.output_layer(self.lm_head(selected), weight=weight)
+            return logits
+        full = gather_from_sequence_parallel_region(hidden_states, self.tp_group, True)  # [s, b, h]
+        selected = full.transpose(0, 1)[lm_positions].unsqueeze(1)
+        head = self.lm_head(selected)
+        layer = self.output_layer
+        return F.linear(head, layer.weight if weight is None else weight, None if layer.skip_bias_add else layer.bias)
+
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         """Pipeline hook: the [s, b, h] input of a chunk with ``pre_process=False``."""
         if isinstance(input_tensor, (list, tuple)):
@@ -256,7 +278,8 @@ class BertModel(nn.Module):
         logits become [n, V_padded/t] for the n selected tokens (and ``lm_labels``, if given, is
         read at those positions, giving ``lm_loss`` [n]). Each token's head is independent of the
         others, so this is the same numbers for the tokens that count in the loss, at a fraction of
-        the cost (the head's output layer is a [h, V] matmul per token). Not with sequence parallel.
+        the cost (the head's output layer is a [h, V] matmul per token). Under sequence parallelism the
+        sequence is gathered first (see :meth:`_masked_lm_logits`).
         """
         # No padding in the microbatch: no mask, so attention takes its unmasked (faster) path.
         mask = None if bool(attention_mask.all()) else bert_attention_mask(attention_mask)
@@ -270,12 +293,7 @@ class BertModel(nn.Module):
         binary_logits = self.binary_head(self.pooler(hidden_states)) if self.add_binary_head else None
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if lm_positions is not None:
-            if self.config.sequence_parallel:
-                raise ValueError("lm_positions is not supported with sequence_parallel=True (the head runs on "
-                                 "each rank's sequence chunk); pass lm_positions=None")
-            selected = hidden_states.transpose(0, 1)[lm_positions].unsqueeze(1)  # [n, 1, h]
-            logits, _ = self.output_layer(self.lm_head(selected), weight=weight)
-            logits = logits.squeeze(1)  # [n, V/t]
+            logits = self._masked_lm_logits(hidden_states, lm_positions, weight).squeeze(1)  # [n, V/t]
             if lm_labels is None:
                 return logits, binary_logits
             lm_loss = vocab_parallel_cross_entropy(logits, lm_labels[lm_positions], tp_group=self.tp_group,
