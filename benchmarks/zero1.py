@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from _common import BertSize, max_rss_bytes, set_threads
+from bert_step import SyntheticBatches, _ours_module
 
 __all__ = ["zero1_rank", "live_tensor_bytes"]
 
@@ -61,19 +62,7 @@ def live_tensor_bytes() -> int:
     return total
 
 
-def _module(size: BertSize, bf16: bool):
-    from lightning_megatron.models.bert.module import BertLightningModule
-
-    return BertLightningModule(
-        num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
-        ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
-        max_sequence_length=size.max_position_embeddings, spec="bert_layer_post_norm_spec",
-        params_dtype="bfloat16" if bf16 else "float32", lr=LR, weight_decay=WEIGHT_DECAY)
-
-
 def _batches(size: BertSize, n: int, rank: int) -> list[dict[str, torch.Tensor]]:
-    from bert_step import SyntheticBatches
-
     ds = SyntheticBatches(10**6, SEQ, size.vocab_size, seed=1 + rank)
     return [{k: torch.stack([ds[i * BATCH_PER_RANK + j][k] for j in range(BATCH_PER_RANK)]) for k in ds[0]}
             for i in range(n)]
@@ -103,7 +92,7 @@ def _ours(run: dict[str, Any], size: BertSize, bf16: bool, result: dict[str, Any
                       num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
                       callbacks=callbacks)
     data = _batches(size, total, torch.distributed.get_rank())
-    module = _module(size, bf16)
+    module = _ours_module(size, bf16)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     result["num_params"] = sum(p.numel() for p in module.parameters())
     return stamps
@@ -116,7 +105,7 @@ def _deepspeed(run: dict[str, Any], size: BertSize, bf16: bool, result: dict[str
 
     torch.manual_seed(1234)
     model_parallel_seed(1234, 0)
-    module = _module(size, False)  # DeepSpeed casts the model to bf16 itself
+    module = _ours_module(size, False)  # DeepSpeed casts the model to bf16 itself
     module.configure_model()
     chunk = module.model_chunks[0]
 
