@@ -118,6 +118,8 @@ class DistributedOptimizer(MegatronOptimizer):
             self.model_groups.append(params)
             self._offsets.append(offs)
         self.numel = offset
+        dtypes = {p.dtype for params in self.model_groups for p in params}
+        self._gather_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes != {torch.float32} else torch.float32
         self.padded_numel = -(-offset // self.dp_size) * self.dp_size
         self.shard_size = self.padded_numel // self.dp_size
         self.shard_start = self.dp_rank * self.shard_size
@@ -236,14 +238,26 @@ class DistributedOptimizer(MegatronOptimizer):
         return int(total.item())
 
     def _copy_main_params_to_model_params(self) -> None:
-        buf = self.grad_buffer  # the grads are consumed: reuse the buffer as the gather target
-        if self.dp_size == 1:
-            buf.copy_(self.main_shard)
+        # The grads are consumed: the grad buffer's memory is the gather target. When every model
+        # param has one 16-bit dtype, the shard is rounded to it first and gathered in it (half the
+        # bytes of fp32, as Megatron gathers its bf16 param buffer); rounding each element before or
+        # after the gather gives the same bits.
+        dtype = self._gather_dtype
+        if dtype == torch.float32:
+            target = self.grad_buffer
+            if self.dp_size == 1:
+                target.copy_(self.main_shard)
+            else:
+                _all_gather(target, self.main_shard, group=self.data_parallel_group)
         else:
-            _all_gather(buf, self.main_shard, group=self.data_parallel_group)
+            target = self.grad_buffer.view(dtype)[: self.padded_numel]
+            own = target[self.shard_start: self.shard_end]
+            own.copy_(self.main_shard)  # round to nearest, once per step
+            if self.dp_size > 1:
+                _all_gather(target, own, group=self.data_parallel_group)  # in place: own is our chunk
         for params, offs in zip(self.model_groups, self._offsets):
             for p, o in zip(params, offs):
-                p.data.copy_(buf[o: o + p.numel()].view_as(p))  # round to nearest, once per step
+                p.data.copy_(target[o: o + p.numel()].view_as(p))
 
     # -- public API ----------------------------------------------------------------------------
     def get_parameters(self) -> list[torch.Tensor]:
