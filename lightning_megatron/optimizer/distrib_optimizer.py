@@ -210,11 +210,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 if _is_counted(p, self.tp_rank, self.pp_rank)]
 
     def _grad_norm(self) -> float:
-        total = torch.zeros(1, dtype=torch.float64, device=self.grad_buffer.device)
-        for g in self._counted_grad_pieces():
-            total += g.double().pow(2).sum()
-        self._all_reduce(total, dist.ReduceOp.SUM)
-        return float(total.item()) ** 0.5
+        return self._grad_norm_and_found_inf()[0]
 
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
         # One pass over the shard: counted pieces give the norm, the rest are only checked
