@@ -247,7 +247,8 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
         from lightning_megatron.strategy import MegatronStrategy
 
         strategy: Any = MegatronStrategy(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=run["pp"],
-                                         micro_batch_size=run["micro_batch"], sequence_parallel=run.get("sp", False))
+                                         micro_batch_size=run["micro_batch"], sequence_parallel=run.get("sp", False),
+                                         shared_memory_collectives=run.get("shm", True))
         module: Any = _ours_module(size, bf16)
         precision = "32-true"
         if bf16:

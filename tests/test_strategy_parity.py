@@ -106,9 +106,10 @@ def _compare(results, tp, reference):
     assert last
 
 
-def _fit_many(layouts: list[tuple[int, int, int | None]], world: int, steps: int) -> list[dict]:
+def _fit_many(layouts: list[tuple[int, int, int | None]], world: int, steps: int,
+              extra: dict | None = None) -> list[dict]:
     # Several Trainer.fit runs in the same ranks: process start-up and imports are paid once.
-    return [_fit_worker(tp, pp, vp, world, steps) for tp, pp, vp in layouts]
+    return [_fit_worker(tp, pp, vp, world, steps, extra) for tp, pp, vp in layouts]
 
 
 def _layout_id(layout, world):
@@ -132,3 +133,14 @@ def test_layouts_equal_one_process(world, layouts, reference):
             _compare(results, layout[0], reference)
         except AssertionError as e:
             raise AssertionError(f"layout {_layout_id(layout, world)}: {e}") from e
+
+
+def test_gloo_collectives_equal_one_process(reference):
+    """The same TP=2 and DP=2 runs with the shared-memory collectives off (gloo's own, as across hosts)."""
+    layouts = [(2, 1, None), (1, 1, None)]
+    per_rank = run_distributed(_fit_many, 2, layouts, 2, STEPS, {"shared_memory_collectives": False}, timeout=600)
+    for i, layout in enumerate(layouts):
+        try:
+            _compare([r[i] for r in per_rank], layout[0], reference)
+        except AssertionError as e:
+            raise AssertionError(f"layout {_layout_id(layout, 2)} on gloo: {e}") from e

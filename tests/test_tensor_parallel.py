@@ -23,6 +23,7 @@ from lightning_megatron.tensor_parallel import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from lightning_megatron.tensor_parallel.shared_memory import enable_shared_memory_collectives
 
 TOL = dict(atol=1e-6, rtol=1e-6)
 
@@ -33,8 +34,10 @@ def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _mappings_worker(tp: int) -> None:
+def _mappings_worker(tp: int, shm: bool = False) -> None:
     ps = initialize_model_parallel(tp)
+    if shm:  # the same checks with the TP group's collectives in shared memory
+        assert enable_shared_memory_collectives(ps.tp_group, slot_bytes=64) is not None
     g, r = ps.tp_group, ps.tp_rank
     world_sum = sum(range(tp))
 
@@ -101,8 +104,10 @@ def _check_linear_pair(ref, par, x_full, x_local, dy_full, dy_local, out_full_fn
     return y_ref, y_par
 
 
-def _layers_worker(tp: int) -> None:
+def _layers_worker(tp: int, shm: bool = False) -> None:
     ps = initialize_model_parallel(tp)
+    if shm:
+        assert enable_shared_memory_collectives(ps.tp_group) is not None
     g, r = ps.tp_group, ps.tp_rank
     s, b, h, ffn = 8, 2, 8, 16
 
@@ -196,14 +201,16 @@ def _layers_worker(tp: int) -> None:
     torch.testing.assert_close(_gather(par.weight.grad, g, 0), ref.weight.grad, **TOL)
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
 @pytest.mark.parametrize("tp", [2, 4], ids=lambda t: f"tp{t}")
-def test_mappings_forward_and_backward(tp):
-    run_distributed(_mappings_worker, tp, tp, timeout=120)
+def test_mappings_forward_and_backward(tp, shm):
+    run_distributed(_mappings_worker, tp, tp, shm, timeout=120)
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
 @pytest.mark.parametrize("tp", [2, 4], ids=lambda t: f"tp{t}")
-def test_layers_equal_one_process(tp):
-    run_distributed(_layers_worker, tp, tp, timeout=120)
+def test_layers_equal_one_process(tp, shm):
+    run_distributed(_layers_worker, tp, tp, shm, timeout=120)
 
 
 def test_mappings_are_identity_without_group():

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from lightning_megatron.optimizer.clip_grads import _is_counted
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
+from lightning_megatron.tensor_parallel.mappings import all_gather_into_tensor, reduce_scatter_tensor
 
 __all__ = ["DistributedOptimizer"]
 
@@ -57,11 +58,6 @@ def _size(group: dist.ProcessGroup | None) -> int:
 
 def _rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
-
-
-# torch >= 2.13 renamed the flat-tensor collectives (the old names warn); use whichever exists.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -183,7 +179,7 @@ class DistributedOptimizer(MegatronOptimizer):
         # so the step allocates no shard. The buffer is only overwritten by the all-gather after it.
         shard = buf[self.shard_start: self.shard_end]
         if not self.grads_already_reduced and self.dp_size > 1:
-            _reduce_scatter(shard, buf, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
+            reduce_scatter_tensor(shard, buf, self.data_parallel_group)
             shard.div_(self.dp_size)  # DP mean, as the strategy's all-reduce would give
         for main in self.main_params:
             start = main.storage_offset() - self.main_shard.storage_offset()
@@ -244,13 +240,13 @@ class DistributedOptimizer(MegatronOptimizer):
             if self.dp_size == 1:
                 target.copy_(self.main_shard)
             else:
-                _all_gather(target, self.main_shard, group=self.data_parallel_group)
+                all_gather_into_tensor(target, self.main_shard, self.data_parallel_group)
         else:
             target = self.grad_buffer.view(dtype)[: self.padded_numel]
             own = target[self.shard_start: self.shard_end]
             own.copy_(self.main_shard)  # round to nearest, once per step
             if self.dp_size > 1:
-                _all_gather(target, own, group=self.data_parallel_group)  # in place: own is our chunk
+                all_gather_into_tensor(target, own, self.data_parallel_group)  # in place: own is our chunk
         for params, offs in zip(self.model_groups, self._offsets):
             for p, o in zip(params, offs):
                 p.data.copy_(target[o: o + p.numel()].view_as(p))
@@ -348,7 +344,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if self.dp_size == 1:
             return shard.clone()
         out = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-        _all_gather(out, shard.contiguous(), group=self.data_parallel_group)
+        all_gather_into_tensor(out, shard.contiguous(), self.data_parallel_group)
         return out
 
     def full_state_dict(self) -> dict[str, Any]:

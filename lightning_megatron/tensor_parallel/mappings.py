@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.parallel_state import group_rank, group_size
+from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
 from lightning_megatron.tensor_parallel.utils import divide
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "all_reduce_coalesced",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
 ]
 
 Group = dist.ProcessGroup | None
@@ -44,14 +47,42 @@ _all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_int
 _reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_gather_single(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
-    """Gather ``t`` from every rank into ``out`` (ranks concatenated along dim 0)."""
-    _all_gather_fn(out, t, group=group)
+def _shm(t: torch.Tensor, group: Group):
+    """The group's shared-memory collectives when ``t`` is a CPU tensor and the group has them."""
+    return shared_memory_collectives(group) if t.device.type == "cpu" else None
 
 
-def _reduce_scatter_single(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
-    """Sum ``t`` over ranks and keep this rank's dim-0 chunk in ``out``."""
-    _reduce_scatter_fn(out, t, group=group)
+def _all_reduce_(t: torch.Tensor, group: Group) -> None:
+    """Sum the contiguous ``t`` over ``group`` in place."""
+    shm = _shm(t, group)
+    if shm is not None:
+        shm.all_reduce(t)
+    else:
+        dist.all_reduce(t, group=group)
+
+
+def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
+    """Gather ``t`` from every rank into the contiguous ``out`` (ranks concatenated along dim 0).
+
+    ``t`` may be this rank's own chunk of ``out`` (in place).
+    """
+    shm = _shm(t, group)
+    if shm is not None:
+        shm.all_gather(out, t)
+    else:
+        _all_gather_fn(out, t, group=group)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
+    """Sum ``t`` over ranks and keep this rank's dim-0 chunk in the contiguous ``out``.
+
+    ``out`` may be this rank's own chunk of ``t`` (in place).
+    """
+    shm = _shm(t, group)
+    if shm is not None:
+        shm.reduce_scatter(out, t)
+    else:
+        _reduce_scatter_fn(out, t, group=group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,7 +92,13 @@ def _reduce_scatter_single(out: torch.Tensor, t: torch.Tensor, group: Group) -> 
 def _reduce(t: torch.Tensor, group: Group, inplace: bool = False) -> torch.Tensor:
     if group_size(group) == 1:
         return t
-    out = t if (inplace and t.is_contiguous()) else t.contiguous().clone()
+    if inplace and t.is_contiguous():
+        _all_reduce_(t, group)
+        return t
+    shm = _shm(t, group)
+    if shm is not None:  # reduce straight into a new tensor (no clone first)
+        return shm.all_reduce(t, out=torch.empty_like(t, memory_format=torch.contiguous_format))
+    out = t.contiguous().clone()
     dist.all_reduce(out, group=group)
     return out
 
@@ -82,7 +119,7 @@ def _gather_along_dim(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     # Gather along dim 0 into one buffer (no per-rank list), then move the gathered axis to ``dim``.
     moved = t.movedim(dim, 0).contiguous() if dim != 0 else t
     out = torch.empty((world * moved.size(0), *moved.shape[1:]), dtype=t.dtype, device=t.device)
-    _all_gather_single(out, moved, group)
+    all_gather_into_tensor(out, moved, group)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
@@ -92,7 +129,7 @@ def _gather_along_last_dim(t: torch.Tensor, group: Group) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((world * t.size(0), *t.shape[1:]), dtype=t.dtype, device=t.device)
-    _all_gather_single(out, t, group)
+    all_gather_into_tensor(out, t, group)
     return torch.cat(out.chunk(world, dim=0), dim=-1)
 
 
@@ -103,7 +140,7 @@ def _reduce_scatter_along_first_dim(t: torch.Tensor, group: Group) -> torch.Tens
     t = t.contiguous()
     chunk = divide(t.size(0), world, "sequence dimension (dim 0) of size")
     out = torch.empty((chunk, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    _reduce_scatter_single(out, t, group)
+    reduce_scatter_tensor(out, t, group)
     return out
 
 
@@ -112,7 +149,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> None:
     if not tensors or group_size(group) == 1:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    _all_reduce_(flat, group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -1,0 +1,152 @@
+"""Shared-memory collectives for CPU ranks on one host equal gloo's, on 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import DistributedTestFailure, run_distributed
+from lightning_megatron.tensor_parallel import shared_memory
+from lightning_megatron.tensor_parallel.mappings import (
+    _all_gather_fn,
+    all_gather_into_tensor,
+    _reduce,
+    _reduce_scatter_fn,
+    reduce_scatter_tensor,
+    all_reduce_coalesced,
+)
+from lightning_megatron.tensor_parallel.shared_memory import (
+    enable_shared_memory_collectives,
+    shared_memory_collectives,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+ULP8 = {torch.float32: 8 * 2.0**-23, torch.bfloat16: 8 * 2.0**-7, torch.float16: 8 * 2.0**-10}
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, (numel,), generator=g, dtype=dtype)
+
+
+def _same_on_every_rank(t: torch.Tensor, group) -> None:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    for p in parts:
+        assert torch.equal(p, t), "ranks hold different bits"
+
+
+def _collectives_worker(world: int) -> int:
+    group = dist.new_group(list(range(world)))
+    rank = dist.get_rank()
+    # 96-byte slots: every message below but the smallest goes through in several pieces
+    comm = enable_shared_memory_collectives(group, slot_bytes=96)  # 6 fp32, 12 bf16
+    assert comm is not None and shared_memory_collectives(group) is comm
+    checked = 0
+    for salt, numel in enumerate([0, 1, 7, 24, 1000, 4099]):
+        for dtype in DTYPES:
+            # a + b is the same bits in any order; with 3 ranks gloo may add in another order:
+            # one rounding of a partial sum (|.| < 8) apart
+            exact = not dtype.is_floating_point or world == 2
+            tol = dict(atol=0, rtol=0) if exact else dict(atol=ULP8[dtype], rtol=0)
+            x = _data(rank, numel * world, dtype, salt)
+
+            # all-reduce, out of place and in place, against gloo (a + b: same bits at W=2)
+            expected = x.clone()
+            dist.all_reduce(expected, group=group)
+            out = comm.all_reduce(x, out=torch.empty_like(x))
+            torch.testing.assert_close(out, expected, **tol)
+            _same_on_every_rank(out, group)
+            inplace = x.clone()
+            assert comm.all_reduce(inplace) is inplace and torch.equal(inplace, out)
+
+            # reduce-scatter of world * numel -> numel
+            expected = torch.empty(numel, dtype=dtype)
+            _reduce_scatter_fn(expected, x, group=group)
+            got = torch.full((numel,), 7, dtype=dtype)
+            comm.reduce_scatter(got, x)
+            torch.testing.assert_close(got, expected, **tol)
+            torch.testing.assert_close(got, out[rank * numel:(rank + 1) * numel], atol=0, rtol=0)
+
+            # all-gather of numel -> world * numel (exact)
+            mine = x[:numel]
+            expected = torch.empty(world * numel, dtype=dtype)
+            _all_gather_fn(expected, mine, group=group)
+            got = torch.zeros(world * numel, dtype=dtype)
+            comm.all_gather(got, mine)
+            assert torch.equal(got, expected)
+            checked += 1
+    # a non-contiguous input through the mappings' raw collectives (which dispatch here)
+    x = _data(rank, 6 * 8, torch.float32, 99).view(6, 8).t()
+    expected = x.contiguous()
+    dist.all_reduce(expected, group=group)
+    torch.testing.assert_close(_reduce(x, group), expected, atol=0 if world == 2 else ULP8[torch.float32], rtol=0)
+    flat = [torch.full((3,), float(rank)), torch.full((2, 2), float(rank + 1))]
+    all_reduce_coalesced(flat, group)
+    assert torch.equal(flat[0], torch.full((3,), float(sum(range(world)))))
+    assert torch.equal(flat[1], torch.full((2, 2), float(sum(r + 1 for r in range(world)))))
+    out = torch.empty(world * 4, 3)
+    all_gather_into_tensor(out, torch.full((4, 3), float(rank)), group)
+    assert torch.equal(out, torch.arange(world).repeat_interleave(4).float().unsqueeze(1).expand(-1, 3))
+    rs = torch.empty(2, 3)
+    reduce_scatter_tensor(rs, torch.arange(world * 2 * 3, dtype=torch.float32).view(world * 2, 3), group)
+    assert torch.equal(rs, world * torch.arange(rank * 6, rank * 6 + 6, dtype=torch.float32).view(2, 3))
+    comm.close()
+    assert shared_memory_collectives(group) is None
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
+def test_shared_memory_collectives_equal_gloo(world):
+    counts = run_distributed(_collectives_worker, world, world, timeout=180)
+    assert counts == [6 * len(DTYPES)] * world
+
+
+def _timeout_worker() -> str:
+    group = dist.new_group([0, 1])
+    comm = enable_shared_memory_collectives(group, timeout=datetime.timedelta(seconds=1))
+    assert comm is not None
+    if dist.get_rank() == 0:
+        try:
+            comm.all_reduce(torch.ones(4))
+        except RuntimeError as err:
+            message = str(err)
+        else:
+            raise AssertionError("a collective without its peer returned")
+    else:
+        message = ""
+    dist.barrier()  # rank 1 never joined the shared-memory all-reduce
+    return message
+
+
+def test_missing_peer_times_out_naming_it():
+    message, _ = run_distributed(_timeout_worker, 2, timeout=60)
+    assert "timed out after 1 s" in message and "[1]" in message, message
+
+
+def _fallback_worker(kind: str) -> bool:
+    if kind == "single":
+        return enable_shared_memory_collectives(dist.new_group([dist.get_rank()])) is None
+    group = dist.new_group([0, 1])
+    if kind == "hosts":  # ranks report different hosts: gloo stays in charge, on every rank
+        shared_memory._host_id = lambda: f"host{dist.get_rank()}"
+    elif kind == "no-directory":
+        return enable_shared_memory_collectives(group, directory="/nonexistent-dir") is None
+    comm = enable_shared_memory_collectives(group)
+    out = _reduce(torch.ones(3), group)
+    assert torch.equal(out, torch.full((3,), 2.0))
+    return comm is None and shared_memory_collectives(group) is None
+
+
+@pytest.mark.parametrize("kind", ["hosts", "no-directory"])
+def test_groups_across_hosts_keep_gloo(kind):
+    assert run_distributed(_fallback_worker, 2, kind, timeout=60) == [True, True]
+
+
+def test_one_rank_group_needs_nothing():
+    assert run_distributed(_fallback_worker, 1, "single", timeout=60) == [True]
