@@ -45,7 +45,7 @@ def _collectives_worker(world: int) -> int:
     group = dist.new_group(list(range(world)))
     rank = dist.get_rank()
     # 96-byte slots: every message below but the smallest goes through in several pieces
-    comm = enable_shared_memory_collectives(group, slot_bytes=96)  # 6 fp32, 12 bf16
+    comm = enable_shared_memory_collectives(group, slot_bytes=96)
     assert comm is not None and shared_memory_collectives(group) is comm
     checked = 0
     for salt, numel in enumerate([0, 1, 7, 24, 1000, 4099]):
@@ -150,3 +150,8 @@ def test_groups_across_hosts_keep_gloo(kind):
 
 def test_one_rank_group_needs_nothing():
     assert run_distributed(_fallback_worker, 1, "single", timeout=60) == [True]
+
+
+def test_bad_slot_size_names_the_fix():
+    with pytest.raises(ValueError, match="slot_bytes=100 must be a positive multiple of 16"):
+        enable_shared_memory_collectives(None, slot_bytes=100)
