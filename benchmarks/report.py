@@ -192,8 +192,9 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
 
     add("## Share of a step in collectives\n")
     add("One extra step per configuration ran under `torch.profiler`; *comm share* = time of the rank's main "
-        "thread inside collectives and point-to-point ops (outermost `c10d::*` / gloo events) / that step's "
-        "wall time. On CPU gloo collectives are blocking, so this includes waiting for the other rank.\n")
+        "thread inside collectives and point-to-point ops (outermost `shm:*` events of the shared-memory "
+        "collectives the strategy uses for TP and DP ranks on one host, `c10d::*` / gloo events for the rest) / "
+        "that step's wall time. `shm:*` includes waiting for the other ranks.\n")
     add("| configuration | size | per rank | ops (rank 0, ms) |\n|---|---|---|---|")
     for r in rows:
         if r["world"] > 1 and r.get("profile_ranks") and "comm_by_name" in r["profile_ranks"][0]:
