@@ -14,6 +14,8 @@ Measures, each in fresh spawned gloo processes (tests/dist_utils.run_distributed
 4. the AdamW step, for-loop vs foreach vs fused (adamw_step.py);
 5. ZeRO-1 at DP=2 on bert-base: our DistributedOptimizer against DeepSpeed's ZeRO stage 1 on the
    same model (zero1.py; needs the ``bench`` extra, skipped with ``--quick``);
+6. all-reduce, all-gather and reduce-scatter between two processes, gloo against our shared memory
+   (collectives.py);
 
 then writes docs/benchmarks.md and docs/img/benchmarks.png. Every process uses all cores between
 its ranks (2 threads for one process, 1 each for two). Other work on the machine slows a run down:
@@ -228,6 +230,27 @@ def run_tp_mlp(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def run_collectives() -> dict[str, Any]:
+    """gloo vs our shared-memory collectives between two processes (collectives.py)."""
+    from collectives import collectives_rank
+
+    _log("collectives between 2 processes: gloo vs shared memory")
+    try:
+        ranks, background, _ = _measured(collectives_rank, 2, timeout=300)
+    except Exception as e:  # noqa: BLE001 - report, don't abort the other sections
+        _log(f"  FAILED {type(e).__name__}")
+        return {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+    if "error" in ranks[0]:
+        return {"error": ranks[0]["error"]}
+    rows = []
+    for a, b in zip(ranks[0]["rows"], ranks[1]["rows"]):  # slowest rank of each
+        rows.append({"op": a["op"], "bytes": a["bytes"], "gloo_s": max(a["gloo_s"], b["gloo_s"]),
+                     "shm_s": max(a["shm_s"], b["shm_s"])})
+        _log(f"  {a['op']} {a['bytes'] >> 10} KiB: gloo {rows[-1]['gloo_s'] * 1e6:.0f} us, "
+             f"shared memory {rows[-1]['shm_s'] * 1e6:.0f} us")
+    return {"rows": rows, "background": background}
+
+
 def run_zero1(rounds: int) -> dict[str, Any]:
     """Our ZeRO-1 against DeepSpeed's on bert-base at DP=2 (zero1.py); skipped without deepspeed."""
     try:
@@ -307,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         gemm = run_gemm(args.quick, gemm)
         _log("tensor-parallel MLP: ours vs megatron-core")
         mlp = run_tp_mlp(args.quick)
+        collectives = run_collectives()
         adamw = None if args.quick else run_adamw(args.quick)
         zero1 = None if args.quick else run_zero1(1)
         if not args.quick:
@@ -316,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
                 "versions": _versions(), "git": _git_version(), "rounds": rounds,
                 "elapsed_min": (time.monotonic() - t0) / 60, "quiet_waited_s": QUIET.waited_s,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin)")}
-        data = {"meta": meta, "gemm": gemm, "bert": rows, "mlp": mlp, "adamw": adamw, "zero1": zero1}
+        data = {"meta": meta, "gemm": gemm, "bert": rows, "mlp": mlp, "adamw": adamw, "zero1": zero1,
+                "collectives": collectives}
         # Raw measurements first: a failure while rendering must not lose minutes of measuring.
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1, default=str)
@@ -326,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     tgt = targets(rows, "base" if any(r["size"] == "base" for r in rows) else rows[-1]["size"])
     os.makedirs(os.path.dirname(args.png), exist_ok=True)
     write_markdown(args.markdown, data["meta"], data["gemm"], rows, data["mlp"], data["adamw"], tgt,
-                   data.get("zero1"))
+                   data.get("zero1"), data.get("collectives"))
     write_png(args.png, rows, data["mlp"], tgt)
     for t in tgt:
         if t["target"] is None:

@@ -56,6 +56,7 @@ from lightning_megatron.sharded_state import (
     rng_state,
     set_rng_state,
 )
+from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 from lightning_megatron.tensor_parallel.shared_memory import (
     disable_shared_memory_collectives,
@@ -176,8 +177,10 @@ class MegatronStrategy(DDPStrategy):
             keep_freed_memory()
         if self.shared_memory_collectives and self.root_device.type == "cpu":
             ps = self.parallel_state
-            for group in (ps.tp_group, ps.dp_group):  # every member of each group calls this, in this order
-                enable_shared_memory_collectives(group, timeout=self._timeout)
+            # Every rank, in this order (each call is collective over its group). The model-parallel
+            # group only reduces grad norms and overflow flags: small slots.
+            for group, slot_bytes in ((ps.tp_group, 8 << 20), (ps.dp_group, 8 << 20), (ps.mp_group, 64 << 10)):
+                enable_shared_memory_collectives(group, slot_bytes=slot_bytes, timeout=self._timeout)
 
     @property
     @override
@@ -350,7 +353,7 @@ class MegatronStrategy(DDPStrategy):
             stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
             values = stacked.mean(dim=0)
             if ps.dp_size > 1:
-                dist.all_reduce(values, group=ps.dp_group)
+                all_reduce(values, ps.dp_group)
                 values /= ps.dp_size
             means = dict(zip(keys, values.unbind(0)))
         if ps.pp_size > 1:
@@ -565,7 +568,8 @@ class MegatronStrategy(DDPStrategy):
             self._main_grads.remove()
             self._main_grads = None
         if self.parallel_state is not None:
-            for group in (self.parallel_state.tp_group, self.parallel_state.dp_group):
+            ps = self.parallel_state
+            for group in (ps.tp_group, ps.dp_group, ps.mp_group):
                 disable_shared_memory_collectives(group)
         super().teardown()
 

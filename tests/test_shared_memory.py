@@ -12,6 +12,7 @@ from dist_utils import DistributedTestFailure, run_distributed
 from lightning_megatron.tensor_parallel import shared_memory
 from lightning_megatron.tensor_parallel.mappings import (
     _all_gather_fn,
+    all_reduce,
     all_gather_into_tensor,
     _reduce,
     _reduce_scatter_fn,
@@ -64,6 +65,10 @@ def _collectives_worker(world: int) -> int:
             _same_on_every_rank(out, group)
             inplace = x.clone()
             assert comm.all_reduce(inplace) is inplace and torch.equal(inplace, out)
+            for op, name in ((dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min")):  # exact in any order
+                expected = x.clone()
+                dist.all_reduce(expected, op=op, group=group)
+                assert torch.equal(comm.all_reduce(x, out=torch.empty_like(x), op=name), expected)
 
             # reduce-scatter of world * numel -> numel
             expected = torch.empty(numel, dtype=dtype)
@@ -86,6 +91,13 @@ def _collectives_worker(world: int) -> int:
     expected = x.contiguous()
     dist.all_reduce(expected, group=group)
     torch.testing.assert_close(_reduce(x, group), expected, atol=0 if world == 2 else ULP8[torch.float32], rtol=0)
+    # the package's one all-reduce: sum, max, min through shared memory; other ops through gloo
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        y = _data(rank, 10, torch.float32, 7)
+        expected = y.clone()
+        dist.all_reduce(expected, op=op, group=group)
+        assert all_reduce(y, group, op) is y
+        torch.testing.assert_close(y, expected, atol=0 if world == 2 else ULP8[torch.float32], rtol=0)
     flat = [torch.full((3,), float(rank)), torch.full((2, 2), float(rank + 1))]
     all_reduce_coalesced(flat, group)
     assert torch.equal(flat[0], torch.full((3,), float(sum(range(world)))))

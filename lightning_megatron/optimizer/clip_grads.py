@@ -27,6 +27,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.tensor_parallel.mappings import all_reduce
+
 __all__ = [
     "get_grad_norm_fp32",
     "clip_grad_norm",
@@ -82,7 +84,7 @@ def get_grad_norm_fp32(
         total = torch.stack(local).max() if local else torch.zeros((), device=device)
         total = total.reshape(1).clone()
         if model_parallel_group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+            all_reduce(total, model_parallel_group, dist.ReduceOp.MAX)
         return float(total.item())
     if norm_type <= 0:
         raise ValueError(f"norm_type={norm_type!r} must be > 0 or inf")
@@ -90,7 +92,7 @@ def get_grad_norm_fp32(
     total = (torch.stack(local) ** norm_type).sum() if local else torch.zeros((), device=device)
     total = total.reshape(1).clone()
     if model_parallel_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+        all_reduce(total, model_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
 
 
@@ -118,7 +120,7 @@ def grad_norm_and_found_inf(
     total = torch.stack([(torch.stack(sq).double() ** 2).sum() if sq else zero,
                          torch.stack(rest).double().sum() if rest else zero])
     if model_parallel_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+        all_reduce(total, model_parallel_group)
     squares, checked = total.tolist()
     found_inf = not (math.isfinite(squares) and math.isfinite(checked))
     return squares**0.5, found_inf
@@ -176,5 +178,5 @@ def count_zeros_fp32(
     for g in grads:
         total += g.numel() - torch.count_nonzero(g)
     if model_parallel_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+        all_reduce(total, model_parallel_group)
     return int(total.item())

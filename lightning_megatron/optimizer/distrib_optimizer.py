@@ -47,7 +47,7 @@ import torch.distributed as dist
 from lightning_megatron.optimizer.clip_grads import _is_counted
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
-from lightning_megatron.tensor_parallel.mappings import all_gather_into_tensor, reduce_scatter_tensor
+from lightning_megatron.tensor_parallel.mappings import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 
 __all__ = ["DistributedOptimizer"]
 
@@ -192,7 +192,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp) -> None:
         for group in (self.data_parallel_group, self.model_parallel_group):
             if group is not None:
-                dist.all_reduce(t, op=op, group=group)
+                all_reduce(t, group, op)
 
     def _unscale_main_grads(self) -> None:
         assert self.grad_scaler is not None

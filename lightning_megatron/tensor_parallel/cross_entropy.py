@@ -21,14 +21,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.parallel_state import group_rank, group_size
+from lightning_megatron.tensor_parallel.mappings import all_reduce
 
 __all__ = ["vocab_parallel_cross_entropy"]
-
-
-def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -50,24 +45,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits[..., valid:] = float("-inf")
 
         logits_max = logits.max(dim=-1)[0]
-        _all_reduce(logits_max, group, dist.ReduceOp.MAX)
+        all_reduce(logits_max, group, dist.ReduceOp.MAX)
         logits.sub_(logits_max.unsqueeze(-1))
 
         ignored = target == ignore_index
         outside = (target < start) | (target >= start + partition) | ignored
         local_target = (target - start).masked_fill(outside, 0)
         predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        _all_reduce(predicted, group)
+        all_reduce(predicted, group)
 
         sum_logits = logits[..., :valid].sum(dim=-1) if label_smoothing > 0 else None
         exp_logits = logits.exp_()  # the shifted logits are not needed any more: exp in place
         sum_exp = exp_logits.sum(dim=-1)
-        _all_reduce(sum_exp, group)
+        all_reduce(sum_exp, group)
         log_z = sum_exp.log()
         loss = log_z - predicted
 
         if sum_logits is not None:
-            _all_reduce(sum_logits, group)
+            all_reduce(sum_logits, group)
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_logits / real_vocab)
         loss = loss.masked_fill(ignored, 0.0)
 

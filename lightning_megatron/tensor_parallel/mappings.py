@@ -34,6 +34,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "all_reduce",
     "all_reduce_coalesced",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
@@ -52,13 +53,23 @@ def _shm(t: torch.Tensor, group: Group):
     return shared_memory_collectives(group) if t.device.type == "cpu" else None
 
 
-def _all_reduce_(t: torch.Tensor, group: Group) -> None:
-    """Sum the contiguous ``t`` over ``group`` in place."""
+_SHM_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce the contiguous ``t`` over ``group`` in place (no autograd) and return it.
+
+    The one all-reduce of the package: through the group's shared memory for CPU tensors when the
+    strategy enabled it (sum, max, min), else the group's backend; nothing with a group of one.
+    """
+    if group_size(group) == 1:
+        return t
     shm = _shm(t, group)
-    if shm is not None:
-        shm.all_reduce(t)
+    if shm is not None and op in _SHM_OPS:
+        shm.all_reduce(t, op=_SHM_OPS[op])
     else:
-        dist.all_reduce(t, group=group)
+        dist.all_reduce(t, op=op, group=group)
+    return t
 
 
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
@@ -93,8 +104,7 @@ def _reduce(t: torch.Tensor, group: Group, inplace: bool = False) -> torch.Tenso
     if group_size(group) == 1:
         return t
     if inplace and t.is_contiguous():
-        _all_reduce_(t, group)
-        return t
+        return all_reduce(t, group)
     shm = _shm(t, group)
     if shm is not None:  # reduce straight into a new tensor (no clone first)
         return shm.all_reduce(t, out=torch.empty_like(t, memory_format=torch.contiguous_format))
@@ -149,7 +159,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> None:
     if not tensors or group_size(group) == 1:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    _all_reduce_(flat, group)
+    all_reduce(flat, group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -136,8 +136,9 @@ class SharedMemoryCollectives:
         return max(1, self.slot_bytes // dtype.itemsize // parts)
 
     # -----------------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out = sum over ranks of tensor`` (``out`` defaults to ``tensor``: in place)."""
+    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor | None = None, op: str = "sum") -> torch.Tensor:
+        """``out = op over ranks of tensor`` (``op``: sum, max or min; ``out`` defaults to ``tensor``)."""
+        combine = _COMBINE[op]
         out = tensor if out is None else out
         src, dst = tensor.reshape(-1), out.view(-1)  # ``out`` must be contiguous
         n, piece = src.numel(), self._piece(tensor.dtype)
@@ -147,7 +148,7 @@ class SharedMemoryCollectives:
                 slots = self._slots_of(tensor.dtype)
                 slots[self.rank, :hi - lo].copy_(src[lo:hi])
                 self._barrier()
-                _sum_slots(slots[:, :hi - lo], dst[lo:hi])
+                _reduce_slots(slots[:, :hi - lo], dst[lo:hi], combine)
         return out
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,7 @@ class SharedMemoryCollectives:
                 mine.copy_(src[:, lo:hi])
                 self._barrier()
                 chunks = slots[:, :self.world_size * (hi - lo)].view(self.world_size, self.world_size, hi - lo)
-                _sum_slots(chunks[:, self.rank], dst[lo:hi])
+                _reduce_slots(chunks[:, self.rank], dst[lo:hi], torch.add)
         return out
 
     def close(self) -> None:
@@ -192,11 +193,14 @@ class SharedMemoryCollectives:
             pass
 
 
-def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = slots[0] + slots[1] + ...``, in this order on every rank (same bits everywhere)."""
-    torch.add(slots[0], slots[1], out=out)
+_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def _reduce_slots(slots: torch.Tensor, out: torch.Tensor, combine) -> None:
+    """``out = slots[0] (+) slots[1] (+) ...``, in this order on every rank (same bits everywhere)."""
+    combine(slots[0], slots[1], out=out)
     for k in range(2, slots.size(0)):
-        out.add_(slots[k])
+        combine(out, slots[k], out=out)
 
 
 def enable_shared_memory_collectives(group: dist.ProcessGroup | None, *, slot_bytes: int = 8 << 20,
