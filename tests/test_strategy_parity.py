@@ -33,6 +33,16 @@ def _fit_worker(tp: int, pp: int, vp: int | None, world: int, steps: int, extra:
                                 **(extra or {}))
     module = BertLightningModule(**TINY_MODEL)
     recorder = LossRecorder()
+    recorder.shm = None
+
+    def record_paths(trainer, pl_module) -> None:  # which TP/DP groups run on shared memory during fit
+        from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
+
+        ps = strategy.parallel_state
+        recorder.shm = {name: shared_memory_collectives(g) is not None
+                        for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group)) if g is not None and g.size() > 1}
+
+    recorder.on_train_start = record_paths
     trainer = make_trainer(strategy, world, steps, callbacks=[recorder])
     dp = world // (tp * pp)
     ps_layout = strategy.layout
@@ -40,7 +50,7 @@ def _fit_worker(tp: int, pp: int, vp: int | None, world: int, steps: int, extra:
     trainer.fit(module, train_dataloaders=dataloader(GLOBAL_BATCH // dp, dp, dp_rank))
     ps = strategy.parallel_state
     return {"losses": recorder.losses, "shards": local_shards(module), "tp_rank": ps.tp_rank, "dp_rank": ps.dp_rank,
-            "pp_rank": ps.pp_rank}
+            "pp_rank": ps.pp_rank, "shm": recorder.shm}
 
 
 def _manual_worker(steps: int) -> dict:
@@ -129,6 +139,9 @@ def test_layouts_equal_one_process(world, layouts, reference):
     per_rank = run_distributed(_fit_many, world, layouts, world, STEPS, timeout=600)
     for i, layout in enumerate(layouts):
         results = [r[i] for r in per_rank]
+        # on CPU by default every TP and DP group of more than one rank uses the shared-memory path
+        assert all(all(r["shm"].values()) for r in results), (layout, [r["shm"] for r in results])
+        assert any(r["shm"] for r in results) == (layout[0] > 1 or world // (layout[0] * layout[1]) > 1)
         try:
             _compare(results, layout[0], reference)
         except AssertionError as e:
@@ -140,6 +153,7 @@ def test_gloo_collectives_equal_one_process(reference):
     layouts = [(2, 1, None), (1, 1, None)]
     per_rank = run_distributed(_fit_many, 2, layouts, 2, STEPS, {"shared_memory_collectives": False}, timeout=600)
     for i, layout in enumerate(layouts):
+        assert [r[i]["shm"] for r in per_rank] == [{"tp": False} if layout[0] > 1 else {"dp": False}] * 2
         try:
             _compare([r[i] for r in per_rank], layout[0], reference)
         except AssertionError as e:
