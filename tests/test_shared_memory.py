@@ -46,7 +46,8 @@ def _collectives_worker(world: int) -> int:
     group = dist.new_group(list(range(world)))
     rank = dist.get_rank()
     # 96-byte slots: every message below but the smallest goes through in several pieces
-    comm = enable_shared_memory_collectives(group, slot_bytes=96)
+    # timeout=None as MegatronStrategy(timeout=None) passes it: the 30-minute default
+    comm = enable_shared_memory_collectives(group, slot_bytes=96, timeout=None)
     assert comm is not None and shared_memory_collectives(group) is comm
     checked = 0
     for salt, numel in enumerate([0, 1, 7, 24, 1000, 4099]):

@@ -204,13 +204,14 @@ def _reduce_slots(slots: torch.Tensor, out: torch.Tensor, combine) -> None:
 
 
 def enable_shared_memory_collectives(group: dist.ProcessGroup | None, *, slot_bytes: int = 8 << 20,
-                                     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                                     timeout: datetime.timedelta | None = None,
                                      directory: str = "/dev/shm") -> SharedMemoryCollectives | None:
     """Route ``group``'s CPU collectives in :mod:`tensor_parallel.mappings` through shared memory.
 
     Collective over ``group`` (every member calls it). Returns ``None``, and the group keeps using
     its backend, when the group has one rank, its ranks are not all on this host, the machine is not
     x86-64, or any rank cannot map ``directory``; the decision is the same on every rank.
+    ``timeout`` bounds a wait for the other ranks (``None``: 30 minutes, torch's default for gloo).
     """
     if slot_bytes < 16 or slot_bytes % 16:
         raise ValueError(f"slot_bytes={slot_bytes} must be a positive multiple of 16 (the largest element size)")
@@ -258,7 +259,8 @@ def enable_shared_memory_collectives(group: dist.ProcessGroup | None, *, slot_by
         if mapping is not None:
             mapping.close()
         return None
-    comm = SharedMemoryCollectives(group, mapping, slot_bytes=slot_bytes, timeout=timeout)
+    comm = SharedMemoryCollectives(group, mapping, slot_bytes=slot_bytes,
+                                   timeout=timeout or datetime.timedelta(minutes=30))
     _registry[group] = comm
     return comm
 
