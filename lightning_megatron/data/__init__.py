@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_megatron.data.bert_dataset import (
-    BertDataset,
-    build_samples_mapping,
-    create_masked_lm_predictions,
-    get_train_valid_test_split_,
-)
+from lightning_megatron.data.bert_dataset import BertDataset, create_masked_lm_predictions, get_train_valid_test_split_
 from lightning_megatron.data.corpus import CorpusStats, default_corpus_documents, read_documents, split_sentences
 from lightning_megatron.data.indexed_dataset import CorruptIndexedDatasetError, IndexedDataset, IndexedDatasetBuilder
 from lightning_megatron.data.preprocess import PreprocessStats, preprocess_corpus
+from lightning_megatron.data.samples_index import build_samples_mapping, cached_samples_mapping
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from lightning_megatron.data.tokenizer import BertTokenizer, default_vocab_file, train_wordpiece_tokenizer
 
@@ -36,6 +32,7 @@ __all__ = [
     "MegatronPretrainingSampler",
     "PreprocessStats",
     "build_samples_mapping",
+    "cached_samples_mapping",
     "create_masked_lm_predictions",
     "default_corpus_documents",
     "default_vocab_file",

@@ -5,6 +5,8 @@ mapping* (``[start_sentence, end_sentence, target_length]`` rows, Megatron's ``b
 each epoch walks every document, cutting it into spans of about ``target_length`` tokens (with
 probability ``short_seq_prob`` a shorter random target, so the model also sees short inputs); the
 rows of each epoch are shuffled and epochs are appended until the requested number of samples.
+The mapping is built vectorised and cached on disk, memory-mapped by every process
+(:mod:`lightning_megatron.data.samples_index`).
 
 Everything random in sample ``i`` comes from a generator seeded with ``(seed, i)``, so a sample is
 the same whichever worker, data-parallel rank or resumed run builds it.
@@ -22,13 +24,17 @@ Sample ``i`` (:meth:`BertDataset.__getitem__`):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from lightning_megatron.data.indexed_dataset import IndexedDataset
+from lightning_megatron.data.samples_index import build_samples_mapping, cached_samples_mapping
 from lightning_megatron.data.tokenizer import BertTokenizer
 
 __all__ = [
@@ -59,56 +65,6 @@ def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
         index.append(index[-1] + int(round(split / total * float(size))))
     diff = index[-1] - size
     return [index[0]] + [i - diff for i in index[1:]]
-
-
-def _target_length(rng: np.random.Generator, max_num_tokens: int, short_seq_prob: float) -> int:
-    if short_seq_prob > 0 and rng.random() < short_seq_prob:
-        return int(rng.integers(2, max_num_tokens + 1))
-    return max_num_tokens
-
-
-def build_samples_mapping(sizes: np.ndarray, doc_idx: np.ndarray, documents: Sequence[int] | np.ndarray, *,
-                          max_num_tokens: int, seed: int, num_samples: int | None = None,
-                          num_epochs: int | None = None, short_seq_prob: float = 0.1,
-                          min_num_sentences: int = 2) -> np.ndarray:
-    """The samples mapping: int64 rows ``[start_sentence, end_sentence, target_length]``.
-
-    ``num_samples`` rows (epochs are repeated as needed, the last one cut), else ``num_epochs``
-    full epochs (default 1). Documents with fewer than ``min_num_sentences`` sentences are skipped
-    (2 for the binary head: A and B must be non-empty).
-    """
-    if num_samples is not None and num_samples < 1:
-        raise ValueError(f"num_samples={num_samples} must be positive (or None for whole epochs)")
-    if num_epochs is not None and num_epochs < 1:
-        raise ValueError(f"num_epochs={num_epochs} must be positive (or None)")
-    if num_samples is None and num_epochs is None:
-        num_epochs = 1
-    rng = np.random.default_rng([seed, 0x5A3])
-    epochs: list[np.ndarray] = []
-    total = 0
-    while (num_epochs is None or len(epochs) < num_epochs) and (num_samples is None or total < num_samples):
-        rows: list[tuple[int, int, int]] = []
-        for doc in documents:
-            first, last = int(doc_idx[doc]), int(doc_idx[doc + 1])
-            if last - first < min_num_sentences:
-                continue
-            start, seq_len, target = first, 0, _target_length(rng, max_num_tokens, short_seq_prob)
-            for sentence in range(first, last):
-                seq_len += int(sizes[sentence])
-                num_sentences, remaining = sentence + 1 - start, last - sentence - 1
-                # Close the span when it is long enough and what remains can still form a span.
-                if (seq_len >= target and remaining > 1 and num_sentences >= min_num_sentences) or remaining == 0:
-                    if num_sentences >= min_num_sentences:
-                        rows.append((start, sentence + 1, target))
-                    start, seq_len, target = sentence + 1, 0, _target_length(rng, max_num_tokens, short_seq_prob)
-        if not rows:
-            raise ValueError(f"no document has {min_num_sentences} or more sentences, so no sample can be built; "
-                             f"use more text, or binary_head=None to allow one-sentence documents")
-        epoch = np.asarray(rows, dtype=np.int64)
-        epochs.append(epoch[rng.permutation(len(epoch))])
-        total += len(epoch)
-    mapping = np.concatenate(epochs)
-    return mapping[:num_samples] if num_samples is not None else mapping
 
 
 def truncate_seq_pair(tokens_a: np.ndarray, tokens_b: np.ndarray, max_num_tokens: int,
@@ -205,13 +161,17 @@ class BertDataset(Dataset):
         max_ngrams: longest n-gram (in words) masked as one unit; 1 = single words.
         geometric_dist: draw n-gram lengths from geometric(0.2) (SpanBERT) instead of ``P(n) ~ 1/n``.
         favor_longer_ngram: reverse ``P(n) ~ 1/n`` to favour long n-grams.
+        samples_cache_dir: where the samples mapping is cached (a memory-mapped ``.npy``, built by
+            one process); ``None``: next to the dataset (``<prefix>.samples-<key>.npy``), or the
+            default cache directory when that is not writable; ``False``: build it in memory.
     """
 
     def __init__(self, indexed_dataset: IndexedDataset, tokenizer: BertTokenizer, *,
                  documents: Sequence[int] | np.ndarray | None = None, max_seq_length: int = 128, seed: int = 1234,
                  num_samples: int | None = None, num_epochs: int | None = None, masked_lm_prob: float = 0.15,
                  short_seq_prob: float = 0.1, binary_head: str | None = "sop", whole_word_masking: bool = True,
-                 max_ngrams: int = 1, geometric_dist: bool = False, favor_longer_ngram: bool = False) -> None:
+                 max_ngrams: int = 1, geometric_dist: bool = False, favor_longer_ngram: bool = False,
+                 samples_cache_dir: str | os.PathLike[str] | None | bool = None) -> None:
         if binary_head not in ("sop", "nsp", None):
             raise ValueError(f"binary_head={binary_head!r} must be 'sop', 'nsp' or None")
         if max_seq_length < 8:
@@ -239,15 +199,35 @@ class BertDataset(Dataset):
         self.pad_id, self.mask_id = tokenizer.pad_id, tokenizer.mask_id
         self.continuation = tokenizer.continuation
         self.random_token_ids = tokenizer.random_token_ids
-        self.samples_mapping = build_samples_mapping(
-            indexed_dataset.sizes, indexed_dataset.doc_idx, self.documents, max_num_tokens=max_seq_length - 3,
-            seed=seed, num_samples=num_samples, num_epochs=num_epochs, short_seq_prob=short_seq_prob,
-            min_num_sentences=1 if binary_head is None else 2)
+        mapping_kwargs: dict[str, Any] = dict(
+            max_num_tokens=max_seq_length - 3, seed=seed, num_samples=num_samples, num_epochs=num_epochs,
+            short_seq_prob=short_seq_prob, min_num_sentences=1 if binary_head is None else 2)
+        if samples_cache_dir is False:
+            self.samples_mapping: np.ndarray = build_samples_mapping(
+                indexed_dataset.sizes, indexed_dataset.doc_idx, self.documents, **mapping_kwargs)
+        else:
+            prefix = Path(indexed_dataset.prefix)
+            self.samples_mapping = cached_samples_mapping(
+                indexed_dataset.sizes, indexed_dataset.doc_idx, self.documents, name=prefix.name,
+                cache_dir=prefix.parent if samples_cache_dir in (None, True) else Path(samples_cache_dir),
+                **mapping_kwargs)
         # Documents that can give NSP's random B: any other document of this split.
         sizes = np.diff(indexed_dataset.doc_idx)[self.documents] if len(self.documents) else np.zeros(0)
         self._nsp_documents = self.documents[sizes > 0]
         if binary_head == "nsp" and len(self._nsp_documents) < 2:
             raise ValueError("binary_head='nsp' needs at least two documents to draw a random B from")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        mapping = state["samples_mapping"]
+        if isinstance(mapping, np.memmap) and mapping.filename:  # reopen, never copy, in worker processes
+            state["samples_mapping"] = Path(mapping.filename)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["samples_mapping"], Path):
+            state["samples_mapping"] = np.load(state["samples_mapping"], mmap_mode="r", allow_pickle=False)
+        self.__dict__.update(state)
 
     def __len__(self) -> int:
         return len(self.samples_mapping)
