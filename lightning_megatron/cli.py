@@ -2,7 +2,7 @@
 
     lightning-megatron fit --config recipes/bert_tiny.yaml [--trainer.max_steps 50 ...]
     lightning-megatron validate|test --config ... --ckpt_path CKPT
-    lightning-megatron preprocess --input a.txt b.jsonl --output-prefix data/my_corpus [--vocab-file vocab.txt]
+    lightning-megatron preprocess --input a.txt b.jsonl.gz dir/ --output-prefix data/my_corpus [--workers 2]
     lightning-megatron train-tokenizer --input a.txt --vocab-size 8192 --output-dir tok/
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
 
@@ -71,20 +71,28 @@ def _lightning_cli(args: list[str]) -> None:
 
 def _preprocess(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="lightning-megatron preprocess",
-                                     description="text/jsonl corpus -> Megatron indexed dataset (.bin/.idx)")
+                                     description="text/jsonl/Hugging Face corpus -> Megatron indexed dataset "
+                                                 "(.bin/.idx, and .vocab.json recording the vocabulary)")
     parser.add_argument("--input", nargs="*", default=None,
-                        help=".txt (blank line between documents) or .jsonl files; none: the built-in corpus")
+                        help=".txt (blank line between documents) or .jsonl files, also .gz, directories "
+                             "(recursive) or saved Hugging Face datasets; none: the built-in corpus")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--vocab-file", default=None, help="WordPiece vocab.txt (default: the packaged BERT vocab)")
-    parser.add_argument("--json-key", default="text")
+    parser.add_argument("--json-key", default="text", help="JSON field / dataset column holding the text")
     parser.add_argument("--max-seq-length", type=int, default=512)
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = parser.parse_args(argv)
     from lightning_megatron.data.preprocess import preprocess_corpus
 
-    stats = preprocess_corpus(a.input, a.output_prefix, a.vocab_file, json_key=a.json_key,
-                              max_seq_length=a.max_seq_length)
+    try:
+        stats = preprocess_corpus(a.input, a.output_prefix, a.vocab_file, json_key=a.json_key,
+                                  max_seq_length=a.max_seq_length, workers=a.workers, progress=not a.no_progress)
+    except (ValueError, OSError, ImportError) as error:
+        parser.exit(2, f"lightning-megatron preprocess: error: {error}\n")
     for k, v in stats.as_dict().items():
         print(f"{k}: {v}")
+    print(f"throughput: {stats.text_bytes / 1e6 / max(stats.seconds, 1e-9):.2f} MB/s")
 
 
 def _train_tokenizer(argv: list[str]) -> None:

@@ -11,11 +11,23 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.data.bert_dataset import BertDataset, create_masked_lm_predictions, get_train_valid_test_split_
 from lightning_megatron.data.corpus import CorpusStats, default_corpus_documents, read_documents, split_sentences
+from lightning_megatron.data.dataset_vocab import (
+    DatasetVocab,
+    check_dataset_vocab,
+    read_dataset_vocab,
+    vocab_sha256,
+    write_dataset_vocab,
+)
 from lightning_megatron.data.indexed_dataset import CorruptIndexedDatasetError, IndexedDataset, IndexedDatasetBuilder
 from lightning_megatron.data.preprocess import PreprocessStats, preprocess_corpus
 from lightning_megatron.data.samples_index import build_samples_mapping, cached_samples_mapping
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
-from lightning_megatron.data.tokenizer import BertTokenizer, default_vocab_file, train_wordpiece_tokenizer
+from lightning_megatron.data.tokenizer import (
+    BertTokenizer,
+    default_vocab_file,
+    packaged_vocab_file,
+    train_wordpiece_tokenizer,
+)
 
 if TYPE_CHECKING:
     from lightning_megatron.data.datamodule import BertDataModule
@@ -26,21 +38,27 @@ __all__ = [
     "BertTokenizer",
     "CorpusStats",
     "CorruptIndexedDatasetError",
+    "DatasetVocab",
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "MegatronPretrainingRandomSampler",
     "MegatronPretrainingSampler",
     "PreprocessStats",
     "build_samples_mapping",
+    "check_dataset_vocab",
     "cached_samples_mapping",
     "create_masked_lm_predictions",
     "default_corpus_documents",
     "default_vocab_file",
+    "packaged_vocab_file",
     "get_train_valid_test_split_",
     "preprocess_corpus",
+    "read_dataset_vocab",
     "read_documents",
     "split_sentences",
     "train_wordpiece_tokenizer",
+    "vocab_sha256",
+    "write_dataset_vocab",
 ]
 
 

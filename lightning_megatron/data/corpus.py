@@ -11,12 +11,17 @@ and methods. Code examples and grammar blocks (indented paragraphs, ``>>>`` sess
 User files:
 - ``.txt``: documents are separated by a blank line; each line holds one or more sentences.
 - ``.jsonl`` / ``.json``: one JSON object per line, the document text under ``json_key``.
+- the same gzip-compressed (``.txt.gz``, ``.jsonl.gz``); directories, searched recursively for these;
+- Hugging Face ``datasets``: a ``Dataset`` object, or a directory written by ``save_to_disk``
+  (the ``train`` split of a ``DatasetDict``), the document text under ``json_key``
+  (``datasets`` is an optional dependency, imported only then).
 Files are read as bytes and decoded line by line as UTF-8; undecodable bytes become U+FFFD and
 the line is counted, as are empty files, superfluous blank lines and malformed JSON lines.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib
 import inspect
@@ -28,6 +33,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CorpusStats",
@@ -36,6 +42,7 @@ __all__ = [
     "default_corpus_documents",
     "default_corpus_fingerprint",
     "expand_inputs",
+    "is_hf_dataset",
     "read_documents",
     "split_sentences",
 ]
@@ -182,26 +189,59 @@ def default_corpus_fingerprint(module_names: Sequence[str] = DEFAULT_CORPUS_MODU
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def expand_inputs(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """Paths of the input files: files as given, directories expanded to their ``.txt``/``.jsonl``
-    files in sorted order. A missing path raises :class:`FileNotFoundError` naming it."""
-    files: list[Path] = []
-    for item in inputs:
+_HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+
+
+def _kind(path: Path) -> str:
+    """``"json"`` or ``"text"`` by the suffix before any ``.gz``."""
+    name = path.name.lower()
+    name = name[:-3] if name.endswith(".gz") else name
+    return "json" if name.endswith(JSON_SUFFIXES) else "text"
+
+
+def _is_corpus_file(path: Path) -> bool:
+    name = path.name.lower()
+    name = name[:-3] if name.endswith(".gz") else name
+    return name.endswith(TEXT_SUFFIXES + JSON_SUFFIXES)
+
+
+def is_hf_dataset(item: Any) -> bool:
+    """A Hugging Face ``datasets`` object, or a directory written by its ``save_to_disk``."""
+    if isinstance(item, (str, os.PathLike)):
         path = Path(item)
-        if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.is_file()
-                                and p.suffix.lower() in TEXT_SUFFIXES + JSON_SUFFIXES))
+        return path.is_dir() and any((path / marker).is_file() for marker in _HF_MARKERS)
+    return type(item).__module__.startswith("datasets")
+
+
+def expand_inputs(inputs: Iterable[Any]) -> list[Any]:
+    """The inputs to read, in order: files as given, directories expanded recursively to their
+    ``.txt``/``.jsonl``/``.json`` files (also ``.gz``) in sorted order, saved Hugging Face datasets and
+    ``datasets`` objects as they are. A missing path raises :class:`FileNotFoundError` naming it."""
+    items: list[Any] = []
+    for item in inputs:
+        if not isinstance(item, (str, os.PathLike)):
+            if not is_hf_dataset(item):
+                raise TypeError(f"input {item!r} is neither a path nor a Hugging Face datasets object")
+            items.append(item)
+            continue
+        path = Path(item)
+        if is_hf_dataset(path):
+            items.append(path)
+        elif path.is_dir():
+            items.extend(sorted(p for p in path.rglob("*") if p.is_file() and _is_corpus_file(p)))
         elif path.is_file():
-            files.append(path)
+            items.append(path)
         else:
             raise FileNotFoundError(f"input file {str(path)!r} does not exist")
-    return files
+    return items
 
 
 def _decoded_lines(path: Path, stats: CorpusStats) -> Iterator[str]:
-    """Lines of a file as text; invalid UTF-8 is replaced and counted, an empty file counted."""
+    """Lines of a file (gzip-compressed when it ends in ``.gz``) as text; invalid UTF-8 is replaced
+    and counted, an empty file counted."""
     any_text = False
-    with open(path, "rb") as f:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rb") as f:
         for raw in f:
             try:
                 line = raw.decode("utf-8")
@@ -234,6 +274,18 @@ def _text_file_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
         yield sentences
 
 
+def _record_document(record: Any, json_key: str, stats: CorpusStats) -> Document | None:
+    """The sentences of one JSON / datasets record, or ``None`` (counted) when it has none."""
+    if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
+        stats.bad_json_lines += 1
+        return None
+    sentences = [s for paragraph in record[json_key].split("\n") for s in split_sentences(paragraph)]
+    if not sentences:
+        stats.empty_documents += 1
+        return None
+    return sentences
+
+
 def _json_file_documents(path: Path, json_key: str, stats: CorpusStats) -> Iterator[Document]:
     for line in _decoded_lines(path, stats):
         if not line.strip():
@@ -244,22 +296,42 @@ def _json_file_documents(path: Path, json_key: str, stats: CorpusStats) -> Itera
         except json.JSONDecodeError:
             stats.bad_json_lines += 1
             continue
-        if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
-            stats.bad_json_lines += 1
-            continue
-        sentences = [s for paragraph in record[json_key].split("\n") for s in split_sentences(paragraph)]
-        if not sentences:
-            stats.empty_documents += 1
-            continue
-        yield sentences
+        if (sentences := _record_document(record, json_key, stats)) is not None:
+            yield sentences
 
 
-def read_documents(inputs: Iterable[str | os.PathLike[str]] | None, stats: CorpusStats | None = None,
+def _hf_documents(item: Any, json_key: str, stats: CorpusStats) -> Iterator[Document]:
+    """Documents of a Hugging Face dataset (object or ``save_to_disk`` directory)."""
+    if isinstance(item, (str, os.PathLike)):
+        try:
+            import datasets
+        except ImportError:
+            raise ImportError(f"reading the saved Hugging Face dataset {os.fspath(item)!r} needs the `datasets` "
+                              f"package: pip install 'lightning-megatron[hf]'") from None
+        item = datasets.load_from_disk(os.fspath(item))
+    if isinstance(item, dict):  # a DatasetDict
+        splits = sorted(item.keys())
+        if "train" not in splits and len(splits) != 1:
+            raise ValueError(f"the Hugging Face DatasetDict has splits {splits} and no 'train': pass the split "
+                             f"to preprocess, e.g. dataset['{splits[0]}']")
+        item = item["train" if "train" in splits else splits[0]]
+    if json_key not in item.column_names:
+        raise ValueError(f"the Hugging Face dataset has no column json_key={json_key!r}; its columns are "
+                         f"{item.column_names}: pass --json-key")
+    stats.files += 1
+    for batch in item.select_columns([json_key]).iter(batch_size=1000):
+        for text in batch[json_key]:
+            if (sentences := _record_document({json_key: text}, json_key, stats)) is not None:
+                yield sentences
+
+
+def read_documents(inputs: Iterable[Any] | None, stats: CorpusStats | None = None,
                    *, json_key: str = "text") -> Iterator[Document]:
-    """Documents of the given files (``None``: the built-in default corpus), counting in ``stats``.
+    """Documents of the given inputs (``None``: the built-in default corpus), counting in ``stats``.
 
-    ``.jsonl``/``.json`` files are read as JSON lines, anything else as plain text. Missing files
-    raise :class:`FileNotFoundError` before anything is read.
+    ``.jsonl``/``.json`` files (and ``.gz`` ones) are read as JSON lines, other files as plain
+    text, Hugging Face datasets by their ``json_key`` column. Missing files raise
+    :class:`FileNotFoundError` before anything is read.
     """
     stats = stats if stats is not None else CorpusStats()
     files = None if inputs is None else expand_inputs(inputs)  # eager: a missing file fails now
@@ -277,10 +349,13 @@ def read_documents(inputs: Iterable[str | os.PathLike[str]] | None, stats: Corpu
     return documents()
 
 
-def _file_documents(files: Sequence[Path], json_key: str, stats: CorpusStats) -> Iterator[Document]:
-    for path in files:
+def _file_documents(items: Sequence[Any], json_key: str, stats: CorpusStats) -> Iterator[Document]:
+    for item in items:
+        if is_hf_dataset(item):
+            yield from _hf_documents(item, json_key, stats)
+            continue
         stats.files += 1
-        if path.suffix.lower() in JSON_SUFFIXES:
-            yield from _json_file_documents(path, json_key, stats)
+        if _kind(item) == "json":
+            yield from _json_file_documents(item, json_key, stats)
         else:
-            yield from _text_file_documents(path, stats)
+            yield from _text_file_documents(item, stats)

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_
 from lightning_megatron.data.corpus import default_corpus_fingerprint
+from lightning_megatron.data.dataset_vocab import check_dataset_vocab, vocab_sidecar_path
 from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
 from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
@@ -72,6 +73,9 @@ class BertDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes.
         cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or
             ``~/.cache/lightning_megatron``.
+        samples_cache_dir: where the samples mappings are cached (memory-mapped ``.npy``, one per
+            split and configuration); ``None``: next to the dataset, or the default cache directory
+            (``samples/``) when that directory is not writable.
     """
 
     def __init__(self, data_prefix: str | None = None, vocab_file: str | None = None, *,
@@ -80,7 +84,7 @@ class BertDataModule(pl.LightningDataModule):
                  binary_head: Literal["sop", "nsp"] | None = "sop", whole_word_masking: bool = True,
                  max_ngrams: int = 1, splits: str = "949,50,1", train_samples: int | None = None,
                  eval_samples: int | None = None, shuffle: Literal["sequential", "random"] = "sequential",
-                 num_workers: int = 0, cache_dir: str | None = None) -> None:
+                 num_workers: int = 0, cache_dir: str | None = None, samples_cache_dir: str | None = None) -> None:
         super().__init__()
         if global_batch_size < 1 or micro_batch_size < 1 or global_batch_size % micro_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
@@ -105,7 +109,8 @@ class BertDataModule(pl.LightningDataModule):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._dataset_kwargs: dict[str, Any] = dict(
             max_seq_length=max_seq_length, seed=seed, masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
-            binary_head=binary_head, whole_word_masking=whole_word_masking, max_ngrams=max_ngrams)
+            binary_head=binary_head, whole_word_masking=whole_word_masking, max_ngrams=max_ngrams,
+            samples_cache_dir=samples_cache_dir)
         self._tokenizer: BertTokenizer | None = None
         self._restored: tuple[int, int] = (0, 0)
         """(consumed_samples, global_step) at the last checkpoint restored."""
@@ -143,7 +148,7 @@ class BertDataModule(pl.LightningDataModule):
             return
         prefix = self._prefix()
         with file_lock(prefix.parent / "build.lock"):
-            if not index_file_path(prefix).is_file():
+            if not index_file_path(prefix).is_file() or not vocab_sidecar_path(prefix).is_file():
                 preprocess_corpus(None, prefix, self.tokenizer, max_seq_length=self.max_seq_length)
 
     @override
@@ -183,7 +188,12 @@ class BertDataModule(pl.LightningDataModule):
             if trainer.local_rank == 0:
                 self._build_default_corpus()
             trainer.strategy.barrier("lightning_megatron.data.build")
-        indexed = IndexedDataset(self._prefix())
+        prefix = self._prefix()
+        indexed = IndexedDataset(prefix)
+        if indexed.num_documents == 0:
+            raise ValueError(f"dataset {str(prefix)!r} holds no documents: preprocess it again from inputs that "
+                             f"hold text")
+        check_dataset_vocab(prefix, self.tokenizer, self._model_vocab_size())
         bounds = get_train_valid_test_split_(self.splits, indexed.num_documents)
         split_docs = [range(bounds[i], bounds[i + 1]) for i in range(3)]
         train_samples = self.train_samples
@@ -192,6 +202,17 @@ class BertDataModule(pl.LightningDataModule):
         self.train_dataset = self._dataset(indexed, split_docs[0], train_samples, "train")
         self.val_dataset = self._dataset(indexed, split_docs[1], self.eval_samples, "valid")
         self.test_dataset = self._dataset(indexed, split_docs[2], self.eval_samples, "test")
+
+    def _model_vocab_size(self) -> int:
+        """The vocabulary the model will have: its ``vocab_size`` (or ``hparams.vocab_size``) when set,
+        else this tokenizer's (which the model then takes)."""
+        trainer = self._trainer_or_none()
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        for source in (module, getattr(module, "hparams", None)):
+            value = getattr(source, "vocab_size", None) if source is not None else None
+            if isinstance(value, int):
+                return value
+        return self.tokenizer.vocab_size
 
     def _dataset(self, indexed: IndexedDataset, documents: range, num_samples: int | None,
                  name: str) -> BertDataset | None:

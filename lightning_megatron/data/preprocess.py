@@ -1,21 +1,33 @@
-"""Text or JSON lines corpora -> a memory-mapped indexed dataset (Megatron's ``preprocess_data.py``).
+"""Text, JSON lines or Hugging Face corpora -> a memory-mapped indexed dataset (Megatron's
+``preprocess_data.py``).
 
 Every sentence is tokenized with WordPiece and written as one item, documents end with
-``end_document``. Nothing in the input makes this crash: empty files, blank lines, invalid UTF-8,
+``end_document``; ``<prefix>.vocab.json`` records the vocabulary and the largest token id
+(:mod:`.dataset_vocab`). Malformed input never crashes: empty files, blank lines, invalid UTF-8,
 malformed JSON lines and over-long sentences or documents are handled and counted in the returned
-:class:`PreprocessStats`; only a missing input file raises (:class:`FileNotFoundError` naming it).
+:class:`PreprocessStats`. A missing input raises :class:`FileNotFoundError` naming it, and inputs
+that hold no text at all raise :class:`ValueError` (nothing is written).
+
+With ``workers > 1`` the main process reads and splits the documents and ``workers`` processes
+tokenize batches of them; the batches are written in input order, so the output is the same.
 """
 
 from __future__ import annotations
 
+import collections
+import multiprocessing
 import os
-from collections.abc import Iterator, Sequence
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from lightning_megatron.data.corpus import CorpusStats, Document, read_documents
+from lightning_megatron.data.dataset_vocab import vocab_sidecar_path, write_dataset_vocab
 from lightning_megatron.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from lightning_megatron.data.tokenizer import BertTokenizer
 
@@ -42,8 +54,14 @@ class PreprocessStats(CorpusStats):
     """Documents in the output."""
     written_sentences: int = 0
     """Sentences (items) in the output."""
+    text_bytes: int = 0
+    """UTF-8 bytes of the sentences tokenized."""
+    max_token_id: int = -1
+    """Largest token id written."""
+    seconds: float = 0.0
+    """Wall time of the run."""
     output_prefix: str = ""
-    """Where the dataset was written (``<prefix>.bin`` / ``<prefix>.idx``)."""
+    """Where the dataset was written (``<prefix>.bin`` / ``<prefix>.idx`` / ``.vocab.json``)."""
 
 
 def _batches(documents: Iterator[Document]) -> Iterator[list[Document]]:
@@ -59,19 +77,119 @@ def _batches(documents: Iterator[Document]) -> Iterator[list[Document]]:
         yield batch
 
 
-def preprocess_corpus(inputs: Sequence[str | os.PathLike[str]] | None, output_prefix: str | os.PathLike[str],
+_TokenizedDoc = tuple[list[np.ndarray], int, int, int]
+"""(pieces to write, tokens, empty sentences, sentences split)."""
+
+
+def _tokenize(tokenizer: BertTokenizer, batch: list[Document], max_sentence: int) -> tuple[list[_TokenizedDoc], int]:
+    """Token ids of a batch of documents, each sentence cut into pieces of at most ``max_sentence``."""
+    sentences = [s for doc in batch for s in doc]
+    text_bytes = sum(len(s.encode("utf-8")) for s in sentences)
+    ids = iter(tokenizer.tokenize_batch(sentences))
+    dtype = best_dtype(tokenizer.vocab_size)
+    out: list[_TokenizedDoc] = []
+    for doc in batch:
+        pieces: list[np.ndarray] = []
+        tokens = empty = split = 0
+        for _ in doc:
+            sentence = np.asarray(next(ids), dtype=dtype)
+            if sentence.size == 0:
+                empty += 1
+                continue
+            split += sentence.size > max_sentence
+            pieces.extend(sentence[start:start + max_sentence] for start in range(0, sentence.size, max_sentence))
+            tokens += sentence.size
+        out.append((pieces, tokens, empty, split))
+    return out, text_bytes
+
+
+_worker_state: dict[str, Any] = {}
+
+
+def _worker_init(vocab_file: str, lowercase: bool, max_sentence: int) -> None:
+    _worker_state["tokenizer"] = BertTokenizer(vocab_file, lowercase=lowercase)
+    _worker_state["max_sentence"] = max_sentence
+
+
+def _worker_tokenize(batch: list[Document]) -> tuple[list[_TokenizedDoc], int]:
+    return _tokenize(_worker_state["tokenizer"], batch, _worker_state["max_sentence"])
+
+
+def _tokenized_batches(batches: Iterable[list[Document]], tokenizer: BertTokenizer, max_sentence: int,
+                       workers: int) -> Iterator[tuple[list[_TokenizedDoc], int]]:
+    """Tokenized batches in input order; with ``workers > 1`` from a process pool, at most
+    ``2 * workers`` batches in flight (reading never runs far ahead of writing)."""
+    if workers <= 1:
+        for batch in batches:
+            yield _tokenize(tokenizer, batch, max_sentence)
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    context = multiprocessing.get_context(method)
+    with context.Pool(workers, initializer=_worker_init,
+                      initargs=(str(tokenizer.vocab_file), tokenizer.lowercase, max_sentence)) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_worker_tokenize, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _Progress:
+    """``MB read, MB/s`` on stderr (tqdm when installed, else a plain line every second)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.done = 0
+        self.start = self.last = time.perf_counter()
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess", file=sys.stderr,
+                                dynamic_ncols=True)
+            except ImportError:
+                self.bar = None
+
+    def update(self, nbytes: int, documents: int) -> None:
+        self.done += nbytes
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            self.bar.set_postfix(documents=documents, refresh=False)
+            return
+        now = time.perf_counter()
+        if now - self.last >= 1.0:
+            self.last = now
+            print(f"preprocess: {self.done / 1e6:.1f} MB, {documents} documents, "
+                  f"{self.done / 1e6 / (now - self.start):.2f} MB/s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.PathLike[str],
                       tokenizer: BertTokenizer | str | os.PathLike[str] | None = None, *,
-                      json_key: str = "text", max_seq_length: int = 512) -> PreprocessStats:
-    """Tokenize documents and write ``<output_prefix>.bin`` / ``.idx``.
+                      json_key: str = "text", max_seq_length: int = 512, workers: int = 1,
+                      progress: bool = False) -> PreprocessStats:
+    """Tokenize documents and write ``<output_prefix>.bin`` / ``.idx`` / ``.vocab.json``.
 
     Args:
-        inputs: ``.txt`` / ``.jsonl`` files or directories of them; ``None``: the built-in corpus.
-        output_prefix: path prefix of the output pair (parent directories are created).
+        inputs: ``.txt`` / ``.jsonl`` files (or ``.gz`` ones), directories of them (recursive),
+            Hugging Face ``datasets`` objects or ``save_to_disk`` directories; ``None``: the
+            built-in corpus.
+        output_prefix: path prefix of the output (parent directories are created).
         tokenizer: a :class:`BertTokenizer`, a ``vocab.txt`` path, or ``None`` for the default vocabulary.
-        json_key: field of each JSON line holding the document text.
+        json_key: field of each JSON line (column of a dataset) holding the document text.
         max_seq_length: the longest sample the data will feed; sentences longer than
             ``max_seq_length - 3`` ids (room for ``[CLS]`` and two ``[SEP]``) are split into pieces of
             that size, so every piece fits a sample; longer documents are counted.
+        workers: processes tokenizing in parallel (1: in this process).
+        progress: show MB read and MB/s on stderr.
 
     Returns:
         The counters of what was read and written. The output is written atomically: an
@@ -79,34 +197,49 @@ def preprocess_corpus(inputs: Sequence[str | os.PathLike[str]] | None, output_pr
     """
     if max_seq_length < 8:
         raise ValueError(f"max_seq_length={max_seq_length} is too short for BERT samples; use at least 8")
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be at least 1")
     if not isinstance(tokenizer, BertTokenizer):
         tokenizer = BertTokenizer(tokenizer)
+    start = time.perf_counter()
     stats = PreprocessStats(output_prefix=os.fspath(output_prefix))
     documents = read_documents(inputs, stats, json_key=json_key)  # missing files raise here
     max_sentence = max_seq_length - 3
-    with IndexedDatasetBuilder(Path(output_prefix), dtype=best_dtype(tokenizer.vocab_size)) as builder:
-        for batch in _batches(documents):
-            ids = iter(tokenizer.tokenize_batch([s for doc in batch for s in doc]))
-            for doc in batch:
-                doc_tokens = 0
-                doc_sentences = 0
-                for _ in doc:
-                    sentence = np.asarray(next(ids), dtype=np.int64)
-                    if sentence.size == 0:
-                        stats.empty_sentences += 1
+    progress_bar = _Progress(progress)
+    vocab_sidecar_path(output_prefix).unlink(missing_ok=True)  # never a stale record beside new data
+    try:
+        with IndexedDatasetBuilder(Path(output_prefix), dtype=best_dtype(tokenizer.vocab_size)) as builder:
+            for tokenized, text_bytes in _tokenized_batches(_batches(documents), tokenizer, max_sentence, workers):
+                stats.text_bytes += text_bytes
+                for pieces, doc_tokens, empty, split in tokenized:
+                    stats.empty_sentences += empty
+                    stats.long_sentences_split += split
+                    if not pieces:
                         continue
-                    if sentence.size > max_sentence:
-                        stats.long_sentences_split += 1
-                    for start in range(0, sentence.size, max_sentence):
-                        builder.add_item(sentence[start:start + max_sentence])
-                        doc_sentences += 1
-                    doc_tokens += sentence.size
-                if doc_sentences == 0:
-                    continue
-                builder.end_document()
-                stats.tokens += doc_tokens
-                stats.written_documents += 1
-                stats.written_sentences += doc_sentences
-                stats.long_documents += doc_tokens > max_seq_length
-                stats.single_sentence_documents += doc_sentences == 1
+                    for piece in pieces:
+                        builder.add_item(piece)
+                    stats.max_token_id = max(stats.max_token_id, max(int(p.max()) for p in pieces))
+                    builder.end_document()
+                    stats.tokens += doc_tokens
+                    stats.written_documents += 1
+                    stats.written_sentences += len(pieces)
+                    stats.long_documents += doc_tokens > max_seq_length
+                    stats.single_sentence_documents += len(pieces) == 1
+                progress_bar.update(text_bytes, stats.written_documents)
+            if stats.written_documents == 0:
+                raise ValueError(f"no text to preprocess in {_describe(inputs)}: {stats.files} files read, "
+                                 f"{stats.empty_files} empty, {stats.bad_json_lines} bad JSON lines, "
+                                 f"{stats.empty_documents} empty documents; nothing was written (check the "
+                                 f"inputs and json_key={json_key!r})")
+    finally:
+        progress_bar.close()
+    write_dataset_vocab(output_prefix, tokenizer, max_token_id=stats.max_token_id)
+    stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _describe(inputs: Sequence[Any] | None) -> str:
+    if inputs is None:
+        return "the built-in corpus"
+    names = [os.fspath(i) if isinstance(i, (str, os.PathLike)) else type(i).__name__ for i in inputs]
+    return repr(names[:5] + (["..."] if len(names) > 5 else []))

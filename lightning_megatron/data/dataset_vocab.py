@@ -1,0 +1,130 @@
+"""The vocabulary an indexed dataset was made with, recorded beside it and checked before training.
+
+``preprocess`` writes ``<prefix>.vocab.json`` next to ``<prefix>.bin`` / ``.idx``::
+
+    {"vocab_size": 30522, "vocab_sha256": "...", "max_token_id": 29605, "num_tokens": ..., "num_documents": ...}
+
+``vocab_sha256`` hashes the vocabulary's pieces in id order (one per line, ``\\n``-joined), so the same
+vocabulary in another file or with other line endings has the same hash. :func:`check_dataset_vocab`
+compares it with the tokenizer and the model before any step runs: a model ``vocab_size`` at or
+below the largest token id would give an infinite loss every step, and a dataset made with another
+vocabulary would train on the wrong pieces; both are errors naming the two values and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from lightning_megatron.data.tokenizer import BertTokenizer
+
+__all__ = [
+    "DatasetVocab",
+    "check_dataset_vocab",
+    "read_dataset_vocab",
+    "vocab_sha256",
+    "vocab_sidecar_path",
+    "write_dataset_vocab",
+]
+
+
+@dataclass(kw_only=True, frozen=True)
+class DatasetVocab:
+    """What ``<prefix>.vocab.json`` records."""
+
+    vocab_size: int
+    """Pieces in the vocabulary the dataset was tokenized with."""
+    vocab_sha256: str
+    """:func:`vocab_sha256` of that vocabulary."""
+    max_token_id: int
+    """Largest token id in the dataset (-1 when it holds no tokens)."""
+    num_tokens: int
+    """Token ids in the dataset."""
+    num_documents: int
+    """Documents in the dataset."""
+
+
+def vocab_sidecar_path(prefix: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(prefix)}.vocab.json")
+
+
+def vocab_sha256(tokenizer: BertTokenizer) -> str:
+    """sha256 of the vocabulary's pieces in id order, ``\\n``-joined."""
+    return hashlib.sha256("\n".join(tokenizer.inv_vocab).encode("utf-8")).hexdigest()
+
+
+def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer, *,
+                        max_token_id: int | None = None) -> DatasetVocab:
+    """Write ``<prefix>.vocab.json`` for the dataset at ``prefix`` (atomically). ``max_token_id=None``
+    scans ``<prefix>.bin`` for it: use this for a dataset made by another tool (Megatron's
+    ``preprocess_data.py``) with the vocabulary of ``tokenizer``."""
+    from lightning_megatron.data.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    if max_token_id is None:
+        data = dataset._data
+        max_token_id = -1
+        for start in range(0, len(data), 1 << 26):  # in chunks: never the whole file in memory
+            max_token_id = max(max_token_id, int(np.max(data[start:start + (1 << 26)])))
+    record = DatasetVocab(vocab_size=tokenizer.vocab_size, vocab_sha256=vocab_sha256(tokenizer),
+                          max_token_id=int(max_token_id), num_tokens=dataset.num_tokens,
+                          num_documents=dataset.num_documents)
+    path = vocab_sidecar_path(prefix)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
+    os.replace(tmp, path)
+    return record
+
+
+def read_dataset_vocab(prefix: str | os.PathLike[str]) -> DatasetVocab | None:
+    """The record of ``<prefix>.vocab.json``, or ``None`` when the file does not exist."""
+    path = vocab_sidecar_path(prefix)
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        return DatasetVocab(**{k: raw[k] for k in DatasetVocab.__dataclass_fields__})
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{str(path)!r} is not a valid dataset vocabulary record ({error}); rewrite it with "
+                         f"lightning_megatron.data.write_dataset_vocab(prefix, tokenizer)") from None
+
+
+def check_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer | None = None,
+                        model_vocab_size: int | None = None) -> DatasetVocab | None:
+    """Refuse a dataset that would train silently wrong; returns its record (``None``, with a
+    warning, when the dataset has no ``.vocab.json``).
+
+    Raises :class:`ValueError` when the dataset is empty, when it was made with another vocabulary
+    than ``tokenizer``'s, or when ``model_vocab_size`` (the model's real, unpadded vocabulary) is not
+    larger than its largest token id. Each message names both values and the fix.
+    """
+    record = read_dataset_vocab(prefix)
+    if record is None:
+        warnings.warn(f"dataset {os.fspath(prefix)!r} has no {vocab_sidecar_path(prefix).name}: its vocabulary "
+                      f"cannot be checked against the tokenizer and the model; write it with "
+                      f"lightning_megatron.data.write_dataset_vocab(prefix, tokenizer) (or re-run "
+                      f"`lightning-megatron preprocess`)", stacklevel=2)
+        return None
+    if record.num_tokens == 0 or record.num_documents == 0:
+        raise ValueError(f"dataset {os.fspath(prefix)!r} is empty ({record.num_documents} documents, "
+                         f"{record.num_tokens} tokens): preprocess it again from inputs that hold text")
+    if tokenizer is not None and record.vocab_sha256 != vocab_sha256(tokenizer):
+        raise ValueError(f"dataset {os.fspath(prefix)!r} was tokenized with another vocabulary (vocab_size="
+                         f"{record.vocab_size}, sha256 {record.vocab_sha256[:12]}) than the tokenizer's "
+                         f"{str(tokenizer.vocab_file)!r} (vocab_size={tokenizer.vocab_size}, sha256 "
+                         f"{vocab_sha256(tokenizer)[:12]}); pass the vocab_file the dataset was preprocessed "
+                         f"with, or preprocess it again with this one")
+    if model_vocab_size is not None and model_vocab_size <= record.max_token_id:
+        raise ValueError(f"the model's vocab_size={model_vocab_size} is not larger than the largest token id "
+                         f"{record.max_token_id} in dataset {os.fspath(prefix)!r} (its vocabulary has "
+                         f"{record.vocab_size} pieces): the loss would be infinite; set model vocab_size to "
+                         f"{record.vocab_size} (or leave it null to take the tokenizer's)")
+    return record

