@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.data.bert_dataset import BertDataset, create_masked_lm_predictions, get_train_valid_test_split_
+from lightning_megatron.data.blended import BlendedDataset, build_blending_indices, parse_data_prefix
 from lightning_megatron.data.corpus import CorpusStats, default_corpus_documents, read_documents, split_sentences
 from lightning_megatron.data.dataset_vocab import (
     DatasetVocab,
@@ -36,6 +37,7 @@ __all__ = [
     "BertDataModule",
     "BertDataset",
     "BertTokenizer",
+    "BlendedDataset",
     "CorpusStats",
     "CorruptIndexedDatasetError",
     "DatasetVocab",
@@ -44,6 +46,7 @@ __all__ = [
     "MegatronPretrainingRandomSampler",
     "MegatronPretrainingSampler",
     "PreprocessStats",
+    "build_blending_indices",
     "build_samples_mapping",
     "check_dataset_vocab",
     "cached_samples_mapping",
@@ -52,6 +55,7 @@ __all__ = [
     "default_vocab_file",
     "packaged_vocab_file",
     "get_train_valid_test_split_",
+    "parse_data_prefix",
     "preprocess_corpus",
     "read_dataset_vocab",
     "read_documents",

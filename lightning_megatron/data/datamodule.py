@@ -12,6 +12,7 @@ checkpoint (``state_dict`` / ``load_state_dict``) or else ``trainer.global_step 
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_
+from lightning_megatron.data.blended import BlendedDataset, blend_num_samples, parse_data_prefix
 from lightning_megatron.data.corpus import default_corpus_fingerprint
 from lightning_megatron.data.dataset_vocab import check_dataset_vocab, vocab_sidecar_path
 from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
@@ -28,7 +30,18 @@ from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from lightning_megatron.data.tokenizer import BertTokenizer, default_cache_dir, default_vocab_file, file_lock
 
-__all__ = ["BertDataModule", "MegatronDataLoader"]
+__all__ = ["BertDataModule", "MegatronDataLoader", "default_num_workers"]
+
+
+def default_num_workers(processes_per_node: int = 1) -> int:
+    """DataLoader workers per training process: ``min(4, cores per process - 1)`` when a process has
+    4 cores or more, else 0 (on 2-3 cores a worker only competes with the training process)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    share = cores // max(1, processes_per_node)
+    return min(4, share - 1) if share >= 4 else 0
 
 
 class MegatronDataLoader(DataLoader):
@@ -49,8 +62,10 @@ class BertDataModule(pl.LightningDataModule):
 
     Args:
         data_prefix: prefix of a preprocessed indexed dataset (``<prefix>.bin``/``.idx``, see
-            ``lightning-megatron preprocess``); ``None``: the built-in corpus, preprocessed once and
-            cached under ``cache_dir``.
+            ``lightning-megatron preprocess``); or a weighted blend ``[0.3, prefix_a, 0.7, prefix_b]``
+            (Megatron's blending, :mod:`~lightning_megatron.data.blended`; each prefix is split into
+            train/valid/test by ``splits`` on its own); ``None``: the built-in corpus, preprocessed
+            once and cached under ``cache_dir``.
         vocab_file: WordPiece ``vocab.txt``; ``None``: the default vocabulary (see
             :func:`~lightning_megatron.data.tokenizer.default_vocab_file`). Must be the vocabulary the
             dataset was preprocessed with.
@@ -70,7 +85,9 @@ class BertDataModule(pl.LightningDataModule):
             (at least one global batch).
         shuffle: ``"sequential"`` (the samples mapping is already shuffled; Megatron's default) or
             ``"random"`` (additionally shuffled per epoch per DP rank).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (building and masking samples off the training
+            process); ``None``: :func:`default_num_workers` (``min(4, cores per device - 1)`` where a
+            device has 4 cores or more, else 0).
         cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or
             ``~/.cache/lightning_megatron``.
         samples_cache_dir: where the samples mappings are cached (memory-mapped ``.npy``, one per
@@ -78,13 +95,13 @@ class BertDataModule(pl.LightningDataModule):
             (``samples/``) when that directory is not writable.
     """
 
-    def __init__(self, data_prefix: str | None = None, vocab_file: str | None = None, *,
+    def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
                  max_seq_length: int = 128, global_batch_size: int = 32, micro_batch_size: int = 8,
                  seed: int = 1234, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
                  binary_head: Literal["sop", "nsp"] | None = "sop", whole_word_masking: bool = True,
                  max_ngrams: int = 1, splits: str = "949,50,1", train_samples: int | None = None,
                  eval_samples: int | None = None, shuffle: Literal["sequential", "random"] = "sequential",
-                 num_workers: int = 0, cache_dir: str | None = None, samples_cache_dir: str | None = None) -> None:
+                 num_workers: int | None = None, cache_dir: str | None = None, samples_cache_dir: str | None = None) -> None:
         super().__init__()
         if global_batch_size < 1 or micro_batch_size < 1 or global_batch_size % micro_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
@@ -94,6 +111,8 @@ class BertDataModule(pl.LightningDataModule):
         if binary_head not in ("sop", "nsp", None):
             raise ValueError(f"binary_head={binary_head!r} must be 'sop', 'nsp' or None")
         get_train_valid_test_split_(splits, 1)  # validates the string now, not at setup
+        if isinstance(data_prefix, (list, tuple)):
+            parse_data_prefix(data_prefix)  # validates the blend now, not at setup
         self.save_hyperparameters()
         self.data_prefix = data_prefix
         self.vocab_file = vocab_file
@@ -106,6 +125,7 @@ class BertDataModule(pl.LightningDataModule):
         self.eval_samples = eval_samples
         self.shuffle = shuffle
         self.num_workers = num_workers
+        self.samples_cache_dir = samples_cache_dir
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._dataset_kwargs: dict[str, Any] = dict(
             max_seq_length=max_seq_length, seed=seed, masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
@@ -114,9 +134,9 @@ class BertDataModule(pl.LightningDataModule):
         self._tokenizer: BertTokenizer | None = None
         self._restored: tuple[int, int] = (0, 0)
         """(consumed_samples, global_step) at the last checkpoint restored."""
-        self.train_dataset: BertDataset | None = None
-        self.val_dataset: BertDataset | None = None
-        self.test_dataset: BertDataset | None = None
+        self.train_dataset: BertDataset | BlendedDataset | None = None
+        self.val_dataset: BertDataset | BlendedDataset | None = None
+        self.test_dataset: BertDataset | BlendedDataset | None = None
 
     # --- tokenizer and corpus -------------------------------------------------------------------
 
@@ -132,12 +152,19 @@ class BertDataModule(pl.LightningDataModule):
         """Pieces in the vocabulary (the model pads it for tensor parallelism)."""
         return self.tokenizer.vocab_size
 
+    def _blend(self) -> tuple[list[float], list[Path]]:
+        """(weights, prefixes) of the data: one prefix of weight 1 unless ``data_prefix`` is a blend."""
+        if isinstance(self.data_prefix, (list, tuple)):
+            weights, prefixes = parse_data_prefix(self.data_prefix)
+            return weights, [Path(p) for p in prefixes]
+        return [1.0], [self._prefix()]
+
     def _prefix(self) -> Path:
         """The dataset prefix: ``data_prefix``, or the cache entry of the built-in corpus, keyed by
         the corpus fingerprint, the vocabulary's contents and ``max_seq_length`` (long sentences are
         split to fit it)."""
         if self.data_prefix is not None:
-            return Path(self.data_prefix)
+            return Path(self.data_prefix)  # type: ignore[arg-type]
         vocab_hash = hashlib.sha256(Path(self.tokenizer.vocab_file).read_bytes()).hexdigest()[:12]
         key = f"{default_corpus_fingerprint()}-{vocab_hash}-s{self.max_seq_length}"
         return self.cache_dir / f"default-corpus-{key}" / "corpus"
@@ -188,20 +215,57 @@ class BertDataModule(pl.LightningDataModule):
             if trainer.local_rank == 0:
                 self._build_default_corpus()
             trainer.strategy.barrier("lightning_megatron.data.build")
-        prefix = self._prefix()
+        weights, prefixes = self._blend()
+        splits = [self._open(prefix) for prefix in prefixes]
+        train_samples = self.train_samples
+        if train_samples is None and trainer is not None and (trainer.max_steps or -1) > 0:
+            train_samples = trainer.max_steps * self.global_batch_size
+        if len(prefixes) == 1:
+            indexed, split_docs = splits[0]
+            self.train_dataset = self._dataset(indexed, split_docs[0], train_samples, "train")
+            self.val_dataset = self._dataset(indexed, split_docs[1], self.eval_samples, "valid")
+            self.test_dataset = self._dataset(indexed, split_docs[2], self.eval_samples, "test")
+            return
+        self.train_dataset = self._blended(weights, prefixes, splits, 0, train_samples, "train")
+        self.val_dataset = self._blended(weights, prefixes, splits, 1, self.eval_samples, "valid")
+        self.test_dataset = self._blended(weights, prefixes, splits, 2, self.eval_samples, "test")
+
+    def _open(self, prefix: Path) -> tuple[IndexedDataset, list[range]]:
+        """The indexed dataset at ``prefix``, checked (not empty, same vocabulary as the tokenizer,
+        ids within the model's vocabulary), and its train/valid/test document ranges."""
         indexed = IndexedDataset(prefix)
         if indexed.num_documents == 0:
             raise ValueError(f"dataset {str(prefix)!r} holds no documents: preprocess it again from inputs that "
                              f"hold text")
         check_dataset_vocab(prefix, self.tokenizer, self._model_vocab_size())
         bounds = get_train_valid_test_split_(self.splits, indexed.num_documents)
-        split_docs = [range(bounds[i], bounds[i + 1]) for i in range(3)]
-        train_samples = self.train_samples
-        if train_samples is None and trainer is not None and (trainer.max_steps or -1) > 0:
-            train_samples = trainer.max_steps * self.global_batch_size
-        self.train_dataset = self._dataset(indexed, split_docs[0], train_samples, "train")
-        self.val_dataset = self._dataset(indexed, split_docs[1], self.eval_samples, "valid")
-        self.test_dataset = self._dataset(indexed, split_docs[2], self.eval_samples, "test")
+        return indexed, [range(bounds[i], bounds[i + 1]) for i in range(3)]
+
+    def _blended(self, weights: list[float], prefixes: list[Path], splits: list[tuple[IndexedDataset, list[range]]],
+                 split: int, size: int | None, name: str) -> BlendedDataset | None:
+        """Megatron's blend of one split of every prefix: ``size`` samples (``None``: one epoch of
+        each prefix's split, at least one global batch), each prefix built with the samples the
+        blend takes from it."""
+        parts = [(w, p, indexed, docs[split]) for w, p, (indexed, docs) in zip(weights, prefixes, splits)]
+        empty = [str(p) for _, p, _, docs in parts if len(docs) == 0]
+        if empty and name == "train":
+            raise ValueError(f"splits={self.splits!r} leaves no training documents in {empty}; give train a "
+                             f"weight or use more text")
+        if empty:
+            warnings.warn(f"the {name} blend leaves out {empty}: no {name} documents there", stacklevel=2)
+            parts = [part for part in parts if str(part[1]) not in empty]
+            if not parts:
+                return None
+        if size is None:
+            one_epoch = [BertDataset(indexed, self.tokenizer, documents=docs, **self._dataset_kwargs)
+                         for _, _, indexed, docs in parts]
+            size = max(sum(len(d) for d in one_epoch), self.global_batch_size)
+        counts = blend_num_samples([w for w, *_ in parts], size)
+        datasets = [BertDataset(indexed, self.tokenizer, documents=docs, num_samples=count, **self._dataset_kwargs)
+                    for (_, _, indexed, docs), count in zip(parts, counts)]
+        cache = Path(self.samples_cache_dir) if self.samples_cache_dir is not None else self.cache_dir / "blends"
+        return BlendedDataset(datasets, [w for w, *_ in parts], size, cache_dir=cache,
+                              names=[str(p) for _, p, _, _ in parts])
 
     def _model_vocab_size(self) -> int:
         """The vocabulary the model will have: its ``vocab_size`` (or ``hparams.vocab_size``) when set,
@@ -246,9 +310,14 @@ class BertDataModule(pl.LightningDataModule):
             return base_samples
         return base_samples + (int(trainer.global_step) - base_step) * self.global_batch_size
 
-    def _loader(self, dataset: BertDataset, sampler: Any) -> DataLoader:
-        return MegatronDataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                                  persistent_workers=self.num_workers > 0)
+    def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
+        trainer = self._trainer_or_none()
+        devices = int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1
+        workers = self.num_workers if self.num_workers is not None else default_num_workers(devices)
+        root = getattr(getattr(trainer, "strategy", None), "root_device", None) if trainer is not None else None
+        pin = root is not None and getattr(root, "type", "cpu") != "cpu"
+        return MegatronDataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                  persistent_workers=workers > 0, pin_memory=pin)
 
     @override
     def train_dataloader(self) -> DataLoader:

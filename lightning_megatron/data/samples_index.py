@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["SAMPLES_INDEX_VERSION", "WALK_ROUNDS", "build_samples_mapping", "cached_samples_mapping",
-           "samples_mapping_key"]
+           "samples_mapping_key", "write_npy_stream"]
 
 SAMPLES_INDEX_VERSION = 1
 """Bumped whenever the mapping an input gives changes (invalidates every cached mapping)."""
@@ -253,29 +253,33 @@ def samples_mapping_key(sizes: np.ndarray, doc_idx: np.ndarray, documents: Seque
     return digest.hexdigest()
 
 
-def _npy_header(dtype: np.dtype, rows: int) -> bytes:
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     """A version 1.0 ``.npy`` header of exactly :data:`_NPY_HEADER_BYTES` bytes (written last, once the
     number of rows is known)."""
-    text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (rows, 3)})
+    text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
     body = text.encode("latin1")
     pad = _NPY_HEADER_BYTES - 10 - len(body) - 1
     if pad < 0:
-        raise ValueError("samples mapping header too long")  # cannot happen: the shape has two integers
+        raise ValueError(f".npy header {text} longer than {_NPY_HEADER_BYTES} bytes")
     return b"\x93NUMPY\x01\x00" + (_NPY_HEADER_BYTES - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
 
 
-def _write_mapping(path: Path, epochs: Iterator[np.ndarray], dtype: np.dtype) -> int:
-    """Stream the epochs into ``path`` (a temporary name, then renamed); returns the number of rows."""
+def write_npy_stream(path: Path, chunks: Iterator[np.ndarray], dtype: np.dtype) -> int:
+    """Write the concatenation of ``chunks`` (arrays of equal trailing shape) as ``.npy`` at ``path``,
+    one chunk at a time (memory: one chunk), into a temporary file renamed into place; returns the
+    number of rows."""
+    dtype = np.dtype(dtype)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    rows = 0
+    rows, tail = 0, None
     try:
         with open(tmp, "wb") as f:
             f.write(b"\0" * _NPY_HEADER_BYTES)
-            for epoch in epochs:
-                f.write(epoch.astype(dtype, copy=False).tobytes(order="C"))
-                rows += len(epoch)
+            for chunk in chunks:
+                tail = chunk.shape[1:] if tail is None else tail
+                f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes(order="C"))
+                rows += len(chunk)
             f.seek(0)
-            f.write(_npy_header(dtype, rows))
+            f.write(_npy_header(dtype, (rows, *(tail or ()))))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -283,6 +287,11 @@ def _write_mapping(path: Path, epochs: Iterator[np.ndarray], dtype: np.dtype) ->
         tmp.unlink(missing_ok=True)
         raise
     return rows
+
+
+def _write_mapping(path: Path, epochs: Iterator[np.ndarray], dtype: np.dtype) -> int:
+    """Stream the epochs of a samples mapping into ``path``."""
+    return write_npy_stream(path, epochs, dtype)
 
 
 def _writable(directory: Path) -> bool:
