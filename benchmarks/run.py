@@ -16,6 +16,9 @@ Measures, each in fresh spawned gloo processes (tests/dist_utils.run_distributed
    same model (zero1.py; needs the ``bench`` extra, skipped with ``--quick``);
 6. all-reduce, all-gather and reduce-scatter between two processes, gloo against our shared memory
    (collectives.py);
+7. data at pretraining scale: the samples-mapping build (original loop vs vectorised and cached,
+   1e6 / 1e7 / 2.56e8 samples, cold and warm 2-process starts) and preprocess MB/s with 1 and 2
+   workers (data.py; 1e6 / 1e7 only with ``--quick``);
 
 then writes docs/benchmarks.md and docs/img/benchmarks.png. Every process uses all cores between
 its ranks (2 threads for one process, 1 each for two). Other work on the machine slows a run down:
@@ -331,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
         _log("tensor-parallel MLP: ours vs megatron-core")
         mlp = run_tp_mlp(args.quick)
         collectives = run_collectives()
+        from data import run_data
+
+        _log("data: samples mapping build and preprocess throughput")
+        data_scale = run_data(args.quick)
         adamw = None if args.quick else run_adamw(args.quick)
         zero1 = None if args.quick else run_zero1(1)
         if not args.quick:
@@ -341,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                 "elapsed_min": (time.monotonic() - t0) / 60, "quiet_waited_s": QUIET.waited_s,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin)")}
         data = {"meta": meta, "gemm": gemm, "bert": rows, "mlp": mlp, "adamw": adamw, "zero1": zero1,
-                "collectives": collectives}
+                "collectives": collectives, "data": data_scale}
         # Raw measurements first: a failure while rendering must not lose minutes of measuring.
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1, default=str)
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     tgt = targets(rows, "base" if any(r["size"] == "base" for r in rows) else rows[-1]["size"])
     os.makedirs(os.path.dirname(args.png), exist_ok=True)
     write_markdown(args.markdown, data["meta"], data["gemm"], rows, data["mlp"], data["adamw"], tgt,
-                   data.get("zero1"), data.get("collectives"))
+                   data.get("zero1"), data.get("collectives"), data.get("data"))
     write_png(args.png, rows, data["mlp"], tgt)
     for t in tgt:
         if t["target"] is None:
