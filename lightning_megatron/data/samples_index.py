@@ -86,12 +86,28 @@ class _Spans:
         short = 2 + (length % np.uint64(max(self.max_num_tokens - 1, 1))).astype(np.int64)
         return np.where(draw < self.short_seq_prob, np.minimum(short, self.max_num_tokens), self.max_num_tokens)
 
+    def _reach(self, starts: np.ndarray, targets: np.ndarray, reach_max: np.ndarray) -> np.ndarray:
+        """The first sentence ``j`` where a span from each of ``starts`` holds ``targets`` tokens:
+        ``searchsorted(cum, cum[s] + t) - 1``, bisected inside ``(s, reach_max[s]]`` (a shorter
+        target ends no later), where the sums are still in cache, instead of over the whole corpus."""
+        value = self.cum[starts] + targets
+        lo, hi = starts + 1, reach_max + 1  # the first k with cum[k] >= value lies in [lo, hi]
+        last = len(self.cum) - 1
+        while True:
+            open_ = lo < hi
+            if not open_.any():
+                return lo - 1
+            mid = (lo + hi) // 2
+            reached = self.cum[np.minimum(mid, last)] >= value
+            hi = np.where(open_ & reached, mid, hi)
+            lo = np.where(open_ & ~reached, mid + 1, lo)
+
     def _close(self, starts: np.ndarray, lasts: np.ndarray, targets: np.ndarray) -> np.ndarray:
         """The sentence where a span from each of ``starts`` closes (see the module docstring)."""
         j = self.reach_max[starts]
         short = np.flatnonzero(targets < self.max_num_tokens)
         if len(short):
-            j[short] = np.searchsorted(self.cum, self.cum[starts[short]] + targets[short], side="left") - 1
+            j[short] = self._reach(starts[short], targets[short], j[short])
         j = np.maximum(j, starts + (self.min_num - 1))
         return np.where(j <= lasts - 3, j, lasts - 1)
 
