@@ -72,7 +72,8 @@ def _index_job(kind: str, num_samples: int, cache_dir: str | None) -> dict[str, 
     documents = np.arange(len(doc_idx) - 1)
     kwargs = dict(max_num_tokens=MAX_SEQ_LENGTH - 3, seed=SEED, num_samples=num_samples,
                   short_seq_prob=SHORT_SEQ_PROB, min_num_sentences=2)
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    rss_before, cpu_before = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
     start = time.perf_counter()
     if kind == "loop":
         mapping = reference_samples_mapping(sizes, doc_idx, documents, **kwargs)
@@ -81,8 +82,10 @@ def _index_job(kind: str, num_samples: int, cache_dir: str | None) -> dict[str, 
         mapping = cached_samples_mapping(sizes, doc_idx, documents, cache_dir=cache_dir, name="bench", **kwargs)
         checksum = int(mapping[-1, 0])  # touches the map: the start is complete
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"kind": kind, "num_samples": num_samples, "seconds": seconds, "peak_rss": peak,
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - cpu_before
+    peak = usage.ru_maxrss * 1024
+    return {"kind": kind, "num_samples": num_samples, "seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak,
             "baseline_rss": rss_before * 1024, "rows": int(len(mapping)), "checksum": checksum,
             "mapping_bytes": int(mapping.nbytes)}
 
@@ -95,13 +98,13 @@ def _in_fresh_processes(jobs: list[tuple]) -> list[dict[str, Any]]:
         return [f.result() for f in futures]
 
 
-def run_samples_index(quick: bool) -> dict[str, Any]:
+def run_samples_index(quick: bool, only: tuple[int, ...] | None = None) -> dict[str, Any]:
     import numpy as np
 
     sizes, doc_idx = synthetic_corpus()
     corpus = {"sentences": int(len(sizes)), "documents": int(len(doc_idx) - 1), "tokens": int(sizes.sum()),
               "mean_sentence": float(sizes.mean()), "mean_document": float(np.diff(doc_idx).mean())}
-    counts = SAMPLE_COUNTS[:2] if quick else SAMPLE_COUNTS
+    counts = only or (SAMPLE_COUNTS[:2] if quick else SAMPLE_COUNTS)
     rows = []
     tmp = tempfile.mkdtemp(prefix="lm-bench-data-")
     try:
@@ -191,15 +194,17 @@ def markdown_section(data: dict[str, Any]) -> list[str]:
              f"(peak RSS = its `getrusage` high-water mark, including the {base / 2**20:.0f} MiB of the "
              f"interpreter, torch and the corpus arrays before the build); *background* is the load "
              f"average meanwhile (the machine has {os.cpu_count()} cores).\n")
-    L.append("| samples | original loop (s) | loop peak RSS | new, cold (s) | new peak RSS | warm start (s) | "
-             "warm peak RSS | background |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    L.append("| samples | original loop (s) | loop peak RSS | new, cold (s) | new, cold (CPU s) | new peak RSS | "
+             "warm start (s) | warm peak RSS | background |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in idx["rows"]:
         loop = r.get("loop") or r.get("loop_extrapolated")
         tag = "" if "loop" in r else " (extrapolated)"
         warm = r.get("warm") or (max(r["warm_2proc"], key=lambda x: x["seconds"]) if "warm_2proc" in r else None)
         L.append(f"| {_fmt_samples(r['num_samples'])} | "
                  + (f"{loop['seconds']:.1f}{tag} | {loop['peak_rss'] / 2**30:.2f} GiB{tag} | " if loop else "- | - | ")
-                 + f"{r['new']['seconds']:.1f} | {r['new']['peak_rss'] / 2**30:.2f} GiB | "
+                 + f"{r['new']['seconds']:.1f} | "
+                 + (f"{r['new']['cpu_seconds']:.1f} | " if "cpu_seconds" in r["new"] else "- | ")
+                 + f"{r['new']['peak_rss'] / 2**30:.2f} GiB | "
                  + (f"{warm['seconds']:.2f} | {warm['peak_rss'] / 2**30:.2f} GiB | " if warm else "- | - | ")
                  + f"{r['new'].get('background', 0):.1f} |")
     last = idx["rows"][-1]
@@ -222,8 +227,37 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1e6 and 1e7 samples only, a smaller JSONL file")
     parser.add_argument("--json", default=None, help="write the measurements here")
+    parser.add_argument("--samples", default=None,
+                        help="comma-separated sample counts instead of the default ones (e.g. 256000000)")
+    parser.add_argument("--render-only", default=None, metavar="JSON", help="measure nothing: print the section")
+    parser.add_argument("--update", default=None, metavar="JSON",
+                        help="replace the rows of --samples in this earlier --json file, keep the rest")
     args = parser.parse_args(argv)
-    data = run_data(args.quick)
+    if args.render_only:
+        with open(args.render_only) as f:
+            print("\n".join(markdown_section(json.load(f))))
+        return
+    if args.samples:
+        only = tuple(int(float(n)) for n in args.samples.split(","))
+        fresh = run_samples_index(args.quick, only)
+        if args.update:
+            with open(args.update) as f:
+                data = json.load(f)
+            rows = {r["num_samples"]: r for r in data["samples_index"]["rows"]}
+            rows.update({r["num_samples"]: r for r in fresh["rows"]})
+            merged = [rows[n] for n in sorted(rows)]
+            loop_rows = [r for r in merged if "loop" in r]
+            for r in merged:
+                if "loop" not in r and loop_rows:  # extrapolate the loop from the largest measured count
+                    last = loop_rows[-1]["loop"]
+                    scale = r["num_samples"] / last["num_samples"]
+                    r["loop_extrapolated"] = {"seconds": last["seconds"] * scale, "peak_rss": last["baseline_rss"] + (
+                        last["peak_rss"] - last["baseline_rss"]) * scale}
+            data["samples_index"]["rows"] = merged
+        else:
+            data = {"samples_index": fresh, "preprocess": run_preprocess(args.quick)}
+    else:
+        data = run_data(args.quick)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
