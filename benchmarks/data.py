@@ -134,8 +134,8 @@ def run_samples_index(quick: bool, only: tuple[int, ...] | None = None) -> dict[
     if loop_rows and counts[-1] > LOOP_MAX:
         last = loop_rows[-1]["loop"]
         scale = counts[-1] / last["num_samples"]
-        rows[-1]["loop_extrapolated"] = {"seconds": last["seconds"] * scale,
-                                         "peak_rss": last["baseline_rss"] + (last["peak_rss"] - last["baseline_rss"]) * scale}
+        growth = (last["peak_rss"] - last["baseline_rss"]) * scale
+        rows[-1]["loop_extrapolated"] = {"seconds": last["seconds"] * scale, "peak_rss": last["baseline_rss"] + growth}
     return {"corpus": corpus, "rows": rows, "max_seq_length": MAX_SEQ_LENGTH, "short_seq_prob": SHORT_SEQ_PROB}
 
 

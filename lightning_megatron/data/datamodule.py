@@ -101,7 +101,8 @@ class BertDataModule(pl.LightningDataModule):
                  binary_head: Literal["sop", "nsp"] | None = "sop", whole_word_masking: bool = True,
                  max_ngrams: int = 1, splits: str = "949,50,1", train_samples: int | None = None,
                  eval_samples: int | None = None, shuffle: Literal["sequential", "random"] = "sequential",
-                 num_workers: int | None = None, cache_dir: str | None = None, samples_cache_dir: str | None = None) -> None:
+                 num_workers: int | None = None, cache_dir: str | None = None,
+                 samples_cache_dir: str | None = None) -> None:
         super().__init__()
         if global_batch_size < 1 or micro_batch_size < 1 or global_batch_size % micro_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
