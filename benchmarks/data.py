@@ -135,7 +135,8 @@ def run_samples_index(quick: bool, only: tuple[int, ...] | None = None) -> dict[
         last = loop_rows[-1]["loop"]
         scale = counts[-1] / last["num_samples"]
         growth = (last["peak_rss"] - last["baseline_rss"]) * scale
-        rows[-1]["loop_extrapolated"] = {"seconds": last["seconds"] * scale, "peak_rss": last["baseline_rss"] + growth}
+        rows[-1]["loop_extrapolated"] = {"seconds": last["seconds"] * scale, "cpu_seconds": last["cpu_seconds"] * scale,
+                                         "peak_rss": last["baseline_rss"] + growth}
     return {"corpus": corpus, "rows": rows, "max_seq_length": MAX_SEQ_LENGTH, "short_seq_prob": SHORT_SEQ_PROB}
 
 
@@ -194,17 +195,20 @@ def markdown_section(data: dict[str, Any]) -> list[str]:
              f"(peak RSS = its `getrusage` high-water mark, including the {base / 2**20:.0f} MiB of the "
              f"interpreter, torch and the corpus arrays before the build); *background* is the load "
              f"average meanwhile (the machine has {os.cpu_count()} cores).\n")
-    L.append("| samples | original loop (s) | loop peak RSS | new, cold (s) | new, cold (CPU s) | new peak RSS | "
-             "warm start (s) | warm peak RSS | background |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    L.append("| samples | original loop: wall s | CPU s | peak RSS | new, cold: wall s | CPU s | peak RSS | "
+             "warm start: wall s | peak RSS | background |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def cpu(run: dict[str, Any]) -> str:
+        return f"{run['cpu_seconds']:.1f}" if "cpu_seconds" in run else "-"
+
     for r in idx["rows"]:
         loop = r.get("loop") or r.get("loop_extrapolated")
         tag = "" if "loop" in r else " (extrapolated)"
         warm = r.get("warm") or (max(r["warm_2proc"], key=lambda x: x["seconds"]) if "warm_2proc" in r else None)
         L.append(f"| {_fmt_samples(r['num_samples'])} | "
-                 + (f"{loop['seconds']:.1f}{tag} | {loop['peak_rss'] / 2**30:.2f} GiB{tag} | " if loop else "- | - | ")
-                 + f"{r['new']['seconds']:.1f} | "
-                 + (f"{r['new']['cpu_seconds']:.1f} | " if "cpu_seconds" in r["new"] else "- | ")
-                 + f"{r['new']['peak_rss'] / 2**30:.2f} GiB | "
+                 + (f"{loop['seconds']:.1f}{tag} | {cpu(loop)}{tag} | {loop['peak_rss'] / 2**30:.2f} GiB{tag} | "
+                    if loop else "- | - | - | ")
+                 + f"{r['new']['seconds']:.1f} | {cpu(r['new'])} | {r['new']['peak_rss'] / 2**30:.2f} GiB | "
                  + (f"{warm['seconds']:.2f} | {warm['peak_rss'] / 2**30:.2f} GiB | " if warm else "- | - | ")
                  + f"{r['new'].get('background', 0):.1f} |")
     last = idx["rows"][-1]
@@ -251,8 +255,10 @@ def main(argv: list[str] | None = None) -> None:
                 if "loop" not in r and loop_rows:  # extrapolate the loop from the largest measured count
                     last = loop_rows[-1]["loop"]
                     scale = r["num_samples"] / last["num_samples"]
-                    r["loop_extrapolated"] = {"seconds": last["seconds"] * scale, "peak_rss": last["baseline_rss"] + (
-                        last["peak_rss"] - last["baseline_rss"]) * scale}
+                    r["loop_extrapolated"] = {"seconds": last["seconds"] * scale,
+                                              "cpu_seconds": last["cpu_seconds"] * scale,
+                                              "peak_rss": last["baseline_rss"] + (
+                                                  last["peak_rss"] - last["baseline_rss"]) * scale}
             data["samples_index"]["rows"] = merged
         else:
             data = {"samples_index": fresh, "preprocess": run_preprocess(args.quick)}
