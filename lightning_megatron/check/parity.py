@@ -234,6 +234,7 @@ def check_layouts(
     measure_memory: bool = False,
     seed: int = 1234,
     timeout: float = 900.0,
+    reference_run: LayoutRun | None = None,
 ) -> CheckReport:
     """Fit ``reference`` and every layout in ``layouts`` for ``steps`` steps and compare them.
 
@@ -250,6 +251,8 @@ def check_layouts(
         record_params: also compare the final parameters (``param_rtol``/``param_atol``).
         measure_memory: record per-rank bytes (see :class:`LayoutRun.memory`).
         timeout: seconds per group of layouts sharing a world size.
+        reference_run: the reference's records from an earlier report (``report.reference``) of the
+            same model, data, steps and options: it is not run again.
     """
     tol = tolerances or Tolerances()
     ref_layout = parse_layout(reference)
@@ -264,9 +267,14 @@ def check_layouts(
             raise ValueError(f"layout {layout}: global_batch_size={global_batch_size} is not divisible by "
                              f"micro_batch_size={micro_batch_size} x dp={layout.dp}; choose a global batch that is")
     groups: dict[int, list[Layout]] = {}
-    for layout in [ref_layout] + [x for x in parsed if x != ref_layout]:
-        groups.setdefault(layout.world_size, []).append(layout)
     runs: dict[str, LayoutRun] = {}
+    if reference_run is not None:
+        if reference_run.layout != ref_layout.name or len(reference_run.losses) != steps:
+            raise ValueError(f"reference_run is layout {reference_run.layout} over {len(reference_run.losses)} "
+                             f"steps; this check needs {ref_layout.name} over {steps}")
+        runs[ref_layout.name] = reference_run
+    for layout in ([] if reference_run is not None else [ref_layout]) + [x for x in parsed if x != ref_layout]:
+        groups.setdefault(layout.world_size, []).append(layout)
     for world, members in groups.items():
         runs.update(gather_runs(run_distributed(run_layouts, world, run, members, timeout=timeout)))
     ref = runs[ref_layout.name]
