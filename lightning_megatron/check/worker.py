@@ -181,7 +181,6 @@ class _Held:
 def _make_recorder(run: CheckRun):
     from lightning.pytorch import Callback
 
-    from lightning_megatron.optimizer.clip_grads import get_grad_norm_fp32
     from lightning_megatron.sharded_state import is_distributed_optimizer
     from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
 
@@ -234,8 +233,13 @@ def _make_recorder(run: CheckRun):
                                          zip(flat.split([g.numel() for g in grads.values()]), grads.values()))))
             counted = [grads[n] for n, p in named if not _tied_copy(p, ps)
                        and (getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0)]
-            self.grad_norms.append(get_grad_norm_fp32(counted, 2, ps.mp_group if ps.mp_group is not None
-                                                      and dist.get_world_size(ps.mp_group) > 1 else None))
+            # In float64: torch's fp32 norm of a vocab-sized tensor is off by ~1e-4 relative, differently
+            # for each TP split, which would hide the layout's own differences.
+            squares = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum().reshape(1) \
+                if counted else torch.zeros(1, dtype=torch.float64)
+            if ps.mp_group is not None and dist.get_world_size(ps.mp_group) > 1:
+                dist.all_reduce(squares, group=ps.mp_group)
+            self.grad_norms.append(float(squares.item()) ** 0.5)
             step = trainer.global_step + 1
             if step in run.grad_steps:
                 self.grads[step] = global_pieces(named, grads, ps)
@@ -283,7 +287,10 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
         for c in optimizer_cbs:
             c.use_distributed_optimizer = True
     recorder = _make_recorder(run)
-    kwargs = dict(accelerator=run.accelerator, devices=world, strategy=strategy, max_steps=run.steps, logger=False,
+    # One epoch over the loader's ``steps`` global batches; ``trainer_kwargs`` may set a larger max_steps
+    # (a recipe's: its scheduler decays over max_steps), the run still stops after ``steps``.
+    kwargs = dict(accelerator=run.accelerator, devices=world, strategy=strategy, max_steps=run.steps, max_epochs=1,
+                  logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
     kwargs.update(run.trainer_kwargs)
