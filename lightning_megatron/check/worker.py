@@ -178,11 +178,17 @@ class _Held:
         self.owner.remove(self.ptr)
 
 
+def _on_shared_memory(group: Any) -> bool:
+    """Whether ``group``'s collectives go through the CPU shared-memory path."""
+    from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
+
+    return shared_memory_collectives(group) is not None
+
+
 def _make_recorder(run: CheckRun):
     from lightning.pytorch import Callback
 
     from lightning_megatron.sharded_state import is_distributed_optimizer
-    from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
 
     class Recorder(Callback):
         """Per step: loss, global grad norm; at ``run.grad_steps``: global gradient pieces; memory."""
@@ -198,7 +204,7 @@ def _make_recorder(run: CheckRun):
 
         def on_train_start(self, trainer, pl_module) -> None:
             ps = trainer.strategy.parallel_state
-            self.collectives = {name: shared_memory_collectives(g) is not None
+            self.collectives = {name: _on_shared_memory(g)
                                 for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group))
                                 if g is not None and g.size() > 1}
 
