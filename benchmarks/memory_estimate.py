@@ -6,7 +6,8 @@ one process, and prints per layout and pipeline stage: predicted / measured byte
 gradients + optimizer state, and of the peak of the tensors saved for backward, with their ratios.
 Targets: state within 10%, activations within 20%.
 
-    python benchmarks/memory_estimate.py [--models tiny,base] [--layouts tp2,pp2,dp2,dp2zero1]
+    python benchmarks/memory_estimate.py [--models bert-tiny,bert-base] [--layouts tp2,pp2,dp2,dp2zero1]
+    python benchmarks/memory_estimate.py --models bert-tiny,bert-tiny-recompute --layouts tp2,tp2sp
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
-    # recipe, overrides of the recipe's data section (kept small: 2 CPU cores shared)
-    "bert-tiny": (ROOT / "recipes/bert_tiny.yaml", {"global_batch_size": 16, "micro_batch_size": 4}),
+    # recipe, overrides of the recipe's data and model sections (kept small: 2 CPU cores shared)
+    "bert-tiny": (ROOT / "recipes/bert_tiny.yaml", {"global_batch_size": 16, "micro_batch_size": 4}, {}),
+    "bert-tiny-recompute": (ROOT / "recipes/bert_tiny.yaml", {"global_batch_size": 16, "micro_batch_size": 4},
+                            {"recompute_granularity": "full", "recompute_method": "uniform",
+                             "recompute_num_layers": 1}),
     "bert-base": (ROOT / "recipes/bert_base.yaml", {"global_batch_size": 4, "micro_batch_size": 2,
-                                                   "max_seq_length": 128}),
+                                                   "max_seq_length": 128}, {}),
 }
 
 
@@ -31,8 +35,8 @@ def run(name: str, layouts: list[str], steps: int) -> list[dict]:
     from lightning_megatron.check.parity import Tolerances
     from lightning_megatron.check.recipe import factories, load_recipe
 
-    path, data = MODELS[name]
-    recipe = load_recipe(path)
+    path, data, model = MODELS[name]
+    recipe = load_recipe(path, model)
     recipe.data.update(data)
     G, m = recipe.global_batch_size, recipe.micro_batch_size
     bf16 = recipe.model.get("params_dtype") in ("bfloat16", "float16")
@@ -42,7 +46,7 @@ def run(name: str, layouts: list[str], steps: int) -> list[dict]:
                            tolerances=Tolerances.bf16() if bf16 else None, timeout=1800)
     print(f"{name}: check {'PASS' if report.passed else 'FAIL'} in {time.perf_counter() - t0:.0f} s")
     print(report.table())
-    shape = model_shape(recipe)
+    shape = model_shape(recipe, on_cpu=True)
     rows = []
     for layout_name, lrun in report.runs.items():
         layout = parse_layout(layout_name)

@@ -43,6 +43,16 @@ class ModelShape:
     """Norms without bias."""
     recompute: bool = False
     """Full activation recomputation (only each layer's input is kept)."""
+    attention_backend: str = "auto"
+    """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
+    on_cpu: bool = False
+    """With "auto": CPU runs 16-bit attention unfused (fp32 without dropout: sdpa); accelerators sdpa."""
+
+    @property
+    def unfused_attention(self) -> bool:
+        if self.attention_backend != "auto":
+            return self.attention_backend == "unfused"
+        return self.on_cpu and self.param_bytes != 4
 
     @property
     def ffn(self) -> int:
@@ -106,7 +116,9 @@ def _layer_activations(m: ModelShape, t: int, sp: bool) -> float:
     replicated = 4 * h / (t if sp else 1)  # both norms' inputs and outputs
     parallel = (4 * h + 2 * f) / t  # q, k, v and the attention output; fc1 output and GeLU output
     stats = 4 * 4 * s * b / (t if sp else 1)  # fp32 mean/rstd of the two norms
-    return e * s * b * (replicated + parallel) + stats + 4 * b * a * s / t  # + attention log-sum-exp
+    # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
+    attention = e * b * a * s * s / t if m.unfused_attention else 4 * b * a * s / t
+    return e * s * b * (replicated + parallel) + stats + attention
 
 
 def _head_activations(m: ModelShape, t: int) -> float:

@@ -14,8 +14,9 @@ __all__ = ["fitting_layouts", "memory_table", "model_shape"]
 _MIB = 2**20
 
 
-def model_shape(recipe: Any) -> ModelShape:
-    """The formulas' sizes from a recipe (``--model.*`` overrides applied)."""
+def model_shape(recipe: Any, on_cpu: bool = False) -> ModelShape:
+    """The formulas' sizes from a recipe (``--model.*`` overrides applied); ``on_cpu``: the attention
+    path the CPU takes (for comparing with a check run on this machine)."""
     mdl, data = recipe.model, recipe.data
     vocab = mdl.get("vocab_size")
     if vocab is None:
@@ -31,7 +32,8 @@ def model_shape(recipe: Any) -> ModelShape:
         global_batch_size=recipe.global_batch_size, masked_lm_prob=float(data.get("masked_lm_prob", 0.15)),
         params_dtype=str(mdl.get("params_dtype", "float32")), optimizer=str(mdl.get("optimizer", "adamw")),
         post_norm="post_norm" in spec, rmsnorm="rmsnorm" in spec,
-        recompute=mdl.get("recompute_granularity") == "full")
+        recompute=mdl.get("recompute_granularity") == "full",
+        attention_backend=str(mdl.get("attention_backend", "auto")), on_cpu=on_cpu)
 
 
 def _mib(x: float) -> str:
@@ -40,7 +42,7 @@ def _mib(x: float) -> str:
 
 def memory_table(recipe: Any, layouts: list[Layout], report: Any) -> str:
     """Predicted vs measured MiB per rank (the fullest pipeline stage; measured: max over its ranks)."""
-    m = model_shape(recipe)
+    m = model_shape(recipe, on_cpu=True)
     lines = ["memory per rank, MiB: predicted / measured (measured: tensors held at step 1 on this machine; "
              "activations: peak bytes saved for backward)",
              f"{'layout':<14} {'stage':>5} {'params':>19} {'grads':>19} {'optimizer':>19} {'activations':>19}"]
