@@ -79,6 +79,7 @@ class MemoryEstimate:
     optimizer_bytes: int
     activation_bytes: int
     """Peak bytes of the tensors saved for backward (all microbatches in flight)."""
+
     stage: int
     """The pipeline stage of the fullest rank."""
 
@@ -156,13 +157,14 @@ def estimate_stage(m: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
     opt = (moments + main) * (shard if layout.zero1 else n)
     chunks = _in_flight(layout, stage, microbatches)
     layer = _layer_activations(m, t, layout.sequence_parallel)
-    if m.recompute:  # each layer keeps its input; one layer is recomputed at a time
+    head = _head_activations(m, t) if stage == pp - 1 else 0.0
+    if m.recompute:
+        # Each layer keeps only its input. The peak is the forward's (with the head) or, in the
+        # backward, after the head's backward, one layer's activations computed again.
         kept = e * m.seq_length * m.micro_batch_size * m.hidden_size / (t if layout.sequence_parallel else 1)
-        act = chunks * per_chunk * kept + layer
+        act = chunks * per_chunk * kept + max(head, layer)
     else:
-        act = chunks * per_chunk * layer
-    if stage == pp - 1:
-        act += _head_activations(m, t)
+        act = chunks * per_chunk * layer + head
     return MemoryEstimate(layout=layout.name, params=n, param_bytes=e * n, grad_bytes=grads, optimizer_bytes=opt,
                           activation_bytes=int(act), stage=stage)
 

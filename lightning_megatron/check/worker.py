@@ -315,9 +315,14 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
 def run_layouts(run: CheckRun, layouts: list[Layout]) -> list[dict[str, Any]]:
     """On every rank: fit each layout in turn (process start-up and imports are paid once)."""
     import logging
+    import warnings
 
-    # In these spawned ranks only: Lightning's per-fit banners would bury the table.
+    import lightning.pytorch  # noqa: F401  (sets its loggers' level at import: set ours after)
+
+    # In these spawned ranks only: Lightning's per-fit banners and hints would bury the table.
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    for message in (".*defined a `validation_step` but have no `val_dataloader`.*", ".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", message=message)
     return [_fit_layout(run, layout) for layout in layouts]
 
