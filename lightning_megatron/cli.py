@@ -5,6 +5,7 @@
     lightning-megatron preprocess --input a.txt b.jsonl.gz dir/ --output-prefix data/my_corpus [--workers 2]
     lightning-megatron train-tokenizer --input a.txt --vocab-size 8192 --output-dir tok/
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
+    lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2 [--estimate-memory]
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
 so every argument of the Trainer, the strategy, the model and the data is a dotted override.
@@ -155,6 +156,10 @@ def _plot(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "check":  # layout parity and memory per rank: lightning_megatron/check/
+        from lightning_megatron.check.cli import main as check_main
+
+        sys.exit(check_main(argv[1:]))
     if argv and argv[0] in _OWN_COMMANDS:
         {"preprocess": _preprocess, "train-tokenizer": _train_tokenizer, "plot": _plot}[argv[0]](argv[1:])
         return

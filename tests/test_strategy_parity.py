@@ -1,12 +1,17 @@
-"""MegatronStrategy under Trainer.fit: TP, DP and TP x DP equal one process (fp32, dropout off)."""
+"""MegatronStrategy under Trainer.fit: TP, DP, PP and mixes equal one process (fp32, dropout off), through
+``lightning_megatron.check.check_layouts``, the same function as ``lightning-megatron check``."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, LossRecorder, dataloader, full_params, local_shards, make_trainer
+from megatron_testing import TINY_MODEL, SyntheticBertDataset, dataloader, full_params, local_shards
+
+from lightning_megatron.check import parse_layout
 
 GLOBAL_BATCH, MICRO = 8, 2
 
@@ -21,36 +26,25 @@ class BertInit:
         module = BertLightningModule(**TINY_MODEL)
         module.configure_model()
         return full_params([{"shards": local_shards(module), "tp_rank": 0, "dp_rank": 0}], 1)
+
+
 STEPS = 10
 
 
-def _fit_worker(tp: int, pp: int, vp: int | None, world: int, steps: int, extra: dict | None = None) -> dict:
+def make_module():
     from lightning_megatron.models.bert.module import BertLightningModule
-    from lightning_megatron.strategy import MegatronStrategy
 
-    strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=vp, micro_batch_size=MICRO,
-                                **(extra or {}))
-    module = BertLightningModule(**TINY_MODEL)
-    recorder = LossRecorder()
-    recorder.shm = None
+    return BertLightningModule(**TINY_MODEL)
 
-    def record_paths(trainer, pl_module) -> None:  # which TP/DP groups run on shared memory during fit
-        from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
 
-        ps = strategy.parallel_state
-        recorder.shm = {name: shared_memory_collectives(g) is not None
-                        for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group)) if g is not None and g.size() > 1}
+def check(layouts: list[str], reference_run=None, **kwargs):
+    """The one parity mechanism (``lightning-megatron check``): 10 steps of TINY_MODEL on the same
+    global batches, per-step loss and grad norm, every gradient after step 1, final parameters."""
+    from lightning_megatron.check import check_layouts
 
-    recorder.on_train_start = record_paths
-    trainer = make_trainer(strategy, world, steps, callbacks=[recorder])
-    dp = world // (tp * pp)
-    ps_layout = strategy.layout
-    dp_rank = ps_layout.coordinates(torch.distributed.get_rank())[1]
-    trainer.fit(module, train_dataloaders=dataloader(GLOBAL_BATCH // dp, dp, dp_rank))
-    ps = strategy.parallel_state
-    return {"losses": recorder.losses, "shards": local_shards(module), "tp_rank": ps.tp_rank, "dp_rank": ps.dp_rank,
-            "pp_rank": ps.pp_rank, "shm": recorder.shm}
+    return check_layouts(make_module, functools.partial(SyntheticBertDataset, 512), layouts=layouts,
+                         global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO, steps=STEPS, record_params=True,
+                         reference_run=reference_run, timeout=600, **kwargs)
 
 
 def _manual_worker(steps: int) -> dict:
@@ -82,14 +76,13 @@ def _manual_worker(steps: int) -> dict:
 
 @pytest.fixture(scope="module")
 def reference():
-    [r] = run_distributed(_fit_worker, 1, 1, 1, None, 1, STEPS, timeout=300)
-    return r["losses"], full_params([r], 1)
+    return check([]).reference
 
 
 def test_one_process_strategy_equals_plain_pytorch_loop(reference):
     """The single-process reference itself equals a hand-written loop: Lightning adds nothing, loses nothing."""
     [manual] = run_distributed(_manual_worker, 1, STEPS, timeout=300)
-    ref_losses, ref_params = reference
+    ref_losses, ref_params = reference.losses, reference.params
     torch.testing.assert_close(torch.tensor(ref_losses), torch.tensor(manual["losses"]), rtol=1e-6, atol=0)
     params = full_params([manual], 1)
     moved = 0
@@ -104,57 +97,31 @@ def test_one_process_strategy_equals_plain_pytorch_loop(reference):
     assert len(moved) == len(matrices), f"only {len(moved)}/{len(matrices)} weight matrices changed"
 
 
-def _compare(results, tp, reference):
-    ref_losses, ref_params = reference
-    last = [r for r in results if r["losses"]]
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    params = full_params(results, tp)
-    assert params.keys() == ref_params.keys()
-    for name in ref_params:
-        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5, msg=name)
-    assert last
-
-
-def _fit_many(layouts: list[tuple[int, int, int | None]], world: int, steps: int,
-              extra: dict | None = None) -> list[dict]:
-    # Several Trainer.fit runs in the same ranks: process start-up and imports are paid once.
-    return [_fit_worker(tp, pp, vp, world, steps, extra) for tp, pp, vp in layouts]
-
-
-def _layout_id(layout, world):
-    tp, pp, vp = layout
-    return f"tp{tp}-pp{pp}" + (f"-vp{vp}" if vp else "") + f"-dp{world // (tp * pp)}"
-
-
 @pytest.mark.parametrize("world,layouts", [
-    (2, [(2, 1, None), (1, 1, None), (1, 2, None), (1, 2, 2)]),
-    (4, [(2, 1, None), (1, 4, None), (2, 2, None), (1, 2, None)]),
+    (2, ["tp2", "dp2", "pp2", "pp2vp2"]),
+    (4, ["tp2dp2", "pp4", "tp2pp2", "pp2dp2"]),
 ], ids=["world2", "world4"])
 def test_layouts_equal_one_process(world, layouts, reference):
     """TP, DP, PP (1F1B), PP x VP (interleaved) and mixes: per-step loss over 10 steps within 1e-5
-    relative and final parameters within 1e-5 of one process with the same global batch."""
-    ref_losses, _ = reference
-    assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference run must learn"
-    per_rank = run_distributed(_fit_many, world, layouts, world, STEPS, timeout=600)
-    for i, layout in enumerate(layouts):
-        results = [r[i] for r in per_rank]
+    relative, grad norms within 1e-5, every gradient after step 1 within 1e-4 of its largest entry,
+    and final parameters within 1e-5 of one process with the same global batch."""
+    assert reference.losses[-1] < reference.losses[0] - 0.05, "the reference run must learn"
+    report = check(layouts, reference)
+    print(report.table())
+    assert report.passed, report.table()
+    assert [r.layout for r in report.results] == layouts
+    for name in layouts:
+        run = report.runs[name]
+        assert len(run.memory) == world
+        layout = parse_layout(name)
         # on CPU by default every TP and DP group of more than one rank uses the shared-memory path
-        assert all(all(r["shm"].values()) for r in results), (layout, [r["shm"] for r in results])
-        assert any(r["shm"] for r in results) == (layout[0] > 1 or world // (layout[0] * layout[1]) > 1)
-        try:
-            _compare(results, layout[0], reference)
-        except AssertionError as e:
-            raise AssertionError(f"layout {_layout_id(layout, world)}: {e}") from e
+        assert all(all(c.values()) for c in run.collectives), (name, run.collectives)
+        assert any(run.collectives) == (layout.tp > 1 or layout.dp > 1), (name, run.collectives)
 
 
 def test_gloo_collectives_equal_one_process(reference):
     """The same TP=2 and DP=2 runs with the shared-memory collectives off (gloo's own, as across hosts)."""
-    layouts = [(2, 1, None), (1, 1, None)]
-    per_rank = run_distributed(_fit_many, 2, layouts, 2, STEPS, {"shared_memory_collectives": False}, timeout=600)
-    for i, layout in enumerate(layouts):
-        assert [r[i]["shm"] for r in per_rank] == [{"tp": False} if layout[0] > 1 else {"dp": False}] * 2
-        try:
-            _compare([r[i] for r in per_rank], layout[0], reference)
-        except AssertionError as e:
-            raise AssertionError(f"layout {_layout_id(layout, 2)} on gloo: {e}") from e
+    report = check(["tp2", "dp2"], reference, strategy_kwargs={"shared_memory_collectives": False})
+    assert report.passed, report.table()
+    assert report.runs["tp2"].collectives == [{"tp": False}] * 2
+    assert report.runs["dp2"].collectives == [{"dp": False}] * 2

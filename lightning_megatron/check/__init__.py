@@ -1,0 +1,14 @@
+"""``lightning-megatron check``: prove that a parallel layout trains like one process, and predict memory.
+
+- :func:`check_layouts` (:mod:`.parity`): fit a reference and other layouts for a few steps on the
+  same samples and compare losses, gradient norms and every gradient as a global tensor;
+- :mod:`.memory`: closed-form bytes per rank of parameters, gradients, optimizer state and
+  activations for a layout (docs/memory.md);
+- :mod:`.cli`: the command line.
+"""
+
+from lightning_megatron.check.layouts import Layout, parse_layout, parse_layouts
+from lightning_megatron.check.parity import CheckReport, LayoutResult, LayoutRun, Tolerances, check_layouts
+
+__all__ = ["CheckReport", "Layout", "LayoutResult", "LayoutRun", "Tolerances", "check_layouts", "parse_layout",
+           "parse_layouts"]

@@ -1,0 +1,93 @@
+"""``lightning-megatron check``: layout parity of a recipe, and memory per rank.
+
+    lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2,tp2pp2 [--steps 3]
+        [--reference tp1] [--global-batch-size 16] [--micro-batch-size 4] [--model.NAME VALUE ...]
+    lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,dp2zero1 --estimate-memory
+    lightning-megatron check --config recipes/bert_base.yaml --estimate-memory --gpus 64 --gpu-memory 80GB \\
+        --model.num_layers 24 --model.hidden_size 1024 --model.num_attention_heads 16
+
+Exit status 1 when a layout differs from the reference beyond the tolerances (or, with ``--gpus``,
+when no layout fits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+__all__ = ["main"]
+
+
+def _bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?i?b?)\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 80GB or 24GiB")
+    unit = m.group(2).rstrip("b")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    return int(float(m.group(1)) * scale[unit])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightning-megatron check", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--config", required=True, help="a recipe YAML (model: and data: sections)")
+    p.add_argument("--layouts", default="tp2,pp2,dp2",
+                   help="comma-separated: tp2, pp2, vp2 (with pp), dp2, sp (with tp), zero1; e.g. tp2pp2,dp2zero1")
+    p.add_argument("--reference", default="tp1", help="the layout the others are compared with (default: one process)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--global-batch-size", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--seq-length", type=int, default=None, help="default: the recipe's data.max_seq_length")
+    p.add_argument("--grad-steps", default="1", help="steps after which every gradient is compared (comma-separated)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per group of layouts of one world size")
+    p.add_argument("--estimate-memory", action="store_true",
+                   help="predicted bytes per rank (docs/memory.md); with --gpus: the layouts that fit, nothing run")
+    p.add_argument("--gpus", type=int, default=None, help="with --estimate-memory: list the layouts of this many GPUs")
+    p.add_argument("--gpu-memory", type=_bytes, default=None, help="with --gpus: memory per GPU, e.g. 80GB")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = _parser().parse_known_args(argv)
+    from lightning_megatron.check.layouts import parse_layout, parse_layouts
+    from lightning_megatron.check.recipe import factories, load_recipe, parse_overrides
+
+    recipe = load_recipe(args.config, parse_overrides(rest, "model"))
+    if args.global_batch_size is not None:
+        recipe.data["global_batch_size"] = args.global_batch_size
+    if args.micro_batch_size is not None:
+        recipe.data["micro_batch_size"] = args.micro_batch_size
+    if args.seq_length is not None:
+        recipe.data["max_seq_length"] = args.seq_length
+    if args.estimate_memory and args.gpus is not None:
+        from lightning_megatron.check.memory_cli import fitting_layouts
+
+        return fitting_layouts(recipe, args.gpus, args.gpu_memory)
+    layouts = parse_layouts(args.layouts)
+    reference = parse_layout(args.reference)
+    from lightning_megatron.check.parity import Tolerances, check_layouts
+
+    tol = Tolerances.bf16() if str(recipe.model.get("params_dtype", "float32")) in ("bfloat16", "bf16", "float16",
+                                                                                     "fp16") else Tolerances()
+    G, m = recipe.global_batch_size, recipe.micro_batch_size
+    print(f"lightning-megatron check: {args.config}, layouts {', '.join(map(str, layouts))} against {reference}, "
+          f"{args.steps} steps, global batch {G}, micro batch {m}, dropout off", flush=True)
+    if recipe.skipped_callbacks:
+        print(f"  recipe callbacks not used by the check: {', '.join(recipe.skipped_callbacks)}", flush=True)
+    report = check_layouts(**factories(recipe, args.steps, G), layouts=layouts, reference=reference,
+                           global_batch_size=G, micro_batch_size=m, steps=args.steps, tolerances=tol,
+                           trainer_kwargs=recipe.trainer_kwargs(args.steps),
+                           grad_steps=[int(s) for s in args.grad_steps.split(",") if s.strip()],
+                           measure_memory=args.estimate_memory, timeout=args.timeout)
+    print(report.table(), flush=True)
+    if args.estimate_memory:
+        from lightning_megatron.check.memory_cli import memory_table
+
+        print(memory_table(recipe, [reference] + [x for x in layouts if x != reference], report), flush=True)
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Closed-form bytes per rank of a BERT layout: parameters, gradients, optimizer state, activations.
+
+The formulas (derivation in docs/memory.md, section "Predicting memory per rank") count what this
+library allocates, tensor by tensor; ``lightning-megatron check --estimate-memory`` prints them next
+to the bytes a check run measured, and ``--gpus N --gpu-memory 80GB`` lists the layouts that fit.
+Pure arithmetic: no torch, no process groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_megatron.check.layouts import Layout
+
+__all__ = ["ModelShape", "MemoryEstimate", "candidate_layouts", "estimate_memory", "estimate_stage"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes the formulas need (a BertLightningModule's arguments plus the batch)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None
+    """None: 4 x hidden_size."""
+    vocab_size: int = 30522
+    make_vocab_size_divisible_by: int = 128
+    max_sequence_length: int = 512
+    """Learned position embeddings (rows)."""
+    seq_length: int = 128
+    """Tokens per sample in the batch."""
+    micro_batch_size: int = 8
+    global_batch_size: int = 32
+    masked_lm_prob: float = 0.15
+    """Fraction of tokens in the LM head (it runs on the masked tokens only)."""
+    params_dtype: str = "float32"
+    optimizer: str = "adamw"
+    post_norm: bool = False
+    """Hugging Face-style post-norm spec (an embedding LayerNorm instead of the final one)."""
+    rmsnorm: bool = False
+    """Norms without bias."""
+    recompute: bool = False
+    """Full activation recomputation (only each layer's input is kept)."""
+    attention_backend: str = "auto"
+    """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
+    on_cpu: bool = False
+    """With "auto": CPU runs 16-bit attention unfused (fp32 without dropout: sdpa); accelerators sdpa."""
+
+    @property
+    def unfused_attention(self) -> bool:
+        if self.attention_backend != "auto":
+            return self.attention_backend == "unfused"
+        return self.on_cpu and self.param_bytes != 4
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.params_dtype in ("float32", "fp32") else 2
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes on the fullest rank of a layout (the maximum over pipeline stages of each term's stage)."""
+
+    layout: str
+    params: int
+    """Parameter count on that rank (elements)."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    """Peak bytes of the tensors saved for backward (all microbatches in flight)."""
+
+    stage: int
+    """The pipeline stage of the fullest rank."""
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+def _stage_params(m: ModelShape, t: int, pp: int, stage: int, layers: int) -> int:
+    h, f = m.hidden_size, m.ffn
+    norm = h if m.rmsnorm else 2 * h
+    v = m.padded_vocab(t)
+    # Per layer: qkv, proj, fc1, fc2 weights split over t; qkv and fc1 biases split; proj and fc2
+    # biases and the two norms replicated.
+    n = layers * ((4 * h * h + 2 * h * f) // t + (3 * h + f) // t + 2 * h + 2 * norm)
+    if stage == 0:
+        n += v // t * h + m.max_sequence_length * h + 2 * h + (norm if m.post_norm else 0)
+    if stage == pp - 1:
+        n += (0 if m.post_norm else norm)  # final norm
+        n += h * h + h + norm + v // t  # LM head dense + norm, output bias (vocab-parallel)
+        n += h * h + h + 2 * h + 2  # pooler, binary head
+        if pp > 1:
+            n += v // t * h  # the last stage's copy of the tied word embedding
+    return n
+
+
+def _layer_activations(m: ModelShape, t: int, sp: bool) -> float:
+    """Bytes saved for backward by one layer for one microbatch (see docs/memory.md)."""
+    s, b, h, f, a = m.seq_length, m.micro_batch_size, m.hidden_size, m.ffn, m.num_attention_heads
+    e = m.param_bytes
+    replicated = 4 * h / (t if sp else 1)  # both norms' inputs and outputs
+    parallel = (4 * h + 2 * f) / t  # q, k, v and the attention output; fc1 output and GeLU output
+    stats = 4 * 4 * s * b / (t if sp else 1)  # fp32 mean/rstd of the two norms
+    # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
+    attention = e * b * a * s * s / t if m.unfused_attention else 4 * b * a * s / t
+    return e * s * b * (replicated + parallel) + stats + attention
+
+
+def _head_activations(m: ModelShape, t: int) -> float:
+    s, b, h, e = m.seq_length, m.micro_batch_size, m.hidden_size, m.param_bytes
+    n = m.masked_lm_prob * s * b
+    return e * (s * b * h + 5 * n * h + n * m.padded_vocab(t) / t + 2 * b * h) + 8 * s * b
+
+
+def _in_flight(layout: Layout, stage: int, microbatches: int) -> int:
+    """Chunk forwards whose activations are alive together at the peak on ``stage``."""
+    pp, vp = layout.pp, layout.vp or 1
+    if pp == 1:
+        return 1  # forward and backward of one microbatch after the other
+    if vp == 1:
+        return min(microbatches, pp - stage)  # 1F1B: warm-up forwards + 1
+    return min(microbatches * vp, (pp - stage - 1) * 2 + (vp - 1) * pp + 1)  # interleaved warm-up + 1
+
+
+def estimate_stage(m: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
+    """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for model ``m``."""
+    t, pp, d, vp = layout.tp, layout.pp, layout.dp, layout.vp or 1
+    if m.num_layers % (pp * vp):
+        raise ValueError(f"num_layers={m.num_layers} is not divisible by pp x vp = {pp * vp}")
+    microbatches = m.global_batch_size // (m.micro_batch_size * d)
+    if microbatches < 1 or m.global_batch_size % (m.micro_batch_size * d):
+        raise ValueError(f"global batch {m.global_batch_size} is not divisible by micro batch "
+                         f"{m.micro_batch_size} x dp {d}")
+    per_chunk = m.num_layers // (pp * vp)
+    n = _stage_params(m, t, pp, stage, m.num_layers // pp)
+    e = m.param_bytes
+    shard = math.ceil(n / d)
+    grads = 4 * shard * d if layout.zero1 else 4 * n  # fp32 main grads (ZeRO-1: one padded flat buffer)
+    moments = 8 if m.optimizer in ("adam", "adamw") else 4
+    main = 4 if (e != 4 or layout.zero1) else 0  # fp32 main copy: 16-bit params, or the ZeRO-1 shard
+    opt = (moments + main) * (shard if layout.zero1 else n)
+    chunks = _in_flight(layout, stage, microbatches)
+    layer = _layer_activations(m, t, layout.sequence_parallel)
+    head = _head_activations(m, t) if stage == pp - 1 else 0.0
+    if m.recompute:
+        # Each layer keeps only its input. The peak is the forward's (with the head) or, in the
+        # backward, after the head's backward, one layer's activations computed again.
+        kept = e * m.seq_length * m.micro_batch_size * m.hidden_size / (t if layout.sequence_parallel else 1)
+        act = chunks * per_chunk * kept + max(head, layer)
+    else:
+        act = chunks * per_chunk * layer + head
+    return MemoryEstimate(layout=layout.name, params=n, param_bytes=e * n, grad_bytes=grads, optimizer_bytes=opt,
+                          activation_bytes=int(act), stage=stage)
+
+
+def estimate_memory(m: ModelShape, layout: Layout) -> MemoryEstimate:
+    """Bytes on the fullest rank of ``layout`` (the pipeline stage with the largest total)."""
+    return max((estimate_stage(m, layout, s) for s in range(layout.pp)), key=lambda e: e.total_bytes)
+
+
+def candidate_layouts(m: ModelShape, gpus: int, max_tp: int = 8) -> list[Layout]:
+    """Every TP x PP x DP of ``gpus`` ranks the model's sizes allow, with and without ZeRO-1 and SP."""
+    out = []
+    for t in (x for x in range(1, min(gpus, max_tp) + 1) if gpus % x == 0):
+        if m.num_attention_heads % t or m.ffn % t:
+            continue
+        for pp in (x for x in range(1, gpus // t + 1) if (gpus // t) % x == 0):
+            if m.num_layers % pp:
+                continue
+            d = gpus // (t * pp)
+            if m.global_batch_size % (m.micro_batch_size * d):
+                continue
+            for sp in ((False, True) if t > 1 else (False,)):
+                for zero1 in ((False, True) if d > 1 else (False,)):
+                    out.append(Layout(tp=t, pp=pp, dp=d, sequence_parallel=sp, zero1=zero1))
+    return out

@@ -1,0 +1,282 @@
+"""Layout parity: does a parallel layout train exactly like one process?
+
+:func:`check_layouts` fits the reference layout (one process by default) and every other layout for
+N steps, each in its own spawned gloo ranks (layouts of the same world size share the ranks, one
+``Trainer.fit`` after the other), with dropout off, a fixed seed, and the same global batch cut into
+the same microbatches in every layout (:func:`~lightning_megatron.check.worker.global_batch_loader`),
+so a data-order difference cannot appear: any difference is the layout's. It compares per step the
+loss and the global gradient norm, and, at the chosen steps, every parameter's gradient as a global
+tensor (TP shards put together, vocab padding dropped, PP stages by global names), and reports the
+parameter whose gradient differs most. :class:`CheckReport` prints the table and says PASS or FAIL.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_megatron.check.layouts import Layout, parse_layout
+from lightning_megatron.check.spawn import run_distributed
+from lightning_megatron.check.worker import CheckRun, run_layouts
+
+__all__ = ["CheckReport", "LayoutResult", "LayoutRun", "Tolerances", "check_layouts", "compare_runs",
+           "gather_runs", "grad_error"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tolerances:
+    """What "equal" means. fp32 defaults: the Trainer-level parity tests' (1e-5 on losses and final
+    parameters); bf16 runs use :meth:`bf16`."""
+
+    loss_rtol: float = 1e-5
+    """|loss - loss_ref| / |loss_ref| per step."""
+    grad_norm_rtol: float = 1e-5
+    """|norm - norm_ref| / norm_ref per step."""
+    grad_rtol: float = 1e-4
+    """Per parameter: max |g - g_ref| / scale, scale = max(max |g_ref|, grad_floor x the largest max |g_ref|)."""
+    grad_floor: float = 1e-3
+    """Gradients far below the model's largest (e.g. the attention key bias, zero up to rounding:
+    softmax is shift-invariant) are compared at this fraction of the largest gradient."""
+    param_rtol: float = 1e-5
+    """Final parameters (when recorded): ``torch.testing.assert_close`` rtol ..."""
+    param_atol: float = 1e-5
+    """... and atol."""
+
+    @classmethod
+    def bf16(cls) -> Tolerances:
+        return cls(loss_rtol=1e-2, grad_norm_rtol=2e-2, grad_rtol=5e-2, param_rtol=1e-2, param_atol=1e-2)
+
+
+@dataclass(kw_only=True)
+class LayoutRun:
+    """One layout's records, put together from its ranks."""
+
+    layout: str
+    losses: list[float]
+    grad_norms: list[float]
+    grads: dict[int, dict[str, torch.Tensor]]
+    params: dict[str, torch.Tensor]
+    memory: list[dict[str, int]]
+    """Per global rank: bytes of ``params``, ``grads``, ``optimizer``, ``activations_peak``."""
+    collectives: list[dict[str, bool]]
+    """Per global rank: which groups ran on shared memory."""
+
+
+@dataclass(kw_only=True)
+class StepRow:
+    step: int
+    loss_ref: float
+    loss: float
+    loss_rel: float
+    norm_ref: float
+    norm: float
+    norm_rel: float
+    worst_param: str | None = None
+    worst_grad_err: float | None = None
+
+
+@dataclass(kw_only=True)
+class LayoutResult:
+    """The comparison of one layout with the reference."""
+
+    layout: str
+    rows: list[StepRow]
+    failures: list[str] = field(default_factory=list)
+    param_failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures and not self.param_failures
+
+    @property
+    def worst_param(self) -> str | None:
+        graded = [r for r in self.rows if r.worst_grad_err is not None]
+        return max(graded, key=lambda r: r.worst_grad_err).worst_param if graded else None
+
+
+@dataclass(kw_only=True)
+class CheckReport:
+    """Every layout against the reference; ``passed`` when all are within ``tolerances``."""
+
+    reference: LayoutRun
+    runs: dict[str, LayoutRun]
+    results: list[LayoutResult]
+    tolerances: Tolerances
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def table(self) -> str:
+        t = self.tolerances
+        lines = [f"reference: {self.reference.layout}   tolerances: loss {t.loss_rtol:g} rel, grad norm "
+                 f"{t.grad_norm_rtol:g} rel, grads {t.grad_rtol:g} (max abs diff / max abs ref)",
+                 f"{'layout':<14} {'step':>4} {'loss':>12} {'loss rel':>9} {'grad norm':>11} {'norm rel':>9} "
+                 f"{'grad err':>9}  worst parameter"]
+        for res in self.results:
+            for r in res.rows:
+                err = "" if r.worst_grad_err is None else f"{r.worst_grad_err:9.2e}"
+                lines.append(f"{res.layout:<14} {r.step:>4} {r.loss:>12.6f} {r.loss_rel:>9.2e} {r.norm:>11.6f} "
+                             f"{r.norm_rel:>9.2e} {err:>9}  {r.worst_param or ''}")
+            status = "PASS" if res.passed else "FAIL: " + "; ".join(res.failures + res.param_failures[:3])
+            lines.append(f"{res.layout:<14} {status}")
+        lines.append("PASS" if self.passed else "FAIL")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    full: dict[str, torch.Tensor] = {}
+    for pieces in per_rank:
+        for name, (piece, offsets, shape) in pieces.items():
+            if offsets is None:
+                full.setdefault(name, piece)
+                continue
+            t = full.get(name)
+            if t is None:
+                t = full[name] = torch.zeros(shape, dtype=piece.dtype)
+            t[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] = piece
+    return full
+
+
+def gather_runs(per_rank: list[list[dict[str, Any]]]) -> dict[str, LayoutRun]:
+    """Per-rank records of :func:`~lightning_megatron.check.worker.run_layouts` -> one LayoutRun per layout."""
+    runs = {}
+    for i in range(len(per_rank[0])):
+        records = [r[i] for r in per_rank]
+        first = records[0]
+        steps = sorted({s for r in records for s in r["grads"]})
+        runs[first["layout"]] = LayoutRun(
+            layout=first["layout"], losses=first["losses"], grad_norms=first["grad_norms"],
+            grads={s: _assemble([r["grads"].get(s, {}) for r in records]) for s in steps},
+            params=_assemble([r["params"] for r in records]),
+            memory=[r["memory"] for r in records], collectives=[r["collectives"] for r in records])
+    return runs
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(b) if b != 0 else math.inf
+
+
+def grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], floor: float) -> dict[str, float]:
+    """Per parameter: max |g - g_ref| / max(max |g_ref|, floor x the largest max |g_ref|)."""
+    top = max((float(g.abs().max()) for g in ref.values() if g.numel()), default=0.0)
+    out = {}
+    for name, r in ref.items():
+        g = grads[name]
+        if g.shape != r.shape:
+            out[name] = math.inf
+            continue
+        scale = max(float(r.abs().max()) if r.numel() else 0.0, floor * top) or 1.0
+        out[name] = float((g - r).abs().max()) / scale if r.numel() else 0.0
+    return out
+
+
+def compare_runs(run: LayoutRun, ref: LayoutRun, tol: Tolerances) -> LayoutResult:
+    """One layout against the reference, step by step."""
+    res = LayoutResult(layout=run.layout, rows=[])
+    if len(run.losses) != len(ref.losses):
+        res.failures.append(f"ran {len(run.losses)} steps, the reference {len(ref.losses)}")
+    for i, (loss, loss_ref) in enumerate(zip(run.losses, ref.losses)):
+        norm, norm_ref = run.grad_norms[i], ref.grad_norms[i]
+        row = StepRow(step=i + 1, loss_ref=loss_ref, loss=loss, loss_rel=_rel(loss, loss_ref), norm_ref=norm_ref,
+                      norm=norm, norm_rel=_rel(norm, norm_ref))
+        if not row.loss_rel <= tol.loss_rtol:
+            res.failures.append(f"step {row.step}: loss {loss:.8g} vs {loss_ref:.8g} ({row.loss_rel:.2e} rel)")
+        if not row.norm_rel <= tol.grad_norm_rtol:
+            res.failures.append(f"step {row.step}: grad norm {norm:.8g} vs {norm_ref:.8g} ({row.norm_rel:.2e} rel)")
+        grads, grads_ref = run.grads.get(row.step), ref.grads.get(row.step)
+        if grads is not None and grads_ref is not None:
+            missing = sorted(set(grads_ref) ^ set(grads))
+            if missing:
+                res.failures.append(f"step {row.step}: parameters not in both runs: {missing[:5]}")
+            errs = grad_error(grads, {k: v for k, v in grads_ref.items() if k in grads}, tol.grad_floor)
+            if errs:
+                row.worst_param, row.worst_grad_err = max(errs.items(), key=lambda kv: kv[1])
+                if not row.worst_grad_err <= tol.grad_rtol:
+                    res.failures.append(f"step {row.step}: gradient of {row.worst_param} differs by "
+                                        f"{row.worst_grad_err:.2e}")
+        res.rows.append(row)
+    if ref.params:
+        if run.params.keys() != ref.params.keys():
+            res.param_failures.append(f"final parameters: names differ: {sorted(run.params.keys() ^ ref.params.keys())[:5]}")
+        for name in sorted(ref.params.keys() & run.params.keys()):
+            try:
+                torch.testing.assert_close(run.params[name], ref.params[name], rtol=tol.param_rtol, atol=tol.param_atol)
+            except AssertionError as e:
+                res.param_failures.append(f"final parameter {name}: {e}")
+    return res
+
+
+def check_layouts(
+    module_factory: Callable[[], Any],
+    dataset_factory: Callable[[], Any],
+    *,
+    layouts: Sequence[str | Layout],
+    global_batch_size: int,
+    micro_batch_size: int,
+    steps: int = 3,
+    reference: str | Layout = "tp1",
+    tolerances: Tolerances | None = None,
+    callbacks_factory: Callable[[Layout], list] | None = None,
+    strategy_kwargs: dict | None = None,
+    trainer_kwargs: dict | None = None,
+    grad_steps: Sequence[int] = (1,),
+    record_params: bool = False,
+    measure_memory: bool = False,
+    seed: int = 1234,
+    timeout: float = 900.0,
+    reference_run: LayoutRun | None = None,
+) -> CheckReport:
+    """Fit ``reference`` and every layout in ``layouts`` for ``steps`` steps and compare them.
+
+    Args:
+        module_factory: builds a fresh LightningModule (any module following the strategy's protocol:
+            ``configure_model`` building ``model_chunks``, ``forward_step``, ``pipeline_tensor_shape``
+            and ``sharded_named_parameters`` for PP; any registered ModuleSpec). Dropout must be off.
+            It and the other factories must be picklable: module-level functions or ``functools.partial``.
+        dataset_factory: builds the map-style dataset; step ``s`` uses samples ``[s*G, (s+1)*G)``.
+        layouts: e.g. ``["tp2", "pp2", "dp2", "tp2pp2", "pp2vp2", "tp2sp", "dp2zero1"]``.
+        global_batch_size, micro_batch_size: the same in every layout (same samples, same microbatches).
+        reference: the layout everything is compared with (default: one process).
+        grad_steps: steps after which every gradient is compared as a global tensor.
+        record_params: also compare the final parameters (``param_rtol``/``param_atol``).
+        measure_memory: record per-rank bytes (see :class:`LayoutRun.memory`).
+        timeout: seconds per group of layouts sharing a world size.
+        reference_run: the reference's records from an earlier report (``report.reference``) of the
+            same model, data, steps and options: it is not run again.
+    """
+    tol = tolerances or Tolerances()
+    ref_layout = parse_layout(reference)
+    parsed = [parse_layout(x) for x in layouts]
+    run = CheckRun(module_factory=module_factory, dataset_factory=dataset_factory,
+                   global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, steps=steps, seed=seed,
+                   callbacks_factory=callbacks_factory, strategy_kwargs=dict(strategy_kwargs or {}),
+                   trainer_kwargs=dict(trainer_kwargs or {}), grad_steps=tuple(grad_steps),
+                   record_params=record_params, measure_memory=measure_memory)
+    for layout in [ref_layout] + parsed:
+        if global_batch_size % (micro_batch_size * layout.dp):
+            raise ValueError(f"layout {layout}: global_batch_size={global_batch_size} is not divisible by "
+                             f"micro_batch_size={micro_batch_size} x dp={layout.dp}; choose a global batch that is")
+    groups: dict[int, list[Layout]] = {}
+    runs: dict[str, LayoutRun] = {}
+    if reference_run is not None:
+        if reference_run.layout != ref_layout.name or len(reference_run.losses) != steps:
+            raise ValueError(f"reference_run is layout {reference_run.layout} over {len(reference_run.losses)} "
+                             f"steps; this check needs {ref_layout.name} over {steps}")
+        runs[ref_layout.name] = reference_run
+    for layout in ([] if reference_run is not None else [ref_layout]) + [x for x in parsed if x != ref_layout]:
+        groups.setdefault(layout.world_size, []).append(layout)
+    for world, members in groups.items():
+        runs.update(gather_runs(run_distributed(run_layouts, world, run, members, timeout=timeout)))
+    ref = runs[ref_layout.name]
+    results = [compare_runs(runs[x.name], ref, tol) for x in parsed if x != ref_layout]
+    return CheckReport(reference=ref, runs=runs, results=results, tolerances=tol)

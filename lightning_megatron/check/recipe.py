@@ -1,0 +1,133 @@
+"""A recipe (the YAML of ``lightning-megatron fit --config``) as the factories of a check run.
+
+The check takes the recipe's ``model`` and ``data`` sections (BertLightningModule, BertDataModule),
+turns dropout off, and keeps, of the Trainer's callbacks, those that change the update:
+``MegatronOptimizerCallback`` (clipping, loss scaling) and ``OptimizerParamSchedulerCallback``
+(learning rate, weight decay). Loggers, checkpointing and throughput callbacks are left out. Only
+classes of ``lightning_megatron.callbacks`` are built from a recipe.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_megatron.check.layouts import Layout
+
+__all__ = ["RecipeCheck", "load_recipe", "parse_overrides"]
+
+_CALLBACKS = {"lightning_megatron.callbacks.MegatronOptimizerCallback",
+              "lightning_megatron.callbacks.optimizer.MegatronOptimizerCallback",
+              "lightning_megatron.callbacks.OptimizerParamSchedulerCallback",
+              "lightning_megatron.callbacks.scheduler.OptimizerParamSchedulerCallback"}
+
+
+@dataclass(kw_only=True)
+class RecipeCheck:
+    """The pieces of a recipe a check run needs."""
+
+    model: dict[str, Any]
+    """BertLightningModule arguments (dropout off)."""
+    data: dict[str, Any]
+    """BertDataModule arguments."""
+    callbacks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """(class path, init args) of the kept callbacks."""
+    skipped_callbacks: list[str] = field(default_factory=list)
+    precision: str | None = None
+    max_steps: int | None = None
+    """The recipe's ``trainer.max_steps`` (its scheduler decays over it)."""
+
+    def trainer_kwargs(self, steps: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_steps": max(steps, self.max_steps or steps)}
+        if self.precision is not None:
+            out["precision"] = self.precision
+        return out
+
+    @property
+    def global_batch_size(self) -> int:
+        return int(self.data.get("global_batch_size", 32))
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.data.get("micro_batch_size", 8))
+
+
+def parse_overrides(args: list[str], prefix: str) -> dict[str, Any]:
+    """``["--model.num_layers", "24", "--model.hidden_size=1024"]`` -> ``{"num_layers": 24, "hidden_size": 1024}``."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith(f"--{prefix}."):
+            raise ValueError(f"unknown argument {arg!r}; overrides are written --{prefix}.NAME VALUE")
+        key = arg[len(prefix) + 3:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ValueError(f"{arg} needs a value")
+            value = args[i + 1]
+            i += 2
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
+                data_overrides: dict[str, Any] | None = None) -> RecipeCheck:
+    """Read a recipe with ``yaml.safe_load`` (no code runs); dropout is turned off."""
+    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    model = dict(cfg.get("model") or {})
+    model.update(model_overrides or {})
+    model.update(hidden_dropout=0.0, attention_dropout=0.0)
+    data = dict(cfg.get("data") or {})
+    data.update(data_overrides or {})
+    trainer = cfg.get("trainer") or {}
+    kept, skipped = [], []
+    for cb in trainer.get("callbacks") or []:
+        path_ = cb.get("class_path", "") if isinstance(cb, dict) else str(cb)
+        if path_ in _CALLBACKS:
+            kept.append((path_.rsplit(".", 1)[1], dict(cb.get("init_args") or {})))
+        else:
+            skipped.append(path_)
+    precision = trainer.get("precision")
+    return RecipeCheck(model=model, data=data, callbacks=kept, skipped_callbacks=skipped,
+                       precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"))
+
+
+def build_module(model: dict[str, Any], vocab_size: int):
+    """A BertLightningModule from the recipe's model section (module-level: picklable for spawn)."""
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    return BertLightningModule(**{"vocab_size": vocab_size, **model})
+
+
+def build_dataset(data: dict[str, Any], num_samples: int):
+    """The recipe's training dataset, ``num_samples`` long (the corpus cache must exist)."""
+    from lightning_megatron.data.datamodule import BertDataModule
+
+    dm = BertDataModule(**{**data, "train_samples": num_samples})
+    dm.setup("fit")
+    return dm.train_dataset
+
+
+def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: Layout) -> list:
+    from lightning_megatron import callbacks as lm_callbacks
+
+    return [getattr(lm_callbacks, name)(**kwargs) for name, kwargs in callbacks]
+
+
+def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[str, Any]:
+    """Build the corpus cache once here, then the picklable factories of :func:`check_layouts`."""
+    from lightning_megatron.data.datamodule import BertDataModule
+
+    dm = BertDataModule(**recipe.data)
+    dm.prepare_data()
+    vocab = int(recipe.model.get("vocab_size") or dm.vocab_size)
+    return dict(module_factory=functools.partial(build_module, recipe.model, vocab),
+                dataset_factory=functools.partial(build_dataset, recipe.data, steps * global_batch_size),
+                callbacks_factory=functools.partial(build_callbacks, recipe.callbacks))

@@ -1,0 +1,328 @@
+"""The rank side of a check run: fit one layout for N steps and record what the comparison needs.
+
+Each rank of a layout runs ``Trainer.fit`` with the :class:`~lightning_megatron.strategy.MegatronStrategy`
+on its data-parallel share of the same global batches (:func:`global_batch_loader`), and a
+:class:`Recorder` callback records, per step: the logged loss, the global gradient norm and, at the
+chosen steps, every gradient as its piece of the global tensor (:func:`global_pieces`). The parent
+(:mod:`lightning_megatron.check.parity`) puts the pieces together and compares layouts.
+
+Gradients are read in ``on_before_optimizer_step``: after the whole microbatch schedule and the
+strategy's gradient finalization (TP, DP and tied-embedding reductions), before clipping and the
+optimizer step. With the distributed optimizer (ZeRO-1) the DP reduction happens inside its step, so
+the recorder takes the DP mean of its own copy of ``main_grad`` (the same mean the optimizer's
+reduce-scatter computes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_megatron.check.layouts import Layout
+
+__all__ = ["CheckRun", "global_batch_loader", "global_pieces", "run_layouts"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckRun:
+    """What every layout of a check runs (picklable: factories must be module-level callables or
+    ``functools.partial`` of them, so that spawned ranks can import them)."""
+
+    module_factory: Callable[[], Any]
+    """Builds a fresh LightningModule following the strategy's protocol, with dropout off."""
+    dataset_factory: Callable[[], Dataset]
+    """Builds the map-style dataset; step ``s`` trains on samples ``[s*G, (s+1)*G)``."""
+    global_batch_size: int
+    """G: samples per optimizer step over all data-parallel ranks (the same in every layout)."""
+    micro_batch_size: int
+    """Samples per microbatch (the same in every layout, so every layout sees the same microbatches)."""
+    steps: int = 3
+    """Optimizer steps per layout."""
+    seed: int = 1234
+    """Seeds torch/NumPy/Python before the module is built, and the strategy's RNG streams."""
+    callbacks_factory: Callable[[Layout], list] | None = None
+    """Extra callbacks per layout (e.g. the MegatronOptimizerCallback, the scheduler)."""
+    strategy_kwargs: dict = field(default_factory=dict)
+    """More MegatronStrategy arguments, the same for every layout."""
+    trainer_kwargs: dict = field(default_factory=dict)
+    """More Trainer arguments (e.g. ``precision``)."""
+    grad_steps: tuple[int, ...] = (1,)
+    """Steps (1-based) after which every gradient is gathered as a global tensor."""
+    record_params: bool = False
+    """Also gather the final parameters as global tensors."""
+    measure_memory: bool = False
+    """Measure per-rank bytes of params, grads, optimizer state and saved activations at step 1."""
+    accelerator: str = "cpu"
+
+
+def global_batch_loader(dataset: Dataset, global_batch: int, dp_size: int, dp_rank: int, steps: int) -> DataLoader:
+    """This DP rank's contiguous share of global batch ``s``: samples ``s*G + [r*G/d, (r+1)*G/d)``.
+
+    With the same micro-batch size, every layout cuts each global batch into the same consecutive
+    microbatches, whatever its DP size: only the summation order can differ, never the samples.
+    """
+    if global_batch % dp_size:
+        raise ValueError(f"global batch {global_batch} is not divisible by the data-parallel size {dp_size}")
+    per_rank = global_batch // dp_size
+    if len(dataset) < steps * global_batch:  # type: ignore[arg-type]
+        raise ValueError(f"the dataset has {len(dataset)} samples, {steps} steps of {global_batch} need "  # type: ignore[arg-type]
+                         f"{steps * global_batch}")
+
+    class _Batches:
+        def __len__(self) -> int:
+            return steps
+
+        def __iter__(self) -> Iterator[list[int]]:
+            for s in range(steps):
+                start = s * global_batch + dp_rank * per_rank
+                yield list(range(start, start + per_rank))
+
+    return DataLoader(dataset, batch_sampler=_Batches())
+
+
+def _tied_copy(p: torch.Tensor, ps: Any) -> bool:
+    return bool(getattr(p, "shared_embedding", False)) and not ps.is_pipeline_first_stage()
+
+
+def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torch.Tensor],
+                  ps: Any) -> dict[str, tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]]]:
+    """``name -> (piece, offsets or None, global shape)`` this rank contributes to the global tensors.
+
+    One copy of everything over the ranks: DP rank 0 only; TP-replicated tensors from TP rank 0; the
+    tied word embedding from the first stage; TP shards at their offsets in the global tensor
+    without vocab padding (the checkpoint's :func:`~lightning_megatron.checkpoint.shard_info`).
+    """
+    from lightning_megatron.checkpoint import shard_info
+
+    out: dict[str, tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]]] = {}
+    if ps.dp_rank != 0:
+        return out
+    tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
+    for name, p in named:
+        if _tied_copy(p, ps):
+            continue
+        t = tensors[name].detach().float().cpu()
+        info = shard_info(p, ps.tp_rank, ps.tp_size, tp_ranks, getattr(p, "real_vocab_size", None))
+        if info is None:
+            if ps.tp_rank == 0:
+                out[name] = (t.clone(), None, tuple(t.shape))
+            continue
+        if info.local_rows == 0:
+            continue
+        piece = t.narrow(info.partition_dim, 0, info.local_rows).clone()
+        out[name] = (piece, tuple(info.offsets), tuple(info.global_shape))
+    return out
+
+
+def _named_parameters(module: Any) -> list[tuple[str, nn.Parameter]]:
+    named = getattr(module, "sharded_named_parameters", None)
+    return list(named()) if named is not None else list(module.named_parameters())
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+class _SavedActivations:
+    """Live and peak bytes of the tensors autograd saves for backward (parameters excluded)."""
+
+    def __init__(self, param_ptrs: set[int]) -> None:
+        self.param_ptrs = param_ptrs
+        self.live: dict[int, list[int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr == 0 or ptr in self.param_ptrs:
+            return t
+        return _Held(self, t, ptr, t.untyped_storage().nbytes())
+
+    @staticmethod
+    def unpack(h: Any) -> torch.Tensor:
+        return h.t if isinstance(h, _Held) else h
+
+    def add(self, ptr: int, nbytes: int) -> None:
+        entry = self.live.setdefault(ptr, [0, nbytes])
+        if entry[0] == 0:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+
+    def remove(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[ptr]
+
+
+class _Held:
+    __slots__ = ("owner", "t", "ptr")
+
+    def __init__(self, owner: _SavedActivations, t: torch.Tensor, ptr: int, nbytes: int) -> None:
+        self.owner, self.t, self.ptr = owner, t, ptr
+        owner.add(ptr, nbytes)
+
+    def __del__(self) -> None:
+        self.owner.remove(self.ptr)
+
+
+def _on_shared_memory(group: Any) -> bool:
+    """Whether ``group``'s collectives go through the CPU shared-memory path."""
+    from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
+
+    return shared_memory_collectives(group) is not None
+
+
+def _make_recorder(run: CheckRun):
+    from lightning.pytorch import Callback
+
+    from lightning_megatron.sharded_state import is_distributed_optimizer
+
+    class Recorder(Callback):
+        """Per step: loss, global grad norm; at ``run.grad_steps``: global gradient pieces; memory."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.grad_norms: list[float] = []
+            self.grads: dict[int, dict] = {}
+            self.memory: dict[str, int] = {}
+            self.collectives: dict[str, bool] = {}
+            self._saved: _SavedActivations | None = None
+            self._hooks: Any = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            ps = trainer.strategy.parallel_state
+            self.collectives = {name: _on_shared_memory(g)
+                                for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group))
+                                if g is not None and g.size() > 1}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if run.measure_memory and trainer.global_step == 0:
+                ptrs = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+                self._saved = _SavedActivations(ptrs)
+                self._hooks = torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack)
+                self._hooks.__enter__()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if self._hooks is not None:
+                self._hooks.__exit__(None, None, None)
+                self._hooks = None
+                self.memory["activations_peak"] = self._saved.peak
+            strategy = trainer.strategy
+            ps = strategy.parallel_state
+            named = _named_parameters(pl_module)
+            grads = {}
+            for name, p in named:
+                g = getattr(p, "main_grad", None)
+                g = p.grad if g is None else g
+                grads[name] = torch.zeros_like(p, dtype=torch.float32) if g is None else g
+            if run.measure_memory and trainer.global_step == 0:
+                self.memory["params"] = _storage_bytes([p for _, p in named])
+                self.memory["grads"] = _storage_bytes([g for g in grads.values()])
+            if any(is_distributed_optimizer(o) for o in strategy.optimizers) and ps.dp_size > 1:
+                flat = torch.cat([g.detach().float().reshape(-1) for g in grads.values()])
+                dist.all_reduce(flat, group=ps.dp_group)
+                flat /= ps.dp_size
+                grads = dict(zip(grads, (v.view_as(g) for v, g in
+                                         zip(flat.split([g.numel() for g in grads.values()]), grads.values()))))
+            counted = [grads[n] for n, p in named if not _tied_copy(p, ps)
+                       and (getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0)]
+            # In float64: torch's fp32 norm of a vocab-sized tensor is off by ~1e-4 relative, differently
+            # for each TP split, which would hide the layout's own differences.
+            squares = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum().reshape(1) \
+                if counted else torch.zeros(1, dtype=torch.float64)
+            if ps.mp_group is not None and dist.get_world_size(ps.mp_group) > 1:
+                dist.all_reduce(squares, group=ps.mp_group)
+            self.grad_norms.append(float(squares.item()) ** 0.5)
+            step = trainer.global_step + 1
+            if step in run.grad_steps:
+                self.grads[step] = global_pieces(named, grads, ps)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"]))
+            if run.measure_memory and "optimizer" not in self.memory:
+                self.memory["optimizer"] = _optimizer_bytes(trainer.strategy.optimizers, pl_module)
+
+    return Recorder()
+
+
+def _optimizer_bytes(optimizers: list, module: nn.Module) -> int:
+    """Optimizer state plus fp32 main copies (tensors the optimizer steps that are not model params)."""
+    model = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    tensors = []
+    for opt in optimizers:
+        inner = getattr(opt, "optimizer", opt)
+        inner = getattr(inner, "optimizer", inner)  # LightningOptimizer -> Megatron wrapper -> torch
+        for group in inner.param_groups:
+            tensors += [p for p in group["params"] if p.untyped_storage().data_ptr() not in model]
+        tensors += [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return _storage_bytes(tensors)
+
+
+def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
+    from lightning.fabric.utilities.seed import seed_everything
+    from lightning.pytorch import Trainer
+
+    from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.strategy import MegatronStrategy
+
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise ValueError(f"layout {layout} needs {layout.world_size} ranks, this run has {world}")
+    seed_everything(run.seed, verbose=False)
+    strategy = MegatronStrategy(**layout.strategy_kwargs(), micro_batch_size=run.micro_batch_size, seed=run.seed,
+                                **run.strategy_kwargs)
+    module = run.module_factory()
+    callbacks = list(run.callbacks_factory(layout)) if run.callbacks_factory is not None else []
+    optimizer_cbs = [c for c in callbacks if isinstance(c, MegatronOptimizerCallback)]
+    if layout.zero1:
+        if not optimizer_cbs:  # clip_grad=0: the same update as the plain optimizer of the other layouts
+            callbacks.append(MegatronOptimizerCallback(clip_grad=0.0, use_distributed_optimizer=True))
+        for c in optimizer_cbs:
+            c.use_distributed_optimizer = True
+    recorder = _make_recorder(run)
+    # One epoch over the loader's ``steps`` global batches; ``trainer_kwargs`` may set a larger max_steps
+    # (a recipe's: its scheduler decays over max_steps), the run still stops after ``steps``.
+    kwargs = dict(accelerator=run.accelerator, devices=world, strategy=strategy, max_steps=run.steps, max_epochs=1,
+                  logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+    kwargs.update(run.trainer_kwargs)
+    trainer = Trainer(callbacks=callbacks + [recorder], **kwargs)
+    dp_rank = strategy.layout.coordinates(dist.get_rank())[1]
+    loader = global_batch_loader(run.dataset_factory(), run.global_batch_size, layout.dp, dp_rank, run.steps)
+    trainer.fit(module, train_dataloaders=loader)
+    ps = strategy.parallel_state
+    named = _named_parameters(module)
+    params = global_pieces(named, {n: p for n, p in named}, ps) if run.record_params else {}
+    return {"layout": layout.name, "rank": dist.get_rank(), "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
+            "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,
+            "params": params, "memory": recorder.memory, "collectives": recorder.collectives}
+
+
+def run_layouts(run: CheckRun, layouts: list[Layout]) -> list[dict[str, Any]]:
+    """On every rank: fit each layout in turn (process start-up and imports are paid once)."""
+    import logging
+    import warnings
+
+    import lightning.pytorch  # noqa: F401  (sets its loggers' level at import: set ours after)
+
+    # In these spawned ranks only: Lightning's per-fit banners and hints would bury the table.
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in (".*defined a `validation_step` but have no `val_dataloader`.*", ".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", message=message)
+    return [_fit_layout(run, layout) for layout in layouts]
+

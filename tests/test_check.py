@@ -1,0 +1,147 @@
+"""``check_layouts`` catches a broken tensor-parallel layer and names its parameter; the same custom
+spec, unbroken, passes. The spec is registered here, as a user would register theirs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from megatron_testing import MASKED_PER_SAMPLE, SEQ, TINY_MODEL, SyntheticBertDataset
+
+from lightning_megatron.models.bert.specs import bert_layer_spec
+from lightning_megatron.tensor_parallel import RowParallelLinear
+from lightning_megatron.transformer import LayerNorm, ModuleSpec, get_spec, list_specs, register_spec
+
+
+class IntactRowParallelLinear(RowParallelLinear):
+    """A user's own row-parallel layer: the library's, unchanged."""
+
+
+class ForgetfulRowParallelLinear(RowParallelLinear):
+    """The bug users write: the partial products of the TP ranks are never all-reduced."""
+
+    def forward(self, input_: torch.Tensor):
+        output = torch.nn.functional.linear(input_, self.weight)  # input is already TP-parallel
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None
+
+
+def _spec_with_fc2(fc2: type) -> ModuleSpec:
+    layer = bert_layer_spec(LayerNorm, "pre")
+    mlp = layer.submodules.mlp
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc2=fc2))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
+
+
+for _name, _fc2 in (("check_test_intact_fc2", IntactRowParallelLinear),
+                    ("check_test_forgetful_fc2", ForgetfulRowParallelLinear)):
+    if _name not in list_specs():  # registered once per process (spawned ranks import this module too)
+        register_spec(_name, _spec_with_fc2(_fc2))
+
+
+def make_module(spec: str):
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    return BertLightningModule(**{**TINY_MODEL, "spec": spec})
+
+
+def _check(spec: str, **kwargs):
+    from lightning_megatron.check import check_layouts
+
+    return check_layouts(functools.partial(make_module, spec), functools.partial(SyntheticBertDataset, 64),
+                         layouts=["tp2"], global_batch_size=8, micro_batch_size=4, steps=2, timeout=600, **kwargs)
+
+
+def test_check_names_the_layer_that_forgets_its_all_reduce():
+    assert get_spec("check_test_forgetful_fc2").submodules.mlp.submodules.linear_fc2 is ForgetfulRowParallelLinear
+    intact = _check("check_test_intact_fc2", measure_memory=True)
+    print(intact.table())
+    assert intact.passed, intact.table()
+    _assert_memory_predicted(intact)
+    # At TP=1 the forgetful layer is the intact one (nothing to reduce): the same reference.
+    broken = _check("check_test_forgetful_fc2", reference_run=intact.reference)
+    print(broken.table())
+    assert not broken.passed
+    [result] = broken.results
+    assert result.worst_param is not None and "mlp.linear_fc2" in result.worst_param, broken.table()
+    assert any("linear_fc2" in f for f in result.failures), result.failures
+    assert "FAIL" in broken.table().splitlines()[-1]
+
+
+def _assert_memory_predicted(report) -> None:
+    """The closed-form bytes (docs/memory.md) against what the run held: parameters, gradients and
+    optimizer state exactly; the peak of the tensors saved for backward within 10%."""
+    from lightning_megatron.check import parse_layout
+    from lightning_megatron.check.memory import ModelShape, estimate_stage
+
+    shape = ModelShape(num_layers=TINY_MODEL["num_layers"], hidden_size=TINY_MODEL["hidden_size"],
+                       num_attention_heads=TINY_MODEL["num_attention_heads"],
+                       ffn_hidden_size=TINY_MODEL["ffn_hidden_size"], vocab_size=TINY_MODEL["vocab_size"],
+                       max_sequence_length=TINY_MODEL["max_sequence_length"], seq_length=SEQ, micro_batch_size=4,
+                       global_batch_size=8, masked_lm_prob=MASKED_PER_SAMPLE / SEQ)
+    for name, run in report.runs.items():
+        layout = parse_layout(name)
+        for rank, measured in enumerate(run.memory):
+            est = estimate_stage(shape, layout, rank // (layout.tp * layout.dp))
+            assert (measured["params"], measured["grads"], measured["optimizer"]) == \
+                (est.param_bytes, est.grad_bytes, est.optimizer_bytes), (name, rank, measured, est)
+            assert abs(est.activation_bytes / measured["activations_peak"] - 1) < 0.10, (name, rank, measured, est)
+
+
+def test_layout_strings():
+    from lightning_megatron.check import Layout, parse_layout, parse_layouts
+
+    assert parse_layout("tp2pp2") == Layout(tp=2, pp=2)
+    assert parse_layout("tp2-pp2-dp2") == Layout(tp=2, pp=2, dp=2)
+    assert parse_layout("pp2vp2").vp == 2
+    assert parse_layout("tp2sp").sequence_parallel and parse_layout("dp2zero1").zero1
+    assert [x.name for x in parse_layouts("tp1,tp2,dp2zero1,pp2vp2dp2")] == ["tp1", "tp2", "dp2zero1", "pp2vp2dp2"]
+    assert parse_layout("tp2pp2").world_size == 4
+    for bad, match in (("tp2x", "cannot read"), ("tp2tp2", "given twice"), ("vp2", "needs pp >= 2"),
+                       ("sp", "needs tp >= 2"), ("", "empty")):
+        with pytest.raises(ValueError, match=match):
+            parse_layout(bad)
+
+
+def test_memory_formula_scales_with_the_layout():
+    """Pure arithmetic: sharding divides what it should, and the fit listing runs nothing."""
+    from lightning_megatron.check import Layout
+    from lightning_megatron.check.memory import ModelShape, candidate_layouts, estimate_memory
+
+    m = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=4,
+                   global_batch_size=256, params_dtype="bfloat16")
+    one = estimate_memory(m, Layout())
+    assert 330e6 < one.params < 340e6  # BERT-large
+    assert one.param_bytes == 2 * one.params and one.grad_bytes == 4 * one.params
+    assert one.optimizer_bytes == 12 * one.params  # fp32 main params + Adam's two moments
+    zero = estimate_memory(m, Layout(dp=8, zero1=True))
+    assert zero.optimizer_bytes == 12 * -(-one.params // 8)
+    tp = estimate_memory(m, Layout(tp=4))
+    assert tp.params < one.params / 3.5
+    sp = estimate_memory(m, Layout(tp=4, sequence_parallel=True))
+    assert sp.activation_bytes < tp.activation_bytes
+    rc = estimate_memory(dataclasses.replace(m, recompute=True), Layout())
+    assert rc.activation_bytes < one.activation_bytes / 5
+    layouts = candidate_layouts(m, 64)
+    assert Layout(tp=8, pp=8) in layouts and all(x.world_size == 64 for x in layouts)
+
+
+def test_cli_lists_layouts_that_fit(capsys, tmp_path):
+    from lightning_megatron.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 4\n"
+                      "data:\n  global_batch_size: 16\n  micro_batch_size: 4\n  max_seq_length: 128\n")
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--estimate-memory", "--gpus", "4", "--gpu-memory", "1GB",
+              "--model.hidden_size", "512"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert "hidden 512" in out and "tp2pp2" in out and " yes" in out
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--estimate-memory", "--gpus", "4", "--gpu-memory", "1MB"])
+    assert e.value.code == 1 and "0 of" in capsys.readouterr().out
