@@ -103,9 +103,26 @@ def _agree(error: str | None) -> None:
 # ---------------------------------------------------------------------- files
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, sync: bool = False) -> str:
+    """The sha256 of a file, streamed; ``sync`` also flushes it to disk (a file this rank wrote)."""
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if sync:
+            os.fsync(f.fileno())
+    return digest
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # not every file system syncs directories
+    finally:
+        os.close(fd)
 
 
 def _files(path: Path) -> list[str]:
@@ -300,7 +317,7 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
                 extra["hyper_parameters"] = plain(extra["hyper_parameters"])
             torch.save(extra, tmp / "extra.pt")
             mine += [".metadata", "extra.pt"]
-        written = {name: file_sha256(tmp / name) for name in mine}
+        written = {name: file_sha256(tmp / name, sync=True) for name in mine}
     except (OSError, RuntimeError) as e:
         error = _write_error(e, final, tmp)
     gathered = _gather((written, error))
@@ -310,9 +327,14 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
             sums = {k: v for w, _ in gathered for k, v in w.items()}
             files = {name: (tmp / name).stat().st_size for name in sums}
             marker = {"format_version": FORMAT_VERSION, "layout": layout, "files": files, "sha256": sums}
-            (tmp / (MARKER + ".tmp")).write_text(json.dumps(marker, indent=1, sort_keys=True))
+            with open(tmp / (MARKER + ".tmp"), "w") as f:
+                f.write(json.dumps(marker, indent=1, sort_keys=True))
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp / (MARKER + ".tmp"), tmp / MARKER)
+            _fsync_dir(tmp)
             finalize_directory(tmp, final)
+            _fsync_dir(final.parent)
         except OSError as e:
             error = _write_error(e, final, tmp)
     _agree(error)

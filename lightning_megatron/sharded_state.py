@@ -109,6 +109,7 @@ class ShardedStateMapper:
         self.named = [(n, p) for n, p in named_parameters if not _tied_copy(p, parallel_state)]
         self.all_named = named_parameters
         self.optimizers = optimizers
+        self._optim_named = self.named  # + the tied copy under the first stage's name when loading
 
     def _info(self, like: torch.Tensor) -> ShardInfo | None:
         return shard_info(like, self.ps.tp_rank, self.ps.tp_size, getattr(like, "real_vocab_size", None))
@@ -173,7 +174,7 @@ class ShardedStateMapper:
 
     def _distributed_pieces(self, opt: Any) -> Iterator[tuple[str, dict[str, Any], dict[str, torch.Tensor]]]:
         """(name, piece, scalar state of the piece's group) for every piece of a saved parameter."""
-        names = {id(p): n for n, p in self.named}
+        names = {id(p): n for n, p in self._optim_named}
         scalars = {}
         for main in opt.main_params:
             st = opt.optimizer.state.get(main, {})
@@ -201,12 +202,26 @@ class ShardedStateMapper:
         state = self.save_state(include_optimizer=False)
         targets: list[Any] = []
         if include_optimizer:
+            self._optim_named = self.named + self._tied_aliases()
             for i, opt in enumerate(self.optimizers):
                 if is_distributed_optimizer(opt):
                     targets.append(self._distributed_targets(state, i, opt, metadata))
                 else:
                     targets.append(self._plain_targets(state, i, opt, metadata))
         return state, targets
+
+    def _tied_aliases(self) -> list[tuple[str, nn.Parameter]]:
+        """Collective over the embedding group: the last stage's tied embedding copy under the first
+        stage's parameter name, so it loads the same optimizer state (it takes the same updates)."""
+        ps = self.ps
+        if ps.pp_size == 1 or ps.embedding_group is None or len(ps.embedding_ranks) < 2:
+            return []
+        first = ps.is_pipeline_first_stage()
+        name = [next((n for n, p in self.named if getattr(p, "shared_embedding", False)), None) if first else None]
+        dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group)
+        if first or name[0] is None:
+            return []
+        return [(name[0], p) for _, p in self.all_named if _tied_copy(p, ps)]
 
     def _state_keys(self, metadata: Mapping[str, Any], i: int, name: str, p: torch.Tensor):
         """(elementwise keys, scalar keys -> metadata) saved for parameter ``name``."""
@@ -222,7 +237,7 @@ class ShardedStateMapper:
 
     def _plain_targets(self, state: dict[str, Any], i: int, opt: Any, metadata: Mapping[str, Any]) -> dict:
         per_param: dict[int, dict[str, Any]] = {}
-        for name, p in self.named:
+        for name, p in self._optim_named:
             entry: dict[str, Any] = {"main": None, "state": {}, "scalars": {}}
             main_key = f"optim.{i}.main.{name}"
             if main_key in metadata and getattr(p, "main_param", p) is not p:
@@ -240,7 +255,7 @@ class ShardedStateMapper:
 
     def _distributed_targets(self, state: dict[str, Any], i: int, opt: Any, metadata: Mapping[str, Any]) -> dict:
         """Create the ZeRO-1 optimizer state (zeros) and point DCP at this rank's shards of it."""
-        names = {id(p): n for n, p in self.named}
+        names = {id(p): n for n, p in self._optim_named}
         opt.optimizer.state.clear()
         group_scalars: list[dict[str, torch.Tensor]] = []
         for main, group in zip(opt.main_params, opt.model_groups):
@@ -266,7 +281,7 @@ class ShardedStateMapper:
                     self.put(state, key, t, p, lo, hi)
                 elif k == "main_param":
                     missing_main.append(piece)
-        names_all = {id(p) for _, p in self.named}
+        names_all = {id(p) for _, p in self._optim_named}
         missing_main += [piece for piece in opt.sharded_state_for_checkpoint() if id(piece["param"]) not in names_all]
         return {"scalars": group_scalars, "main_from_model": missing_main}
 
@@ -284,7 +299,7 @@ class ShardedStateMapper:
                         st.update({k: v.to(main.device) if on_device else v for k, v in scalars.items()})
                 _load_optimizer_extra(opt, saved)
                 continue
-            for _, p in self.named:
+            for _, p in self._optim_named:
                 entry = target.get(id(p))
                 if entry is None:
                     continue

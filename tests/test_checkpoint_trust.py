@@ -39,10 +39,10 @@ def _rewrite_marker(path: Path, name: str) -> None:
     (path / MARKER).write_text(json.dumps(marker))
 
 
-def _trainer(tp: int, max_steps: int, **kwargs):
+def _trainer(tp: int, max_steps: int, pp: int = 1, **kwargs):
     from lightning_megatron.strategy import MegatronStrategy
 
-    strategy = MegatronStrategy(tensor_model_parallel_size=tp)
+    strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     trainer = make_trainer(strategy, 2, max_steps, **kwargs)
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
     return trainer, synthetic_datamodule(8, 2, strategy.layout.data_parallel_size, dp_rank)
@@ -138,6 +138,17 @@ def _worker(root: str) -> dict:
     torch.distributed.barrier()
     out["after_full"] = sorted(p.name for p in root_p.iterdir() if p.name.startswith("last.ckpt"))
 
+    # --- PP=2 resume: the last stage's tied embedding copy gets the first stage's optimizer state too
+    from megatron_testing import LossRecorder
+
+    straight, resumed = LossRecorder(), LossRecorder()
+    trainer, dm = _trainer(1, 6, pp=2, enable_checkpointing=True, callbacks=[straight, ModelCheckpoint(
+        dirpath=root_p / "pp2", filename="{step}", every_n_train_steps=3, save_top_k=-1)])
+    trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm)
+    trainer, dm = _trainer(1, 6, pp=2, callbacks=[resumed])
+    trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=root_p / "pp2" / "step=3.ckpt")
+    out["pp2_straight"], out["pp2_resumed"] = straight.losses, resumed.losses
+
     # --- format 1 (written by the release before format 2): loads at TP=2 and TP=1
     v1 = json.loads((DATA / "ckpt_v1_tp2.json").read_text())
     for tp in (2, 1):
@@ -190,6 +201,14 @@ def test_full_disk_names_the_directory_and_keeps_the_last_checkpoint(results):
         assert r["full"].startswith("CheckpointError") and "the disk is full" in r["full"], r["full"]
         assert "GiB free there" in r["full"] and "last.ckpt.tmp-" in r["full"]
     assert results[0]["after_full"] == ["last.ckpt"]
+
+
+def test_pipeline_resume_restores_the_tied_embedding_state_on_both_stages(results):
+    # Losses are logged on the last stage: rank 1 at PP=2.
+    r = results[1]
+    assert len(r["pp2_straight"]) == 6 and len(r["pp2_resumed"]) == 3
+    torch.testing.assert_close(torch.tensor(r["pp2_resumed"]), torch.tensor(r["pp2_straight"][3:]),
+                               rtol=1e-6, atol=0)
 
 
 def test_format_1_checkpoint_loads_at_tp2_and_tp1(results):
