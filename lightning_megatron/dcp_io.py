@@ -213,7 +213,17 @@ class ChunkSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         obj = self.state_dict[write_item.index.fqn]
         t = obj.find(write_item.index.offset) if isinstance(obj, Chunks) else obj
-        return t.detach()
+        return _own_storage(t.detach())
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` over a storage of exactly its bytes, sharing memory (a contiguous CPU view otherwise
+    makes DCP clone it, and a ZeRO-1 shard is all views: its whole size again while saving)."""
+    storage = t.untyped_storage()
+    if t.device.type != "cpu" or not t.is_contiguous() or storage.nbytes() == t.nbytes:
+        return t
+    start = t.storage_offset() * t.element_size()
+    return torch.empty(0, dtype=t.dtype).set_(storage[start:start + t.nbytes], 0, t.shape, t.stride())
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
