@@ -1,126 +1,133 @@
-"""Sharded, reshardable checkpoints on ``torch.distributed.checkpoint`` (DCP).
+"""Sharded, reshardable, verified checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
-A checkpoint is a directory:
+A checkpoint is a directory (format 2; format 1, written before checksums, still loads):
 
-    <path>/                    the final name appears only after every rank finished writing
+    <path>/                    appears (or replaces the previous one) in one atomic rename
       .metadata, __*.distcp    DCP: every tensor as chunks of a GLOBAL tensor (model and optimizer)
       extra.pt                 Lightning's non-tensor state (loops, callbacks, schedulers, ...),
                                written by rank 0, loaded with ``torch.load(weights_only=True)``
       rng/rank_<r>.pt          RNG states of each rank (restored when the layout is unchanged)
-      lightning_megatron.json  format version + the layout it was saved at; written last
+      lightning_megatron.json  format version, the layout it was saved at, the size and sha256 of
+                               every other file; written last
 
-Each tensor-parallel parameter is described as its shard of the global (unpadded) tensor, with
-offsets computed from ``partition_dim`` and the TP rank, so DCP can load it into any other layout:
-TP and DP changes reshard (each rank reads only the chunks overlapping its new shard), and PP
-changes work because keys are the global parameter names (layer numbers are global).
-Vocab-parallel tensors are saved without their padding rows, since padding depends on TP.
+Tensors are described by :mod:`lightning_megatron.sharded_state` as chunks of global tensors, so
+DCP loads them into any TP / PP / DP layout and into either optimizer (see docs/checkpoints.md).
 
-Writes go to ``<path>.tmp-<id>`` and are renamed when complete: an interrupted save never leaves
-something that looks like a valid checkpoint. Loading checks the marker and DCP metadata first and
-raises ``CheckpointError`` naming what is missing.
+Saving (:func:`save`): every rank writes into ``<path>.tmp-<id>`` (stale temporaries of earlier
+interrupted saves are removed first), hashes the files it wrote, and rank 0 writes the marker and
+swaps the directory in with ``renameat2(RENAME_EXCHANGE)``: ``<path>`` never disappears. A failed
+write (a full disk) is a ``CheckpointError`` on every rank naming the directory and its free space.
+
+Loading (:func:`load`): before any tensor is read, the marker and file sizes are checked, every
+file's checksum is verified (the files split over the ranks), the DCP metadata is unpickled with an
+allow-list (:mod:`lightning_megatron.dcp_io`), and the saved hyper-parameters and global tensor
+shapes are compared with the model's: every difference is listed in one ``CheckpointError``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+import sys
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from lightning_megatron import dcp_io
+from lightning_megatron.dcp_io import CheckpointError, Chunks
+from lightning_megatron.sharded_state import ShardedStateMapper, optimizer_extra, plain, rng_state, set_rng_state
 
 __all__ = [
     "CheckpointError",
     "FORMAT_VERSION",
-    "ShardInfo",
-    "shard_info",
-    "to_sharded",
-    "allocate_like_checkpoint",
-    "validate_checkpoint_dir",
+    "HPARAMS_MAY_DIFFER",
     "MARKER",
+    "READABLE_FORMATS",
+    "compare_hparams",
+    "file_sha256",
+    "load",
+    "remove",
+    "save",
+    "validate_checkpoint_dir",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 MARKER = "lightning_megatron.json"
+TMP_INFIX = ".tmp-"
+
+HPARAMS_MAY_DIFFER = frozenset({
+    "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fused_optimizer",
+    "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
+    "make_vocab_size_divisible_by",
+})
+"""Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any
+other differing hyper-parameter is an error. (Optimizer hyper-parameters are restored from the
+checkpoint's optimizer state; the others take the current value.)"""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint directory is missing, partial or corrupt."""
+# ---------------------------------------------------------------------- collectives
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    """Where this rank's tensor sits in the global tensor."""
-
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    local_rows: int | None = None
-    """For vocab-padded tensors: how many leading rows along the partition dim are real."""
-    partition_dim: int | None = None
-    peers: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
-    """(global rank, offsets, sizes) of every TP peer's shard, this rank included."""
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
-def shard_info(param: torch.Tensor, tp_rank: int, tp_size: int, tp_ranks: list[int],
-               real_vocab_size: int | None = None) -> ShardInfo | None:
-    """The global layout of a TP-sharded ``param`` (None when replicated)."""
-    sharded = getattr(param, "tensor_model_parallel", False) and tp_size > 1
-    if not sharded and real_vocab_size is None:
-        return None
-    if not sharded:  # a vocab-padded tensor at TP=1: one "shard" holding the real rows
-        tp_size, tp_rank, tp_ranks = 1, 0, [dist.get_rank()]
-    dim = param.partition_dim % param.dim()
-    stride = getattr(param, "partition_stride", 1)
-    if stride != 1:
-        raise CheckpointError("strided TP partitions are not supported by the sharded checkpoint format")
-    local = tuple(param.shape)
-    per = local[dim]
-    full = per * tp_size
-    real = full if real_vocab_size is None else min(real_vocab_size, full)
-    peers = []
-    for r in range(tp_size):
-        start = r * per
-        rows = max(0, min(per, real - start))
-        if rows == 0:
-            continue
-        offsets = tuple(start if d == dim else 0 for d in range(len(local)))
-        sizes = tuple(rows if d == dim else s for d, s in enumerate(local))
-        peers.append((tp_ranks[r], offsets, sizes))
-    global_shape = tuple(real if d == dim else s for d, s in enumerate(local))
-    start = tp_rank * per
-    local_rows = max(0, min(per, real - start))
-    offsets = tuple(start if d == dim else 0 for d in range(len(local)))
-    return ShardInfo(global_shape, offsets, local_rows, dim, tuple(peers))
+def _gather(obj: Any) -> list[Any]:
+    _, world = _rank_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
 
 
-def to_sharded(tensor: torch.Tensor, info: ShardInfo) -> ShardedTensor | None:
-    """Wrap this rank's ``tensor`` (shaped like the parameter) as a ShardedTensor of the global tensor.
+def _agree(error: str | None) -> None:
+    """Every rank raises the first error any rank reported (no rank goes on alone into a collective)."""
+    errors = [e for e in _gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
 
-    Returns None when this rank holds only padding (nothing to save or load).
-    """
-    dim = info.partition_dim
-    if info.local_rows == 0:
-        return None
-    local = tensor.narrow(dim, 0, info.local_rows) if info.local_rows != tensor.size(dim) else tensor
-    rank = dist.get_rank()
-    metas = [ShardMetadata(shard_offsets=list(off), shard_sizes=list(size), placement=f"rank:{r}/{local.device}")
-             for r, off, size in info.peers]
-    mine = ShardMetadata(shard_offsets=list(info.offsets), shard_sizes=list(local.shape),
-                         placement=f"rank:{rank}/{local.device}")
-    # The peers list names TP ranks of *this* DP replica; DCP deduplicates equal chunks across replicas.
-    metas = [m if m.shard_offsets != mine.shard_offsets else mine for m in metas]
-    props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(info.global_shape), tensor_properties=props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        [Shard(tensor=local.contiguous() if not local.is_contiguous() else local, metadata=mine)], meta)
+
+# ---------------------------------------------------------------------- files
+
+
+def file_sha256(path: Path, sync: bool = False) -> str:
+    """The sha256 of a file, streamed; ``sync`` also flushes it to disk (a file this rank wrote)."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if sync:
+            os.fsync(f.fileno())
+    return digest
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # not every file system syncs directories
+    finally:
+        os.close(fd)
+
+
+def _files(path: Path) -> list[str]:
+    """Every file of a checkpoint directory but the marker, relative, sorted."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MARKER)
 
 
 def validate_checkpoint_dir(path: str | os.PathLike) -> dict[str, Any]:
@@ -139,61 +146,287 @@ def validate_checkpoint_dir(path: str | os.PathLike) -> dict[str, Any]:
             f"or the directory is not a lightning_megatron checkpoint)")
     try:
         info = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r} has a corrupt {MARKER}: {e}") from e
-    if info.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format_version={info.get('format_version')}, "
-                              f"this lightning_megatron reads {FORMAT_VERSION}")
+    if not isinstance(info, dict) or info.get("format_version") not in READABLE_FORMATS:
+        version = info.get("format_version") if isinstance(info, dict) else None
+        raise CheckpointError(f"checkpoint {str(path)!r} has format_version={version}, "
+                              f"this lightning_megatron reads {list(READABLE_FORMATS)}")
     for name in (".metadata", "extra.pt"):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
-    expected = info.get("files", {})
-    for name, size in expected.items():
+    sums = info.get("sha256", {})
+    for name, size in info.get("files", {}).items():
         f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {MARKER} names a file outside it: {name!r}")
         if not f.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
         if f.stat().st_size != size:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name} has {f.stat().st_size} bytes, "
                                   f"expected {size} (truncated?)")
+    if info["format_version"] >= 2:
+        unlisted = [n for n in _files(path) if n not in sums]
+        if unlisted or set(sums) != set(info.get("files", {})):
+            raise CheckpointError(f"checkpoint {str(path)!r}: {MARKER} has no checksum for {unlisted or '(files)'}")
     return info
 
 
-def allocate_like_checkpoint(key: str, metadata: Any, like: torch.Tensor | None) -> torch.Tensor:
-    """A destination tensor for ``key`` (optimizer state that does not exist yet before loading)."""
-    size = tuple(metadata.size)
-    dtype = metadata.properties.dtype
-    if like is not None:
-        return torch.zeros_like(like, dtype=dtype)
-    return torch.zeros(size, dtype=dtype)
+def _verify_checksums(path: Path, info: dict[str, Any]) -> None:
+    """Collective: each rank hashes its share of the files; a mismatch is an error on every rank."""
+    rank, world = _rank_world()
+    sums = info.get("sha256")
+    error = None
+    if sums:
+        for name in sorted(sums)[rank::world]:
+            if file_sha256(path / name) != sums[name]:
+                error = (f"checkpoint {str(path)!r} is corrupt: {name} does not match the sha256 recorded "
+                         f"in {MARKER} (the file changed after it was saved)")
+                break
+    _agree(error)
 
 
-def write_marker(path: Path, layout: dict[str, int | None]) -> None:
-    files = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file() and p.name != MARKER}
-    tmp = path / (MARKER + ".tmp")
-    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "layout": layout, "files": files}, indent=1))
-    os.replace(tmp, path / MARKER)
+# ---------------------------------------------------------------------- atomic swap
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2). False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False  # kernel or file system without RENAME_EXCHANGE
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _remove_path(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists() or p.is_symlink():
+        p.unlink(missing_ok=True)
 
 
 def finalize_directory(tmp: Path, final: Path) -> None:
-    """Atomically move a complete ``tmp`` checkpoint to ``final`` (replacing an older one)."""
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
+    """Put the complete ``tmp`` at ``final``; an existing ``final`` is replaced without a moment in
+    which the name is missing (rename exchange; elsewhere two renames, the old copy kept as
+    ``<final>.tmp-old`` until the second one is done)."""
+    if final.exists() or final.is_symlink():
+        if _exchange(tmp, final):
+            _remove_path(tmp)  # the previous checkpoint, now under the temporary name
+            return
+        old = final.with_name(final.name + TMP_INFIX + "old")
+        _remove_path(old)
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_path(old)
     else:
         os.replace(tmp, final)
 
 
-def save_dcp(state: dict[str, Any], path: Path) -> None:
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)))
+def _clean_stale_temporaries(final: Path) -> None:
+    """Remove ``<final>.tmp-*`` left by earlier interrupted saves of this path."""
+    if final.parent.is_dir():
+        for p in final.parent.iterdir():
+            if p.name.startswith(final.name + TMP_INFIX):
+                _remove_path(p)
 
 
-def load_dcp(state: dict[str, Any], path: Path) -> None:
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
+def _write_error(e: BaseException, final: Path, directory: Path) -> str:
+    """One line for a failed write; names the directory and the free space."""
+    try:
+        free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
+    except OSError:
+        free = -1
+    full = _is_disk_full(e) or 0 <= free < (1 << 20)
+    what = "the disk is full" if full else "a write failed"
+    return (f"saving checkpoint {str(final)!r} failed: {what} in {str(directory)!r} "
+            f"({free / 2**30:.2f} GiB free there): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
-def read_dcp_metadata(path: Path) -> Any:
-    return dcp.FileSystemReader(str(path)).read_metadata()
+def _is_disk_full(e: BaseException | None, depth: int = 0) -> bool:
+    if e is None or depth > 8:
+        return False
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(e):
+        return True
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for err in failures.values():
+            if _is_disk_full(err[0] if isinstance(err, tuple) else err, depth + 1):
+                return True
+    return _is_disk_full(e.__cause__ or e.__context__, depth + 1)
+
+
+# ---------------------------------------------------------------------- save
+
+
+def save(mapper: ShardedStateMapper, checkpoint: dict[str, Any], filepath: str | os.PathLike,
+         layout: dict[str, int | None]) -> None:
+    """Collective: write ``checkpoint`` (Lightning's dict; model and optimizer state come from
+    ``mapper``) as a sharded checkpoint directory at ``filepath``."""
+    rank, _ = _rank_world()
+    final = Path(filepath)
+    tmp, error = None, None
+    if rank == 0:
+        tmp = final.parent / f"{final.name}{TMP_INFIX}{uuid.uuid4().hex[:8]}"
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _clean_stale_temporaries(final)
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as e:
+            error = _write_error(e, final, final.parent)
+    tmp, error = _gather((tmp, error))[0]
+    _agree(error)
+    try:
+        _write(mapper, checkpoint, final, tmp, layout)
+    except CheckpointError:
+        if rank == 0:
+            _remove_path(tmp)
+        raise
+
+
+def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, tmp: Path,
+           layout: dict[str, int | None]) -> None:
+    rank, _ = _rank_world()
+    error = None
+    include_optimizer = "optimizer_states" in checkpoint
+    written: dict[str, str] = {}
+    try:
+        dcp_io.save(mapper.save_state(include_optimizer), tmp)
+    except CheckpointError as e:
+        raise CheckpointError(_write_error(e, final, tmp)) from e
+    try:
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+        mine = [f"rng/rank_{rank}.pt"] + sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
+        if rank == 0:
+            extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            if include_optimizer:
+                extra["megatron_optimizers"] = [optimizer_extra(opt) for opt in mapper.optimizers]
+            if "hyper_parameters" in extra:
+                extra["hyper_parameters"] = plain(extra["hyper_parameters"])
+            torch.save(extra, tmp / "extra.pt")
+            mine += [".metadata", "extra.pt"]
+        written = {name: file_sha256(tmp / name, sync=True) for name in mine}
+    except (OSError, RuntimeError) as e:
+        error = _write_error(e, final, tmp)
+    gathered = _gather((written, error))
+    _agree(next((err for _, err in gathered if err), None))
+    if rank == 0:
+        try:
+            sums = {k: v for w, _ in gathered for k, v in w.items()}
+            files = {name: (tmp / name).stat().st_size for name in sums}
+            marker = {"format_version": FORMAT_VERSION, "layout": layout, "files": files, "sha256": sums}
+            with open(tmp / (MARKER + ".tmp"), "w") as f:
+                f.write(json.dumps(marker, indent=1, sort_keys=True))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp / (MARKER + ".tmp"), tmp / MARKER)
+            _fsync_dir(tmp)
+            finalize_directory(tmp, final)
+            _fsync_dir(final.parent)
+        except OSError as e:
+            error = _write_error(e, final, tmp)
+    _agree(error)
+
+
+def remove(filepath: str | os.PathLike) -> None:
+    """Delete a checkpoint directory (rank 0's job; ModelCheckpoint's top-k rotation)."""
+    _remove_path(Path(filepath))
+
+
+# ---------------------------------------------------------------------- load
+
+
+def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+    """(errors, allowed differences): one ``"name: checkpoint X, model Y"`` per differing field."""
+    saved, current = plain(dict(saved or {})), plain(dict(current or {}))
+    errors, allowed = [], []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if a != b:
+            (allowed if key in HPARAMS_MAY_DIFFER else errors).append(f"{key}: checkpoint {a!r}, model {b!r}")
+    return errors, allowed
+
+
+def _shape_errors(state: dict[str, Any], metadata: Any) -> list[str]:
+    out = []
+    for key, obj in state.items():
+        md = metadata.get(key)
+        shape = obj.global_shape if isinstance(obj, Chunks) else tuple(obj.shape)
+        if md is None:
+            out.append(f"{key}: missing from the checkpoint, model shape {tuple(shape)}")
+        elif tuple(md.size) != tuple(shape):
+            out.append(f"{key}: checkpoint shape {tuple(md.size)}, model shape {tuple(shape)}")
+    return out
+
+
+def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,
+         layout: dict[str, int | None], load_optimizer: bool) -> dict[str, Any]:
+    """Collective: verify ``filepath``, then load it into ``mapper``'s parameters and optimizers in
+    place; returns Lightning's checkpoint dict (without tensors)."""
+    rank, _ = _rank_world()
+    path = Path(filepath)
+    info = validate_checkpoint_dir(path)
+    _verify_checksums(path, info)
+    error = None
+    try:
+        metadata = dcp_io.read_metadata(path)
+        if info["format_version"] >= 2:
+            unknown = sorted({s.relative_path for s in metadata.storage_data.values()} - set(info["sha256"]))
+            if unknown:
+                raise CheckpointError(f"{path / '.metadata'} refers to files without checksums: {unknown}")
+        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+    except CheckpointError as e:
+        error = f"checkpoint {str(path)!r}: {e}"
+    except Exception as e:  # noqa: BLE001 - name the file and the cause
+        error = f"checkpoint {str(path)!r}: extra.pt cannot be read safely (weights_only=True): {e}"
+    _agree(error)
+    md = metadata.state_dict_metadata
+    errors, allowed = compare_hparams(extra.get("hyper_parameters"), hparams)
+    state = mapper.save_state(include_optimizer=False)
+    problems = errors + _shape_errors(state, md)
+    everyone = _gather((problems, sorted(state)))
+    problems = list(dict.fromkeys(p for ps, _ in everyone for p in ps))
+    loaded = {k for _, keys in everyone for k in keys}
+    problems += [f"{k}: in the checkpoint, not in the model" for k in sorted(md) if k.startswith("model.")
+                 and k not in loaded]
+    if problems:
+        more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model (saved at layout "
+                              f"{info.get('layout')}): " + "; ".join(problems[:10]) + more)
+    if allowed and rank == 0:
+        warnings.warn(f"checkpoint {str(path)!r}: hyper-parameters differ (allowed): " + "; ".join(allowed))
+    include_optimizer = load_optimizer and "megatron_optimizers" in extra
+    state, targets = mapper.load_targets(md, include_optimizer)
+    try:
+        dcp_io.load(state, path)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} could not be loaded into this model "
+                              f"(saved at layout {info.get('layout')}): {e}") from e
+    if include_optimizer:
+        mapper.finish_optimizer_load(targets, extra["megatron_optimizers"])
+    mapper.sync_shared_embeddings()
+    if include_optimizer:
+        mapper.fill_mains_from_model(targets)
+    saved = info.get("layout", {})
+    if all(saved.get(k) == layout.get(k) for k in ("world_size", "tp", "pp")):
+        rng_file = path / "rng" / f"rank_{rank}.pt"
+        if rng_file.is_file():
+            try:
+                rng = torch.load(rng_file, weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"checkpoint {str(path)!r}: {rng_file.name} cannot be read safely: {e}") from e
+            set_rng_state(rng)
+    extra.setdefault("state_dict", {})
+    return extra

@@ -1,34 +1,98 @@
-"""Model and optimizer state as DCP shards of global, layout-independent tensors.
+"""Model and optimizer state as DCP chunks of global, layout-independent tensors.
 
 :class:`ShardedStateMapper` turns this rank's parameters and optimizer state into the dictionary
-``torch.distributed.checkpoint`` saves, and builds the destination dictionary it loads into:
+:mod:`lightning_megatron.dcp_io` saves, and builds the destination dictionary it loads into:
 
 - ``model.<name>``: parameters under global names (``sharded_named_parameters``: global layer
-  numbers), TP-sharded ones as ShardedTensor chunks of the global (vocab-unpadded) tensor;
-- ``optim.<i>.main.<name>``: fp32 main copies of bf16/fp16 parameters;
+  numbers), TP-sharded ones as their chunk of the global (vocab-unpadded) tensor;
+- ``optim.<i>.main.<name>``: fp32 main copies (of bf16/fp16 parameters; of every parameter under
+  the DistributedOptimizer);
 - ``optim.<i>.state.<name>.<key>``: optimizer state, sharded like its parameter (scalars such as
   Adam's ``step`` replicated).
 
-The DistributedOptimizer's flat per-DP-rank state is gathered and split into the same per-parameter
-keys, so checkpoints of both optimizers are interchangeable and reshard across TP, PP and DP.
+The DistributedOptimizer (ZeRO-1) saves and loads from its shards: a DP rank holds the flat range
+``[start, end)`` of each TP-local parameter (``sharded_state_for_checkpoint``), which splits into at
+most ``2 * ndim - 1`` rectangles (:func:`flat_range_boxes`: a partial first row, full rows, a
+partial last row for a matrix); each is a chunk of the global tensor under the same keys as the
+non-distributed optimizer's. Both optimizers' checkpoints are therefore interchangeable and
+reshard across TP, PP and DP, and no rank ever holds more than its own shard.
 The tied word embedding is stored once, by the first pipeline stage. No Lightning here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_megatron import checkpoint as ckpt
+from lightning_megatron.dcp_io import CheckpointError, Chunks
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 
-__all__ = ["ShardedStateMapper", "is_distributed_optimizer", "optimizer_extra", "plain", "rng_state", "set_rng_state"]
+__all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "is_distributed_optimizer", "optimizer_extra",
+           "plain", "rng_state", "set_rng_state", "shard_info"]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where this rank's TP-local tensor sits in the global tensor."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    partition_dim: int
+    local_rows: int
+    """How many leading rows along ``partition_dim`` are real (fewer for vocab padding)."""
+
+
+def shard_info(param: torch.Tensor, tp_rank: int, tp_size: int, real_vocab_size: int | None = None) -> ShardInfo | None:
+    """The global layout of a TP-sharded or vocab-padded ``param`` (None when it is stored as is)."""
+    sharded = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+    if not sharded and real_vocab_size is None:
+        return None
+    if not sharded:  # a vocab-padded tensor at TP=1: the real rows only
+        tp_size, tp_rank = 1, 0
+    dim = param.partition_dim % param.dim()
+    if getattr(param, "partition_stride", 1) != 1:
+        raise CheckpointError("strided TP partitions are not supported by the sharded checkpoint format")
+    per = param.shape[dim]
+    real = per * tp_size if real_vocab_size is None else min(real_vocab_size, per * tp_size)
+    start = tp_rank * per
+    global_shape = tuple(real if d == dim else s for d, s in enumerate(param.shape))
+    offsets = tuple(start if d == dim else 0 for d in range(param.dim()))
+    return ShardInfo(global_shape, offsets, dim, max(0, min(per, real - start)))
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Rectangles ``(offsets, sizes, flat_offset)`` covering elements ``[start, end)`` of a row-major
+    tensor of ``shape``, in order; each is a contiguous flat range starting at ``flat_offset``."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,) * len(shape), ((end - start),) * len(shape), start)]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (end - 1) // inner
+
+    def sub(row: int, a: int, b: int) -> list:
+        return [((row, *o), (1, *s), row * inner + f) for o, s, f in flat_range_boxes(shape[1:], a, b)]
+
+    if first == last:
+        return sub(first, start - first * inner, end - first * inner)
+    out = []
+    if start % inner:
+        out += sub(first, start % inner, inner)
+        first += 1
+    full_end = last + 1 if end % inner == 0 else last
+    if full_end > first:
+        out.append(((first, *(0,) * (len(shape) - 1)), (full_end - first, *shape[1:]), first * inner))
+    if end % inner:
+        out += sub(last, 0, end % inner)
+    return out
 
 
 def _tied_copy(p: torch.Tensor, ps: ParallelState) -> bool:
@@ -45,27 +109,41 @@ class ShardedStateMapper:
         self.named = [(n, p) for n, p in named_parameters if not _tied_copy(p, parallel_state)]
         self.all_named = named_parameters
         self.optimizers = optimizers
-        ps = parallel_state
-        self._tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
+        self._optim_named = self.named  # + the tied copy under the first stage's name when loading
 
-    def _info(self, like: torch.Tensor) -> ckpt.ShardInfo | None:
-        ps = self.ps
-        return ckpt.shard_info(like, ps.tp_rank, ps.tp_size, self._tp_ranks, getattr(like, "real_vocab_size", None))
-
-    def put(self, state: dict[str, Any], key: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
-        """``state[key]``: ``tensor`` (shaped like parameter ``like``) as its shard of the global tensor."""
-        info = self._info(like)
-        if info is None:
-            state[key] = tensor
-        else:
-            sharded = ckpt.to_sharded(tensor, info)
-            if sharded is not None:
-                state[key] = sharded
+    def _info(self, like: torch.Tensor) -> ShardInfo | None:
+        return shard_info(like, self.ps.tp_rank, self.ps.tp_size, getattr(like, "real_vocab_size", None))
 
     def checkpoint_shape(self, like: torch.Tensor) -> tuple[int, ...]:
         """The global shape under which a tensor shaped like ``like`` is stored."""
         info = self._info(like)
-        return tuple(like.shape) if info is None else tuple(info.global_shape)
+        return tuple(like.shape) if info is None else info.global_shape
+
+    def put(self, state: dict[str, Any], key: str, tensor: torch.Tensor, like: torch.Tensor,
+            start: int = 0, end: int | None = None) -> None:
+        """``state[key]``: ``tensor`` as its chunks of the global tensor. ``tensor`` holds elements
+        ``[start, end)`` of the TP-local tensor ``like`` (flattened; all of it by default)."""
+        info = self._info(like)
+        end = like.numel() if end is None else end
+        if info is None and start == 0 and end == like.numel():
+            state[key] = tensor.view(like.shape)
+            return
+        chunks = state.get(key)
+        if not isinstance(chunks, Chunks):
+            chunks = state[key] = Chunks(info.global_shape if info is not None else tuple(like.shape))
+        flat = tensor.reshape(-1)
+        for offsets, sizes, f in flat_range_boxes(tuple(like.shape), start, end):
+            box = flat[f - start: f - start + math.prod(sizes)].view(sizes)
+            if info is not None:  # drop vocab padding rows, shift by the TP offset
+                d = info.partition_dim
+                rows = min(info.local_rows, offsets[d] + sizes[d]) - offsets[d]
+                if rows <= 0:
+                    continue
+                box = box.narrow(d, 0, rows)
+                offsets = tuple(o + g for o, g in zip(offsets, info.offsets))
+            chunks.add(offsets, box)
+        if not chunks.pieces:
+            del state[key]
 
     # ------------------------------------------------------------------ save
 
@@ -73,91 +151,178 @@ class ShardedStateMapper:
         state: dict[str, Any] = {}
         for name, p in self.named:
             self.put(state, f"model.{name}", p.detach(), p)
-        if not include_optimizer:
-            return state
-        for i, opt in enumerate(self.optimizers):
-            for name, p, main, tensors, scalars in self._optimizer_tensors(opt):
-                if main is not None:
-                    self.put(state, f"optim.{i}.main.{name}", main, p)
-                for k, t in tensors.items():
-                    self.put(state, f"optim.{i}.state.{name}.{k}", t, p)
-                for k, t in scalars.items():
-                    state[f"optim.{i}.state.{name}.{k}"] = t
+        if include_optimizer:
+            for i, opt in enumerate(self.optimizers):
+                if is_distributed_optimizer(opt):
+                    self._put_distributed(state, i, opt)
+                else:
+                    self._put_plain(state, i, opt)
         return state
 
-    def _optimizer_tensors(self, opt: Any):
-        """(name, param, main or None, param-shaped state, scalar state) for every parameter."""
-        if is_distributed_optimizer(opt):
-            # Gathered over DP: per-parameter tensors under the non-distributed optimizer's keys.
-            views = _distributed_optimizer_views(opt, opt.full_state_dict())
-            for name, p in self.named:
-                v = views.get(id(p))
-                if v is not None:
-                    yield name, p, v["main"], v["state"], v["scalars"]
-            return
+    def _put_plain(self, state: dict[str, Any], i: int, opt: Any) -> None:
         inner = getattr(opt, "optimizer", opt)
         for name, p in self.named:
             opt_param = getattr(p, "main_param", p)
-            st = inner.state.get(opt_param, {})
-            tensors = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == p.shape}
-            scalars = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape != p.shape}
-            yield name, p, (opt_param.detach() if opt_param is not p else None), tensors, scalars
+            if opt_param is not p:
+                self.put(state, f"optim.{i}.main.{name}", opt_param.detach(), p)
+            for k, v in inner.state.get(opt_param, {}).items():
+                if torch.is_tensor(v):
+                    if v.shape == p.shape:
+                        self.put(state, f"optim.{i}.state.{name}.{k}", v, p)
+                    else:
+                        state[f"optim.{i}.state.{name}.{k}"] = v
+
+    def _distributed_pieces(self, opt: Any) -> Iterator[tuple[str, dict[str, Any], dict[str, torch.Tensor]]]:
+        """(name, piece, scalar state of the piece's group) for every piece of a saved parameter."""
+        names = {id(p): n for n, p in self._optim_named}
+        scalars = {}
+        for main in opt.main_params:
+            st = opt.optimizer.state.get(main, {})
+            scalars[id(main)] = {k: v for k, v in st.items() if torch.is_tensor(v) and v.dim() == 0}
+        group_of = {id(p): id(main) for main, group in zip(opt.main_params, opt.model_groups) for p in group}
+        for piece in opt.sharded_state_for_checkpoint():
+            name = names.get(id(piece["param"]))
+            if name is not None:
+                yield name, piece, scalars.get(group_of[id(piece["param"])], {})
+
+    def _put_distributed(self, state: dict[str, Any], i: int, opt: Any) -> None:
+        for name, piece, scalars in self._distributed_pieces(opt):
+            p, lo, hi = piece["param"], piece["start"], piece["end"]
+            for k, t in piece["tensors"].items():
+                key = f"optim.{i}.main.{name}" if k == "main_param" else f"optim.{i}.state.{name}.{k}"
+                self.put(state, key, t, p, lo, hi)
+            for k, v in scalars.items():
+                state[f"optim.{i}.state.{name}.{k}"] = v
 
     # ------------------------------------------------------------------ load
 
     def load_targets(self, metadata: Mapping[str, Any], include_optimizer: bool) -> tuple[dict[str, Any], list]:
-        """The dict DCP loads into (model params in place; optimizer state into new tensors) and,
-        per optimizer, the per-parameter targets :meth:`finish_optimizer_load` applies."""
+        """The dict DCP loads into (model params and ZeRO-1 shards in place, other optimizer state
+        into new tensors) and, per optimizer, what :meth:`finish_optimizer_load` installs."""
         state = self.save_state(include_optimizer=False)
-        targets: list[dict[int, dict[str, Any]]] = []
-        if not include_optimizer:
-            return state, targets
-        for i, _ in enumerate(self.optimizers):
-            per_param: dict[int, dict[str, Any]] = {}
-            for name, p in self.named:
-                entry: dict[str, Any] = {"main": None, "state": {}, "scalars": {}}
-                main_key = f"optim.{i}.main.{name}"
-                if main_key in metadata:
-                    entry["main"] = torch.zeros_like(p, dtype=torch.float32)
-                    self.put(state, main_key, entry["main"], p)
-                prefix = f"optim.{i}.state.{name}."
-                for key, md in metadata.items():
-                    if not key.startswith(prefix) or not hasattr(md, "size"):
-                        continue
-                    k = key[len(prefix):]
-                    if tuple(md.size) == self.checkpoint_shape(p):
-                        entry["state"][k] = torch.zeros_like(p, dtype=md.properties.dtype)
-                        self.put(state, key, entry["state"][k], p)
-                    else:
-                        entry["scalars"][k] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
-                        state[key] = entry["scalars"][k]
-                per_param[id(p)] = entry
-            targets.append(per_param)
+        targets: list[Any] = []
+        if include_optimizer:
+            self._optim_named = self.named + self._tied_aliases()
+            for i, opt in enumerate(self.optimizers):
+                if is_distributed_optimizer(opt):
+                    targets.append(self._distributed_targets(state, i, opt, metadata))
+                else:
+                    targets.append(self._plain_targets(state, i, opt, metadata))
         return state, targets
 
+    def _tied_aliases(self) -> list[tuple[str, nn.Parameter]]:
+        """Collective over the embedding group: the last stage's tied embedding copy under the first
+        stage's parameter name, so it loads the same optimizer state (it takes the same updates)."""
+        ps = self.ps
+        if ps.pp_size == 1 or ps.embedding_group is None or len(ps.embedding_ranks) < 2:
+            return []
+        first = ps.is_pipeline_first_stage()
+        name = [next((n for n, p in self.named if getattr(p, "shared_embedding", False)), None) if first else None]
+        dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group)
+        if first or name[0] is None:
+            return []
+        return [(name[0], p) for _, p in self.all_named if _tied_copy(p, ps)]
+
+    def _state_keys(self, metadata: Mapping[str, Any], i: int, name: str, p: torch.Tensor):
+        """(elementwise keys, scalar keys -> metadata) saved for parameter ``name``."""
+        prefix = f"optim.{i}.state.{name}."
+        tensors, scalars = [], {}
+        for key, md in metadata.items():
+            if key.startswith(prefix) and hasattr(md, "size"):
+                if tuple(md.size) == self.checkpoint_shape(p):
+                    tensors.append(key[len(prefix):])
+                else:
+                    scalars[key[len(prefix):]] = md
+        return tensors, scalars
+
+    def _plain_targets(self, state: dict[str, Any], i: int, opt: Any, metadata: Mapping[str, Any]) -> dict:
+        per_param: dict[int, dict[str, Any]] = {}
+        for name, p in self._optim_named:
+            entry: dict[str, Any] = {"main": None, "state": {}, "scalars": {}}
+            main_key = f"optim.{i}.main.{name}"
+            if main_key in metadata and getattr(p, "main_param", p) is not p:
+                entry["main"] = torch.zeros_like(p, dtype=torch.float32)
+                self.put(state, main_key, entry["main"], p)
+            keys, scalars = self._state_keys(metadata, i, name, p)
+            for k in keys:
+                entry["state"][k] = torch.zeros_like(p, dtype=metadata[f"optim.{i}.state.{name}.{k}"].properties.dtype)
+                self.put(state, f"optim.{i}.state.{name}.{k}", entry["state"][k], p)
+            for k, md in scalars.items():
+                entry["scalars"][k] = state[f"optim.{i}.state.{name}.{k}"] = torch.zeros(tuple(md.size),
+                                                                                       dtype=md.properties.dtype)
+            per_param[id(p)] = entry
+        return per_param
+
+    def _distributed_targets(self, state: dict[str, Any], i: int, opt: Any, metadata: Mapping[str, Any]) -> dict:
+        """Create the ZeRO-1 optimizer state (zeros) and point DCP at this rank's shards of it."""
+        names = {id(p): n for n, p in self._optim_named}
+        opt.optimizer.state.clear()
+        group_scalars: list[dict[str, torch.Tensor]] = []
+        for main, group in zip(opt.main_params, opt.model_groups):
+            keys: set[str] = set()
+            scalars: dict[str, torch.Tensor] = {}
+            for p in group:
+                if id(p) in names:
+                    tensor_keys, scalar_md = self._state_keys(metadata, i, names[id(p)], p)
+                    keys.update(tensor_keys)
+                    for k, md in scalar_md.items():  # replicated: read once per group
+                        if k not in scalars:
+                            scalars[k] = state[f"optim.{i}.state.{names[id(p)]}.{k}"] = torch.zeros(
+                                tuple(md.size), dtype=md.properties.dtype)
+            if keys:
+                opt.optimizer.state[main] = {k: torch.zeros_like(main) for k in sorted(keys)}
+            group_scalars.append(scalars)
+        missing_main = []
+        for name, piece, _ in self._distributed_pieces(opt):
+            p, lo, hi = piece["param"], piece["start"], piece["end"]
+            for k, t in piece["tensors"].items():
+                key = f"optim.{i}.main.{name}" if k == "main_param" else f"optim.{i}.state.{name}.{k}"
+                if key in metadata:
+                    self.put(state, key, t, p, lo, hi)
+                elif k == "main_param":
+                    missing_main.append(piece)
+        names_all = {id(p) for _, p in self._optim_named}
+        missing_main += [piece for piece in opt.sharded_state_for_checkpoint() if id(piece["param"]) not in names_all]
+        return {"scalars": group_scalars, "main_from_model": missing_main}
+
     def finish_optimizer_load(self, targets: list, saved_extras: list[dict[str, Any]]) -> None:
-        """Install the loaded tensors into the optimizers (after DCP filled ``targets``)."""
-        for opt, per_param, saved in zip(self.optimizers, targets, saved_extras):
-            if is_distributed_optimizer(opt):
-                opt.load_full_state_dict(_distributed_optimizer_full_state(opt, per_param, saved))
-                continue
+        """Install the loaded tensors into the optimizers (after DCP filled ``targets`` and the
+        tied embeddings are synchronised)."""
+        for opt, target, saved in zip(self.optimizers, targets, saved_extras):
             inner = getattr(opt, "optimizer", opt)
-            for _, p in self.named:
-                entry = per_param.get(id(p))
+            # Fused/capturable Adam keep ``step`` on the parameter's device, the others on the CPU.
+            on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
+            if is_distributed_optimizer(opt):
+                for main, scalars in zip(opt.main_params, target["scalars"]):
+                    if scalars:
+                        st = inner.state.setdefault(main, {})
+                        st.update({k: v.to(main.device) if on_device else v for k, v in scalars.items()})
+                _load_optimizer_extra(opt, saved)
+                continue
+            for _, p in self._optim_named:
+                entry = target.get(id(p))
                 if entry is None:
                     continue
                 opt_param = getattr(p, "main_param", p)
-                if entry["main"] is not None and opt_param is not p:
+                if entry["main"] is not None:
                     with torch.no_grad():
                         opt_param.copy_(entry["main"])
                         p.copy_(entry["main"])
-                # Fused/capturable Adam keep ``step`` on the parameter's device, the others on the CPU.
-                on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
                 scalars = {k: v.to(opt_param.device) if on_device else v for k, v in entry["scalars"].items()}
                 loaded = {**scalars, **{k: v.to(opt_param.device) for k, v in entry["state"].items()}}
                 if loaded:
                     inner.state[opt_param] = loaded
             _load_optimizer_extra(opt, saved)
+
+    def fill_mains_from_model(self, targets: list) -> None:
+        """ZeRO-1 main params the checkpoint has none for (fp32 parameters saved by a non-distributed
+        optimizer, the last stage's tied embedding) := the loaded parameters. After the tied sync."""
+        with torch.no_grad():
+            for opt, target in zip(self.optimizers, targets):
+                if is_distributed_optimizer(opt):
+                    for piece in target["main_from_model"]:
+                        piece["tensors"]["main_param"].copy_(
+                            piece["param"].detach().reshape(-1)[piece["start"]: piece["end"]])
 
     def sync_shared_embeddings(self) -> None:
         """The last stage's tied copy takes the first stage's weights (and fp32 main copy)."""
@@ -195,50 +360,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def is_distributed_optimizer(opt: Any) -> bool:
-    return bool(getattr(opt, "reduces_gradients", False)) and hasattr(opt, "full_state_dict")
-
-
-def _distributed_optimizer_views(opt: Any, full: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Split a DistributedOptimizer's full (DP-gathered) flat state into per-parameter tensors."""
-    views: dict[int, dict[str, Any]] = {}
-    offset = 0
-    for g, group in enumerate(opt.model_groups):
-        scalars = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in full["group_state"][g].items()}
-        for p in group:
-            n = p.numel()
-            views[id(p)] = {
-                "main": full["full_main_params"][offset:offset + n].view(p.shape),
-                "state": {k: v[offset:offset + n].view(p.shape) for k, v in full["full_state"].items()},
-                "scalars": scalars,
-            }
-            offset += n
-    return views
-
-
-def _distributed_optimizer_full_state(opt: Any, targets: dict[int, dict[str, Any]],
-                                      saved: dict[str, Any]) -> dict[str, Any]:
-    """Reassemble loaded per-parameter tensors into DistributedOptimizer.load_full_state_dict's format."""
-    mains, states, group_state = [], {}, []
-    for group in opt.model_groups:
-        scalars: dict[str, Any] = {}
-        for p in group:
-            entry = targets.get(id(p))
-            main = entry["main"] if entry is not None and entry["main"] is not None else p.detach().float()
-            mains.append(main.reshape(-1))
-            for k in (entry or {}).get("state", {}):
-                states.setdefault(k, [])
-            for k, t in (entry or {}).get("scalars", {}).items():
-                scalars.setdefault(k, t.clone())
-        group_state.append(scalars)
-    for k in states:
-        states[k] = torch.cat([
-            (targets[id(p)]["state"][k] if id(p) in targets and k in targets[id(p)]["state"]
-             else torch.zeros_like(p, dtype=torch.float32)).reshape(-1)
-            for group in opt.model_groups for p in group])
-    return {"full_main_params": torch.cat(mains), "full_state": states, "group_state": group_state,
-            "param_groups": saved.get("param_groups", [{} for _ in opt.model_groups]),
-            "grad_scaler": saved.get("grad_scaler"),
-            "param_shapes": [[tuple(p.shape) for p in g] for g in opt.model_groups]}
+    return bool(getattr(opt, "reduces_gradients", False)) and hasattr(opt, "sharded_state_for_checkpoint")
 
 
 def optimizer_extra(opt: Any) -> dict[str, Any]:
@@ -257,7 +379,7 @@ def _load_optimizer_extra(opt: Any, saved: dict[str, Any]) -> None:
     inner = getattr(opt, "optimizer", opt)
     groups = saved.get("param_groups", [])
     if len(groups) != len(inner.param_groups):
-        raise ckpt.CheckpointError(f"the checkpoint has {len(groups)} optimizer parameter groups, "
+        raise CheckpointError(f"the checkpoint has {len(groups)} optimizer parameter groups, "
                                    f"this optimizer has {len(inner.param_groups)}")
     for group, saved_group in zip(inner.param_groups, groups):
         group.update(saved_group)

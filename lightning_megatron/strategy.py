@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import datetime
 import warnings
-import shutil
-import uuid
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -48,14 +45,7 @@ from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.microbatches import split_microbatches
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
-from lightning_megatron.sharded_state import (
-    ShardedStateMapper,
-    is_distributed_optimizer,
-    optimizer_extra,
-    plain,
-    rng_state,
-    set_rng_state,
-)
+from lightning_megatron.sharded_state import ShardedStateMapper, is_distributed_optimizer
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 from lightning_megatron.tensor_parallel.shared_memory import (
@@ -484,69 +474,24 @@ class MegatronStrategy(DDPStrategy):
         assert self.parallel_state is not None
         return ShardedStateMapper(self.parallel_state, self._named_parameters(), list(self.optimizers))
 
+    def _layout_record(self) -> dict[str, int | None]:
+        ps = self.parallel_state
+        assert ps is not None
+        return {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": ps.vp_size,
+                "dp": ps.dp_size}
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options")
-        ps = self.parallel_state
-        assert ps is not None
-        final = Path(filepath)
-        # Every rank must write into the same temporary directory: rank 0 picks its name.
-        tmp_name = self.broadcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}" if self.is_global_zero else None)
-        tmp = final.parent / tmp_name
-        if self.is_global_zero:
-            tmp.mkdir(parents=True, exist_ok=False)
-            (tmp / "rng").mkdir()
-        self.barrier("megatron_save_mkdir")
-        include_optimizer = "optimizer_states" in checkpoint
-        ckpt.save_dcp(self._state_mapper().save_state(include_optimizer), tmp)
-        torch.save(rng_state(), tmp / "rng" / f"rank_{self.global_rank}.pt")
-        if self.is_global_zero:
-            extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            if include_optimizer:
-                extra["megatron_optimizers"] = [optimizer_extra(opt) for opt in self.optimizers]
-            if "hyper_parameters" in extra:
-                extra["hyper_parameters"] = plain(extra["hyper_parameters"])
-            torch.save(extra, tmp / "extra.pt")
-        self.barrier("megatron_save_written")
-        if self.is_global_zero:
-            ckpt.write_marker(tmp, {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size,
-                                    "vp": ps.vp_size, "dp": ps.dp_size})
-            ckpt.finalize_directory(tmp, final)
-        self.barrier("megatron_save_done")
+        ckpt.save(self._state_mapper(), checkpoint, filepath, self._layout_record())
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        ps = self.parallel_state
-        assert ps is not None
-        path = Path(checkpoint_path)
-        info = ckpt.validate_checkpoint_dir(path)
-        try:
-            extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001 - name the file and the cause
-            raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
-                                       f"(weights_only=True): {e}") from e
-        include_optimizer = "megatron_optimizers" in extra and bool(self.optimizers)
-        mapper = self._state_mapper()
-        metadata = ckpt.read_dcp_metadata(path).state_dict_metadata
-        state, targets = mapper.load_targets(metadata, include_optimizer)
-        try:
-            ckpt.load_dcp(state, path)
-        except Exception as e:  # noqa: BLE001
-            raise ckpt.CheckpointError(f"checkpoint {str(path)!r} could not be loaded into this model "
-                                       f"(saved at layout {info.get('layout')}): {e}") from e
-        if include_optimizer:
-            mapper.finish_optimizer_load(targets, extra["megatron_optimizers"])
-        mapper.sync_shared_embeddings()
-        saved_layout = info.get("layout", {})
-        if saved_layout.get("world_size") == ps.layout.world_size and saved_layout.get("tp") == ps.tp_size \
-                and saved_layout.get("pp") == ps.pp_size:
-            rng_file = path / "rng" / f"rank_{self.global_rank}.pt"
-            if rng_file.is_file():
-                set_rng_state(torch.load(rng_file, weights_only=True))
-        extra.setdefault("state_dict", {})
-        return extra
+        hparams = dict(getattr(self.lightning_module, "hparams", {}) or {})
+        return ckpt.load(self._state_mapper(), checkpoint_path, hparams, self._layout_record(),
+                         load_optimizer=bool(self.optimizers))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -560,7 +505,7 @@ class MegatronStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+            ckpt.remove(filepath)
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,154 @@
+"""Checkpoint format pieces in one process: chunk rectangles, DCP resharding through the public
+planners, the metadata allow-list, checksums, the atomic swap and hyper-parameter comparison."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_megatron import checkpoint as ckpt
+from lightning_megatron import dcp_io
+from lightning_megatron.sharded_state import flat_range_boxes
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 3), (3, 4, 5)])
+def test_flat_range_boxes_cover_each_range_exactly_once(shape):
+    n = math.prod(shape)
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            cover = torch.zeros(shape)
+            flat = a
+            boxes = flat_range_boxes(shape, a, b)
+            for offsets, sizes, start in boxes:
+                assert start == flat  # in order, each a contiguous flat range
+                cover[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+                flat += math.prod(sizes)
+            expected = torch.zeros(n)
+            expected[a:b] = 1
+            assert torch.equal(cover.reshape(-1), expected), (shape, a, b, boxes)
+            assert len(boxes) <= 2 * len(shape) - 1
+
+
+def _chunks(full: torch.Tensor, ranges: list[tuple[int, int]], out: bool = False) -> list[dcp_io.Chunks]:
+    """One Chunks per "rank": the flat ranges of ``full`` as rectangles (zeros when ``out``)."""
+    result = []
+    for a, b in ranges:
+        c = dcp_io.Chunks(tuple(full.shape))
+        flat = (torch.zeros_like(full) if out else full.clone()).reshape(-1)
+        for offsets, sizes, start in flat_range_boxes(tuple(full.shape), a, b):
+            c.add(offsets, flat[start: start + math.prod(sizes)].view(sizes))
+        result.append(c)
+    return result
+
+
+def test_chunks_reshard_through_public_planners_without_warnings(tmp_path):
+    full = torch.randn(6, 5)
+    step = torch.tensor(7.0)
+    # Saved as 3 uneven flat ranges (one "rank" holding them all: DCP without a process group).
+    saved = _chunks(full, [(0, 7), (7, 19), (19, 30)])
+    merged = dcp_io.Chunks((6, 5), [p for c in saved for p in c.pieces])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp_io.save({"w": merged, "step": step}, tmp_path / "c")
+        # Loaded as 2 other ranges: each destination reads only the overlapping saved pieces.
+        dest = _chunks(full, [(0, 13), (13, 30)], out=True)
+        got_step = torch.zeros(())
+        for d in dest:
+            dcp_io.load({"w": d, "step": got_step}, tmp_path / "c")
+    assert [str(w.message) for w in caught] == []
+    rebuilt = torch.zeros(30)
+    for d, (a, b) in zip(dest, [(0, 13), (13, 30)]):
+        for offsets, t in d.pieces:
+            rebuilt.view(6, 5)[tuple(slice(o, o + s) for o, s in zip(offsets, t.shape))] = t
+    assert torch.equal(rebuilt.view(6, 5), full) and got_step.item() == 7.0
+    with pytest.raises(dcp_io.CheckpointError, match=r"w: checkpoint shape \(6, 5\), model shape \(5, 6\)"):
+        dcp_io.load({"w": torch.zeros(5, 6)}, tmp_path / "c")
+
+
+class _Payload:
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def test_metadata_payload_is_refused_and_never_runs(tmp_path):
+    sentinel = tmp_path / "pwned"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload(sentinel)))
+    with pytest.raises(dcp_io.CheckpointError, match=r"\.metadata cannot be loaded safely.*refusing.*system"):
+        dcp_io.read_metadata(tmp_path)
+    with pytest.raises(dcp_io.CheckpointError, match="refusing"):
+        dcp_io.SafeFileSystemReader(str(tmp_path)).read_metadata()
+    assert not sentinel.exists()
+
+
+def test_format_1_metadata_reads_through_the_allow_list():
+    md = dcp_io.read_metadata(DATA / "ckpt_v1_tp2")
+    word = md.state_dict_metadata["model.embedding.word_embeddings.weight"]
+    assert tuple(word.size) == (1000, 16) and len(word.chunks) == 2
+    assert ckpt.validate_checkpoint_dir(DATA / "ckpt_v1_tp2")["format_version"] == 1
+
+
+def test_checksum_mismatch_names_the_file(tmp_path):
+    d = tmp_path / "c"
+    dcp_io.save({"w": torch.arange(100.0)}, d)
+    (d / "extra.pt").write_bytes(b"x")
+    names = ckpt._files(d)
+    info = {"format_version": 2, "files": {n: (d / n).stat().st_size for n in names},
+            "sha256": {n: ckpt.file_sha256(d / n) for n in names}}
+    (d / ckpt.MARKER).write_text(__import__("json").dumps(info))
+    ckpt._verify_checksums(d, ckpt.validate_checkpoint_dir(d))
+    shard = next(d.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01  # same size, one bit
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=rf"{shard.name} does not match the sha256"):
+        ckpt._verify_checksums(d, ckpt.validate_checkpoint_dir(d))
+
+
+def test_swap_never_leaves_the_name_missing_and_cleans_temporaries(tmp_path):
+    final = tmp_path / "last.ckpt"
+    final.mkdir()
+    (final / "v").write_text("0")
+    missing = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if not final.exists():
+                missing.append(1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for i in range(1, 200):
+            tmp = tmp_path / f"last.ckpt.tmp-{i}"
+            tmp.mkdir()
+            (tmp / "v").write_text(str(i))
+            ckpt.finalize_directory(tmp, final)
+    finally:
+        stop.set()
+        watcher.join()
+    assert (final / "v").read_text() == "199" and not missing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    (tmp_path / "last.ckpt.tmp-dead").mkdir()
+    (tmp_path / "other.ckpt.tmp-keep").mkdir()
+    ckpt._clean_stale_temporaries(final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "other.ckpt.tmp-keep"]
+
+
+def test_compare_hparams_lists_every_differing_field():
+    saved = {"num_attention_heads": 4, "hidden_size": 32, "lr": 1e-3, "spec": "a"}
+    errors, allowed = ckpt.compare_hparams(saved, {**saved, "num_attention_heads": 2, "hidden_size": 64, "lr": 1.0})
+    assert errors == ["hidden_size: checkpoint 32, model 64", "num_attention_heads: checkpoint 4, model 2"]
+    assert allowed == ["lr: checkpoint 0.001, model 1.0"]

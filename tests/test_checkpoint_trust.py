@@ -1,0 +1,217 @@
+"""Checkpoints under Trainer on 2 ranks: a planted .metadata payload never runs (fit and validate),
+a flipped byte, another head count and another hidden size are clear CheckpointErrors, saving
+is warning-free and atomic, stale temporaries go, a full disk is named, format 1 still loads."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
+
+DATA = Path(__file__).parent / "data"
+
+
+class _Payload:
+    def __init__(self, sentinel: str) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def _rewrite_marker(path: Path, name: str) -> None:
+    """Update size and checksum of ``name`` as an attacker would: only the unpickler stands in the way."""
+    from lightning_megatron.checkpoint import MARKER, file_sha256
+
+    marker = json.loads((path / MARKER).read_text())
+    marker["files"][name] = (path / name).stat().st_size
+    marker["sha256"][name] = file_sha256(path / name)
+    (path / MARKER).write_text(json.dumps(marker))
+
+
+def _trainer(tp: int, max_steps: int, pp: int = 1, **kwargs):
+    from lightning_megatron.strategy import MegatronStrategy
+
+    strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    trainer = make_trainer(strategy, 2, max_steps, **kwargs)
+    _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
+    return trainer, synthetic_datamodule(8, 2, strategy.layout.data_parallel_size, dp_rank)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _worker(root: str) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    rank = torch.distributed.get_rank()
+    out: dict = {}
+    root_p = Path(root)
+    # --- a run that saves "last.ckpt" through ModelCheckpoint every step; a stale temporary is cleaned
+    if rank == 0:
+        (root_p / "last.ckpt.tmp-stale").mkdir(parents=True)
+    torch.distributed.barrier()
+    trainer, dm = _trainer(2, 3, enable_checkpointing=True,
+                           callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=0,
+                                                      every_n_train_steps=1)])
+    trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm)
+    out["listing"] = sorted(p.name for p in root_p.iterdir())
+    good = root_p / "last.ckpt"
+    # --- save + load without a single warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.save_checkpoint(root_p / "direct")
+        trainer.strategy.load_checkpoint(root_p / "direct")
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    # --- resume with ckpt_path="last": ModelCheckpoint finds the swapped-in directory
+    trainer, dm = _trainer(2, 4, enable_checkpointing=True,
+                           callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=0)])
+    trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path="last")
+    out["resumed_step"] = trainer.global_step
+
+    # --- planted payload in .metadata, marker checksum updated by the attacker
+    planted, sentinel = root_p / "planted", root_p / "PWNED"
+    if rank == 0:
+        shutil.copytree(good, planted)
+        (planted / ".metadata").write_bytes(pickle.dumps(_Payload(str(sentinel))))
+        _rewrite_marker(planted, ".metadata")
+    torch.distributed.barrier()
+    trainer, dm = _trainer(2, 6)
+    out["payload_fit"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
+                                                    ckpt_path=planted))
+    trainer, dm = _trainer(2, 6)
+    out["payload_validate"] = _error(lambda: trainer.validate(BertLightningModule(**TINY_MODEL), datamodule=dm,
+                                                              ckpt_path=planted, verbose=False))
+    out["sentinel"] = sentinel.exists()
+
+    # --- a same-size byte flip in a shard
+    flipped = root_p / "flipped"
+    if rank == 0:
+        shutil.copytree(good, flipped)
+        shard = sorted(flipped.glob("*.distcp"))[-1]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        shard.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    trainer, dm = _trainer(2, 6)
+    out["flip"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=flipped))
+
+    # --- other hyper-parameters: every differing field in one error; another hidden size: short
+    trainer, dm = _trainer(2, 6)
+    other = {**TINY_MODEL, "num_attention_heads": 2, "layernorm_epsilon": 1e-5}
+    out["heads"] = _error(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
+    trainer, dm = _trainer(2, 6)
+    other = {**TINY_MODEL, "hidden_size": 64}
+    out["hidden"] = _error(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
+
+    # --- a full disk: the previous checkpoint stays, no temporary is left, the error names the directory
+    import torch.distributed.checkpoint as dcp
+
+    def full_disk(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    original = dcp.FileSystemWriter.write_data
+    dcp.FileSystemWriter.write_data = full_disk
+    try:
+        trainer, dm = _trainer(2, 1)
+        trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm)
+        out["full"] = _error(lambda: trainer.save_checkpoint(good))
+    finally:
+        dcp.FileSystemWriter.write_data = original
+    torch.distributed.barrier()
+    out["after_full"] = sorted(p.name for p in root_p.iterdir() if p.name.startswith("last.ckpt"))
+
+    # --- PP=2 resume: the last stage's tied embedding copy gets the first stage's optimizer state too
+    from megatron_testing import LossRecorder
+
+    straight, resumed = LossRecorder(), LossRecorder()
+    trainer, dm = _trainer(1, 6, pp=2, enable_checkpointing=True, callbacks=[straight, ModelCheckpoint(
+        dirpath=root_p / "pp2", filename="{step}", every_n_train_steps=3, save_top_k=-1)])
+    trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm)
+    trainer, dm = _trainer(1, 6, pp=2, callbacks=[resumed])
+    trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=root_p / "pp2" / "step=3.ckpt")
+    out["pp2_straight"], out["pp2_resumed"] = straight.losses, resumed.losses
+
+    # --- format 1 (written by the release before format 2): loads at TP=2 and TP=1
+    v1 = json.loads((DATA / "ckpt_v1_tp2.json").read_text())
+    for tp in (2, 1):
+        trainer, dm = _trainer(tp, 0, limit_val_batches=2)
+        [metrics] = trainer.validate(BertLightningModule(**v1["model"]), datamodule=dm,
+                                     ckpt_path=DATA / "ckpt_v1_tp2", verbose=False)
+        out[f"v1_tp{tp}"] = float(metrics["val_loss"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("trust")), timeout=600)
+
+
+def test_saving_is_atomic_warning_free_and_found_as_last(results):
+    r = results[0]
+    assert r["listing"] == ["last.ckpt"]  # the stale temporary is gone, no new one is left
+    assert r["warnings"] == []
+    assert r["resumed_step"] == 4
+
+
+def test_planted_payload_is_refused_and_never_runs(results):
+    for r in results:
+        for key in ("payload_fit", "payload_validate"):
+            assert r[key].startswith("CheckpointError") and "planted/.metadata" in r[key], r[key]
+            assert "refusing to load global posix.system" in r[key], r[key]
+        assert r["sentinel"] is False
+
+
+def test_byte_flip_names_the_file(results):
+    for r in results:
+        assert r["flip"].startswith("CheckpointError") and "does not match the sha256" in r["flip"], r["flip"]
+        assert ".distcp" in r["flip"]
+
+
+def test_other_hyperparameters_are_listed_in_one_error(results):
+    for r in results:
+        assert r["heads"].startswith("CheckpointError"), r["heads"]
+        assert "num_attention_heads: checkpoint 4, model 2" in r["heads"]
+        assert "layernorm_epsilon: checkpoint 1e-12, model 1e-05" in r["heads"]
+        hidden = r["hidden"]
+        assert hidden.startswith("CheckpointError") and "hidden_size: checkpoint 32, model 64" in hidden, hidden
+        assert "checkpoint shape (1000, 32), model shape (1000, 64)" in hidden
+        assert "Traceback" not in hidden and len(hidden) < 4000
+
+
+def test_full_disk_names_the_directory_and_keeps_the_last_checkpoint(results):
+    for r in results:
+        assert r["full"].startswith("CheckpointError") and "the disk is full" in r["full"], r["full"]
+        assert "GiB free there" in r["full"] and "last.ckpt.tmp-" in r["full"]
+    assert results[0]["after_full"] == ["last.ckpt"]
+
+
+def test_pipeline_resume_restores_the_tied_embedding_state_on_both_stages(results):
+    # Losses are logged on the last stage: rank 1 at PP=2.
+    r = results[1]
+    assert len(r["pp2_straight"]) == 6 and len(r["pp2_resumed"]) == 3
+    torch.testing.assert_close(torch.tensor(r["pp2_resumed"]), torch.tensor(r["pp2_straight"][3:]),
+                               rtol=1e-6, atol=0)
+
+
+def test_format_1_checkpoint_loads_at_tp2_and_tp1(results):
+    expected = json.loads((DATA / "ckpt_v1_tp2.json").read_text())["val_loss"]
+    for tp in (2, 1):
+        assert abs(results[0][f"v1_tp{tp}"] - expected) <= 1e-5 * abs(expected), (tp, results[0][f"v1_tp{tp}"])
