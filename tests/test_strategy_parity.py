@@ -36,10 +36,11 @@ def _fit_worker(tp: int, pp: int, vp: int | None, world: int, steps: int, extra:
     recorder.shm = None
 
     def record_paths(trainer, pl_module) -> None:  # which TP/DP groups run on shared memory during fit
-        from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
+        from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives
+        from lightning_megatron.tensor_parallel.communicator import communicator_of
 
         ps = strategy.parallel_state
-        recorder.shm = {name: shared_memory_collectives(g) is not None
+        recorder.shm = {name: isinstance(communicator_of(g), SharedMemoryCollectives)
                         for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group)) if g is not None and g.size() > 1}
 
     recorder.on_train_start = record_paths
@@ -136,10 +137,11 @@ def test_layouts_equal_one_process(world, layouts, reference):
     relative and final parameters within 1e-5 of one process with the same global batch."""
     ref_losses, _ = reference
     assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference run must learn"
-    per_rank = run_distributed(_fit_many, world, layouts, world, STEPS, timeout=600)
+    # with the CPU tuning switched on explicitly (as the CPU recipe does)
+    per_rank = run_distributed(_fit_many, world, layouts, world, STEPS, {"cpu_tuning": True}, timeout=600)
     for i, layout in enumerate(layouts):
         results = [r[i] for r in per_rank]
-        # on CPU by default every TP and DP group of more than one rank uses the shared-memory path
+        # with the CPU tuning every TP and DP group of more than one rank uses the shared-memory path
         assert all(all(r["shm"].values()) for r in results), (layout, [r["shm"] for r in results])
         assert any(r["shm"] for r in results) == (layout[0] > 1 or world // (layout[0] * layout[1]) > 1)
         try:
@@ -149,9 +151,10 @@ def test_layouts_equal_one_process(world, layouts, reference):
 
 
 def test_gloo_collectives_equal_one_process(reference):
-    """The same TP=2 and DP=2 runs with the shared-memory collectives off (gloo's own, as across hosts)."""
+    """The same TP=2 and DP=2 runs with the library's defaults: no CPU tuning, torch.distributed's
+    collectives (the path every device takes)."""
     layouts = [(2, 1, None), (1, 1, None)]
-    per_rank = run_distributed(_fit_many, 2, layouts, 2, STEPS, {"shared_memory_collectives": False}, timeout=600)
+    per_rank = run_distributed(_fit_many, 2, layouts, 2, STEPS, timeout=600)
     for i, layout in enumerate(layouts):
         assert [r[i]["shm"] for r in per_rank] == [{"tp": False} if layout[0] > 1 else {"dp": False}] * 2
         try:
