@@ -78,6 +78,9 @@ def main() -> None:
     ps = initialize_model_parallel(1, 1)
     module, opt, data = build(args.size, args.dtype, args.batch, args.seq)
     chunk = module.model_chunks[0]
+    from lightning_megatron.cpu import CPUTuning
+
+    CPUTuning().configure_model(chunk, torch.device("cpu"))  # the CPU kernels, as the CPU tuning installs them
     main_grads = MainGrads([chunk])  # the strategy's fp32 main grads (accumulated by backward hooks)
 
     def step() -> None:

@@ -218,3 +218,71 @@ def test_dead_peer_or_parent_ends_the_wait_naming_it(case):
     else:
         assert "global rank 0 (pid" in message and "died before arriving" in message, message
     assert seconds < 10, seconds  # the liveness check starts after 1 s of waiting, then every 0.5 s
+
+
+_KILL_SCRIPT = r'''
+import datetime, os, signal, subprocess, sys, time
+import torch, torch.distributed as dist
+from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
+
+role, port, report = sys.argv[1], sys.argv[2], sys.argv[3]
+rank = 0 if role == "launcher" else 1
+if rank == 0:  # the launcher is rank 0 and the parent of rank 1, as with Lightning's popen launcher
+    child = subprocess.Popen([sys.executable, os.environ["LM_KILL_SCRIPT"], "worker", port, report])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(minutes=30))
+comm = enable_shared_memory_collectives(dist.group.WORLD, timeout=datetime.timedelta(minutes=30))
+assert comm is not None
+x = torch.ones(1024)
+for _ in range(20):
+    comm.all_reduce(x)
+if rank == 0:
+    with open(report + ".child", "w") as f:
+        f.write(str(child.pid))
+    os.kill(os.getpid(), signal.SIGKILL)  # SIGKILL of the launcher, while rank 1 waits in the next collective
+try:
+    while True:
+        comm.all_reduce(x)
+except RuntimeError as err:
+    with open(report, "w") as f:
+        f.write(f"{time.time()}\n{err}")
+    sys.exit(3)
+'''
+
+
+def test_sigkill_of_the_launcher_ends_rank_1_naming_it(tmp_path):
+    """The scenario of issue 14, for real: rank 0 (the launcher, parent of rank 1) is SIGKILLed while
+    rank 1 waits in a shared-memory collective; rank 1 exits non-zero within seconds, naming rank 0."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "kill.py"
+    script.write_text(_KILL_SCRIPT)
+    report = tmp_path / "report.txt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, LM_KILL_SCRIPT=str(script),
+               PYTHONPATH=os.pathsep.join([str(__import__("pathlib").Path(__file__).parent.parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.run([sys.executable, str(script), "launcher", str(port), str(report)], env=env,
+                              timeout=180, capture_output=True, text=True)
+    killed_at = time.time()
+    assert launcher.returncode == -9, launcher.stderr[-2000:]
+    child = int((tmp_path / "report.txt.child").read_text())
+    deadline = time.monotonic() + 60
+    while not report.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert report.exists(), "rank 1 was still waiting 60 s after the launcher died"
+    ended_at, message = report.read_text().split("\n", 1)
+    assert "global rank 0 (pid" in message and "died" in message, message
+    assert float(ended_at) - killed_at < 30
+    while time.monotonic() < deadline:  # and the process is gone (exit 3 after the report)
+        if not shared_memory._process_alive(child):  # gone, or a zombie nobody reaps
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"rank 1 (pid {child}) did not exit")

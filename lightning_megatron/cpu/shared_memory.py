@@ -173,20 +173,18 @@ class SharedMemoryCollectives:
                     time.sleep(0.0002)
 
     def _check_alive(self, epoch: int) -> None:
-        """Raise naming the late peer or the parent process that died while this rank waits."""
-        parent = os.getppid()
-        if parent != self._parent:
+        """Raise naming the late peer, or else the parent process, that died while this rank waits."""
+        if self.pids is not None:
+            for p in range(self.world_size):
+                if self._flags[self._flag_index[p]] < epoch and not _process_alive(self.pids[p]):
+                    raise RuntimeError(
+                        f"shared-memory collective: global rank {self.global_ranks[p]} (pid {self.pids[p]}) of the "
+                        f"group {self.global_ranks} died before arriving; exiting instead of waiting for the timeout")
+        if os.getppid() != self._parent:
             raise RuntimeError(
                 f"shared-memory collective: the parent process (pid {self._parent}) of global rank "
                 f"{self.global_ranks[self.rank]} died while it waited for the group {self.global_ranks}; "
                 f"exiting instead of waiting for the timeout")
-        if self.pids is None:
-            return
-        for p in range(self.world_size):
-            if self._flags[self._flag_index[p]] < epoch and not _process_alive(self.pids[p]):
-                raise RuntimeError(
-                    f"shared-memory collective: global rank {self.global_ranks[p]} (pid {self.pids[p]}) of the "
-                    f"group {self.global_ranks} died before arriving; exiting instead of waiting for the timeout")
 
     def _slots_of(self, dtype: torch.dtype) -> torch.Tensor:
         """This collective's slot set viewed as ``dtype``: ``[world, slot_bytes / itemsize]``."""
