@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import SIZES, launch, median  # noqa: E402
+from _common import SIZES, median  # noqa: E402
 
 VARIANTS = {
     "all on": {},
@@ -31,6 +31,7 @@ VARIANTS = {
 
 def main() -> None:
     from bert_step import bert_rank
+    from run import _measured  # fresh spawned ranks, and the cores other processes used meanwhile
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="base", choices=sorted(SIZES))
@@ -44,6 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     size = SIZES[args.size]
     best: dict[str, float] = {}
+    background: dict[str, float] = {}
     for r in range(args.rounds):
         names = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
         for name in names:
@@ -51,19 +53,22 @@ def main() -> None:
                         batch=args.batch, micro_batch=args.batch, warmup=1, steps=args.steps, profile=False,
                         cpu_tuning=VARIANTS[name])
             t0 = time.perf_counter()
-            ranks = launch(bert_rank, args.tp, spec, timeout=1200)
+            ranks, bg, _ = _measured(bert_rank, args.tp, spec, timeout=1200)
             step = median([max(ts) for ts in zip(*(rk["step_times"] for rk in ranks))])
-            best[name] = min(best.get(name, float("inf")), step)
-            print(f"[round {r}] {name}: {step:.3f} s/step ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if step < best.get(name, float("inf")):
+                best[name], background[name] = step, bg
+            print(f"[round {r}] {name}: {step:.3f} s/step, background {bg:.2f} cores "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
     tokens = args.seq * args.batch
     ref = best["all on"]
     print(f"\nbert-{args.size} {args.dtype}, TP={args.tp}, batch {args.batch} x {args.seq}, {args.rounds} round(s):\n")
-    print("| variant | s/step | tokens/s | step time / all on |\n|---|---|---|---|")
+    print("| variant | s/step | tokens/s | step time / all on | background (cores) |\n|---|---|---|---|---|")
     for name in VARIANTS:
-        print(f"| {name} | {best[name]:.3f} | {tokens / best[name]:.0f} | {best[name] / ref:.2f} |")
+        print(f"| {name} | {best[name]:.3f} | {tokens / best[name]:.0f} | {best[name] / ref:.2f} | "
+              f"{background[name]:.2f} |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "step_s": best}, fh, indent=1)
+            json.dump({"args": vars(args), "step_s": best, "background": background}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def test_training_step_without_host_sync():
     # one sync per microbatch; docs/strategy.md lists it): off here.
     module = BertLightningModule(**{**TINY_MODEL, "hidden_dropout": 0.1, "attention_dropout": 0.1},
                                  lm_head_on_masked_only=False)
-    module.configure_model()
+    with torch.device("cpu"):  # built on the host as under Lightning, then moved
+        module.configure_model()
     chunk = module.model_chunks[0].cuda().train()
     optimizer = module.configure_optimizers()
     data = SyntheticBertDataset(4)
@@ -97,3 +98,21 @@ def test_training_step_without_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item()
+
+
+def test_communicator_interface_and_parallel_state_errors():
+    from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives
+    from lightning_megatron.parallel_state import ParallelState
+    from lightning_megatron.tensor_parallel.communicator import Communicator, TorchCommunicator, communicator_of
+
+    assert isinstance(TorchCommunicator(None), Communicator)
+    assert all(hasattr(SharedMemoryCollectives, m) for m in ("all_reduce", "all_gather_into_tensor",
+                                                              "reduce_scatter_tensor", "close"))
+    assert isinstance(communicator_of(None), TorchCommunicator)
+    ps = ParallelState.single_process()
+    with pytest.raises(ValueError, match="no 'tp' group"):
+        ps.set_communicator("tp", TorchCommunicator(None))
+    with pytest.raises(ValueError, match="unknown group name 'xx'"):
+        ps.group("xx")
+    ps.close_communicators()  # nothing installed: nothing to do
+    assert ps.communicators == {}
