@@ -6,6 +6,12 @@ Runs ours (bert_step.bert_rank, fresh spawned gloo ranks per run) with: every pi
 off in turn (shared-memory collectives, the glibc allocator setting, the CPU kernels); no tuning at
 all (the library's default path). Rounds alternate the order; the fastest round of each variant is
 kept. Prints one markdown table: median step seconds, tokens/s and the ratio to "all on".
+
+``--micro``: per piece, a measurement that background load disturbs less, because the two sides
+alternate in one process (or count events instead of time): gloo vs shared-memory all-reduce of a
+bert-base activation between two ranks (collectives.py, alternating blocks); torch's dropout vs the
+CPU kernel on bert-base tensors (alternating calls); the minor page faults of a bert-base layer
+forward + backward with and without the allocator setting (fresh processes; faults, not seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +35,76 @@ VARIANTS = {
 }
 
 
+def _dropout_micro(reps: int = 15) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_megatron.cpu.dropout import cpu_dropout
+
+    torch.manual_seed(0)
+    rows = []
+    for name, shape, dtype in (("attention probs bf16 [8, 12, 128, 128]", (8, 12, 128, 128), torch.bfloat16),
+                               ("hidden fp32 [128, 8, 768]", (128, 8, 768), torch.float32)):
+        x = torch.randn(shape).to(dtype)
+        times: dict[str, list[float]] = {"torch": [], "cpu kernel": []}
+        for _ in range(reps):
+            for label, fn in (("torch", lambda: F.dropout(x, 0.1, True)), ("cpu kernel", lambda: cpu_dropout(x, 0.1))):
+                t0 = time.perf_counter()
+                fn()
+                times[label].append(time.perf_counter() - t0)
+        rows.append({"tensor": name, "torch_ms": 1e3 * median(times["torch"]),
+                     "cpu_kernel_ms": 1e3 * median(times["cpu kernel"])})
+    return rows
+
+
+def _faults_rank(keep: bool) -> dict:
+    import resource
+
+    import torch
+
+    from lightning_megatron.transformer import TransformerBlock, TransformerConfig
+    from lightning_megatron.models.bert.specs import bert_layer_post_norm_spec
+
+    if keep:
+        from lightning_megatron.cpu.allocator import keep_freed_memory
+
+        keep_freed_memory()
+    cfg = TransformerConfig(num_layers=2, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+    block = TransformerBlock(cfg, bert_layer_post_norm_spec)
+    x = torch.randn(128, 8, 768, requires_grad=True)
+    faults, times = [], []
+    for step in range(4):
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        block(x, None).sum().backward()
+        if step > 0:
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            times.append(time.perf_counter() - t0)
+    return {"faults": median(faults), "step_s": median(times)}
+
+
+def micro() -> None:
+    from _common import launch
+    from collectives import collectives_rank
+
+    print("Dropout, p = 0.1, forward (median ms, alternating calls, 2 threads):\n")
+    print("| tensor | torch F.dropout | CPU kernel | ratio |\n|---|---|---|---|")
+    for r in _dropout_micro():
+        print(f"| {r['tensor']} | {r['torch_ms']:.2f} | {r['cpu_kernel_ms']:.2f} | "
+              f"{r['torch_ms'] / r['cpu_kernel_ms']:.1f}x |")
+    print("\nAllocator: 2 bert-base layers, forward + backward, batch 8 x 128, fp32 (fresh process each):\n")
+    print("| malloc | minor page faults / step | s / step |\n|---|---|---|")
+    for keep in (False, True, False, True):
+        [r] = launch(_faults_rank, 1, keep, timeout=600)
+        print(f"| {'keep_freed_memory' if keep else 'glibc default'} | {r['faults']:.0f} | {r['step_s']:.2f} |")
+    print("\nCollectives between 2 ranks, fp32 (median us per call, gloo and shared memory alternating):\n")
+    ranks = launch(collectives_rank, 2, 10, 3, timeout=900)
+    print("| op | bytes | gloo us | shared memory us | gloo / shm |\n|---|---|---|---|---|")
+    for a, b in zip(ranks[0]["rows"], ranks[1]["rows"]):
+        g, m = max(a["gloo_s"], b["gloo_s"]), max(a["shm_s"], b["shm_s"])
+        print(f"| {a['op']} | {a['bytes']} | {g * 1e6:.0f} | {m * 1e6:.0f} | {g / m:.1f}x |")
+
+
 def main() -> None:
     from bert_step import bert_rank
     from run import _measured  # fresh spawned ranks, and the cores other processes used meanwhile
@@ -42,7 +118,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--micro", action="store_true", help="the per-piece measurements (see the docstring)")
     args = parser.parse_args()
+    if args.micro:
+        micro()
+        return
     size = SIZES[args.size]
     best: dict[str, float] = {}
     background: dict[str, float] = {}

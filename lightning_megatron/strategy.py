@@ -342,7 +342,7 @@ class MegatronStrategy(DDPStrategy):
         """Mean over microbatches (last stage), mean over DP, then broadcast along the pipeline.
 
         The pipeline broadcast is one tensor op (no host sync): the metric names are sent as objects
-        only on the first step of ``stage`` and whenever they change (a flag in the tensor says so).
+        only on the first step of ``stage``; a loss function whose names change later is refused.
         """
         ps = self.parallel_state
         assert ps is not None
