@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--micro", action="store_true", help="the per-piece measurements (see the docstring)")
     args = parser.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as run.py: spinning OpenMP threads of other jobs distort
     if args.micro:
         micro()
         return
