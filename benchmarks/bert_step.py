@@ -19,7 +19,11 @@ result tells whether AdamW really updated the parameters (a guard against timing
 updates nothing).
 Hugging Face: ``BertForPreTraining`` (SDPA attention) in a plain LightningModule, torch AdamW with
 the same weight-decay groups; bf16 = ``precision="bf16-mixed"`` (autocast, fp32 params).
-"hf-malloc": the same, with the glibc malloc settings of :mod:`lightning_megatron.cpu_allocator`.
+"hf-malloc": the same, with the glibc malloc settings of :mod:`lightning_megatron.cpu.allocator`.
+
+Ours opts in to the CPU tuning explicitly (:class:`lightning_megatron.cpu.CPUTuning`, all pieces on);
+``run["cpu_tuning"]`` switches pieces off for A/B runs (a dict of CPUTuning fields, e.g.
+``{"shared_memory_collectives": False}``; ``None``: no tuning at all, the library's default path).
 """
 
 from __future__ import annotations
@@ -236,19 +240,21 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                 result["top_ops"] = _top_ops(self.prof)
                 self.prof = None
 
-    if run["framework"] == "hf-malloc":  # HF with the allocator settings our strategy applies on CPU
-        from lightning_megatron.cpu_allocator import keep_freed_memory
+    if run["framework"] == "hf-malloc":  # HF with the allocator settings of our CPU tuning
+        from lightning_megatron.cpu.allocator import keep_freed_memory
 
         keep_freed_memory()
     result["rss_before_model"] = current_rss_bytes()
     probe = Probe()
     callbacks: list[Any] = [probe]
     if run["framework"] == "ours":
+        from lightning_megatron.cpu import CPUTuning
         from lightning_megatron.strategy import MegatronStrategy
 
+        tuning = run.get("cpu_tuning", {})
         strategy: Any = MegatronStrategy(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=run["pp"],
                                          micro_batch_size=run["micro_batch"], sequence_parallel=run.get("sp", False),
-                                         shared_memory_collectives=run.get("shm", True))
+                                         cpu_tuning=None if tuning is None else CPUTuning(**tuning))
         module: Any = _ours_module(size, bf16)
         precision = "32-true"
         if bf16:

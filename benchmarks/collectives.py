@@ -1,7 +1,7 @@
 """Collectives between two CPU processes on this host: gloo (TCP loopback) against our shared memory.
 
 For each message size, both ranks run the same collective ``iters`` times on gloo and through
-:class:`lightning_megatron.tensor_parallel.shared_memory.SharedMemoryCollectives`, alternating
+:class:`lightning_megatron.cpu.shared_memory.SharedMemoryCollectives`, alternating
 blocks of the two so both see the same background load; a barrier lines the ranks up before every
 block. Reported: median microseconds per call (slowest rank) and the algorithm bandwidth
 ``bytes of the full tensor / time``. The 3 MiB fp32 row is a bert-base activation ``[128, 8, 768]``,
@@ -25,11 +25,11 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def collectives_rank(iters: int = 20, blocks: int = 3) -> dict[str, Any]:
-    from lightning_megatron.tensor_parallel.mappings import (
+    from lightning_megatron.tensor_parallel.communicator import (
         _all_gather_fn,
         _reduce_scatter_fn,
     )
-    from lightning_megatron.tensor_parallel.shared_memory import enable_shared_memory_collectives
+    from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 
     set_threads(dist.get_world_size())
     world = dist.get_world_size()

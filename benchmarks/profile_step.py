@@ -71,13 +71,16 @@ def main() -> None:
     from lightning_megatron.grads import MainGrads
     from lightning_megatron.parallel_state import initialize_model_parallel
 
-    from lightning_megatron.cpu_allocator import keep_freed_memory
+    from lightning_megatron.cpu.allocator import keep_freed_memory
 
-    keep_freed_memory()  # as the MegatronStrategy does on CPU
+    keep_freed_memory()  # as the opt-in CPU tuning does (CPUTuning(keep_freed_memory=True))
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     ps = initialize_model_parallel(1, 1)
     module, opt, data = build(args.size, args.dtype, args.batch, args.seq)
     chunk = module.model_chunks[0]
+    from lightning_megatron.cpu import CPUTuning
+
+    CPUTuning().configure_model(chunk, torch.device("cpu"))  # the CPU kernels, as the CPU tuning installs them
     main_grads = MainGrads([chunk])  # the strategy's fp32 main grads (accumulated by backward hooks)
 
     def step() -> None:

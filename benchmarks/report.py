@@ -92,6 +92,25 @@ def _label(row: dict[str, Any]) -> str:
     return f"ours {layout}" + (" (bf16, fp32 main)" if row["precision"] == "bf16" else "")
 
 
+KEPT_SECTIONS = ("## GPU check", "## CPU tuning A/B")
+
+
+def _kept_sections(path: str) -> list[str]:
+    """The sections of the existing page that other scripts or people record (KEPT_SECTIONS), verbatim."""
+    try:
+        text = open(path).read()
+    except OSError:
+        return []
+    out = []
+    for head in KEPT_SECTIONS:
+        start = text.find(head + "\n")
+        if start < 0:
+            continue
+        ends = [i for i in (text.find("\n## ", start + 1), text.find("\n![benchmarks]", start + 1)) if i >= 0]
+        out.append(text[start:min(ends) if ends else len(text)].rstrip() + "\n")
+    return out
+
+
 def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: list[dict[str, Any]],
                    mlp: list[dict[str, Any]], adamw: dict[str, Any] | None, tgt: list[dict[str, Any]],
                    zero1: dict[str, Any] | None = None, collectives: dict[str, Any] | None = None,
@@ -141,12 +160,12 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
     add(f"Sequence {SEQ}, batch {BATCH} (= {SEQ * BATCH} tokens per step), full-length sequences, 15% masked, "
         "dropout 0.1, AdamW (lr 1e-4, weight decay 0.01 except biases and norms), masked-LM + NSP/SOP loss. "
         f"Ours: `BertLightningModule(spec=\"bert_layer_post_norm_spec\")` (Hugging Face's layer layout) under "
-        f"`MegatronStrategy`; PP=2 runs 1F1B over {BATCH // PP_MICRO_BATCH} microbatches of {PP_MICRO_BATCH}, "
+        f"`MegatronStrategy(cpu_tuning=True)` (the opt-in CPU tuning: shared-memory collectives, allocator setting, CPU kernels); PP=2 runs 1F1B over {BATCH // PP_MICRO_BATCH} microbatches of {PP_MICRO_BATCH}, "
         f"everything else one microbatch of {BATCH}; bf16 = bf16 parameters with `MegatronOptimizerCallback"
         "(clip_grad=0)` (fp32 main params, `precision=\"bf16-true\"`). HF: `transformers.BertForPreTraining` "
         "(SDPA attention) in a plain LightningModule; bf16 = `precision=\"bf16-mixed\"` (autocast, fp32 params). "
-        "*+ our allocator settings*: the same HF run with the glibc malloc settings the MegatronStrategy applies "
-        "on CPU (`lightning_megatron.cpu_allocator.keep_freed_memory`: no mmap, no trimming, so memory freed in "
+        "*+ our allocator settings*: the same HF run with the glibc malloc settings of our opt-in CPU tuning "
+        "(`lightning_megatron.cpu.allocator.keep_freed_memory`, which the benchmarks switch on: no mmap, no trimming, so memory freed in "
         "one step is reused, not page-faulted in again, in the next): it shows how much of our lead is the "
         "allocator, which any HF user can get with `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`.\n")
     add("FLOPs per step = tokens x (6 N + 12 L s h): 6 N for the matmuls of the N parameters (forward 2, "
@@ -258,6 +277,7 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
         add("## Findings of this run\n")
         L.extend(f"- {f}" for f in findings)
         add("")
+    L.extend(_kept_sections(path))  # recorded by hand (GPU check, CPU tuning A/B): kept across runs
     add("![benchmarks](img/benchmarks.png)\n")
     with open(path, "w") as f:
         f.write("\n".join(L))
@@ -274,7 +294,7 @@ def _collectives_section(add: Any, coll: dict[str, Any]) -> None:
         return
     add("Two processes on this host (1 thread each), fp32 tensors; *size* is the full tensor (the all-gather "
         "output, the reduce-scatter input). Median per call of the slowest rank, gloo (TCP loopback) and our "
-        "shared-memory path (`tensor_parallel/shared_memory.py`, which the strategy uses on CPU) alternating "
+        "shared-memory path (`cpu/shared_memory.py`, which the opt-in CPU tuning installs) alternating "
         f"in blocks (background {coll['background']:.2f} cores). 3 MiB is one bert-base activation "
         "[128, 8, 768], the message of every tensor-parallel all-reduce above.\n")
     add("| op | size | gloo (us) | shared memory (us) | speed-up | shared memory GB/s |\n|---|---:|---:|---:|---:|---:|")

@@ -86,7 +86,7 @@ def _ours(run: dict[str, Any], size: BertSize, bf16: bool, result: dict[str, Any
 
     callbacks = [Probe(), MegatronOptimizerCallback(clip_grad=0.0,
                                                     use_distributed_optimizer=run["framework"] == "ours-zero1")]
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=MegatronStrategy(micro_batch_size=BATCH_PER_RANK),
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=MegatronStrategy(micro_batch_size=BATCH_PER_RANK, cpu_tuning=True),
                       precision="bf16-true" if bf16 else "32-true", max_steps=total, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_megatron.tensor_parallel.communicator import Communicator
 
 __all__ = [
     "ParallelLayout",
@@ -21,6 +25,9 @@ __all__ = [
     "group_size",
     "group_rank",
 ]
+
+
+_GROUP_NAMES = ("tp", "dp", "pp", "mp", "embedding")
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -125,6 +132,39 @@ class ParallelState:
     """Global ranks of this rank's pipeline, stage 0 first (for point-to-point sends)."""
     embedding_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks of this rank's embedding group (first and last stage)."""
+    communicators: dict[str, Communicator] = field(default_factory=dict)
+    """Communicators installed for this state's groups, by group name ("tp", "dp", "mp", ...);
+    a group without one runs its collectives through ``torch.distributed``."""
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The group called ``name``: "tp", "dp", "pp", "mp" or "embedding"."""
+        if name not in _GROUP_NAMES:
+            raise ValueError(f"unknown group name {name!r}; expected one of {_GROUP_NAMES}")
+        return getattr(self, f"{name}_group")
+
+    def set_communicator(self, name: str, comm: Communicator | None) -> None:
+        """Run the collectives of group ``name`` through ``comm`` (``None``: back to torch).
+
+        Every collective of :mod:`lightning_megatron.tensor_parallel.mappings` on that group (as
+        passed to layers, gradient reduction and metrics) uses it until
+        :meth:`close_communicators`. A replaced communicator is closed.
+        """
+        from lightning_megatron.tensor_parallel.communicator import _install
+
+        group = self.group(name)
+        if group is None:
+            raise ValueError(f"ParallelState has no {name!r} group (single process); nothing to install")
+        old = self.communicators.pop(name, None)
+        if old is not None and old is not comm:
+            old.close()
+        _install(group, comm)
+        if comm is not None:
+            self.communicators[name] = comm
+
+    def close_communicators(self) -> None:
+        """Close every installed communicator; the groups go back to ``torch.distributed``."""
+        for name in list(self.communicators):
+            self.set_communicator(name, None)
 
     @property
     def tp_size(self) -> int:

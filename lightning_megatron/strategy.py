@@ -39,7 +39,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
-from lightning_megatron.cpu_allocator import keep_freed_memory
+from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import MainGrads
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
@@ -48,10 +48,6 @@ from lightning_megatron.pipeline.schedules import get_forward_backward_func, val
 from lightning_megatron.sharded_state import ShardedStateMapper, is_distributed_optimizer
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
-from lightning_megatron.tensor_parallel.shared_memory import (
-    disable_shared_memory_collectives,
-    enable_shared_memory_collectives,
-)
 
 __all__ = ["MegatronStrategy"]
 
@@ -76,13 +72,10 @@ class MegatronStrategy(DDPStrategy):
             (then the LightningModule), else the whole per-rank batch is one microbatch.
         seed: seed of the default and model-parallel RNG streams (dropout); weights are seeded by the model.
         ddp_bucket_size_mb: size of the flat buckets for the data-parallel gradient all-reduce.
-        keep_freed_cpu_memory: on CPU, tell glibc's malloc to keep freed memory in the process
-            (:func:`lightning_megatron.cpu_allocator.keep_freed_memory`), so that the tensors every
-            step reallocates are not page-faulted in again (bert-base bf16 here: ~130 k faults and
-            up to 0.9 s of system time per step less). The process keeps its peak heap until exit.
-        shared_memory_collectives: on CPU, exchange the tensor- and data-parallel collectives of
-            ranks that share a host through shared memory instead of gloo's TCP loopback
-            (:mod:`lightning_megatron.tensor_parallel.shared_memory`); groups that span hosts keep gloo.
+        cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`: shared-memory
+            collectives, glibc allocator setting, CPU dropout and attention kernels); ``True`` is
+            ``CPUTuning()``. Default ``None``: the same code path as on accelerators. It acts only
+            when the root device is a CPU.
         timeout: collective timeout; a failing rank ends the job after at most this long.
         Others as :class:`lightning.pytorch.strategies.DDPStrategy`.
     """
@@ -99,8 +92,7 @@ class MegatronStrategy(DDPStrategy):
         micro_batch_size: int | None = None,
         seed: int = 1234,
         ddp_bucket_size_mb: float = 25.0,
-        keep_freed_cpu_memory: bool = True,
-        shared_memory_collectives: bool = True,
+        cpu_tuning: CPUTuning | bool | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -128,6 +120,13 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
+        if cpu_tuning is True:
+            cpu_tuning = CPUTuning()
+        elif cpu_tuning is False:
+            cpu_tuning = None
+        if cpu_tuning is not None and not isinstance(cpu_tuning, CPUTuning):
+            raise TypeError(f"MegatronStrategy: cpu_tuning={cpu_tuning!r} must be a "
+                            f"lightning_megatron.cpu.CPUTuning, True, False or None")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -139,9 +138,9 @@ class MegatronStrategy(DDPStrategy):
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.ddp_bucket_size_mb = ddp_bucket_size_mb
-        self.keep_freed_cpu_memory = keep_freed_cpu_memory
-        self.shared_memory_collectives = shared_memory_collectives
+        self.cpu_tuning: CPUTuning | None = cpu_tuning
         self.parallel_state: ParallelState | None = None
+        self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
         self._main_grads: MainGrads | None = None
         self.schedule_trace: list | None = None
         """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
@@ -163,14 +162,8 @@ class MegatronStrategy(DDPStrategy):
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
             self.virtual_pipeline_model_parallel_size, timeout=self._timeout)
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
-        if self.keep_freed_cpu_memory and self.root_device.type == "cpu":
-            keep_freed_memory()
-        if self.shared_memory_collectives and self.root_device.type == "cpu":
-            ps = self.parallel_state
-            # Every rank, in this order (each call is collective over its group). The model-parallel
-            # group only reduces grad norms and overflow flags: small slots.
-            for group, slot_bytes in ((ps.tp_group, 8 << 20), (ps.dp_group, 8 << 20), (ps.mp_group, 64 << 10)):
-                enable_shared_memory_collectives(group, slot_bytes=slot_bytes, timeout=self._timeout)
+        if self.cpu_tuning is not None:  # opt-in; acts on CPU only
+            self.cpu_tuning.setup(self.parallel_state, device=self.root_device, timeout=self._timeout)
 
     @property
     @override
@@ -209,6 +202,8 @@ class MegatronStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self.cpu_tuning is not None:
+            self.cpu_tuning.configure_model(self.model, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -331,13 +326,18 @@ class MegatronStrategy(DDPStrategy):
                     trace=self.schedule_trace)
         if not forward_only:
             self.finalize_model_grads()
-        return self._reduce_logged(logged)
+        return self._reduce_logged(logged, stage)
 
-    def _reduce_logged(self, logged: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Mean over microbatches (last stage), mean over DP, then broadcast along the pipeline."""
+    def _reduce_logged(self, logged: list[dict[str, Any]], stage: str = "train") -> dict[str, torch.Tensor]:
+        """Mean over microbatches (last stage), mean over DP, then broadcast along the pipeline.
+
+        The pipeline broadcast is one tensor op (no host sync): the metric names are sent as objects
+        only on the first step of ``stage``; a loss function whose names change later is refused.
+        """
         ps = self.parallel_state
         assert ps is not None
-        means: dict[str, torch.Tensor] = {}
+        keys: list[str] = []
+        values: torch.Tensor | None = None
         if ps.is_pipeline_last_stage() and logged:
             keys = sorted(k for k, v in logged[0].items() if torch.is_tensor(v) and v.numel() == 1)
             stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
@@ -345,13 +345,33 @@ class MegatronStrategy(DDPStrategy):
             if ps.dp_size > 1:
                 all_reduce(values, ps.dp_group)
                 values /= ps.dp_size
-            means = dict(zip(keys, values.unbind(0)))
         if ps.pp_size > 1:
-            holder = [{k: v.item() for k, v in means.items()}]
-            dist.broadcast_object_list(holder, src=ps.pp_ranks[-1], group=ps.pp_group)
-            device = self.root_device
-            means = {k: torch.tensor(v, device=device) for k, v in holder[0].items()}
-        return means
+            keys, values = self._broadcast_logged(keys, values, stage)
+        return {} if values is None else dict(zip(keys, values.unbind(0)))
+
+    def _broadcast_logged(self, keys: list[str], values: torch.Tensor | None, stage: str
+                          ) -> tuple[list[str], torch.Tensor | None]:
+        ps = self.parallel_state
+        assert ps is not None
+        src, last = ps.pp_ranks[-1], ps.is_pipeline_last_stage()
+        cached = self._logged_keys.get(stage)
+        if cached is None:  # first step of this stage: every pipeline rank learns the names
+            holder = [keys if last else None]
+            dist.broadcast_object_list(holder, src=src, group=ps.pp_group)
+            cached = self._logged_keys[stage] = list(holder[0])
+        if not cached:
+            return [], None
+        if last and keys != cached:
+            # Still send (NaN) so that the other stages do not wait, then refuse.
+            dist.broadcast(torch.full((len(cached),), float("nan"), device=self.root_device), src=src,
+                           group=ps.pp_group)
+            raise ValueError(f"MegatronStrategy: the {stage} loss function returned the metrics {keys} after "
+                             f"{cached} in an earlier step; with pipeline parallelism every step must log the "
+                             f"same metric names")
+        buf = values.to(self.root_device) if last and values is not None else \
+            torch.empty(len(cached), device=self.root_device)
+        dist.broadcast(buf, src=src, group=ps.pp_group)
+        return list(cached), buf
 
     def finalize_model_grads(self) -> None:
         """After the schedule: every gradient in fp32 ``param.main_grad``, reduced (:mod:`lightning_megatron.grads`).
@@ -512,10 +532,8 @@ class MegatronStrategy(DDPStrategy):
         if self._main_grads is not None:
             self._main_grads.remove()
             self._main_grads = None
-        if self.parallel_state is not None:
-            ps = self.parallel_state
-            for group in (ps.tp_group, ps.dp_group, ps.mp_group):
-                disable_shared_memory_collectives(group)
+        if self.cpu_tuning is not None:
+            self.cpu_tuning.teardown(self.parallel_state)
         super().teardown()
 
 

@@ -1,4 +1,10 @@
-"""Shared fixtures: every test leaves environment variables, default dtype, seeds and process groups as it found them."""
+"""Shared fixtures: every test leaves environment variables, default dtype, seeds and process groups as it found them.
+
+The device the tests run on: ``pytest --device cuda`` (or ``LM_TEST_DEVICE=cuda``; default cpu).
+On cuda, single-rank tests create their tensors on the GPU (``torch.set_default_device``) and
+Trainers use ``accelerator="gpu"``; multi-rank tests (tests/dist_utils.py) run on NCCL with one GPU
+per rank, and are skipped, with the reason, when there are fewer GPUs than ranks.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,43 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import tests' helpers
 
+from dist_utils import DEVICE_ENV, test_device  # noqa: E402
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default=None, choices=["cpu", "cuda"],
+                     help=f"device the tests run on (default: ${DEVICE_ENV} or cpu)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    device = config.getoption("--device")
+    if device is not None:
+        os.environ[DEVICE_ENV] = device  # spawned ranks inherit it
+    if test_device() == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda (or LM_TEST_DEVICE=cuda) was asked for, but torch sees no GPU")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"lightning_megatron test device: {test_device()}"
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The test device (cpu, or the first GPU with ``--device cuda``)."""
+    return torch.device("cuda", 0) if test_device() == "cuda" else torch.device("cpu")
+
 
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     env = dict(os.environ)
     dtype = torch.get_default_dtype()
     threads = torch.get_num_threads()
+    on_gpu = test_device() == "cuda"
+    if on_gpu:
+        torch.set_default_device("cuda")
     yield
+    if on_gpu:
+        torch.set_default_device(None)
     os.environ.clear()
     os.environ.update(env)
     torch.set_default_dtype(dtype)

@@ -1,8 +1,10 @@
-"""Run a function on N gloo ranks in spawned processes, with a timeout, for tests.
+"""Run a function on N ranks in spawned processes, with a timeout, for tests.
 
 Every multi-process test goes through :func:`run_distributed`:
 - each rank is a fresh ``spawn``-ed process with ``torch.set_num_threads(1)`` (2 cores here);
-- the default process group is initialized (gloo on CPU) with a collective timeout;
+- the default process group is initialized with a collective timeout: gloo on CPU; with the test
+  device cuda (``pytest --device cuda`` / ``LM_TEST_DEVICE=cuda``) NCCL, one GPU per rank
+  (``torch.set_default_device``), and the test is skipped, saying why, with fewer GPUs than ranks;
 - as soon as one rank fails, every rank is killed and that rank's traceback is raised in pytest;
 - the whole run is bounded by ``timeout`` seconds, after which every rank is killed.
 
@@ -22,7 +24,25 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_distributed", "DistributedTestFailure"]
+__all__ = ["run_distributed", "DistributedTestFailure", "test_device", "accelerator", "DEVICE_ENV"]
+
+DEVICE_ENV = "LM_TEST_DEVICE"
+
+
+def test_device() -> str:
+    """"cpu" or "cuda": the device the tests run on."""
+    device = os.environ.get(DEVICE_ENV, "cpu") or "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={device!r}: expected cpu or cuda")
+    return device
+
+
+test_device.__test__ = False  # not a test (pytest collects test_* functions from imported modules)
+
+
+def accelerator() -> str:
+    """The Lightning accelerator for the test device ("cpu" or "gpu")."""
+    return "gpu" if test_device() == "cuda" else "cpu"
 
 
 class DistributedTestFailure(AssertionError):
@@ -43,6 +63,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
@@ -61,13 +84,22 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-                    backend: str = "gloo", **kwargs: Any) -> list[Any]:
+                    backend: str | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order.
 
     ``fn`` must be importable (a module-level function). Inside it, ``torch.distributed`` is
-    initialized and ``dist.get_rank()`` tells the rank.
+    initialized and ``dist.get_rank()`` tells the rank. ``backend`` defaults to the test device's
+    (gloo on cpu, nccl on cuda).
     """
     import torch
+
+    if backend is None:
+        backend = "nccl" if test_device() == "cuda" else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        import pytest
+
+        pytest.skip(f"{world_size} ranks on NCCL need {world_size} GPUs; this machine has "
+                    f"{torch.cuda.device_count()}")
 
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from dist_utils import accelerator
 
 VOCAB = 1000
 SEQ = 16
@@ -27,6 +28,10 @@ class SyntheticBertDataset(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        with torch.device("cpu"):  # samples are made on the host, as a DataLoader's are (any test device)
+            return self._sample(index)
+
+    def _sample(self, index: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + index)
         length = int(torch.randint(SEQ // 2, SEQ + 1, (1,), generator=g))
         tokens = torch.randint(5, VOCAB, (SEQ,), generator=g)
@@ -70,7 +75,7 @@ class LossRecorder:
 def make_trainer(strategy: Any, world_size: int, max_steps: int, callbacks: list | None = None, **kwargs: Any):
     from lightning.pytorch import Trainer
 
-    defaults = dict(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps, logger=False,
+    defaults = dict(accelerator=accelerator(), devices=world_size, strategy=strategy, max_steps=max_steps, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
     defaults.update(kwargs)

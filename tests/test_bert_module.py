@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
+from dist_utils import accelerator, run_distributed
 from megatron_testing import TINY_MODEL, SyntheticBertDataset
 
 
@@ -68,7 +68,7 @@ def _plain_module_worker() -> list[float]:
     x = torch.randn(256, 32, generator=g)
     data = TensorDataset(x, x[:, :4].sum(-1))
     rec = Losses()
-    trainer = Trainer(accelerator="cpu", devices=2, max_steps=30, logger=False, enable_checkpointing=False,
+    trainer = Trainer(accelerator=accelerator(), devices=2, max_steps=30, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
                       strategy=MegatronStrategy(tensor_model_parallel_size=2, micro_batch_size=4))
     trainer.fit(TPRegressor(), DataLoader(data, batch_size=16))

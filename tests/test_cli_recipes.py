@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -23,7 +24,7 @@ def _build_worker(recipe: str) -> dict:
 
     # CPU stand-ins for the cluster settings, everything else exactly as written.
     cli = LightningCLI(BertLightningModule, BertDataModule, run=False, args=[
-        "--config", recipe, "--trainer.accelerator", "cpu", "--trainer.num_nodes", "1",
+        "--config", recipe, "--trainer.accelerator", accelerator(), "--trainer.num_nodes", "1",
         "--trainer.logger", "false", "--trainer.precision", "32-true"])
     strategy = cli.trainer.strategy
     return {"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,

@@ -11,6 +11,7 @@ import torch
 from data_testing import data_cache_dir
 
 from lightning_megatron.data.datamodule import BertDataModule
+from dist_utils import accelerator
 
 
 def _fake_trainer(dp_rank=0, dp_size=1, global_step=0, max_steps=-1):
@@ -98,7 +99,7 @@ class _Recorder(pl.LightningModule):
 def _fit(max_steps, tmp_path, ckpt_path=None):
     model = _Recorder()
     dm = _datamodule(splits="100,0,0")
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
+    trainer = pl.Trainer(max_steps=max_steps, accelerator=accelerator(), devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=tmp_path, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)

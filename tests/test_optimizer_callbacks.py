@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
 from lightning_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, get_param_groups
+from dist_utils import accelerator
 
 
 class TinyModule(pl.LightningModule):
@@ -60,7 +61,7 @@ class LrRecorder(pl.Callback):
 
 
 def _trainer(max_steps: int, callbacks: list, precision: str = "32-true", **kw) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks, precision=precision,
+    return pl.Trainer(accelerator=accelerator(), devices=1, max_steps=max_steps, callbacks=callbacks, precision=precision,
                       max_epochs=kw.pop("max_epochs", None),
                       enable_progress_bar=False, logger=False, enable_checkpointing=False,
                       enable_model_summary=False, **kw)

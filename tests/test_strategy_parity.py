@@ -106,7 +106,8 @@ def test_layouts_equal_one_process(world, layouts, reference):
     relative, grad norms within 1e-5, every gradient after step 1 within 1e-4 of its largest entry,
     and final parameters within 1e-5 of one process with the same global batch."""
     assert reference.losses[-1] < reference.losses[0] - 0.05, "the reference run must learn"
-    report = check(layouts, reference)
+    # with the CPU tuning switched on explicitly (as the CPU recipe does)
+    report = check(layouts, reference, strategy_kwargs={"cpu_tuning": True})
     print(report.table())
     assert report.passed, report.table()
     assert [r.layout for r in report.results] == layouts
@@ -114,14 +115,15 @@ def test_layouts_equal_one_process(world, layouts, reference):
         run = report.runs[name]
         assert len(run.memory) == world
         layout = parse_layout(name)
-        # on CPU by default every TP and DP group of more than one rank uses the shared-memory path
+        # with the CPU tuning every TP and DP group of more than one rank uses the shared-memory path
         assert all(all(c.values()) for c in run.collectives), (name, run.collectives)
         assert any(run.collectives) == (layout.tp > 1 or layout.dp > 1), (name, run.collectives)
 
 
 def test_gloo_collectives_equal_one_process(reference):
-    """The same TP=2 and DP=2 runs with the shared-memory collectives off (gloo's own, as across hosts)."""
-    report = check(["tp2", "dp2"], reference, strategy_kwargs={"shared_memory_collectives": False})
+    """The same TP=2 and DP=2 runs with the library's defaults: no CPU tuning, torch.distributed's
+    collectives (the path every device takes)."""
+    report = check(["tp2", "dp2"], reference)
     assert report.passed, report.table()
     assert report.runs["tp2"].collectives == [{"tp": False}] * 2
     assert report.runs["dp2"].collectives == [{"dp": False}] * 2

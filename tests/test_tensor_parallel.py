@@ -23,7 +23,7 @@ from lightning_megatron.tensor_parallel import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from lightning_megatron.tensor_parallel.shared_memory import enable_shared_memory_collectives
+from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 
 TOL = dict(atol=1e-6, rtol=1e-6)
 
@@ -36,8 +36,10 @@ def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 def _mappings_worker(tp: int, shm: bool = False) -> None:
     ps = initialize_model_parallel(tp)
-    if shm:  # the same checks with the TP group's collectives in shared memory
-        assert enable_shared_memory_collectives(ps.tp_group, slot_bytes=64) is not None
+    if shm:  # the same checks with the TP group's collectives in shared memory (the opt-in CPU tuning)
+        comm = enable_shared_memory_collectives(ps.tp_group, slot_bytes=64)
+        assert comm is not None
+        ps.set_communicator("tp", comm)
     g, r = ps.tp_group, ps.tp_rank
     world_sum = sum(range(tp))
 
@@ -107,7 +109,9 @@ def _check_linear_pair(ref, par, x_full, x_local, dy_full, dy_local, out_full_fn
 def _layers_worker(tp: int, shm: bool = False) -> None:
     ps = initialize_model_parallel(tp)
     if shm:
-        assert enable_shared_memory_collectives(ps.tp_group) is not None
+        comm = enable_shared_memory_collectives(ps.tp_group)
+        assert comm is not None
+        ps.set_communicator("tp", comm)
     g, r = ps.tp_group, ps.tp_rank
     s, b, h, ffn = 8, 2, 8, 16
 

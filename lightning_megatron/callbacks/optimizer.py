@@ -171,8 +171,9 @@ class MegatronOptimizerCallback(Callback):
     ) -> None:
         for i, opt in enumerate(self.optimizers):
             suffix = "" if i == 0 else f"_{i}"
-            metrics: dict[str, float] = {
-                f"loss_scale{suffix}": float(opt.get_loss_scale().item()),
+            metrics: dict[str, float | torch.Tensor] = {
+                # a tensor: Lightning reads it when it writes the logs, not every step (no host sync)
+                f"loss_scale{suffix}": opt.get_loss_scale().detach().float(),
                 f"skipped_steps{suffix}": float(opt.num_skipped_steps),
             }
             if opt.last_grad_norm is not None:

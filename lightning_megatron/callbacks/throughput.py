@@ -33,18 +33,26 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 204
     torch.matmul(a, b)
     best = float("inf")
     for _ in range(repeats):
-        if device.type != "cpu":
-            torch.accelerator.synchronize()
+        _synchronize()
         start = time.perf_counter()
         torch.matmul(a, b)
-        if device.type != "cpu":
-            torch.accelerator.synchronize()
+        _synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e12
 
 
+def _synchronize() -> None:
+    """Wait for queued device work (nothing to wait for on a host without an accelerator)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
 class ThroughputCallback(Callback):
-    """Log ``tokens_per_sec``, ``tflops_per_device`` and ``mfu`` each training step (rank-zero values)."""
+    """Log ``tokens_per_sec``, ``tflops_per_device`` and ``mfu`` each training step (rank-zero values).
+
+    No host synchronisation per step: the masked-token count stays a device tensor, and Lightning
+    reads the logged values only when it writes the logs (``log_every_n_steps``).
+    """
 
     def __init__(self, peak_tflops: float | None = None, window: int = 5) -> None:
         if peak_tflops is not None and peak_tflops <= 0:
@@ -74,10 +82,10 @@ class ThroughputCallback(Callback):
         ps = getattr(trainer.strategy, "parallel_state", None)
         dp = ps.dp_size if ps is not None else trainer.world_size
         global_tokens = tokens.numel() * dp
-        head_tokens = global_tokens
+        head_tokens: int | torch.Tensor = global_tokens
         if isinstance(batch, dict) and "loss_mask" in batch and getattr(pl_module, "hparams", {}).get(
                 "lm_head_on_masked_only", False):
-            head_tokens = int((batch["loss_mask"] > 0).sum().item()) * dp
+            head_tokens = (batch["loss_mask"] > 0).sum().double() * dp  # a device tensor: no sync
         flops = _step_flops(pl_module, global_tokens, tokens.size(-1), head_tokens)
         tflops_per_device = flops / step_time / trainer.world_size / 1e12
         pl_module.log("tokens_per_sec", global_tokens / step_time, on_step=True, rank_zero_only=True)
@@ -86,7 +94,8 @@ class ThroughputCallback(Callback):
             pl_module.log("mfu", tflops_per_device / self.peak_tflops, on_step=True, rank_zero_only=True)
 
 
-def _step_flops(pl_module: LightningModule, tokens: int, seq: int, head_tokens: int) -> float:
+def _step_flops(pl_module: LightningModule, tokens: int, seq: int,
+                head_tokens: int | torch.Tensor) -> float | torch.Tensor:
     config = getattr(pl_module, "config", None)
     vocab = getattr(pl_module, "vocab_size", None)
     if config is None or vocab is None:

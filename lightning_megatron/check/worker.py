@@ -180,9 +180,10 @@ class _Held:
 
 def _on_shared_memory(group: Any) -> bool:
     """Whether ``group``'s collectives go through the CPU shared-memory path."""
-    from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
+    from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives
+    from lightning_megatron.tensor_parallel.communicator import communicator_of
 
-    return shared_memory_collectives(group) is not None
+    return isinstance(communicator_of(group), SharedMemoryCollectives)
 
 
 def _make_recorder(run: CheckRun):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.parallel_state import group_rank, group_size
-from lightning_megatron.tensor_parallel.shared_memory import shared_memory_collectives
+from lightning_megatron.tensor_parallel.communicator import communicator_of
 from lightning_megatron.tensor_parallel.utils import divide
 
 __all__ = [
@@ -43,32 +43,16 @@ __all__ = [
 Group = dist.ProcessGroup | None
 
 
-# torch >= 2.10 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
-_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _shm(t: torch.Tensor, group: Group):
-    """The group's shared-memory collectives when ``t`` is a CPU tensor and the group has them."""
-    return shared_memory_collectives(group) if t.device.type == "cpu" else None
-
-
-_SHM_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
-
-
 def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce the contiguous ``t`` over ``group`` in place (no autograd) and return it.
 
-    The one all-reduce of the package: through the group's shared memory for CPU tensors when the
-    strategy enabled it (sum, max, min), else the group's backend; nothing with a group of one.
+    The one all-reduce of the package, through the group's communicator
+    (:func:`~lightning_megatron.tensor_parallel.communicator.communicator_of`); nothing with a group
+    of one.
     """
     if group_size(group) == 1:
         return t
-    shm = _shm(t, group)
-    if shm is not None and op in _SHM_OPS:
-        shm.all_reduce(t, op=_SHM_OPS[op])
-    else:
-        dist.all_reduce(t, op=op, group=group)
+    communicator_of(group).all_reduce(t, op)
     return t
 
 
@@ -77,11 +61,7 @@ def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> 
 
     ``t`` may be this rank's own chunk of ``out`` (in place).
     """
-    shm = _shm(t, group)
-    if shm is not None:
-        shm.all_gather(out, t)
-    else:
-        _all_gather_fn(out, t, group=group)
+    communicator_of(group).all_gather_into_tensor(out, t)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
@@ -89,11 +69,7 @@ def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> N
 
     ``out`` may be this rank's own chunk of ``t`` (in place).
     """
-    shm = _shm(t, group)
-    if shm is not None:
-        shm.reduce_scatter(out, t)
-    else:
-        _reduce_scatter_fn(out, t, group=group)
+    communicator_of(group).reduce_scatter_tensor(out, t)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,12 +81,8 @@ def _reduce(t: torch.Tensor, group: Group, inplace: bool = False) -> torch.Tenso
         return t
     if inplace and t.is_contiguous():
         return all_reduce(t, group)
-    shm = _shm(t, group)
-    if shm is not None:  # reduce straight into a new tensor (no clone first)
-        return shm.all_reduce(t, out=torch.empty_like(t, memory_format=torch.contiguous_format))
     out = t.contiguous().clone()
-    dist.all_reduce(out, group=group)
-    return out
+    return all_reduce(out, group)
 
 
 def _split_along_dim(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

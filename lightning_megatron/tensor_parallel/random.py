@@ -32,7 +32,7 @@ MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 
 
 def _accelerator_module():
-    """The torch module of the current accelerator (cuda, xpu, mps...) or None on CPU-only hosts."""
+    """The torch module of the current accelerator (the GPU backend, xpu, mps...) or None on CPU-only hosts."""
     acc = getattr(torch, "accelerator", None)
     if acc is None or not acc.is_available():
         return None

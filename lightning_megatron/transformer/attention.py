@@ -42,6 +42,7 @@ from lightning_megatron.tensor_parallel import (
 )
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.dropout import dropout
+from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp
 
@@ -72,10 +73,9 @@ class DotProductAttention(nn.Module):
     ``attention_mask``: bool, broadcastable to [b, n/t, s, s], True where a key is hidden (padding).
     The "sdpa" backend calls ``torch.nn.functional.scaled_dot_product_attention``; "unfused" spells
     the math out (softmax in fp32 if asked), which the tests use as the reference. "auto" (the
-    default) is SDPA on accelerators, where it runs fused kernels, and on CPU wherever SDPA is the
-    faster one (fp32 without dropout); elsewhere on CPU, "unfused": SDPA's CPU kernels draw the
-    dropout mask with ``bernoulli_`` and run bf16 through a slower path (bert-base attention,
-    forward + backward, bf16 with dropout: 34 ms SDPA vs 18 ms unfused per layer).
+    default) asks :attr:`kernels` (:class:`~lightning_megatron.transformer.kernels.Kernels`): SDPA,
+    which runs fused (flash / memory-efficient) kernels on GPUs. The opt-in CPU tuning's kernels
+    choose "unfused" on CPU where that is faster (bf16 or dropout; see :mod:`lightning_megatron.cpu`).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -83,6 +83,7 @@ class DotProductAttention(nn.Module):
         super().__init__()
         self.config, self.layer_number, self.attn_mask_type = config, layer_number, attn_mask_type
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.kernels: Kernels = DEFAULT_KERNELS
 
     def _dropout_rng(self) -> contextlib.AbstractContextManager:
         # Under sequence parallelism the whole block already runs in the model-parallel stream
@@ -90,12 +91,6 @@ class DotProductAttention(nn.Module):
         if self.config.sequence_parallel:
             return contextlib.nullcontext()
         return get_rng_tracker().fork()
-
-    def _use_sdpa(self, q: torch.Tensor, p: float) -> bool:
-        backend = self.config.attention_backend
-        if backend != "auto":
-            return backend == "sdpa"
-        return q.device.type != "cpu" or (p == 0.0 and q.dtype == torch.float32)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -105,7 +100,7 @@ class DotProductAttention(nn.Module):
         if self.attn_mask_type == AttnMaskType.no_mask:
             attention_mask = None
         p = self.config.attention_dropout if self.training else 0.0
-        if self._use_sdpa(q, p):
+        if self.kernels.use_sdpa(q, p, self.config.attention_backend):
             # SDPA takes True = "may attend"; our mask is True = "hidden".
             keep = None if attention_mask is None else ~attention_mask
             rng = self._dropout_rng() if p > 0 else contextlib.nullcontext()
@@ -128,16 +123,10 @@ class DotProductAttention(nn.Module):
             attention_mask = upper if attention_mask is None else attention_mask | upper
         if attention_mask is not None:
             scores = scores.masked_fill(attention_mask, float("-inf"))
-        if self.config.attention_softmax_in_fp32 and scores.dtype != torch.float32 and scores.device.type != "cpu":
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        else:
-            # On CPU the bf16/fp16 softmax kernels already compute in fp32 (forward bit-identical to
-            # fp32 then rounding; backward within an ulp), as Megatron's fused softmax does on GPUs,
-            # without the two casts of [b, n, s, s].
-            probs = torch.softmax(scores, dim=-1)
+        probs = self.kernels.softmax(scores, self.config.attention_softmax_in_fp32)
         if p > 0:
             with self._dropout_rng():
-                probs = dropout(probs, p)
+                probs = dropout(probs, p, kernels=self.kernels)
         return torch.matmul(probs, v)
 
 

@@ -1,99 +1,44 @@
-"""Dropout: ``y = x * keep / P(keep)``, ``keep ~ Bernoulli(1 - p)`` per element.
+"""Dropout: ``torch.nn.functional.dropout`` through the model's :class:`~lightning_megatron.transformer.kernels.Kernels`.
 
-On accelerators this is ``torch.nn.functional.dropout`` (a fused kernel with a counter-based RNG).
-On CPU ``bernoulli_`` draws one Mersenne-Twister number per element, serially: at bert-base
-(37 dropout sites, ~40 M elements per step) that was 15-20% of a bf16 training step. Here the CPU
-path draws one 64-bit number per *four* elements and compares each 16-bit lane with a threshold:
-
-    k = round(p * 2^16),   drop = lane < k   (lanes uniform on 0 .. 2^16 - 1),
-    P(keep) = 1 - k / 2^16,   y = x * keep * (1 / P(keep)).
-
-So the drop probability is ``p`` rounded to a multiple of 2^-16 (0.1 -> 0.1000061) and the scale
-uses the rounded value: ``E[y] = x``, as with torch's dropout. The scale multiplies in the op's
-fp32 arithmetic, where torch's CPU dropout of a bf16 tensor multiplies by a bf16-rounded
-``1 / (1 - p)`` (1.109375 for p = 0.1, a 0.16% bias). Per bert-base attention-probability tensor
-(1.6 M bf16 elements, 2 threads): 2.7 ms forward instead of 13.5 ms. The numbers come from the default generator
-of the tensor's device, so the RNG tracker's ``fork()`` and activation recomputation replay the
-same masks, exactly as they do for ``F.dropout``.
+The masks come from the default generator of the tensor's device, so the RNG tracker's ``fork()``
+and activation recomputation replay them. A platform package may install another kernel
+(:func:`~lightning_megatron.transformer.kernels.set_kernels`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["dropout", "Dropout", "keep_mask"]
+from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
 
-_LANES = 1 << 16
+__all__ = ["dropout", "Dropout"]
 
 
-def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
-    """(``keep`` of ``shape`` and ``dtype``: 1 with probability P(keep), else 0; that P(keep)).
-
-    P(keep) = 1 - round(p * 2^16) / 2^16. Draws ``ceil(numel / 4)`` int64 words over their full
-    range from the device's default generator; nothing is drawn when P(keep) = 1.
-    """
+def _check(p: float) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability p={p} must be in [0, 1)")
-    drops = round(p * _LANES)
-    if drops == 0:
-        return torch.ones(shape, dtype=dtype, device=device), 1.0
-    numel = 1
-    for n in shape:
-        numel *= n
-    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
-    lanes = words.view(torch.int16)[:numel].view(shape)  # uniform on [-2^15, 2^15)
-    # keep = lane >= t, as 0/1 by integer clamping: a bool mask would cost a slow bool -> float
-    # conversion (measured 3x the time of these two int16 passes and the cast).
-    t = drops - _LANES // 2
-    keep = lanes.clamp(t - 1, t).sub_(t - 1).to(dtype)
-    return keep, 1.0 - drops / _LANES
 
 
-class _ApplyKeepMask(torch.autograd.Function):
-    """``y = x * keep * scale``; ``dx = dy * keep * scale`` (saves the mask only).
-
-    Two multiplications instead of one by ``keep * scale``: that product, stored in bf16, would
-    round the scale (and bias E[y]); ``mul_(scale)`` multiplies in fp32 and rounds once.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(keep)
-        ctx.scale = scale
-        return x.mul(keep).mul_(scale)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (keep,) = ctx.saved_tensors
-        return grad.mul(keep).mul_(ctx.scale), None, None
-
-
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, training: bool = True, kernels: Kernels = DEFAULT_KERNELS) -> torch.Tensor:
     """Dropout of ``x`` with probability ``p`` when ``training``; the identity otherwise."""
+    _check(p)
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p=p, training=True)
-    keep, keep_prob = keep_mask(x.shape, p, x.dtype, x.device)
-    if keep_prob == 1.0:
-        return x
-    return _ApplyKeepMask.apply(x, keep, 1.0 / keep_prob)
+    return kernels.dropout(x, p)
 
 
 class Dropout(nn.Module):
-    """``nn.Dropout`` with :func:`dropout`'s fast CPU path; ``p`` is the drop probability."""
+    """``nn.Dropout`` through :attr:`kernels`; ``p`` is the drop probability."""
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout probability p={p} must be in [0, 1)")
+        _check(p)
         self.p = p
+        self.kernels: Kernels = DEFAULT_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training)
+        return dropout(x, self.p, self.training, self.kernels)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.dropout import dropout
+from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import IdentityFuncOp, IdentityOp
 
@@ -43,10 +44,12 @@ Spec = ModuleSpec | type | Callable[..., object]
 BiasDropoutAdd = Callable[[tuple[torch.Tensor, torch.Tensor | None], torch.Tensor, float], torch.Tensor]
 
 
-def get_bias_dropout_add(training: bool, fused: bool = False) -> BiasDropoutAdd:
+def get_bias_dropout_add(training: bool, fused: bool = False, *,
+                         kernels: Kernels = DEFAULT_KERNELS) -> BiasDropoutAdd:
     """Megatron's bias-dropout-add: ``((x, bias), residual, p) -> residual + dropout(x + bias, p)``.
 
-    ``fused`` is accepted for Megatron compatibility; the unfused form is what runs here.
+    ``fused`` is accepted for Megatron compatibility; the unfused form is what runs here, its
+    dropout through ``kernels``.
     """
 
     def bias_dropout_add(x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor,
@@ -54,7 +57,7 @@ def get_bias_dropout_add(training: bool, fused: bool = False) -> BiasDropoutAdd:
         x, bias = x_with_bias
         if bias is not None:
             x = x + bias
-        return residual + dropout(x, prob, training)
+        return residual + dropout(x, prob, training, kernels)
 
     return bias_dropout_add
 
@@ -110,6 +113,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.hidden_dropout = config.hidden_dropout
+        self.kernels: Kernels = DEFAULT_KERNELS  # for the bias-dropout-adds (see transformer.kernels)
 
         def norm(slot: Spec) -> nn.Module:
             return build_module(slot, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
@@ -124,13 +128,19 @@ class TransformerLayer(nn.Module):
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.post_mlp_layernorm = norm(submodules.post_mlp_layernorm)
 
+    def _bda(self, slot: Callable) -> BiasDropoutAdd:
+        # Installed kernels reach get_bias_dropout_add; a custom bda keeps Megatron's signature.
+        if self.kernels is DEFAULT_KERNELS:
+            return slot(self.training)
+        return slot(self.training, kernels=self.kernels)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         residual = hidden_states
         attention_output_with_bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask)
-        hidden_states = self.self_attn_bda(self.training)(attention_output_with_bias, residual, self.hidden_dropout)
+        hidden_states = self._bda(self.self_attn_bda)(attention_output_with_bias, residual, self.hidden_dropout)
         hidden_states = self.post_self_attn_layernorm(hidden_states)
 
         residual = hidden_states
         mlp_output_with_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        hidden_states = self.mlp_bda(self.training)(mlp_output_with_bias, residual, self.hidden_dropout)
+        hidden_states = self._bda(self.mlp_bda)(mlp_output_with_bias, residual, self.hidden_dropout)
         return self.post_mlp_layernorm(hidden_states)

@@ -21,8 +21,16 @@ counter, so the shared-memory path is used on x86-64 only. Two sets of slots are
 alternately: a rank writes into a set only after every rank has passed the barrier of the
 collective that followed its last use, so nobody still reads it.
 
-A rank that waits longer than ``timeout`` raises, naming the peers that did not arrive; a group
-whose ranks are not all on one host (or where the mapping cannot be created) keeps using gloo.
+A rank that waits longer than ``timeout`` raises, naming the peers that did not arrive. A rank
+that has waited more than a second also checks, every half second, that the late peers are alive
+(``os.kill(pid, 0)`` and not a zombie in ``/proc/<pid>/stat``) and that its parent process is the
+one it started with: a dead peer or parent ends the wait within about a second with a
+``RuntimeError`` naming it (issue: SIGKILL of the launcher left the other ranks spinning for the
+whole timeout). A group whose ranks are not all on one host (or where the mapping cannot be
+created) keeps using gloo.
+
+This module is part of the opt-in CPU tuning (:class:`lightning_megatron.cpu.CPUTuning`): it is
+installed as the communicator of a group through ``ParallelState.set_communicator``.
 """
 
 from __future__ import annotations
@@ -34,26 +42,57 @@ import platform
 import socket
 import time
 import uuid
-import weakref
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-__all__ = [
-    "SharedMemoryCollectives",
-    "enable_shared_memory_collectives",
-    "shared_memory_collectives",
-    "disable_shared_memory_collectives",
-]
+from lightning_megatron.tensor_parallel.communicator import TorchCommunicator
+
+__all__ = ["SharedMemoryCollectives", "enable_shared_memory_collectives"]
 
 _FLAG_STRIDE = 64  # bytes: one counter per cache line
 _ALIGN = 64
 _SPIN_POLLS = 2000  # tight polls before yielding the core (a peer may need it)
 _YIELD_SECONDS = 0.05  # then sched_yield for this long, then short sleeps
+_LIVENESS_AFTER = 1.0  # seconds of waiting before checking that the late peers and the parent live
+_LIVENESS_EVERY = 0.5  # seconds between those checks
 
-_registry: weakref.WeakKeyDictionary[dist.ProcessGroup, SharedMemoryCollectives] = weakref.WeakKeyDictionary()
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _process_alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed child stays a zombie until its parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill(0)
+    return state not in ("Z", "X")
+
+
+class _Done:
+    """The handle of a collective that completed before returning (``async_op=True``)."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def _host_id() -> str:
@@ -70,15 +109,17 @@ def _align(n: int) -> int:
 
 
 class SharedMemoryCollectives:
-    """All-reduce (sum), all-gather and reduce-scatter for the CPU ranks of one group on one host.
+    """All-reduce (sum, max, min), all-gather and reduce-scatter for the CPU ranks of one group on one host.
 
     Build it with :func:`enable_shared_memory_collectives` (collective over ``group``). Tensors of
-    any dtype and shape; ``slot_bytes`` bounds one piece of a message, not the message.
+    any dtype and shape; ``slot_bytes`` bounds one piece of a message, not the message. It is a
+    :class:`~lightning_megatron.tensor_parallel.communicator.Communicator`: tensors on another
+    device, and other reduce ops, go to ``torch.distributed`` on the group.
     """
 
     def __init__(self, group: dist.ProcessGroup, mapping: mmap.mmap, *, slot_bytes: int,
-                 timeout: datetime.timedelta) -> None:
-        self._group = weakref.ref(group)  # the registry is keyed weakly by the group
+                 timeout: datetime.timedelta, pids: list[int] | None = None) -> None:
+        self._torch = TorchCommunicator(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_ranks = dist.get_process_group_ranks(group)
@@ -94,6 +135,8 @@ class SharedMemoryCollectives:
         self._slots = data.view(2, self.world_size, slot_bytes)
         self._epoch = 0
         self._set = 0
+        self.pids = pids  # per group rank; None when the ranks do not share a pid namespace
+        self._parent = os.getppid()
 
     # -----------------------------------------------------------------------------------------
     @staticmethod
@@ -104,7 +147,7 @@ class SharedMemoryCollectives:
         self._epoch += 1
         epoch, flags = self._epoch, self._flags
         flags[self._flag_index[self.rank]] = epoch
-        polls, start = 0, None
+        polls, start, check = 0, None, 0.0
         for peer in range(self.world_size):
             index = self._flag_index[peer]
             while flags[index] < epoch:
@@ -113,8 +156,11 @@ class SharedMemoryCollectives:
                     continue
                 now = time.monotonic()
                 if start is None:
-                    start = now
-                elif now - start > self.timeout:
+                    start, check = now, now + _LIVENESS_AFTER
+                elif now >= check:
+                    check = now + _LIVENESS_EVERY
+                    self._check_alive(epoch)
+                if now - start > self.timeout:
                     late = [self.global_ranks[p] for p in range(self.world_size)
                             if flags[self._flag_index[p]] < epoch]
                     raise RuntimeError(
@@ -126,6 +172,20 @@ class SharedMemoryCollectives:
                 else:
                     time.sleep(0.0002)
 
+    def _check_alive(self, epoch: int) -> None:
+        """Raise naming the late peer, or else the parent process, that died while this rank waits."""
+        if self.pids is not None:
+            for p in range(self.world_size):
+                if self._flags[self._flag_index[p]] < epoch and not _process_alive(self.pids[p]):
+                    raise RuntimeError(
+                        f"shared-memory collective: global rank {self.global_ranks[p]} (pid {self.pids[p]}) of the "
+                        f"group {self.global_ranks} died before arriving; exiting instead of waiting for the timeout")
+        if os.getppid() != self._parent:
+            raise RuntimeError(
+                f"shared-memory collective: the parent process (pid {self._parent}) of global rank "
+                f"{self.global_ranks[self.rank]} died while it waited for the group {self.global_ranks}; "
+                f"exiting instead of waiting for the timeout")
+
     def _slots_of(self, dtype: torch.dtype) -> torch.Tensor:
         """This collective's slot set viewed as ``dtype``: ``[world, slot_bytes / itemsize]``."""
         slots = self._slots[self._set]
@@ -136,8 +196,35 @@ class SharedMemoryCollectives:
         return max(1, self.slot_bytes // dtype.itemsize // parts)
 
     # -----------------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor | None = None, op: str = "sum") -> torch.Tensor:
-        """``out = op over ranks of tensor`` (``op``: sum, max or min; ``out`` defaults to ``tensor``)."""
+    # ------------------------------------------------------------- Communicator interface
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp | str = dist.ReduceOp.SUM, *,
+                   out: torch.Tensor | None = None, async_op: bool = False):
+        """``out = op over ranks of tensor`` (sum, max or min; ``out`` defaults to ``tensor``).
+
+        Other ops and non-CPU tensors go to ``torch.distributed`` (in place, ``out`` unused).
+        """
+        name = op if isinstance(op, str) else _OPS.get(op)
+        if name is None or tensor.device.type != "cpu":
+            if out is not None:
+                raise ValueError("out= is only supported for sum/max/min of CPU tensors")
+            return self._torch.all_reduce(tensor, op, async_op=async_op)
+        result = self._all_reduce(tensor, out, name)
+        return _Done() if async_op else result
+
+    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = False):
+        if tensor.device.type != "cpu":
+            return self._torch.all_gather_into_tensor(out, tensor, async_op=async_op)
+        self.all_gather(out, tensor)
+        return _Done() if async_op else None
+
+    def reduce_scatter_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = False):
+        if tensor.device.type != "cpu":
+            return self._torch.reduce_scatter_tensor(out, tensor, async_op=async_op)
+        self.reduce_scatter(out, tensor)
+        return _Done() if async_op else None
+
+    # -------------------------------------------------------------------- the shared-memory kernels
+    def _all_reduce(self, tensor: torch.Tensor, out: torch.Tensor | None, op: str) -> torch.Tensor:
         combine = _COMBINE[op]
         out = tensor if out is None else out
         src, dst = tensor.reshape(-1), out.view(-1)  # ``out`` must be contiguous
@@ -182,10 +269,9 @@ class SharedMemoryCollectives:
         return out
 
     def close(self) -> None:
-        """Stop routing this group's collectives here and release the mapping."""
-        group = self._group()
-        if group is not None and _registry.get(group) is self:
-            del _registry[group]
+        """Release the mapping (``ParallelState.set_communicator`` calls it when replaced)."""
+        if self._slots is None:
+            return
         self._slots = self._flags = None  # type: ignore[assignment]
         try:
             self._mapping.close()
@@ -206,7 +292,7 @@ def _reduce_slots(slots: torch.Tensor, out: torch.Tensor, combine) -> None:
 def enable_shared_memory_collectives(group: dist.ProcessGroup | None, *, slot_bytes: int = 8 << 20,
                                      timeout: datetime.timedelta | None = None,
                                      directory: str = "/dev/shm") -> SharedMemoryCollectives | None:
-    """Route ``group``'s CPU collectives in :mod:`tensor_parallel.mappings` through shared memory.
+    """Shared-memory collectives for ``group``'s CPU ranks (install with ``ParallelState.set_communicator``).
 
     Collective over ``group`` (every member calls it). Returns ``None``, and the group keeps using
     its backend, when the group has one rank, its ranks are not all on this host, the machine is not
@@ -224,7 +310,8 @@ def enable_shared_memory_collectives(group: dist.ProcessGroup | None, *, slot_by
     # One rank names the file; everyone checks that the group shares a host and an architecture.
     path = os.path.join(directory, f"lightning_megatron_{uuid.uuid4().hex}")
     info = [None] * world
-    dist.all_gather_object(info, (_host_id(), platform.machine(), os.path.isdir(directory), path), group=group)
+    dist.all_gather_object(info, (_host_id(), platform.machine(), os.path.isdir(directory), path, os.getpid(),
+                                  _pid_namespace()), group=group)
     if len({i[0] for i in info}) != 1 or {i[1] for i in info} != {"x86_64"} or not all(i[2] for i in info):
         return None
     path = info[0][3]
@@ -259,18 +346,7 @@ def enable_shared_memory_collectives(group: dist.ProcessGroup | None, *, slot_by
         if mapping is not None:
             mapping.close()
         return None
-    comm = SharedMemoryCollectives(group, mapping, slot_bytes=slot_bytes,
-                                   timeout=timeout or datetime.timedelta(minutes=30))
-    _registry[group] = comm
-    return comm
-
-
-def shared_memory_collectives(group: dist.ProcessGroup | None) -> SharedMemoryCollectives | None:
-    """The shared-memory collectives enabled for ``group``, if any."""
-    return None if group is None else _registry.get(group)
-
-
-def disable_shared_memory_collectives(group: dist.ProcessGroup | None) -> None:
-    comm = shared_memory_collectives(group)
-    if comm is not None:
-        comm.close()
+    same_pids = len({i[5] for i in info}) == 1 and info[0][5] != ""
+    return SharedMemoryCollectives(group, mapping, slot_bytes=slot_bytes,
+                                   timeout=timeout or datetime.timedelta(minutes=30),
+                                   pids=[i[4] for i in info] if same_pids else None)

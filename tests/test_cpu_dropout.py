@@ -1,4 +1,5 @@
-"""The fast CPU dropout: its law (drop rate, unbiased scale), its gradient, replay, and its use in attention."""
+"""The opt-in CPU dropout kernel: its law (drop rate, unbiased scale), its gradient, replay, and its use in
+attention once the CPU kernels are installed; the library's default dropout is torch's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
-from lightning_megatron.transformer import AttnMaskType, DotProductAttention, Dropout, TransformerConfig, dropout
-from lightning_megatron.transformer.dropout import keep_mask
+from lightning_megatron.cpu.dropout import cpu_dropout as dropout
+from lightning_megatron.cpu.dropout import keep_mask
+from lightning_megatron.cpu.kernels import CPUKernels
+from lightning_megatron.transformer import AttnMaskType, DotProductAttention, Dropout, TransformerConfig, set_kernels
+from lightning_megatron.transformer import dropout as default_dropout
 
 BASE = dict(num_layers=1, hidden_size=64, num_attention_heads=4)
 
@@ -70,6 +74,8 @@ def test_identity_when_off_and_bad_p_rejected():
     assert module(x) is x
     with pytest.raises(ValueError, match=r"p=1.0 must be in \[0, 1\)"):
         dropout(x, 1.0)
+    with pytest.raises(ValueError, match=r"p=1.0 must be in \[0, 1\)"):
+        default_dropout(x, 1.0)
     with pytest.raises(ValueError, match=r"p=-0.1 must be in \[0, 1\)"):
         Dropout(-0.1)
 
@@ -100,6 +106,7 @@ def test_auto_attention_with_dropout_is_the_formula_with_the_same_mask(dtype):
     q, k, v = (torch.randn(s, b, n, d, dtype=dtype) for _ in range(3))
     cfg = TransformerConfig(**BASE, attention_dropout=0.25, params_dtype=dtype)
     core = DotProductAttention(cfg, 1, AttnMaskType.no_mask).train()
+    assert set_kernels(core, CPUKernels()) == 1
     model_parallel_seed(7, tp_rank=0)
     out = core(q, k, v, None)
     # The reference: fp32 softmax of the rounded scores, then the mask drawn from the same stream.
@@ -114,3 +121,22 @@ def test_auto_attention_with_dropout_is_the_formula_with_the_same_mask(dtype):
     torch.testing.assert_close(out, expected.permute(2, 0, 1, 3).reshape(s, b, n * d), **tol)
     # and the probabilities really were dropped: turning dropout off changes the output.
     assert not torch.allclose(out, F.scaled_dot_product_attention(qq, kk, vv).permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+def test_default_dropout_is_torchs_and_kernels_install_on_every_site():
+    x = torch.randn(1000)
+    torch.manual_seed(3)
+    expected = F.dropout(x, 0.3, training=True)
+    torch.manual_seed(3)
+    assert torch.equal(default_dropout(x, 0.3), expected)
+    torch.manual_seed(3)
+    assert torch.equal(Dropout(0.3)(x), expected)
+    from lightning_megatron.transformer import TransformerBlock
+    from lightning_megatron.models.bert.specs import bert_layer_local_spec
+
+    block = TransformerBlock(TransformerConfig(**BASE, attention_dropout=0.1), bert_layer_local_spec)
+    kernels = CPUKernels()
+    # per layer: the core attention and the layer's bias-dropout-adds
+    assert set_kernels(block, kernels) == 2
+    assert all(m.kernels is kernels for m in block.modules() if hasattr(m, "kernels"))
+    block.train()(torch.randn(4, 2, 64), None).sum().backward()  # runs with the kernels installed

@@ -1,27 +1,31 @@
-"""Shared-memory collectives for CPU ranks on one host equal gloo's, on 2 and 3 ranks."""
+"""Shared-memory collectives (opt-in CPU tuning) for CPU ranks on one host equal gloo's, on 2 and 3 ranks;
+a dead peer or parent ends a wait within seconds, naming it."""
 
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from dist_utils import DistributedTestFailure, run_distributed
-from lightning_megatron.tensor_parallel import shared_memory
-from lightning_megatron.tensor_parallel.mappings import (
+from lightning_megatron.cpu import shared_memory
+from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives, enable_shared_memory_collectives
+from lightning_megatron.parallel_state import initialize_model_parallel
+from lightning_megatron.tensor_parallel.communicator import (
+    TorchCommunicator,
     _all_gather_fn,
+    _reduce_scatter_fn,
+    communicator_of,
+)
+from lightning_megatron.tensor_parallel.mappings import (
     all_reduce,
     all_gather_into_tensor,
     _reduce,
-    _reduce_scatter_fn,
     reduce_scatter_tensor,
     all_reduce_coalesced,
-)
-from lightning_megatron.tensor_parallel.shared_memory import (
-    enable_shared_memory_collectives,
-    shared_memory_collectives,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
@@ -43,12 +47,15 @@ def _same_on_every_rank(t: torch.Tensor, group) -> None:
 
 
 def _collectives_worker(world: int) -> int:
-    group = dist.new_group(list(range(world)))
+    ps = initialize_model_parallel(world)  # the TP group holds every rank
+    group = ps.tp_group
     rank = dist.get_rank()
     # 96-byte slots: every message below but the smallest goes through in several pieces
     # timeout=None as MegatronStrategy(timeout=None) passes it: the 30-minute default
     comm = enable_shared_memory_collectives(group, slot_bytes=96, timeout=None)
-    assert comm is not None and shared_memory_collectives(group) is comm
+    assert comm is not None and isinstance(communicator_of(group), TorchCommunicator)
+    ps.set_communicator("tp", comm)  # installed explicitly, as CPUTuning does
+    assert communicator_of(group) is comm
     checked = 0
     for salt, numel in enumerate([0, 1, 7, 24, 1000, 4099]):
         for dtype in DTYPES:
@@ -109,8 +116,11 @@ def _collectives_worker(world: int) -> int:
     rs = torch.empty(2, 3)
     reduce_scatter_tensor(rs, torch.arange(world * 2 * 3, dtype=torch.float32).view(world * 2, 3), group)
     assert torch.equal(rs, world * torch.arange(rank * 6, rank * 6 + 6, dtype=torch.float32).view(2, 3))
-    comm.close()
-    assert shared_memory_collectives(group) is None
+    # async_op: a completed handle
+    handle = comm.all_reduce(torch.ones(2), async_op=True)
+    assert handle.wait() and handle.is_completed()
+    ps.close_communicators()
+    assert isinstance(communicator_of(group), TorchCommunicator) and comm._slots is None
     return checked
 
 
@@ -153,7 +163,7 @@ def _fallback_worker(kind: str) -> bool:
     comm = enable_shared_memory_collectives(group)
     out = _reduce(torch.ones(3), group)
     assert torch.equal(out, torch.full((3,), 2.0))
-    return comm is None and shared_memory_collectives(group) is None
+    return comm is None and isinstance(communicator_of(group), TorchCommunicator)
 
 
 @pytest.mark.parametrize("kind", ["hosts", "no-directory"])
@@ -168,3 +178,111 @@ def test_one_rank_group_needs_nothing():
 def test_bad_slot_size_names_the_fix():
     with pytest.raises(ValueError, match="slot_bytes=100 must be a positive multiple of 16"):
         enable_shared_memory_collectives(None, slot_bytes=100)
+
+
+def _dead_peer_worker(case: str) -> tuple[str, float]:
+    import subprocess
+    import time
+
+    group = dist.new_group([0, 1])
+    comm = enable_shared_memory_collectives(group, timeout=datetime.timedelta(seconds=60))
+    assert comm is not None and comm.pids is not None and comm.pids[dist.get_rank()] == os.getpid()
+    message, seconds = "", 0.0
+    if dist.get_rank() == 1:
+        if case == "dead":  # rank 0's recorded pid is a process that exited and was reaped
+            comm.pids[0] = subprocess.Popen(["true"]).pid
+            time.sleep(0.2)
+            os.waitpid(comm.pids[0], 0)
+        elif case == "zombie":  # exited, not reaped by its parent (this rank): still dead
+            comm.pids[0] = subprocess.Popen(["true"]).pid
+        else:  # the parent process changed (it died and this rank was re-parented)
+            comm._parent = -1
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(4))
+        except RuntimeError as err:
+            message, seconds = str(err), time.monotonic() - start
+        else:
+            raise AssertionError("a collective without its peer returned")
+    dist.barrier()  # rank 0 never joined the shared-memory all-reduce
+    return message, seconds
+
+
+@pytest.mark.parametrize("case", ["dead", "zombie", "parent"])
+def test_dead_peer_or_parent_ends_the_wait_naming_it(case):
+    """Issue 14: SIGKILL of the launcher left rank 1 in the shared-memory barrier for the whole
+    timeout (30 min). A dead peer (reaped or zombie) or a dead parent ends it within seconds."""
+    _, (message, seconds) = run_distributed(_dead_peer_worker, 2, case, timeout=90)
+    if case == "parent":
+        assert "parent process" in message and "died" in message, message
+    else:
+        assert "global rank 0 (pid" in message and "died before arriving" in message, message
+    assert seconds < 10, seconds  # the liveness check starts after 1 s of waiting, then every 0.5 s
+
+
+_KILL_SCRIPT = r'''
+import datetime, os, signal, subprocess, sys, time
+import torch, torch.distributed as dist
+from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
+
+role, port, report = sys.argv[1], sys.argv[2], sys.argv[3]
+rank = 0 if role == "launcher" else 1
+if rank == 0:  # the launcher is rank 0 and the parent of rank 1, as with Lightning's popen launcher
+    child = subprocess.Popen([sys.executable, os.environ["LM_KILL_SCRIPT"], "worker", port, report])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(minutes=30))
+comm = enable_shared_memory_collectives(dist.group.WORLD, timeout=datetime.timedelta(minutes=30))
+assert comm is not None
+x = torch.ones(1024)
+for _ in range(20):
+    comm.all_reduce(x)
+if rank == 0:
+    with open(report + ".child", "w") as f:
+        f.write(str(child.pid))
+    os.kill(os.getpid(), signal.SIGKILL)  # SIGKILL of the launcher, while rank 1 waits in the next collective
+try:
+    while True:
+        comm.all_reduce(x)
+except RuntimeError as err:
+    with open(report, "w") as f:
+        f.write(f"{time.time()}\n{err}")
+    sys.exit(3)
+'''
+
+
+def test_sigkill_of_the_launcher_ends_rank_1_naming_it(tmp_path):
+    """The scenario of issue 14, for real: rank 0 (the launcher, parent of rank 1) is SIGKILLed while
+    rank 1 waits in a shared-memory collective; rank 1 exits non-zero within seconds, naming rank 0."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "kill.py"
+    script.write_text(_KILL_SCRIPT)
+    report = tmp_path / "report.txt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, LM_KILL_SCRIPT=str(script),
+               PYTHONPATH=os.pathsep.join([str(__import__("pathlib").Path(__file__).parent.parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.run([sys.executable, str(script), "launcher", str(port), str(report)], env=env,
+                              timeout=180, capture_output=True, text=True)
+    killed_at = time.time()
+    assert launcher.returncode == -9, launcher.stderr[-2000:]
+    child = int((tmp_path / "report.txt.child").read_text())
+    deadline = time.monotonic() + 60
+    while not report.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert report.exists(), "rank 1 was still waiting 60 s after the launcher died"
+    ended_at, message = report.read_text().split("\n", 1)
+    assert "global rank 0 (pid" in message and "died" in message, message
+    assert float(ended_at) - killed_at < 30
+    while time.monotonic() < deadline:  # and the process is gone (exit 3 after the report)
+        if not shared_memory._process_alive(child):  # gone, or a zombie nobody reaps
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"rank 1 (pid {child}) did not exit")

@@ -1,0 +1,414 @@
+"""The prepared GPU check: one command, under 8 minutes on one H200, every result under one folder.
+
+    python3 benchmarks/gpu_check.py --out gpu_check_out            # on a GPU machine
+    python3 benchmarks/gpu_check.py --device cpu --dry-run --out /tmp/gc   # CI-size, on CPU (tests run this)
+
+What it runs, each part time-boxed and recorded even when another part fails:
+
+1. ``env``: torch / CUDA / device / library versions;
+2. ``gemm``: the bf16 GEMM rate of this device (the MFU denominator, measured in the same run);
+3. ``tests``: the CUDA test path, ``pytest --device cuda`` on the device-sensitive test files
+   (single-rank tests on the GPU; multi-rank tests need one GPU per rank and are skipped, with the
+   reason, on a one-GPU machine) — junit XML and the log;
+4. ``bench``: bert-base and bert-large (seq 512) bf16 training steps, ours (MegatronStrategy, bf16
+   params + fp32 main params, fused AdamW; eager and ``compile=True``) against Hugging Face
+   ``BertForPreTraining`` (SDPA) under plain Lightning (``bf16-mixed``), same run: tokens/s, MFU
+   against the GEMM rate of part 2, which SDPA kernel ran (profiler op names), peak memory;
+5. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
+   PP=1; CSV logger only), exit code, the logged losses and throughput.
+
+Written under ``--out``: ``results.json`` (everything), ``summary.md`` (the table for
+docs/benchmarks.md), ``tests.log``, ``junit.xml``, ``fit.log``, ``metrics.csv`` — 6 files, within the
+device tool's limit of 8 files back.
+
+What the GPU machine lacks, and what this script carries: its image has torch 2.11, lightning,
+transformers, tokenizers, torchmetrics and pytest, but neither jsonargparse (the CLI, part 5) nor
+wandb. wandb is not needed here (the fit logs to CSV only). jsonargparse travels as wheels:
+run ``benchmarks/gpu_check_wheels.sh`` here once (it downloads jsonargparse, docstring-parser and
+typeshed-client into ``.whl/``, ignored by git), carry ``.whl``, and start the command with
+``benchmarks/gpu_check.sh``, which installs them into /tmp/site first. Without them part 5 is
+recorded as skipped, with the reason; parts 1-4 need nothing extra.
+
+Targets (issue 17): bert-large bf16 >= 50% MFU on one H200 and >= 1.3x Hugging Face's tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from _common import BertSize  # noqa: E402
+
+LARGE = BertSize(name="large", num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096)
+BASE = BertSize(name="base", num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072)
+DRY = BertSize(name="dry", num_layers=2, hidden_size=64, num_attention_heads=2, ffn_hidden_size=128,
+               vocab_size=1024, max_position_embeddings=64)
+MASK_FRACTION = 0.15
+TEST_FILES = ["tests/test_device_neutral.py", "tests/test_transformer_units.py", "tests/test_cross_entropy_and_rng.py",
+              "tests/test_tensor_parallel.py", "tests/test_compile.py", "tests/test_bert_module.py",
+              "tests/test_optimizer_callbacks.py", "tests/test_strategy_parity.py"]
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: without the rendezvous variables the in-process
+    Trainer runs left behind (a child would try to listen on the parent's MASTER_PORT)."""
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+            "GROUP_RANK", "PL_GLOBAL_SEED"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def _sync() -> None:
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+def _log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------- parts
+
+def part_env(device: torch.device) -> dict[str, Any]:
+    import lightning
+
+    info: dict[str, Any] = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            "python": platform.python_version(), "torch": torch.__version__,
+                            "lightning": lightning.__version__, "device": str(device), "host": platform.node()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    if device.type != "cpu":
+        mod = getattr(torch, device.type)
+        info["device_name"] = mod.get_device_name(device)
+        info["device_count"] = mod.device_count()
+        info["cuda_runtime"] = torch.version.cuda
+        info["capability"] = ".".join(map(str, mod.get_device_capability(device)))
+    return info
+
+
+def part_gemm(device: torch.device, dry: bool) -> dict[str, Any]:
+    n, repeats = (256, 3) if dry else (8192, 20)
+    out = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(3):
+            torch.matmul(a, b)
+        _sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.matmul(a, b)
+        _sync()
+        out[f"{name}_tflops"] = 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+    out["n"] = n
+    return out
+
+
+def part_tests(device: torch.device, dry: bool, out_dir: Path, budget_s: float) -> dict[str, Any]:
+    files = ["tests/test_device_neutral.py"] if dry else TEST_FILES
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", device.type,
+           f"--junitxml={out_dir / 'junit.xml'}", "-rs", *files]
+    if dry:
+        cmd += ["-k", "literal or opt_in"]
+    env = _child_env()
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget_s)
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = f"{_text(e.stdout)}{_text(e.stderr)}\nTIMED OUT after {budget_s:.0f} s", None
+    (out_dir / "tests.log").write_text(log)
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", log)}
+    return {"returncode": rc, "counts": counts, "seconds": time.perf_counter() - start, "files": files}
+
+
+def _sdpa_kernels(prof: Any) -> list[str]:
+    """The attention ops of a profiled step: SDPA's variant (flash, memory-efficient, cuDNN, math) or
+    "unfused" (our baddbmm + softmax path)."""
+    names = {e.key for e in prof.key_averages()}
+    found = sorted(n for n in names if re.search(r"scaled_dot_product|flash_attention|efficient_attention|"
+                                                 r"cudnn_attention|_fused_attention", n))
+    if not found and "aten::baddbmm" in names:
+        found = ["unfused (aten::baddbmm + softmax)"]
+    return found
+
+
+def _peak_memory(device: torch.device) -> float:
+    if device.type == "cpu":
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss in KiB)
+    return getattr(torch, device.type).max_memory_allocated(device) / 2**30
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).reset_peak_memory_stats(device)
+
+
+def _step_flops(size: BertSize, tokens: int, seq: int, head_tokens: float) -> float:
+    # Megatron's count (lightning_megatron.callbacks.throughput): layers, attention, LM head.
+    L, h, f, v = size.num_layers, size.hidden_size, size.ffn_hidden_size, size.vocab_size
+    return 6.0 * tokens * L * (4 * h * h + 2 * h * f) + 12.0 * tokens * L * seq * h + 6.0 * head_tokens * (h * v + h * h)
+
+
+def _bench_one(framework: str, size: BertSize, seq: int, batch: int, warmup: int, steps: int,
+               device: torch.device) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch import Callback
+
+    from bert_step import SyntheticBatches, _hf_module, _ours_module
+
+    times: list[float] = []
+    prof_box: dict[str, Any] = {}
+
+    class Timer(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            _sync()
+            self.t0 = time.perf_counter()
+            if batch_idx == warmup - 1:  # profile the last warm-up step: which kernels ran
+                prof_box["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                prof_box["prof"].__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            _sync()
+            if batch_idx >= warmup:
+                times.append(time.perf_counter() - self.t0)
+            if "prof" in prof_box and batch_idx == warmup - 1:
+                prof_box["prof"].__exit__(None, None, None)
+                prof_box["kernels"] = _sdpa_kernels(prof_box.pop("prof"))
+
+    callbacks: list[Any] = [Timer()]
+    accelerator = "cpu" if device.type == "cpu" else "gpu"
+    if framework.startswith("ours"):
+        from lightning_megatron.callbacks import MegatronOptimizerCallback
+        from lightning_megatron.strategy import MegatronStrategy
+
+        module = _ours_module(size, bf16=True)
+        if framework == "ours+compile":
+            module.hparams.compile = True
+        # CPU tuning only where it applies (a dry run on CPU): the GPU path is the library default.
+        strategy: Any = MegatronStrategy(micro_batch_size=batch, cpu_tuning=device.type == "cpu")
+        precision = "bf16-true"
+        callbacks.append(MegatronOptimizerCallback(clip_grad=0.0))
+    else:
+        module, strategy, precision = _hf_module(size, seq), "auto", "bf16-mixed"
+    data = torch.utils.data.DataLoader(SyntheticBatches((warmup + steps) * batch, seq, size.vocab_size),
+                                       batch_size=batch, shuffle=False, num_workers=0)
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, precision=precision,
+                         max_steps=warmup + steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks)
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=data)
+    wall = time.perf_counter() - t0
+    step = sorted(times)[len(times) // 2]
+    tokens = batch * seq
+    head = MASK_FRACTION * tokens if framework.startswith("ours") else tokens  # ours: LM head on masked tokens only
+    return {"framework": framework, "size": size.name, "seq": seq, "batch": batch, "step_s": step,
+            "tokens_per_s": tokens / step, "tflops": _step_flops(size, tokens, seq, head) / step / 1e12,
+            "sdpa_kernels": prof_box.get("kernels", []), "peak_memory_gib": _peak_memory(device),
+            "wall_s": wall, "steps_timed": len(times)}
+
+
+def part_bench(device: torch.device, dry: bool, gemm: dict[str, Any], compile_: bool) -> dict[str, Any]:
+    if dry:
+        plan = [(DRY, 64, 2, 1, 2)]
+    else:
+        plan = [(BASE, 512, 32, 5, 20), (LARGE, 512, 32, 5, 20)]
+    frameworks = ["hf", "ours"] + (["ours+compile"] if compile_ else [])
+    rows, errors = [], []
+    for size, seq, batch, warmup, steps in plan:
+        for fw in frameworks:
+            if fw == "ours+compile" and size.name == "base" and not dry:
+                continue  # compile once, on the size the target is about
+            _log(f"bench {size.name} {fw}")
+            try:
+                row = _bench_one(fw, size, seq, batch, warmup, steps, device)
+                row["mfu"] = row["tflops"] / gemm["bf16_tflops"] if gemm.get("bf16_tflops") else None
+                rows.append(row)
+                _log(f"  {row['tokens_per_s']:.0f} tokens/s, MFU {row['mfu'] or 0:.1%}, kernels {row['sdpa_kernels']}")
+            except Exception:  # noqa: BLE001 - record and go on with the next configuration
+                errors.append({"framework": fw, "size": size.name, "error": traceback.format_exc()[-3000:]})
+                _log(f"  FAILED: {errors[-1]['error'].splitlines()[-1]}")
+    ratios = {}
+    for size in {r["size"] for r in rows}:
+        hf = next((r for r in rows if r["size"] == size and r["framework"] == "hf"), None)
+        for r in rows:
+            if r["size"] == size and r["framework"] != "hf" and hf:
+                ratios[f"{size} {r['framework']}/hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
+    return {"rows": rows, "errors": errors, "ratios": ratios}
+
+
+def part_fit(device: torch.device, dry: bool, out_dir: Path, budget_s: float) -> dict[str, Any]:
+    try:
+        import jsonargparse  # noqa: F401
+    except ImportError:
+        return {"skipped": "jsonargparse is not installed: carry the wheels (benchmarks/gpu_check_wheels.sh, "
+                           "then benchmarks/gpu_check.sh) to run the CLI"}
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_fit_"))
+    logger = json.dumps({"class_path": "lightning.pytorch.loggers.CSVLogger",
+                         "init_args": {"save_dir": str(run_dir), "name": "csv"}})
+    # The recipe as written, with what a short single-GPU run needs changed: warm-up (< the 50 steps)
+    # and the checkpoint folder (the last checkpoint is still written: DCP from GPU tensors).
+    import yaml
+
+    steps = 3 if dry else 50
+    recipe = yaml.safe_load((ROOT / "recipes/bert_base.yaml").read_text())
+    for cb in recipe["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("OptimizerParamSchedulerCallback"):
+            cb["init_args"].update(lr_warmup_steps=max(1, steps // 5), lr_decay_steps=None)
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            cb["init_args"]["dirpath"] = str(run_dir / "checkpoints")
+    config = run_dir / "bert_base_gpu_check.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(config),
+           "--trainer.devices", "1", "--trainer.num_nodes", "1", "--trainer.logger", logger,
+           "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.strategy.pipeline_model_parallel_size", "1",
+           "--trainer.strategy.sequence_parallel", "false", "--trainer.limit_val_batches", "0",
+           "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1" if dry else "5",
+           "--trainer.default_root_dir", str(run_dir)]
+    if dry:
+        cmd += ["--trainer.accelerator", "cpu", "--trainer.max_steps", str(steps), "--trainer.precision", "32-true",
+                "--model.params_dtype", "float32", "--model.num_layers", "1", "--model.hidden_size", "64",
+                "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "128",
+                "--model.max_sequence_length", "64", "--data.max_seq_length", "64",
+                "--data.global_batch_size", "4", "--data.micro_batch_size", "4"]
+    else:
+        cmd += ["--trainer.max_steps", str(steps)]
+    env = _child_env(WANDB_MODE="disabled")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=budget_s)
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = f"{_text(e.stdout)}{_text(e.stderr)}\nTIMED OUT after {budget_s:.0f} s", None
+    (out_dir / "fit.log").write_text(" ".join(cmd) + "\n\n" + str(log))
+    result: dict[str, Any] = {"returncode": rc, "seconds": time.perf_counter() - start,
+                              "checkpoint_saved": any((run_dir / "checkpoints").glob("*"))}
+    metrics = sorted(run_dir.rglob("metrics.csv"))
+    if metrics:
+        shutil.copy(metrics[0], out_dir / "metrics.csv")
+        import csv
+
+        rows = list(csv.DictReader(metrics[0].open()))
+        losses = [float(r["train_lm_loss"]) for r in rows if r.get("train_lm_loss")]
+        tps = [float(r["tokens_per_sec"]) for r in rows if r.get("tokens_per_sec")]
+        result.update(first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
+                      logged_steps=len(losses), tokens_per_sec_last=tps[-1] if tps else None)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+# ----------------------------------------------------------------------------------------- report
+
+def summary_markdown(results: dict[str, Any]) -> str:
+    env, gemm = results.get("env", {}), results.get("gemm", {})
+    lines = [f"### GPU check, {env.get('date_utc', '?')}, {env.get('device_name', env.get('device'))}", "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, lightning {env.get('lightning')}, "
+             f"transformers {env.get('transformers')}; measured bf16 GEMM {gemm.get('bf16_tflops', 0):.0f} TFLOP/s "
+             f"(n={gemm.get('n')}), fp32 {gemm.get('fp32_tflops', 0):.1f}.", ""]
+    tests = results.get("tests", {})
+    lines += [f"- CUDA test path: {tests.get('counts')} (exit {tests.get('returncode')}, {tests.get('seconds', 0):.0f} s)"]
+    bench = results.get("bench", {})
+    if bench.get("rows"):
+        lines += ["", "| model | framework | tokens/s | TFLOP/s | MFU | peak memory GiB | SDPA kernel(s) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in bench["rows"]:
+            mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+            lines.append(f"| {r['size']} seq {r['seq']} x {r['batch']} | {r['framework']} | {r['tokens_per_s']:.0f} | "
+                         f"{r['tflops']:.1f} | {mfu} | {r['peak_memory_gib']:.1f} | {', '.join(r['sdpa_kernels']) or '-'} |")
+        lines += ["", "Ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(bench["ratios"].items()))]
+    for e in bench.get("errors", []):
+        lines.append(f"- bench {e['size']} {e['framework']} FAILED: {e['error'].strip().splitlines()[-1]}")
+    fit = results.get("fit", {})
+    lines += ["", f"- 50-step fit: {fit}"]
+    lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF: "
+              f"{results.get('targets')}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dry-run", action="store_true", help="CI-size: tiny model, few steps, one test file")
+    parser.add_argument("--out", default="gpu_check_out", help="folder for the results (created)")
+    parser.add_argument("--parts", default="env,gemm,tests,bench,fit", help="comma-separated subset")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compile=True row of the benchmark")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device, 0) if args.device != "cpu" else torch.device("cpu")
+    if device.type != "cpu" and not torch.accelerator.is_available():
+        print("gpu_check: --device cuda but torch sees no GPU; use --device cpu --dry-run on CPU", file=sys.stderr)
+        return 2
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(0)
+    parts = set(args.parts.split(","))
+    results: dict[str, Any] = {"args": vars(args)}
+    t0 = time.perf_counter()
+    budgets = {"tests": 240 if args.dry_run else 150, "fit": 240 if args.dry_run else 150}
+
+    def run(name: str, fn, *a) -> None:
+        if name not in parts:
+            return
+        _log(f"part {name}")
+        try:
+            results[name] = fn(*a)
+        except Exception:  # noqa: BLE001 - every part reports, whatever the others do
+            results[name] = {"error": traceback.format_exc()[-3000:]}
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    run("env", part_env, device)
+    run("gemm", part_gemm, device, args.dry_run)
+    run("bench", part_bench, device, args.dry_run, results.get("gemm", {}), not args.no_compile)
+    run("tests", part_tests, device, args.dry_run, out_dir, budgets["tests"])
+    run("fit", part_fit, device, args.dry_run, out_dir, budgets["fit"])
+    results["total_s"] = time.perf_counter() - t0
+    rows = results.get("bench", {}).get("rows", [])
+    large = {r["framework"]: r for r in rows if r["size"] == "large"}
+    best = max((r for k, r in large.items() if k != "hf"), key=lambda r: r["tokens_per_s"], default=None)
+    if best and "hf" in large:
+        results["targets"] = {"large_mfu": best.get("mfu"), "large_mfu_ok": (best.get("mfu") or 0) >= 0.5,
+                              "large_vs_hf": best["tokens_per_s"] / large["hf"]["tokens_per_s"],
+                              "large_vs_hf_ok": best["tokens_per_s"] >= 1.3 * large["hf"]["tokens_per_s"]}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (out_dir / "summary.md").write_text(summary_markdown(results))
+    _log(f"done in {results['total_s']:.0f} s: {out_dir}/summary.md")
+    print(summary_markdown(results))
+    failed = [k for k in ("env", "gemm", "bench", "tests", "fit") if isinstance(results.get(k), dict)
+              and "error" in results[k]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Opt-in tuning for CPU runs: shared-memory collectives, the glibc allocator setting, CPU kernels.
+
+The library's defaults take one code path on every device (``torch.distributed`` collectives,
+torch's allocator, ``F.dropout`` and SDPA). On a CPU box three things measurably help, and a run
+switches them on explicitly, in one place::
+
+    from lightning_megatron.cpu import CPUTuning
+    MegatronStrategy(..., cpu_tuning=CPUTuning())      # or cpu_tuning=True; in YAML: cpu_tuning: true
+
+- ``shared_memory_collectives``: the TP, DP and model-parallel groups of ranks on one host exchange
+  CPU tensors through one shared mapping instead of gloo's TCP loopback
+  (:mod:`lightning_megatron.cpu.shared_memory`), installed as the groups' communicators with
+  ``ParallelState.set_communicator``;
+- ``keep_freed_memory``: glibc ``mallopt`` so that freed memory stays in the process and steps stop
+  page-faulting (:mod:`lightning_megatron.cpu.allocator`). This changes the whole process's
+  allocator: that is why it is never on by default;
+- ``kernels``: the CPU dropout kernel and the CPU choice of attention path
+  (:class:`lightning_megatron.cpu.kernels.CPUKernels`).
+
+Each piece acts on CPU only; on an accelerator the tuning does nothing. ``docs/strategy.md``
+(CPU tuning) lists what each piece measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_megatron.parallel_state import ParallelState
+
+__all__ = ["CPUTuning"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPUTuning:
+    """Which CPU tunings a run switches on (all by default once a ``CPUTuning`` is given)."""
+
+    shared_memory_collectives: bool = True
+    """TP/DP/model-parallel collectives of same-host CPU ranks through shared memory."""
+    keep_freed_memory: bool = True
+    """glibc ``mallopt``: keep freed memory in the process (process-wide, until exit)."""
+    kernels: bool = True
+    """CPU dropout kernel and CPU attention path choice (:class:`~lightning_megatron.cpu.kernels.CPUKernels`)."""
+    tp_slot_bytes: int = 8 << 20
+    """Bytes per rank slot in the TP and DP shared mappings (larger messages go in pieces)."""
+    mp_slot_bytes: int = 64 << 10
+    """Bytes per rank slot of the model-parallel group (only grad norms and overflow flags)."""
+
+    def setup(self, parallel_state: ParallelState, *, device: torch.device,
+              timeout: datetime.timedelta | None = None) -> dict[str, bool]:
+        """After the process groups exist (collective over every group): apply the process-level pieces.
+
+        Returns what was applied: ``{"keep_freed_memory": ..., "tp": ..., "dp": ..., "mp": ...}``
+        (a group stays on ``torch.distributed`` when it has one rank or spans hosts).
+        """
+        applied = {"keep_freed_memory": False, "tp": False, "dp": False, "mp": False}
+        if device.type != "cpu":
+            return applied
+        if self.keep_freed_memory:
+            from lightning_megatron.cpu.allocator import keep_freed_memory
+
+            applied["keep_freed_memory"] = keep_freed_memory()
+        if self.shared_memory_collectives:
+            from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
+
+            # Every rank, in this order: each call is collective over its group.
+            for name, slot in (("tp", self.tp_slot_bytes), ("dp", self.tp_slot_bytes), ("mp", self.mp_slot_bytes)):
+                group = parallel_state.group(name)
+                comm = enable_shared_memory_collectives(group, slot_bytes=slot, timeout=timeout)
+                if comm is not None:
+                    parallel_state.set_communicator(name, comm)
+                    applied[name] = True
+        return applied
+
+    def configure_model(self, model: nn.Module, device: torch.device) -> int:
+        """Install the CPU kernels on a built model (on CPU); returns the number of modules changed."""
+        if not self.kernels or device.type != "cpu":
+            return 0
+        from lightning_megatron.cpu.kernels import CPUKernels
+        from lightning_megatron.transformer.kernels import set_kernels
+
+        return set_kernels(model, CPUKernels())
+
+    def teardown(self, parallel_state: ParallelState | None) -> None:
+        """Close the shared-memory communicators (the allocator setting lasts until the process exits)."""
+        if parallel_state is not None:
+            parallel_state.close_communicators()

@@ -1,0 +1,96 @@
+"""The raw collectives of the package behind one small interface: :class:`Communicator`.
+
+Every all-reduce, all-gather and reduce-scatter that :mod:`lightning_megatron.tensor_parallel.mappings`
+runs (tensor-parallel regions, gradient reduction, grad-norm and logged-metric reductions) goes
+through the communicator of its process group. By default that is :class:`TorchCommunicator`:
+``torch.distributed`` on the group's backend (NCCL on GPUs, gloo on CPU): one code path for every
+device.
+
+A platform package may replace the communicator of a group for one run, explicitly: the
+:class:`~lightning_megatron.parallel_state.ParallelState` holds the communicators it installed
+(``ParallelState.set_communicator(group, comm)``) and closes them (``close_communicators()``).
+The opt-in CPU tuning (:mod:`lightning_megatron.cpu`) installs shared-memory collectives this way.
+Layers keep taking plain process groups: the group -> communicator lookup below is private to this
+module and written only through ``ParallelState``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Communicator", "TorchCommunicator", "communicator_of"]
+
+# torch >= 2.10 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
+_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """The three collectives of one process group (no autograd). Every member calls each one.
+
+    With ``async_op=True`` a call returns a handle whose ``wait()`` completes it (an implementation
+    may complete it before returning); otherwise it returns ``None`` once ``out`` holds the result.
+    """
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *,
+                   async_op: bool = False) -> object | None:
+        """Reduce the contiguous ``tensor`` over the group in place."""
+
+    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *,
+                               async_op: bool = False) -> object | None:
+        """``out`` (contiguous) = every rank's ``tensor`` concatenated along dim 0 in rank order."""
+
+    def reduce_scatter_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *,
+                              async_op: bool = False) -> object | None:
+        """``out`` (contiguous) = this rank's dim-0 chunk of the sum over ranks of ``tensor``."""
+
+    def close(self) -> None:
+        """Release what the communicator holds; the group's collectives go back to torch."""
+
+
+class TorchCommunicator:
+    """``torch.distributed`` on the group's own backend (NCCL, gloo, ...)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *,
+                   async_op: bool = False) -> object | None:
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *,
+                               async_op: bool = False) -> object | None:
+        return _all_gather_fn(out, tensor, group=self.group, async_op=async_op)
+
+    def reduce_scatter_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *,
+                              async_op: bool = False) -> object | None:
+        return _reduce_scatter_fn(out, tensor, group=self.group, async_op=async_op)
+
+    def close(self) -> None:
+        return None
+
+
+# group -> the communicator a ParallelState installed for it (weak: a destroyed group drops out).
+_installed: weakref.WeakKeyDictionary[dist.ProcessGroup, Communicator] = weakref.WeakKeyDictionary()
+
+
+def communicator_of(group: dist.ProcessGroup | None) -> Communicator:
+    """The communicator that runs ``group``'s collectives: the installed one, else torch's."""
+    if group is not None:
+        comm = _installed.get(group)
+        if comm is not None:
+            return comm
+    return TorchCommunicator(group)
+
+
+def _install(group: dist.ProcessGroup, comm: Communicator | None) -> None:
+    """Used by :meth:`ParallelState.set_communicator` only (``None`` removes the entry)."""
+    if comm is None:
+        _installed.pop(group, None)
+    else:
+        _installed[group] = comm

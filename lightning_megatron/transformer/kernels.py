@@ -1,0 +1,48 @@
+"""The few ops of the transformer that a platform package may replace: :class:`Kernels`.
+
+The library runs one code path on every device: these defaults (``F.dropout``, SDPA for the "auto"
+attention backend, the softmax in fp32 when the config asks). A platform package can install its own
+subclass on a built model with :func:`set_kernels`; the opt-in CPU tuning
+(:class:`lightning_megatron.cpu.CPUTuning`) does, with :class:`lightning_megatron.cpu.kernels.CPUKernels`.
+Modules that use kernels hold them in a ``kernels`` attribute (:class:`DotProductAttention`,
+:class:`TransformerLayer`'s bias-dropout-add, :class:`Dropout`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Kernels", "DEFAULT_KERNELS", "set_kernels"]
+
+
+class Kernels:
+    """The default, device-generic kernels."""
+
+    def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        """Training-mode dropout with drop probability ``p`` (0 < p < 1), from the device's default generator."""
+        return F.dropout(x, p=p, training=True)
+
+    def use_sdpa(self, query: torch.Tensor, p: float, backend: str) -> bool:
+        """Whether core attention calls ``scaled_dot_product_attention`` ("auto": yes)."""
+        return backend != "unfused"
+
+    def softmax(self, scores: torch.Tensor, in_fp32: bool) -> torch.Tensor:
+        """Row softmax of ``scores``; computed in fp32 and cast back when ``in_fp32`` and 16-bit."""
+        if in_fp32 and scores.dtype != torch.float32:
+            return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        return torch.softmax(scores, dim=-1)
+
+
+DEFAULT_KERNELS = Kernels()
+
+
+def set_kernels(module: nn.Module, kernels: Kernels) -> int:
+    """Install ``kernels`` on every submodule of ``module`` that uses kernels; returns how many."""
+    count = 0
+    for m in module.modules():
+        if isinstance(getattr(m, "kernels", None), Kernels):
+            m.kernels = kernels
+            count += 1
+    return count

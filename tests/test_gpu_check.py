@@ -1,0 +1,33 @@
+"""benchmarks/gpu_check.py is not dead code: its CI-size dry run goes end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check"
+    # every part but the test path (this is the test path) and the compile row (slow on 2 cores; tests/test_compile.py)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--dry-run", "--no-compile",
+           "--parts", "env,gemm,bench,fit", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["env"]["torch"] == __import__("torch").__version__
+    assert results["gemm"]["bf16_tflops"] > 0
+    rows = {r["framework"]: r for r in results["bench"]["rows"]}
+    assert set(rows) == {"hf", "ours"} and not results["bench"]["errors"], results["bench"]
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["steps_timed"] == 2 and r["peak_memory_gib"] > 0 and r["sdpa_kernels"]
+    fit = results["fit"]
+    assert fit["returncode"] == 0 and fit["logged_steps"] >= 1 and fit["checkpoint_saved"], fit
+    assert (out / "summary.md").read_text().startswith("### GPU check")
+    assert {p.name for p in out.iterdir()} <= {"results.json", "summary.md", "tests.log", "junit.xml", "fit.log",
+                                               "metrics.csv"}  # within the device tool's 8 files back
