@@ -38,6 +38,7 @@ __all__ = [
     "all_reduce_coalesced",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "CompletedWork",
 ]
 
 Group = dist.ProcessGroup | None
@@ -56,44 +57,69 @@ def _shm(t: torch.Tensor, group: Group):
 _SHM_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
-def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+class CompletedWork:
+    """The handle ``async_op=True`` returns for a collective that already ran (shared memory, one rank)."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM, *,
+               async_op: bool = False) -> torch.Tensor | dist.Work | CompletedWork:
     """Reduce the contiguous ``t`` over ``group`` in place (no autograd) and return it.
 
     The one all-reduce of the package: through the group's shared memory for CPU tensors when the
     strategy enabled it (sum, max, min), else the group's backend; nothing with a group of one.
+    ``async_op=True`` returns a handle to ``wait()`` on instead of ``t`` (the backend's work, or a
+    :class:`CompletedWork` when the collective ran synchronously: shared memory, a group of one).
     """
     if group_size(group) == 1:
-        return t
+        return CompletedWork() if async_op else t
     shm = _shm(t, group)
     if shm is not None and op in _SHM_OPS:
         shm.all_reduce(t, op=_SHM_OPS[op])
+    elif async_op:
+        return dist.all_reduce(t, op=op, group=group, async_op=True)
     else:
         dist.all_reduce(t, op=op, group=group)
-    return t
+    return CompletedWork() if async_op else t
 
 
-def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
+def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, *,
+                           async_op: bool = False) -> dist.Work | CompletedWork | None:
     """Gather ``t`` from every rank into the contiguous ``out`` (ranks concatenated along dim 0).
 
-    ``t`` may be this rank's own chunk of ``out`` (in place).
+    ``t`` may be this rank's own chunk of ``out`` (in place). ``async_op=True``: returns a handle
+    (see :func:`all_reduce`).
     """
     shm = _shm(t, group)
     if shm is not None:
         shm.all_gather(out, t)
+    elif async_op:
+        return _all_gather_fn(out, t, group=group, async_op=True)
     else:
         _all_gather_fn(out, t, group=group)
+    return CompletedWork() if async_op else None
 
 
-def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
+def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, *,
+                          async_op: bool = False) -> dist.Work | CompletedWork | None:
     """Sum ``t`` over ranks and keep this rank's dim-0 chunk in the contiguous ``out``.
 
-    ``out`` may be this rank's own chunk of ``t`` (in place).
+    ``out`` may be this rank's own chunk of ``t`` (in place). ``async_op=True``: returns a handle
+    (see :func:`all_reduce`).
     """
     shm = _shm(t, group)
     if shm is not None:
         shm.reduce_scatter(out, t)
+    elif async_op:
+        return _reduce_scatter_fn(out, t, group=group, async_op=True)
     else:
         _reduce_scatter_fn(out, t, group=group)
+    return CompletedWork() if async_op else None
 
 
 # ---------------------------------------------------------------------------------------------
