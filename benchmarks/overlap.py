@@ -31,7 +31,7 @@ import torch
 
 from _common import SIZES, BertSize, launch, median, set_threads
 
-__all__ = ["overlap_rank", "MODES", "run_overlap"]
+__all__ = ["overlap_rank", "MODES", "run_overlap", "run_overlap_layouts", "overlap_section"]
 
 MODES = ("shm-off", "shm-on", "gloo-off", "gloo-on")
 
@@ -114,6 +114,59 @@ def run_overlap(*, tp: int, world: int, seq: int, micro: int, microbatches: int,
             "rounds": rounds, "steps": steps, "warmup": warmup, "bucket_mb": bucket_mb}
     ranks = launch(overlap_rank, world, spec, timeout=3600)
     return {"spec": {**spec, "world": world, "dp": world // tp}, **summarize(ranks)}
+
+
+LAYOUTS = {  # name: (tp, world, seq); TP=2 x DP=2 is 4 processes on this machine's cores: shorter sequences
+    "DP=2": (1, 2, 128),
+    "TP=2 x DP=2": (2, 4, 64),
+}
+
+
+def run_overlap_layouts(rounds: int = 2) -> dict[str, Any]:
+    """Both layouts of the report (bert-base, micro-batch 1, 2 microbatches per step)."""
+    out: dict[str, Any] = {}
+    for name, (tp, world, seq) in LAYOUTS.items():
+        try:
+            out[name] = run_overlap(tp=tp, world=world, seq=seq, micro=1, microbatches=2, rounds=rounds)
+        except Exception as e:  # noqa: BLE001 - report, don't abort the other sections
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+    return out
+
+
+def _range(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}-{format(hi, fmt)}"
+
+
+def overlap_section(add: Any, data: dict[str, Any]) -> None:
+    """The report's section (benchmarks/report.py) from :func:`run_overlap_layouts`."""
+    add("## Overlapped gradient reduction (bert-base, fp32)
+")
+    add("`MegatronStrategy(overlap_grad_reduce=...)` on vs off, on the shared-memory and the gloo DP path, all "
+        "modes in the same ranks in alternating order (`benchmarks/overlap.py`). *exposed*: seconds per step "
+        "blocked in gradient collectives (`GradBuffer.exposed_comm_seconds`, slowest rank). Ranges over "
+        "rounds.
+")
+    for name, res in data.items():
+        if "error" in res:
+            add(f"{name}: not measured: {res['error']}.
+")
+            continue
+        spec = res["spec"]
+        add(f"### {name}: micro-batch {spec['micro']} x {spec['microbatches']} microbatches x {spec['seq']} tokens, "
+            f"{res['modes']['shm-off']['buckets']} buckets of {spec['bucket_mb']:.0f} MB
+")
+        add("| mode | step (s) | exposed grad comm (s) | share of step |
+|---|---:|---:|---:|")
+        for mode in MODES:
+            row = res["modes"][mode]
+            add(f"| {mode} | {_range(row['step_s'], '.2f')} | {_range(row['exposed_s'], '.2f')} | "
+                f"{_range([100 * x for x in row['exposed_share']], '.0f')}% |")
+        add("")
+        add("| ratio of step times | " + " | ".join(res["ratios"]) + " |
+|---|" + "---:|" * len(res["ratios"]))
+        add("| per round | " + " | ".join(_range(v, ".2f") for v in res["ratios"].values()) + " |")
+        add("")
 
 
 def main(argv: list[str] | None = None) -> None:

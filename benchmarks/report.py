@@ -94,7 +94,8 @@ def _label(row: dict[str, Any]) -> str:
 
 def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: list[dict[str, Any]],
                    mlp: list[dict[str, Any]], adamw: dict[str, Any] | None, tgt: list[dict[str, Any]],
-                   zero1: dict[str, Any] | None = None, collectives: dict[str, Any] | None = None) -> None:
+                   zero1: dict[str, Any] | None = None, collectives: dict[str, Any] | None = None,
+                   overlap: dict[str, Any] | None = None) -> None:
     L: list[str] = []
     add = L.append
     add("# Benchmarks\n")
@@ -233,6 +234,10 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
         _collectives_section(add, collectives)
     if zero1:
         _zero1_section(add, zero1)
+    if overlap:
+        from overlap import overlap_section
+
+        overlap_section(add, overlap)
     add("## Where our TP=1 step goes (torch.profiler, top ops by self CPU time)\n")
     for prec in ("fp32", "bf16"):
         try:

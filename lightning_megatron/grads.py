@@ -306,8 +306,13 @@ def finalize_model_grads(buffer: GradBuffer, ps: ParallelState) -> None:
         all_reduce_coalesced([p.main_grad for p in buffer.params if getattr(p, "sequence_parallel", False)],
                              ps.tp_group)
     if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
-        all_reduce_coalesced([p.main_grad for p in buffer.params if getattr(p, "shared_embedding", False)],
-                             ps.embedding_group)
+        deferred = [b for b in buffer.buckets if b.deferred]
+        if deferred:  # the shared embeddings are contiguous there: reduce in place, no copy
+            for b in deferred:
+                all_reduce(buffer.data[b.start: b.start + b.numel], ps.embedding_group)
+        else:
+            all_reduce_coalesced([p.main_grad for p in buffer.params if getattr(p, "shared_embedding", False)],
+                                 ps.embedding_group)
     t2 = time.perf_counter()
     buffer.finish_deferred()
     buffer.exposed_comm_seconds += t2 - t1

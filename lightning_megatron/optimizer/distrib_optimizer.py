@@ -126,6 +126,10 @@ class DistributedOptimizer(MegatronOptimizer):
                 f"{grad_buffer.dp_size} DP ranks but the optimizer has {len(mine)} trainable params over "
                 f"{self.dp_size}: one DistributedOptimizer must own every trainable param of the buffer, "
                 f"with the same data-parallel group")
+        uneven = [b.index for b in grad_buffer.buckets if (b.end - b.start) % self.dp_size]
+        if uneven:
+            raise ValueError(f"DistributedOptimizer: buckets {uneven} of the grad buffer are not padded to a multiple "
+                             f"of the DP size {self.dp_size}; build the GradBuffer with pad_to={self.dp_size}")
         self.buffer = grad_buffer
         grad_buffer.reduce_scatter = True
         dtypes = {p.dtype for p in mine}
