@@ -85,6 +85,10 @@ def overlap_rank(spec: dict[str, Any]) -> dict[str, Any]:
     for r in range(spec["rounds"]):
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
             out[mode].append(_fit_once(spec, mode))
+            if spec.get("log"):  # partial results survive a run that is killed later
+                with open(spec["log"], "a") as f:
+                    f.write(json.dumps({"rank": dist.get_rank(), "round": r, "mode": mode,
+                                        **out[mode][-1]}) + "\n")
     return out
 
 
@@ -109,9 +113,10 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_overlap(*, tp: int, world: int, seq: int, micro: int, microbatches: int, rounds: int,
-                steps: int = 3, warmup: int = 1, bucket_mb: float = 25.0, size: str = "base") -> dict[str, Any]:
+                steps: int = 3, warmup: int = 1, bucket_mb: float = 25.0, size: str = "base",
+                log: str | None = None) -> dict[str, Any]:
     spec = {"size": SIZES[size].as_dict(), "tp": tp, "seq": seq, "micro": micro, "microbatches": microbatches,
-            "rounds": rounds, "steps": steps, "warmup": warmup, "bucket_mb": bucket_mb}
+            "rounds": rounds, "steps": steps, "warmup": warmup, "bucket_mb": bucket_mb, "log": log}
     ranks = launch(overlap_rank, world, spec, timeout=3600)
     return {"spec": {**spec, "world": world, "dp": world // tp}, **summarize(ranks)}
 
@@ -140,31 +145,25 @@ def _range(values: list[float], fmt: str) -> str:
 
 def overlap_section(add: Any, data: dict[str, Any]) -> None:
     """The report's section (benchmarks/report.py) from :func:`run_overlap_layouts`."""
-    add("## Overlapped gradient reduction (bert-base, fp32)
-")
+    add("## Overlapped gradient reduction (bert-base, fp32)\n")
     add("`MegatronStrategy(overlap_grad_reduce=...)` on vs off, on the shared-memory and the gloo DP path, all "
         "modes in the same ranks in alternating order (`benchmarks/overlap.py`). *exposed*: seconds per step "
         "blocked in gradient collectives (`GradBuffer.exposed_comm_seconds`, slowest rank). Ranges over "
-        "rounds.
-")
+        "rounds.\n")
     for name, res in data.items():
         if "error" in res:
-            add(f"{name}: not measured: {res['error']}.
-")
+            add(f"{name}: not measured: {res['error']}.\n")
             continue
         spec = res["spec"]
         add(f"### {name}: micro-batch {spec['micro']} x {spec['microbatches']} microbatches x {spec['seq']} tokens, "
-            f"{res['modes']['shm-off']['buckets']} buckets of {spec['bucket_mb']:.0f} MB
-")
-        add("| mode | step (s) | exposed grad comm (s) | share of step |
-|---|---:|---:|---:|")
+            f"{res['modes']['shm-off']['buckets']} buckets of {spec['bucket_mb']:.0f} MB\n")
+        add("| mode | step (s) | exposed grad comm (s) | share of step |\n|---|---:|---:|---:|")
         for mode in MODES:
             row = res["modes"][mode]
             add(f"| {mode} | {_range(row['step_s'], '.2f')} | {_range(row['exposed_s'], '.2f')} | "
                 f"{_range([100 * x for x in row['exposed_share']], '.0f')}% |")
         add("")
-        add("| ratio of step times | " + " | ".join(res["ratios"]) + " |
-|---|" + "---:|" * len(res["ratios"]))
+        add("| ratio of step times | " + " | ".join(res["ratios"]) + " |\n|---|" + "---:|" * len(res["ratios"]))
         add("| per round | " + " | ".join(_range(v, ".2f") for v in res["ratios"].values()) + " |")
         add("")
 
@@ -180,10 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--size", default="base", choices=sorted(SIZES))
+    parser.add_argument("--log", default=None, help="append each finished run of each rank to this JSON-lines file")
     args = parser.parse_args(argv)
     print(json.dumps(run_overlap(tp=args.tp, world=args.world, seq=args.seq, micro=args.micro,
                                  microbatches=args.microbatches, rounds=args.rounds, steps=args.steps,
-                                 bucket_mb=args.bucket_mb, size=args.size), indent=1))
+                                 bucket_mb=args.bucket_mb, size=args.size, log=args.log), indent=1))
 
 
 if __name__ == "__main__":
