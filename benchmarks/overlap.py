@@ -73,22 +73,19 @@ def _fit_once(spec: dict[str, Any], mode: str) -> dict[str, Any]:
             "exposed_s": exposed[warmup:], "buckets": buckets[0]}
 
 
-def overlap_rank(spec: dict[str, Any]) -> dict[str, Any]:
-    """All modes, ``spec["rounds"]`` times in alternating order, in this rank."""
+def overlap_rank(spec: dict[str, Any], mode: str, round_: int) -> dict[str, Any]:
+    """One mode's run in this rank (a fresh process per run: several bert-base fits in one process
+    grew until the kernel killed a rank on this shared machine)."""
     import warnings
 
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     set_threads(dist.get_world_size())
-    out: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    for r in range(spec["rounds"]):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            out[mode].append(_fit_once(spec, mode))
-            if spec.get("log"):  # partial results survive a run that is killed later
-                with open(spec["log"], "a") as f:
-                    f.write(json.dumps({"rank": dist.get_rank(), "round": r, "mode": mode,
-                                        **out[mode][-1]}) + "\n")
+    out = _fit_once(spec, mode)
+    if spec.get("log"):  # partial results survive a run that is killed later
+        with open(spec["log"], "a") as f:
+            f.write(json.dumps({"rank": dist.get_rank(), "round": round_, "mode": mode, **out}) + "\n")
     return out
 
 
@@ -117,7 +114,11 @@ def run_overlap(*, tp: int, world: int, seq: int, micro: int, microbatches: int,
                 log: str | None = None) -> dict[str, Any]:
     spec = {"size": SIZES[size].as_dict(), "tp": tp, "seq": seq, "micro": micro, "microbatches": microbatches,
             "rounds": rounds, "steps": steps, "warmup": warmup, "bucket_mb": bucket_mb, "log": log}
-    ranks = launch(overlap_rank, world, spec, timeout=3600)
+    ranks: list[dict[str, list[dict[str, Any]]]] = [{m: [] for m in MODES} for _ in range(world)]
+    for r in range(rounds):
+        for mode in (MODES if r % 2 == 0 else MODES[::-1]):  # alternate: every mode sees the same load
+            for rank, res in zip(ranks, launch(overlap_rank, world, spec, mode, r, timeout=1800)):
+                rank[mode].append(res)
     return {"spec": {**spec, "world": world, "dp": world // tp}, **summarize(ranks)}
 
 
