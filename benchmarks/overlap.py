@@ -1,8 +1,8 @@
 """Overlapped data-parallel gradient reduction: step time and exposed gradient communication, on vs off.
 
-Every mode runs ``Trainer.fit`` of bert-base (ours, post-norm spec, fp32, torch AdamW) in the same
-spawned ranks, one after another, in an order that alternates between rounds so every mode sees the
-same background load. Modes (``overlap_grad_reduce`` x the DP collectives' path):
+Every mode runs ``Trainer.fit`` of bert-base (ours, post-norm spec, fp32, torch AdamW) in fresh
+spawned ranks, one mode after another, in an order that alternates between rounds so every mode sees
+the same background load. Modes (``overlap_grad_reduce`` x the DP collectives' path):
 
 - ``shm-off``: the default on CPU: shared-memory collectives (synchronous), reductions after backward;
 - ``shm-on``: shared memory, each bucket reduced in the hook that finishes it (still synchronous);
@@ -54,7 +54,9 @@ def _fit_once(spec: dict[str, Any], mode: str) -> dict[str, Any]:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             stamps.append(time.perf_counter())
             exposed.append(trainer.strategy.grad_buffer.exposed_comm_seconds)
-            buckets[:] = [len(trainer.strategy.grad_buffer.buckets)]
+            buffer = trainer.strategy.grad_buffer
+            buckets[:] = [len(buffer.buckets), buffer.memory_bytes(),
+                          4 * sum(p.numel() for p in pl_module.parameters() if p.requires_grad)]
 
     strategy = MegatronStrategy(tensor_model_parallel_size=spec["tp"], micro_batch_size=spec["micro"],
                                 shared_memory_collectives=path == "shm", overlap_grad_reduce=overlap == "on",
@@ -70,7 +72,8 @@ def _fit_once(spec: dict[str, Any], mode: str) -> dict[str, Any]:
                                        batch_size=batch, shuffle=False)
     trainer.fit(_ours_module(size, bf16=False), train_dataloaders=data)
     return {"step_s": [b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:])],
-            "exposed_s": exposed[warmup:], "buckets": buckets[0]}
+            "exposed_s": exposed[warmup:], "buckets": buckets[0],
+            "grad_buffer_bytes": buckets[1], "four_bytes_per_param": buckets[2]}
 
 
 def overlap_rank(spec: dict[str, Any], mode: str, round_: int) -> dict[str, Any]:
@@ -100,7 +103,9 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             per_round.append({"step_s": median(steps), "exposed_s": median(exposed)})
         rows[mode] = {"step_s": [x["step_s"] for x in per_round], "exposed_s": [x["exposed_s"] for x in per_round],
                       "exposed_share": [x["exposed_s"] / x["step_s"] for x in per_round],
-                      "buckets": ranks[0][mode][0]["buckets"]}
+                      "buckets": ranks[0][mode][0]["buckets"],
+                      "grad_buffer_bytes": ranks[0][mode][0].get("grad_buffer_bytes"),
+                      "four_bytes_per_param": ranks[0][mode][0].get("four_bytes_per_param")}
     ratios = {}
     for path in ("shm", "gloo"):
         on, off = rows[f"{path}-on"]["step_s"], rows[f"{path}-off"]["step_s"]
@@ -158,6 +163,11 @@ def overlap_section(add: Any, data: dict[str, Any]) -> None:
         spec = res["spec"]
         add(f"### {name}: micro-batch {spec['micro']} x {spec['microbatches']} microbatches x {spec['seq']} tokens, "
             f"{res['modes']['shm-off']['buckets']} buckets of {spec['bucket_mb']:.0f} MB\n")
+        mode0 = res["modes"]["shm-off"]
+        if mode0.get("grad_buffer_bytes"):
+            add(f"fp32 grads per rank (rank 0): the buffer, {mode0['grad_buffer_bytes']:,} bytes = 4 bytes x "
+                f"{mode0['four_bytes_per_param'] // 4:,} parameters + {mode0['grad_buffer_bytes'] - mode0['four_bytes_per_param']} "
+                "bytes of padding; no other fp32 grad tensor.\n")
         add("| mode | step (s) | exposed grad comm (s) | share of step |\n|---|---:|---:|---:|")
         for mode in MODES:
             row = res["modes"][mode]
