@@ -127,12 +127,12 @@ def grad_norm_and_found_inf(
 ) -> tuple[float, bool]:
     """(global L2 norm of ``counted``, whether any of ``counted`` or ``others`` holds inf/nan).
 
-    One pass over every gradient instead of two (an overflow check, then the norm): the per-tensor
-    norm ``||g||_2`` is inf/nan exactly when ``g`` holds an inf or a nan (or is so large that its
-    norm overflows fp32, which is an overflow too). ``counted`` are the grads this rank contributes
-    to the norm (:func:`grads_for_norm`), ``others`` the duplicates it holds but does not count:
-    they are checked, not counted. One all-reduce (SUM) over ``model_parallel_group`` of
-    ``[sum ||g||^2 over counted, sum ||g|| over others]`` answers both; a non-finite value on any
+    One pass over every gradient instead of two (an overflow check, then the norm): the sum of
+    squares of ``g`` is inf/nan exactly when ``g`` holds an inf or a nan (fp64 sums: a finite fp32
+    grad never overflows). ``counted`` are the grads this rank contributes to the norm
+    (:func:`grads_for_norm`), ``others`` the duplicates it holds but does not count: they are
+    checked, not counted. One all-reduce (SUM) over ``model_parallel_group`` of
+    ``[sum of fp64 squares over counted, sum of fp32 ||g|| over others]`` answers both; a non-finite value on any
     rank makes the sum non-finite on every rank, so all ranks take the same decision (Megatron
     MAX-reduces a found-inf flag over the same group).
     """
