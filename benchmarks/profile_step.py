@@ -4,7 +4,7 @@
 
 Runs the model of :class:`BertLightningModule` directly (no Trainer: one process, all cores), the
 way the MegatronStrategy's no-pipelining schedule does: ``forward_step`` -> ``backward`` (16-bit grads
-added into fp32 main grads by :class:`MainGrads`' hooks) -> optimizer step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping).
+added into the fp32 :class:`GradBuffer` by its hooks) -> optimizer step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping).
 After ``--warmup`` steps one step runs under ``torch.profiler`` with shapes recorded, and prints
 
 - wall time of the phases (``FWD``, ``BWD``, ``OPT`` record_function ranges);
@@ -68,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(CPU_COUNT)
     import torch.distributed as dist
 
-    from lightning_megatron.grads import MainGrads
+    from lightning_megatron.grads import GradBuffer, buffer_order, finalize_model_grads
     from lightning_megatron.parallel_state import initialize_model_parallel
 
     from lightning_megatron.cpu.allocator import keep_freed_memory
@@ -81,20 +81,20 @@ def main() -> None:
     from lightning_megatron.cpu import CPUTuning
 
     CPUTuning().configure_model(chunk, torch.device("cpu"))  # the CPU kernels, as the CPU tuning installs them
-    main_grads = MainGrads([chunk])  # the strategy's fp32 main grads (accumulated by backward hooks)
+    grads = GradBuffer(buffer_order([chunk]))  # the strategy's fp32 grad buffer (filled by backward hooks)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        main_grads.start()
+        grads.start(1)
         with torch.profiler.record_function("FWD"):
             loss, _ = module.forward_step(data, chunk)
         with torch.profiler.record_function("BWD"):
             loss.backward()
         with torch.profiler.record_function("OPT"):
-            main_grads.finish(ps)
-            main_grads.expose(reads_main_grad=args.dtype == "bf16")
+            finalize_model_grads(grads, ps)
+            if args.dtype != "bf16":  # the plain torch optimizer reads .grad (views of the buffer)
+                grads.set_param_grads()
             opt.step()
-            main_grads.release()
 
     for _ in range(args.warmup):
         t0 = time.perf_counter()

@@ -114,7 +114,7 @@ def _kept_sections(path: str) -> list[str]:
 def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: list[dict[str, Any]],
                    mlp: list[dict[str, Any]], adamw: dict[str, Any] | None, tgt: list[dict[str, Any]],
                    zero1: dict[str, Any] | None = None, collectives: dict[str, Any] | None = None,
-                   data: dict[str, Any] | None = None) -> None:
+                   data: dict[str, Any] | None = None, overlap: dict[str, Any] | None = None) -> None:
     L: list[str] = []
     add = L.append
     add("# Benchmarks\n")
@@ -257,6 +257,10 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
         from data import markdown_section
 
         L.extend(markdown_section(data))
+    if overlap:
+        from overlap import overlap_section
+
+        overlap_section(add, overlap)
     add("## Where our TP=1 step goes (torch.profiler, top ops by self CPU time)\n")
     for prec in ("fp32", "bf16"):
         try:

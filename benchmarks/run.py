@@ -19,6 +19,8 @@ Measures, each in fresh spawned gloo processes (tests/dist_utils.run_distributed
 7. data at pretraining scale: the samples-mapping build (original loop vs vectorised and cached,
    1e6 / 1e7 / 2.56e8 samples, cold and warm 2-process starts) and preprocess MB/s with 1 and 2
    workers (data.py; 1e6 / 1e7 only with ``--quick``);
+8. the overlapped DP gradient reduction on vs off at DP=2 and TP=2 x DP=2 on bert-base (overlap.py;
+   skipped with ``--quick``);
 
 then writes docs/benchmarks.md and docs/img/benchmarks.png. Every process uses all cores between
 its ranks (2 threads for one process, 1 each for two). Other work on the machine slows a run down:
@@ -287,6 +289,14 @@ def run_zero1(rounds: int) -> dict[str, Any]:
     return {"rows": [best[k] for k in order if k in best], "tokens_per_step": 2 * 4 * SEQ}
 
 
+def run_overlap() -> dict[str, Any]:
+    """Overlapped DP gradient reduction on vs off at DP=2 and TP=2 x DP=2 (overlap.py)."""
+    from overlap import run_overlap_layouts
+
+    _log("overlapped gradient reduction: DP=2 and TP=2 x DP=2")
+    return run_overlap_layouts(rounds=2)
+
+
 def run_adamw(quick: bool) -> dict[str, Any]:
     from adamw_step import adamw_rank
 
@@ -340,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         data_scale = run_data(args.quick)
         adamw = None if args.quick else run_adamw(args.quick)
         zero1 = None if args.quick else run_zero1(1)
+        overlap = None if args.quick else run_overlap()
         if not args.quick:
             gemm = run_gemm(args.quick, gemm)
         meta = {"command": ".venv/bin/python benchmarks/run.py" + (" --quick" if args.quick else ""),
@@ -348,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                 "elapsed_min": (time.monotonic() - t0) / 60, "quiet_waited_s": QUIET.waited_s,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin)")}
         data = {"meta": meta, "gemm": gemm, "bert": rows, "mlp": mlp, "adamw": adamw, "zero1": zero1,
-                "collectives": collectives, "data": data_scale}
+                "collectives": collectives, "data": data_scale, "overlap": overlap}
         # Raw measurements first: a failure while rendering must not lose minutes of measuring.
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1, default=str)
@@ -358,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     tgt = targets(rows, "base" if any(r["size"] == "base" for r in rows) else rows[-1]["size"])
     os.makedirs(os.path.dirname(args.png), exist_ok=True)
     write_markdown(args.markdown, data["meta"], data["gemm"], rows, data["mlp"], data["adamw"], tgt,
-                   data.get("zero1"), data.get("collectives"), data.get("data"))
+                   data.get("zero1"), data.get("collectives"), data.get("data"), data.get("overlap"))
     write_png(args.png, rows, data["mlp"], tgt)
     for t in tgt:
         if t["target"] is None:

@@ -1,135 +1,284 @@
-"""fp32 main gradients of the model chunks and their finalization (Megatron's DDP grad buffer).
+"""The fp32 gradient buffer of the model chunks and its finalization (Megatron's DDP grad buffer).
 
-Every trainable parameter gets ``param.main_grad``, an fp32 tensor of its shape, where the
-gradients of all microbatches of a step are summed and then reduced:
+One owner for the main gradients: :class:`GradBuffer` holds ONE contiguous fp32 tensor for every
+trainable parameter, cut into buckets, and gives each parameter ``param.main_grad``, a view of it.
+Every optimizer wrapper reads those views: the non-distributed wrappers step on them, the
+DistributedOptimizer (ZeRO-1) steps on this rank's shard of every bucket. So the fp32 grads exist
+once (4 bytes per parameter, plus less than the DP size of padding per bucket), with no per-step
+allocation and no concatenation.
 
-- bf16/fp16 parameters own a *persistent* main grad, allocated once. A post-accumulate-grad hook
-  adds each microbatch's gradient into it during backward (the first one is copied) and frees the
-  16-bit ``.grad`` at once, as Megatron's DDP does. So microbatches are summed in fp32, not bf16,
-  the 16-bit grads never all exist at the same time, and no step allocates (and page-faults in)
-  a fresh fp32 copy of every gradient.
-- fp32 parameters keep autograd's own accumulation; their ``main_grad`` is ``.grad`` itself.
-- With the DistributedOptimizer, every main grad (any dtype) is a view of its flat fp32 grad
-  buffer (:meth:`MainGrads.use_buffer`): backward accumulates straight into what the optimizer
-  reduce-scatters, so the fp32 grads exist once.
+Lifecycle of one training step (the strategy drives it)::
 
-:meth:`MainGrads.finish` then reduces in fp32: TP all-reduce of sequence-parallel grads, the
-bucketed DP mean, and the sum of the tied word embedding's grads over the first and last stage.
+    start(m)  ->  backward of microbatch 1..m  ->  finalize_model_grads(buffer, ps)  ->  optimizer.step()
+                  hook: main_grad (+)= grad, free grad
+                  last microbatch: a bucket whose grads are final starts its DP reduction (overlap)
 
-The hooks act only between :meth:`MainGrads.start` and :meth:`MainGrads.finish` (the training
-schedule); a backward outside it leaves ``.grad`` where autograd put it.
+- A post-accumulate-grad hook adds each microbatch's gradient into ``main_grad`` during backward
+  (the first one is copied) and frees ``.grad`` at once, as Megatron's DDP does: microbatches are
+  summed in fp32 whatever the parameter dtype, and the 16-bit grads never all exist at once.
+- A parameter's gradient is final after its m-th hook call of the step (``m`` microbatches). With
+  ``overlap_grad_reduce`` a bucket starts its DP reduction (asynchronous all-reduce, or
+  reduce-scatter when a DistributedOptimizer shards the buffer) as soon as all its parameters are
+  final, while backward goes on through the earlier layers. Buckets are started in order on every
+  rank (a bucket waits for the ones before it), so all DP ranks issue the same collectives in the
+  same order. Parameters are laid out in reverse model order, so buckets become final in order.
+- :func:`finalize_model_grads` starts what is left, waits for every bucket, divides by the DP size
+  (the mean), then sums the sequence-parallel grads over TP and the tied word embedding over the
+  first and last pipeline stage. Overlap on or off runs the same collectives on the same bytes:
+  the results are bitwise equal.
+
+The hooks act only between :meth:`GradBuffer.start` and :func:`finalize_model_grads` (the training
+schedule); a backward outside leaves ``.grad`` where autograd put it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.tensor_parallel.mappings import all_reduce_coalesced
+from lightning_megatron.parallel_state import ParallelState, group_rank, group_size
+from lightning_megatron.tensor_parallel.mappings import all_reduce, all_reduce_coalesced, reduce_scatter_tensor
 
-__all__ = ["MainGrads", "bucketed_all_reduce_mean"]
+__all__ = ["GradBuffer", "Bucket", "finalize_model_grads", "buffer_order"]
 
 
-class MainGrads:
-    """``param.main_grad`` (fp32) for the trainable parameters of ``chunks``; see the module docstring."""
+@dataclass(eq=False)
+class Bucket:
+    """Elements ``[start, end)`` of the buffer (``end - start`` a multiple of the padding unit)."""
 
-    def __init__(self, chunks: Iterable[nn.Module]) -> None:
-        self.params: list[nn.Parameter] = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    index: int
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    numel: int
+    """Elements that belong to parameters (the rest, at the end, is zero padding)."""
+    deferred: bool = False
+    """Reduced only in finalize_model_grads, after the tied-embedding sum (shared embeddings)."""
+    handle: Any = None
+    ready: int = field(default=0, repr=False)
+
+
+def buffer_order(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The trainable parameters of ``chunks`` in buffer order: reverse model order (the order in
+    which backward finishes them), the tied word embedding (``shared_embedding``) last."""
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    params.reverse()
+    return [p for p in params if not getattr(p, "shared_embedding", False)] + \
+        [p for p in params if getattr(p, "shared_embedding", False)]
+
+
+class GradBuffer:
+    """One fp32 buffer with bucket views and ``param.main_grad`` views for ``params`` (in that order).
+
+    Args:
+        params: trainable parameters, in buffer order (see :func:`buffer_order`).
+        bucket_bytes: a bucket is closed once it holds at least this many bytes; a parameter is
+            never split across buckets.
+        pad_to: every bucket's size is a multiple of this (the DP size: a DistributedOptimizer
+            gives each DP rank an equal contiguous piece of every bucket).
+        separate_shared_embedding: put ``shared_embedding`` parameters in their own, deferred
+            bucket (with pipelining, their grads are summed over stages before the DP reduction).
+        dp_group: the data-parallel group the buckets are reduced over (``None``: no DP).
+        overlap_grad_reduce: start a bucket's DP reduction during the last microbatch's backward.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], *, bucket_bytes: float = 40 * 2**20, pad_to: int = 1,
+                 separate_shared_embedding: bool = False, dp_group: Any = None,
+                 overlap_grad_reduce: bool = False) -> None:
+        if pad_to < 1:
+            raise ValueError(f"GradBuffer: pad_to={pad_to} must be >= 1")
+        self.params = list(params)
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("GradBuffer: a parameter is listed twice")
+        for p in self.params:
+            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise TypeError(f"parameter of dtype {p.dtype} is not supported; use float32, float16 or bfloat16")
+        self.dp_group = dp_group
+        self.dp_size = group_size(dp_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.reduce_scatter = False
+        """Set by a DistributedOptimizer: reduce-scatter (each DP rank keeps its piece) instead of all-reduce."""
+        self.offsets: dict[int, int] = {}
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        offset = 0
+        current: list[nn.Parameter] = []
+        start = 0
+
+        def close(deferred: bool = False) -> None:
+            nonlocal offset, current, start
+            if not current:
+                return
+            numel = offset - start
+            offset = start + -(-numel // pad_to) * pad_to
+            bucket = Bucket(len(self.buckets), start, offset, current, numel, deferred)
+            self.buckets.append(bucket)
+            for q in current:
+                self._bucket_of[id(q)] = bucket
+            current, start = [], offset
+
+        shared = [p for p in self.params if separate_shared_embedding and getattr(p, "shared_embedding", False)]
+        shared_ids = {id(p) for p in shared}
+        for p in [p for p in self.params if id(p) not in shared_ids] + shared:
+            if id(p) in shared_ids and current and id(current[0]) not in shared_ids:
+                close()
+            self.offsets[id(p)] = offset
+            current.append(p)
+            offset += p.numel()
+            if id(p) not in shared_ids and (offset - start) * 4 >= bucket_bytes:
+                close()
+        close(deferred=bool(shared))
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.data = torch.zeros(offset, dtype=torch.float32, device=device)
+        for p in self.params:
+            p.main_grad = self.main_grad_view(p)
+        self.num_microbatches = 1
+        self._counts: dict[int, int] = {}
+        self._next_launch = 0
         self._active = False
-        self._written: set[int] = set()
-        self._buffer: torch.Tensor | None = None
-        self._in_buffer: set[int] = set()
+        self.reduced = False
+        """True between finalize_model_grads and the optimizer step: ``main_grad`` holds the DP mean."""
+        self.exposed_comm_seconds = 0.0
+        """Seconds this step's backward and finalize_model_grads were blocked in gradient collectives."""
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
 
-    def _persistent(self, p: torch.Tensor) -> bool:
-        return p.dtype != torch.float32 or id(p) in self._in_buffer
+    # -- layout ----------------------------------------------------------------------------------
+    def main_grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        o = self.offsets[id(p)]
+        return self.data[o: o + p.numel()].view(p.shape)
 
-    def use_buffer(self, buffer: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Make ``main_grad`` of each param in ``views`` its given view of ``buffer`` (once per buffer)."""
-        if buffer is self._buffer:
-            return
-        self._buffer = buffer
-        self._in_buffer = {id(p) for p, _ in views}
-        for p, view in views:
-            p.main_grad = view
+    def bucket_of(self, p: nn.Parameter) -> Bucket:
+        return self._bucket_of[id(p)]
+
+    def bucket_data(self, bucket: Bucket) -> torch.Tensor:
+        return self.data[bucket.start: bucket.end]
+
+    def shard(self, bucket: Bucket, rank: int | None = None) -> tuple[int, int]:
+        """``[start, end)`` in the buffer of DP rank ``rank``'s (default: this rank's) piece of ``bucket``."""
+        rank = group_rank(self.dp_group) if rank is None else rank
+        size = (bucket.end - bucket.start) // self.dp_size
+        return bucket.start + rank * size, bucket.start + (rank + 1) * size
+
+    def memory_bytes(self) -> int:
+        """Bytes of fp32 gradient storage on this rank (the buffer: every main grad is a view of it)."""
+        return self.data.numel() * self.data.element_size()
+
+    def holds(self, t: torch.Tensor | None) -> bool:
+        """Whether ``t`` is a view of this buffer."""
+        return t is not None and t.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr()
+
+    # -- the step --------------------------------------------------------------------------------
+    def start(self, num_microbatches: int = 1) -> None:
+        """Before the first microbatch's backward: no grads yet, nothing in flight."""
+        if any(b.handle is not None for b in self.buckets):
+            raise RuntimeError("GradBuffer.start: the previous step's reductions were never waited for "
+                               "(finalize_model_grads did not run)")
+        self._reset(num_microbatches)
+        for p in self.params:
+            p.grad = None
+        self._active = True
+
+    def _reset(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+        self._counts.clear()
+        for b in self.buckets:
+            b.ready = 0
+        self._next_launch = 0
+        self.reduced = False
+        self.exposed_comm_seconds = 0.0
+
+    def reduce_param_grads(self) -> None:
+        """Without the strategy's hooks: take every param's ``.grad`` (zero if None) into the
+        buffer, free it, and DP-reduce the buffer (no TP or pipeline sums)."""
+        if any(b.handle is not None for b in self.buckets):
+            raise RuntimeError("GradBuffer.reduce_param_grads: reductions of a step are still in flight")
+        self._reset(1)
+        self.finish_grad_sync()
+        self.finish_deferred()
 
     def _accumulate(self, p: torch.Tensor) -> None:
-        if not self._active or p.grad is None or not self._persistent(p):
+        if not self._active or p.grad is None:
             return
-        if id(p) in self._written:
+        count = self._counts.get(id(p), 0)
+        if count:
             p.main_grad.add_(p.grad)
         else:
             p.main_grad.copy_(p.grad)
-            self._written.add(id(p))
         p.grad = None
+        self._counts[id(p)] = count + 1
+        if self.overlap_grad_reduce and count + 1 == self.num_microbatches:
+            bucket = self._bucket_of[id(p)]
+            bucket.ready += 1
+            self._launch_ready()
 
-    def start(self) -> None:
-        """Before the first microbatch's backward: no grads yet; main grads (re)allocated if needed."""
-        self._written.clear()
-        for p in self.params:
-            p.grad = None
-            if id(p) in self._in_buffer:
-                continue
-            if self._persistent(p):
-                main = getattr(p, "main_grad", None)
-                if main is None or main.shape != p.shape or main.device != p.device or main.dtype != torch.float32:
-                    p.main_grad = torch.empty_like(p, dtype=torch.float32)
-            elif hasattr(p, "main_grad"):
-                del p.main_grad
-        self._active = True
+    def _launch_ready(self) -> None:
+        # In bucket order on every rank: later buckets wait for earlier ones.
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if b.deferred or b.ready < len(b.params):
+                return
+            self._launch(b)
+            self._next_launch += 1
 
-    def finish(self, ps: ParallelState, *, reduce_dp: bool = True, bucket_bytes: int = 40 * 2**20) -> None:
-        """After the last backward: every ``main_grad`` holds this step's fp32 grad, reduced.
+    def _launch(self, bucket: Bucket) -> None:
+        data = self.bucket_data(bucket)
+        data[bucket.numel:].zero_()  # padding: the ZeRO-1 all-gather may have left bytes there
+        if self.dp_size == 1:
+            return
+        t0 = time.perf_counter()
+        if self.reduce_scatter:
+            lo, hi = self.shard(bucket)
+            bucket.handle = reduce_scatter_tensor(self.data[lo:hi], data, self.dp_group, async_op=True)
+        else:
+            bucket.handle = all_reduce(data, self.dp_group, async_op=True)
+        self.exposed_comm_seconds += time.perf_counter() - t0
 
-        ``reduce_dp=False`` leaves the DP reduction to the optimizer (the distributed optimizer
-        reduce-scatters). ``.grad`` is None afterwards (see :meth:`expose`).
-        """
+    def finish_grad_sync(self) -> None:
+        """Start the reductions not started yet, wait for all, take the DP mean (see the module doc)."""
         self._active = False
         for p in self.params:
-            if self._persistent(p):
-                if id(p) not in self._written:
-                    if p.grad is None:
-                        p.main_grad.zero_()
-                    else:  # accumulated outside start() / finish(): take it as it is
-                        p.main_grad.copy_(p.grad)
-            else:
-                p.main_grad = torch.zeros_like(p) if p.grad is None else p.grad
-            p.grad = None
-        grads = [p.main_grad for p in self.params]
-        if ps.tp_size > 1:
-            all_reduce_coalesced([p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)],
-                                 ps.tp_group)
-        if reduce_dp and ps.dp_size > 1:
-            bucketed_all_reduce_mean(grads, ps.dp_group, bucket_bytes)
-        if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
-            all_reduce_coalesced([p.main_grad for p in self.params if getattr(p, "shared_embedding", False)],
-                                 ps.embedding_group)
+            if id(p) not in self._counts:  # no grad this step (or set outside start/finish)
+                if p.grad is not None:
+                    p.main_grad.copy_(p.grad)
+                else:
+                    p.main_grad.zero_()
+                p.grad = None
+        while self._next_launch < len(self.buckets):
+            if self.buckets[self._next_launch].deferred:
+                break
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        self._wait_and_average(b for b in self.buckets if not b.deferred)
 
-    def expose(self, reads_main_grad: bool) -> None:
-        """Before ``optimizer.step``: fp32 params get ``.grad = main_grad`` (the same tensor).
+    def finish_deferred(self) -> None:
+        """Reduce the deferred (shared-embedding) buckets, after their sum over stages."""
+        for b in self.buckets[self._next_launch:]:
+            self._launch(b)
+        self._next_launch = len(self.buckets)
+        self._wait_and_average(b for b in self.buckets if b.deferred)
+        self.reduced = True
 
-        16-bit params get a rounded ``.grad`` only for an optimizer that does not read
-        ``main_grad`` itself (the Megatron wrappers do: they step fp32 main params).
-        """
+    def _wait_and_average(self, buckets: Any) -> None:
+        t0 = time.perf_counter()
+        for b in buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+            if self.dp_size > 1:
+                lo, hi = self.shard(b) if self.reduce_scatter else (b.start, b.end)
+                self.data[lo:hi].div_(self.dp_size)
+        self.exposed_comm_seconds += time.perf_counter() - t0
+
+    def set_param_grads(self) -> None:
+        """For an optimizer that reads ``.grad`` (a plain torch optimizer): fp32 params get
+        ``.grad = main_grad`` (the same memory), 16-bit params a rounded copy."""
         for p in self.params:
-            main = getattr(p, "main_grad", None)
-            if main is None:
-                continue
-            if main.dtype == p.dtype:
-                p.grad = main
-            elif not reads_main_grad:
-                p.grad = main.to(p.dtype)
-
-    def release(self) -> None:
-        """After the step: drop the fp32 aliases (persistent buffers stay for the next step)."""
-        for p in self.params:
-            if not self._persistent(p) and hasattr(p, "main_grad"):
-                del p.main_grad
+            p.grad = p.main_grad if p.dtype == torch.float32 else p.main_grad.to(p.dtype)
 
     def remove(self) -> None:
         """Remove the hooks and every ``main_grad`` (teardown)."""
@@ -137,26 +286,33 @@ class MainGrads:
             handle.remove()
         self._handles = []
         self._active = False
-        self._buffer, self._in_buffer = None, set()
         for p in self.params:
             if hasattr(p, "main_grad"):
                 del p.main_grad
 
 
-def bucketed_all_reduce_mean(grads: list[torch.Tensor], group: Any, bucket_bytes: int) -> None:
-    """Mean of ``grads`` over ``group``: flat all-reduces of about ``bucket_bytes`` each, per dtype."""
-    world = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for tensors in by_dtype.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for g in tensors:
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-            if size >= bucket_bytes or g is tensors[-1]:
-                all_reduce_coalesced(bucket, group)
-                for t in bucket:
-                    t.div_(world)
-                bucket, size = [], 0
+def finalize_model_grads(buffer: GradBuffer, ps: ParallelState) -> None:
+    """After the last microbatch's backward: every ``main_grad`` holds this step's reduced fp32 grad.
+
+    1. DP: every bucket's reduction started (or started now) and waited for, divided by the DP size
+       (with a DistributedOptimizer only this rank's piece of each bucket is reduced);
+    2. TP: the grads of sequence-parallel parameters (computed from a part of the sequence on each
+       TP rank) summed over TP;
+    3. PP: the tied word embedding's grads summed over the first and last stage, then DP-reduced.
+    """
+    buffer.finish_grad_sync()
+    t1 = time.perf_counter()
+    if ps.tp_size > 1:
+        all_reduce_coalesced([p.main_grad for p in buffer.params if getattr(p, "sequence_parallel", False)],
+                             ps.tp_group)
+    if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
+        deferred = [b for b in buffer.buckets if b.deferred]
+        if deferred:  # the shared embeddings are contiguous there: reduce in place, no copy
+            for b in deferred:
+                all_reduce(buffer.data[b.start: b.start + b.numel], ps.embedding_group)
+        else:
+            all_reduce_coalesced([p.main_grad for p in buffer.params if getattr(p, "shared_embedding", False)],
+                                 ps.embedding_group)
+    t2 = time.perf_counter()
+    buffer.finish_deferred()
+    buffer.exposed_comm_seconds += t2 - t1

@@ -7,10 +7,12 @@ public hooks only, and replaces what DDP does per step:
   (:func:`initialize_model_parallel`) and seeds the RNG tracker; the LightningModule reads
   ``trainer.strategy.parallel_state`` in ``configure_model``.
 - ``training_step``: splits this DP rank's batch into ``micro_batch_size`` microbatches and runs the
-  microbatch schedule (no pipelining, 1F1B or interleaved) forward and backward; then finalizes the
-  gradients: TP all-reduce of sequence-parallel grads, bucketed DP all-reduce (mean), and the
-  all-reduce of the tied word embedding over the first and last stage. The model is not wrapped
-  in DistributedDataParallel; ``backward`` is a no-op because the schedule already ran it.
+  microbatch schedule (no pipelining, 1F1B or interleaved) forward and backward, accumulating into
+  the fp32 :class:`~lightning_megatron.grads.GradBuffer` (bucketed DP reductions started during the
+  last microbatch's backward with ``overlap_grad_reduce``); then ``finalize_model_grads``: DP mean,
+  TP sum of sequence-parallel grads, sum of the tied word embedding over the first and last stage.
+  The model is not wrapped in DistributedDataParallel; ``backward`` is a no-op because the
+  schedule already ran it.
 - validation/test/predict run the forward-only schedule.
 - checkpoints are sharded and reshardable (:mod:`lightning_megatron.checkpoint`).
 
@@ -40,7 +42,7 @@ from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron.cpu import CPUTuning
-from lightning_megatron.grads import MainGrads
+from lightning_megatron.grads import GradBuffer, buffer_order, finalize_model_grads
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.microbatches import split_microbatches
@@ -71,7 +73,15 @@ class MegatronStrategy(DDPStrategy):
         micro_batch_size: samples per microbatch; None reads ``micro_batch_size`` from the datamodule
             (then the LightningModule), else the whole per-rank batch is one microbatch.
         seed: seed of the default and model-parallel RNG streams (dropout); weights are seeded by the model.
-        ddp_bucket_size_mb: size of the flat buckets for the data-parallel gradient all-reduce.
+        ddp_bucket_size_mb: size of the buckets of the fp32 grad buffer, the unit of the
+            data-parallel gradient reduction (all-reduce, or reduce-scatter with ZeRO-1).
+        overlap_grad_reduce: start each bucket's DP reduction during the last microbatch's backward,
+            as soon as its grads are final, and wait for it only before the optimizer step
+            (megatron-core's name). ``None`` (default): on, except with the CPU tuning's
+            shared-memory collectives, which are synchronous (each bucket would then wait for the
+            slower DP rank inside backward). Results are bitwise equal either way.
+        overlap_param_gather: ZeRO-1 parameter all-gather overlapped with the next forward: not
+            implemented; ``True`` is refused.
         cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`: shared-memory
             collectives, glibc allocator setting, CPU dropout and attention kernels); ``True`` is
             ``CPUTuning()``. Default ``None``: the same code path as on accelerators. It acts only
@@ -93,6 +103,8 @@ class MegatronStrategy(DDPStrategy):
         seed: int = 1234,
         ddp_bucket_size_mb: float = 25.0,
         cpu_tuning: CPUTuning | bool | None = None,
+        overlap_grad_reduce: bool | None = None,
+        overlap_param_gather: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -118,6 +130,10 @@ class MegatronStrategy(DDPStrategy):
                              "tensor_model_parallel_size=1; set tensor_model_parallel_size > 1 or turn it off")
         if ddp_bucket_size_mb <= 0:
             raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
+        if overlap_param_gather:
+            raise NotImplementedError(
+                "MegatronStrategy: overlap_param_gather=True is not implemented: the DistributedOptimizer "
+                "all-gathers the updated parameters at the end of its step; set overlap_param_gather=False")
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
         if cpu_tuning is True:
@@ -138,10 +154,12 @@ class MegatronStrategy(DDPStrategy):
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.ddp_bucket_size_mb = ddp_bucket_size_mb
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         self.cpu_tuning: CPUTuning | None = cpu_tuning
         self.parallel_state: ParallelState | None = None
         self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
-        self._main_grads: MainGrads | None = None
+        self._grad_buffer: GradBuffer | None = None
         self.schedule_trace: list | None = None
         """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
 
@@ -205,13 +223,35 @@ class MegatronStrategy(DDPStrategy):
         if self.cpu_tuning is not None:
             self.cpu_tuning.configure_model(self.model, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._build_grad_buffer()  # before configure_optimizers, which may shard it (ZeRO-1)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if self._main_grads is not None:
-                self._main_grads.remove()
-            self._main_grads = MainGrads(self.model_chunks)
+
+    @property
+    def grad_buffer(self) -> GradBuffer | None:
+        """The fp32 main-grad buffer of this rank's chunks (built in ``setup`` when fitting)."""
+        return self._grad_buffer
+
+    def _build_grad_buffer(self) -> GradBuffer:
+        ps = self.parallel_state
+        assert ps is not None
+        if self._grad_buffer is not None:
+            self._grad_buffer.remove()
+        dp_group = ps.dp_group if ps.dp_size > 1 else None
+        overlap = self.overlap_grad_reduce
+        if overlap is None:
+            # On by default (one code path for every device). The opt-in CPU tuning's shared-memory
+            # collectives are synchronous, so there each bucket would wait for the slower DP rank
+            # inside backward (benchmarks/overlap.py, docs/strategy.md): off with it.
+            overlap = dp_group is not None and not (
+                self.cpu_tuning is not None and self.cpu_tuning.synchronous_collectives(self.root_device))
+        self._grad_buffer = GradBuffer(
+            buffer_order(self.model_chunks), bucket_bytes=self.ddp_bucket_size_mb * 2**20, pad_to=ps.dp_size,
+            separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
+            dp_group=dp_group, overlap_grad_reduce=overlap)
+        return self._grad_buffer
 
     def _validate_model(self) -> None:
         ps = self.parallel_state
@@ -313,12 +353,14 @@ class MegatronStrategy(DDPStrategy):
         if not forward_only:
             # Lightning zeroes grads only after the training step (before its backward), too late
             # for a schedule that runs backward inside the step: start every step from no grads.
-            if self._main_grads is None:
-                self._main_grads = MainGrads(chunks)
+            buffer = self._grad_buffer if self._grad_buffer is not None else self._build_grad_buffer()
             for opt in self.optimizers:
-                if is_distributed_optimizer(opt):  # main grads live in its flat buffer
-                    self._main_grads.use_buffer(opt.grad_buffer, opt.main_grad_views())
-            self._main_grads.start()
+                if is_distributed_optimizer(opt) and getattr(opt, "buffer", None) is not buffer:
+                    raise ValueError(
+                        "MegatronStrategy: a DistributedOptimizer must shard the strategy's grad buffer: build it "
+                        "with DistributedOptimizer(..., grad_buffer=trainer.strategy.grad_buffer) or use "
+                        "MegatronOptimizerCallback(use_distributed_optimizer=True)")
+            buffer.start(len(microbatches))
         logged = fb(forward_step_func=self._forward_step_func(stage, batch_idx), microbatches=microbatches,
                     model=chunks, num_microbatches=len(microbatches), parallel_state=ps,
                     tensor_shape=tensor_shape, dtype=dtype, forward_only=forward_only,
@@ -374,33 +416,27 @@ class MegatronStrategy(DDPStrategy):
         return list(cached), buf
 
     def finalize_model_grads(self) -> None:
-        """After the schedule: every gradient in fp32 ``param.main_grad``, reduced (:mod:`lightning_megatron.grads`).
-
-        TP all-reduce of sequence-parallel grads, bucketed DP mean (left to the distributed
-        optimizer when there is one), the tied word embedding summed over the first and last stage.
-        ``.grad`` stays None until :meth:`optimizer_step` because Lightning's automatic optimization
-        zeroes ``.grad`` between the training step and backward.
+        """After the schedule: every gradient in fp32 ``param.main_grad``, reduced
+        (:func:`lightning_megatron.grads.finalize_model_grads`: DP mean, or this rank's reduced
+        shard with a DistributedOptimizer; TP sum of sequence-parallel grads; the tied word
+        embedding summed over the first and last stage). ``.grad`` stays None: the Megatron
+        optimizer wrappers read ``main_grad``; a plain torch optimizer gets ``.grad`` in
+        :meth:`optimizer_step`, after Lightning's ``zero_grad``.
         """
-        assert self.parallel_state is not None and self._main_grads is not None
-        self._main_grads.finish(self.parallel_state,
-                                reduce_dp=not any(is_distributed_optimizer(opt) for opt in self.optimizers),
-                                bucket_bytes=int(self.ddp_bucket_size_mb * 2**20))
+        assert self.parallel_state is not None and self._grad_buffer is not None
+        finalize_model_grads(self._grad_buffer, self.parallel_state)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        main_grads = self._main_grads
+        buffer = self._grad_buffer
 
         def closure_with_grads() -> Any:
             out = closure()  # training_step: the whole microbatch schedule, then Lightning's zero_grad
-            if main_grads is not None:
-                main_grads.expose(reads_main_grad=isinstance(optimizer, MegatronOptimizer))
+            if buffer is not None and not isinstance(optimizer, MegatronOptimizer):
+                buffer.set_param_grads()  # a plain torch optimizer reads .grad
             return out
 
-        try:
-            return super().optimizer_step(optimizer, closure_with_grads, model, **kwargs)
-        finally:
-            if main_grads is not None:
-                main_grads.release()
+        return super().optimizer_step(optimizer, closure_with_grads, model, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -529,9 +565,9 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._main_grads is not None:
-            self._main_grads.remove()
-            self._main_grads = None
+        if self._grad_buffer is not None:
+            self._grad_buffer.remove()
+            self._grad_buffer = None
         if self.cpu_tuning is not None:
             self.cpu_tuning.teardown(self.parallel_state)
         super().teardown()

@@ -1,4 +1,5 @@
-"""fp32 main grads (lightning_megatron.grads): microbatches summed in fp32, DP mean, persistent buffers, hooks scoped."""
+"""The fp32 grad buffer (lightning_megatron.grads): microbatches summed in fp32, DP mean, one fp32 copy,
+overlapped bucket reductions bitwise equal to reductions after backward, hooks scoped."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ MICROBATCHES = 3
 
 def _model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    # A bf16 layer, an fp32 layer and a bf16 layer that gets no gradient.
-    model = nn.ModuleDict({"a": nn.Linear(16, 32, dtype=dtype), "b": nn.Linear(32, 4),
-                           "unused": nn.Linear(4, 4, dtype=dtype)})
+    # A bf16 layer that gets no gradient, a bf16 layer and an fp32 layer. "unused" comes first in
+    # model order, so last in buffer order: it does not hold back the buckets before it.
+    model = nn.ModuleDict({"unused": nn.Linear(4, 4, dtype=dtype), "a": nn.Linear(16, 32, dtype=dtype),
+                           "b": nn.Linear(32, 4)})
     return model
 
 
@@ -25,16 +27,17 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _worker() -> dict[str, object]:
     import torch.distributed as dist
 
-    from lightning_megatron.grads import MainGrads
+    from lightning_megatron.grads import GradBuffer, buffer_order, finalize_model_grads
     from lightning_megatron.parallel_state import initialize_model_parallel
+    from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 
     ps = initialize_model_parallel(1, 1)
     rank = dist.get_rank()
-    model = _model(torch.bfloat16)
     inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + i)).bfloat16()
               for i in range(MICROBATCHES)]
 
     # Reference: each microbatch's grad on its own (bf16 for bf16 params), summed in fp32, DP mean.
+    model = _model(torch.bfloat16)
     expected = {}
     for x in inputs:
         model.zero_grad(set_to_none=True)
@@ -45,34 +48,53 @@ def _worker() -> dict[str, object]:
     for name in expected:
         dist.all_reduce(expected[name])
         expected[name] /= dist.get_world_size()
-    model.zero_grad(set_to_none=True)
 
-    grads = MainGrads([model])
-    out: dict[str, object] = {"ptrs": [], "freed": True}
-    for _step in range(2):
-        grads.start()
-        for x in inputs:
-            _loss(model, x).backward()
-            # The hook frees every 16-bit grad as soon as it is added in fp32.
-            out["freed"] = out["freed"] and all(p.grad is None for p in model.parameters() if p.dtype != torch.float32)
-        grads.finish(ps)
-        out["ptrs"].append({n: p.main_grad.data_ptr() for n, p in model.named_parameters() if p.dtype != torch.float32})
-        out["dtypes"] = {n: p.main_grad.dtype for n, p in model.named_parameters()}
-        out["errors"] = {n: (p.main_grad.double() - expected[n]).abs().max().item()
-                         for n, p in model.named_parameters() if n in expected}
-        out["unused_zero"] = all(torch.equal(p.main_grad, torch.zeros_like(p.main_grad))
-                                 for n, p in model.named_parameters() if n.startswith("unused"))
-        grads.expose(reads_main_grad=True)
-        out["exposed"] = {n: p.grad is not None for n, p in model.named_parameters()}
-        grads.release()
-    # Outside start() / finish() the hooks stay out of the way.
-    model.zero_grad(set_to_none=True)
-    _loss(model, inputs[0]).backward()
-    out["grad_outside"] = model["a"].weight.grad is not None and model["a"].weight.grad.dtype == torch.bfloat16
-    grads.remove()
-    out["removed"] = not any(hasattr(p, "main_grad") for p in model.parameters())
-    # A bf16 sum of the microbatch grads: what the main grads avoid.
-    model.zero_grad(set_to_none=True)
+    out: dict[str, object] = {"runs": {}}
+    for shm in (False, True):
+        if shm:
+            comm = enable_shared_memory_collectives(ps.dp_group)
+            assert comm is not None
+            ps.set_communicator("dp", comm)
+        for overlap in (False, True):
+            model = _model(torch.bfloat16)
+            # 600-byte buckets: a.weight, a.bias + b.*, unused.* end up in different buckets
+            buffer = GradBuffer(buffer_order([model]), bucket_bytes=600, pad_to=2, dp_group=ps.dp_group,
+                                overlap_grad_reduce=overlap)
+            run: dict[str, object] = {"ptrs": [], "freed": True, "launched_in_backward": []}
+            for _step in range(2):
+                buffer.start(MICROBATCHES)
+                for x in inputs:
+                    _loss(model, x).backward()
+                    # The hook frees every grad as soon as it is added into the fp32 buffer.
+                    run["freed"] = run["freed"] and all(p.grad is None for p in model.parameters())
+                run["launched_in_backward"].append(buffer._next_launch)
+                finalize_model_grads(buffer, ps)
+                run["ptrs"].append({n: p.main_grad.data_ptr() for n, p in model.named_parameters()})
+                run["grads"] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+                run["errors"] = {n: (p.main_grad.double() - expected[n]).abs().max().item()
+                                 for n, p in model.named_parameters() if n in expected}
+                run["unused_zero"] = all(torch.equal(p.main_grad, torch.zeros_like(p.main_grad))
+                                         for n, p in model.named_parameters() if n.startswith("unused"))
+            # One fp32 copy: every main grad is a view of the buffer, which is 4 bytes per parameter
+            # plus less than the DP size of padding per bucket.
+            numel = sum(p.numel() for p in model.parameters())
+            run["bytes"] = (buffer.memory_bytes(), 4 * numel, len(buffer.buckets))
+            run["all_views"] = all(buffer.holds(p.main_grad) and p.main_grad.dtype == torch.float32
+                                   for p in model.parameters())
+            buffer.set_param_grads()  # for a plain torch optimizer: fp32 .grad IS main_grad
+            run["fp32_grad_is_view"] = all(buffer.holds(p.grad) for p in model.parameters()
+                                           if p.dtype == torch.float32)
+            # Outside start() / finalize the hooks stay out of the way.
+            model.zero_grad(set_to_none=True)
+            _loss(model, inputs[0]).backward()
+            run["grad_outside"] = model["a"].weight.grad is not None and model["a"].weight.grad.dtype == torch.bfloat16
+            buffer.remove()
+            run["removed"] = not any(hasattr(p, "main_grad") for p in model.parameters())
+            out["runs"][(shm, overlap)] = run
+        if shm:
+            ps.set_communicator("dp", None)
+    # A bf16 sum of the microbatch grads: what the fp32 buffer avoids.
+    model = _model(torch.bfloat16)
     for x in inputs:
         _loss(model, x).backward()
     bf16_sum = model["a"].weight.grad.double()
@@ -81,17 +103,25 @@ def _worker() -> dict[str, object]:
     return out
 
 
-def test_main_grads_sum_microbatches_in_fp32_and_take_the_dp_mean():
+def test_grad_buffer_sums_microbatches_in_fp32_overlaps_and_holds_one_copy():
     results = run_distributed(_worker, 2, timeout=120)
     for r in results:
-        # fp32 sums of bf16 grads, then the fp32 DP mean: rounding of the last fp32 op only.
-        assert max(r["errors"].values()) < 1e-6, r["errors"]
-        assert r["bf16_sum_error"] > 10 * max(r["errors"].values()), "the test must tell fp32 from bf16 sums"
-        assert r["freed"]
-        assert all(dt == torch.float32 for dt in r["dtypes"].values())
-        assert r["ptrs"][0] == r["ptrs"][1], "persistent buffers: no fresh fp32 grads per step"
-        assert r["unused_zero"]
-        # fp32 params get .grad = main_grad; bf16 params stay without .grad for a wrapper that reads main_grad.
-        assert r["exposed"] == {"a.weight": False, "a.bias": False, "b.weight": True, "b.bias": True,
-                                "unused.weight": False, "unused.bias": False}
-        assert r["grad_outside"] and r["removed"]
+        base = r["runs"][(False, False)]
+        for (shm, overlap), run in r["runs"].items():
+            # fp32 sums of bf16 grads, then the fp32 DP mean: rounding of the last fp32 op only.
+            assert max(run["errors"].values()) < 1e-6, run["errors"]
+            assert r["bf16_sum_error"] > 10 * max(run["errors"].values()), "the test must tell fp32 from bf16 sums"
+            assert run["freed"]
+            assert run["ptrs"][0] == run["ptrs"][1], "persistent buffer: no fresh fp32 grads per step"
+            assert run["unused_zero"]
+            # Overlap on or off, gloo or shared memory: the same collectives on the same bytes.
+            for name, g in run["grads"].items():
+                assert torch.equal(g, base["grads"][name]), (shm, overlap, name)
+            # With overlap, the buckets before "unused" started during the last backward.
+            assert all(n >= 2 for n in run["launched_in_backward"]) if overlap else \
+                run["launched_in_backward"] == [0, 0], run["launched_in_backward"]
+            buffer_bytes, param_bytes, buckets = run["bytes"]
+            assert buckets >= 3
+            assert param_bytes <= buffer_bytes < param_bytes + 4 * 2 * buckets
+            assert run["all_views"] and run["fp32_grad_is_view"]
+            assert run["grad_outside"] and run["removed"]

@@ -119,7 +119,8 @@ class MegatronOptimizerCallback(Callback):
             scaler = self._make_scaler(low) if low != torch.float32 else (
                 None if self.loss_scale is None else ConstantGradScaler(self.loss_scale))
             return DistributedOptimizer(optimizer, grad_scaler=scaler,
-                                        data_parallel_group=None if ps is None else ps.dp_group, **kwargs)
+                                        data_parallel_group=None if ps is None else ps.dp_group,
+                                        grad_buffer=getattr(trainer.strategy, "grad_buffer", None), **kwargs)
         if torch.float16 in dtypes or torch.bfloat16 in dtypes:
             low = torch.float16 if torch.float16 in dtypes else torch.bfloat16
             return Float16OptimizerWithFloat16Params(optimizer, grad_scaler=self._make_scaler(low), **kwargs)

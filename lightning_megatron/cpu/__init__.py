@@ -75,6 +75,11 @@ class CPUTuning:
                     applied[name] = True
         return applied
 
+    def synchronous_collectives(self, device: torch.device) -> bool:
+        """Whether the DP collectives of ``device`` tensors run synchronously (shared memory): then
+        overlapping the gradient reduction with backward only makes each bucket wait inside backward."""
+        return self.shared_memory_collectives and device.type == "cpu"
+
     def configure_model(self, model: nn.Module, device: torch.device) -> int:
         """Install the CPU kernels on a built model (on CPU); returns the number of modules changed."""
         if not self.kernels or device.type != "cpu":

@@ -1,27 +1,32 @@
 """Megatron's distributed optimizer (ZeRO stage 1): fp32 main params and optimizer state sharded over DP.
 
-Layout. All trainable model params, in param-group order then param order, are laid end to end in
-one flat fp32 buffer of ``N`` elements padded to ``P = ceil(N / d) * d`` (``d`` = DP size). DP rank
-``r`` owns the contiguous range ``[r S, (r + 1) S)`` with ``S = P / d``. Because the groups are
-contiguous in the buffer, a group's part of the range is contiguous too: the inner optimizer's
-group ``k`` holds ONE flat fp32 tensor, a view of this rank's main-param shard, and keeps its own
-hyperparameters (lr, weight_decay, ...), so an LR / weight-decay scheduler keeps driving them.
-Adam-like optimizers are elementwise, so stepping the flat shard equals stepping every param.
+Layout. The fp32 main grads live in one :class:`~lightning_megatron.grads.GradBuffer` (the
+strategy's, or one this optimizer builds over its params when used on its own): buckets of whole
+parameters, each padded to a multiple of the DP size ``d``. DP rank ``r`` owns the ``r``-th of the
+``d`` equal contiguous pieces of every bucket (Megatron's layout): it holds the fp32 main params and
+the optimizer state of those elements only, and a bucket's reduction is one in-place
+reduce-scatter (each rank's piece of the mean lands where it is). ``main_shard`` is the
+concatenation of this rank's pieces. The inner optimizer's group ``k`` holds flat fp32 views of
+``main_shard`` (one per run of consecutive elements of that group inside one bucket piece) and
+keeps its own hyperparameters (lr, weight_decay, ...), so an LR / weight-decay scheduler keeps
+driving them. Adam-like optimizers are elementwise, so stepping flat pieces equals stepping every
+param. On its own (no strategy), with the params in group order and one bucket, the layout is the
+classic one: rank ``r`` owns ``[r S, (r + 1) S)`` of the padded flat params, ``S = ceil(N / d)``.
 
 One step (``step(closure)``), Megatron's order, on every DP rank:
 
-1. model grads (``param.main_grad`` or ``param.grad``, any dtype) -> the flat fp32 grad buffer;
-   the model grads are freed;
-2. ``reduce_scatter`` (SUM) over DP, ``/ d``: this rank's fp32 grad shard is the DP mean
-   (with ``grads_already_reduced=True`` the shard is just sliced out, no communication);
-3. with a grad scaler: ``shard *= 1/scale``, ``found_inf`` MAX-reduced over DP and the
-   model-parallel group (every rank takes the same decision); ``scaler.update``; skip on overflow;
-4. ``||g||_2 = sqrt(all-reduce SUM over DP and MP of the shard's sum of squares)``, each element of
-   a TP-duplicated param counted on ``tp_rank == 0`` only and a ``shared_embedding`` on
-   ``pp_rank == 0`` only (as clip_grads.py); clip by it;
-5. inner optimizer step on the shard;
-6. ``all_gather`` (fp32, into the grad buffer which is free by now) and copy into the model params,
-   cast to their dtype (one rounding per step for bf16/fp16 models).
+1. the grads are reduced: by the strategy's ``finalize_model_grads`` (reduce-scatter of every
+   bucket, possibly overlapped with backward), or here when the buffer was not finalized: model
+   grads (``param.grad``) -> the buffer, reduce-scatter (SUM) over DP, ``/ d`` (with
+   ``grads_already_reduced=True`` only copied);
+2. with a grad scaler: ``shard *= 1/scale``, ``found_inf`` reduced over DP and the model-parallel
+   group (every rank takes the same decision); ``scaler.update``; skip on overflow;
+3. ``||g||_2 = sqrt(all-reduce SUM over DP and MP of the shard's fp64 sum of squares)``, each
+   element of a TP-duplicated param counted on ``tp_rank == 0`` only and a ``shared_embedding`` on
+   ``pp_rank == 0`` only (clip_grads.py, the same arithmetic as the other wrappers); clip by it;
+4. inner optimizer step on the shard;
+5. ``all_gather`` per bucket (into the grad buffer, free by now; in the params' 16-bit dtype when
+   they all have one) and copy into the model params (one rounding per step for bf16/fp16).
 
 Memory per parameter and rank (persistent, ``d`` = DP size), Adam: model params ``m`` bytes (2 for
 bf16/fp16, 4 for fp32) + fp32 grad buffer 4 + fp32 main shard ``4/d`` + two fp32 moments ``8/d``::
@@ -31,9 +36,10 @@ bf16/fp16, 4 for fp32) + fp32 grad buffer 4 + fp32 main shard ``4/d`` + two fp32
 (the non-distributed wrappers: bf16 2 + 4 + 12 = 18, fp32 4 + 4 + 8 = 16). ``memory_bytes()``
 returns the measured numbers; benchmarks/optimizer_memory.py prints them.
 
-Checkpoints: ``state_dict()`` is this rank's shard plus the layout; ``full_state_dict()``
-(collective) gathers an unsharded, DP-size-independent state and ``load_full_state_dict`` slices
-it for the current DP size: that is how a run resumes after a DP size change.
+Checkpoints: ``sharded_state_for_checkpoint()`` lists this rank's pieces per model param;
+``state_dict()`` is this rank's shard plus the layout; ``full_state_dict()`` (collective) gathers
+an unsharded, DP-size-independent state and ``load_full_state_dict`` slices it for the current DP
+size.
 """
 
 from __future__ import annotations
@@ -44,10 +50,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.optimizer.clip_grads import _is_counted
+from lightning_megatron.grads import GradBuffer
+from lightning_megatron.optimizer.clip_grads import _is_counted, sum_of_squares_fp64
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
-from lightning_megatron.tensor_parallel.mappings import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from lightning_megatron.tensor_parallel.mappings import all_gather_into_tensor, all_reduce
 
 __all__ = ["DistributedOptimizer"]
 
@@ -63,10 +70,11 @@ def _rank(group: dist.ProcessGroup | None) -> int:
 class DistributedOptimizer(MegatronOptimizer):
     """ZeRO-1 wrapper of a torch optimizer built over the model params (fp32, bf16 or fp16).
 
-    ``reduces_gradients = True``: this optimizer reduce-scatters the raw per-rank grads over
-    ``data_parallel_group`` itself, so the strategy must skip its own DP all-reduce (otherwise pass
-    ``grads_already_reduced=True``, correct but with the all-reduce's extra traffic).
-    ``data_parallel_group=None`` means DP size 1.
+    ``grad_buffer``: the strategy's :class:`~lightning_megatron.grads.GradBuffer` holding every
+    trainable param of the optimizer (``MegatronOptimizerCallback`` passes it): this optimizer
+    shards it and switches its DP reduction to reduce-scatter. ``None``: it builds its own over its
+    params and reduce-scatters the raw per-rank ``.grad`` itself in ``step`` (otherwise pass
+    ``grads_already_reduced=True``). ``data_parallel_group=None`` means DP size 1.
     """
 
     reduces_gradients = True
@@ -83,6 +91,7 @@ class DistributedOptimizer(MegatronOptimizer):
         pp_rank: int = 0,
         log_num_zeros_in_grad: bool = False,
         grads_already_reduced: bool = False,
+        grad_buffer: GradBuffer | None = None,
     ) -> None:
         super().__init__(optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
@@ -95,99 +104,109 @@ class DistributedOptimizer(MegatronOptimizer):
         self.dp_size = _size(data_parallel_group)
         self.dp_rank = _rank(data_parallel_group)
 
-        # Model params, group by group, and their offsets in the flat buffer.
+        # Model params, group by group.
         self.model_groups: list[list[torch.nn.Parameter]] = []
-        self._offsets: list[list[int]] = []
-        offset = 0
-        device = None
         for group in optimizer.param_groups:
-            params, offs = [], []
+            params = []
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise TypeError(f"parameter of dtype {p.dtype} is not supported; use float32, float16 or bfloat16")
-                device = p.device if device is None else device
                 params.append(p)
-                offs.append(offset)
-                offset += p.numel()
             self.model_groups.append(params)
-            self._offsets.append(offs)
-        self.numel = offset
-        dtypes = {p.dtype for params in self.model_groups for p in params}
+        mine = [p for params in self.model_groups for p in params]
+        self.numel = sum(p.numel() for p in mine)
+        if grad_buffer is None:
+            grad_buffer = GradBuffer(mine, bucket_bytes=float("inf"), pad_to=self.dp_size,
+                                     dp_group=data_parallel_group if self.dp_size > 1 else None)
+        elif {id(p) for p in grad_buffer.params} != {id(p) for p in mine} or grad_buffer.dp_size != self.dp_size:
+            raise ValueError(
+                f"DistributedOptimizer: the grad buffer holds {len(grad_buffer.params)} params reduced over "
+                f"{grad_buffer.dp_size} DP ranks but the optimizer has {len(mine)} trainable params over "
+                f"{self.dp_size}: one DistributedOptimizer must own every trainable param of the buffer, "
+                f"with the same data-parallel group")
+        uneven = [b.index for b in grad_buffer.buckets if (b.end - b.start) % self.dp_size]
+        if uneven:
+            raise ValueError(f"DistributedOptimizer: buckets {uneven} of the grad buffer are not padded to a multiple "
+                             f"of the DP size {self.dp_size}; build the GradBuffer with pad_to={self.dp_size}")
+        self.buffer = grad_buffer
+        grad_buffer.reduce_scatter = True
+        dtypes = {p.dtype for p in mine}
         self._gather_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes != {torch.float32} else torch.float32
-        self.padded_numel = -(-offset // self.dp_size) * self.dp_size
+        self.padded_numel = grad_buffer.data.numel()
         self.shard_size = self.padded_numel // self.dp_size
-        self.shard_start = self.dp_rank * self.shard_size
-        self.shard_end = self.shard_start + self.shard_size
-        device = device if device is not None else torch.device("cpu")
+        device = grad_buffer.data.device
 
-        # Persistent buffers: fp32 grads of all params (4 B/param), fp32 main shard (4/d B/param).
-        self.grad_buffer = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        # This rank's piece of every bucket, concatenated: [main position, buffer start, buffer end).
+        self._pieces: list[tuple[int, int, int]] = []
+        pos = 0
+        for bucket in grad_buffer.buckets:
+            lo, hi = grad_buffer.shard(bucket, self.dp_rank)
+            self._pieces.append((pos, lo, hi))
+            pos += hi - lo
+        group_of = {id(p): k for k, params in enumerate(self.model_groups) for p in params}
+        # Per param piece here: (param, start, end in the param's flat numbering, main pos, buffer pos).
+        segments: list[tuple[torch.nn.Parameter, int, int, int, int]] = []
+        for (base, lo, hi), bucket in zip(self._pieces, grad_buffer.buckets):
+            for p in bucket.params:
+                o = grad_buffer.offsets[id(p)]
+                a, b = max(o, lo), min(o + p.numel(), hi)
+                if a < b:
+                    segments.append((p, a - o, b - o, base + a - lo, a))
         self.main_shard = torch.zeros(self.shard_size, dtype=torch.float32, device=device)
-        # Per param: (param, start, end in param's flat numbering, start in shard) for its piece here.
-        self._segments: list[list[tuple[torch.nn.Parameter, int, int, int]]] = []
-        self.main_params: list[torch.Tensor] = []
-        for k, (group, params, offs) in enumerate(zip(optimizer.param_groups, self.model_groups, self._offsets)):
-            segs = []
-            for p, o in zip(params, offs):
-                lo, hi = max(o, self.shard_start), min(o + p.numel(), self.shard_end)
-                if lo < hi:
-                    segs.append((p, lo - o, hi - o, lo - self.shard_start))
-                    self.main_shard[lo - self.shard_start: hi - self.shard_start].copy_(
-                        p.detach().reshape(-1)[lo - o: hi - o])
-            self._segments.append(segs)
-            if segs:
-                a, b = segs[0][3], segs[-1][3] + segs[-1][2] - segs[-1][1]
+        for p, lo, hi, s, _ in segments:
+            self.main_shard[s: s + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+        # Runs of consecutive segments of one group inside one bucket piece: one flat main param each.
+        self._segments: list[tuple[torch.nn.Parameter, int, int, int, int]] = segments
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in self.model_groups]  # (main pos, buffer pos, n)
+        last: tuple[int, int, int] | None = None  # (group, main end, buffer end)
+        for p, lo, hi, s, g in segments:
+            k = group_of[id(p)]
+            if last is not None and last == (k, s, g):
+                m, b, n = runs[k][-1]
+                runs[k][-1] = (m, b, n + hi - lo)
             else:
-                a = b = 0
-            main = self.main_shard[a:b]  # a view: a leaf, since main_shard does not require grad
-            self.main_params.append(main)
-            group["params"] = [main]
+                runs[k].append((s, g, hi - lo))
+            last = (k, s + hi - lo, g + hi - lo)
+        self.main_params: list[torch.Tensor] = []
+        self._main_grad_views: list[torch.Tensor] = []
+        for group, group_runs in zip(optimizer.param_groups, runs):
+            mains = []
+            for s, g, n in group_runs or [(0, 0, 0)]:  # a group with nothing here keeps an empty view
+                mains.append(self.main_shard[s: s + n])  # a view: a leaf, main_shard does not require grad
+                self._main_grad_views.append(grad_buffer.data[g: g + n])
+            self.main_params.extend(mains)
+            group["params"] = mains
+        self._grads_ready = False
 
     # -- step pieces ---------------------------------------------------------------------------
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The fp32 grad storage (the GradBuffer's data): every ``main_grad`` is a view of it."""
+        return self.buffer.data
+
     def _all_segments(self):
-        for segs in self._segments:
-            yield from segs
-
-    def main_grad_views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """(param, its slice of the flat fp32 grad buffer shaped like it), for every model param.
-
-        The strategy's main grads (:class:`lightning_megatron.grads.MainGrads`) use these as
-        ``param.main_grad``: backward accumulates straight into the buffer this optimizer
-        reduce-scatters, so the fp32 grads exist once (4 bytes per parameter), not twice.
-        """
-        return [(p, self.grad_buffer[o: o + p.numel()].view_as(p))
-                for params, offs in zip(self.model_groups, self._offsets) for p, o in zip(params, offs)]
+        return iter(self._segments)
 
     def _copy_model_grads_to_main_grads(self) -> None:
-        buf = self.grad_buffer
-        buf[self.numel:].zero_()
-        for params, offs in zip(self.model_groups, self._offsets):
-            for p, o in zip(params, offs):
-                target = buf[o: o + p.numel()]
-                g = getattr(p, "main_grad", None)
-                if g is None:
-                    g = p.grad
-                if g is None:
-                    target.zero_()
-                elif g.data_ptr() != target.data_ptr():  # not already in place (see main_grad_views)
-                    target.copy_(g.reshape(-1))
-                p.grad = None  # now redundant: freeing it is what keeps the fp32 buffer cheap
-        # This rank's slice of the buffer is its grad shard: reduce-scatter in place (Megatron's
-        # layout; NCCL and gloo both take an output that is the rank's own chunk of the input),
-        # so the step allocates no shard. The buffer is only overwritten by the all-gather after it.
-        shard = buf[self.shard_start: self.shard_end]
-        if not self.grads_already_reduced and self.dp_size > 1:
-            reduce_scatter_tensor(shard, buf, self.data_parallel_group)
-            shard.div_(self.dp_size)  # DP mean, as the strategy's all-reduce would give
-        for main in self.main_params:
-            start = main.storage_offset() - self.main_shard.storage_offset()
-            main.grad = shard[start: start + main.numel()]
-        self._grad_shard = shard
+        buf = self.buffer
+        if not buf.reduced:  # used on its own: the model grads are in .grad, not reduced yet
+            if self.grads_already_reduced or self.dp_size == 1:
+                for p in buf.params:
+                    if p.grad is None:
+                        p.main_grad.zero_()
+                    else:
+                        p.main_grad.copy_(p.grad)
+                    p.grad = None  # now redundant: freeing it is what keeps the fp32 buffer cheap
+            else:
+                buf.reduce_param_grads()
+        for main, grad in zip(self.main_params, self._main_grad_views):
+            main.grad = grad
+        self._grads_ready = True
 
     def _main_grads(self) -> list[torch.Tensor]:
-        return [self._grad_shard]
+        return [m.grad for m in self.main_params if m.grad is not None]
 
     def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp) -> None:
         for group in (self.data_parallel_group, self.model_parallel_group):
@@ -196,28 +215,32 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _unscale_main_grads(self) -> None:
         assert self.grad_scaler is not None
-        inv_scale = self.grad_scaler.inv_scale.to(self._grad_shard.device)
-        if not bool(inv_scale.item() == 1.0):
-            self._grad_shard.mul_(inv_scale)
+        grads = self._main_grads()
+        inv_scale = self.grad_scaler.inv_scale.to(self.grad_buffer.device)
+        if grads and not bool(inv_scale.item() == 1.0):
+            torch._foreach_mul_(grads, inv_scale.reshape(()))
+
+    def _segment_grad(self, seg: tuple[torch.nn.Parameter, int, int, int, int]) -> torch.Tensor:
+        p, lo, hi, _, g = seg
+        return self.buffer.data[g: g + hi - lo]
 
     def _counted_grad_pieces(self) -> list[torch.Tensor]:
         """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
-        return [self._grad_shard[s: s + hi - lo] for p, lo, hi, s in self._all_segments()
-                if _is_counted(p, self.tp_rank, self.pp_rank)]
+        return [self._segment_grad(seg) for seg in self._segments if _is_counted(seg[0], self.tp_rank, self.pp_rank)]
 
     def _grad_norm(self) -> float:
         return self._grad_norm_and_found_inf()[0]
 
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
-        # One pass over the shard: counted pieces give the norm, the rest are only checked
-        # (see clip_grads.grad_norm_and_found_inf); reduced over DP and the model-parallel group.
+        # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as
+        # clip_grads), the rest are only checked; reduced over DP and the model-parallel group.
+        counted = self._counted_grad_pieces()
+        others = [self._segment_grad(seg) for seg in self._segments
+                  if not _is_counted(seg[0], self.tp_rank, self.pp_rank)]
         total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
-        for p, lo, hi, s in self._all_segments():
-            piece = self._grad_shard[s: s + hi - lo]
-            if _is_counted(p, self.tp_rank, self.pp_rank):
-                total[0] += piece.double().pow(2).sum()
-            else:
-                total[1] += torch.linalg.vector_norm(piece, 2, dtype=torch.float32).double()
+        total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device)
+        for piece in others:
+            total[1] += torch.linalg.vector_norm(piece, 2, dtype=torch.float32).double()
         self._all_reduce(total, dist.ReduceOp.SUM)
         squares, checked = total.tolist()
         return squares ** 0.5, not (math.isfinite(squares) and math.isfinite(checked))
@@ -233,23 +256,18 @@ class DistributedOptimizer(MegatronOptimizer):
         # The grads are consumed: the grad buffer's memory is the gather target. When every model
         # param has one 16-bit dtype, the shard is rounded to it first and gathered in it (half the
         # bytes of fp32, as Megatron gathers its bf16 param buffer); rounding each element before or
-        # after the gather gives the same bits.
+        # after the gather gives the same bits. Every bucket is gathered in place (each rank's
+        # piece already sits in its slot).
         dtype = self._gather_dtype
-        if dtype == torch.float32:
-            target = self.grad_buffer
-            if self.dp_size == 1:
-                target.copy_(self.main_shard)
-            else:
-                all_gather_into_tensor(target, self.main_shard, self.data_parallel_group)
-        else:
-            target = self.grad_buffer.view(dtype)[: self.padded_numel]
-            own = target[self.shard_start: self.shard_end]
-            own.copy_(self.main_shard)  # round to nearest, once per step
+        target = self.grad_buffer if dtype == torch.float32 else self.grad_buffer.view(dtype)[: self.padded_numel]
+        for (base, lo, hi), bucket in zip(self._pieces, self.buffer.buckets):
+            target[lo:hi].copy_(self.main_shard[base: base + hi - lo])  # round to nearest, once per step
             if self.dp_size > 1:
-                all_gather_into_tensor(target, own, self.data_parallel_group)  # in place: own is our chunk
-        for params, offs in zip(self.model_groups, self._offsets):
-            for p, o in zip(params, offs):
-                p.data.copy_(target[o: o + p.numel()].view_as(p))
+                all_gather_into_tensor(target[bucket.start: bucket.end], target[lo:hi], self.data_parallel_group)
+        self.buffer.reduced = False
+        for p in self.buffer.params:
+            o = self.buffer.offsets[id(p)]
+            p.data.copy_(target[o: o + p.numel()].view_as(p))
 
     # -- public API ----------------------------------------------------------------------------
     def get_parameters(self) -> list[torch.Tensor]:
@@ -262,12 +280,9 @@ class DistributedOptimizer(MegatronOptimizer):
         return self.main_params
 
     def _release_main_grads(self) -> None:
-        self._release_grad_shard()
-
-    def _release_grad_shard(self) -> None:
         for main in self.main_params:
             main.grad = None
-        self._grad_shard = None
+        self.buffer.reduced = False  # consumed (or skipped): the next step reduces anew
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grads([p for params in self.model_groups for p in params], set_to_none)
@@ -293,6 +308,7 @@ class DistributedOptimizer(MegatronOptimizer):
             "dp_rank": self.dp_rank,
             "numel": self.numel,
             "param_shapes": [[tuple(p.shape) for p in g] for g in self.model_groups],
+            "buckets": [(b.start, b.end) for b in self.buffer.buckets],
         }
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -319,6 +335,14 @@ class DistributedOptimizer(MegatronOptimizer):
         self.main_shard.copy_(state_dict["main_params_shard"])
         self._copy_main_params_to_model_params()
 
+    def _main_of(self, s: int) -> tuple[torch.Tensor, int]:
+        """The flat main param holding main-shard position ``s``, and its start in ``main_shard``."""
+        for main in self.main_params:
+            start = main.storage_offset() - self.main_shard.storage_offset()
+            if start <= s < start + main.numel():
+                return main, start
+        raise AssertionError(f"main-shard position {s} is in no main param")
+
     def sharded_state_for_checkpoint(self) -> list[dict[str, Any]]:
         """Per model param piece held here: ``{"param", "start", "end", "tensors"}``.
 
@@ -328,48 +352,61 @@ class DistributedOptimizer(MegatronOptimizer):
         DCP ShardedTensor at offset ``start``) and so reshard across DP sizes.
         """
         out = []
-        for main, segs in zip(self.main_params, self._segments):
+        for p, lo, hi, s, _ in self._segments:
+            main, base = self._main_of(s)
             state = self.optimizer.state.get(main, {})
-            base = main.storage_offset() - self.main_shard.storage_offset()
-            for p, lo, hi, s in segs:
-                tensors = {"main_param": self.main_shard[s: s + hi - lo]}
-                for key, v in state.items():
-                    if torch.is_tensor(v) and v.dim() > 0:
-                        tensors[key] = v[s - base: s - base + hi - lo]
-                out.append({"param": p, "start": lo, "end": hi, "tensors": tensors})
+            tensors = {"main_param": self.main_shard[s: s + hi - lo]}
+            for key, v in state.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    tensors[key] = v[s - base: s - base + hi - lo]
+            out.append({"param": p, "start": lo, "end": hi, "tensors": tensors})
         return out
 
     # -- DP-size independent checkpoint ---------------------------------------------------------
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        if self.dp_size == 1:
-            return shard.clone()
-        out = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-        all_gather_into_tensor(out, shard.contiguous(), self.data_parallel_group)
+    def _flat_offsets(self) -> dict[int, int]:
+        """Each param's offset in the unsharded flat numbering (groups in order, then params)."""
+        out, offset = {}, 0
+        for params in self.model_groups:
+            for p in params:
+                out[id(p)] = offset
+                offset += p.numel()
         return out
+
+    def _gather_flat(self, pieces: list[tuple[int, int, int, torch.Tensor]]) -> torch.Tensor:
+        """``[numel]`` fp32 in the unsharded numbering from every rank's (flat start, n, ..., values)."""
+        full = torch.zeros(self.numel, dtype=torch.float32, device=self.main_shard.device)
+        for a, n, _, values in pieces:
+            full[a: a + n].copy_(values)
+        if self.dp_size > 1:  # every element is held by exactly one rank: the sum is that value
+            all_reduce(full, self.data_parallel_group)
+        return full
 
     def full_state_dict(self) -> dict[str, Any]:
         """Collective over DP: the unsharded state, identical on every DP rank, loadable at any DP size.
 
         ``{"full_main_params": [N] fp32, "full_state": {key: [N] fp32} for elementwise state,
         "group_state": per group {key: non-elementwise value (e.g. step)}, "param_groups": the
-        hyperparameters, "grad_scaler", "param_shapes"}``.
+        hyperparameters, "grad_scaler", "param_shapes"}`` (params in group order).
         """
-        keys = sorted({k for s in self.optimizer.state.values() for k, v in s.items()
+        flat = self._flat_offsets()
+        keys = sorted({k for st in self.optimizer.state.values() for k, v in st.items()
                        if torch.is_tensor(v) and v.dim() > 0})
-        full_state = {}
-        for key in keys:
-            shard = torch.zeros_like(self.main_shard)
-            for main in self.main_params:
-                st = self.optimizer.state.get(main, {})
-                if key in st:
-                    start = main.storage_offset() - self.main_shard.storage_offset()
-                    shard[start: start + main.numel()].copy_(st[key])
-            full_state[key] = self._gather(shard)[: self.numel]
+        if self.dp_size > 1:
+            gathered_keys: list[Any] = [None] * self.dp_size
+            dist.all_gather_object(gathered_keys, keys, group=self.data_parallel_group)
+            keys = sorted({k for ks in gathered_keys for k in ks})
+        pieces = self.sharded_state_for_checkpoint()
+
+        def gather(key: str) -> torch.Tensor:
+            return self._gather_flat([(flat[id(e["param"])] + e["start"], e["end"] - e["start"], 0,
+                                       e["tensors"].get(key, torch.zeros(e["end"] - e["start"])))
+                                      for e in pieces])
+
         # Non-elementwise values (Adam's step) are equal on every rank for a group with elements; a
-        # rank whose range misses a group has none, so take the max over DP.
+        # rank whose range misses a group has none, so take them from a rank that has them.
         group_state = []
-        for main in self.main_params:
-            st = self.optimizer.state.get(main, {})
+        for group in self.optimizer.param_groups:
+            st = next((self.optimizer.state[m] for m in group["params"] if m in self.optimizer.state), {})
             group_state.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()
                                 if not (torch.is_tensor(v) and v.dim() > 0)})
         if self.dp_size > 1:
@@ -377,8 +414,8 @@ class DistributedOptimizer(MegatronOptimizer):
             dist.all_gather_object(gathered, group_state, group=self.data_parallel_group)
             group_state = [next((g[k] for g in gathered if g[k]), {}) for k in range(len(group_state))]
         return {
-            "full_main_params": self._gather(self.main_shard)[: self.numel],
-            "full_state": full_state,
+            "full_main_params": gather("main_param"),
+            "full_state": {key: gather(key) for key in keys},
             "group_state": group_state,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "grad_scaler": self._scaler_state(),
@@ -390,22 +427,26 @@ class DistributedOptimizer(MegatronOptimizer):
         mine = [[tuple(p.shape) for p in g] for g in self.model_groups]
         if [[tuple(s) for s in g] for g in state_dict["param_shapes"]] != mine:
             raise ValueError("full optimizer state does not match this model's parameter shapes")
-        lo, hi = self.shard_start, min(self.shard_end, self.numel)
+        flat = self._flat_offsets()
         self.main_shard.zero_()
-        self.main_shard[: max(hi - lo, 0)].copy_(state_dict["full_main_params"][lo:hi])
+        for p, lo, hi, s, _ in self._segments:
+            a = flat[id(p)] + lo
+            self.main_shard[s: s + hi - lo].copy_(state_dict["full_main_params"][a: a + hi - lo])
         for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
             group.update(saved)
         self.optimizer.state.clear()
-        for main, gstate in zip(self.main_params, state_dict["group_state"]):
+        for group, gstate in zip(self.optimizer.param_groups, state_dict["group_state"]):
             if not gstate and not state_dict["full_state"]:
                 continue
-            start = main.storage_offset() - self.main_shard.storage_offset()
-            st = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in gstate.items()}
+            for main in group["params"]:
+                st = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in gstate.items()}
+                for key in state_dict["full_state"]:
+                    st[key] = torch.zeros_like(main)
+                self.optimizer.state[main] = st
+        for p, lo, hi, s, _ in self._segments:
+            main, base = self._main_of(s)
+            a = flat[id(p)] + lo
             for key, full in state_dict["full_state"].items():
-                piece = torch.zeros_like(main)
-                a, b = lo + start, lo + start + main.numel()
-                piece.copy_(full[a:b].to(piece.dtype))
-                st[key] = piece
-            self.optimizer.state[main] = st
+                self.optimizer.state[main][key][s - base: s - base + hi - lo].copy_(full[a: a + hi - lo])
         self._load_scaler_state(state_dict.get("grad_scaler"))
         self._copy_main_params_to_model_params()

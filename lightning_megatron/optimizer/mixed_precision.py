@@ -307,13 +307,16 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                     for group in groups for p in group], set_to_none)
 
     def _copy_model_grads_to_main_grads(self) -> None:
+        # Under the MegatronStrategy the fp32 grad is ``model_param.main_grad``, a view of the
+        # GradBuffer: the main param's grad IS that view (no copy). Used on its own, the 16-bit
+        # ``.grad`` is converted once and freed.
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
-                source = getattr(model_param, "main_grad", None)
-                if source is None:
-                    source = model_param.grad
-                main_param.grad = None if source is None else source.float()
-                # The model grad is now redundant; freeing it is what keeps the fp32 copy cheap.
+                main_grad = getattr(model_param, "main_grad", None)
+                if main_grad is not None:
+                    main_param.grad = main_grad.float()  # the same tensor when fp32
+                else:
+                    main_param.grad = None if model_param.grad is None else model_param.grad.float()
                 model_param.grad = None
         for group in self.fp32_from_fp32_groups:
             for param in group:

@@ -38,38 +38,55 @@ __all__ = [
     "all_reduce_coalesced",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "CompletedWork",
 ]
 
 Group = dist.ProcessGroup | None
 
 
-def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+class CompletedWork:
+    """The handle ``async_op=True`` returns for a collective that needs no communication (a group of one)."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM, *,
+               async_op: bool = False) -> torch.Tensor | object:
     """Reduce the contiguous ``t`` over ``group`` in place (no autograd) and return it.
 
     The one all-reduce of the package, through the group's communicator
     (:func:`~lightning_megatron.tensor_parallel.communicator.communicator_of`); nothing with a group
-    of one.
+    of one. ``async_op=True`` returns a handle to ``wait()`` on instead of ``t`` (a communicator
+    that runs synchronously returns a completed one).
     """
     if group_size(group) == 1:
-        return t
-    communicator_of(group).all_reduce(t, op)
-    return t
+        return CompletedWork() if async_op else t
+    work = communicator_of(group).all_reduce(t, op, async_op=async_op)
+    return work if async_op else t
 
 
-def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
+def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, *,
+                           async_op: bool = False) -> dist.Work | CompletedWork | None:
     """Gather ``t`` from every rank into the contiguous ``out`` (ranks concatenated along dim 0).
 
-    ``t`` may be this rank's own chunk of ``out`` (in place).
+    ``t`` may be this rank's own chunk of ``out`` (in place). ``async_op=True``: returns a handle
+    (see :func:`all_reduce`).
     """
-    communicator_of(group).all_gather_into_tensor(out, t)
+    return communicator_of(group).all_gather_into_tensor(out, t, async_op=async_op)
 
 
-def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
+def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, *,
+                          async_op: bool = False) -> dist.Work | CompletedWork | None:
     """Sum ``t`` over ranks and keep this rank's dim-0 chunk in the contiguous ``out``.
 
-    ``out`` may be this rank's own chunk of ``t`` (in place).
+    ``out`` may be this rank's own chunk of ``t`` (in place). ``async_op=True``: returns a handle
+    (see :func:`all_reduce`).
     """
-    communicator_of(group).reduce_scatter_tensor(out, t)
+    return communicator_of(group).reduce_scatter_tensor(out, t, async_op=async_op)
 
 
 # ---------------------------------------------------------------------------------------------
