@@ -175,15 +175,18 @@ class ShardedStateMapper:
     def _distributed_pieces(self, opt: Any) -> Iterator[tuple[str, dict[str, Any], dict[str, torch.Tensor]]]:
         """(name, piece, scalar state of the piece's group) for every piece of a saved parameter."""
         names = {id(p): n for n, p in self._optim_named}
-        scalars = {}
-        for main in opt.main_params:
-            st = opt.optimizer.state.get(main, {})
-            scalars[id(main)] = {k: v for k, v in st.items() if torch.is_tensor(v) and v.dim() == 0}
-        group_of = {id(p): id(main) for main, group in zip(opt.main_params, opt.model_groups) for p in group}
+        # Scalar state (Adam's ``step``) is equal for every flat main param of one group: read it
+        # from the first one that has state.
+        scalars = []
+        for group in opt.optimizer.param_groups:
+            states = [opt.optimizer.state.get(main, {}) for main in group["params"]]
+            st = next((st for st in states if st), {})
+            scalars.append({k: v for k, v in st.items() if torch.is_tensor(v) and v.dim() == 0})
+        group_of = {id(p): k for k, params in enumerate(opt.model_groups) for p in params}
         for piece in opt.sharded_state_for_checkpoint():
             name = names.get(id(piece["param"]))
             if name is not None:
-                yield name, piece, scalars.get(group_of[id(piece["param"])], {})
+                yield name, piece, scalars[group_of[id(piece["param"])]]
 
     def _put_distributed(self, state: dict[str, Any], i: int, opt: Any) -> None:
         for name, piece, scalars in self._distributed_pieces(opt):
@@ -258,7 +261,8 @@ class ShardedStateMapper:
         names = {id(p): n for n, p in self._optim_named}
         opt.optimizer.state.clear()
         group_scalars: list[dict[str, torch.Tensor]] = []
-        for main, group in zip(opt.main_params, opt.model_groups):
+        # A group's params are several flat views of the main shard (one per run inside a bucket piece).
+        for group, param_group in zip(opt.model_groups, opt.optimizer.param_groups):
             keys: set[str] = set()
             scalars: dict[str, torch.Tensor] = {}
             for p in group:
@@ -270,7 +274,8 @@ class ShardedStateMapper:
                             scalars[k] = state[f"optim.{i}.state.{names[id(p)]}.{k}"] = torch.zeros(
                                 tuple(md.size), dtype=md.properties.dtype)
             if keys:
-                opt.optimizer.state[main] = {k: torch.zeros_like(main) for k in sorted(keys)}
+                for main in param_group["params"]:
+                    opt.optimizer.state[main] = {k: torch.zeros_like(main) for k in sorted(keys)}
             group_scalars.append(scalars)
         missing_main = []
         for name, piece, _ in self._distributed_pieces(opt):
@@ -293,10 +298,11 @@ class ShardedStateMapper:
             # Fused/capturable Adam keep ``step`` on the parameter's device, the others on the CPU.
             on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
             if is_distributed_optimizer(opt):
-                for main, scalars in zip(opt.main_params, target["scalars"]):
-                    if scalars:
+                for param_group, scalars in zip(inner.param_groups, target["scalars"]):
+                    for main in param_group["params"] if scalars else ():
+                        # One tensor per main param: optimizers increment ``step`` in place.
                         st = inner.state.setdefault(main, {})
-                        st.update({k: v.to(main.device) if on_device else v for k, v in scalars.items()})
+                        st.update({k: v.to(main.device if on_device else v.device, copy=True) for k, v in scalars.items()})
                 _load_optimizer_extra(opt, saved)
                 continue
             for _, p in self._optim_named:

@@ -120,17 +120,18 @@ def test_one_fp32_copy_of_the_gradients(runs):
 
 
 def _pp2_dp2() -> dict:
-    # 1F1B with the tied embedding's deferred bucket: overlapped reduce-scatter / all-reduce on gloo
-    # against the default (shared memory, after backward), ZeRO-1 against plain DP, clipping on.
+    # 1F1B with the tied embedding's deferred bucket: the default (overlapped reduce-scatter /
+    # all-reduce on gloo) against the CPU tuning (shared memory, after backward), ZeRO-1 against
+    # plain DP, clipping on.
     return {(zero1, mode): _run(pp=2, zero1=zero1, clip_grad=0.05, **kwargs)
             for zero1 in (False, True)
-            for mode, kwargs in (("default", {}),
-                                 ("gloo-overlap", {"overlap_grad_reduce": True, "shared_memory_collectives": False}))}
+            for mode, kwargs in (("cpu-tuning", {"cpu_tuning": True}),
+                                 ("gloo-overlap", {"overlap_grad_reduce": True}))}
 
 
 def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():
     for rank in run_distributed(_pp2_dp2, 4, timeout=600):
-        base = rank[(False, "default")]
+        base = rank[(False, "cpu-tuning")]
         assert min(base["norms"]) > 0.05  # clipping acts on every step
         for key, run in rank.items():
             assert run["losses"] == base["losses"], key
