@@ -38,6 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from typing_extensions import override
 
@@ -48,6 +49,7 @@ from lightning_megatron.grads import MainGrads
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.microbatches import split_microbatches
+from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
 from lightning_megatron.sharded_state import (
     ShardedStateMapper,
@@ -154,6 +156,7 @@ class MegatronStrategy(DDPStrategy):
         self.shared_memory_collectives = shared_memory_collectives
         self.parallel_state: ParallelState | None = None
         self._main_grads: MainGrads | None = None
+        self._preemption = PreemptionHandler()
         self.schedule_trace: list | None = None
         """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
 
@@ -604,7 +607,23 @@ class MegatronStrategy(DDPStrategy):
             shutil.rmtree(filepath, ignore_errors=True)
 
     @override
+    def on_train_start(self) -> None:
+        self._preemption.install(self.launcher)  # SIGTERM: see lightning_megatron.preemption
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._preemption.should_stop(self.root_device):  # every rank stops before the same step
+            raise SIGTERMException()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # SIGTERM: save a checkpoint (when configured) and exit non-zero (lightning_megatron.preemption).
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            on_sigterm(self.lightning_module.trainer, exception)
+
+    @override
     def teardown(self) -> None:
+        self._preemption.uninstall()
         if self._main_grads is not None:
             self._main_grads.remove()
             self._main_grads = None
