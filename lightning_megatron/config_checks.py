@@ -160,6 +160,13 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         problems.append(f"data max_seq_length={seq} exceeds the model's max_sequence_length={positions} (learned "
                         f"positions); set data.max_seq_length <= {positions} or model.max_sequence_length >= {seq}")
 
+    prob = d.get("masked_lm_prob")
+    if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
+        problems.append(f"data masked_lm_prob={prob} must be in (0, 1) (BERT masks 0.15 of the tokens)")
+    lr = m.get("lr")
+    if isinstance(lr, (int, float)) and not lr > 0:
+        problems.append(f"model lr={lr} must be > 0")
+
     # --- precision
     precision = normalize_precision(t.get("precision"))
     params_dtype = _dtype_name(m["params_dtype"]) if m.get("params_dtype") is not None else None

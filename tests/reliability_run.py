@@ -6,7 +6,7 @@
 Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
 subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
 ``ROOT/progress-<rank>.txt`` after each step and writes the step it starts from to
-``ROOT/start-<rank>.txt``; the fault is injected at the end of step ``--fault-step`` by rank 0 (sigterm: SIGTERM
+``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``; the fault is injected at the end of step ``--fault-step`` by rank 0 (sigterm: SIGTERM
 to rank 0's own process, as a scheduler would; kill0: SIGKILL of rank 0; kill1 / raise1: rank 1 is SIGKILLed
 / raises), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps.
 """
@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--every", type=int, default=2)
-    parser.add_argument("--timeout", type=int, default=60, help="collective timeout (s)")
+    parser.add_argument("--timeout", type=int, default=1800, help="collective timeout (s); 1800 is the default")
+    parser.add_argument("--gloo", action="store_true", help="shared_memory_collectives=False")
     a = parser.parse_args()
 
     import torch
@@ -50,6 +51,7 @@ def main() -> None:
     class Faults(Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             (root / f"start-{trainer.global_rank}.txt").write_text(str(trainer.global_step))
+            (root / f"pid-{trainer.global_rank}.txt").write_text(str(os.getpid()))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             rank, step = trainer.global_rank, trainer.global_step
@@ -68,7 +70,8 @@ def main() -> None:
             elif a.fault == "raise1" and rank == 1:
                 raise RuntimeError(f"injected failure on rank 1 at step {step}")
 
-    strategy = MegatronStrategy(tensor_model_parallel_size=a.devices, micro_batch_size=4, timeout=a.timeout)
+    strategy = MegatronStrategy(tensor_model_parallel_size=a.devices, micro_batch_size=4, timeout=a.timeout,
+                                shared_memory_collectives=not a.gloo)
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=a.every, save_top_k=-1, save_last=True)
     trainer = Trainer(accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.max_steps, logger=False,
                       callbacks=[Faults(), checkpoint], enable_progress_bar=False, enable_model_summary=False,

@@ -67,6 +67,8 @@ def test_good_config_has_no_problems():
     (dict(trainer_args=dict(precision="16-true"), model_hparams=dict(params_dtype="float16"),
           has_optimizer_callback=False), "params_dtype='float16' without MegatronOptimizerCallback"),
     (dict(trainer_args=dict(accumulate_grad_batches=4)), "accumulate_grad_batches=4"),
+    (dict(data_hparams=dict(masked_lm_prob=1.5)), "masked_lm_prob=1.5"),
+    (dict(model_hparams=dict(lr=-1.0)), "lr=-1.0 must be > 0"),
     (dict(trainer_args=dict(gradient_clip_val=1.0)), "gradient_clip_val=1.0"),
     (dict(scheduler_args=dict(lr_warmup_steps=100)), "lr_warmup_steps=100 must be < lr_decay_steps (= "
                                                      "trainer.max_steps)=100"),
