@@ -4,7 +4,8 @@
 
 Each scenario runs ``tests/reliability_run.py`` (tiny BERT, TP=2, Lightning's subprocess launcher, a
 checkpoint every 2 steps, the strategy's default 30-minute collective timeout) and injects the fault
-at the end of step 5 of 40:
+at the end of step 5 of 40 (``name``), or inside the forward of step 6, before its first
+tensor-parallel collective (``name:mid``: the other rank then waits inside that collective):
 
 - ``sigterm``: SIGTERM to rank 0 (the launcher), as a scheduler's preemption or ``scancel`` would;
 - ``kill1``:  SIGKILL of rank 1 (a non-zero rank dies: out of memory, a node failure);
@@ -61,10 +62,12 @@ def _checkpoint_step(ckpt_dir: Path) -> int:
     return max(steps)
 
 
-def run_scenario(fault: str, path: str, cap: float) -> dict:
-    root = Path(tempfile.mkdtemp(prefix=f"fault-{fault}-{path}-"))
+def run_scenario(scenario: str, path: str, cap: float) -> dict:
+    fault, _, where = scenario.partition(":")
+    root = Path(tempfile.mkdtemp(prefix=f"fault-{fault}-{where or 'end'}-{path}-"))
     cmd = [sys.executable, str(SCRIPT), str(root), "--devices", "2", "--max-steps", str(MAX_STEPS), "--fault", fault,
-           "--fault-step", str(FAULT_STEP), "--every", str(EVERY)] + (["--gloo"] if path == "gloo" else [])
+           "--fault-step", str(FAULT_STEP), "--every", str(EVERY)] + (["--gloo"] if path == "gloo" else []) + (
+               ["--mid"] if where == "mid" else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = open(root / "log.txt", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -93,7 +96,7 @@ def run_scenario(fault: str, path: str, cap: float) -> dict:
     last = max(progress, default=0)
     ckpt = _checkpoint_step(root / "ckpt")
     text = (root / "log.txt").read_text(errors="replace")
-    return {"fault": fault, "collectives": path, "exit_status": proc.returncode,
+    return {"fault": scenario, "collectives": path, "exit_status": proc.returncode,
             "seconds_to_exit": None if capped else round(t_exit - t_fault, 1), "capped_at": cap if capped else None,
             "last_step": last, "checkpoint_step": ckpt, "steps_lost": last - ckpt,
             "last_error_line": next((ln.strip()[:160] for ln in reversed(text.splitlines())
@@ -103,7 +106,7 @@ def run_scenario(fault: str, path: str, cap: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cap", type=float, default=120.0)
-    parser.add_argument("--scenarios", default="sigterm,kill1,kill0,raise1")
+    parser.add_argument("--scenarios", default="sigterm,kill1,kill0,raise1,sigterm:mid,kill1:mid,kill0:mid,raise1:mid")
     parser.add_argument("--paths", default="shm,gloo")
     parser.add_argument("--json", default=None)
     a = parser.parse_args()

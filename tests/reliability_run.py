@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--fault", choices=["none", "sigterm", "kill0", "kill1", "raise1"], default="none")
     parser.add_argument("--fault-step", type=int, default=3)
+    parser.add_argument("--mid", action="store_true",
+                        help="inject the fault inside the next step's forward (peers then wait in a TP collective)")
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=1800, help="collective timeout (s); 1800 is the default")
@@ -59,6 +61,19 @@ def main() -> None:
                 fh.write(f"{step} {time.time():.3f}\n")
             if step != a.fault_step or a.fault == "none":
                 return
+            if a.mid:  # at the start of the next step's first forward, before its TP collectives
+                handle = []
+
+                def hook(module, args) -> None:
+                    handle[0].remove()
+                    self.inject(trainer.global_rank, step)
+
+                handle.append(pl_module.model_chunks[0].register_forward_pre_hook(hook))
+                return
+            self.inject(rank, step)
+
+        @staticmethod
+        def inject(rank: int, step: int) -> None:
             if rank == 0:
                 (root / "fault.txt").write_text(f"{a.fault} {step} {time.time():.3f}")
             if a.fault == "sigterm" and rank == 0:
