@@ -63,6 +63,7 @@ class PreemptionHandler:
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._launcher = launcher
+        self.received = False
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         self._installed = True
 
