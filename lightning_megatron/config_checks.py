@@ -237,10 +237,11 @@ def _plain(value: Any) -> Any:
     return as_dict() if callable(as_dict) else value
 
 
-def config_from_cli(config: Mapping[str, Any]) -> dict[str, Any]:
+def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str, Any]:
     """The keyword arguments of :func:`check_config` from a parsed LightningCLI config (one subcommand's).
 
     Only a MegatronStrategy configuration is checked: with another strategy this returns ``{}``.
+    ``fitting=False`` (validate/test/predict) skips the checks that only matter for training.
     """
     c = _plain(config)
     trainer = dict(c.get("trainer") or {})
@@ -264,5 +265,5 @@ def config_from_cli(config: Mapping[str, Any]) -> dict[str, Any]:
         elif path.endswith("MegatronOptimizerCallback"):
             has_optimizer_callback = True
     return dict(model_hparams=dict(c.get("model") or {}), data_hparams=dict(c.get("data") or {}),
-                strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args,
-                has_optimizer_callback=has_optimizer_callback)
+                strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
+                has_optimizer_callback=has_optimizer_callback if fitting else None)

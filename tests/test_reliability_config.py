@@ -117,6 +117,14 @@ def test_config_from_cli_only_checks_megatron_strategy():
     kwargs = config_from_cli(config)
     assert kwargs["has_optimizer_callback"] is True
     assert any("num_attention_heads=3" in p for p in check_config(**kwargs))
+    # validate/test: the training-only checks (16-bit params without the callback, schedule) are skipped
+    config["trainer"]["callbacks"] = []
+    config["model"]["params_dtype"] = "bfloat16"
+    config["trainer"]["precision"] = "bf16-true"
+    assert config_from_cli(config)["has_optimizer_callback"] is False
+    assert any("without MegatronOptimizerCallback" in p for p in check_config(**config_from_cli(config)))
+    assert not any("without MegatronOptimizerCallback" in p
+                   for p in check_config(**config_from_cli(config, fitting=False)))
 
 
 def test_cli_bad_recipe_fails_before_the_trainer_is_built(tmp_path):
