@@ -30,18 +30,16 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-import torch
-import torch.distributed as dist
 
 __all__ = ["SIGTERM_EXIT_CODE", "PreemptionHandler", "on_sigterm", "sigterm_checkpoint_path"]
 

@@ -13,6 +13,9 @@ public hooks only, and replaces what DDP does per step:
   in DistributedDataParallel; ``backward`` is a no-op because the schedule already ran it.
 - validation/test/predict run the forward-only schedule.
 - checkpoints are sharded and reshardable (:mod:`lightning_megatron.checkpoint`).
+- set-up refuses a precision that disagrees with the parameters' dtype and 16-bit parameters
+  without MegatronOptimizerCallback; SIGTERM stops every rank before the same step, saves
+  ``last.ckpt`` and exits 143 (:mod:`lightning_megatron.preemption`).
 
 Batch semantics: global_batch = micro_batch_size x num_microbatches x DP. The dataloader of each DP
 rank yields micro_batch_size x num_microbatches samples per step (every TP and PP rank of a replica
@@ -49,8 +52,8 @@ from lightning_megatron.grads import MainGrads
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.microbatches import split_microbatches
-from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
+from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.sharded_state import (
     ShardedStateMapper,
     is_distributed_optimizer,
@@ -618,7 +621,7 @@ class MegatronStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # SIGTERM: save a checkpoint (when configured) and exit non-zero (lightning_megatron.preemption).
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+        if isinstance(exception, SIGTERMException) and self.lightning_module is not None:
             on_sigterm(self.lightning_module.trainer, exception)
 
     @override
