@@ -217,13 +217,13 @@ class ChunkSavePlanner(DefaultSavePlanner):
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """``t`` over a storage of exactly its bytes, sharing memory (a contiguous CPU view otherwise
-    makes DCP clone it, and a ZeRO-1 shard is all views: its whole size again while saving)."""
+    """``t`` over a storage of exactly its bytes, sharing memory (DCP clones a contiguous view of a
+    larger storage, and a ZeRO-1 shard is all views: its whole size again while saving)."""
     storage = t.untyped_storage()
-    if t.device.type != "cpu" or not t.is_contiguous() or storage.nbytes() == t.nbytes:
+    if not t.is_contiguous() or storage.nbytes() == t.nbytes:
         return t
     start = t.storage_offset() * t.element_size()
-    return torch.empty(0, dtype=t.dtype).set_(storage[start:start + t.nbytes], 0, t.shape, t.stride())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage[start:start + t.nbytes], 0, t.shape, t.stride())
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
