@@ -335,8 +335,8 @@ def summary_markdown(results: dict[str, Any]) -> str:
     env, gemm = results.get("env", {}), results.get("gemm", {})
     lines = [f"### GPU check, {env.get('date_utc', '?')}, {env.get('device_name', env.get('device'))}", "",
              f"torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, lightning {env.get('lightning')}, "
-             f"transformers {env.get('transformers')}; measured bf16 GEMM {gemm.get('bf16_tflops', 0):.0f} TFLOP/s "
-             f"(n={gemm.get('n')}), fp32 {gemm.get('fp32_tflops', 0):.1f}.", ""]
+             f"transformers {env.get('transformers')}; measured bf16 GEMM {gemm.get('bf16_tflops', 0):.3g} TFLOP/s "
+             f"(n={gemm.get('n')}), fp32 {gemm.get('fp32_tflops', 0):.3g}.", ""]
     tests = results.get("tests", {})
     lines += [f"- CUDA test path: {tests.get('counts')} (exit {tests.get('returncode')}, {tests.get('seconds', 0):.0f} s)"]
     bench = results.get("bench", {})
@@ -346,7 +346,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
         for r in bench["rows"]:
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
             lines.append(f"| {r['size']} seq {r['seq']} x {r['batch']} | {r['framework']} | {r['tokens_per_s']:.0f} | "
-                         f"{r['tflops']:.1f} | {mfu} | {r['peak_memory_gib']:.1f} | {', '.join(r['sdpa_kernels']) or '-'} |")
+                         f"{r['tflops']:.3g} | {mfu} | {r['peak_memory_gib']:.1f} | {', '.join(r['sdpa_kernels']) or '-'} |")
         lines += ["", "Ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(bench["ratios"].items()))]
     for e in bench.get("errors", []):
         lines.append(f"- bench {e['size']} {e['framework']} FAILED: {e['error'].strip().splitlines()[-1]}")

@@ -62,6 +62,16 @@ def _lightning_cli(args: list[str]) -> None:
     from lightning_megatron.models.bert.module import BertLightningModule
 
     class MegatronCLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any process.
+            from lightning_megatron.config_checks import ConfigError, config_from_cli, validate_config
+
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            try:
+                validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
+            except ConfigError as e:
+                raise SystemExit(f"lightning-megatron: {e}") from None
+
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
                 print(_summary(self.trainer), flush=True)

@@ -15,6 +15,9 @@ public hooks only, and replaces what DDP does per step:
   schedule already ran it.
 - validation/test/predict run the forward-only schedule.
 - checkpoints are sharded and reshardable (:mod:`lightning_megatron.checkpoint`).
+- set-up refuses a precision that disagrees with the parameters' dtype and 16-bit parameters
+  without MegatronOptimizerCallback; SIGTERM stops every rank before the same step, saves
+  ``last.ckpt`` and exits 143 (:mod:`lightning_megatron.preemption`).
 
 Batch semantics: global_batch = micro_batch_size x num_microbatches x DP. The dataloader of each DP
 rank yields micro_batch_size x num_microbatches samples per step (every TP and PP rank of a replica
@@ -37,16 +40,19 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
+from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_precision
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer, buffer_order, finalize_model_grads
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.microbatches import split_microbatches
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
+from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.sharded_state import ShardedStateMapper, is_distributed_optimizer
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
@@ -160,6 +166,7 @@ class MegatronStrategy(DDPStrategy):
         self.parallel_state: ParallelState | None = None
         self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
         self._grad_buffer: GradBuffer | None = None
+        self._preemption = PreemptionHandler()
         self.schedule_trace: list | None = None
         """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
 
@@ -213,6 +220,7 @@ class MegatronStrategy(DDPStrategy):
                 f"shard separately. Use lightning_megatron.callbacks.MegatronOptimizerCallback(clip_grad=...), "
                 f"which clips by the norm over all tensor- and pipeline-parallel ranks")
         self._validate_model()
+        self._validate_precision(trainer)
         self._validate_batch_sizes(trainer)
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
@@ -267,6 +275,45 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(
                 "MegatronStrategy: pipeline_model_parallel_size > 1 needs the LightningModule to implement "
                 "forward_step(microbatch, chunk) -> (output_tensor, loss_func) and pipeline_tensor_shape(microbatch)")
+
+    def _validate_precision(self, trainer: Trainer) -> None:
+        """The Trainer's precision must match the parameters' dtype; 16-bit parameters need fp32 main params.
+
+        Runs before ``convert_module``, which would otherwise silently cast the model to the precision's dtype.
+        """
+        from lightning_megatron.callbacks.optimizer import MegatronOptimizerCallback
+
+        plugin = self.precision_plugin
+        precision = normalize_precision(getattr(plugin, "precision", None))
+        if getattr(plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"MegatronStrategy: precision={precision!r} scales the loss with torch's GradScaler in Lightning's "
+                f"backward, which the strategy's microbatch schedule replaces (the gradients would be unscaled "
+                f"without ever being scaled). Use precision='bf16-mixed' (autocast, no scaling), or "
+                f"params_dtype='float16' with precision='16-true' and MegatronOptimizerCallback (dynamic loss scaling)")
+        if precision not in PRECISION_PARAMS_DTYPE:
+            raise ValueError(f"MegatronStrategy: precision={precision!r} is not supported; use one of "
+                             f"{sorted(PRECISION_PARAMS_DTYPE)}")
+        expected = getattr(torch, PRECISION_PARAMS_DTYPE[precision])
+        dtypes = sorted({str(p.dtype) for chunk in self.model_chunks for p in chunk.parameters()
+                         if p.is_floating_point()})
+        hparams = getattr(self.lightning_module, "hparams", {})
+        named = f" (params_dtype={hparams['params_dtype']!r})" if "params_dtype" in hparams else ""
+        if dtypes and dtypes != [str(expected)]:
+            fix = {"torch.float32": "Trainer(precision='32-true') (or 'bf16-mixed' for autocast)",
+                   "torch.bfloat16": "Trainer(precision='bf16-true')", "torch.float16": "Trainer(precision='16-true')"}
+            raise ValueError(
+                f"MegatronStrategy: Trainer(precision={precision!r}) needs {expected} parameters but the model's "
+                f"parameters are {', '.join(dtypes)}{named}; set {fix.get(dtypes[0], 'a matching precision')} or "
+                f"build the model with params_dtype={PRECISION_PARAMS_DTYPE[precision]!r}")
+        low = [d for d in dtypes if d in ("torch.float16", "torch.bfloat16")]
+        if low and trainer.state.fn == TrainerFn.FITTING and not any(
+                isinstance(cb, MegatronOptimizerCallback) for cb in trainer.callbacks):
+            raise ValueError(
+                f"MegatronStrategy: {low[0]} parameters{named} without MegatronOptimizerCallback would be updated in "
+                f"16 bits (fp16 diverges without loss scaling; bf16 drops small updates). Add "
+                f"lightning_megatron.callbacks.MegatronOptimizerCallback to the Trainer's callbacks (fp32 main "
+                f"params, loss scaling, overflow skip), or train with params_dtype='float32'")
 
     def _validate_batch_sizes(self, trainer: Trainer) -> None:
         """global_batch_size = micro_batch_size x num_microbatches x DP, checked before any step."""
@@ -564,7 +611,23 @@ class MegatronStrategy(DDPStrategy):
             ckpt.remove(filepath)
 
     @override
+    def on_train_start(self) -> None:
+        self._preemption.install(self.launcher)  # SIGTERM: see lightning_megatron.preemption
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._preemption.should_stop(self.root_device):  # every rank stops before the same step
+            raise SIGTERMException()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # SIGTERM: save a checkpoint (when configured) and exit non-zero (lightning_megatron.preemption).
+        if isinstance(exception, SIGTERMException) and self.lightning_module is not None:
+            on_sigterm(self.lightning_module.trainer, exception)
+
+    @override
     def teardown(self) -> None:
+        self._preemption.uninstall()
         if self._grad_buffer is not None:
             self._grad_buffer.remove()
             self._grad_buffer = None

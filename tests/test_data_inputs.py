@@ -127,6 +127,9 @@ def test_hugging_face_datasets_objects_and_saved_datasets(tmp_path):
     datasets.DatasetDict({"train": data, "test": data.select([0])}).save_to_disk(tmp_path / "saved")
     preprocess_corpus([tmp_path / "saved"], tmp_path / "disk", tokenizer(), json_key="content", max_seq_length=64)
     assert _documents(tmp_path / "disk") == _expected()
+    data.save_to_disk(tmp_path / "plain")
+    preprocess_corpus([tmp_path / "plain"], tmp_path / "plain_out", tokenizer(), json_key="content", max_seq_length=64)
+    assert _documents(tmp_path / "plain_out") == _expected()
     with pytest.raises(ValueError, match=r"json_key='text'.*\['content', 'id'\]"):
         preprocess_corpus([data], tmp_path / "bad", tokenizer(), max_seq_length=64)
 

@@ -43,7 +43,8 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
     strategy = MegatronStrategy(tensor_model_parallel_size=tp)
     recorder = _recorder()
     callback = MegatronOptimizerCallback(clip_grad=clip_grad, use_distributed_optimizer=distributed)
-    trainer = make_trainer(strategy, 4, max_steps, callbacks=[callback, recorder])
+    trainer = make_trainer(strategy, 4, max_steps, callbacks=[callback, recorder],
+                           precision="bf16-true" if dtype == "bfloat16" else "32-true")
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
     module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype})

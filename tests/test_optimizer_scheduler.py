@@ -140,7 +140,7 @@ def test_load_use_checkpoint_override_and_mismatch():
     assert b.optimizer.param_groups[0]["lr"] == pytest.approx(_closed_form("cosine", 20))
     # neither: values must agree.
     c = _sched("cosine", use_checkpoint_opt_param_scheduler=False)
-    with pytest.raises(ValueError, match="learning rate"):
+    with pytest.raises(ValueError, match="max_lr: configured 0.001, checkpoint 0.002; lr_decay_style"):
         c.load_state_dict(sd)
     with pytest.raises(ValueError, match="contradict"):
         _sched(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True)

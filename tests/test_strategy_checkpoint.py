@@ -132,7 +132,7 @@ def _fp16_run(max_steps: int, save_to: str | None = None, ckpt_in: str | None = 
                                            hysteresis=1),
                  OptimizerParamSchedulerCallback(max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=2, lr_decay_steps=12,
                                                  lr_decay_style="cosine"), trace]
-    trainer = make_trainer(strategy, 2, max_steps, callbacks=callbacks)
+    trainer = make_trainer(strategy, 2, max_steps, callbacks=callbacks, precision="16-true")
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, 1, 0)
     module = BertLightningModule(**{**TINY_MODEL, "params_dtype": "float16"})
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)

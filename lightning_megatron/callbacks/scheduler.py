@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
@@ -26,6 +27,14 @@ class OptimizerParamSchedulerCallback(Callback):
     Arguments are the scheduler's, with two defaults resolved at fit time:
     ``lr_decay_steps=None`` -> ``trainer.max_steps`` and ``wd_incr_steps=None`` -> the same.
     Logs ``lr`` and ``wd``: the schedule's values before per-group ``lr_mult`` / ``wd_mult``.
+
+    On resume Megatron's rule applies to every field (``max_lr``, ``min_lr``, ``lr_warmup_steps``,
+    ``lr_decay_steps``, ``lr_decay_style`` and the weight-decay fields): by default
+    (``use_checkpoint_opt_param_scheduler=True``) the checkpoint's values continue, so resuming with
+    a larger ``max_steps`` keeps the old decay horizon; ``override_opt_param_scheduler=True`` with
+    ``use_checkpoint_opt_param_scheduler=False`` takes the configured ones (the step count always
+    comes from the checkpoint); with neither, any difference is an error. Whenever the two differ a
+    warning names each field with both values and which one is used.
     """
 
     def __init__(
@@ -64,6 +73,7 @@ class OptimizerParamSchedulerCallback(Callback):
         self.scheduler: OptimizerParamScheduler | None = None
         self._pending_state: dict[str, Any] | None = None
         self._last_global_step = 0
+        self._resolved: dict[str, int] = {}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -84,14 +94,31 @@ class OptimizerParamSchedulerCallback(Callback):
                     )
                 kwargs[name] = trainer.max_steps
         self.scheduler = OptimizerParamScheduler(trainer.optimizers[0], **kwargs)
+        self._resolved = {name: trainer.max_steps for name in ("lr_decay_steps", "wd_incr_steps")
+                          if self.kwargs[name] is None}
         if self._pending_state is not None:
-            self.scheduler.load_state_dict(self._pending_state)
+            self._load(self._pending_state)
             self._pending_state = None
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Megatron's resume rule (see OptimizerParamScheduler.load_state_dict), with a warning on any difference."""
+        assert self.scheduler is not None
+        self.scheduler.load_state_dict(state)
+        message = self.scheduler.describe_resume_differences()
+        if message:
+            resolved = [f"{name}=null resolved to trainer.max_steps={steps}" for name, steps in self._resolved.items()
+                        if any(d[0] == name for d in self.scheduler.resume_differences)]
+            rank_zero_warn(f"OptimizerParamSchedulerCallback: {message}"
+                           + (f" ({'; '.join(resolved)})" if resolved else ""), category=UserWarning)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the checkpoint restore: global_step is where this run continues from.
         self._last_global_step = trainer.global_step
+        if self.scheduler is not None:
+            # The restored optimizer state carries the lr/wd of the saved step; the schedule (which may
+            # have been overridden on resume) sets them for the first step of this run.
+            self.scheduler.step(0)
 
     @override
     def on_train_batch_end(
@@ -117,6 +144,6 @@ class OptimizerParamSchedulerCallback(Callback):
         if state is None:
             return
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(state)
+            self._load(state)
         else:
             self._pending_state = dict(state)

@@ -189,9 +189,6 @@ def default_corpus_fingerprint(module_names: Sequence[str] = DEFAULT_CORPUS_MODU
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-_HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
-
-
 def _kind(path: Path) -> str:
     """``"json"`` or ``"text"`` by the suffix before any ``.gz``."""
     name = path.name.lower()
@@ -209,7 +206,8 @@ def is_hf_dataset(item: Any) -> bool:
     """A Hugging Face ``datasets`` object, or a directory written by its ``save_to_disk``."""
     if isinstance(item, (str, os.PathLike)):
         path = Path(item)
-        return path.is_dir() and any((path / marker).is_file() for marker in _HF_MARKERS)
+        return path.is_dir() and ((path / "dataset_dict.json").is_file() or all(
+            (path / marker).is_file() for marker in ("state.json", "dataset_info.json")))
     return type(item).__module__.startswith("datasets")
 
 

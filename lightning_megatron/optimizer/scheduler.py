@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any
 
 __all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES"]
@@ -40,7 +41,10 @@ class OptimizerParamScheduler:
 
     ``use_checkpoint_opt_param_scheduler``: on load, take the values stored in the checkpoint.
     ``override_opt_param_scheduler``: on load, keep the constructor's values (only the step count
-    is restored). With neither, the two must agree or loading fails. Both at once is an error.
+    is restored). With neither, the two must agree or loading fails, listing every differing field.
+    Both at once is an error. After a load, :attr:`resume_differences` lists the fields where the
+    checkpoint and the constructor disagree (``(field, configured, checkpoint)``) and
+    :meth:`describe_resume_differences` says which were used; ``load_state_dict(warn=True)`` warns.
     """
 
     def __init__(
@@ -122,6 +126,9 @@ class OptimizerParamScheduler:
                 "override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
                 "each other; set use_checkpoint_opt_param_scheduler=False to override"
             )
+
+        self.resume_differences: list[tuple[str, Any, Any]] = []
+        """(field, configured value, checkpoint value) for each field that differed at the last load."""
 
         # Megatron sets the initial lr and wd on construction.
         self.step(0)
@@ -235,25 +242,56 @@ class OptimizerParamScheduler:
         }
 
     def _check_and_set(self, cls_value: Any, sd_value: Any, name: str) -> Any:
-        """Pick the constructor's or the checkpoint's value per the override / use-checkpoint flags."""
+        """Pick the constructor's or the checkpoint's value per the override / use-checkpoint flags.
+
+        ``name`` is the field (``lr_decay_steps``...); a difference is recorded in ``resume_differences``.
+        """
+        if cls_value != sd_value:
+            self.resume_differences.append((name, cls_value, sd_value))
         if self.override_opt_param_scheduler:
             logger.info("overriding %s value to %s", name, cls_value)
             return cls_value
-        if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise ValueError(
-                f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value {sd_value} "
-                f"for {name} do not match; set use_checkpoint_opt_param_scheduler=True to take the "
-                "checkpoint's value or override_opt_param_scheduler=True to keep yours"
-            )
         logger.info("using checkpoint value %s for %s", sd_value, name)
         return sd_value
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def describe_resume_differences(self) -> str:
+        """One line per differing field and which value the schedule now uses; "" when none differ."""
+        if not self.resume_differences:
+            return ""
+        fields = "; ".join(f"{name}: configured {cfg!r}, checkpoint {ckpt!r}"
+                           for name, cfg, ckpt in self.resume_differences)
+        if self.override_opt_param_scheduler:
+            return (f"the resumed lr/wd schedule differs from the checkpoint's ({fields}); using the configured "
+                    f"values (override_opt_param_scheduler=True), only the step count comes from the checkpoint")
+        return (f"the resumed lr/wd schedule differs from the configured one ({fields}); using the checkpoint's "
+                f"values (use_checkpoint_opt_param_scheduler=True). To continue with the configured values set "
+                f"override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=False")
+
+    def load_state_dict(self, state_dict: dict[str, Any], warn: bool = False) -> None:
         """Restore from Megatron's keys or their legacy names (``start_lr``, ``warmup_iter``/
-        ``warmup_steps``, ``end_iter``/``decay_steps``, ``decay_style``, ``num_iters``)."""
+        ``warmup_steps``, ``end_iter``/``decay_steps``, ``decay_style``, ``num_iters``).
+
+        Megatron's rule per field: ``override_opt_param_scheduler`` keeps the constructor's value,
+        ``use_checkpoint_opt_param_scheduler`` takes the checkpoint's, with neither a difference is a
+        ``ValueError`` listing every differing field. ``warn``: warn when any field differs.
+        """
+        self.resume_differences = []
+        self._load_fields(state_dict)
+        if self.resume_differences and not (self.override_opt_param_scheduler
+                                            or self.use_checkpoint_opt_param_scheduler):
+            fields = "; ".join(f"{name}: configured {cfg!r}, checkpoint {ckpt!r}"
+                               for name, cfg, ckpt in self.resume_differences)
+            raise ValueError(
+                f"OptimizerParamScheduler: the checkpoint's schedule differs from the configured one ({fields}); "
+                "set use_checkpoint_opt_param_scheduler=True to take the checkpoint's values or "
+                "override_opt_param_scheduler=True to keep yours")
+        if warn and self.resume_differences:
+            warnings.warn(f"OptimizerParamScheduler: {self.describe_resume_differences()}", stacklevel=2)
+
+    def _load_fields(self, state_dict: dict[str, Any]) -> None:
         max_lr_ = state_dict["start_lr"] if "start_lr" in state_dict else state_dict["max_lr"]
-        self.max_lr = self._check_and_set(self.max_lr, max_lr_, "learning rate")
-        self.min_lr = self._check_and_set(self.min_lr, state_dict["min_lr"], "minimum learning rate")
+        self.max_lr = self._check_and_set(self.max_lr, max_lr_, "max_lr")
+        self.min_lr = self._check_and_set(self.min_lr, state_dict["min_lr"], "min_lr")
 
         if "warmup_iter" in state_dict:
             lr_warmup_steps_ = state_dict["warmup_iter"]
@@ -261,7 +299,7 @@ class OptimizerParamScheduler:
             lr_warmup_steps_ = state_dict["warmup_steps"]
         else:
             lr_warmup_steps_ = state_dict["lr_warmup_steps"]
-        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, lr_warmup_steps_, "warmup iterations")
+        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, lr_warmup_steps_, "lr_warmup_steps")
 
         if "end_iter" in state_dict:
             lr_decay_steps_ = state_dict["end_iter"]
@@ -269,12 +307,10 @@ class OptimizerParamScheduler:
             lr_decay_steps_ = state_dict["decay_steps"]
         else:
             lr_decay_steps_ = state_dict["lr_decay_steps"]
-        self.lr_decay_steps = self._check_and_set(
-            self.lr_decay_steps, lr_decay_steps_, "total number of iterations"
-        )
+        self.lr_decay_steps = self._check_and_set(self.lr_decay_steps, lr_decay_steps_, "lr_decay_steps")
 
         lr_decay_style_ = state_dict["decay_style"] if "decay_style" in state_dict else state_dict["lr_decay_style"]
-        self.lr_decay_style = self._check_and_set(self.lr_decay_style, lr_decay_style_, "learning rate decay style")
+        self.lr_decay_style = self._check_and_set(self.lr_decay_style, lr_decay_style_, "lr_decay_style")
 
         num_steps = state_dict["num_iters"] if "num_iters" in state_dict else state_dict["num_steps"]
         # Megatron adds num_steps to a freshly built scheduler (num_steps == 0). Resetting first gives
@@ -283,13 +319,9 @@ class OptimizerParamScheduler:
         self.step(increment=num_steps)
 
         if "start_wd" in state_dict:
-            self.start_wd = self._check_and_set(self.start_wd, state_dict["start_wd"], "start weight decay")
-            self.end_wd = self._check_and_set(self.end_wd, state_dict["end_wd"], "end weight decay")
-            self.wd_incr_steps = self._check_and_set(
-                self.wd_incr_steps, state_dict["wd_incr_steps"], "total number of weight decay iterations"
-            )
-            self.wd_incr_style = self._check_and_set(
-                self.wd_incr_style, state_dict["wd_incr_style"], "weight decay incr style"
-            )
+            self.start_wd = self._check_and_set(self.start_wd, state_dict["start_wd"], "start_wd")
+            self.end_wd = self._check_and_set(self.end_wd, state_dict["end_wd"], "end_wd")
+            self.wd_incr_steps = self._check_and_set(self.wd_incr_steps, state_dict["wd_incr_steps"], "wd_incr_steps")
+            self.wd_incr_style = self._check_and_set(self.wd_incr_style, state_dict["wd_incr_style"], "wd_incr_style")
             # Megatron set lr/wd above with the old wd values; refresh so the groups match the state.
             self.step(0)

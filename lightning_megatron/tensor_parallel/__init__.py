@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_megatron.tensor_parallel.communicator import Communicator, TorchCommunicator, communicator_of
 from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -45,5 +46,5 @@ __all__ = [
     "init_method_normal", "scaled_init_method_normal", "RNGStatesTracker", "get_rng_tracker",
     "model_parallel_seed", "checkpoint", "MODEL_PARALLEL_RNG_TRACKER_NAME", "VocabUtility", "divide",
     "pad_vocab_size", "param_is_not_tensor_parallel_duplicate", "set_tensor_model_parallel_attributes",
-    "split_tensor_along_last_dim",
+    "split_tensor_along_last_dim", "Communicator", "TorchCommunicator", "communicator_of",
 ]

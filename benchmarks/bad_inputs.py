@@ -1,0 +1,358 @@
+"""Runs a catalogue of bad inputs and prints what each gets (docs/reliability.md's table is its output).
+
+    python benchmarks/bad_inputs.py [--markdown out.md] [--skip-setup]
+
+Most cases run in this process in milliseconds: the config-only check the CLI runs before launching
+(:func:`lightning_megatron.config_checks.check_config`), the constructors the CLI instantiates before
+launching, the checkpoint validation, the data pipeline and the CLI's argument parser. The cases
+that only show at set-up (precision against the parameters, Trainer options the strategy replaces,
+a layout the world size cannot hold) run in one spawned rank (a few seconds). Each row: the error
+type and the first line of its message, or ``accepted`` when nothing was raised, and when it comes.
+Cases that other changes cover and that this checkout cannot show are listed by ``AFTER_MERGE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _p in (ROOT, ROOT / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+BEFORE = "before launch"
+SETUP = "at setup (after launch, before step 1)"
+LATE = "late (during training)"
+
+GOOD_MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, max_sequence_length=128,
+                  params_dtype="float32", lr=1e-3)
+GOOD_DATA = dict(max_seq_length=128, global_batch_size=16, micro_batch_size=4, masked_lm_prob=0.15)
+GOOD_STRATEGY = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+GOOD_TRAINER = dict(devices=4, num_nodes=1, precision="32-true", max_steps=100)
+GOOD_SCHED = dict(init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=10, lr_decay_steps=None)
+
+
+def _config(model=None, data=None, strategy=None, trainer=None, sched=None, has_cb: bool = True) -> Callable[[], Any]:
+    from lightning_megatron.config_checks import validate_config
+
+    return lambda: validate_config({**GOOD_MODEL, **(model or {})}, {**GOOD_DATA, **(data or {})},
+                                   {**GOOD_STRATEGY, **(strategy or {})}, {**GOOD_TRAINER, **(trainer or {})},
+                                   {**GOOD_SCHED, **(sched or {})}, has_optimizer_callback=has_cb)
+
+
+def _config_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
+    c = _config
+    return [
+        ("config", "world size 4 with tensor_model_parallel_size=3", c(strategy=dict(tensor_model_parallel_size=3)), BEFORE),
+        ("config", "num_attention_heads=3 with TP=2", c(model=dict(num_attention_heads=3, hidden_size=96)), BEFORE),
+        ("config", "hidden_size=130 with 4 heads", c(model=dict(hidden_size=130)), BEFORE),
+        ("config", "ffn_hidden_size=501 with TP=2", c(model=dict(ffn_hidden_size=501)), BEFORE),
+        ("config", "num_layers=3 with PP=2 x VP=2", c(model=dict(num_layers=3), strategy=dict(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+         BEFORE),
+        ("config", "virtual pipeline without PP", c(strategy=dict(virtual_pipeline_model_parallel_size=2)), BEFORE),
+        ("config", "sequence_parallel with TP=1", c(strategy=dict(tensor_model_parallel_size=1,
+                                                                  sequence_parallel=True)), BEFORE),
+        ("config", "global_batch_size=10, micro_batch_size=4", c(data=dict(global_batch_size=10)), BEFORE),
+        ("config", "global_batch_size=12 with micro 4 x DP 2", c(data=dict(global_batch_size=12)), BEFORE),
+        ("config", "interleaved schedule, 3 microbatches, PP=2", c(strategy=dict(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+            data=dict(global_batch_size=24)), BEFORE),
+        ("config", "data max_seq_length=256 > model max_sequence_length=128", c(data=dict(max_seq_length=256)),
+         BEFORE),
+        ("config", "masked_lm_prob=1.5", c(data=dict(masked_lm_prob=1.5)), BEFORE),
+        ("config", "model lr=-1", c(model=dict(lr=-1.0)), BEFORE),
+        ("config", "accumulate_grad_batches=4", c(trainer=dict(accumulate_grad_batches=4)), BEFORE),
+        ("config", "gradient_clip_val=1.0", c(trainer=dict(gradient_clip_val=1.0)), BEFORE),
+        ("config", "lr_warmup_steps=100 with max_steps=100 (lr_decay_steps null)", c(sched=dict(lr_warmup_steps=100)),
+         BEFORE),
+        ("config", "lr_decay_steps null with max_steps=-1", c(trainer=dict(max_steps=-1)), BEFORE),
+        ("config", "max_lr < min_lr", c(sched=dict(max_lr=1e-6)), BEFORE),
+        ("config", "init_lr > max_lr", c(sched=dict(init_lr=1.0)), BEFORE),
+        ("config", "override and use-checkpoint scheduler flags both set", c(sched=dict(
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True)), BEFORE),
+        ("precision", "precision 32-true with params_dtype bfloat16", c(model=dict(params_dtype="bfloat16")), BEFORE),
+        ("precision", "precision bf16-true with params_dtype float32", c(trainer=dict(precision="bf16-true")), BEFORE),
+        ("precision", "precision bf16-mixed with params_dtype bfloat16", c(
+            trainer=dict(precision="bf16-mixed"), model=dict(params_dtype="bfloat16")), BEFORE),
+        ("precision", "precision 64-true", c(trainer=dict(precision="64-true")), BEFORE),
+        ("precision", "params_dtype float16 without MegatronOptimizerCallback", c(
+            trainer=dict(precision="16-true"), model=dict(params_dtype="float16"), has_cb=False), BEFORE),
+    ]
+
+
+def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
+    from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
+    from lightning_megatron.strategy import MegatronStrategy
+    from lightning_megatron.transformer.config import TransformerConfig
+
+    class _Opt:
+        param_groups: list = [{}]
+
+    def sched(**kw):
+        args = dict(init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=1, lr_decay_steps=10,
+                    lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=10, wd_incr_style="constant")
+        args.update(kw)
+        return lambda: OptimizerParamScheduler(_Opt(), **args)
+
+    def module_then_build(**kw):
+        def f():
+            m = BertLightningModule(vocab_size=100, **kw)
+            m.configure_model()
+        return f
+
+    tc = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+    return [
+        ("strategy", "MegatronStrategy(tensor_model_parallel_size=0)", lambda: MegatronStrategy(0), BEFORE),
+        ("strategy", "MegatronStrategy(virtual_pipeline_model_parallel_size=2), PP=1",
+         lambda: MegatronStrategy(virtual_pipeline_model_parallel_size=2), BEFORE),
+        ("strategy", "MegatronStrategy(sequence_parallel=True), TP=1", lambda: MegatronStrategy(sequence_parallel=True),
+         BEFORE),
+        ("strategy", "MegatronStrategy(ddp_bucket_size_mb=0)", lambda: MegatronStrategy(ddp_bucket_size_mb=0), BEFORE),
+        ("strategy", "MegatronStrategy(micro_batch_size=0)", lambda: MegatronStrategy(micro_batch_size=0), BEFORE),
+        ("model", "params_dtype='float64'", lambda: BertLightningModule(params_dtype="float64"), BEFORE),
+        ("model", "optimizer='lamb'", lambda: BertLightningModule(optimizer="lamb"), BEFORE),
+        ("model", "hidden_size=130, 4 heads", lambda: BertLightningModule(hidden_size=130), BEFORE),
+        ("model", "hidden_dropout=1.0", lambda: BertLightningModule(hidden_dropout=1.0), BEFORE),
+        ("model", "recompute_granularity='full' without a method",
+         lambda: BertLightningModule(recompute_granularity="full"), BEFORE),
+        ("model", "recompute_num_layers=8 > num_layers=2", lambda: BertLightningModule(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=8), BEFORE),
+        ("model", "spec='nope' (unregistered)", module_then_build(spec="nope"), SETUP),
+        ("model", "TransformerConfig(activation='swish')", lambda: TransformerConfig(**tc, activation="swish"), BEFORE),
+        ("model", "TransformerConfig(normalization='BatchNorm')",
+         lambda: TransformerConfig(**tc, normalization="BatchNorm"), BEFORE),
+        ("model", "TransformerConfig(layernorm_epsilon=0)", lambda: TransformerConfig(**tc, layernorm_epsilon=0.0),
+         BEFORE),
+        ("model", "TransformerConfig(init_method_std=0)", lambda: TransformerConfig(**tc, init_method_std=0.0), BEFORE),
+        ("data", "BertDataModule(global_batch_size=10, micro_batch_size=4)",
+         lambda: BertDataModule(global_batch_size=10, micro_batch_size=4), BEFORE),
+        ("data", "BertDataModule(shuffle='bogus')", lambda: BertDataModule(shuffle="bogus"), BEFORE),
+        ("data", "BertDataModule(binary_head='xyz')", lambda: BertDataModule(binary_head="xyz"), BEFORE),
+        ("data", "BertDataModule(splits='a,b')", lambda: BertDataModule(splits="a,b"), BEFORE),
+        ("optimizer", "MegatronOptimizerCallback(clip_grad=-1)", lambda: MegatronOptimizerCallback(clip_grad=-1),
+         BEFORE),
+        ("optimizer", "MegatronOptimizerCallback(loss_scale=0)", lambda: MegatronOptimizerCallback(loss_scale=0),
+         BEFORE),
+        ("schedule", "lr_decay_style='step'", sched(lr_decay_style="step"), BEFORE),
+        ("schedule", "lr_decay_style='WSD' without wsd_decay_steps", sched(lr_decay_style="WSD"), BEFORE),
+        ("schedule", "wd_incr_style='constant' with start_wd != end_wd", sched(end_wd=0.1), BEFORE),
+        ("schedule", "min_lr=-1", sched(min_lr=-1.0), BEFORE),
+    ]
+
+
+def _data_and_checkpoint_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
+    from lightning_megatron import checkpoint as ckpt
+    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.data.preprocess import preprocess_corpus
+
+    (tmp / "empty.txt").write_text("")
+    (tmp / "partial.ckpt").mkdir()
+    return [
+        ("data", "data_prefix that does not exist", lambda: BertDataModule(data_prefix=str(tmp / "nope")).setup("fit"),
+         SETUP),
+        ("data", "vocab_file that does not exist",
+         lambda: BertDataModule(vocab_file=str(tmp / "vocab.txt")).setup("fit"), SETUP),
+        ("data", "preprocess of a missing input file",
+         lambda: preprocess_corpus([str(tmp / "missing.txt")], str(tmp / "o1"), None), BEFORE),
+        ("data", "preprocess of an empty file", lambda: preprocess_corpus([str(tmp / "empty.txt")], str(tmp / "o2"),
+                                                                          None), BEFORE),
+        ("data", "splits='100,0,0,5' (four values)", lambda: BertDataModule(splits="100,0,0,5"), BEFORE),
+        ("data", "max_seq_length=2", lambda: BertDataModule(max_seq_length=2), BEFORE),
+        ("checkpoint", "ckpt_path that does not exist",
+         lambda: ckpt.validate_checkpoint_dir(tmp / "missing.ckpt"), SETUP),
+        ("checkpoint", "ckpt_path is a file (another strategy's .ckpt)",
+         lambda: ckpt.validate_checkpoint_dir(tmp / "empty.txt"), SETUP),
+        ("checkpoint", "interrupted save (directory without the marker)",
+         lambda: ckpt.validate_checkpoint_dir(tmp / "partial.ckpt"), SETUP),
+    ]
+
+
+def _cli_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
+    from lightning_megatron.cli import main
+
+    recipe = str(ROOT / "recipes" / "bert_tiny.yaml")
+
+    def cli(*args: str) -> Callable[[], Any]:
+        # Short and local if a case were accepted: 50 tiny steps, 1 process, everything written under tmp.
+        base = ["fit", "--config", recipe, "--trainer.default_root_dir", str(tmp), "--trainer.max_steps", "50",
+                "--trainer.devices", "1", "--trainer.strategy.init_args.tensor_model_parallel_size", "1"]
+
+        def f():
+            cwd = os.getcwd()
+            os.chdir(tmp)
+            try:
+                main([*base, *args])
+            finally:
+                os.chdir(cwd)
+        return f
+
+    return [
+        ("CLI", "misspelled key --model.num_layrs 2", cli("--model.num_layrs", "2"), BEFORE),
+        ("CLI", "wrong type --model.num_layers two", cli("--model.num_layers", "two"), BEFORE),
+        ("CLI", "--trainer.precision bf17", cli("--trainer.precision", "bf17"), BEFORE),
+        ("CLI", "--config that does not exist", lambda: main(["fit", "--config", str(tmp / "nope.yaml")]), BEFORE),
+        ("CLI", "--model.params_dtype float64", cli("--model.params_dtype", "float64"), BEFORE),
+        ("CLI", "TP=4 on devices=2, 6 heads, max_sequence_length 64", cli(
+            "--trainer.strategy.init_args.tensor_model_parallel_size", "4", "--trainer.devices", "2",
+            "--model.num_attention_heads", "6",
+            "--model.hidden_size", "96", "--model.max_sequence_length", "64"), BEFORE),
+        ("CLI", "--trainer.precision 32-true with --model.params_dtype bfloat16",
+         cli("--model.params_dtype", "bfloat16"), BEFORE),
+    ]
+
+
+def _setup_worker() -> list[tuple[str, str, str, str]]:
+    """Cases that show only once the Trainer runs: one spawned rank, each fit stops at set-up."""
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.strategy import MegatronStrategy
+    from megatron_testing import TINY_MODEL, dataloader, make_trainer
+
+    def fit(strategy_kw=None, model_kw=None, trainer_kw=None, callback=True):
+        def f():
+            cbs = [MegatronOptimizerCallback(clip_grad=0.0)] if callback else []
+            trainer = make_trainer(MegatronStrategy(micro_batch_size=4, **(strategy_kw or {})), 1, 1, callbacks=cbs,
+                                   **(trainer_kw or {}))
+            trainer.fit(BertLightningModule(**{**TINY_MODEL, **(model_kw or {})}),
+                        train_dataloaders=dataloader(8, 1, 0))
+        return f
+
+    scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    cases = [
+        ("precision", "Trainer(precision='32-true'), params_dtype bfloat16 (Python API)",
+         fit(model_kw=dict(params_dtype="bfloat16")), SETUP),
+        ("precision", "Trainer(precision='bf16-true'), params_dtype float32 (Python API)",
+         fit(trainer_kw=dict(precision="bf16-true")), SETUP),
+        ("precision", "fp16 parameters without MegatronOptimizerCallback (Python API)",
+         fit(model_kw=dict(params_dtype="float16"), trainer_kw=dict(precision="16-true"), callback=False), SETUP),
+        ("precision", "bf16 parameters without MegatronOptimizerCallback (Python API)",
+         fit(model_kw=dict(params_dtype="bfloat16"), trainer_kw=dict(precision="bf16-true"), callback=False), SETUP),
+        ("precision", "precision='16-mixed' with torch's GradScaler (as on GPU)", fit(trainer_kw=dict(
+            plugins=[scaler])), SETUP),
+        ("launch", "TP=2 in a 1-process world (Python API)", fit(strategy_kw=dict(tensor_model_parallel_size=2)),
+         SETUP),
+        ("launch", "Trainer(accumulate_grad_batches=2) (Python API)", fit(trainer_kw=dict(accumulate_grad_batches=2)),
+         SETUP),
+        ("launch", "Trainer(gradient_clip_val=1.0) (Python API)", fit(trainer_kw=dict(gradient_clip_val=1.0)), SETUP),
+    ]
+    return [(g, name, *_outcome(f), when) for g, name, f, when in cases]
+
+
+def _outcome(f: Callable[[], Any]) -> tuple[str, str]:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            f()
+    except SystemExit as e:  # argparse / the CLI: the message went to stderr, or is the exit code
+        if isinstance(e.code, int):
+            text = err.getvalue()
+            msg = text[text.find("error:"):] if "error:" in text else text[-300:]
+            return f"exit {e.code}", msg
+        return "exit 1", _first_problem(str(e.code).replace("lightning-megatron: ", ""))
+    except BaseException as e:  # noqa: BLE001 - every outcome is a row
+        return type(e).__name__, _first_problem(str(e))
+    return "accepted", ""
+
+
+def _first_problem(msg: str) -> str:
+    """A ConfigError's message without its header: the problems, one after another."""
+    if "configuration problem(s)" in msg:
+        msg = " | ".join(ln.strip()[2:] for ln in msg.splitlines()[1:] if ln.strip().startswith("- "))
+    return msg
+
+
+def _row(group: str, name: str, kind: str, msg: str, when: str) -> dict[str, str]:
+    msg = " ".join(msg.split())
+    if len(msg) > 200:
+        msg = msg[:197] + "..."
+    if kind == "accepted":
+        when = "-"
+    return {"group": group, "input": name, "gets": kind, "message": msg, "when": when}
+
+
+AFTER_MERGE = [
+    ("checkpoint", "planted pickle payload in DCP .metadata", "CheckpointError naming the file; nothing runs",
+     SETUP, "H1"),
+    ("checkpoint", "same-size byte flip in a shard", "CheckpointError: checksum mismatch naming the file", SETUP, "H1"),
+    ("checkpoint", "checkpoint of a model with another head count", "CheckpointError listing the differing "
+     "hyper-parameters", SETUP, "H1"),
+    ("checkpoint", "checkpoint of a model with another hidden size", "one short CheckpointError (today ~90 lines of "
+     "torch CheckpointException per rank)", SETUP, "H1"),
+    ("checkpoint", "disk full while saving", "CheckpointError naming the directory and the free space", LATE, "H1"),
+    ("data", "model vocab_size smaller than the data's token ids", "error before training (today inf loss, exit 0)",
+     SETUP, "H4"),
+    ("data", "dataset made with another vocabulary", "error naming both vocabularies (today a late numpy "
+     "IndexError)", SETUP, "H4"),
+    ("data", "preprocess of an empty file", "non-zero exit (today accepted, exit 0)", BEFORE, "H4"),
+    ("launch", "SIGKILL of rank 0 with shared-memory collectives", "rank 1 exits non-zero naming the dead peer "
+     "within 30 s (today: the 30-minute timeout)", LATE, "H3"),
+]
+
+
+def collect(skip_setup: bool = False) -> list[dict[str, str]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        os.environ.setdefault("WANDB_MODE", "disabled")
+        for group, name, f, when in (_config_cases() + _constructor_cases() + _data_and_checkpoint_cases(tmp)
+                                     + _cli_cases(tmp)):
+            rows.append(_row(group, name, *_outcome(f), when))
+    if not skip_setup:
+        from dist_utils import run_distributed
+
+        for group, name, kind, msg, when in run_distributed(_setup_worker, 1, timeout=600)[0]:
+            rows.append(_row(group, name, kind, msg, when))
+    return rows
+
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    order = ["config", "precision", "strategy", "model", "optimizer", "schedule", "data", "checkpoint", "CLI", "launch"]
+    out = ["| group | bad input | gets | message (excerpt) | when |", "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: order.index(r["group"]) if r["group"] in order else 99):
+        msg = r["message"].replace("|", "\\|")
+        out.append(f"| {r['group']} | {r['input']} | {r['gets']} | {msg} | {r['when']} |")
+    out.append("")
+    out.append("Covered by other changes, not run in this checkout (after merge):")
+    out.append("")
+    out.append("| group | bad input | gets (after merge) | when | by |")
+    out.append("|---|---|---|---|---|")
+    for group, name, gets, when, by in AFTER_MERGE:
+        out.append(f"| {group} | {name} | {gets} | {when} | {by} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--skip-setup", action="store_true", help="skip the set-up cases (one spawned rank)")
+    a = parser.parse_args()
+    rows = collect(a.skip_setup)
+    table = markdown(rows)
+    print(table)
+    counts: dict[str, int] = {}
+    for r in rows:
+        key = "accepted" if r["gets"] == "accepted" else r["when"]
+        counts[key] = counts.get(key, 0) + 1
+    print(f"\n{len(rows)} inputs run: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    if a.markdown:
+        Path(a.markdown).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

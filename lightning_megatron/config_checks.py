@@ -1,0 +1,269 @@
+"""Checks that need only the configuration, run before any process is launched.
+
+A wrong recipe (heads not divisible by TP, a global batch that does not split into microbatches,
+a sequence longer than the position table, ...) should fail in seconds with every problem listed,
+not after a minute of process start-up on every rank. :func:`check_config` is pure: it takes the
+model, data, strategy, trainer and scheduler arguments as plain mappings (the ``init_args`` a
+LightningCLI config holds) and returns the problems, each naming the value and the fix.
+:func:`validate_config` raises one :class:`ConfigError` listing them all. The ``lightning-megatron``
+CLI calls it right after parsing, before the Trainer is built; from Python::
+
+    from lightning_megatron.config_checks import validate_config
+    validate_config(model_hparams={"num_attention_heads": 4, "hidden_size": 128},
+                    strategy_args={"tensor_model_parallel_size": 2}, trainer_args={"devices": 2})
+
+A missing key skips the checks that need it (the defaults of the classes apply later); checks that
+need the world size (``devices x num_nodes``) are skipped when it is not an integer (``"auto"``).
+The same rules are enforced again at set-up by the classes themselves (``TransformerConfig``,
+``MegatronStrategy``, the scheduler): this module only moves the failure earlier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision",
+           "PRECISION_PARAMS_DTYPE"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot train correctly; ``problems`` lists each one."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(f"{len(problems)} configuration problem(s), found before launching any process:\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+
+
+PRECISION_PARAMS_DTYPE = {"32-true": "float32", "bf16-mixed": "float32", "16-mixed": "float32",
+                          "bf16-true": "bfloat16", "16-true": "float16"}
+"""Trainer precision -> the ``params_dtype`` it needs: mixed precision autocasts over fp32 parameters;
+``*-true`` runs the parameters in that dtype (fp32 main copies live in MegatronOptimizerCallback)."""
+
+_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "torch.float32": "float32",
+                  "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+_PRECISION_FOR_DTYPE = {"float32": "'32-true' (or 'bf16-mixed' for autocast)", "bfloat16": "'bf16-true'",
+                        "float16": "'16-true'"}
+
+
+def normalize_precision(precision: Any) -> str:
+    """Lightning's precision spellings (32, "32", "bf16", "16", None) -> "32-true", "bf16-mixed", ..."""
+    if precision is None:
+        return "32-true"  # Lightning's default
+    p = str(precision)
+    return _PRECISION_ALIASES.get(p, p)
+
+
+def _dtype_name(value: Any) -> str:
+    s = str(value)
+    return _DTYPE_ALIASES.get(s, s)
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def _world_size(trainer_args: Mapping[str, Any]) -> int | None:
+    devices = trainer_args.get("devices", "auto")
+    if isinstance(devices, (list, tuple)):
+        n = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        n = len([d for d in devices.split(",") if d.strip()])
+    else:
+        n = _int(devices)
+        if n is None or n < 1:
+            return None  # "auto" / -1: known only once the accelerator is chosen
+    nodes = _int(trainer_args.get("num_nodes", 1))
+    return None if nodes is None or nodes < 1 else n * nodes
+
+
+def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: Mapping[str, Any] | None = None,
+                 strategy_args: Mapping[str, Any] | None = None, trainer_args: Mapping[str, Any] | None = None,
+                 scheduler_args: Mapping[str, Any] | None = None, *,
+                 has_optimizer_callback: bool | None = None) -> list[str]:
+    """Every problem of this configuration, each with the offending values and the fix; [] when none.
+
+    ``has_optimizer_callback``: whether a MegatronOptimizerCallback is configured (None: unknown,
+    skip the 16-bit-parameters check).
+    """
+    m, d = dict(model_hparams or {}), dict(data_hparams or {})
+    s, t, sch = dict(strategy_args or {}), dict(trainer_args or {}), dict(scheduler_args or {})
+    problems: list[str] = []
+    tp = _int(s.get("tensor_model_parallel_size", 1)) or 1
+    pp = _int(s.get("pipeline_model_parallel_size", 1)) or 1
+    vp = _int(s.get("virtual_pipeline_model_parallel_size"))
+    world = _world_size(t)
+
+    # --- layout
+    dp = None
+    if world is not None:
+        if world % (tp * pp):
+            problems.append(f"world size {world} (devices x num_nodes) is not divisible by "
+                            f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} (= {tp * pp}); "
+                            f"choose sizes whose product divides the number of processes")
+        else:
+            dp = world // (tp * pp)
+    if vp is not None and vp > 1 and pp < 2:
+        problems.append(f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
+                        f"(got {pp}); set it to null without pipelining")
+    if s.get("sequence_parallel") and tp == 1:
+        problems.append("sequence_parallel=True has no effect with tensor_model_parallel_size=1; "
+                        "set tensor_model_parallel_size > 1 or sequence_parallel=False")
+
+    # --- model sizes against TP / PP
+    heads, hidden = _int(m.get("num_attention_heads")), _int(m.get("hidden_size"))
+    if heads is not None and heads % tp:
+        problems.append(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}; "
+                        f"each TP rank holds whole heads: choose a multiple of {tp} heads or a TP size dividing {heads}")
+    if heads and hidden is not None and hidden % heads and m.get("kv_channels") is None:
+        problems.append(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+                        f"choose a hidden_size that is a multiple of the head count")
+    ffn = _int(m.get("ffn_hidden_size"))
+    if ffn is None and hidden is not None and m.get("ffn_hidden_size") is None:
+        ffn = 4 * hidden
+    if ffn is not None and ffn % tp:
+        problems.append(f"ffn_hidden_size={ffn} is not divisible by tensor_model_parallel_size={tp}; "
+                        f"choose a multiple of {tp}")
+    layers = _int(m.get("num_layers"))
+    chunks = pp * (vp or 1)
+    if layers is not None and chunks > layers:
+        problems.append(f"num_layers={layers} cannot fill pipeline_model_parallel_size={pp} x "
+                        f"virtual_pipeline_model_parallel_size={vp or 1} = {chunks} model chunks (each needs a "
+                        f"layer); use at least {chunks} layers or fewer stages/chunks")
+
+    # --- batch sizes
+    gb = _int(d.get("global_batch_size"))
+    micro = _int(s.get("micro_batch_size")) or _int(d.get("micro_batch_size"))
+    if gb is not None and micro is not None:
+        if gb % micro:
+            problems.append(f"global_batch_size={gb} is not divisible by micro_batch_size={micro}; choose a "
+                            f"global batch that is a multiple of micro_batch_size x data-parallel size")
+        elif dp is not None and gb % (micro * dp):
+            problems.append(f"global_batch_size={gb} is not divisible by micro_batch_size={micro} x data-parallel "
+                            f"size={dp} (= {micro * dp}); choose a global batch that is a multiple of {micro * dp}")
+        elif dp is not None and vp is not None and vp > 1 and (gb // (micro * dp)) % pp:
+            problems.append(f"num_microbatches={gb // (micro * dp)} (global_batch_size={gb} / (micro_batch_size="
+                            f"{micro} x data-parallel size={dp})) is not divisible by pipeline_model_parallel_size="
+                            f"{pp}, which the interleaved schedule needs; use a multiple of {pp * micro * dp}")
+
+    # --- sequence length
+    seq, positions = _int(d.get("max_seq_length")), _int(m.get("max_sequence_length"))
+    if seq is not None and positions is not None and seq > positions:
+        problems.append(f"data max_seq_length={seq} exceeds the model's max_sequence_length={positions} (learned "
+                        f"positions); set data.max_seq_length <= {positions} or model.max_sequence_length >= {seq}")
+
+    prob = d.get("masked_lm_prob")
+    if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
+        problems.append(f"data masked_lm_prob={prob} must be in (0, 1) (BERT masks 0.15 of the tokens)")
+    lr = m.get("lr")
+    if isinstance(lr, (int, float)) and not lr > 0:
+        problems.append(f"model lr={lr} must be > 0")
+
+    # --- precision
+    precision = normalize_precision(t.get("precision"))
+    params_dtype = _dtype_name(m["params_dtype"]) if m.get("params_dtype") is not None else None
+    if precision not in PRECISION_PARAMS_DTYPE:
+        problems.append(f"precision={t.get('precision')!r} is not supported by MegatronStrategy; use one of "
+                        f"{sorted(PRECISION_PARAMS_DTYPE)}")
+    elif params_dtype is not None and PRECISION_PARAMS_DTYPE[precision] != params_dtype:
+        problems.append(f"precision={precision!r} needs params_dtype={PRECISION_PARAMS_DTYPE[precision]!r} but the "
+                        f"model has params_dtype={params_dtype!r}; set trainer.precision="
+                        f"{_PRECISION_FOR_DTYPE.get(params_dtype, '?')} or model.params_dtype="
+                        f"{PRECISION_PARAMS_DTYPE[precision]!r}")
+    if params_dtype in ("bfloat16", "float16") and has_optimizer_callback is False:
+        problems.append(f"params_dtype={params_dtype!r} without MegatronOptimizerCallback updates 16-bit weights "
+                        f"directly (fp16 diverges, bf16 loses small updates); add the callback "
+                        f"lightning_megatron.callbacks.MegatronOptimizerCallback (fp32 main params, loss scaling)")
+
+    # --- trainer options the strategy replaces
+    acc = _int(t.get("accumulate_grad_batches", 1))
+    if acc is not None and acc != 1:
+        problems.append(f"accumulate_grad_batches={acc}: accumulation is the microbatch schedule; set it to 1 and "
+                        f"raise global_batch_size (= micro_batch_size x num_microbatches x data-parallel size)")
+    if t.get("gradient_clip_val"):
+        problems.append(f"gradient_clip_val={t['gradient_clip_val']} would clip each rank's shard separately; use "
+                        f"MegatronOptimizerCallback(clip_grad=...) instead")
+
+    # --- schedule
+    if sch:
+        problems += _check_schedule(sch, _int(t.get("max_steps")))
+    return problems
+
+
+def _check_schedule(sch: dict[str, Any], max_steps: int | None) -> list[str]:
+    problems = []
+    decay = sch.get("lr_decay_steps")
+    source = "lr_decay_steps"
+    if decay is None:
+        if max_steps is None or max_steps <= 0:
+            problems.append(f"lr_decay_steps=null means trainer.max_steps, but max_steps={max_steps}; set "
+                            f"trainer.max_steps or lr_decay_steps")
+        decay, source = max_steps, "lr_decay_steps (= trainer.max_steps)"
+    warmup = _int(sch.get("lr_warmup_steps", 0)) or 0
+    if decay is not None and decay > 0 and warmup >= decay:
+        problems.append(f"lr_warmup_steps={warmup} must be < {source}={decay}; shorten the warm-up or decay later")
+    max_lr, min_lr, init_lr = sch.get("max_lr"), sch.get("min_lr"), sch.get("init_lr")
+    if max_lr is not None and min_lr is not None and max_lr < min_lr:
+        problems.append(f"max_lr={max_lr} must be >= min_lr={min_lr}")
+    if max_lr is not None and init_lr is not None and init_lr > max_lr:
+        problems.append(f"init_lr={init_lr} must be <= max_lr={max_lr}")
+    if sch.get("use_checkpoint_opt_param_scheduler") and sch.get("override_opt_param_scheduler"):
+        problems.append("override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
+                        "each other; set use_checkpoint_opt_param_scheduler=False to override")
+    return problems
+
+
+def validate_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: Mapping[str, Any] | None = None,
+                    strategy_args: Mapping[str, Any] | None = None, trainer_args: Mapping[str, Any] | None = None,
+                    scheduler_args: Mapping[str, Any] | None = None, *,
+                    has_optimizer_callback: bool | None = None) -> None:
+    """:func:`check_config`, raising one :class:`ConfigError` (a ValueError) that lists every problem."""
+    problems = check_config(model_hparams, data_hparams, strategy_args, trainer_args, scheduler_args,
+                            has_optimizer_callback=has_optimizer_callback)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _plain(value: Any) -> Any:
+    as_dict = getattr(value, "as_dict", None)
+    return as_dict() if callable(as_dict) else value
+
+
+def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str, Any]:
+    """The keyword arguments of :func:`check_config` from a parsed LightningCLI config (one subcommand's).
+
+    Only a MegatronStrategy configuration is checked: with another strategy this returns ``{}``.
+    ``fitting=False`` (validate/test/predict) skips the checks that only matter for training.
+    """
+    c = _plain(config)
+    trainer = dict(c.get("trainer") or {})
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, Mapping):
+        if not str(strategy.get("class_path", "")).endswith("MegatronStrategy"):
+            return {}
+        strategy_args = dict(strategy.get("init_args") or {})
+    elif strategy == "megatron":
+        strategy_args = {}
+    else:
+        return {}
+    scheduler_args: dict[str, Any] = {}
+    has_optimizer_callback = False
+    for cb in trainer.get("callbacks") or []:
+        if not isinstance(cb, Mapping):
+            continue
+        path = str(cb.get("class_path", ""))
+        if path.endswith("OptimizerParamSchedulerCallback"):
+            scheduler_args = dict(cb.get("init_args") or {})
+        elif path.endswith("MegatronOptimizerCallback"):
+            has_optimizer_callback = True
+    return dict(model_hparams=dict(c.get("model") or {}), data_hparams=dict(c.get("data") or {}),
+                strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
+                has_optimizer_callback=has_optimizer_callback if fitting else None)

@@ -1,0 +1,99 @@
+"""A short real training run for the fault tests and benchmarks/faults.py (not a test module).
+
+    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|kill0|kill1|raise1
+        --fault-step 3] [--ckpt-path last] [--every 2]
+
+Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
+subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
+``ROOT/progress-<rank>.txt`` after each step and writes the step it starts from to
+``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``; the fault is injected at the end of step ``--fault-step`` by rank 0 (sigterm: SIGTERM
+to rank 0's own process, as a scheduler would; kill0: SIGKILL of rank 0; kill1 / raise1: rank 1 is SIGKILLed
+/ raises), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--fault", choices=["none", "sigterm", "kill0", "kill1", "raise1"], default="none")
+    parser.add_argument("--fault-step", type=int, default=3)
+    parser.add_argument("--mid", action="store_true",
+                        help="inject the fault inside the next step's forward (peers then wait in a TP collective)")
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=1800, help="collective timeout (s); 1800 is the default")
+    parser.add_argument("--gloo", action="store_true", help="shared_memory_collectives=False")
+    a = parser.parse_args()
+
+    import torch
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.strategy import MegatronStrategy
+    from megatron_testing import TINY_MODEL, dataloader
+
+    torch.set_num_threads(1)
+    root = Path(a.root)
+    root.mkdir(parents=True, exist_ok=True)
+
+    class Faults(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            (root / f"start-{trainer.global_rank}.txt").write_text(str(trainer.global_step))
+            (root / f"pid-{trainer.global_rank}.txt").write_text(str(os.getpid()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            rank, step = trainer.global_rank, trainer.global_step
+            with open(root / f"progress-{rank}.txt", "a") as fh:
+                fh.write(f"{step} {time.time():.3f}\n")
+            if step != a.fault_step or a.fault == "none":
+                return
+            if a.mid:  # at the start of the next step's first forward, before its TP collectives
+                handle = []
+
+                def hook(module, args) -> None:
+                    handle[0].remove()
+                    self.inject(trainer.global_rank, step)
+
+                handle.append(pl_module.model_chunks[0].register_forward_pre_hook(hook))
+                return
+            self.inject(rank, step)
+
+        @staticmethod
+        def inject(rank: int, step: int) -> None:
+            if rank == 0:
+                (root / "fault.txt").write_text(f"{a.fault} {step} {time.time():.3f}")
+            if a.fault == "sigterm" and rank == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif a.fault == "kill0" and rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif a.fault == "kill1" and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif a.fault == "raise1" and rank == 1:
+                raise RuntimeError(f"injected failure on rank 1 at step {step}")
+
+    strategy = MegatronStrategy(tensor_model_parallel_size=a.devices, micro_batch_size=4, timeout=a.timeout,
+                                shared_memory_collectives=not a.gloo)
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=a.every, save_top_k=-1, save_last=True)
+    trainer = Trainer(accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.max_steps, logger=False,
+                      callbacks=[Faults(), checkpoint], enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+    trainer.fit(BertLightningModule(**TINY_MODEL), train_dataloaders=dataloader(8, 1, 0),
+                ckpt_path=a.ckpt_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Config-only checks (lightning_megatron.config_checks): every problem named with its value, before launch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_megatron.config_checks import ConfigError, check_config, config_from_cli, validate_config
+
+REPO = Path(__file__).resolve().parents[1]
+GOOD = dict(
+    model_hparams=dict(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                       max_sequence_length=128, params_dtype="float32"),
+    data_hparams=dict(max_seq_length=128, global_batch_size=16, micro_batch_size=4),
+    strategy_args=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1),
+    trainer_args=dict(devices=4, num_nodes=1, precision="32-true", max_steps=100),
+    scheduler_args=dict(init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=10, lr_decay_steps=None),
+    has_optimizer_callback=True,
+)
+
+
+def _with(**changes: dict) -> dict:
+    kwargs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GOOD.items()}
+    for group, values in changes.items():
+        if isinstance(values, dict):
+            kwargs[group].update(values)
+        else:
+            kwargs[group] = values
+    return kwargs
+
+
+def test_good_config_has_no_problems():
+    assert check_config(**GOOD) == []
+    validate_config(**GOOD)
+    assert check_config() == []  # nothing known, nothing checked
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(strategy_args=dict(tensor_model_parallel_size=3)), "tensor_model_parallel_size=3"),
+    (dict(model_hparams=dict(num_attention_heads=3, hidden_size=96)), "num_attention_heads=3"),
+    (dict(model_hparams=dict(hidden_size=130)), "hidden_size=130 is not divisible by num_attention_heads=4"),
+    (dict(model_hparams=dict(ffn_hidden_size=501)), "ffn_hidden_size=501"),
+    (dict(model_hparams=dict(ffn_hidden_size=None, hidden_size=132, num_attention_heads=4),
+          strategy_args=dict(tensor_model_parallel_size=4), trainer_args=dict(devices=4)), None),
+    (dict(model_hparams=dict(num_layers=3), strategy_args=dict(tensor_model_parallel_size=1,
+          pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)), "num_layers=3"),
+    (dict(strategy_args=dict(tensor_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)),
+     "virtual_pipeline_model_parallel_size=2"),
+    (dict(strategy_args=dict(tensor_model_parallel_size=1, sequence_parallel=True)), "sequence_parallel=True"),
+    (dict(data_hparams=dict(global_batch_size=12)), "global_batch_size=12 is not divisible by micro_batch_size=4 "
+                                                     "x data-parallel size=2"),
+    (dict(data_hparams=dict(global_batch_size=10)), "global_batch_size=10 is not divisible by micro_batch_size=4"),
+    (dict(strategy_args=dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                             virtual_pipeline_model_parallel_size=2), data_hparams=dict(global_batch_size=24)),
+     "num_microbatches=3"),
+    (dict(data_hparams=dict(max_seq_length=256)), "max_seq_length=256 exceeds the model's max_sequence_length=128"),
+    (dict(trainer_args=dict(precision="32-true"), model_hparams=dict(params_dtype="bfloat16")),
+     "precision='32-true' needs params_dtype='float32' but the model has params_dtype='bfloat16'"),
+    (dict(trainer_args=dict(precision="bf16-mixed"), model_hparams=dict(params_dtype="bfloat16")),
+     "precision='bf16-mixed' needs params_dtype='float32'"),
+    (dict(trainer_args=dict(precision="bf16-true")), "precision='bf16-true' needs params_dtype='bfloat16'"),
+    (dict(trainer_args=dict(precision="64-true")), "precision='64-true' is not supported"),
+    (dict(trainer_args=dict(precision="16-true"), model_hparams=dict(params_dtype="float16"),
+          has_optimizer_callback=False), "params_dtype='float16' without MegatronOptimizerCallback"),
+    (dict(trainer_args=dict(accumulate_grad_batches=4)), "accumulate_grad_batches=4"),
+    (dict(data_hparams=dict(masked_lm_prob=1.5)), "masked_lm_prob=1.5"),
+    (dict(model_hparams=dict(lr=-1.0)), "lr=-1.0 must be > 0"),
+    (dict(trainer_args=dict(gradient_clip_val=1.0)), "gradient_clip_val=1.0"),
+    (dict(scheduler_args=dict(lr_warmup_steps=100)), "lr_warmup_steps=100 must be < lr_decay_steps (= "
+                                                     "trainer.max_steps)=100"),
+    (dict(scheduler_args=dict(lr_warmup_steps=50, lr_decay_steps=20)), "lr_warmup_steps=50 must be < "
+                                                                       "lr_decay_steps=20"),
+    (dict(trainer_args=dict(max_steps=-1)), "max_steps=-1"),
+    (dict(scheduler_args=dict(max_lr=1e-6, min_lr=1e-5)), "max_lr=1e-06 must be >= min_lr=1e-05"),
+    (dict(scheduler_args=dict(init_lr=1.0)), "init_lr=1.0 must be <= max_lr=0.001"),
+    (dict(scheduler_args=dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True)),
+     "contradict"),
+])
+def test_each_problem_names_its_value(changes, expected):
+    kwargs = _with(**changes)
+    problems = check_config(**kwargs)
+    if expected is None:  # ffn None -> 4 x hidden = 528, divisible by 4: fine
+        assert problems == [], problems
+        return
+    assert any(expected in p for p in problems), problems
+    with pytest.raises(ValueError, match="configuration problem") as info:
+        validate_config(**kwargs)
+    assert isinstance(info.value, ConfigError) and expected in str(info.value)
+
+
+def test_every_problem_in_one_error():
+    kwargs = _with(strategy_args=dict(tensor_model_parallel_size=3), trainer_args=dict(devices=3),
+                   data_hparams=dict(max_seq_length=512), scheduler_args=dict(lr_warmup_steps=500))
+    with pytest.raises(ConfigError) as info:
+        validate_config(**kwargs)
+    msg = str(info.value)
+    for part in ("num_attention_heads=4", "ffn_hidden_size=512", "max_seq_length=512", "lr_warmup_steps=500"):
+        assert part in msg, msg
+    assert len(info.value.problems) == 4
+
+
+def test_unknown_world_size_skips_layout_checks():
+    kwargs = _with(trainer_args=dict(devices="auto"), data_hparams=dict(global_batch_size=12))
+    assert check_config(**kwargs) == []
+
+
+def test_config_from_cli_only_checks_megatron_strategy():
+    config = {"trainer": {"strategy": "ddp", "devices": 2}, "model": {"num_attention_heads": 3}}
+    assert config_from_cli(config) == {}
+    config["trainer"]["strategy"] = {"class_path": "lightning_megatron.strategy.MegatronStrategy",
+                                     "init_args": {"tensor_model_parallel_size": 2}}
+    config["trainer"]["callbacks"] = [{"class_path": "lightning_megatron.callbacks.MegatronOptimizerCallback"}]
+    kwargs = config_from_cli(config)
+    assert kwargs["has_optimizer_callback"] is True
+    assert any("num_attention_heads=3" in p for p in check_config(**kwargs))
+    # validate/test: the training-only checks (16-bit params without the callback, schedule) are skipped
+    config["trainer"]["callbacks"] = []
+    config["model"]["params_dtype"] = "bfloat16"
+    config["trainer"]["precision"] = "bf16-true"
+    assert config_from_cli(config)["has_optimizer_callback"] is False
+    assert any("without MegatronOptimizerCallback" in p for p in check_config(**config_from_cli(config)))
+    assert not any("without MegatronOptimizerCallback" in p
+                   for p in check_config(**config_from_cli(config, fitting=False)))
+
+
+def test_cli_bad_recipe_fails_before_the_trainer_is_built(tmp_path):
+    """A wrong recipe exits non-zero with every problem, before the Trainer exists or any process starts."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(REPO / "recipes/bert_tiny.yaml"),
+           "--trainer.strategy.init_args.tensor_model_parallel_size", "4", "--trainer.devices", "2",
+           "--model.num_attention_heads", "6", "--model.hidden_size", "96", "--model.max_sequence_length", "64",
+           "--trainer.default_root_dir", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert "configuration problem(s), found before launching any process" in text, text
+    assert "tensor_model_parallel_size=4" in text and "num_attention_heads=6" in text, text
+    assert "max_seq_length=128 exceeds the model's max_sequence_length=64" in text, text
+    # Trainer construction prints the accelerator summary; launching prints "Initializing distributed".
+    assert "GPU available" not in text and "Initializing distributed" not in text, text
+    assert not (tmp_path / "runs").exists()
