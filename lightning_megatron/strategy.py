@@ -91,10 +91,10 @@ class MegatronStrategy(DDPStrategy):
             data-parallel gradient reduction (all-reduce, or reduce-scatter with ZeRO-1).
         overlap_grad_reduce: start each bucket's DP reduction during the last microbatch's backward,
             as soon as its grads are final, and wait for it only before the optimizer step
-            (megatron-core's name). ``None`` (default): on for accelerators, off on CPU, where the
-            collectives share the cores with backward and overlapping measured no gain (the
-            shared-memory path is synchronous: each bucket then waits for the slower DP rank
-            inside backward). Results are bitwise equal either way.
+            (megatron-core's name). ``None`` (default): on where the DP collectives run
+            asynchronously (gloo, accelerator backends), off on the CPU shared-memory path, which
+            is synchronous: each bucket would wait for the slower DP rank inside backward (measured
+            1.4-2.4x slower steps at DP=2). Results are bitwise equal either way.
         overlap_param_gather: ZeRO-1 parameter all-gather overlapped with the next forward: not
             implemented; ``True`` is refused.
         keep_freed_cpu_memory: on CPU, tell glibc's malloc to keep freed memory in the process
@@ -258,9 +258,10 @@ class MegatronStrategy(DDPStrategy):
         dp_group = ps.dp_group if ps.dp_size > 1 else None
         overlap = self.overlap_grad_reduce
         if overlap is None:
-            # On CPU the collectives run on the cores that compute backward: no gain measured
-            # (benchmarks/overlap.py, docs/strategy.md); accelerators communicate on their own engines.
-            overlap = dp_group is not None and self.root_device.type != "cpu"
+            # It pays where the DP collectives run asynchronously (gloo, accelerator backends); the
+            # CPU shared-memory path is synchronous and was slower with it (benchmarks/overlap.py).
+            overlap = dp_group is not None and not (
+                self.shared_memory_collectives and self.root_device.type == "cpu")
         self._grad_buffer = GradBuffer(
             buffer_order(self.model_chunks), bucket_bytes=self.ddp_bucket_size_mb * 2**20, pad_to=ps.dp_size,
             separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
