@@ -104,8 +104,10 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         rows[mode] = {"step_s": [x["step_s"] for x in per_round], "exposed_s": [x["exposed_s"] for x in per_round],
                       "exposed_share": [x["exposed_s"] / x["step_s"] for x in per_round],
                       "buckets": ranks[0][mode][0]["buckets"],
-                      "grad_buffer_bytes": ranks[0][mode][0].get("grad_buffer_bytes"),
-                      "four_bytes_per_param": ranks[0][mode][0].get("four_bytes_per_param")}
+                      "grad_buffer_bytes": next((x["grad_buffer_bytes"] for x in ranks[0][mode]
+                                                 if x.get("grad_buffer_bytes")), None),
+                      "four_bytes_per_param": next((x["four_bytes_per_param"] for x in ranks[0][mode]
+                                                    if x.get("four_bytes_per_param")), None)}
     ratios = {}
     for path in ("shm", "gloo"):
         on, off = rows[f"{path}-on"]["step_s"], rows[f"{path}-off"]["step_s"]
@@ -153,7 +155,7 @@ def overlap_section(add: Any, data: dict[str, Any]) -> None:
     """The report's section (benchmarks/report.py) from :func:`run_overlap_layouts`."""
     add("## Overlapped gradient reduction (bert-base, fp32)\n")
     add("`MegatronStrategy(overlap_grad_reduce=...)` on vs off, on the shared-memory and the gloo DP path, all "
-        "modes in the same ranks in alternating order (`benchmarks/overlap.py`). *exposed*: seconds per step "
+        "modes one after another in fresh ranks, in alternating order (`benchmarks/overlap.py`). *exposed*: seconds per step "
         "blocked in gradient collectives (`GradBuffer.exposed_comm_seconds`, slowest rank). Ranges over "
         "rounds.\n")
     for name, res in data.items():
@@ -163,8 +165,8 @@ def overlap_section(add: Any, data: dict[str, Any]) -> None:
         spec = res["spec"]
         add(f"### {name}: micro-batch {spec['micro']} x {spec['microbatches']} microbatches x {spec['seq']} tokens, "
             f"{res['modes']['shm-off']['buckets']} buckets of {spec['bucket_mb']:.0f} MB\n")
-        mode0 = res["modes"]["shm-off"]
-        if mode0.get("grad_buffer_bytes"):
+        mode0 = next((res["modes"][m] for m in MODES if res["modes"][m].get("grad_buffer_bytes")), {})
+        if mode0:
             add(f"fp32 grads per rank (rank 0): the buffer, {mode0['grad_buffer_bytes']:,} bytes = 4 bytes x "
                 f"{mode0['four_bytes_per_param'] // 4:,} parameters + {mode0['grad_buffer_bytes'] - mode0['four_bytes_per_param']} "
                 "bytes of padding; no other fp32 grad tensor.\n")
@@ -179,6 +181,22 @@ def overlap_section(add: Any, data: dict[str, Any]) -> None:
         add("")
 
 
+def from_log(path: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The summary of the runs a ``--log`` file holds (also of an interrupted run)."""
+    runs: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            runs.setdefault((row["mode"], row["round"]), {})[row["rank"]] = row
+    world = max(len(r) for r in runs.values())
+    ranks: list[dict[str, list[dict[str, Any]]]] = [{m: [] for m in MODES} for _ in range(world)]
+    for (mode, _), by_rank in sorted(runs.items(), key=lambda kv: kv[0][1]):
+        if len(by_rank) == world:  # a run every rank finished
+            for rank in range(world):
+                ranks[rank][mode].append(by_rank[rank])
+    return {"spec": spec, **summarize(ranks)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, default=1)
@@ -191,7 +209,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--size", default="base", choices=sorted(SIZES))
     parser.add_argument("--log", default=None, help="append each finished run of each rank to this JSON-lines file")
+    parser.add_argument("--summarize", metavar="LOG", default=None,
+                        help="measure nothing: summarize a --log file and print the report section")
     args = parser.parse_args(argv)
+    if args.summarize:
+        spec = {"size": args.size, "tp": args.tp, "seq": args.seq, "micro": args.micro,
+                "microbatches": args.microbatches, "bucket_mb": args.bucket_mb, "world": args.world}
+        res = from_log(args.summarize, spec)
+        lines: list[str] = []
+        overlap_section(lines.append, {f"TP={args.tp} x DP={args.world // args.tp}": res})
+        print(json.dumps(res, indent=1))
+        print("\n".join(lines))
+        return
     print(json.dumps(run_overlap(tp=args.tp, world=args.world, seq=args.seq, micro=args.micro,
                                  microbatches=args.microbatches, rounds=args.rounds, steps=args.steps,
                                  bucket_mb=args.bucket_mb, size=args.size, log=args.log), indent=1))

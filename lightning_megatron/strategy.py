@@ -84,8 +84,9 @@ class MegatronStrategy(DDPStrategy):
         overlap_grad_reduce: start each bucket's DP reduction during the last microbatch's backward,
             as soon as its grads are final, and wait for it only before the optimizer step
             (megatron-core's name). ``None`` (default): on, except with the CPU tuning's
-            shared-memory collectives, which are synchronous (each bucket would then wait for the
-            slower DP rank inside backward). Results are bitwise equal either way.
+            shared-memory collectives, which are synchronous: each bucket would wait for the slower
+            DP rank inside backward (measured 1.4-2.4x slower steps at DP=2). Results are bitwise
+            equal either way.
         overlap_param_gather: ZeRO-1 parameter all-gather overlapped with the next forward: not
             implemented; ``True`` is refused.
         cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`: shared-memory
