@@ -50,11 +50,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, rest = _parser().parse_known_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
     from lightning_megatron.check.layouts import parse_layout, parse_layouts
     from lightning_megatron.check.recipe import factories, load_recipe, parse_overrides
 
-    recipe = load_recipe(args.config, parse_overrides(rest, "model"))
+    try:  # argument errors: a usage message, not a traceback
+        recipe = load_recipe(args.config, parse_overrides(rest, "model"))
+        layouts, reference = parse_layouts(args.layouts), parse_layout(args.reference)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
     if args.global_batch_size is not None:
         recipe.data["global_batch_size"] = args.global_batch_size
     if args.micro_batch_size is not None:
@@ -65,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_megatron.check.memory_cli import fitting_layouts
 
         return fitting_layouts(recipe, args.gpus, args.gpu_memory)
-    layouts = parse_layouts(args.layouts)
-    reference = parse_layout(args.reference)
     from lightning_megatron.check.parity import Tolerances, check_layouts
 
     tol = Tolerances.bf16() if str(recipe.model.get("params_dtype", "float32")) in ("bfloat16", "bf16", "float16",
