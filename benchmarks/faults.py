@@ -15,7 +15,7 @@ tensor-parallel collective (``name:mid``: the other rank then waits inside that 
 Measured: the exit status of rank 0's process, seconds from the fault to the moment no rank's
 process is left (``>cap`` when some rank was still running after ``--cap`` seconds, then killed),
 and steps lost = last completed step - the step of the newest checkpoint a resume would start from.
-``shm``: shared-memory collectives (the default on CPU); ``gloo``: ``shared_memory_collectives=False``.
+``shm``: the CPU tuning's shared-memory collectives (``cpu_tuning=True``); ``gloo``: the default (no CPU tuning).
 Not a test: the figures depend on the machine's load (docs/reliability.md quotes a run).
 """
 

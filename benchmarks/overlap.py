@@ -59,7 +59,7 @@ def _fit_once(spec: dict[str, Any], mode: str) -> dict[str, Any]:
                           4 * sum(p.numel() for p in pl_module.parameters() if p.requires_grad)]
 
     strategy = MegatronStrategy(tensor_model_parallel_size=spec["tp"], micro_batch_size=spec["micro"],
-                                shared_memory_collectives=path == "shm", overlap_grad_reduce=overlap == "on",
+                                cpu_tuning=path == "shm", overlap_grad_reduce=overlap == "on",
                                 ddp_bucket_size_mb=spec["bucket_mb"])
     world = dist.get_world_size()
     batch = spec["micro"] * spec["microbatches"]

@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=1800, help="collective timeout (s); 1800 is the default")
-    parser.add_argument("--gloo", action="store_true", help="shared_memory_collectives=False")
+    parser.add_argument("--gloo", action="store_true", help="no CPU tuning: torch.distributed (gloo) collectives")
     a = parser.parse_args()
 
     import torch
@@ -86,7 +86,7 @@ def main() -> None:
                 raise RuntimeError(f"injected failure on rank 1 at step {step}")
 
     strategy = MegatronStrategy(tensor_model_parallel_size=a.devices, micro_batch_size=4, timeout=a.timeout,
-                                shared_memory_collectives=not a.gloo)
+                                cpu_tuning=not a.gloo)
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=a.every, save_top_k=-1, save_last=True)
     trainer = Trainer(accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.max_steps, logger=False,
                       callbacks=[Faults(), checkpoint], enable_progress_bar=False, enable_model_summary=False,
