@@ -200,17 +200,23 @@ class BertLightningModule(LightningModule):
         if hp.get("init_from"):
             self.load_pretrained(hp.init_from)
 
-    def load_pretrained(self, source: str | SavedModel) -> None:
-        """Copy pretrained weights (see ``init_from``) into this rank's chunks, any layout."""
+    def load_pretrained(self, source: str | SavedModel, *, everything: bool = False) -> None:
+        """Copy pretrained weights (see ``init_from``) into this rank's chunks, any layout
+        (``everything``: fine-tuning heads too, as ``load_from_checkpoint`` does)."""
         from lightning_megatron.models.bert.init_from import check_architecture, load_full_state_dict, read_pretrained
 
         name = source if isinstance(source, str) else "<state dict>"
         saved = read_pretrained(source) if isinstance(source, str) else source
         check_architecture(dict(self.hparams), saved.hparams, name)
         ps = self.parallel_state
-        load_full_state_dict(list(self.model_chunks), list(self.sharded_named_parameters()), saved.state_dict,
+        params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
+        load_full_state_dict(list(self.model_chunks), params, saved.state_dict,
                              tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
                              source_name=name)
+
+    def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The (global name, parameter) pairs ``init_from`` fills (fine-tuning heads excluded)."""
+        return list(self.sharded_named_parameters())
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
@@ -239,7 +245,7 @@ class BertLightningModule(LightningModule):
             hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
         module = cls(**hparams)
         module.configure_model()
-        module.load_pretrained(saved)
+        module.load_pretrained(saved, everything=True)
         if map_location is not None:
             module.to(map_location)
         return module.eval()
@@ -372,8 +378,12 @@ class BertLightningModule(LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        if getattr(self.trainer.strategy, "parallel_state", None) is not None \
-                and type(self).training_step is not BertLightningModule.training_step:
+        def defining(name: str) -> type:
+            return next(k for k in type(self).__mro__ if name in k.__dict__)
+
+        step, fwd = defining("training_step"), defining("forward_step")
+        if getattr(self.trainer.strategy, "parallel_state", None) is not None and step is not fwd \
+                and issubclass(step, fwd):
             import warnings
 
             warnings.warn(f"{type(self).__name__} overrides training_step, which the MegatronStrategy does not call: "
