@@ -63,8 +63,10 @@ def _summary(trainer) -> str:
     return "\n".join(["lightning-megatron: run summary"] + lines)
 
 
-def _lightning_cli(args: list[str] | None, **kwargs) -> Any:
-    """The LightningCLI over BertLightningModule and BertDataModule (``run=False`` in kwargs: only build)."""
+def _lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
+                   **kwargs) -> Any:
+    """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
+    (``run=False`` in kwargs: only build)."""
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_megatron.strategy  # noqa: F401  registers strategy="megatron"
@@ -88,7 +90,7 @@ def _lightning_cli(args: list[str] | None, **kwargs) -> Any:
             if self.trainer.is_global_zero:
                 print(_summary(self.trainer), flush=True)
 
-    return MegatronCLI(BertLightningModule, BertDataModule, args=args, save_config_kwargs={"overwrite": True},
+    return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args, save_config_kwargs={"overwrite": True},
                        seed_everything_default=1234, **kwargs)
 
 
@@ -202,10 +204,19 @@ def _export(argv: list[str]) -> None:
     print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file))
 
 
+def _finetune(argv: list[str]) -> None:
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
+
+    _wandb_offline_unless_configured()
+    _lightning_cli(argv, BertClassificationModule, StdlibDocstringDataModule)
+
+
 COMMANDS = {
     "preprocess": (_preprocess, "text/jsonl corpus -> Megatron indexed dataset (.bin/.idx)"),
     "train-tokenizer": (_train_tokenizer, "train a WordPiece vocabulary"),
     "plot": (_plot, "loss curves of run directories -> PNG"),
+    "finetune": (_finetune, "fit|validate|test a sequence classifier: finetune fit --config recipes/bert_tiny_finetune.yaml"),
     "export": (_export, "checkpoint (any layout) -> Hugging Face folder: export hf --ckpt_path CKPT --output DIR"),
 }
 """Commands besides LightningCLI's: name -> (function taking the remaining argv, one-line help)."""

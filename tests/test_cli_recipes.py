@@ -17,9 +17,13 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 def _build_worker(recipe: str) -> dict:
     from lightning_megatron.cli import _lightning_cli
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
 
+    classes = (dict(model_class=BertClassificationModule, datamodule_class=StdlibDocstringDataModule)
+               if recipe.endswith("_finetune.yaml") else {})
     # CPU stand-ins for the cluster settings, everything else exactly as written.
-    cli = _lightning_cli(run=False, args=[
+    cli = _lightning_cli(**classes, run=False, args=[
         "--config", recipe, "--trainer.accelerator", "cpu", "--trainer.num_nodes", "1",
         "--trainer.logger", "false", "--trainer.precision", "32-true"])
     strategy = cli.trainer.strategy
@@ -38,10 +42,13 @@ def test_recipe_parses_and_builds(recipe):
     from dist_utils import run_distributed
 
     [built] = run_distributed(_build_worker, 1, str(recipe), timeout=180)
-    assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
+    if recipe.stem.endswith("_finetune"):
+        assert built["model"] == "BertClassificationModule" and built["data"] == "StdlibDocstringDataModule"
+    else:
+        assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
     assert "MegatronOptimizerCallback" in built["callbacks"]
     assert "OptimizerParamSchedulerCallback" in built["callbacks"]
-    expected = {"bert_tiny": 128, "bert_base": 768, "bert_large": 1024}[recipe.stem]
+    expected = {"bert_tiny": 128, "bert_base": 768, "bert_large": 1024, "bert_tiny_finetune": 128}[recipe.stem]
     assert built["hidden"] == expected
 
 

@@ -69,7 +69,12 @@ class BertClassificationModule(BertLightningModule):
 
     @override
     def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in self.sharded_named_parameters() if not n.startswith("classifier.")]
+        """The encoder, embeddings and pooler: the pretraining heads (LM, binary) are not used here,
+        so a source without them (a transformers ``BertModel``) loads too."""
+        unused = ("classifier.", "lm_head.", "binary_head.", "output_layer.bias")
+        return [(n, p) for n, p in self.sharded_named_parameters()
+                if not n.startswith(unused) and not (n == "output_layer.weight"
+                                                     and not getattr(p, "shared_embedding", False))]
 
     @override
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
