@@ -67,6 +67,8 @@ class BertClassificationModule(BertLightningModule):
         if init_from:
             self.load_pretrained(init_from)
 
+    optional_pretrained = ("pooler.",)  # as transformers does, a source without a pooler gets a fresh one
+
     @override
     def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The encoder, embeddings and pooler: the pretraining heads (LM, binary) are not used here,

@@ -62,6 +62,11 @@ def read_hf_folder(path: str | os.PathLike[str]) -> SavedModel:
     ours = bert_config_from_hf(config)
     sd = bert_state_dict_from_hf(hf_sd, ours, 0, 1, post_process=heads, add_binary_head=binary,
                                  make_vocab_size_divisible_by=1)
+    if not heads:  # a transformers BertModel: its pooler, if saved
+        for key in ("pooler.dense.weight", "pooler.dense.bias"):
+            src = hf_sd.get(key, hf_sd.get("bert." + key))
+            if src is not None:
+                sd[key] = src.clone()
     if config.model_type == "megatron-bert" and not heads:
         for ours_key, theirs in (("encoder.final_layernorm.weight", "encoder.ln.weight"),
                                  ("encoder.final_layernorm.bias", "encoder.ln.bias")):
@@ -124,14 +129,16 @@ def check_architecture(hparams: dict[str, Any], source: dict[str, Any], source_n
 
 def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[str, nn.Parameter]],
                          full: dict[str, torch.Tensor], *, tp_rank: int, tp_size: int, num_layers: int,
-                         source_name: str) -> None:
+                         source_name: str, optional: tuple[str, ...] = ()) -> None:
     """Copy this rank's slice of every tensor of ``full`` (TP=1, unpadded vocab, global layer names)
-    into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``)."""
+    into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``).
+    Parameters whose names start with one of ``optional`` keep their initialization when the source
+    lacks them (a warning names them)."""
     layers = {int(k.split(".")[2]) for k in full if k.startswith("encoder.layers.")}
     if layers and max(layers) + 1 != num_layers:
         raise ValueError(f"init_from={source_name!r} has {max(layers) + 1} layers but the model has "
                          f"num_layers={num_layers}: set --model.num_layers {max(layers) + 1}")
-    missing = []
+    missing, skipped = [], []
     with torch.no_grad():
         for name, p in named_parameters:
             key = name
@@ -139,7 +146,10 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                 key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
             t = full.get(key)
             if t is None:
-                missing.append(key)
+                if key.startswith(optional) and optional:
+                    skipped.append(key)
+                else:
+                    missing.append(key)
                 continue
             sharded = getattr(p, "tensor_model_parallel", False) and tp_size > 1
             dim = p.partition_dim % p.dim() if sharded else 0
@@ -160,6 +170,11 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
             main = getattr(p, "main_param", None)
             if main is not None:
                 main.copy_(t.to(main.dtype))
+    if skipped:
+        import warnings
+
+        warnings.warn(f"init_from={source_name!r} has no {skipped}: they keep their initialization", UserWarning,
+                      stacklevel=2)
     if missing:
         raise ValueError(f"init_from={source_name!r} lacks {len(missing)} tensors the model needs, e.g. "
                          f"{missing[:4]}: is the spec right (post-norm Hugging Face BERT needs "

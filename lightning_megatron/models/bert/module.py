@@ -167,6 +167,13 @@ class BertLightningModule(LightningModule):
             return
         ps = self._resolve_parallel_state()
         self.parallel_state = ps
+        strategy_ps = getattr(self.trainer.strategy, "parallel_state", None) if self._trainer is not None else None
+        if strategy_ps is None:
+            from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+
+            if "model-parallel-rng" not in get_rng_tracker().get_states():
+                # Without the MegatronStrategy nobody seeded the dropout streams: seed them here.
+                model_parallel_seed(self.hparams.init_seed, 0)
         hp = self.hparams
         vocab_size = hp.vocab_size
         if vocab_size is None:
@@ -212,7 +219,10 @@ class BertLightningModule(LightningModule):
         params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
         load_full_state_dict(list(self.model_chunks), params, saved.state_dict,
                              tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
-                             source_name=name)
+                             source_name=name, optional=() if everything else self.optional_pretrained)
+
+    optional_pretrained: tuple[str, ...] = ()
+    """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
 
     def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The (global name, parameter) pairs ``init_from`` fills (fine-tuning heads excluded)."""
