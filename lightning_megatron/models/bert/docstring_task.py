@@ -91,10 +91,21 @@ class StdlibDocstringDataModule(LightningDataModule):
     def num_classes(self) -> int:
         return len(self.packages)
 
-    def _encode(self, texts: list[tuple[str, int]]) -> _Encoded:
-        from lightning_megatron.data.tokenizer import BertTokenizer, default_vocab_file
+    @property
+    def tokenizer(self):
+        if getattr(self, "_tokenizer", None) is None:
+            from lightning_megatron.data.tokenizer import BertTokenizer, default_vocab_file
 
-        tok = BertTokenizer(self.vocab_file or default_vocab_file())
+            self._tokenizer = BertTokenizer(self.vocab_file or default_vocab_file())
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Pieces in the vocabulary (the model reads it when its ``vocab_size`` is None)."""
+        return self.tokenizer.vocab_size
+
+    def _encode(self, texts: list[tuple[str, int]]) -> _Encoded:
+        tok = self.tokenizer
         s = self.hparams.max_seq_length
         rows = []
         for text, label in texts:
