@@ -86,12 +86,34 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             config = self.config.get(self.config.get("subcommand") or "", self.config)
             _clamp_warmup(config)
 
+        def before_fit(self) -> None:
+            _log_run_config(self.trainer)
+
+        def before_validate(self) -> None:
+            _log_run_config(self.trainer)
+
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
                 print(_summary(self.trainer), flush=True)
 
     return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args, save_config_kwargs={"overwrite": True},
                        seed_everything_default=1234, **kwargs)
+
+
+def _log_run_config(trainer) -> None:
+    """Trainer, strategy, layout and precision into the loggers' config (W&B shows only the module's otherwise)."""
+    strategy = trainer.strategy
+    run = {"trainer": {"max_steps": trainer.max_steps, "precision": str(trainer.precision),
+                       "devices": trainer.num_devices, "num_nodes": trainer.num_nodes,
+                       "accelerator": type(trainer.accelerator).__name__},
+           "strategy": type(strategy).__name__}
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "sequence_parallel", "micro_batch_size"):
+        if hasattr(strategy, key):
+            run.setdefault("layout", {})[key] = getattr(strategy, key)
+    for logger in trainer.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            logger.log_hyperparams(run)  # rank zero only
 
 
 def _clamp_warmup(config) -> None:

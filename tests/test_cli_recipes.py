@@ -87,6 +87,9 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool) -> list[float
     assert (run_dir / "ckpt").exists() and any((run_dir / "ckpt").iterdir()), "a checkpoint must be saved"
     if wandb:
         assert list(run_dir.rglob("*.wandb")), "W&B offline run files must exist"
+        # The run config (in the offline run's records) has the layout, the strategy and the precision.
+        records = b"".join(p.read_bytes() for p in run_dir.rglob("*.wandb"))
+        assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision"))
     return [float(r["train_lm_loss"]) for r in rows]
 
 
