@@ -1,14 +1,18 @@
 """The ``lightning-megatron`` command.
 
     lightning-megatron fit --config recipes/bert_tiny.yaml [--trainer.max_steps 50 ...]
-    lightning-megatron validate|test --config ... --ckpt_path CKPT
+    lightning-megatron validate|test|predict --config ... --ckpt_path CKPT
     lightning-megatron preprocess --input a.txt b.jsonl.gz dir/ --output-prefix data/my_corpus [--workers 2]
     lightning-megatron train-tokenizer --input a.txt --vocab-size 8192 --output-dir tok/
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2 [--estimate-memory]
+    lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt]
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
-so every argument of the Trainer, the strategy, the model and the data is a dotted override.
+so every argument of the Trainer, the strategy, the model and the data is a dotted override. The
+Megatron callbacks are named argument groups: ``--megatron_optimizer.clip_grad 0.5``,
+``--lr_schedule.lr_warmup_steps 10`` (recipes configure them in those sections).
+The other commands are plain functions in ``COMMANDS`` (name -> (function(argv), one-line help)).
 """
 
 from __future__ import annotations
@@ -17,10 +21,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["main", "plot_runs"]
+__all__ = ["main", "plot_runs", "COMMANDS"]
 
-_OWN_COMMANDS = ("preprocess", "train-tokenizer", "plot")
+_LIGHTNING_COMMANDS = {
+    "fit": "train (and validate every val_check_interval steps)",
+    "validate": "validation loss of a checkpoint (--ckpt_path)",
+    "test": "test-split loss of a checkpoint (--ckpt_path)",
+    "predict": "masked-LM ids, pooled or per-token embeddings (--model.predict_output) of a checkpoint",
+}
 
 
 def _wandb_offline_unless_configured() -> None:
@@ -54,30 +64,84 @@ def _summary(trainer) -> str:
     return "\n".join(["lightning-megatron: run summary"] + lines)
 
 
-def _lightning_cli(args: list[str]) -> None:
+def _lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
+                   **kwargs) -> Any:
+    """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
+    (``run=False`` in kwargs: only build)."""
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_megatron.strategy  # noqa: F401  registers strategy="megatron"
     from lightning_megatron.data.datamodule import BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
 
+    from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
+
     class MegatronCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            # Named groups, so that every argument is a command-line override (a callback inside
+            # trainer.callbacks' list is not). Present in a config or on the command line: added.
+            parser.add_lightning_class_args(MegatronOptimizerCallback, "megatron_optimizer", required=False)
+            parser.add_lightning_class_args(OptimizerParamSchedulerCallback, "lr_schedule", required=False)
+
         def before_instantiate_classes(self) -> None:
-            # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any process.
+            # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
+            # process; a warm-up too long for a short run is shortened first, with a warning.
             from lightning_megatron.config_checks import ConfigError, config_from_cli, validate_config
 
             config = self.config[self.subcommand] if self.subcommand else self.config
+            _clamp_warmup(config)
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
             except ConfigError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
 
+        def before_fit(self) -> None:
+            _log_run_config(self.trainer)
+
+        def before_validate(self) -> None:
+            _log_run_config(self.trainer)
+
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
                 print(_summary(self.trainer), flush=True)
 
-    MegatronCLI(BertLightningModule, BertDataModule, args=args, save_config_kwargs={"overwrite": True},
-                seed_everything_default=1234)
+    return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args, save_config_kwargs={"overwrite": True},
+                       seed_everything_default=1234, **kwargs)
+
+
+def _log_run_config(trainer) -> None:
+    """Trainer, strategy, layout and precision into the loggers' config (W&B shows only the module's otherwise)."""
+    strategy = trainer.strategy
+    run = {"trainer": {"max_steps": trainer.max_steps, "precision": str(trainer.precision),
+                       "devices": trainer.num_devices, "num_nodes": trainer.num_nodes,
+                       "accelerator": type(trainer.accelerator).__name__},
+           "strategy": type(strategy).__name__}
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "sequence_parallel", "micro_batch_size"):
+        if hasattr(strategy, key):
+            run.setdefault("layout", {})[key] = getattr(strategy, key)
+    for logger in trainer.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            logger.log_hyperparams(run)  # rank zero only
+
+
+def _clamp_warmup(config) -> None:
+    """A warm-up as long as the run would fail in the scheduler after start-up: shorten it now, loudly."""
+    import warnings
+
+    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if not schedule or not trainer:
+        return
+    max_steps = trainer.get("max_steps") or -1
+    warmup = schedule.get("lr_warmup_steps") or 0
+    decay = schedule.get("lr_decay_steps") or max_steps
+    if max_steps > 0 and decay > 0 and warmup >= decay:
+        new = max(0, min(decay, max_steps) // 10)
+        warnings.warn(f"lr_schedule.lr_warmup_steps={warmup} is not below the decay length {decay} "
+                      f"(trainer.max_steps={max_steps}): using lr_warmup_steps={new} (10% of it); set "
+                      f"--lr_schedule.lr_warmup_steps to choose", UserWarning, stacklevel=1)
+        schedule["lr_warmup_steps"] = new
 
 
 def _preprocess(argv: list[str]) -> None:
@@ -164,17 +228,67 @@ def _plot(argv: list[str]) -> None:
     print(plot_runs(a.runs, a.output))
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "check":  # layout parity and memory per rank: lightning_megatron/check/
-        from lightning_megatron.check.cli import main as check_main
+def _export(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-megatron export",
+                                     description="a checkpoint (any TP/PP/DP layout) -> a Hugging Face folder")
+    parser.add_argument("format", choices=["hf"], help="hf: transformers BertForPreTraining (post-norm spec) or "
+                                                       "MegatronBertForPreTraining (pre-norm, the default recipe)")
+    parser.add_argument("--ckpt_path", required=True, help="a lightning_megatron checkpoint directory")
+    parser.add_argument("--output", required=True, help="the folder to write (config, model.safetensors, tokenizer)")
+    parser.add_argument("--vocab_file", default=None,
+                        help="the vocab.txt the model was trained with (default: the one the checkpoint names)")
+    a = parser.parse_args(argv)
+    from lightning_megatron.models.bert.convert import export_hf
 
-        sys.exit(check_main(argv[1:]))
-    if argv and argv[0] in _OWN_COMMANDS:
-        {"preprocess": _preprocess, "train-tokenizer": _train_tokenizer, "plot": _plot}[argv[0]](argv[1:])
+    print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file))
+
+
+def _finetune(argv: list[str]) -> None:
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
+
+    _wandb_offline_unless_configured()
+    _lightning_cli(argv, BertClassificationModule, StdlibDocstringDataModule)
+
+
+def _check(argv: list[str]) -> None:
+    from lightning_megatron.check.cli import main as check_main  # layout parity and memory per rank
+
+    sys.exit(check_main(argv))
+
+
+COMMANDS = {
+    "check": (_check, "prove layouts equal one process, estimate memory: check --config RECIPE --layouts tp2,pp2"),
+    "preprocess": (_preprocess, "text/jsonl corpus -> Megatron indexed dataset (.bin/.idx)"),
+    "train-tokenizer": (_train_tokenizer, "train a WordPiece vocabulary"),
+    "plot": (_plot, "loss curves of run directories -> PNG"),
+    "finetune": (_finetune, "fit|validate|test a sequence classifier: finetune fit --config recipes/bert_tiny_finetune.yaml"),
+    "export": (_export, "checkpoint (any layout) -> Hugging Face folder: export hf --ckpt_path CKPT --output DIR"),
+}
+"""Commands besides LightningCLI's: name -> (function taking the remaining argv, one-line help)."""
+
+
+def _print_help() -> None:
+    lines = ["usage: lightning-megatron COMMAND [options]   (COMMAND --help for its options)", "", "commands:"]
+    for name, text in {**_LIGHTNING_COMMANDS, **{k: v[1] for k, v in COMMANDS.items()}}.items():
+        lines.append(f"  {name:16s} {text}")
+    lines += ["", "fit/validate/test/predict take --config recipes/bert_tiny.yaml and dotted overrides "
+              "(--trainer.max_steps 50, --model.hidden_size 256, --megatron_optimizer.clip_grad 0.5, ...)."]
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from_sys_argv = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        _print_help()
+        return
+    if argv[0] in COMMANDS:
+        COMMANDS[argv[0]][0](argv[1:])
         return
     _wandb_offline_unless_configured()
-    _lightning_cli(argv)
+    # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
+    _lightning_cli(None if from_sys_argv else argv)
 
 
 if __name__ == "__main__":

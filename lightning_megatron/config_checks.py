@@ -264,6 +264,11 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str
             scheduler_args = dict(cb.get("init_args") or {})
         elif path.endswith("MegatronOptimizerCallback"):
             has_optimizer_callback = True
+    # The CLI's named callback groups (``lr_schedule:``, ``megatron_optimizer:``; None when absent).
+    if isinstance(c.get("lr_schedule"), Mapping):
+        scheduler_args = dict(c["lr_schedule"])
+    if isinstance(c.get("megatron_optimizer"), Mapping):
+        has_optimizer_callback = True
     return dict(model_hparams=dict(c.get("model") or {}), data_hparams=dict(c.get("data") or {}),
                 strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
                 has_optimizer_callback=has_optimizer_callback if fitting else None)

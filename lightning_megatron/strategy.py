@@ -535,8 +535,13 @@ class MegatronStrategy(DDPStrategy):
                         num_microbatches=len(microbatches), parallel_state=ps,
                         tensor_shape=tuple(module.pipeline_tensor_shape(microbatches[0])),
                         dtype=next(iter(module.parameters())).dtype, forward_only=True)
-        # Predictions live on the last pipeline stage; other stages return None.
-        return logged if ps.is_pipeline_last_stage() else None
+        # Predictions live on the last pipeline stage; other stages return None. A loss_func that logs
+        # ``predictions`` gets them concatenated over the microbatches (the batch's predictions).
+        if not ps.is_pipeline_last_stage():
+            return None
+        if logged and all(torch.is_tensor(d.get("predictions")) for d in logged):
+            return torch.cat([d["predictions"] for d in logged])
+        return logged
 
     def _log(self, means: dict[str, torch.Tensor], stage: str, on_step: bool, on_epoch: bool) -> None:
         module = self.lightning_module

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -16,16 +17,17 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 
 def _build_worker(recipe: str) -> dict:
-    from lightning.pytorch.cli import LightningCLI
+    from lightning_megatron.cli import _lightning_cli
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
 
-    import lightning_megatron.strategy  # noqa: F401
-    from lightning_megatron.data.datamodule import BertDataModule
-    from lightning_megatron.models.bert.module import BertLightningModule
-
-    # CPU stand-ins for the cluster settings, everything else exactly as written.
-    cli = LightningCLI(BertLightningModule, BertDataModule, run=False, args=[
+    classes = (dict(model_class=BertClassificationModule, datamodule_class=StdlibDocstringDataModule)
+               if recipe.endswith("_finetune.yaml") else {})
+    # CPU stand-ins for the cluster settings, everything else exactly as written (the recipe's
+    # precision too: the config checks before launch compare it with model.params_dtype).
+    cli = _lightning_cli(**classes, run=False, args=[
         "--config", recipe, "--trainer.accelerator", accelerator(), "--trainer.num_nodes", "1",
-        "--trainer.logger", "false", "--trainer.precision", "32-true"])
+        "--trainer.logger", "false"])
     strategy = cli.trainer.strategy
     return {"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
             "tp": strategy.tensor_model_parallel_size, "pp": strategy.pipeline_model_parallel_size,
@@ -42,10 +44,13 @@ def test_recipe_parses_and_builds(recipe):
     from dist_utils import run_distributed
 
     [built] = run_distributed(_build_worker, 1, str(recipe), timeout=180)
-    assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
+    if recipe.stem.endswith("_finetune"):
+        assert built["model"] == "BertClassificationModule" and built["data"] == "StdlibDocstringDataModule"
+    else:
+        assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
     assert "MegatronOptimizerCallback" in built["callbacks"]
     assert "OptimizerParamSchedulerCallback" in built["callbacks"]
-    expected = {"bert_tiny": 128, "bert_base": 768, "bert_large": 1024}[recipe.stem]
+    expected = {"bert_tiny": 128, "bert_base": 768, "bert_large": 1024, "bert_tiny_finetune": 128}[recipe.stem]
     assert built["hidden"] == expected
 
 
@@ -61,9 +66,8 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool) -> list[float
     import yaml
 
     recipe = yaml.safe_load((ROOT / "recipes/bert_tiny.yaml").read_text())
+    # The recipe's 30 warm-up steps are longer than this run: the CLI shortens them with a warning.
     for cb in recipe["trainer"]["callbacks"]:
-        if cb["class_path"].endswith("OptimizerParamSchedulerCallback"):
-            cb["init_args"]["lr_warmup_steps"] = 2
         if cb["class_path"].endswith("ModelCheckpoint"):
             cb["init_args"].update(dirpath=str(run_dir / "ckpt"), every_n_train_steps=12)
     config = tmp / f"{name}.yaml"
@@ -74,15 +78,20 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool) -> list[float
            "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(run_dir),
            "--trainer.logger", loggers, "--model.hidden_dropout", "0.0", "--model.attention_dropout", "0.0",
            "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
-           "--data.max_seq_length", "64", "--model.max_sequence_length", "64"]
+           "--data.max_seq_length", "64", "--model.max_sequence_length", "64",
+           "--megatron_optimizer.clip_grad", "0.5"]  # a Megatron callback's argument from the command line
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "lr_warmup_steps=30 is not below" in proc.stderr and "args parameter" not in proc.stderr
     [metrics] = list(run_dir.rglob("metrics.csv"))
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("train_lm_loss")]
     assert (run_dir / "ckpt").exists() and any((run_dir / "ckpt").iterdir()), "a checkpoint must be saved"
     if wandb:
         assert list(run_dir.rglob("*.wandb")), "W&B offline run files must exist"
+        # The run config (in the offline run's records) has the layout, the strategy and the precision.
+        records = b"".join(p.read_bytes() for p in run_dir.rglob("*.wandb"))
+        assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision"))
     return [float(r["train_lm_loss"]) for r in rows]
 
 
@@ -94,6 +103,29 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
     assert len(tp1) == len(tp2) == 12
     for a, b in zip(tp1, tp2):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, tp2)
+    # The TP=2 checkpoint: `test` (docs/recipes.md) and `export hf` through the CLI.
+    ckpt = tmp_path / "tp2" / "ckpt" / "last.ckpt"
+    assert ckpt.is_dir()
+    test = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "test", "--config", str(tmp_path / "tp2.yaml"),
+                           "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
+                           "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                           "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+                           "--data.max_seq_length", "64", "--model.max_sequence_length", "64",
+                           "--trainer.limit_test_batches", "2", "--ckpt_path", str(ckpt)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert test.returncode == 0 and "test_lm_loss" in test.stdout, test.stdout[-3000:] + test.stderr[-3000:]
+    export = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "export", "hf", "--ckpt_path", str(ckpt),
+                             "--output", str(tmp_path / "hf")], capture_output=True, text=True, timeout=600)
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["MegatronBertForPreTraining"]
+
+
+def test_help_lists_every_command():
+    proc = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0
+    for command in ("fit", "validate", "test", "predict", "preprocess", "train-tokenizer", "plot", "export"):
+        assert f"  {command} " in proc.stdout, proc.stdout
 
 
 def test_preprocess_and_plot_commands(tmp_path):

@@ -1,4 +1,10 @@
-"""Hugging Face ``transformers`` BERT <-> our post-norm BertModel, at any TP size.
+"""Hugging Face ``transformers`` BERT / MegatronBERT <-> our BertModel, at any TP size.
+
+Two architectures convert: post-norm BERT (``BertForPreTraining``, our ``bert_layer_post_norm_spec``)
+and Megatron's pre-norm BERT (``MegatronBertForPreTraining``, our default ``bert_layer_local_spec``
+with LayerNorm: a norm before attention and before the MLP, a final norm, none on the embeddings).
+The functions below detect MegatronBERT state dicts by their ``attention.ln`` keys and take
+``megatron=True`` for export.
 
 Import (:func:`bert_state_dict_from_hf`) takes a ``BertForPreTraining`` or ``BertModel`` state dict
 and returns THIS rank's shard of our state dict, for a model built with
@@ -37,10 +43,15 @@ __all__ = [
     "merge_tp_state_dicts",
     "gather_full_state_dict",
     "HF_BERT_SPEC",
+    "HF_MEGATRON_BERT_SPEC",
+    "is_megatron_bert_state_dict",
 ]
 
 HF_BERT_SPEC = "bert_layer_post_norm_spec"
 """The registered spec whose layers match Hugging Face BERT (post-norm LayerNorm)."""
+
+HF_MEGATRON_BERT_SPEC = "bert_layer_local_spec"
+"""The registered spec whose layers match transformers' MegatronBERT (pre-norm, final norm)."""
 
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                    "relu": "relu", "silu": "silu", "swish": "silu"}
@@ -58,6 +69,21 @@ _LAYER_KEYS = {
     "post_mlp_layernorm.weight": "output.LayerNorm.weight",
     "post_mlp_layernorm.bias": "output.LayerNorm.bias",
 }
+# MegatronBERT (pre-norm): the same attention / MLP linears, norms before each branch.
+_MEGATRON_LAYER_KEYS = {
+    "input_layernorm.weight": "attention.ln.weight",
+    "input_layernorm.bias": "attention.ln.bias",
+    "self_attention.linear_proj.weight": "attention.output.dense.weight",
+    "self_attention.linear_proj.bias": "attention.output.dense.bias",
+    "pre_mlp_layernorm.weight": "ln.weight",
+    "pre_mlp_layernorm.bias": "ln.bias",
+    "mlp.linear_fc1.weight": "intermediate.dense.weight",
+    "mlp.linear_fc1.bias": "intermediate.dense.bias",
+    "mlp.linear_fc2.weight": "output.dense.weight",
+    "mlp.linear_fc2.bias": "output.dense.bias",
+}
+_MEGATRON_FINAL_KEYS = {"encoder.final_layernorm.weight": "encoder.ln.weight",
+                        "encoder.final_layernorm.bias": "encoder.ln.bias"}
 _EMBEDDING_KEYS = {
     "embedding.word_embeddings.weight": "embeddings.word_embeddings.weight",
     "embedding.position_embeddings.weight": "embeddings.position_embeddings.weight",
@@ -112,9 +138,15 @@ def bert_config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
     return TransformerConfig(**fields)
 
 
+def is_megatron_bert_state_dict(hf_state_dict: Mapping[str, torch.Tensor]) -> bool:
+    """True for a MegatronBERT (pre-norm) state dict, False for a BERT (post-norm) one."""
+    return any(k.endswith("attention.ln.weight") for k in hf_state_dict)
+
+
 def bert_model_kwargs_from_hf(hf_config: Any) -> dict[str, Any]:
     """``BertModel`` keyword arguments (spec, vocab_size, max_sequence_length, num_tokentypes)."""
-    return dict(spec=HF_BERT_SPEC, vocab_size=hf_config.vocab_size,
+    megatron = getattr(hf_config, "model_type", "bert") == "megatron-bert"
+    return dict(spec=HF_MEGATRON_BERT_SPEC if megatron else HF_BERT_SPEC, vocab_size=hf_config.vocab_size,
                 max_sequence_length=hf_config.max_position_embeddings, num_tokentypes=hf_config.type_vocab_size)
 
 
@@ -163,7 +195,8 @@ def bert_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: T
                             post_process: bool = True, add_binary_head: bool = True,
                             share_embeddings_and_output_weights: bool = True,
                             make_vocab_size_divisible_by: int = 128) -> dict[str, torch.Tensor]:
-    """This TP rank's shard of our state dict, for ``BertModel(config, HF_BERT_SPEC, ...)`` built with
+    """This TP rank's shard of our state dict, for ``BertModel(config, HF_BERT_SPEC, ...)`` (or
+    ``HF_MEGATRON_BERT_SPEC`` for a MegatronBERT state dict) built with
     the same ``layer_range`` / ``pre_process`` / ``post_process`` / head options. Load it with
     ``model.load_state_dict(sd, strict=True)``.
 
@@ -174,6 +207,8 @@ def bert_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: T
         raise ValueError(f"tensor_model_parallel_size={config.tensor_model_parallel_size} in the config but "
                          f"tp_size={tp_size}; build the config with tensor_model_parallel_size={tp_size}")
     hf = _normalize_hf_keys(hf_state_dict)
+    megatron = is_megatron_bert_state_dict(hf)
+    layer_keys = _MEGATRON_LAYER_KEYS if megatron else _LAYER_KEYS
     vocab = hf["embeddings.word_embeddings.weight"].size(0) if "embeddings.word_embeddings.weight" in hf else \
         hf["cls.predictions.bias"].size(0)
     padded = pad_vocab_size(vocab, tp_size, make_vocab_size_divisible_by)
@@ -196,8 +231,11 @@ def bert_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: T
         for part in ("weight", "bias"):
             q, k, v = (take(f"{src}attention.self.{name}.{part}") for name in ("query", "key", "value"))
             full[f"{dst}self_attention.linear_qkv.{part}"] = _qkv_from_hf(q, k, v, config.num_attention_heads)
-        for ours, theirs in _LAYER_KEYS.items():
+        for ours, theirs in layer_keys.items():
             full[dst + ours] = take(src + theirs)
+    if post_process and megatron:
+        for ours, theirs in _MEGATRON_FINAL_KEYS.items():
+            full[ours] = take(theirs)
     if post_process:
         heads = dict(_HEAD_KEYS)
         if pre_process and share_embeddings_and_output_weights:
@@ -243,22 +281,29 @@ def gather_full_state_dict(model: nn.Module, tp_group: dist.ProcessGroup | None)
 
 
 def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig, vocab_size: int, *,
-                            model_type: Literal["BertForPreTraining", "BertModel"] = "BertForPreTraining"
-                            ) -> dict[str, torch.Tensor]:
-    """A ``transformers`` state dict from our FULL (TP=1 or merged) post-norm state dict.
+                            model_type: Literal["BertForPreTraining", "BertForMaskedLM", "BertModel"] =
+                            "BertForPreTraining", megatron: bool = False) -> dict[str, torch.Tensor]:
+    """A ``transformers`` state dict from our FULL (TP=1 or merged) state dict.
 
+    ``megatron=False``: a post-norm model, keys of ``BertForPreTraining`` / ``BertForMaskedLM`` /
+    ``BertModel``; ``megatron=True``: a pre-norm LayerNorm model, keys of the ``MegatronBert*`` twins.
     ``BertForPreTraining`` needs the heads (``lm_head``, ``output_layer``, ``pooler``, ``binary_head``);
-    ``BertModel`` takes the embeddings, layers and pooler (if present) and ignores the LM heads.
+    ``BertForMaskedLM`` the LM head only; ``BertModel`` takes the embeddings, layers and pooler (if
+    present) and ignores the LM heads.
     """
-    if model_type not in ("BertForPreTraining", "BertModel"):
-        raise ValueError(f"model_type={model_type!r} must be 'BertForPreTraining' or 'BertModel'")
-    prefix = "bert." if model_type == "BertForPreTraining" else ""
+    if model_type not in ("BertForPreTraining", "BertForMaskedLM", "BertModel"):
+        raise ValueError(f"model_type={model_type!r} must be 'BertForPreTraining', 'BertForMaskedLM' or 'BertModel'")
+    layer_keys = _MEGATRON_LAYER_KEYS if megatron else _LAYER_KEYS
+    with_heads = model_type != "BertModel"
+    prefix = "bert." if with_heads else ""
     sd = dict(state_dict)
     for key in _VOCAB_PADDED:
         if key in sd:
             sd[key] = sd[key][:vocab_size]
     out: dict[str, torch.Tensor] = {}
-    for ours, theirs in {**_EMBEDDING_KEYS, **_POOLER_KEYS}.items():
+    pooler = _POOLER_KEYS if model_type != "BertForMaskedLM" else {}
+    finals = _MEGATRON_FINAL_KEYS if megatron else {}
+    for ours, theirs in {**_EMBEDDING_KEYS, **pooler, **finals}.items():
         if ours in sd:
             out[prefix + theirs] = sd[ours].clone()
     for i in range(config.num_layers):
@@ -267,10 +312,11 @@ def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: Tran
             qkv = _qkv_to_hf(sd[f"{src}self_attention.linear_qkv.{part}"], config.num_attention_heads)
             for name, tensor in zip(("query", "key", "value"), qkv):
                 out[f"{dst}attention.self.{name}.{part}"] = tensor
-        for ours, theirs in _LAYER_KEYS.items():
+        for ours, theirs in layer_keys.items():
             out[dst + theirs] = sd[src + ours].clone()
-    if model_type == "BertForPreTraining":
-        for ours, theirs in {**_HEAD_KEYS, **_BINARY_KEYS}.items():
+    if with_heads:
+        binary = _BINARY_KEYS if model_type == "BertForPreTraining" else {}
+        for ours, theirs in {**_HEAD_KEYS, **binary}.items():
             if ours in sd:
                 out[theirs] = sd[ours].clone()
         if "output_layer.weight" not in sd:  # tied: the decoder is the word embedding

@@ -149,13 +149,13 @@ class BertLMHead(nn.Module):
     ``sequence_parallel`` (their gradients are summed over TP).
     """
 
-    def __init__(self, config: TransformerConfig, norm: ModuleSpec | type) -> None:
+    def __init__(self, config: TransformerConfig, norm: ModuleSpec | type, activation: str | None = None) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, dtype=config.params_dtype)
         init_method_normal(config.init_method_std)(self.dense.weight.data)
         nn.init.zeros_(self.dense.bias.data)
         mark_sequence_parallel(self.dense, config.sequence_parallel)
-        self.activation_func = get_activation_func(config.activation)
+        self.activation_func = get_activation_func(activation or config.activation)
         self.layer_norm = build_module(norm, config=config, hidden_size=config.hidden_size,
                                        eps=config.layernorm_epsilon)
 
@@ -176,13 +176,17 @@ class BertModel(nn.Module):
         layer_range: GLOBAL indices of the layers this chunk builds (None: all).
         pre_process / post_process: this chunk owns the embeddings / the heads and the loss.
         seed: the base of every submodule's init stream.
+        lm_head_activation: the LM head's activation; None: ``config.activation``. Megatron-LM models
+            trained with ``--bias-gelu-fusion`` use ``config.activation="gelu_tanh"`` in the MLP but
+            ``lm_head_activation="gelu"`` (exact) in the head.
     """
 
     def __init__(self, config: TransformerConfig, spec: ModuleSpec | str, vocab_size: int, max_sequence_length: int,
                  *, tp_group: dist.ProcessGroup | None = None, num_tokentypes: int = 2, add_binary_head: bool = True,
                  pre_process: bool = True, post_process: bool = True,
                  share_embeddings_and_output_weights: bool = True, layer_range: range | None = None,
-                 make_vocab_size_divisible_by: int = 128, seed: int = 1234) -> None:
+                 make_vocab_size_divisible_by: int = 128, seed: int = 1234,
+                 lm_head_activation: str | None = None) -> None:
         super().__init__()
         t = group_size(tp_group)
         if t != config.tensor_model_parallel_size:
@@ -212,7 +216,7 @@ class BertModel(nn.Module):
                                         pre_process=pre_process, post_process=post_process, seed=seed)
         if post_process:
             with seeded(seed, "lm_head"):
-                self.lm_head = BertLMHead(config, norm)
+                self.lm_head = BertLMHead(config, norm, lm_head_activation)
             # Tied: the embedding's weight is passed in forward, unless this chunk has no embedding
             # (pipeline last stage): then it owns a copy drawn from the embedding's own stream.
             owns_weight = not (pre_process and share_embeddings_and_output_weights)
@@ -281,10 +285,13 @@ class BertModel(nn.Module):
         self.encoder.set_input_tensor(input_tensor)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, token_types: torch.Tensor | None = None,
-                lm_labels: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None):
+                lm_labels: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None,
+                return_hidden_states: bool = False):
         """See the class docstring for shapes. Returns
 
         - ``post_process=False``: hidden states [s, b, h] (input of the next stage);
+        - ``return_hidden_states=True`` (last chunk): the encoder output [s, b, h] (after the final
+          norm, the full sequence on every TP rank), without running the heads;
         - else ``(lm_logits [b, s, V_padded/t], binary_logits [b, 2] | None)``;
         - with ``lm_labels`` [b, s] (-100 = not masked): ``(lm_loss [b, s], binary_logits)``.
 
@@ -305,6 +312,10 @@ class BertModel(nn.Module):
             hidden_states = self.embedding(tokens, position_ids, token_types)
         hidden_states = self.encoder(hidden_states, mask)
         if not self.post_process:
+            return hidden_states
+        if return_hidden_states:
+            if self.config.sequence_parallel:
+                return gather_from_sequence_parallel_region(hidden_states, self.tp_group, False)
             return hidden_states
         binary_logits = self.binary_head(self.pooler(hidden_states)) if self.add_binary_head else None
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None

@@ -26,6 +26,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
+from lightning_megatron.models.bert.convert import SavedModel
 from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_state import ParallelState, group_rank, group_size
@@ -85,6 +86,20 @@ class BertLightningModule(LightningModule):
         compile: ``torch.compile`` each transformer layer (regional compilation: one compiled
             region per layer, reused by every layer of the same shapes); equal to eager within fp32
             tolerance (tests/test_compile.py). The first steps pay the compilation.
+        activation: the MLP activation ("gelu" exact, "gelu_tanh", "relu", "silu").
+        lm_head_activation: the LM head's activation; None: ``activation``. Megatron-LM models trained
+            with ``--bias-gelu-fusion`` need ``activation=gelu_tanh lm_head_activation=gelu``.
+        init_from: start from pretrained weights (any layout): a lightning_megatron checkpoint
+            directory, a Hugging Face BERT / MegatronBERT folder, or a Megatron-LM checkpoint
+            (legacy ``model_optim_rng.pt`` or ``torch_dist``); see docs/interop.md. Ignored when a
+            checkpoint is resumed (``ckpt_path``), which restores its own weights.
+        predict_output: what ``predict_step`` returns per sample: ``"masked_lm"`` (the predicted
+            token id at every position, ``[b, s]``), ``"pooled"`` (the pooler output, ``[b, h]``)
+            or ``"hidden"`` (the encoder output, ``[b, s, h]``).
+
+    Training, validation and test run ``forward_step`` through the strategy's microbatch schedule;
+    a ``training_step`` override is NOT called under the MegatronStrategy (override
+    ``forward_step`` instead), and the strategy warns when it finds one.
     """
 
     def __init__(
@@ -119,12 +134,18 @@ class BertLightningModule(LightningModule):
         sgd_momentum: float = 0.9,
         fused_optimizer: bool = True,
         compile: bool = False,
+        activation: Literal["gelu", "gelu_tanh", "relu", "silu"] = "gelu",
+        lm_head_activation: Literal["gelu", "gelu_tanh", "relu", "silu"] | None = None,
+        init_from: str | None = None,
+        predict_output: Literal["masked_lm", "pooled", "hidden"] = "masked_lm",
     ) -> None:
         super().__init__()
         if params_dtype not in _DTYPES:
             raise ValueError(f"params_dtype={params_dtype!r} must be one of {sorted(_DTYPES)}")
         if optimizer not in ("adamw", "adam", "sgd"):
             raise ValueError(f"optimizer={optimizer!r} must be 'adamw', 'adam' or 'sgd'")
+        if predict_output not in ("masked_lm", "pooled", "hidden"):
+            raise ValueError(f"predict_output={predict_output!r} must be 'masked_lm', 'pooled' or 'hidden'")
         self.save_hyperparameters()
         self.model_chunks: nn.ModuleList | None = None
         self.parallel_state: ParallelState | None = None
@@ -135,7 +156,7 @@ class BertLightningModule(LightningModule):
             layernorm_epsilon=layernorm_epsilon, init_method_std=init_method_std,
             params_dtype=_DTYPES[params_dtype], recompute_granularity=recompute_granularity,
             recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-            attention_backend=attention_backend)
+            attention_backend=attention_backend, activation=activation)
         # Validate sizes now (heads, ffn...) with TP=1; TP-dependent checks run in configure_model.
         TransformerConfig(**self._config_kwargs)
 
@@ -152,6 +173,13 @@ class BertLightningModule(LightningModule):
             return
         ps = self._resolve_parallel_state()
         self.parallel_state = ps
+        strategy_ps = getattr(self.trainer.strategy, "parallel_state", None) if self._trainer is not None else None
+        if strategy_ps is None:
+            from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+
+            if "model-parallel-rng" not in get_rng_tracker().get_states():
+                # Without the MegatronStrategy nobody seeded the dropout streams: seed them here.
+                model_parallel_seed(self.hparams.init_seed, 0)
         hp = self.hparams
         vocab_size = hp.vocab_size
         if vocab_size is None:
@@ -184,6 +212,61 @@ class BertLightningModule(LightningModule):
         self.model_chunks = nn.ModuleList(chunks)
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         self.micro_batch_size = getattr(dm, "micro_batch_size", None)
+        if hp.get("init_from"):
+            self.load_pretrained(hp.init_from)
+
+    def load_pretrained(self, source: str | SavedModel, *, everything: bool = False) -> None:
+        """Copy pretrained weights (see ``init_from``) into this rank's chunks, any layout
+        (``everything``: fine-tuning heads too, as ``load_from_checkpoint`` does)."""
+        from lightning_megatron.models.bert.init_from import check_architecture, load_full_state_dict, read_pretrained
+
+        name = source if isinstance(source, str) else "<state dict>"
+        saved = read_pretrained(source) if isinstance(source, str) else source
+        check_architecture(dict(self.hparams), saved.hparams, name)
+        ps = self.parallel_state
+        params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
+        load_full_state_dict(list(self.model_chunks), params, saved.state_dict,
+                             tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
+                             source_name=name, optional=() if everything else self.optional_pretrained)
+
+    optional_pretrained: tuple[str, ...] = ()
+    """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
+
+    def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The (global name, parameter) pairs ``init_from`` fills (fine-tuning heads excluded)."""
+        return list(self.sharded_named_parameters())
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
+                             strict: bool | None = None, **kwargs: Any) -> BertLightningModule:
+        """A single-process module from a lightning_megatron checkpoint directory (any layout it was
+        saved at), built with the saved hyper-parameters (``kwargs`` override them) and the weights
+        loaded; or Lightning's loader for a single-file checkpoint. To continue training at a layout,
+        use ``trainer.fit(model, ckpt_path=...)``; to start a new run from the weights, ``init_from``."""
+        from pathlib import Path
+
+        from lightning_megatron import checkpoint as ckpt
+        from lightning_megatron.models.bert.convert import read_model_checkpoint
+
+        path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
+        if path is None or not path.is_dir():
+            return super().load_from_checkpoint(checkpoint_path, map_location=map_location,
+                                                hparams_file=hparams_file, strict=strict, **kwargs)
+        if not (path / ckpt.MARKER).is_file():
+            raise ckpt.CheckpointError(
+                f"{str(path)!r} is a directory but not a lightning_megatron checkpoint ({ckpt.MARKER} missing); "
+                f"BertLightningModule.load_from_checkpoint reads lightning_megatron checkpoint directories or "
+                f"single-file Lightning checkpoints")
+        saved = read_model_checkpoint(path)
+        hparams = {**saved.hparams, **kwargs, "init_from": None}
+        if hparams.get("vocab_size") is None:
+            hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
+        module = cls(**hparams)
+        module.configure_model()
+        module.load_pretrained(saved, everything=True)
+        if map_location is not None:
+            module.to(map_location)
+        return module.eval()
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters under layout-independent names: global layer numbers, no chunk index."""
@@ -216,7 +299,12 @@ class BertLightningModule(LightningModule):
         return batch
 
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
-        """Megatron's forward-step: run ``chunk``; on the last chunk return the loss function too."""
+        """Megatron's forward-step: run ``chunk``; on the last chunk return the loss function too.
+
+        While predicting, the last chunk's loss function logs ``predictions`` (see ``predict_output``),
+        which the strategy concatenates over the microbatches."""
+        if self._trainer is not None and self.trainer.predicting:
+            return self._predict_forward(batch, chunk)
         selective = chunk.post_process and self.hparams.lm_head_on_masked_only
         positions = batch["loss_mask"] > 0 if selective else None
         mask = None if batch.get(NO_PADDING) is True else batch["attention_mask"]
@@ -262,6 +350,73 @@ class BertLightningModule(LightningModule):
         for k, v in stats.items():
             self.log(f"val_{k}", v)
         return loss
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # Used without the MegatronStrategy; under it the strategy runs forward_step (test_* metrics).
+        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
+        _, stats = loss_func(loss)
+        for k, v in stats.items():
+            self.log(f"test_{k}", v)
+        return loss
+
+    def _predict_forward(self, batch: dict[str, torch.Tensor], chunk: BertModel):
+        """Predictions of one microbatch: token ids [b, s], pooled [b, h] or hidden states [b, s, h]."""
+        tokens, mask, types = batch["tokens"], batch.get("attention_mask"), batch.get("token_types")
+        if mask is None:
+            mask = torch.ones_like(tokens)
+        mode = self.hparams.get("predict_output", "masked_lm")
+        if not chunk.post_process:
+            return chunk(tokens, mask, types), None
+        if mode == "masked_lm":
+            logits, _ = chunk(tokens, mask, types)  # [b, s, V/t]
+            tp_group = self.parallel_state.tp_group if self.parallel_state else None
+            out = vocab_parallel_argmax(logits, tp_group, self.vocab_size)
+        else:
+            hidden = chunk(tokens, mask, types, return_hidden_states=True)  # [s, b, h], full sequence
+            if mode == "hidden":
+                out = hidden.transpose(0, 1).contiguous()
+            elif getattr(chunk, "pooler", None) is not None:
+                out = torch.tanh(chunk.pooler.dense(hidden[0]))
+            else:
+                raise ValueError("predict_output='pooled' needs the pooler (add_binary_head=True); "
+                                 "use predict_output='hidden' and take the first token")
+        out = out.detach()
+
+        def loss_func(output: torch.Tensor):
+            return torch.zeros((), device=tokens.device), {"predictions": out}
+
+        return out, loss_func
+
+    @override
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """The ``predict_output`` of the batch (without pipelining; with it the strategy runs
+        ``forward_step`` over the microbatches and returns the same on the last stage)."""
+        assert self.model_chunks is not None and len(self.model_chunks) == 1
+        out, _ = self._predict_forward(batch, self.model_chunks[0])
+        return out
+
+    @override
+    def predict_dataloader(self):
+        """Used when the datamodule has none: ``BertDataModule``'s test split."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None or not hasattr(dm, "test_dataloader"):
+            raise ValueError("predict needs a dataloader: pass dataloaders=... or a datamodule with test_dataloader")
+        return dm.test_dataloader()
+
+    @override
+    def on_fit_start(self) -> None:
+        def defining(name: str) -> type:
+            return next(k for k in type(self).__mro__ if name in k.__dict__)
+
+        step, fwd = defining("training_step"), defining("forward_step")
+        if getattr(self.trainer.strategy, "parallel_state", None) is not None and step is not fwd \
+                and issubclass(step, fwd):
+            import warnings
+
+            warnings.warn(f"{type(self).__name__} overrides training_step, which the MegatronStrategy does not call: "
+                          f"it runs forward_step(microbatch, chunk) -> (output, loss_func) through the microbatch "
+                          f"schedule. Override forward_step instead (docs/model.md)", UserWarning, stacklevel=1)
 
     # ------------------------------------------------------------------ optimizer
 

@@ -1,0 +1,134 @@
+"""Sequence classification on the same BertModel, at every TP x PP x VP x DP layout.
+
+:class:`BertClassificationModule` is a :class:`BertLightningModule` whose last chunk carries a
+classifier (``classifier``: [h] -> [num_classes], replicated across TP like the pooler) on the
+pooled first token. It keeps the strategy protocol (``forward_step``, ``pipeline_tensor_shape``,
+``sharded_named_parameters``), so checkpoints, fp32 main params, clipping and the schedules work
+unchanged; ``init_from`` loads a pretrained encoder (and pooler) from any source the pretraining
+module reads, leaving the classifier at its seeded initialization.
+
+Batches: ``tokens`` [b, s], ``attention_mask`` [b, s] (1 = real token), optional ``token_types``,
+and ``labels`` [b] (class ids). Logged: ``loss`` and ``accuracy`` (means over the global batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from typing_extensions import override
+
+from lightning_megatron.models.bert.model import BertModel
+from lightning_megatron.models.bert.module import BertLightningModule
+from lightning_megatron.tensor_parallel import init_method_normal
+from lightning_megatron.transformer import seeded
+
+__all__ = ["BertClassificationModule"]
+
+
+class BertClassificationModule(BertLightningModule):
+    """BERT sequence classification (fine-tuning), any layout.
+
+    Args:
+        num_classes: number of labels.
+        classifier_dropout: dropout on the pooled representation before the classifier.
+        Others: as :class:`BertLightningModule` (``init_from`` points at the pretrained model; its
+            pooler is used when it has one, ``add_binary_head`` must stay True for the pooler).
+    """
+
+    def __init__(self, *, num_classes: int = 2, classifier_dropout: float = 0.1, **kwargs: Any) -> None:
+        if num_classes < 2:
+            raise ValueError(f"num_classes={num_classes} must be >= 2")
+        if not kwargs.get("add_binary_head", True):
+            raise ValueError("BertClassificationModule pools with the pretraining pooler: keep add_binary_head=True")
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+
+    @override
+    def configure_model(self) -> None:
+        if self.model_chunks is not None:
+            return
+        init_from = self.hparams.get("init_from")
+        self.hparams["init_from"] = None  # load after the classifier exists (below)
+        try:
+            super().configure_model()
+        finally:
+            self.hparams["init_from"] = init_from
+        last = self.model_chunks[-1]
+        if last.post_process:
+            with seeded(self.hparams.init_seed, "classifier"):
+                last.classifier = nn.Linear(self.config.hidden_size, self.hparams.num_classes,
+                                            dtype=self.config.params_dtype)
+                init_method_normal(self.config.init_method_std)(last.classifier.weight.data)
+                nn.init.zeros_(last.classifier.bias.data)
+            last.classifier_dropout = nn.Dropout(self.hparams.classifier_dropout)
+        if init_from:
+            self.load_pretrained(init_from)
+
+    optional_pretrained = ("pooler.",)  # as transformers does, a source without a pooler gets a fresh one
+
+    @override
+    def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The encoder, embeddings and pooler: the pretraining heads (LM, binary) are not used here,
+        so a source without them (a transformers ``BertModel``) loads too."""
+        unused = ("classifier.", "lm_head.", "binary_head.", "output_layer.bias")
+        return [(n, p) for n, p in self.sharded_named_parameters()
+                if not n.startswith(unused) and not (n == "output_layer.weight"
+                                                     and not getattr(p, "shared_embedding", False))]
+
+    @override
+    def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
+        tokens, mask = batch["tokens"], batch["attention_mask"]
+        if not chunk.post_process:
+            return chunk(tokens, mask, batch.get("token_types")), None
+        hidden = chunk(tokens, mask, batch.get("token_types"), return_hidden_states=True)  # [s, b, h]
+        logits = self._classify(chunk, hidden)
+        labels = batch["labels"].view(-1)
+        loss = F.cross_entropy(logits.float(), labels)
+        with torch.no_grad():
+            accuracy = (logits.argmax(-1) == labels).float().mean()
+
+        def loss_func(output: torch.Tensor):
+            return output, {"loss": output.detach(), "accuracy": accuracy}
+
+        if self._trainer is not None and self.trainer.predicting:
+            preds = logits.detach().argmax(-1)
+            return loss, lambda output: (torch.zeros((), device=tokens.device), {"predictions": preds})
+        return loss, loss_func
+
+    def _classify(self, chunk: BertModel, hidden: torch.Tensor) -> torch.Tensor:
+        pooled = torch.tanh(chunk.pooler.dense(hidden[0]))  # hidden is the full sequence here
+        return chunk.classifier(chunk.classifier_dropout(pooled))
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # Without the MegatronStrategy (single device): one microbatch.
+        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
+        _, stats = loss_func(loss)
+        self.log("loss", stats["loss"], prog_bar=True)
+        self.log("train_accuracy", stats["accuracy"])
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
+        _, stats = loss_func(loss)
+        for k, v in stats.items():
+            self.log(f"val_{k}", v)
+        return loss
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
+        _, stats = loss_func(loss)
+        for k, v in stats.items():
+            self.log(f"test_{k}", v)
+        return loss
+
+    @override
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        chunk = self.model_chunks[0]
+        hidden = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"), return_hidden_states=True)
+        return self._classify(chunk, hidden).argmax(-1)

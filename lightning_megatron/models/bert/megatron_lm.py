@@ -1,0 +1,211 @@
+"""Megatron-LM (megatron-core) BERT checkpoints -> one full state dict under our names.
+
+Two formats, any TP/PP (and VP) layout they were saved at:
+
+- legacy per-rank files (``--ckpt-format torch``): ``[iter_XXXXXXX/]mp_rank_TT[_PPP]/model_optim_rng.pt``,
+  each rank's ``state_dict()`` of megatron-core's ``BertModel`` (``model``, or ``model0``,
+  ``model1``... per virtual stage) with stage-local layer numbers. The TP shards are concatenated
+  along their partition dims (qkv rows are already head-major, as ours), layer numbers made global,
+  ``_extra_state`` entries dropped. Read with ``torch.load(weights_only=True)``, allowing only
+  ``argparse.Namespace`` and NumPy's RNG-state arrays besides tensors;
+- megatron-core's ``torch_dist`` (DCP) format: global tensors, the layers stacked along a leading
+  dim under ``encoder.layers.<name>``, read on one process with DCP.
+
+megatron-core's layer names equal ours, except the Transformer-Engine spec's norms fused into the
+next linear (``linear_qkv.layer_norm_weight`` -> ``input_layernorm.weight``,
+``linear_fc1.layer_norm_weight`` -> ``pre_mlp_layernorm.weight``). Megatron pads its vocabulary:
+the padding rows are dropped when loading (``init_from`` keeps the model's ``vocab_size`` rows).
+Models trained with ``--bias-gelu-fusion`` need ``activation=gelu_tanh, lm_head_activation=gelu``
+(tanh GELU in the MLP, exact GELU in the LM head): the architecture read from ``args`` says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_megatron.models.bert.convert import SavedModel
+
+__all__ = ["is_megatron_checkpoint", "read_megatron_checkpoint", "read_legacy_checkpoint",
+           "read_torch_dist_checkpoint", "normalize_megatron_keys"]
+
+_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+_RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?$")
+
+
+def _iteration_dir(path: Path) -> Path:
+    """The directory holding ``mp_rank_*`` dirs or a torch_dist checkpoint (root -> latest iteration)."""
+    tracker = path / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        it = tracker.read_text().strip()
+        return path / ("release" if it == "release" else f"iter_{int(it):07d}")
+    return path
+
+
+def is_megatron_checkpoint(path: str | os.PathLike[str]) -> bool:
+    path = Path(path)
+    if path.is_file():
+        return path.name == "model_optim_rng.pt"
+    d = _iteration_dir(path)
+    return d.is_dir() and (any(_RANK_DIR.match(p.name) for p in d.iterdir())
+                           or (d / "metadata.json").is_file() and (d / ".metadata").is_file())
+
+
+def normalize_megatron_keys(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Drop ``_extra_state`` and non-tensors; rename Transformer-Engine fused norms to ours."""
+    out = {}
+    for key, value in sd.items():
+        if key.endswith("_extra_state") or not torch.is_tensor(value):
+            continue
+        for fused, ours in _FUSED_NORMS.items():
+            if key.endswith(fused):
+                key = key[: -len(fused)] + ours
+                break
+        out[key] = value
+    return out
+
+
+def _tie(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out_w, emb = sd.get("output_layer.weight"), sd.get("embedding.word_embeddings.weight")
+    if out_w is not None and emb is not None:
+        if not torch.equal(out_w, emb):
+            raise ValueError("the Megatron-LM checkpoint has an output layer different from the word embedding "
+                             "(untied); BertLightningModule ties them")
+        del sd["output_layer.weight"]
+    return sd
+
+
+def _load_rank_file(path: Path) -> dict[str, Any]:
+    import numpy as np
+
+    allowed: list[Any] = [argparse.Namespace, np.ndarray, np.dtype]
+    for name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            allowed.append(__import__(name, fromlist=["_reconstruct"])._reconstruct)
+            break
+        except (ImportError, AttributeError):
+            continue
+    allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64", "float32")]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - name the file, the cause and the way out
+        raise ValueError(f"{str(path)!r} cannot be read with torch.load(weights_only=True): {e}. Re-save its model "
+                         f"state alone where you trust the file: torch.save({{'model': ckpt['model']}}, path)") from e
+
+
+def _architecture(args: Any, num_layers: int) -> dict[str, Any]:
+    if not isinstance(args, argparse.Namespace):
+        return {"num_layers": num_layers}
+    get = lambda k, d=None: getattr(args, k, d)  # noqa: E731
+    hp: dict[str, Any] = {"num_layers": num_layers, "hidden_size": get("hidden_size"),
+                          "num_attention_heads": get("num_attention_heads"),
+                          "ffn_hidden_size": get("ffn_hidden_size") or 4 * get("hidden_size"),
+                          "max_sequence_length": get("max_position_embeddings"),
+                          "layernorm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
+                          "spec": "bert_layer_local_spec"}
+    if get("bias_gelu_fusion") or get("bias_activation_fusion"):
+        hp.update(activation="gelu_tanh", lm_head_activation="gelu")
+    else:
+        hp.update(activation="gelu", lm_head_activation=None)
+    return {k: v for k, v in hp.items() if v is not None}
+
+
+def read_legacy_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
+    """Merge the per-rank ``model_optim_rng.pt`` files of one iteration (any TP/PP/VP)."""
+    from lightning_megatron.models.bert.hf import merge_tp_state_dicts
+
+    path = Path(path)
+    if path.is_file():
+        files = {(0, 0): path}
+    else:
+        d = _iteration_dir(path)
+        files = {}
+        for sub in d.iterdir():
+            m = _RANK_DIR.match(sub.name)
+            if m and (sub / "model_optim_rng.pt").is_file():
+                files[(int(m.group(1)), int(m.group(2) or 0))] = sub / "model_optim_rng.pt"
+        if not files:
+            raise FileNotFoundError(f"no mp_rank_*/model_optim_rng.pt under {str(d)!r}")
+    tp = 1 + max(t for t, _ in files)
+    pp = 1 + max(p for _, p in files)
+    if len(files) != tp * pp:
+        raise ValueError(f"{str(path)!r}: expected {tp} x {pp} rank files (TP x PP), found {len(files)}")
+    args = None
+    # stage -> list over virtual chunks of the TP-merged state dict
+    stages: dict[int, list[dict[str, torch.Tensor]]] = {}
+    for p in range(pp):
+        per_tp = [_load_rank_file(files[(t, p)]) for t in range(tp)]
+        args = per_tp[0].get("args", args)
+        chunk_keys = sorted((k for k in per_tp[0] if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+        if not chunk_keys:
+            raise ValueError(f"{str(files[(0, p)])!r} has no 'model' state dict")
+        stages[p] = [merge_tp_state_dicts([normalize_megatron_keys(x[k]) for x in per_tp]) for k in chunk_keys]
+    vp = len(stages[0])
+    full: dict[str, torch.Tensor] = {}
+    local_layers = [len({int(k.split(".")[2]) for k in c if k.startswith("encoder.layers.")})
+                    for p in range(pp) for c in stages[p]]
+    per_chunk = local_layers[0]
+    if any(n != per_chunk for n in local_layers):
+        raise ValueError(f"uneven layers per pipeline chunk {local_layers} are not supported")
+    for p in range(pp):
+        for c, sd in enumerate(stages[p]):
+            offset = (c * pp + p) * per_chunk  # Megatron's (interleaved) layer assignment
+            for key, value in sd.items():
+                m = re.match(r"encoder\.layers\.(\d+)\.(.*)", key)
+                if m:
+                    key = f"encoder.layers.{offset + int(m.group(1))}.{m.group(2)}"
+                elif key == "output_layer.weight" and "embedding.word_embeddings.weight" in full:
+                    if not torch.equal(value, full["embedding.word_embeddings.weight"]):
+                        raise ValueError("the Megatron-LM checkpoint's last-stage output layer differs from the "
+                                         "word embedding (untied); BertLightningModule ties them")
+                    continue
+                full.setdefault(key, value)
+    full = _tie(full)
+    return SavedModel(state_dict=full, hparams=_architecture(args, per_chunk * pp * vp),
+                      layout={"tp": tp, "pp": pp, "vp": vp})
+
+
+def read_torch_dist_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
+    """A megatron-core ``torch_dist`` checkpoint's model tensors (global, layers stacked) on one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_megatron import checkpoint as ckpt
+
+    d = _iteration_dir(Path(path))
+    metadata = ckpt.read_dcp_metadata(d).state_dict_metadata
+    prefixes = ("embedding.", "encoder.", "lm_head.", "output_layer.", "pooler.", "binary_head.")
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in metadata.items()
+             if hasattr(md, "size") and k.startswith(prefixes) and not k.endswith("_extra_state")}
+    if not state:
+        raise ValueError(f"{str(d)!r} holds no BERT model tensors (expected embedding.*, encoder.* ... keys)")
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(d)), no_dist=True)
+    full: dict[str, torch.Tensor] = {}
+    num_layers = 0
+    for key, value in normalize_megatron_keys(state).items():
+        if key.startswith("encoder.layers."):  # stacked [L, ...]: one tensor per layer
+            rest = key[len("encoder.layers."):]
+            num_layers = value.size(0)
+            for i in range(value.size(0)):
+                full[f"encoder.layers.{i}.{rest}"] = value[i].clone()
+        else:
+            full[key] = value
+    return SavedModel(state_dict=_tie(full), hparams={"num_layers": num_layers})
+
+
+def read_megatron_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
+    path = Path(path)
+    d = path if path.is_file() else _iteration_dir(path)
+    if d.is_dir() and (d / ".metadata").is_file():
+        return read_torch_dist_checkpoint(d)
+    return read_legacy_checkpoint(path)
