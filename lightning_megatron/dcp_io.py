@@ -107,10 +107,12 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load global {module}.{name} (not a DCP metadata class)")
 
 
-def _check_metadata(metadata: Any, path: Path) -> Metadata:
+def _check_metadata(metadata: Any, path: Path, allow_bytes: bool = False) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__})")
     for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata) and allow_bytes:
+            continue  # listed only: :func:`load` never reads a bytes entry (its state holds tensors)
         if isinstance(md, BytesStorageMetadata):
             raise CheckpointError(f"{path}: entry {key!r} is pickled bytes, which lightning_megatron never writes "
                            f"and does not load (DCP would unpickle it without restrictions)")
@@ -127,8 +129,11 @@ def _check_metadata(metadata: Any, path: Path) -> Metadata:
     return metadata
 
 
-def read_metadata(checkpoint_dir: str | Path) -> Metadata:
-    """The DCP metadata of ``checkpoint_dir``, unpickled with :class:`MetadataUnpickler` and checked."""
+def read_metadata(checkpoint_dir: str | Path, *, allow_bytes: bool = False) -> Metadata:
+    """The DCP metadata of ``checkpoint_dir``, unpickled with :class:`MetadataUnpickler` and checked.
+
+    ``allow_bytes``: accept (list, never read) pickled-bytes entries, as in other libraries'
+    checkpoints (megatron-core's ``torch_dist``); ours never have them."""
     path = Path(checkpoint_dir) / METADATA_FILE
     try:
         with open(path, "rb") as f:
@@ -136,16 +141,20 @@ def read_metadata(checkpoint_dir: str | Path) -> Metadata:
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError,
             ImportError, KeyError) as e:
         raise CheckpointError(f"{path} cannot be loaded safely: {e}") from e
-    return _check_metadata(metadata, path)
+    return _check_metadata(metadata, path, allow_bytes)
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     """``dcp.FileSystemReader`` whose metadata goes through :func:`read_metadata`."""
 
+    def __init__(self, path: str | Path, *, allow_bytes: bool = False) -> None:
+        super().__init__(str(path))
+        self.allow_bytes = allow_bytes
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError("per-rank DCP metadata files are not part of the lightning_megatron format")
-        metadata = read_metadata(Path(self.path))
+        metadata = read_metadata(Path(self.path), allow_bytes=self.allow_bytes)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -299,12 +308,17 @@ def save(state: dict[str, Any], path: str | Path) -> None:
         raise CheckpointError(_short(e)) from e
 
 
-def load(state: dict[str, Any], path: str | Path) -> None:
-    """Fill ``state`` (tensors and :class:`Chunks`, in place) from the DCP directory ``path`` (collective)."""
+def load(state: dict[str, Any], path: str | Path, *, single_process: bool = False,
+         allow_bytes: bool = False) -> None:
+    """Fill ``state`` (tensors and :class:`Chunks`, in place) from the DCP directory ``path``.
+
+    Collective over the default group when one exists, unless ``single_process`` (this process
+    reads what it asks for on its own, e.g. whole tensors to convert). ``allow_bytes``: see
+    :func:`read_metadata` (the bytes entries are never read)."""
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=ChunkLoadPlanner(),
-                     no_dist=not _distributed())
+            dcp.load(state, storage_reader=SafeFileSystemReader(path, allow_bytes=allow_bytes),
+                     planner=ChunkLoadPlanner(), no_dist=single_process or not _distributed())
     except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from lightning_megatron import checkpoint as ckpt
+from lightning_megatron import dcp_io
 
 __all__ = ["SavedModel", "read_model_checkpoint", "export_hf", "hf_config_for", "HF_ACTIVATION_NAMES"]
 
@@ -52,13 +52,13 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     """Read the model of a lightning_megatron checkpoint directory (any layout) on this process only."""
     path = Path(path)
     info = ckpt.validate_checkpoint_dir(path)
-    metadata = ckpt.read_dcp_metadata(path).state_dict_metadata
+    metadata = dcp_io.read_metadata(path).state_dict_metadata
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for key, md in metadata.items() if key.startswith("model.") and hasattr(md, "size")}
     if not state:
         raise ckpt.CheckpointError(f"checkpoint {str(path)!r} holds no model tensors (no 'model.*' keys)")
     # no_dist: one process reads the global tensors, whether or not a process group exists.
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    dcp_io.load(state, path, single_process=True)
     try:
         extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - name the file and the cause

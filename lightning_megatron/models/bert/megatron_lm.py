@@ -178,18 +178,16 @@ def read_legacy_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
 
 def read_torch_dist_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     """A megatron-core ``torch_dist`` checkpoint's model tensors (global, layers stacked) on one process."""
-    import torch.distributed.checkpoint as dcp
-
-    from lightning_megatron import checkpoint as ckpt
+    from lightning_megatron import dcp_io
 
     d = _iteration_dir(Path(path))
-    metadata = ckpt.read_dcp_metadata(d).state_dict_metadata
+    metadata = dcp_io.read_metadata(d, allow_bytes=True).state_dict_metadata
     prefixes = ("embedding.", "encoder.", "lm_head.", "output_layer.", "pooler.", "binary_head.")
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in metadata.items()
              if hasattr(md, "size") and k.startswith(prefixes) and not k.endswith("_extra_state")}
     if not state:
         raise ValueError(f"{str(d)!r} holds no BERT model tensors (expected embedding.*, encoder.* ... keys)")
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(d)), no_dist=True)
+    dcp_io.load(state, d, single_process=True, allow_bytes=True)
     full: dict[str, torch.Tensor] = {}
     num_layers = 0
     for key, value in normalize_megatron_keys(state).items():
