@@ -81,6 +81,11 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("torch.distributed.checkpoint.metadata", "StorageMeta"),
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # megatron-core's torch_dist keeps its save plans in ``planner_data`` (inert dataclasses / an enum)
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # str -> torch.layout, from a table of torch's layouts
     ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the directory it was written to
