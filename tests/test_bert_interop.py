@@ -234,3 +234,19 @@ def _no_warning():
             yield
 
     return ctx()
+
+
+def test_any_torch_optim_optimizer_keeps_our_param_groups():
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    module = BertLightningModule(**MODEL, optimizer_class="torch.optim.SGD",
+                                 optimizer_kwargs={"momentum": 0.9, "nesterov": True, "dampening": 0.0})
+    module.configure_model()
+    opt = module.configure_optimizers()
+    assert type(opt) is torch.optim.SGD and opt.defaults["nesterov"] is True
+    decays = sorted({g["weight_decay"] for g in opt.param_groups})
+    assert decays == [0.0, MODEL["weight_decay"]]  # no decay on biases and norms, as with the built-in ones
+    with pytest.raises(ValueError, match="not a torch.optim optimizer"):
+        bad = BertLightningModule(**MODEL, optimizer_class="os.system")
+        bad.configure_model()
+        bad.configure_optimizers()
