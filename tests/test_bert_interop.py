@@ -192,3 +192,61 @@ def test_fill_mask_pipeline_runs_on_export(measured):
     fill = transformers.pipeline("fill-mask", model=str(root / "bert_layer_local_spec" / "hf"), device="cpu")
     out = fill("w1 w2 [MASK] w4", top_k=3)
     assert len(out) == 3 and all(o["token_str"] for o in out)
+
+
+def test_init_from_architecture_mismatch_names_the_flags():
+    from lightning_megatron.models.bert.init_from import check_architecture
+
+    source = {"num_layers": 6, "hidden_size": 384, "spec": "bert_layer_post_norm_spec", "activation": "gelu"}
+    with pytest.raises(ValueError, match="--model.num_layers 6 --model.hidden_size 384 "
+                                         "--model.spec bert_layer_post_norm_spec"):
+        check_architecture({**MODEL, "spec": "bert_layer_local_spec", "activation": "gelu"}, source, "src")
+    check_architecture({**MODEL, **source}, source, "src")  # matching: no error
+
+
+def test_training_step_override_warns_under_the_strategy():
+    from unittest import mock
+
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    class Custom(BertLightningModule):
+        def training_step(self, batch, batch_idx):  # never called under the MegatronStrategy
+            return super().training_step(batch, batch_idx)
+
+    trainer = mock.Mock()
+    trainer.strategy.parallel_state = object()
+    for cls, warns in ((Custom, True), (BertLightningModule, False), (BertClassificationModule, False)):
+        module = cls(**{k: v for k, v in MODEL.items()})
+        module._trainer = trainer
+        with pytest.warns(UserWarning, match="forward_step") if warns else _no_warning():
+            module.on_fit_start()
+
+
+def _no_warning():
+    import warnings
+    from contextlib import contextmanager
+
+    @contextmanager
+    def ctx():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+
+    return ctx()
+
+
+def test_any_torch_optim_optimizer_keeps_our_param_groups():
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    module = BertLightningModule(**MODEL, optimizer_class="torch.optim.SGD",
+                                 optimizer_kwargs={"momentum": 0.9, "nesterov": True, "dampening": 0.0})
+    module.configure_model()
+    opt = module.configure_optimizers()
+    assert type(opt) is torch.optim.SGD and opt.defaults["nesterov"] is True
+    decays = sorted({g["weight_decay"] for g in opt.param_groups})
+    assert decays == [0.0, MODEL["weight_decay"]]  # no decay on biases and norms, as with the built-in ones
+    with pytest.raises(ValueError, match="not a torch.optim optimizer"):
+        bad = BertLightningModule(**MODEL, optimizer_class="os.system")
+        bad.configure_model()
+        bad.configure_optimizers()

@@ -93,6 +93,11 @@ class BertLightningModule(LightningModule):
             directory, a Hugging Face BERT / MegatronBERT folder, or a Megatron-LM checkpoint
             (legacy ``model_optim_rng.pt`` or ``torch_dist``); see docs/interop.md. Ignored when a
             checkpoint is resumed (``ckpt_path``), which restores its own weights.
+        optimizer_class: any ``torch.optim`` optimizer by name (``torch.optim.SGD``, ``NAdam``...),
+            replacing ``optimizer``; built on the same parameter groups (no weight decay on biases
+            and norms) with ``lr``, ``weight_decay`` and ``optimizer_kwargs`` (e.g.
+            ``--model.optimizer_kwargs '{momentum: 0.9, nesterov: true}'``). The Megatron callbacks
+            (fp32 main params, clipping, the lr schedule) wrap it like the built-in ones.
         predict_output: what ``predict_step`` returns per sample: ``"masked_lm"`` (the predicted
             token id at every position, ``[b, s]``), ``"pooled"`` (the pooler output, ``[b, h]``)
             or ``"hidden"`` (the encoder output, ``[b, s, h]``).
@@ -138,6 +143,8 @@ class BertLightningModule(LightningModule):
         lm_head_activation: Literal["gelu", "gelu_tanh", "relu", "silu"] | None = None,
         init_from: str | None = None,
         predict_output: Literal["masked_lm", "pooled", "hidden"] = "masked_lm",
+        optimizer_class: str | None = None,
+        optimizer_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if params_dtype not in _DTYPES:
@@ -425,6 +432,13 @@ class BertLightningModule(LightningModule):
         hp = self.hparams
         assert self.model_chunks is not None
         groups = get_param_groups(list(self.model_chunks), lr=hp.lr, weight_decay=hp.weight_decay)
+        if hp.get("optimizer_class"):
+            name = hp.optimizer_class.removeprefix("torch.optim.")
+            cls = getattr(torch.optim, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+                raise ValueError(f"optimizer_class={hp.optimizer_class!r} is not a torch.optim optimizer "
+                                 f"(e.g. torch.optim.SGD, torch.optim.NAdam)")
+            return cls(groups, lr=hp.lr, weight_decay=hp.weight_decay, **(hp.get("optimizer_kwargs") or {}))
         if hp.optimizer == "sgd":
             return torch.optim.SGD(groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
         cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
