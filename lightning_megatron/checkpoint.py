@@ -348,12 +348,17 @@ def remove(filepath: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------- load
 
 
-def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> tuple[list[str], list[str]]:
-    """(errors, allowed differences): one ``"name: checkpoint X, model Y"`` per differing field."""
+def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None,
+                    defaults: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
+    """(errors, allowed differences): one ``"name: checkpoint X, model Y"`` per differing field.
+
+    A field the checkpoint does not record (written before the field existed) counts as its default
+    in ``defaults`` (the module's ``__init__`` defaults): the model it saved behaved that way."""
     saved, current = plain(dict(saved or {})), plain(dict(current or {}))
+    defaults = plain(dict(defaults or {}))
     errors, allowed = [], []
     for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        a, b = saved.get(key, defaults.get(key, "<absent>")), current.get(key, "<absent>")
         if a != b:
             (allowed if key in HPARAMS_MAY_DIFFER else errors).append(f"{key}: checkpoint {a!r}, model {b!r}")
     return errors, allowed
@@ -372,9 +377,11 @@ def _shape_errors(state: dict[str, Any], metadata: Any) -> list[str]:
 
 
 def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,
-         layout: dict[str, int | None], load_optimizer: bool) -> dict[str, Any]:
+         layout: dict[str, int | None], load_optimizer: bool,
+         hparam_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective: verify ``filepath``, then load it into ``mapper``'s parameters and optimizers in
-    place; returns Lightning's checkpoint dict (without tensors)."""
+    place; returns Lightning's checkpoint dict (without tensors). ``hparam_defaults``: see
+    :func:`compare_hparams`."""
     rank, _ = _rank_world()
     path = Path(filepath)
     info = validate_checkpoint_dir(path)
@@ -393,7 +400,7 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
         error = f"checkpoint {str(path)!r}: extra.pt cannot be read safely (weights_only=True): {e}"
     _agree(error)
     md = metadata.state_dict_metadata
-    errors, allowed = compare_hparams(extra.get("hyper_parameters"), hparams)
+    errors, allowed = compare_hparams(extra.get("hyper_parameters"), hparams, hparam_defaults)
     state = mapper.save_state(include_optimizer=False)
     problems = errors + _shape_errors(state, md)
     everyone = _gather((problems, sorted(state)))

@@ -27,6 +27,7 @@ gets the same batch); the logged loss is the mean over the global batch.
 from __future__ import annotations
 
 import datetime
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -598,9 +599,12 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        hparams = dict(getattr(self.lightning_module, "hparams", {}) or {})
+        module = self.lightning_module
+        hparams = dict(getattr(module, "hparams", {}) or {})
+        defaults = {name: p.default for name, p in inspect.signature(type(module).__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
         return ckpt.load(self._state_mapper(), checkpoint_path, hparams, self._layout_record(),
-                         load_optimizer=bool(self.optimizers))
+                         load_optimizer=bool(self.optimizers), hparam_defaults=defaults)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

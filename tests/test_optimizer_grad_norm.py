@@ -51,7 +51,8 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **strategy_kwargs)
     recorder = _recorder()
     callback = MegatronOptimizerCallback(clip_grad=clip_grad, use_distributed_optimizer=zero1)
-    trainer = make_trainer(strategy, world, STEPS, callbacks=[callback, recorder])
+    trainer = make_trainer(strategy, world, STEPS, callbacks=[callback, recorder],
+                           precision="bf16-true" if dtype == "bfloat16" else "32-true")
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank() if world > 1 else 0)
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
     module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype})

@@ -96,19 +96,18 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
 
     One copy of everything over the ranks: DP rank 0 only; TP-replicated tensors from TP rank 0; the
     tied word embedding from the first stage; TP shards at their offsets in the global tensor
-    without vocab padding (the checkpoint's :func:`~lightning_megatron.checkpoint.shard_info`).
+    without vocab padding (the checkpoint's :func:`~lightning_megatron.sharded_state.shard_info`).
     """
-    from lightning_megatron.checkpoint import shard_info
+    from lightning_megatron.sharded_state import shard_info
 
     out: dict[str, tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]]] = {}
     if ps.dp_rank != 0:
         return out
-    tp_ranks = ps.layout.tp_groups()[ps.pp_rank * ps.dp_size + ps.dp_rank]
     for name, p in named:
         if _tied_copy(p, ps):
             continue
         t = tensors[name].detach().float().cpu()
-        info = shard_info(p, ps.tp_rank, ps.tp_size, tp_ranks, getattr(p, "real_vocab_size", None))
+        info = shard_info(p, ps.tp_rank, ps.tp_size, getattr(p, "real_vocab_size", None))
         if info is None:
             if ps.tp_rank == 0:
                 out[name] = (t.clone(), None, tuple(t.shape))
