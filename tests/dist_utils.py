@@ -13,16 +13,12 @@ Rank results are sent back with ``torch.save`` so tensors survive the process ex
 
 from __future__ import annotations
 
-import datetime
-import io
-import multiprocessing as mp
 import os
-import queue
-import socket
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
+
+from lightning_megatron.check.spawn import DistributedTestFailure
+from lightning_megatron.check.spawn import run_distributed as _run_distributed
 
 __all__ = ["run_distributed", "DistributedTestFailure", "test_device", "accelerator", "DEVICE_ENV"]
 
@@ -45,51 +41,12 @@ def accelerator() -> str:
     return "gpu" if test_device() == "cuda" else "cpu"
 
 
-class DistributedTestFailure(AssertionError):
-    """A rank raised; the message carries that rank's traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
-            fn: Callable[..., Any], args: tuple, kwargs: dict, results: mp.Queue) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        torch.set_default_device(f"cuda:{rank}")
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
-        value = fn(*args, **kwargs)
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-
-
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
                     backend: str | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order.
 
-    ``fn`` must be importable (a module-level function). Inside it, ``torch.distributed`` is
-    initialized and ``dist.get_rank()`` tells the rank. ``backend`` defaults to the test device's
-    (gloo on cpu, nccl on cuda).
+    :func:`lightning_megatron.check.spawn.run_distributed` (the one spawn helper) with the test
+    device's backend (gloo on cpu, nccl on cuda) and any picklable result (tests only).
     """
     import torch
 
@@ -100,42 +57,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
         pytest.skip(f"{world_size} ranks on NCCL need {world_size} GPUs; this machine has "
                     f"{torch.cuda.device_count()}")
-
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout, fn, args, kwargs, results),
-                    daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"distributed test did not finish within {timeout:.0f}s "
-                                   f"(ranks done: {sorted(out)})")
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
-                    raise DistributedTestFailure(
-                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting")
-                continue
-            if status == "error":
-                raise DistributedTestFailure(f"rank {rank} of {world_size} failed:\n{payload}")
-            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.join(timeout=0.5 if len(out) == world_size else 0)
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
-    return [out[r] for r in range(world_size)]
+    return _run_distributed(fn, world_size, *args, timeout=timeout, backend=backend, weights_only=False, **kwargs)

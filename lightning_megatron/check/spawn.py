@@ -1,9 +1,10 @@
-"""Run a function on N gloo ranks in spawned processes, with a timeout (the check and the tests).
+"""Run a function on N ranks in spawned processes, with a timeout (the check and the tests).
 
 :func:`run_distributed` is what ``lightning-megatron check`` runs every layout with, and what every
 multi-process test uses (``tests/dist_utils.py``):
 - each rank is a fresh ``spawn``-ed process with ``torch.set_num_threads(1)`` (2 cores here);
-- the default process group is initialized (gloo on CPU) with a collective timeout;
+- the default process group is initialized (gloo on CPU; an accelerator backend such as NCCL
+  puts rank ``r`` on device ``r``) with a collective timeout;
 - as soon as one rank fails, every rank is killed and that rank's traceback is raised in pytest;
 - the whole run is bounded by ``timeout`` seconds, after which every rank is killed.
 
@@ -44,6 +45,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    if backend != "gloo":  # an accelerator backend (NCCL, ...): one device per rank
+        torch.accelerator.set_device_index(rank)
+        torch.set_default_device(torch.device(torch.accelerator.current_accelerator().type, rank))
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
