@@ -59,6 +59,15 @@ def test_num_microbatches_must_divide():
         BertDataModule(global_batch_size=10, micro_batch_size=4)
 
 
+def test_splits_and_sequence_length_are_checked_when_built():
+    from lightning_megatron.data.datamodule import BertDataModule
+
+    with pytest.raises(ValueError, match=r"splits='100,0,0,5' has 4 weights; give at most three"):
+        BertDataModule(splits="100,0,0,5")
+    with pytest.raises(ValueError, match="max_seq_length=2 cannot hold"):
+        BertDataModule(max_seq_length=2)
+
+
 def test_consumed_samples_from_global_step_and_state_dict():
     uninterrupted = _datamodule(_fake_trainer())
     uninterrupted.setup("fit")

@@ -56,6 +56,9 @@ def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
         splits = [float(s) for s in splits_string.replace("/", ",").split(",")]
     except ValueError:
         raise ValueError(f"splits={splits_string!r} is not a list of numbers like '949,50,1'") from None
+    if len(splits) > 3:
+        raise ValueError(f"splits={splits_string!r} has {len(splits)} weights; give at most three, "
+                         f"train,valid,test, like '949,50,1'")
     splits = (splits + [0.0, 0.0, 0.0])[:3]
     total = sum(splits)
     if total <= 0 or any(s < 0 for s in splits):

@@ -111,6 +111,9 @@ class BertDataModule(pl.LightningDataModule):
             raise ValueError(f"shuffle={shuffle!r} must be 'sequential' or 'random'")
         if binary_head not in ("sop", "nsp", None):
             raise ValueError(f"binary_head={binary_head!r} must be 'sop', 'nsp' or None")
+        if max_seq_length < 5:
+            raise ValueError(f"max_seq_length={max_seq_length} cannot hold [CLS] A [SEP] B [SEP] with a token in "
+                             f"each segment; use at least 5 (BERT recipes use 128 or 512)")
         get_train_valid_test_split_(splits, 1)  # validates the string now, not at setup
         if isinstance(data_prefix, (list, tuple)):
             parse_data_prefix(data_prefix)  # validates the blend now, not at setup
