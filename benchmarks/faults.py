@@ -103,13 +103,39 @@ def run_scenario(scenario: str, path: str, cap: float) -> dict:
                                      if re.search(r"Error|Exception|SIGTERM at step", ln)), "")}
 
 
+def _overhead_rank(iters: int = 300) -> float:
+    import torch
+
+    from lightning_megatron.preemption import PreemptionHandler
+
+    handler, times = PreemptionHandler(), []
+    for _ in range(iters):
+        t = time.perf_counter()
+        handler.should_stop(torch.device("cpu"))
+        times.append(time.perf_counter() - t)
+    times = sorted(times[iters // 5:])
+    return times[len(times) // 2] * 1e6
+
+
+def preemption_overhead() -> list[float]:
+    """Median microseconds of the per-step SIGTERM agreement (one all-reduce of one int), 2 CPU ranks."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_utils import run_distributed
+
+    return run_distributed(_overhead_rank, 2, timeout=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cap", type=float, default=120.0)
     parser.add_argument("--scenarios", default="sigterm,kill1,kill0,raise1,sigterm:mid,kill1:mid,kill0:mid,raise1:mid")
     parser.add_argument("--paths", default="shm,gloo")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--overhead", action="store_true", help="only measure the per-step SIGTERM all-reduce")
     a = parser.parse_args()
+    if a.overhead:
+        print(f"per-step SIGTERM agreement, 2 CPU ranks: median {max(preemption_overhead()):.0f} us")
+        return
     rows = []
     for fault in a.scenarios.split(","):
         for path in a.paths.split(","):
