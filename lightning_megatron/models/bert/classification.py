@@ -103,31 +103,6 @@ class BertClassificationModule(BertLightningModule):
         return chunk.classifier(chunk.classifier_dropout(pooled))
 
     @override
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        # Without the MegatronStrategy (single device): one microbatch.
-        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
-        _, stats = loss_func(loss)
-        self.log("loss", stats["loss"], prog_bar=True)
-        self.log("train_accuracy", stats["accuracy"])
-        return loss
-
-    @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
-        _, stats = loss_func(loss)
-        for k, v in stats.items():
-            self.log(f"val_{k}", v)
-        return loss
-
-    @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
-        _, stats = loss_func(loss)
-        for k, v in stats.items():
-            self.log(f"test_{k}", v)
-        return loss
-
-    @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         chunk = self.model_chunks[0]
         hidden = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"), return_hidden_states=True)
