@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 from lightning_megatron import dcp_io
 from lightning_megatron.dcp_io import CheckpointError, Chunks
+from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.sharded_state import ShardedStateMapper, optimizer_extra, plain, rng_state, set_rng_state
 
 __all__ = [
@@ -53,6 +55,8 @@ __all__ = [
     "READABLE_FORMATS",
     "compare_hparams",
     "file_sha256",
+    "init_defaults",
+    "layout_record",
     "load",
     "remove",
     "save",
@@ -346,6 +350,19 @@ def remove(filepath: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------- load
+
+
+def layout_record(ps: ParallelState) -> dict[str, int | None]:
+    """The layout a checkpoint records (the RNG states are restored only at the same layout)."""
+    return {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": ps.vp_size,
+            "dp": ps.dp_size}
+
+
+def init_defaults(module_class: type) -> dict[str, Any]:
+    """The keyword defaults of ``module_class.__init__``: the value of a hyper-parameter that a
+    checkpoint predates (see :func:`compare_hparams`)."""
+    return {name: p.default for name, p in inspect.signature(module_class.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ParallelLayout",
+    "validate_model_parallel_sizes",
     "ParallelState",
     "initialize_model_parallel",
     "group_size",
@@ -44,6 +45,21 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+def validate_model_parallel_sizes(tp: int, pp: int, vp: int | None) -> None:
+    """The rules on the sizes alone (no world size): positive integers, and a virtual pipeline size
+    only with pipelining (``vp`` set with ``pp=1`` would be ignored)."""
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if vp is not None:
+        if not isinstance(vp, int) or isinstance(vp, bool) or vp < 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size={vp!r} must be a positive integer or None")
+        if pp < 2:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
+                f"(got {pp}); leave it None without pipelining")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
     """The sizes of a layout and their validation; no process groups (pure arithmetic)."""
@@ -59,25 +75,15 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         tp, pp, w = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.world_size
-        for name, value in (("world_size", w), ("tensor_model_parallel_size", tp),
-                            ("pipeline_model_parallel_size", pp)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        validate_model_parallel_sizes(tp, pp, self.virtual_pipeline_model_parallel_size)
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+            raise ValueError(f"world_size={w!r} must be a positive integer")
         if w % (tp * pp) != 0:
             raise ValueError(
                 f"world_size={w} is not divisible by tensor_model_parallel_size={tp} * "
                 f"pipeline_model_parallel_size={pp} (= {tp * pp}); choose sizes whose product divides "
                 f"the number of processes"
             )
-        vp = self.virtual_pipeline_model_parallel_size
-        if vp is not None:
-            if not isinstance(vp, int) or vp < 1:
-                raise ValueError(f"virtual_pipeline_model_parallel_size={vp!r} must be a positive integer or None")
-            if vp > 1 and pp < 2:
-                raise ValueError(
-                    f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
-                    f"(got {pp}); set it to None without pipelining"
-                )
 
     @property
     def data_parallel_size(self) -> int:

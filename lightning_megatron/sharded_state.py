@@ -33,9 +33,10 @@ from torch import nn
 
 from lightning_megatron.dcp_io import CheckpointError, Chunks
 from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.protocols import OptimizerWrapper, PlainOptimizer, ShardedOptimizer, is_sharded
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 
-__all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "is_distributed_optimizer", "optimizer_extra",
+__all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "optimizer_extra",
            "plain", "rng_state", "set_rng_state", "shard_info"]
 
 
@@ -104,7 +105,7 @@ class ShardedStateMapper:
     """The DCP view of one rank's ``named_parameters`` and ``optimizers`` under ``parallel_state``."""
 
     def __init__(self, parallel_state: ParallelState, named_parameters: list[tuple[str, nn.Parameter]],
-                 optimizers: list[Any]) -> None:
+                 optimizers: list[OptimizerWrapper]) -> None:
         self.ps = parallel_state
         self.named = [(n, p) for n, p in named_parameters if not _tied_copy(p, parallel_state)]
         self.all_named = named_parameters
@@ -153,16 +154,16 @@ class ShardedStateMapper:
             self.put(state, f"model.{name}", p.detach(), p)
         if include_optimizer:
             for i, opt in enumerate(self.optimizers):
-                if is_distributed_optimizer(opt):
+                if is_sharded(opt):
                     self._put_distributed(state, i, opt)
                 else:
                     self._put_plain(state, i, opt)
         return state
 
-    def _put_plain(self, state: dict[str, Any], i: int, opt: Any) -> None:
-        inner = getattr(opt, "optimizer", opt)
+    def _put_plain(self, state: dict[str, Any], i: int, opt: OptimizerWrapper) -> None:
+        inner = opt.optimizer
         for name, p in self.named:
-            opt_param = getattr(p, "main_param", p)
+            opt_param = opt.main_param(p)
             if opt_param is not p:
                 self.put(state, f"optim.{i}.main.{name}", opt_param.detach(), p)
             for k, v in inner.state.get(opt_param, {}).items():
@@ -172,7 +173,7 @@ class ShardedStateMapper:
                     else:
                         state[f"optim.{i}.state.{name}.{k}"] = v
 
-    def _distributed_pieces(self, opt: Any) -> Iterator[tuple[str, dict[str, Any], dict[str, torch.Tensor]]]:
+    def _distributed_pieces(self, opt: ShardedOptimizer) -> Iterator[tuple[str, dict[str, Any], dict[str, torch.Tensor]]]:
         """(name, piece, scalar state of the piece's group) for every piece of a saved parameter."""
         names = {id(p): n for n, p in self._optim_named}
         # Scalar state (Adam's ``step``) is equal for every flat main param of one group: read it
@@ -188,7 +189,7 @@ class ShardedStateMapper:
             if name is not None:
                 yield name, piece, scalars[group_of[id(piece["param"])]]
 
-    def _put_distributed(self, state: dict[str, Any], i: int, opt: Any) -> None:
+    def _put_distributed(self, state: dict[str, Any], i: int, opt: ShardedOptimizer) -> None:
         for name, piece, scalars in self._distributed_pieces(opt):
             p, lo, hi = piece["param"], piece["start"], piece["end"]
             for k, t in piece["tensors"].items():
@@ -207,7 +208,7 @@ class ShardedStateMapper:
         if include_optimizer:
             self._optim_named = self.named + self._tied_aliases()
             for i, opt in enumerate(self.optimizers):
-                if is_distributed_optimizer(opt):
+                if is_sharded(opt):
                     targets.append(self._distributed_targets(state, i, opt, metadata))
                 else:
                     targets.append(self._plain_targets(state, i, opt, metadata))
@@ -238,12 +239,12 @@ class ShardedStateMapper:
                     scalars[key[len(prefix):]] = md
         return tensors, scalars
 
-    def _plain_targets(self, state: dict[str, Any], i: int, opt: Any, metadata: Mapping[str, Any]) -> dict:
+    def _plain_targets(self, state: dict[str, Any], i: int, opt: OptimizerWrapper, metadata: Mapping[str, Any]) -> dict:
         per_param: dict[int, dict[str, Any]] = {}
         for name, p in self._optim_named:
             entry: dict[str, Any] = {"main": None, "state": {}, "scalars": {}}
             main_key = f"optim.{i}.main.{name}"
-            if main_key in metadata and getattr(p, "main_param", p) is not p:
+            if main_key in metadata and opt.main_param(p) is not p:
                 entry["main"] = torch.zeros_like(p, dtype=torch.float32)
                 self.put(state, main_key, entry["main"], p)
             keys, scalars = self._state_keys(metadata, i, name, p)
@@ -256,7 +257,7 @@ class ShardedStateMapper:
             per_param[id(p)] = entry
         return per_param
 
-    def _distributed_targets(self, state: dict[str, Any], i: int, opt: Any, metadata: Mapping[str, Any]) -> dict:
+    def _distributed_targets(self, state: dict[str, Any], i: int, opt: ShardedOptimizer, metadata: Mapping[str, Any]) -> dict:
         """Create the ZeRO-1 optimizer state (zeros) and point DCP at this rank's shards of it."""
         names = {id(p): n for n, p in self._optim_named}
         opt.optimizer.state.clear()
@@ -294,10 +295,10 @@ class ShardedStateMapper:
         """Install the loaded tensors into the optimizers (after DCP filled ``targets`` and the
         tied embeddings are synchronised)."""
         for opt, target, saved in zip(self.optimizers, targets, saved_extras):
-            inner = getattr(opt, "optimizer", opt)
+            inner = opt.optimizer
             # Fused/capturable Adam keep ``step`` on the parameter's device, the others on the CPU.
             on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
-            if is_distributed_optimizer(opt):
+            if is_sharded(opt):
                 for param_group, scalars in zip(inner.param_groups, target["scalars"]):
                     for main in param_group["params"] if scalars else ():
                         # One tensor per main param: optimizers increment ``step`` in place.
@@ -309,7 +310,7 @@ class ShardedStateMapper:
                 entry = target.get(id(p))
                 if entry is None:
                     continue
-                opt_param = getattr(p, "main_param", p)
+                opt_param = opt.main_param(p)
                 if entry["main"] is not None:
                     with torch.no_grad():
                         opt_param.copy_(entry["main"])
@@ -325,7 +326,7 @@ class ShardedStateMapper:
         optimizer, the last stage's tied embedding) := the loaded parameters. After the tied sync."""
         with torch.no_grad():
             for opt, target in zip(self.optimizers, targets):
-                if is_distributed_optimizer(opt):
+                if is_sharded(opt):
                     for piece in target["main_from_model"]:
                         piece["tensors"]["main_param"].copy_(
                             piece["param"].detach().reshape(-1)[piece["start"]: piece["end"]])
@@ -339,9 +340,10 @@ class ShardedStateMapper:
             for _, p in self.all_named:
                 if getattr(p, "shared_embedding", False):
                     dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
-                    main = getattr(p, "main_param", None)
-                    if main is not None:
-                        dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
+                    for opt in self.optimizers:
+                        main = None if is_sharded(opt) else opt.main_param(p)
+                        if main is not None and main is not p:
+                            dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
 
 
 def rng_state() -> dict[str, Any]:
@@ -365,34 +367,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tracker.set_states(current)
 
 
-def is_distributed_optimizer(opt: Any) -> bool:
-    return bool(getattr(opt, "reduces_gradients", False)) and hasattr(opt, "sharded_state_for_checkpoint")
-
-
-def optimizer_extra(opt: Any) -> dict[str, Any]:
-    inner = getattr(opt, "optimizer", opt)
-    groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
-    out: dict[str, Any] = {"param_groups": groups}
-    scaler = getattr(opt, "grad_scaler", None)
-    if scaler is not None:
-        out["grad_scaler"] = scaler.state_dict()
-    if hasattr(opt, "num_skipped_steps"):
-        out["num_skipped_steps"] = int(opt.num_skipped_steps)
+def optimizer_extra(opt: OptimizerWrapper) -> dict[str, Any]:
+    groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    out: dict[str, Any] = {"param_groups": groups, "num_skipped_steps": int(opt.num_skipped_steps)}
+    if opt.grad_scaler is not None:
+        out["grad_scaler"] = opt.grad_scaler.state_dict()
     return out
 
 
-def _load_optimizer_extra(opt: Any, saved: dict[str, Any]) -> None:
-    inner = getattr(opt, "optimizer", opt)
+def _load_optimizer_extra(opt: OptimizerWrapper, saved: dict[str, Any]) -> None:
+    inner = opt.optimizer
     groups = saved.get("param_groups", [])
     if len(groups) != len(inner.param_groups):
         raise CheckpointError(f"the checkpoint has {len(groups)} optimizer parameter groups, "
                                    f"this optimizer has {len(inner.param_groups)}")
     for group, saved_group in zip(inner.param_groups, groups):
         group.update(saved_group)
-    scaler = getattr(opt, "grad_scaler", None)
-    if scaler is not None and saved.get("grad_scaler") is not None:
-        scaler.load_state_dict(saved["grad_scaler"])
-    if "num_skipped_steps" in saved and hasattr(opt, "num_skipped_steps"):
+    if opt.grad_scaler is not None and saved.get("grad_scaler") is not None:
+        opt.grad_scaler.load_state_dict(saved["grad_scaler"])
+    if "num_skipped_steps" in saved and not isinstance(opt, PlainOptimizer):
         opt.num_skipped_steps = saved["num_skipped_steps"]
 
 

@@ -16,7 +16,7 @@ reduce-scatter computes).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -119,9 +119,8 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
     return out
 
 
-def _named_parameters(module: Any) -> list[tuple[str, nn.Parameter]]:
-    named = getattr(module, "sharded_named_parameters", None)
-    return list(named()) if named is not None else list(module.named_parameters())
+def _named_parameters(trainer: Any) -> list[tuple[str, nn.Parameter]]:
+    return list(trainer.strategy.module_contract.sharded_named_parameters())
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -188,7 +187,7 @@ def _on_shared_memory(group: Any) -> bool:
 def _make_recorder(run: CheckRun):
     from lightning.pytorch import Callback
 
-    from lightning_megatron.sharded_state import is_distributed_optimizer
+    from lightning_megatron.protocols import is_sharded, optimizer_wrapper
 
     class Recorder(Callback):
         """Per step: loss, global grad norm; at ``run.grad_steps``: global gradient pieces; memory."""
@@ -222,7 +221,7 @@ def _make_recorder(run: CheckRun):
                 self.memory["activations_peak"] = self._saved.peak
             strategy = trainer.strategy
             ps = strategy.parallel_state
-            named = _named_parameters(pl_module)
+            named = _named_parameters(trainer)
             grads = {}
             for name, p in named:
                 g = getattr(p, "main_grad", None)
@@ -231,7 +230,7 @@ def _make_recorder(run: CheckRun):
             if run.measure_memory and trainer.global_step == 0:
                 self.memory["params"] = _storage_bytes([p for _, p in named])
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
-            if any(is_distributed_optimizer(o) for o in strategy.optimizers) and ps.dp_size > 1:
+            if any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
                 flat = torch.cat([g.detach().float().reshape(-1) for g in grads.values()])
                 dist.all_reduce(flat, group=ps.dp_group)
                 flat /= ps.dp_size
@@ -291,7 +290,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
         if not optimizer_cbs:  # clip_grad=0: the same update as the plain optimizer of the other layouts
             callbacks.append(MegatronOptimizerCallback(clip_grad=0.0, use_distributed_optimizer=True))
         for c in optimizer_cbs:
-            c.use_distributed_optimizer = True
+            c.config = replace(c.config, use_distributed_optimizer=True)
     recorder = _make_recorder(run)
     # One epoch over the loader's ``steps`` global batches; ``trainer_kwargs`` may set a larger max_steps
     # (a recipe's: its scheduler decays over max_steps), the run still stops after ``steps``.
@@ -305,7 +304,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
     loader = global_batch_loader(run.dataset_factory(), run.global_batch_size, layout.dp, dp_rank, run.steps)
     trainer.fit(module, train_dataloaders=loader)
     ps = strategy.parallel_state
-    named = _named_parameters(module)
+    named = _named_parameters(trainer)
     params = global_pieces(named, {n: p for n, p in named}, ps) if run.record_params else {}
     return {"layout": layout.name, "rank": dist.get_rank(), "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
             "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,

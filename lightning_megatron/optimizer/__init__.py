@@ -10,6 +10,7 @@ from lightning_megatron.optimizer.clip_grads import (
     get_grad_norm_fp32,
     grads_for_norm,
 )
+from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
 from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import (
@@ -21,6 +22,7 @@ from lightning_megatron.optimizer.param_groups import default_no_weight_decay_co
 from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
 
 __all__ = [
+    "OptimizerConfig",
     "DistributedOptimizer",
     "MegatronGradScaler",
     "ConstantGradScaler",

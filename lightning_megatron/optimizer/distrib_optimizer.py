@@ -36,10 +36,8 @@ bf16/fp16, 4 for fp32) + fp32 grad buffer 4 + fp32 main shard ``4/d`` + two fp32
 (the non-distributed wrappers: bf16 2 + 4 + 12 = 18, fp32 4 + 4 + 8 = 16). ``memory_bytes()``
 returns the measured numbers; benchmarks/optimizer_memory.py prints them.
 
-Checkpoints: ``sharded_state_for_checkpoint()`` lists this rank's pieces per model param;
-``state_dict()`` is this rank's shard plus the layout; ``full_state_dict()`` (collective) gathers
-an unsharded, DP-size-independent state and ``load_full_state_dict`` slices it for the current DP
-size.
+Checkpoints: ``sharded_state_for_checkpoint()`` lists this rank's pieces per model param, which
+:mod:`lightning_megatron.sharded_state` saves as chunks of the global tensors (any layout loads them).
 """
 
 from __future__ import annotations
@@ -312,28 +310,13 @@ class DistributedOptimizer(MegatronOptimizer):
         }
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shard: ``{"optimizer", "grad_scaler", "main_params_shard", "layout"}``."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "grad_scaler": self._scaler_state(),
-            "main_params_shard": self.main_shard.clone(),
-            "layout": self.layout(),
-        }
+        raise TypeError("DistributedOptimizer state is saved by the MegatronStrategy's sharded checkpoint "
+                        "(trainer.save_checkpoint), which reshards it across layouts; a per-rank state_dict "
+                        "would not load at another data-parallel size")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load a shard written by the same DP rank of the same layout; after a DP size change use
-        :meth:`load_full_state_dict` with what :meth:`full_state_dict` wrote."""
-        if "full_main_params" in state_dict:
-            self.load_full_state_dict(state_dict)
-            return
-        saved, mine = state_dict.get("layout"), self.layout()
-        if saved != mine:
-            raise ValueError(f"sharded optimizer state of layout {saved} cannot be loaded into layout {mine}; "
-                             "save with full_state_dict() to change the DP size")
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self._load_scaler_state(state_dict.get("grad_scaler"))
-        self.main_shard.copy_(state_dict["main_params_shard"])
-        self._copy_main_params_to_model_params()
+        raise TypeError("DistributedOptimizer state is loaded by the MegatronStrategy's sharded checkpoint "
+                        "(trainer.fit(..., ckpt_path=...))")
 
     def _main_of(self, s: int) -> tuple[torch.Tensor, int]:
         """The flat main param holding main-shard position ``s``, and its start in ``main_shard``."""
@@ -342,6 +325,10 @@ class DistributedOptimizer(MegatronOptimizer):
             if start <= s < start + main.numel():
                 return main, start
         raise AssertionError(f"main-shard position {s} is in no main param")
+
+    def main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
+        raise TypeError("DistributedOptimizer: a parameter's main copy is split over the data-parallel ranks; "
+                        "read this rank's pieces with sharded_state_for_checkpoint()")
 
     def sharded_state_for_checkpoint(self) -> list[dict[str, Any]]:
         """Per model param piece held here: ``{"param", "start", "end", "tensors"}``.
@@ -361,92 +348,3 @@ class DistributedOptimizer(MegatronOptimizer):
                     tensors[key] = v[s - base: s - base + hi - lo]
             out.append({"param": p, "start": lo, "end": hi, "tensors": tensors})
         return out
-
-    # -- DP-size independent checkpoint ---------------------------------------------------------
-    def _flat_offsets(self) -> dict[int, int]:
-        """Each param's offset in the unsharded flat numbering (groups in order, then params)."""
-        out, offset = {}, 0
-        for params in self.model_groups:
-            for p in params:
-                out[id(p)] = offset
-                offset += p.numel()
-        return out
-
-    def _gather_flat(self, pieces: list[tuple[int, int, int, torch.Tensor]]) -> torch.Tensor:
-        """``[numel]`` fp32 in the unsharded numbering from every rank's (flat start, n, ..., values)."""
-        full = torch.zeros(self.numel, dtype=torch.float32, device=self.main_shard.device)
-        for a, n, _, values in pieces:
-            full[a: a + n].copy_(values)
-        if self.dp_size > 1:  # every element is held by exactly one rank: the sum is that value
-            all_reduce(full, self.data_parallel_group)
-        return full
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """Collective over DP: the unsharded state, identical on every DP rank, loadable at any DP size.
-
-        ``{"full_main_params": [N] fp32, "full_state": {key: [N] fp32} for elementwise state,
-        "group_state": per group {key: non-elementwise value (e.g. step)}, "param_groups": the
-        hyperparameters, "grad_scaler", "param_shapes"}`` (params in group order).
-        """
-        flat = self._flat_offsets()
-        keys = sorted({k for st in self.optimizer.state.values() for k, v in st.items()
-                       if torch.is_tensor(v) and v.dim() > 0})
-        if self.dp_size > 1:
-            gathered_keys: list[Any] = [None] * self.dp_size
-            dist.all_gather_object(gathered_keys, keys, group=self.data_parallel_group)
-            keys = sorted({k for ks in gathered_keys for k in ks})
-        pieces = self.sharded_state_for_checkpoint()
-
-        def gather(key: str) -> torch.Tensor:
-            return self._gather_flat([(flat[id(e["param"])] + e["start"], e["end"] - e["start"], 0,
-                                       e["tensors"].get(key, torch.zeros(e["end"] - e["start"])))
-                                      for e in pieces])
-
-        # Non-elementwise values (Adam's step) are equal on every rank for a group with elements; a
-        # rank whose range misses a group has none, so take them from a rank that has them.
-        group_state = []
-        for group in self.optimizer.param_groups:
-            st = next((self.optimizer.state[m] for m in group["params"] if m in self.optimizer.state), {})
-            group_state.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()
-                                if not (torch.is_tensor(v) and v.dim() > 0)})
-        if self.dp_size > 1:
-            gathered: list[Any] = [None] * self.dp_size
-            dist.all_gather_object(gathered, group_state, group=self.data_parallel_group)
-            group_state = [next((g[k] for g in gathered if g[k]), {}) for k in range(len(group_state))]
-        return {
-            "full_main_params": gather("main_param"),
-            "full_state": {key: gather(key) for key in keys},
-            "group_state": group_state,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-            "grad_scaler": self._scaler_state(),
-            "param_shapes": [[tuple(p.shape) for p in g] for g in self.model_groups],
-        }
-
-    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Slice an unsharded state (:meth:`full_state_dict`) for this rank; any DP size."""
-        mine = [[tuple(p.shape) for p in g] for g in self.model_groups]
-        if [[tuple(s) for s in g] for g in state_dict["param_shapes"]] != mine:
-            raise ValueError("full optimizer state does not match this model's parameter shapes")
-        flat = self._flat_offsets()
-        self.main_shard.zero_()
-        for p, lo, hi, s, _ in self._segments:
-            a = flat[id(p)] + lo
-            self.main_shard[s: s + hi - lo].copy_(state_dict["full_main_params"][a: a + hi - lo])
-        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            group.update(saved)
-        self.optimizer.state.clear()
-        for group, gstate in zip(self.optimizer.param_groups, state_dict["group_state"]):
-            if not gstate and not state_dict["full_state"]:
-                continue
-            for main in group["params"]:
-                st = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in gstate.items()}
-                for key in state_dict["full_state"]:
-                    st[key] = torch.zeros_like(main)
-                self.optimizer.state[main] = st
-        for p, lo, hi, s, _ in self._segments:
-            main, base = self._main_of(s)
-            a = flat[id(p)] + lo
-            for key, full in state_dict["full_state"].items():
-                self.optimizer.state[main][key][s - base: s - base + hi - lo].copy_(full[a: a + hi - lo])
-        self._load_scaler_state(state_dict.get("grad_scaler"))
-        self._copy_main_params_to_model_params()

@@ -69,7 +69,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     Attributes set after every :meth:`step`: ``last_grad_norm`` (float, ``None`` on a skipped step),
     ``last_num_zeros`` (int or ``None``), ``last_step_skipped`` (bool), ``num_skipped_steps`` (int).
+    Implements :class:`lightning_megatron.protocols.OptimizerWrapper`.
     """
+
+    reduces_gradients = False
+    """True for the DistributedOptimizer (ZeRO-1), which reads reduce-scattered gradient shards."""
 
     def __init__(
         self,
@@ -131,6 +135,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def get_parameters(self) -> list[torch.Tensor]:
         """The parameters the inner optimizer updates (fp32 main params for fp16/bf16 models)."""
         return [p for group in self.param_groups for p in group["params"]]
+
+    def main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The tensor the inner optimizer updates for model parameter ``param`` (``param`` itself here)."""
+        return param
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
@@ -275,6 +283,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         self.float16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_float16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
+        self._main_by_param: dict[int, torch.Tensor] = {}  # id(16-bit model param) -> its fp32 main param
         for group in self.optimizer.param_groups:
             float16_params, fp32_from_float16_params, fp32_params = [], [], []
             for i, param in enumerate(group["params"]):
@@ -286,7 +295,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                         if hasattr(param, name):
                             setattr(main_param, name, getattr(param, name))
                     group["params"][i] = main_param
-                    param.main_param = main_param
+                    self._main_by_param[id(param)] = main_param
                     if param in self.optimizer.state:
                         self.optimizer.state[main_param] = self.optimizer.state.pop(param)
                     float16_params.append(param)
@@ -300,6 +309,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             self.float16_groups.append(float16_params)
             self.fp32_from_float16_groups.append(fp32_from_float16_params)
             self.fp32_from_fp32_groups.append(fp32_params)
+
+    def main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The fp32 main copy of a 16-bit ``param``; an fp32 ``param`` itself."""
+        return self._main_by_param.get(id(param), param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The model params (where backward writes) and the main params (where the optimizer reads).

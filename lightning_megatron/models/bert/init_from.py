@@ -166,10 +166,7 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but "
                                  f"the parameter has {tuple(p.shape)}; the model's sizes differ from the source's")
-            p.copy_(t.to(p.dtype))
-            main = getattr(p, "main_param", None)
-            if main is not None:
-                main.copy_(t.to(main.dtype))
+            p.copy_(t.to(p.dtype))  # before the optimizers exist: their main params are copied from p
     if skipped:
         import warnings
 

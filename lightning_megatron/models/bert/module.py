@@ -156,7 +156,6 @@ class BertLightningModule(LightningModule):
         self.save_hyperparameters()
         self.model_chunks: nn.ModuleList | None = None
         self.parallel_state: ParallelState | None = None
-        self.micro_batch_size: int | None = None
         self._config_kwargs = dict(
             num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
             ffn_hidden_size=ffn_hidden_size, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
@@ -217,8 +216,6 @@ class BertLightningModule(LightningModule):
                 chunk.compile_layers()
             chunks.append(chunk)
         self.model_chunks = nn.ModuleList(chunks)
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        self.micro_batch_size = getattr(dm, "micro_batch_size", None)
         if hp.get("init_from"):
             self.load_pretrained(hp.init_from)
 
@@ -227,6 +224,9 @@ class BertLightningModule(LightningModule):
         (``everything``: fine-tuning heads too, as ``load_from_checkpoint`` does)."""
         from lightning_megatron.models.bert.init_from import check_architecture, load_full_state_dict, read_pretrained
 
+        if self._trainer is not None and self.trainer.optimizers:
+            raise RuntimeError("load_pretrained after the optimizers exist would leave their fp32 main params and "
+                               "state behind the new weights; load in configure_model (init_from=...)")
         name = source if isinstance(source, str) else "<state dict>"
         saved = read_pretrained(source) if isinstance(source, str) else source
         check_architecture(dict(self.hparams), saved.hparams, name)

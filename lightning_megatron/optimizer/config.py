@@ -1,0 +1,101 @@
+"""OptimizerConfig: which Megatron optimizer wrapper a torch optimizer gets, with which loss scaler.
+
+megatron-core's field names. :meth:`OptimizerConfig.wrap` chooses, from the parameters' dtypes:
+
+===========================  ===================  ==========================================
+parameters                   wrapper              loss scaler (``loss_scale=None``)
+===========================  ===================  ==========================================
+fp32                         FP32Optimizer        none (clipping and logging only)
+bf16                         Float16Optimizer...  ``ConstantGradScaler(1.0)``: inf/nan skip
+fp16                         Float16Optimizer...  ``DynamicGradScaler``
+any, ZeRO-1                  DistributedOptimizer as above, by the lowest precision present
+===========================  ===================  ==========================================
+
+``Float16Optimizer...`` is :class:`~lightning_megatron.optimizer.mixed_precision.Float16OptimizerWithFloat16Params`.
+A float ``loss_scale`` gives ``ConstantGradScaler(loss_scale)`` in every case. No Lightning here:
+:class:`~lightning_megatron.callbacks.MegatronOptimizerCallback` connects it to the Trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
+from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from lightning_megatron.optimizer.mixed_precision import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+)
+
+if TYPE_CHECKING:
+    from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.parallel_state import ParallelState
+
+__all__ = ["OptimizerConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """fp32 main params, loss scaling with overflow skip, and model-parallel gradient clipping."""
+
+    clip_grad: float = 1.0
+    """Max global L2 norm of the gradients over all TP/PP ranks; 0 disables clipping (the norm is still computed)."""
+    loss_scale: float | None = None
+    """None: dynamic scaling for fp16 parameters, none for bf16/fp32; a float: that constant scale."""
+    initial_loss_scale: float = 2.0**32
+    """Starting scale of the dynamic scaler."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never goes below this."""
+    loss_scale_window: int = 1000
+    """Clean steps before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves."""
+    log_num_zeros_in_grad: bool = False
+    """Also count the zero entries of the gradient."""
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 main params and optimizer state over the data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad={self.clip_grad!r} must be >= 0 (0 disables clipping)")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ValueError(f"loss_scale={self.loss_scale!r} must be > 0, or None for dynamic loss scaling")
+        if self.loss_scale is None:
+            self.grad_scaler(torch.float16)  # the dynamic scaler's arguments are checked now
+
+    def grad_scaler(self, dtype: torch.dtype) -> MegatronGradScaler | None:
+        """The scaler for parameters of the (lowest) precision ``dtype``."""
+        if self.loss_scale is not None:
+            return ConstantGradScaler(self.loss_scale)
+        if dtype == torch.float16:
+            return DynamicGradScaler(initial_scale=self.initial_loss_scale, min_scale=self.min_loss_scale,
+                                     growth_factor=2.0, backoff_factor=0.5,
+                                     growth_interval=self.loss_scale_window, hysteresis=self.hysteresis)
+        if dtype == torch.bfloat16:
+            return ConstantGradScaler(1.0)  # no scaling, but inf/nan steps are skipped
+        return None
+
+    def wrap(self, optimizer: torch.optim.Optimizer, *, parallel_state: ParallelState | None = None,
+             grad_buffer: GradBuffer | None = None) -> MegatronOptimizer:
+        """``optimizer`` in the wrapper its parameters need (see the module's table); a wrapper is
+        returned as it is. ``parallel_state`` None: one process; ``grad_buffer``: the strategy's,
+        which the ZeRO-1 optimizer shards."""
+        if isinstance(optimizer, MegatronOptimizer):
+            return optimizer
+        ps = parallel_state
+        common = dict(clip_grad=self.clip_grad, log_num_zeros_in_grad=self.log_num_zeros_in_grad,
+                      model_parallel_group=None if ps is None else ps.mp_group,
+                      tp_rank=0 if ps is None else ps.tp_rank, pp_rank=0 if ps is None else ps.pp_rank)
+        dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"]}
+        low = next((d for d in (torch.float16, torch.bfloat16) if d in dtypes), torch.float32)
+        if self.use_distributed_optimizer:
+            return DistributedOptimizer(optimizer, grad_scaler=self.grad_scaler(low),
+                                        data_parallel_group=None if ps is None else ps.dp_group,
+                                        grad_buffer=grad_buffer, **common)
+        if low != torch.float32:
+            return Float16OptimizerWithFloat16Params(optimizer, grad_scaler=self.grad_scaler(low), **common)
+        return FP32Optimizer(optimizer, grad_scaler=self.grad_scaler(low), **common)

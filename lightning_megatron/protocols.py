@@ -1,0 +1,237 @@
+"""The two contracts between the parts: what a LightningModule gives the strategy, and what an
+optimizer wrapper gives the strategy and the checkpoint code.
+
+Both are checked once, at set-up (:func:`megatron_module`, :func:`optimizer_wrapper`), with an error
+that names every missing member; afterwards every consumer uses the declared names only.
+
+A LightningModule under :class:`~lightning_megatron.strategy.MegatronStrategy` implements
+:class:`MegatronModule`::
+
+    class MyModule(LightningModule):
+        def configure_model(self):
+            ps = self.trainer.strategy.parallel_state          # groups and ranks of this process
+            self.model_chunks = nn.ModuleList([...])           # one chunk per virtual pipeline stage
+        def forward_step(self, microbatch, chunk):             # -> (output, loss_func or None)
+            ...
+        def pipeline_tensor_shape(self, microbatch):           # [s, b, h] sent between stages
+            ...
+        def sharded_named_parameters(self):                    # layout-independent names
+            ...
+
+A plain LightningModule (``training_step``/``validation_step``/... and no ``forward_step``) still
+runs without pipelining (``pipeline_model_parallel_size=1``): :class:`LightningStepsModule` adapts it,
+each microbatch going through the matching ``*_step`` hook.
+
+Optimizers: the strategy and the checkpoint code read every optimizer through
+:class:`OptimizerWrapper` (the :class:`~lightning_megatron.optimizer.mixed_precision.MegatronOptimizer`
+wrappers implement it; a plain ``torch.optim.Optimizer`` is adapted by :class:`PlainOptimizer`); a
+ZeRO-1 optimizer also implements :class:`ShardedOptimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
+
+__all__ = [
+    "LossFunc",
+    "ForwardStepResult",
+    "MegatronModule",
+    "LightningStepsModule",
+    "megatron_module",
+    "OptimizerWrapper",
+    "ShardedOptimizer",
+    "PlainOptimizer",
+    "optimizer_wrapper",
+    "is_sharded",
+    "missing_members",
+]
+
+LossFunc = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
+"""``loss_func(output) -> (loss, {name: scalar tensor to log})``; on the last pipeline stage."""
+ForwardStepResult = tuple[Tensor, "LossFunc | None"]
+"""``forward_step``'s result: the chunk's output and, on the last stage, the loss function."""
+
+
+@runtime_checkable
+class MegatronModule(Protocol):
+    """What the strategy needs from a LightningModule (after ``configure_model``)."""
+
+    model_chunks: Sequence[nn.Module]
+    """This rank's model chunks, one per virtual pipeline stage (one without interleaving). Each
+    chunk's ``set_input_tensor(tensor)``, if it has one, receives the previous stage's output."""
+
+    def forward_step(self, microbatch: Any, chunk: nn.Module) -> ForwardStepResult:
+        """Run ``chunk`` on ``microbatch`` (the previous stage's output arrives through
+        ``set_input_tensor``); return the output and, where ``chunk`` ends the model, the loss function.
+
+        The same method serves training, validation, test and prediction (``self.trainer.training``
+        etc. tell which); while predicting, a loss function that logs ``predictions`` gets them
+        concatenated over the microbatches as the batch's prediction."""
+
+    def pipeline_tensor_shape(self, microbatch: Any) -> Sequence[int]:
+        """Shape of the activation sent between pipeline stages for ``microbatch``."""
+
+    def sharded_named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """(name, parameter) pairs under names that do not depend on the layout (global layer
+        numbers, no chunk index): the keys of the sharded checkpoint."""
+
+
+_MODULE_MEMBERS = ("model_chunks", "forward_step", "pipeline_tensor_shape", "sharded_named_parameters")
+
+
+def missing_members(obj: Any, members: Iterable[str]) -> list[str]:
+    """The names in ``members`` that ``obj`` does not provide (``None`` counts as missing)."""
+    return [m for m in members if getattr(obj, m, None) is None]
+
+
+class LightningStepsModule:
+    """:class:`MegatronModule` over a plain LightningModule: one chunk (the module), each microbatch
+    through ``training_step``/``validation_step``/``test_step``/``predict_step``. No pipelining."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.model_chunks: Sequence[nn.Module] = [module]
+
+    def forward_step(self, microbatch: Any, chunk: nn.Module) -> ForwardStepResult:
+        trainer = self.module.trainer
+        if trainer.predicting:
+            out = self.module.predict_step(microbatch, self.batch_idx)
+
+            def predictions(output: Tensor) -> tuple[Tensor, dict[str, Any]]:
+                return torch.zeros(()), {"predictions": out}
+
+            return out, predictions
+        hook = (self.module.training_step if trainer.training else
+                self.module.test_step if trainer.testing else self.module.validation_step)
+        out = hook(microbatch, self.batch_idx)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+
+        def loss_func(output: Tensor) -> tuple[Tensor, dict[str, Any]]:
+            return output, {"loss": output.detach()}
+
+        return loss, loss_func
+
+    batch_idx: int = 0
+    """The index of the step's batch, passed on to the ``*_step`` hooks (set by the strategy)."""
+
+    def pipeline_tensor_shape(self, microbatch: Any) -> Sequence[int]:
+        raise TypeError("a LightningModule without forward_step runs without pipelining only")
+
+    def sharded_named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+
+def megatron_module(module: Any, *, pipelined: bool, num_chunks: int) -> MegatronModule:
+    """``module`` as a :class:`MegatronModule`, checked: every member present (or none of them, for
+    a plain LightningModule without pipelining), and ``num_chunks`` model chunks."""
+    missing = missing_members(module, _MODULE_MEMBERS)
+    name = type(module).__name__
+    if not missing:
+        contract: MegatronModule = module
+    elif len(missing) == len(_MODULE_MEMBERS) and not pipelined:
+        contract = LightningStepsModule(module)
+    else:
+        need = ", ".join(missing)
+        why = ("pipeline_model_parallel_size > 1 needs it" if len(missing) == len(_MODULE_MEMBERS)
+               else "it implements part of it")
+        raise TypeError(
+            f"MegatronStrategy: {name} does not implement the MegatronModule contract ({why}); missing: {need}. "
+            f"Set self.model_chunks in configure_model and implement forward_step(microbatch, chunk) -> "
+            f"(output, loss_func), pipeline_tensor_shape(microbatch) and sharded_named_parameters() "
+            f"(lightning_megatron.protocols.MegatronModule, docs/architecture.md)")
+    chunks = list(contract.model_chunks)
+    if len(chunks) != num_chunks:
+        raise ValueError(
+            f"MegatronStrategy: {name} built {len(chunks)} model chunk(s) but the layout needs {num_chunks} "
+            f"(virtual_pipeline_model_parallel_size, or 1 without it); build one chunk per virtual stage in "
+            f"configure_model (docs/pipeline.md)")
+    return contract
+
+
+@runtime_checkable
+class OptimizerWrapper(Protocol):
+    """What the strategy and the checkpoint code need from an optimizer."""
+
+    optimizer: torch.optim.Optimizer
+    """The inner torch optimizer: its ``param_groups`` and ``state`` are what is saved."""
+    grad_scaler: MegatronGradScaler | None
+    """The loss scaler, saved with the checkpoint (None: no scaling)."""
+    num_skipped_steps: int
+    """Steps skipped on inf/nan gradients so far, saved with the checkpoint."""
+    reduces_gradients: bool
+    """True for a :class:`ShardedOptimizer`, which reads reduce-scattered gradient shards."""
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss`` times the loss scale, before backward."""
+
+    def main_param(self, param: nn.Parameter) -> Tensor:
+        """The tensor the inner optimizer updates for the model parameter ``param`` (an fp32 main
+        copy for 16-bit parameters, else ``param`` itself)."""
+
+
+@runtime_checkable
+class ShardedOptimizer(OptimizerWrapper, Protocol):
+    """A ZeRO-1 optimizer: main params and state sharded over the data-parallel ranks."""
+
+    buffer: GradBuffer
+    """The strategy's gradient buffer whose reduce-scattered shards this optimizer reads."""
+    model_groups: list[list[nn.Parameter]]
+    """The model parameters of each of the inner optimizer's param groups."""
+
+    def sharded_state_for_checkpoint(self) -> list[dict[str, Any]]:
+        """This rank's pieces: ``{"param", "start", "end", "tensors": {"main_param", <state>...}}``,
+        elements ``[start, end)`` of the flattened TP-local ``param``."""
+
+
+_WRAPPER_MEMBERS = ("optimizer", "scale_loss", "main_param")
+_SHARDED_MEMBERS = ("buffer", "model_groups", "sharded_state_for_checkpoint")
+
+
+class PlainOptimizer:
+    """:class:`OptimizerWrapper` over a plain ``torch.optim.Optimizer`` (fp32, no loss scaling)."""
+
+    grad_scaler = None
+    num_skipped_steps = 0
+    reduces_gradients = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        return loss
+
+    def main_param(self, param: nn.Parameter) -> Tensor:
+        return param
+
+
+def optimizer_wrapper(optimizer: Any) -> OptimizerWrapper:
+    """``optimizer`` as an :class:`OptimizerWrapper` (a plain torch optimizer adapted), checked."""
+    from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
+
+    if isinstance(optimizer, MegatronOptimizer):
+        if optimizer.reduces_gradients:
+            missing = missing_members(optimizer, _SHARDED_MEMBERS)
+            if missing:
+                raise TypeError(f"{type(optimizer).__name__} reduces gradients (ZeRO-1) but lacks "
+                                f"{', '.join(missing)} of lightning_megatron.protocols.ShardedOptimizer")
+        return optimizer  # type: ignore[return-value]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return PlainOptimizer(optimizer)
+    missing = missing_members(optimizer, _WRAPPER_MEMBERS)
+    if missing:
+        raise TypeError(f"{type(optimizer).__name__} is neither a torch.optim.Optimizer nor an "
+                        f"OptimizerWrapper; missing: {', '.join(missing)} (lightning_megatron.protocols)")
+    return optimizer
+
+
+def is_sharded(optimizer: OptimizerWrapper) -> bool:
+    """Whether ``optimizer`` is a :class:`ShardedOptimizer` (ZeRO-1)."""
+    return optimizer.reduces_gradients

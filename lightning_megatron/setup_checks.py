@@ -1,0 +1,97 @@
+"""What :class:`~lightning_megatron.strategy.MegatronStrategy` checks at set-up, before any step:
+Trainer settings the strategy would silently ignore, the precision against the parameters' dtype,
+and the batch sizes (the one place ``micro_batch_size`` and ``global_batch_size`` are read from).
+
+Each check raises ``ValueError`` naming the value and the fix. Config-only checks that run before
+any process starts are in :mod:`lightning_megatron.config_checks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_precision
+from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.pipeline.schedules import validate_num_microbatches
+from lightning_megatron.step import BatchSizes
+
+__all__ = ["check_trainer", "check_precision", "resolve_batch_sizes"]
+
+
+def check_trainer(trainer: Trainer) -> None:
+    """Trainer options the microbatch schedule replaces."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"MegatronStrategy: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
+            f"supported: gradient accumulation is the microbatch schedule. Set accumulate_grad_batches=1 and "
+            f"choose global_batch_size = micro_batch_size x num_microbatches x data-parallel size instead")
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            f"MegatronStrategy: Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip each rank's "
+            f"shard separately. Use lightning_megatron.callbacks.MegatronOptimizerCallback(clip_grad=...), "
+            f"which clips by the norm over all tensor- and pipeline-parallel ranks")
+
+
+def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict[str, Any]) -> None:
+    """The Trainer's precision must match the parameters' dtype; 16-bit parameters need fp32 main params.
+
+    Runs before ``convert_module``, which would otherwise silently cast the model to the precision's dtype.
+    """
+    from lightning_megatron.callbacks.optimizer import MegatronOptimizerCallback
+
+    plugin = trainer.precision_plugin
+    precision = normalize_precision(plugin.precision)
+    if getattr(plugin, "scaler", None) is not None:  # MixedPrecision's GradScaler (other plugins have none)
+        raise ValueError(
+            f"MegatronStrategy: precision={precision!r} scales the loss with torch's GradScaler in Lightning's "
+            f"backward, which the strategy's microbatch schedule replaces (the gradients would be unscaled "
+            f"without ever being scaled). Use precision='bf16-mixed' (autocast, no scaling), or "
+            f"params_dtype='float16' with precision='16-true' and MegatronOptimizerCallback (dynamic loss scaling)")
+    if precision not in PRECISION_PARAMS_DTYPE:
+        raise ValueError(f"MegatronStrategy: precision={precision!r} is not supported; use one of "
+                         f"{sorted(PRECISION_PARAMS_DTYPE)}")
+    expected = getattr(torch, PRECISION_PARAMS_DTYPE[precision])
+    dtypes = sorted({str(p.dtype) for chunk in chunks for p in chunk.parameters() if p.is_floating_point()})
+    named = f" (params_dtype={hparams['params_dtype']!r})" if "params_dtype" in hparams else ""
+    if dtypes and dtypes != [str(expected)]:
+        fix = {"torch.float32": "Trainer(precision='32-true') (or 'bf16-mixed' for autocast)",
+               "torch.bfloat16": "Trainer(precision='bf16-true')", "torch.float16": "Trainer(precision='16-true')"}
+        raise ValueError(
+            f"MegatronStrategy: Trainer(precision={precision!r}) needs {expected} parameters but the model's "
+            f"parameters are {', '.join(dtypes)}{named}; set {fix.get(dtypes[0], 'a matching precision')} or "
+            f"build the model with params_dtype={PRECISION_PARAMS_DTYPE[precision]!r}")
+    low = [d for d in dtypes if d in ("torch.float16", "torch.bfloat16")]
+    if low and trainer.state.fn == TrainerFn.FITTING and not any(
+            isinstance(cb, MegatronOptimizerCallback) for cb in trainer.callbacks):
+        raise ValueError(
+            f"MegatronStrategy: {low[0]} parameters{named} without MegatronOptimizerCallback would be updated in "
+            f"16 bits (fp16 diverges without loss scaling; bf16 drops small updates). Add "
+            f"lightning_megatron.callbacks.MegatronOptimizerCallback to the Trainer's callbacks (fp32 main "
+            f"params, loss scaling, overflow skip), or train with params_dtype='float32'")
+
+
+def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: ParallelState) -> BatchSizes:
+    """The step's batch sizes, from one place: the strategy's ``micro_batch_size`` or else the
+    datamodule's, and the datamodule's ``global_batch_size`` (both optional attributes of a
+    datamodule); checked against the data-parallel size and the schedule."""
+    dm_micro = getattr(datamodule, "micro_batch_size", None)
+    if micro_batch_size is not None and dm_micro is not None and int(dm_micro) != micro_batch_size:
+        raise ValueError(
+            f"MegatronStrategy(micro_batch_size={micro_batch_size}) disagrees with the datamodule's "
+            f"micro_batch_size={dm_micro}; set it in one place (the datamodule's, with the strategy's left None)")
+    micro = micro_batch_size if micro_batch_size is not None else (None if dm_micro is None else int(dm_micro))
+    glob = getattr(datamodule, "global_batch_size", None)
+    try:
+        sizes = BatchSizes(micro_batch_size=micro, global_batch_size=None if glob is None else int(glob),
+                           data_parallel_size=ps.dp_size)
+    except ValueError as e:
+        raise ValueError(f"MegatronStrategy: {e}") from None
+    if sizes.num_microbatches is not None:
+        validate_num_microbatches(sizes.num_microbatches, ps.pp_size, ps.vp_size)
+    return sizes

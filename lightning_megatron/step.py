@@ -1,0 +1,159 @@
+"""One step of the strategy: a batch's microbatches through the schedule, for every stage.
+
+Training, validation, test and prediction take the same path (:meth:`StepRunner.run`):
+
+1. split this data-parallel rank's batch into microbatches of ``micro_batch_size``;
+2. run the schedule for the layout (no pipelining, 1F1B, interleaved 1F1B) over this rank's model
+   chunks with the module's ``forward_step``; when training, backward runs inside it (the loss of
+   each microbatch scaled by the loss scale and divided by the number of microbatches) and the
+   gradients accumulate into the :class:`~lightning_megatron.grads.GradBuffer`;
+3. training: :func:`~lightning_megatron.grads.finalize_model_grads` (DP reduction, sequence-parallel
+   and tied-embedding sums);
+4. the metrics the loss function logged: mean over microbatches (last stage), mean over DP,
+   broadcast along the pipeline, so every rank logs the same values; or, when predicting, the
+   microbatches' ``predictions`` concatenated (last stage; ``None`` on the others).
+
+No Lightning here: the strategy passes what this needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_megatron.grads import GradBuffer, finalize_model_grads
+from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.pipeline.microbatches import split_microbatches
+from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
+from lightning_megatron.protocols import LightningStepsModule, MegatronModule
+from lightning_megatron.tensor_parallel.mappings import all_reduce
+
+__all__ = ["BatchSizes", "StepRunner"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSizes:
+    """``global_batch_size = micro_batch_size x num_microbatches x data_parallel_size``."""
+
+    micro_batch_size: int | None
+    """Samples per microbatch on one rank; None: the whole per-rank batch is one microbatch."""
+    global_batch_size: int | None
+    """Samples per optimizer step over all data-parallel ranks; None when unknown (not checked)."""
+    data_parallel_size: int = 1
+    """Number of model replicas."""
+
+    def __post_init__(self) -> None:
+        micro, glob, dp = self.micro_batch_size, self.global_batch_size, self.data_parallel_size
+        for name, value in (("micro_batch_size", micro), ("global_batch_size", glob)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if micro is not None and glob is not None and glob % (micro * dp) != 0:
+            raise ValueError(
+                f"global_batch_size={glob} is not divisible by micro_batch_size={micro} x data-parallel "
+                f"size={dp} (= {micro * dp}); choose a global batch that is a multiple of it")
+
+    @property
+    def num_microbatches(self) -> int | None:
+        """Microbatches per step on each rank (None when a size is unknown)."""
+        if self.micro_batch_size is None or self.global_batch_size is None:
+            return None
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+
+class StepRunner:
+    """Runs the microbatches of a step through ``module``'s chunks under ``parallel_state``."""
+
+    def __init__(self, parallel_state: ParallelState, module: MegatronModule, *, micro_batch_size: int | None,
+                 device: torch.device) -> None:
+        self.ps = parallel_state
+        self.module = module
+        self.micro_batch_size = micro_batch_size
+        self.device = device
+        self.trace: list | None = None
+        """A list to record the schedule's events of the next steps into (pictures, benchmarks)."""
+        self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
+
+    def run(self, batch: Any, batch_idx: int, stage: str, *, grad_buffer: GradBuffer | None = None,
+            grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+        """One step. ``stage``: ``train`` (needs ``grad_buffer``), ``val``, ``test`` -> the logged
+        means ``{name: scalar tensor}``; ``predict`` -> the batch's predictions."""
+        ps = self.ps
+        forward_only = stage != "train"
+        microbatches = split_microbatches(batch, self.micro_batch_size)
+        validate_num_microbatches(len(microbatches), ps.pp_size, ps.vp_size)
+        if isinstance(self.module, LightningStepsModule):
+            self.module.batch_idx = batch_idx
+        chunks = list(self.module.model_chunks)
+        tensor_shape: tuple[int, ...] = ()
+        if ps.pp_size > 1:
+            tensor_shape = tuple(self.module.pipeline_tensor_shape(microbatches[0]))
+        if not forward_only:
+            assert grad_buffer is not None, "training needs the strategy's grad buffer"
+            grad_buffer.start(len(microbatches))
+        schedule = get_forward_backward_func(ps.pp_size, ps.vp_size)
+        logged = schedule(forward_step_func=self.module.forward_step, microbatches=microbatches, model=chunks,
+                          num_microbatches=len(microbatches), parallel_state=ps, tensor_shape=tensor_shape,
+                          dtype=next(chunks[0].parameters()).dtype, forward_only=forward_only,
+                          grad_scale_func=grad_scale_func, trace=self.trace)
+        if not forward_only:
+            finalize_model_grads(grad_buffer, ps)
+        if stage == "predict":
+            return self._predictions(logged)
+        return self._reduce_logged(logged, stage)
+
+    def _predictions(self, logged: list[dict[str, Any]]) -> Any:
+        # Predictions live on the last pipeline stage. Tensors are concatenated over the
+        # microbatches; one microbatch's prediction is returned as it is.
+        if not self.ps.is_pipeline_last_stage():
+            return None
+        predictions = [d.get("predictions") for d in logged]
+        if len(predictions) == 1:
+            return predictions[0]
+        if predictions and all(torch.is_tensor(p) for p in predictions):
+            return torch.cat(predictions)
+        return predictions
+
+    def _reduce_logged(self, logged: list[dict[str, Any]], stage: str) -> dict[str, torch.Tensor]:
+        """Mean over microbatches (last stage), mean over DP, then broadcast along the pipeline.
+
+        The pipeline broadcast is one tensor op (no host sync): the metric names are sent as objects
+        only on the first step of ``stage``; a loss function whose names change later is refused.
+        """
+        ps = self.ps
+        keys: list[str] = []
+        values: torch.Tensor | None = None
+        if ps.is_pipeline_last_stage() and logged:
+            keys = sorted(k for k, v in logged[0].items() if torch.is_tensor(v) and v.numel() == 1)
+            stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
+            values = stacked.mean(dim=0)
+            if ps.dp_size > 1:
+                all_reduce(values, ps.dp_group)
+                values /= ps.dp_size
+        if ps.pp_size > 1:
+            keys, values = self._broadcast_logged(keys, values, stage)
+        return {} if values is None else dict(zip(keys, values.unbind(0)))
+
+    def _broadcast_logged(self, keys: list[str], values: torch.Tensor | None, stage: str
+                          ) -> tuple[list[str], torch.Tensor | None]:
+        ps = self.ps
+        src, last = ps.pp_ranks[-1], ps.is_pipeline_last_stage()
+        cached = self._logged_keys.get(stage)
+        if cached is None:  # first step of this stage: every pipeline rank learns the names
+            holder = [keys if last else None]
+            dist.broadcast_object_list(holder, src=src, group=ps.pp_group)
+            cached = self._logged_keys[stage] = list(holder[0])
+        if not cached:
+            return [], None
+        if last and keys != cached:
+            # Still send (NaN) so that the other stages do not wait, then refuse.
+            dist.broadcast(torch.full((len(cached),), float("nan"), device=self.device), src=src, group=ps.pp_group)
+            raise ValueError(f"MegatronStrategy: the {stage} loss function returned the metrics {keys} after "
+                             f"{cached} in an earlier step; with pipeline parallelism every step must log the "
+                             f"same metric names")
+        buf = values.to(self.device) if last and values is not None else torch.empty(len(cached), device=self.device)
+        dist.broadcast(buf, src=src, group=ps.pp_group)
+        return list(cached), buf
