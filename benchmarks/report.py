@@ -3,7 +3,9 @@
 :func:`derive` adds tokens/s, FLOP/s, MFU, memory and collective shares to each BERT row (the FLOP
 formula is in _common.py); :func:`targets` computes the issue's ratios from two rows of the same run;
 :func:`write_markdown` and :func:`write_png` render. Rendering needs no measurement: run.py
-``--render-only`` re-renders a saved JSON.
+``--render-only`` re-renders a saved JSON. :func:`write_markdown` rewrites only the part of the page
+between ``<!-- report:begin -->`` and ``<!-- report:end -->``; sections recorded by hand around them
+are kept.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Any
 
 from _common import CPU_COUNT, SIZES, matmul_params, median, step_flops
 
-__all__ = ["derive", "targets", "write_markdown", "write_png", "SEQ", "BATCH", "PP_MICRO_BATCH"]
+__all__ = ["derive", "targets", "render_page", "write_markdown", "write_png", "BEGIN", "END", "SEQ", "BATCH",
+           "PP_MICRO_BATCH"]
 
 SEQ, BATCH = 128, 8
 PP_MICRO_BATCH = 2  # PP=2 runs 4 microbatches of 2 (1F1B); every other layout runs one microbatch of 8
@@ -92,23 +95,32 @@ def _label(row: dict[str, Any]) -> str:
     return f"ours {layout}" + (" (bf16, fp32 main)" if row["precision"] == "bf16" else "")
 
 
-KEPT_SECTIONS = ("## GPU check", "## CPU tuning A/B")
+BEGIN, END = "<!-- report:begin -->", "<!-- report:end -->"
+"""The part of the page this module writes lies between these two lines; everything before and after
+them (sections recorded by hand or by other scripts: the GPU check, the CPU tuning A/B, checkpoint
+memory, dated quick runs) is kept verbatim when the page is written again."""
 
 
-def _kept_sections(path: str) -> list[str]:
-    """The sections of the existing page that other scripts or people record (KEPT_SECTIONS), verbatim."""
+def _surroundings(path: str) -> tuple[str, str]:
+    """(text before ``BEGIN``, text after ``END``) of the page at ``path``; ``("", "")`` when there is no
+    page yet. A page without the markers is refused rather than overwritten: its hand-written
+    sections would be lost."""
     try:
         text = open(path).read()
-    except OSError:
-        return []
-    out = []
-    for head in KEPT_SECTIONS:
-        start = text.find(head + "\n")
-        if start < 0:
-            continue
-        ends = [i for i in (text.find("\n## ", start + 1), text.find("\n![benchmarks]", start + 1)) if i >= 0]
-        out.append(text[start:min(ends) if ends else len(text)].rstrip() + "\n")
-    return out
+    except FileNotFoundError:
+        return "", ""
+    begin, end = text.find(BEGIN + "\n"), text.find(END + "\n")
+    if begin < 0 or end < begin or text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise ValueError(f"{path} exists without exactly one {BEGIN!r} line followed by one {END!r} line: "
+                         f"put them around the generated part (the rest of the page is kept) or write to "
+                         f"another --markdown path")
+    return text[:begin], text[end + len(END) + 1:]
+
+
+def render_page(path: str, generated: str) -> str:
+    """The page at ``path`` with its generated part replaced by ``generated``."""
+    before, after = _surroundings(path)
+    return f"{before}{BEGIN}\n{generated.rstrip()}\n{END}\n{after}"
 
 
 def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: list[dict[str, Any]],
@@ -281,10 +293,10 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
         add("## Findings of this run\n")
         L.extend(f"- {f}" for f in findings)
         add("")
-    L.extend(_kept_sections(path))  # recorded by hand (GPU check, CPU tuning A/B): kept across runs
     add("![benchmarks](img/benchmarks.png)\n")
+    page = render_page(path, "\n".join(L))  # the hand-written sections around the markers are kept
     with open(path, "w") as f:
-        f.write("\n".join(L))
+        f.write(page)
 
 
 _ZERO1_LABELS = {"ours": "ours, non-distributed optimizer", "ours-zero1": "ours, DistributedOptimizer (ZeRO-1)",

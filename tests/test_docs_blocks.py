@@ -27,18 +27,7 @@ def page_blocks(page: Path) -> list[tuple[str, str, bool]]:
     return [(m.group(2), m.group(3), m.group(1) is None) for m in _BLOCK.finditer(page.read_text())]
 
 
-# Pages whose blocks are still signature listings or fragments using names they never define (issue 18's
-# "docs that lie"). strict: the test fails once a page is fixed, so that its entry is removed here.
-NOT_YET_RUNNABLE = {"data.md", "model.md", "tensor_parallel.md"}
-
-
-def _marks(page: Path) -> list:
-    if page.name in NOT_YET_RUNNABLE:
-        return [pytest.mark.xfail(strict=True, reason=f"{page.name}: fragments not runnable as written yet")]
-    return []
-
-
-RUN_PAGES = [pytest.param(p, marks=_marks(p), id=p.name) for p in PAGES if p.name != "finetune.md"
+RUN_PAGES = [pytest.param(p, id=p.name) for p in PAGES if p.name != "finetune.md"
              and any(lang == "python" and run for lang, _, run in page_blocks(p))]
 PARSE_PAGES = [pytest.param(p, id=p.name) for p in PAGES]
 
