@@ -45,6 +45,7 @@ __all__ = [
     "ForwardStepResult",
     "MegatronModule",
     "LightningStepsModule",
+    "CountsFlops",
     "megatron_module",
     "OptimizerWrapper",
     "ShardedOptimizer",
@@ -82,6 +83,15 @@ class MegatronModule(Protocol):
     def sharded_named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """(name, parameter) pairs under names that do not depend on the layout (global layer
         numbers, no chunk index): the keys of the sharded checkpoint."""
+
+
+@runtime_checkable
+class CountsFlops(Protocol):
+    """Optional: a module that knows its FLOPs (for ``ThroughputCallback``'s TFLOP/s and MFU)."""
+
+    def training_flops(self, batch: Any, data_parallel_size: int) -> float | Tensor:
+        """Model FLOPs of one training step whose per-rank batch is ``batch``, over all
+        ``data_parallel_size`` replicas (forward + backward, recomputation not counted)."""
 
 
 _MODULE_MEMBERS = ("model_chunks", "forward_step", "pipeline_tensor_shape", "sharded_named_parameters")

@@ -80,3 +80,22 @@ def test_plain_lightning_module_trains_with_tensor_parallel_layers():
     assert r0 == r1, "every rank logs the same loss"
     assert len(r0) == 30
     assert sum(r0[-5:]) / 5 < 0.5 * sum(r0[:5]) / 5, f"the regressor must learn: {r0}"
+
+
+def test_training_flops_is_megatrons_count():
+    """BertLightningModule declares CountsFlops: Megatron's count with the LM head on the masked tokens."""
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.protocols import CountsFlops
+
+    module = BertLightningModule(**TINY_MODEL)
+    module.configure_model()
+    ds = SyntheticBertDataset(4)
+    batch = {k: torch.stack([ds[i][k] for i in range(4)]) for k in ds[0]}
+    assert isinstance(module, CountsFlops) and not isinstance(torch.nn.Linear(2, 2), CountsFlops)
+    cfg, V = module.config, module.vocab_size
+    L, h, f = cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size
+    b, s = batch["tokens"].shape
+    dp = 2
+    T, masked = b * s * dp, int((batch["loss_mask"] > 0).sum()) * dp
+    expected = 6 * T * L * (4 * h * h + 2 * h * f) + 12 * T * L * s * h + 6 * masked * (h * V + h * h)
+    assert float(module.training_flops(batch, dp)) == expected

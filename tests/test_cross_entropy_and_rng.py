@@ -11,10 +11,10 @@ from dist_utils import run_distributed
 from lightning_megatron.parallel_state import initialize_model_parallel
 from lightning_megatron.tensor_parallel import (
     ColumnParallelLinear,
-    checkpoint,
     get_rng_tracker,
     model_parallel_seed,
     pad_vocab_size,
+    recompute,
     vocab_parallel_cross_entropy,
 )
 
@@ -110,7 +110,7 @@ def _rng_worker() -> dict:
     model_parallel_seed(7, ps.tp_rank)
     _ = torch.randn(4, 16)  # same RNG consumption as above
     b_in = inp.clone().requires_grad_()
-    b = checkpoint(block, b_in)
+    b = recompute(block, b_in)
     torch.rand(3)  # RNG moves on before backward, recompute must still replay the forward masks
     with tracker.fork():
         torch.rand(3)

@@ -92,7 +92,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
             assert abs(opt.last_grad_norm - ref.last_grad_norm) <= 1e-6 * ref.last_grad_norm, (
                 opt.last_grad_norm, ref.last_grad_norm)
             norms.append(opt.last_grad_norm)
-        ref_main = ref_model if dtype == torch.float32 else [r.main_param for r in ref_model]
+        ref_main = [ref.main_param(r) for r in ref_model]
         for p, r in zip(model, ref_model):
             assert p.dtype == dtype
             max_diff = max(max_diff, (p.float() - r.float()).abs().max().item())

@@ -229,7 +229,8 @@ def test_float16_wrapper_keeps_fp32_params_and_moves_existing_state():
     w = model[0].weight
     inner.state[w]["marker"] = torch.tensor(1.0)
     opt = Float16OptimizerWithFloat16Params(inner)
-    assert w not in inner.state and inner.state[w.main_param]["marker"].item() == 1.0
+    assert w not in inner.state and inner.state[opt.main_param(w)]["marker"].item() == 1.0
+    assert opt.main_param(model[1].weight) is model[1].weight  # fp32 params are their own main params
     assert opt.fp32_from_fp32_groups[0] == [model[1].weight, model[1].bias]
     with pytest.raises(TypeError, match="already"):
         FP32Optimizer(opt)

@@ -1,15 +1,9 @@
 """Tokens/s, achieved TFLOP/s and MFU per device, logged every step.
 
-FLOPs per step, Megatron's count (forward 2 FLOPs per multiply-add; backward twice the forward;
-recomputation not counted):
-
-    6 T L (4 h^2 + 2 h f)  +  12 T L s h  +  6 T_head (h V + h^2)
-
-with T tokens per step, L layers, h hidden, f ffn hidden, s sequence length, V vocabulary: the
-layers' weight matmuls (qkv 3h^2, projection h^2, MLP 2hf), the attention scores and their
-weighted sum, and the LM head (dense h^2 and the [h, V] output layer) on T_head tokens: every
-token, or only the masked ones when the model runs its head on those (``lm_head_on_masked_only``).
-For models without these attributes, 6 N T + 12 T L s h with N the parameter count.
+FLOPs per step: the module's own count when it implements
+:class:`~lightning_megatron.protocols.CountsFlops` (``BertLightningModule``: Megatron's count,
+:func:`~lightning_megatron.transformer.config.training_flops`), else ``6 N T`` with N the model's
+parameter count and T the tokens of the step (the first tensor of the batch, or ``batch["tokens"]``).
 Achieved TFLOP/s per device = FLOPs / step time / world size. MFU = achieved / peak; the peak is
 ``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype.
 """
@@ -20,8 +14,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
+
+from lightning_megatron.protocols import CountsFlops
+from lightning_megatron.strategy import MegatronStrategy
 
 __all__ = ["ThroughputCallback", "measure_matmul_tflops"]
 
@@ -61,6 +59,32 @@ class ThroughputCallback(Callback):
         self.window = window
         self._times: list[float] = []
         self._start = 0.0
+        self._params: int | None = None
+
+    @staticmethod
+    def _dp_size(trainer: Trainer) -> int:
+        strategy = trainer.strategy
+        return strategy.parallel_state.dp_size if isinstance(strategy, MegatronStrategy) else trainer.world_size
+
+    def _model_params(self, trainer: Trainer, pl_module: LightningModule) -> int:
+        """Parameters of the whole model: this rank's, scaled by TP and summed over pipeline stages."""
+        if self._params is None:
+            strategy = trainer.strategy
+            if not isinstance(strategy, MegatronStrategy):
+                self._params = sum(p.numel() for p in pl_module.parameters())
+                return self._params
+            ps = strategy.parallel_state
+            count = 0
+            for p in pl_module.parameters():
+                if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+                    continue  # the tied embedding's copy on the last stage
+                count += p.numel() * (ps.tp_size if getattr(p, "tensor_model_parallel", False) else 1)
+            if ps.pp_size > 1:
+                t = torch.tensor([float(count)])
+                dist.all_reduce(t, group=ps.pp_group)
+                count = int(t.item())
+            self._params = count
+        return self._params
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -79,53 +103,14 @@ class ThroughputCallback(Callback):
         self._times = self._times[-self.window:]
         step_time = sorted(self._times)[len(self._times) // 2]
         tokens = batch["tokens"] if isinstance(batch, dict) else batch[0]
-        ps = getattr(trainer.strategy, "parallel_state", None)
-        dp = ps.dp_size if ps is not None else trainer.world_size
+        dp = self._dp_size(trainer)
         global_tokens = tokens.numel() * dp
-        head_tokens: int | torch.Tensor = global_tokens
-        if isinstance(batch, dict) and "loss_mask" in batch and getattr(pl_module, "hparams", {}).get(
-                "lm_head_on_masked_only", False):
-            head_tokens = (batch["loss_mask"] > 0).sum().double() * dp  # a device tensor: no sync
-        flops = _step_flops(pl_module, global_tokens, tokens.size(-1), head_tokens)
+        if isinstance(pl_module, CountsFlops):
+            flops = pl_module.training_flops(batch, dp)
+        else:
+            flops = 6.0 * self._model_params(trainer, pl_module) * global_tokens
         tflops_per_device = flops / step_time / trainer.world_size / 1e12
         pl_module.log("tokens_per_sec", global_tokens / step_time, on_step=True, rank_zero_only=True)
         pl_module.log("tflops_per_device", tflops_per_device, on_step=True, rank_zero_only=True)
         if self.peak_tflops:
             pl_module.log("mfu", tflops_per_device / self.peak_tflops, on_step=True, rank_zero_only=True)
-
-
-def _step_flops(pl_module: LightningModule, tokens: int, seq: int,
-                head_tokens: int | torch.Tensor) -> float | torch.Tensor:
-    config = getattr(pl_module, "config", None)
-    vocab = getattr(pl_module, "vocab_size", None)
-    if config is None or vocab is None:
-        hp = getattr(pl_module, "hparams", {})
-        layers, hidden = hp.get("num_layers", 0), hp.get("hidden_size", 0)
-        return 6.0 * _total_params(pl_module) * tokens + 12.0 * layers * seq * hidden * tokens
-    L, h, f = config.num_layers, config.hidden_size, config.ffn_hidden_size
-    return (6.0 * tokens * L * (4 * h * h + 2 * h * f) + 12.0 * tokens * L * seq * h
-            + 6.0 * head_tokens * (h * vocab + h * h))
-
-
-def _total_params(pl_module: LightningModule) -> int:
-    """Parameters of the whole model: this rank's count scaled by TP and summed over pipeline stages."""
-    cached = getattr(pl_module, "_lm_total_params", None)
-    if cached is not None:
-        return cached
-    ps = getattr(pl_module, "parallel_state", None)
-    count = 0
-    for p in pl_module.parameters():
-        n = p.numel()
-        if ps is not None and getattr(p, "tensor_model_parallel", False):
-            n *= ps.tp_size
-        if getattr(p, "shared_embedding", False) and ps is not None and not ps.is_pipeline_first_stage():
-            n = 0
-        count += n
-    if ps is not None and ps.pp_size > 1:
-        import torch.distributed as dist
-
-        t = torch.tensor([float(count)])
-        dist.all_reduce(t, group=ps.pp_group)
-        count = int(t.item())
-    pl_module._lm_total_params = count
-    return count

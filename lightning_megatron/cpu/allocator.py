@@ -3,10 +3,9 @@
 torch's CPU tensors come from ``malloc``. glibc serves blocks above its mmap threshold (at most
 32 MiB) with a fresh ``mmap`` and returns them with ``munmap`` on free, and trims the heap top
 back to the OS. A training step frees and reallocates the same activations and gradients every
-step, so every step maps them in again: each 4 KiB page costs a fault and the kernel zeroes it.
-On bert-base (bf16, batch 8 x 128, this 2-core VM) that was ~130 k page faults, 0.3-0.9 s of
-system time and 2.1-2.9 s per step; with :func:`keep_freed_memory` it is ~0 faults, ~0.02 s and
-1.6-1.9 s (``benchmarks/profile_step.py`` prints both counters).
+step, so every step maps them in again: each 4 KiB page costs a fault and the kernel zeroes it
+(``benchmarks/profile_step.py`` prints the page faults and system time with and without
+:func:`keep_freed_memory`; docs/benchmarks.md has the figures).
 
 :func:`keep_freed_memory` sets ``M_MMAP_MAX = 0`` (every block from the heap, none mmapped) and
 ``M_TRIM_THRESHOLD`` to its largest value (never give the heap top back). The cost: the process

@@ -2,8 +2,8 @@
 
 Part of the opt-in CPU tuning (:class:`lightning_megatron.cpu.CPUTuning` installs it through
 :class:`lightning_megatron.cpu.kernels.CPUKernels`); the library's dropout is
-``torch.nn.functional.dropout`` on every device. On CPU ``bernoulli_`` draws one Mersenne-Twister number per element, serially: at bert-base
-(37 dropout sites, ~40 M elements per step) that was 15-20% of a bf16 training step. Here the CPU
+``torch.nn.functional.dropout`` on every device. On CPU ``bernoulli_`` draws one Mersenne-Twister number per element, serially (at bert-base, 37
+dropout sites and ~40 M elements per step: a large share of a bf16 step). Here the CPU
 path draws one 64-bit number per *four* elements and compares each 16-bit lane with a threshold:
 
     k = round(p * 2^16),   drop = lane < k   (lanes uniform on 0 .. 2^16 - 1),
@@ -12,8 +12,7 @@ path draws one 64-bit number per *four* elements and compares each 16-bit lane w
 So the drop probability is ``p`` rounded to a multiple of 2^-16 (0.1 -> 0.1000061) and the scale
 uses the rounded value: ``E[y] = x``, as with torch's dropout. The scale multiplies in the op's
 fp32 arithmetic, where torch's CPU dropout of a bf16 tensor multiplies by a bf16-rounded
-``1 / (1 - p)`` (1.109375 for p = 0.1, a 0.16% bias). Per bert-base attention-probability tensor
-(1.6 M bf16 elements, 2 threads): 2.7 ms forward instead of 13.5 ms. The numbers come from the default generator
+``1 / (1 - p)`` (1.109375 for p = 0.1, a 0.16% bias). The numbers come from the default generator
 of the tensor's device, so the RNG tracker's ``fork()`` and activation recomputation replay the
 same masks, exactly as they do for ``F.dropout``.
 """
@@ -45,7 +44,7 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype 
     words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
     lanes = words.view(torch.int16)[:numel].view(shape)  # uniform on [-2^15, 2^15)
     # keep = lane >= t, as 0/1 by integer clamping: a bool mask would cost a slow bool -> float
-    # conversion (measured 3x the time of these two int16 passes and the cast).
+    # conversion (slower than these two int16 passes and the cast together).
     t = drops - _LANES // 2
     keep = lanes.clamp(t - 1, t).sub_(t - 1).to(dtype)
     return keep, 1.0 - drops / _LANES

@@ -3,8 +3,8 @@
 - dropout: :func:`lightning_megatron.cpu.dropout.cpu_dropout` (one 64-bit draw per four elements
   instead of torch's one Mersenne-Twister draw per element);
 - attention "auto": SDPA only for fp32 without dropout; else the unfused math, because SDPA's CPU
-  kernels draw the dropout mask with ``bernoulli_`` and run bf16 through a slower path (bert-base
-  attention, forward + backward, bf16 with dropout: 34 ms SDPA vs 18 ms unfused per layer);
+  kernels draw the dropout mask with ``bernoulli_`` and run bf16 through a slower path (the
+  measurement is in docs/benchmarks.md, "Figures behind the code");
 - softmax: a 16-bit softmax on CPU already computes in fp32 (forward bit-identical to fp32 then
   rounding; backward within an ulp), as Megatron's fused softmax does on GPUs: no casts of
   [b, n, s, s] needed.

@@ -1,9 +1,9 @@
 """Collectives through shared memory for CPU ranks on one host.
 
 gloo moves CPU tensors between processes over TCP, also when every rank of a group runs on the
-same machine: an all-reduce of a bert-base activation (3 MiB fp32) costs ~3.6 ms on loopback,
-about 50 of them per training step at TP=2. Ranks on one host can instead exchange through one
-shared mapping::
+same machine (a training step at TP=2 runs about 50 all-reduces of an activation; their cost on
+loopback is in docs/benchmarks.md). Ranks on one host can instead exchange through one shared
+mapping::
 
     all_reduce(x):      copy x into my slot | barrier | out = slot_0 + slot_1 + ... + slot_{W-1}
     all_gather(x):      copy x into my slot | barrier | out[k] = slot_k             (k = 0..W-1)

@@ -9,8 +9,8 @@ blend position is simply the sample index: resuming at ``consumed_samples`` cont
 
 Building the index is sequential. Two datasets are done in closed form (``count_0(i) =
 floor(w_0 (i - 1)) + 1`` for ``i >= 2``), checked against the greedy's own comparison at every position with numpy;
-more datasets, or any position where the check fails, run the greedy in a Python loop (about
-1-2 s per million samples). The index is cached like the samples mapping: built once under a file
+more datasets, or any position where the check fails, run the greedy in a Python loop (see
+docs/benchmarks.md for its speed). The index is cached like the samples mapping: built once under a file
 lock, memory-mapped by every process.
 """
 

@@ -24,9 +24,9 @@ from lightning_megatron.tensor_parallel.mappings import (
 from lightning_megatron.tensor_parallel.random import (
     MODEL_PARALLEL_RNG_TRACKER_NAME,
     RNGStatesTracker,
-    checkpoint,
     get_rng_tracker,
     model_parallel_seed,
+    recompute,
 )
 from lightning_megatron.tensor_parallel.utils import (
     VocabUtility,
@@ -44,7 +44,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "all_reduce_sequence_parallel_grads",
     "init_method_normal", "scaled_init_method_normal", "RNGStatesTracker", "get_rng_tracker",
-    "model_parallel_seed", "checkpoint", "MODEL_PARALLEL_RNG_TRACKER_NAME", "VocabUtility", "divide",
+    "model_parallel_seed", "recompute", "MODEL_PARALLEL_RNG_TRACKER_NAME", "VocabUtility", "divide",
     "pad_vocab_size", "param_is_not_tensor_parallel_duplicate", "set_tensor_model_parallel_attributes",
     "split_tensor_along_last_dim", "Communicator", "TorchCommunicator", "communicator_of",
 ]

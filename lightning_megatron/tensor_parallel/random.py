@@ -8,7 +8,7 @@ probabilities of a rank's heads), so shards are not dropped in lock-step.
 Each tracked stream holds the CPU generator state and, when an accelerator is present, its state.
 ``fork(name)`` swaps the stream in, runs the block, saves the advanced state and swaps back.
 
-``checkpoint(fn, *args)`` runs ``fn`` without keeping activations and recomputes it in backward,
+``recompute(fn, *args)`` (activation recomputation; Megatron calls it ``checkpoint``) runs ``fn`` without keeping activations and recomputes it in backward,
 restoring the CPU, accelerator and tracker RNG states of the forward so dropout masks repeat.
 """
 
@@ -24,7 +24,7 @@ __all__ = [
     "RNGStatesTracker",
     "get_rng_tracker",
     "model_parallel_seed",
-    "checkpoint",
+    "recompute",
     "MODEL_PARALLEL_RNG_TRACKER_NAME",
 ]
 
@@ -110,7 +110,7 @@ def model_parallel_seed(seed: int, tp_rank: int, tracker: RNGStatesTracker | Non
     tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
 
 
-class _CheckpointFunction(torch.autograd.Function):
+class _RecomputeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, tracker, *args):
         ctx.run_function, ctx.tracker = run_function, tracker
@@ -149,6 +149,6 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, None) + arg_grads
 
 
-def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
+def recompute(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
     """Run ``function(*args)`` keeping only its inputs; recompute it in backward with the same RNG."""
-    return _CheckpointFunction.apply(function, tracker or _TRACKER, *args)
+    return _RecomputeFunction.apply(function, tracker or _TRACKER, *args)

@@ -34,10 +34,10 @@ from torch import nn
 
 from lightning_megatron.parallel_state import group_size
 from lightning_megatron.tensor_parallel import (
-    checkpoint,
     divide,
     get_rng_tracker,
     init_method_normal,
+    recompute,
     scaled_init_method_normal,
 )
 from lightning_megatron.transformer.config import TransformerConfig
@@ -176,7 +176,7 @@ class SelfAttention(nn.Module):
         if self.config.recompute_granularity == "selective":
             # Core attention holds the O(s^2) activations (scores, probs, dropout mask) and is cheap
             # to recompute compared with the matmuls around it: Megatron's selective recomputation.
-            context = checkpoint(self.core_attention, query, key, value, attention_mask)
+            context = recompute(self.core_attention, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)

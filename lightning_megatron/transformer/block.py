@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_megatron.tensor_parallel import checkpoint, get_rng_tracker
+from lightning_megatron.tensor_parallel import get_rng_tracker, recompute
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.layer import layer_norm_spec, norm_placement
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
@@ -89,11 +89,11 @@ class TransformerBlock(nn.Module):
                 k = cfg.recompute_num_layers
                 if cfg.recompute_method == "uniform":
                     for start in range(0, n, k):
-                        hidden_states = checkpoint(self._run(start, min(start + k, n)), hidden_states, attention_mask)
+                        hidden_states = recompute(self._run(start, min(start + k, n)), hidden_states, attention_mask)
                 else:  # "block"
                     for i in range(n):
                         if i < k:
-                            hidden_states = checkpoint(self._run(i, i + 1), hidden_states, attention_mask)
+                            hidden_states = recompute(self._run(i, i + 1), hidden_states, attention_mask)
                         else:
                             hidden_states = self._run(i, i + 1)(hidden_states, attention_mask)
             else:

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["TransformerConfig", "ACTIVATIONS", "NORMALIZATIONS"]
+__all__ = ["TransformerConfig", "ACTIVATIONS", "NORMALIZATIONS", "training_flops"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 """Supported MLP activations: exact erf GELU (Hugging Face "gelu"), tanh-approximated GELU, ReLU, SiLU."""
@@ -132,3 +132,20 @@ class TransformerConfig:
         elif method is not None or n is not None:
             raise ValueError(f"recompute_method={method!r} / recompute_num_layers={n!r} only apply to "
                              f"recompute_granularity='full' (got {granularity!r}); set them to None")
+
+
+def training_flops(config: TransformerConfig, tokens: int, seq_length: int, head_tokens: float | torch.Tensor,
+                   vocab_size: int) -> float | torch.Tensor:
+    """FLOPs of one training step, Megatron's count (a multiply-add is 2 FLOPs, backward twice the
+    forward, recomputation not counted)::
+
+        6 T L (4 h^2 + 2 h f)  +  12 T L s h  +  6 T_head (h V + h^2)
+
+    ``T = tokens`` (per step, all replicas), L layers, h hidden, f ffn hidden, s ``seq_length``, V
+    ``vocab_size``: the layers' weight matmuls (qkv 3h^2, projection h^2, MLP 2hf), the attention
+    scores and their weighted sum, and an LM head (dense h^2, output layer [h, V]) run on
+    ``head_tokens`` tokens (a tensor keeps a device-side count without a host sync).
+    """
+    L, h, f = config.num_layers, config.hidden_size, config.ffn_hidden_size
+    return (6.0 * tokens * L * (4 * h * h + 2 * h * f) + 12.0 * tokens * L * seq_length * h
+            + 6.0 * head_tokens * (h * vocab_size + h * h))

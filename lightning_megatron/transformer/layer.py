@@ -44,13 +44,9 @@ Spec = ModuleSpec | type | Callable[..., object]
 BiasDropoutAdd = Callable[[tuple[torch.Tensor, torch.Tensor | None], torch.Tensor, float], torch.Tensor]
 
 
-def get_bias_dropout_add(training: bool, fused: bool = False, *,
-                         kernels: Kernels = DEFAULT_KERNELS) -> BiasDropoutAdd:
-    """Megatron's bias-dropout-add: ``((x, bias), residual, p) -> residual + dropout(x + bias, p)``.
-
-    ``fused`` is accepted for Megatron compatibility; the unfused form is what runs here, its
-    dropout through ``kernels``.
-    """
+def get_bias_dropout_add(training: bool, *, kernels: Kernels = DEFAULT_KERNELS) -> BiasDropoutAdd:
+    """Megatron's bias-dropout-add: ``((x, bias), residual, p) -> residual + dropout(x + bias, p)``,
+    its dropout through ``kernels``."""
 
     def bias_dropout_add(x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor,
                          prob: float) -> torch.Tensor:

@@ -31,8 +31,9 @@ from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_state import ParallelState, group_rank, group_size
 from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
+from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import vocab_parallel_cross_entropy
-from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.config import TransformerConfig, training_flops
 
 NO_PADDING = "no_padding"
 """Batch key set on the host by :meth:`BertLightningModule.on_before_batch_transfer`: True when no sample is padded."""
@@ -82,7 +83,7 @@ class BertLightningModule(LightningModule):
             Under sequence parallelism the sequence is all-gathered before the head.
         init_seed: seed of the layout-independent weight initialization.
         fused_optimizer: torch's fused Adam/AdamW kernel (CPU and CUDA): one pass over all
-            parameters instead of a loop; 5.7x faster than the default on bert-base here.
+            parameters instead of a loop (docs/benchmarks.md, "Figures behind the code").
         compile: ``torch.compile`` each transformer layer (regional compilation: one compiled
             region per layer, reused by every layer of the same shapes); equal to eager within fp32
             tolerance (tests/test_compile.py). The first steps pay the compilation.
@@ -168,24 +169,25 @@ class BertLightningModule(LightningModule):
 
     # ------------------------------------------------------------------ model
 
-    def _resolve_parallel_state(self) -> ParallelState:
+    def _megatron_strategy(self) -> MegatronStrategy | None:
+        """The Trainer's MegatronStrategy (None: a single device, or no Trainer)."""
         strategy = self.trainer.strategy if self._trainer is not None else None
-        ps = getattr(strategy, "parallel_state", None)
-        return ps if ps is not None else ParallelState.single_process()
+        return strategy if isinstance(strategy, MegatronStrategy) else None
 
     @override
     def configure_model(self) -> None:
         if self.model_chunks is not None:
             return
-        ps = self._resolve_parallel_state()
-        self.parallel_state = ps
-        strategy_ps = getattr(self.trainer.strategy, "parallel_state", None) if self._trainer is not None else None
-        if strategy_ps is None:
+        strategy = self._megatron_strategy()
+        ps = strategy.parallel_state if strategy is not None else None
+        if ps is None:
+            ps = ParallelState.single_process()
             from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
 
             if "model-parallel-rng" not in get_rng_tracker().get_states():
                 # Without the MegatronStrategy nobody seeded the dropout streams: seed them here.
                 model_parallel_seed(self.hparams.init_seed, 0)
+        self.parallel_state = ps
         hp = self.hparams
         vocab_size = hp.vocab_size
         if vocab_size is None:
@@ -194,8 +196,7 @@ class BertLightningModule(LightningModule):
             if vocab_size is None:
                 raise ValueError("BertLightningModule: vocab_size is None and the datamodule has no vocab_size; "
                                  "pass vocab_size=... or use BertDataModule")
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        sequence_parallel = bool(getattr(strategy, "sequence_parallel", False))
+        sequence_parallel = strategy is not None and strategy.sequence_parallel
         config = TransformerConfig(**self._config_kwargs, tensor_model_parallel_size=ps.tp_size,
                                    sequence_parallel=sequence_parallel)
         self.config = config
@@ -287,6 +288,16 @@ class BertLightningModule(LightningModule):
                 elif name.startswith("encoder.final_layernorm"):
                     name = name  # only on the last chunk: unique
                 yield name, p
+
+    def training_flops(self, batch: dict[str, torch.Tensor], data_parallel_size: int) -> float | torch.Tensor:
+        """FLOPs of a training step (:func:`~lightning_megatron.transformer.config.training_flops`); the
+        LM head counts only the masked tokens with ``lm_head_on_masked_only`` (a device tensor: no sync)."""
+        tokens = batch["tokens"]
+        total = tokens.numel() * data_parallel_size
+        head: int | torch.Tensor = total
+        if self.hparams.lm_head_on_masked_only and "loss_mask" in batch:
+            head = (batch["loss_mask"] > 0).sum().double() * data_parallel_size
+        return training_flops(self.config, total, tokens.size(-1), head, self.vocab_size)
 
     def pipeline_tensor_shape(self, microbatch: dict[str, torch.Tensor]) -> tuple[int, int, int]:
         """[s, b, h] exchanged between stages ([s/t, b, h] under sequence parallelism)."""
@@ -417,8 +428,7 @@ class BertLightningModule(LightningModule):
             return next(k for k in type(self).__mro__ if name in k.__dict__)
 
         step, fwd = defining("training_step"), defining("forward_step")
-        if getattr(self.trainer.strategy, "parallel_state", None) is not None and step is not fwd \
-                and issubclass(step, fwd):
+        if self._megatron_strategy() is not None and step is not fwd and issubclass(step, fwd):
             import warnings
 
             warnings.warn(f"{type(self).__name__} overrides training_step, which the MegatronStrategy does not call: "
