@@ -280,6 +280,17 @@ class GradBuffer:
         for p in self.params:
             p.grad = p.main_grad if p.dtype == torch.float32 else p.main_grad.to(p.dtype)
 
+    @classmethod
+    def for_chunks(cls, chunks: Sequence[nn.Module], parallel_state: ParallelState, *, bucket_bytes: float,
+                   overlap_grad_reduce: bool) -> GradBuffer:
+        """The buffer of this rank's model ``chunks`` (:func:`buffer_order`), padded to and reduced over
+        the data-parallel group, the tied embedding in its own last bucket under pipelining."""
+        ps = parallel_state
+        dp_group = ps.dp_group if ps.dp_size > 1 else None
+        return cls(buffer_order(chunks), bucket_bytes=bucket_bytes, pad_to=ps.dp_size,
+                   separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
+                   dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and dp_group is not None)
+
     def remove(self) -> None:
         """Remove the hooks and every ``main_grad`` (teardown)."""
         for handle in self._handles:

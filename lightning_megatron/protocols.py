@@ -146,6 +146,7 @@ def megatron_module(module: Any, *, pipelined: bool, num_chunks: int) -> Megatro
     name = type(module).__name__
     if not missing:
         contract: MegatronModule = module
+        _warn_ignored_hooks(module)
     elif len(missing) == len(_MODULE_MEMBERS) and not pipelined:
         contract = LightningStepsModule(module)
     else:
@@ -164,6 +165,23 @@ def megatron_module(module: Any, *, pipelined: bool, num_chunks: int) -> Megatro
             f"(virtual_pipeline_model_parallel_size, or 1 without it); build one chunk per virtual stage in "
             f"configure_model (docs/pipeline.md)")
     return contract
+
+
+def _warn_ignored_hooks(module: Any) -> None:
+    """A subclass overriding ``training_step`` (etc.) of a module whose ``forward_step`` the strategy
+    runs: the override would be silently ignored."""
+    import warnings
+
+    def defining(name: str) -> type | None:
+        return next((k for k in type(module).__mro__ if name in k.__dict__), None)
+
+    fwd = defining("forward_step")
+    for hook in ("training_step", "validation_step", "test_step", "predict_step"):
+        cls = defining(hook)
+        if cls is not None and fwd is not None and cls is not fwd and issubclass(cls, fwd):
+            warnings.warn(f"{type(module).__name__} overrides {hook}, which the MegatronStrategy does not call: it "
+                          f"runs forward_step(microbatch, chunk) -> (output, loss_func) through the microbatch "
+                          f"schedule. Override forward_step instead (docs/strategy.md)", UserWarning, stacklevel=3)
 
 
 @runtime_checkable

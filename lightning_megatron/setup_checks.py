@@ -17,11 +17,31 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_precision
-from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.parallel_state import ParallelState, validate_model_parallel_sizes
 from lightning_megatron.pipeline.schedules import validate_num_microbatches
 from lightning_megatron.step import BatchSizes
 
-__all__ = ["check_trainer", "check_precision", "resolve_batch_sizes"]
+__all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes"]
+
+
+def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_parallel: bool,
+                             micro_batch_size: int | None, ddp_bucket_size_mb: float,
+                             overlap_param_gather: bool) -> None:
+    """``MegatronStrategy(...)``'s arguments on their own, at construction (before any process starts)."""
+    try:
+        validate_model_parallel_sizes(tp, pp, vp)
+        BatchSizes(micro_batch_size=micro_batch_size, global_batch_size=None)
+    except ValueError as e:
+        raise ValueError(f"MegatronStrategy: {e}") from None
+    if sequence_parallel and tp == 1:
+        raise ValueError("MegatronStrategy: sequence_parallel=True has no effect with tensor_model_parallel_size=1; "
+                         "set tensor_model_parallel_size > 1 or turn it off")
+    if not ddp_bucket_size_mb > 0:
+        raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
+    if overlap_param_gather:
+        raise NotImplementedError(
+            "MegatronStrategy: overlap_param_gather=True is not implemented: the DistributedOptimizer "
+            "all-gathers the updated parameters at the end of its step; set overlap_param_gather=False")
 
 
 def check_trainer(trainer: Trainer) -> None:

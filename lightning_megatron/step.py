@@ -73,14 +73,13 @@ class StepRunner:
         self.module = module
         self.micro_batch_size = micro_batch_size
         self.device = device
-        self.trace: list | None = None
-        """A list to record the schedule's events of the next steps into (pictures, benchmarks)."""
         self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
 
     def run(self, batch: Any, batch_idx: int, stage: str, *, grad_buffer: GradBuffer | None = None,
-            grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+            grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None, trace: list | None = None) -> Any:
         """One step. ``stage``: ``train`` (needs ``grad_buffer``), ``val``, ``test`` -> the logged
-        means ``{name: scalar tensor}``; ``predict`` -> the batch's predictions."""
+        means ``{name: scalar tensor}``; ``predict`` -> the batch's predictions. ``trace``: a list
+        that receives the schedule's events (:class:`~lightning_megatron.pipeline.schedules.ScheduleEvent`)."""
         ps = self.ps
         forward_only = stage != "train"
         microbatches = split_microbatches(batch, self.micro_batch_size)
@@ -98,7 +97,7 @@ class StepRunner:
         logged = schedule(forward_step_func=self.module.forward_step, microbatches=microbatches, model=chunks,
                           num_microbatches=len(microbatches), parallel_state=ps, tensor_shape=tensor_shape,
                           dtype=next(chunks[0].parameters()).dtype, forward_only=forward_only,
-                          grad_scale_func=grad_scale_func, trace=self.trace)
+                          grad_scale_func=grad_scale_func, trace=trace)
         if not forward_only:
             finalize_model_grads(grad_buffer, ps)
         if stage == "predict":

@@ -1,22 +1,13 @@
 """MegatronStrategy: tensor, pipeline and data parallelism for Lightning's Trainer.
 
-It extends Lightning's DDPStrategy (launching, process-group set-up, cluster environments) through
-public hooks only. The strategy orchestrates; each mechanism lives in the module that owns it:
-
-==========================  =================================================================
-``setup_environment``       the TP/DP/PP/embedding groups (:mod:`~lightning_megatron.parallel_state`)
-                            and the RNG streams; the module reads ``trainer.strategy.parallel_state``
-                            in ``configure_model``
-``setup``                   the module checked against its contract (:mod:`~lightning_megatron.protocols`),
-                            the Trainer, precision and batch sizes (:mod:`~lightning_megatron.setup_checks`),
-                            the fp32 :class:`~lightning_megatron.grads.GradBuffer` (no DDP wrapper)
-``training_step`` ...       one step's microbatches through the schedule, for train, val, test and
-``predict_step``            predict alike (:class:`~lightning_megatron.step.StepRunner`); ``backward``
-                            is a no-op because the schedule ran it
-``save/load_checkpoint``    sharded, reshardable, verified (:mod:`~lightning_megatron.checkpoint`)
-SIGTERM                     every rank stops before the same step, saves ``last.ckpt``, exits 143
-                            (:mod:`~lightning_megatron.preemption`)
-==========================  =================================================================
+It extends Lightning's DDPStrategy (launching, process groups, cluster environments) through public
+hooks only, and orchestrates: the layout's groups (:mod:`~lightning_megatron.parallel_state`), the
+module's contract (:mod:`~lightning_megatron.protocols`), set-up checks and batch sizes
+(:mod:`~lightning_megatron.setup_checks`), the fp32 :class:`~lightning_megatron.grads.GradBuffer` (no
+DDP wrapper), one step's microbatch schedule for train, val, test and predict alike
+(:class:`~lightning_megatron.step.StepRunner`; ``backward`` is a no-op because the schedule ran it),
+sharded checkpoints (:mod:`~lightning_megatron.checkpoint`) and SIGTERM (:mod:`~lightning_megatron.preemption`).
+docs/architecture.md draws who calls whom in a step.
 
 Batch semantics: global_batch = micro_batch_size x num_microbatches x DP. The dataloader of each DP
 rank yields micro_batch_size x num_microbatches samples per step (every TP and PP rank of a replica
@@ -43,17 +34,17 @@ from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron.cpu import CPUTuning
-from lightning_megatron.grads import GradBuffer, buffer_order
+from lightning_megatron.grads import GradBuffer
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
-from lightning_megatron.parallel_state import (
-    ParallelLayout,
-    ParallelState,
-    initialize_model_parallel,
-    validate_model_parallel_sizes,
-)
+from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.protocols import MegatronModule, OptimizerWrapper, is_sharded, megatron_module, optimizer_wrapper
-from lightning_megatron.setup_checks import check_precision, check_trainer, resolve_batch_sizes
+from lightning_megatron.setup_checks import (
+    check_precision,
+    check_strategy_arguments,
+    check_trainer,
+    resolve_batch_sizes,
+)
 from lightning_megatron.sharded_state import ShardedStateMapper
 from lightning_megatron.step import BatchSizes, StepRunner
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
@@ -113,30 +104,12 @@ class MegatronStrategy(DDPStrategy):
         timeout: datetime.timedelta | int | None = datetime.timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        try:
-            validate_model_parallel_sizes(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                          virtual_pipeline_model_parallel_size)
-            BatchSizes(micro_batch_size=micro_batch_size, global_batch_size=None)
-        except ValueError as e:
-            raise ValueError(f"MegatronStrategy: {e}") from None
-        if sequence_parallel and tensor_model_parallel_size == 1:
-            raise ValueError("MegatronStrategy: sequence_parallel=True has no effect with "
-                             "tensor_model_parallel_size=1; set tensor_model_parallel_size > 1 or turn it off")
-        if ddp_bucket_size_mb <= 0:
-            raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
-        if overlap_param_gather:
-            raise NotImplementedError(
-                "MegatronStrategy: overlap_param_gather=True is not implemented: the DistributedOptimizer "
-                "all-gathers the updated parameters at the end of its step; set overlap_param_gather=False")
+        check_strategy_arguments(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                 virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
+                                 micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb,
+                                 overlap_param_gather=overlap_param_gather)
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
-        if cpu_tuning is True:
-            cpu_tuning = CPUTuning()
-        elif cpu_tuning is False:
-            cpu_tuning = None
-        if cpu_tuning is not None and not isinstance(cpu_tuning, CPUTuning):
-            raise TypeError(f"MegatronStrategy: cpu_tuning={cpu_tuning!r} must be a "
-                            f"lightning_megatron.cpu.CPUTuning, True, False or None")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -150,13 +123,14 @@ class MegatronStrategy(DDPStrategy):
         self.ddp_bucket_size_mb = ddp_bucket_size_mb
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
-        self.cpu_tuning: CPUTuning | None = cpu_tuning
+        self.cpu_tuning: CPUTuning | None = CPUTuning.from_argument(cpu_tuning)
         self.parallel_state: ParallelState | None = None
         self.batch_sizes: BatchSizes | None = None
         """The step's batch sizes, resolved once in ``setup`` (the one place they are read from)."""
         self._module: MegatronModule | None = None  # the LightningModule under its contract, after setup
         self._runner: StepRunner | None = None
-        self._trace: list | None = None
+        self.schedule_trace: list | None = None
+        """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
         self._grad_buffer: GradBuffer | None = None
         self._preemption = PreemptionHandler()
 
@@ -184,12 +158,8 @@ class MegatronStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every TP and PP rank of one replica reads the same samples: shard data over DP only.
-        ps = self.parallel_state
-        if ps is None:
-            layout = self.layout
-            tp_rank, dp_rank, _ = layout.coordinates(self.global_rank)
-            return {"num_replicas": layout.data_parallel_size, "rank": dp_rank}
-        return {"num_replicas": ps.dp_size, "rank": ps.dp_rank}
+        layout = self.layout
+        return {"num_replicas": layout.data_parallel_size, "rank": layout.coordinates(self.global_rank)[1]}
 
     @override
     def configure_ddp(self) -> None:
@@ -207,7 +177,6 @@ class MegatronStrategy(DDPStrategy):
         self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps)
         self._runner = StepRunner(ps, self._module, micro_batch_size=self.batch_sizes.micro_batch_size,
                                   device=self.root_device)
-        self._runner.trace = self._trace
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
         self.accelerator.setup(trainer)
@@ -218,7 +187,6 @@ class MegatronStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._build_grad_buffer()  # before configure_optimizers, which may shard it (ZeRO-1)
             self.setup_optimizers(trainer)
-            self._check_optimizers()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -229,22 +197,14 @@ class MegatronStrategy(DDPStrategy):
         return self._grad_buffer
 
     def _build_grad_buffer(self) -> None:
-        ps = self.parallel_state
-        assert ps is not None and self._module is not None
+        assert self.parallel_state is not None
         if self._grad_buffer is not None:  # a second fit: hooks of the old buffer off first
             self._grad_buffer.remove()
-        dp_group = ps.dp_group if ps.dp_size > 1 else None
         overlap = self.overlap_grad_reduce
-        if overlap is None:
-            # On by default (one code path for every device). The opt-in CPU tuning's shared-memory
-            # collectives are synchronous, so there each bucket would wait for the slower DP rank
-            # inside backward (docs/strategy.md): off with it.
-            overlap = dp_group is not None and not (
-                self.cpu_tuning is not None and self.cpu_tuning.synchronous_collectives(self.root_device))
-        self._grad_buffer = GradBuffer(
-            buffer_order(list(self._module.model_chunks)), bucket_bytes=self.ddp_bucket_size_mb * 2**20,
-            pad_to=ps.dp_size, separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
-            dp_group=dp_group, overlap_grad_reduce=overlap)
+        if overlap is None:  # on, except with the CPU tuning's synchronous shared-memory collectives
+            overlap = not (self.cpu_tuning is not None and self.cpu_tuning.synchronous_collectives(self.root_device))
+        self._grad_buffer = GradBuffer.for_chunks(self.model_chunks, self.parallel_state,
+                                                  bucket_bytes=self.ddp_bucket_size_mb * 2**20, overlap_grad_reduce=overlap)
 
     @property
     def module_contract(self) -> MegatronModule:
@@ -256,17 +216,6 @@ class MegatronStrategy(DDPStrategy):
     def model_chunks(self) -> list[nn.Module]:
         """This rank's model chunks (the module's ``model_chunks``; the module itself without them)."""
         return list(self.module_contract.model_chunks)
-
-    @property
-    def schedule_trace(self) -> list | None:
-        """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
-        return self._runner.trace if self._runner is not None else self._trace
-
-    @schedule_trace.setter
-    def schedule_trace(self, value: list | None) -> None:
-        self._trace = value
-        if self._runner is not None:
-            self._runner.trace = value
 
     # ------------------------------------------------------------------ the step
 
@@ -285,13 +234,12 @@ class MegatronStrategy(DDPStrategy):
     def _run(self, batch: Any, batch_idx: int, stage: str) -> Any:
         assert self._runner is not None
         if stage != "train":
-            return self._runner.run(batch, batch_idx, stage)
+            return self._runner.run(batch, batch_idx, stage, trace=self.schedule_trace)
         # Lightning zeroes grads only after the training step (before its backward), too late for a
         # schedule that runs backward inside the step: the grad buffer starts every step from zero.
-        self._check_optimizers()  # the optimizer callback wraps the optimizers after setup
         wrappers = self._optimizer_wrappers()
         return self._runner.run(batch, batch_idx, stage, grad_buffer=self._grad_buffer,
-                                grad_scale_func=wrappers[0].scale_loss if wrappers else None)
+                                grad_scale_func=wrappers[0].scale_loss if wrappers else None, trace=self.schedule_trace)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -321,17 +269,16 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._eval_step("val", *args, **kwargs)
+        return self._eval_step("val", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._eval_step("test", *args, **kwargs)
+        return self._eval_step("test", self.precision_plugin.test_step_context(), *args, **kwargs)
 
-    def _eval_step(self, stage: str, *args: Any, **kwargs: Any) -> Any:
+    def _eval_step(self, stage: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        means = self._run(batch, batch_idx, stage)
+        with context:
+            means = self._run(batch, batch_idx, stage)
         self._log(means, stage)
         return means.get("loss")
 
@@ -410,6 +357,7 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
+        self._check_optimizers()  # after on_fit_start, where MegatronOptimizerCallback wraps them
         self._preemption.install(self.launcher)  # SIGTERM: see lightning_megatron.preemption
 
     @override

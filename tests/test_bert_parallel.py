@@ -41,14 +41,14 @@ def _config(tp: int, **kw):
 
 
 def _count_checkpoints(loss: torch.Tensor) -> int:
-    """Checkpointed regions in the autograd graph of ``loss`` (proves recomputation is engaged)."""
+    """Recomputed regions in the autograd graph of ``loss`` (proves recomputation is engaged)."""
     seen, stack, count = set(), [loss.grad_fn], 0
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        count += "CheckpointFunction" in type(node).__name__
+        count += "RecomputeFunction" in type(node).__name__
         stack.extend(n for n, _ in node.next_functions)
     return count
 

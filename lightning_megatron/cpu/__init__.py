@@ -49,6 +49,18 @@ class CPUTuning:
     mp_slot_bytes: int = 64 << 10
     """Bytes per rank slot of the model-parallel group (only grad norms and overflow flags)."""
 
+    @classmethod
+    def from_argument(cls, value: CPUTuning | bool | None) -> CPUTuning | None:
+        """``MegatronStrategy(cpu_tuning=...)``: ``True`` -> ``CPUTuning()``, ``False``/``None`` -> off."""
+        if value is True:
+            return cls()
+        if value is False or value is None:
+            return None
+        if not isinstance(value, cls):
+            raise TypeError(f"MegatronStrategy: cpu_tuning={value!r} must be a lightning_megatron.cpu.CPUTuning, "
+                            f"True, False or None")
+        return value
+
     def setup(self, parallel_state: ParallelState, *, device: torch.device,
               timeout: datetime.timedelta | None = None) -> dict[str, bool]:
         """After the process groups exist (collective over every group): apply the process-level pieces.

@@ -137,9 +137,13 @@ class StdlibDocstringDataModule(LightningDataModule):
         self.train_dataset, self.val_dataset = self._encode(train), self._encode(val)
 
     def _dp(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        ps = getattr(trainer.strategy, "parallel_state", None) if trainer is not None else None
-        return (ps.dp_rank, ps.dp_size) if ps is not None else (0, 1)
+        """(rank, size) of this process's data-parallel group: the MegatronStrategy's, else (0, 1)."""
+        from lightning_megatron.strategy import MegatronStrategy
+
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        if isinstance(strategy, MegatronStrategy) and strategy.parallel_state is not None:
+            return strategy.parallel_state.dp_rank, strategy.parallel_state.dp_size
+        return 0, 1
 
     def _loader(self, dataset: _Encoded, shuffle: bool) -> DataLoader:
         rank, size = self._dp()

@@ -422,19 +422,6 @@ class BertLightningModule(LightningModule):
             raise ValueError("predict needs a dataloader: pass dataloaders=... or a datamodule with test_dataloader")
         return dm.test_dataloader()
 
-    @override
-    def on_fit_start(self) -> None:
-        def defining(name: str) -> type:
-            return next(k for k in type(self).__mro__ if name in k.__dict__)
-
-        step, fwd = defining("training_step"), defining("forward_step")
-        if self._megatron_strategy() is not None and step is not fwd and issubclass(step, fwd):
-            import warnings
-
-            warnings.warn(f"{type(self).__name__} overrides training_step, which the MegatronStrategy does not call: "
-                          f"it runs forward_step(microbatch, chunk) -> (output, loss_func) through the microbatch "
-                          f"schedule. Override forward_step instead (docs/model.md)", UserWarning, stacklevel=1)
-
     # ------------------------------------------------------------------ optimizer
 
     @override

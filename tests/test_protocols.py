@@ -1,0 +1,83 @@
+"""The two declared contracts (lightning_megatron/protocols.py), checked once at set-up: what passes,
+what is adapted, and the errors that name what is missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from megatron_testing import TINY_MODEL
+
+
+def _bert():
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    module = BertLightningModule(**TINY_MODEL)
+    module.configure_model()
+    return module
+
+
+class _Plain(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.fc(batch).sum()
+
+
+class _Partial(_Plain):
+    def forward_step(self, microbatch, chunk):
+        return self.fc(microbatch), None
+
+
+def test_module_contract_accepts_adapts_and_names_what_is_missing():
+    from lightning_megatron.protocols import LightningStepsModule, MegatronModule, megatron_module
+
+    bert = _bert()
+    assert isinstance(bert, MegatronModule) and megatron_module(bert, pipelined=True, num_chunks=1) is bert
+    plain = _Plain()
+    adapted = megatron_module(plain, pipelined=False, num_chunks=1)
+    assert isinstance(adapted, LightningStepsModule) and list(adapted.model_chunks) == [plain]
+    assert [n for n, _ in adapted.sharded_named_parameters()] == ["fc.weight", "fc.bias"]
+    with pytest.raises(TypeError, match="pipeline_model_parallel_size > 1 needs it\\); missing: model_chunks, "
+                                        "forward_step, pipeline_tensor_shape, sharded_named_parameters"):
+        megatron_module(plain, pipelined=True, num_chunks=1)
+    with pytest.raises(TypeError, match="implements part of it\\); missing: model_chunks, pipeline_tensor_shape, "
+                                        "sharded_named_parameters"):
+        megatron_module(_Partial(), pipelined=False, num_chunks=1)
+    with pytest.raises(ValueError, match="built 1 model chunk\\(s\\) but the layout needs 2"):
+        megatron_module(bert, pipelined=True, num_chunks=2)
+
+
+def test_overriding_a_step_hook_of_a_forward_step_module_warns():
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.protocols import megatron_module
+
+    class Mine(BertLightningModule):
+        def training_step(self, batch, batch_idx):  # never called under the strategy
+            return super().training_step(batch, batch_idx)
+
+    module = Mine(**TINY_MODEL)
+    module.configure_model()
+    with pytest.warns(UserWarning, match="Mine overrides training_step, which the MegatronStrategy does not call"):
+        megatron_module(module, pipelined=False, num_chunks=1)
+
+
+def test_optimizer_contract_wraps_plain_torch_and_names_what_is_missing():
+    from lightning_megatron.optimizer import Float16OptimizerWithFloat16Params
+    from lightning_megatron.protocols import OptimizerWrapper, PlainOptimizer, is_sharded, optimizer_wrapper
+
+    w = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    plain = torch.optim.SGD([w], lr=0.1)
+    adapted = optimizer_wrapper(plain)
+    assert isinstance(adapted, PlainOptimizer) and adapted.optimizer is plain and adapted.main_param(w) is w
+    assert not is_sharded(adapted) and adapted.scale_loss(torch.tensor(3.0)) == 3.0
+    mixed = Float16OptimizerWithFloat16Params(torch.optim.SGD([w], lr=0.1))
+    assert optimizer_wrapper(mixed) is mixed and isinstance(mixed, OptimizerWrapper)
+    main = mixed.main_param(w)
+    assert main is mixed.optimizer.param_groups[0]["params"][0] and main.dtype == torch.float32
+    with pytest.raises(TypeError, match="missing: optimizer, scale_loss, main_param"):
+        optimizer_wrapper(object())
