@@ -11,10 +11,12 @@ RowParallelLinear split over the stages, and a vocab-parallel head with
 from __future__ import annotations
 
 import contextlib
+import os
 import zlib
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
@@ -25,6 +27,9 @@ from dist_utils import accelerator, run_distributed
 from lightning_megatron.pipeline import stage_chunks
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+
+# Lightning warns that validation_step has no val_dataloader during fit (validation is run explicitly)
+pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 
 VOCAB, HIDDEN, FFN, BLOCKS, SEQ = 16, 16, 64, 4, 8
 GLOBAL_BATCH, MICRO, STEPS, LR = 8, 2, 4, 0.5
@@ -86,6 +91,8 @@ class CharModel(LightningModule):
     """Next-token prediction on character sequences, following the MegatronModule contract."""
 
     def configure_model(self) -> None:
+        if hasattr(self, "model_chunks"):   # Lightning calls it again in every fit/validate/...
+            return
         ps = self.trainer.strategy.parallel_state
         self.tp_group = ps.tp_group
         self.model_chunks = nn.ModuleList(
@@ -112,8 +119,13 @@ class CharModel(LightningModule):
         for chunk in self.model_chunks:
             yield from chunk.named_parameters()       # embed.weight, blocks.3.fc1.weight, head.weight...
 
+    # Lightning's Trainer refuses a module without training_step (and trainer.validate one without
+    # validation_step); under MegatronStrategy they are never called: forward_step serves every stage.
     def training_step(self, batch, batch_idx):
         raise AssertionError("MegatronStrategy runs forward_step, never training_step")
+
+    def validation_step(self, batch, batch_idx):
+        raise AssertionError("MegatronStrategy runs forward_step, never validation_step")
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
@@ -149,24 +161,42 @@ class Record(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(tp: int, pp: int, devices: int) -> dict:
-    """Train STEPS steps at this layout; the per-step losses and this rank's parameter shards."""
+def make_trainer(tp: int, pp: int, devices: int, **kwargs) -> Trainer:
+    return Trainer(accelerator=accelerator(), devices=devices, max_steps=STEPS, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   strategy=MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             micro_batch_size=MICRO), **kwargs)
+
+
+def fit(tp: int, pp: int, devices: int, save_to: str | None = None, validate: bool = False) -> dict:
+    """Train STEPS steps at this layout (then save a checkpoint, or validate): the per-step losses,
+    this rank's parameter shards (initial and final) and the validation loss."""
     module, rec = CharModel(), Record()
-    trainer = Trainer(accelerator=accelerator(), devices=devices, max_steps=STEPS, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[rec], strategy=MegatronStrategy(
-                          tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=MICRO))
-    trainer.fit(module, DataLoader(char_data(), batch_size=GLOBAL_BATCH))
-    return {"losses": rec.losses, "init": rec.init, "shards": shards(module),
-            "tp_rank": trainer.strategy.parallel_state.tp_rank}
+    data = DataLoader(char_data(), batch_size=GLOBAL_BATCH)
+    t = make_trainer(tp, pp, devices, callbacks=[rec])
+    t.fit(module, data)
+    if save_to is not None:
+        t.save_checkpoint(save_to)
+    out = {"losses": rec.losses, "init": rec.init, "shards": shards(module), "tp_rank": t.strategy.parallel_state.tp_rank}
+    if validate:
+        out["val_loss"] = float(t.validate(module, data, verbose=False)[0]["val_loss"])
+    return out
 
 
-def _reference_worker() -> dict:
-    return fit(1, 1, 1)
+def _two_rank_worker(ckpt_dir: str) -> dict:
+    return {"tp2": fit(2, 1, 2, f"{ckpt_dir}/tp2"), "pp2": fit(1, 2, 2, f"{ckpt_dir}/pp2")}
 
 
-def _two_rank_worker() -> dict:
-    return {"tp2": fit(2, 1, 2), "pp2": fit(1, 2, 2)}
+def _one_process(ckpt_dir: str) -> dict:
+    """The reference: train on one process, then load each two-rank checkpoint into a fresh module
+    and validate it."""
+    out = fit(1, 1, 1, validate=True)
+    data = DataLoader(char_data(), batch_size=GLOBAL_BATCH)
+    for layout in ("tp2", "pp2"):
+        module = CharModel()
+        [metrics] = make_trainer(1, 1, 1).validate(module, data, ckpt_path=f"{ckpt_dir}/{layout}", verbose=False)
+        out[f"loaded_{layout}"] = {"shards": shards(module), "tp_rank": 0, "val_loss": float(metrics["val_loss"])}
+    return out
 
 
 def full_params(ranks: list[dict], key: str = "shards") -> dict[str, torch.Tensor]:
@@ -182,15 +212,36 @@ def full_params(ranks: list[dict], key: str = "shards") -> dict[str, torch.Tenso
     return out
 
 
+@contextlib.contextmanager
+def hermetic():
+    """Run a one-process Trainer in the pytest process and leave nothing behind: the environment
+    (Lightning sets MASTER_PORT etc.; a module-scoped fixture runs before conftest's snapshot), the
+    RNG, the thread count and the process group."""
+    env, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    [ref] = run_distributed(_reference_worker, 1, timeout=180)
-    r0, r1 = run_distributed(_two_rank_worker, 2, timeout=240)
+def runs(tmp_path_factory) -> dict:
+    ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
+    r0, r1 = run_distributed(_two_rank_worker, 2, ckpt_dir, timeout=240)
+    with hermetic():   # in this process: a spawn would only add start-up time
+        ref = _one_process(ckpt_dir)
     return {"ref": ref, "tp2": [r0["tp2"], r1["tp2"]], "pp2": [r0["pp2"], r1["pp2"]]}
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_custom_module_equals_one_process(runs, layout):
+    """Per-step losses within 1e-5 relative on every rank, and the final global weights within 1e-5,
+    of one process; every weight moved and the loss fell."""
     ref = runs["ref"]
     assert len(ref["losses"]) == STEPS
     assert ref["losses"][-1] < ref["losses"][0] - 0.1, f"the reference must learn: {ref['losses']}"
@@ -207,3 +258,46 @@ def test_custom_module_equals_one_process(runs, layout):
         assert got[name].shape == want[name].shape, name
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert (want[name] - init[name]).abs().max() > 1e-4, f"{name} did not train"
+
+
+class HalfDone(LightningModule):
+    """Chunks and forward_step, but neither pipeline_tensor_shape nor sharded_named_parameters."""
+
+    def configure_model(self) -> None:
+        self.model_chunks = nn.ModuleList([Chunk(range(BLOCKS), True, True, None)])
+
+    def forward_step(self, microbatch, chunk):
+        raise AssertionError("refused before any step")
+
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("refused before any step")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def test_partial_contract_is_refused_at_setup_naming_what_is_missing():
+    """Implementing part of MegatronModule is a TypeError at set-up that names the missing members
+    (even without pipelining, where a plain LightningModule would be accepted)."""
+    rec = Record()
+    trainer = Trainer(accelerator=accelerator(), devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                      strategy=MegatronStrategy(micro_batch_size=MICRO))
+    with pytest.raises(TypeError, match="missing: pipeline_tensor_shape, sharded_named_parameters") as e:
+        trainer.fit(HalfDone(), DataLoader(char_data(), batch_size=GLOBAL_BATCH))
+    assert "HalfDone" in str(e.value) and "it implements part of it" in str(e.value), str(e.value)
+    assert rec.losses == [] and rec.init == {}, "refused before training started"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_checkpoint_of_custom_module_loads_at_one_process(runs, layout):
+    """Saved at TP=2 / PP=2 under the sharded_named_parameters names, loaded at TP=1 PP=1: the same
+    global weights, bit for bit, and the validation loss of the one-process trained model."""
+    saved, loaded = full_params(runs[layout]), runs["ref"][f"loaded_{layout}"]
+    restored = full_params([loaded])
+    assert restored.keys() == saved.keys()
+    for name in saved:
+        assert torch.equal(restored[name], saved[name]), name
+    ref = runs["ref"]
+    assert ref["val_loss"] < ref["losses"][0] - 0.1, "validation runs the trained model"
+    torch.testing.assert_close(loaded["val_loss"], ref["val_loss"], rtol=1e-5, atol=0)
