@@ -177,7 +177,8 @@ def fit(tp: int, pp: int, devices: int, save_to: str | None = None, validate: bo
     t.fit(module, data)
     if save_to is not None:
         t.save_checkpoint(save_to)
-    out = {"losses": rec.losses, "init": rec.init, "shards": shards(module), "tp_rank": t.strategy.parallel_state.tp_rank}
+    out = {"losses": rec.losses, "init": rec.init, "shards": shards(module),
+           "tp_rank": t.strategy.parallel_state.tp_rank}
     if validate:
         out["val_loss"] = float(t.validate(module, data, verbose=False)[0]["val_loss"])
     return out
