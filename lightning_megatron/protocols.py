@@ -8,7 +8,9 @@ A LightningModule under :class:`~lightning_megatron.strategy.MegatronStrategy` i
 :class:`MegatronModule`::
 
     class MyModule(LightningModule):
-        def configure_model(self):
+        def configure_model(self):                             # called by every fit/validate/...:
+            if hasattr(self, "model_chunks"):                  # build once
+                return
             ps = self.trainer.strategy.parallel_state          # groups and ranks of this process
             self.model_chunks = nn.ModuleList([...])           # one chunk per virtual pipeline stage
         def forward_step(self, microbatch, chunk):             # -> (output, loss_func or None)
@@ -17,6 +19,12 @@ A LightningModule under :class:`~lightning_megatron.strategy.MegatronStrategy` i
             ...
         def sharded_named_parameters(self):                    # layout-independent names
             ...
+        def training_step(self, batch, batch_idx):             # Lightning's Trainer requires it (and
+            raise NotImplementedError                          # validation_step for validate, ...);
+                                                               # the strategy never calls them
+
+A complete example (a character-level model, TP and PP, checked against one process and through a
+checkpoint) is ``tests/test_custom_module.py``.
 
 A plain LightningModule (``training_step``/``validation_step``/... and no ``forward_step``) still
 runs without pipelining (``pipeline_model_parallel_size=1``): :class:`LightningStepsModule` adapts it,
@@ -56,7 +64,9 @@ __all__ = [
 ]
 
 LossFunc = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
-"""``loss_func(output) -> (loss, {name: scalar tensor to log})``; on the last pipeline stage."""
+"""``loss_func(output) -> (loss, {name: scalar tensor to log})``; on the last pipeline stage. ``loss``
+is the mean over the microbatch (backpropagated); the logged ``"loss"`` is what Lightning sees as the
+step's loss (progress bar, ``outputs["loss"]`` in callbacks; ``val_loss`` when validating)."""
 ForwardStepResult = tuple[Tensor, "LossFunc | None"]
 """``forward_step``'s result: the chunk's output and, on the last stage, the loss function."""
 
@@ -66,12 +76,17 @@ class MegatronModule(Protocol):
     """What the strategy needs from a LightningModule (after ``configure_model``)."""
 
     model_chunks: Sequence[nn.Module]
-    """This rank's model chunks, one per virtual pipeline stage (one without interleaving). Each
-    chunk's ``set_input_tensor(tensor)``, if it has one, receives the previous stage's output."""
+    """This rank's model chunks, one per virtual pipeline stage (one without interleaving), as an
+    ``nn.ModuleList`` so that ``self.parameters()`` holds them. Each chunk's
+    ``set_input_tensor(tensor)`` (required with pipelining) receives the previous stage's output, which
+    a chunk that does not start the model reads instead of the microbatch (``pipeline.stage_chunks``
+    gives each chunk's layers and whether it starts or ends the model)."""
 
     def forward_step(self, microbatch: Any, chunk: nn.Module) -> ForwardStepResult:
         """Run ``chunk`` on ``microbatch`` (the previous stage's output arrives through
         ``set_input_tensor``); return the output and, where ``chunk`` ends the model, the loss function.
+        Called on every stage with the same microbatch: a slice along dim 0 of the batch (a tensor,
+        or each tensor of a dict, tuple or list), ``micro_batch_size`` samples.
 
         The same method serves training, validation, test and prediction (``self.trainer.training``
         etc. tell which); while predicting, a loss function that logs ``predictions`` gets them
@@ -82,7 +97,9 @@ class MegatronModule(Protocol):
 
     def sharded_named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """(name, parameter) pairs under names that do not depend on the layout (global layer
-        numbers, no chunk index): the keys of the sharded checkpoint."""
+        numbers, no chunk index): the keys of the sharded checkpoint. A TP-sharded parameter is saved
+        as one global tensor assembled along its ``partition_dim`` (the parallel layers set it;
+        ``tensor_parallel.set_tensor_model_parallel_attributes`` for parameters of your own)."""
 
 
 @runtime_checkable

@@ -1,0 +1,304 @@
+"""A user-written LightningModule (not BERT) that follows the documented contract
+(``lightning_megatron.protocols.MegatronModule``) trains under TP=2 and PP=2 exactly as on one process.
+
+The module below was written from the public docs only (protocols.py's docstrings,
+docs/tensor_parallel.md, docs/pipeline.md, docs/strategy.md): a tiny character-level next-token
+model, an embedding on the first pipeline stage, residual blocks of ColumnParallelLinear -> GELU ->
+RowParallelLinear split over the stages, and a vocab-parallel head with
+``vocab_parallel_cross_entropy`` on the last stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dist_utils import accelerator, run_distributed
+
+from lightning_megatron.pipeline import stage_chunks
+from lightning_megatron.strategy import MegatronStrategy
+from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+
+# Lightning warns that validation_step has no val_dataloader during fit (validation is run explicitly)
+pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+
+VOCAB, HIDDEN, FFN, BLOCKS, SEQ = 16, 16, 64, 4, 8
+GLOBAL_BATCH, MICRO, STEPS, LR = 8, 2, 4, 0.5
+
+
+@contextlib.contextmanager
+def seeded(name: str):
+    """The default RNG seeded from a stable name, restored afterwards: whichever rank builds a piece
+    draws the same full weights, and the parallel layers keep their slice (layout-independent init)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(name.encode()))
+        yield
+
+
+class Block(nn.Module):
+    """x + fc2(gelu(fc1(x))): fc1 column-parallel (ffn split), fc2 row-parallel (one all-reduce)."""
+
+    def __init__(self, tp_group) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(HIDDEN, FFN, tp_group=tp_group)
+        self.fc2 = RowParallelLinear(FFN, HIDDEN, tp_group=tp_group, input_is_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, h]
+        h, _ = self.fc1(x)
+        y, _ = self.fc2(F.gelu(h))
+        return x + y
+
+
+class Chunk(nn.Module):
+    """One pipeline piece: the embedding if it is the first, its blocks (keyed by global block
+    number, so parameter names do not depend on the layout), the head if it is the last."""
+
+    def __init__(self, layers: range, pre_process: bool, post_process: bool, tp_group) -> None:
+        super().__init__()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.input_tensor: torch.Tensor | None = None
+        if pre_process:
+            with seeded("embed"):
+                self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleDict()
+        for i in layers:
+            with seeded(f"blocks.{i}"):
+                self.blocks[str(i)] = Block(tp_group)
+        if post_process:
+            with seeded("head"):   # logits split by vocabulary: [s, b, VOCAB / t]
+                self.head = ColumnParallelLinear(HIDDEN, VOCAB, tp_group=tp_group)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.input_tensor = tensor   # the previous stage's output (None on the first piece)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).transpose(0, 1) if self.pre_process else self.input_tensor  # [s, b, h]
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x)[0] if self.post_process else x
+
+
+class CharModel(LightningModule):
+    """Next-token prediction on character sequences, following the MegatronModule contract."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model_chunks"):   # Lightning calls it again in every fit/validate/...
+            return
+        ps = self.trainer.strategy.parallel_state
+        self.tp_group = ps.tp_group
+        self.model_chunks = nn.ModuleList(
+            Chunk(c.layers, c.pre_process, c.post_process, ps.tp_group)
+            for c in stage_chunks(BLOCKS, ps.pp_size, ps.pp_rank, ps.vp_size))
+
+    def forward_step(self, microbatch, chunk):
+        tokens, targets = microbatch                  # [b, s] each
+        output = chunk(tokens)
+        if not chunk.post_process:
+            return output, None                       # hidden states for the next stage
+
+        def loss_func(logits):                        # [s, b, VOCAB / t]
+            loss = vocab_parallel_cross_entropy(logits, targets.t(), tp_group=self.tp_group).mean()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    def pipeline_tensor_shape(self, microbatch):
+        tokens, _ = microbatch
+        return (tokens.shape[1], tokens.shape[0], HIDDEN)   # [s, b, h]
+
+    def sharded_named_parameters(self):
+        for chunk in self.model_chunks:
+            yield from chunk.named_parameters()       # embed.weight, blocks.3.fc1.weight, head.weight...
+
+    # Lightning's Trainer refuses a module without training_step (and trainer.validate one without
+    # validation_step); under MegatronStrategy they are never called: forward_step serves every stage.
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("MegatronStrategy runs forward_step, never training_step")
+
+    def validation_step(self, batch, batch_idx):
+        raise AssertionError("MegatronStrategy runs forward_step, never validation_step")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def char_data() -> TensorDataset:
+    """Sequences t, t+k, t+2k, ... (mod VOCAB): the next character depends on the last two."""
+    g = torch.Generator().manual_seed(0)
+    n = GLOBAL_BATCH * STEPS
+    start = torch.randint(0, VOCAB, (n, 1), generator=g)
+    step = torch.randint(1, 4, (n, 1), generator=g)
+    seq = (start + step * torch.arange(SEQ + 1)) % VOCAB
+    return TensorDataset(seq[:, :-1], seq[:, 1:])
+
+
+def shards(module: CharModel) -> dict:
+    """This rank's parameters under their checkpoint names, with how they are split over TP."""
+    return {name: (p.detach().cpu().clone(), getattr(p, "tensor_model_parallel", False),
+                   getattr(p, "partition_dim", -1)) for name, p in module.sharded_named_parameters()}
+
+
+class Record(Callback):
+    """The initial parameters and the loss of every step (the mean over the global batch)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.init: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.init = shards(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def make_trainer(tp: int, pp: int, devices: int, **kwargs) -> Trainer:
+    return Trainer(accelerator=accelerator(), devices=devices, max_steps=STEPS, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   strategy=MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             micro_batch_size=MICRO), **kwargs)
+
+
+def fit(tp: int, pp: int, devices: int, save_to: str | None = None, validate: bool = False) -> dict:
+    """Train STEPS steps at this layout (then save a checkpoint, or validate): the per-step losses,
+    this rank's parameter shards (initial and final) and the validation loss."""
+    module, rec = CharModel(), Record()
+    data = DataLoader(char_data(), batch_size=GLOBAL_BATCH)
+    t = make_trainer(tp, pp, devices, callbacks=[rec])
+    t.fit(module, data)
+    if save_to is not None:
+        t.save_checkpoint(save_to)
+    out = {"losses": rec.losses, "init": rec.init, "shards": shards(module),
+           "tp_rank": t.strategy.parallel_state.tp_rank}
+    if validate:
+        out["val_loss"] = float(t.validate(module, data, verbose=False)[0]["val_loss"])
+    return out
+
+
+def _two_rank_worker(ckpt_dir: str) -> dict:
+    return {"tp2": fit(2, 1, 2, f"{ckpt_dir}/tp2"), "pp2": fit(1, 2, 2, f"{ckpt_dir}/pp2")}
+
+
+def _one_process(ckpt_dir: str) -> dict:
+    """The reference: train on one process, then load each two-rank checkpoint into a fresh module
+    and validate it."""
+    out = fit(1, 1, 1, validate=True)
+    data = DataLoader(char_data(), batch_size=GLOBAL_BATCH)
+    for layout in ("tp2", "pp2"):
+        module = CharModel()
+        [metrics] = make_trainer(1, 1, 1).validate(module, data, ckpt_path=f"{ckpt_dir}/{layout}", verbose=False)
+        out[f"loaded_{layout}"] = {"shards": shards(module), "tp_rank": 0, "val_loss": float(metrics["val_loss"])}
+    return out
+
+
+def full_params(ranks: list[dict], key: str = "shards") -> dict[str, torch.Tensor]:
+    """Global parameters: TP shards concatenated along their partition dim, stages merged by name."""
+    pieces: dict[str, list] = {}
+    for r in sorted(ranks, key=lambda r: r["tp_rank"]):
+        for name, (value, parallel, dim) in r[key].items():
+            pieces.setdefault(name, []).append((value, parallel, dim))
+    out = {}
+    for name, ps in pieces.items():
+        value, parallel, dim = ps[0]
+        out[name] = torch.cat([v for v, _, _ in ps], dim) if parallel else value
+    return out
+
+
+@contextlib.contextmanager
+def hermetic():
+    """Run a one-process Trainer in the pytest process and leave nothing behind: the environment
+    (Lightning sets MASTER_PORT etc.; a module-scoped fixture runs before conftest's snapshot), the
+    RNG, the thread count and the process group."""
+    env, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
+    r0, r1 = run_distributed(_two_rank_worker, 2, ckpt_dir, timeout=240)
+    with hermetic():   # in this process: a spawn would only add start-up time
+        ref = _one_process(ckpt_dir)
+    return {"ref": ref, "tp2": [r0["tp2"], r1["tp2"]], "pp2": [r0["pp2"], r1["pp2"]]}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_custom_module_equals_one_process(runs, layout):
+    """Per-step losses within 1e-5 relative on every rank, and the final global weights within 1e-5,
+    of one process; every weight moved and the loss fell."""
+    ref = runs["ref"]
+    assert len(ref["losses"]) == STEPS
+    assert ref["losses"][-1] < ref["losses"][0] - 0.1, f"the reference must learn: {ref['losses']}"
+    ranks = runs[layout]
+    for r in ranks:   # every rank (both stages under PP) logs the global batch's loss
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    # the initial weights are layout-independent: TP shards are slices of one process's weights
+    init = full_params([ref], "init")
+    for name, value in full_params(ranks, "init").items():
+        assert torch.equal(value, init[name]), f"{name}: initial weights depend on the layout"
+    got, want = full_params(ranks), full_params([ref])
+    assert got.keys() == want.keys() == init.keys()
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert (want[name] - init[name]).abs().max() > 1e-4, f"{name} did not train"
+
+
+class HalfDone(LightningModule):
+    """Chunks and forward_step, but neither pipeline_tensor_shape nor sharded_named_parameters."""
+
+    def configure_model(self) -> None:
+        self.model_chunks = nn.ModuleList([Chunk(range(BLOCKS), True, True, None)])
+
+    def forward_step(self, microbatch, chunk):
+        raise AssertionError("refused before any step")
+
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("refused before any step")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def test_partial_contract_is_refused_at_setup_naming_what_is_missing():
+    """Implementing part of MegatronModule is a TypeError at set-up that names the missing members
+    (even without pipelining, where a plain LightningModule would be accepted)."""
+    rec = Record()
+    trainer = Trainer(accelerator=accelerator(), devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                      strategy=MegatronStrategy(micro_batch_size=MICRO))
+    with pytest.raises(TypeError, match="missing: pipeline_tensor_shape, sharded_named_parameters") as e:
+        trainer.fit(HalfDone(), DataLoader(char_data(), batch_size=GLOBAL_BATCH))
+    assert "HalfDone" in str(e.value) and "it implements part of it" in str(e.value), str(e.value)
+    assert rec.losses == [] and rec.init == {}, "refused before training started"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_checkpoint_of_custom_module_loads_at_one_process(runs, layout):
+    """Saved at TP=2 / PP=2 under the sharded_named_parameters names, loaded at TP=1 PP=1: the same
+    global weights, bit for bit, and the validation loss of the one-process trained model."""
+    saved, loaded = full_params(runs[layout]), runs["ref"][f"loaded_{layout}"]
+    restored = full_params([loaded])
+    assert restored.keys() == saved.keys()
+    for name in saved:
+        assert torch.equal(restored[name], saved[name]), name
+    ref = runs["ref"]
+    assert ref["val_loss"] < ref["losses"][0] - 0.1, "validation runs the trained model"
+    torch.testing.assert_close(loaded["val_loss"], ref["val_loss"], rtol=1e-5, atol=0)
