@@ -258,9 +258,13 @@ class MegatronStrategy(DDPStrategy):
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         with self.precision_plugin.train_step_context():
             means = self._run(batch, batch_idx, "train")
+        if "loss" not in means:  # the same keys on every rank (broadcast along the pipeline)
+            raise ValueError(f"MegatronStrategy: the loss function of forward_step logged {sorted(means)} without "
+                             f"'loss', which Lightning reports as the step's loss; return (loss, {{'loss': "
+                             f"loss.detach(), ...}}) from loss_func")
         self._log(means, "train")
         # Returned for Lightning's bookkeeping (progress bar, callbacks); backward already ran.
-        return {"loss": means.get("loss", torch.zeros((), device=self.root_device))}
+        return {"loss": means["loss"]}
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -81,3 +81,40 @@ def test_optimizer_contract_wraps_plain_torch_and_names_what_is_missing():
     assert main is mixed.optimizer.param_groups[0]["params"][0] and main.dtype == torch.float32
     with pytest.raises(TypeError, match="missing: optimizer, scale_loss, main_param"):
         optimizer_wrapper(object())
+
+
+class _NoLossLogged(LightningModule):
+    """The whole contract, but a loss function that does not log ``loss``."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model_chunks"):
+            self.model_chunks = nn.ModuleList([nn.Linear(2, 1)])
+
+    def forward_step(self, microbatch, chunk):
+        out = chunk(microbatch).mean()
+        return out, lambda output: (output, {"mse": output.detach()})
+
+    def pipeline_tensor_shape(self, microbatch):
+        return (1, microbatch.size(0), 2)
+
+    def sharded_named_parameters(self):
+        return self.model_chunks.named_parameters()
+
+    def training_step(self, batch, batch_idx):  # required by Lightning; the strategy runs forward_step
+        raise NotImplementedError
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_loss_function_without_loss_is_refused_at_the_first_step():
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from dist_utils import accelerator
+    from lightning_megatron.strategy import MegatronStrategy
+
+    trainer = Trainer(accelerator=accelerator(), devices=1, strategy=MegatronStrategy(), max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="logged \\['mse'\\] without 'loss'"):
+        trainer.fit(_NoLossLogged(), DataLoader(torch.randn(4, 2), batch_size=4))
