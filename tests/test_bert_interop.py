@@ -13,7 +13,6 @@ code): transformers' logits and hidden states within 1e-5, predictions at every 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -202,38 +201,6 @@ def test_init_from_architecture_mismatch_names_the_flags():
                                          "--model.spec bert_layer_post_norm_spec"):
         check_architecture({**MODEL, "spec": "bert_layer_local_spec", "activation": "gelu"}, source, "src")
     check_architecture({**MODEL, **source}, source, "src")  # matching: no error
-
-
-def test_training_step_override_warns_under_the_strategy():
-    from unittest import mock
-
-    from lightning_megatron.models.bert.classification import BertClassificationModule
-    from lightning_megatron.models.bert.module import BertLightningModule
-
-    class Custom(BertLightningModule):
-        def training_step(self, batch, batch_idx):  # never called under the MegatronStrategy
-            return super().training_step(batch, batch_idx)
-
-    trainer = mock.Mock()
-    trainer.strategy.parallel_state = object()
-    for cls, warns in ((Custom, True), (BertLightningModule, False), (BertClassificationModule, False)):
-        module = cls(**{k: v for k, v in MODEL.items()})
-        module._trainer = trainer
-        with pytest.warns(UserWarning, match="forward_step") if warns else _no_warning():
-            module.on_fit_start()
-
-
-def _no_warning():
-    import warnings
-    from contextlib import contextmanager
-
-    @contextmanager
-    def ctx():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            yield
-
-    return ctx()
 
 
 def test_any_torch_optim_optimizer_keeps_our_param_groups():

@@ -3,6 +3,8 @@ what is adapted, and the errors that name what is missing."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -64,6 +66,15 @@ def test_overriding_a_step_hook_of_a_forward_step_module_warns():
     module.configure_model()
     with pytest.warns(UserWarning, match="Mine overrides training_step, which the MegatronStrategy does not call"):
         megatron_module(module, pipelined=False, num_chunks=1)
+    # BERT's own steps (single device) and the classifier's inherited ones are not overrides of forward_step
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+
+    for cls in (BertLightningModule, BertClassificationModule):
+        module = cls(**TINY_MODEL)
+        module.configure_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            megatron_module(module, pipelined=False, num_chunks=1)
 
 
 def test_optimizer_contract_wraps_plain_torch_and_names_what_is_missing():
