@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_megatron.parallel_state import model_parallel_size_problems
+
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision",
            "PRECISION_PARAMS_DTYPE"]
 
@@ -111,12 +113,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                             f"choose sizes whose product divides the number of processes")
         else:
             dp = world // (tp * pp)
-    if vp is not None and vp > 1 and pp < 2:
-        problems.append(f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
-                        f"(got {pp}); set it to null without pipelining")
-    if s.get("sequence_parallel") and tp == 1:
-        problems.append("sequence_parallel=True has no effect with tensor_model_parallel_size=1; "
-                        "set tensor_model_parallel_size > 1 or sequence_parallel=False")
+    problems += model_parallel_size_problems(tp, pp, vp, sequence_parallel=bool(s.get("sequence_parallel")))
 
     # --- model sizes against TP / PP
     heads, hidden = _int(m.get("num_attention_heads")), _int(m.get("hidden_size"))
@@ -141,7 +138,11 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
 
     # --- batch sizes
     gb = _int(d.get("global_batch_size"))
-    micro = _int(s.get("micro_batch_size")) or _int(d.get("micro_batch_size"))
+    s_micro, d_micro = _int(s.get("micro_batch_size")), _int(d.get("micro_batch_size"))
+    micro = s_micro or d_micro  # the strategy's, else the data's (as setup_checks.resolve_batch_sizes)
+    if s_micro is not None and d_micro is not None and s_micro != d_micro:
+        problems.append(f"strategy micro_batch_size={s_micro} disagrees with data micro_batch_size={d_micro}; "
+                        f"set it in one place (the data's, with the strategy's left null)")
     if gb is not None and micro is not None:
         if gb % micro:
             problems.append(f"global_batch_size={gb} is not divisible by micro_batch_size={micro}; choose a "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ParallelLayout",
+    "model_parallel_size_problems",
     "validate_model_parallel_sizes",
     "ParallelState",
     "initialize_model_parallel",
@@ -45,19 +46,34 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
-def validate_model_parallel_sizes(tp: int, pp: int, vp: int | None) -> None:
-    """The rules on the sizes alone (no world size): positive integers, and a virtual pipeline size
-    only with pipelining (``vp`` set with ``pp=1`` would be ignored)."""
+def model_parallel_size_problems(tp: Any, pp: Any, vp: Any, *, sequence_parallel: bool = False) -> list[str]:
+    """The rules on the sizes alone (no world size), one message per broken rule: positive integers,
+    a virtual pipeline size only with pipelining (``vp`` set with ``pp=1`` would be ignored), sequence
+    parallelism only with tensor parallelism. The strategy, the layout and the pre-launch config
+    check all read these rules here."""
+    problems = []
     for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+            problems.append(f"{name}={value!r} must be a positive integer")
+    if problems:
+        return problems
     if vp is not None:
         if not isinstance(vp, int) or isinstance(vp, bool) or vp < 1:
-            raise ValueError(f"virtual_pipeline_model_parallel_size={vp!r} must be a positive integer or None")
-        if pp < 2:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
-                f"(got {pp}); leave it None without pipelining")
+            problems.append(f"virtual_pipeline_model_parallel_size={vp!r} must be a positive integer or None")
+        elif pp < 2:
+            problems.append(f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
+                            f"(got {pp}); leave it None (null) without pipelining")
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel=True has no effect with tensor_model_parallel_size=1; "
+                        "set tensor_model_parallel_size > 1 or turn it off")
+    return problems
+
+
+def validate_model_parallel_sizes(tp: int, pp: int, vp: int | None, *, sequence_parallel: bool = False) -> None:
+    """:func:`model_parallel_size_problems` as one ``ValueError``."""
+    problems = model_parallel_size_problems(tp, pp, vp, sequence_parallel=sequence_parallel)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 @dataclass(frozen=True, kw_only=True)

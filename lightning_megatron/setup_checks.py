@@ -29,13 +29,10 @@ def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_paral
                              overlap_param_gather: bool) -> None:
     """``MegatronStrategy(...)``'s arguments on their own, at construction (before any process starts)."""
     try:
-        validate_model_parallel_sizes(tp, pp, vp)
+        validate_model_parallel_sizes(tp, pp, vp, sequence_parallel=sequence_parallel)
         BatchSizes(micro_batch_size=micro_batch_size, global_batch_size=None)
     except ValueError as e:
         raise ValueError(f"MegatronStrategy: {e}") from None
-    if sequence_parallel and tp == 1:
-        raise ValueError("MegatronStrategy: sequence_parallel=True has no effect with tensor_model_parallel_size=1; "
-                         "set tensor_model_parallel_size > 1 or turn it off")
     if not ddp_bucket_size_mb > 0:
         raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
     if overlap_param_gather:

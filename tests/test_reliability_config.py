@@ -51,6 +51,10 @@ def test_good_config_has_no_problems():
     (dict(strategy_args=dict(tensor_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)),
      "virtual_pipeline_model_parallel_size=2"),
     (dict(strategy_args=dict(tensor_model_parallel_size=1, sequence_parallel=True)), "sequence_parallel=True"),
+    # one rule for the layout, read by the strategy, ParallelLayout and this check alike (vp=1 with pp=1 too)
+    (dict(strategy_args=dict(tensor_model_parallel_size=1, virtual_pipeline_model_parallel_size=1)),
+     "virtual_pipeline_model_parallel_size=1 needs pipeline_model_parallel_size >= 2"),
+    (dict(strategy_args=dict(micro_batch_size=2)), "strategy micro_batch_size=2 disagrees with data micro_batch_size=4"),
     (dict(data_hparams=dict(global_batch_size=12)), "global_batch_size=12 is not divisible by micro_batch_size=4 "
                                                      "x data-parallel size=2"),
     (dict(data_hparams=dict(global_batch_size=10)), "global_batch_size=10 is not divisible by micro_batch_size=4"),
