@@ -175,11 +175,11 @@ def measured(tmp_path_factory):
     import subprocess
     import sys
 
-    from dist_utils import _free_port
+    from lightning_megatron.check.spawn import free_port
 
     root = tmp_path_factory.mktemp("megatron")
     here = os.path.dirname(__file__)
-    env = dict(os.environ, MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, MASTER_PORT=str(free_port()),
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", "import sys, test_bert_megatron_import as t; "
                            "t.write_megatron_checkpoints(sys.argv[1])", str(root)],

@@ -24,14 +24,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_distributed", "DistributedTestFailure"]
+__all__ = ["run_distributed", "DistributedTestFailure", "free_port"]
 
 
 class DistributedTestFailure(AssertionError):
     """A rank raised or died; the message carries that rank's traceback."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -78,7 +79,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout, fn, args, kwargs, results),
                     daemon=True)
