@@ -75,6 +75,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     from lightning_megatron.models.bert.module import BertLightningModule
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
+    from lightning_megatron.loggers import WandbRunIdCallback
 
     class MegatronCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -89,6 +90,8 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             from lightning_megatron.config_checks import ConfigError, config_from_cli, validate_config
 
             config = self.config[self.subcommand] if self.subcommand else self.config
+            _one_run_folder(config)
+            _continue_wandb_run(config)
             _clamp_warmup(config)
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
@@ -101,12 +104,81 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
         def before_validate(self) -> None:
             _log_run_config(self.trainer)
 
+        def before_test(self) -> None:
+            _log_run_config(self.trainer)
+
+        def before_predict(self) -> None:
+            _log_run_config(self.trainer)
+
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
                 print(_summary(self.trainer), flush=True)
 
-    return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args, save_config_kwargs={"overwrite": True},
-                       seed_everything_default=1234, **kwargs)
+    # Every checkpoint records the W&B run id (see _continue_wandb_run); trainer_defaults' callbacks are
+    # added to the configured ones.
+    defaults = dict(kwargs.pop("trainer_defaults", None) or {})
+    extra = defaults.get("callbacks") or []
+    defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback()]
+    return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args,
+                       save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
+                       trainer_defaults=defaults, **kwargs)
+
+
+def _entries(value: Any) -> list[Any]:
+    """The class_path/init_args entries of a parsed ``trainer.logger`` or ``trainer.callbacks`` value."""
+    items = value if isinstance(value, list) else [value]
+    return [v for v in items if hasattr(v, "get") and v.get("class_path") and v.get("init_args") is not None]
+
+
+def _is_subclass(class_path: str, base: type) -> bool:
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:  # already imported by the parser
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _one_run_folder(config) -> None:
+    """One run folder, ``trainer.default_root_dir``: a logger without a ``save_dir`` (a WandbLogger at
+    its default ``"."``) and a ModelCheckpoint without a ``dirpath`` (-> ``<root>/checkpoints``) follow
+    it; explicit values are kept."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import WandbLogger
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if not trainer:
+        return
+    root = os.fspath(trainer.get("default_root_dir") or os.getcwd())
+    for logger in _entries(trainer.get("logger")):
+        args = logger.init_args
+        if "save_dir" not in args:
+            continue
+        if args.save_dir is None or (_is_subclass(logger.class_path, WandbLogger) and args.save_dir == "."
+                                     and not args.get("dir")):
+            args.save_dir = root
+    for callback in _entries(trainer.get("callbacks")):
+        if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
+            callback.init_args.dirpath = os.path.join(root, "checkpoints")
+
+
+def _continue_wandb_run(config) -> None:
+    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT``: a WandbLogger without an ``id``
+    continues the W&B run that wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lightning_megatron.loggers import saved_wandb_run_id
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    run_id = saved_wandb_run_id(config.get("ckpt_path")) if trainer else None
+    if run_id is None:
+        return
+    for logger in _entries(trainer.get("logger")):
+        args = logger.init_args
+        if _is_subclass(logger.class_path, WandbLogger) and not args.get("id") and not args.get("version"):
+            args.id = run_id
 
 
 def _log_run_config(trainer) -> None:
