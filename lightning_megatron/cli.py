@@ -11,7 +11,10 @@
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
 so every argument of the Trainer, the strategy, the model and the data is a dotted override. The
 Megatron callbacks are named argument groups: ``--megatron_optimizer.clip_grad 0.5``,
-``--lr_schedule.lr_warmup_steps 10`` (recipes configure them in those sections).
+``--lr_schedule.lr_warmup_steps 10`` (recipes configure them in those sections; ``--lr_schedule null``
+drops one). ``--optimizer torch.optim.SGD --optimizer.momentum 0.9`` and ``--lr_scheduler ...`` take
+any torch optimizer and LR scheduler as LightningCLI does, built by the model on its parameter groups.
+Logs and checkpoints go under ``trainer.default_root_dir``; W&B continues the run of a checkpoint.
 The other commands are plain functions in ``COMMANDS`` (name -> (function(argv), one-line help)).
 """
 
@@ -21,7 +24,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["main", "plot_runs", "COMMANDS"]
 
@@ -68,20 +71,39 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                    **kwargs) -> Any:
     """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
     (``run=False`` in kwargs: only build)."""
-    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+    from torch.optim import Optimizer
 
     import lightning_megatron.strategy  # noqa: F401  registers strategy="megatron"
     from lightning_megatron.data.datamodule import BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
+    from lightning_megatron.loggers import WandbRunIdCallback
+
+    _NAMED_CALLBACKS = {"megatron_optimizer": MegatronOptimizerCallback, "lr_schedule": OptimizerParamSchedulerCallback}
 
     class MegatronCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
             # Named groups, so that every argument is a command-line override (a callback inside
-            # trainer.callbacks' list is not). Present in a config or on the command line: added.
-            parser.add_lightning_class_args(MegatronOptimizerCallback, "megatron_optimizer", required=False)
-            parser.add_lightning_class_args(OptimizerParamSchedulerCallback, "lr_schedule", required=False)
+            # trainer.callbacks' list is not). Optional: a section in the config (its arguments, no
+            # class_path) or --lr_schedule.max_lr ... adds the callback, --lr_schedule null removes it;
+            # before_instantiate_classes moves them into trainer.callbacks.
+            for key, callback in _NAMED_CALLBACKS.items():
+                parser.add_argument(f"--{key}", type=Optional[callback], default=None,
+                                    help=f"{callback.__name__} (a section of its arguments; null: none)")
+            # --optimizer torch.optim.SGD --optimizer.momentum 0.9 (and --lr_scheduler ...), as LightningCLI
+            # has them, but linked into the model, which builds them on its parameter groups (no weight
+            # decay on biases and norms) once its chunks exist: LightningCLI's automatic
+            # configure_optimizers (switched off below) would use model.parameters() before configure_model.
+            # lr and weight_decay stay the model's (--model.lr; the lr_schedule group drives both).
+            parser.add_subclass_arguments((Optimizer,), "optimizer", instantiate=False, required=False,
+                                          fail_untyped=False, skip={"params", "lr", "weight_decay"})
+            parser.add_subclass_arguments(LRSchedulerTypeTuple, "lr_scheduler", instantiate=False, required=False,
+                                          fail_untyped=False, skip={"optimizer"})
+            for group in ("optimizer", "lr_scheduler"):
+                parser.link_arguments(group, f"model.{group}_class", compute_fn=_class_path)
+                parser.link_arguments(group, f"model.{group}_kwargs", compute_fn=_init_args)
 
         def before_instantiate_classes(self) -> None:
             # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
@@ -89,6 +111,13 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             from lightning_megatron.config_checks import ConfigError, config_from_cli, validate_config
 
             config = self.config[self.subcommand] if self.subcommand else self.config
+            if config.get("lr_scheduler") and config.get("lr_schedule"):
+                raise SystemExit(f"lightning-megatron: --lr_scheduler {config.lr_scheduler.class_path} and the "
+                                 f"lr_schedule section (OptimizerParamSchedulerCallback) would both set the lr every "
+                                 f"step: use one (--lr_schedule null drops the recipe's schedule)")
+            _named_callbacks_into_trainer(config)
+            _one_run_folder(config)
+            _continue_wandb_run(config)
             _clamp_warmup(config)
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
@@ -101,12 +130,106 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
         def before_validate(self) -> None:
             _log_run_config(self.trainer)
 
+        def before_test(self) -> None:
+            _log_run_config(self.trainer)
+
+        def before_predict(self) -> None:
+            _log_run_config(self.trainer)
+
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
                 print(_summary(self.trainer), flush=True)
 
-    return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args, save_config_kwargs={"overwrite": True},
-                       seed_everything_default=1234, **kwargs)
+    # Every checkpoint records the W&B run id (see _continue_wandb_run); trainer_defaults' callbacks are
+    # added to the configured ones.
+    defaults = dict(kwargs.pop("trainer_defaults", None) or {})
+    extra = defaults.get("callbacks") or []
+    defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback()]
+    return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args,
+                       save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
+                       trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
+
+
+def _class_path(spec: Any) -> str | None:
+    return spec.class_path if spec else None
+
+
+def _init_args(spec: Any) -> dict[str, Any] | None:
+    if not spec:
+        return None
+    args = spec.get("init_args")
+    return dict(args.as_dict() if hasattr(args, "as_dict") else args or {})
+
+
+def _named_callbacks_into_trainer(config) -> None:
+    """The ``megatron_optimizer`` / ``lr_schedule`` sections (class_path + init_args once parsed) join
+    ``trainer.callbacks``, where Lightning instantiates them with the others."""
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if trainer is None:
+        return
+    for key in ("megatron_optimizer", "lr_schedule"):
+        spec = config.get(key)
+        if spec:
+            callbacks = trainer.get("callbacks") or []
+            trainer.callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), spec]
+            config[key] = None
+
+
+def _entries(value: Any) -> list[Any]:
+    """The class_path/init_args entries of a parsed ``trainer.logger`` or ``trainer.callbacks`` value."""
+    items = value if isinstance(value, list) else [value]
+    return [v for v in items if hasattr(v, "get") and v.get("class_path") and v.get("init_args") is not None]
+
+
+def _is_subclass(class_path: str, base: type) -> bool:
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:  # already imported by the parser
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _one_run_folder(config) -> None:
+    """One run folder, ``trainer.default_root_dir``: a logger without a ``save_dir`` (a WandbLogger at
+    its default ``"."``) and a ModelCheckpoint without a ``dirpath`` (-> ``<root>/checkpoints``) follow
+    it; explicit values are kept."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import WandbLogger
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if not trainer:
+        return
+    root = os.fspath(trainer.get("default_root_dir") or os.getcwd())
+    for logger in _entries(trainer.get("logger")):
+        args = logger.init_args
+        if "save_dir" not in args:
+            continue
+        if args.save_dir is None or (_is_subclass(logger.class_path, WandbLogger) and args.save_dir == "."
+                                     and not args.get("dir")):
+            args.save_dir = root
+    for callback in _entries(trainer.get("callbacks")):
+        if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
+            callback.init_args.dirpath = os.path.join(root, "checkpoints")
+
+
+def _continue_wandb_run(config) -> None:
+    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT``: a WandbLogger without an ``id``
+    continues the W&B run that wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lightning_megatron.loggers import saved_wandb_run_id
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    run_id = saved_wandb_run_id(config.get("ckpt_path")) if trainer else None
+    if run_id is None:
+        return
+    for logger in _entries(trainer.get("logger")):
+        args = logger.init_args
+        if _is_subclass(logger.class_path, WandbLogger) and not args.get("id") and not args.get("version"):
+            args.id = run_id
 
 
 def _log_run_config(trainer) -> None:
@@ -129,10 +252,14 @@ def _clamp_warmup(config) -> None:
     """A warm-up as long as the run would fail in the scheduler after start-up: shorten it now, loudly."""
     import warnings
 
-    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
+    from lightning_megatron.callbacks import OptimizerParamSchedulerCallback
+
     trainer = config.get("trainer") if hasattr(config, "get") else None
-    if not schedule or not trainer:
+    specs = [cb.init_args for cb in _entries(trainer.get("callbacks") if trainer else None)
+             if _is_subclass(cb.class_path, OptimizerParamSchedulerCallback)]
+    if not specs:  # the lr_schedule section is among trainer.callbacks by now (_named_callbacks_into_trainer)
         return
+    schedule = specs[0]
     max_steps = trainer.get("max_steps") or -1
     warmup = schedule.get("lr_warmup_steps") or 0
     decay = schedule.get("lr_decay_steps") or max_steps

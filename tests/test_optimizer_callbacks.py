@@ -89,9 +89,14 @@ def test_bf16_fit_wraps_logs_and_schedules():
     assert float(m["loss_scale"]) == 1.0 and float(m["skipped_steps"]) == 0.0 and float(m["grad_norm"]) > 0
     # Six optimizer steps -> the schedule at n = 6: cosine between warm-up 2 and decay 10.
     assert sched_cb.scheduler.num_steps == 6
-    lr6 = 1e-3 + 0.5 * (1 + math.cos(math.pi * 4 / 8)) * (1e-2 - 1e-3)
+    def cosine(n):
+        return 1e-3 + 0.5 * (1 + math.cos(math.pi * (n - 2) / 8)) * (1e-2 - 1e-3)
+
+    lr6 = cosine(6)
     decayed, undecayed = opt.param_groups
-    assert decayed["lr"] == pytest.approx(lr6) and float(m["lr"]) == pytest.approx(lr6)
+    assert decayed["lr"] == pytest.approx(lr6)
+    # The logged lr is the one the 6th step used (the schedule at n = 5), as LearningRateMonitor logs it.
+    assert float(m["lr"]) == pytest.approx(cosine(5))
     assert decayed["weight_decay"] == pytest.approx(0.06) and undecayed["weight_decay"] == 0.0
     # Callback state both ways round: loaded after the scheduler exists (strategies that restore after
     # setup) it applies at once; loaded before (the usual order) it waits for on_fit_start.
@@ -189,3 +194,29 @@ def test_refusals():
         MegatronOptimizerCallback(loss_scale=0.0)
     with pytest.raises(ValueError, match="hysteresis"):
         MegatronOptimizerCallback(hysteresis=0)
+
+
+def test_logged_lr_equals_lr_monitor_at_every_step(tmp_path):
+    """Our `lr` is the lr the optimizer step of that logged step used: Lightning's LearningRateMonitor
+    logs the same value at the same step (a warm-up then cosine, so an off-by-one step differs)."""
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = pl.Trainer(accelerator=accelerator(), devices=1, max_steps=8, max_epochs=None, log_every_n_steps=1,
+                         callbacks=[_sched_cb(), LearningRateMonitor(logging_interval="step")],
+                         logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(TinyModule())
+    ours, monitor = {}, {}
+    with open(trainer.logger.log_dir + "/metrics.csv") as fh:
+        for row in csv.DictReader(fh):
+            if row.get("lr"):
+                ours[int(row["step"])] = float(row["lr"])
+            if row.get("lr-AdamW/pg1"):
+                monitor[int(row["step"])] = float(row["lr-AdamW/pg1"])
+    assert sorted(ours) == sorted(monitor) == list(range(8))
+    # self.log stores a float32 tensor; the monitor logs the Python float (one float32 rounding apart).
+    assert ours == pytest.approx(monitor, rel=1e-7)
+    assert ours[0] == pytest.approx(1e-4, rel=1e-7) and len(set(ours.values())) == 8  # init_lr, then a new lr every step

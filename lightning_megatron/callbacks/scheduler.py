@@ -26,7 +26,8 @@ class OptimizerParamSchedulerCallback(Callback):
 
     Arguments are the scheduler's, with two defaults resolved at fit time:
     ``lr_decay_steps=None`` -> ``trainer.max_steps`` and ``wd_incr_steps=None`` -> the same.
-    Logs ``lr`` and ``wd``: the schedule's values before per-group ``lr_mult`` / ``wd_mult``.
+    Logs ``lr`` and ``wd`` at every step: the values that step's optimizer step used (what
+    Lightning's ``LearningRateMonitor`` logs at the same step), before per-group ``lr_mult`` / ``wd_mult``.
 
     On resume Megatron's rule applies to every field (``max_lr``, ``min_lr``, ``lr_warmup_steps``,
     ``lr_decay_steps``, ``lr_decay_style`` and the weight-decay fields): by default
@@ -125,12 +126,15 @@ class OptimizerParamSchedulerCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self.scheduler is not None
+        # The values this batch's optimizer step used (logged at this step, as LearningRateMonitor
+        # logs them), read before the schedule moves on to the next step's.
+        lr, wd = self.scheduler.get_lr({}), self.scheduler.get_wd()
         if trainer.global_step > self._last_global_step:  # an optimizer step ran this batch
             self._last_global_step = trainer.global_step
             if not getattr(trainer.optimizers[0], "last_step_skipped", False):
                 self.scheduler.step(1)
-        pl_module.log("lr", self.scheduler.get_lr({}), on_step=True, on_epoch=False, rank_zero_only=True)
-        pl_module.log("wd", self.scheduler.get_wd(), on_step=True, on_epoch=False, rank_zero_only=True)
+        pl_module.log("lr", lr, on_step=True, on_epoch=False, rank_zero_only=True)
+        pl_module.log("wd", wd, on_step=True, on_epoch=False, rank_zero_only=True)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -96,9 +96,13 @@ class BertLightningModule(LightningModule):
             checkpoint is resumed (``ckpt_path``), which restores its own weights.
         optimizer_class: any ``torch.optim`` optimizer by name (``torch.optim.SGD``, ``NAdam``...),
             replacing ``optimizer``; built on the same parameter groups (no weight decay on biases
-            and norms) with ``lr``, ``weight_decay`` and ``optimizer_kwargs`` (e.g.
-            ``--model.optimizer_kwargs '{momentum: 0.9, nesterov: true}'``). The Megatron callbacks
-            (fp32 main params, clipping, the lr schedule) wrap it like the built-in ones.
+            and norms) with ``lr``, ``weight_decay`` and ``optimizer_kwargs`` (``{"momentum": 0.9,
+            "nesterov": True}``). The Megatron callbacks (fp32 main params, clipping, the lr schedule)
+            wrap it like the built-in ones. The CLI sets both from ``--optimizer torch.optim.SGD
+            --optimizer.momentum 0.9`` (docs/recipes.md).
+        lr_scheduler_class, lr_scheduler_kwargs: a ``torch.optim.lr_scheduler`` scheduler by name and
+            its arguments, stepped every optimizer step (CLI: ``--lr_scheduler ...``); not together
+            with the OptimizerParamSchedulerCallback, which also sets the lr.
         predict_output: what ``predict_step`` returns per sample: ``"masked_lm"`` (the predicted
             token id at every position, ``[b, s]``), ``"pooled"`` (the pooler output, ``[b, h]``)
             or ``"hidden"`` (the encoder output, ``[b, s, h]``).
@@ -146,6 +150,8 @@ class BertLightningModule(LightningModule):
         predict_output: Literal["masked_lm", "pooled", "hidden"] = "masked_lm",
         optimizer_class: str | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
+        lr_scheduler_class: str | None = None,
+        lr_scheduler_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if params_dtype not in _DTYPES:
@@ -425,22 +431,41 @@ class BertLightningModule(LightningModule):
     # ------------------------------------------------------------------ optimizer
 
     @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        """The optimizer on :func:`get_param_groups` (and the ``lr_scheduler_class`` one, stepped every step)."""
         hp = self.hparams
         assert self.model_chunks is not None
         groups = get_param_groups(list(self.model_chunks), lr=hp.lr, weight_decay=hp.weight_decay)
         if hp.get("optimizer_class"):
-            name = hp.optimizer_class.removeprefix("torch.optim.")
-            cls = getattr(torch.optim, name, None)
-            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-                raise ValueError(f"optimizer_class={hp.optimizer_class!r} is not a torch.optim optimizer "
-                                 f"(e.g. torch.optim.SGD, torch.optim.NAdam)")
-            return cls(groups, lr=hp.lr, weight_decay=hp.weight_decay, **(hp.get("optimizer_kwargs") or {}))
-        if hp.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
-        cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
-        return cls(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
-                   weight_decay=hp.weight_decay, fused=hp.fused_optimizer or None)
+            cls = _torch_class(hp.optimizer_class, torch.optim, torch.optim.Optimizer, "optimizer_class",
+                               "optimizer", "torch.optim.SGD, torch.optim.NAdam")
+            kwargs = dict(hp.get("optimizer_kwargs") or {})
+            for name in ("lr", "weight_decay"):
+                if name in kwargs:
+                    raise ValueError(f"optimizer_kwargs sets {name}={kwargs[name]!r}: the parameter groups take "
+                                     f"it from the model's {name} (--model.{name}); drop it from the optimizer's "
+                                     f"arguments")
+            optimizer = cls(groups, lr=hp.lr, weight_decay=hp.weight_decay, **kwargs)
+        elif hp.optimizer == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
+        else:
+            cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
+            optimizer = cls(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
+                            weight_decay=hp.weight_decay, fused=hp.fused_optimizer or None)
+        if not hp.get("lr_scheduler_class"):
+            return optimizer
+        cls = _torch_class(hp.lr_scheduler_class, torch.optim.lr_scheduler, torch.optim.lr_scheduler.LRScheduler,
+                           "lr_scheduler_class", "LR scheduler", "torch.optim.lr_scheduler.StepLR, ...")
+        scheduler = cls(optimizer, **(hp.get("lr_scheduler_kwargs") or {}))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _torch_class(path: str, namespace: Any, base: type, arg: str, kind: str, examples: str) -> type:
+    """A class of ``namespace`` (torch.optim or torch.optim.lr_scheduler) by name; nothing else is imported."""
+    cls = getattr(namespace, path.removeprefix(namespace.__name__ + "."), None)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"{arg}={path!r} is not a {namespace.__name__} {kind} (e.g. {examples})")
+    return cls
 
 
 def _tag_vocab_parallel(chunk: BertModel, vocab_size: int) -> None:

@@ -1,0 +1,79 @@
+"""--optimizer / --lr_scheduler the LightningCLI way, built on the model's parameter groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "bert_tiny.yaml")
+
+
+def _built(*extra: str, recipe: str = RECIPE) -> dict:
+    from lightning_megatron.cli import _lightning_cli
+
+    try:
+        cli = _lightning_cli(run=False, args=["--config", recipe, "--trainer.accelerator", "cpu",
+                                              "--trainer.logger", "false", "--model.vocab_size", "512", *extra])
+    except SystemExit as e:
+        return {"exit": str(e.code)}
+    model = cli.model
+    model.configure_model()
+    out = model.configure_optimizers()
+    opt, sched = (out["optimizer"], out["lr_scheduler"]) if isinstance(out, dict) else (out, None)
+    names = {id(p): n for n, p in model.sharded_named_parameters()}
+    groups = [{"weight_decay": g["weight_decay"], "lr": g["lr"],
+               "names": sorted(names[id(p)] for p in g["params"])} for g in opt.param_groups]
+    schedules = [c for c in cli.trainer.callbacks if type(c).__name__ == "OptimizerParamSchedulerCallback"]
+    [schedule] = schedules or [None]
+    return {"optimizer": type(opt).__name__, "schedule": schedule and schedule.kwargs, "defaults": dict(opt.defaults), "groups": groups,
+            "scheduler": None if sched is None else (type(sched["scheduler"]).__name__, sched["interval"],
+                                                     getattr(sched["scheduler"], "step_size", None)),
+            "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks)}
+
+
+def _worker(no_schedule_recipe: str) -> list[dict]:
+    return [
+        _built("--optimizer", "torch.optim.SGD", "--optimizer.nesterov", "true", "--optimizer.momentum", "0.9",
+               "--optimizer.dampening", "0.0"),
+        _built(),
+        _built("--lr_scheduler", "torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size", "3",
+               recipe=no_schedule_recipe),
+        _built("--lr_scheduler", "torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size", "3"),
+        _built("--lr_schedule", "null", "--lr_scheduler", "torch.optim.lr_scheduler.StepLR",
+               "--lr_scheduler.step_size", "3"),
+        _built("--trainer.max_steps", "10", "--lr_schedule.max_lr", "0.5"),
+    ]
+
+
+def test_optimizer_and_lr_scheduler_from_the_command_line(tmp_path):
+    import yaml
+    from dist_utils import run_distributed
+
+    recipe = yaml.safe_load(Path(RECIPE).read_text())
+    del recipe["lr_schedule"]
+    no_schedule = tmp_path / "no_schedule.yaml"
+    no_schedule.write_text(yaml.safe_dump(recipe))
+    [[sgd, default, stepped, both, dropped, overridden]] = run_distributed(_worker, 1, str(no_schedule), timeout=240)
+
+    # SGD with nesterov on our two groups: decay on weights, none on biases and norm weights.
+    assert sgd["optimizer"] == "SGD"
+    assert sgd["defaults"]["nesterov"] is True and sgd["defaults"]["momentum"] == 0.9
+    assert sgd["defaults"]["dampening"] == 0.0
+    decay, no_decay = sgd["groups"]
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0  # model.weight_decay
+    assert decay["lr"] == no_decay["lr"] == 1e-3  # model.lr (the lr_schedule callback drives it)
+    assert all(n.endswith("weight") and "norm" not in n for n in decay["names"])
+    assert any(n.endswith("bias") for n in no_decay["names"]) and any("norm" in n for n in no_decay["names"])
+    assert {"MegatronOptimizerCallback", "OptimizerParamSchedulerCallback"} <= set(sgd["callbacks"])
+    assert sgd["scheduler"] is None
+    # The recipe's shorthand (optimizer: adamw) is unchanged, on the same groups.
+    assert default["optimizer"] == "AdamW" and [g["names"] for g in default["groups"]] == [decay["names"],
+                                                                                           no_decay["names"]]
+    # A torch LR scheduler, stepped every optimizer step, with a recipe without the lr_schedule section
+    # (then no schedule callback) or with --lr_schedule null; with the section too: refused.
+    assert stepped["scheduler"] == dropped["scheduler"] == ("StepLR", "step", 3)
+    assert "OptimizerParamSchedulerCallback" not in stepped["callbacks"] + dropped["callbacks"]
+    assert "--lr_scheduler torch.optim.lr_scheduler.StepLR" in both["exit"] and "lr_schedule" in both["exit"]
+    # The section's arguments reach the callback, overrides and the warm-up clamp included.
+    assert default["schedule"]["max_lr"] == 1e-3 and default["schedule"]["lr_warmup_steps"] == 30
+    assert overridden["schedule"]["max_lr"] == 0.5 and overridden["schedule"]["lr_warmup_steps"] == 1

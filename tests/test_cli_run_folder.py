@@ -1,0 +1,78 @@
+"""One run folder (trainer.default_root_dir) for CSV, W&B and checkpoints; validate/test of a checkpoint
+continue the W&B run that wrote it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "bert_tiny.yaml")
+
+
+def _build_worker(*extras: list[str]) -> list[dict]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_megatron.cli import _lightning_cli
+
+    built = []
+    for extra in extras:
+        cli = _lightning_cli(run=False, args=["--config", RECIPE, "--trainer.accelerator", "cpu", *extra])
+        loggers = {type(lg).__name__: os.path.abspath(lg.save_dir) for lg in cli.trainer.loggers}
+        [csv] = [lg for lg in cli.trainer.loggers if type(lg).__name__ == "CSVLogger"]
+        [ckpt] = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
+        built.append({"loggers": loggers, "csv_log_dir": os.path.abspath(csv.log_dir),
+                      "checkpoints": os.path.abspath(ckpt.dirpath)})
+    return built
+
+
+def test_default_root_dir_moves_logs_and_checkpoints(tmp_path):
+    from dist_utils import run_distributed
+
+    for recipe in (ROOT / "recipes").glob("*.yaml"):  # each recipe names its run folder once
+        assert len(re.findall(r"\bruns/\w+\b(?!/checkpoints/last)", recipe.read_text())) == 1, recipe.name
+    root = str(tmp_path / "x")
+    explicit = str(tmp_path / "elsewhere")
+    [[moved, kept]] = run_distributed(_build_worker, 1, ["--trainer.default_root_dir", root], [
+        "--trainer.default_root_dir", root, "--trainer.logger",
+        '[{"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": "%s"}},'
+        ' {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "%s"}}]'
+        % (explicit, explicit)], timeout=180)
+    assert moved["loggers"] == {"CSVLogger": root, "WandbLogger": root}
+    assert moved["csv_log_dir"].startswith(os.path.join(root, "csv", "version_"))
+    assert moved["checkpoints"] == os.path.join(root, "checkpoints")
+    assert kept["loggers"] == {"CSVLogger": explicit, "WandbLogger": explicit}  # explicit values win
+
+
+def _cli(tmp: Path, command: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "lightning_megatron.cli", command, "--config", RECIPE,
+           "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
+           "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp / "run"),
+           "--trainer.enable_progress_bar", "false", "--model.num_layers", "1", "--model.hidden_size", "32",
+           "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "64", "--data.global_batch_size", "2",
+           "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.max_sequence_length", "32", *args]
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def test_validate_continues_the_wandb_run_of_the_checkpoint(tmp_path):
+    """fit writes its W&B run id into the checkpoint; validate of it continues that run (a resumed
+    fit reads the id the same way), and each logs the trainer, strategy, layout and precision into
+    the W&B config."""
+    import torch
+
+    _cli(tmp_path, "fit", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
+         "--lr_schedule.lr_warmup_steps", "0")
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    run_id = torch.load(ckpt / "extra.pt", weights_only=True)["wandb_run_id"]
+    _cli(tmp_path, "validate", "--trainer.limit_val_batches", "1", "--ckpt_path", str(ckpt))
+    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert [r.name.rsplit("-", 1)[1] for r in runs] == [run_id, run_id], (run_id, runs)
+    for run in runs:
+        records = b"".join(p.read_bytes() for p in run.glob("*.wandb"))
+        assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision")), run
