@@ -234,15 +234,18 @@ def _continue_wandb_run(config) -> None:
 
 def _log_run_config(trainer) -> None:
     """Trainer, strategy, layout and precision into the loggers' config (W&B shows only the module's otherwise)."""
+    from lightning_megatron.strategy import MegatronStrategy
+
     strategy = trainer.strategy
     run = {"trainer": {"max_steps": trainer.max_steps, "precision": str(trainer.precision),
                        "devices": trainer.num_devices, "num_nodes": trainer.num_nodes,
                        "accelerator": type(trainer.accelerator).__name__},
            "strategy": type(strategy).__name__}
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "sequence_parallel", "micro_batch_size"):
-        if hasattr(strategy, key):
-            run.setdefault("layout", {})[key] = getattr(strategy, key)
+    if isinstance(strategy, MegatronStrategy):  # before launch: the strategy's arguments
+        run["layout"] = {"tensor_model_parallel_size": strategy.tensor_model_parallel_size,
+                         "pipeline_model_parallel_size": strategy.pipeline_model_parallel_size,
+                         "virtual_pipeline_model_parallel_size": strategy.virtual_pipeline_model_parallel_size,
+                         "sequence_parallel": strategy.sequence_parallel, "micro_batch_size": strategy.micro_batch_size}
     for logger in trainer.loggers:
         if type(logger).__name__ == "WandbLogger":
             logger.log_hyperparams(run)  # rank zero only

@@ -145,3 +145,15 @@ def test_cli_lists_layouts_that_fit(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["check", "--config", str(recipe), "--estimate-memory", "--gpus", "4", "--gpu-memory", "1MB"])
     assert e.value.code == 1 and "0 of" in capsys.readouterr().out
+
+
+def test_recipe_check_keeps_the_megatron_callback_sections():
+    """``check --config`` runs a recipe's layouts with its clipping and lr schedule (the CLI's named sections)."""
+    from pathlib import Path
+
+    from lightning_megatron.check.recipe import build_callbacks, load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml")
+    built = {type(cb).__name__: cb for cb in build_callbacks(recipe.callbacks, None)}
+    assert built["MegatronOptimizerCallback"].config.clip_grad == 1.0
+    assert built["OptimizerParamSchedulerCallback"].kwargs["max_lr"] == 1.0e-3

@@ -20,6 +20,8 @@ from lightning_megatron.check.layouts import Layout
 
 __all__ = ["RecipeCheck", "load_recipe", "parse_overrides"]
 
+_SECTIONS = {"megatron_optimizer": "MegatronOptimizerCallback", "lr_schedule": "OptimizerParamSchedulerCallback"}
+"""The recipe sections the CLI turns into callbacks (see lightning_megatron.cli)."""
 _CALLBACKS = {"lightning_megatron.callbacks.MegatronOptimizerCallback",
               "lightning_megatron.callbacks.optimizer.MegatronOptimizerCallback",
               "lightning_megatron.callbacks.OptimizerParamSchedulerCallback",
@@ -94,6 +96,10 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
             kept.append((path_.rsplit(".", 1)[1], dict(cb.get("init_args") or {})))
         else:
             skipped.append(path_)
+    # The CLI's named sections (``megatron_optimizer:``, ``lr_schedule:``) are these callbacks too.
+    for section, name in _SECTIONS.items():
+        if cfg.get(section) is not None:
+            kept.append((name, dict(cfg[section])))
     precision = trainer.get("precision")
     return RecipeCheck(model=model, data=data, callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"))
