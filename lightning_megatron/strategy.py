@@ -65,17 +65,13 @@ class MegatronStrategy(DDPStrategy):
         seed: seed of the default and model-parallel RNG streams (dropout); weights are seeded by the model.
         ddp_bucket_size_mb: size of the buckets of the fp32 grad buffer, the unit of the
             data-parallel gradient reduction (all-reduce, or reduce-scatter with ZeRO-1).
-        overlap_grad_reduce: start each bucket's DP reduction during the last microbatch's backward,
-            as soon as its grads are final, and wait for it only before the optimizer step
-            (megatron-core's name). ``None`` (default): on, except with the CPU tuning's
-            shared-memory collectives, which are synchronous: each bucket would wait for the slower
-            DP rank inside backward (docs/benchmarks.md). Results are bitwise equal either way.
+        overlap_grad_reduce: start each bucket's DP reduction in the last microbatch's backward and wait
+            for it before the optimizer step (megatron-core's name; bitwise equal either way). ``None``:
+            on, except with the CPU tuning's synchronous shared-memory collectives (docs/strategy.md).
         overlap_param_gather: ZeRO-1 parameter all-gather overlapped with the next forward: not
             implemented; ``True`` is refused.
-        cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`: shared-memory
-            collectives, glibc allocator setting, CPU dropout and attention kernels); ``True`` is
-            ``CPUTuning()``. Default ``None``: the same code path as on accelerators. It acts only
-            when the root device is a CPU.
+        cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`); ``True`` is
+            ``CPUTuning()``. Default ``None``: the same code path as on accelerators.
         timeout: collective timeout; a failing rank ends the job after at most this long.
         Others as :class:`lightning.pytorch.strategies.DDPStrategy`.
     """
@@ -386,15 +382,11 @@ class MegatronStrategy(DDPStrategy):
         super().teardown()
 
 
-# ---------------------------------------------------------------------- helpers
-
-
 def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    if "megatron" not in StrategyRegistry:
-        StrategyRegistry.register("megatron", MegatronStrategy,
-                                  description="Megatron-style tensor, pipeline and data parallelism")
+    if "megatron" not in StrategyRegistry:  # Trainer(strategy="megatron")
+        StrategyRegistry.register("megatron", MegatronStrategy, description="Megatron-style TP x PP x DP")
 
 
 _register()
