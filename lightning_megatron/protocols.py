@@ -66,7 +66,8 @@ __all__ = [
 LossFunc = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
 """``loss_func(output) -> (loss, {name: scalar tensor to log})``; on the last pipeline stage. ``loss``
 is the mean over the microbatch (backpropagated); the logged ``"loss"`` is what Lightning sees as the
-step's loss (progress bar, ``outputs["loss"]`` in callbacks; ``val_loss`` when validating)."""
+step's loss (progress bar, ``outputs["loss"]`` in callbacks; ``val_loss`` when validating): required
+when training (its absence is refused at the first step)."""
 ForwardStepResult = tuple[Tensor, "LossFunc | None"]
 """``forward_step``'s result: the chunk's output and, on the last stage, the loss function."""
 
