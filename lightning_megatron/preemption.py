@@ -17,6 +17,12 @@ and fails. The MegatronStrategy therefore handles SIGTERM itself, through public
   checkpoint when checkpointing is configured (a ``ModelCheckpoint`` callback) as
   ``<dirpath>/last.ckpt``, which ``--ckpt_path last`` resumes from, with every completed step in it
   (no step lost), and sets the exit status to :data:`SIGTERM_EXIT_CODE` (143 = 128 + SIGTERM).
+- ``teardown`` then calls :meth:`PreemptionHandler.leave`: the ranks meet once more and destroy their
+  process groups, and the launching rank waits for the ranks it started, before any interpreter
+  exits. Left to interpreter shut-down instead, the launching rank (which hosts the rendezvous
+  store) was once seen aborting on the way out ("terminate called without an active exception",
+  status -6 instead of 143); and Lightning's child-process observer SIGKILLs the launching rank
+  when a child exits non-zero first, which every child now does.
 
 A SIGTERM during validation takes effect at the next training step. SLURM's requeue works as in
 Lightning: with ``#SBATCH --signal=USR1@90`` and ``SLURMEnvironment(auto_requeue=True)`` (the
@@ -27,6 +33,7 @@ job, which resumes from it by itself; the SIGTERM that follows, or a plain one, 
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 from pathlib import Path
 from types import FrameType
@@ -55,13 +62,14 @@ class PreemptionHandler:
         self._launcher: Any = None
         self._previous: Any = None
         self._installed = False
+        self.exiting = False  # set when the SIGTERMException is being handled: teardown calls leave()
 
     def install(self, launcher: Any = None) -> None:
         """Become this process's SIGTERM handler (main thread only; elsewhere signals cannot be handled)."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._launcher = launcher
-        self.received = False
+        self.received = self.exiting = False
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         self._installed = True
 
@@ -83,6 +91,34 @@ class PreemptionHandler:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.received = bool(flag.item())
         return self.received
+
+    def leave(self, launcher: Any = None, wait_s: float = 120.0) -> None:
+        """Shut distributed state down in order before this process exits with status 143.
+
+        Collective: every rank calls it (from ``teardown``, after the SIGTERM checkpoint). The
+        ranks meet at a barrier; the launching rank (Lightning's subprocess launcher) then waits
+        up to ``wait_s`` for the ranks it started, which destroy their process groups and exit
+        first, and destroys its own (with the rendezvous store it hosts) last.
+        """
+        children = list(getattr(launcher, "procs", None) or [])
+        if children:
+            # Lightning's observer thread polls this same list and SIGKILLs this process as soon as
+            # a child exits non-zero; emptied, it stops at its next poll. We wait for them below.
+            launcher.procs.clear()
+        initialized = dist.is_available() and dist.is_initialized()
+        if initialized and dist.get_world_size() > 1:
+            dist.barrier()
+        if not children and initialized:
+            dist.destroy_process_group()
+        for child in children:
+            try:
+                child.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                rank_zero_warn(f"SIGTERM: rank process {child.pid} did not exit within {wait_s:.0f} s; killing it")
+                child.kill()
+                child.wait()
+        if children and initialized:
+            dist.destroy_process_group()
 
 
 def sigterm_checkpoint_path(trainer: pl.Trainer) -> Path | None:
@@ -111,7 +147,7 @@ def on_sigterm(trainer: pl.Trainer, exception: BaseException) -> None:
         elif getattr(trainer.checkpoint_callback, "save_on_exception", False):
             rank_zero_info(f"SIGTERM at step {step}: ModelCheckpoint(save_on_exception=True) saves the checkpoint")
         else:
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # the full state: model, optimizer, loops
             rank_zero_info(f"SIGTERM at step {step}: saved {path}; resume with --ckpt_path last. "
                            f"Exiting with status {SIGTERM_EXIT_CODE}")
     exception.code = SIGTERM_EXIT_CODE

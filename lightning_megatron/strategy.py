@@ -370,6 +370,7 @@ class MegatronStrategy(DDPStrategy):
         # SIGTERM: save a checkpoint (when configured) and exit non-zero (lightning_megatron.preemption).
         if isinstance(exception, SIGTERMException) and self.lightning_module is not None:
             on_sigterm(self.lightning_module.trainer, exception)
+            self._preemption.exiting = True
 
     @override
     def teardown(self) -> None:
@@ -380,6 +381,8 @@ class MegatronStrategy(DDPStrategy):
         if self.cpu_tuning is not None:
             self.cpu_tuning.teardown(self.parallel_state)
         super().teardown()
+        if self._preemption.exiting:  # the process exits with 143 next: process groups go first, in order
+            self._preemption.leave(self.launcher)
 
 
 def _register() -> None:
