@@ -71,3 +71,31 @@ def test_handler_flags_and_exit_code():
     with pytest.raises(SystemExit) as info:
         raise exc
     assert info.value.code == 143
+
+
+_LEAVE_SCRIPT = """
+import subprocess, sys, time
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning_megatron.preemption import PreemptionHandler
+
+class Launcher:  # the part of Lightning's _SubprocessScriptLauncher that leave() uses
+    procs = [subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1.0); sys.exit(143)"])]
+
+launcher = Launcher()
+observer = _ChildProcessObserver(0, launcher.procs, sleep_period=0.2)  # Lightning's own, polling fast
+observer._main_pid = __import__("os").getpid()
+observer.start()
+child = launcher.procs[0]
+PreemptionHandler().leave(launcher, wait_s=30)  # no process group here: only the children part
+assert child.returncode == 143, child.returncode
+time.sleep(1.0)  # the observer has polled several times since the child exited with 143
+print("left")
+"""
+
+
+def test_leave_waits_for_children_without_being_killed_by_lightnings_observer():
+    # Lightning's child observer SIGKILLs the launching rank when a child exits non-zero, which every
+    # child does after a SIGTERM (143): leave() waits for the children with the observer disarmed.
+    proc = subprocess.run([sys.executable, "-c", _LEAVE_SCRIPT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and "left" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-2000:])
