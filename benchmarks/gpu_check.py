@@ -283,10 +283,11 @@ def part_fit(device: torch.device, dry: bool, out_dir: Path, budget_s: float) ->
     import yaml
 
     steps = 3 if dry else 50
-    recipe = yaml.safe_load((ROOT / "recipes/bert_base.yaml").read_text())
+    from lightning_megatron.recipes import read_recipe
+
+    recipe = read_recipe(ROOT / "recipes/bert_base.yaml")  # with its base: merged in
+    recipe["lr_schedule"].update(lr_warmup_steps=max(1, steps // 5), lr_decay_steps=None)
     for cb in recipe["trainer"]["callbacks"]:
-        if cb["class_path"].endswith("OptimizerParamSchedulerCallback"):
-            cb["init_args"].update(lr_warmup_steps=max(1, steps // 5), lr_decay_steps=None)
         if cb["class_path"].endswith("ModelCheckpoint"):
             cb["init_args"]["dirpath"] = str(run_dir / "checkpoints")
     config = run_dir / "bert_base_gpu_check.yaml"

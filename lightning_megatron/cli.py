@@ -70,7 +70,8 @@ def _summary(trainer) -> str:
 def _lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
                    **kwargs) -> Any:
     """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
-    (``run=False`` in kwargs: only build)."""
+    (``run=False`` in kwargs: only build). ``args`` (or ``sys.argv`` when None) may name recipes with
+    ``base:``; they are merged first (lightning_megatron.recipes)."""
     from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
     from torch.optim import Optimizer
 
@@ -80,6 +81,11 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
     from lightning_megatron.loggers import WandbRunIdCallback
+
+    if args is None:  # LightningCLI reads sys.argv; Lightning starts the other ranks with it too
+        sys.argv[1:] = _resolve_recipes(sys.argv[1:])
+    else:
+        args = _resolve_recipes(args)
 
     _NAMED_CALLBACKS = {"megatron_optimizer": MegatronOptimizerCallback, "lr_schedule": OptimizerParamSchedulerCallback}
 
@@ -195,7 +201,7 @@ def _is_subclass(class_path: str, base: type) -> bool:
 def _one_run_folder(config) -> None:
     """One run folder, ``trainer.default_root_dir``: a logger without a ``save_dir`` (a WandbLogger at
     its default ``"."``) and a ModelCheckpoint without a ``dirpath`` (-> ``<root>/checkpoints``) follow
-    it; explicit values are kept."""
+    it, and a WandbLogger without a ``name`` is named after it; explicit values are kept."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import WandbLogger
 
@@ -210,6 +216,9 @@ def _one_run_folder(config) -> None:
         if args.save_dir is None or (_is_subclass(logger.class_path, WandbLogger) and args.save_dir == "."
                                      and not args.get("dir")):
             args.save_dir = root
+    for logger in _entries(trainer.get("logger")):
+        if _is_subclass(logger.class_path, WandbLogger) and not logger.init_args.get("name"):
+            logger.init_args.name = os.path.basename(os.path.normpath(root))
     for callback in _entries(trainer.get("callbacks")):
         if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
             callback.init_args.dirpath = os.path.join(root, "checkpoints")
@@ -419,6 +428,16 @@ def main(argv: list[str] | None = None) -> None:
     _wandb_offline_unless_configured()
     # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
     _lightning_cli(None if from_sys_argv else argv)
+
+
+def _resolve_recipes(argv: list[str]) -> list[str]:
+    """``--config RECIPE`` with its ``base:`` recipes merged in (lightning_megatron.recipes)."""
+    from lightning_megatron.recipes import RecipeError, resolve_config_arguments
+
+    try:
+        return resolve_config_arguments(argv)
+    except RecipeError as e:
+        raise SystemExit(f"lightning-megatron: {e}") from None
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def test_optimizer_and_lr_scheduler_from_the_command_line(tmp_path):
     import yaml
     from dist_utils import run_distributed
 
-    recipe = yaml.safe_load(Path(RECIPE).read_text())
+    from lightning_megatron.recipes import read_recipe
+
+    recipe = read_recipe(RECIPE)  # with its base: merged in
     del recipe["lr_schedule"]
     no_schedule = tmp_path / "no_schedule.yaml"
     no_schedule.write_text(yaml.safe_dump(recipe))

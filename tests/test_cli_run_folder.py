@@ -24,15 +24,16 @@ def _build_worker(*extras: list[str]) -> list[dict]:
         loggers = {type(lg).__name__: os.path.abspath(lg.save_dir) for lg in cli.trainer.loggers}
         [csv] = [lg for lg in cli.trainer.loggers if type(lg).__name__ == "CSVLogger"]
         [ckpt] = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
+        [wandb] = [lg for lg in cli.trainer.loggers if type(lg).__name__ == "WandbLogger"]
         built.append({"loggers": loggers, "csv_log_dir": os.path.abspath(csv.log_dir),
-                      "checkpoints": os.path.abspath(ckpt.dirpath)})
+                      "checkpoints": os.path.abspath(ckpt.dirpath), "wandb_name": wandb._wandb_init.get("name")})
     return built
 
 
 def test_default_root_dir_moves_logs_and_checkpoints(tmp_path):
     from dist_utils import run_distributed
 
-    for recipe in (ROOT / "recipes").glob("*.yaml"):  # each recipe names its run folder once
+    for recipe in (ROOT / "recipes").glob("[!_]*.yaml"):  # each recipe names its run folder once (_*: bases)
         assert len(re.findall(r"\bruns/\w+\b(?!/checkpoints/last)", recipe.read_text())) == 1, recipe.name
     root = str(tmp_path / "x")
     explicit = str(tmp_path / "elsewhere")
@@ -44,6 +45,7 @@ def test_default_root_dir_moves_logs_and_checkpoints(tmp_path):
     assert moved["loggers"] == {"CSVLogger": root, "WandbLogger": root}
     assert moved["csv_log_dir"].startswith(os.path.join(root, "csv", "version_"))
     assert moved["checkpoints"] == os.path.join(root, "checkpoints")
+    assert moved["wandb_name"] == "x"  # the W&B run is named after the run folder
     assert kept["loggers"] == {"CSVLogger": explicit, "WandbLogger": explicit}  # explicit values win
 
 

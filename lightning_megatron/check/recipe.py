@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from lightning_megatron.check.layouts import Layout
+from lightning_megatron.recipes import read_recipe
 
 __all__ = ["RecipeCheck", "load_recipe", "parse_overrides"]
 
@@ -81,8 +82,8 @@ def parse_overrides(args: list[str], prefix: str) -> dict[str, Any]:
 
 def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
                 data_overrides: dict[str, Any] | None = None) -> RecipeCheck:
-    """Read a recipe with ``yaml.safe_load`` (no code runs); dropout is turned off."""
-    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    """Read a recipe (``yaml.safe_load``, no code runs; with its ``base:`` recipes); dropout is turned off."""
+    cfg = read_recipe(path)
     model = dict(cfg.get("model") or {})
     model.update(model_overrides or {})
     model.update(hidden_dropout=0.0, attention_dropout=0.0)

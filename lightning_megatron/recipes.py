@@ -1,0 +1,114 @@
+"""Recipe files: a recipe may start from another one (``base:``), so that recipes share what they share.
+
+    base: _bert_pretraining.yaml      # relative to this file; or a list of files, applied in order
+
+A recipe is read with ``yaml.safe_load`` (no code runs), its bases first (recursively), and merged:
+
+- mappings merge key by key at any depth, and a value in the recipe replaces the base's, ``null``
+  included (``lr_schedule: null`` drops the base's section);
+- lists replace the base's list, except lists of ``class_path`` entries (``trainer.callbacks``,
+  ``trainer.logger``): those merge entry by entry on ``class_path``; an entry the base has gets its
+  ``init_args`` merged, a new one is appended;
+- a mapping with a ``class_path`` other than the base's (or where the base has none) replaces it
+  whole: another class's arguments do not carry over.
+
+``lightning-megatron fit|validate|test|predict|finetune ... --config RECIPE`` and ``check --config
+RECIPE`` read recipes this way (:func:`resolve_config_arguments`, :func:`read_recipe`); a recipe
+without ``base:`` is passed to LightningCLI as it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["BASE_KEY", "RecipeError", "merge_recipes", "read_recipe", "resolve_config_arguments"]
+
+BASE_KEY = "base"
+"""The top-level key naming the recipe(s) a recipe starts from."""
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be read: a missing base, a cycle, a top level that is not a mapping."""
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe at ``path`` with its bases merged in (see the module docstring); no ``base`` key left."""
+    return _read(Path(path), ())
+
+
+def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    resolved = path.resolve()
+    if resolved in seen:
+        chain = " -> ".join(str(p) for p in (*seen, resolved))
+        raise RecipeError(f"recipe bases form a cycle: {chain}")
+    if not path.is_file():
+        named_by = f" (the base of {str(seen[-1])!r})" if seen else ""
+        raise RecipeError(f"recipe {str(path)!r}{named_by} is not a file")
+    recipe = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"recipe {str(path)!r}: the top level must be a mapping, not {type(recipe).__name__}")
+    bases = recipe.pop(BASE_KEY, None)
+    if bases is None:
+        return recipe
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise RecipeError(f"recipe {str(path)!r}: {BASE_KEY}: must be a file name or a list of them, not {bases!r}")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        merged = merge_recipes(merged, _read(path.parent / base, (*seen, resolved)))
+    return merge_recipes(merged, recipe)
+
+
+def merge_recipes(base: Any, override: Any) -> Any:
+    """``override`` on top of ``base`` (the rules of the module docstring); neither is modified."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        if "class_path" in override and base.get("class_path") != override["class_path"]:
+            return override
+        out = dict(base)
+        for key, value in override.items():
+            out[key] = merge_recipes(base[key], value) if key in base else value
+        return out
+    if _class_path_list(base) and _class_path_list(override):
+        out = list(base)
+        index = {entry["class_path"]: i for i, entry in enumerate(out)}
+        for entry in override:
+            if entry["class_path"] in index:
+                out[index[entry["class_path"]]] = merge_recipes(out[index[entry["class_path"]]], entry)
+            else:
+                out.append(entry)
+        return out
+    return override
+
+
+def _class_path_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) and "class_path" in v for v in value)
+
+
+def resolve_config_arguments(argv: list[str]) -> list[str]:
+    """Command-line arguments with each ``--config RECIPE`` (``-c``, ``--config=``) of a recipe that has
+    ``base:`` replaced by the merged recipe as YAML text (LightningCLI takes a config as a path or as
+    text); other arguments unchanged."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in ("--config", "-c") and i + 1 < len(out):
+            out[i + 1] = _merged_text(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + _merged_text(arg[len("--config="):])
+    return out
+
+
+def _merged_text(value: str) -> str:
+    path = Path(value)
+    if not path.is_file():
+        return value  # YAML text already, or a missing file LightningCLI reports
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return value  # LightningCLI reports it
+    if not isinstance(raw, dict) or BASE_KEY not in raw:
+        return value
+    return yaml.safe_dump(read_recipe(path), sort_keys=False)

@@ -1,0 +1,88 @@
+"""Recipes share what they share: ``base:`` and its merge rules (lightning_megatron/recipes.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_megatron.recipes import RecipeError, merge_recipes, read_recipe, resolve_config_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+PRETRAINING = ["bert_tiny", "bert_base", "bert_large"]
+
+
+def test_merge_rules():
+    base = {"trainer": {"devices": 2, "strategy": {"class_path": "S", "init_args": {"tp": 1, "pp": 1}},
+                        "callbacks": [{"class_path": "A", "init_args": {"x": 1, "y": 2}},
+                                      {"class_path": "B", "init_args": {"z": 3}}],
+                        "plugins": [1, 2]},
+            "lr_schedule": {"max_lr": 1.0}, "model": {"lr": 0.1}}
+    recipe = {"trainer": {"strategy": {"class_path": "S", "init_args": {"tp": 2}},
+                          "callbacks": [{"class_path": "B", "init_args": {"z": 4}}, {"class_path": "C"}],
+                          "plugins": [3]},
+              "lr_schedule": None, "model": {"class_path": "Other", "init_args": {"h": 1}}}
+    merged = merge_recipes(base, recipe)
+    assert merged["trainer"]["devices"] == 2  # kept from the base
+    assert merged["trainer"]["strategy"] == {"class_path": "S", "init_args": {"tp": 2, "pp": 1}}  # merged deep
+    assert merged["trainer"]["callbacks"] == [{"class_path": "A", "init_args": {"x": 1, "y": 2}},
+                                              {"class_path": "B", "init_args": {"z": 4}},  # merged on class_path
+                                              {"class_path": "C"}]  # appended
+    assert merged["trainer"]["plugins"] == [3]  # other lists are replaced
+    assert merged["lr_schedule"] is None  # null replaces (drops the section)
+    assert merged["model"] == {"class_path": "Other", "init_args": {"h": 1}}  # another class: replaced whole
+    assert base["trainer"]["callbacks"][1]["init_args"] == {"z": 3}  # inputs untouched
+
+
+def test_bases_relative_in_order_and_errors_name_the_files(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.yaml").write_text("x: 1\ny: {p: 1, q: 1}\n")
+    (tmp_path / "sub" / "b.yaml").write_text("base: a.yaml\ny: {q: 2}\n")  # relative to sub/
+    (tmp_path / "c.yaml").write_text("z: 0\ny: {q: 3, r: 3}\n")
+    (tmp_path / "r.yaml").write_text("base: [sub/b.yaml, c.yaml]\nx: 5\n")
+    assert read_recipe(tmp_path / "r.yaml") == {"x": 5, "y": {"p": 1, "q": 3, "r": 3}, "z": 0}
+
+    (tmp_path / "loop1.yaml").write_text("base: loop2.yaml\n")
+    (tmp_path / "loop2.yaml").write_text("base: loop1.yaml\n")
+    with pytest.raises(RecipeError, match="cycle: .*loop1.yaml -> .*loop2.yaml -> .*loop1.yaml"):
+        read_recipe(tmp_path / "loop1.yaml")
+    (tmp_path / "missing.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(RecipeError, match=r"nowhere.yaml' \(the base of .*missing.yaml'\) is not a file"):
+        read_recipe(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("base: {a: 1}\n")
+    with pytest.raises(RecipeError, match="base: must be a file name or a list"):
+        read_recipe(tmp_path / "bad.yaml")
+
+
+def test_config_arguments_get_the_merged_recipe(tmp_path):
+    recipe = ROOT / "recipes" / "bert_tiny.yaml"
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("trainer: {max_steps: 3}\n")
+    args = resolve_config_arguments(["fit", "--config", str(recipe), "-c", str(plain), "--trainer.max_steps", "5"])
+    assert args[0] == "fit" and args[3:] == ["-c", str(plain), "--trainer.max_steps", "5"]  # no base: as given
+    assert yaml.safe_load(args[2]) == read_recipe(recipe) and "base" not in yaml.safe_load(args[2])
+    [joined] = resolve_config_arguments([f"--config={recipe}"])
+    assert yaml.safe_load(joined[len("--config="):]) == read_recipe(recipe)
+
+
+@pytest.mark.parametrize("name", PRETRAINING)
+def test_pretraining_recipes_start_from_the_shared_one_and_do_not_repeat_it(name):
+    raw = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())
+    assert raw["base"] == "_bert_pretraining.yaml"
+    shared = yaml.safe_load((ROOT / "recipes" / "_bert_pretraining.yaml").read_text())
+
+    def repeated(own, base, path=""):  # leaves the recipe sets to the value the base already has
+        if isinstance(own, dict) and isinstance(base, dict):
+            return [r for k, v in own.items() if k != "class_path" and k in base
+                    for r in repeated(v, base[k], f"{path}.{k}")]
+        if isinstance(own, list) and isinstance(base, list):
+            by_class = {e.get("class_path"): e for e in base if isinstance(e, dict)}
+            return [r for e in own if isinstance(e, dict) and e.get("class_path") in by_class
+                    for r in repeated(e, by_class[e["class_path"]], f"{path}[{e['class_path']}]")]
+        return [path] if own == base else []
+
+    assert repeated(raw, shared) == [], f"{name}.yaml repeats what _bert_pretraining.yaml says"
+    merged = read_recipe(ROOT / "recipes" / f"{name}.yaml")
+    assert "base" not in merged and merged["trainer"]["strategy"]["init_args"]["seed"] == 1234
+    assert merged["trainer"]["default_root_dir"] == f"runs/{name}"  # each names its own run folder
