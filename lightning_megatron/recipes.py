@@ -102,13 +102,15 @@ def resolve_config_arguments(argv: list[str]) -> list[str]:
 
 
 def _merged_text(value: str) -> str:
-    path = Path(value)
-    if not path.is_file():
-        return value  # YAML text already, or a missing file LightningCLI reports
+    # YAML text already (the ranks Lightning starts get this process's sys.argv, merged), or a file
+    # that cannot be read: passed on as it is, for LightningCLI to take or to report.
     try:
+        path = Path(value)
+        if "\n" in value or not path.is_file():
+            return value
         raw = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError):
-        return value  # LightningCLI reports it
+    except (OSError, ValueError, yaml.YAMLError):
+        return value
     if not isinstance(raw, dict) or BASE_KEY not in raw:
         return value
     return yaml.safe_dump(read_recipe(path), sort_keys=False)

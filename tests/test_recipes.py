@@ -64,6 +64,12 @@ def test_config_arguments_get_the_merged_recipe(tmp_path):
     assert yaml.safe_load(args[2]) == read_recipe(recipe) and "base" not in yaml.safe_load(args[2])
     [joined] = resolve_config_arguments([f"--config={recipe}"])
     assert yaml.safe_load(joined[len("--config="):]) == read_recipe(recipe)
+    # The ranks Lightning starts run this process's (merged) sys.argv again: text passes unchanged,
+    # even longer than a file name may be.
+    assert resolve_config_arguments(args) == args
+    long_text = "model:\n" + "".join(f"  k{i}: {i}\n" for i in range(400))
+    assert resolve_config_arguments(["--config", long_text]) == ["--config", long_text]
+    assert resolve_config_arguments(["--config", "x" * 5000]) == ["--config", "x" * 5000]  # ENAMETOOLONG
 
 
 @pytest.mark.parametrize("name", PRETRAINING)
