@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -100,7 +101,9 @@ class PreemptionHandler:
         up to ``wait_s`` for the ranks it started, which destroy their process groups and exit
         first, and destroys its own (with the rendezvous store it hosts) last.
         """
-        children = list(getattr(launcher, "procs", None) or [])
+        # The ranks this process started: only Lightning's subprocess launcher starts any (Lightning's
+        # own KeyboardInterrupt path tests for it the same way).
+        children = list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
         if children:
             # Lightning's observer thread polls this same list and SIGKILLs this process as soon as
             # a child exits non-zero; emptied, it stops at its next poll. We wait for them below.

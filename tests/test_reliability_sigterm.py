@@ -75,13 +75,13 @@ def test_handler_flags_and_exit_code():
 
 _LEAVE_SCRIPT = """
 import subprocess, sys, time
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning_megatron.preemption import PreemptionHandler
 
-class Launcher:  # the part of Lightning's _SubprocessScriptLauncher that leave() uses
-    procs = [subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1.0); sys.exit(143)"])]
-
-launcher = Launcher()
+launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)  # Lightning's own
+launcher.procs.append(subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1.0); sys.exit(143)"]))
 observer = _ChildProcessObserver(0, launcher.procs, sleep_period=0.2)  # Lightning's own, polling fast
 observer._main_pid = __import__("os").getpid()
 observer.start()
