@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -150,7 +151,11 @@ def on_sigterm(trainer: pl.Trainer, exception: BaseException) -> None:
         elif getattr(trainer.checkpoint_callback, "save_on_exception", False):
             rank_zero_info(f"SIGTERM at step {step}: ModelCheckpoint(save_on_exception=True) saves the checkpoint")
         else:
-            trainer.save_checkpoint(path, weights_only=False)  # the full state: model, optimizer, loops
+            # What the ModelCheckpoint itself saves: the full state (model, optimizer, loops) unless it
+            # is set to save_weights_only. Explicit, or Lightning logs that it picked a default.
+            callback = trainer.checkpoint_callback
+            trainer.save_checkpoint(path, weights_only=isinstance(callback, ModelCheckpoint)
+                                    and callback.save_weights_only)
             rank_zero_info(f"SIGTERM at step {step}: saved {path}; resume with --ckpt_path last. "
                            f"Exiting with status {SIGTERM_EXIT_CODE}")
     exception.code = SIGTERM_EXIT_CODE
