@@ -35,6 +35,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
+import warnings
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -118,7 +119,8 @@ class PreemptionHandler:
             try:
                 child.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                rank_zero_warn(f"SIGTERM: rank process {child.pid} did not exit within {wait_s:.0f} s; killing it")
+                warnings.warn(f"SIGTERM: rank process {child.pid} did not exit within {wait_s:.0f} s; killing it",
+                              stacklevel=2)  # every node's launching rank, not only global rank 0
                 child.kill()
                 child.wait()
         if children and initialized:
