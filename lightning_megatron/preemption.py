@@ -113,9 +113,7 @@ class PreemptionHandler:
         initialized = dist.is_available() and dist.is_initialized()
         if initialized and dist.get_world_size() > 1:
             dist.barrier()
-        if not children and initialized:
-            dist.destroy_process_group()
-        for child in children:
+        for child in children:  # none on the ranks that were started
             try:
                 child.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
@@ -123,7 +121,7 @@ class PreemptionHandler:
                               stacklevel=2)  # every node's launching rank, not only global rank 0
                 child.kill()
                 child.wait()
-        if children and initialized:
+        if initialized:
             dist.destroy_process_group()
 
 
