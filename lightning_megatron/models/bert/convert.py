@@ -46,6 +46,9 @@ class SavedModel:
     """The datamodule's hyper-parameters (``vocab_file``, ...), when it saved them."""
     layout: dict[str, Any] = field(default_factory=dict)
     """The layout it was saved at (``tp``, ``pp``, ``vp``, ``dp``, ``world_size``)."""
+    fresh: tuple[str, ...] = ()
+    """Names of the model's tensors the source does not have and ``init_from`` initialises fresh (the
+    MLM / binary heads of an encoder-only Hugging Face model)."""
 
 
 def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:

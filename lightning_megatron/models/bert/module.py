@@ -217,7 +217,7 @@ class BertLightningModule(LightningModule):
                 pre_process=is_first_chunk_stage(ps.pp_rank, vp_rank),
                 post_process=is_last_chunk_stage(ps.pp_rank, ps.pp_size, vp_rank, ps.vp_size),
                 layer_range=layer_range, make_vocab_size_divisible_by=hp.make_vocab_size_divisible_by,
-                seed=hp.init_seed)
+                seed=hp.init_seed, lm_head_activation=hp.get("lm_head_activation"))
             _tag_vocab_parallel(chunk, self.vocab_size)
             if hp.compile:
                 chunk.compile_layers()
@@ -241,7 +241,27 @@ class BertLightningModule(LightningModule):
         params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
         load_full_state_dict(list(self.model_chunks), params, saved.state_dict,
                              tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
-                             source_name=name, optional=() if everything else self.optional_pretrained)
+                             source_name=name, optional=() if everything else self.optional_pretrained,
+                             fresh=saved.fresh)
+        if saved.fresh:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"init_from={name!r} has no {list(saved.fresh)} (an encoder-only model): they are "
+                           f"initialised fresh, from init_seed", category=UserWarning)
+
+    @classmethod
+    def from_pretrained(cls, source: str, **kwargs: Any) -> BertLightningModule:
+        """A module with the architecture of ``source`` (any ``init_from`` source: its ``config.json``,
+        saved hyper-parameters or Megatron-LM ``args``), started from its weights in ``configure_model``.
+        ``kwargs`` set the other arguments; architecture arguments among them must agree with the source."""
+        from lightning_megatron.models.bert.init_from import architecture_conflicts, read_architecture
+
+        architecture = read_architecture(source)
+        wrong = architecture_conflicts(kwargs, architecture)
+        if wrong:
+            raise ValueError(f"from_pretrained({source!r}): " + ", ".join(
+                f"{k}={h!r} but the source has {w!r}" for k, h, w in wrong) + ": drop these arguments")
+        return cls(**{**architecture, **kwargs, "init_from": source})
 
     optional_pretrained: tuple[str, ...] = ()
     """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
@@ -272,7 +292,9 @@ class BertLightningModule(LightningModule):
                 f"BertLightningModule.load_from_checkpoint reads lightning_megatron checkpoint directories or "
                 f"single-file Lightning checkpoints")
         saved = read_model_checkpoint(path)
-        hparams = {**saved.hparams, **kwargs, "init_from": None}
+        # LightningCLI records how it built the module (``_instantiator``): not an argument.
+        hparams = {k: v for k, v in saved.hparams.items() if not k.startswith("_")}
+        hparams = {**hparams, **kwargs, "init_from": None}
         if hparams.get("vocab_size") is None:
             hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
         module = cls(**hparams)

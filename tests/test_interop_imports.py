@@ -1,0 +1,217 @@
+"""Every way in gives the source framework's logits, single process (runs in CI, no `bench` extra).
+
+The module is started with ``BertLightningModule.from_pretrained(source)`` (the architecture read from
+the source, as ``--model.init_from`` does on the command line) and its masked-LM and binary logits are
+compared with ``transformers`` on the same weights, in eval mode:
+
+- a Hugging Face ``BertForPreTraining`` folder (post-norm, ``gelu_new``, eps 1e-6, vocabulary 100);
+- a ``MegatronBertForPreTraining`` folder (pre-norm);
+- a Megatron-LM legacy ``model_optim_rng.pt`` written with ``--bias-gelu-fusion`` (tanh GELU in the MLP,
+  exact GELU in the LM head), its vocabulary padded to 128 rows, and its ``args`` holding Megatron-LM enums
+  (pickled from a stand-in module named ``megatron.core.transformer.enums``): the reference is
+  transformers' ``MegatronBertForPreTraining`` with the MLP's tanh GELU and the LM head's activation set
+  to the exact GELU -- the numerics such a checkpoint was trained with.
+
+Tolerance: 2e-5 relative to the largest logit (fp32; the activation mix-up this guards against is ~1e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import io
+import pickle
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+VOCAB, SEQ = 100, 16
+HF_KW = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+             max_position_embeddings=SEQ, type_vocab_size=2, initializer_range=0.3, hidden_dropout_prob=0.0,
+             attention_probs_dropout_prob=0.0)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(5, VOCAB, (3, SEQ), generator=g)
+    mask = torch.ones_like(tokens)
+    mask[1, 11:] = 0
+    types_ = (torch.arange(SEQ) >= 6).long().expand(3, SEQ).clone()
+    return tokens, mask, types_
+
+
+def _ours(module):
+    tokens, mask, types_ = _inputs()
+    module.configure_model()
+    module.eval()
+    with torch.no_grad():
+        lm, binary = module.model_chunks[0](tokens, mask, types_)
+    return lm[..., :VOCAB], binary
+
+
+def _theirs(model):
+    tokens, mask, types_ = _inputs()
+    with torch.no_grad():
+        out = model.eval()(input_ids=tokens, attention_mask=mask, token_type_ids=types_)
+    return out.prediction_logits, out.seq_relationship_logits
+
+
+def _close(ours, theirs):
+    for a, b in zip(ours, theirs):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= 2e-5, f"relative logit error {err:.2e}"
+
+
+def _hf_model(megatron: bool, **kw):
+    import transformers
+
+    torch.manual_seed(0)
+    cls = transformers.MegatronBertForPreTraining if megatron else transformers.BertForPreTraining
+    cfg = (transformers.MegatronBertConfig if megatron else transformers.BertConfig)(**{**HF_KW, **kw})
+    return cls(cfg)
+
+
+@pytest.mark.parametrize("megatron", [False, True], ids=["bert", "megatron-bert"])
+def test_hf_folder_logits_match_transformers(tmp_path, megatron):
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    model = _hf_model(megatron, hidden_act="gelu_new", layer_norm_eps=1e-6)
+    model.save_pretrained(tmp_path / "hf")
+    module = BertLightningModule.from_pretrained(str(tmp_path / "hf"))
+    assert module.hparams.activation == "gelu_tanh" and module.hparams.layernorm_epsilon == 1e-6
+    _close(_ours(module), _theirs(model))
+
+
+class _FakeEnumModule:
+    """``megatron.core.transformer.enums`` as current Megatron-LM has it, only while pickling."""
+
+    def __enter__(self):
+        mod = types.ModuleType("megatron.core.transformer.enums")
+
+        class AttnBackend(enum.Enum):
+            flash, fused, unfused, local, auto = 1, 2, 3, 4, 5
+
+        AttnBackend.__module__, AttnBackend.__qualname__ = mod.__name__, "AttnBackend"
+        mod.AttnBackend = AttnBackend
+        self.saved = {k: sys.modules.get(k) for k in ("megatron", "megatron.core", "megatron.core.transformer",
+                                                      mod.__name__)}
+        for name in list(self.saved)[:-1]:
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules[mod.__name__] = mod
+        return AttnBackend
+
+    def __exit__(self, *exc):
+        for name, old in self.saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+def _megatron_legacy(tmp_path, megatron_hf_model):
+    """A legacy Megatron-LM checkpoint (TP=1, PP=1) of ``megatron_hf_model``'s weights, padded vocabulary."""
+    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
+
+    cfg = bert_config_from_hf(megatron_hf_model.config)
+    sd = bert_state_dict_from_hf(megatron_hf_model.state_dict(), cfg, make_vocab_size_divisible_by=128)
+    assert sd["embedding.word_embeddings.weight"].size(0) == 128  # Megatron's padded rows travel along
+    with _FakeEnumModule() as AttnBackend:
+        args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                                  max_position_embeddings=SEQ, norm_epsilon=1e-5, bias_gelu_fusion=True,
+                                  normalization="LayerNorm", position_embedding_type="learned_absolute",
+                                  add_bias_linear=True, make_vocab_size_divisible_by=128, padded_vocab_size=128,
+                                  attention_backend=AttnBackend.auto, params_dtype=torch.float32)
+        d = tmp_path / "megatron" / "iter_0000001" / "mp_rank_00"
+        d.mkdir(parents=True)
+        torch.save({"model": sd, "args": args, "iteration": 1, "checkpoint_version": 3.0}, d / "model_optim_rng.pt")
+    (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("1")
+    return tmp_path / "megatron"
+
+
+def test_megatron_lm_legacy_logits_match_transformers_with_the_bias_gelu_fusion_numerics(tmp_path):
+    """The checkpoint's args say --bias-gelu-fusion: tanh GELU in the MLP, exact GELU in the LM head; both
+    must reach the model (the masked-LM logits were off by ~1e-3 relative with the tanh GELU in the head)."""
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    model = _hf_model(True, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-5)
+    model.cls.predictions.transform.transform_act_fn = torch.nn.GELU()  # exact, as Megatron's LM head
+    source = _megatron_legacy(tmp_path, model)
+    module = BertLightningModule.from_pretrained(str(source), vocab_size=VOCAB)
+    assert (module.hparams.activation, module.hparams.lm_head_activation) == ("gelu_tanh", "gelu")
+    _close(_ours(module), _theirs(model))
+
+
+def test_restricted_unpickler_maps_megatron_enums_and_refuses_other_globals(tmp_path):
+    """Megatron-LM's enums become inert records; any other global (here one named like a Megatron class
+    but outside the known list, and os.system) is refused; nothing from the file runs."""
+    from lightning_megatron.models.bert.megatron_lm import MegatronRecord, read_args
+
+    with _FakeEnumModule() as AttnBackend:
+        torch.save({"args": argparse.Namespace(attention_backend=AttnBackend.local, hidden_size=8)},
+                   tmp_path / "ok.pt")
+    args = read_args(tmp_path / "ok.pt")
+    assert isinstance(args.attention_backend, MegatronRecord)
+    assert args.attention_backend.name == "megatron.core.transformer.enums.AttnBackend"
+    assert args.attention_backend.args == (4,) and args.hidden_size == 8
+
+    # Hand-written protocol-2 pickles: GLOBAL, an argument tuple, REDUCE (a call), as torch.save frames it.
+    def pickled(module: str, name: str) -> bytes:
+        body = (b"\x80\x02" + b"c" + module.encode() + b"\n" + name.encode() + b"\n" + b"X\x02\x00\x00\x00hi"
+                + b"\x85" + b"R" + b".")
+        return body
+
+    for module, name in (("megatron.core.transformer.enums", "Evil"), ("os", "system"),
+                         ("megatron.training.checkpointing", "load_checkpoint")):
+        path = tmp_path / f"{name}.pt"
+        buf = io.BytesIO()
+        torch.save({"args": None}, buf)  # a real zip container; its data.pkl replaced below
+        import zipfile
+
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(path, "w") as dst:
+            for item in src.infolist():
+                data = src.read(item.filename)
+                if item.filename.endswith("data.pkl"):
+                    data = pickled(module, name)
+                dst.writestr(item, data)
+        with pytest.raises(ValueError, match=f"{module}.{name}"):
+            read_args(path)
+    assert pickle.loads(pickled("builtins", "str")) == "hi"  # the hand-written frames are well formed
+
+
+def test_hf_config_vocab_size_must_equal_the_embedding_rows(tmp_path):
+    import json
+
+    from lightning_megatron.models.bert.init_from import read_hf_folder
+
+    _hf_model(False).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vocab_size"] = VOCAB + 8
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"vocab_size={VOCAB + 8}.*{VOCAB} rows"):
+        read_hf_folder(tmp_path)
+
+
+def test_encoder_only_hf_model_gets_fresh_heads_with_one_warning(tmp_path):
+    """A transformers BertModel (no MLM / binary heads, as MiniLM): the encoder is loaded, the heads are
+    initialised fresh, and one warning names them."""
+    import transformers
+
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    torch.manual_seed(0)
+    encoder = transformers.BertModel(transformers.BertConfig(**HF_KW))
+    encoder.save_pretrained(tmp_path)
+    module = BertLightningModule.from_pretrained(str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.configure_model()
+    heads = [str(w.message) for w in caught if "initialised fresh" in str(w.message)]
+    assert len(heads) == 1 and "lm_head.dense.weight" in heads[0] and "binary_head.weight" in heads[0], heads
+    tokens, mask, types_ = _inputs()
+    with torch.no_grad():
+        hidden = module.eval().model_chunks[0](tokens, mask, types_, return_hidden_states=True)
+        want = encoder.eval()(input_ids=tokens, attention_mask=mask, token_type_ids=types_).last_hidden_state
+    torch.testing.assert_close(hidden.transpose(0, 1), want, rtol=0, atol=2e-5)
