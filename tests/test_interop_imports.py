@@ -215,3 +215,27 @@ def test_encoder_only_hf_model_gets_fresh_heads_with_one_warning(tmp_path):
         hidden = module.eval().model_chunks[0](tokens, mask, types_, return_hidden_states=True)
         want = encoder.eval()(input_ids=tokens, attention_mask=mask, token_type_ids=types_).last_hidden_state
     torch.testing.assert_close(hidden.transpose(0, 1), want, rtol=0, atol=2e-5)
+
+
+def test_cli_init_from_reads_the_architecture_and_refuses_disagreeing_flags(tmp_path):
+    """`fit --config recipes/bert_tiny.yaml --model.init_from HF_FOLDER`: the architecture comes from its
+    config.json (replacing the recipe's); a command-line flag that disagrees is refused, all listed."""
+    import transformers
+
+    from lightning_megatron.cli import _lightning_cli
+
+    from test_cli_recipes import ROOT
+
+    config = transformers.BertConfig(**{**HF_KW, "vocab_size": 30522, "num_hidden_layers": 3, "layer_norm_eps": 1e-7})
+    transformers.BertModel(config).save_pretrained(tmp_path / "hf")
+    args = ["--config", str(ROOT / "recipes/bert_tiny.yaml"), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+            "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.logger", "false",
+            "--data.max_seq_length", str(SEQ), "--model.init_from", str(tmp_path / "hf")]
+    with pytest.warns(UserWarning, match="replaces the recipe's num_layers=2 \\(now 3\\)"):
+        cli = _lightning_cli(run=False, args=args)
+    hp = cli.model.hparams
+    assert (hp.num_layers, hp.hidden_size, hp.ffn_hidden_size, hp.spec, hp.layernorm_epsilon, hp.vocab_size) == (
+        3, 32, 64, "bert_layer_post_norm_spec", 1e-7, 30522)
+    with pytest.raises(SystemExit, match=r"--model.num_layers 2 \(the source has 3\), --model.hidden_size 64 "
+                                         r"\(the source has 32\)"):
+        _lightning_cli(run=False, args=[*args, "--model.num_layers", "2", "--model.hidden_size=64"])

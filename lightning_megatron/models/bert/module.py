@@ -103,9 +103,11 @@ class BertLightningModule(LightningModule):
         lr_scheduler_class, lr_scheduler_kwargs: a ``torch.optim.lr_scheduler`` scheduler by name and
             its arguments, stepped every optimizer step (CLI: ``--lr_scheduler ...``); not together
             with the OptimizerParamSchedulerCallback, which also sets the lr.
-        predict_output: what ``predict_step`` returns per sample: ``"masked_lm"`` (the predicted
-            token id at every position, ``[b, s]``), ``"pooled"`` (the pooler output, ``[b, h]``)
-            or ``"hidden"`` (the encoder output, ``[b, s, h]``).
+        predict_output: what ``predict_step`` returns per sample: ``"masked_lm"`` (the
+            ``predict_top_k`` most likely tokens at every position and their probabilities,
+            ``{"ids": [b, s, k], "probs": [b, s, k]}``), ``"pooled"`` (the pooler output, ``[b, h]``)
+            or ``"hidden"`` (the encoder output, ``[b, s, h]``). ``lightning-megatron predict``
+            writes them to files (:class:`~lightning_megatron.callbacks.PredictionWriter`).
 
     Training, validation and test run ``forward_step`` through the strategy's microbatch schedule;
     a ``training_step`` override is NOT called under the MegatronStrategy (override
@@ -148,6 +150,7 @@ class BertLightningModule(LightningModule):
         lm_head_activation: Literal["gelu", "gelu_tanh", "relu", "silu"] | None = None,
         init_from: str | None = None,
         predict_output: Literal["masked_lm", "pooled", "hidden"] = "masked_lm",
+        predict_top_k: int = 5,
         optimizer_class: str | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
         lr_scheduler_class: str | None = None,
@@ -160,6 +163,8 @@ class BertLightningModule(LightningModule):
             raise ValueError(f"optimizer={optimizer!r} must be 'adamw', 'adam' or 'sgd'")
         if predict_output not in ("masked_lm", "pooled", "hidden"):
             raise ValueError(f"predict_output={predict_output!r} must be 'masked_lm', 'pooled' or 'hidden'")
+        if predict_top_k < 1:
+            raise ValueError(f"predict_top_k={predict_top_k} must be at least 1")
         self.save_hyperparameters()
         self.model_chunks: nn.ModuleList | None = None
         self.parallel_state: ParallelState | None = None
@@ -407,30 +412,18 @@ class BertLightningModule(LightningModule):
         return loss
 
     def _predict_forward(self, batch: dict[str, torch.Tensor], chunk: BertModel):
-        """Predictions of one microbatch: token ids [b, s], pooled [b, h] or hidden states [b, s, h]."""
-        tokens, mask, types = batch["tokens"], batch.get("attention_mask"), batch.get("token_types")
-        if mask is None:
-            mask = torch.ones_like(tokens)
-        mode = self.hparams.get("predict_output", "masked_lm")
-        if not chunk.post_process:
-            return chunk(tokens, mask, types), None
-        if mode == "masked_lm":
-            logits, _ = chunk(tokens, mask, types)  # [b, s, V/t]
-            tp_group = self.parallel_state.tp_group if self.parallel_state else None
-            out = vocab_parallel_argmax(logits, tp_group, self.vocab_size)
-        else:
-            hidden = chunk(tokens, mask, types, return_hidden_states=True)  # [s, b, h], full sequence
-            if mode == "hidden":
-                out = hidden.transpose(0, 1).contiguous()
-            elif getattr(chunk, "pooler", None) is not None:
-                out = torch.tanh(chunk.pooler.dense(hidden[0]))
-            else:
-                raise ValueError("predict_output='pooled' needs the pooler (add_binary_head=True); "
-                                 "use predict_output='hidden' and take the first token")
-        out = out.detach()
+        """Predictions of one microbatch (:mod:`~lightning_megatron.models.bert.predict`); the loss
+        function logs them as ``predictions``, which the strategy concatenates over the microbatches."""
+        from lightning_megatron.models.bert.predict import predict_outputs
 
-        def loss_func(output: torch.Tensor):
-            return torch.zeros((), device=tokens.device), {"predictions": out}
+        if not chunk.post_process:
+            return chunk(batch["tokens"], batch.get("attention_mask"), batch.get("token_types")), None
+        out = predict_outputs(chunk, batch, self.hparams.get("predict_output", "masked_lm"),
+                              tp_group=self.parallel_state.tp_group if self.parallel_state else None,
+                              vocab_size=self.vocab_size, top_k=self.hparams.get("predict_top_k", 5))
+
+        def loss_func(output: Any):
+            return torch.zeros((), device=batch["tokens"].device), {"predictions": out}
 
         return out, loss_func
 
