@@ -49,7 +49,11 @@ def _predict(spec: str, strategy_kwargs: dict, batches, mode: str, ckpt_path: st
     strategy = MegatronStrategy(micro_batch_size=2, **strategy_kwargs)
     trainer = make_trainer(strategy, 4, 0)
     out = trainer.predict(module, dataloaders=DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
-    return None if out is None or out[0] is None else torch.cat(out)
+    if out is None or out[0] is None:
+        return None
+    if isinstance(out[0], dict):  # masked_lm: the top-k ids and probabilities; the argmax is the first
+        return torch.cat([o["ids"][..., 0] for o in out])
+    return torch.cat(out)
 
 
 def _worker(root: str) -> dict:

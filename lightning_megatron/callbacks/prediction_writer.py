@@ -89,8 +89,9 @@ class PredictionWriter(BasePredictionWriter):
             self._write_masked(batch, prediction, index, keep)
             return
         mode = pl_module.hparams.get("predict_output")
+        name = mode if mode in ("pooled", "hidden") else "predictions"  # a subclass's own outputs: predictions.npy
         self._arrays.setdefault("index", []).append(index[keep].numpy())
-        self._arrays.setdefault(mode, []).append(prediction[keep.to(prediction.device)].float().cpu().numpy())
+        self._arrays.setdefault(name, []).append(prediction[keep.to(prediction.device)].float().cpu().numpy())
         if mode == "hidden":
             self._arrays.setdefault("attention_mask", []).append(batch["attention_mask"][keep].cpu().numpy())
 
