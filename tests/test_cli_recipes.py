@@ -164,6 +164,33 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
             want_p, want_ids = probs[m["position"]].topk(5)
             assert m["ids"] == want_ids.tolist() and m["tokens"] == tokenizer.convert_ids_to_tokens(m["ids"])
             torch.testing.assert_close(torch.tensor(m["probs"]), want_p, rtol=1e-5, atol=1e-7)
+    # The default predict split (the test split, 10 samples: a full batch and a padded one) through the
+    # PredictionWriter, pooled: pooled.npy equals the pooler on each sample, in index order.
+    import lightning as L
+    import numpy as np
+
+    from lightning_megatron.callbacks import PredictionWriter
+    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.models.bert.init_from import read_architecture
+
+    pooled_module = BertLightningModule.load_from_checkpoint(ckpt, predict_output="pooled")
+    dm = BertDataModule(max_seq_length=64, global_batch_size=8, micro_batch_size=4, eval_samples=10, num_workers=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path / "pooled", callbacks=[PredictionWriter()])
+    trainer.predict(pooled_module, datamodule=dm, return_predictions=False)
+    folder = tmp_path / "pooled" / "predictions"
+    assert np.load(folder / "index.npy").tolist() == list(range(10))
+    pooled = np.load(folder / "pooled.npy")
+    batch = {k: torch.stack([dm.test_dataset[i][k] for i in range(10)]) for k in ("tokens", "attention_mask",
+                                                                                 "token_types")}
+    with torch.no_grad():
+        hidden = module.model_chunks[0](batch["tokens"], batch["attention_mask"], batch["token_types"],
+                                        return_hidden_states=True)
+        want = module.model_chunks[0].pooler(hidden)
+    torch.testing.assert_close(torch.from_numpy(pooled), want, rtol=0, atol=1e-5)
+    # init_from of this checkpoint reads its architecture from the saved hyper-parameters.
+    assert {k: read_architecture(ckpt)[k] for k in ("num_layers", "hidden_size", "max_sequence_length")} == {
+        "num_layers": 1, "hidden_size": 128, "max_sequence_length": 64}
     # export hf: a non-empty target is refused unless --overwrite, which replaces it whole.
     (tmp_path / "hf" / "stale.bin").write_text("x")
     with pytest.raises(SystemExit) as refused:

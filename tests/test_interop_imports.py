@@ -217,6 +217,7 @@ def test_encoder_only_hf_model_gets_fresh_heads_with_one_warning(tmp_path):
     torch.testing.assert_close(hidden.transpose(0, 1), want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # pytest's own argv is there too
 def test_cli_init_from_reads_the_architecture_and_refuses_disagreeing_flags(tmp_path):
     """`fit --config recipes/bert_tiny.yaml --model.init_from HF_FOLDER`: the architecture comes from its
     config.json (replacing the recipe's); a command-line flag that disagrees is refused, all listed."""

@@ -275,7 +275,16 @@ def read_torch_dist_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
                 full[f"encoder.layers.{i}.{rest}"] = value[i].clone()
         else:
             full[key] = value
-    args = read_args(d / "common.pt") if (d / "common.pt").is_file() else None  # megatron-core saves args there
+    args = None
+    if (d / "common.pt").is_file():  # megatron-core saves its args there
+        try:
+            args = read_args(d / "common.pt")
+        except ValueError as e:
+            import warnings
+
+            warnings.warn(f"{str(d / 'common.pt')!r}: the training arguments are not read ({e}); the model's "
+                          f"architecture arguments are checked against the tensors' shapes only", UserWarning,
+                          stacklevel=2)
     return SavedModel(state_dict=_tie(full), hparams=_architecture(args, num_layers))
 
 

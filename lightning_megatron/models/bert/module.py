@@ -21,15 +21,15 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
 from lightning_megatron.models.bert.convert import SavedModel
 from lightning_megatron.models.bert.model import BertModel, bert_loss
+from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.optimizer.param_groups import get_param_groups
-from lightning_megatron.parallel_state import ParallelState, group_rank, group_size
+from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import vocab_parallel_cross_entropy
@@ -42,28 +42,6 @@ __all__ = ["BertLightningModule", "vocab_parallel_argmax"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-
-
-def vocab_parallel_argmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | None, vocab_size: int) -> torch.Tensor:
-    """Global argmax over vocab-parallel logits [..., V/t] without gathering them (padding excluded)."""
-    partition = logits.size(-1)
-    start = group_rank(tp_group) * partition
-    valid = max(0, min(partition, vocab_size - start))
-    if valid == 0:  # a rank holding only padding: never the argmax
-        values = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
-        index = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
-    else:
-        # The real columns only, in the logits' own dtype (the max of bf16 values is exact in bf16).
-        values, index = logits.detach()[..., :valid].max(dim=-1)
-    index = index + start
-    if group_size(tp_group) == 1:
-        return index
-    both = torch.stack([values.float(), index.float()], dim=-1)  # ids < 2^24 are exact in fp32
-    gathered = [torch.empty_like(both) for _ in range(group_size(tp_group))]
-    dist.all_gather(gathered, both.contiguous(), group=tp_group)
-    stacked = torch.stack(gathered)  # [t, ..., 2]
-    best = stacked[..., 0].argmax(dim=0, keepdim=True)  # first rank wins ties, as a global argmax would
-    return stacked[..., 1].gather(0, best).squeeze(0).long()
 
 
 class BertLightningModule(LightningModule):
@@ -248,11 +226,12 @@ class BertLightningModule(LightningModule):
                              tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
                              source_name=name, optional=() if everything else self.optional_pretrained,
                              fresh=saved.fresh)
-        if saved.fresh:
-            from lightning.pytorch.utilities import rank_zero_warn
+        fresh = [n for n, _ in params if n in saved.fresh]
+        if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
+            import warnings
 
-            rank_zero_warn(f"init_from={name!r} has no {list(saved.fresh)} (an encoder-only model): they are "
-                           f"initialised fresh, from init_seed", category=UserWarning)
+            warnings.warn(f"init_from={name!r} has no {fresh} (its model has no such heads): they are initialised "
+                          f"fresh, from init_seed", UserWarning, stacklevel=2)
 
     @classmethod
     def from_pretrained(cls, source: str, **kwargs: Any) -> BertLightningModule:

@@ -14,7 +14,29 @@ from torch import nn
 
 from lightning_megatron.parallel_state import group_rank, group_size
 
-__all__ = ["vocab_parallel_topk", "predict_outputs"]
+__all__ = ["vocab_parallel_argmax", "vocab_parallel_topk", "predict_outputs"]
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | None, vocab_size: int) -> torch.Tensor:
+    """Global argmax over vocab-parallel logits [..., V/t] without gathering them (padding excluded)."""
+    partition = logits.size(-1)
+    start = group_rank(tp_group) * partition
+    valid = max(0, min(partition, vocab_size - start))
+    if valid == 0:  # a rank holding only padding: never the argmax
+        values = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
+        index = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    else:
+        # The real columns only, in the logits' own dtype (the max of bf16 values is exact in bf16).
+        values, index = logits.detach()[..., :valid].max(dim=-1)
+    index = index + start
+    if group_size(tp_group) == 1:
+        return index
+    both = torch.stack([values.float(), index.float()], dim=-1)  # ids < 2^24 are exact in fp32
+    gathered = [torch.empty_like(both) for _ in range(group_size(tp_group))]
+    dist.all_gather(gathered, both.contiguous(), group=tp_group)
+    stacked = torch.stack(gathered)  # [t, ..., 2]
+    best = stacked[..., 0].argmax(dim=0, keepdim=True)  # first rank wins ties, as a global argmax would
+    return stacked[..., 1].gather(0, best).squeeze(0).long()
 
 
 def vocab_parallel_topk(logits: torch.Tensor, tp_group: dist.ProcessGroup | None, vocab_size: int,
