@@ -252,7 +252,7 @@ def _architecture_of_init_from(config, argv: list[str]) -> None:
                          f"disagree with it: {listed}. Drop them.")
     replaced = architecture_conflicts(current, architecture)
     for key, value in architecture.items():
-        if key in model:
+        if key in model and key not in flags and not (key == "vocab_size" and value is None):
             model[key] = value
     if replaced:
         warnings.warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's " + ", ".join(

@@ -118,7 +118,11 @@ def read_architecture(path: str | os.PathLike[str]) -> dict[str, Any]:
         extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
         hparams = dict(extra.get("hyper_parameters") or {})
         return {k: hparams[k] for k in ARCHITECTURE_KEYS if k in hparams}
-    return dict(read_pretrained(path).hparams)
+    from lightning_megatron.models.bert import megatron_lm
+
+    if megatron_lm.is_megatron_checkpoint(path):
+        return megatron_lm.read_megatron_architecture(path)
+    return dict(read_pretrained(path).hparams)  # refuses what it cannot read, naming the kinds it reads
 
 
 def architecture_conflicts(hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:

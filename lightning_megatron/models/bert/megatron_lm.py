@@ -33,7 +33,8 @@ import torch
 from lightning_megatron.models.bert.convert import SavedModel
 
 __all__ = ["is_megatron_checkpoint", "read_megatron_checkpoint", "read_legacy_checkpoint",
-           "read_torch_dist_checkpoint", "normalize_megatron_keys", "read_args", "MegatronRecord",
+           "read_torch_dist_checkpoint", "normalize_megatron_keys", "read_args", "read_megatron_architecture",
+           "MegatronRecord",
            "MEGATRON_ARGS_CLASSES"]
 
 _FUSED_NORMS = {
@@ -286,6 +287,20 @@ def read_torch_dist_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
                           f"architecture arguments are checked against the tensors' shapes only", UserWarning,
                           stacklevel=2)
     return SavedModel(state_dict=_tie(full), hparams=_architecture(args, num_layers))
+
+
+def read_megatron_architecture(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The module arguments a Megatron-LM checkpoint's ``args`` fix, reading one rank file (legacy)."""
+    path = Path(path)
+    d = path if path.is_file() else _iteration_dir(path)
+    if d.is_dir() and (d / ".metadata").is_file():
+        return read_torch_dist_checkpoint(d).hparams
+    first = path if path.is_file() else next((sub / "model_optim_rng.pt" for sub in sorted(d.iterdir())
+                                              if _RANK_DIR.match(sub.name)), None)
+    args = read_args(first) if first is not None and first.is_file() else None
+    if args is None or not getattr(args, "num_layers", None):
+        return read_legacy_checkpoint(path).hparams  # the layers counted from the tensors
+    return _architecture(args, int(args.num_layers))
 
 
 def read_megatron_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
