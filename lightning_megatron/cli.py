@@ -237,11 +237,12 @@ def _architecture_of_init_from(config, argv: list[str]) -> None:
     source = model.get("init_from") if model is not None and hasattr(model, "get") else None
     if not source or config.get("ckpt_path"):  # a resumed run restores its own weights
         return
+    from lightning_megatron.checkpoint import CheckpointError
     from lightning_megatron.models.bert.init_from import architecture_conflicts, read_architecture
 
     try:
         architecture = read_architecture(source)
-    except (OSError, ValueError) as error:
+    except (CheckpointError, OSError, ValueError) as error:
         raise SystemExit(f"lightning-megatron: --model.init_from {source}: {error}") from None
     flags = {a.split("=", 1)[0].removeprefix("--model.") for a in argv if a.startswith("--model.")}
     current = {k: model.get(k) for k in architecture if k in model}

@@ -115,7 +115,11 @@ def read_architecture(path: str | os.PathLike[str]) -> dict[str, Any]:
         return _hf_architecture(_hf_config(path))
     if path.is_dir() and (path / ckpt.MARKER).is_file():
         ckpt.validate_checkpoint_dir(path)
-        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+        try:
+            extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001 - name the file and the cause
+            raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
+                                       f"(weights_only=True): {e}") from e
         hparams = dict(extra.get("hyper_parameters") or {})
         return {k: hparams[k] for k in ARCHITECTURE_KEYS if k in hparams}
     from lightning_megatron.models.bert import megatron_lm
