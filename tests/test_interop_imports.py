@@ -194,23 +194,26 @@ def test_hf_config_vocab_size_must_equal_the_embedding_rows(tmp_path):
         read_hf_folder(tmp_path)
 
 
-def test_encoder_only_hf_model_gets_fresh_heads_with_one_warning(tmp_path):
-    """A transformers BertModel (no MLM / binary heads, as MiniLM): the encoder is loaded, the heads are
-    initialised fresh, and one warning names them."""
+def test_encoder_only_hf_model_gets_fresh_heads_with_one_warning():
+    """all-MiniLM-L6-v2 (the test extra's copy: a transformers BertModel, no MLM / binary heads): the
+    architecture comes from its config.json, the encoder and pooler are loaded, the heads start fresh
+    with one warning naming them, and the encoder output equals transformers'."""
     import transformers
 
     from lightning_megatron.models.bert.module import BertLightningModule
 
-    torch.manual_seed(0)
-    encoder = transformers.BertModel(transformers.BertConfig(**HF_KW))
-    encoder.save_pretrained(tmp_path)
-    module = BertLightningModule.from_pretrained(str(tmp_path))
+    from test_bert_hf import _minilm_dir
+
+    module = BertLightningModule.from_pretrained(_minilm_dir())
+    assert (module.hparams.num_layers, module.hparams.hidden_size, module.hparams.num_attention_heads) == (6, 384, 12)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module.configure_model()
     heads = [str(w.message) for w in caught if "initialised fresh" in str(w.message)]
     assert len(heads) == 1 and "lm_head.dense.weight" in heads[0] and "binary_head.weight" in heads[0], heads
+    assert "pooler" not in heads[0]  # MiniLM saves its pooler
     tokens, mask, types_ = _inputs()
+    encoder = transformers.BertModel.from_pretrained(_minilm_dir())
     with torch.no_grad():
         hidden = module.eval().model_chunks[0](tokens, mask, types_, return_hidden_states=True)
         want = encoder.eval()(input_ids=tokens, attention_mask=mask, token_type_ids=types_).last_hidden_state
