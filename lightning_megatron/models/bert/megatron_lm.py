@@ -150,7 +150,8 @@ def _load_rank_file(path: Path) -> dict[str, Any]:
 
 def read_args(path: str | os.PathLike[str]) -> argparse.Namespace | None:
     """The ``args`` saved in a legacy rank file (``model_optim_rng.pt``), or None."""
-    args = _load_rank_file(Path(path)).get("args")
+    state = _load_rank_file(Path(path))
+    args = state.get("args") if isinstance(state, dict) else None
     return args if isinstance(args, argparse.Namespace) else None
 
 
