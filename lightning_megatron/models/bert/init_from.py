@@ -10,8 +10,12 @@ state dict under our global names, unpadded vocabulary, plus the architecture it
 - a Megatron-LM checkpoint, legacy per-rank ``model_optim_rng.pt`` files or megatron-core's
   ``torch_dist`` format (:mod:`.megatron_lm`).
 
-Nothing is unpickled outside ``torch.load(weights_only=True)``. The module's architecture
-arguments must match the source; a mismatch raises an error listing the flags to set.
+Nothing is unpickled outside ``torch.load(weights_only=True)``. :func:`read_architecture` reads the
+architecture a source fixes from its configuration (``config.json``, saved hyper-parameters,
+Megatron-LM ``args``): ``BertLightningModule.from_pretrained`` and ``--model.init_from`` on the command
+line build the module with it. A module built with other architecture arguments raises an error
+listing the flags to set. Heads an encoder-only source lacks (``SavedModel.fresh``) start fresh, with
+one warning.
 """
 
 from __future__ import annotations
