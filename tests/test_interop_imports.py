@@ -243,3 +243,16 @@ def test_cli_init_from_reads_the_architecture_and_refuses_disagreeing_flags(tmp_
     with pytest.raises(SystemExit, match=r"--model.num_layers 2 \(the source has 3\), --model.hidden_size 64 "
                                          r"\(the source has 32\)"):
         _lightning_cli(run=False, args=[*args, "--model.num_layers", "2", "--model.hidden_size=64"])
+
+
+def test_predict_batches_cover_every_sample_once_at_any_size():
+    """Any dataset size, any DP size: full local batches, every index once, the tail padded with -1."""
+    from lightning_megatron.data.predict import PredictBatchSampler
+
+    for total, local, dp in ((11, 4, 1), (11, 2, 2), (3, 4, 2), (16, 4, 2)):
+        per_rank = [list(PredictBatchSampler(total_samples=total, local_batch_size=local, data_parallel_rank=r,
+                                             data_parallel_size=dp)) for r in range(dp)]
+        assert len({len(batches) for batches in per_rank}) == 1  # every rank runs the same number of steps
+        flat = [i for batches in per_rank for b in batches for i in b]
+        assert all(len(b) == local for batches in per_rank for b in batches)
+        assert sorted(i for i in flat if i >= 0) == list(range(total)), (total, local, dp, per_rank)
