@@ -125,7 +125,8 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
 
 def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
     """On the TP=2 checkpoint the CLI wrote: `predict` through the CLI at TP=2 on a JSONL file of 11 texts
-    (one full global batch of 8 and a short one), `load_from_checkpoint`, and `export hf`'s refusals."""
+    (one full global batch of 8 and a short one, top 3), `load_from_checkpoint`, the default test split
+    through the PredictionWriter (pooled), and `export hf`'s refusals."""
     import pytest
     import torch
 
@@ -140,7 +141,8 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
          "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "pred"),
          "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
          "--data.max_seq_length", "64", "--model.max_sequence_length", "64", "--data.predict_file",
-         str(tmp_path / "texts.jsonl"), "--data.predict_json_key", "body", "--ckpt_path", str(ckpt)],
+         str(tmp_path / "texts.jsonl"), "--data.predict_json_key", "body", "--ckpt_path", str(ckpt),
+         "--model.predict_top_k", "3"],  # not the checkpoint's 5: a setting that may differ
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="offline"))
     assert predict.returncode == 0, predict.stdout[-3000:] + predict.stderr[-6000:]
     records = [json.loads(line) for line in (tmp_path / "pred" / "predictions" / "predictions.jsonl").open()]
@@ -161,7 +163,7 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
         positions = (sample["tokens"] == tokenizer.mask_id).nonzero().flatten().tolist()
         assert [m["position"] for m in record["masked"]] == positions and positions
         for m in record["masked"]:
-            want_p, want_ids = probs[m["position"]].topk(5)
+            want_p, want_ids = probs[m["position"]].topk(3)
             assert m["ids"] == want_ids.tolist() and m["tokens"] == tokenizer.convert_ids_to_tokens(m["ids"])
             torch.testing.assert_close(torch.tensor(m["probs"]), want_p, rtol=1e-5, atol=1e-7)
     # The default predict split (the test split, 10 samples: a full batch and a padded one) through the
