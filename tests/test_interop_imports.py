@@ -256,3 +256,32 @@ def test_predict_batches_cover_every_sample_once_at_any_size():
         flat = [i for batches in per_rank for b in batches for i in b]
         assert all(len(b) == local for batches in per_rank for b in batches)
         assert sorted(i for i in flat if i >= 0) == list(range(total)), (total, local, dp, per_rank)
+
+
+def test_a_failed_export_leaves_the_existing_folder_whole(tmp_path, monkeypatch):
+    """export hf writes a temporary folder next to the target and swaps it in only when complete."""
+    from lightning_megatron.models.bert import convert
+    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
+
+    model = _hf_model(True)
+    sd = bert_state_dict_from_hf(model.state_dict(), bert_config_from_hf(model.config), make_vocab_size_divisible_by=1)
+    saved = convert.SavedModel(state_dict=sd, hparams=dict(num_attention_heads=4, spec="bert_layer_local_spec"))
+    monkeypatch.setattr(convert, "read_model_checkpoint", lambda path: saved)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]))
+    target = tmp_path / "hf"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert, "_save_tokenizer", broken)
+    with pytest.raises(OSError, match="disk full"):
+        convert.export_hf("ckpt", target, vocab_file=vocab, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir() if p.name != "vocab.txt"] == ["hf"]  # no temporary folder left
+    assert [p.name for p in target.iterdir()] == ["config.json"] and (target / "config.json").read_text() == "{}"
+    monkeypatch.undo()
+    monkeypatch.setattr(convert, "read_model_checkpoint", lambda path: saved)
+    convert.export_hf("ckpt", target, vocab_file=vocab, overwrite=True)
+    assert (target / "model.safetensors").is_file() and (target / "config.json").read_text() != "{}"
