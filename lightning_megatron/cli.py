@@ -79,7 +79,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     from lightning_megatron.data.datamodule import BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
 
-    from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
+    from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback, PredictionWriter
     from lightning_megatron.loggers import WandbRunIdCallback
 
     if args is None:  # LightningCLI reads sys.argv; Lightning starts the other ranks with it too
@@ -87,6 +87,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     else:
         args = _resolve_recipes(args)
 
+    given = list(args if args is not None else sys.argv[1:])  # the command line's own flags
     _NAMED_CALLBACKS = {"megatron_optimizer": MegatronOptimizerCallback, "lr_schedule": OptimizerParamSchedulerCallback}
 
     class MegatronCLI(LightningCLI):
@@ -122,6 +123,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                                  f"lr_schedule section (OptimizerParamSchedulerCallback) would both set the lr every "
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
             _named_callbacks_into_trainer(config)
+            _architecture_of_init_from(config, given)
             _one_run_folder(config)
             _continue_wandb_run(config)
             _clamp_warmup(config)
@@ -146,11 +148,12 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             if self.trainer.is_global_zero:
                 print(_summary(self.trainer), flush=True)
 
-    # Every checkpoint records the W&B run id (see _continue_wandb_run); trainer_defaults' callbacks are
-    # added to the configured ones.
+    # Every checkpoint records the W&B run id (see _continue_wandb_run); `predict` writes its outputs into
+    # the run folder (PredictionWriter); trainer_defaults' callbacks are added to the configured ones.
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     extra = defaults.get("callbacks") or []
-    defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback()]
+    defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback(),
+                             PredictionWriter()]
     return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
@@ -222,6 +225,39 @@ def _one_run_folder(config) -> None:
     for callback in _entries(trainer.get("callbacks")):
         if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
             callback.init_args.dirpath = os.path.join(root, "checkpoints")
+
+
+def _architecture_of_init_from(config, argv: list[str]) -> None:
+    """``--model.init_from SOURCE``: the architecture arguments come from the source (its config.json,
+    saved hyper-parameters or Megatron-LM args) and replace the recipe's; a flag given on the command line
+    that disagrees with the source is refused, listing every such flag."""
+    import warnings
+
+    model = config.get("model") if hasattr(config, "get") else None
+    source = model.get("init_from") if model is not None and hasattr(model, "get") else None
+    if not source or config.get("ckpt_path"):  # a resumed run restores its own weights
+        return
+    from lightning_megatron.checkpoint import CheckpointError
+    from lightning_megatron.models.bert.init_from import architecture_conflicts, read_architecture
+
+    try:
+        architecture = read_architecture(source)
+    except (CheckpointError, OSError, ValueError) as error:
+        raise SystemExit(f"lightning-megatron: --model.init_from {source}: {error}") from None
+    flags = {a.split("=", 1)[0].removeprefix("--model.") for a in argv if a.startswith("--model.")}
+    current = {k: model.get(k) for k in architecture if k in model}
+    wrong = architecture_conflicts({k: v for k, v in current.items() if k in flags}, architecture)
+    if wrong:
+        listed = ", ".join(f"--model.{k} {h} (the source has {w})" for k, h, w in wrong)
+        raise SystemExit(f"lightning-megatron: --model.init_from {source} fixes the architecture, and these flags "
+                         f"disagree with it: {listed}. Drop them.")
+    replaced = architecture_conflicts(current, architecture)
+    for key, value in architecture.items():
+        if key in model and key not in flags and not (key == "vocab_size" and value is None):
+            model[key] = value
+    if replaced:
+        warnings.warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's " + ", ".join(
+            f"{k}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning, stacklevel=1)
 
 
 def _continue_wandb_run(config) -> None:
@@ -376,10 +412,15 @@ def _export(argv: list[str]) -> None:
     parser.add_argument("--output", required=True, help="the folder to write (config, model.safetensors, tokenizer)")
     parser.add_argument("--vocab_file", default=None,
                         help="the vocab.txt the model was trained with (default: the one the checkpoint names)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
     a = parser.parse_args(argv)
+    from lightning_megatron.checkpoint import CheckpointError
     from lightning_megatron.models.bert.convert import export_hf
 
-    print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file))
+    try:
+        print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite))
+    except (CheckpointError, OSError, ValueError) as error:
+        parser.exit(1, f"lightning-megatron export: error: {error}\n")
 
 
 def _finetune(argv: list[str]) -> None:

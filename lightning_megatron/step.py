@@ -105,8 +105,8 @@ class StepRunner:
         return self._reduce_logged(logged, stage)
 
     def _predictions(self, logged: list[dict[str, Any]]) -> Any:
-        # Predictions live on the last pipeline stage. Tensors are concatenated over the
-        # microbatches; one microbatch's prediction is returned as it is.
+        # Predictions live on the last pipeline stage. Tensors (and dicts of tensors, key by key) are
+        # concatenated over the microbatches; one microbatch's prediction is returned as it is.
         if not self.ps.is_pipeline_last_stage():
             return None
         predictions = [d.get("predictions") for d in logged]
@@ -114,6 +114,9 @@ class StepRunner:
             return predictions[0]
         if predictions and all(torch.is_tensor(p) for p in predictions):
             return torch.cat(predictions)
+        if predictions and all(isinstance(p, dict) and all(torch.is_tensor(v) for v in p.values())
+                               for p in predictions):
+            return {k: torch.cat([p[k] for p in predictions]) for k in predictions[0]}
         return predictions
 
     def _reduce_logged(self, logged: list[dict[str, Any]], stage: str) -> dict[str, torch.Tensor]:

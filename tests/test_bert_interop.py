@@ -39,7 +39,8 @@ def write_vocab(path: Path, size: int = VOCAB) -> Path:
     return path
 
 
-def _predict(spec: str, strategy_kwargs: dict, batches, mode: str, ckpt_path: str | None = None, **model_kwargs):
+def _predict(spec: str, strategy_kwargs: dict, batches, mode: str, ckpt_path: str | None = None,
+             callbacks: list | None = None, **model_kwargs):
     from torch.utils.data import DataLoader
 
     from lightning_megatron.models.bert.module import BertLightningModule
@@ -47,9 +48,13 @@ def _predict(spec: str, strategy_kwargs: dict, batches, mode: str, ckpt_path: st
 
     module = BertLightningModule(**MODEL, spec=spec, predict_output=mode, **model_kwargs)
     strategy = MegatronStrategy(micro_batch_size=2, **strategy_kwargs)
-    trainer = make_trainer(strategy, 4, 0)
+    trainer = make_trainer(strategy, 4, 0, callbacks=callbacks)
     out = trainer.predict(module, dataloaders=DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
-    return None if out is None or out[0] is None else torch.cat(out)
+    if out is None or out[0] is None:
+        return None
+    if isinstance(out[0], dict):  # masked_lm: the top-k ids and probabilities; the argmax is the first
+        return torch.cat([o["ids"][..., 0] for o in out])
+    return torch.cat(out)
 
 
 def _worker(root: str) -> dict:
@@ -82,7 +87,10 @@ def _worker(root: str) -> dict:
         res["ids_tp2pp2"] = _predict(spec, tp2pp2, batches, "masked_lm", ckpt_path=ckpt)
         res["hidden_tp2pp2"] = _predict(spec, tp2pp2, batches, "hidden", ckpt_path=ckpt)
         res["hidden_tp2dp2"] = _predict(spec, tp2dp2, batches, "hidden", ckpt_path=ckpt)
-        res["pooled_tp2dp2"] = _predict(spec, tp2dp2, batches, "pooled", ckpt_path=ckpt)
+        from lightning_megatron.callbacks import PredictionWriter
+
+        res["pooled_tp2dp2"] = _predict(spec, tp2dp2, batches, "pooled", ckpt_path=ckpt,
+                                        callbacks=[PredictionWriter(output_dir=f"{root}/{spec}/predictions")])
         if rank == 0:
             export_hf(ckpt, f"{root}/{spec}/hf", vocab_file=write_vocab(Path(root) / "vocab.txt"))
         dist.barrier()
@@ -156,6 +164,12 @@ def test_export_from_tp2pp2_matches_transformers(measured, spec):
         torch.testing.assert_close(_last_stage(per_rank, spec, key), hidden_ref, rtol=0, atol=1e-5)
     pooled = torch.tanh(ours.pooler.dense(hidden_ref[:, 0]))
     torch.testing.assert_close(_last_stage(per_rank, spec, "pooled_tp2dp2"), pooled.detach(), rtol=0, atol=1e-5)
+    # The PredictionWriter: one pooled.npy per DP replica (each saw every batch here), written by TP rank 0.
+    import numpy as np
+
+    for dp in (0, 1):
+        written = torch.from_numpy(np.load(root / spec / "predictions" / f"pooled.dp{dp}.npy"))
+        torch.testing.assert_close(written, pooled.detach(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -116,10 +116,103 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
                            "--trainer.limit_test_batches", "2", "--ckpt_path", str(ckpt)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert test.returncode == 0 and "test_lm_loss" in test.stdout, test.stdout[-3000:] + test.stderr[-3000:]
-    export = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "export", "hf", "--ckpt_path", str(ckpt),
-                             "--output", str(tmp_path / "hf")], capture_output=True, text=True, timeout=600)
-    assert export.returncode == 0, export.stderr[-3000:]
+    from lightning_megatron.cli import main
+
+    main(["export", "hf", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "hf")])  # the CLI's entry, in-process
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["MegatronBertForPreTraining"]
+    _predict_from_cli_checkpoint(tmp_path, ckpt)
+
+
+def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
+    """On the TP=2 checkpoint the CLI wrote: `predict` through the CLI at TP=2 on a JSONL file of 11 texts
+    (one full global batch of 8 and a short one, top 3), `load_from_checkpoint`, the default test split
+    through the PredictionWriter (pooled), and `export hf`'s refusals."""
+    import pytest
+    import torch
+
+    from lightning_megatron.cli import main
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    texts = [f"sentence number {i} says the [MASK] is {'blue' if i % 2 else '[MASK]'} today" for i in range(11)]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    predict = subprocess.run(
+        [sys.executable, "-m", "lightning_megatron.cli", "predict", "--config", str(tmp_path / "tp2.yaml"),
+         "--trainer.devices", "2", "--trainer.strategy.tensor_model_parallel_size", "2", "--trainer.logger", "false",
+         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "pred"),
+         "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+         "--data.max_seq_length", "64", "--model.max_sequence_length", "64", "--data.predict_file",
+         str(tmp_path / "texts.jsonl"), "--data.predict_json_key", "body", "--ckpt_path", str(ckpt),
+         "--model.predict_top_k", "3"],  # not the checkpoint's 5: a setting that may differ
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="offline"))
+    assert predict.returncode == 0, predict.stdout[-3000:] + predict.stderr[-6000:]
+    records = [json.loads(line) for line in (tmp_path / "pred" / "predictions" / "predictions.jsonl").open()]
+    assert [r["index"] for r in records] == list(range(11))  # every text once, the padding dropped
+    # The reference: one process, the checkpoint the CLI wrote (LightningCLI's _instantiator and
+    # vocab_size: null in its hyper-parameters), softmax over the real vocabulary.
+    module = BertLightningModule.load_from_checkpoint(ckpt)
+    from lightning_megatron.data.predict import TextPredictionDataset
+    from lightning_megatron.data.tokenizer import BertTokenizer
+
+    tokenizer = BertTokenizer()
+    dataset = TextPredictionDataset(tmp_path / "texts.jsonl", tokenizer, 64, json_key="body")
+    for record in records:
+        sample = dataset[record["index"]]
+        with torch.no_grad():
+            logits, _ = module.model_chunks[0](sample["tokens"][None], sample["attention_mask"][None])
+        probs = logits[0, :, :module.vocab_size].softmax(-1)
+        positions = (sample["tokens"] == tokenizer.mask_id).nonzero().flatten().tolist()
+        assert [m["position"] for m in record["masked"]] == positions and positions
+        for m in record["masked"]:
+            want_p, want_ids = probs[m["position"]].topk(3)
+            assert m["ids"] == want_ids.tolist() and m["tokens"] == tokenizer.convert_ids_to_tokens(m["ids"])
+            torch.testing.assert_close(torch.tensor(m["probs"]), want_p, rtol=1e-5, atol=1e-7)
+    # The default predict split (the test split, 10 samples: a full batch and a padded one) through the
+    # PredictionWriter, pooled: pooled.npy equals the pooler on each sample, in index order.
+    import lightning as L
+    import numpy as np
+
+    from lightning_megatron.callbacks import PredictionWriter
+    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.models.bert.init_from import read_architecture
+
+    pooled_module = BertLightningModule.load_from_checkpoint(ckpt, predict_output="pooled")
+    dm = BertDataModule(max_seq_length=64, global_batch_size=8, micro_batch_size=4, eval_samples=10, num_workers=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path / "pooled", callbacks=[PredictionWriter()])
+    trainer.predict(pooled_module, datamodule=dm, return_predictions=False)
+    folder = tmp_path / "pooled" / "predictions"
+    assert np.load(folder / "index.npy").tolist() == list(range(10))
+    pooled = np.load(folder / "pooled.npy")
+    batch = {k: torch.stack([dm.test_dataset[i][k] for i in range(10)]) for k in ("tokens", "attention_mask",
+                                                                                 "token_types")}
+    with torch.no_grad():
+        hidden = module.model_chunks[0](batch["tokens"], batch["attention_mask"], batch["token_types"],
+                                        return_hidden_states=True)
+        want = module.model_chunks[0].pooler(hidden)
+    torch.testing.assert_close(torch.from_numpy(pooled), want, rtol=0, atol=1e-5)
+    # init_from of this checkpoint reads its architecture from the saved hyper-parameters.
+    assert {k: read_architecture(ckpt)[k] for k in ("num_layers", "hidden_size", "max_sequence_length")} == {
+        "num_layers": 1, "hidden_size": 128, "max_sequence_length": 64}
+    # export hf: a non-empty target is refused unless --overwrite, which replaces it whole.
+    (tmp_path / "hf" / "stale.bin").write_text("x")
+    with pytest.raises(SystemExit) as refused:
+        main(["export", "hf", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "hf")])
+    assert refused.value.code == 1 and (tmp_path / "hf" / "stale.bin").is_file()
+    main(["export", "hf", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "hf"), "--overwrite"])
+    assert not (tmp_path / "hf" / "stale.bin").exists() and (tmp_path / "hf" / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no temporary folder left
+
+
+def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
+    import pytest
+
+    from lightning_megatron.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["export", "hf", "--ckpt_path", str(tmp_path / "nope.ckpt"), "--output", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err.count("\n") == 1 and str(tmp_path / "nope.ckpt") in err, err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_help_lists_every_command():

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from lightning_megatron.callbacks.optimizer import MegatronOptimizerCallback
+from lightning_megatron.callbacks.prediction_writer import PredictionWriter
 from lightning_megatron.callbacks.scheduler import OptimizerParamSchedulerCallback
 from lightning_megatron.callbacks.throughput import ThroughputCallback
 
-__all__ = ["MegatronOptimizerCallback", "OptimizerParamSchedulerCallback", "ThroughputCallback"]
+__all__ = ["MegatronOptimizerCallback", "OptimizerParamSchedulerCallback", "PredictionWriter", "ThroughputCallback"]

@@ -93,6 +93,10 @@ class BertDataModule(pl.LightningDataModule):
         samples_cache_dir: where the samples mappings are cached (memory-mapped ``.npy``, one per
             split and configuration); ``None``: next to the dataset, or the default cache directory
             (``samples/``) when that directory is not writable.
+        predict_file: what ``predict`` reads: ``None``, the test split; else a raw text file (one
+            text per line) or a ``.jsonl`` file (its ``predict_json_key`` field), ``[MASK]`` allowed
+            (:mod:`~lightning_megatron.data.predict`).
+        predict_json_key: the JSONL field holding the text.
     """
 
     def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
@@ -102,7 +106,8 @@ class BertDataModule(pl.LightningDataModule):
                  max_ngrams: int = 1, splits: str = "949,50,1", train_samples: int | None = None,
                  eval_samples: int | None = None, shuffle: Literal["sequential", "random"] = "sequential",
                  num_workers: int | None = None, cache_dir: str | None = None,
-                 samples_cache_dir: str | None = None) -> None:
+                 samples_cache_dir: str | None = None, predict_file: str | None = None,
+                 predict_json_key: str = "text") -> None:
         super().__init__()
         if global_batch_size < 1 or micro_batch_size < 1 or global_batch_size % micro_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
@@ -130,6 +135,7 @@ class BertDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.num_workers = num_workers
         self.samples_cache_dir = samples_cache_dir
+        self.predict_file, self.predict_json_key = predict_file, predict_json_key
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._dataset_kwargs: dict[str, Any] = dict(
             max_seq_length=max_seq_length, seed=seed, masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
@@ -356,6 +362,28 @@ class BertDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             self.setup("test")
         return self._eval_loader(self.test_dataset)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """The test split, or ``predict_file``'s texts, every sample once in full global batches (the last
+        padded with ``sample_index = -1``, which the PredictionWriter drops)."""
+        from lightning_megatron.data.predict import IndexedSamples, PredictBatchSampler, TextPredictionDataset
+
+        if self.predict_file is not None:
+            dataset: Any = TextPredictionDataset(self.predict_file, self.tokenizer, self.max_seq_length,
+                                                 self.predict_json_key)
+        else:
+            if self.train_dataset is None:
+                self.setup("predict")
+            dataset = self.test_dataset
+            if dataset is None:
+                raise ValueError(f"splits={self.splits!r} leaves no test documents to predict: give test a weight "
+                                 f"or pass --data.predict_file")
+        dp_rank, dp_size = self._dp_coordinates()
+        sampler = PredictBatchSampler(total_samples=len(dataset), data_parallel_rank=dp_rank,
+                                      data_parallel_size=dp_size,
+                                      local_batch_size=self.micro_batch_size * self.num_microbatches(dp_size))
+        return self._loader(IndexedSamples(dataset), sampler)
 
     # --- checkpointing ----------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ Command line: ``lightning-megatron export hf --ckpt_path CKPT --output DIR [--vo
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,9 @@ class SavedModel:
     """The datamodule's hyper-parameters (``vocab_file``, ...), when it saved them."""
     layout: dict[str, Any] = field(default_factory=dict)
     """The layout it was saved at (``tp``, ``pp``, ``vp``, ``dp``, ``world_size``)."""
+    fresh: tuple[str, ...] = ()
+    """Names of the model's tensors the source does not have and ``init_from`` initialises fresh (the
+    MLM / binary heads of an encoder-only Hugging Face model)."""
 
 
 def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
@@ -135,18 +140,27 @@ def _vocab_file(saved: SavedModel, vocab_file: str | os.PathLike[str] | None) ->
 
 
 def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str], *,
-              vocab_file: str | os.PathLike[str] | None = None, lowercase: bool = True) -> Path:
+              vocab_file: str | os.PathLike[str] | None = None, lowercase: bool = True,
+              overwrite: bool = False) -> Path:
     """Write ``output/`` (config, ``model.safetensors``, tokenizer) from a checkpoint at any layout.
 
     ``vocab_file``: the WordPiece vocabulary the model was trained with; None takes the datamodule's
     ``vocab_file`` saved in the checkpoint, else the default vocabulary. Its size must equal the
-    model's vocabulary. Returns the output directory.
+    model's vocabulary. A non-empty ``output`` is refused unless ``overwrite``; the folder is written
+    next to it under a temporary name and swapped in whole, so a failed export leaves no half-written
+    model. Returns the output directory.
     """
     import transformers
 
     from lightning_megatron.models.bert.hf import hf_state_dict_from_bert
     from lightning_megatron.transformer import TransformerConfig
 
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--output {str(out)!r} is a file: give a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"--output {str(out)!r} is not empty: choose another folder, or pass --overwrite to "
+                              f"replace it")
     saved = read_model_checkpoint(ckpt_path)
     config, megatron, pretraining = hf_config_for(saved)
     vocab = _vocab_file(saved, vocab_file)
@@ -167,11 +181,31 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
     if missing or result.unexpected_keys:
         raise ValueError(f"export to {cls.__name__} does not match transformers' keys: missing {missing}, "
                          f"unexpected {list(result.unexpected_keys)}")
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    _save_tokenizer(vocab, out, lowercase=lowercase, max_length=config.max_position_embeddings)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        _save_tokenizer(vocab, tmp, lowercase=lowercase, max_length=config.max_position_embeddings)
+        _swap_in(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _swap_in(new: Path, target: Path) -> None:
+    """Put the finished folder ``new`` at ``target`` (a rename on one filesystem), the old one removed after."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        target.rename(old)
+    try:
+        new.rename(target)
+    except OSError:
+        if old is not None:
+            old.rename(target)  # put it back: never leave the user without a model
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _save_tokenizer(vocab: Path, out: Path, *, lowercase: bool, max_length: int) -> None:

@@ -10,8 +10,12 @@ state dict under our global names, unpadded vocabulary, plus the architecture it
 - a Megatron-LM checkpoint, legacy per-rank ``model_optim_rng.pt`` files or megatron-core's
   ``torch_dist`` format (:mod:`.megatron_lm`).
 
-Nothing is unpickled outside ``torch.load(weights_only=True)``. The module's architecture
-arguments must match the source; a mismatch raises an error listing the flags to set.
+Nothing is unpickled outside ``torch.load(weights_only=True)``. :func:`read_architecture` reads the
+architecture a source fixes from its configuration (``config.json``, saved hyper-parameters,
+Megatron-LM ``args``): ``BertLightningModule.from_pretrained`` and ``--model.init_from`` on the command
+line build the module with it. A module built with other architecture arguments raises an error
+listing the flags to set. Heads an encoder-only source lacks (``SavedModel.fresh``) start fresh, with
+one warning.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch import nn
 from lightning_megatron.models.bert.convert import SavedModel, read_model_checkpoint
 
 __all__ = ["read_pretrained", "read_hf_folder", "load_full_state_dict", "check_architecture",
-           "ARCHITECTURE_KEYS"]
+           "ARCHITECTURE_KEYS", "read_architecture", "architecture_conflicts"]
 
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "spec", "activation",
                      "lm_head_activation", "layernorm_epsilon", "max_sequence_length", "vocab_size")
@@ -38,16 +42,10 @@ _HF_TO_OURS_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh":
 
 def read_hf_folder(path: str | os.PathLike[str]) -> SavedModel:
     """A Hugging Face BERT / MegatronBERT folder as a full state dict under our names."""
-    import transformers
-
-    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_model_kwargs_from_hf, \
-        bert_state_dict_from_hf
+    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
 
     path = Path(path)
-    config = transformers.AutoConfig.from_pretrained(str(path))  # config.json only: no code runs
-    if config.model_type not in ("bert", "megatron-bert"):
-        raise ValueError(f"{str(path)!r} holds a {config.model_type!r} model; init_from reads 'bert' and "
-                         f"'megatron-bert' folders")
+    config = _hf_config(path)
     if (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
@@ -59,6 +57,11 @@ def read_hf_folder(path: str | os.PathLike[str]) -> SavedModel:
     keys = {k.removeprefix("bert.") for k in hf_sd}
     heads = "cls.predictions.bias" in keys
     binary = "cls.seq_relationship.weight" in keys
+    word = hf_sd.get("bert.embeddings.word_embeddings.weight", hf_sd.get("embeddings.word_embeddings.weight"))
+    if word is not None and word.size(0) != config.vocab_size:
+        raise ValueError(f"{str(path / 'config.json')!r} says vocab_size={config.vocab_size} but the word embeddings "
+                         f"have {word.size(0)} rows: the config does not belong to these weights (fix vocab_size in "
+                         f"config.json)")
     ours = bert_config_from_hf(config)
     sd = bert_state_dict_from_hf(hf_sd, ours, 0, 1, post_process=heads, add_binary_head=binary,
                                  make_vocab_size_divisible_by=1)
@@ -73,13 +76,87 @@ def read_hf_folder(path: str | os.PathLike[str]) -> SavedModel:
             src = hf_sd.get(theirs, hf_sd.get("bert." + theirs))
             if src is not None:
                 sd[ours_key] = src.clone()
-    kwargs = bert_model_kwargs_from_hf(config)
-    hparams = dict(num_layers=ours.num_layers, hidden_size=ours.hidden_size,
-                   num_attention_heads=ours.num_attention_heads, ffn_hidden_size=ours.ffn_hidden_size,
-                   spec=kwargs["spec"], activation=_HF_TO_OURS_ACT[config.hidden_act], lm_head_activation=None,
-                   layernorm_epsilon=ours.layernorm_epsilon, max_sequence_length=kwargs["max_sequence_length"],
-                   vocab_size=kwargs["vocab_size"])
-    return SavedModel(state_dict=sd, hparams=hparams)
+    # An encoder-only model (transformers' BertModel, e.g. MiniLM) or one without the binary head: the
+    # heads it lacks start fresh.
+    fresh = [k for k in _HF_HEADS if k not in sd and (not heads or k.startswith(("binary_head.", "pooler.")))]
+    return SavedModel(state_dict=sd, hparams=_hf_architecture(config), fresh=tuple(fresh))
+
+
+_HF_HEADS = ("lm_head.dense.weight", "lm_head.dense.bias", "lm_head.layer_norm.weight", "lm_head.layer_norm.bias",
+             "output_layer.bias", "pooler.dense.weight", "pooler.dense.bias", "binary_head.weight", "binary_head.bias")
+
+
+def _hf_architecture(config: Any) -> dict[str, Any]:
+    """The module arguments a transformers BERT / MegatronBERT config fixes."""
+    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_model_kwargs_from_hf
+
+    ours, kwargs = bert_config_from_hf(config), bert_model_kwargs_from_hf(config)
+    return dict(num_layers=ours.num_layers, hidden_size=ours.hidden_size,
+                num_attention_heads=ours.num_attention_heads, ffn_hidden_size=ours.ffn_hidden_size,
+                spec=kwargs["spec"], activation=_HF_TO_OURS_ACT[config.hidden_act], lm_head_activation=None,
+                layernorm_epsilon=ours.layernorm_epsilon, max_sequence_length=kwargs["max_sequence_length"],
+                vocab_size=kwargs["vocab_size"])
+
+
+def _hf_config(path: Path) -> Any:
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(path))  # config.json only: no code runs
+    if config.model_type not in ("bert", "megatron-bert"):
+        raise ValueError(f"{str(path)!r} holds a {config.model_type!r} model; init_from reads 'bert' and "
+                         f"'megatron-bert' folders")
+    return config
+
+
+def read_architecture(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The module arguments (:data:`ARCHITECTURE_KEYS`) a source fixes, from its configuration where it
+    has one: a Hugging Face ``config.json``, our checkpoint's saved hyper-parameters, Megatron-LM's
+    ``args`` (read from the checkpoint)."""
+    from lightning_megatron import checkpoint as ckpt
+
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file() and not (path / ckpt.MARKER).is_file():
+        return _hf_architecture(_hf_config(path))
+    if path.is_dir() and (path / ckpt.MARKER).is_file():
+        ckpt.validate_checkpoint_dir(path)
+        try:
+            extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001 - name the file and the cause
+            raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
+                                       f"(weights_only=True): {e}") from e
+        hparams = dict(extra.get("hyper_parameters") or {})
+        return {k: hparams[k] for k in ARCHITECTURE_KEYS if k in hparams}
+    from lightning_megatron.models.bert import megatron_lm
+
+    if megatron_lm.is_megatron_checkpoint(path):
+        return megatron_lm.read_megatron_architecture(path)
+    return dict(read_pretrained(path).hparams)  # refuses what it cannot read, naming the kinds it reads
+
+
+def architecture_conflicts(hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, the module's value, the source's)`` for every argument of ``hparams`` the source fixes
+    otherwise (a missing ``ffn_hidden_size`` is ``4 * hidden_size``, a missing ``lm_head_activation`` the
+    ``activation``; a ``None`` vocabulary on either side is read from the data and checked on the tensors)."""
+    wrong = []
+    for key in ARCHITECTURE_KEYS:
+        if key not in source or key not in hparams:
+            continue
+        want, have = source[key], hparams.get(key)
+        if want is None and key != "lm_head_activation":
+            continue  # the source does not fix it (a checkpoint saved with vocab_size=None read the datamodule's)
+        if key == "ffn_hidden_size" and have is None:
+            have = 4 * hparams["hidden_size"]
+        if key == "lm_head_activation":
+            want, have = want or source.get("activation"), have or hparams.get("activation")
+        if key == "vocab_size" and have is None:
+            continue  # read from the datamodule: checked against the tensors' shapes
+        if isinstance(want, float) and isinstance(have, (int, float)):
+            if abs(want - have) <= 1e-12 * max(abs(want), 1e-30):
+                continue
+        elif want == have:
+            continue
+        wrong.append((key, have, want))
+    return wrong
 
 
 def read_pretrained(path: str | os.PathLike[str]) -> SavedModel:
@@ -104,23 +181,7 @@ def read_pretrained(path: str | os.PathLike[str]) -> SavedModel:
 
 def check_architecture(hparams: dict[str, Any], source: dict[str, Any], source_name: str) -> None:
     """Raise listing every module argument that differs from what the source needs."""
-    wrong = []
-    for key in ARCHITECTURE_KEYS:
-        if key not in source:
-            continue
-        want, have = source[key], hparams.get(key)
-        if key == "ffn_hidden_size" and have is None:
-            have = 4 * hparams["hidden_size"]
-        if key == "lm_head_activation":
-            want, have = want or source.get("activation"), have or hparams.get("activation")
-        if key == "vocab_size" and have is None:
-            continue  # read from the datamodule: checked against the tensors' shapes
-        if isinstance(want, float) and isinstance(have, (int, float)):
-            if abs(want - have) <= 1e-12 * max(abs(want), 1e-30):
-                continue
-        elif want == have:
-            continue
-        wrong.append((key, have, want))
+    wrong = architecture_conflicts(hparams, source)
     if wrong:
         flags = " ".join(f"--model.{k} {v}" for k, _, v in wrong)
         details = ", ".join(f"{k}={h!r} (needs {w!r})" for k, h, w in wrong)
@@ -129,11 +190,11 @@ def check_architecture(hparams: dict[str, Any], source: dict[str, Any], source_n
 
 def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[str, nn.Parameter]],
                          full: dict[str, torch.Tensor], *, tp_rank: int, tp_size: int, num_layers: int,
-                         source_name: str, optional: tuple[str, ...] = ()) -> None:
+                         source_name: str, optional: tuple[str, ...] = (), fresh: tuple[str, ...] = ()) -> None:
     """Copy this rank's slice of every tensor of ``full`` (TP=1, unpadded vocab, global layer names)
     into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``).
     Parameters whose names start with one of ``optional`` keep their initialization when the source
-    lacks them (a warning names them)."""
+    lacks them (a warning names them); those named in ``fresh`` keep it silently (the caller warns once)."""
     layers = {int(k.split(".")[2]) for k in full if k.startswith("encoder.layers.")}
     if layers and max(layers) + 1 != num_layers:
         raise ValueError(f"init_from={source_name!r} has {max(layers) + 1} layers but the model has "
@@ -146,6 +207,8 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                 key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
             t = full.get(key)
             if t is None:
+                if key in fresh:
+                    continue
                 if key.startswith(optional) and optional:
                     skipped.append(key)
                 else:

@@ -7,7 +7,8 @@ Two formats, any TP/PP (and VP) layout they were saved at:
   ``model1``... per virtual stage) with stage-local layer numbers. The TP shards are concatenated
   along their partition dims (qkv rows are already head-major, as ours), layer numbers made global,
   ``_extra_state`` entries dropped. Read with ``torch.load(weights_only=True)``, allowing only
-  ``argparse.Namespace`` and NumPy's RNG-state arrays besides tensors;
+  ``argparse.Namespace``, NumPy's RNG-state arrays and the Megatron-LM enums of ``args`` (read as
+  inert :class:`MegatronRecord` s, see :data:`MEGATRON_ARGS_CLASSES`) besides tensors;
 - megatron-core's ``torch_dist`` (DCP) format: global tensors, the layers stacked along a leading
   dim under ``encoder.layers.<name>``, read on one process with DCP.
 
@@ -32,7 +33,9 @@ import torch
 from lightning_megatron.models.bert.convert import SavedModel
 
 __all__ = ["is_megatron_checkpoint", "read_megatron_checkpoint", "read_legacy_checkpoint",
-           "read_torch_dist_checkpoint", "normalize_megatron_keys"]
+           "read_torch_dist_checkpoint", "normalize_megatron_keys", "read_args", "read_megatron_architecture",
+           "MegatronRecord",
+           "MEGATRON_ARGS_CLASSES"]
 
 _FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -85,7 +88,47 @@ def _tie(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return sd
 
 
+class MegatronRecord:
+    """An inert stand-in for a Megatron-LM object in a checkpoint's ``args`` (an enum member such as
+    ``AttnBackend.auto``): the class's full name and the arguments it was pickled with. Nothing of
+    Megatron-LM is imported and no code of the file runs."""
+
+    __slots__ = ("name", "args")
+
+    def __init__(self, name: str, args: tuple[Any, ...]) -> None:
+        self.name, self.args = name, args
+
+    def __repr__(self) -> str:
+        return f"{self.name}{self.args!r}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MegatronRecord) and (self.name, self.args) == (other.name, other.args)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Record:
+    """The callable the unpickler finds under a known Megatron-LM class name: builds a MegatronRecord."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: Any) -> MegatronRecord:
+        return MegatronRecord(self.name, args)
+
+
+MEGATRON_ARGS_CLASSES = tuple(f"megatron.core.{name}" for name in (
+    "enums.ModelType", "enums.Fp8Recipe", "transformer.enums.ModelType", "transformer.enums.AttnBackend",
+    "transformer.enums.AttnMaskType", "transformer.enums.AttnType", "transformer.enums.LayerType",
+    "transformer.enums.CudaGraphScope", "rerun_state_machine.RerunMode", "rerun_state_machine.RerunState",
+    "rerun_state_machine.RerunDiagnostic", "rerun_state_machine.Caller", "optimizer.optimizer_config.ParamKey"))
+"""Megatron-LM classes (enums) that current Megatron-LM pickles in ``args`` and that a legacy checkpoint
+may hold: read as :class:`MegatronRecord` s. Any other global is refused."""
+
+
 def _load_rank_file(path: Path) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` allowing ``argparse.Namespace``, NumPy RNG-state arrays and the
+    :data:`MEGATRON_ARGS_CLASSES` (as inert records) besides tensors."""
     import numpy as np
 
     allowed: list[Any] = [argparse.Namespace, np.ndarray, np.dtype]
@@ -96,6 +139,7 @@ def _load_rank_file(path: Path) -> dict[str, Any]:
         except (ImportError, AttributeError):
             continue
     allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64", "float32")]
+    allowed += [(_Record(name), name) for name in MEGATRON_ARGS_CLASSES]
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, weights_only=True, map_location="cpu")
@@ -104,21 +148,56 @@ def _load_rank_file(path: Path) -> dict[str, Any]:
                          f"state alone where you trust the file: torch.save({{'model': ckpt['model']}}, path)") from e
 
 
+def read_args(path: str | os.PathLike[str]) -> argparse.Namespace | None:
+    """The ``args`` saved in a legacy rank file (``model_optim_rng.pt``), or None."""
+    state = _load_rank_file(Path(path))
+    args = state.get("args") if isinstance(state, dict) else None
+    return args if isinstance(args, argparse.Namespace) else None
+
+
+# Megatron-LM arguments whose other values change the computation in ways BertModel does not have:
+# name -> (accepted values, what to say).
+_UNSUPPORTED_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "position_embedding_type": (("learned_absolute", None), "only learned absolute positions convert"),
+    "apply_residual_connection_post_layernorm": ((False, None), "residuals taken after the norm"),
+    "add_bias_linear": ((True, None), "linear layers without biases"),
+    "swiglu": ((False, None), "a SwiGLU MLP"),
+    "squared_relu": ((False, None), "a squared-ReLU MLP"),
+    "openai_gelu": ((False, None), "the openai_gelu activation"),
+    "group_query_attention": ((False, None), "grouped-query attention"),
+    "qk_layernorm": ((False, None), "query/key norms"),
+    "apply_layernorm_1p": ((False, None), "zero-centred norm weights (apply_layernorm_1p)"),
+    "layernorm_zero_centered_gamma": ((False, None), "zero-centred norm weights"),
+    "num_experts": ((None, 0, 1), "mixture-of-experts layers"),
+    "untie_embeddings_and_output_weights": ((False, None), "an output layer untied from the embedding"),
+}
+
+
 def _architecture(args: Any, num_layers: int) -> dict[str, Any]:
+    """The BertLightningModule arguments a checkpoint's ``args`` fix; refuses what our model lacks."""
     if not isinstance(args, argparse.Namespace):
         return {"num_layers": num_layers}
     get = lambda k, d=None: getattr(args, k, d)  # noqa: E731
-    hp: dict[str, Any] = {"num_layers": num_layers, "hidden_size": get("hidden_size"),
-                          "num_attention_heads": get("num_attention_heads"),
-                          "ffn_hidden_size": get("ffn_hidden_size") or 4 * get("hidden_size"),
+    unsupported = [f"{k}={get(k)!r} ({what})" for k, (ok, what) in _UNSUPPORTED_ARGS.items() if get(k) not in ok]
+    heads, hidden = get("num_attention_heads"), get("hidden_size")
+    if get("kv_channels") and heads and hidden and get("kv_channels") * heads != hidden:
+        unsupported.append(f"kv_channels={get('kv_channels')} (not hidden_size / num_attention_heads)")
+    normalization = get("normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        unsupported.append(f"normalization={normalization!r}")
+    if unsupported:
+        raise ValueError(f"the Megatron-LM checkpoint was trained with {', '.join(unsupported)}: BertLightningModule "
+                         f"has no equivalent, so its logits would differ")
+    hp: dict[str, Any] = {"num_layers": num_layers, "hidden_size": hidden, "num_attention_heads": heads,
+                          "ffn_hidden_size": get("ffn_hidden_size") or (4 * hidden if hidden else None),
                           "max_sequence_length": get("max_position_embeddings"),
                           "layernorm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
-                          "spec": "bert_layer_local_spec"}
+                          "spec": "bert_layer_rmsnorm_spec" if normalization == "RMSNorm" else "bert_layer_local_spec"}
     if get("bias_gelu_fusion") or get("bias_activation_fusion"):
         hp.update(activation="gelu_tanh", lm_head_activation="gelu")
     else:
         hp.update(activation="gelu", lm_head_activation=None)
-    return {k: v for k, v in hp.items() if v is not None}
+    return {k: v for k, v in hp.items() if v is not None or k == "lm_head_activation"}
 
 
 def read_legacy_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
@@ -198,7 +277,31 @@ def read_torch_dist_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
                 full[f"encoder.layers.{i}.{rest}"] = value[i].clone()
         else:
             full[key] = value
-    return SavedModel(state_dict=_tie(full), hparams={"num_layers": num_layers})
+    args = None
+    if (d / "common.pt").is_file():  # megatron-core saves its args there
+        try:
+            args = read_args(d / "common.pt")
+        except ValueError as e:
+            import warnings
+
+            warnings.warn(f"{str(d / 'common.pt')!r}: the training arguments are not read ({e}); the model's "
+                          f"architecture arguments are checked against the tensors' shapes only", UserWarning,
+                          stacklevel=2)
+    return SavedModel(state_dict=_tie(full), hparams=_architecture(args, num_layers))
+
+
+def read_megatron_architecture(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The module arguments a Megatron-LM checkpoint's ``args`` fix, reading one rank file (legacy)."""
+    path = Path(path)
+    d = path if path.is_file() else _iteration_dir(path)
+    if d.is_dir() and (d / ".metadata").is_file():
+        return read_torch_dist_checkpoint(d).hparams
+    first = path if path.is_file() else next((sub / "model_optim_rng.pt" for sub in sorted(d.iterdir())
+                                              if _RANK_DIR.match(sub.name)), None)
+    args = read_args(first) if first is not None and first.is_file() else None
+    if args is None or not getattr(args, "num_layers", None):
+        return read_legacy_checkpoint(path).hparams  # the layers counted from the tensors
+    return _architecture(args, int(args.num_layers))
 
 
 def read_megatron_checkpoint(path: str | os.PathLike[str]) -> SavedModel:

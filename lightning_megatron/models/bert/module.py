@@ -21,15 +21,15 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
 from lightning_megatron.models.bert.convert import SavedModel
 from lightning_megatron.models.bert.model import BertModel, bert_loss
+from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.optimizer.param_groups import get_param_groups
-from lightning_megatron.parallel_state import ParallelState, group_rank, group_size
+from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import vocab_parallel_cross_entropy
@@ -42,28 +42,6 @@ __all__ = ["BertLightningModule", "vocab_parallel_argmax"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-
-
-def vocab_parallel_argmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | None, vocab_size: int) -> torch.Tensor:
-    """Global argmax over vocab-parallel logits [..., V/t] without gathering them (padding excluded)."""
-    partition = logits.size(-1)
-    start = group_rank(tp_group) * partition
-    valid = max(0, min(partition, vocab_size - start))
-    if valid == 0:  # a rank holding only padding: never the argmax
-        values = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
-        index = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
-    else:
-        # The real columns only, in the logits' own dtype (the max of bf16 values is exact in bf16).
-        values, index = logits.detach()[..., :valid].max(dim=-1)
-    index = index + start
-    if group_size(tp_group) == 1:
-        return index
-    both = torch.stack([values.float(), index.float()], dim=-1)  # ids < 2^24 are exact in fp32
-    gathered = [torch.empty_like(both) for _ in range(group_size(tp_group))]
-    dist.all_gather(gathered, both.contiguous(), group=tp_group)
-    stacked = torch.stack(gathered)  # [t, ..., 2]
-    best = stacked[..., 0].argmax(dim=0, keepdim=True)  # first rank wins ties, as a global argmax would
-    return stacked[..., 1].gather(0, best).squeeze(0).long()
 
 
 class BertLightningModule(LightningModule):
@@ -103,9 +81,11 @@ class BertLightningModule(LightningModule):
         lr_scheduler_class, lr_scheduler_kwargs: a ``torch.optim.lr_scheduler`` scheduler by name and
             its arguments, stepped every optimizer step (CLI: ``--lr_scheduler ...``); not together
             with the OptimizerParamSchedulerCallback, which also sets the lr.
-        predict_output: what ``predict_step`` returns per sample: ``"masked_lm"`` (the predicted
-            token id at every position, ``[b, s]``), ``"pooled"`` (the pooler output, ``[b, h]``)
-            or ``"hidden"`` (the encoder output, ``[b, s, h]``).
+        predict_output: what ``predict_step`` returns per sample: ``"masked_lm"`` (the
+            ``predict_top_k`` most likely tokens at every position and their probabilities,
+            ``{"ids": [b, s, k], "probs": [b, s, k]}``), ``"pooled"`` (the pooler output, ``[b, h]``)
+            or ``"hidden"`` (the encoder output, ``[b, s, h]``). ``lightning-megatron predict``
+            writes them to files (:class:`~lightning_megatron.callbacks.PredictionWriter`).
 
     Training, validation and test run ``forward_step`` through the strategy's microbatch schedule;
     a ``training_step`` override is NOT called under the MegatronStrategy (override
@@ -148,6 +128,7 @@ class BertLightningModule(LightningModule):
         lm_head_activation: Literal["gelu", "gelu_tanh", "relu", "silu"] | None = None,
         init_from: str | None = None,
         predict_output: Literal["masked_lm", "pooled", "hidden"] = "masked_lm",
+        predict_top_k: int = 5,
         optimizer_class: str | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
         lr_scheduler_class: str | None = None,
@@ -160,6 +141,8 @@ class BertLightningModule(LightningModule):
             raise ValueError(f"optimizer={optimizer!r} must be 'adamw', 'adam' or 'sgd'")
         if predict_output not in ("masked_lm", "pooled", "hidden"):
             raise ValueError(f"predict_output={predict_output!r} must be 'masked_lm', 'pooled' or 'hidden'")
+        if predict_top_k < 1:
+            raise ValueError(f"predict_top_k={predict_top_k} must be at least 1")
         self.save_hyperparameters()
         self.model_chunks: nn.ModuleList | None = None
         self.parallel_state: ParallelState | None = None
@@ -217,7 +200,7 @@ class BertLightningModule(LightningModule):
                 pre_process=is_first_chunk_stage(ps.pp_rank, vp_rank),
                 post_process=is_last_chunk_stage(ps.pp_rank, ps.pp_size, vp_rank, ps.vp_size),
                 layer_range=layer_range, make_vocab_size_divisible_by=hp.make_vocab_size_divisible_by,
-                seed=hp.init_seed)
+                seed=hp.init_seed, lm_head_activation=hp.get("lm_head_activation"))
             _tag_vocab_parallel(chunk, self.vocab_size)
             if hp.compile:
                 chunk.compile_layers()
@@ -241,7 +224,28 @@ class BertLightningModule(LightningModule):
         params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
         load_full_state_dict(list(self.model_chunks), params, saved.state_dict,
                              tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
-                             source_name=name, optional=() if everything else self.optional_pretrained)
+                             source_name=name, optional=() if everything else self.optional_pretrained,
+                             fresh=saved.fresh)
+        fresh = [n for n, _ in params if n in saved.fresh]
+        if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
+            import warnings
+
+            warnings.warn(f"init_from={name!r} has no {fresh} (its model has no such heads): they are initialised "
+                          f"fresh, from init_seed", UserWarning, stacklevel=2)
+
+    @classmethod
+    def from_pretrained(cls, source: str, **kwargs: Any) -> BertLightningModule:
+        """A module with the architecture of ``source`` (any ``init_from`` source: its ``config.json``,
+        saved hyper-parameters or Megatron-LM ``args``), started from its weights in ``configure_model``.
+        ``kwargs`` set the other arguments; architecture arguments among them must agree with the source."""
+        from lightning_megatron.models.bert.init_from import architecture_conflicts, read_architecture
+
+        architecture = read_architecture(source)
+        wrong = architecture_conflicts(kwargs, architecture)
+        if wrong:
+            raise ValueError(f"from_pretrained({source!r}): " + ", ".join(
+                f"{k}={h!r} but the source has {w!r}" for k, h, w in wrong) + ": drop these arguments")
+        return cls(**{**architecture, **kwargs, "init_from": source})
 
     optional_pretrained: tuple[str, ...] = ()
     """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
@@ -272,7 +276,9 @@ class BertLightningModule(LightningModule):
                 f"BertLightningModule.load_from_checkpoint reads lightning_megatron checkpoint directories or "
                 f"single-file Lightning checkpoints")
         saved = read_model_checkpoint(path)
-        hparams = {**saved.hparams, **kwargs, "init_from": None}
+        # LightningCLI records how it built the module (``_instantiator``): not an argument.
+        hparams = {k: v for k, v in saved.hparams.items() if not k.startswith("_")}
+        hparams = {**hparams, **kwargs, "init_from": None}
         if hparams.get("vocab_size") is None:
             hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
         module = cls(**hparams)
@@ -385,30 +391,18 @@ class BertLightningModule(LightningModule):
         return loss
 
     def _predict_forward(self, batch: dict[str, torch.Tensor], chunk: BertModel):
-        """Predictions of one microbatch: token ids [b, s], pooled [b, h] or hidden states [b, s, h]."""
-        tokens, mask, types = batch["tokens"], batch.get("attention_mask"), batch.get("token_types")
-        if mask is None:
-            mask = torch.ones_like(tokens)
-        mode = self.hparams.get("predict_output", "masked_lm")
-        if not chunk.post_process:
-            return chunk(tokens, mask, types), None
-        if mode == "masked_lm":
-            logits, _ = chunk(tokens, mask, types)  # [b, s, V/t]
-            tp_group = self.parallel_state.tp_group if self.parallel_state else None
-            out = vocab_parallel_argmax(logits, tp_group, self.vocab_size)
-        else:
-            hidden = chunk(tokens, mask, types, return_hidden_states=True)  # [s, b, h], full sequence
-            if mode == "hidden":
-                out = hidden.transpose(0, 1).contiguous()
-            elif getattr(chunk, "pooler", None) is not None:
-                out = torch.tanh(chunk.pooler.dense(hidden[0]))
-            else:
-                raise ValueError("predict_output='pooled' needs the pooler (add_binary_head=True); "
-                                 "use predict_output='hidden' and take the first token")
-        out = out.detach()
+        """Predictions of one microbatch (:mod:`~lightning_megatron.models.bert.predict`); the loss
+        function logs them as ``predictions``, which the strategy concatenates over the microbatches."""
+        from lightning_megatron.models.bert.predict import predict_outputs
 
-        def loss_func(output: torch.Tensor):
-            return torch.zeros((), device=tokens.device), {"predictions": out}
+        if not chunk.post_process:
+            return chunk(batch["tokens"], batch.get("attention_mask"), batch.get("token_types")), None
+        out = predict_outputs(chunk, batch, self.hparams.get("predict_output", "masked_lm"),
+                              tp_group=self.parallel_state.tp_group if self.parallel_state else None,
+                              vocab_size=self.vocab_size, top_k=self.hparams.get("predict_top_k", 5))
+
+        def loss_func(output: Any):
+            return torch.zeros((), device=batch["tokens"].device), {"predictions": out}
 
         return out, loss_func
 
