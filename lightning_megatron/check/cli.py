@@ -2,6 +2,7 @@
 
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2,tp2pp2 [--steps 3]
         [--reference tp1] [--global-batch-size 16] [--micro-batch-size 4] [--model.NAME VALUE ...]
+        [--data.NAME VALUE ...]
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,dp2zero1 --estimate-memory
     lightning-megatron check --config recipes/bert_base.yaml --estimate-memory --gpus 64 --gpu-memory 80GB \\
         --model.num_layers 24 --model.hidden_size 1024 --model.num_attention_heads 16
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_megatron.check.recipe import factories, load_recipe, parse_overrides
 
     try:  # argument errors: a usage message, not a traceback
-        recipe = load_recipe(args.config, parse_overrides(rest, "model"))
+        overrides = parse_overrides(rest)
+        recipe = load_recipe(args.config, overrides["model"], overrides["data"])
         layouts, reference = parse_layouts(args.layouts), parse_layout(args.reference)
     except (ValueError, OSError) as e:
         parser.error(str(e))
