@@ -63,9 +63,10 @@ def _gloo_allreduce(rank: int, world: int, port: int, sizes: list[int], out) -> 
 
 
 def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, timeout: float = 120.0) -> Device:
-    """Rates of this host measured now, one thread per rank as the workers run: a GEMM of the model's
-    shape ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and a 2-process
-    gloo all-reduce of 4 KiB (latency) and 16 MiB (bandwidth)."""
+    """Rates of one core of this host measured now (one thread): a GEMM of the model's shape
+    ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and a 2-process
+    gloo all-reduce of 4 KiB (latency) and 16 MiB (bandwidth). The estimate gives each rank
+    ``cores / world_size`` cores (:attr:`~lightning_megatron.check.timing.Device.cores`)."""
     import multiprocessing as mp
     import socket
 

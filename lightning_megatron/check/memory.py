@@ -259,7 +259,7 @@ def search_layouts(m: ModelShape, gpus: int, max_tp: int = 8, max_vp: int | None
                     if max_vp is not None and v > max_vp:
                         continue
                     if microbatches % pp:
-                        skip(f"VP with PP={pp}: {microbatches} microbatches per step not divisible by PP")
+                        skip(f"VP with PP={pp}: the microbatches per step (G / (b x DP)) are not divisible by PP")
                     else:
                         vps.append(v)
             for v in vps:

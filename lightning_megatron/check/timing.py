@@ -52,7 +52,8 @@ class Device:
     latency_inter: float = 20e-6
     """Seconds per collective or send between nodes."""
     cores: int | None = None
-    """A host without accelerators: ranks share its ``cores`` (rates are per rank running alone)."""
+    """A host without accelerators: the rates are per core, and each of a layout's ranks gets
+    ``cores / world_size`` cores (threads when fewer ranks than cores, time slices when more)."""
     source: str = ""
 
 
@@ -193,7 +194,7 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.vp or 1
     e, s, b, h = m.param_bytes, m.seq_length, m.micro_batch_size, m.hidden_size
     microbatches = m.global_batch_size // (b * d)
-    share = 1.0 if dev.cores is None else min(1.0, dev.cores / layout.world_size)
+    share = 1.0 if dev.cores is None else dev.cores / layout.world_size
     peak = dev.flops_16 if e == 2 else dev.flops_32
     gemm_rate, mem_rate = peak * eff.gemm * share, dev.hbm * eff.memory * share
     layers = m.num_layers // p
