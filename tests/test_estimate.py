@@ -202,6 +202,11 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
               "--device", "a100", "--gemm-efficiency", "0.5"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "GEMM 0.5" in out and "pp2vp2" in out and "dp2zero1" in out
-    with pytest.raises(SystemExit) as e:
-        main(["check", "--config", str(recipe), "--estimate-time", "--device", "tpu"])
-    assert e.value.code == 2 and "unknown device 'tpu'" in capsys.readouterr().err
+    for flags, message in ((["--device", "tpu"], "unknown device 'tpu'"),
+                           (["--link-efficiency", "1.5"], "efficiency link=1.5 must be in (0, 1]")):
+        with pytest.raises(SystemExit) as e:
+            main(["check", "--config", str(recipe), "--estimate-time", *flags])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # --gpus alone would silently run a parity check instead
+        main(["check", "--config", str(recipe), "--gpus", "8"])
+    assert e.value.code == 2 and "add one of them" in capsys.readouterr().err

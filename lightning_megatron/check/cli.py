@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--estimate-memory", action="store_true",
                    help="predicted bytes per rank (docs/memory.md); with --gpus: the layouts that fit, nothing run")
     p.add_argument("--estimate-time", action="store_true",
-                   help="predicted step time, tokens/s and MFU per layout on --device (docs/check.md); runs nothing")
+                   help="predicted step time, tokens/s and MFU per layout on --device (docs/check.md); "
+                   "runs nothing by itself")
     p.add_argument("--device", default="h100", help="with --estimate-time: a100, h100, h200 (datasheet rates x the "
                    "efficiencies below) or 'this' (this machine, measured now)")
     p.add_argument("--devices-per-node", type=int, default=None, help="with --estimate-time: GPUs per node (default 8)")
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe.data["micro_batch_size"] = args.micro_batch_size
     if args.seq_length is not None:
         recipe.data["max_seq_length"] = args.seq_length
+    if args.gpus is not None and not (args.estimate_memory or args.estimate_time):
+        parser.error("--gpus lists layouts for --estimate-memory and/or --estimate-time; add one of them")
     timing = None
     if args.estimate_time:
         from lightning_megatron.check.time_cli import timing_inputs

@@ -60,6 +60,13 @@ class ModelShape:
     """"bert": the LM head (with its dense layer) runs on the masked tokens; "gpt": on every token,
     without the dense layer (step-time estimates of decoder configurations, docs/check.md)."""
 
+    def __post_init__(self) -> None:
+        if self.family not in ("bert", "gpt"):
+            raise ValueError(f"family={self.family!r} must be 'bert' or 'gpt'")
+        for name, p in (("hidden_dropout", self.hidden_dropout), ("attention_dropout", self.attention_dropout)):
+            if not 0 <= p < 1:
+                raise ValueError(f"{name}={p} must be in [0, 1)")
+
     @property
     def head_fraction(self) -> float:
         """Fraction of the tokens that go through the LM head."""

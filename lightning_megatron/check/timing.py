@@ -68,6 +68,11 @@ class Efficiency:
     link: float = 0.8
     """Of the link bandwidth, for NCCL collectives (bus bandwidth over link bandwidth)."""
 
+    def __post_init__(self) -> None:
+        for name, value in (("gemm", self.gemm), ("memory", self.memory), ("link", self.link)):
+            if not 0 < value <= 1:
+                raise ValueError(f"efficiency {name}={value} must be in (0, 1] (a fraction of the device's rate)")
+
 
 MEASURED = Efficiency(gemm=1.0, memory=1.0, link=1.0)
 
