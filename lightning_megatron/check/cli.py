@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm-efficiency", type=float, default=None, help="achievable fraction of the dense peak (0.7)")
     p.add_argument("--memory-efficiency", type=float, default=None, help="achievable fraction of HBM bandwidth (0.8)")
     p.add_argument("--link-efficiency", type=float, default=None, help="achievable fraction of NVLink/IB bandwidth (0.8)")
-    p.add_argument("--overlap-grad-reduce", action="store_true", help="with --estimate-time: DP reduction overlapped")
+    p.add_argument("--overlap-grad-reduce", choices=("on", "off"), default=None,
+                   help="with --estimate-time: DP reduction overlapped with the backward (default: the strategy's "
+                        "default, on; off for --device this, whose CPU tuning reduces synchronously)")
     p.add_argument("--gpus", type=int, default=None,
                    help="with --estimate-memory / --estimate-time: every layout of this many GPUs")
     p.add_argument("--gpu-memory", type=_bytes, default=None, help="with --gpus: memory per GPU, e.g. 80GB")

@@ -35,43 +35,60 @@ def device(name: str) -> Device:
         raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} or 'this'") from None
 
 
-def _gloo_allreduce(rank: int, world: int, port: int, sizes: list[int], out) -> None:  # pragma: no cover (child)
+def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) -> None:  # pragma: no cover (child)
+    """Best of 5 all-reduces of each size through gloo and, when the host allows, through the CPU
+    tuning's shared-memory collectives (:mod:`lightning_megatron.cpu.shared_memory`)."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
+
     torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=timeout)
     try:
-        times = []
-        for n in sizes:
-            x = torch.ones(n // 4)
-            dist.all_reduce(x)
-            best = float("inf")
-            for _ in range(5):
-                dist.barrier()
-                start = time.perf_counter()
-                dist.all_reduce(x)
-                best = min(best, time.perf_counter() - start)
-            times.append(best)
+        def best(all_reduce) -> list[float]:
+            times = []
+            for n in sizes:
+                x = torch.ones(n // 4)
+                all_reduce(x)
+                fastest = float("inf")
+                for _ in range(5):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    all_reduce(x)
+                    fastest = min(fastest, time.perf_counter() - start)
+                times.append(fastest)
+            return times
+
+        result = {"gloo": best(dist.all_reduce), "shared_memory": None}
+        comm = enable_shared_memory_collectives(dist.group.WORLD, timeout=timeout)
+        if comm is not None:
+            try:
+                result["shared_memory"] = best(comm.all_reduce)
+            finally:
+                comm.close()
         if rank == 0:
-            out.put(times)
+            out.put(result)
     finally:
         dist.destroy_process_group()
 
 
-def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, timeout: float = 120.0) -> Device:
+def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_memory: bool = True,
+                         timeout: float = 120.0) -> Device:
     """Rates of one core of this host measured now (one thread): a GEMM of the model's shape
-    ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and a 2-process
-    gloo all-reduce of 4 KiB (latency) and 16 MiB (bandwidth). The estimate gives each rank
+    ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and 2-process
+    all-reduces of 4 KiB (latency) and 16 MiB (bandwidth): through the CPU tuning's shared-memory
+    collectives when ``shared_memory`` (what ``CPUTuning`` installs for TP and DP) and through gloo
+    (pipeline sends, and collectives without the tuning). The estimate gives each rank
     ``cores / world_size`` cores (:attr:`~lightning_megatron.check.timing.Device.cores`)."""
     import multiprocessing as mp
     import socket
 
     import torch
-
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -92,21 +109,30 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, timeout: 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     sizes = [4096, 2**24]
-    procs = [ctx.Process(target=_gloo_allreduce, args=(r, 2, port, sizes, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_allreduce_times, args=(r, 2, port, sizes, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
     try:
-        small, large = queue.get(timeout=timeout)
+        times = queue.get(timeout=timeout)
     finally:
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    # A 2-rank ring all-reduce moves n bytes per rank (2 (k-1)/k n).
-    link = sizes[1] / max(large - small, 1e-9)
+
+    def rate(small_large: list[float]) -> tuple[float, float]:
+        small, large = small_large  # a 2-rank ring all-reduce moves n bytes per rank: 2 (k-1)/k n
+        return sizes[1] / max(large - small, 1e-9), small
+
+    p2p, p2p_latency = rate(times["gloo"])
+    shm = shared_memory and times["shared_memory"] is not None
+    link, latency = rate(times["shared_memory"]) if shm else (p2p, p2p_latency)
+    cores = os.cpu_count() or 1
     return Device(name="this machine (measured)", flops_16=gemm, flops_32=gemm, hbm=hbm, link_intra=link,
-                  link_inter=link, devices_per_node=os.cpu_count() or 1, latency_intra=small, latency_inter=small,
-                  cores=os.cpu_count() or 1, source=f"measured: {rows}x{inner}x{cols} GEMM, 64 MiB copy, gloo")
+                  link_inter=link, devices_per_node=cores, latency_intra=latency, latency_inter=latency, p2p=p2p,
+                  p2p_latency=p2p_latency, cores=cores,
+                  source=f"measured per core: {rows}x{inner}x{cols} GEMM, 64 MiB copy, "
+                         f"{'shared-memory' if shm else 'gloo'} all-reduce, gloo sends")
 
 
 def _timed(fn) -> float:

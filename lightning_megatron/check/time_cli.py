@@ -31,7 +31,10 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
         dev = dataclasses.replace(dev, devices_per_node=args.devices_per_node)
     eff = Efficiency(gemm=args.gemm_efficiency or base.gemm, memory=args.memory_efficiency or base.memory,
                      link=args.link_efficiency or base.link)
-    fw = Framework(overlap_grad_reduce=args.overlap_grad_reduce, fused_attention=not m.unfused_attention)
+    # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
+    # shared-memory collectives.
+    overlap = (not on_cpu) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
+    fw = Framework(overlap_grad_reduce=overlap, fused_attention=not m.unfused_attention)
     return dev, eff, fw
 
 

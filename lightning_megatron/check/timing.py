@@ -51,6 +51,11 @@ class Device:
     """Seconds per collective or send within a node."""
     latency_inter: float = 20e-6
     """Seconds per collective or send between nodes."""
+    p2p: float | None = None
+    """Bandwidth of pipeline sends when they take another path than the collectives (a host whose
+    collectives go through shared memory and sends through gloo); None: the group's link."""
+    p2p_latency: float = 0.0
+    """Seconds per send on that path."""
     cores: int | None = None
     """A host without accelerators: the rates are per core, and each of a layout's ranks gets
     ``cores / world_size`` cores (threads when fewer ranks than cores, time slices when more)."""
@@ -216,6 +221,8 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
     pp_mb = 0.0
     if p > 1:
         pp_bw, pp_lat = _bandwidth(dev, eff, t * d * p > dpn)
+        if dev.p2p is not None:
+            pp_bw, pp_lat = dev.p2p * eff.link, dev.p2p_latency
         sent = act / (t if (layout.sequence_parallel or fw.p2p_scatter_gather) else 1)
         pp_mb = 2 * v * collective_time("send", sent, 2, pp_bw, pp_lat)
     flops = max(stage_flops(m, layout, stage) for stage in range(p))
