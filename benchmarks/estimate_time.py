@@ -81,8 +81,8 @@ def main() -> None:
               f"({time.perf_counter() - t1:.0f} s)", flush=True)
     after = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16)
     print(f"\nthis machine again after the runs: GEMM {after.flops_16 / 1e9:.1f} GFLOP/s "
-          f"({after.flops_16 / dev.flops_16 - 1:+.0%}), copy {after.hbm / 1e9:.2f} GB/s ({after.hbm / dev.hbm - 1:+.0%})"
-          f": a large change means the machine was busy and the comparison is not meaningful")
+          f"({after.flops_16 / dev.flops_16 - 1:+.0%}), copy {after.hbm / 1e9:.2f} GB/s "
+          f"({after.hbm / dev.hbm - 1:+.0%}): a large change means the machine was busy and the comparison is not meaningful")
     print(f"\nBERT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro batch {a.micro_batch}, "
           f"global batch {a.global_batch}, {a.precision}, dropout 0.1; median of {a.steps} steps after {a.warmup}\n")
     print("| layout | ranks | predicted s | compute / TP / PP / bubble / DP / optimizer s | measured s | "

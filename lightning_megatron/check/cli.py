@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices-per-node", type=int, default=None, help="with --estimate-time: GPUs per node (default 8)")
     p.add_argument("--gemm-efficiency", type=float, default=None, help="achievable fraction of the dense peak (0.7)")
     p.add_argument("--memory-efficiency", type=float, default=None, help="achievable fraction of HBM bandwidth (0.8)")
-    p.add_argument("--link-efficiency", type=float, default=None, help="achievable fraction of NVLink/IB bandwidth (0.8)")
+    p.add_argument("--link-efficiency", type=float, default=None,
+                   help="achievable fraction of NVLink/IB bandwidth (0.8)")
     p.add_argument("--overlap-grad-reduce", choices=("on", "off"), default=None,
                    help="with --estimate-time: DP reduction overlapped with the backward (default: the strategy's "
                         "default, on; off for --device this, whose CPU tuning reduces synchronously)")

@@ -98,8 +98,8 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
     print(head)
     g = 2**30
     for ok, est, layout, step in rows:
-        line = (f"{layout.name:<22} {est.param_bytes / g:7.2f} {est.grad_bytes / g:7.2f} {est.optimizer_bytes / g:7.2f} "
-                f"{est.activation_bytes / g:7.2f} {est.total_bytes / g:7.2f}  {'yes' if ok else 'no ':<3}")
+        sizes = (est.param_bytes, est.grad_bytes, est.optimizer_bytes, est.activation_bytes, est.total_bytes)
+        line = f"{layout.name:<22} " + " ".join(f"{x / g:7.2f}" for x in sizes) + f"  {'yes' if ok else 'no ':<3}"
         if step is not None:
             parts = (step.compute, step.tp_comm, step.pp_comm, step.bubble, step.dp_comm, step.optimizer)
             line += (f" {step.total:9.4g} {step.tokens_per_s:10.4g} {step.mfu:5.1%}  "
