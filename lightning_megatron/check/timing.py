@@ -180,15 +180,16 @@ def stage_flops(m: ModelShape, layout: Layout, stage: int) -> float:
 def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
     """HBM bytes of the memory-bound kernels of one layer, one token, forward, on one rank:
     both norms (read + write h), bias-GeLU (f), two bias-dropout-adds (read x and the residual, write
-    the sum and a 1-byte mask), and without fused attention the softmax (read + write ``a s``) and
-    its dropout (read, write, mask). The backward moves about twice as much."""
+    the sum and the mask), and without fused attention the softmax (read + write ``a s``) and its
+    dropout (read, write, mask); a mask element is ``ModelShape.mask_bytes``. The backward moves
+    about twice as much."""
     e, h, f, a, s = m.param_bytes, m.hidden_size, m.ffn, m.num_attention_heads, m.seq_length
     t = layout.tp
     ts = t if layout.sequence_parallel else 1
-    drop = 1 if m.hidden_dropout > 0 else 0
+    drop = m.mask_bytes if m.hidden_dropout > 0 else 0
     n = (4 * h * e + 2 * (3 * e + drop) * h) / ts + 2 * f * e / t
     if not fw.fused_attention:
-        n += (2 * e + (2 * e + 1 if m.attention_dropout > 0 else 0)) * a * s / t
+        n += (2 * e + (2 * e + m.mask_bytes if m.attention_dropout > 0 else 0)) * a * s / t
     return n
 
 
@@ -212,7 +213,8 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
     elementwise = elementwise_bytes(m, layout, fw) * s * b * layers * passes / mem_rate
     dpn = dev.devices_per_node
     # TP: per layer two all-reduces forward and two backward (+2 recomputed) of [s, b, h]; with SP an
-    # all-gather and a reduce-scatter instead of each, the same bytes. The first stage's embedding adds one.
+    # all-gather and a reduce-scatter instead of each, the same bytes; without pipelining the
+    # embedding's all-reduce too (with it, the slowest stage is taken without it).
     tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
     act = e * s * b * h
     per_layer = (4 + (2 if m.recompute else 0)) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
