@@ -63,7 +63,7 @@ def main() -> None:
           f"({a.seq * a.micro_batch}x{a.hidden}x{shape.ffn}, {a.precision}), copy {dev.hbm / 1e9:.2f} GB/s, gloo "
           f"all-reduce {dev.link_intra / 1e9:.2f} GB/s + {dev.latency_intra * 1e6:.0f} us "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    fw = Framework(fused_attention=not shape.unfused_attention)
+    fw = Framework(overlap_grad_reduce=False, fused_attention=not shape.unfused_attention)  # the CPU tuning's
     rows = []
     for layout in parse_layouts(a.layouts):
         pred = estimate_time(shape, layout, dev, MEASURED, fw)

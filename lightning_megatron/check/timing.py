@@ -88,8 +88,9 @@ class Framework:
 
     grad_reduce_bytes: int = 4
     """Bytes per gradient element in the DP reduction (fp32 ``main_grad`` here)."""
-    overlap_grad_reduce: bool = False
-    """DP reduction started during the last microbatch's backward (``MegatronStrategy(overlap_grad_reduce)``)."""
+    overlap_grad_reduce: bool = True
+    """DP reduction started during the last microbatch's backward (``MegatronStrategy(overlap_grad_reduce)``,
+    on by default except with the CPU tuning's synchronous shared-memory collectives)."""
     overlap_param_gather: bool = False
     """ZeRO-1 parameter all-gather hidden behind the next forward."""
     p2p_scatter_gather: bool = False
