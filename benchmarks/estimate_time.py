@@ -36,8 +36,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
@@ -60,8 +60,9 @@ def main() -> None:
     t0 = time.perf_counter()
     dev = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16)
     print(f"this machine, per core ({CPU_COUNT} cores): GEMM {dev.flops_16 / 1e9:.1f} GFLOP/s "
-          f"({a.seq * a.micro_batch}x{a.hidden}x{shape.ffn}, {a.precision}), copy {dev.hbm / 1e9:.2f} GB/s, gloo "
-          f"all-reduce {dev.link_intra / 1e9:.2f} GB/s + {dev.latency_intra * 1e6:.0f} us "
+          f"({a.seq * a.micro_batch}x{a.hidden}x{shape.ffn}, {a.precision}), copy {dev.hbm / 1e9:.2f} GB/s, "
+          f"all-reduce {dev.link_intra / 1e9:.2f} GB/s + {dev.latency_intra * 1e6:.0f} us, gloo send "
+          f"{dev.p2p / 1e9:.2f} GB/s + {dev.p2p_latency * 1e6:.0f} us "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
     fw = Framework(overlap_grad_reduce=False, fused_attention=not shape.unfused_attention)  # the CPU tuning's
     rows = []
