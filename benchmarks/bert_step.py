@@ -253,6 +253,7 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
 
         tuning = run.get("cpu_tuning", {})
         strategy: Any = MegatronStrategy(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=run["pp"],
+                                         virtual_pipeline_model_parallel_size=run.get("vp"),
                                          micro_batch_size=run["micro_batch"], sequence_parallel=run.get("sp", False),
                                          cpu_tuning=None if tuning is None else CPUTuning(**tuning))
         module: Any = _ours_module(size, bf16)
@@ -262,7 +263,12 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
             if run.get("main_params", True):
                 from lightning_megatron.callbacks import MegatronOptimizerCallback
 
-                callbacks.append(MegatronOptimizerCallback(clip_grad=0.0))
+                callbacks.append(MegatronOptimizerCallback(clip_grad=0.0,
+                                                           use_distributed_optimizer=run.get("zero1", False)))
+        elif run.get("zero1", False):  # fp32 with the distributed optimizer (ZeRO-1)
+            from lightning_megatron.callbacks import MegatronOptimizerCallback
+
+            callbacks.append(MegatronOptimizerCallback(clip_grad=0.0, use_distributed_optimizer=True))
     else:
         strategy, module = "auto", _hf_module(size, run["seq"])
         precision = "bf16-mixed" if bf16 else "32-true"

@@ -2,9 +2,11 @@
 
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2,tp2pp2 [--steps 3]
         [--reference tp1] [--global-batch-size 16] [--micro-batch-size 4] [--model.NAME VALUE ...]
+        [--data.NAME VALUE ...]
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,dp2zero1 --estimate-memory
-    lightning-megatron check --config recipes/bert_base.yaml --estimate-memory --gpus 64 --gpu-memory 80GB \\
-        --model.num_layers 24 --model.hidden_size 1024 --model.num_attention_heads 16
+    lightning-megatron check --config recipes/bert_large.yaml --estimate-memory --estimate-time --gpus 64 \\
+        --gpu-memory 80GB --device h100 [--data.global_batch_size 512]
+    lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2vp2,dp2zero1 --estimate-time --device this
 
 Exit status 1 when a layout differs from the reference beyond the tolerances (or, with ``--gpus``,
 when no layout fits).
@@ -43,7 +45,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per group of layouts of one world size")
     p.add_argument("--estimate-memory", action="store_true",
                    help="predicted bytes per rank (docs/memory.md); with --gpus: the layouts that fit, nothing run")
-    p.add_argument("--gpus", type=int, default=None, help="with --estimate-memory: list the layouts of this many GPUs")
+    p.add_argument("--estimate-time", action="store_true",
+                   help="predicted step time, tokens/s and MFU per layout on --device (docs/check.md); "
+                   "runs nothing by itself")
+    p.add_argument("--device", default="h100", help="with --estimate-time: a100, h100, h200 (datasheet rates x the "
+                   "efficiencies below) or 'this' (this machine, measured now)")
+    p.add_argument("--devices-per-node", type=int, default=None, help="with --estimate-time: GPUs per node (default 8)")
+    p.add_argument("--gemm-efficiency", type=float, default=None, help="achievable fraction of the dense peak (0.7)")
+    p.add_argument("--memory-efficiency", type=float, default=None, help="achievable fraction of HBM bandwidth (0.8)")
+    p.add_argument("--link-efficiency", type=float, default=None,
+                   help="achievable fraction of NVLink/IB bandwidth (0.8)")
+    p.add_argument("--overlap-grad-reduce", choices=("on", "off"), default=None,
+                   help="with --estimate-time: DP reduction overlapped with the backward (default: the strategy's "
+                        "default, on; off for --device this, whose CPU tuning reduces synchronously)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="with --estimate-memory / --estimate-time: every layout of this many GPUs")
     p.add_argument("--gpu-memory", type=_bytes, default=None, help="with --gpus: memory per GPU, e.g. 80GB")
     return p
 
@@ -56,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_megatron.check.recipe import factories, load_recipe, parse_overrides
 
     try:  # argument errors: a usage message, not a traceback
-        recipe = load_recipe(args.config, parse_overrides(rest, "model"))
+        overrides = parse_overrides(rest)
+        recipe = load_recipe(args.config, overrides["model"], overrides["data"])
         layouts, reference = parse_layouts(args.layouts), parse_layout(args.reference)
     except (ValueError, OSError) as e:
         parser.error(str(e))
@@ -66,10 +83,25 @@ def main(argv: list[str] | None = None) -> int:
         recipe.data["micro_batch_size"] = args.micro_batch_size
     if args.seq_length is not None:
         recipe.data["max_seq_length"] = args.seq_length
-    if args.estimate_memory and args.gpus is not None:
+    if args.gpus is not None and not (args.estimate_memory or args.estimate_time):
+        parser.error("--gpus lists layouts for --estimate-memory and/or --estimate-time; add one of them")
+    timing = None
+    if args.estimate_time:
+        from lightning_megatron.check.time_cli import timing_inputs
+
+        try:
+            timing = timing_inputs(recipe, args)
+        except ValueError as e:
+            parser.error(str(e))
+    if (args.estimate_memory or args.estimate_time) and args.gpus is not None:
         from lightning_megatron.check.memory_cli import fitting_layouts
 
-        return fitting_layouts(recipe, args.gpus, args.gpu_memory)
+        return fitting_layouts(recipe, args.gpus, args.gpu_memory, timing)
+    if args.estimate_time and not args.estimate_memory:
+        from lightning_megatron.check.time_cli import time_table
+
+        print(time_table(recipe, [reference] + [x for x in layouts if x != reference], timing), flush=True)
+        return 0
     from lightning_megatron.check.parity import Tolerances, check_layouts
 
     tol = Tolerances.bf16() if str(recipe.model.get("params_dtype", "float32")) in ("bfloat16", "bf16", "float16",
@@ -89,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_megatron.check.memory_cli import memory_table
 
         print(memory_table(recipe, [reference] + [x for x in layouts if x != reference], report), flush=True)
+    if timing is not None:
+        from lightning_megatron.check.time_cli import time_table
+
+        print(time_table(recipe, [reference] + [x for x in layouts if x != reference], timing), flush=True)
     return 0 if report.passed else 1
 
 

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 from lightning_megatron.check.layouts import Layout
 
-__all__ = ["ModelShape", "MemoryEstimate", "candidate_layouts", "estimate_memory", "estimate_stage"]
+__all__ = ["ModelShape", "MemoryEstimate", "LayoutSearch", "candidate_layouts", "search_layouts", "estimate_memory",
+           "estimate_stage"]
+
+DEFAULT_DROPOUT = 0.1
+"""``BertLightningModule``'s default ``hidden_dropout`` and ``attention_dropout`` (a test keeps them equal)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,12 +51,42 @@ class ModelShape:
     """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
     on_cpu: bool = False
     """With "auto": CPU runs 16-bit attention unfused (fp32 without dropout: sdpa); accelerators sdpa."""
+    hidden_dropout: float = DEFAULT_DROPOUT
+    """Dropout after the embeddings and in both bias-dropout-adds of every layer (a saved mask each)."""
+    attention_dropout: float = DEFAULT_DROPOUT
+    """Dropout of the attention probabilities (a saved mask on the unfused path; fused sdpa saves none)."""
+
+    family: str = "bert"
+    """"bert": the LM head (with its dense layer) runs on the masked tokens; "gpt": on every token,
+    without the dense layer (step-time estimates of decoder configurations, docs/check.md)."""
+
+    def __post_init__(self) -> None:
+        if self.family not in ("bert", "gpt"):
+            raise ValueError(f"family={self.family!r} must be 'bert' or 'gpt'")
+        for name, p in (("hidden_dropout", self.hidden_dropout), ("attention_dropout", self.attention_dropout)):
+            if not 0 <= p < 1:
+                raise ValueError(f"{name}={p} must be in [0, 1)")
+
+    @property
+    def head_fraction(self) -> float:
+        """Fraction of the tokens that go through the LM head."""
+        return 1.0 if self.family == "gpt" else self.masked_lm_prob
+
+    @property
+    def head_dense(self) -> bool:
+        return self.family != "gpt"
 
     @property
     def unfused_attention(self) -> bool:
         if self.attention_backend != "auto":
             return self.attention_backend == "unfused"
-        return self.on_cpu and self.param_bytes != 4
+        return self.on_cpu and (self.param_bytes != 4 or self.attention_dropout > 0)
+
+    @property
+    def mask_bytes(self) -> int:
+        """Bytes per element of a saved dropout mask: ``F.dropout``'s bool mask; the CPU kernel's 0/1 in
+        the activation dtype (lightning_megatron.cpu)."""
+        return self.param_bytes if self.on_cpu else 1
 
     @property
     def ffn(self) -> int:
@@ -119,7 +153,12 @@ def _layer_activations(m: ModelShape, t: int, sp: bool) -> float:
     stats = 4 * 4 * s * b / (t if sp else 1)  # fp32 mean/rstd of the two norms
     # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
     attention = e * b * a * s * s / t if m.unfused_attention else 4 * b * a * s / t
-    return e * s * b * (replicated + parallel) + stats + attention
+    masks = 0.0
+    if m.hidden_dropout > 0:  # the two bias-dropout-adds
+        masks += 2 * m.mask_bytes * s * b * h / (t if sp else 1)
+    if m.attention_dropout > 0 and m.unfused_attention:  # its mask and the dropped probabilities
+        masks += (m.mask_bytes + e) * b * a * s * s / t
+    return e * s * b * (replicated + parallel) + stats + attention + masks
 
 
 def _head_activations(m: ModelShape, t: int) -> float:
@@ -165,6 +204,9 @@ def estimate_stage(m: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
         act = chunks * per_chunk * kept + max(head, layer)
     else:
         act = chunks * per_chunk * layer + head
+    if stage == 0 and m.hidden_dropout > 0:  # the embedding dropout's mask, once per first-chunk forward
+        act += -(-chunks // vp) * m.mask_bytes * m.seq_length * m.micro_batch_size * m.hidden_size / (
+            t if layout.sequence_parallel else 1)
     return MemoryEstimate(layout=layout.name, params=n, param_bytes=e * n, grad_bytes=grads, optimizer_bytes=opt,
                           activation_bytes=int(act), stage=stage)
 
@@ -174,19 +216,66 @@ def estimate_memory(m: ModelShape, layout: Layout) -> MemoryEstimate:
     return max((estimate_stage(m, layout, s) for s in range(layout.pp)), key=lambda e: e.total_bytes)
 
 
-def candidate_layouts(m: ModelShape, gpus: int, max_tp: int = 8) -> list[Layout]:
-    """Every TP x PP x DP of ``gpus`` ranks the model's sizes allow, with and without ZeRO-1 and SP."""
-    out = []
-    for t in (x for x in range(1, min(gpus, max_tp) + 1) if gpus % x == 0):
-        if m.num_attention_heads % t or m.ffn % t:
+@dataclass(frozen=True, kw_only=True)
+class LayoutSearch:
+    """The layouts of N ranks a model allows, and what was left out and why."""
+
+    layouts: list[Layout]
+    skipped: dict[str, int]
+    """Reason -> how many TP x PP (x VP) x DP combinations it excluded."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
+def search_layouts(m: ModelShape, gpus: int, max_tp: int = 8, max_vp: int | None = None) -> LayoutSearch:
+    """Every TP x PP (x VP) x DP of ``gpus`` ranks, with and without SP and ZeRO-1, that the model's
+    sizes and the batch allow; each excluded combination is counted under its reason.
+
+    VP: every v >= 2 (up to ``max_vp``) dividing the layers per stage; the interleaved schedule needs
+    the microbatches per step divisible by PP.
+    """
+    out: list[Layout] = []
+    skipped: dict[str, int] = {}
+
+    def skip(reason: str, n: int = 1) -> None:
+        skipped[reason] = skipped.get(reason, 0) + n
+
+    G, b = m.global_batch_size, m.micro_batch_size
+    for t in _divisors(gpus):
+        pps = _divisors(gpus // t)
+        if t > max_tp:
+            skip(f"TP={t} > {max_tp} (TP stays within a node)", len(pps))
             continue
-        for pp in (x for x in range(1, gpus // t + 1) if (gpus // t) % x == 0):
-            if m.num_layers % pp:
-                continue
+        if m.num_attention_heads % t or m.ffn % t:
+            skip(f"TP={t} does not divide {m.num_attention_heads} heads / FFN {m.ffn}", len(pps))
+            continue
+        for pp in pps:
             d = gpus // (t * pp)
-            if m.global_batch_size % (m.micro_batch_size * d):
+            if m.num_layers % pp:
+                skip(f"PP={pp} does not divide {m.num_layers} layers")
                 continue
-            for sp in ((False, True) if t > 1 else (False,)):
-                for zero1 in ((False, True) if d > 1 else (False,)):
-                    out.append(Layout(tp=t, pp=pp, dp=d, sequence_parallel=sp, zero1=zero1))
-    return out
+            if G % (b * d):
+                skip(f"DP={d} does not divide global batch {G} into micro batches of {b}")
+                continue
+            microbatches = G // (b * d)
+            vps: list[int | None] = [None]
+            if pp > 1:
+                for v in _divisors(m.num_layers // pp)[1:]:
+                    if max_vp is not None and v > max_vp:
+                        continue
+                    if microbatches % pp:
+                        skip(f"VP with PP={pp}: the microbatches per step (G / (b x DP)) are not divisible by PP")
+                    else:
+                        vps.append(v)
+            for v in vps:
+                for sp in ((False, True) if t > 1 else (False,)):
+                    for zero1 in ((False, True) if d > 1 else (False,)):
+                        out.append(Layout(tp=t, pp=pp, vp=v, dp=d, sequence_parallel=sp, zero1=zero1))
+    return LayoutSearch(layouts=out, skipped=skipped)
+
+
+def candidate_layouts(m: ModelShape, gpus: int, max_tp: int = 8) -> list[Layout]:
+    """The layouts of :func:`search_layouts` (without the reasons for the ones left out)."""
+    return search_layouts(m, gpus, max_tp).layouts

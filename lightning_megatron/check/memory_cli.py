@@ -7,17 +7,19 @@ from pathlib import Path
 from typing import Any
 
 from lightning_megatron.check.layouts import Layout
-from lightning_megatron.check.memory import ModelShape, candidate_layouts, estimate_memory, estimate_stage
+from lightning_megatron.check.memory import ModelShape, estimate_memory, estimate_stage, search_layouts
 
 __all__ = ["fitting_layouts", "memory_table", "model_shape"]
 
 _MIB = 2**20
 
 
-def model_shape(recipe: Any, on_cpu: bool = False) -> ModelShape:
-    """The formulas' sizes from a recipe (``--model.*`` overrides applied); ``on_cpu``: the attention
-    path the CPU takes (for comparing with a check run on this machine)."""
+def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> ModelShape:
+    """The formulas' sizes from a recipe (``--model.*`` / ``--data.*`` overrides applied); ``on_cpu``:
+    the attention path the CPU takes (for comparing with a check run on this machine); ``training``:
+    with the recipe's dropout (a check run turns it off)."""
     mdl, data = recipe.model, recipe.data
+    dropout = recipe.dropout if training else mdl
     vocab = mdl.get("vocab_size")
     if vocab is None:
         vocab_file = data.get("vocab_file")
@@ -33,7 +35,9 @@ def model_shape(recipe: Any, on_cpu: bool = False) -> ModelShape:
         params_dtype=str(mdl.get("params_dtype", "float32")), optimizer=str(mdl.get("optimizer", "adamw")),
         post_norm="post_norm" in spec, rmsnorm="rmsnorm" in spec,
         recompute=mdl.get("recompute_granularity") == "full",
-        attention_backend=str(mdl.get("attention_backend", "auto")), on_cpu=on_cpu)
+        attention_backend=str(mdl.get("attention_backend", "auto")), on_cpu=on_cpu,
+        hidden_dropout=float(dropout.get("hidden_dropout", 0.0)),
+        attention_dropout=float(dropout.get("attention_dropout", 0.0)))
 
 
 def _mib(x: float) -> str:
@@ -58,28 +62,55 @@ def memory_table(recipe: Any, layouts: list[Layout], report: Any) -> str:
     return "\n".join(lines)
 
 
-def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None) -> int:
-    """Print every layout of ``gpus`` ranks with its predicted bytes; exit status 1 when none fits."""
-    m = model_shape(recipe)
+def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tuple | None = None) -> int:
+    """Print every layout of ``gpus`` ranks with its predicted bytes (and, with ``timing`` =
+    ``(Device, Efficiency, Framework)``, its predicted step time, tokens/s and MFU, the layouts that
+    fit ranked by tokens/s), then the combinations left out and why; exit status 1 when none fits."""
+    m = model_shape(recipe, training=True)
+    search = search_layouts(m, gpus)
     rows = []
-    for layout in candidate_layouts(m, gpus):
+    for layout in search.layouts:
         est = estimate_memory(m, layout)
-        rows.append((est.total_bytes, layout, est))
-    rows.sort(key=lambda r: r[0])
+        ok = gpu_memory is None or est.total_bytes <= gpu_memory
+        step = None
+        if timing is not None:
+            from lightning_megatron.check.timing import estimate_time
+
+            step = estimate_time(m, layout, *timing)
+        rows.append((ok, est, layout, step))
+    if timing is not None:  # fitting first, fastest first
+        rows.sort(key=lambda r: (not r[0], -r[3].tokens_per_s))
+    else:
+        rows.sort(key=lambda r: r[1].total_bytes)
     print(f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, ffn {m.ffn}, vocab "
           f"{m.vocab_size}, seq {m.seq_length}, micro batch {m.micro_batch_size}, global batch "
-          f"{m.global_batch_size}, {m.params_dtype}, {m.optimizer}{', full recompute' if m.recompute else ''}: "
+          f"{m.global_batch_size}, {m.params_dtype}, {m.optimizer}{', full recompute' if m.recompute else ''}, "
+          f"dropout {m.hidden_dropout:g}/{m.attention_dropout:g}: "
           f"{estimate_stage(m, Layout(), 0).params / 1e6:.1f} M parameters; {gpus} GPUs"
           + (f" of {gpu_memory / 1e9:.0f} GB" if gpu_memory else ""))
-    print(f"{'layout':<22} {'params':>9} {'grads':>9} {'optimizer':>9} {'activ.':>9} {'total GiB':>9}  fits")
-    fits = 0
-    for total, layout, est in rows:
-        ok = gpu_memory is None or total <= gpu_memory
-        fits += ok
-        g = 2**30
-        print(f"{layout.name:<22} {est.param_bytes / g:9.2f} {est.grad_bytes / g:9.2f} {est.optimizer_bytes / g:9.2f} "
-              f"{est.activation_bytes / g:9.2f} {total / g:9.2f}  {'yes' if ok else 'no'}")
+    if timing is not None:
+        dev, eff, _ = timing
+        print(f"step time on {dev.name} ({dev.source}; {dev.devices_per_node} per node), achievable fractions: "
+              f"GEMM {eff.gemm:g}, memory {eff.memory:g}, links {eff.link:g}")
+    head = f"{'layout':<22} {'params':>7} {'grads':>7} {'optim.':>7} {'activ.':>7} {'GiB':>7}  fits"
+    if timing is not None:
+        head += f" {'step s':>9} {'tokens/s':>10} {'MFU':>5}  (compute/TP/PP/bubble/DP/optimizer s)"
+    print(head)
+    g = 2**30
+    for ok, est, layout, step in rows:
+        sizes = (est.param_bytes, est.grad_bytes, est.optimizer_bytes, est.activation_bytes, est.total_bytes)
+        line = f"{layout.name:<22} " + " ".join(f"{x / g:7.2f}" for x in sizes) + f"  {'yes' if ok else 'no ':<3}"
+        if step is not None:
+            parts = (step.compute, step.tp_comm, step.pp_comm, step.bubble, step.dp_comm, step.optimizer)
+            line += (f" {step.total:9.4g} {step.tokens_per_s:10.4g} {step.mfu:5.1%}  "
+                     + "/".join(f"{x:.3g}" for x in parts))
+        print(line)
+    fits = sum(r[0] for r in rows)
     if gpu_memory is not None:
         print(f"{fits} of {len(rows)} layouts fit (activations: {m.micro_batch_size} samples per microbatch; "
               f"not counted: framework workspace, allocator fragmentation, communication buffers)")
+    if search.skipped:
+        print(f"not tried ({sum(search.skipped.values())} TP x PP x VP combinations):")
+        for reason, n in search.skipped.items():
+            print(f"  {reason}: skipped {n}")
     return 0 if fits else 1

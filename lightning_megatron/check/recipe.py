@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from lightning_megatron.check.layouts import Layout
+from lightning_megatron.check.memory import DEFAULT_DROPOUT
 from lightning_megatron.recipes import read_recipe
 
 __all__ = ["RecipeCheck", "load_recipe", "parse_overrides"]
@@ -35,6 +36,9 @@ class RecipeCheck:
 
     model: dict[str, Any]
     """BertLightningModule arguments (dropout off)."""
+    dropout: dict[str, float] = field(default_factory=dict)
+    """The recipe's own ``hidden_dropout`` and ``attention_dropout`` (what training uses; the memory
+    estimate of ``--gpus`` counts their masks)."""
     data: dict[str, Any]
     """BertDataModule arguments."""
     callbacks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -59,14 +63,17 @@ class RecipeCheck:
         return int(self.data.get("micro_batch_size", 8))
 
 
-def parse_overrides(args: list[str], prefix: str) -> dict[str, Any]:
-    """``["--model.num_layers", "24", "--model.hidden_size=1024"]`` -> ``{"num_layers": 24, "hidden_size": 1024}``."""
-    out: dict[str, Any] = {}
+def parse_overrides(args: list[str], prefixes: tuple[str, ...] = ("model", "data")) -> dict[str, dict[str, Any]]:
+    """``["--model.num_layers", "24", "--data.micro_batch_size=4"]`` ->
+    ``{"model": {"num_layers": 24}, "data": {"micro_batch_size": 4}}`` (values read as YAML)."""
+    out: dict[str, dict[str, Any]] = {p: {} for p in prefixes}
+    written = " or ".join(f"--{p}.NAME VALUE" for p in prefixes)
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith(f"--{prefix}."):
-            raise ValueError(f"unknown argument {arg!r}; overrides are written --{prefix}.NAME VALUE")
+        prefix = next((p for p in prefixes if arg.startswith(f"--{p}.")), None)
+        if prefix is None:
+            raise ValueError(f"unknown argument {arg!r}; overrides are written {written}")
         key = arg[len(prefix) + 3:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -76,7 +83,7 @@ def parse_overrides(args: list[str], prefix: str) -> dict[str, Any]:
                 raise ValueError(f"{arg} needs a value")
             value = args[i + 1]
             i += 2
-        out[key] = yaml.safe_load(value)
+        out[prefix][key] = yaml.safe_load(value)
     return out
 
 
@@ -86,6 +93,7 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     cfg = read_recipe(path)
     model = dict(cfg.get("model") or {})
     model.update(model_overrides or {})
+    dropout = {k: float(model.get(k, DEFAULT_DROPOUT)) for k in ("hidden_dropout", "attention_dropout")}
     model.update(hidden_dropout=0.0, attention_dropout=0.0)
     data = dict(cfg.get("data") or {})
     data.update(data_overrides or {})
@@ -102,7 +110,7 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
         if cfg.get(section) is not None:
             kept.append((name, dict(cfg[section])))
     precision = trainer.get("precision")
-    return RecipeCheck(model=model, data=data, callbacks=kept, skipped_callbacks=skipped,
+    return RecipeCheck(model=model, dropout=dropout, data=data, callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"))
 
 

@@ -11,6 +11,8 @@ from typing import Literal
 
 import torch
 
+from lightning_megatron.flops import transformer_flops
+
 __all__ = ["TransformerConfig", "ACTIVATIONS", "NORMALIZATIONS", "training_flops"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
@@ -144,8 +146,9 @@ def training_flops(config: TransformerConfig, tokens: int, seq_length: int, head
     ``T = tokens`` (per step, all replicas), L layers, h hidden, f ffn hidden, s ``seq_length``, V
     ``vocab_size``: the layers' weight matmuls (qkv 3h^2, projection h^2, MLP 2hf), the attention
     scores and their weighted sum, and an LM head (dense h^2, output layer [h, V]) run on
-    ``head_tokens`` tokens (a tensor keeps a device-side count without a host sync).
+    ``head_tokens`` tokens (a tensor keeps a device-side count without a host sync). The formula is
+    :func:`lightning_megatron.flops.transformer_flops` (shared with ``check --estimate-time``).
     """
-    L, h, f = config.num_layers, config.hidden_size, config.ffn_hidden_size
-    return (6.0 * tokens * L * (4 * h * h + 2 * h * f) + 12.0 * tokens * L * seq_length * h
-            + 6.0 * head_tokens * (h * vocab_size + h * h))
+    return transformer_flops(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                             ffn_hidden_size=config.ffn_hidden_size, seq_length=seq_length, tokens=tokens,
+                             head_tokens=head_tokens, vocab_size=vocab_size)

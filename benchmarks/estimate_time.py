@@ -1,0 +1,103 @@
+"""Predicted (``check --estimate-time --device this``) against measured step time on this machine.
+
+    .venv/bin/python benchmarks/estimate_time.py                       # the full run (~10 min idle)
+    .venv/bin/python benchmarks/estimate_time.py --layouts tp1,tp2 --steps 2 --layers 2   # plumbing only
+
+Measures this machine's rates first (:func:`lightning_megatron.check.devices.measure_this_machine`:
+a GEMM of the model's shape on one core, a memory copy, a 2-process gloo all-reduce), then runs each
+layout for ``--warmup`` + ``--steps`` optimizer steps of ``Trainer.fit`` in fresh spawned gloo
+processes (``benchmarks/bert_step.py``: BERT, post-norm spec, dropout 0.1, the CPU tuning, synthetic
+full-length batches) and compares the median step time with the prediction of
+:func:`lightning_megatron.check.timing.estimate_time` at efficiencies 1 (measured rates). Ranks share
+the cores (``cores / world_size`` each). Target: within 25% on every layout. Other work on the
+machine slows the measured steps, not the prediction: run it on an idle machine (the last column, the
+busiest rank's CPU seconds per thread, is a lower bound that contention barely moves). No number
+here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import CPU_COUNT, BertSize, launch, median  # noqa: E402
+
+LAYOUTS = "tp1,tp2,pp2,pp2vp2,dp2,dp2zero1,tp2sp,tp2pp2,tp2dp2zero1"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layouts", default=LAYOUTS)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    a = p.parse_args()
+
+    from bert_step import bert_rank
+
+    from lightning_megatron.check.devices import measure_this_machine
+    from lightning_megatron.check.layouts import parse_layouts
+    from lightning_megatron.check.memory import ModelShape
+    from lightning_megatron.check.timing import MEASURED, Framework, estimate_time
+
+    bf16 = a.precision == "bf16"
+    size = BertSize(name="bench", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                    ffn_hidden_size=4 * a.hidden)
+    shape = ModelShape(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                       vocab_size=size.vocab_size, max_sequence_length=size.max_position_embeddings,
+                       seq_length=a.seq, micro_batch_size=a.micro_batch, global_batch_size=a.global_batch,
+                       params_dtype="bfloat16" if bf16 else "float32", post_norm=True, on_cpu=True)
+    t0 = time.perf_counter()
+    dev = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16)
+    print(f"this machine, per core ({CPU_COUNT} cores): GEMM {dev.flops_16 / 1e9:.1f} GFLOP/s "
+          f"({a.seq * a.micro_batch}x{a.hidden}x{shape.ffn}, {a.precision}), copy {dev.hbm / 1e9:.2f} GB/s, "
+          f"all-reduce {dev.link_intra / 1e9:.2f} GB/s + {dev.latency_intra * 1e6:.0f} us, gloo send "
+          f"{dev.p2p / 1e9:.2f} GB/s + {dev.p2p_latency * 1e6:.0f} us "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    fw = Framework(overlap_grad_reduce=False, fused_attention=not shape.unfused_attention)  # the CPU tuning's
+    rows = []
+    for layout in parse_layouts(a.layouts):
+        pred = estimate_time(shape, layout, dev, MEASURED, fw)
+        run = dict(framework="ours", size=size.as_dict(), precision=a.precision, tp=layout.tp, pp=layout.pp,
+                   vp=layout.vp, sp=layout.sequence_parallel, zero1=layout.zero1, micro_batch=a.micro_batch,
+                   batch=a.global_batch // layout.dp, seq=a.seq, warmup=a.warmup, steps=a.steps)
+        t1 = time.perf_counter()
+        results = launch(bert_rank, layout.world_size, run, timeout=1800)
+        measured = max(median(r["step_times"]) for r in results)
+        # CPU seconds per thread of the busiest rank: what the step would take with the cores to
+        # itself if it never waited (a lower bound that other jobs on the machine barely move).
+        busy = max(median(r["step_cpu"]) / r["threads"] for r in results)
+        rows.append((layout, pred, measured, busy))
+        print(f"{layout.name}: predicted {pred.total:.3f} s, measured {measured:.3f} s "
+              f"({time.perf_counter() - t1:.0f} s)", flush=True)
+    after = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16)
+    print(f"\nthis machine again after the runs: GEMM {after.flops_16 / 1e9:.1f} GFLOP/s "
+          f"({after.flops_16 / dev.flops_16 - 1:+.0%}), copy {after.hbm / 1e9:.2f} GB/s "
+          f"({after.hbm / dev.hbm - 1:+.0%}): a large change means the machine was busy and the comparison is not meaningful")
+    print(f"\nBERT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro batch {a.micro_batch}, "
+          f"global batch {a.global_batch}, {a.precision}, dropout 0.1; median of {a.steps} steps after {a.warmup}\n")
+    print("| layout | ranks | predicted s | compute / TP / PP / bubble / DP / optimizer s | measured s | "
+          "measured / predicted | CPU s per thread (busiest rank) |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for layout, pred, measured, busy in rows:
+        parts = (pred.compute, pred.tp_comm, pred.pp_comm, pred.bubble, pred.dp_comm, pred.optimizer)
+        ratio = measured / pred.total
+        worst = max(worst, abs(ratio - 1))
+        print(f"| {layout.name} | {layout.world_size} | {pred.total:.3f} | {' / '.join(f'{x:.3f}' for x in parts)} "
+              f"| {measured:.3f} | {ratio:.2f} | {busy:.3f} |")
+    print(f"\nlargest error: {worst:.0%} (target 25%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Device rates for ``check --estimate-time``: datasheet figures, and this machine measured.
+
+Datasheet figures (sources in docs/check.md, "Device rates"): dense (no sparsity) bf16 and fp32
+FLOP/s, HBM bandwidth, NVLink bandwidth per GPU in one direction (half the bidirectional figure
+NVIDIA quotes), and InfiniBand per node divided by its 8 GPUs (one 200 Gb/s HDR NIC per GPU in a
+DGX A100, one 400 Gb/s NDR NIC per GPU in a DGX H100/H200). What a kernel reaches of them is
+:class:`~lightning_megatron.check.timing.Efficiency`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from lightning_megatron.check.timing import Device
+
+__all__ = ["DEVICES", "device", "measure_this_machine"]
+
+_GB = 1e9
+DEVICES: dict[str, Device] = {
+    "a100": Device(name="A100 80GB SXM", flops_16=312e12, flops_32=19.5e12, hbm=2039 * _GB, link_intra=300 * _GB,
+                   link_inter=25 * _GB, source="NVIDIA A100 datasheet; DGX A100: 8x HDR 200 Gb/s"),
+    "h100": Device(name="H100 SXM", flops_16=989e12, flops_32=67e12, hbm=3350 * _GB, link_intra=450 * _GB,
+                   link_inter=50 * _GB, source="NVIDIA H100 datasheet; DGX H100: 8x NDR 400 Gb/s"),
+    "h200": Device(name="H200 SXM", flops_16=989e12, flops_32=67e12, hbm=4800 * _GB, link_intra=450 * _GB,
+                   link_inter=50 * _GB, source="NVIDIA H200 datasheet; DGX H200: 8x NDR 400 Gb/s"),
+}
+
+
+def device(name: str) -> Device:
+    """A device of :data:`DEVICES` by name (``a100``, ``h100``, ``h200``); raises naming the choices."""
+    try:
+        return DEVICES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} or 'this'") from None
+
+
+def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) -> None:  # pragma: no cover (child)
+    """Best of 5 all-reduces of each size through gloo and, when the host allows, through the CPU
+    tuning's shared-memory collectives (:mod:`lightning_megatron.cpu.shared_memory`)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timeout)
+    try:
+        def best(all_reduce) -> list[float]:
+            times = []
+            for n in sizes:
+                x = torch.ones(n // 4)
+                all_reduce(x)
+                fastest = float("inf")
+                for _ in range(5):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    all_reduce(x)
+                    fastest = min(fastest, time.perf_counter() - start)
+                times.append(fastest)
+            return times
+
+        result = {"gloo": best(dist.all_reduce), "shared_memory": None}
+        comm = enable_shared_memory_collectives(dist.group.WORLD, timeout=timeout)
+        if comm is not None:
+            try:
+                result["shared_memory"] = best(comm.all_reduce)
+            finally:
+                comm.close()
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_memory: bool = True,
+                         timeout: float = 120.0) -> Device:
+    """Rates of one core of this host measured now (one thread): a GEMM of the model's shape
+    ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and 2-process
+    all-reduces of 4 KiB (latency) and 16 MiB (bandwidth): through the CPU tuning's shared-memory
+    collectives when ``shared_memory`` (what ``CPUTuning`` installs for TP and DP) and through gloo
+    (pipeline sends, and collectives without the tuning). The estimate gives each rank
+    ``cores / world_size`` cores (:attr:`~lightning_megatron.check.timing.Device.cores`)."""
+    import multiprocessing as mp
+    import socket
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        a, w = torch.randn(rows, inner).to(dtype), torch.randn(inner, cols).to(dtype)
+        torch.matmul(a, w)
+        best = min(_timed(lambda: torch.matmul(a, w)) for _ in range(5))
+        gemm = 2.0 * rows * cols * inner / best
+        x, y = torch.empty(2**24), torch.ones(2**24)
+        x.copy_(y)
+        hbm = 2 * x.numel() * 4 / min(_timed(lambda: x.copy_(y)) for _ in range(5))
+    finally:
+        torch.set_num_threads(threads)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    sizes = [4096, 2**24]
+    procs = [ctx.Process(target=_allreduce_times, args=(r, 2, port, sizes, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        times = queue.get(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+    def rate(small_large: list[float]) -> tuple[float, float]:
+        small, large = small_large  # a 2-rank ring all-reduce moves n bytes per rank: 2 (k-1)/k n
+        return sizes[1] / max(large - small, 1e-9), small
+
+    p2p, p2p_latency = rate(times["gloo"])
+    shm = shared_memory and times["shared_memory"] is not None
+    link, latency = rate(times["shared_memory"]) if shm else (p2p, p2p_latency)
+    cores = os.cpu_count() or 1
+    return Device(name="this machine (measured)", flops_16=gemm, flops_32=gemm, hbm=hbm, link_intra=link,
+                  link_inter=link, devices_per_node=cores, latency_intra=latency, latency_inter=latency, p2p=p2p,
+                  p2p_latency=p2p_latency, cores=cores,
+                  source=f"measured per core: {rows}x{inner}x{cols} GEMM, 64 MiB copy, "
+                         f"{'shared-memory' if shm else 'gloo'} all-reduce, gloo sends")
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

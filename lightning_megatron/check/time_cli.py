@@ -1,0 +1,53 @@
+"""The ``--estimate-time`` part of ``lightning-megatron check``: device rates from the flags, and the
+predicted step time of given layouts (from :mod:`lightning_megatron.check.timing`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lightning_megatron.check.layouts import Layout
+from lightning_megatron.check.memory_cli import model_shape
+from lightning_megatron.check.timing import MEASURED, Device, Efficiency, Framework, estimate_time
+
+__all__ = ["timing_inputs", "time_table"]
+
+
+def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework]:
+    """(device, efficiencies, framework) from the CLI flags; ``--device this`` measures this machine."""
+    on_cpu = args.device == "this"
+    m = model_shape(recipe, on_cpu=on_cpu, training=True)
+    if on_cpu:
+        from lightning_megatron.check.devices import measure_this_machine
+
+        dev = measure_this_machine(m.seq_length * m.micro_batch_size, m.ffn, m.hidden_size, m.param_bytes == 2)
+        base = MEASURED
+    else:
+        from lightning_megatron.check.devices import device
+
+        dev = device(args.device)
+        base = Efficiency()
+    if args.devices_per_node is not None:
+        dev = dataclasses.replace(dev, devices_per_node=args.devices_per_node)
+    eff = Efficiency(gemm=args.gemm_efficiency or base.gemm, memory=args.memory_efficiency or base.memory,
+                     link=args.link_efficiency or base.link)
+    # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
+    # shared-memory collectives.
+    overlap = (not on_cpu) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
+    fw = Framework(overlap_grad_reduce=overlap, fused_attention=not m.unfused_attention)
+    return dev, eff, fw
+
+
+def time_table(recipe: Any, layouts: list[Layout], timing: tuple[Device, Efficiency, Framework]) -> str:
+    """Predicted seconds per step, by part, tokens/s and MFU of each layout."""
+    dev, eff, fw = timing
+    m = model_shape(recipe, on_cpu=dev.cores is not None, training=True)
+    lines = [f"predicted step time on {dev.name} ({dev.source}); achievable fractions: GEMM {eff.gemm:g}, "
+             f"memory {eff.memory:g}, links {eff.link:g}",
+             f"{'layout':<14} {'step s':>9} {'compute':>9} {'TP':>8} {'PP':>8} {'bubble':>8} {'DP':>8} "
+             f"{'optim.':>8} {'tokens/s':>10} {'MFU':>6}"]
+    for layout in layouts:
+        st = estimate_time(m, layout, dev, eff, fw)
+        lines.append(f"{layout.name:<14} {st.total:9.4g} {st.compute:9.3g} {st.tp_comm:8.3g} {st.pp_comm:8.3g} "
+                     f"{st.bubble:8.3g} {st.dp_comm:8.3g} {st.optimizer:8.3g} {st.tokens_per_s:10.4g} {st.mfu:6.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,252 @@
+"""Predicted step time, tokens/s and MFU of a layout: FLOPs, bytes moved and device rates.
+
+Pure arithmetic (no torch, no process groups), in the notation of docs/memory.md: ``L`` layers,
+``h`` hidden, ``f`` FFN, ``a`` heads, ``s`` tokens per sample, ``b`` micro batch, ``G`` global batch,
+layout ``t`` (TP), ``p`` (PP), ``v`` (virtual stages), ``d`` (DP), ``m = G/(b d)`` microbatches.
+
+One microbatch on the slowest pipeline stage takes
+
+    T_mb = F_stage / (peak x gemm_eff) + B_stage / (hbm x mem_eff) + TP_comm + PP_p2p
+
+(GEMM FLOPs, memory-bound elementwise bytes, the exposed tensor-parallel collectives and the
+pipeline sends), and the step
+
+    T_step = m T_mb + (p - 1)/v T_mb  +  DP_exposed  +  T_optimizer
+
+(the 1F1B / interleaved bubble is ``(p - 1)/(v m)`` of the pipelined time). Collectives are ring
+algorithms: an all-reduce of ``n`` bytes over ``k`` ranks moves ``2 (k-1)/k n`` bytes per rank, an
+all-gather or reduce-scatter ``(k-1)/k n``; time = bytes / (link bandwidth x link_eff) + latency,
+over NVLink inside a node and InfiniBand between nodes. Derivation and validation: docs/check.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_megatron.check.layouts import Layout
+from lightning_megatron.check.memory import ModelShape, estimate_stage
+from lightning_megatron.flops import transformer_flops
+
+__all__ = ["Device", "Efficiency", "Framework", "StepTime", "collective_time", "elementwise_bytes",
+           "estimate_time", "model_flops", "stage_flops"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """Rates of one accelerator and its links (datasheet figures or measured: see ``devices``)."""
+
+    name: str
+    flops_16: float
+    """Dense bf16/fp16 FLOP/s (no sparsity)."""
+    flops_32: float
+    """Dense fp32 FLOP/s (what fp32 matmuls get without TF32)."""
+    hbm: float
+    """Memory bandwidth, bytes/s."""
+    link_intra: float
+    """Bandwidth per device within a node, one direction, bytes/s (NVLink)."""
+    link_inter: float
+    """Bandwidth per device between nodes, bytes/s (the node's InfiniBand / devices per node)."""
+    devices_per_node: int = 8
+    latency_intra: float = 10e-6
+    """Seconds per collective or send within a node."""
+    latency_inter: float = 20e-6
+    """Seconds per collective or send between nodes."""
+    p2p: float | None = None
+    """Bandwidth of pipeline sends when they take another path than the collectives (a host whose
+    collectives go through shared memory and sends through gloo); None: the group's link."""
+    p2p_latency: float = 0.0
+    """Seconds per send on that path."""
+    cores: int | None = None
+    """A host without accelerators: the rates are per core, and each of a layout's ranks gets
+    ``cores / world_size`` cores (threads when fewer ranks than cores, time slices when more)."""
+    source: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Achievable fractions of the datasheet rates (1.0 for measured rates)."""
+
+    gemm: float = 0.7
+    """Of the dense peak, for the model's GEMMs (large cuBLAS GEMMs reach ~0.75-0.85; attention less)."""
+    memory: float = 0.8
+    """Of the HBM bandwidth, for elementwise kernels."""
+    link: float = 0.8
+    """Of the link bandwidth, for NCCL collectives (bus bandwidth over link bandwidth)."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("gemm", self.gemm), ("memory", self.memory), ("link", self.link)):
+            if not 0 < value <= 1:
+                raise ValueError(f"efficiency {name}={value} must be in (0, 1] (a fraction of the device's rate)")
+
+
+MEASURED = Efficiency(gemm=1.0, memory=1.0, link=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Framework:
+    """What the training code does that changes the time (defaults: this library's)."""
+
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element in the DP reduction (fp32 ``main_grad`` here)."""
+    overlap_grad_reduce: bool = True
+    """DP reduction started during the last microbatch's backward (``MegatronStrategy(overlap_grad_reduce)``,
+    on by default except with the CPU tuning's synchronous shared-memory collectives)."""
+    overlap_param_gather: bool = False
+    """ZeRO-1 parameter all-gather hidden behind the next forward."""
+    p2p_scatter_gather: bool = False
+    """Megatron's scatter/gather of pipeline sends between nodes: each TP rank sends 1/t."""
+    fused_attention: bool = True
+    """Attention without [b, a, s, s] tensors in memory (flash / memory-efficient sdpa)."""
+    optimizer_bytes: int = 32
+    """Bytes read + written per parameter by the optimizer step (Adam: param, grad, fp32 main, 2 moments)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Predicted seconds of one optimizer step of a layout, by part."""
+
+    layout: str
+    compute: float
+    """GEMMs and elementwise kernels of every microbatch on the slowest stage (bubble excluded)."""
+    tp_comm: float
+    """Tensor-parallel collectives on the critical path (all microbatches)."""
+    pp_comm: float
+    """Pipeline sends on the critical path (all microbatches)."""
+    bubble: float
+    """Pipeline fill and drain: (p - 1)/v microbatch times."""
+    dp_comm: float
+    """Exposed data-parallel gradient reduction (and ZeRO-1 parameter all-gather)."""
+    optimizer: float
+    tokens: int
+    """Tokens per step (all replicas)."""
+    model_flops: float
+    """FLOPs of the step without recomputation (what MFU counts)."""
+    world_size: int
+    peak: float
+    """Peak FLOP/s per device that MFU divides by."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / self.total / self.world_size / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.total / self.world_size / self.peak
+
+
+def collective_time(kind: str, nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring collective of ``nbytes`` (the full tensor) over ``ranks`` ranks:
+    all_reduce ``2(k-1)/k n / bw``, all_gather / reduce_scatter ``(k-1)/k n / bw``, send ``n / bw``;
+    plus ``latency``; 0 on one rank."""
+    if kind == "send":
+        return nbytes / bandwidth + latency
+    if ranks == 1:
+        return 0.0
+    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}[kind]
+    return factor * (ranks - 1) / ranks * nbytes / bandwidth + latency
+
+
+def model_flops(m: ModelShape, *, recompute: bool = False) -> float:
+    """FLOPs of one step of ``m`` (all replicas): :func:`lightning_megatron.flops.transformer_flops`
+    with the LM head on the masked tokens (BERT)."""
+    tokens = m.global_batch_size * m.seq_length
+    return transformer_flops(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
+                             seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
+                             vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute)
+
+
+def stage_flops(m: ModelShape, layout: Layout, stage: int) -> float:
+    """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage``."""
+    t, p = layout.tp, layout.pp
+    tokens = m.micro_batch_size * m.seq_length
+    layers = transformer_flops(num_layers=m.num_layers // p, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
+                               seq_length=m.seq_length, tokens=tokens, head_tokens=0, vocab_size=0,
+                               recompute=m.recompute)
+    head = 0.0
+    if stage == p - 1:
+        head = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
+                                 seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
+                                 vocab_size=m.padded_vocab(t), head_dense=m.head_dense)
+    return (layers + head) / t
+
+
+def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
+    """HBM bytes of the memory-bound kernels of one layer, one token, forward, on one rank:
+    both norms (read + write h), bias-GeLU (f), two bias-dropout-adds (read x and the residual, write
+    the sum and the mask), and without fused attention the softmax (read + write ``a s``) and its
+    dropout (read, write, mask); a mask element is ``ModelShape.mask_bytes``. The backward moves
+    about twice as much."""
+    e, h, f, a, s = m.param_bytes, m.hidden_size, m.ffn, m.num_attention_heads, m.seq_length
+    t = layout.tp
+    ts = t if layout.sequence_parallel else 1
+    drop = m.mask_bytes if m.hidden_dropout > 0 else 0
+    n = (4 * h * e + 2 * (3 * e + drop) * h) / ts + 2 * f * e / t
+    if not fw.fused_attention:
+        n += (2 * e + (2 * e + m.mask_bytes if m.attention_dropout > 0 else 0)) * a * s / t
+    return n
+
+
+def _bandwidth(dev: Device, eff: Efficiency, crosses_nodes: bool) -> tuple[float, float]:
+    if crosses_nodes:
+        return dev.link_inter * eff.link, dev.latency_inter
+    return dev.link_intra * eff.link, dev.latency_intra
+
+
+def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = Efficiency(),
+                  fw: Framework = Framework()) -> StepTime:
+    """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices."""
+    t, p, d, v = layout.tp, layout.pp, layout.dp, layout.vp or 1
+    e, s, b, h = m.param_bytes, m.seq_length, m.micro_batch_size, m.hidden_size
+    microbatches = m.global_batch_size // (b * d)
+    share = 1.0 if dev.cores is None else dev.cores / layout.world_size
+    peak = dev.flops_16 if e == 2 else dev.flops_32
+    gemm_rate, mem_rate = peak * eff.gemm * share, dev.hbm * eff.memory * share
+    layers = m.num_layers // p
+    passes = 3 + (1 if m.recompute else 0)  # forward, backward (~2x), recomputed forward
+    elementwise = elementwise_bytes(m, layout, fw) * s * b * layers * passes / mem_rate
+    dpn = dev.devices_per_node
+    # TP: per layer two all-reduces forward and two backward (+2 recomputed) of [s, b, h]; with SP an
+    # all-gather and a reduce-scatter instead of each, the same bytes; without pipelining the
+    # embedding's all-reduce too (with it, the slowest stage is taken without it).
+    tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
+    act = e * s * b * h
+    per_layer = (4 + (2 if m.recompute else 0)) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
+    tp_mb = per_layer * layers + (collective_time("all_reduce", act, t, tp_bw, tp_lat) if p == 1 else 0.0)
+    # PP: each chunk sends its output forward and its input gradient backward, per microbatch.
+    pp_mb = 0.0
+    if p > 1:
+        pp_bw, pp_lat = _bandwidth(dev, eff, t * d * p > dpn)
+        if dev.p2p is not None:
+            pp_bw, pp_lat = dev.p2p * eff.link, dev.p2p_latency
+        sent = act / (t if (layout.sequence_parallel or fw.p2p_scatter_gather) else 1)
+        pp_mb = 2 * v * collective_time("send", sent, 2, pp_bw, pp_lat)
+    flops = max(stage_flops(m, layout, stage) for stage in range(p))
+    compute_mb = flops / gemm_rate + elementwise
+    t_mb = compute_mb + tp_mb + pp_mb
+    bubble = (p - 1) / v * t_mb
+    # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
+    params = max(estimate_stage(m, layout, stage).params for stage in range(p))
+    dp_bw, dp_lat = _bandwidth(dev, eff, t * d > dpn)
+    grads = params * fw.grad_reduce_bytes
+    if layout.zero1:
+        reduce = collective_time("reduce_scatter", grads, d, dp_bw, dp_lat)
+        gather = collective_time("all_gather", params * e, d, dp_bw, dp_lat)
+    else:
+        reduce, gather = collective_time("all_reduce", grads, d, dp_bw, dp_lat), 0.0
+    if fw.overlap_grad_reduce:  # hidden behind the last microbatch's backward
+        reduce = max(0.0, reduce - 2.0 / 3.0 * compute_mb)
+    if fw.overlap_param_gather:  # hidden behind the next step's first forward
+        gather = max(0.0, gather - 1.0 / 3.0 * compute_mb)
+    optimizer = (params / d if layout.zero1 else params) * fw.optimizer_bytes / mem_rate
+    return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb,
+                    pp_comm=microbatches * pp_mb, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
+                    tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
+                    peak=peak * share)

@@ -1,0 +1,214 @@
+"""``check --gpus`` / ``--estimate-time``: the layout search, dropout masks in the memory estimate, and
+the step-time model against hand-computed numbers and Megatron-LM's published weak-scaling table.
+Pure arithmetic and one in-process CLI call: no timings are asserted."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from lightning_megatron.check.layouts import Layout
+from lightning_megatron.check.memory import DEFAULT_DROPOUT, ModelShape, estimate_stage, search_layouts
+from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, collective_time,
+                                             estimate_time)
+from lightning_megatron.flops import transformer_flops
+
+BERT_LARGE = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=16,
+                        global_batch_size=256, params_dtype="bfloat16")
+
+
+def test_layout_search_tries_vp_and_names_what_it_skips():
+    """48 GPUs, global batch 256 in micro batches of 16: DP=3 cannot split 16 microbatches; VP is tried."""
+    found = search_layouts(BERT_LARGE, 48)
+    assert Layout(tp=4, pp=2, vp=2, dp=6) not in found.layouts  # DP=6 does not divide 16 either
+    assert found.skipped["DP=3 does not divide global batch 256 into micro batches of 16"] >= 1
+    assert found.skipped["TP=3 does not divide 16 heads / FFN 4096"] >= 1
+    big = search_layouts(dataclasses.replace(BERT_LARGE, global_batch_size=1024), 64)
+    assert Layout(tp=8, pp=2, vp=2, dp=4, sequence_parallel=True, zero1=True) in big.layouts
+    assert Layout(tp=8, pp=4, vp=6, dp=2) in big.layouts  # 24 layers: 6 per stage, 1 per chunk
+    assert all(x.world_size == 64 and 24 % (x.pp * (x.vp or 1)) == 0 for x in big.layouts)
+    assert "TP=16 > 8 (TP stays within a node)" in big.skipped
+
+
+def _saved_activation_bytes(hidden_dropout: float, attention_dropout: float) -> int:
+    """Bytes autograd saves in one training forward of a 2-layer BertModel on CPU (CPU kernels)."""
+    from lightning_megatron.cpu.kernels import CPUKernels
+    from lightning_megatron.models.bert import BertModel
+    from lightning_megatron.tensor_parallel.random import model_parallel_seed
+    from lightning_megatron.transformer import TransformerConfig
+    from lightning_megatron.transformer.kernels import set_kernels
+
+    torch.manual_seed(0)
+    model_parallel_seed(1, 0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=hidden_dropout,
+                            attention_dropout=attention_dropout)
+    model = BertModel(cfg, "bert_layer_local_spec", 1000, 16).train()
+    set_kernels(model, CPUKernels())
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr and ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randint(0, 1000, (2, 16)), None)
+    return sum(seen.values())
+
+
+def test_activation_estimate_counts_dropout_masks():
+    """Measured: the bytes dropout adds to the saved tensors equal the formula's (CPU: masks in the
+    activation dtype; the unfused attention keeps its mask and the dropped probabilities)."""
+    shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_sequence_length=16,
+                       seq_length=16, micro_batch_size=2, global_batch_size=2, on_cpu=True)
+
+    def predicted(hidden: float, attention: float) -> int:
+        m = dataclasses.replace(shape, hidden_dropout=hidden, attention_dropout=attention)
+        return estimate_stage(m, Layout(), 0).activation_bytes
+
+    base = _saved_activation_bytes(0.0, 0.0)
+    for hidden, attention in ((0.1, 0.0), (0.1, 0.1)):
+        assert _saved_activation_bytes(hidden, attention) - base == predicted(hidden, attention) - predicted(0, 0)
+    # On a GPU (bool masks, fused attention) dropout adds ~6% to BERT-large's activations.
+    on = estimate_stage(BERT_LARGE, Layout(), 0).activation_bytes
+    off = estimate_stage(dataclasses.replace(BERT_LARGE, hidden_dropout=0.0, attention_dropout=0.0), Layout(), 0)
+    assert 1.05 < on / off.activation_bytes < 1.08
+
+
+def test_default_dropout_is_the_modules():
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    sig = inspect.signature(BertLightningModule.__init__).parameters
+    assert sig["hidden_dropout"].default == sig["attention_dropout"].default == DEFAULT_DROPOUT
+
+
+def test_collective_times():
+    assert collective_time("all_reduce", 8e9, 8, 1e11, 1e-5) == pytest.approx(2 * 7 / 8 * 8e9 / 1e11 + 1e-5)
+    assert collective_time("all_gather", 8e9, 4, 1e11, 0.0) == pytest.approx(3 / 4 * 8e9 / 1e11)
+    assert collective_time("reduce_scatter", 8e9, 1, 1e11, 1e-5) == 0.0
+    assert collective_time("send", 1e9, 2, 1e10, 2e-5) == pytest.approx(0.1 + 2e-5)
+
+
+def test_flops_are_the_papers():
+    """GPT with f = 4h and full recomputation: 96 B s l h^2 (1 + s/6h + V/16lh) (Narayanan et al. 2021)."""
+    B, s, l, h, V = 512, 2048, 24, 2304, 51200
+    ours = transformer_flops(num_layers=l, hidden_size=h, ffn_hidden_size=4 * h, seq_length=s, tokens=B * s,
+                             head_tokens=B * s, vocab_size=V, head_dense=False, recompute=True)
+    assert ours == pytest.approx(96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)), rel=1e-12)
+
+
+def test_step_time_against_hand_computed_numbers():
+    """TP=2 x PP=2 x DP=2 on 8 devices of 4 per node, measured-style efficiencies of 1, no latency."""
+    m = ModelShape(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=1024,
+                   micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", family="gpt", hidden_dropout=0.0,
+                   attention_dropout=0.0)
+    dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
+                 devices_per_node=4, latency_intra=0.0, latency_inter=0.0)
+    layout = Layout(tp=2, pp=2, dp=2)
+    fw = Framework(overlap_grad_reduce=False)
+    st = estimate_time(m, layout, dev, MEASURED, fw)
+    # Last stage, one microbatch (2048 tokens), per TP rank: 2 layers 360777252864 + head 412316860416 FLOPs, / 2.
+    gemm = 386547056640 / 1e14
+    # Elementwise: 28672 bytes per token and layer (norms 8192, 2 bias-dropout-adds 12288, bias-GeLU 8192 / 2),
+    # x 2048 tokens x 2 layers x 3 passes, at 1e12 B/s.
+    elementwise = 28672 * 2048 * 2 * 3 / 1e12
+    tp = 2 * 4 * (2 * 1 / 2 * 4194304 / 1e11)  # 2 layers x 4 all-reduces of [s, b, h] bf16 (4 MiB) over NVLink
+    pp = 2 * 4194304 / 1e10  # one send forward, one backward, between nodes (2 x 2 x 2 = 8 > 4 per node)
+    t_mb = gemm + elementwise + tp + pp
+    assert st.compute == pytest.approx(4 * (gemm + elementwise), rel=1e-12)  # 16 / (2 x 2) = 4 microbatches
+    assert st.tp_comm == pytest.approx(4 * tp, rel=1e-12)
+    assert st.pp_comm == pytest.approx(4 * pp, rel=1e-12)
+    assert st.bubble == pytest.approx(t_mb, rel=1e-12)  # (p - 1)/v = 1 microbatch time
+    params = max(estimate_stage(m, layout, s).params for s in range(2))
+    assert st.dp_comm == pytest.approx(2 * 1 / 2 * 4 * params / 1e11, rel=1e-12)  # fp32 grads, within the node
+    assert st.optimizer == pytest.approx(32 * params / 1e12, rel=1e-12)
+    assert st.tokens_per_s == pytest.approx(16 * 1024 / st.total)
+    flops = transformer_flops(num_layers=4, hidden_size=1024, ffn_hidden_size=4096, seq_length=1024, tokens=16384,
+                              head_tokens=16384, vocab_size=32768, head_dense=False)
+    assert st.mfu == pytest.approx(flops / st.total / 8 / 1e14)
+    # VP divides the bubble; SP moves the same TP bytes; ZeRO-1 = reduce-scatter + all-gather; overlap hides DP.
+    vp = estimate_time(m, Layout(tp=2, pp=2, vp=2, dp=2), dev, MEASURED, fw)
+    assert vp.bubble == pytest.approx((t_mb + pp) / 2, rel=1e-12)  # each of the 2 chunks sends
+    sp = estimate_time(m, Layout(tp=2, pp=2, dp=2, sequence_parallel=True), dev, MEASURED, fw)
+    assert sp.tp_comm == pytest.approx(st.tp_comm) and sp.pp_comm == pytest.approx(st.pp_comm / 2)
+    z = estimate_time(m, Layout(tp=2, pp=2, dp=2, zero1=True), dev, MEASURED, fw)
+    assert z.dp_comm == pytest.approx(1 / 2 * 4 * params / 1e11 + 1 / 2 * 2 * params / 1e11, rel=1e-12)
+    assert z.optimizer == pytest.approx(st.optimizer / 2)
+    hidden = estimate_time(m, layout, dev, MEASURED, Framework())  # the strategy's default: overlapped
+    assert hidden.dp_comm == pytest.approx(max(0.0, st.dp_comm - 2 / 3 * (gemm + elementwise)))
+
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+# Table 1 (also the weak-scaling table of Megatron-LM's README, 2021): GPT, s = 2048, V = 51200, A100 80GB.
+# (parameters B, heads, hidden, layers, TP, PP, GPUs, batch, achieved TFLOP/s per GPU)
+MEGATRON_WEAK_SCALING = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+MEGATRON_2021 = Framework(grad_reduce_bytes=2, overlap_grad_reduce=False, p2p_scatter_gather=True,
+                          fused_attention=False)
+"""Megatron-LM in the paper: fp16 gradients all-reduced after the backward, scatter/gather of pipeline
+sends, unfused (scale-mask-softmax) attention; micro batch 1, no VP assumed (not stated per row)."""
+
+
+def megatron_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+                 eff: Efficiency = Efficiency()) -> float:
+    """Predicted TFLOP/s per GPU in the paper's count (with recomputation) for one row of the table."""
+    from lightning_megatron.check.devices import DEVICES
+
+    m = ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=51200,
+                   max_sequence_length=2048, seq_length=2048, micro_batch_size=1, global_batch_size=batch,
+                   params_dtype="float16", recompute=True, family="gpt")
+    st = estimate_time(m, Layout(tp=tp, pp=pp, dp=gpus // (tp * pp)), DEVICES["a100"], eff, MEGATRON_2021)
+    flops = transformer_flops(num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden, seq_length=2048,
+                              tokens=batch * 2048, head_tokens=batch * 2048, vocab_size=51200, head_dense=False,
+                              recompute=True)
+    return flops / st.total / gpus / 1e12
+
+
+@pytest.mark.parametrize("row", MEGATRON_WEAK_SCALING, ids=[f"{r[0]:g}B" for r in MEGATRON_WEAK_SCALING])
+def test_megatron_weak_scaling_within_25_percent(row):
+    _, heads, hidden, layers, tp, pp, gpus, batch, published = row
+    assert abs(megatron_row(heads, hidden, layers, tp, pp, gpus, batch) / published - 1) < 0.25
+
+
+def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_path):
+    """Through the CLI: --data.* overrides, VP layouts, skip reasons, ranking by predicted tokens/s."""
+    from lightning_megatron.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 4\n"
+                      "data:\n  global_batch_size: 32\n  micro_batch_size: 8\n  max_seq_length: 128\n")
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--estimate-memory", "--estimate-time", "--device", "h100",
+              "--gpus", "8", "--gpu-memory", "80GB", "--data.global_batch_size", "16", "--data.micro_batch_size", "4",
+              "--model.hidden_size", "512"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert "hidden 512" in out and "global batch 16" in out and "dropout 0.1/0.1" in out
+    assert "DP=8 does not divide global batch 16 into micro batches of 4: skipped 1" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("tp", "pp", "dp")) and " yes " in line]
+    assert "tp2pp2vp2dp2" in [r[0] for r in rows]
+    speeds = [float(r[8]) for r in rows]
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) > 10
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--layouts", "tp2,pp2vp2,dp2zero1", "--estimate-time",
+              "--device", "a100", "--gemm-efficiency", "0.5"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "GEMM 0.5" in out and "pp2vp2" in out and "dp2zero1" in out
+    for flags, message in ((["--device", "tpu"], "unknown device 'tpu'"),
+                           (["--link-efficiency", "1.5"], "efficiency link=1.5 must be in (0, 1]")):
+        with pytest.raises(SystemExit) as e:
+            main(["check", "--config", str(recipe), "--estimate-time", *flags])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # --gpus alone would silently run a parity check instead
+        main(["check", "--config", str(recipe), "--gpus", "8"])
+    assert e.value.code == 2 and "add one of them" in capsys.readouterr().err
