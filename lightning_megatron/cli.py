@@ -9,11 +9,15 @@
     lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt]
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
-so every argument of the Trainer, the strategy, the model and the data is a dotted override. The
+or over any LightningModule and LightningDataModule named by class path (``--model.class_path
+my_pkg.MyModule``, ``--data.class_path ...``, or ``class_path:`` in the recipe's ``model:`` / ``data:``
+section: LightningCLI's subclass mode), so every argument of the Trainer, the strategy, the model and
+the data is a dotted override. The
 Megatron callbacks are named argument groups: ``--megatron_optimizer.clip_grad 0.5``,
 ``--lr_schedule.lr_warmup_steps 10`` (recipes configure them in those sections; ``--lr_schedule null``
 drops one). ``--optimizer torch.optim.SGD --optimizer.momentum 0.9`` and ``--lr_scheduler ...`` take
-any torch optimizer and LR scheduler as LightningCLI does, built by the model on its parameter groups.
+any torch optimizer and LR scheduler as LightningCLI does, built by the model on its parameter groups
+(a :class:`~lightning_megatron.module.MegatronLightningModule`: ``use_optimizer`` / ``use_lr_scheduler``).
 Logs and checkpoints go under ``trainer.default_root_dir``; W&B continues the run of a checkpoint.
 The other commands are plain functions in ``COMMANDS`` (name -> (function(argv), one-line help)).
 """
@@ -69,18 +73,17 @@ def _summary(trainer) -> str:
 
 def _lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
                    **kwargs) -> Any:
-    """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
-    (``run=False`` in kwargs: only build). ``args`` (or ``sys.argv`` when None) may name recipes with
-    ``base:``; they are merged first (lightning_megatron.recipes)."""
+    """The LightningCLI over BertLightningModule and BertDataModule, the given classes, or any class the
+    command line or its recipe names by ``class_path`` (subclass mode) (``run=False`` in kwargs: only
+    build). ``args`` (or ``sys.argv`` when None) may name recipes with ``base:``; they are merged first
+    (lightning_megatron.recipes)."""
     from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
     from torch.optim import Optimizer
 
     import lightning_megatron.strategy  # noqa: F401  registers strategy="megatron"
-    from lightning_megatron.data.datamodule import BertDataModule
-    from lightning_megatron.models.bert.module import BertLightningModule
-
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback, PredictionWriter
     from lightning_megatron.loggers import WandbRunIdCallback
+    from lightning_megatron.module import MegatronLightningModule
 
     if args is None:  # LightningCLI reads sys.argv; Lightning starts the other ranks with it too
         sys.argv[1:] = _resolve_recipes(sys.argv[1:])
@@ -88,6 +91,13 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
         args = _resolve_recipes(args)
 
     given = list(args if args is not None else sys.argv[1:])  # the command line's own flags
+    # A class named by class_path (command line or recipe): LightningCLI's subclass mode, and BERT is
+    # never imported; otherwise the BERT module and datamodule, whose recipes give plain arguments.
+    named = _named_by_class_path(given)
+    if model_class is None and "model" not in named:
+        from lightning_megatron.models.bert.module import BertLightningModule as model_class
+    if datamodule_class is None and "data" not in named:
+        from lightning_megatron.data.datamodule import BertDataModule as datamodule_class
     _NAMED_CALLBACKS = {"megatron_optimizer": MegatronOptimizerCallback, "lr_schedule": OptimizerParamSchedulerCallback}
 
     class MegatronCLI(LightningCLI):
@@ -100,17 +110,28 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 parser.add_argument(f"--{key}", type=Optional[callback], default=None,
                                     help=f"{callback.__name__} (a section of its arguments; null: none)")
             # --optimizer torch.optim.SGD --optimizer.momentum 0.9 (and --lr_scheduler ...), as LightningCLI
-            # has them, but linked into the model, which builds them on its parameter groups (no weight
-            # decay on biases and norms) once its chunks exist: LightningCLI's automatic
-            # configure_optimizers (switched off below) would use model.parameters() before configure_model.
-            # lr and weight_decay stay the model's (--model.lr; the lr_schedule group drives both).
+            # has them, but handed to the model (MegatronLightningModule.use_optimizer), which builds them on
+            # its parameter groups (no weight decay on biases and norms) once its chunks exist: LightningCLI's
+            # automatic configure_optimizers (switched off below) would use model.parameters() before
+            # configure_model. lr and weight_decay stay the model's (--model.lr; the lr_schedule group
+            # drives both).
             parser.add_subclass_arguments((Optimizer,), "optimizer", instantiate=False, required=False,
                                           fail_untyped=False, skip={"params", "lr", "weight_decay"})
             parser.add_subclass_arguments(LRSchedulerTypeTuple, "lr_scheduler", instantiate=False, required=False,
                                           fail_untyped=False, skip={"optimizer"})
-            for group in ("optimizer", "lr_scheduler"):
-                parser.link_arguments(group, f"model.{group}_class", compute_fn=_class_path)
-                parser.link_arguments(group, f"model.{group}_kwargs", compute_fn=_init_args)
+
+        def instantiate_classes(self) -> None:
+            super().instantiate_classes()
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            optimizer, scheduler = config.get("optimizer"), config.get("lr_scheduler")
+            if not (optimizer or scheduler):
+                return
+            if not isinstance(self.model, MegatronLightningModule):
+                raise SystemExit(f"lightning-megatron: --optimizer / --lr_scheduler are built by a "
+                                 f"lightning_megatron.module.MegatronLightningModule on its parameter groups; "
+                                 f"{type(self.model).__name__} is not one: build them in its configure_optimizers")
+            self.model.use_optimizer(_class_path(optimizer), _init_args(optimizer))
+            self.model.use_lr_scheduler(_class_path(scheduler), _init_args(scheduler))
 
         def before_instantiate_classes(self) -> None:
             # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
@@ -154,9 +175,34 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     extra = defaults.get("callbacks") or []
     defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback(),
                              PredictionWriter()]
-    return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args,
+    return MegatronCLI(model_class, datamodule_class, args=args, subclass_mode_model=model_class is None,
+                       subclass_mode_data=datamodule_class is None,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
+
+
+def _named_by_class_path(argv: list[str]) -> set[str]:
+    """Which of ``model`` / ``data`` the command line (``--model.class_path X``, ``--model X``) or a
+    ``--config`` recipe (``model: {class_path: X}``; merged YAML text or a file) names by class path."""
+    import yaml
+
+    named = set()
+    for i, arg in enumerate(argv):
+        for key in ("model", "data"):
+            if arg.split("=", 1)[0] in (f"--{key}", f"--{key}.class_path"):
+                named.add(key)
+        value = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
+            arg[len("--config="):] if arg.startswith("--config=") else None)
+        if value is None:
+            continue
+        try:
+            text = value if "\n" in value else Path(value).read_text()
+            recipe = yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError):
+            continue  # LightningCLI reports it
+        if isinstance(recipe, dict):
+            named |= {k for k in ("model", "data") if isinstance(recipe.get(k), dict) and "class_path" in recipe[k]}
+    return named
 
 
 def _class_path(spec: Any) -> str | None:

@@ -238,6 +238,12 @@ def _plain(value: Any) -> Any:
     return as_dict() if callable(as_dict) else value
 
 
+def _init_args(section: Any) -> dict[str, Any]:
+    """A model/data section's arguments: plain, or the ``init_args`` of a class named by ``class_path``."""
+    section = dict(section or {})
+    return dict(section.get("init_args") or {}) if "class_path" in section else section
+
+
 def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str, Any]:
     """The keyword arguments of :func:`check_config` from a parsed LightningCLI config (one subcommand's).
 
@@ -270,6 +276,6 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str
         scheduler_args = dict(c["lr_schedule"])
     if isinstance(c.get("megatron_optimizer"), Mapping):
         has_optimizer_callback = True
-    return dict(model_hparams=dict(c.get("model") or {}), data_hparams=dict(c.get("data") or {}),
+    return dict(model_hparams=_init_args(c.get("model")), data_hparams=_init_args(c.get("data")),
                 strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
                 has_optimizer_callback=has_optimizer_callback if fitting else None)

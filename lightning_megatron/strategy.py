@@ -29,18 +29,21 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
+from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.protocols import MegatronModule, OptimizerWrapper, is_sharded, megatron_module, optimizer_wrapper
 from lightning_megatron.setup_checks import (
     check_precision,
+    describe_setup,
     check_strategy_arguments,
     check_trainer,
     resolve_batch_sizes,
@@ -129,6 +132,7 @@ class MegatronStrategy(DDPStrategy):
         """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
         self._grad_buffer: GradBuffer | None = None
         self._preemption = PreemptionHandler()
+        self._described = False
 
     # ------------------------------------------------------------------ set-up
 
@@ -147,6 +151,9 @@ class MegatronStrategy(DDPStrategy):
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
             self.virtual_pipeline_model_parallel_size, timeout=self._timeout)
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
+        if isinstance(self.lightning_module, MegatronLightningModule):
+            # As Lightning's ModelParallelStrategy hands its device mesh: the groups, before configure_model.
+            self.lightning_module.connect_parallel_state(self.parallel_state, sequence_parallel=self.sequence_parallel)
         if self.cpu_tuning is not None:  # opt-in; acts on CPU only
             self.cpu_tuning.setup(self.parallel_state, device=self.root_device, timeout=self._timeout)
 
@@ -186,6 +193,10 @@ class MegatronStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if not self._described:  # once per strategy: what it resolved
+            self._described = True
+            rank_zero_info(describe_setup(ps, sequence_parallel=self.sequence_parallel, buffer=self._grad_buffer,
+                                          micro_batch_size=self.batch_sizes.micro_batch_size))
 
     @property
     def grad_buffer(self) -> GradBuffer | None:
