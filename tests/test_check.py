@@ -1,4 +1,5 @@
-"""``check_layouts`` catches a broken tensor-parallel layer and names its parameter; the same custom
+"""``check_layouts`` catches a broken tensor-parallel layer and names it (the first module whose forward
+output diverges) and its parameter; the same custom
 spec, unbroken, passes. The spec is registered here, as a user would register theirs."""
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def test_check_names_the_layer_that_forgets_its_all_reduce():
     [result] = broken.results
     assert result.worst_param is not None and "mlp.linear_fc2" in result.worst_param, broken.table()
     assert any("linear_fc2" in f for f in result.failures), result.failures
+    # Named by the first module whose step-1 forward output departs from one process (the layer
+    # itself, not the parameter with the largest gradient error downstream); none in the intact run.
+    assert result.first_divergence.startswith("forward output of encoder.layers.0.mlp.linear_fc2 "), broken.table()
+    assert "FAIL: first divergence: forward output of encoder.layers.0.mlp.linear_fc2" in broken.table()
+    assert intact.results[0].first_divergence is None, intact.table()
     assert "FAIL" in broken.table().splitlines()[-1]
 
 
