@@ -135,7 +135,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
 
         def before_instantiate_classes(self) -> None:
             # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
-            # process; a warm-up too long for a short run is shortened first, with a warning.
+            # process (a warm-up as long as a short run is shortened at set-up by the schedule callback).
             from lightning_megatron.config_checks import ConfigError, config_from_cli, validate_config
 
             config = self.config[self.subcommand] if self.subcommand else self.config
@@ -147,7 +147,6 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             _architecture_of_init_from(config, given)
             _one_run_folder(config)
             _continue_wandb_run(config)
-            _clamp_warmup(config)
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
             except ConfigError as e:
@@ -340,29 +339,6 @@ def _log_run_config(trainer) -> None:
     for logger in trainer.loggers:
         if type(logger).__name__ == "WandbLogger":
             logger.log_hyperparams(run)  # rank zero only
-
-
-def _clamp_warmup(config) -> None:
-    """A warm-up as long as the run would fail in the scheduler after start-up: shorten it now, loudly."""
-    import warnings
-
-    from lightning_megatron.callbacks import OptimizerParamSchedulerCallback
-
-    trainer = config.get("trainer") if hasattr(config, "get") else None
-    specs = [cb.init_args for cb in _entries(trainer.get("callbacks") if trainer else None)
-             if _is_subclass(cb.class_path, OptimizerParamSchedulerCallback)]
-    if not specs:  # the lr_schedule section is among trainer.callbacks by now (_named_callbacks_into_trainer)
-        return
-    schedule = specs[0]
-    max_steps = trainer.get("max_steps") or -1
-    warmup = schedule.get("lr_warmup_steps") or 0
-    decay = schedule.get("lr_decay_steps") or max_steps
-    if max_steps > 0 and decay > 0 and warmup >= decay:
-        new = max(0, min(decay, max_steps) // 10)
-        warnings.warn(f"lr_schedule.lr_warmup_steps={warmup} is not below the decay length {decay} "
-                      f"(trainer.max_steps={max_steps}): using lr_warmup_steps={new} (10% of it); set "
-                      f"--lr_schedule.lr_warmup_steps to choose", UserWarning, stacklevel=1)
-        schedule["lr_warmup_steps"] = new
 
 
 def _preprocess(argv: list[str]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_megatron.optimizer.scheduler import warmup_problem
 from lightning_megatron.parallel_state import model_parallel_size_problems
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision",
@@ -201,16 +202,15 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
 
 def _check_schedule(sch: dict[str, Any], max_steps: int | None) -> list[str]:
     problems = []
-    decay = sch.get("lr_decay_steps")
-    source = "lr_decay_steps"
-    if decay is None:
+    decay = _int(sch.get("lr_decay_steps"))
+    warmup = _int(sch.get("lr_warmup_steps", 0)) or 0
+    if sch.get("lr_decay_steps") is None:
         if max_steps is None or max_steps <= 0:
             problems.append(f"lr_decay_steps=null means trainer.max_steps, but max_steps={max_steps}; set "
                             f"trainer.max_steps or lr_decay_steps")
-        decay, source = max_steps, "lr_decay_steps (= trainer.max_steps)"
-    warmup = _int(sch.get("lr_warmup_steps", 0)) or 0
-    if decay is not None and decay > 0 and warmup >= decay:
-        problems.append(f"lr_warmup_steps={warmup} must be < {source}={decay}; shorten the warm-up or decay later")
+        # else a warm-up as long as the run is shortened at set-up (scheduler.warmup_for_run), with a warning
+    elif decay is not None:
+        problems += [p for p in [warmup_problem(warmup, decay)] if p]  # the scheduler's own rule
     max_lr, min_lr, init_lr = sch.get("max_lr"), sch.get("min_lr"), sch.get("init_lr")
     if max_lr is not None and min_lr is not None and max_lr < min_lr:
         problems.append(f"max_lr={max_lr} must be >= min_lr={min_lr}")

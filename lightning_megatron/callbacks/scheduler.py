@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
-from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
+from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler, warmup_for_run
 
 __all__ = ["OptimizerParamSchedulerCallback"]
 
@@ -87,6 +87,10 @@ class OptimizerParamSchedulerCallback(Callback):
         if not trainer.optimizers:
             raise ValueError("OptimizerParamSchedulerCallback needs an optimizer from configure_optimizers")
         kwargs = dict(self.kwargs)
+        if kwargs["lr_decay_steps"] is None:  # the run's length decides: one rule with the pre-launch check
+            kwargs["lr_warmup_steps"], message = warmup_for_run(kwargs["lr_warmup_steps"], trainer.max_steps or -1)
+            if message:
+                rank_zero_warn(f"OptimizerParamSchedulerCallback: {message}", category=UserWarning)
         for name in ("lr_decay_steps", "wd_incr_steps"):
             if kwargs[name] is None:
                 if trainer.max_steps is None or trainer.max_steps <= 0:

@@ -27,13 +27,35 @@ import math
 import warnings
 from typing import Any
 
-__all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES"]
+__all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES", "warmup_problem",
+           "warmup_for_run"]
 
 logger = logging.getLogger(__name__)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+def warmup_problem(lr_warmup_steps: int, lr_decay_steps: int, source: str = "lr_decay_steps") -> str | None:
+    """The rule "the warm-up ends before the decay does", for a decay length the user set; the one
+    validator the scheduler (at set-up) and ``config_checks`` (before launch) both call."""
+    if lr_decay_steps > 0 and not lr_warmup_steps < lr_decay_steps:
+        return (f"lr_warmup_steps={lr_warmup_steps!r} must be < {source}={lr_decay_steps!r}; shorten the warm-up "
+                f"or decay later")
+    return None
+
+
+def warmup_for_run(lr_warmup_steps: int, max_steps: int) -> tuple[int, str | None]:
+    """The warm-up of a schedule whose decay length is the run's (``lr_decay_steps=None`` ->
+    ``max_steps``): one as long as the run (a recipe's, run for a few steps) is shortened to 10% of
+    it, with a message saying so; else unchanged (message None)."""
+    if max_steps > 0 and lr_warmup_steps >= max_steps:
+        new = max(0, max_steps // 10)
+        return new, (f"lr_warmup_steps={lr_warmup_steps} is not below the decay length {max_steps} (lr_decay_steps="
+                     f"null: trainer.max_steps): using lr_warmup_steps={new} (10% of it); set lr_warmup_steps "
+                     f"(--lr_schedule.lr_warmup_steps) to choose")
+    return lr_warmup_steps, None
 
 
 class OptimizerParamScheduler:
@@ -83,10 +105,9 @@ class OptimizerParamScheduler:
         self.lr_wsd_decay_style = lr_wsd_decay_style
         if not lr_decay_steps > 0:
             raise ValueError(f"lr_decay_steps={lr_decay_steps!r} must be > 0")
-        if not lr_warmup_steps < lr_decay_steps:
-            raise ValueError(
-                f"lr_warmup_steps={lr_warmup_steps!r} must be < lr_decay_steps={lr_decay_steps!r}"
-            )
+        problem = warmup_problem(lr_warmup_steps, lr_decay_steps)
+        if problem:
+            raise ValueError(problem)
         if lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style={lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
         self.lr_decay_style = lr_decay_style
