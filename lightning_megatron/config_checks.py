@@ -23,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_megatron.optimizer.scheduler import warmup_problem
+from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_state import model_parallel_size_problems
+from lightning_megatron.pipeline.schedules import num_microbatches_problem
+from lightning_megatron.step import batch_size_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision",
            "PRECISION_PARAMS_DTYPE"]
@@ -144,17 +146,11 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     if s_micro is not None and d_micro is not None and s_micro != d_micro:
         problems.append(f"strategy micro_batch_size={s_micro} disagrees with data micro_batch_size={d_micro}; "
                         f"set it in one place (the data's, with the strategy's left null)")
-    if gb is not None and micro is not None:
-        if gb % micro:
-            problems.append(f"global_batch_size={gb} is not divisible by micro_batch_size={micro}; choose a "
-                            f"global batch that is a multiple of micro_batch_size x data-parallel size")
-        elif dp is not None and gb % (micro * dp):
-            problems.append(f"global_batch_size={gb} is not divisible by micro_batch_size={micro} x data-parallel "
-                            f"size={dp} (= {micro * dp}); choose a global batch that is a multiple of {micro * dp}")
-        elif dp is not None and vp is not None and vp > 1 and (gb // (micro * dp)) % pp:
-            problems.append(f"num_microbatches={gb // (micro * dp)} (global_batch_size={gb} / (micro_batch_size="
-                            f"{micro} x data-parallel size={dp})) is not divisible by pipeline_model_parallel_size="
-                            f"{pp}, which the interleaved schedule needs; use a multiple of {pp * micro * dp}")
+    if gb is not None and micro is not None:  # the rules BatchSizes and the schedules apply at set-up
+        problem = batch_size_problem(micro, gb, dp or 1)
+        if problem is None and dp is not None:
+            problem = num_microbatches_problem(gb // (micro * dp), pp, vp)
+        problems += [problem] if problem else []
 
     # --- sequence length
     seq, positions = _int(d.get("max_seq_length")), _int(m.get("max_sequence_length"))
@@ -211,14 +207,11 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None) -> list[str]:
         # else a warm-up as long as the run is shortened at set-up (scheduler.warmup_for_run), with a warning
     elif decay is not None:
         problems += [p for p in [warmup_problem(warmup, decay)] if p]  # the scheduler's own rule
-    max_lr, min_lr, init_lr = sch.get("max_lr"), sch.get("min_lr"), sch.get("init_lr")
-    if max_lr is not None and min_lr is not None and max_lr < min_lr:
-        problems.append(f"max_lr={max_lr} must be >= min_lr={min_lr}")
-    if max_lr is not None and init_lr is not None and init_lr > max_lr:
-        problems.append(f"init_lr={init_lr} must be <= max_lr={max_lr}")
-    if sch.get("use_checkpoint_opt_param_scheduler") and sch.get("override_opt_param_scheduler"):
-        problems.append("override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
-                        "each other; set use_checkpoint_opt_param_scheduler=False to override")
+    numbers = [v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+               for v in (sch.get("init_lr"), sch.get("max_lr"), sch.get("min_lr"))]
+    problems += lr_problems(*numbers)  # the scheduler's own rules
+    problems += [p for p in [resume_problem(bool(sch.get("use_checkpoint_opt_param_scheduler")),
+                                            bool(sch.get("override_opt_param_scheduler")))] if p]
     return problems
 
 

@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 __all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES", "warmup_problem",
-           "warmup_for_run"]
+           "warmup_for_run", "lr_problems", "resume_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,25 @@ def warmup_problem(lr_warmup_steps: int, lr_decay_steps: int, source: str = "lr_
     if lr_decay_steps > 0 and not lr_warmup_steps < lr_decay_steps:
         return (f"lr_warmup_steps={lr_warmup_steps!r} must be < {source}={lr_decay_steps!r}; shorten the warm-up "
                 f"or decay later")
+    return None
+
+
+def lr_problems(init_lr: float | None, max_lr: float | None, min_lr: float | None) -> list[str]:
+    """The rules on the three learning rates (None: unknown, its rules skipped)."""
+    out = []
+    if min_lr is not None and min_lr < 0.0:
+        out.append(f"min_lr={min_lr!r} must be >= 0")
+    if max_lr is not None and min_lr is not None and max_lr < min_lr:
+        out.append(f"max_lr={max_lr!r} must be >= min_lr={min_lr!r}")
+    if max_lr is not None and init_lr is not None and init_lr > max_lr:
+        out.append(f"init_lr={init_lr!r} must be <= max_lr={max_lr!r}")
+    return out
+
+
+def resume_problem(use_checkpoint_opt_param_scheduler: bool, override_opt_param_scheduler: bool) -> str | None:
+    if use_checkpoint_opt_param_scheduler and override_opt_param_scheduler:
+        return ("override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
+                "each other; set use_checkpoint_opt_param_scheduler=False to override")
     return None
 
 
@@ -91,12 +110,9 @@ class OptimizerParamScheduler:
         self.init_lr = init_lr
         self.max_lr = float(max_lr)
         self.min_lr = min_lr
-        if min_lr < 0.0:
-            raise ValueError(f"min_lr={min_lr!r} must be >= 0")
-        if self.max_lr < min_lr:
-            raise ValueError(f"max_lr={max_lr!r} must be >= min_lr={min_lr!r}")
-        if init_lr > self.max_lr:
-            raise ValueError(f"init_lr={init_lr!r} must be <= max_lr={max_lr!r}")
+        problems = lr_problems(init_lr, max_lr, min_lr)
+        if problems:
+            raise ValueError(problems[0])
 
         self.lr_warmup_steps = lr_warmup_steps
         self.num_steps = 0
@@ -142,11 +158,9 @@ class OptimizerParamScheduler:
 
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
-        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
-            raise ValueError(
-                "override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
-                "each other; set use_checkpoint_opt_param_scheduler=False to override"
-            )
+        problem = resume_problem(use_checkpoint_opt_param_scheduler, override_opt_param_scheduler)
+        if problem:
+            raise ValueError(problem)
 
         self.resume_differences: list[tuple[str, Any, Any]] = []
         """(field, configured value, checkpoint value) for each field that differed at the last load."""
