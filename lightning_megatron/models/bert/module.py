@@ -294,6 +294,34 @@ class BertLightningModule(MegatronLightningModule):
             head = (batch["loss_mask"] > 0).sum().double() * data_parallel_size
         return training_flops(self.config, total, tokens.size(-1), head, self.vocab_size)
 
+    @classmethod
+    def estimate_shape(cls, model: dict[str, Any], data: dict[str, Any], *, micro_batch_size: int,
+                       global_batch_size: int) -> Any:
+        """The sizes ``check --estimate-memory`` / ``--estimate-time`` compute with (``EstimatesCost``),
+        from this module's arguments and BertDataModule's; unset ones at their defaults."""
+        from pathlib import Path
+
+        from lightning_megatron.check.memory import ModelShape
+
+        vocab = model.get("vocab_size")
+        if vocab is None:
+            vocab_file = data.get("vocab_file")
+            vocab = 30522 if vocab_file is None else sum(1 for _ in Path(vocab_file).open(encoding="utf-8"))
+        spec = str(model.get("spec", "bert_layer_local_spec"))
+        return ModelShape(
+            num_layers=int(model.get("num_layers", 2)), hidden_size=int(model.get("hidden_size", 128)),
+            num_attention_heads=int(model.get("num_attention_heads", 4)), ffn_hidden_size=model.get("ffn_hidden_size"),
+            vocab_size=int(vocab), make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by", 128)),
+            max_sequence_length=int(model.get("max_sequence_length", 128)),
+            seq_length=int(data.get("max_seq_length", 128)), micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size, masked_lm_prob=float(data.get("masked_lm_prob", 0.15)),
+            params_dtype=str(model.get("params_dtype", "float32")), optimizer=str(model.get("optimizer", "adamw")),
+            post_norm="post_norm" in spec, rmsnorm="rmsnorm" in spec,
+            recompute=model.get("recompute_granularity") == "full",
+            attention_backend=str(model.get("attention_backend", "auto")),
+            hidden_dropout=float(model.get("hidden_dropout", 0.0)),
+            attention_dropout=float(model.get("attention_dropout", 0.0)))
+
     def pipeline_tensor_shape(self, microbatch: dict[str, torch.Tensor]) -> tuple[int, int, int]:
         """[s, b, h] exchanged between stages ([s/t, b, h] under sequence parallelism)."""
         b, s = microbatch["tokens"].shape
