@@ -172,11 +172,11 @@ def _data_and_checkpoint_cases(tmp: Path) -> list[tuple[str, str, Callable[[], A
         ("data", "splits='100,0,0,5' (four values)", lambda: BertDataModule(splits="100,0,0,5"), BEFORE),
         ("data", "max_seq_length=2", lambda: BertDataModule(max_seq_length=2), BEFORE),
         ("checkpoint", "ckpt_path that does not exist",
-         lambda: ckpt.validate_checkpoint_dir(tmp / "missing.ckpt"), SETUP),
+         lambda: ckpt.verify_checkpoint(tmp / "missing.ckpt"), SETUP),
         ("checkpoint", "ckpt_path is a file (another strategy's .ckpt)",
-         lambda: ckpt.validate_checkpoint_dir(tmp / "empty.txt"), SETUP),
+         lambda: ckpt.verify_checkpoint(tmp / "empty.txt"), SETUP),
         ("checkpoint", "interrupted save (directory without the marker)",
-         lambda: ckpt.validate_checkpoint_dir(tmp / "partial.ckpt"), SETUP),
+         lambda: ckpt.verify_checkpoint(tmp / "partial.ckpt"), SETUP),
     ]
 
 

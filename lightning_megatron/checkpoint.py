@@ -1,6 +1,7 @@
 """Sharded, reshardable, verified checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
-A checkpoint is a directory (format 2; format 1, written before checksums, still loads):
+A checkpoint is a directory (format 2; format 1, written before checksums, loads only when the user
+opts in to unverified checkpoints):
 
     <path>/                    appears (or replaces the previous one) in one atomic rename
       .metadata, __*.distcp    DCP: every tensor as chunks of a GLOBAL tensor (model and optimizer)
@@ -18,10 +19,14 @@ interrupted saves are removed first), hashes the files it wrote, and rank 0 writ
 swaps the directory in with ``renameat2(RENAME_EXCHANGE)``: ``<path>`` never disappears. A failed
 write (a full disk) is a ``CheckpointError`` on every rank naming the directory and its free space.
 
-Loading (:func:`load`): before any tensor is read, the marker and file sizes are checked, every
-file's checksum is verified (the files split over the ranks), the DCP metadata is unpickled with an
-allow-list (:mod:`lightning_megatron.dcp_io`), and the saved hyper-parameters and global tensor
-shapes are compared with the model's: every difference is listed in one ``CheckpointError``.
+Verifying (:func:`verify_checkpoint`, the one check of EVERY path that reads a checkpoint: ``--ckpt_path``,
+``init_from``, ``export hf``, ``load_from_checkpoint``): before any tensor is read, the marker and file
+sizes are checked, every file's checksum is verified, and the DCP metadata is unpickled with an
+allow-list (:mod:`lightning_megatron.dcp_io`). A checkpoint without checksums (format 1, or a marker
+whose checksums were removed) is refused unless the user opts in (:data:`ALLOW_UNVERIFIED_ENV`).
+
+Loading (:func:`load`): verified with the files split over the ranks, then the saved hyper-parameters
+and global tensor shapes are compared with the model's: every difference is listed in one ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -57,10 +62,13 @@ __all__ = [
     "file_sha256",
     "init_defaults",
     "layout_record",
+    "ALLOW_UNVERIFIED_ENV",
+    "allow_unverified",
     "load",
     "remove",
     "save",
     "validate_checkpoint_dir",
+    "verify_checkpoint",
 ]
 
 FORMAT_VERSION = 2
@@ -134,9 +142,19 @@ def _files(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MARKER)
 
 
-def validate_checkpoint_dir(path: str | os.PathLike) -> dict[str, Any]:
-    """Check that ``path`` is a complete lightning_megatron checkpoint; return its marker contents."""
-    path = Path(path)
+ALLOW_UNVERIFIED_ENV = "LIGHTNING_MEGATRON_ALLOW_UNVERIFIED_CHECKPOINT"
+"""Set to 1 (or ``--allow-unverified-checkpoint`` on the command line) to load a checkpoint whose
+marker has no checksums (format 1, or checksums removed). A checksum that does not match is refused
+regardless."""
+
+
+def allow_unverified() -> bool:
+    """Whether the user opted in to loading checkpoints without checksums (:data:`ALLOW_UNVERIFIED_ENV`)."""
+    return os.environ.get(ALLOW_UNVERIFIED_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    """The marker of a complete checkpoint directory, its format and its file sizes checked."""
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     if not path.is_dir():
@@ -159,8 +177,10 @@ def validate_checkpoint_dir(path: str | os.PathLike) -> dict[str, Any]:
     for name in (".metadata", "extra.pt"):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
-    sums = info.get("sha256", {})
-    for name, size in info.get("files", {}).items():
+    files = info.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r} has a corrupt {MARKER}: no 'files' table")
+    for name, size in files.items():
         f = path / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"checkpoint {str(path)!r}: {MARKER} names a file outside it: {name!r}")
@@ -169,25 +189,75 @@ def validate_checkpoint_dir(path: str | os.PathLike) -> dict[str, Any]:
         if f.stat().st_size != size:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name} has {f.stat().st_size} bytes, "
                                   f"expected {size} (truncated?)")
-    if info["format_version"] >= 2:
-        unlisted = [n for n in _files(path) if n not in sums]
-        if unlisted or set(sums) != set(info.get("files", {})):
-            raise CheckpointError(f"checkpoint {str(path)!r}: {MARKER} has no checksum for {unlisted or '(files)'}")
     return info
 
 
-def _verify_checksums(path: Path, info: dict[str, Any]) -> None:
-    """Collective: each rank hashes its share of the files; a mismatch is an error on every rank."""
-    rank, world = _rank_world()
+def _unverified(path: Path, info: dict[str, Any]) -> str | None:
+    """Why (part of) ``path`` cannot be verified, or None when every file has a checksum."""
+    if info["format_version"] < 2:
+        return f"it is format {info['format_version']}, written before checkpoints carried checksums"
     sums = info.get("sha256")
+    if not isinstance(sums, dict) or not sums:
+        return f"its {MARKER} has no sha256 checksums (format {info['format_version']} always records them)"
+    unlisted = [n for n in _files(path) if n not in sums] + sorted(set(info["files"]) - set(sums))
+    if unlisted:
+        return f"its {MARKER} has no checksum for {sorted(set(unlisted))}"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike, *, collective: bool = False) -> dict[str, Any]:
+    """THE check of every path that reads a lightning_megatron checkpoint (``--ckpt_path`` of
+    fit/validate/test/predict, ``init_from``, ``export hf``, ``load_from_checkpoint``); returns the marker.
+
+    Checks the marker, every file's size and sha256 (a mismatch is always refused), and that the DCP
+    metadata (unpickled with an allow-list) names only checksummed files. A checkpoint without
+    checksums (format 1, or a marker whose checksums are missing) is refused unless the user opted in
+    (:data:`ALLOW_UNVERIFIED_ENV` / ``--allow-unverified-checkpoint``); then a warning says what was
+    not verified. ``collective``: every rank of the process group calls it and hashes a share of the
+    files; otherwise this process hashes them all.
+    """
+    path = Path(path)
+    info = _read_marker(path)
+    rank, world = _rank_world() if collective else (0, 1)
+    reason = _unverified(path, info)
+    if reason is not None:
+        if not allow_unverified():
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} cannot be verified: {reason}. A corrupted or altered file would load "
+                f"without a word. If you trust it, load it with --allow-unverified-checkpoint (or "
+                f"{ALLOW_UNVERIFIED_ENV}=1); saving it again writes checksums")
+        if rank == 0:
+            warnings.warn(f"checkpoint {str(path)!r} is loaded UNVERIFIED: {reason} ({ALLOW_UNVERIFIED_ENV} / "
+                          f"--allow-unverified-checkpoint is set)", UserWarning, stacklevel=2)
+    sums = info.get("sha256") if isinstance(info.get("sha256"), dict) else {}
     error = None
-    if sums:
-        for name in sorted(sums)[rank::world]:
-            if file_sha256(path / name) != sums[name]:
-                error = (f"checkpoint {str(path)!r} is corrupt: {name} does not match the sha256 recorded "
-                         f"in {MARKER} (the file changed after it was saved)")
-                break
-    _agree(error)
+    for name in sorted(sums)[rank::world]:
+        f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not f.is_file():
+            error = f"checkpoint {str(path)!r}: {MARKER} has a checksum for {name!r}, which is not a file in it"
+        elif file_sha256(f) != sums[name]:
+            error = (f"checkpoint {str(path)!r} is corrupt: {name} does not match the sha256 recorded "
+                     f"in {MARKER} (the file changed after it was saved)")
+        if error:
+            break
+    if error is None:
+        try:
+            metadata = dcp_io.read_metadata(path)
+            if reason is None:
+                unknown = sorted({s.relative_path for s in metadata.storage_data.values()} - set(sums))
+                if unknown:
+                    error = f"checkpoint {str(path)!r}: .metadata refers to files without checksums: {unknown}"
+        except CheckpointError as e:
+            error = f"checkpoint {str(path)!r}: {e}"
+    if collective:
+        _agree(error)
+    elif error:
+        raise CheckpointError(error)
+    return info
+
+
+validate_checkpoint_dir = verify_checkpoint
+"""The former name of :func:`verify_checkpoint` (the same function: a call verifies everything)."""
 
 
 # ---------------------------------------------------------------------- atomic swap
@@ -401,15 +471,10 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     :func:`compare_hparams`."""
     rank, _ = _rank_world()
     path = Path(filepath)
-    info = validate_checkpoint_dir(path)
-    _verify_checksums(path, info)
+    info = verify_checkpoint(path, collective=True)
     error = None
     try:
         metadata = dcp_io.read_metadata(path)
-        if info["format_version"] >= 2:
-            unknown = sorted({s.relative_path for s in metadata.storage_data.values()} - set(info["sha256"]))
-            if unknown:
-                raise CheckpointError(f"{path / '.metadata'} refers to files without checksums: {unknown}")
         extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
     except CheckpointError as e:
         error = f"checkpoint {str(path)!r}: {e}"

@@ -412,13 +412,32 @@ def _print_help() -> None:
     for name, text in {**_LIGHTNING_COMMANDS, **{k: v[1] for k, v in COMMANDS.items()}}.items():
         lines.append(f"  {name:16s} {text}")
     lines += ["", "fit/validate/test/predict take --config recipes/bert_tiny.yaml and dotted overrides "
-              "(--trainer.max_steps 50, --model.hidden_size 256, --megatron_optimizer.clip_grad 0.5, ...)."]
+              "(--trainer.max_steps 50, --model.hidden_size 256, --megatron_optimizer.clip_grad 0.5, ...).",
+              f"{ALLOW_UNVERIFIED_FLAG} (any command): load checkpoints that carry no checksums (format 1)."]
     print("\n".join(lines))
+
+
+ALLOW_UNVERIFIED_FLAG = "--allow-unverified-checkpoint"
+"""Any command: load checkpoints without checksums (format 1, checksums removed), with a warning; sets
+``LIGHTNING_MEGATRON_ALLOW_UNVERIFIED_CHECKPOINT=1`` for this process and the ranks it starts."""
+
+
+def _take_allow_unverified(argv: list[str]) -> list[str]:
+    """``argv`` without :data:`ALLOW_UNVERIFIED_FLAG`; when it was there, the opt-in is set in the
+    environment, which the ranks Lightning or torchrun start inherit (they re-read ``sys.argv`` too)."""
+    if ALLOW_UNVERIFIED_FLAG not in argv:
+        return argv
+    from lightning_megatron.checkpoint import ALLOW_UNVERIFIED_ENV
+
+    os.environ[ALLOW_UNVERIFIED_ENV] = "1"
+    return [a for a in argv if a != ALLOW_UNVERIFIED_FLAG]
 
 
 def main(argv: list[str] | None = None) -> None:
     from_sys_argv = argv is None
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _take_allow_unverified(list(sys.argv[1:] if argv is None else argv))
+    if from_sys_argv:
+        sys.argv[1:] = argv  # LightningCLI parses sys.argv: it would not know the flag
     if not argv or argv[0] in ("-h", "--help"):
         _print_help()
         return

@@ -92,11 +92,14 @@ def test_metadata_payload_is_refused_and_never_runs(tmp_path):
     assert not sentinel.exists()
 
 
-def test_format_1_metadata_reads_through_the_allow_list():
+def test_format_1_metadata_reads_through_the_allow_list(monkeypatch):
     md = dcp_io.read_metadata(DATA / "ckpt_v1_tp2")
     word = md.state_dict_metadata["model.embedding.word_embeddings.weight"]
     assert tuple(word.size) == (1000, 16) and len(word.chunks) == 2
-    assert ckpt.validate_checkpoint_dir(DATA / "ckpt_v1_tp2")["format_version"] == 1
+    with pytest.raises(ckpt.CheckpointError, match="cannot be verified: it is format 1"):
+        ckpt.verify_checkpoint(DATA / "ckpt_v1_tp2")
+    monkeypatch.setenv(ckpt.ALLOW_UNVERIFIED_ENV, "1")
+    assert ckpt.verify_checkpoint(DATA / "ckpt_v1_tp2")["format_version"] == 1
 
 
 def test_checksum_mismatch_names_the_file(tmp_path):
@@ -107,13 +110,13 @@ def test_checksum_mismatch_names_the_file(tmp_path):
     info = {"format_version": 2, "files": {n: (d / n).stat().st_size for n in names},
             "sha256": {n: ckpt.file_sha256(d / n) for n in names}}
     (d / ckpt.MARKER).write_text(__import__("json").dumps(info))
-    ckpt._verify_checksums(d, ckpt.validate_checkpoint_dir(d))
+    ckpt.verify_checkpoint(d)
     shard = next(d.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0x01  # same size, one bit
     shard.write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointError, match=rf"{shard.name} does not match the sha256"):
-        ckpt._verify_checksums(d, ckpt.validate_checkpoint_dir(d))
+        ckpt.verify_checkpoint(d)
 
 
 def test_swap_never_leaves_the_name_missing_and_cleans_temporaries(tmp_path):

@@ -1,0 +1,152 @@
+"""One verification on every path that reads a checkpoint, in one process: ``load_from_checkpoint``,
+``init_from``, ``export hf`` (through the command's ``main``) and ``verify_checkpoint`` itself refuse a
+same-size byte flip and an altered checksum, and load a checkpoint without checksums (format 1, or a
+format-2 marker whose checksums were deleted) only with the explicit opt-in, with a warning saying why.
+
+The checkpoint is the committed format-1 one (tests/data/ckpt_v1_tp2, written at TP=2), given a
+format-2 marker with checksums as the current release writes them. ``fit/validate --ckpt_path`` (the
+collective path through ``checkpoint.load``) are checked on 2 ranks in tests/test_checkpoint_trust.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_megatron import checkpoint as ckpt
+
+DATA = Path(__file__).parent / "data"
+V1 = json.loads((DATA / "ckpt_v1_tp2.json").read_text())
+
+
+def _format_2(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` with the marker the current release writes (format 2, sha256 of every file)."""
+    shutil.copytree(src, dst)
+    marker = json.loads((dst / ckpt.MARKER).read_text())
+    names = ckpt._files(dst)
+    marker.update(format_version=2, files={n: (dst / n).stat().st_size for n in names},
+                  sha256={n: ckpt.file_sha256(dst / n) for n in names})
+    (dst / ckpt.MARKER).write_text(json.dumps(marker))
+    return dst
+
+
+def _damage(path: Path, how: str) -> str:
+    """Damage checkpoint ``path`` as ``how`` says; returns what the error must name."""
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    if how == "byte_flip":  # same size: only the checksum can tell
+        shard = path / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        shard.write_bytes(bytes(data))
+        return "__1_0.distcp does not match the sha256"
+    if how == "altered_checksum":
+        old = marker["sha256"]["__0_0.distcp"]
+        marker["sha256"]["__0_0.distcp"] = ("0" if old[0] != "0" else "1") + old[1:]
+        (path / ckpt.MARKER).write_text(json.dumps(marker))
+        return "__0_0.distcp does not match the sha256"
+    if how == "checksums_deleted":  # format 2 with its checksums removed: not a silent downgrade
+        del marker["sha256"]
+        (path / ckpt.MARKER).write_text(json.dumps(marker))
+        return "has no sha256 checksums"
+    if how == "format_1_checksums_deleted":
+        marker["format_version"] = 1
+        del marker["sha256"]
+        (path / ckpt.MARKER).write_text(json.dumps(marker))
+        return "format 1, written before checkpoints carried checksums"
+    raise AssertionError(how)
+
+
+def _load_from_checkpoint(path: Path) -> None:
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    BertLightningModule.load_from_checkpoint(path)
+
+
+def _init_from(path: Path) -> None:
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    module = BertLightningModule(**V1["model"], init_from=str(path))
+    module.configure_model()
+
+
+def _export(path: Path) -> None:
+    from lightning_megatron.cli import main
+
+    main(["export", "hf", "--ckpt_path", str(path), "--output", str(path.parent / f"{path.name}-hf")])
+
+
+def _verify(path: Path) -> None:
+    ckpt.verify_checkpoint(path)
+
+
+PATHS = {"load_from_checkpoint": _load_from_checkpoint, "init_from": _init_from, "export_hf": _export,
+         "verify_checkpoint": _verify}
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    return _format_2(DATA / "ckpt_v1_tp2", tmp_path_factory.mktemp("verify") / "good")
+
+
+@pytest.mark.parametrize("how", ["byte_flip", "altered_checksum"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_corruption_is_refused_on_every_load_path_even_with_the_opt_in(good, tmp_path, monkeypatch, how, path):
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    expected = _damage(bad, how)
+    for opted_in in (False, True):  # the opt-in is for missing checksums, never for wrong ones
+        if opted_in:
+            monkeypatch.setenv(ckpt.ALLOW_UNVERIFIED_ENV, "1")
+        with pytest.raises(ckpt.CheckpointError, match=expected) as info:
+            PATHS[path](bad)
+        assert str(bad) in str(info.value)
+    assert not (tmp_path / "bad-hf").exists()
+
+
+@pytest.mark.parametrize("how", ["checksums_deleted", "format_1_checksums_deleted"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_unverified_checkpoint_loads_only_with_the_opt_in(good, tmp_path, monkeypatch, how, path):
+    unverified = tmp_path / "unverified"
+    shutil.copytree(good, unverified)
+    reason = _damage(unverified, how)
+    with pytest.raises(ckpt.CheckpointError, match="cannot be verified") as info:
+        PATHS[path](unverified)
+    message = str(info.value)
+    assert reason in message and "--allow-unverified-checkpoint" in message and ckpt.ALLOW_UNVERIFIED_ENV in message
+    monkeypatch.setenv(ckpt.ALLOW_UNVERIFIED_ENV, "1")
+    if path == "export_hf":
+        return  # the opt-in through the command's flag: test_export_flag_opts_in
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PATHS[path](unverified)
+    assert [str(w.message) for w in caught if "UNVERIFIED" in str(w.message) and reason in str(w.message)]
+
+
+def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_path, monkeypatch):
+    from lightning_megatron.cli import main
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a verified checkpoint loads without the warning
+        ckpt.verify_checkpoint(good)
+        loaded = BertLightningModule.load_from_checkpoint(good)
+    module = BertLightningModule(**V1["model"], init_from=str(good))
+    module.configure_model()
+    for (name, a), (_, b) in zip(loaded.sharded_named_parameters(), module.sharded_named_parameters()):
+        assert torch.equal(a, b), name
+    v1 = tmp_path / "v1"
+    shutil.copytree(DATA / "ckpt_v1_tp2", v1)  # the committed format-1 checkpoint, as written
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(995)]))
+    monkeypatch.delenv(ckpt.ALLOW_UNVERIFIED_ENV, raising=False)
+    with pytest.raises(ckpt.CheckpointError, match="cannot be verified: it is format 1"):
+        main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab)])
+    with pytest.warns(UserWarning, match="loaded UNVERIFIED: it is format 1"):
+        main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab),
+              "--allow-unverified-checkpoint"])
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
