@@ -150,3 +150,25 @@ def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_
         main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab),
               "--allow-unverified-checkpoint"])
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_hf_folder_with_auto_map_is_refused_and_its_code_never_runs(tmp_path):
+    """A Hugging Face folder whose config.json maps to its own code (auto_map) is refused before
+    transformers sees it (which would offer to run that code, and read EOF without a terminal)."""
+    from lightning_megatron.models.bert.init_from import read_pretrained
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    sentinel = tmp_path / "PWNED"
+    (folder / "configuration_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(sentinel)!r}).touch()\n"
+        "from transformers import PretrainedConfig\nclass EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "evil", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}, "hidden_size": 16}))
+    for load in (lambda: read_pretrained(str(folder)),
+                 lambda: BertLightningModule(**V1["model"], init_from=str(folder)).configure_model()):
+        with pytest.raises(ValueError, match=r"config.json' has auto_map .*trust_remote_code=False") as info:
+            load()
+        assert str(folder) in str(info.value)
+    assert not sentinel.exists()

@@ -38,13 +38,11 @@ _HF_TO_OURS_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh":
 
 def read_hf_folder(path: str | os.PathLike[str]) -> SavedModel:
     """A Hugging Face BERT / MegatronBERT folder as a full state dict under our names."""
-    import transformers
-
     from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_model_kwargs_from_hf, \
-        bert_state_dict_from_hf
+        bert_state_dict_from_hf, read_hf_config
 
     path = Path(path)
-    config = transformers.AutoConfig.from_pretrained(str(path))  # config.json only: no code runs
+    config = read_hf_config(path)  # config.json only; auto_map (the folder's own code) is refused
     if config.model_type not in ("bert", "megatron-bert"):
         raise ValueError(f"{str(path)!r} holds a {config.model_type!r} model; init_from reads 'bert' and "
                          f"'megatron-bert' folders")
