@@ -264,3 +264,18 @@ def test_fit_refuses_a_model_vocab_below_the_data_ids_before_any_step(tmp_path):
     with pytest.raises(ValueError, match=f"model's vocab_size=1000 is not larger than the largest token id {largest}"):
         trainer.fit(model, datamodule=dm)
     assert trainer.global_step == 0
+
+
+def test_non_utf8_vocab_file_is_named(tmp_path, capsys):
+    """tokenizers' own message ("stream did not contain valid UTF-8") named no file."""
+    vocab = tmp_path / "latin1_vocab.txt"
+    vocab.write_bytes(packaged_vocab_file().read_bytes()[:2000] + b"\ncaf\xe9\n")
+    with pytest.raises(ValueError, match=rf"vocab_file '{vocab}' is not UTF-8 text \(line \d+, byte \d+"):
+        BertTokenizer(vocab)
+    (tmp_path / "a.txt").write_text(_text())
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["preprocess", "--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "out"),
+                  "--vocab-file", str(vocab), "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"vocab_file '{vocab}' is not UTF-8" in err and "Traceback" not in err
