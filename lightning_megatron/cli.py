@@ -123,6 +123,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
             _named_callbacks_into_trainer(config)
             _one_run_folder(config)
+            _recover_last(config)
             _continue_wandb_run(config)
             _clamp_warmup(config)
             try:
@@ -222,6 +223,28 @@ def _one_run_folder(config) -> None:
     for callback in _entries(trainer.get("callbacks")):
         if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
             callback.init_args.dirpath = os.path.join(root, "checkpoints")
+
+
+def _recover_last(config) -> None:
+    """``--ckpt_path last`` without ``last.ckpt`` but with the complete save a crash left as
+    ``last.ckpt.tmp-<id>``: that one (its checksums verified); an unusable one is an error, never a
+    silent start from step 0 (:func:`lightning_megatron.checkpoint.recover_last`)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_megatron.checkpoint import CheckpointError, recover_last
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if not trainer or config.get("ckpt_path") != "last":
+        return
+    for callback in _entries(trainer.get("callbacks")):
+        if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath"):
+            try:
+                found = recover_last(callback.init_args.dirpath)
+            except CheckpointError as e:
+                raise SystemExit(f"lightning-megatron: {e}") from None
+            if found is not None:
+                config.ckpt_path = str(found)
+                return
 
 
 def _continue_wandb_run(config) -> None:

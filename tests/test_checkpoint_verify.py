@@ -172,3 +172,29 @@ def test_hf_folder_with_auto_map_is_refused_and_its_code_never_runs(tmp_path):
             load()
         assert str(folder) in str(info.value)
     assert not sentinel.exists()
+
+
+def test_recover_last_takes_a_complete_interrupted_save_or_refuses(good, tmp_path):
+    """``ckpt_path="last"`` with last.ckpt missing (a crash between the two renames of a file system
+    without RENAME_EXCHANGE): the newest complete ``last.ckpt.tmp-<id>`` whose checksums verify; one
+    that does not verify is an error, never a silent restart from step 0."""
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    assert ckpt.recover_last(d) is None  # nothing saved yet: a fresh start is right
+    shutil.copytree(good, d / "last.ckpt.tmp-old")  # the previous checkpoint, kept by the two-rename swap
+    shutil.copytree(good, d / "last.ckpt.tmp-1a2b3c4d")  # the new, complete one
+    with pytest.warns(UserWarning, match=r"last.ckpt' is missing, but the interrupted save .*tmp-1a2b3c4d' is "
+                                         r"complete and its checksums verify"):
+        assert ckpt.recover_last(d) == d / "last.ckpt.tmp-1a2b3c4d"
+    _damage(d / "last.ckpt.tmp-1a2b3c4d", "byte_flip")
+    with pytest.warns(UserWarning, match="tmp-old"):  # the corrupt new one is passed over for the old one
+        assert ckpt.recover_last(d) == d / "last.ckpt.tmp-old"
+    shutil.rmtree(d / "last.ckpt.tmp-old")
+    (d / "last.ckpt.tmp-5e6f7a8b").mkdir()  # a save interrupted before its marker
+    with pytest.raises(ckpt.CheckpointError, match="no interrupted save there can be used") as info:
+        ckpt.recover_last(d)
+    message = str(info.value)
+    assert "lightning_megatron.json is missing" in message and "does not match the sha256" in message, message
+    assert "refusing to start again from step 0" in message and "tmp-5e6f7a8b" in message
+    shutil.copytree(good, d / "last.ckpt")
+    assert ckpt.recover_last(d) is None  # last.ckpt is there: Lightning's own resolution
