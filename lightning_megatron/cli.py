@@ -468,8 +468,19 @@ def main(argv: list[str] | None = None) -> None:
         COMMANDS[argv[0]][0](argv[1:])
         return
     _wandb_offline_unless_configured()
-    # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
-    _lightning_cli(None if from_sys_argv else argv)
+    from lightning_megatron.checkpoint import CheckpointError
+
+    try:
+        # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
+        _lightning_cli(None if from_sys_argv else argv)
+    except CheckpointError as e:
+        # Every rank raises the same error (the ranks agree on it before raising): rank 0 says it once,
+        # in one line (a full disk was ~200 lines and 10 tracebacks), the others exit quietly.
+        from lightning.pytorch.utilities import rank_zero_only
+
+        if rank_zero_only.rank != 0:
+            raise SystemExit(1) from None
+        raise SystemExit(f"lightning-megatron: {e}") from None
 
 
 def _resolve_recipes(argv: list[str]) -> list[str]:

@@ -198,3 +198,26 @@ def test_recover_last_takes_a_complete_interrupted_save_or_refuses(good, tmp_pat
     assert "refusing to start again from step 0" in message and "tmp-5e6f7a8b" in message
     shutil.copytree(good, d / "last.ckpt")
     assert ckpt.recover_last(d) is None  # last.ckpt is there: Lightning's own resolution
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_cli_reports_a_checkpoint_error_once_on_rank_0(monkeypatch, capsys, rank):
+    """Every rank raises the same CheckpointError (a full disk: was ~240 lines and 10 tracebacks from 2
+    ranks): rank 0 exits 1 with one line, the others exit 1 without a word."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_megatron import cli
+
+    def fail(*args, **kwargs):
+        raise ckpt.CheckpointError("saving checkpoint 'x/last.ckpt' failed: the disk is full in 'x' (0.00 GiB free)")
+
+    monkeypatch.setattr(cli, "_lightning_cli", fail)
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", "recipe.yaml"])
+    if rank == 0:
+        assert info.value.code == "lightning-megatron: saving checkpoint 'x/last.ckpt' failed: the disk is full in " \
+                                  "'x' (0.00 GiB free)"
+    else:
+        assert info.value.code == 1
+    assert capsys.readouterr().err == ""
