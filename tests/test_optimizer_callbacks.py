@@ -274,14 +274,16 @@ def test_fp16_overflow_skipped_step_keeps_the_lr_schedule_and_the_logged_lr(tmp_
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(_lr_at(5))
 
 
-@pytest.mark.parametrize("precision, inject", [("32-true", "grad"), ("bf16-true", "grad"), ("16-true", "loss")])
-def test_non_finite_loss_or_grad_stops_the_run_before_the_step(precision, inject):
+@pytest.mark.parametrize("precision, inject, zero1", [("32-true", "grad", False), ("bf16-true", "grad", False),
+                                                      ("16-true", "loss", False), ("bf16-true", "grad", True)])
+def test_non_finite_loss_or_grad_stops_the_run_before_the_step(precision, inject, zero1):
     """On by default: a NaN gradient (fp32, bf16) or a NaN loss (fp16: not an overflow the scaler may
     skip) at step 2 raises before the optimizer step, naming the step and the first parameter."""
     from lightning_megatron.optimizer import NonFiniteLossOrGradError
 
     module = InjectModule(at=2, **({"grad": float("nan")} if inject == "grad" else {"loss": float("nan")}))
-    trainer = _trainer(4, [MegatronOptimizerCallback(initial_loss_scale=2.0**8)], precision=precision)
+    trainer = _trainer(4, [MegatronOptimizerCallback(initial_loss_scale=2.0**8, use_distributed_optimizer=zero1)],
+                       precision=precision)
     before = {}
 
     class Snapshot(pl.Callback):

@@ -90,10 +90,12 @@ class DistributedOptimizer(MegatronOptimizer):
         log_num_zeros_in_grad: bool = False,
         grads_already_reduced: bool = False,
         grad_buffer: GradBuffer | None = None,
+        check_for_nan_in_loss_and_grad: bool = False,
     ) -> None:
         super().__init__(optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
-                         model_parallel_group=model_parallel_group, tp_rank=tp_rank, pp_rank=pp_rank)
+                         model_parallel_group=model_parallel_group, tp_rank=tp_rank, pp_rank=pp_rank,
+                         check_for_nan_in_loss_and_grad=check_for_nan_in_loss_and_grad)
         if len(optimizer.state) > 0:
             raise ValueError("wrap the optimizer before its first step: its state is keyed by model params "
                              "and cannot be sharded afterwards")
