@@ -260,7 +260,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         where = (f"first parameter with a non-finite gradient on rank {rank}: "
                  f"{self.param_names.get(id(bad[0]), f'<parameter {self._index(bad[0])} of the optimizer>')}"
                  if bad else f"rank {rank} holds no non-finite gradient (another rank does, or only the loss is)")
-        step = "" if self.iteration is None else f"at step {self.iteration} (global_step before it) "
+        step = "" if self.iteration is None else (f"at step {self.iteration} (the state at global_step="
+                                                  f"{self.iteration} is the last good one) ")
         raise NonFiniteLossOrGradError(
             f"{step}{' and '.join(what)}; {where}. The run stops before the optimizer step: parameters, "
             f"optimizer state and checkpoints keep the last good step (resume from the last checkpoint with "
