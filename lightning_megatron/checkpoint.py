@@ -54,7 +54,7 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
     READABLE_FORMATS,
     TMP_INFIX,
     _agree,
-    _files,
+    _files,  # noqa: F401 - re-exported (tests list a directory's files with it)
     _gather,
     _rank_world,
     allow_unverified,
