@@ -256,16 +256,15 @@ class BertDataset(Dataset):
         dataset, the document and the id (a corrupt ``.bin``, or one made with another vocabulary)."""
         if len(ids) == 0 or (int(ids.max()) < self.vocab_size and int(ids.min()) >= 0):  # vectorised, per sample
             return ids
-        for sentence in range(start, end):
-            bad = [int(i) for i in self.indexed_dataset[sentence] if not 0 <= int(i) < self.vocab_size]
-            if bad:
-                doc = int(np.searchsorted(self.indexed_dataset.doc_idx, sentence, side="right")) - 1
-                raise ValueError(
-                    f"dataset {str(self.indexed_dataset.prefix)!r}: document {doc} (sentence {sentence}) holds token "
-                    f"id {bad[0]}, outside the tokenizer's vocabulary of {self.vocab_size} pieces: the .bin is "
-                    f"corrupt or was made with another vocabulary; preprocess it again (lightning-megatron "
-                    f"preprocess --input ... --output-prefix {self.indexed_dataset.prefix} --vocab-file VOCAB)")
-        raise AssertionError("unreachable: an out-of-vocabulary id outside the sentences read")
+        position = int(np.flatnonzero((ids < 0) | (ids >= self.vocab_size))[0])
+        ends = np.cumsum(self.indexed_dataset.sizes[start:end])
+        sentence = start + int(np.searchsorted(ends, position, side="right"))
+        doc = int(np.searchsorted(self.indexed_dataset.doc_idx, sentence, side="right")) - 1
+        raise ValueError(
+            f"dataset {str(self.indexed_dataset.prefix)!r}: document {doc} (sentence {sentence}) holds token id "
+            f"{int(ids[position])}, outside the tokenizer's vocabulary of {self.vocab_size} pieces: the .bin is "
+            f"corrupt or was made with another vocabulary; preprocess it again (lightning-megatron preprocess "
+            f"--input ... --output-prefix {self.indexed_dataset.prefix} --vocab-file VOCAB)")
 
     def _segments(self, rng: np.random.Generator, start: int, end: int,
                   target: int) -> tuple[np.ndarray, np.ndarray, int]:
