@@ -401,7 +401,7 @@ AFTER_MERGE = [
     ("checkpoint", "checkpoint of a model with another hidden size", "one short CheckpointError", SETUP,
      "tests/test_checkpoint_trust.py"),
     ("checkpoint", "disk full while saving (2-rank CLI run)", "one line from rank 0 naming the directory and the free "
-     "space, exit 1; other ranks quiet (was 244 lines, 10 tracebacks)", LATE, "benchmarks/disk_full.py"),
+     "space, exit 1; other ranks quiet (was 243 lines, 10 tracebacks)", LATE, "benchmarks/trust_faults.py"),
     ("checkpoint", "--ckpt_path last: last.ckpt missing, a complete last.ckpt.tmp-<id>", "resumes from it with a "
      "warning (was: step 0, the temporary deleted)", BEFORE, "tests/test_cli_run_folder.py"),
     ("training", "NaN gradient at step 2 (fp32, bf16, ZeRO-1; 2 ranks TP=2)", "NonFiniteLossOrGradError naming the "

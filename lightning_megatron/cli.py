@@ -469,13 +469,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     _wandb_offline_unless_configured()
     from lightning_megatron.checkpoint import CheckpointError
+    from lightning_megatron.optimizer import NonFiniteLossOrGradError
 
     try:
         # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
         _lightning_cli(None if from_sys_argv else argv)
-    except CheckpointError as e:
-        # Every rank raises the same error (the ranks agree on it before raising): rank 0 says it once,
-        # in one line (a full disk was ~200 lines and 10 tracebacks), the others exit quietly.
+    except (CheckpointError, NonFiniteLossOrGradError) as e:
+        # Every rank raises it (the ranks agree on the decision before raising): rank 0 says it once, in
+        # one line (a full disk was ~240 lines and 10 tracebacks), the others exit quietly.
         from lightning.pytorch.utilities import rank_zero_only
 
         if rank_zero_only.rank != 0:

@@ -201,23 +201,24 @@ def test_recover_last_takes_a_complete_interrupted_save_or_refuses(good, tmp_pat
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_cli_reports_a_checkpoint_error_once_on_rank_0(monkeypatch, capsys, rank):
+@pytest.mark.parametrize("error", ["disk_full", "nan"])
+def test_cli_reports_an_agreed_error_once_on_rank_0(monkeypatch, capsys, rank, error):
     """Every rank raises the same CheckpointError (a full disk: was ~240 lines and 10 tracebacks from 2
-    ranks): rank 0 exits 1 with one line, the others exit 1 without a word."""
+    ranks) or NonFiniteLossOrGradError: rank 0 exits 1 with one line, the others exit 1 without a word."""
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_megatron import cli
+    from lightning_megatron.optimizer import NonFiniteLossOrGradError
+
+    message = {"disk_full": "saving checkpoint 'x/last.ckpt' failed: the disk is full in 'x' (0.00 GiB free)",
+               "nan": "at step 3 (the state at global_step=3 is the last good one) the gradient norm is nan"}[error]
 
     def fail(*args, **kwargs):
-        raise ckpt.CheckpointError("saving checkpoint 'x/last.ckpt' failed: the disk is full in 'x' (0.00 GiB free)")
+        raise (ckpt.CheckpointError if error == "disk_full" else NonFiniteLossOrGradError)(message)
 
     monkeypatch.setattr(cli, "_lightning_cli", fail)
     monkeypatch.setattr(rank_zero_only, "rank", rank)
     with pytest.raises(SystemExit) as info:
         cli.main(["fit", "--config", "recipe.yaml"])
-    if rank == 0:
-        assert info.value.code == "lightning-megatron: saving checkpoint 'x/last.ckpt' failed: the disk is full in " \
-                                  "'x' (0.00 GiB free)"
-    else:
-        assert info.value.code == 1
+    assert info.value.code == (f"lightning-megatron: {message}" if rank == 0 else 1)
     assert capsys.readouterr().err == ""
