@@ -464,14 +464,14 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         _print_help()
         return
-    if argv[0] in COMMANDS:
-        COMMANDS[argv[0]][0](argv[1:])
-        return
-    _wandb_offline_unless_configured()
     from lightning_megatron.checkpoint import CheckpointError
     from lightning_megatron.optimizer import NonFiniteLossOrGradError
 
     try:
+        if argv[0] in COMMANDS:
+            COMMANDS[argv[0]][0](argv[1:])
+            return
+        _wandb_offline_unless_configured()
         # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
         _lightning_cli(None if from_sys_argv else argv)
     except (CheckpointError, NonFiniteLossOrGradError) as e:

@@ -75,9 +75,9 @@ def _init_from(path: Path) -> None:
 
 
 def _export(path: Path) -> None:
-    from lightning_megatron.cli import main
+    from lightning_megatron.models.bert.convert import export_hf
 
-    main(["export", "hf", "--ckpt_path", str(path), "--output", str(path.parent / f"{path.name}-hf")])
+    export_hf(path, path.parent / f"{path.name}-hf")  # `lightning-megatron export hf`: see the last test
 
 
 def _verify(path: Path) -> None:
@@ -120,7 +120,7 @@ def test_unverified_checkpoint_loads_only_with_the_opt_in(good, tmp_path, monkey
     assert reason in message and "--allow-unverified-checkpoint" in message and ckpt.ALLOW_UNVERIFIED_ENV in message
     monkeypatch.setenv(ckpt.ALLOW_UNVERIFIED_ENV, "1")
     if path == "export_hf":
-        return  # the opt-in through the command's flag: test_export_flag_opts_in
+        return  # the opt-in through the command's flag: test_export_flag_opts_in_and_the_good_checkpoint_...
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         PATHS[path](unverified)
@@ -144,8 +144,9 @@ def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(995)]))
     monkeypatch.delenv(ckpt.ALLOW_UNVERIFIED_ENV, raising=False)
-    with pytest.raises(ckpt.CheckpointError, match="cannot be verified: it is format 1"):
+    with pytest.raises(SystemExit) as info:  # one line, exit 1
         main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab)])
+    assert str(info.value.code).startswith(f"lightning-megatron: checkpoint '{v1}' cannot be verified: it is format 1")
     with pytest.warns(UserWarning, match="loaded UNVERIFIED: it is format 1"):
         main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab),
               "--allow-unverified-checkpoint"])
