@@ -7,6 +7,7 @@
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2 [--estimate-memory]
     lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt]
+    lightning-megatron ... --allow-unverified-checkpoint     (any command: checkpoints without checksums load)
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
 so every argument of the Trainer, the strategy, the model and the data is a dotted override. The
