@@ -28,7 +28,7 @@ from lightning_megatron.parallel_state import model_parallel_size_problems
 from lightning_megatron.pipeline.schedules import num_microbatches_problem
 from lightning_megatron.step import batch_size_problem
 
-__all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision",
+__all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
            "PRECISION_PARAMS_DTYPE"]
 
 
@@ -64,6 +64,18 @@ def normalize_precision(precision: Any) -> str:
 def _dtype_name(value: Any) -> str:
     s = str(value)
     return _DTYPE_ALIASES.get(s, s)
+
+
+def timeout_problem(timeout: Any) -> str | None:
+    """What is wrong with a strategy ``timeout`` (seconds or a timedelta), or None."""
+    import datetime
+
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and not seconds > 0:
+        return (f"strategy timeout={timeout!r} must be more than 0 seconds: every collective waits at most this "
+                f"long, and 0 fails the first rendezvous ('socket timed out after 0ms'); leave the default "
+                f"(1800 s) or give e.g. 600")
+    return None
 
 
 def _int(value: Any) -> int | None:
@@ -117,6 +129,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         else:
             dp = world // (tp * pp)
     problems += model_parallel_size_problems(tp, pp, vp, sequence_parallel=bool(s.get("sequence_parallel")))
+    problems += [p for p in [timeout_problem(s.get("timeout"))] if p]
 
     # --- model sizes against TP / PP
     heads, hidden = _int(m.get("num_attention_heads")), _int(m.get("hidden_size"))

@@ -34,6 +34,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
+from lightning_megatron.config_checks import timeout_problem
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
 from lightning_megatron.module import MegatronLightningModule
@@ -107,6 +108,8 @@ class MegatronStrategy(DDPStrategy):
                                  virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
                                  micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb,
                                  overlap_param_gather=overlap_param_gather)
+        if timeout_problem(timeout):
+            raise ValueError(f"MegatronStrategy: {timeout_problem(timeout)}")
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
