@@ -127,7 +127,7 @@ def test_unverified_checkpoint_loads_only_with_the_opt_in(good, tmp_path, monkey
     assert [str(w.message) for w in caught if "UNVERIFIED" in str(w.message) and reason in str(w.message)]
 
 
-def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_path, monkeypatch):
+def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_path, monkeypatch, capsys):
     from lightning_megatron.cli import main
     from lightning_megatron.models.bert.module import BertLightningModule
 
@@ -146,7 +146,9 @@ def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_
     monkeypatch.delenv(ckpt.ALLOW_UNVERIFIED_ENV, raising=False)
     with pytest.raises(SystemExit) as info:  # one line, exit 1
         main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab)])
-    assert str(info.value.code).startswith(f"lightning-megatron: checkpoint '{v1}' cannot be verified: it is format 1")
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.count("\n") == 1, err
+    assert f"checkpoint '{v1}' cannot be verified: it is format 1" in err, err
     with pytest.warns(UserWarning, match="loaded UNVERIFIED: it is format 1"):
         main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab),
               "--allow-unverified-checkpoint"])
