@@ -170,3 +170,29 @@ def test_recipe_check_keeps_the_megatron_callback_sections():
     built = {type(cb).__name__: cb for cb in build_callbacks(recipe.callbacks, None)}
     assert built["MegatronOptimizerCallback"].config.clip_grad == 1.0
     assert built["OptimizerParamSchedulerCallback"].kwargs["max_lr"] == 1.0e-3
+
+
+def test_first_divergence_forward_then_gradients():
+    """Pure: outputs are compared in the reference's forward order (TP pieces joined along their split
+    dimension, vocab padding cut); when every output agrees, the first module in backward order whose
+    gradients differ is named."""
+    from lightning_megatron.check.parity import LayoutRun, Tolerances, first_divergence, join_pieces
+
+    g = torch.Generator().manual_seed(0)
+    x, logits, h = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 10, generator=g), torch.randn(3, generator=g)
+    pieces = [torch.cat([logits, torch.zeros(4, 2, 2)], -1)[..., :6], torch.cat([logits, torch.zeros(4, 2, 2)], -1)[..., 6:]]
+    assert torch.equal(join_pieces(pieces, logits.shape), logits) and join_pieces([x], x.shape) is x
+    order = ["embed", "blocks.0.fc1", "blocks.0.fc2", "head"]
+    grads = {"embed.weight": h, "blocks.0.fc1.weight": h, "blocks.0.fc2.weight": h, "head.weight": h}
+
+    def run(outputs, grads):
+        return LayoutRun(layout="x", losses=[], grad_norms=[], grads={1: grads}, params={}, memory=[], collectives=[],
+                         outputs=outputs, output_order=order)
+
+    ref = run({"embed": [x], "blocks.0.fc1": [x], "blocks.0.fc2": [x], "head": [logits]}, grads)
+    same = {"embed": [x], "blocks.0.fc1": [x[..., :4], x[..., 4:]], "blocks.0.fc2": [x], "head": pieces}
+    assert first_divergence(run(same, grads), ref, Tolerances()) is None
+    assert first_divergence(run({**same, "blocks.0.fc2": [2 * x], "head": [2 * logits]}, grads), ref,
+                            Tolerances()).startswith("forward output of blocks.0.fc2 ")
+    off = {**grads, "embed.weight": h + 1, "blocks.0.fc1.weight": h + 1}  # backward order: fc1 before embed
+    assert first_divergence(run(same, off), ref, Tolerances()).startswith("gradients of blocks.0.fc1 ")
