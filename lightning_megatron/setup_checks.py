@@ -126,7 +126,8 @@ def describe_setup(ps: ParallelState, *, sequence_parallel: bool, buffer: Any,
     comms = {name: type(ps.communicators[name]).__name__ if name in ps.communicators else "torch.distributed"
              for name in ("tp", "dp", "mp")}
     lines = [f"MegatronStrategy: world {layout.world_size} = TP {ps.tp_size} x PP {ps.pp_size} x DP {ps.dp_size}"
-             f"{f' (VP {ps.vp_size})' if ps.vp_size else ''}, sequence parallel {'on' if sequence_parallel else 'off'}, "
+             f"{f' (VP {ps.vp_size})' if ps.vp_size else ''}, "
+             f"sequence parallel {'on' if sequence_parallel else 'off'}, "
              f"micro batch {micro_batch_size or 'the whole per-rank batch'}",
              "  groups of rank 0: " + ", ".join(f"{n} {r}" for n, r in ranks.items()),
              "  communicators: " + ", ".join(f"{n} {c}" for n, c in comms.items())]

@@ -180,7 +180,8 @@ def test_first_divergence_forward_then_gradients():
 
     g = torch.Generator().manual_seed(0)
     x, logits, h = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 10, generator=g), torch.randn(3, generator=g)
-    pieces = [torch.cat([logits, torch.zeros(4, 2, 2)], -1)[..., :6], torch.cat([logits, torch.zeros(4, 2, 2)], -1)[..., 6:]]
+    padded = torch.cat([logits, torch.zeros(4, 2, 2)], -1)  # two TP pieces of a vocab padded to 12
+    pieces = [padded[..., :6], padded[..., 6:]]
     assert torch.equal(join_pieces(pieces, logits.shape), logits) and join_pieces([x], x.shape) is x
     order = ["embed", "blocks.0.fc1", "blocks.0.fc2", "head"]
     grads = {"embed.weight": h, "blocks.0.fc1.weight": h, "blocks.0.fc2.weight": h, "head.weight": h}

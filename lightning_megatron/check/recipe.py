@@ -3,9 +3,9 @@
 The check takes the recipe's ``model`` and ``data`` sections: the classes they name by ``class_path``
 (any LightningModule following the strategy's contract, any LightningDataModule), else
 BertLightningModule and BertDataModule, imported by name only when built. It turns dropout off (every
-constructor argument of the module named ``*dropout``), and keeps, of the Trainer's callbacks, those that change the update:
-``MegatronOptimizerCallback`` (clipping, loss scaling) and ``OptimizerParamSchedulerCallback``
-(learning rate, weight decay). Loggers, checkpointing and throughput callbacks are left out. Only
+constructor argument of the module named ``*dropout``), and keeps, of the Trainer's callbacks,
+those that change the update: ``MegatronOptimizerCallback`` (clipping, loss scaling) and
+``OptimizerParamSchedulerCallback`` (learning rate, weight decay). Loggers, checkpointing and throughput callbacks are left out. Only
 classes of ``lightning_megatron.callbacks`` are built from a recipe.
 """
 
