@@ -68,8 +68,10 @@ class MegatronStrategy(DDPStrategy):
         overlap_grad_reduce: start each bucket's DP reduction in the last microbatch's backward and wait
             for it before the optimizer step (megatron-core's name; bitwise equal either way). ``None``:
             on, except with the CPU tuning's synchronous shared-memory collectives (docs/strategy.md).
-        overlap_param_gather: ZeRO-1 parameter all-gather overlapped with the next forward: not
-            implemented; ``True`` is refused.
+        overlap_param_gather: with the DistributedOptimizer (ZeRO-1), launch each bucket's parameter
+            all-gather asynchronously after the step and wait for it in the forward pre-hook of the
+            first module that uses it, so it hides behind the next forward (megatron-core's name;
+            bitwise equal either way). Needs ``MegatronOptimizerCallback(use_distributed_optimizer=True)``.
         cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`); ``True`` is
             ``CPUTuning()``. Default ``None``: the same code path as on accelerators.
         timeout: collective timeout; a failing rank ends the job after at most this long.
@@ -102,8 +104,7 @@ class MegatronStrategy(DDPStrategy):
     ) -> None:
         check_strategy_arguments(tensor_model_parallel_size, pipeline_model_parallel_size,
                                  virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-                                 micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb,
-                                 overlap_param_gather=overlap_param_gather)
+                                 micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb)
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -200,7 +201,8 @@ class MegatronStrategy(DDPStrategy):
         if overlap is None:  # on, except with the CPU tuning's synchronous shared-memory collectives
             overlap = not (self.cpu_tuning is not None and self.cpu_tuning.synchronous_collectives(self.root_device))
         self._grad_buffer = GradBuffer.for_chunks(self.model_chunks, self.parallel_state,
-                                                  bucket_bytes=self.ddp_bucket_size_mb * 2**20, overlap_grad_reduce=overlap)
+                                                  bucket_bytes=self.ddp_bucket_size_mb * 2**20, overlap_grad_reduce=overlap,
+                                                  overlap_param_gather=self.overlap_param_gather)
 
     @property
     def module_contract(self) -> MegatronModule:
@@ -220,12 +222,24 @@ class MegatronStrategy(DDPStrategy):
 
     def _check_optimizers(self) -> None:
         """Every optimizer implements the wrapper contract; a ZeRO-1 one shards our grad buffer."""
-        for opt in self._optimizer_wrappers():
+        wrappers = self._optimizer_wrappers()
+        for opt in wrappers:
             if is_sharded(opt) and opt.buffer is not self._grad_buffer:
                 raise ValueError(
                     "MegatronStrategy: a DistributedOptimizer must shard the strategy's grad buffer: build it "
                     "with DistributedOptimizer(..., grad_buffer=trainer.strategy.grad_buffer) or use "
                     "MegatronOptimizerCallback(use_distributed_optimizer=True)")
+        if self.overlap_param_gather and not any(is_sharded(opt) for opt in wrappers):
+            raise ValueError(
+                "MegatronStrategy(overlap_param_gather=True) overlaps the ZeRO-1 parameter all-gather, but no "
+                "optimizer is a DistributedOptimizer: add MegatronOptimizerCallback(use_distributed_optimizer=True) "
+                "or set overlap_param_gather=False")
+
+    def finish_param_gather(self) -> None:
+        """Wait for every pending ZeRO-1 parameter all-gather (``overlap_param_gather``): after this the
+        model params hold the last step's values. Done before anything reads them outside a forward."""
+        if self._grad_buffer is not None:
+            self._grad_buffer.finish_param_gather()
 
     def _run(self, batch: Any, batch_idx: int, stage: str) -> Any:
         assert self._runner is not None
@@ -331,6 +345,7 @@ class MegatronStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options")
         assert self.parallel_state is not None
+        self.finish_param_gather()  # the params are saved from the live tensors
         ckpt.save(self._state_mapper(), checkpoint, filepath, ckpt.layout_record(self.parallel_state))
 
     @override
@@ -358,7 +373,20 @@ class MegatronStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._check_optimizers()  # after on_fit_start, where MegatronOptimizerCallback wraps them
+        if self.overlap_param_gather and self._grad_buffer is not None:
+            self._grad_buffer.add_param_gather_hooks(self.model_chunks)
         self._preemption.install(self.launcher)  # SIGTERM: see lightning_megatron.preemption
+
+    @override
+    def on_validation_start(self) -> None:
+        # The forward pre-hooks would wait bucket by bucket; a module's own hooks may read params first.
+        self.finish_param_gather()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.finish_param_gather()  # fit returns a model that holds its last step's params
+        super().on_train_end()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
