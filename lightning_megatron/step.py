@@ -68,8 +68,9 @@ class StepRunner:
     """Runs the microbatches of a step through ``module``'s chunks under ``parallel_state``."""
 
     def __init__(self, parallel_state: ParallelState, module: MegatronModule, *, micro_batch_size: int | None,
-                 device: torch.device) -> None:
+                 device: torch.device, overlap_p2p_comm: bool = False) -> None:
         self.ps = parallel_state
+        self.overlap_p2p_comm = overlap_p2p_comm
         self.module = module
         self.micro_batch_size = micro_batch_size
         self.device = device
@@ -97,7 +98,7 @@ class StepRunner:
         logged = schedule(forward_step_func=self.module.forward_step, microbatches=microbatches, model=chunks,
                           num_microbatches=len(microbatches), parallel_state=ps, tensor_shape=tensor_shape,
                           dtype=next(chunks[0].parameters()).dtype, forward_only=forward_only,
-                          grad_scale_func=grad_scale_func, trace=trace)
+                          grad_scale_func=grad_scale_func, trace=trace, overlap_p2p_comm=self.overlap_p2p_comm)
         if not forward_only:
             finalize_model_grads(grad_buffer, ps)
         if stage == "predict":

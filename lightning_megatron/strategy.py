@@ -72,6 +72,9 @@ class MegatronStrategy(DDPStrategy):
             all-gather asynchronously after the step and wait for it in the forward pre-hook of the
             first module that uses it, so it hides behind the next forward (megatron-core's name;
             bitwise equal either way). Needs ``MegatronOptimizerCallback(use_distributed_optimizer=True)``.
+        overlap_p2p_comm: interleaved schedule (VP): post each steady-state step's pipeline sends and
+            receives before the other pass's compute and wait for them after it (megatron-core's name
+            and default; bitwise equal either way). No effect on the other schedules.
         cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`); ``True`` is
             ``CPUTuning()``. Default ``None``: the same code path as on accelerators.
         timeout: collective timeout; a failing rank ends the job after at most this long.
@@ -93,6 +96,7 @@ class MegatronStrategy(DDPStrategy):
         cpu_tuning: CPUTuning | bool | None = None,
         overlap_grad_reduce: bool | None = None,
         overlap_param_gather: bool = False,
+        overlap_p2p_comm: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -120,6 +124,7 @@ class MegatronStrategy(DDPStrategy):
         self.ddp_bucket_size_mb = ddp_bucket_size_mb
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
+        self.overlap_p2p_comm = overlap_p2p_comm
         self.cpu_tuning: CPUTuning | None = CPUTuning.from_argument(cpu_tuning)
         self.parallel_state: ParallelState | None = None
         self.batch_sizes: BatchSizes | None = None
@@ -173,7 +178,7 @@ class MegatronStrategy(DDPStrategy):
         check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams))
         self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps)
         self._runner = StepRunner(ps, self._module, micro_batch_size=self.batch_sizes.micro_batch_size,
-                                  device=self.root_device)
+                                  device=self.root_device, overlap_p2p_comm=self.overlap_p2p_comm)
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
         self.accelerator.setup(trainer)
