@@ -10,7 +10,11 @@
 - ``state_bytes``: params, grads and optimizer state held after an optimizer step, summed from the
   tensors themselves (each storage once: a tied weight is counted once, fp32 main params included);
 - with ``profile``: one more step under ``torch.profiler``: its wall time, the time inside
-  collectives and point-to-point transfers, and the top ops by self CPU time.
+  collectives and point-to-point transfers, and the top ops by self CPU time;
+- with ``trace``: the last timed step's schedule events (``strategy.schedule_trace``): ``busy_s``,
+  the time in forward and backward passes, and ``trace_step_s``, that step's wall time.
+
+``run["vp"]`` and ``run["overlap_p2p_comm"]`` (ours) set the interleaved schedule and its p2p overlap.
 
 Ours: :class:`BertLightningModule` with the post-norm spec (Hugging Face's layout), the
 MegatronStrategy, torch AdamW; bf16 = bf16 parameters with :class:`MegatronOptimizerCallback`
@@ -214,9 +218,14 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
             self.stamps: list[float] = []
             self.cpu: list[float] = []
             self.prof: Any = None
+            self.trace: list = []
+            self.t_trace = 0.0
             self.t_prof = 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if run.get("trace") and batch_idx == timed_end - 1:  # the schedule's events of the last timed step
+                trainer.strategy.schedule_trace = self.trace = []
+                self.t_trace = time.perf_counter()
             if profile and batch_idx == timed_end:
                 self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                 self.prof.__enter__()
@@ -228,6 +237,10 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                 self.stamps.append(now)
                 self.cpu.append(_cpu_seconds())
             if batch_idx == timed_end - 1:
+                if run.get("trace"):  # busy = forward/backward passes; the rest of the step: p2p, bubble, optimizer
+                    trainer.strategy.schedule_trace = None
+                    result["trace_step_s"] = now - self.t_trace
+                    result["busy_s"] = sum(e.end - e.start for e in self.trace)
                 result["max_rss"] = max_rss_bytes()
                 result["state_bytes"] = _state_bytes(pl_module, trainer.strategy.optimizers)
                 result["num_threads_in_step"] = torch.get_num_threads()
@@ -253,6 +266,8 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
 
         tuning = run.get("cpu_tuning", {})
         strategy: Any = MegatronStrategy(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=run["pp"],
+                                         virtual_pipeline_model_parallel_size=run.get("vp"),
+                                         overlap_p2p_comm=run.get("overlap_p2p_comm", True),
                                          micro_batch_size=run["micro_batch"], sequence_parallel=run.get("sp", False),
                                          cpu_tuning=None if tuning is None else CPUTuning(**tuning))
         module: Any = _ours_module(size, bf16)
