@@ -14,7 +14,8 @@
 - with ``trace``: the last timed step's schedule events (``strategy.schedule_trace``): ``busy_s``,
   the time in forward and backward passes, and ``trace_step_s``, that step's wall time.
 
-``run["vp"]`` and ``run["overlap_p2p_comm"]`` (ours) set the interleaved schedule and its p2p overlap.
+``run["vp"]`` and ``run["overlap_p2p_comm"]`` (ours) set the interleaved schedule and its p2p overlap,
+``run["model_kwargs"]`` extra ``BertLightningModule`` arguments (e.g. ``num_layers_in_last_pipeline_stage``).
 
 Ours: :class:`BertLightningModule` with the post-norm spec (Hugging Face's layout), the
 MegatronStrategy, torch AdamW; bf16 = bf16 parameters with :class:`MegatronOptimizerCallback`
@@ -115,14 +116,14 @@ def _cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _ours_module(size: BertSize, bf16: bool):
+def _ours_module(size: BertSize, bf16: bool, **kwargs: Any):
     from lightning_megatron.models.bert.module import BertLightningModule
 
     return BertLightningModule(
         num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
         ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
         max_sequence_length=size.max_position_embeddings, spec="bert_layer_post_norm_spec",
-        params_dtype="bfloat16" if bf16 else "float32", lr=LR, weight_decay=WEIGHT_DECAY)
+        params_dtype="bfloat16" if bf16 else "float32", lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
 
 
 def _optimizer_stepped(optimizers: list[Any]) -> bool:
@@ -270,7 +271,7 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                                          overlap_p2p_comm=run.get("overlap_p2p_comm", True),
                                          micro_batch_size=run["micro_batch"], sequence_parallel=run.get("sp", False),
                                          cpu_tuning=None if tuning is None else CPUTuning(**tuning))
-        module: Any = _ours_module(size, bf16)
+        module: Any = _ours_module(size, bf16, **run.get("model_kwargs", {}))
         precision = "32-true"
         if bf16:
             precision = "bf16-true"

@@ -6,7 +6,9 @@ order that alternates between rounds:
 
 - ``tp1``: one process, one microbatch of 8 (the reference);
 - ``pp2``: 1F1B over 2 stages;
-- ``pp2-vp2`` / ``pp2-vp2-overlap``: interleaved over 2 chunks per stage, ``overlap_p2p_comm`` off / on.
+- ``pp2-vp2`` / ``pp2-vp2-overlap``: interleaved over 2 chunks per stage, ``overlap_p2p_comm`` off / on;
+- ``pp2-last4`` / ``pp2-vp2-overlap-last4``: the same with 8 + 4 layers
+  (``num_layers_in_last_pipeline_stage=4``: the last stage also runs the LM head and the loss).
 
 Per layout: the median step time and its ratio to ``tp1`` of the same round (the speed ratio is
 ``tp1 / layout``); per stage, from the schedule trace of the last timed step, the *idle* share of the
@@ -28,17 +30,19 @@ from _common import SIZES, launch, median
 
 __all__ = ["run_pipeline_step", "LAYOUTS"]
 
-# name: (tp, pp, vp, overlap_p2p_comm)
-LAYOUTS = {"tp1": (1, 1, None, True), "pp2": (1, 2, None, True), "pp2-vp2": (1, 2, 2, False),
-           "pp2-vp2-overlap": (1, 2, 2, True)}
+# name: (tp, pp, vp, overlap_p2p_comm, num_layers_in_last_pipeline_stage)
+LAYOUTS = {"tp1": (1, 1, None, True, None), "pp2": (1, 2, None, True, None), "pp2-vp2": (1, 2, 2, False, None),
+           "pp2-vp2-overlap": (1, 2, 2, True, None), "pp2-last4": (1, 2, None, True, 4),
+           "pp2-vp2-overlap-last4": (1, 2, 2, True, 4)}
 SEQ, BATCH, PP_MICRO_BATCH = 128, 8, 2
 
 
 def _run_one(name: str, size: str, warmup: int, steps: int) -> list[dict[str, Any]]:
     from bert_step import bert_rank
 
-    tp, pp, vp, overlap = LAYOUTS[name]
+    tp, pp, vp, overlap, last = LAYOUTS[name]
     spec = dict(framework="ours", precision="bf16", tp=tp, pp=pp, vp=vp, overlap_p2p_comm=overlap,
+                model_kwargs={} if last is None else {"num_layers_in_last_pipeline_stage": last},
                 size=SIZES[size].as_dict(), seq=SEQ, batch=BATCH, micro_batch=PP_MICRO_BATCH if pp > 1 else BATCH,
                 warmup=warmup, steps=steps, profile=pp > 1, trace=pp > 1)
     return launch(bert_rank, tp * pp, spec, timeout=1800)
