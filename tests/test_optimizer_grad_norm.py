@@ -148,10 +148,15 @@ def _pp2_dp2() -> dict:
     # 1F1B with the tied embedding's deferred bucket: the default (overlapped reduce-scatter /
     # all-reduce on gloo) against the CPU tuning (shared memory, after backward), ZeRO-1 against
     # plain DP, clipping on.
-    return {(zero1, mode): _run(pp=2, zero1=zero1, clip_grad=0.05, **kwargs)
+    runs = {(zero1, mode): _run(pp=2, zero1=zero1, clip_grad=0.05, **kwargs)
             for zero1 in (False, True)
             for mode, kwargs in (("cpu-tuning", {"cpu_tuning": True}),
                                  ("gloo-overlap", {"overlap_grad_reduce": True}))}
+    # ZeRO-1 with its parameter all-gather overlapped too: the tied embedding's bucket lives on both
+    # ends of the pipeline and is used by the last stage's head, not by a module of its own there
+    runs[(True, "param-gather")] = _run(pp=2, zero1=True, clip_grad=0.05, overlap_grad_reduce=True,
+                                        overlap_param_gather=True)
+    return runs
 
 
 def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():
