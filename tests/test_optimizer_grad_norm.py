@@ -77,9 +77,9 @@ def _two_ranks() -> dict:
         # bf16 with clipping on every step: ZeRO-1 must equal plain DP step for step
         "bf16_dp2": _run(dtype="bfloat16", clip_grad=0.05),
         "bf16_zero1": _run(dtype="bfloat16", clip_grad=0.05, zero1=True),
-        # bf16 pipelines: the logged metrics are broadcast from the last stage in fp32 while the
-        # precision plugin makes bf16 the default dtype (a bf16 receive buffer aborted gloo)
-        "bf16_pp2": _run(pp=2, dtype="bfloat16", clip_grad=0.05),
+        # a bf16 pipeline (interleaved, overlapped p2p): the logged metrics are broadcast from the last
+        # stage in fp32 while the precision plugin makes bf16 the default dtype (a bf16 receive buffer
+        # aborted gloo)
         "bf16_pp2_vp2": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2),
     }
 
@@ -130,7 +130,7 @@ def test_bf16_pipelines_follow_bf16_data_parallel(runs):
     _, two = runs
     for rank in two:
         plain = torch.tensor(rank["bf16_dp2"]["losses"])
-        for name in ("bf16_pp2", "bf16_pp2_vp2"):  # another split of the same bf16 arithmetic: bf16 rounding apart
+        for name in ("bf16_pp2_vp2",):  # another split of the same bf16 arithmetic: bf16 rounding apart
             assert len(rank[name]["losses"]) == STEPS
             torch.testing.assert_close(torch.tensor(rank[name]["losses"]), plain, rtol=2e-2, atol=0, msg=name)
 
