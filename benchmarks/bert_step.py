@@ -241,6 +241,7 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                 if run.get("trace"):  # busy = forward/backward passes; the rest of the step: p2p, bubble, optimizer
                     trainer.strategy.schedule_trace = None
                     result["trace_step_s"] = now - self.t_trace
+                    result["trace_window"] = (self.t_trace, now)
                     result["busy_s"] = sum(e.end - e.start for e in self.trace)
                 result["max_rss"] = max_rss_bytes()
                 result["state_bytes"] = _state_bytes(pl_module, trainer.strategy.optimizers)

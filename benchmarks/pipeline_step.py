@@ -13,8 +13,9 @@ order that alternates between rounds:
 Per layout: the median step time and its ratio to ``tp1`` of the same round (the speed ratio is
 ``tp1 / layout``); per stage, from the schedule trace of the last timed step, the *idle* share of the
 step (1 - forward/backward time / step time: the bubble, waiting on the other stage, and the
-optimizer), and from one profiled step the share of the step the main thread spent inside p2p
-send/recv (exposed p2p).
+optimizer), and the share of the same step this stage was blocked in pipeline p2p (posting and
+waiting: ``P2PCommunicator._post`` and ``P2PWork.wait``, timed by wrapping them in this process):
+the exposed p2p time, which includes waiting for the other stage's compute.
 
 Run: ``python benchmarks/pipeline_step.py [--rounds 2] [--steps 3] [--size base]`` (``PYTHONPATH`` =
 the checkout). Prints one JSON object.
@@ -37,15 +38,41 @@ LAYOUTS = {"tp1": (1, 1, None, True, None), "pp2": (1, 2, None, True, None), "pp
 SEQ, BATCH, PP_MICRO_BATCH = 128, 8, 2
 
 
-def _run_one(name: str, size: str, warmup: int, steps: int) -> list[dict[str, Any]]:
-    from bert_step import bert_rank
+def p2p_timed_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    """:func:`bert_step.bert_rank` with the pipeline's p2p posts and waits timed (``p2p_s``: seconds
+    of the traced step spent in them)."""
+    import time
 
+    from bert_step import bert_rank
+    from lightning_megatron.pipeline import p2p
+
+    spans: list[tuple[float, float]] = []
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append((t0, time.perf_counter()))
+        return wrapper
+
+    p2p.P2PWork.wait = timed(p2p.P2PWork.wait)  # this spawned process only: a measurement probe
+    p2p.P2PCommunicator._post = timed(p2p.P2PCommunicator._post)
+    result = bert_rank(spec)
+    if "trace_window" in result:
+        lo, hi = result["trace_window"]
+        result["p2p_s"] = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+    return result
+
+
+def _run_one(name: str, size: str, warmup: int, steps: int) -> list[dict[str, Any]]:
     tp, pp, vp, overlap, last = LAYOUTS[name]
     spec = dict(framework="ours", precision="bf16", tp=tp, pp=pp, vp=vp, overlap_p2p_comm=overlap,
                 model_kwargs={} if last is None else {"num_layers_in_last_pipeline_stage": last},
                 size=SIZES[size].as_dict(), seq=SEQ, batch=BATCH, micro_batch=PP_MICRO_BATCH if pp > 1 else BATCH,
-                warmup=warmup, steps=steps, profile=pp > 1, trace=pp > 1)
-    return launch(bert_rank, tp * pp, spec, timeout=1800)
+                warmup=warmup, steps=steps, trace=pp > 1)
+    return launch(p2p_timed_rank, tp * pp, spec, timeout=1800)
 
 
 def run_pipeline_step(*, rounds: int = 2, steps: int = 3, warmup: int = 1, size: str = "base",
@@ -61,8 +88,7 @@ def run_pipeline_step(*, rounds: int = 2, steps: int = 3, warmup: int = 1, size:
             if LAYOUTS[name][1] > 1:
                 row[name]["stages"] = [{
                     "idle_share": 1 - rk["busy_s"] / rk["trace_step_s"],
-                    "p2p_share": sum(v for k, v in rk["comm_by_name"].items() if "send" in k.lower() or "recv" in k.lower())
-                    / rk["profile_step_s"]} for rk in ranks]
+                    "p2p_share": rk["p2p_s"] / rk["trace_step_s"]} for rk in ranks]
         if "tp1" in row:
             for name in row:
                 row[name]["speed_vs_tp1"] = row["tp1"]["step_s"] / row[name]["step_s"]
