@@ -344,11 +344,6 @@ class GradBuffer:
             self._gather_view = None
         self.param_gather_seconds += time.perf_counter() - t0
 
-    @property
-    def param_gather_pending(self) -> bool:
-        """Whether some params still wait for their all-gathered values."""
-        return bool(self._gathers)
-
     def add_param_gather_hooks(self, chunks: Sequence[nn.Module]) -> None:
         """A forward pre-hook on every module of ``chunks`` that owns params of this buffer: it waits
         for their buckets' pending all-gathers (removed by :meth:`remove`)."""
