@@ -269,10 +269,10 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
         tuning = run.get("cpu_tuning", {})
         strategy: Any = MegatronStrategy(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=run["pp"],
                                          virtual_pipeline_model_parallel_size=run.get("vp"),
-                                         overlap_p2p_comm=run.get("overlap_p2p_comm", True),
                                          micro_batch_size=run["micro_batch"], sequence_parallel=run.get("sp", False),
                                          cpu_tuning=None if tuning is None else CPUTuning(**tuning))
         module: Any = _ours_module(size, bf16, **run.get("model_kwargs", {}))
+        strategy.overlap_p2p_comm = run.get("overlap_p2p_comm", True)  # read by the strategy's setup
         precision = "32-true"
         if bf16:
             precision = "bf16-true"

@@ -69,11 +69,11 @@ MARKER = "lightning_megatron.json"
 TMP_INFIX = ".tmp-"
 
 HPARAMS_MAY_DIFFER = frozenset({
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # a layout, as TP / PP
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fused_optimizer",
     "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
     "make_vocab_size_divisible_by", "compile", "init_from", "predict_output", "optimizer_kwargs",
-    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # a layout, as TP / PP
 })
 """Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any
 other differing hyper-parameter is an error. (Optimizer hyper-parameters are restored from the
