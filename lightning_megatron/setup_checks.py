@@ -25,7 +25,8 @@ __all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "reso
 
 
 def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_parallel: bool,
-                             micro_batch_size: int | None, ddp_bucket_size_mb: float) -> None:
+                             micro_batch_size: int | None, ddp_bucket_size_mb: float,
+                             overlap_param_gather: bool) -> None:
     """``MegatronStrategy(...)``'s arguments on their own, at construction (before any process starts)."""
     try:
         validate_model_parallel_sizes(tp, pp, vp, sequence_parallel=sequence_parallel)
@@ -34,6 +35,8 @@ def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_paral
         raise ValueError(f"MegatronStrategy: {e}") from None
     if not ddp_bucket_size_mb > 0:
         raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
+    if not isinstance(overlap_param_gather, bool):  # it needs a DistributedOptimizer: checked at the start of fit
+        raise ValueError(f"MegatronStrategy: overlap_param_gather={overlap_param_gather!r} must be True or False")
 
 
 def check_trainer(trainer: Trainer) -> None:

@@ -108,7 +108,8 @@ class MegatronStrategy(DDPStrategy):
     ) -> None:
         check_strategy_arguments(tensor_model_parallel_size, pipeline_model_parallel_size,
                                  virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-                                 micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb)
+                                 micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb,
+                                 overlap_param_gather=overlap_param_gather)
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
