@@ -81,6 +81,11 @@ def _worker(root: str) -> dict:
     out["overlap_bfloat16"] = _run(2, "bfloat16", True, 10, clip_grad=0.0, overlap_param_gather=True, **VAL)
     out["first"] = _run(2, "float32", True, 5, save_to=f"{root}/zero1")
     out["resumed_dp4"] = _run(1, "float32", True, 10, ckpt_in=f"{root}/zero1")
+    try:  # last: nothing to overlap without the DistributedOptimizer, refused before the first step
+        _run(2, "float32", False, 1, overlap_param_gather=True)
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
     return out
 
 
@@ -117,6 +122,11 @@ def test_overlap_param_gather_bitwise_equal_to_off_tp2_dp2(runs, dtype):
         assert torch.equal(got, off)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 if dtype == "float32" else 1e-2)
     assert len(overlap["val_losses"]) == 2 and overlap["val_losses"] == zero1["val_losses"]
+
+
+def test_overlap_param_gather_without_distributed_optimizer_is_refused(runs):
+    assert runs["refused"] is not None and "overlap_param_gather=True" in runs["refused"]
+    assert "use_distributed_optimizer=True" in runs["refused"]
 
 
 def test_resume_after_data_parallel_size_change(runs):
