@@ -25,6 +25,7 @@ from typing import Any
 
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_state import model_parallel_size_problems
+from lightning_megatron.pipeline.layout import get_layer_range
 from lightning_megatron.pipeline.schedules import num_microbatches_problem
 from lightning_megatron.step import batch_size_problem
 
@@ -151,6 +152,13 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         problems.append(f"num_layers={layers} cannot fill pipeline_model_parallel_size={pp} x "
                         f"virtual_pipeline_model_parallel_size={vp or 1} = {chunks} model chunks (each needs a "
                         f"layer); use at least {chunks} layers or fewer stages/chunks")
+    first, last = _int(m.get("num_layers_in_first_pipeline_stage")), _int(m.get("num_layers_in_last_pipeline_stage"))
+    if layers is not None and chunks <= layers and (first is not None or last is not None):
+        try:  # the layout's own rule (pipeline/layout.py), as configure_model applies it
+            get_layer_range(layers, pp, 0, vp, 0, num_layers_in_first_pipeline_stage=first,
+                            num_layers_in_last_pipeline_stage=last)
+        except ValueError as e:
+            problems.append(str(e))
 
     # --- batch sizes
     gb = _int(d.get("global_batch_size"))

@@ -26,7 +26,9 @@ One step (``step(closure)``), Megatron's order, on every DP rank:
    ``pp_rank == 0`` only (clip_grads.py, the same arithmetic as the other wrappers); clip by it;
 4. inner optimizer step on the shard;
 5. ``all_gather`` per bucket (into the grad buffer, free by now; in the params' 16-bit dtype when
-   they all have one) and copy into the model params (one rounding per step for bf16/fp16).
+   they all have one) and copy into the model params (one rounding per step for bf16/fp16):
+   :meth:`GradBuffer.start_param_gather`, asynchronous and waited for by the next forward with the
+   buffer's ``overlap_param_gather`` (the strategy's option of that name).
 
 Memory per parameter and rank (persistent, ``d`` = DP size), Adam: model params ``m`` bytes (2 for
 bf16/fp16, 4 for fp32) + fp32 grad buffer 4 + fp32 main shard ``4/d`` + two fp32 moments ``8/d``::
@@ -52,7 +54,7 @@ from lightning_megatron.grads import GradBuffer
 from lightning_megatron.optimizer.clip_grads import _is_counted, sum_of_squares_fp64
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
-from lightning_megatron.tensor_parallel.mappings import all_gather_into_tensor, all_reduce
+from lightning_megatron.tensor_parallel.mappings import all_reduce
 
 __all__ = ["DistributedOptimizer"]
 
@@ -268,12 +270,10 @@ class DistributedOptimizer(MegatronOptimizer):
         target = self.grad_buffer if dtype == torch.float32 else self.grad_buffer.view(dtype)[: self.padded_numel]
         for (base, lo, hi), bucket in zip(self._pieces, self.buffer.buckets):
             target[lo:hi].copy_(self.main_shard[base: base + hi - lo])  # round to nearest, once per step
-            if self.dp_size > 1:
-                all_gather_into_tensor(target[bucket.start: bucket.end], target[lo:hi], self.data_parallel_group)
         self.buffer.reduced = False
-        for p in self.buffer.params:
-            o = self.buffer.offsets[id(p)]
-            p.data.copy_(target[o: o + p.numel()].view_as(p))
+        # All-gather every bucket in place (each rank's piece already sits in its slot) and copy into
+        # the model params; with overlap_param_gather the buffer does it during the next forward.
+        self.buffer.start_param_gather(target)
 
     # -- public API ----------------------------------------------------------------------------
     def get_parameters(self) -> list[torch.Tensor]:
