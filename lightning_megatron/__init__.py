@@ -13,7 +13,11 @@ def __getattr__(name: str):
         from lightning_megatron.strategy import MegatronStrategy
 
         return MegatronStrategy
+    if name == "MegatronLightningModule":
+        from lightning_megatron.module import MegatronLightningModule
+
+        return MegatronLightningModule
     raise AttributeError(f"module 'lightning_megatron' has no attribute {name!r}")
 
 
-__all__ = ["MegatronStrategy", "ParallelLayout", "ParallelState", "initialize_model_parallel", "__version__"]
+__all__ = ["MegatronStrategy", "MegatronLightningModule", "ParallelLayout", "ParallelState", "initialize_model_parallel", "__version__"]
