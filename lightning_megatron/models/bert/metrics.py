@@ -1,0 +1,106 @@
+"""Evaluation metrics from torchmetrics, synchronised over the data-parallel group only.
+
+Every validation/test microbatch updates the metrics of its stage on the last pipeline stage; at the
+end of the epoch :func:`log_epoch_metrics` computes them (torchmetrics gathers the states over the
+``process_group`` given here: the data-parallel group, so the TP ranks of a replica, which hold the
+same predictions, are not counted twice), broadcasts the values along the pipeline and logs them on
+every rank. The result is the metric of the whole split, equal at every TP x PP x DP layout.
+
+- fine-tuning, classification: ``accuracy``, ``f1`` (binary: of class 1; multiclass: macro) and
+  ``matthews_corrcoef``; regression (one output): ``pearson``, ``spearman`` and ``mse``;
+- pretraining: ``mlm_accuracy`` (masked tokens predicted right) and ``perplexity`` (exp of the
+  mean masked-LM cross entropy per masked token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics import MeanMetric, Metric, MetricCollection
+from torchmetrics.classification import (
+    BinaryAccuracy,
+    BinaryF1Score,
+    BinaryMatthewsCorrCoef,
+    MulticlassAccuracy,
+    MulticlassF1Score,
+    MulticlassMatthewsCorrCoef,
+)
+from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef, SpearmanCorrCoef
+
+from lightning_megatron.parallel_state import ParallelState
+
+__all__ = ["EVAL_STAGES", "Perplexity", "finetune_metrics", "log_epoch_metrics", "pretraining_metrics"]
+
+EVAL_STAGES = ("val", "test")
+
+
+def _sync_args(ps: ParallelState) -> dict[str, Any]:
+    # No gather at all for one replica; otherwise over the data-parallel group only.
+    return {"process_group": ps.dp_group, "sync_on_compute": ps.dp_size > 1}
+
+
+class Perplexity(MeanMetric):
+    """exp of the weighted mean of per-token cross entropies (update with the mean and the token count)."""
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(super().compute())
+
+
+def finetune_metrics(num_classes: int, ps: ParallelState) -> nn.ModuleDict:
+    """``{stage: MetricCollection}`` for val and test; ``num_classes == 1`` is regression."""
+    kw = _sync_args(ps)
+
+    def collection() -> MetricCollection:
+        if num_classes == 1:
+            return MetricCollection({"pearson": PearsonCorrCoef(**kw), "spearman": SpearmanCorrCoef(**kw),
+                                     "mse": MeanSquaredError(**kw)})
+        if num_classes == 2:
+            return MetricCollection({"accuracy": BinaryAccuracy(**kw), "f1": BinaryF1Score(**kw),
+                                     "matthews_corrcoef": BinaryMatthewsCorrCoef(**kw)})
+        return MetricCollection({
+            "accuracy": MulticlassAccuracy(num_classes, average="micro", **kw),
+            "f1": MulticlassF1Score(num_classes, average="macro", **kw),
+            "matthews_corrcoef": MulticlassMatthewsCorrCoef(num_classes, **kw)})
+
+    return nn.ModuleDict({stage: collection() for stage in EVAL_STAGES})
+
+
+def pretraining_metrics(vocab_size: int, ps: ParallelState) -> nn.ModuleDict:
+    """``{stage: MetricCollection(mlm_accuracy, perplexity)}`` for val and test."""
+    kw = _sync_args(ps)
+    return nn.ModuleDict({stage: MetricCollection({
+        "mlm_accuracy": MulticlassAccuracy(vocab_size, average="micro", ignore_index=-100, validate_args=False,
+                                           **kw),
+        "perplexity": Perplexity(**kw)}) for stage in EVAL_STAGES})
+
+
+def log_epoch_metrics(module: Any, metrics: MetricCollection, stage: str, ps: ParallelState,
+                      last_stage: bool) -> dict[str, torch.Tensor]:
+    """Compute (last pipeline stage), broadcast along the pipeline, log ``{stage}_{name}`` on every
+    rank, reset. Every rank calls this at the end of the stage's epoch."""
+    names = sorted(metrics.keys())
+    device = module.device
+    if last_stage:
+        computed = metrics.compute()
+        values = torch.stack([computed[n].detach().float().reshape(()) for n in names]).to(device)
+    else:
+        values = torch.empty(len(names), device=device)
+    if ps.pp_size > 1:
+        dist.broadcast(values, src=ps.pp_ranks[-1], group=ps.pp_group)
+    metrics.reset()
+    out = dict(zip(names, values.unbind(0)))
+    for name, value in out.items():
+        # Every rank holds the same value: max over the world keeps it exact (and Lightning quiet).
+        module.log(f"{stage}_{name}", value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max",
+                   batch_size=1)
+    return out
+
+
+def update_stage(metrics: nn.ModuleDict | None, stage: str | None, *args: torch.Tensor, **kwargs: Any) -> None:
+    """Update the metrics of ``stage`` (None: not evaluating) with a microbatch's outputs."""
+    if metrics is not None and stage in EVAL_STAGES:
+        collection: Metric = metrics[stage]
+        collection.update(*args, **kwargs)
