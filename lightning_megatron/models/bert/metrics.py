@@ -14,6 +14,7 @@ every rank. The result is the metric of the whole split, equal at every TP x PP 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -55,7 +56,10 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> nn.ModuleDict:
 
     def collection() -> MetricCollection:
         if num_classes == 1:
-            return MetricCollection({"pearson": PearsonCorrCoef(**kw), "spearman": SpearmanCorrCoef(**kw),
+            with warnings.catch_warnings():  # "will save all targets and predictions": that is how ranks work
+                warnings.filterwarnings("ignore", message=".*will save all targets and predictions")
+                spearman = SpearmanCorrCoef(**kw)
+            return MetricCollection({"pearson": PearsonCorrCoef(**kw), "spearman": spearman,
                                      "mse": MeanSquaredError(**kw)})
         if num_classes == 2:
             return MetricCollection({"accuracy": BinaryAccuracy(**kw), "f1": BinaryF1Score(**kw),
