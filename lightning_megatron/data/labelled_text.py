@@ -44,6 +44,7 @@ Row = tuple[str, str | None, float | int]
 """(text, second text or None, label): a class id, or a real value for regression."""
 
 SPLITS = ("train", "validation", "test")
+FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
 
 
 class EncodedRows(torch.utils.data.Dataset):
@@ -63,6 +64,21 @@ class EncodedRows(torch.utils.data.Dataset):
                 "token_types": self.token_types[i].long(), "labels": self.labels[i]}
 
 
+def _truncate_pair(la: int, lb: int, budget: int) -> tuple[int, int]:
+    """Lengths kept of a pair, ``longest_first`` as the ``tokenizers`` library cuts them: the shorter
+    text stays whole when it fits in half, otherwise both get half (the second one the odd token)."""
+    if la + lb <= budget:
+        return la, lb
+    n1, n2 = (lb, la) if la > lb else (la, lb)  # n1: the shorter
+    n2 = n1 if n1 > budget else max(n1, budget - n1)
+    if n1 + n2 > budget:
+        n1 = budget // 2
+        n2 = n1 + budget % 2
+    if la > lb:
+        n1, n2 = n2, n1
+    return min(la, n1), min(lb, n2)
+
+
 def encode_rows(tokenizer: Any, rows: Sequence[Row], max_seq_length: int, *, regression: bool = False) -> EncodedRows:
     """``[CLS] a [SEP] (b [SEP])`` of every row, truncated longest-first (as transformers'
     ``truncation=True``) and padded to ``max_seq_length``."""
@@ -79,13 +95,7 @@ def encode_rows(tokenizer: Any, rows: Sequence[Row], max_seq_length: int, *, reg
             ids = [tokenizer.cls, *a[: s - 2], tokenizer.sep]
             n_a = len(ids)
         else:
-            budget = s - 3
-            la, lb = len(a), len(b)
-            while la + lb > budget:  # the longer one loses a token (the second on a tie), as transformers
-                if la > lb:
-                    la -= 1
-                else:
-                    lb -= 1
+            la, lb = _truncate_pair(len(a), len(b), s - 3)
             ids = [tokenizer.cls, *a[:la], tokenizer.sep, *b[:lb], tokenizer.sep]
             n_a = la + 2
         tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
@@ -297,8 +307,6 @@ class LabelledTextDataModule(FinetuneDataModule):
                  micro_batch_size: int = 16, seed: int = 1234) -> None:
         super().__init__(vocab_file=vocab_file, lowercase=lowercase, max_seq_length=max_seq_length,
                          global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed)
-        self.save_hyperparameters(ignore=["dataset"] if not isinstance(dataset, (str, os.PathLike, type(None)))
-                                  else None)
         if task not in ("classification", "regression"):
             raise ValueError(f"task={task!r} must be 'classification' or 'regression'")
         if (dataset is None) == (train is None):
@@ -329,6 +337,10 @@ class LabelledTextDataModule(FinetuneDataModule):
         elif (num_classes if labels is None else len(labels)) < 2:
             raise ValueError(f"classification needs at least 2 classes (data.num_classes={num_classes}, "
                              f"data.labels={labels}); one output is task='regression'")
+        for split, path in (("train", train), ("validation", validation), ("test", test)):
+            if path is not None and Path(path).suffix.lower() not in FILE_SUFFIXES:
+                raise ValueError(f"data.{split}={path!r}: use .jsonl, .json (one object per line), .csv or .tsv "
+                                 f"files, or a Hugging Face datasets folder (data.dataset)")
         unknown = set(split_names or {}) - set(SPLITS)
         if unknown:
             raise ValueError(f"data.split_names has {sorted(unknown)}: its keys are {list(SPLITS)}")
@@ -338,6 +350,10 @@ class LabelledTextDataModule(FinetuneDataModule):
         self.keys = dict(text_key=text_key, text_pair_key=text_pair_key, label_key=label_key)
         self.task, self.labels, self._num_classes = task, labels, num_classes
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        # The model's num_classes is the one recorded (the CLI links it from this datamodule's property):
+        # Lightning refuses two different values under one name.
+        self.save_hyperparameters(ignore=["num_classes"] + (
+            [] if isinstance(dataset, (str, os.PathLike, type(None))) else ["dataset"]))
 
     @property
     def num_classes(self) -> int:

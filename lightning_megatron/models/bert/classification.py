@@ -104,7 +104,7 @@ class BertClassificationModule(BertLightningModule):
             values = logits.float().view(-1)
             loss = F.mse_loss(values, labels.float())
             with torch.no_grad():
-                update_stage(self.eval_metrics, stage, values.detach(), labels.float())
+                update_stage(self.eval_metrics, stage, values.detach().double(), labels.double())
             stats = {}
         else:
             loss = F.cross_entropy(logits.float(), labels)

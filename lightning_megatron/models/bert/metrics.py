@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torchmetrics import MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import (
     BinaryAccuracy,
@@ -33,7 +32,8 @@ from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef, SpearmanC
 
 from lightning_megatron.parallel_state import ParallelState
 
-__all__ = ["EVAL_STAGES", "Perplexity", "finetune_metrics", "log_epoch_metrics", "pretraining_metrics"]
+__all__ = ["EVAL_STAGES", "Perplexity", "finetune_metrics", "log_epoch_metrics", "on_device", "pretraining_metrics",
+           "update_stage"]
 
 EVAL_STAGES = ("val", "test")
 
@@ -50,8 +50,12 @@ class Perplexity(MeanMetric):
         return torch.exp(super().compute())
 
 
-def finetune_metrics(num_classes: int, ps: ParallelState) -> nn.ModuleDict:
-    """``{stage: MetricCollection}`` for val and test; ``num_classes == 1`` is regression."""
+def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCollection]:
+    """``{stage: MetricCollection}`` for val and test; ``num_classes == 1`` is regression.
+
+    A plain dict, not submodules: the metrics stay out of the model's state dict and summary, and
+    out of Lightning's ``module.to(dtype)`` (which would cast float64 metric states to float32);
+    :func:`update_stage` moves them to the predictions' device."""
     kw = _sync_args(ps)
 
     def collection() -> MetricCollection:
@@ -59,8 +63,10 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> nn.ModuleDict:
             with warnings.catch_warnings():  # "will save all targets and predictions": that is how ranks work
                 warnings.filterwarnings("ignore", message=".*will save all targets and predictions")
                 spearman = SpearmanCorrCoef(**kw)
+            # Moments merged over ranks in float64: the same correlation at every layout to ~1e-12
+            # (float32 moments drift by ~1e-5 for a near-zero correlation).
             return MetricCollection({"pearson": PearsonCorrCoef(**kw), "spearman": spearman,
-                                     "mse": MeanSquaredError(**kw)})
+                                     "mse": MeanSquaredError(**kw)}).set_dtype(torch.float64)
         if num_classes == 2:
             return MetricCollection({"accuracy": BinaryAccuracy(**kw), "f1": BinaryF1Score(**kw),
                                      "matthews_corrcoef": BinaryMatthewsCorrCoef(**kw)})
@@ -69,16 +75,16 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> nn.ModuleDict:
             "f1": MulticlassF1Score(num_classes, average="macro", **kw),
             "matthews_corrcoef": MulticlassMatthewsCorrCoef(num_classes, **kw)})
 
-    return nn.ModuleDict({stage: collection() for stage in EVAL_STAGES})
+    return {stage: collection() for stage in EVAL_STAGES}
 
 
-def pretraining_metrics(vocab_size: int, ps: ParallelState) -> nn.ModuleDict:
-    """``{stage: MetricCollection(mlm_accuracy, perplexity)}`` for val and test."""
+def pretraining_metrics(vocab_size: int, ps: ParallelState) -> dict[str, MetricCollection]:
+    """``{stage: MetricCollection(mlm_accuracy, perplexity)}`` for val and test (see :func:`finetune_metrics`)."""
     kw = _sync_args(ps)
-    return nn.ModuleDict({stage: MetricCollection({
+    return {stage: MetricCollection({
         "mlm_accuracy": MulticlassAccuracy(vocab_size, average="micro", ignore_index=-100, validate_args=False,
                                            **kw),
-        "perplexity": Perplexity(**kw)}) for stage in EVAL_STAGES})
+        "perplexity": Perplexity(**kw)}) for stage in EVAL_STAGES}
 
 
 def log_epoch_metrics(module: Any, metrics: MetricCollection, stage: str, ps: ParallelState,
@@ -103,8 +109,16 @@ def log_epoch_metrics(module: Any, metrics: MetricCollection, stage: str, ps: Pa
     return out
 
 
-def update_stage(metrics: nn.ModuleDict | None, stage: str | None, *args: torch.Tensor, **kwargs: Any) -> None:
+def on_device(collection: MetricCollection, device: torch.device) -> MetricCollection:
+    """``collection`` with its states on ``device`` (moved once)."""
+    first: Metric = next(iter(collection.values()))
+    if first.device != device:
+        collection.to(device)
+    return collection
+
+
+def update_stage(metrics: dict[str, MetricCollection] | None, stage: str | None, preds: torch.Tensor,
+                 target: torch.Tensor) -> None:
     """Update the metrics of ``stage`` (None: not evaluating) with a microbatch's outputs."""
     if metrics is not None and stage in EVAL_STAGES:
-        collection: Metric = metrics[stage]
-        collection.update(*args, **kwargs)
+        on_device(metrics[stage], preds.device).update(preds, target)
