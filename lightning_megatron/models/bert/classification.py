@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-from lightning_megatron.models.bert.metrics import finetune_metrics, log_epoch_metrics, update_stage
+from lightning_megatron.models.bert.metrics import eval_stage, finetune_metrics, update_stage
 from lightning_megatron.models.bert.model import BertModel
 from lightning_megatron.models.bert.module import BertLightningModule
 from lightning_megatron.tensor_parallel import init_method_normal
@@ -98,8 +98,7 @@ class BertClassificationModule(BertLightningModule):
             preds = self._predictions(logits.detach())
             return logits, lambda output: (torch.zeros((), device=tokens.device), {"predictions": preds})
         labels = batch["labels"].view(-1)
-        stage = None if trainer is None else ("test" if trainer.testing else
-                                              "val" if trainer.validating or trainer.sanity_checking else None)
+        stage = eval_stage(self)
         if self.hparams.num_classes == 1:
             values = logits.float().view(-1)
             loss = F.mse_loss(values, labels.float())
@@ -121,15 +120,6 @@ class BertClassificationModule(BertLightningModule):
     def _predictions(self, logits: torch.Tensor) -> torch.Tensor:
         """Class ids, or the predicted values for regression."""
         return logits.float().view(-1) if self.hparams.num_classes == 1 else logits.argmax(-1)
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        log_epoch_metrics(self, self.eval_metrics["val"], "val", self.parallel_state, self.model_chunks[-1].post_process)
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        log_epoch_metrics(self, self.eval_metrics["test"], "test", self.parallel_state,
-                          self.model_chunks[-1].post_process)
 
     def _classify(self, chunk: BertModel, hidden: torch.Tensor) -> torch.Tensor:
         pooled = torch.tanh(chunk.pooler.dense(hidden[0]))  # hidden is the full sequence here

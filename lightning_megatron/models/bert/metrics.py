@@ -32,7 +32,7 @@ from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef, SpearmanC
 
 from lightning_megatron.parallel_state import ParallelState
 
-__all__ = ["EVAL_STAGES", "Perplexity", "finetune_metrics", "log_epoch_metrics", "on_device", "pretraining_metrics",
+__all__ = ["EVAL_STAGES", "Perplexity", "finetune_metrics", "log_epoch_metrics", "eval_stage", "on_device", "pretraining_metrics",
            "update_stage"]
 
 EVAL_STAGES = ("val", "test")
@@ -107,6 +107,14 @@ def log_epoch_metrics(module: Any, metrics: MetricCollection, stage: str, ps: Pa
         module.log(f"{stage}_{name}", value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max",
                    batch_size=1)
     return out
+
+
+def eval_stage(module: Any) -> str | None:
+    """``val`` (sanity check included) or ``test`` while the module's Trainer evaluates, else None."""
+    trainer = module._trainer
+    if trainer is None:
+        return None
+    return "test" if trainer.testing else "val" if trainer.validating or trainer.sanity_checking else None
 
 
 def on_device(collection: MetricCollection, device: torch.device) -> MetricCollection:
