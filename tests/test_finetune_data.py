@@ -185,30 +185,3 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
         assert value == pytest.approx(single[key], rel=1e-5, abs=1e-4 if key == "val_pearson" else 1e-6), key
     assert -1.0 <= logged["val_pearson"] <= 1.0
 
-
-def test_cased_vocabulary_tokenizer_json_and_config(tmp_path):
-    """A cased vocabulary is not lowercased (before: "Paris" became [UNK] or "paris"); a tokenizer.json
-    and a tokenizer_config.json's do_lower_case are read; ids equal transformers' tokenizer."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import BertWordPieceTokenizer
-
-    pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Paris", "paris", "is", "in", "France", "france",
-              "The", "the", "city", "##s", ".", ","]
-    (tmp_path / "cased").mkdir()
-    vocab = tmp_path / "cased" / "vocab.txt"
-    vocab.write_text("\n".join(pieces) + "\n")
-    text = "The city Paris is in France."
-    cased = BertTokenizer(vocab)
-    assert cased.lowercase is False
-    expected = transformers.BertTokenizerFast(str(vocab), do_lower_case=False)(text, add_special_tokens=False)
-    assert cased.tokenize(text) == expected["input_ids"] == [11, 13, 5, 7, 8, 9, 15]
-    assert BertTokenizer(vocab, lowercase=True).tokenize(text) == [12, 13, 6, 7, 8, 10, 15]  # explicit wins
-    # A Hugging Face tokenizer.json (WordPiece), read with its own normalizer; the folder finds it.
-    BertWordPieceTokenizer(str(vocab), lowercase=False).save(str(tmp_path / "cased" / "tokenizer.json"))
-    from_json = BertTokenizer(tmp_path / "cased")
-    assert from_json.vocab_file.name == "tokenizer.json" and from_json.lowercase is False
-    assert from_json.tokenize(text) == cased.tokenize(text) and from_json.vocab_size == len(pieces)
-    # do_lower_case of tokenizer_config.json beside the vocabulary decides when no option is given.
-    (tmp_path / "cased" / "tokenizer_config.json").write_text('{"do_lower_case": true}')
-    assert BertTokenizer(vocab).lowercase is True
-    assert BertTokenizer().lowercase is True  # the packaged uncased vocabulary
