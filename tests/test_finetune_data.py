@@ -185,3 +185,40 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
         assert value == pytest.approx(single[key], rel=1e-5, abs=1e-4 if key == "val_pearson" else 1e-6), key
     assert -1.0 <= logged["val_pearson"] <= 1.0
 
+
+
+def test_epoch_metrics_values_and_nothing_logged_without_updates():
+    """The torchmetrics of a whole split, by hand: binary, 3 classes (macro F1), regression (Pearson,
+    Spearman); a stage with no update logs nothing (a subclass whose forward_step does not update)."""
+    from lightning_megatron.models.bert.metrics import finetune_metrics, log_epoch_metrics
+    from lightning_megatron.parallel_state import ParallelState
+
+    class Logger:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.logged = {}
+
+        def log(self, name, value, **kwargs):
+            self.logged[name] = float(value)
+
+    ps = ParallelState.single_process()
+    three = finetune_metrics(3, ps)["val"]
+    out = Logger()
+    assert log_epoch_metrics(out, three, "val", ps, True) == {} and out.logged == {}
+    three.update(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 1, 1, 2]))  # F1 per class: 1, 2/3, 2/3
+    log_epoch_metrics(out, three, "val", ps, True)
+    assert out.logged == pytest.approx({"val_accuracy": 0.75, "val_f1": 7 / 9, "val_matthews_corrcoef": 0.7})
+    binary = finetune_metrics(2, ps)["test"]
+    binary.update(torch.tensor([1, 1, 0, 0]), torch.tensor([1, 0, 0, 0]))  # tp 1, fp 1, tn 2: F1 2/3
+    log_epoch_metrics(out, binary, "test", ps, True)
+    assert out.logged["test_f1"] == pytest.approx(2 / 3) and out.logged["test_matthews_corrcoef"] == pytest.approx(
+        (1 * 2 - 1 * 0) / (2 * 1 * 3 * 2) ** 0.5)
+    regression = finetune_metrics(1, ps)["val"]
+    x = torch.tensor([0.1, 0.4, 0.2, 0.9], dtype=torch.float64)
+    y = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    regression.update(x, y)
+    log_epoch_metrics(out, regression, "val", ps, True)
+    assert out.logged["val_pearson"] == pytest.approx(float(torch.corrcoef(torch.stack([x, y]))[0, 1]))
+    assert out.logged["val_spearman"] == pytest.approx(0.8)  # ranks 1 3 2 4 vs 1 2 3 4
+    assert out.logged["val_mse"] == pytest.approx(float(((x - y) ** 2).mean()))

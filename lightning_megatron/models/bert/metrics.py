@@ -93,15 +93,17 @@ def log_epoch_metrics(module: Any, metrics: MetricCollection, stage: str, ps: Pa
     rank, reset. Every rank calls this at the end of the stage's epoch."""
     names = sorted(metrics.keys())
     device = module.device
-    if last_stage:
+    # The values, then whether any microbatch updated them: a module whose forward_step does not (a
+    # subclass) logs nothing, rather than torchmetrics' "compute before update" warning and zeros.
+    values = torch.zeros(len(names) + 1, device=device)
+    if last_stage and any(m.update_count for m in metrics.values()):
         computed = metrics.compute()
-        values = torch.stack([computed[n].detach().float().reshape(()) for n in names]).to(device)
-    else:
-        values = torch.empty(len(names), device=device)
+        values[:-1] = torch.stack([computed[n].detach().float().reshape(()) for n in names]).to(device)
+        values[-1] = 1.0
     if ps.pp_size > 1:
         dist.broadcast(values, src=ps.pp_ranks[-1], group=ps.pp_group)
     metrics.reset()
-    out = dict(zip(names, values.unbind(0)))
+    out = dict(zip(names, values[:-1].unbind(0))) if values[-1] > 0 else {}
     for name, value in out.items():
         # Every rank holds the same value: max over the world keeps it exact (and Lightning quiet).
         module.log(f"{stage}_{name}", value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max",
