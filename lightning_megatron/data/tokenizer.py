@@ -71,6 +71,7 @@ class BertTokenizer:
 
     def __init__(self, vocab_file: str | os.PathLike[str] | None = None, *, lowercase: bool | None = None) -> None:
         self.vocab_file = _vocabulary_path(Path(vocab_file) if vocab_file is not None else default_vocab_file())
+        _require_utf8(self.vocab_file)
         self._lowercase_arg = lowercase
         self._tokenizer, self.lowercase = _load_wordpiece(self.vocab_file, lowercase)
         vocab = self._tokenizer.get_vocab()
@@ -137,6 +138,18 @@ class BertTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special tokens kept, ``##`` pieces joined to their word)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _require_utf8(path: Path) -> None:
+    """A vocabulary file the ``tokenizers`` library would reject without naming it ("stream did not
+    contain valid UTF-8"): the error names the file and the first bad byte."""
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"vocab_file {str(path)!r} is not UTF-8 text (line {line}, byte {e.start}: {e.reason}); a "
+                         f"WordPiece vocab.txt holds one UTF-8 piece per line: convert it (e.g. iconv -f LATIN1 "
+                         f"-t UTF-8) or pass the vocabulary the model was trained with") from None
 
 
 def _vocabulary_path(path: Path) -> Path:
