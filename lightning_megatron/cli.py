@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["main", "plot_runs", "COMMANDS"]
+__all__ = ["main", "finetune_cli", "plot_runs", "COMMANDS"]
 
 _LIGHTNING_COMMANDS = {
     "fit": "train (and validate every val_check_interval steps)",
@@ -69,10 +69,11 @@ def _summary(trainer) -> str:
 
 
 def _lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
-                   **kwargs) -> Any:
+                   *, link_num_classes: bool = False, **kwargs) -> Any:
     """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
     (``run=False`` in kwargs: only build). ``args`` (or ``sys.argv`` when None) may name recipes with
-    ``base:``; they are merged first (lightning_megatron.recipes)."""
+    ``base:``; they are merged first (lightning_megatron.recipes). ``link_num_classes``: the model's
+    ``num_classes`` is the datamodule's (fine-tuning)."""
     from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
     from torch.optim import Optimizer
 
@@ -112,6 +113,8 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             for group in ("optimizer", "lr_scheduler"):
                 parser.link_arguments(group, f"model.{group}_class", compute_fn=_class_path)
                 parser.link_arguments(group, f"model.{group}_kwargs", compute_fn=_init_args)
+            if link_num_classes:  # one place for the classes: the data (labels, or 1 for regression)
+                parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
 
         def before_instantiate_classes(self) -> None:
             # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
@@ -448,11 +451,19 @@ def _export(argv: list[str]) -> None:
 
 
 def _finetune(argv: list[str]) -> None:
-    from lightning_megatron.models.bert.classification import BertClassificationModule
-    from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
-
     _wandb_offline_unless_configured()
-    _lightning_cli(argv, BertClassificationModule, StdlibDocstringDataModule)
+    finetune_cli(argv)
+
+
+def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
+    """``finetune fit|validate|test|predict``: BertClassificationModule over any FinetuneDataModule
+    (``data: {class_path: ...LabelledTextDataModule, init_args: ...}``: your JSONL/CSV/datasets; or the
+    built-in StdlibDocstringDataModule); ``model.num_classes`` comes from the data."""
+    from lightning_megatron.data.labelled_text import FinetuneDataModule
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+
+    return _lightning_cli(argv, BertClassificationModule, FinetuneDataModule, link_num_classes=True,
+                          subclass_mode_data=True, **kwargs)
 
 
 def _check(argv: list[str]) -> None:

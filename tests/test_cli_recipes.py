@@ -10,48 +10,68 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from dist_utils import accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("_"))  # _*: bases
 
 
-def _build_worker(recipe: str) -> dict:
-    from lightning_megatron.cli import _lightning_cli
-    from lightning_megatron.models.bert.classification import BertClassificationModule
-    from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
+FINETUNE = [p for p in RECIPES if yaml.safe_load(p.read_text()).get("base") == "_bert_tiny_finetune.yaml"]
+PRETRAINING = [p for p in RECIPES if p not in FINETUNE]
 
-    classes = (dict(model_class=BertClassificationModule, datamodule_class=StdlibDocstringDataModule)
-               if recipe.endswith("_finetune.yaml") else {})
-    # CPU stand-ins for the cluster settings, everything else exactly as written (the recipe's
-    # precision too: the config checks before launch compare it with model.params_dtype).
-    cli = _lightning_cli(**classes, run=False, args=[
-        "--config", recipe, "--trainer.accelerator", accelerator(), "--trainer.num_nodes", "1",
-        "--trainer.logger", "false"])
-    strategy = cli.trainer.strategy
-    return {"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
-            "tp": strategy.tensor_model_parallel_size, "pp": strategy.pipeline_model_parallel_size,
-            "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks),
-            "hidden": cli.model.hparams.hidden_size, "global_batch": cli.datamodule.global_batch_size}
+
+def _build_worker(*recipes: str) -> list[dict]:
+    from lightning_megatron.cli import _lightning_cli, finetune_cli
+
+    out = []
+    for recipe in recipes:
+        build = finetune_cli if Path(recipe) in FINETUNE else _lightning_cli
+        # CPU stand-ins for the cluster settings, everything else exactly as written (the recipe's
+        # precision too: the config checks before launch compare it with model.params_dtype).
+        cli = build([
+            "--config", recipe, "--trainer.accelerator", accelerator(), "--trainer.num_nodes", "1",
+            "--trainer.logger", "false"], run=False)
+        strategy = cli.trainer.strategy
+        out.append({"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
+                    "tp": strategy.tensor_model_parallel_size, "pp": strategy.pipeline_model_parallel_size,
+                    "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks),
+                    "hidden": cli.model.hparams.hidden_size, "global_batch": cli.datamodule.global_batch_size,
+                    "num_classes": cli.model.hparams.get("num_classes")})
+    return out
 
 
 def test_recipes_exist():
     assert {p.name for p in RECIPES} >= {"bert_tiny.yaml", "bert_base.yaml", "bert_large.yaml"}
+    assert {p.stem for p in FINETUNE} == {"bert_tiny_finetune", "bert_tiny_sst2", "bert_tiny_cola", "bert_tiny_mnli",
+                                          "bert_tiny_stsb"}
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", PRETRAINING, ids=lambda p: p.stem)
 def test_recipe_parses_and_builds(recipe):
     from dist_utils import run_distributed
 
-    [built] = run_distributed(_build_worker, 1, str(recipe), timeout=180)
-    if recipe.stem.endswith("_finetune"):
-        assert built["model"] == "BertClassificationModule" and built["data"] == "StdlibDocstringDataModule"
-    else:
-        assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
+    [[built]] = run_distributed(_build_worker, 1, str(recipe), timeout=180)
+    assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
     assert "MegatronOptimizerCallback" in built["callbacks"]
     assert "OptimizerParamSchedulerCallback" in built["callbacks"]
-    expected = {"bert_tiny": 128, "bert_base": 768, "bert_large": 1024, "bert_tiny_finetune": 128}[recipe.stem]
-    assert built["hidden"] == expected
+    assert built["hidden"] == {"bert_tiny": 128, "bert_base": 768, "bert_large": 1024}[recipe.stem]
+
+
+def test_finetune_recipes_parse_and_build():
+    """Every fine-tuning recipe (one per GLUE task shape), in one process; the model's classes come
+    from the data (names, ids, or 1 output for regression)."""
+    from dist_utils import run_distributed
+
+    [built] = run_distributed(_build_worker, 1, *map(str, FINETUNE), timeout=240)
+    by_name = dict(zip((p.stem for p in FINETUNE), built))
+    for b in built:
+        assert b["model"] == "BertClassificationModule" and b["hidden"] == 128
+        assert {"MegatronOptimizerCallback", "OptimizerParamSchedulerCallback"} <= set(b["callbacks"])
+    assert by_name["bert_tiny_finetune"]["data"] == "StdlibDocstringDataModule"
+    assert {k: v["num_classes"] for k, v in by_name.items()} == {
+        "bert_tiny_finetune": 8, "bert_tiny_sst2": 2, "bert_tiny_cola": 2, "bert_tiny_mnli": 3, "bert_tiny_stsb": 1}
+    assert {v["data"] for k, v in by_name.items() if k != "bert_tiny_finetune"} == {"LabelledTextDataModule"}
 
 
 def _free_port(lo: int = 20000, hi: int = 30000) -> int:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,22 +58,22 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
 
 
 class BertTokenizer:
-    """WordPiece tokenizer from a BERT ``vocab.txt`` (one piece per line, id = line number).
+    """WordPiece tokenizer from a BERT ``vocab.txt`` (one piece per line, id = line number), a Hugging
+    Face ``tokenizer.json`` (a WordPiece model), or a folder holding either (``tokenizer.json`` first).
 
     Args:
-        vocab_file: path of ``vocab.txt``; ``None`` means :func:`default_vocab_file`.
-        lowercase: lowercase and strip accents before WordPiece (uncased BERT vocabularies).
+        vocab_file: that file or folder; ``None`` means :func:`default_vocab_file`.
+        lowercase: lowercase and strip accents before WordPiece (uncased vocabularies). ``None``: as
+            the vocabulary says: ``do_lower_case`` of a ``tokenizer_config.json`` beside it, else the
+            normalizer of a ``tokenizer.json``, else whether the vocabulary has no upper-case piece
+            (a cased vocabulary, such as bert-base-cased's, is never lowercased behind your back).
     """
 
-    def __init__(self, vocab_file: str | os.PathLike[str] | None = None, *, lowercase: bool = True) -> None:
-        from tokenizers import BertWordPieceTokenizer
-
-        self.vocab_file = Path(vocab_file) if vocab_file is not None else default_vocab_file()
-        if not self.vocab_file.is_file():
-            raise FileNotFoundError(f"vocab_file {str(self.vocab_file)!r} does not exist")
+    def __init__(self, vocab_file: str | os.PathLike[str] | None = None, *, lowercase: bool | None = None) -> None:
+        self.vocab_file = _vocabulary_path(Path(vocab_file) if vocab_file is not None else default_vocab_file())
         _require_utf8(self.vocab_file)
-        self.lowercase = lowercase
-        self._tokenizer = BertWordPieceTokenizer(str(self.vocab_file), lowercase=lowercase)
+        self._lowercase_arg = lowercase
+        self._tokenizer, self.lowercase = _load_wordpiece(self.vocab_file, lowercase)
         vocab = self._tokenizer.get_vocab()
         self.inv_vocab: list[str] = [""] * len(vocab)
         for token, index in vocab.items():
@@ -93,10 +95,8 @@ class BertTokenizer:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        from tokenizers import BertWordPieceTokenizer
-
         self.__dict__.update(state)
-        self._tokenizer = BertWordPieceTokenizer(str(self.vocab_file), lowercase=self.lowercase)
+        self._tokenizer, _ = _load_wordpiece(self.vocab_file, self._lowercase_arg)
 
     @property
     def vocab_size(self) -> int:
@@ -150,6 +150,60 @@ def _require_utf8(path: Path) -> None:
         raise ValueError(f"vocab_file {str(path)!r} is not UTF-8 text (line {line}, byte {e.start}: {e.reason}); a "
                          f"WordPiece vocab.txt holds one UTF-8 piece per line: convert it (e.g. iconv -f LATIN1 "
                          f"-t UTF-8) or pass the vocabulary the model was trained with") from None
+
+
+def _vocabulary_path(path: Path) -> Path:
+    """``vocab.txt`` / ``tokenizer.json`` as given, or the one in a folder (``tokenizer.json`` first)."""
+    if path.is_dir():
+        for name in ("tokenizer.json", "vocab.txt"):
+            if (path / name).is_file():
+                return path / name
+        raise FileNotFoundError(f"vocab_file {str(path)!r} is a folder without tokenizer.json or vocab.txt")
+    if not path.is_file():
+        raise FileNotFoundError(f"vocab_file {str(path)!r} does not exist")
+    return path
+
+
+def _config_lowercase(path: Path) -> bool | None:
+    """``do_lower_case`` of a ``tokenizer_config.json`` beside the vocabulary, if it says."""
+    import json
+
+    config = path.parent / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("do_lower_case")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
+def _load_wordpiece(path: Path, lowercase: bool | None) -> tuple[Any, bool]:
+    """The ``tokenizers`` tokenizer of ``path`` and whether it lowercases (see :class:`BertTokenizer`)."""
+    import json
+
+    from tokenizers import Tokenizer, normalizers
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    if lowercase is None:
+        lowercase = _config_lowercase(path)
+    if path.suffix == ".json":
+        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer.no_padding()  # ours pads and truncates itself
+        tokenizer.no_truncation()
+        if type(tokenizer.model).__name__ != "WordPiece":
+            raise ValueError(f"{str(path)!r} holds a {type(tokenizer.model).__name__} tokenizer; BERT needs WordPiece")
+        if lowercase is None:
+            spec = json.dumps(json.loads(path.read_text(encoding="utf-8")).get("normalizer"))
+            lowercase = '"lowercase": true' in spec or '"type": "Lowercase"' in spec
+        else:  # an explicit choice replaces the file's normalizer
+            tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        return tokenizer, lowercase
+    if lowercase is None:
+        with path.open(encoding="utf-8") as fh:
+            # A cased vocabulary (bert-base-cased: ~5,000 pieces) has pieces with A-Z; an uncased one none.
+            lowercase = not any(re.search("[A-Z]", line) for line in fh if not line.startswith("["))
+    return BertWordPieceTokenizer(str(path), lowercase=lowercase), lowercase
 
 
 def train_wordpiece_tokenizer(files: Sequence[str | os.PathLike[str]] | None, vocab_size: int,
