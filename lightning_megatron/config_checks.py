@@ -195,15 +195,18 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
 
     # --- schedule
     if sch:
-        problems += _check_schedule(sch, _int(t.get("max_steps")))
+        fast_dev_run = t.get("fast_dev_run")  # Lightning runs that many steps (True: 1) and sets max_steps to it
+        problems += _check_schedule(sch, _int(t.get("max_steps")), fast_dev_run=bool(fast_dev_run))
     return problems
 
 
-def _check_schedule(sch: dict[str, Any], max_steps: int | None) -> list[str]:
+def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run: bool = False) -> list[str]:
     problems = []
     decay = sch.get("lr_decay_steps")
     source = "lr_decay_steps"
-    if decay is None:
+    if decay is None and fast_dev_run:
+        pass  # the scheduler callback takes the horizon past the warm-up for the few steps of the check run
+    elif decay is None:
         if max_steps is None or max_steps <= 0:
             problems.append(f"lr_decay_steps=null means trainer.max_steps, but max_steps={max_steps}; set "
                             f"trainer.max_steps or lr_decay_steps")

@@ -38,7 +38,14 @@ from lightning_megatron.grads import GradBuffer
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
-from lightning_megatron.protocols import MegatronModule, OptimizerWrapper, is_sharded, megatron_module, optimizer_wrapper
+from lightning_megatron.protocols import (
+    LightningStepsModule,
+    MegatronModule,
+    OptimizerWrapper,
+    is_sharded,
+    megatron_module,
+    optimizer_wrapper,
+)
 from lightning_megatron.setup_checks import (
     check_precision,
     check_strategy_arguments,
@@ -290,6 +297,11 @@ class MegatronStrategy(DDPStrategy):
             return self._run(batch, batch_idx, "predict")
 
     def _log(self, means: dict[str, torch.Tensor], stage: str) -> None:
+        if isinstance(self._module, LightningStepsModule):
+            # A plain LightningModule logs what its own *_step hooks log (as under any strategy): logging
+            # "loss" here too would collide with its self.log("loss", ...). Lightning's loop and callbacks
+            # still get the global-batch mean as outputs["loss"].
+            return
         module = self.lightning_module
         for key, value in means.items():
             name = key if stage == "train" and key == "loss" else f"{stage}_{key}"
