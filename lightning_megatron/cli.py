@@ -111,6 +111,22 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 parser.link_arguments(group, f"model.{group}_class", compute_fn=_class_path)
                 parser.link_arguments(group, f"model.{group}_kwargs", compute_fn=_init_args)
 
+        def parse_arguments(self, parser, args) -> None:
+            # --optimizer.lr / --optimizer.weight_decay are the schedule's or the model's (skipped in the
+            # optimizer group above): jsonargparse would only say "not accepted"; name the option to use.
+            argv = None if isinstance(args, dict) or hasattr(args, "as_dict") else list(
+                sys.argv[1:] if args is None else args)
+            found = _optimizer_hyperparameter(argv) if argv is not None else None
+            if found is None:
+                super().parse_arguments(parser, args)
+                return
+            name, value, rest = found
+            if args is None:
+                sys.argv[1:] = rest
+            super().parse_arguments(parser, None if args is None else rest)  # the rest, to see the lr_schedule
+            config = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+            raise SystemExit(_optimizer_hyperparameter_message(name, value, bool(config.get("lr_schedule"))))
+
         def before_instantiate_classes(self) -> None:
             # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
             # process; a warm-up too long for a short run is shortened first, with a warning.
@@ -154,6 +170,37 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
+
+
+_OPTIMIZER_HYPERPARAMETERS = ("lr", "weight_decay")
+
+
+def _optimizer_hyperparameter(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """The first ``--optimizer.lr X`` / ``--optimizer.init_args.weight_decay=X`` in ``argv``:
+    (name, value, argv without it), or None."""
+    for i, token in enumerate(argv):
+        option, eq, value = token.partition("=")
+        for name in _OPTIMIZER_HYPERPARAMETERS:
+            if option in (f"--optimizer.{name}", f"--optimizer.init_args.{name}"):
+                if eq:
+                    return name, value, argv[:i] + argv[i + 1:]
+                value = argv[i + 1] if i + 1 < len(argv) else "VALUE"
+                return name, value, argv[:i] + argv[i + 2:]
+    return None
+
+
+def _optimizer_hyperparameter_message(name: str, value: str, scheduled: bool) -> str:
+    """Where ``--optimizer.<name>`` belongs: the lr_schedule section sets lr and weight decay every step."""
+    if scheduled and name == "lr":
+        where = (f"the lr_schedule section (OptimizerParamSchedulerCallback) sets the learning rate every step: "
+                 f"use --lr_schedule.max_lr {value} (the peak after warm-up; --lr_schedule.init_lr and "
+                 f"--lr_schedule.min_lr set the start and the end)")
+    elif scheduled:
+        where = (f"the lr_schedule section (OptimizerParamSchedulerCallback) sets the weight decay every step: "
+                 f"use --lr_schedule.start_wd {value} --lr_schedule.end_wd {value}")
+    else:
+        where = f"the model builds the optimizer with it: use --model.{name} {value}"
+    return f"lightning-megatron: --optimizer.{name} is not an optimizer argument here: {where}"
 
 
 def _class_path(spec: Any) -> str | None:
