@@ -358,13 +358,17 @@ def _preprocess(argv: list[str]) -> None:
 
 def _train_tokenizer(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="lightning-megatron train-tokenizer")
-    parser.add_argument("--input", nargs="*", default=None, help="text/jsonl files; none: the built-in corpus")
+    parser.add_argument("--input", nargs="*", default=None, help="text/jsonl files (also .gz), directories or saved Hugging Face datasets; none: the built-in corpus")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--json-key", default="text", help="JSON field / dataset column holding the text")
     a = parser.parse_args(argv)
     from lightning_megatron.data.tokenizer import train_wordpiece_tokenizer
 
-    print(train_wordpiece_tokenizer(a.input, a.vocab_size, a.output_dir))
+    try:
+        print(train_wordpiece_tokenizer(a.input, a.vocab_size, a.output_dir, json_key=a.json_key))
+    except (ValueError, OSError, ImportError) as error:
+        parser.exit(2, f"lightning-megatron train-tokenizer: error: {error}\n")
 
 
 def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[str],
