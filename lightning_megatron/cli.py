@@ -36,11 +36,31 @@ _LIGHTNING_COMMANDS = {
 }
 
 
-def _wandb_offline_unless_configured() -> None:
-    # W&B must never hang a run without network or key: default to offline mode.
-    if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
-        os.environ["WANDB_MODE"] = "offline"
+def _wandb_mode(config) -> None:
+    """A WandbLogger runs online when W&B has credentials (``WANDB_API_KEY``, or the ``~/.netrc`` entry
+    ``wandb login`` writes: :func:`~lightning_megatron.loggers.wandb_credentials`); without any it would
+    ask for a key or hang without network, so the run is offline (``WANDB_MODE=offline``, inherited by
+    the ranks launched next) and a warning says so. An explicit ``WANDB_MODE`` or ``offline: true`` wins."""
+    from lightning.pytorch.loggers import WandbLogger
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lightning_megatron.loggers import wandb_credentials
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    loggers = [lg for lg in _entries(trainer.get("logger") if trainer else None)
+               if _is_subclass(lg.class_path, WandbLogger)]
+    if not loggers:
+        return
     os.environ.setdefault("WANDB_SILENT", "true")
+    if "WANDB_MODE" in os.environ or all(lg.init_args.get("offline") for lg in loggers):
+        return
+    if wandb_credentials() is None:
+        os.environ["WANDB_MODE"] = "offline"
+        folder = loggers[0].init_args.get("save_dir") or "."
+        rank_zero_warn(f"W&B: no credentials (no WANDB_API_KEY, no `wandb login` entry in ~/.netrc): this run logs "
+                       f"offline to {os.path.join(folder, 'wandb')}; upload it later with `wandb sync "
+                       f"{os.path.join(folder, 'wandb', 'offline-run-*')}`, or set WANDB_MODE=offline to say so "
+                       f"and silence this", category=UserWarning)
 
 
 def _summary(trainer) -> str:
@@ -139,6 +159,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
             _named_callbacks_into_trainer(config)
             _one_run_folder(config)
+            _wandb_mode(config)
             _continue_wandb_run(config)
             _clamp_warmup(config)
             try:
@@ -147,16 +168,16 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 raise SystemExit(f"lightning-megatron: {e}") from None
 
         def before_fit(self) -> None:
-            _log_run_config(self.trainer)
+            _log_run_config(self.trainer, self.model)
 
         def before_validate(self) -> None:
-            _log_run_config(self.trainer)
+            _log_run_config(self.trainer, self.model)
 
         def before_test(self) -> None:
-            _log_run_config(self.trainer)
+            _log_run_config(self.trainer, self.model)
 
         def before_predict(self) -> None:
-            _log_run_config(self.trainer)
+            _log_run_config(self.trainer, self.model)
 
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
@@ -271,15 +292,33 @@ def _one_run_folder(config) -> None:
             callback.init_args.dirpath = os.path.join(root, "checkpoints")
 
 
+def _last_checkpoint(trainer) -> str | None:
+    """What Lightning's ``ckpt_path="last"`` resolves to: the newest ``last.ckpt`` / ``last-N.ckpt`` in
+    the ``dirpath`` of the configured ModelCheckpoints (filled in by :func:`_one_run_folder`)."""
+    import re
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found = []
+    for callback in _entries(trainer.get("callbacks")):
+        folder = callback.init_args.get("dirpath") if _is_subclass(callback.class_path, ModelCheckpoint) else None
+        if folder and os.path.isdir(folder):
+            found += [os.path.join(folder, n) for n in os.listdir(folder) if re.match(r"^last(-\d+)?\.ckpt$", n)]
+    return max(found, key=os.path.getmtime) if found else None
+
+
 def _continue_wandb_run(config) -> None:
-    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT``: a WandbLogger without an ``id``
-    continues the W&B run that wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
+    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT`` (``last`` too): a WandbLogger without
+    an ``id`` continues the W&B run that wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
     from lightning.pytorch.loggers import WandbLogger
 
     from lightning_megatron.loggers import saved_wandb_run_id
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
-    run_id = saved_wandb_run_id(config.get("ckpt_path")) if trainer else None
+    ckpt_path = config.get("ckpt_path") if trainer else None
+    if ckpt_path == "last":
+        ckpt_path = _last_checkpoint(trainer)
+    run_id = saved_wandb_run_id(ckpt_path) if trainer else None
     if run_id is None:
         return
     for logger in _entries(trainer.get("logger")):
@@ -288,8 +327,17 @@ def _continue_wandb_run(config) -> None:
             args.id = run_id
 
 
-def _log_run_config(trainer) -> None:
-    """Trainer, strategy, layout and precision into the loggers' config (W&B shows only the module's otherwise)."""
+_OPTIMIZER_HPARAMS = ("optimizer", "optimizer_class", "optimizer_kwargs", "lr", "weight_decay", "adam_beta1",
+                      "adam_beta2", "adam_eps", "sgd_momentum", "lr_scheduler_class", "lr_scheduler_kwargs")
+"""The module hyper-parameters that make the optimizer (BertLightningModule's), gathered under ``optimizer``."""
+
+
+def _log_run_config(trainer, model) -> None:
+    """Trainer, strategy, layout, precision, the lr schedule, clipping and the optimizer into the W&B config
+    (it shows only the module's hyper-parameters otherwise)."""
+    import dataclasses
+
+    from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
     from lightning_megatron.strategy import MegatronStrategy
 
     strategy = trainer.strategy
@@ -302,6 +350,15 @@ def _log_run_config(trainer) -> None:
                          "pipeline_model_parallel_size": strategy.pipeline_model_parallel_size,
                          "virtual_pipeline_model_parallel_size": strategy.virtual_pipeline_model_parallel_size,
                          "sequence_parallel": strategy.sequence_parallel, "micro_batch_size": strategy.micro_batch_size}
+    for callback in trainer.callbacks:  # the lr schedule, clipping and loss scaling
+        if isinstance(callback, OptimizerParamSchedulerCallback):
+            run["lr_schedule"] = dict(callback.kwargs)
+        elif isinstance(callback, MegatronOptimizerCallback):
+            run["megatron_optimizer"] = dataclasses.asdict(callback.config)
+    hparams = dict(model.hparams)
+    optimizer = {k: hparams[k] for k in _OPTIMIZER_HPARAMS if hparams.get(k) is not None}
+    if optimizer:
+        run["optimizer"] = optimizer
     for logger in trainer.loggers:
         if type(logger).__name__ == "WandbLogger":
             logger.log_hyperparams(run)  # rank zero only
@@ -437,7 +494,6 @@ def _finetune(argv: list[str]) -> None:
     from lightning_megatron.models.bert.classification import BertClassificationModule
     from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
 
-    _wandb_offline_unless_configured()
     _lightning_cli(argv, BertClassificationModule, StdlibDocstringDataModule)
 
 
@@ -476,7 +532,6 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] in COMMANDS:
         COMMANDS[argv[0]][0](argv[1:])
         return
-    _wandb_offline_unless_configured()
     # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
     _lightning_cli(None if from_sys_argv else argv)
 

@@ -2,7 +2,7 @@
 
 A wrong recipe (heads not divisible by TP, a global batch that does not split into microbatches,
 a sequence longer than the position table, ...) should fail in seconds with every problem listed,
-not after a minute of process start-up on every rank. :func:`check_config` is pure: it takes the
+not after a minute of process start-up on every rank. :func:`check_config` takes the
 model, data, strategy, trainer and scheduler arguments as plain mappings (the ``init_args`` a
 LightningCLI config holds) and returns the problems, each naming the value and the fix.
 :func:`validate_config` raises one :class:`ConfigError` listing them all. The ``lightning-megatron``

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import loggers
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["CSVLogger", "WANDB_RUN_ID", "WandbRunIdCallback", "saved_wandb_run_id"]
+__all__ = ["CSVLogger", "WANDB_RUN_ID", "WandbRunIdCallback", "saved_wandb_run_id", "wandb_credentials"]
 
 WANDB_RUN_ID = "wandb_run_id"
 """Checkpoint key holding the W&B run id of the run that wrote the checkpoint."""
@@ -45,6 +45,32 @@ class WandbRunIdCallback(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, loggers.WandbLogger) and logger.version:
                 checkpoint[WANDB_RUN_ID] = str(logger.version)
+
+
+def wandb_credentials() -> str | None:
+    """Where W&B would take its credentials from, as ``wandb`` looks for them (without importing it):
+    ``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, else the netrc entry of the W&B host that
+    ``wandb login`` writes (``$NETRC``, ``~/.netrc`` or ``~/_netrc``; the host of ``WANDB_BASE_URL``,
+    default ``api.wandb.ai``). None when there are none: a run would have to be offline."""
+    import netrc
+    from urllib.parse import urlparse
+
+    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if os.environ.get(variable):
+            return variable
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    candidates = ([os.environ["NETRC"]] if os.environ.get("NETRC")
+                  else [os.path.expanduser("~/.netrc"), os.path.expanduser("~/_netrc")])
+    for path in candidates:
+        if not os.path.isfile(path):
+            continue
+        try:
+            entry = netrc.netrc(path).authenticators(host)
+        except (netrc.NetrcParseError, OSError):
+            continue  # wandb reports an unreadable file itself
+        if entry and entry[2]:
+            return f"{path} ({host})"
+    return None
 
 
 def saved_wandb_run_id(ckpt_path: Any) -> str | None:
