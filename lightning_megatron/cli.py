@@ -63,10 +63,20 @@ def _wandb_mode(config) -> None:
                        f"and silence this", category=UserWarning)
 
 
-def _summary(trainer) -> str:
-    """A few closing lines: how the loss moved, where metrics and checkpoints are."""
-    import csv
+_THROUGHPUT = ("tokens_per_sec", "tflops_per_device", "mfu")
+"""ThroughputCallback's metrics: the summary gives their median over the run (the first step, which
+includes warm-up, left out when there are more)."""
 
+
+def _summary(trainer) -> str:
+    """A few closing lines: every logged metric (first -> last value; the median of the throughput
+    metrics), and where the metrics and the checkpoints are."""
+    import csv
+    import statistics
+
+    if trainer.fast_dev_run:
+        return ("lightning-megatron: fast_dev_run: every step, validation and test ran once on "
+                f"{int(trainer.fast_dev_run)} batch(es); nothing was logged or saved")
     lines = []
     csv_dirs = [lg.log_dir for lg in trainer.loggers if type(lg).__name__ == "CSVLogger"]
     for d in csv_dirs:
@@ -75,11 +85,21 @@ def _summary(trainer) -> str:
             continue
         with path.open() as fh:
             rows = list(csv.DictReader(fh))
-        for key in ("train_lm_loss", "train_binary_loss", "val_lm_loss", "train_mlm_accuracy", "tokens_per_sec"):
-            values = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
-            if values:
+        keys = [k for k in (rows[0].keys() if rows else ()) if k not in ("epoch", "step")]
+        order = {"loss": 0, "train": 1, "val": 2, "test": 3}
+        keys.sort(key=lambda k: (k in _THROUGHPUT, order.get(k.split("_")[0], 4), k))
+        for key in keys:
+            values = [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]
+            if not values:
+                continue
+            if key in _THROUGHPUT:
+                middle = statistics.median(v for _, v in (values[1:] or values))
+                lines.append(f"  {key:24s} median over steps {values[0][0]}-{values[-1][0]}: {middle:.4g}")
+            elif len(values) == 1:
+                lines.append(f"  {key:24s} step {values[0][0]:>5d}: {values[0][1]:10.4f}")
+            else:
                 (s0, v0), (s1, v1) = values[0], values[-1]
-                lines.append(f"  {key:20s} step {s0:>5d}: {v0:10.4f}   ->   step {s1:>5d}: {v1:10.4f}")
+                lines.append(f"  {key:24s} step {s0:>5d}: {v0:10.4f}   ->   step {s1:>5d}: {v1:10.4f}")
         lines.append(f"  metrics: {path}")
     for cb in trainer.checkpoint_callbacks:
         if getattr(cb, "dirpath", None):
@@ -158,6 +178,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                                  f"lr_schedule section (OptimizerParamSchedulerCallback) would both set the lr every "
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
             _named_callbacks_into_trainer(config)
+            _display_callbacks(config)
             _one_run_folder(config)
             _wandb_mode(config)
             _continue_wandb_run(config)
@@ -247,6 +268,29 @@ def _named_callbacks_into_trainer(config) -> None:
             callbacks = trainer.get("callbacks") or []
             trainer.callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), spec]
             config[key] = None
+
+
+def _display_callbacks(config) -> None:
+    """With the progress bar (the model summary) on and none configured, Lightning's bar counting
+    optimizer steps (:class:`~lightning_megatron.callbacks.MegatronProgressBar`) and the summary of the
+    whole model (:class:`~lightning_megatron.callbacks.MegatronModelSummary`, in place of Lightning's:
+    ``enable_model_summary`` becomes false) join ``trainer.callbacks``."""
+    from jsonargparse import Namespace
+    from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if trainer is None:
+        return
+    for switch, base, name in (("enable_progress_bar", ProgressBar, "MegatronProgressBar"),
+                               ("enable_model_summary", ModelSummary, "MegatronModelSummary")):
+        callbacks = trainer.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer.get(switch) is False or any(_is_subclass(c.class_path, base) for c in _entries(callbacks)):
+            continue
+        entry = Namespace(class_path=f"lightning_megatron.callbacks.{name}", init_args=Namespace())
+        trainer.callbacks = [*callbacks, entry]
+        if switch == "enable_model_summary":
+            trainer[switch] = False  # Lightning's default summary is replaced (else it says so on every run)
 
 
 def _entries(value: Any) -> list[Any]:

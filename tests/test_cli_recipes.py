@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,11 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool) -> list[float
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "lr_warmup_steps=30 is not below" in proc.stderr and "args parameter" not in proc.stderr
+    # The model summary counts the whole model (every TP shard), the run summary the throughput
+    [whole] = re.findall(r"Whole model: ([\d.]+ [KMB]) parameters", proc.stdout + proc.stderr)
+    assert "Total FLOPs: 0" not in proc.stdout + proc.stderr
+    assert re.search(r"mfu +median over steps", proc.stdout) and re.search(r"tokens_per_sec +median", proc.stdout), \
+        proc.stdout[-3000:]
     [metrics] = list(run_dir.rglob("metrics.csv"))
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("train_lm_loss")]
     assert (run_dir / "ckpt").exists() and any((run_dir / "ckpt").iterdir()), "a checkpoint must be saved"
@@ -94,14 +100,15 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool) -> list[float
         # The run config (in the offline run's records) has the layout, the strategy and the precision.
         records = b"".join(p.read_bytes() for p in run_dir.rglob("*.wandb"))
         assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision"))
-    return [float(r["train_lm_loss"]) for r in rows]
+    return [float(r["train_lm_loss"]) for r in rows], whole
 
 
 def test_cli_fit_tp1_equals_tp2(tmp_path):
     """`lightning-megatron fit --config recipes/bert_tiny.yaml` (few steps) at TP=1 and TP=2 logs equal
     losses (fp32, dropout off) within 1e-5."""
-    tp2 = _fit(tmp_path, 2, 2, "tp2", wandb=True)
-    tp1 = _fit(tmp_path, 1, 1, "tp1", wandb=False)
+    tp2, whole_tp2 = _fit(tmp_path, 2, 2, "tp2", wandb=True)
+    tp1, whole_tp1 = _fit(tmp_path, 1, 1, "tp1", wandb=False)
+    assert whole_tp2 == whole_tp1, "the summary counts every TP shard"
     assert len(tp1) == len(tp2) == 12
     for a, b in zip(tp1, tp2):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, tp2)

@@ -105,8 +105,12 @@ def test_validate_continues_the_wandb_run_of_the_checkpoint(tmp_path):
     run_id = torch.load(ckpt / "extra.pt", weights_only=True)["wandb_run_id"]
     _cli(tmp_path, "validate", "--trainer.limit_val_batches", "1", "--ckpt_path", str(ckpt))
     # `--ckpt_path last` (Lightning's name for the newest last.ckpt) continues the run as the path does
-    _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
-         "--lr_schedule.lr_warmup_steps", "0", "--ckpt_path", "last")
+    resumed = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+                   "--lr_schedule.lr_warmup_steps", "0", "--ckpt_path", "last", "--trainer.enable_progress_bar", "true")
+    # The bar counts optimizer steps of the whole run: not "Epoch 0/-2", not "3/1" after the resume
+    out = resumed.stdout
+    assert "Step 3/3" in out and "Epoch 0/-2" not in out and "3/1 " not in out, out[-3000:]
+    assert "tokens_per_sec" in out and "mfu" in out, out[-3000:]
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert [r.name.rsplit("-", 1)[1] for r in runs] == [run_id] * 3, (run_id, runs)
     for run in runs:

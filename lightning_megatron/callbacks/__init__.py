@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from lightning_megatron.callbacks.optimizer import MegatronOptimizerCallback
+from lightning_megatron.callbacks.progress import MegatronProgressBar
 from lightning_megatron.callbacks.scheduler import OptimizerParamSchedulerCallback
+from lightning_megatron.callbacks.summary import MegatronModelSummary
 from lightning_megatron.callbacks.throughput import ThroughputCallback
 
-__all__ = ["MegatronOptimizerCallback", "OptimizerParamSchedulerCallback", "ThroughputCallback"]
+__all__ = ["MegatronModelSummary", "MegatronOptimizerCallback", "MegatronProgressBar", "OptimizerParamSchedulerCallback", "ThroughputCallback"]

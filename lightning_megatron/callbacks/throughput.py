@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_megatron.callbacks.summary import model_parameter_count
 from lightning_megatron.protocols import CountsFlops
 from lightning_megatron.strategy import MegatronStrategy
 
@@ -67,23 +68,9 @@ class ThroughputCallback(Callback):
         return strategy.parallel_state.dp_size if isinstance(strategy, MegatronStrategy) else trainer.world_size
 
     def _model_params(self, trainer: Trainer, pl_module: LightningModule) -> int:
-        """Parameters of the whole model: this rank's, scaled by TP and summed over pipeline stages."""
+        """Parameters of the whole model (:func:`~lightning_megatron.callbacks.summary.model_parameter_count`)."""
         if self._params is None:
-            strategy = trainer.strategy
-            if not isinstance(strategy, MegatronStrategy):
-                self._params = sum(p.numel() for p in pl_module.parameters())
-                return self._params
-            ps = strategy.parallel_state
-            count = 0
-            for p in pl_module.parameters():
-                if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
-                    continue  # the tied embedding's copy on the last stage
-                count += p.numel() * (ps.tp_size if getattr(p, "tensor_model_parallel", False) else 1)
-            if ps.pp_size > 1:
-                t = torch.tensor([float(count)])
-                dist.all_reduce(t, group=ps.pp_group)
-                count = int(t.item())
-            self._params = count
+            self._params = model_parameter_count(trainer, pl_module)
         return self._params
 
     @override
@@ -110,7 +97,7 @@ class ThroughputCallback(Callback):
         else:
             flops = 6.0 * self._model_params(trainer, pl_module) * global_tokens
         tflops_per_device = flops / step_time / trainer.world_size / 1e12
-        pl_module.log("tokens_per_sec", global_tokens / step_time, on_step=True, rank_zero_only=True)
+        pl_module.log("tokens_per_sec", global_tokens / step_time, on_step=True, prog_bar=True, rank_zero_only=True)
         pl_module.log("tflops_per_device", tflops_per_device, on_step=True, rank_zero_only=True)
         if self.peak_tflops:
-            pl_module.log("mfu", tflops_per_device / self.peak_tflops, on_step=True, rank_zero_only=True)
+            pl_module.log("mfu", tflops_per_device / self.peak_tflops, on_step=True, prog_bar=True, rank_zero_only=True)
