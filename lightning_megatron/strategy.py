@@ -28,6 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from typing_extensions import override
@@ -343,6 +344,12 @@ class MegatronStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options")
         assert self.parallel_state is not None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.fast_dev_run:
+            # Lightning's ModelCheckpoint still writes save_last at the end of a fast_dev_run: a one-step
+            # check run must not leave a checkpoint that `--ckpt_path last` would resume from.
+            rank_zero_info(f"MegatronStrategy: fast_dev_run saves no checkpoint (not {filepath})")
+            return
         ckpt.save(self._state_mapper(), checkpoint, filepath, ckpt.layout_record(self.parallel_state))
 
     @override

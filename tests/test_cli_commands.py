@@ -60,3 +60,26 @@ def test_fit_refuses_missing_or_foreign_data_before_launch(tmp_path, monkeypatch
     assert f"{tmp_path / 'nope'}.bin" in message and "lightning-megatron preprocess" in message, message
     assert f"the prefix is the path without .bin: data_prefix={str(tmp_path / 'own')!r}" in message, message
     assert "was tokenized with another vocabulary" in message and "vocab_size=30522" in message, message
+
+
+def test_fit_fast_dev_run(tmp_path):
+    """`fit --trainer.fast_dev_run true` with the recipe's 30 warm-up steps and lr_decay_steps null:
+    one training step and one validation batch run (Lightning's meaning), nothing is saved."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml")
+    cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", recipe, "--trainer.fast_dev_run", "true",
+           "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
+           "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
+           "--model.num_layers", "1", "--model.hidden_size", "32", "--model.num_attention_heads", "2",
+           "--model.ffn_hidden_size", "64", "--data.global_batch_size", "2", "--data.micro_batch_size", "2",
+           "--data.max_seq_length", "32", "--model.max_sequence_length", "32"]
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "lr_decay_steps=null taken as lr_warmup_steps + 1 = 31" in out, out[-3000:]
+    assert "fast_dev_run: every step, validation and test ran once on 1 batch(es); nothing was logged or saved" in out
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
