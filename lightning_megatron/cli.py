@@ -28,6 +28,13 @@ from typing import Any, Optional
 
 __all__ = ["main", "plot_runs", "COMMANDS"]
 
+
+def plot_runs(*args: Any, **kwargs: Any) -> Path:
+    """:func:`lightning_megatron.plot.plot_runs` (kept here for existing imports)."""
+    from lightning_megatron.plot import plot_runs as plot
+
+    return plot(*args, **kwargs)
+
 _LIGHTNING_COMMANDS = {
     "fit": "train (and validate every val_check_interval steps)",
     "validate": "validation loss of a checkpoint (--ckpt_path)",
@@ -472,51 +479,18 @@ def _train_tokenizer(argv: list[str]) -> None:
         parser.exit(2, f"lightning-megatron train-tokenizer: error: {error}\n")
 
 
-def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[str],
-              metrics: tuple[str, ...] = ("loss", "train_lm_loss", "val_lm_loss")) -> Path:
-    """Write a PNG of the loss curves in the CSV metrics of one or more runs."""
-    import csv
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    files = []
-    for run in run_dirs:
-        found = sorted(Path(run).rglob("metrics.csv"))
-        if not found:
-            raise FileNotFoundError(f"no metrics.csv under {str(run)!r}: is it a run directory with a CSVLogger?")
-        files.extend(found)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    plotted = 0
-    for f in files:
-        with open(f) as fh:
-            rows = list(csv.DictReader(fh))
-        for metric in metrics:
-            pts = [(int(r["step"]), float(r[metric])) for r in rows if r.get(metric) not in (None, "")]
-            if pts:
-                ax.plot(*zip(*pts), label=f"{f.parent.parent.name}/{f.parent.name}: {metric}")
-                plotted += 1
-    if not plotted:
-        raise ValueError(f"none of the metrics {metrics} were found in {[str(f) for f in files]}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
-
-
 def _plot(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron plot")
+    parser = argparse.ArgumentParser(prog="lightning-megatron plot", description="curves of run folders -> PNG: one "
+                                     "panel per quantity, one line per run (resumes joined), validation as markers")
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--output", default="loss_curves.png")
     a = parser.parse_args(argv)
-    print(plot_runs(a.runs, a.output))
+    from lightning_megatron.plot import plot_runs
+
+    try:
+        print(plot_runs(a.runs, a.output))
+    except (ValueError, OSError) as error:
+        parser.exit(2, f"lightning-megatron plot: error: {error}\n")
 
 
 def _export(argv: list[str]) -> None:

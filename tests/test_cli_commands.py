@@ -83,3 +83,32 @@ def test_fit_fast_dev_run(tmp_path):
     assert "lr_decay_steps=null taken as lr_warmup_steps + 1 = 31" in out, out[-3000:]
     assert "fast_dev_run: every step, validation and test ran once on 1 batch(es); nothing was logged or saved" in out
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_plot_joins_resumes_names_runs_and_draws_validation(tmp_path, capsys):
+    """Two runs whose folders share a name; the first resumed (version_1 repeats steps 6-9 after its
+    step-5 checkpoint), with one validation point: one joined line per run, told apart in the legend."""
+    from lightning_megatron.plot import _labels, read_run
+
+    def write(folder, version, steps, scale, val_steps=()):
+        d = folder / "csv" / f"version_{version}"
+        d.mkdir(parents=True)
+        rows = ["epoch,step,loss,train_lm_loss,val_lm_loss"]
+        rows += [f"0,{s},{scale * (12 - s * 0.3)},{scale * (10 - s * 0.3)}," for s in steps]
+        rows += [f"0,{s},,,{scale * (9.5 - s * 0.3)}" for s in val_steps]
+        (d / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+    a, b = tmp_path / "x" / "run", tmp_path / "y" / "run"
+    write(a, 0, range(0, 10), 1.0, val_steps=[4])
+    write(a, 1, range(6, 15), 1.01)  # the resume from step 5 repeats 6..9: its values win
+    write(b, 0, range(0, 12), 0.9)
+    joined = read_run(a)
+    assert [s for s, _ in joined["train_lm_loss"]] == list(range(15))
+    assert dict(joined["train_lm_loss"])[7] == 1.01 * (10 - 7 * 0.3) and dict(joined["train_lm_loss"])[5] == 10 - 1.5
+    assert joined["val_lm_loss"] == [(4, 9.5 - 1.2)]  # (a validation at step >= 6 would be replaced too)
+    assert _labels([a, b]) == ["x/run", "y/run"]
+    main(["plot", str(a), str(b), "--output", str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path / "empty"), "--output", str(tmp_path / "none.png")])
+    assert "no metrics.csv" in capsys.readouterr().err
