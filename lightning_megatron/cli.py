@@ -70,50 +70,6 @@ def _wandb_mode(config) -> None:
                        f"and silence this", category=UserWarning)
 
 
-_THROUGHPUT = ("tokens_per_sec", "tflops_per_device", "mfu")
-"""ThroughputCallback's metrics: the summary gives their median over the run (the first step, which
-includes warm-up, left out when there are more)."""
-
-
-def _summary(trainer) -> str:
-    """A few closing lines: every logged metric (first -> last value; the median of the throughput
-    metrics), and where the metrics and the checkpoints are."""
-    import csv
-    import statistics
-
-    if trainer.fast_dev_run:
-        return ("lightning-megatron: fast_dev_run: every step, validation and test ran once on "
-                f"{int(trainer.fast_dev_run)} batch(es); nothing was logged or saved")
-    lines = []
-    csv_dirs = [lg.log_dir for lg in trainer.loggers if type(lg).__name__ == "CSVLogger"]
-    for d in csv_dirs:
-        path = Path(d) / "metrics.csv"
-        if not path.is_file():
-            continue
-        with path.open() as fh:
-            rows = list(csv.DictReader(fh))
-        keys = [k for k in (rows[0].keys() if rows else ()) if k not in ("epoch", "step")]
-        order = {"loss": 0, "train": 1, "val": 2, "test": 3}
-        keys.sort(key=lambda k: (k in _THROUGHPUT, order.get(k.split("_")[0], 4), k))
-        for key in keys:
-            values = [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]
-            if not values:
-                continue
-            if key in _THROUGHPUT:
-                middle = statistics.median(v for _, v in (values[1:] or values))
-                lines.append(f"  {key:24s} median over steps {values[0][0]}-{values[-1][0]}: {middle:.4g}")
-            elif len(values) == 1:
-                lines.append(f"  {key:24s} step {values[0][0]:>5d}: {values[0][1]:10.4f}")
-            else:
-                (s0, v0), (s1, v1) = values[0], values[-1]
-                lines.append(f"  {key:24s} step {s0:>5d}: {v0:10.4f}   ->   step {s1:>5d}: {v1:10.4f}")
-        lines.append(f"  metrics: {path}")
-    for cb in trainer.checkpoint_callbacks:
-        if getattr(cb, "dirpath", None):
-            lines.append(f"  checkpoints: {cb.dirpath} (last: {cb.last_model_path or cb.best_model_path})")
-    return "\n".join(["lightning-megatron: run summary"] + lines)
-
-
 def _lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
                    **kwargs) -> Any:
     """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
@@ -209,7 +165,9 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
 
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
-                print(_summary(self.trainer), flush=True)
+                from lightning_megatron.callbacks.summary import run_summary
+
+                print(run_summary(self.trainer), flush=True)
 
     # Every checkpoint records the W&B run id (see _continue_wandb_run); trainer_defaults' callbacks are
     # added to the configured ones.
