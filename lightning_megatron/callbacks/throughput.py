@@ -5,7 +5,9 @@ FLOPs per step: the module's own count when it implements
 :func:`~lightning_megatron.transformer.config.training_flops`), else ``6 N T`` with N the model's
 parameter count and T the tokens of the step (the first tensor of the batch, or ``batch["tokens"]``).
 Achieved TFLOP/s per device = FLOPs / step time / world size. MFU = achieved / peak; the peak is
-``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype.
+``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype
+(:func:`measure_matmul_tflops`: the smallest power-of-two size taking 20 ms, a few tenths of a second).
+``tokens_per_sec`` and ``mfu`` are shown on the progress bar.
 """
 
 from __future__ import annotations
@@ -25,19 +27,31 @@ from lightning_megatron.strategy import MegatronStrategy
 __all__ = ["ThroughputCallback", "measure_matmul_tflops"]
 
 
-def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats: int = 5) -> float:
-    """Measured TFLOP/s of an n x n x n matmul (the best of ``repeats``)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        _synchronize()
-        start = time.perf_counter()
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int | None = None, repeats: int = 3,
+                          *, min_seconds: float = 0.02, max_n: int = 8192) -> float:
+    """Measured TFLOP/s of a square n x n x n matmul (the best of ``repeats``).
+
+    ``n=None``: the smallest power of two from 256 whose matmul takes at least ``min_seconds`` (at most
+    ``max_n``): a rate near the device's dense peak for a one-off cost of a few tenths of a second (a fixed
+    2048 took ~2 s on one CPU thread). A smaller matmul runs a little below the peak, so MFU errs high
+    by as much; pass ``peak_tflops`` to the callback for the datasheet value."""
+    sizes = [n] if n is not None else [256 * 2**k for k in range(max(1, (max_n // 256).bit_length()))]
+    rate = 0.0
+    for size in sizes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
         torch.matmul(a, b)
-        _synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e12
+        best = float("inf")
+        for _ in range(repeats):
+            _synchronize()
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            _synchronize()
+            best = min(best, time.perf_counter() - start)
+        rate = 2 * size**3 / best / 1e12
+        if best >= min_seconds:
+            break
+    return rate
 
 
 def _synchronize() -> None:
