@@ -27,9 +27,15 @@ FIT = ["fit", "--config", os.path.join(ROOT, "recipes", "bert_tiny.yaml"), "--mo
        "--lr_schedule.lr_warmup_steps", "0", "--trainer.log_every_n_steps", "1"]
 
 
-def _fit(steps: int, folder: str, prefix: list[str] | None = None) -> float:
-    cmd = [*(prefix or [sys.executable]), "-m", "lightning_megatron.cli", *FIT, "--trainer.max_steps", str(steps),
-           "--trainer.default_root_dir", os.path.join(folder, f"run{steps}")]
+def _fit(steps: int, folder: str, profile: str | None = None) -> float:
+    args = [*FIT, "--trainer.max_steps", str(steps), "--trainer.default_root_dir", os.path.join(folder, f"run{steps}")]
+    cmd = [sys.executable, "-m", "lightning_megatron.cli", *args]
+    if profile:  # rank 0 under cProfile; Lightning starts rank 1 as `python <sys.argv[0]> ...`, i.e. cli.py
+        import lightning_megatron.cli as cli
+
+        script = (f"import cProfile, runpy, sys; sys.argv = {[cli.__file__, *args]!r}; "
+                  f"cProfile.run('runpy.run_path(sys.argv[0], run_name=\"__main__\")', {profile!r})")
+        cmd = [sys.executable, "-c", script]
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
@@ -62,7 +68,7 @@ def main() -> None:
             print(f"  {us / 1e6:6.2f} s {name}")
         if a.profile:
             out = os.path.abspath(a.profile) + ".prof"
-            _fit(1, folder, prefix=[sys.executable, "-m", "cProfile", "-o", out])
+            _fit(1, folder, profile=out)
             import pstats
 
             with open(a.profile, "w") as fh:

@@ -35,6 +35,7 @@ def plot_runs(*args: Any, **kwargs: Any) -> Path:
 
     return plot(*args, **kwargs)
 
+
 _LIGHTNING_COMMANDS = {
     "fit": "train (and validate every val_check_interval steps)",
     "validate": "validation loss of a checkpoint (--ckpt_path)",
@@ -117,8 +118,9 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
         def parse_arguments(self, parser, args) -> None:
             # --optimizer.lr / --optimizer.weight_decay are the schedule's or the model's (skipped in the
             # optimizer group above): jsonargparse would only say "not accepted"; name the option to use.
-            argv = None if isinstance(args, dict) or hasattr(args, "as_dict") else list(
-                sys.argv[1:] if args is None else args)
+            from jsonargparse import Namespace
+
+            argv = None if isinstance(args, (dict, Namespace)) else list(sys.argv[1:] if args is None else args)
             found = _optimizer_hyperparameter(argv) if argv is not None else None
             if found is None:
                 super().parse_arguments(parser, args)

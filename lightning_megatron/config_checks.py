@@ -214,10 +214,10 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any]) -> list[str]:
 
     vocab_file, data_prefix = d.get("vocab_file"), d.get("data_prefix")
     problems: list[str] = []
-    if vocab_file is not None and not os.path.isfile(os.fspath(vocab_file)):
+    vocab_missing = vocab_file is not None and not os.path.exists(os.fspath(vocab_file))
+    if vocab_missing:
         problems.append(f"data vocab_file={os.fspath(vocab_file)!r} does not exist; pass the vocab.txt the dataset "
                         f"was preprocessed with (or null for the packaged BERT vocabulary)")
-        vocab_file = False  # no vocabulary check below
     if data_prefix is None:
         return problems  # the built-in corpus, preprocessed with the right vocabulary at set-up
     from lightning_megatron.data.blended import parse_data_prefix
@@ -238,7 +238,7 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any]) -> list[str]:
                 else f"make it with `lightning-megatron preprocess --input ... --output-prefix {prefix}`")
         problems.append(f"data data_prefix={prefix!r}: {' and '.join(repr(x) for x in missing)} not found "
                         f"(relative paths start at {os.getcwd()!r}); {hint}")
-    if vocab_file is False or not found:
+    if vocab_missing or not found:
         return problems
     from lightning_megatron.data.dataset_vocab import check_dataset_vocab, read_dataset_vocab
     from lightning_megatron.data.tokenizer import BertTokenizer

@@ -112,3 +112,25 @@ def test_plot_joins_resumes_names_runs_and_draws_validation(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path / "empty"), "--output", str(tmp_path / "none.png")])
     assert "no metrics.csv" in capsys.readouterr().err
+
+
+def test_run_summary_prints_every_metric_and_the_throughput(tmp_path):
+    """The end-of-run summary lists whatever the run logged (a fine-tuning run's metrics too) and the
+    median tokens/s and MFU (the first step, which includes warm-up, left out)."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.callbacks.summary import run_summary
+
+    (tmp_path / "metrics.csv").write_text(
+        "epoch,step,loss,val_accuracy,val_matthews_corrcoef,tokens_per_sec,mfu\n"
+        "0,0,0.70,,,10.0,0.01\n0,1,0.60,,,200.0,0.20\n0,2,0.50,,,220.0,0.22\n0,3,0.40,,,210.0,0.21\n"
+        "0,3,,0.75,0.41,,\n")
+
+    class CSVLogger(SimpleNamespace):
+        pass
+
+    trainer = SimpleNamespace(fast_dev_run=False, loggers=[CSVLogger(log_dir=str(tmp_path))], checkpoint_callbacks=[])
+    text = run_summary(trainer)
+    assert "val_accuracy" in text and "0.7500" in text and "val_matthews_corrcoef" in text, text
+    assert "loss                     step     0:     0.7000   ->   step     3:     0.4000" in text, text
+    assert "tokens_per_sec           median over steps 0-3: 210" in text and "mfu" in text and "0.21" in text, text
