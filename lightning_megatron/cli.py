@@ -153,26 +153,14 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             except ConfigError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
 
-        def before_fit(self) -> None:
-            _log_run_config(self.trainer, self.model)
-
-        def before_validate(self) -> None:
-            _log_run_config(self.trainer, self.model)
-
-        def before_test(self) -> None:
-            _log_run_config(self.trainer, self.model)
-
-        def before_predict(self) -> None:
-            _log_run_config(self.trainer, self.model)
-
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
                 from lightning_megatron.callbacks.summary import run_summary
 
                 print(run_summary(self.trainer), flush=True)
 
-    # Every checkpoint records the W&B run id (see _continue_wandb_run); trainer_defaults' callbacks are
-    # added to the configured ones.
+    # Every checkpoint records the W&B run id (see _continue_wandb_run) and the W&B config gets the run's
+    # settings (WandbRunIdCallback); trainer_defaults' callbacks are added to the configured ones.
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     extra = defaults.get("callbacks") or []
     defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback()]
@@ -336,43 +324,6 @@ def _continue_wandb_run(config) -> None:
         args = logger.init_args
         if _is_subclass(logger.class_path, WandbLogger) and not args.get("id") and not args.get("version"):
             args.id = run_id
-
-
-_OPTIMIZER_HPARAMS = ("optimizer", "optimizer_class", "optimizer_kwargs", "lr", "weight_decay", "adam_beta1",
-                      "adam_beta2", "adam_eps", "sgd_momentum", "lr_scheduler_class", "lr_scheduler_kwargs")
-"""The module hyper-parameters that make the optimizer (BertLightningModule's), gathered under ``optimizer``."""
-
-
-def _log_run_config(trainer, model) -> None:
-    """Trainer, strategy, layout, precision, the lr schedule, clipping and the optimizer into the W&B config
-    (it shows only the module's hyper-parameters otherwise)."""
-    import dataclasses
-
-    from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
-    from lightning_megatron.strategy import MegatronStrategy
-
-    strategy = trainer.strategy
-    run = {"trainer": {"max_steps": trainer.max_steps, "precision": str(trainer.precision),
-                       "devices": trainer.num_devices, "num_nodes": trainer.num_nodes,
-                       "accelerator": type(trainer.accelerator).__name__},
-           "strategy": type(strategy).__name__}
-    if isinstance(strategy, MegatronStrategy):  # before launch: the strategy's arguments
-        run["layout"] = {"tensor_model_parallel_size": strategy.tensor_model_parallel_size,
-                         "pipeline_model_parallel_size": strategy.pipeline_model_parallel_size,
-                         "virtual_pipeline_model_parallel_size": strategy.virtual_pipeline_model_parallel_size,
-                         "sequence_parallel": strategy.sequence_parallel, "micro_batch_size": strategy.micro_batch_size}
-    for callback in trainer.callbacks:  # the lr schedule, clipping and loss scaling
-        if isinstance(callback, OptimizerParamSchedulerCallback):
-            run["lr_schedule"] = dict(callback.kwargs)
-        elif isinstance(callback, MegatronOptimizerCallback):
-            run["megatron_optimizer"] = dataclasses.asdict(callback.config)
-    hparams = dict(model.hparams)
-    optimizer = {k: hparams[k] for k in _OPTIMIZER_HPARAMS if hparams.get(k) is not None}
-    if optimizer:
-        run["optimizer"] = optimizer
-    for logger in trainer.loggers:
-        if type(logger).__name__ == "WandbLogger":
-            logger.log_hyperparams(run)  # rank zero only
 
 
 def _clamp_warmup(config) -> None:
