@@ -82,6 +82,8 @@ def test_fit_fast_dev_run(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     assert "lr_decay_steps=null taken as lr_warmup_steps + 1 = 31" in out, out[-3000:]
     assert "fast_dev_run: every step, validation and test ran once on 1 batch(es); nothing was logged or saved" in out
+    # warning noise the package caused itself: a model data hook next to a datamodule
+    assert "on_before_batch_transfer" not in out, out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 
