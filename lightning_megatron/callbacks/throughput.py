@@ -27,7 +27,7 @@ from lightning_megatron.strategy import MegatronStrategy
 __all__ = ["ThroughputCallback", "measure_matmul_tflops"]
 
 
-def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int | None = None, repeats: int = 3,
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int | None = None, repeats: int = 5,
                           *, min_seconds: float = 0.02, max_n: int = 8192) -> float:
     """Measured TFLOP/s of a square n x n x n matmul (the best of ``repeats``).
 
