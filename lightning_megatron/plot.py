@@ -93,7 +93,7 @@ def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[
             if run.get(val):
                 steps, values = zip(*run[val])
                 ax.plot(steps, values, color=color, linestyle="none", marker="o", markersize=5,
-                        markeredgecolor="black", markeredgewidth=0.6)
+                        markeredgecolor="black", markeredgewidth=0.6, zorder=3)
         ax.set_ylabel(_TITLES.get(q, q.replace("_", " ")))
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
