@@ -6,7 +6,7 @@ FLOPs per step: the module's own count when it implements
 parameter count and T the tokens of the step (the first tensor of the batch, or ``batch["tokens"]``).
 Achieved TFLOP/s per device = FLOPs / step time / world size. MFU = achieved / peak; the peak is
 ``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype
-(:func:`measure_matmul_tflops`: the smallest power-of-two size taking 20 ms, a few tenths of a second).
+(:func:`measure_matmul_tflops`: the smallest power-of-two size taking 20 ms, best of 5).
 ``tokens_per_sec`` and ``mfu`` are shown on the progress bar.
 """
 
@@ -32,9 +32,9 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int | Non
     """Measured TFLOP/s of a square n x n x n matmul (the best of ``repeats``).
 
     ``n=None``: the smallest power of two from 256 whose matmul takes at least ``min_seconds`` (at most
-    ``max_n``): a rate near the device's dense peak for a one-off cost of a few tenths of a second (a fixed
-    2048 took ~2 s on one CPU thread). A smaller matmul runs a little below the peak, so MFU errs high
-    by as much; pass ``peak_tflops`` to the callback for the datasheet value."""
+    ``max_n``): a rate near the device's dense peak whose cost is bounded by the size it stops at (8 x
+    ``min_seconds`` per matmul at most). A smaller matmul runs a little below the peak, so MFU errs high by
+    as much; pass ``peak_tflops`` to the callback for the datasheet value (and no measurement)."""
     sizes = [n] if n is not None else [256 * 2**k for k in range(max(1, (max_n // 256).bit_length()))]
     rate = 0.0
     for size in sizes:
