@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,7 +125,7 @@ def _launch(args: list[str], launcher: str, tasks: int, cwd: Path, env: dict) ->
 
 
 def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: str = "lightning", nodes: int = 1,
-         ckpt_path: Path | None = None) -> list[float]:
+         ckpt_path: Path | None = None) -> tuple[list[float], str]:
     run_dir = tmp / name
     loggers = ('[{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "%s", "name": "csv"}}'
                % run_dir)
@@ -160,6 +161,11 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: 
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     stderr = "".join(proc.stderr for proc in procs)  # rank 0 runs under either torchrun agent
     assert "lr_warmup_steps=30 is not below" in stderr and "args parameter" not in stderr
+    stdout = "".join(proc.stdout for proc in procs)
+    # The model summary counts the whole model (every TP shard), the run summary the throughput
+    [whole] = re.findall(r"Whole model: ([\d.]+ [KMB]) parameters", stdout + stderr)
+    assert "Total FLOPs: 0" not in stdout + stderr
+    assert re.search(r"mfu +median over steps", stdout) and re.search(r"tokens_per_sec +median", stdout), stdout[-3000:]
     [metrics] = list(run_dir.rglob("metrics.csv"))
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("train_lm_loss")]
     assert (run_dir / "ckpt").exists() and any((run_dir / "ckpt").iterdir()), "a checkpoint must be saved"
@@ -167,7 +173,7 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: 
         assert list(run_dir.rglob("*.wandb")), "W&B offline run files must exist"
         records = b"".join(p.read_bytes() for p in run_dir.rglob("*.wandb"))
         assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision"))
-    return [float(r["train_lm_loss"]) for r in rows]
+    return [float(r["train_lm_loss"]) for r in rows], whole
 
 
 def test_cli_fit_tp1_equals_tp2(tmp_path):
@@ -176,12 +182,13 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
     within 1e-5; its step-6 checkpoint, resumed on one node at TP=1 x DP=2 under the variables srun
     sets (Lightning's SLURMEnvironment starts no process: the two ranks exist only if it read them),
     continues the one-process run; test and export read the two-node checkpoint on one process."""
-    tp2 = _fit(tmp_path, 1, 2, "tp2", wandb=True, launcher="torchrun", nodes=2)
-    tp1 = _fit(tmp_path, 1, 1, "tp1", wandb=False)
+    tp2, whole_tp2 = _fit(tmp_path, 1, 2, "tp2", wandb=True, launcher="torchrun", nodes=2)
+    tp1, whole_tp1 = _fit(tmp_path, 1, 1, "tp1", wandb=False)
+    assert whole_tp2 == whole_tp1, "the summary counts every TP shard"
     assert len(tp1) == len(tp2) == 12
     for a, b in zip(tp1, tp2):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, tp2)
-    resumed = _fit(tmp_path, 2, 1, "resumed", wandb=False, launcher="slurm", ckpt_path=tmp_path / "tp2/ckpt/step=6.ckpt")
+    resumed, _ = _fit(tmp_path, 2, 1, "resumed", wandb=False, launcher="slurm", ckpt_path=tmp_path / "tp2/ckpt/step=6.ckpt")
     assert len(resumed) == 6
     for a, b in zip(tp1[6:], resumed):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, resumed)

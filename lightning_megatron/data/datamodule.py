@@ -30,7 +30,11 @@ from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from lightning_megatron.data.tokenizer import BertTokenizer, default_cache_dir, default_vocab_file, file_lock
 
-__all__ = ["BertDataModule", "MegatronDataLoader", "default_num_workers"]
+__all__ = ["BertDataModule", "MegatronDataLoader", "NO_PADDING", "default_num_workers"]
+
+NO_PADDING = "no_padding"
+"""Batch key set on the host by :meth:`BertDataModule.on_before_batch_transfer`: True when no sample of
+the batch is padded, so that the model skips the attention mask without a device -> host sync."""
 
 
 def default_num_workers(processes_per_node: int = 1) -> int:
@@ -400,6 +404,15 @@ class BertDataModule(pl.LightningDataModule):
                                       data_parallel_size=dp_size,
                                       local_batch_size=self.micro_batch_size * self.num_microbatches(dp_size))
         return self._loader(IndexedSamples(dataset), sampler)
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # On the host, before the batch moves to the device: does any sample have padding? Answered here
+        # (the data's hook, not the model's: Lightning warns when a model hook meets a datamodule), the
+        # forward needs no device -> host sync to skip the attention mask.
+        if isinstance(batch, dict) and "attention_mask" in batch:
+            batch = {**batch, NO_PADDING: bool(batch["attention_mask"].all())}
+        return batch
 
     # --- checkpointing ----------------------------------------------------------------------------
 

@@ -213,18 +213,27 @@ def train_wordpiece_tokenizer(files: Sequence[str | os.PathLike[str]] | None, vo
     them; ``None``: the built-in corpus) and write ``output_dir/vocab.txt`` atomically.
 
     Returns the path of ``vocab.txt``. The special tokens of :data:`SPECIAL_TOKENS` come first.
+    Inputs that hold no text (say, JSON lines without ``json_key``) raise :class:`ValueError` and
+    write nothing.
     """
     from tokenizers import BertWordPieceTokenizer
 
-    from lightning_megatron.data.corpus import read_documents
+    from lightning_megatron.data.corpus import CorpusStats, read_documents
 
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size={vocab_size} is too small; use at least a few hundred pieces")
-    documents = read_documents(files, json_key=json_key)  # missing files fail here
+    stats = CorpusStats()
+    documents = read_documents(files, stats, json_key=json_key)  # missing files fail here
     tokenizer = BertWordPieceTokenizer(lowercase=lowercase)
     tokenizer.train_from_iterator((s for doc in documents for s in doc), vocab_size=vocab_size,
                                   min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
                                   show_progress=False)
+    if stats.documents == 0:
+        names = "the built-in corpus" if files is None else [os.fspath(f) for f in files][:5]
+        raise ValueError(f"no text to train a vocabulary on in {names}: {stats.files} files read, "
+                         f"{stats.empty_files} empty, {stats.bad_json_lines} JSON lines without a string under "
+                         f"json_key={json_key!r}, {stats.empty_documents} empty documents; nothing was written "
+                         f"(pass --json-key with the field that holds the text)")
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output) as tmp:

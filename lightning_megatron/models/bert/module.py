@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
+from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
 from lightning_megatron.models.bert.convert import SavedModel
 from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
 from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
@@ -37,8 +38,6 @@ from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
 
-NO_PADDING = "no_padding"
-"""Batch key set on the host by :meth:`BertLightningModule.on_before_batch_transfer`: True when no sample is padded."""
 
 __all__ = ["BertLightningModule", "vocab_parallel_argmax"]
 
@@ -329,14 +328,6 @@ class BertLightningModule(LightningModule):
         return (s, b, self.config.hidden_size)
 
     # ------------------------------------------------------------------ steps
-
-    @override
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # On the host, before the batch moves to the device: does any sample have padding? Answered
-        # here, the forward needs no device -> host sync to skip the attention mask.
-        if isinstance(batch, dict) and torch.is_tensor(batch.get("attention_mask")):
-            batch = {**batch, NO_PADDING: bool(batch["attention_mask"].all())}
-        return batch
 
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
         """Megatron's forward-step: run ``chunk``; on the last chunk return the loss function too.
