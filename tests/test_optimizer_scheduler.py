@@ -223,7 +223,7 @@ def test_warmup_longer_than_decay_gets_one_answer_everywhere():
     assert check_config(scheduler_args={**args, "lr_decay_steps": None}, trainer_args={"max_steps": 20}) == []
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
     callback = OptimizerParamSchedulerCallback(**{**args, "lr_warmup_steps": 30})
-    trainer = SimpleNamespace(lr_scheduler_configs=[], optimizers=[opt], max_steps=20)
+    trainer = SimpleNamespace(lr_scheduler_configs=[], optimizers=[opt], max_steps=20, fast_dev_run=False)
     with pytest.warns(UserWarning, match=r"lr_warmup_steps=30 is not below the decay length 20 .* using "
                                          r"lr_warmup_steps=2"):
         callback.on_fit_start(trainer, None)

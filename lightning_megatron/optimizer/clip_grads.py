@@ -41,6 +41,7 @@ __all__ = [
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "grads_for_norm",
+    "is_counted_once",
     "grad_norm_and_found_inf",
     "sum_of_squares_fp64",
 ]
@@ -48,11 +49,15 @@ __all__ = [
 _CHUNK = 1 << 20  # elements converted to fp64 at a time: 8 MiB of temporary, whatever the tensor
 
 
-def _is_counted(param: torch.Tensor, tp_rank: int, pp_rank: int) -> bool:
-    """Whether this rank contributes ``param`` to the norm (each duplicate counted once)."""
+def is_counted_once(param: torch.Tensor, tp_rank: int, pp_rank: int) -> bool:
+    """Whether this rank contributes ``param`` to a model-wide sum (each duplicate counted once): a
+    tensor-parallel duplicate on TP rank 0 only, the tied embedding on the first stage only."""
     if getattr(param, "shared_embedding", False) and pp_rank != 0:
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+_is_counted = is_counted_once  # the name distrib_optimizer.py imports
 
 
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
@@ -65,7 +70,7 @@ def grads_for_norm(
     parameters: Iterable[torch.Tensor] | torch.Tensor, *, tp_rank: int = 0, pp_rank: int = 0
 ) -> list[torch.Tensor]:
     """The gradients this rank contributes to the global norm (see the module docstring)."""
-    return [p.grad for p in _as_list(parameters) if p.grad is not None and _is_counted(p, tp_rank, pp_rank)]
+    return [p.grad for p in _as_list(parameters) if p.grad is not None and is_counted_once(p, tp_rank, pp_rank)]
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:

@@ -25,7 +25,10 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
 from lightning_megatron.models.bert.convert import SavedModel
+from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
+from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
 from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.module import MegatronLightningModule
@@ -34,8 +37,6 @@ from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_s
 from lightning_megatron.tensor_parallel import vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
 
-NO_PADDING = "no_padding"
-"""Batch key set on the host by :meth:`BertLightningModule.on_before_batch_transfer`: True when no sample is padded."""
 
 __all__ = ["BertLightningModule", "vocab_parallel_argmax"]
 
@@ -196,6 +197,7 @@ class BertLightningModule(MegatronLightningModule):
 
     @override
     def on_chunks_built(self) -> None:
+        self.eval_metrics = pretraining_metrics(self.vocab_size, self.parallel_state)  # val/test: whole split, over DP
         if self.hparams.get("init_from"):
             self.load_pretrained(self.hparams.init_from)
 
@@ -338,14 +340,6 @@ class BertLightningModule(MegatronLightningModule):
 
     # ------------------------------------------------------------------ steps
 
-    @override
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # On the host, before the batch moves to the device: does any sample have padding? Answered
-        # here, the forward needs no device -> host sync to skip the attention mask.
-        if isinstance(batch, dict) and torch.is_tensor(batch.get("attention_mask")):
-            batch = {**batch, NO_PADDING: bool(batch["attention_mask"].all())}
-        return batch
-
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
         """Megatron's forward-step: run ``chunk``; on the last chunk return the loss function too.
 
@@ -371,15 +365,28 @@ class BertLightningModule(MegatronLightningModule):
             preds = vocab_parallel_argmax(lm_logits, tp_group, self.vocab_size)
             masked = loss_mask > 0
             target = labels.masked_fill(~masked, -100)
-            # tensor ops only (no host sync): correct masked predictions / masked tokens
             num_masked = masked.sum()
-            stats["mlm_accuracy"] = ((preds == target) & masked).sum().float() / num_masked.clamp(min=1).float()
+            stage = _eval_stage(self)
+            if stage:  # whole-split metrics (torchmetrics), logged at the end of the epoch
+                metrics = on_device(self.eval_metrics[stage], preds.device)
+                metrics["mlm_accuracy"].update(preds, target)
+                metrics["perplexity"].update(stats["lm_loss"].detach().float(), num_masked)
+            else:  # this step's: tensor ops only (no host sync), correct masked predictions / masked tokens
+                stats["mlm_accuracy"] = ((preds == target) & masked).sum().float() / num_masked.clamp(min=1).float()
             stats["num_masked_tokens"] = num_masked.float()
 
         def loss_func(output: torch.Tensor):
             return output, {"loss": output.detach(), **stats}
 
         return total, loss_func
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        log_epoch_metrics(self, self.eval_metrics["val"], "val", self.parallel_state, self.model_chunks[-1].post_process)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        log_epoch_metrics(self, self.eval_metrics["test"], "test", self.parallel_state, self.model_chunks[-1].post_process)
 
     def _predict_forward(self, batch: dict[str, torch.Tensor], chunk: BertModel):
         """Predictions of one microbatch (:mod:`~lightning_megatron.models.bert.predict`); the loss
