@@ -193,8 +193,9 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     extra = defaults.get("callbacks") or []
     defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback(),
                              PredictionWriter()]
-    return MegatronCLI(model_class, datamodule_class, args=args, subclass_mode_model=model_class is None,
-                       subclass_mode_data=datamodule_class is None,
+    kwargs.setdefault("subclass_mode_model", model_class is None)  # a class named by class_path
+    kwargs.setdefault("subclass_mode_data", datamodule_class is None)
+    return MegatronCLI(model_class, datamodule_class, args=args,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
 
