@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.optimizer.config import OptimizerConfig
     from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "optimizer_wrapper",
     "is_sharded",
     "missing_members",
+    "WrapsOptimizers",
 ]
 
 LossFunc = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
@@ -276,6 +278,17 @@ def optimizer_wrapper(optimizer: Any) -> OptimizerWrapper:
         raise TypeError(f"{type(optimizer).__name__} is neither a torch.optim.Optimizer nor an "
                         f"OptimizerWrapper; missing: {', '.join(missing)} (lightning_megatron.protocols)")
     return optimizer
+
+
+@runtime_checkable
+class WrapsOptimizers(Protocol):
+    """A strategy that wraps the optimizers itself (the MegatronStrategy): the optimizer callback hands
+    it the :class:`~lightning_megatron.optimizer.OptimizerConfig` in its ``setup`` hook, and the strategy
+    wraps every optimizer right after ``configure_optimizers``, where it owns the parallel state and
+    the gradient buffer."""
+
+    def set_optimizer_config(self, config: OptimizerConfig) -> None:
+        """Wrap the optimizers of the coming fit with ``config`` (a second, different config is refused)."""
 
 
 def is_sharded(optimizer: OptimizerWrapper) -> bool:

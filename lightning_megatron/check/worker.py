@@ -275,6 +275,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
     from lightning.pytorch import Trainer
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer.config import OptimizerConfig
     from lightning_megatron.strategy import MegatronStrategy
 
     world = dist.get_world_size()
@@ -288,7 +289,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
     optimizer_cbs = [c for c in callbacks if isinstance(c, MegatronOptimizerCallback)]
     if layout.zero1:
         if not optimizer_cbs:  # clip_grad=0: the same update as the plain optimizer of the other layouts
-            callbacks.append(MegatronOptimizerCallback(clip_grad=0.0, use_distributed_optimizer=True))
+            callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0, use_distributed_optimizer=True)))
         for c in optimizer_cbs:
             c.config = replace(c.config, use_distributed_optimizer=True)
     recorder = _make_recorder(run)
