@@ -54,6 +54,7 @@ from lightning_megatron.setup_checks import (
 )
 from lightning_megatron.sharded_state import ShardedStateMapper
 from lightning_megatron.step import BatchSizes, StepRunner
+from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
 __all__ = ["MegatronStrategy"]
@@ -177,6 +178,8 @@ class MegatronStrategy(DDPStrategy):
         assert ps is not None and self.accelerator is not None
         check_trainer(trainer)
         self._module = megatron_module(self.lightning_module, pipelined=ps.pp_size > 1, num_chunks=ps.vp_size or 1)
+        # Parameters no parallel layer described are replicated across TP: said once, here (param_facts).
+        mark_replicated(p for chunk in self.model_chunks for p in chunk.parameters())
         check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams),
                         wraps_optimizers=self._optimizer_config is not None)
         self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps)

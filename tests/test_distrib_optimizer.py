@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
 STEPS = 10
 
@@ -24,8 +25,7 @@ def _tiny_model(tp: int, tp_rank: int, dtype: torch.dtype) -> list[torch.nn.Para
 
     def param(shape, gen, **attrs):
         p = torch.nn.Parameter((0.5 * torch.randn(*shape, generator=gen)).to(dtype))
-        for k, v in attrs.items():
-            setattr(p, k, v)
+        set_param_facts(p, **attrs)
         return p
 
     return [
@@ -49,7 +49,7 @@ def _groups(params):
 def _grads(params, step, tp_rank, dp_rank, scale=1.0):
     out = []
     for i, p in enumerate(params):
-        sharded = getattr(p, "tensor_model_parallel", False)
+        sharded = param_facts(p).tensor_model_parallel
         seed = 1000 * step + 10 * i + dp_rank + (100_000 * (tp_rank + 1) if sharded else 0)
         out.append(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
     return out
@@ -186,3 +186,27 @@ def test_distributed_optimizer_matches_non_distributed(tp, world):
             assert abs(mem["main_params"] + mem["optimizer_state"] - 12 / d) <= 12 * d / (world * 20), mem
             assert abs(mem["grad_buffer"] - 4) <= 0.2
         assert r["bf16_mem"]["model_params"] == 2 and r["fp32_mem"]["model_params"] == 4
+
+
+def test_the_buffer_mode_is_switched_by_declared_methods_only():
+    """The DistributedOptimizer switches its GradBuffer to reduce-scatter with use_reduce_scatter() and
+    hands back consumed grads with mark_consumed(); neither mode is an assignable attribute any more, and
+    the dead layout helpers are gone."""
+    from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.optimizer import DistributedOptimizer
+
+    params = _tiny_model(1, 0, torch.float32)
+    buffer = GradBuffer(params, bucket_bytes=float("inf"))
+    assert not buffer.reduces_by_scatter
+    opt = DistributedOptimizer(torch.optim.AdamW(_groups(params)), data_parallel_group=None, grad_buffer=buffer)
+    assert buffer.reduces_by_scatter and not buffer.reduced
+    with pytest.raises(AttributeError):
+        buffer.reduced = True  # was a plain attribute the optimizer assigned
+    for p, g in zip(params, _grads(params, 0, 0, 0)):
+        p.grad = g
+    opt.step()
+    assert not buffer.reduced
+    for name in ("bucket_of",):
+        assert name not in vars(GradBuffer)
+    for name in ("layout", "_all_segments"):
+        assert name not in vars(DistributedOptimizer)

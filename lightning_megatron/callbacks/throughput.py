@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_megatron.protocols import CountsFlops
 from lightning_megatron.strategy import MegatronStrategy
+from lightning_megatron.tensor_parallel.param_facts import is_counted
 
 __all__ = ["ThroughputCallback", "measure_matmul_tflops"]
 
@@ -67,21 +68,18 @@ class ThroughputCallback(Callback):
         return strategy.parallel_state.dp_size if isinstance(strategy, MegatronStrategy) else trainer.world_size
 
     def _model_params(self, trainer: Trainer, pl_module: LightningModule) -> int:
-        """Parameters of the whole model: this rank's, scaled by TP and summed over pipeline stages."""
+        """Parameters of the whole model: the sum over the model-parallel ranks of the parameters each
+        counts (each replicated parameter once, as the gradient norm: ``param_facts.is_counted``)."""
         if self._params is None:
             strategy = trainer.strategy
             if not isinstance(strategy, MegatronStrategy):
                 self._params = sum(p.numel() for p in pl_module.parameters())
                 return self._params
             ps = strategy.parallel_state
-            count = 0
-            for p in pl_module.parameters():
-                if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
-                    continue  # the tied embedding's copy on the last stage
-                count += p.numel() * (ps.tp_size if getattr(p, "tensor_model_parallel", False) else 1)
-            if ps.pp_size > 1:
+            count = sum(p.numel() for p in pl_module.parameters() if is_counted(p, ps.tp_rank, ps.pp_rank))
+            if ps.mp_group is not None and dist.get_world_size(ps.mp_group) > 1:
                 t = torch.tensor([float(count)])
-                dist.all_reduce(t, group=ps.pp_group)
+                dist.all_reduce(t, group=ps.mp_group)
                 count = int(t.item())
             self._params = count
         return self._params

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,18 +39,12 @@ from lightning_megatron.optimizer.clip_grads import (
     grads_for_norm,
 )
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
+from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, mark_replicated
+
+if TYPE_CHECKING:
+    from lightning_megatron.grads import GradBuffer
 
 __all__ = ["MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params"]
-
-# Attributes a main param inherits from its model param: the norm needs them to count each
-# parameter once (see clip_grads.py).
-_COPIED_PARAM_ATTRIBUTES = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "shared_embedding",
-    "sequence_parallel",
-)
 
 
 def zero_grads(params: list[torch.Tensor], set_to_none: bool = True) -> None:
@@ -85,6 +79,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         model_parallel_group: dist.ProcessGroup | None = None,
         tp_rank: int = 0,
         pp_rank: int = 0,
+        grad_buffer: GradBuffer | None = None,
     ) -> None:
         # Deliberately no super().__init__: it would build new param groups and state; ours are the
         # inner optimizer's. The hook dicts exist so Optimizer's hook-registration API still works.
@@ -108,8 +103,14 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        if grad_scaler is not None and self.get_parameters():
-            grad_scaler.to(self.get_parameters()[0].device)  # the scale lives next to the grads
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # Parameters no parallel layer described are replicated (one process, or plain layers): said
+        # once here, so that the norm can count every parameter (tensor_parallel.param_facts).
+        mark_replicated(params)
+        self._grad_buffer = grad_buffer
+        """The strategy's GradBuffer whose ``main_grad`` views hold the grads (None: ``.grad``)."""
+        if grad_scaler is not None and params:
+            grad_scaler.to(params[0].device)  # the scale lives next to the grads
         self.last_grad_norm: float | None = None
         self.last_num_zeros: int | None = None
         self.last_step_skipped = False
@@ -160,10 +161,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     # -- step pieces (overridden by the fp16/bf16 wrapper) ---------------------------------------
     def _copy_model_grads_to_main_grads(self) -> None:
-        # A Megatron-style DDP accumulates into ``param.main_grad``; hand it to the optimizer.
-        for p in self.get_parameters():
-            if hasattr(p, "main_grad"):
-                p.grad = p.main_grad
+        # Under the strategy the grads are in its GradBuffer (``main_grad``); hand them to the optimizer.
+        if self._grad_buffer is not None:
+            for p in self.get_parameters():
+                main_grad = self._grad_buffer.main_grad_of(p)
+                if main_grad is not None:
+                    p.grad = main_grad
 
     def _copy_main_params_to_model_params(self) -> None:
         pass
@@ -291,9 +294,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                     continue
                 if param.dtype in (torch.float16, torch.bfloat16):
                     main_param = param.detach().clone().float()
-                    for name in _COPIED_PARAM_ATTRIBUTES:
-                        if hasattr(param, name):
-                            setattr(main_param, name, getattr(param, name))
+                    copy_param_facts(param, main_param)  # the norm counts it as its model param
                     group["params"][i] = main_param
                     self._main_by_param[id(param)] = main_param
                     if param in self.optimizer.state:
@@ -325,7 +326,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         # ``.grad`` is converted once and freed.
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
-                main_grad = getattr(model_param, "main_grad", None)
+                main_grad = None if self._grad_buffer is None else self._grad_buffer.main_grad_of(model_param)
                 if main_grad is not None:
                     main_param.grad = main_grad.float()  # the same tensor when fp32
                 else:
@@ -333,8 +334,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 model_param.grad = None
         for group in self.fp32_from_fp32_groups:
             for param in group:
-                if hasattr(param, "main_grad"):
-                    param.grad = param.main_grad
+                main_grad = None if self._grad_buffer is None else self._grad_buffer.main_grad_of(param)
+                if main_grad is not None:
+                    param.grad = main_grad
 
     def _copy_main_params_to_model_params(self) -> None:
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):

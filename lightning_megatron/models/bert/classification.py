@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_megatron.models.bert.model import BertModel
 from lightning_megatron.models.bert.module import BertLightningModule
-from lightning_megatron.tensor_parallel import init_method_normal
+from lightning_megatron.tensor_parallel import init_method_normal, mark_replicated, param_facts
 from lightning_megatron.transformer import seeded
 
 __all__ = ["BertClassificationModule"]
@@ -63,6 +63,7 @@ class BertClassificationModule(BertLightningModule):
                                             dtype=self.config.params_dtype)
                 init_method_normal(self.config.init_method_std)(last.classifier.weight.data)
                 nn.init.zeros_(last.classifier.bias.data)
+            mark_replicated(last.classifier.parameters())  # replicated across TP, like the pooler
             last.classifier_dropout = nn.Dropout(self.hparams.classifier_dropout)
         if init_from:
             self.load_pretrained(init_from)
@@ -76,7 +77,7 @@ class BertClassificationModule(BertLightningModule):
         unused = ("classifier.", "lm_head.", "binary_head.", "output_layer.bias")
         return [(n, p) for n, p in self.sharded_named_parameters()
                 if not n.startswith(unused) and not (n == "output_layer.weight"
-                                                     and not getattr(p, "shared_embedding", False))]
+                                                     and not param_facts(p).shared_embedding)]
 
     @override
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
