@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from lightning_megatron.optimizer.config import OptimizerConfig, gradient_clip_val_problem
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
-from lightning_megatron.protocols import WrapsOptimizers
+from lightning_megatron.protocols import PlainOptimizer, WrapsOptimizers, optimizer_wrapper
 
 __all__ = ["MegatronOptimizerCallback"]
 
@@ -93,17 +93,19 @@ class MegatronOptimizerCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        wrapped = [opt for opt in trainer.optimizers if isinstance(opt, MegatronOptimizer)]
+        # Every OptimizerWrapper (ours, or one of your own); a plain torch optimizer has nothing to log.
+        wrapped = [w for w in map(optimizer_wrapper, trainer.optimizers) if not isinstance(w, PlainOptimizer)]
         for i, opt in enumerate(wrapped):
             suffix = "" if i == 0 else f"_{i}"
             metrics: dict[str, float | torch.Tensor] = {
                 # a tensor: Lightning reads it when it writes the logs, not every step (no host sync)
-                f"loss_scale{suffix}": opt.get_loss_scale().detach().float(),
+                f"loss_scale{suffix}": 1.0 if opt.grad_scaler is None else opt.grad_scaler.scale.detach().float(),
                 f"skipped_steps{suffix}": float(opt.num_skipped_steps),
             }
             if opt.last_grad_norm is not None:
                 metrics[f"grad_norm{suffix}"] = opt.last_grad_norm
-            if self.config.log_num_zeros_in_grad and opt.last_num_zeros is not None:
+            if (self.config.log_num_zeros_in_grad and isinstance(opt, MegatronOptimizer)
+                    and opt.last_num_zeros is not None):
                 metrics[f"num_zeros{suffix}"] = float(opt.last_num_zeros)
             for name, value in metrics.items():
                 pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)

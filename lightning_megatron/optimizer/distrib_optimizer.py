@@ -209,13 +209,6 @@ class DistributedOptimizer(MegatronOptimizer):
             if group is not None:
                 all_reduce(t, group, op)
 
-    def _unscale_main_grads(self) -> None:
-        assert self.grad_scaler is not None
-        grads = self._main_grads()
-        inv_scale = self.grad_scaler.inv_scale.to(self.grad_buffer.device)
-        if grads and not bool(inv_scale.item() == 1.0):
-            torch._foreach_mul_(grads, inv_scale.reshape(()))
-
     def _segment_grad(self, seg: tuple[torch.nn.Parameter, int, int, int, int]) -> torch.Tensor:
         p, lo, hi, _, g = seg
         return self.buffer.data[g: g + hi - lo]
@@ -223,9 +216,6 @@ class DistributedOptimizer(MegatronOptimizer):
     def _counted_grad_pieces(self) -> list[torch.Tensor]:
         """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
         return [self._segment_grad(seg) for seg in self._segments if is_counted(seg[0], self.tp_rank, self.pp_rank)]
-
-    def _grad_norm(self) -> float:
-        return self._grad_norm_and_found_inf()[0]
 
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from lightning_megatron.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
-    get_grad_norm_fp32,
     grad_norm_and_found_inf,
     grads_for_norm,
 )
@@ -195,7 +194,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
             self._unscale_main_grads()
-            grad_norm, found_inf = self._grad_norm_and_found_inf()
+        grad_norm, found_inf = self._grad_norm_and_found_inf()  # without a scaler: only the norm is used
+        if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.last_step_skipped = True
@@ -204,8 +204,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 self.last_num_zeros = None
                 self._release_main_grads()
                 return loss
-        else:
-            grad_norm = self._grad_norm()
 
         self.last_grad_norm = grad_norm
         if self.clip_grad > 0.0:
@@ -218,11 +216,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return loss
 
     # Hooks of the step; the DistributedOptimizer overrides them for its flat shards.
-    def _grad_norm(self) -> float:
-        """Global L2 norm over TP/PP (each duplicated parameter once)."""
-        grads = grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank, pp_rank=self.pp_rank)
-        return get_grad_norm_fp32(grads, 2, self.model_parallel_group)
-
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
         """The global L2 norm and whether any main grad on any model-parallel rank is inf/nan."""
         counted = grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank, pp_rank=self.pp_rank)
