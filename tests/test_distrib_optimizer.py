@@ -59,6 +59,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
     import torch.distributed as dist
 
     from lightning_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+    from lightning_megatron.grads import GradBuffer
     from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
 
     model = _tiny_model(ps.tp_size, ps.tp_rank, dtype)
@@ -70,8 +71,10 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
                                data_parallel_group=ps.dp_group, grad_scaler=scaler_factory and scaler_factory(),
                                **mp)
     wrapper = FP32Optimizer if dtype == torch.float32 else Float16OptimizerWithFloat16Params
+    # The reference reads fp32 DP-mean grads from a grad buffer of its own (the strategy's role).
+    ref_buffer = GradBuffer(ref_model, bucket_bytes=float("inf"))
     ref = wrapper(torch.optim.AdamW(_groups(ref_model), betas=(0.9, 0.95)), clip_grad=clip_grad,
-                  grad_scaler=scaler_factory and scaler_factory(), **mp)
+                  grad_scaler=scaler_factory and scaler_factory(), grad_buffer=ref_buffer, **mp)
     max_diff, norms, skipped = 0.0, [], []
     for step in range(STEPS):
         grads = _grads(model, step, ps.tp_rank, ps.dp_rank, scale=1.0 if scaler_factory is None else 64.0)
@@ -82,7 +85,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
         for r, g in zip(ref_model, grads):
             mean = g.to(dtype).float().clone()  # never alias the model grad
             dist.all_reduce(mean, group=ps.dp_group)
-            r.main_grad = mean / ps.dp_size
+            ref_buffer.main_grad_of(r).copy_(mean / ps.dp_size)
             r.grad = None
         opt.step()
         ref.step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import io
 from pathlib import Path
 
 import pytest
@@ -64,10 +65,14 @@ def test_the_record_is_typed_and_refused_when_missing():
         ParamFacts(tensor_model_parallel=True)
     assert mark_replicated([p]) == 1 and param_facts(p) == ParamFacts() and mark_replicated([p]) == 0
     facts = set_param_facts(p, shared_embedding=True)
-    assert param_facts(p) is facts and facts.shared_embedding and not facts.tensor_model_parallel
+    assert param_facts(p) == facts and facts.shared_embedding and not facts.tensor_model_parallel
     main = p.detach().clone().float()
     copy_param_facts(p, main)
     assert param_facts(main) == facts
+    buf = io.BytesIO()  # an fp32 main param in an optimizer state dict: its facts travel as plain values
+    torch.save({"main": main}, buf)
+    buf.seek(0)
+    assert param_facts(torch.load(buf, weights_only=True)["main"]) == facts
 
 
 def test_parallel_layers_set_their_facts():

@@ -27,7 +27,7 @@ and the model's parameter count alike.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 _ATTRIBUTE = "_lightning_megatron_param_facts"  # the one attribute; only this module touches it
+# Stored as a dict of plain values, not the dataclass: torch pickles a tensor's attributes with it
+# (an fp32 main param in an optimizer state dict), and torch.load(weights_only=True) loads plain values only.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,35 +78,43 @@ class ParamFacts:
             raise ValueError(f"ParamFacts(real_vocab_size={self.real_vocab_size}) must be >= 1 or None")
 
 
+_FIELDS = frozenset(f.name for f in fields(ParamFacts))
+
+
+def _stored(param: torch.Tensor) -> dict[str, Any] | None:
+    value = param.__dict__.get(_ATTRIBUTE)
+    return value if isinstance(value, dict) and value.keys() == _FIELDS else None
+
+
 def has_param_facts(param: torch.Tensor) -> bool:
     """Whether ``param`` carries a :class:`ParamFacts` record."""
-    return isinstance(param.__dict__.get(_ATTRIBUTE), ParamFacts)
+    return _stored(param) is not None
 
 
 def param_facts(param: torch.Tensor) -> ParamFacts:
     """The record of ``param``; refused when it has none."""
-    facts = param.__dict__.get(_ATTRIBUTE)
-    if not isinstance(facts, ParamFacts):
+    stored = _stored(param)
+    if stored is None:
         raise TypeError(
             f"parameter of shape {tuple(param.shape)} ({param.dtype}) has no ParamFacts: the parallel layers "
             f"set them, lightning_megatron.tensor_parallel.mark_replicated(params) declares the others "
             f"replicated (the MegatronStrategy does it for the model chunks at set-up), and "
             f"set_param_facts(param, ...) sets them by hand")
-    return facts
+    return ParamFacts(**stored)
 
 
 def set_param_facts(param: torch.Tensor, **changes: Any) -> ParamFacts:
     """Set fields of ``param``'s record (a new record from the defaults when it has none); returns it."""
-    current = param.__dict__.get(_ATTRIBUTE)
-    facts = replace(current if isinstance(current, ParamFacts) else ParamFacts(), **changes)
-    param.__dict__[_ATTRIBUTE] = facts
+    stored = _stored(param)
+    facts = replace(ParamFacts() if stored is None else ParamFacts(**stored), **changes)
+    param.__dict__[_ATTRIBUTE] = asdict(facts)
     return facts
 
 
 def copy_param_facts(source: torch.Tensor, target: torch.Tensor) -> None:
     """``target`` (e.g. an fp32 main copy) gets ``source``'s record, if it has one."""
     if has_param_facts(source):
-        target.__dict__[_ATTRIBUTE] = param_facts(source)
+        target.__dict__[_ATTRIBUTE] = asdict(param_facts(source))
 
 
 def mark_replicated(params: Iterable[torch.Tensor]) -> int:
@@ -113,7 +123,7 @@ def mark_replicated(params: Iterable[torch.Tensor]) -> int:
     count = 0
     for p in params:
         if not has_param_facts(p):
-            p.__dict__[_ATTRIBUTE] = ParamFacts()
+            p.__dict__[_ATTRIBUTE] = asdict(ParamFacts())
             count += 1
     return count
 
