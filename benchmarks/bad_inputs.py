@@ -173,11 +173,114 @@ def _data_and_checkpoint_cases(tmp: Path) -> list[tuple[str, str, Callable[[], A
         ("data", "splits='100,0,0,5' (four values)", lambda: BertDataModule(splits="100,0,0,5"), BEFORE),
         ("data", "max_seq_length=2", lambda: BertDataModule(max_seq_length=2), BEFORE),
         ("checkpoint", "ckpt_path that does not exist",
-         lambda: ckpt.validate_checkpoint_dir(tmp / "missing.ckpt"), SETUP),
+         lambda: ckpt.verify_checkpoint(tmp / "missing.ckpt"), SETUP),
         ("checkpoint", "ckpt_path is a file (another strategy's .ckpt)",
-         lambda: ckpt.validate_checkpoint_dir(tmp / "empty.txt"), SETUP),
+         lambda: ckpt.verify_checkpoint(tmp / "empty.txt"), SETUP),
         ("checkpoint", "interrupted save (directory without the marker)",
-         lambda: ckpt.validate_checkpoint_dir(tmp / "partial.ckpt"), SETUP),
+         lambda: ckpt.verify_checkpoint(tmp / "partial.ckpt"), SETUP),
+    ]
+
+
+def _trust_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
+    """Damaged or hostile checkpoints, model folders, recipes and data on every path that reads them."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from lightning_megatron import checkpoint as ckpt
+    from lightning_megatron.cli import main
+    from lightning_megatron.data.bert_dataset import BertDataset
+    from lightning_megatron.data.dataset_vocab import check_dataset_vocab, vocab_sidecar_path
+    from lightning_megatron.data.indexed_dataset import IndexedDataset
+    from lightning_megatron.data.preprocess import preprocess_corpus
+    from lightning_megatron.data.tokenizer import BertTokenizer, packaged_vocab_file
+    from lightning_megatron.models.bert.init_from import read_pretrained
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    v1_dir = ROOT / "tests" / "data" / "ckpt_v1_tp2"
+    v1_model = json.loads((ROOT / "tests" / "data" / "ckpt_v1_tp2.json").read_text())["model"]
+
+    def copy(name: str, how: str) -> Path:
+        d = tmp / name
+        shutil.copytree(v1_dir, d)
+        marker = json.loads((d / ckpt.MARKER).read_text())
+        if how != "format1":
+            names = ckpt._files(d)
+            marker.update(format_version=2, files={n: (d / n).stat().st_size for n in names},
+                          sha256={n: ckpt.file_sha256(d / n) for n in names})
+        if how == "flip":
+            data = bytearray((d / "__1_0.distcp").read_bytes())
+            data[len(data) // 2] ^= 0x40
+            (d / "__1_0.distcp").write_bytes(bytes(data))
+        elif how == "sum":
+            marker["sha256"]["__0_0.distcp"] = "0" * 64
+        elif how == "nosums":
+            del marker["sha256"]
+        (d / ckpt.MARKER).write_text(json.dumps(marker))
+        return d
+
+    flipped, altered, nosums = copy("flipped", "flip"), copy("altered", "sum"), copy("nosums", "nosums")
+    v1 = copy("v1", "format1")
+
+    def init_from(path: Path) -> Callable[[], Any]:
+        return lambda: BertLightningModule(**v1_model, init_from=str(path)).configure_model()
+
+    def export(path: Path) -> Callable[[], Any]:
+        return lambda: main(["export", "hf", "--ckpt_path", str(path), "--output", str(tmp / f"{path.name}-hf")])
+
+    (tmp / "ckpts").mkdir()
+    (tmp / "ckpts" / "last.ckpt.tmp-1a2b3c4d").mkdir()  # a save interrupted before its marker
+    remote = tmp / "remote_code"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "x.EvilConfig"}}))
+    latin1 = tmp / "latin1_vocab.txt"
+    latin1.write_bytes(packaged_vocab_file().read_bytes()[:2000] + b"\ncaf\xe9\n")
+    (tmp / "evil_base.yaml").write_text("model:\n  x: !!python/object/apply:os.system ['true']\n")
+    (tmp / "uses_evil.yaml").write_text("base: evil_base.yaml\n")
+    text = "\n\n".join("The quick brown fox jumps over the lazy dog.\nA second sentence here." for _ in range(8))
+    (tmp / "corpus.txt").write_text(text + "\n")
+    preprocess_corpus([str(tmp / "corpus.txt")], str(tmp / "ds"), None, max_seq_length=64)
+    indexed = IndexedDataset(tmp / "ds")
+    data = np.memmap(f"{tmp / 'ds'}.bin", dtype=indexed.dtype, mode="r+")
+    data[int(np.sum(indexed.sizes[: int(indexed.doc_idx[3])])) + 1] = 65000  # one id in document 3
+    data.flush()
+    del data
+
+    def bad_sample():
+        ds = BertDataset(IndexedDataset(tmp / "ds"), BertTokenizer(), max_seq_length=64, num_epochs=1,
+                         samples_cache_dir=False)
+        for i in range(len(ds)):
+            ds[i]
+
+    def no_sidecar():
+        vocab_sidecar_path(tmp / "ds").unlink(missing_ok=True)
+        check_dataset_vocab(tmp / "ds", BertTokenizer(), None)
+
+    return [
+        ("checkpoint", "same-size byte flip, init_from", init_from(flipped), SETUP),
+        ("checkpoint", "same-size byte flip, export hf", export(flipped), BEFORE),
+        ("checkpoint", "same-size byte flip, load_from_checkpoint",
+         lambda: BertLightningModule.load_from_checkpoint(flipped), BEFORE),
+        ("checkpoint", "checksum altered in the marker, init_from", init_from(altered), SETUP),
+        ("checkpoint", "format-2 marker with its checksums deleted, load_from_checkpoint",
+         lambda: BertLightningModule.load_from_checkpoint(nosums), BEFORE),
+        ("checkpoint", "format 1 (no checksums), export hf, no opt-in", export(v1), BEFORE),
+        ("checkpoint", "--ckpt_path last: last.ckpt missing, only an incomplete last.ckpt.tmp-<id>",
+         lambda: main(["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--trainer.default_root_dir",
+                       str(tmp), "--trainer.devices", "1", "--trainer.strategy.init_args.tensor_model_parallel_size",
+                       "1", "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp / 'ckpts'}",
+                       "--ckpt_path", "last"]), BEFORE),
+        ("model", "Hugging Face folder whose config.json has auto_map (remote code)",
+         lambda: read_pretrained(str(remote)), SETUP),
+        ("data", "vocab_file that is not UTF-8", lambda: BertTokenizer(latin1), BEFORE),
+        ("data", "token id 65000 in a .bin (vocabulary of 30522), drawn by a sample", bad_sample, LATE),
+        ("data", "dataset without .vocab.json holding id 65000", no_sidecar, SETUP),
+        ("CLI", "--trainer.strategy.init_args.timeout 0",
+         lambda: main(["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--trainer.default_root_dir",
+                       str(tmp), "--trainer.strategy.init_args.timeout", "0"]), BEFORE),
+        ("CLI", "!!python/object tag in a base: recipe",
+         lambda: main(["fit", "--config", str(tmp / "uses_evil.yaml")]), BEFORE),
     ]
 
 
@@ -288,21 +391,31 @@ def _row(group: str, name: str, kind: str, msg: str, when: str) -> dict[str, str
 
 
 AFTER_MERGE = [
-    ("checkpoint", "planted pickle payload in DCP .metadata", "CheckpointError naming the file; nothing runs",
-     SETUP, "H1"),
-    ("checkpoint", "same-size byte flip in a shard", "CheckpointError: checksum mismatch naming the file", SETUP, "H1"),
+    ("checkpoint", "planted pickle payload in DCP .metadata (fit, validate)", "CheckpointError naming the file; "
+     "nothing runs", SETUP, "tests/test_checkpoint_trust.py"),
+    ("checkpoint", "eval / exec / getattr / __import__ / subprocess / os.system payloads in .metadata",
+     "CheckpointError 'refusing to load global ...'; nothing runs", SETUP, "tests/test_checkpoint_format.py"),
+    ("checkpoint", "same-size byte flip, altered checksum, checksums deleted: fit --ckpt_path", "CheckpointError "
+     "naming the file / 'cannot be verified' with the opt-in to use", SETUP, "tests/test_checkpoint_trust.py"),
     ("checkpoint", "checkpoint of a model with another head count", "CheckpointError listing the differing "
-     "hyper-parameters", SETUP, "H1"),
-    ("checkpoint", "checkpoint of a model with another hidden size", "one short CheckpointError (today ~90 lines of "
-     "torch CheckpointException per rank)", SETUP, "H1"),
-    ("checkpoint", "disk full while saving", "CheckpointError naming the directory and the free space", LATE, "H1"),
-    ("data", "model vocab_size smaller than the data's token ids", "error before training (today inf loss, exit 0)",
-     SETUP, "H4"),
-    ("data", "dataset made with another vocabulary", "error naming both vocabularies (today a late numpy "
-     "IndexError)", SETUP, "H4"),
-    ("data", "preprocess of an empty file", "non-zero exit (today accepted, exit 0)", BEFORE, "H4"),
-    ("launch", "SIGKILL of rank 0 with shared-memory collectives", "rank 1 exits non-zero naming the dead peer "
-     "within 30 s (today: the 30-minute timeout)", LATE, "H3"),
+     "hyper-parameters", SETUP, "tests/test_checkpoint_trust.py"),
+    ("checkpoint", "checkpoint of a model with another hidden size", "one short CheckpointError", SETUP,
+     "tests/test_checkpoint_trust.py"),
+    ("checkpoint", "disk full while saving (2-rank CLI run)", "one line from rank 0 naming the directory and the free "
+     "space, exit 1; other ranks quiet (was 243 lines, 10 tracebacks)", LATE, "benchmarks/trust_faults.py"),
+    ("checkpoint", "--ckpt_path last: last.ckpt missing, a complete last.ckpt.tmp-<id>", "resumes from it with a "
+     "warning (was: step 0, the temporary deleted)", BEFORE, "tests/test_cli_run_folder.py"),
+    ("training", "NaN gradient at step 2 (fp32, bf16, ZeRO-1; 2 ranks TP=2)", "NonFiniteLossOrGradError naming the "
+     "step and the parameter; last.ckpt untouched (was: NaN every step, exit 0)", LATE,
+     "tests/test_checkpoint_trust.py, tests/test_optimizer_callbacks.py"),
+    ("training", "NaN loss with fp16 dynamic loss scaling", "NonFiniteLossOrGradError (an overflow with a finite loss "
+     "is still skipped)", LATE, "tests/test_optimizer_callbacks.py"),
+    ("data", "model vocab_size smaller than the data's token ids", "error before training", SETUP,
+     "tests/test_data_inputs.py"),
+    ("data", "dataset made with another vocabulary", "error naming both vocabularies", SETUP,
+     "tests/test_data_inputs.py"),
+    ("launch", "SIGKILL of rank 0 with shared-memory collectives", "rank 1 exits non-zero naming the dead peer",
+     LATE, "tests/test_cpu_shared_memory.py"),
 ]
 
 
@@ -312,7 +425,7 @@ def collect(skip_setup: bool = False) -> list[dict[str, str]]:
         tmp = Path(d)
         os.environ.setdefault("WANDB_MODE", "disabled")
         for group, name, f, when in (_config_cases() + _constructor_cases() + _data_and_checkpoint_cases(tmp)
-                                     + _cli_cases(tmp)):
+                                     + _trust_cases(tmp) + _cli_cases(tmp)):
             rows.append(_row(group, name, *_outcome(f), when))
     if not skip_setup:
         from dist_utils import run_distributed
@@ -323,15 +436,16 @@ def collect(skip_setup: bool = False) -> list[dict[str, str]]:
 
 
 def markdown(rows: list[dict[str, str]]) -> str:
-    order = ["config", "precision", "strategy", "model", "optimizer", "schedule", "data", "checkpoint", "CLI", "launch"]
+    order = ["config", "precision", "strategy", "model", "optimizer", "schedule", "data", "checkpoint", "CLI", "launch",
+             "training"]
     out = ["| group | bad input | gets | message (excerpt) | when |", "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: order.index(r["group"]) if r["group"] in order else 99):
         msg = r["message"].replace("|", "\\|")
         out.append(f"| {r['group']} | {r['input']} | {r['gets']} | {msg} | {r['when']} |")
     out.append("")
-    out.append("Covered by other changes, not run in this checkout (after merge):")
+    out.append("Covered by the tests (or the benchmark) named, not run here:")
     out.append("")
-    out.append("| group | bad input | gets (after merge) | when | by |")
+    out.append("| group | bad input | gets | when | shown by |")
     out.append("|---|---|---|---|---|")
     for group, name, gets, when, by in AFTER_MERGE:
         out.append(f"| {group} | {name} | {gets} | {when} | {by} |")

@@ -10,7 +10,12 @@
 - ``state_bytes``: params, grads and optimizer state held after an optimizer step, summed from the
   tensors themselves (each storage once: a tied weight is counted once, fp32 main params included);
 - with ``profile``: one more step under ``torch.profiler``: its wall time, the time inside
-  collectives and point-to-point transfers, and the top ops by self CPU time.
+  collectives and point-to-point transfers, and the top ops by self CPU time;
+- with ``trace``: the last timed step's schedule events (``strategy.schedule_trace``): ``busy_s``,
+  the time in forward and backward passes, and ``trace_step_s``, that step's wall time.
+
+``run["vp"]`` and ``run["overlap_p2p_comm"]`` (ours) set the interleaved schedule and its p2p overlap,
+``run["model_kwargs"]`` extra ``BertLightningModule`` arguments (e.g. ``num_layers_in_last_pipeline_stage``).
 
 Ours: :class:`BertLightningModule` with the post-norm spec (Hugging Face's layout), the
 MegatronStrategy, torch AdamW; bf16 = bf16 parameters with :class:`MegatronOptimizerCallback`
@@ -111,14 +116,14 @@ def _cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _ours_module(size: BertSize, bf16: bool):
+def _ours_module(size: BertSize, bf16: bool, **kwargs: Any):
     from lightning_megatron.models.bert.module import BertLightningModule
 
     return BertLightningModule(
         num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
         ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
         max_sequence_length=size.max_position_embeddings, spec="bert_layer_post_norm_spec",
-        params_dtype="bfloat16" if bf16 else "float32", lr=LR, weight_decay=WEIGHT_DECAY)
+        params_dtype="bfloat16" if bf16 else "float32", lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
 
 
 def _optimizer_stepped(optimizers: list[Any]) -> bool:
@@ -214,9 +219,14 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
             self.stamps: list[float] = []
             self.cpu: list[float] = []
             self.prof: Any = None
+            self.trace: list = []
+            self.t_trace = 0.0
             self.t_prof = 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if run.get("trace") and batch_idx == timed_end - 1:  # the schedule's events of the last timed step
+                trainer.strategy.schedule_trace = self.trace = []
+                self.t_trace = time.perf_counter()
             if profile and batch_idx == timed_end:
                 self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                 self.prof.__enter__()
@@ -228,6 +238,11 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                 self.stamps.append(now)
                 self.cpu.append(_cpu_seconds())
             if batch_idx == timed_end - 1:
+                if run.get("trace"):  # busy = forward/backward passes; the rest of the step: p2p, bubble, optimizer
+                    trainer.strategy.schedule_trace = None
+                    result["trace_step_s"] = now - self.t_trace
+                    result["trace_window"] = (self.t_trace, now)
+                    result["busy_s"] = sum(e.end - e.start for e in self.trace)
                 result["max_rss"] = max_rss_bytes()
                 result["state_bytes"] = _state_bytes(pl_module, trainer.strategy.optimizers)
                 result["num_threads_in_step"] = torch.get_num_threads()
@@ -256,7 +271,8 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                                          virtual_pipeline_model_parallel_size=run.get("vp"),
                                          micro_batch_size=run["micro_batch"], sequence_parallel=run.get("sp", False),
                                          cpu_tuning=None if tuning is None else CPUTuning(**tuning))
-        module: Any = _ours_module(size, bf16)
+        module: Any = _ours_module(size, bf16, **run.get("model_kwargs", {}))
+        strategy.overlap_p2p_comm = run.get("overlap_p2p_comm", True)  # read by the strategy's setup
         precision = "32-true"
         if bf16:
             precision = "bf16-true"

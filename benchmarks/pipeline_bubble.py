@@ -20,7 +20,10 @@ Two kinds of stage work:
   cores, stages that overlap in time slow each other down, which inflates busy time and hides the
   bubble; shown for honesty, not as the reference.
 
-Run: ``.venv/bin/python benchmarks/pipeline_bubble.py [--mode sleep|compute] [--t-forward-ms 10]``
+Interleaved rows run twice, with ``overlap_p2p_comm`` off and on (``overlap``: each steady-state
+step's exchanges posted before, and waited for after, the other pass's compute).
+
+Run: ``.venv/bin/python benchmarks/pipeline_bubble.py [--mode sleep|compute] [--t-forward-ms 10] [--pp 4]``
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def _forward_step(microbatch: torch.Tensor, chunk: BenchChunk):
     return chunk(microbatch), lambda out: ((out.float() ** 2).mean(), {})
 
 
-def _worker(rank: int, world: int, port: int, configs: list[tuple[int, int, int]], t_forward: float, mode: str,
+def _worker(rank: int, world: int, port: int, configs: list[tuple[int, int, int, bool]], t_forward: float, mode: str,
             steps: int, queue: Any) -> None:
     global _GEMM_SECONDS
     torch.set_num_threads(1)
@@ -114,7 +117,7 @@ def _worker(rank: int, world: int, port: int, configs: list[tuple[int, int, int]
             matmul @ matmul
         _GEMM_SECONDS = (time.perf_counter() - start) / 50
     results = []
-    for p, v, m in configs:
+    for p, v, m, overlap in configs:
         ps = initialize_model_parallel(1, p, v if v > 1 else None)
         vp = v if v > 1 else None
         chunks = [BenchChunk(c.pre_process, t_forward / v, matmul) for c in stage_chunks(p * v, p, ps.pp_rank, vp)]
@@ -126,24 +129,26 @@ def _worker(rank: int, world: int, port: int, configs: list[tuple[int, int, int]
             dist.barrier()
             t0 = time.perf_counter()
             schedule(forward_step_func=_forward_step, microbatches=microbatches, model=chunks, num_microbatches=m,
-                     parallel_state=ps, tensor_shape=(S, B, H), dtype=torch.float32, trace=trace)
+                     parallel_state=ps, tensor_shape=(S, B, H), dtype=torch.float32, trace=trace,
+                     overlap_p2p_comm=overlap)
             t1 = time.perf_counter()
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, (t0, t1, trace))
             if step > 0:
                 runs.append(gathered)
-        results.append(((p, v, m), runs))
+        results.append(((p, v, m, overlap), runs))
     if rank == 0:
         queue.put(results)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def collect(configs: list[tuple[int, int, int]], *, t_forward: float = 0.01, mode: str = "sleep",
-            steps: int = 3) -> list[tuple[tuple[int, int, int], list[list[tuple[float, float, list[ScheduleEvent]]]]]]:
-    """Run each ``(p, v, m)`` for ``steps`` steps on ``p`` ranks; return per step, per rank ``(t0, t1, trace)``."""
-    world = max(p for p, _, _ in configs)
-    if any(p != world for p, _, _ in configs):
+def collect(configs: list[tuple[int, int, int, bool]], *, t_forward: float = 0.01, mode: str = "sleep", steps: int = 3
+            ) -> list[tuple[tuple[int, int, int, bool], list[list[tuple[float, float, list[ScheduleEvent]]]]]]:
+    """Run each ``(p, v, m, overlap_p2p_comm)`` for ``steps`` steps on ``p`` ranks; return per step, per
+    rank ``(t0, t1, trace)``."""
+    world = max(c[0] for c in configs)
+    if any(c[0] != world for c in configs):
         raise ValueError(f"all configs must use the same pp (one world), got {configs}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -171,20 +176,23 @@ def main() -> None:
     parser.add_argument("--t-forward-ms", type=float, default=10.0, help="forward time of one full stage")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16], help="values of m")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages (= processes)")
+    parser.add_argument("--vp", type=int, nargs="+", default=[1, 2, 4], help="values of v (1: plain 1F1B)")
     args = parser.parse_args()
-    p = 4
-    configs = [(p, v, m) for m in args.microbatches for v in (1, 2, 4)]
+    p = args.pp
+    configs = [(p, v, m, overlap) for m in args.microbatches for v in args.vp
+               for overlap in ((False, True) if v > 1 else (False,))]
     results = collect(configs, t_forward=args.t_forward_ms / 1e3, mode=args.mode, steps=args.steps)
     t = 3 * args.t_forward_ms  # forward + backward of one microbatch on one full stage
     print(f"PP={p}, mode={args.mode}, t_f={args.t_forward_ms:g} ms, t_b=2 t_f per stage, median of {args.steps} steps")
-    print(f"{'schedule':<16}{'m':>4}{'theory':>9}{'measured':>10}{'worst rank':>12}"
+    print(f"{'schedule':<24}{'m':>4}{'theory':>9}{'measured':>10}{'worst rank':>12}"
           f"{'step ms':>10}{'ideal ms':>10}")
-    for (pp, v, m), runs in results:
+    for (pp, v, m, overlap), runs in results:
         rows = sorted(bubble(step) for step in runs)
         makespan, mean_b, worst_b = rows[len(rows) // 2]
-        name = "1F1B" if v == 1 else f"interleaved v={v}"
+        name = "1F1B" if v == 1 else f"interleaved v={v}" + (" overlap" if overlap else "")
         ideal = (m + (pp - 1) / v) * t
-        print(f"{name:<16}{m:>4}{theory_bubble(pp, m, v):>9.3f}{mean_b:>10.3f}{worst_b:>12.3f}"
+        print(f"{name:<24}{m:>4}{theory_bubble(pp, m, v):>9.3f}{mean_b:>10.3f}{worst_b:>12.3f}"
               f"{makespan * 1e3:>10.0f}{ideal:>10.0f}")
 
 

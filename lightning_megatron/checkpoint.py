@@ -1,6 +1,7 @@
 """Sharded, reshardable, verified checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
-A checkpoint is a directory (format 2; format 1, written before checksums, still loads):
+A checkpoint is a directory (format 2; format 1, written before checksums, loads only when the user
+opts in to unverified checkpoints):
 
     <path>/                    appears (or replaces the previous one) in one atomic rename
       .metadata, __*.distcp    DCP: every tensor as chunks of a GLOBAL tensor (model and optimizer)
@@ -18,17 +19,21 @@ interrupted saves are removed first), hashes the files it wrote, and rank 0 writ
 swaps the directory in with ``renameat2(RENAME_EXCHANGE)``: ``<path>`` never disappears. A failed
 write (a full disk) is a ``CheckpointError`` on every rank naming the directory and its free space.
 
-Loading (:func:`load`): before any tensor is read, the marker and file sizes are checked, every
-file's checksum is verified (the files split over the ranks), the DCP metadata is unpickled with an
-allow-list (:mod:`lightning_megatron.dcp_io`), and the saved hyper-parameters and global tensor
-shapes are compared with the model's: every difference is listed in one ``CheckpointError``.
+Verifying (:func:`verify_checkpoint`, in :mod:`lightning_megatron.checkpoint_verify`, the one check
+of EVERY path that reads a checkpoint: ``--ckpt_path``, ``init_from``, ``export hf``,
+``load_from_checkpoint``): before any tensor is read, the marker and file sizes are checked, every
+file's checksum is verified, and the DCP metadata is unpickled with an allow-list
+(:mod:`lightning_megatron.dcp_io`). A checkpoint without checksums (format 1, or a marker whose
+checksums were removed) is refused unless the user opts in (:data:`ALLOW_UNVERIFIED_ENV`).
+
+Loading (:func:`load`): verified with the files split over the ranks, then the saved hyper-parameters
+and global tensor shapes are compared with the model's: every difference is listed in one ``CheckpointError``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import inspect
 import json
 import os
@@ -40,9 +45,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_megatron import dcp_io
+from lightning_megatron.checkpoint_verify import (  # the one verification of every load path, and its names
+    ALLOW_UNVERIFIED_ENV,
+    FORMAT_VERSION,
+    MARKER,
+    READABLE_FORMATS,
+    TMP_INFIX,
+    _agree,
+    _files,  # noqa: F401 - re-exported (tests list a directory's files with it)
+    _gather,
+    _rank_world,
+    allow_unverified,
+    file_sha256,
+    recover_last,
+    validate_checkpoint_dir,
+    verify_checkpoint,
+)
 from lightning_megatron.dcp_io import CheckpointError, Chunks
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.sharded_state import ShardedStateMapper, optimizer_extra, plain, rng_state, set_rng_state
@@ -57,18 +77,19 @@ __all__ = [
     "file_sha256",
     "init_defaults",
     "layout_record",
+    "ALLOW_UNVERIFIED_ENV",
+    "allow_unverified",
     "load",
+    "recover_last",
     "remove",
     "save",
     "validate_checkpoint_dir",
+    "verify_checkpoint",
 ]
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
-MARKER = "lightning_megatron.json"
-TMP_INFIX = ".tmp-"
 
 HPARAMS_MAY_DIFFER = frozenset({
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # a layout, as TP / PP
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fused_optimizer",
     "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
@@ -79,41 +100,7 @@ other differing hyper-parameter is an error. (Optimizer hyper-parameters are res
 checkpoint's optimizer state; the others take the current value.)"""
 
 
-# ---------------------------------------------------------------------- collectives
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _gather(obj: Any) -> list[Any]:
-    _, world = _rank_world()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _agree(error: str | None) -> None:
-    """Every rank raises the first error any rank reported (no rank goes on alone into a collective)."""
-    errors = [e for e in _gather(error) if e]
-    if errors:
-        raise CheckpointError(errors[0])
-
-
 # ---------------------------------------------------------------------- files
-
-
-def file_sha256(path: Path, sync: bool = False) -> str:
-    """The sha256 of a file, streamed; ``sync`` also flushes it to disk (a file this rank wrote)."""
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-        if sync:
-            os.fsync(f.fileno())
-    return digest
 
 
 def _fsync_dir(path: Path) -> None:
@@ -127,67 +114,6 @@ def _fsync_dir(path: Path) -> None:
         pass  # not every file system syncs directories
     finally:
         os.close(fd)
-
-
-def _files(path: Path) -> list[str]:
-    """Every file of a checkpoint directory but the marker, relative, sorted."""
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MARKER)
-
-
-def validate_checkpoint_dir(path: str | os.PathLike) -> dict[str, Any]:
-    """Check that ``path`` is a complete lightning_megatron checkpoint; return its marker contents."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is a file, not a lightning_megatron sharded checkpoint directory "
-            f"(was it written by another strategy?)")
-    marker = path / MARKER
-    if not marker.is_file():
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is incomplete: {MARKER} is missing (the save was interrupted "
-            f"or the directory is not a lightning_megatron checkpoint)")
-    try:
-        info = json.loads(marker.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r} has a corrupt {MARKER}: {e}") from e
-    if not isinstance(info, dict) or info.get("format_version") not in READABLE_FORMATS:
-        version = info.get("format_version") if isinstance(info, dict) else None
-        raise CheckpointError(f"checkpoint {str(path)!r} has format_version={version}, "
-                              f"this lightning_megatron reads {list(READABLE_FORMATS)}")
-    for name in (".metadata", "extra.pt"):
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
-    sums = info.get("sha256", {})
-    for name, size in info.get("files", {}).items():
-        f = path / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise CheckpointError(f"checkpoint {str(path)!r}: {MARKER} names a file outside it: {name!r}")
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name} has {f.stat().st_size} bytes, "
-                                  f"expected {size} (truncated?)")
-    if info["format_version"] >= 2:
-        unlisted = [n for n in _files(path) if n not in sums]
-        if unlisted or set(sums) != set(info.get("files", {})):
-            raise CheckpointError(f"checkpoint {str(path)!r}: {MARKER} has no checksum for {unlisted or '(files)'}")
-    return info
-
-
-def _verify_checksums(path: Path, info: dict[str, Any]) -> None:
-    """Collective: each rank hashes its share of the files; a mismatch is an error on every rank."""
-    rank, world = _rank_world()
-    sums = info.get("sha256")
-    error = None
-    if sums:
-        for name in sorted(sums)[rank::world]:
-            if file_sha256(path / name) != sums[name]:
-                error = (f"checkpoint {str(path)!r} is corrupt: {name} does not match the sha256 recorded "
-                         f"in {MARKER} (the file changed after it was saved)")
-                break
-    _agree(error)
 
 
 # ---------------------------------------------------------------------- atomic swap
@@ -401,15 +327,10 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     :func:`compare_hparams`."""
     rank, _ = _rank_world()
     path = Path(filepath)
-    info = validate_checkpoint_dir(path)
-    _verify_checksums(path, info)
+    info = verify_checkpoint(path, collective=True)
     error = None
     try:
         metadata = dcp_io.read_metadata(path)
-        if info["format_version"] >= 2:
-            unknown = sorted({s.relative_path for s in metadata.storage_data.values()} - set(info["sha256"]))
-            if unknown:
-                raise CheckpointError(f"{path / '.metadata'} refers to files without checksums: {unknown}")
         extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
     except CheckpointError as e:
         error = f"checkpoint {str(path)!r}: {e}"

@@ -7,6 +7,7 @@
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2 [--estimate-memory]
     lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt]
+    lightning-megatron ... --allow-unverified-checkpoint     (any command: checkpoints without checksums load)
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
 so every argument of the Trainer, the strategy, the model and the data is a dotted override. The
@@ -130,6 +131,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             _named_callbacks_into_trainer(config)
             _architecture_of_init_from(config, given)
             _one_run_folder(config)
+            _recover_last(config)
             _continue_wandb_run(config)
             _clamp_warmup(config)
             try:
@@ -268,6 +270,28 @@ def _architecture_of_init_from(config, argv: list[str]) -> None:
     if replaced:
         warnings.warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's " + ", ".join(
             f"{k}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning, stacklevel=1)
+
+
+def _recover_last(config) -> None:
+    """``--ckpt_path last`` without ``last.ckpt`` but with the complete save a crash left as
+    ``last.ckpt.tmp-<id>``: that one (its checksums verified); an unusable one is an error, never a
+    silent start from step 0 (:func:`lightning_megatron.checkpoint.recover_last`)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_megatron.checkpoint import CheckpointError, recover_last
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if not trainer or config.get("ckpt_path") != "last":
+        return
+    for callback in _entries(trainer.get("callbacks")):
+        if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath"):
+            try:
+                found = recover_last(callback.init_args.dirpath)
+            except CheckpointError as e:
+                raise SystemExit(f"lightning-megatron: {e}") from None
+            if found is not None:
+                config.ckpt_path = str(found)
+                return
 
 
 def _continue_wandb_run(config) -> None:
@@ -463,22 +487,53 @@ def _print_help() -> None:
     for name, text in {**_LIGHTNING_COMMANDS, **{k: v[1] for k, v in COMMANDS.items()}}.items():
         lines.append(f"  {name:16s} {text}")
     lines += ["", "fit/validate/test/predict take --config recipes/bert_tiny.yaml and dotted overrides "
-              "(--trainer.max_steps 50, --model.hidden_size 256, --megatron_optimizer.clip_grad 0.5, ...)."]
+              "(--trainer.max_steps 50, --model.hidden_size 256, --megatron_optimizer.clip_grad 0.5, ...).",
+              f"{ALLOW_UNVERIFIED_FLAG} (any command): load checkpoints that carry no checksums (format 1)."]
     print("\n".join(lines))
+
+
+ALLOW_UNVERIFIED_FLAG = "--allow-unverified-checkpoint"
+"""Any command: load checkpoints without checksums (format 1, checksums removed), with a warning; sets
+``LIGHTNING_MEGATRON_ALLOW_UNVERIFIED_CHECKPOINT=1`` for this process and the ranks it starts."""
+
+
+def _take_allow_unverified(argv: list[str]) -> list[str]:
+    """``argv`` without :data:`ALLOW_UNVERIFIED_FLAG`; when it was there, the opt-in is set in the
+    environment, which the ranks Lightning or torchrun start inherit (they re-read ``sys.argv`` too)."""
+    if ALLOW_UNVERIFIED_FLAG not in argv:
+        return argv
+    from lightning_megatron.checkpoint import ALLOW_UNVERIFIED_ENV
+
+    os.environ[ALLOW_UNVERIFIED_ENV] = "1"
+    return [a for a in argv if a != ALLOW_UNVERIFIED_FLAG]
 
 
 def main(argv: list[str] | None = None) -> None:
     from_sys_argv = argv is None
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _take_allow_unverified(list(sys.argv[1:] if argv is None else argv))
+    if from_sys_argv:
+        sys.argv[1:] = argv  # LightningCLI parses sys.argv: it would not know the flag
     if not argv or argv[0] in ("-h", "--help"):
         _print_help()
         return
-    if argv[0] in COMMANDS:
-        COMMANDS[argv[0]][0](argv[1:])
-        return
-    _wandb_offline_unless_configured()
-    # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
-    _lightning_cli(None if from_sys_argv else argv)
+    from lightning_megatron.checkpoint import CheckpointError
+    from lightning_megatron.optimizer import NonFiniteLossOrGradError
+
+    try:
+        if argv[0] in COMMANDS:
+            COMMANDS[argv[0]][0](argv[1:])
+            return
+        _wandb_offline_unless_configured()
+        # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
+        _lightning_cli(None if from_sys_argv else argv)
+    except (CheckpointError, NonFiniteLossOrGradError) as e:
+        # Every rank raises it (the ranks agree on the decision before raising): rank 0 says it once, in
+        # one line (a full disk was ~240 lines and 10 tracebacks), the others exit quietly.
+        from lightning.pytorch.utilities import rank_zero_only
+
+        if rank_zero_only.rank != 0:
+            raise SystemExit(1) from None
+        raise SystemExit(f"lightning-megatron: {e}") from None
 
 
 def _resolve_recipes(argv: list[str]) -> list[str]:

@@ -25,8 +25,9 @@ from typing import Any
 
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_state import model_parallel_size_problems
+from lightning_megatron.pipeline.layout import get_layer_range
 
-__all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision",
+__all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
            "PRECISION_PARAMS_DTYPE"]
 
 
@@ -62,6 +63,18 @@ def normalize_precision(precision: Any) -> str:
 def _dtype_name(value: Any) -> str:
     s = str(value)
     return _DTYPE_ALIASES.get(s, s)
+
+
+def timeout_problem(timeout: Any) -> str | None:
+    """What is wrong with a strategy ``timeout`` (seconds or a timedelta), or None."""
+    import datetime
+
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and not seconds > 0:
+        return (f"strategy timeout={timeout!r} must be more than 0 seconds: every collective waits at most this "
+                f"long, and 0 fails the first rendezvous ('socket timed out after 0ms'); leave the default "
+                f"(1800 s) or give e.g. 600")
+    return None
 
 
 def _int(value: Any) -> int | None:
@@ -115,6 +128,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         else:
             dp = world // (tp * pp)
     problems += model_parallel_size_problems(tp, pp, vp, sequence_parallel=bool(s.get("sequence_parallel")))
+    problems += [p for p in [timeout_problem(s.get("timeout"))] if p]
 
     # --- model sizes against TP / PP
     heads, hidden = _int(m.get("num_attention_heads")), _int(m.get("hidden_size"))
@@ -136,6 +150,13 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         problems.append(f"num_layers={layers} cannot fill pipeline_model_parallel_size={pp} x "
                         f"virtual_pipeline_model_parallel_size={vp or 1} = {chunks} model chunks (each needs a "
                         f"layer); use at least {chunks} layers or fewer stages/chunks")
+    first, last = _int(m.get("num_layers_in_first_pipeline_stage")), _int(m.get("num_layers_in_last_pipeline_stage"))
+    if layers is not None and chunks <= layers and (first is not None or last is not None):
+        try:  # the layout's own rule (pipeline/layout.py), as configure_model applies it
+            get_layer_range(layers, pp, 0, vp, 0, num_layers_in_first_pipeline_stage=first,
+                            num_layers_in_last_pipeline_stage=last)
+        except ValueError as e:
+            problems.append(str(e))
 
     # --- batch sizes
     gb = _int(d.get("global_batch_size"))

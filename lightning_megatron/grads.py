@@ -29,6 +29,18 @@ Lifecycle of one training step (the strategy drives it)::
 
 The hooks act only between :meth:`GradBuffer.start` and :func:`finalize_model_grads` (the training
 schedule); a backward outside leaves ``.grad`` where autograd put it.
+
+ZeRO-1 parameter all-gather (megatron-core's ``start_param_sync`` / ``finish_param_sync``): after
+its step a DistributedOptimizer writes this rank's updated piece of every bucket into the buffer
+(the grads are consumed by then) and calls :meth:`GradBuffer.start_param_gather`, which all-gathers
+every bucket and copies it into the model params. With ``overlap_param_gather`` the all-gathers are
+launched asynchronously, last bucket first (buckets are in reverse model order: the first layers
+first), and each bucket is waited for and copied by :meth:`GradBuffer.finish_param_gather` when it
+is first needed: by the forward pre-hook of a module owning one of its params
+(:meth:`GradBuffer.add_param_gather_hooks`), waiting in launch order, so the gather hides behind
+the forward of the layers before. Everything that reads params outside a forward (checkpoint save,
+the end of fit) and everything that writes the buffer (the next backward, ``finish_grad_sync``)
+waits for all pending gathers first. Same collectives on the same bytes: bitwise equal to off.
 """
 
 from __future__ import annotations
@@ -42,7 +54,12 @@ import torch
 from torch import nn
 
 from lightning_megatron.parallel_state import ParallelState, group_rank, group_size
-from lightning_megatron.tensor_parallel.mappings import all_reduce, all_reduce_coalesced, reduce_scatter_tensor
+from lightning_megatron.tensor_parallel.mappings import (
+    all_gather_into_tensor,
+    all_reduce,
+    all_reduce_coalesced,
+    reduce_scatter_tensor,
+)
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 __all__ = ["GradBuffer", "Bucket", "finalize_model_grads", "buffer_order"]
@@ -62,6 +79,8 @@ class Bucket:
     """Reduced only in finalize_model_grads, after the tied-embedding sum (shared embeddings)."""
     handle: Any = None
     ready: int = field(default=0, repr=False)
+    gather: Any = None
+    """The pending asynchronous parameter all-gather of this bucket (overlap_param_gather)."""
 
 
 def buffer_order(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -86,11 +105,13 @@ class GradBuffer:
             bucket (with pipelining, their grads are summed over stages before the DP reduction).
         dp_group: the data-parallel group the buckets are reduced over (``None``: no DP).
         overlap_grad_reduce: start a bucket's DP reduction during the last microbatch's backward.
+        overlap_param_gather: ZeRO-1: the parameter all-gather of :meth:`start_param_gather` runs
+            asynchronously and each bucket is waited for when first needed (see the module doc).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], *, bucket_bytes: float = 40 * 2**20, pad_to: int = 1,
                  separate_shared_embedding: bool = False, dp_group: Any = None,
-                 overlap_grad_reduce: bool = False) -> None:
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False) -> None:
         if pad_to < 1:
             raise ValueError(f"GradBuffer: pad_to={pad_to} must be >= 1")
         self.params = list(params)
@@ -102,6 +123,7 @@ class GradBuffer:
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         self._reduce_scatter = False  # use_reduce_scatter(): a DistributedOptimizer shards this buffer
         self.offsets: dict[int, int] = {}
         self.buckets: list[Bucket] = []
@@ -146,6 +168,10 @@ class GradBuffer:
         """Seconds this step's backward and finalize_model_grads were blocked in gradient collectives."""
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
         self._removed = False
+        self._gathers: list[Bucket] = []  # buckets whose parameter all-gather is in flight, in launch order
+        self._gather_view: torch.Tensor | None = None
+        self.param_gather_seconds = 0.0
+        """Seconds blocked in the last parameter all-gather (launches, waits and copies into the params)."""
 
     # -- layout ----------------------------------------------------------------------------------
     def main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -227,6 +253,8 @@ class GradBuffer:
     def _accumulate(self, p: torch.Tensor) -> None:
         if not self._active or p.grad is None:
             return
+        if self._gathers:  # the buffer is about to be written: no gathered params may be lost
+            self.finish_param_gather(self._bucket_of[id(p)])
         count = self._counts.get(id(p), 0)
         if count:
             p.main_grad.add_(p.grad)
@@ -263,6 +291,7 @@ class GradBuffer:
 
     def finish_grad_sync(self) -> None:
         """Start the reductions not started yet, wait for all, take the DP mean (see the module doc)."""
+        self.finish_param_gather()  # params no forward used: their gathered values are still here
         self._active = False
         for p in self.params:
             if id(p) not in self._counts:  # no grad this step (or set outside start/finish)
@@ -297,6 +326,61 @@ class GradBuffer:
                 self.data[lo:hi].div_(self.dp_size)
         self.exposed_comm_seconds += time.perf_counter() - t0
 
+    # -- ZeRO-1 parameter all-gather --------------------------------------------------------------
+    def start_param_gather(self, view: torch.Tensor) -> None:
+        """All-gather every bucket of ``view`` (the buffer's memory in the params' dtype, holding this
+        rank's updated piece of every bucket in place) and copy it into the params; with
+        ``overlap_param_gather`` asynchronously (the copies happen in :meth:`finish_param_gather`)."""
+        if self._gathers:
+            raise RuntimeError("GradBuffer.start_param_gather: the previous parameter all-gather was never waited for")
+        self._gather_view = view
+        self.param_gather_seconds = 0.0
+        t0 = time.perf_counter()
+        for bucket in reversed(self.buckets):  # the first layers' bucket first: the next forward needs it first
+            if self.dp_size > 1:
+                bucket.gather = all_gather_into_tensor(view[bucket.start: bucket.end], view[slice(*self.shard(bucket))],
+                                                       self.dp_group, async_op=self.overlap_param_gather)
+            self._gathers.append(bucket)
+        self.param_gather_seconds += time.perf_counter() - t0
+        if not self.overlap_param_gather:
+            self.finish_param_gather()
+
+    def finish_param_gather(self, bucket: Bucket | None = None) -> None:
+        """Wait for the pending parameter all-gathers, in launch order, up to ``bucket`` (``None``:
+        all of them), and copy each gathered bucket into its params."""
+        if not self._gathers or (bucket is not None and bucket not in self._gathers):
+            return
+        t0 = time.perf_counter()
+        view = self._gather_view
+        assert view is not None
+        while self._gathers:
+            b = self._gathers.pop(0)
+            if b.gather is not None:
+                b.gather.wait()  # bounded by the DP group's timeout
+                b.gather = None
+            for p in b.params:
+                o = self.offsets[id(p)]
+                p.data.copy_(view[o: o + p.numel()].view_as(p))
+            if b is bucket:
+                break
+        if not self._gathers:
+            self._gather_view = None
+        self.param_gather_seconds += time.perf_counter() - t0
+
+    def add_param_gather_hooks(self, chunks: Sequence[nn.Module]) -> None:
+        """A forward pre-hook on every module of ``chunks`` that owns params of this buffer: it waits
+        for their buckets' pending all-gathers (removed by :meth:`remove`)."""
+        for chunk in chunks:
+            for module in chunk.modules():
+                buckets = {self._bucket_of[id(p)].index for p in module.parameters(recurse=False)
+                           if id(p) in self._bucket_of}
+                if not buckets:
+                    continue
+                # Waiting in launch order (last bucket first): the lowest index is the last one needed.
+                target = self.buckets[min(buckets)]
+                self._handles.append(module.register_forward_pre_hook(
+                    lambda _module, _args, b=target: self.finish_param_gather(b) if self._gathers else None))
+
     def set_param_grads(self) -> None:
         """For an optimizer that reads ``.grad`` (a plain torch optimizer): fp32 params get
         ``.grad = main_grad`` (the same memory), 16-bit params a rounded copy."""
@@ -305,14 +389,15 @@ class GradBuffer:
 
     @classmethod
     def for_chunks(cls, chunks: Sequence[nn.Module], parallel_state: ParallelState, *, bucket_bytes: float,
-                   overlap_grad_reduce: bool) -> GradBuffer:
+                   overlap_grad_reduce: bool, overlap_param_gather: bool = False) -> GradBuffer:
         """The buffer of this rank's model ``chunks`` (:func:`buffer_order`), padded to and reduced over
         the data-parallel group, the tied embedding in its own last bucket under pipelining."""
         ps = parallel_state
         dp_group = ps.dp_group if ps.dp_size > 1 else None
         return cls(buffer_order(chunks), bucket_bytes=bucket_bytes, pad_to=ps.dp_size,
                    separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
-                   dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and dp_group is not None)
+                   dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and dp_group is not None,
+                   overlap_param_gather=overlap_param_gather and dp_group is not None)
 
     def remove(self) -> None:
         """Remove the hooks and every ``main_grad`` (teardown)."""
@@ -320,6 +405,12 @@ class GradBuffer:
             handle.remove()
         self._handles = []
         self._active = False
+        # Not waited for: after a normal fit the strategy's on_train_end did; after a failure a dead
+        # peer would hold teardown for the whole collective timeout.
+        for b in self._gathers:
+            b.gather = None
+        self._gathers = []
+        self._gather_view = None
         if not self._removed:  # every param got its main_grad in __init__
             for p in self.params:
                 del p.main_grad

@@ -44,10 +44,17 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if resolved in seen:
         chain = " -> ".join(str(p) for p in (*seen, resolved))
         raise RecipeError(f"recipe bases form a cycle: {chain}")
+    named_by = f" (the base of {str(seen[-1])!r})" if seen else ""
     if not path.is_file():
-        named_by = f" (the base of {str(seen[-1])!r})" if seen else ""
         raise RecipeError(f"recipe {str(path)!r}{named_by} is not a file")
-    recipe = yaml.safe_load(path.read_text()) or {}
+    try:
+        recipe = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:  # e.g. a !!python/object tag: safe_load refuses it, say so in one line
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"recipe {str(path)!r}{named_by} is not plain YAML at{where}: {problem} (recipes hold "
+                          f"plain values; tags such as !!python/object are never constructed)") from None
     if not isinstance(recipe, dict):
         raise RecipeError(f"recipe {str(path)!r}: the top level must be a mapping, not {type(recipe).__name__}")
     bases = recipe.pop(BASE_KEY, None)

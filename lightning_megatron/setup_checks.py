@@ -36,10 +36,8 @@ def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_paral
         raise ValueError(f"MegatronStrategy: {e}") from None
     if not ddp_bucket_size_mb > 0:
         raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
-    if overlap_param_gather:
-        raise NotImplementedError(
-            "MegatronStrategy: overlap_param_gather=True is not implemented: the DistributedOptimizer "
-            "all-gathers the updated parameters at the end of its step; set overlap_param_gather=False")
+    if not isinstance(overlap_param_gather, bool):  # it needs a DistributedOptimizer: checked at the start of fit
+        raise ValueError(f"MegatronStrategy: overlap_param_gather={overlap_param_gather!r} must be True or False")
 
 
 def check_trainer(trainer: Trainer) -> None:

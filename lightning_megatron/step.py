@@ -68,8 +68,9 @@ class StepRunner:
     """Runs the microbatches of a step through ``module``'s chunks under ``parallel_state``."""
 
     def __init__(self, parallel_state: ParallelState, module: MegatronModule, *, micro_batch_size: int | None,
-                 device: torch.device) -> None:
+                 device: torch.device, overlap_p2p_comm: bool = False) -> None:
         self.ps = parallel_state
+        self.overlap_p2p_comm = overlap_p2p_comm
         self.module = module
         self.micro_batch_size = micro_batch_size
         self.device = device
@@ -97,7 +98,7 @@ class StepRunner:
         logged = schedule(forward_step_func=self.module.forward_step, microbatches=microbatches, model=chunks,
                           num_microbatches=len(microbatches), parallel_state=ps, tensor_shape=tensor_shape,
                           dtype=next(chunks[0].parameters()).dtype, forward_only=forward_only,
-                          grad_scale_func=grad_scale_func, trace=trace)
+                          grad_scale_func=grad_scale_func, trace=trace, overlap_p2p_comm=self.overlap_p2p_comm)
         if not forward_only:
             finalize_model_grads(grad_buffer, ps)
         if stage == "predict":
@@ -152,10 +153,13 @@ class StepRunner:
             return [], None
         if last and keys != cached:
             # Still send (NaN) so that the other stages do not wait, then refuse.
-            dist.broadcast(torch.full((len(cached),), float("nan"), device=self.device), src=src, group=ps.pp_group)
+            dist.broadcast(torch.full((len(cached),), float("nan"), dtype=torch.float32, device=self.device), src=src,
+                           group=ps.pp_group)
             raise ValueError(f"MegatronStrategy: the {stage} loss function returned the metrics {keys} after "
                              f"{cached} in an earlier step; with pipeline parallelism every step must log the "
                              f"same metric names")
-        buf = values.to(self.device) if last and values is not None else torch.empty(len(cached), device=self.device)
+        # fp32 on every stage, whatever default dtype the precision plugin's context set (bf16-true sets bf16)
+        buf = (values.to(self.device, torch.float32) if last and values is not None
+               else torch.empty(len(cached), dtype=torch.float32, device=self.device))
         dist.broadcast(buf, src=src, group=ps.pp_group)
         return list(cached), buf

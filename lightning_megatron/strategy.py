@@ -33,9 +33,11 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
+from lightning_megatron.config_checks import timeout_problem
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
 from lightning_megatron.optimizer.config import OptimizerConfig
+from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.protocols import (
@@ -76,8 +78,13 @@ class MegatronStrategy(DDPStrategy):
         overlap_grad_reduce: start each bucket's DP reduction in the last microbatch's backward and wait
             for it before the optimizer step (megatron-core's name; bitwise equal either way). ``None``:
             on, except with the CPU tuning's synchronous shared-memory collectives (docs/strategy.md).
-        overlap_param_gather: ZeRO-1 parameter all-gather overlapped with the next forward: not
-            implemented; ``True`` is refused.
+        overlap_param_gather: with the DistributedOptimizer (ZeRO-1), launch each bucket's parameter
+            all-gather asynchronously after the step and wait for it in the forward pre-hook of the
+            first module that uses it, so it hides behind the next forward (megatron-core's name;
+            bitwise equal either way). Needs ``MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=True))``.
+        overlap_p2p_comm: interleaved schedule (VP): post each steady-state step's pipeline sends and
+            receives before the other pass's compute and wait for them after it (megatron-core's name
+            and default; bitwise equal either way). No effect on the other schedules.
         cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`); ``True`` is
             ``CPUTuning()``. Default ``None``: the same code path as on accelerators.
         timeout: collective timeout; a failing rank ends the job after at most this long.
@@ -99,6 +106,7 @@ class MegatronStrategy(DDPStrategy):
         cpu_tuning: CPUTuning | bool | None = None,
         overlap_grad_reduce: bool | None = None,
         overlap_param_gather: bool = False,
+        overlap_p2p_comm: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -112,6 +120,8 @@ class MegatronStrategy(DDPStrategy):
                                  virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
                                  micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb,
                                  overlap_param_gather=overlap_param_gather)
+        if timeout_problem(timeout):
+            raise ValueError(f"MegatronStrategy: {timeout_problem(timeout)}")
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -127,6 +137,7 @@ class MegatronStrategy(DDPStrategy):
         self.ddp_bucket_size_mb = ddp_bucket_size_mb
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
+        self.overlap_p2p_comm = overlap_p2p_comm
         self.cpu_tuning: CPUTuning | None = CPUTuning.from_argument(cpu_tuning)
         self.parallel_state: ParallelState | None = None
         self.batch_sizes: BatchSizes | None = None
@@ -184,7 +195,7 @@ class MegatronStrategy(DDPStrategy):
                         wraps_optimizers=self._optimizer_config is not None)
         self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps)
         self._runner = StepRunner(ps, self._module, micro_batch_size=self.batch_sizes.micro_batch_size,
-                                  device=self.root_device)
+                                  device=self.root_device, overlap_p2p_comm=self.overlap_p2p_comm)
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
         self.accelerator.setup(trainer)
@@ -213,7 +224,8 @@ class MegatronStrategy(DDPStrategy):
         if overlap is None:  # on, except with the CPU tuning's synchronous shared-memory collectives
             overlap = not (self.cpu_tuning is not None and self.cpu_tuning.synchronous_collectives(self.root_device))
         self._grad_buffer = GradBuffer.for_chunks(self.model_chunks, self.parallel_state,
-                                                  bucket_bytes=self.ddp_bucket_size_mb * 2**20, overlap_grad_reduce=overlap)
+                                                  bucket_bytes=self.ddp_bucket_size_mb * 2**20, overlap_grad_reduce=overlap,
+                                                  overlap_param_gather=self.overlap_param_gather)
 
     @property
     def module_contract(self) -> MegatronModule:
@@ -244,12 +256,29 @@ class MegatronStrategy(DDPStrategy):
         if self._optimizer_config is not None:
             self.optimizers = [self._optimizer_config.wrap(opt, parallel_state=self.parallel_state,
                                                            grad_buffer=self._grad_buffer) for opt in self.optimizers]
-        for opt in self._optimizer_wrappers():
+            named = list(self.module_contract.sharded_named_parameters())
+            for opt in self.optimizers:
+                if isinstance(opt, MegatronOptimizer):
+                    opt.name_parameters(named)  # errors name parameters by their checkpoint names
+        wrappers = self._optimizer_wrappers()
+        for opt in wrappers:
             if is_sharded(opt) and opt.buffer is not self._grad_buffer:
                 raise ValueError(
                     "MegatronStrategy: a DistributedOptimizer must shard the strategy's grad buffer: build it "
                     "with DistributedOptimizer(..., grad_buffer=trainer.strategy.grad_buffer) or use "
                     "MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=True))")
+        if self.overlap_param_gather and not any(is_sharded(opt) for opt in wrappers):
+            raise ValueError(
+                "MegatronStrategy(overlap_param_gather=True) overlaps the ZeRO-1 parameter all-gather, but no "
+                "optimizer is a DistributedOptimizer: add MegatronOptimizerCallback(OptimizerConfig("
+                "use_distributed_optimizer=True)) (--megatron_optimizer.use_distributed_optimizer true) "
+                "or set overlap_param_gather=False")
+
+    def finish_param_gather(self) -> None:
+        """Wait for every pending ZeRO-1 parameter all-gather (``overlap_param_gather``): after this the
+        model params hold the last step's values. Done before anything reads them outside a forward."""
+        if self._grad_buffer is not None:
+            self._grad_buffer.finish_param_gather()
 
     def _optimizer_wrappers(self) -> list[OptimizerWrapper]:
         return [optimizer_wrapper(opt) for opt in self.optimizers]
@@ -358,6 +387,7 @@ class MegatronStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options")
         assert self.parallel_state is not None
+        self.finish_param_gather()  # the params are saved from the live tensors
         ckpt.save(self._state_mapper(), checkpoint, filepath, ckpt.layout_record(self.parallel_state))
 
     @override
@@ -384,7 +414,20 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
+        if self.overlap_param_gather and self._grad_buffer is not None:
+            self._grad_buffer.add_param_gather_hooks(self.model_chunks)
         self._preemption.install(self.launcher)  # SIGTERM: see lightning_megatron.preemption
+
+    @override
+    def on_validation_start(self) -> None:
+        # The forward pre-hooks would wait bucket by bucket; a module's own hooks may read params first.
+        self.finish_param_gather()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.finish_param_gather()  # fit returns a model that holds its last step's params
+        super().on_train_end()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

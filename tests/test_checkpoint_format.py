@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -92,11 +93,80 @@ def test_metadata_payload_is_refused_and_never_runs(tmp_path):
     assert not sentinel.exists()
 
 
-def test_format_1_metadata_reads_through_the_allow_list():
+# The allow-list, pinned: a new entry must be argued for here (a class that runs code on construction,
+# or a callable such as builtins.eval, would turn a .metadata file into a program).
+PINNED_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+def test_allow_list_is_exactly_the_pinned_one():
+    assert set(dcp_io.ALLOWED_GLOBALS) == PINNED_ALLOWED_GLOBALS
+
+
+class _Reduce:
+    """Pickles as ``fn(*args)``: the shape of every code-running pickle payload."""
+
+    def __init__(self, fn, *args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _payloads(sentinel: Path) -> dict[str, object]:
+    import builtins
+    import subprocess
+
+    touch = f"__import__('pathlib').Path({str(sentinel)!r}).touch()"
+    return {
+        "builtins.eval": _Reduce(builtins.eval, touch),
+        "builtins.exec": _Reduce(builtins.exec, touch),
+        "builtins.getattr": _Reduce(Path(sentinel).touch),  # a bound method pickles as getattr(obj, name)
+        "builtins.__import__": _Reduce(builtins.__import__, "antigravity"),
+        "subprocess.check_call": _Reduce(subprocess.check_call, ["touch", str(sentinel)]),
+        "subprocess.Popen": _Reduce(subprocess.Popen, ["touch", str(sentinel)]),
+        "posix.system": _Reduce(os.system, f"touch {sentinel}"),
+    }
+
+
+@pytest.mark.parametrize("name", ["builtins.eval", "builtins.exec", "builtins.getattr", "builtins.__import__",
+                                  "subprocess.check_call", "subprocess.Popen", "posix.system"])
+def test_code_running_payloads_are_refused(tmp_path, name):
+    sentinel = tmp_path / "pwned"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_payloads(sentinel)[name]))
+    with pytest.raises(dcp_io.CheckpointError, match=rf"refusing to load global {re.escape(name)} "):
+        dcp_io.read_metadata(tmp_path)
+    assert not sentinel.exists()
+
+
+def test_format_1_metadata_reads_through_the_allow_list(monkeypatch):
     md = dcp_io.read_metadata(DATA / "ckpt_v1_tp2")
     word = md.state_dict_metadata["model.embedding.word_embeddings.weight"]
     assert tuple(word.size) == (1000, 16) and len(word.chunks) == 2
-    assert ckpt.validate_checkpoint_dir(DATA / "ckpt_v1_tp2")["format_version"] == 1
+    with pytest.raises(ckpt.CheckpointError, match="cannot be verified: it is format 1"):
+        ckpt.verify_checkpoint(DATA / "ckpt_v1_tp2")
+    monkeypatch.setenv(ckpt.ALLOW_UNVERIFIED_ENV, "1")
+    assert ckpt.verify_checkpoint(DATA / "ckpt_v1_tp2")["format_version"] == 1
 
 
 def test_checksum_mismatch_names_the_file(tmp_path):
@@ -107,13 +177,13 @@ def test_checksum_mismatch_names_the_file(tmp_path):
     info = {"format_version": 2, "files": {n: (d / n).stat().st_size for n in names},
             "sha256": {n: ckpt.file_sha256(d / n) for n in names}}
     (d / ckpt.MARKER).write_text(__import__("json").dumps(info))
-    ckpt._verify_checksums(d, ckpt.validate_checkpoint_dir(d))
+    ckpt.verify_checkpoint(d)
     shard = next(d.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0x01  # same size, one bit
     shard.write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointError, match=rf"{shard.name} does not match the sha256"):
-        ckpt._verify_checksums(d, ckpt.validate_checkpoint_dir(d))
+        ckpt.verify_checkpoint(d)
 
 
 def test_swap_never_leaves_the_name_missing_and_cleans_temporaries(tmp_path):

@@ -1,6 +1,8 @@
 """Checkpoints under Trainer on 2 ranks: a planted .metadata payload never runs (fit and validate),
-a flipped byte, another head count and another hidden size are clear CheckpointErrors, saving
-is warning-free and atomic, stale temporaries go, a full disk is named, format 1 still loads."""
+a flipped byte, an altered checksum, another head count and another hidden size are clear
+CheckpointErrors, saving is warning-free and atomic, stale temporaries go, a full disk is named, a
+NaN gradient stops the run and keeps the last good checkpoint, checkpoints without checksums (format
+1, or checksums deleted) load only with the opt-in."""
 
 from __future__ import annotations
 
@@ -149,8 +151,67 @@ def _worker(root: str) -> dict:
     trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=root_p / "pp2" / "step=3.ckpt")
     out["pp2_straight"], out["pp2_resumed"] = straight.losses, resumed.losses
 
-    # --- format 1 (written by the release before format 2): loads at TP=2 and TP=1
+    # --- a NaN gradient at step 2: the run stops with an error naming the step and the parameter; no
+    # checkpoint is written from that state, last.ckpt stays the one saved after step 1
+    from lightning.pytorch import Callback
+
+    from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron import checkpoint as ckpt
+
+    nan_dir = root_p / "nan"
+
+    class InjectNaN(Callback):
+        marker_before: str | None = None
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 2:
+                self.marker_before = (nan_dir / "last.ckpt" / ckpt.MARKER).read_text()
+                [p] = [p for n, p in pl_module.sharded_named_parameters() if n == "encoder.layers.1.mlp.linear_fc1.weight"]
+                p.main_grad.view(-1)[3] = float("nan")
+
+    inject = InjectNaN()
+    trainer, dm = _trainer(2, 6, enable_checkpointing=True, callbacks=[
+        MegatronOptimizerCallback(), inject,
+        ModelCheckpoint(dirpath=nan_dir, save_last=True, save_top_k=0, every_n_train_steps=1)])
+    out["nan"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm))
+    torch.distributed.barrier()
+    out["nan_marker_unchanged"] = (nan_dir / "last.ckpt" / ckpt.MARKER).read_text() == inject.marker_before
+    out["nan_listing"] = sorted(p.name for p in nan_dir.iterdir())
+    out["nan_last_step"] = torch.load(nan_dir / "last.ckpt" / "extra.pt", weights_only=True)["global_step"]
+    ckpt.verify_checkpoint(nan_dir / "last.ckpt")
+
+    # --- unverified checkpoints (format 2 with its checksums deleted; format 1) are refused by fit and
+    # validate unless the user opts in; an altered checksum is refused even then
+    nosums, altered = root_p / "nosums", root_p / "altered"
+    if rank == 0:
+        for d in (nosums, altered):
+            shutil.copytree(good, d)
+        marker = json.loads((nosums / ckpt.MARKER).read_text())
+        del marker["sha256"]
+        (nosums / ckpt.MARKER).write_text(json.dumps(marker))
+        marker = json.loads((altered / ckpt.MARKER).read_text())
+        name = sorted(marker["sha256"])[-1]
+        marker["sha256"][name] = "0" * 64
+        (altered / ckpt.MARKER).write_text(json.dumps(marker))
+    torch.distributed.barrier()
+    trainer, dm = _trainer(2, 6)
+    out["nosums_fit"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=nosums))
     v1 = json.loads((DATA / "ckpt_v1_tp2.json").read_text())
+    trainer, dm = _trainer(2, 0, limit_val_batches=2)
+    out["v1_validate"] = _error(lambda: trainer.validate(BertLightningModule(**v1["model"]), datamodule=dm,
+                                                         ckpt_path=DATA / "ckpt_v1_tp2", verbose=False))
+    os.environ[ckpt.ALLOW_UNVERIFIED_ENV] = "1"  # the opt-in from here on (--allow-unverified-checkpoint)
+    trainer, dm = _trainer(2, 6)
+    out["altered_fit"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
+                                                    ckpt_path=altered))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, dm = _trainer(2, 6)
+        trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=nosums)
+    out["nosums_step"] = trainer.global_step
+    out["nosums_warnings"] = [str(w.message) for w in caught if "UNVERIFIED" in str(w.message)]
+
+    # --- format 1 (written by the release before format 2): loads at TP=2 and TP=1 with the opt-in
     for tp in (2, 1):
         trainer, dm = _trainer(tp, 0, limit_val_batches=2)
         [metrics] = trainer.validate(BertLightningModule(**v1["model"]), datamodule=dm,
@@ -209,6 +270,27 @@ def test_pipeline_resume_restores_the_tied_embedding_state_on_both_stages(result
     assert len(r["pp2_straight"]) == 6 and len(r["pp2_resumed"]) == 3
     torch.testing.assert_close(torch.tensor(r["pp2_resumed"]), torch.tensor(r["pp2_straight"][3:]),
                                rtol=1e-6, atol=0)
+
+
+def test_nan_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(results):
+    for rank, r in enumerate(results):
+        assert r["nan"].startswith("NonFiniteLossOrGradError: at step 2"), r["nan"]
+        assert "the gradient norm is nan" in r["nan"], r["nan"]
+        assert f"first parameter with a non-finite gradient on rank {rank}: encoder.layers.1.mlp.linear_fc1.weight" \
+            in r["nan"], r["nan"]
+        assert "check_for_nan_in_loss_and_grad" in r["nan"]
+        assert r["nan_marker_unchanged"] and r["nan_last_step"] == 2
+    assert results[0]["nan_listing"] == ["last.ckpt"]  # no temporary of a save from the NaN state
+
+
+def test_unverified_checkpoints_need_the_opt_in_and_wrong_checksums_never_load(results):
+    for r in results:
+        assert r["nosums_fit"].startswith("CheckpointError") and "has no sha256 checksums" in r["nosums_fit"]
+        assert "--allow-unverified-checkpoint" in r["nosums_fit"], r["nosums_fit"]
+        assert "cannot be verified: it is format 1" in r["v1_validate"], r["v1_validate"]
+        assert r["altered_fit"].startswith("CheckpointError") and "does not match the sha256" in r["altered_fit"]
+        assert r["nosums_step"] == 6
+    assert results[0]["nosums_warnings"] and "has no sha256 checksums" in results[0]["nosums_warnings"][0]
 
 
 def test_format_1_checkpoint_loads_at_tp2_and_tp1(results):

@@ -1,6 +1,6 @@
 """ZeRO-1 checkpoints from the shards: a run hops DP=4 -> 2 -> 1 -> 4 (TP 1 -> 2 -> 2 x PP 2 -> 1) through
-checkpoints and follows the straight run; ZeRO-1 and non-distributed checkpoints are interchangeable;
-no rank ever gathers the full optimizer state."""
+checkpoints and follows the straight run (written with overlap_param_gather); ZeRO-1 and non-distributed
+checkpoints are interchangeable; no rank ever gathers the full optimizer state."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ WORLD, GLOBAL_BATCH, MICRO = 4, 8, 2
 
 
 def _run(tp: int, zero1: bool, max_steps: int, *, pp: int = 1, ckpt_in: str | None = None, save_to: str | None = None,
-         every: str | None = None) -> list[float]:
+         every: str | None = None, overlap_param_gather: bool = False) -> list[float]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback
@@ -22,7 +22,8 @@ def _run(tp: int, zero1: bool, max_steps: int, *, pp: int = 1, ckpt_in: str | No
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
-    strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                overlap_param_gather=overlap_param_gather)
     recorder = LossRecorder()
     callbacks = [MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.05, use_distributed_optimizer=zero1)), recorder]
     if every:
@@ -40,7 +41,9 @@ def _run(tp: int, zero1: bool, max_steps: int, *, pp: int = 1, ckpt_in: str | No
 
 def _worker(root: str) -> dict:
     # DistributedOptimizer.state_dict/load_state_dict raise: the sharded checkpoint never calls them.
-    out = {"straight": _run(1, True, 7, every=f"{root}/straight")}  # DP=4, saves step=3
+    # DP=4, saves step=3; with the parameter all-gather overlapped, the checkpoint is written while the
+    # gathers of step 3 are still pending (ModelCheckpoint saves before the next forward).
+    out = {"straight": _run(1, True, 7, every=f"{root}/straight", overlap_param_gather=True)}
     a = f"{root}/straight/step=3.ckpt"
     out["dp2"] = _run(2, True, 4, ckpt_in=a, save_to=f"{root}/dp2")
     # DP=1 as TP=2 x PP=2: two steps, so the last stage's tied embedding state is checked too

@@ -54,7 +54,57 @@ def test_recipe_parses_and_builds(recipe):
     assert built["hidden"] == expected
 
 
-def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool) -> list[float]:
+def _free_port(lo: int = 20000, hi: int = 30000) -> int:
+    import random
+    import socket
+
+    for port in random.sample(range(lo, hi), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{lo}, {hi})")
+
+
+def _launch(args: list[str], launcher: str, tasks: int, cwd: Path, env: dict) -> list[subprocess.CompletedProcess]:
+    """Start ``lightning_megatron.cli <args>`` as a user would on ``tasks`` processes:
+
+    - ``lightning``: one process; Lightning's launcher starts the others (``--trainer.devices``);
+    - ``torchrun``: ``tasks`` torchrun agents, one per simulated node, c10d rendezvous on 127.0.0.1,
+      one worker each (what runs on every node of a cluster, with the head node's address);
+    - ``slurm``: ``tasks`` processes on one node with the variables ``srun --nodes 1
+      --ntasks-per-node N`` sets (no MASTER_ADDR / MASTER_PORT: Lightning's SLURMEnvironment derives
+      them from the node list and the job id).
+    """
+    cli = ["-m", "lightning_megatron.cli", *args]
+    if launcher == "lightning":
+        cmds, envs = [[sys.executable, *cli]], [env]
+    elif launcher == "torchrun":
+        endpoint = f"127.0.0.1:{_free_port()}"
+        cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(tasks), "--nproc-per-node", "1",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "lm-test", *cli]] * tasks
+        envs = [env] * tasks
+    else:
+        job_id = str(_free_port(15000, 25000) - 15000 + 70000)  # Lightning's port: 15000 + the id's last 4 digits
+        slurm = dict(SLURM_JOB_ID=job_id, SLURM_JOB_NAME="lm-test", SLURM_NNODES="1", SLURM_NTASKS=str(tasks),
+                     SLURM_NTASKS_PER_NODE=str(tasks), SLURM_NODEID="0", SLURM_NODELIST="localhost",
+                     SLURM_JOB_NODELIST="localhost")
+        cmds = [[sys.executable, *cli]] * tasks
+        envs = [dict(env, **slurm, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) for i in range(tasks)]
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd, e in zip(cmds, envs)]
+    try:
+        return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: str = "lightning", nodes: int = 1,
+         ckpt_path: Path | None = None) -> list[float]:
     run_dir = tmp / name
     loggers = ('[{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "%s", "name": "csv"}}'
                % run_dir)
@@ -62,51 +112,60 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool) -> list[float
         loggers += (', {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": '
                     '{"project": "lm-test", "save_dir": "%s", "offline": true}}' % run_dir)
     loggers += "]"
-    # The recipe as written, with only what a 12-step run needs changed (warm-up, checkpoint folder).
     import yaml
 
     from lightning_megatron.recipes import read_recipe
 
     recipe = read_recipe(ROOT / "recipes/bert_tiny.yaml")  # with its base: merged in
-    # The recipe's 30 warm-up steps are longer than this run: the CLI shortens them with a warning.
     for cb in recipe["trainer"]["callbacks"]:
         if cb["class_path"].endswith("ModelCheckpoint"):
-            cb["init_args"].update(dirpath=str(run_dir / "ckpt"), every_n_train_steps=12)
+            cb["init_args"].update(dirpath=str(run_dir / "ckpt"), every_n_train_steps=6, save_top_k=-1,
+                                   filename="{step}")
     config = tmp / f"{name}.yaml"
     config.write_text(yaml.safe_dump(recipe))
-    cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(config),
-           "--trainer.devices", str(devices), "--trainer.strategy.tensor_model_parallel_size", str(tp),
-           "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
-           "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(run_dir),
-           "--trainer.logger", loggers, "--model.hidden_dropout", "0.0", "--model.attention_dropout", "0.0",
-           "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
-           "--data.max_seq_length", "64", "--model.max_sequence_length", "64",
-           "--megatron_optimizer.clip_grad", "0.5"]  # a Megatron callback's argument from the command line
+    args = ["fit", "--config", str(config),
+            "--trainer.devices", str(devices), "--trainer.num_nodes", str(nodes),
+            "--trainer.strategy.tensor_model_parallel_size", str(tp),
+            "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+            "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(run_dir),
+            "--trainer.logger", loggers, "--model.hidden_dropout", "0.0", "--model.attention_dropout", "0.0",
+            "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+            "--data.max_seq_length", "64", "--model.max_sequence_length", "64",
+            "--megatron_optimizer.clip_grad", "0.5"]  # a Megatron callback's argument from the command line
+    if ckpt_path is not None:
+        args += ["--ckpt_path", str(ckpt_path)]
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "lr_warmup_steps=30 is not below" in proc.stderr and "args parameter" not in proc.stderr
+    procs = _launch(args, launcher, 1 if launcher == "lightning" else nodes * devices, tmp, env)
+    for proc in procs:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    stderr = "".join(proc.stderr for proc in procs)  # rank 0 runs under either torchrun agent
+    assert "lr_warmup_steps=30 is not below" in stderr and "args parameter" not in stderr
     [metrics] = list(run_dir.rglob("metrics.csv"))
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("train_lm_loss")]
     assert (run_dir / "ckpt").exists() and any((run_dir / "ckpt").iterdir()), "a checkpoint must be saved"
     if wandb:
         assert list(run_dir.rglob("*.wandb")), "W&B offline run files must exist"
-        # The run config (in the offline run's records) has the layout, the strategy and the precision.
         records = b"".join(p.read_bytes() for p in run_dir.rglob("*.wandb"))
         assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision"))
     return [float(r["train_lm_loss"]) for r in rows]
 
 
 def test_cli_fit_tp1_equals_tp2(tmp_path):
-    """`lightning-megatron fit --config recipes/bert_tiny.yaml` (few steps) at TP=1 and TP=2 logs equal
-    losses (fp32, dropout off) within 1e-5."""
-    tp2 = _fit(tmp_path, 2, 2, "tp2", wandb=True)
+    """`lightning-megatron fit --config recipes/bert_tiny.yaml` (few steps) at TP=2 over two nodes of one
+    process each (two torchrun agents, c10d rendezvous) logs the one-process losses (fp32, dropout off)
+    within 1e-5; its step-6 checkpoint, resumed on one node at TP=1 x DP=2 under the variables srun
+    sets (Lightning's SLURMEnvironment starts no process: the two ranks exist only if it read them),
+    continues the one-process run; test and export read the two-node checkpoint on one process."""
+    tp2 = _fit(tmp_path, 1, 2, "tp2", wandb=True, launcher="torchrun", nodes=2)
     tp1 = _fit(tmp_path, 1, 1, "tp1", wandb=False)
     assert len(tp1) == len(tp2) == 12
     for a, b in zip(tp1, tp2):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, tp2)
-    # The TP=2 checkpoint: `test` (docs/recipes.md) and `export hf` through the CLI.
-    ckpt = tmp_path / "tp2" / "ckpt" / "last.ckpt"
+    resumed = _fit(tmp_path, 2, 1, "resumed", wandb=False, launcher="slurm", ckpt_path=tmp_path / "tp2/ckpt/step=6.ckpt")
+    assert len(resumed) == 6
+    for a, b in zip(tp1[6:], resumed):
+        assert abs(a - b) <= 1e-5 * abs(a), (tp1, resumed)
+    ckpt = tmp_path / "tp2" / "ckpt" / "step=12.ckpt"
     assert ckpt.is_dir()
     test = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "test", "--config", str(tmp_path / "tp2.yaml"),
                            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",

@@ -65,14 +65,25 @@ def _cli(tmp: Path, command: str, *args: str) -> subprocess.CompletedProcess:
 def test_validate_continues_the_wandb_run_of_the_checkpoint(tmp_path):
     """fit writes its W&B run id into the checkpoint; validate of it continues that run (a resumed
     fit reads the id the same way), and each logs the trainer, strategy, layout and precision into
-    the W&B config."""
+    the W&B config. The checkpoint is left as a crash between the two renames of a file system
+    without an exchange rename leaves it (last.ckpt.tmp-<id>, no last.ckpt), with its checksums
+    removed: ``--ckpt_path last --allow-unverified-checkpoint`` finds it and loads it, saying so."""
+    import json
+
     import torch
 
     _cli(tmp_path, "fit", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
          "--lr_schedule.lr_warmup_steps", "0")
-    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt.tmp-1a2b3c4d"
+    (tmp_path / "run" / "checkpoints" / "last.ckpt").rename(ckpt)
+    marker = json.loads((ckpt / "lightning_megatron.json").read_text())
+    del marker["sha256"]
+    (ckpt / "lightning_megatron.json").write_text(json.dumps(marker))
     run_id = torch.load(ckpt / "extra.pt", weights_only=True)["wandb_run_id"]
-    _cli(tmp_path, "validate", "--trainer.limit_val_batches", "1", "--ckpt_path", str(ckpt))
+    proc = _cli(tmp_path, "validate", "--trainer.limit_val_batches", "1", "--ckpt_path", "last",
+                "--allow-unverified-checkpoint")
+    assert "is loaded UNVERIFIED: its lightning_megatron.json has no sha256 checksums" in proc.stderr, proc.stderr
+    assert "is missing, but the interrupted save" in proc.stderr and "tmp-1a2b3c4d" in proc.stderr, proc.stderr
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert [r.name.rsplit("-", 1)[1] for r in runs] == [run_id, run_id], (run_id, runs)
     for run in runs:

@@ -173,10 +173,14 @@ def test_vocab_record_and_checks(tmp_path):
     other = BertTokenizer(other_vocab)
     with pytest.raises(ValueError, match=r"another vocabulary \(vocab_size=30522.*vocab_size=\d+.*pass the vocab_file"):
         check_dataset_vocab(tmp_path / "ds", other, None)
-    # Without a record (e.g. made by Megatron's tools): a warning, and write_dataset_vocab scans the ids.
+    # Without a record (e.g. made by Megatron's tools): the largest id is computed once and checked (a
+    # model too small is refused with the command that rebuilds the record), a warning otherwise.
     vocab_sidecar_path(tmp_path / "ds").unlink()
-    with pytest.warns(UserWarning, match="has no ds.vocab.json"):
+    with pytest.warns(UserWarning, match=f"has no ds.vocab.json: its largest token id {largest} fits"):
         assert check_dataset_vocab(tmp_path / "ds", tokenizer(), 30522) is None
+    with pytest.raises(ValueError, match=f"no ds.vocab.json\\) holds token id {largest}, not below the model's "
+                                         f"vocab_size={largest}.*lightning-megatron preprocess --input"):
+        check_dataset_vocab(tmp_path / "ds", tokenizer(), largest)
     assert write_dataset_vocab(tmp_path / "ds", tokenizer()) == record
     # An empty dataset.
     with IndexedDatasetBuilder(tmp_path / "empty", dtype=np.uint16):
@@ -184,6 +188,37 @@ def test_vocab_record_and_checks(tmp_path):
     write_dataset_vocab(tmp_path / "empty", tokenizer())
     with pytest.raises(ValueError, match="is empty"):
         check_dataset_vocab(tmp_path / "empty", tokenizer(), 30522)
+
+
+def test_token_ids_outside_the_vocabulary_are_named_per_sample(tmp_path):
+    """A flipped id in the .bin (65000 >= 30522 pieces) is an error naming the dataset, the document
+    and the id when a sample reads it (was a raw IndexError deep in masking), and, for a dataset without
+    its .vocab.json, before training."""
+    from lightning_megatron.data.bert_dataset import BertDataset
+
+    (tmp_path / "a.txt").write_text(_text() * 4)
+    preprocess_corpus([tmp_path / "a.txt"], tmp_path / "ds", tokenizer(), max_seq_length=64)
+    indexed = IndexedDataset(tmp_path / "ds")
+    sentence = int(indexed.doc_idx[5]) + 1  # the second sentence of document 5
+    offset = int(np.sum(indexed.sizes[:sentence])) + 1
+    data = np.memmap(f"{tmp_path / 'ds'}.bin", dtype=indexed.dtype, mode="r+")
+    data[offset] = 65000
+    data.flush()
+    del data, indexed
+    ds = BertDataset(IndexedDataset(tmp_path / "ds"), tokenizer(), max_seq_length=64, num_epochs=1,
+                     samples_cache_dir=False, binary_head="sop")
+    errors = []
+    for i in range(len(ds)):
+        try:
+            ds[i]
+        except ValueError as e:
+            errors.append(str(e))
+    assert errors, "no sample read the flipped id"
+    assert all(f"dataset {str(tmp_path / 'ds')!r}: document 5 (sentence {sentence}) holds token id 65000, outside "
+               f"the tokenizer's vocabulary of 30522 pieces" in e for e in errors), errors[0]
+    vocab_sidecar_path(tmp_path / "ds").unlink()
+    with pytest.raises(ValueError, match="holds token id 65000, not below the tokenizer's vocab_size=30522"):
+        check_dataset_vocab(tmp_path / "ds", tokenizer(), None)
 
 
 def test_datamodule_refuses_a_dataset_of_another_vocabulary_or_a_small_model(tmp_path):
@@ -229,3 +264,18 @@ def test_fit_refuses_a_model_vocab_below_the_data_ids_before_any_step(tmp_path):
     with pytest.raises(ValueError, match=f"model's vocab_size=1000 is not larger than the largest token id {largest}"):
         trainer.fit(model, datamodule=dm)
     assert trainer.global_step == 0
+
+
+def test_non_utf8_vocab_file_is_named(tmp_path, capsys):
+    """tokenizers' own message ("stream did not contain valid UTF-8") named no file."""
+    vocab = tmp_path / "latin1_vocab.txt"
+    vocab.write_bytes(packaged_vocab_file().read_bytes()[:2000] + b"\ncaf\xe9\n")
+    with pytest.raises(ValueError, match=rf"vocab_file '{vocab}' is not UTF-8 text \(line \d+, byte \d+"):
+        BertTokenizer(vocab)
+    (tmp_path / "a.txt").write_text(_text())
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["preprocess", "--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "out"),
+                  "--vocab-file", str(vocab), "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"vocab_file '{vocab}' is not UTF-8" in err and "Traceback" not in err

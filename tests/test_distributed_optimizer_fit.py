@@ -1,4 +1,5 @@
-"""The distributed optimizer (ZeRO-1) through Trainer.fit equals the non-distributed one, and a run
+"""The distributed optimizer (ZeRO-1) through Trainer.fit equals the non-distributed one, with its
+parameter all-gather overlapped with the next forward too (bitwise equal to not overlapped), and a run
 resumes after a data-parallel size change."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from dist_utils import run_distributed
 from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
 
 GLOBAL_BATCH, MICRO = 8, 2
+VAL = dict(limit_val_batches=1, val_check_interval=5)
+"""A validation (forward only) after steps 5 and 10: with overlap, while the gathers are pending."""
 
 
 def _recorder():
@@ -20,6 +23,10 @@ def _recorder():
             self.losses: list[float] = []
             self.norms: list[float] = []
             self.main_grads_in_buffer: list[bool] = []
+            self.val_losses: list[float] = []
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             opt = trainer.strategy.optimizers[0]
@@ -35,17 +42,20 @@ def _recorder():
 
 
 def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str | None = None,
-         ckpt_in: str | None = None, clip_grad: float = 0.05) -> dict:
+         ckpt_in: str | None = None, clip_grad: float = 0.05, overlap_param_gather: bool = False,
+         **trainer_kwargs) -> dict:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
-    strategy = MegatronStrategy(tensor_model_parallel_size=tp)
+    # Small buckets (the tiny model has ~50k params): several all-gathers in flight with overlap.
+    strategy = MegatronStrategy(tensor_model_parallel_size=tp, ddp_bucket_size_mb=0.05,
+                                overlap_param_gather=overlap_param_gather)
     recorder = _recorder()
     callback = MegatronOptimizerCallback(OptimizerConfig(clip_grad=clip_grad, use_distributed_optimizer=distributed))
     trainer = make_trainer(strategy, 4, max_steps, callbacks=[callback, recorder],
-                           precision="bf16-true" if dtype == "bfloat16" else "32-true")
+                           precision="bf16-true" if dtype == "bfloat16" else "32-true", **trainer_kwargs)
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
     module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype})
@@ -54,7 +64,9 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
         trainer.save_checkpoint(save_to)
     opt = trainer.strategy.optimizers[0]
     return {"losses": recorder.losses, "norms": recorder.norms, "type": type(opt).__name__,
-            "main_grads_in_buffer": recorder.main_grads_in_buffer}
+            "main_grads_in_buffer": recorder.main_grads_in_buffer,
+            "params": [p.detach().clone() for p in module.parameters()],
+            "val_losses": recorder.val_losses}
 
 
 def _worker(root: str) -> dict:
@@ -64,9 +76,17 @@ def _worker(root: str) -> dict:
     # rounding of its bf16 copy. Without clipping the two optimizers are bit-identical.
     for dtype, clip in (("float32", 0.05), ("bfloat16", 0.0)):
         out[f"plain_{dtype}"] = _run(2, dtype, False, 10, clip_grad=clip)
-        out[f"zero1_{dtype}"] = _run(2, dtype, True, 10, clip_grad=clip)
+        out[f"zero1_{dtype}"] = _run(2, dtype, True, 10, clip_grad=clip, **(VAL if dtype == "bfloat16" else {}))
+    # Overlapped parameter all-gather in bf16 (the gather in the params' dtype; fp32 is run overlapped
+    # by tests/test_checkpoint_zero1.py and tests/test_optimizer_grad_norm.py)
+    out["overlap_bfloat16"] = _run(2, "bfloat16", True, 10, clip_grad=0.0, overlap_param_gather=True, **VAL)
     out["first"] = _run(2, "float32", True, 5, save_to=f"{root}/zero1")
     out["resumed_dp4"] = _run(1, "float32", True, 10, ckpt_in=f"{root}/zero1")
+    try:  # last: nothing to overlap without the DistributedOptimizer, refused before the first step
+        _run(2, "float32", False, 1, overlap_param_gather=True)
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
     return out
 
 
@@ -86,6 +106,28 @@ def test_distributed_optimizer_equals_non_distributed_tp2_dp2(runs, dtype):
     if dtype == "float32":  # clip_grad=0.05 clips on every step: the clipping norm must be the same number
         assert min(plain["norms"]) > 0.05
     torch.testing.assert_close(torch.tensor(zero1["norms"]), torch.tensor(plain["norms"]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_overlap_param_gather_bitwise_equal_to_off_tp2_dp2(runs, dtype):
+    plain, zero1, overlap = runs[f"plain_{dtype}"], runs[f"zero1_{dtype}"], runs[f"overlap_{dtype}"]
+    assert overlap["type"] == "DistributedOptimizer"
+    # Against the non-distributed reference (as above), then bit for bit against ZeRO-1 without overlap:
+    # the same collectives on the same bytes, only waited for later.
+    torch.testing.assert_close(torch.tensor(overlap["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+    assert overlap["losses"] == zero1["losses"]
+    assert overlap["norms"] == zero1["norms"]
+    # The final params (after fit: every gather waited for): ZeRO-1's bit for bit, the plain run's closely.
+    assert len(overlap["params"]) == len(plain["params"]) > 0
+    for got, off, ref in zip(overlap["params"], zero1["params"], plain["params"]):
+        assert torch.equal(got, off)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 if dtype == "float32" else 1e-2)
+    assert len(overlap["val_losses"]) == 2 and overlap["val_losses"] == zero1["val_losses"]
+
+
+def test_overlap_param_gather_without_distributed_optimizer_is_refused(runs):
+    assert runs["refused"] is not None and "overlap_param_gather=True" in runs["refused"]
+    assert "use_distributed_optimizer=True" in runs["refused"]
 
 
 def test_resume_after_data_parallel_size_change(runs):

@@ -31,3 +31,15 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert (out / "summary.md").read_text().startswith("### GPU check")
     assert {p.name for p in out.iterdir()} <= {"results.json", "summary.md", "tests.log", "junit.xml", "fit.log",
                                                "metrics.csv"}  # within the device tool's 8 files back
+
+
+def test_gpu_check_covers_the_overlaps():
+    """The CUDA test path lists the tests of the overlapped ZeRO-1 parameter all-gather and p2p (they
+    exist under these names: a rename would silently drop them from the GPU check)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import TEST_FILES
+
+    for path, name in (("tests/test_distributed_optimizer_fit.py", "test_overlap_param_gather_bitwise_equal_to_off"),
+                       ("tests/test_checkpoint_zero1.py", "overlap_param_gather=True"),
+                       ("tests/test_pipeline_schedules.py", "test_overlap_p2p_comm_is_bitwise")):
+        assert path in TEST_FILES and name in (ROOT / path).read_text(), (path, name)

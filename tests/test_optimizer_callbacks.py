@@ -222,6 +222,90 @@ def test_logged_lr_equals_lr_monitor_at_every_step(tmp_path):
     assert ours[0] == pytest.approx(1e-4, rel=1e-7) and len(set(ours.values())) == 8  # init_lr, then a new lr every step
 
 
+class InjectModule(ScaledBackwardModule):
+    """At optimizer step ``at``: the gradient of the first layer's output times ``grad`` (inf: an fp16
+    overflow the dynamic scaler skips), or the loss times ``loss`` (nan: a non-finite loss)."""
+
+    def __init__(self, at: int, grad: float = 1.0, loss: float = 1.0):
+        super().__init__()
+        self.at, self.grad_factor, self.loss_factor = at, grad, loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hit = self.trainer.global_step == self.at
+        h = self.net[0](x)
+        if hit and self.grad_factor != 1.0:
+            h.register_hook(lambda g: g * self.grad_factor)
+        loss = torch.nn.functional.mse_loss(self.net[1:](h).float(), y.float())
+        return loss * self.loss_factor if hit else loss
+
+
+def _lr_at(n: int) -> float:
+    """_sched_cb's schedule at step n (Megatron's get_lr: linear warm-up from init_lr over 2, cosine to 10)."""
+    if n <= 2:
+        return 1e-4 + (1e-2 - 1e-4) * n / 2
+    return 1e-3 + 0.5 * (1 + math.cos(math.pi * (n - 2) / 8)) * (1e-2 - 1e-3)
+
+
+def test_fp16_overflow_skipped_step_keeps_the_lr_schedule_and_the_logged_lr(tmp_path):
+    """An injected fp16 overflow at step 2 is skipped and, as in Megatron-LM's training loop (the
+    scheduler steps only when the update succeeded), the schedule does not advance: steps 2 and 3
+    log the same lr, and after 6 steps the schedule stands at 5."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    opt_cb = MegatronOptimizerCallback(OptimizerConfig(initial_loss_scale=2.0**8, hysteresis=2))
+    sched_cb = _sched_cb()
+    trainer = pl.Trainer(accelerator=accelerator(), devices=1, max_steps=6, max_epochs=None, log_every_n_steps=1,
+                         callbacks=[opt_cb, sched_cb], precision="16-true", logger=CSVLogger(tmp_path, name="csv"),
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(InjectModule(at=2, grad=float("inf")))
+    logged: dict[int, dict[str, float]] = {}
+    with open(trainer.logger.log_dir + "/metrics.csv") as fh:
+        for row in csv.DictReader(fh):
+            for key in ("lr", "skipped_steps"):
+                if row.get(key):
+                    logged.setdefault(int(row["step"]), {})[key] = float(row[key])
+    assert [logged[s]["skipped_steps"] for s in range(6)] == [0, 0, 1, 1, 1, 1]
+    schedule = [0, 1, 2, 2, 3, 4]  # the step of the schedule each optimizer step used
+    assert [logged[s]["lr"] for s in range(6)] == pytest.approx([_lr_at(n) for n in schedule], rel=1e-6)
+    assert sched_cb.scheduler.num_steps == 5
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(_lr_at(5))
+
+
+@pytest.mark.parametrize("precision, inject, zero1", [("32-true", "grad", False), ("bf16-true", "grad", False),
+                                                      ("16-true", "loss", False), ("bf16-true", "grad", True)])
+def test_non_finite_loss_or_grad_stops_the_run_before_the_step(precision, inject, zero1):
+    """On by default: a NaN gradient (fp32, bf16) or a NaN loss (fp16: not an overflow the scaler may
+    skip) at step 2 raises before the optimizer step, naming the step and the first parameter."""
+    from lightning_megatron.optimizer import NonFiniteLossOrGradError
+
+    module = InjectModule(at=2, **({"grad": float("nan")} if inject == "grad" else {"loss": float("nan")}))
+    trainer = _trainer(4, [MegatronOptimizerCallback(OptimizerConfig(initial_loss_scale=2.0**8, use_distributed_optimizer=zero1))],
+                       precision=precision)
+    before = {}
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            before.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+    trainer.callbacks.append(Snapshot())
+    with pytest.raises(NonFiniteLossOrGradError, match="at step 2") as info:
+        trainer.fit(module)
+    message = str(info.value)
+    assert "first parameter with a non-finite gradient on rank 0: net.0.weight" in message, message
+    assert ("the loss is nan" in message) == (inject == "loss")
+    assert trainer.global_step == 2
+    for k, v in module.state_dict().items():  # the step was not taken
+        assert torch.equal(v, before[k]), k
+    # Off: the step of the scaler (bf16: skipped; fp32: no scaler, a NaN update) as before this check.
+    if precision == "bf16-true":
+        trainer = _trainer(4, [MegatronOptimizerCallback(OptimizerConfig(check_for_nan_in_loss_and_grad=False))], precision=precision)
+        trainer.fit(InjectModule(at=2, grad=float("nan")))
+        assert trainer.optimizers[0].num_skipped_steps == 1
+
+
 class _SeesOptimizers(pl.Callback):
     """Listed BEFORE the optimizer callback: records what its on_fit_start sees."""
 

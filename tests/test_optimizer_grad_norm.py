@@ -3,6 +3,8 @@ reduction bitwise equal to reduction after backward, and one fp32 copy of the gr
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def _recorder():
 
 
 def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = False, clip_grad: float = 0.0,
-         **strategy_kwargs) -> dict:
+         model_kwargs: dict | None = None, **strategy_kwargs) -> dict:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.models.bert.module import BertLightningModule
@@ -56,16 +58,19 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
                            precision="bf16-true" if dtype == "bfloat16" else "32-true")
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank() if world > 1 else 0)
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
-    module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype})
+    module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype, **(model_kwargs or {})})
     trainer.fit(module, datamodule=dm)
+    layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
     return {"losses": recorder.losses, "norms": recorder.norms, "one_copy": recorder.one_copy,
-            "bytes": recorder.bytes}
+            "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank}
 
 
 def _two_ranks() -> dict:
     return {
         "tp2": _run(tp=2),
         "pp2": _run(pp=2),
+        # uneven stages (megatron-core's num_layers_in_last_pipeline_stage): 3 layers, then 1 + the heads
+        "pp2_last1": _run(pp=2, model_kwargs={"num_layers_in_last_pipeline_stage": 1}),
         "dp2": _run(),
         "dp2_zero1": _run(zero1=True),
         # the overlapped reduction, asynchronous on gloo (the default path; shared memory: tests/test_main_grads.py)
@@ -73,6 +78,10 @@ def _two_ranks() -> dict:
         # bf16 with clipping on every step: ZeRO-1 must equal plain DP step for step
         "bf16_dp2": _run(dtype="bfloat16", clip_grad=0.05),
         "bf16_zero1": _run(dtype="bfloat16", clip_grad=0.05, zero1=True),
+        # a bf16 pipeline (interleaved, overlapped p2p): the logged metrics are broadcast from the last
+        # stage in fp32 while the precision plugin makes bf16 the default dtype (a bf16 receive buffer
+        # aborted gloo)
+        "bf16_pp2_vp2": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2),
     }
 
 
@@ -86,12 +95,18 @@ def runs():
 def test_grad_norm_of_every_layout_equals_one_process(runs):
     one, two = runs
     for rank in two:
-        for name in ("tp2", "pp2", "dp2", "dp2_zero1"):
+        for name in ("tp2", "pp2", "pp2_last1", "dp2", "dp2_zero1"):
             norms = torch.tensor(rank[name]["norms"], dtype=torch.float64)
             ref = torch.tensor(one["norms"], dtype=torch.float64)
             # same parameters at step 1: the norm is the same number up to fp64 summation order
             assert abs(norms[0] - ref[0]) <= 1e-6 * ref[0], (name, norms[0].item(), ref[0].item())
             torch.testing.assert_close(norms, ref, rtol=1e-5, atol=0, msg=name)
+
+
+def test_uneven_pipeline_stages(runs):
+    _, two = runs
+    assert {r["pp2_last1"]["pp_rank"]: r["pp2_last1"]["num_layers_here"] for r in two} == {0: 3, 1: 1}
+    assert {r["pp2"]["pp_rank"]: r["pp2"]["num_layers_here"] for r in two} == {0: 2, 1: 2}
 
 
 def test_overlapped_reduction_equals_reduction_after_backward(runs):
@@ -112,6 +127,15 @@ def test_bf16_zero1_equals_plain_data_parallel_with_clipping(runs):
         torch.testing.assert_close(torch.tensor(zero1["norms"]), torch.tensor(plain["norms"]), rtol=1e-12, atol=0)
 
 
+def test_bf16_pipelines_follow_bf16_data_parallel(runs):
+    _, two = runs
+    for rank in two:
+        plain = torch.tensor(rank["bf16_dp2"]["losses"])
+        for name in ("bf16_pp2_vp2",):  # another split of the same bf16 arithmetic: bf16 rounding apart
+            assert len(rank[name]["losses"]) == STEPS
+            torch.testing.assert_close(torch.tensor(rank[name]["losses"]), plain, rtol=2e-2, atol=0, msg=name)
+
+
 def test_one_fp32_copy_of_the_gradients(runs):
     one, two = runs
     for run in [one] + [r[name] for r in two for name in r]:
@@ -125,10 +149,15 @@ def _pp2_dp2() -> dict:
     # 1F1B with the tied embedding's deferred bucket: the default (overlapped reduce-scatter /
     # all-reduce on gloo) against the CPU tuning (shared memory, after backward), ZeRO-1 against
     # plain DP, clipping on.
-    return {(zero1, mode): _run(pp=2, zero1=zero1, clip_grad=0.05, **kwargs)
+    runs = {(zero1, mode): _run(pp=2, zero1=zero1, clip_grad=0.05, **kwargs)
             for zero1 in (False, True)
             for mode, kwargs in (("cpu-tuning", {"cpu_tuning": True}),
                                  ("gloo-overlap", {"overlap_grad_reduce": True}))}
+    # ZeRO-1 with its parameter all-gather overlapped too: the tied embedding's bucket lives on both
+    # ends of the pipeline and is used by the last stage's head, not by a module of its own there
+    runs[(True, "param-gather")] = _run(pp=2, zero1=True, clip_grad=0.05, overlap_grad_reduce=True,
+                                        overlap_param_gather=True)
+    return runs
 
 
 def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():

@@ -29,9 +29,9 @@ def _raise_mid_schedule(vp: int | None) -> None:
         return forward_step(microbatch, chunk)
 
     microbatches = [dict(mb, index=i) for i, mb in enumerate(make_microbatches(4, seed=0))]
-    get_forward_backward_func(2, vp)(
+    get_forward_backward_func(2, vp)(  # interleaved: with its exchanges overlapped (posted, waited later)
         forward_step_func=failing_step, microbatches=microbatches, model=chunks, num_microbatches=4,
-        parallel_state=ps, tensor_shape=(S, B, H), dtype=torch.float32)
+        parallel_state=ps, tensor_shape=(S, B, H), dtype=torch.float32, overlap_p2p_comm=vp is not None)
 
 
 @pytest.mark.parametrize("vp", [None, 2], ids=["pp2", "pp2-vp2"])

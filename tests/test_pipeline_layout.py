@@ -46,6 +46,42 @@ def test_layer_range_table(num_layers, pp, vp, expected):
     assert covered == list(range(num_layers))
 
 
+@pytest.mark.parametrize(
+    ("num_layers", "pp", "vp", "first", "last", "expected"),
+    [
+        # megatron-core's num_layers_in_first/last_pipeline_stage; expected[pp_rank][vp_rank] = (start, stop)
+        (12, 2, None, None, 4, [[(0, 8)], [(8, 12)]]),
+        (12, 2, None, 7, None, [[(0, 7)], [(7, 12)]]),
+        (10, 4, None, 1, 1, [[(0, 1)], [(1, 5)], [(5, 9)], [(9, 10)]]),
+        (11, 4, None, None, 2, [[(0, 3)], [(3, 6)], [(6, 9)], [(9, 11)]]),
+        # interleaved: each stage splits its layers over its chunks; pieces stay in piece order
+        (12, 2, 2, None, 4, [[(0, 4), (6, 10)], [(4, 6), (10, 12)]]),
+        (9, 2, 2, 5, 4, [[(0, 3), (5, 7)], [(3, 5), (7, 9)]]),
+    ],
+    ids=lambda x: str(x),
+)
+def test_layer_range_uneven_stages(num_layers, pp, vp, first, last, expected):
+    v = 1 if vp is None else vp
+    kw = dict(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+    got = [[(r.start, r.stop) for r in (get_layer_range(num_layers, pp, s, vp, c, **kw) for c in range(v))]
+           for s in range(pp)]
+    assert got == expected
+    pieces = sorted((c * pp + s, get_layer_range(num_layers, pp, s, vp, c, **kw)) for s in range(pp) for c in range(v))
+    assert [i for _, r in pieces for i in r] == list(range(num_layers))  # piece order tiles [0, L)
+    for stage, n in ((0, first), (pp - 1, last)):
+        if n is not None:
+            assert sum(b - a for a, b in got[stage]) == n
+
+
+def test_layer_range_uneven_stages_refused():
+    with pytest.raises(ValueError, match=r"num_layers=8 does not fit .*first_pipeline_stage=5.*last_pipeline_stage=4"):
+        get_layer_range(8, 2, 0, num_layers_in_first_pipeline_stage=5, num_layers_in_last_pipeline_stage=4)
+    with pytest.raises(ValueError, match=r"2 layers are left for 2 other stage\(s\) of 2 chunk"):
+        get_layer_range(8, 4, 0, 2, 0, num_layers_in_first_pipeline_stage=3, num_layers_in_last_pipeline_stage=3)
+    with pytest.raises(ValueError, match=r"num_layers_in_last_pipeline_stage=4 needs pipeline_model_parallel_size >= 2"):
+        get_layer_range(8, 1, 0, num_layers_in_last_pipeline_stage=4)
+
+
 def test_layer_range_rejects_more_pieces_than_layers():
     with pytest.raises(ValueError, match=r"num_layers=6 .*pp_size=4 \* vp_size=2 = 8"):
         get_layer_range(6, 4, 0, 2, 0)

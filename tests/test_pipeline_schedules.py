@@ -8,7 +8,8 @@ arithmetic in the same order (per chunk, backward in microbatch order), so fp32 
 expected to rounding; the stated tolerance is 1e-6 absolute (values are O(1)).
 
 All layouts run in ONE spawned world of 4 gloo ranks (process start costs seconds here):
-PP=1 (no pipelining, DP=4), PP=2 (DP=2), PP=4, PP=2 x VP=2 (DP=2), PP=4 x VP=2.
+PP=1 (no pipelining, DP=4), PP=2 (DP=2), PP=4, PP=2 x VP=2 (DP=2), PP=4 x VP=2, the interleaved ones
+also with ``overlap_p2p_comm``.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ CASES = [
     ("pp2-vp2-dp2-m6-scaled", 8, 2, 2, 6, 8.0),  # grad_scale_func multiplies the loss by 8
     ("pp4-vp2-m4", 8, 4, 2, 4, 1.0),  # m == p: stage 0 runs all 8 forwards in warm-up
     ("pp4-vp2-m8", 8, 4, 2, 8, 1.0),
+    # overlap_p2p_comm: the same cases with the steady state's exchanges posted before and waited
+    # after the other pass's compute; bitwise equal to the cases above (test_overlap_p2p_comm_is_bitwise)
+    ("pp2-vp2-dp2-m6-scaled-overlap", 8, 2, 2, 6, 8.0),
+    ("pp4-vp2-m8-overlap", 8, 4, 2, 8, 1.0),
 ]
 STEPS = 2
 
@@ -124,7 +129,7 @@ def _run_cases(cases: list[tuple]) -> dict:
         params = [p for c in chunks for p in c.parameters()]
         schedule = get_forward_backward_func(pp, vp)
         common = dict(forward_step_func=forward_step, model=chunks, num_microbatches=m, parallel_state=ps,
-                      tensor_shape=(S, B, H), dtype=torch.float32)
+                      tensor_shape=(S, B, H), dtype=torch.float32, overlap_p2p_comm=case_id.endswith("-overlap"))
         losses, grads, traces = [], [], []
         for step in range(STEPS):
             for p in params:
@@ -184,6 +189,22 @@ def test_parity_with_one_process(results, case):
                 assert torch.allclose(bg, rbg, rtol=0, atol=TOL * scale), (rank, step, i)
                 seen_layers.add(i)
     assert seen_layers == set(range(num_layers)), "every layer is owned by some stage"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0].endswith("-overlap")], ids=lambda c: c[0])
+def test_overlap_p2p_comm_is_bitwise(results, case):
+    """Posting the exchanges early and waiting late moves the same messages: bit for bit the same
+    losses and gradients as the schedule that waits at once (and both match one process, above)."""
+    for res in results:
+        got, off = res[case[0]], res[case[0].removesuffix("-overlap")]
+        assert got["losses"] == off["losses"]
+        assert got["eval"] == off["eval"]
+        for step in range(STEPS):
+            assert got["grads"][step].keys() == off["grads"][step].keys()
+            for i, (wg, bg) in got["grads"][step].items():
+                assert torch.equal(wg, off["grads"][step][i][0]) and torch.equal(bg, off["grads"][step][i][1])
+        assert [(e.kind, e.microbatch, e.chunk, e.phase) for e in got["traces"][0]] == \
+            [(e.kind, e.microbatch, e.chunk, e.phase) for e in off["traces"][0]]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

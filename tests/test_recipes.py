@@ -53,6 +53,16 @@ def test_bases_relative_in_order_and_errors_name_the_files(tmp_path):
     (tmp_path / "bad.yaml").write_text("base: {a: 1}\n")
     with pytest.raises(RecipeError, match="base: must be a file name or a list"):
         read_recipe(tmp_path / "bad.yaml")
+    # A !!python/object tag in a base: one line naming the file (was yaml's ConstructorError traceback),
+    # and nothing constructed.
+    (tmp_path / "evil.yaml").write_text("model:\n  x: !!python/object/apply:os.system ['touch PWNED']\n")
+    (tmp_path / "uses_evil.yaml").write_text("base: evil.yaml\n")
+    with pytest.raises(RecipeError) as info:
+        read_recipe(tmp_path / "uses_evil.yaml")
+    message = str(info.value)
+    assert f"recipe '{tmp_path / 'evil.yaml'}' (the base of '{tmp_path / 'uses_evil.yaml'}') is not plain YAML " \
+           f"at line 2: could not determine a constructor" in message and "\n" not in message, message
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
 
 def test_config_arguments_get_the_merged_recipe(tmp_path):

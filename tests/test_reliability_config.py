@@ -50,6 +50,10 @@ def test_good_config_has_no_problems():
           pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)), "num_layers=3"),
     (dict(strategy_args=dict(tensor_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)),
      "virtual_pipeline_model_parallel_size=2"),
+    (dict(model_hparams=dict(num_layers_in_last_pipeline_stage=4), strategy_args=dict(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=2)), "num_layers=4 does not fit"),
+    (dict(model_hparams=dict(num_layers_in_last_pipeline_stage=2), strategy_args=dict(tensor_model_parallel_size=4)),
+     "num_layers_in_last_pipeline_stage=2 needs pipeline_model_parallel_size >= 2"),
     (dict(strategy_args=dict(tensor_model_parallel_size=1, sequence_parallel=True)), "sequence_parallel=True"),
     # one rule for the layout, read by the strategy, ParallelLayout and this check alike (vp=1 with pp=1 too)
     (dict(strategy_args=dict(tensor_model_parallel_size=1, virtual_pipeline_model_parallel_size=1)),
@@ -83,6 +87,7 @@ def test_good_config_has_no_problems():
     (dict(scheduler_args=dict(init_lr=1.0)), "init_lr=1.0 must be <= max_lr=0.001"),
     (dict(scheduler_args=dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True)),
      "contradict"),
+    (dict(strategy_args=dict(timeout=0)), "strategy timeout=0 must be more than 0 seconds"),
 ])
 def test_each_problem_names_its_value(changes, expected):
     kwargs = _with(**changes)
@@ -137,13 +142,25 @@ def test_cli_bad_recipe_fails_before_the_trainer_is_built(tmp_path):
     cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(REPO / "recipes/bert_tiny.yaml"),
            "--trainer.strategy.init_args.tensor_model_parallel_size", "4", "--trainer.devices", "2",
            "--model.num_attention_heads", "6", "--model.hidden_size", "96", "--model.max_sequence_length", "64",
-           "--trainer.default_root_dir", str(tmp_path)]
+           "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy.init_args.timeout", "0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
     assert "configuration problem(s), found before launching any process" in text, text
     assert "tensor_model_parallel_size=4" in text and "num_attention_heads=6" in text, text
     assert "max_seq_length=128 exceeds the model's max_sequence_length=64" in text, text
+    assert "strategy timeout=0 must be more than 0 seconds" in text, text  # torch: "socket timed out after 0ms"
     # Trainer construction prints the accelerator summary; launching prints "Initializing distributed".
     assert "GPU available" not in text and "Initializing distributed" not in text, text
     assert not (tmp_path / "runs").exists()
+
+
+def test_strategy_refuses_a_zero_timeout_before_launch():
+    import datetime
+
+    from lightning_megatron.strategy import MegatronStrategy
+
+    for timeout in (0, -5, datetime.timedelta(0)):
+        with pytest.raises(ValueError, match=r"MegatronStrategy: strategy timeout=.* must be more than 0 seconds"):
+            MegatronStrategy(timeout=timeout)
+    assert MegatronStrategy(timeout=60)._timeout == datetime.timedelta(seconds=60)

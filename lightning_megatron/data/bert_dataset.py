@@ -202,6 +202,7 @@ class BertDataset(Dataset):
         self.pad_id, self.mask_id = tokenizer.pad_id, tokenizer.mask_id
         self.continuation = tokenizer.continuation
         self.random_token_ids = tokenizer.random_token_ids
+        self.vocab_size = tokenizer.vocab_size
         mapping_kwargs: dict[str, Any] = dict(
             max_num_tokens=max_seq_length - 3, seed=seed, num_samples=num_samples, num_epochs=num_epochs,
             short_seq_prob=short_seq_prob, min_num_sentences=1 if binary_head is None else 2)
@@ -242,17 +243,34 @@ class BertDataset(Dataset):
             doc = int(self._nsp_documents[rng.integers(len(self._nsp_documents))])
         first, last = int(self.indexed_dataset.doc_idx[doc]), int(self.indexed_dataset.doc_idx[doc + 1])
         pieces, total = [], 0
-        for sentence in range(int(rng.integers(first, last)), last):
+        start = int(rng.integers(first, last))
+        for sentence in range(start, last):
             pieces.append(self.indexed_dataset[sentence])
             total += len(pieces[-1])
             if total >= length:
                 break
-        return np.concatenate(pieces).astype(np.int64)
+        return self._checked(np.concatenate(pieces).astype(np.int64), start, start + len(pieces))
+
+    def _checked(self, ids: np.ndarray, start: int, end: int) -> np.ndarray:
+        """``ids`` (sentences ``[start, end)``) if every id is in the vocabulary; else an error naming the
+        dataset, the document and the id (a corrupt ``.bin``, or one made with another vocabulary)."""
+        if len(ids) == 0 or (int(ids.max()) < self.vocab_size and int(ids.min()) >= 0):  # vectorised, per sample
+            return ids
+        position = int(np.flatnonzero((ids < 0) | (ids >= self.vocab_size))[0])
+        ends = np.cumsum(self.indexed_dataset.sizes[start:end])
+        sentence = start + int(np.searchsorted(ends, position, side="right"))
+        doc = int(np.searchsorted(self.indexed_dataset.doc_idx, sentence, side="right")) - 1
+        raise ValueError(
+            f"dataset {str(self.indexed_dataset.prefix)!r}: document {doc} (sentence {sentence}) holds token id "
+            f"{int(ids[position])}, outside the tokenizer's vocabulary of {self.vocab_size} pieces: the .bin is "
+            f"corrupt or was made with another vocabulary; preprocess it again (lightning-megatron preprocess "
+            f"--input ... --output-prefix {self.indexed_dataset.prefix} --vocab-file VOCAB)")
 
     def _segments(self, rng: np.random.Generator, start: int, end: int,
                   target: int) -> tuple[np.ndarray, np.ndarray, int]:
         """A, B and the binary label of the span ``[start, end)`` (step 1 of the module docstring)."""
         sentences = [np.asarray(self.indexed_dataset[i], dtype=np.int64) for i in range(start, end)]
+        self._checked(np.concatenate(sentences), start, end)
         if self.binary_head is None:
             return np.concatenate(sentences), np.zeros(0, dtype=np.int64), 0
         a_end = int(rng.integers(1, len(sentences))) if len(sentences) > 2 else 1

@@ -70,10 +70,7 @@ def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer
 
     dataset = IndexedDataset(prefix)
     if max_token_id is None:
-        data = dataset._data
-        max_token_id = -1
-        for start in range(0, len(data), 1 << 26):  # in chunks: never the whole file in memory
-            max_token_id = max(max_token_id, int(np.max(data[start:start + (1 << 26)])))
+        max_token_id = _max_token_id(dataset)
     record = DatasetVocab(vocab_size=tokenizer.vocab_size, vocab_sha256=vocab_sha256(tokenizer),
                           max_token_id=int(max_token_id), num_tokens=dataset.num_tokens,
                           num_documents=dataset.num_documents)
@@ -82,6 +79,15 @@ def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer
     tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
     os.replace(tmp, path)
     return record
+
+
+def _max_token_id(dataset) -> int:
+    """The largest id in an :class:`IndexedDataset`'s ``.bin`` (-1 when empty), read in chunks."""
+    data = dataset._data
+    largest = -1
+    for start in range(0, len(data), 1 << 26):  # in chunks: never the whole file in memory
+        largest = max(largest, int(np.max(data[start:start + (1 << 26)])))
+    return largest
 
 
 def read_dataset_vocab(prefix: str | os.PathLike[str]) -> DatasetVocab | None:
@@ -108,10 +114,23 @@ def check_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer
     """
     record = read_dataset_vocab(prefix)
     if record is None:
-        warnings.warn(f"dataset {os.fspath(prefix)!r} has no {vocab_sidecar_path(prefix).name}: its vocabulary "
-                      f"cannot be checked against the tokenizer and the model; write it with "
-                      f"lightning_megatron.data.write_dataset_vocab(prefix, tokenizer) (or re-run "
-                      f"`lightning-megatron preprocess`)", stacklevel=2)
+        # Made before the sidecar existed (or by another tool): the largest id is computed here, once.
+        from lightning_megatron.data.indexed_dataset import IndexedDataset
+
+        largest = _max_token_id(IndexedDataset(prefix))
+        limits = {name: v for name, v in (("the tokenizer's vocab_size", tokenizer and tokenizer.vocab_size),
+                                          ("the model's vocab_size", model_vocab_size)) if v is not None}
+        rebuild = (f"rebuild it with `lightning-megatron preprocess --input YOUR_TEXT --output-prefix "
+                   f"{os.fspath(prefix)} --vocab-file VOCAB` (or, if VOCAB is the vocabulary it was made with, "
+                   f"record it: lightning_megatron.data.write_dataset_vocab({os.fspath(prefix)!r}, tokenizer))")
+        for name, limit in limits.items():
+            if largest >= limit:
+                raise ValueError(f"dataset {os.fspath(prefix)!r} (no {vocab_sidecar_path(prefix).name}) holds token id "
+                                 f"{largest}, not below {name}={limit}: it was made with another vocabulary or "
+                                 f"is corrupt; {rebuild}")
+        warnings.warn(f"dataset {os.fspath(prefix)!r} has no {vocab_sidecar_path(prefix).name}: its largest token "
+                      f"id {largest} fits the vocabulary, but whether it was made with this vocabulary cannot be "
+                      f"checked; {rebuild}", stacklevel=2)
         return None
     if record.num_tokens == 0 or record.num_documents == 0:
         raise ValueError(f"dataset {os.fspath(prefix)!r} is empty ({record.num_documents} documents, "

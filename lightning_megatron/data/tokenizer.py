@@ -69,6 +69,7 @@ class BertTokenizer:
         self.vocab_file = Path(vocab_file) if vocab_file is not None else default_vocab_file()
         if not self.vocab_file.is_file():
             raise FileNotFoundError(f"vocab_file {str(self.vocab_file)!r} does not exist")
+        _require_utf8(self.vocab_file)
         self.lowercase = lowercase
         self._tokenizer = BertWordPieceTokenizer(str(self.vocab_file), lowercase=lowercase)
         vocab = self._tokenizer.get_vocab()
@@ -137,6 +138,18 @@ class BertTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special tokens kept, ``##`` pieces joined to their word)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _require_utf8(path: Path) -> None:
+    """A vocabulary file the ``tokenizers`` library would reject without naming it ("stream did not
+    contain valid UTF-8"): the error names the file and the first bad byte."""
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"vocab_file {str(path)!r} is not UTF-8 text (line {line}, byte {e.start}: {e.reason}); a "
+                         f"WordPiece vocab.txt holds one UTF-8 piece per line: convert it (e.g. iconv -f LATIN1 "
+                         f"-t UTF-8) or pass the vocabulary the model was trained with") from None
 
 
 def train_wordpiece_tokenizer(files: Sequence[str | os.PathLike[str]] | None, vocab_size: int,

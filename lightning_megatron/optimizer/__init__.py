@@ -17,6 +17,7 @@ from lightning_megatron.optimizer.mixed_precision import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
+    NonFiniteLossOrGradError,
 )
 from lightning_megatron.optimizer.param_groups import default_no_weight_decay_cond, get_param_groups
 from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
@@ -35,6 +36,7 @@ __all__ = [
     "MegatronOptimizer",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
+    "NonFiniteLossOrGradError",
     "get_param_groups",
     "default_no_weight_decay_cond",
     "OptimizerParamScheduler",

@@ -26,7 +26,9 @@ One step (``step(closure)``), Megatron's order, on every DP rank:
    ``pp_rank == 0`` only (clip_grads.py, the same arithmetic as the other wrappers); clip by it;
 4. inner optimizer step on the shard;
 5. ``all_gather`` per bucket (into the grad buffer, free by now; in the params' 16-bit dtype when
-   they all have one) and copy into the model params (one rounding per step for bf16/fp16).
+   they all have one) and copy into the model params (one rounding per step for bf16/fp16):
+   :meth:`GradBuffer.start_param_gather`, asynchronous and waited for by the next forward with the
+   buffer's ``overlap_param_gather`` (the strategy's option of that name).
 
 Memory per parameter and rank (persistent, ``d`` = DP size), Adam: model params ``m`` bytes (2 for
 bf16/fp16, 4 for fp32) + fp32 grad buffer 4 + fp32 main shard ``4/d`` + two fp32 moments ``8/d``::
@@ -52,7 +54,7 @@ from lightning_megatron.grads import GradBuffer
 from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
-from lightning_megatron.tensor_parallel.mappings import all_gather_into_tensor, all_reduce
+from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.param_facts import is_counted
 
 __all__ = ["DistributedOptimizer"]
@@ -91,10 +93,12 @@ class DistributedOptimizer(MegatronOptimizer):
         log_num_zeros_in_grad: bool = False,
         grads_already_reduced: bool = False,
         grad_buffer: GradBuffer | None = None,
+        check_for_nan_in_loss_and_grad: bool = False,
     ) -> None:
         super().__init__(optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
-                         model_parallel_group=model_parallel_group, tp_rank=tp_rank, pp_rank=pp_rank)
+                         model_parallel_group=model_parallel_group, tp_rank=tp_rank, pp_rank=pp_rank,
+                         check_for_nan_in_loss_and_grad=check_for_nan_in_loss_and_grad)
         if len(optimizer.state) > 0:
             raise ValueError("wrap the optimizer before its first step: its state is keyed by model params "
                              "and cannot be sharded afterwards")
@@ -217,12 +221,14 @@ class DistributedOptimizer(MegatronOptimizer):
         """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
         return [self._segment_grad(seg) for seg in self._segments if is_counted(seg[0], self.tp_rank, self.pp_rank)]
 
-    def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
+    def _grad_norm_and_found_inf(self, loss: torch.Tensor | None = None) -> tuple[float, bool]:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as
-        # clip_grads), the rest are only checked; reduced over DP and the model-parallel group.
+        # clip_grads), the rest (and 0 * loss) are only checked; reduced over DP and the model-parallel group.
         counted = self._counted_grad_pieces()
         others = [self._segment_grad(seg) for seg in self._segments
                   if not is_counted(seg[0], self.tp_rank, self.pp_rank)]
+        if loss is not None:
+            others.append(loss.to(self.grad_buffer.device) * 0.0)
         total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
         total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device)
         for piece in others:
@@ -230,6 +236,10 @@ class DistributedOptimizer(MegatronOptimizer):
         self._all_reduce(total, dist.ReduceOp.SUM)
         squares, checked = total.tolist()
         return squares ** 0.5, not (math.isfinite(squares) and math.isfinite(checked))
+
+    def _non_finite_grad_params(self) -> list[torch.Tensor]:
+        # The model params whose piece of this rank's grad shard holds an inf/nan.
+        return [seg[0] for seg in self._segments if not bool(torch.isfinite(self._segment_grad(seg)).all())]
 
     def _num_zeros(self) -> int:
         total = torch.zeros(1, dtype=torch.float64, device=self.grad_buffer.device)
@@ -248,12 +258,10 @@ class DistributedOptimizer(MegatronOptimizer):
         target = self.grad_buffer if dtype == torch.float32 else self.grad_buffer.view(dtype)[: self.padded_numel]
         for (base, lo, hi), bucket in zip(self._pieces, self.buffer.buckets):
             target[lo:hi].copy_(self.main_shard[base: base + hi - lo])  # round to nearest, once per step
-            if self.dp_size > 1:
-                all_gather_into_tensor(target[bucket.start: bucket.end], target[lo:hi], self.data_parallel_group)
         self.buffer.mark_consumed()
-        for p in self.buffer.params:
-            o = self.buffer.offsets[id(p)]
-            p.data.copy_(target[o: o + p.numel()].view_as(p))
+        # All-gather every bucket in place (each rank's piece already sits in its slot) and copy into
+        # the model params; with overlap_param_gather the buffer does it during the next forward.
+        self.buffer.start_param_gather(target)
 
     # -- public API ----------------------------------------------------------------------------
     def get_parameters(self) -> list[torch.Tensor]:

@@ -13,6 +13,14 @@ Uneven splits: with ``q = p * v`` pieces, every piece gets ``L // q`` layers and
 
 The embedding lives on the first piece (pp 0, vp 0); the heads and the loss on the last piece
 (pp p-1, vp v-1). Megatron calls these ``pre_process`` and ``post_process``.
+
+Uneven stages (megatron-core's ``num_layers_in_first_pipeline_stage`` /
+``num_layers_in_last_pipeline_stage``): the first (last) stage holds that many layers in all, the
+other stages share the rest as above, and each stage splits its layers over its ``v`` chunks (the
+earlier chunks one more). The last stage also computes the LM head and the loss (at bert-base about
+three layers' worth of forward FLOPs), so giving it fewer layers balances the pipeline::
+
+    L = 12, p = 2, last = 4:   stage 0 = layers 0-7,  stage 1 = layers 8-11 (+ LM head, loss)
 """
 
 from __future__ import annotations
@@ -47,16 +55,50 @@ def _check(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None, vp_
     return v
 
 
+def _piece_sizes(num_layers: int, pp_size: int, v: int, first: int | None, last: int | None) -> list[int]:
+    """Layers of each of the ``pp_size * v`` pieces, in piece order, with uneven first / last stages."""
+    ends = {0: first, pp_size - 1: last}
+    fixed = {s: n for s, n in ends.items() if n is not None}
+    for name, n in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
+        if n is not None and (pp_size < 2 or not isinstance(n, int) or n < v):
+            raise ValueError(f"{name}={n!r} needs pipeline_model_parallel_size >= 2 (got {pp_size}) and at least "
+                             f"one layer per model chunk of the stage ({v})")
+    middle = [s for s in range(pp_size) if s not in fixed]
+    rest = num_layers - sum(fixed.values())
+    if rest < len(middle) * v or (not middle and rest != 0):
+        raise ValueError(
+            f"num_layers={num_layers} does not fit num_layers_in_first_pipeline_stage={first} and "
+            f"num_layers_in_last_pipeline_stage={last}: {rest} layers are left for {len(middle)} other stage(s) "
+            f"of {v} chunk(s) each; every chunk needs at least one layer and every layer a stage")
+    per_stage = dict(fixed)
+    base, extra = divmod(rest, len(middle)) if middle else (0, 0)
+    per_stage.update({s: base + (i < extra) for i, s in enumerate(middle)})
+    sizes = []
+    for piece in range(pp_size * v):
+        stage, chunk = piece % pp_size, piece // pp_size
+        n, e = divmod(per_stage[stage], v)
+        sizes.append(n + (chunk < e))
+    return sizes
+
+
 def get_layer_range(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None,
-                    vp_rank: int = 0) -> range:
+                    vp_rank: int = 0, *, num_layers_in_first_pipeline_stage: int | None = None,
+                    num_layers_in_last_pipeline_stage: int | None = None) -> range:
     """Global layer indices owned by model chunk ``vp_rank`` on pipeline stage ``pp_rank``.
 
     Piece index ``i = vp_rank * pp_size + pp_rank`` of ``q = pp_size * v`` pieces; with
     ``n, e = divmod(num_layers, q)`` piece ``i`` holds ``n + (i < e)`` layers starting at
     ``i * n + min(i, e)``. Raises ``ValueError`` when a chunk would be empty (``q > num_layers``).
+    With ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` the stages
+    are sized as in the module docstring (pieces keep their order: the ranges still tile ``[0, L)``).
     """
     v = _check(num_layers, pp_size, pp_rank, vp_size, vp_rank)
     piece = vp_rank * pp_size + pp_rank
+    if num_layers_in_first_pipeline_stage is not None or num_layers_in_last_pipeline_stage is not None:
+        sizes = _piece_sizes(num_layers, pp_size, v, num_layers_in_first_pipeline_stage,
+                             num_layers_in_last_pipeline_stage)
+        start = sum(sizes[:piece])
+        return range(start, start + sizes[piece])
     base, extra = divmod(num_layers, pp_size * v)
     start = piece * base + min(piece, extra)
     return range(start, start + base + (1 if piece < extra else 0))

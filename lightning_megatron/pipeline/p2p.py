@@ -16,6 +16,10 @@ backend which ignores tags and matches in order (NCCL) pairs the same messages.
 
 Waits are bounded by the pipeline group's timeout (``initialize_model_parallel(timeout=...)``):
 a stage whose peer died raises instead of hanging.
+
+``post_forward`` / ``post_backward`` (the interleaved schedule's ``overlap_p2p_comm``, megatron-core's
+name) post a batch and return a :class:`P2PWork` instead of waiting: the schedule computes meanwhile
+and calls ``wait()`` (the same bounded waits) before it uses what was received.
 """
 
 from __future__ import annotations
@@ -28,12 +32,32 @@ from torch import Tensor
 
 from lightning_megatron.parallel_state import ParallelState
 
-__all__ = ["P2PCommunicator", "FORWARD_TAG", "BACKWARD_TAG"]
+__all__ = ["P2PCommunicator", "P2PWork", "FORWARD_TAG", "BACKWARD_TAG"]
 
 FORWARD_TAG = 1
 """P2P tag of activations (stage r -> r+1)."""
 BACKWARD_TAG = 2
 """P2P tag of activation gradients (stage r -> r-1)."""
+
+
+class P2PWork:
+    """Posted sends and receives of one batch; :meth:`wait` returns ``(tensor_recv_prev, tensor_recv_next)``."""
+
+    def __init__(self, works: list, sent: list[Tensor], recv_prev: Tensor | None, recv_next: Tensor | None,
+                 requires_grad: bool) -> None:
+        self._works = works
+        self._sent = sent  # the send buffers stay alive until the sends are done
+        self._recv = (recv_prev, recv_next)
+        self._requires_grad = requires_grad
+
+    def wait(self) -> tuple[Tensor | None, Tensor | None]:
+        for work in self._works:
+            work.wait()  # bounded by the pipeline group's timeout
+        self._works, self._sent = [], []
+        recv_prev = self._recv[0]
+        if recv_prev is not None and self._requires_grad and not recv_prev.requires_grad:
+            recv_prev.requires_grad_(True)
+        return self._recv
 
 
 class P2PCommunicator:
@@ -75,31 +99,34 @@ class P2PCommunicator:
         Returns ``(tensor_recv_prev, tensor_recv_next)``: the activation from the previous stage and
         the gradient from the next stage (``None`` where not requested).
         """
+        return self._post(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+                          recv_prev=recv_prev, recv_next=recv_next).wait()
+
+    def _post(self, *, tensor_send_next: Tensor | None, tensor_send_prev: Tensor | None,
+              recv_prev: bool, recv_next: bool) -> P2PWork:
+        """Post every requested send and receive in one batch (``batch_isend_irecv``), without waiting."""
         ps = self.parallel_state
         group = ps.pp_group
         ops: list[dist.P2POp] = []
+        sent: list[Tensor] = []
         tensor_recv_prev = tensor_recv_next = None
         # Forward-direction ops first, then backward-direction ops: see the module docstring.
         if tensor_send_next is not None:
             self._check_send(tensor_send_next, "an activation")
-            ops.append(dist.P2POp(dist.isend, tensor_send_next.detach().contiguous(), ps.next_rank, group,
-                                  FORWARD_TAG))
+            sent.append(tensor_send_next.detach().contiguous())
+            ops.append(dist.P2POp(dist.isend, sent[-1], ps.next_rank, group, FORWARD_TAG))
         if recv_prev:
             tensor_recv_prev = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, tensor_recv_prev, ps.prev_rank, group, FORWARD_TAG))
         if tensor_send_prev is not None:
             self._check_send(tensor_send_prev, "an activation gradient")
-            ops.append(dist.P2POp(dist.isend, tensor_send_prev.detach().contiguous(), ps.prev_rank, group,
-                                  BACKWARD_TAG))
+            sent.append(tensor_send_prev.detach().contiguous())
+            ops.append(dist.P2POp(dist.isend, sent[-1], ps.prev_rank, group, BACKWARD_TAG))
         if recv_next:
             tensor_recv_next = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, tensor_recv_next, ps.next_rank, group, BACKWARD_TAG))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()  # bounded by the group's timeout
-        if tensor_recv_prev is not None and self.requires_grad:
-            tensor_recv_prev.requires_grad_(True)
-        return tensor_recv_prev, tensor_recv_next
+        return P2PWork(dist.batch_isend_irecv(ops) if ops else [], sent, tensor_recv_prev, tensor_recv_next,
+                       self.requires_grad)
 
     # -- one-way helpers (aware of the pipeline ends) -----------------------------------------------
 
@@ -151,6 +178,15 @@ class P2PCommunicator:
         """Send a gradient to the previous stage and receive one from the next stage."""
         return self._communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad, recv_prev=False,
                                  recv_next=recv_next)[1]
+
+    def post_forward(self, output_tensor: Tensor | None, recv_prev: bool) -> P2PWork:
+        """:meth:`send_forward_recv_forward` without waiting (``wait()[0]`` is the received activation)."""
+        return self._post(tensor_send_next=output_tensor, tensor_send_prev=None, recv_prev=recv_prev, recv_next=False)
+
+    def post_backward(self, input_tensor_grad: Tensor | None, recv_next: bool) -> P2PWork:
+        """:meth:`send_backward_recv_backward` without waiting (``wait()[1]`` is the received gradient)."""
+        return self._post(tensor_send_next=None, tensor_send_prev=input_tensor_grad, recv_prev=False,
+                          recv_next=recv_next)
 
     def send_forward_backward_recv_forward_backward(
         self, output_tensor: Tensor | None, input_tensor_grad: Tensor | None, recv_prev: bool, recv_next: bool,

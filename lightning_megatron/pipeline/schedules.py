@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.autograd.variable import Variable
 
 from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.pipeline.p2p import P2PCommunicator
+from lightning_megatron.pipeline.p2p import P2PCommunicator, P2PWork
 
 __all__ = [
     "ScheduleEvent",
@@ -204,8 +204,11 @@ def forward_backward_no_pipelining(
     *, forward_step_func: ForwardStepFunc, microbatches: list, model: list[nn.Module], num_microbatches: int,
     parallel_state: ParallelState, tensor_shape: tuple[int, ...], dtype: torch.dtype, forward_only: bool = False,
     grad_scale_func: Callable[[Tensor], Tensor] | None = None, trace: list | None = None,
+    overlap_p2p_comm: bool = False,
 ) -> list[dict[str, Any]]:
-    """PP=1: forward and backward each microbatch in turn (gradient accumulation); no communication."""
+    """PP=1: forward and backward each microbatch in turn (gradient accumulation); no communication.
+
+    ``overlap_p2p_comm`` is accepted for a uniform signature and has nothing to overlap."""
     validate_num_microbatches(num_microbatches, 1, None)
     _check_chunks(model, 1, "forward_backward_no_pipelining")
     run = _Runner(forward_step_func=forward_step_func, microbatches=microbatches, model=model,
@@ -223,11 +226,14 @@ def forward_backward_pipelining_without_interleaving(
     *, forward_step_func: ForwardStepFunc, microbatches: list, model: list[nn.Module], num_microbatches: int,
     parallel_state: ParallelState, tensor_shape: tuple[int, ...], dtype: torch.dtype, forward_only: bool = False,
     grad_scale_func: Callable[[Tensor], Tensor] | None = None, trace: list | None = None,
+    overlap_p2p_comm: bool = False,
 ) -> list[dict[str, Any]]:
     """1F1B: ``min(p - r - 1, m)`` warm-up forwards, then one forward one backward, then cool-down.
 
     At most ``p - r`` microbatches are in flight on stage ``r`` (their activations are kept for
-    backward), against ``m`` for all-forward-then-all-backward (GPipe).
+    backward), against ``m`` for all-forward-then-all-backward (GPipe). Each step's sends and
+    receives go in one batch; ``overlap_p2p_comm`` has no effect here (as in megatron-core: every
+    exchange feeds the very next compute).
     """
     ps = parallel_state
     m = num_microbatches
@@ -288,8 +294,9 @@ def forward_backward_pipelining_with_interleaving(
     *, forward_step_func: ForwardStepFunc, microbatches: list, model: list[nn.Module], num_microbatches: int,
     parallel_state: ParallelState, tensor_shape: tuple[int, ...], dtype: torch.dtype, forward_only: bool = False,
     grad_scale_func: Callable[[Tensor], Tensor] | None = None, trace: list | None = None,
+    overlap_p2p_comm: bool = False,
 ) -> list[dict[str, Any]]:
-    """Interleaved 1F1B over ``v = len(model)`` chunks (Megatron's schedule, without p2p overlap).
+    """Interleaved 1F1B over ``v = len(model)`` chunks (Megatron's schedule).
 
     Virtual microbatch ``k`` in ``[0, m v)``: forward chunk ``(k mod p v) // p``, backward chunk
     ``v - 1 - (k mod p v) // p``, microbatch ``(k // p v) p + k mod p``. Warm-up
@@ -297,6 +304,12 @@ def forward_backward_pipelining_with_interleaving(
     cool-down. Tensors are received one step ahead into per-chunk FIFOs; the first stage never
     receives for chunk 0 (it reads the batch) and the last stage never receives gradients for
     chunk ``v - 1`` (it starts backward from the loss).
+
+    ``overlap_p2p_comm`` (megatron-core's name): in the steady state the forward pass's send and the
+    next input's receive are posted right after the forward and waited for only before the next
+    forward, so they run under this step's backward; the backward pass's send and the next gradient's
+    receive run under the next forward. The same messages in the same order per peer and kind:
+    bitwise equal to the exchanges that wait at once.
     """
     ps = parallel_state
     p, r, v, m = ps.pp_size, ps.pp_rank, len(model), num_microbatches
@@ -385,10 +398,16 @@ def forward_backward_pipelining_with_interleaving(
             free(output_tensor)
             input_tensors[next_chunk].append(input_tensor)
 
+        # overlap_p2p_comm: the posted exchanges and the chunk whose FIFO the received tensor joins.
+        fwd_work: tuple[P2PWork, int] | None = None
+        bwd_work: tuple[P2PWork, int] | None = None
         for j in range(num_remaining):
             forward_k, backward_k = j + num_warmup, j
+            if fwd_work is not None:
+                input_tensor = fwd_work[0].wait()[0]
+                if input_tensor is not None:
+                    input_tensors[fwd_work[1]].append(input_tensor)
             output_tensor = forward_helper(forward_k, "steady")
-            input_tensor_grad = backward_helper(backward_k, "steady")
 
             # Which chunk the tensors received now belong to. Stage 0 is p - 1 virtual microbatches
             # ahead of the last stage it receives from (and the last stage ahead of stage 0 for
@@ -398,13 +417,25 @@ def forward_backward_pipelining_with_interleaving(
                 recv_prev, next_forward_chunk = sender_chunk != v - 1, sender_chunk + 1
             else:
                 recv_prev, next_forward_chunk = True, chunk_id(forward_k + 1, forward=True)
+            if j == num_remaining - 1:
+                recv_prev = False  # every forward input has arrived
+            if overlap_p2p_comm:
+                fwd_work = (comm.post_forward(output_tensor, recv_prev), next_forward_chunk)
+                free(output_tensor)  # the send holds its own reference to the data
+                if bwd_work is not None:
+                    output_tensor_grad = bwd_work[0].wait()[1]
+                    if output_tensor_grad is not None:
+                        output_tensor_grads[bwd_work[1]].append(output_tensor_grad)
+
+            input_tensor_grad = backward_helper(backward_k, "steady")
             if last_stage:
                 sender_chunk = chunk_id(backward_k - (p - 1), forward=False)
                 recv_next, next_backward_chunk = sender_chunk != 0, sender_chunk - 1
             else:
                 recv_next, next_backward_chunk = True, chunk_id(backward_k + 1, forward=False)
-            if j == num_remaining - 1:
-                recv_prev = False  # every forward input has arrived
+            if overlap_p2p_comm:
+                bwd_work = (comm.post_backward(input_tensor_grad, recv_next), next_backward_chunk)
+                continue
 
             input_tensor, output_tensor_grad = comm.send_forward_backward_recv_forward_backward(
                 output_tensor, input_tensor_grad, recv_prev=recv_prev, recv_next=recv_next)
@@ -413,6 +444,12 @@ def forward_backward_pipelining_with_interleaving(
                 input_tensors[next_forward_chunk].append(input_tensor)
             if recv_next:
                 output_tensor_grads[next_backward_chunk].append(output_tensor_grad)
+        if fwd_work is not None:
+            fwd_work[0].wait()  # receives nothing: the last steady step has every input
+        if bwd_work is not None:
+            output_tensor_grad = bwd_work[0].wait()[1]
+            if output_tensor_grad is not None:
+                output_tensor_grads[bwd_work[1]].append(output_tensor_grad)
 
         if not forward_only:
             if all_warmup:

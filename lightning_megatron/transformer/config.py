@@ -67,6 +67,10 @@ class TransformerConfig:
     the first recompute_num_layers layers of each pipeline chunk and keeps the rest."""
     recompute_num_layers: int | None = None
     """With "full": layers per checkpointed group ("uniform") or layers checkpointed ("block")."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Layers of the first pipeline stage (None: an even split); the other stages share the rest."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Layers of the last pipeline stage, which also runs the LM head and the loss (None: an even split)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size"):
@@ -113,6 +117,11 @@ class TransformerConfig:
                              "use 'auto', 'sdpa' or 'unfused'")
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"params_dtype={self.params_dtype} is not supported; use one of {_DTYPES}")
+        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not
+                                      0 < value < self.num_layers):
+                raise ValueError(f"{name}={value!r} must be None or an integer in [1, num_layers={self.num_layers})")
         if self.sequence_parallel and t == 1:
             warnings.warn("sequence_parallel=True has no effect with tensor_model_parallel_size=1", stacklevel=3)
         self._validate_recompute()

@@ -56,7 +56,7 @@ class SavedModel:
 def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     """Read the model of a lightning_megatron checkpoint directory (any layout) on this process only."""
     path = Path(path)
-    info = ckpt.validate_checkpoint_dir(path)
+    info = ckpt.verify_checkpoint(path)  # the one verification of every load path
     metadata = dcp_io.read_metadata(path).state_dict_metadata
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for key, md in metadata.items() if key.startswith("model.") and hasattr(md, "size")}

@@ -45,6 +45,7 @@ __all__ = [
     "HF_BERT_SPEC",
     "HF_MEGATRON_BERT_SPEC",
     "is_megatron_bert_state_dict",
+    "read_hf_config",
 ]
 
 HF_BERT_SPEC = "bert_layer_post_norm_spec"
@@ -324,3 +325,27 @@ def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: Tran
             out["cls.predictions.decoder.weight"] = out["bert.embeddings.word_embeddings.weight"].clone()
         out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"].clone()
     return out
+
+
+def read_hf_config(path: Any) -> Any:
+    """The ``config.json`` of a Hugging Face folder as a transformers config, never running code from the
+    folder: a config with ``auto_map`` (the folder ships its own model classes, which transformers would
+    offer to run) is refused, and transformers is called with ``trust_remote_code=False``."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(file)!r} cannot be read as JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(file)!r} is not a JSON object")
+    if "auto_map" in raw:
+        raise ValueError(
+            f"{str(file)!r} has auto_map {raw['auto_map']!r}: the folder ships its own model code, and "
+            f"lightning_megatron never runs code from a model folder (trust_remote_code=False). Use a folder of "
+            f"transformers' own BERT / MegatronBERT classes (if the weights are a plain BERT, remove auto_map)")
+    return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)

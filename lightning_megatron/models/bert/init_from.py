@@ -100,9 +100,9 @@ def _hf_architecture(config: Any) -> dict[str, Any]:
 
 
 def _hf_config(path: Path) -> Any:
-    import transformers
+    from lightning_megatron.models.bert.hf import read_hf_config
 
-    config = transformers.AutoConfig.from_pretrained(str(path))  # config.json only: no code runs
+    config = read_hf_config(path)  # config.json only; auto_map (the folder's own code) is refused
     if config.model_type not in ("bert", "megatron-bert"):
         raise ValueError(f"{str(path)!r} holds a {config.model_type!r} model; init_from reads 'bert' and "
                          f"'megatron-bert' folders")

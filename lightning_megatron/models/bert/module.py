@@ -112,6 +112,8 @@ class BertLightningModule(LightningModule):
         recompute_granularity: Literal["full", "selective"] | None = None,
         recompute_method: Literal["uniform", "block"] | None = None,
         recompute_num_layers: int | None = None,
+        num_layers_in_first_pipeline_stage: int | None = None,
+        num_layers_in_last_pipeline_stage: int | None = None,
         attention_backend: Literal["auto", "sdpa", "unfused"] = "auto",
         lm_head_on_masked_only: bool = True,
         init_seed: int = 1234,
@@ -152,6 +154,8 @@ class BertLightningModule(LightningModule):
             layernorm_epsilon=layernorm_epsilon, init_method_std=init_method_std,
             params_dtype=_DTYPES[params_dtype], recompute_granularity=recompute_granularity,
             recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
+            num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
             attention_backend=attention_backend, activation=activation)
         # Validate sizes now (heads, ffn...) with TP=1; TP-dependent checks run in configure_model.
         TransformerConfig(**self._config_kwargs)
@@ -193,7 +197,10 @@ class BertLightningModule(LightningModule):
         vp = ps.vp_size or 1
         chunks = []
         for vp_rank in range(vp):
-            layer_range = get_layer_range(config.num_layers, ps.pp_size, ps.pp_rank, ps.vp_size, vp_rank)
+            layer_range = get_layer_range(
+                config.num_layers, ps.pp_size, ps.pp_rank, ps.vp_size, vp_rank,
+                num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
+                num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage)
             chunk = BertModel(
                 config, hp.spec, self.vocab_size, hp.max_sequence_length, tp_group=ps.tp_group,
                 add_binary_head=hp.add_binary_head,

@@ -1,0 +1,232 @@
+"""What a lightning_megatron checkpoint directory must prove before anything reads it.
+
+:func:`verify_checkpoint` is THE check of every path that reads our checkpoints (``--ckpt_path`` of
+fit/validate/test/predict through :func:`lightning_megatron.checkpoint.load`, ``init_from``,
+``export hf`` and ``load_from_checkpoint`` through ``read_model_checkpoint``): the marker, every file's
+size and sha256, and DCP metadata that names only checksummed files, unpickled with an allow-list.
+A checkpoint without checksums (format 1, or a marker whose checksums were removed) loads only with
+the user's explicit opt-in (:data:`ALLOW_UNVERIFIED_ENV`, ``--allow-unverified-checkpoint``).
+
+:func:`recover_last`: ``ckpt_path="last"`` when ``last.ckpt`` is missing but an interrupted save left a
+complete ``last.ckpt.tmp-<id>`` (a file system without an atomic exchange rename): that temporary if
+it verifies, else an error; never a silent restart from step 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_megatron import dcp_io
+from lightning_megatron.dcp_io import CheckpointError
+
+__all__ = ["ALLOW_UNVERIFIED_ENV", "FORMAT_VERSION", "MARKER", "READABLE_FORMATS", "TMP_INFIX", "allow_unverified",
+           "file_sha256", "recover_last", "validate_checkpoint_dir", "verify_checkpoint"]
+
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+MARKER = "lightning_megatron.json"
+TMP_INFIX = ".tmp-"
+
+
+# ---------------------------------------------------------------------- collectives
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(obj: Any) -> list[Any]:
+    _, world = _rank_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(error: str | None) -> None:
+    """Every rank raises the first error any rank reported (no rank goes on alone into a collective)."""
+    errors = [e for e in _gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
+# ---------------------------------------------------------------------- files
+
+
+def file_sha256(path: Path, sync: bool = False) -> str:
+    """The sha256 of a file, streamed; ``sync`` also flushes it to disk (a file this rank wrote)."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if sync:
+            os.fsync(f.fileno())
+    return digest
+
+
+def _files(path: Path) -> list[str]:
+    """Every file of a checkpoint directory but the marker, relative, sorted."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MARKER)
+
+
+ALLOW_UNVERIFIED_ENV = "LIGHTNING_MEGATRON_ALLOW_UNVERIFIED_CHECKPOINT"
+"""Set to 1 (or ``--allow-unverified-checkpoint`` on the command line) to load a checkpoint whose
+marker has no checksums (format 1, or checksums removed). A checksum that does not match is refused
+regardless."""
+
+
+def allow_unverified() -> bool:
+    """Whether the user opted in to loading checkpoints without checksums (:data:`ALLOW_UNVERIFIED_ENV`)."""
+    return os.environ.get(ALLOW_UNVERIFIED_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    """The marker of a complete checkpoint directory, its format and its file sizes checked."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is a file, not a lightning_megatron sharded checkpoint directory "
+            f"(was it written by another strategy?)")
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete: {MARKER} is missing (the save was interrupted "
+            f"or the directory is not a lightning_megatron checkpoint)")
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} has a corrupt {MARKER}: {e}") from e
+    if not isinstance(info, dict) or info.get("format_version") not in READABLE_FORMATS:
+        version = info.get("format_version") if isinstance(info, dict) else None
+        raise CheckpointError(f"checkpoint {str(path)!r} has format_version={version}, "
+                              f"this lightning_megatron reads {list(READABLE_FORMATS)}")
+    for name in (".metadata", "extra.pt"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
+    files = info.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r} has a corrupt {MARKER}: no 'files' table")
+    for name, size in files.items():
+        f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {MARKER} names a file outside it: {name!r}")
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name} has {f.stat().st_size} bytes, "
+                                  f"expected {size} (truncated?)")
+    return info
+
+
+def _unverified(path: Path, info: dict[str, Any]) -> str | None:
+    """Why (part of) ``path`` cannot be verified, or None when every file has a checksum."""
+    if info["format_version"] < 2:
+        return f"it is format {info['format_version']}, written before checkpoints carried checksums"
+    sums = info.get("sha256")
+    if not isinstance(sums, dict) or not sums:
+        return f"its {MARKER} has no sha256 checksums (format {info['format_version']} always records them)"
+    unlisted = [n for n in _files(path) if n not in sums] + sorted(set(info["files"]) - set(sums))
+    if unlisted:
+        return f"its {MARKER} has no checksum for {sorted(set(unlisted))}"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike, *, collective: bool = False) -> dict[str, Any]:
+    """THE check of every path that reads a lightning_megatron checkpoint (``--ckpt_path`` of
+    fit/validate/test/predict, ``init_from``, ``export hf``, ``load_from_checkpoint``); returns the marker.
+
+    Checks the marker, every file's size and sha256 (a mismatch is always refused), and that the DCP
+    metadata (unpickled with an allow-list) names only checksummed files. A checkpoint without
+    checksums (format 1, or a marker whose checksums are missing) is refused unless the user opted in
+    (:data:`ALLOW_UNVERIFIED_ENV` / ``--allow-unverified-checkpoint``); then a warning says what was
+    not verified. ``collective``: every rank of the process group calls it and hashes a share of the
+    files; otherwise this process hashes them all.
+    """
+    path = Path(path)
+    info = _read_marker(path)
+    rank, world = _rank_world() if collective else (0, 1)
+    reason = _unverified(path, info)
+    if reason is not None:
+        if not allow_unverified():
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} cannot be verified: {reason}. A corrupted or altered file would load "
+                f"without a word. If you trust it, load it with --allow-unverified-checkpoint (or "
+                f"{ALLOW_UNVERIFIED_ENV}=1); saving it again writes checksums")
+        if rank == 0:
+            warnings.warn(f"checkpoint {str(path)!r} is loaded UNVERIFIED: {reason} ({ALLOW_UNVERIFIED_ENV} / "
+                          f"--allow-unverified-checkpoint is set)", UserWarning, stacklevel=2)
+    sums = info.get("sha256") if isinstance(info.get("sha256"), dict) else {}
+    error = None
+    for name in sorted(sums)[rank::world]:
+        f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not f.is_file():
+            error = f"checkpoint {str(path)!r}: {MARKER} has a checksum for {name!r}, which is not a file in it"
+        elif file_sha256(f) != sums[name]:
+            error = (f"checkpoint {str(path)!r} is corrupt: {name} does not match the sha256 recorded "
+                     f"in {MARKER} (the file changed after it was saved)")
+        if error:
+            break
+    if error is None:
+        try:
+            metadata = dcp_io.read_metadata(path)
+            if reason is None:
+                unknown = sorted({s.relative_path for s in metadata.storage_data.values()} - set(sums))
+                if unknown:
+                    error = f"checkpoint {str(path)!r}: .metadata refers to files without checksums: {unknown}"
+        except CheckpointError as e:
+            error = f"checkpoint {str(path)!r}: {e}"
+    if collective:
+        _agree(error)
+    elif error:
+        raise CheckpointError(error)
+    return info
+
+
+validate_checkpoint_dir = verify_checkpoint
+"""The former name of :func:`verify_checkpoint` (the same function: a call verifies everything)."""
+
+
+def recover_last(dirpath: str | os.PathLike, name: str = "last") -> Path | None:
+    """For ``ckpt_path="last"``: ``None`` when ``<dirpath>/<name>*.ckpt`` exists (or nothing was ever
+    saved there), else the newest interrupted save ``<name>.ckpt.tmp-<id>`` that verifies (a crash
+    between the two renames of a file system without ``RENAME_EXCHANGE`` leaves the complete new
+    checkpoint there and no ``<name>.ckpt``), with a warning. A temporary that does not verify is a
+    :class:`CheckpointError` listing why: resuming from step 0 instead would be silent."""
+    d = Path(dirpath)
+    if not d.is_dir():
+        return None
+    entries = list(d.iterdir())
+    if any(p.name.startswith(name) and p.suffix == ".ckpt" for p in entries):
+        return None
+    temps = [p for p in entries if p.is_dir() and p.name.startswith(f"{name}.ckpt{TMP_INFIX}")]
+    if not temps:
+        return None
+
+    def newest_first(p: Path) -> tuple[bool, float]:
+        marker = p / MARKER
+        return (p.name.endswith(f"{TMP_INFIX}old"), -(marker.stat().st_mtime if marker.is_file() else 0.0))
+
+    reasons = []
+    for temp in sorted(temps, key=newest_first):
+        try:
+            verify_checkpoint(temp)
+        except CheckpointError as e:
+            reasons.append(str(e))
+            continue
+        warnings.warn(f"ckpt_path='last': {str(d / (name + '.ckpt'))!r} is missing, but the interrupted save "
+                      f"{str(temp)!r} is complete and its checksums verify: resuming from it", UserWarning,
+                      stacklevel=2)
+        return temp
+    raise CheckpointError(
+        f"ckpt_path='last': {str(d / (name + '.ckpt'))!r} is missing and no interrupted save there can be "
+        f"used ({'; '.join(reasons)}); refusing to start again from step 0. Pass --ckpt_path to a complete "
+        f"checkpoint, or remove {[p.name for p in temps]} to start anew")

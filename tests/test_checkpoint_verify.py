@@ -1,0 +1,227 @@
+"""One verification on every path that reads a checkpoint, in one process: ``load_from_checkpoint``,
+``init_from``, ``export hf`` (through the command's ``main``) and ``verify_checkpoint`` itself refuse a
+same-size byte flip and an altered checksum, and load a checkpoint without checksums (format 1, or a
+format-2 marker whose checksums were deleted) only with the explicit opt-in, with a warning saying why.
+
+The checkpoint is the committed format-1 one (tests/data/ckpt_v1_tp2, written at TP=2), given a
+format-2 marker with checksums as the current release writes them. ``fit/validate --ckpt_path`` (the
+collective path through ``checkpoint.load``) are checked on 2 ranks in tests/test_checkpoint_trust.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_megatron import checkpoint as ckpt
+
+DATA = Path(__file__).parent / "data"
+V1 = json.loads((DATA / "ckpt_v1_tp2.json").read_text())
+
+
+def _format_2(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` with the marker the current release writes (format 2, sha256 of every file)."""
+    shutil.copytree(src, dst)
+    marker = json.loads((dst / ckpt.MARKER).read_text())
+    names = ckpt._files(dst)
+    marker.update(format_version=2, files={n: (dst / n).stat().st_size for n in names},
+                  sha256={n: ckpt.file_sha256(dst / n) for n in names})
+    (dst / ckpt.MARKER).write_text(json.dumps(marker))
+    return dst
+
+
+def _damage(path: Path, how: str) -> str:
+    """Damage checkpoint ``path`` as ``how`` says; returns what the error must name."""
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    if how == "byte_flip":  # same size: only the checksum can tell
+        shard = path / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        shard.write_bytes(bytes(data))
+        return "__1_0.distcp does not match the sha256"
+    if how == "altered_checksum":
+        old = marker["sha256"]["__0_0.distcp"]
+        marker["sha256"]["__0_0.distcp"] = ("0" if old[0] != "0" else "1") + old[1:]
+        (path / ckpt.MARKER).write_text(json.dumps(marker))
+        return "__0_0.distcp does not match the sha256"
+    if how == "checksums_deleted":  # format 2 with its checksums removed: not a silent downgrade
+        del marker["sha256"]
+        (path / ckpt.MARKER).write_text(json.dumps(marker))
+        return "has no sha256 checksums"
+    if how == "format_1_checksums_deleted":
+        marker["format_version"] = 1
+        del marker["sha256"]
+        (path / ckpt.MARKER).write_text(json.dumps(marker))
+        return "format 1, written before checkpoints carried checksums"
+    raise AssertionError(how)
+
+
+def _load_from_checkpoint(path: Path) -> None:
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    BertLightningModule.load_from_checkpoint(path)
+
+
+def _init_from(path: Path) -> None:
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    module = BertLightningModule(**V1["model"], init_from=str(path))
+    module.configure_model()
+
+
+def _export(path: Path) -> None:
+    from lightning_megatron.models.bert.convert import export_hf
+
+    export_hf(path, path.parent / f"{path.name}-hf")  # `lightning-megatron export hf`: see the last test
+
+
+def _verify(path: Path) -> None:
+    ckpt.verify_checkpoint(path)
+
+
+PATHS = {"load_from_checkpoint": _load_from_checkpoint, "init_from": _init_from, "export_hf": _export,
+         "verify_checkpoint": _verify}
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    return _format_2(DATA / "ckpt_v1_tp2", tmp_path_factory.mktemp("verify") / "good")
+
+
+@pytest.mark.parametrize("how", ["byte_flip", "altered_checksum"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_corruption_is_refused_on_every_load_path_even_with_the_opt_in(good, tmp_path, monkeypatch, how, path):
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    expected = _damage(bad, how)
+    for opted_in in (False, True):  # the opt-in is for missing checksums, never for wrong ones
+        if opted_in:
+            monkeypatch.setenv(ckpt.ALLOW_UNVERIFIED_ENV, "1")
+        with pytest.raises(ckpt.CheckpointError, match=expected) as info:
+            PATHS[path](bad)
+        assert str(bad) in str(info.value)
+    assert not (tmp_path / "bad-hf").exists()
+
+
+@pytest.mark.parametrize("how", ["checksums_deleted", "format_1_checksums_deleted"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_unverified_checkpoint_loads_only_with_the_opt_in(good, tmp_path, monkeypatch, how, path):
+    unverified = tmp_path / "unverified"
+    shutil.copytree(good, unverified)
+    reason = _damage(unverified, how)
+    with pytest.raises(ckpt.CheckpointError, match="cannot be verified") as info:
+        PATHS[path](unverified)
+    message = str(info.value)
+    assert reason in message and "--allow-unverified-checkpoint" in message and ckpt.ALLOW_UNVERIFIED_ENV in message
+    monkeypatch.setenv(ckpt.ALLOW_UNVERIFIED_ENV, "1")
+    if path == "export_hf":
+        return  # the opt-in through the command's flag: test_export_flag_opts_in_and_the_good_checkpoint_...
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PATHS[path](unverified)
+    assert [str(w.message) for w in caught if "UNVERIFIED" in str(w.message) and reason in str(w.message)]
+
+
+def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_path, monkeypatch, capsys):
+    from lightning_megatron.cli import main
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a verified checkpoint loads without the warning
+        ckpt.verify_checkpoint(good)
+        loaded = BertLightningModule.load_from_checkpoint(good)
+    module = BertLightningModule(**V1["model"], init_from=str(good))
+    module.configure_model()
+    for (name, a), (_, b) in zip(loaded.sharded_named_parameters(), module.sharded_named_parameters()):
+        assert torch.equal(a, b), name
+    v1 = tmp_path / "v1"
+    shutil.copytree(DATA / "ckpt_v1_tp2", v1)  # the committed format-1 checkpoint, as written
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(995)]))
+    monkeypatch.delenv(ckpt.ALLOW_UNVERIFIED_ENV, raising=False)
+    with pytest.raises(SystemExit) as info:  # one line, exit 1
+        main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab)])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.count("\n") == 1, err
+    assert f"checkpoint '{v1}' cannot be verified: it is format 1" in err, err
+    with pytest.warns(UserWarning, match="loaded UNVERIFIED: it is format 1"):
+        main(["export", "hf", "--ckpt_path", str(v1), "--output", str(tmp_path / "hf"), "--vocab_file", str(vocab),
+              "--allow-unverified-checkpoint"])
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_hf_folder_with_auto_map_is_refused_and_its_code_never_runs(tmp_path):
+    """A Hugging Face folder whose config.json maps to its own code (auto_map) is refused before
+    transformers sees it (which would offer to run that code, and read EOF without a terminal)."""
+    from lightning_megatron.models.bert.init_from import read_pretrained
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    sentinel = tmp_path / "PWNED"
+    (folder / "configuration_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(sentinel)!r}).touch()\n"
+        "from transformers import PretrainedConfig\nclass EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "evil", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}, "hidden_size": 16}))
+    for load in (lambda: read_pretrained(str(folder)),
+                 lambda: BertLightningModule(**V1["model"], init_from=str(folder)).configure_model()):
+        with pytest.raises(ValueError, match=r"config.json' has auto_map .*trust_remote_code=False") as info:
+            load()
+        assert str(folder) in str(info.value)
+    assert not sentinel.exists()
+
+
+def test_recover_last_takes_a_complete_interrupted_save_or_refuses(good, tmp_path):
+    """``ckpt_path="last"`` with last.ckpt missing (a crash between the two renames of a file system
+    without RENAME_EXCHANGE): the newest complete ``last.ckpt.tmp-<id>`` whose checksums verify; one
+    that does not verify is an error, never a silent restart from step 0."""
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    assert ckpt.recover_last(d) is None  # nothing saved yet: a fresh start is right
+    shutil.copytree(good, d / "last.ckpt.tmp-old")  # the previous checkpoint, kept by the two-rename swap
+    shutil.copytree(good, d / "last.ckpt.tmp-1a2b3c4d")  # the new, complete one
+    with pytest.warns(UserWarning, match=r"last.ckpt' is missing, but the interrupted save .*tmp-1a2b3c4d' is "
+                                         r"complete and its checksums verify"):
+        assert ckpt.recover_last(d) == d / "last.ckpt.tmp-1a2b3c4d"
+    _damage(d / "last.ckpt.tmp-1a2b3c4d", "byte_flip")
+    with pytest.warns(UserWarning, match="tmp-old"):  # the corrupt new one is passed over for the old one
+        assert ckpt.recover_last(d) == d / "last.ckpt.tmp-old"
+    shutil.rmtree(d / "last.ckpt.tmp-old")
+    (d / "last.ckpt.tmp-5e6f7a8b").mkdir()  # a save interrupted before its marker
+    with pytest.raises(ckpt.CheckpointError, match="no interrupted save there can be used") as info:
+        ckpt.recover_last(d)
+    message = str(info.value)
+    assert "lightning_megatron.json is missing" in message and "does not match the sha256" in message, message
+    assert "refusing to start again from step 0" in message and "tmp-5e6f7a8b" in message
+    shutil.copytree(good, d / "last.ckpt")
+    assert ckpt.recover_last(d) is None  # last.ckpt is there: Lightning's own resolution
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("error", ["disk_full", "nan"])
+def test_cli_reports_an_agreed_error_once_on_rank_0(monkeypatch, capsys, rank, error):
+    """Every rank raises the same CheckpointError (a full disk: was ~240 lines and 10 tracebacks from 2
+    ranks) or NonFiniteLossOrGradError: rank 0 exits 1 with one line, the others exit 1 without a word."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_megatron import cli
+    from lightning_megatron.optimizer import NonFiniteLossOrGradError
+
+    message = {"disk_full": "saving checkpoint 'x/last.ckpt' failed: the disk is full in 'x' (0.00 GiB free)",
+               "nan": "at step 3 (the state at global_step=3 is the last good one) the gradient norm is nan"}[error]
+
+    def fail(*args, **kwargs):
+        raise (ckpt.CheckpointError if error == "disk_full" else NonFiniteLossOrGradError)(message)
+
+    monkeypatch.setattr(cli, "_lightning_cli", fail)
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", "recipe.yaml"])
+    assert info.value.code == (f"lightning-megatron: {message}" if rank == 0 else 1)
+    assert capsys.readouterr().err == ""
