@@ -90,10 +90,6 @@ class MegatronOptimizerCallback(Callback):
                 "before backward: use the MegatronStrategy, or override LightningModule.backward as "
                 "`self.trainer.strategy.optimizers[0].scale_loss(loss).backward()`; or set loss_scale=1.0"
             )
-        named = strategy.module_contract.sharded_named_parameters() if under_megatron else pl_module.named_parameters()
-        named = list(named)
-        for opt in wrapped:
-            opt.name_parameters(named)  # errors name parameters
         named = list(pl_module.named_parameters())
         for opt in wrapped:
             opt.name_parameters(named)  # errors name parameters
@@ -105,12 +101,6 @@ class MegatronOptimizerCallback(Callback):
         for opt in trainer.optimizers:
             if isinstance(opt, MegatronOptimizer):
                 opt.iteration = trainer.global_step  # the step an error names
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        for opt in self.optimizers:
-            opt.iteration = trainer.global_step  # the step an error names
 
     @override
     def on_train_batch_end(
