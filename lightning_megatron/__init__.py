@@ -4,15 +4,19 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
+_LAZY = {"MegatronStrategy": "lightning_megatron.strategy", "ParallelLayout": "lightning_megatron.parallel_state",
+         "ParallelState": "lightning_megatron.parallel_state",
+         "initialize_model_parallel": "lightning_megatron.parallel_state"}
 
 
 def __getattr__(name: str):
-    # The Lightning glue is imported lazily so that `tensor_parallel` / `transformer` users do not pay for it.
-    if name == "MegatronStrategy":
-        from lightning_megatron.strategy import MegatronStrategy
+    # Imported on first use: `import lightning_megatron` (and the `lightning-megatron` command's plot,
+    # preprocess, train-tokenizer and --help) costs no torch import, and `tensor_parallel` /
+    # `transformer` users do not pay for the Lightning glue.
+    if name in _LAZY:
+        import importlib
 
-        return MegatronStrategy
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lightning_megatron' has no attribute {name!r}")
 
 

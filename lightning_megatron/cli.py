@@ -27,7 +27,15 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["main", "plot_runs", "COMMANDS"]
+__all__ = ["main", "finetune_cli", "plot_runs", "COMMANDS"]
+
+
+def plot_runs(*args: Any, **kwargs: Any) -> Path:
+    """:func:`lightning_megatron.plot.plot_runs` (kept here for existing imports)."""
+    from lightning_megatron.plot import plot_runs as plot
+
+    return plot(*args, **kwargs)
+
 
 _LIGHTNING_COMMANDS = {
     "fit": "train (and validate every val_check_interval steps)",
@@ -37,42 +45,39 @@ _LIGHTNING_COMMANDS = {
 }
 
 
-def _wandb_offline_unless_configured() -> None:
-    # W&B must never hang a run without network or key: default to offline mode.
-    if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
-        os.environ["WANDB_MODE"] = "offline"
+def _wandb_mode(config) -> None:
+    """A WandbLogger runs online when W&B has credentials (``WANDB_API_KEY``, or the ``~/.netrc`` entry
+    ``wandb login`` writes: :func:`~lightning_megatron.loggers.wandb_credentials`); without any it would
+    ask for a key or hang without network, so the run is offline (``WANDB_MODE=offline``, inherited by
+    the ranks launched next) and a warning says so. An explicit ``WANDB_MODE`` or ``offline: true`` wins."""
+    from lightning.pytorch.loggers import WandbLogger
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lightning_megatron.loggers import wandb_credentials
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    loggers = [lg for lg in _entries(trainer.get("logger") if trainer else None)
+               if _is_subclass(lg.class_path, WandbLogger)]
+    if not loggers:
+        return
     os.environ.setdefault("WANDB_SILENT", "true")
-
-
-def _summary(trainer) -> str:
-    """A few closing lines: how the loss moved, where metrics and checkpoints are."""
-    import csv
-
-    lines = []
-    csv_dirs = [lg.log_dir for lg in trainer.loggers if type(lg).__name__ == "CSVLogger"]
-    for d in csv_dirs:
-        path = Path(d) / "metrics.csv"
-        if not path.is_file():
-            continue
-        with path.open() as fh:
-            rows = list(csv.DictReader(fh))
-        for key in ("train_lm_loss", "train_binary_loss", "val_lm_loss", "train_mlm_accuracy", "tokens_per_sec"):
-            values = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
-            if values:
-                (s0, v0), (s1, v1) = values[0], values[-1]
-                lines.append(f"  {key:20s} step {s0:>5d}: {v0:10.4f}   ->   step {s1:>5d}: {v1:10.4f}")
-        lines.append(f"  metrics: {path}")
-    for cb in trainer.checkpoint_callbacks:
-        if getattr(cb, "dirpath", None):
-            lines.append(f"  checkpoints: {cb.dirpath} (last: {cb.last_model_path or cb.best_model_path})")
-    return "\n".join(["lightning-megatron: run summary"] + lines)
+    if "WANDB_MODE" in os.environ or all(lg.init_args.get("offline") for lg in loggers):
+        return
+    if wandb_credentials() is None:
+        os.environ["WANDB_MODE"] = "offline"
+        folder = loggers[0].init_args.get("save_dir") or "."
+        rank_zero_warn(f"W&B: no credentials (no WANDB_API_KEY, no `wandb login` entry in ~/.netrc): this run logs "
+                       f"offline to {os.path.join(folder, 'wandb')}; upload it later with `wandb sync "
+                       f"{os.path.join(folder, 'wandb', 'offline-run-*')}`, or set WANDB_MODE=offline to say so "
+                       f"and silence this", category=UserWarning)
 
 
 def _lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
-                   **kwargs) -> Any:
+                   *, link_num_classes: bool = False, **kwargs) -> Any:
     """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
     (``run=False`` in kwargs: only build). ``args`` (or ``sys.argv`` when None) may name recipes with
-    ``base:``; they are merged first (lightning_megatron.recipes)."""
+    ``base:``; they are merged first (lightning_megatron.recipes). ``link_num_classes``: the model's
+    ``num_classes`` is the datamodule's (fine-tuning)."""
     from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
     from torch.optim import Optimizer
 
@@ -117,6 +122,25 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             for group in ("optimizer", "lr_scheduler"):
                 parser.link_arguments(group, f"model.{group}_class", compute_fn=_class_path)
                 parser.link_arguments(group, f"model.{group}_kwargs", compute_fn=_init_args)
+            if link_num_classes:  # one place for the classes: the data (labels, or 1 for regression)
+                parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+
+        def parse_arguments(self, parser, args) -> None:
+            # --optimizer.lr / --optimizer.weight_decay are the schedule's or the model's (skipped in the
+            # optimizer group above): jsonargparse would only say "not accepted"; name the option to use.
+            from jsonargparse import Namespace
+
+            argv = None if isinstance(args, (dict, Namespace)) else list(sys.argv[1:] if args is None else args)
+            found = _optimizer_hyperparameter(argv) if argv is not None else None
+            if found is None:
+                super().parse_arguments(parser, args)
+                return
+            name, value, rest = found
+            if args is None:
+                sys.argv[1:] = rest
+            super().parse_arguments(parser, None if args is None else rest)  # the rest, to see the lr_schedule
+            config = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+            raise SystemExit(_optimizer_hyperparameter_message(name, value, bool(config.get("lr_schedule"))))
 
         def before_instantiate_classes(self) -> None:
             # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
@@ -129,9 +153,11 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                                  f"lr_schedule section (OptimizerParamSchedulerCallback) would both set the lr every "
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
             _named_callbacks_into_trainer(config)
+            _display_callbacks(config)
             _architecture_of_init_from(config, given)
             _one_run_folder(config)
             _recover_last(config)
+            _wandb_mode(config)
             _continue_wandb_run(config)
             _clamp_warmup(config)
             try:
@@ -139,24 +165,15 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             except ConfigError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
 
-        def before_fit(self) -> None:
-            _log_run_config(self.trainer)
-
-        def before_validate(self) -> None:
-            _log_run_config(self.trainer)
-
-        def before_test(self) -> None:
-            _log_run_config(self.trainer)
-
-        def before_predict(self) -> None:
-            _log_run_config(self.trainer)
-
         def after_fit(self) -> None:
             if self.trainer.is_global_zero:
-                print(_summary(self.trainer), flush=True)
+                from lightning_megatron.callbacks.summary import run_summary
 
-    # Every checkpoint records the W&B run id (see _continue_wandb_run); `predict` writes its outputs into
-    # the run folder (PredictionWriter); trainer_defaults' callbacks are added to the configured ones.
+                print(run_summary(self.trainer), flush=True)
+
+    # Every checkpoint records the W&B run id (see _continue_wandb_run) and the W&B config gets the run's
+    # settings (WandbRunIdCallback); `predict` writes its outputs into the run folder (PredictionWriter);
+    # trainer_defaults' callbacks are added to the configured ones.
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     extra = defaults.get("callbacks") or []
     defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback(),
@@ -164,6 +181,37 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
+
+
+_OPTIMIZER_HYPERPARAMETERS = ("lr", "weight_decay")
+
+
+def _optimizer_hyperparameter(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """The first ``--optimizer.lr X`` / ``--optimizer.init_args.weight_decay=X`` in ``argv``:
+    (name, value, argv without it), or None."""
+    for i, token in enumerate(argv):
+        option, eq, value = token.partition("=")
+        for name in _OPTIMIZER_HYPERPARAMETERS:
+            if option in (f"--optimizer.{name}", f"--optimizer.init_args.{name}"):
+                if eq:
+                    return name, value, argv[:i] + argv[i + 1:]
+                value = argv[i + 1] if i + 1 < len(argv) else "VALUE"
+                return name, value, argv[:i] + argv[i + 2:]
+    return None
+
+
+def _optimizer_hyperparameter_message(name: str, value: str, scheduled: bool) -> str:
+    """Where ``--optimizer.<name>`` belongs: the lr_schedule section sets lr and weight decay every step."""
+    if scheduled and name == "lr":
+        where = (f"the lr_schedule section (OptimizerParamSchedulerCallback) sets the learning rate every step: "
+                 f"use --lr_schedule.max_lr {value} (the peak after warm-up; --lr_schedule.init_lr and "
+                 f"--lr_schedule.min_lr set the start and the end)")
+    elif scheduled:
+        where = (f"the lr_schedule section (OptimizerParamSchedulerCallback) sets the weight decay every step: "
+                 f"use --lr_schedule.start_wd {value} --lr_schedule.end_wd {value}")
+    else:
+        where = f"the model builds the optimizer with it: use --model.{name} {value}"
+    return f"lightning-megatron: --optimizer.{name} is not an optimizer argument here: {where}"
 
 
 def _class_path(spec: Any) -> str | None:
@@ -194,6 +242,29 @@ def _named_callbacks_into_trainer(config) -> None:
             callbacks = trainer.get("callbacks") or []
             trainer.callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), spec]
             config[key] = None
+
+
+def _display_callbacks(config) -> None:
+    """With the progress bar (the model summary) on and none configured, Lightning's bar counting
+    optimizer steps (:class:`~lightning_megatron.callbacks.MegatronProgressBar`) and the summary of the
+    whole model (:class:`~lightning_megatron.callbacks.MegatronModelSummary`, in place of Lightning's:
+    ``enable_model_summary`` becomes false) join ``trainer.callbacks``."""
+    from jsonargparse import Namespace
+    from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if trainer is None:
+        return
+    for switch, base, name in (("enable_progress_bar", ProgressBar, "MegatronProgressBar"),
+                               ("enable_model_summary", ModelSummary, "MegatronModelSummary")):
+        callbacks = trainer.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer.get(switch) is False or any(_is_subclass(c.class_path, base) for c in _entries(callbacks)):
+            continue
+        entry = Namespace(class_path=f"lightning_megatron.callbacks.{name}", init_args=Namespace())
+        trainer.callbacks = [*callbacks, entry]
+        if switch == "enable_model_summary":
+            trainer[switch] = False  # Lightning's default summary is replaced (else it says so on every run)
 
 
 def _entries(value: Any) -> list[Any]:
@@ -294,40 +365,39 @@ def _recover_last(config) -> None:
                 return
 
 
+def _last_checkpoint(trainer) -> str | None:
+    """What Lightning's ``ckpt_path="last"`` resolves to: the newest ``last.ckpt`` / ``last-N.ckpt`` in
+    the ``dirpath`` of the configured ModelCheckpoints (filled in by :func:`_one_run_folder`)."""
+    import re
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found = []
+    for callback in _entries(trainer.get("callbacks")):
+        folder = callback.init_args.get("dirpath") if _is_subclass(callback.class_path, ModelCheckpoint) else None
+        if folder and os.path.isdir(folder):
+            found += [os.path.join(folder, n) for n in os.listdir(folder) if re.match(r"^last(-\d+)?\.ckpt$", n)]
+    return max(found, key=os.path.getmtime) if found else None
+
+
 def _continue_wandb_run(config) -> None:
-    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT``: a WandbLogger without an ``id``
-    continues the W&B run that wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
+    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT`` (``last`` too): a WandbLogger without
+    an ``id`` continues the W&B run that wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
     from lightning.pytorch.loggers import WandbLogger
 
     from lightning_megatron.loggers import saved_wandb_run_id
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
-    run_id = saved_wandb_run_id(config.get("ckpt_path")) if trainer else None
+    ckpt_path = config.get("ckpt_path") if trainer else None
+    if ckpt_path == "last":
+        ckpt_path = _last_checkpoint(trainer)
+    run_id = saved_wandb_run_id(ckpt_path) if trainer else None
     if run_id is None:
         return
     for logger in _entries(trainer.get("logger")):
         args = logger.init_args
         if _is_subclass(logger.class_path, WandbLogger) and not args.get("id") and not args.get("version"):
             args.id = run_id
-
-
-def _log_run_config(trainer) -> None:
-    """Trainer, strategy, layout and precision into the loggers' config (W&B shows only the module's otherwise)."""
-    from lightning_megatron.strategy import MegatronStrategy
-
-    strategy = trainer.strategy
-    run = {"trainer": {"max_steps": trainer.max_steps, "precision": str(trainer.precision),
-                       "devices": trainer.num_devices, "num_nodes": trainer.num_nodes,
-                       "accelerator": type(trainer.accelerator).__name__},
-           "strategy": type(strategy).__name__}
-    if isinstance(strategy, MegatronStrategy):  # before launch: the strategy's arguments
-        run["layout"] = {"tensor_model_parallel_size": strategy.tensor_model_parallel_size,
-                         "pipeline_model_parallel_size": strategy.pipeline_model_parallel_size,
-                         "virtual_pipeline_model_parallel_size": strategy.virtual_pipeline_model_parallel_size,
-                         "sequence_parallel": strategy.sequence_parallel, "micro_batch_size": strategy.micro_batch_size}
-    for logger in trainer.loggers:
-        if type(logger).__name__ == "WandbLogger":
-            logger.log_hyperparams(run)  # rank zero only
 
 
 def _clamp_warmup(config) -> None:
@@ -381,60 +451,31 @@ def _preprocess(argv: list[str]) -> None:
 
 def _train_tokenizer(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="lightning-megatron train-tokenizer")
-    parser.add_argument("--input", nargs="*", default=None, help="text/jsonl files; none: the built-in corpus")
+    parser.add_argument("--input", nargs="*", default=None, help="text/jsonl files (also .gz), directories or saved Hugging Face datasets; none: the built-in corpus")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--json-key", default="text", help="JSON field / dataset column holding the text")
     a = parser.parse_args(argv)
     from lightning_megatron.data.tokenizer import train_wordpiece_tokenizer
 
-    print(train_wordpiece_tokenizer(a.input, a.vocab_size, a.output_dir))
-
-
-def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[str],
-              metrics: tuple[str, ...] = ("loss", "train_lm_loss", "val_lm_loss")) -> Path:
-    """Write a PNG of the loss curves in the CSV metrics of one or more runs."""
-    import csv
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    files = []
-    for run in run_dirs:
-        found = sorted(Path(run).rglob("metrics.csv"))
-        if not found:
-            raise FileNotFoundError(f"no metrics.csv under {str(run)!r}: is it a run directory with a CSVLogger?")
-        files.extend(found)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    plotted = 0
-    for f in files:
-        with open(f) as fh:
-            rows = list(csv.DictReader(fh))
-        for metric in metrics:
-            pts = [(int(r["step"]), float(r[metric])) for r in rows if r.get(metric) not in (None, "")]
-            if pts:
-                ax.plot(*zip(*pts), label=f"{f.parent.parent.name}/{f.parent.name}: {metric}")
-                plotted += 1
-    if not plotted:
-        raise ValueError(f"none of the metrics {metrics} were found in {[str(f) for f in files]}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    try:
+        print(train_wordpiece_tokenizer(a.input, a.vocab_size, a.output_dir, json_key=a.json_key))
+    except (ValueError, OSError, ImportError) as error:
+        parser.exit(2, f"lightning-megatron train-tokenizer: error: {error}\n")
 
 
 def _plot(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron plot")
+    parser = argparse.ArgumentParser(prog="lightning-megatron plot", description="curves of run folders -> PNG: one "
+                                     "panel per quantity, one line per run (resumes joined), validation as markers")
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--output", default="loss_curves.png")
     a = parser.parse_args(argv)
-    print(plot_runs(a.runs, a.output))
+    from lightning_megatron.plot import plot_runs
+
+    try:
+        print(plot_runs(a.runs, a.output))
+    except (ValueError, OSError) as error:
+        parser.exit(2, f"lightning-megatron plot: error: {error}\n")
 
 
 def _export(argv: list[str]) -> None:
@@ -458,11 +499,18 @@ def _export(argv: list[str]) -> None:
 
 
 def _finetune(argv: list[str]) -> None:
-    from lightning_megatron.models.bert.classification import BertClassificationModule
-    from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
+    finetune_cli(argv)
 
-    _wandb_offline_unless_configured()
-    _lightning_cli(argv, BertClassificationModule, StdlibDocstringDataModule)
+
+def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
+    """``finetune fit|validate|test|predict``: BertClassificationModule over any FinetuneDataModule
+    (``data: {class_path: ...LabelledTextDataModule, init_args: ...}``: your JSONL/CSV/datasets; or the
+    built-in StdlibDocstringDataModule); ``model.num_classes`` comes from the data."""
+    from lightning_megatron.data.labelled_text import FinetuneDataModule
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+
+    return _lightning_cli(argv, BertClassificationModule, FinetuneDataModule, link_num_classes=True,
+                          subclass_mode_data=True, **kwargs)
 
 
 def _check(argv: list[str]) -> None:
@@ -516,17 +564,19 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         _print_help()
         return
-    from lightning_megatron.checkpoint import CheckpointError
-    from lightning_megatron.optimizer import NonFiniteLossOrGradError
-
     try:
         if argv[0] in COMMANDS:
             COMMANDS[argv[0]][0](argv[1:])
             return
-        _wandb_offline_unless_configured()
         # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
         _lightning_cli(None if from_sys_argv else argv)
-    except (CheckpointError, NonFiniteLossOrGradError) as e:
+    except Exception as e:
+        # Imported here: `plot`, `preprocess`, `train-tokenizer` and `--help` need no torch.
+        from lightning_megatron.checkpoint import CheckpointError
+        from lightning_megatron.optimizer import NonFiniteLossOrGradError
+
+        if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError)):
+            raise
         # Every rank raises it (the ranks agree on the decision before raising): rank 0 says it once, in
         # one line (a full disk was ~240 lines and 10 tracebacks), the others exit quietly.
         from lightning.pytorch.utilities import rank_zero_only

@@ -2,7 +2,7 @@
 
 A wrong recipe (heads not divisible by TP, a global batch that does not split into microbatches,
 a sequence longer than the position table, ...) should fail in seconds with every problem listed,
-not after a minute of process start-up on every rank. :func:`check_config` is pure: it takes the
+not after a minute of process start-up on every rank. :func:`check_config` takes the
 model, data, strategy, trainer and scheduler arguments as plain mappings (the ``init_args`` a
 LightningCLI config holds) and returns the problems, each naming the value and the fix.
 :func:`validate_config` raises one :class:`ConfigError` listing them all. The ``lightning-megatron``
@@ -12,6 +12,8 @@ CLI calls it right after parsing, before the Trainer is built; from Python::
     validate_config(model_hparams={"num_attention_heads": 4, "hidden_size": 128},
                     strategy_args={"tensor_model_parallel_size": 2}, trainer_args={"devices": 2})
 
+The only files read are those the data section names (:func:`_check_data_files`: the ``.bin`` /
+``.idx`` of each ``data_prefix`` exist, the dataset's ``.vocab.json`` matches ``vocab_file``).
 A missing key skips the checks that need it (the defaults of the classes apply later); checks that
 need the world size (``devices x num_nodes``) are skipped when it is not an integer (``"auto"``).
 The same rules are enforced again at set-up by the classes themselves (``TransformerConfig``,
@@ -183,6 +185,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         problems.append(f"data max_seq_length={seq} exceeds the model's max_sequence_length={positions} (learned "
                         f"positions); set data.max_seq_length <= {positions} or model.max_sequence_length >= {seq}")
 
+    problems += _check_data_files(d, m)
+
     prob = d.get("masked_lm_prob")
     if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
         problems.append(f"data masked_lm_prob={prob} must be in (0, 1) (BERT masks 0.15 of the tokens)")
@@ -217,15 +221,70 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
 
     # --- schedule
     if sch:
-        problems += _check_schedule(sch, _int(t.get("max_steps")))
+        fast_dev_run = t.get("fast_dev_run")  # Lightning runs that many steps (True: 1) and sets max_steps to it
+        problems += _check_schedule(sch, _int(t.get("max_steps")), fast_dev_run=bool(fast_dev_run))
     return problems
 
 
-def _check_schedule(sch: dict[str, Any], max_steps: int | None) -> list[str]:
+def _check_data_files(d: dict[str, Any], m: dict[str, Any]) -> list[str]:
+    """The files the data section names: each ``data_prefix`` (or blend member) has its ``.bin`` and
+    ``.idx``, the ``vocab_file`` exists, and a dataset's ``.vocab.json`` (written by ``preprocess``)
+    records the vocabulary of ``vocab_file`` (null: the packaged one) and ids below the model's
+    ``vocab_size``. Reads only the vocabulary and the small sidecar, never the data; the datamodule
+    checks the same again at set-up (lightning_megatron.data.dataset_vocab)."""
+    import os
+
+    vocab_file, data_prefix = d.get("vocab_file"), d.get("data_prefix")
+    problems: list[str] = []
+    vocab_missing = vocab_file is not None and not os.path.exists(os.fspath(vocab_file))
+    if vocab_missing:
+        problems.append(f"data vocab_file={os.fspath(vocab_file)!r} does not exist; pass the vocab.txt the dataset "
+                        f"was preprocessed with (or null for the packaged BERT vocabulary)")
+    if data_prefix is None:
+        return problems  # the built-in corpus, preprocessed with the right vocabulary at set-up
+    from lightning_megatron.data.blended import parse_data_prefix
+
+    try:
+        prefixes = ([os.fspath(data_prefix)] if isinstance(data_prefix, (str, os.PathLike))
+                    else parse_data_prefix(list(data_prefix))[1])
+    except (TypeError, ValueError) as error:
+        return [*problems, f"data {error}"]
+    found = []
+    for prefix in prefixes:
+        missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(f"{prefix}{ext}")]
+        if not missing:
+            found.append(prefix)
+            continue
+        stem, ext = os.path.splitext(prefix)
+        hint = (f"the prefix is the path without {ext}: data_prefix={stem!r}" if ext in (".bin", ".idx")
+                else f"make it with `lightning-megatron preprocess --input ... --output-prefix {prefix}`")
+        problems.append(f"data data_prefix={prefix!r}: {' and '.join(repr(x) for x in missing)} not found "
+                        f"(relative paths start at {os.getcwd()!r}); {hint}")
+    if vocab_missing or not found:
+        return problems
+    from lightning_megatron.data.dataset_vocab import check_dataset_vocab, read_dataset_vocab
+    from lightning_megatron.data.tokenizer import BertTokenizer
+
+    model_vocab = _int(m.get("vocab_size"))
+    tokenizer = None
+    for prefix in found:
+        try:
+            if read_dataset_vocab(prefix) is None:
+                continue  # no record: the datamodule warns at set-up
+            tokenizer = tokenizer or BertTokenizer(vocab_file)
+            check_dataset_vocab(prefix, tokenizer, model_vocab)
+        except (ValueError, OSError) as error:
+            problems.append(f"data {error}")
+    return problems
+
+
+def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run: bool = False) -> list[str]:
     problems = []
     decay = sch.get("lr_decay_steps")
     source = "lr_decay_steps"
-    if decay is None:
+    if decay is None and fast_dev_run:
+        pass  # the scheduler callback takes the horizon past the warm-up for the few steps of the check run
+    elif decay is None:
         if max_steps is None or max_steps <= 0:
             problems.append(f"lr_decay_steps=null means trainer.max_steps, but max_steps={max_steps}; set "
                             f"trainer.max_steps or lr_decay_steps")

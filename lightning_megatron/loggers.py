@@ -3,7 +3,8 @@
 - :class:`CSVLogger`: Lightning's, with ``save_dir`` optional (the CLI puts it in ``trainer.default_root_dir``);
 - :class:`WandbRunIdCallback` and :func:`saved_wandb_run_id`: every checkpoint records the W&B run id of
   the run that wrote it, so that ``validate``/``test``/``predict`` or a resumed ``fit`` of it continue
-  that run.
+  that run; the callback also puts :func:`run_config` (layout, schedule, optimizer) into the W&B config;
+- :func:`wandb_credentials`: whether W&B has credentials (the CLI runs offline, loudly, without).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from lightning.pytorch import loggers
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["CSVLogger", "WANDB_RUN_ID", "WandbRunIdCallback", "saved_wandb_run_id"]
+__all__ = ["CSVLogger", "WANDB_RUN_ID", "WandbRunIdCallback", "run_config", "saved_wandb_run_id", "wandb_credentials"]
 
 WANDB_RUN_ID = "wandb_run_id"
 """Checkpoint key holding the W&B run id of the run that wrote the checkpoint."""
@@ -38,13 +39,84 @@ class CSVLogger(loggers.CSVLogger):
                          flush_logs_every_n_steps=flush_logs_every_n_steps)
 
 
+_OPTIMIZER_HPARAMS = ("optimizer", "optimizer_class", "optimizer_kwargs", "lr", "weight_decay", "adam_beta1",
+                      "adam_beta2", "adam_eps", "sgd_momentum", "lr_scheduler_class", "lr_scheduler_kwargs")
+"""The module hyper-parameters that make the optimizer (BertLightningModule's), gathered under ``optimizer``."""
+
+
+def run_config(trainer: Any, model: Any) -> dict[str, Any]:
+    """Trainer, strategy, layout, precision, the lr schedule, clipping and the optimizer: what the W&B config
+    shows next to the module's hyper-parameters (which Lightning logs itself)."""
+    import dataclasses
+
+    from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
+    from lightning_megatron.strategy import MegatronStrategy
+
+    strategy = trainer.strategy
+    run = {"trainer": {"max_steps": trainer.max_steps, "precision": str(trainer.precision),
+                       "devices": trainer.num_devices, "num_nodes": trainer.num_nodes,
+                       "accelerator": type(trainer.accelerator).__name__},
+           "strategy": type(strategy).__name__}
+    if isinstance(strategy, MegatronStrategy):
+        run["layout"] = {"tensor_model_parallel_size": strategy.tensor_model_parallel_size,
+                         "pipeline_model_parallel_size": strategy.pipeline_model_parallel_size,
+                         "virtual_pipeline_model_parallel_size": strategy.virtual_pipeline_model_parallel_size,
+                         "sequence_parallel": strategy.sequence_parallel, "micro_batch_size": strategy.micro_batch_size}
+    for callback in trainer.callbacks:  # the lr schedule, clipping and loss scaling
+        if isinstance(callback, OptimizerParamSchedulerCallback):
+            run["lr_schedule"] = dict(callback.kwargs)
+        elif isinstance(callback, MegatronOptimizerCallback):
+            run["megatron_optimizer"] = dataclasses.asdict(callback.config)
+    hparams = dict(model.hparams)
+    optimizer = {k: hparams[k] for k in _OPTIMIZER_HPARAMS if hparams.get(k) is not None}
+    if optimizer:
+        run["optimizer"] = optimizer
+    return run
+
+
+
 class WandbRunIdCallback(Callback):
-    """Writes the run id of the trainer's ``WandbLogger`` into every checkpoint (``checkpoint["wandb_run_id"]``)."""
+    """Writes the run id of the trainer's ``WandbLogger`` into every checkpoint (``checkpoint["wandb_run_id"]``),
+    and :func:`run_config` into its config at set-up (on rank 0, after the launch: the W&B run no longer
+    starts in the launching process before the other ranks are started)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        wandb = [lg for lg in trainer.loggers if isinstance(lg, loggers.WandbLogger)]
+        if wandb:
+            config = run_config(trainer, pl_module)
+            for logger in wandb:
+                logger.log_hyperparams(config)  # rank zero only
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, loggers.WandbLogger) and logger.version:
                 checkpoint[WANDB_RUN_ID] = str(logger.version)
+
+
+def wandb_credentials() -> str | None:
+    """Where W&B would take its credentials from, as ``wandb`` looks for them (without importing it):
+    ``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, else the netrc entry of the W&B host that
+    ``wandb login`` writes (``$NETRC``, ``~/.netrc`` or ``~/_netrc``; the host of ``WANDB_BASE_URL``,
+    default ``api.wandb.ai``). None when there are none: a run would have to be offline."""
+    import netrc
+    from urllib.parse import urlparse
+
+    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if os.environ.get(variable):
+            return variable
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    candidates = ([os.environ["NETRC"]] if os.environ.get("NETRC")
+                  else [os.path.expanduser("~/.netrc"), os.path.expanduser("~/_netrc")])
+    for path in candidates:
+        if not os.path.isfile(path):
+            continue
+        try:
+            entry = netrc.netrc(path).authenticators(host)
+        except (netrc.NetrcParseError, OSError):
+            continue  # wandb reports an unreadable file itself
+        if entry and entry[2]:
+            return f"{path} ({host})"
+    return None
 
 
 def saved_wandb_run_id(ckpt_path: Any) -> str | None:

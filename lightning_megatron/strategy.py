@@ -28,6 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from typing_extensions import override
@@ -41,6 +42,7 @@ from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.protocols import (
+    LightningStepsModule,
     MegatronModule,
     OptimizerWrapper,
     PlainOptimizer,
@@ -346,6 +348,11 @@ class MegatronStrategy(DDPStrategy):
             return self._run(batch, batch_idx, "predict")
 
     def _log(self, means: dict[str, torch.Tensor], stage: str) -> None:
+        if isinstance(self._module, LightningStepsModule):
+            # A plain LightningModule logs what its own *_step hooks log (as under any strategy): logging
+            # "loss" here too would collide with its self.log("loss", ...). Lightning's loop and callbacks
+            # still get the global-batch mean as outputs["loss"].
+            return
         module = self.lightning_module
         for key, value in means.items():
             name = key if stage == "train" and key == "loss" else f"{stage}_{key}"
@@ -387,6 +394,12 @@ class MegatronStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options")
         assert self.parallel_state is not None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.fast_dev_run:
+            # Lightning's ModelCheckpoint still writes save_last at the end of a fast_dev_run: a one-step
+            # check run must not leave a checkpoint that `--ckpt_path last` would resume from.
+            rank_zero_info(f"MegatronStrategy: fast_dev_run saves no checkpoint (not {filepath})")
+            return
         self.finish_param_gather()  # the params are saved from the live tensors
         ckpt.save(self._state_mapper(), checkpoint, filepath, ckpt.layout_record(self.parallel_state))
 

@@ -1,7 +1,9 @@
-"""Fine-tuning (BertClassificationModule): TP=2 under the MegatronStrategy equals plain single-process Lightning per step."""
+"""Fine-tuning (BertClassificationModule): TP=2 under the MegatronStrategy equals plain single-process Lightning
+per step, and so do the validation metrics (torchmetrics, synchronised over the data-parallel group)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist_utils import run_distributed
@@ -23,7 +25,7 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _fit(strategy, devices: int) -> list[float]:
+def _fit(strategy, devices: int) -> tuple[list[float], dict[str, float]]:
     from lightning.pytorch import Callback, Trainer
     from torch.utils.data import DataLoader
 
@@ -39,12 +41,14 @@ def _fit(strategy, devices: int) -> list[float]:
     rec.losses = []
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[rec])
-    trainer.fit(BertClassificationModule(**MODEL), train_dataloaders=DataLoader(_batches(), batch_size=None))
-    return rec.losses
+                      num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[rec])
+    module = BertClassificationModule(**MODEL)
+    trainer.fit(module, train_dataloaders=DataLoader(_batches(), batch_size=None))
+    [metrics] = trainer.validate(module, dataloaders=DataLoader(_batches(), batch_size=None), verbose=False)
+    return rec.losses, {k: float(v) for k, v in metrics.items()}
 
 
-def _tp2_worker() -> list[float]:
+def _tp2_worker() -> tuple[list[float], dict[str, float]]:
     from lightning_megatron.strategy import MegatronStrategy
 
     return _fit(MegatronStrategy(tensor_model_parallel_size=2, micro_batch_size=4), 2)
@@ -52,6 +56,9 @@ def _tp2_worker() -> list[float]:
 
 def test_finetune_tp2_equals_single_process_per_step():
     tp2 = run_distributed(_tp2_worker, 2, timeout=240)
-    plain = _fit("auto", 1)  # plain Lightning, no MegatronStrategy: the module's own training_step
+    plain, plain_metrics = _fit("auto", 1)  # plain Lightning, no MegatronStrategy: the module's own training_step
     assert len(plain) == STEPS and tp2[0] == tp2[1]
-    torch.testing.assert_close(torch.tensor(tp2[0]), torch.tensor(plain), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(tp2[0][0]), torch.tensor(plain), rtol=1e-5, atol=0)
+    assert set(plain_metrics) == {"val_loss", "val_accuracy", "val_f1", "val_matthews_corrcoef"}
+    for key, value in plain_metrics.items():
+        assert tp2[0][1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

@@ -53,7 +53,9 @@ def _plain_module_worker() -> list[float]:
             x, y = batch
             h, _ = self.fc1(x)
             out, _ = self.fc2(F.gelu(h))
-            return F.mse_loss(out.squeeze(-1), y)
+            loss = F.mse_loss(out.squeeze(-1), y)
+            self.log("loss", loss)  # as any Lightning user does: the strategy must not log it too
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -63,6 +65,7 @@ def _plain_module_worker() -> list[float]:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(float(outputs["loss"]))
+            self.logged = float(trainer.callback_metrics["loss"])  # the module's own self.log("loss")
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 32, generator=g)
@@ -72,12 +75,15 @@ def _plain_module_worker() -> list[float]:
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
                       strategy=MegatronStrategy(tensor_model_parallel_size=2, micro_batch_size=4))
     trainer.fit(TPRegressor(), DataLoader(data, batch_size=16))
-    return rec.losses
+    return rec.losses + [rec.logged]
 
 
 def test_plain_lightning_module_trains_with_tensor_parallel_layers():
     r0, r1 = run_distributed(_plain_module_worker, 2, timeout=180)
+    (r0, logged0), (r1, _) = (r0[:-1], r0[-1]), (r1[:-1], r1[-1])
     assert r0 == r1, "every rank logs the same loss"
+    # The module's self.log("loss", ...) is its own (the last microbatch's loss here), not the strategy's
+    assert logged0 > 0 and abs(logged0 - r0[-1]) < 0.5 * r0[0], (logged0, r0)
     assert len(r0) == 30
     assert sum(r0[-5:]) / 5 < 0.5 * sum(r0[:5]) / 5, f"the regressor must learn: {r0}"
 

@@ -42,6 +42,8 @@ def _worker(no_schedule_recipe: str) -> list[dict]:
         _built("--lr_schedule", "null", "--lr_scheduler", "torch.optim.lr_scheduler.StepLR",
                "--lr_scheduler.step_size", "3"),
         _built("--trainer.max_steps", "10", "--lr_schedule.max_lr", "0.5"),
+        _built("--optimizer", "torch.optim.AdamW", "--optimizer.lr", "3e-4"),
+        _built("--optimizer.lr=3e-4", recipe=no_schedule_recipe),
     ]
 
 
@@ -55,7 +57,11 @@ def test_optimizer_and_lr_scheduler_from_the_command_line(tmp_path):
     del recipe["lr_schedule"]
     no_schedule = tmp_path / "no_schedule.yaml"
     no_schedule.write_text(yaml.safe_dump(recipe))
-    [[sgd, default, stepped, both, dropped, overridden]] = run_distributed(_worker, 1, str(no_schedule), timeout=240)
+    [[sgd, default, stepped, both, dropped, overridden, lr, lr_unscheduled]] = run_distributed(
+        _worker, 1, str(no_schedule), timeout=240)
+    # --optimizer.lr: a message naming the option that sets it, not jsonargparse's "not accepted"
+    assert "use --lr_schedule.max_lr 3e-4" in lr["exit"], lr
+    assert "use --model.lr 3e-4" in lr_unscheduled["exit"], lr_unscheduled
 
     # SGD with nesterov on our two groups: decay on weights, none on biases and norm weights.
     assert sgd["optimizer"] == "SGD"

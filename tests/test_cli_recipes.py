@@ -5,53 +5,74 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from dist_utils import accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("_"))  # _*: bases
 
 
-def _build_worker(recipe: str) -> dict:
-    from lightning_megatron.cli import _lightning_cli
-    from lightning_megatron.models.bert.classification import BertClassificationModule
-    from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
+FINETUNE = [p for p in RECIPES if yaml.safe_load(p.read_text()).get("base") == "_bert_tiny_finetune.yaml"]
+PRETRAINING = [p for p in RECIPES if p not in FINETUNE]
 
-    classes = (dict(model_class=BertClassificationModule, datamodule_class=StdlibDocstringDataModule)
-               if recipe.endswith("_finetune.yaml") else {})
-    # CPU stand-ins for the cluster settings, everything else exactly as written (the recipe's
-    # precision too: the config checks before launch compare it with model.params_dtype).
-    cli = _lightning_cli(**classes, run=False, args=[
-        "--config", recipe, "--trainer.accelerator", accelerator(), "--trainer.num_nodes", "1",
-        "--trainer.logger", "false"])
-    strategy = cli.trainer.strategy
-    return {"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
-            "tp": strategy.tensor_model_parallel_size, "pp": strategy.pipeline_model_parallel_size,
-            "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks),
-            "hidden": cli.model.hparams.hidden_size, "global_batch": cli.datamodule.global_batch_size}
+
+def _build_worker(*recipes: str) -> list[dict]:
+    from lightning_megatron.cli import _lightning_cli, finetune_cli
+
+    out = []
+    for recipe in recipes:
+        build = finetune_cli if Path(recipe) in FINETUNE else _lightning_cli
+        # CPU stand-ins for the cluster settings, everything else exactly as written (the recipe's
+        # precision too: the config checks before launch compare it with model.params_dtype).
+        cli = build([
+            "--config", recipe, "--trainer.accelerator", accelerator(), "--trainer.num_nodes", "1",
+            "--trainer.logger", "false"], run=False)
+        strategy = cli.trainer.strategy
+        out.append({"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
+                    "tp": strategy.tensor_model_parallel_size, "pp": strategy.pipeline_model_parallel_size,
+                    "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks),
+                    "hidden": cli.model.hparams.hidden_size, "global_batch": cli.datamodule.global_batch_size,
+                    "num_classes": cli.model.hparams.get("num_classes")})
+    return out
 
 
 def test_recipes_exist():
     assert {p.name for p in RECIPES} >= {"bert_tiny.yaml", "bert_base.yaml", "bert_large.yaml"}
+    assert {p.stem for p in FINETUNE} == {"bert_tiny_finetune", "bert_tiny_sst2", "bert_tiny_cola", "bert_tiny_mnli",
+                                          "bert_tiny_stsb"}
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", PRETRAINING, ids=lambda p: p.stem)
 def test_recipe_parses_and_builds(recipe):
     from dist_utils import run_distributed
 
-    [built] = run_distributed(_build_worker, 1, str(recipe), timeout=180)
-    if recipe.stem.endswith("_finetune"):
-        assert built["model"] == "BertClassificationModule" and built["data"] == "StdlibDocstringDataModule"
-    else:
-        assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
+    [[built]] = run_distributed(_build_worker, 1, str(recipe), timeout=180)
+    assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
     assert "MegatronOptimizerCallback" in built["callbacks"]
     assert "OptimizerParamSchedulerCallback" in built["callbacks"]
-    expected = {"bert_tiny": 128, "bert_base": 768, "bert_large": 1024, "bert_tiny_finetune": 128}[recipe.stem]
-    assert built["hidden"] == expected
+    assert built["hidden"] == {"bert_tiny": 128, "bert_base": 768, "bert_large": 1024}[recipe.stem]
+
+
+def test_finetune_recipes_parse_and_build():
+    """Every fine-tuning recipe (one per GLUE task shape), in one process; the model's classes come
+    from the data (names, ids, or 1 output for regression)."""
+    from dist_utils import run_distributed
+
+    [built] = run_distributed(_build_worker, 1, *map(str, FINETUNE), timeout=240)
+    by_name = dict(zip((p.stem for p in FINETUNE), built))
+    for b in built:
+        assert b["model"] == "BertClassificationModule" and b["hidden"] == 128
+        assert {"MegatronOptimizerCallback", "OptimizerParamSchedulerCallback"} <= set(b["callbacks"])
+    assert by_name["bert_tiny_finetune"]["data"] == "StdlibDocstringDataModule"
+    assert {k: v["num_classes"] for k, v in by_name.items()} == {
+        "bert_tiny_finetune": 8, "bert_tiny_sst2": 2, "bert_tiny_cola": 2, "bert_tiny_mnli": 3, "bert_tiny_stsb": 1}
+    assert {v["data"] for k, v in by_name.items() if k != "bert_tiny_finetune"} == {"LabelledTextDataModule"}
 
 
 def _free_port(lo: int = 20000, hi: int = 30000) -> int:
@@ -104,7 +125,7 @@ def _launch(args: list[str], launcher: str, tasks: int, cwd: Path, env: dict) ->
 
 
 def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: str = "lightning", nodes: int = 1,
-         ckpt_path: Path | None = None) -> list[float]:
+         ckpt_path: Path | None = None) -> tuple[list[float], str]:
     run_dir = tmp / name
     loggers = ('[{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "%s", "name": "csv"}}'
                % run_dir)
@@ -140,6 +161,11 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: 
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     stderr = "".join(proc.stderr for proc in procs)  # rank 0 runs under either torchrun agent
     assert "lr_warmup_steps=30 is not below" in stderr and "args parameter" not in stderr
+    stdout = "".join(proc.stdout for proc in procs)
+    # The model summary counts the whole model (every TP shard), the run summary the throughput
+    [whole] = re.findall(r"Whole model: ([\d.]+ [KMB]) parameters", stdout + stderr)
+    assert "Total FLOPs: 0" not in stdout + stderr
+    assert re.search(r"mfu +median over steps", stdout) and re.search(r"tokens_per_sec +median", stdout), stdout[-3000:]
     [metrics] = list(run_dir.rglob("metrics.csv"))
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("train_lm_loss")]
     assert (run_dir / "ckpt").exists() and any((run_dir / "ckpt").iterdir()), "a checkpoint must be saved"
@@ -147,7 +173,7 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: 
         assert list(run_dir.rglob("*.wandb")), "W&B offline run files must exist"
         records = b"".join(p.read_bytes() for p in run_dir.rglob("*.wandb"))
         assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision"))
-    return [float(r["train_lm_loss"]) for r in rows]
+    return [float(r["train_lm_loss"]) for r in rows], whole
 
 
 def test_cli_fit_tp1_equals_tp2(tmp_path):
@@ -156,12 +182,13 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
     within 1e-5; its step-6 checkpoint, resumed on one node at TP=1 x DP=2 under the variables srun
     sets (Lightning's SLURMEnvironment starts no process: the two ranks exist only if it read them),
     continues the one-process run; test and export read the two-node checkpoint on one process."""
-    tp2 = _fit(tmp_path, 1, 2, "tp2", wandb=True, launcher="torchrun", nodes=2)
-    tp1 = _fit(tmp_path, 1, 1, "tp1", wandb=False)
+    tp2, whole_tp2 = _fit(tmp_path, 1, 2, "tp2", wandb=True, launcher="torchrun", nodes=2)
+    tp1, whole_tp1 = _fit(tmp_path, 1, 1, "tp1", wandb=False)
+    assert whole_tp2 == whole_tp1, "the summary counts every TP shard"
     assert len(tp1) == len(tp2) == 12
     for a, b in zip(tp1, tp2):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, tp2)
-    resumed = _fit(tmp_path, 2, 1, "resumed", wandb=False, launcher="slurm", ckpt_path=tmp_path / "tp2/ckpt/step=6.ckpt")
+    resumed, _ = _fit(tmp_path, 2, 1, "resumed", wandb=False, launcher="slurm", ckpt_path=tmp_path / "tp2/ckpt/step=6.ckpt")
     assert len(resumed) == 6
     for a, b in zip(tp1[6:], resumed):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, resumed)

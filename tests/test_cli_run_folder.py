@@ -30,6 +30,31 @@ def _build_worker(*extras: list[str]) -> list[dict]:
     return built
 
 
+def _login_worker(home: str, *extras: list[str]) -> tuple[list[dict], list[tuple]]:
+    """The W&B mode the CLI chooses after `wandb login` (a ~/.netrc entry, no WANDB_API_KEY) and without
+    it, then :func:`_build_worker` of ``extras``."""
+    import warnings
+
+    from lightning_megatron.cli import _lightning_cli
+
+    os.environ["HOME"] = home
+    for variable in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE"):
+        os.environ.pop(variable, None)
+    modes = []
+    for logged_in in (True, False):
+        netrc = Path(home) / ".netrc"
+        if logged_in:
+            netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
+            netrc.chmod(0o600)
+        else:
+            netrc.unlink()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _lightning_cli(run=False, args=["--config", RECIPE, "--trainer.accelerator", "cpu"])
+        modes.append((os.environ.pop("WANDB_MODE", None), " ".join(str(w.message) for w in caught)))
+    return _build_worker(*extras), modes
+
+
 def test_default_root_dir_moves_logs_and_checkpoints(tmp_path):
     from dist_utils import run_distributed
 
@@ -37,11 +62,17 @@ def test_default_root_dir_moves_logs_and_checkpoints(tmp_path):
         assert len(re.findall(r"\bruns/\w+\b(?!/checkpoints/last)", recipe.read_text())) == 1, recipe.name
     root = str(tmp_path / "x")
     explicit = str(tmp_path / "elsewhere")
-    [[moved, kept]] = run_distributed(_build_worker, 1, ["--trainer.default_root_dir", root], [
+    home = tmp_path / "home"
+    home.mkdir()
+    [([moved, kept], modes)] = run_distributed(_login_worker, 1, str(home), ["--trainer.default_root_dir", root], [
         "--trainer.default_root_dir", root, "--trainer.logger",
         '[{"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": "%s"}},'
         ' {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "%s"}}]'
         % (explicit, explicit)], timeout=180)
+    # after `wandb login` (its ~/.netrc entry) W&B stays online; without credentials: offline, said loudly
+    (online, online_warnings), (offline, offline_warnings) = modes
+    assert online is None and "W&B" not in online_warnings, modes
+    assert offline == "offline" and "W&B: no credentials" in offline_warnings and "wandb sync" in offline_warnings
     assert moved["loggers"] == {"CSVLogger": root, "WandbLogger": root}
     assert moved["csv_log_dir"].startswith(os.path.join(root, "csv", "version_"))
     assert moved["checkpoints"] == os.path.join(root, "checkpoints")
@@ -74,6 +105,13 @@ def test_validate_continues_the_wandb_run_of_the_checkpoint(tmp_path):
 
     _cli(tmp_path, "fit", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
          "--lr_schedule.lr_warmup_steps", "0")
+    # `--ckpt_path last` (Lightning's name for the newest last.ckpt) continues the run as the path does
+    resumed = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+                   "--lr_schedule.lr_warmup_steps", "0", "--ckpt_path", "last", "--trainer.enable_progress_bar", "true")
+    # The bar counts optimizer steps of the whole run: not "Epoch 0/-2", not "3/1" after the resume
+    out = resumed.stdout
+    assert "Step 3/3" in out and "Epoch 0/-2" not in out and "3/1 " not in out, out[-3000:]
+    assert "tokens_per_sec" in out and "mfu" in out, out[-3000:]
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt.tmp-1a2b3c4d"
     (tmp_path / "run" / "checkpoints" / "last.ckpt").rename(ckpt)
     marker = json.loads((ckpt / "lightning_megatron.json").read_text())
@@ -85,7 +123,10 @@ def test_validate_continues_the_wandb_run_of_the_checkpoint(tmp_path):
     assert "is loaded UNVERIFIED: its lightning_megatron.json has no sha256 checksums" in proc.stderr, proc.stderr
     assert "is missing, but the interrupted save" in proc.stderr and "tmp-1a2b3c4d" in proc.stderr, proc.stderr
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert [r.name.rsplit("-", 1)[1] for r in runs] == [run_id, run_id], (run_id, runs)
+    assert [r.name.rsplit("-", 1)[1] for r in runs] == [run_id] * 3, (run_id, runs)
     for run in runs:
         records = b"".join(p.read_bytes() for p in run.glob("*.wandb"))
         assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision")), run
+        # the lr schedule, clipping and the optimizer are in the run config too
+        assert all(k in records for k in (b"lr_schedule", b"lr_warmup_steps", b"megatron_optimizer", b"clip_grad",
+                                          b"adam_beta2")), run

@@ -135,3 +135,23 @@ def test_eval_loaders_repeat_the_same_batches():
     assert len(first) == len(loader) >= 1 and all(b["tokens"].shape == (4, 64) for b in first)
     assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(first, second))
     assert len(dm.test_dataset) >= dm.global_batch_size  # a tiny split still gives one global batch
+
+
+def test_short_seq_prob_reaches_the_samples():
+    """short_seq_prob=0.0: every sample targets the full max_num_tokens (= max_seq_length - 3); 1.0: every
+    target is a random shorter one (uniform in [2, max_num_tokens]) and the samples the datamodule's
+    loader yields are no longer than it (the default 0.1 of every other test would not show it)."""
+    lengths, targets = {}, {}
+    for prob in (0.0, 1.0):
+        dm = _datamodule(_fake_trainer(), short_seq_prob=prob, train_samples=128)
+        dm.setup("fit")
+        batches = _first_batches(dm.train_dataloader(), 128 // 8)
+        lengths[prob] = torch.cat([b["attention_mask"].sum(-1) for b in batches])
+        targets[prob] = torch.as_tensor(dm.train_dataset.samples_mapping[:128, 2].astype("int64"))
+    full = 64 - 3
+    assert (targets[0.0] == full).all(), targets[0.0]
+    assert (targets[1.0] < full).float().mean() > 0.9 and len(set(targets[1.0].tolist())) > 20, targets[1.0]
+    assert (targets[1.0] >= 2).all()
+    # the loader's samples in order: [CLS] A [SEP] B [SEP] truncated to the target
+    assert (lengths[1.0] <= targets[1.0] + 3).all() and (lengths[0.0] <= 64).all()
+    assert lengths[1.0].float().mean() < 0.75 * lengths[0.0].float().mean(), (lengths[0.0], lengths[1.0])

@@ -68,7 +68,8 @@ def test_cpu_tuning_is_opt_in():
 @pytest.mark.skipif(test_device() != "cuda", reason="needs --device cuda (a GPU): checks that a training step "
                                                     "never synchronizes the host with the GPU")
 def test_training_step_without_host_sync():
-    from lightning_megatron.models.bert.module import NO_PADDING, BertLightningModule
+    from lightning_megatron.data.datamodule import NO_PADDING, BertDataModule
+    from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.tensor_parallel import model_parallel_seed
     from megatron_testing import TINY_MODEL, SyntheticBertDataset
 
@@ -83,7 +84,7 @@ def test_training_step_without_host_sync():
     optimizer = module.configure_optimizers()
     data = SyntheticBertDataset(4)
     host = {k: torch.stack([data[i][k].cpu() for i in range(4)]) for k in data[0]}
-    batch = module.on_before_batch_transfer(host, 0)
+    batch = BertDataModule().on_before_batch_transfer(host, 0)  # what Lightning calls before the transfer
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
     assert NO_PADDING in batch
     for _ in range(2):  # the first step allocates optimizer state

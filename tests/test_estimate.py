@@ -204,6 +204,13 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
               "--device", "a100", "--gemm-efficiency", "0.5"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "GEMM 0.5" in out and "pp2vp2" in out and "dp2zero1" in out
+    with pytest.raises(SystemExit) as e:  # the strategy's overlap_param_gather hides ZeRO-1's all-gather
+        main(["check", "--config", str(recipe), "--layouts", "tp2,pp2vp2,dp2zero1", "--estimate-time",
+              "--device", "a100", "--gemm-efficiency", "0.5", "--overlap-param-gather", "on"])
+    overlapped = capsys.readouterr().out
+    dp_column = {name: [line.split()[6] for line in text.splitlines() if line.startswith("dp2zero1")][0]
+                 for name, text in (("off", out), ("on", overlapped))}
+    assert e.value.code == 0 and float(dp_column["off"]) > 0 and float(dp_column["on"]) == 0, dp_column
     for flags, message in ((["--device", "tpu"], "unknown device 'tpu'"),
                            (["--link-efficiency", "1.5"], "efficiency link=1.5 must be in (0, 1]")):
         with pytest.raises(SystemExit) as e:

@@ -35,6 +35,7 @@ def _run(tp: int, pp: int, world: int, max_steps: int, *, ckpt_in: str | None = 
     if validate:
         [metrics] = trainer.validate(module, datamodule=dm, ckpt_path=None if fit else ckpt_in, verbose=False)
         out["val_loss"] = float(metrics["val_loss"])
+        out["val_metrics"] = {k: float(metrics[k]) for k in ("val_mlm_accuracy", "val_perplexity")}
     return out
 
 
@@ -73,6 +74,12 @@ def test_reshard_tp2dp2_to_tp4_and_tp1(runs):
     val = r["first"]["val_loss"]
     assert abs(r["at_tp4"]["val_loss"] - val) <= 1e-5 * abs(val)
     assert abs(r["at_tp1"]["val_loss"] - val) <= 1e-5 * abs(val)
+    # The torchmetrics of the whole split, synchronised over the data-parallel group only: the same at
+    # TP=2 x DP=2, TP=4 x DP=1 and TP=1 x DP=4 (TP ranks, which hold the same predictions, count once).
+    for other in ("at_tp4", "at_tp1"):
+        for key, value in r["first"]["val_metrics"].items():
+            assert r[other]["val_metrics"][key] == pytest.approx(value, rel=1e-5), (other, key)
+    assert 0.0 <= r["first"]["val_metrics"]["val_mlm_accuracy"] <= 1.0 and r["first"]["val_metrics"]["val_perplexity"] > 1
     # Training resumes at TP=4 with the optimizer state intact: it follows the straight TP=2 x DP=2 run.
     torch.testing.assert_close(torch.tensor(r["resumed_tp4"]["losses"]),
                                torch.tensor(r["straight"]["losses"][10:]), rtol=1e-5, atol=0)
@@ -82,6 +89,8 @@ def test_reshard_pp2_to_pp1(runs):
     _, r = runs
     val = r["pp2"]["val_loss"]
     assert abs(r["pp_to_pp1"]["val_loss"] - val) <= 1e-5 * abs(val)
+    for key, value in r["pp2"]["val_metrics"].items():  # computed on the last stage, broadcast along the pipeline
+        assert r["pp_to_pp1"]["val_metrics"][key] == pytest.approx(value, rel=1e-5), key
 
 
 def _load_broken_worker(path: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_megatron.protocols import optimizer_wrapper
@@ -95,12 +95,26 @@ class OptimizerParamSchedulerCallback(Callback):
                         f"set Trainer(max_steps=...) or {name}=..."
                     )
                 kwargs[name] = trainer.max_steps
+        if trainer.fast_dev_run and self.kwargs["lr_decay_steps"] is None:
+            kwargs["lr_decay_steps"] = self._fast_dev_run_horizon(trainer)
         self.scheduler = OptimizerParamScheduler(trainer.optimizers[0], **kwargs)
-        self._resolved = {name: trainer.max_steps for name in ("lr_decay_steps", "wd_incr_steps")
+        self._resolved = {name: kwargs[name] for name in ("lr_decay_steps", "wd_incr_steps")
                           if self.kwargs[name] is None}
         if self._pending_state is not None:
             self._load(self._pending_state)
             self._pending_state = None
+
+    def _fast_dev_run_horizon(self, trainer: pl.Trainer) -> int:
+        """``fast_dev_run``: Lightning sets ``max_steps`` to the few batches it runs, so ``lr_decay_steps=None``
+        (= max_steps) would end the decay before the warm-up. The horizon becomes ``lr_warmup_steps + max_steps``:
+        the steps run are the schedule's first ones (the warm-up from ``init_lr``, or ``max_lr`` at step 0),
+        as they are in the real run; nothing else of the schedule changes, and nothing is saved."""
+        horizon = max(trainer.max_steps, self.kwargs["lr_warmup_steps"] + trainer.max_steps)
+        if horizon != trainer.max_steps:
+            rank_zero_info(f"OptimizerParamSchedulerCallback: fast_dev_run runs {trainer.max_steps} step(s): "
+                           f"lr_decay_steps=null taken as lr_warmup_steps + {trainer.max_steps} = {horizon} "
+                           f"for this check run (the first steps of the schedule, as in the real run)")
+        return horizon
 
     def _load(self, state: dict[str, Any]) -> None:
         """Megatron's resume rule (see OptimizerParamScheduler.load_state_dict), with a warning on any difference."""

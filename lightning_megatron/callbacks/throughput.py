@@ -5,7 +5,9 @@ FLOPs per step: the module's own count when it implements
 :func:`~lightning_megatron.transformer.config.training_flops`), else ``6 N T`` with N the model's
 parameter count and T the tokens of the step (the first tensor of the batch, or ``batch["tokens"]``).
 Achieved TFLOP/s per device = FLOPs / step time / world size. MFU = achieved / peak; the peak is
-``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype.
+``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype
+(:func:`measure_matmul_tflops`: the smallest power-of-two size taking 20 ms, best of 5).
+``tokens_per_sec`` and ``mfu`` are shown on the progress bar.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_megatron.callbacks.summary import model_parameter_count
 from lightning_megatron.protocols import CountsFlops
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel.param_facts import is_counted
@@ -25,19 +28,31 @@ from lightning_megatron.tensor_parallel.param_facts import is_counted
 __all__ = ["ThroughputCallback", "measure_matmul_tflops"]
 
 
-def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats: int = 5) -> float:
-    """Measured TFLOP/s of an n x n x n matmul (the best of ``repeats``)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        _synchronize()
-        start = time.perf_counter()
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int | None = None, repeats: int = 5,
+                          *, min_seconds: float = 0.02, max_n: int = 8192) -> float:
+    """Measured TFLOP/s of a square n x n x n matmul (the best of ``repeats``).
+
+    ``n=None``: the smallest power of two from 256 whose matmul takes at least ``min_seconds`` (at most
+    ``max_n``): a rate near the device's dense peak whose cost is bounded by the size it stops at (8 x
+    ``min_seconds`` per matmul at most). A smaller matmul runs a little below the peak, so MFU errs high by
+    as much; pass ``peak_tflops`` to the callback for the datasheet value (and no measurement)."""
+    sizes = [n] if n is not None else [256 * 2**k for k in range(max(1, (max_n // 256).bit_length()))]
+    rate = 0.0
+    for size in sizes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
         torch.matmul(a, b)
-        _synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e12
+        best = float("inf")
+        for _ in range(repeats):
+            _synchronize()
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            _synchronize()
+            best = min(best, time.perf_counter() - start)
+        rate = 2 * size**3 / best / 1e12
+        if best >= min_seconds:
+            break
+    return rate
 
 
 def _synchronize() -> None:
@@ -68,20 +83,9 @@ class ThroughputCallback(Callback):
         return strategy.parallel_state.dp_size if isinstance(strategy, MegatronStrategy) else trainer.world_size
 
     def _model_params(self, trainer: Trainer, pl_module: LightningModule) -> int:
-        """Parameters of the whole model: the sum over the model-parallel ranks of the parameters each
-        counts (each replicated parameter once, as the gradient norm: ``param_facts.is_counted``)."""
+        """Parameters of the whole model (:func:`~lightning_megatron.callbacks.summary.model_parameter_count`)."""
         if self._params is None:
-            strategy = trainer.strategy
-            if not isinstance(strategy, MegatronStrategy):
-                self._params = sum(p.numel() for p in pl_module.parameters())
-                return self._params
-            ps = strategy.parallel_state
-            count = sum(p.numel() for p in pl_module.parameters() if is_counted(p, ps.tp_rank, ps.pp_rank))
-            if ps.mp_group is not None and dist.get_world_size(ps.mp_group) > 1:
-                t = torch.tensor([float(count)])
-                dist.all_reduce(t, group=ps.mp_group)
-                count = int(t.item())
-            self._params = count
+            self._params = model_parameter_count(trainer, pl_module)
         return self._params
 
     @override
@@ -108,7 +112,7 @@ class ThroughputCallback(Callback):
         else:
             flops = 6.0 * self._model_params(trainer, pl_module) * global_tokens
         tflops_per_device = flops / step_time / trainer.world_size / 1e12
-        pl_module.log("tokens_per_sec", global_tokens / step_time, on_step=True, rank_zero_only=True)
+        pl_module.log("tokens_per_sec", global_tokens / step_time, on_step=True, prog_bar=True, rank_zero_only=True)
         pl_module.log("tflops_per_device", tflops_per_device, on_step=True, rank_zero_only=True)
         if self.peak_tflops:
-            pl_module.log("mfu", tflops_per_device / self.peak_tflops, on_step=True, rank_zero_only=True)
+            pl_module.log("mfu", tflops_per_device / self.peak_tflops, on_step=True, prog_bar=True, rank_zero_only=True)

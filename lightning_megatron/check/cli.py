@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-grad-reduce", choices=("on", "off"), default=None,
                    help="with --estimate-time: DP reduction overlapped with the backward (default: the strategy's "
                         "default, on; off for --device this, whose CPU tuning reduces synchronously)")
+    p.add_argument("--overlap-param-gather", choices=("on", "off"), default="off",
+                   help="with --estimate-time: the ZeRO-1 parameter all-gather hidden behind the next forward "
+                        "(MegatronStrategy(overlap_param_gather=True); default off, as the strategy's)")
     p.add_argument("--gpus", type=int, default=None,
                    help="with --estimate-memory / --estimate-time: every layout of this many GPUs")
     p.add_argument("--gpu-memory", type=_bytes, default=None, help="with --gpus: memory per GPU, e.g. 80GB")

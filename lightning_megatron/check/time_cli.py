@@ -34,7 +34,8 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
     # shared-memory collectives.
     overlap = (not on_cpu) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
-    fw = Framework(overlap_grad_reduce=overlap, fused_attention=not m.unfused_attention)
+    fw = Framework(overlap_grad_reduce=overlap, overlap_param_gather=args.overlap_param_gather == "on",
+                   fused_attention=not m.unfused_attention)
     return dev, eff, fw
 
 

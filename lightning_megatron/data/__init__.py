@@ -1,5 +1,6 @@
 """Data, Megatron's way: WordPiece tokenizer, built-in corpus, memory-mapped indexed dataset,
-BERT samples with MLM + sentence-order masking, consumed-samples samplers and a LightningDataModule.
+BERT samples with MLM + sentence-order masking, consumed-samples samplers and a LightningDataModule;
+``LabelledTextDataModule`` for fine-tuning on labelled text (JSONL/CSV/datasets).
 
 See ``docs/data.md``. The Lightning-free parts import without Lightning; :class:`BertDataModule`
 is loaded on first access.
@@ -32,6 +33,7 @@ from lightning_megatron.data.tokenizer import (
 
 if TYPE_CHECKING:
     from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.data.labelled_text import LabelledTextDataModule
 
 __all__ = [
     "BertDataModule",
@@ -43,6 +45,7 @@ __all__ = [
     "DatasetVocab",
     "IndexedDataset",
     "IndexedDatasetBuilder",
+    "LabelledTextDataModule",
     "MegatronPretrainingRandomSampler",
     "MegatronPretrainingSampler",
     "PreprocessStats",
@@ -71,4 +74,8 @@ def __getattr__(name: str) -> Any:
         from lightning_megatron.data.datamodule import BertDataModule
 
         return BertDataModule
+    if name == "LabelledTextDataModule":
+        from lightning_megatron.data.labelled_text import LabelledTextDataModule
+
+        return LabelledTextDataModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

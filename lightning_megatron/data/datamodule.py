@@ -24,13 +24,17 @@ from typing_extensions import override
 from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_
 from lightning_megatron.data.blended import BlendedDataset, blend_num_samples, parse_data_prefix
 from lightning_megatron.data.corpus import default_corpus_fingerprint
-from lightning_megatron.data.dataset_vocab import check_dataset_vocab, vocab_sidecar_path
+from lightning_megatron.data.dataset_vocab import check_dataset_vocab, read_dataset_vocab, vocab_sidecar_path
 from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
 from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from lightning_megatron.data.tokenizer import BertTokenizer, default_cache_dir, default_vocab_file, file_lock
 
-__all__ = ["BertDataModule", "MegatronDataLoader", "default_num_workers"]
+__all__ = ["BertDataModule", "MegatronDataLoader", "NO_PADDING", "default_num_workers"]
+
+NO_PADDING = "no_padding"
+"""Batch key set on the host by :meth:`BertDataModule.on_before_batch_transfer`: True when no sample of
+the batch is padded, so that the model skips the attention mask without a device -> host sync."""
 
 
 def default_num_workers(processes_per_node: int = 1) -> int:
@@ -66,9 +70,10 @@ class BertDataModule(pl.LightningDataModule):
             (Megatron's blending, :mod:`~lightning_megatron.data.blended`; each prefix is split into
             train/valid/test by ``splits`` on its own); ``None``: the built-in corpus, preprocessed
             once and cached under ``cache_dir``.
-        vocab_file: WordPiece ``vocab.txt``; ``None``: the default vocabulary (see
-            :func:`~lightning_megatron.data.tokenizer.default_vocab_file`). Must be the vocabulary the
-            dataset was preprocessed with.
+        vocab_file: WordPiece ``vocab.txt`` or ``tokenizer.json``; ``None``: the vocabulary the dataset
+            was preprocessed with, as its ``<prefix>.vocab.json`` records it (the default vocabulary
+            for the built-in corpus, :func:`~lightning_megatron.data.tokenizer.default_vocab_file`).
+            Must be the vocabulary the dataset was preprocessed with.
         max_seq_length: tokens per sample, ``[CLS] A [SEP] B [SEP]`` plus padding.
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         micro_batch_size: samples per forward/backward pass on one rank.
@@ -153,9 +158,24 @@ class BertDataModule(pl.LightningDataModule):
     @property
     def tokenizer(self) -> BertTokenizer:
         if self._tokenizer is None:
-            vocab = self.vocab_file if self.vocab_file is not None else default_vocab_file(self.cache_dir)
-            self._tokenizer = BertTokenizer(vocab)
+            vocab, lowercase = self.vocab_file, None
+            if vocab is None and self.data_prefix is not None:
+                vocab, lowercase = self._recorded_vocab()
+            self._tokenizer = BertTokenizer(vocab if vocab is not None else default_vocab_file(self.cache_dir),
+                                            lowercase=lowercase)
         return self._tokenizer
+
+    def _recorded_vocab(self) -> tuple[str | None, bool | None]:
+        """The vocabulary (and lowercasing) the first dataset's ``.vocab.json`` records, if it does."""
+        prefix = self._blend()[1][0]
+        record = read_dataset_vocab(prefix)
+        if record is None or record.vocab_file is None:
+            return None, None
+        if not Path(record.vocab_file).is_file():
+            raise FileNotFoundError(f"dataset {str(prefix)!r} was tokenized with {record.vocab_file!r} (its "
+                                    f"{vocab_sidecar_path(prefix).name} says), which does not exist here: pass "
+                                    f"that vocabulary as data.vocab_file")
+        return record.vocab_file, record.lowercase
 
     @property
     def vocab_size(self) -> int:
@@ -384,6 +404,15 @@ class BertDataModule(pl.LightningDataModule):
                                       data_parallel_size=dp_size,
                                       local_batch_size=self.micro_batch_size * self.num_microbatches(dp_size))
         return self._loader(IndexedSamples(dataset), sampler)
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # On the host, before the batch moves to the device: does any sample have padding? Answered here
+        # (the data's hook, not the model's: Lightning warns when a model hook meets a datamodule), the
+        # forward needs no device -> host sync to skip the attention mask.
+        if isinstance(batch, dict) and "attention_mask" in batch:
+            batch = {**batch, NO_PADDING: bool(batch["attention_mask"].all())}
+        return batch
 
     # --- checkpointing ----------------------------------------------------------------------------
 

@@ -50,6 +50,11 @@ class DatasetVocab:
     """Token ids in the dataset."""
     num_documents: int
     """Documents in the dataset."""
+    vocab_file: str | None = None
+    """Absolute path of the vocabulary (``vocab.txt`` / ``tokenizer.json``) it was tokenized with: the
+    datamodule's vocabulary when its ``vocab_file`` is left null (None in records written before)."""
+    lowercase: bool | None = None
+    """Whether the text was lowercased before WordPiece."""
 
 
 def vocab_sidecar_path(prefix: str | os.PathLike[str]) -> Path:
@@ -73,7 +78,8 @@ def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer
         max_token_id = _max_token_id(dataset)
     record = DatasetVocab(vocab_size=tokenizer.vocab_size, vocab_sha256=vocab_sha256(tokenizer),
                           max_token_id=int(max_token_id), num_tokens=dataset.num_tokens,
-                          num_documents=dataset.num_documents)
+                          num_documents=dataset.num_documents, vocab_file=str(Path(tokenizer.vocab_file).resolve()),
+                          lowercase=tokenizer.lowercase)
     path = vocab_sidecar_path(prefix)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
@@ -97,7 +103,8 @@ def read_dataset_vocab(prefix: str | os.PathLike[str]) -> DatasetVocab | None:
         return None
     try:
         raw = json.loads(path.read_text())
-        return DatasetVocab(**{k: raw[k] for k in DatasetVocab.__dataclass_fields__})
+        optional = ("vocab_file", "lowercase")  # absent from records written before they existed
+        return DatasetVocab(**{k: raw[k] if k not in optional else raw.get(k) for k in DatasetVocab.__dataclass_fields__})
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{str(path)!r} is not a valid dataset vocabulary record ({error}); rewrite it with "
                          f"lightning_megatron.data.write_dataset_vocab(prefix, tokenizer)") from None

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,22 +58,22 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
 
 
 class BertTokenizer:
-    """WordPiece tokenizer from a BERT ``vocab.txt`` (one piece per line, id = line number).
+    """WordPiece tokenizer from a BERT ``vocab.txt`` (one piece per line, id = line number), a Hugging
+    Face ``tokenizer.json`` (a WordPiece model), or a folder holding either (``tokenizer.json`` first).
 
     Args:
-        vocab_file: path of ``vocab.txt``; ``None`` means :func:`default_vocab_file`.
-        lowercase: lowercase and strip accents before WordPiece (uncased BERT vocabularies).
+        vocab_file: that file or folder; ``None`` means :func:`default_vocab_file`.
+        lowercase: lowercase and strip accents before WordPiece (uncased vocabularies). ``None``: as
+            the vocabulary says: ``do_lower_case`` of a ``tokenizer_config.json`` beside it, else the
+            normalizer of a ``tokenizer.json``, else whether the vocabulary has no upper-case piece
+            (a cased vocabulary, such as bert-base-cased's, is never lowercased behind your back).
     """
 
-    def __init__(self, vocab_file: str | os.PathLike[str] | None = None, *, lowercase: bool = True) -> None:
-        from tokenizers import BertWordPieceTokenizer
-
-        self.vocab_file = Path(vocab_file) if vocab_file is not None else default_vocab_file()
-        if not self.vocab_file.is_file():
-            raise FileNotFoundError(f"vocab_file {str(self.vocab_file)!r} does not exist")
+    def __init__(self, vocab_file: str | os.PathLike[str] | None = None, *, lowercase: bool | None = None) -> None:
+        self.vocab_file = _vocabulary_path(Path(vocab_file) if vocab_file is not None else default_vocab_file())
         _require_utf8(self.vocab_file)
-        self.lowercase = lowercase
-        self._tokenizer = BertWordPieceTokenizer(str(self.vocab_file), lowercase=lowercase)
+        self._lowercase_arg = lowercase
+        self._tokenizer, self.lowercase = _load_wordpiece(self.vocab_file, lowercase)
         vocab = self._tokenizer.get_vocab()
         self.inv_vocab: list[str] = [""] * len(vocab)
         for token, index in vocab.items():
@@ -93,10 +95,8 @@ class BertTokenizer:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        from tokenizers import BertWordPieceTokenizer
-
         self.__dict__.update(state)
-        self._tokenizer = BertWordPieceTokenizer(str(self.vocab_file), lowercase=self.lowercase)
+        self._tokenizer, _ = _load_wordpiece(self.vocab_file, self._lowercase_arg)
 
     @property
     def vocab_size(self) -> int:
@@ -152,6 +152,60 @@ def _require_utf8(path: Path) -> None:
                          f"-t UTF-8) or pass the vocabulary the model was trained with") from None
 
 
+def _vocabulary_path(path: Path) -> Path:
+    """``vocab.txt`` / ``tokenizer.json`` as given, or the one in a folder (``tokenizer.json`` first)."""
+    if path.is_dir():
+        for name in ("tokenizer.json", "vocab.txt"):
+            if (path / name).is_file():
+                return path / name
+        raise FileNotFoundError(f"vocab_file {str(path)!r} is a folder without tokenizer.json or vocab.txt")
+    if not path.is_file():
+        raise FileNotFoundError(f"vocab_file {str(path)!r} does not exist")
+    return path
+
+
+def _config_lowercase(path: Path) -> bool | None:
+    """``do_lower_case`` of a ``tokenizer_config.json`` beside the vocabulary, if it says."""
+    import json
+
+    config = path.parent / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("do_lower_case")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
+def _load_wordpiece(path: Path, lowercase: bool | None) -> tuple[Any, bool]:
+    """The ``tokenizers`` tokenizer of ``path`` and whether it lowercases (see :class:`BertTokenizer`)."""
+    import json
+
+    from tokenizers import Tokenizer, normalizers
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    if lowercase is None:
+        lowercase = _config_lowercase(path)
+    if path.suffix == ".json":
+        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer.no_padding()  # ours pads and truncates itself
+        tokenizer.no_truncation()
+        if type(tokenizer.model).__name__ != "WordPiece":
+            raise ValueError(f"{str(path)!r} holds a {type(tokenizer.model).__name__} tokenizer; BERT needs WordPiece")
+        if lowercase is None:
+            spec = json.dumps(json.loads(path.read_text(encoding="utf-8")).get("normalizer"))
+            lowercase = '"lowercase": true' in spec or '"type": "Lowercase"' in spec
+        else:  # an explicit choice replaces the file's normalizer
+            tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        return tokenizer, lowercase
+    if lowercase is None:
+        with path.open(encoding="utf-8") as fh:
+            # A cased vocabulary (bert-base-cased: ~5,000 pieces) has pieces with A-Z; an uncased one none.
+            lowercase = not any(re.search("[A-Z]", line) for line in fh if not line.startswith("["))
+    return BertWordPieceTokenizer(str(path), lowercase=lowercase), lowercase
+
+
 def train_wordpiece_tokenizer(files: Sequence[str | os.PathLike[str]] | None, vocab_size: int,
                               output_dir: str | os.PathLike[str], *, lowercase: bool = True,
                               min_frequency: int = 2, json_key: str = "text") -> Path:
@@ -159,18 +213,27 @@ def train_wordpiece_tokenizer(files: Sequence[str | os.PathLike[str]] | None, vo
     them; ``None``: the built-in corpus) and write ``output_dir/vocab.txt`` atomically.
 
     Returns the path of ``vocab.txt``. The special tokens of :data:`SPECIAL_TOKENS` come first.
+    Inputs that hold no text (say, JSON lines without ``json_key``) raise :class:`ValueError` and
+    write nothing.
     """
     from tokenizers import BertWordPieceTokenizer
 
-    from lightning_megatron.data.corpus import read_documents
+    from lightning_megatron.data.corpus import CorpusStats, read_documents
 
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size={vocab_size} is too small; use at least a few hundred pieces")
-    documents = read_documents(files, json_key=json_key)  # missing files fail here
+    stats = CorpusStats()
+    documents = read_documents(files, stats, json_key=json_key)  # missing files fail here
     tokenizer = BertWordPieceTokenizer(lowercase=lowercase)
     tokenizer.train_from_iterator((s for doc in documents for s in doc), vocab_size=vocab_size,
                                   min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
                                   show_progress=False)
+    if stats.documents == 0:
+        names = "the built-in corpus" if files is None else [os.fspath(f) for f in files][:5]
+        raise ValueError(f"no text to train a vocabulary on in {names}: {stats.files} files read, "
+                         f"{stats.empty_files} empty, {stats.bad_json_lines} JSON lines without a string under "
+                         f"json_key={json_key!r}, {stats.empty_documents} empty documents; nothing was written "
+                         f"(pass --json-key with the field that holds the text)")
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output) as tmp:

@@ -7,8 +7,13 @@ pooled first token. It keeps the strategy protocol (``forward_step``, ``pipeline
 unchanged; ``init_from`` loads a pretrained encoder (and pooler) from any source the pretraining
 module reads, leaving the classifier at its seeded initialization.
 
+``num_classes=1`` is regression (one output, mean-squared error), as transformers' ``num_labels=1``.
+
 Batches: ``tokens`` [b, s], ``attention_mask`` [b, s] (1 = real token), optional ``token_types``,
-and ``labels`` [b] (class ids). Logged: ``loss`` and ``accuracy`` (means over the global batch).
+and ``labels`` [b] (class ids; float values for regression). Logged: ``loss`` (and, when
+training, the batch ``accuracy``) per step; validation/test log the torchmetrics of the whole split
+(:mod:`~lightning_megatron.models.bert.metrics`: accuracy, F1, Matthews correlation; Pearson,
+Spearman and MSE for regression), synchronised over the data-parallel group.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightning_megatron.models.bert.metrics import eval_stage, finetune_metrics, update_stage
 from lightning_megatron.models.bert.model import BertModel
 from lightning_megatron.models.bert.module import BertLightningModule
 from lightning_megatron.tensor_parallel import init_method_normal, mark_replicated, param_facts
@@ -32,15 +38,16 @@ class BertClassificationModule(BertLightningModule):
     """BERT sequence classification (fine-tuning), any layout.
 
     Args:
-        num_classes: number of labels.
+        num_classes: number of labels; 1: regression (one output, mean-squared error). The
+            ``finetune`` CLI takes it from the datamodule (``data.num_classes``).
         classifier_dropout: dropout on the pooled representation before the classifier.
         Others: as :class:`BertLightningModule` (``init_from`` points at the pretrained model; its
             pooler is used when it has one, ``add_binary_head`` must stay True for the pooler).
     """
 
     def __init__(self, *, num_classes: int = 2, classifier_dropout: float = 0.1, **kwargs: Any) -> None:
-        if num_classes < 2:
-            raise ValueError(f"num_classes={num_classes} must be >= 2")
+        if num_classes < 1:
+            raise ValueError(f"num_classes={num_classes} must be >= 2 for classification, or 1 for regression")
         if not kwargs.get("add_binary_head", True):
             raise ValueError("BertClassificationModule pools with the pretraining pooler: keep add_binary_head=True")
         super().__init__(**kwargs)
@@ -65,6 +72,7 @@ class BertClassificationModule(BertLightningModule):
                 nn.init.zeros_(last.classifier.bias.data)
             mark_replicated(last.classifier.parameters())  # replicated across TP, like the pooler
             last.classifier_dropout = nn.Dropout(self.hparams.classifier_dropout)
+        self.eval_metrics = finetune_metrics(self.hparams.num_classes, self.parallel_state)
         if init_from:
             self.load_pretrained(init_from)
 
@@ -86,18 +94,33 @@ class BertClassificationModule(BertLightningModule):
             return chunk(tokens, mask, batch.get("token_types")), None
         hidden = chunk(tokens, mask, batch.get("token_types"), return_hidden_states=True)  # [s, b, h]
         logits = self._classify(chunk, hidden)
+        trainer = self._trainer
+        if trainer is not None and trainer.predicting:
+            preds = self._predictions(logits.detach())
+            return logits, lambda output: (torch.zeros((), device=tokens.device), {"predictions": preds})
         labels = batch["labels"].view(-1)
-        loss = F.cross_entropy(logits.float(), labels)
-        with torch.no_grad():
-            accuracy = (logits.argmax(-1) == labels).float().mean()
+        stage = eval_stage(self)
+        if self.hparams.num_classes == 1:
+            values = logits.float().view(-1)
+            loss = F.mse_loss(values, labels.float())
+            with torch.no_grad():
+                update_stage(self.eval_metrics, stage, values.detach().double(), labels.double())
+            stats = {}
+        else:
+            loss = F.cross_entropy(logits.float(), labels)
+            with torch.no_grad():
+                preds = logits.argmax(-1)
+                update_stage(self.eval_metrics, stage, preds, labels)
+                stats = {} if stage else {"accuracy": (preds == labels).float().mean()}
 
         def loss_func(output: torch.Tensor):
-            return output, {"loss": output.detach(), "accuracy": accuracy}
+            return output, {"loss": output.detach(), **stats}
 
-        if self._trainer is not None and self.trainer.predicting:
-            preds = logits.detach().argmax(-1)
-            return loss, lambda output: (torch.zeros((), device=tokens.device), {"predictions": preds})
         return loss, loss_func
+
+    def _predictions(self, logits: torch.Tensor) -> torch.Tensor:
+        """Class ids, or the predicted values for regression."""
+        return logits.float().view(-1) if self.hparams.num_classes == 1 else logits.argmax(-1)
 
     def _classify(self, chunk: BertModel, hidden: torch.Tensor) -> torch.Tensor:
         pooled = torch.tanh(chunk.pooler.dense(hidden[0]))  # hidden is the full sequence here
@@ -107,4 +130,4 @@ class BertClassificationModule(BertLightningModule):
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         chunk = self.model_chunks[0]
         hidden = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"), return_hidden_states=True)
-        return self._classify(chunk, hidden).argmax(-1)
+        return self._predictions(self._classify(chunk, hidden))

@@ -12,12 +12,10 @@ import ast
 import random
 import sysconfig
 from pathlib import Path
-from typing import Any
 
-import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
+
+from lightning_megatron.data.labelled_text import FinetuneDataModule, Row
 
 __all__ = ["DEFAULT_PACKAGES", "stdlib_docstrings", "StdlibDocstringDataModule"]
 
@@ -49,18 +47,7 @@ def stdlib_docstrings(packages: tuple[str, ...] | list[str] = DEFAULT_PACKAGES, 
     return out
 
 
-class _Encoded(torch.utils.data.Dataset):
-    def __init__(self, rows: list[dict[str, torch.Tensor]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return self.rows[i]
-
-
-class StdlibDocstringDataModule(LightningDataModule):
+class StdlibDocstringDataModule(FinetuneDataModule):
     """Docstring -> standard-library package classification, sharded over data-parallel ranks.
 
     Args:
@@ -71,56 +58,24 @@ class StdlibDocstringDataModule(LightningDataModule):
         max_seq_length: tokens per sample ([CLS] text [SEP], truncated, padded).
         global_batch_size / micro_batch_size: as :class:`~lightning_megatron.data.BertDataModule`.
         seed: sampling, split and shuffling seed.
+        lowercase: as :class:`~lightning_megatron.data.labelled_text.LabelledTextDataModule`.
     """
 
     def __init__(self, vocab_file: str | None = None, *, packages: list[str] | None = None,
                  samples_per_class: int = 300, val_fraction: float = 0.2, max_seq_length: int = 64,
-                 global_batch_size: int = 32, micro_batch_size: int = 16, seed: int = 1234) -> None:
-        super().__init__()
-        if global_batch_size % micro_batch_size:
-            raise ValueError(f"global_batch_size={global_batch_size} must be a multiple of "
-                             f"micro_batch_size={micro_batch_size}")
+                 global_batch_size: int = 32, micro_batch_size: int = 16, seed: int = 1234,
+                 lowercase: bool | None = None) -> None:
+        super().__init__(vocab_file=vocab_file, lowercase=lowercase, max_seq_length=max_seq_length,
+                         global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed)
         self.save_hyperparameters()
-        self.vocab_file = vocab_file
         self.packages = tuple(packages or DEFAULT_PACKAGES)
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.train_dataset: _Encoded | None = None
-        self.val_dataset: _Encoded | None = None
 
     @property
     def num_classes(self) -> int:
         return len(self.packages)
 
-    @property
-    def tokenizer(self):
-        if getattr(self, "_tokenizer", None) is None:
-            from lightning_megatron.data.tokenizer import BertTokenizer, default_vocab_file
-
-            self._tokenizer = BertTokenizer(self.vocab_file or default_vocab_file())
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        """Pieces in the vocabulary (the model reads it when its ``vocab_size`` is None)."""
-        return self.tokenizer.vocab_size
-
-    def _encode(self, texts: list[tuple[str, int]]) -> _Encoded:
-        tok = self.tokenizer
-        s = self.hparams.max_seq_length
-        rows = []
-        for text, label in texts:
-            ids = [tok.cls] + tok.tokenize(text)[: s - 2] + [tok.sep]
-            tokens = torch.full((s,), tok.pad, dtype=torch.long)
-            tokens[: len(ids)] = torch.tensor(ids)
-            mask = (torch.arange(s) < len(ids)).long()
-            rows.append({"tokens": tokens, "attention_mask": mask, "token_types": torch.zeros(s, dtype=torch.long),
-                         "labels": torch.tensor(label)})
-        return _Encoded(rows)
-
     @override
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is not None:
-            return
+    def read_splits(self) -> dict[str, list[Row]]:
         rng = random.Random(self.hparams.seed)
         by_class: dict[int, list[tuple[str, int]]] = {}
         for text, label in stdlib_docstrings(self.packages):
@@ -131,41 +86,7 @@ class StdlibDocstringDataModule(LightningDataModule):
             rng.shuffle(rows)
             rows = rows[: self.hparams.samples_per_class]
             n_val = max(1, int(len(rows) * self.hparams.val_fraction))
-            val += rows[:n_val]
-            train += rows[n_val:]
+            val += [(text, None, label) for text, label in rows[:n_val]]
+            train += [(text, None, label) for text, label in rows[n_val:]]
         rng.shuffle(train)
-        self.train_dataset, self.val_dataset = self._encode(train), self._encode(val)
-
-    def _dp(self) -> tuple[int, int]:
-        """(rank, size) of this process's data-parallel group: the MegatronStrategy's, else (0, 1)."""
-        from lightning_megatron.strategy import MegatronStrategy
-
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        if isinstance(strategy, MegatronStrategy) and strategy.parallel_state is not None:
-            return strategy.parallel_state.dp_rank, strategy.parallel_state.dp_size
-        return 0, 1
-
-    def _loader(self, dataset: _Encoded, shuffle: bool) -> DataLoader:
-        rank, size = self._dp()
-        sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle,
-                                     seed=self.hparams.seed, drop_last=True)
-        return DataLoader(dataset, batch_size=self.global_batch_size // size, sampler=sampler, drop_last=True)
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, shuffle=True)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, shuffle=False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, shuffle=False)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, shuffle=False)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"train": train, "validation": val}

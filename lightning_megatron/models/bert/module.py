@@ -25,7 +25,10 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
+from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
 from lightning_megatron.models.bert.convert import SavedModel
+from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
+from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
 from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.optimizer.param_groups import get_param_groups
@@ -35,8 +38,6 @@ from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import set_param_facts, vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
 
-NO_PADDING = "no_padding"
-"""Batch key set on the host by :meth:`BertLightningModule.on_before_batch_transfer`: True when no sample is padded."""
 
 __all__ = ["BertLightningModule", "vocab_parallel_argmax"]
 
@@ -213,6 +214,7 @@ class BertLightningModule(LightningModule):
                 chunk.compile_layers()
             chunks.append(chunk)
         self.model_chunks = nn.ModuleList(chunks)
+        self.eval_metrics = pretraining_metrics(self.vocab_size, ps)  # val/test: whole split, over DP
         if hp.get("init_from"):
             self.load_pretrained(hp.init_from)
 
@@ -327,14 +329,6 @@ class BertLightningModule(LightningModule):
 
     # ------------------------------------------------------------------ steps
 
-    @override
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # On the host, before the batch moves to the device: does any sample have padding? Answered
-        # here, the forward needs no device -> host sync to skip the attention mask.
-        if isinstance(batch, dict) and torch.is_tensor(batch.get("attention_mask")):
-            batch = {**batch, NO_PADDING: bool(batch["attention_mask"].all())}
-        return batch
-
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):
         """Megatron's forward-step: run ``chunk``; on the last chunk return the loss function too.
 
@@ -360,15 +354,28 @@ class BertLightningModule(LightningModule):
             preds = vocab_parallel_argmax(lm_logits, tp_group, self.vocab_size)
             masked = loss_mask > 0
             target = labels.masked_fill(~masked, -100)
-            # tensor ops only (no host sync): correct masked predictions / masked tokens
             num_masked = masked.sum()
-            stats["mlm_accuracy"] = ((preds == target) & masked).sum().float() / num_masked.clamp(min=1).float()
+            stage = _eval_stage(self)
+            if stage:  # whole-split metrics (torchmetrics), logged at the end of the epoch
+                metrics = on_device(self.eval_metrics[stage], preds.device)
+                metrics["mlm_accuracy"].update(preds, target)
+                metrics["perplexity"].update(stats["lm_loss"].detach().float(), num_masked)
+            else:  # this step's: tensor ops only (no host sync), correct masked predictions / masked tokens
+                stats["mlm_accuracy"] = ((preds == target) & masked).sum().float() / num_masked.clamp(min=1).float()
             stats["num_masked_tokens"] = num_masked.float()
 
         def loss_func(output: torch.Tensor):
             return output, {"loss": output.detach(), **stats}
 
         return total, loss_func
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        log_epoch_metrics(self, self.eval_metrics["val"], "val", self.parallel_state, self.model_chunks[-1].post_process)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        log_epoch_metrics(self, self.eval_metrics["test"], "test", self.parallel_state, self.model_chunks[-1].post_process)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

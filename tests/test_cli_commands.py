@@ -1,0 +1,138 @@
+"""The small commands of ``lightning-megatron`` through its entry point (``lightning_megatron.cli.main``,
+what the console script calls): train-tokenizer, plot, and the checks of the data before launch."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from lightning_megatron.cli import main
+
+
+def _jsonl(path, key: str, texts: list[str]) -> str:
+    path.write_text("".join(json.dumps({key: t}) + "\n" for t in texts))
+    return str(path)
+
+
+TEXTS = [f"Document number {i} talks about tokenizers. It has a second sentence about {w}."
+         for i, w in enumerate(["apples", "pears", "plums", "cherries", "grapes", "lemons"] * 5)]
+
+
+def test_train_tokenizer_json_key_and_empty_input(tmp_path, capsys):
+    body = _jsonl(tmp_path / "body.jsonl", "body", TEXTS)
+    main(["train-tokenizer", "--input", body, "--json-key", "body", "--vocab-size", "200",
+          "--output-dir", str(tmp_path / "tok")])
+    vocab = (tmp_path / "tok" / "vocab.txt").read_text().split("\n")
+    assert {"tokenizers", "apples", "[MASK]"} <= set(vocab) and len(vocab) > 50, vocab[:20]
+    # Text under another key than --json-key: no text at all, refused, nothing written
+    with pytest.raises(SystemExit) as e:
+        main(["train-tokenizer", "--input", body, "--vocab-size", "200", "--output-dir", str(tmp_path / "empty")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no text to train a vocabulary on" in err and "json_key='text'" in err, err
+    assert "--json-key" in err and not (tmp_path / "empty" / "vocab.txt").exists()
+
+
+def test_fit_refuses_missing_or_foreign_data_before_launch(tmp_path, monkeypatch):
+    """A data_prefix without its .bin/.idx, one given with its extension, or a dataset tokenized with
+    another vocabulary than data.vocab_file: `fit` exits before building the Trainer, listing each."""
+    from pathlib import Path
+
+    from lightning_megatron.data.preprocess import preprocess_corpus
+    from lightning_megatron.data.tokenizer import BertTokenizer, train_wordpiece_tokenizer
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])  # as the console script, with argv passed in
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(TEXTS))
+    own_vocab = train_wordpiece_tokenizer([text], 200, tmp_path / "tok")
+    preprocess_corpus([text], tmp_path / "own", BertTokenizer(own_vocab), max_seq_length=64, progress=False)
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml")
+    blend = f"[0.4, {tmp_path / 'nope'}, 0.3, {tmp_path / 'own.bin'}, 0.3, {tmp_path / 'own'}]"
+    with pytest.raises(SystemExit) as e:  # the packaged vocabulary (vocab_file null) is not the dataset's
+        main(["fit", "--config", recipe, "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size",
+              "1", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
+              "--data.data_prefix", blend])
+    message = str(e.value.code)
+    assert "found before launching any process" in message, message
+    assert f"{tmp_path / 'nope'}.bin" in message and "lightning-megatron preprocess" in message, message
+    assert f"the prefix is the path without .bin: data_prefix={str(tmp_path / 'own')!r}" in message, message
+    assert "was tokenized with another vocabulary" in message and "vocab_size=30522" in message, message
+
+
+def test_fit_fast_dev_run(tmp_path):
+    """`fit --trainer.fast_dev_run true` with the recipe's 30 warm-up steps and lr_decay_steps null:
+    one training step and one validation batch run (Lightning's meaning), nothing is saved."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml")
+    cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", recipe, "--trainer.fast_dev_run", "true",
+           "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
+           "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
+           "--model.num_layers", "1", "--model.hidden_size", "32", "--model.num_attention_heads", "2",
+           "--model.ffn_hidden_size", "64", "--data.global_batch_size", "2", "--data.micro_batch_size", "2",
+           "--data.max_seq_length", "32", "--model.max_sequence_length", "32"]
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "lr_decay_steps=null taken as lr_warmup_steps + 1 = 31" in out, out[-3000:]
+    assert "fast_dev_run: every step, validation and test ran once on 1 batch(es); nothing was logged or saved" in out
+    # warning noise the package caused itself: a model data hook next to a datamodule
+    assert "on_before_batch_transfer" not in out, out[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_plot_joins_resumes_names_runs_and_draws_validation(tmp_path, capsys):
+    """Two runs whose folders share a name; the first resumed (version_1 repeats steps 6-9 after its
+    step-5 checkpoint), with one validation point: one joined line per run, told apart in the legend."""
+    from lightning_megatron.plot import _labels, read_run
+
+    def write(folder, version, steps, scale, val_steps=()):
+        d = folder / "csv" / f"version_{version}"
+        d.mkdir(parents=True)
+        rows = ["epoch,step,loss,train_lm_loss,val_lm_loss"]
+        rows += [f"0,{s},{scale * (12 - s * 0.3)},{scale * (10 - s * 0.3)}," for s in steps]
+        rows += [f"0,{s},,,{scale * (9.5 - s * 0.3)}" for s in val_steps]
+        (d / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+    a, b = tmp_path / "x" / "run", tmp_path / "y" / "run"
+    write(a, 0, range(0, 10), 1.0, val_steps=[4])
+    write(a, 1, range(6, 15), 1.01)  # the resume from step 5 repeats 6..9: its values win
+    write(b, 0, range(0, 12), 0.9)
+    joined = read_run(a)
+    assert [s for s, _ in joined["train_lm_loss"]] == list(range(15))
+    assert dict(joined["train_lm_loss"])[7] == 1.01 * (10 - 7 * 0.3) and dict(joined["train_lm_loss"])[5] == 10 - 1.5
+    assert joined["val_lm_loss"] == [(4, 9.5 - 1.2)]  # (a validation at step >= 6 would be replaced too)
+    assert _labels([a, b]) == ["x/run", "y/run"]
+    main(["plot", str(a), str(b), "--output", str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path / "empty"), "--output", str(tmp_path / "none.png")])
+    assert "no metrics.csv" in capsys.readouterr().err
+
+
+def test_run_summary_prints_every_metric_and_the_throughput(tmp_path):
+    """The end-of-run summary lists whatever the run logged (a fine-tuning run's metrics too) and the
+    median tokens/s and MFU (the first step, which includes warm-up, left out)."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.callbacks.summary import run_summary
+
+    (tmp_path / "metrics.csv").write_text(
+        "epoch,step,loss,val_accuracy,val_matthews_corrcoef,tokens_per_sec,mfu\n"
+        "0,0,0.70,,,10.0,0.01\n0,1,0.60,,,200.0,0.20\n0,2,0.50,,,220.0,0.22\n0,3,0.40,,,210.0,0.21\n"
+        "0,3,,0.75,0.41,,\n")
+
+    class CSVLogger(SimpleNamespace):
+        pass
+
+    trainer = SimpleNamespace(fast_dev_run=False, loggers=[CSVLogger(log_dir=str(tmp_path))], checkpoint_callbacks=[])
+    text = run_summary(trainer)
+    assert "val_accuracy" in text and "0.7500" in text and "val_matthews_corrcoef" in text, text
+    assert "loss                     step     0:     0.7000   ->   step     3:     0.4000" in text, text
+    assert "tokens_per_sec           median over steps 0-3: 210" in text and "mfu" in text and "0.21" in text, text

@@ -1,0 +1,69 @@
+"""Where the tokenizer's vocabulary comes from: cased vocabularies are not lowercased, a Hugging Face
+``tokenizer.json`` (or a folder) works, ``do_lower_case`` of ``tokenizer_config.json`` is read, and
+pretraining data records its vocabulary in ``<prefix>.vocab.json``, which the datamodule uses when
+``vocab_file`` is left null."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_megatron.data.tokenizer import BertTokenizer
+
+
+def test_cased_vocabulary_tokenizer_json_and_config(tmp_path):
+    """A cased vocabulary is not lowercased (before: "Paris" became [UNK] or "paris"); a tokenizer.json
+    and a tokenizer_config.json's do_lower_case are read; ids equal transformers' tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import BertWordPieceTokenizer
+
+    pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Paris", "paris", "is", "in", "France", "france",
+              "The", "the", "city", "##s", ".", ","]
+    (tmp_path / "cased").mkdir()
+    vocab = tmp_path / "cased" / "vocab.txt"
+    vocab.write_text("\n".join(pieces) + "\n")
+    text = "The city Paris is in France."
+    cased = BertTokenizer(vocab)
+    assert cased.lowercase is False
+    expected = transformers.BertTokenizerFast(str(vocab), do_lower_case=False)(text, add_special_tokens=False)
+    assert cased.tokenize(text) == expected["input_ids"] == [11, 13, 5, 7, 8, 9, 15]
+    assert BertTokenizer(vocab, lowercase=True).tokenize(text) == [12, 13, 6, 7, 8, 10, 15]  # explicit wins
+    # A Hugging Face tokenizer.json (WordPiece), read with its own normalizer; the folder finds it.
+    BertWordPieceTokenizer(str(vocab), lowercase=False).save(str(tmp_path / "cased" / "tokenizer.json"))
+    from_json = BertTokenizer(tmp_path / "cased")
+    assert from_json.vocab_file.name == "tokenizer.json" and from_json.lowercase is False
+    assert from_json.tokenize(text) == cased.tokenize(text) and from_json.vocab_size == len(pieces)
+    # do_lower_case of tokenizer_config.json beside the vocabulary decides when no option is given.
+    (tmp_path / "cased" / "tokenizer_config.json").write_text('{"do_lower_case": true}')
+    assert BertTokenizer(vocab).lowercase is True
+    assert BertTokenizer().lowercase is True  # the packaged uncased vocabulary
+
+
+TEXT = """Paris is the capital of France. The Seine flows through Paris.
+
+Berlin is the capital of Germany. The Spree flows through Berlin.
+"""
+
+
+def test_dataset_records_its_vocabulary_and_the_datamodule_uses_it(tmp_path):
+    from lightning_megatron.cli import main
+    from lightning_megatron.data import check_dataset_vocab, read_dataset_vocab, train_wordpiece_tokenizer
+    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.data.indexed_dataset import IndexedDataset
+
+    (tmp_path / "corpus.txt").write_text(TEXT * 20)
+    vocab = train_wordpiece_tokenizer([tmp_path / "corpus.txt"], 120, tmp_path / "tok", lowercase=False)
+    main(["preprocess", "--input", str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "data"),
+          "--vocab-file", str(vocab), "--no-progress"])
+    record = read_dataset_vocab(tmp_path / "data")
+    assert record.vocab_file == str(vocab.resolve()) and record.lowercase is False
+    dm = BertDataModule(str(tmp_path / "data"), global_batch_size=2, micro_batch_size=1, max_seq_length=32)
+    tok = dm.tokenizer  # before: the packaged uncased vocabulary, and a "tokenized with another vocabulary" error
+    assert tok.vocab_file == vocab.resolve() and tok.lowercase is False
+    check_dataset_vocab(tmp_path / "data", tok, tok.vocab_size)
+    ids = {int(i) for doc in IndexedDataset(tmp_path / "data") for i in doc}
+    assert tok.tokenize("Paris")[0] in ids and tok.tokenize("Paris") != tok.tokenize("paris")
+    # The recorded vocabulary gone: an error that names it and the setting to give.
+    vocab.rename(tmp_path / "elsewhere.txt")
+    with pytest.raises(FileNotFoundError, match=r"was tokenized with .*vocab.txt.*pass that vocabulary as "
+                                                r"data.vocab_file"):
+        BertDataModule(str(tmp_path / "data")).tokenizer
