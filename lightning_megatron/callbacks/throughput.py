@@ -23,7 +23,6 @@ from typing_extensions import override
 from lightning_megatron.callbacks.summary import model_parameter_count
 from lightning_megatron.protocols import CountsFlops
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.tensor_parallel.param_facts import is_counted
 
 __all__ = ["ThroughputCallback", "measure_matmul_tflops"]
 
