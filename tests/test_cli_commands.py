@@ -136,3 +136,18 @@ def test_run_summary_prints_every_metric_and_the_throughput(tmp_path):
     assert "val_accuracy" in text and "0.7500" in text and "val_matthews_corrcoef" in text, text
     assert "loss                     step     0:     0.7000   ->   step     3:     0.4000" in text, text
     assert "tokens_per_sec           median over steps 0-3: 210" in text and "mfu" in text and "0.21" in text, text
+
+
+def test_peak_measurement_leaves_the_global_rng_alone():
+    """The MFU peak is measured once at fit start with as many GEMM sizes as the machine's speed asks
+    for: its operands must not come from the global generator, or dropout masks (and losses) would
+    depend on how busy the machine was."""
+    import torch
+
+    from lightning_megatron.callbacks.throughput import measure_matmul_tflops
+
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    for min_seconds in (0.0, 1e-3):  # one size, and likely a few
+        assert measure_matmul_tflops(torch.float32, torch.device("cpu"), min_seconds=min_seconds, max_n=512) > 0
+    assert torch.equal(torch.get_rng_state(), before)

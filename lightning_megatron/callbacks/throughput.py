@@ -34,12 +34,16 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int | Non
     ``n=None``: the smallest power of two from 256 whose matmul takes at least ``min_seconds`` (at most
     ``max_n``): a rate near the device's dense peak whose cost is bounded by the size it stops at (8 x
     ``min_seconds`` per matmul at most). A smaller matmul runs a little below the peak, so MFU errs high by
-    as much; pass ``peak_tflops`` to the callback for the datasheet value (and no measurement)."""
+    as much; pass ``peak_tflops`` to the callback for the datasheet value (and no measurement).
+
+    The operands come from a private generator: how many sizes are tried depends on the machine's speed,
+    and drawing them from the global one would make the run's dropout masks depend on it too."""
     sizes = [n] if n is not None else [256 * 2**k for k in range(max(1, (max_n // 256).bit_length()))]
+    generator = torch.Generator(device=device).manual_seed(0)
     rate = 0.0
     for size in sizes:
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
+        a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+        b = torch.randn(size, size, device=device, generator=generator).to(dtype)
         torch.matmul(a, b)
         best = float("inf")
         for _ in range(repeats):
