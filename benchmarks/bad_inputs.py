@@ -92,6 +92,7 @@ def _config_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
 
 def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.data.datamodule import BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
@@ -142,9 +143,9 @@ def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
         ("data", "BertDataModule(shuffle='bogus')", lambda: BertDataModule(shuffle="bogus"), BEFORE),
         ("data", "BertDataModule(binary_head='xyz')", lambda: BertDataModule(binary_head="xyz"), BEFORE),
         ("data", "BertDataModule(splits='a,b')", lambda: BertDataModule(splits="a,b"), BEFORE),
-        ("optimizer", "MegatronOptimizerCallback(clip_grad=-1)", lambda: MegatronOptimizerCallback(clip_grad=-1),
+        ("optimizer", "MegatronOptimizerCallback(OptimizerConfig(clip_grad=-1))", lambda: MegatronOptimizerCallback(OptimizerConfig(clip_grad=-1)),
          BEFORE),
-        ("optimizer", "MegatronOptimizerCallback(loss_scale=0)", lambda: MegatronOptimizerCallback(loss_scale=0),
+        ("optimizer", "MegatronOptimizerCallback(OptimizerConfig(loss_scale=0))", lambda: MegatronOptimizerCallback(OptimizerConfig(loss_scale=0)),
          BEFORE),
         ("schedule", "lr_decay_style='step'", sched(lr_decay_style="step"), BEFORE),
         ("schedule", "lr_decay_style='WSD' without wsd_decay_steps", sched(lr_decay_style="WSD"), BEFORE),
@@ -329,7 +330,7 @@ def _setup_worker() -> list[tuple[str, str, str, str]]:
 
     def fit(strategy_kw=None, model_kw=None, trainer_kw=None, callback=True):
         def f():
-            cbs = [MegatronOptimizerCallback(clip_grad=0.0)] if callback else []
+            cbs = [MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0))] if callback else []
             trainer = make_trainer(MegatronStrategy(micro_batch_size=4, **(strategy_kw or {})), 1, 1, callbacks=cbs,
                                    **(trainer_kw or {}))
             trainer.fit(BertLightningModule(**{**TINY_MODEL, **(model_kw or {})}),

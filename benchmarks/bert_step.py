@@ -278,13 +278,14 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
             precision = "bf16-true"
             if run.get("main_params", True):
                 from lightning_megatron.callbacks import MegatronOptimizerCallback
+                from lightning_megatron.optimizer import OptimizerConfig
 
-                callbacks.append(MegatronOptimizerCallback(clip_grad=0.0,
-                                                           use_distributed_optimizer=run.get("zero1", False)))
+                callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0,
+                                                           use_distributed_optimizer=run.get("zero1", False))))
         elif run.get("zero1", False):  # fp32 with the distributed optimizer (ZeRO-1)
             from lightning_megatron.callbacks import MegatronOptimizerCallback
 
-            callbacks.append(MegatronOptimizerCallback(clip_grad=0.0, use_distributed_optimizer=True))
+            callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0, use_distributed_optimizer=True)))
     else:
         strategy, module = "auto", _hf_module(size, run["seq"])
         precision = "bf16-mixed" if bf16 else "32-true"

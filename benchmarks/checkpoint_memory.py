@@ -70,6 +70,7 @@ def _trainer(bert: BertSize, max_steps: int):
 
     from bert_step import SyntheticBatches
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.strategy import MegatronStrategy
 
     rank = torch.distributed.get_rank()
@@ -81,7 +82,7 @@ def _trainer(bert: BertSize, max_steps: int):
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                       use_distributed_sampler=False,
-                      callbacks=[MegatronOptimizerCallback(clip_grad=1.0, use_distributed_optimizer=True)])
+                      callbacks=[MegatronOptimizerCallback(OptimizerConfig(clip_grad=1.0, use_distributed_optimizer=True))])
     return trainer, torch.utils.data.DataLoader(data, batch_size=None)
 
 

@@ -215,6 +215,7 @@ def _bench_one(framework: str, size: BertSize, seq: int, batch: int, warmup: int
     accelerator = "cpu" if device.type == "cpu" else "gpu"
     if framework.startswith("ours"):
         from lightning_megatron.callbacks import MegatronOptimizerCallback
+        from lightning_megatron.optimizer import OptimizerConfig
         from lightning_megatron.strategy import MegatronStrategy
 
         module = _ours_module(size, bf16=True)
@@ -223,7 +224,7 @@ def _bench_one(framework: str, size: BertSize, seq: int, batch: int, warmup: int
         # CPU tuning only where it applies (a dry run on CPU): the GPU path is the library default.
         strategy: Any = MegatronStrategy(micro_batch_size=batch, cpu_tuning=device.type == "cpu")
         precision = "bf16-true"
-        callbacks.append(MegatronOptimizerCallback(clip_grad=0.0))
+        callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0)))
     else:
         module, strategy, precision = _hf_module(size, seq), "auto", "bf16-mixed"
     data = torch.utils.data.DataLoader(SyntheticBatches((warmup + steps) * batch, seq, size.vocab_size),

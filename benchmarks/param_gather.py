@@ -1,7 +1,7 @@
 """ZeRO-1 parameter all-gather overlapped with the next forward: exposed gather time, on vs off.
 
 Every mode runs ``Trainer.fit`` of bert-base (ours, post-norm spec, torch AdamW wrapped in our
-DistributedOptimizer through ``MegatronOptimizerCallback(use_distributed_optimizer=True)``) at DP=2 on
+DistributedOptimizer through ``MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=True))``) at DP=2 on
 gloo, in fresh spawned ranks, one mode after another, alternating the order between rounds so both
 modes see the same background load. Modes: ``MegatronStrategy(overlap_param_gather=False)`` (``off``:
 every bucket gathered inside the optimizer step) and ``True`` (``on``: launched asynchronously after
@@ -42,6 +42,7 @@ def param_gather_rank(spec: dict[str, Any], mode: str) -> dict[str, Any]:
 
     from bert_step import SyntheticBatches, _ours_module
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.strategy import MegatronStrategy
 
     warnings.filterwarnings("ignore")
@@ -68,7 +69,7 @@ def param_gather_rank(spec: dict[str, Any], mode: str) -> dict[str, Any]:
                       precision="bf16-true" if spec["bf16"] else "32-true", max_steps=warmup + steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                      callbacks=[MegatronOptimizerCallback(clip_grad=0.0, use_distributed_optimizer=True), Probe()])
+                      callbacks=[MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0, use_distributed_optimizer=True)), Probe()])
     data = torch.utils.data.DataLoader(SyntheticBatches((warmup + steps) * batch, spec["seq"], size.vocab_size),
                                        batch_size=batch, shuffle=False)
     trainer.fit(_ours_module(size, bf16=spec["bf16"]), train_dataloaders=data)

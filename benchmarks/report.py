@@ -329,7 +329,7 @@ def _zero1_section(add: Any, zero1: dict[str, Any]) -> None:
     add("Two data-parallel ranks (1 thread each), 4 samples x 128 tokens per rank, one microbatch, our "
         "`BertLightningModule` (post-norm spec) on both sides with the same weights and batches, AdamW "
         "(lr 1e-4, weight decay 0.01), no clipping; bf16 = bf16 model with fp32 main params. Ours runs under "
-        "`Trainer` + `MegatronStrategy` + `MegatronOptimizerCallback(use_distributed_optimizer=...)`; DeepSpeed "
+        "`Trainer` + `MegatronStrategy` + `MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=...))`; DeepSpeed "
         "(`zero_optimization.stage = 1`) wraps the same model in its own engine loop, because Lightning's "
         "`DeepSpeedStrategy` refuses CPUs. *Tensors/rank* = every tensor storage alive after the last timed "
         "step (garbage-collector scan plus each tensor's `.grad`, each storage once: parameters, gradients, "

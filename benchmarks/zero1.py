@@ -3,7 +3,7 @@
 :func:`zero1_rank` trains our bert-base (``BertLightningModule``, post-norm spec) for ``warmup +
 steps`` steps on one of two data-parallel ranks, as one of:
 
-- ``ours``: ``MegatronStrategy`` (DP=2) with ``MegatronOptimizerCallback(clip_grad=0)``: every rank
+- ``ours``: ``MegatronStrategy`` (DP=2) with ``MegatronOptimizerCallback(OptimizerConfig(clip_grad=0))``: every rank
   holds the whole optimizer state (the reference);
 - ``ours-zero1``: the same with ``use_distributed_optimizer=True`` (our ZeRO-1);
 - ``deepspeed``: DeepSpeed's ZeRO stage 1 engine wrapping the same model (its ``forward_step``),
@@ -72,6 +72,7 @@ def _ours(run: dict[str, Any], size: BertSize, bf16: bool, result: dict[str, Any
     from lightning.pytorch import Callback, Trainer
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.strategy import MegatronStrategy
 
     total = run["warmup"] + run["steps"]
@@ -84,8 +85,8 @@ def _ours(run: dict[str, Any], size: BertSize, bf16: bool, result: dict[str, Any
                 result["live_bytes"] = live_tensor_bytes()
                 result["optimizer"] = type(trainer.strategy.optimizers[0]).__name__
 
-    callbacks = [Probe(), MegatronOptimizerCallback(clip_grad=0.0,
-                                                    use_distributed_optimizer=run["framework"] == "ours-zero1")]
+    callbacks = [Probe(), MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0,
+                                                    use_distributed_optimizer=run["framework"] == "ours-zero1"))]
     trainer = Trainer(accelerator="cpu", devices=2, strategy=MegatronStrategy(micro_batch_size=BATCH_PER_RANK, cpu_tuning=True),
                       precision="bf16-true" if bf16 else "32-true", max_steps=total, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

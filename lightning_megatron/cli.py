@@ -97,6 +97,8 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
         args = _resolve_recipes(args)
 
     given = list(args if args is not None else sys.argv[1:])  # the command line's own flags
+    from lightning_megatron.optimizer.config import OptimizerConfig
+
     # A class named by class_path (command line or recipe): LightningCLI's subclass mode, and BERT is
     # never imported; otherwise the BERT module and datamodule, whose recipes give plain arguments.
     named = _named_by_class_path(given)
@@ -104,7 +106,10 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
         from lightning_megatron.models.bert.module import BertLightningModule as model_class
     if datamodule_class is None and "data" not in named:
         from lightning_megatron.data.datamodule import BertDataModule as datamodule_class
-    _NAMED_CALLBACKS = {"megatron_optimizer": MegatronOptimizerCallback, "lr_schedule": OptimizerParamSchedulerCallback}
+    # The section's type: the callback's own arguments, or (megatron_optimizer) the OptimizerConfig the
+    # callback takes, so that the section holds its fields (clip_grad: ...) without a config: level.
+    _NAMED_CALLBACKS = {"megatron_optimizer": (MegatronOptimizerCallback, OptimizerConfig),
+                        "lr_schedule": (OptimizerParamSchedulerCallback, OptimizerParamSchedulerCallback)}
 
     class MegatronCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -112,8 +117,8 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             # trainer.callbacks' list is not). Optional: a section in the config (its arguments, no
             # class_path) or --lr_schedule.max_lr ... adds the callback, --lr_schedule null removes it;
             # before_instantiate_classes moves them into trainer.callbacks.
-            for key, callback in _NAMED_CALLBACKS.items():
-                parser.add_argument(f"--{key}", type=Optional[callback], default=None,
+            for key, (callback, section_type) in _NAMED_CALLBACKS.items():
+                parser.add_argument(f"--{key}", type=Optional[section_type], default=None,
                                     help=f"{callback.__name__} (a section of its arguments; null: none)")
             # --optimizer torch.optim.SGD --optimizer.momentum 0.9 (and --lr_scheduler ...), as LightningCLI
             # has them, but handed to the model (MegatronLightningModule.use_optimizer), which builds them on
@@ -275,6 +280,11 @@ def _named_callbacks_into_trainer(config) -> None:
     for key in ("megatron_optimizer", "lr_schedule"):
         spec = config.get(key)
         if spec:
+            if key == "megatron_optimizer":  # the section is the callback's OptimizerConfig
+                from jsonargparse import Namespace
+
+                spec = Namespace(class_path="lightning_megatron.callbacks.MegatronOptimizerCallback",
+                                 init_args=Namespace(config=spec))
             callbacks = trainer.get("callbacks") or []
             trainer.callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), spec]
             config[key] = None

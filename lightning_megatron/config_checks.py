@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_state import model_parallel_size_problems
 from lightning_megatron.pipeline.layout import get_layer_range
@@ -211,9 +212,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     if acc is not None and acc != 1:
         problems.append(f"accumulate_grad_batches={acc}: accumulation is the microbatch schedule; set it to 1 and "
                         f"raise global_batch_size (= micro_batch_size x num_microbatches x data-parallel size)")
-    if t.get("gradient_clip_val"):
-        problems.append(f"gradient_clip_val={t['gradient_clip_val']} would clip each rank's shard separately; use "
-                        f"MegatronOptimizerCallback(clip_grad=...) instead")
+    clip_problem = gradient_clip_val_problem(t.get("gradient_clip_val"))
+    if clip_problem is not None:
+        problems.append(clip_problem)
 
     # --- schedule
     if sch:

@@ -60,6 +60,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     all_reduce_coalesced,
     reduce_scatter_tensor,
 )
+from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 __all__ = ["GradBuffer", "Bucket", "finalize_model_grads", "buffer_order"]
 
@@ -87,8 +88,8 @@ def buffer_order(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     which backward finishes them), the tied word embedding (``shared_embedding``) last."""
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     params.reverse()
-    return [p for p in params if not getattr(p, "shared_embedding", False)] + \
-        [p for p in params if getattr(p, "shared_embedding", False)]
+    return [p for p in params if not param_facts(p).shared_embedding] + \
+        [p for p in params if param_facts(p).shared_embedding]
 
 
 class GradBuffer:
@@ -123,8 +124,7 @@ class GradBuffer:
         self.dp_size = group_size(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
-        self.reduce_scatter = False
-        """Set by a DistributedOptimizer: reduce-scatter (each DP rank keeps its piece) instead of all-reduce."""
+        self._reduce_scatter = False  # use_reduce_scatter(): a DistributedOptimizer shards this buffer
         self.offsets: dict[int, int] = {}
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -144,7 +144,7 @@ class GradBuffer:
                 self._bucket_of[id(q)] = bucket
             current, start = [], offset
 
-        shared = [p for p in self.params if separate_shared_embedding and getattr(p, "shared_embedding", False)]
+        shared = [p for p in self.params if separate_shared_embedding and param_facts(p).shared_embedding]
         shared_ids = {id(p) for p in shared}
         for p in [p for p in self.params if id(p) not in shared_ids] + shared:
             if id(p) in shared_ids and current and id(current[0]) not in shared_ids:
@@ -163,23 +163,46 @@ class GradBuffer:
         self._counts: dict[int, int] = {}
         self._next_launch = 0
         self._active = False
-        self.reduced = False
-        """True between finalize_model_grads and the optimizer step: ``main_grad`` holds the DP mean."""
+        self._reduced = False  # between finalize_model_grads and the optimizer step (see ``reduced``)
         self.exposed_comm_seconds = 0.0
         """Seconds this step's backward and finalize_model_grads were blocked in gradient collectives."""
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
+        self._removed = False
         self._gathers: list[Bucket] = []  # buckets whose parameter all-gather is in flight, in launch order
         self._gather_view: torch.Tensor | None = None
         self.param_gather_seconds = 0.0
         """Seconds blocked in the last parameter all-gather (launches, waits and copies into the params)."""
 
     # -- layout ----------------------------------------------------------------------------------
+    def main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s fp32 main grad (a view of the buffer), ``None`` when ``p`` is not in this buffer."""
+        return self.main_grad_view(p) if id(p) in self.offsets else None
+
     def main_grad_view(self, p: nn.Parameter) -> torch.Tensor:
         o = self.offsets[id(p)]
         return self.data[o: o + p.numel()].view(p.shape)
 
-    def bucket_of(self, p: nn.Parameter) -> Bucket:
-        return self._bucket_of[id(p)]
+    @property
+    def reduced(self) -> bool:
+        """True between finalize_model_grads and the optimizer step: ``main_grad`` holds the DP mean."""
+        return self._reduced
+
+    def mark_consumed(self) -> None:
+        """The optimizer step read (or skipped) this step's reduced grads: the next step reduces anew."""
+        self._reduced = False
+
+    @property
+    def reduces_by_scatter(self) -> bool:
+        """Whether the DP reduction is a reduce-scatter (a DistributedOptimizer shards this buffer)."""
+        return self._reduce_scatter
+
+    def use_reduce_scatter(self) -> None:
+        """Called by the DistributedOptimizer that shards this buffer: from now on every bucket's DP
+        reduction is a reduce-scatter (each DP rank keeps the mean of its own piece) instead of an
+        all-reduce. Refused while reductions are in flight."""
+        if any(b.handle is not None for b in self.buckets):
+            raise RuntimeError("GradBuffer.use_reduce_scatter: reductions of a step are in flight")
+        self._reduce_scatter = True
 
     def bucket_data(self, bucket: Bucket) -> torch.Tensor:
         return self.data[bucket.start: bucket.end]
@@ -215,7 +238,7 @@ class GradBuffer:
         for b in self.buckets:
             b.ready = 0
         self._next_launch = 0
-        self.reduced = False
+        self._reduced = False
         self.exposed_comm_seconds = 0.0
 
     def reduce_param_grads(self) -> None:
@@ -259,7 +282,7 @@ class GradBuffer:
         if self.dp_size == 1:
             return
         t0 = time.perf_counter()
-        if self.reduce_scatter:
+        if self._reduce_scatter:
             lo, hi = self.shard(bucket)
             bucket.handle = reduce_scatter_tensor(self.data[lo:hi], data, self.dp_group, async_op=True)
         else:
@@ -290,7 +313,7 @@ class GradBuffer:
             self._launch(b)
         self._next_launch = len(self.buckets)
         self._wait_and_average(b for b in self.buckets if b.deferred)
-        self.reduced = True
+        self._reduced = True
 
     def _wait_and_average(self, buckets: Any) -> None:
         t0 = time.perf_counter()
@@ -299,7 +322,7 @@ class GradBuffer:
                 b.handle.wait()
                 b.handle = None
             if self.dp_size > 1:
-                lo, hi = self.shard(b) if self.reduce_scatter else (b.start, b.end)
+                lo, hi = self.shard(b) if self._reduce_scatter else (b.start, b.end)
                 self.data[lo:hi].div_(self.dp_size)
         self.exposed_comm_seconds += time.perf_counter() - t0
 
@@ -388,9 +411,10 @@ class GradBuffer:
             b.gather = None
         self._gathers = []
         self._gather_view = None
-        for p in self.params:
-            if hasattr(p, "main_grad"):
+        if not self._removed:  # every param got its main_grad in __init__
+            for p in self.params:
                 del p.main_grad
+        self._removed = True
 
 
 def finalize_model_grads(buffer: GradBuffer, ps: ParallelState) -> None:
@@ -405,7 +429,7 @@ def finalize_model_grads(buffer: GradBuffer, ps: ParallelState) -> None:
     buffer.finish_grad_sync()
     t1 = time.perf_counter()
     if ps.tp_size > 1:
-        all_reduce_coalesced([p.main_grad for p in buffer.params if getattr(p, "sequence_parallel", False)],
+        all_reduce_coalesced([p.main_grad for p in buffer.params if param_facts(p).sequence_parallel],
                              ps.tp_group)
     if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
         deferred = [b for b in buffer.buckets if b.deferred]
@@ -413,7 +437,7 @@ def finalize_model_grads(buffer: GradBuffer, ps: ParallelState) -> None:
             for b in deferred:
                 all_reduce(buffer.data[b.start: b.start + b.numel], ps.embedding_group)
         else:
-            all_reduce_coalesced([p.main_grad for p in buffer.params if getattr(p, "shared_embedding", False)],
+            all_reduce_coalesced([p.main_grad for p in buffer.params if param_facts(p).shared_embedding],
                                  ps.embedding_group)
     t2 = time.perf_counter()
     buffer.finish_deferred()

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.optimizer.config import OptimizerConfig
     from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "optimizer_wrapper",
     "is_sharded",
     "missing_members",
+    "WrapsOptimizers",
 ]
 
 LossFunc = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
@@ -218,7 +220,16 @@ def _warn_ignored_hooks(module: Any) -> None:
 
 @runtime_checkable
 class OptimizerWrapper(Protocol):
-    """What the strategy and the checkpoint code need from an optimizer."""
+    """What the strategy, the callbacks and the checkpoint code need from an optimizer wrapper.
+
+    The contract, not a base class: a wrapper of your own (e.g. an Adam that keeps its state in host
+    memory) implements these members in one file, without subclassing anything of this package, and
+    the strategy takes it as it is. It reads its gradients from ``trainer.strategy.grad_buffer``
+    (``main_grad_of(param)``; reduced over data parallelism when its ``step`` runs). Our wrappers
+    (:class:`~lightning_megatron.optimizer.mixed_precision.MegatronOptimizer` and its subclasses)
+    are one implementation. A plain ``torch.optim.Optimizer`` (none of the members) is adapted by
+    :class:`PlainOptimizer`; an object with some of the members but not all is refused.
+    """
 
     optimizer: torch.optim.Optimizer
     """The inner torch optimizer: its ``param_groups`` and ``state`` are what is saved."""
@@ -228,6 +239,10 @@ class OptimizerWrapper(Protocol):
     """Steps skipped on inf/nan gradients so far, saved with the checkpoint."""
     reduces_gradients: bool
     """True for a :class:`ShardedOptimizer`, which reads reduce-scattered gradient shards."""
+    last_step_skipped: bool
+    """Whether the last ``step`` skipped the update (inf/nan gradients): the lr schedule does not advance."""
+    last_grad_norm: float | None
+    """The global gradient norm of the last step (None: skipped, or not computed); logged."""
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         """``loss`` times the loss scale, before backward."""
@@ -251,8 +266,14 @@ class ShardedOptimizer(OptimizerWrapper, Protocol):
         elements ``[start, end)`` of the flattened TP-local ``param``."""
 
 
-_WRAPPER_MEMBERS = ("optimizer", "scale_loss", "main_param")
+_WRAPPER_MEMBERS = ("optimizer", "grad_scaler", "num_skipped_steps", "reduces_gradients", "last_step_skipped",
+                    "last_grad_norm", "scale_loss", "main_param")
 _SHARDED_MEMBERS = ("buffer", "model_groups", "sharded_state_for_checkpoint")
+
+
+def _absent(obj: Any, members: Iterable[str]) -> list[str]:
+    """The members ``obj`` does not have at all (a member that is None is present: ``grad_scaler``)."""
+    return [m for m in members if not hasattr(obj, m)]
 
 
 class PlainOptimizer:
@@ -261,6 +282,8 @@ class PlainOptimizer:
     grad_scaler = None
     num_skipped_steps = 0
     reduces_gradients = False
+    last_step_skipped = False
+    last_grad_norm = None
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -273,23 +296,35 @@ class PlainOptimizer:
 
 
 def optimizer_wrapper(optimizer: Any) -> OptimizerWrapper:
-    """``optimizer`` as an :class:`OptimizerWrapper` (a plain torch optimizer adapted), checked."""
-    from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
-
-    if isinstance(optimizer, MegatronOptimizer):
+    """``optimizer`` as an :class:`OptimizerWrapper`, checked: an object with every member is taken
+    as it is (whatever its class), a plain ``torch.optim.Optimizer`` with none of them is adapted
+    (:class:`PlainOptimizer`); anything else is refused with the missing members named."""
+    name = type(optimizer).__name__
+    missing = _absent(optimizer, _WRAPPER_MEMBERS)
+    if not missing:
         if optimizer.reduces_gradients:
-            missing = missing_members(optimizer, _SHARDED_MEMBERS)
-            if missing:
-                raise TypeError(f"{type(optimizer).__name__} reduces gradients (ZeRO-1) but lacks "
-                                f"{', '.join(missing)} of lightning_megatron.protocols.ShardedOptimizer")
-        return optimizer  # type: ignore[return-value]
-    if isinstance(optimizer, torch.optim.Optimizer):
+            lacking = missing_members(optimizer, _SHARDED_MEMBERS)
+            if lacking:
+                raise TypeError(f"{name} reduces gradients (ZeRO-1) but lacks {', '.join(lacking)} of "
+                                f"lightning_megatron.protocols.ShardedOptimizer")
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer) and len(missing) == len(_WRAPPER_MEMBERS):
         return PlainOptimizer(optimizer)
-    missing = missing_members(optimizer, _WRAPPER_MEMBERS)
-    if missing:
-        raise TypeError(f"{type(optimizer).__name__} is neither a torch.optim.Optimizer nor an "
-                        f"OptimizerWrapper; missing: {', '.join(missing)} (lightning_megatron.protocols)")
-    return optimizer
+    kind = ("implements part of lightning_megatron.protocols.OptimizerWrapper" if len(missing) < len(_WRAPPER_MEMBERS)
+            else "is neither a torch.optim.Optimizer nor a lightning_megatron.protocols.OptimizerWrapper")
+    raise TypeError(f"{name} {kind}; missing: {', '.join(missing)}. Implement every member (a wrapper of "
+                    f"your own), or none (a plain torch optimizer: fp32 updates from .grad)")
+
+
+@runtime_checkable
+class WrapsOptimizers(Protocol):
+    """A strategy that wraps the optimizers itself (the MegatronStrategy): the optimizer callback hands
+    it the :class:`~lightning_megatron.optimizer.OptimizerConfig` in its ``setup`` hook, and the strategy
+    wraps every optimizer right after ``configure_optimizers``, where it owns the parallel state and
+    the gradient buffer."""
+
+    def set_optimizer_config(self, config: OptimizerConfig) -> None:
+        """Wrap the optimizers of the coming fit with ``config`` (a second, different config is refused)."""
 
 
 def is_sharded(optimizer: OptimizerWrapper) -> bool:

@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_precision
+from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_state import ParallelState, validate_model_parallel_sizes
 from lightning_megatron.pipeline.schedules import validate_num_microbatches
 from lightning_megatron.step import BatchSizes
@@ -47,20 +48,18 @@ def check_trainer(trainer: Trainer) -> None:
             f"MegatronStrategy: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
             f"supported: gradient accumulation is the microbatch schedule. Set accumulate_grad_batches=1 and "
             f"choose global_batch_size = micro_batch_size x num_microbatches x data-parallel size instead")
-    if trainer.gradient_clip_val:
-        raise ValueError(
-            f"MegatronStrategy: Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip each rank's "
-            f"shard separately. Use lightning_megatron.callbacks.MegatronOptimizerCallback(clip_grad=...), "
-            f"which clips by the norm over all tensor- and pipeline-parallel ranks")
+    problem = gradient_clip_val_problem(trainer.gradient_clip_val)
+    if problem is not None:
+        raise ValueError(f"MegatronStrategy: {problem}")
 
 
-def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict[str, Any]) -> None:
-    """The Trainer's precision must match the parameters' dtype; 16-bit parameters need fp32 main params.
+def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict[str, Any], *,
+                    wraps_optimizers: bool) -> None:
+    """The Trainer's precision must match the parameters' dtype; 16-bit parameters need fp32 main params
+    (``wraps_optimizers``: an OptimizerConfig was handed to the strategy, by MegatronOptimizerCallback).
 
     Runs before ``convert_module``, which would otherwise silently cast the model to the precision's dtype.
     """
-    from lightning_megatron.callbacks.optimizer import MegatronOptimizerCallback
-
     plugin = trainer.precision_plugin
     precision = normalize_precision(plugin.precision)
     if getattr(plugin, "scaler", None) is not None:  # MixedPrecision's GradScaler (other plugins have none)
@@ -83,8 +82,7 @@ def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict
             f"parameters are {', '.join(dtypes)}{named}; set {fix.get(dtypes[0], 'a matching precision')} or "
             f"build the model with params_dtype={PRECISION_PARAMS_DTYPE[precision]!r}")
     low = [d for d in dtypes if d in ("torch.float16", "torch.bfloat16")]
-    if low and trainer.state.fn == TrainerFn.FITTING and not any(
-            isinstance(cb, MegatronOptimizerCallback) for cb in trainer.callbacks):
+    if low and trainer.state.fn == TrainerFn.FITTING and not wraps_optimizers:
         raise ValueError(
             f"MegatronStrategy: {low[0]} parameters{named} without MegatronOptimizerCallback would be updated in "
             f"16 bits (fp16 diverges without loss scaling; bf16 drops small updates). Add "

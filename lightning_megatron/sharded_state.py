@@ -34,6 +34,7 @@ from torch import nn
 from lightning_megatron.dcp_io import CheckpointError, Chunks
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.protocols import OptimizerWrapper, PlainOptimizer, ShardedOptimizer, is_sharded
+from lightning_megatron.tensor_parallel.param_facts import param_facts
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 
 __all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "optimizer_extra",
@@ -51,15 +52,18 @@ class ShardInfo:
     """How many leading rows along ``partition_dim`` are real (fewer for vocab padding)."""
 
 
-def shard_info(param: torch.Tensor, tp_rank: int, tp_size: int, real_vocab_size: int | None = None) -> ShardInfo | None:
-    """The global layout of a TP-sharded or vocab-padded ``param`` (None when it is stored as is)."""
-    sharded = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+def shard_info(param: torch.Tensor, tp_rank: int, tp_size: int) -> ShardInfo | None:
+    """The global layout of a TP-sharded or vocab-padded ``param`` (None when it is stored as is),
+    from its :class:`~lightning_megatron.tensor_parallel.ParamFacts`."""
+    facts = param_facts(param)
+    real_vocab_size = facts.real_vocab_size
+    sharded = facts.tensor_model_parallel and tp_size > 1
     if not sharded and real_vocab_size is None:
         return None
     if not sharded:  # a vocab-padded tensor at TP=1: the real rows only
         tp_size, tp_rank = 1, 0
-    dim = param.partition_dim % param.dim()
-    if getattr(param, "partition_stride", 1) != 1:
+    dim = facts.partition_dim % param.dim()
+    if facts.partition_stride != 1:
         raise CheckpointError("strided TP partitions are not supported by the sharded checkpoint format")
     per = param.shape[dim]
     real = per * tp_size if real_vocab_size is None else min(real_vocab_size, per * tp_size)
@@ -98,7 +102,7 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple
 
 def _tied_copy(p: torch.Tensor, ps: ParallelState) -> bool:
     """The last stage's copy of the tied word embedding (stored by the first stage)."""
-    return bool(getattr(p, "shared_embedding", False)) and not ps.is_pipeline_first_stage()
+    return param_facts(p).shared_embedding and not ps.is_pipeline_first_stage()
 
 
 class ShardedStateMapper:
@@ -113,7 +117,7 @@ class ShardedStateMapper:
         self._optim_named = self.named  # + the tied copy under the first stage's name when loading
 
     def _info(self, like: torch.Tensor) -> ShardInfo | None:
-        return shard_info(like, self.ps.tp_rank, self.ps.tp_size, getattr(like, "real_vocab_size", None))
+        return shard_info(like, self.ps.tp_rank, self.ps.tp_size)
 
     def checkpoint_shape(self, like: torch.Tensor) -> tuple[int, ...]:
         """The global shape under which a tensor shaped like ``like`` is stored."""
@@ -221,7 +225,7 @@ class ShardedStateMapper:
         if ps.pp_size == 1 or ps.embedding_group is None or len(ps.embedding_ranks) < 2:
             return []
         first = ps.is_pipeline_first_stage()
-        name = [next((n for n, p in self.named if getattr(p, "shared_embedding", False)), None) if first else None]
+        name = [next((n for n, p in self.named if param_facts(p).shared_embedding), None) if first else None]
         dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group)
         if first or name[0] is None:
             return []
@@ -338,7 +342,7 @@ class ShardedStateMapper:
             return
         with torch.no_grad():
             for _, p in self.all_named:
-                if getattr(p, "shared_embedding", False):
+                if param_facts(p).shared_embedding:
                     dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
                     for opt in self.optimizers:
                         main = None if is_sharded(opt) else opt.main_param(p)

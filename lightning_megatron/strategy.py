@@ -39,6 +39,7 @@ from lightning_megatron.config_checks import timeout_problem
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
 from lightning_megatron.module import MegatronLightningModule
+from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
@@ -46,6 +47,7 @@ from lightning_megatron.protocols import (
     LightningStepsModule,
     MegatronModule,
     OptimizerWrapper,
+    PlainOptimizer,
     is_sharded,
     megatron_module,
     optimizer_wrapper,
@@ -59,6 +61,7 @@ from lightning_megatron.setup_checks import (
 )
 from lightning_megatron.sharded_state import ShardedStateMapper
 from lightning_megatron.step import BatchSizes, StepRunner
+from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
 __all__ = ["MegatronStrategy"]
@@ -83,7 +86,7 @@ class MegatronStrategy(DDPStrategy):
         overlap_param_gather: with the DistributedOptimizer (ZeRO-1), launch each bucket's parameter
             all-gather asynchronously after the step and wait for it in the forward pre-hook of the
             first module that uses it, so it hides behind the next forward (megatron-core's name;
-            bitwise equal either way). Needs ``MegatronOptimizerCallback(use_distributed_optimizer=True)``.
+            bitwise equal either way). Needs ``MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=True))``.
         overlap_p2p_comm: interleaved schedule (VP): post each steady-state step's pipeline sends and
             receives before the other pass's compute and wait for them after it (megatron-core's name
             and default; bitwise equal either way). No effect on the other schedules.
@@ -149,6 +152,7 @@ class MegatronStrategy(DDPStrategy):
         self.schedule_trace: list | None = None
         """Set to a list to record the schedule's events of the next steps (for pictures and benchmarks)."""
         self._grad_buffer: GradBuffer | None = None
+        self._optimizer_config: OptimizerConfig | None = None  # handed over by MegatronOptimizerCallback.setup
         self._preemption = PreemptionHandler()
         self._described = False
 
@@ -194,7 +198,10 @@ class MegatronStrategy(DDPStrategy):
         assert ps is not None and self.accelerator is not None
         check_trainer(trainer)
         self._module = megatron_module(self.lightning_module, pipelined=ps.pp_size > 1, num_chunks=ps.vp_size or 1)
-        check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams))
+        # Parameters no parallel layer described are replicated across TP: said once, here (param_facts).
+        mark_replicated(p for chunk in self.model_chunks for p in chunk.parameters())
+        check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams),
+                        wraps_optimizers=self._optimizer_config is not None)
         self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps)
         self._runner = StepRunner(ps, self._module, micro_batch_size=self.batch_sizes.micro_batch_size,
                                   device=self.root_device, overlap_p2p_comm=self.overlap_p2p_comm)
@@ -208,6 +215,7 @@ class MegatronStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._build_grad_buffer()  # before configure_optimizers, which may shard it (ZeRO-1)
             self.setup_optimizers(trainer)
+            self._wrap_optimizers()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -245,22 +253,38 @@ class MegatronStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ the step
 
-    def _optimizer_wrappers(self) -> list[OptimizerWrapper]:
-        return [optimizer_wrapper(opt) for opt in self.optimizers]
+    def set_optimizer_config(self, config: OptimizerConfig) -> None:
+        """The :class:`~lightning_megatron.protocols.WrapsOptimizers` contract: wrap the optimizers of
+        the coming fit with ``config`` (MegatronOptimizerCallback hands it over in its ``setup``)."""
+        if not isinstance(config, OptimizerConfig):
+            raise TypeError(f"MegatronStrategy.set_optimizer_config takes an OptimizerConfig, got {type(config).__name__}")
+        if self._optimizer_config is not None and self._optimizer_config != config:
+            raise ValueError(f"MegatronStrategy: two optimizer configs for one fit ({self._optimizer_config} and "
+                             f"{config}); keep one MegatronOptimizerCallback")
+        self._optimizer_config = config
 
-    def _check_optimizers(self) -> None:
-        """Every optimizer implements the wrapper contract; a ZeRO-1 one shards our grad buffer."""
+    def _wrap_optimizers(self) -> None:
+        """Right after ``configure_optimizers``: wrap with the config handed over (if any), then check
+        that every optimizer implements the wrapper contract and that a ZeRO-1 one shards our buffer."""
+        if self._optimizer_config is not None:
+            self.optimizers = [self._optimizer_config.wrap(opt, parallel_state=self.parallel_state,
+                                                           grad_buffer=self._grad_buffer) for opt in self.optimizers]
+            named = list(self.module_contract.sharded_named_parameters())
+            for opt in self.optimizers:
+                if isinstance(opt, MegatronOptimizer):
+                    opt.name_parameters(named)  # errors name parameters by their checkpoint names
         wrappers = self._optimizer_wrappers()
         for opt in wrappers:
             if is_sharded(opt) and opt.buffer is not self._grad_buffer:
                 raise ValueError(
                     "MegatronStrategy: a DistributedOptimizer must shard the strategy's grad buffer: build it "
                     "with DistributedOptimizer(..., grad_buffer=trainer.strategy.grad_buffer) or use "
-                    "MegatronOptimizerCallback(use_distributed_optimizer=True)")
+                    "MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=True))")
         if self.overlap_param_gather and not any(is_sharded(opt) for opt in wrappers):
             raise ValueError(
                 "MegatronStrategy(overlap_param_gather=True) overlaps the ZeRO-1 parameter all-gather, but no "
-                "optimizer is a DistributedOptimizer: add MegatronOptimizerCallback(use_distributed_optimizer=True) "
+                "optimizer is a DistributedOptimizer: add MegatronOptimizerCallback(OptimizerConfig("
+                "use_distributed_optimizer=True)) (--megatron_optimizer.use_distributed_optimizer true) "
                 "or set overlap_param_gather=False")
 
     def finish_param_gather(self) -> None:
@@ -268,6 +292,9 @@ class MegatronStrategy(DDPStrategy):
         model params hold the last step's values. Done before anything reads them outside a forward."""
         if self._grad_buffer is not None:
             self._grad_buffer.finish_param_gather()
+
+    def _optimizer_wrappers(self) -> list[OptimizerWrapper]:
+        return [optimizer_wrapper(opt) for opt in self.optimizers]
 
     def _run(self, batch: Any, batch_idx: int, stage: str) -> Any:
         assert self._runner is not None
@@ -285,7 +312,7 @@ class MegatronStrategy(DDPStrategy):
 
         def closure_with_grads() -> Any:
             out = closure()  # training_step: the whole microbatch schedule, then Lightning's zero_grad
-            if buffer is not None and not isinstance(optimizer, MegatronOptimizer):
+            if buffer is not None and isinstance(optimizer_wrapper(optimizer), PlainOptimizer):
                 buffer.set_param_grads()  # a plain torch optimizer reads .grad
             return out
 
@@ -411,7 +438,6 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self._check_optimizers()  # after on_fit_start, where MegatronOptimizerCallback wraps them
         if self.overlap_param_gather and self._grad_buffer is not None:
             self._grad_buffer.add_param_gather_hooks(self.model_chunks)
         self._preemption.install(self.launcher)  # SIGTERM: see lightning_megatron.preemption
@@ -442,6 +468,7 @@ class MegatronStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._preemption.uninstall()
+        self._optimizer_config = None  # handed over again by the callback's setup of the next fit
         if self._grad_buffer is not None:
             self._grad_buffer.remove()
             self._grad_buffer = None

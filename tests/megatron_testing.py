@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from dist_utils import accelerator
+from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
 VOCAB = 1000
 SEQ = 16
@@ -87,9 +88,10 @@ def local_shards(module: Any) -> dict[str, tuple[torch.Tensor, int | None]]:
     ps = module.parallel_state
     out = {}
     for name, p in module.sharded_named_parameters():
-        if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+        facts = param_facts(p)
+        if facts.shared_embedding and not ps.is_pipeline_first_stage():
             continue
-        dim = p.partition_dim % p.dim() if getattr(p, "tensor_model_parallel", False) else None
+        dim = facts.partition_dim % p.dim() if facts.tensor_model_parallel else None
         out[name] = (p.detach().clone(), dim)
     return out
 

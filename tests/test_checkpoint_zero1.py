@@ -18,13 +18,14 @@ def _run(tp: int, zero1: bool, max_steps: int, *, pp: int = 1, ckpt_in: str | No
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
     strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 overlap_param_gather=overlap_param_gather)
     recorder = LossRecorder()
-    callbacks = [MegatronOptimizerCallback(clip_grad=0.05, use_distributed_optimizer=zero1), recorder]
+    callbacks = [MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.05, use_distributed_optimizer=zero1)), recorder]
     if every:
         callbacks.append(ModelCheckpoint(dirpath=every, filename="{step}", every_n_train_steps=3, save_top_k=-1))
     trainer = make_trainer(strategy, WORLD, max_steps, callbacks=callbacks, enable_checkpointing=bool(every))

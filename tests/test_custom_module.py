@@ -36,6 +36,7 @@ from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.pipeline import stage_chunks
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
 # Lightning warns that validation_step has no val_dataloader during fit (validation is run explicitly)
 pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
@@ -201,8 +202,8 @@ def char_data() -> TensorDataset:
 
 def shards(module: CharModel) -> dict:
     """This rank's parameters under their checkpoint names, with how they are split over TP."""
-    return {name: (p.detach().cpu().clone(), getattr(p, "tensor_model_parallel", False),
-                   getattr(p, "partition_dim", -1)) for name, p in module.sharded_named_parameters()}
+    return {name: (p.detach().cpu().clone(), param_facts(p).tensor_model_parallel, param_facts(p).partition_dim)
+            for name, p in module.sharded_named_parameters()}
 
 
 class Record(Callback):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
 STEPS = 10
 
@@ -24,8 +25,7 @@ def _tiny_model(tp: int, tp_rank: int, dtype: torch.dtype) -> list[torch.nn.Para
 
     def param(shape, gen, **attrs):
         p = torch.nn.Parameter((0.5 * torch.randn(*shape, generator=gen)).to(dtype))
-        for k, v in attrs.items():
-            setattr(p, k, v)
+        set_param_facts(p, **attrs)
         return p
 
     return [
@@ -49,7 +49,7 @@ def _groups(params):
 def _grads(params, step, tp_rank, dp_rank, scale=1.0):
     out = []
     for i, p in enumerate(params):
-        sharded = getattr(p, "tensor_model_parallel", False)
+        sharded = param_facts(p).tensor_model_parallel
         seed = 1000 * step + 10 * i + dp_rank + (100_000 * (tp_rank + 1) if sharded else 0)
         out.append(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
     return out
@@ -59,6 +59,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
     import torch.distributed as dist
 
     from lightning_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+    from lightning_megatron.grads import GradBuffer
     from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
 
     model = _tiny_model(ps.tp_size, ps.tp_rank, dtype)
@@ -70,8 +71,10 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
                                data_parallel_group=ps.dp_group, grad_scaler=scaler_factory and scaler_factory(),
                                **mp)
     wrapper = FP32Optimizer if dtype == torch.float32 else Float16OptimizerWithFloat16Params
+    # The reference reads fp32 DP-mean grads from a grad buffer of its own (the strategy's role).
+    ref_buffer = GradBuffer(ref_model, bucket_bytes=float("inf"))
     ref = wrapper(torch.optim.AdamW(_groups(ref_model), betas=(0.9, 0.95)), clip_grad=clip_grad,
-                  grad_scaler=scaler_factory and scaler_factory(), **mp)
+                  grad_scaler=scaler_factory and scaler_factory(), grad_buffer=ref_buffer, **mp)
     max_diff, norms, skipped = 0.0, [], []
     for step in range(STEPS):
         grads = _grads(model, step, ps.tp_rank, ps.dp_rank, scale=1.0 if scaler_factory is None else 64.0)
@@ -82,7 +85,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
         for r, g in zip(ref_model, grads):
             mean = g.to(dtype).float().clone()  # never alias the model grad
             dist.all_reduce(mean, group=ps.dp_group)
-            r.main_grad = mean / ps.dp_size
+            ref_buffer.main_grad_of(r).copy_(mean / ps.dp_size)
             r.grad = None
         opt.step()
         ref.step()
@@ -186,3 +189,27 @@ def test_distributed_optimizer_matches_non_distributed(tp, world):
             assert abs(mem["main_params"] + mem["optimizer_state"] - 12 / d) <= 12 * d / (world * 20), mem
             assert abs(mem["grad_buffer"] - 4) <= 0.2
         assert r["bf16_mem"]["model_params"] == 2 and r["fp32_mem"]["model_params"] == 4
+
+
+def test_the_buffer_mode_is_switched_by_declared_methods_only():
+    """The DistributedOptimizer switches its GradBuffer to reduce-scatter with use_reduce_scatter() and
+    hands back consumed grads with mark_consumed(); neither mode is an assignable attribute any more, and
+    the dead layout helpers are gone."""
+    from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.optimizer import DistributedOptimizer
+
+    params = _tiny_model(1, 0, torch.float32)
+    buffer = GradBuffer(params, bucket_bytes=float("inf"))
+    assert not buffer.reduces_by_scatter
+    opt = DistributedOptimizer(torch.optim.AdamW(_groups(params)), data_parallel_group=None, grad_buffer=buffer)
+    assert buffer.reduces_by_scatter and not buffer.reduced
+    with pytest.raises(AttributeError):
+        buffer.reduced = True  # was a plain attribute the optimizer assigned
+    for p, g in zip(params, _grads(params, 0, 0, 0)):
+        p.grad = g
+    opt.step()
+    assert not buffer.reduced
+    for name in ("bucket_of",):
+        assert name not in vars(GradBuffer)
+    for name in ("layout", "_all_segments"):
+        assert name not in vars(DistributedOptimizer)

@@ -45,6 +45,7 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
          ckpt_in: str | None = None, clip_grad: float = 0.05, overlap_param_gather: bool = False,
          **trainer_kwargs) -> dict:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -52,7 +53,7 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
     strategy = MegatronStrategy(tensor_model_parallel_size=tp, ddp_bucket_size_mb=0.05,
                                 overlap_param_gather=overlap_param_gather)
     recorder = _recorder()
-    callback = MegatronOptimizerCallback(clip_grad=clip_grad, use_distributed_optimizer=distributed)
+    callback = MegatronOptimizerCallback(OptimizerConfig(clip_grad=clip_grad, use_distributed_optimizer=distributed))
     trainer = make_trainer(strategy, 4, max_steps, callbacks=[callback, recorder],
                            precision="bf16-true" if dtype == "bfloat16" else "32-true", **trainer_kwargs)
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())

@@ -15,13 +15,9 @@ UPWARD = ("lightning", "lightning_megatron.strategy", "lightning_megatron.cli", 
           "lightning_megatron.check", "lightning_megatron.models", "lightning_megatron.module",
           "lightning_megatron.setup_checks", "lightning_megatron.step", "lightning_megatron.optimizer")
 
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = {
-    # strategy -> setup_checks -> callbacks.optimizer -> strategy: the optimizer callback asks whether it
-    # runs under the MegatronStrategy. Removed by h-owner's change (issue 27 item 1: the callback hands
-    # its OptimizerConfig to a declared strategy method); delete this entry when that lands.
-    ("lightning_megatron.callbacks.optimizer", "lightning_megatron.strategy"),
-}
-"""Edges allowed to close a cycle, each with the change that removes it."""
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
+"""Edges allowed to close a cycle, each with the change that removes it (none: h-owner's change removed
+strategy -> setup_checks -> callbacks.optimizer -> strategy)."""
 
 
 def _name(path: Path) -> str:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from dist_utils import run_distributed
+from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 
 MICROBATCHES = 3
 
@@ -17,6 +18,7 @@ def _model(dtype: torch.dtype) -> nn.Module:
     # model order, so last in buffer order: it does not hold back the buckets before it.
     model = nn.ModuleDict({"unused": nn.Linear(4, 4, dtype=dtype), "a": nn.Linear(16, 32, dtype=dtype),
                            "b": nn.Linear(32, 4)})
+    mark_replicated(model.parameters())  # plain layers: replicated (what the strategy declares at set-up)
     return model
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
-from lightning_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, get_param_groups
+from lightning_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, OptimizerConfig, get_param_groups
 from dist_utils import accelerator
 
 
@@ -75,7 +75,7 @@ def _sched_cb(**kw) -> OptimizerParamSchedulerCallback:
 
 
 def test_bf16_fit_wraps_logs_and_schedules():
-    opt_cb, sched_cb = MegatronOptimizerCallback(clip_grad=0.5, log_num_zeros_in_grad=True), _sched_cb()
+    opt_cb, sched_cb = MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.5, log_num_zeros_in_grad=True)), _sched_cb()
     module = TinyModule()
     trainer = _trainer(6, [opt_cb, sched_cb], precision="bf16-true")
     trainer.fit(module)
@@ -110,7 +110,7 @@ def test_bf16_fit_wraps_logs_and_schedules():
 
 
 def _fp16_run(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None):
-    opt_cb = MegatronOptimizerCallback(clip_grad=1.0, initial_loss_scale=2.0**14, loss_scale_window=3, hysteresis=2)
+    opt_cb = MegatronOptimizerCallback(OptimizerConfig(clip_grad=1.0, initial_loss_scale=2.0**14, loss_scale_window=3, hysteresis=2))
     sched_cb = _sched_cb()
     module = ScaledBackwardModule()
     # Stop on epoch boundaries: Lightning replays a plain DataLoader from its start when resuming mid-epoch.
@@ -167,7 +167,7 @@ def test_torch_lr_schedulers_drive_the_wrapper(name):
     recorder = LrRecorder()
     module = TinyModule(make_opt, TORCH_SCHEDULERS[name])
     before = copy.deepcopy(module.net[0].weight.detach())
-    trainer = _trainer(steps, [MegatronOptimizerCallback(clip_grad=1.0), recorder])
+    trainer = _trainer(steps, [MegatronOptimizerCallback(OptimizerConfig(clip_grad=1.0)), recorder])
     trainer.fit(module)
     assert isinstance(trainer.optimizers[0], FP32Optimizer)
     assert not torch.equal(before, module.net[0].weight)
@@ -191,9 +191,9 @@ def test_refusals():
     with pytest.raises(ValueError, match="lr scheduler"):
         _trainer(1, [_sched_cb()]).fit(TinyModule(lambda p: torch.optim.SGD(p, lr=0.1), TORCH_SCHEDULERS["StepLR"]))
     with pytest.raises(ValueError, match="loss_scale"):
-        MegatronOptimizerCallback(loss_scale=0.0)
+        MegatronOptimizerCallback(OptimizerConfig(loss_scale=0.0))
     with pytest.raises(ValueError, match="hysteresis"):
-        MegatronOptimizerCallback(hysteresis=0)
+        MegatronOptimizerCallback(OptimizerConfig(hysteresis=0))
 
 
 def test_logged_lr_equals_lr_monitor_at_every_step(tmp_path):
@@ -255,7 +255,7 @@ def test_fp16_overflow_skipped_step_keeps_the_lr_schedule_and_the_logged_lr(tmp_
 
     from lightning.pytorch.loggers import CSVLogger
 
-    opt_cb = MegatronOptimizerCallback(initial_loss_scale=2.0**8, hysteresis=2)
+    opt_cb = MegatronOptimizerCallback(OptimizerConfig(initial_loss_scale=2.0**8, hysteresis=2))
     sched_cb = _sched_cb()
     trainer = pl.Trainer(accelerator=accelerator(), devices=1, max_steps=6, max_epochs=None, log_every_n_steps=1,
                          callbacks=[opt_cb, sched_cb], precision="16-true", logger=CSVLogger(tmp_path, name="csv"),
@@ -282,7 +282,7 @@ def test_non_finite_loss_or_grad_stops_the_run_before_the_step(precision, inject
     from lightning_megatron.optimizer import NonFiniteLossOrGradError
 
     module = InjectModule(at=2, **({"grad": float("nan")} if inject == "grad" else {"loss": float("nan")}))
-    trainer = _trainer(4, [MegatronOptimizerCallback(initial_loss_scale=2.0**8, use_distributed_optimizer=zero1)],
+    trainer = _trainer(4, [MegatronOptimizerCallback(OptimizerConfig(initial_loss_scale=2.0**8, use_distributed_optimizer=zero1))],
                        precision=precision)
     before = {}
 
@@ -301,6 +301,58 @@ def test_non_finite_loss_or_grad_stops_the_run_before_the_step(precision, inject
         assert torch.equal(v, before[k]), k
     # Off: the step of the scaler (bf16: skipped; fp32: no scaler, a NaN update) as before this check.
     if precision == "bf16-true":
-        trainer = _trainer(4, [MegatronOptimizerCallback(check_for_nan_in_loss_and_grad=False)], precision=precision)
+        trainer = _trainer(4, [MegatronOptimizerCallback(OptimizerConfig(check_for_nan_in_loss_and_grad=False))], precision=precision)
         trainer.fit(InjectModule(at=2, grad=float("nan")))
         assert trainer.optimizers[0].num_skipped_steps == 1
+
+
+class _SeesOptimizers(pl.Callback):
+    """Listed BEFORE the optimizer callback: records what its on_fit_start sees."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.types = [type(o).__name__ for o in trainer.optimizers]
+
+
+def _megatron_trainer(callbacks: list, **kw) -> pl.Trainer:
+    from lightning_megatron.strategy import MegatronStrategy
+
+    return pl.Trainer(accelerator=accelerator(), devices=1, strategy=MegatronStrategy(), max_steps=2,
+                      callbacks=callbacks, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                      enable_model_summary=False, **kw)
+
+
+def test_the_strategy_wraps_right_after_configure_optimizers():
+    """The callback hands its OptimizerConfig to the strategy (setup); the strategy wraps in its own setup,
+    so every on_fit_start, whatever the callback order, already sees the Megatron wrapper."""
+    seen = _SeesOptimizers()
+    trainer = _megatron_trainer([seen, MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.5))])
+    trainer.fit(TinyModule())
+    assert seen.types == ["FP32Optimizer"]
+    assert isinstance(trainer.optimizers[0], FP32Optimizer) and trainer.optimizers[0].clip_grad == 0.5
+    assert "grad_norm" in trainer.callback_metrics
+    with pytest.raises(ValueError, match="two optimizer configs"):
+        _megatron_trainer([MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.5)),
+                           MegatronOptimizerCallback(OptimizerConfig(clip_grad=1.0))]).fit(TinyModule())
+    with pytest.raises(TypeError, match="takes an OptimizerConfig"):
+        MegatronOptimizerCallback(1.0)  # the config dataclass, not its fields one by one
+
+
+def test_gradient_clip_val_is_one_rule_with_lightnings_meaning():
+    """None and 0 mean "no clipping" in Lightning: accepted everywhere; any other value is refused with one
+    message before launch (config_checks), at set-up (strategy) and by the callback on plain Lightning."""
+    import re
+
+    from lightning_megatron.config_checks import check_config
+    from lightning_megatron.optimizer.config import gradient_clip_val_problem
+
+    assert gradient_clip_val_problem(None) is None and gradient_clip_val_problem(0.0) is None
+    message = gradient_clip_val_problem(0.5)
+    assert message is not None and "--megatron_optimizer.clip_grad 0.5" in message
+    _trainer(1, [MegatronOptimizerCallback()], gradient_clip_val=0.0).fit(TinyModule())  # was refused (is not None)
+    _megatron_trainer([MegatronOptimizerCallback()], gradient_clip_val=0.0).fit(TinyModule())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _trainer(1, [MegatronOptimizerCallback()], gradient_clip_val=0.5).fit(TinyModule())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _megatron_trainer([MegatronOptimizerCallback()], gradient_clip_val=0.5).fit(TinyModule())
+    assert message in check_config(trainer_args={"gradient_clip_val": 0.5})
+    assert not any("gradient_clip_val" in p for p in check_config(trainer_args={"gradient_clip_val": 0.0}))

@@ -14,6 +14,7 @@ import torch
 
 from dist_utils import run_distributed
 from lightning_megatron.optimizer import clip_grad_norm, count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
+from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
 # name, full shape, how TP holds it (col: split dim 0, row: split dim 1, rep: replicated), pipeline stage
 # ("both": the tied word embedding on the first and the last stage).
@@ -63,11 +64,8 @@ def _local_params(tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict[str, tor
             grad = grad.chunk(tp, dim=dim)[tp_rank]
         p = torch.nn.Parameter(torch.zeros_like(grad))
         p.grad = grad.clone()
-        p.tensor_model_parallel = kind != "rep"
-        if kind != "rep":
-            p.partition_dim = 0 if kind == "col" else 1
-        if stage == "both":
-            p.shared_embedding = True
+        set_param_facts(p, tensor_model_parallel=kind != "rep", partition_dim=-1 if kind == "rep" else
+                        0 if kind == "col" else 1, shared_embedding=stage == "both")
         out[name] = p
     return out
 
@@ -141,7 +139,7 @@ def _overflow_on_one_rank() -> list[bool]:
 
     ps = initialize_model_parallel(2, 1)
     w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    w.tensor_model_parallel = True
+    set_param_facts(w, tensor_model_parallel=True, partition_dim=0)
     opt = Float16OptimizerWithFloat16Params(
         torch.optim.SGD([w], lr=0.1),
         grad_scaler=DynamicGradScaler(initial_scale=8.0, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,

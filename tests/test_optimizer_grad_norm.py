@@ -46,13 +46,14 @@ def _recorder():
 def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = False, clip_grad: float = 0.0,
          model_kwargs: dict | None = None, **strategy_kwargs) -> dict:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **strategy_kwargs)
     recorder = _recorder()
-    callback = MegatronOptimizerCallback(clip_grad=clip_grad, use_distributed_optimizer=zero1)
+    callback = MegatronOptimizerCallback(OptimizerConfig(clip_grad=clip_grad, use_distributed_optimizer=zero1))
     trainer = make_trainer(strategy, world, STEPS, callbacks=[callback, recorder],
                            precision="bf16-true" if dtype == "bfloat16" else "32-true")
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank() if world > 1 else 0)

@@ -13,6 +13,7 @@ from lightning_megatron.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
 )
+from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ def test_float16_wrapper_keeps_fp32_params_and_moves_existing_state():
 def test_overflow_in_a_duplicate_the_norm_skips_is_still_found(bad):
     """On TP rank 1 a replicated parameter is left out of the norm (rank 0 counts it) but is checked."""
     sharded = torch.nn.Parameter(torch.ones(4).bfloat16())
-    sharded.tensor_model_parallel = True
+    set_param_facts(sharded, tensor_model_parallel=True, partition_dim=0)
     replicated = torch.nn.Parameter(torch.ones(3).bfloat16())
     opt = Float16OptimizerWithFloat16Params(torch.optim.SGD([sharded, replicated], lr=0.1),
                                             grad_scaler=ConstantGradScaler(1.0), tp_rank=1)

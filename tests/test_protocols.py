@@ -90,8 +90,86 @@ def test_optimizer_contract_wraps_plain_torch_and_names_what_is_missing():
     assert optimizer_wrapper(mixed) is mixed and isinstance(mixed, OptimizerWrapper)
     main = mixed.main_param(w)
     assert main is mixed.optimizer.param_groups[0]["params"][0] and main.dtype == torch.float32
-    with pytest.raises(TypeError, match="missing: optimizer, scale_loss, main_param"):
+    with pytest.raises(TypeError, match="neither a torch.optim.Optimizer nor .*; missing: optimizer, grad_scaler, "
+                                        "num_skipped_steps, reduces_gradients, last_step_skipped, last_grad_norm, "
+                                        "scale_loss, main_param"):
         optimizer_wrapper(object())
+
+
+class HostAdam(torch.optim.Optimizer):
+    """A wrapper of one's own, written from lightning_megatron.protocols.OptimizerWrapper alone (no
+    subclass of MegatronOptimizer): fp32 master weights and Adam state kept on the host, the gradients
+    read from the strategy's grad buffer, the updated weights copied back into the model."""
+
+    grad_scaler = None
+    num_skipped_steps = 0
+    reduces_gradients = False
+    last_step_skipped = False
+    last_grad_norm = None
+
+    def __init__(self, params, grad_buffer, lr=1e-2):
+        self.model_params = [p for p in params if p.requires_grad]
+        self.masters = {id(p): p.detach().to("cpu", torch.float32).clone() for p in self.model_params}
+        self.optimizer = torch.optim.Adam(list(self.masters.values()), lr=lr)
+        self.grad_buffer = grad_buffer
+        self.param_groups, self.state, self.defaults = self.optimizer.param_groups, self.optimizer.state, {}
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self.steps = 0
+
+    def scale_loss(self, loss):
+        return loss
+
+    def main_param(self, param):
+        return self.masters[id(param)]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for p in self.model_params:
+            self.masters[id(p)].grad = self.grad_buffer.main_grad_of(p).to("cpu")
+        self.optimizer.step()
+        for p in self.model_params:
+            p.copy_(self.masters[id(p)])
+        self.steps += 1
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+class _HostAdamModule(_Plain):
+    def configure_optimizers(self):
+        return HostAdam(self.parameters(), self.trainer.strategy.grad_buffer)
+
+
+class _HalfWrapper(torch.optim.SGD):
+    """A torch optimizer with part of the contract: it scales the loss, but says nothing else."""
+
+    def scale_loss(self, loss):
+        return loss * 1024.0
+
+
+def test_a_wrapper_of_ones_own_implements_the_protocol_in_one_file_and_a_partial_one_is_refused():
+    """Any class with every OptimizerWrapper member is taken as it is (on main: a torch.optim.Optimizer
+    that was not a MegatronOptimizer was silently adapted as plain, its scale_loss and main_param ignored)."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron.protocols import OptimizerWrapper, optimizer_wrapper
+    from lightning_megatron.strategy import MegatronStrategy
+
+    module = _HostAdamModule()
+    before = module.fc.weight.detach().clone()
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(), max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(torch.randn(8, 2), batch_size=4))
+    [opt] = trainer.optimizers
+    assert isinstance(opt, HostAdam) and isinstance(opt, OptimizerWrapper) and optimizer_wrapper(opt) is opt
+    assert opt.steps == 2 and not torch.equal(before, module.fc.weight)
+    assert torch.equal(module.fc.weight, opt.main_param(module.fc.weight))
+    with pytest.raises(TypeError, match="_HalfWrapper implements part of .*OptimizerWrapper; missing: optimizer, "
+                                        "grad_scaler, .*main_param"):
+        optimizer_wrapper(_HalfWrapper([nn.Parameter(torch.ones(1))], lr=0.1))
 
 
 class _NoLossLogged(LightningModule):

@@ -13,11 +13,12 @@ MICRO, BATCH = 4, 8
 def _trainer_losses(precision: str, params_dtype: str = "float32", callback: bool = True, plugins=None,
                     steps: int = 1) -> list[float] | str:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
     recorder = LossRecorder()
-    callbacks = [recorder] + ([MegatronOptimizerCallback(clip_grad=0.0)] if callback else [])
+    callbacks = [recorder] + ([MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0))] if callback else [])
     kwargs = {"plugins": plugins} if plugins else {"precision": precision}
     trainer = make_trainer(MegatronStrategy(micro_batch_size=MICRO), 1, steps, callbacks=callbacks, **kwargs)
     try:

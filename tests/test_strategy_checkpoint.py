@@ -123,6 +123,7 @@ def _fp16_run(max_steps: int, save_to: str | None = None, ckpt_in: str | None = 
     from lightning.pytorch import Callback
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -137,8 +138,8 @@ def _fp16_run(max_steps: int, save_to: str | None = None, ckpt_in: str | None = 
 
     strategy = MegatronStrategy(tensor_model_parallel_size=2)
     trace = Trace()
-    callbacks = [MegatronOptimizerCallback(clip_grad=1.0, initial_loss_scale=2.0**20, loss_scale_window=3,
-                                           hysteresis=1),
+    callbacks = [MegatronOptimizerCallback(OptimizerConfig(clip_grad=1.0, initial_loss_scale=2.0**20, loss_scale_window=3,
+                                           hysteresis=1)),
                  OptimizerParamSchedulerCallback(max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=2, lr_decay_steps=12,
                                                  lr_decay_style="cosine"), trace]
     trainer = make_trainer(strategy, 2, max_steps, callbacks=callbacks, precision="16-true")

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler, warmup_for_run
+from lightning_megatron.protocols import optimizer_wrapper
 
 __all__ = ["OptimizerParamSchedulerCallback"]
 
@@ -151,7 +151,7 @@ class OptimizerParamSchedulerCallback(Callback):
         if trainer.global_step > self._last_global_step:  # an optimizer step ran this batch
             self._last_global_step = trainer.global_step
             optimizer = trainer.optimizers[0]
-            if not (isinstance(optimizer, MegatronOptimizer) and optimizer.last_step_skipped):
+            if not optimizer_wrapper(optimizer).last_step_skipped:
                 self.scheduler.step(1)  # an overflow-skipped step does not advance the schedule
         pl_module.log("lr", lr, on_step=True, on_epoch=False, rank_zero_only=True)
         pl_module.log("wd", wd, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.model_summary import summarize
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from typing_extensions import override
 
-from lightning_megatron.optimizer.clip_grads import is_counted_once
+from lightning_megatron.tensor_parallel.param_facts import is_counted
 from lightning_megatron.strategy import MegatronStrategy
 
 __all__ = ["MegatronModelSummary", "model_parameter_count", "run_summary"]
@@ -35,7 +35,7 @@ def model_parameter_count(trainer: pl.Trainer, pl_module: pl.LightningModule, *,
     if not isinstance(strategy, MegatronStrategy) or strategy.parallel_state is None:
         return sum(p.numel() for p in params)
     ps = strategy.parallel_state
-    count = sum(p.numel() for p in params if is_counted_once(p, ps.tp_rank, ps.pp_rank))
+    count = sum(p.numel() for p in params if is_counted(p, ps.tp_rank, ps.pp_rank))
     if ps.mp_group is not None and dist.get_world_size(ps.mp_group) > 1:
         total = torch.tensor([float(count)], dtype=torch.float64, device=strategy.root_device)
         dist.all_reduce(total, group=ps.mp_group)

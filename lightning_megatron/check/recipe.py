@@ -149,8 +149,9 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
             skipped.append(path_)
     # The CLI's named sections (``megatron_optimizer:``, ``lr_schedule:``) are these callbacks too.
     for section, name in _SECTIONS.items():
-        if cfg.get(section) is not None:
-            kept.append((name, dict(cfg[section])))
+        if cfg.get(section) is not None:  # megatron_optimizer: the fields of the callback's OptimizerConfig
+            args = dict(cfg[section])
+            kept.append((name, {"config": args} if name == "MegatronOptimizerCallback" else args))
     precision = trainer.get("precision")
     return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout, data=data,
                        callbacks=kept, skipped_callbacks=skipped,
@@ -176,8 +177,14 @@ def build_dataset(data_class: str, data: dict[str, Any], num_samples: int):
 
 def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: Layout) -> list:
     from lightning_megatron import callbacks as lm_callbacks
+    from lightning_megatron.optimizer.config import OptimizerConfig
 
-    return [getattr(lm_callbacks, name)(**kwargs) for name, kwargs in callbacks]
+    def build(name: str, kwargs: dict[str, Any]) -> Any:
+        if name == "MegatronOptimizerCallback":  # {"config": {clip_grad: ...}} as in trainer.callbacks
+            return lm_callbacks.MegatronOptimizerCallback(OptimizerConfig(**dict(kwargs.get("config") or {})))
+        return getattr(lm_callbacks, name)(**kwargs)
+
+    return [build(name, kwargs) for name, kwargs in callbacks]
 
 
 def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[str, Any]:

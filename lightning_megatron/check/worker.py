@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.check.layouts import Layout
+from lightning_megatron.tensor_parallel.param_facts import is_counted, param_facts
 
 __all__ = ["CheckRun", "global_batch_loader", "global_pieces", "run_layouts"]
 
@@ -91,7 +92,7 @@ def global_batch_loader(dataset: Dataset, global_batch: int, dp_size: int, dp_ra
 
 
 def _tied_copy(p: torch.Tensor, ps: Any) -> bool:
-    return bool(getattr(p, "shared_embedding", False)) and not ps.is_pipeline_first_stage()
+    return param_facts(p).shared_embedding and not ps.is_pipeline_first_stage()
 
 
 def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torch.Tensor],
@@ -111,7 +112,7 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
         if _tied_copy(p, ps):
             continue
         t = tensors[name].detach().float().cpu()
-        info = shard_info(p, ps.tp_rank, ps.tp_size, getattr(p, "real_vocab_size", None))
+        info = shard_info(p, ps.tp_rank, ps.tp_size)
         if info is None:
             if ps.tp_rank == 0:
                 out[name] = (t.clone(), None, tuple(t.shape))
@@ -278,8 +279,9 @@ def _make_recorder(run: CheckRun):
             ps = strategy.parallel_state
             named = _named_parameters(trainer)
             grads = {}
+            buffer = strategy.grad_buffer
             for name, p in named:
-                g = getattr(p, "main_grad", None)
+                g = None if buffer is None else buffer.main_grad_of(p)
                 g = p.grad if g is None else g
                 grads[name] = torch.zeros_like(p, dtype=torch.float32) if g is None else g
             if run.measure_memory and trainer.global_step == 0:
@@ -291,8 +293,7 @@ def _make_recorder(run: CheckRun):
                 flat /= ps.dp_size
                 grads = dict(zip(grads, (v.view_as(g) for v, g in
                                          zip(flat.split([g.numel() for g in grads.values()]), grads.values()))))
-            counted = [grads[n] for n, p in named if not _tied_copy(p, ps)
-                       and (getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0)]
+            counted = [grads[n] for n, p in named if is_counted(p, ps.tp_rank, ps.pp_rank)]
             # In float64: torch's fp32 norm of a vocab-sized tensor is off by ~1e-4 relative, differently
             # for each TP split, which would hide the layout's own differences.
             squares = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum().reshape(1) \
@@ -330,6 +331,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
     from lightning.pytorch import Trainer
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.optimizer.config import OptimizerConfig
     from lightning_megatron.strategy import MegatronStrategy
 
     world = dist.get_world_size()
@@ -343,7 +345,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
     optimizer_cbs = [c for c in callbacks if isinstance(c, MegatronOptimizerCallback)]
     if layout.zero1:
         if not optimizer_cbs:  # clip_grad=0: the same update as the plain optimizer of the other layouts
-            callbacks.append(MegatronOptimizerCallback(clip_grad=0.0, use_distributed_optimizer=True))
+            callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0, use_distributed_optimizer=True)))
         for c in optimizer_cbs:
             c.config = replace(c.config, use_distributed_optimizer=True)
     recorder = _make_recorder(run)

@@ -5,12 +5,14 @@ The norm of the *whole* model's gradient, although each rank holds only a piece 
     ||g||_p = ( sum over TP and PP ranks of sum over this rank's counted params of ||g_i||_p^p )^(1/p)
     ||g||_inf = max over ranks and params of max |g_i|
 
-A parameter is counted on exactly one rank of its model-parallel replica:
+A parameter is counted on exactly one rank of its model-parallel replica
+(:func:`~lightning_megatron.tensor_parallel.param_facts.is_counted`, from its
+:class:`~lightning_megatron.tensor_parallel.ParamFacts`):
 
-- tensor-parallel shards (``param.tensor_model_parallel = True``) are disjoint slices: every rank
+- tensor-parallel shards (``tensor_model_parallel=True``) are disjoint slices: every rank
   counts its own slice;
-- parameters replicated across TP (no attribute, or ``False``) are counted on ``tp_rank == 0`` only;
-- the tied word embedding (``param.shared_embedding = True``) lives on the first and the last
+- parameters replicated across TP are counted on ``tp_rank == 0`` only;
+- the tied word embedding (``shared_embedding=True``) lives on the first and the last
   pipeline stage: counted on ``pp_rank == 0`` only.
 
 Clipping scales every gradient (counted or not: duplicates must stay equal) by
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.tensor_parallel.mappings import all_reduce
+from lightning_megatron.tensor_parallel.param_facts import is_counted
 
 __all__ = [
     "get_grad_norm_fp32",
@@ -49,17 +52,6 @@ __all__ = [
 _CHUNK = 1 << 20  # elements converted to fp64 at a time: 8 MiB of temporary, whatever the tensor
 
 
-def is_counted_once(param: torch.Tensor, tp_rank: int, pp_rank: int) -> bool:
-    """Whether this rank contributes ``param`` to a model-wide sum (each duplicate counted once): a
-    tensor-parallel duplicate on TP rank 0 only, the tied embedding on the first stage only."""
-    if getattr(param, "shared_embedding", False) and pp_rank != 0:
-        return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
-
-
-_is_counted = is_counted_once  # the name distrib_optimizer.py imports
-
-
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
         return [parameters]
@@ -70,7 +62,7 @@ def grads_for_norm(
     parameters: Iterable[torch.Tensor] | torch.Tensor, *, tp_rank: int = 0, pp_rank: int = 0
 ) -> list[torch.Tensor]:
     """The gradients this rank contributes to the global norm (see the module docstring)."""
-    return [p.grad for p in _as_list(parameters) if p.grad is not None and is_counted_once(p, tp_rank, pp_rank)]
+    return [p.grad for p in _as_list(parameters) if p.grad is not None and is_counted(p, tp_rank, pp_rank)]
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:

@@ -13,7 +13,14 @@ any, ZeRO-1                  DistributedOptimizer as above, by the lowest precis
 
 ``Float16Optimizer...`` is :class:`~lightning_megatron.optimizer.mixed_precision.Float16OptimizerWithFloat16Params`.
 A float ``loss_scale`` gives ``ConstantGradScaler(loss_scale)`` in every case. No Lightning here:
-:class:`~lightning_megatron.callbacks.MegatronOptimizerCallback` connects it to the Trainer.
+:class:`~lightning_megatron.callbacks.MegatronOptimizerCallback` carries it into a Trainer, and the
+:class:`~lightning_megatron.strategy.MegatronStrategy` calls :meth:`OptimizerConfig.wrap` right after
+``configure_optimizers`` (where it owns the parallel state and the gradient buffer).
+
+Clipping has one owner, ``clip_grad``: Lightning's ``Trainer(gradient_clip_val=...)`` would clip each
+rank's piece of the gradient by its own norm. :func:`gradient_clip_val_problem` is the one rule, used
+before launch and at set-up; it follows Lightning's meaning of the value: ``None`` and ``0`` both mean
+"no clipping by Lightning" and are accepted, any other value is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +42,20 @@ if TYPE_CHECKING:
     from lightning_megatron.grads import GradBuffer
     from lightning_megatron.parallel_state import ParallelState
 
-__all__ = ["OptimizerConfig"]
+__all__ = ["OptimizerConfig", "gradient_clip_val_problem"]
+
+
+def gradient_clip_val_problem(gradient_clip_val: float | None) -> str | None:
+    """Why ``Trainer(gradient_clip_val=...)`` is refused alongside our clipping (``None`` when it is not).
+
+    ``None`` and ``0`` disable Lightning's clipping (Lightning skips clipping for both) and are accepted.
+    """
+    if not gradient_clip_val:
+        return None
+    return (f"Trainer(gradient_clip_val={gradient_clip_val}) would clip each rank's piece of the gradient by its "
+            f"own norm; remove it (None or 0) and set the clipping of MegatronOptimizerCallback instead "
+            f"(--megatron_optimizer.clip_grad {gradient_clip_val}, or OptimizerConfig(clip_grad="
+            f"{gradient_clip_val})), which clips by the norm over all tensor- and pipeline-parallel ranks")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +110,7 @@ class OptimizerConfig:
         if isinstance(optimizer, MegatronOptimizer):
             return optimizer
         ps = parallel_state
-        common = dict(clip_grad=self.clip_grad, log_num_zeros_in_grad=self.log_num_zeros_in_grad,
+        common = dict(clip_grad=self.clip_grad, log_num_zeros_in_grad=self.log_num_zeros_in_grad, grad_buffer=grad_buffer,
                       model_parallel_group=None if ps is None else ps.mp_group,
                       tp_rank=0 if ps is None else ps.tp_rank, pp_rank=0 if ps is None else ps.pp_rank,
                       check_for_nan_in_loss_and_grad=self.check_for_nan_in_loss_and_grad)
@@ -98,8 +118,7 @@ class OptimizerConfig:
         low = next((d for d in (torch.float16, torch.bfloat16) if d in dtypes), torch.float32)
         if self.use_distributed_optimizer:
             return DistributedOptimizer(optimizer, grad_scaler=self.grad_scaler(low),
-                                        data_parallel_group=None if ps is None else ps.dp_group,
-                                        grad_buffer=grad_buffer, **common)
+                                        data_parallel_group=None if ps is None else ps.dp_group, **common)
         if low != torch.float32:
             return Float16OptimizerWithFloat16Params(optimizer, grad_scaler=self.grad_scaler(low), **common)
         return FP32Optimizer(optimizer, grad_scaler=self.grad_scaler(low), **common)

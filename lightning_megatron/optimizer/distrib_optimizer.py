@@ -51,10 +51,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.grads import GradBuffer
-from lightning_megatron.optimizer.clip_grads import _is_counted, sum_of_squares_fp64
+from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
 from lightning_megatron.tensor_parallel.mappings import all_reduce
+from lightning_megatron.tensor_parallel.param_facts import is_counted
 
 __all__ = ["DistributedOptimizer"]
 
@@ -133,7 +134,7 @@ class DistributedOptimizer(MegatronOptimizer):
             raise ValueError(f"DistributedOptimizer: buckets {uneven} of the grad buffer are not padded to a multiple "
                              f"of the DP size {self.dp_size}; build the GradBuffer with pad_to={self.dp_size}")
         self.buffer = grad_buffer
-        grad_buffer.reduce_scatter = True
+        grad_buffer.use_reduce_scatter()
         dtypes = {p.dtype for p in mine}
         self._gather_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes != {torch.float32} else torch.float32
         self.padded_numel = grad_buffer.data.numel()
@@ -188,9 +189,6 @@ class DistributedOptimizer(MegatronOptimizer):
         """The fp32 grad storage (the GradBuffer's data): every ``main_grad`` is a view of it."""
         return self.buffer.data
 
-    def _all_segments(self):
-        return iter(self._segments)
-
     def _copy_model_grads_to_main_grads(self) -> None:
         buf = self.buffer
         if not buf.reduced:  # used on its own: the model grads are in .grad, not reduced yet
@@ -215,30 +213,20 @@ class DistributedOptimizer(MegatronOptimizer):
             if group is not None:
                 all_reduce(t, group, op)
 
-    def _unscale_main_grads(self) -> None:
-        assert self.grad_scaler is not None
-        grads = self._main_grads()
-        inv_scale = self.grad_scaler.inv_scale.to(self.grad_buffer.device)
-        if grads and not bool(inv_scale.item() == 1.0):
-            torch._foreach_mul_(grads, inv_scale.reshape(()))
-
     def _segment_grad(self, seg: tuple[torch.nn.Parameter, int, int, int, int]) -> torch.Tensor:
         p, lo, hi, _, g = seg
         return self.buffer.data[g: g + hi - lo]
 
     def _counted_grad_pieces(self) -> list[torch.Tensor]:
         """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
-        return [self._segment_grad(seg) for seg in self._segments if _is_counted(seg[0], self.tp_rank, self.pp_rank)]
-
-    def _grad_norm(self) -> float:
-        return self._grad_norm_and_found_inf()[0]
+        return [self._segment_grad(seg) for seg in self._segments if is_counted(seg[0], self.tp_rank, self.pp_rank)]
 
     def _grad_norm_and_found_inf(self, loss: torch.Tensor | None = None) -> tuple[float, bool]:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as
         # clip_grads), the rest (and 0 * loss) are only checked; reduced over DP and the model-parallel group.
         counted = self._counted_grad_pieces()
         others = [self._segment_grad(seg) for seg in self._segments
-                  if not _is_counted(seg[0], self.tp_rank, self.pp_rank)]
+                  if not is_counted(seg[0], self.tp_rank, self.pp_rank)]
         if loss is not None:
             others.append(loss.to(self.grad_buffer.device) * 0.0)
         total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
@@ -270,16 +258,15 @@ class DistributedOptimizer(MegatronOptimizer):
         target = self.grad_buffer if dtype == torch.float32 else self.grad_buffer.view(dtype)[: self.padded_numel]
         for (base, lo, hi), bucket in zip(self._pieces, self.buffer.buckets):
             target[lo:hi].copy_(self.main_shard[base: base + hi - lo])  # round to nearest, once per step
-        self.buffer.reduced = False
+        self.buffer.mark_consumed()
         # All-gather every bucket in place (each rank's piece already sits in its slot) and copy into
         # the model params; with overlap_param_gather the buffer does it during the next forward.
         self.buffer.start_param_gather(target)
 
     # -- public API ----------------------------------------------------------------------------
     def get_parameters(self) -> list[torch.Tensor]:
-        # The model params: MegatronOptimizer.__init__ uses this for the scaler's device.
-        return [p for group in getattr(self, "model_groups", [])
-                for p in group] or [p for g in self.optimizer.param_groups for p in g["params"]]
+        """The model params (the inner optimizer holds flat views of the main shard)."""
+        return [p for group in self.model_groups for p in group]
 
     # step() is MegatronOptimizer.step; these hooks make it work on the flat shard.
     def _clip_parameters(self) -> list[torch.Tensor]:
@@ -288,7 +275,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _release_main_grads(self) -> None:
         for main in self.main_params:
             main.grad = None
-        self.buffer.reduced = False  # consumed (or skipped): the next step reduces anew
+        self.buffer.mark_consumed()  # consumed (or skipped): the next step reduces anew
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grads([p for params in self.model_groups for p in params], set_to_none)
@@ -306,15 +293,6 @@ class DistributedOptimizer(MegatronOptimizer):
             "optimizer_state": state,
             "grad_buffer": self.grad_buffer.numel() * self.grad_buffer.element_size(),
             "model_params": sum(p.numel() * p.element_size() for g in self.model_groups for p in g),
-        }
-
-    def layout(self) -> dict[str, Any]:
-        return {
-            "dp_size": self.dp_size,
-            "dp_rank": self.dp_rank,
-            "numel": self.numel,
-            "param_shapes": [[tuple(p.shape) for p in g] for g in self.model_groups],
-            "buckets": [(b.start, b.end) for b in self.buffer.buckets],
         }
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +41,14 @@ import torch.distributed as dist
 from lightning_megatron.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
-    get_grad_norm_fp32,
     grad_norm_and_found_inf,
     grads_for_norm,
 )
 from lightning_megatron.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
+from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, mark_replicated
+
+if TYPE_CHECKING:
+    from lightning_megatron.grads import GradBuffer
 
 __all__ = ["MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params", "NonFiniteLossOrGradError"]
 
@@ -53,16 +56,6 @@ __all__ = ["MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Par
 class NonFiniteLossOrGradError(FloatingPointError):
     """A NaN/Inf loss or gradient norm with ``check_for_nan_in_loss_and_grad``: the run stops before
     the optimizer step, so no checkpoint holds that state."""
-
-# Attributes a main param inherits from its model param: the norm needs them to count each
-# parameter once (see clip_grads.py).
-_COPIED_PARAM_ATTRIBUTES = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "shared_embedding",
-    "sequence_parallel",
-)
 
 
 def zero_grads(params: list[torch.Tensor], set_to_none: bool = True) -> None:
@@ -98,6 +91,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         tp_rank: int = 0,
         pp_rank: int = 0,
         check_for_nan_in_loss_and_grad: bool = False,
+        grad_buffer: GradBuffer | None = None,
     ) -> None:
         # Deliberately no super().__init__: it would build new param groups and state; ours are the
         # inner optimizer's. The hook dicts exist so Optimizer's hook-registration API still works.
@@ -126,8 +120,14 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        if grad_scaler is not None and self.get_parameters():
-            grad_scaler.to(self.get_parameters()[0].device)  # the scale lives next to the grads
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # Parameters no parallel layer described are replicated (one process, or plain layers): said
+        # once here, so that the norm can count every parameter (tensor_parallel.param_facts).
+        mark_replicated(params)
+        self._grad_buffer = grad_buffer
+        """The strategy's GradBuffer whose ``main_grad`` views hold the grads (None: ``.grad``)."""
+        if grad_scaler is not None and params:
+            grad_scaler.to(params[0].device)  # the scale lives next to the grads
         self.last_grad_norm: float | None = None
         self.last_num_zeros: int | None = None
         self.last_step_skipped = False
@@ -183,10 +183,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     # -- step pieces (overridden by the fp16/bf16 wrapper) ---------------------------------------
     def _copy_model_grads_to_main_grads(self) -> None:
-        # A Megatron-style DDP accumulates into ``param.main_grad``; hand it to the optimizer.
-        for p in self.get_parameters():
-            if hasattr(p, "main_grad"):
-                p.grad = p.main_grad
+        # Under the strategy the grads are in its GradBuffer (``main_grad``); hand them to the optimizer.
+        if self._grad_buffer is not None:
+            for p in self.get_parameters():
+                main_grad = self._grad_buffer.main_grad_of(p)
+                if main_grad is not None:
+                    p.grad = main_grad
 
     def _copy_main_params_to_model_params(self) -> None:
         pass
@@ -216,18 +218,17 @@ class MegatronOptimizer(torch.optim.Optimizer):
         checked_loss = None
         if self.check_for_nan_in_loss_and_grad and torch.is_tensor(loss):
             checked_loss = loss.detach().float().reshape(-1)[:1]
-        if self.grad_scaler is None and self.check_for_nan_in_loss_and_grad:
-            grad_norm, found_inf = self._grad_norm_and_found_inf(checked_loss)
-            if found_inf:
-                self._raise_non_finite(loss, grad_norm)
         if self.grad_scaler is not None:
             self._unscale_main_grads()
-            grad_norm, found_inf = self._grad_norm_and_found_inf(checked_loss)
-            if found_inf and self.check_for_nan_in_loss_and_grad:
-                # An fp16 overflow is the dynamic scaler's to skip; a non-finite loss never is.
-                loss_finite = checked_loss is None or bool(torch.isfinite(checked_loss).all())
-                if not (isinstance(self.grad_scaler, DynamicGradScaler) and loss_finite):
-                    self._raise_non_finite(loss, grad_norm)
+        # One pass over the grads: the norm, and whether any grad (or the checked loss) on any
+        # model-parallel rank is inf/nan; without a scaler and without the check only the norm is used.
+        grad_norm, found_inf = self._grad_norm_and_found_inf(checked_loss)
+        if found_inf and self.check_for_nan_in_loss_and_grad:
+            # An fp16 overflow is the dynamic scaler's to skip; a non-finite loss never is.
+            loss_finite = checked_loss is None or bool(torch.isfinite(checked_loss).all())
+            if not (isinstance(self.grad_scaler, DynamicGradScaler) and loss_finite):
+                self._raise_non_finite(loss, grad_norm)
+        if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.last_step_skipped = True
@@ -236,8 +237,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 self.last_num_zeros = None
                 self._release_main_grads()
                 return loss
-        elif not self.check_for_nan_in_loss_and_grad:
-            grad_norm = self._grad_norm()
 
         self.last_grad_norm = grad_norm
         if self.clip_grad > 0.0:
@@ -276,11 +275,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return [p for p in self.get_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
     # Hooks of the step; the DistributedOptimizer overrides them for its flat shards.
-    def _grad_norm(self) -> float:
-        """Global L2 norm over TP/PP (each duplicated parameter once)."""
-        grads = grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank, pp_rank=self.pp_rank)
-        return get_grad_norm_fp32(grads, 2, self.model_parallel_group)
-
     def _grad_norm_and_found_inf(self, loss: torch.Tensor | None = None) -> tuple[float, bool]:
         """The global L2 norm and whether any main grad (or ``loss``) on any model-parallel rank is inf/nan."""
         counted = grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank, pp_rank=self.pp_rank)
@@ -354,9 +348,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                     continue
                 if param.dtype in (torch.float16, torch.bfloat16):
                     main_param = param.detach().clone().float()
-                    for name in _COPIED_PARAM_ATTRIBUTES:
-                        if hasattr(param, name):
-                            setattr(main_param, name, getattr(param, name))
+                    copy_param_facts(param, main_param)  # the norm counts it as its model param
                     group["params"][i] = main_param
                     self._main_by_param[id(param)] = main_param
                     if param in self.optimizer.state:
@@ -393,7 +385,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         # ``.grad`` is converted once and freed.
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
-                main_grad = getattr(model_param, "main_grad", None)
+                main_grad = None if self._grad_buffer is None else self._grad_buffer.main_grad_of(model_param)
                 if main_grad is not None:
                     main_param.grad = main_grad.float()  # the same tensor when fp32
                 else:
@@ -401,8 +393,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 model_param.grad = None
         for group in self.fp32_from_fp32_groups:
             for param in group:
-                if hasattr(param, "main_grad"):
-                    param.grad = param.main_grad
+                main_grad = None if self._grad_buffer is None else self._grad_buffer.main_grad_of(param)
+                if main_grad is not None:
+                    param.grad = main_grad
 
     def _copy_main_params_to_model_params(self) -> None:
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):

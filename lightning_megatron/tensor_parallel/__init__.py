@@ -28,14 +28,15 @@ from lightning_megatron.tensor_parallel.random import (
     model_parallel_seed,
     recompute,
 )
-from lightning_megatron.tensor_parallel.utils import (
-    VocabUtility,
-    divide,
-    pad_vocab_size,
-    param_is_not_tensor_parallel_duplicate,
+from lightning_megatron.tensor_parallel.param_facts import (
+    ParamFacts,
+    is_counted,
+    mark_replicated,
+    param_facts,
+    set_param_facts,
     set_tensor_model_parallel_attributes,
-    split_tensor_along_last_dim,
 )
+from lightning_megatron.tensor_parallel.utils import VocabUtility, divide, pad_vocab_size
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
@@ -45,6 +46,6 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "all_reduce_sequence_parallel_grads",
     "init_method_normal", "scaled_init_method_normal", "RNGStatesTracker", "get_rng_tracker",
     "model_parallel_seed", "recompute", "MODEL_PARALLEL_RNG_TRACKER_NAME", "VocabUtility", "divide",
-    "pad_vocab_size", "param_is_not_tensor_parallel_duplicate", "set_tensor_model_parallel_attributes",
-    "split_tensor_along_last_dim", "Communicator", "TorchCommunicator", "communicator_of",
+    "pad_vocab_size", "set_tensor_model_parallel_attributes", "ParamFacts", "param_facts", "set_param_facts",
+    "mark_replicated", "is_counted", "Communicator", "TorchCommunicator", "communicator_of",
 ]

@@ -40,11 +40,12 @@ from lightning_megatron.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from lightning_megatron.tensor_parallel.utils import (
-    VocabUtility,
-    divide,
+from lightning_megatron.tensor_parallel.param_facts import (
+    param_facts,
+    set_param_facts,
     set_tensor_model_parallel_attributes,
 )
+from lightning_megatron.tensor_parallel.utils import VocabUtility, divide
 
 __all__ = [
     "ColumnParallelLinear",
@@ -171,10 +172,9 @@ class RowParallelLinear(nn.Module):
                                   group_rank(tp_group), world, stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
-            set_tensor_model_parallel_attributes(self.bias, is_parallel=False, dim=0)
             # Under sequence parallelism each rank adds the bias to its own sequence chunk only, so
             # its gradient is partial: the strategy all-reduces it over TP.
-            self.bias.sequence_parallel = sequence_parallel
+            set_param_facts(self.bias, tensor_model_parallel=False, partition_dim=0, sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -234,5 +234,5 @@ class VocabParallelEmbedding(nn.Module):
 def all_reduce_sequence_parallel_grads(parameters: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None) -> None:
     """Sum over TP the grads of parameters marked ``sequence_parallel`` (replicated weights that saw
     only this rank's sequence chunk: norms, row-parallel biases). One flat all-reduce."""
-    all_reduce_coalesced([p.grad for p in parameters if getattr(p, "sequence_parallel", False) and p.grad is not None],
+    all_reduce_coalesced([p.grad for p in parameters if param_facts(p).sequence_parallel and p.grad is not None],
                          tp_group)

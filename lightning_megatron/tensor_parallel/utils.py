@@ -1,18 +1,11 @@
-"""Small pure helpers for tensor parallelism: division checks, vocab ranges, parameter metadata."""
+"""Small pure helpers for tensor parallelism: division checks, vocab ranges (parameter facts:
+:mod:`lightning_megatron.tensor_parallel.param_facts`)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "divide",
-    "pad_vocab_size",
-    "VocabUtility",
-    "set_tensor_model_parallel_attributes",
-    "set_defaults_if_not_set_tensor_model_parallel_attributes",
-    "param_is_not_tensor_parallel_duplicate",
-    "split_tensor_along_last_dim",
-]
+__all__ = ["divide", "pad_vocab_size", "VocabUtility"]
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -52,30 +45,3 @@ class VocabUtility:
     def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
         per_partition = divide(global_vocab_size, world_size, "vocab size (pad it with pad_vocab_size)")
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank)
-
-
-_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
-
-
-def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1) -> None:
-    """Mark ``param`` as sharded along ``dim`` across TP ranks (or replicated when ``is_parallel`` is False)."""
-    param.tensor_model_parallel = is_parallel
-    param.partition_dim = dim
-    param.partition_stride = stride
-
-
-def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor) -> None:
-    for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
-        if not hasattr(param, name):
-            setattr(param, name, value)
-
-
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
-    """True when ``param`` is sharded or this is TP rank 0: norms count a replicated parameter once."""
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
-
-
-def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int) -> tuple[torch.Tensor, ...]:
-    """Split ``tensor`` into ``num_partitions`` equal chunks along its last dimension (views)."""
-    last = tensor.size(-1)
-    return torch.split(tensor, divide(last, num_partitions, "last dimension"), dim=-1)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 from lightning_megatron.transformer.config import TransformerConfig
 
 __all__ = ["LayerNorm", "RMSNorm", "Norm", "get_norm_class", "resolve_norm_class"]
@@ -32,8 +33,8 @@ class LayerNorm(nn.Module):
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        for param in (self.weight, self.bias):
-            param.sequence_parallel = config.sequence_parallel
+        for param in (self.weight, self.bias):  # partial grads under sequence parallelism: summed over TP
+            set_param_facts(param, sequence_parallel=config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's kernels accumulate mean and variance in fp32 for bf16/fp16 inputs; an explicit
@@ -48,7 +49,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel
+        set_param_facts(self.weight, sequence_parallel=config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

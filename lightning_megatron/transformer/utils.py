@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_megatron.tensor_parallel.param_facts import set_param_facts
+
 __all__ = [
     "AttnMaskType",
     "IdentityOp",
@@ -87,7 +89,7 @@ def get_activation_func(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def mark_sequence_parallel(module: nn.Module, sequence_parallel: bool) -> None:
-    """Set ``param.sequence_parallel`` on every parameter of a replicated module that runs on the
+    """Set the ``sequence_parallel`` fact (:class:`~lightning_megatron.tensor_parallel.ParamFacts`) of every parameter of a replicated module that runs on the
     local sequence chunk under sequence parallelism: its gradient is partial and must be summed over TP."""
     for param in module.parameters():
-        param.sequence_parallel = sequence_parallel
+        set_param_facts(param, sequence_parallel=sequence_parallel)

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_megatron.models.bert.metrics import eval_stage, finetune_metrics, update_stage
 from lightning_megatron.models.bert.model import BertModel
 from lightning_megatron.models.bert.module import BertLightningModule
-from lightning_megatron.tensor_parallel import init_method_normal
+from lightning_megatron.tensor_parallel import init_method_normal, mark_replicated, param_facts
 from lightning_megatron.transformer import seeded
 
 __all__ = ["BertClassificationModule"]
@@ -70,6 +70,7 @@ class BertClassificationModule(BertLightningModule):
                                             dtype=self.config.params_dtype)
                 init_method_normal(self.config.init_method_std)(last.classifier.weight.data)
                 nn.init.zeros_(last.classifier.bias.data)
+            mark_replicated(last.classifier.parameters())  # replicated across TP, like the pooler
             last.classifier_dropout = nn.Dropout(self.hparams.classifier_dropout)
         self.eval_metrics = finetune_metrics(self.hparams.num_classes, self.parallel_state)
         if init_from:
@@ -84,7 +85,7 @@ class BertClassificationModule(BertLightningModule):
         unused = ("classifier.", "lm_head.", "binary_head.", "output_layer.bias")
         return [(n, p) for n, p in self.sharded_named_parameters()
                 if not n.startswith(unused) and not (n == "output_layer.weight"
-                                                     and not getattr(p, "shared_embedding", False))]
+                                                     and not param_facts(p).shared_embedding)]
 
     @override
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: BertModel):

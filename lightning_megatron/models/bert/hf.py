@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_megatron.parallel_state import group_size
-from lightning_megatron.tensor_parallel import pad_vocab_size
+from lightning_megatron.tensor_parallel import pad_vocab_size, param_facts
 from lightning_megatron.transformer import TransformerConfig
 
 __all__ = [
@@ -273,10 +273,11 @@ def gather_full_state_dict(model: nn.Module, tp_group: dist.ProcessGroup | None)
     params = dict(model.named_parameters())
     for key, value in model.state_dict().items():
         param = params.get(key)
-        if world > 1 and param is not None and getattr(param, "tensor_model_parallel", False):
+        facts = None if param is None else param_facts(param)
+        if world > 1 and facts is not None and facts.tensor_model_parallel:
             parts = [torch.empty_like(value) for _ in range(world)]
             dist.all_gather(parts, value.contiguous(), group=tp_group)
-            value = torch.cat(parts, dim=param.partition_dim)
+            value = torch.cat(parts, dim=facts.partition_dim)
         out[key] = value.detach().clone()
     return out
 

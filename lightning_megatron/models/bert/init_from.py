@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_megatron.models.bert.convert import SavedModel, read_model_checkpoint
+from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 __all__ = ["read_pretrained", "read_hf_folder", "load_full_state_dict", "check_architecture",
            "ARCHITECTURE_KEYS", "read_architecture", "architecture_conflicts"]
@@ -203,7 +204,8 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
     with torch.no_grad():
         for name, p in named_parameters:
             key = name
-            if name == "output_layer.weight" and getattr(p, "shared_embedding", False):
+            facts = param_facts(p)
+            if name == "output_layer.weight" and facts.shared_embedding:
                 key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
             t = full.get(key)
             if t is None:
@@ -214,9 +216,9 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                 else:
                     missing.append(key)
                 continue
-            sharded = getattr(p, "tensor_model_parallel", False) and tp_size > 1
-            dim = p.partition_dim % p.dim() if sharded else 0
-            real = getattr(p, "real_vocab_size", None)
+            sharded = facts.tensor_model_parallel and tp_size > 1
+            dim = facts.partition_dim % p.dim() if sharded else 0
+            real = facts.real_vocab_size
             if real is not None:
                 padded = p.size(0) * (tp_size if sharded else 1)
                 if t.size(0) < real:

@@ -28,8 +28,10 @@ from lightning_megatron.tensor_parallel import (
     VocabParallelEmbedding,
     gather_from_sequence_parallel_region,
     init_method_normal,
+    mark_replicated,
     pad_vocab_size,
     scatter_to_sequence_parallel_region,
+    set_param_facts,
     vocab_parallel_cross_entropy,
 )
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
@@ -235,7 +237,8 @@ class BertModel(nn.Module):
                     nn.init.zeros_(self.binary_head.bias.data)
         if share_embeddings_and_output_weights and (pre_process or post_process):
             # The strategy all-reduces this grad over the embedding group (first + last stage).
-            self.shared_embedding_or_output_weight().shared_embedding = True
+            set_param_facts(self.shared_embedding_or_output_weight(), shared_embedding=True)
+        mark_replicated(self.parameters())  # the rest (norms, position embeddings, heads) replicated over TP
 
     def shared_embedding_or_output_weight(self) -> nn.Parameter:
         """The word-embedding weight [V_padded/t, h] this chunk holds (its own copy on a last stage)."""

@@ -34,7 +34,7 @@ from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
-from lightning_megatron.tensor_parallel import vocab_parallel_cross_entropy
+from lightning_megatron.tensor_parallel import set_param_facts, vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
 
 
@@ -447,7 +447,5 @@ def _tag_vocab_parallel(chunk: BertModel, vocab_size: int) -> None:
             tensors.append(chunk.output_layer.weight)
         if chunk.output_layer.bias is not None:
             tensors.append(chunk.output_layer.bias)
-    for t in tensors:
-        t.real_vocab_size = vocab_size
-        if not hasattr(t, "partition_dim"):
-            t.partition_dim = 0
+    for t in tensors:  # the parallel layers set partition_dim 0 (the vocabulary's dimension)
+        set_param_facts(t, real_vocab_size=vocab_size)
