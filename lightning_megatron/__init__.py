@@ -4,7 +4,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_LAZY = {"MegatronStrategy": "lightning_megatron.strategy", "ParallelLayout": "lightning_megatron.parallel_state",
+_LAZY = {"MegatronStrategy": "lightning_megatron.strategy", "MegatronLightningModule": "lightning_megatron.module",
+         "ParallelLayout": "lightning_megatron.parallel_state",
          "ParallelState": "lightning_megatron.parallel_state",
          "initialize_model_parallel": "lightning_megatron.parallel_state"}
 
@@ -20,4 +21,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'lightning_megatron' has no attribute {name!r}")
 
 
-__all__ = ["MegatronStrategy", "ParallelLayout", "ParallelState", "initialize_model_parallel", "__version__"]
+__all__ = ["MegatronStrategy", "MegatronLightningModule", "ParallelLayout", "ParallelState", "initialize_model_parallel",
+           "__version__"]

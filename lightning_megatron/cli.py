@@ -10,11 +10,15 @@
     lightning-megatron ... --allow-unverified-checkpoint     (any command: checkpoints without checksums load)
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
-so every argument of the Trainer, the strategy, the model and the data is a dotted override. The
+or over any LightningModule and LightningDataModule named by class path (``--model.class_path
+my_pkg.MyModule``, ``--data.class_path ...``, or ``class_path:`` in the recipe's ``model:`` / ``data:``
+section: LightningCLI's subclass mode), so every argument of the Trainer, the strategy, the model and
+the data is a dotted override. The
 Megatron callbacks are named argument groups: ``--megatron_optimizer.clip_grad 0.5``,
 ``--lr_schedule.lr_warmup_steps 10`` (recipes configure them in those sections; ``--lr_schedule null``
 drops one). ``--optimizer torch.optim.SGD --optimizer.momentum 0.9`` and ``--lr_scheduler ...`` take
-any torch optimizer and LR scheduler as LightningCLI does, built by the model on its parameter groups.
+any torch optimizer and LR scheduler as LightningCLI does, built by the model on its parameter groups
+(a :class:`~lightning_megatron.module.MegatronLightningModule`: ``use_optimizer`` / ``use_lr_scheduler``).
 Logs and checkpoints go under ``trainer.default_root_dir``; W&B continues the run of a checkpoint.
 The other commands are plain functions in ``COMMANDS`` (name -> (function(argv), one-line help)).
 """
@@ -74,19 +78,18 @@ def _wandb_mode(config) -> None:
 
 def _lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
                    *, link_num_classes: bool = False, **kwargs) -> Any:
-    """The LightningCLI over BertLightningModule and BertDataModule, or the given classes
-    (``run=False`` in kwargs: only build). ``args`` (or ``sys.argv`` when None) may name recipes with
-    ``base:``; they are merged first (lightning_megatron.recipes). ``link_num_classes``: the model's
-    ``num_classes`` is the datamodule's (fine-tuning)."""
+    """The LightningCLI over BertLightningModule and BertDataModule, the given classes, or any class the
+    command line or its recipe names by ``class_path`` (subclass mode) (``run=False`` in kwargs: only
+    build). ``args`` (or ``sys.argv`` when None) may name recipes with ``base:``; they are merged first
+    (lightning_megatron.recipes). ``link_num_classes``: the model's ``num_classes`` is the datamodule's
+    (fine-tuning)."""
     from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
     from torch.optim import Optimizer
 
     import lightning_megatron.strategy  # noqa: F401  registers strategy="megatron"
-    from lightning_megatron.data.datamodule import BertDataModule
-    from lightning_megatron.models.bert.module import BertLightningModule
-
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback, PredictionWriter
     from lightning_megatron.loggers import WandbRunIdCallback
+    from lightning_megatron.module import MegatronLightningModule
 
     if args is None:  # LightningCLI reads sys.argv; Lightning starts the other ranks with it too
         sys.argv[1:] = _resolve_recipes(sys.argv[1:])
@@ -96,6 +99,13 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     given = list(args if args is not None else sys.argv[1:])  # the command line's own flags
     from lightning_megatron.optimizer.config import OptimizerConfig
 
+    # A class named by class_path (command line or recipe): LightningCLI's subclass mode, and BERT is
+    # never imported; otherwise the BERT module and datamodule, whose recipes give plain arguments.
+    named = _named_by_class_path(given)
+    if model_class is None and "model" not in named:
+        from lightning_megatron.models.bert.module import BertLightningModule as model_class
+    if datamodule_class is None and "data" not in named:
+        from lightning_megatron.data.datamodule import BertDataModule as datamodule_class
     # The section's type: the callback's own arguments, or (megatron_optimizer) the OptimizerConfig the
     # callback takes, so that the section holds its fields (clip_grad: ...) without a config: level.
     _NAMED_CALLBACKS = {"megatron_optimizer": (MegatronOptimizerCallback, OptimizerConfig),
@@ -111,17 +121,15 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 parser.add_argument(f"--{key}", type=Optional[section_type], default=None,
                                     help=f"{callback.__name__} (a section of its arguments; null: none)")
             # --optimizer torch.optim.SGD --optimizer.momentum 0.9 (and --lr_scheduler ...), as LightningCLI
-            # has them, but linked into the model, which builds them on its parameter groups (no weight
-            # decay on biases and norms) once its chunks exist: LightningCLI's automatic
-            # configure_optimizers (switched off below) would use model.parameters() before configure_model.
-            # lr and weight_decay stay the model's (--model.lr; the lr_schedule group drives both).
+            # has them, but handed to the model (MegatronLightningModule.use_optimizer), which builds them on
+            # its parameter groups (no weight decay on biases and norms) once its chunks exist: LightningCLI's
+            # automatic configure_optimizers (switched off below) would use model.parameters() before
+            # configure_model. lr and weight_decay stay the model's (--model.lr; the lr_schedule group
+            # drives both).
             parser.add_subclass_arguments((Optimizer,), "optimizer", instantiate=False, required=False,
                                           fail_untyped=False, skip={"params", "lr", "weight_decay"})
             parser.add_subclass_arguments(LRSchedulerTypeTuple, "lr_scheduler", instantiate=False, required=False,
                                           fail_untyped=False, skip={"optimizer"})
-            for group in ("optimizer", "lr_scheduler"):
-                parser.link_arguments(group, f"model.{group}_class", compute_fn=_class_path)
-                parser.link_arguments(group, f"model.{group}_kwargs", compute_fn=_init_args)
             if link_num_classes:  # one place for the classes: the data (labels, or 1 for regression)
                 parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
 
@@ -142,9 +150,22 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             config = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
             raise SystemExit(_optimizer_hyperparameter_message(name, value, bool(config.get("lr_schedule"))))
 
+        def instantiate_classes(self) -> None:
+            super().instantiate_classes()
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            optimizer, scheduler = config.get("optimizer"), config.get("lr_scheduler")
+            if not (optimizer or scheduler):
+                return
+            if not isinstance(self.model, MegatronLightningModule):
+                raise SystemExit(f"lightning-megatron: --optimizer / --lr_scheduler are built by a "
+                                 f"lightning_megatron.module.MegatronLightningModule on its parameter groups; "
+                                 f"{type(self.model).__name__} is not one: build them in its configure_optimizers")
+            self.model.use_optimizer(_class_path(optimizer), _init_args(optimizer))
+            self.model.use_lr_scheduler(_class_path(scheduler), _init_args(scheduler))
+
         def before_instantiate_classes(self) -> None:
             # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
-            # process; a warm-up too long for a short run is shortened first, with a warning.
+            # process (a warm-up as long as a short run is shortened at set-up by the schedule callback).
             from lightning_megatron.config_checks import ConfigError, config_from_cli, validate_config
 
             config = self.config[self.subcommand] if self.subcommand else self.config
@@ -159,7 +180,6 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             _recover_last(config)
             _wandb_mode(config)
             _continue_wandb_run(config)
-            _clamp_warmup(config)
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
             except ConfigError as e:
@@ -178,9 +198,35 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     extra = defaults.get("callbacks") or []
     defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback(),
                              PredictionWriter()]
-    return MegatronCLI(model_class or BertLightningModule, datamodule_class or BertDataModule, args=args,
+    kwargs.setdefault("subclass_mode_model", model_class is None)  # a class named by class_path
+    kwargs.setdefault("subclass_mode_data", datamodule_class is None)
+    return MegatronCLI(model_class, datamodule_class, args=args,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
+
+
+def _named_by_class_path(argv: list[str]) -> set[str]:
+    """Which of ``model`` / ``data`` the command line (``--model.class_path X``, ``--model X``) or a
+    ``--config`` recipe (``model: {class_path: X}``; merged YAML text or a file) names by class path."""
+    import yaml
+
+    named = set()
+    for i, arg in enumerate(argv):
+        for key in ("model", "data"):
+            if arg.split("=", 1)[0] in (f"--{key}", f"--{key}.class_path"):
+                named.add(key)
+        value = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
+            arg[len("--config="):] if arg.startswith("--config=") else None)
+        if value is None:
+            continue
+        try:
+            text = value if "\n" in value else Path(value).read_text()
+            recipe = yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError):
+            continue  # LightningCLI reports it
+        if isinstance(recipe, dict):
+            named |= {k for k in ("model", "data") if isinstance(recipe.get(k), dict) and "class_path" in recipe[k]}
+    return named
 
 
 _OPTIMIZER_HYPERPARAMETERS = ("lr", "weight_decay")
@@ -398,29 +444,6 @@ def _continue_wandb_run(config) -> None:
         args = logger.init_args
         if _is_subclass(logger.class_path, WandbLogger) and not args.get("id") and not args.get("version"):
             args.id = run_id
-
-
-def _clamp_warmup(config) -> None:
-    """A warm-up as long as the run would fail in the scheduler after start-up: shorten it now, loudly."""
-    import warnings
-
-    from lightning_megatron.callbacks import OptimizerParamSchedulerCallback
-
-    trainer = config.get("trainer") if hasattr(config, "get") else None
-    specs = [cb.init_args for cb in _entries(trainer.get("callbacks") if trainer else None)
-             if _is_subclass(cb.class_path, OptimizerParamSchedulerCallback)]
-    if not specs:  # the lr_schedule section is among trainer.callbacks by now (_named_callbacks_into_trainer)
-        return
-    schedule = specs[0]
-    max_steps = trainer.get("max_steps") or -1
-    warmup = schedule.get("lr_warmup_steps") or 0
-    decay = schedule.get("lr_decay_steps") or max_steps
-    if max_steps > 0 and decay > 0 and warmup >= decay:
-        new = max(0, min(decay, max_steps) // 10)
-        warnings.warn(f"lr_schedule.lr_warmup_steps={warmup} is not below the decay length {decay} "
-                      f"(trainer.max_steps={max_steps}): using lr_warmup_steps={new} (10% of it); set "
-                      f"--lr_schedule.lr_warmup_steps to choose", UserWarning, stacklevel=1)
-        schedule["lr_warmup_steps"] = new
 
 
 def _preprocess(argv: list[str]) -> None:

@@ -26,8 +26,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
+from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_state import model_parallel_size_problems
 from lightning_megatron.pipeline.layout import get_layer_range
+from lightning_megatron.pipeline.schedules import num_microbatches_problem
+from lightning_megatron.step import batch_size_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
            "PRECISION_PARAMS_DTYPE"]
@@ -167,17 +170,11 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     if s_micro is not None and d_micro is not None and s_micro != d_micro:
         problems.append(f"strategy micro_batch_size={s_micro} disagrees with data micro_batch_size={d_micro}; "
                         f"set it in one place (the data's, with the strategy's left null)")
-    if gb is not None and micro is not None:
-        if gb % micro:
-            problems.append(f"global_batch_size={gb} is not divisible by micro_batch_size={micro}; choose a "
-                            f"global batch that is a multiple of micro_batch_size x data-parallel size")
-        elif dp is not None and gb % (micro * dp):
-            problems.append(f"global_batch_size={gb} is not divisible by micro_batch_size={micro} x data-parallel "
-                            f"size={dp} (= {micro * dp}); choose a global batch that is a multiple of {micro * dp}")
-        elif dp is not None and vp is not None and vp > 1 and (gb // (micro * dp)) % pp:
-            problems.append(f"num_microbatches={gb // (micro * dp)} (global_batch_size={gb} / (micro_batch_size="
-                            f"{micro} x data-parallel size={dp})) is not divisible by pipeline_model_parallel_size="
-                            f"{pp}, which the interleaved schedule needs; use a multiple of {pp * micro * dp}")
+    if gb is not None and micro is not None:  # the rules BatchSizes and the schedules apply at set-up
+        problem = batch_size_problem(micro, gb, dp or 1)
+        if problem is None and dp is not None:
+            problem = num_microbatches_problem(gb // (micro * dp), pp, vp)
+        problems += [problem] if problem else []
 
     # --- sequence length
     seq, positions = _int(d.get("max_seq_length")), _int(m.get("max_sequence_length"))
@@ -280,26 +277,22 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any]) -> list[str]:
 
 def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run: bool = False) -> list[str]:
     problems = []
-    decay = sch.get("lr_decay_steps")
-    source = "lr_decay_steps"
-    if decay is None and fast_dev_run:
+    decay = _int(sch.get("lr_decay_steps"))
+    warmup = _int(sch.get("lr_warmup_steps", 0)) or 0
+    if sch.get("lr_decay_steps") is None and fast_dev_run:
         pass  # the scheduler callback takes the horizon past the warm-up for the few steps of the check run
-    elif decay is None:
+    elif sch.get("lr_decay_steps") is None:
         if max_steps is None or max_steps <= 0:
             problems.append(f"lr_decay_steps=null means trainer.max_steps, but max_steps={max_steps}; set "
                             f"trainer.max_steps or lr_decay_steps")
-        decay, source = max_steps, "lr_decay_steps (= trainer.max_steps)"
-    warmup = _int(sch.get("lr_warmup_steps", 0)) or 0
-    if decay is not None and decay > 0 and warmup >= decay:
-        problems.append(f"lr_warmup_steps={warmup} must be < {source}={decay}; shorten the warm-up or decay later")
-    max_lr, min_lr, init_lr = sch.get("max_lr"), sch.get("min_lr"), sch.get("init_lr")
-    if max_lr is not None and min_lr is not None and max_lr < min_lr:
-        problems.append(f"max_lr={max_lr} must be >= min_lr={min_lr}")
-    if max_lr is not None and init_lr is not None and init_lr > max_lr:
-        problems.append(f"init_lr={init_lr} must be <= max_lr={max_lr}")
-    if sch.get("use_checkpoint_opt_param_scheduler") and sch.get("override_opt_param_scheduler"):
-        problems.append("override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
-                        "each other; set use_checkpoint_opt_param_scheduler=False to override")
+        # else a warm-up as long as the run is shortened at set-up (scheduler.warmup_for_run), with a warning
+    elif decay is not None:
+        problems += [p for p in [warmup_problem(warmup, decay)] if p]  # the scheduler's own rule
+    numbers = [v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+               for v in (sch.get("init_lr"), sch.get("max_lr"), sch.get("min_lr"))]
+    problems += lr_problems(*numbers)  # the scheduler's own rules
+    problems += [p for p in [resume_problem(bool(sch.get("use_checkpoint_opt_param_scheduler")),
+                                            bool(sch.get("override_opt_param_scheduler")))] if p]
     return problems
 
 
@@ -317,6 +310,12 @@ def validate_config(model_hparams: Mapping[str, Any] | None = None, data_hparams
 def _plain(value: Any) -> Any:
     as_dict = getattr(value, "as_dict", None)
     return as_dict() if callable(as_dict) else value
+
+
+def _init_args(section: Any) -> dict[str, Any]:
+    """A model/data section's arguments: plain, or the ``init_args`` of a class named by ``class_path``."""
+    section = dict(section or {})
+    return dict(section.get("init_args") or {}) if "class_path" in section else section
 
 
 def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str, Any]:
@@ -351,6 +350,6 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str
         scheduler_args = dict(c["lr_schedule"])
     if isinstance(c.get("megatron_optimizer"), Mapping):
         has_optimizer_callback = True
-    return dict(model_hparams=dict(c.get("model") or {}), data_hparams=dict(c.get("data") or {}),
+    return dict(model_hparams=_init_args(c.get("model")), data_hparams=_init_args(c.get("data")),
                 strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
                 has_optimizer_callback=has_optimizer_callback if fitting else None)

@@ -55,6 +55,7 @@ __all__ = [
     "MegatronModule",
     "LightningStepsModule",
     "CountsFlops",
+    "EstimatesCost",
     "megatron_module",
     "OptimizerWrapper",
     "ShardedOptimizer",
@@ -112,6 +113,19 @@ class CountsFlops(Protocol):
     def training_flops(self, batch: Any, data_parallel_size: int) -> float | Tensor:
         """Model FLOPs of one training step whose per-rank batch is ``batch``, over all
         ``data_parallel_size`` replicas (forward + backward, recomputation not counted)."""
+
+
+@runtime_checkable
+class EstimatesCost(Protocol):
+    """Optional, on the module's class: its sizes for ``lightning-megatron check --estimate-memory`` and
+    ``--estimate-time``, which build no model (BERT: the layers, hidden size, vocabulary, LM head
+    fraction; the formulas of ``check/memory.py``, ``check/timing.py`` and ``flops.py`` take them)."""
+
+    @classmethod
+    def estimate_shape(cls, model: Mapping[str, Any], data: Mapping[str, Any], *, micro_batch_size: int,
+                       global_batch_size: int) -> Any:
+        """A :class:`~lightning_megatron.check.memory.ModelShape` from the recipe's ``model`` and ``data``
+        arguments (dropout as given)."""
 
 
 _MODULE_MEMBERS = ("model_chunks", "forward_step", "pipeline_tensor_shape", "sharded_named_parameters")

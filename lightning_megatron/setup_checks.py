@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -22,7 +23,7 @@ from lightning_megatron.parallel_state import ParallelState, validate_model_para
 from lightning_megatron.pipeline.schedules import validate_num_microbatches
 from lightning_megatron.step import BatchSizes
 
-__all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes"]
+__all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes", "describe_setup"]
 
 
 def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_parallel: bool,
@@ -108,3 +109,27 @@ def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: Paral
     if sizes.num_microbatches is not None:
         validate_num_microbatches(sizes.num_microbatches, ps.pp_size, ps.vp_size)
     return sizes
+
+
+def describe_setup(ps: ParallelState, *, sequence_parallel: bool, buffer: Any,
+                   micro_batch_size: int | None) -> str:
+    """What the strategy resolved, in one message for the start of a run (rank 0's view): the layout,
+    rank 0's groups, the communicator of each group, whether the DP reduction overlaps the backward and
+    the grad buffer's bucket count (``buffer``: the GradBuffer, None when not fitting)."""
+    layout = ps.layout
+    groups = {"tp": ps.tp_group, "dp": ps.dp_group, "pp": ps.pp_group}
+    ranks = {name: (dist.get_process_group_ranks(g) if g is not None else [ps.rank]) for name, g in groups.items()}
+    comms = {name: type(ps.communicators[name]).__name__ if name in ps.communicators else "torch.distributed"
+             for name in ("tp", "dp", "mp")}
+    lines = [f"MegatronStrategy: world {layout.world_size} = TP {ps.tp_size} x PP {ps.pp_size} x DP {ps.dp_size}"
+             f"{f' (VP {ps.vp_size})' if ps.vp_size else ''}, "
+             f"sequence parallel {'on' if sequence_parallel else 'off'}, "
+             f"micro batch {micro_batch_size or 'the whole per-rank batch'}",
+             "  groups of rank 0: " + ", ".join(f"{n} {r}" for n, r in ranks.items()),
+             "  communicators: " + ", ".join(f"{n} {c}" for n, c in comms.items())]
+    if buffer is not None:
+        lines.append(f"  grad buffer: {len(buffer.buckets)} bucket(s), DP reduction overlapped with the backward: "
+                     f"{'on' if buffer.overlap_grad_reduce else 'off'}, ZeRO-1 parameter gather overlapped with the "
+                     f"forward: {'on' if buffer.overlap_param_gather else 'off'}")
+    return "\n".join(lines)
+

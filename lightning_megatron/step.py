@@ -32,7 +32,18 @@ from lightning_megatron.pipeline.schedules import get_forward_backward_func, val
 from lightning_megatron.protocols import LightningStepsModule, MegatronModule
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 
-__all__ = ["BatchSizes", "StepRunner"]
+__all__ = ["BatchSizes", "StepRunner", "batch_size_problem"]
+
+
+def batch_size_problem(micro_batch_size: int | None, global_batch_size: int | None,
+                       data_parallel_size: int) -> str | None:
+    """The rule ``global = micro x num_microbatches x dp``: the one validator :class:`BatchSizes` (at
+    set-up) and ``config_checks`` (before launch) call; None when it holds or a size is unknown."""
+    micro, glob, dp = micro_batch_size, global_batch_size, data_parallel_size
+    if micro is not None and glob is not None and glob % (micro * dp) != 0:
+        return (f"global_batch_size={glob} is not divisible by micro_batch_size={micro} x data-parallel "
+                f"size={dp} (= {micro * dp}); choose a global batch that is a multiple of it")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,10 +62,9 @@ class BatchSizes:
         for name, value in (("micro_batch_size", micro), ("global_batch_size", glob)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if micro is not None and glob is not None and glob % (micro * dp) != 0:
-            raise ValueError(
-                f"global_batch_size={glob} is not divisible by micro_batch_size={micro} x data-parallel "
-                f"size={dp} (= {micro * dp}); choose a global batch that is a multiple of it")
+        problem = batch_size_problem(micro, glob, dp)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def num_microbatches(self) -> int | None:

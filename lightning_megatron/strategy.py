@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -37,6 +38,7 @@ from lightning_megatron import checkpoint as ckpt
 from lightning_megatron.config_checks import timeout_problem
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
+from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
@@ -52,6 +54,7 @@ from lightning_megatron.protocols import (
 )
 from lightning_megatron.setup_checks import (
     check_precision,
+    describe_setup,
     check_strategy_arguments,
     check_trainer,
     resolve_batch_sizes,
@@ -151,6 +154,7 @@ class MegatronStrategy(DDPStrategy):
         self._grad_buffer: GradBuffer | None = None
         self._optimizer_config: OptimizerConfig | None = None  # handed over by MegatronOptimizerCallback.setup
         self._preemption = PreemptionHandler()
+        self._described = False
 
     # ------------------------------------------------------------------ set-up
 
@@ -169,6 +173,9 @@ class MegatronStrategy(DDPStrategy):
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
             self.virtual_pipeline_model_parallel_size, timeout=self._timeout)
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
+        if isinstance(self.lightning_module, MegatronLightningModule):
+            # As Lightning's ModelParallelStrategy hands its device mesh: the groups, before configure_model.
+            self.lightning_module.connect_parallel_state(self.parallel_state, sequence_parallel=self.sequence_parallel)
         if self.cpu_tuning is not None:  # opt-in; acts on CPU only
             self.cpu_tuning.setup(self.parallel_state, device=self.root_device, timeout=self._timeout)
 
@@ -212,6 +219,10 @@ class MegatronStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if not self._described:  # once per strategy: what it resolved
+            self._described = True
+            rank_zero_info(describe_setup(ps, sequence_parallel=self.sequence_parallel, buffer=self._grad_buffer,
+                                          micro_batch_size=self.batch_sizes.micro_batch_size))
 
     @property
     def grad_buffer(self) -> GradBuffer | None:

@@ -198,3 +198,33 @@ def test_param_groups_no_decay_on_bias_and_norm():
     assert head["lr"] == pytest.approx(1.0) and head["weight_decay"] == pytest.approx(0.05)
     nodecay = next(g for g in opt.param_groups if g["wd_mult"] == 0.0)
     assert nodecay["weight_decay"] == 0.0 and nodecay["lr"] == pytest.approx(0.1)
+
+
+def test_warmup_longer_than_decay_gets_one_answer_everywhere():
+    """Warm-up >= decay: an explicit ``lr_decay_steps`` is refused with one message by the scheduler
+    (at set-up) and by the pre-launch check; with ``lr_decay_steps=None`` (the run's length) the
+    warm-up is shortened to 10% of the run, with a warning, by the schedule callback at set-up, for
+    the CLI and for Python alike, and the pre-launch check reports nothing."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.callbacks import OptimizerParamSchedulerCallback
+    from lightning_megatron.config_checks import check_config
+    from lightning_megatron.optimizer.scheduler import warmup_for_run, warmup_problem
+
+    message = warmup_problem(50, 20)
+    assert message == "lr_warmup_steps=50 must be < lr_decay_steps=20; shorten the warm-up or decay later"
+    with pytest.raises(ValueError) as e:
+        _sched(lr_warmup_steps=50, lr_decay_steps=20)
+    assert str(e.value) == message
+    args = dict(init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=50)
+    assert check_config(scheduler_args={**args, "lr_decay_steps": 20}, trainer_args={"max_steps": 100}) == [message]
+
+    assert warmup_for_run(30, 20)[0] == 2 and warmup_for_run(10, 20) == (10, None)
+    assert check_config(scheduler_args={**args, "lr_decay_steps": None}, trainer_args={"max_steps": 20}) == []
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    callback = OptimizerParamSchedulerCallback(**{**args, "lr_warmup_steps": 30})
+    trainer = SimpleNamespace(lr_scheduler_configs=[], optimizers=[opt], max_steps=20, fast_dev_run=False)
+    with pytest.warns(UserWarning, match=r"lr_warmup_steps=30 is not below the decay length 20 .* using "
+                                         r"lr_warmup_steps=2"):
+        callback.on_fit_start(trainer, None)
+    assert callback.scheduler.lr_warmup_steps == 2 and callback.scheduler.lr_decay_steps == 20

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler, warmup_for_run
 from lightning_megatron.protocols import optimizer_wrapper
-from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
 
 __all__ = ["OptimizerParamSchedulerCallback"]
 
@@ -97,6 +97,10 @@ class OptimizerParamSchedulerCallback(Callback):
                 kwargs[name] = trainer.max_steps
         if trainer.fast_dev_run and self.kwargs["lr_decay_steps"] is None:
             kwargs["lr_decay_steps"] = self._fast_dev_run_horizon(trainer)
+        elif self.kwargs["lr_decay_steps"] is None:  # the run's length decides: one rule with the pre-launch check
+            kwargs["lr_warmup_steps"], message = warmup_for_run(kwargs["lr_warmup_steps"], trainer.max_steps)
+            if message:
+                rank_zero_warn(f"OptimizerParamSchedulerCallback: {message}", category=UserWarning)
         self.scheduler = OptimizerParamScheduler(trainer.optimizers[0], **kwargs)
         self._resolved = {name: kwargs[name] for name in ("lr_decay_steps", "wd_incr_steps")
                           if self.kwargs[name] is None}

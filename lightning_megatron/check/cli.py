@@ -88,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         recipe.data["max_seq_length"] = args.seq_length
     if args.gpus is not None and not (args.estimate_memory or args.estimate_time):
         parser.error("--gpus lists layouts for --estimate-memory and/or --estimate-time; add one of them")
+    if args.estimate_memory or args.estimate_time:
+        from lightning_megatron.check.memory_cli import model_shape
+
+        try:  # the module's class declares its sizes (protocols.EstimatesCost), or the estimate is refused
+            model_shape(recipe)
+        except ValueError as e:
+            parser.error(str(e))
     timing = None
     if args.estimate_time:
         from lightning_megatron.check.time_cli import timing_inputs

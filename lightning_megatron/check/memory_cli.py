@@ -3,7 +3,7 @@ and the layouts of N GPUs that fit (from :mod:`lightning_megatron.check.memory`)
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 from typing import Any
 
 from lightning_megatron.check.layouts import Layout
@@ -15,29 +15,22 @@ _MIB = 2**20
 
 
 def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> ModelShape:
-    """The formulas' sizes from a recipe (``--model.*`` / ``--data.*`` overrides applied); ``on_cpu``:
-    the attention path the CPU takes (for comparing with a check run on this machine); ``training``:
-    with the recipe's dropout (a check run turns it off)."""
-    mdl, data = recipe.model, recipe.data
-    dropout = recipe.dropout if training else mdl
-    vocab = mdl.get("vocab_size")
-    if vocab is None:
-        vocab_file = data.get("vocab_file")
-        vocab = 30522 if vocab_file is None else sum(1 for _ in Path(vocab_file).open(encoding="utf-8"))
-    spec = str(mdl.get("spec", "bert_layer_local_spec"))
-    return ModelShape(
-        num_layers=int(mdl.get("num_layers", 2)), hidden_size=int(mdl.get("hidden_size", 128)),
-        num_attention_heads=int(mdl.get("num_attention_heads", 4)), ffn_hidden_size=mdl.get("ffn_hidden_size"),
-        vocab_size=int(vocab), make_vocab_size_divisible_by=int(mdl.get("make_vocab_size_divisible_by", 128)),
-        max_sequence_length=int(mdl.get("max_sequence_length", 128)),
-        seq_length=int(data.get("max_seq_length", 128)), micro_batch_size=recipe.micro_batch_size,
-        global_batch_size=recipe.global_batch_size, masked_lm_prob=float(data.get("masked_lm_prob", 0.15)),
-        params_dtype=str(mdl.get("params_dtype", "float32")), optimizer=str(mdl.get("optimizer", "adamw")),
-        post_norm="post_norm" in spec, rmsnorm="rmsnorm" in spec,
-        recompute=mdl.get("recompute_granularity") == "full",
-        attention_backend=str(mdl.get("attention_backend", "auto")), on_cpu=on_cpu,
-        hidden_dropout=float(dropout.get("hidden_dropout", 0.0)),
-        attention_dropout=float(dropout.get("attention_dropout", 0.0)))
+    """The formulas' sizes, declared by the recipe's module class (``estimate_shape``,
+    :class:`~lightning_megatron.protocols.EstimatesCost`; ``--model.*`` / ``--data.*`` overrides
+    applied); ``on_cpu``: the attention path the CPU takes (for comparing with a check run on this
+    machine); ``training``: with the recipe's dropout (a check run turns it off)."""
+    from lightning_megatron.check.recipe import import_class
+    from lightning_megatron.protocols import EstimatesCost
+
+    cls = import_class(recipe.model_class)
+    if not isinstance(cls, EstimatesCost):
+        raise ValueError(f"{recipe.model_class} declares no estimate_shape(model, data, *, micro_batch_size, "
+                         f"global_batch_size) (lightning_megatron.protocols.EstimatesCost): --estimate-memory and "
+                         f"--estimate-time need its sizes; layout parity (check without them) works for any module")
+    model = {**recipe.model, **(recipe.dropout if training else {})}
+    shape = cls.estimate_shape(model, recipe.data, micro_batch_size=recipe.micro_batch_size,
+                               global_batch_size=recipe.global_batch_size)
+    return dataclasses.replace(shape, on_cpu=on_cpu)
 
 
 def _mib(x: float) -> str:

@@ -7,7 +7,10 @@ the same microbatches in every layout (:func:`~lightning_megatron.check.worker.g
 so a data-order difference cannot appear: any difference is the layout's. It compares per step the
 loss and the global gradient norm, and, at the chosen steps, every parameter's gradient as a global
 tensor (TP shards put together, vocab padding dropped, PP stages by global names), and reports the
-parameter whose gradient differs most. :class:`CheckReport` prints the table and says PASS or FAIL.
+parameter whose gradient differs most. Where a layout fails it names the first module that diverges:
+the first, in the reference's forward order, whose forward output on step 1's first microbatch
+differs (TP pieces put together), else the first, in backward order, whose gradients differ.
+:class:`CheckReport` prints the table and says PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from lightning_megatron.check.spawn import run_distributed
 from lightning_megatron.check.worker import CheckRun, run_layouts
 
 __all__ = ["CheckReport", "LayoutResult", "LayoutRun", "Tolerances", "check_layouts", "compare_runs",
-           "gather_runs", "grad_error"]
+           "first_divergence", "gather_runs", "grad_error", "join_pieces"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,10 +48,13 @@ class Tolerances:
     """Final parameters (when recorded): ``torch.testing.assert_close`` rtol ..."""
     param_atol: float = 1e-5
     """... and atol."""
+    output_rtol: float = 1e-4
+    """Per module: max |y - y_ref| / max |y_ref| of its forward output (naming the first divergence)."""
 
     @classmethod
     def bf16(cls) -> Tolerances:
-        return cls(loss_rtol=1e-2, grad_norm_rtol=2e-2, grad_rtol=5e-2, param_rtol=1e-2, param_atol=1e-2)
+        return cls(loss_rtol=1e-2, grad_norm_rtol=2e-2, grad_rtol=5e-2, param_rtol=1e-2, param_atol=1e-2,
+                   output_rtol=5e-2)
 
 
 @dataclass(kw_only=True)
@@ -64,6 +70,10 @@ class LayoutRun:
     """Per global rank: bytes of ``params``, ``grads``, ``optimizer``, ``activations_peak``."""
     collectives: list[dict[str, bool]]
     """Per global rank: which groups ran on shared memory."""
+    outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Module name -> its step-1 forward output pieces, by TP rank (DP rank 0)."""
+    output_order: list[str] = field(default_factory=list)
+    """Module names in forward order (pipeline stage, then call order)."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +97,9 @@ class LayoutResult:
     rows: list[StepRow]
     failures: list[str] = field(default_factory=list)
     param_failures: list[str] = field(default_factory=list)
+    first_divergence: str | None = None
+    """Where the layout first departs from the reference: ``"forward output of NAME (...)"`` or
+    ``"gradients of NAME (...)"``; None when no module's output or gradients differ."""
 
     @property
     def passed(self) -> bool:
@@ -122,7 +135,8 @@ class CheckReport:
                 err = "" if r.worst_grad_err is None else f"{r.worst_grad_err:9.2e}"
                 lines.append(f"{res.layout:<14} {r.step:>4} {r.loss:>12.6f} {r.loss_rel:>9.2e} {r.norm:>11.6f} "
                              f"{r.norm_rel:>9.2e} {err:>9}  {r.worst_param or ''}")
-            status = "PASS" if res.passed else "FAIL: " + "; ".join(res.failures + res.param_failures[:3])
+            first = [f"first divergence: {res.first_divergence}"] if res.first_divergence else []
+            status = "PASS" if res.passed else "FAIL: " + "; ".join(first + res.failures + res.param_failures[:3])
             lines.append(f"{res.layout:<14} {status}")
         lines.append("PASS" if self.passed else "FAIL")
         return "\n".join(lines)
@@ -145,6 +159,32 @@ def _assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return full
 
 
+def _outputs(records: list[dict[str, Any]]) -> tuple[dict[str, list[torch.Tensor]], list[str]]:
+    """Module outputs of a layout's ranks -> name -> pieces by TP rank, and the names in forward order."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    order: dict[str, tuple[int, int]] = {}
+    for r in records:
+        tp, _, pp = r["coords"]
+        for name, (i, t) in r.get("outputs", {}).items():
+            pieces.setdefault(name, []).append((tp, t))
+            order[name] = (pp, i)
+    return ({n: [t for _, t in sorted(p, key=lambda x: x[0])] for n, p in pieces.items()},
+            sorted(order, key=order.__getitem__))
+
+
+def join_pieces(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
+    """TP pieces of one output as the reference's tensor: a replicated output as it is; a split one
+    concatenated along the dimension it is split on (vocab padding cut); None: not comparable."""
+    first = pieces[0]
+    if first.shape == shape:
+        return first
+    for d in range(first.dim() if first.dim() == len(shape) else 0):
+        same = all(p.shape[:d] == shape[:d] and p.shape[d + 1:] == shape[d + 1:] for p in pieces)
+        if same and sum(p.shape[d] for p in pieces) >= shape[d]:
+            return torch.cat(pieces, d).narrow(d, 0, shape[d])
+    return None
+
+
 def gather_runs(per_rank: list[list[dict[str, Any]]]) -> dict[str, LayoutRun]:
     """Per-rank records of :func:`~lightning_megatron.check.worker.run_layouts` -> one LayoutRun per layout."""
     runs = {}
@@ -156,7 +196,8 @@ def gather_runs(per_rank: list[list[dict[str, Any]]]) -> dict[str, LayoutRun]:
             layout=first["layout"], losses=first["losses"], grad_norms=first["grad_norms"],
             grads={s: _assemble([r["grads"].get(s, {}) for r in records]) for s in steps},
             params=_assemble([r["params"] for r in records]),
-            memory=[r["memory"] for r in records], collectives=[r["collectives"] for r in records])
+            memory=[r["memory"] for r in records], collectives=[r["collectives"] for r in records],
+            **dict(zip(("outputs", "output_order"), _outputs(records))))
     return runs
 
 
@@ -205,6 +246,7 @@ def compare_runs(run: LayoutRun, ref: LayoutRun, tol: Tolerances) -> LayoutResul
                     res.failures.append(f"step {row.step}: gradient of {row.worst_param} differs by "
                                         f"{row.worst_grad_err:.2e}")
         res.rows.append(row)
+    res.first_divergence = first_divergence(run, ref, tol)
     if ref.params:
         if run.params.keys() != ref.params.keys():
             res.param_failures.append(f"final parameters: names differ: {sorted(run.params.keys() ^ ref.params.keys())[:5]}")
@@ -214,6 +256,35 @@ def compare_runs(run: LayoutRun, ref: LayoutRun, tol: Tolerances) -> LayoutResul
             except AssertionError as e:
                 res.param_failures.append(f"final parameter {name}: {e}")
     return res
+
+
+def first_divergence(run: LayoutRun, ref: LayoutRun, tol: Tolerances) -> str | None:
+    """The first module, in the reference's forward order, whose step-1 output differs beyond
+    ``output_rtol``; else the first, in backward order, with a parameter whose step-1 gradient differs
+    beyond ``grad_rtol``; else None."""
+    for name in ref.output_order:
+        if name not in run.outputs:
+            continue
+        want = ref.outputs[name][0]
+        got = join_pieces(run.outputs[name], want.shape)
+        if got is None:
+            continue
+        err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30) if want.numel() else 0.0
+        if not err <= tol.output_rtol:
+            return f"forward output of {name} ({err:.2e} rel)"
+    grads, grads_ref = run.grads.get(1), ref.grads.get(1)
+    if grads is None or grads_ref is None:
+        return None
+    errs = grad_error(grads, {k: v for k, v in grads_ref.items() if k in grads}, tol.grad_floor)
+    modules = sorted(ref.output_order, key=len, reverse=True)  # the innermost module owning a parameter
+    owner = {p: next((m for m in modules if p.startswith(m + ".")), p) for p in errs}
+    for name in reversed(ref.output_order):
+        bad = {p: e for p, e in errs.items() if owner[p] == name and not e <= tol.grad_rtol}
+        if bad:
+            p, e = max(bad.items(), key=lambda kv: kv[1])
+            return f"gradients of {name} ({p}: {e:.2e})"
+    bad = {p: e for p, e in errs.items() if owner[p] == p and not e <= tol.grad_rtol}
+    return f"gradients of {max(bad, key=bad.__getitem__)}" if bad else None
 
 
 def check_layouts(

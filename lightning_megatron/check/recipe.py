@@ -1,15 +1,19 @@
 """A recipe (the YAML of ``lightning-megatron fit --config``) as the factories of a check run.
 
-The check takes the recipe's ``model`` and ``data`` sections (BertLightningModule, BertDataModule),
-turns dropout off, and keeps, of the Trainer's callbacks, those that change the update:
-``MegatronOptimizerCallback`` (clipping, loss scaling) and ``OptimizerParamSchedulerCallback``
-(learning rate, weight decay). Loggers, checkpointing and throughput callbacks are left out. Only
+The check takes the recipe's ``model`` and ``data`` sections: the classes they name by ``class_path``
+(any LightningModule following the strategy's contract, any LightningDataModule), else
+BertLightningModule and BertDataModule, imported by name only when built. It turns dropout off (every
+constructor argument of the module named ``*dropout``), and keeps, of the Trainer's callbacks,
+those that change the update: ``MegatronOptimizerCallback`` (clipping, loss scaling) and
+``OptimizerParamSchedulerCallback`` (learning rate, weight decay). Loggers, checkpointing and throughput callbacks are left out. Only
 classes of ``lightning_megatron.callbacks`` are built from a recipe.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,17 +34,49 @@ _CALLBACKS = {"lightning_megatron.callbacks.MegatronOptimizerCallback",
               "lightning_megatron.callbacks.scheduler.OptimizerParamSchedulerCallback"}
 
 
+BERT_MODULE = "lightning_megatron.models.bert.module.BertLightningModule"
+BERT_DATA = "lightning_megatron.data.datamodule.BertDataModule"
+
+
+def import_class(path: str) -> type:
+    """The class at ``module.Name`` (what LightningCLI does with a ``class_path``)."""
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"class_path {path!r} cannot be imported: {e}") from None
+    if not isinstance(cls, type):
+        raise ValueError(f"class_path {path!r} is not a class")
+    return cls
+
+
+def _arguments(cls: type) -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(cls).parameters)
+
+
+def _section(section: Any) -> tuple[str | None, dict[str, Any]]:
+    """(class_path or None, arguments) of a recipe's ``model:`` / ``data:`` section."""
+    section = dict(section or {})
+    if "class_path" in section:
+        return str(section["class_path"]), dict(section.get("init_args") or {})
+    return None, section
+
+
 @dataclass(kw_only=True)
 class RecipeCheck:
     """The pieces of a recipe a check run needs."""
 
     model: dict[str, Any]
-    """BertLightningModule arguments (dropout off)."""
+    """The module's arguments (dropout off)."""
+    model_class: str = BERT_MODULE
+    """The module's class path (the recipe's ``model.class_path``)."""
+    data_class: str = BERT_DATA
+    """The datamodule's class path (the recipe's ``data.class_path``)."""
     dropout: dict[str, float] = field(default_factory=dict)
     """The recipe's own ``hidden_dropout`` and ``attention_dropout`` (what training uses; the memory
     estimate of ``--gpus`` counts their masks)."""
     data: dict[str, Any]
-    """BertDataModule arguments."""
+    """The datamodule's arguments."""
     callbacks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """(class path, init args) of the kept callbacks."""
     skipped_callbacks: list[str] = field(default_factory=list)
@@ -91,12 +127,18 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
                 data_overrides: dict[str, Any] | None = None) -> RecipeCheck:
     """Read a recipe (``yaml.safe_load``, no code runs; with its ``base:`` recipes); dropout is turned off."""
     cfg = read_recipe(path)
-    model = dict(cfg.get("model") or {})
+    model_class, model = _section(cfg.get("model"))
     model.update(model_overrides or {})
-    dropout = {k: float(model.get(k, DEFAULT_DROPOUT)) for k in ("hidden_dropout", "attention_dropout")}
-    model.update(hidden_dropout=0.0, attention_dropout=0.0)
-    data = dict(cfg.get("data") or {})
+    data_class, data = _section(cfg.get("data"))
     data.update(data_overrides or {})
+    model_class, data_class = model_class or BERT_MODULE, data_class or BERT_DATA
+    if model_class == BERT_MODULE:
+        dropout = {k: float(model.get(k, DEFAULT_DROPOUT)) for k in ("hidden_dropout", "attention_dropout")}
+        model.update(hidden_dropout=0.0, attention_dropout=0.0)
+    else:  # every float argument named *dropout, at its value or default
+        dropout = {k: float(model.get(k, p.default)) for k, p in _arguments(import_class(model_class)).items()
+                   if k.endswith("dropout") and isinstance(model.get(k, p.default), (int, float))}
+        model.update({k: 0.0 for k in dropout})
     trainer = cfg.get("trainer") or {}
     kept, skipped = [], []
     for cb in trainer.get("callbacks") or []:
@@ -111,24 +153,26 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
             args = dict(cfg[section])
             kept.append((name, {"config": args} if name == "MegatronOptimizerCallback" else args))
     precision = trainer.get("precision")
-    return RecipeCheck(model=model, dropout=dropout, data=data, callbacks=kept, skipped_callbacks=skipped,
+    return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout, data=data,
+                       callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"))
 
 
-def build_module(model: dict[str, Any], vocab_size: int):
-    """A BertLightningModule from the recipe's model section (module-level: picklable for spawn)."""
-    from lightning_megatron.models.bert.module import BertLightningModule
-
-    return BertLightningModule(**{"vocab_size": vocab_size, **model})
+def build_module(model_class: str, model: dict[str, Any]):
+    """The recipe's module (module-level: picklable for spawn)."""
+    return import_class(model_class)(**model)
 
 
-def build_dataset(data: dict[str, Any], num_samples: int):
-    """The recipe's training dataset, ``num_samples`` long (the corpus cache must exist)."""
-    from lightning_megatron.data.datamodule import BertDataModule
-
-    dm = BertDataModule(**{**data, "train_samples": num_samples})
+def build_dataset(data_class: str, data: dict[str, Any], num_samples: int):
+    """The recipe's map-style training dataset (the one its ``train_dataloader`` reads), at least
+    ``num_samples`` long where the datamodule takes ``train_samples`` (BertDataModule; its corpus
+    cache must exist)."""
+    cls = import_class(data_class)
+    if "train_samples" in _arguments(cls):
+        data = {**data, "train_samples": num_samples}
+    dm = cls(**data)
     dm.setup("fit")
-    return dm.train_dataset
+    return dm.train_dataloader().dataset
 
 
 def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: Layout) -> list:
@@ -144,12 +188,19 @@ def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: Layout)
 
 
 def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[str, Any]:
-    """Build the corpus cache once here, then the picklable factories of :func:`check_layouts`."""
-    from lightning_megatron.data.datamodule import BertDataModule
-
-    dm = BertDataModule(**recipe.data)
+    """Prepare the data once here (the corpus cache), then the picklable factories of :func:`check_layouts`.
+    A module taking ``vocab_size`` gets the datamodule's when the recipe leaves it unset."""
+    data_cls = import_class(recipe.data_class)
+    dm = data_cls(**recipe.data)
     dm.prepare_data()
-    vocab = int(recipe.model.get("vocab_size") or dm.vocab_size)
-    return dict(module_factory=functools.partial(build_module, recipe.model, vocab),
-                dataset_factory=functools.partial(build_dataset, recipe.data, steps * global_batch_size),
+    model = dict(recipe.model)
+    if model.get("vocab_size") is None and "vocab_size" in _arguments(import_class(recipe.model_class)):
+        vocab = getattr(dm, "vocab_size", None)
+        if vocab is None:
+            raise ValueError(f"{recipe.model_class} takes vocab_size, the recipe leaves it unset and "
+                             f"{recipe.data_class} has no vocab_size: set --model.vocab_size")
+        model["vocab_size"] = int(vocab)
+    return dict(module_factory=functools.partial(build_module, recipe.model_class, model),
+                dataset_factory=functools.partial(build_dataset, recipe.data_class, recipe.data,
+                                                  steps * global_batch_size),
                 callbacks_factory=functools.partial(build_callbacks, recipe.callbacks))

@@ -3,7 +3,9 @@
 Each rank of a layout runs ``Trainer.fit`` with the :class:`~lightning_megatron.strategy.MegatronStrategy`
 on its data-parallel share of the same global batches (:func:`global_batch_loader`), and a
 :class:`Recorder` callback records, per step: the logged loss, the global gradient norm and, at the
-chosen steps, every gradient as its piece of the global tensor (:func:`global_pieces`). The parent
+chosen steps, every gradient as its piece of the global tensor (:func:`global_pieces`), and at step 1
+the forward output of every module that holds parameters, on the first microbatch
+(:class:`ForwardOutputs`), so that the parent can name the first module whose output diverges. The parent
 (:mod:`lightning_megatron.check.parity`) puts the pieces together and compares layouts.
 
 Gradients are read in ``on_before_optimizer_step``: after the whole microbatch schedule and the
@@ -59,6 +61,8 @@ class CheckRun:
     """Also gather the final parameters as global tensors."""
     measure_memory: bool = False
     """Measure per-rank bytes of params, grads, optimizer state and saved activations at step 1."""
+    record_outputs: bool = True
+    """Record every module's forward output of step 1's first microbatch (DP rank 0)."""
     accelerator: str = "cpu"
 
 
@@ -118,6 +122,50 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
         piece = t.narrow(info.partition_dim, 0, info.local_rows).clone()
         out[name] = (piece, tuple(info.offsets), tuple(info.global_shape))
     return out
+
+
+def module_names(named: list[tuple[str, nn.Parameter]], chunks: list[nn.Module]) -> dict[nn.Module, str]:
+    """Each module that holds parameters -> its layout-independent name, read off the global name of
+    one of its parameters (``encoder.layers.3.mlp.linear_fc2.weight`` -> ``encoder.layers.3.mlp.linear_fc2``)."""
+    global_of = {id(p): n for n, p in named}
+    out: dict[nn.Module, str] = {}
+    for chunk in chunks:
+        for _, mod in chunk.named_modules():
+            for local, p in mod.named_parameters():
+                name = global_of.get(id(p))
+                if name is not None and name.endswith("." + local):
+                    out[mod] = name[:-len(local) - 1]
+                    break
+    return out
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if torch.is_tensor(output):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if torch.is_tensor(t)), None)
+    return None
+
+
+class ForwardOutputs:
+    """Forward hooks recording each named module's output the first time it runs (step 1's first
+    microbatch on this rank's stage): ``name -> (order, tensor)``, order being the call order."""
+
+    def __init__(self, names: dict[nn.Module, str]) -> None:
+        self.outputs: dict[str, tuple[int, torch.Tensor]] = {}
+        self._handles = [m.register_forward_hook(self._hook(name)) for m, name in names.items()]
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            t = _first_tensor(output)
+            if t is not None and name not in self.outputs:
+                self.outputs[name] = (len(self.outputs), t.detach().float().cpu().clone())
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 def _named_parameters(trainer: Any) -> list[tuple[str, nn.Parameter]]:
@@ -201,6 +249,8 @@ def _make_recorder(run: CheckRun):
             self.collectives: dict[str, bool] = {}
             self._saved: _SavedActivations | None = None
             self._hooks: Any = None
+            self._outputs: ForwardOutputs | None = None
+            self.outputs: dict[str, tuple[int, torch.Tensor]] = {}
 
         def on_train_start(self, trainer, pl_module) -> None:
             ps = trainer.strategy.parallel_state
@@ -209,6 +259,8 @@ def _make_recorder(run: CheckRun):
                                 if g is not None and g.size() > 1}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if run.record_outputs and trainer.global_step == 0 and trainer.strategy.parallel_state.dp_rank == 0:
+                self._outputs = ForwardOutputs(module_names(_named_parameters(trainer), trainer.strategy.model_chunks))
             if run.measure_memory and trainer.global_step == 0:
                 ptrs = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
                 self._saved = _SavedActivations(ptrs)
@@ -216,6 +268,9 @@ def _make_recorder(run: CheckRun):
                 self._hooks.__enter__()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if self._outputs is not None:
+                self._outputs.remove()
+                self.outputs, self._outputs = self._outputs.outputs, None
             if self._hooks is not None:
                 self._hooks.__exit__(None, None, None)
                 self._hooks = None
@@ -310,7 +365,8 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
     params = global_pieces(named, {n: p for n, p in named}, ps) if run.record_params else {}
     return {"layout": layout.name, "rank": dist.get_rank(), "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
             "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,
-            "params": params, "memory": recorder.memory, "collectives": recorder.collectives}
+            "params": params, "memory": recorder.memory, "collectives": recorder.collectives,
+            "outputs": recorder.outputs}
 
 
 def run_layouts(run: CheckRun, layouts: list[Layout]) -> list[dict[str, Any]]:

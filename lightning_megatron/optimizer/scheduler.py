@@ -27,13 +27,54 @@ import math
 import warnings
 from typing import Any
 
-__all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES"]
+__all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES", "warmup_problem",
+           "warmup_for_run", "lr_problems", "resume_problem"]
 
 logger = logging.getLogger(__name__)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+def warmup_problem(lr_warmup_steps: int, lr_decay_steps: int, source: str = "lr_decay_steps") -> str | None:
+    """The rule "the warm-up ends before the decay does", for a decay length the user set; the one
+    validator the scheduler (at set-up) and ``config_checks`` (before launch) both call."""
+    if lr_decay_steps > 0 and not lr_warmup_steps < lr_decay_steps:
+        return (f"lr_warmup_steps={lr_warmup_steps!r} must be < {source}={lr_decay_steps!r}; shorten the warm-up "
+                f"or decay later")
+    return None
+
+
+def lr_problems(init_lr: float | None, max_lr: float | None, min_lr: float | None) -> list[str]:
+    """The rules on the three learning rates (None: unknown, its rules skipped)."""
+    out = []
+    if min_lr is not None and min_lr < 0.0:
+        out.append(f"min_lr={min_lr!r} must be >= 0")
+    if max_lr is not None and min_lr is not None and max_lr < min_lr:
+        out.append(f"max_lr={max_lr!r} must be >= min_lr={min_lr!r}")
+    if max_lr is not None and init_lr is not None and init_lr > max_lr:
+        out.append(f"init_lr={init_lr!r} must be <= max_lr={max_lr!r}")
+    return out
+
+
+def resume_problem(use_checkpoint_opt_param_scheduler: bool, override_opt_param_scheduler: bool) -> str | None:
+    if use_checkpoint_opt_param_scheduler and override_opt_param_scheduler:
+        return ("override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
+                "each other; set use_checkpoint_opt_param_scheduler=False to override")
+    return None
+
+
+def warmup_for_run(lr_warmup_steps: int, max_steps: int) -> tuple[int, str | None]:
+    """The warm-up of a schedule whose decay length is the run's (``lr_decay_steps=None`` ->
+    ``max_steps``): one as long as the run (a recipe's, run for a few steps) is shortened to 10% of
+    it, with a message saying so; else unchanged (message None)."""
+    if max_steps > 0 and lr_warmup_steps >= max_steps:
+        new = max(0, max_steps // 10)
+        return new, (f"lr_warmup_steps={lr_warmup_steps} is not below the decay length {max_steps} (lr_decay_steps="
+                     f"null: trainer.max_steps): using lr_warmup_steps={new} (10% of it); set lr_warmup_steps "
+                     f"(--lr_schedule.lr_warmup_steps) to choose")
+    return lr_warmup_steps, None
 
 
 class OptimizerParamScheduler:
@@ -69,12 +110,9 @@ class OptimizerParamScheduler:
         self.init_lr = init_lr
         self.max_lr = float(max_lr)
         self.min_lr = min_lr
-        if min_lr < 0.0:
-            raise ValueError(f"min_lr={min_lr!r} must be >= 0")
-        if self.max_lr < min_lr:
-            raise ValueError(f"max_lr={max_lr!r} must be >= min_lr={min_lr!r}")
-        if init_lr > self.max_lr:
-            raise ValueError(f"init_lr={init_lr!r} must be <= max_lr={max_lr!r}")
+        problems = lr_problems(init_lr, max_lr, min_lr)
+        if problems:
+            raise ValueError(problems[0])
 
         self.lr_warmup_steps = lr_warmup_steps
         self.num_steps = 0
@@ -83,10 +121,9 @@ class OptimizerParamScheduler:
         self.lr_wsd_decay_style = lr_wsd_decay_style
         if not lr_decay_steps > 0:
             raise ValueError(f"lr_decay_steps={lr_decay_steps!r} must be > 0")
-        if not lr_warmup_steps < lr_decay_steps:
-            raise ValueError(
-                f"lr_warmup_steps={lr_warmup_steps!r} must be < lr_decay_steps={lr_decay_steps!r}"
-            )
+        problem = warmup_problem(lr_warmup_steps, lr_decay_steps)
+        if problem:
+            raise ValueError(problem)
         if lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style={lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
         self.lr_decay_style = lr_decay_style
@@ -121,11 +158,9 @@ class OptimizerParamScheduler:
 
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
-        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
-            raise ValueError(
-                "override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
-                "each other; set use_checkpoint_opt_param_scheduler=False to override"
-            )
+        problem = resume_problem(use_checkpoint_opt_param_scheduler, override_opt_param_scheduler)
+        if problem:
+            raise ValueError(problem)
 
         self.resume_differences: list[tuple[str, Any, Any]] = []
         """(field, configured value, checkpoint value) for each field that differed at the last load."""

@@ -42,6 +42,7 @@ __all__ = [
     "ScheduleEvent",
     "ForwardStepFunc",
     "validate_num_microbatches",
+    "num_microbatches_problem",
     "get_forward_backward_func",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
@@ -75,14 +76,21 @@ def validate_num_microbatches(num_microbatches: int, pp_size: int, vp_size: int 
     Pure arithmetic, so the strategy can call it at setup; every schedule calls it again before
     any communication.
     """
+    problem = num_microbatches_problem(num_microbatches, pp_size, vp_size)
+    if problem:
+        raise ValueError(problem)
+
+
+def num_microbatches_problem(num_microbatches: int, pp_size: int, vp_size: int | None) -> str | None:
+    """Megatron's rules on the microbatch count (:func:`validate_num_microbatches`, and ``config_checks``
+    before launch), as a message; None when they hold."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches!r} must be a positive integer")
+        return f"num_microbatches={num_microbatches!r} must be a positive integer"
     if pp_size > 1 and vp_size is not None and vp_size > 1 and num_microbatches % pp_size != 0:
-        raise ValueError(
-            f"num_microbatches={num_microbatches} is not divisible by pipeline_model_parallel_size="
-            f"{pp_size}, which the interleaved schedule (virtual_pipeline_model_parallel_size={vp_size}) "
-            f"requires; use a multiple of {pp_size} (global_batch = micro_batch * num_microbatches * dp)"
-        )
+        return (f"num_microbatches={num_microbatches} is not divisible by pipeline_model_parallel_size="
+                f"{pp_size}, which the interleaved schedule (virtual_pipeline_model_parallel_size={vp_size}) "
+                f"requires; use a multiple of {pp_size} (global_batch = micro_batch * num_microbatches * dp)")
+    return None
 
 
 def get_forward_backward_func(pp_size: int, vp_size: int | None) -> Callable[..., list[dict[str, Any]]]:

@@ -1,9 +1,10 @@
 """BertLightningModule: BERT pretraining as a LightningModule for the MegatronStrategy.
 
-The module builds this rank's model chunks in ``configure_model`` from the strategy's
-``parallel_state`` (one chunk per virtual pipeline stage, each with its global layer range), and
-implements the strategy's protocol:
+A :class:`~lightning_megatron.module.MegatronLightningModule` (the model-agnostic base: the
+strategy's ``parallel_state``, building the chunks once, steps without the strategy, the optimizer
+on parameter groups). What is BERT's own:
 
+- ``build_chunks``: one :class:`BertModel` chunk per virtual pipeline stage, each with its global layer range;
 - ``forward_step(microbatch, chunk) -> (output, loss_func)``: Megatron's forward-step function;
   the last chunk computes the masked-LM + binary loss and its logged statistics;
 - ``pipeline_tensor_shape(microbatch)``: the [s, b, h] activation exchanged between stages;
@@ -21,7 +22,6 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
@@ -31,10 +31,9 @@ from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
 from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
 from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.models.bert.predict import vocab_parallel_argmax
-from lightning_megatron.optimizer.param_groups import get_param_groups
+from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
-from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import set_param_facts, vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
 
@@ -45,7 +44,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-class BertLightningModule(LightningModule):
+class BertLightningModule(MegatronLightningModule):
     """BERT masked-LM + sentence-order pretraining (Megatron's BERT), any TP x PP x VP x DP layout.
 
     Args:
@@ -147,8 +146,9 @@ class BertLightningModule(LightningModule):
         if predict_top_k < 1:
             raise ValueError(f"predict_top_k={predict_top_k} must be at least 1")
         self.save_hyperparameters()
-        self.model_chunks: nn.ModuleList | None = None
-        self.parallel_state: ParallelState | None = None
+        self.init_seed = init_seed
+        self.use_optimizer(optimizer_class, optimizer_kwargs)
+        self.use_lr_scheduler(lr_scheduler_class, lr_scheduler_kwargs)
         self._config_kwargs = dict(
             num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
             ffn_hidden_size=ffn_hidden_size, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
@@ -163,25 +163,7 @@ class BertLightningModule(LightningModule):
 
     # ------------------------------------------------------------------ model
 
-    def _megatron_strategy(self) -> MegatronStrategy | None:
-        """The Trainer's MegatronStrategy (None: a single device, or no Trainer)."""
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        return strategy if isinstance(strategy, MegatronStrategy) else None
-
-    @override
-    def configure_model(self) -> None:
-        if self.model_chunks is not None:
-            return
-        strategy = self._megatron_strategy()
-        ps = strategy.parallel_state if strategy is not None else None
-        if ps is None:
-            ps = ParallelState.single_process()
-            from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
-
-            if "model-parallel-rng" not in get_rng_tracker().get_states():
-                # Without the MegatronStrategy nobody seeded the dropout streams: seed them here.
-                model_parallel_seed(self.hparams.init_seed, 0)
-        self.parallel_state = ps
+    def build_chunks(self, ps: ParallelState) -> list[BertModel]:
         hp = self.hparams
         vocab_size = hp.vocab_size
         if vocab_size is None:
@@ -190,14 +172,12 @@ class BertLightningModule(LightningModule):
             if vocab_size is None:
                 raise ValueError("BertLightningModule: vocab_size is None and the datamodule has no vocab_size; "
                                  "pass vocab_size=... or use BertDataModule")
-        sequence_parallel = strategy is not None and strategy.sequence_parallel
         config = TransformerConfig(**self._config_kwargs, tensor_model_parallel_size=ps.tp_size,
-                                   sequence_parallel=sequence_parallel)
+                                   sequence_parallel=self.sequence_parallel)
         self.config = config
         self.vocab_size = int(vocab_size)
-        vp = ps.vp_size or 1
         chunks = []
-        for vp_rank in range(vp):
+        for vp_rank in range(ps.vp_size or 1):
             layer_range = get_layer_range(
                 config.num_layers, ps.pp_size, ps.pp_rank, ps.vp_size, vp_rank,
                 num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
@@ -213,10 +193,13 @@ class BertLightningModule(LightningModule):
             if hp.compile:
                 chunk.compile_layers()
             chunks.append(chunk)
-        self.model_chunks = nn.ModuleList(chunks)
-        self.eval_metrics = pretraining_metrics(self.vocab_size, ps)  # val/test: whole split, over DP
-        if hp.get("init_from"):
-            self.load_pretrained(hp.init_from)
+        return chunks
+
+    @override
+    def on_chunks_built(self) -> None:
+        self.eval_metrics = pretraining_metrics(self.vocab_size, self.parallel_state)  # val/test: whole split, over DP
+        if self.hparams.get("init_from"):
+            self.load_pretrained(self.hparams.init_from)
 
     def load_pretrained(self, source: str | SavedModel, *, everything: bool = False) -> None:
         """Copy pretrained weights (see ``init_from``) into this rank's chunks, any layout
@@ -320,6 +303,34 @@ class BertLightningModule(LightningModule):
             head = (batch["loss_mask"] > 0).sum().double() * data_parallel_size
         return training_flops(self.config, total, tokens.size(-1), head, self.vocab_size)
 
+    @classmethod
+    def estimate_shape(cls, model: dict[str, Any], data: dict[str, Any], *, micro_batch_size: int,
+                       global_batch_size: int) -> Any:
+        """The sizes ``check --estimate-memory`` / ``--estimate-time`` compute with (``EstimatesCost``),
+        from this module's arguments and BertDataModule's; unset ones at their defaults."""
+        from pathlib import Path
+
+        from lightning_megatron.check.memory import ModelShape
+
+        vocab = model.get("vocab_size")
+        if vocab is None:
+            vocab_file = data.get("vocab_file")
+            vocab = 30522 if vocab_file is None else sum(1 for _ in Path(vocab_file).open(encoding="utf-8"))
+        spec = str(model.get("spec", "bert_layer_local_spec"))
+        return ModelShape(
+            num_layers=int(model.get("num_layers", 2)), hidden_size=int(model.get("hidden_size", 128)),
+            num_attention_heads=int(model.get("num_attention_heads", 4)), ffn_hidden_size=model.get("ffn_hidden_size"),
+            vocab_size=int(vocab), make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by", 128)),
+            max_sequence_length=int(model.get("max_sequence_length", 128)),
+            seq_length=int(data.get("max_seq_length", 128)), micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size, masked_lm_prob=float(data.get("masked_lm_prob", 0.15)),
+            params_dtype=str(model.get("params_dtype", "float32")), optimizer=str(model.get("optimizer", "adamw")),
+            post_norm="post_norm" in spec, rmsnorm="rmsnorm" in spec,
+            recompute=model.get("recompute_granularity") == "full",
+            attention_backend=str(model.get("attention_backend", "auto")),
+            hidden_dropout=float(model.get("hidden_dropout", 0.0)),
+            attention_dropout=float(model.get("attention_dropout", 0.0)))
+
     def pipeline_tensor_shape(self, microbatch: dict[str, torch.Tensor]) -> tuple[int, int, int]:
         """[s, b, h] exchanged between stages ([s/t, b, h] under sequence parallelism)."""
         b, s = microbatch["tokens"].shape
@@ -377,33 +388,6 @@ class BertLightningModule(LightningModule):
     def on_test_epoch_end(self) -> None:
         log_epoch_metrics(self, self.eval_metrics["test"], "test", self.parallel_state, self.model_chunks[-1].post_process)
 
-    @override
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        # Used without the MegatronStrategy (single device): the whole batch is one microbatch.
-        assert self.model_chunks is not None and len(self.model_chunks) == 1
-        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
-        _, stats = loss_func(loss)
-        for k, v in stats.items():
-            self.log(k if k == "loss" else f"train_{k}", v, prog_bar=k == "loss")
-        return loss
-
-    @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
-        _, stats = loss_func(loss)
-        for k, v in stats.items():
-            self.log(f"val_{k}", v)
-        return loss
-
-    @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        # Used without the MegatronStrategy; under it the strategy runs forward_step (test_* metrics).
-        loss, loss_func = self.forward_step(batch, self.model_chunks[0])
-        _, stats = loss_func(loss)
-        for k, v in stats.items():
-            self.log(f"test_{k}", v)
-        return loss
-
     def _predict_forward(self, batch: dict[str, torch.Tensor], chunk: BertModel):
         """Predictions of one microbatch (:mod:`~lightning_megatron.models.bert.predict`); the loss
         function logs them as ``predictions``, which the strategy concatenates over the microbatches."""
@@ -439,41 +423,18 @@ class BertLightningModule(LightningModule):
     # ------------------------------------------------------------------ optimizer
 
     @override
-    def configure_optimizers(self) -> Any:
-        """The optimizer on :func:`get_param_groups` (and the ``lr_scheduler_class`` one, stepped every step)."""
+    def optimizer_defaults(self) -> dict[str, float]:
+        return {"lr": self.hparams.lr, "weight_decay": self.hparams.weight_decay}
+
+    @override
+    def default_optimizer(self, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """``optimizer``: "adamw", "adam" or "sgd" with the module's lr, weight decay, betas, eps, momentum."""
         hp = self.hparams
-        assert self.model_chunks is not None
-        groups = get_param_groups(list(self.model_chunks), lr=hp.lr, weight_decay=hp.weight_decay)
-        if hp.get("optimizer_class"):
-            cls = _torch_class(hp.optimizer_class, torch.optim, torch.optim.Optimizer, "optimizer_class",
-                               "optimizer", "torch.optim.SGD, torch.optim.NAdam")
-            kwargs = dict(hp.get("optimizer_kwargs") or {})
-            for name in ("lr", "weight_decay"):
-                if name in kwargs:
-                    raise ValueError(f"optimizer_kwargs sets {name}={kwargs[name]!r}: the parameter groups take "
-                                     f"it from the model's {name} (--model.{name}); drop it from the optimizer's "
-                                     f"arguments")
-            optimizer = cls(groups, lr=hp.lr, weight_decay=hp.weight_decay, **kwargs)
-        elif hp.optimizer == "sgd":
-            optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
-        else:
-            cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
-            optimizer = cls(groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
-                            weight_decay=hp.weight_decay, fused=hp.fused_optimizer or None)
-        if not hp.get("lr_scheduler_class"):
-            return optimizer
-        cls = _torch_class(hp.lr_scheduler_class, torch.optim.lr_scheduler, torch.optim.lr_scheduler.LRScheduler,
-                           "lr_scheduler_class", "LR scheduler", "torch.optim.lr_scheduler.StepLR, ...")
-        scheduler = cls(optimizer, **(hp.get("lr_scheduler_kwargs") or {}))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def _torch_class(path: str, namespace: Any, base: type, arg: str, kind: str, examples: str) -> type:
-    """A class of ``namespace`` (torch.optim or torch.optim.lr_scheduler) by name; nothing else is imported."""
-    cls = getattr(namespace, path.removeprefix(namespace.__name__ + "."), None)
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ValueError(f"{arg}={path!r} is not a {namespace.__name__} {kind} (e.g. {examples})")
-    return cls
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(param_groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
+        cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
+        return cls(param_groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
+                   weight_decay=hp.weight_decay, fused=hp.fused_optimizer or None)
 
 
 def _tag_vocab_parallel(chunk: BertModel, vocab_size: int) -> None:

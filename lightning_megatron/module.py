@@ -1,0 +1,207 @@
+"""MegatronLightningModule: the model-agnostic half of a LightningModule for the MegatronStrategy.
+
+A model family subclasses it and writes only what is its own::
+
+    class MyModule(MegatronLightningModule):
+        def build_chunks(self, parallel_state):         # this rank's pieces, one per virtual stage
+            return [MyChunk(c.layers, c.pre_process, c.post_process, parallel_state.tp_group)
+                    for c in stage_chunks(BLOCKS, parallel_state.pp_size, parallel_state.pp_rank,
+                                          parallel_state.vp_size)]
+        def forward_step(self, microbatch, chunk):      # -> (output, loss_func or None)
+            ...
+        def pipeline_tensor_shape(self, microbatch):    # [s, b, h] sent between stages
+            ...
+
+The base gives the rest of the :class:`~lightning_megatron.protocols.MegatronModule` contract and of
+Lightning's:
+
+- the strategy hands it its :class:`~lightning_megatron.parallel_state.ParallelState` before
+  ``configure_model`` (:meth:`connect_parallel_state`, as Lightning's ``ModelParallelStrategy`` hands
+  a LightningModule its device mesh); without the MegatronStrategy it is one process;
+- ``configure_model`` builds the chunks once (Lightning calls it again on every fit/validate/...);
+- ``sharded_named_parameters``: every chunk's ``named_parameters()`` (override when a chunk's names
+  depend on the layout);
+- ``training_step``/``validation_step``/``test_step`` for a plain single-device Trainer (under the
+  MegatronStrategy, ``forward_step`` serves every stage and these are never called);
+- ``configure_optimizers`` on :func:`~lightning_megatron.optimizer.param_groups.get_param_groups`
+  (no weight decay on biases and norms) with any ``torch.optim`` optimizer and LR scheduler the CLI's
+  ``--optimizer`` / ``--lr_scheduler`` name (:meth:`use_optimizer`, :meth:`use_lr_scheduler`), or the
+  module's :meth:`default_optimizer`.
+
+Nothing here imports the strategy, a model family or the CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from typing_extensions import override
+
+from lightning_megatron.optimizer.param_groups import get_param_groups
+from lightning_megatron.parallel_state import ParallelState
+
+__all__ = ["MegatronLightningModule", "torch_class"]
+
+
+class MegatronLightningModule(LightningModule):
+    """Model-agnostic base of a LightningModule for the MegatronStrategy (module docstring)."""
+
+    init_seed: int = 1234
+    """Seed of the dropout streams when no MegatronStrategy seeded them (one process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model_chunks: nn.ModuleList | None = None
+        self.parallel_state: ParallelState | None = None
+        """Groups and coordinates of this process: the strategy's, or one process (after configure_model)."""
+        self.sequence_parallel: bool = False
+        """The strategy's ``sequence_parallel`` (activations outside TP regions split along the sequence)."""
+        self._optimizer_spec: tuple[str, dict[str, Any]] | None = None
+        self._lr_scheduler_spec: tuple[str, dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ what a model family writes
+
+    def build_chunks(self, parallel_state: ParallelState) -> Sequence[nn.Module]:
+        """This rank's model chunks, one per virtual pipeline stage (``pipeline.stage_chunks`` tells
+        each chunk's layers and whether it starts or ends the model)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_chunks(parallel_state)")
+
+    def forward_step(self, microbatch: Any, chunk: nn.Module) -> tuple[Any, Any]:
+        """``(output, loss_func)`` on the chunk that ends the model, ``(output, None)`` elsewhere
+        (:class:`~lightning_megatron.protocols.MegatronModule`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward_step(microbatch, chunk)")
+
+    def pipeline_tensor_shape(self, microbatch: Any) -> Sequence[int]:
+        """Shape of the activation sent between pipeline stages for ``microbatch``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_tensor_shape(microbatch)")
+
+    def default_optimizer(self, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """The optimizer when the CLI names none (``--optimizer``)."""
+        raise NotImplementedError(f"{type(self).__name__}: no optimizer: pass --optimizer torch.optim.AdamW (CLI), "
+                                  f"or implement default_optimizer(param_groups) or configure_optimizers")
+
+    def optimizer_defaults(self) -> dict[str, float]:
+        """``lr`` and ``weight_decay`` of the parameter groups when the module owns them (the CLI's
+        ``--optimizer`` then may not set them); ``{}``: the optimizer's own defaults."""
+        return {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def connect_parallel_state(self, parallel_state: ParallelState, *, sequence_parallel: bool = False) -> None:
+        """Called by the MegatronStrategy once its groups exist, before ``configure_model``."""
+        self.parallel_state = parallel_state
+        self.sequence_parallel = sequence_parallel
+
+    @override
+    def configure_model(self) -> None:
+        if self.model_chunks is not None:  # called again by every fit/validate/...: build once
+            return
+        if self.parallel_state is None:
+            from lightning_megatron.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+
+            self.parallel_state = ParallelState.single_process()
+            if "model-parallel-rng" not in get_rng_tracker().get_states():
+                # Without the MegatronStrategy nobody seeded the dropout streams: seed them here.
+                model_parallel_seed(self.init_seed, 0)
+        self.model_chunks = nn.ModuleList(self.build_chunks(self.parallel_state))
+        self.on_chunks_built()
+
+    def on_chunks_built(self) -> None:
+        """After ``model_chunks`` exist (e.g. copy pretrained weights into them)."""
+
+    def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every chunk's parameters under their own names (override when they depend on the layout)."""
+        assert self.model_chunks is not None, "configure_model has not run"
+        for chunk in self.model_chunks:
+            yield from chunk.named_parameters()
+
+    # ------------------------------------------------------------------ steps without the strategy
+
+    def _whole_batch(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        assert self.model_chunks is not None and len(self.model_chunks) == 1
+        output, loss_func = self.forward_step(batch, self.model_chunks[0])
+        return loss_func(output)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        # Used without the MegatronStrategy (single device): the whole batch is one microbatch.
+        loss, stats = self._whole_batch(batch)
+        for k, v in stats.items():
+            self.log(k if k == "loss" else f"train_{k}", v, prog_bar=k == "loss")
+        return loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, stats = self._whole_batch(batch)
+        for k, v in stats.items():
+            self.log(f"val_{k}", v)
+        return loss
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, stats = self._whole_batch(batch)
+        for k, v in stats.items():
+            self.log(f"test_{k}", v)
+        return loss
+
+    # ------------------------------------------------------------------ optimizer
+
+    def use_optimizer(self, class_path: str | None, init_args: dict[str, Any] | None = None) -> None:
+        """Build ``configure_optimizers``' optimizer as ``torch.optim.<class_path>(param_groups, **init_args)``
+        (the CLI's ``--optimizer``); None: :meth:`default_optimizer`."""
+        self._optimizer_spec = (class_path, dict(init_args or {})) if class_path else None
+
+    def use_lr_scheduler(self, class_path: str | None, init_args: dict[str, Any] | None = None) -> None:
+        """A ``torch.optim.lr_scheduler`` scheduler stepped every optimizer step (the CLI's ``--lr_scheduler``)."""
+        self._lr_scheduler_spec = (class_path, dict(init_args or {})) if class_path else None
+
+    def _param_groups(self, defaults: dict[str, float]) -> list[dict[str, Any]]:
+        """:func:`get_param_groups` of the chunks; ``lr`` / ``weight_decay`` the module does not own are
+        left to the optimizer's arguments (a no-decay group keeps its ``weight_decay=0``)."""
+        assert self.model_chunks is not None, "configure_model has not run"
+        groups = get_param_groups(list(self.model_chunks), lr=defaults.get("lr", 1.0),
+                                  weight_decay=defaults.get("weight_decay", 1.0))
+        for g in groups:
+            if "lr" not in defaults and g["lr_mult"] == 1.0:
+                del g["lr"]
+            if "weight_decay" not in defaults and g["wd_mult"] != 0.0:
+                del g["weight_decay"]
+        return groups
+
+    @override
+    def configure_optimizers(self) -> Any:
+        """The optimizer on :func:`get_param_groups` (and the LR scheduler, stepped every step)."""
+        assert self.model_chunks is not None, "configure_model has not run"
+        defaults = self.optimizer_defaults()
+        groups = self._param_groups(defaults)
+        if self._optimizer_spec is None:
+            optimizer = self.default_optimizer(groups)
+        else:
+            path, kwargs = self._optimizer_spec
+            cls = torch_class(path, torch.optim, torch.optim.Optimizer, "optimizer_class", "optimizer",
+                              "torch.optim.SGD, torch.optim.NAdam")
+            for name in defaults:
+                if name in kwargs:
+                    raise ValueError(f"optimizer_kwargs sets {name}={kwargs[name]!r}: the parameter groups take "
+                                     f"it from the model's {name} (--model.{name}); drop it from the optimizer's "
+                                     f"arguments")
+            optimizer = cls(groups, **defaults, **kwargs)
+        if self._lr_scheduler_spec is None:
+            return optimizer
+        path, kwargs = self._lr_scheduler_spec
+        cls = torch_class(path, torch.optim.lr_scheduler, torch.optim.lr_scheduler.LRScheduler,
+                          "lr_scheduler_class", "LR scheduler", "torch.optim.lr_scheduler.StepLR, ...")
+        scheduler = cls(optimizer, **kwargs)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def torch_class(path: str, namespace: Any, base: type, arg: str, kind: str, examples: str) -> type:
+    """A class of ``namespace`` (torch.optim or torch.optim.lr_scheduler) by name; nothing else is imported."""
+    cls = getattr(namespace, path.removeprefix(namespace.__name__ + "."), None)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"{arg}={path!r} is not a {namespace.__name__} {kind} (e.g. {examples})")
+    return cls
