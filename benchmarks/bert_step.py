@@ -284,6 +284,7 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                                                            use_distributed_optimizer=run.get("zero1", False))))
         elif run.get("zero1", False):  # fp32 with the distributed optimizer (ZeRO-1)
             from lightning_megatron.callbacks import MegatronOptimizerCallback
+            from lightning_megatron.optimizer import OptimizerConfig
 
             callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0, use_distributed_optimizer=True)))
     else:
