@@ -188,13 +188,16 @@ def _dead_peer_worker(case: str) -> tuple[str, float]:
     comm = enable_shared_memory_collectives(group, timeout=datetime.timedelta(seconds=60))
     assert comm is not None and comm.pids is not None and comm.pids[dist.get_rank()] == os.getpid()
     message, seconds = "", 0.0
+    exited = None  # held until the end: a dropped Popen may be reaped by its finaliser at any time
     if dist.get_rank() == 1:
         if case == "dead":  # rank 0's recorded pid is a process that exited and was reaped
-            comm.pids[0] = subprocess.Popen(["true"]).pid
-            time.sleep(0.2)
-            os.waitpid(comm.pids[0], 0)
+            exited = subprocess.Popen(["true"])
+            exited.wait()
+            comm.pids[0] = exited.pid
         elif case == "zombie":  # exited, not reaped by its parent (this rank): still dead
-            comm.pids[0] = subprocess.Popen(["true"]).pid
+            exited = subprocess.Popen(["true"])
+            comm.pids[0] = exited.pid
+            time.sleep(0.2)
         else:  # the parent process changed (it died and this rank was re-parented)
             comm._parent = -1
         start = time.monotonic()
