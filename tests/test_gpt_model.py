@@ -153,3 +153,22 @@ def test_refusals_name_the_value():
         GPTLightningModule(spec="no_such_spec")
     with pytest.raises(ValueError, match="must start at layer 0"):
         GPTModel(_gpt2_config(), "gpt_layer_spec", VOCAB, SEQ, layer_range=range(1, 2))
+
+
+def test_declared_flops_equal_the_counted_matmuls():
+    """``training_flops`` (Megatron's decoder count) equals torch's FlopCounterMode over one forward and
+    backward of the whole model (every matmul, the attention's included: the unfused path, whose
+    score and context matmuls the counter sees; no vocabulary padding: V = 256)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    module = GPTLightningModule(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=96,
+                                vocab_size=VOCAB, max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+                                attention_backend="unfused")  # CPU SDPA's kernel is not in the counter
+    module.configure_model()
+    ids = _tokens()
+    batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(BATCH, SEQ)}
+    with FlopCounterMode(display=False) as counter:
+        output, loss_func = module.forward_step(batch, module.model_chunks[0])
+        loss_func(output)[0].backward()
+    declared = module.training_flops(batch, data_parallel_size=1)
+    assert declared == pytest.approx(counter.get_total_flops(), rel=1e-9), (declared, counter.get_flop_counts())

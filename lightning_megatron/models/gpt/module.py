@@ -280,9 +280,11 @@ class GPTLightningModule(MegatronLightningModule):
 def decoder_flops(config: TransformerConfig, tokens: int, seq_length: int, vocab_size: int) -> float:
     """Megatron's count of a decoder training step (:func:`~lightning_megatron.flops.transformer_flops`):
     the output layer on every token, no head dense layer; model FLOPs (recomputation not counted)."""
+    d = config.kv_channels
     return transformer_flops(num_layers=config.num_layers, hidden_size=config.hidden_size,
                              ffn_hidden_size=config.ffn_hidden_size, seq_length=seq_length, tokens=tokens,
-                             head_tokens=tokens, vocab_size=vocab_size, head_dense=False)
+                             head_tokens=tokens, vocab_size=vocab_size, head_dense=False,
+                             query_projection_size=config.num_attention_heads * d)
 
 
 def _tag_vocab_parallel(chunk: GPTModel, vocab_size: int) -> None:
