@@ -1,10 +1,10 @@
 """GPTLightningModule under Trainer.fit at every layout equals one process (fp32, dropout off), through
-``lightning_megatron.check.check_layouts`` (the function behind ``lightning-megatron check``).
+the parity machinery of ``lightning-megatron check`` (``check.worker.run_layouts``, ``check.parity``).
 
-One reference run (one process) and one 2-rank spawn that fits each layout in turn: TP=2, TP=2 with
-sequence parallelism, PP=2 (1F1B), PP=2 x VP=2 (interleaved), DP=2, DP=2 with ZeRO-1. Tolerances are
-BERT's (``check.Tolerances()``): per-step loss and grad norm 1e-5 relative, every gradient after
-step 1 within 1e-4 of its largest entry, final parameters within 1e-5.
+Both shapes share two spawns: one process fits each shape's reference, then 2 ranks fit every layout
+of each shape in turn: TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), PP=2 x VP=2 (interleaved),
+DP=2, DP=2 with ZeRO-1. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
+1e-5 relative, every gradient after step 1 within 1e-4 of its largest entry, final parameters 1e-5.
 """
 
 from __future__ import annotations
@@ -49,22 +49,53 @@ def make_module(**overrides):
     return GPTLightningModule(**{**GPT2_TINY, **overrides})
 
 
-def check(module_factory, layouts: list[str]):
-    from lightning_megatron.check import check_layouts
-
-    return check_layouts(module_factory, functools.partial(SyntheticGPTDataset, GLOBAL_BATCH * STEPS),
-                         layouts=layouts, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO, steps=STEPS,
-                         record_params=True, timeout=600)
-
-
 GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1"]
+SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS)}
+
+
+def _fit_each(work: list) -> list:
+    """On every rank: each shape's layouts in turn (start-up and imports paid once)."""
+    from lightning_megatron.check.worker import run_layouts
+
+    return [run_layouts(run, layouts) for run, layouts in work]
+
+
+def check_shapes(shapes: dict) -> dict:
+    """``{shape: CheckReport}``: the reference (one process) and the layouts of every shape, each world
+    size in one spawn; the records compared as ``check_layouts`` compares them."""
+    from lightning_megatron.check import parse_layout
+    from lightning_megatron.check.parity import CheckReport, Tolerances, compare_runs, gather_runs
+    from lightning_megatron.check.spawn import run_distributed
+    from lightning_megatron.check.worker import CheckRun
+
+    runs = {name: CheckRun(module_factory=factory, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO,
+                           dataset_factory=functools.partial(SyntheticGPTDataset, GLOBAL_BATCH * STEPS),
+                           steps=STEPS, record_params=True)
+            for name, (factory, _) in shapes.items()}
+    names = list(shapes)
+    ref = run_distributed(_fit_each, 1, [(runs[n], [parse_layout("tp1")]) for n in names], timeout=600)
+    par = run_distributed(_fit_each, 2, [(runs[n], [parse_layout(x) for x in shapes[n][1]]) for n in names],
+                          timeout=900)
+    tol, reports = Tolerances(), {}
+    for i, name in enumerate(names):
+        reference = gather_runs([r[i] for r in ref])["tp1"]
+        layouts = gather_runs([r[i] for r in par])
+        reports[name] = CheckReport(reference=reference, runs=layouts, tolerances=tol,
+                                    results=[compare_runs(layouts[x], reference, tol) for x in shapes[name][1]])
+    return reports
 
 
 @pytest.fixture(scope="module")
-def gpt2_report():
-    report = check(make_module, GPT2_LAYOUTS)
-    print(report.table())
-    return report
+def reports() -> dict:
+    out = check_shapes(SHAPES)
+    for name, report in out.items():
+        print(f"\n{name}\n{report.table()}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2_report(reports):
+    return reports["gpt2"]
 
 
 @pytest.mark.parametrize("layout", GPT2_LAYOUTS)
