@@ -16,6 +16,8 @@ from lightning_megatron.models.gpt.module import GPTLightningModule
 from lightning_megatron.transformer import TransformerConfig
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS, LAYERS = 256, 16, 3, 64, 4, 2
+LLAMA_MODULE = dict(spec="llama_layer_spec", num_query_groups=2, activation="silu", gated_linear_unit=True,
+                    add_bias_linear=False, position_embedding_type="rope", untie_embeddings_and_output_weights=True)
 
 
 def _tokens(n: int = SEQ + 1) -> torch.Tensor:
@@ -130,18 +132,22 @@ def _module_step(dropout: float = 0.1, **kw) -> tuple[torch.Tensor, dict[str, to
     return loss.detach(), {n: p.grad.clone() for n, p in module.sharded_named_parameters()}
 
 
-@pytest.mark.parametrize("recompute", [dict(recompute_granularity="full", recompute_method="uniform",
-                                            recompute_num_layers=1),
-                                       dict(recompute_granularity="selective")], ids=["full", "selective"])
-def test_recompute_equals_no_recompute_with_dropout(recompute):
-    """Dropout on: recomputation replays the forward's RNG, so loss and every gradient are identical
-    (1e-6), and dropout really acts (the gradients differ from a dropout-free step)."""
-    loss, grads = _module_step()
-    loss_rc, grads_rc = _module_step(**recompute)
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@pytest.mark.parametrize("shape,recompute", [({}, FULL), ({}, dict(recompute_granularity="selective")),
+                                             ("llama", FULL)], ids=["gpt2-full", "gpt2-selective", "llama-full"])
+def test_recompute_equals_no_recompute_with_dropout(shape, recompute):
+    """Dropout on: recomputation replays the forward's RNG (and the rope table reaches the recomputed
+    layers), so loss and every gradient are identical (1e-6), and dropout really acts (the gradients
+    differ from a dropout-free step)."""
+    shape = LLAMA_MODULE if shape == "llama" else shape
+    loss, grads = _module_step(**shape)
+    loss_rc, grads_rc = _module_step(**shape, **recompute)
     torch.testing.assert_close(loss_rc, loss, rtol=1e-6, atol=0)
     for name in grads:
         torch.testing.assert_close(grads_rc[name], grads[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
-    _, plain = _module_step(dropout=0.0)
+    _, plain = _module_step(dropout=0.0, **shape)
     w = "decoder.layers.0.mlp.linear_fc1.weight"
     assert (plain[w] - grads[w]).abs().max() > 1e-2 * grads[w].abs().max(), "dropout must act for this to prove anything"
 
@@ -155,15 +161,17 @@ def test_refusals_name_the_value():
         GPTModel(_gpt2_config(), "gpt_layer_spec", VOCAB, SEQ, layer_range=range(1, 2))
 
 
-def test_declared_flops_equal_the_counted_matmuls():
-    """``training_flops`` (Megatron's decoder count) equals torch's FlopCounterMode over one forward and
-    backward of the whole model (every matmul, the attention's included: the unfused path, whose
-    score and context matmuls the counter sees; no vocabulary padding: V = 256)."""
+@pytest.mark.parametrize("shape", [{}, LLAMA_MODULE], ids=["gpt2", "llama"])
+def test_declared_flops_equal_the_counted_matmuls(shape):
+    """``training_flops`` (Megatron's decoder count, grouped-query attention and SwiGLU included) equals
+    torch's FlopCounterMode over one forward and backward of the whole model (every matmul, the
+    attention's included: the unfused path, whose score and context matmuls the counter sees; no
+    vocabulary padding: V = 256)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     module = GPTLightningModule(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=96,
                                 vocab_size=VOCAB, max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
-                                attention_backend="unfused")  # CPU SDPA's kernel is not in the counter
+                                attention_backend="unfused", **shape)  # CPU SDPA's kernel is not in the counter
     module.configure_model()
     ids = _tokens()
     batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(BATCH, SEQ)}
@@ -172,3 +180,109 @@ def test_declared_flops_equal_the_counted_matmuls():
         loss_func(output)[0].backward()
     declared = module.training_flops(batch, data_parallel_size=1)
     assert declared == pytest.approx(counter.get_total_flops(), rel=1e-9), (declared, counter.get_flop_counts())
+
+
+GROUPS, FFN, ROPE_BASE = 2, 96, 50000.0
+
+
+def _llama_config(**kw) -> TransformerConfig:
+    return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                             ffn_hidden_size=FFN, hidden_dropout=0.0, attention_dropout=0.0, activation="silu",
+                             gated_linear_unit=True, add_bias_linear=False, normalization="RMSNorm",
+                             layernorm_epsilon=1e-6, rotary_base=ROPE_BASE, **kw)
+
+
+def copy_into_llama(ours: GPTModel, hf) -> None:
+    """Our weights -> LlamaForCausalLM: linear_qkv rows per query group [q x n/g, k, v] -> q/k/v_proj;
+    linear_fc1 [gate; up] (TP=1) -> gate_proj, up_proj."""
+    sd = dict(ours.named_parameters())
+    n, g, d = HEADS, GROUPS, HIDDEN // HEADS
+    m = hf.model
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(sd["embedding.word_embeddings.weight"][:VOCAB])
+        for i, layer in enumerate(m.layers):
+            p = f"decoder.layers.{i}."
+            qkv = sd[p + "self_attention.linear_qkv.weight"].view(g, n // g + 2, d, HIDDEN)
+            layer.self_attn.q_proj.weight.copy_(qkv[:, : n // g].reshape(n * d, HIDDEN))
+            layer.self_attn.k_proj.weight.copy_(qkv[:, n // g].reshape(g * d, HIDDEN))
+            layer.self_attn.v_proj.weight.copy_(qkv[:, n // g + 1].reshape(g * d, HIDDEN))
+            layer.self_attn.o_proj.weight.copy_(sd[p + "self_attention.linear_proj.weight"])
+            gate, up = sd[p + "mlp.linear_fc1.weight"].chunk(2)
+            layer.mlp.gate_proj.weight.copy_(gate)
+            layer.mlp.up_proj.weight.copy_(up)
+            layer.mlp.down_proj.weight.copy_(sd[p + "mlp.linear_fc2.weight"])
+            layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(sd[p + "pre_mlp_layernorm.weight"])
+        m.norm.weight.copy_(sd["decoder.final_layernorm.weight"])
+        hf.lm_head.weight.copy_(sd["output_layer.weight"][:VOCAB])
+
+
+def test_llama_shape_equals_transformers_llama():
+    """RMSNorm, rope (base 50000), grouped-query attention (4 heads, 2 groups), SwiGLU, no biases, untied
+    output layer: logits within 1e-5 of LlamaForCausalLM's max, loss within 1e-6, gradients of the
+    embedding, q/k projections, gate and the output layer within 1e-5 (fp32)."""
+    transformers = pytest.importorskip("transformers")
+    ours = GPTModel(_llama_config(), "llama_layer_spec", VOCAB, SEQ + 1, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False)
+    params = dict(ours.named_parameters())
+    assert "embedding.position_embeddings.weight" not in params and "output_layer.weight" in params
+    assert not any(n.endswith(".bias") for n in params), sorted(params)
+    assert params["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((HEADS + 2 * GROUPS) * 16, HIDDEN)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, num_key_value_heads=GROUPS,
+                                   max_position_embeddings=SEQ + 1, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE},
+                                   bos_token_id=0, eos_token_id=0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    copy_into_llama(ours, hf)
+    ids = _tokens()
+    tokens, labels = ids[:, :-1], ids[:, 1:]
+    logits = ours(tokens)
+    hf_logits = hf(input_ids=tokens).logits
+    assert (logits - hf_logits).abs().max() <= 1e-5 * hf_logits.abs().max()
+    loss = ours(tokens, labels=labels).mean()
+    hf_loss = hf(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, hf_loss, rtol=1e-6, atol=0)
+    loss.backward()
+    hf_loss.backward()
+    n, g, d = HEADS, GROUPS, HIDDEN // HEADS
+    qkv = params["decoder.layers.0.self_attention.linear_qkv.weight"].grad.view(g, n // g + 2, d, HIDDEN)
+    layer = hf.model.layers[0]
+    pairs = [(params["embedding.word_embeddings.weight"].grad, hf.model.embed_tokens.weight.grad),
+             (params["output_layer.weight"].grad, hf.lm_head.weight.grad),
+             (qkv[:, : n // g].reshape(n * d, HIDDEN), layer.self_attn.q_proj.weight.grad),
+             (qkv[:, n // g].reshape(g * d, HIDDEN), layer.self_attn.k_proj.weight.grad),
+             (params["decoder.layers.1.mlp.linear_fc1.weight"].grad.chunk(2)[0], hf.model.layers[1].mlp.gate_proj.weight.grad),
+             (params["decoder.final_layernorm.weight"].grad, hf.model.norm.weight.grad)]
+    for ours_g, hf_g in pairs:
+        assert (ours_g - hf_g).abs().max() <= 1e-5 * hf_g.abs().max()
+
+
+@pytest.mark.parametrize("shape", ["gpt2", "llama"])
+def test_greedy_generation_equals_transformers_generate(shape):
+    """``GPTLightningModule.generate`` (KV cache; learned positions or rope from the cache's offset) gives
+    transformers' ``generate(do_sample=False)`` tokens on the same weights, and the same tokens without
+    the cache."""
+    transformers = pytest.importorskip("transformers")
+    kw = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+              max_sequence_length=SEQ + 1, hidden_dropout=0.0, attention_dropout=0.0)
+    if shape == "gpt2":
+        module = GPTLightningModule(**kw, activation="gelu_tanh")
+        hf = _hf_gpt2()
+        copy = copy_into_gpt2
+    else:
+        module = GPTLightningModule(**{**kw, **LLAMA_MODULE, "ffn_hidden_size": FFN, "layernorm_epsilon": 1e-6,
+                                       "rotary_base": ROPE_BASE})
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=SEQ + 1, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE}, bos_token_id=0, eos_token_id=0)).eval()
+        copy = copy_into_llama
+    module.configure_model()
+    copy(module.model_chunks[0], hf)
+    prompt = _tokens(5)
+    ours = module.generate(prompt, 10)
+    theirs = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         attention_mask=torch.ones_like(prompt))
+    assert torch.equal(ours, theirs), (ours, theirs)
+    assert torch.equal(module.generate(prompt, 10, use_cache=False), ours)

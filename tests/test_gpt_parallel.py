@@ -5,6 +5,7 @@ Both shapes share two spawns: one process fits each shape's reference, then 2 ra
 of each shape in turn: TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), PP=2 x VP=2 (interleaved),
 DP=2, DP=2 with ZeRO-1. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
 1e-5 relative, every gradient after step 1 within 1e-4 of its largest entry, final parameters 1e-5.
+The same ranks then generate greedily with the Llama shape at TP=2, compared with one process.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class SyntheticGPTDataset(Dataset):
         return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask}
 
 
+LLAMA_TINY = {**GPT2_TINY, "spec": "llama_layer_spec", "num_query_groups": 2, "activation": "silu",
+              "gated_linear_unit": True, "add_bias_linear": False, "position_embedding_type": "rope",
+              "untie_embeddings_and_output_weights": True, "rotary_base": 10000.0}
+
+
 def make_module(**overrides):
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
@@ -50,14 +56,27 @@ def make_module(**overrides):
 
 
 GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1"]
-SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS)}
+LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1"]
+SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS)}
 
 
-def _fit_each(work: list) -> list:
-    """On every rank: each shape's layouts in turn (start-up and imports paid once)."""
+PROMPT = torch.tensor([[5, 7, 9, 11, 13], [100, 3, 42, 42, 7]])
+
+
+def _fit_each(work: list) -> dict:
+    """On every rank: each shape's layouts in turn (start-up and imports paid once); then greedy
+    generation with the Llama shape at TP = the world size (no pipeline)."""
+    import torch.distributed as dist
+
     from lightning_megatron.check.worker import run_layouts
+    from lightning_megatron.parallel_state import initialize_model_parallel
 
-    return [run_layouts(run, layouts) for run, layouts in work]
+    fits = [run_layouts(run, layouts) for run, layouts in work]
+    module = make_module(**LLAMA_TINY)
+    if dist.get_world_size() > 1:
+        module.connect_parallel_state(initialize_model_parallel(dist.get_world_size(), 1))
+    module.configure_model()
+    return {"fits": fits, "generated": module.generate(PROMPT, 12)}
 
 
 def check_shapes(shapes: dict) -> dict:
@@ -76,10 +95,10 @@ def check_shapes(shapes: dict) -> dict:
     ref = run_distributed(_fit_each, 1, [(runs[n], [parse_layout("tp1")]) for n in names], timeout=600)
     par = run_distributed(_fit_each, 2, [(runs[n], [parse_layout(x) for x in shapes[n][1]]) for n in names],
                           timeout=900)
-    tol, reports = Tolerances(), {}
+    tol, reports = Tolerances(), {"generated": {"tp1": ref[0]["generated"], "tp2": [r["generated"] for r in par]}}
     for i, name in enumerate(names):
-        reference = gather_runs([r[i] for r in ref])["tp1"]
-        layouts = gather_runs([r[i] for r in par])
+        reference = gather_runs([r["fits"][i] for r in ref])["tp1"]
+        layouts = gather_runs([r["fits"][i] for r in par])
         reports[name] = CheckReport(reference=reference, runs=layouts, tolerances=tol,
                                     results=[compare_runs(layouts[x], reference, tol) for x in shapes[name][1]])
     return reports
@@ -89,7 +108,8 @@ def check_shapes(shapes: dict) -> dict:
 def reports() -> dict:
     out = check_shapes(SHAPES)
     for name, report in out.items():
-        print(f"\n{name}\n{report.table()}")
+        if name != "generated":
+            print(f"\n{name}\n{report.table()}")
     return out
 
 
@@ -122,3 +142,24 @@ def test_gpt2_reference_trained(gpt2_report):
     matrices = [n for n in final if final[n].dim() == 2]
     moved = [n for n in matrices if (final[n] - init[n]).abs().max() > 1e-3]
     assert moved == matrices, sorted(set(matrices) - set(moved))
+
+
+@pytest.mark.parametrize("layout", LLAMA_LAYOUTS)
+def test_llama_shape_layouts_equal_one_process(reports, layout):
+    """Grouped-query attention (2 groups: one per TP rank), rope (under sequence parallelism too), SwiGLU
+    (fc1 [gate_r; up_r] per rank, compared as the global [gate; up]), RMSNorm, untied output layer."""
+    report = reports["llama"]
+    [result] = [r for r in report.results if r.layout == layout]
+    assert result.passed, report.table()
+    grads = report.reference.grads[1]
+    assert set(report.runs[layout].grads[1]) == set(grads) and len(grads) == 1 + 4 * 6 + 2, sorted(grads)
+    assert "output_layer.weight" in grads and not any(n.endswith("bias") for n in grads)
+
+
+def test_llama_greedy_generation_at_tp2_equals_one_process(reports):
+    """Greedy tokens with the KV cache at TP=2 (vocab-parallel logits gathered, grouped-query heads split)
+    are those of one process, on both ranks."""
+    generated = reports["generated"]
+    assert generated["tp1"].shape == (2, 5 + 12) and torch.equal(generated["tp1"][:, :5], PROMPT)
+    for tokens in generated["tp2"]:
+        assert torch.equal(tokens, generated["tp1"]), (tokens, generated["tp1"])

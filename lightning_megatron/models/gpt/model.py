@@ -155,7 +155,10 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = GPTEmbedding(config, self.padded_vocab_size, max_sequence_length, tp_group=tp_group,
                                           learned_positions=position_embedding_type == "learned_absolute", seed=seed)
-        self.rotary_pos_emb = self._rotary() if position_embedding_type == "rope" else None
+        # Not a submodule: Lightning's bf16-true casts a module's floating buffers, and inv_freq in bf16
+        # would turn position 2048's angles by radians. The fp32 table is made per length and device.
+        self._rotary = (self._make_rotary(),) if position_embedding_type == "rope" else ()
+        self._rotary_table: torch.Tensor | None = None
         self.decoder = TransformerBlock(config, spec, tp_group=tp_group, layer_range=layer_range,
                                         pre_process=pre_process, post_process=post_process, post_layer_norm=True,
                                         seed=seed, key_prefix="decoder.layers")
@@ -174,10 +177,19 @@ class GPTModel(nn.Module):
             set_param_facts(self.shared_embedding_or_output_weight(), shared_embedding=True)
         mark_replicated(self.parameters())  # the rest (norms, position embeddings) replicated over TP
 
-    def _rotary(self) -> nn.Module:
+    def _make_rotary(self) -> nn.Module:
         from lightning_megatron.transformer.rotary import RotaryEmbedding
 
         return RotaryEmbedding(self.config.kv_channels, self.config.rotary_percent, self.config.rotary_base)
+
+    def rotary_pos_emb(self, seq_length: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+        """The rope angle table [s, 1, 1, d_rot] (fp32) of positions ``offset .. offset + s``, for the
+        whole sequence (also under sequence parallelism: q and k are full-sequence in attention)."""
+        table = self._rotary_table
+        if table is None or table.device != device or table.size(0) < offset + seq_length:
+            table = self._rotary[0](max(offset + seq_length, self.max_sequence_length)).to(device)
+            self._rotary_table = table
+        return table[offset: offset + seq_length]
 
     def shared_embedding_or_output_weight(self) -> nn.Parameter:
         """The word-embedding weight [V_padded/t, h] this chunk holds (its own copy on a last stage)."""
@@ -200,29 +212,37 @@ class GPTModel(nn.Module):
             layer.compile(**options)
         return len(layers)
 
-    def _decode(self, hidden_states: torch.Tensor | None, seq_length: int) -> torch.Tensor:
-        if self.rotary_pos_emb is None:
-            return self.decoder(hidden_states, None)
-        if seq_length > self.max_sequence_length:
-            raise ValueError(f"sequence of {seq_length} tokens > max_sequence_length={self.max_sequence_length}")
-        return self.decoder(hidden_states, None, rotary_pos_emb=self.rotary_pos_emb(seq_length))
+    def _decode(self, hidden_states: torch.Tensor | None, tokens: torch.Tensor, position_offset: int,
+                inference_context: Any) -> torch.Tensor:
+        kwargs: dict[str, Any] = {} if inference_context is None else {"inference_context": inference_context}
+        if self._rotary:
+            kwargs["rotary_pos_emb"] = self.rotary_pos_emb(tokens.size(1), tokens.device, position_offset)
+        return self.decoder(hidden_states, None, **kwargs)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, *, position_offset: int = 0,
+                inference_context: Any = None) -> torch.Tensor:
         """``tokens`` [b, s] (on every chunk: it gives the sequence length); returns
 
         - ``post_process=False``: hidden states [s, b, h] (input of the next stage);
         - ``labels`` None: logits [b, s, V_padded/t] (this rank's vocabulary columns);
         - ``labels`` [b, s] (the next tokens): the per-token cross entropy [b, s] (fp32).
 
-        ``position_ids`` [b, s]: None is ``arange(s)`` (the GPT dataset's positions).
+        ``position_ids`` [b, s]: None is ``arange(s)`` (the GPT dataset's positions) shifted by
+        ``position_offset``, the position of ``tokens[:, 0]`` when generating with a KV cache
+        (``inference_context``, :func:`lightning_megatron.generation.generate`).
         """
+        s = tokens.size(1)
+        if position_offset + s > self.max_sequence_length:
+            raise ValueError(f"positions up to {position_offset + s} exceed max_sequence_length="
+                             f"{self.max_sequence_length}; raise max_sequence_length")
         hidden_states = None
         if self.pre_process:
             if position_ids is None and self.embedding.position_embeddings is not None:
-                position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+                position_ids = torch.arange(position_offset, position_offset + s, device=tokens.device)
+                position_ids = position_ids.unsqueeze(0).expand_as(tokens)
             hidden_states = self.embedding(tokens, position_ids)
-        hidden_states = self._decode(hidden_states, tokens.size(1))
+        hidden_states = self._decode(hidden_states, tokens, position_offset, inference_context)
         if not self.post_process:
             return hidden_states
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None

@@ -49,11 +49,16 @@ class GPTLightningModule(MegatronLightningModule):
 
     Args:
         num_layers, hidden_size, num_attention_heads, ffn_hidden_size, kv_channels, ...: the TransformerConfig.
+        num_query_groups: key/value heads of grouped-query attention (None: one per query head); it
+            must divide num_attention_heads, and the TP size must divide it (megatron-core's rule).
         vocab_size: None reads ``trainer.datamodule.vocab_size``.
         max_sequence_length: rows of the learned position embedding (the longest sequence).
         spec: a registered layer spec name: ``gpt_layer_spec`` (LayerNorm) or ``llama_layer_spec`` (RMSNorm).
         position_embedding_type: ``learned_absolute`` (GPT-2), ``rope`` (Llama) or ``none``.
         activation: the MLP activation (GPT-2: ``gelu_tanh``; Megatron GPT: ``gelu``; Llama: ``silu``).
+        gated_linear_unit: a gated MLP, ``act(x W_gate) * (x W_up)`` (with ``silu``: Llama's SwiGLU).
+        rotary_base, rotary_percent: rope's base (Llama 2: 10000, Llama 3: 500000) and the fraction of
+            each head's channels it rotates (``position_embedding_type="rope"``).
         add_bias_linear: biases in attention and MLP (GPT-2: yes; Llama: no).
         untie_embeddings_and_output_weights: the output layer has its own weight (Llama) instead of the
             word embedding's (GPT-2).
@@ -61,6 +66,9 @@ class GPTLightningModule(MegatronLightningModule):
         optimizer, lr, weight_decay, adam_*, sgd_momentum, fused_optimizer, optimizer_class, ...: as
             :class:`~lightning_megatron.models.bert.module.BertLightningModule`.
         compile: ``torch.compile`` each transformer layer (regional compilation).
+        predict_max_new_tokens, predict_greedy, predict_temperature, predict_top_k, predict_top_p: what
+            ``predict`` generates after each sample's ``tokens`` (:meth:`generate`): the prompt followed by
+            the new tokens, greedy or sampled (Hugging Face's temperature / top-k / top-p).
     """
 
     def __init__(
@@ -69,6 +77,7 @@ class GPTLightningModule(MegatronLightningModule):
         num_layers: int = 2,
         hidden_size: int = 128,
         num_attention_heads: int = 4,
+        num_query_groups: int | None = None,
         ffn_hidden_size: int | None = None,
         kv_channels: int | None = None,
         vocab_size: int | None = None,
@@ -77,7 +86,10 @@ class GPTLightningModule(MegatronLightningModule):
         position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
         activation: Literal["gelu", "gelu_tanh", "relu", "silu"] = "gelu",
         add_bias_linear: bool = True,
+        gated_linear_unit: bool = False,
         untie_embeddings_and_output_weights: bool = False,
+        rotary_base: float = 10000.0,
+        rotary_percent: float = 1.0,
         hidden_dropout: float = 0.1,
         attention_dropout: float = 0.1,
         layernorm_epsilon: float = 1e-5,
@@ -100,6 +112,11 @@ class GPTLightningModule(MegatronLightningModule):
         sgd_momentum: float = 0.9,
         fused_optimizer: bool = True,
         compile: bool = False,
+        predict_max_new_tokens: int = 32,
+        predict_greedy: bool = True,
+        predict_temperature: float = 1.0,
+        predict_top_k: int = 0,
+        predict_top_p: float = 1.0,
         optimizer_class: str | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
         lr_scheduler_class: str | None = None,
@@ -121,7 +138,8 @@ class GPTLightningModule(MegatronLightningModule):
         self.use_lr_scheduler(lr_scheduler_class, lr_scheduler_kwargs)
         self._config_kwargs = dict(
             num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-            ffn_hidden_size=ffn_hidden_size, kv_channels=kv_channels, hidden_dropout=hidden_dropout,
+            num_query_groups=num_query_groups, ffn_hidden_size=ffn_hidden_size, kv_channels=kv_channels,
+            gated_linear_unit=gated_linear_unit, rotary_base=rotary_base, rotary_percent=rotary_percent, hidden_dropout=hidden_dropout,
             attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon,
             normalization=_SPEC_NORM.get(spec, "LayerNorm"), activation=activation, add_bias_linear=add_bias_linear,
             init_method_std=init_method_std, params_dtype=_DTYPES[params_dtype],
@@ -192,9 +210,15 @@ class GPTLightningModule(MegatronLightningModule):
     # ------------------------------------------------------------------ steps
 
     def forward_step(self, batch: dict[str, torch.Tensor], chunk: GPTModel):
-        """Megatron's forward step: run ``chunk``; on the last chunk return the loss function too."""
+        """Megatron's forward step: run ``chunk``; on the last chunk return the loss function too.
+        While predicting: the generated tokens (:meth:`generate`), logged as ``predictions``."""
         if self._trainer is not None and self.trainer.predicting:
-            raise NotImplementedError("GPTLightningModule has no predict step yet (generation: docs/gpt.md)")
+            out = self.predict_step(batch, 0)
+
+            def predictions(output: torch.Tensor):
+                return torch.zeros((), device=output.device), {"predictions": output}
+
+            return out, predictions
         labels = batch["labels"] if chunk.post_process else None
         out = chunk(batch["tokens"], batch.get("position_ids"), labels=labels)
         if not chunk.post_process:
@@ -226,6 +250,45 @@ class GPTLightningModule(MegatronLightningModule):
 
         metrics = MetricCollection({"perplexity": self.eval_metrics[stage]})
         log_epoch_metrics(self, metrics, stage, self.parallel_state, self.model_chunks[-1].post_process)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, prompt_tokens: torch.Tensor, max_new_tokens: int, *, greedy: bool = True,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_token: int | None = None,
+                 use_cache: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``prompt_tokens`` [b, s0] followed by up to ``max_new_tokens`` tokens [b, s0 + n], with a KV cache
+        (:func:`lightning_megatron.generation.generate`); under TP every rank returns the same tokens.
+        The whole model must be on this rank (``pipeline_model_parallel_size=1``), in eval mode meanwhile."""
+        from lightning_megatron.generation import generate
+
+        assert self.model_chunks is not None, "configure_model has not run"
+        chunk = self.model_chunks[0]
+        if len(self.model_chunks) != 1 or not (chunk.pre_process and chunk.post_process):
+            raise ValueError("generate needs the whole model on this rank: pipeline_model_parallel_size=1 (the "
+                             "decoder's pipeline stages are not chained token by token)")
+        if chunk.config.sequence_parallel:
+            raise ValueError("generate with sequence_parallel=True is not supported (one new token per step "
+                             "cannot be split along the sequence); generate without sequence parallelism")
+
+        def forward(tokens: torch.Tensor, offset: int, cache: Any) -> torch.Tensor:
+            return chunk(tokens, position_offset=offset, inference_context=cache)
+
+        was_training = chunk.training
+        chunk.eval()
+        try:
+            return generate(forward, prompt_tokens, max_new_tokens, greedy=greedy, temperature=temperature,
+                            top_k=top_k, top_p=top_p, use_cache=use_cache, stop_token=stop_token,
+                            vocab_size=self.vocab_size, tp_group=self.parallel_state.tp_group, generator=generator)
+        finally:
+            chunk.train(was_training)
+
+    @override
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """Each sample's ``tokens`` as the prompt, followed by ``predict_max_new_tokens`` generated ones."""
+        hp = self.hparams
+        return self.generate(batch["tokens"], hp.predict_max_new_tokens, greedy=hp.predict_greedy,
+                             temperature=hp.predict_temperature, top_k=hp.predict_top_k, top_p=hp.predict_top_p)
 
     # ------------------------------------------------------------------ cost
 
@@ -284,7 +347,9 @@ def decoder_flops(config: TransformerConfig, tokens: int, seq_length: int, vocab
     return transformer_flops(num_layers=config.num_layers, hidden_size=config.hidden_size,
                              ffn_hidden_size=config.ffn_hidden_size, seq_length=seq_length, tokens=tokens,
                              head_tokens=tokens, vocab_size=vocab_size, head_dense=False,
-                             query_projection_size=config.num_attention_heads * d)
+                             query_projection_size=config.num_attention_heads * d,
+                             kv_projection_size=config.num_query_groups * d,
+                             gated_linear_unit=config.gated_linear_unit)
 
 
 def _tag_vocab_parallel(chunk: GPTModel, vocab_size: int) -> None:
