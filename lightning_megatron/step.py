@@ -141,6 +141,7 @@ class StepRunner:
         values: torch.Tensor | None = None
         if ps.is_pipeline_last_stage() and logged:
             keys = sorted(k for k, v in logged[0].items() if torch.is_tensor(v) and v.numel() == 1)
+        if keys:  # a loss function may log nothing per step (fine-tuning's evaluation logs per epoch)
             stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
             values = stacked.mean(dim=0)
             if ps.dp_size > 1:
