@@ -1,0 +1,115 @@
+"""Byte-level BPE tokenizer (lightning_megatron/data/bpe_tokenizer.py) against transformers'
+GPT2TokenizerFast on the same vocab + merges, its refusals, and BPE preprocessing with EOD."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lightning_megatron.data import (
+    BertTokenizer,
+    BPETokenizer,
+    IndexedDataset,
+    check_dataset_vocab,
+    default_corpus_documents,
+    packaged_bpe_tokenizer_file,
+    preprocess_corpus,
+    read_dataset_vocab,
+)
+from lightning_megatron.data.bpe_tokenizer import EOD_TOKEN
+
+TRICKY = ["  two leading spaces", "tabs\tand\nnew\n\nlines ", "Ünïcödé façade — naïve café 東京 🤖👍🏽",
+          "it's we'll I'M 1234567 3.14e-10", "ends with spaces   ", "", " ", "a<|endoftext|>b"]
+
+
+def _texts(n: int = 400) -> list[str]:
+    docs = [" ".join(d) for _, d in zip(range(n), default_corpus_documents())]
+    return docs + TRICKY
+
+
+def test_bpe_equals_gpt2_tokenizer_fast_on_vocab_and_merges(tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import GPT2TokenizerFast
+
+    packaged = packaged_bpe_tokenizer_file()
+    assert packaged.parent.parent.name == "data" and packaged.stat().st_size < 1_000_000  # package data, small
+    Tokenizer.from_file(str(packaged)).model.save(str(tmp_path))  # GPT-2's files: vocab.json + merges.txt
+    assert {p.name for p in tmp_path.iterdir()} == {"vocab.json", "merges.txt"}
+    reference = GPT2TokenizerFast.from_pretrained(str(tmp_path))  # a local folder: vocab.json + merges.txt
+    from_files = BPETokenizer(tmp_path / "vocab.json")  # merges.txt beside it
+    from_json = BPETokenizer(packaged)
+    from_folder = BPETokenizer(tmp_path)
+    texts = _texts()
+    expected = reference(texts)["input_ids"]
+    assert sum(map(len, expected)) > 50_000
+    for tok in (from_files, from_json, from_folder):
+        assert tok.tokenize_batch(texts) == expected
+        assert [tok.tokenize(t) for t in TRICKY] == expected[-len(TRICKY):]
+        assert tok.vocab_size == len(reference) == 8192
+        assert tok.eod == reference.eos_token_id == reference.convert_tokens_to_ids(EOD_TOKEN)
+        assert tok.inv_vocab == from_json.inv_vocab and tok.merges == from_json.merges
+    assert from_json.tokenize("a<|endoftext|>b")[1] == from_json.eod  # a special token, as GPT2TokenizerFast
+    for text in texts:  # byte-level: lossless
+        assert from_json.detokenize(from_json.tokenize(text)) == text
+    assert from_json.detokenize(expected[0]) == reference.decode(expected[0])
+
+
+def test_bpe_refuses_vocabularies_it_cannot_use(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    no_eod = Tokenizer(models.BPE())
+    no_eod.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    no_eod.train_from_iterator(_texts(50), trainer=trainers.BpeTrainer(vocab_size=400, show_progress=False))
+    no_eod.save(str(tmp_path / "no_eod.json"))
+    with pytest.raises(ValueError, match=r"no end-of-document token '<\|endoftext\|>'.*train-tokenizer --type bpe"):
+        BPETokenizer(tmp_path / "no_eod.json")
+    no_eod.model.save(str(tmp_path))
+    with pytest.raises(ValueError, match="no end-of-document token"):
+        BPETokenizer(tmp_path / "vocab.json")
+    (tmp_path / "merges.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="needs its merges.txt"):
+        BPETokenizer(tmp_path / "vocab.json")
+    wordpiece = BertTokenizer()._tokenizer
+    wordpiece.save(str(tmp_path / "wordpiece.json"))
+    with pytest.raises(ValueError, match="holds a WordPiece tokenizer; GPT data needs a BPE one"):
+        BPETokenizer(tmp_path / "wordpiece.json")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        BPETokenizer(tmp_path / "missing.json")
+
+
+def test_preprocess_bpe_one_item_per_document_with_eod_and_vocab_sidecar(tmp_path):
+    tok = BPETokenizer()
+    texts = ["First document.\nIts second line keeps its newline.", "  Second: leading spaces kept.", "",
+             "Third " * 400]
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    stats = preprocess_corpus([jsonl], tmp_path / "gpt", tok, append_eod=True, max_seq_length=64)
+    ds = IndexedDataset(tmp_path / "gpt")
+    kept = [t for t in texts if t.strip()]
+    assert ds.num_documents == len(ds) == stats.written_documents == len(kept)  # one item per document, unsplit
+    for i, text in enumerate(kept):
+        assert ds[i].tolist() == tok.tokenize(text) + [tok.eod], i
+    record = read_dataset_vocab(tmp_path / "gpt")
+    assert (record.tokenizer_type, record.eod, record.append_eod) == ("bpe", tok.eod, True)
+    assert record.vocab_file == str(packaged_bpe_tokenizer_file().resolve()) and record.vocab_size == 8192
+    assert check_dataset_vocab(tmp_path / "gpt", tok, model_vocab_size=tok.vocab_size) == record
+    # Another vocabulary: the same pieces with one merge dropped tokenizes differently; refused
+    spec = json.loads(packaged_bpe_tokenizer_file().read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][:-1]
+    (tmp_path / "other.json").write_text(json.dumps(spec))
+    other = BPETokenizer(tmp_path / "other.json")
+    assert other.inv_vocab == tok.inv_vocab
+    with pytest.raises(ValueError, match="tokenized with another vocabulary"):
+        check_dataset_vocab(tmp_path / "gpt", other)
+    with pytest.raises(ValueError, match="tokenized with another vocabulary"):
+        check_dataset_vocab(tmp_path / "gpt", BertTokenizer())
+    # Without --append-eod: the same ids without the EOD, recorded as such
+    preprocess_corpus([jsonl], tmp_path / "plain", tok, max_seq_length=64)
+    assert IndexedDataset(tmp_path / "plain")[0].tolist() == tok.tokenize(kept[0])
+    assert read_dataset_vocab(tmp_path / "plain").append_eod is False
+    assert np.asarray(IndexedDataset(tmp_path / "plain").sizes).sum() + len(kept) == ds.num_tokens
+    # BERT data has no end-of-document token to append
+    with pytest.raises(ValueError, match="append_eod.*WordPiece"):
+        preprocess_corpus([jsonl], tmp_path / "bert", BertTokenizer(), append_eod=True)
