@@ -3,6 +3,7 @@ GPT2TokenizerFast on the same vocab + merges, its refusals, and BPE preprocessin
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -24,14 +25,15 @@ TRICKY = ["  two leading spaces", "tabs\tand\nnew\n\nlines ", "Ünïcödé faça
           "it's we'll I'M 1234567 3.14e-10", "ends with spaces   ", "", " ", "a<|endoftext|>b"]
 
 
-def _texts(n: int = 400) -> list[str]:
-    docs = [" ".join(d) for _, d in zip(range(n), default_corpus_documents())]
+def _texts(n: int | None = None) -> list[str]:
+    """The built-in corpus (its first ``n`` documents) as GPT data reads it, then the edge cases."""
+    docs = [" ".join(d) for d in itertools.islice(default_corpus_documents(), n)]
     return docs + TRICKY
 
 
 def test_bpe_equals_gpt2_tokenizer_fast_on_vocab_and_merges(tmp_path):
     from tokenizers import Tokenizer
-    from transformers import GPT2TokenizerFast
+    from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
 
     packaged = packaged_bpe_tokenizer_file()
     assert packaged.parent.parent.name == "data" and packaged.stat().st_size < 1_000_000  # package data, small
@@ -41,10 +43,13 @@ def test_bpe_equals_gpt2_tokenizer_fast_on_vocab_and_merges(tmp_path):
     from_files = BPETokenizer(tmp_path / "vocab.json")  # merges.txt beside it
     from_json = BPETokenizer(packaged)
     from_folder = BPETokenizer(tmp_path)
+    saved = BPETokenizer(from_files.save(tmp_path / "saved"))  # GPT-2 files -> tokenizer.json
     texts = _texts()
     expected = reference(texts)["input_ids"]
-    assert sum(map(len, expected)) > 50_000
-    for tok in (from_files, from_json, from_folder):
+    assert len(texts) > 2400 and sum(map(len, expected)) > 150_000
+    exported = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "saved" / "tokenizer.json"))
+    assert exported(texts)["input_ids"] == expected  # what a Hugging Face export of ours gives
+    for tok in (from_files, from_json, from_folder, saved):
         assert tok.tokenize_batch(texts) == expected
         assert [tok.tokenize(t) for t in TRICKY] == expected[-len(TRICKY):]
         assert tok.vocab_size == len(reference) == 8192
@@ -77,6 +82,21 @@ def test_bpe_refuses_vocabularies_it_cannot_use(tmp_path):
         BPETokenizer(tmp_path / "wordpiece.json")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         BPETokenizer(tmp_path / "missing.json")
+
+
+def test_bpe_reads_whole_documents_verbatim(tmp_path):
+    """BPE data keeps each document's text as written (GPT): text files by blank lines, lines joined with
+    their newlines; the built-in corpus one item per document."""
+    tok = BPETokenizer()
+    (tmp_path / "a.txt").write_text("\n\nFirst doc, line one.\n  Line two, indented.\n\n\nSecond doc.\n\n")
+    preprocess_corpus([tmp_path / "a.txt"], tmp_path / "txt", tok, append_eod=True)
+    ds = IndexedDataset(tmp_path / "txt")
+    assert [tok.detokenize(ds[i].tolist()) for i in range(len(ds))] == [
+        "First doc, line one.\n  Line two, indented.<|endoftext|>", "Second doc.<|endoftext|>"]
+    stats = preprocess_corpus(None, tmp_path / "builtin", tok)
+    ds = IndexedDataset(tmp_path / "builtin")
+    assert len(ds) == ds.num_documents == stats.written_documents == stats.documents > 2000
+    assert stats.single_sentence_documents == stats.long_sentences_split == 0
 
 
 def test_preprocess_bpe_one_item_per_document_with_eod_and_vocab_sidecar(tmp_path):

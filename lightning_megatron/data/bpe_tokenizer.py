@@ -109,6 +109,11 @@ class BPETokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.inv_vocab[i] for i in ids]
 
+    def save(self, output_dir: str | os.PathLike[str]) -> Path:
+        """Write this tokenizer as ``output_dir/tokenizer.json`` (atomically; what a Hugging Face export
+        ships: ``PreTrainedTokenizerFast(tokenizer_file=...)`` gives the same ids). Returns its path."""
+        return _save_atomic(self._tokenizer, Path(output_dir))
+
 
 def _bpe_files(path: Path, merges: Path | None) -> tuple[Path, Path | None]:
     """(``tokenizer.json`` or ``vocab.json``, ``merges.txt`` or None) of a file or folder."""
@@ -198,7 +203,11 @@ def train_bpe_tokenizer(files: Sequence[Any] | None, vocab_size: int, output_dir
                          f"{stats.empty_files} empty, {stats.bad_json_lines} JSON lines without a string under "
                          f"json_key={json_key!r}, {stats.empty_documents} empty documents; nothing was written "
                          f"(pass --json-key with the field that holds the text)")
-    output = Path(output_dir)
+    return _save_atomic(tokenizer, Path(output_dir))
+
+
+def _save_atomic(tokenizer: Any, output: Path) -> Path:
+    """``tokenizer.save`` to a temporary file in ``output``, renamed to ``tokenizer.json``."""
     output.mkdir(parents=True, exist_ok=True)
     tmp = output / f".tokenizer.json.tmp-{os.getpid()}"
     try:
