@@ -125,6 +125,14 @@ def test_preprocess_bpe_one_item_per_document_with_eod_and_vocab_sidecar(tmp_pat
         check_dataset_vocab(tmp_path / "gpt", other)
     with pytest.raises(ValueError, match="tokenized with another vocabulary"):
         check_dataset_vocab(tmp_path / "gpt", BertTokenizer())
+    # The pre-launch check of `lightning-megatron fit` reads a BPE data.vocab_file the same way
+    from lightning_megatron.config_checks import _check_data_files
+
+    assert _check_data_files({"vocab_file": str(packaged_bpe_tokenizer_file()), "data_prefix": str(tmp_path / "gpt")},
+                             {"vocab_size": 8192}) == []
+    (problem,) = _check_data_files({"vocab_file": str(tmp_path / "other.json"), "data_prefix": str(tmp_path / "gpt")},
+                                   {})
+    assert "tokenized with another vocabulary" in problem, problem
     # Without --append-eod: the same ids without the EOD, recorded as such
     preprocess_corpus([jsonl], tmp_path / "plain", tok, max_seq_length=64)
     assert IndexedDataset(tmp_path / "plain")[0].tolist() == tok.tokenize(kept[0])
