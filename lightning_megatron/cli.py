@@ -255,7 +255,8 @@ def _preprocess(argv: list[str]) -> None:
     parser.add_argument("--append-eod", action="store_true",
                         help="end every document with the BPE tokenizer's end-of-document token (Megatron's flag)")
     parser.add_argument("--json-key", default="text", help="JSON field / dataset column holding the text")
-    parser.add_argument("--max-seq-length", type=int, default=512)
+    parser.add_argument("--max-seq-length", type=int, default=512,
+                        help="WordPiece sentences longer than this minus 3 are split (BPE documents never are)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = parser.parse_args(argv)

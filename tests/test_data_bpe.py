@@ -141,3 +141,14 @@ def test_preprocess_bpe_one_item_per_document_with_eod_and_vocab_sidecar(tmp_pat
     # BERT data has no end-of-document token to append
     with pytest.raises(ValueError, match="append_eod.*WordPiece"):
         preprocess_corpus([jsonl], tmp_path / "bert", BertTokenizer(), append_eod=True)
+
+
+def test_tokenizing_batches_are_bounded_in_characters_as_well_as_sentences():
+    """BPE documents are whole texts: a batch of 4,096 of them could hold gigabytes, so a batch also
+    closes at _BATCH_CHARS characters (a document larger than that is a batch of its own)."""
+    from lightning_megatron.data.preprocess import _BATCH_CHARS, _BATCH_SENTENCES, _batches
+
+    big = ["x" * (_BATCH_CHARS // 2)]
+    assert [len(b) for b in _batches(iter([big] * 5))] == [2, 2, 1]
+    assert [len(b) for b in _batches(iter([["x" * (2 * _BATCH_CHARS)], ["y"]]))] == [1, 1]
+    assert [len(b) for b in _batches(iter([["a", "b"]] * _BATCH_SENTENCES))] == [_BATCH_SENTENCES // 2] * 2

@@ -36,6 +36,7 @@ from lightning_megatron.data.tokenizer import BertTokenizer, load_tokenizer
 __all__ = ["PreprocessStats", "preprocess_corpus"]
 
 _BATCH_SENTENCES = 4096  # sentences tokenized per call into the (multi-threaded) tokenizers library
+_BATCH_CHARS = 1 << 23  # ... or fewer: whole BPE documents can be large, a batch stays near 8 M characters
 
 
 @dataclass(kw_only=True)
@@ -68,13 +69,14 @@ class PreprocessStats(CorpusStats):
 
 def _batches(documents: Iterator[Document]) -> Iterator[list[Document]]:
     batch: list[Document] = []
-    count = 0
+    count = chars = 0
     for doc in documents:
         batch.append(doc)
         count += len(doc)
-        if count >= _BATCH_SENTENCES:
+        chars += sum(map(len, doc))
+        if count >= _BATCH_SENTENCES or chars >= _BATCH_CHARS:
             yield batch
-            batch, count = [], 0
+            batch, count, chars = [], 0, 0
     if batch:
         yield batch
 
@@ -210,13 +212,13 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
         The counters of what was read and written. The output is written atomically: an
         interrupted run leaves no valid-looking pair (and any previous one untouched or removed).
     """
-    if max_seq_length < 8:
-        raise ValueError(f"max_seq_length={max_seq_length} is too short for BERT samples; use at least 8")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     if not isinstance(tokenizer, (BertTokenizer, BPETokenizer)):
         tokenizer = load_tokenizer(tokenizer)
     bpe = isinstance(tokenizer, BPETokenizer)
+    if max_seq_length < 8 and not bpe:  # BPE documents are never cut
+        raise ValueError(f"max_seq_length={max_seq_length} is too short for BERT samples; use at least 8")
     if append_eod and not bpe:
         raise ValueError(f"append_eod=True needs a BPE tokenizer with an end-of-document token, but "
                          f"{str(tokenizer.vocab_file)!r} is a WordPiece (BERT) vocabulary, which has none; pass a "
