@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.data.bert_dataset import BertDataset, create_masked_lm_predictions, get_train_valid_test_split_
-from lightning_megatron.data.bpe_tokenizer import BPETokenizer, packaged_bpe_tokenizer_file, train_bpe_tokenizer
 from lightning_megatron.data.blended import BlendedDataset, build_blending_indices, parse_data_prefix
+from lightning_megatron.data.bpe_tokenizer import BPETokenizer, packaged_bpe_tokenizer_file, train_bpe_tokenizer
 from lightning_megatron.data.corpus import CorpusStats, default_corpus_documents, read_documents, split_sentences
 from lightning_megatron.data.dataset_vocab import (
     DatasetVocab,

@@ -4,9 +4,9 @@
 With a WordPiece tokenizer (BERT) every sentence is tokenized and written as one item; with a BPE
 tokenizer (GPT) every document is one item, its text verbatim, with the end-of-document id appended
 when ``append_eod`` (Megatron's ``--append-eod``). Documents end with ``end_document``;
-``<prefix>.vocab.json`` records the vocabulary and the largest token id (:mod:`.dataset_vocab`). Malformed input never crashes: empty files, blank lines, invalid UTF-8,
-malformed JSON lines and over-long sentences or documents are handled and counted in the returned
-:class:`PreprocessStats`. A missing input raises :class:`FileNotFoundError` naming it, and inputs
+``<prefix>.vocab.json`` records the vocabulary and the largest token id (:mod:`.dataset_vocab`).
+Malformed input never crashes: empty files, blank lines, invalid UTF-8, malformed JSON lines and
+over-long sentences or documents are handled and counted in the returned :class:`PreprocessStats`. A missing input raises :class:`FileNotFoundError` naming it, and inputs
 that hold no text at all raise :class:`ValueError` (nothing is written).
 
 With ``workers > 1`` the main process reads and splits the documents and ``workers`` processes
@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from lightning_megatron.data.bpe_tokenizer import BPETokenizer
 from lightning_megatron.data.corpus import CorpusStats, Document, read_documents
 from lightning_megatron.data.dataset_vocab import vocab_sidecar_path, write_dataset_vocab
 from lightning_megatron.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from lightning_megatron.data.bpe_tokenizer import BPETokenizer
 from lightning_megatron.data.tokenizer import BertTokenizer, load_tokenizer
 
 __all__ = ["PreprocessStats", "preprocess_corpus"]
