@@ -59,6 +59,9 @@ def test_bpe_equals_gpt2_tokenizer_fast_on_vocab_and_merges(tmp_path):
     for text in texts:  # byte-level: lossless
         assert from_json.detokenize(from_json.tokenize(text)) == text
     assert from_json.detokenize(expected[0]) == reference.decode(expected[0])
+    import pickle  # what a spawned preprocess worker receives: the files' paths, reloaded there
+
+    assert pickle.loads(pickle.dumps(from_files)).tokenize_batch(texts[-len(TRICKY):]) == expected[-len(TRICKY):]
 
 
 def test_bpe_refuses_vocabularies_it_cannot_use(tmp_path):
