@@ -163,7 +163,7 @@ def _worker(root: str) -> dict:
             with torch.no_grad():
                 logits, binary = model(tokens, mask, types)
             parts = [torch.empty_like(logits) for _ in range(2)]
-            dist.all_gather(parts, logits.contiguous(), group=ps.tp_group)
+            dist.all_gather(parts, logits.contiguous(), group=ps.tp_group.process_group)
             out[f"{name}-exact{exact_mlp}"] = (torch.cat(parts, -1)[..., :VOCAB], binary)
         out[f"{name}-hparams"] = saved.hparams
     return out
