@@ -134,9 +134,10 @@ def _worker(root: str) -> dict:
     import torch.distributed as dist
 
     from lightning_megatron.models.bert import BertModel
-    from lightning_megatron.models.bert.init_from import check_architecture, load_full_state_dict, read_pretrained
+    from lightning_megatron.models.bert.init_from import check_architecture, read_pretrained
     from lightning_megatron.models.bert.module import _tag_vocab_parallel
     from lightning_megatron.parallel_state import initialize_model_parallel
+    from lightning_megatron.saved_model import load_full_state_dict
     from lightning_megatron.transformer import TransformerConfig
 
     root = Path(root)

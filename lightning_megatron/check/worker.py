@@ -256,7 +256,7 @@ def _make_recorder(run: CheckRun):
             ps = trainer.strategy.parallel_state
             self.collectives = {name: _on_shared_memory(g)
                                 for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group))
-                                if g is not None and g.size() > 1}
+                                if g is not None and g.size > 1}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if run.record_outputs and trainer.global_step == 0 and trainer.strategy.parallel_state.dp_rank == 0:
