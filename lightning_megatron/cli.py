@@ -148,7 +148,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 raise SystemExit(f"lightning-megatron: --lr_scheduler {config.lr_scheduler.class_path} and the "
                                  f"lr_schedule section (OptimizerParamSchedulerCallback) would both set the lr every "
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
-            prepare_config(config, given)  # named callbacks, run folder, init_from, last, W&B: cli_config.py
+            prepare_config(config, given, self.model_class)  # named callbacks, run folder, init_from, last, W&B: cli_config.py
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
             except ConfigError as e:

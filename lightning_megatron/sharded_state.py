@@ -226,7 +226,7 @@ class ShardedStateMapper:
             return []
         first = ps.is_pipeline_first_stage()
         name = [next((n for n, p in self.named if param_facts(p).shared_embedding), None) if first else None]
-        dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group)
+        dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
         if first or name[0] is None:
             return []
         return [(name[0], p) for _, p in self.all_named if _tied_copy(p, ps)]
@@ -343,11 +343,11 @@ class ShardedStateMapper:
         with torch.no_grad():
             for _, p in self.all_named:
                 if param_facts(p).shared_embedding:
-                    dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
+                    dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
                     for opt in self.optimizers:
                         main = None if is_sharded(opt) else opt.main_param(p)
                         if main is not None and main is not p:
-                            dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
+                            dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
 
 
 def rng_state() -> dict[str, Any]:

@@ -55,15 +55,8 @@ class BertClassificationModule(BertLightningModule):
         self.save_hyperparameters()
 
     @override
-    def configure_model(self) -> None:
-        if self.model_chunks is not None:
-            return
-        init_from = self.hparams.get("init_from")
-        self.hparams["init_from"] = None  # load after the classifier exists (below)
-        try:
-            super().configure_model()
-        finally:
-            self.hparams["init_from"] = init_from
+    def on_chunks_built(self) -> None:
+        # The classifier exists before the base loads ``init_from`` (which leaves it at its initialization).
         last = self.model_chunks[-1]
         if last.post_process:
             with seeded(self.hparams.init_seed, "classifier"):
@@ -74,8 +67,6 @@ class BertClassificationModule(BertLightningModule):
             mark_replicated(last.classifier.parameters())  # replicated across TP, like the pooler
             last.classifier_dropout = nn.Dropout(self.hparams.classifier_dropout)
         self.eval_metrics = finetune_metrics(self.hparams.num_classes, self.parallel_state)
-        if init_from:
-            self.load_pretrained(init_from)
 
     optional_pretrained = ("pooler.",)  # as transformers does, a source without a pooler gets a fresh one
 

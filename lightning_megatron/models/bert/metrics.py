@@ -111,7 +111,7 @@ def log_epoch_metrics(module: Any, metrics: MetricCollection, stage: str, ps: Pa
         values[:-1] = torch.stack([computed[n].detach().float().reshape(()) for n in names]).to(device)
         values[-1] = 1.0
     if ps.pp_size > 1:
-        dist.broadcast(values, src=ps.pp_ranks[-1], group=ps.pp_group)
+        dist.broadcast(values, src=ps.pp_ranks[-1], group=ps.pp_group.process_group)
     metrics.reset()
     out = dict(zip(names, values[:-1].unbind(0))) if values[-1] > 0 else {}
     for name, value in out.items():
