@@ -12,10 +12,20 @@ Backward of the softmax, row by row (a_i is row i of A, g_i = dL/da_i):
 
 so the gradient only needs A (or, as Flash-Attention does, O and dO: rowsum(dA * A) = rowsum(dO * O)).
 
-TP layout: ``linear_qkv`` is column-parallel with output width 3 * n * d laid out head-major,
-[head 0: q, k, v | head 1: q, k, v | ...], so a contiguous 1/t slice of its rows (what a TP rank
-keeps) holds whole heads with their q, k and v. Each rank runs attention on its n/t heads;
-``linear_proj`` is row-parallel and sums the heads' contributions (one all-reduce forward).
+Grouped-query attention (``config.num_query_groups`` = g key/value heads for n query heads, g | n):
+query heads j*n/g .. (j+1)*n/g - 1 share key/value head j (Hugging Face's ``repeat_kv`` order).
+g = n is multi-head attention, g = 1 multi-query attention.
+
+TP layout: ``linear_qkv`` is column-parallel with output width (n + 2g) * d laid out group-major as
+megatron-core does, [group 0: its n/g query heads, k, v | group 1: ... | ...], so a contiguous 1/t
+slice of its rows (what a TP rank keeps) holds g/t whole groups with their queries, key and value
+(t must divide g). With g = n this is the head-major [head 0: q, k, v | head 1: q, k, v | ...].
+Each rank runs attention on its n/t query heads; ``linear_proj`` is row-parallel and sums the heads'
+contributions (one all-reduce forward).
+
+Rotary position embeddings (:mod:`lightning_megatron.transformer.rotary`) rotate q and k after their
+optional norms when ``forward(..., rotary_pos_emb=freqs)`` is given. Causal attention
+(``AttnMaskType.causal``, no mask tensor) calls SDPA with ``is_causal=True``.
 
 Dropout on the attention probabilities uses the model-parallel RNG stream: each rank holds
 different heads, so their masks must be independent, yet reproducible under recomputation.
@@ -43,6 +53,7 @@ from lightning_megatron.tensor_parallel import (
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.dropout import dropout
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
+from lightning_megatron.transformer.rotary import apply_rotary_pos_emb
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp
 
@@ -68,7 +79,10 @@ class SelfAttentionSubmodules:
 
 
 class DotProductAttention(nn.Module):
-    """Core attention on this rank's heads: q, k, v [s, b, n/t, d] -> context [s, b, n/t * d].
+    """Core attention on this rank's heads: q [s, b, n/t, d], k, v [s, b, g/t, d] -> context [s, b, n/t * d].
+
+    With fewer key/value heads than query heads (grouped-query attention) each key/value head serves
+    n/g consecutive query heads: SDPA gets ``enable_gqa=True``, the unfused path repeats k and v.
 
     ``attention_mask``: bool, broadcastable to [b, n/t, s, s], True where a key is hidden (padding).
     The "sdpa" backend calls ``torch.nn.functional.scaled_dot_product_attention``; "unfused" spells
@@ -95,7 +109,8 @@ class DotProductAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> torch.Tensor:
         s, b, heads, d = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n/t, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n/t, s, d], k/v [b, g/t, s, d]
+        gqa = k.shape[1] != heads
         causal = self.attn_mask_type == AttnMaskType.causal
         if self.attn_mask_type == AttnMaskType.no_mask:
             attention_mask = None
@@ -104,10 +119,14 @@ class DotProductAttention(nn.Module):
             # SDPA takes True = "may attend"; our mask is True = "hidden".
             keep = None if attention_mask is None else ~attention_mask
             rng = self._dropout_rng() if p > 0 else contextlib.nullcontext()
+            extra = {"enable_gqa": True} if gqa else {}
             with rng:
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p,
-                                                         is_causal=causal and keep is None)
+                                                         is_causal=causal and keep is None, **extra)
         else:
+            if gqa:
+                repeat = heads // k.shape[1]
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             context = self._unfused(q, k, v, attention_mask, causal, p)
         return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, n/t * d]
 
@@ -143,13 +162,14 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         world = group_size(tp_group)
-        d, n = config.kv_channels, config.num_attention_heads
+        d, n, g = config.kv_channels, config.num_attention_heads, config.num_query_groups
         self.hidden_size_per_attention_head = d
         self.num_attention_heads_per_partition = divide(n, world, "num_attention_heads")
+        self.num_query_groups_per_partition = divide(g, world, "num_query_groups")
         projection_size = n * d
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype)
-        self.linear_qkv = build_module(submodules.linear_qkv, config.hidden_size, 3 * projection_size,
+        self.linear_qkv = build_module(submodules.linear_qkv, config.hidden_size, (n + 2 * g) * d,
                                        gather_output=False, init_method=init_method_normal(config.init_method_std),
                                        **common)
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
@@ -165,14 +185,19 @@ class SelfAttention(nn.Module):
         self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=d,
                                         eps=config.layernorm_epsilon)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, n/t * 3 * d], head-major
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                rotary_pos_emb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``rotary_pos_emb``: the RoPE angle table [s, 1, 1, d_rot] of the full sequence, or None."""
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, g/t * (n/g + 2) * d], group-major
         s, b = mixed.shape[:2]
-        d = self.hidden_size_per_attention_head
-        mixed = mixed.view(s, b, self.num_attention_heads_per_partition, 3 * d)
-        query, key, value = torch.split(mixed, d, dim=-1)  # [s, b, n/t, d] each
+        d, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
+        per_group = self.num_attention_heads_per_partition // groups  # query heads per group
+        mixed = mixed.view(s, b, groups, (per_group + 2) * d)
+        query, key, value = torch.split(mixed, [per_group * d, d, d], dim=-1)
+        query = query.reshape(s, b, groups * per_group, d)  # [s, b, n/t, d]; key, value [s, b, g/t, d]
         query, key = self.q_layernorm(query), self.k_layernorm(key)
+        if rotary_pos_emb is not None:
+            query, key = apply_rotary_pos_emb(query, rotary_pos_emb), apply_rotary_pos_emb(key, rotary_pos_emb)
         if self.config.recompute_granularity == "selective":
             # Core attention holds the O(s^2) activations (scores, probs, dropout mask) and is cheap
             # to recompute compared with the matmuls around it: Megatron's selective recomputation.

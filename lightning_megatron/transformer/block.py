@@ -68,13 +68,17 @@ class TransformerBlock(nn.Module):
         self.input_tensor = input_tensor
 
     def _run(self, start: int, end: int):
-        def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                rotary_pos_emb: torch.Tensor | None) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask)
+                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb)
             return hidden_states
         return run
 
-    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None, *,
+                rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """``rotary_pos_emb``: the RoPE table [s, 1, 1, d_rot] of the full sequence (also under sequence
+        parallelism) or None; it reaches every layer's attention, recomputed or not."""
         if not self.pre_process:
             if self.input_tensor is None:
                 raise ValueError("TransformerBlock with pre_process=False needs set_input_tensor(...) before forward")
@@ -89,15 +93,17 @@ class TransformerBlock(nn.Module):
                 k = cfg.recompute_num_layers
                 if cfg.recompute_method == "uniform":
                     for start in range(0, n, k):
-                        hidden_states = recompute(self._run(start, min(start + k, n)), hidden_states, attention_mask)
+                        hidden_states = recompute(self._run(start, min(start + k, n)), hidden_states, attention_mask,
+                                                  rotary_pos_emb)
                 else:  # "block"
                     for i in range(n):
                         if i < k:
-                            hidden_states = recompute(self._run(i, i + 1), hidden_states, attention_mask)
+                            hidden_states = recompute(self._run(i, i + 1), hidden_states, attention_mask,
+                                                      rotary_pos_emb)
                         else:
-                            hidden_states = self._run(i, i + 1)(hidden_states, attention_mask)
+                            hidden_states = self._run(i, i + 1)(hidden_states, attention_mask, rotary_pos_emb)
             else:
-                hidden_states = self._run(0, n)(hidden_states, attention_mask)
+                hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
