@@ -197,6 +197,20 @@ def test_causal_attention_uses_sdpa_is_causal_and_hides_the_future(monkeypatch):
     assert torch.equal(core(q, k, v2, None)[:4], outs["unfused"][:4])
 
 
+def test_causal_attention_with_a_padding_mask_stays_causal_on_both_backends():
+    torch.manual_seed(0)
+    s, b = 6, 2
+    q, k, v = (torch.randn(s, b, N, D) for _ in range(3))
+    mask = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+    mask[1, ..., 4:] = True  # sequence 1 is padded after position 3
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) / D ** 0.5
+    hidden = mask | torch.ones(s, s, dtype=torch.bool).triu(1)
+    expected = torch.einsum("bnst,tbnd->sbnd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    for backend in ("sdpa", "unfused"):
+        core = DotProductAttention(TransformerConfig(**BASE, attention_backend=backend), 1, AttnMaskType.causal)
+        torch.testing.assert_close(core(q, k, v, mask), expected.reshape(s, b, N * D), rtol=1e-6, atol=1e-6)
+
+
 def test_swiglu_mlp_matches_llama_mlp():
     torch.manual_seed(0)
     theirs = hf.LlamaMLP(_hf_config(2))

@@ -118,6 +118,8 @@ class DotProductAttention(nn.Module):
         if self.kernels.use_sdpa(q, p, self.config.attention_backend):
             # SDPA takes True = "may attend"; our mask is True = "hidden".
             keep = None if attention_mask is None else ~attention_mask
+            if causal and keep is not None:  # SDPA's is_causal does not combine with a mask: build both
+                keep = keep & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
             rng = self._dropout_rng() if p > 0 else contextlib.nullcontext()
             extra = {"enable_gqa": True} if gqa else {}
             with rng:
