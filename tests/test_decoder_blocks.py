@@ -320,3 +320,38 @@ def test_tp2_gqa_swiglu_rotary_and_sequence_parallel_equal_one_process():
         print(diffs)
         for key, value in diffs.items():
             assert value < 2e-6, (key, value, diffs)
+
+
+# ---------------------------------------------------------------- checkpoint layout of the gated fc1
+
+
+def test_strided_fc1_shards_sit_at_their_global_rows_in_checkpoints_and_check():
+    """The TP shards of a gated fc1 ([gate_r; up_r], stride 2) are two row blocks each of the global
+    [gate; up]: the checkpoint chunks and ``check``'s assembled tensors put them there."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.check.parity import _assemble
+    from lightning_megatron.check.worker import global_pieces
+    from lightning_megatron.sharded_state import ShardedStateMapper, shard_info
+    from lightning_megatron.tensor_parallel import set_tensor_model_parallel_attributes
+
+    f, h, t = 6, 2, 2
+    full = torch.arange(2 * f * h, dtype=torch.float32).view(2 * f, h)  # [gate; up]
+    gate, up = full.chunk(2)
+    per_rank_pieces, per_rank_chunks = [], []
+    for r in range(t):
+        local = torch.nn.Parameter(torch.cat([gate.chunk(t)[r], up.chunk(t)[r]]))
+        set_tensor_model_parallel_attributes(local, True, 0, stride=2)
+        info = shard_info(local, r, t)
+        assert info.global_shape == (2 * f, h)
+        ps = SimpleNamespace(tp_rank=r, tp_size=t, dp_rank=0, pp_rank=0,
+                             is_pipeline_first_stage=lambda: True)
+        state: dict = {}
+        ShardedStateMapper(ps, [("w", local)], []).put(state, "model.w", local.detach(), local)
+        per_rank_chunks += state["model.w"].pieces
+        per_rank_pieces.append(global_pieces([("w", local)], {"w": local}, ps))
+    rebuilt = torch.full_like(full, -1.0)
+    for offsets, chunk in per_rank_chunks:
+        rebuilt[offsets[0]:offsets[0] + chunk.shape[0]] = chunk
+    assert torch.equal(rebuilt, full)
+    assert torch.equal(_assemble(per_rank_pieces)["w"], full)
