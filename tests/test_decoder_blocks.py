@@ -1,8 +1,10 @@
 """Decoder building blocks against transformers' Llama modules on copied weights (fp32, single process):
 grouped-query attention with rotary embeddings and causal masking, the gated (SwiGLU) MLP, the rotary
 embedding itself, a two-layer block with every recomputation mode; config validation of the new fields;
-and ONE 2-process run: TP=2 (GQA g=2 of n=4, SwiGLU, rotary), TP=2 with sequence parallelism, equal to
-the TP=1 model built from the same seed."""
+the KV cache against the full sequence, the sampling filters against transformers' warpers, greedy
+generation with the cache against recomputing the sequence; and ONE 2-process run: TP=2 (GQA g=2 of
+n=4, SwiGLU, rotary), TP=2 with sequence parallelism, equal to the TP=1 model built from the same
+seed, and TP=2 greedy generation equal to TP=1."""
 
 from __future__ import annotations
 
@@ -256,6 +258,105 @@ def test_block_with_rotary_matches_llama_layers_under_every_recompute(recompute)
                                **TOL)
 
 
+# ---------------------------------------------------------------- KV cache and generation
+
+
+class TinyDecoder(torch.nn.Module):
+    """Embedding -> Llama-shaped block -> vocab-parallel output layer: the ``forward(tokens, offset,
+    cache) -> logits`` that :func:`lightning_megatron.generation.generate` drives (GPTModel's job)."""
+
+    def __init__(self, vocab: int = 40, tp_group=None, tp: int = 1, seed: int = 3) -> None:
+        super().__init__()
+        from lightning_megatron.tensor_parallel import VocabParallelEmbedding
+        from lightning_megatron.transformer import seeded
+
+        cfg = TransformerConfig(**BASE, num_query_groups=2, tensor_model_parallel_size=tp)
+        with seeded(seed, "embedding"):
+            self.embedding = VocabParallelEmbedding(vocab, H, tp_group=tp_group)
+        self.decoder = TransformerBlock(cfg, _layer_spec(), tp_group=tp_group, seed=seed)
+        with seeded(seed, "output"):
+            self.output_layer = ColumnParallelLinear(H, vocab, tp_group=tp_group, bias=False)
+        self.rope = RotaryEmbedding(D, 1.0, 500000.0)
+
+    def forward(self, tokens: torch.Tensor, offset: int = 0, cache=None) -> torch.Tensor:
+        hidden = self.embedding(tokens).transpose(0, 1)  # [s, b, h]
+        hidden = self.decoder(hidden, None, rotary_pos_emb=self.rope(tokens.shape[1], offset),
+                              inference_context=cache)
+        return self.output_layer(hidden)[0].transpose(0, 1)  # [b, s, V/t]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "unfused"])
+def test_kv_cache_attention_equals_the_full_sequence(backend):
+    from lightning_megatron.transformer import InferenceContext
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(**BASE, num_query_groups=2, attention_backend=backend)
+    attn = SelfAttention(cfg, _attention_spec().submodules, 1, AttnMaskType.causal).eval()
+    rope = RotaryEmbedding(D, 1.0, 500000.0)
+    s, b = 9, 2
+    x = torch.randn(s, b, H)
+    with torch.no_grad():
+        full, _ = attn(x, None, rotary_pos_emb=rope(s))
+        cache, outs = InferenceContext(max_batch_size=b, max_sequence_length=s), []
+        for lo, hi in ((0, 5), (5, 6), (6, 8), (8, 9)):  # prompt, one token, two tokens, one token
+            out, _ = attn(x[lo:hi], None, rotary_pos_emb=rope(hi - lo, lo), inference_context=cache)
+            cache.advance(hi - lo)
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs), full, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="max_sequence_length=9"):
+        attn(x[:1], None, rotary_pos_emb=rope(1, 9), inference_context=cache)
+
+
+def test_sampling_filters_match_transformers_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from lightning_megatron.generation import filter_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 3
+    for temperature, top_k, top_p in ((0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.9)):
+        expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1.0:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        ours = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        assert torch.equal(ours.isinf(), expected.isinf()), (temperature, top_k, top_p)
+        torch.testing.assert_close(ours[~ours.isinf()], expected[~expected.isinf()], rtol=0, atol=0)
+
+
+def test_greedy_generation_with_cache_equals_recomputing_the_sequence():
+    from lightning_megatron.generation import generate
+
+    model = TinyDecoder().eval()
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
+    with_cache = generate(model, prompt, 8)
+    without = generate(model, prompt, 8, use_cache=False)
+    assert with_cache.shape == (2, 13) and torch.equal(with_cache[:, :5], prompt)
+    assert torch.equal(with_cache, without)
+    # By hand: argmax of the last position's logits, appended, 8 times.
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(with_cache, tokens)
+    # Sampling: reproducible from the generator, and cache-independent.
+    kw = dict(greedy=False, temperature=0.8, top_k=10, top_p=0.9)
+    a = generate(model, prompt, 6, generator=torch.Generator().manual_seed(5), **kw)
+    b = generate(model, prompt, 6, generator=torch.Generator().manual_seed(5), use_cache=False, **kw)
+    assert torch.equal(a, b)
+    # A stop token ends a sequence; the finished one is padded with it.
+    new = with_cache[0, 5:].tolist()
+    stop = new[1]
+    first = 5 + new.index(stop)
+    stopped = generate(model, prompt, 8, stop_token=stop)
+    assert torch.equal(stopped[0, :first + 1], with_cache[0, :first + 1]) and (stopped[0, first + 1:] == stop).all()
+
+
 # ---------------------------------------------------------------- TP=2 (one 2-process run)
 
 
@@ -310,16 +411,27 @@ def _tp_worker() -> dict[str, float]:
         diffs[f"{tag}_dx"] = (x2.grad - x1.grad[lo:hi]).abs().max().item()
         diffs[f"{tag}_dw"] = max((p.grad - shard(n, ref_params[n].grad)).abs().max().item()
                                  for n, p in block.named_parameters())
+
+    # Generation: TP=2 (vocab-parallel logits, the sampled token agreed over TP) equals one process.
+    from lightning_megatron.generation import generate
+
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
+    one, two = TinyDecoder().eval(), TinyDecoder(tp_group=group, tp=2).eval()
+    greedy = [generate(m, prompt, 8, tp_group=g) for m, g in ((one, None), (two, group))]
+    sampled = generate(two, prompt, 6, tp_group=group, greedy=False, top_k=5,
+                       generator=torch.Generator().manual_seed(100 + r))  # different seeds: rank 0 decides
     dist.barrier()
-    return diffs
+    return diffs, greedy, sampled
 
 
 def test_tp2_gqa_swiglu_rotary_and_sequence_parallel_equal_one_process():
     results = run_distributed(_tp_worker, 2, timeout=240.0)
-    for diffs in results:
+    for diffs, (greedy_tp1, greedy_tp2), _ in results:
         print(diffs)
         for key, value in diffs.items():
             assert value < 2e-6, (key, value, diffs)
+        assert torch.equal(greedy_tp1, greedy_tp2), (greedy_tp1, greedy_tp2)
+    assert torch.equal(results[0][2], results[1][2])  # both TP ranks hold the same sampled tokens
 
 
 # ---------------------------------------------------------------- checkpoint layout of the gated fc1

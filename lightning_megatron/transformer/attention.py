@@ -52,6 +52,7 @@ from lightning_megatron.tensor_parallel import (
 )
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.dropout import dropout
+from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
 from lightning_megatron.transformer.rotary import apply_rotary_pos_emb
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
@@ -109,7 +110,8 @@ class DotProductAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> torch.Tensor:
         s, b, heads, d = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n/t, s, d], k/v [b, g/t, s, d]
+        sk = key.shape[0]  # > s with a KV cache: the queries are the last s of the sk positions
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n/t, s, d], k/v [b, g/t, sk, d]
         gqa = k.shape[1] != heads
         causal = self.attn_mask_type == AttnMaskType.causal
         if self.attn_mask_type == AttnMaskType.no_mask:
@@ -118,13 +120,16 @@ class DotProductAttention(nn.Module):
         if self.kernels.use_sdpa(q, p, self.config.attention_backend):
             # SDPA takes True = "may attend"; our mask is True = "hidden".
             keep = None if attention_mask is None else ~attention_mask
-            if causal and keep is not None:  # SDPA's is_causal does not combine with a mask: build both
-                keep = keep & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            # SDPA's is_causal aligns the triangle top-left and does not combine with a mask: build it
+            # (bottom-right aligned) when there is a mask or a cache; one query sees every key.
+            if causal and (keep is not None or sk != s) and s > 1:
+                lower = torch.ones(s, sk, dtype=torch.bool, device=q.device).tril(sk - s)
+                keep = lower if keep is None else keep & lower
             rng = self._dropout_rng() if p > 0 else contextlib.nullcontext()
             extra = {"enable_gqa": True} if gqa else {}
             with rng:
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p,
-                                                         is_causal=causal and keep is None, **extra)
+                                                         is_causal=causal and keep is None and sk == s, **extra)
         else:
             if gqa:
                 repeat = heads // k.shape[1]
@@ -137,10 +142,11 @@ class DotProductAttention(nn.Module):
         # Megatron's order: S = alpha * Q K^T in the activation dtype (fp32 accumulation, one
         # rounding), softmax in fp32 when asked, probabilities back in the activation dtype.
         b, n, s, d = q.shape
-        scores = torch.baddbmm(q.new_empty(b * n, s, s), q.reshape(b * n, s, d), k.reshape(b * n, s, d).transpose(1, 2),
-                               beta=0.0, alpha=self.softmax_scale).view(b, n, s, s)
+        sk = k.shape[2]
+        scores = torch.baddbmm(q.new_empty(b * n, s, sk), q.reshape(b * n, s, d), k.reshape(b * n, sk, d).transpose(1, 2),
+                               beta=0.0, alpha=self.softmax_scale).view(b, n, s, sk)
         if causal:
-            upper = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+            upper = torch.ones(s, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - s)
             attention_mask = upper if attention_mask is None else attention_mask | upper
         if attention_mask is not None:
             scores = scores.masked_fill(attention_mask, float("-inf"))
@@ -188,8 +194,16 @@ class SelfAttention(nn.Module):
                                         eps=config.layernorm_epsilon)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                rotary_pos_emb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``rotary_pos_emb``: the RoPE angle table [s, 1, 1, d_rot] of the full sequence, or None."""
+                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``rotary_pos_emb``: the RoPE angle table [s, 1, 1, d_rot] of this forward's positions (the
+        full sequence, or the new tokens with a KV cache), or None. ``inference_context``: the KV
+        cache (:class:`~lightning_megatron.transformer.inference.InferenceContext`): this forward's
+        keys and values are appended and the queries attend to every cached position."""
+        if inference_context is not None and self.config.sequence_parallel:
+            raise ValueError("a KV cache (inference_context) with sequence_parallel=True is not supported: one new "
+                             "token cannot be split over the sequence; generate with a model built with "
+                             "sequence_parallel=False")
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, g/t * (n/g + 2) * d], group-major
         s, b = mixed.shape[:2]
         d, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
@@ -200,7 +214,10 @@ class SelfAttention(nn.Module):
         query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             query, key = apply_rotary_pos_emb(query, rotary_pos_emb), apply_rotary_pos_emb(key, rotary_pos_emb)
-        if self.config.recompute_granularity == "selective":
+        if inference_context is not None:
+            key, value = inference_context.append(self.layer_number, key, value)  # [offset + s, b, g/t, d]
+            context = self.core_attention(query, key, value, attention_mask)
+        elif self.config.recompute_granularity == "selective":
             # Core attention holds the O(s^2) activations (scores, probs, dropout mask) and is cheap
             # to recompute compared with the matmuls around it: Megatron's selective recomputation.
             context = recompute(self.core_attention, query, key, value, attention_mask)
