@@ -2,8 +2,8 @@
 grouped-query attention with rotary embeddings and causal masking, the gated (SwiGLU) MLP, the rotary
 embedding itself, a two-layer block with every recomputation mode; config validation of the new fields;
 the KV cache against the full sequence, the sampling filters against transformers' warpers, greedy
-generation with the cache against recomputing the sequence; and ONE 2-process run: TP=2 (GQA g=2 of
-n=4, SwiGLU, rotary), TP=2 with sequence parallelism, equal to the TP=1 model built from the same
+generation with the cache against recomputing the sequence; and ONE 2-process run: TP=2 (GQA g=2 and
+g=1 of n=4, SwiGLU, rotary), with and without sequence parallelism, equal to the TP=1 model built from the same
 seed, and TP=2 greedy generation equal to TP=1."""
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def _copy_layer(ours: TransformerLayer, theirs: hf.LlamaDecoderLayer, g: int) ->
 @pytest.mark.parametrize("kwargs,field,fix", [
     (dict(num_query_groups=3), "num_query_groups=3", "divides num_attention_heads=4"),
     (dict(num_query_groups=0), "num_query_groups=0", "positive"),
-    (dict(num_query_groups=1, tensor_model_parallel_size=2), "num_query_groups=1",
-     "tensor_model_parallel_size=2"),
+    (dict(num_attention_heads=6, hidden_size=96, num_query_groups=3, tensor_model_parallel_size=2),
+     "num_query_groups=3", "multiple or a divisor of tensor_model_parallel_size=2"),
     (dict(rotary_percent=0.0), "rotary_percent=0.0", "(0, 1]"),
     (dict(rotary_base=0.0), "rotary_base=0.0", "10000"),
 ])
@@ -111,6 +111,8 @@ def test_rotary_refuses_an_odd_number_of_rotary_channels():
 def test_num_query_groups_defaults_to_the_head_count():
     assert TransformerConfig(**BASE).num_query_groups == N
     assert TransformerConfig(**BASE, num_query_groups=2, tensor_model_parallel_size=2).num_query_groups == 2
+    # Fewer key/value heads than TP ranks, as megatron-core allows when g divides t.
+    assert TransformerConfig(**BASE, num_query_groups=1, tensor_model_parallel_size=4).num_query_groups == 1
 
 
 # ---------------------------------------------------------------- rotary
@@ -371,8 +373,8 @@ def _tp_worker() -> dict[str, float]:
     s, b = 8, 2
     diffs: dict[str, float] = {}
 
-    def build(tp: int, sp: bool = False) -> TransformerBlock:
-        cfg = TransformerConfig(**BASE, num_query_groups=2, tensor_model_parallel_size=tp, sequence_parallel=sp)
+    def build(tp: int, g: int, sp: bool = False) -> TransformerBlock:
+        cfg = TransformerConfig(**BASE, num_query_groups=g, tensor_model_parallel_size=tp, sequence_parallel=sp)
         return TransformerBlock(cfg, _layer_spec(), tp_group=group if tp > 1 else None, seed=7)
 
     def shard(name: str, full: torch.Tensor) -> torch.Tensor:
@@ -380,7 +382,7 @@ def _tp_worker() -> dict[str, float]:
         if "linear_fc1" in name:  # [gate_r; up_r]
             gate, up = full.chunk(2, dim=0)
             return torch.cat([gate.chunk(2, dim=0)[r], up.chunk(2, dim=0)[r]])
-        if "linear_qkv" in name:  # whole query groups
+        if "linear_qkv" in name:  # contiguous rows: whole query groups (g=2), or half a group (g=1)
             return full.chunk(2, dim=0)[r]
         if "linear_proj" in name or "linear_fc2" in name:
             return full.chunk(2, dim=1)[r]
@@ -390,27 +392,27 @@ def _tp_worker() -> dict[str, float]:
     x = torch.randn(s, b, H)
     grad = torch.randn(s, b, H)
     freqs = RotaryEmbedding(D, 1.0, 500000.0)(s)
-    reference = build(1)
-    x1 = x.clone().requires_grad_()
-    out1 = reference(x1, None, rotary_pos_emb=freqs)
-    out1.backward(grad)
-    ref_params = dict(reference.named_parameters())
-
-    for sp in (False, True):
-        tag = "tp2sp" if sp else "tp2"
-        block = build(2, sp)
-        for name, p in block.named_parameters():  # the same seed gives the slices of the TP=1 weights
-            assert torch.equal(p, shard(name, ref_params[name])), (tag, name)
-        lo, hi = (r * s // 2, (r + 1) * s // 2) if sp else (0, s)
-        x2 = x[lo:hi].clone().requires_grad_()
-        out2 = block(x2, None, rotary_pos_emb=freqs)  # full-sequence freqs: q/k are whole after the all-gather
-        out2.backward(grad[lo:hi])
-        if sp:
-            all_reduce_sequence_parallel_grads(block.parameters(), group)
-        diffs[f"{tag}_out"] = (out2 - out1[lo:hi]).abs().max().item()
-        diffs[f"{tag}_dx"] = (x2.grad - x1.grad[lo:hi]).abs().max().item()
-        diffs[f"{tag}_dw"] = max((p.grad - shard(n, ref_params[n].grad)).abs().max().item()
-                                 for n, p in block.named_parameters())
+    for g in (2, 1):  # g=1 < t=2: each rank all-gathers the qkv activations and takes its group's share
+        reference = build(1, g)
+        x1 = x.clone().requires_grad_()
+        out1 = reference(x1, None, rotary_pos_emb=freqs)
+        out1.backward(grad)
+        ref_params = dict(reference.named_parameters())
+        for sp in (False, True):
+            tag = f"tp2g{g}" + ("sp" if sp else "")
+            block = build(2, g, sp)
+            for name, p in block.named_parameters():  # the same seed gives the slices of the TP=1 weights
+                assert torch.equal(p, shard(name, ref_params[name])), (tag, name)
+            lo, hi = (r * s // 2, (r + 1) * s // 2) if sp else (0, s)
+            x2 = x[lo:hi].clone().requires_grad_()
+            out2 = block(x2, None, rotary_pos_emb=freqs)  # full-sequence freqs: q/k are whole after the all-gather
+            out2.backward(grad[lo:hi])
+            if sp:
+                all_reduce_sequence_parallel_grads(block.parameters(), group)
+            diffs[f"{tag}_out"] = (out2 - out1[lo:hi]).abs().max().item()
+            diffs[f"{tag}_dx"] = (x2.grad - x1.grad[lo:hi]).abs().max().item()
+            diffs[f"{tag}_dw"] = max((p.grad - shard(n, ref_params[n].grad)).abs().max().item()
+                                     for n, p in block.named_parameters())
 
     # Generation: TP=2 (vocab-parallel logits, the sampled token agreed over TP) equals one process.
     from lightning_megatron.generation import generate

@@ -19,9 +19,15 @@ g = n is multi-head attention, g = 1 multi-query attention.
 TP layout: ``linear_qkv`` is column-parallel with output width (n + 2g) * d laid out group-major as
 megatron-core does, [group 0: its n/g query heads, k, v | group 1: ... | ...], so a contiguous 1/t
 slice of its rows (what a TP rank keeps) holds g/t whole groups with their queries, key and value
-(t must divide g). With g = n this is the head-major [head 0: q, k, v | head 1: q, k, v | ...].
+(g a multiple of t). With g = n this is the head-major [head 0: q, k, v | head 1: q, k, v | ...].
 Each rank runs attention on its n/t query heads; ``linear_proj`` is row-parallel and sums the heads'
 contributions (one all-reduce forward).
+
+Fewer key/value heads than ranks (g < t, t a multiple of g), as megatron-core does: the row slices
+cut through groups, so each rank all-gathers the qkv activations (backward: reduce-scatter, which
+sums the gradients of the key/value head its t/g ranks share), keeps its group j = r // (t/g), and of
+that group's query heads the (r mod (t/g))-th n/t: overall query heads r*n/t .. (r+1)*n/t - 1, the
+ones its ``linear_proj`` columns expect. The weights stay contiguous row shards of the full tensor.
 
 Rotary position embeddings (:mod:`lightning_megatron.transformer.rotary`) rotate q and k after their
 optional norms when ``forward(..., rotary_pos_emb=freqs)`` is given. Causal attention
@@ -42,9 +48,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_megatron.parallel_state import group_size
+from lightning_megatron.parallel_state import group_rank, group_size
 from lightning_megatron.tensor_parallel import (
     divide,
+    gather_from_sequence_parallel_region,
     get_rng_tracker,
     init_method_normal,
     recompute,
@@ -173,7 +180,9 @@ class SelfAttention(nn.Module):
         d, n, g = config.kv_channels, config.num_attention_heads, config.num_query_groups
         self.hidden_size_per_attention_head = d
         self.num_attention_heads_per_partition = divide(n, world, "num_attention_heads")
-        self.num_query_groups_per_partition = divide(g, world, "num_query_groups")
+        # g < t: the t/g ranks of a group share its key/value head (see the module docstring).
+        self.num_query_groups_per_partition = 1 if g < world else divide(g, world, "num_query_groups")
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, group_rank(tp_group), world
         projection_size = n * d
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype)
@@ -193,6 +202,28 @@ class SelfAttention(nn.Module):
         self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=d,
                                         eps=config.layernorm_epsilon)
 
+    def _query_key_value(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, g/t * (n/g + 2) * d], group-major
+        s, b = mixed.shape[:2]
+        d, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
+        n, g, t = self.config.num_attention_heads, self.config.num_query_groups, self.tp_size
+        if g < t:
+            # All-gather along the last dim with a reduce-scatter backward: the sequence-parallel
+            # gather does exactly that along dim 0, so move the last dim there and back.
+            full = gather_from_sequence_parallel_region(mixed.movedim(-1, 0).contiguous(), self.tp_group, True)
+            width = (n // g + 2) * d
+            j = self.tp_rank // (t // g)
+            mixed = full.movedim(0, -1)[..., j * width:(j + 1) * width]
+        per_group = n // g if g < t else self.num_attention_heads_per_partition // groups  # query heads per group
+        mixed = mixed.reshape(s, b, groups, (per_group + 2) * d)
+        query, key, value = torch.split(mixed, [per_group * d, d, d], dim=-1)
+        query = query.reshape(s, b, groups * per_group, d)
+        if g < t:
+            mine = self.num_attention_heads_per_partition
+            i = self.tp_rank % (t // g)
+            query = query[:, :, i * mine:(i + 1) * mine]
+        return query, key, value
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
                 rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -204,13 +235,7 @@ class SelfAttention(nn.Module):
             raise ValueError("a KV cache (inference_context) with sequence_parallel=True is not supported: one new "
                              "token cannot be split over the sequence; generate with a model built with "
                              "sequence_parallel=False")
-        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, g/t * (n/g + 2) * d], group-major
-        s, b = mixed.shape[:2]
-        d, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
-        per_group = self.num_attention_heads_per_partition // groups  # query heads per group
-        mixed = mixed.view(s, b, groups, (per_group + 2) * d)
-        query, key, value = torch.split(mixed, [per_group * d, d, d], dim=-1)
-        query = query.reshape(s, b, groups * per_group, d)  # [s, b, n/t, d]; key, value [s, b, g/t, d]
+        query, key, value = self._query_key_value(hidden_states)  # [s, b, n/t, d]; key, value [s, b, g/t, d]
         query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             query, key = apply_rotary_pos_emb(query, rotary_pos_emb), apply_rotary_pos_emb(key, rotary_pos_emb)

@@ -33,7 +33,8 @@ class TransformerConfig:
     """Number of attention heads n; each TP rank holds n / t whole heads."""
     num_query_groups: int | None = None
     """Number of key/value heads g of grouped-query attention (None: g = n, plain multi-head attention;
-    1: multi-query); g divides n and each TP rank holds g / t whole groups."""
+    1: multi-query); g divides n; a TP rank holds g / t whole groups, or, when g < t (t a multiple of
+    g, as megatron-core allows), t / g ranks share one group's key/value head."""
     ffn_hidden_size: int | None = None
     """Width of the MLP's hidden layer; None means 4 * hidden_size."""
     kv_channels: int | None = None
@@ -147,12 +148,17 @@ class TransformerConfig:
         if n % g != 0:
             raise ValueError(f"num_query_groups={g} must be a number that divides num_attention_heads={n} "
                              f"(each key/value head serves n/g query heads)")
-        if g % t != 0:
-            # megatron-core divides the groups over TP (divide(num_query_groups, tp) asserts): a TP rank
-            # holds whole groups, never a replicated key/value head.
-            raise ValueError(f"num_query_groups={g} is not divisible by tensor_model_parallel_size={t}; "
-                             f"each TP rank must hold whole key/value groups (as megatron-core requires): "
-                             f"choose a TP size that divides {g} or num_query_groups a multiple of {t}")
+        if g % t != 0 and t % g != 0:
+            # megatron-core's rule: a TP rank holds g/t whole groups, or (g < t) t/g ranks share one
+            # group's key/value head and each takes n/t of its query heads.
+            raise ValueError(f"num_query_groups={g} must be a multiple or a divisor of tensor_model_parallel_size={t} "
+                             f"(as megatron-core requires): choose num_query_groups among the multiples or "
+                             f"divisors of {t}, or a TP size that divides or is a multiple of {g}")
+        rows = (n + 2 * g) * self.kv_channels
+        if rows % t != 0:
+            raise ValueError(f"linear_qkv has (num_attention_heads + 2 * num_query_groups) * kv_channels = {rows} rows, "
+                             f"not divisible by tensor_model_parallel_size={t}; choose kv_channels or the head "
+                             f"counts so that it is")
 
     def _validate_rotary(self) -> None:
         if not 0.0 < self.rotary_percent <= 1.0:
