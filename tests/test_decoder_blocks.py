@@ -307,6 +307,8 @@ def test_kv_cache_attention_equals_the_full_sequence(backend):
     torch.testing.assert_close(torch.cat(outs), full, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="max_sequence_length=9"):
         attn(x[:1], None, rotary_pos_emb=rope(1, 9), inference_context=cache)
+    with pytest.raises(ValueError, match="attention_mask.*equal length"):
+        attn(x[:2], torch.zeros(b, 1, 1, 2, dtype=torch.bool), inference_context=InferenceContext(b, s))
 
 
 def test_sampling_filters_match_transformers_warpers():

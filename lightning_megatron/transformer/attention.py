@@ -235,6 +235,9 @@ class SelfAttention(nn.Module):
             raise ValueError("a KV cache (inference_context) with sequence_parallel=True is not supported: one new "
                              "token cannot be split over the sequence; generate with a model built with "
                              "sequence_parallel=False")
+        if inference_context is not None and attention_mask is not None:
+            raise ValueError("a KV cache (inference_context) with an attention_mask is not supported: generation "
+                             "runs causal attention on prompts of equal length; pass attention_mask=None")
         query, key, value = self._query_key_value(hidden_states)  # [s, b, n/t, d]; key, value [s, b, g/t, d]
         query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
