@@ -117,10 +117,12 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
             if ps.tp_rank == 0:
                 out[name] = (t.clone(), None, tuple(t.shape))
             continue
-        if info.local_rows == 0:
-            continue
-        piece = t.narrow(info.partition_dim, 0, info.local_rows).clone()
-        out[name] = (piece, tuple(info.offsets), tuple(info.global_shape))
+        d = info.partition_dim
+        for i, (local, global_start, rows) in enumerate(info.pieces):
+            if rows > 0:  # a strided shard (gated fc1) is several pieces: "name", "name#1", ...
+                offsets = tuple(global_start if k == d else o for k, o in enumerate(info.offsets))
+                out[name if i == 0 else f"{name}#{i}"] = (t.narrow(d, local, rows).clone(), offsets,
+                                                         tuple(info.global_shape))
     return out
 
 
