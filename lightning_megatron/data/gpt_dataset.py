@@ -43,8 +43,8 @@ from torch.utils.data import Dataset
 from lightning_megatron.data.indexed_dataset import IndexedDataset
 from lightning_megatron.data.samples_index import NpyStreamWriter, cached_npy_files, content_key
 
-__all__ = ["GPTDataset", "GPTIndexPlan", "build_gpt_indices", "cached_gpt_indices", "document_lengths",
-           "plan_gpt_indices"]
+__all__ = ["GPTDataset", "GPTIndexPlan", "build_gpt_indices", "cached_gpt_indices", "check_documents_end_with_eod",
+           "document_lengths", "plan_gpt_indices"]
 
 GPT_INDEX_VERSION = 1
 """Bumped whenever the indices an input gives change (invalidates every cached index)."""
@@ -60,6 +60,27 @@ def document_lengths(indexed: IndexedDataset) -> np.ndarray:
     ends = np.zeros(len(indexed.sizes) + 1, dtype=np.int64)
     np.cumsum(indexed.sizes, dtype=np.int64, out=ends[1:])
     return np.diff(ends[np.asarray(indexed.doc_idx)])
+
+
+def check_documents_end_with_eod(indexed: IndexedDataset, eod_id: int, *, checked: int = 10_000) -> None:
+    """Refuse a dataset whose documents do not end with ``eod_id`` (made without ``--append-eod``, or
+    with another tokenizer): its documents would run into each other unseparated. Looks at up to
+    ``checked`` documents spread evenly over the dataset (empty ones skipped)."""
+    lengths = document_lengths(indexed)
+    ends = np.cumsum(lengths)
+    nonempty = np.flatnonzero(lengths)
+    if not len(nonempty):
+        return
+    picked = nonempty[np.unique(np.linspace(0, len(nonempty) - 1, min(checked, len(nonempty))).astype(np.int64))]
+    last = np.asarray(indexed._data[ends[picked] - 1])
+    bad = np.flatnonzero(last != eod_id)
+    if len(bad):
+        doc = int(picked[bad[0]])
+        raise ValueError(f"dataset {str(indexed.prefix)!r}: document {doc} does not end with the end-of-document id "
+                         f"{eod_id} (its last token is {int(last[bad[0]])}; {len(bad)} of {len(picked)} documents "
+                         f"checked): GPT samples join documents, which must be separated; preprocess it again with "
+                         f"the tokenizer's EOD (`lightning-megatron preprocess ... --append-eod`, "
+                         f"preprocess_corpus(..., append_eod=True))")
 
 
 @dataclass(frozen=True, kw_only=True)

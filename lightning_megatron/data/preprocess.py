@@ -175,7 +175,7 @@ class _Progress:
 def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.PathLike[str],
                       tokenizer: BertTokenizer | str | os.PathLike[str] | None = None, *,
                       json_key: str = "text", max_seq_length: int = 512, workers: int = 1,
-                      progress: bool = False) -> PreprocessStats:
+                      progress: bool = False, append_eod: bool = False) -> PreprocessStats:
     """Tokenize documents and write ``<output_prefix>.bin`` / ``.idx`` / ``.vocab.json``.
 
     Args:
@@ -190,6 +190,8 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
             that size, so every piece fits a sample; longer documents are counted.
         workers: processes tokenizing in parallel (1: in this process).
         progress: show MB read and MB/s on stderr.
+        append_eod: end every document with the tokenizer's end-of-document id ``tokenizer.eod``,
+            appended to its last item (Megatron's ``--append-eod``; what the GPT dataset needs).
 
     Returns:
         The counters of what was read and written. The output is written atomically: an
@@ -216,6 +218,9 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
                     stats.long_sentences_split += split
                     if not pieces:
                         continue
+                    if append_eod:
+                        pieces = pieces[:-1] + [np.append(pieces[-1], tokenizer.eod).astype(pieces[-1].dtype)]
+                        doc_tokens += 1
                     for piece in pieces:
                         builder.add_item(piece)
                     stats.max_token_id = max(stats.max_token_id, max(int(p.max()) for p in pieces))
