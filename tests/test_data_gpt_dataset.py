@@ -91,6 +91,14 @@ def test_sample_stream_equals_the_plain_reference(tmp_path, case):
     assert all(torch.equal(in_memory[i]["tokens"], dataset[i]["tokens"]) for i in range(len(dataset)))
 
 
+def test_any_subset_of_documents_in_any_order(tmp_path):
+    docs = _write_corpus(tmp_path / "ds", np.random.default_rng(6), 60)
+    documents = np.random.default_rng(7).choice(60, 30, replace=False)
+    expected = reference_samples(docs, documents, seq_length=10, seed=3, num_samples=200)
+    _check_stream(GPTDataset(IndexedDataset(tmp_path / "ds"), documents=documents, seq_length=10, seed=3,
+                             num_samples=200, samples_cache_dir=False), expected)
+
+
 def test_eod_mask_loss_drops_positions_whose_input_is_eod(tmp_path):
     docs = _write_corpus(tmp_path / "ds", np.random.default_rng(1), 30, max_len=8)
     dataset = GPTDataset(IndexedDataset(tmp_path / "ds"), seq_length=12, seed=2, num_epochs=2, eod_id=EOD,

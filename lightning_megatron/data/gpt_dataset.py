@@ -132,24 +132,40 @@ def _dtypes(lengths: np.ndarray, num_documents: int, plan: GPTIndexPlan) -> tupl
         len(lengths) < u32, num_documents * plan.num_epochs < u32 and longest < u32, plan.total_samples < u32))
 
 
+def _permutation(seed: int, epoch: int, n: int, dtype: np.dtype) -> np.ndarray:
+    """``default_rng([seed, 0x6D0C, epoch]).permutation(n)`` (the same draws) in ``dtype``."""
+    order = np.arange(n, dtype=dtype)
+    np.random.default_rng([seed, _DOCUMENT_SEED, epoch]).shuffle(order)
+    return order
+
+
 def _index_chunks(lengths: np.ndarray, documents: np.ndarray, *, seq_length: int, seed: int,
                   plan: GPTIndexPlan) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``(document index, sample index)`` chunk by chunk, each chunk whole epochs (vectorised: one
-    ``searchsorted`` of the chunk's sample starts in its cumulative token counts)."""
+    """``(document index, sample index)`` chunk by chunk, each chunk whole epochs. Vectorised: sample
+    starts are the multiples of ``seq_length``; ``c_j = ceil(end_j / s)`` samples start before the end
+    of the ``j``-th document, so the document holding sample ``k``'s start is ``#{j : c_j <= k}`` (a
+    ``bincount`` and a ``cumsum``)."""
     epoch_tokens, per_chunk = lengths[documents], max(1, _CHUNK // max(1, len(documents)))
+    small = np.dtype(np.int32 if len(lengths) < 2**31 - 1 else np.int64)
+    contiguous = bool(len(documents)) and bool(np.all(np.diff(documents) == 1))  # a split: ids = first + order
     token_base = position_base = next_sample = 0
     for first in range(0, plan.num_epochs, per_chunk):
         epochs = range(first, min(plan.num_epochs, first + per_chunk))
-        orders = [np.random.default_rng([seed, _DOCUMENT_SEED, e]).permutation(len(documents)) for e in epochs]
-        order = np.concatenate(orders)
-        ends = np.cumsum(epoch_tokens[order])
+        order = np.concatenate([_permutation(seed, e, len(documents), small) for e in epochs])
+        tokens = epoch_tokens[order]
+        ends = np.cumsum(tokens)
         ends += token_base
-        last = min(plan.total_samples, (int(ends[-1]) - 1) // seq_length)  # starts inside this chunk
-        starts = np.arange(next_sample, last + 1, dtype=np.int64) * seq_length
-        where = np.searchsorted(ends, starts, side="right")
-        offsets = starts - (ends[where] - epoch_tokens[order[where]])
-        yield documents[order], np.stack([where + position_base, offsets], axis=1)
-        token_base, position_base, next_sample = int(ends[-1]), position_base + len(order), last + 1
+        before_end = (ends + (seq_length - 1)) // seq_length  # samples starting before each document's end
+        np.minimum(before_end, plan.total_samples + 1, out=before_end)  # the last row starts at N * s
+        count = int(before_end[-1]) - next_sample
+        where = np.cumsum(np.bincount(before_end[:-1] - next_sample, minlength=count + 1)[:count])
+        starts = np.arange(next_sample, next_sample + count, dtype=np.int64) * seq_length
+        offsets = starts - (ends[where] - tokens[where])
+        rows = np.empty((count, 2), dtype=np.int64)
+        np.add(where, position_base, out=rows[:, 0])
+        rows[:, 1] = offsets
+        yield (order + small.type(documents[0]) if contiguous else documents[order]), rows
+        token_base, position_base, next_sample = int(ends[-1]), position_base + len(order), int(before_end[-1])
 
 
 def _shuffle_index(plan: GPTIndexPlan, seed: int, dtype: np.dtype) -> np.ndarray:
