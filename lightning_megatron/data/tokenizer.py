@@ -124,6 +124,11 @@ class BertTokenizer:
     def mask(self) -> int:
         return self.mask_id
 
+    @property
+    def eod(self) -> int:
+        """End-of-document id for GPT data made with a WordPiece vocabulary (which has none): ``[SEP]``."""
+        return self.sep_id
+
     def tokenize(self, text: str) -> list[int]:
         """Ids of ``text``'s WordPiece pieces, without special tokens."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
