@@ -25,17 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from lightning_megatron.models.bert.convert import SavedModel, read_model_checkpoint
-from lightning_megatron.tensor_parallel.param_facts import param_facts
+from lightning_megatron.saved_model import SavedModel, read_model_checkpoint, read_saved_hparams, refuse_architecture
 
-__all__ = ["read_pretrained", "read_hf_folder", "load_full_state_dict", "check_architecture",
+__all__ = ["read_pretrained", "read_hf_folder", "check_architecture", "MISSING_TENSORS_HINT",
            "ARCHITECTURE_KEYS", "read_architecture", "architecture_conflicts"]
 
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "spec", "activation",
                      "lm_head_activation", "layernorm_epsilon", "max_sequence_length", "vocab_size")
 """Module arguments a source fixes (checked by :func:`check_architecture`)."""
+
+MISSING_TENSORS_HINT = "is the spec right (post-norm Hugging Face BERT needs --model.spec bert_layer_post_norm_spec)?"
 
 _HF_TO_OURS_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
                    "silu": "silu", "swish": "silu"}
@@ -119,13 +119,7 @@ def read_architecture(path: str | os.PathLike[str]) -> dict[str, Any]:
     if path.is_dir() and (path / "config.json").is_file() and not (path / ckpt.MARKER).is_file():
         return _hf_architecture(_hf_config(path))
     if path.is_dir() and (path / ckpt.MARKER).is_file():
-        ckpt.validate_checkpoint_dir(path)
-        try:
-            extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001 - name the file and the cause
-            raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
-                                       f"(weights_only=True): {e}") from e
-        hparams = dict(extra.get("hyper_parameters") or {})
+        hparams = read_saved_hparams(path)
         return {k: hparams[k] for k in ARCHITECTURE_KEYS if k in hparams}
     from lightning_megatron.models.bert import megatron_lm
 
@@ -182,62 +176,4 @@ def read_pretrained(path: str | os.PathLike[str]) -> SavedModel:
 
 def check_architecture(hparams: dict[str, Any], source: dict[str, Any], source_name: str) -> None:
     """Raise listing every module argument that differs from what the source needs."""
-    wrong = architecture_conflicts(hparams, source)
-    if wrong:
-        flags = " ".join(f"--model.{k} {v}" for k, _, v in wrong)
-        details = ", ".join(f"{k}={h!r} (needs {w!r})" for k, h, w in wrong)
-        raise ValueError(f"init_from={source_name!r}: the model's {details}. Set: {flags}")
-
-
-def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[str, nn.Parameter]],
-                         full: dict[str, torch.Tensor], *, tp_rank: int, tp_size: int, num_layers: int,
-                         source_name: str, optional: tuple[str, ...] = (), fresh: tuple[str, ...] = ()) -> None:
-    """Copy this rank's slice of every tensor of ``full`` (TP=1, unpadded vocab, global layer names)
-    into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``).
-    Parameters whose names start with one of ``optional`` keep their initialization when the source
-    lacks them (a warning names them); those named in ``fresh`` keep it silently (the caller warns once)."""
-    layers = {int(k.split(".")[2]) for k in full if k.startswith("encoder.layers.")}
-    if layers and max(layers) + 1 != num_layers:
-        raise ValueError(f"init_from={source_name!r} has {max(layers) + 1} layers but the model has "
-                         f"num_layers={num_layers}: set --model.num_layers {max(layers) + 1}")
-    missing, skipped = [], []
-    with torch.no_grad():
-        for name, p in named_parameters:
-            key = name
-            facts = param_facts(p)
-            if name == "output_layer.weight" and facts.shared_embedding:
-                key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
-            t = full.get(key)
-            if t is None:
-                if key in fresh:
-                    continue
-                if key.startswith(optional) and optional:
-                    skipped.append(key)
-                else:
-                    missing.append(key)
-                continue
-            sharded = facts.tensor_model_parallel and tp_size > 1
-            dim = facts.partition_dim % p.dim() if sharded else 0
-            real = facts.real_vocab_size
-            if real is not None:
-                padded = p.size(0) * (tp_size if sharded else 1)
-                if t.size(0) < real:
-                    raise ValueError(f"init_from={source_name!r}: {key} has a vocabulary of {t.size(0)} rows, "
-                                     f"the model's vocab_size is {real}: set --model.vocab_size {t.size(0)}")
-                t = t[:real]  # Megatron-LM pads its vocabulary; the padding never is a prediction
-                t = torch.cat([t, t.new_zeros((padded - real, *t.shape[1:]))]) if padded > real else t
-            if sharded:
-                t = t.chunk(tp_size, dim=dim)[tp_rank]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but "
-                                 f"the parameter has {tuple(p.shape)}; the model's sizes differ from the source's")
-            p.copy_(t.to(p.dtype))  # before the optimizers exist: their main params are copied from p
-    if skipped:
-        import warnings
-
-        warnings.warn(f"init_from={source_name!r} has no {skipped}: they keep their initialization", UserWarning,
-                      stacklevel=2)
-    if missing:
-        raise ValueError(f"init_from={source_name!r} lacks {len(missing)} tensors the model needs, e.g. "
-                         f"{missing[:4]}: is the spec right (post-norm Hugging Face BERT needs "
-                         f"--model.spec bert_layer_post_norm_spec)?")
+    refuse_architecture(architecture_conflicts(hparams, source), source_name)

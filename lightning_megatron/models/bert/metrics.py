@@ -1,8 +1,9 @@
 """BERT's evaluation metrics from torchmetrics, synchronised over the data-parallel group only (the
 model-agnostic machinery, :func:`log_epoch_metrics` and :class:`Perplexity`, is :mod:`lightning_megatron.metrics`).
 
-- fine-tuning, classification: ``accuracy``, ``f1`` (binary: of class 1; multiclass: macro) and
-  ``matthews_corrcoef``; regression (one output): ``pearson``, ``spearman`` and ``mse``;
+- fine-tuning, classification: ``accuracy``, ``f1`` (binary: of class 1; multiclass: macro),
+  ``matthews_corrcoef`` and ``loss`` (mean cross entropy per row); regression (one output):
+  ``pearson``, ``spearman``, ``mse`` and ``loss`` (the same mean squared error as the training loss);
 - pretraining: ``mlm_accuracy`` (masked tokens predicted right) and ``perplexity`` (exp of the
   mean masked-LM cross entropy per masked token).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torchmetrics import MetricCollection
+from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import (
     BinaryAccuracy,
     BinaryF1Score,
@@ -47,14 +48,15 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCol
             # Moments merged over ranks in float64: the same correlation at every layout to ~1e-12
             # (float32 moments drift by ~1e-5 for a near-zero correlation).
             return MetricCollection({"pearson": PearsonCorrCoef(**kw), "spearman": spearman,
-                                     "mse": MeanSquaredError(**kw)}).set_dtype(torch.float64)
+                                     "mse": MeanSquaredError(**kw), "loss": MeanMetric(**kw)}
+                                    ).set_dtype(torch.float64)
         if num_classes == 2:
             return MetricCollection({"accuracy": BinaryAccuracy(**kw), "f1": BinaryF1Score(**kw),
-                                     "matthews_corrcoef": BinaryMatthewsCorrCoef(**kw)})
+                                     "matthews_corrcoef": BinaryMatthewsCorrCoef(**kw), "loss": MeanMetric(**kw)})
         return MetricCollection({
             "accuracy": MulticlassAccuracy(num_classes, average="micro", **kw),
             "f1": MulticlassF1Score(num_classes, average="macro", **kw),
-            "matthews_corrcoef": MulticlassMatthewsCorrCoef(num_classes, **kw)})
+            "matthews_corrcoef": MulticlassMatthewsCorrCoef(num_classes, **kw), "loss": MeanMetric(**kw)})
 
     return {stage: collection() for stage in EVAL_STAGES}
 
@@ -69,7 +71,21 @@ def pretraining_metrics(vocab_size: int, ps: ParallelState) -> dict[str, MetricC
 
 
 def update_stage(metrics: dict[str, MetricCollection] | None, stage: str | None, preds: torch.Tensor,
-                 target: torch.Tensor) -> None:
-    """Update the metrics of ``stage`` (None: not evaluating) with a microbatch's outputs."""
-    if metrics is not None and stage in EVAL_STAGES:
-        on_device(metrics[stage], preds.device).update(preds, target)
+                 target: torch.Tensor, loss: torch.Tensor | None = None) -> None:
+    """Update the metrics of ``stage`` (None: not evaluating) with a microbatch's outputs; a ``loss``
+    metric (fine-tuning's, the mean over the split's rows) takes the per-row ``loss``."""
+    if metrics is None or stage not in EVAL_STAGES:
+        return
+    if preds.numel() == 0:  # a microbatch of padding only (the last global batch of a split)
+        return
+    collection = on_device(metrics[stage], preds.device)
+    if "loss" not in collection:
+        collection.update(preds, target)
+        return
+    if loss is None:
+        raise ValueError("update_stage: this stage's metrics include 'loss': pass the per-row loss")
+    for name, metric in collection.items(keep_base=True):
+        if name == "loss":
+            metric.update(loss)
+        else:
+            metric.update(preds, target)

@@ -26,13 +26,14 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
-from lightning_megatron.models.bert.convert import SavedModel
+from lightning_megatron.models.bert.init_from import ARCHITECTURE_KEYS, MISSING_TENSORS_HINT
 from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
 from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
 from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
 from lightning_megatron.tensor_parallel import set_param_facts, vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
@@ -198,87 +199,36 @@ class BertLightningModule(MegatronLightningModule):
     @override
     def on_chunks_built(self) -> None:
         self.eval_metrics = pretraining_metrics(self.vocab_size, self.parallel_state)  # val/test: whole split, over DP
-        if self.hparams.get("init_from"):
-            self.load_pretrained(self.hparams.init_from)
 
-    def load_pretrained(self, source: str | SavedModel, *, everything: bool = False) -> None:
-        """Copy pretrained weights (see ``init_from``) into this rank's chunks, any layout
-        (``everything``: fine-tuning heads too, as ``load_from_checkpoint`` does)."""
-        from lightning_megatron.models.bert.init_from import check_architecture, load_full_state_dict, read_pretrained
+    # ------------------------------------------------------------------ weights from elsewhere
 
-        if self._trainer is not None and self.trainer.optimizers:
-            raise RuntimeError("load_pretrained after the optimizers exist would leave their fp32 main params and "
-                               "state behind the new weights; load in configure_model (init_from=...)")
-        name = source if isinstance(source, str) else "<state dict>"
-        saved = read_pretrained(source) if isinstance(source, str) else source
-        check_architecture(dict(self.hparams), saved.hparams, name)
-        ps = self.parallel_state
-        params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
-        load_full_state_dict(list(self.model_chunks), params, saved.state_dict,
-                             tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
-                             source_name=name, optional=() if everything else self.optional_pretrained,
-                             fresh=saved.fresh)
-        fresh = [n for n, _ in params if n in saved.fresh]
-        if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
-            import warnings
-
-            warnings.warn(f"init_from={name!r} has no {fresh} (its model has no such heads): they are initialised "
-                          f"fresh, from init_seed", UserWarning, stacklevel=2)
+    architecture_keys = ARCHITECTURE_KEYS
+    missing_tensors_hint = MISSING_TENSORS_HINT
 
     @classmethod
-    def from_pretrained(cls, source: str, **kwargs: Any) -> BertLightningModule:
-        """A module with the architecture of ``source`` (any ``init_from`` source: its ``config.json``,
-        saved hyper-parameters or Megatron-LM ``args``), started from its weights in ``configure_model``.
-        ``kwargs`` set the other arguments; architecture arguments among them must agree with the source."""
-        from lightning_megatron.models.bert.init_from import architecture_conflicts, read_architecture
+    @override
+    def read_pretrained(cls, source: str) -> SavedModel:
+        """Our checkpoints, Hugging Face BERT / MegatronBERT folders and Megatron-LM checkpoints
+        (:func:`~lightning_megatron.models.bert.init_from.read_pretrained`)."""
+        from lightning_megatron.models.bert.init_from import read_pretrained
 
-        architecture = read_architecture(source)
-        wrong = architecture_conflicts(kwargs, architecture)
-        if wrong:
-            raise ValueError(f"from_pretrained({source!r}): " + ", ".join(
-                f"{k}={h!r} but the source has {w!r}" for k, h, w in wrong) + ": drop these arguments")
-        return cls(**{**architecture, **kwargs, "init_from": source})
-
-    optional_pretrained: tuple[str, ...] = ()
-    """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
-
-    def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The (global name, parameter) pairs ``init_from`` fills (fine-tuning heads excluded)."""
-        return list(self.sharded_named_parameters())
+        return read_pretrained(source)
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
-                             strict: bool | None = None, **kwargs: Any) -> BertLightningModule:
-        """A single-process module from a lightning_megatron checkpoint directory (any layout it was
-        saved at), built with the saved hyper-parameters (``kwargs`` override them) and the weights
-        loaded; or Lightning's loader for a single-file checkpoint. To continue training at a layout,
-        use ``trainer.fit(model, ckpt_path=...)``; to start a new run from the weights, ``init_from``."""
-        from pathlib import Path
+    @override
+    def read_architecture(cls, source: str) -> dict[str, Any]:
+        from lightning_megatron.models.bert.init_from import read_architecture
 
-        from lightning_megatron import checkpoint as ckpt
-        from lightning_megatron.models.bert.convert import read_model_checkpoint
+        return read_architecture(source)
 
-        path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
-        if path is None or not path.is_dir():
-            return super().load_from_checkpoint(checkpoint_path, map_location=map_location,
-                                                hparams_file=hparams_file, strict=strict, **kwargs)
-        if not (path / ckpt.MARKER).is_file():
-            raise ckpt.CheckpointError(
-                f"{str(path)!r} is a directory but not a lightning_megatron checkpoint ({ckpt.MARKER} missing); "
-                f"BertLightningModule.load_from_checkpoint reads lightning_megatron checkpoint directories or "
-                f"single-file Lightning checkpoints")
-        saved = read_model_checkpoint(path)
-        # LightningCLI records how it built the module (``_instantiator``): not an argument.
-        hparams = {k: v for k, v in saved.hparams.items() if not k.startswith("_")}
-        hparams = {**hparams, **kwargs, "init_from": None}
-        if hparams.get("vocab_size") is None:
-            hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
-        module = cls(**hparams)
-        module.configure_model()
-        module.load_pretrained(saved, everything=True)
-        if map_location is not None:
-            module.to(map_location)
-        return module.eval()
+    @classmethod
+    @override
+    def architecture_conflicts(cls, hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+        """As the base, and a missing ``ffn_hidden_size`` is ``4 * hidden_size``, a missing
+        ``lm_head_activation`` the ``activation``, a ``None`` vocabulary is checked on the tensors."""
+        from lightning_megatron.models.bert.init_from import architecture_conflicts
+
+        return architecture_conflicts(hparams, source)
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters under layout-independent names: global layer numbers, no chunk index."""
