@@ -1,5 +1,6 @@
 """Data, Megatron's way: WordPiece tokenizer, built-in corpus, memory-mapped indexed dataset,
-BERT samples with MLM + sentence-order masking, consumed-samples samplers and a LightningDataModule;
+BERT samples with MLM + sentence-order masking, GPT samples of a document stream, consumed-samples
+samplers and LightningDataModules;
 ``LabelledTextDataModule`` for fine-tuning on labelled text (JSONL/CSV/datasets).
 
 See ``docs/data.md``. The Lightning-free parts import without Lightning; :class:`BertDataModule`
@@ -20,6 +21,7 @@ from lightning_megatron.data.dataset_vocab import (
     vocab_sha256,
     write_dataset_vocab,
 )
+from lightning_megatron.data.gpt_dataset import GPTDataset, build_gpt_indices
 from lightning_megatron.data.indexed_dataset import CorruptIndexedDatasetError, IndexedDataset, IndexedDatasetBuilder
 from lightning_megatron.data.preprocess import PreprocessStats, preprocess_corpus
 from lightning_megatron.data.samples_index import build_samples_mapping, cached_samples_mapping
@@ -33,6 +35,7 @@ from lightning_megatron.data.tokenizer import (
 
 if TYPE_CHECKING:
     from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.data.gpt_datamodule import GPTDataModule
     from lightning_megatron.data.labelled_text import LabelledTextDataModule
 
 __all__ = [
@@ -43,6 +46,8 @@ __all__ = [
     "CorpusStats",
     "CorruptIndexedDatasetError",
     "DatasetVocab",
+    "GPTDataModule",
+    "GPTDataset",
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "LabelledTextDataModule",
@@ -50,6 +55,7 @@ __all__ = [
     "MegatronPretrainingSampler",
     "PreprocessStats",
     "build_blending_indices",
+    "build_gpt_indices",
     "build_samples_mapping",
     "check_dataset_vocab",
     "cached_samples_mapping",
@@ -74,6 +80,10 @@ def __getattr__(name: str) -> Any:
         from lightning_megatron.data.datamodule import BertDataModule
 
         return BertDataModule
+    if name == "GPTDataModule":
+        from lightning_megatron.data.gpt_datamodule import GPTDataModule
+
+        return GPTDataModule
     if name == "LabelledTextDataModule":
         from lightning_megatron.data.labelled_text import LabelledTextDataModule
 
