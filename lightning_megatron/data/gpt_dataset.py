@@ -164,6 +164,8 @@ def _index_chunks(lengths: np.ndarray, documents: np.ndarray, *, seq_length: int
         rows = np.empty((count, 2), dtype=np.int64)
         np.add(where, position_base, out=rows[:, 0])
         rows[:, 1] = offsets
+        if next_sample == 0:
+            rows[0] = 0  # Megatron's first row is (0, 0) even when the first document is empty
         yield (order + small.type(documents[0]) if contiguous else documents[order]), rows
         token_base, position_base, next_sample = int(ends[-1]), position_base + len(order), int(before_end[-1])
 
