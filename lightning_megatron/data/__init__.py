@@ -1,6 +1,5 @@
 """Data, Megatron's way: WordPiece tokenizer, built-in corpus, memory-mapped indexed dataset,
-BERT samples with MLM + sentence-order masking, GPT samples of a document stream, consumed-samples
-samplers and LightningDataModules;
+BERT samples with MLM + sentence-order masking, consumed-samples samplers and a LightningDataModule;
 ``LabelledTextDataModule`` for fine-tuning on labelled text (JSONL/CSV/datasets).
 
 See ``docs/data.md``. The Lightning-free parts import without Lightning; :class:`BertDataModule`
