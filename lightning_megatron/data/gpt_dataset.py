@@ -46,7 +46,7 @@ from lightning_megatron.data.samples_index import NpyStreamWriter, cached_npy_fi
 __all__ = ["GPTDataset", "GPTIndexPlan", "build_gpt_indices", "cached_gpt_indices", "check_documents_end_with_eod",
            "document_lengths", "plan_gpt_indices"]
 
-GPT_INDEX_VERSION = 1
+GPT_INDEX_VERSION = 2
 """Bumped whenever the indices an input gives change (invalidates every cached index)."""
 
 _DOCUMENT_SEED = 0x6D0C
