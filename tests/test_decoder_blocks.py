@@ -361,6 +361,30 @@ def test_greedy_generation_with_cache_equals_recomputing_the_sequence():
     assert torch.equal(stopped[0, :first + 1], with_cache[0, :first + 1]) and (stopped[0, first + 1:] == stop).all()
 
 
+def test_greedy_generation_equals_transformers_llama_generate():
+    from transformers import LlamaForCausalLM
+
+    from lightning_megatron.generation import generate
+
+    config = _hf_config(2)
+    config.vocab_size, config.num_hidden_layers, config.tie_word_embeddings = 40, 2, False
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(config).eval()
+    ours = TinyDecoder().eval()
+    with torch.no_grad():
+        for p in theirs.parameters():  # norm weights away from 1
+            p.add_(0.1 * torch.randn_like(p)) if p.dim() == 1 else None
+        ours.embedding.weight.copy_(theirs.model.embed_tokens.weight)
+        for layer, hf_layer in zip(ours.decoder.layers, theirs.model.layers):
+            _copy_layer(layer, hf_layer, 2)
+        ours.decoder.final_layernorm.weight.copy_(theirs.model.norm.weight)
+        ours.output_layer.weight.copy_(theirs.lm_head.weight)
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
+    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                               eos_token_id=2, pad_token_id=2)
+    assert torch.equal(generate(ours, prompt, 10, stop_token=2), expected)
+
+
 # ---------------------------------------------------------------- TP=2 (one 2-process run)
 
 
