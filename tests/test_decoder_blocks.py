@@ -495,3 +495,12 @@ def test_strided_fc1_shards_sit_at_their_global_rows_in_checkpoints_and_check():
         rebuilt[offsets[0]:offsets[0] + chunk.shape[0]] = chunk
     assert torch.equal(rebuilt, full)
     assert torch.equal(_assemble(per_rank_pieces)["w"], full)
+    # check's per-module output comparison skips the strided fc1 (its TP outputs are [gate_r; up_r]
+    # per rank, not slices of the TP=1 output) and keeps its neighbours.
+    from lightning_megatron.check.worker import module_names
+    from lightning_megatron.tensor_parallel import mark_replicated
+
+    mlp = MLP(TransformerConfig(**BASE), _layer_spec().submodules.mlp.submodules)
+    mark_replicated(mlp.parameters())
+    names = set(module_names([(f"mlp.{n}", p) for n, p in mlp.named_parameters()], [mlp]).values())
+    assert names == {"mlp", "mlp.linear_fc2"}, names
