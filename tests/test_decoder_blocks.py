@@ -4,7 +4,7 @@ embedding itself, a two-layer block with every recomputation mode; config valida
 the KV cache against the full sequence, the sampling filters against transformers' warpers, greedy
 generation with the cache against recomputing the sequence; and ONE 2-process run: TP=2 (GQA g=2 and
 g=1 of n=4, SwiGLU, rotary), with and without sequence parallelism, equal to the TP=1 model built from the same
-seed, and TP=2 greedy generation equal to TP=1."""
+seed, and TP=2 greedy generation (g=2 and g=1) equal to TP=1."""
 
 from __future__ import annotations
 
@@ -267,12 +267,12 @@ class TinyDecoder(torch.nn.Module):
     """Embedding -> Llama-shaped block -> vocab-parallel output layer: the ``forward(tokens, offset,
     cache) -> logits`` that :func:`lightning_megatron.generation.generate` drives (GPTModel's job)."""
 
-    def __init__(self, vocab: int = 40, tp_group=None, tp: int = 1, seed: int = 3) -> None:
+    def __init__(self, vocab: int = 40, tp_group=None, tp: int = 1, seed: int = 3, g: int = 2) -> None:
         super().__init__()
         from lightning_megatron.tensor_parallel import VocabParallelEmbedding
         from lightning_megatron.transformer import seeded
 
-        cfg = TransformerConfig(**BASE, num_query_groups=2, tensor_model_parallel_size=tp)
+        cfg = TransformerConfig(**BASE, num_query_groups=g, tensor_model_parallel_size=tp)
         with seeded(seed, "embedding"):
             self.embedding = VocabParallelEmbedding(vocab, H, tp_group=tp_group)
         self.decoder = TransformerBlock(cfg, _layer_spec(), tp_group=tp_group, seed=seed)
@@ -446,6 +446,10 @@ def _tp_worker() -> dict[str, float]:
     prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
     one, two = TinyDecoder().eval(), TinyDecoder(tp_group=group, tp=2).eval()
     greedy = [generate(m, prompt, 8, tp_group=g) for m, g in ((one, None), (two, group))]
+    # Multi-query (g=1 < t=2): both ranks cache the one shared key/value head.
+    mqa = [generate(TinyDecoder(g=1).eval(), prompt, 8),
+           generate(TinyDecoder(tp_group=group, tp=2, g=1).eval(), prompt, 8, tp_group=group)]
+    assert torch.equal(mqa[0], mqa[1]), mqa
     sampled = generate(two, prompt, 6, tp_group=group, greedy=False, top_k=5,
                        generator=torch.Generator().manual_seed(100 + r))  # different seeds: rank 0 decides
     dist.barrier()
