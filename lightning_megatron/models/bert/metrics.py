@@ -30,7 +30,7 @@ from torchmetrics.classification import (
 )
 from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef, SpearmanCorrCoef
 
-from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.parallel_state import ParallelState, process_group
 
 __all__ = ["EVAL_STAGES", "Perplexity", "finetune_metrics", "log_epoch_metrics", "eval_stage", "on_device", "pretraining_metrics",
            "update_stage"]
@@ -40,7 +40,7 @@ EVAL_STAGES = ("val", "test")
 
 def _sync_args(ps: ParallelState) -> dict[str, Any]:
     # No gather at all for one replica; otherwise over the data-parallel group only.
-    return {"process_group": ps.dp_group, "sync_on_compute": ps.dp_size > 1}
+    return {"process_group": process_group(ps.dp_group), "sync_on_compute": ps.dp_size > 1}
 
 
 class Perplexity(MeanMetric):
