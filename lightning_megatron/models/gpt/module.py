@@ -66,6 +66,8 @@ class GPTLightningModule(MegatronLightningModule):
         optimizer, lr, weight_decay, adam_*, sgd_momentum, fused_optimizer, optimizer_class, ...: as
             :class:`~lightning_megatron.models.bert.module.BertLightningModule`.
         compile: ``torch.compile`` each transformer layer (regional compilation).
+        init_from: start from the weights of a lightning_megatron checkpoint directory (any layout it was
+            saved at); its ``architecture_keys`` must agree with this module's (the base's loader).
         predict_max_new_tokens, predict_greedy, predict_temperature, predict_top_k, predict_top_p: what
             ``predict`` generates after each sample's ``tokens`` (:meth:`generate`): the prompt followed by
             the new tokens, greedy or sampled (Hugging Face's temperature / top-k / top-p).
@@ -112,6 +114,7 @@ class GPTLightningModule(MegatronLightningModule):
         sgd_momentum: float = 0.9,
         fused_optimizer: bool = True,
         compile: bool = False,
+        init_from: str | None = None,
         predict_max_new_tokens: int = 32,
         predict_greedy: bool = True,
         predict_temperature: float = 1.0,
@@ -149,6 +152,12 @@ class GPTLightningModule(MegatronLightningModule):
             num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage, attention_backend=attention_backend)
         # Validate sizes now (heads, ffn...) with TP=1; TP-dependent checks run in configure_model.
         TransformerConfig(**self._config_kwargs)
+
+    architecture_keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                         "kv_channels", "vocab_size", "max_sequence_length", "spec", "position_embedding_type",
+                         "activation", "add_bias_linear", "gated_linear_unit", "untie_embeddings_and_output_weights",
+                         "rotary_base", "rotary_percent", "layernorm_epsilon", "make_vocab_size_divisible_by")
+    """What a weight source fixes (``init_from``, ``from_pretrained``, ``load_from_checkpoint``)."""
 
     # ------------------------------------------------------------------ model
 
@@ -300,19 +309,24 @@ class GPTLightningModule(MegatronLightningModule):
     @classmethod
     def estimate_shape(cls, model: Mapping[str, Any], data: Mapping[str, Any], *, micro_batch_size: int,
                        global_batch_size: int) -> Any:
-        """The sizes ``check --estimate-memory`` / ``--estimate-time`` compute with (``EstimatesCost``),
-        from this module's arguments (``vocab_size`` must be set, or the data's ``vocab_size``) and the
-        data's ``seq_length``; unset ones at their defaults."""
-        from lightning_megatron.check.memory import ModelShape
+        """The decoder's costs for ``check --estimate-memory`` / ``--estimate-time`` (``EstimatesCost``):
+        a :class:`~lightning_megatron.models.gpt.cost.DecoderShape` from this module's arguments
+        (``vocab_size`` must be set) and the data's ``seq_length``; unset ones at their defaults."""
+        from lightning_megatron.models.gpt.cost import DecoderShape
 
         vocab = model.get("vocab_size", data.get("vocab_size"))
         if vocab is None:
             raise ValueError("GPTLightningModule.estimate_shape: set model.vocab_size (the estimate builds no "
                              "tokenizer)")
         spec = str(model.get("spec", "gpt_layer_spec"))
-        return ModelShape(
+        return DecoderShape(
             num_layers=int(model.get("num_layers", 2)), hidden_size=int(model.get("hidden_size", 128)),
             num_attention_heads=int(model.get("num_attention_heads", 4)), ffn_hidden_size=model.get("ffn_hidden_size"),
+            num_query_groups=model.get("num_query_groups"), kv_channels=model.get("kv_channels"),
+            gated_linear_unit=bool(model.get("gated_linear_unit", False)),
+            add_bias_linear=bool(model.get("add_bias_linear", True)),
+            untie_embeddings_and_output_weights=bool(model.get("untie_embeddings_and_output_weights", False)),
+            learned_positions=model.get("position_embedding_type", "learned_absolute") == "learned_absolute",
             vocab_size=int(vocab), make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by", 128)),
             max_sequence_length=int(model.get("max_sequence_length", 128)),
             seq_length=int(data.get("seq_length", model.get("max_sequence_length", 128))),
@@ -321,7 +335,7 @@ class GPTLightningModule(MegatronLightningModule):
             rmsnorm=_SPEC_NORM.get(spec) == "RMSNorm", recompute=model.get("recompute_granularity") == "full",
             attention_backend=str(model.get("attention_backend", "auto")),
             hidden_dropout=float(model.get("hidden_dropout", 0.1)),
-            attention_dropout=float(model.get("attention_dropout", 0.1)), family="gpt")
+            attention_dropout=float(model.get("attention_dropout", 0.1)))
 
     # ------------------------------------------------------------------ optimizer
 
