@@ -286,3 +286,24 @@ def test_greedy_generation_equals_transformers_generate(shape):
                          attention_mask=torch.ones_like(prompt))
     assert torch.equal(ours, theirs), (ours, theirs)
     assert torch.equal(module.generate(prompt, 10, use_cache=False), ours)
+
+
+def test_predict_through_the_strategy_generates():
+    """``Trainer.predict`` under the MegatronStrategy: each batch's prompts (two microbatches) followed by
+    ``predict_max_new_tokens`` greedy tokens, the same as ``generate`` on the whole batch."""
+    from lightning.pytorch import Trainer
+    from test_custom_module import hermetic
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron.strategy import MegatronStrategy
+
+    module = GPTLightningModule(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                                max_sequence_length=SEQ, predict_max_new_tokens=5)
+    prompts = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(5))
+    rows = [{"tokens": t, "labels": t, "loss_mask": torch.ones(8)} for t in prompts]
+    with hermetic():
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), logger=False,
+                          enable_progress_bar=False, enable_model_summary=False)
+        [out] = trainer.predict(module, DataLoader(rows, batch_size=4))
+    assert out.shape == (4, 8 + 5) and torch.equal(out[:, :8], prompts)
+    assert torch.equal(out, module.generate(prompts, 5))
