@@ -8,6 +8,8 @@ group), GPT-2's ``c_attn`` is a Conv1D (``[in, out]``) with columns ``[q | k | v
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -288,9 +290,10 @@ def test_greedy_generation_equals_transformers_generate(shape):
     assert torch.equal(module.generate(prompt, 10, use_cache=False), ours)
 
 
-def test_predict_through_the_strategy_generates():
-    """``Trainer.predict`` under the MegatronStrategy: each batch's prompts (two microbatches) followed by
-    ``predict_max_new_tokens`` greedy tokens, the same as ``generate`` on the whole batch."""
+def test_validate_and_predict_through_the_strategy():
+    """``Trainer.validate`` logs ``val_perplexity`` = exp(the mean token cross entropy of the split) next to
+    ``val_loss``; ``Trainer.predict`` under the MegatronStrategy: each batch's prompts (two microbatches)
+    followed by ``predict_max_new_tokens`` greedy tokens, the same as ``generate`` on the whole batch."""
     from lightning.pytorch import Trainer
     from test_custom_module import hermetic
     from torch.utils.data import DataLoader
@@ -304,6 +307,8 @@ def test_predict_through_the_strategy_generates():
     with hermetic():
         trainer = Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), logger=False,
                           enable_progress_bar=False, enable_model_summary=False)
+        [metrics] = trainer.validate(module, DataLoader(rows, batch_size=4), verbose=False)
         [out] = trainer.predict(module, DataLoader(rows, batch_size=4))
+    assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-5), metrics
     assert out.shape == (4, 8 + 5) and torch.equal(out[:, :8], prompts)
     assert torch.equal(out, module.generate(prompts, 5))

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torchmetrics import MetricCollection
 from typing_extensions import override
 
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
@@ -198,7 +199,7 @@ class GPTLightningModule(MegatronLightningModule):
     def on_chunks_built(self) -> None:
         # val/test perplexity of the whole split, gathered over DP (a plain dict: outside the state dict)
         kw = sync_args(self.parallel_state)
-        self.eval_metrics = {stage: Perplexity(**kw) for stage in ("val", "test")}
+        self.eval_metrics = {stage: MetricCollection({"perplexity": Perplexity(**kw)}) for stage in ("val", "test")}
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """megatron-core names with global layer numbers (no chunk index)."""
@@ -238,7 +239,7 @@ class GPTLightningModule(MegatronLightningModule):
             num_tokens = loss_mask.float().sum()
             stage = eval_stage(self)
             if stage:  # the whole split's perplexity, logged at the end of the epoch
-                on_device(self.eval_metrics[stage], loss.device).update(loss.detach(), num_tokens)
+                on_device(self.eval_metrics[stage], loss.device)["perplexity"].update(loss.detach(), num_tokens)
             stats = {"lm_loss": loss.detach(), "num_tokens": num_tokens}
 
         def loss_func(output: torch.Tensor):
@@ -255,10 +256,7 @@ class GPTLightningModule(MegatronLightningModule):
         self._log_perplexity("test")
 
     def _log_perplexity(self, stage: str) -> None:
-        from torchmetrics import MetricCollection
-
-        metrics = MetricCollection({"perplexity": self.eval_metrics[stage]})
-        log_epoch_metrics(self, metrics, stage, self.parallel_state, self.model_chunks[-1].post_process)
+        log_epoch_metrics(self, self.eval_metrics[stage], stage, self.parallel_state, self.model_chunks[-1].post_process)
 
     # ------------------------------------------------------------------ generation
 
