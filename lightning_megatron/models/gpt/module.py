@@ -67,8 +67,6 @@ class GPTLightningModule(MegatronLightningModule):
         optimizer, lr, weight_decay, adam_*, sgd_momentum, fused_optimizer, optimizer_class, ...: as
             :class:`~lightning_megatron.models.bert.module.BertLightningModule`.
         compile: ``torch.compile`` each transformer layer (regional compilation).
-        init_from: start from the weights of a lightning_megatron checkpoint directory (any layout it was
-            saved at); its ``architecture_keys`` must agree with this module's (the base's loader).
         predict_max_new_tokens, predict_greedy, predict_temperature, predict_top_k, predict_top_p: what
             ``predict`` generates after each sample's ``tokens`` (:meth:`generate`): the prompt followed by
             the new tokens, greedy or sampled (Hugging Face's temperature / top-k / top-p).
@@ -115,7 +113,6 @@ class GPTLightningModule(MegatronLightningModule):
         sgd_momentum: float = 0.9,
         fused_optimizer: bool = True,
         compile: bool = False,
-        init_from: str | None = None,
         predict_max_new_tokens: int = 32,
         predict_greedy: bool = True,
         predict_temperature: float = 1.0,
@@ -153,12 +150,6 @@ class GPTLightningModule(MegatronLightningModule):
             num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage, attention_backend=attention_backend)
         # Validate sizes now (heads, ffn...) with TP=1; TP-dependent checks run in configure_model.
         TransformerConfig(**self._config_kwargs)
-
-    architecture_keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                         "kv_channels", "vocab_size", "max_sequence_length", "spec", "position_embedding_type",
-                         "activation", "add_bias_linear", "gated_linear_unit", "untie_embeddings_and_output_weights",
-                         "rotary_base", "rotary_percent", "layernorm_epsilon", "make_vocab_size_divisible_by")
-    """What a weight source fixes (``init_from``, ``from_pretrained``, ``load_from_checkpoint``)."""
 
     # ------------------------------------------------------------------ model
 
