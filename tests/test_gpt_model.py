@@ -159,6 +159,8 @@ def test_refusals_name_the_value():
         GPTModel(_gpt2_config(), "gpt_layer_spec", VOCAB, SEQ, position_embedding_type="alibi")
     with pytest.raises(ValueError, match="no_such_spec"):
         GPTLightningModule(spec="no_such_spec")
+    with pytest.raises(ValueError, match="normalization='RMSNorm' but spec='gpt_layer_spec' uses LayerNorm"):
+        GPTLightningModule(spec="gpt_layer_spec", normalization="RMSNorm")
     with pytest.raises(ValueError, match="must start at layer 0"):
         GPTModel(_gpt2_config(), "gpt_layer_spec", VOCAB, SEQ, layer_range=range(1, 2))
 

@@ -56,6 +56,9 @@ class GPTLightningModule(MegatronLightningModule):
         max_sequence_length: rows of the learned position embedding (the longest sequence).
         spec: a registered layer spec name: ``gpt_layer_spec`` (LayerNorm) or ``llama_layer_spec`` (RMSNorm).
         position_embedding_type: ``learned_absolute`` (GPT-2), ``rope`` (Llama) or ``none``.
+        normalization: ``config.normalization``, the norm of specs that take it from the config
+            (``transformer.Norm``); None: the spec's own (LayerNorm for ``gpt_layer_spec``, RMSNorm for
+            ``llama_layer_spec``, which refuse the other).
         activation: the MLP activation (GPT-2: ``gelu_tanh``; Megatron GPT: ``gelu``; Llama: ``silu``).
         gated_linear_unit: a gated MLP, ``act(x W_gate) * (x W_up)`` (with ``silu``: Llama's SwiGLU).
         rotary_base, rotary_percent: rope's base (Llama 2: 10000, Llama 3: 500000) and the fraction of
@@ -85,6 +88,7 @@ class GPTLightningModule(MegatronLightningModule):
         max_sequence_length: int = 128,
         spec: str = "gpt_layer_spec",
         position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+        normalization: Literal["LayerNorm", "RMSNorm"] | None = None,
         activation: Literal["gelu", "gelu_tanh", "relu", "silu"] = "gelu",
         add_bias_linear: bool = True,
         gated_linear_unit: bool = False,
@@ -133,6 +137,9 @@ class GPTLightningModule(MegatronLightningModule):
             from lightning_megatron.transformer import get_spec
 
             get_spec(spec)  # ValueError listing the registered names
+        elif normalization not in (None, _SPEC_NORM[spec]):
+            raise ValueError(f"normalization={normalization!r} but spec={spec!r} uses {_SPEC_NORM[spec]}: drop "
+                             f"normalization, or use the other spec")
         self.save_hyperparameters()
         self.init_seed = init_seed
         self.use_optimizer(optimizer_class, optimizer_kwargs)
@@ -142,7 +149,8 @@ class GPTLightningModule(MegatronLightningModule):
             num_query_groups=num_query_groups, ffn_hidden_size=ffn_hidden_size, kv_channels=kv_channels,
             gated_linear_unit=gated_linear_unit, rotary_base=rotary_base, rotary_percent=rotary_percent, hidden_dropout=hidden_dropout,
             attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon,
-            normalization=_SPEC_NORM.get(spec, "LayerNorm"), activation=activation, add_bias_linear=add_bias_linear,
+            normalization=normalization or _SPEC_NORM.get(spec, "LayerNorm"), activation=activation,
+            add_bias_linear=add_bias_linear,
             init_method_std=init_method_std, params_dtype=_DTYPES[params_dtype],
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
             recompute_num_layers=recompute_num_layers,
@@ -321,7 +329,8 @@ class GPTLightningModule(MegatronLightningModule):
             seq_length=int(data.get("seq_length", model.get("max_sequence_length", 128))),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
             params_dtype=str(model.get("params_dtype", "float32")), optimizer=str(model.get("optimizer", "adamw")),
-            rmsnorm=_SPEC_NORM.get(spec) == "RMSNorm", recompute=model.get("recompute_granularity") == "full",
+            rmsnorm=(model.get("normalization") or _SPEC_NORM.get(spec)) == "RMSNorm",
+            recompute=model.get("recompute_granularity") == "full",
             attention_backend=str(model.get("attention_backend", "auto")),
             hidden_dropout=float(model.get("hidden_dropout", 0.1)),
             attention_dropout=float(model.get("attention_dropout", 0.1)))
