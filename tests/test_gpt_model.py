@@ -314,3 +314,18 @@ def test_validate_and_predict_through_the_strategy():
     assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-5), metrics
     assert out.shape == (4, 8 + 5) and torch.equal(out[:, :8], prompts)
     assert torch.equal(out, module.generate(prompts, 5))
+
+
+def test_rope_table_stays_fp32_when_the_model_is_cast_to_bf16():
+    """Lightning's ``bf16-true`` casts the module (``.to(torch.bfloat16)``), floating buffers included: a
+    registered RotaryEmbedding's ``inv_freq`` would be rounded (angles at position 4095 off by radians).
+    GPTModel keeps its rope table out of the module tree: after the cast it is still the fp32 table."""
+    from lightning_megatron.transformer.rotary import RotaryEmbedding
+
+    model = GPTModel(_llama_config(), "llama_layer_spec", VOCAB, 4096, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False).to(torch.bfloat16)
+    table = model.rotary_pos_emb(4096, torch.device("cpu"))
+    want = RotaryEmbedding(HIDDEN // HEADS, 1.0, ROPE_BASE)(4096)
+    assert table.dtype == torch.float32 and torch.equal(table, want)
+    cast = torch.nn.ModuleList([RotaryEmbedding(HIDDEN // HEADS, 1.0, ROPE_BASE)]).to(torch.bfloat16)[0]
+    assert (cast(4096) - want).abs().max() > 1.0, "the cast rounds inv_freq: the hazard this guards against"
