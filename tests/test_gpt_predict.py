@@ -64,3 +64,39 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
         want = module.generate(ids, MAX_NEW)[0, ids.shape[1]:].tolist()
         assert record["token_ids"] == want, (prompt, record, want)
         assert record["completion"] == tokenizer.detokenize(want)
+
+
+def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):
+    """GPTDataModule's predict batches of a JSONL prompts file at DP=2 (2 microbatches of 1 per rank):
+    each global batch holds prompts of one length (rank 0's and rank 1's slices alike), every prompt
+    is in exactly one of them, and padding rows (-1) copy a prompt of that length; over-long and
+    missing prompts are refused by name."""
+    import pytest
+
+    from lightning_megatron.data.gpt_datamodule import GPTDataModule
+    from lightning_megatron.data.predict import SAMPLE_INDEX, IndexedSamples, LengthGroupedBatchSampler
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"body": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
+    dm = GPTDataModule(seq_length=16, global_batch_size=4, micro_batch_size=1, num_workers=0,
+                       predict_file=str(tmp_path / "p.jsonl"), predict_json_key="body")
+    list(dm.predict_dataloader())  # no trainer: DP=1
+    prompts = dm.predict_dataset
+    assert prompts.texts == PROMPTS
+    assert [prompts[i]["tokens"].tolist() for i in range(len(PROMPTS))] == [dm.tokenizer.tokenize(p) for p in PROMPTS]
+    samples = IndexedSamples(prompts)
+    per_rank = [list(LengthGroupedBatchSampler(prompts.lengths, local_batch_size=2, data_parallel_rank=r,
+                                               data_parallel_size=2)) for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(set(prompts.lengths))  # 5 prompts, 3 lengths: 3 batches
+    seen = []
+    for local0, local1 in zip(*per_rank):
+        rows = [samples[i] for i in local0 + local1]
+        assert len({len(r["tokens"]) for r in rows}) == 1  # one length per global batch
+        seen += [int(r[SAMPLE_INDEX]) for r in rows]
+        for i, r in zip(local0 + local1, rows):
+            assert (i < 0) == (int(r[SAMPLE_INDEX]) == -1)
+    assert sorted(i for i in seen if i >= 0) == list(range(len(PROMPTS)))
+    with pytest.raises(ValueError, match="prompt 4 has 7 tokens, more than 5"):
+        list(GPTDataModule(seq_length=5, global_batch_size=2, micro_batch_size=1, num_workers=0,
+                           predict_file=str(tmp_path / "p.jsonl"), predict_json_key="body").predict_dataloader())
+    with pytest.raises(ValueError, match="predict_file"):
+        GPTDataModule(seq_length=16, num_workers=0).predict_dataloader()
