@@ -11,7 +11,8 @@ of the last pipeline stage (the only one returning predictions that others do no
 - ``hidden``: ``hidden.npy`` ``[n, s, h]``, ``attention_mask.npy`` ``[n, s]`` and ``index.npy``;
 - generation (a decoder's ``predict_step`` returns an integer tensor ``[b, s0 + n]`` that begins with the
   batch's ``tokens`` ``[b, s0]``: the prompts and their continuations, as
-  ``GPTLightningModule.predict_step`` does): ``predictions.jsonl``, one line per prompt in input order,
+  ``GPTLightningModule.predict_step`` does): one ``predictions.jsonl`` (the data-parallel replicas'
+  records gathered, written by DP rank 0), one line per prompt in input order,
   ``{"index": i, "prompt": text, "completion": text, "token_ids": [...]}`` (``token_ids``: the ``n``
   new tokens; ``completion``: their detokenized text; ``prompt``: the ``predict_file`` line, or the
   detokenized prompt tokens; both texts ``null`` without the datamodule's tokenizer).
@@ -30,11 +31,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
 from lightning_megatron.data.datamodule import PretrainingDataModule
 from lightning_megatron.data.predict import SAMPLE_INDEX
+from lightning_megatron.parallel_state import group_rank, group_size, process_group
 from lightning_megatron.strategy import MegatronStrategy
 
 __all__ = ["PredictionWriter"]
@@ -58,6 +61,8 @@ class PredictionWriter(BasePredictionWriter):
         self._arrays: dict[str, list[np.ndarray]] = {}
         self._tokenizer: Any = None
         self._generated: list[tuple[int, dict[str, Any]]] = []
+        self._generation = False
+        self._dp_group: Any = None
         self._texts: list[str] | None = None
 
     @override
@@ -66,12 +71,13 @@ class PredictionWriter(BasePredictionWriter):
         ps = strategy.parallel_state if isinstance(strategy, MegatronStrategy) else None
         self._writes = ps is None or (ps.tp_rank == 0 and ps.is_pipeline_last_stage())
         self._suffix = f".dp{ps.dp_rank}" if ps is not None and ps.dp_size > 1 else ""
+        self._dp_group = ps.dp_group if ps is not None and ps.dp_size > 1 else None
         self._folder = Path(self.output_dir or os.path.join(trainer.default_root_dir, "predictions"))
         self._arrays = {}
         dm = trainer.datamodule
         self._tokenizer = dm.tokenizer if isinstance(dm, PretrainingDataModule) else None
         self._texts = self._prompt_texts(dm)
-        self._generated = []
+        self._generated, self._generation = [], False
         if self._writes:
             self._folder.mkdir(parents=True, exist_ok=True)
             if pl_module.hparams.get("predict_output", "masked_lm") == "masked_lm":
@@ -97,6 +103,7 @@ class PredictionWriter(BasePredictionWriter):
             index = torch.arange(start, start + batch["tokens"].size(0))
         keep = index >= 0
         if _is_generation(prediction, batch):
+            self._generation = True
             self._collect_generated(batch["tokens"], prediction, index, keep)
             return
         if isinstance(prediction, dict):
@@ -145,16 +152,34 @@ class PredictionWriter(BasePredictionWriter):
             completion = self._tokenizer.detokenize(new) if self._tokenizer is not None else None
             self._generated.append((i, {"index": i, "prompt": prompt, "completion": completion, "token_ids": new}))
 
+    def _write_generated(self) -> None:
+        """One ``predictions.jsonl`` in input order: the data-parallel replicas' records gathered (over the
+        writers' DP group: every writer is in it) and written by DP rank 0."""
+        if self._jsonl is not None:  # opened for masked_lm by default: not this module's output
+            self._jsonl.close()
+            self._jsonl = None
+            os.remove(self._tmp("predictions.jsonl"))
+        records = self._generated
+        self._generated, self._generation = [], False
+        if self._dp_group is not None:
+            parts: list[Any] = [None] * group_size(self._dp_group)
+            dist.all_gather_object(parts, records, group=process_group(self._dp_group))
+            if group_rank(self._dp_group) != 0:
+                return
+            records = [r for part in parts for r in part]
+        self._suffix = ""
+        with open(self._tmp("predictions.jsonl"), "w", encoding="utf-8") as fh:
+            for _, record in sorted(records, key=lambda r: r[0]):
+                fh.write(json.dumps(record) + "\n")
+        os.replace(self._tmp("predictions.jsonl"), self._final("predictions.jsonl"))
+
     @override
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if not self._writes:
             return
-        if self._generated:
-            if self._jsonl is None:
-                self._jsonl = open(self._tmp("predictions.jsonl"), "w", encoding="utf-8")  # noqa: SIM115
-            for _, record in sorted(self._generated, key=lambda r: r[0]):
-                self._jsonl.write(json.dumps(record) + "\n")
-            self._generated = []
+        if self._generation:
+            self._write_generated()
+            return
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
