@@ -76,7 +76,7 @@ class PredictionWriter(BasePredictionWriter):
         self._arrays = {}
         dm = trainer.datamodule
         self._tokenizer = dm.tokenizer if isinstance(dm, PretrainingDataModule) else None
-        self._texts = self._prompt_texts(dm)
+        self._texts = None  # the prompts' texts, read at the first batch (the dataloader is built by then)
         self._generated, self._generation = [], False
         if self._writes:
             self._folder.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,8 @@ class PredictionWriter(BasePredictionWriter):
             index = torch.arange(start, start + batch["tokens"].size(0))
         keep = index >= 0
         if _is_generation(prediction, batch):
-            self._generation = True
+            if not self._generation:
+                self._generation, self._texts = True, self._prompt_texts(trainer.datamodule)
             self._collect_generated(batch["tokens"], prediction, index, keep)
             return
         if isinstance(prediction, dict):
