@@ -1,0 +1,256 @@
+"""Hugging Face Llama / GPT-2 <-> our GPT state dict (megatron-core names), one process, no model of ours.
+
+- HF -> ours -> HF is bit-exact for a tiny random ``LlamaForCausalLM`` (grouped-query attention: 4 heads,
+  2 key/value heads, untied head) and ``GPT2LMHeadModel`` (tied head), and transformers loads the result
+  with no missing or unexpected keys.
+- The layout of the fused tensors is checked against an independent computation: a plain-torch forward
+  written in this file from the decoder-family contract (qkv rows per query group ``[q heads, k, v]``,
+  SwiGLU ``linear_fc1 = [gate; up]``, rotate-half rotary), run on our tensors -- at TP=1, and at TP=2 as
+  two ranks that each compute their heads / FFN columns from :func:`shard_full_state_dict`'s shard
+  (``[gate_r; up_r]``) with the row-parallel partial sums added -- gives transformers' logits within
+  1e-5 (fp32). A wrong layout (q/k/v not grouped, fc1 halves swapped, shards cut as plain row chunks)
+  is off by O(1).
+- Settings our model cannot reproduce are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_megatron.models.gpt import hf as ghf
+
+VOCAB, SEQ = 97, 12
+LLAMA_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+GPT2_KW = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, n_inner=None,
+               activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+               initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+
+
+def _llama(**kw):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_KW, "rope_theta": 5000.0, **kw}))
+    with torch.no_grad():  # norms away from 1 so a swapped norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _gpt2(**kw):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**GPT2_KW, **kw}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln_" in name or name.endswith(".bias"):
+                p.uniform_(-0.5, 1.5)
+    return model.eval()
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _theirs(model):
+    with torch.no_grad():
+        return model(input_ids=_tokens()).logits
+
+
+# ------------------------------------------------- a forward written from the contract, plain torch
+
+
+def _norm(x, w, b, eps, rms):
+    if rms:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return F.layer_norm(x, (x.size(-1),), w, b, eps)
+
+
+def _rope(x, base):  # x [b, s, heads, d], rotate-half convention
+    d, s = x.size(-1), x.size(1)
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], -1)[None, :, None, :]
+    x1, x2 = x.chunk(2, -1)
+    return x * emb.cos() + torch.cat([-x2, x1], -1) * emb.sin()
+
+
+def _reference_logits(full, arch, tokens, tp: int):
+    """Our model's math on our tensors, as ``tp`` ranks each computing from its own shard."""
+    llama = arch["spec"] == ghf.LLAMA_SPEC
+    n, g, h = arch["num_attention_heads"], arch["num_query_groups"], arch["hidden_size"]
+    d, eps = h // n, arch["layernorm_epsilon"]
+    shards = [ghf.shard_full_state_dict(full, r, tp, gated_linear_unit=llama, num_query_groups=g)
+              for r in range(tp)]
+    sd = full
+    x = sd["embedding.word_embeddings.weight"][tokens]
+    if not llama:
+        x = x + sd["embedding.position_embeddings.weight"][: tokens.size(1)]
+    b, s = tokens.shape
+    for i in range(arch["num_layers"]):
+        p = f"decoder.layers.{i}."
+        y = _norm(x, sd[p + "input_layernorm.weight"], sd.get(p + "input_layernorm.bias"), eps, llama)
+        attn = 0
+        for r in range(tp):
+            w = shards[r]
+            qkv = F.linear(y, w[p + "self_attention.linear_qkv.weight"], w.get(p + "self_attention.linear_qkv.bias"))
+            qkv = qkv.view(b, s, g // tp, n // g + 2, d)
+            q = qkv[:, :, :, : n // g].reshape(b, s, n // tp, d)
+            k = qkv[:, :, :, n // g].repeat_interleave(n // g, dim=2)
+            v = qkv[:, :, :, n // g + 1].repeat_interleave(n // g, dim=2)
+            if llama:
+                q, k = _rope(q, arch["rotary_base"]), _rope(k, arch["rotary_base"])
+            ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, scale=1 / math.sqrt(d))
+            attn = attn + F.linear(ctx.transpose(1, 2).reshape(b, s, -1), w[p + "self_attention.linear_proj.weight"])
+        x = x + attn + (0 if llama else sd[p + "self_attention.linear_proj.bias"])
+        y = _norm(x, sd[p + "pre_mlp_layernorm.weight"], sd.get(p + "pre_mlp_layernorm.bias"), eps, llama)
+        mlp = 0
+        for r in range(tp):
+            w = shards[r]
+            a = F.linear(y, w[p + "mlp.linear_fc1.weight"], w.get(p + "mlp.linear_fc1.bias"))
+            if llama:
+                gate, up = a.chunk(2, dim=-1)
+                a = F.silu(gate) * up
+            else:
+                a = F.gelu(a, approximate="tanh")
+            mlp = mlp + F.linear(a, w[p + "mlp.linear_fc2.weight"])
+        x = x + mlp + (0 if llama else sd[p + "mlp.linear_fc2.bias"])
+    x = _norm(x, sd["decoder.final_layernorm.weight"], sd.get("decoder.final_layernorm.bias"), eps, llama)
+    head = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])
+    return F.linear(x, head)
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_to_ours_to_hf_is_bit_exact_and_loads_strictly(family):
+    model = _llama() if family == "llama" else _gpt2()
+    arch = ghf.hf_architecture(model.config)
+    hf_sd = model.state_dict()
+    ours = ghf.gpt_state_dict_from_hf(hf_sd, arch)
+    layer = ours["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert layer.shape == ((4 + 2 * arch["num_query_groups"]) * 8, 32)
+    assert ("output_layer.weight" in ours) == (family == "llama")
+    back = ghf.hf_state_dict_from_gpt(ours, arch)
+    for key, value in hf_sd.items():
+        if key in back:
+            assert torch.equal(back[key], value), key
+    fresh = type(model)(ghf.hf_config_from_architecture(arch))
+    result = fresh.load_state_dict(back, strict=False)
+    assert not result.unexpected_keys and not [k for k in result.missing_keys if not k.endswith("attn.bias")]
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_fused_layouts_compute_transformers_logits(family, tp):
+    model = _llama() if family == "llama" else _gpt2()
+    arch = ghf.hf_architecture(model.config)
+    ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    with torch.no_grad():
+        logits = _reference_logits(ours, arch, _tokens(), tp)
+    theirs = _theirs(model)
+    err = float((logits - theirs).abs().max())
+    assert err <= 1e-5, f"max |logits - transformers| = {err:.2e} (largest logit {float(theirs.abs().max()):.2f})"
+
+
+def test_a_wrong_layout_is_caught_by_the_reference():
+    """The check can fail: q/k/v concatenated instead of grouped, and fc1 shards cut as plain row chunks."""
+    model = _llama()
+    arch = ghf.hf_architecture(model.config)
+    ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    theirs = _theirs(model)
+    hf_sd = model.state_dict()
+    plain = dict(ours)
+    plain["decoder.layers.0.self_attention.linear_qkv.weight"] = torch.cat(
+        [hf_sd[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+    with torch.no_grad():
+        assert float((_reference_logits(plain, arch, _tokens(), 1) - theirs).abs().max()) > 1e-2
+        # shards cut as plain row chunks: rank 0 holds both gate halves
+        shard = ghf.shard_full_state_dict(ours, 0, 2, gated_linear_unit=False, num_query_groups=2)
+        good = ghf.shard_full_state_dict(ours, 0, 2, gated_linear_unit=True, num_query_groups=2)
+    key = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert not torch.equal(shard[key], good[key])
+    gate = ours[key][:48]
+    assert torch.equal(good[key][:24], gate[:24]) and torch.equal(good[key][24:], ours[key][48:72])
+
+
+def test_shards_merge_back_to_the_full_state_dict_with_vocab_padding():
+    model = _llama()
+    arch = ghf.hf_architecture(model.config)
+    ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    shards = [ghf.shard_full_state_dict(ours, r, 2, gated_linear_unit=True, num_query_groups=2,
+                                        make_vocab_size_divisible_by=8) for r in range(2)]
+    assert shards[0]["embedding.word_embeddings.weight"].shape == (56, 32)  # 97 -> 112 rows over 2 ranks
+    assert torch.count_nonzero(shards[1]["output_layer.weight"][-15:]) == 0
+    merged = ghf.merge_tp_shards(shards, gated_linear_unit=True, vocab_size=VOCAB)
+    assert merged.keys() == ours.keys()
+    for key in ours:
+        assert torch.equal(merged[key], ours[key]), key
+    with pytest.raises(ValueError, match="num_query_groups=2 is not divisible by tp_size=4"):
+        ghf.shard_full_state_dict(ours, 0, 4, gated_linear_unit=True, num_query_groups=2)
+
+
+def test_llama_rope_theta_and_tied_embeddings_are_carried():
+    model = _llama(tie_word_embeddings=True)
+    arch = ghf.hf_architecture(model.config)
+    assert arch["rotary_base"] == 5000.0 and arch["share_embeddings_and_output_weights"]
+    assert arch["num_query_groups"] == 2 and arch["layernorm_epsilon"] == 1e-5
+    ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    assert "output_layer.weight" not in ours
+    with torch.no_grad():
+        err = float((_reference_logits(ours, arch, _tokens(), 2) - _theirs(model)).abs().max())
+    assert err <= 1e-5
+    config = ghf.hf_config_from_architecture(arch)
+    assert config.tie_word_embeddings and config.num_key_value_heads == 2
+    assert ghf.hf_architecture(config)["rotary_base"] == 5000.0
+
+
+@pytest.mark.parametrize(("kw", "named"), [
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(mlp_bias=True), "mlp_bias=True"),
+    (dict(head_dim=16), "head_dim=16"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+], ids=["rope_scaling", "attention_bias", "mlp_bias", "head_dim", "hidden_act"])
+def test_llama_settings_we_cannot_compute_are_refused_by_name(kw, named):
+    import transformers
+
+    config = transformers.LlamaConfig(**{**LLAMA_KW, **kw})
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        ghf.hf_architecture(config)
+
+
+@pytest.mark.parametrize(("kw", "named"), [
+    (dict(activation_function="silu"), "activation_function='silu'"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True"),
+    (dict(tie_word_embeddings=False), "tie_word_embeddings=False"),
+    (dict(scale_attn_weights=False), "scale_attn_weights=False"),
+], ids=["activation", "inverse_layer_idx", "untied", "unscaled"])
+def test_gpt2_settings_we_cannot_compute_are_refused_by_name(kw, named):
+    import transformers
+
+    with pytest.raises(ValueError, match=named):
+        ghf.hf_architecture(transformers.GPT2Config(**{**GPT2_KW, **kw}))
+
+
+def test_unused_tensors_and_other_model_types_are_refused():
+    import transformers
+
+    model = _llama()
+    arch = ghf.hf_architecture(model.config)
+    sd = dict(model.state_dict())
+    sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    with pytest.raises(ValueError, match="q_proj.bias"):
+        ghf.gpt_state_dict_from_hf(sd, arch)
+    with pytest.raises(ValueError, match="model_type='bert'"):
+        ghf.hf_architecture(transformers.BertConfig())
