@@ -86,8 +86,8 @@ def _rope(x, base):  # x [b, s, heads, d], rotate-half convention
 def _reference_logits(full, arch, tokens, tp: int):
     """Our model's math on our tensors, as ``tp`` ranks each computing from its own shard."""
     llama = arch["spec"] == ghf.LLAMA_SPEC
-    n, g, h = arch["num_attention_heads"], arch["num_query_groups"], arch["hidden_size"]
-    d, eps = h // n, arch["layernorm_epsilon"]
+    n, h = arch["num_attention_heads"], arch["hidden_size"]
+    g, d, eps = arch["num_query_groups"] or n, arch["kv_channels"] or h // n, arch["layernorm_epsilon"]
     shards = [ghf.shard_full_state_dict(full, r, tp, gated_linear_unit=llama, num_query_groups=g)
               for r in range(tp)]
     sd = full
@@ -139,7 +139,7 @@ def test_hf_to_ours_to_hf_is_bit_exact_and_loads_strictly(family):
     hf_sd = model.state_dict()
     ours = ghf.gpt_state_dict_from_hf(hf_sd, arch)
     layer = ours["decoder.layers.0.self_attention.linear_qkv.weight"]
-    assert layer.shape == ((4 + 2 * arch["num_query_groups"]) * 8, 32)
+    assert layer.shape == ((4 + 2 * (arch["num_query_groups"] or 4)) * 8, 32)
     assert ("output_layer.weight" in ours) == (family == "llama")
     back = ghf.hf_state_dict_from_gpt(ours, arch)
     for key, value in hf_sd.items():
@@ -203,7 +203,7 @@ def test_shards_merge_back_to_the_full_state_dict_with_vocab_padding():
 def test_llama_rope_theta_and_tied_embeddings_are_carried():
     model = _llama(tie_word_embeddings=True)
     arch = ghf.hf_architecture(model.config)
-    assert arch["rotary_base"] == 5000.0 and arch["share_embeddings_and_output_weights"]
+    assert arch["rotary_base"] == 5000.0 and not arch["untie_embeddings_and_output_weights"]
     assert arch["num_query_groups"] == 2 and arch["layernorm_epsilon"] == 1e-5
     ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
     assert "output_layer.weight" not in ours
@@ -215,13 +215,24 @@ def test_llama_rope_theta_and_tied_embeddings_are_carried():
     assert ghf.hf_architecture(config)["rotary_base"] == 5000.0
 
 
+def test_llama_head_dim_other_than_hidden_over_heads_becomes_kv_channels():
+    model = _llama(head_dim=16)
+    arch = ghf.hf_architecture(model.config)
+    assert arch["kv_channels"] == 16
+    ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    assert ours["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 16, 32)
+    with torch.no_grad():
+        err = float((_reference_logits(ours, arch, _tokens(), 2) - _theirs(model)).abs().max())
+    assert err <= 1e-5
+    assert ghf.hf_config_from_architecture(arch).head_dim == 16
+
+
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(mlp_bias=True), "mlp_bias=True"),
-    (dict(head_dim=16), "head_dim=16"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-], ids=["rope_scaling", "attention_bias", "mlp_bias", "head_dim", "hidden_act"])
+], ids=["rope_scaling", "attention_bias", "mlp_bias", "hidden_act"])
 def test_llama_settings_we_cannot_compute_are_refused_by_name(kw, named):
     import transformers
 
@@ -254,3 +265,16 @@ def test_unused_tensors_and_other_model_types_are_refused():
         ghf.gpt_state_dict_from_hf(sd, arch)
     with pytest.raises(ValueError, match="model_type='bert'"):
         ghf.hf_architecture(transformers.BertConfig())
+
+
+def test_export_config_refuses_architectures_transformers_cannot_compute():
+    llama = ghf.hf_architecture(_llama().config)
+    gpt2 = ghf.hf_architecture(_gpt2().config)
+    with pytest.raises(ValueError, match=r"rotary_percent=0.5 \(needs 1.0\)"):
+        ghf.hf_config_from_architecture({**llama, "rotary_percent": 0.5})
+    with pytest.raises(ValueError, match="gated_linear_unit=True"):
+        ghf.hf_config_from_architecture({**gpt2, "gated_linear_unit": True})
+    with pytest.raises(ValueError, match="num_query_groups=2"):
+        ghf.hf_config_from_architecture({**gpt2, "num_query_groups": 2})
+    with pytest.raises(ValueError, match="spec='bert_layer_local_spec' has no transformers equivalent"):
+        ghf.hf_config_from_architecture({**gpt2, "spec": "bert_layer_local_spec"})

@@ -37,10 +37,10 @@ GPT2_SPEC = "gpt_layer_spec"
 """The registered layer spec of the GPT-2 shape (LayerNorm, learned positions, GELU, biases, tied)."""
 
 GPT_ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                         "spec", "activation", "layernorm_epsilon", "max_sequence_length", "vocab_size",
-                         "position_embedding_type", "rotary_base", "rotary_percent",
-                         "share_embeddings_and_output_weights")
-"""GPT module arguments a source fixes."""
+                         "kv_channels", "spec", "activation", "layernorm_epsilon", "max_sequence_length", "vocab_size",
+                         "position_embedding_type", "add_bias_linear", "gated_linear_unit", "rotary_base",
+                         "rotary_percent", "untie_embeddings_and_output_weights")
+"""``GPTLightningModule`` arguments a source fixes (the architecture dicts below use exactly these)."""
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _GPT2_ACT_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -80,8 +80,7 @@ def llama_architecture(hf_config: Any) -> dict[str, Any]:
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         bad.append(f"hidden_act={cfg.get('hidden_act')!r} (the Llama spec's SwiGLU uses silu)")
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * heads != hidden:
-        bad.append(f"head_dim={head_dim} (not hidden_size / num_attention_heads = {hidden / heads:g})")
+    kv_channels = head_dim if head_dim is not None and head_dim * heads != hidden else None
     if (cfg.get("pretraining_tp") or 1) != 1:
         bad.append(f"pretraining_tp={cfg['pretraining_tp']}")
     if heads % groups:
@@ -91,11 +90,11 @@ def llama_architecture(hf_config: Any) -> dict[str, Any]:
             bad.append(f"{key}={cfg[key]!r}")
     _refuse("Llama", bad)
     return dict(num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
-                num_query_groups=groups, ffn_hidden_size=cfg["intermediate_size"], spec=LLAMA_SPEC,
-                activation="silu", layernorm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+                num_query_groups=groups, ffn_hidden_size=cfg["intermediate_size"], kv_channels=kv_channels,
+                spec=LLAMA_SPEC, activation="silu", layernorm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_sequence_length=cfg.get("max_position_embeddings", 2048), vocab_size=cfg["vocab_size"],
-                position_embedding_type="rope", rotary_base=theta, rotary_percent=1.0,
-                share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)))
+                position_embedding_type="rope", add_bias_linear=False, gated_linear_unit=True, rotary_base=theta,
+                rotary_percent=1.0, untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False))
 
 
 def gpt2_architecture(hf_config: Any) -> dict[str, Any]:
@@ -117,11 +116,12 @@ def gpt2_architecture(hf_config: Any) -> dict[str, Any]:
     _refuse("GPT-2", bad)
     hidden = cfg["n_embd"]
     return dict(num_layers=cfg["n_layer"], hidden_size=hidden, num_attention_heads=cfg["n_head"],
-                num_query_groups=cfg["n_head"], ffn_hidden_size=cfg.get("n_inner") or 4 * hidden, spec=GPT2_SPEC,
-                activation=_GPT2_ACT.get(act, act), layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
-                max_sequence_length=cfg["n_positions"], vocab_size=cfg["vocab_size"],
-                position_embedding_type="learned_absolute", rotary_base=10000.0, rotary_percent=1.0,
-                share_embeddings_and_output_weights=True)
+                num_query_groups=None, ffn_hidden_size=cfg.get("n_inner") or 4 * hidden, kv_channels=None,
+                spec=GPT2_SPEC, activation=_GPT2_ACT.get(act, act),
+                layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)), max_sequence_length=cfg["n_positions"],
+                vocab_size=cfg["vocab_size"], position_embedding_type="learned_absolute", add_bias_linear=True,
+                gated_linear_unit=False, rotary_base=10000.0, rotary_percent=1.0,
+                untie_embeddings_and_output_weights=False)
 
 
 def hf_architecture(hf_config: Any) -> dict[str, Any]:
@@ -189,7 +189,8 @@ def gpt_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], arch: Mapp
     model = "Llama" if llama else "GPT-2"
     prefix = "model." if llama else "transformer."
     hf = {k.removeprefix(prefix): v for k, v in hf_state_dict.items() if not k.endswith(_IGNORED)}
-    n, g = arch["num_attention_heads"], arch["num_query_groups"]
+    n = arch["num_attention_heads"]
+    g = arch["num_query_groups"] or n
     out: dict[str, torch.Tensor] = {}
     if llama:
         out["embedding.word_embeddings.weight"] = _take(hf, "embed_tokens.weight", model)
@@ -203,7 +204,7 @@ def gpt_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], arch: Mapp
                 out[dst + ours] = _take(hf, src + theirs, model)
         out["decoder.final_layernorm.weight"] = _take(hf, "norm.weight", model)
         head = hf.pop("lm_head.weight", None)
-        if not arch["share_embeddings_and_output_weights"]:
+        if arch["untie_embeddings_and_output_weights"]:
             if head is None:
                 raise KeyError("the Llama state dict has no 'lm_head.weight' but tie_word_embeddings=False")
             out["output_layer.weight"] = head
@@ -238,7 +239,8 @@ def hf_state_dict_from_gpt(state_dict: Mapping[str, torch.Tensor], arch: Mapping
     vocab = arch["vocab_size"]
     sd = {k: (v[:vocab] if k in ("embedding.word_embeddings.weight", "output_layer.weight") else v)
           for k, v in state_dict.items()}
-    n, g = arch["num_attention_heads"], arch["num_query_groups"]
+    n = arch["num_attention_heads"]
+    g = arch["num_query_groups"] or n
     out: dict[str, torch.Tensor] = {}
     if arch["spec"] == LLAMA_SPEC:
         out["model.embed_tokens.weight"] = sd["embedding.word_embeddings.weight"]
@@ -271,47 +273,52 @@ def hf_state_dict_from_gpt(state_dict: Mapping[str, torch.Tensor], arch: Mapping
 
 
 def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
-    """The transformers ``LlamaConfig`` / ``GPT2Config`` (``architectures`` set) of our architecture;
-    refuses what the transformers class cannot compute."""
+    """The transformers ``LlamaConfig`` / ``GPT2Config`` (``architectures`` set) of our architecture
+    (``GPTLightningModule`` arguments); refuses, naming each, what the transformers class cannot compute."""
     import transformers
 
-    spec = arch["spec"]
-    if spec == LLAMA_SPEC:
-        bad = []
-        if arch.get("rotary_percent", 1.0) != 1.0:
-            bad.append(f"rotary_percent={arch['rotary_percent']} (LlamaForCausalLM rotates every channel)")
-        if arch.get("activation", "silu") != "silu":
-            bad.append(f"activation={arch['activation']!r} (LlamaForCausalLM's MLP is SwiGLU)")
-        if bad:
-            raise ValueError(f"export to LlamaForCausalLM: {', '.join(bad)}")
+    spec, n, h = arch["spec"], arch["num_attention_heads"], arch["hidden_size"]
+    g = arch.get("num_query_groups") or n
+    ffn = arch.get("ffn_hidden_size") or 4 * h
+    kv = arch.get("kv_channels")
+    llama = spec == LLAMA_SPEC
+    if not llama and spec != GPT2_SPEC:
+        raise ValueError(f"spec={spec!r} has no transformers equivalent: export supports {LLAMA_SPEC!r} "
+                         f"(LlamaForCausalLM) and {GPT2_SPEC!r} (GPT2LMHeadModel)")
+    want = (dict(position_embedding_type="rope", activation="silu", add_bias_linear=False, gated_linear_unit=True,
+                 rotary_percent=1.0) if llama else
+            dict(position_embedding_type="learned_absolute", add_bias_linear=True, gated_linear_unit=False,
+                 untie_embeddings_and_output_weights=False))
+    bad = [f"{k}={arch.get(k)!r} (needs {v!r})" for k, v in want.items() if k in arch and arch[k] != v]
+    if not llama:
+        if arch.get("activation", "gelu") not in _GPT2_ACT_OUT:
+            bad.append(f"activation={arch['activation']!r} (GPT-2 knows {sorted(_GPT2_ACT_OUT)})")
+        if g != n:
+            bad.append(f"num_query_groups={g} (GPT-2 has one key/value head per query head)")
+        if kv not in (None, h // n) or h % n:
+            bad.append(f"kv_channels={kv} (GPT-2's heads are hidden_size / num_attention_heads wide)")
+    if bad:
+        cls = "LlamaForCausalLM" if llama else "GPT2LMHeadModel"
+        raise ValueError(f"export to {cls}: {', '.join(bad)}; transformers' {cls} would compute other logits")
+    if llama:
         theta = float(arch.get("rotary_base", 10000.0))
         config = transformers.LlamaConfig(
-            vocab_size=arch["vocab_size"], hidden_size=arch["hidden_size"], intermediate_size=arch["ffn_hidden_size"],
-            num_hidden_layers=arch["num_layers"], num_attention_heads=arch["num_attention_heads"],
-            num_key_value_heads=arch["num_query_groups"], max_position_embeddings=arch["max_sequence_length"],
-            rms_norm_eps=arch["layernorm_epsilon"], tie_word_embeddings=arch["share_embeddings_and_output_weights"],
-            hidden_act="silu", rope_theta=theta, attention_bias=False, mlp_bias=False)
+            vocab_size=arch["vocab_size"], hidden_size=h, intermediate_size=ffn, num_hidden_layers=arch["num_layers"],
+            num_attention_heads=n, num_key_value_heads=g, head_dim=kv or h // n,
+            max_position_embeddings=arch["max_sequence_length"], rms_norm_eps=arch["layernorm_epsilon"],
+            tie_word_embeddings=not arch.get("untie_embeddings_and_output_weights", True), hidden_act="silu",
+            rope_theta=theta, attention_bias=False, mlp_bias=False, attention_dropout=0.0)
         if "rope_parameters" in config.to_dict():  # transformers >= 5 keeps rope_theta there
             config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
         config.architectures = ["LlamaForCausalLM"]
         return config
-    if spec == GPT2_SPEC:
-        act = arch.get("activation", "gelu_tanh")
-        if act not in _GPT2_ACT_OUT:
-            raise ValueError(f"export to GPT2LMHeadModel: activation={act!r} has no GPT-2 activation_function "
-                             f"(known: {sorted(_GPT2_ACT_OUT)})")
-        if arch["num_query_groups"] not in (None, arch["num_attention_heads"]):
-            raise ValueError(f"export to GPT2LMHeadModel: num_query_groups={arch['num_query_groups']} "
-                             f"(GPT-2 has one key/value head per query head)")
-        config = transformers.GPT2Config(
-            vocab_size=arch["vocab_size"], n_positions=arch["max_sequence_length"], n_embd=arch["hidden_size"],
-            n_layer=arch["num_layers"], n_head=arch["num_attention_heads"], n_inner=arch["ffn_hidden_size"],
-            activation_function=_GPT2_ACT_OUT[act], layer_norm_epsilon=arch["layernorm_epsilon"],
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
-        config.architectures = ["GPT2LMHeadModel"]
-        return config
-    raise ValueError(f"spec={spec!r} has no transformers equivalent: export supports {LLAMA_SPEC!r} "
-                     f"(LlamaForCausalLM) and {GPT2_SPEC!r} (GPT2LMHeadModel)")
+    config = transformers.GPT2Config(
+        vocab_size=arch["vocab_size"], n_positions=arch["max_sequence_length"], n_embd=h, n_layer=arch["num_layers"],
+        n_head=n, n_inner=ffn, activation_function=_GPT2_ACT_OUT[arch.get("activation", "gelu")],
+        layer_norm_epsilon=arch["layernorm_epsilon"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    config.architectures = ["GPT2LMHeadModel"]
+    return config
 
 
 # ---------------------------------------------------------------------- tensor parallelism
