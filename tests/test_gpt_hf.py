@@ -278,3 +278,74 @@ def test_export_config_refuses_architectures_transformers_cannot_compute():
         ghf.hf_config_from_architecture({**gpt2, "num_query_groups": 2})
     with pytest.raises(ValueError, match="spec='bert_layer_local_spec' has no transformers equivalent"):
         ghf.hf_config_from_architecture({**gpt2, "spec": "bert_layer_local_spec"})
+
+
+# ------------------------------------------------------------------ folders: init_from's reader, export's writer
+
+
+def test_hf_folder_reads_through_init_from_sharded_or_not_and_refuses_auto_map(tmp_path):
+    import json
+
+    from lightning_megatron.models.bert.init_from import read_architecture, read_pretrained
+
+    model = _llama()
+    arch = ghf.hf_architecture(model.config)
+    want = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    for folder in ("one", "sharded"):
+        saved = read_pretrained(str(tmp_path / folder))
+        assert saved.state_dict.keys() == want.keys()
+        assert all(torch.equal(saved.state_dict[k], want[k]) for k in want)
+        assert saved.hparams == arch == read_architecture(tmp_path / folder)
+    config = json.loads((tmp_path / "one" / "config.json").read_text())
+    (tmp_path / "one" / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}))
+    with pytest.raises(ValueError, match="auto_map"):
+        read_pretrained(str(tmp_path / "one"))
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="inside the folder"):
+        read_pretrained(str(tmp_path / "sharded"))
+
+
+def _tokenizer_json(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"<|endoftext|>": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_export_of_a_saved_model_gives_the_contract_logits_in_transformers(tmp_path, family):
+    """A saved model of ours (full tensors + module arguments) -> transformers folder -> from_pretrained."""
+    import transformers
+
+    from lightning_megatron.models.bert.convert import SavedModel
+    from lightning_megatron.models.gpt.convert import hf_model_from_saved
+
+    source = _llama() if family == "llama" else _gpt2()
+    arch = ghf.hf_architecture(source.config)
+    ours = ghf.gpt_state_dict_from_hf(source.state_dict(), arch)
+    with torch.no_grad():
+        want = _reference_logits(ours, arch, _tokens(), 1)
+    hparams = {k: v for k, v in arch.items() if k not in ("num_query_groups", "gated_linear_unit", "vocab_size")}
+    model, write_tokenizer = hf_model_from_saved(SavedModel(state_dict=ours, hparams=hparams),
+                                                 tokenizer=_tokenizer_json(tmp_path / "tokenizer.json"))
+    model.save_pretrained(tmp_path / "out")
+    write_tokenizer(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ == ("LlamaForCausalLM" if family == "llama" else "GPT2LMHeadModel")
+    err = float((_theirs(loaded) - want).abs().max())
+    assert err <= 1e-5, f"max |transformers - contract forward| = {err:.2e}"
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tok("w3 w5 <|endoftext|>")["input_ids"] == [3, 5, VOCAB - 1] and loaded.config.eos_token_id == VOCAB - 1
+    with pytest.raises(ValueError, match="has 10 tokens but the model's vocabulary is 97"):
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0")).save(str(tmp_path / "t10.json"))
+        hf_model_from_saved(SavedModel(state_dict=ours, hparams=hparams), tokenizer=tmp_path / "t10.json")

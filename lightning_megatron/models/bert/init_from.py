@@ -34,27 +34,32 @@ __all__ = ["read_pretrained", "read_hf_folder", "load_full_state_dict", "check_a
            "ARCHITECTURE_KEYS", "read_architecture", "architecture_conflicts"]
 
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "spec", "activation",
-                     "lm_head_activation", "layernorm_epsilon", "max_sequence_length", "vocab_size")
+                     "lm_head_activation", "layernorm_epsilon", "max_sequence_length", "vocab_size",
+                     # the decoder family's (GPTLightningModule), absent from BERT sources
+                     "num_query_groups", "kv_channels", "position_embedding_type", "add_bias_linear",
+                     "gated_linear_unit", "rotary_base", "rotary_percent", "untie_embeddings_and_output_weights")
 """Module arguments a source fixes (checked by :func:`check_architecture`)."""
+
+_GPT_MODEL_TYPES = ("llama", "gpt2")  # Hugging Face folders read by lightning_megatron.models.gpt.convert
 
 _HF_TO_OURS_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
                    "silu": "silu", "swish": "silu"}
 
 
 def read_hf_folder(path: str | os.PathLike[str]) -> SavedModel:
-    """A Hugging Face BERT / MegatronBERT folder as a full state dict under our names."""
+    """A Hugging Face BERT / MegatronBERT (or Llama / GPT-2: :mod:`lightning_megatron.models.gpt.convert`)
+    folder as a full state dict under our names."""
     from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
+
+    from lightning_megatron.models.bert.hf import read_hf_weights
 
     path = Path(path)
     config = _hf_config(path)
-    if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
+    if config.model_type in _GPT_MODEL_TYPES:
+        from lightning_megatron.models.gpt.convert import read_hf_gpt_folder
 
-        hf_sd = load_file(str(path / "model.safetensors"))
-    elif (path / "pytorch_model.bin").is_file():
-        hf_sd = torch.load(path / "pytorch_model.bin", weights_only=True, map_location="cpu")
-    else:
-        raise FileNotFoundError(f"{str(path)!r} has neither model.safetensors nor pytorch_model.bin")
+        return read_hf_gpt_folder(path, config)
+    hf_sd = read_hf_weights(path)
     keys = {k.removeprefix("bert.") for k in hf_sd}
     heads = "cls.predictions.bias" in keys
     binary = "cls.seq_relationship.weight" in keys
@@ -88,7 +93,11 @@ _HF_HEADS = ("lm_head.dense.weight", "lm_head.dense.bias", "lm_head.layer_norm.w
 
 
 def _hf_architecture(config: Any) -> dict[str, Any]:
-    """The module arguments a transformers BERT / MegatronBERT config fixes."""
+    """The module arguments a transformers BERT / MegatronBERT (or Llama / GPT-2) config fixes."""
+    if config.model_type in _GPT_MODEL_TYPES:
+        from lightning_megatron.models.gpt.hf import hf_architecture
+
+        return hf_architecture(config)
     from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_model_kwargs_from_hf
 
     ours, kwargs = bert_config_from_hf(config), bert_model_kwargs_from_hf(config)
@@ -103,9 +112,9 @@ def _hf_config(path: Path) -> Any:
     from lightning_megatron.models.bert.hf import read_hf_config
 
     config = read_hf_config(path)  # config.json only; auto_map (the folder's own code) is refused
-    if config.model_type not in ("bert", "megatron-bert"):
-        raise ValueError(f"{str(path)!r} holds a {config.model_type!r} model; init_from reads 'bert' and "
-                         f"'megatron-bert' folders")
+    if config.model_type not in ("bert", "megatron-bert", *_GPT_MODEL_TYPES):
+        raise ValueError(f"{str(path)!r} holds a {config.model_type!r} model; init_from reads 'bert', "
+                         f"'megatron-bert', 'llama' and 'gpt2' folders")
     return config
 
 
@@ -196,7 +205,7 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
     into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``).
     Parameters whose names start with one of ``optional`` keep their initialization when the source
     lacks them (a warning names them); those named in ``fresh`` keep it silently (the caller warns once)."""
-    layers = {int(k.split(".")[2]) for k in full if k.startswith("encoder.layers.")}
+    layers = {int(k.split(".")[2]) for k in full if k.startswith(("encoder.layers.", "decoder.layers."))}
     if layers and max(layers) + 1 != num_layers:
         raise ValueError(f"init_from={source_name!r} has {max(layers) + 1} layers but the model has "
                          f"num_layers={num_layers}: set --model.num_layers {max(layers) + 1}")
@@ -226,7 +235,11 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                                      f"the model's vocab_size is {real}: set --model.vocab_size {t.size(0)}")
                 t = t[:real]  # Megatron-LM pads its vocabulary; the padding never is a prediction
                 t = torch.cat([t, t.new_zeros((padded - real, *t.shape[1:]))]) if padded > real else t
-            if sharded:
+            if sharded and _is_gated_fc1(key, t, full):
+                # SwiGLU: full [gate; up], each rank's rows [gate_r; up_r] (megatron-core's gated_linear_unit)
+                gate, up = t.chunk(2, dim=0)
+                t = torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+            elif sharded:
                 t = t.chunk(tp_size, dim=dim)[tp_rank]
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but "
@@ -241,3 +254,11 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
         raise ValueError(f"init_from={source_name!r} lacks {len(missing)} tensors the model needs, e.g. "
                          f"{missing[:4]}: is the spec right (post-norm Hugging Face BERT needs "
                          f"--model.spec bert_layer_post_norm_spec)?")
+
+
+def _is_gated_fc1(key: str, t: torch.Tensor, full: dict[str, torch.Tensor]) -> bool:
+    """A gated (SwiGLU) MLP's ``linear_fc1``: twice as many rows as its ``linear_fc2`` has columns."""
+    if not key.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+        return False
+    fc2 = full.get(key.rsplit("linear_fc1.", 1)[0] + "linear_fc2.weight")
+    return fc2 is not None and t.size(0) == 2 * fc2.size(1)
