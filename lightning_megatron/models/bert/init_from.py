@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Self
 
 from lightning_megatron.models.bert.convert import SavedModel, read_model_checkpoint
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
-__all__ = ["read_pretrained", "read_hf_folder", "load_full_state_dict", "check_architecture",
+__all__ = ["PretrainedWeights", "read_pretrained", "read_hf_folder", "load_full_state_dict", "check_architecture",
            "ARCHITECTURE_KEYS", "read_architecture", "architecture_conflicts"]
 
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "spec", "activation",
@@ -262,3 +263,50 @@ def _is_gated_fc1(key: str, t: torch.Tensor, full: dict[str, torch.Tensor]) -> b
         return False
     fc2 = full.get(key.rsplit("linear_fc1.", 1)[0] + "linear_fc2.weight")
     return fc2 is not None and t.size(0) == 2 * fc2.size(1)
+
+
+class PretrainedWeights:
+    """``init_from`` for a :class:`~lightning_megatron.module.MegatronLightningModule` whose
+    ``sharded_named_parameters`` give our global names (BERT's and the GPT family's modules): the
+    module calls :meth:`load_pretrained` from ``on_chunks_built`` when its ``init_from`` argument is set."""
+
+    def load_pretrained(self, source: str | SavedModel, *, everything: bool = False) -> None:
+        """Copy pretrained weights (see ``init_from``) into this rank's chunks, any layout
+        (``everything``: fine-tuning heads too, as ``load_from_checkpoint`` does)."""
+        if self._trainer is not None and self.trainer.optimizers:
+            raise RuntimeError("load_pretrained after the optimizers exist would leave their fp32 main params and "
+                               "state behind the new weights; load in configure_model (init_from=...)")
+        name = source if isinstance(source, str) else "<state dict>"
+        saved = read_pretrained(source) if isinstance(source, str) else source
+        check_architecture(dict(self.hparams), saved.hparams, name)
+        ps = self.parallel_state
+        params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
+        load_full_state_dict(list(self.model_chunks), params, saved.state_dict,
+                             tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
+                             source_name=name, optional=() if everything else self.optional_pretrained,
+                             fresh=saved.fresh)
+        fresh = [n for n, _ in params if n in saved.fresh]
+        if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
+            import warnings
+
+            warnings.warn(f"init_from={name!r} has no {fresh} (its model has no such heads): they are initialised "
+                          f"fresh, from init_seed", UserWarning, stacklevel=2)
+
+    @classmethod
+    def from_pretrained(cls, source: str, **kwargs: Any) -> Self:
+        """A module with the architecture of ``source`` (any ``init_from`` source: its ``config.json``,
+        saved hyper-parameters or Megatron-LM ``args``), started from its weights in ``configure_model``.
+        ``kwargs`` set the other arguments; architecture arguments among them must agree with the source."""
+        architecture = read_architecture(source)
+        wrong = architecture_conflicts(kwargs, architecture)
+        if wrong:
+            raise ValueError(f"from_pretrained({source!r}): " + ", ".join(
+                f"{k}={h!r} but the source has {w!r}" for k, h, w in wrong) + ": drop these arguments")
+        return cls(**{**architecture, **kwargs, "init_from": source})
+
+    optional_pretrained: tuple[str, ...] = ()
+    """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
+
+    def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The (global name, parameter) pairs ``init_from`` fills (fine-tuning heads excluded)."""
+        return list(self.sharded_named_parameters())

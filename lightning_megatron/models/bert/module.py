@@ -26,7 +26,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
-from lightning_megatron.models.bert.convert import SavedModel
+from lightning_megatron.models.bert.init_from import PretrainedWeights
 from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
 from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
 from lightning_megatron.models.bert.model import BertModel, bert_loss
@@ -44,7 +44,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-class BertLightningModule(MegatronLightningModule):
+class BertLightningModule(PretrainedWeights, MegatronLightningModule):
     """BERT masked-LM + sentence-order pretraining (Megatron's BERT), any TP x PP x VP x DP layout.
 
     Args:
@@ -200,51 +200,6 @@ class BertLightningModule(MegatronLightningModule):
         self.eval_metrics = pretraining_metrics(self.vocab_size, self.parallel_state)  # val/test: whole split, over DP
         if self.hparams.get("init_from"):
             self.load_pretrained(self.hparams.init_from)
-
-    def load_pretrained(self, source: str | SavedModel, *, everything: bool = False) -> None:
-        """Copy pretrained weights (see ``init_from``) into this rank's chunks, any layout
-        (``everything``: fine-tuning heads too, as ``load_from_checkpoint`` does)."""
-        from lightning_megatron.models.bert.init_from import check_architecture, load_full_state_dict, read_pretrained
-
-        if self._trainer is not None and self.trainer.optimizers:
-            raise RuntimeError("load_pretrained after the optimizers exist would leave their fp32 main params and "
-                               "state behind the new weights; load in configure_model (init_from=...)")
-        name = source if isinstance(source, str) else "<state dict>"
-        saved = read_pretrained(source) if isinstance(source, str) else source
-        check_architecture(dict(self.hparams), saved.hparams, name)
-        ps = self.parallel_state
-        params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
-        load_full_state_dict(list(self.model_chunks), params, saved.state_dict,
-                             tp_rank=ps.tp_rank, tp_size=ps.tp_size, num_layers=self.config.num_layers,
-                             source_name=name, optional=() if everything else self.optional_pretrained,
-                             fresh=saved.fresh)
-        fresh = [n for n, _ in params if n in saved.fresh]
-        if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
-            import warnings
-
-            warnings.warn(f"init_from={name!r} has no {fresh} (its model has no such heads): they are initialised "
-                          f"fresh, from init_seed", UserWarning, stacklevel=2)
-
-    @classmethod
-    def from_pretrained(cls, source: str, **kwargs: Any) -> BertLightningModule:
-        """A module with the architecture of ``source`` (any ``init_from`` source: its ``config.json``,
-        saved hyper-parameters or Megatron-LM ``args``), started from its weights in ``configure_model``.
-        ``kwargs`` set the other arguments; architecture arguments among them must agree with the source."""
-        from lightning_megatron.models.bert.init_from import architecture_conflicts, read_architecture
-
-        architecture = read_architecture(source)
-        wrong = architecture_conflicts(kwargs, architecture)
-        if wrong:
-            raise ValueError(f"from_pretrained({source!r}): " + ", ".join(
-                f"{k}={h!r} but the source has {w!r}" for k, h, w in wrong) + ": drop these arguments")
-        return cls(**{**architecture, **kwargs, "init_from": source})
-
-    optional_pretrained: tuple[str, ...] = ()
-    """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
-
-    def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The (global name, parameter) pairs ``init_from`` fills (fine-tuning heads excluded)."""
-        return list(self.sharded_named_parameters())
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
