@@ -236,10 +236,11 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                                      f"the model's vocab_size is {real}: set --model.vocab_size {t.size(0)}")
                 t = t[:real]  # Megatron-LM pads its vocabulary; the padding never is a prediction
                 t = torch.cat([t, t.new_zeros((padded - real, *t.shape[1:]))]) if padded > real else t
-            if sharded and _is_gated_fc1(key, t, full):
-                # SwiGLU: full [gate; up], each rank's rows [gate_r; up_r] (megatron-core's gated_linear_unit)
-                gate, up = t.chunk(2, dim=0)
-                t = torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+            if sharded and facts.partition_stride > 1:
+                # Megatron's strided partition (a SwiGLU fc1: full [gate; up], each rank [gate_r; up_r]):
+                # this rank's slice of every one of the stride blocks, in order.
+                t = torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in t.chunk(facts.partition_stride, dim=dim)],
+                              dim=dim)
             elif sharded:
                 t = t.chunk(tp_size, dim=dim)[tp_rank]
             if tuple(t.shape) != tuple(p.shape):
@@ -255,14 +256,6 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
         raise ValueError(f"init_from={source_name!r} lacks {len(missing)} tensors the model needs, e.g. "
                          f"{missing[:4]}: is the spec right (post-norm Hugging Face BERT needs "
                          f"--model.spec bert_layer_post_norm_spec)?")
-
-
-def _is_gated_fc1(key: str, t: torch.Tensor, full: dict[str, torch.Tensor]) -> bool:
-    """A gated (SwiGLU) MLP's ``linear_fc1``: twice as many rows as its ``linear_fc2`` has columns."""
-    if not key.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
-        return False
-    fc2 = full.get(key.rsplit("linear_fc1.", 1)[0] + "linear_fc2.weight")
-    return fc2 is not None and t.size(0) == 2 * fc2.size(1)
 
 
 class PretrainedWeights:
