@@ -25,7 +25,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def collectives_rank(iters: int = 20, blocks: int = 3) -> dict[str, Any]:
-    from lightning_megatron.tensor_parallel.communicator import (
+    from lightning_megatron.communicator import (
         _all_gather_fn,
         _reduce_scatter_fn,
     )

@@ -3,7 +3,8 @@
     lightning-megatron fit --config recipes/bert_tiny.yaml [--trainer.max_steps 50 ...]
     lightning-megatron validate|test|predict --config ... --ckpt_path CKPT
     lightning-megatron preprocess --input a.txt b.jsonl.gz dir/ --output-prefix data/my_corpus [--workers 2]
-    lightning-megatron train-tokenizer --input a.txt --vocab-size 8192 --output-dir tok/
+    lightning-megatron preprocess --input docs.jsonl --tokenizer tok/ --append-eod --output-prefix data/gpt
+    lightning-megatron train-tokenizer --input a.txt --vocab-size 8192 --output-dir tok/ [--type bpe]
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2 [--estimate-memory]
     lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt]
@@ -147,7 +148,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 raise SystemExit(f"lightning-megatron: --lr_scheduler {config.lr_scheduler.class_path} and the "
                                  f"lr_schedule section (OptimizerParamSchedulerCallback) would both set the lr every "
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
-            prepare_config(config, given)  # named callbacks, run folder, init_from, last, W&B: cli_config.py
+            prepare_config(config, given, self.model_class)  # named callbacks, run folder, init_from, last, W&B: cli_config.py
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
             except ConfigError as e:
@@ -248,16 +249,25 @@ def _preprocess(argv: list[str]) -> None:
                              "(recursive) or saved Hugging Face datasets; none: the built-in corpus")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--vocab-file", default=None, help="WordPiece vocab.txt (default: the packaged BERT vocab)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="any vocabulary: a BPE or WordPiece tokenizer.json, GPT-2 vocab.json (merges.txt beside "
+                             "it), vocab.txt, or a folder holding one; BPE: one item per document (GPT data)")
+    parser.add_argument("--append-eod", action="store_true",
+                        help="end every document with the BPE tokenizer's end-of-document token (Megatron's flag)")
     parser.add_argument("--json-key", default="text", help="JSON field / dataset column holding the text")
-    parser.add_argument("--max-seq-length", type=int, default=512)
+    parser.add_argument("--max-seq-length", type=int, default=512,
+                        help="WordPiece sentences longer than this minus 3 are split (BPE documents never are)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = parser.parse_args(argv)
+    if a.vocab_file is not None and a.tokenizer is not None:
+        parser.error(f"--vocab-file {a.vocab_file} and --tokenizer {a.tokenizer}: pass one of them")
     from lightning_megatron.data.preprocess import preprocess_corpus
 
     try:
-        stats = preprocess_corpus(a.input, a.output_prefix, a.vocab_file, json_key=a.json_key,
-                                  max_seq_length=a.max_seq_length, workers=a.workers, progress=not a.no_progress)
+        stats = preprocess_corpus(a.input, a.output_prefix, a.tokenizer or a.vocab_file, json_key=a.json_key,
+                                  max_seq_length=a.max_seq_length, workers=a.workers, append_eod=a.append_eod,
+                                  progress=not a.no_progress)
     except (ValueError, OSError, ImportError) as error:
         parser.exit(2, f"lightning-megatron preprocess: error: {error}\n")
     for k, v in stats.as_dict().items():
@@ -266,16 +276,21 @@ def _preprocess(argv: list[str]) -> None:
 
 
 def _train_tokenizer(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron train-tokenizer")
+    parser = argparse.ArgumentParser(prog="lightning-megatron train-tokenizer",
+                                     description="train a WordPiece vocab.txt (BERT) or a byte-level BPE "
+                                                 "tokenizer.json (GPT, with <|endoftext|>)")
+    parser.add_argument("--type", choices=("wordpiece", "bpe"), default="wordpiece")
     parser.add_argument("--input", nargs="*", default=None, help="text/jsonl files (also .gz), directories or saved Hugging Face datasets; none: the built-in corpus")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--json-key", default="text", help="JSON field / dataset column holding the text")
     a = parser.parse_args(argv)
+    from lightning_megatron.data.bpe_tokenizer import train_bpe_tokenizer
     from lightning_megatron.data.tokenizer import train_wordpiece_tokenizer
 
+    train = train_bpe_tokenizer if a.type == "bpe" else train_wordpiece_tokenizer
     try:
-        print(train_wordpiece_tokenizer(a.input, a.vocab_size, a.output_dir, json_key=a.json_key))
+        print(train(a.input, a.vocab_size, a.output_dir, json_key=a.json_key))
     except (ValueError, OSError, ImportError) as error:
         parser.exit(2, f"lightning-megatron train-tokenizer: error: {error}\n")
 
@@ -341,7 +356,7 @@ def _check(argv: list[str]) -> None:
 COMMANDS = {
     "check": (_check, "prove layouts equal one process, estimate memory: check --config RECIPE --layouts tp2,pp2"),
     "preprocess": (_preprocess, "text/jsonl corpus -> Megatron indexed dataset (.bin/.idx)"),
-    "train-tokenizer": (_train_tokenizer, "train a WordPiece vocabulary"),
+    "train-tokenizer": (_train_tokenizer, "train a WordPiece vocabulary or a byte-level BPE tokenizer"),
     "plot": (_plot, "loss curves of run directories -> PNG"),
     "finetune": (_finetune, "fit|validate|test a sequence classifier: finetune fit --config recipes/bert_tiny_finetune.yaml"),
     "export": (_export, "checkpoint (any layout) -> Hugging Face folder: export hf --ckpt_path CKPT --output DIR"),

@@ -14,11 +14,12 @@ from typing import Any
 __all__ = ["prepare_config"]
 
 
-def prepare_config(config: Any, argv: list[str]) -> None:
-    """Every rewrite, in the order they depend on each other (``argv``: the command line's own flags)."""
+def prepare_config(config: Any, argv: list[str], model_class: type | None = None) -> None:
+    """Every rewrite, in the order they depend on each other (``argv``: the command line's own flags;
+    ``model_class``: the module class when the config does not name one by ``class_path``)."""
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
-    _architecture_of_init_from(config, argv)
+    _architecture_of_init_from(config, argv, model_class)
     _one_run_folder(config)
     _recover_last(config)
     _wandb_mode(config)
@@ -100,15 +101,20 @@ def _entries(value: Any) -> list[Any]:
     return [v for v in items if hasattr(v, "get") and v.get("class_path") and v.get("init_args") is not None]
 
 
-def _is_subclass(class_path: str, base: type) -> bool:
+def _class(class_path: str) -> type | None:
     import importlib
 
     module, _, name = class_path.rpartition(".")
     try:  # already imported by the parser
         cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return False
-    return isinstance(cls, type) and issubclass(cls, base)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def _is_subclass(class_path: str, base: type) -> bool:
+    cls = _class(class_path)
+    return cls is not None and issubclass(cls, base)
 
 
 def _one_run_folder(config) -> None:
@@ -137,25 +143,35 @@ def _one_run_folder(config) -> None:
             callback.init_args.dirpath = os.path.join(root, "checkpoints")
 
 
-def _architecture_of_init_from(config, argv: list[str]) -> None:
-    """``--model.init_from SOURCE``: the architecture arguments come from the source (its config.json,
-    saved hyper-parameters or Megatron-LM args) and replace the recipe's; a flag given on the command line
-    that disagrees with the source is refused, listing every such flag."""
+def _architecture_of_init_from(config, argv: list[str], model_class: type | None) -> None:
+    """``--model.init_from SOURCE``: the architecture arguments come from the source (the module class's
+    ``read_architecture``: BERT reads a config.json, saved hyper-parameters or Megatron-LM args) and
+    replace the recipe's; a flag given on the command line that disagrees with the source is refused,
+    listing every such flag."""
     import warnings
 
+    from lightning_megatron.module import MegatronLightningModule
+
     model = config.get("model") if hasattr(config, "get") else None
+    if model is None or not hasattr(model, "get"):
+        return
+    if model.get("class_path"):  # named by class path: its arguments are the init_args
+        model_class, model = _class(model.class_path), model.get("init_args")
     source = model.get("init_from") if model is not None and hasattr(model, "get") else None
     if not source or config.get("ckpt_path"):  # a resumed run restores its own weights
         return
+    if not (isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule)):
+        return  # a module of its own: init_from is its business
     from lightning_megatron.checkpoint import CheckpointError
-    from lightning_megatron.models.bert.init_from import architecture_conflicts, read_architecture
 
     try:
-        architecture = read_architecture(source)
+        architecture = model_class.read_architecture(source)
     except (CheckpointError, OSError, ValueError) as error:
         raise SystemExit(f"lightning-megatron: --model.init_from {source}: {error}") from None
-    flags = {a.split("=", 1)[0].removeprefix("--model.") for a in argv if a.startswith("--model.")}
+    flags = {a.split("=", 1)[0].removeprefix("--model.").removeprefix("init_args.") for a in argv
+             if a.startswith("--model.")}
     current = {k: model.get(k) for k in architecture if k in model}
+    architecture_conflicts = model_class.architecture_conflicts
     wrong = architecture_conflicts({k: v for k, v in current.items() if k in flags}, architecture)
     if wrong:
         listed = ", ".join(f"--model.{k} {h} (the source has {w})" for k, h, w in wrong)

@@ -260,7 +260,7 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any]) -> list[str]:
     if vocab_missing or not found:
         return problems
     from lightning_megatron.data.dataset_vocab import check_dataset_vocab, read_dataset_vocab
-    from lightning_megatron.data.tokenizer import BertTokenizer
+    from lightning_megatron.data.tokenizer import load_tokenizer
 
     model_vocab = _int(m.get("vocab_size"))
     tokenizer = None
@@ -268,7 +268,7 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any]) -> list[str]:
         try:
             if read_dataset_vocab(prefix) is None:
                 continue  # no record: the datamodule warns at set-up
-            tokenizer = tokenizer or BertTokenizer(vocab_file)
+            tokenizer = tokenizer or load_tokenizer(vocab_file)  # WordPiece or BPE, as the file holds
             check_dataset_vocab(prefix, tokenizer, model_vocab)
         except (ValueError, OSError) as error:
             problems.append(f"data {error}")

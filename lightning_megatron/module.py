@@ -26,7 +26,13 @@ Lightning's:
 - ``configure_optimizers`` on :func:`~lightning_megatron.optimizer.param_groups.get_param_groups`
   (no weight decay on biases and norms) with any ``torch.optim`` optimizer and LR scheduler the CLI's
   ``--optimizer`` / ``--lr_scheduler`` name (:meth:`use_optimizer`, :meth:`use_lr_scheduler`), or the
-  module's :meth:`default_optimizer`.
+  module's :meth:`default_optimizer`;
+- weights from elsewhere, at any layout (:mod:`lightning_megatron.saved_model`):
+  :meth:`load_from_checkpoint` of a checkpoint directory the CLI or the strategy wrote,
+  ``init_from=SOURCE`` (loaded by :meth:`load_pretrained` once the chunks exist) and
+  :meth:`from_pretrained` (the architecture read from the source). Our checkpoints are read for every
+  family; a family reads other sources by overriding :meth:`read_pretrained` / :meth:`read_architecture`
+  and names the arguments a source fixes in ``architecture_keys``.
 
 Nothing here imports the strategy, a model family or the CLI.
 """
@@ -43,6 +49,7 @@ from typing_extensions import override
 
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.saved_model import SavedModel
 
 __all__ = ["MegatronLightningModule", "torch_class"]
 
@@ -109,15 +116,152 @@ class MegatronLightningModule(LightningModule):
                 model_parallel_seed(self.init_seed, 0)
         self.model_chunks = nn.ModuleList(self.build_chunks(self.parallel_state))
         self.on_chunks_built()
+        if self.hparams.get("init_from"):
+            self.load_pretrained(self.hparams["init_from"])
 
     def on_chunks_built(self) -> None:
-        """After ``model_chunks`` exist (e.g. copy pretrained weights into them)."""
+        """After ``model_chunks`` exist, before ``init_from``'s weights are copied into them."""
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every chunk's parameters under their own names (override when they depend on the layout)."""
         assert self.model_chunks is not None, "configure_model has not run"
         for chunk in self.model_chunks:
             yield from chunk.named_parameters()
+
+    # ------------------------------------------------------------------ weights from elsewhere
+
+    architecture_keys: tuple[str, ...] = ()
+    """Constructor arguments a weight source fixes (sizes, spec...): read from it by :meth:`from_pretrained`
+    and ``--model.init_from``, and checked against the module's before loading."""
+    optional_pretrained: tuple[str, ...] = ()
+    """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
+    missing_tensors_hint: str = ""
+    """Advice added to the error when a source lacks tensors the model needs."""
+
+    @classmethod
+    def read_pretrained(cls, source: str) -> SavedModel:
+        """The weights of ``source`` as a :class:`~lightning_megatron.saved_model.SavedModel` (its hparams
+        restricted to ``architecture_keys``): a lightning_megatron checkpoint directory here; a family
+        adds the formats it reads."""
+        from pathlib import Path
+
+        from lightning_megatron import checkpoint as ckpt
+        from lightning_megatron.saved_model import read_model_checkpoint
+
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"init_from={source!r} does not exist")
+        if not (path.is_dir() and (path / ckpt.MARKER).is_file()):
+            raise ValueError(f"init_from={source!r} is not a lightning_megatron checkpoint directory "
+                             f"({ckpt.MARKER} missing), the only source {cls.__name__} reads")
+        saved = read_model_checkpoint(path)
+        saved.hparams = {k: saved.hparams[k] for k in cls.architecture_keys if k in saved.hparams}
+        return saved
+
+    @classmethod
+    def read_architecture(cls, source: str) -> dict[str, Any]:
+        """The ``architecture_keys`` arguments ``source`` fixes (from its saved hyper-parameters here,
+        without reading its tensors)."""
+        from lightning_megatron.saved_model import read_saved_hparams
+
+        hparams = read_saved_hparams(source)
+        return {k: hparams[k] for k in cls.architecture_keys if k in hparams}
+
+    @classmethod
+    def architecture_conflicts(cls, hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+        """``(key, the module's value, the source's)`` for every ``architecture_keys`` argument of ``hparams``
+        that differs from the source's (a ``None`` on the source's side fixes nothing)."""
+        wrong = []
+        for key in cls.architecture_keys:
+            if key not in source or key not in hparams or source[key] is None:
+                continue
+            want, have = source[key], hparams[key]
+            if isinstance(want, float) and isinstance(have, (int, float)):
+                if abs(want - have) <= 1e-12 * max(abs(want), 1e-30):
+                    continue
+            elif want == have:
+                continue
+            wrong.append((key, have, want))
+        return wrong
+
+    def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The (global name, parameter) pairs ``init_from`` fills (fine-tuning heads excluded by a family)."""
+        return list(self.sharded_named_parameters())
+
+    def load_pretrained(self, source: str | SavedModel, *, everything: bool = False) -> None:
+        """Copy pretrained weights (``init_from``) into this rank's chunks, any layout (``everything``:
+        every parameter, as :meth:`load_from_checkpoint` does). Refused once the optimizers exist."""
+        from lightning_megatron.saved_model import load_full_state_dict, refuse_architecture
+
+        if self._trainer is not None and self.trainer.optimizers:
+            raise RuntimeError("load_pretrained after the optimizers exist would leave their fp32 main params and "
+                               "state behind the new weights; load in configure_model (init_from=...)")
+        assert self.model_chunks is not None and self.parallel_state is not None, "configure_model has not run"
+        name = source if isinstance(source, str) else "<state dict>"
+        saved = self.read_pretrained(source) if isinstance(source, str) else source
+        refuse_architecture(self.architecture_conflicts(dict(self.hparams), saved.hparams), name)
+        ps = self.parallel_state
+        params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
+        load_full_state_dict(list(self.model_chunks), params, saved.state_dict, tp_rank=ps.tp_rank,
+                             tp_size=ps.tp_size, num_layers=self.hparams.get("num_layers"), source_name=name,
+                             optional=() if everything else self.optional_pretrained, fresh=saved.fresh,
+                             missing_hint=self.missing_tensors_hint)
+        fresh = [n for n, _ in params if n in saved.fresh]
+        if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
+            import warnings
+
+            warnings.warn(f"init_from={name!r} has no {fresh} (its model has no such heads): they are initialised "
+                          f"fresh, from init_seed", UserWarning, stacklevel=2)
+
+    @classmethod
+    def from_pretrained(cls, source: str, **kwargs: Any) -> MegatronLightningModule:
+        """A module with the architecture of ``source`` (:meth:`read_architecture`), started from its
+        weights in ``configure_model``. ``kwargs`` set the other arguments; architecture arguments among
+        them must agree with the source."""
+        architecture = cls.read_architecture(source)
+        wrong = cls.architecture_conflicts(kwargs, architecture)
+        if wrong:
+            raise ValueError(f"from_pretrained({source!r}): " + ", ".join(
+                f"{k}={h!r} but the source has {w!r}" for k, h, w in wrong) + ": drop these arguments")
+        return cls(**{**architecture, **kwargs, "init_from": source})
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
+                             strict: bool | None = None, **kwargs: Any) -> Any:
+        """A single-process module from a lightning_megatron checkpoint directory (any layout it was
+        saved at, by the CLI or the strategy), built with the saved hyper-parameters (``kwargs`` override
+        them) and the weights loaded; or Lightning's loader for a single-file checkpoint. To continue
+        training at a layout, use ``trainer.fit(model, ckpt_path=...)``; to start a new run from the
+        weights, ``init_from``."""
+        from pathlib import Path
+
+        from lightning_megatron import checkpoint as ckpt
+        from lightning_megatron.saved_model import read_model_checkpoint
+
+        path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
+        if path is None or not path.is_dir():
+            return super().load_from_checkpoint(checkpoint_path, map_location=map_location,
+                                                hparams_file=hparams_file, strict=strict, **kwargs)
+        if not (path / ckpt.MARKER).is_file():
+            raise ckpt.CheckpointError(
+                f"{str(path)!r} is a directory but not a lightning_megatron checkpoint ({ckpt.MARKER} missing); "
+                f"{cls.__name__}.load_from_checkpoint reads lightning_megatron checkpoint directories or "
+                f"single-file Lightning checkpoints")
+        saved = read_model_checkpoint(path)
+        # LightningCLI records how it built the module (``_instantiator``, ``_class_path``): not arguments.
+        hparams = {k: v for k, v in saved.hparams.items() if not k.startswith("_")}
+        hparams = {**hparams, **kwargs}
+        if "init_from" in hparams:
+            hparams["init_from"] = None  # the checkpoint's own weights, not its start's
+        if "vocab_size" in hparams and hparams["vocab_size"] is None and "embedding.word_embeddings.weight" in \
+                saved.state_dict:  # the run read it from its datamodule: the embedding's rows (unpadded)
+            hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
+        module = cls(**hparams)
+        module.configure_model()
+        module.load_pretrained(saved, everything=True)
+        if map_location is not None:
+            module.to(map_location)
+        return module.eval()
 
     # ------------------------------------------------------------------ steps without the strategy
 

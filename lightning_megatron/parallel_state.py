@@ -4,21 +4,27 @@ Global rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank: tensor-parallel rank
 (so a TP group stays inside one node), then data-parallel, then pipeline-parallel.
 
 Nothing here is a hidden global: :func:`initialize_model_parallel` returns a :class:`ParallelState`
-that the caller passes to whatever needs a group. Layers take their group as an argument.
+that the caller passes to whatever needs a group. Layers take their group as an argument: a
+:class:`ParallelGroup`, the torch process group together with the communicator that runs its
+collectives (``torch.distributed`` unless the state installed another, e.g. the CPU tuning's shared
+memory). Torch's own functions take ``group.process_group`` (:func:`process_group`).
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from lightning_megatron.tensor_parallel.communicator import Communicator
+from lightning_megatron.communicator import Communicator, TorchCommunicator
 
 __all__ = [
+    "ParallelGroup",
+    "Group",
+    "process_group",
+    "group_communicator",
     "ParallelLayout",
     "model_parallel_size_problems",
     "validate_model_parallel_sizes",
@@ -32,18 +38,62 @@ __all__ = [
 _GROUP_NAMES = ("tp", "dp", "pp", "mp", "embedding")
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
+class ParallelGroup:
+    """One process group of this rank and the communicator that runs its collectives.
+
+    What layers, mappings and the gradient code are given as their group. ``size`` and ``rank`` are
+    read once from torch (or given, for a group torch does not know); ``communicator`` is
+    :class:`~lightning_megatron.communicator.TorchCommunicator` unless the owning
+    :class:`ParallelState` installed another (:meth:`ParallelState.set_communicator`).
+    """
+
+    __slots__ = ("process_group", "size", "rank", "communicator")
+
+    def __init__(self, process_group: dist.ProcessGroup, *, size: int | None = None, rank: int | None = None,
+                 communicator: Communicator | None = None) -> None:
+        self.process_group = process_group
+        """The torch group (what ``torch.distributed`` functions take)."""
+        self.size: int = dist.get_world_size(process_group) if size is None else size
+        self.rank: int = dist.get_rank(process_group) if rank is None else rank
+        self.communicator: Communicator = TorchCommunicator(process_group) if communicator is None else communicator
+
+    def __repr__(self) -> str:
+        return f"ParallelGroup(size={self.size}, rank={self.rank}, communicator={type(self.communicator).__name__})"
+
+
+Group = ParallelGroup | dist.ProcessGroup | None
+"""What a layer or collective takes as its group: a :class:`ParallelGroup` (its communicator), a plain
+torch group (``torch.distributed``), or ``None`` (no parallelism: one rank)."""
+
+
+def group_size(group: Group) -> int:
     """World size of ``group``; ``None`` means "no parallelism" (size 1)."""
     if group is None:
         return 1
+    if isinstance(group, ParallelGroup):
+        return group.size
     return dist.get_world_size(group)
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
+def group_rank(group: Group) -> int:
     """This process's rank in ``group``; ``None`` means "no parallelism" (rank 0)."""
     if group is None:
         return 0
+    if isinstance(group, ParallelGroup):
+        return group.rank
     return dist.get_rank(group)
+
+
+def process_group(group: Group) -> dist.ProcessGroup | None:
+    """The torch group of ``group``, for ``torch.distributed``'s own functions (broadcast, send, ...)."""
+    return group.process_group if isinstance(group, ParallelGroup) else group
+
+
+def group_communicator(group: Group) -> Communicator:
+    """The communicator that runs ``group``'s collectives: a :class:`ParallelGroup`'s own, else torch's."""
+    if isinstance(group, ParallelGroup):
+        return group.communicator
+    return TorchCommunicator(group)
 
 
 def model_parallel_size_problems(tp: Any, pp: Any, vp: Any, *, sequence_parallel: bool = False) -> list[str]:
@@ -145,20 +195,24 @@ class ParallelState:
 
     layout: ParallelLayout
     rank: int = 0
-    tp_group: dist.ProcessGroup | None = None
-    dp_group: dist.ProcessGroup | None = None
-    pp_group: dist.ProcessGroup | None = None
-    mp_group: dist.ProcessGroup | None = None
-    embedding_group: dist.ProcessGroup | None = None
+    tp_group: ParallelGroup | None = None
+    dp_group: ParallelGroup | None = None
+    pp_group: ParallelGroup | None = None
+    mp_group: ParallelGroup | None = None
+    embedding_group: ParallelGroup | None = None
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks of this rank's pipeline, stage 0 first (for point-to-point sends)."""
     embedding_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks of this rank's embedding group (first and last stage)."""
-    communicators: dict[str, Communicator] = field(default_factory=dict)
-    """Communicators installed for this state's groups, by group name ("tp", "dp", "mp", ...);
-    a group without one runs its collectives through ``torch.distributed``."""
+    _installed: set[str] = field(default_factory=set, init=False, repr=False)
 
-    def group(self, name: str) -> dist.ProcessGroup | None:
+    @property
+    def communicators(self) -> dict[str, Communicator]:
+        """Communicators installed for this state's groups, by group name ("tp", "dp", "mp", ...);
+        a group without one runs its collectives through ``torch.distributed``."""
+        return {name: self.group(name).communicator for name in sorted(self._installed)}
+
+    def group(self, name: str) -> ParallelGroup | None:
         """The group called ``name``: "tp", "dp", "pp", "mp" or "embedding"."""
         if name not in _GROUP_NAMES:
             raise ValueError(f"unknown group name {name!r}; expected one of {_GROUP_NAMES}")
@@ -171,21 +225,20 @@ class ParallelState:
         passed to layers, gradient reduction and metrics) uses it until
         :meth:`close_communicators`. A replaced communicator is closed.
         """
-        from lightning_megatron.tensor_parallel.communicator import _install
-
         group = self.group(name)
         if group is None:
             raise ValueError(f"ParallelState has no {name!r} group (single process); nothing to install")
-        old = self.communicators.pop(name, None)
-        if old is not None and old is not comm:
+        old = group.communicator
+        if name in self._installed and old is not comm:
             old.close()
-        _install(group, comm)
+        self._installed.discard(name)
+        group.communicator = TorchCommunicator(group.process_group) if comm is None else comm
         if comm is not None:
-            self.communicators[name] = comm
+            self._installed.add(name)
 
     def close_communicators(self) -> None:
         """Close every installed communicator; the groups go back to ``torch.distributed``."""
-        for name in list(self.communicators):
+        for name in sorted(self._installed):
             self.set_communicator(name, None)
 
     @property
@@ -265,13 +318,15 @@ def initialize_model_parallel(
     rank = dist.get_rank()
     kwargs = {} if timeout is None else {"timeout": timeout}
 
-    def mine(all_groups: list[list[int]]) -> tuple[dist.ProcessGroup | None, list[int]]:
+    def mine(all_groups: list[list[int]]) -> tuple[ParallelGroup | None, list[int]]:
         chosen, chosen_ranks = None, [rank]
         for ranks in all_groups:  # every rank creates every group, in the same order
             group = dist.new_group(ranks, **kwargs)
             if rank in ranks:
                 chosen, chosen_ranks = group, ranks
-        return chosen, chosen_ranks
+        if chosen is None:
+            return None, chosen_ranks
+        return ParallelGroup(chosen), chosen_ranks
 
     tp_group, _ = mine(layout.tp_groups())
     dp_group, _ = mine(layout.dp_groups())

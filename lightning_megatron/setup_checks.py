@@ -118,7 +118,7 @@ def describe_setup(ps: ParallelState, *, sequence_parallel: bool, buffer: Any,
     the grad buffer's bucket count (``buffer``: the GradBuffer, None when not fitting)."""
     layout = ps.layout
     groups = {"tp": ps.tp_group, "dp": ps.dp_group, "pp": ps.pp_group}
-    ranks = {name: (dist.get_process_group_ranks(g) if g is not None else [ps.rank]) for name, g in groups.items()}
+    ranks = {name: (dist.get_process_group_ranks(g.process_group) if g is not None else [ps.rank]) for name, g in groups.items()}
     comms = {name: type(ps.communicators[name]).__name__ if name in ps.communicators else "torch.distributed"
              for name in ("tp", "dp", "mp")}
     lines = [f"MegatronStrategy: world {layout.world_size} = TP {ps.tp_size} x PP {ps.pp_size} x DP {ps.dp_size}"

@@ -50,6 +50,9 @@ class ShardInfo:
     partition_dim: int
     local_rows: int
     """How many leading rows along ``partition_dim`` are real (fewer for vocab padding)."""
+    pieces: tuple[tuple[int, int, int], ...] = ()
+    """``(local start, global start, rows)`` along ``partition_dim``: one block for a contiguous shard,
+    ``stride`` blocks for Megatron's strided partitions (a gated fc1's [gate_r; up_r])."""
 
 
 def shard_info(param: torch.Tensor, tp_rank: int, tp_size: int) -> ShardInfo | None:
@@ -63,14 +66,24 @@ def shard_info(param: torch.Tensor, tp_rank: int, tp_size: int) -> ShardInfo | N
     if not sharded:  # a vocab-padded tensor at TP=1: the real rows only
         tp_size, tp_rank = 1, 0
     dim = facts.partition_dim % param.dim()
-    if facts.partition_stride != 1:
-        raise CheckpointError("strided TP partitions are not supported by the sharded checkpoint format")
-    per = param.shape[dim]
+    per, stride = param.shape[dim], facts.partition_stride if sharded else 1
+    if stride != 1:
+        # With stride s the global dimension is s blocks, each split over the TP ranks; this rank's
+        # tensor is its piece of every block, in order.
+        if real_vocab_size is not None or per % stride != 0:
+            raise CheckpointError(f"a strided TP partition (stride={stride}) of {per} local rows with "
+                                  f"real_vocab_size={real_vocab_size} is not supported")
+        block = per // stride
+        pieces = tuple((j * block, (j * tp_size + tp_rank) * block, block) for j in range(stride))
+        global_shape = tuple(per * tp_size if d == dim else n for d, n in enumerate(param.shape))
+        offsets = tuple(pieces[0][1] if d == dim else 0 for d in range(param.dim()))
+        return ShardInfo(global_shape, offsets, dim, per, pieces)
     real = per * tp_size if real_vocab_size is None else min(real_vocab_size, per * tp_size)
     start = tp_rank * per
     global_shape = tuple(real if d == dim else s for d, s in enumerate(param.shape))
     offsets = tuple(start if d == dim else 0 for d in range(param.dim()))
-    return ShardInfo(global_shape, offsets, dim, max(0, min(per, real - start)))
+    rows = max(0, min(per, real - start))
+    return ShardInfo(global_shape, offsets, dim, rows, ((0, start, rows),))
 
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
@@ -139,14 +152,18 @@ class ShardedStateMapper:
         flat = tensor.reshape(-1)
         for offsets, sizes, f in flat_range_boxes(tuple(like.shape), start, end):
             box = flat[f - start: f - start + math.prod(sizes)].view(sizes)
-            if info is not None:  # drop vocab padding rows, shift by the TP offset
-                d = info.partition_dim
-                rows = min(info.local_rows, offsets[d] + sizes[d]) - offsets[d]
-                if rows <= 0:
+            if info is None:
+                chunks.add(offsets, box)
+                continue
+            # Each piece of the shard: drop vocab padding rows, move to the piece's global rows.
+            d = info.partition_dim
+            for local, global_start, rows in info.pieces:
+                lo, hi = max(offsets[d], local), min(offsets[d] + sizes[d], local + rows)
+                if hi <= lo:
                     continue
-                box = box.narrow(d, 0, rows)
-                offsets = tuple(o + g for o, g in zip(offsets, info.offsets))
-            chunks.add(offsets, box)
+                at = tuple(global_start + lo - local if k == d else o + g
+                           for k, (o, g) in enumerate(zip(offsets, info.offsets)))
+                chunks.add(at, box.narrow(d, lo - offsets[d], hi - lo))
         if not chunks.pieces:
             del state[key]
 
@@ -226,7 +243,7 @@ class ShardedStateMapper:
             return []
         first = ps.is_pipeline_first_stage()
         name = [next((n for n, p in self.named if param_facts(p).shared_embedding), None) if first else None]
-        dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group)
+        dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
         if first or name[0] is None:
             return []
         return [(name[0], p) for _, p in self.all_named if _tied_copy(p, ps)]
@@ -343,11 +360,11 @@ class ShardedStateMapper:
         with torch.no_grad():
             for _, p in self.all_named:
                 if param_facts(p).shared_embedding:
-                    dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
+                    dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
                     for opt in self.optimizers:
                         main = None if is_sharded(opt) else opt.main_param(p)
                         if main is not None and main is not p:
-                            dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
+                            dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
 
 
 def rng_state() -> dict[str, Any]:

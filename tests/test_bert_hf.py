@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from lightning_megatron.parallel_state import group_size, process_group
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -36,11 +37,11 @@ def _minilm_dir() -> str:
 
 
 def _gather_vocab(logits: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group) if group is not None else 1
+    world = group_size(group)
     if world == 1:
         return logits
     parts = [torch.empty_like(logits) for _ in range(world)]
-    dist.all_gather(parts, logits.contiguous(), group=group)
+    dist.all_gather(parts, logits.contiguous(), group=process_group(group))
     return torch.cat(parts, dim=-1)
 
 

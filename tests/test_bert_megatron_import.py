@@ -134,9 +134,10 @@ def _worker(root: str) -> dict:
     import torch.distributed as dist
 
     from lightning_megatron.models.bert import BertModel
-    from lightning_megatron.models.bert.init_from import check_architecture, load_full_state_dict, read_pretrained
+    from lightning_megatron.models.bert.init_from import check_architecture, read_pretrained
     from lightning_megatron.models.bert.module import _tag_vocab_parallel
     from lightning_megatron.parallel_state import initialize_model_parallel
+    from lightning_megatron.saved_model import load_full_state_dict
     from lightning_megatron.transformer import TransformerConfig
 
     root = Path(root)
@@ -163,7 +164,7 @@ def _worker(root: str) -> dict:
             with torch.no_grad():
                 logits, binary = model(tokens, mask, types)
             parts = [torch.empty_like(logits) for _ in range(2)]
-            dist.all_gather(parts, logits.contiguous(), group=ps.tp_group)
+            dist.all_gather(parts, logits.contiguous(), group=ps.tp_group.process_group)
             out[f"{name}-exact{exact_mlp}"] = (torch.cat(parts, -1)[..., :VOCAB], binary)
         out[f"{name}-hparams"] = saved.hparams
     return out

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from lightning_megatron.parallel_state import group_size, process_group
 from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
 TOL = 1e-5
@@ -81,8 +82,8 @@ def _step(model, batch, tp_group, tp_rank: int, seed: int = 99, masked_only: boo
         assert p.grad is not None, f"{name} got no gradient"
         g = p.grad
         if param_facts(p).tensor_model_parallel:
-            parts = [torch.empty_like(g) for _ in range(dist.get_world_size(tp_group))]
-            dist.all_gather(parts, g.contiguous(), group=tp_group)
+            parts = [torch.empty_like(g) for _ in range(group_size(tp_group))]
+            dist.all_gather(parts, g.contiguous(), group=process_group(tp_group))
             g = torch.cat(parts, dim=param_facts(p).partition_dim)
         grads[name] = g.clone()
     return loss.detach(), grads

@@ -34,6 +34,52 @@ def test_train_tokenizer_json_key_and_empty_input(tmp_path, capsys):
     assert "--json-key" in err and not (tmp_path / "empty" / "vocab.txt").exists()
 
 
+def test_bpe_docs_commands_train_tokenizer_then_preprocess_with_eod(tmp_path, capsys, monkeypatch):
+    """The commands of docs/data.md's "BPE tokenizer" section, run in order: train-tokenizer --type bpe on
+    JSON lines, then preprocess --tokenizer FOLDER --append-eod with 2 workers: one item per line ending
+    in EOD, the sidecar naming the BPE vocabulary. Refused: input without text under --json-key,
+    --vocab-file with --tokenizer, --append-eod on WordPiece."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from lightning_megatron.data import BPETokenizer, IndexedDataset, read_dataset_vocab
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    section = page[page.index("## BPE tokenizer"):]
+    commands = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ").splitlines()
+    monkeypatch.chdir(tmp_path)
+    _jsonl(tmp_path / "docs.jsonl", "text", TEXTS)
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[0] == "lightning-megatron", command
+        main(argv[1:])
+    out = capsys.readouterr().out
+    assert [c.split()[1] for c in commands] == ["train-tokenizer", "preprocess"], commands
+    assert [p.name for p in (tmp_path / "tok").iterdir()] == ["tokenizer.json"]  # no temporary file left
+    tok = BPETokenizer(tmp_path / "tok")
+    assert tok.eod == 0 and 256 < tok.vocab_size < 8192 and "Ġtokenizers" in tok.inv_vocab, tok.inv_vocab[-20:]
+    ds = IndexedDataset(tmp_path / "data" / "gpt")
+    assert ds.num_documents == len(ds) == len(TEXTS) and f"written_documents: {len(TEXTS)}" in out, out
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.tokenize(t) + [tok.eod] for t in TEXTS]
+    record = read_dataset_vocab(tmp_path / "data" / "gpt")
+    assert (record.tokenizer_type, record.eod, record.append_eod, record.vocab_size) == ("bpe", 0, True, tok.vocab_size)
+    assert record.vocab_file == str((tmp_path / "tok" / "tokenizer.json").resolve())
+
+    body = _jsonl(tmp_path / "body.jsonl", "body", TEXTS)  # the text under another key than --json-key
+    with pytest.raises(SystemExit) as e:
+        main(["train-tokenizer", "--type", "bpe", "--input", body, "--output-dir", str(tmp_path / "empty")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no text to train a BPE tokenizer on" in err and "--json-key" in err, err
+    assert not (tmp_path / "empty" / "tokenizer.json").exists()
+    for extra in (["--tokenizer", "tok", "--vocab-file", "v.txt"], ["--append-eod"]):
+        with pytest.raises(SystemExit) as e:
+            main(["preprocess", "--input", "docs.jsonl", "--output-prefix", "x", *extra])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "pass one of them" in err and "append_eod=True needs a BPE tokenizer" in err, err
+
+
 def test_fit_refuses_missing_or_foreign_data_before_launch(tmp_path, monkeypatch):
     """A data_prefix without its .bin/.idx, one given with its extension, or a dataset tokenized with
     another vocabulary than data.vocab_file: `fit` exits before building the Trainer, listing each."""

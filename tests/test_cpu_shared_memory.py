@@ -13,13 +13,8 @@ import torch.distributed as dist
 from dist_utils import DistributedTestFailure, run_distributed
 from lightning_megatron.cpu import shared_memory
 from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives, enable_shared_memory_collectives
+from lightning_megatron.communicator import TorchCommunicator, _all_gather_fn, _reduce_scatter_fn
 from lightning_megatron.parallel_state import initialize_model_parallel
-from lightning_megatron.tensor_parallel.communicator import (
-    TorchCommunicator,
-    _all_gather_fn,
-    _reduce_scatter_fn,
-    communicator_of,
-)
 from lightning_megatron.tensor_parallel.mappings import (
     all_reduce,
     all_gather_into_tensor,
@@ -48,14 +43,14 @@ def _same_on_every_rank(t: torch.Tensor, group) -> None:
 
 def _collectives_worker(world: int) -> int:
     ps = initialize_model_parallel(world)  # the TP group holds every rank
-    group = ps.tp_group
+    tp, group = ps.tp_group, ps.tp_group.process_group
     rank = dist.get_rank()
     # 96-byte slots: every message below but the smallest goes through in several pieces
     # timeout=None as MegatronStrategy(timeout=None) passes it: the 30-minute default
-    comm = enable_shared_memory_collectives(group, slot_bytes=96, timeout=None)
-    assert comm is not None and isinstance(communicator_of(group), TorchCommunicator)
-    ps.set_communicator("tp", comm)  # installed explicitly, as CPUTuning does
-    assert communicator_of(group) is comm
+    comm = enable_shared_memory_collectives(tp, slot_bytes=96, timeout=None)
+    assert comm is not None and isinstance(tp.communicator, TorchCommunicator)
+    ps.set_communicator("tp", comm)  # installed explicitly, as CPUTuning does: the group object carries it
+    assert tp.communicator is comm
     checked = 0
     for salt, numel in enumerate([0, 1, 7, 24, 1000, 4099]):
         for dtype in DTYPES:
@@ -98,29 +93,29 @@ def _collectives_worker(world: int) -> int:
     x = _data(rank, 6 * 8, torch.float32, 99).view(6, 8).t()
     expected = x.contiguous()
     dist.all_reduce(expected, group=group)
-    torch.testing.assert_close(_reduce(x, group), expected, atol=0 if world == 2 else ULP8[torch.float32], rtol=0)
+    torch.testing.assert_close(_reduce(x, tp), expected, atol=0 if world == 2 else ULP8[torch.float32], rtol=0)
     # the package's one all-reduce: sum, max, min through shared memory; other ops through gloo
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
         y = _data(rank, 10, torch.float32, 7)
         expected = y.clone()
         dist.all_reduce(expected, op=op, group=group)
-        assert all_reduce(y, group, op) is y
+        assert all_reduce(y, tp, op) is y
         torch.testing.assert_close(y, expected, atol=0 if world == 2 else ULP8[torch.float32], rtol=0)
     flat = [torch.full((3,), float(rank)), torch.full((2, 2), float(rank + 1))]
-    all_reduce_coalesced(flat, group)
+    all_reduce_coalesced(flat, tp)
     assert torch.equal(flat[0], torch.full((3,), float(sum(range(world)))))
     assert torch.equal(flat[1], torch.full((2, 2), float(sum(r + 1 for r in range(world)))))
     out = torch.empty(world * 4, 3)
-    all_gather_into_tensor(out, torch.full((4, 3), float(rank)), group)
+    all_gather_into_tensor(out, torch.full((4, 3), float(rank)), tp)
     assert torch.equal(out, torch.arange(world).repeat_interleave(4).float().unsqueeze(1).expand(-1, 3))
     rs = torch.empty(2, 3)
-    reduce_scatter_tensor(rs, torch.arange(world * 2 * 3, dtype=torch.float32).view(world * 2, 3), group)
+    reduce_scatter_tensor(rs, torch.arange(world * 2 * 3, dtype=torch.float32).view(world * 2, 3), tp)
     assert torch.equal(rs, world * torch.arange(rank * 6, rank * 6 + 6, dtype=torch.float32).view(2, 3))
     # async_op: a completed handle
     handle = comm.all_reduce(torch.ones(2), async_op=True)
     assert handle.wait() and handle.is_completed()
     ps.close_communicators()
-    assert isinstance(communicator_of(group), TorchCommunicator) and comm._slots is None
+    assert isinstance(tp.communicator, TorchCommunicator) and comm._slots is None
     return checked
 
 
@@ -163,7 +158,7 @@ def _fallback_worker(kind: str) -> bool:
     comm = enable_shared_memory_collectives(group)
     out = _reduce(torch.ones(3), group)
     assert torch.equal(out, torch.full((3,), 2.0))
-    return comm is None and isinstance(communicator_of(group), TorchCommunicator)
+    return comm is None
 
 
 @pytest.mark.parametrize("kind", ["hosts", "no-directory"])

@@ -368,18 +368,25 @@ import json, sys
 from lightning_megatron.cli import _lightning_cli, main
 cli = _lightning_cli(["fit", "--config", sys.argv[1], "--trainer.callbacks+=test_custom_module.LossLog"])
 [log] = [c for c in cli.trainer.callbacks if type(c).__name__ == "LossLog"]
+import torch
+from test_custom_module import CharLightningModule
+cli.trainer.save_checkpoint("char.ckpt")  # the strategy's sharded checkpoint directory, hparams as the CLI left them
+loaded = dict(CharLightningModule.load_from_checkpoint("char.ckpt").sharded_named_parameters())
+trained = dict(cli.model.sharded_named_parameters())
+reloaded = sorted(loaded) == sorted(trained) and all(torch.equal(loaded[n], p) for n, p in trained.items())
 try:
     main(["check", "--config", sys.argv[1], "--layouts", "tp2,pp2", "--steps", "2"])
 except SystemExit as e:
     code = e.code
-print(json.dumps({"losses": log.losses, "check_exit": code, "model": type(cli.model).__name__,
+print(json.dumps({"losses": log.losses, "check_exit": code, "model": type(cli.model).__name__, "reloaded": reloaded,
                   "bert_imported": sorted(m for m in sys.modules if m.startswith("lightning_megatron.models"))}))
 """
 
 
 def test_any_module_fits_and_checks_through_the_cli(tmp_path):
     """``fit`` and ``check`` of the char-level module named by class path in a recipe: it trains (the
-    loss falls), ``check`` proves TP=2 and PP=2 equal one process, and BERT is never imported."""
+    loss falls), ``check`` proves TP=2 and PP=2 equal one process, the base's ``load_from_checkpoint``
+    rebuilds it from its checkpoint, and BERT is never imported."""
     recipe = tmp_path / "char.yaml"
     recipe.write_text(textwrap.dedent(f"""\
         model:
@@ -412,4 +419,5 @@ def test_any_module_fits_and_checks_through_the_cli(tmp_path):
         assert f"{layout:<14} PASS" in done.stdout, out
     assert "MegatronStrategy: world 1 = TP 1 x PP 1 x DP 1" in out, "the strategy says what it resolved"
     assert result["bert_imported"] == [], result
+    assert result["reloaded"], "load_from_checkpoint of the base rebuilds the trained module from its checkpoint"
 

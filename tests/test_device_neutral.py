@@ -102,14 +102,13 @@ def test_training_step_without_host_sync():
 
 
 def test_communicator_interface_and_parallel_state_errors():
+    from lightning_megatron.communicator import Communicator, TorchCommunicator
     from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives
     from lightning_megatron.parallel_state import ParallelState
-    from lightning_megatron.tensor_parallel.communicator import Communicator, TorchCommunicator, communicator_of
 
     assert isinstance(TorchCommunicator(None), Communicator)
     assert all(hasattr(SharedMemoryCollectives, m) for m in ("all_reduce", "all_gather_into_tensor",
                                                               "reduce_scatter_tensor", "close"))
-    assert isinstance(communicator_of(None), TorchCommunicator)
     ps = ParallelState.single_process()
     with pytest.raises(ValueError, match="no 'tp' group"):
         ps.set_communicator("tp", TorchCommunicator(None))
@@ -117,3 +116,60 @@ def test_communicator_interface_and_parallel_state_errors():
         ps.group("xx")
     ps.close_communicators()  # nothing installed: nothing to do
     assert ps.communicators == {}
+
+
+class _Recording:
+    """A communicator that records its calls and answers as a two-rank group would (no torch)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.closed = False
+
+    def all_reduce(self, tensor, op=None, *, async_op=False):
+        self.calls.append("all_reduce")
+        tensor.mul_(2)
+
+    def all_gather_into_tensor(self, out, tensor, *, async_op=False):
+        self.calls.append("all_gather")
+        out.copy_(torch.cat([tensor, tensor]))
+
+    def reduce_scatter_tensor(self, out, tensor, *, async_op=False):
+        self.calls.append("reduce_scatter")
+        out.copy_(2 * tensor.chunk(2)[0])
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_communicator_belongs_to_the_group_object_not_to_a_registry():
+    """Two ParallelStates over the same torch process group: installing a communicator in one leaves the
+    other on torch (a process-wide group -> communicator registry would hand it to both), and the
+    mappings and layers run the collectives of the group object they are given."""
+    from lightning_megatron.communicator import TorchCommunicator
+    from lightning_megatron.parallel_state import ParallelGroup, ParallelLayout, ParallelState
+    from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from lightning_megatron.tensor_parallel.mappings import all_reduce
+
+    torch_group = object()  # stands for one torch ProcessGroup shared by both states
+    layout = ParallelLayout(world_size=2, tensor_model_parallel_size=2)
+    a, b = (ParallelState(layout=layout, rank=0, tp_group=ParallelGroup(torch_group, size=2, rank=0))
+            for _ in range(2))
+    rec = _Recording()
+    a.set_communicator("tp", rec)
+    assert a.tp_group.communicator is rec and a.communicators == {"tp": rec}
+    assert isinstance(b.tp_group.communicator, TorchCommunicator) and b.communicators == {}
+    assert b.tp_group.process_group is torch_group and b.tp_group.size == 2 and b.tp_group.rank == 0
+
+    t = torch.ones(3)
+    assert all_reduce(t, a.tp_group) is t and torch.equal(t, torch.full((3,), 2.0))
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(4, 6, tp_group=a.tp_group, gather_output=True)
+    row = RowParallelLinear(6, 4, tp_group=a.tp_group, input_is_parallel=False)
+    hidden, _ = col(torch.randn(5, 4, requires_grad=True))
+    out, _ = row(hidden)
+    out.sum().backward()
+    # forward: the column layer's gather, the row layer's reduce; backward: the scatter's gather, the copy's reduce
+    assert rec.calls == ["all_reduce", "all_gather", "all_reduce", "all_gather", "all_reduce"]
+
+    a.close_communicators()
+    assert rec.closed and isinstance(a.tp_group.communicator, TorchCommunicator) and a.communicators == {}

@@ -84,7 +84,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
             p.grad = g.to(dtype)
         for r, g in zip(ref_model, grads):
             mean = g.to(dtype).float().clone()  # never alias the model grad
-            dist.all_reduce(mean, group=ps.dp_group)
+            dist.all_reduce(mean, group=ps.dp_group.process_group)
             ref_buffer.main_grad_of(r).copy_(mean / ps.dp_size)
             r.grad = None
         opt.step()
@@ -102,7 +102,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
         # the fp32 main shard equals the reference's fp32 main params over this rank's range
         main_full = torch.zeros(opt.padded_numel)
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        all_gather(main_full, opt.main_shard, group=ps.dp_group)
+        all_gather(main_full, opt.main_shard, group=ps.dp_group.process_group)
         order = [p for g in opt.model_groups for p in g]
         ref_flat = torch.cat([ref_main[[id(m) for m in model].index(id(p))].detach().reshape(-1).float()
                               for p in order])
@@ -162,7 +162,7 @@ def _worker(tp: int, check_resume: bool):
             assert torch.equal(piece["tensors"]["main_param"], values)
             assert set(piece["tensors"]) == {"main_param", "exp_avg", "exp_avg_sq"}
         for c in covered:
-            dist.all_reduce(c, group=ps.dp_group)
+            dist.all_reduce(c, group=ps.dp_group.process_group)
             assert torch.equal(c, torch.ones_like(c))
         try:
             opt.state_dict()

@@ -219,3 +219,64 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
     with pytest.raises(SystemExit) as e:  # --gpus alone would silently run a parity check instead
         main(["check", "--config", str(recipe), "--gpus", "8"])
     assert e.value.code == 2 and "add one of them" in capsys.readouterr().err
+
+
+class _ToyCost:
+    """A model family's own cost model (not a ModelShape): 100 parameters per layer split over TP, 7 more on
+    the first stage; 1000 activation bytes per layer and microbatch; its own TP rule."""
+
+    num_layers, micro_batch_size, global_batch_size, param_bytes, optimizer, recompute = 4, 2, 8, 4, "sgd", False
+
+    def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
+        return self.num_layers // pp * 100 // tp + (7 if stage == 0 else 0)
+
+    def layer_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        return 1000.0 / tp
+
+    def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        return 10.0
+
+    def first_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        return 5.0
+
+    def last_stage_activation_bytes(self, tp: int) -> float:
+        return 50.0
+
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        return None if tp <= 2 else f"toy: TP={tp} > 2"
+
+    def describe(self) -> str:
+        return "a toy of 4 layers"
+
+
+class _ToyModule:
+    @classmethod
+    def estimate_shape(cls, model, data, *, micro_batch_size, global_batch_size):
+        return _ToyCost()
+
+
+def test_memory_estimate_takes_any_module_cost_model(capsys):
+    """--estimate-memory computes from the module's declared costs (protocols.MemoryCost), not from a BERT
+    formula: a family plugs in its own parameter and activation counts without touching check/."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.check.memory import estimate_memory
+    from lightning_megatron.check.memory_cli import fitting_layouts
+    from lightning_megatron.protocols import EstimatesCost, MemoryCost
+
+    toy = _ToyCost()
+    assert isinstance(toy, MemoryCost) and isinstance(_ToyModule, EstimatesCost)
+    assert isinstance(BERT_LARGE, MemoryCost)  # BERT's ModelShape is one implementation
+    # PP=2, DP=2: 2 microbatches; stage 0 holds 2 layers (200) + 7, 2 forwards in flight, plus its 5 bytes
+    est = estimate_memory(toy, Layout(pp=2, dp=2))
+    assert (est.stage, est.params, est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (0, 207, 828, 828, 828)
+    assert est.activation_bytes == 2 * 2 * 1000 + 5 * 2
+    last = estimate_stage(toy, Layout(pp=2, dp=2), 1)
+    assert (last.params, last.activation_bytes) == (200, 1 * 2 * 1000 + 50)
+    found = search_layouts(toy, 4)
+    assert found.skipped == {"toy: TP=4 > 2": 1} and Layout(tp=2, pp=2) in found.layouts
+    recipe = SimpleNamespace(model_class=f"{__name__}._ToyModule", model={}, data={}, dropout={},
+                             micro_batch_size=2, global_batch_size=8)
+    assert fitting_layouts(recipe, 2, 10**6) == 0
+    out = capsys.readouterr().out
+    assert "a toy of 4 layers" in out and "tp2" in out.replace("-", "").lower()

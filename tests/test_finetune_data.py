@@ -146,9 +146,10 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
     from lightning_megatron.models.bert.classification import BertClassificationModule
     from lightning_megatron.models.bert.convert import read_model_checkpoint
 
-    texts = _sentences(72)
+    texts = _sentences(75)
     train = _write(tmp_path / "train.csv", _stsb_rows(texts[:48], 3))
-    val = _write(tmp_path / "validation.csv", _stsb_rows(texts[48:], 5))
+    val_rows = _stsb_rows(texts[48:], 5)  # 27 rows: 3 full global batches of 8 and 3 rows padded to 8
+    val = _write(tmp_path / "validation.csv", val_rows)
     run = tmp_path / "run"
     data = ["--data.init_args.train", train, "--data.init_args.validation", val,
             "--data.init_args.global_batch_size", "8", "--data.init_args.micro_batch_size", "4",
@@ -184,13 +185,27 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
         # fp32 rounding of batches of 4 rows per rank vs 8 in one process; the ranks (Spearman) do not.
         assert value == pytest.approx(single[key], rel=1e-5, abs=1e-4 if key == "val_pearson" else 1e-6), key
     assert -1.0 <= logged["val_pearson"] <= 1.0
+    # Every one of the 27 rows counts, once: the metrics of the model's predictions on all of them at
+    # once, computed here in plain torch (before, the last 3 rows were dropped).
+    rows = encode_rows(dm.tokenizer, [(r["sentence1"], r["sentence2"], r["label"]) for r in val_rows], 32,
+                       regression=True)
+    batch = torch.utils.data.default_collate([rows[i] for i in range(len(rows))])
+    model.eval()
+    with torch.no_grad():
+        preds = model.predict_step(batch, 0).double()
+    target = torch.tensor([r["label"] for r in val_rows], dtype=torch.float64)
+    assert preds.shape == (27,)
+    mse = float(((preds - target) ** 2).mean())
+    assert logged["val_mse"] == pytest.approx(mse, rel=1e-5) and logged["val_loss"] == pytest.approx(mse, rel=1e-5)
+    pearson = float(torch.corrcoef(torch.stack([preds, target]))[0, 1])
+    assert logged["val_pearson"] == pytest.approx(pearson, rel=1e-5, abs=1e-4)
 
 
 
 def test_epoch_metrics_values_and_nothing_logged_without_updates():
     """The torchmetrics of a whole split, by hand: binary, 3 classes (macro F1), regression (Pearson,
     Spearman); a stage with no update logs nothing (a subclass whose forward_step does not update)."""
-    from lightning_megatron.models.bert.metrics import finetune_metrics, log_epoch_metrics
+    from lightning_megatron.models.bert.metrics import finetune_metrics, log_epoch_metrics, update_stage
     from lightning_megatron.parallel_state import ParallelState
 
     class Logger:
@@ -206,19 +221,27 @@ def test_epoch_metrics_values_and_nothing_logged_without_updates():
     three = finetune_metrics(3, ps)["val"]
     out = Logger()
     assert log_epoch_metrics(out, three, "val", ps, True) == {} and out.logged == {}
-    three.update(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 1, 1, 2]))  # F1 per class: 1, 2/3, 2/3
+    with pytest.raises(ValueError, match="pass the per-row loss"):
+        update_stage({"val": three}, "val", torch.tensor([0]), torch.tensor([0]))
+    update_stage({"val": three}, "val", torch.tensor([0, 1, 2, 2]), torch.tensor([0, 1, 1, 2]),  # F1: 1, 2/3, 2/3
+                 torch.tensor([0.5, 1.0, 1.5, 3.0]))
+    update_stage({"val": three}, "val", torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long),
+                 torch.tensor([]))  # a microbatch of padding only changes nothing
     log_epoch_metrics(out, three, "val", ps, True)
-    assert out.logged == pytest.approx({"val_accuracy": 0.75, "val_f1": 7 / 9, "val_matthews_corrcoef": 0.7})
+    assert out.logged == pytest.approx({"val_accuracy": 0.75, "val_f1": 7 / 9, "val_matthews_corrcoef": 0.7,
+                                        "val_loss": 1.5})
     binary = finetune_metrics(2, ps)["test"]
-    binary.update(torch.tensor([1, 1, 0, 0]), torch.tensor([1, 0, 0, 0]))  # tp 1, fp 1, tn 2: F1 2/3
+    update_stage({"test": binary}, "test", torch.tensor([1, 1, 0, 0]), torch.tensor([1, 0, 0, 0]),  # F1 2/3
+                 torch.zeros(4))
     log_epoch_metrics(out, binary, "test", ps, True)
     assert out.logged["test_f1"] == pytest.approx(2 / 3) and out.logged["test_matthews_corrcoef"] == pytest.approx(
         (1 * 2 - 1 * 0) / (2 * 1 * 3 * 2) ** 0.5)
     regression = finetune_metrics(1, ps)["val"]
     x = torch.tensor([0.1, 0.4, 0.2, 0.9], dtype=torch.float64)
     y = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
-    regression.update(x, y)
+    update_stage({"val": regression}, "val", x, y, (x - y) ** 2)
     log_epoch_metrics(out, regression, "val", ps, True)
     assert out.logged["val_pearson"] == pytest.approx(float(torch.corrcoef(torch.stack([x, y]))[0, 1]))
     assert out.logged["val_spearman"] == pytest.approx(0.8)  # ranks 1 3 2 4 vs 1 2 3 4
     assert out.logged["val_mse"] == pytest.approx(float(((x - y) ** 2).mean()))
+    assert out.logged["val_loss"] == pytest.approx(out.logged["val_mse"])

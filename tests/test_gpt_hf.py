@@ -286,7 +286,8 @@ def test_export_config_refuses_architectures_transformers_cannot_compute():
 def test_hf_folder_reads_through_init_from_sharded_or_not_and_refuses_auto_map(tmp_path):
     import json
 
-    from lightning_megatron.models.bert.init_from import read_architecture, read_pretrained
+    from lightning_megatron.models.gpt.convert import read_pretrained_source as read_pretrained
+    from lightning_megatron.models.gpt.convert import read_source_architecture as read_architecture
 
     model = _llama()
     arch = ghf.hf_architecture(model.config)
@@ -325,7 +326,7 @@ def test_export_of_a_saved_model_gives_the_contract_logits_in_transformers(tmp_p
     """A saved model of ours (full tensors + module arguments) -> transformers folder -> from_pretrained."""
     import transformers
 
-    from lightning_megatron.models.bert.convert import SavedModel
+    from lightning_megatron.saved_model import SavedModel
     from lightning_megatron.models.gpt.convert import hf_model_from_saved
 
     source = _llama() if family == "llama" else _gpt2()

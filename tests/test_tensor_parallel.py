@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_utils import run_distributed
-from lightning_megatron.parallel_state import ParallelLayout, initialize_model_parallel
+from lightning_megatron.parallel_state import ParallelLayout, group_size, initialize_model_parallel, process_group
 from lightning_megatron.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,8 +29,8 @@ TOL = dict(atol=1e-6, rtol=1e-6)
 
 
 def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    parts = [torch.empty_like(t) for _ in range(group_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=process_group(group))
     return torch.cat(parts, dim=dim)
 
 

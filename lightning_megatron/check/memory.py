@@ -1,4 +1,11 @@
-"""Closed-form bytes per rank of a BERT layout: parameters, gradients, optimizer state, activations.
+"""Closed-form bytes per rank of a layout: parameters, gradients, optimizer state, activations.
+
+Two halves. The model declares its own costs (:class:`~lightning_megatron.protocols.MemoryCost`:
+parameters per stage, activation bytes per layer and microbatch, what the first and last stage add);
+:class:`ModelShape` is that declaration for transformer encoders (BERT), and a model family with other
+layers returns its own from its module's ``estimate_shape``. :func:`estimate_stage` adds the layout's
+part for any model: fp32 gradients and optimizer state from the parameter count, ZeRO-1 shards, and
+the microbatches in flight under each pipeline schedule.
 
 The formulas (derivation in docs/memory.md, section "Predicting memory per rank") count what this
 library allocates, tensor by tensor; ``lightning-megatron check --estimate-memory`` prints them next
@@ -10,8 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lightning_megatron.check.layouts import Layout
+
+if TYPE_CHECKING:
+    from lightning_megatron.protocols import MemoryCost
 
 __all__ = ["ModelShape", "MemoryEstimate", "LayoutSearch", "candidate_layouts", "search_layouts", "estimate_memory",
            "estimate_stage"]
@@ -100,6 +111,40 @@ class ModelShape:
         multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
+    # ------------------------------------------------------------ protocols.MemoryCost
+
+    def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
+        return _stage_params(self, tp, pp, stage, self.num_layers // pp)
+
+    def layer_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        return _layer_activations(self, tp, sequence_parallel)
+
+    def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        return self.param_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (
+            tp if sequence_parallel else 1)
+
+    def first_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """The embedding dropout's mask."""
+        if self.hidden_dropout <= 0:
+            return 0.0
+        return self.mask_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (
+            tp if sequence_parallel else 1)
+
+    def last_stage_activation_bytes(self, tp: int) -> float:
+        return _head_activations(self, tp)
+
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        if self.num_attention_heads % tp or self.ffn % tp:
+            return f"TP={tp} does not divide {self.num_attention_heads} heads / FFN {self.ffn}"
+        return None
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, ffn "
+                f"{self.ffn}, vocab {self.vocab_size}, seq {self.seq_length}, micro batch {self.micro_batch_size}, "
+                f"global batch {self.global_batch_size}, {self.params_dtype}, {self.optimizer}"
+                f"{', full recompute' if self.recompute else ''}, dropout {self.hidden_dropout:g}/"
+                f"{self.attention_dropout:g}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
@@ -177,8 +222,8 @@ def _in_flight(layout: Layout, stage: int, microbatches: int) -> int:
     return min(microbatches * vp, (pp - stage - 1) * 2 + (vp - 1) * pp + 1)  # interleaved warm-up + 1
 
 
-def estimate_stage(m: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
-    """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for model ``m``."""
+def estimate_stage(m: MemoryCost, layout: Layout, stage: int) -> MemoryEstimate:
+    """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for the model whose costs are ``m``."""
     t, pp, d, vp = layout.tp, layout.pp, layout.dp, layout.vp or 1
     if m.num_layers % (pp * vp):
         raise ValueError(f"num_layers={m.num_layers} is not divisible by pp x vp = {pp * vp}")
@@ -187,7 +232,7 @@ def estimate_stage(m: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
         raise ValueError(f"global batch {m.global_batch_size} is not divisible by micro batch "
                          f"{m.micro_batch_size} x dp {d}")
     per_chunk = m.num_layers // (pp * vp)
-    n = _stage_params(m, t, pp, stage, m.num_layers // pp)
+    n = m.stage_parameters(t, pp, stage)
     e = m.param_bytes
     shard = math.ceil(n / d)
     grads = 4 * shard * d if layout.zero1 else 4 * n  # fp32 main grads (ZeRO-1: one padded flat buffer)
@@ -195,23 +240,22 @@ def estimate_stage(m: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
     main = 4 if (e != 4 or layout.zero1) else 0  # fp32 main copy: 16-bit params, or the ZeRO-1 shard
     opt = (moments + main) * (shard if layout.zero1 else n)
     chunks = _in_flight(layout, stage, microbatches)
-    layer = _layer_activations(m, t, layout.sequence_parallel)
-    head = _head_activations(m, t) if stage == pp - 1 else 0.0
+    sp = layout.sequence_parallel
+    layer = m.layer_activation_bytes(t, sp)
+    head = m.last_stage_activation_bytes(t) if stage == pp - 1 else 0.0
     if m.recompute:
         # Each layer keeps only its input. The peak is the forward's (with the head) or, in the
         # backward, after the head's backward, one layer's activations computed again.
-        kept = e * m.seq_length * m.micro_batch_size * m.hidden_size / (t if layout.sequence_parallel else 1)
-        act = chunks * per_chunk * kept + max(head, layer)
+        act = chunks * per_chunk * m.layer_input_bytes(t, sp) + max(head, layer)
     else:
         act = chunks * per_chunk * layer + head
-    if stage == 0 and m.hidden_dropout > 0:  # the embedding dropout's mask, once per first-chunk forward
-        act += -(-chunks // vp) * m.mask_bytes * m.seq_length * m.micro_batch_size * m.hidden_size / (
-            t if layout.sequence_parallel else 1)
+    if stage == 0:  # e.g. the embedding dropout's mask, once per first-chunk forward
+        act += -(-chunks // vp) * m.first_stage_activation_bytes(t, sp)
     return MemoryEstimate(layout=layout.name, params=n, param_bytes=e * n, grad_bytes=grads, optimizer_bytes=opt,
                           activation_bytes=int(act), stage=stage)
 
 
-def estimate_memory(m: ModelShape, layout: Layout) -> MemoryEstimate:
+def estimate_memory(m: MemoryCost, layout: Layout) -> MemoryEstimate:
     """Bytes on the fullest rank of ``layout`` (the pipeline stage with the largest total)."""
     return max((estimate_stage(m, layout, s) for s in range(layout.pp)), key=lambda e: e.total_bytes)
 
@@ -229,7 +273,7 @@ def _divisors(n: int) -> list[int]:
     return [x for x in range(1, n + 1) if n % x == 0]
 
 
-def search_layouts(m: ModelShape, gpus: int, max_tp: int = 8, max_vp: int | None = None) -> LayoutSearch:
+def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None = None) -> LayoutSearch:
     """Every TP x PP (x VP) x DP of ``gpus`` ranks, with and without SP and ZeRO-1, that the model's
     sizes and the batch allow; each excluded combination is counted under its reason.
 
@@ -248,8 +292,9 @@ def search_layouts(m: ModelShape, gpus: int, max_tp: int = 8, max_vp: int | None
         if t > max_tp:
             skip(f"TP={t} > {max_tp} (TP stays within a node)", len(pps))
             continue
-        if m.num_attention_heads % t or m.ffn % t:
-            skip(f"TP={t} does not divide {m.num_attention_heads} heads / FFN {m.ffn}", len(pps))
+        problem = m.tensor_parallel_problem(t)
+        if problem:
+            skip(problem, len(pps))
             continue
         for pp in pps:
             d = gpus // (t * pp)
@@ -276,6 +321,6 @@ def search_layouts(m: ModelShape, gpus: int, max_tp: int = 8, max_vp: int | None
     return LayoutSearch(layouts=out, skipped=skipped)
 
 
-def candidate_layouts(m: ModelShape, gpus: int, max_tp: int = 8) -> list[Layout]:
+def candidate_layouts(m: MemoryCost, gpus: int, max_tp: int = 8) -> list[Layout]:
     """The layouts of :func:`search_layouts` (without the reasons for the ones left out)."""
     return search_layouts(m, gpus, max_tp).layouts

@@ -8,17 +8,19 @@ from typing import Any
 
 from lightning_megatron.check.layouts import Layout
 from lightning_megatron.check.memory import ModelShape, estimate_memory, estimate_stage, search_layouts
+from lightning_megatron.protocols import MemoryCost
 
 __all__ = ["fitting_layouts", "memory_table", "model_shape"]
 
 _MIB = 2**20
 
 
-def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> ModelShape:
-    """The formulas' sizes, declared by the recipe's module class (``estimate_shape``,
+def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> MemoryCost:
+    """The model's costs, declared by the recipe's module class (``estimate_shape``,
     :class:`~lightning_megatron.protocols.EstimatesCost`; ``--model.*`` / ``--data.*`` overrides
-    applied); ``on_cpu``: the attention path the CPU takes (for comparing with a check run on this
-    machine); ``training``: with the recipe's dropout (a check run turns it off)."""
+    applied); ``on_cpu``: the attention path the CPU takes (a transformer :class:`ModelShape`, for
+    comparing with a check run on this machine); ``training``: with the recipe's dropout (a check run
+    turns it off)."""
     from lightning_megatron.check.recipe import import_class
     from lightning_megatron.protocols import EstimatesCost
 
@@ -30,7 +32,12 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> Mo
     model = {**recipe.model, **(recipe.dropout if training else {})}
     shape = cls.estimate_shape(model, recipe.data, micro_batch_size=recipe.micro_batch_size,
                                global_batch_size=recipe.global_batch_size)
-    return dataclasses.replace(shape, on_cpu=on_cpu)
+    if isinstance(shape, ModelShape):
+        return dataclasses.replace(shape, on_cpu=on_cpu)
+    if not isinstance(shape, MemoryCost):
+        raise ValueError(f"{recipe.model_class}.estimate_shape returned a {type(shape).__name__}, which lacks members of "
+                         f"lightning_megatron.protocols.MemoryCost (stage_parameters, layer_activation_bytes, ...)")
+    return shape
 
 
 def _mib(x: float) -> str:
@@ -75,11 +82,7 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
         rows.sort(key=lambda r: (not r[0], -r[3].tokens_per_s))
     else:
         rows.sort(key=lambda r: r[1].total_bytes)
-    print(f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, ffn {m.ffn}, vocab "
-          f"{m.vocab_size}, seq {m.seq_length}, micro batch {m.micro_batch_size}, global batch "
-          f"{m.global_batch_size}, {m.params_dtype}, {m.optimizer}{', full recompute' if m.recompute else ''}, "
-          f"dropout {m.hidden_dropout:g}/{m.attention_dropout:g}: "
-          f"{estimate_stage(m, Layout(), 0).params / 1e6:.1f} M parameters; {gpus} GPUs"
+    print(f"{m.describe()}: {estimate_stage(m, Layout(), 0).params / 1e6:.1f} M parameters; {gpus} GPUs"
           + (f" of {gpu_memory / 1e9:.0f} GB" if gpu_memory else ""))
     if timing is not None:
         dev, eff, _ = timing

@@ -148,7 +148,8 @@ class CheckReport:
 def _assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for pieces in per_rank:
-        for name, (piece, offsets, shape) in pieces.items():
+        for key, (piece, offsets, shape) in pieces.items():
+            name = key.partition("#")[0]  # "name#i": piece i of a strided shard (worker.global_pieces)
             if offsets is None:
                 full.setdefault(name, piece)
                 continue

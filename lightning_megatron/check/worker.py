@@ -117,10 +117,12 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
             if ps.tp_rank == 0:
                 out[name] = (t.clone(), None, tuple(t.shape))
             continue
-        if info.local_rows == 0:
-            continue
-        piece = t.narrow(info.partition_dim, 0, info.local_rows).clone()
-        out[name] = (piece, tuple(info.offsets), tuple(info.global_shape))
+        d = info.partition_dim
+        for i, (local, global_start, rows) in enumerate(info.pieces):
+            if rows > 0:  # a strided shard (gated fc1) is several pieces: "name", "name#1", ...
+                offsets = tuple(global_start if k == d else o for k, o in enumerate(info.offsets))
+                out[name if i == 0 else f"{name}#{i}"] = (t.narrow(d, local, rows).clone(), offsets,
+                                                         tuple(info.global_shape))
     return out
 
 
@@ -228,9 +230,9 @@ class _Held:
 def _on_shared_memory(group: Any) -> bool:
     """Whether ``group``'s collectives go through the CPU shared-memory path."""
     from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives
-    from lightning_megatron.tensor_parallel.communicator import communicator_of
+    from lightning_megatron.parallel_state import group_communicator
 
-    return isinstance(communicator_of(group), SharedMemoryCollectives)
+    return isinstance(group_communicator(group), SharedMemoryCollectives)
 
 
 def _make_recorder(run: CheckRun):
@@ -256,7 +258,7 @@ def _make_recorder(run: CheckRun):
             ps = trainer.strategy.parallel_state
             self.collectives = {name: _on_shared_memory(g)
                                 for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group))
-                                if g is not None and g.size() > 1}
+                                if g is not None and g.size > 1}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if run.record_outputs and trainer.global_step == 0 and trainer.strategy.parallel_state.dp_rank == 0:
@@ -289,7 +291,7 @@ def _make_recorder(run: CheckRun):
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
             if any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
                 flat = torch.cat([g.detach().float().reshape(-1) for g in grads.values()])
-                dist.all_reduce(flat, group=ps.dp_group)
+                dist.all_reduce(flat, group=ps.dp_group.process_group)
                 flat /= ps.dp_size
                 grads = dict(zip(grads, (v.view_as(g) for v, g in
                                          zip(flat.split([g.numel() for g in grads.values()]), grads.values()))))
@@ -298,8 +300,8 @@ def _make_recorder(run: CheckRun):
             # for each TP split, which would hide the layout's own differences.
             squares = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum().reshape(1) \
                 if counted else torch.zeros(1, dtype=torch.float64)
-            if ps.mp_group is not None and dist.get_world_size(ps.mp_group) > 1:
-                dist.all_reduce(squares, group=ps.mp_group)
+            if ps.mp_group is not None and ps.mp_group.size > 1:
+                dist.all_reduce(squares, group=ps.mp_group.process_group)
             self.grad_norms.append(float(squares.item()) ** 0.5)
             step = trainer.global_step + 1
             if step in run.grad_steps:

@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_megatron.tensor_parallel.communicator import TorchCommunicator
+from lightning_megatron.communicator import TorchCommunicator
+from lightning_megatron.parallel_state import Group, process_group
 
 __all__ = ["SharedMemoryCollectives", "enable_shared_memory_collectives"]
 
@@ -113,7 +114,7 @@ class SharedMemoryCollectives:
 
     Build it with :func:`enable_shared_memory_collectives` (collective over ``group``). Tensors of
     any dtype and shape; ``slot_bytes`` bounds one piece of a message, not the message. It is a
-    :class:`~lightning_megatron.tensor_parallel.communicator.Communicator`: tensors on another
+    :class:`~lightning_megatron.communicator.Communicator`: tensors on another
     device, and other reduce ops, go to ``torch.distributed`` on the group.
     """
 
@@ -289,7 +290,7 @@ def _reduce_slots(slots: torch.Tensor, out: torch.Tensor, combine) -> None:
         combine(out, slots[k], out=out)
 
 
-def enable_shared_memory_collectives(group: dist.ProcessGroup | None, *, slot_bytes: int = 8 << 20,
+def enable_shared_memory_collectives(group: Group, *, slot_bytes: int = 8 << 20,
                                      timeout: datetime.timedelta | None = None,
                                      directory: str = "/dev/shm") -> SharedMemoryCollectives | None:
     """Shared-memory collectives for ``group``'s CPU ranks (install with ``ParallelState.set_communicator``).
@@ -301,6 +302,7 @@ def enable_shared_memory_collectives(group: dist.ProcessGroup | None, *, slot_by
     """
     if slot_bytes < 16 or slot_bytes % 16:
         raise ValueError(f"slot_bytes={slot_bytes} must be a positive multiple of 16 (the largest element size)")
+    group = process_group(group)
     if group is None or dist.get_world_size(group) == 1:
         return None
     if dist.get_backend(group) != "gloo":

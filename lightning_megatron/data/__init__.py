@@ -1,4 +1,4 @@
-"""Data, Megatron's way: WordPiece tokenizer, built-in corpus, memory-mapped indexed dataset,
+"""Data, Megatron's way: WordPiece and byte-level BPE tokenizers, built-in corpus, memory-mapped indexed dataset,
 BERT samples with MLM + sentence-order masking, consumed-samples samplers and a LightningDataModule;
 ``LabelledTextDataModule`` for fine-tuning on labelled text (JSONL/CSV/datasets).
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.data.bert_dataset import BertDataset, create_masked_lm_predictions, get_train_valid_test_split_
 from lightning_megatron.data.blended import BlendedDataset, build_blending_indices, parse_data_prefix
+from lightning_megatron.data.bpe_tokenizer import BPETokenizer, packaged_bpe_tokenizer_file, train_bpe_tokenizer
 from lightning_megatron.data.corpus import CorpusStats, default_corpus_documents, read_documents, split_sentences
 from lightning_megatron.data.dataset_vocab import (
     DatasetVocab,
@@ -27,6 +28,7 @@ from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, M
 from lightning_megatron.data.tokenizer import (
     BertTokenizer,
     default_vocab_file,
+    load_tokenizer,
     packaged_vocab_file,
     train_wordpiece_tokenizer,
 )
@@ -40,6 +42,7 @@ __all__ = [
     "BertDataset",
     "BertTokenizer",
     "BlendedDataset",
+    "BPETokenizer",
     "CorpusStats",
     "CorruptIndexedDatasetError",
     "DatasetVocab",
@@ -58,11 +61,14 @@ __all__ = [
     "default_vocab_file",
     "packaged_vocab_file",
     "get_train_valid_test_split_",
+    "load_tokenizer",
+    "packaged_bpe_tokenizer_file",
     "parse_data_prefix",
     "preprocess_corpus",
     "read_dataset_vocab",
     "read_documents",
     "split_sentences",
+    "train_bpe_tokenizer",
     "train_wordpiece_tokenizer",
     "vocab_sha256",
     "write_dataset_vocab",

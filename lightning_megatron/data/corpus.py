@@ -252,7 +252,10 @@ def _decoded_lines(path: Path, stats: CorpusStats) -> Iterator[str]:
         stats.empty_files += 1
 
 
-def _text_file_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
+def _text_file_documents(path: Path, stats: CorpusStats, split: bool = True) -> Iterator[Document]:
+    if not split:
+        yield from _whole_text_file_documents(path, stats)
+        return
     sentences: Document = []
     blank_run = 0
     for line in _decoded_lines(path, stats):
@@ -272,11 +275,38 @@ def _text_file_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
         yield sentences
 
 
-def _record_document(record: Any, json_key: str, stats: CorpusStats) -> Document | None:
-    """The sentences of one JSON / datasets record, or ``None`` (counted) when it has none."""
+def _whole_text_file_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
+    """Documents of a text file as one item each: the lines between blank lines, verbatim."""
+    lines: list[str] = []
+    blank_run = 0
+    for line in _decoded_lines(path, stats):
+        if not line.strip():
+            blank_run += 1
+            continue
+        if blank_run and lines:
+            stats.empty_lines += blank_run - 1
+            yield ["".join(lines).rstrip("\r\n")]
+            lines = []
+        else:
+            stats.empty_lines += blank_run
+        blank_run = 0
+        lines.append(line)
+    stats.empty_lines += blank_run
+    if lines:
+        yield ["".join(lines).rstrip("\r\n")]
+
+
+def _record_document(record: Any, json_key: str, stats: CorpusStats, split: bool = True) -> Document | None:
+    """The sentences of one JSON / datasets record (``split=False``: its text verbatim, one item), or
+    ``None`` (counted) when it has none."""
     if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
         stats.bad_json_lines += 1
         return None
+    if not split:
+        if not record[json_key].strip():
+            stats.empty_documents += 1
+            return None
+        return [record[json_key]]
     sentences = [s for paragraph in record[json_key].split("\n") for s in split_sentences(paragraph)]
     if not sentences:
         stats.empty_documents += 1
@@ -284,7 +314,7 @@ def _record_document(record: Any, json_key: str, stats: CorpusStats) -> Document
     return sentences
 
 
-def _json_file_documents(path: Path, json_key: str, stats: CorpusStats) -> Iterator[Document]:
+def _json_file_documents(path: Path, json_key: str, stats: CorpusStats, split: bool = True) -> Iterator[Document]:
     for line in _decoded_lines(path, stats):
         if not line.strip():
             stats.empty_lines += 1
@@ -294,11 +324,11 @@ def _json_file_documents(path: Path, json_key: str, stats: CorpusStats) -> Itera
         except json.JSONDecodeError:
             stats.bad_json_lines += 1
             continue
-        if (sentences := _record_document(record, json_key, stats)) is not None:
+        if (sentences := _record_document(record, json_key, stats, split)) is not None:
             yield sentences
 
 
-def _hf_documents(item: Any, json_key: str, stats: CorpusStats) -> Iterator[Document]:
+def _hf_documents(item: Any, json_key: str, stats: CorpusStats, split: bool = True) -> Iterator[Document]:
     """Documents of a Hugging Face dataset (object or ``save_to_disk`` directory)."""
     if isinstance(item, (str, os.PathLike)):
         try:
@@ -319,13 +349,17 @@ def _hf_documents(item: Any, json_key: str, stats: CorpusStats) -> Iterator[Docu
     stats.files += 1
     for batch in item.select_columns([json_key]).iter(batch_size=1000):
         for text in batch[json_key]:
-            if (sentences := _record_document({json_key: text}, json_key, stats)) is not None:
+            if (sentences := _record_document({json_key: text}, json_key, stats, split)) is not None:
                 yield sentences
 
 
 def read_documents(inputs: Iterable[Any] | None, stats: CorpusStats | None = None,
-                   *, json_key: str = "text") -> Iterator[Document]:
+                   *, json_key: str = "text", split_sentences: bool = True) -> Iterator[Document]:
     """Documents of the given inputs (``None``: the built-in default corpus), counting in ``stats``.
+
+    ``split_sentences=False`` (GPT data, Megatron's default there) gives every document as one item,
+    its text verbatim: a JSON line's text, a text file's lines between blank lines, a built-in
+    document's sentences joined by spaces.
 
     ``.jsonl``/``.json`` files (and ``.gz`` ones) are read as JSON lines, other files as plain
     text, Hugging Face datasets by their ``json_key`` column. Missing files raise
@@ -337,8 +371,10 @@ def read_documents(inputs: Iterable[Any] | None, stats: CorpusStats | None = Non
     def documents() -> Iterator[Document]:
         if files is None:
             source: Iterable[Document] = default_corpus_documents()
+            if not split_sentences:
+                source = ([" ".join(doc)] for doc in source)
         else:
-            source = _file_documents(files, json_key, stats)
+            source = _file_documents(files, json_key, stats, split_sentences)
         for doc in source:
             stats.documents += 1
             stats.sentences += len(doc)
@@ -347,13 +383,13 @@ def read_documents(inputs: Iterable[Any] | None, stats: CorpusStats | None = Non
     return documents()
 
 
-def _file_documents(items: Sequence[Any], json_key: str, stats: CorpusStats) -> Iterator[Document]:
+def _file_documents(items: Sequence[Any], json_key: str, stats: CorpusStats, split: bool) -> Iterator[Document]:
     for item in items:
         if is_hf_dataset(item):
-            yield from _hf_documents(item, json_key, stats)
+            yield from _hf_documents(item, json_key, stats, split)
             continue
         stats.files += 1
         if _kind(item) == "json":
-            yield from _json_file_documents(item, json_key, stats)
+            yield from _json_file_documents(item, json_key, stats, split)
         else:
-            yield from _text_file_documents(item, stats)
+            yield from _text_file_documents(item, stats, split)

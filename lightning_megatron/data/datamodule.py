@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_
@@ -30,7 +30,7 @@ from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from lightning_megatron.data.tokenizer import BertTokenizer, default_cache_dir, default_vocab_file, file_lock
 
-__all__ = ["BertDataModule", "MegatronDataLoader", "NO_PADDING", "default_num_workers"]
+__all__ = ["BertDataModule", "MegatronDataLoader", "NO_PADDING", "PretrainingDataModule", "default_num_workers"]
 
 NO_PADDING = "no_padding"
 """Batch key set on the host by :meth:`BertDataModule.on_before_batch_transfer`: True when no sample of
@@ -61,76 +61,33 @@ class MegatronDataLoader(DataLoader):
         pass
 
 
-class BertDataModule(pl.LightningDataModule):
-    """BERT pretraining data, Megatron's way.
+class PretrainingDataModule(pl.LightningDataModule):
+    """What every pretraining datamodule shares (:class:`BertDataModule`, :class:`~.gpt_datamodule.GPTDataModule`):
+    the data prefixes or blend, the built-in corpus's cache, the vocabulary check, the train/valid/test
+    split of the documents, the datasets of each split (blended across prefixes), the consumed-samples
+    samplers, the DP coordinates and the resume state.
 
-    Args:
-        data_prefix: prefix of a preprocessed indexed dataset (``<prefix>.bin``/``.idx``, see
-            ``lightning-megatron preprocess``); or a weighted blend ``[0.3, prefix_a, 0.7, prefix_b]``
-            (Megatron's blending, :mod:`~lightning_megatron.data.blended`; each prefix is split into
-            train/valid/test by ``splits`` on its own); ``None``: the built-in corpus, preprocessed
-            once and cached under ``cache_dir``.
-        vocab_file: WordPiece ``vocab.txt`` or ``tokenizer.json``; ``None``: the vocabulary the dataset
-            was preprocessed with, as its ``<prefix>.vocab.json`` records it (the default vocabulary
-            for the built-in corpus, :func:`~lightning_megatron.data.tokenizer.default_vocab_file`).
-            Must be the vocabulary the dataset was preprocessed with.
-        max_seq_length: tokens per sample, ``[CLS] A [SEP] B [SEP]`` plus padding.
-        global_batch_size: samples per optimizer step over all data-parallel ranks.
-        micro_batch_size: samples per forward/backward pass on one rank.
-        seed: seed of the samples mapping, of every sample's masking and of the random sampler.
-        masked_lm_prob: fraction of non-special tokens selected for MLM.
-        short_seq_prob: probability of a sample with a shorter random target length.
-        binary_head: ``"sop"`` (sentence order, Megatron's default), ``"nsp"`` (next sentence) or ``None``.
-        whole_word_masking: mask all ``##`` pieces of a word together.
-        max_ngrams: longest n-gram (in words) masked as one unit.
-        splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style.
-        train_samples: length of the training set; ``None``: ``trainer.max_steps * global_batch_size``
-            when a trainer with ``max_steps`` is attached, else one epoch of the training documents.
-        eval_samples: length of the validation and test sets; ``None``: one epoch of their documents
-            (at least one global batch).
-        shuffle: ``"sequential"`` (the samples mapping is already shuffled; Megatron's default) or
-            ``"random"`` (additionally shuffled per epoch per DP rank).
-        num_workers: DataLoader worker processes (building and masking samples off the training
-            process); ``None``: :func:`default_num_workers` (``min(4, cores per device - 1)`` where a
-            device has 4 cores or more, else 0).
-        cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or
-            ``~/.cache/lightning_megatron``.
-        samples_cache_dir: where the samples mappings are cached (memory-mapped ``.npy``, one per
-            split and configuration); ``None``: next to the dataset, or the default cache directory
-            (``samples/``) when that directory is not writable.
-        predict_file: what ``predict`` reads: ``None``, the test split; else a raw text file (one
-            text per line) or a ``.jsonl`` file (its ``predict_json_key`` field), ``[MASK]`` allowed
-            (:mod:`~lightning_megatron.data.predict`).
-        predict_json_key: the JSONL field holding the text.
+    A subclass sets the attributes of :meth:`_init_common` in its ``__init__`` and gives the
+    tokenizer (``tokenizer``), the built-in corpus (:meth:`_default_corpus_prefix`,
+    :meth:`_preprocess_default_corpus`) and its dataset (:meth:`_make_dataset`).
     """
 
-    def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
-                 max_seq_length: int = 128, global_batch_size: int = 32, micro_batch_size: int = 8,
-                 seed: int = 1234, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
-                 binary_head: Literal["sop", "nsp"] | None = "sop", whole_word_masking: bool = True,
-                 max_ngrams: int = 1, splits: str = "949,50,1", train_samples: int | None = None,
-                 eval_samples: int | None = None, shuffle: Literal["sequential", "random"] = "sequential",
-                 num_workers: int | None = None, cache_dir: str | None = None,
-                 samples_cache_dir: str | None = None, predict_file: str | None = None,
-                 predict_json_key: str = "text") -> None:
-        super().__init__()
+    tokenizer: Any
+    """The tokenizer the data was (or is) tokenized with; a subclass defines it."""
+
+    def _init_common(self, data_prefix: str | list[str | float] | None, *, global_batch_size: int,
+                     micro_batch_size: int, seed: int, splits: str, train_samples: int | None,
+                     eval_samples: int | None, shuffle: str, num_workers: int | None, cache_dir: str | None,
+                     samples_cache_dir: str | None) -> None:
         if global_batch_size < 1 or micro_batch_size < 1 or global_batch_size % micro_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
                              f"micro_batch_size={micro_batch_size}")
         if shuffle not in ("sequential", "random"):
             raise ValueError(f"shuffle={shuffle!r} must be 'sequential' or 'random'")
-        if binary_head not in ("sop", "nsp", None):
-            raise ValueError(f"binary_head={binary_head!r} must be 'sop', 'nsp' or None")
-        if max_seq_length < 5:
-            raise ValueError(f"max_seq_length={max_seq_length} cannot hold [CLS] A [SEP] B [SEP] with a token in "
-                             f"each segment; use at least 5 (BERT recipes use 128 or 512)")
         get_train_valid_test_split_(splits, 1)  # validates the string now, not at setup
         if isinstance(data_prefix, (list, tuple)):
             parse_data_prefix(data_prefix)  # validates the blend now, not at setup
-        self.save_hyperparameters()
         self.data_prefix = data_prefix
-        self.vocab_file = vocab_file
-        self.max_seq_length = max_seq_length
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.seed = seed
@@ -140,30 +97,14 @@ class BertDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.num_workers = num_workers
         self.samples_cache_dir = samples_cache_dir
-        self.predict_file, self.predict_json_key = predict_file, predict_json_key
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self._dataset_kwargs: dict[str, Any] = dict(
-            max_seq_length=max_seq_length, seed=seed, masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
-            binary_head=binary_head, whole_word_masking=whole_word_masking, max_ngrams=max_ngrams,
-            samples_cache_dir=samples_cache_dir)
-        self._tokenizer: BertTokenizer | None = None
         self._restored: tuple[int, int] = (0, 0)
         """(consumed_samples, global_step) at the last checkpoint restored."""
-        self.train_dataset: BertDataset | BlendedDataset | None = None
-        self.val_dataset: BertDataset | BlendedDataset | None = None
-        self.test_dataset: BertDataset | BlendedDataset | None = None
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
 
     # --- tokenizer and corpus -------------------------------------------------------------------
-
-    @property
-    def tokenizer(self) -> BertTokenizer:
-        if self._tokenizer is None:
-            vocab, lowercase = self.vocab_file, None
-            if vocab is None and self.data_prefix is not None:
-                vocab, lowercase = self._recorded_vocab()
-            self._tokenizer = BertTokenizer(vocab if vocab is not None else default_vocab_file(self.cache_dir),
-                                            lowercase=lowercase)
-        return self._tokenizer
 
     def _recorded_vocab(self) -> tuple[str | None, bool | None]:
         """The vocabulary (and lowercasing) the first dataset's ``.vocab.json`` records, if it does."""
@@ -190,14 +131,22 @@ class BertDataModule(pl.LightningDataModule):
         return [1.0], [self._prefix()]
 
     def _prefix(self) -> Path:
-        """The dataset prefix: ``data_prefix``, or the cache entry of the built-in corpus, keyed by
-        the corpus fingerprint, the vocabulary's contents and ``max_seq_length`` (long sentences are
-        split to fit it)."""
+        """The dataset prefix: ``data_prefix``, or the built-in corpus's entry in the cache."""
         if self.data_prefix is not None:
             return Path(self.data_prefix)  # type: ignore[arg-type]
-        vocab_hash = hashlib.sha256(Path(self.tokenizer.vocab_file).read_bytes()).hexdigest()[:12]
-        key = f"{default_corpus_fingerprint()}-{vocab_hash}-s{self.max_seq_length}"
-        return self.cache_dir / f"default-corpus-{key}" / "corpus"
+        return self._default_corpus_prefix()
+
+    def _default_corpus_prefix(self) -> Path:
+        """Where the built-in corpus, tokenized for this datamodule, is cached."""
+        raise NotImplementedError
+
+    def _preprocess_default_corpus(self, prefix: Path) -> None:
+        """Tokenize the built-in corpus into ``prefix`` (called under the cache's file lock)."""
+        raise NotImplementedError
+
+    def _make_dataset(self, indexed: IndexedDataset, documents: range, num_samples: int | None) -> Dataset:
+        """The dataset of ``documents`` of ``indexed`` with ``num_samples`` samples (None: one epoch)."""
+        raise NotImplementedError
 
     def _build_default_corpus(self) -> None:
         """Preprocess the built-in corpus into the cache (under a file lock: one process builds)."""
@@ -206,7 +155,7 @@ class BertDataModule(pl.LightningDataModule):
         prefix = self._prefix()
         with file_lock(prefix.parent / "build.lock"):
             if not index_file_path(prefix).is_file() or not vocab_sidecar_path(prefix).is_file():
-                preprocess_corpus(None, prefix, self.tokenizer, max_seq_length=self.max_seq_length)
+                self._preprocess_default_corpus(prefix)
 
     @override
     def prepare_data(self) -> None:
@@ -287,12 +236,10 @@ class BertDataModule(pl.LightningDataModule):
             if not parts:
                 return None
         if size is None:
-            one_epoch = [BertDataset(indexed, self.tokenizer, documents=docs, **self._dataset_kwargs)
-                         for _, _, indexed, docs in parts]
+            one_epoch = [self._make_dataset(indexed, docs, None) for _, _, indexed, docs in parts]
             size = max(sum(len(d) for d in one_epoch), self.global_batch_size)
         counts = blend_num_samples([w for w, *_ in parts], size)
-        datasets = [BertDataset(indexed, self.tokenizer, documents=docs, num_samples=count, **self._dataset_kwargs)
-                    for (_, _, indexed, docs), count in zip(parts, counts)]
+        datasets = [self._make_dataset(indexed, docs, count) for (_, _, indexed, docs), count in zip(parts, counts)]
         cache = Path(self.samples_cache_dir) if self.samples_cache_dir is not None else self.cache_dir / "blends"
         return BlendedDataset(datasets, [w for w, *_ in parts], size, cache_dir=cache,
                               names=[str(p) for _, p, _, _ in parts])
@@ -309,22 +256,20 @@ class BertDataModule(pl.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def _dataset(self, indexed: IndexedDataset, documents: range, num_samples: int | None,
-                 name: str) -> BertDataset | None:
+                 name: str) -> Dataset | None:
         if len(documents) == 0:
             if name == "train":
                 raise ValueError(f"splits={self.splits!r} leaves no training documents; give train a weight")
             return None
         try:
-            dataset = BertDataset(indexed, self.tokenizer, documents=documents, num_samples=num_samples,
-                                  **self._dataset_kwargs)
+            dataset = self._make_dataset(indexed, documents, num_samples)
         except ValueError as error:
             if name == "train":
                 raise
             warnings.warn(f"no {name} dataset: {error}", stacklevel=2)
             return None
         if num_samples is None and len(dataset) < self.global_batch_size:
-            dataset = BertDataset(indexed, self.tokenizer, documents=documents, num_samples=self.global_batch_size,
-                                  **self._dataset_kwargs)
+            dataset = self._make_dataset(indexed, documents, self.global_batch_size)
         return dataset
 
     # --- loaders ----------------------------------------------------------------------------------
@@ -362,7 +307,7 @@ class BertDataModule(pl.LightningDataModule):
                    else MegatronPretrainingSampler(**common))
         return self._loader(self.train_dataset, sampler)
 
-    def _eval_loader(self, dataset: BertDataset | None) -> DataLoader | list:
+    def _eval_loader(self, dataset: Dataset | None) -> DataLoader | list:
         if dataset is None:
             return []
         dp_rank, dp_size = self._dp_coordinates()
@@ -382,6 +327,120 @@ class BertDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             self.setup("test")
         return self._eval_loader(self.test_dataset)
+
+    # --- checkpointing ----------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer_or_none()
+        step = int(trainer.global_step) if trainer is not None else self._restored[1]
+        return {"consumed_samples": self.consumed_samples, "global_step": step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = (int(state_dict["consumed_samples"]), int(state_dict.get("global_step", 0)))
+
+
+class BertDataModule(PretrainingDataModule):
+    """BERT pretraining data, Megatron's way.
+
+    Args:
+        data_prefix: prefix of a preprocessed indexed dataset (``<prefix>.bin``/``.idx``, see
+            ``lightning-megatron preprocess``); or a weighted blend ``[0.3, prefix_a, 0.7, prefix_b]``
+            (Megatron's blending, :mod:`~lightning_megatron.data.blended`; each prefix is split into
+            train/valid/test by ``splits`` on its own); ``None``: the built-in corpus, preprocessed
+            once and cached under ``cache_dir``.
+        vocab_file: WordPiece ``vocab.txt`` or ``tokenizer.json``; ``None``: the vocabulary the dataset
+            was preprocessed with, as its ``<prefix>.vocab.json`` records it (the default vocabulary
+            for the built-in corpus, :func:`~lightning_megatron.data.tokenizer.default_vocab_file`).
+            Must be the vocabulary the dataset was preprocessed with.
+        max_seq_length: tokens per sample, ``[CLS] A [SEP] B [SEP]`` plus padding.
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        micro_batch_size: samples per forward/backward pass on one rank.
+        seed: seed of the samples mapping, of every sample's masking and of the random sampler.
+        masked_lm_prob: fraction of non-special tokens selected for MLM.
+        short_seq_prob: probability of a sample with a shorter random target length.
+        binary_head: ``"sop"`` (sentence order, Megatron's default), ``"nsp"`` (next sentence) or ``None``.
+        whole_word_masking: mask all ``##`` pieces of a word together.
+        max_ngrams: longest n-gram (in words) masked as one unit.
+        splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style.
+        train_samples: length of the training set; ``None``: ``trainer.max_steps * global_batch_size``
+            when a trainer with ``max_steps`` is attached, else one epoch of the training documents.
+        eval_samples: length of the validation and test sets; ``None``: one epoch of their documents
+            (at least one global batch).
+        shuffle: ``"sequential"`` (the samples mapping is already shuffled; Megatron's default) or
+            ``"random"`` (additionally shuffled per epoch per DP rank).
+        num_workers: DataLoader worker processes (building and masking samples off the training
+            process); ``None``: :func:`default_num_workers` (``min(4, cores per device - 1)`` where a
+            device has 4 cores or more, else 0).
+        cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or
+            ``~/.cache/lightning_megatron``.
+        samples_cache_dir: where the samples mappings are cached (memory-mapped ``.npy``, one per
+            split and configuration); ``None``: next to the dataset, or the default cache directory
+            (``samples/``) when that directory is not writable.
+        predict_file: what ``predict`` reads: ``None``, the test split; else a raw text file (one
+            text per line) or a ``.jsonl`` file (its ``predict_json_key`` field), ``[MASK]`` allowed
+            (:mod:`~lightning_megatron.data.predict`).
+        predict_json_key: the JSONL field holding the text.
+    """
+
+    def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
+                 max_seq_length: int = 128, global_batch_size: int = 32, micro_batch_size: int = 8,
+                 seed: int = 1234, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
+                 binary_head: Literal["sop", "nsp"] | None = "sop", whole_word_masking: bool = True,
+                 max_ngrams: int = 1, splits: str = "949,50,1", train_samples: int | None = None,
+                 eval_samples: int | None = None, shuffle: Literal["sequential", "random"] = "sequential",
+                 num_workers: int | None = None, cache_dir: str | None = None,
+                 samples_cache_dir: str | None = None, predict_file: str | None = None,
+                 predict_json_key: str = "text") -> None:
+        super().__init__()
+        if binary_head not in ("sop", "nsp", None):
+            raise ValueError(f"binary_head={binary_head!r} must be 'sop', 'nsp' or None")
+        if max_seq_length < 5:
+            raise ValueError(f"max_seq_length={max_seq_length} cannot hold [CLS] A [SEP] B [SEP] with a token in "
+                             f"each segment; use at least 5 (BERT recipes use 128 or 512)")
+        self._init_common(data_prefix, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                          seed=seed, splits=splits, train_samples=train_samples, eval_samples=eval_samples,
+                          shuffle=shuffle, num_workers=num_workers, cache_dir=cache_dir,
+                          samples_cache_dir=samples_cache_dir)
+        self.save_hyperparameters()
+        self.vocab_file = vocab_file
+        self.max_seq_length = max_seq_length
+        self.predict_file, self.predict_json_key = predict_file, predict_json_key
+        self._dataset_kwargs: dict[str, Any] = dict(
+            max_seq_length=max_seq_length, seed=seed, masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
+            binary_head=binary_head, whole_word_masking=whole_word_masking, max_ngrams=max_ngrams,
+            samples_cache_dir=samples_cache_dir)
+        self._tokenizer: BertTokenizer | None = None
+
+    # --- tokenizer and corpus -------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> BertTokenizer:
+        if self._tokenizer is None:
+            vocab, lowercase = self.vocab_file, None
+            if vocab is None and self.data_prefix is not None:
+                vocab, lowercase = self._recorded_vocab()
+            self._tokenizer = BertTokenizer(vocab if vocab is not None else default_vocab_file(self.cache_dir),
+                                            lowercase=lowercase)
+        return self._tokenizer
+
+    @override
+    def _default_corpus_prefix(self) -> Path:
+        """Keyed by the corpus fingerprint, the vocabulary's contents and ``max_seq_length`` (long
+        sentences are split to fit it)."""
+        vocab_hash = hashlib.sha256(Path(self.tokenizer.vocab_file).read_bytes()).hexdigest()[:12]
+        key = f"{default_corpus_fingerprint()}-{vocab_hash}-s{self.max_seq_length}"
+        return self.cache_dir / f"default-corpus-{key}" / "corpus"
+
+    @override
+    def _preprocess_default_corpus(self, prefix: Path) -> None:
+        preprocess_corpus(None, prefix, self.tokenizer, max_seq_length=self.max_seq_length)
+
+    @override
+    def _make_dataset(self, indexed: IndexedDataset, documents: range, num_samples: int | None) -> BertDataset:
+        return BertDataset(indexed, self.tokenizer, documents=documents, num_samples=num_samples,
+                           **self._dataset_kwargs)
 
     @override
     def predict_dataloader(self) -> DataLoader:
@@ -413,15 +472,3 @@ class BertDataModule(pl.LightningDataModule):
         if isinstance(batch, dict) and "attention_mask" in batch:
             batch = {**batch, NO_PADDING: bool(batch["attention_mask"].all())}
         return batch
-
-    # --- checkpointing ----------------------------------------------------------------------------
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        trainer = self._trainer_or_none()
-        step = int(trainer.global_step) if trainer is not None else self._restored[1]
-        return {"consumed_samples": self.consumed_samples, "global_step": step}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = (int(state_dict["consumed_samples"]), int(state_dict.get("global_step", 0)))

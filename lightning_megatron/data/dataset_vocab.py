@@ -4,11 +4,14 @@
 
     {"vocab_size": 30522, "vocab_sha256": "...", "max_token_id": 29605, "num_tokens": ..., "num_documents": ...}
 
-``vocab_sha256`` hashes the vocabulary's pieces in id order (one per line, ``\\n``-joined), so the same
-vocabulary in another file or with other line endings has the same hash. :func:`check_dataset_vocab`
-compares it with the tokenizer and the model before any step runs: a model ``vocab_size`` at or
-below the largest token id would give an infinite loss every step, and a dataset made with another
-vocabulary would train on the wrong pieces; both are errors naming the two values and the fix.
+``vocab_sha256`` hashes the vocabulary's pieces in id order (one per line, ``\\n``-joined), and a BPE
+vocabulary's merge rules after them, so the same vocabulary in another file or with other line endings
+has the same hash and the same pieces with other merges do not. A BPE dataset also records
+``tokenizer_type``, its ``eod`` id and whether every document ends with it (``append_eod``).
+:func:`check_dataset_vocab` compares it with the tokenizer and the model before any step runs: a model
+``vocab_size`` at or below the largest token id would give an infinite loss every step, and a dataset
+made with another vocabulary would train on the wrong pieces; both are errors naming the two values
+and the fix.
 """
 
 from __future__ import annotations
@@ -19,14 +22,12 @@ import os
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from lightning_megatron.data.tokenizer import BertTokenizer
-
 __all__ = [
+    "DatasetTokenizer",
     "DatasetVocab",
     "check_dataset_vocab",
     "read_dataset_vocab",
@@ -34,6 +35,22 @@ __all__ = [
     "vocab_sidecar_path",
     "write_dataset_vocab",
 ]
+
+
+class DatasetTokenizer(Protocol):
+    """What a tokenizer gives the record (:class:`.BertTokenizer`, :class:`.BPETokenizer`)."""
+
+    tokenizer_type: str
+    """``"wordpiece"`` or ``"bpe"``."""
+    inv_vocab: list[str]
+    """The pieces in id order."""
+    merges: tuple[str, ...]
+    """BPE merge rules in priority order (empty for WordPiece)."""
+    vocab_file: str | os.PathLike[str]
+    lowercase: bool
+
+    @property
+    def vocab_size(self) -> int: ...
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -55,22 +72,33 @@ class DatasetVocab:
     datamodule's vocabulary when its ``vocab_file`` is left null (None in records written before)."""
     lowercase: bool | None = None
     """Whether the text was lowercased before WordPiece."""
+    tokenizer_type: str | None = None
+    """``"wordpiece"`` or ``"bpe"`` (None in records written before: WordPiece)."""
+    eod: int | None = None
+    """The end-of-document id of a BPE vocabulary."""
+    append_eod: bool | None = None
+    """Whether every document ends with ``eod`` (``preprocess --append-eod``, Megatron's flag)."""
 
 
 def vocab_sidecar_path(prefix: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(prefix)}.vocab.json")
 
 
-def vocab_sha256(tokenizer: BertTokenizer) -> str:
-    """sha256 of the vocabulary's pieces in id order, ``\\n``-joined."""
-    return hashlib.sha256("\n".join(tokenizer.inv_vocab).encode("utf-8")).hexdigest()
+def vocab_sha256(tokenizer: DatasetTokenizer) -> str:
+    """sha256 of the vocabulary's pieces in id order, ``\\n``-joined, then (BPE) a blank line and the
+    merge rules, ``\\n``-joined (a WordPiece vocabulary hashes as it always did)."""
+    text = "\n".join(tokenizer.inv_vocab)
+    if tokenizer.merges:
+        text += "\n\n#merges\n" + "\n".join(tokenizer.merges)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer, *,
-                        max_token_id: int | None = None) -> DatasetVocab:
+def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokenizer, *,
+                        max_token_id: int | None = None, append_eod: bool | None = None) -> DatasetVocab:
     """Write ``<prefix>.vocab.json`` for the dataset at ``prefix`` (atomically). ``max_token_id=None``
     scans ``<prefix>.bin`` for it: use this for a dataset made by another tool (Megatron's
     ``preprocess_data.py``) with the vocabulary of ``tokenizer``."""
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
     from lightning_megatron.data.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix)
@@ -79,7 +107,9 @@ def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer
     record = DatasetVocab(vocab_size=tokenizer.vocab_size, vocab_sha256=vocab_sha256(tokenizer),
                           max_token_id=int(max_token_id), num_tokens=dataset.num_tokens,
                           num_documents=dataset.num_documents, vocab_file=str(Path(tokenizer.vocab_file).resolve()),
-                          lowercase=tokenizer.lowercase)
+                          lowercase=tokenizer.lowercase, tokenizer_type=tokenizer.tokenizer_type,
+                          eod=tokenizer.eod if isinstance(tokenizer, BPETokenizer) else None,
+                          append_eod=append_eod if isinstance(tokenizer, BPETokenizer) else None)
     path = vocab_sidecar_path(prefix)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
@@ -103,14 +133,15 @@ def read_dataset_vocab(prefix: str | os.PathLike[str]) -> DatasetVocab | None:
         return None
     try:
         raw = json.loads(path.read_text())
-        optional = ("vocab_file", "lowercase")  # absent from records written before they existed
-        return DatasetVocab(**{k: raw[k] if k not in optional else raw.get(k) for k in DatasetVocab.__dataclass_fields__})
+        optional = ("vocab_file", "lowercase", "tokenizer_type", "eod", "append_eod")  # absent in older records
+        return DatasetVocab(**{k: raw[k] if k not in optional else raw.get(k)
+                               for k in DatasetVocab.__dataclass_fields__})
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{str(path)!r} is not a valid dataset vocabulary record ({error}); rewrite it with "
                          f"lightning_megatron.data.write_dataset_vocab(prefix, tokenizer)") from None
 
 
-def check_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: BertTokenizer | None = None,
+def check_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokenizer | None = None,
                         model_vocab_size: int | None = None) -> DatasetVocab | None:
     """Refuse a dataset that would train silently wrong; returns its record (``None``, with a
     warning, when the dataset has no ``.vocab.json``).

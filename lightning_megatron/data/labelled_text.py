@@ -38,6 +38,9 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
+from lightning_megatron.data.datamodule import MegatronDataLoader
+from lightning_megatron.data.predict import IndexedSamples, PredictBatchSampler
+
 __all__ = ["FinetuneDataModule", "LabelledTextDataModule", "Row", "encode_rows", "read_labelled_rows"]
 
 Row = tuple[str, str | None, float | int]
@@ -243,12 +246,22 @@ class FinetuneDataModule(LightningDataModule):
                              f"fraction of the training rows (data.val_fraction / data.test_fraction)")
         rank, size = self._dp()
         per_rank = self.global_batch_size // size
-        if self.global_batch_size % size or len(dataset) < self.global_batch_size:
+        if self.global_batch_size % size:
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by the {size} "
+                             f"data-parallel ranks; choose a multiple of {size}")
+        if not shuffle:
+            # Evaluation sees every row once: full global batches (the microbatch schedule needs equal
+            # microbatches), the last one padded with sample_index -1, which the module leaves out of
+            # its loss and metrics.
+            sampler = PredictBatchSampler(total_samples=len(dataset), local_batch_size=per_rank,
+                                          data_parallel_rank=rank, data_parallel_size=size)
+            return MegatronDataLoader(IndexedSamples(dataset), batch_sampler=sampler)
+        if len(dataset) < self.global_batch_size:
             raise ValueError(f"the {split} split has {len(dataset)} rows and global_batch_size="
-                             f"{self.global_batch_size} over {size} data-parallel ranks: a step needs a full "
-                             f"global batch divisible by the data-parallel size; lower data.global_batch_size")
-        # Full global batches only (the microbatch schedule needs equal microbatches): at most
-        # global_batch_size - 1 rows of a split are left out, the same ones at every layout.
+                             f"{self.global_batch_size}: a training step needs a full global batch; lower "
+                             f"data.global_batch_size")
+        # Training takes full global batches only: at most global_batch_size - 1 rows of an epoch are
+        # left out (a different set each epoch, as the shuffle changes).
         sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed,
                                      drop_last=True)
         return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)

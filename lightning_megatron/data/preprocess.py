@@ -1,11 +1,12 @@
 """Text, JSON lines or Hugging Face corpora -> a memory-mapped indexed dataset (Megatron's
 ``preprocess_data.py``).
 
-Every sentence is tokenized with WordPiece and written as one item, documents end with
-``end_document``; ``<prefix>.vocab.json`` records the vocabulary and the largest token id
-(:mod:`.dataset_vocab`). Malformed input never crashes: empty files, blank lines, invalid UTF-8,
-malformed JSON lines and over-long sentences or documents are handled and counted in the returned
-:class:`PreprocessStats`. A missing input raises :class:`FileNotFoundError` naming it, and inputs
+With a WordPiece tokenizer (BERT) every sentence is tokenized and written as one item; with a BPE
+tokenizer (GPT) every document is one item, its text verbatim, with the end-of-document id appended
+when ``append_eod`` (Megatron's ``--append-eod``). Documents end with ``end_document``;
+``<prefix>.vocab.json`` records the vocabulary and the largest token id (:mod:`.dataset_vocab`).
+Malformed input never crashes: empty files, blank lines, invalid UTF-8, malformed JSON lines and
+over-long sentences or documents are handled and counted in the returned :class:`PreprocessStats`. A missing input raises :class:`FileNotFoundError` naming it, and inputs
 that hold no text at all raise :class:`ValueError` (nothing is written).
 
 With ``workers > 1`` the main process reads and splits the documents and ``workers`` processes
@@ -26,14 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from lightning_megatron.data.bpe_tokenizer import BPETokenizer
 from lightning_megatron.data.corpus import CorpusStats, Document, read_documents
 from lightning_megatron.data.dataset_vocab import vocab_sidecar_path, write_dataset_vocab
 from lightning_megatron.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from lightning_megatron.data.tokenizer import BertTokenizer
+from lightning_megatron.data.tokenizer import BertTokenizer, load_tokenizer
 
 __all__ = ["PreprocessStats", "preprocess_corpus"]
 
 _BATCH_SENTENCES = 4096  # sentences tokenized per call into the (multi-threaded) tokenizers library
+_BATCH_CHARS = 1 << 23  # ... or fewer: whole BPE documents can be large, a batch stays near 8 M characters
 
 
 @dataclass(kw_only=True)
@@ -66,23 +69,28 @@ class PreprocessStats(CorpusStats):
 
 def _batches(documents: Iterator[Document]) -> Iterator[list[Document]]:
     batch: list[Document] = []
-    count = 0
+    count = chars = 0
     for doc in documents:
         batch.append(doc)
         count += len(doc)
-        if count >= _BATCH_SENTENCES:
+        chars += sum(map(len, doc))
+        if count >= _BATCH_SENTENCES or chars >= _BATCH_CHARS:
             yield batch
-            batch, count = [], 0
+            batch, count, chars = [], 0, 0
     if batch:
         yield batch
 
 
 _TokenizedDoc = tuple[list[np.ndarray], int, int, int]
 """(pieces to write, tokens, empty sentences, sentences split)."""
+Tokenizer = BertTokenizer | BPETokenizer
 
 
-def _tokenize(tokenizer: BertTokenizer, batch: list[Document], max_sentence: int) -> tuple[list[_TokenizedDoc], int]:
-    """Token ids of a batch of documents, each sentence cut into pieces of at most ``max_sentence``."""
+def _tokenize(tokenizer: Tokenizer, batch: list[Document], max_sentence: int | None,
+              append_eod: bool = False) -> tuple[list[_TokenizedDoc], int]:
+    """Token ids of a batch of documents, each sentence cut into pieces of at most ``max_sentence``
+    (``None``: never cut), the end-of-document id appended to each document's last piece when
+    ``append_eod``."""
     sentences = [s for doc in batch for s in doc]
     text_bytes = sum(len(s.encode("utf-8")) for s in sentences)
     ids = iter(tokenizer.tokenize_batch(sentences))
@@ -96,9 +104,15 @@ def _tokenize(tokenizer: BertTokenizer, batch: list[Document], max_sentence: int
             if sentence.size == 0:
                 empty += 1
                 continue
-            split += sentence.size > max_sentence
-            pieces.extend(sentence[start:start + max_sentence] for start in range(0, sentence.size, max_sentence))
+            if max_sentence is None:
+                pieces.append(sentence)
+            else:
+                split += sentence.size > max_sentence
+                pieces.extend(sentence[start:start + max_sentence] for start in range(0, sentence.size, max_sentence))
             tokens += sentence.size
+        if append_eod and pieces:  # Megatron's --append-eod: on the document's last item
+            pieces[-1] = np.append(pieces[-1], np.asarray(tokenizer.eod, dtype=dtype))
+            tokens += 1
         out.append((pieces, tokens, empty, split))
     return out, text_bytes
 
@@ -106,27 +120,26 @@ def _tokenize(tokenizer: BertTokenizer, batch: list[Document], max_sentence: int
 _worker_state: dict[str, Any] = {}
 
 
-def _worker_init(vocab_file: str, lowercase: bool, max_sentence: int) -> None:
-    _worker_state["tokenizer"] = BertTokenizer(vocab_file, lowercase=lowercase)
-    _worker_state["max_sentence"] = max_sentence
+def _worker_init(tokenizer: Tokenizer, max_sentence: int | None, append_eod: bool) -> None:
+    # The tokenizer arrives pickled without its `tokenizers` object and reloads it from its file.
+    _worker_state.update(tokenizer=tokenizer, max_sentence=max_sentence, append_eod=append_eod)
 
 
 def _worker_tokenize(batch: list[Document]) -> tuple[list[_TokenizedDoc], int]:
-    return _tokenize(_worker_state["tokenizer"], batch, _worker_state["max_sentence"])
+    return _tokenize(_worker_state["tokenizer"], batch, _worker_state["max_sentence"], _worker_state["append_eod"])
 
 
-def _tokenized_batches(batches: Iterable[list[Document]], tokenizer: BertTokenizer, max_sentence: int,
-                       workers: int) -> Iterator[tuple[list[_TokenizedDoc], int]]:
+def _tokenized_batches(batches: Iterable[list[Document]], tokenizer: Tokenizer, max_sentence: int | None,
+                       workers: int, append_eod: bool) -> Iterator[tuple[list[_TokenizedDoc], int]]:
     """Tokenized batches in input order; with ``workers > 1`` from a process pool, at most
     ``2 * workers`` batches in flight (reading never runs far ahead of writing)."""
     if workers <= 1:
         for batch in batches:
-            yield _tokenize(tokenizer, batch, max_sentence)
+            yield _tokenize(tokenizer, batch, max_sentence, append_eod)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     context = multiprocessing.get_context(method)
-    with context.Pool(workers, initializer=_worker_init,
-                      initargs=(str(tokenizer.vocab_file), tokenizer.lowercase, max_sentence)) as pool:
+    with context.Pool(workers, initializer=_worker_init, initargs=(tokenizer, max_sentence, append_eod)) as pool:
         pending: collections.deque = collections.deque()
         for batch in batches:
             pending.append(pool.apply_async(_worker_tokenize, (batch,)))
@@ -173,9 +186,9 @@ class _Progress:
 
 
 def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.PathLike[str],
-                      tokenizer: BertTokenizer | str | os.PathLike[str] | None = None, *,
+                      tokenizer: Tokenizer | str | os.PathLike[str] | None = None, *,
                       json_key: str = "text", max_seq_length: int = 512, workers: int = 1,
-                      progress: bool = False) -> PreprocessStats:
+                      append_eod: bool = False, progress: bool = False) -> PreprocessStats:
     """Tokenize documents and write ``<output_prefix>.bin`` / ``.idx`` / ``.vocab.json``.
 
     Args:
@@ -183,11 +196,15 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
             Hugging Face ``datasets`` objects or ``save_to_disk`` directories; ``None``: the
             built-in corpus.
         output_prefix: path prefix of the output (parent directories are created).
-        tokenizer: a :class:`BertTokenizer`, a ``vocab.txt`` path, or ``None`` for the default vocabulary.
+        tokenizer: a :class:`BertTokenizer` or :class:`BPETokenizer`, a path that
+            :func:`.load_tokenizer` reads (``vocab.txt``, ``tokenizer.json``, GPT-2 ``vocab.json``, a
+            folder), or ``None`` for the packaged BERT vocabulary.
         json_key: field of each JSON line (column of a dataset) holding the document text.
-        max_seq_length: the longest sample the data will feed; sentences longer than
+        max_seq_length: the longest sample the data will feed; WordPiece sentences longer than
             ``max_seq_length - 3`` ids (room for ``[CLS]`` and two ``[SEP]``) are split into pieces of
-            that size, so every piece fits a sample; longer documents are counted.
+            that size, so every piece fits a sample (BPE documents are never cut: the GPT dataset
+            spans documents); longer documents are counted.
+        append_eod: end every document with the BPE tokenizer's end-of-document id.
         workers: processes tokenizing in parallel (1: in this process).
         progress: show MB read and MB/s on stderr.
 
@@ -195,21 +212,27 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
         The counters of what was read and written. The output is written atomically: an
         interrupted run leaves no valid-looking pair (and any previous one untouched or removed).
     """
-    if max_seq_length < 8:
-        raise ValueError(f"max_seq_length={max_seq_length} is too short for BERT samples; use at least 8")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
-    if not isinstance(tokenizer, BertTokenizer):
-        tokenizer = BertTokenizer(tokenizer)
+    if not isinstance(tokenizer, (BertTokenizer, BPETokenizer)):
+        tokenizer = load_tokenizer(tokenizer)
+    bpe = isinstance(tokenizer, BPETokenizer)
+    if max_seq_length < 8 and not bpe:  # BPE documents are never cut
+        raise ValueError(f"max_seq_length={max_seq_length} is too short for BERT samples; use at least 8")
+    if append_eod and not bpe:
+        raise ValueError(f"append_eod=True needs a BPE tokenizer with an end-of-document token, but "
+                         f"{str(tokenizer.vocab_file)!r} is a WordPiece (BERT) vocabulary, which has none; pass a "
+                         f"BPE tokenizer.json (--tokenizer) or drop --append-eod")
     start = time.perf_counter()
     stats = PreprocessStats(output_prefix=os.fspath(output_prefix))
-    documents = read_documents(inputs, stats, json_key=json_key)  # missing files raise here
-    max_sentence = max_seq_length - 3
+    documents = read_documents(inputs, stats, json_key=json_key, split_sentences=not bpe)  # missing files raise here
+    max_sentence = None if bpe else max_seq_length - 3
     progress_bar = _Progress(progress)
     vocab_sidecar_path(output_prefix).unlink(missing_ok=True)  # never a stale record beside new data
     try:
         with IndexedDatasetBuilder(Path(output_prefix), dtype=best_dtype(tokenizer.vocab_size)) as builder:
-            for tokenized, text_bytes in _tokenized_batches(_batches(documents), tokenizer, max_sentence, workers):
+            for tokenized, text_bytes in _tokenized_batches(_batches(documents), tokenizer, max_sentence, workers,
+                                                                append_eod):
                 stats.text_bytes += text_bytes
                 for pieces, doc_tokens, empty, split in tokenized:
                     stats.empty_sentences += empty
@@ -224,7 +247,7 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
                     stats.written_documents += 1
                     stats.written_sentences += len(pieces)
                     stats.long_documents += doc_tokens > max_seq_length
-                    stats.single_sentence_documents += len(pieces) == 1
+                    stats.single_sentence_documents += len(pieces) == 1 and not bpe  # BPE: one item by design
                 progress_bar.update(text_bytes, stats.written_documents)
             if stats.written_documents == 0:
                 raise ValueError(f"no text to preprocess in {_describe(inputs)}: {stats.files} files read, "
@@ -233,7 +256,7 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
                                  f"inputs and json_key={json_key!r})")
     finally:
         progress_bar.close()
-    write_dataset_vocab(output_prefix, tokenizer, max_token_id=stats.max_token_id)
+    write_dataset_vocab(output_prefix, tokenizer, max_token_id=stats.max_token_id, append_eod=append_eod)
     stats.seconds = time.perf_counter() - start
     return stats
 

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["SAMPLES_INDEX_VERSION", "WALK_ROUNDS", "build_samples_mapping", "cached_samples_mapping",
-           "samples_mapping_key", "write_npy_stream"]
+__all__ = ["NpyStreamWriter", "SAMPLES_INDEX_VERSION", "WALK_ROUNDS", "build_samples_mapping", "cached_npy_files",
+           "cached_samples_mapping", "content_key", "samples_mapping_key", "write_npy_stream"]
 
 SAMPLES_INDEX_VERSION = 1
 """Bumped whenever the mapping an input gives changes (invalidates every cached mapping)."""
@@ -257,15 +258,20 @@ def samples_mapping_key(sizes: np.ndarray, doc_idx: np.ndarray, documents: Seque
                         short_seq_prob: float, min_num_sentences: int) -> str:
     """A hex key of every input the mapping depends on (contents, not file names or dates)."""
     num_samples, num_epochs = _check(num_samples, num_epochs)
-    digest = hashlib.sha256()
-    digest.update(f"v{SAMPLES_INDEX_VERSION}|{max_num_tokens}|{seed}|{num_samples}|{num_epochs}|"
-                  f"{float(short_seq_prob)!r}|{min_num_sentences}|".encode())
-    for array, dtype in ((sizes, np.int64), (doc_idx, np.int64), (documents, np.int64)):
+    return content_key(f"v{SAMPLES_INDEX_VERSION}|{max_num_tokens}|{seed}|{num_samples}|{num_epochs}|"
+                       f"{float(short_seq_prob)!r}|{min_num_sentences}|", (sizes, doc_idx, documents))
+
+
+def content_key(header: str, arrays: Sequence[np.ndarray | Sequence[int]]) -> str:
+    """sha256 hex of ``header`` and the int64 contents of ``arrays`` (each preceded by its length): the
+    key of a cached index, so that any change of an input it depends on gives another file."""
+    digest = hashlib.sha256(header.encode())
+    for array in arrays:
         array = np.asarray(array)
         digest.update(f"{len(array)}|".encode())
         # Hash in chunks: converting a huge memory-mapped array at once would load it whole.
         for start in range(0, len(array), 1 << 22):
-            digest.update(np.ascontiguousarray(array[start:start + (1 << 22)], dtype=dtype).tobytes())
+            digest.update(np.ascontiguousarray(array[start:start + (1 << 22)], dtype=np.int64).tobytes())
     return digest.hexdigest()
 
 
@@ -280,29 +286,50 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     return b"\x93NUMPY\x01\x00" + (_NPY_HEADER_BYTES - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
 
 
+class NpyStreamWriter:
+    """Writes a ``.npy`` at ``path`` chunk by chunk (arrays of equal trailing shape; memory: one chunk)
+    into a temporary file, renamed into place by :meth:`close`; an exception inside the ``with`` block
+    removes it. ``rows`` counts what was written."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.path, self.dtype = Path(path), np.dtype(dtype)
+        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self.rows, self.tail = 0, None
+        self._file = open(self.tmp, "wb")
+        self._file.write(b"\0" * _NPY_HEADER_BYTES)
+
+    def write(self, chunk: np.ndarray) -> None:
+        self.tail = chunk.shape[1:] if self.tail is None else self.tail
+        self._file.write(memoryview(np.ascontiguousarray(chunk, dtype=self.dtype)).cast("B"))  # no copy
+        self.rows += len(chunk)
+
+    def close(self) -> None:
+        self._file.seek(0)
+        self._file.write(_npy_header(self.dtype, (self.rows, *(self.tail or ()))))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp, self.path)
+
+    def __enter__(self) -> NpyStreamWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
+            self.tmp.unlink(missing_ok=True)
+
+
 def write_npy_stream(path: Path, chunks: Iterator[np.ndarray], dtype: np.dtype) -> int:
     """Write the concatenation of ``chunks`` (arrays of equal trailing shape) as ``.npy`` at ``path``,
     one chunk at a time (memory: one chunk), into a temporary file renamed into place; returns the
     number of rows."""
-    dtype = np.dtype(dtype)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    rows, tail = 0, None
-    try:
-        with open(tmp, "wb") as f:
-            f.write(b"\0" * _NPY_HEADER_BYTES)
-            for chunk in chunks:
-                tail = chunk.shape[1:] if tail is None else tail
-                f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes(order="C"))
-                rows += len(chunk)
-            f.seek(0)
-            f.write(_npy_header(dtype, (rows, *(tail or ()))))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return rows
+    with NpyStreamWriter(path, dtype) as writer:
+        for chunk in chunks:
+            writer.write(chunk)
+    return writer.rows
 
 
 def _write_mapping(path: Path, epochs: Iterator[np.ndarray], dtype: np.dtype) -> int:
@@ -331,25 +358,43 @@ def cached_samples_mapping(sizes: np.ndarray, doc_idx: np.ndarray, documents: Se
     when every value fits, else ``int64``. ``cache_dir`` not writable: ``fallback_cache_dir`` (the
     default cache) is used instead.
     """
-    from lightning_megatron.data.tokenizer import default_cache_dir, file_lock
-
     kwargs = dict(max_num_tokens=max_num_tokens, seed=seed, num_samples=num_samples, num_epochs=num_epochs,
                   short_seq_prob=short_seq_prob, min_num_sentences=min_num_sentences)
     key = samples_mapping_key(sizes, doc_idx, documents, **kwargs)[:24]
-    filename = f"{name}.samples-{key}.npy"
-    directory = Path(cache_dir)
-    if not (directory / filename).is_file() and not _writable(directory):
-        directory = Path(fallback_cache_dir) if fallback_cache_dir is not None else default_cache_dir() / "samples"
-        directory.mkdir(parents=True, exist_ok=True)
-    path = directory / filename
-    if not path.is_file():
-        with file_lock(directory / f"{filename}.lock"):
-            if not path.is_file():
-                fits = max(len(sizes), max_num_tokens) < 2**32 - 1
-                _write_mapping(path, _epochs(sizes, doc_idx, documents, walk_rounds=WALK_ROUNDS, **kwargs),
-                               np.dtype(np.uint32 if fits else np.int64))
-    mapping = np.load(path, mmap_mode="r", allow_pickle=False)
+    fits = max(len(sizes), max_num_tokens) < 2**32 - 1
+
+    def build(paths: list[Path]) -> None:
+        _write_mapping(paths[0], _epochs(sizes, doc_idx, documents, walk_rounds=WALK_ROUNDS, **kwargs),
+                       np.dtype(np.uint32 if fits else np.int64))
+
+    (mapping,) = cached_npy_files(cache_dir, [f"{name}.samples-{key}.npy"], build,
+                                  fallback_cache_dir=fallback_cache_dir)
     if mapping.ndim != 2 or mapping.shape[1] != 3 or (num_samples is not None and len(mapping) != num_samples):
-        raise ValueError(f"cached samples mapping {str(path)!r} has shape {mapping.shape}, expected "
+        raise ValueError(f"cached samples mapping {str(mapping.filename)!r} has shape {mapping.shape}, expected "
                          f"({num_samples if num_samples is not None else 'rows'}, 3); delete it to rebuild")
     return mapping
+
+
+def cached_npy_files(cache_dir: str | os.PathLike[str], filenames: Sequence[str],
+                     build: Callable[[list[Path]], None], *,
+                     fallback_cache_dir: str | os.PathLike[str] | None = None) -> list[np.memmap]:
+    """The ``.npy`` files ``filenames`` of ``cache_dir``, built once and memory-mapped (read-only).
+
+    When one is missing, ``build(paths)`` writes them all (each atomically, e.g. with
+    :class:`NpyStreamWriter`) while this process holds ``<first file>.lock``; the other processes
+    block on the lock, then find the files. The names carry a key of every input (:func:`content_key`),
+    so a file that exists is the right one. ``cache_dir`` not writable: ``fallback_cache_dir`` (else
+    the default cache's ``samples/``) is used instead.
+    """
+    from lightning_megatron.data.tokenizer import default_cache_dir, file_lock
+
+    directory = Path(cache_dir)
+    if not all((directory / f).is_file() for f in filenames) and not _writable(directory):
+        directory = Path(fallback_cache_dir) if fallback_cache_dir is not None else default_cache_dir() / "samples"
+        directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f for f in filenames]
+    if not all(p.is_file() for p in paths):
+        with file_lock(directory / f"{filenames[0]}.lock"):
+            if not all(p.is_file() for p in paths):
+                build(paths)
+    return [np.load(p, mmap_mode="r", allow_pickle=False) for p in paths]

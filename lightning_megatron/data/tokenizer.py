@@ -28,6 +28,7 @@ __all__ = [
     "default_vocab_file",
     "packaged_vocab_file",
     "file_lock",
+    "load_tokenizer",
     "train_wordpiece_tokenizer",
 ]
 
@@ -68,6 +69,9 @@ class BertTokenizer:
             normalizer of a ``tokenizer.json``, else whether the vocabulary has no upper-case piece
             (a cased vocabulary, such as bert-base-cased's, is never lowercased behind your back).
     """
+
+    tokenizer_type = "wordpiece"
+    merges: tuple[str, ...] = ()  # WordPiece has no merge rules (what the dataset sidecar hashes with the pieces)
 
     def __init__(self, vocab_file: str | os.PathLike[str] | None = None, *, lowercase: bool | None = None) -> None:
         self.vocab_file = _vocabulary_path(Path(vocab_file) if vocab_file is not None else default_vocab_file())
@@ -120,6 +124,11 @@ class BertTokenizer:
     def mask(self) -> int:
         return self.mask_id
 
+    @property
+    def eod(self) -> int:
+        """End-of-document id for GPT data made with a WordPiece vocabulary (which has none): ``[SEP]``."""
+        return self.sep_id
+
     def tokenize(self, text: str) -> list[int]:
         """Ids of ``text``'s WordPiece pieces, without special tokens."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -138,6 +147,35 @@ class BertTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special tokens kept, ``##`` pieces joined to their word)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None) -> Any:
+    """The tokenizer a vocabulary file or folder holds: :class:`.BPETokenizer` for a BPE
+    ``tokenizer.json`` or GPT-2 ``vocab.json`` (+ ``merges.txt``), :class:`BertTokenizer` for a
+    WordPiece ``vocab.txt`` / ``tokenizer.json`` (``None``: the packaged BERT vocabulary)."""
+    import json
+
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+
+    if path is None:
+        return BertTokenizer()
+    file = Path(path)
+    if file.is_dir():
+        names = ("tokenizer.json", "vocab.json", "vocab.txt")
+        file = next((file / n for n in names if (file / n).is_file()), file)
+        if file.is_dir():
+            raise FileNotFoundError(f"tokenizer folder {str(path)!r} holds none of {list(names)}")
+    if not file.is_file():
+        raise FileNotFoundError(f"tokenizer {str(path)!r} does not exist")
+    if file.suffix == ".json":
+        try:
+            spec = json.loads(file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError) as error:
+            raise ValueError(f"tokenizer {str(file)!r} is not valid JSON ({error})") from None
+        model = spec.get("model") if isinstance(spec, dict) else None
+        if model is None or (isinstance(model, dict) and model.get("type") == "BPE"):
+            return BPETokenizer(file)  # a GPT-2 vocab.json (no "model") or a BPE tokenizer.json
+    return BertTokenizer(file)
 
 
 def _require_utf8(path: Path) -> None:

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.parallel_state import Group
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.param_facts import is_counted
 
@@ -86,7 +87,7 @@ def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | 
 def get_grad_norm_fp32(
     grads_for_norm: Iterable[torch.Tensor] | torch.Tensor,
     norm_type: float = 2,
-    model_parallel_group: dist.ProcessGroup | None = None,
+    model_parallel_group: Group = None,
 ) -> float:
     """Total ``norm_type``-norm of ``grads_for_norm`` over ``model_parallel_group`` (fp64 sums).
 
@@ -120,7 +121,7 @@ def get_grad_norm_fp32(
 def grad_norm_and_found_inf(
     counted: Iterable[torch.Tensor],
     others: Iterable[torch.Tensor] = (),
-    model_parallel_group: dist.ProcessGroup | None = None,
+    model_parallel_group: Group = None,
 ) -> tuple[float, bool]:
     """(global L2 norm of ``counted``, whether any of ``counted`` or ``others`` holds inf/nan).
 
@@ -166,7 +167,7 @@ def clip_grad_norm(
     max_norm: float,
     norm_type: float = 2,
     *,
-    model_parallel_group: dist.ProcessGroup | None = None,
+    model_parallel_group: Group = None,
     tp_rank: int = 0,
     pp_rank: int = 0,
 ) -> float:
@@ -187,7 +188,7 @@ def clip_grad_norm(
 def count_zeros_fp32(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     *,
-    model_parallel_group: dist.ProcessGroup | None = None,
+    model_parallel_group: Group = None,
     tp_rank: int = 0,
     pp_rank: int = 0,
 ) -> int:

@@ -54,18 +54,11 @@ from lightning_megatron.grads import GradBuffer
 from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
+from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.param_facts import is_counted
 
 __all__ = ["DistributedOptimizer"]
-
-
-def _size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -86,8 +79,8 @@ class DistributedOptimizer(MegatronOptimizer):
         *,
         grad_scaler: MegatronGradScaler | None = None,
         clip_grad: float = 0.0,
-        data_parallel_group: dist.ProcessGroup | None,
-        model_parallel_group: dist.ProcessGroup | None = None,
+        data_parallel_group: Group,
+        model_parallel_group: Group = None,
         tp_rank: int = 0,
         pp_rank: int = 0,
         log_num_zeros_in_grad: bool = False,
@@ -104,8 +97,8 @@ class DistributedOptimizer(MegatronOptimizer):
                              "and cannot be sharded afterwards")
         self.data_parallel_group = data_parallel_group
         self.grads_already_reduced = grads_already_reduced
-        self.dp_size = _size(data_parallel_group)
-        self.dp_rank = _rank(data_parallel_group)
+        self.dp_size = group_size(data_parallel_group)
+        self.dp_rank = group_rank(data_parallel_group)
 
         # Model params, group by group.
         self.model_groups: list[list[torch.nn.Parameter]] = []

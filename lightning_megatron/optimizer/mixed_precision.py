@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.parallel_state import Group
 from lightning_megatron.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -87,7 +88,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         grad_scaler: MegatronGradScaler | None = None,
         clip_grad: float = 0.0,
         log_num_zeros_in_grad: bool = False,
-        model_parallel_group: dist.ProcessGroup | None = None,
+        model_parallel_group: Group = None,
         tp_rank: int = 0,
         pp_rank: int = 0,
         check_for_nan_in_loss_and_grad: bool = False,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_megatron.tensor_parallel.communicator import Communicator, TorchCommunicator, communicator_of
+from lightning_megatron.communicator import Communicator, TorchCommunicator
 from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -47,5 +47,5 @@ __all__ = [
     "init_method_normal", "scaled_init_method_normal", "RNGStatesTracker", "get_rng_tracker",
     "model_parallel_seed", "recompute", "MODEL_PARALLEL_RNG_TRACKER_NAME", "VocabUtility", "divide",
     "pad_vocab_size", "set_tensor_model_parallel_attributes", "ParamFacts", "param_facts", "set_param_facts",
-    "mark_replicated", "is_counted", "Communicator", "TorchCommunicator", "communicator_of",
+    "mark_replicated", "is_counted", "Communicator", "TorchCommunicator",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.parallel_state import group_rank, group_size
+from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -85,7 +85,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0, *, tp_group: dist.ProcessGroup | None = None,
+                                 label_smoothing: float = 0.0, *, tp_group: Group = None,
                                  vocab_size: int | None = None, ignore_index: int = -100) -> torch.Tensor:
     """Per-token cross entropy (no reduction) of logits split by vocab across ``tp_group``.
 

@@ -26,11 +26,10 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_megatron.parallel_state import group_rank, group_size
+from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.mappings import (
     all_reduce_coalesced,
     copy_to_tensor_model_parallel_region,
@@ -96,7 +95,7 @@ class ColumnParallelLinear(nn.Module):
     Input [s, b, in] (or [s/t, b, in] with sequence parallel); output [s, b, out/t] or [s, b, out].
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup | None = None,
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None,
                  bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
                  init_method: InitMethod | None = None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
@@ -153,7 +152,7 @@ class RowParallelLinear(nn.Module):
     (or [s/t, b, out] with sequence parallel, where the reduce becomes a reduce-scatter).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup | None = None,
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None,
                  bias: bool = True, input_is_parallel: bool = False, skip_bias_add: bool = False,
                  init_method: InitMethod | None = None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
@@ -204,7 +203,7 @@ class VocabParallelEmbedding(nn.Module):
     already be padded to a multiple of t (see ``pad_vocab_size``).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: dist.ProcessGroup | None = None,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group = None,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -231,7 +230,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"embedding_dim={self.embedding_dim}")
 
 
-def all_reduce_sequence_parallel_grads(parameters: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None) -> None:
+def all_reduce_sequence_parallel_grads(parameters: Iterable[nn.Parameter], tp_group: Group) -> None:
     """Sum over TP the grads of parameters marked ``sequence_parallel`` (replicated weights that saw
     only this rank's sequence chunk: norms, row-parallel biases). One flat all-reduce."""
     all_reduce_coalesced([p.grad for p in parameters if param_facts(p).sequence_parallel and p.grad is not None],

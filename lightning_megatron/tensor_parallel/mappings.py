@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.parallel_state import group_rank, group_size
-from lightning_megatron.tensor_parallel.communicator import communicator_of
+from lightning_megatron.parallel_state import Group, group_communicator, group_rank, group_size
 from lightning_megatron.tensor_parallel.utils import divide
 
 __all__ = [
@@ -41,9 +40,6 @@ __all__ = [
     "CompletedWork",
 ]
 
-Group = dist.ProcessGroup | None
-
-
 class CompletedWork:
     """The handle ``async_op=True`` returns for a collective that needs no communication (a group of one)."""
 
@@ -58,14 +54,14 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
                async_op: bool = False) -> torch.Tensor | object:
     """Reduce the contiguous ``t`` over ``group`` in place (no autograd) and return it.
 
-    The one all-reduce of the package, through the group's communicator
-    (:func:`~lightning_megatron.tensor_parallel.communicator.communicator_of`); nothing with a group
+    The one all-reduce of the package, through the group's communicator (a
+    :class:`~lightning_megatron.parallel_state.ParallelGroup`'s own, torch's for a plain group); nothing with a group
     of one. ``async_op=True`` returns a handle to ``wait()`` on instead of ``t`` (a communicator
     that runs synchronously returns a completed one).
     """
     if group_size(group) == 1:
         return CompletedWork() if async_op else t
-    work = communicator_of(group).all_reduce(t, op, async_op=async_op)
+    work = group_communicator(group).all_reduce(t, op, async_op=async_op)
     return work if async_op else t
 
 
@@ -76,7 +72,7 @@ def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, *,
     ``t`` may be this rank's own chunk of ``out`` (in place). ``async_op=True``: returns a handle
     (see :func:`all_reduce`).
     """
-    return communicator_of(group).all_gather_into_tensor(out, t, async_op=async_op)
+    return group_communicator(group).all_gather_into_tensor(out, t, async_op=async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, *,
@@ -86,7 +82,7 @@ def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, *,
     ``out`` may be this rank's own chunk of ``t`` (in place). ``async_op=True``: returns a handle
     (see :func:`all_reduce`).
     """
-    return communicator_of(group).reduce_scatter_tensor(out, t, async_op=async_op)
+    return group_communicator(group).reduce_scatter_tensor(out, t, async_op=async_op)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from lightning_megatron.transformer.attention import DotProductAttention, SelfAt
 from lightning_megatron.transformer.block import TransformerBlock
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.dropout import Dropout, dropout
+from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels, set_kernels
 from lightning_megatron.transformer.layer import (
     TransformerLayer,
@@ -16,6 +17,7 @@ from lightning_megatron.transformer.layer import (
 )
 from lightning_megatron.transformer.mlp import MLP, MLPSubmodules
 from lightning_megatron.transformer.norms import LayerNorm, Norm, RMSNorm, get_norm_class, resolve_norm_class
+from lightning_megatron.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from lightning_megatron.transformer.spec import ModuleSpec, build_module, get_spec, list_specs, register_spec
 from lightning_megatron.transformer.utils import (
     AttnMaskType,
@@ -33,5 +35,6 @@ __all__ = [
     "SelfAttention", "SelfAttentionSubmodules", "DotProductAttention", "MLP", "MLPSubmodules",
     "LayerNorm", "RMSNorm", "Norm", "get_norm_class", "resolve_norm_class", "get_bias_dropout_add", "norm_placement", "layer_norm_spec",
     "Dropout", "dropout", "AttnMaskType", "IdentityOp", "IdentityFuncOp", "get_activation_func", "mark_sequence_parallel",
-    "seeded", "stable_seed", "Kernels", "DEFAULT_KERNELS", "set_kernels",
+    "seeded", "stable_seed", "Kernels", "DEFAULT_KERNELS", "set_kernels", "RotaryEmbedding", "apply_rotary_pos_emb",
+    "InferenceContext",
 ]

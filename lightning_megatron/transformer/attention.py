@@ -12,10 +12,26 @@ Backward of the softmax, row by row (a_i is row i of A, g_i = dL/da_i):
 
 so the gradient only needs A (or, as Flash-Attention does, O and dO: rowsum(dA * A) = rowsum(dO * O)).
 
-TP layout: ``linear_qkv`` is column-parallel with output width 3 * n * d laid out head-major,
-[head 0: q, k, v | head 1: q, k, v | ...], so a contiguous 1/t slice of its rows (what a TP rank
-keeps) holds whole heads with their q, k and v. Each rank runs attention on its n/t heads;
-``linear_proj`` is row-parallel and sums the heads' contributions (one all-reduce forward).
+Grouped-query attention (``config.num_query_groups`` = g key/value heads for n query heads, g | n):
+query heads j*n/g .. (j+1)*n/g - 1 share key/value head j (Hugging Face's ``repeat_kv`` order).
+g = n is multi-head attention, g = 1 multi-query attention.
+
+TP layout: ``linear_qkv`` is column-parallel with output width (n + 2g) * d laid out group-major as
+megatron-core does, [group 0: its n/g query heads, k, v | group 1: ... | ...], so a contiguous 1/t
+slice of its rows (what a TP rank keeps) holds g/t whole groups with their queries, key and value
+(g a multiple of t). With g = n this is the head-major [head 0: q, k, v | head 1: q, k, v | ...].
+Each rank runs attention on its n/t query heads; ``linear_proj`` is row-parallel and sums the heads'
+contributions (one all-reduce forward).
+
+Fewer key/value heads than ranks (g < t, t a multiple of g), as megatron-core does: the row slices
+cut through groups, so each rank all-gathers the qkv activations (backward: reduce-scatter, which
+sums the gradients of the key/value head its t/g ranks share), keeps its group j = r // (t/g), and of
+that group's query heads the (r mod (t/g))-th n/t: overall query heads r*n/t .. (r+1)*n/t - 1, the
+ones its ``linear_proj`` columns expect. The weights stay contiguous row shards of the full tensor.
+
+Rotary position embeddings (:mod:`lightning_megatron.transformer.rotary`) rotate q and k after their
+optional norms when ``forward(..., rotary_pos_emb=freqs)`` is given. Causal attention
+(``AttnMaskType.causal``, no mask tensor) calls SDPA with ``is_causal=True``.
 
 Dropout on the attention probabilities uses the model-parallel RNG stream: each rank holds
 different heads, so their masks must be independent, yet reproducible under recomputation.
@@ -32,9 +48,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_megatron.parallel_state import group_size
+from lightning_megatron.parallel_state import group_rank, group_size
 from lightning_megatron.tensor_parallel import (
     divide,
+    gather_from_sequence_parallel_region,
     get_rng_tracker,
     init_method_normal,
     recompute,
@@ -42,7 +59,9 @@ from lightning_megatron.tensor_parallel import (
 )
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.dropout import dropout
+from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
+from lightning_megatron.transformer.rotary import apply_rotary_pos_emb
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp
 
@@ -68,7 +87,10 @@ class SelfAttentionSubmodules:
 
 
 class DotProductAttention(nn.Module):
-    """Core attention on this rank's heads: q, k, v [s, b, n/t, d] -> context [s, b, n/t * d].
+    """Core attention on this rank's heads: q [s, b, n/t, d], k, v [s, b, g/t, d] -> context [s, b, n/t * d].
+
+    With fewer key/value heads than query heads (grouped-query attention) each key/value head serves
+    n/g consecutive query heads: SDPA gets ``enable_gqa=True``, the unfused path repeats k and v.
 
     ``attention_mask``: bool, broadcastable to [b, n/t, s, s], True where a key is hidden (padding).
     The "sdpa" backend calls ``torch.nn.functional.scaled_dot_product_attention``; "unfused" spells
@@ -95,7 +117,9 @@ class DotProductAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> torch.Tensor:
         s, b, heads, d = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n/t, s, d]
+        sk = key.shape[0]  # > s with a KV cache: the queries are the last s of the sk positions
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n/t, s, d], k/v [b, g/t, sk, d]
+        gqa = k.shape[1] != heads
         causal = self.attn_mask_type == AttnMaskType.causal
         if self.attn_mask_type == AttnMaskType.no_mask:
             attention_mask = None
@@ -103,11 +127,20 @@ class DotProductAttention(nn.Module):
         if self.kernels.use_sdpa(q, p, self.config.attention_backend):
             # SDPA takes True = "may attend"; our mask is True = "hidden".
             keep = None if attention_mask is None else ~attention_mask
+            # SDPA's is_causal aligns the triangle top-left and does not combine with a mask: build it
+            # (bottom-right aligned) when there is a mask or a cache; one query sees every key.
+            if causal and (keep is not None or sk != s) and s > 1:
+                lower = torch.ones(s, sk, dtype=torch.bool, device=q.device).tril(sk - s)
+                keep = lower if keep is None else keep & lower
             rng = self._dropout_rng() if p > 0 else contextlib.nullcontext()
+            extra = {"enable_gqa": True} if gqa else {}
             with rng:
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p,
-                                                         is_causal=causal and keep is None)
+                                                         is_causal=causal and keep is None and sk == s, **extra)
         else:
+            if gqa:
+                repeat = heads // k.shape[1]
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             context = self._unfused(q, k, v, attention_mask, causal, p)
         return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, n/t * d]
 
@@ -116,10 +149,11 @@ class DotProductAttention(nn.Module):
         # Megatron's order: S = alpha * Q K^T in the activation dtype (fp32 accumulation, one
         # rounding), softmax in fp32 when asked, probabilities back in the activation dtype.
         b, n, s, d = q.shape
-        scores = torch.baddbmm(q.new_empty(b * n, s, s), q.reshape(b * n, s, d), k.reshape(b * n, s, d).transpose(1, 2),
-                               beta=0.0, alpha=self.softmax_scale).view(b, n, s, s)
+        sk = k.shape[2]
+        scores = torch.baddbmm(q.new_empty(b * n, s, sk), q.reshape(b * n, s, d), k.reshape(b * n, sk, d).transpose(1, 2),
+                               beta=0.0, alpha=self.softmax_scale).view(b, n, s, sk)
         if causal:
-            upper = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+            upper = torch.ones(s, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - s)
             attention_mask = upper if attention_mask is None else attention_mask | upper
         if attention_mask is not None:
             scores = scores.masked_fill(attention_mask, float("-inf"))
@@ -143,13 +177,16 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         world = group_size(tp_group)
-        d, n = config.kv_channels, config.num_attention_heads
+        d, n, g = config.kv_channels, config.num_attention_heads, config.num_query_groups
         self.hidden_size_per_attention_head = d
         self.num_attention_heads_per_partition = divide(n, world, "num_attention_heads")
+        # g < t: the t/g ranks of a group share its key/value head (see the module docstring).
+        self.num_query_groups_per_partition = 1 if g < world else divide(g, world, "num_query_groups")
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, group_rank(tp_group), world
         projection_size = n * d
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype)
-        self.linear_qkv = build_module(submodules.linear_qkv, config.hidden_size, 3 * projection_size,
+        self.linear_qkv = build_module(submodules.linear_qkv, config.hidden_size, (n + 2 * g) * d,
                                        gather_output=False, init_method=init_method_normal(config.init_method_std),
                                        **common)
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
@@ -165,15 +202,50 @@ class SelfAttention(nn.Module):
         self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=d,
                                         eps=config.layernorm_epsilon)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, n/t * 3 * d], head-major
+    def _query_key_value(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, g/t * (n/g + 2) * d], group-major
         s, b = mixed.shape[:2]
-        d = self.hidden_size_per_attention_head
-        mixed = mixed.view(s, b, self.num_attention_heads_per_partition, 3 * d)
-        query, key, value = torch.split(mixed, d, dim=-1)  # [s, b, n/t, d] each
+        d, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
+        n, g, t = self.config.num_attention_heads, self.config.num_query_groups, self.tp_size
+        if g < t:
+            # All-gather along the last dim with a reduce-scatter backward: the sequence-parallel
+            # gather does exactly that along dim 0, so move the last dim there and back.
+            full = gather_from_sequence_parallel_region(mixed.movedim(-1, 0).contiguous(), self.tp_group, True)
+            width = (n // g + 2) * d
+            j = self.tp_rank // (t // g)
+            mixed = full.movedim(0, -1)[..., j * width:(j + 1) * width]
+        per_group = n // g if g < t else self.num_attention_heads_per_partition // groups  # query heads per group
+        mixed = mixed.reshape(s, b, groups, (per_group + 2) * d)
+        query, key, value = torch.split(mixed, [per_group * d, d, d], dim=-1)
+        query = query.reshape(s, b, groups * per_group, d)
+        if g < t:
+            mine = self.num_attention_heads_per_partition
+            i = self.tp_rank % (t // g)
+            query = query[:, :, i * mine:(i + 1) * mine]
+        return query, key, value
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``rotary_pos_emb``: the RoPE angle table [s, 1, 1, d_rot] of this forward's positions (the
+        full sequence, or the new tokens with a KV cache), or None. ``inference_context``: the KV
+        cache (:class:`~lightning_megatron.transformer.inference.InferenceContext`): this forward's
+        keys and values are appended and the queries attend to every cached position."""
+        if inference_context is not None and self.config.sequence_parallel:
+            raise ValueError("a KV cache (inference_context) with sequence_parallel=True is not supported: one new "
+                             "token cannot be split over the sequence; generate with a model built with "
+                             "sequence_parallel=False")
+        if inference_context is not None and attention_mask is not None:
+            raise ValueError("a KV cache (inference_context) with an attention_mask is not supported: generation "
+                             "runs causal attention on prompts of equal length; pass attention_mask=None")
+        query, key, value = self._query_key_value(hidden_states)  # [s, b, n/t, d]; key, value [s, b, g/t, d]
         query, key = self.q_layernorm(query), self.k_layernorm(key)
-        if self.config.recompute_granularity == "selective":
+        if rotary_pos_emb is not None:
+            query, key = apply_rotary_pos_emb(query, rotary_pos_emb), apply_rotary_pos_emb(key, rotary_pos_emb)
+        if inference_context is not None:
+            key, value = inference_context.append(self.layer_number, key, value)  # [offset + s, b, g/t, d]
+            context = self.core_attention(query, key, value, attention_mask)
+        elif self.config.recompute_granularity == "selective":
             # Core attention holds the O(s^2) activations (scores, probs, dropout mask) and is cheap
             # to recompute compared with the matmuls around it: Megatron's selective recomputation.
             context = recompute(self.core_attention, query, key, value, attention_mask)

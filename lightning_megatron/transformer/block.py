@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_megatron.tensor_parallel import get_rng_tracker, recompute
 from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.layer import layer_norm_spec, norm_placement
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import seeded
@@ -68,13 +69,20 @@ class TransformerBlock(nn.Module):
         self.input_tensor = input_tensor
 
     def _run(self, start: int, end: int):
-        def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                rotary_pos_emb: torch.Tensor | None, inference_context: InferenceContext | None = None) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask)
+                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                      inference_context=inference_context)
             return hidden_states
         return run
 
-    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None, *,
+                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None
+                ) -> torch.Tensor:
+        """``rotary_pos_emb``: the RoPE table [s, 1, 1, d_rot] of the full sequence (also under sequence
+        parallelism) or None; it reaches every layer's attention, recomputed or not.
+        ``inference_context``: the KV cache of generation (no recomputation then)."""
         if not self.pre_process:
             if self.input_tensor is None:
                 raise ValueError("TransformerBlock with pre_process=False needs set_input_tensor(...) before forward")
@@ -85,19 +93,21 @@ class TransformerBlock(nn.Module):
         drops = self.training and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0)
         rng = get_rng_tracker().fork() if cfg.sequence_parallel and drops else contextlib.nullcontext()
         with rng:
-            if cfg.recompute_granularity == "full" and self.training:
+            if cfg.recompute_granularity == "full" and self.training and inference_context is None:
                 k = cfg.recompute_num_layers
                 if cfg.recompute_method == "uniform":
                     for start in range(0, n, k):
-                        hidden_states = recompute(self._run(start, min(start + k, n)), hidden_states, attention_mask)
+                        hidden_states = recompute(self._run(start, min(start + k, n)), hidden_states, attention_mask,
+                                                  rotary_pos_emb)
                 else:  # "block"
                     for i in range(n):
                         if i < k:
-                            hidden_states = recompute(self._run(i, i + 1), hidden_states, attention_mask)
+                            hidden_states = recompute(self._run(i, i + 1), hidden_states, attention_mask,
+                                                      rotary_pos_emb)
                         else:
-                            hidden_states = self._run(i, i + 1)(hidden_states, attention_mask)
+                            hidden_states = self._run(i, i + 1)(hidden_states, attention_mask, rotary_pos_emb)
             else:
-                hidden_states = self._run(0, n)(hidden_states, attention_mask)
+                hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb, inference_context)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

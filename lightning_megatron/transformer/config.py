@@ -31,6 +31,10 @@ class TransformerConfig:
     """Width h of the residual stream."""
     num_attention_heads: int
     """Number of attention heads n; each TP rank holds n / t whole heads."""
+    num_query_groups: int | None = None
+    """Number of key/value heads g of grouped-query attention (None: g = n, plain multi-head attention;
+    1: multi-query); g divides n; a TP rank holds g / t whole groups, or, when g < t (t a multiple of
+    g, as megatron-core allows), t / g ranks share one group's key/value head."""
     ffn_hidden_size: int | None = None
     """Width of the MLP's hidden layer; None means 4 * hidden_size."""
     kv_channels: int | None = None
@@ -45,6 +49,13 @@ class TransformerConfig:
     """Norm used by the LM head and by specs that take the norm from the config."""
     activation: Literal["gelu", "gelu_tanh", "relu", "silu"] = "gelu"
     """MLP (and BERT LM-head) activation; "gelu" is the exact erf GELU (Hugging Face "gelu")."""
+    gated_linear_unit: bool = False
+    """Gated MLP (SwiGLU with activation "silu"): fc1 makes a gate and an up projection of width
+    ffn_hidden_size each and the MLP computes act(gate) * up."""
+    rotary_base: float = 10000.0
+    """Base of the rotary position embedding's frequencies (used when the model applies rotary)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels the rotary embedding rotates (the leading ones)."""
     add_bias_linear: bool = True
     """Whether the linear layers of attention and MLP have biases (BERT: yes)."""
     init_method_std: float = 0.02
@@ -96,6 +107,8 @@ class TransformerConfig:
                 f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_model_parallel_size="
                 f"{t}; each TP rank must hold whole heads: choose a head count that is a multiple of {t} "
                 f"or a TP size that divides {self.num_attention_heads}")
+        self._validate_query_groups()
+        self._validate_rotary()
         if self.ffn_hidden_size % t != 0:
             raise ValueError(
                 f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tensor_model_parallel_size={t}; "
@@ -125,6 +138,35 @@ class TransformerConfig:
         if self.sequence_parallel and t == 1:
             warnings.warn("sequence_parallel=True has no effect with tensor_model_parallel_size=1", stacklevel=3)
         self._validate_recompute()
+
+    def _validate_query_groups(self) -> None:
+        n, t, g = self.num_attention_heads, self.tensor_model_parallel_size, self.num_query_groups
+        if g is None:
+            self.num_query_groups = g = n
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+            raise ValueError(f"num_query_groups={g!r} must be a positive integer or None (= num_attention_heads)")
+        if n % g != 0:
+            raise ValueError(f"num_query_groups={g} must be a number that divides num_attention_heads={n} "
+                             f"(each key/value head serves n/g query heads)")
+        if g % t != 0 and t % g != 0:
+            # megatron-core's rule: a TP rank holds g/t whole groups, or (g < t) t/g ranks share one
+            # group's key/value head and each takes n/t of its query heads.
+            raise ValueError(f"num_query_groups={g} must be a multiple or a divisor of tensor_model_parallel_size={t} "
+                             f"(as megatron-core requires): choose num_query_groups among the multiples or "
+                             f"divisors of {t}, or a TP size that divides or is a multiple of {g}")
+        rows = (n + 2 * g) * self.kv_channels
+        if rows % t != 0:
+            raise ValueError(f"linear_qkv has (num_attention_heads + 2 * num_query_groups) * kv_channels = {rows} rows, "
+                             f"not divisible by tensor_model_parallel_size={t}; choose kv_channels or the head "
+                             f"counts so that it is")
+
+    def _validate_rotary(self) -> None:
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1] (1.0 rotates every channel)")
+        # The even number of rotary channels is checked by RotaryEmbedding: models without rotary
+        # (BERT) may have an odd head width.
+        if not self.rotary_base > 0:
+            raise ValueError(f"rotary_base={self.rotary_base} must be > 0 (e.g. 10000.0)")
 
     def _validate_recompute(self) -> None:
         granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

@@ -130,9 +130,15 @@ class TransformerLayer(nn.Module):
             return slot(self.training)
         return slot(self.training, kernels=self.kernels)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                rotary_pos_emb: torch.Tensor | None = None, inference_context: object | None = None) -> torch.Tensor:
+        """``rotary_pos_emb`` (the RoPE table, :mod:`~lightning_megatron.transformer.rotary`) and
+        ``inference_context`` (the KV cache, :mod:`~lightning_megatron.transformer.inference`) go to the
+        attention; each is passed only when given, so attention modules without them keep working."""
+        extra = {k: v for k, v in (("rotary_pos_emb", rotary_pos_emb), ("inference_context", inference_context))
+                 if v is not None}
         residual = hidden_states
-        attention_output_with_bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask)
+        attention_output_with_bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask, **extra)
         hidden_states = self._bda(self.self_attn_bda)(attention_output_with_bias, residual, self.hidden_dropout)
         hidden_states = self.post_self_attn_layernorm(hidden_states)
 

@@ -3,6 +3,15 @@
 Y = act(X A_1 + b_1) A_2 + b_2 with A_1 = [A_1^1 ... A_1^t] split by columns and A_2 split by
 rows: rank i computes act(X A_1^i + b_1^i) A_2^i with no communication in between (the activation
 is elementwise), and one all-reduce sums the partial outputs.
+
+Gated linear unit (``config.gated_linear_unit``; SwiGLU with activation "silu")::
+
+    Y = (act(X G) * (X U)) A_2          fc1 = [G; U] of width 2 * ffn
+
+Rank i's fc1 rows are [G_i; U_i] (its slice of the gate, then its slice of the up projection, as in
+megatron-core), so the gating stays local. The layer's logical full weight is [G; U], sharded with
+Megatron's ``stride=2`` (rank i keeps piece i of each half): for one seed the TP=t shards are exact
+slices of the TP=1 weight, as for every other parallel layer.
 """
 
 from __future__ import annotations
@@ -40,8 +49,11 @@ class MLP(nn.Module):
         self.config = config
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype)
-        self.linear_fc1 = build_module(submodules.linear_fc1, config.hidden_size, config.ffn_hidden_size,
-                                       gather_output=False, init_method=init_method_normal(config.init_method_std),
+        gated = config.gated_linear_unit
+        fc1_extra = {"stride": 2} if gated else {}
+        self.linear_fc1 = build_module(submodules.linear_fc1, config.hidden_size,
+                                       (2 if gated else 1) * config.ffn_hidden_size, gather_output=False,
+                                       init_method=init_method_normal(config.init_method_std), **fc1_extra,
                                        **common)
         self.activation_func = get_activation_func(config.activation)
         self.linear_fc2 = build_module(submodules.linear_fc2, config.ffn_hidden_size, config.hidden_size,
@@ -51,7 +63,10 @@ class MLP(nn.Module):
                                        **common)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, ffn/t]
+        intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, ffn/t] ([s, b, 2 * ffn/t] gated)
         if bias is not None:
             intermediate = intermediate + bias
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(intermediate, 2, dim=-1)
+            return self.linear_fc2(self.activation_func(gate) * up)
         return self.linear_fc2(self.activation_func(intermediate))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightning_megatron.data.predict import SAMPLE_INDEX
 from lightning_megatron.models.bert.metrics import eval_stage, finetune_metrics, update_stage
 from lightning_megatron.models.bert.model import BertModel
 from lightning_megatron.models.bert.module import BertLightningModule
@@ -54,15 +55,8 @@ class BertClassificationModule(BertLightningModule):
         self.save_hyperparameters()
 
     @override
-    def configure_model(self) -> None:
-        if self.model_chunks is not None:
-            return
-        init_from = self.hparams.get("init_from")
-        self.hparams["init_from"] = None  # load after the classifier exists (below)
-        try:
-            super().configure_model()
-        finally:
-            self.hparams["init_from"] = init_from
+    def on_chunks_built(self) -> None:
+        # The classifier exists before the base loads ``init_from`` (which leaves it at its initialization).
         last = self.model_chunks[-1]
         if last.post_process:
             with seeded(self.hparams.init_seed, "classifier"):
@@ -73,8 +67,6 @@ class BertClassificationModule(BertLightningModule):
             mark_replicated(last.classifier.parameters())  # replicated across TP, like the pooler
             last.classifier_dropout = nn.Dropout(self.hparams.classifier_dropout)
         self.eval_metrics = finetune_metrics(self.hparams.num_classes, self.parallel_state)
-        if init_from:
-            self.load_pretrained(init_from)
 
     optional_pretrained = ("pooler.",)  # as transformers does, a source without a pooler gets a fresh one
 
@@ -100,23 +92,35 @@ class BertClassificationModule(BertLightningModule):
             return logits, lambda output: (torch.zeros((), device=tokens.device), {"predictions": preds})
         labels = batch["labels"].view(-1)
         stage = eval_stage(self)
+        if stage is not None:
+            return self._eval_loss(logits, labels, batch.get(SAMPLE_INDEX), stage)
         if self.hparams.num_classes == 1:
-            values = logits.float().view(-1)
-            loss = F.mse_loss(values, labels.float())
-            with torch.no_grad():
-                update_stage(self.eval_metrics, stage, values.detach().double(), labels.double())
+            loss = F.mse_loss(logits.float().view(-1), labels.float())
             stats = {}
         else:
             loss = F.cross_entropy(logits.float(), labels)
             with torch.no_grad():
-                preds = logits.argmax(-1)
-                update_stage(self.eval_metrics, stage, preds, labels)
-                stats = {} if stage else {"accuracy": (preds == labels).float().mean()}
+                stats = {"accuracy": (logits.argmax(-1) == labels).float().mean()}
 
         def loss_func(output: torch.Tensor):
             return output, {"loss": output.detach(), **stats}
 
         return loss, loss_func
+
+    def _eval_loss(self, logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor | None, stage: str):
+        """Validation/test: every metric, the loss included, is the split's over its real rows (the
+        padding of the last global batch, ``sample_index`` -1, left out), logged once per epoch by
+        :func:`~lightning_megatron.models.bert.metrics.log_epoch_metrics`; nothing per step."""
+        keep = slice(None) if index is None else index.view(-1) >= 0
+        logits, labels = logits.detach()[keep], labels[keep]
+        if self.hparams.num_classes == 1:
+            values = logits.float().view(-1)
+            rows = (values - labels.float()) ** 2
+            update_stage(self.eval_metrics, stage, values.double(), labels.double(), rows.double())
+        else:
+            rows = F.cross_entropy(logits.float(), labels, reduction="none")
+            update_stage(self.eval_metrics, stage, logits.argmax(-1), labels, rows)
+        return rows.sum(), lambda output: (output, {})
 
     def _predictions(self, logits: torch.Tensor) -> torch.Tensor:
         """Class ids, or the predicted values for regression."""

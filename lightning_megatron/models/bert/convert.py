@@ -21,58 +21,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_megatron import checkpoint as ckpt
-from lightning_megatron import dcp_io
+from lightning_megatron.saved_model import SavedModel, read_model_checkpoint
 
 __all__ = ["SavedModel", "read_model_checkpoint", "export_hf", "hf_config_for", "HF_ACTIVATION_NAMES"]
 
 HF_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
 """Our ``activation`` -> transformers' ``hidden_act``."""
-
-
-@dataclass(kw_only=True)
-class SavedModel:
-    """A checkpoint's model, layout-free."""
-
-    state_dict: dict[str, torch.Tensor]
-    """Full tensors under our global names (``encoder.layers.<global i>.*``), vocabulary unpadded."""
-    hparams: dict[str, Any] = field(default_factory=dict)
-    """The LightningModule's ``hyper_parameters`` (``BertLightningModule`` init arguments)."""
-    datamodule_hparams: dict[str, Any] = field(default_factory=dict)
-    """The datamodule's hyper-parameters (``vocab_file``, ...), when it saved them."""
-    layout: dict[str, Any] = field(default_factory=dict)
-    """The layout it was saved at (``tp``, ``pp``, ``vp``, ``dp``, ``world_size``)."""
-    fresh: tuple[str, ...] = ()
-    """Names of the model's tensors the source does not have and ``init_from`` initialises fresh (the
-    MLM / binary heads of an encoder-only Hugging Face model)."""
-
-
-def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
-    """Read the model of a lightning_megatron checkpoint directory (any layout) on this process only."""
-    path = Path(path)
-    info = ckpt.verify_checkpoint(path)  # the one verification of every load path
-    metadata = dcp_io.read_metadata(path).state_dict_metadata
-    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for key, md in metadata.items() if key.startswith("model.") and hasattr(md, "size")}
-    if not state:
-        raise ckpt.CheckpointError(f"checkpoint {str(path)!r} holds no model tensors (no 'model.*' keys)")
-    # no_dist: one process reads the global tensors, whether or not a process group exists.
-    dcp_io.load(state, path, single_process=True)
-    try:
-        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - name the file and the cause
-        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
-                                   f"(weights_only=True): {e}") from e
-    return SavedModel(state_dict={k.removeprefix("model."): v for k, v in state.items()},
-                      hparams=dict(extra.get("hyper_parameters") or {}),
-                      datamodule_hparams=dict(extra.get("datamodule_hyper_parameters") or {}),
-                      layout=dict(info.get("layout") or {}))
 
 
 def _num_layers(sd: dict[str, torch.Tensor]) -> int:
@@ -147,7 +106,8 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
     ``vocab_file``: the WordPiece vocabulary the model was trained with; None takes the datamodule's
     ``vocab_file`` saved in the checkpoint, else the default vocabulary. Its size must equal the
     model's vocabulary. A decoder checkpoint (GPT family: ``LlamaForCausalLM`` / ``GPT2LMHeadModel``,
-    :mod:`lightning_megatron.models.gpt.convert`) takes ``tokenizer`` (a ``tokenizer.json``) instead. A non-empty ``output`` is refused unless ``overwrite``; the folder is written
+    :mod:`lightning_megatron.models.gpt.convert`) takes ``tokenizer`` (a ``tokenizer.json``) instead.
+    A non-empty ``output`` is refused unless ``overwrite``; the folder is written
     next to it under a temporary name and swapped in whole, so a failed export leaves no half-written
     model. Returns the output directory.
     """

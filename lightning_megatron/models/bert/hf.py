@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_megatron.parallel_state import group_size
+from lightning_megatron.parallel_state import Group, group_size, process_group
 from lightning_megatron.tensor_parallel import pad_vocab_size, param_facts
 from lightning_megatron.transformer import TransformerConfig
 
@@ -266,7 +266,7 @@ def merge_tp_state_dicts(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, 
     return out
 
 
-def gather_full_state_dict(model: nn.Module, tp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+def gather_full_state_dict(model: nn.Module, tp_group: Group) -> dict[str, torch.Tensor]:
     """All-gather every TP-sharded parameter of ``model`` (by its ``partition_dim`` metadata): the
     TP=1 state dict, on every rank of ``tp_group``."""
     world = group_size(tp_group)
@@ -277,7 +277,7 @@ def gather_full_state_dict(model: nn.Module, tp_group: dist.ProcessGroup | None)
         facts = None if param is None else param_facts(param)
         if world > 1 and facts is not None and facts.tensor_model_parallel:
             parts = [torch.empty_like(value) for _ in range(world)]
-            dist.all_gather(parts, value.contiguous(), group=tp_group)
+            dist.all_gather(parts, value.contiguous(), group=process_group(tp_group))
             value = torch.cat(parts, dim=facts.partition_dim)
         out[key] = value.detach().clone()
     return out

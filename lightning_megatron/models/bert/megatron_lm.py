@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.models.bert.convert import SavedModel
+from lightning_megatron.saved_model import SavedModel
 
 __all__ = ["is_megatron_checkpoint", "read_megatron_checkpoint", "read_legacy_checkpoint",
            "read_torch_dist_checkpoint", "normalize_megatron_keys", "read_args", "read_megatron_architecture",

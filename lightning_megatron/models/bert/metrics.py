@@ -6,8 +6,9 @@ end of the epoch :func:`log_epoch_metrics` computes them (torchmetrics gathers t
 same predictions, are not counted twice), broadcasts the values along the pipeline and logs them on
 every rank. The result is the metric of the whole split, equal at every TP x PP x DP layout.
 
-- fine-tuning, classification: ``accuracy``, ``f1`` (binary: of class 1; multiclass: macro) and
-  ``matthews_corrcoef``; regression (one output): ``pearson``, ``spearman`` and ``mse``;
+- fine-tuning, classification: ``accuracy``, ``f1`` (binary: of class 1; multiclass: macro),
+  ``matthews_corrcoef`` and ``loss`` (mean cross entropy per row); regression (one output):
+  ``pearson``, ``spearman``, ``mse`` and ``loss`` (the same mean squared error as the training loss);
 - pretraining: ``mlm_accuracy`` (masked tokens predicted right) and ``perplexity`` (exp of the
   mean masked-LM cross entropy per masked token).
 """
@@ -30,7 +31,8 @@ from torchmetrics.classification import (
 )
 from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef, SpearmanCorrCoef
 
-from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.parallel_state import ParallelState, process_group
+from lightning_megatron.tensor_parallel.mappings import all_reduce
 
 __all__ = ["EVAL_STAGES", "Perplexity", "finetune_metrics", "log_epoch_metrics", "eval_stage", "on_device", "pretraining_metrics",
            "update_stage"]
@@ -40,7 +42,7 @@ EVAL_STAGES = ("val", "test")
 
 def _sync_args(ps: ParallelState) -> dict[str, Any]:
     # No gather at all for one replica; otherwise over the data-parallel group only.
-    return {"process_group": ps.dp_group, "sync_on_compute": ps.dp_size > 1}
+    return {"process_group": process_group(ps.dp_group), "sync_on_compute": ps.dp_size > 1}
 
 
 class Perplexity(MeanMetric):
@@ -66,14 +68,15 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCol
             # Moments merged over ranks in float64: the same correlation at every layout to ~1e-12
             # (float32 moments drift by ~1e-5 for a near-zero correlation).
             return MetricCollection({"pearson": PearsonCorrCoef(**kw), "spearman": spearman,
-                                     "mse": MeanSquaredError(**kw)}).set_dtype(torch.float64)
+                                     "mse": MeanSquaredError(**kw), "loss": MeanMetric(**kw)}
+                                    ).set_dtype(torch.float64)
         if num_classes == 2:
             return MetricCollection({"accuracy": BinaryAccuracy(**kw), "f1": BinaryF1Score(**kw),
-                                     "matthews_corrcoef": BinaryMatthewsCorrCoef(**kw)})
+                                     "matthews_corrcoef": BinaryMatthewsCorrCoef(**kw), "loss": MeanMetric(**kw)})
         return MetricCollection({
             "accuracy": MulticlassAccuracy(num_classes, average="micro", **kw),
             "f1": MulticlassF1Score(num_classes, average="macro", **kw),
-            "matthews_corrcoef": MulticlassMatthewsCorrCoef(num_classes, **kw)})
+            "matthews_corrcoef": MulticlassMatthewsCorrCoef(num_classes, **kw), "loss": MeanMetric(**kw)})
 
     return {stage: collection() for stage in EVAL_STAGES}
 
@@ -96,12 +99,19 @@ def log_epoch_metrics(module: Any, metrics: MetricCollection, stage: str, ps: Pa
     # The values, then whether any microbatch updated them: a module whose forward_step does not (a
     # subclass) logs nothing, rather than torchmetrics' "compute before update" warning and zeros.
     values = torch.zeros(len(names) + 1, device=device)
-    if last_stage and any(m.update_count for m in metrics.values()):
+    updated = last_stage and any(m.update_count for m in metrics.values())
+    if last_stage and ps.dp_size > 1:
+        # A replica whose rows were all padding updated nothing, yet computing syncs over the
+        # data-parallel group: every replica computes when any did (one flag, once an epoch).
+        flag = torch.tensor([float(updated)], device=device)
+        all_reduce(flag, ps.dp_group, dist.ReduceOp.MAX)
+        updated = bool(flag.item())
+    if updated:
         computed = metrics.compute()
         values[:-1] = torch.stack([computed[n].detach().float().reshape(()) for n in names]).to(device)
         values[-1] = 1.0
     if ps.pp_size > 1:
-        dist.broadcast(values, src=ps.pp_ranks[-1], group=ps.pp_group)
+        dist.broadcast(values, src=ps.pp_ranks[-1], group=ps.pp_group.process_group)
     metrics.reset()
     out = dict(zip(names, values[:-1].unbind(0))) if values[-1] > 0 else {}
     for name, value in out.items():
@@ -128,7 +138,21 @@ def on_device(collection: MetricCollection, device: torch.device) -> MetricColle
 
 
 def update_stage(metrics: dict[str, MetricCollection] | None, stage: str | None, preds: torch.Tensor,
-                 target: torch.Tensor) -> None:
-    """Update the metrics of ``stage`` (None: not evaluating) with a microbatch's outputs."""
-    if metrics is not None and stage in EVAL_STAGES:
-        on_device(metrics[stage], preds.device).update(preds, target)
+                 target: torch.Tensor, loss: torch.Tensor | None = None) -> None:
+    """Update the metrics of ``stage`` (None: not evaluating) with a microbatch's outputs; a ``loss``
+    metric (fine-tuning's, the mean over the split's rows) takes the per-row ``loss``."""
+    if metrics is None or stage not in EVAL_STAGES:
+        return
+    if preds.numel() == 0:  # a microbatch of padding only (the last global batch of a split)
+        return
+    collection = on_device(metrics[stage], preds.device)
+    if "loss" not in collection:
+        collection.update(preds, target)
+        return
+    if loss is None:
+        raise ValueError("update_stage: this stage's metrics include 'loss': pass the per-row loss")
+    for name, metric in collection.items(keep_base=True):
+        if name == "loss":
+            metric.update(loss)
+        else:
+            metric.update(preds, target)

@@ -18,11 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_megatron.parallel_state import group_size
+from lightning_megatron.parallel_state import Group, group_size
 from lightning_megatron.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -82,7 +81,7 @@ class BertEmbedding(nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, padded_vocab_size: int, max_sequence_length: int,
-                 num_tokentypes: int, *, tp_group: dist.ProcessGroup | None, norm: ModuleSpec | type | None,
+                 num_tokentypes: int, *, tp_group: Group, norm: ModuleSpec | type | None,
                  seed: int) -> None:
         super().__init__()
         self.config, self.tp_group = config, tp_group
@@ -130,7 +129,7 @@ class Pooler(nn.Module):
     (its backward is a split, since every rank computes the same, complete pooler gradient).
     """
 
-    def __init__(self, config: TransformerConfig, tp_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: Group) -> None:
         super().__init__()
         self.config, self.tp_group = config, tp_group
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, dtype=config.params_dtype)
@@ -184,7 +183,7 @@ class BertModel(nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, spec: ModuleSpec | str, vocab_size: int, max_sequence_length: int,
-                 *, tp_group: dist.ProcessGroup | None = None, num_tokentypes: int = 2, add_binary_head: bool = True,
+                 *, tp_group: Group = None, num_tokentypes: int = 2, add_binary_head: bool = True,
                  pre_process: bool = True, post_process: bool = True,
                  share_embeddings_and_output_weights: bool = True, layer_range: range | None = None,
                  make_vocab_size_divisible_by: int = 128, seed: int = 1234,

@@ -26,13 +26,14 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
-from lightning_megatron.models.bert.init_from import PretrainedWeights
+from lightning_megatron.models.bert.init_from import ARCHITECTURE_KEYS, MISSING_TENSORS_HINT
 from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
 from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
 from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
 from lightning_megatron.tensor_parallel import set_param_facts, vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
@@ -44,7 +45,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-class BertLightningModule(PretrainedWeights, MegatronLightningModule):
+class BertLightningModule(MegatronLightningModule):
     """BERT masked-LM + sentence-order pretraining (Megatron's BERT), any TP x PP x VP x DP layout.
 
     Args:
@@ -198,42 +199,36 @@ class BertLightningModule(PretrainedWeights, MegatronLightningModule):
     @override
     def on_chunks_built(self) -> None:
         self.eval_metrics = pretraining_metrics(self.vocab_size, self.parallel_state)  # val/test: whole split, over DP
-        if self.hparams.get("init_from"):
-            self.load_pretrained(self.hparams.init_from)
+
+    # ------------------------------------------------------------------ weights from elsewhere
+
+    architecture_keys = ARCHITECTURE_KEYS
+    missing_tensors_hint = MISSING_TENSORS_HINT
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
-                             strict: bool | None = None, **kwargs: Any) -> BertLightningModule:
-        """A single-process module from a lightning_megatron checkpoint directory (any layout it was
-        saved at), built with the saved hyper-parameters (``kwargs`` override them) and the weights
-        loaded; or Lightning's loader for a single-file checkpoint. To continue training at a layout,
-        use ``trainer.fit(model, ckpt_path=...)``; to start a new run from the weights, ``init_from``."""
-        from pathlib import Path
+    @override
+    def read_pretrained(cls, source: str) -> SavedModel:
+        """Our checkpoints, Hugging Face BERT / MegatronBERT folders and Megatron-LM checkpoints
+        (:func:`~lightning_megatron.models.bert.init_from.read_pretrained`)."""
+        from lightning_megatron.models.bert.init_from import read_pretrained
 
-        from lightning_megatron import checkpoint as ckpt
-        from lightning_megatron.models.bert.convert import read_model_checkpoint
+        return read_pretrained(source)
 
-        path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
-        if path is None or not path.is_dir():
-            return super().load_from_checkpoint(checkpoint_path, map_location=map_location,
-                                                hparams_file=hparams_file, strict=strict, **kwargs)
-        if not (path / ckpt.MARKER).is_file():
-            raise ckpt.CheckpointError(
-                f"{str(path)!r} is a directory but not a lightning_megatron checkpoint ({ckpt.MARKER} missing); "
-                f"BertLightningModule.load_from_checkpoint reads lightning_megatron checkpoint directories or "
-                f"single-file Lightning checkpoints")
-        saved = read_model_checkpoint(path)
-        # LightningCLI records how it built the module (``_instantiator``): not an argument.
-        hparams = {k: v for k, v in saved.hparams.items() if not k.startswith("_")}
-        hparams = {**hparams, **kwargs, "init_from": None}
-        if hparams.get("vocab_size") is None:
-            hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
-        module = cls(**hparams)
-        module.configure_model()
-        module.load_pretrained(saved, everything=True)
-        if map_location is not None:
-            module.to(map_location)
-        return module.eval()
+    @classmethod
+    @override
+    def read_architecture(cls, source: str) -> dict[str, Any]:
+        from lightning_megatron.models.bert.init_from import read_architecture
+
+        return read_architecture(source)
+
+    @classmethod
+    @override
+    def architecture_conflicts(cls, hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+        """As the base, and a missing ``ffn_hidden_size`` is ``4 * hidden_size``, a missing
+        ``lm_head_activation`` the ``activation``, a ``None`` vocabulary is checked on the tensors."""
+        from lightning_megatron.models.bert.init_from import architecture_conflicts
+
+        return architecture_conflicts(hparams, source)
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters under layout-independent names: global layer numbers, no chunk index."""

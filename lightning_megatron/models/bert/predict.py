@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_megatron.parallel_state import group_rank, group_size
+from lightning_megatron.parallel_state import Group, group_rank, group_size, process_group
 
 __all__ = ["vocab_parallel_argmax", "vocab_parallel_topk", "predict_outputs"]
 
 
-def vocab_parallel_argmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | None, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_argmax(logits: torch.Tensor, tp_group: Group, vocab_size: int) -> torch.Tensor:
     """Global argmax over vocab-parallel logits [..., V/t] without gathering them (padding excluded)."""
     partition = logits.size(-1)
     start = group_rank(tp_group) * partition
@@ -33,13 +33,13 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp_group: dist.ProcessGroup | No
         return index
     both = torch.stack([values.float(), index.float()], dim=-1)  # ids < 2^24 are exact in fp32
     gathered = [torch.empty_like(both) for _ in range(group_size(tp_group))]
-    dist.all_gather(gathered, both.contiguous(), group=tp_group)
+    dist.all_gather(gathered, both.contiguous(), group=process_group(tp_group))
     stacked = torch.stack(gathered)  # [t, ..., 2]
     best = stacked[..., 0].argmax(dim=0, keepdim=True)  # first rank wins ties, as a global argmax would
     return stacked[..., 1].gather(0, best).squeeze(0).long()
 
 
-def vocab_parallel_topk(logits: torch.Tensor, tp_group: dist.ProcessGroup | None, vocab_size: int,
+def vocab_parallel_topk(logits: torch.Tensor, tp_group: Group, vocab_size: int,
                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, ids)`` of the ``k`` largest of the real-vocabulary logits ``[..., V/t]`` sharded over
     ``tp_group``: softmax over the whole vocabulary (max and sum of exps all-reduced), candidates
@@ -65,13 +65,13 @@ def vocab_parallel_topk(logits: torch.Tensor, tp_group: dist.ProcessGroup | None
     world = group_size(tp_group)
     global_max = local_max.clone()
     if world > 1:
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=process_group(tp_group))
     sum_exp = (local - global_max.unsqueeze(-1)).exp().sum(dim=-1)
     if world > 1:
-        dist.all_reduce(sum_exp, group=tp_group)
+        dist.all_reduce(sum_exp, group=process_group(tp_group))
         both = torch.cat([values, index.float()], dim=-1).contiguous()  # ids < 2^24 are exact in fp32
         gathered = [torch.empty_like(both) for _ in range(world)]
-        dist.all_gather(gathered, both, group=tp_group)
+        dist.all_gather(gathered, both, group=process_group(tp_group))
         values = torch.cat([g[..., :k] for g in gathered], dim=-1)
         index = torch.cat([g[..., k:] for g in gathered], dim=-1).long()
     # Stable: equal logits keep the lower id first, as a global topk would.
@@ -81,7 +81,7 @@ def vocab_parallel_topk(logits: torch.Tensor, tp_group: dist.ProcessGroup | None
     return probs, index
 
 
-def predict_outputs(chunk: nn.Module, batch: dict[str, torch.Tensor], mode: str, *, tp_group: dist.ProcessGroup | None,
+def predict_outputs(chunk: nn.Module, batch: dict[str, torch.Tensor], mode: str, *, tp_group: Group,
                     vocab_size: int, top_k: int) -> torch.Tensor | dict[str, torch.Tensor]:
     """The predictions of one microbatch on the last chunk (see the module docstring)."""
     tokens, mask, types = batch["tokens"], batch.get("attention_mask"), batch.get("token_types")

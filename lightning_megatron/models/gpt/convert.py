@@ -3,8 +3,12 @@
 - :func:`read_hf_gpt_folder`: a ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` folder (``config.json`` read
   without running code: ``auto_map`` refused, ``trust_remote_code=False``; weights from
   ``model.safetensors``, a sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` with
-  ``torch.load(weights_only=True)``) as a :class:`~lightning_megatron.models.bert.convert.SavedModel`:
+  ``torch.load(weights_only=True)``) as a :class:`~lightning_megatron.saved_model.SavedModel`:
   the full state dict under our names and the ``GPTLightningModule`` arguments its config fixes.
+- :func:`read_pretrained_source` / :func:`read_source_architecture`: the sources ``GPTLightningModule``
+  reads besides our checkpoints (which the base class reads): such a folder, or a Megatron-LM GPT
+  checkpoint (:mod:`lightning_megatron.models.bert.megatron_lm` reads the files, legacy or ``torch_dist``,
+  :mod:`.megatron_lm` the architecture).
 - :func:`hf_model_from_saved`: the transformers model (weights loaded strictly) and its tokenizer
   writer for a checkpoint of ours; ``lightning_megatron.models.bert.convert.export_hf`` (``export hf``)
   calls it for decoder checkpoints (``decoder.layers.*`` tensors) and writes the folder atomically.
@@ -20,11 +24,11 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.models.bert.convert import SavedModel
+from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.models.gpt import hf as ghf
 
-__all__ = ["GPT_MODEL_TYPES", "is_decoder_state_dict", "read_hf_gpt_folder", "architecture_of_saved",
-           "hf_model_from_saved"]
+__all__ = ["GPT_MODEL_TYPES", "is_decoder_state_dict", "read_hf_gpt_folder", "read_pretrained_source",
+           "read_source_architecture", "architecture_of_saved", "hf_model_from_saved"]
 
 GPT_MODEL_TYPES = ("llama", "gpt2")
 """transformers ``model_type`` s the decoder family reads."""
@@ -49,6 +53,54 @@ def read_hf_gpt_folder(path: str | os.PathLike[str], config: Any = None) -> Save
                              f"{hf_sd[key].size(0)} rows: the config does not belong to these weights (fix vocab_size "
                              f"in config.json)")
     return SavedModel(state_dict=ghf.gpt_state_dict_from_hf(hf_sd, arch), hparams=arch)
+
+
+def _kind(path: Path) -> str | None:
+    from lightning_megatron import checkpoint as ckpt
+    from lightning_megatron.models.bert import megatron_lm
+
+    if path.is_dir() and (path / ckpt.MARKER).is_file():
+        return None  # ours: the base class reads it
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf"
+    if path.exists() and megatron_lm.is_megatron_checkpoint(path):
+        return "megatron"
+    return None
+
+
+def _decoder(saved: SavedModel, source: Path) -> SavedModel:
+    if not is_decoder_state_dict(saved.state_dict):
+        raise ValueError(f"init_from={str(source)!r} holds an encoder (BERT) checkpoint, not a GPT one")
+    return saved
+
+
+def read_pretrained_source(source: str | os.PathLike[str]) -> SavedModel | None:
+    """A Llama / GPT-2 Hugging Face folder or a Megatron-LM GPT checkpoint as a SavedModel; None for a
+    lightning_megatron checkpoint directory or anything else (the base class reads ours, refuses the rest)."""
+    from lightning_megatron.models.bert import megatron_lm
+
+    path = Path(source)
+    kind = _kind(path)
+    if kind == "hf":
+        return read_hf_gpt_folder(path)
+    if kind == "megatron":
+        return _decoder(megatron_lm.read_megatron_checkpoint(path), path)
+    return None
+
+
+def read_source_architecture(source: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The GPT architecture a Hugging Face folder (its ``config.json`` only) or a Megatron-LM checkpoint
+    (its ``args``) fixes; None for our checkpoints (the base class reads their saved hyper-parameters)."""
+    from lightning_megatron.models.bert import megatron_lm
+    from lightning_megatron.models.bert.hf import read_hf_config
+
+    path = Path(source)
+    kind = _kind(path)
+    if kind == "hf":
+        return ghf.hf_architecture(read_hf_config(path))
+    if kind == "megatron":
+        return megatron_lm.read_megatron_architecture(path)
+    return None
 
 
 def _num_layers(sd: dict[str, torch.Tensor]) -> int:

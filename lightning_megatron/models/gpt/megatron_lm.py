@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.models.bert.convert import SavedModel
+from lightning_megatron.saved_model import SavedModel
 
 __all__ = ["UNSUPPORTED_GPT_ARGS", "gpt_architecture_from_args", "gpt_saved_model"]
 

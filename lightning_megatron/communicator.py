@@ -2,27 +2,26 @@
 
 Every all-reduce, all-gather and reduce-scatter that :mod:`lightning_megatron.tensor_parallel.mappings`
 runs (tensor-parallel regions, gradient reduction, grad-norm and logged-metric reductions) goes
-through the communicator of its process group. By default that is :class:`TorchCommunicator`:
-``torch.distributed`` on the group's backend (NCCL on GPUs, gloo on CPU): one code path for every
-device.
+through the communicator of the group it is given: a
+:class:`~lightning_megatron.parallel_state.ParallelGroup` (a process group and its communicator,
+owned by the :class:`~lightning_megatron.parallel_state.ParallelState`). By default that is
+:class:`TorchCommunicator`: ``torch.distributed`` on the group's backend (NCCL on GPUs, gloo on CPU):
+one code path for every device.
 
-A platform package may replace the communicator of a group for one run, explicitly: the
-:class:`~lightning_megatron.parallel_state.ParallelState` holds the communicators it installed
-(``ParallelState.set_communicator(group, comm)``) and closes them (``close_communicators()``).
-The opt-in CPU tuning (:mod:`lightning_megatron.cpu`) installs shared-memory collectives this way.
-Layers keep taking plain process groups: the group -> communicator lookup below is private to this
-module and written only through ``ParallelState``.
+A platform package may replace the communicator of a group for one run, explicitly, with
+``ParallelState.set_communicator(name, comm)`` (closed by ``close_communicators()``). The opt-in CPU
+tuning (:mod:`lightning_megatron.cpu`) installs shared-memory collectives this way. There is no
+process-wide table: the communicator travels with the group object that layers are given.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Communicator", "TorchCommunicator", "communicator_of"]
+__all__ = ["Communicator", "TorchCommunicator"]
 
 # torch >= 2.10 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
 _all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -73,24 +72,3 @@ class TorchCommunicator:
 
     def close(self) -> None:
         return None
-
-
-# group -> the communicator a ParallelState installed for it (weak: a destroyed group drops out).
-_installed: weakref.WeakKeyDictionary[dist.ProcessGroup, Communicator] = weakref.WeakKeyDictionary()
-
-
-def communicator_of(group: dist.ProcessGroup | None) -> Communicator:
-    """The communicator that runs ``group``'s collectives: the installed one, else torch's."""
-    if group is not None:
-        comm = _installed.get(group)
-        if comm is not None:
-            return comm
-    return TorchCommunicator(group)
-
-
-def _install(group: dist.ProcessGroup, comm: Communicator | None) -> None:
-    """Used by :meth:`ParallelState.set_communicator` only (``None`` removes the entry)."""
-    if comm is None:
-        _installed.pop(group, None)
-    else:
-        _installed[group] = comm

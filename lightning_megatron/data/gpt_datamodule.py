@@ -1,0 +1,123 @@
+"""``GPTDataModule``: decoder pretraining data (:mod:`~lightning_megatron.data.gpt_dataset`) for Lightning.
+
+The same prefixes / blends, splits, batch sizes, samplers, resume state and vocabulary check as
+:class:`~lightning_megatron.data.datamodule.BertDataModule` (their shared base,
+:class:`~lightning_megatron.data.datamodule.PretrainingDataModule`). A training step receives this
+data-parallel rank's share of one global batch: ``tokens`` / ``labels`` int64 ``[b, s]`` and
+``loss_mask`` float32 ``[b, s]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Literal
+
+from typing_extensions import override
+
+from lightning_megatron.data.corpus import default_corpus_fingerprint
+from lightning_megatron.data.datamodule import PretrainingDataModule
+from lightning_megatron.data.gpt_dataset import GPTDataset, check_documents_end_with_eod
+from lightning_megatron.data.indexed_dataset import IndexedDataset
+from lightning_megatron.data.preprocess import preprocess_corpus
+from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+from lightning_megatron.data.tokenizer import BertTokenizer, load_tokenizer
+
+__all__ = ["GPTDataModule"]
+
+_DEFAULT_CORPUS_MAX_SEQ_LENGTH = 512
+"""How preprocess cuts over-long sentences of the built-in corpus (transparent to GPT samples, which
+join the items of a document again)."""
+
+
+class GPTDataModule(PretrainingDataModule):
+    """GPT pretraining data, Megatron's way: documents (each ending with EOD) joined into one token
+    stream, ``seq_length + 1``-token samples, shuffled (:class:`~.gpt_dataset.GPTDataset`).
+
+    Args:
+        data_prefix: prefix of an indexed dataset preprocessed with ``--append-eod``; or a weighted
+            blend ``[0.3, prefix_a, 0.7, prefix_b]``; ``None``: the built-in corpus, tokenized with
+            the tokenizer below, EOD appended, cached under ``cache_dir``.
+        vocab_file: the tokenizer's vocabulary; ``None``: the one the dataset's ``<prefix>.vocab.json``
+            records (the default vocabulary for the built-in corpus). Its ``eod`` id ends the documents.
+        seq_length: tokens per sample (the model's sequence length).
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        micro_batch_size: samples per forward/backward pass on one rank.
+        seed: seed of the document orders, the sample shuffle and the random sampler.
+        eod_mask_loss: no loss where the input token is EOD (Megatron's ``--eod-mask-loss``).
+        splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style.
+        train_samples: length of the training set; ``None``: ``trainer.max_steps * global_batch_size``
+            when a trainer with ``max_steps`` is attached, else one epoch of the training documents.
+        eval_samples: length of the validation and test sets; ``None``: one epoch of their documents
+            (at least one global batch).
+        shuffle: ``"sequential"`` (the shuffle index already shuffles; Megatron's default) or
+            ``"random"`` (additionally shuffled per epoch per DP rank).
+        num_workers: DataLoader worker processes; ``None``: :func:`~.datamodule.default_num_workers`.
+        cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or
+            ``~/.cache/lightning_megatron``.
+        samples_cache_dir: where the document / sample / shuffle indices are cached; ``None``: next
+            to the dataset, or the default cache directory when that is not writable.
+    """
+
+    def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
+                 seq_length: int = 1024, global_batch_size: int = 32, micro_batch_size: int = 8,
+                 seed: int = 1234, eod_mask_loss: bool = False, splits: str = "949,50,1",
+                 train_samples: int | None = None, eval_samples: int | None = None,
+                 shuffle: Literal["sequential", "random"] = "sequential", num_workers: int | None = None,
+                 cache_dir: str | None = None, samples_cache_dir: str | None = None) -> None:
+        super().__init__()
+        if seq_length < 2:
+            raise ValueError(f"seq_length={seq_length} must be at least 2 (GPT recipes use 1024-4096)")
+        self._init_common(data_prefix, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                          seed=seed, splits=splits, train_samples=train_samples, eval_samples=eval_samples,
+                          shuffle=shuffle, num_workers=num_workers, cache_dir=cache_dir,
+                          samples_cache_dir=samples_cache_dir)
+        self.save_hyperparameters()
+        self.vocab_file = vocab_file
+        self.seq_length = seq_length
+        self.eod_mask_loss = eod_mask_loss
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (``vocab_size``, ``eod``, ``tokenize``, ``detokenize``)."""
+        if self._tokenizer is None:
+            vocab, lowercase = self.vocab_file, None
+            if vocab is None and self.data_prefix is not None:
+                vocab, lowercase = self._recorded_vocab()
+            self._tokenizer = self._load_tokenizer(vocab, lowercase)
+        return self._tokenizer
+
+    def _load_tokenizer(self, vocab: str | None, lowercase: bool | None) -> Any:
+        """The tokenizer of ``vocab`` (a BPE ``tokenizer.json`` / GPT-2 ``vocab.json``, or a WordPiece
+        ``vocab.txt``); ``None``: the packaged byte-level BPE, whose ``<|endoftext|>`` ends documents."""
+        if vocab is None:
+            return BPETokenizer()
+        tokenizer = load_tokenizer(vocab)
+        if isinstance(tokenizer, BertTokenizer) and lowercase is not None:
+            tokenizer = BertTokenizer(vocab, lowercase=lowercase)
+        return tokenizer
+
+    @override
+    def _default_corpus_prefix(self) -> Path:
+        """Keyed by the corpus fingerprint and the vocabulary's contents."""
+        vocab_hash = hashlib.sha256(Path(self.tokenizer.vocab_file).read_bytes()).hexdigest()[:12]
+        return self.cache_dir / f"default-corpus-{default_corpus_fingerprint()}-{vocab_hash}-eod" / "corpus"
+
+    @override
+    def _preprocess_default_corpus(self, prefix: Path) -> None:
+        preprocess_corpus(None, prefix, self.tokenizer, max_seq_length=_DEFAULT_CORPUS_MAX_SEQ_LENGTH,
+                          append_eod=True)
+
+    @override
+    def _open(self, prefix: Path) -> tuple[IndexedDataset, list[range]]:
+        """The base's checks, and that the documents end with the tokenizer's EOD."""
+        indexed, splits = super()._open(prefix)
+        check_documents_end_with_eod(indexed, self.tokenizer.eod)
+        return indexed, splits
+
+    @override
+    def _make_dataset(self, indexed: IndexedDataset, documents: range, num_samples: int | None) -> GPTDataset:
+        return GPTDataset(indexed, documents=documents, num_samples=num_samples, seq_length=self.seq_length,
+                          seed=self.seed, eod_id=self.tokenizer.eod, eod_mask_loss=self.eod_mask_loss,
+                          samples_cache_dir=self.samples_cache_dir)

@@ -1,0 +1,155 @@
+"""A model's weights without a layout, for any model family: read from our checkpoints, sliced into a rank.
+
+A lightning_megatron checkpoint stores every model tensor as a DCP *global* tensor under
+``model.<name>`` (global layer numbers, vocabulary unpadded, the tied word embedding once), whatever
+the TP/PP/VP/DP layout it was written at. :func:`read_model_checkpoint` reads those tensors on ONE
+process (no process group) into a :class:`SavedModel` (a plain TP=1 state dict with the module's and
+the datamodule's hyper-parameters from ``extra.pt``, ``torch.load(weights_only=True)``), and
+:func:`load_full_state_dict` copies this rank's slice of each tensor into a built model at any layout
+(from the parameters' typed facts: partition dim, real vocabulary rows, tied embedding).
+
+:class:`~lightning_megatron.module.MegatronLightningModule` builds ``load_from_checkpoint``,
+``from_pretrained`` and ``init_from`` on these for every family; a family adds the sources it reads
+besides our checkpoints (BERT: Hugging Face folders and Megatron-LM checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_megatron import checkpoint as ckpt
+from lightning_megatron import dcp_io
+from lightning_megatron.tensor_parallel.param_facts import param_facts
+
+__all__ = ["SavedModel", "read_model_checkpoint", "read_saved_hparams", "load_full_state_dict", "refuse_architecture"]
+
+_LAYER = re.compile(r"^\w+\.layers\.(\d+)\.")
+"""A transformer layer's parameter under its global number (``encoder.layers.3.*``, ``decoder.layers.3.*``)."""
+
+
+@dataclass(kw_only=True)
+class SavedModel:
+    """A checkpoint's model, layout-free."""
+
+    state_dict: dict[str, torch.Tensor]
+    """Full tensors under our global names (``encoder.layers.<global i>.*``), vocabulary unpadded."""
+    hparams: dict[str, Any] = field(default_factory=dict)
+    """The LightningModule's ``hyper_parameters`` (its init arguments)."""
+    datamodule_hparams: dict[str, Any] = field(default_factory=dict)
+    """The datamodule's hyper-parameters (``vocab_file``, ...), when it saved them."""
+    layout: dict[str, Any] = field(default_factory=dict)
+    """The layout it was saved at (``tp``, ``pp``, ``vp``, ``dp``, ``world_size``)."""
+    fresh: tuple[str, ...] = ()
+    """Names of the model's tensors the source does not have and ``init_from`` initialises fresh (the
+    MLM / binary heads of an encoder-only Hugging Face model)."""
+
+
+def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
+    """Read the model of a lightning_megatron checkpoint directory (any layout) on this process only."""
+    path = Path(path)
+    info = ckpt.verify_checkpoint(path)  # the one verification of every load path
+    metadata = dcp_io.read_metadata(path).state_dict_metadata
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for key, md in metadata.items() if key.startswith("model.") and hasattr(md, "size")}
+    if not state:
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r} holds no model tensors (no 'model.*' keys)")
+    # no_dist: one process reads the global tensors, whether or not a process group exists.
+    dcp_io.load(state, path, single_process=True)
+    try:
+        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - name the file and the cause
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
+                                   f"(weights_only=True): {e}") from e
+    return SavedModel(state_dict={k.removeprefix("model."): v for k, v in state.items()},
+                      hparams=dict(extra.get("hyper_parameters") or {}),
+                      datamodule_hparams=dict(extra.get("datamodule_hyper_parameters") or {}),
+                      layout=dict(info.get("layout") or {}))
+
+
+def read_saved_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The module's saved hyper-parameters of a lightning_megatron checkpoint directory (``extra.pt``,
+    ``weights_only=True``), without reading its tensors."""
+    path = Path(path)
+    ckpt.validate_checkpoint_dir(path)
+    try:
+        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - name the file and the cause
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
+                                   f"(weights_only=True): {e}") from e
+    return dict(extra.get("hyper_parameters") or {})
+
+
+def refuse_architecture(wrong: list[tuple[str, Any, Any]], source_name: str) -> None:
+    """Raise listing every ``(argument, the module's value, the source's)`` that differs, with the flags to set."""
+    if wrong:
+        flags = " ".join(f"--model.{k} {v}" for k, _, v in wrong)
+        details = ", ".join(f"{k}={h!r} (needs {w!r})" for k, h, w in wrong)
+        raise ValueError(f"init_from={source_name!r}: the model's {details}. Set: {flags}")
+
+
+def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[str, nn.Parameter]],
+                         full: dict[str, torch.Tensor], *, tp_rank: int, tp_size: int, num_layers: int | None,
+                         source_name: str, optional: tuple[str, ...] = (), fresh: tuple[str, ...] = (),
+                         missing_hint: str = "") -> None:
+    """Copy this rank's slice of every tensor of ``full`` (TP=1, unpadded vocab, global layer names)
+    into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``).
+    Parameters whose names start with one of ``optional`` keep their initialization when the source
+    lacks them (a warning names them); those named in ``fresh`` keep it silently (the caller warns once).
+    ``num_layers``: checked against the source's layers (None: not checked); ``missing_hint``: the
+    family's advice when tensors are missing."""
+    layers = {int(m.group(1)) for m in map(_LAYER.match, full) if m}
+    if num_layers is not None and layers and max(layers) + 1 != num_layers:
+        raise ValueError(f"init_from={source_name!r} has {max(layers) + 1} layers but the model has "
+                         f"num_layers={num_layers}: set --model.num_layers {max(layers) + 1}")
+    missing, skipped = [], []
+    with torch.no_grad():
+        for name, p in named_parameters:
+            key = name
+            facts = param_facts(p)
+            if name == "output_layer.weight" and facts.shared_embedding:
+                key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+            t = full.get(key)
+            if t is None:
+                if key in fresh:
+                    continue
+                if key.startswith(optional) and optional:
+                    skipped.append(key)
+                else:
+                    missing.append(key)
+                continue
+            sharded = facts.tensor_model_parallel and tp_size > 1
+            dim = facts.partition_dim % p.dim() if sharded else 0
+            real = facts.real_vocab_size
+            if real is not None:
+                padded = p.size(0) * (tp_size if sharded else 1)
+                if t.size(0) < real:
+                    raise ValueError(f"init_from={source_name!r}: {key} has a vocabulary of {t.size(0)} rows, "
+                                     f"the model's vocab_size is {real}: set --model.vocab_size {t.size(0)}")
+                t = t[:real]  # Megatron-LM pads its vocabulary; the padding never is a prediction
+                t = torch.cat([t, t.new_zeros((padded - real, *t.shape[1:]))]) if padded > real else t
+            if sharded and facts.partition_stride > 1:
+                # Megatron's strided partition (a SwiGLU fc1: full [gate; up], each rank [gate_r; up_r]):
+                # this rank's slice of every one of the stride blocks, in order.
+                t = torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in t.chunk(facts.partition_stride, dim=dim)],
+                              dim=dim)
+            elif sharded:
+                t = t.chunk(tp_size, dim=dim)[tp_rank]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but "
+                                 f"the parameter has {tuple(p.shape)}; the model's sizes differ from the source's")
+            p.copy_(t.to(p.dtype))  # before the optimizers exist: their main params are copied from p
+    if skipped:
+        import warnings
+
+        warnings.warn(f"init_from={source_name!r} has no {skipped}: they keep their initialization", UserWarning,
+                      stacklevel=2)
+    if missing:
+        raise ValueError(f"init_from={source_name!r} lacks {len(missing)} tensors the model needs, e.g. "
+                         f"{missing[:4]}{': ' + missing_hint if missing_hint else ''}")

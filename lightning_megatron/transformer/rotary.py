@@ -1,0 +1,71 @@
+"""Rotary position embeddings (RoPE), non-interleaved "rotate_half" convention (Hugging Face Llama,
+megatron-core's default).
+
+For a head vector x of width d, the first d_rot = int(d * rotary_percent) channels are rotated by an
+angle that grows with the position p; the rest pass unchanged. With x = [x_1, x_2] (halves of the
+rotated part) and inverse frequencies theta_i = base^(-2i / d_rot), i = 0 .. d_rot/2 - 1::
+
+    angle(p) = [p theta, p theta]                      # [d_rot], the table RotaryEmbedding returns
+    rope(x, p) = x * cos(angle) + rotate_half(x) * sin(angle),   rotate_half([x_1, x_2]) = [-x_2, x_1]
+
+so <rope(q, p), rope(k, p')> depends on p - p' only. The angle table is fp32; cos and sin are cast to
+the activation dtype before the product (as Hugging Face and megatron-core do).
+
+The model computes the table for the whole sequence once and passes it down as ``rotary_pos_emb``
+(TransformerBlock -> TransformerLayer -> SelfAttention). Under sequence parallelism q and k are
+full-sequence after linear_qkv's all-gather, so the full table applies. With a KV cache the new tokens
+sit at positions ``offset ..``: ``RotaryEmbedding(seq_len, offset)`` gives their rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb", "rotate_half"]
+
+
+class RotaryEmbedding(nn.Module):
+    """The angle table of RoPE: ``forward(seq_len, offset=0)`` -> freqs [seq_len, 1, 1, d_rot] (fp32),
+    row i for position ``offset + i``."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0) -> None:
+        super().__init__()
+        dim = int(kv_channels * rotary_percent)
+        if dim < 2 or dim % 2 != 0:
+            raise ValueError(f"rotary_percent={rotary_percent} of kv_channels={kv_channels} gives {dim} rotary "
+                             f"channels; they must be a positive even number: choose rotary_percent so that "
+                             f"kv_channels * rotary_percent is even")
+        if not rotary_base > 0:
+            raise ValueError(f"rotary_base={rotary_base} must be > 0 (e.g. 10000.0)")
+        self.dim, self.base = dim, float(rotary_base)
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        # Not a parameter and not saved: it is a function of the config.
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, seq_len: int, offset: int = 0) -> torch.Tensor:
+        positions = torch.arange(offset, offset + seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq.float())  # [s, d_rot/2]
+        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, d_rot]
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x_1, x_2] -> [-x_2, x_1] along the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t`` [s, b, heads, d] by the angle table ``freqs`` [s, 1, 1, d_rot] (d_rot <= d): the
+    leading d_rot channels are rotated, the rest returned unchanged."""
+    if freqs.shape[0] != t.shape[0]:
+        raise ValueError(f"rotary table has {freqs.shape[0]} positions but the tensor has sequence length "
+                         f"{t.shape[0]}: compute the table for the whole sequence (RotaryEmbedding(seq_len, offset))")
+    rot = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    t_rot = t_rot * cos + rotate_half(t_rot) * sin
+    return t_rot if t_pass.shape[-1] == 0 else torch.cat([t_rot, t_pass], dim=-1)

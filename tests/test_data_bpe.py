@@ -1,0 +1,157 @@
+"""Byte-level BPE tokenizer (lightning_megatron/data/bpe_tokenizer.py) against transformers'
+GPT2TokenizerFast on the same vocab + merges, its refusals, and BPE preprocessing with EOD."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from lightning_megatron.data import (
+    BertTokenizer,
+    BPETokenizer,
+    IndexedDataset,
+    check_dataset_vocab,
+    default_corpus_documents,
+    packaged_bpe_tokenizer_file,
+    preprocess_corpus,
+    read_dataset_vocab,
+)
+from lightning_megatron.data.bpe_tokenizer import EOD_TOKEN
+
+TRICKY = ["  two leading spaces", "tabs\tand\nnew\n\nlines ", "Ünïcödé façade — naïve café 東京 🤖👍🏽",
+          "it's we'll I'M 1234567 3.14e-10", "ends with spaces   ", "", " ", "a<|endoftext|>b"]
+
+
+def _texts(n: int | None = None) -> list[str]:
+    """The built-in corpus (its first ``n`` documents) as GPT data reads it, then the edge cases."""
+    docs = [" ".join(d) for d in itertools.islice(default_corpus_documents(), n)]
+    return docs + TRICKY
+
+
+def test_bpe_equals_gpt2_tokenizer_fast_on_vocab_and_merges(tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
+
+    packaged = packaged_bpe_tokenizer_file()
+    assert packaged.parent.parent.name == "data" and packaged.stat().st_size < 1_000_000  # package data, small
+    Tokenizer.from_file(str(packaged)).model.save(str(tmp_path))  # GPT-2's files: vocab.json + merges.txt
+    assert {p.name for p in tmp_path.iterdir()} == {"vocab.json", "merges.txt"}
+    reference = GPT2TokenizerFast.from_pretrained(str(tmp_path))  # a local folder: vocab.json + merges.txt
+    from_files = BPETokenizer(tmp_path / "vocab.json")  # merges.txt beside it
+    from_json = BPETokenizer(packaged)
+    from_folder = BPETokenizer(tmp_path)
+    saved = BPETokenizer(from_files.save(tmp_path / "saved"))  # GPT-2 files -> tokenizer.json
+    texts = _texts()
+    expected = reference(texts)["input_ids"]
+    assert len(texts) > 2400 and sum(map(len, expected)) > 150_000
+    exported = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "saved" / "tokenizer.json"))
+    assert exported(texts)["input_ids"] == expected  # what a Hugging Face export of ours gives
+    for tok in (from_files, from_json, from_folder, saved):
+        assert tok.tokenize_batch(texts) == expected
+        assert [tok.tokenize(t) for t in TRICKY] == expected[-len(TRICKY):]
+        assert tok.vocab_size == len(reference) == 8192
+        assert tok.eod == reference.eos_token_id == reference.convert_tokens_to_ids(EOD_TOKEN)
+        assert tok.inv_vocab == from_json.inv_vocab and tok.merges == from_json.merges
+    assert from_json.tokenize("a<|endoftext|>b")[1] == from_json.eod  # a special token, as GPT2TokenizerFast
+    for text in texts:  # byte-level: lossless
+        assert from_json.detokenize(from_json.tokenize(text)) == text
+    assert from_json.detokenize(expected[0]) == reference.decode(expected[0])
+    import pickle  # what a spawned preprocess worker receives: the files' paths, reloaded there
+
+    assert pickle.loads(pickle.dumps(from_files)).tokenize_batch(texts[-len(TRICKY):]) == expected[-len(TRICKY):]
+
+
+def test_bpe_refuses_vocabularies_it_cannot_use(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    no_eod = Tokenizer(models.BPE())
+    no_eod.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    no_eod.train_from_iterator(_texts(50), trainer=trainers.BpeTrainer(vocab_size=400, show_progress=False))
+    no_eod.save(str(tmp_path / "no_eod.json"))
+    with pytest.raises(ValueError, match=r"no end-of-document token '<\|endoftext\|>'.*train-tokenizer --type bpe"):
+        BPETokenizer(tmp_path / "no_eod.json")
+    no_eod.model.save(str(tmp_path))
+    with pytest.raises(ValueError, match="no end-of-document token"):
+        BPETokenizer(tmp_path / "vocab.json")
+    (tmp_path / "merges.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="needs its merges.txt"):
+        BPETokenizer(tmp_path / "vocab.json")
+    wordpiece = BertTokenizer()._tokenizer
+    wordpiece.save(str(tmp_path / "wordpiece.json"))
+    with pytest.raises(ValueError, match="holds a WordPiece tokenizer; GPT data needs a BPE one"):
+        BPETokenizer(tmp_path / "wordpiece.json")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        BPETokenizer(tmp_path / "missing.json")
+
+
+def test_bpe_reads_whole_documents_verbatim(tmp_path):
+    """BPE data keeps each document's text as written (GPT): text files by blank lines, lines joined with
+    their newlines; the built-in corpus one item per document."""
+    tok = BPETokenizer()
+    (tmp_path / "a.txt").write_text("\n\nFirst doc, line one.\n  Line two, indented.\n\n\nSecond doc.\n\n")
+    preprocess_corpus([tmp_path / "a.txt"], tmp_path / "txt", tok, append_eod=True)
+    ds = IndexedDataset(tmp_path / "txt")
+    assert [tok.detokenize(ds[i].tolist()) for i in range(len(ds))] == [
+        "First doc, line one.\n  Line two, indented.<|endoftext|>", "Second doc.<|endoftext|>"]
+    stats = preprocess_corpus(None, tmp_path / "builtin", tok)
+    ds = IndexedDataset(tmp_path / "builtin")
+    assert len(ds) == ds.num_documents == stats.written_documents == stats.documents > 2000
+    assert stats.single_sentence_documents == stats.long_sentences_split == 0
+
+
+def test_preprocess_bpe_one_item_per_document_with_eod_and_vocab_sidecar(tmp_path):
+    tok = BPETokenizer()
+    texts = ["First document.\nIts second line keeps its newline.", "  Second: leading spaces kept.", "",
+             "Third " * 400]
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    stats = preprocess_corpus([jsonl], tmp_path / "gpt", tok, append_eod=True, max_seq_length=64)
+    ds = IndexedDataset(tmp_path / "gpt")
+    kept = [t for t in texts if t.strip()]
+    assert ds.num_documents == len(ds) == stats.written_documents == len(kept)  # one item per document, unsplit
+    for i, text in enumerate(kept):
+        assert ds[i].tolist() == tok.tokenize(text) + [tok.eod], i
+    record = read_dataset_vocab(tmp_path / "gpt")
+    assert (record.tokenizer_type, record.eod, record.append_eod) == ("bpe", tok.eod, True)
+    assert record.vocab_file == str(packaged_bpe_tokenizer_file().resolve()) and record.vocab_size == 8192
+    assert check_dataset_vocab(tmp_path / "gpt", tok, model_vocab_size=tok.vocab_size) == record
+    # Another vocabulary: the same pieces with one merge dropped tokenizes differently; refused
+    spec = json.loads(packaged_bpe_tokenizer_file().read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][:-1]
+    (tmp_path / "other.json").write_text(json.dumps(spec))
+    other = BPETokenizer(tmp_path / "other.json")
+    assert other.inv_vocab == tok.inv_vocab
+    with pytest.raises(ValueError, match="tokenized with another vocabulary"):
+        check_dataset_vocab(tmp_path / "gpt", other)
+    with pytest.raises(ValueError, match="tokenized with another vocabulary"):
+        check_dataset_vocab(tmp_path / "gpt", BertTokenizer())
+    # The pre-launch check of `lightning-megatron fit` reads a BPE data.vocab_file the same way
+    from lightning_megatron.config_checks import _check_data_files
+
+    assert _check_data_files({"vocab_file": str(packaged_bpe_tokenizer_file()), "data_prefix": str(tmp_path / "gpt")},
+                             {"vocab_size": 8192}) == []
+    (problem,) = _check_data_files({"vocab_file": str(tmp_path / "other.json"), "data_prefix": str(tmp_path / "gpt")},
+                                   {})
+    assert "tokenized with another vocabulary" in problem, problem
+    # Without --append-eod: the same ids without the EOD, recorded as such
+    preprocess_corpus([jsonl], tmp_path / "plain", tok, max_seq_length=64)
+    assert IndexedDataset(tmp_path / "plain")[0].tolist() == tok.tokenize(kept[0])
+    assert read_dataset_vocab(tmp_path / "plain").append_eod is False
+    assert np.asarray(IndexedDataset(tmp_path / "plain").sizes).sum() + len(kept) == ds.num_tokens
+    # BERT data has no end-of-document token to append
+    with pytest.raises(ValueError, match="append_eod.*WordPiece"):
+        preprocess_corpus([jsonl], tmp_path / "bert", BertTokenizer(), append_eod=True)
+
+
+def test_tokenizing_batches_are_bounded_in_characters_as_well_as_sentences():
+    """BPE documents are whole texts: a batch of 4,096 of them could hold gigabytes, so a batch also
+    closes at _BATCH_CHARS characters (a document larger than that is a batch of its own)."""
+    from lightning_megatron.data.preprocess import _BATCH_CHARS, _BATCH_SENTENCES, _batches
+
+    big = ["x" * (_BATCH_CHARS // 2)]
+    assert [len(b) for b in _batches(iter([big] * 5))] == [2, 2, 1]
+    assert [len(b) for b in _batches(iter([["x" * (2 * _BATCH_CHARS)], ["y"]]))] == [1, 1]
+    assert [len(b) for b in _batches(iter([["a", "b"]] * _BATCH_SENTENCES))] == [_BATCH_SENTENCES // 2] * 2

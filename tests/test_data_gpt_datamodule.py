@@ -1,0 +1,99 @@
+"""GPTDataModule: the built-in corpus with EOD, batches of the decoder contract, exact resume, blends, and
+the checks that refuse a dataset without EOD or made with another vocabulary."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from data_testing import data_cache_dir, tokenizer
+
+from lightning_megatron.data.blended import BlendedDataset
+from lightning_megatron.data.gpt_datamodule import GPTDataModule
+from lightning_megatron.data.gpt_dataset import GPTDataset
+from lightning_megatron.data.indexed_dataset import IndexedDataset
+from lightning_megatron.data.preprocess import preprocess_corpus
+
+
+def _trainer(global_step=0, dp_rank=0, dp_size=1):
+    state = SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size)
+    strategy = SimpleNamespace(parallel_state=state, barrier=lambda name=None: None)
+    return SimpleNamespace(strategy=strategy, global_step=global_step, max_steps=-1, local_rank=0)
+
+
+def _corpus(path, topic: str, n: int):
+    path.write_text("\n\n".join(f"{topic} document {d} begins here. It goes on about {topic} for a while. "
+                                f"Document {d} ends." for d in range(n)) + "\n")
+    return path
+
+
+def _prefix(tmp_path, name, n, append_eod=True):
+    prefix = tmp_path / name / "ds"
+    preprocess_corpus([_corpus(tmp_path / f"{name}.txt", name, n)], prefix, tokenizer(), max_seq_length=64,
+                      append_eod=append_eod)
+    return str(prefix)
+
+
+def _datamodule(data_prefix, step=0, state=None, **kwargs):
+    kwargs = dict(seq_length=32, global_batch_size=8, micro_batch_size=2, cache_dir=str(data_cache_dir()), **kwargs)
+    dm = GPTDataModule(data_prefix, **kwargs)
+    dm.trainer = _trainer(global_step=step)
+    if state is not None:
+        dm.load_state_dict(state)
+    dm.setup("fit")
+    return dm
+
+
+def test_builtin_corpus_gives_batches_of_the_decoder_contract():
+    dm = _datamodule(None, train_samples=64)
+    assert dm.vocab_size == 30522 and dm.tokenizer.eod == dm.tokenizer.sep_id
+    indexed = dm.train_dataset.indexed_dataset
+    ends = np.cumsum(indexed.sizes)[np.asarray(indexed.doc_idx[1:]) - 1]
+    assert np.all(indexed._data[ends - 1] == dm.tokenizer.eod), "every document ends with EOD"
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"tokens", "labels", "loss_mask"}
+    assert batch["tokens"].shape == batch["labels"].shape == batch["loss_mask"].shape == (8, 32)
+    assert batch["tokens"].dtype == batch["labels"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
+    assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1]) and bool(batch["loss_mask"].all())
+    assert (batch["tokens"] == dm.tokenizer.eod).any(), "samples cross document ends"
+    assert len(dm.train_dataset) == 64 and len(dm.val_dataset) >= 8
+
+
+def test_resume_and_eod_mask_loss(tmp_path):
+    prefix = _prefix(tmp_path, "alpha", 120)
+    dm = _datamodule(prefix, splits="100,0,0", train_samples=80, eod_mask_loss=True)
+    assert isinstance(dm.train_dataset, GPTDataset) and dm.val_dataset is None
+    stream = [b for b, _ in zip(dm.train_dataloader(), range(6))]
+    eod = stream[0]["tokens"] == dm.tokenizer.eod
+    assert eod.any() and torch.equal(stream[0]["loss_mask"] == 0, eod)
+    resumed = _datamodule(prefix, step=9, state={"consumed_samples": 32, "global_step": 9}, splits="100,0,0",
+                          train_samples=80, eod_mask_loss=True)
+    assert resumed.consumed_samples == 32
+    after = [b for b, _ in zip(resumed.train_dataloader(), range(2))]
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(after, stream[4:6]))
+
+
+def test_blend_of_two_prefixes(tmp_path):
+    prefixes = [_prefix(tmp_path, "alpha", 60), _prefix(tmp_path, "beta", 40)]
+    dm = _datamodule([0.3, prefixes[0], 0.7, prefixes[1]], splits="8,1,1", train_samples=100)
+    train = dm.train_dataset
+    assert isinstance(train, BlendedDataset) and len(train) == 100
+    assert [list(d.documents) for d in train.datasets] == [list(range(48)), list(range(32))]
+    for i in (0, 1, 50, 99):
+        record = train.index[i]
+        assert torch.equal(train[i]["tokens"], train.datasets[int(record["dataset"])][int(record["sample"])]["tokens"])
+
+
+def test_refuses_data_without_eod_or_from_another_vocabulary(tmp_path):
+    no_eod = _prefix(tmp_path, "plain", 30, append_eod=False)
+    with pytest.raises(ValueError, match="does not end with the end-of-document id 102.*append-eod"):
+        _datamodule(no_eod)
+    other_vocab = tmp_path / "vocab.txt"
+    other_vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghij")) + "\n")
+    with pytest.raises(ValueError, match="tokenized with another vocabulary"):
+        _datamodule(_prefix(tmp_path, "alpha", 30), vocab_file=str(other_vocab))
+    with pytest.raises(ValueError, match="seq_length=1"):
+        GPTDataModule(seq_length=1)
+    assert IndexedDataset(no_eod).num_documents == 30
