@@ -350,3 +350,26 @@ def test_export_of_a_saved_model_gives_the_contract_logits_in_transformers(tmp_p
 
         Tokenizer(models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0")).save(str(tmp_path / "t10.json"))
         hf_model_from_saved(SavedModel(state_dict=ours, hparams=hparams), tokenizer=tmp_path / "t10.json")
+
+
+def test_init_from_gives_each_tp_rank_its_strided_swiglu_slice():
+    """load_full_state_dict (init_from, load_from_checkpoint) on a parameter declared with Megatron's
+    partition_stride=2 (the gated fc1): rank r gets [gate_r; up_r] of the full [gate; up], as
+    shard_full_state_dict; a stride-1 parameter keeps the plain row chunk."""
+    from torch import nn
+
+    from lightning_megatron.saved_model import load_full_state_dict
+    from lightning_megatron.tensor_parallel import set_param_facts
+
+    full = {"decoder.layers.0.mlp.linear_fc1.weight": torch.arange(48.0).view(12, 4),
+            "decoder.layers.0.self_attention.linear_qkv.weight": torch.arange(32.0).view(8, 4)}
+    for rank in range(2):
+        fc1, qkv = nn.Parameter(torch.empty(6, 4)), nn.Parameter(torch.empty(4, 4))
+        set_param_facts(fc1, tensor_model_parallel=True, partition_dim=0, partition_stride=2)
+        set_param_facts(qkv, tensor_model_parallel=True, partition_dim=0, partition_stride=1)
+        params = [("decoder.layers.0.mlp.linear_fc1.weight", fc1),
+                  ("decoder.layers.0.self_attention.linear_qkv.weight", qkv)]
+        load_full_state_dict([], params, full, tp_rank=rank, tp_size=2, num_layers=1, source_name="x")
+        want = ghf.shard_full_state_dict(full, rank, 2, gated_linear_unit=True, num_query_groups=2)
+        assert torch.equal(fc1, want["decoder.layers.0.mlp.linear_fc1.weight"])
+        assert torch.equal(qkv, full["decoder.layers.0.self_attention.linear_qkv.weight"][4 * rank: 4 * rank + 4])
