@@ -272,7 +272,8 @@ def _merge_tp(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def _saved_model(full: dict[str, torch.Tensor], args: Any, num_layers: int,
                  layout: dict[str, Any] | None = None) -> SavedModel:
-    """BERT's (tied, its ``args`` checked) or the decoder family's (:mod:`lightning_megatron.models.gpt.megatron_lm`)."""
+    """BERT's (tied, its ``args`` checked) or the decoder family's
+    (:mod:`lightning_megatron.models.gpt.megatron_lm`)."""
     if any(k.startswith("decoder.") for k in full):
         from lightning_megatron.models.gpt.megatron_lm import gpt_saved_model
 

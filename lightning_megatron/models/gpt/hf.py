@@ -181,7 +181,8 @@ def _take(hf: dict[str, torch.Tensor], key: str, model: str) -> torch.Tensor:
     return hf.pop(key)
 
 
-def gpt_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], arch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def gpt_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor],
+                           arch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Our full TP=1 state dict (unpadded vocabulary) from a Llama / GPT-2 state dict and the
     architecture :func:`hf_architecture` read from its config. A tensor the conversion does not use
     (a bias, a layer beyond ``num_layers``) is refused by name: it would change the logits."""
