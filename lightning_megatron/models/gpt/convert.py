@@ -144,6 +144,11 @@ def _tokenizer_source(saved: SavedModel, tokenizer: str | os.PathLike[str] | Non
     for key in ("tokenizer_file", "tokenizer", "vocab_file"):
         if isinstance(dm.get(key), str) and Path(dm[key]).exists():
             return Path(dm[key])
+    if "vocab_file" in dm and dm["vocab_file"] is None and not dm.get("data_prefix"):
+        # GPTDataModule's default: the packaged byte-level BPE (the size check below still applies)
+        from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
+
+        return packaged_bpe_tokenizer_file()
     return None
 
 
@@ -167,7 +172,8 @@ def hf_model_from_saved(saved: SavedModel, *, tokenizer: str | os.PathLike[str] 
                         ) -> tuple[Any, Callable[[Path], None]]:
     """``(transformers model, write_tokenizer(folder))`` for a saved GPT model. ``tokenizer``: the
     ``tokenizer.json`` / GPT-2 ``vocab.json`` (or a folder) the model was trained with; None takes the one the
-    checkpoint's datamodule names, else the folder gets no tokenizer (a warning says so). A tokenizer whose
+    checkpoint's datamodule names (``GPTDataModule``'s default: the packaged BPE), else the folder gets no
+    tokenizer (a warning says so). A tokenizer whose
     size differs from the model's vocabulary is refused."""
     import transformers
 
