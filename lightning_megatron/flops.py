@@ -14,7 +14,9 @@ __all__ = ["transformer_flops"]
 
 
 def transformer_flops(*, num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int, tokens: Any,
-                      head_tokens: Any, vocab_size: int, head_dense: bool = True, recompute: bool = False) -> Any:
+                      head_tokens: Any, vocab_size: int, head_dense: bool = True, recompute: bool = False,
+                      query_projection_size: int | None = None, kv_projection_size: int | None = None,
+                      gated_linear_unit: bool = False) -> Any:
     """FLOPs of one training step (a multiply-add is 2 FLOPs, the backward twice the forward)::
 
         r (6 T L (4 h^2 + 2 h f) + 12 T L s h)  +  6 T_head (h V + [head_dense] h^2)
@@ -27,8 +29,16 @@ def transformer_flops(*, num_layers: int, hidden_size: int, ffn_hidden_size: int
 
     With f = 4h, no head dense and recomputation this is the 96 B s l h^2 (1 + s/6h + V/16lh) of
     Narayanan et al. 2021 (eq. 3), with T = B s.
+
+    Decoders (megatron-core's count): with P = ``query_projection_size`` (n d; default h) and
+    K = ``kv_projection_size`` (g d for grouped-query attention; default P) the attention matmuls are
+    2 h P (q, proj) + 2 h K (k, v) instead of 4 h^2 and the scores 12 T L s P; a gated MLP
+    (``gated_linear_unit``, SwiGLU) has three h x f matrices instead of two.
     """
     L, h, f, s = num_layers, hidden_size, ffn_hidden_size, seq_length
-    layers = 6.0 * tokens * L * (4 * h * h + 2 * h * f) + 12.0 * tokens * L * s * h
+    p = h if query_projection_size is None else query_projection_size
+    k = p if kv_projection_size is None else kv_projection_size
+    mlp = (3 if gated_linear_unit else 2) * h * f
+    layers = 6.0 * tokens * L * (2 * h * p + 2 * h * k + mlp) + 12.0 * tokens * L * s * p
     head = 6.0 * head_tokens * (h * vocab_size + (h * h if head_dense else 0))
     return layers * (4.0 / 3.0 if recompute else 1.0) + head

@@ -19,7 +19,8 @@ RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.star
 
 
 FINETUNE = [p for p in RECIPES if yaml.safe_load(p.read_text()).get("base") == "_bert_tiny_finetune.yaml"]
-PRETRAINING = [p for p in RECIPES if p not in FINETUNE]
+DECODER = [p for p in RECIPES if yaml.safe_load(p.read_text()).get("base") == "_gpt_pretraining.yaml"]  # test_gpt_recipes.py
+PRETRAINING = [p for p in RECIPES if p not in FINETUNE and p not in DECODER]
 
 
 def _build_worker(*recipes: str) -> list[dict]:

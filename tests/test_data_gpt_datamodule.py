@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from data_testing import data_cache_dir, tokenizer
+from data_testing import data_cache_dir
 
 from lightning_megatron.data.blended import BlendedDataset
+from lightning_megatron.data.bpe_tokenizer import BPETokenizer
 from lightning_megatron.data.gpt_datamodule import GPTDataModule
 from lightning_megatron.data.gpt_dataset import GPTDataset
 from lightning_megatron.data.indexed_dataset import IndexedDataset
@@ -31,7 +32,7 @@ def _corpus(path, topic: str, n: int):
 
 def _prefix(tmp_path, name, n, append_eod=True):
     prefix = tmp_path / name / "ds"
-    preprocess_corpus([_corpus(tmp_path / f"{name}.txt", name, n)], prefix, tokenizer(), max_seq_length=64,
+    preprocess_corpus([_corpus(tmp_path / f"{name}.txt", name, n)], prefix, BPETokenizer(), max_seq_length=64,
                       append_eod=append_eod)
     return str(prefix)
 
@@ -48,7 +49,7 @@ def _datamodule(data_prefix, step=0, state=None, **kwargs):
 
 def test_builtin_corpus_gives_batches_of_the_decoder_contract():
     dm = _datamodule(None, train_samples=64)
-    assert dm.vocab_size == 30522 and dm.tokenizer.eod == dm.tokenizer.sep_id
+    assert isinstance(dm.tokenizer, BPETokenizer) and dm.vocab_size == 8192 and dm.tokenizer.eod == 0
     indexed = dm.train_dataset.indexed_dataset
     ends = np.cumsum(indexed.sizes)[np.asarray(indexed.doc_idx[1:]) - 1]
     assert np.all(indexed._data[ends - 1] == dm.tokenizer.eod), "every document ends with EOD"
@@ -88,7 +89,7 @@ def test_blend_of_two_prefixes(tmp_path):
 
 def test_refuses_data_without_eod_or_from_another_vocabulary(tmp_path):
     no_eod = _prefix(tmp_path, "plain", 30, append_eod=False)
-    with pytest.raises(ValueError, match="does not end with the end-of-document id 102.*append-eod"):
+    with pytest.raises(ValueError, match="does not end with the end-of-document id 0.*append-eod"):
         _datamodule(no_eod)
     other_vocab = tmp_path / "vocab.txt"
     other_vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghij")) + "\n")

@@ -123,6 +123,43 @@ def test_indices_are_megatrons_layout():
     assert sorted(shuffle_index.tolist()) == list(range(len(sample_index) - 1))
 
 
+def megatron_build_sample_idx(sizes, document_index, seq_length, num_epochs, tokens_per_epoch):
+    """megatron-core's ``helpers.cpp: build_sample_idx`` (drop_last_partial_sequence=True,
+    add_extra_token_to_sequence=1), transcribed line by line."""
+    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    sample_idx = [(0, 0)]
+    document_idx_index, doc_offset = 0, 0
+    while len(sample_idx) <= num_samples:
+        remaining_seq_length = seq_length + 1
+        while remaining_seq_length != 0:
+            document_length = sizes[document_index[document_idx_index]] - doc_offset
+            remaining_seq_length -= document_length
+            if remaining_seq_length <= 0:
+                doc_offset += remaining_seq_length + document_length - 1
+                remaining_seq_length = 0
+            else:
+                if document_idx_index == len(document_index) - 1:
+                    assert len(sample_idx) == num_samples
+                    doc_offset = sizes[document_index[document_idx_index]] - 1
+                    break
+                document_idx_index += 1
+                doc_offset = 0
+        sample_idx.append((document_idx_index, doc_offset))
+    return np.array(sample_idx)
+
+
+@pytest.mark.parametrize("seq_length", [1, 3, 8, 50])
+def test_sample_index_equals_megatrons_helper_on_the_same_document_index(seq_length):
+    lengths = np.random.default_rng(seq_length).integers(0, 12, 40)
+    lengths[[3, 4, 17]] = 0  # empty documents, two in a row
+    documents = np.arange(2, 38)
+    document_index, sample_index, _ = build_gpt_indices(lengths, documents, seq_length=seq_length, seed=1,
+                                                        num_epochs=3)
+    expected = megatron_build_sample_idx(lengths, document_index.astype(np.int64), seq_length, 3,
+                                         int(lengths[documents].sum()))
+    assert np.array_equal(sample_index.astype(np.int64), expected)
+
+
 def test_too_little_text_is_refused():
     with pytest.raises(ValueError, match="hold 8 tokens, fewer than seq_length \\+ 1 = 17"):
         build_gpt_indices(np.array([3, 5]), np.arange(2), seq_length=16, seed=0)

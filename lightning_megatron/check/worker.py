@@ -12,7 +12,8 @@ Gradients are read in ``on_before_optimizer_step``: after the whole microbatch s
 strategy's gradient finalization (TP, DP and tied-embedding reductions), before clipping and the
 optimizer step. With the distributed optimizer (ZeRO-1) the DP reduction happens inside its step, so
 the recorder takes the DP mean of its own copy of ``main_grad`` (the same mean the optimizer's
-reduce-scatter computes).
+reduce-scatter computes); when the strategy's gradient buffer reduce-scatters (each rank holds the mean
+of its piece only), the recorder puts the pieces together.
 """
 
 from __future__ import annotations
@@ -235,6 +236,23 @@ def _on_shared_memory(group: Any) -> bool:
     return isinstance(group_communicator(group), SharedMemoryCollectives)
 
 
+def _gathered_main_grads(buffer: Any, named: list[tuple[str, nn.Parameter]], grads: dict[str, torch.Tensor],
+                         dp_group: Any) -> dict[str, torch.Tensor]:
+    """The DP-mean gradients of a buffer reduced by reduce-scatter (ZeRO-1): each DP rank holds the mean
+    of its own piece of every bucket only (the rest is its local sum): the pieces, summed over DP."""
+    full = torch.zeros_like(buffer.data)
+    for bucket in buffer.buckets:
+        lo, hi = buffer.shard(bucket)
+        full[lo:hi] = buffer.data[lo:hi]
+    dist.all_reduce(full, group=dp_group)
+    out = dict(grads)
+    for name, p in named:
+        if buffer.holds(grads[name]):
+            o = buffer.offsets[id(p)]
+            out[name] = full[o: o + p.numel()].view(p.shape)
+    return out
+
+
 def _make_recorder(run: CheckRun):
     from lightning.pytorch import Callback
 
@@ -289,7 +307,9 @@ def _make_recorder(run: CheckRun):
             if run.measure_memory and trainer.global_step == 0:
                 self.memory["params"] = _storage_bytes([p for _, p in named])
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
-            if any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
+            if buffer is not None and buffer.reduces_by_scatter and ps.dp_size > 1:
+                grads = _gathered_main_grads(buffer, named, grads, ps.dp_group)
+            elif any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
                 flat = torch.cat([g.detach().float().reshape(-1) for g in grads.values()])
                 dist.all_reduce(flat, group=ps.dp_group.process_group)
                 flat /= ps.dp_size

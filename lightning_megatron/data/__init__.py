@@ -21,6 +21,7 @@ from lightning_megatron.data.dataset_vocab import (
     vocab_sha256,
     write_dataset_vocab,
 )
+from lightning_megatron.data.gpt_dataset import GPTDataset, build_gpt_indices
 from lightning_megatron.data.indexed_dataset import CorruptIndexedDatasetError, IndexedDataset, IndexedDatasetBuilder
 from lightning_megatron.data.preprocess import PreprocessStats, preprocess_corpus
 from lightning_megatron.data.samples_index import build_samples_mapping, cached_samples_mapping
@@ -35,6 +36,7 @@ from lightning_megatron.data.tokenizer import (
 
 if TYPE_CHECKING:
     from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.data.gpt_datamodule import GPTDataModule
     from lightning_megatron.data.labelled_text import LabelledTextDataModule
 
 __all__ = [
@@ -46,6 +48,8 @@ __all__ = [
     "CorpusStats",
     "CorruptIndexedDatasetError",
     "DatasetVocab",
+    "GPTDataModule",
+    "GPTDataset",
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "LabelledTextDataModule",
@@ -53,6 +57,7 @@ __all__ = [
     "MegatronPretrainingSampler",
     "PreprocessStats",
     "build_blending_indices",
+    "build_gpt_indices",
     "build_samples_mapping",
     "check_dataset_vocab",
     "cached_samples_mapping",
@@ -80,6 +85,10 @@ def __getattr__(name: str) -> Any:
         from lightning_megatron.data.datamodule import BertDataModule
 
         return BertDataModule
+    if name == "GPTDataModule":
+        from lightning_megatron.data.gpt_datamodule import GPTDataModule
+
+        return GPTDataModule
     if name == "LabelledTextDataModule":
         from lightning_megatron.data.labelled_text import LabelledTextDataModule
 

@@ -46,7 +46,7 @@ from lightning_megatron.data.samples_index import NpyStreamWriter, cached_npy_fi
 __all__ = ["GPTDataset", "GPTIndexPlan", "build_gpt_indices", "cached_gpt_indices", "check_documents_end_with_eod",
            "document_lengths", "plan_gpt_indices"]
 
-GPT_INDEX_VERSION = 1
+GPT_INDEX_VERSION = 2
 """Bumped whenever the indices an input gives change (invalidates every cached index)."""
 
 _DOCUMENT_SEED = 0x6D0C
@@ -164,6 +164,8 @@ def _index_chunks(lengths: np.ndarray, documents: np.ndarray, *, seq_length: int
         rows = np.empty((count, 2), dtype=np.int64)
         np.add(where, position_base, out=rows[:, 0])
         rows[:, 1] = offsets
+        if next_sample == 0:
+            rows[0] = 0  # Megatron's first row is (0, 0) even when the first document is empty
         yield (order + small.type(documents[0]) if contiguous else documents[order]), rows
         token_base, position_base, next_sample = int(ends[-1]), position_base + len(order), int(before_end[-1])
 

@@ -1,0 +1,217 @@
+"""Our decoder against transformers' ``LlamaForCausalLM`` under plain Lightning, in the same run: tokens/s.
+
+    python benchmarks/gpt_step.py [--size llama-tiny] [--repeats 3] [--precisions fp32,bf16] [--out results.json]
+
+Each measurement is a fresh spawned process (one rank, all cores) that runs ``warmup + steps``
+training steps of ``Trainer.fit`` on synthetic full-length batches and times the steps after the
+warm-up (data, forward, backward, optimizer, logging: what a user waits for). Ours and Hugging Face's
+alternate, ``repeats`` times per precision, so drift of the machine hits both alike; the GEMM
+ceiling of the same dtype is measured in the same run. Reported: median tokens/s of each, their
+ratio, and the MFU of each against that ceiling (the decoder FLOP count of
+:func:`lightning_megatron.models.gpt.module.decoder_flops`).
+
+- ours: :class:`~lightning_megatron.models.gpt.module.GPTLightningModule` with the Llama shape
+  (``llama_layer_spec``: RMSNorm, SwiGLU, rope, grouped-query attention, no biases, untied output
+  layer), the MegatronStrategy on one process with the opt-in CPU tuning, torch AdamW; bf16 = bf16
+  parameters with fp32 main params (MegatronOptimizerCallback) under ``precision="bf16-true"``.
+- Hugging Face: ``LlamaForCausalLM`` (SDPA attention) of the same shape in a plain LightningModule,
+  torch AdamW with the same weight-decay groups; bf16 = ``precision="bf16-mixed"`` (autocast, fp32
+  params), what a user of plain Lightning writes.
+
+Times measured while other jobs share the machine are contended: compare the ratio, not the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from _common import launch, median, set_threads
+
+__all__ = ["LlamaSize", "SIZES", "gpt_rank"]
+
+LR, WEIGHT_DECAY = 3e-4, 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaSize:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int = 32000
+    seq_length: int = 256
+    batch: int = 8
+
+
+SIZES = {s.name: s for s in (
+    LlamaSize(name="llama-tiny", num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4,
+              ffn_hidden_size=1376),
+    LlamaSize(name="llama-small", num_layers=8, hidden_size=768, num_attention_heads=12, num_query_groups=4,
+              ffn_hidden_size=2048, seq_length=512, batch=4),
+)}
+
+
+class TokenBatches(torch.utils.data.Dataset):
+    """Deterministic full-length decoder samples: tokens, labels shifted by one, every target counted."""
+
+    def __init__(self, num_samples: int, seq: int, vocab: int) -> None:
+        self.num_samples, self.seq, self.vocab = num_samples, seq, vocab
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, self.vocab, (self.seq + 1,), generator=torch.Generator().manual_seed(index))
+        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": torch.ones(self.seq)}
+
+
+def _ours(size: LlamaSize, bf16: bool):
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    return GPTLightningModule(
+        num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
+        num_query_groups=size.num_query_groups, ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
+        max_sequence_length=size.seq_length, spec="llama_layer_spec", position_embedding_type="rope",
+        activation="silu", gated_linear_unit=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+        layernorm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=128,
+        params_dtype="bfloat16" if bf16 else "float32", lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def _hf(size: LlamaSize):
+    from lightning.pytorch import LightningModule
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class HFLlama(LightningModule):
+        """Plain Lightning around LlamaForCausalLM: what a user would write."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            config = LlamaConfig(vocab_size=size.vocab_size, hidden_size=size.hidden_size,
+                                 intermediate_size=size.ffn_hidden_size, num_hidden_layers=size.num_layers,
+                                 num_attention_heads=size.num_attention_heads,
+                                 num_key_value_heads=size.num_query_groups, max_position_embeddings=size.seq_length,
+                                 rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
+            self.model = LlamaForCausalLM(config)
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            logits = self.model(input_ids=batch["tokens"]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+            self.log("loss", loss.detach(), prog_bar=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            decay, no_decay = [], []
+            for name, p in self.model.named_parameters():
+                (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
+            return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+
+    return HFLlama()
+
+
+def gpt_rank(run: dict[str, Any]) -> dict[str, Any]:
+    """One training run in this (spawned) process: ``run`` = framework, size, precision, warmup, steps."""
+    import warnings
+
+    import torch.distributed as dist
+
+    set_threads(dist.get_world_size())
+    warnings.filterwarnings("ignore")
+    from lightning.pytorch import Callback, Trainer
+
+    size = LlamaSize(**run["size"])
+    bf16, warmup, steps = run["precision"] == "bf16", run["warmup"], run["steps"]
+
+    class Stamps(Callback):
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.t.append(time.perf_counter())
+
+    stamps = Stamps()
+    callbacks: list[Any] = [stamps]
+    if run["framework"] == "ours":
+        from lightning_megatron.strategy import MegatronStrategy
+
+        strategy: Any = MegatronStrategy(micro_batch_size=size.batch, cpu_tuning=True)
+        module: Any = _ours(size, bf16)
+        precision = "bf16-true" if bf16 else "32-true"
+        if bf16:
+            from lightning_megatron.callbacks import MegatronOptimizerCallback
+            from lightning_megatron.optimizer import OptimizerConfig
+
+            callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0)))
+    else:
+        strategy, module, precision = "auto", _hf(size), "bf16-mixed" if bf16 else "32-true"
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision,
+                      max_steps=warmup + steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                      use_distributed_sampler=False, callbacks=callbacks)
+    data = torch.utils.data.DataLoader(TokenBatches((warmup + steps) * size.batch, size.seq_length, size.vocab_size),
+                                       batch_size=size.batch)
+    trainer.fit(module, train_dataloaders=data)
+    times = [b - a for a, b in zip(stamps.t[warmup - 1:], stamps.t[warmup:])]
+    return {"step_s": times, "tokens_per_step": size.batch * size.seq_length}
+
+
+def _flops(size: LlamaSize) -> float:
+    from lightning_megatron.flops import transformer_flops
+
+    d = size.hidden_size // size.num_attention_heads
+    tokens = size.batch * size.seq_length
+    return transformer_flops(num_layers=size.num_layers, hidden_size=size.hidden_size,
+                             ffn_hidden_size=size.ffn_hidden_size, seq_length=size.seq_length, tokens=tokens,
+                             head_tokens=tokens, vocab_size=size.vocab_size, head_dense=False,
+                             query_projection_size=size.num_attention_heads * d,
+                             kv_projection_size=size.num_query_groups * d, gated_linear_unit=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from gemm import gemm_rank
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="llama-tiny", choices=sorted(SIZES))
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    size = SIZES[args.size]
+    precisions = args.precisions.split(",")
+    [gemm] = launch(gemm_rank, 1, [2048], precisions, [torch.get_num_threads()], timeout=600)
+    ceiling = {row["dtype"]: row["flops_per_s"] for row in gemm}
+    flops = _flops(size)
+    report: dict[str, Any] = {"size": asdict(size), "gemm_flops_per_s": ceiling, "step_flops": flops, "runs": {}}
+    for precision in precisions:
+        tokens_per_s: dict[str, list[float]] = {"ours": [], "hf": []}
+        for _ in range(args.repeats):
+            for framework in ("ours", "hf"):
+                run = {"framework": framework, "size": asdict(size), "precision": precision,
+                       "warmup": args.warmup, "steps": args.steps}
+                [r] = launch(gpt_rank, 1, run, timeout=1800)
+                tokens_per_s[framework].append(r["tokens_per_step"] / median(r["step_s"]))
+        row = {k: median(v) for k, v in tokens_per_s.items()}
+        row["ratio"] = row["ours"] / row["hf"]
+        row["mfu"] = {k: row[k] / (size.batch * size.seq_length) * flops / ceiling[precision] for k in ("ours", "hf")}
+        row["all"] = tokens_per_s
+        report["runs"][precision] = row
+        print(f"{size.name} {precision}: ours {row['ours']:.0f} tokens/s, LlamaForCausalLM {row['hf']:.0f} tokens/s, "
+              f"ratio {row['ratio']:.2f}x; MFU ours {row['mfu']['ours']:.2f}, hf {row['mfu']['hf']:.2f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""GPTLightningModule under Trainer.fit at every layout equals one process (fp32, dropout off), through
+the parity machinery of ``lightning-megatron check`` (``check.worker.run_layouts``, ``check.parity``).
+
+Both shapes share two spawns: one process fits each shape's reference, then 2 ranks fit every layout
+of each shape in turn: TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), PP=2 x VP=2 (interleaved),
+DP=2, DP=2 with ZeRO-1. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
+1e-5 relative, every gradient after step 1 within 1e-4 of its largest entry, final parameters 1e-5.
+The same ranks then generate greedily with the Llama shape at TP=2, compared with one process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 200, 16, 8, 2, 3
+
+GPT2_TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=VOCAB,
+                 max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh",
+                 lr=1e-3, weight_decay=0.01)
+
+
+class SyntheticGPTDataset(Dataset):
+    """Deterministic GPT samples: ``seq + 1`` tokens of an arithmetic progression mod VOCAB (learnable),
+    ``tokens`` / ``labels`` shifted by one, and a ``loss_mask`` hiding one target per sample (as an EOD
+    would be): the same number of counted tokens in every sample, so any grouping averages alike."""
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        self.num_samples, self.seed = num_samples, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + index)
+        start = int(torch.randint(0, VOCAB, (1,), generator=g))
+        step = int(torch.randint(1, 5, (1,), generator=g))
+        seq = (start + step * torch.arange(SEQ + 1)) % VOCAB
+        loss_mask = torch.ones(SEQ)
+        loss_mask[int(torch.randint(0, SEQ, (1,), generator=g))] = 0.0
+        return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask}
+
+
+LLAMA_TINY = {**GPT2_TINY, "spec": "llama_layer_spec", "num_query_groups": 2, "activation": "silu",
+              "gated_linear_unit": True, "add_bias_linear": False, "position_embedding_type": "rope",
+              "untie_embeddings_and_output_weights": True, "rotary_base": 10000.0}
+
+
+def make_module(**overrides):
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    return GPTLightningModule(**{**GPT2_TINY, **overrides})
+
+
+GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1"]
+LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1"]
+SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS)}
+
+
+PROMPT = torch.tensor([[5, 7, 9, 11, 13], [100, 3, 42, 42, 7]])
+
+
+def _fit_each(work: list) -> dict:
+    """On every rank: each shape's layouts in turn (start-up and imports paid once); then greedy
+    generation with the Llama shape at TP = the world size (no pipeline)."""
+    import torch.distributed as dist
+
+    from lightning_megatron.check.worker import run_layouts
+    from lightning_megatron.parallel_state import initialize_model_parallel
+
+    fits = [run_layouts(run, layouts) for run, layouts in work]
+    module = make_module(**LLAMA_TINY)
+    if dist.get_world_size() > 1:
+        module.connect_parallel_state(initialize_model_parallel(dist.get_world_size(), 1))
+    module.configure_model()
+    return {"fits": fits, "generated": module.generate(PROMPT, 12)}
+
+
+def check_shapes(shapes: dict) -> dict:
+    """``{shape: CheckReport}``: the reference (one process) and the layouts of every shape, each world
+    size in one spawn; the records compared as ``check_layouts`` compares them."""
+    from lightning_megatron.check import parse_layout
+    from lightning_megatron.check.parity import CheckReport, Tolerances, compare_runs, gather_runs
+    from lightning_megatron.check.spawn import run_distributed
+    from lightning_megatron.check.worker import CheckRun
+
+    runs = {name: CheckRun(module_factory=factory, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO,
+                           dataset_factory=functools.partial(SyntheticGPTDataset, GLOBAL_BATCH * STEPS),
+                           steps=STEPS, record_params=True)
+            for name, (factory, _) in shapes.items()}
+    names = list(shapes)
+    ref = run_distributed(_fit_each, 1, [(runs[n], [parse_layout("tp1")]) for n in names], timeout=600)
+    par = run_distributed(_fit_each, 2, [(runs[n], [parse_layout(x) for x in shapes[n][1]]) for n in names],
+                          timeout=900)
+    tol, reports = Tolerances(), {"generated": {"tp1": ref[0]["generated"], "tp2": [r["generated"] for r in par]}}
+    for i, name in enumerate(names):
+        reference = gather_runs([r["fits"][i] for r in ref])["tp1"]
+        layouts = gather_runs([r["fits"][i] for r in par])
+        reports[name] = CheckReport(reference=reference, runs=layouts, tolerances=tol,
+                                    results=[compare_runs(layouts[x], reference, tol) for x in shapes[name][1]])
+    return reports
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    out = check_shapes(SHAPES)
+    for name, report in out.items():
+        if name != "generated":
+            print(f"\n{name}\n{report.table()}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2_report(reports):
+    return reports["gpt2"]
+
+
+@pytest.mark.parametrize("layout", GPT2_LAYOUTS)
+def test_gpt2_shape_layouts_equal_one_process(gpt2_report, layout):
+    """Loss, grad norm, every gradient and the final parameters of the layout within BERT's tolerances."""
+    ref = gpt2_report.reference
+    [result] = [r for r in gpt2_report.results if r.layout == layout]
+    assert result.passed, gpt2_report.table()
+    run = gpt2_report.runs[layout]
+    # every parameter compared as a global tensor (tied embedding, positions, 4 layers, final norm)
+    assert set(run.grads[1]) == set(ref.grads[1]) and len(ref.grads[1]) == 2 + 4 * 12 + 2, sorted(ref.grads[1])
+    assert "output_layer.weight" not in ref.grads[1], "tied: the output layer is the word embedding"
+
+
+def test_gpt2_reference_trained(gpt2_report):
+    """The final parameters compared above moved away from the (layout-independent) initial ones: a run
+    that never applied its gradients would also "match"."""
+    module = make_module()
+    module.configure_model()
+    init = {n: p.detach()[:VOCAB] if "word_embeddings" in n else p.detach()
+            for n, p in module.sharded_named_parameters()}
+    final = gpt2_report.reference.params
+    assert final.keys() == init.keys()
+    matrices = [n for n in final if final[n].dim() == 2]
+    moved = [n for n in matrices if (final[n] - init[n]).abs().max() > 1e-3]
+    assert moved == matrices, sorted(set(matrices) - set(moved))
+
+
+@pytest.mark.parametrize("layout", LLAMA_LAYOUTS)
+def test_llama_shape_layouts_equal_one_process(reports, layout):
+    """Grouped-query attention (2 groups: one per TP rank), rope (under sequence parallelism too), SwiGLU
+    (fc1 [gate_r; up_r] per rank, compared as the global [gate; up]), RMSNorm, untied output layer."""
+    report = reports["llama"]
+    [result] = [r for r in report.results if r.layout == layout]
+    assert result.passed, report.table()
+    grads = report.reference.grads[1]
+    assert set(report.runs[layout].grads[1]) == set(grads) and len(grads) == 1 + 4 * 6 + 2, sorted(grads)
+    assert "output_layer.weight" in grads and not any(n.endswith("bias") for n in grads)
+
+
+def test_llama_greedy_generation_at_tp2_equals_one_process(reports):
+    """Greedy tokens with the KV cache at TP=2 (vocab-parallel logits gathered, grouped-query heads split)
+    are those of one process, on both ranks."""
+    generated = reports["generated"]
+    assert generated["tp1"].shape == (2, 5 + 12) and torch.equal(generated["tp1"][:, :5], PROMPT)
+    for tokens in generated["tp2"]:
+        assert torch.equal(tokens, generated["tp1"]), (tokens, generated["tp1"])

@@ -1,0 +1,68 @@
+"""The decoder recipes (``recipes/gpt_tiny.yaml``, ``recipes/llama_*.yaml``): read as ``check`` reads them,
+their module built on one process, and the GPU-sized ones accepted by ``check --estimate-memory``.
+
+In-process (no spawn): the recipe's ``model`` section builds a GPTLightningModule whose parameter count
+is the closed form of its shape; the data section names the GPT datamodule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_megatron.check.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT_MODULE = "lightning_megatron.models.gpt.module.GPTLightningModule"
+GPT_DATA = "lightning_megatron.data.gpt_datamodule.GPTDataModule"
+
+
+def test_gpt_tiny_recipe_builds_the_gpt2_shape():
+    recipe = load_recipe(ROOT / "recipes" / "gpt_tiny.yaml")
+    assert recipe.model_class == GPT_MODULE and recipe.data_class == GPT_DATA
+    assert recipe.dropout == {"hidden_dropout": 0.1, "attention_dropout": 0.1}  # check turns them off
+    assert {name for name, _ in recipe.callbacks} == {"MegatronOptimizerCallback", "OptimizerParamSchedulerCallback"}
+    assert recipe.data["seq_length"] <= recipe.model["max_sequence_length"]
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    module = GPTLightningModule(**recipe.model, vocab_size=30522)
+    module.configure_model()
+    params = dict(module.sharded_named_parameters())
+    h, f, layers, v = 128, 512, 4, 30592  # vocab padded to a multiple of 128
+    layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # qkv, proj, fc1, fc2 with biases; 2 LayerNorms
+    assert sum(p.numel() for p in params.values()) == layers * layer + v * h + 128 * h + 2 * h
+    assert "output_layer.weight" not in params  # tied
+
+
+def test_llama_1b_recipe_is_accepted_by_estimate_memory(capsys):
+    """``check --estimate-memory --gpus 8`` takes the Llama recipe (the module's declared sizes, no model
+    built) and lists its own layout, TP=2 x PP=2 x DP=2 with sequence parallelism, among those that fit
+    in 80 GB."""
+    from lightning_megatron.check.cli import main
+
+    recipe = load_recipe(ROOT / "recipes" / "llama_1b.yaml")
+    assert recipe.model_class == GPT_MODULE and recipe.data_class == GPT_DATA
+    m = recipe.model
+    assert (m["spec"], m["position_embedding_type"], m["gated_linear_unit"], m["add_bias_linear"],
+            m["untie_embeddings_and_output_weights"]) == ("llama_layer_spec", "rope", True, False, True)
+    assert m["num_attention_heads"] % m["num_query_groups"] == 0 and m["num_query_groups"] % 2 == 0  # TP=2
+    assert main(["--config", str(ROOT / "recipes" / "llama_1b.yaml"), "--estimate-memory", "--gpus", "8",
+                 "--gpu-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "tp2pp2dp2sp" in out, out
+
+
+def test_llama_1b_module_has_1_1b_parameters():
+    """The recipe's module, built on one process with one layer (the shapes of every layer):
+    the parameter count of TinyLlama-1.1B, 1,100,048,384, from the per-layer count."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    model = dict(load_recipe(ROOT / "recipes" / "llama_1b.yaml").model, params_dtype="float32")
+    layers = model.pop("num_layers")
+    small = GPTLightningModule(**model, num_layers=1)
+    small.configure_model()
+    params = dict(small.sharded_named_parameters())
+    per_layer = sum(p.numel() for n, p in params.items() if n.startswith("decoder.layers.0."))
+    rest = sum(p.numel() for n, p in params.items() if not n.startswith("decoder.layers."))
+    assert layers * per_layer + rest == 1_100_048_384
