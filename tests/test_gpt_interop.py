@@ -91,6 +91,32 @@ def test_hf_folder_through_from_pretrained_gives_transformers_logits(tmp_path, f
     assert err <= 1e-5, f"max |ours - transformers| = {err:.2e} (largest logit {float(theirs.abs().max()):.2f})"
 
 
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # pytest's own argv is there too
+def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refuses_disagreeing_flags(tmp_path):
+    """`fit --config recipes/gpt_tiny.yaml --model.init_from LLAMA_FOLDER`: the architecture comes from its
+    config.json (spec, rope, SwiGLU, query groups, no biases, untied), replacing the GPT-2 recipe's."""
+    import transformers
+
+    from lightning_megatron.cli import _lightning_cli
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                      rope_theta=5000.0, bos_token_id=0, eos_token_id=0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    root = Path(__file__).resolve().parents[1]
+    args = ["--config", str(root / "recipes/gpt_tiny.yaml"), "--trainer.devices", "1",
+            "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.logger", "false",
+            "--model.init_from", str(tmp_path / "llama")]
+    with pytest.warns(UserWarning, match="replaces the recipe's .*spec='gpt_layer_spec' \\(now 'llama_layer_spec'\\)"):
+        cli = _lightning_cli(run=False, args=args)
+    hp = cli.model.hparams
+    assert (hp.num_layers, hp.num_query_groups, hp.gated_linear_unit, hp.add_bias_linear, hp.position_embedding_type,
+            hp.rotary_base, hp.untie_embeddings_and_output_weights, hp.vocab_size) == (
+        3, 2, True, False, "rope", 5000.0, True, VOCAB)
+    with pytest.raises(SystemExit, match=r"--model.num_layers 2 \(the source has 3\)"):
+        _lightning_cli(run=False, args=[*args, "--model.num_layers", "2"])
+
+
 # ------------------------------------------------------------------------------ TP=2 x PP=2
 
 
