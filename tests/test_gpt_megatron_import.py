@@ -33,7 +33,7 @@ def _models():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0, bos_token_id=0,
-        eos_token_id=0))
+        eos_token_id=0, initializer_range=0.2))
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
         bos_token_id=0, eos_token_id=0))
@@ -133,3 +133,20 @@ def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, nam
     _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama", **kw))
     with pytest.raises(ValueError, match=named):
         read_pretrained(str(tmp_path / "ckpt"))
+
+
+def test_gpt_module_from_a_megatron_checkpoint_gives_transformers_logits(tmp_path):
+    """GPTLightningModule.from_pretrained(Megatron-LM legacy TP=2 x PP=2 dir): the architecture from args,
+    the padded vocabulary trimmed to the model's, transformers' logits on the same weights within 1e-5."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    model = _models()["llama"].eval()
+    arch = ghf.hf_architecture(model.config)
+    _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama"))
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), vocab_size=VOCAB)
+    module.configure_model()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = module.eval().model_chunks[0](tokens)[..., :VOCAB]
+        theirs = model(input_ids=tokens).logits
+    assert float((ours - theirs).abs().max()) <= 1e-5
