@@ -373,3 +373,26 @@ def test_init_from_gives_each_tp_rank_its_strided_swiglu_slice():
         want = ghf.shard_full_state_dict(full, rank, 2, gated_linear_unit=True, num_query_groups=2)
         assert torch.equal(fc1, want["decoder.layers.0.mlp.linear_fc1.weight"])
         assert torch.equal(qkv, full["decoder.layers.0.self_attention.linear_qkv.weight"][4 * rank: 4 * rank + 4])
+
+
+def test_export_takes_the_packaged_bpe_when_the_run_used_gpt_datamodules_default(tmp_path):
+    """A checkpoint whose GPTDataModule had vocab_file None (the packaged 8,192-piece BPE) exports with it;
+    another vocabulary size is refused rather than shipped with the wrong tokenizer."""
+    import transformers
+
+    from lightning_megatron.models.gpt.convert import hf_model_from_saved
+    from lightning_megatron.saved_model import SavedModel
+
+    config = transformers.GPT2Config(vocab_size=8192, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    arch = ghf.hf_architecture(config)
+    ours = ghf.gpt_state_dict_from_hf(transformers.GPT2LMHeadModel(config).state_dict(), arch)
+    dm = {"vocab_file": None, "data_prefix": None}
+    model, write_tokenizer = hf_model_from_saved(SavedModel(state_dict=ours, hparams=arch, datamodule_hparams=dm))
+    write_tokenizer(tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == 8192 and tokenizer.eos_token == "<|endoftext|>"
+    assert model.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    small = {k: (v[:100] if "word_embeddings" in k else v) for k, v in ours.items()}
+    with pytest.raises(ValueError, match="has 8192 tokens but the model's vocabulary is 100"):
+        hf_model_from_saved(SavedModel(state_dict=small, hparams={**arch, "vocab_size": 100}, datamodule_hparams=dm))
