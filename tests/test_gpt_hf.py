@@ -396,3 +396,27 @@ def test_export_takes_the_packaged_bpe_when_the_run_used_gpt_datamodules_default
     small = {k: (v[:100] if "word_embeddings" in k else v) for k, v in ours.items()}
     with pytest.raises(ValueError, match="has 8192 tokens but the model's vocabulary is 100"):
         hf_model_from_saved(SavedModel(state_dict=small, hparams={**arch, "vocab_size": 100}, datamodule_hparams=dm))
+
+
+def test_export_takes_a_gpt2_vocab_json_with_its_merges(tmp_path):
+    import json
+
+    import transformers
+
+    from lightning_megatron.models.gpt.convert import hf_model_from_saved
+    from lightning_megatron.saved_model import SavedModel
+
+    vocab = {chr(ord("a") + i % 26) * (1 + i // 26): i for i in range(VOCAB - 1)} | {"<|endoftext|>": VOCAB - 1}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    model = _gpt2()
+    arch = ghf.hf_architecture(model.config)
+    saved = SavedModel(state_dict=ghf.gpt_state_dict_from_hf(model.state_dict(), arch), hparams=arch)
+    hf, write_tokenizer = hf_model_from_saved(saved, tokenizer=tmp_path / "vocab.json")
+    write_tokenizer(tmp_path / "out")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer.convert_tokens_to_ids(["c", "<|endoftext|>"]) == [2, VOCAB - 1]
+    assert hf.config.eos_token_id == VOCAB - 1
+    (tmp_path / "merges.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="merges.txt"):
+        hf_model_from_saved(saved, tokenizer=tmp_path / "vocab.json")

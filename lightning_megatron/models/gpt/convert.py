@@ -30,6 +30,8 @@ from lightning_megatron.models.gpt import hf as ghf
 __all__ = ["GPT_MODEL_TYPES", "is_decoder_state_dict", "read_hf_gpt_folder", "read_pretrained_source",
            "read_source_architecture", "architecture_of_saved", "hf_model_from_saved"]
 
+_EOD = "<|endoftext|>"
+
 GPT_MODEL_TYPES = ("llama", "gpt2")
 """transformers ``model_type`` s the decoder family reads."""
 
@@ -155,6 +157,8 @@ def _tokenizer_source(saved: SavedModel, tokenizer: str | os.PathLike[str] | Non
 def _hf_tokenizer(source: Path) -> Any:
     """A transformers fast tokenizer from a ``tokenizer.json``, GPT-2's ``vocab.json`` + ``merges.txt``, or a
     folder holding either."""
+    import json
+
     import transformers
 
     if source.is_dir():
@@ -162,9 +166,17 @@ def _hf_tokenizer(source: Path) -> Any:
     if not source.is_file():
         raise FileNotFoundError(f"tokenizer {str(source)!r} does not exist: pass --tokenizer with the tokenizer.json "
                                 f"(or GPT-2 vocab.json beside its merges.txt) the model was trained with")
-    if source.name == "vocab.json" or source.suffix == ".json" and (source.parent / "merges.txt").is_file() \
-            and source.name != "tokenizer.json":
-        return transformers.GPT2TokenizerFast(vocab_file=str(source), merges_file=str(source.parent / "merges.txt"))
+    try:
+        spec = json.loads(source.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"tokenizer {str(source)!r} is not a tokenizer.json / GPT-2 vocab.json: {e}") from e
+    if isinstance(spec, dict) and "model" not in spec:  # GPT-2's flat {piece: id} + merges.txt: as our data reads it
+        import tempfile
+
+        from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return transformers.PreTrainedTokenizerFast(tokenizer_file=str(BPETokenizer(source).save(tmp)))
     return transformers.PreTrainedTokenizerFast(tokenizer_file=str(source))
 
 
@@ -184,8 +196,8 @@ def hf_model_from_saved(saved: SavedModel, *, tokenizer: str | os.PathLike[str] 
     if hf_tok is not None and len(hf_tok) != arch["vocab_size"]:
         raise ValueError(f"tokenizer {str(source)!r} has {len(hf_tok)} tokens but the model's vocabulary is "
                          f"{arch['vocab_size']}: pass --tokenizer with the tokenizer it was trained with")
-    eod = hf_tok.convert_tokens_to_ids("<|endoftext|>") if hf_tok is not None else None
-    if isinstance(eod, int) and eod != hf_tok.unk_token_id:
+    eod = hf_tok.get_vocab().get(_EOD) if hf_tok is not None else None
+    if eod is not None:  # Megatron's end-of-document token is the model's end of text
         config.bos_token_id = config.eos_token_id = eod
     hf_sd = ghf.hf_state_dict_from_gpt(saved.state_dict, arch)
     cls = getattr(transformers, config.architectures[0])
@@ -206,7 +218,7 @@ def hf_model_from_saved(saved: SavedModel, *, tokenizer: str | os.PathLike[str] 
                           "with the tokenizer.json the model was trained with", UserWarning, stacklevel=3)
             return
         if eod is not None and hf_tok.eos_token is None:
-            hf_tok.eos_token = hf_tok.bos_token = "<|endoftext|>"
+            hf_tok.eos_token = hf_tok.bos_token = _EOD
         hf_tok.model_max_length = arch["max_sequence_length"]
         hf_tok.save_pretrained(folder)
 
