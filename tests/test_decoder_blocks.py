@@ -4,7 +4,7 @@ embedding itself, a two-layer block with every recomputation mode; config valida
 the KV cache against the full sequence, the sampling filters against transformers' warpers, greedy
 generation with the cache against recomputing the sequence; and ONE 2-process run: TP=2 (GQA g=2 and
 g=1 of n=4, SwiGLU, rotary), with and without sequence parallelism, equal to the TP=1 model built from the same
-seed, and TP=2 greedy generation equal to TP=1."""
+seed, and TP=2 greedy generation (g=2 and g=1) equal to TP=1."""
 
 from __future__ import annotations
 
@@ -267,12 +267,12 @@ class TinyDecoder(torch.nn.Module):
     """Embedding -> Llama-shaped block -> vocab-parallel output layer: the ``forward(tokens, offset,
     cache) -> logits`` that :func:`lightning_megatron.generation.generate` drives (GPTModel's job)."""
 
-    def __init__(self, vocab: int = 40, tp_group=None, tp: int = 1, seed: int = 3) -> None:
+    def __init__(self, vocab: int = 40, tp_group=None, tp: int = 1, seed: int = 3, g: int = 2) -> None:
         super().__init__()
         from lightning_megatron.tensor_parallel import VocabParallelEmbedding
         from lightning_megatron.transformer import seeded
 
-        cfg = TransformerConfig(**BASE, num_query_groups=2, tensor_model_parallel_size=tp)
+        cfg = TransformerConfig(**BASE, num_query_groups=g, tensor_model_parallel_size=tp)
         with seeded(seed, "embedding"):
             self.embedding = VocabParallelEmbedding(vocab, H, tp_group=tp_group)
         self.decoder = TransformerBlock(cfg, _layer_spec(), tp_group=tp_group, seed=seed)
@@ -361,6 +361,30 @@ def test_greedy_generation_with_cache_equals_recomputing_the_sequence():
     assert torch.equal(stopped[0, :first + 1], with_cache[0, :first + 1]) and (stopped[0, first + 1:] == stop).all()
 
 
+def test_greedy_generation_equals_transformers_llama_generate():
+    from transformers import LlamaForCausalLM
+
+    from lightning_megatron.generation import generate
+
+    config = _hf_config(2)
+    config.vocab_size, config.num_hidden_layers, config.tie_word_embeddings = 40, 2, False
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(config).eval()
+    ours = TinyDecoder().eval()
+    with torch.no_grad():
+        for p in theirs.parameters():  # norm weights away from 1
+            p.add_(0.1 * torch.randn_like(p)) if p.dim() == 1 else None
+        ours.embedding.weight.copy_(theirs.model.embed_tokens.weight)
+        for layer, hf_layer in zip(ours.decoder.layers, theirs.model.layers):
+            _copy_layer(layer, hf_layer, 2)
+        ours.decoder.final_layernorm.weight.copy_(theirs.model.norm.weight)
+        ours.output_layer.weight.copy_(theirs.lm_head.weight)
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
+    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                               eos_token_id=2, pad_token_id=2)
+    assert torch.equal(generate(ours, prompt, 10, stop_token=2), expected)
+
+
 # ---------------------------------------------------------------- TP=2 (one 2-process run)
 
 
@@ -422,6 +446,10 @@ def _tp_worker() -> dict[str, float]:
     prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
     one, two = TinyDecoder().eval(), TinyDecoder(tp_group=group, tp=2).eval()
     greedy = [generate(m, prompt, 8, tp_group=g) for m, g in ((one, None), (two, group))]
+    # Multi-query (g=1 < t=2): both ranks cache the one shared key/value head.
+    mqa = [generate(TinyDecoder(g=1).eval(), prompt, 8),
+           generate(TinyDecoder(tp_group=group, tp=2, g=1).eval(), prompt, 8, tp_group=group)]
+    assert torch.equal(mqa[0], mqa[1]), mqa
     sampled = generate(two, prompt, 6, tp_group=group, greedy=False, top_k=5,
                        generator=torch.Generator().manual_seed(100 + r))  # different seeds: rank 0 decides
     dist.barrier()
@@ -436,38 +464,3 @@ def test_tp2_gqa_swiglu_rotary_and_sequence_parallel_equal_one_process():
             assert value < 2e-6, (key, value, diffs)
         assert torch.equal(greedy_tp1, greedy_tp2), (greedy_tp1, greedy_tp2)
     assert torch.equal(results[0][2], results[1][2])  # both TP ranks hold the same sampled tokens
-
-
-# ---------------------------------------------------------------- checkpoint layout of the gated fc1
-
-
-def test_strided_fc1_shards_sit_at_their_global_rows_in_checkpoints_and_check():
-    """The TP shards of a gated fc1 ([gate_r; up_r], stride 2) are two row blocks each of the global
-    [gate; up]: the checkpoint chunks and ``check``'s assembled tensors put them there."""
-    from types import SimpleNamespace
-
-    from lightning_megatron.check.parity import _assemble
-    from lightning_megatron.check.worker import global_pieces
-    from lightning_megatron.sharded_state import ShardedStateMapper, shard_info
-    from lightning_megatron.tensor_parallel import set_tensor_model_parallel_attributes
-
-    f, h, t = 6, 2, 2
-    full = torch.arange(2 * f * h, dtype=torch.float32).view(2 * f, h)  # [gate; up]
-    gate, up = full.chunk(2)
-    per_rank_pieces, per_rank_chunks = [], []
-    for r in range(t):
-        local = torch.nn.Parameter(torch.cat([gate.chunk(t)[r], up.chunk(t)[r]]))
-        set_tensor_model_parallel_attributes(local, True, 0, stride=2)
-        info = shard_info(local, r, t)
-        assert info.global_shape == (2 * f, h)
-        ps = SimpleNamespace(tp_rank=r, tp_size=t, dp_rank=0, pp_rank=0,
-                             is_pipeline_first_stage=lambda: True)
-        state: dict = {}
-        ShardedStateMapper(ps, [("w", local)], []).put(state, "model.w", local.detach(), local)
-        per_rank_chunks += state["model.w"].pieces
-        per_rank_pieces.append(global_pieces([("w", local)], {"w": local}, ps))
-    rebuilt = torch.full_like(full, -1.0)
-    for offsets, chunk in per_rank_chunks:
-        rebuilt[offsets[0]:offsets[0] + chunk.shape[0]] = chunk
-    assert torch.equal(rebuilt, full)
-    assert torch.equal(_assemble(per_rank_pieces)["w"], full)

@@ -129,11 +129,15 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
 
 def module_names(named: list[tuple[str, nn.Parameter]], chunks: list[nn.Module]) -> dict[nn.Module, str]:
     """Each module that holds parameters -> its layout-independent name, read off the global name of
-    one of its parameters (``encoder.layers.3.mlp.linear_fc2.weight`` -> ``encoder.layers.3.mlp.linear_fc2``)."""
+    one of its parameters (``encoder.layers.3.mlp.linear_fc2.weight`` -> ``encoder.layers.3.mlp.linear_fc2``).
+    A module with a strided TP weight (a gated fc1: [gate_r; up_r] per rank) is left out: its TP
+    outputs are not slices of the reference's."""
     global_of = {id(p): n for n, p in named}
     out: dict[nn.Module, str] = {}
     for chunk in chunks:
         for _, mod in chunk.named_modules():
+            if any(param_facts(p).partition_stride > 1 for p in mod.parameters(recurse=False)):
+                continue
             for local, p in mod.named_parameters():
                 name = global_of.get(id(p))
                 if name is not None and name.endswith("." + local):

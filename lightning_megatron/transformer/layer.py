@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.dropout import dropout
+from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import IdentityFuncOp, IdentityOp
@@ -131,7 +132,8 @@ class TransformerLayer(nn.Module):
         return slot(self.training, kernels=self.kernels)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context: object | None = None) -> torch.Tensor:
+                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None
+                ) -> torch.Tensor:
         """``rotary_pos_emb`` (the RoPE table, :mod:`~lightning_megatron.transformer.rotary`) and
         ``inference_context`` (the KV cache, :mod:`~lightning_megatron.transformer.inference`) go to the
         attention; each is passed only when given, so attention modules without them keep working."""
