@@ -339,9 +339,11 @@ def shard_full_state_dict(full: Mapping[str, torch.Tensor], tp_rank: int, tp_siz
                           make_vocab_size_divisible_by: int = 128) -> dict[str, torch.Tensor]:
     """TP rank ``tp_rank``'s shard of a full state dict: the vocabulary padded to
     ``pad_vocab_size(V, tp_size, make_vocab_size_divisible_by)`` zero rows, column-parallel rows and
-    row-parallel columns chunked; with SwiGLU each rank's ``linear_fc1`` is ``[gate_r; up_r]``."""
-    if num_query_groups % tp_size:
-        raise ValueError(f"num_query_groups={num_query_groups} is not divisible by tp_size={tp_size}")
+    row-parallel columns chunked (``linear_qkv`` in contiguous row blocks: whole query groups, or with
+    fewer groups than ranks part of one); with SwiGLU each rank's ``linear_fc1`` is ``[gate_r; up_r]``."""
+    if num_query_groups % tp_size and tp_size % num_query_groups:
+        # g < t (t a multiple of g) keeps contiguous row shards too: the model all-gathers the qkv activations
+        raise ValueError(f"num_query_groups={num_query_groups} and tp_size={tp_size}: one must divide the other")
     out = {}
     for key, t in full.items():
         if key in _VOCAB:
