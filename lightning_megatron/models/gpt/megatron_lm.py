@@ -85,11 +85,14 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
 
 def gpt_saved_model(full: dict[str, torch.Tensor], args: Any, num_layers: int, layout: dict[str, Any]) -> SavedModel:
     """The SavedModel of a merged megatron-core GPT state dict: the last stage's copy of a tied output
-    layer dropped (checked equal to the embedding), an untied one kept; rotary buffers dropped."""
+    layer dropped (checked equal to the embedding), an untied one kept (without ``args``: one that
+    differs from the embedding); rotary buffers dropped."""
     hp = gpt_architecture_from_args(args, num_layers)
     sd = {k: v for k, v in full.items() if not k.endswith("inv_freq")}
     out_w, emb = sd.get("output_layer.weight"), sd.get("embedding.word_embeddings.weight")
-    untied = hp.get("untie_embeddings_and_output_weights", out_w is not None and emb is None)
+    untied = hp.get("untie_embeddings_and_output_weights")
+    if untied is None:  # no args: an output layer of its own is untied, a copy of the embedding tied
+        untied = out_w is not None and (emb is None or not torch.equal(out_w, emb))
     if out_w is not None and emb is not None and not untied:
         if not torch.equal(out_w, emb):
             raise ValueError("the Megatron-LM checkpoint's output layer differs from the word embedding but its args "
