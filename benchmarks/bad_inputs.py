@@ -325,6 +325,7 @@ def _setup_worker() -> list[tuple[str, str, str, str]]:
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.strategy import MegatronStrategy
     from megatron_testing import TINY_MODEL, dataloader, make_trainer
 

@@ -46,7 +46,8 @@ _LIGHTNING_COMMANDS = {
     "fit": "train (and validate every val_check_interval steps)",
     "validate": "validation loss of a checkpoint (--ckpt_path)",
     "test": "test-split loss of a checkpoint (--ckpt_path)",
-    "predict": "masked-LM ids, pooled or per-token embeddings (--model.predict_output) of a checkpoint",
+    "predict": "masked-LM ids, pooled or per-token embeddings (--model.predict_output) of a checkpoint; a "
+               "decoder's continuations of --data.predict_file",
 }
 
 

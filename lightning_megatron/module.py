@@ -50,6 +50,7 @@ from typing_extensions import override
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.saved_model import SavedModel
+from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 
 __all__ = ["MegatronLightningModule", "torch_class"]
 
@@ -116,6 +117,9 @@ class MegatronLightningModule(LightningModule):
                 model_parallel_seed(self.init_seed, 0)
         self.model_chunks = nn.ModuleList(self.build_chunks(self.parallel_state))
         self.on_chunks_built()
+        # What the chunks did not mark is replicated across TP (the strategy declares the same at set-up;
+        # without it, a checkpoint's slices need the facts here).
+        mark_replicated(self.model_chunks.parameters())
         if self.hparams.get("init_from"):
             self.load_pretrained(self.hparams["init_from"])
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from dist_utils import accelerator
-from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
+from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 VOCAB = 1000
 SEQ = 16

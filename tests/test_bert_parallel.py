@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from lightning_megatron.parallel_state import group_size, process_group
-from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
+from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 1000, 16, 4

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import DistributedTestFailure, run_distributed
+from dist_utils import run_distributed
 from lightning_megatron.cpu import shared_memory
-from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives, enable_shared_memory_collectives
+from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 from lightning_megatron.communicator import TorchCommunicator, _all_gather_fn, _reduce_scatter_fn
 from lightning_megatron.parallel_state import initialize_model_parallel
 from lightning_megatron.tensor_parallel.mappings import (

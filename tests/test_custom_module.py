@@ -36,7 +36,7 @@ from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.pipeline import stage_chunks
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
-from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
+from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 # Lightning warns that validation_step has no val_dataloader during fit (validation is run explicitly)
 pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")

@@ -8,6 +8,8 @@ group), GPT-2's ``c_attn`` is a Conv1D (``[in, out]``) with columns ``[q | k | v
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -157,6 +159,8 @@ def test_refusals_name_the_value():
         GPTModel(_gpt2_config(), "gpt_layer_spec", VOCAB, SEQ, position_embedding_type="alibi")
     with pytest.raises(ValueError, match="no_such_spec"):
         GPTLightningModule(spec="no_such_spec")
+    with pytest.raises(ValueError, match="normalization='RMSNorm' but spec='gpt_layer_spec' uses LayerNorm"):
+        GPTLightningModule(spec="gpt_layer_spec", normalization="RMSNorm")
     with pytest.raises(ValueError, match="must start at layer 0"):
         GPTModel(_gpt2_config(), "gpt_layer_spec", VOCAB, SEQ, layer_range=range(1, 2))
 
@@ -286,3 +290,42 @@ def test_greedy_generation_equals_transformers_generate(shape):
                          attention_mask=torch.ones_like(prompt))
     assert torch.equal(ours, theirs), (ours, theirs)
     assert torch.equal(module.generate(prompt, 10, use_cache=False), ours)
+
+
+def test_validate_and_predict_through_the_strategy():
+    """``Trainer.validate`` logs ``val_perplexity`` = exp(the mean token cross entropy of the split) next to
+    ``val_loss``; ``Trainer.predict`` under the MegatronStrategy: each batch's prompts (two microbatches)
+    followed by ``predict_max_new_tokens`` greedy tokens, the same as ``generate`` on the whole batch."""
+    from lightning.pytorch import Trainer
+    from test_custom_module import hermetic
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron.strategy import MegatronStrategy
+
+    module = GPTLightningModule(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                                max_sequence_length=SEQ, predict_max_new_tokens=5)
+    prompts = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(5))
+    rows = [{"tokens": t, "labels": t, "loss_mask": torch.ones(8)} for t in prompts]
+    with hermetic():
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), logger=False,
+                          enable_progress_bar=False, enable_model_summary=False)
+        [metrics] = trainer.validate(module, DataLoader(rows, batch_size=4), verbose=False)
+        [out] = trainer.predict(module, DataLoader(rows, batch_size=4))
+    assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-5), metrics
+    assert out.shape == (4, 8 + 5) and torch.equal(out[:, :8], prompts)
+    assert torch.equal(out, module.generate(prompts, 5))
+
+
+def test_rope_table_stays_fp32_when_the_model_is_cast_to_bf16():
+    """Lightning's ``bf16-true`` casts the module (``.to(torch.bfloat16)``), floating buffers included: a
+    registered RotaryEmbedding's ``inv_freq`` would be rounded (angles at position 4095 off by radians).
+    GPTModel keeps its rope table out of the module tree: after the cast it is still the fp32 table."""
+    from lightning_megatron.transformer.rotary import RotaryEmbedding
+
+    model = GPTModel(_llama_config(), "llama_layer_spec", VOCAB, 4096, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False).to(torch.bfloat16)
+    table = model.rotary_pos_emb(4096, torch.device("cpu"))
+    want = RotaryEmbedding(HIDDEN // HEADS, 1.0, ROPE_BASE)(4096)
+    assert table.dtype == torch.float32 and torch.equal(table, want)
+    cast = torch.nn.ModuleList([RotaryEmbedding(HIDDEN // HEADS, 1.0, ROPE_BASE)]).to(torch.bfloat16)[0]
+    assert (cast(4096) - want).abs().max() > 1.0, "the cast rounds inv_freq: the hazard this guards against"

@@ -66,3 +66,50 @@ def test_llama_1b_module_has_1_1b_parameters():
     per_layer = sum(p.numel() for n, p in params.items() if n.startswith("decoder.layers.0."))
     rest = sum(p.numel() for n, p in params.items() if not n.startswith("decoder.layers."))
     assert layers * per_layer + rest == 1_100_048_384
+
+
+def _built_per_rank(model: dict, tp: int, pp: int, stage: int) -> int:
+    """Parameter elements one TP rank of ``stage`` holds: that stage's chunk built at TP=1, each column- or
+    row-split tensor (Megatron's rule: qkv and fc1 weights and biases, proj and fc2 weights) counted 1/tp,
+    the vocab-parallel ones at the vocabulary padded for ``tp``."""
+    from lightning_megatron.models.gpt import GPTModel
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+    from lightning_megatron.tensor_parallel import pad_vocab_size
+    from lightning_megatron.transformer import TransformerConfig
+
+    module = GPTLightningModule(**model)
+    per_stage = model["num_layers"] // pp
+    chunk = GPTModel(TransformerConfig(**module._config_kwargs), model["spec"], model["vocab_size"],
+                     model["max_sequence_length"], position_embedding_type=model["position_embedding_type"],
+                     share_embeddings_and_output_weights=not model["untie_embeddings_and_output_weights"],
+                     pre_process=stage == 0, post_process=stage == pp - 1,
+                     layer_range=range(stage * per_stage, (stage + 1) * per_stage))
+    vocab_rows = pad_vocab_size(model["vocab_size"], tp, 128) // tp
+    total = 0
+    for name, p in chunk.named_parameters():
+        if "word_embeddings" in name or name.startswith("output_layer"):
+            total += vocab_rows * p.shape[1]
+        else:
+            split = any(k in name for k in ("linear_qkv.", "linear_fc1.", "linear_proj.weight", "linear_fc2.weight"))
+            total += p.numel() // tp if split else p.numel()
+    return total
+
+
+SMALL_LLAMA = {"hidden_size": 256, "num_attention_heads": 32, "num_query_groups": 4, "ffn_hidden_size": 704}
+
+
+@pytest.mark.parametrize("recipe,tp,pp", [("gpt_tiny", 1, 1), ("gpt_tiny", 2, 2), ("llama_1b", 1, 2), ("llama_1b", 2, 2)])
+def test_declared_parameters_per_stage_equal_the_built_chunks(recipe, tp, pp):
+    """``estimate_shape``'s parameters per TP rank and pipeline stage (from which --estimate-memory sizes
+    params, grads and optimizer state) equal what the module builds there: grouped-query qkv, the gated
+    fc1, the untied output layer or the tied embedding's copy on a last stage, vocabulary padding, no
+    pooler (the Llama recipe at a smaller width with the same head structure, vocabulary 30000)."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    rc = load_recipe(ROOT / "recipes" / f"{recipe}.yaml")
+    model = {"spec": "gpt_layer_spec", "position_embedding_type": "learned_absolute",
+             "untie_embeddings_and_output_weights": False, **rc.model, "vocab_size": 30000, "num_layers": 4,
+             "params_dtype": "float32", **(SMALL_LLAMA if recipe == "llama_1b" else {})}
+    shape = GPTLightningModule.estimate_shape(model, rc.data, micro_batch_size=1, global_batch_size=8)
+    for stage in range(pp):
+        assert shape.stage_parameters(tp, pp, stage) == _built_per_rank(model, tp, pp, stage), stage

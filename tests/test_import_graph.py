@@ -119,3 +119,15 @@ def test_the_generic_base_imports_no_model_family_and_no_strategy():
     assert not bad, bad
     bert = PACKAGE / "models" / "bert" / "module.py"
     assert not [m for m in _imports(bert, module_level_only=False) if m.startswith("lightning_megatron.strategy")]
+
+
+def test_every_public_name_exists():
+    """Every name a module lists in ``__all__`` is defined there (a moved or deleted function leaves no
+    stale entry: clip_grads listed ``is_counted_once`` after it was removed)."""
+    import importlib
+
+    missing = []
+    for name in sorted(_MODULES):
+        module = importlib.import_module(name)
+        missing += [f"{name}.{n}" for n in getattr(module, "__all__", ()) if not hasattr(module, n)]
+    assert not missing, missing

@@ -14,7 +14,7 @@ import torch
 
 from dist_utils import run_distributed
 from lightning_megatron.optimizer import clip_grad_norm, count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
-from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
+from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 
 # name, full shape, how TP holds it (col: split dim 0, row: split dim 1, rep: replicated), pipeline stage
 # ("both": the tied word embedding on the first and the last stage).

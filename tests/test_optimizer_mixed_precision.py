@@ -13,7 +13,7 @@ from lightning_megatron.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
 )
-from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
+from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 
 
 # ---------------------------------------------------------------------------------------------

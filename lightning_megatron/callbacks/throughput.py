@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 

@@ -248,7 +248,7 @@ def _gathered_main_grads(buffer: Any, named: list[tuple[str, nn.Parameter]], gra
     for bucket in buffer.buckets:
         lo, hi = buffer.shard(bucket)
         full[lo:hi] = buffer.data[lo:hi]
-    dist.all_reduce(full, group=dp_group)
+    dist.all_reduce(full, group=dp_group.process_group)
     out = dict(grads)
     for name, p in named:
         if buffer.holds(grads[name]):

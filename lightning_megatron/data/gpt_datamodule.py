@@ -4,7 +4,8 @@ The same prefixes / blends, splits, batch sizes, samplers, resume state and voca
 :class:`~lightning_megatron.data.datamodule.BertDataModule` (their shared base,
 :class:`~lightning_megatron.data.datamodule.PretrainingDataModule`). A training step receives this
 data-parallel rank's share of one global batch: ``tokens`` / ``labels`` int64 ``[b, s]`` and
-``loss_mask`` float32 ``[b, s]``.
+``loss_mask`` float32 ``[b, s]``. ``predict`` reads prompts (``predict_file``) and yields their tokens,
+batched by length (:class:`~lightning_megatron.data.predict.LengthGroupedBatchSampler`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import hashlib
 from pathlib import Path
 from typing import Any, Literal
 
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_megatron.data.corpus import default_corpus_fingerprint
 from lightning_megatron.data.datamodule import PretrainingDataModule
 from lightning_megatron.data.gpt_dataset import GPTDataset, check_documents_end_with_eod
 from lightning_megatron.data.indexed_dataset import IndexedDataset
+from lightning_megatron.data.predict import IndexedSamples, LengthGroupedBatchSampler, PromptDataset
 from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.bpe_tokenizer import BPETokenizer
 from lightning_megatron.data.tokenizer import BertTokenizer, load_tokenizer
@@ -57,6 +60,11 @@ class GPTDataModule(PretrainingDataModule):
             ``~/.cache/lightning_megatron``.
         samples_cache_dir: where the document / sample / shuffle indices are cached; ``None``: next
             to the dataset, or the default cache directory when that is not writable.
+        predict_file: the prompts ``predict`` continues: a text file (one prompt per non-empty line)
+            or a ``.jsonl`` file (its ``predict_json_key`` field); tokenized with the tokenizer, no EOD.
+            Batches hold prompts of one length (generation pads nothing): each global batch comes
+            from one length group, the last of a group padded with copies marked ``sample_index=-1``.
+        predict_json_key: the JSONL field holding the prompt.
     """
 
     def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
@@ -64,7 +72,8 @@ class GPTDataModule(PretrainingDataModule):
                  seed: int = 1234, eod_mask_loss: bool = False, splits: str = "949,50,1",
                  train_samples: int | None = None, eval_samples: int | None = None,
                  shuffle: Literal["sequential", "random"] = "sequential", num_workers: int | None = None,
-                 cache_dir: str | None = None, samples_cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, samples_cache_dir: str | None = None,
+                 predict_file: str | None = None, predict_json_key: str = "text") -> None:
         super().__init__()
         if seq_length < 2:
             raise ValueError(f"seq_length={seq_length} must be at least 2 (GPT recipes use 1024-4096)")
@@ -76,6 +85,9 @@ class GPTDataModule(PretrainingDataModule):
         self.vocab_file = vocab_file
         self.seq_length = seq_length
         self.eod_mask_loss = eod_mask_loss
+        self.predict_file, self.predict_json_key = predict_file, predict_json_key
+        self.predict_dataset: PromptDataset | None = None
+        """The prompts of the last ``predict_dataloader`` (their texts: ``predict_dataset.texts``)."""
         self._tokenizer: Any = None
 
     @property
@@ -121,3 +133,17 @@ class GPTDataModule(PretrainingDataModule):
         return GPTDataset(indexed, documents=documents, num_samples=num_samples, seq_length=self.seq_length,
                           seed=self.seed, eod_id=self.tokenizer.eod, eod_mask_loss=self.eod_mask_loss,
                           samples_cache_dir=self.samples_cache_dir)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """``predict_file``'s prompts, every one once: full global batches of one prompt length (the
+        last of each length padded with copies whose ``sample_index`` is -1)."""
+        if self.predict_file is None:
+            raise ValueError("GPTDataModule: predict continues prompts: pass --data.predict_file (one prompt per "
+                             "line, or a .jsonl file with --data.predict_json_key)")
+        dataset = PromptDataset(self.predict_file, self.tokenizer, self.predict_json_key, max_length=self.seq_length)
+        self.predict_dataset = dataset
+        dp_rank, dp_size = self._dp_coordinates()
+        sampler = LengthGroupedBatchSampler(dataset.lengths, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
+                                            local_batch_size=self.micro_batch_size * self.num_microbatches(dp_size))
+        return self._loader(IndexedSamples(dataset), sampler)

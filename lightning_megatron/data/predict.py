@@ -5,6 +5,12 @@ Every rank of a step must see a batch of ``micro_batch_size * num_microbatches``
 schedule and the pipeline shapes depend on it), so :class:`PredictBatchSampler` pads the last global
 batch with the index ``-1``; :class:`IndexedSamples` turns it into a copy of sample 0 whose
 ``sample_index`` is ``-1``, which :class:`~lightning_megatron.callbacks.PredictionWriter` drops.
+
+Decoders generate from prompts (:class:`PromptDataset`: the tokens of each text, unpadded). Generation
+takes prompts of one length per batch (no padding, no attention mask), so
+:class:`LengthGroupedBatchSampler` groups the prompts by token count and fills full global batches from
+one group at a time, padded with ``-1 - j``: a copy of the group's sample ``j`` (the same length),
+marked ``sample_index = -1``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from torch.utils.data import Dataset
 
 from lightning_megatron.data.tokenizer import BertTokenizer
 
-__all__ = ["TextPredictionDataset", "IndexedSamples", "PredictBatchSampler", "SAMPLE_INDEX"]
+__all__ = ["TextPredictionDataset", "PromptDataset", "IndexedSamples", "PredictBatchSampler",
+           "LengthGroupedBatchSampler", "SAMPLE_INDEX", "read_texts"]
 
 SAMPLE_INDEX = "sample_index"
 """Batch key: the sample's index in the predict dataset (line of the input file), -1 for padding."""
@@ -34,22 +41,7 @@ class TextPredictionDataset(Dataset):
 
     def __init__(self, path: str | os.PathLike[str], tokenizer: BertTokenizer, max_seq_length: int,
                  json_key: str = "text") -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"predict_file {str(path)!r} does not exist")
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if path.suffix == ".jsonl":
-            texts = []
-            for number, line in enumerate(lines, 1):
-                record = json.loads(line)
-                if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
-                    raise ValueError(f"{str(path)!r} line {number}: no string field {json_key!r} (set "
-                                     f"--data.predict_json_key to the field holding the text)")
-                texts.append(record[json_key])
-        else:
-            texts = lines
-        if not texts:
-            raise ValueError(f"predict_file {str(path)!r} holds no text")
+        texts = read_texts(path, json_key)
         self.texts, self.tokenizer, self.max_seq_length = texts, tokenizer, max_seq_length
         self.ids = tokenizer.tokenize_batch(texts)
         long = sum(len(ids) > max_seq_length - 2 for ids in self.ids)
@@ -70,8 +62,59 @@ class TextPredictionDataset(Dataset):
         return {"tokens": tokens, "token_types": torch.zeros_like(tokens), "attention_mask": mask}
 
 
+def read_texts(path: str | os.PathLike[str], json_key: str = "text") -> list[str]:
+    """The texts of a ``predict_file``: a ``.jsonl`` file (the ``json_key`` field of each line) or any
+    other text file (one text per non-empty line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"predict_file {str(path)!r} does not exist")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        texts = []
+        for number, line in enumerate(lines, 1):
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
+                raise ValueError(f"{str(path)!r} line {number}: no string field {json_key!r} (set "
+                                 f"--data.predict_json_key to the field holding the text)")
+            texts.append(record[json_key])
+    else:
+        texts = lines
+    if not texts:
+        raise ValueError(f"predict_file {str(path)!r} holds no text")
+    return texts
+
+
+class PromptDataset(Dataset):
+    """One prompt per text of ``path`` (:func:`read_texts`): ``{"tokens": [n] int64}``, the text's tokens
+    as ``tokenizer.tokenize`` gives them (no end-of-document token, no padding). A prompt of more than
+    ``max_length`` tokens is refused (``None``: no limit)."""
+
+    def __init__(self, path: str | os.PathLike[str], tokenizer: Any, json_key: str = "text",
+                 max_length: int | None = None) -> None:
+        self.texts = read_texts(path, json_key)
+        self.ids = [list(tokenizer.tokenize(text)) for text in self.texts]
+        for number, ids in enumerate(self.ids, 1):
+            if not ids:
+                raise ValueError(f"predict_file {str(path)!r} prompt {number} ({self.texts[number - 1]!r}) has no "
+                                 f"tokens: give every prompt some text")
+            if max_length is not None and len(ids) > max_length:
+                raise ValueError(f"predict_file {str(path)!r} prompt {number} has {len(ids)} tokens, more than "
+                                 f"{max_length} (the data's seq_length): shorten it or raise --data.seq_length")
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.ids]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"tokens": torch.tensor(self.ids[index], dtype=torch.int64)}
+
+
 class IndexedSamples(Dataset):
-    """``dataset[i]`` plus ``sample_index = i``; index ``-1`` (padding) gives sample 0 marked ``-1``."""
+    """``dataset[i]`` plus ``sample_index = i``; a negative index ``-1 - j`` (padding) gives sample ``j``
+    marked ``-1`` (``-1``: sample 0)."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
@@ -80,7 +123,9 @@ class IndexedSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {**self.dataset[max(index, 0)], SAMPLE_INDEX: torch.tensor(index, dtype=torch.int64)}
+        if index < 0:
+            return {**self.dataset[-1 - index], SAMPLE_INDEX: torch.tensor(-1, dtype=torch.int64)}
+        return {**self.dataset[index], SAMPLE_INDEX: torch.tensor(index, dtype=torch.int64)}
 
 
 class PredictBatchSampler:
@@ -101,3 +146,34 @@ class PredictBatchSampler:
         for start in range(0, self.total_samples, self.global_batch_size):
             first = start + self.rank * self.local_batch_size
             yield [i if i < self.total_samples else -1 for i in range(first, first + self.local_batch_size)]
+
+
+class LengthGroupedBatchSampler:
+    """Full global batches of prompts of one length: the samples grouped by ``lengths`` (shortest group
+    first, each in index order), each group cut into global batches of ``G = local_batch_size *
+    data_parallel_size`` and its last one padded with ``-1 - first`` (a copy of the group's first sample);
+    this rank yields its contiguous ``local_batch_size`` slice of each."""
+
+    def __init__(self, lengths: list[int], *, local_batch_size: int, data_parallel_rank: int,
+                 data_parallel_size: int) -> None:
+        if not lengths or local_batch_size < 1:
+            raise ValueError(f"{len(lengths)} samples and local_batch_size={local_batch_size} must be positive")
+        self.local_batch_size, self.rank = local_batch_size, data_parallel_rank
+        self.global_batch_size = local_batch_size * data_parallel_size
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(n, []).append(i)
+        self.batches = []
+        for n in sorted(groups):
+            group = groups[n]
+            for start in range(0, len(group), self.global_batch_size):
+                chunk = group[start:start + self.global_batch_size]
+                self.batches.append(chunk + [-1 - group[0]] * (self.global_batch_size - len(chunk)))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        first = self.rank * self.local_batch_size
+        for batch in self.batches:
+            yield batch[first:first + self.local_batch_size]

@@ -45,7 +45,6 @@ __all__ = [
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "grads_for_norm",
-    "is_counted_once",
     "grad_norm_and_found_inf",
     "sum_of_squares_fp64",
 ]

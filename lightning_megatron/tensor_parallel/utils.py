@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import torch
 
 __all__ = ["divide", "pad_vocab_size", "VocabUtility"]
 

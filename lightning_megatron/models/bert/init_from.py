@@ -1,8 +1,10 @@
 """``init_from``: start a BertLightningModule from pretrained weights, at any TP/PP/VP layout.
 
-One mechanism for every source: the source becomes a :class:`~.convert.SavedModel` (a full TP=1
-state dict under our global names, unpadded vocabulary, plus the architecture it needs), which
-:func:`load_full_state_dict` slices into each rank's chunks. Sources (:func:`read_pretrained`):
+One mechanism for every source: the source becomes a :class:`~lightning_megatron.saved_model.SavedModel`
+(a full TP=1 state dict under our global names, unpadded vocabulary, plus the architecture it needs),
+which :func:`~lightning_megatron.saved_model.load_full_state_dict` slices into each rank's chunks (the
+generic base, ``MegatronLightningModule.load_pretrained``, does it; this module is BERT's sources).
+Sources (:func:`read_pretrained`):
 
 - a lightning_megatron checkpoint directory (``lightning_megatron.json``);
 - a Hugging Face folder (``config.json`` + ``model.safetensors`` / ``pytorch_model.bin``) of BERT

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torchmetrics import MetricCollection
 from typing_extensions import override
 
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
@@ -57,6 +58,9 @@ class GPTLightningModule(MegatronLightningModule):
         max_sequence_length: rows of the learned position embedding (the longest sequence).
         spec: a registered layer spec name: ``gpt_layer_spec`` (LayerNorm) or ``llama_layer_spec`` (RMSNorm).
         position_embedding_type: ``learned_absolute`` (GPT-2), ``rope`` (Llama) or ``none``.
+        normalization: ``config.normalization``, the norm of specs that take it from the config
+            (``transformer.Norm``); None: the spec's own (LayerNorm for ``gpt_layer_spec``, RMSNorm for
+            ``llama_layer_spec``, which refuse the other).
         activation: the MLP activation (GPT-2: ``gelu_tanh``; Megatron GPT: ``gelu``; Llama: ``silu``).
         gated_linear_unit: a gated MLP, ``act(x W_gate) * (x W_up)`` (with ``silu``: Llama's SwiGLU).
         rotary_base, rotary_percent: rope's base (Llama 2: 10000, Llama 3: 500000) and the fraction of
@@ -89,6 +93,7 @@ class GPTLightningModule(MegatronLightningModule):
         max_sequence_length: int = 128,
         spec: str = "gpt_layer_spec",
         position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+        normalization: Literal["LayerNorm", "RMSNorm"] | None = None,
         activation: Literal["gelu", "gelu_tanh", "relu", "silu"] = "gelu",
         add_bias_linear: bool = True,
         gated_linear_unit: bool = False,
@@ -138,6 +143,9 @@ class GPTLightningModule(MegatronLightningModule):
             from lightning_megatron.transformer import get_spec
 
             get_spec(spec)  # ValueError listing the registered names
+        elif normalization not in (None, _SPEC_NORM[spec]):
+            raise ValueError(f"normalization={normalization!r} but spec={spec!r} uses {_SPEC_NORM[spec]}: drop "
+                             f"normalization, or use the other spec")
         self.save_hyperparameters()
         self.init_seed = init_seed
         self.use_optimizer(optimizer_class, optimizer_kwargs)
@@ -147,7 +155,8 @@ class GPTLightningModule(MegatronLightningModule):
             num_query_groups=num_query_groups, ffn_hidden_size=ffn_hidden_size, kv_channels=kv_channels,
             gated_linear_unit=gated_linear_unit, rotary_base=rotary_base, rotary_percent=rotary_percent, hidden_dropout=hidden_dropout,
             attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon,
-            normalization=_SPEC_NORM.get(spec, "LayerNorm"), activation=activation, add_bias_linear=add_bias_linear,
+            normalization=normalization or _SPEC_NORM.get(spec, "LayerNorm"), activation=activation,
+            add_bias_linear=add_bias_linear,
             init_method_std=init_method_std, params_dtype=_DTYPES[params_dtype],
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
             recompute_num_layers=recompute_num_layers,
@@ -195,7 +204,7 @@ class GPTLightningModule(MegatronLightningModule):
     def on_chunks_built(self) -> None:
         # val/test perplexity of the whole split, gathered over DP (a plain dict: outside the state dict)
         kw = sync_args(self.parallel_state)
-        self.eval_metrics = {stage: Perplexity(**kw) for stage in ("val", "test")}
+        self.eval_metrics = {stage: MetricCollection({"perplexity": Perplexity(**kw)}) for stage in ("val", "test")}
 
     # ------------------------------------------------------------------ weights from elsewhere
 
@@ -258,7 +267,7 @@ class GPTLightningModule(MegatronLightningModule):
             num_tokens = loss_mask.float().sum()
             stage = eval_stage(self)
             if stage:  # the whole split's perplexity, logged at the end of the epoch
-                on_device(self.eval_metrics[stage], loss.device).update(loss.detach(), num_tokens)
+                on_device(self.eval_metrics[stage], loss.device)["perplexity"].update(loss.detach(), num_tokens)
             stats = {"lm_loss": loss.detach(), "num_tokens": num_tokens}
 
         def loss_func(output: torch.Tensor):
@@ -275,10 +284,7 @@ class GPTLightningModule(MegatronLightningModule):
         self._log_perplexity("test")
 
     def _log_perplexity(self, stage: str) -> None:
-        from torchmetrics import MetricCollection
-
-        metrics = MetricCollection({"perplexity": self.eval_metrics[stage]})
-        log_epoch_metrics(self, metrics, stage, self.parallel_state, self.model_chunks[-1].post_process)
+        log_epoch_metrics(self, self.eval_metrics[stage], stage, self.parallel_state, self.model_chunks[-1].post_process)
 
     # ------------------------------------------------------------------ generation
 
@@ -329,28 +335,34 @@ class GPTLightningModule(MegatronLightningModule):
     @classmethod
     def estimate_shape(cls, model: Mapping[str, Any], data: Mapping[str, Any], *, micro_batch_size: int,
                        global_batch_size: int) -> Any:
-        """The sizes ``check --estimate-memory`` / ``--estimate-time`` compute with (``EstimatesCost``),
-        from this module's arguments (``vocab_size`` must be set, or the data's ``vocab_size``) and the
-        data's ``seq_length``; unset ones at their defaults."""
-        from lightning_megatron.check.memory import ModelShape
+        """The decoder's costs for ``check --estimate-memory`` / ``--estimate-time`` (``EstimatesCost``):
+        a :class:`~lightning_megatron.models.gpt.cost.DecoderShape` from this module's arguments
+        (``vocab_size`` must be set) and the data's ``seq_length``; unset ones at their defaults."""
+        from lightning_megatron.models.gpt.cost import DecoderShape
 
         vocab = model.get("vocab_size", data.get("vocab_size"))
         if vocab is None:
             raise ValueError("GPTLightningModule.estimate_shape: set model.vocab_size (the estimate builds no "
                              "tokenizer)")
         spec = str(model.get("spec", "gpt_layer_spec"))
-        return ModelShape(
+        return DecoderShape(
             num_layers=int(model.get("num_layers", 2)), hidden_size=int(model.get("hidden_size", 128)),
             num_attention_heads=int(model.get("num_attention_heads", 4)), ffn_hidden_size=model.get("ffn_hidden_size"),
+            num_query_groups=model.get("num_query_groups"), kv_channels=model.get("kv_channels"),
+            gated_linear_unit=bool(model.get("gated_linear_unit", False)),
+            add_bias_linear=bool(model.get("add_bias_linear", True)),
+            untie_embeddings_and_output_weights=bool(model.get("untie_embeddings_and_output_weights", False)),
+            learned_positions=model.get("position_embedding_type", "learned_absolute") == "learned_absolute",
             vocab_size=int(vocab), make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by", 128)),
             max_sequence_length=int(model.get("max_sequence_length", 128)),
             seq_length=int(data.get("seq_length", model.get("max_sequence_length", 128))),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
             params_dtype=str(model.get("params_dtype", "float32")), optimizer=str(model.get("optimizer", "adamw")),
-            rmsnorm=_SPEC_NORM.get(spec) == "RMSNorm", recompute=model.get("recompute_granularity") == "full",
+            rmsnorm=(model.get("normalization") or _SPEC_NORM.get(spec)) == "RMSNorm",
+            recompute=model.get("recompute_granularity") == "full",
             attention_backend=str(model.get("attention_backend", "auto")),
             hidden_dropout=float(model.get("hidden_dropout", 0.1)),
-            attention_dropout=float(model.get("attention_dropout", 0.1)), family="gpt")
+            attention_dropout=float(model.get("attention_dropout", 0.1)))
 
     # ------------------------------------------------------------------ optimizer
 

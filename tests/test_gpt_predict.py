@@ -1,0 +1,102 @@
+"""``lightning-megatron predict`` for decoders: a prompts file in, ``predictions/predictions.jsonl`` out.
+
+Through the real CLI (subprocesses): a tiny ``recipes/gpt_tiny.yaml`` fit at TP=2 on 2 processes writes
+``last.ckpt``; ``predict`` at TP=2 on 2 processes generates greedy continuations of a prompts file of
+mixed lengths; every prompt is written once, in input order, with the token ids
+``GPTLightningModule.load_from_checkpoint(...).generate(...)`` gives in one process (the reference).
+In-process: the prompts' batches (grouped by length, full global batches, padding -1) at DP=2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["The function returns", "A list of", "The module", "If the value is None, the",
+           "Return a new"]
+MAX_NEW = 6
+# A tiny gpt_tiny: both commands build the same model from the same overrides.
+SMALL = ["--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--trainer.devices", "2",
+         "--trainer.strategy.tensor_model_parallel_size", "2", "--trainer.logger", "false",
+         "--trainer.enable_progress_bar", "false", "--model.num_layers", "1", "--model.hidden_size", "32",
+         "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "64", "--model.max_sequence_length", "64",
+         "--model.hidden_dropout", "0.0", "--model.attention_dropout", "0.0", "--data.seq_length", "32"]
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, WANDB_MODE="offline"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def test_cli_predict_generates_what_generate_gives(tmp_path):
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    tokenizer = BPETokenizer()  # GPTDataModule's default
+    lengths = [len(tokenizer.tokenize(p)) for p in PROMPTS]
+    # Mixed lengths, two of them shared: batches of one length, one of them padded.
+    assert len(set(lengths)) >= 3 and len(set(lengths)) < len(lengths), lengths
+    run = tmp_path / "run"
+    _cli(tmp_path, "fit", *SMALL, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
+         "--trainer.default_root_dir", str(run), "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
+         "--data.eval_samples", "4")
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in (run / "checkpoints").iterdir())
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    # One global batch of 2 (two microbatches of 1) per length group.
+    _cli(tmp_path, "predict", *SMALL, "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(run),
+         "--data.predict_file", str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2",
+         "--data.micro_batch_size", "1", "--model.predict_max_new_tokens", str(MAX_NEW))
+    records = [json.loads(line) for line in (run / "predictions" / "predictions.jsonl").open()]
+    assert [r["index"] for r in records] == list(range(len(PROMPTS)))  # every prompt once, in order
+    assert [r["prompt"] for r in records] == PROMPTS
+    module = GPTLightningModule.load_from_checkpoint(ckpt)  # the reference: one process
+    for record, prompt in zip(records, PROMPTS):
+        ids = torch.tensor([tokenizer.tokenize(prompt)])
+        want = module.generate(ids, MAX_NEW)[0, ids.shape[1]:].tolist()
+        assert record["token_ids"] == want, (prompt, record, want)
+        assert record["completion"] == tokenizer.detokenize(want)
+
+
+def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):
+    """GPTDataModule's predict batches of a JSONL prompts file at DP=2 (2 microbatches of 1 per rank):
+    each global batch holds prompts of one length (rank 0's and rank 1's slices alike), every prompt
+    is in exactly one of them, and padding rows (-1) copy a prompt of that length; over-long and
+    missing prompts are refused by name."""
+    import pytest
+
+    from lightning_megatron.data.gpt_datamodule import GPTDataModule
+    from lightning_megatron.data.predict import SAMPLE_INDEX, IndexedSamples, LengthGroupedBatchSampler
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"body": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
+    dm = GPTDataModule(seq_length=16, global_batch_size=4, micro_batch_size=1, num_workers=0,
+                       predict_file=str(tmp_path / "p.jsonl"), predict_json_key="body")
+    list(dm.predict_dataloader())  # no trainer: DP=1
+    prompts = dm.predict_dataset
+    assert prompts.texts == PROMPTS
+    assert [prompts[i]["tokens"].tolist() for i in range(len(PROMPTS))] == [dm.tokenizer.tokenize(p) for p in PROMPTS]
+    samples = IndexedSamples(prompts)
+    per_rank = [list(LengthGroupedBatchSampler(prompts.lengths, local_batch_size=2, data_parallel_rank=r,
+                                               data_parallel_size=2)) for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(set(prompts.lengths))  # 5 prompts, 3 lengths: 3 batches
+    seen = []
+    for local0, local1 in zip(*per_rank):
+        rows = [samples[i] for i in local0 + local1]
+        assert len({len(r["tokens"]) for r in rows}) == 1  # one length per global batch
+        seen += [int(r[SAMPLE_INDEX]) for r in rows]
+        for i, r in zip(local0 + local1, rows):
+            assert (i < 0) == (int(r[SAMPLE_INDEX]) == -1)
+    assert sorted(i for i in seen if i >= 0) == list(range(len(PROMPTS)))
+    with pytest.raises(ValueError, match="prompt 4 has 7 tokens, more than 5"):
+        list(GPTDataModule(seq_length=5, global_batch_size=2, micro_batch_size=1, num_workers=0,
+                           predict_file=str(tmp_path / "p.jsonl"), predict_json_key="body").predict_dataloader())
+    with pytest.raises(ValueError, match="predict_file"):
+        GPTDataModule(seq_length=16, num_workers=0).predict_dataloader()
