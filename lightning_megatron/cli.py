@@ -313,19 +313,22 @@ def _plot(argv: list[str]) -> None:
 def _export(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="lightning-megatron export",
                                      description="a checkpoint (any TP/PP/DP layout) -> a Hugging Face folder")
-    parser.add_argument("format", choices=["hf"], help="hf: transformers BertForPreTraining (post-norm spec) or "
-                                                       "MegatronBertForPreTraining (pre-norm, the default recipe)")
+    parser.add_argument("format", choices=["hf"], help="hf: transformers BertForPreTraining (post-norm spec), "
+                                                       "MegatronBertForPreTraining (pre-norm, the default recipe), "
+                                                       "LlamaForCausalLM or GPT2LMHeadModel (GPT family)")
     parser.add_argument("--ckpt_path", required=True, help="a lightning_megatron checkpoint directory")
     parser.add_argument("--output", required=True, help="the folder to write (config, model.safetensors, tokenizer)")
     parser.add_argument("--vocab_file", default=None,
                         help="the vocab.txt the model was trained with (default: the one the checkpoint names)")
+    parser.add_argument("--tokenizer", default=None, help="GPT family: the tokenizer.json (or GPT-2 vocab.json) "
+                                                          "the model was trained with (default: the checkpoint's)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
     a = parser.parse_args(argv)
     from lightning_megatron.checkpoint import CheckpointError
     from lightning_megatron.models.bert.convert import export_hf
 
     try:
-        print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite))
+        print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite, tokenizer=a.tokenizer))
     except (CheckpointError, OSError, ValueError) as error:
         parser.exit(1, f"lightning-megatron export: error: {error}\n")
 

@@ -134,7 +134,12 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                                      f"the model's vocab_size is {real}: set --model.vocab_size {t.size(0)}")
                 t = t[:real]  # Megatron-LM pads its vocabulary; the padding never is a prediction
                 t = torch.cat([t, t.new_zeros((padded - real, *t.shape[1:]))]) if padded > real else t
-            if sharded:
+            if sharded and facts.partition_stride > 1:
+                # Megatron's strided partition (a SwiGLU fc1: full [gate; up], each rank [gate_r; up_r]):
+                # this rank's slice of every one of the stride blocks, in order.
+                t = torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in t.chunk(facts.partition_stride, dim=dim)],
+                              dim=dim)
+            elif sharded:
                 t = t.chunk(tp_size, dim=dim)[tp_rank]
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but "

@@ -100,12 +100,14 @@ def _vocab_file(saved: SavedModel, vocab_file: str | os.PathLike[str] | None) ->
 
 def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str], *,
               vocab_file: str | os.PathLike[str] | None = None, lowercase: bool = True,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, tokenizer: str | os.PathLike[str] | None = None) -> Path:
     """Write ``output/`` (config, ``model.safetensors``, tokenizer) from a checkpoint at any layout.
 
     ``vocab_file``: the WordPiece vocabulary the model was trained with; None takes the datamodule's
     ``vocab_file`` saved in the checkpoint, else the default vocabulary. Its size must equal the
-    model's vocabulary. A non-empty ``output`` is refused unless ``overwrite``; the folder is written
+    model's vocabulary. A decoder checkpoint (GPT family: ``LlamaForCausalLM`` / ``GPT2LMHeadModel``,
+    :mod:`lightning_megatron.models.gpt.convert`) takes ``tokenizer`` (a ``tokenizer.json``) instead.
+    A non-empty ``output`` is refused unless ``overwrite``; the folder is written
     next to it under a temporary name and swapped in whole, so a failed export leaves no half-written
     model. Returns the output directory.
     """
@@ -121,6 +123,12 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
         raise FileExistsError(f"--output {str(out)!r} is not empty: choose another folder, or pass --overwrite to "
                               f"replace it")
     saved = read_model_checkpoint(ckpt_path)
+    from lightning_megatron.models.gpt.convert import hf_model_from_saved, is_decoder_state_dict
+
+    if is_decoder_state_dict(saved.state_dict):
+        model, write_tokenizer = hf_model_from_saved(saved, tokenizer=tokenizer)
+        _write_folder(model, write_tokenizer, out)
+        return out
     config, megatron, pretraining = hf_config_for(saved)
     vocab = _vocab_file(saved, vocab_file)
     pieces = sum(1 for line in vocab.read_text(encoding="utf-8").splitlines() if line)
@@ -140,15 +148,21 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
     if missing or result.unexpected_keys:
         raise ValueError(f"export to {cls.__name__} does not match transformers' keys: missing {missing}, "
                          f"unexpected {list(result.unexpected_keys)}")
+    _write_folder(model, lambda tmp: _save_tokenizer(vocab, tmp, lowercase=lowercase,
+                                                     max_length=config.max_position_embeddings), out)
+    return out
+
+
+def _write_folder(model: Any, write_tokenizer: Any, out: Path) -> None:
+    """The model (safetensors) and its tokenizer written next to ``out`` under a temporary name, then swapped in."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        _save_tokenizer(vocab, tmp, lowercase=lowercase, max_length=config.max_position_embeddings)
+        write_tokenizer(tmp)
         _swap_in(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _swap_in(new: Path, target: Path) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "HF_MEGATRON_BERT_SPEC",
     "is_megatron_bert_state_dict",
     "read_hf_config",
+    "read_hf_weights",
 ]
 
 HF_BERT_SPEC = "bert_layer_post_norm_spec"
@@ -349,3 +350,33 @@ def read_hf_config(path: Any) -> Any:
             f"lightning_megatron never runs code from a model folder (trust_remote_code=False). Use a folder of "
             f"transformers' own BERT / MegatronBERT classes (if the weights are a plain BERT, remove auto_map)")
     return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+
+
+def read_hf_weights(path: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face folder, never unpickling code: ``model.safetensors``, the shards a
+    ``model.safetensors.index.json`` names (inside the folder), or ``pytorch_model.bin`` through
+    ``torch.load(weights_only=True)``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return load_file(str(path / "model.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{str(index)!r} is not a safetensors index (no weight_map): {e}") from e
+        out: dict[str, torch.Tensor] = {}
+        for name in sorted(set(weight_map.values())):
+            shard = (path / name).resolve()
+            if shard.parent != path.resolve() or not name.endswith(".safetensors") or not shard.is_file():
+                raise ValueError(f"{str(index)!r} names {name!r}: shards must be .safetensors files inside the folder")
+            out.update(load_file(str(shard)))
+        return out
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", weights_only=True, map_location="cpu")
+    raise FileNotFoundError(f"{str(path)!r} has neither model.safetensors (or its index) nor pytorch_model.bin")

@@ -26,8 +26,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lightning_megatron.saved_model import SavedModel, read_model_checkpoint, read_saved_hparams, refuse_architecture
 
 __all__ = ["read_pretrained", "read_hf_folder", "check_architecture", "MISSING_TENSORS_HINT",
@@ -45,18 +43,11 @@ _HF_TO_OURS_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh":
 
 def read_hf_folder(path: str | os.PathLike[str]) -> SavedModel:
     """A Hugging Face BERT / MegatronBERT folder as a full state dict under our names."""
-    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
+    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf, read_hf_weights
 
     path = Path(path)
     config = _hf_config(path)
-    if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        hf_sd = load_file(str(path / "model.safetensors"))
-    elif (path / "pytorch_model.bin").is_file():
-        hf_sd = torch.load(path / "pytorch_model.bin", weights_only=True, map_location="cpu")
-    else:
-        raise FileNotFoundError(f"{str(path)!r} has neither model.safetensors nor pytorch_model.bin")
+    hf_sd = read_hf_weights(path)  # safetensors (a sharded index too) or weights_only .bin
     keys = {k.removeprefix("bert.") for k in hf_sd}
     heads = "cls.predictions.bias" in keys
     binary = "cls.seq_relationship.weight" in keys

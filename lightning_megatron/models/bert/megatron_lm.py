@@ -1,4 +1,7 @@
-"""Megatron-LM (megatron-core) BERT checkpoints -> one full state dict under our names.
+"""Megatron-LM (megatron-core) BERT and GPT checkpoints -> one full state dict under our names.
+
+GPT checkpoints (``decoder.*`` tensors) are recognised here and their architecture is read by
+:mod:`lightning_megatron.models.gpt.megatron_lm`; their SwiGLU ``linear_fc1`` shards are regrouped.
 
 Two formats, any TP/PP (and VP) layout they were saved at:
 
@@ -202,8 +205,6 @@ def _architecture(args: Any, num_layers: int) -> dict[str, Any]:
 
 def read_legacy_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     """Merge the per-rank ``model_optim_rng.pt`` files of one iteration (any TP/PP/VP)."""
-    from lightning_megatron.models.bert.hf import merge_tp_state_dicts
-
     path = Path(path)
     if path.is_file():
         files = {(0, 0): path}
@@ -229,10 +230,12 @@ def read_legacy_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
         chunk_keys = sorted((k for k in per_tp[0] if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
         if not chunk_keys:
             raise ValueError(f"{str(files[(0, p)])!r} has no 'model' state dict")
-        stages[p] = [merge_tp_state_dicts([normalize_megatron_keys(x[k]) for x in per_tp]) for k in chunk_keys]
+        stages[p] = [_merge_tp([normalize_megatron_keys(x[k]) for x in per_tp]) for k in chunk_keys]
     vp = len(stages[0])
+    decoder = any(k.startswith("decoder.") for c in stages[0] for k in c)
+    layers = "decoder" if decoder else "encoder"
     full: dict[str, torch.Tensor] = {}
-    local_layers = [len({int(k.split(".")[2]) for k in c if k.startswith("encoder.layers.")})
+    local_layers = [len({int(k.split(".")[2]) for k in c if k.startswith(f"{layers}.layers.")})
                     for p in range(pp) for c in stages[p]]
     per_chunk = local_layers[0]
     if any(n != per_chunk for n in local_layers):
@@ -241,18 +244,41 @@ def read_legacy_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
         for c, sd in enumerate(stages[p]):
             offset = (c * pp + p) * per_chunk  # Megatron's (interleaved) layer assignment
             for key, value in sd.items():
-                m = re.match(r"encoder\.layers\.(\d+)\.(.*)", key)
+                m = re.match(rf"{layers}\.layers\.(\d+)\.(.*)", key)
                 if m:
-                    key = f"encoder.layers.{offset + int(m.group(1))}.{m.group(2)}"
-                elif key == "output_layer.weight" and "embedding.word_embeddings.weight" in full:
+                    key = f"{layers}.layers.{offset + int(m.group(1))}.{m.group(2)}"
+                elif key == "output_layer.weight" and "embedding.word_embeddings.weight" in full and not decoder:
                     if not torch.equal(value, full["embedding.word_embeddings.weight"]):
                         raise ValueError("the Megatron-LM checkpoint's last-stage output layer differs from the "
                                          "word embedding (untied); BertLightningModule ties them")
                     continue
                 full.setdefault(key, value)
-    full = _tie(full)
-    return SavedModel(state_dict=full, hparams=_architecture(args, per_chunk * pp * vp),
-                      layout={"tp": tp, "pp": pp, "vp": vp})
+    return _saved_model(full, args, per_chunk * pp * vp, {"tp": tp, "pp": pp, "vp": vp})
+
+
+def _merge_tp(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The TP shards of one chunk merged; a decoder's SwiGLU ``linear_fc1`` (each rank ``[gate_r; up_r]``:
+    twice the rows its ``linear_fc2`` has columns) is regrouped as ``[gate; up]``."""
+    from lightning_megatron.models.bert.hf import merge_tp_state_dicts
+
+    if not any(k.startswith("decoder.") for k in shards[0]):
+        return merge_tp_state_dicts(shards)
+    from lightning_megatron.models.gpt.hf import merge_tp_shards
+
+    fc1 = next((k for k in shards[0] if k.endswith("mlp.linear_fc1.weight")), None)
+    gated = fc1 is not None and shards[0][fc1].size(0) == 2 * shards[0][fc1.replace("fc1", "fc2")].size(1)
+    return merge_tp_shards(shards, gated_linear_unit=gated)
+
+
+def _saved_model(full: dict[str, torch.Tensor], args: Any, num_layers: int,
+                 layout: dict[str, Any] | None = None) -> SavedModel:
+    """BERT's (tied, its ``args`` checked) or the decoder family's
+    (:mod:`lightning_megatron.models.gpt.megatron_lm`)."""
+    if any(k.startswith("decoder.") for k in full):
+        from lightning_megatron.models.gpt.megatron_lm import gpt_saved_model
+
+        return gpt_saved_model(full, args, num_layers, layout or {})
+    return SavedModel(state_dict=_tie(full), hparams=_architecture(args, num_layers), layout=layout or {})
 
 
 def read_torch_dist_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
@@ -261,20 +287,21 @@ def read_torch_dist_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
 
     d = _iteration_dir(Path(path))
     metadata = dcp_io.read_metadata(d, allow_bytes=True).state_dict_metadata
-    prefixes = ("embedding.", "encoder.", "lm_head.", "output_layer.", "pooler.", "binary_head.")
+    prefixes = ("embedding.", "encoder.", "decoder.", "lm_head.", "output_layer.", "pooler.", "binary_head.")
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in metadata.items()
              if hasattr(md, "size") and k.startswith(prefixes) and not k.endswith("_extra_state")}
     if not state:
-        raise ValueError(f"{str(d)!r} holds no BERT model tensors (expected embedding.*, encoder.* ... keys)")
+        raise ValueError(f"{str(d)!r} holds no model tensors (expected embedding.*, encoder.* / decoder.* ... keys)")
     dcp_io.load(state, d, single_process=True, allow_bytes=True)
     full: dict[str, torch.Tensor] = {}
     num_layers = 0
     for key, value in normalize_megatron_keys(state).items():
-        if key.startswith("encoder.layers."):  # stacked [L, ...]: one tensor per layer
-            rest = key[len("encoder.layers."):]
+        stack = next((p for p in ("encoder.layers.", "decoder.layers.") if key.startswith(p)), None)
+        if stack:  # stacked [L, ...]: one tensor per layer
+            rest = key[len(stack):]
             num_layers = value.size(0)
             for i in range(value.size(0)):
-                full[f"encoder.layers.{i}.{rest}"] = value[i].clone()
+                full[f"{stack}{i}.{rest}"] = value[i].clone()
         else:
             full[key] = value
     args = None
@@ -287,7 +314,7 @@ def read_torch_dist_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
             warnings.warn(f"{str(d / 'common.pt')!r}: the training arguments are not read ({e}); the model's "
                           f"architecture arguments are checked against the tensors' shapes only", UserWarning,
                           stacklevel=2)
-    return SavedModel(state_dict=_tie(full), hparams=_architecture(args, num_layers))
+    return _saved_model(full, args, num_layers)
 
 
 def read_megatron_architecture(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -298,9 +325,12 @@ def read_megatron_architecture(path: str | os.PathLike[str]) -> dict[str, Any]:
         return read_torch_dist_checkpoint(d).hparams
     first = path if path.is_file() else next((sub / "model_optim_rng.pt" for sub in sorted(d.iterdir())
                                               if _RANK_DIR.match(sub.name)), None)
-    args = read_args(first) if first is not None and first.is_file() else None
-    if args is None or not getattr(args, "num_layers", None):
-        return read_legacy_checkpoint(path).hparams  # the layers counted from the tensors
+    state = _load_rank_file(first) if first is not None and first.is_file() else {}
+    args = state.get("args") if isinstance(state, dict) else None
+    decoder = isinstance(state, dict) and any(k.startswith("decoder.") for m in state if re.fullmatch(r"model\d*", m)
+                                              for k in state[m])
+    if not isinstance(args, argparse.Namespace) or not getattr(args, "num_layers", None) or decoder:
+        return read_legacy_checkpoint(path).hparams  # the layers counted from the tensors (a decoder's shapes)
     return _architecture(args, int(args.num_layers))
 
 

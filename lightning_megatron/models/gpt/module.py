@@ -30,10 +30,12 @@ from torchmetrics import MetricCollection
 from typing_extensions import override
 
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
+from lightning_megatron.models.gpt.hf import GPT_ARCHITECTURE_KEYS
 from lightning_megatron.models.gpt.model import GPTModel, gpt_loss
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
+from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.tensor_parallel import set_param_facts
 from lightning_megatron.flops import transformer_flops
 from lightning_megatron.transformer.config import TransformerConfig
@@ -70,6 +72,9 @@ class GPTLightningModule(MegatronLightningModule):
         optimizer, lr, weight_decay, adam_*, sgd_momentum, fused_optimizer, optimizer_class, ...: as
             :class:`~lightning_megatron.models.bert.module.BertLightningModule`.
         compile: ``torch.compile`` each transformer layer (regional compilation).
+        init_from: start from pretrained weights, any layout: a lightning_megatron checkpoint, a Hugging
+            Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` folder or a Megatron-LM GPT checkpoint (the
+            architecture: :meth:`from_pretrained`, ``--model.init_from``; docs/interop.md).
         predict_max_new_tokens, predict_greedy, predict_temperature, predict_top_k, predict_top_p: what
             ``predict`` generates after each sample's ``tokens`` (:meth:`generate`): the prompt followed by
             the new tokens, greedy or sampled (Hugging Face's temperature / top-k / top-p).
@@ -126,6 +131,7 @@ class GPTLightningModule(MegatronLightningModule):
         optimizer_kwargs: dict[str, Any] | None = None,
         lr_scheduler_class: str | None = None,
         lr_scheduler_kwargs: dict[str, Any] | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         if params_dtype not in _DTYPES:
@@ -199,6 +205,29 @@ class GPTLightningModule(MegatronLightningModule):
         # val/test perplexity of the whole split, gathered over DP (a plain dict: outside the state dict)
         kw = sync_args(self.parallel_state)
         self.eval_metrics = {stage: MetricCollection({"perplexity": Perplexity(**kw)}) for stage in ("val", "test")}
+
+    # ------------------------------------------------------------------ weights from elsewhere
+
+    architecture_keys = GPT_ARCHITECTURE_KEYS
+
+    @classmethod
+    @override
+    def read_pretrained(cls, source: str) -> SavedModel:
+        """Our checkpoints (the base), Hugging Face Llama / GPT-2 folders and Megatron-LM GPT checkpoints
+        (:func:`~lightning_megatron.models.gpt.convert.read_pretrained_source`)."""
+        from lightning_megatron.models.gpt.convert import read_pretrained_source
+
+        saved = read_pretrained_source(source)
+        return saved if saved is not None else super().read_pretrained(source)
+
+    @classmethod
+    @override
+    def read_architecture(cls, source: str) -> dict[str, Any]:
+        """From a Hugging Face ``config.json``, Megatron-LM's ``args`` or our saved hyper-parameters."""
+        from lightning_megatron.models.gpt.convert import read_source_architecture
+
+        architecture = read_source_architecture(source)
+        return architecture if architecture is not None else super().read_architecture(source)
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """megatron-core names with global layer numbers (no chunk index)."""

@@ -1,0 +1,152 @@
+"""init_from Megatron-LM GPT checkpoints, one process, no megatron-core needed.
+
+A tiny random ``LlamaForCausalLM`` (grouped-query, SwiGLU, rope base 5000, untied) and a
+``GPT2LMHeadModel`` (tied, learned positions) are written the way megatron-core's GPTModel saves them:
+
+- legacy ``iter_0000010/mp_rank_0T_00P/model_optim_rng.pt`` at TP=2 x PP=2: stage-local layer numbers,
+  each TP rank's slice (``linear_qkv`` rows of its query groups, SwiGLU ``linear_fc1`` rows
+  ``[gate_r; up_r]``), the vocabulary padded to 256 rows, the tied output layer's copy on the last stage,
+  ``_extra_state`` entries, ``args`` as an ``argparse.Namespace``;
+- ``torch_dist``: DCP global tensors with the layers stacked, ``args`` in ``common.pt``.
+
+Reading them back through ``init_from``'s reader gives our full state dict of the same weights exactly
+(the one ``tests/test_gpt_hf.py`` proves computes transformers' logits within 1e-5) and the
+architecture their config gives; settings our model lacks are refused by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from lightning_megatron.models.gpt import hf as ghf
+
+VOCAB = 97
+
+
+def _models():
+    import transformers
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0, bos_token_id=0,
+        eos_token_id=0, initializer_range=0.2))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
+        bos_token_id=0, eos_token_id=0))
+    return {"llama": llama, "gpt2": gpt2}
+
+
+def _args(family: str, **kw) -> argparse.Namespace:
+    common = dict(num_layers=2, hidden_size=32, num_attention_heads=4, kv_channels=8, max_position_embeddings=64,
+                  padded_vocab_size=256, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    if family == "llama":
+        common.update(group_query_attention=True, num_query_groups=2, ffn_hidden_size=48, swiglu=True,
+                      normalization="RMSNorm", norm_epsilon=1e-5, position_embedding_type="rope", rotary_base=5000,
+                      rotary_percent=1.0, add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    else:
+        common.update(group_query_attention=False, num_query_groups=1, ffn_hidden_size=128, swiglu=False,
+                      normalization="LayerNorm", norm_epsilon=1e-5, position_embedding_type="learned_absolute",
+                      add_bias_linear=True, bias_gelu_fusion=True, untie_embeddings_and_output_weights=False,
+                      max_position_embeddings=32)
+    return argparse.Namespace(**{**common, **kw})
+
+
+def _write_legacy(root, full, arch, args):
+    gated = arch["spec"] == ghf.LLAMA_SPEC
+    it = root / "iter_0000010"
+    (root / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True, exist_ok=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("10")
+    for t in range(2):
+        shard = ghf.shard_full_state_dict(full, t, 2, gated_linear_unit=gated,
+                                          num_query_groups=arch["num_query_groups"] or 4)
+        if "output_layer.weight" not in shard:  # tied: the last stage holds a copy of the embedding
+            shard["output_layer.weight"] = shard["embedding.word_embeddings.weight"].clone()
+        for p in range(2):
+            model = {}
+            for key, value in shard.items():
+                if key.startswith(f"decoder.layers.{p}."):
+                    model[key.replace(f"decoder.layers.{p}.", "decoder.layers.0.")] = value
+                elif key.startswith("embedding.") and p == 0 or key.startswith(("decoder.final", "output_")) and p:
+                    model[key] = value
+            model["decoder.layers.0.self_attention.core_attention._extra_state"] = None
+            d = it / f"mp_rank_{t:02d}_{p:03d}"
+            d.mkdir(parents=True)
+            torch.save({"args": args, "model": model, "iteration": 10}, d / "model_optim_rng.pt")
+
+
+def _write_torch_dist(root, full, arch, args):
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    padded = ghf.shard_full_state_dict(full, 0, 1, gated_linear_unit=False, num_query_groups=1,
+                                       make_vocab_size_divisible_by=256)  # padded at TP=2, as the legacy files
+    state = {k: v for k, v in padded.items() if not k.startswith("decoder.layers.")}
+    for name in {k.split(".", 3)[3] for k in padded if k.startswith("decoder.layers.")}:
+        state[f"decoder.layers.{name}"] = torch.stack([padded[f"decoder.layers.{i}.{name}"] for i in range(2)])
+    dcp.save(state, checkpoint_id=str(root), no_dist=True)
+    (root / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    torch.save({"args": args}, root / "common.pt")
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_megatron_gpt_checkpoint_reads_as_our_state_dict_and_architecture(tmp_path, family, fmt):
+    from lightning_megatron.models.gpt.convert import read_pretrained_source as read_pretrained
+    from lightning_megatron.models.gpt.convert import read_source_architecture as read_architecture
+
+    model = _models()[family]
+    arch = ghf.hf_architecture(model.config)
+    full = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    (_write_legacy if fmt == "legacy" else _write_torch_dist)(tmp_path / "ckpt", full, arch, _args(family))
+    saved = read_pretrained(str(tmp_path / "ckpt"))
+    assert saved.state_dict.keys() == full.keys()
+    for key, value in full.items():
+        got = saved.state_dict[key]
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert got.size(0) == 256 and torch.count_nonzero(got[VOCAB:]) == 0  # Megatron's padding rows
+            got = got[:VOCAB]
+        assert torch.equal(got, value), key
+    want = {k: v for k, v in arch.items() if k != "vocab_size"}
+    if family == "gpt2":
+        want.pop("rotary_base"), want.pop("rotary_percent")
+    assert saved.hparams == want
+    assert read_architecture(tmp_path / "ckpt") == want
+
+
+@pytest.mark.parametrize(("kw", "named"), [
+    (dict(qk_layernorm=True), "qk_layernorm=True"),
+    (dict(use_rope_scaling=True), "use_rope_scaling=True"),
+    (dict(num_experts=8), "num_experts=8"),
+    (dict(rotary_interleaved=True), "rotary_interleaved=True"),
+    (dict(position_embedding_type="relative"), "position_embedding_type='relative'"),
+], ids=["qk_layernorm", "rope_scaling", "moe", "interleaved", "relative"])
+def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, named):
+    from lightning_megatron.models.gpt.convert import read_pretrained_source as read_pretrained
+
+    model = _models()["llama"]
+    arch = ghf.hf_architecture(model.config)
+    _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama", **kw))
+    with pytest.raises(ValueError, match=named):
+        read_pretrained(str(tmp_path / "ckpt"))
+
+
+def test_gpt_module_from_a_megatron_checkpoint_gives_transformers_logits(tmp_path):
+    """GPTLightningModule.from_pretrained(Megatron-LM legacy TP=2 x PP=2 dir): the architecture from args,
+    the padded vocabulary trimmed to the model's, transformers' logits on the same weights within 1e-5."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    model = _models()["llama"].eval()
+    arch = ghf.hf_architecture(model.config)
+    _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama"))
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), vocab_size=VOCAB)
+    module.configure_model()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = module.eval().model_chunks[0](tokens)[..., :VOCAB]
+        theirs = model(input_ids=tokens).logits
+    assert float((ours - theirs).abs().max()) <= 1e-5
