@@ -166,9 +166,9 @@ def describe_setup(ps: ParallelState, *, sequence_parallel: bool, buffer: Any,
         for rank, node in enumerate(nodes):
             by_node.setdefault(node, []).append(rank)
         across = tp_groups_across_nodes(ps.layout, nodes)
-        lines.append(f"  nodes: {len(by_node)} (" + ", ".join(f"node {n}: ranks {r}" for n, r in sorted(by_node.items()))
-                     + "), every TP group within one node: " + ("no, " + " ".join(map(str, across)) + " span nodes"
-                                                                if across else "yes"))
+        where = ", ".join(f"node {n}: ranks {r}" for n, r in sorted(by_node.items()))
+        within = f"no, {' '.join(map(str, across))} span nodes" if across else "yes"
+        lines.append(f"  nodes: {len(by_node)} ({where}), every TP group within one node: {within}")
     if buffer is not None:
         lines.append(f"  grad buffer: {len(buffer.buckets)} bucket(s), DP reduction overlapped with the backward: "
                      f"{'on' if buffer.overlap_grad_reduce else 'off'}, ZeRO-1 parameter gather overlapped with the "

@@ -188,7 +188,8 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
     for a, b in zip(tp1, tp2):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, tp2)
     job = {"SLURM_JOB_ID": slurm_job_id()}  # one job: every task the same id
-    slurm = [launch.replace({"--ckpt_path": str(tmp_path / "tp2/ckpt/step=6.ckpt")}, job) for launch in _documented("slurm")]
+    step6 = str(tmp_path / "tp2/ckpt/step=6.ckpt")
+    slurm = [launch.replace({"--ckpt_path": step6}, job) for launch in _documented("slurm")]
     resumed, _, out = _fit(tmp_path, "resumed", False, slurm)
     assert "world 2 = TP 1 x PP 1 x DP 2" in out and "SLURM auto-requeueing enabled" in out, out[-3000:]
     assert len(resumed) == 6
@@ -234,7 +235,8 @@ def test_killing_one_node_ends_the_other(tmp_path):
             *_SMALL]
     nodes = [Launch(static.program, static.replace({"--node-rank": str(r)}).args + args) for r in (0, 1)]
     logs = [(tmp_path / f"node{r}.out").open("w+") for r in (0, 1)]
-    procs = [_start([node], tmp_path, environ(), stdout=log, stderr=subprocess.STDOUT)[0] for node, log in zip(nodes, logs)]
+    procs = [_start([node], tmp_path, environ(), stdout=log, stderr=subprocess.STDOUT)[0]
+             for node, log in zip(nodes, logs)]
     try:
         deadline = time.monotonic() + 600
         while "MegatronStrategy: world 2" not in (tmp_path / "node0.out").read_text():  # both ranks set up
