@@ -15,15 +15,17 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_precision
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
-from lightning_megatron.parallel_state import ParallelState, validate_model_parallel_sizes
+from lightning_megatron.parallel_state import ParallelLayout, ParallelState, validate_model_parallel_sizes
 from lightning_megatron.pipeline.schedules import validate_num_microbatches
 from lightning_megatron.step import BatchSizes
 
-__all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes", "describe_setup"]
+__all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes", "describe_setup",
+           "check_nodes", "gather_node_ranks", "tp_groups_across_nodes"]
 
 
 def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_parallel: bool,
@@ -111,11 +113,43 @@ def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: Paral
     return sizes
 
 
+def gather_node_ranks(node_rank: int, device: torch.device) -> list[int]:
+    """The node of every global rank (each rank passes its cluster environment's ``node_rank``).
+
+    Collective over the default group (every rank calls it, once at set-up); ``[node_rank]`` without
+    a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [node_rank]
+    nodes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(nodes, torch.tensor([node_rank], dtype=torch.int64, device=device))  # on the backend's device
+    return [int(n.item()) for n in nodes]
+
+
+def tp_groups_across_nodes(layout: ParallelLayout, nodes: Sequence[int]) -> list[list[int]]:
+    """The TP groups of ``layout`` whose ranks sit on more than one node (``nodes[rank]``: the node of
+    each rank): their all-reduces, two per layer and pass, cross the network between nodes."""
+    return [g for g in layout.tp_groups() if len({nodes[r] for r in g}) > 1]
+
+
+def check_nodes(ps: ParallelState, node_rank: int, device: torch.device, devices: int) -> list[int]:
+    """The node of every rank (:func:`gather_node_ranks`, collective); warns when a TP group spans nodes."""
+    nodes = gather_node_ranks(node_rank, device)
+    across = tp_groups_across_nodes(ps.layout, nodes)
+    if across:
+        rank_zero_warn(f"MegatronStrategy: TP groups {across} span nodes (the node of each rank: {nodes}): their "
+                       f"all-reduces, two per layer and pass, cross the network between nodes. Keep "
+                       f"tensor_model_parallel_size={ps.tp_size} <= the processes per node (devices={devices}) "
+                       f"and devices a multiple of it")
+    return nodes
+
+
 def describe_setup(ps: ParallelState, *, sequence_parallel: bool, buffer: Any,
-                   micro_batch_size: int | None) -> str:
+                   micro_batch_size: int | None, nodes: Sequence[int] | None = None) -> str:
     """What the strategy resolved, in one message for the start of a run (rank 0's view): the layout,
     rank 0's groups, the communicator of each group, whether the DP reduction overlaps the backward and
-    the grad buffer's bucket count (``buffer``: the GradBuffer, None when not fitting)."""
+    the grad buffer's bucket count (``buffer``: the GradBuffer, None when not fitting), and with
+    ``nodes`` (the node of each rank, :func:`gather_node_ranks`) the ranks of each node and whether
+    every TP group stays within one."""
     layout = ps.layout
     groups = {"tp": ps.tp_group, "dp": ps.dp_group, "pp": ps.pp_group}
     ranks = {name: (dist.get_process_group_ranks(g.process_group) if g is not None else [ps.rank]) for name, g in groups.items()}
@@ -127,6 +161,14 @@ def describe_setup(ps: ParallelState, *, sequence_parallel: bool, buffer: Any,
              f"micro batch {micro_batch_size or 'the whole per-rank batch'}",
              "  groups of rank 0: " + ", ".join(f"{n} {r}" for n, r in ranks.items()),
              "  communicators: " + ", ".join(f"{n} {c}" for n, c in comms.items())]
+    if nodes is not None:
+        by_node: dict[int, list[int]] = {}
+        for rank, node in enumerate(nodes):
+            by_node.setdefault(node, []).append(rank)
+        across = tp_groups_across_nodes(ps.layout, nodes)
+        where = ", ".join(f"node {n}: ranks {r}" for n, r in sorted(by_node.items()))
+        within = f"no, {' '.join(map(str, across))} span nodes" if across else "yes"
+        lines.append(f"  nodes: {len(by_node)} ({where}), every TP group within one node: {within}")
     if buffer is not None:
         lines.append(f"  grad buffer: {len(buffer.buckets)} bucket(s), DP reduction overlapped with the backward: "
                      f"{'on' if buffer.overlap_grad_reduce else 'off'}, ZeRO-1 parameter gather overlapped with the "

@@ -52,6 +52,7 @@ from lightning_megatron.protocols import (
     optimizer_wrapper,
 )
 from lightning_megatron.setup_checks import (
+    check_nodes,
     check_precision,
     describe_setup,
     check_strategy_arguments,
@@ -154,6 +155,7 @@ class MegatronStrategy(DDPStrategy):
         self._optimizer_config: OptimizerConfig | None = None  # handed over by MegatronOptimizerCallback.setup
         self._preemption = PreemptionHandler()
         self._described = False
+        self._node_ranks: list[int] | None = None  # the node of every rank, gathered at set-up
 
     # ------------------------------------------------------------------ set-up
 
@@ -172,6 +174,7 @@ class MegatronStrategy(DDPStrategy):
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
             self.virtual_pipeline_model_parallel_size, timeout=self._timeout)
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
+        self._node_ranks = check_nodes(self.parallel_state, self.node_rank, self.root_device, self.num_processes)
         if isinstance(self.lightning_module, MegatronLightningModule):
             # As Lightning's ModelParallelStrategy hands its device mesh: the groups, before configure_model.
             self.lightning_module.connect_parallel_state(self.parallel_state, sequence_parallel=self.sequence_parallel)
@@ -221,7 +224,7 @@ class MegatronStrategy(DDPStrategy):
         if not self._described:  # once per strategy: what it resolved
             self._described = True
             rank_zero_info(describe_setup(ps, sequence_parallel=self.sequence_parallel, buffer=self._grad_buffer,
-                                          micro_batch_size=self.batch_sizes.micro_batch_size))
+                                          micro_batch_size=self.batch_sizes.micro_batch_size, nodes=self._node_ranks))
 
     @property
     def grad_buffer(self) -> GradBuffer | None:

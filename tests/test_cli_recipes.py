@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dist_utils import accelerator
+from launch_lines import STRATEGY_SECTION, Launch, bash_block_text, doc_lines, environ, free_port, slurm_job_id
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("_"))  # _*: bases
@@ -76,47 +77,15 @@ def test_finetune_recipes_parse_and_build():
     assert {v["data"] for k, v in by_name.items() if k != "bert_tiny_finetune"} == {"LabelledTextDataModule"}
 
 
-def _free_port(lo: int = 20000, hi: int = 30000) -> int:
-    import random
-    import socket
-
-    for port in random.sample(range(lo, hi), 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in [{lo}, {hi})")
+def _start(launches: list[Launch], cwd: Path, env: dict, **popen) -> list[subprocess.Popen]:
+    return [subprocess.Popen(launch.argv(), cwd=cwd, env=dict(env, **launch.env), text=True, **popen)
+            for launch in launches]
 
 
-def _launch(args: list[str], launcher: str, tasks: int, cwd: Path, env: dict) -> list[subprocess.CompletedProcess]:
-    """Start ``lightning_megatron.cli <args>`` as a user would on ``tasks`` processes:
-
-    - ``lightning``: one process; Lightning's launcher starts the others (``--trainer.devices``);
-    - ``torchrun``: ``tasks`` torchrun agents, one per simulated node, c10d rendezvous on 127.0.0.1,
-      one worker each (what runs on every node of a cluster, with the head node's address);
-    - ``slurm``: ``tasks`` processes on one node with the variables ``srun --nodes 1
-      --ntasks-per-node N`` sets (no MASTER_ADDR / MASTER_PORT: Lightning's SLURMEnvironment derives
-      them from the node list and the job id).
-    """
-    cli = ["-m", "lightning_megatron.cli", *args]
-    if launcher == "lightning":
-        cmds, envs = [[sys.executable, *cli]], [env]
-    elif launcher == "torchrun":
-        endpoint = f"127.0.0.1:{_free_port()}"
-        cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(tasks), "--nproc-per-node", "1",
-                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "lm-test", *cli]] * tasks
-        envs = [env] * tasks
-    else:
-        job_id = str(_free_port(15000, 25000) - 15000 + 70000)  # Lightning's port: 15000 + the id's last 4 digits
-        slurm = dict(SLURM_JOB_ID=job_id, SLURM_JOB_NAME="lm-test", SLURM_NNODES="1", SLURM_NTASKS=str(tasks),
-                     SLURM_NTASKS_PER_NODE=str(tasks), SLURM_NODEID="0", SLURM_NODELIST="localhost",
-                     SLURM_JOB_NODELIST="localhost")
-        cmds = [[sys.executable, *cli]] * tasks
-        envs = [dict(env, **slurm, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) for i in range(tasks)]
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd, e in zip(cmds, envs)]
+def _launch(launches: list[Launch], cwd: Path, env: dict) -> list[subprocess.CompletedProcess]:
+    """Start every launch (a torchrun line once per simulated node, a SLURM loop once per task) and
+    wait for all of them."""
+    procs = _start(launches, cwd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
     finally:
@@ -125,8 +94,30 @@ def _launch(args: list[str], launcher: str, tasks: int, cwd: Path, env: dict) ->
                 p.kill()
 
 
-def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: str = "lightning", nodes: int = 1,
-         ckpt_path: Path | None = None) -> tuple[list[float], str]:
+def _test_config(tmp: Path, name: str, run_dir: Path) -> Path:
+    """recipes/bert_tiny.yaml (with its base) checkpointing every 6 steps into the run folder."""
+    from lightning_megatron.recipes import read_recipe
+
+    recipe = read_recipe(ROOT / "recipes/bert_tiny.yaml")
+    for cb in recipe["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            cb["init_args"].update(dirpath=str(run_dir / "ckpt"), every_n_train_steps=6, save_top_k=-1,
+                                   filename="{step}")
+    config = tmp / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    return config
+
+
+# A small model for the tests, appended to the documented lines (the later value of an option wins).
+_SMALL = ["--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false", "--model.hidden_dropout",
+          "0.0", "--model.attention_dropout", "0.0", "--model.num_layers", "1", "--data.global_batch_size", "8",
+          "--data.micro_batch_size", "4", "--data.max_seq_length", "64", "--model.max_sequence_length", "64"]
+
+
+def _fit(tmp: Path, name: str, wandb: bool, launches: list[Launch] | None = None) -> tuple[list[float], str, str]:
+    """``fit`` for 12 steps of a 1-layer bert_tiny: ``launches`` (documented lines, ``--config`` replaced
+    here), or one process at TP=1 through Lightning's launcher. Returns the logged losses, the
+    summary's whole-model parameter count and the processes' output."""
     run_dir = tmp / name
     loggers = ('[{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "%s", "name": "csv"}}'
                % run_dir)
@@ -134,30 +125,16 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: 
         loggers += (', {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": '
                     '{"project": "lm-test", "save_dir": "%s", "offline": true}}' % run_dir)
     loggers += "]"
-    import yaml
-
-    from lightning_megatron.recipes import read_recipe
-
-    recipe = read_recipe(ROOT / "recipes/bert_tiny.yaml")  # with its base: merged in
-    for cb in recipe["trainer"]["callbacks"]:
-        if cb["class_path"].endswith("ModelCheckpoint"):
-            cb["init_args"].update(dirpath=str(run_dir / "ckpt"), every_n_train_steps=6, save_top_k=-1,
-                                   filename="{step}")
-    config = tmp / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(recipe))
-    args = ["fit", "--config", str(config),
-            "--trainer.devices", str(devices), "--trainer.num_nodes", str(nodes),
-            "--trainer.strategy.tensor_model_parallel_size", str(tp),
-            "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
-            "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(run_dir),
-            "--trainer.logger", loggers, "--model.hidden_dropout", "0.0", "--model.attention_dropout", "0.0",
-            "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
-            "--data.max_seq_length", "64", "--model.max_sequence_length", "64",
+    config = _test_config(tmp, name, run_dir)
+    if launches is None:
+        launches = [Launch("lightning-megatron", ["fit", "--config", str(config), "--trainer.devices", "1",
+                                                  "--trainer.strategy.tensor_model_parallel_size", "1"])]
+    args = ["--trainer.max_steps", "12", "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(run_dir),
+            "--trainer.logger", loggers, *_SMALL,
             "--megatron_optimizer.clip_grad", "0.5"]  # a Megatron callback's argument from the command line
-    if ckpt_path is not None:
-        args += ["--ckpt_path", str(ckpt_path)]
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    procs = _launch(args, launcher, 1 if launcher == "lightning" else nodes * devices, tmp, env)
+    launches = [launch.replace({"--config": str(config)}) for launch in launches]
+    launches = [Launch(launch.program, launch.args + args, launch.env) for launch in launches]
+    procs = _launch(launches, tmp, environ(WANDB_MODE="offline", WANDB_SILENT="true"))
     for proc in procs:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     stderr = "".join(proc.stderr for proc in procs)  # rank 0 runs under either torchrun agent
@@ -174,22 +151,48 @@ def _fit(tmp: Path, devices: int, tp: int, name: str, wandb: bool, *, launcher: 
         assert list(run_dir.rglob("*.wandb")), "W&B offline run files must exist"
         records = b"".join(p.read_bytes() for p in run_dir.rglob("*.wandb"))
         assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision"))
-    return [float(r["train_lm_loss"]) for r in rows], whole
+    return [float(r["train_lm_loss"]) for r in rows], whole, stdout + stderr
+
+
+def _documented(kind: str) -> list[Launch]:
+    """The documented launch line of ``kind``: "c10d" / "static" torchrun, or the "slurm" loop."""
+    lines = doc_lines()
+    pick = {"c10d": lambda c: c[0].program == "torchrun" and "--rdzv-endpoint" in c[0].args,
+            "static": lambda c: c[0].program == "torchrun" and "--master-port" in c[0].args,
+            "slurm": lambda c: "SLURM_PROCID" in c[0].env}[kind]
+    [line] = [c for c in lines if pick(c)]
+    return line
+
+
+def test_documented_launch_lines_agree():
+    """docs/recipes.md shows the same torchrun and SLURM lines as docs/strategy.md (which the tests run)."""
+    [recipes_block] = bash_block_text(ROOT / "docs" / "recipes.md", "## On several nodes")
+    strategy_blocks = bash_block_text(*STRATEGY_SECTION)
+    assert recipes_block == strategy_blocks[0] + strategy_blocks[1]
+    assert {len(_documented(k)) for k in ("c10d", "static")} == {1} and len(_documented("slurm")) == 2
 
 
 def test_cli_fit_tp1_equals_tp2(tmp_path):
-    """`lightning-megatron fit --config recipes/bert_tiny.yaml` (few steps) at TP=2 over two nodes of one
-    process each (two torchrun agents, c10d rendezvous) logs the one-process losses (fp32, dropout off)
-    within 1e-5; its step-6 checkpoint, resumed on one node at TP=1 x DP=2 under the variables srun
-    sets (Lightning's SLURMEnvironment starts no process: the two ranks exist only if it read them),
-    continues the one-process run; test and export read the two-node checkpoint on one process."""
-    tp2, whole_tp2 = _fit(tmp_path, 1, 2, "tp2", wandb=True, launcher="torchrun", nodes=2)
-    tp1, whole_tp1 = _fit(tmp_path, 1, 1, "tp1", wandb=False)
+    """`lightning-megatron fit --config recipes/bert_tiny.yaml` (few steps) started by the documented
+    torchrun line (c10d rendezvous) on two simulated nodes of two processes, TP=2 x DP=2 with each TP
+    group within a node, logs the one-process losses (fp32, dropout off) within 1e-5; its step-6
+    checkpoint, resumed on one node at TP=1 x DP=2 by the documented SLURM line (Lightning's
+    SLURMEnvironment starts no process: the two ranks exist only if it read them), continues the
+    one-process run; test and export read the two-node checkpoint on one process."""
+    c10d = _documented("c10d")[0].replace({"--rdzv-endpoint": f"127.0.0.1:{free_port()}"})
+    tp2, whole_tp2, out = _fit(tmp_path, "tp2", True, [c10d] * int(c10d.option("--nnodes")))  # once per node
+    assert "world 4 = TP 2 x PP 1 x DP 2" in out, out[-3000:]
+    assert "nodes: 2 (node 0: ranks [0, 1], node 1: ranks [2, 3]), every TP group within one node: yes" in out
+    tp1, whole_tp1, _ = _fit(tmp_path, "tp1", False)
     assert whole_tp2 == whole_tp1, "the summary counts every TP shard"
     assert len(tp1) == len(tp2) == 12
     for a, b in zip(tp1, tp2):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, tp2)
-    resumed, _ = _fit(tmp_path, 2, 1, "resumed", wandb=False, launcher="slurm", ckpt_path=tmp_path / "tp2/ckpt/step=6.ckpt")
+    job = {"SLURM_JOB_ID": slurm_job_id()}  # one job: every task the same id
+    step6 = str(tmp_path / "tp2/ckpt/step=6.ckpt")
+    slurm = [launch.replace({"--ckpt_path": step6}, job) for launch in _documented("slurm")]
+    resumed, _, out = _fit(tmp_path, "resumed", False, slurm)
+    assert "world 2 = TP 1 x PP 1 x DP 2" in out and "SLURM auto-requeueing enabled" in out, out[-3000:]
     assert len(resumed) == 6
     for a, b in zip(tp1[6:], resumed):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, resumed)
@@ -208,6 +211,64 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
     main(["export", "hf", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "hf")])  # the CLI's entry, in-process
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["MegatronBertForPreTraining"]
     _predict_from_cli_checkpoint(tmp_path, ckpt)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_killing_one_node_ends_the_other(tmp_path):
+    """Two nodes started by the documented static-rendezvous torchrun line (one process each, TP=2
+    across them): once training runs, node 1's agent and its worker are killed (SIGKILL, a node that
+    dies); node 0's worker fails in its next collective and node 0's agent exits non-zero instead of
+    waiting for the 30-minute collective timeout (the wait below is a hang guard, not a timing)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    config = _test_config(tmp_path, "kill", run_dir)
+    static = _documented("static")[0].replace({"--nproc-per-node": "1", "--master-port": str(free_port()),
+                                               "--config": str(config), "--trainer.devices": "1"})
+    args = ["--trainer.max_steps", "100000", "--trainer.default_root_dir", str(run_dir), "--trainer.logger", "false",
+            *_SMALL]
+    nodes = [Launch(static.program, static.replace({"--node-rank": str(r)}).args + args) for r in (0, 1)]
+    logs = [(tmp_path / f"node{r}.out").open("w+") for r in (0, 1)]
+    procs = [_start([node], tmp_path, environ(), stdout=log, stderr=subprocess.STDOUT)[0]
+             for node, log in zip(nodes, logs)]
+    try:
+        deadline = time.monotonic() + 600
+        while "MegatronStrategy: world 2" not in (tmp_path / "node0.out").read_text():  # both ranks set up
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [
+                (tmp_path / f"node{r}.out").read_text()[-3000:] for r in (0, 1)]
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the steps
+        worker = _children(procs[1].pid)
+        assert worker, "node 1's worker must be running"
+        for pid in [procs[1].pid, *worker]:
+            os.kill(pid, signal.SIGKILL)
+        procs[1].wait(timeout=60)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=300)  # a hang fails here
+        ended_after = time.monotonic() - killed
+        out = (tmp_path / "node0.out").read_text()
+        assert code != 0, out[-4000:]
+        # TP=2 over 2 nodes x 1 process: the start-up message says so, and the strategy warns.
+        assert "every TP group within one node: no, [0, 1] span nodes" in out and "TP groups [[0, 1]] span nodes" in out
+        assert "ChildFailedError" in out or "failed" in out.lower(), out[-4000:]
+        print(f"node 0's agent exited {code} {ended_after:.1f} s after node 1 was killed")
+    finally:
+        for p in procs:
+            for pid in [p.pid, *_children(p.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(timeout=60)
+        for log in logs:
+            log.close()
 
 
 def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:

@@ -143,6 +143,32 @@ def test_step_time_against_hand_computed_numbers():
     assert hidden.dp_comm == pytest.approx(max(0.0, st.dp_comm - 2 / 3 * (gemm + elementwise)))
 
 
+def test_measured_elementwise_rate_times_the_memory_bound_kernels():
+    """A CPU's norms, GELU, softmax and dropout run far below its copy bandwidth: ``Device.elementwise``
+    (measured from one layer) times them, the optimizer stays at ``hbm``; the rate is the counted bytes
+    over what the layer took beyond its GEMMs."""
+    from dataclasses import replace
+
+    from lightning_megatron.check.devices import _elementwise_rate, layer_seconds
+    from lightning_megatron.check.timing import elementwise_bytes
+    from lightning_megatron.flops import transformer_flops
+
+    m = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                   global_batch_size=4, on_cpu=True)
+    dev = Device(name="toy", flops_16=1e10, flops_32=1e10, hbm=1e10, link_intra=1e9, link_inter=1e9, latency_intra=0.0,
+                 latency_inter=0.0, cores=1)
+    fw = Framework(overlap_grad_reduce=False, fused_attention=not m.unfused_attention)
+    base = estimate_time(m, Layout(), dev, MEASURED, fw)
+    slow = estimate_time(m, Layout(), replace(dev, elementwise=1e9), MEASURED, fw)
+    counted = elementwise_bytes(m, Layout(), fw) * 16 * 2 * 2 * 3 * 2  # tokens x layers x 3 passes x 2 microbatches
+    assert slow.compute - base.compute == pytest.approx(counted / 1e9 - counted / 1e10, rel=1e-12)
+    assert slow.optimizer == base.optimizer
+    flops = transformer_flops(num_layers=1, hidden_size=64, ffn_hidden_size=256, seq_length=16, tokens=32,
+                              head_tokens=0, vocab_size=0)
+    assert _elementwise_rate(m, flops / 1e10 + 0.5, 1e10) == pytest.approx(counted / 4 / 0.5, rel=1e-9)
+    assert layer_seconds(m) > 0  # one real layer of m, forward and backward
+
+
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
 # Table 1 (also the weak-scaling table of Megatron-LM's README, 2021): GPT, s = 2048, V = 51200, A100 80GB.
 # (parameters B, heads, hidden, layers, TP, PP, GPUs, batch, achieved TFLOP/s per GPU)

@@ -253,6 +253,18 @@ def test_bad_layer_sizes_raise_with_numbers():
     assert "output_size=7 is not divisible by tensor_model_parallel_size=2" in msgs[0]
 
 
+def test_tp_groups_stay_within_a_node_when_devices_are_a_multiple_of_tp():
+    """Nodes hold ``devices`` consecutive ranks (torchrun, SLURM): TP groups, consecutive ranks too,
+    stay within one when devices % tp == 0 (the strategy warns about the others at set-up)."""
+    from lightning_megatron.setup_checks import tp_groups_across_nodes
+
+    layout = ParallelLayout(world_size=4, tensor_model_parallel_size=2)
+    assert tp_groups_across_nodes(layout, [0, 0, 1, 1]) == []  # 2 nodes x 2 processes
+    assert tp_groups_across_nodes(layout, [0, 1, 2, 3]) == [[0, 1], [2, 3]]  # 4 nodes x 1 process
+    layout = ParallelLayout(world_size=6, tensor_model_parallel_size=2)
+    assert tp_groups_across_nodes(layout, [0, 0, 0, 1, 1, 1]) == [[2, 3]]  # 2 nodes x 3 processes
+
+
 def test_rank_order_tp_fastest_then_dp_then_pp():
     layout = ParallelLayout(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     assert layout.data_parallel_size == 2

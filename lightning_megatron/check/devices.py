@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import time
 
+from lightning_megatron.check.memory import ModelShape
 from lightning_megatron.check.timing import Device
 
-__all__ = ["DEVICES", "device", "measure_this_machine"]
+__all__ = ["DEVICES", "device", "layer_seconds", "measure_this_machine"]
 
 _GB = 1e9
 DEVICES: dict[str, Device] = {
@@ -77,14 +78,65 @@ def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) ->
         dist.destroy_process_group()
 
 
+def layer_seconds(m: ModelShape) -> float:
+    """Best of 3 forward + backward passes of one transformer layer of ``m`` on its micro batch
+    ``[s, b, h]``, one thread: its spec's norm placement, dtype, dropout and attention backend, with
+    the CPU tuning's kernels (what a run with ``cpu_tuning`` executes)."""
+    import torch
+
+    from lightning_megatron.cpu.kernels import CPUKernels
+    from lightning_megatron.models.bert.specs import bert_layer_spec
+    from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
+    from lightning_megatron.transformer.config import TransformerConfig
+    from lightning_megatron.transformer.kernels import set_kernels
+    from lightning_megatron.transformer.norms import LayerNorm, Norm, RMSNorm
+    from lightning_megatron.transformer.spec import build_module
+
+    dtype = torch.float32 if m.param_bytes == 4 else torch.bfloat16
+    config = TransformerConfig(num_layers=1, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                               ffn_hidden_size=m.ffn, hidden_dropout=m.hidden_dropout,
+                               attention_dropout=m.attention_dropout, params_dtype=dtype,
+                               attention_backend=m.attention_backend)
+    norm = RMSNorm if m.rmsnorm else (LayerNorm if m.post_norm else Norm)
+    # The weights, the input and the dropout masks draw from RNG states that are put back afterwards
+    # (the global one and the model-parallel tracker's), so the measurement changes no later result.
+    tracker = get_rng_tracker()
+    saved_states, saved_seeds = tracker.get_states(), set(tracker.seeds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            if MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.states:
+                tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, max(saved_seeds, default=0) + 1)
+            layer = build_module(bert_layer_spec(norm, "post" if m.post_norm else "pre"), config=config, layer_number=1)
+            set_kernels(layer, CPUKernels())
+            x = torch.randn(m.seq_length, m.micro_batch_size, m.hidden_size, dtype=dtype, requires_grad=True)
+
+            def step() -> None:
+                y = layer(x, None)
+                y.backward(torch.ones_like(y))
+
+            step()
+            return min(_timed(step) for _ in range(3))
+    finally:
+        torch.set_num_threads(threads)
+        tracker.set_states(saved_states)
+        tracker.seeds = saved_seeds
+
+
 def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_memory: bool = True,
-                         timeout: float = 120.0) -> Device:
+                         timeout: float = 120.0, shape: ModelShape | None = None) -> Device:
     """Rates of one core of this host measured now (one thread): a GEMM of the model's shape
     ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and 2-process
     all-reduces of 4 KiB (latency) and 16 MiB (bandwidth): through the CPU tuning's shared-memory
     collectives when ``shared_memory`` (what ``CPUTuning`` installs for TP and DP) and through gloo
     (pipeline sends, and collectives without the tuning). The estimate gives each rank
-    ``cores / world_size`` cores (:attr:`~lightning_megatron.check.timing.Device.cores`)."""
+    ``cores / world_size`` cores (:attr:`~lightning_megatron.check.timing.Device.cores`).
+
+    With ``shape``, also one transformer layer of it (:func:`layer_seconds`): what its forward and
+    backward take beyond their GEMMs at the measured GEMM rate is the time of its memory-bound
+    kernels, whose bytes (:func:`~lightning_megatron.check.timing.elementwise_bytes`) over that time
+    give :attr:`~lightning_megatron.check.timing.Device.elementwise` (else the copy rate stands in)."""
     import multiprocessing as mp
     import socket
 
@@ -128,11 +180,31 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     shm = shared_memory and times["shared_memory"] is not None
     link, latency = rate(times["shared_memory"]) if shm else (p2p, p2p_latency)
     cores = os.cpu_count() or 1
-    return Device(name="this machine (measured)", flops_16=gemm, flops_32=gemm, hbm=hbm, link_intra=link,
+    elementwise = None
+    if shape is not None:
+        elementwise = _elementwise_rate(shape, layer_seconds(shape), gemm)
+    return Device(name="this machine (measured)", flops_16=gemm, flops_32=gemm, hbm=hbm, elementwise=elementwise,
+                  link_intra=link,
                   link_inter=link, devices_per_node=cores, latency_intra=latency, latency_inter=latency, p2p=p2p,
                   p2p_latency=p2p_latency, cores=cores,
                   source=f"measured per core: {rows}x{inner}x{cols} GEMM, 64 MiB copy, "
-                         f"{'shared-memory' if shm else 'gloo'} all-reduce, gloo sends")
+                         f"{'shared-memory' if shm else 'gloo'} all-reduce, gloo sends"
+                         f"{', one transformer layer' if shape is not None else ''}")
+
+
+def _elementwise_rate(m: ModelShape, layer_s: float, gemm_rate: float) -> float:
+    """Bytes/s of the memory-bound kernels of a layer that took ``layer_s`` (forward + backward) whose
+    GEMMs run at ``gemm_rate``: their counted bytes (forward + twice that backward) over the rest."""
+    from lightning_megatron.check.layouts import Layout
+    from lightning_megatron.check.timing import Framework, elementwise_bytes
+    from lightning_megatron.flops import transformer_flops
+
+    tokens = m.seq_length * m.micro_batch_size
+    flops = transformer_flops(num_layers=1, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
+                              seq_length=m.seq_length, tokens=tokens, head_tokens=0, vocab_size=0)
+    counted = 3 * tokens * elementwise_bytes(m, Layout(), Framework(fused_attention=not m.unfused_attention))
+    rest = max(layer_s - flops / gemm_rate, 0.05 * layer_s)  # the GEMMs at their best-case rate: a floor
+    return counted / rest
 
 
 def _timed(fn) -> float:

@@ -25,7 +25,8 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     if on_cpu:
         from lightning_megatron.check.devices import measure_this_machine
 
-        dev = measure_this_machine(m.seq_length * m.micro_batch_size, m.ffn, m.hidden_size, m.param_bytes == 2)
+        dev = measure_this_machine(m.seq_length * m.micro_batch_size, m.ffn, m.hidden_size, m.param_bytes == 2,
+                                   shape=m)
         base = MEASURED
     else:
         from lightning_megatron.check.devices import device

@@ -56,6 +56,10 @@ class Device:
     collectives go through shared memory and sends through gloo); None: the group's link."""
     p2p_latency: float = 0.0
     """Seconds per send on that path."""
+    elementwise: float | None = None
+    """Bytes/s the model's memory-bound kernels reach, as counted by :func:`elementwise_bytes` (None:
+    ``hbm``). A CPU's norms, GELU, softmax and dropout run far below its copy bandwidth: measured on
+    this machine from one transformer layer (``devices.measure_this_machine``)."""
     cores: int | None = None
     """A host without accelerators: the rates are per core, and each of a layout's ranks gets
     ``cores / world_size`` cores (threads when fewer ranks than cores, time slices when more)."""
@@ -209,9 +213,10 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
     share = 1.0 if dev.cores is None else dev.cores / layout.world_size
     peak = dev.flops_16 if e == 2 else dev.flops_32
     gemm_rate, mem_rate = peak * eff.gemm * share, dev.hbm * eff.memory * share
+    kernel_rate = (dev.elementwise or dev.hbm) * eff.memory * share
     layers = m.num_layers // p
     passes = 3 + (1 if m.recompute else 0)  # forward, backward (~2x), recomputed forward
-    elementwise = elementwise_bytes(m, layout, fw) * s * b * layers * passes / mem_rate
+    elementwise = elementwise_bytes(m, layout, fw) * s * b * layers * passes / kernel_rate
     dpn = dev.devices_per_node
     # TP: per layer two all-reduces forward and two backward (+2 recomputed) of [s, b, h]; with SP an
     # all-gather and a reduce-scatter instead of each, the same bytes; without pipelining the
