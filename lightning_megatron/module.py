@@ -126,6 +126,18 @@ class MegatronLightningModule(LightningModule):
     def on_chunks_built(self) -> None:
         """After ``model_chunks`` exist, before ``init_from``'s weights are copied into them."""
 
+    def resolved_vocab_size(self) -> int:
+        """``hparams.vocab_size``, else the datamodule's ``vocab_size`` (a recipe's ``vocab_size: null``
+        takes the tokenizer's). Refuses when neither says."""
+        vocab_size = self.hparams.get("vocab_size")
+        if vocab_size is None:
+            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            vocab_size = getattr(datamodule, "vocab_size", None)
+            if vocab_size is None:
+                raise ValueError(f"{type(self).__name__}: vocab_size is None and the datamodule has no vocab_size; "
+                                 f"pass vocab_size=... or a datamodule with a vocab_size")
+        return int(vocab_size)
+
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every chunk's parameters under their own names (override when they depend on the layout)."""
         assert self.model_chunks is not None, "configure_model has not run"

@@ -135,13 +135,18 @@ class ChunkLayout:
     """The chunk holds the heads and computes the loss (last piece)."""
 
 
-def stage_chunks(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None) -> list[ChunkLayout]:
-    """The ``v`` chunks stage ``pp_rank`` builds, in ``vp_rank`` order (the order of ``model``)."""
+def stage_chunks(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None, *,
+                 num_layers_in_first_pipeline_stage: int | None = None,
+                 num_layers_in_last_pipeline_stage: int | None = None) -> list[ChunkLayout]:
+    """The ``v`` chunks stage ``pp_rank`` builds, in ``vp_rank`` order (the order of ``model``); the
+    stage sizes as :func:`get_layer_range` takes them."""
     v = 1 if vp_size is None else vp_size
     return [
         ChunkLayout(
             vp_rank=c,
-            layers=get_layer_range(num_layers, pp_size, pp_rank, vp_size, c),
+            layers=get_layer_range(num_layers, pp_size, pp_rank, vp_size, c,
+                                   num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+                                   num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage),
             pre_process=is_first_chunk_stage(pp_rank, c),
             post_process=is_last_chunk_stage(pp_rank, pp_size, c, vp_size),
         )

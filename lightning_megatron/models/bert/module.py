@@ -34,7 +34,7 @@ from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.saved_model import SavedModel
-from lightning_megatron.pipeline.layout import get_layer_range, is_first_chunk_stage, is_last_chunk_stage
+from lightning_megatron.pipeline.layout import stage_chunks
 from lightning_megatron.tensor_parallel import set_param_facts, vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
 
@@ -166,29 +166,19 @@ class BertLightningModule(MegatronLightningModule):
 
     def build_chunks(self, ps: ParallelState) -> list[BertModel]:
         hp = self.hparams
-        vocab_size = hp.vocab_size
-        if vocab_size is None:
-            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-            vocab_size = getattr(dm, "vocab_size", None)
-            if vocab_size is None:
-                raise ValueError("BertLightningModule: vocab_size is None and the datamodule has no vocab_size; "
-                                 "pass vocab_size=... or use BertDataModule")
         config = TransformerConfig(**self._config_kwargs, tensor_model_parallel_size=ps.tp_size,
                                    sequence_parallel=self.sequence_parallel)
         self.config = config
-        self.vocab_size = int(vocab_size)
+        self.vocab_size = self.resolved_vocab_size()
         chunks = []
-        for vp_rank in range(ps.vp_size or 1):
-            layer_range = get_layer_range(
-                config.num_layers, ps.pp_size, ps.pp_rank, ps.vp_size, vp_rank,
-                num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
-                num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage)
+        for place in stage_chunks(config.num_layers, ps.pp_size, ps.pp_rank, ps.vp_size,
+                                  num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
+                                  num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage):
             chunk = BertModel(
                 config, hp.spec, self.vocab_size, hp.max_sequence_length, tp_group=ps.tp_group,
                 add_binary_head=hp.add_binary_head,
-                pre_process=is_first_chunk_stage(ps.pp_rank, vp_rank),
-                post_process=is_last_chunk_stage(ps.pp_rank, ps.pp_size, vp_rank, ps.vp_size),
-                layer_range=layer_range, make_vocab_size_divisible_by=hp.make_vocab_size_divisible_by,
+                pre_process=place.pre_process, post_process=place.post_process, layer_range=place.layers,
+                make_vocab_size_divisible_by=hp.make_vocab_size_divisible_by,
                 seed=hp.init_seed, lm_head_activation=hp.get("lm_head_activation"))
             _tag_vocab_parallel(chunk, self.vocab_size)
             if hp.compile:
