@@ -9,7 +9,9 @@ order that alternates between rounds:
 - ``pp2-vp2`` / ``pp2-vp2-overlap``: interleaved over 2 chunks per stage, ``overlap_p2p_comm`` off / on;
 - ``pp2-last4`` / ``pp2-vp2-overlap-last4``: the same with 8 + 4 layers
   (``num_layers_in_last_pipeline_stage=4``: the last stage also runs the LM head and the loss);
-- ``pp2-last5``: 1F1B with 7 + 5 layers; ``pp2-m8`` / ``pp2-m8-last5``: 8 microbatches of 1 (6 + 6 / 7 + 5).
+- ``pp2-last5``: 1F1B with 7 + 5 layers; ``pp2-m8`` / ``pp2-m8-last5``: 8 microbatches of 1 (6 + 6 / 7 + 5);
+- ``pp2-vp2-overlap-last5``: interleaved, ``overlap_p2p_comm``, 7 + 5 layers (chunks of 4 and 3 layers on
+  stage 0, 3 and 2 on stage 1).
 
 Per layout: the median step time and its ratio to ``tp1`` of the same round (the speed ratio is
 ``tp1 / layout``); per stage, from the schedule trace of the last timed step, the *idle* share of the
@@ -40,7 +42,7 @@ LAYOUTS = {"tp1": (1, 1, None, True, None, None), "pp2": (1, 2, None, True, None
            "pp2-vp2": (1, 2, 2, False, None, 2), "pp2-vp2-overlap": (1, 2, 2, True, None, 2),
            "pp2-last4": (1, 2, None, True, 4, 2), "pp2-vp2-overlap-last4": (1, 2, 2, True, 4, 2),
            "pp2-last5": (1, 2, None, True, 5, 2), "pp2-m8-last5": (1, 2, None, True, 5, 1),
-           "pp2-m8": (1, 2, None, True, None, 1)}
+           "pp2-m8": (1, 2, None, True, None, 1), "pp2-vp2-overlap-last5": (1, 2, 2, True, 5, 2)}
 SEQ, BATCH = 128, 8
 
 

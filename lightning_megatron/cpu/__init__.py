@@ -7,7 +7,7 @@ switches them on explicitly, in one place::
     from lightning_megatron.cpu import CPUTuning
     MegatronStrategy(..., cpu_tuning=CPUTuning())      # or cpu_tuning=True; in YAML: cpu_tuning: true
 
-- ``shared_memory_collectives``: the TP, DP and model-parallel groups of ranks on one host exchange
+- ``shared_memory_collectives``: the TP, DP, model-parallel and embedding groups of ranks on one host exchange
   CPU tensors through one shared mapping instead of gloo's TCP loopback
   (:mod:`lightning_megatron.cpu.shared_memory`), installed as the groups' communicators with
   ``ParallelState.set_communicator``;
@@ -41,14 +41,14 @@ class CPUTuning:
     """Which CPU tunings a run switches on (all by default once a ``CPUTuning`` is given)."""
 
     shared_memory_collectives: bool = True
-    """TP/DP/model-parallel collectives of same-host CPU ranks through shared memory."""
+    """TP/DP/model-parallel/embedding-group collectives of same-host CPU ranks through shared memory."""
     keep_freed_memory: bool = True
     """glibc ``mallopt``: keep freed memory in the process (process-wide, until exit)."""
     kernels: bool = True
     """CPU dropout kernel and CPU attention path choice (:class:`~lightning_megatron.cpu.kernels.CPUKernels`);
     16-bit gradients added into fp32 main grads a cache-sized piece at a time (:mod:`lightning_megatron.cpu.accumulate`)."""
     tp_slot_bytes: int = 8 << 20
-    """Bytes per rank slot in the TP and DP shared mappings (larger messages go in pieces)."""
+    """Bytes per rank slot in the TP, DP and embedding shared mappings (larger messages go in pieces)."""
     mp_slot_bytes: int = 64 << 10
     """Bytes per rank slot of the model-parallel group (only grad norms and overflow flags)."""
 
@@ -68,10 +68,10 @@ class CPUTuning:
               timeout: datetime.timedelta | None = None) -> dict[str, bool]:
         """After the process groups exist (collective over every group): apply the process-level pieces.
 
-        Returns what was applied: ``{"keep_freed_memory": ..., "tp": ..., "dp": ..., "mp": ...}``
+        Returns what was applied: ``{"keep_freed_memory": ..., "tp": ..., "dp": ..., "mp": ..., "embedding": ...}``
         (a group stays on ``torch.distributed`` when it has one rank or spans hosts).
         """
-        applied = {"keep_freed_memory": False, "tp": False, "dp": False, "mp": False}
+        applied = {"keep_freed_memory": False, "tp": False, "dp": False, "mp": False, "embedding": False}
         if device.type != "cpu":
             return applied
         if self.keep_freed_memory:
@@ -82,7 +82,10 @@ class CPUTuning:
             from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 
             # Every rank, in this order: each call is collective over its group.
-            for name, slot in (("tp", self.tp_slot_bytes), ("dp", self.tp_slot_bytes), ("mp", self.mp_slot_bytes)):
+            # The embedding group (first and last pipeline stage) sums the tied word embedding's fp32
+            # gradient once per step: 94 MB at bert-base, between the last backward and the optimizer.
+            for name, slot in (("tp", self.tp_slot_bytes), ("dp", self.tp_slot_bytes), ("mp", self.mp_slot_bytes),
+                               ("embedding", self.tp_slot_bytes)):
                 group = parallel_state.group(name)
                 comm = enable_shared_memory_collectives(group, slot_bytes=slot, timeout=timeout)
                 if comm is not None:
