@@ -208,6 +208,33 @@ def test_measured_elementwise_rate_times_the_memory_bound_kernels():
     assert layer_seconds(m) > 0  # one real layer of m, forward and backward
 
 
+def test_measured_vocab_rate_times_the_vocabulary_passes():
+    """``Device.vocab`` (measured from a one-layer model less its layer) times the vocabulary passes of the
+    first and last stage, nothing else; the rate is their counted bytes over what the embeddings, heads
+    and loss took beyond the heads' GEMMs."""
+    from dataclasses import replace
+
+    from lightning_megatron.check.devices import _vocab_rate, model_seconds
+    from lightning_megatron.check.timing import vocab_bytes
+
+    m = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=16,
+                   micro_batch_size=2, global_batch_size=4, on_cpu=True)
+    dev = Device(name="toy", flops_16=1e10, flops_32=1e10, hbm=1e10, link_intra=1e9, link_inter=1e9, latency_intra=0.0,
+                 latency_inter=0.0, cores=1)
+    fw = Framework(overlap_grad_reduce=False, fused_attention=not m.unfused_attention)
+    base = estimate_time(m, Layout(), dev, MEASURED, fw)
+    slow = estimate_time(m, Layout(), replace(dev, vocab=1e9), MEASURED, fw)
+    counted = 7 * 1024 * 64 * 4 + 6 * 0.15 * 32 * 1024 * 4  # tied [1024, 64] fp32 weight on one rank, 4.8 head tokens
+    assert vocab_bytes(m, Layout(), 0) == pytest.approx(counted, rel=1e-12)
+    assert slow.vocab == pytest.approx(2 * counted / 1e9, rel=1e-12)  # 2 microbatches
+    assert slow.compute - base.compute == pytest.approx(2 * (counted / 1e9 - counted / 1e10), rel=1e-12)
+    assert (slow.optimizer, slow.accumulate, slow.tp_comm) == (base.optimizer, base.accumulate, base.tp_comm)
+    head = transformer_flops(num_layers=0, hidden_size=64, ffn_hidden_size=256, seq_length=16, tokens=32,
+                             head_tokens=0.15 * 32, vocab_size=1024)
+    assert _vocab_rate(m, head / 1e10 + 0.5, 1e10) == pytest.approx(counted / 0.5, rel=1e-9)
+    assert model_seconds(m) > 0  # a real one-layer BERT of m with its loss, forward and backward
+
+
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
 # Table 1 (also the weak-scaling table of Megatron-LM's README, 2021): GPT, s = 2048, V = 51200, A100 80GB.
 # (parameters B, heads, hidden, layers, TP, PP, GPUs, batch, achieved TFLOP/s per GPU)

@@ -184,19 +184,20 @@ def model_flops(m: ModelShape, *, recompute: bool = False) -> float:
                              vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute)
 
 
-def stage_flops(m: ModelShape, layout: Layout, stage: int) -> float:
-    """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage``."""
+def stage_flops(m: ModelShape, layout: Layout, stage: int, *, head: bool = True) -> float:
+    """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage`` (without
+    the LM head's: ``head=False``)."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
     layers = transformer_flops(num_layers=m.num_layers // p, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                                seq_length=m.seq_length, tokens=tokens, head_tokens=0, vocab_size=0,
                                recompute=m.recompute)
-    head = 0.0
-    if stage == p - 1:
-        head = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
+    head_flops = 0.0
+    if head and stage == p - 1:
+        head_flops = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                                  seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
                                  vocab_size=m.padded_vocab(t), head_dense=m.head_dense)
-    return (layers + head) / t
+    return (layers + head_flops) / t
 
 
 def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
