@@ -246,9 +246,10 @@ MEGATRON_WEAK_SCALING = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 MEGATRON_2021 = Framework(grad_reduce_bytes=2, overlap_grad_reduce=False, p2p_scatter_gather=True,
-                          fused_attention=False)
+                          fused_attention=False, fused_grad_accumulation=False)
 """Megatron-LM in the paper: fp16 gradients all-reduced after the backward, scatter/gather of pipeline
-sends, unfused (scale-mask-softmax) attention; micro batch 1, no VP assumed (not stated per row)."""
+sends, unfused (scale-mask-softmax) attention, each microbatch's grads added into main_grad by its DDP
+hook; micro batch 1, no VP assumed (not stated per row)."""
 
 
 def megatron_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
