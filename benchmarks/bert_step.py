@@ -243,6 +243,8 @@ def bert_rank(run: dict[str, Any]) -> dict[str, Any]:
                     result["trace_step_s"] = now - self.t_trace
                     result["trace_window"] = (self.t_trace, now)
                     result["busy_s"] = sum(e.end - e.start for e in self.trace)
+                    result["events"] = [(e.kind, e.microbatch, e.chunk, e.start - self.t_trace, e.end - self.t_trace)
+                                        for e in self.trace]
                 result["max_rss"] = max_rss_bytes()
                 result["state_bytes"] = _state_bytes(pl_module, trainer.strategy.optimizers)
                 result["num_threads_in_step"] = torch.get_num_threads()

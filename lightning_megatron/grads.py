@@ -46,7 +46,7 @@ waits for all pending gathers first. Same collectives on the same bytes: bitwise
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,11 +107,15 @@ class GradBuffer:
         overlap_grad_reduce: start a bucket's DP reduction during the last microbatch's backward.
         overlap_param_gather: ZeRO-1: the parameter all-gather of :meth:`start_param_gather` runs
             asynchronously and each bucket is waited for when first needed (see the module doc).
+        accumulate: ``accumulate(main_grad, grad)`` adds a later microbatch's gradient into
+            ``main_grad``; must be bitwise equal to ``main_grad.add_(grad)`` (the default). The opt-in
+            CPU tuning installs :func:`lightning_megatron.cpu.accumulate.accumulate_grad`.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], *, bucket_bytes: float = 40 * 2**20, pad_to: int = 1,
                  separate_shared_embedding: bool = False, dp_group: Any = None,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False) -> None:
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> None:
         if pad_to < 1:
             raise ValueError(f"GradBuffer: pad_to={pad_to} must be >= 1")
         self.params = list(params)
@@ -124,6 +128,7 @@ class GradBuffer:
         self.dp_size = group_size(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
+        self.accumulate = accumulate or torch.Tensor.add_
         self._reduce_scatter = False  # use_reduce_scatter(): a DistributedOptimizer shards this buffer
         self.offsets: dict[int, int] = {}
         self.buckets: list[Bucket] = []
@@ -257,7 +262,7 @@ class GradBuffer:
             self.finish_param_gather(self._bucket_of[id(p)])
         count = self._counts.get(id(p), 0)
         if count:
-            p.main_grad.add_(p.grad)
+            self.accumulate(p.main_grad, p.grad)
         else:
             p.main_grad.copy_(p.grad)
         p.grad = None
@@ -389,7 +394,8 @@ class GradBuffer:
 
     @classmethod
     def for_chunks(cls, chunks: Sequence[nn.Module], parallel_state: ParallelState, *, bucket_bytes: float,
-                   overlap_grad_reduce: bool, overlap_param_gather: bool = False) -> GradBuffer:
+                   overlap_grad_reduce: bool, overlap_param_gather: bool = False,
+                   accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> GradBuffer:
         """The buffer of this rank's model ``chunks`` (:func:`buffer_order`), padded to and reduced over
         the data-parallel group, the tied embedding in its own last bucket under pipelining."""
         ps = parallel_state
@@ -397,7 +403,7 @@ class GradBuffer:
         return cls(buffer_order(chunks), bucket_bytes=bucket_bytes, pad_to=ps.dp_size,
                    separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
                    dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and dp_group is not None,
-                   overlap_param_gather=overlap_param_gather and dp_group is not None)
+                   overlap_param_gather=overlap_param_gather and dp_group is not None, accumulate=accumulate)
 
     def remove(self) -> None:
         """Remove the hooks and every ``main_grad`` (teardown)."""

@@ -240,7 +240,9 @@ class MegatronStrategy(DDPStrategy):
             overlap = not (self.cpu_tuning is not None and self.cpu_tuning.synchronous_collectives(self.root_device))
         self._grad_buffer = GradBuffer.for_chunks(self.model_chunks, self.parallel_state,
                                                   bucket_bytes=self.ddp_bucket_size_mb * 2**20, overlap_grad_reduce=overlap,
-                                                  overlap_param_gather=self.overlap_param_gather)
+                                                  overlap_param_gather=self.overlap_param_gather,
+                                                  accumulate=None if self.cpu_tuning is None
+                                                  else self.cpu_tuning.grad_accumulation(self.root_device))
 
     @property
     def module_contract(self) -> MegatronModule:

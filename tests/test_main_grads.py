@@ -127,3 +127,42 @@ def test_grad_buffer_sums_microbatches_in_fp32_overlaps_and_holds_one_copy():
             assert param_bytes <= buffer_bytes < param_bytes + 4 * 2 * buckets
             assert run["all_views"] and run["fp32_grad_is_view"]
             assert run["grad_outside"] and run["removed"]
+
+
+def test_cpu_grad_accumulation_is_bitwise_add_and_is_what_the_cpu_tuning_installs():
+    from lightning_megatron.cpu import CPUTuning
+    from lightning_megatron.cpu.accumulate import CHUNK_ELEMENTS, accumulate_grad
+    from lightning_megatron.grads import GradBuffer
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n in (7, CHUNK_ELEMENTS, CHUNK_ELEMENTS + 1, 3 * CHUNK_ELEMENTS + 7):
+            main = torch.randn(n, generator=gen)
+            grad = (torch.randn(n, generator=gen) * 1e-3).to(dtype)
+            expected = main.clone().add_(grad)
+            accumulate_grad(main, grad)
+            assert torch.equal(main, expected), (dtype, n)
+    # Non-contiguous operands take torch's add_ (the same bits).
+    main, grad = torch.randn(300, 700, generator=gen), torch.randn(700, 300, generator=gen).bfloat16().t()
+    expected = main.clone().add_(grad)
+    accumulate_grad(main, grad)
+    assert torch.equal(main, expected)
+
+    # In the buffer: three bf16 microbatches, fp32 sums equal to the default accumulation.
+    def run(accumulate):
+        torch.manual_seed(0)
+        layer = nn.Linear(512, 384).bfloat16()
+        buffer = GradBuffer(list(layer.parameters()), accumulate=accumulate)
+        buffer.start(3)
+        for i in range(3):
+            layer(torch.randn(16, 512, generator=torch.Generator().manual_seed(i)).bfloat16()).square().sum().backward()
+        buffer.finish_grad_sync()
+        out = layer.weight.main_grad.clone()
+        buffer.remove()
+        return out
+
+    assert 512 * 384 > CHUNK_ELEMENTS  # the weight goes through the pieces
+    assert torch.equal(run(accumulate_grad), run(None))
+    assert CPUTuning().grad_accumulation(torch.device("cpu")) is accumulate_grad
+    assert CPUTuning(kernels=False).grad_accumulation(torch.device("cpu")) is None
+    assert CPUTuning().grad_accumulation(torch.device("meta")) is None

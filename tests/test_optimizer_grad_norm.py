@@ -35,6 +35,7 @@ def _recorder():
                                  and all(p.grad is None or buffer.holds(p.grad) for p in params)
                                  and all(m is None or m.grad is None or buffer.holds(m.grad) for m in mains))
             self.bytes = (buffer.memory_bytes(), 4 * sum(p.numel() for p in params))
+            self.accumulate = buffer.accumulate.__name__
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(outputs["loss"]))
@@ -62,7 +63,8 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
     return {"losses": recorder.losses, "norms": recorder.norms, "one_copy": recorder.one_copy,
-            "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank}
+            "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank,
+            "accumulate": recorder.accumulate}
 
 
 def _two_ranks() -> dict:
@@ -166,5 +168,7 @@ def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():
         assert min(base["norms"]) > 0.05  # clipping acts on every step
         for key, run in rank.items():
             assert run["losses"] == base["losses"], key
+            # the CPU tuning's microbatch accumulation (cpu/accumulate.py) is installed only with it
+            assert run["accumulate"] == ("accumulate_grad" if key[1] == "cpu-tuning" else "add_"), key
             torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(base["norms"]), rtol=1e-12, atol=0)
             assert len(run["one_copy"]) == STEPS and all(run["one_copy"]), key

@@ -15,7 +15,8 @@ switches them on explicitly, in one place::
   page-faulting (:mod:`lightning_megatron.cpu.allocator`). This changes the whole process's
   allocator: that is why it is never on by default;
 - ``kernels``: the CPU dropout kernel and the CPU choice of attention path
-  (:class:`lightning_megatron.cpu.kernels.CPUKernels`).
+  (:class:`lightning_megatron.cpu.kernels.CPUKernels`), and the gradient buffer's accumulation of a
+  16-bit microbatch gradient into fp32 (:mod:`lightning_megatron.cpu.accumulate`).
 
 Each piece acts on CPU only; on an accelerator the tuning does nothing. ``docs/strategy.md``
 (CPU tuning) lists what each piece measured.
@@ -24,6 +25,7 @@ Each piece acts on CPU only; on an accelerator the tuning does nothing. ``docs/s
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +45,8 @@ class CPUTuning:
     keep_freed_memory: bool = True
     """glibc ``mallopt``: keep freed memory in the process (process-wide, until exit)."""
     kernels: bool = True
-    """CPU dropout kernel and CPU attention path choice (:class:`~lightning_megatron.cpu.kernels.CPUKernels`)."""
+    """CPU dropout kernel and CPU attention path choice (:class:`~lightning_megatron.cpu.kernels.CPUKernels`);
+    16-bit gradients added into fp32 main grads a cache-sized piece at a time (:mod:`lightning_megatron.cpu.accumulate`)."""
     tp_slot_bytes: int = 8 << 20
     """Bytes per rank slot in the TP and DP shared mappings (larger messages go in pieces)."""
     mp_slot_bytes: int = 64 << 10
@@ -100,6 +103,15 @@ class CPUTuning:
         from lightning_megatron.transformer.kernels import set_kernels
 
         return set_kernels(model, CPUKernels())
+
+    def grad_accumulation(self, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """The GradBuffer's ``main_grad += grad`` of later microbatches: on CPU with ``kernels``, the
+        cache-sized conversion of :func:`lightning_megatron.cpu.accumulate.accumulate_grad` (same bits)."""
+        if not self.kernels or device.type != "cpu":
+            return None
+        from lightning_megatron.cpu.accumulate import accumulate_grad
+
+        return accumulate_grad
 
     def teardown(self, parallel_state: ParallelState | None) -> None:
         """Close the shared-memory communicators (the allocator setting lasts until the process exits)."""
