@@ -100,14 +100,15 @@ def main() -> None:
                               latency_inter=min(before.latency_inter, after.latency_inter),
                               p2p=max(before.p2p, after.p2p), p2p_latency=min(before.p2p_latency, after.p2p_latency))
     print(f"the faster of the two, used below: {rates(dev)}; change from before to after: GEMM "
-          f"{after.flops_16 / before.flops_16 - 1:+.0%}, elementwise {after.elementwise / before.elementwise - 1:+.0%}, "
+          f"{after.flops_16 / before.flops_16 - 1:+.0%}, "
+          f"elementwise {after.elementwise / before.elementwise - 1:+.0%}, "
           f"vocabulary {after.vocab / before.vocab - 1:+.0%} "
           f"(a large change means the machine was busy: the measured step times are not meaningful then)")
     rows = [(layout, estimate_time(shape, layout, dev, MEASURED, fw), measured, busy) for layout, measured, busy in runs]
     print(f"\nBERT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro batch {a.micro_batch}, "
           f"global batch {a.global_batch}, {a.precision}, dropout 0.1; median of {a.steps} steps after {a.warmup}\n")
-    print("| layout | ranks | predicted s | compute (of which vocabulary / grad accumulation) / TP / PP / bubble / DP / "
-          "optimizer s | measured s | measured / predicted | CPU s per thread (busiest rank) |")
+    print("| layout | ranks | predicted s | compute (of which vocabulary / grad accumulation) / TP / PP / bubble / "
+          "DP / optimizer s | measured s | measured / predicted | CPU s per thread (busiest rank) |")
     print("|---|---|---|---|---|---|---|")
     worst, within = 0.0, 0
     for layout, pred, measured, busy in rows:

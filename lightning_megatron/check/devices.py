@@ -84,8 +84,8 @@ def _config(m: ModelShape, num_layers: int):
     from lightning_megatron.transformer.config import TransformerConfig
 
     dtype = torch.float32 if m.param_bytes == 4 else torch.bfloat16
-    return TransformerConfig(num_layers=num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                             ffn_hidden_size=m.ffn, hidden_dropout=m.hidden_dropout,
+    return TransformerConfig(num_layers=num_layers, hidden_size=m.hidden_size,
+                             num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn, hidden_dropout=m.hidden_dropout,
                              attention_dropout=m.attention_dropout, params_dtype=dtype,
                              attention_backend=m.attention_backend)
 
@@ -158,7 +158,8 @@ def model_seconds(m: ModelShape) -> float:
     layer, the LM head on the masked tokens (``m.head_fraction`` of each sample) with the word
     embedding tied to the output layer, the binary head, the vocab-parallel cross entropy, the
     predictions' argmax; the CPU tuning's kernels; fresh gradients each time. Less
-    :func:`layer_seconds`, what the first and last stage add to their layers."""
+    :func:`layer_seconds`, what the first and last stage add to their layers. A GPT configuration
+    (``family="gpt"``) is timed with these BERT pieces, its head on every token."""
     import torch
 
     from lightning_megatron.cpu.kernels import CPUKernels
