@@ -1,6 +1,7 @@
 """Where one TP=1 training step of our BERT goes: forward / backward / optimizer, top ops, copy sources.
 
     .venv/bin/python benchmarks/profile_step.py [--size base] [--dtype bf16] [--ops aten::copy_,aten::max]
+    .venv/bin/python benchmarks/profile_step.py --layers 4 --batch 4 --microbatches 4   # estimate_time.py's tp1
 
 Runs the model of :class:`BertLightningModule` directly (no Trainer: one process, all cores), the
 way the MegatronStrategy's no-pipelining schedule does: ``forward_step`` -> ``backward`` (16-bit grads
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 import time
@@ -31,12 +33,14 @@ from _common import CPU_COUNT, SIZES  # noqa: E402
 from bert_step import LR, WEIGHT_DECAY, SyntheticBatches  # noqa: E402
 
 
-def build(size_name: str, dtype: str, batch: int, seq: int):
+def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None = None):
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
     model_parallel_seed(1234, 0)
     s = SIZES[size_name]
+    if layers is not None:
+        s = dataclasses.replace(s, num_layers=layers)
     module = BertLightningModule(num_layers=s.num_layers, hidden_size=s.hidden_size,
                                  num_attention_heads=s.num_attention_heads, ffn_hidden_size=s.ffn_hidden_size,
                                  vocab_size=s.vocab_size, max_sequence_length=s.max_position_embeddings,
@@ -58,7 +62,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="base", choices=sorted(SIZES))
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="micro batch size")
+    parser.add_argument("--microbatches", type=int, default=1, help="microbatches per step (grad accumulation)")
+    parser.add_argument("--layers", type=int, default=None, help="override the size's layer count")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
@@ -76,7 +82,7 @@ def main() -> None:
     keep_freed_memory()  # as the opt-in CPU tuning does (CPUTuning(keep_freed_memory=True))
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     ps = initialize_model_parallel(1, 1)
-    module, opt, data = build(args.size, args.dtype, args.batch, args.seq)
+    module, opt, data = build(args.size, args.dtype, args.batch, args.seq, args.layers)
     chunk = module.model_chunks[0]
     from lightning_megatron.cpu import CPUTuning
 
@@ -85,11 +91,12 @@ def main() -> None:
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        grads.start(1)
-        with torch.profiler.record_function("FWD"):
-            loss, _ = module.forward_step(data, chunk)
-        with torch.profiler.record_function("BWD"):
-            loss.backward()
+        grads.start(args.microbatches)
+        for _ in range(args.microbatches):  # the same batch each time: the work, not the numbers, matters
+            with torch.profiler.record_function("FWD"):
+                loss, _ = module.forward_step(data, chunk)
+            with torch.profiler.record_function("BWD"):
+                loss.backward()
         with torch.profiler.record_function("OPT"):
             finalize_model_grads(grads, ps)
             if args.dtype != "bf16":  # the plain torch optimizer reads .grad (views of the buffer)

@@ -117,14 +117,26 @@ def test_step_time_against_hand_computed_numbers():
     # Elementwise: 28672 bytes per token and layer (norms 8192, 2 bias-dropout-adds 12288, bias-GeLU 8192 / 2),
     # x 2048 tokens x 2 layers x 3 passes, at 1e12 B/s.
     elementwise = 28672 * 2048 * 2 * 3 / 1e12
+    # Vocabulary passes of the last stage: its [16384, 1024] bf16 word-embedding copy (32 MiB) read by the
+    # head's forward and input-gradient GEMMs and its gradient written (3 x 32 MiB), and the fp32 logits
+    # [2048, 16384] passed 6 times.
+    vocab = (3 * 33554432 + 6 * 2048 * 16384 * 4) / 1e12
+    # Gradient accumulation into the fp32 main grads, 4 microbatches: the first a copy (read 2, write 4 bytes),
+    # the 3 others an add (read 2, read and write 4): 36 bytes per parameter and step.
+    params = max(estimate_stage(m, layout, s).params for s in range(2))
+    assert params == estimate_stage(m, layout, 1).params  # the last stage is the fuller one
+    accumulate = 36 * params / 1e12
     tp = 2 * 4 * (2 * 1 / 2 * 4194304 / 1e11)  # 2 layers x 4 all-reduces of [s, b, h] bf16 (4 MiB) over NVLink
     pp = 2 * 4194304 / 1e10  # one send forward, one backward, between nodes (2 x 2 x 2 = 8 > 4 per node)
-    t_mb = gemm + elementwise + tp + pp
-    assert st.compute == pytest.approx(4 * (gemm + elementwise), rel=1e-12)  # 16 / (2 x 2) = 4 microbatches
+    # The tied word embedding's fp32 grads (64 MiB) all-reduced between the first and last stage, once a step.
+    tied = 2 * 1 / 2 * 67108864 / 1e10
+    compute_mb = gemm + elementwise + vocab + accumulate / 4
+    t_mb = compute_mb + tp + pp
+    assert st.compute == pytest.approx(4 * compute_mb, rel=1e-12)  # 16 / (2 x 2) = 4 microbatches
+    assert st.vocab == pytest.approx(4 * vocab, rel=1e-12) and st.accumulate == pytest.approx(accumulate, rel=1e-12)
     assert st.tp_comm == pytest.approx(4 * tp, rel=1e-12)
-    assert st.pp_comm == pytest.approx(4 * pp, rel=1e-12)
+    assert st.pp_comm == pytest.approx(4 * pp + tied, rel=1e-12)
     assert st.bubble == pytest.approx(t_mb, rel=1e-12)  # (p - 1)/v = 1 microbatch time
-    params = max(estimate_stage(m, layout, s).params for s in range(2))
     assert st.dp_comm == pytest.approx(2 * 1 / 2 * 4 * params / 1e11, rel=1e-12)  # fp32 grads, within the node
     assert st.optimizer == pytest.approx(32 * params / 1e12, rel=1e-12)
     assert st.tokens_per_s == pytest.approx(16 * 1024 / st.total)
@@ -135,12 +147,39 @@ def test_step_time_against_hand_computed_numbers():
     vp = estimate_time(m, Layout(tp=2, pp=2, vp=2, dp=2), dev, MEASURED, fw)
     assert vp.bubble == pytest.approx((t_mb + pp) / 2, rel=1e-12)  # each of the 2 chunks sends
     sp = estimate_time(m, Layout(tp=2, pp=2, dp=2, sequence_parallel=True), dev, MEASURED, fw)
-    assert sp.tp_comm == pytest.approx(st.tp_comm) and sp.pp_comm == pytest.approx(st.pp_comm / 2)
+    assert sp.tp_comm == pytest.approx(st.tp_comm) and sp.pp_comm == pytest.approx(4 * pp / 2 + tied)
     z = estimate_time(m, Layout(tp=2, pp=2, dp=2, zero1=True), dev, MEASURED, fw)
     assert z.dp_comm == pytest.approx(1 / 2 * 4 * params / 1e11 + 1 / 2 * 2 * params / 1e11, rel=1e-12)
     assert z.optimizer == pytest.approx(st.optimizer / 2)
     hidden = estimate_time(m, layout, dev, MEASURED, Framework())  # the strategy's default: overlapped
-    assert hidden.dp_comm == pytest.approx(max(0.0, st.dp_comm - 2 / 3 * (gemm + elementwise)))
+    assert hidden.dp_comm == pytest.approx(max(0.0, st.dp_comm - 2 / 3 * compute_mb))
+    # megatron-core's gradient_accumulation_fusion: the weight-gradient GEMMs add into main_grad themselves.
+    fused = estimate_time(m, layout, dev, MEASURED, Framework(overlap_grad_reduce=False, fused_grad_accumulation=True))
+    assert fused.accumulate == 0 and fused.compute == pytest.approx(st.compute - accumulate, rel=1e-12)
+
+
+def test_vocabulary_and_grad_accumulation_bytes():
+    """The memory traffic that the GEMM FLOPs do not count, for BERT's tied 30592 x 768 fp32 word embedding
+    (micro batch 4 x 128 tokens, 15% of them in the LM head: 76.8), per microbatch and rank."""
+    from lightning_megatron.check.timing import grad_accumulation_bytes, vocab_bytes
+
+    m = ModelShape(num_layers=4, hidden_size=768, num_attention_heads=12, seq_length=128, micro_batch_size=4,
+                   global_batch_size=16, post_norm=True, on_cpu=True)
+    w = 30592 * 768 * 4  # the word embedding: 94 MB
+    logits = 6 * 76.8 * 30592 * 4  # [n, V] fp32, 6 passes
+    # One rank holds both uses of the tied weight: the embedding's dense gradient written (W), the head's
+    # weight read twice and its gradient written (3W), and autograd's sum of the two gradients (read 2W, write W).
+    assert vocab_bytes(m, Layout(), 0) == pytest.approx(7 * w + logits, rel=1e-12)
+    assert vocab_bytes(m, Layout(pp=2), 0) == pytest.approx(w, rel=1e-12)  # first stage: the embedding
+    assert vocab_bytes(m, Layout(pp=2), 1) == pytest.approx(3 * w + logits, rel=1e-12)  # last stage: the head
+    # TP splits the vocabulary (padded to a multiple of 128 x 2: 30720, 15360 rows a rank); the head sees all n
+    # tokens.
+    assert vocab_bytes(m, Layout(tp=2), 0) == pytest.approx((7 * 15360 * 768 * 4 + 6 * 76.8 * 15360 * 4), rel=1e-12)
+    # Per step: the first microbatch copies its grads into main_grad (read 4, write 4 bytes per parameter),
+    # the 3 others add theirs (read 4, read and write 4): 4 x 8 + 3 x 4 = 44 bytes per parameter.
+    assert grad_accumulation_bytes(1000, 4, 4, Framework()) == 44000
+    assert grad_accumulation_bytes(1000, 2, 1, Framework()) == 6000  # bf16 grads, one microbatch: a copy
+    assert grad_accumulation_bytes(1000, 4, 4, Framework(fused_grad_accumulation=True)) == 0
 
 
 def test_measured_elementwise_rate_times_the_memory_bound_kernels():
@@ -162,11 +201,38 @@ def test_measured_elementwise_rate_times_the_memory_bound_kernels():
     slow = estimate_time(m, Layout(), replace(dev, elementwise=1e9), MEASURED, fw)
     counted = elementwise_bytes(m, Layout(), fw) * 16 * 2 * 2 * 3 * 2  # tokens x layers x 3 passes x 2 microbatches
     assert slow.compute - base.compute == pytest.approx(counted / 1e9 - counted / 1e10, rel=1e-12)
-    assert slow.optimizer == base.optimizer
+    assert slow.optimizer == base.optimizer and slow.vocab == base.vocab and slow.accumulate == base.accumulate
     flops = transformer_flops(num_layers=1, hidden_size=64, ffn_hidden_size=256, seq_length=16, tokens=32,
                               head_tokens=0, vocab_size=0)
     assert _elementwise_rate(m, flops / 1e10 + 0.5, 1e10) == pytest.approx(counted / 4 / 0.5, rel=1e-9)
     assert layer_seconds(m) > 0  # one real layer of m, forward and backward
+
+
+def test_measured_vocab_rate_times_the_vocabulary_passes():
+    """``Device.vocab`` (measured from a one-layer model less its layer) times the vocabulary passes of the
+    first and last stage, nothing else; the rate is their counted bytes over what the embeddings, heads
+    and loss took beyond the heads' GEMMs."""
+    from dataclasses import replace
+
+    from lightning_megatron.check.devices import _vocab_rate, model_seconds
+    from lightning_megatron.check.timing import vocab_bytes
+
+    m = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=16,
+                   micro_batch_size=2, global_batch_size=4, on_cpu=True)
+    dev = Device(name="toy", flops_16=1e10, flops_32=1e10, hbm=1e10, link_intra=1e9, link_inter=1e9, latency_intra=0.0,
+                 latency_inter=0.0, cores=1)
+    fw = Framework(overlap_grad_reduce=False, fused_attention=not m.unfused_attention)
+    base = estimate_time(m, Layout(), dev, MEASURED, fw)
+    slow = estimate_time(m, Layout(), replace(dev, vocab=1e9), MEASURED, fw)
+    counted = 7 * 1024 * 64 * 4 + 6 * 0.15 * 32 * 1024 * 4  # tied [1024, 64] fp32 weight on one rank, 4.8 head tokens
+    assert vocab_bytes(m, Layout(), 0) == pytest.approx(counted, rel=1e-12)
+    assert slow.vocab == pytest.approx(2 * counted / 1e9, rel=1e-12)  # 2 microbatches
+    assert slow.compute - base.compute == pytest.approx(2 * (counted / 1e9 - counted / 1e10), rel=1e-12)
+    assert (slow.optimizer, slow.accumulate, slow.tp_comm) == (base.optimizer, base.accumulate, base.tp_comm)
+    head = transformer_flops(num_layers=0, hidden_size=64, ffn_hidden_size=256, seq_length=16, tokens=32,
+                             head_tokens=0.15 * 32, vocab_size=1024)
+    assert _vocab_rate(m, head / 1e10 + 0.5, 1e10) == pytest.approx(counted / 0.5, rel=1e-9)
+    assert model_seconds(m) > 0  # a real one-layer BERT of m with its loss, forward and backward
 
 
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
@@ -180,9 +246,10 @@ MEGATRON_WEAK_SCALING = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 MEGATRON_2021 = Framework(grad_reduce_bytes=2, overlap_grad_reduce=False, p2p_scatter_gather=True,
-                          fused_attention=False)
+                          fused_attention=False, fused_grad_accumulation=False)
 """Megatron-LM in the paper: fp16 gradients all-reduced after the backward, scatter/gather of pipeline
-sends, unfused (scale-mask-softmax) attention; micro batch 1, no VP assumed (not stated per row)."""
+sends, unfused (scale-mask-softmax) attention, each microbatch's grads added into main_grad by its DDP
+hook; micro batch 1, no VP assumed (not stated per row)."""
 
 
 def megatron_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,

@@ -15,7 +15,7 @@ import time
 from lightning_megatron.check.memory import ModelShape
 from lightning_megatron.check.timing import Device
 
-__all__ = ["DEVICES", "device", "layer_seconds", "measure_this_machine"]
+__all__ = ["DEVICES", "device", "layer_seconds", "measure_this_machine", "model_seconds"]
 
 _GB = 1e9
 DEVICES: dict[str, Device] = {
@@ -78,28 +78,34 @@ def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) ->
         dist.destroy_process_group()
 
 
-def layer_seconds(m: ModelShape) -> float:
-    """Best of 3 forward + backward passes of one transformer layer of ``m`` on its micro batch
-    ``[s, b, h]``, one thread: its spec's norm placement, dtype, dropout and attention backend, with
-    the CPU tuning's kernels (what a run with ``cpu_tuning`` executes)."""
+def _config(m: ModelShape, num_layers: int):
     import torch
 
-    from lightning_megatron.cpu.kernels import CPUKernels
-    from lightning_megatron.models.bert.specs import bert_layer_spec
-    from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
     from lightning_megatron.transformer.config import TransformerConfig
-    from lightning_megatron.transformer.kernels import set_kernels
-    from lightning_megatron.transformer.norms import LayerNorm, Norm, RMSNorm
-    from lightning_megatron.transformer.spec import build_module
 
     dtype = torch.float32 if m.param_bytes == 4 else torch.bfloat16
-    config = TransformerConfig(num_layers=1, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                               ffn_hidden_size=m.ffn, hidden_dropout=m.hidden_dropout,
-                               attention_dropout=m.attention_dropout, params_dtype=dtype,
-                               attention_backend=m.attention_backend)
+    return TransformerConfig(num_layers=num_layers, hidden_size=m.hidden_size,
+                             num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn, hidden_dropout=m.hidden_dropout,
+                             attention_dropout=m.attention_dropout, params_dtype=dtype,
+                             attention_backend=m.attention_backend)
+
+
+def _spec(m: ModelShape):
+    from lightning_megatron.models.bert.specs import bert_layer_spec
+    from lightning_megatron.transformer.norms import LayerNorm, Norm, RMSNorm
+
     norm = RMSNorm if m.rmsnorm else (LayerNorm if m.post_norm else Norm)
-    # The weights, the input and the dropout masks draw from RNG states that are put back afterwards
-    # (the global one and the model-parallel tracker's), so the measurement changes no later result.
+    return bert_layer_spec(norm, "post" if m.post_norm else "pre")
+
+
+def _best_of_3(build) -> float:
+    """Best of 3 runs of the step ``build()`` returns (after one untimed), one thread, with the weights,
+    inputs and dropout masks drawn from RNG states that are put back afterwards (the global one and
+    the model-parallel tracker's), so the measurement changes no later result."""
+    import torch
+
+    from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
+
     tracker = get_rng_tracker()
     saved_states, saved_seeds = tracker.get_states(), set(tracker.seeds)
     threads = torch.get_num_threads()
@@ -108,20 +114,85 @@ def layer_seconds(m: ModelShape) -> float:
         with torch.random.fork_rng(devices=[]):
             if MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.states:
                 tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, max(saved_seeds, default=0) + 1)
-            layer = build_module(bert_layer_spec(norm, "post" if m.post_norm else "pre"), config=config, layer_number=1)
-            set_kernels(layer, CPUKernels())
-            x = torch.randn(m.seq_length, m.micro_batch_size, m.hidden_size, dtype=dtype, requires_grad=True)
-
-            def step() -> None:
-                y = layer(x, None)
-                y.backward(torch.ones_like(y))
-
+            step = build()
             step()
             return min(_timed(step) for _ in range(3))
     finally:
         torch.set_num_threads(threads)
         tracker.set_states(saved_states)
         tracker.seeds = saved_seeds
+
+
+def layer_seconds(m: ModelShape) -> float:
+    """Best of 3 forward + backward passes of one transformer layer of ``m`` on its micro batch
+    ``[s, b, h]``, one thread: its spec's norm placement, dtype, dropout and attention backend, with
+    the CPU tuning's kernels (what a run with ``cpu_tuning`` executes); each backward writes fresh
+    gradients (the GradBuffer's hook takes them away after every microbatch)."""
+    import torch
+
+    from lightning_megatron.cpu.kernels import CPUKernels
+    from lightning_megatron.transformer.kernels import set_kernels
+    from lightning_megatron.transformer.spec import build_module
+
+    def build():
+        config = _config(m, 1)
+        layer = build_module(_spec(m), config=config, layer_number=1)
+        set_kernels(layer, CPUKernels())
+        x = torch.randn(m.seq_length, m.micro_batch_size, m.hidden_size, dtype=config.params_dtype,
+                        requires_grad=True)
+
+        def step() -> None:
+            y = layer(x, None)
+            y.backward(torch.ones_like(y))
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+
+        return step
+
+    return _best_of_3(build)
+
+
+def model_seconds(m: ModelShape) -> float:
+    """Best of 3 forward + backward passes of a one-layer BERT of ``m`` with its loss, one thread, as
+    a microbatch of a training step runs them (``BertLightningModule.forward_step``): embeddings, the
+    layer, the LM head on the masked tokens (``m.head_fraction`` of each sample) with the word
+    embedding tied to the output layer, the binary head, the vocab-parallel cross entropy, the
+    predictions' argmax; the CPU tuning's kernels; fresh gradients each time. Less
+    :func:`layer_seconds`, what the first and last stage add to their layers. A GPT configuration
+    (``family="gpt"``) is timed with these BERT pieces, its head on every token."""
+    import torch
+
+    from lightning_megatron.cpu.kernels import CPUKernels
+    from lightning_megatron.models.bert.model import BertModel, bert_loss
+    from lightning_megatron.models.bert.predict import vocab_parallel_argmax
+    from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from lightning_megatron.transformer.kernels import set_kernels
+
+    def build():
+        s, b, v = m.seq_length, m.micro_batch_size, m.vocab_size
+        model = BertModel(_config(m, 1), _spec(m), v, m.max_sequence_length,
+                          make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+        set_kernels(model, CPUKernels())
+        tokens = torch.randint(0, v, (b, s))
+        token_types = (torch.arange(s) >= s // 2).long().expand(b, s)
+        masked = max(1, int(m.head_fraction * s))
+        positions = torch.zeros(b, s, dtype=torch.bool)
+        for row in positions:
+            row[torch.randperm(s)[:masked]] = True
+        labels, binary_labels = torch.randint(0, v, (b, s)), torch.randint(0, 2, (b,))
+
+        def step() -> None:
+            logits, binary_logits = model(tokens, None, token_types, lm_positions=positions)
+            loss_per_token = vocab_parallel_cross_entropy(logits, labels[positions], tp_group=None, vocab_size=v)
+            loss, _ = bert_loss(loss_per_token, torch.ones_like(loss_per_token), binary_logits, binary_labels)
+            with torch.no_grad():
+                vocab_parallel_argmax(logits, None, v)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return step
+
+    return _best_of_3(build)
 
 
 def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_memory: bool = True,
@@ -136,7 +207,11 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     With ``shape``, also one transformer layer of it (:func:`layer_seconds`): what its forward and
     backward take beyond their GEMMs at the measured GEMM rate is the time of its memory-bound
     kernels, whose bytes (:func:`~lightning_megatron.check.timing.elementwise_bytes`) over that time
-    give :attr:`~lightning_megatron.check.timing.Device.elementwise` (else the copy rate stands in)."""
+    give :attr:`~lightning_megatron.check.timing.Device.elementwise` (else the copy rate stands in);
+    and a one-layer model of it (:func:`model_seconds`): what its embeddings, heads and loss take
+    beyond the layer and the head's GEMMs, over their vocabulary passes
+    (:func:`~lightning_megatron.check.timing.vocab_bytes`), gives
+    :attr:`~lightning_megatron.check.timing.Device.vocab` (else the copy rate)."""
     import multiprocessing as mp
     import socket
 
@@ -180,16 +255,19 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     shm = shared_memory and times["shared_memory"] is not None
     link, latency = rate(times["shared_memory"]) if shm else (p2p, p2p_latency)
     cores = os.cpu_count() or 1
-    elementwise = None
+    elementwise = vocab = None
     if shape is not None:
-        elementwise = _elementwise_rate(shape, layer_seconds(shape), gemm)
+        layer_s = layer_seconds(shape)
+        elementwise = _elementwise_rate(shape, layer_s, gemm)
+        vocab = _vocab_rate(shape, model_seconds(shape) - layer_s, gemm)
     return Device(name="this machine (measured)", flops_16=gemm, flops_32=gemm, hbm=hbm, elementwise=elementwise,
+                  vocab=vocab,
                   link_intra=link,
                   link_inter=link, devices_per_node=cores, latency_intra=latency, latency_inter=latency, p2p=p2p,
                   p2p_latency=p2p_latency, cores=cores,
                   source=f"measured per core: {rows}x{inner}x{cols} GEMM, 64 MiB copy, "
                          f"{'shared-memory' if shm else 'gloo'} all-reduce, gloo sends"
-                         f"{', one transformer layer' if shape is not None else ''}")
+                         f"{', one transformer layer and a one-layer model' if shape is not None else ''}")
 
 
 def _elementwise_rate(m: ModelShape, layer_s: float, gemm_rate: float) -> float:
@@ -205,6 +283,20 @@ def _elementwise_rate(m: ModelShape, layer_s: float, gemm_rate: float) -> float:
     counted = 3 * tokens * elementwise_bytes(m, Layout(), Framework(fused_attention=not m.unfused_attention))
     rest = max(layer_s - flops / gemm_rate, 0.05 * layer_s)  # the GEMMs at their best-case rate: a floor
     return counted / rest
+
+
+def _vocab_rate(m: ModelShape, vocab_s: float, gemm_rate: float) -> float:
+    """Bytes/s of the vocabulary passes of a model whose embeddings, heads and loss took ``vocab_s``
+    (forward + backward, one microbatch, no pipelining) with GEMMs at ``gemm_rate``: their counted
+    bytes (:func:`~lightning_megatron.check.timing.vocab_bytes`) over what the time leaves beyond the
+    heads' GEMMs (the embedding's norm and dropout, the binary head: small, and timed at this rate)."""
+    from lightning_megatron.check.layouts import Layout
+    from lightning_megatron.check.timing import stage_flops, vocab_bytes
+
+    layout = Layout()
+    head = stage_flops(m, layout, 0) - stage_flops(m, layout, 0, head=False)
+    rest = max(vocab_s - head / gemm_rate, 0.05 * vocab_s)  # the GEMMs at their best-case rate: a floor
+    return vocab_bytes(m, layout, 0) / rest
 
 
 def _timed(fn) -> float:

@@ -6,12 +6,14 @@ layout ``t`` (TP), ``p`` (PP), ``v`` (virtual stages), ``d`` (DP), ``m = G/(b d)
 
 One microbatch on the slowest pipeline stage takes
 
-    T_mb = F_stage / (peak x gemm_eff) + B_stage / (hbm x mem_eff) + TP_comm + PP_p2p
+    T_mb = F_stage / (peak x gemm_eff) + B_stage / (hbm x mem_eff) + V_stage / vocab
+           + A_stage / (m hbm x mem_eff) + TP_comm + PP_p2p
 
-(GEMM FLOPs, memory-bound elementwise bytes, the exposed tensor-parallel collectives and the
-pipeline sends), and the step
+(GEMM FLOPs, memory-bound elementwise bytes of the layers, the passes over vocabulary-sized tensors
+of the first and last stage, the gradient accumulation into the fp32 main grads, the exposed
+tensor-parallel collectives and the pipeline sends; the slowest stage's), and the step
 
-    T_step = m T_mb + (p - 1)/v T_mb  +  DP_exposed  +  T_optimizer
+    T_step = m T_mb + (p - 1)/v T_mb  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
 
 (the 1F1B / interleaved bubble is ``(p - 1)/(v m)`` of the pipelined time). Collectives are ring
 algorithms: an all-reduce of ``n`` bytes over ``k`` ranks moves ``2 (k-1)/k n`` bytes per rank, an
@@ -28,7 +30,7 @@ from lightning_megatron.check.memory import ModelShape, estimate_stage
 from lightning_megatron.flops import transformer_flops
 
 __all__ = ["Device", "Efficiency", "Framework", "StepTime", "collective_time", "elementwise_bytes",
-           "estimate_time", "model_flops", "stage_flops"]
+           "estimate_time", "grad_accumulation_bytes", "model_flops", "stage_flops", "vocab_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +62,11 @@ class Device:
     """Bytes/s the model's memory-bound kernels reach, as counted by :func:`elementwise_bytes` (None:
     ``hbm``). A CPU's norms, GELU, softmax and dropout run far below its copy bandwidth: measured on
     this machine from one transformer layer (``devices.measure_this_machine``)."""
+    vocab: float | None = None
+    """Bytes/s of the passes over vocabulary-sized tensors, as counted by :func:`vocab_bytes` (None:
+    ``hbm``). On a CPU the LM head's GEMMs with few rows (the masked tokens) against the [V, h]
+    weight run far below the GEMM rate and the dense embedding gradient is written into fresh memory:
+    measured on this machine from the model's embedding, heads and loss (``devices.measure_this_machine``)."""
     cores: int | None = None
     """A host without accelerators: the rates are per core, and each of a layout's ranks gets
     ``cores / world_size`` cores (threads when fewer ranks than cores, time slices when more)."""
@@ -103,6 +110,10 @@ class Framework:
     """Attention without [b, a, s, s] tensors in memory (flash / memory-efficient sdpa)."""
     optimizer_bytes: int = 32
     """Bytes read + written per parameter by the optimizer step (Adam: param, grad, fp32 main, 2 moments)."""
+    fused_grad_accumulation: bool = False
+    """The weight-gradient GEMMs add into the fp32 ``main_grad`` themselves (megatron-core's
+    ``gradient_accumulation_fusion``). Off here: each microbatch's backward writes ``param.grad`` and
+    the GradBuffer's hook adds it into ``main_grad`` (:func:`grad_accumulation_bytes`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,11 +122,13 @@ class StepTime:
 
     layout: str
     compute: float
-    """GEMMs and elementwise kernels of every microbatch on the slowest stage (bubble excluded)."""
+    """GEMMs, elementwise kernels, vocabulary passes and gradient accumulation of every microbatch on the
+    slowest stage (bubble excluded)."""
     tp_comm: float
     """Tensor-parallel collectives on the critical path (all microbatches)."""
     pp_comm: float
-    """Pipeline sends on the critical path (all microbatches)."""
+    """Pipeline sends on the critical path (all microbatches) and the tied word embedding's gradient
+    all-reduce between the first and last stage (once a step)."""
     bubble: float
     """Pipeline fill and drain: (p - 1)/v microbatch times."""
     dp_comm: float
@@ -128,6 +141,10 @@ class StepTime:
     world_size: int
     peak: float
     """Peak FLOP/s per device that MFU divides by."""
+    vocab: float = 0.0
+    """Of ``compute``: the passes over vocabulary-sized tensors (:func:`vocab_bytes`), all microbatches."""
+    accumulate: float = 0.0
+    """Of ``compute``: adding each microbatch's gradients into the fp32 main grads (:func:`grad_accumulation_bytes`)."""
 
     @property
     def total(self) -> float:
@@ -167,19 +184,20 @@ def model_flops(m: ModelShape, *, recompute: bool = False) -> float:
                              vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute)
 
 
-def stage_flops(m: ModelShape, layout: Layout, stage: int) -> float:
-    """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage``."""
+def stage_flops(m: ModelShape, layout: Layout, stage: int, *, head: bool = True) -> float:
+    """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage`` (without
+    the LM head's: ``head=False``)."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
     layers = transformer_flops(num_layers=m.num_layers // p, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                                seq_length=m.seq_length, tokens=tokens, head_tokens=0, vocab_size=0,
                                recompute=m.recompute)
-    head = 0.0
-    if stage == p - 1:
-        head = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
+    head_flops = 0.0
+    if head and stage == p - 1:
+        head_flops = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                                  seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
                                  vocab_size=m.padded_vocab(t), head_dense=m.head_dense)
-    return (layers + head) / t
+    return (layers + head_flops) / t
 
 
 def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
@@ -198,6 +216,42 @@ def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
     return n
 
 
+def vocab_bytes(m: ModelShape, layout: Layout, stage: int) -> float:
+    """Bytes of one microbatch's passes over vocabulary-sized tensors on one rank of ``stage``, forward
+    and backward, which :func:`stage_flops` counts only as GEMM FLOPs. With ``W = V/t h e`` (the rank's
+    word-embedding shard) and ``n`` head tokens: the first stage's embedding backward writes a dense
+    [V/t, h] gradient (W; the token rows added into it are negligible); the last stage's LM head reads
+    the tied weight in its forward and its input-gradient GEMM and writes its weight gradient (3W),
+    and its fp32 logits [n, V/t] pass 6 times (written; read by the cross entropy's max and exp, its
+    softmax written; backward: read, the logits' gradient written); a rank holding both uses of the
+    tied weight (no pipelining) sums their two gradients (read 2W, write W).
+
+    Negligible on a GPU (a few GB at HBM speed against a large GEMM); on a CPU the head's GEMMs have
+    few rows (BERT: the masked tokens), which makes them bound by these bytes, not by their FLOPs."""
+    t, p = layout.tp, layout.pp
+    w = m.padded_vocab(t) // t * m.hidden_size * m.param_bytes
+    n = 0.0
+    if stage == 0:
+        n += w
+    if stage == p - 1:
+        n += 3 * w + 6 * m.head_fraction * m.seq_length * m.micro_batch_size * (m.padded_vocab(t) // t) * 4
+    if p == 1:
+        n += 3 * w
+    return n
+
+
+def grad_accumulation_bytes(params: int, grad_bytes: int, microbatches: int, fw: Framework) -> float:
+    """Bytes per step of adding the microbatches' gradients into the fp32 main grads on a rank holding
+    ``params`` parameters whose ``.grad`` has ``grad_bytes`` per element: the GradBuffer's hook copies
+    the first microbatch's (read ``e``, write 4) and adds each later one (read ``e``, read and write
+    4): ``params (m (e + 4) + (m - 1) 4)``; 0 when the GEMMs accumulate themselves
+    (``Framework.fused_grad_accumulation``). A memory-bound pass over the rank's parameters per
+    microbatch, at the copy rate."""
+    if fw.fused_grad_accumulation:
+        return 0.0
+    return float(params * (microbatches * (grad_bytes + 4) + (microbatches - 1) * 4))
+
+
 def _bandwidth(dev: Device, eff: Efficiency, crosses_nodes: bool) -> tuple[float, float]:
     if crosses_nodes:
         return dev.link_inter * eff.link, dev.latency_inter
@@ -214,6 +268,7 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
     peak = dev.flops_16 if e == 2 else dev.flops_32
     gemm_rate, mem_rate = peak * eff.gemm * share, dev.hbm * eff.memory * share
     kernel_rate = (dev.elementwise or dev.hbm) * eff.memory * share
+    vocab_rate = (dev.vocab or dev.hbm) * eff.memory * share
     layers = m.num_layers // p
     passes = 3 + (1 if m.recompute else 0)  # forward, backward (~2x), recomputed forward
     elementwise = elementwise_bytes(m, layout, fw) * s * b * layers * passes / kernel_rate
@@ -233,8 +288,18 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
             pp_bw, pp_lat = dev.p2p * eff.link, dev.p2p_latency
         sent = act / (t if (layout.sequence_parallel or fw.p2p_scatter_gather) else 1)
         pp_mb = 2 * v * collective_time("send", sent, 2, pp_bw, pp_lat)
-    flops = max(stage_flops(m, layout, stage) for stage in range(p))
-    compute_mb = flops / gemm_rate + elementwise
+        # The tied word embedding's fp32 grads summed over the first and last stage, once a step.
+        tied = collective_time("all_reduce", m.padded_vocab(t) // t * h * fw.grad_reduce_bytes, 2, pp_bw, pp_lat)
+    else:
+        tied = 0.0
+    # The slowest stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation.
+    stages = []
+    for stage in range(p):
+        vocab_s = vocab_bytes(m, layout, stage) / vocab_rate
+        accumulate_s = grad_accumulation_bytes(estimate_stage(m, layout, stage).params, e, microbatches, fw) / mem_rate
+        total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
+        stages.append((total, vocab_s, accumulate_s))
+    compute_mb, vocab_mb, accumulate = max(stages)
     t_mb = compute_mb + tp_mb + pp_mb
     bubble = (p - 1) / v * t_mb
     # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
@@ -252,6 +317,6 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
         gather = max(0.0, gather - 1.0 / 3.0 * compute_mb)
     optimizer = (params / d if layout.zero1 else params) * fw.optimizer_bytes / mem_rate
     return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb,
-                    pp_comm=microbatches * pp_mb, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
+                    pp_comm=microbatches * pp_mb + tied, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
-                    peak=peak * share)
+                    peak=peak * share, vocab=microbatches * vocab_mb, accumulate=accumulate)
