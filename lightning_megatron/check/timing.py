@@ -288,8 +288,11 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
             pp_bw, pp_lat = dev.p2p * eff.link, dev.p2p_latency
         sent = act / (t if (layout.sequence_parallel or fw.p2p_scatter_gather) else 1)
         pp_mb = 2 * v * collective_time("send", sent, 2, pp_bw, pp_lat)
-        # The tied word embedding's fp32 grads summed over the first and last stage, once a step.
-        tied = collective_time("all_reduce", m.padded_vocab(t) // t * h * fw.grad_reduce_bytes, 2, pp_bw, pp_lat)
+        # The tied word embedding's fp32 grads summed over the first and last stage, once a step: a
+        # collective of the embedding group, on the collectives' path (the CPU tuning's shared memory
+        # too), not the sends'.
+        tied_bw, tied_lat = _bandwidth(dev, eff, t * d * p > dpn)
+        tied = collective_time("all_reduce", m.padded_vocab(t) // t * h * fw.grad_reduce_bytes, 2, tied_bw, tied_lat)
     else:
         tied = 0.0
     # The slowest stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation.
