@@ -163,6 +163,11 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         except ValueError as e:
             problems.append(str(e))
 
+    if m.get("defer_embedding_wgrad_compute") is True and pp == 1:
+        problems.append("defer_embedding_wgrad_compute=True needs pipeline parallelism (pipeline_model_parallel_size >= 2): "
+                        "the output layer's weight gradient is deferred to the last stage's pipeline flush, and with "
+                        "one stage there is none; set it to false")
+
     # --- batch sizes
     gb = _int(d.get("global_batch_size"))
     s_micro, d_micro = _int(s.get("micro_batch_size")), _int(d.get("micro_batch_size"))

@@ -255,6 +255,16 @@ class GradBuffer:
         self.finish_grad_sync()
         self.finish_deferred()
 
+    def add_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """A gradient of ``p`` computed outside autograd (the output layer's weight gradient deferred to
+        the pipeline flush): taken as autograd's accumulation would take it, into ``p.grad`` and then,
+        within the training schedule, through the same hook into ``main_grad``."""
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad += grad
+        self._accumulate(p)
+
     def _accumulate(self, p: torch.Tensor) -> None:
         if not self._active or p.grad is None:
             return

@@ -170,6 +170,10 @@ def test_recipe_check_keeps_the_megatron_callback_sections():
     built = {type(cb).__name__: cb for cb in build_callbacks(recipe.callbacks, None)}
     assert built["MegatronOptimizerCallback"].config.clip_grad == 1.0
     assert built["OptimizerParamSchedulerCallback"].kwargs["max_lr"] == 1.0e-3
+    # the deferred output-layer weight gradient is the schedule's business: off for the one-process reference
+    deferred = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml",
+                           model_overrides={"defer_embedding_wgrad_compute": True})
+    assert deferred.model["defer_embedding_wgrad_compute"] is False and recipe.model.get("hidden_dropout") == 0.0
 
 
 def test_first_divergence_forward_then_gradients():

@@ -63,9 +63,12 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype, **(model_kwargs or {})})
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
+    from lightning_megatron.tensor_parallel import deferred_weight_grads
+
+    drained = sum(d.drained for d in deferred_weight_grads(module.model_chunks))
     return {"losses": recorder.losses, "norms": recorder.norms, "one_copy": recorder.one_copy,
             "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank,
-            "accumulate": recorder.accumulate, "communicators": recorder.communicators}
+            "accumulate": recorder.accumulate, "communicators": recorder.communicators, "drained": drained}
 
 
 def _two_ranks() -> dict:
@@ -74,6 +77,8 @@ def _two_ranks() -> dict:
         "pp2": _run(pp=2),
         # uneven stages (megatron-core's num_layers_in_last_pipeline_stage): 3 layers, then 1 + the heads
         "pp2_last1": _run(pp=2, model_kwargs={"num_layers_in_last_pipeline_stage": 1}),
+        # the LM head's weight gradient computed at the pipeline flush (megatron-core's option)
+        "pp2_deferred": _run(pp=2, model_kwargs={"defer_embedding_wgrad_compute": True}),
         "dp2": _run(),
         "dp2_zero1": _run(zero1=True),
         # the overlapped reduction, asynchronous on gloo (the default path; shared memory: tests/test_main_grads.py)
@@ -85,6 +90,8 @@ def _two_ranks() -> dict:
         # stage in fp32 while the precision plugin makes bf16 the default dtype (a bf16 receive buffer
         # aborted gloo)
         "bf16_pp2_vp2": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2),
+        "bf16_pp2_vp2_deferred": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2,
+                                      model_kwargs={"defer_embedding_wgrad_compute": True}),
     }
 
 
@@ -110,6 +117,18 @@ def test_uneven_pipeline_stages(runs):
     _, two = runs
     assert {r["pp2_last1"]["pp_rank"]: r["pp2_last1"]["num_layers_here"] for r in two} == {0: 3, 1: 1}
     assert {r["pp2"]["pp_rank"]: r["pp2"]["num_layers_here"] for r in two} == {0: 2, 1: 2}
+
+
+def test_deferred_output_layer_weight_grad_is_bitwise_the_backward_one(runs):
+    _, two = runs
+    for rank in two:
+        for deferred, base in (("pp2_deferred", "pp2"), ("bf16_pp2_vp2_deferred", "bf16_pp2_vp2")):
+            assert rank[deferred]["losses"] == rank[base]["losses"], deferred
+            assert rank[deferred]["norms"] == rank[base]["norms"], deferred
+            # the last stage drained one weight gradient per microbatch and step; the first stage none
+            expected = STEPS * GLOBAL_BATCH // MICRO if rank[deferred]["pp_rank"] == 1 else 0
+            assert rank[deferred]["drained"] == expected, (deferred, rank[deferred]["drained"])
+            assert rank[base]["drained"] == 0
 
 
 def test_overlapped_reduction_equals_reduction_after_backward(runs):

@@ -55,6 +55,10 @@ def test_good_config_has_no_problems():
     (dict(model_hparams=dict(num_layers_in_last_pipeline_stage=2), strategy_args=dict(tensor_model_parallel_size=4)),
      "num_layers_in_last_pipeline_stage=2 needs pipeline_model_parallel_size >= 2"),
     (dict(strategy_args=dict(tensor_model_parallel_size=1, sequence_parallel=True)), "sequence_parallel=True"),
+    (dict(model_hparams=dict(defer_embedding_wgrad_compute=True)),
+     "defer_embedding_wgrad_compute=True needs pipeline parallelism"),
+    (dict(model_hparams=dict(defer_embedding_wgrad_compute=True), strategy_args=dict(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=2)), None),
     # one rule for the layout, read by the strategy, ParallelLayout and this check alike (vp=1 with pp=1 too)
     (dict(strategy_args=dict(tensor_model_parallel_size=1, virtual_pipeline_model_parallel_size=1)),
      "virtual_pipeline_model_parallel_size=1 needs pipeline_model_parallel_size >= 2"),

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_megatron.parallel_state import Group, group_rank, group_size
+from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
 from lightning_megatron.tensor_parallel.mappings import (
     all_reduce_coalesced,
     copy_to_tensor_model_parallel_region,
@@ -53,6 +54,7 @@ __all__ = [
     "init_method_normal",
     "scaled_init_method_normal",
     "all_reduce_sequence_parallel_grads",
+    "deferred_weight_grads",
 ]
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -107,6 +109,9 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.tp_group = tp_group
         self.gather_output, self.skip_bias_add, self.sequence_parallel = gather_output, skip_bias_add, sequence_parallel
+        self.deferred_wgrad: DeferredWeightGrad | None = None
+        """Set on the last stage's output layer (``TransformerConfig.defer_embedding_wgrad_compute``):
+        its weight gradient is computed at the pipeline flush (:mod:`.deferred_wgrad`)."""
         self.output_size_per_partition = divide(output_size, world, "output_size")
         init_method = init_method or init_method_normal()
         if skip_weight_param_allocation:
@@ -133,11 +138,19 @@ class ColumnParallelLinear(nn.Module):
             total_input = gather_from_sequence_parallel_region(input_, self.tp_group, True)
         else:
             total_input = copy_to_tensor_model_parallel_region(input_, self.tp_group)
-        bias = None if self.skip_bias_add else self.bias
-        output = F.linear(total_input, weight, bias)
+        output = self.apply_weight(total_input, weight)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def apply_weight(self, total_input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``total_input @ weight.T (+ bias)`` without the TP mappings (the input already gathered),
+        the weight gradient deferred to the pipeline flush when :attr:`deferred_wgrad` is set."""
+        weight = self.weight if weight is None else weight
+        bias = None if self.skip_bias_add else self.bias
+        if self.deferred_wgrad is not None:
+            return self.deferred_wgrad.linear(total_input, weight, bias)
+        return F.linear(total_input, weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, out_per_partition={self.output_size_per_partition}, "
@@ -235,3 +248,11 @@ def all_reduce_sequence_parallel_grads(parameters: Iterable[nn.Parameter], tp_gr
     only this rank's sequence chunk: norms, row-parallel biases). One flat all-reduce."""
     all_reduce_coalesced([p.grad for p in parameters if param_facts(p).sequence_parallel and p.grad is not None],
                          tp_group)
+
+
+def deferred_weight_grads(chunks: Iterable[nn.Module]) -> list[DeferredWeightGrad]:
+    """The deferred weight gradients of ``chunks`` (their output layers', with
+    ``defer_embedding_wgrad_compute``): the training step opens them before the schedule and drains
+    them after it."""
+    return [m.deferred_wgrad for chunk in chunks for m in chunk.modules()
+            if isinstance(m, ColumnParallelLinear) and m.deferred_wgrad is not None]

@@ -82,6 +82,11 @@ class TransformerConfig:
     """Layers of the first pipeline stage (None: an even split); the other stages share the rest."""
     num_layers_in_last_pipeline_stage: int | None = None
     """Layers of the last pipeline stage, which also runs the LM head and the loss (None: an even split)."""
+    defer_embedding_wgrad_compute: bool = False
+    """Compute the output layer's (LM head's) weight gradient of every microbatch at the pipeline flush
+    of the last stage instead of in each backward (megatron-core's name): the same numbers, a shorter
+    steady state on the last stage, the output gradients of the step's microbatches kept until the
+    flush. Needs pipeline parallelism (:mod:`lightning_megatron.tensor_parallel.deferred_wgrad`)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size"):

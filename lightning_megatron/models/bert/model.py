@@ -33,6 +33,7 @@ from lightning_megatron.tensor_parallel import (
     set_param_facts,
     vocab_parallel_cross_entropy,
 )
+from lightning_megatron.tensor_parallel.deferred_wgrad import output_layer_deferral
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 from lightning_megatron.transformer import (
     Dropout,
@@ -227,6 +228,8 @@ class BertModel(nn.Module):
                     config.hidden_size, self.padded_vocab_size, tp_group=tp_group, bias=True, gather_output=False,
                     init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
                     params_dtype=config.params_dtype, skip_weight_param_allocation=not owns_weight)
+            self.output_layer.deferred_wgrad = output_layer_deferral(config.defer_embedding_wgrad_compute,
+                                                                     pre_process=pre_process)
             if add_binary_head:
                 with seeded(seed, "pooler"):
                     self.pooler = Pooler(config, tp_group)
@@ -265,9 +268,7 @@ class BertModel(nn.Module):
             return logits
         full = gather_from_sequence_parallel_region(hidden_states, self.tp_group, True)  # [s, b, h]
         selected = full.transpose(0, 1)[lm_positions].unsqueeze(1)
-        head = self.lm_head(selected)
-        layer = self.output_layer
-        return F.linear(head, layer.weight if weight is None else weight, None if layer.skip_bias_add else layer.bias)
+        return self.output_layer.apply_weight(self.lm_head(selected), weight)
 
     def compile_layers(self, **options: Any) -> int:
         """Regional compilation: ``torch.compile`` the forward of every transformer layer in place.

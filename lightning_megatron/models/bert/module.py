@@ -115,6 +115,7 @@ class BertLightningModule(MegatronLightningModule):
         recompute_num_layers: int | None = None,
         num_layers_in_first_pipeline_stage: int | None = None,
         num_layers_in_last_pipeline_stage: int | None = None,
+        defer_embedding_wgrad_compute: bool = False,
         attention_backend: Literal["auto", "sdpa", "unfused"] = "auto",
         lm_head_on_masked_only: bool = True,
         init_seed: int = 1234,
@@ -158,6 +159,7 @@ class BertLightningModule(MegatronLightningModule):
             recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
             num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
             num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+            defer_embedding_wgrad_compute=defer_embedding_wgrad_compute,
             attention_backend=attention_backend, activation=activation)
         # Validate sizes now (heads, ffn...) with TP=1; TP-dependent checks run in configure_model.
         TransformerConfig(**self._config_kwargs)

@@ -111,6 +111,7 @@ class GPTLightningModule(MegatronLightningModule):
         recompute_num_layers: int | None = None,
         num_layers_in_first_pipeline_stage: int | None = None,
         num_layers_in_last_pipeline_stage: int | None = None,
+        defer_embedding_wgrad_compute: bool = False,
         attention_backend: Literal["auto", "sdpa", "unfused"] = "auto",
         init_seed: int = 1234,
         optimizer: Literal["adamw", "adam", "sgd"] = "adamw",
@@ -161,7 +162,8 @@ class GPTLightningModule(MegatronLightningModule):
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
             recompute_num_layers=recompute_num_layers,
             num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage, attention_backend=attention_backend)
+            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage, attention_backend=attention_backend,
+            defer_embedding_wgrad_compute=defer_embedding_wgrad_compute)
         # Validate sizes now (heads, ffn...) with TP=1; TP-dependent checks run in configure_model.
         TransformerConfig(**self._config_kwargs)
 

@@ -1,0 +1,109 @@
+"""The output layer's weight gradient computed at the pipeline flush (megatron-core's
+``defer_embedding_wgrad_compute``).
+
+On the last pipeline stage the output layer's ``[V/t, h]`` weight gradient (the LM head, tied to the
+word embedding or not) is a large GEMM output per microbatch, plus its accumulation into the fp32
+``main_grad``. Its backward needs only the input gradient to go on to the earlier layers and to the
+previous stage. :class:`DeferredWeightGrad` keeps each microbatch's ``(grad_output, input)`` instead
+and computes the weight gradients when the schedule is over (:meth:`DeferredWeightGrad.drain`), while
+the earlier stages still run their last backward passes: the last stage's steady state gets shorter,
+and the work moves into the time it would wait at the flush.
+
+Same numbers: the input, bias and weight gradients are the GEMMs and sums autograd runs for
+``F.linear`` (``tests/test_deferred_wgrad.py`` holds them bitwise equal to autograd), and the
+weight gradients reach the gradient buffer in microbatch order, as they did during the backward
+passes: the fp32 ``main_grad`` sums are the same bits. Costs memory until the flush: each
+microbatch's output gradient ``[tokens, V/t]`` and input ``[tokens, h]`` (BERT's head on the masked
+tokens: ~2 MB per microbatch at bert-base; a decoder's full-sequence logits: ``s b V/t`` elements).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DeferredWeightGrad", "output_layer_deferral"]
+
+
+class _LinearDeferredWeightGrad(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward returns the input and bias gradients and stashes
+    what the weight gradient needs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                deferral: DeferredWeightGrad) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.deferral = bias is not None, deferral
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        ctx.deferral.stash(weight, grad_2d, x_2d)
+        # autograd's addmm/mm backward for F.linear: grad @ W for the input, the row sum for the bias
+        grad_x = torch.mm(grad_2d, weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_bias, None
+
+
+class DeferredWeightGrad:
+    """Defers an output layer's weight gradient to the end of the step's schedule.
+
+    Between :meth:`open` and :meth:`drain` (the strategy's training step), :meth:`linear` runs
+    ``F.linear`` with the weight gradient deferred; otherwise (evaluation, a backward outside the
+    schedule) it is plain ``F.linear``.
+    """
+
+    def __init__(self) -> None:
+        self.drained = 0
+        """Weight gradients computed by :meth:`drain` so far (all steps)."""
+        self._open = False
+        self._stashed: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def pending(self) -> int:
+        """Microbatches whose weight gradient is stashed and not drained yet."""
+        return len(self._stashed)
+
+    def open(self) -> None:
+        """Before a step's first microbatch: defer from now on (a failed step's leftovers are dropped)."""
+        self._stashed.clear()
+        self._open = True
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._open and torch.is_grad_enabled() and weight.requires_grad:
+            return _LinearDeferredWeightGrad.apply(x, weight, bias, self)
+        return F.linear(x, weight, bias)
+
+    def stash(self, weight: nn.Parameter, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
+        self._stashed.append((weight, grad_2d, x_2d))
+
+    def drain(self, add_grad: Callable[[nn.Parameter, torch.Tensor], None]) -> int:
+        """After the schedule's last backward: each stashed weight gradient (autograd's
+        ``grad_output^T @ input``), in the order of the backward passes, handed to
+        ``add_grad(weight, grad)`` (:meth:`lightning_megatron.grads.GradBuffer.add_grad`). Returns how
+        many; stops deferring until the next :meth:`open`."""
+        self._open = False
+        stashed, self._stashed = self._stashed, []
+        for weight, grad_2d, x_2d in stashed:
+            add_grad(weight, torch.mm(grad_2d.t(), x_2d))
+        self.drained += len(stashed)
+        return len(stashed)
+
+
+def output_layer_deferral(defer: bool, *, pre_process: bool) -> DeferredWeightGrad | None:
+    """The :class:`DeferredWeightGrad` of a chunk's output layer with ``defer_embedding_wgrad_compute``
+    (None without). Refused on a chunk that also holds the embedding: without pipeline parallelism
+    there is no flush to hide the work in, and a tied weight's two gradients are summed by autograd
+    within the one backward."""
+    if not defer:
+        return None
+    if pre_process:
+        raise ValueError("defer_embedding_wgrad_compute=True needs pipeline parallelism "
+                         "(pipeline_model_parallel_size >= 2): the output layer's weight gradient is deferred to the "
+                         "pipeline flush of the last stage, and with one stage there is none. Set it to False.")
+    return DeferredWeightGrad()
