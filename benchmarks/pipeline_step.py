@@ -11,7 +11,9 @@ order that alternates between rounds:
   (``num_layers_in_last_pipeline_stage=4``: the last stage also runs the LM head and the loss);
 - ``pp2-last5``: 1F1B with 7 + 5 layers; ``pp2-m8`` / ``pp2-m8-last5``: 8 microbatches of 1 (6 + 6 / 7 + 5);
 - ``pp2-vp2-overlap-last5``: interleaved, ``overlap_p2p_comm``, 7 + 5 layers (chunks of 4 and 3 layers on
-  stage 0, 3 and 2 on stage 1).
+  stage 0, 3 and 2 on stage 1);
+- ``pp2-defer``, ``pp2-last5-defer``, ``pp2-vp2-overlap-defer``: those layouts with the LM head's weight
+  gradient computed at the pipeline flush (``defer_embedding_wgrad_compute=True``).
 
 Per layout: the median step time and its ratio to ``tp1`` of the same round (the speed ratio is
 ``tp1 / layout``); per stage, from the schedule trace of the last timed step, the *idle* share of the
@@ -43,6 +45,9 @@ LAYOUTS = {"tp1": (1, 1, None, True, None, None), "pp2": (1, 2, None, True, None
            "pp2-last4": (1, 2, None, True, 4, 2), "pp2-vp2-overlap-last4": (1, 2, 2, True, 4, 2),
            "pp2-last5": (1, 2, None, True, 5, 2), "pp2-m8-last5": (1, 2, None, True, 5, 1),
            "pp2-m8": (1, 2, None, True, None, 1), "pp2-vp2-overlap-last5": (1, 2, 2, True, 5, 2)}
+# ... and with the output layer's weight gradient deferred to the pipeline flush (defer_embedding_wgrad_compute)
+DEFERRED = {"pp2-defer": "pp2", "pp2-last5-defer": "pp2-last5", "pp2-vp2-overlap-defer": "pp2-vp2-overlap"}
+LAYOUTS.update({name: LAYOUTS[base] for name, base in DEFERRED.items()})
 SEQ, BATCH = 128, 8
 
 
@@ -84,8 +89,11 @@ def p2p_timed_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run_one(name: str, size: str, warmup: int, steps: int) -> list[dict[str, Any]]:
     tp, pp, vp, overlap, last, micro = LAYOUTS[name]
+    model_kwargs: dict[str, Any] = {} if last is None else {"num_layers_in_last_pipeline_stage": last}
+    if name in DEFERRED:
+        model_kwargs["defer_embedding_wgrad_compute"] = True
     spec = dict(framework="ours", precision="bf16", tp=tp, pp=pp, vp=vp, overlap_p2p_comm=overlap,
-                model_kwargs={} if last is None else {"num_layers_in_last_pipeline_stage": last},
+                model_kwargs=model_kwargs,
                 size=SIZES[size].as_dict(), seq=SEQ, batch=BATCH, micro_batch=micro or BATCH,
                 warmup=warmup, steps=steps, trace=pp > 1)
     return launch(p2p_timed_rank, tp * pp, spec, timeout=1800)

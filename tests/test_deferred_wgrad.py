@@ -32,6 +32,7 @@ def test_deferred_linear_gives_autograds_gradients_bitwise(dtype, shape, bias):
         if deferral is not None:
             assert wi.grad is None and deferral.pending == 1
             assert deferral.drain(lambda p, g: setattr(p, "grad", g)) == 1
+            assert not wi.grad.requires_grad and wi.grad.grad_fn is None  # no graph (the input required grad)
         return xi.grad, wi.grad, (bi.grad if bias else None)
 
     deferral = DeferredWeightGrad()
@@ -59,15 +60,18 @@ def test_drained_grads_reach_main_grad_as_the_hook_would():
         if defer:
             deferral.open()
         for x, g in zip(xs, gs):
-            deferral.linear(x, weight, None).backward(g)
+            deferral.linear(x.requires_grad_(), weight, None).backward(g)
         if defer:
             assert deferral.drain(buffer.add_grad) == 3
         buffer.finish_grad_sync()
+        assert not buffer.data.requires_grad
         out = weight.main_grad.clone()
         buffer.remove()
         return out
 
-    assert torch.equal(main_grad(True), main_grad(False))
+    deferred = main_grad(True)
+    assert torch.equal(deferred, main_grad(False))
+    assert not deferred.requires_grad
 
 
 def test_refused_without_pipeline_parallelism():

@@ -43,7 +43,7 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        ctx.deferral.stash(weight, grad_2d, x_2d)
+        ctx.deferral.stash(weight, grad_2d.detach(), x_2d.detach())  # values only: no graph kept alive
         # autograd's addmm/mm backward for F.linear: grad @ W for the input, the row sum for the bias
         grad_x = torch.mm(grad_2d, weight).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -89,8 +89,9 @@ class DeferredWeightGrad:
         many; stops deferring until the next :meth:`open`."""
         self._open = False
         stashed, self._stashed = self._stashed, []
-        for weight, grad_2d, x_2d in stashed:
-            add_grad(weight, torch.mm(grad_2d.t(), x_2d))
+        with torch.no_grad():  # as inside autograd's backward: the gradients carry no graph
+            for weight, grad_2d, x_2d in stashed:
+                add_grad(weight, torch.mm(grad_2d.t(), x_2d))
         self.drained += len(stashed)
         return len(stashed)
 
