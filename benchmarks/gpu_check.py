@@ -69,7 +69,9 @@ TEST_FILES = ["tests/test_device_neutral.py", "tests/test_transformer_units.py",
               # the overlaps (ZeRO-1 parameter all-gather, interleaved p2p): multi-rank, so they run on
               # NCCL with 4 GPUs and are skipped, with the reason, on a one-GPU machine
               "tests/test_distributed_optimizer_fit.py", "tests/test_checkpoint_zero1.py",
-              "tests/test_pipeline_schedules.py"]
+              "tests/test_pipeline_schedules.py",
+              # the output layer's weight gradient deferred to the pipeline flush: autograd's GEMMs bitwise
+              "tests/test_deferred_wgrad.py"]
 
 
 def _child_env(**extra: str) -> dict[str, str]:

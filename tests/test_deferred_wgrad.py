@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dist_utils import test_device
 from lightning_megatron.grads import GradBuffer
 from lightning_megatron.tensor_parallel import DeferredWeightGrad
 
@@ -17,11 +18,11 @@ from lightning_megatron.tensor_parallel import DeferredWeightGrad
 @pytest.mark.parametrize("shape", [(38, 1, 96), (16, 2, 96), (24, 96)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_deferred_linear_gives_autograds_gradients_bitwise(dtype, shape, bias):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, generator=gen).to(dtype)
-    weight = torch.randn(1000, 96, generator=gen).to(dtype)
-    b = torch.randn(1000, generator=gen).to(dtype) if bias else None
-    grad_out = torch.randn(*shape[:-1], 1000, generator=gen).to(dtype)
+    gen, device = torch.Generator().manual_seed(0), test_device()  # the GPU check runs it on CUDA
+    x = torch.randn(*shape, generator=gen).to(device, dtype)
+    weight = torch.randn(1000, 96, generator=gen).to(device, dtype)
+    b = torch.randn(1000, generator=gen).to(device, dtype) if bias else None
+    grad_out = torch.randn(*shape[:-1], 1000, generator=gen).to(device, dtype)
 
     def grads(deferral):
         xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()

@@ -41,5 +41,6 @@ def test_gpu_check_covers_the_overlaps():
 
     for path, name in (("tests/test_distributed_optimizer_fit.py", "test_overlap_param_gather_bitwise_equal_to_off"),
                        ("tests/test_checkpoint_zero1.py", "overlap_param_gather=True"),
-                       ("tests/test_pipeline_schedules.py", "test_overlap_p2p_comm_is_bitwise")):
+                       ("tests/test_pipeline_schedules.py", "test_overlap_p2p_comm_is_bitwise"),
+                       ("tests/test_deferred_wgrad.py", "test_deferred_linear_gives_autograds_gradients_bitwise")):
         assert path in TEST_FILES and name in (ROOT / path).read_text(), (path, name)
