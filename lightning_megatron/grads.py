@@ -265,17 +265,40 @@ class GradBuffer:
             p.grad += grad
         self._accumulate(p)
 
+    def add_grad_rows(self, p: nn.Parameter, rows: torch.Tensor, sums: torch.Tensor) -> None:
+        """A microbatch's gradient of ``p`` given as rows (the CPU tuning's word-embedding lookup,
+        :mod:`lightning_megatron.cpu.embedding_grad`): ``p``'s dense gradient would be ``sums`` at
+        ``rows`` and zero elsewhere. Within the schedule it is added into ``main_grad`` as the hook
+        adds the dense gradient (the first microbatch's replaces, later ones add; an untouched row's
+        ``+ 0`` is skipped), with the same bookkeeping; outside, the dense gradient goes to ``p.grad``."""
+        if not self._active:
+            dense = torch.zeros_like(p)
+            dense[rows] = sums
+            p.grad = dense if p.grad is None else p.grad + dense
+            return
+        count = self._before_write(p)
+        if not count:
+            p.main_grad.zero_()
+        p.main_grad.index_add_(0, rows, sums.to(p.main_grad.dtype))
+        self._after_write(p, count)
+
+    def _before_write(self, p: torch.Tensor) -> int:
+        if self._gathers:  # the buffer is about to be written: no gathered params may be lost
+            self.finish_param_gather(self._bucket_of[id(p)])
+        return self._counts.get(id(p), 0)
+
     def _accumulate(self, p: torch.Tensor) -> None:
         if not self._active or p.grad is None:
             return
-        if self._gathers:  # the buffer is about to be written: no gathered params may be lost
-            self.finish_param_gather(self._bucket_of[id(p)])
-        count = self._counts.get(id(p), 0)
+        count = self._before_write(p)
         if count:
             self.accumulate(p.main_grad, p.grad)
         else:
             p.main_grad.copy_(p.grad)
         p.grad = None
+        self._after_write(p, count)
+
+    def _after_write(self, p: torch.Tensor, count: int) -> None:
         self._counts[id(p)] = count + 1
         if self.overlap_grad_reduce and count + 1 == self.num_microbatches:
             bucket = self._bucket_of[id(p)]

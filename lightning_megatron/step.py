@@ -30,7 +30,7 @@ from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.microbatches import split_microbatches
 from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
 from lightning_megatron.protocols import LightningStepsModule, MegatronModule
-from lightning_megatron.tensor_parallel.layers import deferred_weight_grads
+from lightning_megatron.tensor_parallel.layers import deferred_weight_grads, embedding_grad_rows
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 
 __all__ = ["BatchSizes", "StepRunner", "batch_size_problem"]
@@ -108,12 +108,17 @@ class StepRunner:
             deferrals = deferred_weight_grads(chunks)
             for deferral in deferrals:
                 deferral.open()
+            row_grads = embedding_grad_rows(chunks)
+            for rows in row_grads:
+                rows.open(grad_buffer.add_grad_rows)
         schedule = get_forward_backward_func(ps.pp_size, ps.vp_size)
         logged = schedule(forward_step_func=self.module.forward_step, microbatches=microbatches, model=chunks,
                           num_microbatches=len(microbatches), parallel_state=ps, tensor_shape=tensor_shape,
                           dtype=next(chunks[0].parameters()).dtype, forward_only=forward_only,
                           grad_scale_func=grad_scale_func, trace=trace, overlap_p2p_comm=self.overlap_p2p_comm)
         if not forward_only:
+            for rows in row_grads:
+                rows.close()
             for deferral in deferrals:  # the last stage, while the earlier stages run their last backward
                 deferral.drain(grad_buffer.add_grad)
             finalize_model_grads(grad_buffer, ps)

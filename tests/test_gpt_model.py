@@ -303,7 +303,8 @@ def test_validate_and_predict_through_the_strategy():
     from lightning_megatron.strategy import MegatronStrategy
 
     module = GPTLightningModule(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
-                                max_sequence_length=SEQ, predict_max_new_tokens=5)
+                                max_sequence_length=SEQ, predict_max_new_tokens=5,
+                                predict_stop_at_eod=False)  # a plain dataloader: no tokenizer to stop at
     prompts = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(5))
     rows = [{"tokens": t, "labels": t, "loss_mask": torch.ones(8)} for t in prompts]
     with hermetic():

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,9 +62,41 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
     module = GPTLightningModule.load_from_checkpoint(ckpt)  # the reference: one process
     for record, prompt in zip(records, PROMPTS):
         ids = torch.tensor([tokenizer.tokenize(prompt)])
-        want = module.generate(ids, MAX_NEW)[0, ids.shape[1]:].tolist()
+        want = module.generate(ids, MAX_NEW, stop_token=tokenizer.eod)[0, ids.shape[1]:].tolist()
+        text = want
+        if tokenizer.eod in want:  # predict_stop_at_eod (the default): the ids end with EOD, the text before it
+            want, text = want[:want.index(tokenizer.eod) + 1], want[:want.index(tokenizer.eod)]
         assert record["token_ids"] == want, (prompt, record, want)
-        assert record["completion"] == tokenizer.detokenize(want)
+        assert record["completion"] == tokenizer.detokenize(text)
+
+
+def test_predict_stops_at_eod_and_the_writer_cuts_there():
+    from types import SimpleNamespace
+
+    from lightning_megatron.callbacks.prediction_writer import PredictionWriter
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    tokenizer = BPETokenizer()
+    eod = tokenizer.eod
+    writer = PredictionWriter()
+    writer._tokenizer, writer._texts, writer._stop_token = tokenizer, None, eod
+    prompt = tokenizer.tokenize("The function")
+    a, b = tokenizer.tokenize(" returns a value")[:3], tokenizer.tokenize(" is")[:1]
+    # row 0 ended after b (then padded with EOD, as generate pads ended rows); row 1 did not end
+    tokens = torch.tensor([prompt, prompt])
+    generated = torch.tensor([prompt + b + [eod, eod, eod], prompt + a + [b[0]]])
+    writer._collect_generated(tokens, generated, torch.tensor([0, 1]), torch.tensor([True, True]))
+    (_, ended), (_, running) = writer._generated
+    assert ended["token_ids"] == b + [eod] and ended["completion"] == tokenizer.detokenize(b)
+    assert running["token_ids"] == a + b and running["completion"] == tokenizer.detokenize(a + b)
+    # Without a datamodule tokenizer to take EOD from, predict_stop_at_eod=True is refused, not ignored.
+    module = GPTLightningModule(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64)
+    module.trainer = SimpleNamespace(datamodule=None)  # a predict over a plain dataloader
+    with pytest.raises(ValueError, match=r"predict_stop_at_eod=True.*set predict_stop_at_eod=False"):
+        module.predict_stop_token()
+    assert GPTLightningModule(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
+                              predict_stop_at_eod=False).predict_stop_token() is None
 
 
 def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):

@@ -166,3 +166,48 @@ def test_cpu_grad_accumulation_is_bitwise_add_and_is_what_the_cpu_tuning_install
     assert CPUTuning().grad_accumulation(torch.device("cpu")) is accumulate_grad
     assert CPUTuning(kernels=False).grad_accumulation(torch.device("cpu")) is None
     assert CPUTuning().grad_accumulation(torch.device("meta")) is None
+
+
+def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
+    """The CPU tuning's first-stage word-embedding gradient as rows (cpu/embedding_grad.py): the row sums
+    of torch's CPU embedding backward, bit for bit, and main_grad as the hook leaves it."""
+    import torch.nn.functional as F
+
+    from lightning_megatron.cpu import CPUTuning
+    from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad, row_sums
+    from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.parallel_state import ParallelState
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden = 3000, 48
+    batches = []
+    for i in range(3):
+        ids = torch.randint(0, 40 if i == 1 else vocab, (2, 64), generator=gen)
+        ids[0, :30] = 7  # a long run of one token: 30 additions in order
+        batches.append(ids)
+    for dtype in (torch.bfloat16, torch.float32):
+        grads = [torch.randn(2, 64, hidden, generator=gen).to(dtype) for _ in batches]
+        weight = torch.randn(vocab, hidden, generator=gen).to(dtype).requires_grad_()
+        F.embedding(batches[0], weight).backward(grads[0])
+        rows, sums = row_sums(batches[0], grads[0])
+        assert torch.equal(weight.grad[rows], sums) and int(weight.grad.abs().sum(1).ne(0).sum()) <= len(rows)
+
+        def main_grad(row_sparse: bool) -> torch.Tensor:
+            w = torch.nn.Parameter(weight.detach().clone())
+            buffer, lookup = GradBuffer([w]), RowSparseEmbeddingGrad()
+            buffer.start(len(batches))
+            if row_sparse:
+                lookup.open(buffer.add_grad_rows)
+            for ids, g in zip(batches, grads):
+                lookup.lookup(ids, w).backward(g)
+            lookup.close()
+            assert w.grad is None
+            buffer.finish_grad_sync()
+            out = w.main_grad.clone()
+            buffer.remove()
+            return out
+
+        assert torch.equal(main_grad(True), main_grad(False)), dtype
+    # Installed by the tuning on a pipeline's first stage only, and never off the CPU.
+    embedding = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    assert CPUTuning().configure_embedding_grads(embedding, ParallelState.single_process(), torch.device("cpu")) == 0

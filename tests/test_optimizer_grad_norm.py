@@ -64,11 +64,14 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
     from lightning_megatron.tensor_parallel import deferred_weight_grads
+    from lightning_megatron.tensor_parallel.layers import embedding_grad_rows
 
     drained = sum(d.drained for d in deferred_weight_grads(module.model_chunks))
+    row_grads = len(embedding_grad_rows(module.model_chunks))
     return {"losses": recorder.losses, "norms": recorder.norms, "one_copy": recorder.one_copy,
             "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank,
-            "accumulate": recorder.accumulate, "communicators": recorder.communicators, "drained": drained}
+            "accumulate": recorder.accumulate, "communicators": recorder.communicators, "drained": drained,
+            "row_grads": row_grads}
 
 
 def _two_ranks() -> dict:
@@ -192,5 +195,7 @@ def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():
             assert run["accumulate"] == ("accumulate_grad" if key[1] == "cpu-tuning" else "add_"), key
             # ... and its shared-memory collectives, the embedding group's sum over stages included
             assert run["communicators"] == (["dp", "embedding", "mp"] if key[1] == "cpu-tuning" else []), (key, run["communicators"])
+            # ... and the first stage's word-embedding gradient as rows (the losses above: bitwise the dense path)
+            assert run["row_grads"] == (1 if key[1] == "cpu-tuning" and run["pp_rank"] == 0 else 0), key
             torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(base["norms"]), rtol=1e-12, atol=0)
             assert len(run["one_copy"]) == STEPS and all(run["one_copy"]), key

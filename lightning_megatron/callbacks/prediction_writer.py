@@ -14,8 +14,10 @@ of the last pipeline stage (the only one returning predictions that others do no
   ``GPTLightningModule.predict_step`` does): one ``predictions.jsonl`` (the data-parallel replicas'
   records gathered, written by DP rank 0), one line per prompt in input order,
   ``{"index": i, "prompt": text, "completion": text, "token_ids": [...]}`` (``token_ids``: the ``n``
-  new tokens; ``completion``: their detokenized text; ``prompt``: the ``predict_file`` line, or the
-  detokenized prompt tokens; both texts ``null`` without the datamodule's tokenizer).
+  new tokens, which end at the first end-of-document token when the module stops there
+  (``predict_stop_at_eod``); ``completion``: their detokenized text, without that token; ``prompt``: the
+  ``predict_file`` line, or the detokenized prompt tokens; both texts ``null`` without the datamodule's
+  tokenizer).
 
 ``index`` is the sample's position in the predict dataset (the line of a ``predict_file``); the padding
 samples of the last batch (index -1, :mod:`lightning_megatron.data.predict`) are dropped. Files are
@@ -60,6 +62,7 @@ class PredictionWriter(BasePredictionWriter):
         self._jsonl: Any = None
         self._arrays: dict[str, list[np.ndarray]] = {}
         self._tokenizer: Any = None
+        self._stop_token: int | None = None
         self._generated: list[tuple[int, dict[str, Any]]] = []
         self._generation = False
         self._dp_group: Any = None
@@ -76,6 +79,9 @@ class PredictionWriter(BasePredictionWriter):
         self._arrays = {}
         dm = trainer.datamodule
         self._tokenizer = dm.tokenizer if isinstance(dm, PretrainingDataModule) else None
+        # A decoder that stops at EOD (GPTLightningModule(predict_stop_at_eod=True)) pads ended sequences with it.
+        self._stop_token = int(self._tokenizer.eod) if self._tokenizer is not None and \
+            pl_module.hparams.get("predict_stop_at_eod", False) else None
         self._texts = None  # the prompts' texts, read at the first batch (the dataloader is built by then)
         self._generated, self._generation = [], False
         if self._writes:
@@ -150,7 +156,11 @@ class PredictionWriter(BasePredictionWriter):
             i, new = int(index[row]), generated[row, s0:].tolist()
             prompt = self._texts[i] if self._texts is not None else \
                 self._tokenizer.detokenize(generated[row, :s0].tolist()) if self._tokenizer is not None else None
-            completion = self._tokenizer.detokenize(new) if self._tokenizer is not None else None
+            text = new
+            if self._stop_token is not None and self._stop_token in new:  # ended: the stop token kept in the
+                end = new.index(self._stop_token)                          # ids, not in the text; the padding
+                new, text = new[:end + 1], new[:end]                       # after it dropped
+            completion = self._tokenizer.detokenize(text) if self._tokenizer is not None else None
             self._generated.append((i, {"index": i, "prompt": prompt, "completion": completion, "token_ids": new}))
 
     def _write_generated(self) -> None:

@@ -15,8 +15,9 @@ switches them on explicitly, in one place::
   page-faulting (:mod:`lightning_megatron.cpu.allocator`). This changes the whole process's
   allocator: that is why it is never on by default;
 - ``kernels``: the CPU dropout kernel and the CPU choice of attention path
-  (:class:`lightning_megatron.cpu.kernels.CPUKernels`), and the gradient buffer's accumulation of a
-  16-bit microbatch gradient into fp32 (:mod:`lightning_megatron.cpu.accumulate`).
+  (:class:`lightning_megatron.cpu.kernels.CPUKernels`), the gradient buffer's accumulation of a
+  16-bit microbatch gradient into fp32 (:mod:`lightning_megatron.cpu.accumulate`), and on a pipeline's
+  first stage the word embedding's gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`).
 
 Each piece acts on CPU only; on an accelerator the tuning does nothing. ``docs/strategy.md``
 (CPU tuning) lists what each piece measured.
@@ -25,7 +26,7 @@ Each piece acts on CPU only; on an accelerator the tuning does nothing. ``docs/s
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,21 @@ class CPUTuning:
         from lightning_megatron.cpu.accumulate import accumulate_grad
 
         return accumulate_grad
+
+    def configure_embedding_grads(self, chunks: Sequence[nn.Module], parallel_state: ParallelState,
+                                  device: torch.device) -> int:
+        """On a pipeline's first stage (CPU, with ``kernels``): the word embeddings' gradients go into the
+        gradient buffer as rows (:mod:`lightning_megatron.cpu.embedding_grad`; the same bits). Returns the
+        number of embeddings changed."""
+        if not self.kernels or device.type != "cpu" or parallel_state.pp_size == 1:
+            return 0
+        from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad
+        from lightning_megatron.tensor_parallel.layers import VocabParallelEmbedding
+
+        changed = [m for chunk in chunks for m in chunk.modules() if isinstance(m, VocabParallelEmbedding)]
+        for m in changed:
+            m.grad_rows = RowSparseEmbeddingGrad()
+        return len(changed)
 
     def teardown(self, parallel_state: ParallelState | None) -> None:
         """Close the shared-memory communicators (the allocator setting lasts until the process exits)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,8 @@ __all__ = [
     "scaled_init_method_normal",
     "all_reduce_sequence_parallel_grads",
     "deferred_weight_grads",
+    "embedding_grad_rows",
+    "EmbeddingGradRows",
 ]
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -208,6 +211,17 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+class EmbeddingGradRows(Protocol):
+    """A word-embedding lookup whose weight gradient goes to ``add_rows(weight, rows, sums)`` between
+    :meth:`open` and :meth:`close` (the training schedule; :func:`embedding_grad_rows`)."""
+
+    def open(self, add_rows: Callable[[nn.Parameter, torch.Tensor, torch.Tensor], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+    def lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split across TP ranks: weight [V/t, h].
 
@@ -229,13 +243,17 @@ class VocabParallelEmbedding(nn.Module):
                                                dtype=params_dtype, device=device))
         _initialize_affine_weight(self.weight, (num_embeddings, embedding_dim), 0,
                                   init_method or init_method_normal(), rank, world)
+        self.grad_rows: EmbeddingGradRows | None = None
+        """Set by the CPU tuning on a pipeline's first stage: the lookup whose weight gradient goes into
+        the gradient buffer as rows (:mod:`lightning_megatron.cpu.embedding_grad`)."""
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        lookup = F.embedding if self.grad_rows is None else self.grad_rows.lookup
         if group_size(self.tp_group) == 1:
-            return F.embedding(input_, self.weight)
+            return lookup(input_, self.weight)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-        output_parallel = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        output_parallel = lookup(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group, inplace=True)
 
     def extra_repr(self) -> str:
@@ -248,6 +266,12 @@ def all_reduce_sequence_parallel_grads(parameters: Iterable[nn.Parameter], tp_gr
     only this rank's sequence chunk: norms, row-parallel biases). One flat all-reduce."""
     all_reduce_coalesced([p.grad for p in parameters if param_facts(p).sequence_parallel and p.grad is not None],
                          tp_group)
+
+
+def embedding_grad_rows(chunks: Iterable[nn.Module]) -> list[EmbeddingGradRows]:
+    """The row-gradient lookups installed on ``chunks``' word embeddings (the CPU tuning, first stage)."""
+    return [m.grad_rows for chunk in chunks for m in chunk.modules()
+            if isinstance(m, VocabParallelEmbedding) and m.grad_rows is not None]
 
 
 def deferred_weight_grads(chunks: Iterable[nn.Module]) -> list[DeferredWeightGrad]:

@@ -78,6 +78,10 @@ class GPTLightningModule(MegatronLightningModule):
         predict_max_new_tokens, predict_greedy, predict_temperature, predict_top_k, predict_top_p: what
             ``predict`` generates after each sample's ``tokens`` (:meth:`generate`): the prompt followed by
             the new tokens, greedy or sampled (Hugging Face's temperature / top-k / top-p).
+        predict_stop_at_eod: ``predict`` ends a sequence at the datamodule tokenizer's end-of-document
+            token (as Hugging Face's ``generate`` stops at ``eos_token_id``): generation stops when every
+            sequence of the batch has ended, and the written completion ends before it. ``False``: always
+            ``predict_max_new_tokens`` tokens, EOD included as any other token.
     """
 
     def __init__(
@@ -128,6 +132,7 @@ class GPTLightningModule(MegatronLightningModule):
         predict_temperature: float = 1.0,
         predict_top_k: int = 0,
         predict_top_p: float = 1.0,
+        predict_stop_at_eod: bool = True,
         optimizer_class: str | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
         lr_scheduler_class: str | None = None,
@@ -315,7 +320,23 @@ class GPTLightningModule(MegatronLightningModule):
         """Each sample's ``tokens`` as the prompt, followed by ``predict_max_new_tokens`` generated ones."""
         hp = self.hparams
         return self.generate(batch["tokens"], hp.predict_max_new_tokens, greedy=hp.predict_greedy,
-                             temperature=hp.predict_temperature, top_k=hp.predict_top_k, top_p=hp.predict_top_p)
+                             temperature=hp.predict_temperature, top_k=hp.predict_top_k, top_p=hp.predict_top_p,
+                             stop_token=self.predict_stop_token())
+
+    def predict_stop_token(self) -> int | None:
+        """The token ``predict`` stops at: the datamodule tokenizer's ``eod`` with ``predict_stop_at_eod``
+        (refused when there is no tokenizer to take it from), else None."""
+        if not self.hparams.get("predict_stop_at_eod", True):
+            return None
+        from lightning_megatron.data.datamodule import PretrainingDataModule  # the data side, at predict time
+
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if not isinstance(dm, PretrainingDataModule):
+            raise ValueError(f"{type(self).__name__}(predict_stop_at_eod=True) stops at the datamodule tokenizer's "
+                             f"end-of-document token, and this predict has no PretrainingDataModule "
+                             f"(got {type(dm).__name__}) to take it from: predict through a GPTDataModule, or set "
+                             f"predict_stop_at_eod=False")
+        return int(dm.tokenizer.eod)
 
     # ------------------------------------------------------------------ cost
 
