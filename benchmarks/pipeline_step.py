@@ -13,7 +13,8 @@ order that alternates between rounds:
 - ``pp2-vp2-overlap-last5``: interleaved, ``overlap_p2p_comm``, 7 + 5 layers (chunks of 4 and 3 layers on
   stage 0, 3 and 2 on stage 1);
 - ``pp2-vp3-overlap``: 3 chunks of 2 layers per stage;
-- ``pp2-defer``, ``pp2-last5-defer``, ``pp2-vp2-overlap-defer``, ``pp2-vp3-overlap-defer``: those layouts with the LM head's weight
+- ``pp2-defer``, ``pp2-last5-defer``, ``pp2-vp2-overlap-defer``, ``pp2-vp3-overlap-defer``,
+  ``pp2-vp2-overlap-last5-defer``: those layouts with the LM head's weight
   gradient computed at the pipeline flush (``defer_embedding_wgrad_compute=True``).
 
 Per layout: the median step time and its ratio to ``tp1`` of the same round (the speed ratio is
@@ -49,7 +50,7 @@ LAYOUTS = {"tp1": (1, 1, None, True, None, None), "pp2": (1, 2, None, True, None
 # ... and with the output layer's weight gradient deferred to the pipeline flush (defer_embedding_wgrad_compute)
 LAYOUTS["pp2-vp3-overlap"] = (1, 2, 3, True, None, 2)
 DEFERRED = {"pp2-defer": "pp2", "pp2-last5-defer": "pp2-last5", "pp2-vp2-overlap-defer": "pp2-vp2-overlap",
-            "pp2-vp3-overlap-defer": "pp2-vp3-overlap"}
+            "pp2-vp3-overlap-defer": "pp2-vp3-overlap", "pp2-vp2-overlap-last5-defer": "pp2-vp2-overlap-last5"}
 LAYOUTS.update({name: LAYOUTS[base] for name, base in DEFERRED.items()})
 SEQ, BATCH = 128, 8
 
