@@ -47,7 +47,8 @@ class CPUTuning:
     """glibc ``mallopt``: keep freed memory in the process (process-wide, until exit)."""
     kernels: bool = True
     """CPU dropout kernel and CPU attention path choice (:class:`~lightning_megatron.cpu.kernels.CPUKernels`);
-    16-bit gradients added into fp32 main grads a cache-sized piece at a time (:mod:`lightning_megatron.cpu.accumulate`)."""
+    16-bit gradients added into fp32 main grads a cache-sized piece at a time (:mod:`lightning_megatron.cpu.accumulate`);
+    a pipeline first stage's word-embedding gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`)."""
     tp_slot_bytes: int = 8 << 20
     """Bytes per rank slot in the TP, DP and embedding shared mappings (larger messages go in pieces)."""
     mp_slot_bytes: int = 64 << 10
