@@ -15,7 +15,10 @@ order that alternates between rounds:
 - ``pp2-vp3-overlap``: 3 chunks of 2 layers per stage;
 - ``pp2-defer``, ``pp2-last5-defer``, ``pp2-vp2-overlap-defer``, ``pp2-vp3-overlap-defer``,
   ``pp2-vp2-overlap-last5-defer``: those layouts with the LM head's weight
-  gradient computed at the pipeline flush (``defer_embedding_wgrad_compute=True``).
+  gradient computed at the pipeline flush (``defer_embedding_wgrad_compute=True``);
+- ``pp2-stepw``, ``pp2-last5-stepw``, ``pp2-vp2-overlap-stepw``, ``pp2-vp2-overlap-last5-stepw``: those
+  layouts with every linear layer's weight gradient computed once per step at the flush, one GEMM over
+  the microbatches (``CPUTuning(weight_grads_per_step=True)``).
 
 Per layout: the median step time and its ratio to ``tp1`` of the same round (the speed ratio is
 ``tp1 / layout``); per stage, from the schedule trace of the last timed step, the *idle* share of the
@@ -52,6 +55,11 @@ LAYOUTS["pp2-vp3-overlap"] = (1, 2, 3, True, None, 2)
 DEFERRED = {"pp2-defer": "pp2", "pp2-last5-defer": "pp2-last5", "pp2-vp2-overlap-defer": "pp2-vp2-overlap",
             "pp2-vp3-overlap-defer": "pp2-vp3-overlap", "pp2-vp2-overlap-last5-defer": "pp2-vp2-overlap-last5"}
 LAYOUTS.update({name: LAYOUTS[base] for name, base in DEFERRED.items()})
+# ... and with every linear layer's weight gradient computed once per step at the flush (the CPU
+# tuning's weight_grads_per_step; the output layer's included)
+PER_STEP = {"pp2-stepw": "pp2", "pp2-last5-stepw": "pp2-last5", "pp2-vp2-overlap-stepw": "pp2-vp2-overlap",
+            "pp2-vp2-overlap-last5-stepw": "pp2-vp2-overlap-last5"}
+LAYOUTS.update({name: LAYOUTS[base] for name, base in PER_STEP.items()})
 SEQ, BATCH = 128, 8
 
 
@@ -100,6 +108,8 @@ def _run_one(name: str, size: str, warmup: int, steps: int) -> list[dict[str, An
                 model_kwargs=model_kwargs,
                 size=SIZES[size].as_dict(), seq=SEQ, batch=BATCH, micro_batch=micro or BATCH,
                 warmup=warmup, steps=steps, trace=pp > 1)
+    if name in PER_STEP:
+        spec["cpu_tuning"] = {"weight_grads_per_step": True}
     return launch(p2p_timed_rank, tp * pp, spec, timeout=1800)
 
 

@@ -255,15 +255,17 @@ class GradBuffer:
         self.finish_grad_sync()
         self.finish_deferred()
 
-    def add_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """A gradient of ``p`` computed outside autograd (the output layer's weight gradient deferred to
-        the pipeline flush): taken as autograd's accumulation would take it, into ``p.grad`` and then,
-        within the training schedule, through the same hook into ``main_grad``."""
+    def add_grad(self, p: nn.Parameter, grad: torch.Tensor, *, microbatches: int = 1) -> None:
+        """A gradient of ``p`` computed outside autograd (a weight gradient deferred to the pipeline
+        flush, :mod:`lightning_megatron.tensor_parallel.deferred_wgrad`): taken as autograd's
+        accumulation would take it, into ``p.grad`` and then, within the training schedule, through the
+        same hook into ``main_grad``. ``microbatches``: how many microbatches' gradients ``grad`` holds
+        (one GEMM over several), for the count that says when ``p``'s gradient is final."""
         if p.grad is None:
             p.grad = grad
         else:
             p.grad += grad
-        self._accumulate(p)
+        self._accumulate(p, microbatches)
 
     def add_grad_rows(self, p: nn.Parameter, rows: torch.Tensor, sums: torch.Tensor) -> None:
         """A microbatch's gradient of ``p`` given as rows (the CPU tuning's word-embedding lookup,
@@ -287,7 +289,7 @@ class GradBuffer:
             self.finish_param_gather(self._bucket_of[id(p)])
         return self._counts.get(id(p), 0)
 
-    def _accumulate(self, p: torch.Tensor) -> None:
+    def _accumulate(self, p: torch.Tensor, microbatches: int = 1) -> None:
         if not self._active or p.grad is None:
             return
         count = self._before_write(p)
@@ -296,11 +298,11 @@ class GradBuffer:
         else:
             p.main_grad.copy_(p.grad)
         p.grad = None
-        self._after_write(p, count)
+        self._after_write(p, count, microbatches)
 
-    def _after_write(self, p: torch.Tensor, count: int) -> None:
-        self._counts[id(p)] = count + 1
-        if self.overlap_grad_reduce and count + 1 == self.num_microbatches:
+    def _after_write(self, p: torch.Tensor, count: int, microbatches: int = 1) -> None:
+        self._counts[id(p)] = count + microbatches
+        if self.overlap_grad_reduce and count < self.num_microbatches <= count + microbatches:
             bucket = self._bucket_of[id(p)]
             bucket.ready += 1
             self._launch_ready()

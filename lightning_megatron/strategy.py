@@ -244,7 +244,7 @@ class MegatronStrategy(DDPStrategy):
                                                   accumulate=None if self.cpu_tuning is None
                                                   else self.cpu_tuning.grad_accumulation(self.root_device))
         if self.cpu_tuning is not None:
-            self.cpu_tuning.configure_embedding_grads(self.model_chunks, self.parallel_state, self.root_device)
+            self.cpu_tuning.configure_grads(self.model_chunks, self.parallel_state, self.root_device)
 
     @property
     def module_contract(self) -> MegatronModule:

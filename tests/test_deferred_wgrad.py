@@ -75,6 +75,61 @@ def test_drained_grads_reach_main_grad_as_the_hook_would():
     assert not deferred.requires_grad
 
 
+def test_per_step_drain_is_one_microbatch_of_all_tokens():
+    # The CPU tuning's weight_grads_per_step: two bf16 layers sharing one deferral, three microbatches.
+    # Each weight's main_grad must be bitwise the gradient one F.linear over all the step's tokens gives
+    # (the reference: plain autograd on the concatenated batch), reach the buffer once (its count says
+    # final: the overlapped reduction's bucket is ready), and stay within bf16 rounding of the
+    # per-microbatch path.
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(20, 64, generator=gen).bfloat16() for _ in range(3)]
+    gs = [torch.randn(20, 48, generator=gen).bfloat16() for _ in range(3)]
+    w0 = torch.randn(48, 64, generator=gen).bfloat16()
+    w1 = torch.randn(48, 48, generator=gen).bfloat16()
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = w0.clone().requires_grad_(), w1.clone().requires_grad_()
+        F.linear(F.linear(torch.cat(xs), a), b).backward(torch.cat(gs))
+        return a.grad.float(), b.grad.float()
+
+    def main_grads(per_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w1.clone())
+        buffer = GradBuffer([a, b], overlap_grad_reduce=True)
+        deferral = DeferredWeightGrad(per_step=per_step)
+        buffer.start(3)
+        deferral.open()
+        for x, g in zip(xs, gs):
+            deferral.linear(deferral.linear(x, a, None), b, None).backward(g)
+        assert a.grad is None and b.grad is None and deferral.pending == 6
+        assert deferral.drain(buffer.add_grad) == 6 and deferral.drained == 6
+        assert [bucket.ready for bucket in buffer.buckets] == [2]  # both counted final
+        buffer.finish_grad_sync()
+        out = a.main_grad.clone(), b.main_grad.clone()
+        buffer.remove()
+        return out
+
+    per_step, per_microbatch = main_grads(True), main_grads(False)
+    for got, want, other in zip(per_step, reference(), per_microbatch):
+        assert torch.equal(got, want)
+        assert not torch.equal(got, other)  # other bits: why the piece is never a default
+        assert (got - other).abs().max() <= 2 ** -7 * got.abs().max()  # bf16 roundings apart
+
+
+def test_cpu_tuning_defers_every_linear_layer_of_a_stage():
+    from lightning_megatron.cpu import CPUTuning
+    from types import SimpleNamespace
+
+    from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, deferred_weight_grads
+
+    chunks = [torch.nn.Sequential(ColumnParallelLinear(8, 16), RowParallelLinear(16, 8)) for _ in range(2)]
+    state = SimpleNamespace(pp_size=2)  # a pipeline stage's (configure_grads reads only the size)
+    changed = CPUTuning(weight_grads_per_step=True).configure_grads(chunks, state, torch.device("cpu"))
+    assert changed == {"embedding_grad_rows": 0, "weight_grads_per_step": 4}
+    deferrals = deferred_weight_grads(chunks)
+    assert len(deferrals) == 2 and all(d.per_step for d in deferrals)  # one per chunk
+    assert CPUTuning().configure_grads(chunks[:1], state, torch.device("cpu"))["weight_grads_per_step"] == 0
+
+
 def test_refused_without_pipeline_parallelism():
     from lightning_megatron.models.bert.module import BertLightningModule
     from megatron_testing import TINY_MODEL

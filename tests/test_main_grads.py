@@ -210,4 +210,6 @@ def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
         assert torch.equal(main_grad(True), main_grad(False)), dtype
     # Installed by the tuning on a pipeline's first stage only, and never off the CPU.
     embedding = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
-    assert CPUTuning().configure_embedding_grads(embedding, ParallelState.single_process(), torch.device("cpu")) == 0
+    none = {"embedding_grad_rows": 0, "weight_grads_per_step": 0}
+    tuning = CPUTuning(weight_grads_per_step=True)
+    assert tuning.configure_grads(embedding, ParallelState.single_process(), torch.device("cpu")) == none

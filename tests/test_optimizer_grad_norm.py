@@ -75,6 +75,8 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
 
 
 def _two_ranks() -> dict:
+    from lightning_megatron.cpu import CPUTuning
+
     return {
         "tp2": _run(tp=2),
         "pp2": _run(pp=2),
@@ -82,6 +84,10 @@ def _two_ranks() -> dict:
         "pp2_last1": _run(pp=2, model_kwargs={"num_layers_in_last_pipeline_stage": 1}),
         # the LM head's weight gradient computed at the pipeline flush (megatron-core's option)
         "pp2_deferred": _run(pp=2, model_kwargs={"defer_embedding_wgrad_compute": True}),
+        # the CPU tuning's weight_grads_per_step: every linear layer's weight gradient once per step, at
+        # the flush of the interleaved schedule (one GEMM over the step's microbatches)
+        "pp2_vp2_step_wgrad": _run(pp=2, virtual_pipeline_model_parallel_size=2,
+                                   cpu_tuning=CPUTuning(weight_grads_per_step=True)),
         "dp2": _run(),
         "dp2_zero1": _run(zero1=True),
         # the overlapped reduction, asynchronous on gloo (the default path; shared memory: tests/test_main_grads.py)
@@ -108,7 +114,7 @@ def runs():
 def test_grad_norm_of_every_layout_equals_one_process(runs):
     one, two = runs
     for rank in two:
-        for name in ("tp2", "pp2", "pp2_last1", "dp2", "dp2_zero1"):
+        for name in ("tp2", "pp2", "pp2_last1", "pp2_vp2_step_wgrad", "dp2", "dp2_zero1"):
             norms = torch.tensor(rank[name]["norms"], dtype=torch.float64)
             ref = torch.tensor(one["norms"], dtype=torch.float64)
             # same parameters at step 1: the norm is the same number up to fp64 summation order
@@ -132,6 +138,19 @@ def test_deferred_output_layer_weight_grad_is_bitwise_the_backward_one(runs):
             expected = STEPS * GLOBAL_BATCH // MICRO if rank[deferred]["pp_rank"] == 1 else 0
             assert rank[deferred]["drained"] == expected, (deferred, rank[deferred]["drained"])
             assert rank[base]["drained"] == 0
+
+
+def test_weight_grads_per_step_equal_one_process(runs):
+    # fp32: one GEMM over the microbatches instead of their fp32 sum is a change of summation order only
+    one, two = runs
+    for rank in two:
+        run = rank["pp2_vp2_step_wgrad"]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=0)
+        # every linear layer's weight gradient went through the deferral: per stage, 2 chunks of one
+        # layer (QKV, projection, FC1, FC2), the first stage's pooler-free BERT heads not being
+        # column/row-parallel; the last stage's output layer too
+        linears = 2 * 4 + (1 if run["pp_rank"] == 1 else 0)
+        assert run["drained"] == STEPS * (GLOBAL_BATCH // MICRO) * linears, (run["pp_rank"], run["drained"])
 
 
 def test_overlapped_reduction_equals_reduction_after_backward(runs):

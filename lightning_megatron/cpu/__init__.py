@@ -17,7 +17,9 @@ switches them on explicitly, in one place::
 - ``kernels``: the CPU dropout kernel and the CPU choice of attention path
   (:class:`lightning_megatron.cpu.kernels.CPUKernels`), the gradient buffer's accumulation of a
   16-bit microbatch gradient into fp32 (:mod:`lightning_megatron.cpu.accumulate`), and on a pipeline's
-  first stage the word embedding's gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`).
+  first stage the word embedding's gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`);
+- ``weight_grads_per_step`` (off unless asked for: other bits): on a pipeline stage, each linear
+  layer's weight gradient computed once per step at the flush (:meth:`CPUTuning.configure_grads`).
 
 Each piece acts on CPU only; on an accelerator the tuning does nothing. ``docs/strategy.md``
 (CPU tuning) lists what each piece measured.
@@ -49,6 +51,10 @@ class CPUTuning:
     """CPU dropout kernel and CPU attention path choice (:class:`~lightning_megatron.cpu.kernels.CPUKernels`);
     16-bit gradients added into fp32 main grads a cache-sized piece at a time (:mod:`lightning_megatron.cpu.accumulate`);
     a pipeline first stage's word-embedding gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`)."""
+    weight_grads_per_step: bool = False
+    """On a pipeline stage, every linear layer's weight gradient computed once per step at the flush,
+    one GEMM over all the microbatches (:mod:`lightning_megatron.tensor_parallel.deferred_wgrad`).
+    Not the bits of the per-microbatch path, so off unless asked for; see :meth:`configure_grads`."""
     tp_slot_bytes: int = 8 << 20
     """Bytes per rank slot in the TP, DP and embedding shared mappings (larger messages go in pieces)."""
     mp_slot_bytes: int = 64 << 10
@@ -118,20 +124,45 @@ class CPUTuning:
 
         return accumulate_grad
 
-    def configure_embedding_grads(self, chunks: Sequence[nn.Module], parallel_state: ParallelState,
-                                  device: torch.device) -> int:
-        """On a pipeline's first stage (CPU, with ``kernels``): the word embeddings' gradients go into the
-        gradient buffer as rows (:mod:`lightning_megatron.cpu.embedding_grad`; the same bits). Returns the
-        number of embeddings changed."""
-        if not self.kernels or device.type != "cpu" or parallel_state.pp_size == 1:
-            return 0
-        from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad
-        from lightning_megatron.tensor_parallel.layers import VocabParallelEmbedding
+    def configure_grads(self, chunks: Sequence[nn.Module], parallel_state: ParallelState,
+                        device: torch.device) -> dict[str, int]:
+        """How a pipeline stage's gradients reach the gradient buffer (CPU, pipeline parallelism only;
+        after the buffer exists). Returns the number of modules changed per piece.
 
-        changed = [m for chunk in chunks for m in chunk.modules() if isinstance(m, VocabParallelEmbedding)]
-        for m in changed:
-            m.grad_rows = RowSparseEmbeddingGrad()
-        return len(changed)
+        - ``kernels``: the word embeddings' gradients go in as rows
+          (:mod:`lightning_megatron.cpu.embedding_grad`; the same bits);
+        - ``weight_grads_per_step``: every column- and row-parallel linear layer of a chunk (the output
+          layer included) defers its weight gradient to the flush, one GEMM per weight over the step's
+          microbatches (:class:`~lightning_megatron.tensor_parallel.DeferredWeightGrad` with
+          ``per_step=True``, one per chunk). With a 16-bit model each microbatch's gradient is no longer
+          rounded to 16 bits and added into the fp32 ``main_grad`` ``m - 1`` times: the result is the
+          weight gradient of one microbatch of all the step's tokens. Memory: every linear layer's
+          input and output gradient of every microbatch stays until the flush (the activations of the
+          whole step), which is why this is a CPU piece: on a GPU megatron-core's gradient-accumulation
+          fusion removes the additions without it.
+        """
+        changed = {"embedding_grad_rows": 0, "weight_grads_per_step": 0}
+        if device.type != "cpu" or parallel_state.pp_size == 1:
+            return changed
+        from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
+        from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+        if self.kernels:
+            from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad
+
+            for chunk in chunks:
+                for m in chunk.modules():
+                    if isinstance(m, VocabParallelEmbedding):
+                        m.grad_rows = RowSparseEmbeddingGrad()
+                        changed["embedding_grad_rows"] += 1
+        if self.weight_grads_per_step:
+            for chunk in chunks:
+                deferral = DeferredWeightGrad(per_step=True)
+                for m in chunk.modules():
+                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                        m.deferred_wgrad = deferral
+                        changed["weight_grads_per_step"] += 1
+        return changed
 
     def teardown(self, parallel_state: ParallelState | None) -> None:
         """Close the shared-memory communicators (the allocator setting lasts until the process exits)."""

@@ -15,6 +15,13 @@ weight gradients reach the gradient buffer in microbatch order, as they did duri
 passes: the fp32 ``main_grad`` sums are the same bits. Costs memory until the flush: each
 microbatch's output gradient ``[tokens, V/t]`` and input ``[tokens, h]`` (BERT's head on the masked
 tokens: ~2 MB per microbatch at bert-base; a decoder's full-sequence logits: ``s b V/t`` elements).
+
+``DeferredWeightGrad(per_step=True)`` (the CPU tuning's ``weight_grads_per_step``,
+:mod:`lightning_megatron.cpu`) drains differently: one GEMM per weight over the step's microbatches
+(their output gradients and inputs concatenated in microbatch order), added into ``main_grad`` once.
+That is the weight gradient one microbatch of all the step's tokens would have (bitwise, for the same
+token order), not the sum of per-microbatch 16-bit gradients in fp32: other bits, so it is never the
+default. It saves the ``m - 1`` additions of every weight gradient into the fp32 ``main_grad``.
 """
 
 from __future__ import annotations
@@ -58,9 +65,11 @@ class DeferredWeightGrad:
     schedule) it is plain ``F.linear``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_step: bool = False) -> None:
+        self.per_step = per_step
+        """Drain one GEMM per weight over all the step's microbatches (see the module doc)."""
         self.drained = 0
-        """Weight gradients computed by :meth:`drain` so far (all steps)."""
+        """Microbatch weight gradients computed by :meth:`drain` so far (all steps)."""
         self._open = False
         self._stashed: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
 
@@ -82,18 +91,35 @@ class DeferredWeightGrad:
     def stash(self, weight: nn.Parameter, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
         self._stashed.append((weight, grad_2d, x_2d))
 
-    def drain(self, add_grad: Callable[[nn.Parameter, torch.Tensor], None]) -> int:
+    def drain(self, add_grad: Callable[..., None]) -> int:
         """After the schedule's last backward: each stashed weight gradient (autograd's
         ``grad_output^T @ input``), in the order of the backward passes, handed to
-        ``add_grad(weight, grad)`` (:meth:`lightning_megatron.grads.GradBuffer.add_grad`). Returns how
-        many; stops deferring until the next :meth:`open`."""
+        ``add_grad(weight, grad)`` (:meth:`lightning_megatron.grads.GradBuffer.add_grad`). With
+        :attr:`per_step`, one ``add_grad(weight, grad, microbatches=n)`` per weight instead, ``grad``
+        over its ``n`` microbatches. Returns how many microbatch gradients; stops deferring until the
+        next :meth:`open`."""
         self._open = False
         stashed, self._stashed = self._stashed, []
+        count = len(stashed)
         with torch.no_grad():  # as inside autograd's backward: the gradients carry no graph
-            for weight, grad_2d, x_2d in stashed:
-                add_grad(weight, torch.mm(grad_2d.t(), x_2d))
-        self.drained += len(stashed)
-        return len(stashed)
+            if not self.per_step:
+                for weight, grad_2d, x_2d in stashed:
+                    add_grad(weight, torch.mm(grad_2d.t(), x_2d))
+            else:
+                by_weight: dict[int, tuple[nn.Parameter, list[torch.Tensor], list[torch.Tensor]]] = {}
+                for weight, grad_2d, x_2d in stashed:
+                    entry = by_weight.setdefault(id(weight), (weight, [], []))
+                    entry[1].append(grad_2d)
+                    entry[2].append(x_2d)
+                stashed.clear()  # each weight's tensors are freed as soon as its gradient is computed
+                for key in list(by_weight):
+                    weight, grads, xs = by_weight.pop(key)
+                    n = len(grads)
+                    grad = torch.mm(torch.cat(grads).t(), torch.cat(xs)) if n > 1 else torch.mm(grads[0].t(), xs[0])
+                    del grads, xs
+                    add_grad(weight, grad, microbatches=n)
+        self.drained += count
+        return count
 
 
 def output_layer_deferral(defer: bool, *, pre_process: bool) -> DeferredWeightGrad | None:

@@ -91,6 +91,12 @@ def _initialize_affine_weight(weight: torch.Tensor, full_shape: tuple[int, int],
         weight.copy_(mine.to(dtype=weight.dtype, device=weight.device))
 
 
+def _linear(deferral: DeferredWeightGrad | None, x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, its weight gradient deferred to the pipeline flush when ``deferral`` is set."""
+    return F.linear(x, weight, bias) if deferral is None else deferral.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b with A split by columns: weight [out/t, in], bias [out/t].
 
@@ -113,8 +119,9 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.gather_output, self.skip_bias_add, self.sequence_parallel = gather_output, skip_bias_add, sequence_parallel
         self.deferred_wgrad: DeferredWeightGrad | None = None
-        """Set on the last stage's output layer (``TransformerConfig.defer_embedding_wgrad_compute``):
-        its weight gradient is computed at the pipeline flush (:mod:`.deferred_wgrad`)."""
+        """Set on the last stage's output layer (``TransformerConfig.defer_embedding_wgrad_compute``) or,
+        by the CPU tuning's ``weight_grads_per_step``, on every linear layer of a pipeline stage: the
+        weight gradient is computed at the pipeline flush (:mod:`.deferred_wgrad`)."""
         self.output_size_per_partition = divide(output_size, world, "output_size")
         init_method = init_method or init_method_normal()
         if skip_weight_param_allocation:
@@ -151,9 +158,7 @@ class ColumnParallelLinear(nn.Module):
         the weight gradient deferred to the pipeline flush when :attr:`deferred_wgrad` is set."""
         weight = self.weight if weight is None else weight
         bias = None if self.skip_bias_add else self.bias
-        if self.deferred_wgrad is not None:
-            return self.deferred_wgrad.linear(total_input, weight, bias)
-        return F.linear(total_input, weight, bias)
+        return _linear(self.deferred_wgrad, total_input, weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, out_per_partition={self.output_size_per_partition}, "
@@ -181,6 +186,9 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.input_is_parallel, self.skip_bias_add, self.sequence_parallel = input_is_parallel, skip_bias_add, sequence_parallel
         self.input_size_per_partition = divide(input_size, world, "input_size")
+        self.deferred_wgrad: DeferredWeightGrad | None = None
+        """Set by the CPU tuning's ``weight_grads_per_step`` on a pipeline stage: the weight gradient is
+        computed at the pipeline flush (:mod:`.deferred_wgrad`)."""
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                dtype=params_dtype, device=device))
         _initialize_affine_weight(self.weight, (output_size, input_size), 1, init_method or init_method_normal(),
@@ -195,7 +203,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_parallel = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        output_parallel = F.linear(input_parallel, self.weight)
+        output_parallel = _linear(self.deferred_wgrad, input_parallel, self.weight, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
         else:
@@ -276,7 +284,12 @@ def embedding_grad_rows(chunks: Iterable[nn.Module]) -> list[EmbeddingGradRows]:
 
 def deferred_weight_grads(chunks: Iterable[nn.Module]) -> list[DeferredWeightGrad]:
     """The deferred weight gradients of ``chunks`` (their output layers', with
-    ``defer_embedding_wgrad_compute``): the training step opens them before the schedule and drains
-    them after it."""
-    return [m.deferred_wgrad for chunk in chunks for m in chunk.modules()
-            if isinstance(m, ColumnParallelLinear) and m.deferred_wgrad is not None]
+    ``defer_embedding_wgrad_compute``; every linear layer's with the CPU tuning's
+    ``weight_grads_per_step``), each once: the training step opens them before the schedule and
+    drains them after it."""
+    found: dict[int, DeferredWeightGrad] = {}
+    for chunk in chunks:
+        for m in chunk.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.deferred_wgrad is not None:
+                found.setdefault(id(m.deferred_wgrad), m.deferred_wgrad)
+    return list(found.values())
