@@ -1,7 +1,9 @@
 """The output layer's weight gradient deferred to the pipeline flush (``defer_embedding_wgrad_compute``):
 the same input, bias and weight gradients as autograd's ``F.linear``, bit for bit, and refused where
 there is no flush. Bitwise equality of whole PP / PP x VP runs with and without it, fp32 and bf16, is in
-tests/test_optimizer_grad_norm.py."""
+tests/test_optimizer_grad_norm.py. Also the CPU tuning's ``weight_grads_per_step``: one GEMM per weight
+over the step's microbatches, bitwise the gradient of one microbatch of all the tokens (whole runs
+against one process: tests/test_optimizer_grad_norm.py)."""
 
 from __future__ import annotations
 
@@ -119,7 +121,12 @@ def test_cpu_tuning_defers_every_linear_layer_of_a_stage():
     from lightning_megatron.cpu import CPUTuning
     from types import SimpleNamespace
 
-    from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, deferred_weight_grads
+    from lightning_megatron.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        deferred_weight_grads,
+    )
 
     chunks = [torch.nn.Sequential(ColumnParallelLinear(8, 16), RowParallelLinear(16, 8)) for _ in range(2)]
     state = SimpleNamespace(pp_size=2)  # a pipeline stage's (configure_grads reads only the size)
@@ -128,6 +135,13 @@ def test_cpu_tuning_defers_every_linear_layer_of_a_stage():
     deferrals = deferred_weight_grads(chunks)
     assert len(deferrals) == 2 and all(d.per_step for d in deferrals)  # one per chunk
     assert CPUTuning().configure_grads(chunks[:1], state, torch.device("cpu"))["weight_grads_per_step"] == 0
+    # One stage: an output layer whose weight is the same chunk's word embedding keeps autograd's sum
+    # of the two gradients; an output layer with its own weight is deferred.
+    tied = torch.nn.ModuleList([VocabParallelEmbedding(16, 8), ColumnParallelLinear(8, 16, skip_weight_param_allocation=True),
+                                ColumnParallelLinear(8, 8), RowParallelLinear(8, 8)])
+    changed = CPUTuning(weight_grads_per_step=True).configure_grads([tied], SimpleNamespace(pp_size=1), torch.device("cpu"))
+    assert changed == {"embedding_grad_rows": 0, "weight_grads_per_step": 2}
+    assert tied[1].deferred_wgrad is None and tied[2].deferred_wgrad is tied[3].deferred_wgrad is not None
 
 
 def test_refused_without_pipeline_parallelism():

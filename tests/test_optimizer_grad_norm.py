@@ -104,9 +104,18 @@ def _two_ranks() -> dict:
     }
 
 
+def _one_rank() -> dict:
+    from lightning_megatron.cpu import CPUTuning
+
+    one = _run()
+    # without pipelining too: the weight gradients once per step, after the last of 4 microbatches
+    one["step_wgrad"] = _run(cpu_tuning=CPUTuning(weight_grads_per_step=True))
+    return one
+
+
 @pytest.fixture(scope="module")
 def runs():
-    [one] = run_distributed(_run, 1, timeout=300)
+    [one] = run_distributed(_one_rank, 1, timeout=300)
     two = run_distributed(_two_ranks, 2, timeout=600)
     return one, two
 
@@ -143,14 +152,16 @@ def test_deferred_output_layer_weight_grad_is_bitwise_the_backward_one(runs):
 def test_weight_grads_per_step_equal_one_process(runs):
     # fp32: one GEMM over the microbatches instead of their fp32 sum is a change of summation order only
     one, two = runs
-    for rank in two:
-        run = rank["pp2_vp2_step_wgrad"]
+    microbatch_grads = STEPS * GLOBAL_BATCH // MICRO  # per linear layer, over the run
+    for run, linears in [(one["step_wgrad"], 4 * 4)] + [(r["pp2_vp2_step_wgrad"], 2 * 4 + r["pp2_vp2_step_wgrad"]["pp_rank"])
+                                                         for r in two]:
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=0)
-        # every linear layer's weight gradient went through the deferral: per stage, 2 chunks of one
-        # layer (QKV, projection, FC1, FC2), the first stage's pooler-free BERT heads not being
-        # column/row-parallel; the last stage's output layer too
-        linears = 2 * 4 + (1 if run["pp_rank"] == 1 else 0)
-        assert run["drained"] == STEPS * (GLOBAL_BATCH // MICRO) * linears, (run["pp_rank"], run["drained"])
+        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(one["norms"]), rtol=1e-5, atol=0)
+        # every linear layer's weight gradient went through the deferral: QKV, projection, FC1 and FC2
+        # of each layer (4 layers; at PP=2 x VP=2 one per chunk), and the last stage's output layer,
+        # which one process leaves to autograd (its weight is the word embedding's there)
+        assert run["drained"] == microbatch_grads * linears, (run["pp_rank"], run["drained"])
+    assert one["drained"] == 0
 
 
 def test_overlapped_reduction_equals_reduction_after_backward(runs):

@@ -18,8 +18,8 @@ switches them on explicitly, in one place::
   (:class:`lightning_megatron.cpu.kernels.CPUKernels`), the gradient buffer's accumulation of a
   16-bit microbatch gradient into fp32 (:mod:`lightning_megatron.cpu.accumulate`), and on a pipeline's
   first stage the word embedding's gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`);
-- ``weight_grads_per_step`` (off unless asked for: other bits): on a pipeline stage, each linear
-  layer's weight gradient computed once per step at the flush (:meth:`CPUTuning.configure_grads`).
+- ``weight_grads_per_step`` (off unless asked for: other bits): each linear layer's weight gradient
+  computed once per step, after the schedule's last backward (:meth:`CPUTuning.configure_grads`).
 
 Each piece acts on CPU only; on an accelerator the tuning does nothing. ``docs/strategy.md``
 (CPU tuning) lists what each piece measured.
@@ -52,9 +52,10 @@ class CPUTuning:
     16-bit gradients added into fp32 main grads a cache-sized piece at a time (:mod:`lightning_megatron.cpu.accumulate`);
     a pipeline first stage's word-embedding gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`)."""
     weight_grads_per_step: bool = False
-    """On a pipeline stage, every linear layer's weight gradient computed once per step at the flush,
-    one GEMM over all the microbatches (:mod:`lightning_megatron.tensor_parallel.deferred_wgrad`).
-    Not the bits of the per-microbatch path, so off unless asked for; see :meth:`configure_grads`."""
+    """Every linear layer's weight gradient computed once per step, after the schedule's last backward
+    (the pipeline flush), one GEMM over all the microbatches
+    (:mod:`lightning_megatron.tensor_parallel.deferred_wgrad`). Not the bits of the per-microbatch
+    path, so off unless asked for; see :meth:`configure_grads`."""
     tp_slot_bytes: int = 8 << 20
     """Bytes per rank slot in the TP, DP and embedding shared mappings (larger messages go in pieces)."""
     mp_slot_bytes: int = 64 << 10
@@ -126,28 +127,30 @@ class CPUTuning:
 
     def configure_grads(self, chunks: Sequence[nn.Module], parallel_state: ParallelState,
                         device: torch.device) -> dict[str, int]:
-        """How a pipeline stage's gradients reach the gradient buffer (CPU, pipeline parallelism only;
-        after the buffer exists). Returns the number of modules changed per piece.
+        """How this rank's gradients reach the gradient buffer (CPU only; after the buffer exists).
+        Returns the number of modules changed per piece.
 
-        - ``kernels``: the word embeddings' gradients go in as rows
+        - ``kernels``, on a pipeline's first stage: the word embeddings' gradients go in as rows
           (:mod:`lightning_megatron.cpu.embedding_grad`; the same bits);
         - ``weight_grads_per_step``: every column- and row-parallel linear layer of a chunk (the output
-          layer included) defers its weight gradient to the flush, one GEMM per weight over the step's
-          microbatches (:class:`~lightning_megatron.tensor_parallel.DeferredWeightGrad` with
-          ``per_step=True``, one per chunk). With a 16-bit model each microbatch's gradient is no longer
-          rounded to 16 bits and added into the fp32 ``main_grad`` ``m - 1`` times: the result is the
-          weight gradient of one microbatch of all the step's tokens. Memory: every linear layer's
-          input and output gradient of every microbatch stays until the flush (the activations of the
-          whole step), which is why this is a CPU piece: on a GPU megatron-core's gradient-accumulation
-          fusion removes the additions without it.
+          layer included, unless its weight is the word embedding of the same chunk: without pipeline
+          parallelism autograd sums the two) defers its weight gradient to the end of the schedule, one
+          GEMM per weight over the step's microbatches
+          (:class:`~lightning_megatron.tensor_parallel.DeferredWeightGrad` with ``per_step=True``, one
+          per chunk). With a 16-bit model each microbatch's gradient is no longer rounded to 16 bits
+          and added into the fp32 ``main_grad`` ``m - 1`` times: the result is the weight gradient of
+          one microbatch of all the step's tokens (with one microbatch, the same bits as without).
+          Memory: every linear layer's input and output gradient of every microbatch stays until the
+          end of the schedule (the activations of the whole step), which is why this is a CPU piece:
+          on a GPU megatron-core's gradient-accumulation fusion removes the additions without it.
         """
         changed = {"embedding_grad_rows": 0, "weight_grads_per_step": 0}
-        if device.type != "cpu" or parallel_state.pp_size == 1:
+        if device.type != "cpu":
             return changed
         from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
         from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-        if self.kernels:
+        if self.kernels and parallel_state.pp_size > 1:
             from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad
 
             for chunk in chunks:
@@ -158,8 +161,10 @@ class CPUTuning:
         if self.weight_grads_per_step:
             for chunk in chunks:
                 deferral = DeferredWeightGrad(per_step=True)
+                embedding = any(isinstance(m, VocabParallelEmbedding) for m in chunk.modules())
                 for m in chunk.modules():
-                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                    tied = isinstance(m, ColumnParallelLinear) and m.weight is None and embedding
+                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not tied:
                         m.deferred_wgrad = deferral
                         changed["weight_grads_per_step"] += 1
         return changed
