@@ -24,23 +24,26 @@ DECODER = [p for p in RECIPES if yaml.safe_load(p.read_text()).get("base") == "_
 PRETRAINING = [p for p in RECIPES if p not in FINETUNE and p not in DECODER]
 
 
-def _build_worker(*recipes: str) -> list[dict]:
+def _build_worker(*recipes: str | tuple[str, list[str]]) -> list[dict]:
+    """Build each recipe (or ``(recipe, extra command-line arguments)``) as the CLI does, without running."""
     from lightning_megatron.cli import _lightning_cli, finetune_cli
 
     out = []
-    for recipe in recipes:
+    for item in recipes:
+        recipe, extra = (item, []) if isinstance(item, str) else item
         build = finetune_cli if Path(recipe) in FINETUNE else _lightning_cli
         # CPU stand-ins for the cluster settings, everything else exactly as written (the recipe's
         # precision too: the config checks before launch compare it with model.params_dtype).
         cli = build([
             "--config", recipe, "--trainer.accelerator", accelerator(), "--trainer.num_nodes", "1",
-            "--trainer.logger", "false"], run=False)
+            "--trainer.logger", "false", *extra], run=False)
         strategy = cli.trainer.strategy
         out.append({"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
                     "tp": strategy.tensor_model_parallel_size, "pp": strategy.pipeline_model_parallel_size,
                     "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks),
                     "hidden": cli.model.hparams.hidden_size, "global_batch": cli.datamodule.global_batch_size,
-                    "num_classes": cli.model.hparams.get("num_classes")})
+                    "num_classes": cli.model.hparams.get("num_classes"),
+                    "cpu_tuning": None if strategy.cpu_tuning is None else vars(strategy.cpu_tuning)})
     return out
 
 
@@ -54,7 +57,13 @@ def test_recipes_exist():
 def test_recipe_parses_and_builds(recipe):
     from dist_utils import run_distributed
 
-    [[built]] = run_distributed(_build_worker, 1, str(recipe), timeout=180)
+    # the CPU recipe also with a CPU-tuning piece that is off by default, as docs/pipeline.md writes it
+    per_step = (str(recipe), ["--trainer.strategy.cpu_tuning", "{weight_grads_per_step: true}"])
+    [[built, *tuned]] = run_distributed(_build_worker, 1, str(recipe), *([per_step] if recipe.stem == "bert_tiny" else []),
+                                        timeout=180)
+    if tuned:
+        assert built["cpu_tuning"]["weight_grads_per_step"] is False
+        assert tuned[0]["cpu_tuning"] == {**built["cpu_tuning"], "weight_grads_per_step": True}
     assert built["model"] == "BertLightningModule" and built["data"] == "BertDataModule"
     assert "MegatronOptimizerCallback" in built["callbacks"]
     assert "OptimizerParamSchedulerCallback" in built["callbacks"]
