@@ -22,6 +22,7 @@ from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_p
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, validate_model_parallel_sizes
 from lightning_megatron.pipeline.schedules import validate_num_microbatches
+from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import BatchSizes
 
 __all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes", "describe_setup",
@@ -75,6 +76,7 @@ def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict
                          f"{sorted(PRECISION_PARAMS_DTYPE)}")
     expected = getattr(torch, PRECISION_PARAMS_DTYPE[precision])
     dtypes = sorted({str(p.dtype) for chunk in chunks for p in chunk.parameters() if p.is_floating_point()})
+    hparams = flat_hparams(hparams)  # a config record's fields (config.params_dtype) at the top level
     named = f" (params_dtype={hparams['params_dtype']!r})" if "params_dtype" in hparams else ""
     if dtypes and dtypes != [str(expected)]:
         fix = {"torch.float32": "Trainer(precision='32-true') (or 'bf16-mixed' for autocast)",

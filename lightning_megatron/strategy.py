@@ -424,9 +424,10 @@ class MegatronStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.parallel_state is not None
         module = self.lightning_module
+        upgrade = type(module).upgrade_hparams if isinstance(module, MegatronLightningModule) else None
         return ckpt.load(self._state_mapper(), checkpoint_path, dict(module.hparams),
                          ckpt.layout_record(self.parallel_state), load_optimizer=bool(self.optimizers),
-                         hparam_defaults=ckpt.init_defaults(type(module)))
+                         hparam_defaults=ckpt.init_defaults(type(module)), upgrade_hparams=upgrade)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

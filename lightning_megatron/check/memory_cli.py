@@ -29,8 +29,7 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> Me
         raise ValueError(f"{recipe.model_class} declares no estimate_shape(model, data, *, micro_batch_size, "
                          f"global_batch_size) (lightning_megatron.protocols.EstimatesCost): --estimate-memory and "
                          f"--estimate-time need its sizes; layout parity (check without them) works for any module")
-    model = {**recipe.model, **(recipe.dropout if training else {})}
-    shape = cls.estimate_shape(model, recipe.data, micro_batch_size=recipe.micro_batch_size,
+    shape = cls.estimate_shape(recipe.model_arguments(dropout=training), recipe.data, micro_batch_size=recipe.micro_batch_size,
                                global_batch_size=recipe.global_batch_size)
     if isinstance(shape, ModelShape):
         return dataclasses.replace(shape, on_cpu=on_cpu)
