@@ -305,16 +305,16 @@ def _cli_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
 
     return [
         ("CLI", "misspelled key --model.num_layrs 2", cli("--model.num_layrs", "2"), BEFORE),
-        ("CLI", "wrong type --model.num_layers two", cli("--model.num_layers", "two"), BEFORE),
+        ("CLI", "wrong type --model.config.num_layers two", cli("--model.config.num_layers", "two"), BEFORE),
         ("CLI", "--trainer.precision bf17", cli("--trainer.precision", "bf17"), BEFORE),
         ("CLI", "--config that does not exist", lambda: main(["fit", "--config", str(tmp / "nope.yaml")]), BEFORE),
-        ("CLI", "--model.params_dtype float64", cli("--model.params_dtype", "float64"), BEFORE),
+        ("CLI", "--model.config.params_dtype float64", cli("--model.config.params_dtype", "float64"), BEFORE),
         ("CLI", "TP=4 on devices=2, 6 heads, max_sequence_length 64", cli(
             "--trainer.strategy.init_args.tensor_model_parallel_size", "4", "--trainer.devices", "2",
-            "--model.num_attention_heads", "6",
-            "--model.hidden_size", "96", "--model.max_sequence_length", "64"), BEFORE),
-        ("CLI", "--trainer.precision 32-true with --model.params_dtype bfloat16",
-         cli("--model.params_dtype", "bfloat16"), BEFORE),
+            "--model.config.num_attention_heads", "6",
+            "--model.config.hidden_size", "96", "--model.config.max_sequence_length", "64"), BEFORE),
+        ("CLI", "--trainer.precision 32-true with --model.config.params_dtype bfloat16",
+         cli("--model.config.params_dtype", "bfloat16"), BEFORE),
     ]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_OPTIONS, make_trainer, synthetic_datamodule
 
 GLOBAL_BATCH, MICRO = 8, 2
 VAL = dict(limit_val_batches=1, val_check_interval=5)
@@ -46,6 +46,7 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
          **trainer_kwargs) -> dict:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -58,7 +59,7 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
                            precision="bf16-true" if dtype == "bfloat16" else "32-true", **trainer_kwargs)
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
-    module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype})
+    module = BertLightningModule(BertConfig(**TINY_CONFIG, params_dtype=dtype), **TINY_OPTIONS)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)
     if save_to:
         trainer.save_checkpoint(save_to)

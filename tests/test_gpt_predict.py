@@ -25,9 +25,9 @@ MAX_NEW = 6
 # A tiny gpt_tiny: both commands build the same model from the same overrides.
 SMALL = ["--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--trainer.devices", "2",
          "--trainer.strategy.tensor_model_parallel_size", "2", "--trainer.logger", "false",
-         "--trainer.enable_progress_bar", "false", "--model.num_layers", "1", "--model.hidden_size", "32",
-         "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "64", "--model.max_sequence_length", "64",
-         "--model.hidden_dropout", "0.0", "--model.attention_dropout", "0.0", "--data.seq_length", "32"]
+         "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1", "--model.config.hidden_size", "32",
+         "--model.config.num_attention_heads", "2", "--model.config.ffn_hidden_size", "64", "--model.config.max_sequence_length", "64",
+         "--model.config.hidden_dropout", "0.0", "--model.config.attention_dropout", "0.0", "--data.seq_length", "32"]
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_OPTIONS, make_trainer, synthetic_datamodule
 
 GLOBAL_BATCH, MICRO, STEPS = 8, 2, 4
 
@@ -46,9 +46,10 @@ def _recorder():
 
 
 def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = False, clip_grad: float = 0.0,
-         model_kwargs: dict | None = None, **strategy_kwargs) -> dict:
+         config_fields: dict | None = None, **strategy_kwargs) -> dict:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -60,7 +61,8 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
                            precision="bf16-true" if dtype == "bfloat16" else "32-true")
     _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank() if world > 1 else 0)
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
-    module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype, **(model_kwargs or {})})
+    module = BertLightningModule(BertConfig(**{**TINY_CONFIG, "params_dtype": dtype, **(config_fields or {})}),
+                                 **TINY_OPTIONS)
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
     from lightning_megatron.tensor_parallel import deferred_weight_grads
@@ -81,9 +83,9 @@ def _two_ranks() -> dict:
         "tp2": _run(tp=2),
         "pp2": _run(pp=2),
         # uneven stages (megatron-core's num_layers_in_last_pipeline_stage): 3 layers, then 1 + the heads
-        "pp2_last1": _run(pp=2, model_kwargs={"num_layers_in_last_pipeline_stage": 1}),
+        "pp2_last1": _run(pp=2, config_fields={"num_layers_in_last_pipeline_stage": 1}),
         # the LM head's weight gradient computed at the pipeline flush (megatron-core's option)
-        "pp2_deferred": _run(pp=2, model_kwargs={"defer_embedding_wgrad_compute": True}),
+        "pp2_deferred": _run(pp=2, config_fields={"defer_embedding_wgrad_compute": True}),
         # the CPU tuning's weight_grads_per_step: every linear layer's weight gradient once per step, at
         # the flush of the interleaved schedule (one GEMM over the step's microbatches)
         "pp2_vp2_step_wgrad": _run(pp=2, virtual_pipeline_model_parallel_size=2,
@@ -100,7 +102,7 @@ def _two_ranks() -> dict:
         # aborted gloo)
         "bf16_pp2_vp2": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2),
         "bf16_pp2_vp2_deferred": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2,
-                                      model_kwargs={"defer_embedding_wgrad_compute": True}),
+                                      config_fields={"defer_embedding_wgrad_compute": True}),
     }
 
 

@@ -31,7 +31,7 @@ __all__ = ["ModelShape", "MemoryEstimate", "LayoutSearch", "candidate_layouts", 
            "estimate_stage"]
 
 DEFAULT_DROPOUT = 0.1
-"""``BertLightningModule``'s default ``hidden_dropout`` and ``attention_dropout`` (a test keeps them equal)."""
+"""``BertConfig``'s default ``hidden_dropout`` and ``attention_dropout`` (a test keeps them equal)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ import yaml
 from lightning_megatron.check.layouts import Layout
 from lightning_megatron.recipes import read_recipe
 
-__all__ = ["RecipeCheck", "load_recipe", "parse_overrides"]
+__all__ = ["RecipeCheck", "load_recipe", "parse_overrides", "with_dropout"]
 
 _SECTIONS = {"megatron_optimizer": "MegatronOptimizerCallback", "lr_schedule": "OptimizerParamSchedulerCallback"}
 """The recipe sections the CLI turns into callbacks (see lightning_megatron.cli)."""
@@ -92,13 +92,6 @@ class RecipeCheck:
             out["precision"] = self.precision
         return out
 
-    def model_arguments(self, dropout: bool = False) -> dict[str, Any]:
-        """The module's arguments; ``dropout``: with the recipe's dropout (the check's are off)."""
-        model = copy.deepcopy(self.model)
-        for path, p in (self.dropout.items() if dropout else ()):
-            _set(model, path, p)
-        return model
-
     @property
     def global_batch_size(self) -> int:
         return int(self.data.get("global_batch_size", 32))
@@ -123,6 +116,15 @@ def _set(arguments: dict[str, Any], path: str, value: Any) -> None:
         arguments[part] = dict(arguments.get(part) or {})
         arguments = arguments[part]
     arguments[leaf] = value
+
+
+def with_dropout(model: dict[str, Any], dropout: dict[str, float]) -> dict[str, Any]:
+    """A copy of the module's arguments ``model`` with the dropout probabilities ``dropout`` (a
+    :class:`RecipeCheck`'s: the recipe's own, which the check turns off) put back where they live."""
+    model = copy.deepcopy(model)
+    for where, p in dropout.items():
+        _set(model, where, p)
+    return model
 
 
 def _dropout_arguments(cls: type) -> dict[str, float]:
@@ -253,7 +255,7 @@ def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[s
     data_cls = import_class(recipe.data_class)
     dm = data_cls(**recipe.data)
     dm.prepare_data()
-    model = recipe.model_arguments()
+    model = copy.deepcopy(recipe.model)
     model_cls = import_class(recipe.model_class)
     where = ("config.vocab_size" if issubclass(model_cls, LanguageLightningModule)
              else "vocab_size" if "vocab_size" in _arguments(model_cls) else None)

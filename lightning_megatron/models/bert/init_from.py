@@ -35,7 +35,8 @@ ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
                      "lm_head_activation", "layernorm_epsilon", "max_sequence_length", "vocab_size")
 """Module arguments a source fixes (checked by :func:`check_architecture`)."""
 
-MISSING_TENSORS_HINT = "is the spec right (post-norm Hugging Face BERT needs --model.spec bert_layer_post_norm_spec)?"
+MISSING_TENSORS_HINT = ("is the spec right (post-norm Hugging Face BERT needs --model.config.spec "
+                        "bert_layer_post_norm_spec)?")
 
 _HF_TO_OURS_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
                    "silu": "silu", "swish": "silu"}
@@ -169,4 +170,4 @@ def read_pretrained(path: str | os.PathLike[str]) -> SavedModel:
 
 def check_architecture(hparams: dict[str, Any], source: dict[str, Any], source_name: str) -> None:
     """Raise listing every module argument that differs from what the source needs."""
-    refuse_architecture(architecture_conflicts(hparams, source), source_name)
+    refuse_architecture(architecture_conflicts(hparams, source), source_name, flag_prefix="--model.config.")
