@@ -286,8 +286,8 @@ class MegatronLightningModule(LightningModule):
         weights in ``configure_model``. ``kwargs`` set the other arguments (a language model's
         ``config={"vocab_size": ...}`` the fields the source leaves open); architecture arguments among
         them must agree with the source."""
-        architecture = cls.read_architecture(source)
         arguments = cls.with_overrides({}, kwargs, f"{cls.__name__}.from_pretrained")
+        architecture = cls.read_architecture(source)
         wrong = cls.architecture_conflicts(cls.flat_hparams(arguments), architecture)
         if wrong:
             raise ValueError(f"from_pretrained({source!r}): " + ", ".join(
