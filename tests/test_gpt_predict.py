@@ -39,6 +39,7 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_cli_predict_generates_what_generate_gives(tmp_path):
     from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     tokenizer = BPETokenizer()  # GPTDataModule's default
@@ -75,6 +76,7 @@ def test_predict_stops_at_eod_and_the_writer_cuts_there():
 
     from lightning_megatron.callbacks.prediction_writer import PredictionWriter
     from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     tokenizer = BPETokenizer()
@@ -91,12 +93,12 @@ def test_predict_stops_at_eod_and_the_writer_cuts_there():
     assert ended["token_ids"] == b + [eod] and ended["completion"] == tokenizer.detokenize(b)
     assert running["token_ids"] == a + b and running["completion"] == tokenizer.detokenize(a + b)
     # Without a datamodule tokenizer to take EOD from, predict_stop_at_eod=True is refused, not ignored.
-    module = GPTLightningModule(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64)
+    tiny = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64)
+    module = GPTLightningModule(tiny)
     module.trainer = SimpleNamespace(datamodule=None)  # a predict over a plain dataloader
     with pytest.raises(ValueError, match=r"predict_stop_at_eod=True.*set predict_stop_at_eod=False"):
         module.predict_stop_token()
-    assert GPTLightningModule(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
-                              predict_stop_at_eod=False).predict_stop_token() is None
+    assert GPTLightningModule(tiny, predict_stop_at_eod=False).predict_stop_token() is None
 
 
 def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):
