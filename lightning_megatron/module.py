@@ -39,7 +39,7 @@ Lightning's:
   the new ones; :meth:`flat_hparams` is the flat view architecture dicts use (keyed by field names).
 
 A language model (embedding, output layer, vocabulary) extends
-:class:`~lightning_megatron.language.LanguageLightningModule`, which is this base with the shared
+:class:`~lightning_megatron.language.module.LanguageLightningModule`, which is this base with the shared
 language-model half. Nothing here imports the strategy, a model family or the CLI.
 """
 
