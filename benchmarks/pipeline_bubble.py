@@ -44,6 +44,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lightning_megatron.parallel_state import initialize_model_parallel  # noqa: E402
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.pipeline import ScheduleEvent, get_forward_backward_func, stage_chunks  # noqa: E402
 
 __all__ = ["collect", "theory_bubble"]
@@ -118,7 +119,7 @@ def _worker(rank: int, world: int, port: int, configs: list[tuple[int, int, int,
         _GEMM_SECONDS = (time.perf_counter() - start) / 50
     results = []
     for p, v, m, overlap in configs:
-        ps = initialize_model_parallel(1, p, v if v > 1 else None)
+        ps = initialize_model_parallel(ParallelDims(tp=1, pp=p, vp=v if v > 1 else None))
         vp = v if v > 1 else None
         chunks = [BenchChunk(c.pre_process, t_forward / v, matmul) for c in stage_chunks(p * v, p, ps.pp_rank, vp)]
         schedule = get_forward_backward_func(p, vp)

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import CPU_COUNT, SIZES  # noqa: E402
 from bert_step import LR, WEIGHT_DECAY, SyntheticBatches  # noqa: E402
+from lightning_megatron.parallel_dims import ParallelDims
 
 
 def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None = None):
@@ -81,7 +82,7 @@ def main() -> None:
 
     keep_freed_memory()  # as the opt-in CPU tuning does (CPUTuning(keep_freed_memory=True))
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    ps = initialize_model_parallel(1, 1)
+    ps = initialize_model_parallel(ParallelDims(tp=1, pp=1))
     module, opt, data = build(args.size, args.dtype, args.batch, args.seq, args.layers)
     chunk = module.model_chunks[0]
     from lightning_megatron.cpu import CPUTuning

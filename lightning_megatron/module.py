@@ -4,7 +4,7 @@ A model family subclasses it and writes only what is its own::
 
     class MyModule(MegatronLightningModule):
         def build_chunks(self, parallel_state):         # this rank's pieces, one per virtual stage
-            return [MyChunk(c.layers, c.pre_process, c.post_process, parallel_state.tp_group)
+            return [MyChunk(c.layers, c.pre_process, c.post_process, parallel_state.group("tp"))
                     for c in stage_chunks(BLOCKS, parallel_state.pp_size, parallel_state.pp_rank,
                                           parallel_state.vp_size)]
         def forward_step(self, microbatch, chunk):      # -> (output, loss_func or None)
@@ -66,8 +66,6 @@ class MegatronLightningModule(LightningModule):
         self.model_chunks: nn.ModuleList | None = None
         self.parallel_state: ParallelState | None = None
         """Groups and coordinates of this process: the strategy's, or one process (after configure_model)."""
-        self.sequence_parallel: bool = False
-        """The strategy's ``sequence_parallel`` (activations outside TP regions split along the sequence)."""
         self._optimizer_spec: tuple[str, dict[str, Any]] | None = None
         self._lr_scheduler_spec: tuple[str, dict[str, Any]] | None = None
 
@@ -99,10 +97,14 @@ class MegatronLightningModule(LightningModule):
 
     # ------------------------------------------------------------------ set-up
 
-    def connect_parallel_state(self, parallel_state: ParallelState, *, sequence_parallel: bool = False) -> None:
+    def connect_parallel_state(self, parallel_state: ParallelState) -> None:
         """Called by the MegatronStrategy once its groups exist, before ``configure_model``."""
         self.parallel_state = parallel_state
-        self.sequence_parallel = sequence_parallel
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The layout's ``sequence_parallel`` (activations outside TP regions split along the sequence)."""
+        return self.parallel_state is not None and self.parallel_state.dims.sequence_parallel
 
     @override
     def configure_model(self) -> None:
@@ -218,8 +220,8 @@ class MegatronLightningModule(LightningModule):
         refuse_architecture(self.architecture_conflicts(dict(self.hparams), saved.hparams), name)
         ps = self.parallel_state
         params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
-        load_full_state_dict(list(self.model_chunks), params, saved.state_dict, tp_rank=ps.tp_rank,
-                             tp_size=ps.tp_size, num_layers=self.hparams.get("num_layers"), source_name=name,
+        load_full_state_dict(list(self.model_chunks), params, saved.state_dict, coordinates=ps.coordinates,
+                             sizes=ps.dims.sizes(), num_layers=self.hparams.get("num_layers"), source_name=name,
                              optional=() if everything else self.optional_pretrained, fresh=saved.fresh,
                              missing_hint=self.missing_tensors_hint)
         fresh = [n for n, _ in params if n in saved.fresh]

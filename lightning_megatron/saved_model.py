@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -95,11 +96,13 @@ def refuse_architecture(wrong: list[tuple[str, Any, Any]], source_name: str) -> 
 
 
 def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[str, nn.Parameter]],
-                         full: dict[str, torch.Tensor], *, tp_rank: int, tp_size: int, num_layers: int | None,
+                         full: dict[str, torch.Tensor], *, coordinates: Mapping[str, int],
+                         sizes: Mapping[str, int], num_layers: int | None,
                          source_name: str, optional: tuple[str, ...] = (), fresh: tuple[str, ...] = (),
                          missing_hint: str = "") -> None:
     """Copy this rank's slice of every tensor of ``full`` (TP=1, unpadded vocab, global layer names)
-    into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``).
+    into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``), this rank being
+    at ``coordinates`` among the dimension ``sizes`` (``ParallelState.coordinates``, ``ParallelDims.sizes()``).
     Parameters whose names start with one of ``optional`` keep their initialization when the source
     lacks them (a warning names them); those named in ``fresh`` keep it silently (the caller warns once).
     ``num_layers``: checked against the source's layers (None: not checked); ``missing_hint``: the
@@ -124,11 +127,12 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                 else:
                     missing.append(key)
                 continue
-            sharded = facts.tensor_model_parallel and tp_size > 1
+            rank, count = facts.shard(coordinates, sizes)  # this rank's piece of the sharded dimensions
+            sharded = count > 1
             dim = facts.partition_dim % p.dim() if sharded else 0
             real = facts.real_vocab_size
             if real is not None:
-                padded = p.size(0) * (tp_size if sharded else 1)
+                padded = p.size(0) * count
                 if t.size(0) < real:
                     raise ValueError(f"init_from={source_name!r}: {key} has a vocabulary of {t.size(0)} rows, "
                                      f"the model's vocab_size is {real}: set --model.vocab_size {t.size(0)}")
@@ -137,10 +141,10 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
             if sharded and facts.partition_stride > 1:
                 # Megatron's strided partition (a SwiGLU fc1: full [gate; up], each rank [gate_r; up_r]):
                 # this rank's slice of every one of the stride blocks, in order.
-                t = torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in t.chunk(facts.partition_stride, dim=dim)],
+                t = torch.cat([b.chunk(count, dim=dim)[rank] for b in t.chunk(facts.partition_stride, dim=dim)],
                               dim=dim)
             elif sharded:
-                t = t.chunk(tp_size, dim=dim)[tp_rank]
+                t = t.chunk(count, dim=dim)[rank]
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but "
                                  f"the parameter has {tuple(p.shape)}; the model's sizes differ from the source's")

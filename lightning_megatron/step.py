@@ -156,7 +156,7 @@ class StepRunner:
             stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
             values = stacked.mean(dim=0)
             if ps.dp_size > 1:
-                all_reduce(values, ps.dp_group)
+                all_reduce(values, ps.group("dp"))
                 values /= ps.dp_size
         if ps.pp_size > 1:
             keys, values = self._broadcast_logged(keys, values, stage)
@@ -169,19 +169,19 @@ class StepRunner:
         cached = self._logged_keys.get(stage)
         if cached is None:  # first step of this stage: every pipeline rank learns the names
             holder = [keys if last else None]
-            dist.broadcast_object_list(holder, src=src, group=ps.pp_group.process_group)
+            dist.broadcast_object_list(holder, src=src, group=ps.pp_group)
             cached = self._logged_keys[stage] = list(holder[0])
         if not cached:
             return [], None
         if last and keys != cached:
             # Still send (NaN) so that the other stages do not wait, then refuse.
             dist.broadcast(torch.full((len(cached),), float("nan"), dtype=torch.float32, device=self.device), src=src,
-                           group=ps.pp_group.process_group)
+                           group=ps.pp_group)
             raise ValueError(f"MegatronStrategy: the {stage} loss function returned the metrics {keys} after "
                              f"{cached} in an earlier step; with pipeline parallelism every step must log the "
                              f"same metric names")
         # fp32 on every stage, whatever default dtype the precision plugin's context set (bf16-true sets bf16)
         buf = (values.to(self.device, torch.float32) if last and values is not None
                else torch.empty(len(cached), dtype=torch.float32, device=self.device))
-        dist.broadcast(buf, src=src, group=ps.pp_group.process_group)
+        dist.broadcast(buf, src=src, group=ps.pp_group)
         return list(cached), buf

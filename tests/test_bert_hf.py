@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from lightning_megatron.parallel_state import group_size, process_group
+from lightning_megatron.parallel_dims import ParallelDims
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -87,7 +88,7 @@ def _worker() -> dict:
     minilm_sd = minilm.state_dict()
     out["minilm_padding"] = int((enc["attention_mask"] == 0).sum())
 
-    states = {1: None, 2: initialize_model_parallel(2, 1), 4: initialize_model_parallel(4, 1)}
+    states = {1: None, 2: initialize_model_parallel(ParallelDims(tp=2, pp=1)), 4: initialize_model_parallel(ParallelDims(tp=4, pp=1))}
     for tp, state in states.items():
         group, rank = (None, 0) if state is None else (state.tp_group, state.tp_rank)
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from lightning_megatron.parallel_dims import ParallelDims
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
@@ -142,7 +143,7 @@ def _worker(root: str) -> dict:
 
     root = Path(root)
     tokens, mask, types = _inputs()
-    ps = initialize_model_parallel(2, 1)
+    ps = initialize_model_parallel(ParallelDims(tp=2, pp=1))
     out = torch.load(root / "reference.pt", weights_only=True)
     for name in ("legacy", "tp2pp2", "torch_dist"):
         saved = read_pretrained(root / name)
@@ -159,12 +160,12 @@ def _worker(root: str) -> dict:
                                         spec="bert_layer_local_spec", activation=activation,
                                         lm_head_activation="gelu", layernorm_epsilon=1e-5,
                                         max_sequence_length=SEQ), saved.hparams, name)
-            load_full_state_dict([model], list(model.named_parameters()), saved.state_dict, tp_rank=ps.tp_rank,
-                                 tp_size=2, num_layers=4, source_name=name)
+            load_full_state_dict([model], list(model.named_parameters()), saved.state_dict,
+                                 coordinates=ps.coordinates, sizes=ps.dims.sizes(), num_layers=4, source_name=name)
             with torch.no_grad():
                 logits, binary = model(tokens, mask, types)
             parts = [torch.empty_like(logits) for _ in range(2)]
-            dist.all_gather(parts, logits.contiguous(), group=ps.tp_group.process_group)
+            dist.all_gather(parts, logits.contiguous(), group=ps.tp_group)
             out[f"{name}-exact{exact_mlp}"] = (torch.cat(parts, -1)[..., :VOCAB], binary)
         out[f"{name}-hparams"] = saved.hparams
     return out

@@ -15,6 +15,7 @@ from megatron_testing import MASKED_PER_SAMPLE, SEQ, TINY_MODEL, SyntheticBertDa
 from lightning_megatron.models.bert.specs import bert_layer_spec
 from lightning_megatron.tensor_parallel import RowParallelLinear
 from lightning_megatron.transformer import LayerNorm, ModuleSpec, get_spec, list_specs, register_spec
+from lightning_megatron.parallel_dims import ParallelDims
 
 
 class IntactRowParallelLinear(RowParallelLinear):
@@ -86,7 +87,6 @@ def test_check_names_the_layer_that_forgets_its_all_reduce():
 def _assert_memory_predicted(report) -> None:
     """The closed-form bytes (docs/memory.md) against what the run held: parameters, gradients and
     optimizer state exactly; the peak of the tensors saved for backward within 10%."""
-    from lightning_megatron.check import parse_layout
     from lightning_megatron.check.memory import ModelShape, estimate_stage
 
     shape = ModelShape(num_layers=TINY_MODEL["num_layers"], hidden_size=TINY_MODEL["hidden_size"],
@@ -95,7 +95,7 @@ def _assert_memory_predicted(report) -> None:
                        max_sequence_length=TINY_MODEL["max_sequence_length"], seq_length=SEQ, micro_batch_size=4,
                        global_batch_size=8, masked_lm_prob=MASKED_PER_SAMPLE / SEQ)
     for name, run in report.runs.items():
-        layout = parse_layout(name)
+        layout = ParallelDims.parse(name)
         for rank, measured in enumerate(run.memory):
             est = estimate_stage(shape, layout, rank // (layout.tp * layout.dp))
             assert (measured["params"], measured["grads"], measured["optimizer"]) == \
@@ -105,42 +105,26 @@ def _assert_memory_predicted(report) -> None:
             assert abs(est.activation_bytes / measured["activations_peak"] - 1) < 0.10, (name, rank, measured, est)
 
 
-def test_layout_strings():
-    from lightning_megatron.check import Layout, parse_layout, parse_layouts
-
-    assert parse_layout("tp2pp2") == Layout(tp=2, pp=2)
-    assert parse_layout("tp2-pp2-dp2") == Layout(tp=2, pp=2, dp=2)
-    assert parse_layout("pp2vp2").vp == 2
-    assert parse_layout("tp2sp").sequence_parallel and parse_layout("dp2zero1").zero1
-    assert [x.name for x in parse_layouts("tp1,tp2,dp2zero1,pp2vp2dp2")] == ["tp1", "tp2", "dp2zero1", "pp2vp2dp2"]
-    assert parse_layout("tp2pp2").world_size == 4
-    for bad, match in (("tp2x", "cannot read"), ("tp2tp2", "given twice"), ("vp2", "needs pp >= 2"),
-                       ("sp", "needs tp >= 2"), ("", "empty")):
-        with pytest.raises(ValueError, match=match):
-            parse_layout(bad)
-
-
 def test_memory_formula_scales_with_the_layout():
     """Pure arithmetic: sharding divides what it should, and the fit listing runs nothing."""
-    from lightning_megatron.check import Layout
     from lightning_megatron.check.memory import ModelShape, candidate_layouts, estimate_memory
 
     m = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=4,
                    global_batch_size=256, params_dtype="bfloat16")
-    one = estimate_memory(m, Layout())
+    one = estimate_memory(m, ParallelDims(dp=1))
     assert 330e6 < one.params < 340e6  # BERT-large
     assert one.param_bytes == 2 * one.params and one.grad_bytes == 4 * one.params
     assert one.optimizer_bytes == 12 * one.params  # fp32 main params + Adam's two moments
-    zero = estimate_memory(m, Layout(dp=8, zero1=True))
+    zero = estimate_memory(m, ParallelDims(dp=8, zero1=True))
     assert zero.optimizer_bytes == 12 * -(-one.params // 8)
-    tp = estimate_memory(m, Layout(tp=4))
+    tp = estimate_memory(m, ParallelDims(tp=4, dp=1))
     assert tp.params < one.params / 3.5
-    sp = estimate_memory(m, Layout(tp=4, sequence_parallel=True))
+    sp = estimate_memory(m, ParallelDims(tp=4, sequence_parallel=True, dp=1))
     assert sp.activation_bytes < tp.activation_bytes
-    rc = estimate_memory(dataclasses.replace(m, recompute=True), Layout())
+    rc = estimate_memory(dataclasses.replace(m, recompute=True), ParallelDims(dp=1))
     assert rc.activation_bytes < one.activation_bytes / 5
     layouts = candidate_layouts(m, 64)
-    assert Layout(tp=8, pp=8) in layouts and all(x.world_size == 64 for x in layouts)
+    assert ParallelDims(tp=8, pp=8, dp=1) in layouts and all(x.world_size == 64 for x in layouts)
 
 
 def test_cli_lists_layouts_that_fit(capsys, tmp_path):

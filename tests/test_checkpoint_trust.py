@@ -46,8 +46,9 @@ def _trainer(tp: int, max_steps: int, pp: int = 1, **kwargs):
 
     strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     trainer = make_trainer(strategy, 2, max_steps, **kwargs)
-    _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
-    return trainer, synthetic_datamodule(8, 2, strategy.layout.data_parallel_size, dp_rank)
+    dims = strategy.parallel_dims.for_world_size(trainer.world_size)
+    dp_rank = dims.coordinates(torch.distributed.get_rank())["dp"]
+    return trainer, synthetic_datamodule(8, 2, dims.dp, dp_rank)
 
 
 def _error(fn) -> str:

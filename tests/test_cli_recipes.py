@@ -39,7 +39,7 @@ def _build_worker(*recipes: str | tuple[str, list[str]]) -> list[dict]:
             "--trainer.logger", "false", *extra], run=False)
         strategy = cli.trainer.strategy
         out.append({"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
-                    "tp": strategy.tensor_model_parallel_size, "pp": strategy.pipeline_model_parallel_size,
+                    "tp": strategy.parallel_dims.tp, "pp": strategy.parallel_dims.pp,
                     "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks),
                     "hidden": cli.model.hparams.hidden_size, "global_batch": cli.datamodule.global_batch_size,
                     "num_classes": cli.model.hparams.get("num_classes"),

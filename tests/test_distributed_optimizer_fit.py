@@ -56,8 +56,9 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
     callback = MegatronOptimizerCallback(OptimizerConfig(clip_grad=clip_grad, use_distributed_optimizer=distributed))
     trainer = make_trainer(strategy, 4, max_steps, callbacks=[callback, recorder],
                            precision="bf16-true" if dtype == "bfloat16" else "32-true", **trainer_kwargs)
-    _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
-    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
+    dims = strategy.parallel_dims.for_world_size(trainer.world_size)
+    dp_rank = dims.coordinates(torch.distributed.get_rank())["dp"]
+    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dp_rank)
     module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype})
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)
     if save_to:

@@ -365,11 +365,12 @@ def test_init_from_gives_each_tp_rank_its_strided_swiglu_slice():
             "decoder.layers.0.self_attention.linear_qkv.weight": torch.arange(32.0).view(8, 4)}
     for rank in range(2):
         fc1, qkv = nn.Parameter(torch.empty(6, 4)), nn.Parameter(torch.empty(4, 4))
-        set_param_facts(fc1, tensor_model_parallel=True, partition_dim=0, partition_stride=2)
-        set_param_facts(qkv, tensor_model_parallel=True, partition_dim=0, partition_stride=1)
+        set_param_facts(fc1, sharded_over=("tp",), replicated_over=(), partition_dim=0, partition_stride=2)
+        set_param_facts(qkv, sharded_over=("tp",), replicated_over=(), partition_dim=0, partition_stride=1)
         params = [("decoder.layers.0.mlp.linear_fc1.weight", fc1),
                   ("decoder.layers.0.self_attention.linear_qkv.weight", qkv)]
-        load_full_state_dict([], params, full, tp_rank=rank, tp_size=2, num_layers=1, source_name="x")
+        load_full_state_dict([], params, full, coordinates={"tp": rank}, sizes={"tp": 2}, num_layers=1,
+                             source_name="x")
         want = ghf.shard_full_state_dict(full, rank, 2, gated_linear_unit=True, num_query_groups=2)
         assert torch.equal(fc1, want["decoder.layers.0.mlp.linear_fc1.weight"])
         assert torch.equal(qkv, full["decoder.layers.0.self_attention.linear_qkv.weight"][4 * rank: 4 * rank + 4])

@@ -15,6 +15,7 @@ import functools
 import pytest
 import torch
 from torch.utils.data import Dataset
+from lightning_megatron.parallel_dims import ParallelDims
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 200, 16, 8, 2, 3
 
@@ -75,7 +76,7 @@ def _fit_each(work: list) -> dict:
     fits = [run_layouts(run, layouts) for run, layouts in work]
     module = make_module(**LLAMA_TINY)
     if dist.get_world_size() > 1:
-        module.connect_parallel_state(initialize_model_parallel(dist.get_world_size(), 1))
+        module.connect_parallel_state(initialize_model_parallel(ParallelDims(tp=dist.get_world_size(), pp=1)))
     module.configure_model()
     return {"fits": fits, "generated": module.generate(PROMPT, 12)}
 
@@ -83,7 +84,6 @@ def _fit_each(work: list) -> dict:
 def check_shapes(shapes: dict) -> dict:
     """``{shape: CheckReport}``: the reference (one process) and the layouts of every shape, each world
     size in one spawn; the records compared as ``check_layouts`` compares them."""
-    from lightning_megatron.check import parse_layout
     from lightning_megatron.check.parity import CheckReport, Tolerances, compare_runs, gather_runs
     from lightning_megatron.check.spawn import run_distributed
     from lightning_megatron.check.worker import CheckRun
@@ -93,8 +93,8 @@ def check_shapes(shapes: dict) -> dict:
                            steps=STEPS, record_params=True)
             for name, (factory, _) in shapes.items()}
     names = list(shapes)
-    ref = run_distributed(_fit_each, 1, [(runs[n], [parse_layout("tp1")]) for n in names], timeout=600)
-    par = run_distributed(_fit_each, 2, [(runs[n], [parse_layout(x) for x in shapes[n][1]]) for n in names],
+    ref = run_distributed(_fit_each, 1, [(runs[n], [ParallelDims.parse("tp1")]) for n in names], timeout=600)
+    par = run_distributed(_fit_each, 2, [(runs[n], [ParallelDims.parse(x) for x in shapes[n][1]]) for n in names],
                           timeout=900)
     tol, reports = Tolerances(), {"generated": {"tp1": ref[0]["generated"], "tp2": [r["generated"] for r in par]}}
     for i, name in enumerate(names):

@@ -58,8 +58,9 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     callback = MegatronOptimizerCallback(OptimizerConfig(clip_grad=clip_grad, use_distributed_optimizer=zero1))
     trainer = make_trainer(strategy, world, STEPS, callbacks=[callback, recorder],
                            precision="bf16-true" if dtype == "bfloat16" else "32-true")
-    _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank() if world > 1 else 0)
-    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
+    dims = strategy.parallel_dims.for_world_size(trainer.world_size)
+    dp_rank = dims.coordinates(torch.distributed.get_rank() if world > 1 else 0)["dp"]
+    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dp_rank)
     module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype, **(model_kwargs or {})})
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
@@ -224,7 +225,8 @@ def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():
             # the CPU tuning's microbatch accumulation (cpu/accumulate.py) is installed only with it
             assert run["accumulate"] == ("accumulate_grad" if key[1] == "cpu-tuning" else "add_"), key
             # ... and its shared-memory collectives, the embedding group's sum over stages included
-            assert run["communicators"] == (["dp", "embedding", "mp"] if key[1] == "cpu-tuning" else []), (key, run["communicators"])
+            assert run["communicators"] == (["dp", "dp_cp", "embedding", "mp"] if key[1] == "cpu-tuning" else []), \
+                (key, run["communicators"])
             # ... and the first stage's word-embedding gradient as rows (the losses above: bitwise the dense path)
             assert run["row_grads"] == (1 if key[1] == "cpu-tuning" and run["pp_rank"] == 0 else 0), key
             torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(base["norms"]), rtol=1e-12, atol=0)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_megatron.parallel_state import ParallelLayout, ParallelState
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
@@ -129,8 +130,7 @@ class _Chunk(nn.Module):
 
 def test_invalid_microbatches_raise_before_any_communication():
     """No process group exists here: any p2p call would fail with a different error than ValueError."""
-    layout = ParallelLayout(world_size=4, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
-    ps = ParallelState(layout=layout, rank=1, pp_ranks=[0, 1, 2, 3])
+    ps = ParallelState(dims=ParallelDims(pp=4, vp=2, dp=1), rank=1, members={"pp": [0, 1, 2, 3]})
     common = dict(forward_step_func=None, parallel_state=ps, tensor_shape=(2, 1, 2), dtype=torch.float32)
     with pytest.raises(ValueError, match="num_microbatches=6 is not divisible by pipeline_model_parallel_size=4"):
         forward_backward_pipelining_with_interleaving(microbatches=[{}] * 6, model=[_Chunk(), _Chunk()],

@@ -26,6 +26,7 @@ from dist_utils import run_distributed
 from torch import nn
 
 from lightning_megatron.parallel_state import initialize_model_parallel
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.pipeline import ScheduleEvent, get_forward_backward_func, stage_chunks
 
 H, S, B = 8, 3, 2  # hidden, sequence, micro-batch size: activations are [S, B, H]
@@ -124,7 +125,7 @@ STEPS = 2
 def _run_cases(cases: list[tuple]) -> dict:
     out = {}
     for case_id, num_layers, pp, vp, m, scale in cases:
-        ps = initialize_model_parallel(1, pp, vp, timeout=datetime.timedelta(seconds=30))
+        ps = initialize_model_parallel(ParallelDims(tp=1, pp=pp, vp=vp), timeout=datetime.timedelta(seconds=30))
         chunks = [ToyChunk(c.layers, c.pre_process) for c in stage_chunks(num_layers, pp, ps.pp_rank, vp)]
         params = [p for c in chunks for p in c.parameters()]
         schedule = get_forward_backward_func(pp, vp)

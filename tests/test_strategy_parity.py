@@ -11,7 +11,7 @@ import torch
 from dist_utils import run_distributed
 from megatron_testing import TINY_MODEL, SyntheticBertDataset, dataloader, full_params, local_shards
 
-from lightning_megatron.check import parse_layout
+from lightning_megatron.parallel_dims import ParallelDims
 
 GLOBAL_BATCH, MICRO = 8, 2
 
@@ -114,7 +114,7 @@ def test_layouts_equal_one_process(world, layouts, reference):
     for name in layouts:
         run = report.runs[name]
         assert len(run.memory) == world
-        layout = parse_layout(name)
+        layout = ParallelDims.parse(name)
         # with the CPU tuning every TP and DP group of more than one rank uses the shared-memory path
         assert all(all(c.values()) for c in run.collectives), (name, run.collectives)
         assert any(run.collectives) == (layout.tp > 1 or layout.dp > 1), (name, run.collectives)

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from lightning_megatron.protocols import MemoryCost
@@ -212,7 +212,7 @@ def _head_activations(m: ModelShape, t: int) -> float:
     return e * (s * b * h + 5 * n * h + n * m.padded_vocab(t) / t + 2 * b * h) + 8 * s * b
 
 
-def _in_flight(layout: Layout, stage: int, microbatches: int) -> int:
+def _in_flight(layout: ParallelDims, stage: int, microbatches: int) -> int:
     """Chunk forwards whose activations are alive together at the peak on ``stage``."""
     pp, vp = layout.pp, layout.vp or 1
     if pp == 1:
@@ -222,7 +222,7 @@ def _in_flight(layout: Layout, stage: int, microbatches: int) -> int:
     return min(microbatches * vp, (pp - stage - 1) * 2 + (vp - 1) * pp + 1)  # interleaved warm-up + 1
 
 
-def estimate_stage(m: MemoryCost, layout: Layout, stage: int) -> MemoryEstimate:
+def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int) -> MemoryEstimate:
     """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for the model whose costs are ``m``."""
     t, pp, d, vp = layout.tp, layout.pp, layout.dp, layout.vp or 1
     if m.num_layers % (pp * vp):
@@ -255,7 +255,7 @@ def estimate_stage(m: MemoryCost, layout: Layout, stage: int) -> MemoryEstimate:
                           activation_bytes=int(act), stage=stage)
 
 
-def estimate_memory(m: MemoryCost, layout: Layout) -> MemoryEstimate:
+def estimate_memory(m: MemoryCost, layout: ParallelDims) -> MemoryEstimate:
     """Bytes on the fullest rank of ``layout`` (the pipeline stage with the largest total)."""
     return max((estimate_stage(m, layout, s) for s in range(layout.pp)), key=lambda e: e.total_bytes)
 
@@ -264,7 +264,7 @@ def estimate_memory(m: MemoryCost, layout: Layout) -> MemoryEstimate:
 class LayoutSearch:
     """The layouts of N ranks a model allows, and what was left out and why."""
 
-    layouts: list[Layout]
+    layouts: list[ParallelDims]
     skipped: dict[str, int]
     """Reason -> how many TP x PP (x VP) x DP combinations it excluded."""
 
@@ -280,7 +280,7 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
     VP: every v >= 2 (up to ``max_vp``) dividing the layers per stage; the interleaved schedule needs
     the microbatches per step divisible by PP.
     """
-    out: list[Layout] = []
+    out: list[ParallelDims] = []
     skipped: dict[str, int] = {}
 
     def skip(reason: str, n: int = 1) -> None:
@@ -317,10 +317,10 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
             for v in vps:
                 for sp in ((False, True) if t > 1 else (False,)):
                     for zero1 in ((False, True) if d > 1 else (False,)):
-                        out.append(Layout(tp=t, pp=pp, vp=v, dp=d, sequence_parallel=sp, zero1=zero1))
+                        out.append(ParallelDims(tp=t, pp=pp, vp=v, dp=d, sequence_parallel=sp, zero1=zero1))
     return LayoutSearch(layouts=out, skipped=skipped)
 
 
-def candidate_layouts(m: MemoryCost, gpus: int, max_tp: int = 8) -> list[Layout]:
+def candidate_layouts(m: MemoryCost, gpus: int, max_tp: int = 8) -> list[ParallelDims]:
     """The layouts of :func:`search_layouts` (without the reasons for the ones left out)."""
     return search_layouts(m, gpus, max_tp).layouts

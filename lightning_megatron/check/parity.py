@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.check.layouts import Layout, parse_layout
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.spawn import run_distributed
 from lightning_megatron.check.worker import CheckRun, run_layouts
 
@@ -292,13 +292,13 @@ def check_layouts(
     module_factory: Callable[[], Any],
     dataset_factory: Callable[[], Any],
     *,
-    layouts: Sequence[str | Layout],
+    layouts: Sequence[str | ParallelDims],
     global_batch_size: int,
     micro_batch_size: int,
     steps: int = 3,
-    reference: str | Layout = "tp1",
+    reference: str | ParallelDims = "tp1",
     tolerances: Tolerances | None = None,
-    callbacks_factory: Callable[[Layout], list] | None = None,
+    callbacks_factory: Callable[[ParallelDims], list] | None = None,
     strategy_kwargs: dict | None = None,
     trainer_kwargs: dict | None = None,
     grad_steps: Sequence[int] = (1,),
@@ -327,8 +327,8 @@ def check_layouts(
             same model, data, steps and options: it is not run again.
     """
     tol = tolerances or Tolerances()
-    ref_layout = parse_layout(reference)
-    parsed = [parse_layout(x) for x in layouts]
+    ref_layout = ParallelDims.parse(reference)
+    parsed = [ParallelDims.parse(x) for x in layouts]
     run = CheckRun(module_factory=module_factory, dataset_factory=dataset_factory,
                    global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, steps=steps, seed=seed,
                    callbacks_factory=callbacks_factory, strategy_kwargs=dict(strategy_kwargs or {}),
@@ -338,7 +338,7 @@ def check_layouts(
         if global_batch_size % (micro_batch_size * layout.dp):
             raise ValueError(f"layout {layout}: global_batch_size={global_batch_size} is not divisible by "
                              f"micro_batch_size={micro_batch_size} x dp={layout.dp}; choose a global batch that is")
-    groups: dict[int, list[Layout]] = {}
+    groups: dict[int, list[ParallelDims]] = {}
     runs: dict[str, LayoutRun] = {}
     if reference_run is not None:
         if reference_run.layout != ref_layout.name or len(reference_run.losses) != steps:

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.memory import DEFAULT_DROPOUT
 from lightning_megatron.recipes import read_recipe
 
@@ -180,7 +180,7 @@ def build_dataset(data_class: str, data: dict[str, Any], num_samples: int):
     return dm.train_dataloader().dataset
 
 
-def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: Layout) -> list:
+def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: ParallelDims) -> list:
     from lightning_megatron import callbacks as lm_callbacks
     from lightning_megatron.optimizer.config import OptimizerConfig
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.memory import ModelShape, estimate_stage
 from lightning_megatron.flops import transformer_flops
 
@@ -184,7 +184,7 @@ def model_flops(m: ModelShape, *, recompute: bool = False) -> float:
                              vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute)
 
 
-def stage_flops(m: ModelShape, layout: Layout, stage: int, *, head: bool = True) -> float:
+def stage_flops(m: ModelShape, layout: ParallelDims, stage: int, *, head: bool = True) -> float:
     """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage`` (without
     the LM head's: ``head=False``)."""
     t, p = layout.tp, layout.pp
@@ -200,7 +200,7 @@ def stage_flops(m: ModelShape, layout: Layout, stage: int, *, head: bool = True)
     return (layers + head_flops) / t
 
 
-def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
+def elementwise_bytes(m: ModelShape, layout: ParallelDims, fw: Framework) -> float:
     """HBM bytes of the memory-bound kernels of one layer, one token, forward, on one rank:
     both norms (read + write h), bias-GeLU (f), two bias-dropout-adds (read x and the residual, write
     the sum and the mask), and without fused attention the softmax (read + write ``a s``) and its
@@ -216,7 +216,7 @@ def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
     return n
 
 
-def vocab_bytes(m: ModelShape, layout: Layout, stage: int) -> float:
+def vocab_bytes(m: ModelShape, layout: ParallelDims, stage: int) -> float:
     """Bytes of one microbatch's passes over vocabulary-sized tensors on one rank of ``stage``, forward
     and backward, which :func:`stage_flops` counts only as GEMM FLOPs. With ``W = V/t h e`` (the rank's
     word-embedding shard) and ``n`` head tokens: the first stage's embedding backward writes a dense
@@ -258,7 +258,7 @@ def _bandwidth(dev: Device, eff: Efficiency, crosses_nodes: bool) -> tuple[float
     return dev.link_intra * eff.link, dev.latency_intra
 
 
-def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = Efficiency(),
+def estimate_time(m: ModelShape, layout: ParallelDims, dev: Device, eff: Efficiency = Efficiency(),
                   fw: Framework = Framework()) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices."""
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.vp or 1

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.tensor_parallel.param_facts import is_counted, param_facts
 
 __all__ = ["CheckRun", "global_batch_loader", "global_pieces", "run_layouts"]
@@ -50,7 +50,7 @@ class CheckRun:
     """Optimizer steps per layout."""
     seed: int = 1234
     """Seeds torch/NumPy/Python before the module is built, and the strategy's RNG streams."""
-    callbacks_factory: Callable[[Layout], list] | None = None
+    callbacks_factory: Callable[[ParallelDims], list] | None = None
     """Extra callbacks per layout (e.g. the MegatronOptimizerCallback, the scheduler)."""
     strategy_kwargs: dict = field(default_factory=dict)
     """More MegatronStrategy arguments, the same for every layout."""
@@ -100,9 +100,10 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
                   ps: Any) -> dict[str, tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]]]:
     """``name -> (piece, offsets or None, global shape)`` this rank contributes to the global tensors.
 
-    One copy of everything over the ranks: DP rank 0 only; TP-replicated tensors from TP rank 0; the
-    tied word embedding from the first stage; TP shards at their offsets in the global tensor
-    without vocab padding (the checkpoint's :func:`~lightning_megatron.sharded_state.shard_info`).
+    One copy of everything over the ranks: DP rank 0 only; a replicated tensor from rank 0 of the
+    dimensions it is replicated over and the tied word embedding from the first stage (``is_counted``);
+    shards at their offsets in the global tensor without vocab padding (the checkpoint's
+    :func:`~lightning_megatron.sharded_state.shard_info`).
     """
     from lightning_megatron.sharded_state import shard_info
 
@@ -113,9 +114,9 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
         if _tied_copy(p, ps):
             continue
         t = tensors[name].detach().float().cpu()
-        info = shard_info(p, ps.tp_rank, ps.tp_size)
+        info = shard_info(p, ps.coordinates, ps.dims.sizes())
         if info is None:
-            if ps.tp_rank == 0:
+            if is_counted(p, ps.coordinates):
                 out[name] = (t.clone(), None, tuple(t.shape))
             continue
         d = info.partition_dim
@@ -279,7 +280,7 @@ def _make_recorder(run: CheckRun):
         def on_train_start(self, trainer, pl_module) -> None:
             ps = trainer.strategy.parallel_state
             self.collectives = {name: _on_shared_memory(g)
-                                for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group))
+                                for name, g in (("tp", ps.group("tp")), ("dp", ps.group("dp_cp")))
                                 if g is not None and g.size > 1}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -312,20 +313,20 @@ def _make_recorder(run: CheckRun):
                 self.memory["params"] = _storage_bytes([p for _, p in named])
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
             if buffer is not None and buffer.reduces_by_scatter and ps.dp_size > 1:
-                grads = _gathered_main_grads(buffer, named, grads, ps.dp_group)
+                grads = _gathered_main_grads(buffer, named, grads, ps.group("dp_cp"))
             elif any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
                 flat = torch.cat([g.detach().float().reshape(-1) for g in grads.values()])
-                dist.all_reduce(flat, group=ps.dp_group.process_group)
+                dist.all_reduce(flat, group=ps.dp_cp_group)
                 flat /= ps.dp_size
                 grads = dict(zip(grads, (v.view_as(g) for v, g in
                                          zip(flat.split([g.numel() for g in grads.values()]), grads.values()))))
-            counted = [grads[n] for n, p in named if is_counted(p, ps.tp_rank, ps.pp_rank)]
+            counted = [grads[n] for n, p in named if is_counted(p, ps.coordinates)]
             # In float64: torch's fp32 norm of a vocab-sized tensor is off by ~1e-4 relative, differently
             # for each TP split, which would hide the layout's own differences.
             squares = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum().reshape(1) \
                 if counted else torch.zeros(1, dtype=torch.float64)
-            if ps.mp_group is not None and ps.mp_group.size > 1:
-                dist.all_reduce(squares, group=ps.mp_group.process_group)
+            if ps.mp_group is not None and ps.group("mp").size > 1:
+                dist.all_reduce(squares, group=ps.mp_group)
             self.grad_norms.append(float(squares.item()) ** 0.5)
             step = trainer.global_step + 1
             if step in run.grad_steps:
@@ -352,7 +353,7 @@ def _optimizer_bytes(optimizers: list, module: nn.Module) -> int:
     return _storage_bytes(tensors)
 
 
-def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
+def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
     from lightning.fabric.utilities.seed import seed_everything
     from lightning.pytorch import Trainer
 
@@ -383,7 +384,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
                   num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
     kwargs.update(run.trainer_kwargs)
     trainer = Trainer(callbacks=callbacks + [recorder], **kwargs)
-    dp_rank = strategy.layout.coordinates(dist.get_rank())[1]
+    dp_rank = layout.coordinates(dist.get_rank())["dp"]
     loader = global_batch_loader(run.dataset_factory(), run.global_batch_size, layout.dp, dp_rank, run.steps)
     trainer.fit(module, train_dataloaders=loader)
     ps = strategy.parallel_state
@@ -395,7 +396,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
             "outputs": recorder.outputs}
 
 
-def run_layouts(run: CheckRun, layouts: list[Layout]) -> list[dict[str, Any]]:
+def run_layouts(run: CheckRun, layouts: list[ParallelDims]) -> list[dict[str, Any]]:
     """On every rank: fit each layout in turn (process start-up and imports are paid once)."""
     import logging
     import warnings

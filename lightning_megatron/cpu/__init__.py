@@ -77,10 +77,10 @@ class CPUTuning:
               timeout: datetime.timedelta | None = None) -> dict[str, bool]:
         """After the process groups exist (collective over every group): apply the process-level pieces.
 
-        Returns what was applied: ``{"keep_freed_memory": ..., "tp": ..., "dp": ..., "mp": ..., "embedding": ...}``
+        Returns what was applied: ``{"keep_freed_memory": ..., "tp": ..., "dp": ..., "dp_cp": ..., "mp": ..., "embedding": ...}``
         (a group stays on ``torch.distributed`` when it has one rank or spans hosts).
         """
-        applied = {"keep_freed_memory": False, "tp": False, "dp": False, "mp": False, "embedding": False}
+        applied = {"keep_freed_memory": False, "tp": False, "dp": False, "dp_cp": False, "mp": False, "embedding": False}
         if device.type != "cpu":
             return applied
         if self.keep_freed_memory:
@@ -93,10 +93,17 @@ class CPUTuning:
             # Every rank, in this order: each call is collective over its group.
             # The embedding group (first and last pipeline stage) sums the tied word embedding's fp32
             # gradient once per step: 94 MB at bert-base, between the last backward and the optimizer.
-            for name, slot in (("tp", self.tp_slot_bytes), ("dp", self.tp_slot_bytes), ("mp", self.mp_slot_bytes),
-                               ("embedding", self.tp_slot_bytes)):
-                group = parallel_state.group(name)
-                comm = enable_shared_memory_collectives(group, slot_bytes=slot, timeout=timeout)
+            # Groups that span the same ranks with the same slot size (dp and dp_cp without context
+            # parallelism) share one communicator: the same decision on every rank (it follows the layout).
+            made: dict[tuple[tuple[int, ...], int], object] = {}
+            for name, slot in (("tp", self.tp_slot_bytes), ("dp", self.tp_slot_bytes), ("dp_cp", self.tp_slot_bytes),
+                               ("mp", self.mp_slot_bytes), ("embedding", self.tp_slot_bytes)):
+                key = (tuple(parallel_state.members.get(name, ())), slot)
+                if key in made:
+                    comm = made[key]
+                else:
+                    comm = made[key] = enable_shared_memory_collectives(parallel_state.group(name), slot_bytes=slot,
+                                                                        timeout=timeout)
                 if comm is not None:
                     parallel_state.set_communicator(name, comm)
                     applied[name] = True

@@ -197,7 +197,8 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             # Under sequence parallelism each rank adds the bias to its own sequence chunk only, so
             # its gradient is partial: the strategy all-reduces it over TP.
-            set_param_facts(self.bias, tensor_model_parallel=False, partition_dim=0, sequence_parallel=sequence_parallel)
+            set_param_facts(self.bias, sharded_over=(), replicated_over=("tp",), partition_dim=0,
+                            sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 

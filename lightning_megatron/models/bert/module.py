@@ -177,7 +177,7 @@ class BertLightningModule(MegatronLightningModule):
                                   num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
                                   num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage):
             chunk = BertModel(
-                config, hp.spec, self.vocab_size, hp.max_sequence_length, tp_group=ps.tp_group,
+                config, hp.spec, self.vocab_size, hp.max_sequence_length, tp_group=ps.group("tp"),
                 add_binary_head=hp.add_binary_head,
                 pre_process=place.pre_process, post_process=place.post_process, layer_range=place.layers,
                 make_vocab_size_divisible_by=hp.make_vocab_size_divisible_by,
@@ -296,7 +296,7 @@ class BertLightningModule(MegatronLightningModule):
         if not chunk.post_process:
             return out, None
         lm_logits, binary_logits = out
-        tp_group = self.parallel_state.tp_group if self.parallel_state else None
+        tp_group = self.parallel_state.group("tp") if self.parallel_state else None
         labels, loss_mask = batch["lm_labels"], batch["loss_mask"]
         if selective:  # logits [n, V/t] of the masked tokens only
             labels, loss_mask = labels[positions], loss_mask[positions]
@@ -338,7 +338,7 @@ class BertLightningModule(MegatronLightningModule):
         if not chunk.post_process:
             return chunk(batch["tokens"], batch.get("attention_mask"), batch.get("token_types")), None
         out = predict_outputs(chunk, batch, self.hparams.get("predict_output", "masked_lm"),
-                              tp_group=self.parallel_state.tp_group if self.parallel_state else None,
+                              tp_group=self.parallel_state.group("tp") if self.parallel_state else None,
                               vocab_size=self.vocab_size, top_k=self.hparams.get("predict_top_k", 5))
 
         def loss_func(output: Any):

@@ -185,7 +185,7 @@ class GPTLightningModule(MegatronLightningModule):
                                   num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
                                   num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage):
             chunk = GPTModel(
-                config, hp.spec, self.vocab_size, hp.max_sequence_length, tp_group=ps.tp_group,
+                config, hp.spec, self.vocab_size, hp.max_sequence_length, tp_group=ps.group("tp"),
                 position_embedding_type=hp.position_embedding_type,
                 share_embeddings_and_output_weights=not hp.untie_embeddings_and_output_weights,
                 pre_process=place.pre_process, post_process=place.post_process, layer_range=place.layers,
@@ -311,7 +311,7 @@ class GPTLightningModule(MegatronLightningModule):
         try:
             return generate(forward, prompt_tokens, max_new_tokens, greedy=greedy, temperature=temperature,
                             top_k=top_k, top_p=top_p, use_cache=use_cache, stop_token=stop_token,
-                            vocab_size=self.vocab_size, tp_group=self.parallel_state.tp_group, generator=generator)
+                            vocab_size=self.vocab_size, tp_group=self.parallel_state.group("tp"), generator=generator)
         finally:
             chunk.train(was_training)
 
