@@ -201,3 +201,38 @@ def test_first_divergence_forward_then_gradients():
                             Tolerances()).startswith("forward output of blocks.0.fc2 ")
     off = {**grads, "embed.weight": h + 1, "blocks.0.fc1.weight": h + 1}  # backward order: fc1 before embed
     assert first_divergence(run(same, off), ref, Tolerances()).startswith("gradients of blocks.0.fc1 ")
+
+
+def test_first_divergence_across_pipeline_stages():
+    """Pure, on records shaped as the ranks return them: with a pipelined reference (``--reference pp2``,
+    ``pp2vp2``) the forward order is the model's (model chunk, then stage, then call order on the rank:
+    under interleaving stage 0 holds layers 0 and 2), so of two diverging modules on different stages the
+    earlier one in the model is named; both ways round (pipelined reference, pipelined run)."""
+    from lightning_megatron.check.parity import Tolerances, first_divergence, gather_runs
+
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(0))
+    model = ["embedding", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    one_process = {name: (0, 0) for name in model}  # name -> (stage, model chunk)
+    pp2 = {"embedding": (0, 0), "layers.0": (0, 0), "layers.1": (0, 0), "layers.2": (1, 0), "layers.3": (1, 0),
+           "head": (1, 0)}
+    pp2vp2 = {"embedding": (0, 0), "layers.0": (0, 0), "layers.1": (1, 0), "layers.2": (0, 1), "layers.3": (1, 1),
+              "head": (1, 1)}
+
+    def layout_run(placement: dict, changed: tuple[str, ...] = ()):
+        outputs: dict[int, dict] = {}
+        for name in model:  # each rank runs its modules in the model's order (first microbatch)
+            stage, chunk = placement[name]
+            mine = outputs.setdefault(stage, {})
+            mine[name] = ((chunk, len(mine)), 2 * x if name in changed else x)
+        records = [{"layout": "x", "coords": (0, 0, stage), "losses": [], "grad_norms": [], "grads": {},
+                    "params": {}, "memory": {}, "collectives": {}, "outputs": mine}
+                   for stage, mine in sorted(outputs.items())]
+        return gather_runs([[r] for r in records])["x"]
+
+    for placement in (pp2, pp2vp2):
+        assert layout_run(placement).output_order == model
+        # layers.1 and layers.2 both diverge: layers.1 (stage 0 of pp2; stage 1, chunk 0 of pp2vp2) comes first
+        broken, ref = layout_run(one_process, ("layers.1", "layers.2")), layout_run(placement)
+        assert first_divergence(broken, ref, Tolerances()).startswith("forward output of layers.1 ")
+        broken, ref = layout_run(placement, ("layers.1", "layers.2")), layout_run(one_process)
+        assert first_divergence(broken, ref, Tolerances()).startswith("forward output of layers.1 ")

@@ -118,6 +118,9 @@ def test_layouts_equal_one_process(world, layouts, reference):
         # with the CPU tuning every TP and DP group of more than one rank uses the shared-memory path
         assert all(all(c.values()) for c in run.collectives), (name, run.collectives)
         assert any(run.collectives) == (layout.tp > 1 or layout.dp > 1), (name, run.collectives)
+        # the modules in the model's forward order across stages and chunks (what names the first
+        # divergence when a pipelined layout is the reference)
+        assert run.output_order == report.reference.output_order, (name, run.output_order)
 
 
 def test_gloo_collectives_equal_one_process(reference):

@@ -73,7 +73,7 @@ class LayoutRun:
     outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """Module name -> its step-1 forward output pieces, by TP rank (DP rank 0)."""
     output_order: list[str] = field(default_factory=list)
-    """Module names in forward order (pipeline stage, then call order)."""
+    """Module names in forward order (model chunk, pipeline stage, then call order)."""
 
 
 @dataclass(kw_only=True)
@@ -161,14 +161,16 @@ def _assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def _outputs(records: list[dict[str, Any]]) -> tuple[dict[str, list[torch.Tensor]], list[str]]:
-    """Module outputs of a layout's ranks -> name -> pieces by TP rank, and the names in forward order."""
+    """Module outputs of a layout's ranks -> name -> pieces by TP rank, and the names in forward order:
+    by model chunk, then stage (chunk ``v`` of stage ``p`` is the model's piece ``v x pp + p``), then
+    the call order on the rank."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    order: dict[str, tuple[int, int]] = {}
+    order: dict[str, tuple[int, int, int]] = {}
     for r in records:
         tp, _, pp = r["coords"]
-        for name, (i, t) in r.get("outputs", {}).items():
+        for name, ((chunk, i), t) in r.get("outputs", {}).items():
             pieces.setdefault(name, []).append((tp, t))
-            order[name] = (pp, i)
+            order[name] = (chunk, pp, i)
     return ({n: [t for _, t in sorted(p, key=lambda x: x[0])] for n, p in pieces.items()},
             sorted(order, key=order.__getitem__))
 
