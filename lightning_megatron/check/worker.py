@@ -59,7 +59,8 @@ class CheckRun:
     grad_steps: tuple[int, ...] = (1,)
     """Steps (1-based) after which every gradient is gathered as a global tensor."""
     record_params: bool = False
-    """Also gather the final parameters as global tensors."""
+    """Also gather the initial and final parameters as global tensors (the final ones are compared
+    relative to the reference's update, final minus initial)."""
     measure_memory: bool = False
     """Measure per-rank bytes of params, grads, optimizer state and saved activations at step 1."""
     record_outputs: bool = True
@@ -278,9 +279,13 @@ def _make_recorder(run: CheckRun):
             self._hooks: Any = None
             self._outputs: ForwardOutputs | None = None
             self.outputs: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+            self.init_params: dict = {}
 
         def on_train_start(self, trainer, pl_module) -> None:
             ps = trainer.strategy.parallel_state
+            if run.record_params:
+                named = _named_parameters(trainer)
+                self.init_params = global_pieces(named, dict(named), ps)
             self.collectives = {name: _on_shared_memory(g)
                                 for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group))
                                 if g is not None and g.size > 1}
@@ -395,8 +400,8 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
     params = global_pieces(named, {n: p for n, p in named}, ps) if run.record_params else {}
     return {"layout": layout.name, "rank": dist.get_rank(), "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
             "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,
-            "params": params, "memory": recorder.memory, "collectives": recorder.collectives,
-            "outputs": recorder.outputs}
+            "params": params, "init_params": recorder.init_params, "memory": recorder.memory,
+            "collectives": recorder.collectives, "outputs": recorder.outputs}
 
 
 def run_layouts(run: CheckRun, layouts: list[Layout]) -> list[dict[str, Any]]:
