@@ -23,6 +23,8 @@ def _recorder():
             self.norms: list[float] = []
             self.one_copy: list[bool] = []
             self.bytes: tuple[int, int] | None = None
+            self.loss_func_means: list[dict[str, float] | None] = []
+            self.logged: list[dict[str, float]] = []
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             # After finalize_model_grads: every fp32 grad is a view of the one buffer.
@@ -38,11 +40,40 @@ def _recorder():
             self.accumulate = buffer.accumulate.__name__
             self.communicators = sorted(trainer.strategy.parallel_state.communicators)
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            pl_module.loss_func_logs.clear()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(outputs["loss"]))
             self.norms.append(float(trainer.strategy.optimizers[0].last_grad_norm))
+            # What this rank logged, and (the last stage only) the mean of what its loss function returned
+            own = pl_module.loss_func_logs
+            self.loss_func_means.append({k: sum(d[k] for d in own) / len(own) for k in own[0]} if own else None)
+            self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     return Recorder()
+
+
+def _record_loss_func_logs(module) -> None:
+    """``module.loss_func_logs``: the scalars each call of the loss function of this rank's ``forward_step``
+    returned (the last pipeline stage's, before any reduction or broadcast)."""
+    forward_step = module.forward_step
+    module.loss_func_logs = []
+
+    def recording_forward_step(microbatch, chunk):
+        output, loss_func = forward_step(microbatch, chunk)
+        if loss_func is None:
+            return output, None
+
+        def recording_loss_func(out):
+            loss, logged = loss_func(out)
+            module.loss_func_logs.append({k: float(v) for k, v in logged.items()
+                                          if torch.is_tensor(v) and v.numel() == 1})
+            return loss, logged
+
+        return output, recording_loss_func
+
+    module.forward_step = recording_forward_step
 
 
 def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = False, clip_grad: float = 0.0,
@@ -62,6 +93,7 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     dp_rank = dims.coordinates(torch.distributed.get_rank() if world > 1 else 0)["dp"]
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dp_rank)
     module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype, **(model_kwargs or {})})
+    _record_loss_func_logs(module)
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
     from lightning_megatron.tensor_parallel import deferred_weight_grads
@@ -72,7 +104,7 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     return {"losses": recorder.losses, "norms": recorder.norms, "one_copy": recorder.one_copy,
             "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank,
             "accumulate": recorder.accumulate, "communicators": recorder.communicators, "drained": drained,
-            "row_grads": row_grads}
+            "row_grads": row_grads, "loss_func_means": recorder.loss_func_means, "logged": recorder.logged}
 
 
 def _two_ranks() -> dict:
@@ -190,6 +222,22 @@ def test_bf16_pipelines_follow_bf16_data_parallel(runs):
         for name in ("bf16_pp2_vp2",):  # another split of the same bf16 arithmetic: bf16 rounding apart
             assert len(rank[name]["losses"]) == STEPS
             torch.testing.assert_close(torch.tensor(rank[name]["losses"]), plain, rtol=2e-2, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("name", ["pp2", "pp2_last1", "pp2_deferred", "pp2_vp2_step_wgrad", "bf16_pp2_vp2",
+                                  "bf16_pp2_vp2_deferred"])
+def test_every_stage_logs_the_last_stages_metrics(runs, name):
+    """Under pipelining only the last stage runs the loss function; every rank logs, at every step, the
+    mean over the microbatches of what that loss function returned (every metric, not only the loss)."""
+    _, two = runs
+    [last] = [r[name] for r in two if r[name]["pp_rank"] == 1]
+    assert all(r[name]["loss_func_means"] == [None] * STEPS for r in two if r[name]["pp_rank"] == 0)
+    assert len(last["loss_func_means"]) == STEPS
+    assert {"loss", "lm_loss", "mlm_accuracy"} <= set(last["loss_func_means"][0]), last["loss_func_means"][0]
+    for rank, r in enumerate(two):
+        for step, (logged, want) in enumerate(zip(r[name]["logged"], last["loss_func_means"])):
+            got = {k: logged.get("loss" if k == "loss" else f"train_{k}") for k in want}
+            assert got == pytest.approx(want, rel=1e-6), (rank, step, got, want)
 
 
 def test_one_fp32_copy_of_the_gradients(runs):

@@ -59,7 +59,8 @@ class CheckRun:
     grad_steps: tuple[int, ...] = (1,)
     """Steps (1-based) after which every gradient is gathered as a global tensor."""
     record_params: bool = False
-    """Also gather the final parameters as global tensors."""
+    """Also gather the initial and final parameters as global tensors (the final ones are compared
+    relative to the reference's update, final minus initial)."""
     measure_memory: bool = False
     """Measure per-rank bytes of params, grads, optimizer state and saved activations at step 1."""
     record_outputs: bool = True
@@ -157,17 +158,20 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 
 class ForwardOutputs:
     """Forward hooks recording each named module's output the first time it runs (step 1's first
-    microbatch on this rank's stage): ``name -> (order, tensor)``, order being the call order."""
+    microbatch on this rank's stage): ``name -> ((chunk, order), tensor)``, ``chunk`` the index of the
+    model chunk holding the module (interleaved pipelining: chunk ``v`` of stage ``p`` is the model's
+    piece ``v x pp + p``), ``order`` the call order on this rank."""
 
-    def __init__(self, names: dict[nn.Module, str]) -> None:
-        self.outputs: dict[str, tuple[int, torch.Tensor]] = {}
-        self._handles = [m.register_forward_hook(self._hook(name)) for m, name in names.items()]
+    def __init__(self, names: dict[nn.Module, str], chunks: list[nn.Module]) -> None:
+        self.outputs: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        chunk_of = {m: i for i, chunk in enumerate(chunks) for m in chunk.modules()}
+        self._handles = [m.register_forward_hook(self._hook(name, chunk_of.get(m, 0))) for m, name in names.items()]
 
-    def _hook(self, name: str):
+    def _hook(self, name: str, chunk: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             t = _first_tensor(output)
             if t is not None and name not in self.outputs:
-                self.outputs[name] = (len(self.outputs), t.detach().float().cpu().clone())
+                self.outputs[name] = ((chunk, len(self.outputs)), t.detach().float().cpu().clone())
         return hook
 
     def remove(self) -> None:
@@ -275,17 +279,22 @@ def _make_recorder(run: CheckRun):
             self._saved: _SavedActivations | None = None
             self._hooks: Any = None
             self._outputs: ForwardOutputs | None = None
-            self.outputs: dict[str, tuple[int, torch.Tensor]] = {}
+            self.outputs: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+            self.init_params: dict = {}
 
         def on_train_start(self, trainer, pl_module) -> None:
             ps = trainer.strategy.parallel_state
+            if run.record_params:
+                named = _named_parameters(trainer)
+                self.init_params = global_pieces(named, dict(named), ps)
             self.collectives = {name: _on_shared_memory(g)
                                 for name, g in (("tp", ps.group("tp")), ("dp", ps.group("dp_cp")))
                                 if g is not None and g.size > 1}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if run.record_outputs and trainer.global_step == 0 and trainer.strategy.parallel_state.dp_rank == 0:
-                self._outputs = ForwardOutputs(module_names(_named_parameters(trainer), trainer.strategy.model_chunks))
+                chunks = list(trainer.strategy.model_chunks)
+                self._outputs = ForwardOutputs(module_names(_named_parameters(trainer), chunks), chunks)
             if run.measure_memory and trainer.global_step == 0:
                 ptrs = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
                 self._saved = _SavedActivations(ptrs)
@@ -392,8 +401,8 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
     params = global_pieces(named, {n: p for n, p in named}, ps) if run.record_params else {}
     return {"layout": layout.name, "rank": dist.get_rank(), "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
             "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,
-            "params": params, "memory": recorder.memory, "collectives": recorder.collectives,
-            "outputs": recorder.outputs}
+            "params": params, "init_params": recorder.init_params, "memory": recorder.memory,
+            "collectives": recorder.collectives, "outputs": recorder.outputs}
 
 
 def run_layouts(run: CheckRun, layouts: list[ParallelDims]) -> list[dict[str, Any]]:
