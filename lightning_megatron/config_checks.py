@@ -29,7 +29,7 @@ from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_state import model_parallel_size_problems
 from lightning_megatron.pipeline.layout import get_layer_range
-from lightning_megatron.pipeline.schedules import num_microbatches_problem
+from lightning_megatron.pipeline.registry import AUTO, pipeline_schedule_problem
 from lightning_megatron.step import batch_size_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
@@ -133,6 +133,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         else:
             dp = world // (tp * pp)
     problems += model_parallel_size_problems(tp, pp, vp, sequence_parallel=bool(s.get("sequence_parallel")))
+    schedule = s.get("pipeline_schedule", AUTO)  # a registered name (imported by now: the parsed class paths)
+    schedule_problem = pipeline_schedule_problem(schedule, pp, vp)
+    problems += [schedule_problem] if schedule_problem else []
     problems += [p for p in [timeout_problem(s.get("timeout"))] if p]
 
     # --- model sizes against TP / PP
@@ -177,8 +180,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                         f"set it in one place (the data's, with the strategy's left null)")
     if gb is not None and micro is not None:  # the rules BatchSizes and the schedules apply at set-up
         problem = batch_size_problem(micro, gb, dp or 1)
-        if problem is None and dp is not None:
-            problem = num_microbatches_problem(gb // (micro * dp), pp, vp)
+        if problem is None and dp is not None and schedule_problem is None:
+            problem = pipeline_schedule_problem(schedule, pp, vp, gb // (micro * dp))
         problems += [problem] if problem else []
 
     # --- sequence length

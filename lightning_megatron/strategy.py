@@ -41,6 +41,7 @@ from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
+from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.protocols import (
     LightningStepsModule,
@@ -61,6 +62,7 @@ from lightning_megatron.setup_checks import (
 )
 from lightning_megatron.sharded_state import ShardedStateMapper
 from lightning_megatron.step import BatchSizes, StepRunner
+from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
@@ -90,6 +92,9 @@ class MegatronStrategy(DDPStrategy):
         overlap_p2p_comm: interleaved schedule (VP): post each steady-state step's pipeline sends and
             receives before the other pass's compute and wait for them after it (megatron-core's name
             and default; bitwise equal either way). No effect on the other schedules.
+        pipeline_schedule: the microbatch schedule, a registered name (``no_pipelining``, ``1f1b``,
+            ``interleaved``, or one registered with ``lightning_megatron.pipeline.register_schedule``) or
+            ``"auto"``: the layout's (PP=1 no_pipelining, PP>1 1f1b, PP>1 and VP>1 interleaved).
         cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`); ``True`` is
             ``CPUTuning()``. Default ``None``: the same code path as on accelerators.
         timeout: collective timeout; a failing rank ends the job after at most this long.
@@ -112,6 +117,7 @@ class MegatronStrategy(DDPStrategy):
         overlap_grad_reduce: bool | None = None,
         overlap_param_gather: bool = False,
         overlap_p2p_comm: bool = True,
+        pipeline_schedule: str = AUTO,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -127,6 +133,10 @@ class MegatronStrategy(DDPStrategy):
                                  overlap_param_gather=overlap_param_gather)
         if timeout_problem(timeout):
             raise ValueError(f"MegatronStrategy: {timeout_problem(timeout)}")
+        schedule_problem = pipeline_schedule_problem(pipeline_schedule, pipeline_model_parallel_size,
+                                                     virtual_pipeline_model_parallel_size)
+        if schedule_problem:
+            raise ValueError(f"MegatronStrategy: {schedule_problem}")
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -143,6 +153,7 @@ class MegatronStrategy(DDPStrategy):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.overlap_p2p_comm = overlap_p2p_comm
+        self.pipeline_schedule = pipeline_schedule
         self.cpu_tuning: CPUTuning | None = CPUTuning.from_argument(cpu_tuning)
         self.parallel_state: ParallelState | None = None
         self.batch_sizes: BatchSizes | None = None
@@ -204,9 +215,11 @@ class MegatronStrategy(DDPStrategy):
         mark_replicated(p for chunk in self.model_chunks for p in chunk.parameters())
         check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams),
                         wraps_optimizers=self._optimizer_config is not None)
-        self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps)
-        self._runner = StepRunner(ps, self._module, micro_batch_size=self.batch_sizes.micro_batch_size,
-                                  device=self.root_device, overlap_p2p_comm=self.overlap_p2p_comm)
+        schedule = get_schedule(self.pipeline_schedule, ps.pp_size, ps.vp_size)
+        self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps, schedule)
+        self._runner = StepRunner(ps, self._module, schedule=schedule,
+                                  micro_batch_size=self.batch_sizes.micro_batch_size, device=self.root_device,
+                                  overlap_p2p_comm=self.overlap_p2p_comm)
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
         self.accelerator.setup(trainer)
@@ -244,7 +257,14 @@ class MegatronStrategy(DDPStrategy):
                                                   accumulate=None if self.cpu_tuning is None
                                                   else self.cpu_tuning.grad_accumulation(self.root_device))
         if self.cpu_tuning is not None:
-            self.cpu_tuning.configure_grads(self.model_chunks, self.parallel_state, self.root_device)
+            assert self._runner is not None
+            self.cpu_tuning.configure_grads(self._runner.weight_grads, self.model_chunks, self.parallel_state,
+                                            self.root_device)
+
+    @property
+    def weight_grads(self) -> WeightGradPolicy | None:
+        """The step's weight-gradient policy: which layers defer their weight gradient (after ``setup``)."""
+        return None if self._runner is None else self._runner.weight_grads
 
     @property
     def module_contract(self) -> MegatronModule:
