@@ -44,8 +44,13 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lightning_megatron.parallel_state import initialize_model_parallel  # noqa: E402
-from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.pipeline import ScheduleEvent, get_forward_backward_func, stage_chunks  # noqa: E402
+from lightning_megatron.parallel_dims import ParallelDims  # noqa: E402
+from lightning_megatron.pipeline import (  # noqa: E402
+    ScheduleEvent,
+    get_forward_backward_func,
+    get_schedule,
+    stage_chunks,
+)
 
 __all__ = ["collect", "theory_bubble"]
 
@@ -53,8 +58,9 @@ S, B, H = 8, 2, 64  # activations [s, b, h]
 
 
 def theory_bubble(p: int, m: int, v: int) -> float:
-    """(p - 1) / (v m + p - 1); v = 1 is plain 1F1B."""
-    return (p - 1) / (v * m + p - 1)
+    """The layout's schedule's bubble: (p - 1) / (v m + p - 1); v = 1 is plain 1F1B (pipeline/registry.py)."""
+    vp = v if v > 1 else None
+    return get_schedule("auto", p, vp).bubble(p, vp, m)
 
 
 class _Work(torch.autograd.Function):

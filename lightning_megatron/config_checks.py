@@ -29,7 +29,7 @@ from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
 from lightning_megatron.pipeline.layout import get_layer_range
-from lightning_megatron.pipeline.schedules import num_microbatches_problem
+from lightning_megatron.pipeline.registry import AUTO, pipeline_schedule_problem
 from lightning_megatron.step import batch_size_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
@@ -130,7 +130,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                  ep=size("expert_model_parallel_size", 1), etp=size("expert_tensor_parallel_size", None),
                  sequence_parallel=bool(s.get("sequence_parallel", False)),
                  zero1=bool(has_optimizer_callback and use_distributed_optimizer),
-                 schedule=s.get("pipeline_schedule", "auto"))
+                 schedule=s.get("pipeline_schedule", AUTO))
     layout_problems = parallel_dims_problems(**sizes, world_size=world)
     dims = None
     if not layout_problems:
@@ -139,6 +139,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         if world is not None:
             dims = dims.for_world_size(world)
     problems += [f"strategy: {p}" for p in layout_problems]
+    if dims is not None:  # a registered name (imported by now: the parsed class paths)
+        problems += [f"strategy: {p}" for p in [pipeline_schedule_problem(dims.schedule, dims.pp, dims.vp)] if p]
     problems += [p for p in [timeout_problem(s.get("timeout"))] if p]
     tp = dims.tp if dims is not None else (_int(sizes["tp"]) or 1)
     pp = dims.pp if dims is not None else (_int(sizes["pp"]) or 1)
@@ -187,8 +189,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                         f"set it in one place (the data's, with the strategy's left null)")
     if gb is not None and micro is not None:  # the rules BatchSizes and the schedules apply at set-up
         problem = batch_size_problem(micro, gb, dp or 1)
-        if problem is None and dp is not None:
-            problem = num_microbatches_problem(gb // (micro * dp), pp, vp)
+        if problem is None and dims is not None and dims.resolved and \
+                pipeline_schedule_problem(dims.schedule, pp, vp) is None:
+            problem = pipeline_schedule_problem(dims.schedule, pp, vp, gb // (micro * dp))
         problems += [problem] if problem else []
 
     # --- sequence length

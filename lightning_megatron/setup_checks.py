@@ -22,7 +22,7 @@ from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_p
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_dims import ParallelDims, ParallelDimsError
 from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.pipeline.schedules import validate_num_microbatches
+from lightning_megatron.pipeline.registry import PipelineSchedule
 from lightning_megatron.step import BatchSizes
 
 __all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes", "describe_setup",
@@ -97,10 +97,11 @@ def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict
             f"params, loss scaling, overflow skip), or train with params_dtype='float32'")
 
 
-def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: ParallelState) -> BatchSizes:
+def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: ParallelState,
+                        schedule: PipelineSchedule) -> BatchSizes:
     """The step's batch sizes, from one place: the strategy's ``micro_batch_size`` or else the
     datamodule's, and the datamodule's ``global_batch_size`` (both optional attributes of a
-    datamodule); checked against the data-parallel size and the schedule."""
+    datamodule); checked against the data-parallel size and the ``schedule``."""
     dm_micro = getattr(datamodule, "micro_batch_size", None)
     if micro_batch_size is not None and dm_micro is not None and int(dm_micro) != micro_batch_size:
         raise ValueError(
@@ -114,7 +115,7 @@ def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: Paral
     except ValueError as e:
         raise ValueError(f"MegatronStrategy: {e}") from None
     if sizes.num_microbatches is not None:
-        validate_num_microbatches(sizes.num_microbatches, ps.pp_size, ps.vp_size)
+        schedule.validate(ps.pp_size, ps.vp_size, sizes.num_microbatches)
     return sizes
 
 

@@ -43,6 +43,7 @@ from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
+from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.protocols import (
     LightningStepsModule,
@@ -63,6 +64,7 @@ from lightning_megatron.setup_checks import (
 )
 from lightning_megatron.sharded_state import ShardedStateMapper
 from lightning_megatron.step import BatchSizes, StepRunner
+from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
@@ -83,7 +85,9 @@ class MegatronStrategy(DDPStrategy):
         context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size: the context-
             and expert-parallel dimensions of the record (sizes other than 1 / None are refused until
             the models support them).
-        pipeline_schedule: the pipeline schedule by registered name, or "auto" (from PP and VP).
+        pipeline_schedule: the microbatch schedule, a registered name (``no_pipelining``, ``1f1b``,
+            ``interleaved``, or one registered with ``lightning_megatron.pipeline.register_schedule``) or
+            ``"auto"``: the layout's (PP=1 no_pipelining, PP>1 1f1b, PP>1 and VP>1 interleaved).
         micro_batch_size: samples per microbatch; None reads ``micro_batch_size`` from the datamodule,
             else the whole per-rank batch is one microbatch (both set and different: refused).
         seed: seed of the default and model-parallel RNG streams (dropout); weights are seeded by the model.
@@ -117,7 +121,7 @@ class MegatronStrategy(DDPStrategy):
         context_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
         expert_tensor_parallel_size: int | None = None,
-        pipeline_schedule: str = "auto",
+        pipeline_schedule: str = AUTO,
         micro_batch_size: int | None = None,
         seed: int = 1234,
         ddp_bucket_size_mb: float = 25.0,
@@ -144,6 +148,10 @@ class MegatronStrategy(DDPStrategy):
         from the MegatronOptimizerCallback's config."""
         if timeout_problem(timeout):
             raise ValueError(f"MegatronStrategy: {timeout_problem(timeout)}")
+        schedule_problem = pipeline_schedule_problem(pipeline_schedule, pipeline_model_parallel_size,
+                                                     virtual_pipeline_model_parallel_size)
+        if schedule_problem:
+            raise ValueError(f"MegatronStrategy: {schedule_problem}")
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -216,9 +224,11 @@ class MegatronStrategy(DDPStrategy):
         mark_replicated(p for chunk in self.model_chunks for p in chunk.parameters())
         check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams),
                         wraps_optimizers=self._optimizer_config is not None)
-        self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps)
-        self._runner = StepRunner(ps, self._module, micro_batch_size=self.batch_sizes.micro_batch_size,
-                                  device=self.root_device, overlap_p2p_comm=self.overlap_p2p_comm)
+        schedule = get_schedule(ps.dims.schedule, ps.pp_size, ps.vp_size)
+        self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps, schedule)
+        self._runner = StepRunner(ps, self._module, schedule=schedule,
+                                  micro_batch_size=self.batch_sizes.micro_batch_size, device=self.root_device,
+                                  overlap_p2p_comm=self.overlap_p2p_comm)
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
         self.accelerator.setup(trainer)
@@ -256,7 +266,14 @@ class MegatronStrategy(DDPStrategy):
                                                   accumulate=None if self.cpu_tuning is None
                                                   else self.cpu_tuning.grad_accumulation(self.root_device))
         if self.cpu_tuning is not None:
-            self.cpu_tuning.configure_grads(self.model_chunks, self.parallel_state, self.root_device)
+            assert self._runner is not None
+            self.cpu_tuning.configure_grads(self._runner.weight_grads, self.model_chunks, self.parallel_state,
+                                            self.root_device)
+
+    @property
+    def weight_grads(self) -> WeightGradPolicy | None:
+        """The step's weight-gradient policy: which layers defer their weight gradient (after ``setup``)."""
+        return None if self._runner is None else self._runner.weight_grads
 
     @property
     def module_contract(self) -> MegatronModule:

@@ -178,6 +178,7 @@ def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
     from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad, row_sums
     from lightning_megatron.grads import GradBuffer
     from lightning_megatron.parallel_state import ParallelState
+    from lightning_megatron.tensor_parallel import WeightGradPolicy
 
     gen = torch.Generator().manual_seed(0)
     vocab, hidden = 3000, 48
@@ -213,4 +214,5 @@ def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
     embedding = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
     none = {"embedding_grad_rows": 0, "weight_grads_per_step": 0}
     tuning = CPUTuning(weight_grads_per_step=True)
-    assert tuning.configure_grads(embedding, ParallelState.single_process(), torch.device("cpu")) == none
+    assert tuning.configure_grads(WeightGradPolicy(), embedding, ParallelState.single_process(),
+                                  torch.device("cpu")) == none

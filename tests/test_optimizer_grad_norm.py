@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+import gpipe_schedule  # noqa: F401  (a user's schedule, registered as "gpipe" by the import)
 from dist_utils import run_distributed
 from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
 
@@ -89,6 +90,7 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     callback = MegatronOptimizerCallback(OptimizerConfig(clip_grad=clip_grad, use_distributed_optimizer=zero1))
     trainer = make_trainer(strategy, world, STEPS, callbacks=[callback, recorder],
                            precision="bf16-true" if dtype == "bfloat16" else "32-true")
+    strategy.schedule_trace = []
     dims = strategy.parallel_dims.for_world_size(trainer.world_size)
     dp_rank = dims.coordinates(torch.distributed.get_rank() if world > 1 else 0)["dp"]
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dp_rank)
@@ -96,15 +98,13 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     _record_loss_func_logs(module)
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
-    from lightning_megatron.tensor_parallel import deferred_weight_grads
-    from lightning_megatron.tensor_parallel.layers import embedding_grad_rows
-
-    drained = sum(d.drained for d in deferred_weight_grads(module.model_chunks))
-    row_grads = len(embedding_grad_rows(module.model_chunks))
+    drained = strategy.weight_grads.drained  # the step's policy: which layers deferred their weight gradient
+    row_grads = len(strategy.weight_grads.embedding_rows)
     return {"losses": recorder.losses, "norms": recorder.norms, "one_copy": recorder.one_copy,
             "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank,
             "accumulate": recorder.accumulate, "communicators": recorder.communicators, "drained": drained,
-            "row_grads": row_grads, "loss_func_means": recorder.loss_func_means, "logged": recorder.logged}
+            "row_grads": row_grads, "loss_func_means": recorder.loss_func_means, "logged": recorder.logged,
+            "first_backward": [e.kind for e in strategy.schedule_trace].index("B")}
 
 
 def _two_ranks() -> dict:
@@ -115,6 +115,8 @@ def _two_ranks() -> dict:
         "pp2": _run(pp=2),
         # uneven stages (megatron-core's num_layers_in_last_pipeline_stage): 3 layers, then 1 + the heads
         "pp2_last1": _run(pp=2, model_kwargs={"num_layers_in_last_pipeline_stage": 1}),
+        # a schedule the user registered in a file of its own (tests/gpipe_schedule.py): all forwards first
+        "pp2_gpipe": _run(pp=2, pipeline_schedule="gpipe"),
         # the LM head's weight gradient computed at the pipeline flush (megatron-core's option)
         "pp2_deferred": _run(pp=2, model_kwargs={"defer_embedding_wgrad_compute": True}),
         # the CPU tuning's weight_grads_per_step: every linear layer's weight gradient once per step, at
@@ -156,12 +158,26 @@ def runs():
 def test_grad_norm_of_every_layout_equals_one_process(runs):
     one, two = runs
     for rank in two:
-        for name in ("tp2", "pp2", "pp2_last1", "pp2_vp2_step_wgrad", "dp2", "dp2_zero1"):
+        for name in ("tp2", "pp2", "pp2_last1", "pp2_gpipe", "pp2_vp2_step_wgrad", "dp2", "dp2_zero1"):
             norms = torch.tensor(rank[name]["norms"], dtype=torch.float64)
             ref = torch.tensor(one["norms"], dtype=torch.float64)
             # same parameters at step 1: the norm is the same number up to fp64 summation order
             assert abs(norms[0] - ref[0]) <= 1e-6 * ref[0], (name, norms[0].item(), ref[0].item())
             torch.testing.assert_close(norms, ref, rtol=1e-5, atol=0, msg=name)
+
+
+def test_user_registered_schedule_trains_as_one_process(runs):
+    """MegatronStrategy(pipeline_schedule="gpipe") runs the registered schedule (every one of the 4
+    microbatches forward before the first backward, where 1F1B's stage 0 runs 2) and trains as one
+    process (the grad norms: above); each chunk's backward passes in microbatch order, as 1F1B's: the
+    same bits."""
+    one, two = runs
+    for rank in two:
+        gpipe = rank["pp2_gpipe"]
+        assert gpipe["first_backward"] == GLOBAL_BATCH // MICRO
+        assert rank["pp2"]["first_backward"] == (2 if rank["pp2"]["pp_rank"] == 0 else 1)
+        torch.testing.assert_close(torch.tensor(gpipe["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=0)
+        assert gpipe["losses"] == rank["pp2"]["losses"] and gpipe["norms"] == rank["pp2"]["norms"]
 
 
 def test_uneven_pipeline_stages(runs):

@@ -14,10 +14,10 @@ from lightning_megatron.pipeline import (
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
     get_layer_range,
+    get_schedule,
     is_first_chunk_stage,
     is_last_chunk_stage,
     stage_chunks,
-    validate_num_microbatches,
 )
 
 
@@ -110,13 +110,13 @@ def test_schedule_choice():
 
 
 def test_validate_num_microbatches():
-    validate_num_microbatches(3, 4, None)  # 1F1B takes any m >= 1 (warm-up is capped at m)
-    validate_num_microbatches(8, 4, 2)
+    get_schedule("auto", 4, None).validate(4, None, 3)  # 1F1B takes any m >= 1 (warm-up is capped at m)
+    get_schedule("auto", 4, 2).validate(4, 2, 8)
     with pytest.raises(ValueError, match=r"num_microbatches=6 is not divisible by pipeline_model_parallel_size=4.*"
                                          r"virtual_pipeline_model_parallel_size=2"):
-        validate_num_microbatches(6, 4, 2)
+        get_schedule("auto", 4, 2).validate(4, 2, 6)
     with pytest.raises(ValueError, match="num_microbatches=0"):
-        validate_num_microbatches(0, 2, None)
+        get_schedule("auto", 2, None).validate(2, None, 0)
 
 
 class _Chunk(nn.Module):

@@ -13,9 +13,11 @@ One microbatch on the slowest pipeline stage takes
 of the first and last stage, the gradient accumulation into the fp32 main grads, the exposed
 tensor-parallel collectives and the pipeline sends; the slowest stage's), and the step
 
-    T_step = m T_mb + (p - 1)/v T_mb  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
+    T_step = m T_mb + f/(1 - f) m T_mb  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
 
-(the 1F1B / interleaved bubble is ``(p - 1)/(v m)`` of the pipelined time). Collectives are ring
+with ``f`` the pipeline schedule's bubble, the idle fraction of the pipelined time (its ``bubble``:
+:mod:`lightning_megatron.pipeline.registry`; 1F1B ``(p - 1)/(m + p - 1)``, interleaved
+``(p - 1)/(v m + p - 1)``, so the idle time is ``(p - 1)/v T_mb``). Collectives are ring
 algorithms: an all-reduce of ``n`` bytes over ``k`` ranks moves ``2 (k-1)/k n`` bytes per rank, an
 all-gather or reduce-scatter ``(k-1)/k n``; time = bytes / (link bandwidth x link_eff) + latency,
 over NVLink inside a node and InfiniBand between nodes. Derivation and validation: docs/check.md.
@@ -26,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.check.memory import ModelShape, estimate_stage
+from lightning_megatron.check.memory import ModelShape, estimate_stage, layout_schedule
 from lightning_megatron.flops import transformer_flops
+from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
 __all__ = ["Device", "Efficiency", "Framework", "StepTime", "collective_time", "elementwise_bytes",
            "estimate_time", "grad_accumulation_bytes", "model_flops", "stage_flops", "vocab_bytes"]
@@ -259,8 +262,9 @@ def _bandwidth(dev: Device, eff: Efficiency, crosses_nodes: bool) -> tuple[float
 
 
 def estimate_time(m: ModelShape, layout: ParallelDims, dev: Device, eff: Efficiency = Efficiency(),
-                  fw: Framework = Framework()) -> StepTime:
-    """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices."""
+                  fw: Framework = Framework(), *, schedule: str | PipelineSchedule = AUTO) -> StepTime:
+    """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices under
+    the pipeline ``schedule`` (a registered name, ``"auto"``: the layout's)."""
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.vp or 1
     e, s, b, h = m.param_bytes, m.seq_length, m.micro_batch_size, m.hidden_size
     microbatches = m.global_batch_size // (b * d)
@@ -299,14 +303,16 @@ def estimate_time(m: ModelShape, layout: ParallelDims, dev: Device, eff: Efficie
     stages = []
     for stage in range(p):
         vocab_s = vocab_bytes(m, layout, stage) / vocab_rate
-        accumulate_s = grad_accumulation_bytes(estimate_stage(m, layout, stage).params, e, microbatches, fw) / mem_rate
+        params_s = estimate_stage(m, layout, stage, schedule=schedule).params
+        accumulate_s = grad_accumulation_bytes(params_s, e, microbatches, fw) / mem_rate
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
         stages.append((total, vocab_s, accumulate_s))
     compute_mb, vocab_mb, accumulate = max(stages)
     t_mb = compute_mb + tp_mb + pp_mb
-    bubble = (p - 1) / v * t_mb
+    idle = layout_schedule(layout, schedule).bubble(p, layout.vp, microbatches)  # of the pipelined time
+    bubble = idle / (1 - idle) * microbatches * t_mb
     # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
-    params = max(estimate_stage(m, layout, stage).params for stage in range(p))
+    params = max(estimate_stage(m, layout, stage, schedule=schedule).params for stage in range(p))
     dp_bw, dp_lat = _bandwidth(dev, eff, t * d > dpn)
     grads = params * fw.grad_reduce_bytes
     if layout.zero1:

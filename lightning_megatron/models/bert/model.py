@@ -33,7 +33,7 @@ from lightning_megatron.tensor_parallel import (
     set_param_facts,
     vocab_parallel_cross_entropy,
 )
-from lightning_megatron.tensor_parallel.deferred_wgrad import output_layer_deferral
+from lightning_megatron.tensor_parallel.backward import defer_output_layer_weight_grad
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 from lightning_megatron.transformer import (
     Dropout,
@@ -228,8 +228,8 @@ class BertModel(nn.Module):
                     config.hidden_size, self.padded_vocab_size, tp_group=tp_group, bias=True, gather_output=False,
                     init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
                     params_dtype=config.params_dtype, skip_weight_param_allocation=not owns_weight)
-            self.output_layer.deferred_wgrad = output_layer_deferral(config.defer_embedding_wgrad_compute,
-                                                                     pre_process=pre_process)
+            defer_output_layer_weight_grad(self.output_layer, config.defer_embedding_wgrad_compute,
+                                           pre_process=pre_process)
             if add_binary_head:
                 with seeded(seed, "pooler"):
                     self.pooler = Pooler(config, tp_group)

@@ -44,7 +44,7 @@ from lightning_megatron.tensor_parallel import (
     set_param_facts,
     vocab_parallel_cross_entropy,
 )
-from lightning_megatron.tensor_parallel.deferred_wgrad import output_layer_deferral
+from lightning_megatron.tensor_parallel.backward import defer_output_layer_weight_grad
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 from lightning_megatron.transformer import (
     Dropout,
@@ -173,8 +173,8 @@ class GPTModel(nn.Module):
                     config.hidden_size, self.padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
                     init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
                     params_dtype=config.params_dtype, skip_weight_param_allocation=not owns_weight)
-            self.output_layer.deferred_wgrad = output_layer_deferral(config.defer_embedding_wgrad_compute,
-                                                                     pre_process=pre_process)
+            defer_output_layer_weight_grad(self.output_layer, config.defer_embedding_wgrad_compute,
+                                           pre_process=pre_process)
         if share_embeddings_and_output_weights and (pre_process or post_process):
             # The strategy all-reduces this grad over the embedding group (first + last stage).
             set_param_facts(self.shared_embedding_or_output_weight(), shared_embedding=True)
