@@ -195,8 +195,9 @@ def _trust_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron.data.indexed_dataset import IndexedDataset
     from lightning_megatron.data.preprocess import preprocess_corpus
     from lightning_megatron.data.tokenizer import BertTokenizer, packaged_vocab_file
-    from lightning_megatron.models.bert.init_from import read_pretrained
     from lightning_megatron.models.bert.module import BertLightningModule
+
+    read_pretrained = BertLightningModule.read_pretrained
 
     v1_dir = ROOT / "tests" / "data" / "ckpt_v1_tp2"
     v1_model = json.loads((ROOT / "tests" / "data" / "ckpt_v1_tp2.json").read_text())["model"]

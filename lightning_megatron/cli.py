@@ -7,7 +7,7 @@
     lightning-megatron train-tokenizer --input a.txt --vocab-size 8192 --output-dir tok/ [--type bpe]
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2 [--estimate-memory]
-    lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt]
+    lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt] [--model-class C]
     lightning-megatron ... --allow-unverified-checkpoint     (any command: checkpoints without checksums load)
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
@@ -322,13 +322,18 @@ def _export(argv: list[str]) -> None:
                         help="the vocab.txt the model was trained with (default: the one the checkpoint names)")
     parser.add_argument("--tokenizer", default=None, help="GPT family: the tokenizer.json (or GPT-2 vocab.json) "
                                                           "the model was trained with (default: the checkpoint's)")
+    parser.add_argument("--model-class", default=None,
+                        help="the module class that wrote the checkpoint (package.module.Class), whose interop "
+                             "adapter exports it; default: the class the checkpoint records, else "
+                             "BertLightningModule (checkpoints written before they recorded it)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
     a = parser.parse_args(argv)
     from lightning_megatron.checkpoint import CheckpointError
-    from lightning_megatron.models.bert.convert import export_hf
+    from lightning_megatron.export import export_hf
 
     try:
-        print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite, tokenizer=a.tokenizer))
+        print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite, tokenizer=a.tokenizer,
+                        model_class=a.model_class))
     except (CheckpointError, OSError, ValueError) as error:
         parser.exit(1, f"lightning-megatron export: error: {error}\n")
 

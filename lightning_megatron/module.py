@@ -31,8 +31,11 @@ Lightning's:
   :meth:`load_from_checkpoint` of a checkpoint directory the CLI or the strategy wrote,
   ``init_from=SOURCE`` (loaded by :meth:`load_pretrained` once the chunks exist) and
   :meth:`from_pretrained` (the architecture read from the source). Our checkpoints are read for every
-  family; a family reads other sources by overriding :meth:`read_pretrained` / :meth:`read_architecture`
-  and names the arguments a source fixes in ``architecture_keys``.
+  family; a family reads Hugging Face folders and Megatron-LM checkpoints (and ``export hf`` writes
+  them) through the state-dict adapter its class declares, ``interop``
+  (:class:`~lightning_megatron.interop.StateDictAdapter`), and names the arguments a source fixes in
+  ``architecture_keys``. Every checkpoint records the class that wrote it (``module_class``), so
+  ``export hf`` takes that class's adapter.
 
 Nothing here imports the strategy, a model family or the CLI.
 """
@@ -40,7 +43,7 @@ Nothing here imports the strategy, a model family or the CLI.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -49,8 +52,11 @@ from typing_extensions import override
 
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.saved_model import SavedModel
+from lightning_megatron.saved_model import MODULE_CLASS, SavedModel, class_path
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
+
+if TYPE_CHECKING:
+    from lightning_megatron.interop import StateDictAdapter
 
 __all__ = ["MegatronLightningModule", "torch_class"]
 
@@ -128,6 +134,11 @@ class MegatronLightningModule(LightningModule):
     def on_chunks_built(self) -> None:
         """After ``model_chunks`` exist, before ``init_from``'s weights are copied into them."""
 
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The class that wrote the checkpoint (a plain string): `export hf` takes its interop adapter.
+        checkpoint[MODULE_CLASS] = class_path(type(self))
+
     def resolved_vocab_size(self) -> int:
         """``hparams.vocab_size``, else the datamodule's ``vocab_size`` (a recipe's ``vocab_size: null``
         takes the tokenizer's). Refuses when neither says."""
@@ -148,6 +159,10 @@ class MegatronLightningModule(LightningModule):
 
     # ------------------------------------------------------------------ weights from elsewhere
 
+    interop: ClassVar[StateDictAdapter | None] = None
+    """The family's state-dict adapter (:class:`~lightning_megatron.interop.StateDictAdapter`): the Hugging
+    Face folders and Megatron-LM checkpoints :meth:`read_pretrained` reads and ``export hf`` writes.
+    None: our checkpoints only."""
     architecture_keys: tuple[str, ...] = ()
     """Constructor arguments a weight source fixes (sizes, spec...): read from it by :meth:`from_pretrained`
     and ``--model.init_from``, and checked against the module's before loading."""
@@ -159,31 +174,19 @@ class MegatronLightningModule(LightningModule):
     @classmethod
     def read_pretrained(cls, source: str) -> SavedModel:
         """The weights of ``source`` as a :class:`~lightning_megatron.saved_model.SavedModel` (its hparams
-        restricted to ``architecture_keys``): a lightning_megatron checkpoint directory here; a family
-        adds the formats it reads."""
-        from pathlib import Path
+        restricted to ``architecture_keys``): a lightning_megatron checkpoint directory, or a Hugging Face
+        folder / Megatron-LM checkpoint through the class's ``interop`` adapter."""
+        from lightning_megatron.interop import read_pretrained
 
-        from lightning_megatron import checkpoint as ckpt
-        from lightning_megatron.saved_model import read_model_checkpoint
-
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"init_from={source!r} does not exist")
-        if not (path.is_dir() and (path / ckpt.MARKER).is_file()):
-            raise ValueError(f"init_from={source!r} is not a lightning_megatron checkpoint directory "
-                             f"({ckpt.MARKER} missing), the only source {cls.__name__} reads")
-        saved = read_model_checkpoint(path)
-        saved.hparams = {k: saved.hparams[k] for k in cls.architecture_keys if k in saved.hparams}
-        return saved
+        return read_pretrained(source, cls.interop, architecture_keys=cls.architecture_keys, owner=cls.__name__)
 
     @classmethod
     def read_architecture(cls, source: str) -> dict[str, Any]:
-        """The ``architecture_keys`` arguments ``source`` fixes (from its saved hyper-parameters here,
-        without reading its tensors)."""
-        from lightning_megatron.saved_model import read_saved_hparams
+        """The ``architecture_keys`` arguments ``source`` fixes, from its configuration (saved hyper-parameters,
+        ``config.json``, Megatron-LM ``args``), without reading its tensors."""
+        from lightning_megatron.interop import read_architecture
 
-        hparams = read_saved_hparams(source)
-        return {k: hparams[k] for k in cls.architecture_keys if k in hparams}
+        return read_architecture(source, cls.interop, architecture_keys=cls.architecture_keys, owner=cls.__name__)
 
     @classmethod
     def architecture_conflicts(cls, hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -10,7 +10,10 @@ the datamodule's hyper-parameters from ``extra.pt``, ``torch.load(weights_only=T
 
 :class:`~lightning_megatron.module.MegatronLightningModule` builds ``load_from_checkpoint``,
 ``from_pretrained`` and ``init_from`` on these for every family; a family adds the sources it reads
-besides our checkpoints (BERT: Hugging Face folders and Megatron-LM checkpoints).
+besides our checkpoints through its state-dict adapter (:mod:`lightning_megatron.interop`).
+
+Every checkpoint records the class path of the module that wrote it (:data:`MODULE_CLASS` in
+``extra.pt``, a plain string: :attr:`SavedModel.module_class`); ``export hf`` takes that class's adapter.
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import dcp_io
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
-__all__ = ["SavedModel", "read_model_checkpoint", "read_saved_hparams", "load_full_state_dict", "refuse_architecture"]
+__all__ = ["SavedModel", "MODULE_CLASS", "class_path", "read_model_checkpoint", "read_saved_hparams",
+           "load_full_state_dict", "refuse_architecture"]
+
+MODULE_CLASS = "module_class"
+"""The ``extra.pt`` entry naming the class of the module that wrote the checkpoint (``package.module.Class``)."""
 
 _LAYER = re.compile(r"^\w+\.layers\.(\d+)\.")
 """A transformer layer's parameter under its global number (``encoder.layers.3.*``, ``decoder.layers.3.*``)."""
@@ -50,6 +57,24 @@ class SavedModel:
     fresh: tuple[str, ...] = ()
     """Names of the model's tensors the source does not have and ``init_from`` initialises fresh (the
     MLM / binary heads of an encoder-only Hugging Face model)."""
+    module_class: str | None = None
+    """The class path of the module that wrote our checkpoint (:data:`MODULE_CLASS`); None for
+    checkpoints written before it was recorded, and for other sources."""
+
+
+def class_path(cls: type) -> str:
+    """``package.module.Class``: how a checkpoint names the class that wrote it."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _module_class(extra: dict[str, Any], path: Path) -> str | None:
+    """The checkpoint's :data:`MODULE_CLASS` record (a string; whether it names an importable class is
+    the business of whoever imports it), or None when it has none."""
+    value = extra.get(MODULE_CLASS)
+    if value is not None and not isinstance(value, str):
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt's {MODULE_CLASS!r} is {value!r}, not a class "
+                                   f"path (package.module.Class)")
+    return value
 
 
 def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
@@ -71,7 +96,7 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     return SavedModel(state_dict={k.removeprefix("model."): v for k, v in state.items()},
                       hparams=dict(extra.get("hyper_parameters") or {}),
                       datamodule_hparams=dict(extra.get("datamodule_hyper_parameters") or {}),
-                      layout=dict(info.get("layout") or {}))
+                      layout=dict(info.get("layout") or {}), module_class=_module_class(extra, path))
 
 
 def read_saved_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:

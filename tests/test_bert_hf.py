@@ -55,9 +55,9 @@ def _worker() -> dict:
         bert_config_from_hf,
         bert_model_kwargs_from_hf,
         bert_state_dict_from_hf,
-        gather_full_state_dict,
         hf_state_dict_from_bert,
     )
+    from lightning_megatron.interop.tp import gather_full_state_dict
     from lightning_megatron.parallel_state import initialize_model_parallel
 
     transformers.logging.set_verbosity_error()

@@ -135,7 +135,8 @@ def _worker(root: str) -> dict:
     import torch.distributed as dist
 
     from lightning_megatron.models.bert import BertModel
-    from lightning_megatron.models.bert.init_from import check_architecture, read_pretrained
+    from lightning_megatron.models.bert.interop import check_architecture
+    from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.models.bert.module import _tag_vocab_parallel
     from lightning_megatron.parallel_state import initialize_model_parallel
     from lightning_megatron.saved_model import load_full_state_dict
@@ -146,7 +147,7 @@ def _worker(root: str) -> dict:
     ps = initialize_model_parallel(ParallelDims(tp=2, pp=1))
     out = torch.load(root / "reference.pt", weights_only=True)
     for name in ("legacy", "tp2pp2", "torch_dist"):
-        saved = read_pretrained(root / name)
+        saved = BertLightningModule.read_pretrained(root / name)
         for exact_mlp in (False, True):
             activation = "gelu" if exact_mlp else "gelu_tanh"
             cfg = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,

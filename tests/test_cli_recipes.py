@@ -330,7 +330,6 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
 
     from lightning_megatron.callbacks import PredictionWriter
     from lightning_megatron.data.datamodule import BertDataModule
-    from lightning_megatron.models.bert.init_from import read_architecture
 
     pooled_module = BertLightningModule.load_from_checkpoint(ckpt, predict_output="pooled")
     dm = BertDataModule(max_seq_length=64, global_batch_size=8, micro_batch_size=4, eval_samples=10, num_workers=0)
@@ -348,7 +347,7 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
         want = module.model_chunks[0].pooler(hidden)
     torch.testing.assert_close(torch.from_numpy(pooled), want, rtol=0, atol=1e-5)
     # init_from of this checkpoint reads its architecture from the saved hyper-parameters.
-    assert {k: read_architecture(ckpt)[k] for k in ("num_layers", "hidden_size", "max_sequence_length")} == {
+    assert {k: BertLightningModule.read_architecture(ckpt)[k] for k in ("num_layers", "hidden_size", "max_sequence_length")} == {
         "num_layers": 1, "hidden_size": 128, "max_sequence_length": 64}
     # export hf: a non-empty target is refused unless --overwrite, which replaces it whole.
     (tmp_path / "hf" / "stale.bin").write_text("x")

@@ -144,7 +144,7 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
     from lightning.pytorch import Trainer
 
     from lightning_megatron.models.bert.classification import BertClassificationModule
-    from lightning_megatron.models.bert.convert import read_model_checkpoint
+    from lightning_megatron.saved_model import read_model_checkpoint
 
     texts = _sentences(75)
     train = _write(tmp_path / "train.csv", _stsb_rows(texts[:48], 3))

@@ -121,6 +121,40 @@ def test_the_generic_base_imports_no_model_family_and_no_strategy():
     assert not [m for m in _imports(bert, module_level_only=False) if m.startswith("lightning_megatron.strategy")]
 
 
+INTEROP = "lightning_megatron.interop"
+INTEROP_FORBIDDEN = ("lightning", "lightning_megatron.cli", "lightning_megatron.check", "lightning_megatron.callbacks",
+                     "lightning_megatron.models", "lightning_megatron.module", "lightning_megatron.strategy",
+                     "lightning_megatron.export")
+"""What the generic interop readers and writers never import: they reach a family only through the adapter
+its module class hands them."""
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_interop_imports_no_lightning_cli_check_callbacks_or_model_family():
+    assert any(_under(name, INTEROP) for name in _MODULES)
+    wrong = [f"{name} imports {imported}" for name, path in sorted(_MODULES.items()) if _under(name, INTEROP)
+             for imported in sorted(_imports(path, module_level_only=False))
+             if any(_under(imported, f) for f in INTEROP_FORBIDDEN)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_model_families_never_import_each_other():
+    families = sorted(p.name for p in (PACKAGE / "models").iterdir() if (p / "__init__.py").is_file())
+    assert {"bert", "gpt"} <= set(families)
+    wrong = []
+    for family in families:
+        mine = f"lightning_megatron.models.{family}"
+        others = [f"lightning_megatron.models.{f}" for f in families if f != family]
+        for name, path in sorted(_MODULES.items()):
+            if _under(name, mine):
+                wrong += [f"{name} imports {m}" for m in sorted(_imports(path, module_level_only=False))
+                          if any(_under(m, o) for o in others)]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_public_name_exists():
     """Every name a module lists in ``__all__`` is defined there (a moved or deleted function leaves no
     stale entry: clip_grads listed ``is_counted_once`` after it was removed)."""

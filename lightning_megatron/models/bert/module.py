@@ -26,14 +26,13 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
-from lightning_megatron.models.bert.init_from import ARCHITECTURE_KEYS, MISSING_TENSORS_HINT
+from lightning_megatron.models.bert.interop import ARCHITECTURE_KEYS, MISSING_TENSORS_HINT, BertInterop
 from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
 from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
 from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.pipeline.layout import stage_chunks
 from lightning_megatron.tensor_parallel import set_param_facts, vocab_parallel_cross_entropy
 from lightning_megatron.transformer.config import TransformerConfig, training_flops
@@ -194,31 +193,16 @@ class BertLightningModule(MegatronLightningModule):
 
     # ------------------------------------------------------------------ weights from elsewhere
 
+    interop = BertInterop()  # Hugging Face BERT / MegatronBERT folders, Megatron-LM checkpoints, export hf
     architecture_keys = ARCHITECTURE_KEYS
     missing_tensors_hint = MISSING_TENSORS_HINT
-
-    @classmethod
-    @override
-    def read_pretrained(cls, source: str) -> SavedModel:
-        """Our checkpoints, Hugging Face BERT / MegatronBERT folders and Megatron-LM checkpoints
-        (:func:`~lightning_megatron.models.bert.init_from.read_pretrained`)."""
-        from lightning_megatron.models.bert.init_from import read_pretrained
-
-        return read_pretrained(source)
-
-    @classmethod
-    @override
-    def read_architecture(cls, source: str) -> dict[str, Any]:
-        from lightning_megatron.models.bert.init_from import read_architecture
-
-        return read_architecture(source)
 
     @classmethod
     @override
     def architecture_conflicts(cls, hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
         """As the base, and a missing ``ffn_hidden_size`` is ``4 * hidden_size``, a missing
         ``lm_head_activation`` the ``activation``, a ``None`` vocabulary is checked on the tensors."""
-        from lightning_megatron.models.bert.init_from import architecture_conflicts
+        from lightning_megatron.models.bert.interop import architecture_conflicts
 
         return architecture_conflicts(hparams, source)
 

@@ -31,11 +31,11 @@ from typing_extensions import override
 
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
 from lightning_megatron.models.gpt.hf import GPT_ARCHITECTURE_KEYS
+from lightning_megatron.models.gpt.interop import GPTInterop
 from lightning_megatron.models.gpt.model import GPTModel, gpt_loss
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import stage_chunks
-from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.tensor_parallel import set_param_facts
 from lightning_megatron.flops import transformer_flops
 from lightning_megatron.transformer.config import TransformerConfig
@@ -205,26 +205,8 @@ class GPTLightningModule(MegatronLightningModule):
 
     # ------------------------------------------------------------------ weights from elsewhere
 
+    interop = GPTInterop()  # Hugging Face Llama / GPT-2 folders, Megatron-LM GPT checkpoints, export hf
     architecture_keys = GPT_ARCHITECTURE_KEYS
-
-    @classmethod
-    @override
-    def read_pretrained(cls, source: str) -> SavedModel:
-        """Our checkpoints (the base), Hugging Face Llama / GPT-2 folders and Megatron-LM GPT checkpoints
-        (:func:`~lightning_megatron.models.gpt.convert.read_pretrained_source`)."""
-        from lightning_megatron.models.gpt.convert import read_pretrained_source
-
-        saved = read_pretrained_source(source)
-        return saved if saved is not None else super().read_pretrained(source)
-
-    @classmethod
-    @override
-    def read_architecture(cls, source: str) -> dict[str, Any]:
-        """From a Hugging Face ``config.json``, Megatron-LM's ``args`` or our saved hyper-parameters."""
-        from lightning_megatron.models.gpt.convert import read_source_architecture
-
-        architecture = read_source_architecture(source)
-        return architecture if architecture is not None else super().read_architecture(source)
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """megatron-core names with global layer numbers (no chunk index)."""
