@@ -138,9 +138,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         layout_problems = dims.unsupported()
         if world is not None:
             dims = dims.for_world_size(world)
-    problems += [f"strategy: {p}" for p in layout_problems]
+    problems += layout_problems
     if dims is not None:  # a registered name (imported by now: the parsed class paths)
-        problems += [f"strategy: {p}" for p in [pipeline_schedule_problem(dims.schedule, dims.pp, dims.vp)] if p]
+        problems += [p for p in [pipeline_schedule_problem(dims.schedule, dims.pp, dims.vp)] if p]
     problems += [p for p in [timeout_problem(s.get("timeout"))] if p]
     tp = dims.tp if dims is not None else (_int(sizes["tp"]) or 1)
     pp = dims.pp if dims is not None else (_int(sizes["pp"]) or 1)
