@@ -329,7 +329,7 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
     import numpy as np
 
     from lightning_megatron.callbacks import PredictionWriter
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
 
     pooled_module = BertLightningModule.load_from_checkpoint(ckpt, predict_output="pooled")
     dm = BertDataModule(max_seq_length=64, global_batch_size=8, micro_batch_size=4, eval_samples=10, num_workers=0)

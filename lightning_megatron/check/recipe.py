@@ -35,7 +35,7 @@ _CALLBACKS = {"lightning_megatron.callbacks.MegatronOptimizerCallback",
 
 
 BERT_MODULE = "lightning_megatron.models.bert.module.BertLightningModule"
-BERT_DATA = "lightning_megatron.data.datamodule.BertDataModule"
+BERT_DATA = "lightning_megatron.datamodules.pretraining.BertDataModule"
 
 
 def import_class(path: str) -> type:
