@@ -6,8 +6,9 @@
 - :mod:`~lightning_megatron.datamodules.finetune`: :class:`FinetuneDataModule` and
   :class:`LabelledTextDataModule` (the user's labelled text, GLUE-shaped).
 
-Recipes name them by their module's path (``class_path: lightning_megatron.datamodules.gpt.GPTDataModule``).
-See ``docs/data.md``.
+Recipes name them by their module's path (``class_path: lightning_megatron.datamodules.gpt.GPTDataModule``);
+the paths they had under ``lightning_megatron.data`` are refused with the new one
+(:data:`lightning_megatron.recipes.MOVED_CLASS_PATHS`). See ``docs/data.md``.
 """
 
 from __future__ import annotations
