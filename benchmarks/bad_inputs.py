@@ -93,7 +93,7 @@ def _config_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
 def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
     from lightning_megatron.strategy import MegatronStrategy
@@ -156,7 +156,7 @@ def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
 
 def _data_and_checkpoint_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron import checkpoint as ckpt
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.data.preprocess import preprocess_corpus
 
     (tmp / "empty.txt").write_text("")

@@ -80,7 +80,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     if model_class is None and "model" not in named:
         from lightning_megatron.models.bert.module import BertLightningModule as model_class
     if datamodule_class is None and "data" not in named:
-        from lightning_megatron.data.datamodule import BertDataModule as datamodule_class
+        from lightning_megatron.datamodules.pretraining import BertDataModule as datamodule_class
     # The section's type: the callback's own arguments, or (megatron_optimizer) the OptimizerConfig the
     # callback takes, so that the section holds its fields (clip_grad: ...) without a config: level.
     _NAMED_CALLBACKS = {"megatron_optimizer": (MegatronOptimizerCallback, OptimizerConfig),
@@ -346,7 +346,7 @@ def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
     """``finetune fit|validate|test|predict``: BertClassificationModule over any FinetuneDataModule
     (``data: {class_path: ...LabelledTextDataModule, init_args: ...}``: your JSONL/CSV/datasets; or the
     built-in StdlibDocstringDataModule); ``model.num_classes`` comes from the data."""
-    from lightning_megatron.data.labelled_text import FinetuneDataModule
+    from lightning_megatron.datamodules.finetune import FinetuneDataModule
     from lightning_megatron.models.bert.classification import BertClassificationModule
 
     return _lightning_cli(argv, BertClassificationModule, FinetuneDataModule, link_num_classes=True,
@@ -427,10 +427,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _resolve_recipes(argv: list[str]) -> list[str]:
-    """``--config RECIPE`` with its ``base:`` recipes merged in (lightning_megatron.recipes)."""
-    from lightning_megatron.recipes import RecipeError, resolve_config_arguments
+    """``--config RECIPE`` with its ``base:`` recipes merged in (lightning_megatron.recipes); a class path
+    that has moved (``lightning_megatron.data.gpt_datamodule.GPTDataModule``), in a recipe or on the
+    command line, is refused here, before anything is built, naming the new one."""
+    from lightning_megatron.recipes import RecipeError, refuse_moved_class_paths, resolve_config_arguments
 
     try:
+        refuse_moved_class_paths(argv)
         return resolve_config_arguments(argv)
     except RecipeError as e:
         raise SystemExit(f"lightning-megatron: {e}") from None

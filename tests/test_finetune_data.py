@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_megatron.data.labelled_text import LabelledTextDataModule, encode_rows
+from lightning_megatron.data.labelled_text import encode_rows
 from lightning_megatron.data.tokenizer import BertTokenizer, packaged_vocab_file
+from lightning_megatron.datamodules.finetune import LabelledTextDataModule
 from lightning_megatron.models.bert.docstring_task import stdlib_docstrings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -106,7 +106,7 @@ def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):
     missing prompts are refused by name."""
     import pytest
 
-    from lightning_megatron.data.gpt_datamodule import GPTDataModule
+    from lightning_megatron.datamodules.gpt import GPTDataModule
     from lightning_megatron.data.predict import SAMPLE_INDEX, IndexedSamples, LengthGroupedBatchSampler
 
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"body": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))

@@ -22,7 +22,7 @@ import yaml
 
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.memory import DEFAULT_DROPOUT
-from lightning_megatron.recipes import read_recipe
+from lightning_megatron.recipes import read_recipe, refuse_moved_class_paths
 
 __all__ = ["RecipeCheck", "load_recipe", "parse_overrides"]
 
@@ -35,7 +35,7 @@ _CALLBACKS = {"lightning_megatron.callbacks.MegatronOptimizerCallback",
 
 
 BERT_MODULE = "lightning_megatron.models.bert.module.BertLightningModule"
-BERT_DATA = "lightning_megatron.data.datamodule.BertDataModule"
+BERT_DATA = "lightning_megatron.datamodules.pretraining.BertDataModule"
 
 
 def import_class(path: str) -> type:
@@ -128,6 +128,7 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     """Read a recipe (``yaml.safe_load``, no code runs; with its ``base:`` recipes); dropout is turned off,
     and ``defer_embedding_wgrad_compute`` (the schedule's business, not the math's)."""
     cfg = read_recipe(path)
+    refuse_moved_class_paths(cfg, f"recipe {str(path)!r}")
     model_class, model = _section(cfg.get("model"))
     model.update(model_overrides or {})
     data_class, data = _section(cfg.get("data"))
