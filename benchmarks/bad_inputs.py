@@ -96,7 +96,7 @@ def _config_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
 def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
@@ -160,7 +160,7 @@ def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
 
 def _data_and_checkpoint_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron import checkpoint as ckpt
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.data.preprocess import preprocess_corpus
 
     (tmp / "empty.txt").write_text("")
@@ -199,8 +199,9 @@ def _trust_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron.data.indexed_dataset import IndexedDataset
     from lightning_megatron.data.preprocess import preprocess_corpus
     from lightning_megatron.data.tokenizer import BertTokenizer, packaged_vocab_file
-    from lightning_megatron.models.bert.init_from import read_pretrained
     from lightning_megatron.models.bert.module import BertLightningModule
+
+    read_pretrained = BertLightningModule.read_pretrained
 
     v1_dir = ROOT / "tests" / "data" / "ckpt_v1_tp2"
     v1_model = json.loads((ROOT / "tests" / "data" / "ckpt_v1_tp2.json").read_text())["model"]

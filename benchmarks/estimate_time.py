@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import CPU_COUNT, BertSize, launch, median  # noqa: E402
+from lightning_megatron.parallel_dims import ParallelDims
 
 LAYOUTS = "tp1,tp2,pp2,pp2vp2,dp2,dp2zero1,tp2sp,tp2pp2,tp2dp2zero1"
 
@@ -51,7 +52,6 @@ def main() -> None:
     from bert_step import bert_rank
 
     from lightning_megatron.check.devices import measure_this_machine
-    from lightning_megatron.check.layouts import parse_layouts
     from lightning_megatron.check.memory import ModelShape
     from lightning_megatron.check.timing import MEASURED, Framework, estimate_time
 
@@ -74,7 +74,7 @@ def main() -> None:
     print(f"this machine, per core ({CPU_COUNT} cores): {rates(before)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     fw = Framework(overlap_grad_reduce=False, fused_attention=not shape.unfused_attention)  # the CPU tuning's
     runs = []
-    for layout in parse_layouts(a.layouts):
+    for layout in ParallelDims.parse_list(a.layouts):
         run = dict(framework="ours", size=size.as_dict(), precision=a.precision, tp=layout.tp, pp=layout.pp,
                    vp=layout.vp, sp=layout.sequence_parallel, zero1=layout.zero1, micro_batch=a.micro_batch,
                    batch=a.global_batch // layout.dp, seq=a.seq, warmup=a.warmup, steps=a.steps)

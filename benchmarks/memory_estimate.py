@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from lightning_megatron.parallel_dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -29,7 +30,7 @@ MODELS = {
 
 
 def run(name: str, layouts: list[str], steps: int) -> list[dict]:
-    from lightning_megatron.check import check_layouts, parse_layout
+    from lightning_megatron.check import check_layouts
     from lightning_megatron.check.memory import estimate_stage
     from lightning_megatron.check.memory_cli import model_shape
     from lightning_megatron.check.parity import Tolerances
@@ -49,7 +50,7 @@ def run(name: str, layouts: list[str], steps: int) -> list[dict]:
     shape = model_shape(recipe, on_cpu=True)
     rows = []
     for layout_name, lrun in report.runs.items():
-        layout = parse_layout(layout_name)
+        layout = ParallelDims.parse(layout_name)
         for stage in range(layout.pp):
             est = estimate_stage(shape, layout, stage)
             rank = stage * layout.tp * layout.dp  # the first rank of the stage (TP/DP peers hold the same)

@@ -44,7 +44,13 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lightning_megatron.parallel_state import initialize_model_parallel  # noqa: E402
-from lightning_megatron.pipeline import ScheduleEvent, get_forward_backward_func, stage_chunks  # noqa: E402
+from lightning_megatron.parallel_dims import ParallelDims  # noqa: E402
+from lightning_megatron.pipeline import (  # noqa: E402
+    ScheduleEvent,
+    get_forward_backward_func,
+    get_schedule,
+    stage_chunks,
+)
 
 __all__ = ["collect", "theory_bubble"]
 
@@ -52,8 +58,9 @@ S, B, H = 8, 2, 64  # activations [s, b, h]
 
 
 def theory_bubble(p: int, m: int, v: int) -> float:
-    """(p - 1) / (v m + p - 1); v = 1 is plain 1F1B."""
-    return (p - 1) / (v * m + p - 1)
+    """The layout's schedule's bubble: (p - 1) / (v m + p - 1); v = 1 is plain 1F1B (pipeline/registry.py)."""
+    vp = v if v > 1 else None
+    return get_schedule("auto", p, vp).bubble(p, vp, m)
 
 
 class _Work(torch.autograd.Function):
@@ -118,7 +125,7 @@ def _worker(rank: int, world: int, port: int, configs: list[tuple[int, int, int,
         _GEMM_SECONDS = (time.perf_counter() - start) / 50
     results = []
     for p, v, m, overlap in configs:
-        ps = initialize_model_parallel(1, p, v if v > 1 else None)
+        ps = initialize_model_parallel(ParallelDims(tp=1, pp=p, vp=v if v > 1 else None))
         vp = v if v > 1 else None
         chunks = [BenchChunk(c.pre_process, t_forward / v, matmul) for c in stage_chunks(p * v, p, ps.pp_rank, vp)]
         schedule = get_forward_backward_func(p, vp)

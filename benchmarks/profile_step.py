@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import CPU_COUNT, SIZES  # noqa: E402
 from bert_step import LR, WEIGHT_DECAY, SyntheticBatches  # noqa: E402
+from lightning_megatron.parallel_dims import ParallelDims
 
 
 def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None = None):
@@ -42,12 +43,11 @@ def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None =
     s = SIZES[size_name]
     if layers is not None:
         s = dataclasses.replace(s, num_layers=layers)
-    module = BertLightningModule(BertConfig(num_layers=s.num_layers, hidden_size=s.hidden_size,
-                                            num_attention_heads=s.num_attention_heads, ffn_hidden_size=s.ffn_hidden_size,
-                                            vocab_size=s.vocab_size, max_sequence_length=s.max_position_embeddings,
-                                            spec="bert_layer_post_norm_spec",
-                                            params_dtype="bfloat16" if dtype == "bf16" else "float32"),
-                                 lr=LR, weight_decay=WEIGHT_DECAY)
+    config = BertConfig(num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
+                        ffn_hidden_size=s.ffn_hidden_size, vocab_size=s.vocab_size,
+                        max_sequence_length=s.max_position_embeddings, spec="bert_layer_post_norm_spec",
+                        params_dtype="bfloat16" if dtype == "bf16" else "float32")
+    module = BertLightningModule(config, lr=LR, weight_decay=WEIGHT_DECAY)
     module.configure_model()
     opt = module.configure_optimizers()
     if dtype == "bf16":
@@ -83,7 +83,7 @@ def main() -> None:
 
     keep_freed_memory()  # as the opt-in CPU tuning does (CPUTuning(keep_freed_memory=True))
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    ps = initialize_model_parallel(1, 1)
+    ps = initialize_model_parallel(ParallelDims(tp=1, pp=1))
     module, opt, data = build(args.size, args.dtype, args.batch, args.seq, args.layers)
     chunk = module.model_chunks[0]
     from lightning_megatron.cpu import CPUTuning

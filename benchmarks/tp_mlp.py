@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import median, set_threads
+from lightning_megatron.parallel_dims import ParallelDims
 
 __all__ = ["tp_mlp_rank"]
 
@@ -75,7 +76,7 @@ def tp_mlp_rank(seq: int, batch: int, hidden: int, dtype_name: str, warmup: int,
     from lightning_megatron.parallel_state import initialize_model_parallel
 
     mcore_ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    ours_group = initialize_model_parallel(world).tp_group
+    ours_group = initialize_model_parallel(ParallelDims(tp=world)).tp_group
     mcore_group = mcore_ps.get_tensor_model_parallel_group()
     dtype = _DTYPES[dtype_name]
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {"MegatronStrategy": "lightning_megatron.strategy", "MegatronLightningModule": "lightning_megatron.module",
-         "ParallelLayout": "lightning_megatron.parallel_state",
+         "ParallelDims": "lightning_megatron.parallel_dims",
          "ParallelState": "lightning_megatron.parallel_state",
          "initialize_model_parallel": "lightning_megatron.parallel_state"}
 
@@ -21,5 +21,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'lightning_megatron' has no attribute {name!r}")
 
 
-__all__ = ["MegatronStrategy", "MegatronLightningModule", "ParallelLayout", "ParallelState", "initialize_model_parallel",
+__all__ = ["MegatronStrategy", "MegatronLightningModule", "ParallelDims", "ParallelState", "initialize_model_parallel",
            "__version__"]

@@ -65,7 +65,7 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
     verify_checkpoint,
 )
 from lightning_megatron.dcp_io import CheckpointError, Chunks
-from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.sharded_state import ShardedStateMapper, optimizer_extra, plain, rng_state, set_rng_state
 
 __all__ = [
@@ -78,7 +78,6 @@ __all__ = [
     "compare_hparams",
     "file_sha256",
     "init_defaults",
-    "layout_record",
     "ALLOW_UNVERIFIED_ENV",
     "allow_unverified",
     "load",
@@ -289,12 +288,6 @@ def remove(filepath: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------- load
 
 
-def layout_record(ps: ParallelState) -> dict[str, int | None]:
-    """The layout a checkpoint records (the RNG states are restored only at the same layout)."""
-    return {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vp": ps.vp_size,
-            "dp": ps.dp_size}
-
-
 def init_defaults(module_class: type) -> dict[str, Any]:
     """The keyword defaults of ``module_class.__init__`` and of the ``__init__`` s it passes its
     ``**kwargs`` to (its bases'; the class's own win): the value of a hyper-parameter that a checkpoint
@@ -349,6 +342,17 @@ def _shape_errors(state: dict[str, Any], metadata: Any) -> list[str]:
     return out
 
 
+def _same_ranks(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether every global rank has the same coordinates in both layouts (the RNG states of the ranks
+    then carry over); a record older than a dimension has it at its default."""
+    try:
+        a, b = ParallelDims.from_record(saved), ParallelDims.from_record(current)
+        sizes = (a.sizes(), b.sizes())
+    except (TypeError, ValueError):
+        return False
+    return sizes[0] == sizes[1]
+
+
 def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,
          layout: dict[str, int | None], load_optimizer: bool,
          hparam_defaults: dict[str, Any] | None = None,
@@ -399,8 +403,7 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     mapper.sync_shared_embeddings()
     if include_optimizer:
         mapper.fill_mains_from_model(targets)
-    saved = info.get("layout", {})
-    if all(saved.get(k) == layout.get(k) for k in ("world_size", "tp", "pp")):
+    if _same_ranks(info.get("layout") or {}, layout):
         rng_file = path / "rng" / f"rank_{rank}.pt"
         if rng_file.is_file():
             try:

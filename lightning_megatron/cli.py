@@ -7,7 +7,7 @@
     lightning-megatron train-tokenizer --input a.txt --vocab-size 8192 --output-dir tok/ [--type bpe]
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2 [--estimate-memory]
-    lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt]
+    lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt] [--model-class C]
     lightning-megatron ... --allow-unverified-checkpoint     (any command: checkpoints without checksums load)
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
@@ -80,7 +80,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     if model_class is None and "model" not in named:
         from lightning_megatron.models.bert.module import BertLightningModule as model_class
     if datamodule_class is None and "data" not in named:
-        from lightning_megatron.data.datamodule import BertDataModule as datamodule_class
+        from lightning_megatron.datamodules.pretraining import BertDataModule as datamodule_class
     moved = _moved_model_arguments(given, model_class)
     if moved:
         raise SystemExit(moved)
@@ -379,13 +379,18 @@ def _export(argv: list[str]) -> None:
                         help="the vocab.txt the model was trained with (default: the one the checkpoint names)")
     parser.add_argument("--tokenizer", default=None, help="GPT family: the tokenizer.json (or GPT-2 vocab.json) "
                                                           "the model was trained with (default: the checkpoint's)")
+    parser.add_argument("--model-class", default=None,
+                        help="the module class that wrote the checkpoint (package.module.Class), whose interop "
+                             "adapter exports it; default: the class the checkpoint records, else "
+                             "BertLightningModule (checkpoints written before they recorded it)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
     a = parser.parse_args(argv)
     from lightning_megatron.checkpoint import CheckpointError
-    from lightning_megatron.models.bert.convert import export_hf
+    from lightning_megatron.export import export_hf
 
     try:
-        print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite, tokenizer=a.tokenizer))
+        print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite, tokenizer=a.tokenizer,
+                        model_class=a.model_class))
     except (CheckpointError, OSError, ValueError) as error:
         parser.exit(1, f"lightning-megatron export: error: {error}\n")
 
@@ -398,7 +403,7 @@ def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
     """``finetune fit|validate|test|predict``: BertClassificationModule over any FinetuneDataModule
     (``data: {class_path: ...LabelledTextDataModule, init_args: ...}``: your JSONL/CSV/datasets; or the
     built-in StdlibDocstringDataModule); ``model.num_classes`` comes from the data."""
-    from lightning_megatron.data.labelled_text import FinetuneDataModule
+    from lightning_megatron.datamodules.finetune import FinetuneDataModule
     from lightning_megatron.models.bert.classification import BertClassificationModule
 
     return _lightning_cli(argv, BertClassificationModule, FinetuneDataModule, link_num_classes=True,
@@ -479,10 +484,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _resolve_recipes(argv: list[str]) -> list[str]:
-    """``--config RECIPE`` with its ``base:`` recipes merged in (lightning_megatron.recipes)."""
-    from lightning_megatron.recipes import RecipeError, resolve_config_arguments
+    """``--config RECIPE`` with its ``base:`` recipes merged in (lightning_megatron.recipes); a class path
+    that has moved (``lightning_megatron.data.gpt_datamodule.GPTDataModule``), in a recipe or on the
+    command line, is refused here, before anything is built, naming the new one."""
+    from lightning_megatron.recipes import RecipeError, refuse_moved_class_paths, resolve_config_arguments
 
     try:
+        refuse_moved_class_paths(argv)
         return resolve_config_arguments(argv)
     except RecipeError as e:
         raise SystemExit(f"lightning-megatron: {e}") from None

@@ -27,9 +27,9 @@ from typing import Any
 
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
-from lightning_megatron.parallel_state import model_parallel_size_problems
+from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
 from lightning_megatron.pipeline.layout import get_layer_range
-from lightning_megatron.pipeline.schedules import num_microbatches_problem
+from lightning_megatron.pipeline.registry import AUTO, pipeline_schedule_problem
 from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import batch_size_problem
 
@@ -110,32 +110,44 @@ def _world_size(trainer_args: Mapping[str, Any]) -> int | None:
 def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: Mapping[str, Any] | None = None,
                  strategy_args: Mapping[str, Any] | None = None, trainer_args: Mapping[str, Any] | None = None,
                  scheduler_args: Mapping[str, Any] | None = None, *,
-                 has_optimizer_callback: bool | None = None) -> list[str]:
+                 has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False) -> list[str]:
     """Every problem of this configuration, each with the offending values and the fix; [] when none.
 
     ``has_optimizer_callback``: whether a MegatronOptimizerCallback is configured (None: unknown,
-    skip the 16-bit-parameters check).
+    skip the 16-bit-parameters check); ``use_distributed_optimizer``: its ZeRO-1 setting.
     """
     m, d = flat_hparams(dict(model_hparams or {})), dict(data_hparams or {})  # config.<field> at the top level
     spelled = "model.config." if isinstance((model_hparams or {}).get("config"), Mapping) else "model."
     s, t, sch = dict(strategy_args or {}), dict(trainer_args or {}), dict(scheduler_args or {})
     problems: list[str] = []
-    tp = _int(s.get("tensor_model_parallel_size", 1)) or 1
-    pp = _int(s.get("pipeline_model_parallel_size", 1)) or 1
-    vp = _int(s.get("virtual_pipeline_model_parallel_size"))
     world = _world_size(t)
 
-    # --- layout
-    dp = None
-    if world is not None:
-        if world % (tp * pp):
-            problems.append(f"world size {world} (devices x num_nodes) is not divisible by "
-                            f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} (= {tp * pp}); "
-                            f"choose sizes whose product divides the number of processes")
-        else:
-            dp = world // (tp * pp)
-    problems += model_parallel_size_problems(tp, pp, vp, sequence_parallel=bool(s.get("sequence_parallel")))
+    # --- layout: the strategy's record, built as the strategy builds it (every rule once, in parallel_dims)
+    def size(key: str, default: Any) -> Any:
+        value = s.get(key, default)
+        return value if _int(value) is None else _int(value)
+
+    sizes = dict(tp=size("tensor_model_parallel_size", 1), pp=size("pipeline_model_parallel_size", 1),
+                 vp=size("virtual_pipeline_model_parallel_size", None), cp=size("context_parallel_size", 1),
+                 ep=size("expert_model_parallel_size", 1), etp=size("expert_tensor_parallel_size", None),
+                 sequence_parallel=bool(s.get("sequence_parallel", False)),
+                 zero1=bool(has_optimizer_callback and use_distributed_optimizer),
+                 schedule=s.get("pipeline_schedule", AUTO))
+    layout_problems = parallel_dims_problems(**sizes, world_size=world)
+    dims = None
+    if not layout_problems:
+        dims = ParallelDims(**sizes)
+        layout_problems = dims.unsupported()
+        if world is not None:
+            dims = dims.for_world_size(world)
+    problems += layout_problems
+    if dims is not None:  # a registered name (imported by now: the parsed class paths)
+        problems += [p for p in [pipeline_schedule_problem(dims.schedule, dims.pp, dims.vp)] if p]
     problems += [p for p in [timeout_problem(s.get("timeout"))] if p]
+    tp = dims.tp if dims is not None else (_int(sizes["tp"]) or 1)
+    pp = dims.pp if dims is not None else (_int(sizes["pp"]) or 1)
+    vp = dims.vp if dims is not None else _int(sizes["vp"])
+    dp = dims.dp if dims is not None else None
 
     # --- model sizes against TP / PP
     heads, hidden = _int(m.get("num_attention_heads")), _int(m.get("hidden_size"))
@@ -179,8 +191,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                         f"set it in one place (the data's, with the strategy's left null)")
     if gb is not None and micro is not None:  # the rules BatchSizes and the schedules apply at set-up
         problem = batch_size_problem(micro, gb, dp or 1)
-        if problem is None and dp is not None:
-            problem = num_microbatches_problem(gb // (micro * dp), pp, vp)
+        if problem is None and dims is not None and dims.resolved and \
+                pipeline_schedule_problem(dims.schedule, pp, vp) is None:
+            problem = pipeline_schedule_problem(dims.schedule, pp, vp, gb // (micro * dp))
         problems += [problem] if problem else []
 
     # --- sequence length
@@ -306,10 +319,11 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
 def validate_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: Mapping[str, Any] | None = None,
                     strategy_args: Mapping[str, Any] | None = None, trainer_args: Mapping[str, Any] | None = None,
                     scheduler_args: Mapping[str, Any] | None = None, *,
-                    has_optimizer_callback: bool | None = None) -> None:
+                    has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False) -> None:
     """:func:`check_config`, raising one :class:`ConfigError` (a ValueError) that lists every problem."""
     problems = check_config(model_hparams, data_hparams, strategy_args, trainer_args, scheduler_args,
-                            has_optimizer_callback=has_optimizer_callback)
+                            has_optimizer_callback=has_optimizer_callback,
+                            use_distributed_optimizer=use_distributed_optimizer)
     if problems:
         raise ConfigError(problems)
 
@@ -355,8 +369,11 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str
     # The CLI's named callback groups (``lr_schedule:``, ``megatron_optimizer:``; None when absent).
     if isinstance(c.get("lr_schedule"), Mapping):
         scheduler_args = dict(c["lr_schedule"])
+    zero1 = False
     if isinstance(c.get("megatron_optimizer"), Mapping):
         has_optimizer_callback = True
+        zero1 = bool(c["megatron_optimizer"].get("use_distributed_optimizer"))
     return dict(model_hparams=_init_args(c.get("model")), data_hparams=_init_args(c.get("data")),
                 strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
-                has_optimizer_callback=has_optimizer_callback if fitting else None)
+                has_optimizer_callback=has_optimizer_callback if fitting else None,
+                use_distributed_optimizer=zero1 and fitting)

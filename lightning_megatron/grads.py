@@ -432,10 +432,19 @@ class GradBuffer:
                    overlap_grad_reduce: bool, overlap_param_gather: bool = False,
                    accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> GradBuffer:
         """The buffer of this rank's model ``chunks`` (:func:`buffer_order`), padded to and reduced over
-        the data-parallel group, the tied embedding in its own last bucket under pipelining."""
+        the data-parallel group their :class:`~lightning_megatron.tensor_parallel.ParamFacts` name
+        (``data_parallel``), the tied embedding in its own last bucket under pipelining."""
         ps = parallel_state
-        dp_group = ps.dp_group if ps.dp_size > 1 else None
-        return cls(buffer_order(chunks), bucket_bytes=bucket_bytes, pad_to=ps.dp_size,
+        params = buffer_order(chunks)
+        names = sorted({param_facts(p).data_parallel for p in params}) or ["dp_cp"]
+        if len(names) > 1:
+            raise NotImplementedError(f"GradBuffer: the parameters are reduced over several data-parallel groups "
+                                      f"{names}; one buffer reduces over one group (a buffer per group is the "
+                                      f"extension expert parallelism needs)")
+        group = ps.group(names[0])
+        size = 1 if group is None else group.size
+        dp_group = group if size > 1 else None
+        return cls(params, bucket_bytes=bucket_bytes, pad_to=size,
                    separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
                    dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and dp_group is not None,
                    overlap_param_gather=overlap_param_gather and dp_group is not None, accumulate=accumulate)
@@ -471,15 +480,15 @@ def finalize_model_grads(buffer: GradBuffer, ps: ParallelState) -> None:
     t1 = time.perf_counter()
     if ps.tp_size > 1:
         all_reduce_coalesced([p.main_grad for p in buffer.params if param_facts(p).sequence_parallel],
-                             ps.tp_group)
+                             ps.group("tp"))
     if ps.pp_size > 1 and ps.embedding_group is not None and len(ps.embedding_ranks) > 1:
         deferred = [b for b in buffer.buckets if b.deferred]
         if deferred:  # the shared embeddings are contiguous there: reduce in place, no copy
             for b in deferred:
-                all_reduce(buffer.data[b.start: b.start + b.numel], ps.embedding_group)
+                all_reduce(buffer.data[b.start: b.start + b.numel], ps.group("embedding"))
         else:
             all_reduce_coalesced([p.main_grad for p in buffer.params if param_facts(p).shared_embedding],
-                                 ps.embedding_group)
+                                 ps.group("embedding"))
     t2 = time.perf_counter()
     buffer.finish_deferred()
     buffer.exposed_comm_seconds += t2 - t1

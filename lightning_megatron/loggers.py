@@ -58,10 +58,9 @@ def run_config(trainer: Any, model: Any) -> dict[str, Any]:
                        "accelerator": type(trainer.accelerator).__name__},
            "strategy": type(strategy).__name__}
     if isinstance(strategy, MegatronStrategy):
-        run["layout"] = {"tensor_model_parallel_size": strategy.tensor_model_parallel_size,
-                         "pipeline_model_parallel_size": strategy.pipeline_model_parallel_size,
-                         "virtual_pipeline_model_parallel_size": strategy.virtual_pipeline_model_parallel_size,
-                         "sequence_parallel": strategy.sequence_parallel, "micro_batch_size": strategy.micro_batch_size}
+        dims = strategy.parallel_dims  # Megatron's names, as the recipe writes them
+        run["layout"] = {"name": dims.name, **dims.strategy_kwargs(), "data_parallel_size": dims.dp,
+                         "use_distributed_optimizer": dims.zero1, "micro_batch_size": strategy.micro_batch_size}
     for callback in trainer.callbacks:  # the lr schedule, clipping and loss scaling
         if isinstance(callback, OptimizerParamSchedulerCallback):
             run["lr_schedule"] = dict(callback.kwargs)

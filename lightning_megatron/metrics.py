@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torchmetrics import MeanMetric, Metric, MetricCollection
 
-from lightning_megatron.parallel_state import ParallelState, process_group
+from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 
 __all__ = ["EVAL_STAGES", "Perplexity", "eval_stage", "log_epoch_metrics", "on_device", "sync_args"]
@@ -29,7 +29,7 @@ EVAL_STAGES = ("val", "test")
 def sync_args(ps: ParallelState) -> dict[str, Any]:
     """torchmetrics arguments: state gathered over the data-parallel group (no gather for one replica)."""
     # No gather at all for one replica; otherwise over the data-parallel group only.
-    return {"process_group": process_group(ps.dp_group), "sync_on_compute": ps.dp_size > 1}
+    return {"process_group": ps.dp_group, "sync_on_compute": ps.dp_size > 1}
 
 
 class Perplexity(MeanMetric):
@@ -53,14 +53,14 @@ def log_epoch_metrics(module: Any, metrics: MetricCollection, stage: str, ps: Pa
         # A replica whose rows were all padding updated nothing, yet computing syncs over the
         # data-parallel group: every replica computes when any did (one flag, once an epoch).
         flag = torch.tensor([float(updated)], device=device)
-        all_reduce(flag, ps.dp_group, dist.ReduceOp.MAX)
+        all_reduce(flag, ps.group("dp"), dist.ReduceOp.MAX)
         updated = bool(flag.item())
     if updated:
         computed = metrics.compute()
         values[:-1] = torch.stack([computed[n].detach().float().reshape(()) for n in names]).to(device)
         values[-1] = 1.0
     if ps.pp_size > 1:
-        dist.broadcast(values, src=ps.pp_ranks[-1], group=ps.pp_group.process_group)
+        dist.broadcast(values, src=ps.pp_ranks[-1], group=ps.pp_group)
     metrics.reset()
     out = dict(zip(names, values[:-1].unbind(0))) if values[-1] > 0 else {}
     for name, value in out.items():

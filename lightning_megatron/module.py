@@ -4,7 +4,7 @@ A model family subclasses it and writes only what is its own::
 
     class MyModule(MegatronLightningModule):
         def build_chunks(self, parallel_state):         # this rank's pieces, one per virtual stage
-            return [MyChunk(c.layers, c.pre_process, c.post_process, parallel_state.tp_group)
+            return [MyChunk(c.layers, c.pre_process, c.post_process, parallel_state.group("tp"))
                     for c in stage_chunks(BLOCKS, parallel_state.pp_size, parallel_state.pp_rank,
                                           parallel_state.vp_size)]
         def forward_step(self, microbatch, chunk):      # -> (output, loss_func or None)
@@ -31,8 +31,11 @@ Lightning's:
   :meth:`load_from_checkpoint` of a checkpoint directory the CLI or the strategy wrote,
   ``init_from=SOURCE`` (loaded by :meth:`load_pretrained` once the chunks exist) and
   :meth:`from_pretrained` (the architecture read from the source). Our checkpoints are read for every
-  family; a family reads other sources by overriding :meth:`read_pretrained` / :meth:`read_architecture`
-  and names the arguments a source fixes in ``architecture_keys``;
+  family; a family reads Hugging Face folders and Megatron-LM checkpoints (and ``export hf`` writes
+  them) through the state-dict adapter its class declares, ``interop``
+  (:class:`~lightning_megatron.interop.StateDictAdapter`), and names the arguments a source fixes in
+  ``architecture_keys``. Every checkpoint records the class that wrote it (``module_class``), so
+  ``export hf`` takes that class's adapter;
 - hyper-parameters across versions: :meth:`moved_arguments` names the constructor arguments that moved
   (``num_layers`` -> ``config.num_layers``), :meth:`upgrade_hparams` maps a checkpoint's saved
   hyper-parameters with it (load, resume, ``init_from``), and the CLI refuses the old spellings, naming
@@ -46,7 +49,7 @@ language-model half. Nothing here imports the strategy, a model family or the CL
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -55,8 +58,11 @@ from typing_extensions import override
 
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.saved_model import SavedModel
+from lightning_megatron.saved_model import MODULE_CLASS, SavedModel, class_path
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
+
+if TYPE_CHECKING:
+    from lightning_megatron.interop import StateDictAdapter
 
 __all__ = ["MegatronLightningModule", "torch_class"]
 
@@ -72,8 +78,6 @@ class MegatronLightningModule(LightningModule):
         self.model_chunks: nn.ModuleList | None = None
         self.parallel_state: ParallelState | None = None
         """Groups and coordinates of this process: the strategy's, or one process (after configure_model)."""
-        self.sequence_parallel: bool = False
-        """The strategy's ``sequence_parallel`` (activations outside TP regions split along the sequence)."""
         self._optimizer_spec: tuple[str, dict[str, Any]] | None = None
         self._lr_scheduler_spec: tuple[str, dict[str, Any]] | None = None
 
@@ -105,10 +109,14 @@ class MegatronLightningModule(LightningModule):
 
     # ------------------------------------------------------------------ set-up
 
-    def connect_parallel_state(self, parallel_state: ParallelState, *, sequence_parallel: bool = False) -> None:
+    def connect_parallel_state(self, parallel_state: ParallelState) -> None:
         """Called by the MegatronStrategy once its groups exist, before ``configure_model``."""
         self.parallel_state = parallel_state
-        self.sequence_parallel = sequence_parallel
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The layout's ``sequence_parallel`` (activations outside TP regions split along the sequence)."""
+        return self.parallel_state is not None and self.parallel_state.dims.sequence_parallel
 
     @override
     def configure_model(self) -> None:
@@ -131,6 +139,11 @@ class MegatronLightningModule(LightningModule):
 
     def on_chunks_built(self) -> None:
         """After ``model_chunks`` exist, before ``init_from``'s weights are copied into them."""
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The class that wrote the checkpoint (a plain string): `export hf` takes its interop adapter.
+        checkpoint[MODULE_CLASS] = class_path(type(self))
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every chunk's parameters under their own names (override when they depend on the layout)."""
@@ -193,6 +206,10 @@ class MegatronLightningModule(LightningModule):
 
     # ------------------------------------------------------------------ weights from elsewhere
 
+    interop: ClassVar[StateDictAdapter | None] = None
+    """The family's state-dict adapter (:class:`~lightning_megatron.interop.StateDictAdapter`): the Hugging
+    Face folders and Megatron-LM checkpoints :meth:`read_pretrained` reads and ``export hf`` writes.
+    None: our checkpoints only."""
     architecture_keys: tuple[str, ...] = ()
     """Constructor arguments a weight source fixes (sizes, spec...): read from it by :meth:`from_pretrained`
     and ``--model.init_from``, and checked against the module's before loading."""
@@ -206,31 +223,19 @@ class MegatronLightningModule(LightningModule):
     @classmethod
     def read_pretrained(cls, source: str) -> SavedModel:
         """The weights of ``source`` as a :class:`~lightning_megatron.saved_model.SavedModel` (its hparams
-        restricted to ``architecture_keys``): a lightning_megatron checkpoint directory here; a family
-        adds the formats it reads."""
-        from pathlib import Path
+        restricted to ``architecture_keys``): a lightning_megatron checkpoint directory, or a Hugging Face
+        folder / Megatron-LM checkpoint through the class's ``interop`` adapter."""
+        from lightning_megatron.interop import read_pretrained
 
-        from lightning_megatron import checkpoint as ckpt
-        from lightning_megatron.saved_model import read_model_checkpoint
-
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"init_from={source!r} does not exist")
-        if not (path.is_dir() and (path / ckpt.MARKER).is_file()):
-            raise ValueError(f"init_from={source!r} is not a lightning_megatron checkpoint directory "
-                             f"({ckpt.MARKER} missing), the only source {cls.__name__} reads")
-        saved = read_model_checkpoint(path)
-        saved.hparams = {k: saved.hparams[k] for k in cls.architecture_keys if k in saved.hparams}
-        return saved
+        return read_pretrained(source, cls.interop, architecture_keys=cls.architecture_keys, owner=cls.__name__)
 
     @classmethod
     def read_architecture(cls, source: str) -> dict[str, Any]:
-        """The ``architecture_keys`` arguments ``source`` fixes (from its saved hyper-parameters here,
-        without reading its tensors)."""
-        from lightning_megatron.saved_model import read_saved_hparams
+        """The ``architecture_keys`` arguments ``source`` fixes, from its configuration (saved hyper-parameters,
+        ``config.json``, Megatron-LM ``args``), without reading its tensors."""
+        from lightning_megatron.interop import read_architecture
 
-        hparams = read_saved_hparams(source)
-        return {k: hparams[k] for k in cls.architecture_keys if k in hparams}
+        return read_architecture(source, cls.interop, architecture_keys=cls.architecture_keys, owner=cls.__name__)
 
     @classmethod
     def architecture_conflicts(cls, hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -269,8 +274,8 @@ class MegatronLightningModule(LightningModule):
                             flag_prefix=self.architecture_flag_prefix)
         ps = self.parallel_state
         params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
-        load_full_state_dict(list(self.model_chunks), params, saved.state_dict, tp_rank=ps.tp_rank,
-                             tp_size=ps.tp_size, num_layers=hparams.get("num_layers"), source_name=name,
+        load_full_state_dict(list(self.model_chunks), params, saved.state_dict, coordinates=ps.coordinates,
+                             sizes=ps.dims.sizes(), num_layers=hparams.get("num_layers"), source_name=name,
                              optional=() if everything else self.optional_pretrained, fresh=saved.fresh,
                              missing_hint=self.missing_tensors_hint, flag_prefix=self.architecture_flag_prefix)
         fresh = [n for n, _ in params if n in saved.fresh]

@@ -1,7 +1,8 @@
-"""Process groups for tensor, pipeline and data parallelism, in Megatron's rank order.
+"""The process groups of a layout and this rank's place in it (:class:`ParallelState`).
 
-Global rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank: tensor-parallel ranks vary fastest
-(so a TP group stays inside one node), then data-parallel, then pipeline-parallel.
+The layout is one record, :class:`~lightning_megatron.parallel_dims.ParallelDims` (sizes, rank order,
+the ranks of every group); :func:`initialize_model_parallel` makes its torch groups. Tensor-parallel
+ranks vary fastest (so a TP group stays inside one node), then context-, data- and pipeline-parallel.
 
 Nothing here is a hidden global: :func:`initialize_model_parallel` returns a :class:`ParallelState`
 that the caller passes to whatever needs a group. Layers take their group as an argument: a
@@ -14,20 +15,18 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch.distributed as dist
 
 from lightning_megatron.communicator import Communicator, TorchCommunicator
+from lightning_megatron.parallel_dims import GROUP_DIMS, ParallelDims
 
 __all__ = [
     "ParallelGroup",
     "Group",
     "process_group",
     "group_communicator",
-    "ParallelLayout",
-    "model_parallel_size_problems",
-    "validate_model_parallel_sizes",
+    "GROUP_NAMES",
     "ParallelState",
     "initialize_model_parallel",
     "group_size",
@@ -35,7 +34,9 @@ __all__ = [
 ]
 
 
-_GROUP_NAMES = ("tp", "dp", "pp", "mp", "embedding")
+GROUP_NAMES: tuple[str, ...] = (*GROUP_DIMS, "embedding")
+"""Every group a :class:`ParallelState` holds (:data:`~lightning_megatron.parallel_dims.GROUP_DIMS`, and
+the embedding group: first and last pipeline stage)."""
 
 
 class ParallelGroup:
@@ -96,178 +97,186 @@ def group_communicator(group: Group) -> Communicator:
     return TorchCommunicator(group)
 
 
-def model_parallel_size_problems(tp: Any, pp: Any, vp: Any, *, sequence_parallel: bool = False) -> list[str]:
-    """The rules on the sizes alone (no world size), one message per broken rule: positive integers,
-    a virtual pipeline size only with pipelining (``vp`` set with ``pp=1`` would be ignored), sequence
-    parallelism only with tensor parallelism. The strategy, the layout and the pre-launch config
-    check all read these rules here."""
-    problems = []
-    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"{name}={value!r} must be a positive integer")
-    if problems:
-        return problems
-    if vp is not None:
-        if not isinstance(vp, int) or isinstance(vp, bool) or vp < 1:
-            problems.append(f"virtual_pipeline_model_parallel_size={vp!r} must be a positive integer or None")
-        elif pp < 2:
-            problems.append(f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
-                            f"(got {pp}); leave it None (null) without pipelining")
-    if sequence_parallel and tp == 1:
-        problems.append("sequence_parallel=True has no effect with tensor_model_parallel_size=1; "
-                        "set tensor_model_parallel_size > 1 or turn it off")
-    return problems
-
-
-def validate_model_parallel_sizes(tp: int, pp: int, vp: int | None, *, sequence_parallel: bool = False) -> None:
-    """:func:`model_parallel_size_problems` as one ``ValueError``."""
-    problems = model_parallel_size_problems(tp, pp, vp, sequence_parallel=sequence_parallel)
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelLayout:
-    """The sizes of a layout and their validation; no process groups (pure arithmetic)."""
-
-    world_size: int
-    """Total number of processes."""
-    tensor_model_parallel_size: int = 1
-    """Ranks a linear layer is split across (TP)."""
-    pipeline_model_parallel_size: int = 1
-    """Number of pipeline stages (PP)."""
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Model chunks per pipeline rank for the interleaved schedule (VP); None for one chunk."""
-
-    def __post_init__(self) -> None:
-        tp, pp, w = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.world_size
-        validate_model_parallel_sizes(tp, pp, self.virtual_pipeline_model_parallel_size)
-        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
-            raise ValueError(f"world_size={w!r} must be a positive integer")
-        if w % (tp * pp) != 0:
-            raise ValueError(
-                f"world_size={w} is not divisible by tensor_model_parallel_size={tp} * "
-                f"pipeline_model_parallel_size={pp} (= {tp * pp}); choose sizes whose product divides "
-                f"the number of processes"
-            )
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
-
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
-        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
-        return rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
-        return pp_rank * dp * tp + dp_rank * tp + tp_rank
-
-    def tp_groups(self) -> list[list[int]]:
-        tp, dp, pp = self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size
-        return [[self.rank_of(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
-
-    def dp_groups(self) -> list[list[int]]:
-        tp, dp, pp = self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size
-        return [[self.rank_of(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
-
-    def pp_groups(self) -> list[list[int]]:
-        tp, dp, pp = self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size
-        return [[self.rank_of(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
-
-    def mp_groups(self) -> list[list[int]]:
-        """Model-parallel groups: every TP and PP rank of one data-parallel replica."""
-        tp, dp, pp = self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size
-        return [[self.rank_of(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
-
-    def embedding_groups(self) -> list[list[int]]:
-        """First and last pipeline stage of each pipeline (one rank when PP=1)."""
-        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
-
-
 @dataclass(kw_only=True)
 class ParallelState:
-    """This rank's place in a layout and the groups it belongs to.
+    """This rank's place in a layout (:class:`~lightning_megatron.parallel_dims.ParallelDims`) and the
+    groups it belongs to.
 
-    Groups are ``None`` when the job is a single process without ``torch.distributed``.
+    ``tp_group``, ``dp_group``, ``pp_group``, ... are torch ``ProcessGroup`` s, as Megatron's
+    ``get_tensor_model_parallel_group()`` returns: what ``torch.distributed`` functions take.
+    :meth:`group` gives the same group as a :class:`ParallelGroup`, with the communicator that runs
+    its collectives: what the library hands to layers and mappings. Every group is ``None`` when the
+    job is a single process without ``torch.distributed``.
     """
 
-    layout: ParallelLayout
+    dims: ParallelDims
+    """The layout, resolved (``dims.dp`` set)."""
     rank: int = 0
-    tp_group: ParallelGroup | None = None
-    dp_group: ParallelGroup | None = None
-    pp_group: ParallelGroup | None = None
-    mp_group: ParallelGroup | None = None
-    embedding_group: ParallelGroup | None = None
-    pp_ranks: list[int] = field(default_factory=lambda: [0])
-    """Global ranks of this rank's pipeline, stage 0 first (for point-to-point sends)."""
-    embedding_ranks: list[int] = field(default_factory=lambda: [0])
-    """Global ranks of this rank's embedding group (first and last stage)."""
+    groups: dict[str, ParallelGroup] = field(default_factory=dict)
+    """This rank's group of every name of :data:`GROUP_NAMES` (empty for a single process)."""
+    members: dict[str, list[int]] = field(default_factory=dict)
+    """The global ranks of each of this rank's groups, in rank order."""
     _installed: set[str] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.dims.resolved:
+            raise ValueError(f"ParallelState needs resolved dims (dp set), got {self.dims!r}; use "
+                             f"dims.for_world_size(world_size)")
+        self._coords = self.dims.coordinates(self.rank)
+
+    # -- groups --------------------------------------------------------------------------------------
+
+    def group(self, name: str) -> ParallelGroup | None:
+        """The group called ``name`` (:data:`GROUP_NAMES`) with its communicator; None for one process."""
+        if name not in GROUP_NAMES:
+            raise ValueError(f"unknown group name {name!r}; expected one of {GROUP_NAMES}")
+        return self.groups.get(name)
+
+    def _torch_group(self, name: str) -> dist.ProcessGroup | None:
+        group = self.group(name)
+        return None if group is None else group.process_group
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """Tensor-parallel group (torch)."""
+        return self._torch_group("tp")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """Context-parallel group (torch)."""
+        return self._torch_group("cp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """Data-parallel group (torch)."""
+        return self._torch_group("dp")
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        """Data- and context-parallel group (torch): where replicated parameters' gradients are reduced."""
+        return self._torch_group("dp_cp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """Pipeline group (torch): this rank's pipeline, stage 0 first."""
+        return self._torch_group("pp")
+
+    @property
+    def mp_group(self) -> dist.ProcessGroup | None:
+        """Model-parallel group (torch): every TP and PP rank of one replica (the gradient norm's sum)."""
+        return self._torch_group("mp")
+
+    @property
+    def embedding_group(self) -> dist.ProcessGroup | None:
+        """First and last pipeline stage (torch): the tied word embedding's gradient sum."""
+        return self._torch_group("embedding")
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """Expert-parallel group (torch)."""
+        return self._torch_group("ep")
+
+    @property
+    def expert_tp_group(self) -> dist.ProcessGroup | None:
+        """Expert tensor-parallel group (torch)."""
+        return self._torch_group("expert_tp")
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        """Expert data-parallel group (torch): where expert parameters' gradients are reduced."""
+        return self._torch_group("expert_dp")
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, stage 0 first (for point-to-point sends)."""
+        return self.members.get("pp", [self.rank])
+
+    @property
+    def embedding_ranks(self) -> list[int]:
+        """Global ranks of this rank's embedding group (first and last stage)."""
+        return self.members.get("embedding", [self.rank])
+
+    # -- communicators -------------------------------------------------------------------------------
 
     @property
     def communicators(self) -> dict[str, Communicator]:
         """Communicators installed for this state's groups, by group name ("tp", "dp", "mp", ...);
         a group without one runs its collectives through ``torch.distributed``."""
-        return {name: self.group(name).communicator for name in sorted(self._installed)}
-
-    def group(self, name: str) -> ParallelGroup | None:
-        """The group called ``name``: "tp", "dp", "pp", "mp" or "embedding"."""
-        if name not in _GROUP_NAMES:
-            raise ValueError(f"unknown group name {name!r}; expected one of {_GROUP_NAMES}")
-        return getattr(self, f"{name}_group")
+        return {name: self.groups[name].communicator for name in sorted(self._installed)}
 
     def set_communicator(self, name: str, comm: Communicator | None) -> None:
         """Run the collectives of group ``name`` through ``comm`` (``None``: back to torch).
 
         Every collective of :mod:`lightning_megatron.tensor_parallel.mappings` on that group (as
         passed to layers, gradient reduction and metrics) uses it until
-        :meth:`close_communicators`. A replaced communicator is closed.
+        :meth:`close_communicators`. A replaced communicator is closed unless another group still uses it.
         """
         group = self.group(name)
         if group is None:
             raise ValueError(f"ParallelState has no {name!r} group (single process); nothing to install")
         old = group.communicator
-        if name in self._installed and old is not comm:
-            old.close()
         self._installed.discard(name)
         group.communicator = TorchCommunicator(group.process_group) if comm is None else comm
         if comm is not None:
             self._installed.add(name)
+        if old is not comm and not any(self.groups[n].communicator is old for n in self._installed):
+            old.close()
 
     def close_communicators(self) -> None:
         """Close every installed communicator; the groups go back to ``torch.distributed``."""
         for name in sorted(self._installed):
             self.set_communicator(name, None)
 
+    # -- sizes and coordinates -----------------------------------------------------------------------
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's coordinate on every dimension (:meth:`ParallelDims.coordinates`)."""
+        return dict(self._coords)
+
     @property
     def tp_size(self) -> int:
-        return self.layout.tensor_model_parallel_size
+        return self.dims.tp
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
 
     @property
     def pp_size(self) -> int:
-        return self.layout.pipeline_model_parallel_size
+        return self.dims.pp
 
     @property
     def dp_size(self) -> int:
-        return self.layout.data_parallel_size
+        return self.dims.sizes()["dp"]
 
     @property
     def vp_size(self) -> int | None:
-        return self.layout.virtual_pipeline_model_parallel_size
+        return self.dims.vp
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
 
     @property
     def tp_rank(self) -> int:
-        return self.layout.coordinates(self.rank)[0]
+        return self._coords["tp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self._coords["cp"]
 
     @property
     def dp_rank(self) -> int:
-        return self.layout.coordinates(self.rank)[1]
+        return self._coords["dp"]
 
     @property
     def pp_rank(self) -> int:
-        return self.layout.coordinates(self.rank)[2]
+        return self._coords["pp"]
+
+    @property
+    def ep_rank(self) -> int:
+        return self._coords["ep"]
 
     def is_pipeline_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -288,59 +297,38 @@ class ParallelState:
     @classmethod
     def single_process(cls) -> ParallelState:
         """The trivial layout: one process, no groups."""
-        return cls(layout=ParallelLayout(world_size=1))
+        return cls(dims=ParallelDims(dp=1))
 
 
-def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: int | None = None,
-    *,
-    timeout: datetime.timedelta | None = None,
-) -> ParallelState:
-    """Build the TP, DP, PP, model-parallel and embedding groups on the default process group.
+def initialize_model_parallel(dims: ParallelDims, *, timeout: datetime.timedelta | None = None) -> ParallelState:
+    """Build every group of ``dims`` (:data:`GROUP_NAMES`) on the default process group.
 
-    Every rank must call this with the same arguments (``new_group`` is collective). Returns this
-    rank's :class:`ParallelState`. Raises ``ValueError`` before creating any group when the world
-    size is not divisible by ``tp * pp``.
+    Every rank must call this with the same ``dims`` (``new_group`` is collective). ``dims.dp`` may be
+    None (the rest of the world). One torch group is made per distinct set of ranks, so names that
+    span the same ranks (``dp`` and ``dp_cp`` without context parallelism) share it; each name keeps
+    its own :class:`ParallelGroup` (and communicator). Returns this rank's :class:`ParallelState`.
+    Raises :class:`~lightning_megatron.parallel_dims.ParallelDimsError` before creating any group
+    when the sizes do not fit the world.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel needs an initialized default process group; call "
             "torch.distributed.init_process_group first (the MegatronStrategy does this for you)"
         )
-    layout = ParallelLayout(
-        world_size=dist.get_world_size(),
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-    )
+    if not isinstance(dims, ParallelDims):
+        raise TypeError(f"initialize_model_parallel takes a ParallelDims (e.g. ParallelDims(tp=2)), got {dims!r}")
+    dims = dims.for_world_size(dist.get_world_size())
     rank = dist.get_rank()
     kwargs = {} if timeout is None else {"timeout": timeout}
-
-    def mine(all_groups: list[list[int]]) -> tuple[ParallelGroup | None, list[int]]:
-        chosen, chosen_ranks = None, [rank]
-        for ranks in all_groups:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks, **kwargs)
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    groups: dict[str, ParallelGroup] = {}
+    members: dict[str, list[int]] = {}
+    for name in GROUP_NAMES:
+        for ranks in dims.group_ranks(name):  # every rank creates every group, in the same order
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(list(ranks), **kwargs)
             if rank in ranks:
-                chosen, chosen_ranks = group, ranks
-        if chosen is None:
-            return None, chosen_ranks
-        return ParallelGroup(chosen), chosen_ranks
-
-    tp_group, _ = mine(layout.tp_groups())
-    dp_group, _ = mine(layout.dp_groups())
-    pp_group, pp_ranks = mine(layout.pp_groups())
-    mp_group, _ = mine(layout.mp_groups())
-    embedding_group, embedding_ranks = mine(layout.embedding_groups())
-    return ParallelState(
-        layout=layout,
-        rank=rank,
-        tp_group=tp_group,
-        dp_group=dp_group,
-        pp_group=pp_group,
-        mp_group=mp_group,
-        embedding_group=embedding_group,
-        pp_ranks=list(pp_ranks),
-        embedding_ranks=list(embedding_ranks),
-    )
+                groups[name] = ParallelGroup(made[key], size=len(ranks), rank=ranks.index(rank))
+                members[name] = list(ranks)
+    return ParallelState(dims=dims, rank=rank, groups=groups, members=members)

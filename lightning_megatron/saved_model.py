@@ -11,7 +11,10 @@ also flat, its config record's fields at the top level as every architecture dic
 
 :class:`~lightning_megatron.module.MegatronLightningModule` builds ``load_from_checkpoint``,
 ``from_pretrained`` and ``init_from`` on these for every family; a family adds the sources it reads
-besides our checkpoints (BERT: Hugging Face folders and Megatron-LM checkpoints).
+besides our checkpoints through its state-dict adapter (:mod:`lightning_megatron.interop`).
+
+Every checkpoint records the class path of the module that wrote it (:data:`MODULE_CLASS` in
+``extra.pt``, a plain string: :attr:`SavedModel.module_class`); ``export hf`` takes that class's adapter.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,8 +33,11 @@ from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import dcp_io
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
-__all__ = ["SavedModel", "read_model_checkpoint", "read_saved_hparams", "load_full_state_dict", "refuse_architecture",
-           "flat_hparams"]
+__all__ = ["SavedModel", "MODULE_CLASS", "class_path", "read_model_checkpoint", "read_saved_hparams",
+           "load_full_state_dict", "refuse_architecture", "flat_hparams"]
+
+MODULE_CLASS = "module_class"
+"""The ``extra.pt`` entry naming the class of the module that wrote the checkpoint (``package.module.Class``)."""
 
 _LAYER = re.compile(r"^\w+\.layers\.(\d+)\.")
 """A transformer layer's parameter under its global number (``encoder.layers.3.*``, ``decoder.layers.3.*``)."""
@@ -55,6 +62,24 @@ class SavedModel:
     fresh: tuple[str, ...] = ()
     """Names of the model's tensors the source does not have and ``init_from`` initialises fresh (the
     MLM / binary heads of an encoder-only Hugging Face model)."""
+    module_class: str | None = None
+    """The class path of the module that wrote our checkpoint (:data:`MODULE_CLASS`); None for
+    checkpoints written before it was recorded, and for other sources."""
+
+
+def class_path(cls: type) -> str:
+    """``package.module.Class``: how a checkpoint names the class that wrote it."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _module_class(extra: dict[str, Any], path: Path) -> str | None:
+    """The checkpoint's :data:`MODULE_CLASS` record (a string; whether it names an importable class is
+    the business of whoever imports it), or None when it has none."""
+    value = extra.get(MODULE_CLASS)
+    if value is not None and not isinstance(value, str):
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt's {MODULE_CLASS!r} is {value!r}, not a class "
+                                   f"path (package.module.Class)")
+    return value
 
 
 def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
@@ -77,7 +102,7 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     return SavedModel(state_dict={k.removeprefix("model."): v for k, v in state.items()},
                       hparams=flat_hparams(hparams), module_hparams=hparams,
                       datamodule_hparams=dict(extra.get("datamodule_hyper_parameters") or {}),
-                      layout=dict(info.get("layout") or {}))
+                      layout=dict(info.get("layout") or {}), module_class=_module_class(extra, path))
 
 
 def flat_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
@@ -113,11 +138,13 @@ def refuse_architecture(wrong: list[tuple[str, Any, Any]], source_name: str, *, 
 
 
 def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[str, nn.Parameter]],
-                         full: dict[str, torch.Tensor], *, tp_rank: int, tp_size: int, num_layers: int | None,
+                         full: dict[str, torch.Tensor], *, coordinates: Mapping[str, int],
+                         sizes: Mapping[str, int], num_layers: int | None,
                          source_name: str, optional: tuple[str, ...] = (), fresh: tuple[str, ...] = (),
                          missing_hint: str = "", flag_prefix: str = "--model.") -> None:
     """Copy this rank's slice of every tensor of ``full`` (TP=1, unpadded vocab, global layer names)
-    into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``).
+    into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``), this rank being
+    at ``coordinates`` among the dimension ``sizes`` (``ParallelState.coordinates``, ``ParallelDims.sizes()``).
     Parameters whose names start with one of ``optional`` keep their initialization when the source
     lacks them (a warning names them); those named in ``fresh`` keep it silently (the caller warns once).
     ``num_layers``: checked against the source's layers (None: not checked); ``missing_hint``: the
@@ -142,11 +169,12 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                 else:
                     missing.append(key)
                 continue
-            sharded = facts.tensor_model_parallel and tp_size > 1
+            rank, count = facts.shard(coordinates, sizes)  # this rank's piece of the sharded dimensions
+            sharded = count > 1
             dim = facts.partition_dim % p.dim() if sharded else 0
             real = facts.real_vocab_size
             if real is not None:
-                padded = p.size(0) * (tp_size if sharded else 1)
+                padded = p.size(0) * count
                 if t.size(0) < real:
                     raise ValueError(f"init_from={source_name!r}: {key} has a vocabulary of {t.size(0)} rows, "
                                      f"the model's vocab_size is {real}: set {flag_prefix}vocab_size {t.size(0)}")
@@ -155,10 +183,10 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
             if sharded and facts.partition_stride > 1:
                 # Megatron's strided partition (a SwiGLU fc1: full [gate; up], each rank [gate_r; up_r]):
                 # this rank's slice of every one of the stride blocks, in order.
-                t = torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in t.chunk(facts.partition_stride, dim=dim)],
+                t = torch.cat([b.chunk(count, dim=dim)[rank] for b in t.chunk(facts.partition_stride, dim=dim)],
                               dim=dim)
             elif sharded:
-                t = t.chunk(tp_size, dim=dim)[tp_rank]
+                t = t.chunk(count, dim=dim)[rank]
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but "
                                  f"the parameter has {tuple(p.shape)}; the model's sizes differ from the source's")

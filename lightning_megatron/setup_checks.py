@@ -20,8 +20,9 @@ from torch import nn
 
 from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_precision
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
-from lightning_megatron.parallel_state import ParallelLayout, ParallelState, validate_model_parallel_sizes
-from lightning_megatron.pipeline.schedules import validate_num_microbatches
+from lightning_megatron.parallel_dims import ParallelDims, ParallelDimsError
+from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.pipeline.registry import PipelineSchedule
 from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import BatchSizes
 
@@ -29,12 +30,15 @@ __all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "reso
            "check_nodes", "gather_node_ranks", "tp_groups_across_nodes"]
 
 
-def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_parallel: bool,
-                             micro_batch_size: int | None, ddp_bucket_size_mb: float,
-                             overlap_param_gather: bool) -> None:
-    """``MegatronStrategy(...)``'s arguments on their own, at construction (before any process starts)."""
+def check_strategy_arguments(dims: dict[str, Any], *, micro_batch_size: int | None, ddp_bucket_size_mb: float,
+                             overlap_param_gather: bool) -> ParallelDims:
+    """``MegatronStrategy(...)``'s arguments on their own, at construction (before any process starts);
+    returns the layout's record built from ``dims`` (:class:`ParallelDims`' fields)."""
     try:
-        validate_model_parallel_sizes(tp, pp, vp, sequence_parallel=sequence_parallel)
+        record = ParallelDims(**dims)
+        unsupported = record.unsupported()
+        if unsupported:
+            raise ParallelDimsError(unsupported)
         BatchSizes(micro_batch_size=micro_batch_size, global_batch_size=None)
     except ValueError as e:
         raise ValueError(f"MegatronStrategy: {e}") from None
@@ -42,6 +46,7 @@ def check_strategy_arguments(tp: int, pp: int, vp: int | None, *, sequence_paral
         raise ValueError(f"MegatronStrategy: ddp_bucket_size_mb={ddp_bucket_size_mb} must be > 0")
     if not isinstance(overlap_param_gather, bool):  # it needs a DistributedOptimizer: checked at the start of fit
         raise ValueError(f"MegatronStrategy: overlap_param_gather={overlap_param_gather!r} must be True or False")
+    return record
 
 
 def check_trainer(trainer: Trainer) -> None:
@@ -94,10 +99,11 @@ def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict
             f"params, loss scaling, overflow skip), or train with params_dtype='float32'")
 
 
-def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: ParallelState) -> BatchSizes:
+def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: ParallelState,
+                        schedule: PipelineSchedule) -> BatchSizes:
     """The step's batch sizes, from one place: the strategy's ``micro_batch_size`` or else the
     datamodule's, and the datamodule's ``global_batch_size`` (both optional attributes of a
-    datamodule); checked against the data-parallel size and the schedule."""
+    datamodule); checked against the data-parallel size and the ``schedule``."""
     dm_micro = getattr(datamodule, "micro_batch_size", None)
     if micro_batch_size is not None and dm_micro is not None and int(dm_micro) != micro_batch_size:
         raise ValueError(
@@ -111,7 +117,7 @@ def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: Paral
     except ValueError as e:
         raise ValueError(f"MegatronStrategy: {e}") from None
     if sizes.num_microbatches is not None:
-        validate_num_microbatches(sizes.num_microbatches, ps.pp_size, ps.vp_size)
+        schedule.validate(ps.pp_size, ps.vp_size, sizes.num_microbatches)
     return sizes
 
 
@@ -127,16 +133,16 @@ def gather_node_ranks(node_rank: int, device: torch.device) -> list[int]:
     return [int(n.item()) for n in nodes]
 
 
-def tp_groups_across_nodes(layout: ParallelLayout, nodes: Sequence[int]) -> list[list[int]]:
-    """The TP groups of ``layout`` whose ranks sit on more than one node (``nodes[rank]``: the node of
+def tp_groups_across_nodes(dims: ParallelDims, nodes: Sequence[int]) -> list[list[int]]:
+    """The TP groups of ``dims`` whose ranks sit on more than one node (``nodes[rank]``: the node of
     each rank): their all-reduces, two per layer and pass, cross the network between nodes."""
-    return [g for g in layout.tp_groups() if len({nodes[r] for r in g}) > 1]
+    return [g for g in dims.group_ranks("tp") if len({nodes[r] for r in g}) > 1]
 
 
 def check_nodes(ps: ParallelState, node_rank: int, device: torch.device, devices: int) -> list[int]:
     """The node of every rank (:func:`gather_node_ranks`, collective); warns when a TP group spans nodes."""
     nodes = gather_node_ranks(node_rank, device)
-    across = tp_groups_across_nodes(ps.layout, nodes)
+    across = tp_groups_across_nodes(ps.dims, nodes)
     if across:
         rank_zero_warn(f"MegatronStrategy: TP groups {across} span nodes (the node of each rank: {nodes}): their "
                        f"all-reduces, two per layer and pass, cross the network between nodes. Keep "
@@ -145,21 +151,21 @@ def check_nodes(ps: ParallelState, node_rank: int, device: torch.device, devices
     return nodes
 
 
-def describe_setup(ps: ParallelState, *, sequence_parallel: bool, buffer: Any,
+def describe_setup(ps: ParallelState, *, buffer: Any,
                    micro_batch_size: int | None, nodes: Sequence[int] | None = None) -> str:
     """What the strategy resolved, in one message for the start of a run (rank 0's view): the layout,
     rank 0's groups, the communicator of each group, whether the DP reduction overlaps the backward and
     the grad buffer's bucket count (``buffer``: the GradBuffer, None when not fitting), and with
     ``nodes`` (the node of each rank, :func:`gather_node_ranks`) the ranks of each node and whether
     every TP group stays within one."""
-    layout = ps.layout
-    groups = {"tp": ps.tp_group, "dp": ps.dp_group, "pp": ps.pp_group}
-    ranks = {name: (dist.get_process_group_ranks(g.process_group) if g is not None else [ps.rank]) for name, g in groups.items()}
+    dims = ps.dims
+    ranks = {name: ps.members.get(name, [ps.rank]) for name in ("tp", "dp", "pp")}
     comms = {name: type(ps.communicators[name]).__name__ if name in ps.communicators else "torch.distributed"
              for name in ("tp", "dp", "mp")}
-    lines = [f"MegatronStrategy: world {layout.world_size} = TP {ps.tp_size} x PP {ps.pp_size} x DP {ps.dp_size}"
-             f"{f' (VP {ps.vp_size})' if ps.vp_size else ''}, "
-             f"sequence parallel {'on' if sequence_parallel else 'off'}, "
+    extra = "".join(f" x {n.upper()} {getattr(dims, n)}" for n in ("cp", "ep") if getattr(dims, n) > 1)
+    lines = [f"MegatronStrategy: world {dims.world_size} = TP {ps.tp_size} x PP {ps.pp_size} x DP {ps.dp_size}{extra}"
+             f"{f' (VP {ps.vp_size})' if ps.vp_size else ''} ({dims.name}), "
+             f"sequence parallel {'on' if dims.sequence_parallel else 'off'}, "
              f"micro batch {micro_batch_size or 'the whole per-rank batch'}",
              "  groups of rank 0: " + ", ".join(f"{n} {r}" for n, r in ranks.items()),
              "  communicators: " + ", ".join(f"{n} {c}" for n, c in comms.items())]
@@ -167,7 +173,7 @@ def describe_setup(ps: ParallelState, *, sequence_parallel: bool, buffer: Any,
         by_node: dict[int, list[int]] = {}
         for rank, node in enumerate(nodes):
             by_node.setdefault(node, []).append(rank)
-        across = tp_groups_across_nodes(ps.layout, nodes)
+        across = tp_groups_across_nodes(ps.dims, nodes)
         where = ", ".join(f"node {n}: ranks {r}" for n, r in sorted(by_node.items()))
         within = f"no, {' '.join(map(str, across))} span nodes" if across else "yes"
         lines.append(f"  nodes: {len(by_node)} ({where}), every TP group within one node: {within}")

@@ -55,16 +55,16 @@ class ShardInfo:
     ``stride`` blocks for Megatron's strided partitions (a gated fc1's [gate_r; up_r])."""
 
 
-def shard_info(param: torch.Tensor, tp_rank: int, tp_size: int) -> ShardInfo | None:
-    """The global layout of a TP-sharded or vocab-padded ``param`` (None when it is stored as is),
-    from its :class:`~lightning_megatron.tensor_parallel.ParamFacts`."""
+def shard_info(param: torch.Tensor, coordinates: Mapping[str, int], sizes: Mapping[str, int]) -> ShardInfo | None:
+    """The global layout of a sharded or vocab-padded ``param`` (None when it is stored as is), from its
+    :class:`~lightning_megatron.tensor_parallel.ParamFacts` and this rank's ``coordinates`` among the
+    dimension ``sizes`` (``ParallelState.coordinates``, ``ParallelDims.sizes()``)."""
     facts = param_facts(param)
     real_vocab_size = facts.real_vocab_size
-    sharded = facts.tensor_model_parallel and tp_size > 1
+    tp_rank, tp_size = facts.shard(coordinates, sizes)  # this rank's piece of all the sharded dimensions
+    sharded = tp_size > 1
     if not sharded and real_vocab_size is None:
         return None
-    if not sharded:  # a vocab-padded tensor at TP=1: the real rows only
-        tp_size, tp_rank = 1, 0
     dim = facts.partition_dim % param.dim()
     per, stride = param.shape[dim], facts.partition_stride if sharded else 1
     if stride != 1:
@@ -130,7 +130,7 @@ class ShardedStateMapper:
         self._optim_named = self.named  # + the tied copy under the first stage's name when loading
 
     def _info(self, like: torch.Tensor) -> ShardInfo | None:
-        return shard_info(like, self.ps.tp_rank, self.ps.tp_size)
+        return shard_info(like, self.ps.coordinates, self.ps.dims.sizes())
 
     def checkpoint_shape(self, like: torch.Tensor) -> tuple[int, ...]:
         """The global shape under which a tensor shaped like ``like`` is stored."""
@@ -243,7 +243,7 @@ class ShardedStateMapper:
             return []
         first = ps.is_pipeline_first_stage()
         name = [next((n for n, p in self.named if param_facts(p).shared_embedding), None) if first else None]
-        dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
+        dist.broadcast_object_list(name, src=ps.embedding_ranks[0], group=ps.embedding_group)
         if first or name[0] is None:
             return []
         return [(name[0], p) for _, p in self.all_named if _tied_copy(p, ps)]
@@ -360,11 +360,11 @@ class ShardedStateMapper:
         with torch.no_grad():
             for _, p in self.all_named:
                 if param_facts(p).shared_embedding:
-                    dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
+                    dist.broadcast(p.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
                     for opt in self.optimizers:
                         main = None if is_sharded(opt) else opt.main_param(p)
                         if main is not None and main is not p:
-                            dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group.process_group)
+                            dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
 
 
 def rng_state() -> dict[str, Any]:

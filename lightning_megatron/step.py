@@ -3,10 +3,13 @@
 Training, validation, test and prediction take the same path (:meth:`StepRunner.run`):
 
 1. split this data-parallel rank's batch into microbatches of ``micro_batch_size``;
-2. run the schedule for the layout (no pipelining, 1F1B, interleaved 1F1B) over this rank's model
-   chunks with the module's ``forward_step``; when training, backward runs inside it (the loss of
-   each microbatch scaled by the loss scale and divided by the number of microbatches) and the
-   gradients accumulate into the :class:`~lightning_megatron.grads.GradBuffer`;
+2. run the strategy's named schedule (:mod:`lightning_megatron.pipeline.registry`: no pipelining,
+   1F1B, interleaved 1F1B, or a registered one) over this rank's model chunks with the module's
+   ``forward_step``; when training, backward runs inside it (the loss of each microbatch scaled by the
+   loss scale and divided by the number of microbatches) through the step's
+   :class:`~lightning_megatron.tensor_parallel.backward.WeightGradPolicy`, and the gradients
+   accumulate into the :class:`~lightning_megatron.grads.GradBuffer`; the weight gradients the policy
+   deferred are computed after the schedule (``backward_weight``: the pipeline flush);
 3. training: :func:`~lightning_megatron.grads.finalize_model_grads` (DP reduction, sequence-parallel
    and tied-embedding sums);
 4. the metrics the loss function logged: mean over microbatches (last stage), mean over DP,
@@ -28,9 +31,9 @@ import torch.distributed as dist
 from lightning_megatron.grads import GradBuffer, finalize_model_grads
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.microbatches import split_microbatches
-from lightning_megatron.pipeline.schedules import get_forward_backward_func, validate_num_microbatches
+from lightning_megatron.pipeline.registry import PipelineSchedule
 from lightning_megatron.protocols import LightningStepsModule, MegatronModule
-from lightning_megatron.tensor_parallel.layers import deferred_weight_grads, embedding_grad_rows
+from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 
 __all__ = ["BatchSizes", "StepRunner", "batch_size_problem"]
@@ -76,13 +79,19 @@ class BatchSizes:
 
 
 class StepRunner:
-    """Runs the microbatches of a step through ``module``'s chunks under ``parallel_state``."""
+    """Runs the microbatches of a step through ``module``'s chunks under ``parallel_state`` with
+    ``schedule`` (:func:`lightning_megatron.pipeline.get_schedule`)."""
 
-    def __init__(self, parallel_state: ParallelState, module: MegatronModule, *, micro_batch_size: int | None,
-                 device: torch.device, overlap_p2p_comm: bool = False) -> None:
+    def __init__(self, parallel_state: ParallelState, module: MegatronModule, *, schedule: PipelineSchedule,
+                 micro_batch_size: int | None, device: torch.device, overlap_p2p_comm: bool = False) -> None:
         self.ps = parallel_state
+        self.schedule = schedule
         self.overlap_p2p_comm = overlap_p2p_comm
         self.module = module
+        self.weight_grads = WeightGradPolicy.for_chunks(list(module.model_chunks))
+        """Which layers defer their weight gradient, and the backward primitives of a training step
+        (set up by the model's ``defer_embedding_wgrad_compute``, the schedule and the CPU tuning)."""
+        schedule.configure_weight_grads(self.weight_grads, list(module.model_chunks))
         self.micro_batch_size = micro_batch_size
         self.device = device
         self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
@@ -95,32 +104,27 @@ class StepRunner:
         ps = self.ps
         forward_only = stage != "train"
         microbatches = split_microbatches(batch, self.micro_batch_size)
-        validate_num_microbatches(len(microbatches), ps.pp_size, ps.vp_size)
+        self.schedule.validate(ps.pp_size, ps.vp_size, len(microbatches))
         if isinstance(self.module, LightningStepsModule):
             self.module.batch_idx = batch_idx
         chunks = list(self.module.model_chunks)
         tensor_shape: tuple[int, ...] = ()
         if ps.pp_size > 1:
             tensor_shape = tuple(self.module.pipeline_tensor_shape(microbatches[0]))
-        if not forward_only:
+        run = dict(forward_step_func=self.module.forward_step, microbatches=microbatches, model=chunks,
+                   num_microbatches=len(microbatches), parallel_state=ps, tensor_shape=tensor_shape,
+                   dtype=next(chunks[0].parameters()).dtype, forward_only=forward_only,
+                   grad_scale_func=grad_scale_func, trace=trace, overlap_p2p_comm=self.overlap_p2p_comm)
+        if forward_only:
+            logged = self.schedule.run(**run)
+        else:
             assert grad_buffer is not None, "training needs the strategy's grad buffer"
             grad_buffer.start(len(microbatches))
-            deferrals = deferred_weight_grads(chunks)
-            for deferral in deferrals:
-                deferral.open()
-            row_grads = embedding_grad_rows(chunks)
-            for rows in row_grads:
-                rows.open(grad_buffer.add_grad_rows)
-        schedule = get_forward_backward_func(ps.pp_size, ps.vp_size)
-        logged = schedule(forward_step_func=self.module.forward_step, microbatches=microbatches, model=chunks,
-                          num_microbatches=len(microbatches), parallel_state=ps, tensor_shape=tensor_shape,
-                          dtype=next(chunks[0].parameters()).dtype, forward_only=forward_only,
-                          grad_scale_func=grad_scale_func, trace=trace, overlap_p2p_comm=self.overlap_p2p_comm)
-        if not forward_only:
-            for rows in row_grads:
-                rows.close()
-            for deferral in deferrals:  # the last stage, while the earlier stages run their last backward
-                deferral.drain(grad_buffer.add_grad)
+            with self.weight_grads.step(grad_buffer.add_grad, grad_buffer.add_grad_rows):
+                logged = self.schedule.run(**run, weight_grads=self.weight_grads)
+                # The pipeline flush: the weight gradients still deferred (the last stage's, while the
+                # earlier stages run their last backward passes).
+                self.weight_grads.backward_weight()
             finalize_model_grads(grad_buffer, ps)
         if stage == "predict":
             return self._predictions(logged)
@@ -156,7 +160,7 @@ class StepRunner:
             stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
             values = stacked.mean(dim=0)
             if ps.dp_size > 1:
-                all_reduce(values, ps.dp_group)
+                all_reduce(values, ps.group("dp"))
                 values /= ps.dp_size
         if ps.pp_size > 1:
             keys, values = self._broadcast_logged(keys, values, stage)
@@ -169,19 +173,19 @@ class StepRunner:
         cached = self._logged_keys.get(stage)
         if cached is None:  # first step of this stage: every pipeline rank learns the names
             holder = [keys if last else None]
-            dist.broadcast_object_list(holder, src=src, group=ps.pp_group.process_group)
+            dist.broadcast_object_list(holder, src=src, group=ps.pp_group)
             cached = self._logged_keys[stage] = list(holder[0])
         if not cached:
             return [], None
         if last and keys != cached:
             # Still send (NaN) so that the other stages do not wait, then refuse.
             dist.broadcast(torch.full((len(cached),), float("nan"), dtype=torch.float32, device=self.device), src=src,
-                           group=ps.pp_group.process_group)
+                           group=ps.pp_group)
             raise ValueError(f"MegatronStrategy: the {stage} loss function returned the metrics {keys} after "
                              f"{cached} in an earlier step; with pipeline parallelism every step must log the "
                              f"same metric names")
         # fp32 on every stage, whatever default dtype the precision plugin's context set (bf16-true sets bf16)
         buf = (values.to(self.device, torch.float32) if last and values is not None
                else torch.empty(len(cached), dtype=torch.float32, device=self.device))
-        dist.broadcast(buf, src=src, group=ps.pp_group.process_group)
+        dist.broadcast(buf, src=src, group=ps.pp_group)
         return list(cached), buf

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -40,7 +41,9 @@ from lightning_megatron.grads import GradBuffer
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
-from lightning_megatron.parallel_state import ParallelLayout, ParallelState, initialize_model_parallel
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
+from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
 from lightning_megatron.preemption import PreemptionHandler, on_sigterm
 from lightning_megatron.protocols import (
     LightningStepsModule,
@@ -61,6 +64,7 @@ from lightning_megatron.setup_checks import (
 )
 from lightning_megatron.sharded_state import ShardedStateMapper
 from lightning_megatron.step import BatchSizes, StepRunner
+from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
@@ -70,11 +74,20 @@ __all__ = ["MegatronStrategy"]
 class MegatronStrategy(DDPStrategy):
     """Megatron-style TP x PP x DP training under ``lightning.Trainer``.
 
+    The layout is one record, :attr:`parallel_dims` (:class:`~lightning_megatron.parallel_dims.ParallelDims`),
+    built from the sizes below (Megatron's names) and resolved against the world size at launch.
+
     Args:
         tensor_model_parallel_size: ranks each linear layer is split across (TP).
         pipeline_model_parallel_size: number of pipeline stages (PP).
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved 1F1B).
         sequence_parallel: split activations outside the TP regions along the sequence.
+        context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size: the context-
+            and expert-parallel dimensions of the record (sizes other than 1 / None are refused until
+            the models support them).
+        pipeline_schedule: the microbatch schedule, a registered name (``no_pipelining``, ``1f1b``,
+            ``interleaved``, or one registered with ``lightning_megatron.pipeline.register_schedule``) or
+            ``"auto"``: the layout's (PP=1 no_pipelining, PP>1 1f1b, PP>1 and VP>1 interleaved).
         micro_batch_size: samples per microbatch; None reads ``micro_batch_size`` from the datamodule,
             else the whole per-rank batch is one microbatch (both set and different: refused).
         seed: seed of the default and model-parallel RNG streams (dropout); weights are seeded by the model.
@@ -105,6 +118,10 @@ class MegatronStrategy(DDPStrategy):
         virtual_pipeline_model_parallel_size: int | None = None,
         sequence_parallel: bool = False,
         *,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
+        pipeline_schedule: str = AUTO,
         micro_batch_size: int | None = None,
         seed: int = 1234,
         ddp_bucket_size_mb: float = 25.0,
@@ -121,22 +138,26 @@ class MegatronStrategy(DDPStrategy):
         timeout: datetime.timedelta | int | None = datetime.timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        check_strategy_arguments(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                 virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-                                 micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb,
-                                 overlap_param_gather=overlap_param_gather)
+        self.parallel_dims: ParallelDims = check_strategy_arguments(
+            dict(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size, vp=virtual_pipeline_model_parallel_size,
+                 cp=context_parallel_size, ep=expert_model_parallel_size, etp=expert_tensor_parallel_size,
+                 sequence_parallel=sequence_parallel, schedule=pipeline_schedule),
+            micro_batch_size=micro_batch_size, ddp_bucket_size_mb=ddp_bucket_size_mb,
+            overlap_param_gather=overlap_param_gather)
+        """The layout (sizes, sequence parallel, ZeRO-1, schedule); ``dp`` resolved at launch, ``zero1``
+        from the MegatronOptimizerCallback's config."""
         if timeout_problem(timeout):
             raise ValueError(f"MegatronStrategy: {timeout_problem(timeout)}")
+        schedule_problem = pipeline_schedule_problem(pipeline_schedule, pipeline_model_parallel_size,
+                                                     virtual_pipeline_model_parallel_size)
+        if schedule_problem:
+            raise ValueError(f"MegatronStrategy: {schedule_problem}")
         if isinstance(timeout, int):
             timeout = datetime.timedelta(seconds=timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
-        self.tensor_model_parallel_size = tensor_model_parallel_size
-        self.pipeline_model_parallel_size = pipeline_model_parallel_size
-        self.virtual_pipeline_model_parallel_size = virtual_pipeline_model_parallel_size
-        self.sequence_parallel = sequence_parallel
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.ddp_bucket_size_mb = ddp_bucket_size_mb
@@ -159,25 +180,24 @@ class MegatronStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ set-up
 
-    @property
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(world_size=self.num_nodes * self.num_processes,
-                              tensor_model_parallel_size=self.tensor_model_parallel_size,
-                              pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-                              virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size)
+    def _resolved_dims(self) -> ParallelDims:
+        """:attr:`parallel_dims` with the data-parallel size of this job's world (refused when the sizes
+        do not divide it)."""
+        try:
+            return self.parallel_dims.for_world_size(self.num_nodes * self.num_processes)
+        except ValueError as e:
+            raise ValueError(f"MegatronStrategy: {e}") from None
 
     @override
     def setup_environment(self) -> None:
-        _ = self.layout  # validate sizes against the world size before launching collectives
+        self.parallel_dims = self._resolved_dims()  # before launching collectives
         super().setup_environment()
-        self.parallel_state = initialize_model_parallel(
-            self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
-            self.virtual_pipeline_model_parallel_size, timeout=self._timeout)
+        self.parallel_state = initialize_model_parallel(self.parallel_dims, timeout=self._timeout)
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
         self._node_ranks = check_nodes(self.parallel_state, self.node_rank, self.root_device, self.num_processes)
         if isinstance(self.lightning_module, MegatronLightningModule):
             # As Lightning's ModelParallelStrategy hands its device mesh: the groups, before configure_model.
-            self.lightning_module.connect_parallel_state(self.parallel_state, sequence_parallel=self.sequence_parallel)
+            self.lightning_module.connect_parallel_state(self.parallel_state)
         if self.cpu_tuning is not None:  # opt-in; acts on CPU only
             self.cpu_tuning.setup(self.parallel_state, device=self.root_device, timeout=self._timeout)
 
@@ -185,8 +205,8 @@ class MegatronStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every TP and PP rank of one replica reads the same samples: shard data over DP only.
-        layout = self.layout
-        return {"num_replicas": layout.data_parallel_size, "rank": layout.coordinates(self.global_rank)[1]}
+        dims = self._resolved_dims()
+        return {"num_replicas": dims.dp, "rank": dims.coordinates(self.global_rank)["dp"]}
 
     @override
     def configure_ddp(self) -> None:
@@ -204,9 +224,11 @@ class MegatronStrategy(DDPStrategy):
         mark_replicated(p for chunk in self.model_chunks for p in chunk.parameters())
         check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams),
                         wraps_optimizers=self._optimizer_config is not None)
-        self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps)
-        self._runner = StepRunner(ps, self._module, micro_batch_size=self.batch_sizes.micro_batch_size,
-                                  device=self.root_device, overlap_p2p_comm=self.overlap_p2p_comm)
+        schedule = get_schedule(ps.dims.schedule, ps.pp_size, ps.vp_size)
+        self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps, schedule)
+        self._runner = StepRunner(ps, self._module, schedule=schedule,
+                                  micro_batch_size=self.batch_sizes.micro_batch_size, device=self.root_device,
+                                  overlap_p2p_comm=self.overlap_p2p_comm)
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
         self.accelerator.setup(trainer)
@@ -223,7 +245,7 @@ class MegatronStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if not self._described:  # once per strategy: what it resolved
             self._described = True
-            rank_zero_info(describe_setup(ps, sequence_parallel=self.sequence_parallel, buffer=self._grad_buffer,
+            rank_zero_info(describe_setup(ps, buffer=self._grad_buffer,
                                           micro_batch_size=self.batch_sizes.micro_batch_size, nodes=self._node_ranks))
 
     @property
@@ -244,7 +266,14 @@ class MegatronStrategy(DDPStrategy):
                                                   accumulate=None if self.cpu_tuning is None
                                                   else self.cpu_tuning.grad_accumulation(self.root_device))
         if self.cpu_tuning is not None:
-            self.cpu_tuning.configure_grads(self.model_chunks, self.parallel_state, self.root_device)
+            assert self._runner is not None
+            self.cpu_tuning.configure_grads(self._runner.weight_grads, self.model_chunks, self.parallel_state,
+                                            self.root_device)
+
+    @property
+    def weight_grads(self) -> WeightGradPolicy | None:
+        """The step's weight-gradient policy: which layers defer their weight gradient (after ``setup``)."""
+        return None if self._runner is None else self._runner.weight_grads
 
     @property
     def module_contract(self) -> MegatronModule:
@@ -268,6 +297,9 @@ class MegatronStrategy(DDPStrategy):
             raise ValueError(f"MegatronStrategy: two optimizer configs for one fit ({self._optimizer_config} and "
                              f"{config}); keep one MegatronOptimizerCallback")
         self._optimizer_config = config
+        self.parallel_dims = replace(self.parallel_dims, zero1=config.use_distributed_optimizer)
+        if self.parallel_state is not None:
+            self.parallel_state.dims = replace(self.parallel_state.dims, zero1=config.use_distributed_optimizer)
 
     def _wrap_optimizers(self) -> None:
         """Right after ``configure_optimizers``: wrap with the config handed over (if any), then check
@@ -418,7 +450,7 @@ class MegatronStrategy(DDPStrategy):
             rank_zero_info(f"MegatronStrategy: fast_dev_run saves no checkpoint (not {filepath})")
             return
         self.finish_param_gather()  # the params are saved from the live tensors
-        ckpt.save(self._state_mapper(), checkpoint, filepath, ckpt.layout_record(self.parallel_state))
+        ckpt.save(self._state_mapper(), checkpoint, filepath, self.parallel_dims.as_record())
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -426,7 +458,7 @@ class MegatronStrategy(DDPStrategy):
         module = self.lightning_module
         upgrade = type(module).upgrade_hparams if isinstance(module, MegatronLightningModule) else None
         return ckpt.load(self._state_mapper(), checkpoint_path, dict(module.hparams),
-                         ckpt.layout_record(self.parallel_state), load_optimizer=bool(self.optimizers),
+                         self.parallel_dims.as_record(), load_optimizer=bool(self.optimizers),
                          hparam_defaults=ckpt.init_defaults(type(module)), upgrade_hparams=upgrade)
 
     @override

@@ -1,5 +1,6 @@
 """Shared pieces of the Trainer-level parity tests: a deterministic BERT batch source, a tiny model
-config, a Trainer factory for spawned ranks, and gathering of sharded parameters to full size."""
+config, a Trainer factory for spawned ranks, gathering of sharded parameters to full size, and the
+comparison of final parameters with a reference's (:func:`assert_final_params_close`)."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def full_params(per_rank: list[dict[str, Any]], tp: int, vocab: int = VOCAB) -> 
 def consumed_samples_loader(trainer: Any, global_batch: int, micro: int, dp_size: int, dp_rank: int,
                             num_samples: int = 512, consumed: int | None = None, seed: int = 0):
     """A loader that starts at ``trainer.global_step * global_batch`` (Megatron's resume rule)."""
-    from lightning_megatron.data.datamodule import MegatronDataLoader
+    from lightning_megatron.data.loader import MegatronDataLoader
     from lightning_megatron.data.samplers import MegatronPretrainingSampler
 
     per_rank = global_batch // dp_size
@@ -149,3 +150,19 @@ def synthetic_datamodule(global_batch: int, micro: int, dp_size: int, dp_rank: i
                                            num_samples=val_samples, consumed=0, seed=1)
 
     return _DM()
+
+
+def assert_final_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                              init: dict[str, torch.Tensor], rtol: float | None = None) -> None:
+    """Final parameters ``got`` against the reference's ``want``, both trained from ``init``: every
+    tensor within ``rtol`` (default ``check.Tolerances().param_rtol``) of the reference's update, the
+    one rule of every final-parameter comparison (``lightning_megatron.check.parity.update_error``,
+    which ``lightning-megatron check`` applies too; why not element by element: its docstring)."""
+    from lightning_megatron.check.parity import Tolerances, update_error
+
+    tol = Tolerances()
+    rtol = tol.param_rtol if rtol is None else rtol
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+    errs = update_error(got, want, init, tol.param_floor)
+    bad = {name: f"{e:.2e}" for name, e in errs.items() if not e <= rtol}
+    assert not bad, f"final parameters differ from the reference by more than {rtol:g} of its update (rms): {bad}"

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from lightning_megatron.parallel_state import group_size, process_group
+from lightning_megatron.parallel_dims import ParallelDims
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -54,9 +55,9 @@ def _worker() -> dict:
         bert_config_from_hf,
         bert_model_kwargs_from_hf,
         bert_state_dict_from_hf,
-        gather_full_state_dict,
         hf_state_dict_from_bert,
     )
+    from lightning_megatron.interop.tp import gather_full_state_dict
     from lightning_megatron.parallel_state import initialize_model_parallel
 
     transformers.logging.set_verbosity_error()
@@ -87,7 +88,7 @@ def _worker() -> dict:
     minilm_sd = minilm.state_dict()
     out["minilm_padding"] = int((enc["attention_mask"] == 0).sum())
 
-    states = {1: None, 2: initialize_model_parallel(2, 1), 4: initialize_model_parallel(4, 1)}
+    states = {1: None, 2: initialize_model_parallel(ParallelDims(tp=2, pp=1)), 4: initialize_model_parallel(ParallelDims(tp=4, pp=1))}
     for tp, state in states.items():
         group, rank = (None, 0) if state is None else (state.tp_group, state.tp_rank)
 

@@ -66,7 +66,7 @@ def _worker(root: str) -> dict:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    from lightning_megatron.models.bert.convert import export_hf
+    from lightning_megatron.export import export_hf
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -213,7 +213,7 @@ def test_fill_mask_pipeline_runs_on_export(measured):
 
 
 def test_init_from_architecture_mismatch_names_the_flags():
-    from lightning_megatron.models.bert.init_from import check_architecture
+    from lightning_megatron.models.bert.interop import check_architecture
 
     source = {"num_layers": 6, "hidden_size": 384, "spec": "bert_layer_post_norm_spec", "activation": "gelu"}
     with pytest.raises(ValueError, match="--model.config.num_layers 6 --model.config.hidden_size 384 "

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from lightning_megatron.parallel_dims import ParallelDims
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
@@ -134,17 +135,18 @@ def _worker(root: str) -> dict:
     import torch.distributed as dist
 
     from lightning_megatron.models.bert import BertModel
-    from lightning_megatron.models.bert.init_from import check_architecture, read_pretrained
+    from lightning_megatron.models.bert.interop import check_architecture
+    from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.parallel_state import initialize_model_parallel
     from lightning_megatron.saved_model import load_full_state_dict
     from lightning_megatron.transformer import TransformerConfig
 
     root = Path(root)
     tokens, mask, types = _inputs()
-    ps = initialize_model_parallel(2, 1)
+    ps = initialize_model_parallel(ParallelDims(tp=2, pp=1))
     out = torch.load(root / "reference.pt", weights_only=True)
     for name in ("legacy", "tp2pp2", "torch_dist"):
-        saved = read_pretrained(root / name)
+        saved = BertLightningModule.read_pretrained(root / name)
         for exact_mlp in (False, True):
             activation = "gelu" if exact_mlp else "gelu_tanh"
             cfg = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
@@ -157,12 +159,12 @@ def _worker(root: str) -> dict:
                                         spec="bert_layer_local_spec", activation=activation,
                                         lm_head_activation="gelu", layernorm_epsilon=1e-5,
                                         max_sequence_length=SEQ), saved.hparams, name)
-            load_full_state_dict([model], list(model.named_parameters()), saved.state_dict, tp_rank=ps.tp_rank,
-                                 tp_size=2, num_layers=4, source_name=name)
+            load_full_state_dict([model], list(model.named_parameters()), saved.state_dict,
+                                 coordinates=ps.coordinates, sizes=ps.dims.sizes(), num_layers=4, source_name=name)
             with torch.no_grad():
                 logits, binary = model(tokens, mask, types)
             parts = [torch.empty_like(logits) for _ in range(2)]
-            dist.all_gather(parts, logits.contiguous(), group=ps.tp_group.process_group)
+            dist.all_gather(parts, logits.contiguous(), group=ps.tp_group)
             out[f"{name}-exact{exact_mlp}"] = (torch.cat(parts, -1)[..., :VOCAB], binary)
         out[f"{name}-hparams"] = saved.hparams
     return out

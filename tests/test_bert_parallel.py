@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from lightning_megatron.parallel_state import group_size, process_group
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 TOL = 1e-5
@@ -118,8 +119,8 @@ def _worker() -> dict:
     for spec in ("bert_layer_local_spec", "bert_layer_post_norm_spec"):
         refs[spec] = _step(build(_config(1), None, spec), batch, None, 0)
 
-    tp4 = initialize_model_parallel(4, 1)
-    tp2 = initialize_model_parallel(2, 1)
+    tp4 = initialize_model_parallel(ParallelDims(tp=4, pp=1))
+    tp2 = initialize_model_parallel(ParallelDims(tp=2, pp=1))
     for tp, state in ((4, tp4), (2, tp2)):
         g, r = state.tp_group, state.tp_rank
         for sp in (False, True):

@@ -46,8 +46,9 @@ def _trainer(tp: int, max_steps: int, pp: int = 1, **kwargs):
 
     strategy = MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     trainer = make_trainer(strategy, 2, max_steps, **kwargs)
-    _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
-    return trainer, synthetic_datamodule(8, 2, strategy.layout.data_parallel_size, dp_rank)
+    dims = strategy.parallel_dims.for_world_size(trainer.world_size)
+    dp_rank = dims.coordinates(torch.distributed.get_rank())["dp"]
+    return trainer, synthetic_datamodule(8, 2, dims.dp, dp_rank)
 
 
 def _error(fn) -> str:
@@ -151,14 +152,20 @@ def _worker(root: str) -> dict:
     trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=root_p / "pp2" / "step=3.ckpt")
     out["pp2_straight"], out["pp2_resumed"] = straight.losses, resumed.losses
 
-    # --- a NaN gradient at step 2: the run stops with an error naming the step and the parameter; no
-    # checkpoint is written from that state, last.ckpt stays the one saved after step 1
+    # --- a NaN gradient at step 2 on TP rank 1 only: every rank stops before the step with an error
+    # naming the step (and, where it is, the parameter); no checkpoint is written from that state,
+    # last.ckpt stays the one saved after step 1
+    import datetime
+
     from lightning.pytorch import Callback
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron import checkpoint as ckpt
 
     nan_dir = root_p / "nan"
+    # A rank that the guard did not stop goes on alone and hangs in its next collective: the ranks meet
+    # again on a group with a short timeout, so that such a run fails in a minute, not at the helper's 600 s.
+    meet = torch.distributed.new_group(timeout=datetime.timedelta(seconds=60))
 
     class InjectNaN(Callback):
         marker_before: str | None = None
@@ -166,15 +173,23 @@ def _worker(root: str) -> dict:
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             if trainer.global_step == 2:
                 self.marker_before = (nan_dir / "last.ckpt" / ckpt.MARKER).read_text()
-                [p] = [p for n, p in pl_module.sharded_named_parameters() if n == "encoder.layers.1.mlp.linear_fc1.weight"]
-                p.main_grad.view(-1)[3] = float("nan")
+                if rank == 1:
+                    [p] = [p for n, p in pl_module.sharded_named_parameters()
+                           if n == "encoder.layers.1.mlp.linear_fc1.weight"]
+                    p.main_grad.view(-1)[3] = float("nan")
 
     inject = InjectNaN()
     trainer, dm = _trainer(2, 6, enable_checkpointing=True, callbacks=[
         MegatronOptimizerCallback(), inject,
         ModelCheckpoint(dirpath=nan_dir, save_last=True, save_top_k=0, every_n_train_steps=1)])
     out["nan"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm))
-    torch.distributed.barrier()
+    stopped = [None] * torch.distributed.get_world_size()
+    try:
+        torch.distributed.all_gather_object(stopped, out["nan"], group=meet)
+    except RuntimeError as e:
+        raise AssertionError(f"the NaN guard did not stop every rank together: rank {rank} stopped with "
+                             f"{out['nan']!r}, another rank did not come back within 60 s ({e})") from None
+    out["nan_all_ranks"] = stopped
     out["nan_marker_unchanged"] = (nan_dir / "last.ckpt" / ckpt.MARKER).read_text() == inject.marker_before
     out["nan_listing"] = sorted(p.name for p in nan_dir.iterdir())
     out["nan_last_step"] = torch.load(nan_dir / "last.ckpt" / "extra.pt", weights_only=True)["global_step"]
@@ -274,11 +289,14 @@ def test_pipeline_resume_restores_the_tied_embedding_state_on_both_stages(result
 
 
 def test_nan_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(results):
+    """The NaN is in TP rank 1's gradient only: both ranks stop at the same step (the check is agreed
+    over the model-parallel group), each with one line; rank 1 names the parameter."""
     for rank, r in enumerate(results):
+        assert r["nan_all_ranks"] == [x["nan"] for x in results]  # every rank got this far: none hangs
         assert r["nan"].startswith("NonFiniteLossOrGradError: at step 2"), r["nan"]
-        assert "the gradient norm is nan" in r["nan"], r["nan"]
-        assert f"first parameter with a non-finite gradient on rank {rank}: encoder.layers.1.mlp.linear_fc1.weight" \
-            in r["nan"], r["nan"]
+        assert "\n" not in r["nan"] and "the gradient norm is nan" in r["nan"], r["nan"]
+        named = "first parameter with a non-finite gradient on rank 1: encoder.layers.1.mlp.linear_fc1.weight"
+        assert named in r["nan"] if rank == 1 else (named in r["nan"] or "another rank does" in r["nan"]), r["nan"]
         assert "check_for_nan_in_loss_and_grad" in r["nan"]
         assert r["nan_marker_unchanged"] and r["nan_last_step"] == 2
     assert results[0]["nan_listing"] == ["last.ckpt"]  # no temporary of a save from the NaN state

@@ -82,7 +82,7 @@ def _init_from(path: Path) -> None:
 
 
 def _export(path: Path) -> None:
-    from lightning_megatron.models.bert.convert import export_hf
+    from lightning_megatron.export import export_hf
 
     export_hf(path, path.parent / f"{path.name}-hf")  # `lightning-megatron export hf`: see the last test
 
@@ -165,8 +165,9 @@ def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_
 def test_hf_folder_with_auto_map_is_refused_and_its_code_never_runs(tmp_path):
     """A Hugging Face folder whose config.json maps to its own code (auto_map) is refused before
     transformers sees it (which would offer to run that code, and read EOF without a terminal)."""
-    from lightning_megatron.models.bert.init_from import read_pretrained
     from lightning_megatron.models.bert.module import BertLightningModule
+
+    read_pretrained = BertLightningModule.read_pretrained
 
     folder = tmp_path / "remote"
     folder.mkdir()

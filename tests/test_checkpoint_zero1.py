@@ -29,8 +29,9 @@ def _run(tp: int, zero1: bool, max_steps: int, *, pp: int = 1, ckpt_in: str | No
     if every:
         callbacks.append(ModelCheckpoint(dirpath=every, filename="{step}", every_n_train_steps=3, save_top_k=-1))
     trainer = make_trainer(strategy, WORLD, max_steps, callbacks=callbacks, enable_checkpointing=bool(every))
-    _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank())
-    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
+    dims = strategy.parallel_dims.for_world_size(trainer.world_size)
+    dp_rank = dims.coordinates(torch.distributed.get_rank())["dp"]
+    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dp_rank)
     trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=ckpt_in)
     if save_to:
         trainer.save_checkpoint(save_to)

@@ -39,7 +39,7 @@ def _build_worker(*recipes: str | tuple[str, list[str]]) -> list[dict]:
             "--trainer.logger", "false", *extra], run=False)
         strategy = cli.trainer.strategy
         out.append({"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
-                    "tp": strategy.tensor_model_parallel_size, "pp": strategy.pipeline_model_parallel_size,
+                    "tp": strategy.parallel_dims.tp, "pp": strategy.parallel_dims.pp,
                     "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks),
                     "hidden": cli.model.config.hidden_size, "global_batch": cli.datamodule.global_batch_size,
                     "num_classes": cli.model.hparams.get("num_classes"),
@@ -85,6 +85,39 @@ def test_finetune_recipes_parse_and_build():
         "bert_tiny_finetune": 8, "bert_tiny_sst2": 2, "bert_tiny_cola": 2, "bert_tiny_mnli": 3, "bert_tiny_stsb": 1}
     assert {v["data"] for k, v in by_name.items() if k != "bert_tiny_finetune"} == {"LabelledTextDataModule"}
 
+
+
+def test_old_datamodule_class_paths_are_refused_naming_the_new_one(tmp_path, capsys):
+    """The LightningDataModules left lightning_megatron.data (which imports no Lightning) for
+    lightning_megatron.datamodules: a recipe or command line naming an old class path stops before
+    anything is built, in one line naming the new path (never rewritten behind the user's back); the
+    new path is that class, the old module is gone."""
+    from lightning_megatron.check.recipe import import_class
+    from lightning_megatron.cli import main
+    from lightning_megatron.recipes import MOVED_CLASS_PATHS
+
+    assert "lightning_megatron.data.gpt_datamodule.GPTDataModule" in MOVED_CLASS_PATHS
+    for old, new in MOVED_CLASS_PATHS.items():
+        assert import_class(new).__name__ == old.rsplit(".", 1)[1]
+        with pytest.raises(ValueError, match="cannot be imported"):
+            import_class(old)
+        recipe = tmp_path / "mine.yaml"  # a user's recipe on top of ours, as written before the move
+        recipe.write_text(f"base: {ROOT / 'recipes' / 'gpt_tiny.yaml'}\ndata:\n  class_path: {old}\n")
+        command = ["finetune", "fit"] if "Finetune" in new or "LabelledText" in new else ["fit"]
+        for where, argv in ((f"recipe '{recipe}' (data.class_path)", ["--config", str(recipe)]),
+                            ("the command line", ["--data", old]), ("the command line", [f"--data.class_path={old}"])):
+            with pytest.raises(SystemExit) as refused:
+                main([*command, *argv])
+            assert str(refused.value.code) == (f"lightning-megatron: {where} names {old}, which has moved: use class_path "
+                                               f"{new} (the LightningDataModules left lightning_megatron.data for "
+                                               f"lightning_megatron.datamodules)")
+    # check reads recipes too: the same line, as its usage error
+    recipe.write_text("data:\n  class_path: lightning_megatron.data.datamodule.BertDataModule\n")
+    with pytest.raises(SystemExit):
+        main(["check", "--config", str(recipe)])
+    err = capsys.readouterr().err
+    assert f"recipe '{recipe}' (data.class_path) names lightning_megatron.data.datamodule.BertDataModule, which has " \
+           "moved: use class_path lightning_megatron.datamodules.pretraining.BertDataModule " in err, err
 
 def _start(launches: list[Launch], cwd: Path, env: dict, **popen) -> list[subprocess.Popen]:
     return [subprocess.Popen(launch.argv(), cwd=cwd, env=dict(env, **launch.env), text=True, **popen)
@@ -329,8 +362,7 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
     import numpy as np
 
     from lightning_megatron.callbacks import PredictionWriter
-    from lightning_megatron.data.datamodule import BertDataModule
-    from lightning_megatron.models.bert.init_from import read_architecture
+    from lightning_megatron.datamodules.pretraining import BertDataModule
 
     pooled_module = BertLightningModule.load_from_checkpoint(ckpt, predict_output="pooled")
     dm = BertDataModule(max_seq_length=64, global_batch_size=8, micro_batch_size=4, eval_samples=10, num_workers=0)
@@ -348,7 +380,7 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
         want = module.model_chunks[0].pooler(hidden)
     torch.testing.assert_close(torch.from_numpy(pooled), want, rtol=0, atol=1e-5)
     # init_from of this checkpoint reads its architecture from the saved hyper-parameters.
-    assert {k: read_architecture(ckpt)[k] for k in ("num_layers", "hidden_size", "max_sequence_length")} == {
+    assert {k: BertLightningModule.read_architecture(ckpt)[k] for k in ("num_layers", "hidden_size", "max_sequence_length")} == {
         "num_layers": 1, "hidden_size": 128, "max_sequence_length": 64}
     # export hf: a non-empty target is refused unless --overwrite, which replaces it whole.
     (tmp_path / "hf" / "stale.bin").write_text("x")

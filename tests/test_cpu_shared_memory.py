@@ -15,6 +15,7 @@ from lightning_megatron.cpu import shared_memory
 from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 from lightning_megatron.communicator import TorchCommunicator, _all_gather_fn, _reduce_scatter_fn
 from lightning_megatron.parallel_state import initialize_model_parallel
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.tensor_parallel.mappings import (
     all_reduce,
     all_gather_into_tensor,
@@ -42,8 +43,8 @@ def _same_on_every_rank(t: torch.Tensor, group) -> None:
 
 
 def _collectives_worker(world: int) -> int:
-    ps = initialize_model_parallel(world)  # the TP group holds every rank
-    tp, group = ps.tp_group, ps.tp_group.process_group
+    ps = initialize_model_parallel(ParallelDims(tp=world))  # the TP group holds every rank
+    tp, group = ps.group("tp"), ps.tp_group
     rank = dist.get_rank()
     # 96-byte slots: every message below but the smallest goes through in several pieces
     # timeout=None as MegatronStrategy(timeout=None) passes it: the 30-minute default

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from dist_utils import run_distributed
 from lightning_megatron.parallel_state import initialize_model_parallel
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.tensor_parallel import (
     ColumnParallelLinear,
     get_rng_tracker,
@@ -59,7 +60,7 @@ def _argmax_cases(tp: int, group, rank: int) -> None:
 
 
 def _ce_worker(tp: int) -> None:
-    ps = initialize_model_parallel(tp)
+    ps = initialize_model_parallel(ParallelDims(tp=tp))
     _ce_cases(tp, ps.tp_group, ps.tp_rank)
 
 
@@ -81,7 +82,7 @@ def test_cross_entropy_bf16_logits_give_fp32_loss_and_bf16_grad():
 
 
 def _rng_worker() -> dict:
-    ps = initialize_model_parallel(2)
+    ps = initialize_model_parallel(ParallelDims(tp=2))
     model_parallel_seed(1234, ps.tp_rank)
     tracker = get_rng_tracker()
     x = torch.ones(64, 64)

@@ -160,6 +160,30 @@ def test_sample_index_equals_megatrons_helper_on_the_same_document_index(seq_len
     assert np.array_equal(sample_index.astype(np.int64), expected)
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_samples_filling_whole_epochs_need_one_more_epoch_for_the_last_label(tmp_path, epochs):
+    """At the boundary N x s = k x T (T tokens per epoch): N samples of s inputs need N x s + 1 tokens (the
+    last sample's last label), one more than k epochs hold, so k + 1 epochs; one sample fewer fits in k."""
+    from lightning_megatron.data.gpt_dataset import plan_gpt_indices
+
+    seq_length, per_epoch = 8, 120  # 10 documents of 12 tokens
+    with IndexedDatasetBuilder(tmp_path / "ds", dtype=np.uint16) as builder:
+        docs = []
+        for tokens in np.random.default_rng(epochs).integers(10, 500, (10, 12)):
+            builder.add_item(tokens.astype(np.uint16))
+            builder.end_document()
+            docs.append(tokens.astype(np.int64))
+    num_samples = epochs * per_epoch // seq_length
+    assert num_samples * seq_length == epochs * per_epoch
+    plan = plan_gpt_indices(per_epoch, seq_length=seq_length, num_samples=num_samples)
+    assert plan.num_epochs == epochs + 1 and plan.total_samples >= num_samples, plan
+    assert plan_gpt_indices(per_epoch, seq_length=seq_length, num_samples=num_samples - 1).num_epochs == epochs
+    dataset = GPTDataset(IndexedDataset(tmp_path / "ds"), seq_length=seq_length, seed=2, num_samples=num_samples,
+                         samples_cache_dir=False)
+    _check_stream(dataset, reference_samples(docs, np.arange(10), seq_length=seq_length, seed=2,
+                                             num_samples=num_samples))
+
+
 def test_too_little_text_is_refused():
     with pytest.raises(ValueError, match="hold 8 tokens, fewer than seq_length \\+ 1 = 17"):
         build_gpt_indices(np.array([3, 5]), np.arange(2), seq_length=16, seed=0)

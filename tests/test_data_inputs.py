@@ -224,7 +224,7 @@ def test_token_ids_outside_the_vocabulary_are_named_per_sample(tmp_path):
 def test_datamodule_refuses_a_dataset_of_another_vocabulary_or_a_small_model(tmp_path):
     from types import SimpleNamespace
 
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
 
     (tmp_path / "a.txt").write_text(_text() * 20)
     preprocess_corpus([tmp_path / "a.txt"], tmp_path / "ds", tokenizer(), max_seq_length=64)
@@ -249,7 +249,7 @@ def test_datamodule_refuses_a_dataset_of_another_vocabulary_or_a_small_model(tmp
 def test_fit_refuses_a_model_vocab_below_the_data_ids_before_any_step(tmp_path):
     import lightning.pytorch as pl
 
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
 

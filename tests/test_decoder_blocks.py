@@ -32,6 +32,7 @@ from lightning_megatron.transformer import (
     get_bias_dropout_add,
 )
 from lightning_megatron.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from lightning_megatron.parallel_dims import ParallelDims
 
 H, N, D, F_HIDDEN = 64, 4, 16, 96
 BASE = dict(num_layers=2, hidden_size=H, num_attention_heads=N, ffn_hidden_size=F_HIDDEN, hidden_dropout=0.0,
@@ -394,7 +395,7 @@ def _tp_worker() -> dict[str, float]:
     from lightning_megatron.parallel_state import initialize_model_parallel
     from lightning_megatron.tensor_parallel import all_reduce_sequence_parallel_grads
 
-    ps = initialize_model_parallel(2)
+    ps = initialize_model_parallel(ParallelDims(tp=2))
     r, group = ps.tp_rank, ps.tp_group
     s, b = 8, 2
     diffs: dict[str, float] = {}

@@ -125,23 +125,27 @@ def test_cpu_tuning_defers_every_linear_layer_of_a_stage():
         ColumnParallelLinear,
         RowParallelLinear,
         VocabParallelEmbedding,
-        deferred_weight_grads,
+        WeightGradPolicy,
     )
 
     chunks = [torch.nn.Sequential(ColumnParallelLinear(8, 16), RowParallelLinear(16, 8)) for _ in range(2)]
     state = SimpleNamespace(pp_size=2)  # a pipeline stage's (configure_grads reads only the size)
-    changed = CPUTuning(weight_grads_per_step=True).configure_grads(chunks, state, torch.device("cpu"))
+    policy = WeightGradPolicy()
+    changed = CPUTuning(weight_grads_per_step=True).configure_grads(policy, chunks, state, torch.device("cpu"))
     assert changed == {"embedding_grad_rows": 0, "weight_grads_per_step": 4}
-    deferrals = deferred_weight_grads(chunks)
+    deferrals = policy.deferrals
     assert len(deferrals) == 2 and all(d.per_step for d in deferrals)  # one per chunk
-    assert CPUTuning().configure_grads(chunks[:1], state, torch.device("cpu"))["weight_grads_per_step"] == 0
+    assert CPUTuning().configure_grads(WeightGradPolicy(), chunks[:1], state,
+                                       torch.device("cpu"))["weight_grads_per_step"] == 0
     # One stage: an output layer whose weight is the same chunk's word embedding keeps autograd's sum
     # of the two gradients; an output layer with its own weight is deferred.
     tied = torch.nn.ModuleList([VocabParallelEmbedding(16, 8), ColumnParallelLinear(8, 16, skip_weight_param_allocation=True),
                                 ColumnParallelLinear(8, 8), RowParallelLinear(8, 8)])
-    changed = CPUTuning(weight_grads_per_step=True).configure_grads([tied], SimpleNamespace(pp_size=1), torch.device("cpu"))
+    policy = WeightGradPolicy()
+    changed = CPUTuning(weight_grads_per_step=True).configure_grads(policy, [tied], SimpleNamespace(pp_size=1),
+                                                                    torch.device("cpu"))
     assert changed == {"embedding_grad_rows": 0, "weight_grads_per_step": 2}
-    assert tied[1].deferred_wgrad is None and tied[2].deferred_wgrad is tied[3].deferred_wgrad is not None
+    assert policy.deferral(tied[1]) is None and policy.deferral(tied[2]) is policy.deferral(tied[3]) is not None
 
 
 def test_refused_without_pipeline_parallelism():
@@ -153,3 +157,63 @@ def test_refused_without_pipeline_parallelism():
     with pytest.raises(ValueError, match=r"defer_embedding_wgrad_compute=True needs pipeline parallelism "
                                          r"\(pipeline_model_parallel_size >= 2\).*Set it to False"):
         module.configure_model()
+
+
+def test_backward_input_then_backward_weight_per_microbatch():
+    """The primitives a zero-bubble schedule calls: inside the policy's step, ``backward_input`` of each
+    microbatch leaves the deferred layers' weight gradients stashed (the input and bias gradients are
+    there); ``backward_weight(k)`` adds microbatch k's, in the order asked for. In microbatch order the
+    fp32 main_grad is bitwise autograd's; the layers consult the policy only while its step runs, and a
+    layer it does not defer (and the row-routed embedding) takes autograd's own path."""
+    from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad
+    from lightning_megatron.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        WeightGradPolicy,
+    )
+
+    torch.manual_seed(0)
+    ids = [torch.randint(0, 32, (6, 2)) for _ in range(3)]
+
+    def run(policy_kind: str | None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], WeightGradPolicy]:
+        torch.manual_seed(1)
+        model = torch.nn.ModuleList([VocabParallelEmbedding(32, 8), ColumnParallelLinear(8, 16),
+                                     RowParallelLinear(16, 8)]).bfloat16()
+        embedding, column, row = model
+        buffer, policy = GradBuffer(list(model.parameters())), WeightGradPolicy()
+        if policy_kind is not None:
+            policy.defer([column])
+            policy.route_embedding_grad(embedding, RowSparseEmbeddingGrad())
+        buffer.start(len(ids))
+        input_grads = []
+        with policy.step(buffer.add_grad, buffer.add_grad_rows):
+            for k, batch in enumerate(ids):
+                hidden = embedding(batch).detach().requires_grad_()  # the chunk's input, as a pipeline receives
+                out = row(column(embedding(batch) + hidden)[0])[0]
+                policy.backward_input(out.float().square().mean(), None, microbatch=k)
+                input_grads.append(hidden.grad)
+                if policy_kind is not None:
+                    assert column.weight.grad is None and column.weight.main_grad is not None
+                    assert policy.deferral(column).pending == k + 1 and policy.deferral(row) is None
+            if policy_kind == "reversed":  # out of order: other fp32 sums
+                assert [policy.backward_weight(k) for k in (2, 0, 1)] == [1, 1, 1]
+            elif policy_kind == "in_order":
+                assert [policy.backward_weight(k) for k in range(3)] == [1, 1, 1]
+            assert policy.backward_weight() == 0
+        buffer.finish_grad_sync()
+        grads = {name: p.main_grad.clone() for name, p in model.named_parameters()}
+        buffer.remove()
+        # Outside the step the policy is not consulted: autograd's weight gradient.
+        column(torch.randn(2, 8).bfloat16())[0].sum().backward()
+        assert column.weight.grad is not None and all(d.pending == 0 for d in policy.deferrals)
+        return grads, input_grads, policy
+
+    plain, plain_inputs, _ = run(None)
+    deferred, deferred_inputs, policy = run("in_order")
+    assert policy.drained == 3 and len(policy.embedding_rows) == 1
+    assert plain.keys() == deferred.keys() and all(torch.equal(plain[k], deferred[k]) for k in plain)
+    assert all(torch.equal(a, b) for a, b in zip(plain_inputs, deferred_inputs))
+    shuffled, _, _ = run("reversed")
+    assert torch.equal(shuffled["2.weight"], plain["2.weight"])  # not deferred
+    torch.testing.assert_close(shuffled["1.weight"], plain["1.weight"], rtol=0, atol=1e-6)

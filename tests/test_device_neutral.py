@@ -12,6 +12,7 @@ import torch
 
 import lightning_megatron
 from dist_utils import test_device
+from lightning_megatron.parallel_dims import ParallelDims
 
 PACKAGE = Path(lightning_megatron.__file__).parent
 CPU_PACKAGE = PACKAGE / "cpu"
@@ -68,7 +69,7 @@ def test_cpu_tuning_is_opt_in():
 @pytest.mark.skipif(test_device() != "cuda", reason="needs --device cuda (a GPU): checks that a training step "
                                                     "never synchronizes the host with the GPU")
 def test_training_step_without_host_sync():
-    from lightning_megatron.data.datamodule import NO_PADDING, BertDataModule
+    from lightning_megatron.datamodules.pretraining import NO_PADDING, BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.tensor_parallel import model_parallel_seed
     from megatron_testing import TINY_CONFIG, TINY_OPTIONS, SyntheticBertDataset
@@ -146,25 +147,25 @@ def test_the_communicator_belongs_to_the_group_object_not_to_a_registry():
     other on torch (a process-wide group -> communicator registry would hand it to both), and the
     mappings and layers run the collectives of the group object they are given."""
     from lightning_megatron.communicator import TorchCommunicator
-    from lightning_megatron.parallel_state import ParallelGroup, ParallelLayout, ParallelState
+    from lightning_megatron.parallel_state import ParallelGroup, ParallelState
     from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from lightning_megatron.tensor_parallel.mappings import all_reduce
 
     torch_group = object()  # stands for one torch ProcessGroup shared by both states
-    layout = ParallelLayout(world_size=2, tensor_model_parallel_size=2)
-    a, b = (ParallelState(layout=layout, rank=0, tp_group=ParallelGroup(torch_group, size=2, rank=0))
+    dims = ParallelDims(tp=2, dp=1)
+    a, b = (ParallelState(dims=dims, rank=0, groups={"tp": ParallelGroup(torch_group, size=2, rank=0)})
             for _ in range(2))
     rec = _Recording()
     a.set_communicator("tp", rec)
-    assert a.tp_group.communicator is rec and a.communicators == {"tp": rec}
-    assert isinstance(b.tp_group.communicator, TorchCommunicator) and b.communicators == {}
-    assert b.tp_group.process_group is torch_group and b.tp_group.size == 2 and b.tp_group.rank == 0
+    assert a.group("tp").communicator is rec and a.communicators == {"tp": rec}
+    assert isinstance(b.group("tp").communicator, TorchCommunicator) and b.communicators == {}
+    assert b.tp_group is torch_group and b.group("tp").size == 2 and b.group("tp").rank == 0
 
     t = torch.ones(3)
-    assert all_reduce(t, a.tp_group) is t and torch.equal(t, torch.full((3,), 2.0))
+    assert all_reduce(t, a.group("tp")) is t and torch.equal(t, torch.full((3,), 2.0))
     torch.manual_seed(0)
-    col = ColumnParallelLinear(4, 6, tp_group=a.tp_group, gather_output=True)
-    row = RowParallelLinear(6, 4, tp_group=a.tp_group, input_is_parallel=False)
+    col = ColumnParallelLinear(4, 6, tp_group=a.group("tp"), gather_output=True)
+    row = RowParallelLinear(6, 4, tp_group=a.group("tp"), input_is_parallel=False)
     hidden, _ = col(torch.randn(5, 4, requires_grad=True))
     out, _ = row(hidden)
     out.sum().backward()
@@ -172,4 +173,4 @@ def test_the_communicator_belongs_to_the_group_object_not_to_a_registry():
     assert rec.calls == ["all_reduce", "all_gather", "all_reduce", "all_gather", "all_reduce"]
 
     a.close_communicators()
-    assert rec.closed and isinstance(a.tp_group.communicator, TorchCommunicator) and a.communicators == {}
+    assert rec.closed and isinstance(a.group("tp").communicator, TorchCommunicator) and a.communicators == {}

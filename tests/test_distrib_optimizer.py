@@ -14,6 +14,7 @@ import torch
 
 from dist_utils import run_distributed
 from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
+from lightning_megatron.parallel_dims import ParallelDims
 
 STEPS = 10
 
@@ -29,12 +30,12 @@ def _tiny_model(tp: int, tp_rank: int, dtype: torch.dtype) -> list[torch.nn.Para
         return p
 
     return [
-        param((6 // tp * 2, 5), g, tensor_model_parallel=True, partition_dim=0),  # column weight
-        param((6 // tp * 2,), g, tensor_model_parallel=True, partition_dim=0),  # column bias
-        param((3, 6 // tp * 2), g, tensor_model_parallel=True, partition_dim=1),  # row weight
+        param((6 // tp * 2, 5), g, sharded_over=("tp",), replicated_over=(), partition_dim=0),  # column weight
+        param((6 // tp * 2,), g, sharded_over=("tp",), replicated_over=(), partition_dim=0),  # column bias
+        param((3, 6 // tp * 2), g, sharded_over=("tp",), replicated_over=(), partition_dim=1),  # row weight
         param((3,), gd),  # row bias (duplicated over TP)
         param((5,), gd),  # norm weight (duplicated)
-        param((7, 5), g, tensor_model_parallel=True, partition_dim=0, shared_embedding=True),  # embedding
+        param((7, 5), g, sharded_over=("tp",), replicated_over=(), partition_dim=0, shared_embedding=True),  # embedding
     ]
 
 
@@ -66,7 +67,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
     ref_model = [torch.nn.Parameter(p.detach().clone()) for p in model]
     for p, r in zip(model, ref_model):
         r.__dict__.update(p.__dict__)
-    mp = dict(model_parallel_group=ps.mp_group, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
+    mp = dict(model_parallel_group=ps.mp_group, coordinates=ps.coordinates)
     opt = DistributedOptimizer(torch.optim.AdamW(_groups(model), betas=(0.9, 0.95)), clip_grad=clip_grad,
                                data_parallel_group=ps.dp_group, grad_scaler=scaler_factory and scaler_factory(),
                                **mp)
@@ -84,7 +85,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
             p.grad = g.to(dtype)
         for r, g in zip(ref_model, grads):
             mean = g.to(dtype).float().clone()  # never alias the model grad
-            dist.all_reduce(mean, group=ps.dp_group.process_group)
+            dist.all_reduce(mean, group=ps.dp_group)
             ref_buffer.main_grad_of(r).copy_(mean / ps.dp_size)
             r.grad = None
         opt.step()
@@ -102,7 +103,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
         # the fp32 main shard equals the reference's fp32 main params over this rank's range
         main_full = torch.zeros(opt.padded_numel)
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        all_gather(main_full, opt.main_shard, group=ps.dp_group.process_group)
+        all_gather(main_full, opt.main_shard, group=ps.dp_group)
         order = [p for g in opt.model_groups for p in g]
         ref_flat = torch.cat([ref_main[[id(m) for m in model].index(id(p))].detach().reshape(-1).float()
                               for p in order])
@@ -130,7 +131,7 @@ def _worker(tp: int, check_resume: bool):
     from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
     from lightning_megatron.parallel_state import initialize_model_parallel
 
-    ps = initialize_model_parallel(tp)
+    ps = initialize_model_parallel(ParallelDims(tp=tp))
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         r = _run_parity(ps, dtype)
@@ -162,7 +163,7 @@ def _worker(tp: int, check_resume: bool):
             assert torch.equal(piece["tensors"]["main_param"], values)
             assert set(piece["tensors"]) == {"main_param", "exp_avg", "exp_avg_sq"}
         for c in covered:
-            dist.all_reduce(c, group=ps.dp_group.process_group)
+            dist.all_reduce(c, group=ps.dp_group)
             assert torch.equal(c, torch.ones_like(c))
         try:
             opt.state_dict()

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.memory import DEFAULT_DROPOUT, ModelShape, estimate_stage, search_layouts
 from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, collective_time,
                                              estimate_time)
@@ -22,12 +22,12 @@ BERT_LARGE = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,
 def test_layout_search_tries_vp_and_names_what_it_skips():
     """48 GPUs, global batch 256 in micro batches of 16: DP=3 cannot split 16 microbatches; VP is tried."""
     found = search_layouts(BERT_LARGE, 48)
-    assert Layout(tp=4, pp=2, vp=2, dp=6) not in found.layouts  # DP=6 does not divide 16 either
+    assert ParallelDims(tp=4, pp=2, vp=2, dp=6) not in found.layouts  # DP=6 does not divide 16 either
     assert found.skipped["DP=3 does not divide global batch 256 into micro batches of 16"] >= 1
     assert found.skipped["TP=3 does not divide 16 heads / FFN 4096"] >= 1
     big = search_layouts(dataclasses.replace(BERT_LARGE, global_batch_size=1024), 64)
-    assert Layout(tp=8, pp=2, vp=2, dp=4, sequence_parallel=True, zero1=True) in big.layouts
-    assert Layout(tp=8, pp=4, vp=6, dp=2) in big.layouts  # 24 layers: 6 per stage, 1 per chunk
+    assert ParallelDims(tp=8, pp=2, vp=2, dp=4, sequence_parallel=True, zero1=True) in big.layouts
+    assert ParallelDims(tp=8, pp=4, vp=6, dp=2) in big.layouts  # 24 layers: 6 per stage, 1 per chunk
     assert all(x.world_size == 64 and 24 % (x.pp * (x.vp or 1)) == 0 for x in big.layouts)
     assert "TP=16 > 8 (TP stays within a node)" in big.skipped
 
@@ -68,14 +68,14 @@ def test_activation_estimate_counts_dropout_masks():
 
     def predicted(hidden: float, attention: float) -> int:
         m = dataclasses.replace(shape, hidden_dropout=hidden, attention_dropout=attention)
-        return estimate_stage(m, Layout(), 0).activation_bytes
+        return estimate_stage(m, ParallelDims(dp=1), 0).activation_bytes
 
     base = _saved_activation_bytes(0.0, 0.0)
     for hidden, attention in ((0.1, 0.0), (0.1, 0.1)):
         assert _saved_activation_bytes(hidden, attention) - base == predicted(hidden, attention) - predicted(0, 0)
     # On a GPU (bool masks, fused attention) dropout adds ~6% to BERT-large's activations.
-    on = estimate_stage(BERT_LARGE, Layout(), 0).activation_bytes
-    off = estimate_stage(dataclasses.replace(BERT_LARGE, hidden_dropout=0.0, attention_dropout=0.0), Layout(), 0)
+    on = estimate_stage(BERT_LARGE, ParallelDims(dp=1), 0).activation_bytes
+    off = estimate_stage(dataclasses.replace(BERT_LARGE, hidden_dropout=0.0, attention_dropout=0.0), ParallelDims(dp=1), 0)
     assert 1.05 < on / off.activation_bytes < 1.08
 
 
@@ -107,7 +107,7 @@ def test_step_time_against_hand_computed_numbers():
                    attention_dropout=0.0)
     dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
                  devices_per_node=4, latency_intra=0.0, latency_inter=0.0)
-    layout = Layout(tp=2, pp=2, dp=2)
+    layout = ParallelDims(tp=2, pp=2, dp=2)
     fw = Framework(overlap_grad_reduce=False)
     st = estimate_time(m, layout, dev, MEASURED, fw)
     # Last stage, one microbatch (2048 tokens), per TP rank: 2 layers 360777252864 + head 412316860416 FLOPs, / 2.
@@ -142,11 +142,11 @@ def test_step_time_against_hand_computed_numbers():
                               head_tokens=16384, vocab_size=32768, head_dense=False)
     assert st.mfu == pytest.approx(flops / st.total / 8 / 1e14)
     # VP divides the bubble; SP moves the same TP bytes; ZeRO-1 = reduce-scatter + all-gather; overlap hides DP.
-    vp = estimate_time(m, Layout(tp=2, pp=2, vp=2, dp=2), dev, MEASURED, fw)
+    vp = estimate_time(m, ParallelDims(tp=2, pp=2, vp=2, dp=2), dev, MEASURED, fw)
     assert vp.bubble == pytest.approx((t_mb + pp) / 2, rel=1e-12)  # each of the 2 chunks sends
-    sp = estimate_time(m, Layout(tp=2, pp=2, dp=2, sequence_parallel=True), dev, MEASURED, fw)
+    sp = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, sequence_parallel=True), dev, MEASURED, fw)
     assert sp.tp_comm == pytest.approx(st.tp_comm) and sp.pp_comm == pytest.approx(4 * pp / 2 + tied)
-    z = estimate_time(m, Layout(tp=2, pp=2, dp=2, zero1=True), dev, MEASURED, fw)
+    z = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, zero1=True), dev, MEASURED, fw)
     assert z.dp_comm == pytest.approx(1 / 2 * 4 * params / 1e11 + 1 / 2 * 2 * params / 1e11, rel=1e-12)
     assert z.optimizer == pytest.approx(st.optimizer / 2)
     hidden = estimate_time(m, layout, dev, MEASURED, Framework())  # the strategy's default: overlapped
@@ -167,12 +167,12 @@ def test_vocabulary_and_grad_accumulation_bytes():
     logits = 6 * 76.8 * 30592 * 4  # [n, V] fp32, 6 passes
     # One rank holds both uses of the tied weight: the embedding's dense gradient written (W), the head's
     # weight read twice and its gradient written (3W), and autograd's sum of the two gradients (read 2W, write W).
-    assert vocab_bytes(m, Layout(), 0) == pytest.approx(7 * w + logits, rel=1e-12)
-    assert vocab_bytes(m, Layout(pp=2), 0) == pytest.approx(w, rel=1e-12)  # first stage: the embedding
-    assert vocab_bytes(m, Layout(pp=2), 1) == pytest.approx(3 * w + logits, rel=1e-12)  # last stage: the head
+    assert vocab_bytes(m, ParallelDims(dp=1), 0) == pytest.approx(7 * w + logits, rel=1e-12)
+    assert vocab_bytes(m, ParallelDims(pp=2, dp=1), 0) == pytest.approx(w, rel=1e-12)  # first stage: the embedding
+    assert vocab_bytes(m, ParallelDims(pp=2, dp=1), 1) == pytest.approx(3 * w + logits, rel=1e-12)  # last stage: the head
     # TP splits the vocabulary (padded to a multiple of 128 x 2: 30720, 15360 rows a rank); the head sees all n
     # tokens.
-    assert vocab_bytes(m, Layout(tp=2), 0) == pytest.approx((7 * 15360 * 768 * 4 + 6 * 76.8 * 15360 * 4), rel=1e-12)
+    assert vocab_bytes(m, ParallelDims(tp=2, dp=1), 0) == pytest.approx((7 * 15360 * 768 * 4 + 6 * 76.8 * 15360 * 4), rel=1e-12)
     # Per step: the first microbatch copies its grads into main_grad (read 4, write 4 bytes per parameter),
     # the 3 others add theirs (read 4, read and write 4): 4 x 8 + 3 x 4 = 44 bytes per parameter.
     assert grad_accumulation_bytes(1000, 4, 4, Framework()) == 44000
@@ -195,9 +195,9 @@ def test_measured_elementwise_rate_times_the_memory_bound_kernels():
     dev = Device(name="toy", flops_16=1e10, flops_32=1e10, hbm=1e10, link_intra=1e9, link_inter=1e9, latency_intra=0.0,
                  latency_inter=0.0, cores=1)
     fw = Framework(overlap_grad_reduce=False, fused_attention=not m.unfused_attention)
-    base = estimate_time(m, Layout(), dev, MEASURED, fw)
-    slow = estimate_time(m, Layout(), replace(dev, elementwise=1e9), MEASURED, fw)
-    counted = elementwise_bytes(m, Layout(), fw) * 16 * 2 * 2 * 3 * 2  # tokens x layers x 3 passes x 2 microbatches
+    base = estimate_time(m, ParallelDims(dp=1), dev, MEASURED, fw)
+    slow = estimate_time(m, ParallelDims(dp=1), replace(dev, elementwise=1e9), MEASURED, fw)
+    counted = elementwise_bytes(m, ParallelDims(dp=1), fw) * 16 * 2 * 2 * 3 * 2  # tokens x layers x 3 passes x 2 microbatches
     assert slow.compute - base.compute == pytest.approx(counted / 1e9 - counted / 1e10, rel=1e-12)
     assert slow.optimizer == base.optimizer and slow.vocab == base.vocab and slow.accumulate == base.accumulate
     flops = transformer_flops(num_layers=1, hidden_size=64, ffn_hidden_size=256, seq_length=16, tokens=32,
@@ -220,10 +220,10 @@ def test_measured_vocab_rate_times_the_vocabulary_passes():
     dev = Device(name="toy", flops_16=1e10, flops_32=1e10, hbm=1e10, link_intra=1e9, link_inter=1e9, latency_intra=0.0,
                  latency_inter=0.0, cores=1)
     fw = Framework(overlap_grad_reduce=False, fused_attention=not m.unfused_attention)
-    base = estimate_time(m, Layout(), dev, MEASURED, fw)
-    slow = estimate_time(m, Layout(), replace(dev, vocab=1e9), MEASURED, fw)
+    base = estimate_time(m, ParallelDims(dp=1), dev, MEASURED, fw)
+    slow = estimate_time(m, ParallelDims(dp=1), replace(dev, vocab=1e9), MEASURED, fw)
     counted = 7 * 1024 * 64 * 4 + 6 * 0.15 * 32 * 1024 * 4  # tied [1024, 64] fp32 weight on one rank, 4.8 head tokens
-    assert vocab_bytes(m, Layout(), 0) == pytest.approx(counted, rel=1e-12)
+    assert vocab_bytes(m, ParallelDims(dp=1), 0) == pytest.approx(counted, rel=1e-12)
     assert slow.vocab == pytest.approx(2 * counted / 1e9, rel=1e-12)  # 2 microbatches
     assert slow.compute - base.compute == pytest.approx(2 * (counted / 1e9 - counted / 1e10), rel=1e-12)
     assert (slow.optimizer, slow.accumulate, slow.tp_comm) == (base.optimizer, base.accumulate, base.tp_comm)
@@ -258,7 +258,7 @@ def megatron_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: i
     m = ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=51200,
                    max_sequence_length=2048, seq_length=2048, micro_batch_size=1, global_batch_size=batch,
                    params_dtype="float16", recompute=True, family="gpt")
-    st = estimate_time(m, Layout(tp=tp, pp=pp, dp=gpus // (tp * pp)), DEVICES["a100"], eff, MEGATRON_2021)
+    st = estimate_time(m, ParallelDims(tp=tp, pp=pp, dp=gpus // (tp * pp)), DEVICES["a100"], eff, MEGATRON_2021)
     flops = transformer_flops(num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden, seq_length=2048,
                               tokens=batch * 2048, head_tokens=batch * 2048, vocab_size=51200, head_dense=False,
                               recompute=True)
@@ -359,13 +359,13 @@ def test_memory_estimate_takes_any_module_cost_model(capsys):
     assert isinstance(toy, MemoryCost) and isinstance(_ToyModule, EstimatesCost)
     assert isinstance(BERT_LARGE, MemoryCost)  # BERT's ModelShape is one implementation
     # PP=2, DP=2: 2 microbatches; stage 0 holds 2 layers (200) + 7, 2 forwards in flight, plus its 5 bytes
-    est = estimate_memory(toy, Layout(pp=2, dp=2))
+    est = estimate_memory(toy, ParallelDims(pp=2, dp=2))
     assert (est.stage, est.params, est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (0, 207, 828, 828, 828)
     assert est.activation_bytes == 2 * 2 * 1000 + 5 * 2
-    last = estimate_stage(toy, Layout(pp=2, dp=2), 1)
+    last = estimate_stage(toy, ParallelDims(pp=2, dp=2), 1)
     assert (last.params, last.activation_bytes) == (200, 1 * 2 * 1000 + 50)
     found = search_layouts(toy, 4)
-    assert found.skipped == {"toy: TP=4 > 2": 1} and Layout(tp=2, pp=2) in found.layouts
+    assert found.skipped == {"toy: TP=4 > 2": 1} and ParallelDims(tp=2, pp=2, dp=1) in found.layouts
     recipe = SimpleNamespace(model_class=f"{__name__}._ToyModule", model={}, data={}, dropout={},
                              micro_batch_size=2, global_batch_size=8)
     assert fitting_layouts(recipe, 2, 10**6) == 0

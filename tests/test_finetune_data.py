@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_megatron.data.labelled_text import LabelledTextDataModule, encode_rows
+from lightning_megatron.data.labelled_text import encode_rows
 from lightning_megatron.data.tokenizer import BertTokenizer, packaged_vocab_file
+from lightning_megatron.datamodules.finetune import LabelledTextDataModule
 from lightning_megatron.models.bert.docstring_task import stdlib_docstrings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +145,7 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
     from lightning.pytorch import Trainer
 
     from lightning_megatron.models.bert.classification import BertClassificationModule
-    from lightning_megatron.models.bert.convert import read_model_checkpoint
+    from lightning_megatron.saved_model import read_model_checkpoint
 
     texts = _sentences(75)
     train = _write(tmp_path / "train.csv", _stsb_rows(texts[:48], 3))

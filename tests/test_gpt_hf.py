@@ -32,6 +32,14 @@ GPT2_KW = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                initializer_range=0.2, bos_token_id=0, eos_token_id=0)
 
 
+def hf_model_from_saved(saved, **kwargs):
+    """``export hf``'s transformers model and tokenizer writer of a saved GPT model (its interop adapter)."""
+    from lightning_megatron.interop.hf_folder import hf_model_from_saved as export
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    return export(saved, GPTLightningModule.interop, **kwargs)
+
+
 def _llama(**kw):
     import transformers
 
@@ -286,8 +294,10 @@ def test_export_config_refuses_architectures_transformers_cannot_compute():
 def test_hf_folder_reads_through_init_from_sharded_or_not_and_refuses_auto_map(tmp_path):
     import json
 
-    from lightning_megatron.models.gpt.convert import read_pretrained_source as read_pretrained
-    from lightning_megatron.models.gpt.convert import read_source_architecture as read_architecture
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    read_pretrained = GPTLightningModule.read_pretrained
+    read_architecture = GPTLightningModule.read_architecture
 
     model = _llama()
     arch = ghf.hf_architecture(model.config)
@@ -327,7 +337,6 @@ def test_export_of_a_saved_model_gives_the_contract_logits_in_transformers(tmp_p
     import transformers
 
     from lightning_megatron.saved_model import SavedModel
-    from lightning_megatron.models.gpt.convert import hf_model_from_saved
 
     source = _llama() if family == "llama" else _gpt2()
     arch = ghf.hf_architecture(source.config)
@@ -365,11 +374,12 @@ def test_init_from_gives_each_tp_rank_its_strided_swiglu_slice():
             "decoder.layers.0.self_attention.linear_qkv.weight": torch.arange(32.0).view(8, 4)}
     for rank in range(2):
         fc1, qkv = nn.Parameter(torch.empty(6, 4)), nn.Parameter(torch.empty(4, 4))
-        set_param_facts(fc1, tensor_model_parallel=True, partition_dim=0, partition_stride=2)
-        set_param_facts(qkv, tensor_model_parallel=True, partition_dim=0, partition_stride=1)
+        set_param_facts(fc1, sharded_over=("tp",), replicated_over=(), partition_dim=0, partition_stride=2)
+        set_param_facts(qkv, sharded_over=("tp",), replicated_over=(), partition_dim=0, partition_stride=1)
         params = [("decoder.layers.0.mlp.linear_fc1.weight", fc1),
                   ("decoder.layers.0.self_attention.linear_qkv.weight", qkv)]
-        load_full_state_dict([], params, full, tp_rank=rank, tp_size=2, num_layers=1, source_name="x")
+        load_full_state_dict([], params, full, coordinates={"tp": rank}, sizes={"tp": 2}, num_layers=1,
+                             source_name="x")
         want = ghf.shard_full_state_dict(full, rank, 2, gated_linear_unit=True, num_query_groups=2)
         assert torch.equal(fc1, want["decoder.layers.0.mlp.linear_fc1.weight"])
         assert torch.equal(qkv, full["decoder.layers.0.self_attention.linear_qkv.weight"][4 * rank: 4 * rank + 4])
@@ -380,7 +390,6 @@ def test_export_takes_the_packaged_bpe_when_the_run_used_gpt_datamodules_default
     another vocabulary size is refused rather than shipped with the wrong tokenizer."""
     import transformers
 
-    from lightning_megatron.models.gpt.convert import hf_model_from_saved
     from lightning_megatron.saved_model import SavedModel
 
     config = transformers.GPT2Config(vocab_size=8192, n_positions=8, n_embd=8, n_layer=1, n_head=2,
@@ -403,7 +412,6 @@ def test_export_takes_a_gpt2_vocab_json_with_its_merges(tmp_path):
 
     import transformers
 
-    from lightning_megatron.models.gpt.convert import hf_model_from_saved
     from lightning_megatron.saved_model import SavedModel
 
     vocab = {chr(ord("a") + i % 26) * (1 + i // 26): i for i in range(VOCAB - 1)} | {"<|endoftext|>": VOCAB - 1}

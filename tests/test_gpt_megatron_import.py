@@ -96,8 +96,10 @@ def _write_torch_dist(root, full, arch, args):
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_megatron_gpt_checkpoint_reads_as_our_state_dict_and_architecture(tmp_path, family, fmt):
-    from lightning_megatron.models.gpt.convert import read_pretrained_source as read_pretrained
-    from lightning_megatron.models.gpt.convert import read_source_architecture as read_architecture
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    read_pretrained = GPTLightningModule.read_pretrained
+    read_architecture = GPTLightningModule.read_architecture
 
     model = _models()[family]
     arch = ghf.hf_architecture(model.config)
@@ -126,7 +128,9 @@ def test_megatron_gpt_checkpoint_reads_as_our_state_dict_and_architecture(tmp_pa
     (dict(position_embedding_type="relative"), "position_embedding_type='relative'"),
 ], ids=["qk_layernorm", "rope_scaling", "moe", "interleaved", "relative"])
 def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, named):
-    from lightning_megatron.models.gpt.convert import read_pretrained_source as read_pretrained
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    read_pretrained = GPTLightningModule.read_pretrained
 
     model = _models()["llama"]
     arch = ghf.hf_architecture(model.config)

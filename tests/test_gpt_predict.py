@@ -25,8 +25,9 @@ MAX_NEW = 6
 # A tiny gpt_tiny: both commands build the same model from the same overrides.
 SMALL = ["--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--trainer.devices", "2",
          "--trainer.strategy.tensor_model_parallel_size", "2", "--trainer.logger", "false",
-         "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1", "--model.config.hidden_size", "32",
-         "--model.config.num_attention_heads", "2", "--model.config.ffn_hidden_size", "64", "--model.config.max_sequence_length", "64",
+         "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1",
+         "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
+         "--model.config.ffn_hidden_size", "64", "--model.config.max_sequence_length", "64",
          "--model.config.hidden_dropout", "0.0", "--model.config.attention_dropout", "0.0", "--data.seq_length", "32"]
 
 
@@ -39,7 +40,6 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_cli_predict_generates_what_generate_gives(tmp_path):
     from lightning_megatron.data.bpe_tokenizer import BPETokenizer
-    from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     tokenizer = BPETokenizer()  # GPTDataModule's default
@@ -108,7 +108,7 @@ def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):
     missing prompts are refused by name."""
     import pytest
 
-    from lightning_megatron.data.gpt_datamodule import GPTDataModule
+    from lightning_megatron.datamodules.gpt import GPTDataModule
     from lightning_megatron.data.predict import SAMPLE_INDEX, IndexedSamples, LengthGroupedBatchSampler
 
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"body": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))

@@ -15,7 +15,7 @@ from lightning_megatron.check.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_MODULE = "lightning_megatron.models.gpt.module.GPTLightningModule"
-GPT_DATA = "lightning_megatron.data.gpt_datamodule.GPTDataModule"
+GPT_DATA = "lightning_megatron.datamodules.gpt.GPTDataModule"
 
 
 def test_gpt_tiny_recipe_builds_the_gpt2_shape():

@@ -147,7 +147,7 @@ def test_megatron_lm_legacy_logits_match_transformers_with_the_bias_gelu_fusion_
 def test_restricted_unpickler_maps_megatron_enums_and_refuses_other_globals(tmp_path):
     """Megatron-LM's enums become inert records; any other global (here one named like a Megatron class
     but outside the known list, and os.system) is refused; nothing from the file runs."""
-    from lightning_megatron.models.bert.megatron_lm import MegatronRecord, read_args
+    from lightning_megatron.interop.megatron_lm import MegatronRecord, read_args
 
     with _FakeEnumModule() as AttnBackend:
         torch.save({"args": argparse.Namespace(attention_backend=AttnBackend.local, hidden_size=8)},
@@ -184,7 +184,9 @@ def test_restricted_unpickler_maps_megatron_enums_and_refuses_other_globals(tmp_
 def test_hf_config_vocab_size_must_equal_the_embedding_rows(tmp_path):
     import json
 
-    from lightning_megatron.models.bert.init_from import read_hf_folder
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    read_hf_folder = BertLightningModule.read_pretrained  # a config.json folder: the Hugging Face reader
 
     _hf_model(False).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -260,7 +262,8 @@ def test_predict_batches_cover_every_sample_once_at_any_size():
 
 def test_a_failed_export_leaves_the_existing_folder_whole(tmp_path, monkeypatch):
     """export hf writes a temporary folder next to the target and swaps it in only when complete."""
-    from lightning_megatron.models.bert import convert
+    from lightning_megatron import export as convert
+    from lightning_megatron.models.bert import interop as bert_interop
     from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
 
     model = _hf_model(True)
@@ -276,7 +279,7 @@ def test_a_failed_export_leaves_the_existing_folder_whole(tmp_path, monkeypatch)
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(convert, "_save_tokenizer", broken)
+    monkeypatch.setattr(bert_interop, "_save_tokenizer", broken)
     with pytest.raises(OSError, match="disk full"):
         convert.export_hf("ckpt", target, vocab_file=vocab, overwrite=True)
     assert [p.name for p in tmp_path.iterdir() if p.name != "vocab.txt"] == ["hf"]  # no temporary folder left

@@ -87,6 +87,17 @@ def test_hparams_are_plain_values_and_the_flat_ones_of_before_map_into_the_recor
         GPTLightningModule.from_pretrained("unused", num_layers=2)
 
 
+def _tokenizer(path: Path) -> Path:
+    """A word-level ``tokenizer.json`` of VOCAB tokens (the last one the end of document), for ``export hf``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB - 1)} | {"<|endoftext|>": VOCAB - 1},
+                                     unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return path
+
+
 def _old_checkpoint(new: Path, old: Path) -> Path:
     """A copy of checkpoint ``new`` as GPTLightningModule wrote it before the record: flat hyper-parameters
     (the constructor's arguments of then), the marker's checksums rewritten for the changed extra.pt."""
@@ -110,7 +121,7 @@ def test_a_gpt_checkpoint_written_before_the_record_loads_resumes_and_exports(tm
     from test_custom_module import hermetic
     from torch.utils.data import DataLoader
 
-    from lightning_megatron.models.gpt.convert import hf_model_from_saved
+    from lightning_megatron.export import export_hf
     from lightning_megatron.saved_model import read_model_checkpoint
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -146,8 +157,9 @@ def test_a_gpt_checkpoint_written_before_the_record_loads_resumes_and_exports(tm
             trainer(2).fit(GPTLightningModule(GPTConfig(**{**GPT, "num_layers": 3}), lr=1e-3),
                            DataLoader(rows, batch_size=4), ckpt_path=old)
     # export: the flat architecture of either spelling
-    model, _ = hf_model_from_saved(read_model_checkpoint(old))
-    assert model.config.n_layer == 2 and model.config.vocab_size == VOCAB
+    export_hf(old, tmp_path / "hf", tokenizer=_tokenizer(tmp_path / "tokenizer.json"))
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (exported["n_layer"], exported["vocab_size"], exported["n_embd"]) == (2, VOCAB, 32)
 
 
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # pytest's own argv is there too

@@ -8,6 +8,7 @@ from torch import nn
 
 from dist_utils import run_distributed
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
+from lightning_megatron.parallel_dims import ParallelDims
 
 MICROBATCHES = 3
 
@@ -33,7 +34,7 @@ def _worker() -> dict[str, object]:
     from lightning_megatron.parallel_state import initialize_model_parallel
     from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 
-    ps = initialize_model_parallel(1, 1)
+    ps = initialize_model_parallel(ParallelDims(tp=1, pp=1))
     rank = dist.get_rank()
     inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + i)).bfloat16()
               for i in range(MICROBATCHES)]
@@ -60,7 +61,7 @@ def _worker() -> dict[str, object]:
         for overlap in (False, True):
             model = _model(torch.bfloat16)
             # 600-byte buckets: a.weight, a.bias + b.*, unused.* end up in different buckets
-            buffer = GradBuffer(buffer_order([model]), bucket_bytes=600, pad_to=2, dp_group=ps.dp_group,
+            buffer = GradBuffer(buffer_order([model]), bucket_bytes=600, pad_to=2, dp_group=ps.group("dp"),
                                 overlap_grad_reduce=overlap)
             run: dict[str, object] = {"ptrs": [], "freed": True, "launched_in_backward": []}
             for _step in range(2):
@@ -177,6 +178,7 @@ def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
     from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad, row_sums
     from lightning_megatron.grads import GradBuffer
     from lightning_megatron.parallel_state import ParallelState
+    from lightning_megatron.tensor_parallel import WeightGradPolicy
 
     gen = torch.Generator().manual_seed(0)
     vocab, hidden = 3000, 48
@@ -212,4 +214,5 @@ def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
     embedding = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
     none = {"embedding_grad_rows": 0, "weight_grads_per_step": 0}
     tuning = CPUTuning(weight_grads_per_step=True)
-    assert tuning.configure_grads(embedding, ParallelState.single_process(), torch.device("cpu")) == none
+    assert tuning.configure_grads(WeightGradPolicy(), embedding, ParallelState.single_process(),
+                                  torch.device("cpu")) == none

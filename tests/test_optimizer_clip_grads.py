@@ -15,6 +15,7 @@ import torch
 from dist_utils import run_distributed
 from lightning_megatron.optimizer import clip_grad_norm, count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
 from lightning_megatron.tensor_parallel.param_facts import set_param_facts
+from lightning_megatron.parallel_dims import ParallelDims
 
 # name, full shape, how TP holds it (col: split dim 0, row: split dim 1, rep: replicated), pipeline stage
 # ("both": the tied word embedding on the first and the last stage).
@@ -64,8 +65,8 @@ def _local_params(tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict[str, tor
             grad = grad.chunk(tp, dim=dim)[tp_rank]
         p = torch.nn.Parameter(torch.zeros_like(grad))
         p.grad = grad.clone()
-        set_param_facts(p, tensor_model_parallel=kind != "rep", partition_dim=-1 if kind == "rep" else
-                        0 if kind == "col" else 1, shared_embedding=stage == "both")
+        set_param_facts(p, sharded_over=() if kind == "rep" else ("tp",), replicated_over=("tp",) if kind == "rep" else (),
+                        partition_dim=-1 if kind == "rep" else 0 if kind == "col" else 1, shared_embedding=stage == "both")
         out[name] = p
     return out
 
@@ -78,15 +79,29 @@ def _slice(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor
 def _check_layouts(layouts: list[tuple[int, int]]) -> list[dict]:
     from lightning_megatron.parallel_state import initialize_model_parallel
 
+    import torch.distributed as dist
+
     results = []
     for tp, pp in layouts:
-        ps = initialize_model_parallel(tp, pp)
+        ps = initialize_model_parallel(ParallelDims(tp=tp, pp=pp))
+        # What a user porting Megatron code does first: torch.distributed on the groups the state exposes.
+        torch_groups = {name: getattr(ps, f"{name}_group") for name in
+                        ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "expert_tp", "expert_dp", "embedding")}
+        seen = {}
+        for name, g in torch_groups.items():
+            if g is None:  # a middle pipeline stage holds no embedding group
+                seen[name] = None
+                continue
+            ones = torch.ones(1)
+            dist.all_reduce(ones, group=g)
+            seen[name] = (dist.get_world_size(g), dist.get_rank(g), dist.get_process_group_ranks(g),
+                          int(ones.item()), ps.dims.group_ranks(name))
         for norm_type, max_norm in CASES:
             ref_norm, ref_grads, ref_zeros = _reference(norm_type, max_norm)
             params = _local_params(tp, ps.tp_rank, pp, ps.pp_rank)
-            kwargs = dict(model_parallel_group=ps.mp_group, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
+            kwargs = dict(model_parallel_group=ps.mp_group, coordinates=ps.coordinates)
             zeros = count_zeros_fp32(params.values(), **kwargs)
-            unclipped = get_grad_norm_fp32(grads_for_norm(params.values(), tp_rank=ps.tp_rank, pp_rank=ps.pp_rank),
+            unclipped = get_grad_norm_fp32(grads_for_norm(params.values(), coordinates=ps.coordinates),
                                            norm_type, ps.mp_group)
             norm = clip_grad_norm(params.values(), max_norm, norm_type, **kwargs)
             grad_err = max(
@@ -94,7 +109,7 @@ def _check_layouts(layouts: list[tuple[int, int]]) -> list[dict]:
             )
             results.append(dict(layout=(tp, pp), norm_type=norm_type, max_norm=max_norm, norm=norm,
                                 unclipped=unclipped, ref_norm=ref_norm, grad_err=grad_err, zeros=zeros,
-                                ref_zeros=ref_zeros))
+                                ref_zeros=ref_zeros, groups=seen, rank=dist.get_rank()))
     return results
 
 
@@ -102,6 +117,11 @@ def _assert_results(per_rank: list[list[dict]]) -> None:
     for rank_results in per_rank:
         for r in rank_results:
             tag = f"layout tp,pp={r['layout']} p={r['norm_type']} max_norm={r['max_norm']}"
+            for name, got in r["groups"].items():  # torch.distributed takes every group of the state
+                assert got is not None, f"{tag}: {name} group is None"
+                size, rank, ranks, total, layout_groups = got
+                assert ranks in layout_groups and r["rank"] in ranks, (tag, name, ranks)
+                assert size == len(ranks) == total and rank == ranks.index(r["rank"]), (tag, name, got)
             assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-6), tag
             assert r["unclipped"] == r["norm"], tag
             assert r["grad_err"] <= 1e-6, tag
@@ -137,14 +157,14 @@ def _overflow_on_one_rank() -> list[bool]:
     from lightning_megatron.optimizer import DynamicGradScaler, Float16OptimizerWithFloat16Params
     from lightning_megatron.parallel_state import initialize_model_parallel
 
-    ps = initialize_model_parallel(2, 1)
+    ps = initialize_model_parallel(ParallelDims(tp=2, pp=1))
     w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    set_param_facts(w, tensor_model_parallel=True, partition_dim=0)
+    set_param_facts(w, sharded_over=("tp",), replicated_over=(), partition_dim=0)
     opt = Float16OptimizerWithFloat16Params(
         torch.optim.SGD([w], lr=0.1),
         grad_scaler=DynamicGradScaler(initial_scale=8.0, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
                                       growth_interval=10, hysteresis=1),
-        model_parallel_group=ps.mp_group, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
+        model_parallel_group=ps.mp_group, coordinates=ps.coordinates)
     skipped = []
     for step in range(2):
         w.grad = torch.full((4,), 8.0, dtype=torch.bfloat16)

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+import gpipe_schedule  # noqa: F401  (a user's schedule, registered as "gpipe" by the import)
 from dist_utils import run_distributed
 from megatron_testing import TINY_CONFIG, TINY_OPTIONS, make_trainer, synthetic_datamodule
 
@@ -23,6 +24,8 @@ def _recorder():
             self.norms: list[float] = []
             self.one_copy: list[bool] = []
             self.bytes: tuple[int, int] | None = None
+            self.loss_func_means: list[dict[str, float] | None] = []
+            self.logged: list[dict[str, float]] = []
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             # After finalize_model_grads: every fp32 grad is a view of the one buffer.
@@ -38,11 +41,40 @@ def _recorder():
             self.accumulate = buffer.accumulate.__name__
             self.communicators = sorted(trainer.strategy.parallel_state.communicators)
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            pl_module.loss_func_logs.clear()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(outputs["loss"]))
             self.norms.append(float(trainer.strategy.optimizers[0].last_grad_norm))
+            # What this rank logged, and (the last stage only) the mean of what its loss function returned
+            own = pl_module.loss_func_logs
+            self.loss_func_means.append({k: sum(d[k] for d in own) / len(own) for k in own[0]} if own else None)
+            self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     return Recorder()
+
+
+def _record_loss_func_logs(module) -> None:
+    """``module.loss_func_logs``: the scalars each call of the loss function of this rank's ``forward_step``
+    returned (the last pipeline stage's, before any reduction or broadcast)."""
+    forward_step = module.forward_step
+    module.loss_func_logs = []
+
+    def recording_forward_step(microbatch, chunk):
+        output, loss_func = forward_step(microbatch, chunk)
+        if loss_func is None:
+            return output, None
+
+        def recording_loss_func(out):
+            loss, logged = loss_func(out)
+            module.loss_func_logs.append({k: float(v) for k, v in logged.items()
+                                          if torch.is_tensor(v) and v.numel() == 1})
+            return loss, logged
+
+        return output, recording_loss_func
+
+    module.forward_step = recording_forward_step
 
 
 def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = False, clip_grad: float = 0.0,
@@ -59,21 +91,22 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     callback = MegatronOptimizerCallback(OptimizerConfig(clip_grad=clip_grad, use_distributed_optimizer=zero1))
     trainer = make_trainer(strategy, world, STEPS, callbacks=[callback, recorder],
                            precision="bf16-true" if dtype == "bfloat16" else "32-true")
-    _, dp_rank, _ = strategy.layout.coordinates(torch.distributed.get_rank() if world > 1 else 0)
-    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, strategy.layout.data_parallel_size, dp_rank)
+    strategy.schedule_trace = []
+    dims = strategy.parallel_dims.for_world_size(trainer.world_size)
+    dp_rank = dims.coordinates(torch.distributed.get_rank() if world > 1 else 0)["dp"]
+    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dp_rank)
     module = BertLightningModule(BertConfig(**{**TINY_CONFIG, "params_dtype": dtype, **(config_fields or {})}),
                                  **TINY_OPTIONS)
+    _record_loss_func_logs(module)
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
-    from lightning_megatron.tensor_parallel import deferred_weight_grads
-    from lightning_megatron.tensor_parallel.layers import embedding_grad_rows
-
-    drained = sum(d.drained for d in deferred_weight_grads(module.model_chunks))
-    row_grads = len(embedding_grad_rows(module.model_chunks))
+    drained = strategy.weight_grads.drained  # the step's policy: which layers deferred their weight gradient
+    row_grads = len(strategy.weight_grads.embedding_rows)
     return {"losses": recorder.losses, "norms": recorder.norms, "one_copy": recorder.one_copy,
             "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank,
             "accumulate": recorder.accumulate, "communicators": recorder.communicators, "drained": drained,
-            "row_grads": row_grads}
+            "row_grads": row_grads, "loss_func_means": recorder.loss_func_means, "logged": recorder.logged,
+            "first_backward": [e.kind for e in strategy.schedule_trace].index("B")}
 
 
 def _two_ranks() -> dict:
@@ -84,6 +117,8 @@ def _two_ranks() -> dict:
         "pp2": _run(pp=2),
         # uneven stages (megatron-core's num_layers_in_last_pipeline_stage): 3 layers, then 1 + the heads
         "pp2_last1": _run(pp=2, config_fields={"num_layers_in_last_pipeline_stage": 1}),
+        # a schedule the user registered in a file of its own (tests/gpipe_schedule.py): all forwards first
+        "pp2_gpipe": _run(pp=2, pipeline_schedule="gpipe"),
         # the LM head's weight gradient computed at the pipeline flush (megatron-core's option)
         "pp2_deferred": _run(pp=2, config_fields={"defer_embedding_wgrad_compute": True}),
         # the CPU tuning's weight_grads_per_step: every linear layer's weight gradient once per step, at
@@ -125,12 +160,26 @@ def runs():
 def test_grad_norm_of_every_layout_equals_one_process(runs):
     one, two = runs
     for rank in two:
-        for name in ("tp2", "pp2", "pp2_last1", "pp2_vp2_step_wgrad", "dp2", "dp2_zero1"):
+        for name in ("tp2", "pp2", "pp2_last1", "pp2_gpipe", "pp2_vp2_step_wgrad", "dp2", "dp2_zero1"):
             norms = torch.tensor(rank[name]["norms"], dtype=torch.float64)
             ref = torch.tensor(one["norms"], dtype=torch.float64)
             # same parameters at step 1: the norm is the same number up to fp64 summation order
             assert abs(norms[0] - ref[0]) <= 1e-6 * ref[0], (name, norms[0].item(), ref[0].item())
             torch.testing.assert_close(norms, ref, rtol=1e-5, atol=0, msg=name)
+
+
+def test_user_registered_schedule_trains_as_one_process(runs):
+    """MegatronStrategy(pipeline_schedule="gpipe") runs the registered schedule (every one of the 4
+    microbatches forward before the first backward, where 1F1B's stage 0 runs 2) and trains as one
+    process (the grad norms: above); each chunk's backward passes in microbatch order, as 1F1B's: the
+    same bits."""
+    one, two = runs
+    for rank in two:
+        gpipe = rank["pp2_gpipe"]
+        assert gpipe["first_backward"] == GLOBAL_BATCH // MICRO
+        assert rank["pp2"]["first_backward"] == (2 if rank["pp2"]["pp_rank"] == 0 else 1)
+        torch.testing.assert_close(torch.tensor(gpipe["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=0)
+        assert gpipe["losses"] == rank["pp2"]["losses"] and gpipe["norms"] == rank["pp2"]["norms"]
 
 
 def test_uneven_pipeline_stages(runs):
@@ -193,6 +242,22 @@ def test_bf16_pipelines_follow_bf16_data_parallel(runs):
             torch.testing.assert_close(torch.tensor(rank[name]["losses"]), plain, rtol=2e-2, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("name", ["pp2", "pp2_last1", "pp2_deferred", "pp2_vp2_step_wgrad", "bf16_pp2_vp2",
+                                  "bf16_pp2_vp2_deferred"])
+def test_every_stage_logs_the_last_stages_metrics(runs, name):
+    """Under pipelining only the last stage runs the loss function; every rank logs, at every step, the
+    mean over the microbatches of what that loss function returned (every metric, not only the loss)."""
+    _, two = runs
+    [last] = [r[name] for r in two if r[name]["pp_rank"] == 1]
+    assert all(r[name]["loss_func_means"] == [None] * STEPS for r in two if r[name]["pp_rank"] == 0)
+    assert len(last["loss_func_means"]) == STEPS
+    assert {"loss", "lm_loss", "mlm_accuracy"} <= set(last["loss_func_means"][0]), last["loss_func_means"][0]
+    for rank, r in enumerate(two):
+        for step, (logged, want) in enumerate(zip(r[name]["logged"], last["loss_func_means"])):
+            got = {k: logged.get("loss" if k == "loss" else f"train_{k}") for k in want}
+            assert got == pytest.approx(want, rel=1e-6), (rank, step, got, want)
+
+
 def test_one_fp32_copy_of_the_gradients(runs):
     one, two = runs
     for run in [one] + [r[name] for r in two for name in r]:
@@ -226,7 +291,8 @@ def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():
             # the CPU tuning's microbatch accumulation (cpu/accumulate.py) is installed only with it
             assert run["accumulate"] == ("accumulate_grad" if key[1] == "cpu-tuning" else "add_"), key
             # ... and its shared-memory collectives, the embedding group's sum over stages included
-            assert run["communicators"] == (["dp", "embedding", "mp"] if key[1] == "cpu-tuning" else []), (key, run["communicators"])
+            assert run["communicators"] == (["dp", "dp_cp", "embedding", "mp"] if key[1] == "cpu-tuning" else []), \
+                (key, run["communicators"])
             # ... and the first stage's word-embedding gradient as rows (the losses above: bitwise the dense path)
             assert run["row_grads"] == (1 if key[1] == "cpu-tuning" and run["pp_rank"] == 0 else 0), key
             torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(base["norms"]), rtol=1e-12, atol=0)

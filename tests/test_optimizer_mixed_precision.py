@@ -243,10 +243,10 @@ def test_float16_wrapper_keeps_fp32_params_and_moves_existing_state():
 def test_overflow_in_a_duplicate_the_norm_skips_is_still_found(bad):
     """On TP rank 1 a replicated parameter is left out of the norm (rank 0 counts it) but is checked."""
     sharded = torch.nn.Parameter(torch.ones(4).bfloat16())
-    set_param_facts(sharded, tensor_model_parallel=True, partition_dim=0)
+    set_param_facts(sharded, sharded_over=("tp",), replicated_over=(), partition_dim=0)
     replicated = torch.nn.Parameter(torch.ones(3).bfloat16())
     opt = Float16OptimizerWithFloat16Params(torch.optim.SGD([sharded, replicated], lr=0.1),
-                                            grad_scaler=ConstantGradScaler(1.0), tp_rank=1)
+                                            grad_scaler=ConstantGradScaler(1.0), coordinates={"tp": 1})
     sharded.grad = torch.full((4,), 2.0).bfloat16()
     replicated.grad = torch.full((3,), 5.0).bfloat16()
     opt.step()

@@ -77,7 +77,7 @@ def test_the_record_is_typed_and_refused_when_missing():
     with pytest.raises(TypeError):  # a typo is an error, not a new attribute nobody reads
         set_param_facts(p, shared_embeding=True)
     with pytest.raises(ValueError, match="partition_dim=-1"):
-        ParamFacts(tensor_model_parallel=True)
+        ParamFacts(sharded_over=("tp",), replicated_over=())
     assert mark_replicated([p]) == 1 and param_facts(p) == ParamFacts() and mark_replicated([p]) == 0
     facts = set_param_facts(p, shared_embedding=True)
     assert param_facts(p) == facts and facts.shared_embedding and not facts.tensor_model_parallel
@@ -103,7 +103,21 @@ def test_parallel_layers_set_their_facts():
 def test_counted_once_is_one_rule(tp_rank, pp_rank, expected):
     """A shard on every TP rank, a replicated parameter on TP rank 0, the tied embedding on stage 0."""
     shard, replicated, tied = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
-    set_param_facts(shard, tensor_model_parallel=True, partition_dim=0)
+    set_param_facts(shard, sharded_over=("tp",), replicated_over=(), partition_dim=0)
     mark_replicated([replicated])
-    set_param_facts(tied, tensor_model_parallel=True, partition_dim=0, shared_embedding=True)
-    assert [is_counted(q, tp_rank, pp_rank) for q in (shard, replicated, tied)] == expected
+    set_param_facts(tied, sharded_over=("tp",), replicated_over=(), partition_dim=0, shared_embedding=True)
+    assert [is_counted(q, {"tp": tp_rank, "pp": pp_rank}) for q in (shard, replicated, tied)] == expected
+
+
+def test_a_new_dimension_is_data_not_code():
+    """An expert weight (sharded over ep, replicated over expert_tp, averaged over expert_dp) is counted,
+    sliced and reduced from its facts alone: the same functions, other values."""
+    expert = torch.nn.Parameter(torch.zeros(4, 3))
+    facts = set_param_facts(expert, sharded_over=("ep",), replicated_over=("expert_tp",), partition_dim=0,
+                            data_parallel="expert_dp")
+    assert is_counted(expert, {"ep": 1, "expert_tp": 0, "tp": 1}) and not is_counted(expert, {"ep": 1, "expert_tp": 1})
+    assert facts.shard({"ep": 1, "tp": 1}, {"ep": 2, "tp": 2}) == (1, 2) and not facts.tensor_model_parallel
+    both = ParamFacts(sharded_over=("ep", "tp"), replicated_over=(), partition_dim=0)
+    assert both.shard({"ep": 1, "tp": 1}, {"ep": 2, "tp": 2}) == (3, 4)  # ep outer, tp inner
+    with pytest.raises(ValueError, match="cannot be both"):
+        ParamFacts(sharded_over=("tp",), replicated_over=("tp",), partition_dim=0)

@@ -11,11 +11,12 @@ from dist_utils import DistributedTestFailure, run_distributed
 from test_pipeline_schedules import B, H, S, ToyChunk, forward_step, make_microbatches
 
 from lightning_megatron.parallel_state import initialize_model_parallel
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.pipeline import get_forward_backward_func, stage_chunks
 
 
 def _pipeline(pg_timeout_s: float, vp: int | None):
-    ps = initialize_model_parallel(1, 2, vp, timeout=datetime.timedelta(seconds=pg_timeout_s))
+    ps = initialize_model_parallel(ParallelDims(tp=1, pp=2, vp=vp), timeout=datetime.timedelta(seconds=pg_timeout_s))
     chunks = [ToyChunk(c.layers, c.pre_process) for c in stage_chunks(4, 2, ps.pp_rank, vp)]
     return ps, chunks
 

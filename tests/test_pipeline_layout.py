@@ -6,17 +6,18 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_megatron.parallel_state import ParallelLayout, ParallelState
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
     get_layer_range,
+    get_schedule,
     is_first_chunk_stage,
     is_last_chunk_stage,
     stage_chunks,
-    validate_num_microbatches,
 )
 
 
@@ -109,13 +110,13 @@ def test_schedule_choice():
 
 
 def test_validate_num_microbatches():
-    validate_num_microbatches(3, 4, None)  # 1F1B takes any m >= 1 (warm-up is capped at m)
-    validate_num_microbatches(8, 4, 2)
+    get_schedule("auto", 4, None).validate(4, None, 3)  # 1F1B takes any m >= 1 (warm-up is capped at m)
+    get_schedule("auto", 4, 2).validate(4, 2, 8)
     with pytest.raises(ValueError, match=r"num_microbatches=6 is not divisible by pipeline_model_parallel_size=4.*"
                                          r"virtual_pipeline_model_parallel_size=2"):
-        validate_num_microbatches(6, 4, 2)
+        get_schedule("auto", 4, 2).validate(4, 2, 6)
     with pytest.raises(ValueError, match="num_microbatches=0"):
-        validate_num_microbatches(0, 2, None)
+        get_schedule("auto", 2, None).validate(2, None, 0)
 
 
 class _Chunk(nn.Module):
@@ -129,8 +130,7 @@ class _Chunk(nn.Module):
 
 def test_invalid_microbatches_raise_before_any_communication():
     """No process group exists here: any p2p call would fail with a different error than ValueError."""
-    layout = ParallelLayout(world_size=4, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
-    ps = ParallelState(layout=layout, rank=1, pp_ranks=[0, 1, 2, 3])
+    ps = ParallelState(dims=ParallelDims(pp=4, vp=2, dp=1), rank=1, members={"pp": [0, 1, 2, 3]})
     common = dict(forward_step_func=None, parallel_state=ps, tensor_shape=(2, 1, 2), dtype=torch.float32)
     with pytest.raises(ValueError, match="num_microbatches=6 is not divisible by pipeline_model_parallel_size=4"):
         forward_backward_pipelining_with_interleaving(microbatches=[{}] * 6, model=[_Chunk(), _Chunk()],

@@ -9,13 +9,17 @@ expected to rounding; the stated tolerance is 1e-6 absolute (values are O(1)).
 
 All layouts run in ONE spawned world of 4 gloo ranks (process start costs seconds here):
 PP=1 (no pipelining, DP=4), PP=2 (DP=2), PP=4, PP=2 x VP=2 (DP=2), PP=4 x VP=2, the interleaved ones
-also with ``overlap_p2p_comm``.
+also with ``overlap_p2p_comm``, and a user's schedule registered from a file of its own (GPipe,
+tests/gpipe_schedule.py) at PP=2. The traces of the runs also check each named schedule's
+``in_flight`` (the peak of forwards awaiting their backward) and ``bubble`` (the idle fraction of the
+recorded execution orders replayed with a forward taking 1 and a backward 2 per stage, transfers free).
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+from fractions import Fraction
 from functools import partial
 
 import pytest
@@ -23,10 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_distributed
+from gpipe_schedule import GPipe
 from torch import nn
 
 from lightning_megatron.parallel_state import initialize_model_parallel
-from lightning_megatron.pipeline import ScheduleEvent, get_forward_backward_func, stage_chunks
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.pipeline import ScheduleEvent, get_schedule, stage_chunks
 
 H, S, B = 8, 3, 2  # hidden, sequence, micro-batch size: activations are [S, B, H]
 LR = 0.2
@@ -117,6 +123,8 @@ CASES = [
     # after the other pass's compute; bitwise equal to the cases above (test_overlap_p2p_comm_is_bitwise)
     ("pp2-vp2-dp2-m6-scaled-overlap", 8, 2, 2, 6, 8.0),
     ("pp4-vp2-m8-overlap", 8, 4, 2, 8, 1.0),
+    # a schedule registered by the user (MegatronStrategy(pipeline_schedule="gpipe")): all forwards first
+    ("pp2-dp2-m3-gpipe", 5, 2, None, 3, 1.0),
 ]
 STEPS = 2
 
@@ -124,10 +132,10 @@ STEPS = 2
 def _run_cases(cases: list[tuple]) -> dict:
     out = {}
     for case_id, num_layers, pp, vp, m, scale in cases:
-        ps = initialize_model_parallel(1, pp, vp, timeout=datetime.timedelta(seconds=30))
+        ps = initialize_model_parallel(ParallelDims(tp=1, pp=pp, vp=vp), timeout=datetime.timedelta(seconds=30))
         chunks = [ToyChunk(c.layers, c.pre_process) for c in stage_chunks(num_layers, pp, ps.pp_rank, vp)]
         params = [p for c in chunks for p in c.parameters()]
-        schedule = get_forward_backward_func(pp, vp)
+        schedule = get_schedule(_schedule_name(case_id), pp, vp).run
         common = dict(forward_step_func=forward_step, model=chunks, num_microbatches=m, parallel_state=ps,
                       tensor_shape=(S, B, H), dtype=torch.float32, overlap_p2p_comm=case_id.endswith("-overlap"))
         losses, grads, traces = [], [], []
@@ -159,12 +167,18 @@ def _run_cases(cases: list[tuple]) -> dict:
     return out
 
 
+def _schedule_name(case_id: str) -> str:
+    return "gpipe" if case_id.endswith("-gpipe") else "auto"
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_distributed(_run_cases, 4, CASES, timeout=150)
 
 
-def _expected_warmup(pp: int, vp: int | None, m: int, rank: int) -> int:
+def _expected_warmup(pp: int, vp: int | None, m: int, rank: int, case_id: str) -> int:
+    if case_id.endswith("-gpipe"):
+        return m  # every forward before the first backward
     if vp is None:
         return min(pp - rank - 1, m)
     return min(2 * (pp - rank - 1) + (vp - 1) * pp, m * vp)
@@ -234,7 +248,7 @@ def test_warmup_count_and_order(results, case):
         if pp == 1:
             assert [e.kind for e in trace] == ["F", "B"] * m
             continue
-        warmup = _expected_warmup(pp, vp, m, rank)
+        warmup = _expected_warmup(pp, vp, m, rank, case_id)
         assert sum(e.phase == "warmup" for e in trace) == warmup, (rank, [e.phase for e in trace])
         # From the execution order itself: the steady state starts with a forward, so a rank runs
         # warm-up + 1 forwards before its first backward (all of them when warm-up covers everything).
@@ -252,3 +266,50 @@ def test_warmup_count_and_order(results, case):
             # Megatron's chunk order: groups of pp microbatches per chunk, backward in reverse chunks.
             assert [c for _, c in fwd[:pp * v]] == [c for c in range(v) for _ in range(pp)]
             assert [c for _, c in bwd[:pp * v]] == [c for c in reversed(range(v)) for _ in range(pp)]
+
+
+def _replayed_bubble(orders: dict[int, list[tuple[str, int, int]]], pp: int, vp: int) -> list[Fraction]:
+    """Each stage's idle fraction when the recorded orders run with a forward taking 1 and a backward 2
+    per stage (``1/v`` and ``2/v`` per chunk) and transfers free: every pass starts when its stage is
+    free and its inputs exist (the previous piece's forward; the next piece's backward)."""
+    t = {"F": Fraction(1, vp), "B": Fraction(2, vp)}
+    done: dict[tuple[str, int, int], Fraction] = {}
+    free, position = {r: Fraction(0) for r in orders}, {r: 0 for r in orders}
+    while any(position[r] < len(orders[r]) for r in orders):
+        progressed = False
+        for r, order in orders.items():
+            if position[r] == len(order):
+                continue
+            kind, i, chunk = order[position[r]]
+            piece = chunk * pp + r
+            if kind == "F":
+                needs = [("F", i, piece - 1)] if piece > 0 else []
+            else:
+                needs = [("F", i, piece)] + ([("B", i, piece + 1)] if piece < pp * vp - 1 else [])
+            if all(n in done for n in needs):
+                free[r] = done[(kind, i, piece)] = max([free[r]] + [done[n] for n in needs]) + t[kind]
+                position[r] += 1
+                progressed = True
+        assert progressed, "the recorded orders deadlock"
+    makespan = max(done.values())
+    return [1 - sum(t[kind] for kind, _, _ in orders[r]) / makespan for r in sorted(orders)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_in_flight_and_bubble_of_the_named_schedule_match_the_trace(results, case):
+    """The schedule's ``in_flight`` is the peak of forwards awaiting their backward in the real run on
+    every stage, and its ``bubble`` (the closed forms of docs/pipeline.md) the idle fraction of the real
+    run's execution orders replayed on the ideal pipeline."""
+    case_id, num_layers, pp, vp, m, scale = case
+    schedule = get_schedule(_schedule_name(case_id), pp, vp)
+    assert isinstance(schedule, GPipe) == case_id.endswith("-gpipe")
+    orders = {}
+    for res in (r[case_id] for r in results):
+        alive = peak = 0
+        for e in res["traces"][0]:
+            alive += 1 if e.kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak == schedule.in_flight(pp, vp, res["pp_rank"], m), (res["pp_rank"], peak)
+        orders.setdefault(res["pp_rank"], [(e.kind, e.microbatch, e.chunk) for e in res["traces"][0]])
+    replayed = _replayed_bubble(orders, pp, vp or 1)
+    assert all(float(b) == pytest.approx(schedule.bubble(pp, vp, m), rel=1e-12) for b in replayed), replayed

@@ -23,9 +23,8 @@ def _run(tp: int, pp: int, world: int, max_steps: int, *, ckpt_in: str | None = 
     module = BertLightningModule(**TINY_MODEL)
     recorder = LossRecorder()
     trainer = make_trainer(strategy, world, max_steps, callbacks=[recorder], limit_val_batches=None)
-    layout = strategy.layout
-    _, dp_rank, _ = layout.coordinates(torch.distributed.get_rank())
-    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, layout.data_parallel_size, dp_rank)
+    dims = strategy.parallel_dims.for_world_size(trainer.world_size)
+    dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dims.coordinates(torch.distributed.get_rank())["dp"])
     out: dict = {}
     if fit:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)

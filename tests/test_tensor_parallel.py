@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_utils import run_distributed
-from lightning_megatron.parallel_state import ParallelLayout, group_size, initialize_model_parallel, process_group
+from lightning_megatron.parallel_state import group_size, initialize_model_parallel, process_group
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -35,12 +36,12 @@ def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _mappings_worker(tp: int, shm: bool = False) -> None:
-    ps = initialize_model_parallel(tp)
+    ps = initialize_model_parallel(ParallelDims(tp=tp))
     if shm:  # the same checks with the TP group's collectives in shared memory (the opt-in CPU tuning)
         comm = enable_shared_memory_collectives(ps.tp_group, slot_bytes=64)
         assert comm is not None
         ps.set_communicator("tp", comm)
-    g, r = ps.tp_group, ps.tp_rank
+    g, r = ps.group("tp"), ps.tp_rank
     world_sum = sum(range(tp))
 
     # copy_to: identity forward; backward all-reduces: grad ones*rank -> ones*sum(ranks)
@@ -107,12 +108,12 @@ def _check_linear_pair(ref, par, x_full, x_local, dy_full, dy_local, out_full_fn
 
 
 def _layers_worker(tp: int, shm: bool = False) -> None:
-    ps = initialize_model_parallel(tp)
+    ps = initialize_model_parallel(ParallelDims(tp=tp))
     if shm:
         comm = enable_shared_memory_collectives(ps.tp_group)
         assert comm is not None
         ps.set_communicator("tp", comm)
-    g, r = ps.tp_group, ps.tp_rank
+    g, r = ps.group("tp"), ps.tp_rank
     s, b, h, ffn = 8, 2, 8, 16
 
     def seeded(fn, seed):
@@ -226,17 +227,8 @@ def test_mappings_are_identity_without_group():
         assert fn(x, None) is x
 
 
-def test_bad_sizes_raise_with_numbers():
-    with pytest.raises(ValueError, match=r"world_size=6 is not divisible by tensor_model_parallel_size=4"):
-        ParallelLayout(world_size=6, tensor_model_parallel_size=4)
-    with pytest.raises(ValueError, match=r"world_size=8 .*tensor_model_parallel_size=2 \* pipeline_model_parallel_size=3"):
-        ParallelLayout(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=3)
-    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2 needs pipeline"):
-        ParallelLayout(world_size=2, virtual_pipeline_model_parallel_size=2)
-
-
 def _bad_output_size_worker() -> str:
-    ps = initialize_model_parallel(2)
+    ps = initialize_model_parallel(ParallelDims(tp=2))
     try:
         ColumnParallelLinear(8, 7, tp_group=ps.tp_group)
     except ValueError as e:
@@ -253,24 +245,3 @@ def test_bad_layer_sizes_raise_with_numbers():
     assert "output_size=7 is not divisible by tensor_model_parallel_size=2" in msgs[0]
 
 
-def test_tp_groups_stay_within_a_node_when_devices_are_a_multiple_of_tp():
-    """Nodes hold ``devices`` consecutive ranks (torchrun, SLURM): TP groups, consecutive ranks too,
-    stay within one when devices % tp == 0 (the strategy warns about the others at set-up)."""
-    from lightning_megatron.setup_checks import tp_groups_across_nodes
-
-    layout = ParallelLayout(world_size=4, tensor_model_parallel_size=2)
-    assert tp_groups_across_nodes(layout, [0, 0, 1, 1]) == []  # 2 nodes x 2 processes
-    assert tp_groups_across_nodes(layout, [0, 1, 2, 3]) == [[0, 1], [2, 3]]  # 4 nodes x 1 process
-    layout = ParallelLayout(world_size=6, tensor_model_parallel_size=2)
-    assert tp_groups_across_nodes(layout, [0, 0, 0, 1, 1, 1]) == [[2, 3]]  # 2 nodes x 3 processes
-
-
-def test_rank_order_tp_fastest_then_dp_then_pp():
-    layout = ParallelLayout(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    assert layout.data_parallel_size == 2
-    assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert layout.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert layout.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert layout.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert layout.mp_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert layout.coordinates(6) == (0, 1, 1)

@@ -35,10 +35,11 @@ def model_parameter_count(trainer: pl.Trainer, pl_module: pl.LightningModule, *,
     if not isinstance(strategy, MegatronStrategy) or strategy.parallel_state is None:
         return sum(p.numel() for p in params)
     ps = strategy.parallel_state
-    count = sum(p.numel() for p in params if is_counted(p, ps.tp_rank, ps.pp_rank))
-    if ps.mp_group is not None and ps.mp_group.size > 1:
+    count = sum(p.numel() for p in params if is_counted(p, ps.coordinates))
+    mp = ps.group("mp")
+    if mp is not None and mp.size > 1:
         total = torch.tensor([float(count)], dtype=torch.float64, device=strategy.root_device)
-        dist.all_reduce(total, group=ps.mp_group.process_group)
+        dist.all_reduce(total, group=mp.process_group)
         count = int(total.item())
     return count
 

@@ -9,8 +9,6 @@
 - :mod:`.cli`: the command line.
 """
 
-from lightning_megatron.check.layouts import Layout, parse_layout, parse_layouts
 from lightning_megatron.check.parity import CheckReport, LayoutResult, LayoutRun, Tolerances, check_layouts
 
-__all__ = ["CheckReport", "Layout", "LayoutResult", "LayoutRun", "Tolerances", "check_layouts", "parse_layout",
-           "parse_layouts"]
+__all__ = ["CheckReport", "LayoutResult", "LayoutRun", "Tolerances", "check_layouts"]

@@ -71,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    from lightning_megatron.check.layouts import parse_layout, parse_layouts
+    from lightning_megatron.parallel_dims import ParallelDims
     from lightning_megatron.check.recipe import factories, load_recipe, parse_overrides
 
     try:  # argument errors: a usage message, not a traceback
         overrides = parse_overrides(rest)
         recipe = load_recipe(args.config, overrides["model"], overrides["data"])
-        layouts, reference = parse_layouts(args.layouts), parse_layout(args.reference)
+        layouts, reference = ParallelDims.parse_list(args.layouts), ParallelDims.parse(args.reference)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     if args.global_batch_size is not None:

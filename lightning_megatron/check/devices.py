@@ -273,14 +273,14 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
 def _elementwise_rate(m: ModelShape, layer_s: float, gemm_rate: float) -> float:
     """Bytes/s of the memory-bound kernels of a layer that took ``layer_s`` (forward + backward) whose
     GEMMs run at ``gemm_rate``: their counted bytes (forward + twice that backward) over the rest."""
-    from lightning_megatron.check.layouts import Layout
+    from lightning_megatron.parallel_dims import ParallelDims
     from lightning_megatron.check.timing import Framework, elementwise_bytes
     from lightning_megatron.flops import transformer_flops
 
     tokens = m.seq_length * m.micro_batch_size
     flops = transformer_flops(num_layers=1, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                               seq_length=m.seq_length, tokens=tokens, head_tokens=0, vocab_size=0)
-    counted = 3 * tokens * elementwise_bytes(m, Layout(), Framework(fused_attention=not m.unfused_attention))
+    counted = 3 * tokens * elementwise_bytes(m, ParallelDims(dp=1), Framework(fused_attention=not m.unfused_attention))
     rest = max(layer_s - flops / gemm_rate, 0.05 * layer_s)  # the GEMMs at their best-case rate: a floor
     return counted / rest
 
@@ -290,10 +290,10 @@ def _vocab_rate(m: ModelShape, vocab_s: float, gemm_rate: float) -> float:
     (forward + backward, one microbatch, no pipelining) with GEMMs at ``gemm_rate``: their counted
     bytes (:func:`~lightning_megatron.check.timing.vocab_bytes`) over what the time leaves beyond the
     heads' GEMMs (the embedding's norm and dropout, the binary head: small, and timed at this rate)."""
-    from lightning_megatron.check.layouts import Layout
+    from lightning_megatron.parallel_dims import ParallelDims
     from lightning_megatron.check.timing import stage_flops, vocab_bytes
 
-    layout = Layout()
+    layout = ParallelDims(dp=1)
     head = stage_flops(m, layout, 0) - stage_flops(m, layout, 0, head=False)
     rest = max(vocab_s - head / gemm_rate, 0.05 * vocab_s)  # the GEMMs at their best-case rate: a floor
     return vocab_bytes(m, layout, 0) / rest

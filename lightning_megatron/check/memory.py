@@ -5,7 +5,8 @@ parameters per stage, activation bytes per layer and microbatch, what the first 
 :class:`ModelShape` is that declaration for transformer encoders (BERT), and a model family with other
 layers returns its own from its module's ``estimate_shape``. :func:`estimate_stage` adds the layout's
 part for any model: fp32 gradients and optimizer state from the parameter count, ZeRO-1 shards, and
-the microbatches in flight under each pipeline schedule.
+the microbatches in flight under the pipeline schedule (its ``in_flight``:
+:mod:`lightning_megatron.pipeline.registry`).
 
 The formulas (derivation in docs/memory.md, section "Predicting memory per rank") count what this
 library allocates, tensor by tensor; ``lightning-megatron check --estimate-memory`` prints them next
@@ -19,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule, get_schedule
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from lightning_megatron.protocols import MemoryCost
 
 __all__ = ["ModelShape", "MemoryEstimate", "LayoutSearch", "candidate_layouts", "search_layouts", "estimate_memory",
-           "estimate_stage"]
+           "estimate_stage", "layout_schedule"]
 
 DEFAULT_DROPOUT = 0.1
 """``BertConfig``'s default ``hidden_dropout`` and ``attention_dropout`` (a test keeps them equal)."""
@@ -228,18 +230,17 @@ def _head_activations(m: ModelShape, t: int) -> float:
     return e * (s * b * h + 5 * n * h + n * m.padded_vocab(t) / t + 2 * b * h) + 8 * s * b
 
 
-def _in_flight(layout: Layout, stage: int, microbatches: int) -> int:
-    """Chunk forwards whose activations are alive together at the peak on ``stage``."""
-    pp, vp = layout.pp, layout.vp or 1
-    if pp == 1:
-        return 1  # forward and backward of one microbatch after the other
-    if vp == 1:
-        return min(microbatches, pp - stage)  # 1F1B: warm-up forwards + 1
-    return min(microbatches * vp, (pp - stage - 1) * 2 + (vp - 1) * pp + 1)  # interleaved warm-up + 1
+def layout_schedule(layout: ParallelDims, schedule: str | PipelineSchedule = AUTO) -> PipelineSchedule:
+    """The pipeline schedule ``layout`` runs: ``schedule`` by name (``"auto"``: the layout's own), or as given."""
+    if isinstance(schedule, PipelineSchedule):
+        return schedule
+    return get_schedule(schedule, layout.pp, layout.vp)
 
 
-def estimate_stage(m: MemoryCost, layout: Layout, stage: int) -> MemoryEstimate:
-    """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for the model whose costs are ``m``."""
+def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
+                   schedule: str | PipelineSchedule = AUTO) -> MemoryEstimate:
+    """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for the model whose costs are ``m``,
+    under the pipeline ``schedule`` (a registered name, ``"auto"``: the layout's)."""
     t, pp, d, vp = layout.tp, layout.pp, layout.dp, layout.vp or 1
     if m.num_layers % (pp * vp):
         raise ValueError(f"num_layers={m.num_layers} is not divisible by pp x vp = {pp * vp}")
@@ -255,7 +256,7 @@ def estimate_stage(m: MemoryCost, layout: Layout, stage: int) -> MemoryEstimate:
     moments = 8 if m.optimizer in ("adam", "adamw") else 4
     main = 4 if (e != 4 or layout.zero1) else 0  # fp32 main copy: 16-bit params, or the ZeRO-1 shard
     opt = (moments + main) * (shard if layout.zero1 else n)
-    chunks = _in_flight(layout, stage, microbatches)
+    chunks = layout_schedule(layout, schedule).in_flight(pp, layout.vp, stage, microbatches)
     sp = layout.sequence_parallel
     layer = m.layer_activation_bytes(t, sp)
     head = m.last_stage_activation_bytes(t) if stage == pp - 1 else 0.0
@@ -271,16 +272,17 @@ def estimate_stage(m: MemoryCost, layout: Layout, stage: int) -> MemoryEstimate:
                           activation_bytes=int(act), stage=stage)
 
 
-def estimate_memory(m: MemoryCost, layout: Layout) -> MemoryEstimate:
+def estimate_memory(m: MemoryCost, layout: ParallelDims, *, schedule: str | PipelineSchedule = AUTO) -> MemoryEstimate:
     """Bytes on the fullest rank of ``layout`` (the pipeline stage with the largest total)."""
-    return max((estimate_stage(m, layout, s) for s in range(layout.pp)), key=lambda e: e.total_bytes)
+    return max((estimate_stage(m, layout, s, schedule=schedule) for s in range(layout.pp)),
+               key=lambda e: e.total_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
 class LayoutSearch:
     """The layouts of N ranks a model allows, and what was left out and why."""
 
-    layouts: list[Layout]
+    layouts: list[ParallelDims]
     skipped: dict[str, int]
     """Reason -> how many TP x PP (x VP) x DP combinations it excluded."""
 
@@ -296,7 +298,7 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
     VP: every v >= 2 (up to ``max_vp``) dividing the layers per stage; the interleaved schedule needs
     the microbatches per step divisible by PP.
     """
-    out: list[Layout] = []
+    out: list[ParallelDims] = []
     skipped: dict[str, int] = {}
 
     def skip(reason: str, n: int = 1) -> None:
@@ -333,10 +335,10 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
             for v in vps:
                 for sp in ((False, True) if t > 1 else (False,)):
                     for zero1 in ((False, True) if d > 1 else (False,)):
-                        out.append(Layout(tp=t, pp=pp, vp=v, dp=d, sequence_parallel=sp, zero1=zero1))
+                        out.append(ParallelDims(tp=t, pp=pp, vp=v, dp=d, sequence_parallel=sp, zero1=zero1))
     return LayoutSearch(layouts=out, skipped=skipped)
 
 
-def candidate_layouts(m: MemoryCost, gpus: int, max_tp: int = 8) -> list[Layout]:
+def candidate_layouts(m: MemoryCost, gpus: int, max_tp: int = 8) -> list[ParallelDims]:
     """The layouts of :func:`search_layouts` (without the reasons for the ones left out)."""
     return search_layouts(m, gpus, max_tp).layouts

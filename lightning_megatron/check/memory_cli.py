@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.memory import ModelShape, estimate_memory, estimate_stage, search_layouts
 from lightning_megatron.protocols import MemoryCost
 
@@ -44,7 +44,7 @@ def _mib(x: float) -> str:
     return f"{x / _MIB:9.2f}"
 
 
-def memory_table(recipe: Any, layouts: list[Layout], report: Any) -> str:
+def memory_table(recipe: Any, layouts: list[ParallelDims], report: Any) -> str:
     """Predicted vs measured MiB per rank (the fullest pipeline stage; measured: max over its ranks)."""
     m = model_shape(recipe, on_cpu=True)
     lines = ["memory per rank, MiB: predicted / measured (measured: tensors held at step 1 on this machine; "
@@ -82,7 +82,7 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
         rows.sort(key=lambda r: (not r[0], -r[3].tokens_per_s))
     else:
         rows.sort(key=lambda r: r[1].total_bytes)
-    print(f"{m.describe()}: {estimate_stage(m, Layout(), 0).params / 1e6:.1f} M parameters; {gpus} GPUs"
+    print(f"{m.describe()}: {estimate_stage(m, ParallelDims(dp=1), 0).params / 1e6:.1f} M parameters; {gpus} GPUs"
           + (f" of {gpu_memory / 1e9:.0f} GB" if gpu_memory else ""))
     if timing is not None:
         dev, eff, _ = timing

@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from lightning_megatron.check.layouts import Layout
-from lightning_megatron.recipes import read_recipe
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.recipes import read_recipe, refuse_moved_class_paths
 
 __all__ = ["RecipeCheck", "load_recipe", "parse_overrides", "with_dropout"]
 
@@ -37,7 +37,7 @@ _CALLBACKS = {"lightning_megatron.callbacks.MegatronOptimizerCallback",
 
 
 BERT_MODULE = "lightning_megatron.models.bert.module.BertLightningModule"
-BERT_DATA = "lightning_megatron.data.datamodule.BertDataModule"
+BERT_DATA = "lightning_megatron.datamodules.pretraining.BertDataModule"
 
 
 def import_class(path: str) -> type:
@@ -174,6 +174,7 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     from lightning_megatron.module import MegatronLightningModule
 
     cfg = read_recipe(path)
+    refuse_moved_class_paths(cfg, f"recipe {str(path)!r}")
     model_class, model = _section(cfg.get("model"))
     spelled = "model.init_args." if model_class else "model."
     data_class, data = _section(cfg.get("data"))
@@ -234,7 +235,7 @@ def build_dataset(data_class: str, data: dict[str, Any], num_samples: int):
     return dm.train_dataloader().dataset
 
 
-def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: Layout) -> list:
+def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: ParallelDims) -> list:
     from lightning_megatron import callbacks as lm_callbacks
     from lightning_megatron.optimizer.config import OptimizerConfig
 

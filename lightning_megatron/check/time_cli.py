@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.memory import ModelShape
 from lightning_megatron.check.memory_cli import model_shape
 from lightning_megatron.check.timing import MEASURED, Device, Efficiency, Framework, estimate_time
@@ -45,7 +45,7 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     return dev, eff, fw
 
 
-def time_table(recipe: Any, layouts: list[Layout], timing: tuple[Device, Efficiency, Framework]) -> str:
+def time_table(recipe: Any, layouts: list[ParallelDims], timing: tuple[Device, Efficiency, Framework]) -> str:
     """Predicted seconds per step, by part, tokens/s and MFU of each layout."""
     dev, eff, fw = timing
     m = model_shape(recipe, on_cpu=dev.cores is not None, training=True)

@@ -13,9 +13,11 @@ One microbatch on the slowest pipeline stage takes
 of the first and last stage, the gradient accumulation into the fp32 main grads, the exposed
 tensor-parallel collectives and the pipeline sends; the slowest stage's), and the step
 
-    T_step = m T_mb + (p - 1)/v T_mb  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
+    T_step = m T_mb + f/(1 - f) m T_mb  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
 
-(the 1F1B / interleaved bubble is ``(p - 1)/(v m)`` of the pipelined time). Collectives are ring
+with ``f`` the pipeline schedule's bubble, the idle fraction of the pipelined time (its ``bubble``:
+:mod:`lightning_megatron.pipeline.registry`; 1F1B ``(p - 1)/(m + p - 1)``, interleaved
+``(p - 1)/(v m + p - 1)``, so the idle time is ``(p - 1)/v T_mb``). Collectives are ring
 algorithms: an all-reduce of ``n`` bytes over ``k`` ranks moves ``2 (k-1)/k n`` bytes per rank, an
 all-gather or reduce-scatter ``(k-1)/k n``; time = bytes / (link bandwidth x link_eff) + latency,
 over NVLink inside a node and InfiniBand between nodes. Derivation and validation: docs/check.md.
@@ -25,9 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_megatron.check.layouts import Layout
-from lightning_megatron.check.memory import ModelShape, estimate_stage
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.check.memory import ModelShape, estimate_stage, layout_schedule
 from lightning_megatron.flops import transformer_flops
+from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
 __all__ = ["Device", "Efficiency", "Framework", "StepTime", "collective_time", "elementwise_bytes",
            "estimate_time", "grad_accumulation_bytes", "model_flops", "stage_flops", "vocab_bytes"]
@@ -184,7 +187,7 @@ def model_flops(m: ModelShape, *, recompute: bool = False) -> float:
                              vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute)
 
 
-def stage_flops(m: ModelShape, layout: Layout, stage: int, *, head: bool = True) -> float:
+def stage_flops(m: ModelShape, layout: ParallelDims, stage: int, *, head: bool = True) -> float:
     """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage`` (without
     the LM head's: ``head=False``)."""
     t, p = layout.tp, layout.pp
@@ -200,7 +203,7 @@ def stage_flops(m: ModelShape, layout: Layout, stage: int, *, head: bool = True)
     return (layers + head_flops) / t
 
 
-def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
+def elementwise_bytes(m: ModelShape, layout: ParallelDims, fw: Framework) -> float:
     """HBM bytes of the memory-bound kernels of one layer, one token, forward, on one rank:
     both norms (read + write h), bias-GeLU (f), two bias-dropout-adds (read x and the residual, write
     the sum and the mask), and without fused attention the softmax (read + write ``a s``) and its
@@ -216,7 +219,7 @@ def elementwise_bytes(m: ModelShape, layout: Layout, fw: Framework) -> float:
     return n
 
 
-def vocab_bytes(m: ModelShape, layout: Layout, stage: int) -> float:
+def vocab_bytes(m: ModelShape, layout: ParallelDims, stage: int) -> float:
     """Bytes of one microbatch's passes over vocabulary-sized tensors on one rank of ``stage``, forward
     and backward, which :func:`stage_flops` counts only as GEMM FLOPs. With ``W = V/t h e`` (the rank's
     word-embedding shard) and ``n`` head tokens: the first stage's embedding backward writes a dense
@@ -258,9 +261,10 @@ def _bandwidth(dev: Device, eff: Efficiency, crosses_nodes: bool) -> tuple[float
     return dev.link_intra * eff.link, dev.latency_intra
 
 
-def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = Efficiency(),
-                  fw: Framework = Framework()) -> StepTime:
-    """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices."""
+def estimate_time(m: ModelShape, layout: ParallelDims, dev: Device, eff: Efficiency = Efficiency(),
+                  fw: Framework = Framework(), *, schedule: str | PipelineSchedule = AUTO) -> StepTime:
+    """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices under
+    the pipeline ``schedule`` (a registered name, ``"auto"``: the layout's)."""
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.vp or 1
     e, s, b, h = m.param_bytes, m.seq_length, m.micro_batch_size, m.hidden_size
     microbatches = m.global_batch_size // (b * d)
@@ -299,14 +303,16 @@ def estimate_time(m: ModelShape, layout: Layout, dev: Device, eff: Efficiency = 
     stages = []
     for stage in range(p):
         vocab_s = vocab_bytes(m, layout, stage) / vocab_rate
-        accumulate_s = grad_accumulation_bytes(estimate_stage(m, layout, stage).params, e, microbatches, fw) / mem_rate
+        params_s = estimate_stage(m, layout, stage, schedule=schedule).params
+        accumulate_s = grad_accumulation_bytes(params_s, e, microbatches, fw) / mem_rate
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
         stages.append((total, vocab_s, accumulate_s))
     compute_mb, vocab_mb, accumulate = max(stages)
     t_mb = compute_mb + tp_mb + pp_mb
-    bubble = (p - 1) / v * t_mb
+    idle = layout_schedule(layout, schedule).bubble(p, layout.vp, microbatches)  # of the pipelined time
+    bubble = idle / (1 - idle) * microbatches * t_mb
     # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
-    params = max(estimate_stage(m, layout, stage).params for stage in range(p))
+    params = max(estimate_stage(m, layout, stage, schedule=schedule).params for stage in range(p))
     dp_bw, dp_lat = _bandwidth(dev, eff, t * d > dpn)
     grads = params * fw.grad_reduce_bytes
     if layout.zero1:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.check.layouts import Layout
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.tensor_parallel.param_facts import is_counted, param_facts
 
 __all__ = ["CheckRun", "global_batch_loader", "global_pieces", "run_layouts"]
@@ -50,7 +50,7 @@ class CheckRun:
     """Optimizer steps per layout."""
     seed: int = 1234
     """Seeds torch/NumPy/Python before the module is built, and the strategy's RNG streams."""
-    callbacks_factory: Callable[[Layout], list] | None = None
+    callbacks_factory: Callable[[ParallelDims], list] | None = None
     """Extra callbacks per layout (e.g. the MegatronOptimizerCallback, the scheduler)."""
     strategy_kwargs: dict = field(default_factory=dict)
     """More MegatronStrategy arguments, the same for every layout."""
@@ -59,7 +59,8 @@ class CheckRun:
     grad_steps: tuple[int, ...] = (1,)
     """Steps (1-based) after which every gradient is gathered as a global tensor."""
     record_params: bool = False
-    """Also gather the final parameters as global tensors."""
+    """Also gather the initial and final parameters as global tensors (the final ones are compared
+    relative to the reference's update, final minus initial)."""
     measure_memory: bool = False
     """Measure per-rank bytes of params, grads, optimizer state and saved activations at step 1."""
     record_outputs: bool = True
@@ -100,9 +101,10 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
                   ps: Any) -> dict[str, tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]]]:
     """``name -> (piece, offsets or None, global shape)`` this rank contributes to the global tensors.
 
-    One copy of everything over the ranks: DP rank 0 only; TP-replicated tensors from TP rank 0; the
-    tied word embedding from the first stage; TP shards at their offsets in the global tensor
-    without vocab padding (the checkpoint's :func:`~lightning_megatron.sharded_state.shard_info`).
+    One copy of everything over the ranks: DP rank 0 only; a replicated tensor from rank 0 of the
+    dimensions it is replicated over and the tied word embedding from the first stage (``is_counted``);
+    shards at their offsets in the global tensor without vocab padding (the checkpoint's
+    :func:`~lightning_megatron.sharded_state.shard_info`).
     """
     from lightning_megatron.sharded_state import shard_info
 
@@ -113,9 +115,9 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
         if _tied_copy(p, ps):
             continue
         t = tensors[name].detach().float().cpu()
-        info = shard_info(p, ps.tp_rank, ps.tp_size)
+        info = shard_info(p, ps.coordinates, ps.dims.sizes())
         if info is None:
-            if ps.tp_rank == 0:
+            if is_counted(p, ps.coordinates):
                 out[name] = (t.clone(), None, tuple(t.shape))
             continue
         d = info.partition_dim
@@ -156,17 +158,20 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 
 class ForwardOutputs:
     """Forward hooks recording each named module's output the first time it runs (step 1's first
-    microbatch on this rank's stage): ``name -> (order, tensor)``, order being the call order."""
+    microbatch on this rank's stage): ``name -> ((chunk, order), tensor)``, ``chunk`` the index of the
+    model chunk holding the module (interleaved pipelining: chunk ``v`` of stage ``p`` is the model's
+    piece ``v x pp + p``), ``order`` the call order on this rank."""
 
-    def __init__(self, names: dict[nn.Module, str]) -> None:
-        self.outputs: dict[str, tuple[int, torch.Tensor]] = {}
-        self._handles = [m.register_forward_hook(self._hook(name)) for m, name in names.items()]
+    def __init__(self, names: dict[nn.Module, str], chunks: list[nn.Module]) -> None:
+        self.outputs: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        chunk_of = {m: i for i, chunk in enumerate(chunks) for m in chunk.modules()}
+        self._handles = [m.register_forward_hook(self._hook(name, chunk_of.get(m, 0))) for m, name in names.items()]
 
-    def _hook(self, name: str):
+    def _hook(self, name: str, chunk: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             t = _first_tensor(output)
             if t is not None and name not in self.outputs:
-                self.outputs[name] = (len(self.outputs), t.detach().float().cpu().clone())
+                self.outputs[name] = ((chunk, len(self.outputs)), t.detach().float().cpu().clone())
         return hook
 
     def remove(self) -> None:
@@ -274,17 +279,22 @@ def _make_recorder(run: CheckRun):
             self._saved: _SavedActivations | None = None
             self._hooks: Any = None
             self._outputs: ForwardOutputs | None = None
-            self.outputs: dict[str, tuple[int, torch.Tensor]] = {}
+            self.outputs: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+            self.init_params: dict = {}
 
         def on_train_start(self, trainer, pl_module) -> None:
             ps = trainer.strategy.parallel_state
+            if run.record_params:
+                named = _named_parameters(trainer)
+                self.init_params = global_pieces(named, dict(named), ps)
             self.collectives = {name: _on_shared_memory(g)
-                                for name, g in (("tp", ps.tp_group), ("dp", ps.dp_group))
+                                for name, g in (("tp", ps.group("tp")), ("dp", ps.group("dp_cp")))
                                 if g is not None and g.size > 1}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if run.record_outputs and trainer.global_step == 0 and trainer.strategy.parallel_state.dp_rank == 0:
-                self._outputs = ForwardOutputs(module_names(_named_parameters(trainer), trainer.strategy.model_chunks))
+                chunks = list(trainer.strategy.model_chunks)
+                self._outputs = ForwardOutputs(module_names(_named_parameters(trainer), chunks), chunks)
             if run.measure_memory and trainer.global_step == 0:
                 ptrs = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
                 self._saved = _SavedActivations(ptrs)
@@ -312,20 +322,20 @@ def _make_recorder(run: CheckRun):
                 self.memory["params"] = _storage_bytes([p for _, p in named])
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
             if buffer is not None and buffer.reduces_by_scatter and ps.dp_size > 1:
-                grads = _gathered_main_grads(buffer, named, grads, ps.dp_group)
+                grads = _gathered_main_grads(buffer, named, grads, ps.group("dp_cp"))
             elif any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
                 flat = torch.cat([g.detach().float().reshape(-1) for g in grads.values()])
-                dist.all_reduce(flat, group=ps.dp_group.process_group)
+                dist.all_reduce(flat, group=ps.dp_cp_group)
                 flat /= ps.dp_size
                 grads = dict(zip(grads, (v.view_as(g) for v, g in
                                          zip(flat.split([g.numel() for g in grads.values()]), grads.values()))))
-            counted = [grads[n] for n, p in named if is_counted(p, ps.tp_rank, ps.pp_rank)]
+            counted = [grads[n] for n, p in named if is_counted(p, ps.coordinates)]
             # In float64: torch's fp32 norm of a vocab-sized tensor is off by ~1e-4 relative, differently
             # for each TP split, which would hide the layout's own differences.
             squares = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum().reshape(1) \
                 if counted else torch.zeros(1, dtype=torch.float64)
-            if ps.mp_group is not None and ps.mp_group.size > 1:
-                dist.all_reduce(squares, group=ps.mp_group.process_group)
+            if ps.mp_group is not None and ps.group("mp").size > 1:
+                dist.all_reduce(squares, group=ps.mp_group)
             self.grad_norms.append(float(squares.item()) ** 0.5)
             step = trainer.global_step + 1
             if step in run.grad_steps:
@@ -352,7 +362,7 @@ def _optimizer_bytes(optimizers: list, module: nn.Module) -> int:
     return _storage_bytes(tensors)
 
 
-def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
+def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
     from lightning.fabric.utilities.seed import seed_everything
     from lightning.pytorch import Trainer
 
@@ -383,7 +393,7 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
                   num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
     kwargs.update(run.trainer_kwargs)
     trainer = Trainer(callbacks=callbacks + [recorder], **kwargs)
-    dp_rank = strategy.layout.coordinates(dist.get_rank())[1]
+    dp_rank = layout.coordinates(dist.get_rank())["dp"]
     loader = global_batch_loader(run.dataset_factory(), run.global_batch_size, layout.dp, dp_rank, run.steps)
     trainer.fit(module, train_dataloaders=loader)
     ps = strategy.parallel_state
@@ -391,11 +401,11 @@ def _fit_layout(run: CheckRun, layout: Layout) -> dict[str, Any]:
     params = global_pieces(named, {n: p for n, p in named}, ps) if run.record_params else {}
     return {"layout": layout.name, "rank": dist.get_rank(), "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
             "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,
-            "params": params, "memory": recorder.memory, "collectives": recorder.collectives,
-            "outputs": recorder.outputs}
+            "params": params, "init_params": recorder.init_params, "memory": recorder.memory,
+            "collectives": recorder.collectives, "outputs": recorder.outputs}
 
 
-def run_layouts(run: CheckRun, layouts: list[Layout]) -> list[dict[str, Any]]:
+def run_layouts(run: CheckRun, layouts: list[ParallelDims]) -> list[dict[str, Any]]:
     """On every rank: fit each layout in turn (process start-up and imports are paid once)."""
     import logging
     import warnings

@@ -30,11 +30,15 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lightning_megatron.parallel_state import ParallelState
+
+if TYPE_CHECKING:
+    from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 
 __all__ = ["CPUTuning"]
 
@@ -77,10 +81,10 @@ class CPUTuning:
               timeout: datetime.timedelta | None = None) -> dict[str, bool]:
         """After the process groups exist (collective over every group): apply the process-level pieces.
 
-        Returns what was applied: ``{"keep_freed_memory": ..., "tp": ..., "dp": ..., "mp": ..., "embedding": ...}``
+        Returns what was applied: ``{"keep_freed_memory": ..., "tp": ..., "dp": ..., "dp_cp": ..., "mp": ..., "embedding": ...}``
         (a group stays on ``torch.distributed`` when it has one rank or spans hosts).
         """
-        applied = {"keep_freed_memory": False, "tp": False, "dp": False, "mp": False, "embedding": False}
+        applied = {"keep_freed_memory": False, "tp": False, "dp": False, "dp_cp": False, "mp": False, "embedding": False}
         if device.type != "cpu":
             return applied
         if self.keep_freed_memory:
@@ -93,10 +97,17 @@ class CPUTuning:
             # Every rank, in this order: each call is collective over its group.
             # The embedding group (first and last pipeline stage) sums the tied word embedding's fp32
             # gradient once per step: 94 MB at bert-base, between the last backward and the optimizer.
-            for name, slot in (("tp", self.tp_slot_bytes), ("dp", self.tp_slot_bytes), ("mp", self.mp_slot_bytes),
-                               ("embedding", self.tp_slot_bytes)):
-                group = parallel_state.group(name)
-                comm = enable_shared_memory_collectives(group, slot_bytes=slot, timeout=timeout)
+            # Groups that span the same ranks with the same slot size (dp and dp_cp without context
+            # parallelism) share one communicator: the same decision on every rank (it follows the layout).
+            made: dict[tuple[tuple[int, ...], int], object] = {}
+            for name, slot in (("tp", self.tp_slot_bytes), ("dp", self.tp_slot_bytes), ("dp_cp", self.tp_slot_bytes),
+                               ("mp", self.mp_slot_bytes), ("embedding", self.tp_slot_bytes)):
+                key = (tuple(parallel_state.members.get(name, ())), slot)
+                if key in made:
+                    comm = made[key]
+                else:
+                    comm = made[key] = enable_shared_memory_collectives(parallel_state.group(name), slot_bytes=slot,
+                                                                        timeout=timeout)
                 if comm is not None:
                     parallel_state.set_communicator(name, comm)
                     applied[name] = True
@@ -125,21 +136,23 @@ class CPUTuning:
 
         return accumulate_grad
 
-    def configure_grads(self, chunks: Sequence[nn.Module], parallel_state: ParallelState,
-                        device: torch.device) -> dict[str, int]:
-        """How this rank's gradients reach the gradient buffer (CPU only; after the buffer exists).
-        Returns the number of modules changed per piece.
+    def configure_grads(self, weight_grads: WeightGradPolicy, chunks: Sequence[nn.Module],
+                        parallel_state: ParallelState, device: torch.device) -> dict[str, int]:
+        """How this rank's gradients reach the gradient buffer, set on the step's ``weight_grads``
+        policy (:mod:`lightning_megatron.tensor_parallel.backward`; CPU only, at set-up). Returns the
+        number of modules changed per piece.
 
         - ``kernels``, on a pipeline's first stage: the word embeddings' gradients go in as rows
-          (:mod:`lightning_megatron.cpu.embedding_grad`; the same bits);
+          (:meth:`~lightning_megatron.tensor_parallel.WeightGradPolicy.route_embedding_grad` with
+          :mod:`lightning_megatron.cpu.embedding_grad`; the same bits);
         - ``weight_grads_per_step``: every column- and row-parallel linear layer of a chunk (the output
           layer included, unless its weight is the word embedding of the same chunk: without pipeline
           parallelism autograd sums the two) defers its weight gradient to the end of the schedule, one
           GEMM per weight over the step's microbatches
-          (:class:`~lightning_megatron.tensor_parallel.DeferredWeightGrad` with ``per_step=True``, one
-          per chunk). With a 16-bit model each microbatch's gradient is no longer rounded to 16 bits
-          and added into the fp32 ``main_grad`` ``m - 1`` times: the result is the weight gradient of
-          one microbatch of all the step's tokens (with one microbatch, the same bits as without).
+          (:meth:`~lightning_megatron.tensor_parallel.WeightGradPolicy.defer` with ``per_step=True``, one
+          deferral per chunk). With a 16-bit model each microbatch's gradient is no longer rounded to 16
+          bits and added into the fp32 ``main_grad`` ``m - 1`` times: the result is the weight gradient
+          of one microbatch of all the step's tokens (with one microbatch, the same bits as without).
           Memory: every linear layer's input and output gradient of every microbatch stays until the
           end of the schedule (the activations of the whole step), which is why this is a CPU piece:
           on a GPU megatron-core's gradient-accumulation fusion removes the additions without it.
@@ -147,7 +160,6 @@ class CPUTuning:
         changed = {"embedding_grad_rows": 0, "weight_grads_per_step": 0}
         if device.type != "cpu":
             return changed
-        from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
         from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
         if self.kernels and parallel_state.pp_size > 1:
@@ -156,17 +168,14 @@ class CPUTuning:
             for chunk in chunks:
                 for m in chunk.modules():
                     if isinstance(m, VocabParallelEmbedding):
-                        m.grad_rows = RowSparseEmbeddingGrad()
+                        weight_grads.route_embedding_grad(m, RowSparseEmbeddingGrad())
                         changed["embedding_grad_rows"] += 1
         if self.weight_grads_per_step:
             for chunk in chunks:
-                deferral = DeferredWeightGrad(per_step=True)
                 embedding = any(isinstance(m, VocabParallelEmbedding) for m in chunk.modules())
-                for m in chunk.modules():
-                    tied = isinstance(m, ColumnParallelLinear) and m.weight is None and embedding
-                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not tied:
-                        m.deferred_wgrad = deferral
-                        changed["weight_grads_per_step"] += 1
+                layers = [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                          and not (isinstance(m, ColumnParallelLinear) and m.weight is None and embedding)]
+                changed["weight_grads_per_step"] += weight_grads.defer(layers, per_step=True)
         return changed
 
     def teardown(self, parallel_state: ParallelState | None) -> None:

@@ -44,7 +44,7 @@ from lightning_megatron.tensor_parallel import (
     set_param_facts,
     vocab_parallel_cross_entropy,
 )
-from lightning_megatron.tensor_parallel.deferred_wgrad import output_layer_deferral
+from lightning_megatron.tensor_parallel.backward import defer_output_layer_weight_grad
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 from lightning_megatron.transformer import (
     Dropout,
@@ -172,8 +172,8 @@ class LanguageModule(nn.Module):
                 config.hidden_size, self.padded_vocab_size, tp_group=self.tp_group, bias=bias, gather_output=False,
                 init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
                 params_dtype=config.params_dtype, skip_weight_param_allocation=not owns_weight)
-        self.output_layer.deferred_wgrad = output_layer_deferral(config.defer_embedding_wgrad_compute,
-                                                                 pre_process=self.pre_process)
+        defer_output_layer_weight_grad(self.output_layer, config.defer_embedding_wgrad_compute,
+                                       pre_process=self.pre_process)
 
     def finish_parameters(self) -> None:
         """The parameter facts of a built chunk: the tied word embedding is ``shared_embedding`` (the

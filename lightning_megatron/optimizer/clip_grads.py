@@ -9,9 +9,10 @@ A parameter is counted on exactly one rank of its model-parallel replica
 (:func:`~lightning_megatron.tensor_parallel.param_facts.is_counted`, from its
 :class:`~lightning_megatron.tensor_parallel.ParamFacts`):
 
-- tensor-parallel shards (``tensor_model_parallel=True``) are disjoint slices: every rank
+- shards (``sharded_over``, e.g. tensor-parallel weights) are disjoint slices: every rank
   counts its own slice;
-- parameters replicated across TP are counted on ``tp_rank == 0`` only;
+- parameters replicated over a dimension (``replicated_over``: TP for norms and biases) are counted
+  on its rank 0 only;
 - the tied word embedding (``shared_embedding=True``) lives on the first and the last
   pipeline stage: counted on ``pp_rank == 0`` only.
 
@@ -30,7 +31,7 @@ not depend on how the gradient is cut (TP, PP, DP shards) beyond ~1e-12 relative
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -59,10 +60,12 @@ def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Te
 
 
 def grads_for_norm(
-    parameters: Iterable[torch.Tensor] | torch.Tensor, *, tp_rank: int = 0, pp_rank: int = 0
+    parameters: Iterable[torch.Tensor] | torch.Tensor, *, coordinates: Mapping[str, int] | None = None
 ) -> list[torch.Tensor]:
-    """The gradients this rank contributes to the global norm (see the module docstring)."""
-    return [p.grad for p in _as_list(parameters) if p.grad is not None and is_counted(p, tp_rank, pp_rank)]
+    """The gradients this rank contributes to the global norm (see the module docstring); ``coordinates``:
+    this rank's (``ParallelState.coordinates``; None: one process)."""
+    coordinates = coordinates or {}
+    return [p.grad for p in _as_list(parameters) if p.grad is not None and is_counted(p, coordinates)]
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:
@@ -167,8 +170,7 @@ def clip_grad_norm(
     norm_type: float = 2,
     *,
     model_parallel_group: Group = None,
-    tp_rank: int = 0,
-    pp_rank: int = 0,
+    coordinates: Mapping[str, int] | None = None,
 ) -> float:
     """Clip the gradients of ``parameters`` in place by their global norm; return that norm.
 
@@ -178,7 +180,7 @@ def clip_grad_norm(
         raise ValueError(f"max_norm={max_norm!r} must be > 0; to only measure the norm use get_grad_norm_fp32")
     params = _as_list(parameters)
     total_norm = get_grad_norm_fp32(
-        grads_for_norm(params, tp_rank=tp_rank, pp_rank=pp_rank), norm_type, model_parallel_group
+        grads_for_norm(params, coordinates=coordinates), norm_type, model_parallel_group
     )
     clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
     return total_norm
@@ -188,11 +190,10 @@ def count_zeros_fp32(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     *,
     model_parallel_group: Group = None,
-    tp_rank: int = 0,
-    pp_rank: int = 0,
+    coordinates: Mapping[str, int] | None = None,
 ) -> int:
     """Number of exactly-zero gradient entries over the model-parallel replica (duplicates once)."""
-    grads = grads_for_norm(parameters, tp_rank=tp_rank, pp_rank=pp_rank)
+    grads = grads_for_norm(parameters, coordinates=coordinates)
     device = _device_of(grads)
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:

@@ -111,14 +111,14 @@ class OptimizerConfig:
             return optimizer
         ps = parallel_state
         common = dict(clip_grad=self.clip_grad, log_num_zeros_in_grad=self.log_num_zeros_in_grad, grad_buffer=grad_buffer,
-                      model_parallel_group=None if ps is None else ps.mp_group,
-                      tp_rank=0 if ps is None else ps.tp_rank, pp_rank=0 if ps is None else ps.pp_rank,
+                      model_parallel_group=None if ps is None else ps.group("mp"),
+                      coordinates=None if ps is None else ps.coordinates,
                       check_for_nan_in_loss_and_grad=self.check_for_nan_in_loss_and_grad)
         dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"]}
         low = next((d for d in (torch.float16, torch.bfloat16) if d in dtypes), torch.float32)
         if self.use_distributed_optimizer:
             return DistributedOptimizer(optimizer, grad_scaler=self.grad_scaler(low),
-                                        data_parallel_group=None if ps is None else ps.dp_group, **common)
+                                        data_parallel_group=None if ps is None else ps.group("dp_cp"), **common)
         if low != torch.float32:
             return Float16OptimizerWithFloat16Params(optimizer, grad_scaler=self.grad_scaler(low), **common)
         return FP32Optimizer(optimizer, grad_scaler=self.grad_scaler(low), **common)

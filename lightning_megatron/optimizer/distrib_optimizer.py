@@ -23,7 +23,7 @@ One step (``step(closure)``), Megatron's order, on every DP rank:
    group (every rank takes the same decision); ``scaler.update``; skip on overflow;
 3. ``||g||_2 = sqrt(all-reduce SUM over DP and MP of the shard's fp64 sum of squares)``, each
    element of a TP-duplicated param counted on ``tp_rank == 0`` only and a ``shared_embedding`` on
-   ``pp_rank == 0`` only (clip_grads.py, the same arithmetic as the other wrappers); clip by it;
+   ``pp_rank == 0`` only (``is_counted``: clip_grads.py, the same arithmetic as the other wrappers); clip by it;
 4. inner optimizer step on the shard;
 5. ``all_gather`` per bucket (into the grad buffer, free by now; in the params' 16-bit dtype when
    they all have one) and copy into the model params (one rounding per step for bf16/fp16):
@@ -45,6 +45,7 @@ Checkpoints: ``sharded_state_for_checkpoint()`` lists this rank's pieces per mod
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -81,8 +82,7 @@ class DistributedOptimizer(MegatronOptimizer):
         clip_grad: float = 0.0,
         data_parallel_group: Group,
         model_parallel_group: Group = None,
-        tp_rank: int = 0,
-        pp_rank: int = 0,
+        coordinates: Mapping[str, int] | None = None,
         log_num_zeros_in_grad: bool = False,
         grads_already_reduced: bool = False,
         grad_buffer: GradBuffer | None = None,
@@ -90,7 +90,7 @@ class DistributedOptimizer(MegatronOptimizer):
     ) -> None:
         super().__init__(optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
-                         model_parallel_group=model_parallel_group, tp_rank=tp_rank, pp_rank=pp_rank,
+                         model_parallel_group=model_parallel_group, coordinates=coordinates,
                          check_for_nan_in_loss_and_grad=check_for_nan_in_loss_and_grad)
         if len(optimizer.state) > 0:
             raise ValueError("wrap the optimizer before its first step: its state is keyed by model params "
@@ -212,14 +212,14 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _counted_grad_pieces(self) -> list[torch.Tensor]:
         """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
-        return [self._segment_grad(seg) for seg in self._segments if is_counted(seg[0], self.tp_rank, self.pp_rank)]
+        return [self._segment_grad(seg) for seg in self._segments if is_counted(seg[0], self.coordinates)]
 
     def _grad_norm_and_found_inf(self, loss: torch.Tensor | None = None) -> tuple[float, bool]:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as
         # clip_grads), the rest (and 0 * loss) are only checked; reduced over DP and the model-parallel group.
         counted = self._counted_grad_pieces()
         others = [self._segment_grad(seg) for seg in self._segments
-                  if not is_counted(seg[0], self.tp_rank, self.pp_rank)]
+                  if not is_counted(seg[0], self.coordinates)]
         if loss is not None:
             others.append(loss.to(self.grad_buffer.device) * 0.0)
         total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)

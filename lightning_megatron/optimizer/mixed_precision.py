@@ -32,7 +32,7 @@ once, when the model copy is refreshed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,8 +89,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         clip_grad: float = 0.0,
         log_num_zeros_in_grad: bool = False,
         model_parallel_group: Group = None,
-        tp_rank: int = 0,
-        pp_rank: int = 0,
+        coordinates: Mapping[str, int] | None = None,
         check_for_nan_in_loss_and_grad: bool = False,
         grad_buffer: GradBuffer | None = None,
     ) -> None:
@@ -108,8 +107,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.clip_grad = float(clip_grad)
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.model_parallel_group = model_parallel_group
-        self.tp_rank = tp_rank
-        self.pp_rank = pp_rank
+        self.coordinates: dict[str, int] = dict(coordinates or {})
+        """This rank's coordinates (``ParallelState.coordinates``): which parameters it counts in the norm."""
         self.check_for_nan_in_loss_and_grad = check_for_nan_in_loss_and_grad
         self.iteration: int | None = None
         """The training step (``trainer.global_step``) the next :meth:`step` makes, for error messages."""
@@ -278,7 +277,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
     # Hooks of the step; the DistributedOptimizer overrides them for its flat shards.
     def _grad_norm_and_found_inf(self, loss: torch.Tensor | None = None) -> tuple[float, bool]:
         """The global L2 norm and whether any main grad (or ``loss``) on any model-parallel rank is inf/nan."""
-        counted = grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank, pp_rank=self.pp_rank)
+        counted = grads_for_norm(self.get_parameters(), coordinates=self.coordinates)
         ids = {id(g) for g in counted}
         others = [g for g in self._main_grads() if id(g) not in ids]
         if loss is not None:  # 0 * loss: 0, or nan for a non-finite loss; checked in the same all-reduce
@@ -287,7 +286,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     def _num_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), model_parallel_group=self.model_parallel_group,
-                                tp_rank=self.tp_rank, pp_rank=self.pp_rank)
+                                coordinates=self.coordinates)
 
     def _clip_parameters(self) -> list[torch.Tensor]:
         return self.get_parameters()

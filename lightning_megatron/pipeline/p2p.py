@@ -106,7 +106,7 @@ class P2PCommunicator:
               recv_prev: bool, recv_next: bool) -> P2PWork:
         """Post every requested send and receive in one batch (``batch_isend_irecv``), without waiting."""
         ps = self.parallel_state
-        group = ps.pp_group.process_group
+        group = ps.pp_group
         ops: list[dist.P2POp] = []
         sent: list[Tensor] = []
         tensor_recv_prev = tensor_recv_next = None

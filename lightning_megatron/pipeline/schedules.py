@@ -1,5 +1,7 @@
 """Microbatch schedules: no pipelining, 1F1B, and interleaved 1F1B over virtual model chunks.
 
+These are the ``run`` of the named schedules ``no_pipelining``, ``1f1b`` and ``interleaved``
+(:mod:`lightning_megatron.pipeline.registry`, which also answers what each holds in memory and idles).
 One call runs the forward and backward passes of all ``m = num_microbatches`` microbatches of one
 optimizer step on this rank's model chunks and returns the logged losses (last stage only).
 Gradients accumulate in ``.grad``; their data-parallel and tied-embedding reductions are left to the
@@ -22,6 +24,11 @@ reverse. Warm-up ``w = min(2 (p - r - 1) + (v - 1) p, m v)``. The bubble shrinks
 order this rank ran them, with ``time.perf_counter()`` start/end stamps (CLOCK_MONOTONIC on Linux,
 so stamps of processes on one machine share a time axis). The time outside those events is this
 rank's idle time: waiting for a neighbour (the pipeline bubble) or moving tensors.
+
+``weight_grads``: the step's :class:`~lightning_megatron.tensor_parallel.backward.WeightGradPolicy`;
+every backward pass goes through its ``backward_input`` (None: plain autograd).
+:class:`MicrobatchRunner` is the forward and backward of one microbatch on one chunk that every
+schedule here is written with: a new schedule (docs/pipeline.md) uses it too.
 """
 
 from __future__ import annotations
@@ -33,17 +40,17 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.variable import Variable
 
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.p2p import P2PCommunicator, P2PWork
+from lightning_megatron.tensor_parallel.backward import WeightGradPolicy, custom_backward
 
 __all__ = [
     "ScheduleEvent",
     "ForwardStepFunc",
-    "validate_num_microbatches",
+    "MicrobatchRunner",
+    "device_of",
     "num_microbatches_problem",
-    "get_forward_backward_func",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
@@ -70,20 +77,11 @@ class ScheduleEvent:
     end: float
 
 
-def validate_num_microbatches(num_microbatches: int, pp_size: int, vp_size: int | None) -> None:
-    """Megatron's rules: at least one microbatch; the interleaved schedule needs ``m % pp == 0``.
-
-    Pure arithmetic, so the strategy can call it at setup; every schedule calls it again before
-    any communication.
-    """
-    problem = num_microbatches_problem(num_microbatches, pp_size, vp_size)
-    if problem:
-        raise ValueError(problem)
-
-
 def num_microbatches_problem(num_microbatches: int, pp_size: int, vp_size: int | None) -> str | None:
-    """Megatron's rules on the microbatch count (:func:`validate_num_microbatches`, and ``config_checks``
-    before launch), as a message; None when they hold."""
+    """Megatron's rules on the microbatch count, as a message (None when they hold): at least one
+    microbatch; the interleaved schedule needs ``m % pp == 0``. Pure arithmetic: the named schedules
+    answer it at set-up and ``config_checks`` before launch; every schedule checks it again before
+    any communication."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         return f"num_microbatches={num_microbatches!r} must be a positive integer"
     if pp_size > 1 and vp_size is not None and vp_size > 1 and num_microbatches % pp_size != 0:
@@ -93,16 +91,10 @@ def num_microbatches_problem(num_microbatches: int, pp_size: int, vp_size: int |
     return None
 
 
-def get_forward_backward_func(pp_size: int, vp_size: int | None) -> Callable[..., list[dict[str, Any]]]:
-    """The schedule for a layout: no pipelining (PP=1), 1F1B (PP>1) or interleaved (PP>1, VP>1).
-
-    ``vp_size=1`` means one chunk per stage and takes plain 1F1B.
-    """
-    if pp_size > 1:
-        if vp_size is not None and vp_size > 1:
-            return forward_backward_pipelining_with_interleaving
-        return forward_backward_pipelining_without_interleaving
-    return forward_backward_no_pipelining
+def _validate_num_microbatches(num_microbatches: int, pp_size: int, vp_size: int | None) -> None:
+    problem = num_microbatches_problem(num_microbatches, pp_size, vp_size)
+    if problem:
+        raise ValueError(problem)
 
 
 # -- forward and backward of one microbatch on one chunk ---------------------------------------------
@@ -121,26 +113,14 @@ def deallocate_output_tensor(out: Tensor | None) -> None:
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
-def custom_backward(output: Tensor, grad_output: Tensor | None) -> None:
-    """``torch.autograd.backward(output, grad_output)`` without the shape check.
-
-    Needed after :func:`deallocate_output_tensor` shrank ``output.data``; calls the autograd
-    engine directly, as Megatron does.
-    """
-    if grad_output is None:
-        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
-    Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False, inputs=(),
-        allow_unreachable=True, accumulate_grad=True,
-    )
-
-
-class _Runner:
-    """State shared by the forward/backward steps of one schedule call (losses, trace, options)."""
+class MicrobatchRunner:
+    """The forward and the backward pass of one microbatch on one chunk, and what a schedule call
+    shares between them (the logged values, the trace, the options): what schedules are written with."""
 
     def __init__(self, *, forward_step_func: ForwardStepFunc, microbatches: list, model: list[nn.Module],
                  num_microbatches: int, forward_only: bool,
-                 grad_scale_func: Callable[[Tensor], Tensor] | None, trace: list | None) -> None:
+                 grad_scale_func: Callable[[Tensor], Tensor] | None, trace: list | None,
+                 weight_grads: WeightGradPolicy | None = None) -> None:
         if len(microbatches) != num_microbatches:
             raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={num_microbatches}")
         self.forward_step_func = forward_step_func
@@ -150,7 +130,9 @@ class _Runner:
         self.forward_only = forward_only
         self.grad_scale_func = grad_scale_func
         self.trace = trace
+        self.weight_grads = weight_grads
         self.logged: list[dict[str, Any]] = []
+        """One dict per microbatch on the last piece, detached: what the schedule returns."""
 
     def forward(self, microbatch: int, chunk: int, input_tensor: Tensor | None, *, last_piece: bool,
                 phase: str) -> Tensor:
@@ -180,7 +162,10 @@ class _Runner:
         start = time.perf_counter()
         if output_tensor_grad is None and self.grad_scale_func is not None:
             output_tensor = self.grad_scale_func(output_tensor)  # loss scaling, last piece only
-        custom_backward(output_tensor, output_tensor_grad)
+        if self.weight_grads is None:
+            custom_backward(output_tensor, output_tensor_grad)
+        else:
+            self.weight_grads.backward_input(output_tensor, output_tensor_grad, microbatch=microbatch)
         input_tensor_grad = None
         if input_tensor is not None:
             # A chunk that ignores its input still owes its predecessor a gradient: zero.
@@ -193,7 +178,8 @@ class _Runner:
             self.trace.append(ScheduleEvent(kind, microbatch, chunk, phase, start, time.perf_counter()))
 
 
-def _device_of(model: list[nn.Module]) -> torch.device:
+def device_of(model: list[nn.Module]) -> torch.device:
+    """The device of the chunks' parameters (CPU without any): where received tensors are allocated."""
     for chunk in model:
         for p in chunk.parameters():
             return p.device
@@ -212,16 +198,16 @@ def forward_backward_no_pipelining(
     *, forward_step_func: ForwardStepFunc, microbatches: list, model: list[nn.Module], num_microbatches: int,
     parallel_state: ParallelState, tensor_shape: tuple[int, ...], dtype: torch.dtype, forward_only: bool = False,
     grad_scale_func: Callable[[Tensor], Tensor] | None = None, trace: list | None = None,
-    overlap_p2p_comm: bool = False,
+    overlap_p2p_comm: bool = False, weight_grads: WeightGradPolicy | None = None,
 ) -> list[dict[str, Any]]:
     """PP=1: forward and backward each microbatch in turn (gradient accumulation); no communication.
 
     ``overlap_p2p_comm`` is accepted for a uniform signature and has nothing to overlap."""
-    validate_num_microbatches(num_microbatches, 1, None)
+    _validate_num_microbatches(num_microbatches, 1, None)
     _check_chunks(model, 1, "forward_backward_no_pipelining")
-    run = _Runner(forward_step_func=forward_step_func, microbatches=microbatches, model=model,
-                  num_microbatches=num_microbatches, forward_only=forward_only,
-                  grad_scale_func=grad_scale_func, trace=trace)
+    run = MicrobatchRunner(forward_step_func=forward_step_func, microbatches=microbatches, model=model,
+                           num_microbatches=num_microbatches, forward_only=forward_only,
+                           grad_scale_func=grad_scale_func, trace=trace, weight_grads=weight_grads)
     with torch.no_grad() if forward_only else torch.enable_grad():
         for i in range(num_microbatches):
             output_tensor = run.forward(i, 0, None, last_piece=True, phase="steady")
@@ -234,7 +220,7 @@ def forward_backward_pipelining_without_interleaving(
     *, forward_step_func: ForwardStepFunc, microbatches: list, model: list[nn.Module], num_microbatches: int,
     parallel_state: ParallelState, tensor_shape: tuple[int, ...], dtype: torch.dtype, forward_only: bool = False,
     grad_scale_func: Callable[[Tensor], Tensor] | None = None, trace: list | None = None,
-    overlap_p2p_comm: bool = False,
+    overlap_p2p_comm: bool = False, weight_grads: WeightGradPolicy | None = None,
 ) -> list[dict[str, Any]]:
     """1F1B: ``min(p - r - 1, m)`` warm-up forwards, then one forward one backward, then cool-down.
 
@@ -245,11 +231,12 @@ def forward_backward_pipelining_without_interleaving(
     """
     ps = parallel_state
     m = num_microbatches
-    validate_num_microbatches(m, ps.pp_size, None)
+    _validate_num_microbatches(m, ps.pp_size, None)
     _check_chunks(model, 1, "forward_backward_pipelining_without_interleaving")
-    run = _Runner(forward_step_func=forward_step_func, microbatches=microbatches, model=model,
-                  num_microbatches=m, forward_only=forward_only, grad_scale_func=grad_scale_func, trace=trace)
-    comm = P2PCommunicator(ps, tensor_shape, dtype, _device_of(model), requires_grad=not forward_only)
+    run = MicrobatchRunner(forward_step_func=forward_step_func, microbatches=microbatches, model=model,
+                           num_microbatches=m, forward_only=forward_only, grad_scale_func=grad_scale_func,
+                           trace=trace, weight_grads=weight_grads)
+    comm = P2PCommunicator(ps, tensor_shape, dtype, device_of(model), requires_grad=not forward_only)
     last = ps.is_pipeline_last_stage()
     num_warmup = min(ps.pp_size - ps.pp_rank - 1, m)
     num_remaining = m - num_warmup
@@ -302,7 +289,7 @@ def forward_backward_pipelining_with_interleaving(
     *, forward_step_func: ForwardStepFunc, microbatches: list, model: list[nn.Module], num_microbatches: int,
     parallel_state: ParallelState, tensor_shape: tuple[int, ...], dtype: torch.dtype, forward_only: bool = False,
     grad_scale_func: Callable[[Tensor], Tensor] | None = None, trace: list | None = None,
-    overlap_p2p_comm: bool = False,
+    overlap_p2p_comm: bool = False, weight_grads: WeightGradPolicy | None = None,
 ) -> list[dict[str, Any]]:
     """Interleaved 1F1B over ``v = len(model)`` chunks (Megatron's schedule).
 
@@ -321,15 +308,16 @@ def forward_backward_pipelining_with_interleaving(
     """
     ps = parallel_state
     p, r, v, m = ps.pp_size, ps.pp_rank, len(model), num_microbatches
-    validate_num_microbatches(m, p, v)
+    _validate_num_microbatches(m, p, v)
     if p < 2 or v < 2:
         raise ValueError(f"the interleaved schedule needs pp_size >= 2 and len(model) >= 2, got pp_size={p}, "
-                         f"len(model)={v}; use get_forward_backward_func to pick the schedule")
+                         f"len(model)={v}; pipeline_schedule='auto' picks the schedule of a layout")
     if ps.vp_size is not None and ps.vp_size != v:
         raise ValueError(f"len(model)={v} differs from virtual_pipeline_model_parallel_size={ps.vp_size}")
-    run = _Runner(forward_step_func=forward_step_func, microbatches=microbatches, model=model,
-                  num_microbatches=m, forward_only=forward_only, grad_scale_func=grad_scale_func, trace=trace)
-    comm = P2PCommunicator(ps, tensor_shape, dtype, _device_of(model), requires_grad=not forward_only)
+    run = MicrobatchRunner(forward_step_func=forward_step_func, microbatches=microbatches, model=model,
+                           num_microbatches=m, forward_only=forward_only, grad_scale_func=grad_scale_func,
+                           trace=trace, weight_grads=weight_grads)
+    comm = P2PCommunicator(ps, tensor_shape, dtype, device_of(model), requires_grad=not forward_only)
     first_stage, last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
 
     total = m * v

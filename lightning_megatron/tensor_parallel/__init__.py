@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_megatron.communicator import Communicator, TorchCommunicator
+from lightning_megatron.tensor_parallel.backward import WeightGradPolicy, defer_output_layer_weight_grad
 from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
 from lightning_megatron.tensor_parallel.layers import (
@@ -10,7 +11,6 @@ from lightning_megatron.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     all_reduce_sequence_parallel_grads,
-    deferred_weight_grads,
     init_method_normal,
     scaled_init_method_normal,
 )
@@ -49,5 +49,6 @@ __all__ = [
     "init_method_normal", "scaled_init_method_normal", "RNGStatesTracker", "get_rng_tracker",
     "model_parallel_seed", "recompute", "MODEL_PARALLEL_RNG_TRACKER_NAME", "VocabUtility", "divide",
     "pad_vocab_size", "set_tensor_model_parallel_attributes", "ParamFacts", "param_facts", "set_param_facts",
-    "mark_replicated", "is_counted", "Communicator", "TorchCommunicator", "DeferredWeightGrad", "deferred_weight_grads",
+    "mark_replicated", "is_counted", "Communicator", "TorchCommunicator", "DeferredWeightGrad", "WeightGradPolicy",
+    "defer_output_layer_weight_grad",
 ]

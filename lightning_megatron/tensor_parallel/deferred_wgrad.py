@@ -22,6 +22,10 @@ tokens: ~2 MB per microbatch at bert-base; a decoder's full-sequence logits: ``s
 That is the weight gradient one microbatch of all the step's tokens would have (bitwise, for the same
 token order), not the sum of per-microbatch 16-bit gradients in fp32: other bits, so it is never the
 default. It saves the ``m - 1`` additions of every weight gradient into the fp32 ``main_grad``.
+
+Which layers defer, and when their gradients are drained, is decided in one place: the step's
+:class:`~lightning_megatron.tensor_parallel.backward.WeightGradPolicy` (its ``backward_weight``
+drains these, all at the flush or one microbatch at a time).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferredWeightGrad", "output_layer_deferral"]
+__all__ = ["DeferredWeightGrad"]
 
 
 class _LinearDeferredWeightGrad(torch.autograd.Function):
@@ -58,20 +62,24 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
 
 
 class DeferredWeightGrad:
-    """Defers an output layer's weight gradient to the end of the step's schedule.
+    """Defers weight gradients of ``F.linear`` calls to :meth:`drain`.
 
-    Between :meth:`open` and :meth:`drain` (the strategy's training step), :meth:`linear` runs
+    Between :meth:`open` and the full :meth:`drain` (the step's
+    :class:`~lightning_megatron.tensor_parallel.backward.WeightGradPolicy`), :meth:`linear` runs
     ``F.linear`` with the weight gradient deferred; otherwise (evaluation, a backward outside the
     schedule) it is plain ``F.linear``.
     """
 
     def __init__(self, *, per_step: bool = False) -> None:
         self.per_step = per_step
-        """Drain one GEMM per weight over all the step's microbatches (see the module doc)."""
+        """Drain one GEMM per weight over all the microbatches drained together (see the module doc)."""
+        self.microbatch: int | None = None
+        """The microbatch whose backward runs now: what the stashed gradients are filed under (set by
+        :meth:`~lightning_megatron.tensor_parallel.backward.WeightGradPolicy.backward_input`)."""
         self.drained = 0
         """Microbatch weight gradients computed by :meth:`drain` so far (all steps)."""
         self._open = False
-        self._stashed: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+        self._stashed: list[tuple[int | None, nn.Parameter, torch.Tensor, torch.Tensor]] = []
 
     @property
     def pending(self) -> int:
@@ -89,25 +97,29 @@ class DeferredWeightGrad:
         return F.linear(x, weight, bias)
 
     def stash(self, weight: nn.Parameter, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
-        self._stashed.append((weight, grad_2d, x_2d))
+        self._stashed.append((self.microbatch, weight, grad_2d, x_2d))
 
-    def drain(self, add_grad: Callable[..., None]) -> int:
-        """After the schedule's last backward: each stashed weight gradient (autograd's
-        ``grad_output^T @ input``), in the order of the backward passes, handed to
-        ``add_grad(weight, grad)`` (:meth:`lightning_megatron.grads.GradBuffer.add_grad`). With
-        :attr:`per_step`, one ``add_grad(weight, grad, microbatches=n)`` per weight instead, ``grad``
-        over its ``n`` microbatches. Returns how many microbatch gradients; stops deferring until the
-        next :meth:`open`."""
-        self._open = False
-        stashed, self._stashed = self._stashed, []
+    def drain(self, add_grad: Callable[..., None], *, microbatch: int | None = None) -> int:
+        """Each stashed weight gradient (autograd's ``grad_output^T @ input``) of ``microbatch`` (None:
+        all of them), in the order of the backward passes, handed to ``add_grad(weight, grad)``
+        (:meth:`lightning_megatron.grads.GradBuffer.add_grad`). With :attr:`per_step`, one
+        ``add_grad(weight, grad, microbatches=n)`` per weight instead, ``grad`` over its ``n`` drained
+        microbatches. Returns how many microbatch gradients; after a drain of all of them, stops
+        deferring until the next :meth:`open`."""
+        if microbatch is None:
+            self._open = False
+            stashed, self._stashed = self._stashed, []
+        else:
+            stashed = [entry for entry in self._stashed if entry[0] == microbatch]
+            self._stashed = [entry for entry in self._stashed if entry[0] != microbatch]
         count = len(stashed)
         with torch.no_grad():  # as inside autograd's backward: the gradients carry no graph
             if not self.per_step:
-                for weight, grad_2d, x_2d in stashed:
+                for _, weight, grad_2d, x_2d in stashed:
                     add_grad(weight, torch.mm(grad_2d.t(), x_2d))
             else:
                 by_weight: dict[int, tuple[nn.Parameter, list[torch.Tensor], list[torch.Tensor]]] = {}
-                for weight, grad_2d, x_2d in stashed:
+                for _, weight, grad_2d, x_2d in stashed:
                     entry = by_weight.setdefault(id(weight), (weight, [], []))
                     entry[1].append(grad_2d)
                     entry[2].append(x_2d)
@@ -120,17 +132,3 @@ class DeferredWeightGrad:
                     add_grad(weight, grad, microbatches=n)
         self.drained += count
         return count
-
-
-def output_layer_deferral(defer: bool, *, pre_process: bool) -> DeferredWeightGrad | None:
-    """The :class:`DeferredWeightGrad` of a chunk's output layer with ``defer_embedding_wgrad_compute``
-    (None without). Refused on a chunk that also holds the embedding: without pipeline parallelism
-    there is no flush to hide the work in, and a tied weight's two gradients are summed by autograd
-    within the one backward."""
-    if not defer:
-        return None
-    if pre_process:
-        raise ValueError("defer_embedding_wgrad_compute=True needs pipeline parallelism "
-                         "(pipeline_model_parallel_size >= 2): the output layer's weight gradient is deferred to the "
-                         "pipeline flush of the last stage, and with one stage there is none. Set it to False.")
-    return DeferredWeightGrad()

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_megatron.parallel_state import Group, group_rank, group_size
-from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
+from lightning_megatron.tensor_parallel.backward import policy_embedding, policy_linear
 from lightning_megatron.tensor_parallel.mappings import (
     all_reduce_coalesced,
     copy_to_tensor_model_parallel_region,
@@ -55,9 +53,6 @@ __all__ = [
     "init_method_normal",
     "scaled_init_method_normal",
     "all_reduce_sequence_parallel_grads",
-    "deferred_weight_grads",
-    "embedding_grad_rows",
-    "EmbeddingGradRows",
 ]
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -91,12 +86,6 @@ def _initialize_affine_weight(weight: torch.Tensor, full_shape: tuple[int, int],
         weight.copy_(mine.to(dtype=weight.dtype, device=weight.device))
 
 
-def _linear(deferral: DeferredWeightGrad | None, x: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, its weight gradient deferred to the pipeline flush when ``deferral`` is set."""
-    return F.linear(x, weight, bias) if deferral is None else deferral.linear(x, weight, bias)
-
-
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b with A split by columns: weight [out/t, in], bias [out/t].
 
@@ -118,10 +107,6 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.tp_group = tp_group
         self.gather_output, self.skip_bias_add, self.sequence_parallel = gather_output, skip_bias_add, sequence_parallel
-        self.deferred_wgrad: DeferredWeightGrad | None = None
-        """Set on the last stage's output layer (``TransformerConfig.defer_embedding_wgrad_compute``) or,
-        by the CPU tuning's ``weight_grads_per_step``, on every linear layer of a pipeline stage: the
-        weight gradient is computed at the pipeline flush (:mod:`.deferred_wgrad`)."""
         self.output_size_per_partition = divide(output_size, world, "output_size")
         init_method = init_method or init_method_normal()
         if skip_weight_param_allocation:
@@ -154,11 +139,11 @@ class ColumnParallelLinear(nn.Module):
         return output, (self.bias if self.skip_bias_add else None)
 
     def apply_weight(self, total_input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """``total_input @ weight.T (+ bias)`` without the TP mappings (the input already gathered),
-        the weight gradient deferred to the pipeline flush when :attr:`deferred_wgrad` is set."""
+        """``total_input @ weight.T (+ bias)`` without the TP mappings (the input already gathered), the
+        weight gradient deferred when the step's policy defers this layer's (:mod:`.backward`)."""
         weight = self.weight if weight is None else weight
         bias = None if self.skip_bias_add else self.bias
-        return _linear(self.deferred_wgrad, total_input, weight, bias)
+        return policy_linear(self, total_input, weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, out_per_partition={self.output_size_per_partition}, "
@@ -186,9 +171,6 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.input_is_parallel, self.skip_bias_add, self.sequence_parallel = input_is_parallel, skip_bias_add, sequence_parallel
         self.input_size_per_partition = divide(input_size, world, "input_size")
-        self.deferred_wgrad: DeferredWeightGrad | None = None
-        """Set by the CPU tuning's ``weight_grads_per_step`` on a pipeline stage: the weight gradient is
-        computed at the pipeline flush (:mod:`.deferred_wgrad`)."""
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                dtype=params_dtype, device=device))
         _initialize_affine_weight(self.weight, (output_size, input_size), 1, init_method or init_method_normal(),
@@ -197,13 +179,14 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             # Under sequence parallelism each rank adds the bias to its own sequence chunk only, so
             # its gradient is partial: the strategy all-reduces it over TP.
-            set_param_facts(self.bias, tensor_model_parallel=False, partition_dim=0, sequence_parallel=sequence_parallel)
+            set_param_facts(self.bias, sharded_over=(), replicated_over=("tp",), partition_dim=0,
+                            sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_parallel = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        output_parallel = _linear(self.deferred_wgrad, input_parallel, self.weight, None)
+        output_parallel = policy_linear(self, input_parallel, self.weight, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
         else:
@@ -217,17 +200,6 @@ class RowParallelLinear(nn.Module):
         return (f"in={self.input_size}, in_per_partition={self.input_size_per_partition}, out={self.output_size}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}")
-
-
-class EmbeddingGradRows(Protocol):
-    """A word-embedding lookup whose weight gradient goes to ``add_rows(weight, rows, sums)`` between
-    :meth:`open` and :meth:`close` (the training schedule; :func:`embedding_grad_rows`)."""
-
-    def open(self, add_rows: Callable[[nn.Parameter, torch.Tensor, torch.Tensor], None]) -> None: ...
-
-    def close(self) -> None: ...
-
-    def lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -251,17 +223,13 @@ class VocabParallelEmbedding(nn.Module):
                                                dtype=params_dtype, device=device))
         _initialize_affine_weight(self.weight, (num_embeddings, embedding_dim), 0,
                                   init_method or init_method_normal(), rank, world)
-        self.grad_rows: EmbeddingGradRows | None = None
-        """Set by the CPU tuning on a pipeline's first stage: the lookup whose weight gradient goes into
-        the gradient buffer as rows (:mod:`lightning_megatron.cpu.embedding_grad`)."""
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        lookup = F.embedding if self.grad_rows is None else self.grad_rows.lookup
         if group_size(self.tp_group) == 1:
-            return lookup(input_, self.weight)
+            return policy_embedding(self, input_, self.weight)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-        output_parallel = lookup(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        output_parallel = policy_embedding(self, local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group, inplace=True)
 
     def extra_repr(self) -> str:
@@ -274,22 +242,3 @@ def all_reduce_sequence_parallel_grads(parameters: Iterable[nn.Parameter], tp_gr
     only this rank's sequence chunk: norms, row-parallel biases). One flat all-reduce."""
     all_reduce_coalesced([p.grad for p in parameters if param_facts(p).sequence_parallel and p.grad is not None],
                          tp_group)
-
-
-def embedding_grad_rows(chunks: Iterable[nn.Module]) -> list[EmbeddingGradRows]:
-    """The row-gradient lookups installed on ``chunks``' word embeddings (the CPU tuning, first stage)."""
-    return [m.grad_rows for chunk in chunks for m in chunk.modules()
-            if isinstance(m, VocabParallelEmbedding) and m.grad_rows is not None]
-
-
-def deferred_weight_grads(chunks: Iterable[nn.Module]) -> list[DeferredWeightGrad]:
-    """The deferred weight gradients of ``chunks`` (their output layers', with
-    ``defer_embedding_wgrad_compute``; every linear layer's with the CPU tuning's
-    ``weight_grads_per_step``), each once: the training step opens them before the schedule and
-    drains them after it."""
-    found: dict[int, DeferredWeightGrad] = {}
-    for chunk in chunks:
-        for m in chunk.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.deferred_wgrad is not None:
-                found.setdefault(id(m.deferred_wgrad), m.deferred_wgrad)
-    return list(found.values())

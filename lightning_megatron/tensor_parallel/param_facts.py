@@ -8,9 +8,8 @@ by :func:`set_param_facts` and read with :func:`param_facts`, which refuses a pa
 Who sets what:
 
 - the parallel layers (``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``):
-  ``tensor_model_parallel``, ``partition_dim``, ``partition_stride`` (Megatron's
-  :func:`set_tensor_model_parallel_attributes` is the same call under its old name), and
-  ``sequence_parallel`` for the row-parallel bias;
+  ``sharded_over=("tp",)``, ``partition_dim``, ``partition_stride`` (through Megatron's
+  :func:`set_tensor_model_parallel_attributes`), and ``sequence_parallel`` for the row-parallel bias;
 - the transformer's norms and biases under sequence parallelism: ``sequence_parallel``;
 - a model with tied word embeddings: ``shared_embedding``; one with a padded vocabulary:
   ``real_vocab_size`` of its embedding and output rows;
@@ -26,7 +25,7 @@ and the model's parameter count alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -50,12 +49,27 @@ _ATTRIBUTE = "_lightning_megatron_param_facts"  # the one attribute; only this m
 
 @dataclass(frozen=True, kw_only=True)
 class ParamFacts:
-    """How one parameter is laid out over the parallel ranks."""
+    """How one parameter is laid out over the parallel dimensions (names of
+    :class:`~lightning_megatron.parallel_dims.ParallelDims` and its groups).
 
-    tensor_model_parallel: bool = False
-    """Sharded across the tensor-parallel ranks (False: every TP rank holds the whole tensor)."""
+    The machinery reads only these fields: the gradient is averaged over the group
+    ``data_parallel`` (where the ZeRO-1 state is sharded too), the gradient norm counts the parameter
+    on rank 0 of every dimension in ``replicated_over`` (and sums the shards of ``sharded_over``),
+    and a checkpoint stores the global tensor, reassembled along ``partition_dim`` from the shards
+    of ``sharded_over``. A new kind of parameter (an expert's weight: sharded over ``ep``, averaged
+    over ``expert_dp``) is new values here, not new code there.
+    """
+
+    sharded_over: tuple[str, ...] = ()
+    """Model-parallel dimensions the tensor is split across along ``partition_dim`` (``("tp",)`` for a
+    tensor-parallel weight), outermost first: every rank of them holds a different piece."""
+    replicated_over: tuple[str, ...] = ("tp",)
+    """Model-parallel dimensions whose ranks each hold the whole tensor (counted once: on rank 0 of each)."""
+    data_parallel: str = "dp_cp"
+    """The group (:data:`~lightning_megatron.parallel_state.GROUP_NAMES`) that averages the gradient and
+    shards the optimizer state: ``dp_cp`` (data and context parallel ranks) for dense parameters."""
     partition_dim: int = -1
-    """The dimension it is sharded along (-1 when replicated)."""
+    """The dimension it is sharded along (-1 when not sharded)."""
     partition_stride: int = 1
     """Megatron's stride of the shards along ``partition_dim`` (1: contiguous slices)."""
     sequence_parallel: bool = False
@@ -69,13 +83,30 @@ class ParamFacts:
     0 when replicated) are padding, not saved."""
 
     def __post_init__(self) -> None:
-        if self.tensor_model_parallel and self.partition_dim < 0:
-            raise ValueError(f"ParamFacts(tensor_model_parallel=True, partition_dim={self.partition_dim}): a "
+        both = set(self.sharded_over) & set(self.replicated_over)
+        if both:
+            raise ValueError(f"ParamFacts(sharded_over={self.sharded_over}, replicated_over={self.replicated_over}): "
+                             f"{sorted(both)} cannot be both")
+        if self.sharded_over and self.partition_dim < 0:
+            raise ValueError(f"ParamFacts(sharded_over={self.sharded_over}, partition_dim={self.partition_dim}): a "
                              f"sharded parameter needs the dimension it is split along (>= 0)")
         if self.partition_stride < 1:
             raise ValueError(f"ParamFacts(partition_stride={self.partition_stride}) must be >= 1")
         if self.real_vocab_size is not None and self.real_vocab_size < 1:
             raise ValueError(f"ParamFacts(real_vocab_size={self.real_vocab_size}) must be >= 1 or None")
+
+    @property
+    def tensor_model_parallel(self) -> bool:
+        """Megatron's attribute: split across the tensor-parallel ranks."""
+        return "tp" in self.sharded_over
+
+    def shard(self, coordinates: Mapping[str, int], sizes: Mapping[str, int]) -> tuple[int, int]:
+        """``(index, count)``: which of ``count`` pieces along ``partition_dim`` this rank holds, from its
+        coordinates and the sizes of the ``sharded_over`` dimensions (``(0, 1)`` when not sharded)."""
+        index, count = 0, 1
+        for dim in self.sharded_over:
+            index, count = index * sizes[dim] + coordinates[dim], count * sizes[dim]
+        return index, count
 
 
 _FIELDS = frozenset(f.name for f in fields(ParamFacts))
@@ -83,7 +114,9 @@ _FIELDS = frozenset(f.name for f in fields(ParamFacts))
 
 def _stored(param: torch.Tensor) -> dict[str, Any] | None:
     value = param.__dict__.get(_ATTRIBUTE)
-    return value if isinstance(value, dict) and value.keys() == _FIELDS else None
+    if not (isinstance(value, dict) and value.keys() == _FIELDS):
+        return None
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
 
 
 def has_param_facts(param: torch.Tensor) -> bool:
@@ -131,14 +164,15 @@ def mark_replicated(params: Iterable[torch.Tensor]) -> int:
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1) -> None:
     """Megatron's name: mark ``param`` as sharded along ``dim`` across TP ranks (or replicated when
     ``is_parallel`` is False)."""
-    set_param_facts(param, tensor_model_parallel=is_parallel, partition_dim=dim, partition_stride=stride)
+    set_param_facts(param, sharded_over=("tp",) if is_parallel else (), replicated_over=() if is_parallel else ("tp",),
+                    partition_dim=dim, partition_stride=stride)
 
 
-def is_counted(param: torch.Tensor, tp_rank: int, pp_rank: int) -> bool:
-    """Whether this rank counts ``param`` in sums over the model-parallel ranks (gradient norm, zero
-    count, parameter count): a TP shard on every TP rank, a TP-replicated parameter on ``tp_rank == 0``
-    only, the tied word embedding on the first pipeline stage (``pp_rank == 0``) only."""
+def is_counted(param: torch.Tensor, coordinates: Mapping[str, int]) -> bool:
+    """Whether this rank (at ``coordinates``, :attr:`ParallelState.coordinates`) counts ``param`` in sums
+    over the model-parallel ranks (gradient norm, zero count, parameter count): on rank 0 of every
+    dimension it is replicated over, and the tied word embedding on the first pipeline stage only."""
     facts = param_facts(param)
-    if facts.shared_embedding and pp_rank != 0:
+    if facts.shared_embedding and coordinates.get("pp", 0) != 0:
         return False
-    return facts.tensor_model_parallel or tp_rank == 0
+    return all(coordinates.get(dim, 0) == 0 for dim in facts.replicated_over)

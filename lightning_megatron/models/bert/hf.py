@@ -17,8 +17,8 @@ and returns THIS rank's shard of our state dict, for a model built with
 - the vocabulary is padded with zero rows to ``pad_vocab_size(V, t)`` (the loss ignores the padding).
 
 Export (:func:`hf_state_dict_from_bert`) takes a FULL state dict (TP=1, or shards merged by
-:func:`merge_tp_state_dicts` / gathered by :func:`gather_full_state_dict`), drops the vocab
-padding, splits qkv back, and names keys so ``transformers`` loads it with no missing or
+:func:`merge_tp_state_dicts` / gathered by :func:`lightning_megatron.interop.tp.gather_full_state_dict`),
+drops the vocab padding, splits qkv back, and names keys so ``transformers`` loads it with no missing or
 unexpected keys. Conversion only moves and slices tensors, so export then import is bit-exact.
 """
 
@@ -28,11 +28,9 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from lightning_megatron.parallel_state import Group, group_size, process_group
-from lightning_megatron.tensor_parallel import pad_vocab_size, param_facts
+from lightning_megatron.interop.tp import TPLayout, merge_tp_shards, shard_tensor
+from lightning_megatron.tensor_parallel import pad_vocab_size
 from lightning_megatron.transformer import TransformerConfig
 
 __all__ = [
@@ -41,12 +39,10 @@ __all__ = [
     "bert_state_dict_from_hf",
     "hf_state_dict_from_bert",
     "merge_tp_state_dicts",
-    "gather_full_state_dict",
+    "BERT_TP_LAYOUT",
     "HF_BERT_SPEC",
     "HF_MEGATRON_BERT_SPEC",
     "is_megatron_bert_state_dict",
-    "read_hf_config",
-    "read_hf_weights",
 ]
 
 HF_BERT_SPEC = "bert_layer_post_norm_spec"
@@ -116,6 +112,8 @@ _PARTITION_DIM = {
     "word_embeddings.weight": 0, "output_layer.weight": 0, "output_layer.bias": 0,
 }
 _VOCAB_PADDED = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+BERT_TP_LAYOUT = TPLayout(partition_dims=_PARTITION_DIM, vocab_keys=_VOCAB_PADDED)
+"""How our BERT's tensors are split over TP ranks (the Megatron-LM reader merges rank files by it)."""
 
 
 def bert_config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
@@ -186,10 +184,10 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _shard(key: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    dim = next((d for suffix, d in _PARTITION_DIM.items() if key.endswith(suffix)), None)
+    dim = BERT_TP_LAYOUT.dim(key)
     if dim is None or tp_size == 1:
         return full.clone()
-    return full.chunk(tp_size, dim=dim)[tp_rank].clone()
+    return shard_tensor(full, tp_rank, tp_size, dim)
 
 
 def bert_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig, tp_rank: int = 0,
@@ -259,28 +257,7 @@ def bert_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: T
 
 def merge_tp_state_dicts(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Concatenate the TP shards (rank order) of our state dict into the TP=1 state dict."""
-    out = {}
-    for key, value in shards[0].items():
-        dim = next((d for suffix, d in _PARTITION_DIM.items() if key.endswith(suffix)), None)
-        out[key] = value.clone() if dim is None or len(shards) == 1 else torch.cat([s[key] for s in shards], dim=dim)
-    return out
-
-
-def gather_full_state_dict(model: nn.Module, tp_group: Group) -> dict[str, torch.Tensor]:
-    """All-gather every TP-sharded parameter of ``model`` (by its ``partition_dim`` metadata): the
-    TP=1 state dict, on every rank of ``tp_group``."""
-    world = group_size(tp_group)
-    out = {}
-    params = dict(model.named_parameters())
-    for key, value in model.state_dict().items():
-        param = params.get(key)
-        facts = None if param is None else param_facts(param)
-        if world > 1 and facts is not None and facts.tensor_model_parallel:
-            parts = [torch.empty_like(value) for _ in range(world)]
-            dist.all_gather(parts, value.contiguous(), group=process_group(tp_group))
-            value = torch.cat(parts, dim=facts.partition_dim)
-        out[key] = value.detach().clone()
-    return out
+    return merge_tp_shards(shards, BERT_TP_LAYOUT)
 
 
 def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig, vocab_size: int, *,
@@ -326,57 +303,3 @@ def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: Tran
             out["cls.predictions.decoder.weight"] = out["bert.embeddings.word_embeddings.weight"].clone()
         out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"].clone()
     return out
-
-
-def read_hf_config(path: Any) -> Any:
-    """The ``config.json`` of a Hugging Face folder as a transformers config, never running code from the
-    folder: a config with ``auto_map`` (the folder ships its own model classes, which transformers would
-    offer to run) is refused, and transformers is called with ``trust_remote_code=False``."""
-    import json
-    from pathlib import Path
-
-    import transformers
-
-    file = Path(path) / "config.json"
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{str(file)!r} cannot be read as JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{str(file)!r} is not a JSON object")
-    if "auto_map" in raw:
-        raise ValueError(
-            f"{str(file)!r} has auto_map {raw['auto_map']!r}: the folder ships its own model code, and "
-            f"lightning_megatron never runs code from a model folder (trust_remote_code=False). Use a folder of "
-            f"transformers' own BERT / MegatronBERT classes (if the weights are a plain BERT, remove auto_map)")
-    return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
-
-
-def read_hf_weights(path: Any) -> dict[str, torch.Tensor]:
-    """The tensors of a Hugging Face folder, never unpickling code: ``model.safetensors``, the shards a
-    ``model.safetensors.index.json`` names (inside the folder), or ``pytorch_model.bin`` through
-    ``torch.load(weights_only=True)``."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        return load_file(str(path / "model.safetensors"))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{str(index)!r} is not a safetensors index (no weight_map): {e}") from e
-        out: dict[str, torch.Tensor] = {}
-        for name in sorted(set(weight_map.values())):
-            shard = (path / name).resolve()
-            if shard.parent != path.resolve() or not name.endswith(".safetensors") or not shard.is_file():
-                raise ValueError(f"{str(index)!r} names {name!r}: shards must be .safetensors files inside the folder")
-            out.update(load_file(str(shard)))
-        return out
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", weights_only=True, map_location="cpu")
-    raise FileNotFoundError(f"{str(path)!r} has neither model.safetensors (or its index) nor pytorch_model.bin")

@@ -24,17 +24,16 @@ from typing import Any, Literal
 import torch
 from typing_extensions import override
 
-from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
+from lightning_megatron.datamodules.pretraining import NO_PADDING  # set on the host: skip the mask, no sync
 from lightning_megatron.language.module import LanguageLightningModule
 from lightning_megatron.models.bert.config import BertConfig
-from lightning_megatron.models.bert.init_from import ARCHITECTURE_KEYS, MISSING_TENSORS_HINT
+from lightning_megatron.models.bert.interop import ARCHITECTURE_KEYS, MISSING_TENSORS_HINT, BertInterop
 from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
 from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics
 from lightning_megatron.models.bert.model import BertModel, bert_loss
 from lightning_megatron.models.bert.predict import vocab_parallel_argmax
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import ChunkLayout
-from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.transformer.config import training_flops
 
 
@@ -95,31 +94,16 @@ class BertLightningModule(LanguageLightningModule):
 
     # ------------------------------------------------------------------ weights from elsewhere
 
+    interop = BertInterop()  # Hugging Face BERT / MegatronBERT folders, Megatron-LM checkpoints, export hf
     architecture_keys = ARCHITECTURE_KEYS
     missing_tensors_hint = MISSING_TENSORS_HINT
-
-    @classmethod
-    @override
-    def read_pretrained(cls, source: str) -> SavedModel:
-        """Our checkpoints, Hugging Face BERT / MegatronBERT folders and Megatron-LM checkpoints
-        (:func:`~lightning_megatron.models.bert.init_from.read_pretrained`)."""
-        from lightning_megatron.models.bert.init_from import read_pretrained
-
-        return read_pretrained(source)
-
-    @classmethod
-    @override
-    def read_architecture(cls, source: str) -> dict[str, Any]:
-        from lightning_megatron.models.bert.init_from import read_architecture
-
-        return read_architecture(source)
 
     @classmethod
     @override
     def architecture_conflicts(cls, hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
         """As the base, and a missing ``ffn_hidden_size`` is ``4 * hidden_size``, a missing
         ``lm_head_activation`` the ``activation``, a ``None`` vocabulary is checked on the tensors."""
-        from lightning_megatron.models.bert.init_from import architecture_conflicts
+        from lightning_megatron.models.bert.interop import architecture_conflicts
 
         return architecture_conflicts(hparams, source)
 

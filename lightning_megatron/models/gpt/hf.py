@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.interop.tp import TPLayout, shard_state_dict
+from lightning_megatron.interop.tp import merge_tp_shards as generic_merge
 from lightning_megatron.tensor_parallel import pad_vocab_size
 
 __all__ = ["GPT_ARCHITECTURE_KEYS", "LLAMA_SPEC", "GPT2_SPEC", "llama_architecture", "gpt2_architecture",
            "hf_architecture", "gpt_state_dict_from_hf", "hf_state_dict_from_gpt", "hf_config_from_architecture",
-           "qkv_from_separate", "qkv_to_separate", "shard_full_state_dict", "merge_tp_shards"]
+           "qkv_from_separate", "qkv_to_separate", "gpt_tp_layout", "shard_full_state_dict", "merge_tp_shards"]
 
 LLAMA_SPEC = "llama_layer_spec"
 """The registered layer spec of the Llama shape (RMSNorm, rotary, SwiGLU, GQA, no biases)."""
@@ -330,8 +332,12 @@ _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _dim(key: str) -> int | None:
-    return 0 if key.endswith(_COLUMN) else 1 if key.endswith(_ROW) else None
+def gpt_tp_layout(*, gated_linear_unit: bool) -> TPLayout:
+    """How our GPT's tensors are split over TP ranks: with SwiGLU each rank's ``linear_fc1`` is
+    ``[gate_r; up_r]`` (stride 2)."""
+    strides = {".linear_fc1.weight": 2, ".linear_fc1.bias": 2} if gated_linear_unit else {}
+    return TPLayout(partition_dims={**{k: 0 for k in _COLUMN}, **{k: 1 for k in _ROW}}, strides=strides,
+                    vocab_keys=_VOCAB)
 
 
 def shard_full_state_dict(full: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int, *,
@@ -344,35 +350,13 @@ def shard_full_state_dict(full: Mapping[str, torch.Tensor], tp_rank: int, tp_siz
     if num_query_groups % tp_size and tp_size % num_query_groups:
         # g < t (t a multiple of g) keeps contiguous row shards too: the model all-gathers the qkv activations
         raise ValueError(f"num_query_groups={num_query_groups} and tp_size={tp_size}: one must divide the other")
-    out = {}
-    for key, t in full.items():
-        if key in _VOCAB:
-            rows = pad_vocab_size(t.size(0), tp_size, make_vocab_size_divisible_by)
-            t = torch.cat([t, t.new_zeros((rows - t.size(0), *t.shape[1:]))])
-        dim = _dim(key)
-        if dim is None or tp_size == 1:
-            out[key] = t.clone()
-        elif gated_linear_unit and ".linear_fc1." in key:
-            gate, up = t.chunk(2, dim=0)
-            out[key] = torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]).clone()
-        else:
-            out[key] = t.chunk(tp_size, dim=dim)[tp_rank].clone()
-    return out
+    vocab = next((full[k].size(0) for k in _VOCAB if k in full), None)
+    padded = None if vocab is None else pad_vocab_size(vocab, tp_size, make_vocab_size_divisible_by)
+    return shard_state_dict(full, tp_rank, tp_size, gpt_tp_layout(gated_linear_unit=gated_linear_unit),
+                            padded_vocab_size=padded)
 
 
 def merge_tp_shards(shards: list[Mapping[str, torch.Tensor]], *, gated_linear_unit: bool,
                     vocab_size: int | None = None) -> dict[str, torch.Tensor]:
     """Inverse of :func:`shard_full_state_dict` (rank order); ``vocab_size`` drops the padding rows."""
-    out = {}
-    for key in shards[0]:
-        parts = [s[key] for s in shards]
-        dim = _dim(key)
-        if dim is None or len(parts) == 1:
-            t = parts[0].clone()
-        elif gated_linear_unit and ".linear_fc1." in key:
-            halves = [p.chunk(2, dim=0) for p in parts]
-            t = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-        else:
-            t = torch.cat(parts, dim=dim)
-        out[key] = t[:vocab_size] if key in _VOCAB and vocab_size is not None else t
-    return out
+    return generic_merge(shards, gpt_tp_layout(gated_linear_unit=gated_linear_unit), vocab_size=vocab_size)

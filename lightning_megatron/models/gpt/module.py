@@ -33,10 +33,10 @@ from lightning_megatron.language.module import LanguageLightningModule
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
 from lightning_megatron.models.gpt.config import GPTConfig
 from lightning_megatron.models.gpt.hf import GPT_ARCHITECTURE_KEYS
+from lightning_megatron.models.gpt.interop import GPTInterop
 from lightning_megatron.models.gpt.model import GPTModel, gpt_loss
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import ChunkLayout
-from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.transformer.config import TransformerConfig
 
 __all__ = ["GPTLightningModule"]
@@ -101,26 +101,9 @@ class GPTLightningModule(LanguageLightningModule):
 
     # ------------------------------------------------------------------ weights from elsewhere
 
+    interop = GPTInterop()  # Hugging Face Llama / GPT-2 folders, Megatron-LM GPT checkpoints, export hf
     architecture_keys = GPT_ARCHITECTURE_KEYS
 
-    @classmethod
-    @override
-    def read_pretrained(cls, source: str) -> SavedModel:
-        """Our checkpoints (the base), Hugging Face Llama / GPT-2 folders and Megatron-LM GPT checkpoints
-        (:func:`~lightning_megatron.models.gpt.convert.read_pretrained_source`)."""
-        from lightning_megatron.models.gpt.convert import read_pretrained_source
-
-        saved = read_pretrained_source(source)
-        return saved if saved is not None else super().read_pretrained(source)
-
-    @classmethod
-    @override
-    def read_architecture(cls, source: str) -> dict[str, Any]:
-        """From a Hugging Face ``config.json``, Megatron-LM's ``args`` or our saved hyper-parameters."""
-        from lightning_megatron.models.gpt.convert import read_source_architecture
-
-        architecture = read_source_architecture(source)
-        return architecture if architecture is not None else super().read_architecture(source)
 
     # ------------------------------------------------------------------ steps
 
@@ -200,7 +183,7 @@ class GPTLightningModule(LanguageLightningModule):
         (refused when there is no tokenizer to take it from), else None."""
         if not self.hparams.get("predict_stop_at_eod", True):
             return None
-        from lightning_megatron.data.datamodule import PretrainingDataModule  # the data side, at predict time
+        from lightning_megatron.datamodules.pretraining import PretrainingDataModule  # the data side, at predict time
 
         dm = self.trainer.datamodule if self._trainer is not None else None
         if not isinstance(dm, PretrainingDataModule):

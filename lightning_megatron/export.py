@@ -1,0 +1,108 @@
+"""``lightning-megatron export hf``: a checkpoint of ours (any layout) -> a Hugging Face folder, through the
+state-dict adapter of the module class that wrote it.
+
+Which class wrote the checkpoint (:func:`module_class_of`), in this order:
+
+1. ``--model-class package.module.Class`` (``model_class=``), when given; a checkpoint that records
+   another class refuses it;
+2. the class the checkpoint records (``module_class`` in ``extra.pt``, written by every
+   ``MegatronLightningModule`` since interop moved to adapters);
+3. LightningCLI's own record, ``_class_path`` in the saved hyper-parameters (a run whose recipe or
+   command line named ``model: class_path``);
+4. none of them (a checkpoint written before the record, by ``lightning-megatron fit`` without a class
+   path or by Python): :data:`DEFAULT_MODEL_CLASS`, the class the CLI builds when no class path is
+   named. If its adapter cannot export the checkpoint, the error says how it was chosen and to pass
+   ``--model-class``.
+
+Tensor names never choose the class. A recorded class outside ``lightning_megatron`` is imported only
+when ``--model-class`` names it too (nothing a checkpoint says makes us import a package of its choice);
+the class must be a ``MegatronLightningModule`` declaring an ``interop`` adapter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from pathlib import Path
+
+from lightning_megatron.interop import check_adapter
+from lightning_megatron.interop.hf_folder import check_output_folder, hf_model_from_saved, write_hf_folder
+from lightning_megatron.module import MegatronLightningModule
+from lightning_megatron.saved_model import SavedModel, read_model_checkpoint
+
+__all__ = ["DEFAULT_MODEL_CLASS", "export_hf", "module_class_of", "import_module_class"]
+
+DEFAULT_MODEL_CLASS = "lightning_megatron.models.bert.module.BertLightningModule"
+"""The class ``lightning-megatron fit`` builds when no class path is named: that of a checkpoint recording none."""
+
+_CLASS_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def module_class_of(saved: SavedModel, model_class: str | None = None) -> tuple[str, str]:
+    """``(class path, how it was chosen)`` for a checkpoint (the rule of the module docstring)."""
+    recorded = saved.module_class or saved.hparams.get("_class_path")
+    if model_class is not None:
+        if recorded is not None and recorded != model_class:
+            raise ValueError(f"the checkpoint was written by {recorded}; --model-class {model_class} disagrees with "
+                             f"it: drop --model-class")
+        return model_class, "--model-class"
+    if saved.module_class is not None:
+        return saved.module_class, "recorded in the checkpoint"
+    if recorded is not None:
+        return recorded, "LightningCLI's _class_path in the checkpoint's hyper-parameters"
+    return DEFAULT_MODEL_CLASS, "the CLI's default model class, as the checkpoint records none"
+
+
+def import_module_class(path: str, *, named_by_user: bool) -> type[MegatronLightningModule]:
+    """The ``MegatronLightningModule`` subclass ``path`` names, with an ``interop`` adapter. A class outside
+    ``lightning_megatron`` is imported only when the user named it (``named_by_user``)."""
+    if not _CLASS_PATH.fullmatch(path):
+        raise ValueError(f"the checkpoint names the class {path!r}, which cannot be imported: pass --model-class "
+                         f"package.module.Class with the class that wrote it")
+    if not named_by_user and not path.startswith("lightning_megatron."):
+        raise ValueError(f"the checkpoint was written by {path}: export imports a class outside lightning_megatron "
+                         f"only when you name it: pass --model-class {path}")
+    module_name, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"the module class {path} cannot be imported ({e}): pass --model-class with the class that "
+                         f"wrote the checkpoint") from e
+    if not (isinstance(cls, type) and issubclass(cls, MegatronLightningModule)):
+        raise ValueError(f"{path} is not a lightning_megatron.module.MegatronLightningModule")
+    if cls.interop is None:
+        raise ValueError(f"{path} declares no interop adapter (its class attribute interop is None): export hf has "
+                         f"no Hugging Face mapping for it")
+    return cls
+
+
+def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str], *,
+              model_class: str | None = None, tokenizer: str | os.PathLike[str] | None = None,
+              vocab_file: str | os.PathLike[str] | None = None, overwrite: bool = False) -> Path:
+    """Write ``output/`` (``config.json``, ``model.safetensors``, tokenizer) from a checkpoint at any layout,
+    through the ``interop`` adapter of the class that wrote it (:func:`module_class_of`).
+
+    ``tokenizer`` / ``vocab_file`` (the CLI's ``--tokenizer`` / ``--vocab_file``; give one): the tokenizer
+    files the model was trained with (BERT: a WordPiece ``vocab.txt``; the GPT family: a ``tokenizer.json``
+    or GPT-2 ``vocab.json``); None takes the one the checkpoint's datamodule recorded. Its size must equal
+    the model's vocabulary. A non-empty ``output`` is refused unless ``overwrite``; the folder is written
+    next to it under a temporary name and swapped in whole. Returns the output directory.
+    """
+    if tokenizer is not None and vocab_file is not None:
+        raise ValueError("--tokenizer and --vocab_file both name the tokenizer the model was trained with: give one")
+    out = check_output_folder(output, overwrite)
+    saved = read_model_checkpoint(ckpt_path)  # verified first: a damaged checkpoint is refused as such
+    path, how = module_class_of(saved, model_class)
+    cls = import_module_class(path, named_by_user=model_class is not None)
+    adapter = check_adapter(cls.interop, cls.__name__)
+    try:
+        model, write_tokenizer = hf_model_from_saved(saved, adapter, tokenizer=tokenizer if vocab_file is None
+                                                     else vocab_file)
+    except (ValueError, KeyError) as e:
+        if model_class is None and saved.module_class is None and "_class_path" not in saved.hparams:
+            raise ValueError(f"{e} (exported as {cls.__name__}, {how}; if another class wrote it, pass "
+                             f"--model-class package.module.Class)") from e
+        raise
+    write_hf_folder(model, write_tokenizer, out)
+    return out

@@ -1,0 +1,165 @@
+"""Hugging Face folders in and out, for any family (its :class:`~.adapter.StateDictAdapter` maps the names).
+
+Reading never runs code from the folder: ``config.json`` is parsed as JSON first and refused when it has
+``auto_map`` (the folder's own model classes, which transformers would offer to run), then read with
+``trust_remote_code=False``; weights come from ``model.safetensors``, the shards a
+``model.safetensors.index.json`` names (inside the folder), or ``pytorch_model.bin`` through
+``torch.load(weights_only=True)``.
+
+Writing (:func:`write_hf_folder`) puts the model (safetensors) and its tokenizer in a temporary folder
+next to the target and swaps it in whole, so a failed export never leaves a half-written model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_megatron.interop.adapter import StateDictAdapter
+from lightning_megatron.saved_model import SavedModel
+
+__all__ = ["read_hf_config", "read_hf_weights", "read_hf_folder", "read_hf_architecture", "hf_model",
+           "hf_model_from_saved", "check_output_folder", "write_hf_folder"]
+
+
+def read_hf_config(path: str | os.PathLike[str]) -> Any:
+    """The ``config.json`` of a Hugging Face folder as a transformers config, never running code from the
+    folder: a config with ``auto_map`` is refused, and transformers is called with ``trust_remote_code=False``."""
+    import transformers
+
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(file)!r} cannot be read as JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(file)!r} is not a JSON object")
+    if "auto_map" in raw:
+        raise ValueError(
+            f"{str(file)!r} has auto_map {raw['auto_map']!r}: the folder ships its own model code, and "
+            f"lightning_megatron never runs code from a model folder (trust_remote_code=False). Use a folder of "
+            f"transformers' own model classes (if the weights are a plain BERT, Llama, ..., remove auto_map)")
+    return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+
+
+def read_hf_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face folder, never unpickling code: ``model.safetensors``, the shards a
+    ``model.safetensors.index.json`` names (inside the folder), or ``pytorch_model.bin`` through
+    ``torch.load(weights_only=True)``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return load_file(str(path / "model.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{str(index)!r} is not a safetensors index (no weight_map): {e}") from e
+        out: dict[str, torch.Tensor] = {}
+        for name in sorted(set(weight_map.values())):
+            shard = (path / name).resolve()
+            if shard.parent != path.resolve() or not name.endswith(".safetensors") or not shard.is_file():
+                raise ValueError(f"{str(index)!r} names {name!r}: shards must be .safetensors files inside the folder")
+            out.update(load_file(str(shard)))
+        return out
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", weights_only=True, map_location="cpu")
+    raise FileNotFoundError(f"{str(path)!r} has neither model.safetensors (or its index) nor pytorch_model.bin")
+
+
+def _family_config(path: Path, adapter: StateDictAdapter, owner: str) -> Any:
+    config = read_hf_config(path)
+    if config.model_type not in adapter.hf_model_types:
+        raise ValueError(f"{str(path)!r} holds a {config.model_type!r} model; {owner} reads "
+                         f"{' and '.join(map(repr, adapter.hf_model_types))} folders")
+    return config
+
+
+def read_hf_architecture(path: str | os.PathLike[str], adapter: StateDictAdapter, owner: str) -> dict[str, Any]:
+    """The module arguments a Hugging Face folder's ``config.json`` fixes (no tensor read)."""
+    return adapter.architecture_from_hf(_family_config(Path(path), adapter, owner))
+
+
+def read_hf_folder(path: str | os.PathLike[str], adapter: StateDictAdapter, owner: str) -> SavedModel:
+    """A Hugging Face folder of one of ``adapter.hf_model_types`` as our full state dict plus its architecture
+    (settings the family cannot compute are refused before any tensor is read)."""
+    path = Path(path)
+    config = _family_config(path, adapter, owner)
+    architecture = adapter.architecture_from_hf(config)
+    return adapter.state_dict_from_hf(read_hf_weights(path), config, architecture, source=str(path / "config.json"))
+
+
+def hf_model(config: Any, hf_state_dict: dict[str, torch.Tensor]) -> Any:
+    """The transformers model ``config.architectures[0]`` with ``hf_state_dict`` loaded: every parameter must
+    be given (buffers, and a tied head that shares its tensor, are not parameters of their own), nothing
+    else may be."""
+    import transformers
+
+    cls = getattr(transformers, config.architectures[0])
+    model = cls(config)
+    parameters = {name for name, _ in model.named_parameters()}  # a tied weight appears once
+    result = model.load_state_dict(hf_state_dict, strict=False)
+    missing = [k for k in result.missing_keys if k in parameters]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"export to {cls.__name__} does not match transformers' keys: missing {missing}, "
+                         f"unexpected {list(result.unexpected_keys)}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def hf_model_from_saved(saved: SavedModel, adapter: StateDictAdapter, *,
+                        tokenizer: str | os.PathLike[str] | None = None) -> tuple[Any, Callable[[Path], None]]:
+    """``(transformers model, write_tokenizer(folder))`` of a saved model of ours, through the family's
+    adapter: its config (refusals first), its tokenizer (size checked), its state dict, loaded strictly."""
+    config = adapter.hf_config(saved)
+    write_tokenizer = adapter.hf_tokenizer(saved, config, tokenizer)
+    return hf_model(config, adapter.state_dict_to_hf(saved, config)), write_tokenizer
+
+
+def check_output_folder(output: str | os.PathLike[str], overwrite: bool) -> Path:
+    """``output`` as a Path; a file, or a non-empty folder without ``overwrite``, is refused."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--output {str(out)!r} is a file: give a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"--output {str(out)!r} is not empty: choose another folder, or pass --overwrite to "
+                              f"replace it")
+    return out
+
+
+def write_hf_folder(model: Any, write_tokenizer: Callable[[Path], None], out: Path) -> None:
+    """The model (safetensors) and its tokenizer written next to ``out`` under a temporary name, then swapped in."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_tokenizer(tmp)
+        _swap_in(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_in(new: Path, target: Path) -> None:
+    """Put the finished folder ``new`` at ``target`` (a rename on one filesystem), the old one removed after."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        target.rename(old)
+    try:
+        new.rename(target)
+    except OSError:
+        if old is not None:
+            old.rename(target)  # put it back: never leave the user without a model
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

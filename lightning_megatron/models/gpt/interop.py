@@ -1,0 +1,253 @@
+"""The decoder family's state-dict adapter (:class:`GPTInterop`), declared by ``GPTLightningModule.interop``.
+
+- Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` folders (:data:`GPT_MODEL_TYPES`): the
+  architecture from ``config.json`` (refusing, by name, what our model cannot compute), the names mapped
+  by :mod:`.hf`;
+- Megatron-LM (megatron-core) GPT checkpoints: the generic reader merges the rank files (SwiGLU
+  ``linear_fc1`` shards, each TP rank ``[gate_r; up_r]``, regrouped: :meth:`GPTInterop.tp_layout`) and this
+  adapter reads ``args``: ``normalization RMSNorm`` -> ``llama_layer_spec`` (else ``gpt_layer_spec``),
+  ``swiglu`` -> ``gated_linear_unit`` + ``silu``, ``--bias-gelu-fusion`` / ``openai_gelu`` -> ``gelu_tanh``
+  (megatron-core's fused bias-GELU is the tanh approximation), ``group_query_attention`` ->
+  ``num_query_groups``, ``position_embedding_type``, ``rotary_base``, ``rotary_percent``,
+  ``add_bias_linear``, ``untie_embeddings_and_output_weights``, ``kv_channels``, ``norm_epsilon``. Settings
+  our model cannot compute are refused by name (:data:`UNSUPPORTED_GPT_ARGS`);
+- export: ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` with the tokenizer the model was trained with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_megatron.interop.tp import TPLayout
+from lightning_megatron.models.gpt import hf as ghf
+from lightning_megatron.saved_model import SavedModel
+
+__all__ = ["GPTInterop", "GPT_MODEL_TYPES", "UNSUPPORTED_GPT_ARGS", "gpt_architecture_from_args",
+           "architecture_of_saved"]
+
+_EOD = "<|endoftext|>"
+
+GPT_MODEL_TYPES = ("llama", "gpt2")
+"""transformers ``model_type`` s the decoder family reads."""
+
+UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "position_embedding_type": (("learned_absolute", "rope", "none", None), "other position embeddings"),
+    "apply_residual_connection_post_layernorm": ((False, None), "residuals taken after the norm"),
+    "squared_relu": ((False, None), "a squared-ReLU MLP"),
+    "qk_layernorm": ((False, None), "query/key norms"),
+    "apply_layernorm_1p": ((False, None), "zero-centred norm weights (apply_layernorm_1p)"),
+    "layernorm_zero_centered_gamma": ((False, None), "zero-centred norm weights"),
+    "num_experts": ((None, 0, 1), "mixture-of-experts layers"),
+    "multi_latent_attention": ((False, None), "multi-latent attention"),
+    "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
+    "rotary_interleaved": ((False, None), "interleaved rotary embeddings"),
+    "use_rope_scaling": ((False, None), "rope frequency scaling (Llama 3.1)"),
+    "rotary_seq_len_interpolation_factor": ((None, 1, 1.0), "rotary sequence interpolation"),
+    "add_qkv_bias": ((False, None), "a qkv bias without the other linear biases"),
+}
+"""Megatron-LM arguments whose other values change the computation in ways GPTModel does not have."""
+
+
+def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
+    """The ``GPTLightningModule`` arguments a GPT checkpoint's ``args`` fix; refuses what our model lacks."""
+    if not isinstance(args, argparse.Namespace):
+        return {"num_layers": num_layers}
+    get = lambda k, d=None: getattr(args, k, d)  # noqa: E731
+    bias = get("add_bias_linear", True)
+    unsupported = [f"{k}={get(k)!r} ({what})" for k, (ok, what) in UNSUPPORTED_GPT_ARGS.items()
+                   if get(k) not in ok and not (k == "add_qkv_bias" and bias)]
+    normalization = get("normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        unsupported.append(f"normalization={normalization!r}")
+    if unsupported:
+        raise ValueError(f"the Megatron-LM checkpoint was trained with {', '.join(unsupported)}: GPTLightningModule "
+                         f"has no equivalent, so its logits would differ")
+    heads, hidden = get("num_attention_heads"), get("hidden_size")
+    kv = get("kv_channels")
+    swiglu = bool(get("swiglu"))
+    if swiglu:
+        activation = "silu"
+    elif get("openai_gelu") or get("bias_gelu_fusion") or get("bias_activation_fusion"):
+        activation = "gelu_tanh"
+    else:
+        activation = "gelu"
+    position = get("position_embedding_type") or "learned_absolute"
+    hp: dict[str, Any] = {
+        "num_layers": num_layers, "hidden_size": hidden, "num_attention_heads": heads,
+        "num_query_groups": get("num_query_groups") if get("group_query_attention") else None,
+        "ffn_hidden_size": get("ffn_hidden_size") or (4 * hidden if hidden else None),
+        "kv_channels": kv if kv and heads and hidden and kv * heads != hidden else None,
+        "spec": "llama_layer_spec" if normalization == "RMSNorm" else "gpt_layer_spec",
+        "activation": activation, "gated_linear_unit": swiglu, "add_bias_linear": bool(bias),
+        "layernorm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
+        "max_sequence_length": get("max_position_embeddings"), "position_embedding_type": position,
+        "untie_embeddings_and_output_weights": bool(get("untie_embeddings_and_output_weights", False)),
+    }
+    if position == "rope":
+        hp.update(rotary_base=float(get("rotary_base", 10000)), rotary_percent=float(get("rotary_percent", 1.0)))
+    return {k: v for k, v in hp.items() if v is not None or k in ("num_query_groups", "kv_channels")}
+
+
+def architecture_of_saved(saved: SavedModel) -> dict[str, Any]:
+    """The architecture (:data:`~.hf.GPT_ARCHITECTURE_KEYS`) of a saved GPT model: its module arguments,
+    completed from the tensors' shapes (layers, vocabulary, query groups, gating) and checked against them."""
+    hp, sd = saved.hparams, saved.state_dict
+    word = sd["embedding.word_embeddings.weight"]
+    n, h = int(hp.get("num_attention_heads", 4)), word.size(1)
+    d = hp.get("kv_channels") or h // n
+    qkv = sd["decoder.layers.0.self_attention.linear_qkv.weight"]
+    fc1, fc2 = sd["decoder.layers.0.mlp.linear_fc1.weight"], sd["decoder.layers.0.mlp.linear_fc2.weight"]
+    groups = (qkv.size(0) // d - n) // 2
+    layers = {int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")}
+    arch = {k: hp[k] for k in ghf.GPT_ARCHITECTURE_KEYS if k in hp}
+    arch.update(num_layers=max(layers) + 1 if layers else 0, hidden_size=h, num_attention_heads=n,
+                num_query_groups=groups, ffn_hidden_size=fc2.size(1), kv_channels=hp.get("kv_channels"),
+                vocab_size=word.size(0), gated_linear_unit=fc1.size(0) == 2 * fc2.size(1),
+                untie_embeddings_and_output_weights="output_layer.weight" in sd)
+    arch.setdefault("spec", "gpt_layer_spec")
+    arch.setdefault("position_embedding_type", "learned_absolute")
+    arch.setdefault("activation", "gelu")
+    arch.setdefault("add_bias_linear", "decoder.layers.0.mlp.linear_fc1.bias" in sd)
+    arch.setdefault("layernorm_epsilon", 1e-5)
+    if "embedding.position_embeddings.weight" in sd:
+        arch["max_sequence_length"] = sd["embedding.position_embeddings.weight"].size(0)
+    arch.setdefault("max_sequence_length", 128)
+    if hp.get("num_query_groups") not in (None, groups):
+        raise ValueError(f"the checkpoint says num_query_groups={hp['num_query_groups']} but linear_qkv has "
+                         f"{qkv.size(0)} rows ({groups} groups of {d} channels)")
+    return arch
+
+
+class GPTInterop:
+    """:class:`~lightning_megatron.interop.StateDictAdapter` of the decoder family (Llama and GPT-2 shapes)."""
+
+    hf_model_types = GPT_MODEL_TYPES
+    megatron_prefixes = ("embedding.", "decoder.", "output_layer.")
+
+    # ------------------------------------------------------------------ Hugging Face -> ours
+
+    def architecture_from_hf(self, config: Any) -> dict[str, Any]:
+        return ghf.hf_architecture(config)
+
+    def state_dict_from_hf(self, hf_state_dict: dict[str, torch.Tensor], config: Any, architecture: dict[str, Any],
+                           *, source: str) -> SavedModel:
+        for key in ("model.embed_tokens.weight", "transformer.wte.weight"):
+            if key in hf_state_dict and hf_state_dict[key].size(0) != architecture["vocab_size"]:
+                raise ValueError(f"{source!r} says vocab_size={architecture['vocab_size']} but {key} has "
+                                 f"{hf_state_dict[key].size(0)} rows: the config does not belong to these weights (fix "
+                                 f"vocab_size in config.json)")
+        return SavedModel(state_dict=ghf.gpt_state_dict_from_hf(hf_state_dict, architecture), hparams=architecture)
+
+    # ------------------------------------------------------------------ Megatron-LM -> ours
+
+    def architecture_from_megatron(self, args: argparse.Namespace | None, num_layers: int) -> dict[str, Any]:
+        return gpt_architecture_from_args(args, num_layers)
+
+    def state_dict_from_megatron(self, state_dict: dict[str, torch.Tensor],
+                                 architecture: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The last stage's copy of a tied output layer dropped (checked equal to the embedding), an untied
+        one kept (without ``args``: one that differs from the embedding); rotary buffers dropped."""
+        sd = {k: v for k, v in state_dict.items() if not k.endswith("inv_freq")}
+        out_w, emb = sd.get("output_layer.weight"), sd.get("embedding.word_embeddings.weight")
+        untied = architecture.get("untie_embeddings_and_output_weights")
+        if untied is None:  # no args: an output layer of its own is untied, a copy of the embedding tied
+            untied = out_w is not None and (emb is None or not torch.equal(out_w, emb))
+        if out_w is not None and emb is not None and not untied:
+            if not torch.equal(out_w, emb):
+                raise ValueError("the Megatron-LM checkpoint's output layer differs from the word embedding but its "
+                                 "args do not say untie_embeddings_and_output_weights")
+            del sd["output_layer.weight"]
+        if untied and out_w is None:
+            raise ValueError("the Megatron-LM checkpoint says untie_embeddings_and_output_weights but has no "
+                             "output_layer.weight")
+        return sd
+
+    def tp_layout(self, state_dict: Mapping[str, torch.Tensor]) -> TPLayout:
+        """A SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2`` has columns, on every rank) is strided."""
+        fc1 = next((k for k in state_dict if k.endswith("mlp.linear_fc1.weight")), None)
+        gated = fc1 is not None and state_dict[fc1].size(0) == 2 * state_dict[fc1.replace("fc1", "fc2")].size(1)
+        return ghf.gpt_tp_layout(gated_linear_unit=gated)
+
+    # ------------------------------------------------------------------ ours -> Hugging Face
+
+    def hf_config(self, saved: SavedModel) -> Any:
+        return ghf.hf_config_from_architecture(architecture_of_saved(saved))
+
+    def state_dict_to_hf(self, saved: SavedModel, config: Any) -> dict[str, torch.Tensor]:
+        return ghf.hf_state_dict_from_gpt(saved.state_dict, architecture_of_saved(saved))
+
+    def hf_tokenizer(self, saved: SavedModel, config: Any,
+                     tokenizer: str | os.PathLike[str] | None) -> Callable[[Path], None]:
+        """``tokenizer``: the ``tokenizer.json`` / GPT-2 ``vocab.json`` (or a folder) the model was trained with;
+        None takes the one the checkpoint's datamodule names (``GPTDataModule``'s default: the packaged BPE),
+        else the folder gets no tokenizer (a warning says so). Its ``<|endoftext|>`` becomes the config's
+        ``bos`` / ``eos`` token."""
+        source = _tokenizer_source(saved, tokenizer)
+        hf_tok = _hf_tokenizer(source) if source is not None else None
+        if hf_tok is not None and len(hf_tok) != config.vocab_size:
+            raise ValueError(f"tokenizer {str(source)!r} has {len(hf_tok)} tokens but the model's vocabulary is "
+                             f"{config.vocab_size}: pass --tokenizer with the tokenizer it was trained with")
+        eod = hf_tok.get_vocab().get(_EOD) if hf_tok is not None else None
+        if eod is not None:  # Megatron's end-of-document token is the model's end of text
+            config.bos_token_id = config.eos_token_id = eod
+        max_length = architecture_of_saved(saved)["max_sequence_length"]
+
+        def write_tokenizer(folder: Path) -> None:
+            if hf_tok is None:
+                warnings.warn("export hf: the checkpoint names no tokenizer, so the folder has none; pass --tokenizer "
+                              "with the tokenizer.json the model was trained with", UserWarning, stacklevel=3)
+                return
+            if eod is not None and hf_tok.eos_token is None:
+                hf_tok.eos_token = hf_tok.bos_token = _EOD
+            hf_tok.model_max_length = max_length
+            hf_tok.save_pretrained(folder)
+
+        return write_tokenizer
+
+
+def _tokenizer_source(saved: SavedModel, tokenizer: str | os.PathLike[str] | None) -> Path | None:
+    if tokenizer is not None:
+        return Path(tokenizer)
+    dm = saved.datamodule_hparams
+    for key in ("tokenizer_file", "tokenizer", "vocab_file"):
+        if isinstance(dm.get(key), str) and Path(dm[key]).exists():
+            return Path(dm[key])
+    if "vocab_file" in dm and dm["vocab_file"] is None and not dm.get("data_prefix"):
+        # GPTDataModule's default: the packaged byte-level BPE (the size check still applies)
+        from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
+
+        return packaged_bpe_tokenizer_file()
+    return None
+
+
+def _hf_tokenizer(source: Path) -> Any:
+    """A transformers fast tokenizer from a ``tokenizer.json``, GPT-2's ``vocab.json`` + ``merges.txt``, or a
+    folder holding either."""
+    import json
+
+    import transformers
+
+    if source.is_dir():
+        source = source / "tokenizer.json" if (source / "tokenizer.json").is_file() else source / "vocab.json"
+    if not source.is_file():
+        raise FileNotFoundError(f"tokenizer {str(source)!r} does not exist: pass --tokenizer with the tokenizer.json "
+                                f"(or GPT-2 vocab.json beside its merges.txt) the model was trained with")
+    try:
+        spec = json.loads(source.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"tokenizer {str(source)!r} is not a tokenizer.json / GPT-2 vocab.json: {e}") from e
+    if isinstance(spec, dict) and "model" not in spec:  # GPT-2's flat {piece: id} + merges.txt: as our data reads it
+        import tempfile
+
+        from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return transformers.PreTrainedTokenizerFast(tokenizer_file=str(BPETokenizer(source).save(tmp)))
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(source))
