@@ -82,12 +82,13 @@ class LanguageModelConfig(TransformerConfig):
 
     @classmethod
     def coerce(cls: type[_Config], value: _Config | Mapping[str, Any] | None) -> _Config:
-        """``value`` as this record: None is the defaults, a mapping its fields (saved hyper-parameters,
-        a recipe's ``config:`` section read as YAML); a field this record does not have is refused."""
+        """``value`` as a record of its own (a copy: a default record is never shared): None is the defaults,
+        a mapping its fields (saved hyper-parameters, a recipe's ``config:`` section read as YAML); a field
+        this record does not have is refused."""
         if value is None:
             return cls()
         if isinstance(value, cls):
-            return value
+            return dataclasses.replace(value)
         if isinstance(value, LanguageModelConfig):
             raise TypeError(f"a {cls.__name__} is needed here, not a {type(value).__name__}")
         if not isinstance(value, Mapping):

@@ -52,8 +52,8 @@ class LanguageLightningModule(MegatronLightningModule):
     """A language model for the MegatronStrategy, any TP x SP x PP x VP x DP layout (module docstring).
 
     Args:
-        config: the model's record (``config_class``; None: its defaults). A mapping of its fields is
-            taken too (saved hyper-parameters). The layout fields are the strategy's.
+        config: the model's record (``config_class``; None: its defaults), which the module copies. A
+            mapping of its fields is taken too (saved hyper-parameters). The layout fields are the strategy's.
         init_seed: seed of the layout-independent weight initialization (and of the dropout streams
             without the MegatronStrategy).
         optimizer: "adamw", "adam" or "sgd"; ``lr``, ``weight_decay``, ``adam_beta1``, ``adam_beta2``,
