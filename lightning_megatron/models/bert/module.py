@@ -65,7 +65,7 @@ class BertLightningModule(LanguageLightningModule):
 
     def __init__(
         self,
-        config: BertConfig = BertConfig(),  # noqa: B008 (a record, copied by the base: never shared)
+        config: BertConfig | None = None,
         *,
         lm_head_on_masked_only: bool = True,
         predict_output: Literal["masked_lm", "pooled", "hidden"] = "masked_lm",

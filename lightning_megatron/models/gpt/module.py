@@ -68,7 +68,7 @@ class GPTLightningModule(LanguageLightningModule):
 
     def __init__(
         self,
-        config: GPTConfig = GPTConfig(),  # noqa: B008 (a record, copied by the base: never shared)
+        config: GPTConfig | None = None,
         *,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
