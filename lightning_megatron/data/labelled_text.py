@@ -18,6 +18,7 @@ listed in ``labels`` (``[negative, positive]``: "positive" is class 1).
 
 Splits: ``train``/``validation``/``test`` files (or a DatasetDict's splits); a missing validation or
 test split is carved from the training rows by ``val_fraction`` / ``test_fraction`` (seeded).
+The files are read by :mod:`~lightning_megatron.data.labelled_files`, which the CLI also runs before launch.
 
 :class:`FinetuneDataModule` is the shared part (tokenizer, encoding, data-parallel sharding,
 loaders); the built-in docstring task (``models/bert/docstring_task.py``) is one too.
@@ -25,8 +26,6 @@ loaders); the built-in docstring task (``models/bert/docstring_task.py``) is one
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import random
 from collections.abc import Sequence
@@ -39,15 +38,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_megatron.data.datamodule import MegatronDataLoader
+from lightning_megatron.data.labelled_files import (FILE_SUFFIXES, SPLITS, Row, file_where, read_labelled_rows,
+                                                    read_records)
 from lightning_megatron.data.predict import IndexedSamples, PredictBatchSampler
 
-__all__ = ["FinetuneDataModule", "LabelledTextDataModule", "Row", "encode_rows", "read_labelled_rows"]
-
-Row = tuple[str, str | None, float | int]
-"""(text, second text or None, label): a class id, or a real value for regression."""
-
-SPLITS = ("train", "validation", "test")
-FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
+__all__ = ["FinetuneDataModule", "LabelledTextDataModule", "encode_rows"]
 
 
 class EncodedRows(torch.utils.data.Dataset):
@@ -117,63 +112,6 @@ def _load_hf(source: Any) -> Any:
         raise ImportError(f"reading the saved Hugging Face dataset {os.fspath(source)!r} needs the `datasets` "
                           f"package: pip install 'lightning-megatron[hf]' (or give JSONL/CSV files)") from None
     return datasets.load_from_disk(os.fspath(source))
-
-
-def _file_records(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"labelled data file {str(path)!r} does not exist")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        records = []
-        with path.open(encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{str(path)!r} line {line_no} is not JSON ({error}): a .jsonl file holds one "
-                                     f"JSON object per line") from None
-        return records
-    if suffix in (".csv", ".tsv"):
-        with path.open(encoding="utf-8", newline="") as fh:
-            return list(csv.DictReader(fh, delimiter="\t" if suffix == ".tsv" else ",", quoting=csv.QUOTE_MINIMAL))
-    raise ValueError(f"labelled data file {str(path)!r}: use .jsonl, .json (one object per line), .csv or .tsv, "
-                     f"or a Hugging Face datasets folder (dataset=...)")
-
-
-def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key: str | None, label_key: str,
-                       regression: bool, labels: Sequence[str] | None) -> list[Row]:
-    """(text, pair, label) of each record (dicts, or a ``datasets.Dataset``); errors name ``where`` and the row."""
-    names = {str(name): i for i, name in enumerate(labels)} if labels else None
-    rows: list[Row] = []
-    for i, rec in enumerate(records):
-        missing = [k for k in (text_key, text_pair_key, label_key) if k is not None and k not in rec]
-        if missing:
-            raise ValueError(f"{where} row {i}: no {missing} among its keys {sorted(rec)}; set data.text_key / "
-                             f"data.text_pair_key / data.label_key to the columns that hold the text and the label")
-        raw = rec[label_key]
-        try:
-            if regression:
-                label: float | int = float(raw)
-            elif names is not None and str(raw) in names:
-                label = names[str(raw)]
-            else:
-                label = int(raw)
-                if names is not None and not 0 <= label < len(names):
-                    raise ValueError
-        except (TypeError, ValueError):
-            hint = (f"one of data.labels={list(labels)}" if names is not None else
-                    "a class id (or list the label names in data.labels)")
-            raise ValueError(f"{where} row {i}: label {raw!r} is not {hint}"
-                             + ("" if raw not in (-1, "-1") else " (GLUE's test splits are unlabelled: -1)")) from None
-        text = rec[text_key]
-        pair = rec[text_pair_key] if text_pair_key is not None else None
-        if not isinstance(text, str) or (text_pair_key is not None and not isinstance(pair, str)):
-            raise ValueError(f"{where} row {i}: the text under {text_key!r}"
-                             f"{'' if text_pair_key is None else f' / {text_pair_key!r}'} is not a string")
-        rows.append((text, pair, label))
-    return rows
 
 
 class FinetuneDataModule(LightningDataModule):
@@ -377,7 +315,7 @@ class LabelledTextDataModule(FinetuneDataModule):
 
     def _records(self) -> dict[str, tuple[Any, str]]:
         if self.dataset is None:
-            return {s: (_file_records(Path(f)), repr(str(f))) for s, f in self.files.items() if f}
+            return {s: (read_records(Path(f), file_where(s, f)), file_where(s, f)) for s, f in self.files.items() if f}
         loaded = _load_hf(self.dataset)
         where = repr(os.fspath(self.dataset)) if isinstance(self.dataset, (str, os.PathLike)) else "the dataset"
         if not hasattr(loaded, "keys"):  # one Dataset: the training rows
@@ -394,16 +332,11 @@ class LabelledTextDataModule(FinetuneDataModule):
 
     @override
     def read_splits(self) -> dict[str, list[Row]]:
-        found = {s: read_labelled_rows(records, where, **self.keys, regression=self.task == "regression",
-                                       labels=self.labels)
+        regression = self.task == "regression"
+        found = {s: read_labelled_rows(records, where, **self.keys, regression=regression, labels=self.labels,
+                                       num_classes=None if regression else self.num_classes)
                  for s, (records, where) in self._records().items()}
         train = found["train"]
-        if self.task == "classification":
-            for split, rows in found.items():
-                bad = next((r[2] for r in rows if not 0 <= r[2] < self.num_classes), None)
-                if bad is not None:
-                    raise ValueError(f"the {split} split has the label {bad}, outside 0..{self.num_classes - 1}: "
-                                     f"set data.num_classes (or data.labels) to the task's classes")
         carve = [(s, f) for s, f in (("validation", self.val_fraction), ("test", self.test_fraction)) if f]
         if carve:
             order = list(range(len(train)))

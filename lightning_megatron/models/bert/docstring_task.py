@@ -15,7 +15,8 @@ from pathlib import Path
 
 from typing_extensions import override
 
-from lightning_megatron.data.labelled_text import FinetuneDataModule, Row
+from lightning_megatron.data.labelled_files import Row
+from lightning_megatron.data.labelled_text import FinetuneDataModule
 
 __all__ = ["DEFAULT_PACKAGES", "stdlib_docstrings", "StdlibDocstringDataModule"]
 
