@@ -101,7 +101,8 @@ def ckpt_path_problem(ckpt_path: Any) -> str | None:
         return None
     if not os.path.exists(path):
         return (f"ckpt_path={path!r} does not exist (relative paths start at {os.getcwd()!r}); pass a checkpoint "
-                f"directory (<default_root_dir>/checkpoints/last.ckpt), or --ckpt_path last for the run folder's newest")
+                f"directory (<default_root_dir>/checkpoints/last.ckpt), or --ckpt_path last for the run folder's "
+                f"newest")
     if not os.path.isdir(path):
         return (f"ckpt_path={path!r} is a file, not a lightning_megatron checkpoint directory (was it written by "
                 f"another strategy?)")
@@ -324,7 +325,8 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
     record names, else the packaged one: :func:`~lightning_megatron.data.dataset_vocab.dataset_tokenizer`,
     the datamodule's own rule) and ids below the model's ``vocab_size``. ``predicting``: the
     ``predict_file`` is read and a decoder's longest prompt plus ``predict_max_new_tokens`` must fit the
-    model's positions. A fine-tuning section (LabelledTextDataModule): its split files are read
+    model's positions. A fine-tuning section (LabelledTextDataModule's arguments: ``text_key``,
+    ``label_key`` and split files): its files are read
     (:func:`~lightning_megatron.data.labelled_files.labelled_files_problems`). Reads only the vocabulary,
     the small sidecar and these text files, never the token data; the datamodule checks the same again
     at set-up (lightning_megatron.data.dataset_vocab)."""
@@ -336,13 +338,12 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
     if vocab_missing:
         problems.append(f"data vocab_file={os.fspath(vocab_file)!r} does not exist; pass the vocab.txt the dataset "
                         f"was preprocessed with (or null for the packaged BERT vocabulary)")
-    if data_class is not None and running:
-        from lightning_megatron.data.labelled_text import LabelledTextDataModule
+    arguments = _arguments(data_class, d)
+    if {"text_key", "label_key"} <= arguments.keys() and any(arguments.get(k) for k in ("train", "validation", "test")):
+        # labelled split files (LabelledTextDataModule's arguments), read only when a command runs
+        from lightning_megatron.data.labelled_files import labelled_files_problems
 
-        if issubclass(data_class, LabelledTextDataModule):
-            from lightning_megatron.data.labelled_files import labelled_files_problems
-
-            return problems + labelled_files_problems(_arguments(data_class, d))
+        return problems + (labelled_files_problems(arguments) if running else [])
     prefixes: list[str] = []
     found: list[str] = []
     if data_prefix is not None:  # None: the built-in corpus, preprocessed with the right vocabulary at set-up
@@ -389,7 +390,7 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
             if tokenizer is None:
                 return problems  # the tokenizer itself cannot be had: said once
     if predicting and d.get("predict_file") is not None:
-        problems += _check_prompts(_arguments(data_class, d), m, data_tokenizer)
+        problems += _check_prompts(arguments, m, data_tokenizer)
     return problems
 
 
