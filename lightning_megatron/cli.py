@@ -149,7 +149,8 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 raise SystemExit(f"lightning-megatron: --lr_scheduler {config.lr_scheduler.class_path} and the "
                                  f"lr_schedule section (OptimizerParamSchedulerCallback) would both set the lr every "
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
-            prepare_config(config, given, self.model_class)  # named callbacks, run folder, init_from, last, W&B: cli_config.py
+            # named callbacks, run folder, init_from, one run per checkpoint folder, last, W&B: cli_config.py
+            prepare_config(config, given, self.model_class, fitting=self.subcommand == "fit")
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
             except ConfigError as e:
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         # Imported here: `plot`, `preprocess`, `train-tokenizer` and `--help` need no torch.
         from lightning_megatron.checkpoint import CheckpointError
-        from lightning_megatron.optimizer import NonFiniteLossOrGradError
+        from lightning_megatron.step import NonFiniteLossOrGradError
 
         if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError)):
             raise

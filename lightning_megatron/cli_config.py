@@ -2,8 +2,10 @@
 
 Called in order by ``lightning_megatron.cli``'s ``before_instantiate_classes``: the named Megatron
 callback sections into ``trainer.callbacks``, the progress bar and model summary, ``--model.init_from``'s
-architecture, one run folder for logs and checkpoints, ``--ckpt_path last`` (an interrupted save
-recovered), the W&B mode and the W&B run a checkpoint continues. No Lightning import at module level.
+architecture, one run folder for logs and checkpoints, one run's checkpoints per checkpoint folder
+(``--ckpt_path last`` resolved to this run's newest state, an interrupted save recovered; a new ``fit``
+refused where checkpoints are), the W&B mode and the W&B run a checkpoint continues. No Lightning
+import at module level.
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ from typing import Any
 __all__ = ["prepare_config"]
 
 
-def prepare_config(config: Any, argv: list[str], model_class: type | None = None) -> None:
+def prepare_config(config: Any, argv: list[str], model_class: type | None = None, *, fitting: bool = True) -> None:
     """Every rewrite, in the order they depend on each other (``argv``: the command line's own flags;
-    ``model_class``: the module class when the config does not name one by ``class_path``)."""
+    ``model_class``: the module class when the config does not name one by ``class_path``;
+    ``fitting``: the command is ``fit``)."""
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
     _architecture_of_init_from(config, argv, model_class)
     _one_run_folder(config)
-    _recover_last(config)
+    _one_run_per_checkpoint_folder(config, fitting)
     _wandb_mode(config)
     _continue_wandb_run(config)
 
@@ -186,54 +189,143 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
             f"{k}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning, stacklevel=1)
 
 
-def _recover_last(config) -> None:
-    """``--ckpt_path last`` without ``last.ckpt`` but with the complete save a crash left as
-    ``last.ckpt.tmp-<id>``: that one (its checksums verified); an unusable one is an error, never a
-    silent start from step 0 (:func:`lightning_megatron.checkpoint.recover_last`)."""
+def _checkpoint_folders(trainer) -> list[str]:
+    """The ``dirpath`` of every configured ModelCheckpoint (filled in by :func:`_one_run_folder`)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_megatron.checkpoint import CheckpointError, recover_last
+    folders = [os.path.abspath(os.fspath(c.init_args.dirpath)) for c in _entries(trainer.get("callbacks"))
+               if _is_subclass(c.class_path, ModelCheckpoint) and c.init_args.get("dirpath")]
+    return list(dict.fromkeys(folders))
+
+
+def _saved_entries(folder: str) -> list[str]:
+    """The checkpoints in ``folder`` (``*.ckpt``) and the temporaries of interrupted saves (``*.ckpt.tmp-*``)."""
+    from lightning_megatron.checkpoint import TMP_INFIX
+
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n.endswith(".ckpt") or f".ckpt{TMP_INFIX}" in n)
+
+
+def _describe(path: str) -> str:
+    """``last.ckpt (run 1a2b3c4d, step 700)`` for messages."""
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    run_id, step = checkpoint_identity(path)
+    facts = [f"run {run_id}" if run_id else "run unknown", *([f"step {step}"] if step is not None else [])]
+    return f"{os.path.basename(path)} ({', '.join(facts)})"
+
+
+def _listing(folder: str, names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(_describe(os.path.join(folder, n)) for n in names[:shown]) + more
+
+
+def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
+    """A checkpoint folder (a ModelCheckpoint's ``dirpath``) holds the checkpoints of one run, and
+    ``last`` is the newest state of that run:
+
+    - ``--ckpt_path last``: the newest ``last*.ckpt`` of the folder (by the time its marker was written)
+      when all of them belong to one run (:func:`~lightning_megatron.checkpoint.checkpoint_identity`);
+      the last checkpoints of several runs there are refused, each named with its run and step (never
+      Lightning's "newest file of any run"). None at all: an interrupted save ``last.ckpt.tmp-<id>``
+      that verifies (:func:`~lightning_megatron.checkpoint.recover_last`), else, for ``fit``, a new run
+      (below), for the others Lightning's message;
+    - ``fit`` starting a new run (no ``--ckpt_path``) where checkpoints are: refused, naming the folder
+      and the two ways on (resume with ``--ckpt_path last``, or a new ``--trainer.default_root_dir``);
+    - ``fit --ckpt_path PATH`` of a checkpoint outside the folder, where another run's checkpoints are:
+      refused likewise (the folder would hold two runs). A PATH inside the folder continues its run
+      there (a folder mixed before this rule: with a warning; its saves never replace the other run's,
+      see :func:`lightning_megatron.checkpoint.other_run_problem`).
+
+    Refusals exit before any process is launched. A ``fast_dev_run`` (which saves nothing) is not refused."""
+    import warnings
+
+    from lightning_megatron.checkpoint import CheckpointError, checkpoint_identity, recover_last
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
-    if not trainer or config.get("ckpt_path") != "last":
+    if not trainer:
         return
-    for callback in _entries(trainer.get("callbacks")):
-        if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath"):
+    folders = _checkpoint_folders(trainer)
+    ckpt_path = config.get("ckpt_path")
+    root = os.fspath(trainer.get("default_root_dir") or os.getcwd())
+
+    def new_folder(folder: str) -> str:
+        if folder == os.path.join(os.path.abspath(root), "checkpoints"):
+            return f"--trainer.default_root_dir {os.path.normpath(root)}-2 (any new folder)"
+        return f"another ModelCheckpoint dirpath than {folder}"
+
+    if ckpt_path == "last":
+        lasts = [os.path.join(f, n) for f in folders for n in _saved_entries(f)
+                 if n.startswith("last") and n.endswith(".ckpt")]
+        runs = {checkpoint_identity(p)[0] for p in lasts}
+        if len(runs) > 1:
+            folder = os.path.dirname(lasts[0])
+            raise SystemExit(
+                f"lightning-megatron: --ckpt_path last is ambiguous: {folder} holds the last checkpoints of "
+                f"{len(runs)} runs: {', '.join(_describe(p) for p in sorted(lasts))}. 'last' is the newest state of "
+                f"one run: pass the one to continue (--ckpt_path {sorted(lasts)[-1]}), and keep one run's "
+                f"checkpoints per folder (a new run: {new_folder(folder)})")
+        found = None
+        if lasts:
+            def written(path: str) -> float:
+                marker = os.path.join(path, "lightning_megatron.json")
+                return os.path.getmtime(marker if os.path.isfile(marker) else path)
+
+            found = max(lasts, key=written)
+        for folder in folders if found is None else []:
             try:
-                found = recover_last(callback.init_args.dirpath)
+                found = recover_last(folder)
             except CheckpointError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
             if found is not None:
-                config.ckpt_path = str(found)
-                return
-
-
-def _last_checkpoint(trainer) -> str | None:
-    """What Lightning's ``ckpt_path="last"`` resolves to: the newest ``last.ckpt`` / ``last-N.ckpt`` in
-    the ``dirpath`` of the configured ModelCheckpoints (filled in by :func:`_one_run_folder`)."""
-    import re
-
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    found = []
-    for callback in _entries(trainer.get("callbacks")):
-        folder = callback.init_args.get("dirpath") if _is_subclass(callback.class_path, ModelCheckpoint) else None
-        if folder and os.path.isdir(folder):
-            found += [os.path.join(folder, n) for n in os.listdir(folder) if re.match(r"^last(-\d+)?\.ckpt$", n)]
-    return max(found, key=os.path.getmtime) if found else None
+                break
+        if found is not None:
+            ckpt_path = config.ckpt_path = str(found)
+        elif not fitting:
+            return  # Lightning says that there is no last checkpoint
+        else:
+            ckpt_path = None  # fit: Lightning starts a new run, where the rule below applies
+    if not fitting or (ckpt_path is None and trainer.get("fast_dev_run")):
+        return  # a fast_dev_run saves nothing
+    if isinstance(ckpt_path, str) and (ckpt_path in ("best", "hpc") or ckpt_path.startswith("registry")):
+        return  # Lightning's other names: checkpoints of the configured callbacks themselves
+    resumed = None if ckpt_path is None else os.path.abspath(os.fspath(ckpt_path))
+    run = None if resumed is None else checkpoint_identity(resumed)[0]
+    for folder in folders:
+        saved = _saved_entries(folder)
+        if resumed is None:
+            others = saved
+        else:  # checkpoints known to be another run's (an unknown one may be this run's own)
+            others = [n for n in saved if checkpoint_identity(os.path.join(folder, n))[0] not in (None, run)]
+        if not others:
+            continue
+        if resumed is None:
+            raise SystemExit(
+                f"lightning-megatron: {folder} already holds checkpoints ({_listing(folder, saved)}): a new run there "
+                f"would mix its checkpoints with theirs. Resume that run with --ckpt_path last, or start the new "
+                f"run in a new folder: {new_folder(folder)}")
+        if os.path.dirname(resumed) != folder:
+            raise SystemExit(
+                f"lightning-megatron: {folder} holds checkpoints of another run than {resumed} (run {run}): "
+                f"{_listing(folder, others)}; continuing that run there would mix two runs' checkpoints. "
+                f"Continue it in its own folder or a new one: {new_folder(folder)}")
+        warnings.warn(f"{folder} holds checkpoints of other runs besides {os.path.basename(resumed)} (run {run}): "
+                      f"{_listing(folder, others)}. This run saves beside them and never replaces them, but "
+                      f"--ckpt_path last is ambiguous there: move one run's checkpoints to a folder of their own",
+                      UserWarning, stacklevel=1)
 
 
 def _continue_wandb_run(config) -> None:
-    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT`` (``last`` too): a WandbLogger without
-    an ``id`` continues the W&B run that wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
+    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT`` (``last`` too, resolved by
+    :func:`_one_run_per_checkpoint_folder`): a WandbLogger without an ``id`` continues the W&B run that
+    wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
     from lightning.pytorch.loggers import WandbLogger
 
     from lightning_megatron.loggers import saved_wandb_run_id
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
     ckpt_path = config.get("ckpt_path") if trainer else None
-    if ckpt_path == "last":
-        ckpt_path = _last_checkpoint(trainer)
     run_id = saved_wandb_run_id(ckpt_path) if trainer else None
     if run_id is None:
         return

@@ -80,16 +80,19 @@ def test_default_root_dir_moves_logs_and_checkpoints(tmp_path):
     assert kept["loggers"] == {"CSVLogger": explicit, "WandbLogger": explicit}  # explicit values win
 
 
-def _cli(tmp: Path, command: str, *args: str) -> subprocess.CompletedProcess:
+def _cli(tmp: Path, command: str, *args: str, root: str = "run", status: int = 0) -> subprocess.CompletedProcess:
+    """``lightning-megatron COMMAND`` of a 1-layer bert_tiny on one process in ``tmp/root``, which must
+    exit with ``status``; ``tests/`` is on the PYTHONPATH (the faults of ``cli_faults``)."""
     cmd = [sys.executable, "-m", "lightning_megatron.cli", command, "--config", RECIPE,
            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
-           "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp / "run"),
+           "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp / root),
            "--trainer.enable_progress_bar", "false", "--model.num_layers", "1", "--model.hidden_size", "32",
            "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "64", "--data.global_batch_size", "2",
            "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.max_sequence_length", "32", *args]
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=path)
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
 
@@ -130,3 +133,71 @@ def test_validate_continues_the_wandb_run_of_the_checkpoint(tmp_path):
         # the lr schedule, clipping and the optimizer are in the run config too
         assert all(k in records for k in (b"lr_schedule", b"lr_warmup_steps", b"megatron_optimizer", b"clip_grad",
                                           b"adam_beta2")), run
+
+
+def _sums(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder`` (checkpoint directories included), by relative path."""
+    from lightning_megatron.checkpoint import file_sha256
+
+    return {str(p.relative_to(folder)): file_sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_one_run_per_checkpoint_folder_last_is_this_runs_and_nan_stops_a_plain_optimizer(tmp_path):
+    """Issue 34's data loss, through the CLI. A run's checkpoint folder takes no second run, `last` is
+    the newest state of one run, and no save replaces another run's checkpoint: the case of the issue
+    (run A's last.ckpt and a later run B's last-v1.ckpt in one folder; `--ckpt_path last` took B's, and
+    a SIGTERM then saved over A's last.ckpt) ends with A's checkpoints byte for byte as they were.
+    On the way, fp32 with a plain torch optimizer (no megatron_optimizer group) stops at an injected
+    NaN gradient with one line naming the step and the parameter, its last.ckpt untouched."""
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    plain = ["--megatron_optimizer", "null", "--trainer.limit_val_batches", "0", "--lr_schedule.lr_warmup_steps", "0"]
+    folder = tmp_path / "run" / "checkpoints"
+    _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "3")  # run A
+    run_a, step = checkpoint_identity(folder / "last.ckpt")
+    assert run_a and step == 3
+    sums_a = _sums(folder)
+
+    # a new run into A's folder: refused before launch, naming the folder, A's checkpoint and the two ways on
+    new = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "2", status=1)
+    message = _last_line(new)
+    assert message.startswith(f"lightning-megatron: {folder} already holds checkpoints (last.ckpt (run {run_a}, "
+                              f"step 3)): a new run there would mix"), message
+    assert "Resume that run with --ckpt_path last" in message and "--trainer.default_root_dir" in message, message
+    assert "Initializing distributed" not in new.stdout + new.stderr  # nothing launched
+
+    # fp32, a plain AdamW: a NaN in one weight's gradient in step 4 of A resumed (`last`: A's only)
+    nan = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "6", "--ckpt_path", "last",
+               "--trainer.callbacks+=cli_faults.NaNGradientAt", "--trainer.callbacks.step=4",
+               "--trainer.callbacks.name=encoder.layers.0.mlp.linear_fc1.weight", status=1)
+    assert _last_line(nan).startswith(
+        "lightning-megatron: at step 4 (the state at global_step=4 is the last good one) the gradient is not finite "
+        "(nan); first parameter with a non-finite gradient on rank 0: encoder.layers.0.mlp.linear_fc1.weight. The "
+        "run stops before the optimizer step"), nan.stderr[-3000:]
+    assert "Traceback" not in nan.stderr and "PlainOptimizer" not in nan.stderr
+    assert _sums(folder) == sums_a  # no checkpoint of the NaN state (the end-of-fit save never ran)
+
+    # run B, started (as before this rule) into the same folder: its last checkpoint lands beside A's
+    # as last-v1.ckpt, written after A's
+    _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "2", root="other")
+    (tmp_path / "other" / "checkpoints" / "last.ckpt").rename(folder / "last-v1.ckpt")
+    run_b = checkpoint_identity(folder / "last-v1.ckpt")[0]
+    assert run_b and run_b != run_a
+
+    # `--ckpt_path last` there is ambiguous: refused, each last checkpoint named with its run and step
+    last = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "50", "--ckpt_path", "last", status=1)
+    assert _last_line(last).startswith(
+        f"lightning-megatron: --ckpt_path last is ambiguous: {folder} holds the last checkpoints of 2 runs: "
+        f"last-v1.ckpt (run {run_b}, step 2), last.ckpt (run {run_a}, step 3)"), last.stderr[-3000:]
+
+    # B resumed by its path and stopped by SIGTERM: saved as B's own last (last-v1.ckpt), exit 143
+    stopped = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "50", "--ckpt_path", str(folder / "last-v1.ckpt"),
+                   "--trainer.callbacks+=cli_faults.SignalAt", "--trainer.callbacks.step=3", status=143)
+    assert f"SIGTERM at step 3: saved {folder / 'last-v1.ckpt'}" in stopped.stdout + stopped.stderr
+    assert "holds checkpoints of other runs besides last-v1.ckpt" in stopped.stderr  # said once, as a warning
+    assert checkpoint_identity(folder / "last-v1.ckpt") == (run_b, 3)
+    assert {k: v for k, v in _sums(folder).items() if not k.startswith("last-v1.ckpt/")} == sums_a  # A untouched
