@@ -4,8 +4,8 @@ Called in order by ``lightning_megatron.cli``'s ``before_instantiate_classes``: 
 callback sections into ``trainer.callbacks``, the progress bar and model summary, ``--model.init_from``'s
 architecture, one run folder for logs and checkpoints, one run's checkpoints per checkpoint folder
 (``--ckpt_path last`` resolved to this run's newest state, an interrupted save recovered; a new ``fit``
-refused where checkpoints are), the W&B mode and the W&B run a checkpoint continues. No Lightning
-import at module level.
+refused where checkpoints are), where ``validate``/``test``/``predict`` log (beside the training run, not
+in it), the W&B mode and the W&B run a checkpoint continues. No Lightning import at module level.
 """
 
 from __future__ import annotations
@@ -16,17 +16,65 @@ from typing import Any
 __all__ = ["prepare_config"]
 
 
-def prepare_config(config: Any, argv: list[str], model_class: type | None = None, *, fitting: bool = True) -> None:
+EVALUATION_COMMANDS = ("validate", "test", "predict")
+"""The subcommands that evaluate a checkpoint: they log beside the training run (:func:`_evaluation_logs`)."""
+
+
+def prepare_config(config: Any, argv: list[str], model_class: type | None = None,
+                   subcommand: str | None = "fit") -> None:
     """Every rewrite, in the order they depend on each other (``argv``: the command line's own flags;
     ``model_class``: the module class when the config does not name one by ``class_path``;
-    ``fitting``: the command is ``fit``)."""
+    ``subcommand``: fit, validate, test or predict; None: only building, no command to run)."""
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
     _architecture_of_init_from(config, argv, model_class)
+    _our_wandb_logger(config)
     _one_run_folder(config)
-    _one_run_per_checkpoint_folder(config, fitting)
+    _one_run_per_checkpoint_folder(config, fitting=subcommand == "fit")
+    _evaluation_logs(config, subcommand or "fit")
     _wandb_mode(config)
-    _continue_wandb_run(config)
+    _continue_wandb_run(config, subcommand or "fit")
+
+
+def _our_wandb_logger(config) -> None:
+    """Lightning's ``WandbLogger`` named in a recipe becomes :class:`lightning_megatron.loggers.WandbLogger`
+    (its subclass, same arguments: the history indexed by the trainer's step, an offline resume recorded,
+    no deprecated ``anonymous`` setting), as the progress bar and the model summary are replaced by ours. A
+    subclass of your own is kept."""
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    for logger in _entries(trainer.get("logger") if trainer else None):
+        if logger.class_path in ("lightning.pytorch.loggers.WandbLogger", "lightning.pytorch.loggers.wandb.WandbLogger",
+                                 "pytorch_lightning.loggers.WandbLogger"):
+            logger.class_path = "lightning_megatron.loggers.WandbLogger"
+
+
+def _evaluation_logs(config, subcommand: str) -> None:
+    """``validate``/``test``/``predict`` of a checkpoint log beside the training run, not into it: a CSV
+    (or TensorBoard) logger writes ``<name>/<subcommand>/version_N`` (``csv/validate/version_0``), not
+    one more ``csv/version_N`` among the training run's (``plot`` joins those by step); W&B is handled
+    by :func:`_continue_wandb_run`; ``predict`` logs no metrics (Lightning does not let ``predict_step``
+    log), so it gets no W&B run. ``--log_to_training_run true`` (validate/test) puts the evaluation into
+    the training run's W&B history instead, at the checkpoint's step."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+
+    joined = bool(config.get("log_to_training_run")) if hasattr(config, "get") else False
+    if joined and subcommand not in ("validate", "test"):
+        why = ("fit continues the W&B run of its checkpoint already" if subcommand == "fit" else
+               "predict logs no metrics")
+        raise SystemExit(f"lightning-megatron: --log_to_training_run is for validate and test: {why}")
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if subcommand not in EVALUATION_COMMANDS or not trainer:
+        return
+    for logger in _entries(trainer.get("logger")):
+        if _is_subclass(logger.class_path, (CSVLogger, TensorBoardLogger)):
+            name = logger.init_args.get("name")
+            logger.init_args.name = f"{name or 'lightning_logs'}/{subcommand}"
+    if subcommand == "predict":
+        value = trainer.get("logger")
+        items = value if isinstance(value, list) else [value]
+        kept = [lg for lg in items if not (_entries(lg) and _is_subclass(lg.class_path, WandbLogger))]
+        if len(kept) < len(items):
+            trainer.logger = kept if isinstance(value, list) else False
 
 
 def _wandb_mode(config) -> None:
@@ -115,7 +163,7 @@ def _class(class_path: str) -> type | None:
     return cls if isinstance(cls, type) else None
 
 
-def _is_subclass(class_path: str, base: type) -> bool:
+def _is_subclass(class_path: str, base: type | tuple[type, ...]) -> bool:
     cls = _class(class_path)
     return cls is not None and issubclass(cls, base)
 
@@ -316,20 +364,46 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
                       UserWarning, stacklevel=1)
 
 
-def _continue_wandb_run(config) -> None:
-    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT`` (``last`` too, resolved by
-    :func:`_one_run_per_checkpoint_folder`): a WandbLogger without an ``id`` continues the W&B run that
-    wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
+def _continue_wandb_run(config, subcommand: str) -> None:
+    """The W&B run of a checkpoint (``--ckpt_path CKPT``; ``last`` resolved by
+    :func:`_one_run_per_checkpoint_folder`), for a WandbLogger without an ``id``:
+
+    - ``fit`` continues it: the same id, ``resume="must"`` offline (recorded as a resume, see
+      :class:`~lightning_megatron.loggers.WandbLogger`), else Lightning's ``resume="allow"``;
+    - ``validate``/``test`` start a run of their own in its group (``group`` = its id, ``job_type`` = the
+      subcommand), or with ``--log_to_training_run true`` join it at the checkpoint's global step."""
     from lightning.pytorch.loggers import WandbLogger
 
-    from lightning_megatron.loggers import saved_wandb_run_id
+    from lightning_megatron.loggers import saved_wandb_run
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
-    ckpt_path = config.get("ckpt_path") if trainer else None
-    run_id = saved_wandb_run_id(ckpt_path) if trainer else None
-    if run_id is None:
+    if not trainer:
         return
+    ckpt_path = config.get("ckpt_path")
+    saved = saved_wandb_run(ckpt_path)
+    joined = bool(config.get("log_to_training_run"))
+    offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun")
     for logger in _entries(trainer.get("logger")):
         args = logger.init_args
-        if _is_subclass(logger.class_path, WandbLogger) and not args.get("id") and not args.get("version"):
-            args.id = run_id
+        if not _is_subclass(logger.class_path, WandbLogger) or args.get("id") or args.get("version"):
+            continue
+        if subcommand == "fit" or joined:
+            if saved is None:
+                if joined:
+                    raise SystemExit(f"lightning-megatron: --log_to_training_run: the checkpoint {ckpt_path!r} "
+                                     f"names no W&B run (it was written without a WandbLogger)")
+                continue
+            args.id = saved.run_id
+            if offline or args.get("offline"):
+                args.resume = "must"
+            if joined:
+                from lightning_megatron.loggers import WandbLogger as OurWandbLogger
+
+                if not _is_subclass(logger.class_path, OurWandbLogger):
+                    raise SystemExit(f"lightning-megatron: --log_to_training_run logs at the checkpoint's step "
+                                     f"through lightning_megatron.loggers.WandbLogger; {logger.class_path} is not one")
+                args.history_step = saved.global_step
+        else:
+            args.job_type = subcommand
+            if saved is not None:
+                args.group = saved.run_id

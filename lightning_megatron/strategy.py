@@ -436,7 +436,7 @@ class MegatronStrategy(DDPStrategy):
             # epoch-level metrics of evaluation are averaged over the world anyway (one all-reduce at
             # the end of the epoch) so that Lightning has nothing to warn about.
             module.log(name, value, on_step=stage == "train", on_epoch=stage != "train",
-                       prog_bar=key in ("loss", "lm_loss"), sync_dist=stage != "train", batch_size=1)
+                       prog_bar=key == "loss", sync_dist=stage != "train", batch_size=1)
 
     # ------------------------------------------------------------------ checkpoints
 

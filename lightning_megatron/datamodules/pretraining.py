@@ -80,6 +80,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
+        self._no_dataset: dict[str, str] = {}
+        """Split -> why it has no dataset: said when a loop asks for it (a run that never tests is not told)."""
 
     # --- tokenizer and corpus -------------------------------------------------------------------
 
@@ -243,7 +245,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         except ValueError as error:
             if name == "train":
                 raise
-            warnings.warn(f"no {name} dataset: {error}", stacklevel=2)
+            self._no_dataset[name] = str(error)
             return None
         if num_samples is None and len(dataset) < self.global_batch_size:
             dataset = self._make_dataset(indexed, documents, self.global_batch_size)
@@ -284,8 +286,10 @@ class PretrainingDataModule(pl.LightningDataModule):
                    else MegatronPretrainingSampler(**common))
         return self._loader(self.train_dataset, sampler)
 
-    def _eval_loader(self, dataset: Dataset | None) -> DataLoader | list:
+    def _eval_loader(self, dataset: Dataset | None, name: str) -> DataLoader | list:
         if dataset is None:
+            if name in self._no_dataset:
+                warnings.warn(f"no {name} dataset: {self._no_dataset.pop(name)}", stacklevel=3)
             return []
         dp_rank, dp_size = self._dp_coordinates()
         sampler = MegatronPretrainingSampler(
@@ -297,13 +301,13 @@ class PretrainingDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if self.train_dataset is None:
             self.setup("validate")
-        return self._eval_loader(self.val_dataset)
+        return self._eval_loader(self.val_dataset, "valid")
 
     @override
     def test_dataloader(self) -> DataLoader | list:
         if self.train_dataset is None:
             self.setup("test")
-        return self._eval_loader(self.test_dataset)
+        return self._eval_loader(self.test_dataset, "test")
 
     # --- checkpointing ----------------------------------------------------------------------------
 
