@@ -93,7 +93,7 @@ def _config_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
 def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
     from lightning_megatron.strategy import MegatronStrategy
@@ -156,7 +156,7 @@ def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
 
 def _data_and_checkpoint_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron import checkpoint as ckpt
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.data.preprocess import preprocess_corpus
 
     (tmp / "empty.txt").write_text("")
@@ -507,9 +507,18 @@ AFTER_MERGE = [
      "space, exit 1; other ranks quiet (was 243 lines, 10 tracebacks)", LATE, "benchmarks/trust_faults.py"),
     ("checkpoint", "--ckpt_path last: last.ckpt missing, a complete last.ckpt.tmp-<id>", "resumes from it with a "
      "warning (was: step 0, the temporary deleted)", BEFORE, "tests/test_cli_run_folder.py"),
-    ("training", "NaN gradient at step 2 (fp32, bf16, ZeRO-1; 2 ranks TP=2)", "NonFiniteLossOrGradError naming the "
-     "step and the parameter; last.ckpt untouched (was: NaN every step, exit 0)", LATE,
-     "tests/test_checkpoint_trust.py, tests/test_optimizer_callbacks.py"),
+    ("checkpoint", "fit without --ckpt_path into a checkpoint folder that holds checkpoints", "exit 1 naming the "
+     "folder, its checkpoints (run, step) and the two ways on: --ckpt_path last, a new --trainer.default_root_dir "
+     "(was: a second run's last-v1.ckpt beside the first's)", BEFORE, "tests/test_cli_run_folder.py"),
+    ("checkpoint", "--ckpt_path last where last.ckpt and last-v1.ckpt are two runs'", "exit 1 naming each with its "
+     "run and step (was: the newest file, of either run)", BEFORE, "tests/test_cli_run_folder.py"),
+    ("checkpoint", "a save (SIGTERM's, ModelCheckpoint's, save_checkpoint) onto another run's checkpoint",
+     "CheckpointError naming both runs; nothing written (was: replaced)", LATE,
+     "tests/test_checkpoint_trust.py, tests/test_cli_run_folder.py"),
+    ("training", "NaN gradient at step 2 (fp32 plain or wrapped optimizer, bf16, ZeRO-1; 2 ranks TP=2, NaN on rank 1 "
+     "only)", "NonFiniteLossOrGradError naming the step and the parameter on every rank; last.ckpt untouched (was: "
+     "NaN every step, exit 0; without the megatron_optimizer group still so before this round)", LATE,
+     "tests/test_checkpoint_trust.py, tests/test_optimizer_callbacks.py, tests/test_cli_run_folder.py"),
     ("training", "NaN loss with fp16 dynamic loss scaling", "NonFiniteLossOrGradError (an overflow with a finite loss "
      "is still skipped)", LATE, "tests/test_optimizer_callbacks.py"),
     ("data", "model vocab_size smaller than the data's token ids", "error before training", SETUP,

@@ -98,7 +98,7 @@ def main() -> None:
     import transformers
     from lightning.pytorch import Trainer, seed_everything
 
-    from lightning_megatron.data.labelled_text import LabelledTextDataModule
+    from lightning_megatron.datamodules.finetune import LabelledTextDataModule
     from lightning_megatron.models.bert.classification import BertClassificationModule
     from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
 

@@ -58,7 +58,7 @@ def main() -> None:
               f"start-up ~{one - step:.1f} s (load average {load:.1f} on {os.cpu_count()} cores)")
         imports = subprocess.run([sys.executable, "-X", "importtime", "-c",
                                   "import lightning_megatron.cli, lightning.pytorch.cli, lightning_megatron.strategy, "
-                                  "lightning_megatron.data.datamodule, lightning_megatron.models.bert.module, "
+                                  "lightning_megatron.datamodules, lightning_megatron.models.bert.module, "
                                   "lightning_megatron.callbacks, lightning_megatron.loggers"],
                                  capture_output=True, text=True, timeout=600).stderr.splitlines()
         rows = sorted((int(line.split("|")[1]), line.split("|")[2].rstrip()) for line in imports

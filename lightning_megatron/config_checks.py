@@ -171,9 +171,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         layout_problems = dims.unsupported()
         if world is not None:
             dims = dims.for_world_size(world)
-    problems += [f"strategy: {p}" for p in layout_problems]
+    problems += layout_problems
     if dims is not None:  # a registered name (imported by now: the parsed class paths)
-        problems += [f"strategy: {p}" for p in [pipeline_schedule_problem(dims.schedule, dims.pp, dims.vp)] if p]
+        problems += [p for p in [pipeline_schedule_problem(dims.schedule, dims.pp, dims.vp)] if p]
     problems += [p for p in [timeout_problem(s.get("timeout"))] if p]
     tp = dims.tp if dims is not None else (_int(sizes["tp"]) or 1)
     pp = dims.pp if dims is not None else (_int(sizes["pp"]) or 1)
@@ -310,7 +310,7 @@ def _tokenizer_family(data_class: type | None) -> str:
     """The packaged tokenizer of the data section's datamodule (``default_tokenizer``); WordPiece (BERT's,
     the CLI's default datamodule) when unknown."""
     if data_class is not None:
-        from lightning_megatron.data.datamodule import PretrainingDataModule
+        from lightning_megatron.datamodules.pretraining import PretrainingDataModule
 
         if issubclass(data_class, PretrainingDataModule):
             return data_class.default_tokenizer
@@ -327,7 +327,7 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
     ``predict_file`` is read and a decoder's longest prompt plus ``predict_max_new_tokens`` must fit the
     model's positions. A fine-tuning section (LabelledTextDataModule's arguments: ``text_key``,
     ``label_key`` and split files): its files are read
-    (:func:`~lightning_megatron.data.labelled_files.labelled_files_problems`). Reads only the vocabulary,
+    (:func:`~lightning_megatron.data.labelled_text.labelled_files_problems`). Reads only the vocabulary,
     the small sidecar and these text files, never the token data; the datamodule checks the same again
     at set-up (lightning_megatron.data.dataset_vocab)."""
     import os
@@ -341,7 +341,7 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
     arguments = _arguments(data_class, d)
     if {"text_key", "label_key"} <= arguments.keys() and any(arguments.get(k) for k in ("train", "validation", "test")):
         # labelled split files (LabelledTextDataModule's arguments), read only when a command runs
-        from lightning_megatron.data.labelled_files import labelled_files_problems
+        from lightning_megatron.data.labelled_text import labelled_files_problems
 
         return problems + (labelled_files_problems(arguments) if running else [])
     prefixes: list[str] = []

@@ -15,16 +15,22 @@ A recipe is read with ``yaml.safe_load`` (no code runs), its bases first (recurs
 ``lightning-megatron fit|validate|test|predict|finetune ... --config RECIPE`` and ``check --config
 RECIPE`` read recipes this way (:func:`resolve_config_arguments`, :func:`read_recipe`); a recipe
 without ``base:`` is passed to LightningCLI as it is.
+
+A class path that has moved (:data:`MOVED_CLASS_PATHS`), in a recipe or on the command line, is refused
+before anything is built, in one line naming the new path (:func:`refuse_moved_class_paths`); it is never
+rewritten behind the user's back.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["BASE_KEY", "RecipeError", "merge_recipes", "read_recipe", "resolve_config_arguments"]
+__all__ = ["BASE_KEY", "MOVED_CLASS_PATHS", "RecipeError", "merge_recipes", "read_recipe",
+           "refuse_moved_class_paths", "resolve_config_arguments"]
 
 BASE_KEY = "base"
 """The top-level key naming the recipe(s) a recipe starts from."""
@@ -32,6 +38,79 @@ BASE_KEY = "base"
 
 class RecipeError(ValueError):
     """A recipe that cannot be read: a missing base, a cycle, a top level that is not a mapping."""
+
+
+_PRETRAINING = "lightning_megatron.datamodules.pretraining"
+_FINETUNE = "lightning_megatron.datamodules.finetune"
+MOVED_CLASS_PATHS: dict[str, str] = {
+    "lightning_megatron.data.datamodule.BertDataModule": f"{_PRETRAINING}.BertDataModule",
+    "lightning_megatron.data.datamodule.PretrainingDataModule": f"{_PRETRAINING}.PretrainingDataModule",
+    "lightning_megatron.data.BertDataModule": f"{_PRETRAINING}.BertDataModule",
+    "lightning_megatron.data.gpt_datamodule.GPTDataModule": "lightning_megatron.datamodules.gpt.GPTDataModule",
+    "lightning_megatron.data.GPTDataModule": "lightning_megatron.datamodules.gpt.GPTDataModule",
+    "lightning_megatron.data.labelled_text.LabelledTextDataModule": f"{_FINETUNE}.LabelledTextDataModule",
+    "lightning_megatron.data.labelled_text.FinetuneDataModule": f"{_FINETUNE}.FinetuneDataModule",
+    "lightning_megatron.data.LabelledTextDataModule": f"{_FINETUNE}.LabelledTextDataModule",
+}
+"""Class paths recipes could name that have moved -> where the class is now: the LightningDataModules left
+``lightning_megatron.data`` (which imports no Lightning) for ``lightning_megatron.datamodules``."""
+
+_MOVED = re.compile("|".join(rf"(?<![\w.]){re.escape(old)}(?![\w.])" for old in MOVED_CLASS_PATHS))
+
+
+def _moved_in(value: Any, where: str) -> tuple[str, str] | None:
+    """(where, old class path) of the first string in ``value`` (walked through mappings and lists)
+    that is a moved class path."""
+    if isinstance(value, str):
+        return (where, value.strip()) if _MOVED.fullmatch(value.strip()) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _moved_in(item, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def refuse_moved_class_paths(value: dict[str, Any] | list[str], source: str = "the command line") -> None:
+    """Raise :class:`RecipeError` naming the new class path when ``value`` names a class path that has
+    moved (:data:`MOVED_CLASS_PATHS`): a recipe (``source``: its file), or command-line arguments
+    (``--data lightning_megatron.data.BertDataModule``; the recipes of ``--config`` are read too)."""
+    if isinstance(value, dict):
+        found = _moved_in(value, "")
+        if found is not None:
+            _refuse(f"{source} ({found[0]})", found[1])
+        return
+    for i, arg in enumerate(value):
+        config = value[i + 1] if arg in ("--config", "-c") and i + 1 < len(value) else (
+            arg[len("--config="):] if arg.startswith("--config=") else None)
+        if config is not None:
+            recipe = _recipe_or_none(config)
+            if recipe is not None:
+                refuse_moved_class_paths(recipe, "the recipe" if "\n" in config else f"recipe {config!r}")
+        elif not (i and value[i - 1] in ("--config", "-c")):
+            found = _MOVED.search(arg)
+            if found is not None:
+                _refuse(source, found.group(0))
+
+
+def _refuse(where: str, old: str) -> None:
+    raise RecipeError(f"{where} names {old}, which has moved: use class_path {MOVED_CLASS_PATHS[old]} "
+                      f"(the LightningDataModules left lightning_megatron.data for lightning_megatron.datamodules)")
+
+
+def _recipe_or_none(value: str) -> dict[str, Any] | None:
+    """The recipe a ``--config`` value holds (YAML text, or a file read with its bases), or None when it
+    is neither (LightningCLI reports that)."""
+    try:
+        if "\n" in value:
+            recipe = yaml.safe_load(value)
+        elif Path(value).is_file():
+            recipe = read_recipe(value)
+        else:
+            return None
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return recipe if isinstance(recipe, dict) else None
 
 
 def read_recipe(path: str | Path) -> dict[str, Any]:

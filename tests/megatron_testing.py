@@ -119,7 +119,7 @@ def full_params(per_rank: list[dict[str, Any]], tp: int, vocab: int = VOCAB) -> 
 def consumed_samples_loader(trainer: Any, global_batch: int, micro: int, dp_size: int, dp_rank: int,
                             num_samples: int = 512, consumed: int | None = None, seed: int = 0):
     """A loader that starts at ``trainer.global_step * global_batch`` (Megatron's resume rule)."""
-    from lightning_megatron.data.datamodule import MegatronDataLoader
+    from lightning_megatron.data.loader import MegatronDataLoader
     from lightning_megatron.data.samplers import MegatronPretrainingSampler
 
     per_rank = global_batch // dp_size

@@ -250,10 +250,10 @@ def test_cli_reports_an_agreed_error_once_on_rank_0(monkeypatch, capsys, rank, e
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_megatron import cli
-    from lightning_megatron.optimizer import NonFiniteLossOrGradError
+    from lightning_megatron.step import NonFiniteLossOrGradError
 
     message = {"disk_full": "saving checkpoint 'x/last.ckpt' failed: the disk is full in 'x' (0.00 GiB free)",
-               "nan": "at step 3 (the state at global_step=3 is the last good one) the gradient norm is nan"}[error]
+               "nan": "at step 3 (the state at global_step=3 is the last good one) the gradient is not finite (nan)"}[error]
 
     def fail(*args, **kwargs):
         raise (ckpt.CheckpointError if error == "disk_full" else NonFiniteLossOrGradError)(message)

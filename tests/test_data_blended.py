@@ -130,7 +130,7 @@ def _trainer(global_step=0, max_steps=-1):
 
 
 def test_datamodule_blend_splits_each_prefix_and_resumes_exactly(tmp_path):
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
 
     prefixes = []
     for name, n in (("alpha", 60), ("beta", 40)):

@@ -131,8 +131,8 @@ def test_preprocess_bpe_one_item_per_document_with_eod_and_vocab_sidecar(tmp_pat
     # The pre-launch check of `lightning-megatron fit` takes the datamodule's tokenizer the same way: a BPE
     # data.vocab_file, or (null) the vocabulary the record names
     from lightning_megatron.config_checks import _check_data_files
-    from lightning_megatron.data.datamodule import BertDataModule
-    from lightning_megatron.data.gpt_datamodule import GPTDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
+    from lightning_megatron.datamodules.gpt import GPTDataModule
 
     for vocab_file in (str(packaged_bpe_tokenizer_file()), None):
         assert _check_data_files({"vocab_file": vocab_file, "data_prefix": str(tmp_path / "gpt")}, {"vocab_size": 8192},

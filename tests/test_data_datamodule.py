@@ -10,7 +10,7 @@ import pytest
 import torch
 from data_testing import data_cache_dir
 
-from lightning_megatron.data.datamodule import BertDataModule
+from lightning_megatron.datamodules.pretraining import BertDataModule
 from dist_utils import accelerator
 
 
@@ -60,7 +60,7 @@ def test_num_microbatches_must_divide():
 
 
 def test_splits_and_sequence_length_are_checked_when_built():
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
 
     with pytest.raises(ValueError, match=r"splits='100,0,0,5' has 4 weights; give at most three"):
         BertDataModule(splits="100,0,0,5")

@@ -12,7 +12,7 @@ from data_testing import data_cache_dir
 
 from lightning_megatron.data.blended import BlendedDataset
 from lightning_megatron.data.bpe_tokenizer import BPETokenizer
-from lightning_megatron.data.gpt_datamodule import GPTDataModule
+from lightning_megatron.datamodules.gpt import GPTDataModule
 from lightning_megatron.data.gpt_dataset import GPTDataset
 from lightning_megatron.data.indexed_dataset import IndexedDataset
 from lightning_megatron.data.preprocess import preprocess_corpus

@@ -229,7 +229,7 @@ def test_gpt_token_ids_outside_the_vocabulary_are_named_per_sample(tmp_path):
 
     from lightning_megatron.data.bpe_tokenizer import BPETokenizer
     from lightning_megatron.data.gpt_dataset import document_lengths
-    from lightning_megatron.data.gpt_datamodule import GPTDataModule
+    from lightning_megatron.datamodules.gpt import GPTDataModule
 
     (tmp_path / "a.txt").write_text(_text() * 4)
     preprocess_corpus([tmp_path / "a.txt"], tmp_path / "gpt", BPETokenizer(), append_eod=True, progress=False)
@@ -259,7 +259,7 @@ def test_gpt_token_ids_outside_the_vocabulary_are_named_per_sample(tmp_path):
 def test_datamodule_refuses_a_dataset_of_another_vocabulary_or_a_small_model(tmp_path):
     from types import SimpleNamespace
 
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
 
     (tmp_path / "a.txt").write_text(_text() * 20)
     preprocess_corpus([tmp_path / "a.txt"], tmp_path / "ds", tokenizer(), max_seq_length=64)
@@ -284,7 +284,7 @@ def test_datamodule_refuses_a_dataset_of_another_vocabulary_or_a_small_model(tmp
 def test_fit_refuses_a_model_vocab_below_the_data_ids_before_any_step(tmp_path):
     import lightning.pytorch as pl
 
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
 
     (tmp_path / "a.txt").write_text(_text() * 10)

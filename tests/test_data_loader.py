@@ -10,16 +10,17 @@ import numpy as np
 import torch
 from data_testing import data_cache_dir, default_corpus_prefix, tokenizer
 
-from lightning_megatron.data import datamodule as datamodule_module
+from lightning_megatron.data import loader as loader_module
 from lightning_megatron.data.bert_dataset import BertDataset
-from lightning_megatron.data.datamodule import BertDataModule, default_num_workers
 from lightning_megatron.data.indexed_dataset import IndexedDataset
+from lightning_megatron.data.loader import default_num_workers
+from lightning_megatron.datamodules.pretraining import BertDataModule
 
 
 def test_default_num_workers(monkeypatch):
     for cores, processes, expected in ((2, 1, 0), (2, 2, 0), (3, 1, 0), (4, 1, 3), (8, 1, 4), (96, 8, 4),
                                        (16, 8, 0), (32, 8, 3)):
-        monkeypatch.setattr(datamodule_module.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setattr(loader_module.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         assert default_num_workers(processes) == expected, (cores, processes)
 
 

@@ -47,7 +47,7 @@ Berlin is the capital of Germany. The Spree flows through Berlin.
 def test_dataset_records_its_vocabulary_and_the_datamodule_uses_it(tmp_path):
     from lightning_megatron.cli import main
     from lightning_megatron.data import check_dataset_vocab, read_dataset_vocab, train_wordpiece_tokenizer
-    from lightning_megatron.data.datamodule import BertDataModule
+    from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.data.indexed_dataset import IndexedDataset
 
     (tmp_path / "corpus.txt").write_text(TEXT * 20)

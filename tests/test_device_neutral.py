@@ -69,7 +69,7 @@ def test_cpu_tuning_is_opt_in():
 @pytest.mark.skipif(test_device() != "cuda", reason="needs --device cuda (a GPU): checks that a training step "
                                                     "never synchronizes the host with the GPU")
 def test_training_step_without_host_sync():
-    from lightning_megatron.data.datamodule import NO_PADDING, BertDataModule
+    from lightning_megatron.datamodules.pretraining import NO_PADDING, BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.tensor_parallel import model_parallel_seed
     from megatron_testing import TINY_MODEL, SyntheticBertDataset

@@ -1,7 +1,8 @@
 """The package's import graph: no cycles (imports inside functions count: they are dependencies too),
 and no upward imports from the
-inner layers (``tensor_parallel/`` and ``transformer/`` import neither Lightning nor the strategy, the
-CLI, callbacks, checks or a model family; the model-agnostic base imports no model family)."""
+inner layers (``tensor_parallel/``, ``transformer/``, ``pipeline/``, ``optimizer/`` and ``data/`` import
+neither Lightning nor the strategy, the CLI, callbacks, checks, the LightningDataModules or a model family;
+the model-agnostic base imports no model family)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,21 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_megatron"
 
-INNER = ("lightning_megatron.tensor_parallel", "lightning_megatron.transformer")
-UPWARD = ("lightning", "lightning_megatron.strategy", "lightning_megatron.cli", "lightning_megatron.callbacks",
-          "lightning_megatron.check", "lightning_megatron.models", "lightning_megatron.module",
-          "lightning_megatron.setup_checks", "lightning_megatron.step", "lightning_megatron.optimizer")
+ABOVE_INNER = ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_megatron.strategy",
+               "lightning_megatron.cli", "lightning_megatron.cli_config", "lightning_megatron.config_checks",
+               "lightning_megatron.callbacks", "lightning_megatron.check", "lightning_megatron.models",
+               "lightning_megatron.module", "lightning_megatron.setup_checks", "lightning_megatron.step",
+               "lightning_megatron.datamodules")
+"""What no inner layer imports: Lightning, and the parts of this package built on it."""
+INNER: dict[str, tuple[str, ...]] = {
+    "lightning_megatron.tensor_parallel": (*ABOVE_INNER, "lightning_megatron.optimizer"),
+    "lightning_megatron.transformer": (*ABOVE_INNER, "lightning_megatron.optimizer"),
+    "lightning_megatron.pipeline": ABOVE_INNER,
+    "lightning_megatron.optimizer": ABOVE_INNER,
+    "lightning_megatron.data": ABOVE_INNER,
+}
+"""Inner layer -> what it never imports (the layers and the optimizer's mixed precision, clipping and
+ZeRO-1 sit below the Lightning glue; the datamodules over data/ are that glue)."""
 
 KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 """Edges allowed to close a cycle, each with the change that removes it (none: h-owner's change removed
@@ -25,10 +37,11 @@ def _name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, module_level_only: bool) -> set[str]:
-    """Absolute names this file imports (``from a import b``: ``a.b`` when it is a module, else ``a``)."""
+def _imports(path: Path, module_level_only: bool, name: str | None = None) -> set[str]:
+    """Absolute names this file imports (``from a import b``: ``a.b`` when it is a module, else ``a``);
+    ``name``: the module's name when the file lies outside the package (a test's planted file)."""
     tree = ast.parse(path.read_text(), str(path))
-    me = _name(path)
+    me = name or _name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     nodes = tree.body if module_level_only else list(ast.walk(tree))
     out: set[str] = set()
@@ -101,15 +114,41 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_inner_layers_import_nothing_above_them():
+def _upward_imports(modules: dict[str, Path]) -> list[str]:
+    """``"<module> imports <name>"`` for every import of an inner layer's module that its layer forbids."""
     wrong = []
-    for name, path in _MODULES.items():
-        if name.startswith(INNER):
-            for imported in sorted(_imports(path, module_level_only=False)):
-                if imported.startswith(UPWARD) and not imported.startswith(INNER):
-                    if any(imported == u or imported.startswith(u + ".") for u in UPWARD):
-                        wrong.append(f"{name} imports {imported}")
+    for name, path in sorted(modules.items()):
+        for layer, above in INNER.items():
+            if _under(name, layer):
+                wrong += [f"{name} imports {imported}" for imported in sorted(_imports(path, False, name))
+                          if any(_under(imported, a) for a in above)]
+    return wrong
+
+
+def test_inner_layers_import_nothing_above_them():
+    assert all(any(_under(name, layer) for name in _MODULES) for layer in INNER)
+    wrong = _upward_imports(_MODULES)
     assert not wrong, "\n".join(wrong)
+
+
+def test_an_inner_layer_importing_lightning_is_found(tmp_path):
+    """The rule above sees a planted ``import lightning.pytorch`` in data/ (inside a function too), a
+    datamodule imported from data/, and Lightning in pipeline/ and optimizer/."""
+    planted = {}
+    for name, text in (("lightning_megatron.data.planted_a", "import lightning.pytorch as pl\n"),
+                       ("lightning_megatron.data.planted_b", "def f():\n    from lightning.pytorch import Trainer\n"),
+                       ("lightning_megatron.data.planted_c", "from lightning_megatron.datamodules import GPTDataModule\n"),
+                       ("lightning_megatron.pipeline.planted", "from lightning_fabric import Fabric\n"),
+                       ("lightning_megatron.optimizer.planted", "from lightning_megatron import callbacks\n")):
+        path = tmp_path / f"{name.rsplit('.', 1)[1]}_{len(planted)}.py"
+        path.write_text(text)
+        planted[name] = path
+    assert _upward_imports({**_MODULES, **planted}) == [
+        "lightning_megatron.data.planted_a imports lightning.pytorch",
+        "lightning_megatron.data.planted_b imports lightning.pytorch",
+        "lightning_megatron.data.planted_c imports lightning_megatron.datamodules",
+        "lightning_megatron.optimizer.planted imports lightning_megatron.callbacks",
+        "lightning_megatron.pipeline.planted imports lightning_fabric"]
 
 
 def test_the_generic_base_imports_no_model_family_and_no_strategy():

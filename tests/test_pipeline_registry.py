@@ -151,11 +151,11 @@ class _Cost:
 
 def test_estimates_ask_the_schedule():
     """--estimate-memory holds the schedule's in-flight forwards, --estimate-time idles its bubble."""
-    from lightning_megatron.check.layouts import Layout
+    from lightning_megatron.parallel_dims import ParallelDims
     from lightning_megatron.check.memory import ModelShape, estimate_stage
     from lightning_megatron.check.timing import Device, Efficiency, estimate_time
 
-    cost, layout = _Cost(), Layout(pp=2)  # 8 microbatches of 2 layers per stage
+    cost, layout = _Cost(), ParallelDims(pp=2, dp=1)  # 8 microbatches of 2 layers per stage
     for stage, (one_f_one_b, all_forwards) in enumerate([(2, 8), (1, 8)]):
         head = 50 if stage == 1 else 0
         assert estimate_stage(cost, layout, stage).activation_bytes == one_f_one_b * 2 * 1000 + head
@@ -166,7 +166,7 @@ def test_estimates_ask_the_schedule():
                  devices_per_node=8, latency_intra=0.0, latency_inter=0.0)
     auto = estimate_time(shape, layout, dev, Efficiency())  # 1F1B at p=2: idle (p - 1) = one microbatch's time
     assert estimate_time(shape, layout, dev, Efficiency(), schedule="gpipe").bubble == pytest.approx(auto.bubble)
-    assert estimate_time(shape, Layout(), dev, Efficiency()).bubble == 0.0  # no_pipelining
+    assert estimate_time(shape, ParallelDims(dp=1), dev, Efficiency()).bubble == 0.0  # no_pipelining
     # A schedule idling half the step idles as long as it works: m = 4 microbatches' time.
     half = estimate_time(shape, layout, dev, Efficiency(), schedule=_Fixed())
     assert half.bubble == pytest.approx(4 * auto.bubble, rel=1e-12) and half.compute == auto.compute

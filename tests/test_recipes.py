@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_megatron.recipes import RecipeError, merge_recipes, read_recipe, resolve_config_arguments
+from lightning_megatron.recipes import (
+    MOVED_CLASS_PATHS,
+    RecipeError,
+    merge_recipes,
+    read_recipe,
+    refuse_moved_class_paths,
+    resolve_config_arguments,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAINING = ["bert_tiny", "bert_base", "bert_large"]
@@ -81,6 +88,25 @@ def test_config_arguments_get_the_merged_recipe(tmp_path):
     assert resolve_config_arguments(["--config", long_text]) == ["--config", long_text]
     assert resolve_config_arguments(["--config", "x" * 5000]) == ["--config", "x" * 5000]  # ENAMETOOLONG
 
+
+def test_moved_class_paths_are_refused_where_they_stand(tmp_path):
+    """An old class path as a recipe's value (any section, the short ``data: X`` form too) or a command-line
+    value is refused naming where it stands and the new path; our recipes name none; a mere mention in
+    another value is not a class path."""
+    old, new = "lightning_megatron.data.gpt_datamodule.GPTDataModule", "lightning_megatron.datamodules.gpt.GPTDataModule"
+    assert MOVED_CLASS_PATHS[old] == new
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        refuse_moved_class_paths(read_recipe(recipe), str(recipe))
+    with pytest.raises(RecipeError, match=rf"^mine.yaml \(data\) names {old}, which has moved: use class_path {new} "):
+        refuse_moved_class_paths({"data": old}, "mine.yaml")
+    refuse_moved_class_paths({"data": {"init_args": {"note": f"was {old}"}}}, "mine.yaml")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"base: {ROOT / 'recipes' / 'gpt_tiny.yaml'}\ndata:\n  class_path: {old}\n")
+    with pytest.raises(RecipeError, match=rf"^recipe '{mine}' \(data.class_path\) names {old}, "):
+        refuse_moved_class_paths(["fit", "--config", str(mine)])
+    with pytest.raises(RecipeError, match=rf"^the command line names {old}, "):
+        refuse_moved_class_paths(["fit", "--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), f"--data={old}"])
+    refuse_moved_class_paths(["fit", "--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--data", new])
 
 @pytest.mark.parametrize("name", PRETRAINING)
 def test_pretraining_recipes_start_from_the_shared_one_and_do_not_repeat_it(name):

@@ -3,12 +3,13 @@ in checkpoints and ``check``: each rank's blocks at their global rows of [gate; 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import torch
 
 from lightning_megatron.check.parity import _assemble
 from lightning_megatron.check.worker import global_pieces, module_names
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.sharded_state import ShardedStateMapper, shard_info
 from lightning_megatron.tensor_parallel import (
     ColumnParallelLinear,
@@ -29,10 +30,9 @@ def test_strided_fc1_shards_sit_at_their_global_rows_in_checkpoints_and_check():
     for r in range(t):
         local = torch.nn.Parameter(torch.cat([gate.chunk(t)[r], up.chunk(t)[r]]))
         set_tensor_model_parallel_attributes(local, True, 0, stride=2)
-        info = shard_info(local, r, t)
+        info = shard_info(local, {"tp": r}, {"tp": t})
         assert info.global_shape == (2 * f, h)
-        ps = SimpleNamespace(tp_rank=r, tp_size=t, dp_rank=0, pp_rank=0,
-                             is_pipeline_first_stage=lambda: True)
+        ps = ParallelState(dims=ParallelDims(tp=t, dp=1), rank=r)  # this rank's place, no process groups
         state: dict = {}
         ShardedStateMapper(ps, [("w", local)], []).put(state, "model.w", local.detach(), local)
         per_rank_chunks += state["model.w"].pieces
@@ -46,7 +46,7 @@ def test_strided_fc1_shards_sit_at_their_global_rows_in_checkpoints_and_check():
     for r in range(t):
         target = torch.nn.Parameter(torch.zeros(2 * f // t, h))
         set_tensor_model_parallel_attributes(target, True, 0, stride=2)
-        ps = SimpleNamespace(tp_rank=r, tp_size=t, is_pipeline_first_stage=lambda: True)
+        ps = ParallelState(dims=ParallelDims(tp=t, dp=1), rank=r)
         state = {}
         ShardedStateMapper(ps, [("w", target)], []).put(state, "model.w", target.detach(), target)
         for offsets, chunk in state["model.w"].pieces:  # what DCP does on load

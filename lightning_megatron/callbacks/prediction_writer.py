@@ -37,8 +37,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
-from lightning_megatron.data.datamodule import PretrainingDataModule
 from lightning_megatron.data.predict import SAMPLE_INDEX
+from lightning_megatron.datamodules.pretraining import PretrainingDataModule
 from lightning_megatron.parallel_state import group_rank, group_size, process_group
 from lightning_megatron.strategy import MegatronStrategy
 
@@ -144,7 +144,7 @@ class PredictionWriter(BasePredictionWriter):
 
     @staticmethod
     def _prompt_texts(dm: Any) -> list[str] | None:
-        from lightning_megatron.data.gpt_datamodule import GPTDataModule
+        from lightning_megatron.datamodules.gpt import GPTDataModule
 
         return dm.predict_dataset.texts if isinstance(dm, GPTDataModule) and dm.predict_dataset is not None else None
 

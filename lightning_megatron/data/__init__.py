@@ -1,14 +1,13 @@
 """Data, Megatron's way: WordPiece and byte-level BPE tokenizers, built-in corpus, memory-mapped indexed dataset,
-BERT samples with MLM + sentence-order masking, consumed-samples samplers and a LightningDataModule;
-``LabelledTextDataModule`` for fine-tuning on labelled text (JSONL/CSV/datasets).
+BERT samples with MLM + sentence-order masking, GPT samples, blends, consumed-samples samplers and their loader,
+prediction datasets, and labelled-text readers for fine-tuning (:mod:`~lightning_megatron.data.labelled_text`).
 
-See ``docs/data.md``. The Lightning-free parts import without Lightning; :class:`BertDataModule`
-is loaded on first access.
+Nothing here imports Lightning (tests/test_import_graph.py holds it to that). The LightningDataModules over
+these pieces (``BertDataModule``, ``GPTDataModule``, ``LabelledTextDataModule``) are in
+:mod:`lightning_megatron.datamodules`. See ``docs/data.md``.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.data.bert_dataset import BertDataset, create_masked_lm_predictions, get_train_valid_test_split_
 from lightning_megatron.data.blended import BlendedDataset, build_blending_indices, parse_data_prefix
@@ -23,6 +22,7 @@ from lightning_megatron.data.dataset_vocab import (
 )
 from lightning_megatron.data.gpt_dataset import GPTDataset, build_gpt_indices
 from lightning_megatron.data.indexed_dataset import CorruptIndexedDatasetError, IndexedDataset, IndexedDatasetBuilder
+from lightning_megatron.data.loader import MegatronDataLoader, default_num_workers
 from lightning_megatron.data.preprocess import PreprocessStats, preprocess_corpus
 from lightning_megatron.data.samples_index import build_samples_mapping, cached_samples_mapping
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
@@ -34,13 +34,7 @@ from lightning_megatron.data.tokenizer import (
     train_wordpiece_tokenizer,
 )
 
-if TYPE_CHECKING:
-    from lightning_megatron.data.datamodule import BertDataModule
-    from lightning_megatron.data.gpt_datamodule import GPTDataModule
-    from lightning_megatron.data.labelled_text import LabelledTextDataModule
-
 __all__ = [
-    "BertDataModule",
     "BertDataset",
     "BertTokenizer",
     "BlendedDataset",
@@ -48,11 +42,10 @@ __all__ = [
     "CorpusStats",
     "CorruptIndexedDatasetError",
     "DatasetVocab",
-    "GPTDataModule",
     "GPTDataset",
     "IndexedDataset",
     "IndexedDatasetBuilder",
-    "LabelledTextDataModule",
+    "MegatronDataLoader",
     "MegatronPretrainingRandomSampler",
     "MegatronPretrainingSampler",
     "PreprocessStats",
@@ -63,6 +56,7 @@ __all__ = [
     "cached_samples_mapping",
     "create_masked_lm_predictions",
     "default_corpus_documents",
+    "default_num_workers",
     "default_vocab_file",
     "packaged_vocab_file",
     "get_train_valid_test_split_",
@@ -79,18 +73,3 @@ __all__ = [
     "write_dataset_vocab",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "BertDataModule":  # importing lightning.pytorch costs seconds: only when asked for
-        from lightning_megatron.data.datamodule import BertDataModule
-
-        return BertDataModule
-    if name == "GPTDataModule":
-        from lightning_megatron.data.gpt_datamodule import GPTDataModule
-
-        return GPTDataModule
-    if name == "LabelledTextDataModule":
-        from lightning_megatron.data.labelled_text import LabelledTextDataModule
-
-        return LabelledTextDataModule
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

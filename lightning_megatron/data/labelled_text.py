@@ -1,48 +1,46 @@
-"""Fine-tuning data: the user's labelled text (one text or a text pair, and a label), GLUE-shaped.
+"""Labelled text, read and encoded without Lightning: one text or a text pair, and a label, GLUE-shaped.
 
-:class:`LabelledTextDataModule` reads rows from
+Rows come from
 
 - ``.jsonl`` / ``.json`` files (one JSON object per line), ``.csv`` or ``.tsv`` files (a header row),
-- a Hugging Face ``datasets`` folder written by ``save_to_disk`` (a ``DatasetDict``: its splits by
-  name; a ``Dataset``: the training split), or a ``datasets`` object (``datasets`` is the optional
-  ``hf`` extra, imported only then),
+- a Hugging Face ``datasets`` folder written by ``save_to_disk`` or a ``datasets`` object
+  (``datasets`` is the optional ``hf`` extra, imported only then);
 
-takes the text under ``text_key`` (and the second text under ``text_pair_key``), the label under
-``label_key``, and encodes each row as BERT does: ``[CLS] a [SEP]`` or ``[CLS] a [SEP] b [SEP]``
-(token types 0 then 1), the longer text truncated first, padded to ``max_seq_length``.
+:func:`read_labelled_rows` takes the text under ``text_key`` (and the second text under ``text_pair_key``)
+and the label under ``label_key``, refusing (the file, the row and the value named) a file without rows, a
+column that is not there (listing the columns there are) and a label that is no class; the
+``lightning-megatron`` command runs the same on a section's files before it launches any process
+(:func:`labelled_files_problems`). Rows are counted from 1 (a CSV file's header is not a row).
+:func:`encode_rows` encodes each row as BERT does: ``[CLS] a [SEP]`` or
+``[CLS] a [SEP] b [SEP]`` (token types 0 then 1), the longer text truncated first, padded to
+``max_seq_length``.
 
-The four GLUE task shapes: SST-2 (one sentence, 2 classes), CoLA (one sentence, 2 classes, Matthews
-correlation), MNLI (a pair, 3 classes), STS-B (a pair, a real-valued score: ``task="regression"``,
-one output, mean-squared error). Classification labels are class ids ``0..num_classes-1`` or names
-listed in ``labels`` (``[negative, positive]``: "positive" is class 1).
-
-Splits: ``train``/``validation``/``test`` files (or a DatasetDict's splits); a missing validation or
-test split is carved from the training rows by ``val_fraction`` / ``test_fraction`` (seeded).
-The files are read by :mod:`~lightning_megatron.data.labelled_files`, which the CLI also runs before launch.
-
-:class:`FinetuneDataModule` is the shared part (tokenizer, encoding, data-parallel sharding,
-loaders); the built-in docstring task (``models/bert/docstring_task.py``) is one too.
+The Lightning side, the splits and the loaders: :class:`~lightning_megatron.datamodules.finetune.LabelledTextDataModule`
+and its base :class:`~lightning_megatron.datamodules.finetune.FinetuneDataModule`.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
-import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, DistributedSampler
-from typing_extensions import override
 
-from lightning_megatron.data.datamodule import MegatronDataLoader
-from lightning_megatron.data.labelled_files import (FILE_SUFFIXES, SPLITS, Row, file_where, read_labelled_rows,
-                                                    read_records)
-from lightning_megatron.data.predict import IndexedSamples, PredictBatchSampler
+from lightning_megatron.data.corpus import read_utf8_text
 
-__all__ = ["FinetuneDataModule", "LabelledTextDataModule", "encode_rows"]
+__all__ = ["EncodedRows", "MissingColumnError", "Row", "encode_rows", "file_where", "labelled_files_problems",
+           "read_labelled_rows", "read_records"]
+
+Row = tuple[str, str | None, float | int]
+"""(text, second text or None, label): a class id, or a real value for regression."""
+
+SPLITS = ("train", "validation", "test")
+FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
 
 
 class EncodedRows(torch.utils.data.Dataset):
@@ -114,241 +112,109 @@ def _load_hf(source: Any) -> Any:
     return datasets.load_from_disk(os.fspath(source))
 
 
-class FinetuneDataModule(LightningDataModule):
-    """What every fine-tuning datamodule shares: the WordPiece tokenizer of the pretrained model,
-    rows encoded by :func:`encode_rows`, and loaders sharded over the data-parallel ranks (each rank
-    takes ``global_batch_size / dp`` rows per step; every TP/PP rank of a replica the same ones).
-
-    Subclasses implement :meth:`read_splits` (rows per split) and :attr:`num_classes` (1: regression).
-    """
-
-    def __init__(self, *, vocab_file: str | None = None, lowercase: bool | None = None, max_seq_length: int = 128,
-                 global_batch_size: int = 32, micro_batch_size: int = 16, seed: int = 1234) -> None:
-        super().__init__()
-        if global_batch_size % micro_batch_size:
-            raise ValueError(f"global_batch_size={global_batch_size} must be a multiple of "
-                             f"micro_batch_size={micro_batch_size}")
-        if max_seq_length < 4:
-            raise ValueError(f"max_seq_length={max_seq_length} must leave room for [CLS] text [SEP] (>= 4)")
-        self.vocab_file, self.lowercase = vocab_file, lowercase
-        self.max_seq_length = max_seq_length
-        self.global_batch_size, self.micro_batch_size, self.seed = global_batch_size, micro_batch_size, seed
-        self.datasets: dict[str, EncodedRows] = {}
-        self._tokenizer = None
-
-    @property
-    def num_classes(self) -> int:
-        raise NotImplementedError
-
-    def read_splits(self) -> dict[str, list[Row]]:
-        """Rows of ``train`` and ``validation`` (and ``test`` when there is one)."""
-        raise NotImplementedError
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            from lightning_megatron.data.tokenizer import BertTokenizer
-
-            self._tokenizer = BertTokenizer(self.vocab_file, lowercase=self.lowercase)
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        """Pieces in the vocabulary (the model reads it when its ``vocab_size`` is None)."""
-        return self.tokenizer.vocab_size
-
-    @override
-    def setup(self, stage: str | None = None) -> None:
-        if self.datasets:
-            return
-        for split, rows in self.read_splits().items():
-            if rows:
-                self.datasets[split] = encode_rows(self.tokenizer, rows, self.max_seq_length,
-                                                   regression=self.num_classes == 1)
-
-    def _dp(self) -> tuple[int, int]:
-        """(rank, size) of this process's data-parallel group: the MegatronStrategy's, else the world's."""
-        from lightning_megatron.strategy import MegatronStrategy
-
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        if isinstance(strategy, MegatronStrategy) and strategy.parallel_state is not None:
-            return strategy.parallel_state.dp_rank, strategy.parallel_state.dp_size
-        if self.trainer is not None:
-            return self.trainer.global_rank, self.trainer.world_size
-        return 0, 1
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        dataset = self.datasets.get(split)
-        if dataset is None:
-            raise ValueError(f"{type(self).__name__} has no {split!r} split: give the file (data.{split}) or a "
-                             f"fraction of the training rows (data.val_fraction / data.test_fraction)")
-        rank, size = self._dp()
-        per_rank = self.global_batch_size // size
-        if self.global_batch_size % size:
-            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by the {size} "
-                             f"data-parallel ranks; choose a multiple of {size}")
-        if not shuffle:
-            # Evaluation sees every row once: full global batches (the microbatch schedule needs equal
-            # microbatches), the last one padded with sample_index -1, which the module leaves out of
-            # its loss and metrics.
-            sampler = PredictBatchSampler(total_samples=len(dataset), local_batch_size=per_rank,
-                                          data_parallel_rank=rank, data_parallel_size=size)
-            return MegatronDataLoader(IndexedSamples(dataset), batch_sampler=sampler)
-        if len(dataset) < self.global_batch_size:
-            raise ValueError(f"the {split} split has {len(dataset)} rows and global_batch_size="
-                             f"{self.global_batch_size}: a training step needs a full global batch; lower "
-                             f"data.global_batch_size")
-        # Training takes full global batches only: at most global_batch_size - 1 rows of an epoch are
-        # left out (a different set each epoch, as the shuffle changes).
-        sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed,
-                                     drop_last=True)
-        return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", shuffle=False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test" if "test" in self.datasets else "validation", shuffle=False)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        return self.test_dataloader()
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+class MissingColumnError(ValueError):
+    """A row lacks the column ``text_key`` / ``text_pair_key`` / ``label_key`` names."""
 
 
-class LabelledTextDataModule(FinetuneDataModule):
-    """Your labelled text for sequence classification or regression (see the module docstring).
+def file_where(split: str, path: str | os.PathLike[str]) -> str:
+    """How errors name the file of a split: ``data.train '/path/train.jsonl'``."""
+    return f"data.{split} {os.fspath(path)!r}"
 
-    Args:
-        train, validation, test: ``.jsonl``/``.json``/``.csv``/``.tsv`` files of the splits.
-        dataset: instead of files, a Hugging Face ``datasets`` folder (``save_to_disk``) or object; a
-            DatasetDict's splits are taken by the names in ``split_names``.
-        split_names: the DatasetDict's split of each of train/validation/test (MNLI:
-            ``{validation: validation_matched}``).
-        text_key, text_pair_key, label_key: the columns (``text_pair_key`` None: one text per row).
-        task: ``classification`` (cross entropy over ``num_classes``) or ``regression`` (one
-            output, mean-squared error; STS-B).
-        labels: the class names in class-id order, when the label column holds names.
-        num_classes: classes when the labels are ids (None: ``len(labels)``; 1 for regression).
-        val_fraction, test_fraction: share of the training rows held out for a missing
-            validation / test split (seeded shuffle).
-        vocab_file: the pretrained model's vocabulary (``vocab.txt`` or a ``tokenizer.json``);
-            None: the packaged BERT vocabulary.
-        lowercase: lowercase before WordPiece; None: as the vocabulary says (see
-            :class:`~lightning_megatron.data.tokenizer.BertTokenizer`).
-        max_seq_length, global_batch_size, micro_batch_size, seed: as the other datamodules.
-    """
 
-    def __init__(self, train: str | None = None, validation: str | None = None, test: str | None = None, *,
-                 dataset: Any = None, split_names: dict[str, str] | None = None, text_key: str = "sentence",
-                 text_pair_key: str | None = None, label_key: str = "label",
-                 task: Literal["classification", "regression"] = "classification",
-                 labels: list[str] | None = None, num_classes: int | None = None,
-                 val_fraction: float = 0.0, test_fraction: float = 0.0, vocab_file: str | None = None,
-                 lowercase: bool | None = None, max_seq_length: int = 128, global_batch_size: int = 32,
-                 micro_batch_size: int = 16, seed: int = 1234) -> None:
-        super().__init__(vocab_file=vocab_file, lowercase=lowercase, max_seq_length=max_seq_length,
-                         global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed)
-        if task not in ("classification", "regression"):
-            raise ValueError(f"task={task!r} must be 'classification' or 'regression'")
-        if (dataset is None) == (train is None):
-            raise ValueError("give the training data either as files (data.train, data.validation, data.test) or "
-                             "as a Hugging Face datasets folder/object (data.dataset), one of the two")
-        if dataset is not None and (validation or test):
-            raise ValueError("data.dataset brings its own splits: leave data.validation / data.test unset "
-                             "(or choose the splits with data.split_names)")
-        for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name}={value} must be in [0, 1)")
-        if val_fraction + test_fraction >= 1.0:
-            raise ValueError(f"val_fraction + test_fraction = {val_fraction + test_fraction} leaves no training rows")
-        if validation and val_fraction:
-            raise ValueError(f"data.validation={validation!r} and data.val_fraction={val_fraction}: "
-                             f"use one of the two")
-        if test and test_fraction:
-            raise ValueError(f"data.test={test!r} and data.test_fraction={test_fraction}: use one of the two")
-        if task == "regression":
-            if labels or num_classes not in (None, 1):
-                raise ValueError(f"task='regression' predicts one value: drop data.labels={labels} / "
-                                 f"data.num_classes={num_classes}")
-        elif labels is not None and num_classes is not None and num_classes != len(labels):
-            raise ValueError(f"data.num_classes={num_classes} but data.labels names {len(labels)} classes {labels}")
-        elif labels is None and num_classes is None:
-            raise ValueError("task='classification' needs the classes: data.labels (their names, in class-id "
-                             "order) or data.num_classes (when the labels are ids 0..num_classes-1)")
-        elif (num_classes if labels is None else len(labels)) < 2:
-            raise ValueError(f"classification needs at least 2 classes (data.num_classes={num_classes}, "
-                             f"data.labels={labels}); one output is task='regression'")
-        for split, path in (("train", train), ("validation", validation), ("test", test)):
-            if path is not None and Path(path).suffix.lower() not in FILE_SUFFIXES:
-                raise ValueError(f"data.{split}={path!r}: use .jsonl, .json (one object per line), .csv or .tsv "
-                                 f"files, or a Hugging Face datasets folder (data.dataset)")
-        unknown = set(split_names or {}) - set(SPLITS)
-        if unknown:
-            raise ValueError(f"data.split_names has {sorted(unknown)}: its keys are {list(SPLITS)}")
-        self.files = {"train": train, "validation": validation, "test": test}
-        self.dataset = dataset
-        self.split_names = {s: s for s in SPLITS} | dict(split_names or {})
-        self.keys = dict(text_key=text_key, text_pair_key=text_pair_key, label_key=label_key)
-        self.task, self.labels, self._num_classes = task, labels, num_classes
-        self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        # The model's num_classes is the one recorded (the CLI links it from this datamodule's property):
-        # Lightning refuses two different values under one name.
-        self.save_hyperparameters(ignore=["num_classes"] + (
-            [] if isinstance(dataset, (str, os.PathLike, type(None))) else ["dataset"]))
+def read_records(path: Path, where: str | None = None) -> list[dict[str, Any]]:
+    """The records of a ``.jsonl`` / ``.json`` (one JSON object per line) or ``.csv`` / ``.tsv`` file (a
+    header row); ``where`` names it in errors (default: the path)."""
+    where = where or repr(str(path))
+    if not path.is_file():
+        raise FileNotFoundError(f"labelled data file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix not in FILE_SUFFIXES:
+        raise ValueError(f"labelled data file {str(path)!r}: use .jsonl, .json (one object per line), .csv or .tsv, "
+                         f"or a Hugging Face datasets folder (dataset=...)")
+    text = read_utf8_text(path, where)
+    if suffix in (".csv", ".tsv"):
+        return list(csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",",
+                                   quoting=csv.QUOTE_MINIMAL))
+    records = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} line {line_no} is not JSON ({error}): a .jsonl file holds one JSON object "
+                             f"per line") from None
+    return records
 
-    @property
-    def num_classes(self) -> int:
-        """Outputs of the classifier: 1 for regression (the CLI passes this to the model)."""
-        if self.task == "regression":
-            return 1
-        return len(self.labels) if self.labels is not None else int(self._num_classes)
 
-    def _records(self) -> dict[str, tuple[Any, str]]:
-        if self.dataset is None:
-            return {s: (read_records(Path(f), file_where(s, f)), file_where(s, f)) for s, f in self.files.items() if f}
-        loaded = _load_hf(self.dataset)
-        where = repr(os.fspath(self.dataset)) if isinstance(self.dataset, (str, os.PathLike)) else "the dataset"
-        if not hasattr(loaded, "keys"):  # one Dataset: the training rows
-            return {"train": (loaded, where)}
-        available = list(loaded.keys())
-        out = {}
-        for split, name in self.split_names.items():
-            if name in available:
-                out[split] = (loaded[name], f"{where}[{name!r}]")
-            elif split == "train" or name != split:
-                raise ValueError(f"the DatasetDict {where} has the splits {available}, not {name!r}: set "
-                                 f"data.split_names.{split}")
-        return out
+def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key: str | None, label_key: str,
+                       regression: bool, labels: Sequence[str] | None, num_classes: int | None = None) -> list[Row]:
+    """(text, pair, label) of each record (dicts, or a ``datasets.Dataset``). Refused, naming ``where``, the
+    row and the value: no rows at all, a key that is not a column (listing the row's keys), a label that is
+    not a class (a name outside ``labels``, an id outside ``0..num_classes-1``), a text that is no string."""
+    names = {str(name): i for i, name in enumerate(labels)} if labels else None
+    rows: list[Row] = []
+    for i, rec in enumerate(records, 1):
+        if not isinstance(rec, Mapping):
+            raise ValueError(f"{where} row {i} is a {type(rec).__name__}, not an object with the text and the label")
+        options = (("text_key", text_key), ("text_pair_key", text_pair_key), ("label_key", label_key))
+        missing = [(option, key) for option, key in options if key is not None and key not in rec]
+        if missing:
+            raise MissingColumnError(f"{where} row {i} has no column {' or '.join(repr(k) for _, k in missing)}: its columns "
+                             f"are {sorted(rec)}; set {' / '.join(f'--data.{o}' for o, _ in missing)} to the one that "
+                             f"holds the {'label' if missing[0][0] == 'label_key' else 'text'}")
+        raw = rec[label_key]
+        try:
+            if regression:
+                label: float | int = float(raw)
+            elif names is not None and str(raw) in names:
+                label = names[str(raw)]
+            else:
+                label = int(raw)
+                if names is not None and not 0 <= label < len(names):
+                    raise ValueError
+        except (TypeError, ValueError):
+            hint = (f"one of data.labels={list(labels)}" if names is not None else
+                    "a class id (or list the label names in data.labels)")
+            raise ValueError(f"{where} row {i}: label {raw!r} is not {hint}"
+                             + ("" if raw not in (-1, "-1") else " (GLUE's test splits are unlabelled: -1)")) from None
+        if names is None and not regression and num_classes is not None and not 0 <= label < num_classes:
+            raise ValueError(f"{where} row {i}: label {raw!r} is outside the classes 0..{num_classes - 1} "
+                             f"(data.num_classes={num_classes}); set data.num_classes (or data.labels) to the "
+                             f"task's classes")
+        text = rec[text_key]
+        pair = rec[text_pair_key] if text_pair_key is not None else None
+        if not isinstance(text, str) or (text_pair_key is not None and not isinstance(pair, str)):
+            raise ValueError(f"{where} row {i}: the text under {text_key!r}"
+                             f"{'' if text_pair_key is None else f' / {text_pair_key!r}'} is not a string")
+        rows.append((text, pair, label))
+    if not rows:
+        raise ValueError(f"{where} is empty: it holds no rows (a .jsonl file: one JSON object per line; .csv / "
+                         f".tsv: a header, then one row per example)")
+    return rows
 
-    @override
-    def read_splits(self) -> dict[str, list[Row]]:
-        regression = self.task == "regression"
-        found = {s: read_labelled_rows(records, where, **self.keys, regression=regression, labels=self.labels,
-                                       num_classes=None if regression else self.num_classes)
-                 for s, (records, where) in self._records().items()}
-        train = found["train"]
-        carve = [(s, f) for s, f in (("validation", self.val_fraction), ("test", self.test_fraction)) if f]
-        if carve:
-            order = list(range(len(train)))
-            random.Random(self.seed).shuffle(order)
-            start = 0
-            for split, fraction in carve:
-                n = max(1, int(len(train) * fraction))
-                found[split] = [train[i] for i in order[start: start + n]]
-                start += n
-            held = set(order[:start])
-            found["train"] = [r for i, r in enumerate(train) if i not in held]
-        if "validation" not in found:
-            raise ValueError("no validation split: give data.validation (a file), a DatasetDict with one, or "
-                             "data.val_fraction (a share of the training rows)")
-        return found
+
+def labelled_files_problems(args: Mapping[str, Any]) -> list[str]:
+    """Before launch: the problems of the split files a LabelledTextDataModule section names (``args``: its
+    arguments, every one given), one line each. A ``dataset`` folder is read at set-up."""
+    if args.get("dataset") is not None:
+        return []
+    regression = args.get("task") == "regression"
+    labels = args.get("labels")
+    num_classes = None if regression or labels else args.get("num_classes")
+    problems = []
+    for split in SPLITS:
+        path = args.get(split)
+        if path is None or Path(path).suffix.lower() not in FILE_SUFFIXES:
+            continue  # the constructor refuses a suffix
+        where = file_where(split, path)
+        try:
+            read_labelled_rows(read_records(Path(path), where), where, text_key=args["text_key"],
+                               text_pair_key=args.get("text_pair_key"), label_key=args["label_key"],
+                               regression=regression, labels=labels,
+                               num_classes=num_classes if isinstance(num_classes, int) else None)
+        except (ValueError, OSError) as error:
+            problems.append(str(error))
+            if isinstance(error, MissingColumnError):
+                break  # the same keys name every split's columns: said once
+    return problems

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from typing_extensions import override
 
-from lightning_megatron.data.labelled_files import Row
-from lightning_megatron.data.labelled_text import FinetuneDataModule
+from lightning_megatron.data.labelled_text import Row
+from lightning_megatron.datamodules.finetune import FinetuneDataModule
 
 __all__ = ["DEFAULT_PACKAGES", "stdlib_docstrings", "StdlibDocstringDataModule"]
 
@@ -57,9 +57,9 @@ class StdlibDocstringDataModule(FinetuneDataModule):
         samples_per_class: docstrings kept per package (fewer if a package has fewer).
         val_fraction: share of each class held out for validation (and test).
         max_seq_length: tokens per sample ([CLS] text [SEP], truncated, padded).
-        global_batch_size / micro_batch_size: as :class:`~lightning_megatron.data.BertDataModule`.
+        global_batch_size / micro_batch_size: as :class:`~lightning_megatron.datamodules.pretraining.BertDataModule`.
         seed: sampling, split and shuffling seed.
-        lowercase: as :class:`~lightning_megatron.data.labelled_text.LabelledTextDataModule`.
+        lowercase: as :class:`~lightning_megatron.datamodules.finetune.LabelledTextDataModule`.
     """
 
     def __init__(self, vocab_file: str | None = None, *, packages: list[str] | None = None,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_megatron.data.datamodule import NO_PADDING  # set on the host by BertDataModule: skip the mask, no sync
+from lightning_megatron.datamodules.pretraining import NO_PADDING  # set on the host: skip the mask, no sync
 from lightning_megatron.models.bert.interop import ARCHITECTURE_KEYS, MISSING_TENSORS_HINT, BertInterop
 from lightning_megatron.models.bert.metrics import eval_stage as _eval_stage
 from lightning_megatron.models.bert.metrics import log_epoch_metrics, on_device, pretraining_metrics

@@ -310,7 +310,7 @@ class GPTLightningModule(MegatronLightningModule):
         (refused when there is no tokenizer to take it from), else None."""
         if not self.hparams.get("predict_stop_at_eod", True):
             return None
-        from lightning_megatron.data.datamodule import PretrainingDataModule  # the data side, at predict time
+        from lightning_megatron.datamodules.pretraining import PretrainingDataModule  # the data side, at predict time
 
         dm = self.trainer.datamodule if self._trainer is not None else None
         if not isinstance(dm, PretrainingDataModule):

@@ -1,8 +1,8 @@
 """``GPTDataModule``: decoder pretraining data (:mod:`~lightning_megatron.data.gpt_dataset`) for Lightning.
 
 The same prefixes / blends, splits, batch sizes, samplers, resume state and vocabulary check as
-:class:`~lightning_megatron.data.datamodule.BertDataModule` (their shared base,
-:class:`~lightning_megatron.data.datamodule.PretrainingDataModule`). A training step receives this
+:class:`~lightning_megatron.datamodules.pretraining.BertDataModule` (their shared base,
+:class:`~lightning_megatron.datamodules.pretraining.PretrainingDataModule`). A training step receives this
 data-parallel rank's share of one global batch: ``tokens`` / ``labels`` int64 ``[b, s]`` and
 ``loss_mask`` float32 ``[b, s]``. ``predict`` reads prompts (``predict_file``) and yields their tokens,
 batched by length (:class:`~lightning_megatron.data.predict.LengthGroupedBatchSampler`).
@@ -18,11 +18,11 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_megatron.data.corpus import default_corpus_fingerprint
-from lightning_megatron.data.datamodule import PretrainingDataModule
 from lightning_megatron.data.gpt_dataset import GPTDataset, check_documents_end_with_eod
 from lightning_megatron.data.indexed_dataset import IndexedDataset
 from lightning_megatron.data.predict import IndexedSamples, LengthGroupedBatchSampler, PromptDataset
 from lightning_megatron.data.preprocess import preprocess_corpus
+from lightning_megatron.datamodules.pretraining import PretrainingDataModule
 
 __all__ = ["GPTDataModule"]
 
@@ -33,7 +33,8 @@ join the items of a document again)."""
 
 class GPTDataModule(PretrainingDataModule):
     """GPT pretraining data, Megatron's way: documents (each ending with EOD) joined into one token
-    stream, ``seq_length + 1``-token samples, shuffled (:class:`~.gpt_dataset.GPTDataset`).
+    stream, ``seq_length + 1``-token samples, shuffled
+    (:class:`~lightning_megatron.data.gpt_dataset.GPTDataset`).
 
     Args:
         data_prefix: prefix of an indexed dataset preprocessed with ``--append-eod``; or a weighted
@@ -53,7 +54,8 @@ class GPTDataModule(PretrainingDataModule):
             (at least one global batch).
         shuffle: ``"sequential"`` (the shuffle index already shuffles; Megatron's default) or
             ``"random"`` (additionally shuffled per epoch per DP rank).
-        num_workers: DataLoader worker processes; ``None``: :func:`~.datamodule.default_num_workers`.
+        num_workers: DataLoader worker processes; ``None``:
+            :func:`~lightning_megatron.data.loader.default_num_workers`.
         cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or
             ``~/.cache/lightning_megatron``.
         samples_cache_dir: where the document / sample / shuffle indices are cached; ``None``: next

@@ -1,4 +1,5 @@
-"""``BertDataModule``: tokenizer, indexed dataset, BERT datasets and consumed-samples samplers for Lightning.
+"""``PretrainingDataModule`` and ``BertDataModule``: tokenizer, indexed dataset, BERT datasets and
+consumed-samples samplers (all of :mod:`lightning_megatron.data`) for Lightning.
 
 The batch a training step receives is this data-parallel rank's share of one global batch:
 ``micro_batch_size * num_microbatches`` samples with ``num_microbatches = global_batch_size //
@@ -12,7 +13,6 @@ checkpoint (``state_dict`` / ``load_state_dict``) or else ``trainer.global_step 
 from __future__ import annotations
 
 import hashlib
-import os
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -27,43 +27,20 @@ from lightning_megatron.data.corpus import default_corpus_fingerprint
 from lightning_megatron.data.dataset_vocab import (TokenizerFamily, check_dataset_vocab, dataset_tokenizer,
                                                    vocab_sidecar_path)
 from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
+from lightning_megatron.data.loader import MegatronDataLoader, default_num_workers
 from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from lightning_megatron.data.tokenizer import default_cache_dir, file_lock
 
-__all__ = ["BertDataModule", "MegatronDataLoader", "NO_PADDING", "PretrainingDataModule", "default_num_workers"]
+__all__ = ["BertDataModule", "NO_PADDING", "PretrainingDataModule"]
 
 NO_PADDING = "no_padding"
 """Batch key set on the host by :meth:`BertDataModule.on_before_batch_transfer`: True when no sample of
 the batch is padded, so that the model skips the attention mask without a device -> host sync."""
 
 
-def default_num_workers(processes_per_node: int = 1) -> int:
-    """DataLoader workers per training process: ``min(4, cores per process - 1)`` when a process has
-    4 cores or more, else 0 (on 2-3 cores a worker only competes with the training process)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    share = cores // max(1, processes_per_node)
-    return min(4, share - 1) if share >= 4 else 0
-
-
-class MegatronDataLoader(DataLoader):
-    """A DataLoader whose position is its batch sampler's ``consumed_samples``, which the datamodule
-    sets from its own checkpointed state when it builds the loader. ``state_dict`` /
-    ``load_state_dict`` exist so that Lightning knows a mid-epoch resume continues where it stopped
-    (and does not warn that the loader is not resumable); they carry nothing themselves."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
-
-
 class PretrainingDataModule(pl.LightningDataModule):
-    """What every pretraining datamodule shares (:class:`BertDataModule`, :class:`~.gpt_datamodule.GPTDataModule`):
+    """What every pretraining datamodule shares (:class:`BertDataModule`, :class:`~.gpt.GPTDataModule`):
     the data prefixes or blend, the built-in corpus's cache, the vocabulary check, the train/valid/test
     split of the documents, the datasets of each split (blended across prefixes), the consumed-samples
     samplers, the DP coordinates and the resume state.
@@ -106,6 +83,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
+        self._no_dataset: dict[str, str] = {}
+        """Split -> why it has no dataset: said when a loop asks for it (a run that never tests is not told)."""
 
     # --- tokenizer and corpus -------------------------------------------------------------------
 
@@ -267,7 +246,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         except ValueError as error:
             if name == "train":
                 raise
-            warnings.warn(f"no {name} dataset: {error}", stacklevel=2)
+            self._no_dataset[name] = str(error)
             return None
         if num_samples is None and len(dataset) < self.global_batch_size:
             dataset = self._make_dataset(indexed, documents, self.global_batch_size)
@@ -308,8 +287,10 @@ class PretrainingDataModule(pl.LightningDataModule):
                    else MegatronPretrainingSampler(**common))
         return self._loader(self.train_dataset, sampler)
 
-    def _eval_loader(self, dataset: Dataset | None) -> DataLoader | list:
+    def _eval_loader(self, dataset: Dataset | None, name: str) -> DataLoader | list:
         if dataset is None:
+            if name in self._no_dataset:
+                warnings.warn(f"no {name} dataset: {self._no_dataset.pop(name)}", stacklevel=3)
             return []
         dp_rank, dp_size = self._dp_coordinates()
         sampler = MegatronPretrainingSampler(
@@ -321,13 +302,13 @@ class PretrainingDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if self.train_dataset is None:
             self.setup("validate")
-        return self._eval_loader(self.val_dataset)
+        return self._eval_loader(self.val_dataset, "valid")
 
     @override
     def test_dataloader(self) -> DataLoader | list:
         if self.train_dataset is None:
             self.setup("test")
-        return self._eval_loader(self.test_dataset)
+        return self._eval_loader(self.test_dataset, "test")
 
     # --- checkpointing ----------------------------------------------------------------------------
 
@@ -372,8 +353,8 @@ class BertDataModule(PretrainingDataModule):
         shuffle: ``"sequential"`` (the samples mapping is already shuffled; Megatron's default) or
             ``"random"`` (additionally shuffled per epoch per DP rank).
         num_workers: DataLoader worker processes (building and masking samples off the training
-            process); ``None``: :func:`default_num_workers` (``min(4, cores per device - 1)`` where a
-            device has 4 cores or more, else 0).
+            process); ``None``: :func:`~lightning_megatron.data.loader.default_num_workers`
+            (``min(4, cores per device - 1)`` where a device has 4 cores or more, else 0).
         cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or
             ``~/.cache/lightning_megatron``.
         samples_cache_dir: where the samples mappings are cached (memory-mapped ``.npy``, one per
