@@ -168,7 +168,10 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             # cli_config.py
             prepare_config(config, given, self.model_class, self.subcommand)
             try:
-                validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
+                validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit"),
+                                                  predicting=self.subcommand == "predict",
+                                                  data_class=self.datamodule_class,
+                                                  running=self.subcommand is not None))
             except ConfigError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
 
@@ -185,6 +188,9 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     extra = defaults.get("callbacks") or []
     defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback(),
                              PredictionWriter()]
+    # A mistyped option that is the prefix of one (--trainer.max_step) is an error, not that option:
+    # argparse's abbreviations off (jsonargparse hands the setting to every subcommand's parser).
+    kwargs["parser_kwargs"] = {"allow_abbrev": False, **(kwargs.get("parser_kwargs") or {})}
     kwargs.setdefault("subclass_mode_model", model_class is None)  # a class named by class_path
     kwargs.setdefault("subclass_mode_data", datamodule_class is None)
     return MegatronCLI(model_class, datamodule_class, args=args,
@@ -259,7 +265,7 @@ def _init_args(spec: Any) -> dict[str, Any] | None:
 
 
 def _preprocess(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron preprocess",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="lightning-megatron preprocess",
                                      description="text/jsonl/Hugging Face corpus -> Megatron indexed dataset "
                                                  "(.bin/.idx, and .vocab.json recording the vocabulary)")
     parser.add_argument("--input", nargs="*", default=None,
@@ -294,7 +300,8 @@ def _preprocess(argv: list[str]) -> None:
 
 
 def _train_tokenizer(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron train-tokenizer",
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="lightning-megatron train-tokenizer",
                                      description="train a WordPiece vocab.txt (BERT) or a byte-level BPE "
                                                  "tokenizer.json (GPT, with <|endoftext|>)")
     parser.add_argument("--type", choices=("wordpiece", "bpe"), default="wordpiece")
@@ -314,8 +321,9 @@ def _train_tokenizer(argv: list[str]) -> None:
 
 
 def _plot(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron plot", description="curves of run folders -> PNG: one "
-                                     "panel per quantity, one line per run (resumes joined), validation as markers")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="lightning-megatron plot",
+                                     description="curves of run folders -> PNG: one panel per quantity, one line per "
+                                                 "run (resumes joined), validation as markers")
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--output", default="loss_curves.png")
     a = parser.parse_args(argv)
@@ -328,7 +336,7 @@ def _plot(argv: list[str]) -> None:
 
 
 def _export(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron export",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="lightning-megatron export",
                                      description="a checkpoint (any TP/PP/DP layout) -> a Hugging Face folder")
     parser.add_argument("format", choices=["hf"], help="hf: transformers BertForPreTraining (post-norm spec), "
                                                        "MegatronBertForPreTraining (pre-norm, the default recipe), "
