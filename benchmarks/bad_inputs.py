@@ -325,6 +325,105 @@ def _cli_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
     ]
 
 
+def _decoder_predict_finetune_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
+    """Issue 34's bad inputs of the decoder, predict, fine-tuning and check surfaces, through the CLI's
+    ``main`` in this process (each is refused before the Trainer is built), and the two data/checkpoint
+    ones that show when the data is read."""
+    import json
+    import pickle
+    import shutil
+
+    import numpy as np
+
+    from lightning_megatron import checkpoint as ckpt
+    from lightning_megatron.cli import main
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.data.gpt_dataset import GPTDataset, document_lengths
+    from lightning_megatron.data.indexed_dataset import IndexedDataset
+    from lightning_megatron.data.preprocess import preprocess_corpus
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    d = tmp / "issue34"
+    d.mkdir()
+    text = "\n\n".join(f"Document {i} is about tensor parallel layers.\nIt splits the weights." for i in range(40))
+    (d / "docs.txt").write_text(text + "\n")
+    preprocess_corpus([d / "docs.txt"], d / "gpt", BPETokenizer(), append_eod=True, progress=False)
+    shutil.copy(f"{d / 'gpt'}.bin", f"{d / 'oov'}.bin")
+    shutil.copy(f"{d / 'gpt'}.idx", f"{d / 'oov'}.idx")
+    indexed = IndexedDataset(d / "oov")
+    data = np.memmap(f"{d / 'oov'}.bin", dtype=indexed.dtype, mode="r+")
+    data[int(document_lengths(indexed)[:5].sum()) + 1] = 9000  # in document 5; the BPE has 8192 pieces
+    data.flush()
+    del data
+    (d / "prompts.txt").write_text("The function returns\nA list of\n")
+    (d / "long.txt").write_text("The function returns\n" + " ".join(["word"] * 60) + "\n")
+    (d / "latin1.txt").write_bytes(b"The function returns\ncaf\xe9 au lait\n")
+    rows = [{"sentence": f"a fine film number {i}", "label": ["negative", "positive"][i % 2]} for i in range(40)]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "empty.jsonl").write_text("")
+    ids = [{"sentence": r["sentence"], "label": i % 2} for i, r in enumerate(rows)]
+    ids[30]["label"] = 7
+    (d / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ids))
+
+    class Payload:
+        def __reduce__(self):
+            import os
+            return (os.system, (f"touch {d / 'payload-ran'}",))
+
+    chunk = d / "chunk_payload"
+    shutil.copytree(ROOT / "tests" / "data" / "ckpt_v1_tp2", chunk)
+    shard = chunk / "__1_0.distcp"
+    shard.write_bytes(pickle.dumps(Payload(), protocol=2))
+    names = ckpt._files(chunk)
+    marker = json.loads((chunk / ckpt.MARKER).read_text())
+    marker.update(format_version=2, files={n: (chunk / n).stat().st_size for n in names},
+                  sha256={n: ckpt.file_sha256(chunk / n) for n in names})  # the attacker rewrites the checksums
+    (chunk / ckpt.MARKER).write_text(json.dumps(marker))
+
+    def oov_sample():
+        ds = GPTDataset(IndexedDataset(d / "oov"), seq_length=16, num_epochs=1, samples_cache_dir=False,
+                        vocab_size=BPETokenizer().vocab_size)
+        for i in range(len(ds)):
+            ds[i]
+
+    gpt = ["--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--trainer.default_root_dir", str(d / "run")]
+    predict = ["predict", *gpt, "--data.predict_file", str(d / "prompts.txt")]
+    finetune = ["finetune", "fit", "--config", str(ROOT / "recipes" / "bert_tiny_sst2.yaml"),
+                "--trainer.default_root_dir", str(d / "ftrun"), "--data.init_args.validation", str(d / "train.jsonl")]
+
+    def cli(*argv: str) -> Callable[[], Any]:
+        return lambda: main(list(argv))
+
+    return [
+        ("decoder", "GPT data_prefix, vocab_file null (its .vocab.json names the BPE): not refused for the vocabulary "
+                    "(stopped by an added timeout 0)",
+         cli("fit", *gpt, "--data.data_prefix", str(d / "gpt"), "--trainer.strategy.init_args.timeout", "0"), BEFORE),
+        ("decoder", "GPT data seq_length 256 > max_sequence_length 128", cli("fit", *gpt, "--data.seq_length", "256"),
+         BEFORE),
+        ("decoder", "token id 9000 in a GPT .bin (BPE of 8192 pieces), drawn by a sample", oov_sample, LATE),
+        ("predict", "--model.predict_temperature 0 (sampling)",
+         cli(*predict, "--model.predict_greedy", "false", "--model.predict_temperature", "0"), BEFORE),
+        ("predict", "--model.predict_top_p 1.5 (sampling)",
+         cli(*predict, "--model.predict_greedy", "false", "--model.predict_top_p", "1.5"), BEFORE),
+        ("predict", "60-token prompt + --model.predict_max_new_tokens 100, 128 positions",
+         cli(*predict[:-1], str(d / "long.txt"), "--model.predict_max_new_tokens", "100"), BEFORE),
+        ("predict", "prompts file that is not UTF-8", cli(*predict[:-1], str(d / "latin1.txt")), BEFORE),
+        ("predict", "--ckpt_path that does not exist", cli(*predict, "--ckpt_path", str(d / "nope.ckpt")), BEFORE),
+        ("finetune", "empty train file", cli(*finetune, "--data.init_args.train", str(d / "empty.jsonl")), BEFORE),
+        ("finetune", "label id 7 with num_classes 2",
+         cli(*finetune, "--data.init_args.train", str(d / "ids.jsonl"), "--data.init_args.validation",
+             str(d / "ids.jsonl"), "--data.init_args.labels", "null", "--data.init_args.num_classes", "2"), BEFORE),
+        ("finetune", "--data.label_key labl (the files have 'label')",
+         cli(*finetune, "--data.init_args.train", str(d / "train.jsonl"), "--data.init_args.label_key", "labl"),
+         BEFORE),
+        ("check", "check --layouts tp3 with 4 heads",
+         cli("check", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--layouts", "tp3"), BEFORE),
+        ("CLI", "abbreviated option --trainer.max_step 50", cli("fit", *gpt, "--trainer.max_step", "50"), BEFORE),
+        ("checkpoint", "pickle payload as tensor chunk __1_0.distcp, checksums rewritten, load_from_checkpoint",
+         lambda: BertLightningModule.load_from_checkpoint(chunk), BEFORE),
+    ]
+
+
 def _setup_worker() -> list[tuple[str, str, str, str]]:
     """Cases that show only once the Trainer runs: one spawned rank, each fit stops at set-up."""
     import torch
@@ -375,7 +474,8 @@ def _outcome(f: Callable[[], Any]) -> tuple[str, str]:
     except SystemExit as e:  # argparse / the CLI: the message went to stderr, or is the exit code
         if isinstance(e.code, int):
             text = err.getvalue()
-            msg = text[text.find("error:"):] if "error:" in text else text[-300:]
+            msg = (_first_problem(text[text.find("error:"):] if "error:" in text else text[-300:])
+                   if "problem(s), found before" not in text else _first_problem(text))
             return f"exit {e.code}", msg
         return "exit 1", _first_problem(str(e.code).replace("lightning-megatron: ", ""))
     except BaseException as e:  # noqa: BLE001 - every outcome is a row
@@ -385,7 +485,7 @@ def _outcome(f: Callable[[], Any]) -> tuple[str, str]:
 
 def _first_problem(msg: str) -> str:
     """A ConfigError's message without its header: the problems, one after another."""
-    if "configuration problem(s)" in msg:
+    if "problem(s), found before" in msg:  # the CLI's ConfigError, check's layout problems
         msg = " | ".join(ln.strip()[2:] for ln in msg.splitlines()[1:] if ln.strip().startswith("- "))
     return msg
 
@@ -414,9 +514,18 @@ AFTER_MERGE = [
      "space, exit 1; other ranks quiet (was 243 lines, 10 tracebacks)", LATE, "benchmarks/trust_faults.py"),
     ("checkpoint", "--ckpt_path last: last.ckpt missing, a complete last.ckpt.tmp-<id>", "resumes from it with a "
      "warning (was: step 0, the temporary deleted)", BEFORE, "tests/test_cli_run_folder.py"),
-    ("training", "NaN gradient at step 2 (fp32, bf16, ZeRO-1; 2 ranks TP=2)", "NonFiniteLossOrGradError naming the "
-     "step and the parameter; last.ckpt untouched (was: NaN every step, exit 0)", LATE,
-     "tests/test_checkpoint_trust.py, tests/test_optimizer_callbacks.py"),
+    ("checkpoint", "fit without --ckpt_path into a checkpoint folder that holds checkpoints", "exit 1 naming the "
+     "folder, its checkpoints (run, step) and the two ways on: --ckpt_path last, a new --trainer.default_root_dir "
+     "(was: a second run's last-v1.ckpt beside the first's)", BEFORE, "tests/test_cli_run_folder.py"),
+    ("checkpoint", "--ckpt_path last where last.ckpt and last-v1.ckpt are two runs'", "exit 1 naming each with its "
+     "run and step (was: the newest file, of either run)", BEFORE, "tests/test_cli_run_folder.py"),
+    ("checkpoint", "a save (SIGTERM's, ModelCheckpoint's, save_checkpoint) onto another run's checkpoint",
+     "CheckpointError naming both runs; nothing written (was: replaced)", LATE,
+     "tests/test_checkpoint_trust.py, tests/test_cli_run_folder.py"),
+    ("training", "NaN gradient at step 2 (fp32 plain or wrapped optimizer, bf16, ZeRO-1; 2 ranks TP=2, NaN on rank 1 "
+     "only)", "NonFiniteLossOrGradError naming the step and the parameter on every rank; last.ckpt untouched (was: "
+     "NaN every step, exit 0; without the megatron_optimizer group still so before this round)", LATE,
+     "tests/test_checkpoint_trust.py, tests/test_optimizer_callbacks.py, tests/test_cli_run_folder.py"),
     ("training", "NaN loss with fp16 dynamic loss scaling", "NonFiniteLossOrGradError (an overflow with a finite loss "
      "is still skipped)", LATE, "tests/test_optimizer_callbacks.py"),
     ("data", "model vocab_size smaller than the data's token ids", "error before training", SETUP,
@@ -434,7 +543,7 @@ def collect(skip_setup: bool = False) -> list[dict[str, str]]:
         tmp = Path(d)
         os.environ.setdefault("WANDB_MODE", "disabled")
         for group, name, f, when in (_config_cases() + _constructor_cases() + _data_and_checkpoint_cases(tmp)
-                                     + _trust_cases(tmp) + _cli_cases(tmp)):
+                                     + _trust_cases(tmp) + _cli_cases(tmp) + _decoder_predict_finetune_cases(tmp)):
             rows.append(_row(group, name, *_outcome(f), when))
     if not skip_setup:
         from dist_utils import run_distributed
@@ -445,8 +554,8 @@ def collect(skip_setup: bool = False) -> list[dict[str, str]]:
 
 
 def markdown(rows: list[dict[str, str]]) -> str:
-    order = ["config", "precision", "strategy", "model", "optimizer", "schedule", "data", "checkpoint", "CLI", "launch",
-             "training"]
+    order = ["config", "precision", "strategy", "model", "optimizer", "schedule", "data", "decoder", "predict",
+             "finetune", "checkpoint", "check", "CLI", "launch", "training"]
     out = ["| group | bad input | gets | message (excerpt) | when |", "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: order.index(r["group"]) if r["group"] in order else 99):
         msg = r["message"].replace("|", "\\|")

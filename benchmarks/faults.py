@@ -8,6 +8,8 @@ at the end of step 5 of 40 (``name``), or inside the forward of step 6, before i
 tensor-parallel collective (``name:mid``: the other rank then waits inside that collective):
 
 - ``sigterm``: SIGTERM to rank 0 (the launcher), as a scheduler's preemption or ``scancel`` would;
+- ``sigint``: SIGINT to every process of the job, as Ctrl-C in its terminal; ``sigint2``: Ctrl-C twice,
+  0.5 s apart;
 - ``kill1``:  SIGKILL of rank 1 (a non-zero rank dies: out of memory, a node failure);
 - ``kill0``:  SIGKILL of rank 0, the launcher (rank 1 is left without its parent);
 - ``raise1``: an exception on rank 1 only.
@@ -100,7 +102,7 @@ def run_scenario(scenario: str, path: str, cap: float) -> dict:
             "seconds_to_exit": None if capped else round(t_exit - t_fault, 1), "capped_at": cap if capped else None,
             "last_step": last, "checkpoint_step": ckpt, "steps_lost": last - ckpt,
             "last_error_line": next((ln.strip()[:160] for ln in reversed(text.splitlines())
-                                     if re.search(r"Error|Exception|SIGTERM at step", ln)), "")}
+                                     if re.search(r"Error|Exception|SIG(TERM|INT) at step", ln)), "")}
 
 
 def _overhead_rank(iters: int = 300) -> float:
@@ -128,7 +130,8 @@ def preemption_overhead() -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cap", type=float, default=120.0)
-    parser.add_argument("--scenarios", default="sigterm,kill1,kill0,raise1,sigterm:mid,kill1:mid,kill0:mid,raise1:mid")
+    parser.add_argument("--scenarios", default="sigterm,sigint,sigint2,kill1,kill0,raise1,sigterm:mid,sigint:mid,"
+                                                "kill1:mid,kill0:mid,raise1:mid")
     parser.add_argument("--paths", default="shm,gloo")
     parser.add_argument("--json", default=None)
     parser.add_argument("--overhead", action="store_true", help="only measure the per-step SIGTERM all-reduce")

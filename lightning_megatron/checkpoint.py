@@ -9,7 +9,7 @@ opts in to unverified checkpoints):
                                written by rank 0, loaded with ``torch.load(weights_only=True)``
       rng/rank_<r>.pt          RNG states of each rank (restored when the layout is unchanged)
       lightning_megatron.json  format version, the layout it was saved at, the size and sha256 of
-                               every other file; written last
+                               every other file, the run id and global step; written last
 
 Tensors are described by :mod:`lightning_megatron.sharded_state` as chunks of global tensors, so
 DCP loads them into any TP / PP / DP layout and into either optimizer (see docs/checkpoints.md).
@@ -18,6 +18,9 @@ Saving (:func:`save`): every rank writes into ``<path>.tmp-<id>`` (stale tempora
 interrupted saves are removed first), hashes the files it wrote, and rank 0 writes the marker and
 swaps the directory in with ``renameat2(RENAME_EXCHANGE)``: ``<path>`` never disappears. A failed
 write (a full disk) is a ``CheckpointError`` on every rank naming the directory and its free space.
+A save never replaces a checkpoint of another run: ``<path>`` holding a checkpoint whose run id
+(:func:`~lightning_megatron.checkpoint_verify.checkpoint_identity`) differs from the saving run's is a
+``CheckpointError`` before anything is written.
 
 Verifying (:func:`verify_checkpoint`, in :mod:`lightning_megatron.checkpoint_verify`, the one check
 of EVERY path that reads a checkpoint: ``--ckpt_path``, ``init_from``, ``export hf``,
@@ -59,6 +62,7 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
     _gather,
     _rank_world,
     allow_unverified,
+    checkpoint_identity,
     file_sha256,
     recover_last,
     validate_checkpoint_dir,
@@ -80,6 +84,7 @@ __all__ = [
     "init_defaults",
     "ALLOW_UNVERIFIED_ENV",
     "allow_unverified",
+    "checkpoint_identity",
     "load",
     "recover_last",
     "remove",
@@ -211,25 +216,42 @@ def _is_disk_full(e: BaseException | None, depth: int = 0) -> bool:
 # ---------------------------------------------------------------------- save
 
 
+def other_run_problem(final: Path, run_id: str | None) -> str | None:
+    """Why saving run ``run_id`` at ``final`` would replace another run's checkpoint; None when it would
+    not (nothing there, the same run, or a run id unknown on either side)."""
+    if run_id is None or not final.is_dir():
+        return None
+    owner, step = checkpoint_identity(final)
+    if owner is None or owner == run_id:
+        return None
+    at = "" if step is None else f" at step {step}"
+    return (f"refusing to save {str(final)!r}: it holds the checkpoint of another run (run {owner}{at}) and this "
+            f"run is {run_id}; a save never replaces another run's checkpoint. Keep one run's checkpoints per folder "
+            f"(a new --trainer.default_root_dir for a new run), or resume run {owner} from that checkpoint")
+
+
 def save(mapper: ShardedStateMapper, checkpoint: dict[str, Any], filepath: str | os.PathLike,
-         layout: dict[str, int | None]) -> None:
+         layout: dict[str, int | None], run_id: str | None = None) -> None:
     """Collective: write ``checkpoint`` (Lightning's dict; model and optimizer state come from
-    ``mapper``) as a sharded checkpoint directory at ``filepath``."""
+    ``mapper``) as a sharded checkpoint directory at ``filepath``, recording ``run_id`` (the saving
+    run: a checkpoint of another run at ``filepath`` is never replaced, see :func:`other_run_problem`)."""
     rank, _ = _rank_world()
     final = Path(filepath)
     tmp, error = None, None
     if rank == 0:
         tmp = final.parent / f"{final.name}{TMP_INFIX}{uuid.uuid4().hex[:8]}"
+        error = other_run_problem(final, run_id)
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            _clean_stale_temporaries(final)
-            (tmp / "rng").mkdir(parents=True)
+            if error is None:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                _clean_stale_temporaries(final)
+                (tmp / "rng").mkdir(parents=True)
         except OSError as e:
             error = _write_error(e, final, final.parent)
     tmp, error = _gather((tmp, error))[0]
     _agree(error)
     try:
-        _write(mapper, checkpoint, final, tmp, layout)
+        _write(mapper, checkpoint, final, tmp, layout, run_id)
     except CheckpointError:
         if rank == 0:
             _remove_path(tmp)
@@ -237,7 +259,7 @@ def save(mapper: ShardedStateMapper, checkpoint: dict[str, Any], filepath: str |
 
 
 def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, tmp: Path,
-           layout: dict[str, int | None]) -> None:
+           layout: dict[str, int | None], run_id: str | None) -> None:
     rank, _ = _rank_world()
     error = None
     include_optimizer = "optimizer_states" in checkpoint
@@ -267,6 +289,10 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
             sums = {k: v for w, _ in gathered for k, v in w.items()}
             files = {name: (tmp / name).stat().st_size for name in sums}
             marker = {"format_version": FORMAT_VERSION, "layout": layout, "files": files, "sha256": sums}
+            if run_id is not None:
+                marker["run_id"] = run_id
+            if isinstance(checkpoint.get("global_step"), int):
+                marker["global_step"] = checkpoint["global_step"]
             with open(tmp / (MARKER + ".tmp"), "w") as f:
                 f.write(json.dumps(marker, indent=1, sort_keys=True))
                 f.flush()

@@ -10,6 +10,10 @@ the user's explicit opt-in (:data:`ALLOW_UNVERIFIED_ENV`, ``--allow-unverified-c
 :func:`recover_last`: ``ckpt_path="last"`` when ``last.ckpt`` is missing but an interrupted save left a
 complete ``last.ckpt.tmp-<id>`` (a file system without an atomic exchange rename): that temporary if
 it verifies, else an error; never a silent restart from step 0.
+
+:func:`checkpoint_identity`: the run that wrote a checkpoint (the ``run_id`` of its marker; before
+markers recorded it, the W&B run id in its ``extra.pt``) and its step, which the save guard and the
+CLI's run-folder rules read (one run's checkpoints per folder; a save never replaces another run's).
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_megatron import dcp_io
 from lightning_megatron.dcp_io import CheckpointError
 
 __all__ = ["ALLOW_UNVERIFIED_ENV", "FORMAT_VERSION", "MARKER", "READABLE_FORMATS", "TMP_INFIX", "allow_unverified",
-           "file_sha256", "recover_last", "validate_checkpoint_dir", "verify_checkpoint"]
+           "checkpoint_identity", "file_sha256", "recover_last", "validate_checkpoint_dir", "verify_checkpoint"]
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -230,3 +235,29 @@ def recover_last(dirpath: str | os.PathLike, name: str = "last") -> Path | None:
         f"ckpt_path='last': {str(d / (name + '.ckpt'))!r} is missing and no interrupted save there can be "
         f"used ({'; '.join(reasons)}); refusing to start again from step 0. Pass --ckpt_path to a complete "
         f"checkpoint, or remove {[p.name for p in temps]} to start anew")
+
+
+def checkpoint_identity(path: str | os.PathLike) -> tuple[str | None, int | None]:
+    """``(run id, global_step)`` of the checkpoint directory ``path``, each None when unknown.
+
+    The run id is the ``run_id`` its marker records (the W&B run id when the run logged to W&B, else a
+    random one: ``MegatronStrategy.run_id``); a checkpoint written before markers recorded it has the
+    W&B run id in its ``extra.pt`` (read with ``weights_only=True``), or none. Nothing is verified here:
+    it names a checkpoint in a message or decides whether a save may replace it, never what is loaded.
+    """
+    path = Path(path)
+    try:
+        info = json.loads((path / MARKER).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        info = None
+    info = info if isinstance(info, dict) else {}
+    run_id, step = info.get("run_id"), info.get("global_step")
+    if not isinstance(run_id, str) or not isinstance(step, int):
+        try:
+            extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu", mmap=True)
+        except Exception:  # noqa: BLE001 - not a readable checkpoint: nothing known about it
+            extra = None
+        if isinstance(extra, dict):
+            run_id = run_id if isinstance(run_id, str) else extra.get("wandb_run_id")
+            step = step if isinstance(step, int) else extra.get("global_step")
+    return (run_id if isinstance(run_id, str) else None), (step if isinstance(step, int) else None)

@@ -110,6 +110,10 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                                           fail_untyped=False, skip={"optimizer"})
             if link_num_classes:  # one place for the classes: the data (labels, or 1 for regression)
                 parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+            parser.add_argument("--log_to_training_run", type=bool, default=False,
+                                help="validate/test: log into the W&B history of the run that wrote --ckpt_path, "
+                                     "at its step (default: a W&B run of their own in its group, and the CSV in "
+                                     "csv/<subcommand>/version_N)")
 
         def parse_arguments(self, parser, args) -> None:
             # --optimizer.lr / --optimizer.weight_decay are the schedule's or the model's (skipped in the
@@ -119,14 +123,25 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             argv = None if isinstance(args, (dict, Namespace)) else list(sys.argv[1:] if args is None else args)
             found = _optimizer_hyperparameter(argv) if argv is not None else None
             if found is None:
-                super().parse_arguments(parser, args)
+                self._parse(parser, args)
                 return
             name, value, rest = found
             if args is None:
                 sys.argv[1:] = rest
-            super().parse_arguments(parser, None if args is None else rest)  # the rest, to see the lr_schedule
+            self._parse(parser, None if args is None else rest)  # the rest, to see the lr_schedule
             config = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
             raise SystemExit(_optimizer_hyperparameter_message(name, value, bool(config.get("lr_schedule"))))
+
+        def _parse(self, parser, args) -> None:
+            # LightningCLI.parse_arguments, without its warning about `args` given while sys.argv holds
+            # arguments: `finetune` passes them on purpose (sys.argv keeps the word `finetune` for the ranks
+            # Lightning starts with it), and the warning printed the whole merged recipe on one line.
+            from jsonargparse import Namespace
+
+            if isinstance(args, (dict, Namespace)):
+                self.config = parser.parse_object(args)
+            else:
+                self.config = parser.parse_args(args)
 
         def instantiate_classes(self) -> None:
             super().instantiate_classes()
@@ -152,9 +167,14 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 raise SystemExit(f"lightning-megatron: --lr_scheduler {config.lr_scheduler.class_path} and the "
                                  f"lr_schedule section (OptimizerParamSchedulerCallback) would both set the lr every "
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
-            prepare_config(config, given, self.model_class)  # named callbacks, run folder, init_from, last, W&B: cli_config.py
+            # named callbacks, run folder, init_from, one run per checkpoint folder, last, evaluation logs, W&B:
+            # cli_config.py
+            prepare_config(config, given, self.model_class, self.subcommand)
             try:
-                validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit")))
+                validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit"),
+                                                  predicting=self.subcommand == "predict",
+                                                  data_class=self.datamodule_class,
+                                                  running=self.subcommand is not None))
             except ConfigError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
 
@@ -171,6 +191,9 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     extra = defaults.get("callbacks") or []
     defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), WandbRunIdCallback(),
                              PredictionWriter()]
+    # A mistyped option that is the prefix of one (--trainer.max_step) is an error, not that option:
+    # argparse's abbreviations off (jsonargparse hands the setting to every subcommand's parser).
+    kwargs["parser_kwargs"] = {"allow_abbrev": False, **(kwargs.get("parser_kwargs") or {})}
     kwargs.setdefault("subclass_mode_model", model_class is None)  # a class named by class_path
     kwargs.setdefault("subclass_mode_data", datamodule_class is None)
     return MegatronCLI(model_class, datamodule_class, args=args,
@@ -299,7 +322,7 @@ def _init_args(spec: Any) -> dict[str, Any] | None:
 
 
 def _preprocess(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron preprocess",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="lightning-megatron preprocess",
                                      description="text/jsonl/Hugging Face corpus -> Megatron indexed dataset "
                                                  "(.bin/.idx, and .vocab.json recording the vocabulary)")
     parser.add_argument("--input", nargs="*", default=None,
@@ -334,7 +357,8 @@ def _preprocess(argv: list[str]) -> None:
 
 
 def _train_tokenizer(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron train-tokenizer",
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="lightning-megatron train-tokenizer",
                                      description="train a WordPiece vocab.txt (BERT) or a byte-level BPE "
                                                  "tokenizer.json (GPT, with <|endoftext|>)")
     parser.add_argument("--type", choices=("wordpiece", "bpe"), default="wordpiece")
@@ -354,8 +378,9 @@ def _train_tokenizer(argv: list[str]) -> None:
 
 
 def _plot(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron plot", description="curves of run folders -> PNG: one "
-                                     "panel per quantity, one line per run (resumes joined), validation as markers")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="lightning-megatron plot",
+                                     description="curves of run folders -> PNG: one panel per quantity, one line per "
+                                                 "run (resumes joined), validation as markers")
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--output", default="loss_curves.png")
     a = parser.parse_args(argv)
@@ -368,7 +393,7 @@ def _plot(argv: list[str]) -> None:
 
 
 def _export(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-megatron export",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="lightning-megatron export",
                                      description="a checkpoint (any TP/PP/DP layout) -> a Hugging Face folder")
     parser.add_argument("format", choices=["hf"], help="hf: transformers BertForPreTraining (post-norm spec), "
                                                        "MegatronBertForPreTraining (pre-norm, the default recipe), "
@@ -453,7 +478,34 @@ def _take_allow_unverified(argv: list[str]) -> list[str]:
     return [a for a in argv if a != ALLOW_UNVERIFIED_FLAG]
 
 
+def _filter_dependency_noise() -> None:
+    """Filter what dependencies print on every run that asks nothing of a user, narrowly (by message and
+    origin) and only in this process: the entry point of the command, never at import (a library leaves
+    process-wide filters alone). Each filter names its reason; everything else is shown."""
+    import logging
+    import warnings
+
+    # torch >= 2.10 deprecates constructing `LeafSpec`, which Lightning 2.6's CombinedLoader still does at
+    # the start of every loop (a FutureWarning per loader): nothing a user can change.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    # Lightning cannot inject drop_last=False into a batch sampler of its own kind and warns that
+    # prediction may miss samples; ours pad the last global batch (of each prompt length) and yield every
+    # sample once (tests/test_gpt_predict.py, tests/test_cli_recipes.py).
+    warnings.filterwarnings("ignore", message=r"You are using a custom batch sampler "
+                                              r"`(LengthGroupedBatchSampler|PredictBatchSampler)`",
+                            module=r"lightning\.pytorch\.utilities\.data")
+    # Lightning's tips for its cloud services (litlogger, litmodels), logged at every Trainer start.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_cloud_tip_filter)  # once: same object
+
+
+def _cloud_tip_filter(record: Any) -> bool:
+    """False for Lightning's "💡 Tip: For seamless cloud ..." records (:func:`_filter_dependency_noise`)."""
+    return not str(record.msg).startswith("💡 Tip: For seamless cloud")
+
+
 def main(argv: list[str] | None = None) -> None:
+    _filter_dependency_noise()
     from_sys_argv = argv is None
     argv = _take_allow_unverified(list(sys.argv[1:] if argv is None else argv))
     if from_sys_argv:
@@ -470,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         # Imported here: `plot`, `preprocess`, `train-tokenizer` and `--help` need no torch.
         from lightning_megatron.checkpoint import CheckpointError
-        from lightning_megatron.optimizer import NonFiniteLossOrGradError
+        from lightning_megatron.step import NonFiniteLossOrGradError
 
         if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError)):
             raise

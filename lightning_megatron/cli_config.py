@@ -2,8 +2,10 @@
 
 Called in order by ``lightning_megatron.cli``'s ``before_instantiate_classes``: the named Megatron
 callback sections into ``trainer.callbacks``, the progress bar and model summary, ``--model.init_from``'s
-architecture, one run folder for logs and checkpoints, ``--ckpt_path last`` (an interrupted save
-recovered), the W&B mode and the W&B run a checkpoint continues. No Lightning import at module level.
+architecture, one run folder for logs and checkpoints, one run's checkpoints per checkpoint folder
+(``--ckpt_path last`` resolved to this run's newest state, an interrupted save recovered; a new ``fit``
+refused where checkpoints are), where ``validate``/``test``/``predict`` log (beside the training run, not
+in it), the W&B mode and the W&B run a checkpoint continues. No Lightning import at module level.
 """
 
 from __future__ import annotations
@@ -14,16 +16,65 @@ from typing import Any
 __all__ = ["prepare_config"]
 
 
-def prepare_config(config: Any, argv: list[str], model_class: type | None = None) -> None:
+EVALUATION_COMMANDS = ("validate", "test", "predict")
+"""The subcommands that evaluate a checkpoint: they log beside the training run (:func:`_evaluation_logs`)."""
+
+
+def prepare_config(config: Any, argv: list[str], model_class: type | None = None,
+                   subcommand: str | None = "fit") -> None:
     """Every rewrite, in the order they depend on each other (``argv``: the command line's own flags;
-    ``model_class``: the module class when the config does not name one by ``class_path``)."""
+    ``model_class``: the module class when the config does not name one by ``class_path``;
+    ``subcommand``: fit, validate, test or predict; None: only building, no command to run)."""
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
     _architecture_of_init_from(config, argv, model_class)
+    _our_wandb_logger(config)
     _one_run_folder(config)
-    _recover_last(config)
+    _one_run_per_checkpoint_folder(config, fitting=subcommand == "fit")
+    _evaluation_logs(config, subcommand or "fit")
     _wandb_mode(config)
-    _continue_wandb_run(config)
+    _continue_wandb_run(config, subcommand or "fit")
+
+
+def _our_wandb_logger(config) -> None:
+    """Lightning's ``WandbLogger`` named in a recipe becomes :class:`lightning_megatron.loggers.WandbLogger`
+    (its subclass, same arguments: the history indexed by the trainer's step, an offline resume recorded,
+    no deprecated ``anonymous`` setting), as the progress bar and the model summary are replaced by ours. A
+    subclass of your own is kept."""
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    for logger in _entries(trainer.get("logger") if trainer else None):
+        if logger.class_path in ("lightning.pytorch.loggers.WandbLogger", "lightning.pytorch.loggers.wandb.WandbLogger",
+                                 "pytorch_lightning.loggers.WandbLogger"):
+            logger.class_path = "lightning_megatron.loggers.WandbLogger"
+
+
+def _evaluation_logs(config, subcommand: str) -> None:
+    """``validate``/``test``/``predict`` of a checkpoint log beside the training run, not into it: a CSV
+    (or TensorBoard) logger writes ``<name>/<subcommand>/version_N`` (``csv/validate/version_0``), not
+    one more ``csv/version_N`` among the training run's (``plot`` joins those by step); W&B is handled
+    by :func:`_continue_wandb_run`; ``predict`` logs no metrics (Lightning does not let ``predict_step``
+    log), so it gets no W&B run. ``--log_to_training_run true`` (validate/test) puts the evaluation into
+    the training run's W&B history instead, at the checkpoint's step."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+
+    joined = bool(config.get("log_to_training_run")) if hasattr(config, "get") else False
+    if joined and subcommand not in ("validate", "test"):
+        why = ("fit continues the W&B run of its checkpoint already" if subcommand == "fit" else
+               "predict logs no metrics")
+        raise SystemExit(f"lightning-megatron: --log_to_training_run is for validate and test: {why}")
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if subcommand not in EVALUATION_COMMANDS or not trainer:
+        return
+    for logger in _entries(trainer.get("logger")):
+        if _is_subclass(logger.class_path, (CSVLogger, TensorBoardLogger)):
+            name = logger.init_args.get("name")
+            logger.init_args.name = f"{name or 'lightning_logs'}/{subcommand}"
+    if subcommand == "predict":
+        value = trainer.get("logger")
+        items = value if isinstance(value, list) else [value]
+        kept = [lg for lg in items if not (_entries(lg) and _is_subclass(lg.class_path, WandbLogger))]
+        if len(kept) < len(items):
+            trainer.logger = kept if isinstance(value, list) else False
 
 
 def _wandb_mode(config) -> None:
@@ -112,7 +163,7 @@ def _class(class_path: str) -> type | None:
     return cls if isinstance(cls, type) else None
 
 
-def _is_subclass(class_path: str, base: type) -> bool:
+def _is_subclass(class_path: str, base: type | tuple[type, ...]) -> bool:
     cls = _class(class_path)
     return cls is not None and issubclass(cls, base)
 
@@ -194,58 +245,173 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
             f"{where[k]}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning, stacklevel=1)
 
 
-def _recover_last(config) -> None:
-    """``--ckpt_path last`` without ``last.ckpt`` but with the complete save a crash left as
-    ``last.ckpt.tmp-<id>``: that one (its checksums verified); an unusable one is an error, never a
-    silent start from step 0 (:func:`lightning_megatron.checkpoint.recover_last`)."""
+def _checkpoint_folders(trainer) -> list[str]:
+    """The ``dirpath`` of every configured ModelCheckpoint (filled in by :func:`_one_run_folder`)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_megatron.checkpoint import CheckpointError, recover_last
+    folders = [os.path.abspath(os.fspath(c.init_args.dirpath)) for c in _entries(trainer.get("callbacks"))
+               if _is_subclass(c.class_path, ModelCheckpoint) and c.init_args.get("dirpath")]
+    return list(dict.fromkeys(folders))
+
+
+def _saved_entries(folder: str) -> list[str]:
+    """The checkpoints in ``folder`` (``*.ckpt``) and the temporaries of interrupted saves (``*.ckpt.tmp-*``)."""
+    from lightning_megatron.checkpoint import TMP_INFIX
+
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n.endswith(".ckpt") or f".ckpt{TMP_INFIX}" in n)
+
+
+def _describe(path: str) -> str:
+    """``last.ckpt (run 1a2b3c4d, step 700)`` for messages."""
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    run_id, step = checkpoint_identity(path)
+    facts = [f"run {run_id}" if run_id else "run unknown", *([f"step {step}"] if step is not None else [])]
+    return f"{os.path.basename(path)} ({', '.join(facts)})"
+
+
+def _listing(folder: str, names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(_describe(os.path.join(folder, n)) for n in names[:shown]) + more
+
+
+def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
+    """A checkpoint folder (a ModelCheckpoint's ``dirpath``) holds the checkpoints of one run, and
+    ``last`` is the newest state of that run:
+
+    - ``--ckpt_path last``: the newest ``last*.ckpt`` of the folder (by the time its marker was written)
+      when all of them belong to one run (:func:`~lightning_megatron.checkpoint.checkpoint_identity`);
+      the last checkpoints of several runs there are refused, each named with its run and step (never
+      Lightning's "newest file of any run"). None at all: an interrupted save ``last.ckpt.tmp-<id>``
+      that verifies (:func:`~lightning_megatron.checkpoint.recover_last`), else, for ``fit``, a new run
+      (below), for the others Lightning's message;
+    - ``fit`` starting a new run (no ``--ckpt_path``) where checkpoints are: refused, naming the folder
+      and the two ways on (resume with ``--ckpt_path last``, or a new ``--trainer.default_root_dir``);
+    - ``fit --ckpt_path PATH`` of a checkpoint outside the folder, where another run's checkpoints are:
+      refused likewise (the folder would hold two runs). A PATH inside the folder continues its run
+      there (a folder mixed before this rule: with a warning; its saves never replace the other run's,
+      see :func:`lightning_megatron.checkpoint.other_run_problem`).
+
+    Refusals exit before any process is launched. A ``fast_dev_run`` (which saves nothing) is not refused."""
+    import warnings
+
+    from lightning_megatron.checkpoint import CheckpointError, checkpoint_identity, recover_last
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
-    if not trainer or config.get("ckpt_path") != "last":
+    if not trainer:
         return
-    for callback in _entries(trainer.get("callbacks")):
-        if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath"):
+    folders = _checkpoint_folders(trainer)
+    ckpt_path = config.get("ckpt_path")
+    root = os.fspath(trainer.get("default_root_dir") or os.getcwd())
+
+    def new_folder(folder: str) -> str:
+        if folder == os.path.join(os.path.abspath(root), "checkpoints"):
+            return f"--trainer.default_root_dir {os.path.normpath(root)}-2 (any new folder)"
+        return f"another ModelCheckpoint dirpath than {folder}"
+
+    if ckpt_path == "last":
+        lasts = [os.path.join(f, n) for f in folders for n in _saved_entries(f)
+                 if n.startswith("last") and n.endswith(".ckpt")]
+        runs = {checkpoint_identity(p)[0] for p in lasts}
+        if len(runs) > 1:
+            folder = os.path.dirname(lasts[0])
+            raise SystemExit(
+                f"lightning-megatron: --ckpt_path last is ambiguous: {folder} holds the last checkpoints of "
+                f"{len(runs)} runs: {', '.join(_describe(p) for p in sorted(lasts))}. 'last' is the newest state of "
+                f"one run: pass the one to continue (--ckpt_path {sorted(lasts)[-1]}), and keep one run's "
+                f"checkpoints per folder (a new run: {new_folder(folder)})")
+        found = None
+        if lasts:
+            def written(path: str) -> float:
+                marker = os.path.join(path, "lightning_megatron.json")
+                return os.path.getmtime(marker if os.path.isfile(marker) else path)
+
+            found = max(lasts, key=written)
+        for folder in folders if found is None else []:
             try:
-                found = recover_last(callback.init_args.dirpath)
+                found = recover_last(folder)
             except CheckpointError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
             if found is not None:
-                config.ckpt_path = str(found)
-                return
+                break
+        if found is not None:
+            ckpt_path = config.ckpt_path = str(found)
+        elif not fitting:
+            return  # Lightning says that there is no last checkpoint
+        else:
+            ckpt_path = None  # fit: Lightning starts a new run, where the rule below applies
+    if not fitting or (ckpt_path is None and trainer.get("fast_dev_run")):
+        return  # a fast_dev_run saves nothing
+    if isinstance(ckpt_path, str) and (ckpt_path in ("best", "hpc") or ckpt_path.startswith("registry")):
+        return  # Lightning's other names: checkpoints of the configured callbacks themselves
+    resumed = None if ckpt_path is None else os.path.abspath(os.fspath(ckpt_path))
+    run = None if resumed is None else checkpoint_identity(resumed)[0]
+    for folder in folders:
+        saved = _saved_entries(folder)
+        if resumed is None:
+            others = saved
+        else:  # checkpoints known to be another run's (an unknown one may be this run's own)
+            others = [n for n in saved if checkpoint_identity(os.path.join(folder, n))[0] not in (None, run)]
+        if not others:
+            continue
+        if resumed is None:
+            raise SystemExit(
+                f"lightning-megatron: {folder} already holds checkpoints ({_listing(folder, saved)}): a new run there "
+                f"would mix its checkpoints with theirs. Resume that run with --ckpt_path last, or start the new "
+                f"run in a new folder: {new_folder(folder)}")
+        if os.path.dirname(resumed) != folder:
+            raise SystemExit(
+                f"lightning-megatron: {folder} holds checkpoints of another run than {resumed} (run {run}): "
+                f"{_listing(folder, others)}; continuing that run there would mix two runs' checkpoints. "
+                f"Continue it in its own folder or a new one: {new_folder(folder)}")
+        warnings.warn(f"{folder} holds checkpoints of other runs besides {os.path.basename(resumed)} (run {run}): "
+                      f"{_listing(folder, others)}. This run saves beside them and never replaces them, but "
+                      f"--ckpt_path last is ambiguous there: move one run's checkpoints to a folder of their own",
+                      UserWarning, stacklevel=1)
 
 
-def _last_checkpoint(trainer) -> str | None:
-    """What Lightning's ``ckpt_path="last"`` resolves to: the newest ``last.ckpt`` / ``last-N.ckpt`` in
-    the ``dirpath`` of the configured ModelCheckpoints (filled in by :func:`_one_run_folder`)."""
-    import re
+def _continue_wandb_run(config, subcommand: str) -> None:
+    """The W&B run of a checkpoint (``--ckpt_path CKPT``; ``last`` resolved by
+    :func:`_one_run_per_checkpoint_folder`), for a WandbLogger without an ``id``:
 
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    found = []
-    for callback in _entries(trainer.get("callbacks")):
-        folder = callback.init_args.get("dirpath") if _is_subclass(callback.class_path, ModelCheckpoint) else None
-        if folder and os.path.isdir(folder):
-            found += [os.path.join(folder, n) for n in os.listdir(folder) if re.match(r"^last(-\d+)?\.ckpt$", n)]
-    return max(found, key=os.path.getmtime) if found else None
-
-
-def _continue_wandb_run(config) -> None:
-    """``validate``/``test``/``predict`` or ``fit --ckpt_path CKPT`` (``last`` too): a WandbLogger without
-    an ``id`` continues the W&B run that wrote CKPT (Lightning's WandbLogger passes ``resume="allow"``)."""
+    - ``fit`` continues it: the same id, ``resume="must"`` offline (recorded as a resume, see
+      :class:`~lightning_megatron.loggers.WandbLogger`), else Lightning's ``resume="allow"``;
+    - ``validate``/``test`` start a run of their own in its group (``group`` = its id, ``job_type`` = the
+      subcommand), or with ``--log_to_training_run true`` join it at the checkpoint's global step."""
     from lightning.pytorch.loggers import WandbLogger
 
-    from lightning_megatron.loggers import saved_wandb_run_id
+    from lightning_megatron.loggers import saved_wandb_run
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
-    ckpt_path = config.get("ckpt_path") if trainer else None
-    if ckpt_path == "last":
-        ckpt_path = _last_checkpoint(trainer)
-    run_id = saved_wandb_run_id(ckpt_path) if trainer else None
-    if run_id is None:
+    if not trainer:
         return
+    ckpt_path = config.get("ckpt_path")
+    saved = saved_wandb_run(ckpt_path)
+    joined = bool(config.get("log_to_training_run"))
+    offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun")
     for logger in _entries(trainer.get("logger")):
         args = logger.init_args
-        if _is_subclass(logger.class_path, WandbLogger) and not args.get("id") and not args.get("version"):
-            args.id = run_id
+        if not _is_subclass(logger.class_path, WandbLogger) or args.get("id") or args.get("version"):
+            continue
+        if subcommand == "fit" or joined:
+            if saved is None:
+                if joined:
+                    raise SystemExit(f"lightning-megatron: --log_to_training_run: the checkpoint {ckpt_path!r} "
+                                     f"names no W&B run (it was written without a WandbLogger)")
+                continue
+            args.id = saved.run_id
+            if offline or args.get("offline"):
+                args.resume = "must"
+            if joined:
+                from lightning_megatron.loggers import WandbLogger as OurWandbLogger
+
+                if not _is_subclass(logger.class_path, OurWandbLogger):
+                    raise SystemExit(f"lightning-megatron: --log_to_training_run logs at the checkpoint's step "
+                                     f"through lightning_megatron.loggers.WandbLogger; {logger.class_path} is not one")
+                args.history_step = saved.global_step
+        else:
+            args.job_type = subcommand
+            if saved is not None:
+                args.group = saved.run_id

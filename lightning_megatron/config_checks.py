@@ -12,8 +12,10 @@ CLI calls it right after parsing, before the Trainer is built; from Python::
     validate_config(model_hparams={"config": {"num_attention_heads": 4, "hidden_size": 128}},
                     strategy_args={"tensor_model_parallel_size": 2}, trainer_args={"devices": 2})
 
-The only files read are those the data section names (:func:`_check_data_files`: the ``.bin`` /
-``.idx`` of each ``data_prefix`` exist, the dataset's ``.vocab.json`` matches ``vocab_file``).
+The only files read are those the configuration names (:func:`_check_data_files`: the ``.bin`` /
+``.idx`` of each ``data_prefix`` exist, the dataset's ``.vocab.json`` matches the tokenizer the
+datamodule will use; ``predict``'s prompts fit the model's positions; a fine-tuning section's
+labelled files; ``ckpt_path`` exists).
 A missing key skips the checks that need it (the defaults of the classes apply later); checks that
 need the world size (``devices x num_nodes``) are skipped when it is not an integer (``"auto"``).
 The same rules are enforced again at set-up by the classes themselves (``TransformerConfig``,
@@ -34,7 +36,7 @@ from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import batch_size_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
-           "PRECISION_PARAMS_DTYPE"]
+           "ckpt_path_problem", "PRECISION_PARAMS_DTYPE"]
 
 
 class ConfigError(ValueError):
@@ -83,6 +85,31 @@ def timeout_problem(timeout: Any) -> str | None:
     return None
 
 
+_LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+"""``--ckpt_path`` values Lightning resolves itself (and ``registry[:...]``)."""
+
+
+def ckpt_path_problem(ckpt_path: Any) -> str | None:
+    """What is wrong with a ``--ckpt_path`` before launch (it does not exist, or is a file: ours are
+    directories), or None; Lightning's names (``last``, ``best``, ``hpc``, ``registry``) are left to it.
+    The checkpoint's contents are verified at set-up (:func:`lightning_megatron.checkpoint.verify_checkpoint`)."""
+    import os
+
+    if not isinstance(ckpt_path, (str, os.PathLike)):
+        return None
+    path = os.fspath(ckpt_path)
+    if path in _LIGHTNING_CKPT_NAMES or path.startswith("registry"):
+        return None
+    if not os.path.exists(path):
+        return (f"ckpt_path={path!r} does not exist (relative paths start at {os.getcwd()!r}); pass a checkpoint "
+                f"directory (<default_root_dir>/checkpoints/last.ckpt), or --ckpt_path last for the run folder's "
+                f"newest")
+    if not os.path.isdir(path):
+        return (f"ckpt_path={path!r} is a file, not a lightning_megatron checkpoint directory (was it written by "
+                f"another strategy?)")
+    return None
+
+
 def _int(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
@@ -110,11 +137,17 @@ def _world_size(trainer_args: Mapping[str, Any]) -> int | None:
 def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: Mapping[str, Any] | None = None,
                  strategy_args: Mapping[str, Any] | None = None, trainer_args: Mapping[str, Any] | None = None,
                  scheduler_args: Mapping[str, Any] | None = None, *,
-                 has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False) -> list[str]:
+                 has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False,
+                 data_class: type | None = None, predicting: bool = False, ckpt_path: Any = None,
+                 running: bool = True) -> list[str]:
     """Every problem of this configuration, each with the offending values and the fix; [] when none.
 
     ``has_optimizer_callback``: whether a MegatronOptimizerCallback is configured (None: unknown,
     skip the 16-bit-parameters check); ``use_distributed_optimizer``: its ZeRO-1 setting.
+    ``data_class``: the datamodule the data section builds (its packaged tokenizer; a fine-tuning
+    section's files are read); ``predicting``: ``predict``'s inputs are checked too (the prompts against
+    the positions); ``ckpt_path``: the checkpoint to load must exist; ``running=False`` (the CLI only builds
+    its objects, ``run=False``): the fine-tuning files, read by a run only, are not.
     """
     m, d = flat_hparams(dict(model_hparams or {})), dict(data_hparams or {})  # config.<field> at the top level
     spelled = "model.config." if isinstance((model_hparams or {}).get("config"), Mapping) else "model."
@@ -201,8 +234,14 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     if seq is not None and positions is not None and seq > positions:
         problems.append(f"data max_seq_length={seq} exceeds the model's max_sequence_length={positions} (learned "
                         f"positions); set data.max_seq_length <= {positions} or {spelled}max_sequence_length >= {seq}")
+    seq = _int(d.get("seq_length"))  # a decoder's samples (GPTDataModule)
+    if seq is not None and positions is not None and seq > positions:
+        problems.append(f"data seq_length={seq} exceeds the model's max_sequence_length={positions} (the positions "
+                        f"it has); set data.seq_length <= {positions} or {spelled}max_sequence_length >= {seq}")
+    problems += _generation_problems(m)
 
-    problems += _check_data_files(d, m)
+    problems += _check_data_files(d, m, data_class=data_class, predicting=predicting, running=running)
+    problems += [p for p in [ckpt_path_problem(ckpt_path)] if p]
 
     prob = d.get("masked_lm_prob")
     if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
@@ -243,12 +282,56 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     return problems
 
 
-def _check_data_files(d: dict[str, Any], m: dict[str, Any]) -> list[str]:
+def _generation_problems(m: dict[str, Any]) -> list[str]:
+    """A decoder's ``predict_*`` settings (:func:`lightning_megatron.generation.generation_problems`, the rule
+    ``generate`` applies): the sampling ones only when they are used (``predict_greedy`` false)."""
+    if "predict_max_new_tokens" not in m:
+        return []
+    from lightning_megatron.generation import generation_problems
+
+    sampling = {} if m.get("predict_greedy", True) else {
+        k: m[f"predict_{k}"] for k in ("temperature", "top_k", "top_p") if f"predict_{k}" in m}
+    problems = generation_problems(max_new_tokens=m["predict_max_new_tokens"], **sampling, prefix="--model.predict_")
+    return [p.replace("greedy decoding takes the argmax", "--model.predict_greedy true takes the argmax")
+            for p in problems]
+
+
+def _arguments(data_class: type | None, d: dict[str, Any]) -> dict[str, Any]:
+    """The data section's arguments with the class's defaults under them (the CLI's parsed config has
+    them all; a Python caller may give a few)."""
+    import inspect
+
+    if data_class is None:
+        return dict(d)
+    defaults = {k: p.default for k, p in inspect.signature(data_class).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **d}
+
+
+def _tokenizer_family(data_class: type | None) -> str:
+    """The packaged tokenizer of the data section's datamodule (``default_tokenizer``); WordPiece (BERT's,
+    the CLI's default datamodule) when unknown."""
+    if data_class is not None:
+        from lightning_megatron.datamodules.pretraining import PretrainingDataModule
+
+        if issubclass(data_class, PretrainingDataModule):
+            return data_class.default_tokenizer
+    return "wordpiece"
+
+
+def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,
+                      predicting: bool = False, running: bool = True) -> list[str]:
     """The files the data section names: each ``data_prefix`` (or blend member) has its ``.bin`` and
     ``.idx``, the ``vocab_file`` exists, and a dataset's ``.vocab.json`` (written by ``preprocess``)
-    records the vocabulary of ``vocab_file`` (null: the packaged one) and ids below the model's
-    ``vocab_size``. Reads only the vocabulary and the small sidecar, never the data; the datamodule
-    checks the same again at set-up (lightning_megatron.data.dataset_vocab)."""
+    records the vocabulary of the tokenizer the datamodule will use (``vocab_file``, else the one the
+    record names, else the packaged one: :func:`~lightning_megatron.data.dataset_vocab.dataset_tokenizer`,
+    the datamodule's own rule) and ids below the model's ``vocab_size``. ``predicting``: the
+    ``predict_file`` is read and a decoder's longest prompt plus ``predict_max_new_tokens`` must fit the
+    model's positions. A fine-tuning section (LabelledTextDataModule's arguments: ``text_key``,
+    ``label_key`` and split files): its files are read
+    (:func:`~lightning_megatron.data.labelled_text.labelled_files_problems`). Reads only the vocabulary,
+    the small sidecar and these text files, never the token data; the datamodule checks the same again
+    at set-up (lightning_megatron.data.dataset_vocab)."""
     import os
 
     vocab_file, data_prefix = d.get("vocab_file"), d.get("data_prefix")
@@ -257,42 +340,90 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any]) -> list[str]:
     if vocab_missing:
         problems.append(f"data vocab_file={os.fspath(vocab_file)!r} does not exist; pass the vocab.txt the dataset "
                         f"was preprocessed with (or null for the packaged BERT vocabulary)")
-    if data_prefix is None:
-        return problems  # the built-in corpus, preprocessed with the right vocabulary at set-up
-    from lightning_megatron.data.blended import parse_data_prefix
+    arguments = _arguments(data_class, d)
+    if {"text_key", "label_key"} <= arguments.keys() and any(arguments.get(k) for k in ("train", "validation", "test")):
+        # labelled split files (LabelledTextDataModule's arguments), read only when a command runs
+        from lightning_megatron.data.labelled_text import labelled_files_problems
 
-    try:
-        prefixes = ([os.fspath(data_prefix)] if isinstance(data_prefix, (str, os.PathLike))
-                    else parse_data_prefix(list(data_prefix))[1])
-    except (TypeError, ValueError) as error:
-        return [*problems, f"data {error}"]
-    found = []
-    for prefix in prefixes:
-        missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(f"{prefix}{ext}")]
-        if not missing:
-            found.append(prefix)
-            continue
-        stem, ext = os.path.splitext(prefix)
-        hint = (f"the prefix is the path without {ext}: data_prefix={stem!r}" if ext in (".bin", ".idx")
-                else f"make it with `lightning-megatron preprocess --input ... --output-prefix {prefix}`")
-        problems.append(f"data data_prefix={prefix!r}: {' and '.join(repr(x) for x in missing)} not found "
-                        f"(relative paths start at {os.getcwd()!r}); {hint}")
-    if vocab_missing or not found:
+        return problems + (labelled_files_problems(arguments) if running else [])
+    prefixes: list[str] = []
+    found: list[str] = []
+    if data_prefix is not None:  # None: the built-in corpus, preprocessed with the right vocabulary at set-up
+        from lightning_megatron.data.blended import parse_data_prefix
+
+        try:
+            prefixes = ([os.fspath(data_prefix)] if isinstance(data_prefix, (str, os.PathLike))
+                        else parse_data_prefix(list(data_prefix))[1])
+        except (TypeError, ValueError) as error:
+            return [*problems, f"data {error}"]
+        for prefix in prefixes:
+            missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(f"{prefix}{ext}")]
+            if not missing:
+                found.append(prefix)
+                continue
+            stem, ext = os.path.splitext(prefix)
+            hint = (f"the prefix is the path without {ext}: data_prefix={stem!r}" if ext in (".bin", ".idx")
+                    else f"make it with `lightning-megatron preprocess --input ... --output-prefix {prefix}`")
+            problems.append(f"data data_prefix={prefix!r}: {' and '.join(repr(x) for x in missing)} not found "
+                            f"(relative paths start at {os.getcwd()!r}); {hint}")
+        if not found:
+            return problems
+    if vocab_missing:
         return problems
-    from lightning_megatron.data.dataset_vocab import check_dataset_vocab, read_dataset_vocab
-    from lightning_megatron.data.tokenizer import load_tokenizer
+    from lightning_megatron.data.dataset_vocab import check_dataset_vocab, dataset_tokenizer, read_dataset_vocab
+
+    tokenizer: Any = None
+
+    def data_tokenizer() -> Any:  # the datamodule's: the first dataset's record names its vocabulary
+        nonlocal tokenizer
+        if tokenizer is None:
+            tokenizer = dataset_tokenizer(vocab_file, prefixes[0] if prefixes else None,
+                                          default=_tokenizer_family(data_class))
+        return tokenizer
 
     model_vocab = _int(m.get("vocab_size"))
-    tokenizer = None
     for prefix in found:
         try:
             if read_dataset_vocab(prefix) is None:
                 continue  # no record: the datamodule warns at set-up
-            tokenizer = tokenizer or load_tokenizer(vocab_file)  # WordPiece or BPE, as the file holds
-            check_dataset_vocab(prefix, tokenizer, model_vocab)
+            check_dataset_vocab(prefix, data_tokenizer(), model_vocab)
         except (ValueError, OSError) as error:
             problems.append(f"data {error}")
+            if tokenizer is None:
+                return problems  # the tokenizer itself cannot be had: said once
+    if predicting and d.get("predict_file") is not None:
+        problems += _check_prompts(arguments, m, data_tokenizer)
     return problems
+
+
+def _check_prompts(d: dict[str, Any], m: dict[str, Any], data_tokenizer: Any) -> list[str]:
+    """``predict``'s ``predict_file``: readable (UTF-8, JSON lines with ``predict_json_key``); a decoder's
+    prompts (tokenized as the datamodule will) each fit ``seq_length``, and the longest one plus
+    ``predict_max_new_tokens`` fits the model's positions (a trained model's positions are fixed: the fix
+    is fewer new tokens or shorter prompts)."""
+    import os
+
+    from lightning_megatron.data.predict import PromptDataset, read_texts
+
+    path, key = os.fspath(d["predict_file"]), d.get("predict_json_key", "text")
+    new, positions = _int(m.get("predict_max_new_tokens")), _int(m.get("max_sequence_length"))
+    try:
+        if new is None:  # an encoder's texts (cut to max_seq_length by the datamodule)
+            read_texts(path, key)
+            return []
+        lengths = PromptDataset(path, data_tokenizer(), key, max_length=_int(d.get("seq_length"))).lengths
+    except (ValueError, OSError) as error:
+        return [f"data {error}"]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    need = lengths[longest] + new - 1  # the last new token is written, never fed back
+    if positions is None or need <= positions:
+        return []
+    fewer = positions - lengths[longest] + 1
+    fix = (f"generate at most {fewer} new tokens (--model.predict_max_new_tokens {fewer}) or shorten the prompts "
+           f"to at most {max(positions - new + 1, 1)} tokens" if fewer >= 1 else "shorten the prompt")
+    return [f"--model.predict_max_new_tokens={new}: the longest prompt of predict_file {path!r} (prompt "
+            f"{longest + 1}, {lengths[longest]} tokens) followed by {new} new tokens needs {need} positions, more than "
+            f"the model's max_sequence_length={positions}; {fix}"]
 
 
 def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run: bool = False) -> list[str]:
@@ -319,11 +450,14 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
 def validate_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: Mapping[str, Any] | None = None,
                     strategy_args: Mapping[str, Any] | None = None, trainer_args: Mapping[str, Any] | None = None,
                     scheduler_args: Mapping[str, Any] | None = None, *,
-                    has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False) -> None:
+                    has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False,
+                    data_class: type | None = None, predicting: bool = False, ckpt_path: Any = None,
+                    running: bool = True) -> None:
     """:func:`check_config`, raising one :class:`ConfigError` (a ValueError) that lists every problem."""
     problems = check_config(model_hparams, data_hparams, strategy_args, trainer_args, scheduler_args,
                             has_optimizer_callback=has_optimizer_callback,
-                            use_distributed_optimizer=use_distributed_optimizer)
+                            use_distributed_optimizer=use_distributed_optimizer, data_class=data_class,
+                            predicting=predicting, ckpt_path=ckpt_path, running=running)
     if problems:
         raise ConfigError(problems)
 
@@ -339,11 +473,14 @@ def _init_args(section: Any) -> dict[str, Any]:
     return dict(section.get("init_args") or {}) if "class_path" in section else section
 
 
-def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str, Any]:
+def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicting: bool = False,
+                    data_class: type | None = None, running: bool = True) -> dict[str, Any]:
     """The keyword arguments of :func:`check_config` from a parsed LightningCLI config (one subcommand's).
 
     Only a MegatronStrategy configuration is checked: with another strategy this returns ``{}``.
-    ``fitting=False`` (validate/test/predict) skips the checks that only matter for training.
+    ``fitting=False`` (validate/test/predict) skips the checks that only matter for training;
+    ``predicting`` adds ``predict``'s. ``data_class``: the datamodule when the data section names none by
+    ``class_path`` (the CLI's default one); ``running=False``: no command runs (see :func:`check_config`).
     """
     c = _plain(config)
     trainer = dict(c.get("trainer") or {})
@@ -373,7 +510,23 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True) -> dict[str
     if isinstance(c.get("megatron_optimizer"), Mapping):
         has_optimizer_callback = True
         zero1 = bool(c["megatron_optimizer"].get("use_distributed_optimizer"))
-    return dict(model_hparams=_init_args(c.get("model")), data_hparams=_init_args(c.get("data")),
+    data = c.get("data")
+    if isinstance(data, Mapping) and data.get("class_path"):
+        data_class = _imported_class(str(data["class_path"]))
+    return dict(model_hparams=_init_args(c.get("model")), data_hparams=_init_args(data),
                 strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
                 has_optimizer_callback=has_optimizer_callback if fitting else None,
-                use_distributed_optimizer=zero1 and fitting)
+                use_distributed_optimizer=zero1 and fitting, data_class=data_class, predicting=predicting,
+                ckpt_path=c.get("ckpt_path"), running=running)
+
+
+def _imported_class(class_path: str) -> type | None:
+    """The class a parsed ``class_path`` names (imported by the parser already), or None."""
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) else None

@@ -24,6 +24,7 @@ the checkpoint directory. Tensor data is read by DCP with ``torch.load(weights_o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import pickle
@@ -55,6 +56,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -150,11 +152,55 @@ def read_metadata(checkpoint_dir: str | Path, *, allow_bytes: bool = False) -> M
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """``dcp.FileSystemReader`` whose metadata goes through :func:`read_metadata`."""
+    """``dcp.FileSystemReader`` whose metadata goes through :func:`read_metadata`, and whose failure to read
+    a tensor names the file, the entry and the cause (DCP's own says ``EOFError:`` or torch's advice to
+    load with ``weights_only=False``, which is never the fix here)."""
 
     def __init__(self, path: str | Path, *, allow_bytes: bool = False) -> None:
         super().__init__(str(path))
         self.allow_bytes = allow_bytes
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        """DCP's reading, one data file at a time; a failure is a :class:`CheckpointError` naming the file,
+        the entry (found by reading that file's entries one by one, only then) and the cause."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - torch.load's errors on bytes that are no tensor vary
+                raise CheckpointError(self._unreadable(plan, planner, name, items, e)) from e
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _unreadable(self, plan: LoadPlan, planner: Any, name: str, items: list[ReadItem], error: Exception) -> str:
+        """One line: the file, the first entry that cannot be read as a tensor, and why (torch's reason,
+        without its advice to turn ``weights_only`` off)."""
+        path = Path(self.path)
+        size = (path / name).stat().st_size if (path / name).is_file() else 0
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            if info.offset + info.length > size:
+                where, error = f"its bytes {info.offset}..{info.offset + info.length} run past the file's {size}", None
+                break
+            try:
+                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            except Exception as e:  # noqa: BLE001
+                where, error = f"bytes {info.offset}..{info.offset + info.length}", e
+                break
+        else:
+            item, where = items[0], "reading the file"
+        skip = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        lines = [ln.strip() for ln in str(error or "").splitlines() if ln.strip() and not ln.strip().startswith(skip)]
+        cause = "" if error is None else f": {type(error).__name__}{f': {lines[0]}' if lines else ''}"
+        return (f"checkpoint {str(path)!r}: {name} does not hold the tensor entry {item.storage_index.fqn!r} its "
+                f".metadata lists ({where}{cause}); nothing in it ran (tensors are read with "
+                f"torch.load(weights_only=True)). The file was damaged or altered after it was saved (and its "
+                f"checksum with it, where the checkpoint records one): use another checkpoint")
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:

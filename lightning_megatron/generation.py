@@ -39,22 +39,43 @@ from lightning_megatron.tensor_parallel import gather_from_tensor_model_parallel
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.transformer.inference import InferenceContext
 
-__all__ = ["generate", "sample_next_token", "filter_logits", "DecoderForward"]
+__all__ = ["generate", "sample_next_token", "filter_logits", "generation_problems", "DecoderForward"]
 
 DecoderForward = Callable[[torch.Tensor, int, InferenceContext | None], torch.Tensor]
 """``forward(tokens [b, s], position_offset, inference_context or None) -> logits [b, s, V or V/t]``."""
+
+
+def generation_problems(*, max_new_tokens: object = 0, temperature: object = 1.0, top_k: object = 0,
+                        top_p: object = 1.0, prefix: str = "") -> list[str]:
+    """What is wrong with these generation settings, one line each ([] when nothing): ``max_new_tokens``
+    an integer >= 0, ``temperature`` > 0, ``top_k`` an integer >= 0 (0: off), ``top_p`` in (0, 1] (1: off).
+    ``prefix`` spells the names (``"--model.predict_"`` for the CLI's options)."""
+    def number(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def integer(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    problems = []
+    if not (integer(max_new_tokens) and max_new_tokens >= 0):  # type: ignore[operator]
+        problems.append(f"{prefix}max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if not (number(temperature) and temperature > 0):  # type: ignore[operator]
+        problems.append(f"{prefix}temperature={temperature!r} must be > 0 (it divides the logits; greedy decoding "
+                        f"takes the argmax)")
+    if not (integer(top_k) and top_k >= 0):  # type: ignore[operator]
+        problems.append(f"{prefix}top_k={top_k!r} must be an integer >= 0 (0 turns it off)")
+    if not (number(top_p) and 0.0 < top_p <= 1.0):  # type: ignore[operator]
+        problems.append(f"{prefix}top_p={top_p!r} must be in (0, 1] (1.0 turns it off)")
+    return problems
 
 
 def filter_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
                   ) -> torch.Tensor:
     """``logits`` [b, V] scaled by ``1 / temperature`` with the tokens outside top-k / top-p set to -inf
     (``top_k=0`` and ``top_p=1.0`` keep everything). Hugging Face's Temperature/TopK/TopP warpers."""
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0 (use greedy=True for the argmax)")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 turns it off)")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (1.0 turns it off)")
+    problems = generation_problems(temperature=temperature, top_k=top_k, top_p=top_p)
+    if problems:
+        raise ValueError(problems[0])
     logits = logits.float() / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -105,8 +126,9 @@ def generate(forward: DecoderForward, prompt_tokens: torch.Tensor, max_new_token
     """
     if prompt_tokens.dim() != 2 or prompt_tokens.shape[1] < 1:
         raise ValueError(f"prompt_tokens of shape {tuple(prompt_tokens.shape)}: expected [batch, length >= 1]")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    problems = generation_problems(max_new_tokens=max_new_tokens)
+    if problems:
+        raise ValueError(problems[0])
     if not greedy:
         filter_logits(prompt_tokens.new_zeros(1, 1, dtype=torch.float32), temperature=temperature, top_k=top_k,
                       top_p=top_p)  # validate the settings before any forward

@@ -1,23 +1,31 @@
 """Run folders and W&B runs for the ``lightning-megatron`` command.
 
 - :class:`CSVLogger`: Lightning's, with ``save_dir`` optional (the CLI puts it in ``trainer.default_root_dir``);
-- :class:`WandbRunIdCallback` and :func:`saved_wandb_run_id`: every checkpoint records the W&B run id of
-  the run that wrote it, so that ``validate``/``test``/``predict`` or a resumed ``fit`` of it continue
-  that run; the callback also puts :func:`run_config` (layout, schedule, optimizer) into the W&B config;
+- :class:`WandbLogger`: Lightning's, whose history is indexed by the trainer's step (a resumed run continues
+  it instead of restarting W&B's ``_step`` at 0), an offline resume recorded as one, and no ``anonymous``
+  setting passed to ``wandb.init`` (deprecated there: it warned on every run);
+- :class:`WandbRunIdCallback` and :func:`saved_wandb_run`: every checkpoint records the W&B run id of
+  the run that wrote it, so that a resumed ``fit`` continues that run and ``validate``/``test`` of it are
+  grouped with it (or join its history, when asked); the callback also puts :func:`run_config` (layout,
+  schedule, optimizer) into the W&B config;
 - :func:`wandb_credentials`: whether W&B has credentials (the CLI runs offline, loudly, without).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch import loggers
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
 
-__all__ = ["CSVLogger", "WANDB_RUN_ID", "WandbRunIdCallback", "run_config", "saved_wandb_run_id", "wandb_credentials"]
+__all__ = ["CSVLogger", "WANDB_RUN_ID", "WandbLogger", "WandbRunIdCallback", "run_config", "SavedWandbRun",
+           "saved_wandb_run", "wandb_credentials"]
 
 WANDB_RUN_ID = "wandb_run_id"
 """Checkpoint key holding the W&B run id of the run that wrote the checkpoint."""
@@ -37,6 +45,45 @@ class CSVLogger(loggers.CSVLogger):
                              "lightning-megatron CLI only; pass save_dir=... when building the logger yourself")
         super().__init__(save_dir, name=name, version=version, prefix=prefix,
                          flush_logs_every_n_steps=flush_logs_every_n_steps)
+
+
+class WandbLogger(loggers.WandbLogger):
+    """Lightning's ``WandbLogger`` (same arguments) for runs that stop and resume.
+
+    - Each row goes to W&B at the step Lightning logs (``trainer/global_step``, the CSV's ``step``), passed as
+      ``wandb.log(..., step=)``: W&B's own ``_step`` counts the rows of one process from 0, so a resumed run's
+      rows would restart at 0 and a sync of its segments drop or mix them.
+    - ``resume="must"`` (what the ``lightning-megatron`` CLI passes when it continues the W&B run a checkpoint
+      names) in offline mode also records the segment as resumed (``wandb.Settings(resumed=True)``): offline,
+      W&B cannot ask its server, and would record every segment as a new run.
+    - ``anonymous=None`` (the default) is not passed on: ``wandb`` deprecated the setting and warns whenever it
+      is given, even as None.
+
+    ``history_step``: log every row at this step of the run's history instead (an evaluation of a checkpoint
+    joining the training run's history: the checkpoint's global step; Lightning logs an evaluation at 0).
+    """
+
+    def __init__(self, *args: Any, history_step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.history_step = history_step
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
+        offline = self._offline or os.environ.get("WANDB_MODE") in ("offline", "dryrun")
+        if offline and self._wandb_init.get("resume") == "must" and self._wandb_init.get("settings") is None:
+            import wandb
+
+            self._wandb_init["settings"] = wandb.Settings(resumed=True)
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        step = self.history_step if self.history_step is not None else step
+        if step is None or self._wandb_init.get("sync_tensorboard"):
+            super().log_metrics(metrics, step)
+            return
+        if self._prefix:  # as Lightning's logger names them
+            metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
+        self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
 
 
 _OPTIMIZER_HPARAMS = ("optimizer", "optimizer_class", "optimizer_kwargs", "lr", "weight_decay", "adam_beta1",
@@ -118,10 +165,19 @@ def wandb_credentials() -> str | None:
     return None
 
 
-def saved_wandb_run_id(ckpt_path: Any) -> str | None:
-    """The W&B run id a checkpoint (a lightning_megatron directory: its ``extra.pt``; or a single-file
-    Lightning checkpoint) was written under; None when it has none or is not a readable path (the
-    checkpoint load then reports the problem)."""
+class SavedWandbRun(NamedTuple):
+    """What a checkpoint says about the W&B run that wrote it."""
+
+    run_id: str
+    """The W&B run id (``checkpoint["wandb_run_id"]``)."""
+    global_step: int | None
+    """The trainer's global step at the save (Lightning's ``checkpoint["global_step"]``)."""
+
+
+def saved_wandb_run(ckpt_path: Any) -> SavedWandbRun | None:
+    """The W&B run a checkpoint (a lightning_megatron directory: its ``extra.pt``; or a single-file
+    Lightning checkpoint) was written under, and its step; None when it has no run id or is not a
+    readable path (the checkpoint load then reports the problem)."""
     if not isinstance(ckpt_path, (str, os.PathLike)):
         return None
     path = Path(ckpt_path)
@@ -133,4 +189,7 @@ def saved_wandb_run_id(ckpt_path: Any) -> str | None:
     except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported by the checkpoint load itself
         return None
     run_id = saved.get(WANDB_RUN_ID) if isinstance(saved, dict) else None
-    return run_id if isinstance(run_id, str) else None
+    if not isinstance(run_id, str):
+        return None
+    step = saved.get("global_step")
+    return SavedWandbRun(run_id, int(step) if isinstance(step, int) else None)

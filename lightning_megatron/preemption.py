@@ -1,22 +1,32 @@
-"""SIGTERM (preemption, ``scancel``, a scheduler's time limit): save a checkpoint, exit non-zero.
+"""SIGTERM (preemption, ``scancel``, a time limit) and Ctrl-C (SIGINT): save a checkpoint, exit non-zero.
 
 Lightning's own SIGTERM handling exits 0 (its ``SIGTERMException`` is a ``SystemExit`` without a
 code), so a job scheduler takes a preempted run as finished; and with several ranks it lets rank 0
 stop at the end of a step while the others stop at the start of the next one after an extra
 broadcast and barrier, so a collective checkpoint save on the way out pairs the wrong collectives
-and fails. The MegatronStrategy therefore handles SIGTERM itself, through public hooks only:
+and fails. Ctrl-C (SIGINT) was worse: Python's ``KeyboardInterrupt`` ends the run where it is
+(Lightning exits 1), and everything since the last checkpoint is lost. The MegatronStrategy therefore
+handles both itself, through public hooks only, the same way:
 
-- ``on_train_start`` installs :class:`PreemptionHandler` as the SIGTERM handler of each rank (after
-  Lightning's signal connector registered its own, which Lightning restores at teardown). The handler
-  only sets a flag, and on the launching rank forwards the signal once to the ranks it started
-  (``launcher.kill``), as Lightning does; it runs no collective.
+- ``on_train_start`` installs :class:`PreemptionHandler` as the SIGTERM and SIGINT handler of each
+  rank (after Lightning's signal connector registered its own, which Lightning restores at teardown).
+  The handler only sets a flag (the signal's number), and on the launching rank forwards a SIGTERM
+  once to the ranks it started (``launcher.kill``), as Lightning does; it runs no collective. A
+  SIGINT is not forwarded: Ctrl-C in a terminal reaches every process of the job itself (a second
+  SIGINT to the other ranks would abort them), and one rank's flag is enough (next point). On the
+  first SIGINT the handler gives SIGINT back its default action, so a second Ctrl-C ends the process
+  at once, even inside a collective, without saving (the last complete checkpoint stays intact:
+  saves are atomic). (Python runs a handler between bytecodes: a process blocked in a collective
+  when the first Ctrl-C comes handles it once the collective returns, as it would a KeyboardInterrupt.)
 - ``on_train_batch_start`` takes the max of the flag over all ranks (one all-reduce of one integer
   per step, like Lightning's own per-step SIGTERM broadcast), so every rank stops before the same
   step, by raising Lightning's ``SIGTERMException``.
-- ``on_exception`` (called on every rank with that exception) calls :func:`on_sigterm`: it saves a
-  checkpoint when checkpointing is configured (a ``ModelCheckpoint`` callback) as
-  ``<dirpath>/last.ckpt``, which ``--ckpt_path last`` resumes from, with every completed step in it
-  (no step lost), and sets the exit status to :data:`SIGTERM_EXIT_CODE` (143 = 128 + SIGTERM).
+- ``on_exception`` (called on every rank with that exception) calls :func:`on_stop_signal`: it saves
+  a checkpoint when checkpointing is configured (a ``ModelCheckpoint`` callback) as this run's
+  ``last`` checkpoint (:func:`stop_checkpoint_path`: never another run's), which ``--ckpt_path last``
+  resumes from, with every completed step in it (no step lost), and sets the exit status to 128 + the
+  signal: :data:`SIGTERM_EXIT_CODE` (143) or :data:`SIGINT_EXIT_CODE` (130, the shell's status for a
+  process ended by Ctrl-C). If both arrived, SIGTERM's.
 - ``teardown`` then calls :meth:`PreemptionHandler.leave`: the ranks meet once more and destroy their
   process groups, and the launching rank waits for the ranks it started, before any interpreter
   exits. Left to interpreter shut-down instead, the launching rank (which hosts the rendezvous
@@ -32,6 +42,7 @@ job, which resumes from it by itself; the SIGTERM that follows, or a plain one, 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
@@ -51,54 +62,84 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["SIGTERM_EXIT_CODE", "PreemptionHandler", "on_sigterm", "sigterm_checkpoint_path"]
+__all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "on_stop_signal",
+           "stop_checkpoint_path"]
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status after a SIGTERM: 143, non-zero so that schedulers see an unfinished run."""
+SIGINT_EXIT_CODE = 128 + int(signal.SIGINT)
+"""Exit status after a first Ctrl-C (SIGINT) that stopped and saved the run: 130, what a shell reports
+for a process ended by Ctrl-C. (A second Ctrl-C ends the processes by the signal itself: 130 in a
+shell as well, -2 for Python's ``subprocess``.)"""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""The signals that stop a run at the next step boundary with a checkpoint."""
 
 
 class PreemptionHandler:
-    """A SIGTERM flag per process, agreed on by every rank at step boundaries."""
+    """A stop-signal flag per process (SIGTERM, or a first SIGINT), agreed on by every rank at step
+    boundaries. ``received``: the signal's number (0: none; after :meth:`should_stop`, the largest of
+    every rank's, so SIGTERM wins over SIGINT)."""
 
     def __init__(self) -> None:
-        self.received = False
+        self.received = 0
         self._launcher: Any = None
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
         self._installed = False
+        self._pid: int | None = None
+        self._announce = False
         self.exiting = False  # set when the SIGTERMException is being handled: teardown calls leave()
 
-    def install(self, launcher: Any = None) -> None:
-        """Become this process's SIGTERM handler (main thread only; elsewhere signals cannot be handled)."""
+    def install(self, launcher: Any = None, announce: bool = False) -> None:
+        """Become this process's SIGTERM and SIGINT handler (main thread only; elsewhere signals cannot be
+        handled). ``announce``: say on stderr what a first Ctrl-C does (the job's rank 0)."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._launcher = launcher
-        self.received = self.exiting = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._announce = announce
+        self._pid = os.getpid()
+        self.received = 0
+        self.exiting = False
+        self._previous = {int(s): signal.signal(s, self._handle) for s in STOP_SIGNALS}
         self._installed = True
 
     def uninstall(self) -> None:
         if self._installed and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._installed = False
 
+    @property
+    def exit_code(self) -> int:
+        """128 + the agreed signal (143 for SIGTERM, 130 for SIGINT)."""
+        return 128 + (self.received or int(signal.SIGTERM))
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        first = not self.received
-        self.received = True
-        if first and self._launcher is not None:
+        if os.getpid() != self._pid:
+            return  # a process forked after install (a DataLoader worker): the training process decides
+        first_sigterm = signum == signal.SIGTERM and self.received != signal.SIGTERM
+        self.received = max(self.received, int(signum))
+        if signum == signal.SIGINT:
+            # A second Ctrl-C takes SIGINT's default action: the process ends at once, even while it
+            # waits inside a collective (a Python handler would only run once the collective returned).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if self._announce:  # os.write: safe inside a signal handler (print is not)
+                os.write(2, b"\nlightning-megatron: Ctrl-C: every rank stops after the current step and saves a "
+                            b"checkpoint (exit status 130); press Ctrl-C again to abort at once without saving\n")
+        elif first_sigterm and self._launcher is not None:
             self._launcher.kill(signum)  # the ranks this process started (Lightning's subprocess launcher)
 
     def should_stop(self, device: torch.device) -> bool:
-        """Whether any rank received SIGTERM; collective over the default group when there is one."""
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)
+        """Whether any rank received a stop signal; collective over the default group when there is one."""
+        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.received = bool(flag.item())
-        return self.received
+        self.received = int(flag.item())
+        return self.received != 0
 
     def leave(self, launcher: Any = None, wait_s: float = 120.0) -> None:
-        """Shut distributed state down in order before this process exits with status 143.
+        """Shut distributed state down in order before this process exits with status 143 (or 130).
 
-        Collective: every rank calls it (from ``teardown``, after the SIGTERM checkpoint). The
+        Collective: every rank calls it (from ``teardown``, after the stop checkpoint). The
         ranks meet at a barrier; the launching rank (Lightning's subprocess launcher) then waits
         up to ``wait_s`` for the ranks it started, which destroy their process groups and exit
         first, and destroys its own (with the rendezvous store it hosts) last.
@@ -117,7 +158,7 @@ class PreemptionHandler:
             try:
                 child.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                warnings.warn(f"SIGTERM: rank process {child.pid} did not exit within {wait_s:.0f} s; killing it",
+                warnings.warn(f"stopping: rank process {child.pid} did not exit within {wait_s:.0f} s; killing it",
                               stacklevel=2)  # every node's launching rank, not only global rank 0
                 child.kill()
                 child.wait()
@@ -125,37 +166,61 @@ class PreemptionHandler:
             dist.destroy_process_group()
 
 
-def sigterm_checkpoint_path(trainer: pl.Trainer) -> Path | None:
-    """``<ModelCheckpoint.dirpath>/last.ckpt``, or None when checkpointing is not configured."""
+def stop_checkpoint_path(trainer: pl.Trainer, run_id: str | None) -> Path | None:
+    """Where a stop signal saves: this run's ``last`` checkpoint in ``ModelCheckpoint.dirpath``, never
+    another run's (None when checkpointing is not configured).
+
+    The callback's ``last_model_path`` (this run's last save, restored on resume) when it is in the
+    folder and still this run's; else the first of ``last.ckpt``, ``last-v1.ckpt``, ... (the callback's
+    names) that is free or holds a checkpoint of run ``run_id``
+    (:func:`~lightning_megatron.checkpoint_verify.checkpoint_identity`).
+    """
+    from lightning_megatron.checkpoint_verify import checkpoint_identity
+
     callback = trainer.checkpoint_callback
     dirpath = getattr(callback, "dirpath", None)
-    if callback is None or dirpath is None:
+    if not isinstance(callback, ModelCheckpoint) or dirpath is None:
         return None
-    return Path(dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+    folder = Path(dirpath)
+
+    def owner(path: Path) -> str | None:
+        return checkpoint_identity(path)[0]
+
+    own = Path(callback.last_model_path) if callback.last_model_path else None
+    if own is not None and own.parent == folder and (not own.exists() or owner(own) in (run_id, None)):
+        return own  # an unknown owner there: a checkpoint of before run ids, which this run resumed
+    for version in range(0, 10_000):
+        name = callback.CHECKPOINT_NAME_LAST + ("" if version == 0 else f"{callback.CHECKPOINT_JOIN_CHAR}v{version}")
+        path = folder / f"{name}{callback.FILE_EXTENSION}"
+        if not path.exists() or (run_id is not None and owner(path) == run_id):
+            return path
+    raise RuntimeError(f"no free name for a last checkpoint in {folder}")
 
 
-def on_sigterm(trainer: pl.Trainer, exception: BaseException) -> None:
-    """On a SIGTERMException: save a checkpoint if configured, and make the exit status non-zero.
+def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = signal.SIGTERM,
+                   run_id: str | None = None) -> None:
+    """On the ``SIGTERMException`` a stop signal raised: save a checkpoint if configured
+    (:func:`stop_checkpoint_path`), and make the exit status 128 + ``signum`` (143, 130).
 
-    Collective (the checkpoint save): every rank calls it, which Lightning guarantees by raising
+    Collective (the checkpoint save): every rank calls it, which the strategy guarantees by raising
     the exception on every rank at the same batch boundary.
     """
     if not isinstance(exception, SIGTERMException):
         return
-    step = trainer.global_step
+    step, name, code = trainer.global_step, signal.Signals(signum).name, 128 + int(signum)
     if trainer.state.fn == TrainerFn.FITTING:
-        path = sigterm_checkpoint_path(trainer)
+        path = stop_checkpoint_path(trainer, run_id)
         if path is None:
-            rank_zero_warn(f"SIGTERM at step {step}: no checkpoint saved (no ModelCheckpoint callback); "
-                           f"exiting with status {SIGTERM_EXIT_CODE}")
+            rank_zero_warn(f"{name} at step {step}: no checkpoint saved (no ModelCheckpoint callback); "
+                           f"exiting with status {code}")
         elif getattr(trainer.checkpoint_callback, "save_on_exception", False):
-            rank_zero_info(f"SIGTERM at step {step}: ModelCheckpoint(save_on_exception=True) saves the checkpoint")
+            rank_zero_info(f"{name} at step {step}: ModelCheckpoint(save_on_exception=True) saves the checkpoint")
         else:
             # What the ModelCheckpoint itself saves: the full state (model, optimizer, loops) unless it
             # is set to save_weights_only. Explicit, or Lightning logs that it picked a default.
             callback = trainer.checkpoint_callback
             trainer.save_checkpoint(path, weights_only=isinstance(callback, ModelCheckpoint)
                                     and callback.save_weights_only)
-            rank_zero_info(f"SIGTERM at step {step}: saved {path}; resume with --ckpt_path last. "
-                           f"Exiting with status {SIGTERM_EXIT_CODE}")
-    exception.code = SIGTERM_EXIT_CODE
+            rank_zero_info(f"{name} at step {step}: saved {path}; resume with --ckpt_path last. "
+                           f"Exiting with status {code}")
+    exception.code = code

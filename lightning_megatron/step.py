@@ -14,14 +14,21 @@ Training, validation, test and prediction take the same path (:meth:`StepRunner.
    and tied-embedding sums);
 4. the metrics the loss function logged: mean over microbatches (last stage), mean over DP,
    broadcast along the pipeline, so every rank logs the same values; or, when predicting, the
-   microbatches' ``predictions`` concatenated (last stage; ``None`` on the others).
+   microbatches' ``predictions`` concatenated (last stage; ``None`` on the others);
+5. training, with ``check_for_nan_in_loss_and_grad`` (megatron-core's option, on by default): THE
+   NaN/Inf guard of a training step, whatever optimizer (wrapper or plain torch optimizer) steps
+   next. A non-finite loss or gradient anywhere raises :class:`NonFiniteLossOrGradError` on every
+   rank before the optimizer sees the step, naming the step and the first parameter with a
+   non-finite gradient (gathered from the rank that holds it); an fp16 overflow with a finite loss is
+   not an error when the optimizer's dynamic loss scaler skips it.
 
 No Lightning here: the strategy passes what this needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +43,12 @@ from lightning_megatron.protocols import LightningStepsModule, MegatronModule
 from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 
-__all__ = ["BatchSizes", "StepRunner", "batch_size_problem"]
+__all__ = ["BatchSizes", "NonFiniteLossOrGradError", "StepRunner", "batch_size_problem"]
+
+
+class NonFiniteLossOrGradError(FloatingPointError):
+    """A NaN/Inf loss or gradient in a training step with ``check_for_nan_in_loss_and_grad``: raised on
+    every rank before the optimizer step, so no parameter, optimizer state or checkpoint holds that state."""
 
 
 def batch_size_problem(micro_batch_size: int | None, global_batch_size: int | None,
@@ -80,11 +92,17 @@ class BatchSizes:
 
 class StepRunner:
     """Runs the microbatches of a step through ``module``'s chunks under ``parallel_state`` with
-    ``schedule`` (:func:`lightning_megatron.pipeline.get_schedule`)."""
+    ``schedule`` (:func:`lightning_megatron.pipeline.get_schedule`). ``named_parameters``: the
+    module's ``(name, parameter)`` pairs in its order, for the NaN guard's message."""
 
     def __init__(self, parallel_state: ParallelState, module: MegatronModule, *, schedule: PipelineSchedule,
-                 micro_batch_size: int | None, device: torch.device, overlap_p2p_comm: bool = False) -> None:
+                 micro_batch_size: int | None, device: torch.device, overlap_p2p_comm: bool = False,
+                 check_for_nan_in_loss_and_grad: bool = True,
+                 named_parameters: Sequence[tuple[str, torch.nn.Parameter]] = ()) -> None:
         self.ps = parallel_state
+        self.check_for_nan_in_loss_and_grad = check_for_nan_in_loss_and_grad
+        """Stop on a NaN/Inf loss or gradient before the optimizer step (megatron-core's option)."""
+        self.named_parameters = list(named_parameters)
         self.schedule = schedule
         self.overlap_p2p_comm = overlap_p2p_comm
         self.module = module
@@ -97,10 +115,14 @@ class StepRunner:
         self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
 
     def run(self, batch: Any, batch_idx: int, stage: str, *, grad_buffer: GradBuffer | None = None,
-            grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None, trace: list | None = None) -> Any:
+            grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None, trace: list | None = None,
+            iteration: int | None = None, overflow_is_skipped: bool = False) -> Any:
         """One step. ``stage``: ``train`` (needs ``grad_buffer``), ``val``, ``test`` -> the logged
         means ``{name: scalar tensor}``; ``predict`` -> the batch's predictions. ``trace``: a list
-        that receives the schedule's events (:class:`~lightning_megatron.pipeline.schedules.ScheduleEvent`)."""
+        that receives the schedule's events (:class:`~lightning_megatron.pipeline.schedules.ScheduleEvent`).
+        Training: ``iteration`` is the step the NaN guard's message names; ``overflow_is_skipped``: the
+        optimizer's dynamic loss scaler skips a step whose gradients overflowed (fp16), so non-finite
+        gradients with a finite loss are its business, not an error."""
         ps = self.ps
         forward_only = stage != "train"
         microbatches = split_microbatches(batch, self.micro_batch_size)
@@ -128,7 +150,54 @@ class StepRunner:
             finalize_model_grads(grad_buffer, ps)
         if stage == "predict":
             return self._predictions(logged)
-        return self._reduce_logged(logged, stage)
+        means = self._reduce_logged(logged, stage)
+        if not forward_only and self.check_for_nan_in_loss_and_grad:
+            self._check_finite(grad_buffer, means.get("loss"), iteration, overflow_is_skipped)
+        return means
+
+    def _check_finite(self, buffer: GradBuffer, loss: torch.Tensor | None, iteration: int | None,
+                      overflow_is_skipped: bool) -> None:
+        """Raise :class:`NonFiniteLossOrGradError` on every rank when the loss or any gradient of any rank
+        is NaN/Inf (after :func:`finalize_model_grads`, before any optimizer reads the gradients).
+
+        One pass over this rank's fp32 grad buffer (a sum in fp64: non-finite exactly when an element
+        is; fp32 values cannot overflow it), the loss (the same on every rank: reduced over DP,
+        broadcast along the pipeline) beside it, one SUM all-reduce over the world and one read on
+        the host. Only a failing step does more: it finds and gathers the parameter to name.
+        """
+        device = buffer.data.device
+        values = torch.stack([torch.sum(buffer.data, dtype=torch.float64),
+                              torch.zeros((), dtype=torch.float64, device=device) if loss is None
+                              else loss.detach().to(device, torch.float64).reshape(())])
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(values)  # a NaN/Inf on any rank makes the sum non-finite on every rank
+        grad_sum, loss_sum = values.tolist()
+        if math.isfinite(grad_sum) and math.isfinite(loss_sum):
+            return
+        if math.isfinite(loss_sum) and overflow_is_skipped:
+            return  # an fp16 overflow: the dynamic loss scaler skips the step and backs off
+        named = self.named_parameters or [(f"<parameter {i} of shape {tuple(p.shape)}>", p)
+                                          for i, p in enumerate(buffer.params)]
+        mine = next((name for name, p in named if (g := buffer.main_grad_of(p)) is not None
+                     and not bool(torch.isfinite(g).all())), None)
+        rank = dist.get_rank() if world > 1 else 0
+        found = [(rank, mine)]
+        if world > 1:
+            found = [None] * world
+            dist.all_gather_object(found, (rank, mine))
+        what = [] if math.isfinite(loss_sum) else [f"the loss is {loss.detach().float().reshape(()).item()}"]
+        if not math.isfinite(grad_sum):
+            what.append(f"the gradient is not finite ({'inf' if math.isinf(grad_sum) else 'nan'})")
+        where = next((f"first parameter with a non-finite gradient on rank {r}: {name}" for r, name in found if name),
+                     "no gradient is non-finite (only the loss is)")
+        step = "" if iteration is None else (f"at step {iteration} (the state at global_step={iteration} is the "
+                                             f"last good one) ")
+        raise NonFiniteLossOrGradError(
+            f"{step}{' and '.join(what)}; {where}. The run stops before the optimizer step: parameters, optimizer "
+            f"state and checkpoints keep the last good step (resume from the last checkpoint with another lr, data "
+            f"or seed). MegatronStrategy(check_for_nan_in_loss_and_grad=False) (--trainer.strategy.init_args."
+            f"check_for_nan_in_loss_and_grad false) turns this check off")
 
     def _predictions(self, logged: list[dict[str, Any]]) -> Any:
         # Predictions live on the last pipeline stage. Tensors (and dicts of tensors, key by key) are

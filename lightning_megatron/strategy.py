@@ -6,7 +6,8 @@ module's contract (:mod:`~lightning_megatron.protocols`), set-up checks and batc
 (:mod:`~lightning_megatron.setup_checks`), the fp32 :class:`~lightning_megatron.grads.GradBuffer` (no
 DDP wrapper), one step's microbatch schedule for train, val, test and predict alike
 (:class:`~lightning_megatron.step.StepRunner`; ``backward`` is a no-op because the schedule ran it),
-sharded checkpoints (:mod:`~lightning_megatron.checkpoint`) and SIGTERM (:mod:`~lightning_megatron.preemption`).
+sharded checkpoints (:mod:`~lightning_megatron.checkpoint`) recording the run that wrote them
+(:attr:`MegatronStrategy.run_id`), and SIGTERM / Ctrl-C (:mod:`~lightning_megatron.preemption`).
 docs/architecture.md draws who calls whom in a step.
 
 Batch semantics: global_batch = micro_batch_size x num_microbatches x DP. The dataloader of each DP
@@ -17,6 +18,8 @@ gets the same batch); the logged loss is the mean over the global batch.
 from __future__ import annotations
 
 import datetime
+import signal
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Literal
@@ -26,6 +29,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -40,11 +44,11 @@ from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.optimizer.config import OptimizerConfig
-from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
+from lightning_megatron.optimizer.grad_scaler import DynamicGradScaler
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
-from lightning_megatron.preemption import PreemptionHandler, on_sigterm
+from lightning_megatron.preemption import PreemptionHandler, on_stop_signal
 from lightning_megatron.protocols import (
     LightningStepsModule,
     MegatronModule,
@@ -106,6 +110,10 @@ class MegatronStrategy(DDPStrategy):
         cpu_tuning: opt-in tuning for CPU runs (:class:`lightning_megatron.cpu.CPUTuning`); ``True`` is
             ``CPUTuning()``. Default ``None``: the same code path as on accelerators.
         timeout: collective timeout; a failing rank ends the job after at most this long.
+        check_for_nan_in_loss_and_grad: stop the run when a training step's loss or any gradient is
+            NaN/Inf, before any optimizer (wrapped or plain) steps: ``NonFiniteLossOrGradError`` on every
+            rank naming the step and the parameter (megatron-core's option and default; an fp16
+            overflow that the dynamic loss scaler skips is not an error). :mod:`lightning_megatron.step`.
         Others as :class:`lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -129,6 +137,7 @@ class MegatronStrategy(DDPStrategy):
         overlap_grad_reduce: bool | None = None,
         overlap_param_gather: bool = False,
         overlap_p2p_comm: bool = True,
+        check_for_nan_in_loss_and_grad: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -164,6 +173,7 @@ class MegatronStrategy(DDPStrategy):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.overlap_p2p_comm = overlap_p2p_comm
+        self.check_for_nan_in_loss_and_grad = check_for_nan_in_loss_and_grad
         self.cpu_tuning: CPUTuning | None = CPUTuning.from_argument(cpu_tuning)
         self.parallel_state: ParallelState | None = None
         self.batch_sizes: BatchSizes | None = None
@@ -175,6 +185,11 @@ class MegatronStrategy(DDPStrategy):
         self._grad_buffer: GradBuffer | None = None
         self._optimizer_config: OptimizerConfig | None = None  # handed over by MegatronOptimizerCallback.setup
         self._preemption = PreemptionHandler()
+        self.run_id: str | None = None
+        """The run this fit continues or starts: the run id of the checkpoint it resumed, else the W&B
+        run id when it logs to W&B, else a random one (set in ``setup`` and ``load_checkpoint`` when
+        fitting). Every checkpoint it saves records it, and a save never replaces a checkpoint of
+        another run (:func:`lightning_megatron.checkpoint.other_run_problem`)."""
         self._described = False
         self._node_ranks: list[int] | None = None  # the node of every rank, gathered at set-up
 
@@ -228,7 +243,9 @@ class MegatronStrategy(DDPStrategy):
         self.batch_sizes = resolve_batch_sizes(self.micro_batch_size, trainer.datamodule, ps, schedule)
         self._runner = StepRunner(ps, self._module, schedule=schedule,
                                   micro_batch_size=self.batch_sizes.micro_batch_size, device=self.root_device,
-                                  overlap_p2p_comm=self.overlap_p2p_comm)
+                                  overlap_p2p_comm=self.overlap_p2p_comm,
+                                  check_for_nan_in_loss_and_grad=self.check_for_nan_in_loss_and_grad,
+                                  named_parameters=list(self._module.sharded_named_parameters()))
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).
         self.accelerator.setup(trainer)
@@ -237,6 +254,7 @@ class MegatronStrategy(DDPStrategy):
         if self.cpu_tuning is not None:
             self.cpu_tuning.configure_model(self.model, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
+            self.run_id = self._new_run_id(trainer)  # replaced by the checkpoint's when the fit resumes one
             self._build_grad_buffer()  # before configure_optimizers, which may shard it (ZeRO-1)
             self.setup_optimizers(trainer)
             self._wrap_optimizers()
@@ -247,6 +265,17 @@ class MegatronStrategy(DDPStrategy):
             self._described = True
             rank_zero_info(describe_setup(ps, buffer=self._grad_buffer,
                                           micro_batch_size=self.batch_sizes.micro_batch_size, nodes=self._node_ranks))
+
+    def _new_run_id(self, trainer: Trainer) -> str:
+        """Rank 0's: the id of its W&B run (the experiment exists by now when the CLI's WandbRunIdCallback
+        logged the run config) or a random 8 characters; the same on every rank."""
+        chosen = [None]
+        if self.global_rank == 0:
+            wandb = [lg.version for lg in trainer.loggers if isinstance(lg, WandbLogger) and lg.version]
+            chosen = [str(wandb[0]) if wandb else uuid.uuid4().hex[:8]]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
+            torch.distributed.broadcast_object_list(chosen, src=0)
+        return chosen[0]
 
     @property
     def grad_buffer(self) -> GradBuffer | None:
@@ -307,10 +336,6 @@ class MegatronStrategy(DDPStrategy):
         if self._optimizer_config is not None:
             self.optimizers = [self._optimizer_config.wrap(opt, parallel_state=self.parallel_state,
                                                            grad_buffer=self._grad_buffer) for opt in self.optimizers]
-            named = list(self.module_contract.sharded_named_parameters())
-            for opt in self.optimizers:
-                if isinstance(opt, MegatronOptimizer):
-                    opt.name_parameters(named)  # errors name parameters by their checkpoint names
         wrappers = self._optimizer_wrappers()
         for opt in wrappers:
             if is_sharded(opt) and opt.buffer is not self._grad_buffer:
@@ -342,7 +367,9 @@ class MegatronStrategy(DDPStrategy):
         # schedule that runs backward inside the step: the grad buffer starts every step from zero.
         wrappers = self._optimizer_wrappers()
         return self._runner.run(batch, batch_idx, stage, grad_buffer=self._grad_buffer,
-                                grad_scale_func=wrappers[0].scale_loss if wrappers else None, trace=self.schedule_trace)
+                                grad_scale_func=wrappers[0].scale_loss if wrappers else None, trace=self.schedule_trace,
+                                iteration=self.lightning_module.trainer.global_step,
+                                overflow_is_skipped=any(isinstance(w.grad_scaler, DynamicGradScaler) for w in wrappers))
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -409,7 +436,7 @@ class MegatronStrategy(DDPStrategy):
             # epoch-level metrics of evaluation are averaged over the world anyway (one all-reduce at
             # the end of the epoch) so that Lightning has nothing to warn about.
             module.log(name, value, on_step=stage == "train", on_epoch=stage != "train",
-                       prog_bar=key in ("loss", "lm_loss"), sync_dist=stage != "train", batch_size=1)
+                       prog_bar=key == "loss", sync_dist=stage != "train", batch_size=1)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -450,16 +477,21 @@ class MegatronStrategy(DDPStrategy):
             rank_zero_info(f"MegatronStrategy: fast_dev_run saves no checkpoint (not {filepath})")
             return
         self.finish_param_gather()  # the params are saved from the live tensors
-        ckpt.save(self._state_mapper(), checkpoint, filepath, self.parallel_dims.as_record())
+        ckpt.save(self._state_mapper(), checkpoint, filepath, self.parallel_dims.as_record(), run_id=self.run_id)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.parallel_state is not None
         module = self.lightning_module
         upgrade = type(module).upgrade_hparams if isinstance(module, MegatronLightningModule) else None
-        return ckpt.load(self._state_mapper(), checkpoint_path, dict(module.hparams),
-                         self.parallel_dims.as_record(), load_optimizer=bool(self.optimizers),
-                         hparam_defaults=ckpt.init_defaults(type(module)), upgrade_hparams=upgrade)
+        loaded = ckpt.load(self._state_mapper(), checkpoint_path, dict(module.hparams),
+                           self.parallel_dims.as_record(), load_optimizer=bool(self.optimizers),
+                           hparam_defaults=ckpt.init_defaults(type(module)), upgrade_hparams=upgrade)
+        if module.trainer.state.fn == TrainerFn.FITTING:
+            # A resumed fit continues the run that wrote the checkpoint (verified by now); one written
+            # before checkpoints recorded their run keeps the id chosen at setup.
+            self.run_id = ckpt.checkpoint_identity(checkpoint_path)[0] or self.run_id
+        return loaded
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -479,7 +511,8 @@ class MegatronStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         if self.overlap_param_gather and self._grad_buffer is not None:
             self._grad_buffer.add_param_gather_hooks(self.model_chunks)
-        self._preemption.install(self.launcher)  # SIGTERM: see lightning_megatron.preemption
+        # SIGTERM and Ctrl-C: see lightning_megatron.preemption
+        self._preemption.install(self.launcher, announce=self.global_rank == 0)
 
     @override
     def on_validation_start(self) -> None:
@@ -499,9 +532,10 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # SIGTERM: save a checkpoint (when configured) and exit non-zero (lightning_megatron.preemption).
+        # SIGTERM / Ctrl-C: save a checkpoint (when configured) and exit 143 / 130 (lightning_megatron.preemption).
         if isinstance(exception, SIGTERMException) and self.lightning_module is not None:
-            on_sigterm(self.lightning_module.trainer, exception)
+            on_stop_signal(self.lightning_module.trainer, exception, self._preemption.received or signal.SIGTERM,
+                           self.run_id)
             self._preemption.exiting = True
 
     @override
@@ -514,7 +548,7 @@ class MegatronStrategy(DDPStrategy):
         if self.cpu_tuning is not None:
             self.cpu_tuning.teardown(self.parallel_state)
         super().teardown()
-        if self._preemption.exiting:  # the process exits with 143 next: process groups go first, in order
+        if self._preemption.exiting:  # the process exits with 143 / 130 next: process groups go first, in order
             self._preemption.leave(self.launcher)
 
 

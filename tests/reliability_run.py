@@ -1,14 +1,15 @@
 """A short real training run for the fault tests and benchmarks/faults.py (not a test module).
 
-    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|kill0|kill1|raise1
+    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigint|sigint2|kill0|kill1|raise1
         --fault-step 3] [--ckpt-path last] [--every 2]
 
 Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
 subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
 ``ROOT/progress-<rank>.txt`` after each step and writes the step it starts from to
 ``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``; the fault is injected at the end of step ``--fault-step`` by rank 0 (sigterm: SIGTERM
-to rank 0's own process, as a scheduler would; kill0: SIGKILL of rank 0; kill1 / raise1: rank 1 is SIGKILLed
-/ raises), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps.
+to rank 0's own process, as a scheduler would; sigint: SIGINT to the job's process group, as Ctrl-C in a
+terminal (start the script in a session of its own); sigint2: two of them 0.5 s apart; kill0: SIGKILL of
+rank 0; kill1 / raise1: rank 1 is SIGKILLed / raises), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def main() -> None:
     parser.add_argument("root")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--fault", choices=["none", "sigterm", "kill0", "kill1", "raise1"], default="none")
+    parser.add_argument("--fault", choices=["none", "sigterm", "sigint", "sigint2", "kill0", "kill1", "raise1"],
+                        default="none")
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--mid", action="store_true",
                         help="inject the fault inside the next step's forward (peers then wait in a TP collective)")
@@ -78,6 +80,11 @@ def main() -> None:
                 (root / "fault.txt").write_text(f"{a.fault} {step} {time.time():.3f}")
             if a.fault == "sigterm" and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
+            elif a.fault in ("sigint", "sigint2") and rank == 0:
+                os.killpg(os.getpgid(0), signal.SIGINT)
+                if a.fault == "sigint2":
+                    time.sleep(0.5)  # a person pressing Ctrl-C again
+                    os.killpg(os.getpgid(0), signal.SIGINT)
             elif a.fault == "kill0" and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif a.fault == "kill1" and rank == 1:

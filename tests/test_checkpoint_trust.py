@@ -130,11 +130,21 @@ def _worker(root: str) -> dict:
     def full_disk(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    from lightning_megatron import checkpoint as ckpt
+
+    # (another run's save at that path is refused before anything is written: the saves of a run never
+    # replace another run's checkpoint)
+    trainer, dm = _trainer(2, 1)
+    trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm)
+    before = ckpt.checkpoint_identity(good), (good / ckpt.MARKER).read_text()
+    out["other_run"] = _error(lambda: trainer.save_checkpoint(good))
+    out["other_run_ids"] = trainer.strategy.run_id, before[0][0]
+    out["other_run_untouched"] = (good / ckpt.MARKER).read_text() == before[1]
     original = dcp.FileSystemWriter.write_data
     dcp.FileSystemWriter.write_data = full_disk
     try:
-        trainer, dm = _trainer(2, 1)
-        trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm)
+        trainer, dm = _trainer(2, 5)  # the run of last.ckpt, one step further, saved again there
+        trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=good)
         out["full"] = _error(lambda: trainer.save_checkpoint(good))
     finally:
         dcp.FileSystemWriter.write_data = original
@@ -167,22 +177,36 @@ def _worker(root: str) -> dict:
     # again on a group with a short timeout, so that such a run fails in a minute, not at the helper's 600 s.
     meet = torch.distributed.new_group(timeout=datetime.timedelta(seconds=60))
 
-    class InjectNaN(Callback):
-        marker_before: str | None = None
+    import lightning_megatron.step as step_module
 
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 2:
+    finalize = step_module.finalize_model_grads
+
+    class InjectNaN(Callback):
+        """At step 2, once the step's gradients are reduced (where the step's guard then looks), a NaN
+        in TP rank 1's piece of one weight's gradient."""
+
+        marker_before: str | None = None
+        step = -1
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.step = trainer.global_step
+            if self.step == 2:
                 self.marker_before = (nan_dir / "last.ckpt" / ckpt.MARKER).read_text()
-                if rank == 1:
-                    [p] = [p for n, p in pl_module.sharded_named_parameters()
-                           if n == "encoder.layers.1.mlp.linear_fc1.weight"]
-                    p.main_grad.view(-1)[3] = float("nan")
+                [self.param] = [p for n, p in pl_module.sharded_named_parameters()
+                                if n == "encoder.layers.1.mlp.linear_fc1.weight"]
+
+        def finalize(self, buffer, ps):
+            finalize(buffer, ps)
+            if self.step == 2 and rank == 1:
+                self.param.main_grad.view(-1)[3] = float("nan")
 
     inject = InjectNaN()
+    step_module.finalize_model_grads = inject.finalize
     trainer, dm = _trainer(2, 6, enable_checkpointing=True, callbacks=[
         MegatronOptimizerCallback(), inject,
         ModelCheckpoint(dirpath=nan_dir, save_last=True, save_top_k=0, every_n_train_steps=1)])
     out["nan"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm))
+    step_module.finalize_model_grads = finalize
     stopped = [None] * torch.distributed.get_world_size()
     try:
         torch.distributed.all_gather_object(stopped, out["nan"], group=meet)
@@ -273,6 +297,16 @@ def test_other_hyperparameters_are_listed_in_one_error(results):
         assert "Traceback" not in hidden and len(hidden) < 4000
 
 
+def test_a_save_never_replaces_another_runs_checkpoint(results):
+    for r in results:
+        mine, theirs = r["other_run_ids"]
+        assert mine and theirs and mine != theirs, r["other_run_ids"]
+        assert r["other_run"].startswith("CheckpointError: refusing to save"), r["other_run"]
+        assert f"another run (run {theirs} at step " in r["other_run"], r["other_run"]
+        assert f") and this run is {mine}; a save never replaces another run's checkpoint" in r["other_run"]
+        assert r["other_run_untouched"]
+
+
 def test_full_disk_names_the_directory_and_keeps_the_last_checkpoint(results):
     for r in results:
         assert r["full"].startswith("CheckpointError") and "the disk is full" in r["full"], r["full"]
@@ -289,14 +323,14 @@ def test_pipeline_resume_restores_the_tied_embedding_state_on_both_stages(result
 
 
 def test_nan_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(results):
-    """The NaN is in TP rank 1's gradient only: both ranks stop at the same step (the check is agreed
-    over the model-parallel group), each with one line; rank 1 names the parameter."""
+    """The NaN is in TP rank 1's gradient only: both ranks stop at the same step (the step's check is
+    agreed over every rank), each with one line naming the parameter and the rank that holds it."""
     for rank, r in enumerate(results):
         assert r["nan_all_ranks"] == [x["nan"] for x in results]  # every rank got this far: none hangs
         assert r["nan"].startswith("NonFiniteLossOrGradError: at step 2"), r["nan"]
-        assert "\n" not in r["nan"] and "the gradient norm is nan" in r["nan"], r["nan"]
+        assert "\n" not in r["nan"] and "the gradient is not finite (nan)" in r["nan"], r["nan"]
         named = "first parameter with a non-finite gradient on rank 1: encoder.layers.1.mlp.linear_fc1.weight"
-        assert named in r["nan"] if rank == 1 else (named in r["nan"] or "another rank does" in r["nan"]), r["nan"]
+        assert named in r["nan"], r["nan"]  # rank 0 too: the name is gathered with the flag
         assert "check_for_nan_in_loss_and_grad" in r["nan"]
         assert r["nan_marker_unchanged"] and r["nan_last_step"] == 2
     assert results[0]["nan_listing"] == ["last.ckpt"]  # no temporary of a save from the NaN state

@@ -134,6 +134,44 @@ def test_unverified_checkpoint_loads_only_with_the_opt_in(good, tmp_path, monkey
     assert [str(w.message) for w in caught if "UNVERIFIED" in str(w.message) and reason in str(w.message)]
 
 
+class _Payload:
+    """A pickle that would run a command when unpickled without restrictions."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+@pytest.mark.parametrize("how", ["whole_file", "same_size"])
+@pytest.mark.parametrize("path", ["load_from_checkpoint", "init_from", "export_hf"])
+def test_pickled_payload_in_a_tensor_chunk_is_refused_naming_the_file(good, tmp_path, how, path):
+    """A tensor chunk (__1_0.distcp) replaced by a pickle, its checksum rewritten to match (an attacker's
+    edit, or a writer's bug): refused naming the checkpoint, the file, the entry and the cause (was
+    ``rank 0: EOFError:``, or torch's advice to load with weights_only=False), and the payload never runs."""
+    import pickle
+
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    shard, sentinel = bad / "__1_0.distcp", tmp_path / "payload-ran"
+    payload = pickle.dumps(_Payload(sentinel), protocol=2)
+    data = shard.read_bytes()
+    shard.write_bytes(payload if how == "whole_file" else payload + data[len(payload):])
+    marker = json.loads((bad / ckpt.MARKER).read_text())
+    marker["files"]["__1_0.distcp"], marker["sha256"]["__1_0.distcp"] = shard.stat().st_size, ckpt.file_sha256(shard)
+    (bad / ckpt.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ckpt.CheckpointError) as info:
+        PATHS[path](bad)
+    message = str(info.value)
+    assert f"checkpoint {str(bad)!r}: __1_0.distcp does not hold the tensor entry" in message, message
+    cause = "run past the file's" if how == "whole_file" else "UnpicklingError: Trying to load unsupported GLOBAL"
+    assert cause in message and "weights_only=False" not in message and "\n" not in message, message
+    assert not sentinel.exists()
+
+
 def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_path, monkeypatch, capsys):
     from lightning_megatron.cli import main
     from lightning_megatron.models.bert.module import BertLightningModule
@@ -219,10 +257,10 @@ def test_cli_reports_an_agreed_error_once_on_rank_0(monkeypatch, capsys, rank, e
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_megatron import cli
-    from lightning_megatron.optimizer import NonFiniteLossOrGradError
+    from lightning_megatron.step import NonFiniteLossOrGradError
 
     message = {"disk_full": "saving checkpoint 'x/last.ckpt' failed: the disk is full in 'x' (0.00 GiB free)",
-               "nan": "at step 3 (the state at global_step=3 is the last good one) the gradient norm is nan"}[error]
+               "nan": "at step 3 (the state at global_step=3 is the last good one) the gradient is not finite (nan)"}[error]
 
     def fail(*args, **kwargs):
         raise (ckpt.CheckpointError if error == "disk_full" else NonFiniteLossOrGradError)(message)

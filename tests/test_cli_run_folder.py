@@ -80,38 +80,98 @@ def test_default_root_dir_moves_logs_and_checkpoints(tmp_path):
     assert kept["loggers"] == {"CSVLogger": explicit, "WandbLogger": explicit}  # explicit values win
 
 
-def _cli(tmp: Path, command: str, *args: str) -> subprocess.CompletedProcess:
+def _cli(tmp: Path, command: str, *args: str, root: str = "run", status: int = 0,
+         columns: int | None = None) -> subprocess.CompletedProcess:
+    """``lightning-megatron COMMAND`` of a 1-layer bert_tiny on one process in ``tmp/root``, which must
+    exit with ``status``; ``tests/`` is on the PYTHONPATH (the faults of ``cli_faults``). Its output is
+    not a terminal (a pipe, as under nohup or SLURM), or with ``columns`` a terminal of that width (a
+    pseudo-terminal: Rich draws the live bar)."""
     cmd = [sys.executable, "-m", "lightning_megatron.cli", command, "--config", RECIPE,
            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
-           "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp / "run"),
-           "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1", "--model.config.hidden_size", "32",
-           "--model.config.num_attention_heads", "2", "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2",
-           "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32", *args]
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+           "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp / root),
+           "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1",
+           "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
+           "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2", "--data.micro_batch_size", "2",
+           "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32", *args]
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=path)
+    if columns is None:
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    else:
+        proc = _in_terminal(cmd, tmp, dict(env, COLUMNS=str(columns), LINES="24", TERM="xterm"))
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
 
-def test_validate_continues_the_wandb_run_of_the_checkpoint(tmp_path):
-    """fit writes its W&B run id into the checkpoint; validate of it continues that run (a resumed
-    fit reads the id the same way), and each logs the trainer, strategy, layout and precision into
-    the W&B config. The checkpoint is left as a crash between the two renames of a file system
-    without an exchange rename leaves it (last.ckpt.tmp-<id>, no last.ckpt), with its checksums
-    removed: ``--ckpt_path last --allow-unverified-checkpoint`` finds it and loads it, saying so."""
+def _in_terminal(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``cmd`` with its stdout on a pseudo-terminal (read as it comes), its stderr on a pipe."""
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=slave, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the other end closed
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    stderr = proc.stderr.read().decode(errors="replace")
+    proc.wait(timeout=600)
+    reader.join()
+    os.close(master)
+    return subprocess.CompletedProcess(cmd, proc.returncode, b"".join(chunks).decode(errors="replace"), stderr)
+
+
+_NOISE = ("anonymous setting", "💡 Tip", "LeafSpec", "args parameter")
+"""What dependencies printed on every run, asking nothing of the user (issue 34)."""
+
+
+def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path):
+    """fit writes its W&B run id into the checkpoint; a resumed fit continues that run: the same id, recorded
+    as resumed, its history at the trainer's steps (not from 0 again); validate of the checkpoint logs into
+    a W&B run of its own grouped with it and into csv/validate/, not into the training run. Each logs the
+    trainer, strategy, layout and precision into the W&B config. Output redirected, fit prints a plain line
+    per logged step; on an 80-column terminal the resumed fit's bar stays within 2 lines. The checkpoint is
+    left as a crash between the two renames of a file system without an exchange rename leaves it
+    (last.ckpt.tmp-<id>, no last.ckpt), with its checksums removed: ``--ckpt_path last
+    --allow-unverified-checkpoint`` finds it and loads it, saying so."""
     import json
+    import re
 
     import torch
+    from wandb_records import offline_runs
 
-    _cli(tmp_path, "fit", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
-         "--lr_schedule.lr_warmup_steps", "0")
+    first = _cli(tmp_path, "fit", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
+                 "--lr_schedule.lr_warmup_steps", "0", "--trainer.log_every_n_steps", "1",
+                 "--trainer.enable_progress_bar", "true")
+    # Not a terminal: a plain line per logged step, with the step, loss, lr, throughput and MFU
+    lines = [line for line in first.stdout.splitlines() if line.startswith("Step ")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"], first.stdout[-3000:]
+    assert re.fullmatch(r"Step 2/2 loss \d+\.\d{4} lr \S+ tok/s \S+ mfu [\d.]+%!? \d:\d\d:\d\d elapsed, "
+                        r"0:00:00 left", lines[-1]), lines
+    assert not [n for n in _NOISE if n in first.stderr], first.stderr[-3000:]
     # `--ckpt_path last` (Lightning's name for the newest last.ckpt) continues the run as the path does
     resumed = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
-                   "--lr_schedule.lr_warmup_steps", "0", "--ckpt_path", "last", "--trainer.enable_progress_bar", "true")
-    # The bar counts optimizer steps of the whole run: not "Epoch 0/-2", not "3/1" after the resume
-    out = resumed.stdout
-    assert "Step 3/3" in out and "Epoch 0/-2" not in out and "3/1 " not in out, out[-3000:]
-    assert "tokens_per_sec" in out and "mfu" in out, out[-3000:]
+                   "--lr_schedule.lr_warmup_steps", "0", "--ckpt_path", "last", "--trainer.enable_progress_bar", "true",
+                   "--trainer.log_every_n_steps", "1", columns=80)
+    # The bar counts optimizer steps of the whole run: not "Epoch 0/-2", not "3/1" after the resume; it shows
+    # loss, tok/s and mfu (not the W&B version) and on 80 columns takes at most 2 lines
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", resumed.stdout).replace("\r", "")
+    frames = [chunk for chunk in screen.split("Step ")[1:] if chunk.startswith("3/3")]
+    assert frames and "Epoch 0/-2" not in screen and "3/1 " not in screen, screen[-3000:]
+    last = frames[-1].split("lightning-megatron: run summary")[0].rstrip("\n ").split("\n")
+    assert len(last) <= 2 and all(len(line) <= 80 for line in last), last
+    assert "loss:" in last[0] and "tok/s:" in frames[-1] and "mfu:" in frames[-1] and "v_num" not in screen, last
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt.tmp-1a2b3c4d"
     (tmp_path / "run" / "checkpoints" / "last.ckpt").rename(ckpt)
     marker = json.loads((ckpt / "lightning_megatron.json").read_text())
@@ -122,11 +182,85 @@ def test_validate_continues_the_wandb_run_of_the_checkpoint(tmp_path):
                 "--allow-unverified-checkpoint")
     assert "is loaded UNVERIFIED: its lightning_megatron.json has no sha256 checksums" in proc.stderr, proc.stderr
     assert "is missing, but the interrupted save" in proc.stderr and "tmp-1a2b3c4d" in proc.stderr, proc.stderr
-    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert [r.name.rsplit("-", 1)[1] for r in runs] == [run_id] * 3, (run_id, runs)
-    for run in runs:
-        records = b"".join(p.read_bytes() for p in run.glob("*.wandb"))
-        assert all(k in records for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision")), run
+    training, second, evaluation = offline_runs(tmp_path / "run" / "wandb")
+    assert (training.run_id, second.run_id) == (run_id, run_id) and evaluation.run_id != run_id
+    assert (second.resume, second.resumed) == (True, True)  # offline, recorded as the resume it is
+    assert training.steps == [0, 1] and second.steps == [2], (training.steps, second.steps)  # the trainer's steps
+    assert (evaluation.group, evaluation.job_type) == (run_id, "validate") and "val_loss" in evaluation.history[0]
+    for run in (training, second, evaluation):
+        assert all(k in run.config for k in (b"tensor_model_parallel_size", b"MegatronStrategy", b"precision")), run
         # the lr schedule, clipping and the optimizer are in the run config too
-        assert all(k in records for k in (b"lr_schedule", b"lr_warmup_steps", b"megatron_optimizer", b"clip_grad",
-                                          b"adam_beta2")), run
+        assert all(k in run.config for k in (b"lr_schedule", b"lr_warmup_steps", b"megatron_optimizer", b"clip_grad",
+                                             b"adam_beta2")), run
+    # the CSV: a version per start of the training run, the validate's beside them
+    csv_dir = tmp_path / "run" / "csv"
+    assert sorted(p.relative_to(csv_dir).as_posix() for p in csv_dir.rglob("metrics.csv")) == [
+        "validate/version_0/metrics.csv", "version_0/metrics.csv", "version_1/metrics.csv"]
+
+
+def _sums(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder`` (checkpoint directories included), by relative path."""
+    from lightning_megatron.checkpoint import file_sha256
+
+    return {str(p.relative_to(folder)): file_sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_one_run_per_checkpoint_folder_last_is_this_runs_and_nan_stops_a_plain_optimizer(tmp_path):
+    """Issue 34's data loss, through the CLI. A run's checkpoint folder takes no second run, `last` is
+    the newest state of one run, and no save replaces another run's checkpoint: the case of the issue
+    (run A's last.ckpt and a later run B's last-v1.ckpt in one folder; `--ckpt_path last` took B's, and
+    a SIGTERM then saved over A's last.ckpt) ends with A's checkpoints byte for byte as they were.
+    On the way, fp32 with a plain torch optimizer (no megatron_optimizer group) stops at an injected
+    NaN gradient with one line naming the step and the parameter, its last.ckpt untouched."""
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    plain = ["--megatron_optimizer", "null", "--trainer.limit_val_batches", "0", "--lr_schedule.lr_warmup_steps", "0"]
+    folder = tmp_path / "run" / "checkpoints"
+    _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "3")  # run A
+    run_a, step = checkpoint_identity(folder / "last.ckpt")
+    assert run_a and step == 3
+    sums_a = _sums(folder)
+
+    # a new run into A's folder: refused before launch, naming the folder, A's checkpoint and the two ways on
+    new = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "2", status=1)
+    message = _last_line(new)
+    assert message.startswith(f"lightning-megatron: {folder} already holds checkpoints (last.ckpt (run {run_a}, "
+                              f"step 3)): a new run there would mix"), message
+    assert "Resume that run with --ckpt_path last" in message and "--trainer.default_root_dir" in message, message
+    assert "Initializing distributed" not in new.stdout + new.stderr  # nothing launched
+
+    # fp32, a plain AdamW: a NaN in one weight's gradient in step 4 of A resumed (`last`: A's only)
+    nan = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "6", "--ckpt_path", "last",
+               "--trainer.callbacks+=cli_faults.NaNGradientAt", "--trainer.callbacks.step=4",
+               "--trainer.callbacks.name=encoder.layers.0.mlp.linear_fc1.weight", status=1)
+    assert _last_line(nan).startswith(
+        "lightning-megatron: at step 4 (the state at global_step=4 is the last good one) the gradient is not finite "
+        "(nan); first parameter with a non-finite gradient on rank 0: encoder.layers.0.mlp.linear_fc1.weight. The "
+        "run stops before the optimizer step"), nan.stderr[-3000:]
+    assert "Traceback" not in nan.stderr and "PlainOptimizer" not in nan.stderr
+    assert _sums(folder) == sums_a  # no checkpoint of the NaN state (the end-of-fit save never ran)
+
+    # run B, started (as before this rule) into the same folder: its last checkpoint lands beside A's
+    # as last-v1.ckpt, written after A's
+    _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "2", root="other")
+    (tmp_path / "other" / "checkpoints" / "last.ckpt").rename(folder / "last-v1.ckpt")
+    run_b = checkpoint_identity(folder / "last-v1.ckpt")[0]
+    assert run_b and run_b != run_a
+
+    # `--ckpt_path last` there is ambiguous: refused, each last checkpoint named with its run and step
+    last = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "50", "--ckpt_path", "last", status=1)
+    assert _last_line(last).startswith(
+        f"lightning-megatron: --ckpt_path last is ambiguous: {folder} holds the last checkpoints of 2 runs: "
+        f"last-v1.ckpt (run {run_b}, step 2), last.ckpt (run {run_a}, step 3)"), last.stderr[-3000:]
+
+    # B resumed by its path and stopped by SIGTERM: saved as B's own last (last-v1.ckpt), exit 143
+    stopped = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "50", "--ckpt_path", str(folder / "last-v1.ckpt"),
+                   "--trainer.callbacks+=cli_faults.SignalAt", "--trainer.callbacks.step=3", status=143)
+    assert f"SIGTERM at step 3: saved {folder / 'last-v1.ckpt'}" in stopped.stdout + stopped.stderr
+    assert "holds checkpoints of other runs besides last-v1.ckpt" in stopped.stderr  # said once, as a warning
+    assert checkpoint_identity(folder / "last-v1.ckpt") == (run_b, 3)
+    assert {k: v for k, v in _sums(folder).items() if not k.startswith("last-v1.ckpt/")} == sums_a  # A untouched

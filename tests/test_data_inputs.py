@@ -221,6 +221,41 @@ def test_token_ids_outside_the_vocabulary_are_named_per_sample(tmp_path):
         check_dataset_vocab(tmp_path / "ds", tokenizer(), None)
 
 
+def test_gpt_token_ids_outside_the_vocabulary_are_named_per_sample(tmp_path):
+    """GPT's samples as BERT's: an id outside the tokenizer's vocabulary (9000 >= 8192 BPE pieces) is an error
+    naming the dataset, the document and the id when a sample reads it (the vocab-parallel embedding zeroed it
+    and the loss masked it: the run trained on). The datamodule's tokenizer is the one the record names."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.data.gpt_dataset import document_lengths
+    from lightning_megatron.datamodules.gpt import GPTDataModule
+
+    (tmp_path / "a.txt").write_text(_text() * 4)
+    preprocess_corpus([tmp_path / "a.txt"], tmp_path / "gpt", BPETokenizer(), append_eod=True, progress=False)
+    indexed = IndexedDataset(tmp_path / "gpt")
+    lengths = document_lengths(indexed)
+    data = np.memmap(f"{tmp_path / 'gpt'}.bin", dtype=indexed.dtype, mode="r+")
+    data[int(lengths[:5].sum()) + 1] = 9000  # the second token of document 5
+    data.flush()
+    del data, indexed
+    dm = GPTDataModule(str(tmp_path / "gpt"), seq_length=16, global_batch_size=2, micro_batch_size=1, splits="1,0,0",
+                       samples_cache_dir=str(tmp_path / "cache"))  # vocab_file null: the record's BPE
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(barrier=lambda name=None: None), local_rank=0,
+                                 global_step=0, max_steps=-1, lightning_module=None)
+    dm.setup("fit")
+    assert dm.tokenizer.vocab_size == 8192
+    errors = []
+    for i in range(len(dm.train_dataset)):
+        try:
+            dm.train_dataset[i]
+        except ValueError as e:
+            errors.append(str(e))
+    assert errors, "no sample read the flipped id"
+    assert all(f"dataset {str(tmp_path / 'gpt')!r}: document 5 holds token id 9000, outside the tokenizer's "
+               f"vocabulary of 8192 pieces" in e for e in errors), errors[0]
+
+
 def test_datamodule_refuses_a_dataset_of_another_vocabulary_or_a_small_model(tmp_path):
     from types import SimpleNamespace
 

@@ -102,15 +102,20 @@ def test_files_labels_and_splits(tmp_path):
 def test_refusals_name_the_value_and_the_fix(tmp_path, monkeypatch):
     texts = _sentences(8)
     train = _write(tmp_path / "t.jsonl", [{"text": t, "label": "pos"} for t in texts])
-    with pytest.raises(ValueError, match=r"no \['sentence'\] among its keys \['label', 'text'\]; set data.text_key"):
+    with pytest.raises(ValueError, match=r"t.jsonl' row 1 has no column 'sentence': its columns are \['label', "
+                                         r"'text'\]; set --data.text_key"):
         LabelledTextDataModule(train, labels=["neg", "pos"], val_fraction=0.5).setup()
     with pytest.raises(ValueError, match=r"label 'pos' is not one of data.labels=\['no', 'yes'\]"):
         LabelledTextDataModule(train, text_key="text", labels=["no", "yes"], val_fraction=0.5).setup()
     with pytest.raises(ValueError, match=r"label 'pos' is not a class id \(or list the label names in data.labels\)"):
         LabelledTextDataModule(train, text_key="text", num_classes=2, val_fraction=0.5).setup()
     ids = _write(tmp_path / "ids.jsonl", [{"text": t, "label": i} for i, t in enumerate(texts)])
-    with pytest.raises(ValueError, match=r"label 2, outside 0..1: set data.num_classes"):
+    with pytest.raises(ValueError, match=r"data.train '.*ids.jsonl' row 3: label 2 is outside the classes 0..1 "
+                                         r"\(data.num_classes=2\); set data.num_classes"):
         LabelledTextDataModule(ids, text_key="text", num_classes=2, val_fraction=0.5).setup()
+    (tmp_path / "empty.csv").write_text("text,label\n")  # a header, no rows: said so, not "no 'train' split"
+    with pytest.raises(ValueError, match=r"data.train '.*empty.csv' is empty: it holds no rows"):
+        LabelledTextDataModule(str(tmp_path / "empty.csv"), text_key="text", num_classes=2, val_fraction=0.5).setup()
     with pytest.raises(ValueError, match="needs the classes: data.labels"):
         LabelledTextDataModule(ids)
     with pytest.raises(ValueError, match="no validation split"):
@@ -163,6 +168,8 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
     env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # no warning from LightningCLI holding the whole merged recipe in one line (finetune passes its arguments)
+    assert "args parameter" not in proc.stderr and "base:" not in proc.stderr, proc.stderr[-3000:]
     [metrics_csv] = run.rglob("metrics.csv")
     with metrics_csv.open() as fh:
         logged = [r for r in csv.DictReader(fh) if r.get("val_pearson")]

@@ -107,7 +107,8 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
     root = Path(__file__).resolve().parents[1]
     args = ["--config", str(root / "recipes/gpt_tiny.yaml"), "--trainer.devices", "1",
             "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.logger", "false",
-            "--model.init_from", str(tmp_path / "llama")]
+            "--model.init_from", str(tmp_path / "llama"),
+            "--data.seq_length", str(SEQ)]  # within the folder's positions (checked before launch)
     with pytest.warns(UserWarning, match="replaces the recipe's .*spec='gpt_layer_spec' \\(now 'llama_layer_spec'\\)"):
         cli = _lightning_cli(run=False, args=args)
     hp = cli.model.config

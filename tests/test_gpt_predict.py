@@ -4,6 +4,9 @@ Through the real CLI (subprocesses): a tiny ``recipes/gpt_tiny.yaml`` fit at TP=
 ``last.ckpt``; ``predict`` at TP=2 on 2 processes generates greedy continuations of a prompts file of
 mixed lengths; every prompt is written once, in input order, with the token ids
 ``GPTLightningModule.load_from_checkpoint(...).generate(...)`` gives in one process (the reference).
+The same runs show what a decoder run prints and leaves (issue 34): ``loss`` once per progress line (not
+``lm_loss`` too), no warning that asks nothing of the user, no W&B run or training-CSV version added by
+``predict``, a ``plot`` of the run, and the export's ``config.json`` carrying the dropouts it trained with.
 In-process: the prompts' batches (grouped by length, full global batches, padding -1) at DP=2.
 """
 
@@ -23,12 +26,14 @@ PROMPTS = ["The function returns", "A list of", "The module", "If the value is N
            "Return a new"]
 MAX_NEW = 6
 # A tiny gpt_tiny: both commands build the same model from the same overrides.
+# The recipe's loggers (CSV, W&B offline), progress bar, dropouts (0.1) and sequence length (128: the built-in
+# corpus's test split holds no sample of it, which predict does not need).
 SMALL = ["--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--trainer.devices", "2",
-         "--trainer.strategy.tensor_model_parallel_size", "2", "--trainer.logger", "false",
-         "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1",
+         "--trainer.strategy.tensor_model_parallel_size", "2", "--model.config.num_layers", "1",
          "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
-         "--model.config.ffn_hidden_size", "64", "--model.config.max_sequence_length", "64",
-         "--model.config.hidden_dropout", "0.0", "--model.config.attention_dropout", "0.0", "--data.seq_length", "32"]
+         "--model.config.ffn_hidden_size", "64"]
+NOISE = ("anonymous setting", "💡 Tip", "LeafSpec", "LengthGroupedBatchSampler", "no test dataset", "args parameter")
+"""What printed on every decoder run, asking nothing of the user (issue 34)."""
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -47,16 +52,28 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
     # Mixed lengths, two of them shared: batches of one length, one of them padded.
     assert len(set(lengths)) >= 3 and len(set(lengths)) < len(lengths), lengths
     run = tmp_path / "run"
-    _cli(tmp_path, "fit", *SMALL, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
-         "--trainer.default_root_dir", str(run), "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
-         "--data.eval_samples", "4")
+    fit = _cli(tmp_path, "fit", *SMALL, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+               "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1",
+               "--trainer.default_root_dir", str(run), "--data.global_batch_size", "4", "--data.micro_batch_size", "2",
+               "--data.eval_samples", "4")
     ckpt = run / "checkpoints" / "last.ckpt"
     assert ckpt.exists(), sorted(p.name for p in (run / "checkpoints").iterdir())
+    # Output redirected: plain lines (not a bar drawn only at the end); the loss once, not lm_loss beside it
+    lines = [line for line in fit.stdout.splitlines() if line.startswith(("Step ", "Validation at step"))]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2", "at"], fit.stdout[-3000:]
+    assert all(" loss " in line and "lm_loss" not in line and "mfu" in line for line in lines[:2]), lines
+    assert lines[2].startswith("Validation at step 2: val_loss ") and "val_perplexity" in lines[2], lines
+    assert not [n for n in NOISE if n in fit.stderr], fit.stderr[-3000:]
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     # One global batch of 2 (two microbatches of 1) per length group.
-    _cli(tmp_path, "predict", *SMALL, "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(run),
-         "--data.predict_file", str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2",
-         "--data.micro_batch_size", "1", "--model.predict_max_new_tokens", str(MAX_NEW))
+    predicted = _cli(tmp_path, "predict", *SMALL, "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(run),
+                     "--data.predict_file", str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2",
+                     "--data.micro_batch_size", "1", "--model.predict_max_new_tokens", str(MAX_NEW))
+    assert not [n for n in NOISE if n in predicted.stderr], predicted.stderr[-3000:]
+    # predict added no W&B segment to the training run, no csv/version_N among its versions
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 1
+    assert sorted(p.relative_to(run / "csv").parent.as_posix() for p in (run / "csv").rglob("hparams.yaml")) == [
+        "predict/version_0", "version_0"]
     records = [json.loads(line) for line in (run / "predictions" / "predictions.jsonl").open()]
     assert [r["index"] for r in records] == list(range(len(PROMPTS)))  # every prompt once, in order
     assert [r["prompt"] for r in records] == PROMPTS
@@ -69,6 +86,34 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
             want, text = want[:want.index(tokenizer.eod) + 1], want[:want.index(tokenizer.eod)]
         assert record["token_ids"] == want, (prompt, record, want)
         assert record["completion"] == tokenizer.detokenize(text)
+    _plot_and_export_the_run(tmp_path, run, module)
+
+
+def _plot_and_export_the_run(tmp_path: Path, run: Path, module) -> None:
+    """``plot`` of the run: the next-token loss and the perplexity, no second panel for lm_loss (equal to the
+    loss). ``export hf``: config.json carries the dropouts the model trained with (the recipe's 0.1), and
+    transformers' GPT-2 in eval mode computes the module's logits."""
+    import transformers
+
+    from lightning_megatron.cli import main
+    from lightning_megatron.plot import columns, read_run
+
+    [(title, panels)] = columns([read_run(run)])
+    assert (title, [label for _, label, _ in panels]) == ("next-token LM (decoder)", ["next-token loss", "perplexity"])
+    main(["plot", str(run), "--output", str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").is_file()
+    main(["export", "hf", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--output", str(tmp_path / "hf")])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert module.hparams.hidden_dropout == module.hparams.attention_dropout == 0.1
+    assert (config["resid_pdrop"], config["embd_pdrop"], config["attn_pdrop"]) == (0.1, 0.1, 0.1), config
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    module.eval()
+    with torch.no_grad():
+        ours = module.model_chunks[0](tokens)[..., :hf.config.vocab_size]
+        theirs = hf(input_ids=tokens).logits
+    err = float((ours - theirs).abs().max())
+    assert err <= 1e-5, f"max |ours - transformers| = {err:.2e}"
 
 
 def test_predict_stops_at_eod_and_the_writer_cuts_there():

@@ -35,22 +35,37 @@ def test_gpt_tiny_recipe_builds_the_gpt2_shape():
     assert "output_layer.weight" not in params  # tied
 
 
-def test_llama_1b_recipe_is_accepted_by_estimate_memory(capsys):
-    """``check --estimate-memory --gpus 8`` takes the Llama recipe (the module's declared sizes, no model
-    built) and lists its own layout, TP=2 x PP=2 x DP=2 with sequence parallelism, among those that fit
-    in 80 GB."""
-    from lightning_megatron.check.cli import main
+def test_llama_1b_recipe_is_accepted_by_estimate_memory_and_its_layout_is_the_fastest(capsys):
+    """``check --estimate-memory --estimate-time --gpus 8`` takes the Llama recipe (the module's declared sizes,
+    no model built), marks the recipe's own layout, DP=8 with the distributed optimizer, among those that fit
+    in 80 GB and says where it ranks: first (TP=2 x PP=2 x DP=2 with SP, which it used before, is predicted
+    slower for memory the model does not need); another layout of the recipe is reported with the fastest."""
+    import dataclasses
+
+    from lightning_megatron.check.cli import _parser, main
+    from lightning_megatron.check.memory_cli import fitting_layouts
+    from lightning_megatron.check.time_cli import timing_inputs
+    from lightning_megatron.parallel_dims import ParallelDims
 
     recipe = load_recipe(ROOT / "recipes" / "llama_1b.yaml")
     assert recipe.model_class == GPT_MODULE and recipe.data_class == GPT_DATA
     m = recipe.model["config"]
     assert (m["spec"], m["position_embedding_type"], m["gated_linear_unit"], m["add_bias_linear"],
             m["untie_embeddings_and_output_weights"]) == ("llama_layer_spec", "rope", True, False, True)
-    assert m["num_attention_heads"] % m["num_query_groups"] == 0 and m["num_query_groups"] % 2 == 0  # TP=2
-    assert main(["--config", str(ROOT / "recipes" / "llama_1b.yaml"), "--estimate-memory", "--gpus", "8",
-                 "--gpu-memory", "80GB"]) == 0
+    assert m["num_attention_heads"] % m["num_query_groups"] == 0 and m["num_query_groups"] % 2 == 0  # TP=2 possible
+    assert recipe.layout == ParallelDims(dp=8, zero1=True)
+    argv = ["--config", str(ROOT / "recipes" / "llama_1b.yaml"), "--estimate-memory", "--estimate-time", "--gpus", "8",
+            "--gpu-memory", "80GB", "--device", "h100"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "tp2pp2dp2sp" in out, out
+    [row] = [line for line in out.splitlines() if line.endswith("<- the recipe's")]
+    assert row.startswith("dp8zero1 ") and out.splitlines()[3] == row, out  # the first row: the fastest
+    assert "the recipe's layout dp8zero1: 21.06 GiB on its fullest rank; 1st of 28 that fit" in out, out
+    slower = dataclasses.replace(recipe, layout=ParallelDims(tp=2, pp=2, dp=2, sequence_parallel=True))
+    fitting_layouts(slower, 8, 80 * 10**9, timing_inputs(slower, _parser().parse_known_args(argv)[0]))
+    out = capsys.readouterr().out
+    assert "the recipe's layout tp2pp2dp2sp: 10.55 GiB on its fullest rank; 12th of 28" in out, out
+    assert "the fastest, dp8zero1, is predicted 1.27x as fast with 21.06 GiB" in out, out
 
 
 def test_llama_1b_module_has_1_1b_parameters():

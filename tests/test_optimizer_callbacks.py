@@ -274,16 +274,22 @@ def test_fp16_overflow_skipped_step_keeps_the_lr_schedule_and_the_logged_lr(tmp_
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(_lr_at(5))
 
 
-@pytest.mark.parametrize("precision, inject, zero1", [("32-true", "grad", False), ("bf16-true", "grad", False),
-                                                      ("16-true", "loss", False), ("bf16-true", "grad", True)])
-def test_non_finite_loss_or_grad_stops_the_run_before_the_step(precision, inject, zero1):
-    """On by default: a NaN gradient (fp32, bf16) or a NaN loss (fp16: not an overflow the scaler may
-    skip) at step 2 raises before the optimizer step, naming the step and the first parameter."""
-    from lightning_megatron.optimizer import NonFiniteLossOrGradError
+@pytest.mark.parametrize("precision, inject, optimizer", [
+    ("32-true", "grad", "plain"), ("32-true", "grad", "FP32Optimizer"), ("bf16-true", "grad", "Float16"),
+    ("16-true", "loss", "Float16"), ("bf16-true", "grad", "DistributedOptimizer"), ("16-true", "overflow", "Float16")])
+def test_non_finite_loss_or_grad_stops_the_step_whatever_the_optimizer(precision, inject, optimizer):
+    """The guard is the MegatronStrategy's training step (on by default), not an optimizer wrapper's: a NaN
+    gradient (fp32 with a plain torch optimizer or a wrapper, bf16, ZeRO-1) or a NaN loss (fp16: not an
+    overflow the scaler may skip) at step 2 raises before the optimizer step, naming the step and the
+    first parameter; an fp16 overflow with a finite loss is the dynamic scaler's to skip, not an error."""
+    from lightning_megatron.step import NonFiniteLossOrGradError
 
-    module = InjectModule(at=2, **({"grad": float("nan")} if inject == "grad" else {"loss": float("nan")}))
-    trainer = _trainer(4, [MegatronOptimizerCallback(OptimizerConfig(initial_loss_scale=2.0**8, use_distributed_optimizer=zero1))],
-                       precision=precision)
+    factor = {"grad": {"grad": float("nan")}, "loss": {"loss": float("nan")}, "overflow": {"grad": float("inf")}}
+    dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}[precision]
+    module = InjectModule(at=2, **factor[inject]).to(dtype)  # the strategy takes the parameters as built
+    config = OptimizerConfig(initial_loss_scale=2.0**8, use_distributed_optimizer=optimizer == "DistributedOptimizer")
+    callbacks = [] if optimizer == "plain" else [MegatronOptimizerCallback(config)]
+    trainer = _megatron_trainer(callbacks, max_steps=4, precision=precision)
     before = {}
 
     class Snapshot(pl.Callback):
@@ -291,18 +297,26 @@ def test_non_finite_loss_or_grad_stops_the_run_before_the_step(precision, inject
             before.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
 
     trainer.callbacks.append(Snapshot())
+    if inject == "overflow":
+        trainer.fit(module)
+        assert trainer.global_step == 4 and trainer.optimizers[0].num_skipped_steps == 1
+        return
     with pytest.raises(NonFiniteLossOrGradError, match="at step 2") as info:
         trainer.fit(module)
     message = str(info.value)
     assert "first parameter with a non-finite gradient on rank 0: net.0.weight" in message, message
-    assert ("the loss is nan" in message) == (inject == "loss")
+    assert ("the loss is nan" in message) == (inject == "loss") and "\n" not in message, message
+    assert type(trainer.optimizers[0]).__name__.startswith(optimizer) or optimizer == "plain"
     assert trainer.global_step == 2
     for k, v in module.state_dict().items():  # the step was not taken
         assert torch.equal(v, before[k]), k
-    # Off: the step of the scaler (bf16: skipped; fp32: no scaler, a NaN update) as before this check.
-    if precision == "bf16-true":
-        trainer = _trainer(4, [MegatronOptimizerCallback(OptimizerConfig(check_for_nan_in_loss_and_grad=False))], precision=precision)
-        trainer.fit(InjectModule(at=2, grad=float("nan")))
+    # Off (the strategy's switch): the step of the scaler (bf16: skipped) as before the check existed.
+    if precision == "bf16-true" and optimizer == "Float16":
+        from lightning_megatron.strategy import MegatronStrategy
+
+        trainer = _megatron_trainer([MegatronOptimizerCallback()], max_steps=4, precision=precision,
+                                    strategy=MegatronStrategy(check_for_nan_in_loss_and_grad=False))
+        trainer.fit(InjectModule(at=2, grad=float("nan")).to(dtype))
         assert trainer.optimizers[0].num_skipped_steps == 1
 
 
@@ -316,9 +330,9 @@ class _SeesOptimizers(pl.Callback):
 def _megatron_trainer(callbacks: list, **kw) -> pl.Trainer:
     from lightning_megatron.strategy import MegatronStrategy
 
-    return pl.Trainer(accelerator=accelerator(), devices=1, strategy=MegatronStrategy(), max_steps=2,
-                      callbacks=callbacks, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      enable_model_summary=False, **kw)
+    return pl.Trainer(accelerator=accelerator(), devices=1, strategy=kw.pop("strategy", None) or MegatronStrategy(),
+                      max_steps=kw.pop("max_steps", 2), callbacks=callbacks, enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, enable_model_summary=False, **kw)
 
 
 def test_the_strategy_wraps_right_after_configure_optimizers():

@@ -93,6 +93,18 @@ def test_good_config_has_no_problems():
     (dict(scheduler_args=dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True)),
      "contradict"),
     (dict(strategy_args=dict(timeout=0)), "strategy timeout=0 must be more than 0 seconds"),
+    # a decoder's samples and generation settings (GPTDataModule.seq_length, the module's predict_*)
+    (dict(data_hparams=dict(seq_length=256)), "data seq_length=256 exceeds the model's max_sequence_length=128"),
+    (dict(model_hparams=dict(predict_max_new_tokens=-1)), "--model.predict_max_new_tokens=-1 must be an integer >= 0"),
+    (dict(model_hparams=dict(predict_max_new_tokens=8, predict_greedy=False, predict_temperature=0.0)),
+     "--model.predict_temperature=0.0 must be > 0 (it divides the logits; --model.predict_greedy true takes"),
+    (dict(model_hparams=dict(predict_max_new_tokens=8, predict_greedy=False, predict_top_p=1.5)),
+     "--model.predict_top_p=1.5 must be in (0, 1]"),
+    (dict(model_hparams=dict(predict_max_new_tokens=8, predict_greedy=False, predict_top_k=-2)),
+     "--model.predict_top_k=-2 must be an integer >= 0"),
+    (dict(model_hparams=dict(predict_max_new_tokens=8, predict_greedy=True, predict_temperature=0.0)), None),
+    (dict(ckpt_path="/nonexistent/last.ckpt"), "ckpt_path='/nonexistent/last.ckpt' does not exist"),
+    (dict(ckpt_path="last"), None),
 ])
 def test_each_problem_names_its_value(changes, expected):
     kwargs = _with(**changes)

@@ -1,4 +1,5 @@
-"""SIGTERM mid-run: a checkpoint is written, the exit status is non-zero, and resuming continues there."""
+"""SIGTERM or Ctrl-C (SIGINT) mid-run: a checkpoint is written, the exit status is non-zero (143, 130), and
+resuming continues there; a second Ctrl-C aborts at once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_megatron.preemption import SIGTERM_EXIT_CODE, PreemptionHandler
+from lightning_megatron.preemption import SIGINT_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "reliability_run.py"
@@ -46,31 +47,93 @@ def test_sigterm_saves_exits_nonzero_and_resumes(tmp_path):
 def test_handler_flags_and_exit_code():
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_megatron.preemption import on_sigterm
+    from lightning_megatron.preemption import on_stop_signal
 
-    handler = PreemptionHandler()
-    previous = signal.getsignal(signal.SIGTERM)
-    handler.install()
-    try:
-        assert not handler.should_stop(torch.device("cpu"))
-        os.kill(os.getpid(), signal.SIGTERM)  # handled: the test process keeps running
-        assert handler.should_stop(torch.device("cpu"))
-    finally:
-        handler.uninstall()
-    assert signal.getsignal(signal.SIGTERM) == previous
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        handler = PreemptionHandler()
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        handler.install()
+        try:
+            assert not handler.should_stop(torch.device("cpu"))
+            os.kill(os.getpid(), signum)  # handled: the test process keeps running
+            assert handler.should_stop(torch.device("cpu")) and handler.received == signum
+            assert handler.exit_code == code
+            # after a first Ctrl-C, a second one takes SIGINT's default action (ends the process at once)
+            assert (signal.getsignal(signal.SIGINT) == signal.SIG_DFL) == (signum == signal.SIGINT)
+        finally:
+            handler.uninstall()
+        assert {s: signal.getsignal(s) for s in previous} == previous
 
     class _Trainer:  # not fitting: nothing to save, only the exit status
         global_step = 0
         state = type("S", (), {"fn": None})()
 
-    exc = SIGTERMException()
-    on_sigterm(_Trainer(), exc)
-    assert exc.code == SIGTERM_EXIT_CODE == 143
+    for signum, code in ((signal.SIGTERM, SIGTERM_EXIT_CODE), (signal.SIGINT, SIGINT_EXIT_CODE)):
+        exc = SIGTERMException()
+        on_stop_signal(_Trainer(), exc, signum)
+        assert exc.code == code
+        with pytest.raises(SystemExit) as info:
+            raise exc
+        assert info.value.code == code
+    assert (SIGTERM_EXIT_CODE, SIGINT_EXIT_CODE) == (143, 130)
     other = RuntimeError("x")
-    on_sigterm(_Trainer(), other)  # other exceptions are left alone
-    with pytest.raises(SystemExit) as info:
-        raise exc
-    assert info.value.code == 143
+    on_stop_signal(_Trainer(), other)  # other exceptions are left alone
+
+
+_SECOND_SIGINT = """
+import os, signal, sys, time
+from lightning_megatron.preemption import PreemptionHandler
+
+handler = PreemptionHandler()
+handler.install(announce=True)
+os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: only a flag
+time.sleep(0.2)
+print("alive", handler.received, flush=True)
+os.kill(os.getpid(), signal.SIGINT)  # the second: the process ends at once
+time.sleep(5)
+print("not aborted", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_aborts_at_once():
+    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGINT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout == f"alive {int(signal.SIGINT)}\n", proc.stdout
+    assert proc.stderr.count("press Ctrl-C again to abort at once") == 1, proc.stderr
+
+
+def test_ctrl_c_of_a_two_rank_cli_run_saves_and_exits_130(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to every process of the job) at the end of step 3 of 20 of a 2-rank
+    `lightning-megatron fit` (TP=2): both ranks stop after step 3, last.ckpt holds step 3, the CSV log
+    has every step, and the exit status is 130. Before: exit 1, nothing saved, the CSV empty."""
+    import csv
+
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(REPO / "recipes" / "bert_tiny.yaml"),
+           "--trainer.devices", "2", "--trainer.strategy.tensor_model_parallel_size", "2",
+           "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
+           "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1",
+           "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
+           "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2",
+           "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32",
+           "--trainer.max_steps", "20", "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1",
+           "--trainer.callbacks+=cli_faults.SignalAt", "--trainer.callbacks.step=3",
+           "--trainer.callbacks.signal=SIGINT"]
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH") or str(REPO)])}
+    # A session of its own: the job's process group is what a terminal's Ctrl-C reaches (not pytest)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+                          start_new_session=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == SIGINT_EXIT_CODE, out[-4000:]
+    assert out.count("press Ctrl-C again to abort at once") == 1, out[-4000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert f"SIGINT at step 3: saved {last}" in out, out[-4000:]
+    assert checkpoint_identity(last)[1] == 3
+    [metrics] = (tmp_path / "run").rglob("metrics.csv")
+    assert len([r for r in csv.DictReader(metrics.open()) if r.get("loss")]) == 3, metrics.read_text()
 
 
 _LEAVE_SCRIPT = """

@@ -45,11 +45,9 @@ class MegatronOptimizerCallback(Callback):
     Args:
         config: :class:`~lightning_megatron.optimizer.OptimizerConfig` (Megatron's names: ``clip_grad``,
             ``loss_scale``, ``initial_loss_scale``, ``min_loss_scale``, ``loss_scale_window``,
-            ``hysteresis``, ``log_num_zeros_in_grad``, ``use_distributed_optimizer``,
-            ``check_for_nan_in_loss_and_grad`` (on: a NaN/Inf loss or gradient norm stops the run with an
-            error naming the step and the first parameter with a non-finite gradient, before the optimizer
-            step; an fp16 overflow that the dynamic loss scaler skips is not an error)); None: its
-            defaults. In a recipe, the ``megatron_optimizer:`` section holds these fields.
+            ``hysteresis``, ``log_num_zeros_in_grad``, ``use_distributed_optimizer``); None: its
+            defaults. In a recipe, the ``megatron_optimizer:`` section holds these fields. (The NaN/Inf
+            guard is the MegatronStrategy's training step, with or without this callback.)
 
     Logged every training batch (rank zero): ``grad_norm`` (not on skipped steps), ``loss_scale``,
     ``skipped_steps`` and ``num_zeros`` if enabled; with several optimizers, names of optimizer
@@ -90,17 +88,7 @@ class MegatronOptimizerCallback(Callback):
                 "before backward: use the MegatronStrategy, or override LightningModule.backward as "
                 "`self.trainer.strategy.optimizers[0].scale_loss(loss).backward()`; or set loss_scale=1.0"
             )
-        named = list(pl_module.named_parameters())
-        for opt in wrapped:
-            opt.name_parameters(named)  # errors name parameters
         trainer.strategy.optimizers = wrapped
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        for opt in trainer.optimizers:
-            if isinstance(opt, MegatronOptimizer):
-                opt.iteration = trainer.global_step  # the step an error names
 
     @override
     def on_train_batch_end(

@@ -103,7 +103,9 @@ def run_summary(trainer: pl.Trainer) -> str:
                 continue
             if key in _THROUGHPUT:
                 middle = statistics.median(v for _, v in (values[1:] or values))
-                lines.append(f"  {key:24s} median over steps {values[0][0]}-{values[-1][0]}: {middle:.4g}")
+                flag = ("   (above 1: impossible, the peak is too low; see ThroughputCallback's warning)"
+                        if key == "mfu" and max(v for _, v in values) > 1.0 else "")
+                lines.append(f"  {key:24s} median over steps {values[0][0]}-{values[-1][0]}: {middle:.4g}{flag}")
             elif len(values) == 1:
                 lines.append(f"  {key:24s} step {values[0][0]:>5d}: {values[0][1]:10.4f}")
             else:

@@ -8,6 +8,14 @@ Achieved TFLOP/s per device = FLOPs / step time / world size. MFU = achieved / p
 ``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype
 (:func:`measure_matmul_tflops`: the smallest power-of-two size taking 20 ms, best of 5).
 ``tokens_per_sec`` and ``mfu`` are shown on the progress bar.
+
+An MFU above 1 is impossible, and is flagged, not clamped: the value is logged as measured (a clamped 1.0
+would hide that the peak is wrong), the callback warns once naming the peak, the progress bar marks it
+``108%!`` and the run summary says so. It happens when the peak is below what the device reaches: a
+measured peak taken while other processes ran, or from a matmul that runs below the device's best (on a
+CPU, one whose clock or threads differ from the training steps'), or a ``peak_tflops`` that is not the
+dense peak of the model's dtype; or when the FLOPs counted exceed those run. The check reads the value
+every ``log_every_n_steps`` steps, when Lightning reads the logged values anyway.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_megatron.callbacks.summary import model_parameter_count
@@ -78,6 +87,8 @@ class ThroughputCallback(Callback):
         self._times: list[float] = []
         self._start = 0.0
         self._params: int | None = None
+        self._measured: str | None = None  # how the peak was measured (None: given as peak_tflops)
+        self._flagged = False
 
     @staticmethod
     def _dp_size(trainer: Trainer) -> int:
@@ -95,6 +106,7 @@ class ThroughputCallback(Callback):
         if self.peak_tflops is None:
             dtype = next(pl_module.parameters()).dtype
             self.peak_tflops = measure_matmul_tflops(dtype, next(pl_module.parameters()).device)
+            self._measured = f"measured at the start of fit with one {str(dtype).removeprefix('torch.')} matmul"
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -117,4 +129,23 @@ class ThroughputCallback(Callback):
         pl_module.log("tokens_per_sec", global_tokens / step_time, on_step=True, prog_bar=True, rank_zero_only=True)
         pl_module.log("tflops_per_device", tflops_per_device, on_step=True, rank_zero_only=True)
         if self.peak_tflops:
-            pl_module.log("mfu", tflops_per_device / self.peak_tflops, on_step=True, prog_bar=True, rank_zero_only=True)
+            mfu = tflops_per_device / self.peak_tflops
+            pl_module.log("mfu", mfu, on_step=True, prog_bar=True, rank_zero_only=True)
+            logged = trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+            if logged and not self._flagged and trainer.is_global_zero:
+                self._flag_impossible(float(mfu), trainer.global_step)  # reads the value: only when it is logged
+
+    def _flag_impossible(self, mfu: float, step: int) -> None:
+        """Warn once when the MFU exceeds 1 (module docstring)."""
+        if mfu <= 1.0 or self._flagged:
+            return
+        self._flagged = True
+        if self._measured is not None:
+            peak = (f"the peak it divides by, {self.peak_tflops:.4g} TFLOP/s {self._measured}, is below what this "
+                    f"device reaches (measured while other processes ran, or at a size that runs below its best); "
+                    f"set peak_tflops to the device's datasheet dense peak for the model's dtype")
+        else:
+            peak = (f"peak_tflops={self.peak_tflops:g} is below what this device reaches: give its dense peak for "
+                    f"the model's dtype, per device")
+        rank_zero_warn(f"ThroughputCallback: mfu {mfu:.3f} at step {step} is above 1, which is impossible: {peak} "
+                       f"(the value is logged as measured; the progress bar marks it with '!')", category=UserWarning)

@@ -32,7 +32,8 @@ def _bytes(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-megatron check", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__,
+                                allow_abbrev=False)  # a mistyped option is an error, not the one it begins
     p.add_argument("--config", required=True, help="a recipe YAML (model: and data: sections)")
     p.add_argument("--layouts", default="tp2,pp2,dp2",
                    help="comma-separated: tp2, pp2, vp2 (with pp), dp2, sp (with tp), zero1; e.g. tp2pp2,dp2zero1")
@@ -67,6 +68,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _layout_problems(recipe, layouts: list) -> list[str]:
+    """What ``fit`` would refuse before launch for each layout (:func:`lightning_megatron.config_checks.check_config`
+    on the recipe's model, its batch sizes and precision, the layout's sizes and world size)."""
+    from lightning_megatron.config_checks import check_config
+
+    data = {k: recipe.data[k] for k in ("global_batch_size", "micro_batch_size") if k in recipe.data}
+    trainer = {"precision": recipe.precision} if recipe.precision is not None else {}
+    problems = []
+    for dims in layouts:
+        found = check_config(model_hparams=recipe.model, data_hparams=data, strategy_args=dims.strategy_kwargs(),
+                             trainer_args={**trainer, "devices": dims.world_size},
+                             has_optimizer_callback=True if dims.zero1 else None, use_distributed_optimizer=dims.zero1)
+        problems += [f"layout {dims}: {p}" for p in found]
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
@@ -88,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         recipe.data["max_seq_length"] = args.seq_length
     if args.gpus is not None and not (args.estimate_memory or args.estimate_time):
         parser.error("--gpus lists layouts for --estimate-memory and/or --estimate-time; add one of them")
+    if args.gpus is None:  # the layouts named: refused as `fit` refuses them, before any process starts
+        problems = _layout_problems(recipe, [reference] + [x for x in layouts if x != reference])
+        if problems:
+            parser.exit(2, f"lightning-megatron check: {len(problems)} layout problem(s), found before starting "
+                           f"any process:\n" + "".join(f"  - {p}\n" for p in problems))
     if args.estimate_memory or args.estimate_time:
         from lightning_megatron.check.memory_cli import model_shape
 

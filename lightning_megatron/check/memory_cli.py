@@ -40,6 +40,44 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> Me
     return shape
 
 
+def _recipe_layout_for(recipe: Any, gpus: int) -> ParallelDims | None:
+    """The recipe's own layout (:attr:`~lightning_megatron.check.recipe.RecipeCheck.layout`) on ``gpus`` ranks
+    (its data-parallel size follows); None when it has none or its sizes do not divide ``gpus``."""
+    layout = getattr(recipe, "layout", None)
+    if layout is None:
+        return None
+    try:
+        return dataclasses.replace(layout, dp=None).for_world_size(gpus)
+    except ValueError:
+        return None
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _recipe_row(mine: ParallelDims, rows: list[tuple], timed: bool) -> str:
+    """Where the recipe's own layout stands among ``rows`` (ok, memory estimate, layout, step time or None)."""
+    found = [i for i, r in enumerate(rows) if r[2].name == mine.name]
+    if not found:
+        return f"the recipe's layout {mine.name} is not among these (the search leaves it out; see below)"
+    ok, est, _, step = rows[found[0]]
+    text = f"the recipe's layout {mine.name}: {est.total_bytes / 2**30:.2f} GiB on its fullest rank"
+    if not ok:
+        return text + ", which does not fit"
+    if not timed:
+        return text
+    fitting = [r for r in rows if r[0]]
+    rank = fitting.index(rows[found[0]]) + 1
+    best = fitting[0]
+    text += f"; {_ordinal(rank)} of {len(fitting)} that fit by predicted tokens/s ({step.tokens_per_s:.4g})"
+    if rank == 1:
+        return text + ": the fastest"
+    return (text + f"; the fastest, {best[2].name}, is predicted {best[3].tokens_per_s / step.tokens_per_s:.2f}x "
+            f"as fast with {best[1].total_bytes / 2**30:.2f} GiB: a recipe keeps a slower layout only for what "
+            f"the estimate does not see (its comment says why)")
+
+
 def _mib(x: float) -> str:
     return f"{x / _MIB:9.2f}"
 
@@ -93,6 +131,7 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
         head += f" {'step s':>9} {'tokens/s':>10} {'MFU':>5}  (compute/TP/PP/bubble/DP/optimizer s)"
     print(head)
     g = 2**30
+    mine = _recipe_layout_for(recipe, gpus)
     for ok, est, layout, step in rows:
         sizes = (est.param_bytes, est.grad_bytes, est.optimizer_bytes, est.activation_bytes, est.total_bytes)
         line = f"{layout.name:<22} " + " ".join(f"{x / g:7.2f}" for x in sizes) + f"  {'yes' if ok else 'no ':<3}"
@@ -100,11 +139,13 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
             parts = (step.compute, step.tp_comm, step.pp_comm, step.bubble, step.dp_comm, step.optimizer)
             line += (f" {step.total:9.4g} {step.tokens_per_s:10.4g} {step.mfu:5.1%}  "
                      + "/".join(f"{x:.3g}" for x in parts))
-        print(line)
+        print(line + ("   <- the recipe's" if mine is not None and layout.name == mine.name else ""))
     fits = sum(r[0] for r in rows)
     if gpu_memory is not None:
         print(f"{fits} of {len(rows)} layouts fit (activations: {m.micro_batch_size} samples per microbatch; "
               f"not counted: framework workspace, allocator fragmentation, communication buffers)")
+    if mine is not None:
+        print(_recipe_row(mine, rows, timing is not None))
     if search.skipped:
         print(f"not tried ({sum(search.skipped.values())} TP x PP x VP combinations):")
         for reason, n in search.skipped.items():

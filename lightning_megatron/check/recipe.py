@@ -85,6 +85,10 @@ class RecipeCheck:
     precision: str | None = None
     max_steps: int | None = None
     """The recipe's ``trainer.max_steps`` (its scheduler decays over it)."""
+    layout: ParallelDims | None = None
+    """The recipe's own layout: its MegatronStrategy's sizes, ``megatron_optimizer.use_distributed_optimizer``
+    as ``zero1``, ``dp`` from ``trainer.devices`` x ``num_nodes`` (None: no MegatronStrategy, or sizes that
+    do not make a layout)."""
 
     def trainer_kwargs(self, steps: int) -> dict[str, Any]:
         out: dict[str, Any] = {"max_steps": max(steps, self.max_steps or steps)}
@@ -215,7 +219,28 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     precision = trainer.get("precision")
     return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout, data=data,
                        callbacks=kept, skipped_callbacks=skipped,
-                       precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"))
+                       precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"),
+                       layout=_recipe_layout(trainer, cfg.get("megatron_optimizer")))
+
+
+def _recipe_layout(trainer: dict[str, Any], optimizer: Any) -> ParallelDims | None:
+    """:attr:`RecipeCheck.layout` of a recipe's ``trainer`` and ``megatron_optimizer`` sections."""
+    strategy = trainer.get("strategy")
+    if not isinstance(strategy, dict) or not str(strategy.get("class_path", "")).endswith("MegatronStrategy"):
+        return None
+    args = strategy.get("init_args") or {}
+    zero1 = bool(optimizer.get("use_distributed_optimizer")) if isinstance(optimizer, dict) else False
+    try:
+        layout = ParallelDims(tp=args.get("tensor_model_parallel_size", 1),
+                              pp=args.get("pipeline_model_parallel_size", 1),
+                              vp=args.get("virtual_pipeline_model_parallel_size"),
+                              sequence_parallel=bool(args.get("sequence_parallel", False)), zero1=zero1)
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+        if isinstance(devices, int) and isinstance(nodes, int):
+            layout = layout.for_world_size(devices * nodes)
+    except ValueError:
+        return None
+    return layout
 
 
 def build_module(model_class: str, model: dict[str, Any]):

@@ -44,6 +44,7 @@ __all__ = [
     "expand_inputs",
     "is_hf_dataset",
     "read_documents",
+    "read_utf8_text",
     "split_sentences",
 ]
 
@@ -232,6 +233,21 @@ def expand_inputs(inputs: Iterable[Any]) -> list[Any]:
         else:
             raise FileNotFoundError(f"input file {str(path)!r} does not exist")
     return items
+
+
+def read_utf8_text(path: str | os.PathLike[str], where: str | None = None) -> str:
+    """The whole text of a file; one that is not UTF-8 is a ValueError naming it (``where``, e.g.
+    ``"predict_file '/x/p.txt'"``; default: the path), the line and the byte offset of the first bad byte
+    (what ``open().read()`` raises names neither)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        where = where or repr(os.fspath(path))
+        raise ValueError(f"{where} is not UTF-8 text: byte {e.start} (line {line}) is "
+                         f"{data[e.start:e.start + 1]!r} ({e.reason}); save it as UTF-8 (e.g. iconv -f LATIN1 -t "
+                         f"UTF-8)") from None
 
 
 def _decoded_lines(path: Path, stats: CorpusStats) -> Iterator[str]:

@@ -12,6 +12,10 @@ has the same hash and the same pieces with other merges do not. A BPE dataset al
 ``vocab_size`` at or below the largest token id would give an infinite loss every step, and a dataset
 made with another vocabulary would train on the wrong pieces; both are errors naming the two values
 and the fix.
+
+:func:`dataset_tokenizer` is THE rule for which tokenizer a data section uses (``vocab_file``, else the
+vocabulary the dataset's record names, else the family's packaged one): the datamodules and the
+check before launch (:mod:`lightning_megatron.config_checks`) both call it.
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ import os
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 __all__ = [
     "DatasetTokenizer",
     "DatasetVocab",
+    "TokenizerFamily",
     "check_dataset_vocab",
+    "dataset_tokenizer",
     "read_dataset_vocab",
     "vocab_sha256",
     "vocab_sidecar_path",
@@ -139,6 +145,42 @@ def read_dataset_vocab(prefix: str | os.PathLike[str]) -> DatasetVocab | None:
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{str(path)!r} is not a valid dataset vocabulary record ({error}); rewrite it with "
                          f"lightning_megatron.data.write_dataset_vocab(prefix, tokenizer)") from None
+
+
+TokenizerFamily = Literal["wordpiece", "bpe"]
+"""A datamodule's packaged default: ``"wordpiece"`` (BERT's uncased ``vocab.txt``; the tokenizer is always
+WordPiece, whose special tokens BERT samples need) or ``"bpe"`` (the byte-level BPE whose ``<|endoftext|>``
+ends GPT documents; a given vocabulary loads as what it holds, BPE or WordPiece)."""
+
+
+def dataset_tokenizer(vocab_file: str | os.PathLike[str] | None, prefix: str | os.PathLike[str] | None, *,
+                      default: TokenizerFamily) -> Any:
+    """The tokenizer of a data section: ``vocab_file`` when given; else the vocabulary the record
+    ``<prefix>.vocab.json`` names (lowercased as it records: the one ``preprocess`` used); else the packaged
+    one of ``default`` (:data:`TokenizerFamily`). ``prefix``: the data's (first) dataset prefix, ``None``
+    for the built-in corpus. A record naming a vocabulary that does not exist here is an error naming it."""
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.data.tokenizer import BertTokenizer, load_tokenizer
+
+    if default not in ("wordpiece", "bpe"):
+        raise ValueError(f"default={default!r} must be 'wordpiece' or 'bpe'")
+    lowercase = None
+    if vocab_file is None and prefix is not None:
+        record = read_dataset_vocab(prefix)
+        if record is not None and record.vocab_file is not None:
+            if not Path(record.vocab_file).is_file():
+                raise FileNotFoundError(f"dataset {os.fspath(prefix)!r} was tokenized with {record.vocab_file!r} (its "
+                                        f"{vocab_sidecar_path(prefix).name} says), which does not exist here: pass "
+                                        f"that vocabulary as data.vocab_file")
+            vocab_file, lowercase = record.vocab_file, record.lowercase
+    if default == "wordpiece":
+        return BertTokenizer(vocab_file, lowercase=lowercase)
+    if vocab_file is None:
+        return BPETokenizer()
+    tokenizer = load_tokenizer(vocab_file)
+    if isinstance(tokenizer, BertTokenizer) and lowercase is not None:
+        tokenizer = BertTokenizer(vocab_file, lowercase=lowercase)
+    return tokenizer
 
 
 def check_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokenizer | None = None,

@@ -255,6 +255,9 @@ class GPTDataset(Dataset):
         num_epochs: whole epochs (default: one epoch).
         eod_id: the end-of-document token (needed by ``eod_mask_loss``).
         eod_mask_loss: loss mask 0 at positions whose input token is ``eod_id``.
+        vocab_size: the tokenizer's vocabulary: a sample holding an id outside ``[0, vocab_size)`` is an
+            error naming the dataset, the document and the id (the vocab-parallel embedding would zero
+            it and the loss mask it: a corrupt ``.bin`` would train silently); ``None``: not checked.
         samples_cache_dir: where the indices are cached; ``None``: next to the dataset (or the default
             cache directory when that is not writable); ``False``: built in memory.
     """
@@ -262,12 +265,14 @@ class GPTDataset(Dataset):
     def __init__(self, indexed_dataset: IndexedDataset, *, documents: Sequence[int] | np.ndarray | None = None,
                  seq_length: int = 1024, seed: int = 1234, num_samples: int | None = None,
                  num_epochs: int | None = None, eod_id: int | None = None, eod_mask_loss: bool = False,
-                 samples_cache_dir: str | os.PathLike[str] | None | bool = None) -> None:
+                 samples_cache_dir: str | os.PathLike[str] | None | bool = None,
+                 vocab_size: int | None = None) -> None:
         if eod_mask_loss and eod_id is None:
             raise ValueError("eod_mask_loss=True needs eod_id (the tokenizer's end-of-document id)")
         self.indexed_dataset = indexed_dataset
         self.seq_length, self.seed = seq_length, seed
         self.eod_id, self.eod_mask_loss = eod_id, eod_mask_loss
+        self.vocab_size = vocab_size
         lengths = document_lengths(indexed_dataset)
         self._doc_start = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self._doc_start[1:])
@@ -314,13 +319,29 @@ class GPTDataset(Dataset):
         k = int(shuffle_index[index])
         (first, offset), (last, end) = (tuple(int(v) for v in row) for row in sample_index[k:k + 2])
         data = self.indexed_dataset._data
-        parts = []
+        parts, docs = [], []
         for position in range(first, last + 1):  # the few documents this sample spans
             doc = int(document_index[position])
             begin = self._doc_start[doc] + (offset if position == first else 0)
             stop = self._doc_start[doc] + end + 1 if position == last else self._doc_start[doc + 1]
             parts.append(data[begin:stop])
-        return np.concatenate(parts).astype(np.int64)
+            docs.append(doc)
+        ids = np.concatenate(parts).astype(np.int64)
+        if self.vocab_size is not None and len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab_size:
+            self._refuse(parts, docs)  # vectorised per sample: the ids read anyway, nothing else
+        return ids
+
+    def _refuse(self, parts: list[np.ndarray], docs: list[int]) -> None:
+        """The error for a sample holding an id outside the vocabulary: the dataset, document and id."""
+        for part, doc in zip(parts, docs):
+            bad = np.flatnonzero((part.astype(np.int64) < 0) | (part.astype(np.int64) >= self.vocab_size))
+            if len(bad):
+                prefix = self.indexed_dataset.prefix
+                raise ValueError(
+                    f"dataset {str(prefix)!r}: document {doc} holds token id {int(part[bad[0]])}, outside the "
+                    f"tokenizer's vocabulary of {self.vocab_size} pieces: the .bin is corrupt or was made with another "
+                    f"vocabulary; preprocess it again (lightning-megatron preprocess --input ... --output-prefix "
+                    f"{prefix} --tokenizer TOKENIZER --append-eod)")
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         text = self.tokens(index)

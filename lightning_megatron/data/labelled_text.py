@@ -7,7 +7,11 @@ Rows come from
   (``datasets`` is the optional ``hf`` extra, imported only then);
 
 :func:`read_labelled_rows` takes the text under ``text_key`` (and the second text under ``text_pair_key``)
-and the label under ``label_key``; :func:`encode_rows` encodes each row as BERT does: ``[CLS] a [SEP]`` or
+and the label under ``label_key``, refusing (the file, the row and the value named) a file without rows, a
+column that is not there (listing the columns there are) and a label that is no class; the
+``lightning-megatron`` command runs the same on a section's files before it launches any process
+(:func:`labelled_files_problems`). Rows are counted from 1 (a CSV file's header is not a row).
+:func:`encode_rows` encodes each row as BERT does: ``[CLS] a [SEP]`` or
 ``[CLS] a [SEP] b [SEP]`` (token types 0 then 1), the longer text truncated first, padded to
 ``max_seq_length``.
 
@@ -18,15 +22,19 @@ and its base :class:`~lightning_megatron.datamodules.finetune.FinetuneDataModule
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["EncodedRows", "Row", "encode_rows", "read_labelled_rows"]
+from lightning_megatron.data.corpus import read_utf8_text
+
+__all__ = ["EncodedRows", "MissingColumnError", "Row", "encode_rows", "file_where", "labelled_files_problems",
+           "read_labelled_rows", "read_records"]
 
 Row = tuple[str, str | None, float | int]
 """(text, second text or None, label): a class id, or a real value for regression."""
@@ -104,39 +112,57 @@ def _load_hf(source: Any) -> Any:
     return datasets.load_from_disk(os.fspath(source))
 
 
-def _file_records(path: Path) -> list[dict[str, Any]]:
+class MissingColumnError(ValueError):
+    """A row lacks the column ``text_key`` / ``text_pair_key`` / ``label_key`` names."""
+
+
+def file_where(split: str, path: str | os.PathLike[str]) -> str:
+    """How errors name the file of a split: ``data.train '/path/train.jsonl'``."""
+    return f"data.{split} {os.fspath(path)!r}"
+
+
+def read_records(path: Path, where: str | None = None) -> list[dict[str, Any]]:
+    """The records of a ``.jsonl`` / ``.json`` (one JSON object per line) or ``.csv`` / ``.tsv`` file (a
+    header row); ``where`` names it in errors (default: the path)."""
+    where = where or repr(str(path))
     if not path.is_file():
         raise FileNotFoundError(f"labelled data file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        records = []
-        with path.open(encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{str(path)!r} line {line_no} is not JSON ({error}): a .jsonl file holds one "
-                                     f"JSON object per line") from None
-        return records
+    if suffix not in FILE_SUFFIXES:
+        raise ValueError(f"labelled data file {str(path)!r}: use .jsonl, .json (one object per line), .csv or .tsv, "
+                         f"or a Hugging Face datasets folder (dataset=...)")
+    text = read_utf8_text(path, where)
     if suffix in (".csv", ".tsv"):
-        with path.open(encoding="utf-8", newline="") as fh:
-            return list(csv.DictReader(fh, delimiter="\t" if suffix == ".tsv" else ",", quoting=csv.QUOTE_MINIMAL))
-    raise ValueError(f"labelled data file {str(path)!r}: use .jsonl, .json (one object per line), .csv or .tsv, "
-                     f"or a Hugging Face datasets folder (dataset=...)")
+        return list(csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",",
+                                   quoting=csv.QUOTE_MINIMAL))
+    records = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} line {line_no} is not JSON ({error}): a .jsonl file holds one JSON object "
+                             f"per line") from None
+    return records
 
 
 def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key: str | None, label_key: str,
-                       regression: bool, labels: Sequence[str] | None) -> list[Row]:
-    """(text, pair, label) of each record (dicts, or a ``datasets.Dataset``); errors name ``where`` and the row."""
+                       regression: bool, labels: Sequence[str] | None, num_classes: int | None = None) -> list[Row]:
+    """(text, pair, label) of each record (dicts, or a ``datasets.Dataset``). Refused, naming ``where``, the
+    row and the value: no rows at all, a key that is not a column (listing the row's keys), a label that is
+    not a class (a name outside ``labels``, an id outside ``0..num_classes-1``), a text that is no string."""
     names = {str(name): i for i, name in enumerate(labels)} if labels else None
     rows: list[Row] = []
-    for i, rec in enumerate(records):
-        missing = [k for k in (text_key, text_pair_key, label_key) if k is not None and k not in rec]
+    for i, rec in enumerate(records, 1):
+        if not isinstance(rec, Mapping):
+            raise ValueError(f"{where} row {i} is a {type(rec).__name__}, not an object with the text and the label")
+        options = (("text_key", text_key), ("text_pair_key", text_pair_key), ("label_key", label_key))
+        missing = [(option, key) for option, key in options if key is not None and key not in rec]
         if missing:
-            raise ValueError(f"{where} row {i}: no {missing} among its keys {sorted(rec)}; set data.text_key / "
-                             f"data.text_pair_key / data.label_key to the columns that hold the text and the label")
+            raise MissingColumnError(f"{where} row {i} has no column {' or '.join(repr(k) for _, k in missing)}: its columns "
+                             f"are {sorted(rec)}; set {' / '.join(f'--data.{o}' for o, _ in missing)} to the one that "
+                             f"holds the {'label' if missing[0][0] == 'label_key' else 'text'}")
         raw = rec[label_key]
         try:
             if regression:
@@ -152,10 +178,43 @@ def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key
                     "a class id (or list the label names in data.labels)")
             raise ValueError(f"{where} row {i}: label {raw!r} is not {hint}"
                              + ("" if raw not in (-1, "-1") else " (GLUE's test splits are unlabelled: -1)")) from None
+        if names is None and not regression and num_classes is not None and not 0 <= label < num_classes:
+            raise ValueError(f"{where} row {i}: label {raw!r} is outside the classes 0..{num_classes - 1} "
+                             f"(data.num_classes={num_classes}); set data.num_classes (or data.labels) to the "
+                             f"task's classes")
         text = rec[text_key]
         pair = rec[text_pair_key] if text_pair_key is not None else None
         if not isinstance(text, str) or (text_pair_key is not None and not isinstance(pair, str)):
             raise ValueError(f"{where} row {i}: the text under {text_key!r}"
                              f"{'' if text_pair_key is None else f' / {text_pair_key!r}'} is not a string")
         rows.append((text, pair, label))
+    if not rows:
+        raise ValueError(f"{where} is empty: it holds no rows (a .jsonl file: one JSON object per line; .csv / "
+                         f".tsv: a header, then one row per example)")
     return rows
+
+
+def labelled_files_problems(args: Mapping[str, Any]) -> list[str]:
+    """Before launch: the problems of the split files a LabelledTextDataModule section names (``args``: its
+    arguments, every one given), one line each. A ``dataset`` folder is read at set-up."""
+    if args.get("dataset") is not None:
+        return []
+    regression = args.get("task") == "regression"
+    labels = args.get("labels")
+    num_classes = None if regression or labels else args.get("num_classes")
+    problems = []
+    for split in SPLITS:
+        path = args.get(split)
+        if path is None or Path(path).suffix.lower() not in FILE_SUFFIXES:
+            continue  # the constructor refuses a suffix
+        where = file_where(split, path)
+        try:
+            read_labelled_rows(read_records(Path(path), where), where, text_key=args["text_key"],
+                               text_pair_key=args.get("text_pair_key"), label_key=args["label_key"],
+                               regression=regression, labels=labels,
+                               num_classes=num_classes if isinstance(num_classes, int) else None)
+        except (ValueError, OSError) as error:
+            problems.append(str(error))
+            if isinstance(error, MissingColumnError):
+                break  # the same keys name every split's columns: said once
+    return problems

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from lightning_megatron.data.corpus import read_utf8_text
 from lightning_megatron.data.tokenizer import BertTokenizer
 
 __all__ = ["TextPredictionDataset", "PromptDataset", "IndexedSamples", "PredictBatchSampler",
@@ -64,15 +65,20 @@ class TextPredictionDataset(Dataset):
 
 def read_texts(path: str | os.PathLike[str], json_key: str = "text") -> list[str]:
     """The texts of a ``predict_file``: a ``.jsonl`` file (the ``json_key`` field of each line) or any
-    other text file (one text per non-empty line)."""
+    other text file (one text per non-empty line). Errors name the file (and the line, or the byte that
+    is not UTF-8)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"predict_file {str(path)!r} does not exist")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in read_utf8_text(path, f"predict_file {str(path)!r}").splitlines() if line.strip()]
     if path.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(lines, 1):
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"predict_file {str(path)!r} line {number} is not JSON ({error}): a .jsonl file "
+                                 f"holds one JSON object per line") from None
             if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
                 raise ValueError(f"{str(path)!r} line {number}: no string field {json_key!r} (set "
                                  f"--data.predict_json_key to the field holding the text)")

@@ -40,10 +40,11 @@ from lightning_megatron.data.labelled_text import (
     SPLITS,
     EncodedRows,
     Row,
-    _file_records,
     _load_hf,
     encode_rows,
+    file_where,
     read_labelled_rows,
+    read_records,
 )
 from lightning_megatron.data.loader import MegatronDataLoader
 from lightning_megatron.data.predict import IndexedSamples, PredictBatchSampler
@@ -252,7 +253,7 @@ class LabelledTextDataModule(FinetuneDataModule):
 
     def _records(self) -> dict[str, tuple[Any, str]]:
         if self.dataset is None:
-            return {s: (_file_records(Path(f)), repr(str(f))) for s, f in self.files.items() if f}
+            return {s: (read_records(Path(f), file_where(s, f)), file_where(s, f)) for s, f in self.files.items() if f}
         loaded = _load_hf(self.dataset)
         where = repr(os.fspath(self.dataset)) if isinstance(self.dataset, (str, os.PathLike)) else "the dataset"
         if not hasattr(loaded, "keys"):  # one Dataset: the training rows
@@ -269,16 +270,11 @@ class LabelledTextDataModule(FinetuneDataModule):
 
     @override
     def read_splits(self) -> dict[str, list[Row]]:
-        found = {s: read_labelled_rows(records, where, **self.keys, regression=self.task == "regression",
-                                       labels=self.labels)
+        regression = self.task == "regression"
+        found = {s: read_labelled_rows(records, where, **self.keys, regression=regression, labels=self.labels,
+                                       num_classes=None if regression else self.num_classes)
                  for s, (records, where) in self._records().items()}
         train = found["train"]
-        if self.task == "classification":
-            for split, rows in found.items():
-                bad = next((r[2] for r in rows if not 0 <= r[2] < self.num_classes), None)
-                if bad is not None:
-                    raise ValueError(f"the {split} split has the label {bad}, outside 0..{self.num_classes - 1}: "
-                                     f"set data.num_classes (or data.labels) to the task's classes")
         carve = [(s, f) for s, f in (("validation", self.val_fraction), ("test", self.test_fraction)) if f]
         if carve:
             order = list(range(len(train)))

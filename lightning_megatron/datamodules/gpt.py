@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -22,8 +22,6 @@ from lightning_megatron.data.gpt_dataset import GPTDataset, check_documents_end_
 from lightning_megatron.data.indexed_dataset import IndexedDataset
 from lightning_megatron.data.predict import IndexedSamples, LengthGroupedBatchSampler, PromptDataset
 from lightning_megatron.data.preprocess import preprocess_corpus
-from lightning_megatron.data.bpe_tokenizer import BPETokenizer
-from lightning_megatron.data.tokenizer import BertTokenizer, load_tokenizer
 from lightning_megatron.datamodules.pretraining import PretrainingDataModule
 
 __all__ = ["GPTDataModule"]
@@ -43,7 +41,7 @@ class GPTDataModule(PretrainingDataModule):
             blend ``[0.3, prefix_a, 0.7, prefix_b]``; ``None``: the built-in corpus, tokenized with
             the tokenizer below, EOD appended, cached under ``cache_dir``.
         vocab_file: the tokenizer's vocabulary; ``None``: the one the dataset's ``<prefix>.vocab.json``
-            records (the default vocabulary for the built-in corpus). Its ``eod`` id ends the documents.
+            records, else the packaged byte-level BPE (the built-in corpus's). Its ``eod`` id ends the documents.
         seq_length: tokens per sample (the model's sequence length).
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         micro_batch_size: samples per forward/backward pass on one rank.
@@ -69,6 +67,8 @@ class GPTDataModule(PretrainingDataModule):
         predict_json_key: the JSONL field holding the prompt.
     """
 
+    default_tokenizer = "bpe"
+
     def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
                  seq_length: int = 1024, global_batch_size: int = 32, micro_batch_size: int = 8,
                  seed: int = 1234, eod_mask_loss: bool = False, splits: str = "949,50,1",
@@ -90,27 +90,6 @@ class GPTDataModule(PretrainingDataModule):
         self.predict_file, self.predict_json_key = predict_file, predict_json_key
         self.predict_dataset: PromptDataset | None = None
         """The prompts of the last ``predict_dataloader`` (their texts: ``predict_dataset.texts``)."""
-        self._tokenizer: Any = None
-
-    @property
-    def tokenizer(self) -> Any:
-        """The tokenizer (``vocab_size``, ``eod``, ``tokenize``, ``detokenize``)."""
-        if self._tokenizer is None:
-            vocab, lowercase = self.vocab_file, None
-            if vocab is None and self.data_prefix is not None:
-                vocab, lowercase = self._recorded_vocab()
-            self._tokenizer = self._load_tokenizer(vocab, lowercase)
-        return self._tokenizer
-
-    def _load_tokenizer(self, vocab: str | None, lowercase: bool | None) -> Any:
-        """The tokenizer of ``vocab`` (a BPE ``tokenizer.json`` / GPT-2 ``vocab.json``, or a WordPiece
-        ``vocab.txt``); ``None``: the packaged byte-level BPE, whose ``<|endoftext|>`` ends documents."""
-        if vocab is None:
-            return BPETokenizer()
-        tokenizer = load_tokenizer(vocab)
-        if isinstance(tokenizer, BertTokenizer) and lowercase is not None:
-            tokenizer = BertTokenizer(vocab, lowercase=lowercase)
-        return tokenizer
 
     @override
     def _default_corpus_prefix(self) -> Path:
@@ -134,7 +113,7 @@ class GPTDataModule(PretrainingDataModule):
     def _make_dataset(self, indexed: IndexedDataset, documents: range, num_samples: int | None) -> GPTDataset:
         return GPTDataset(indexed, documents=documents, num_samples=num_samples, seq_length=self.seq_length,
                           seed=self.seed, eod_id=self.tokenizer.eod, eod_mask_loss=self.eod_mask_loss,
-                          samples_cache_dir=self.samples_cache_dir)
+                          samples_cache_dir=self.samples_cache_dir, vocab_size=self.tokenizer.vocab_size)
 
     @override
     def predict_dataloader(self) -> DataLoader:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
@@ -24,12 +24,13 @@ from typing_extensions import override
 from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_
 from lightning_megatron.data.blended import BlendedDataset, blend_num_samples, parse_data_prefix
 from lightning_megatron.data.corpus import default_corpus_fingerprint
-from lightning_megatron.data.dataset_vocab import check_dataset_vocab, read_dataset_vocab, vocab_sidecar_path
+from lightning_megatron.data.dataset_vocab import (TokenizerFamily, check_dataset_vocab, dataset_tokenizer,
+                                                   vocab_sidecar_path)
 from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
 from lightning_megatron.data.loader import MegatronDataLoader, default_num_workers
 from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
-from lightning_megatron.data.tokenizer import BertTokenizer, default_cache_dir, default_vocab_file, file_lock
+from lightning_megatron.data.tokenizer import default_cache_dir, file_lock
 
 __all__ = ["BertDataModule", "NO_PADDING", "PretrainingDataModule"]
 
@@ -44,13 +45,15 @@ class PretrainingDataModule(pl.LightningDataModule):
     split of the documents, the datasets of each split (blended across prefixes), the consumed-samples
     samplers, the DP coordinates and the resume state.
 
-    A subclass sets the attributes of :meth:`_init_common` in its ``__init__`` and gives the
-    tokenizer (``tokenizer``), the built-in corpus (:meth:`_default_corpus_prefix`,
+    A subclass sets the attributes of :meth:`_init_common` and ``vocab_file`` in its ``__init__`` and gives
+    its packaged tokenizer (:attr:`default_tokenizer`), the built-in corpus (:meth:`_default_corpus_prefix`,
     :meth:`_preprocess_default_corpus`) and its dataset (:meth:`_make_dataset`).
     """
 
-    tokenizer: Any
-    """The tokenizer the data was (or is) tokenized with; a subclass defines it."""
+    default_tokenizer: ClassVar[TokenizerFamily]
+    """The packaged tokenizer of the data when neither ``vocab_file`` nor the dataset's record names one."""
+    vocab_file: str | None
+    _tokenizer: Any = None
 
     def _init_common(self, data_prefix: str | list[str | float] | None, *, global_batch_size: int,
                      micro_batch_size: int, seed: int, splits: str, train_samples: int | None,
@@ -80,20 +83,20 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
+        self._no_dataset: dict[str, str] = {}
+        """Split -> why it has no dataset: said when a loop asks for it (a run that never tests is not told)."""
 
     # --- tokenizer and corpus -------------------------------------------------------------------
 
-    def _recorded_vocab(self) -> tuple[str | None, bool | None]:
-        """The vocabulary (and lowercasing) the first dataset's ``.vocab.json`` records, if it does."""
-        prefix = self._blend()[1][0]
-        record = read_dataset_vocab(prefix)
-        if record is None or record.vocab_file is None:
-            return None, None
-        if not Path(record.vocab_file).is_file():
-            raise FileNotFoundError(f"dataset {str(prefix)!r} was tokenized with {record.vocab_file!r} (its "
-                                    f"{vocab_sidecar_path(prefix).name} says), which does not exist here: pass "
-                                    f"that vocabulary as data.vocab_file")
-        return record.vocab_file, record.lowercase
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer the data was (or is) tokenized with: :func:`~.dataset_vocab.dataset_tokenizer` of
+        ``vocab_file``, the first dataset's ``.vocab.json`` and :attr:`default_tokenizer` (the rule the
+        check before launch applies too)."""
+        if self._tokenizer is None:
+            prefix = self._blend()[1][0] if self.data_prefix is not None else None
+            self._tokenizer = dataset_tokenizer(self.vocab_file, prefix, default=self.default_tokenizer)
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -243,7 +246,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         except ValueError as error:
             if name == "train":
                 raise
-            warnings.warn(f"no {name} dataset: {error}", stacklevel=2)
+            self._no_dataset[name] = str(error)
             return None
         if num_samples is None and len(dataset) < self.global_batch_size:
             dataset = self._make_dataset(indexed, documents, self.global_batch_size)
@@ -284,8 +287,10 @@ class PretrainingDataModule(pl.LightningDataModule):
                    else MegatronPretrainingSampler(**common))
         return self._loader(self.train_dataset, sampler)
 
-    def _eval_loader(self, dataset: Dataset | None) -> DataLoader | list:
+    def _eval_loader(self, dataset: Dataset | None, name: str) -> DataLoader | list:
         if dataset is None:
+            if name in self._no_dataset:
+                warnings.warn(f"no {name} dataset: {self._no_dataset.pop(name)}", stacklevel=3)
             return []
         dp_rank, dp_size = self._dp_coordinates()
         sampler = MegatronPretrainingSampler(
@@ -297,13 +302,13 @@ class PretrainingDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if self.train_dataset is None:
             self.setup("validate")
-        return self._eval_loader(self.val_dataset)
+        return self._eval_loader(self.val_dataset, "valid")
 
     @override
     def test_dataloader(self) -> DataLoader | list:
         if self.train_dataset is None:
             self.setup("test")
-        return self._eval_loader(self.test_dataset)
+        return self._eval_loader(self.test_dataset, "test")
 
     # --- checkpointing ----------------------------------------------------------------------------
 
@@ -319,7 +324,7 @@ class PretrainingDataModule(pl.LightningDataModule):
 
 
 class BertDataModule(PretrainingDataModule):
-    """BERT pretraining data, Megatron's way.
+    """BERT pretraining data, Megatron's way (tokenizer: WordPiece, the packaged ``vocab.txt`` by default).
 
     Args:
         data_prefix: prefix of a preprocessed indexed dataset (``<prefix>.bin``/``.idx``, see
@@ -361,6 +366,8 @@ class BertDataModule(PretrainingDataModule):
         predict_json_key: the JSONL field holding the text.
     """
 
+    default_tokenizer = "wordpiece"
+
     def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
                  max_seq_length: int = 128, global_batch_size: int = 32, micro_batch_size: int = 8,
                  seed: int = 1234, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
@@ -388,19 +395,8 @@ class BertDataModule(PretrainingDataModule):
             max_seq_length=max_seq_length, seed=seed, masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
             binary_head=binary_head, whole_word_masking=whole_word_masking, max_ngrams=max_ngrams,
             samples_cache_dir=samples_cache_dir)
-        self._tokenizer: BertTokenizer | None = None
 
     # --- tokenizer and corpus -------------------------------------------------------------------
-
-    @property
-    def tokenizer(self) -> BertTokenizer:
-        if self._tokenizer is None:
-            vocab, lowercase = self.vocab_file, None
-            if vocab is None and self.data_prefix is not None:
-                vocab, lowercase = self._recorded_vocab()
-            self._tokenizer = BertTokenizer(vocab if vocab is not None else default_vocab_file(self.cache_dir),
-                                            lowercase=lowercase)
-        return self._tokenizer
 
     @override
     def _default_corpus_prefix(self) -> Path:

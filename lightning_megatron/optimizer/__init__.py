@@ -17,7 +17,6 @@ from lightning_megatron.optimizer.mixed_precision import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
-    NonFiniteLossOrGradError,
 )
 from lightning_megatron.optimizer.param_groups import default_no_weight_decay_cond, get_param_groups
 from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
@@ -36,7 +35,6 @@ __all__ = [
     "MegatronOptimizer",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
-    "NonFiniteLossOrGradError",
     "get_param_groups",
     "default_no_weight_decay_cond",
     "OptimizerParamScheduler",

@@ -78,9 +78,6 @@ class OptimizerConfig:
     """Also count the zero entries of the gradient."""
     use_distributed_optimizer: bool = False
     """Shard the fp32 main params and optimizer state over the data-parallel ranks (ZeRO-1)."""
-    check_for_nan_in_loss_and_grad: bool = True
-    """Stop the run on a NaN/Inf loss or gradient norm (megatron-core's option), except an fp16 overflow
-    the dynamic loss scaler skips; the step is not taken, so no checkpoint holds it."""
 
     def __post_init__(self) -> None:
         if self.clip_grad < 0:
@@ -112,8 +109,7 @@ class OptimizerConfig:
         ps = parallel_state
         common = dict(clip_grad=self.clip_grad, log_num_zeros_in_grad=self.log_num_zeros_in_grad, grad_buffer=grad_buffer,
                       model_parallel_group=None if ps is None else ps.group("mp"),
-                      coordinates=None if ps is None else ps.coordinates,
-                      check_for_nan_in_loss_and_grad=self.check_for_nan_in_loss_and_grad)
+                      coordinates=None if ps is None else ps.coordinates)
         dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"]}
         low = next((d for d in (torch.float16, torch.bfloat16) if d in dtypes), torch.float32)
         if self.use_distributed_optimizer:

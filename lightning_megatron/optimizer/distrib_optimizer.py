@@ -86,12 +86,10 @@ class DistributedOptimizer(MegatronOptimizer):
         log_num_zeros_in_grad: bool = False,
         grads_already_reduced: bool = False,
         grad_buffer: GradBuffer | None = None,
-        check_for_nan_in_loss_and_grad: bool = False,
     ) -> None:
         super().__init__(optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
-                         model_parallel_group=model_parallel_group, coordinates=coordinates,
-                         check_for_nan_in_loss_and_grad=check_for_nan_in_loss_and_grad)
+                         model_parallel_group=model_parallel_group, coordinates=coordinates)
         if len(optimizer.state) > 0:
             raise ValueError("wrap the optimizer before its first step: its state is keyed by model params "
                              "and cannot be sharded afterwards")
@@ -214,14 +212,12 @@ class DistributedOptimizer(MegatronOptimizer):
         """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
         return [self._segment_grad(seg) for seg in self._segments if is_counted(seg[0], self.coordinates)]
 
-    def _grad_norm_and_found_inf(self, loss: torch.Tensor | None = None) -> tuple[float, bool]:
+    def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as
-        # clip_grads), the rest (and 0 * loss) are only checked; reduced over DP and the model-parallel group.
+        # clip_grads), the rest are only checked; reduced over DP and the model-parallel group.
         counted = self._counted_grad_pieces()
         others = [self._segment_grad(seg) for seg in self._segments
                   if not is_counted(seg[0], self.coordinates)]
-        if loss is not None:
-            others.append(loss.to(self.grad_buffer.device) * 0.0)
         total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
         total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device)
         for piece in others:
@@ -229,10 +225,6 @@ class DistributedOptimizer(MegatronOptimizer):
         self._all_reduce(total, dist.ReduceOp.SUM)
         squares, checked = total.tolist()
         return squares ** 0.5, not (math.isfinite(squares) and math.isfinite(checked))
-
-    def _non_finite_grad_params(self) -> list[torch.Tensor]:
-        # The model params whose piece of this rank's grad shard holds an inf/nan.
-        return [seg[0] for seg in self._segments if not bool(torch.isfinite(self._segment_grad(seg)).all())]
 
     def _num_zeros(self) -> int:
         total = torch.zeros(1, dtype=torch.float64, device=self.grad_buffer.device)

@@ -17,12 +17,10 @@ One step (``step(closure)``), in Megatron's order:
 5. the inner optimizer's step on the fp32 main params;
 6. copy the main params back into the bf16/fp16 model params (one rounding per step).
 
-``check_for_nan_in_loss_and_grad`` (megatron-core's training option; on in
-:class:`~lightning_megatron.optimizer.OptimizerConfig`, off for a wrapper built by hand): a non-finite
-loss or gradient norm raises :class:`NonFiniteLossOrGradError` at step 3, before anything is updated,
-except an overflow a ``DynamicGradScaler`` skips (fp16, finite loss). The loss joins the grad-norm
-all-reduce as one more value (no extra host synchronisation); only a step that found an inf/nan reads
-it on its own, and finding the first parameter with a non-finite gradient happens on the way out.
+The NaN/Inf guard (``check_for_nan_in_loss_and_grad``: stop the run on a non-finite loss or gradient)
+is not the wrappers': it belongs to the training step, whatever optimizer steps after it
+(:mod:`lightning_megatron.step`, a ``MegatronStrategy`` argument). Here an inf/nan is only the
+loss scaler's overflow (step 3).
 
 Why main params: a bf16 weight has 8 significant bits, so an update smaller than ``2^-8 |w|`` rounds
 back to ``w`` and is lost. Accumulating in an fp32 copy keeps every small update and rounds only
@@ -36,7 +34,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_megatron.parallel_state import Group
 from lightning_megatron.optimizer.clip_grads import (
@@ -45,18 +42,13 @@ from lightning_megatron.optimizer.clip_grads import (
     grad_norm_and_found_inf,
     grads_for_norm,
 )
-from lightning_megatron.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
+from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, mark_replicated
 
 if TYPE_CHECKING:
     from lightning_megatron.grads import GradBuffer
 
-__all__ = ["MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params", "NonFiniteLossOrGradError"]
-
-
-class NonFiniteLossOrGradError(FloatingPointError):
-    """A NaN/Inf loss or gradient norm with ``check_for_nan_in_loss_and_grad``: the run stops before
-    the optimizer step, so no checkpoint holds that state."""
+__all__ = ["MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params"]
 
 
 def zero_grads(params: list[torch.Tensor], set_to_none: bool = True) -> None:
@@ -90,7 +82,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
         log_num_zeros_in_grad: bool = False,
         model_parallel_group: Group = None,
         coordinates: Mapping[str, int] | None = None,
-        check_for_nan_in_loss_and_grad: bool = False,
         grad_buffer: GradBuffer | None = None,
     ) -> None:
         # Deliberately no super().__init__: it would build new param groups and state; ours are the
@@ -109,11 +100,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.model_parallel_group = model_parallel_group
         self.coordinates: dict[str, int] = dict(coordinates or {})
         """This rank's coordinates (``ParallelState.coordinates``): which parameters it counts in the norm."""
-        self.check_for_nan_in_loss_and_grad = check_for_nan_in_loss_and_grad
-        self.iteration: int | None = None
-        """The training step (``trainer.global_step``) the next :meth:`step` makes, for error messages."""
-        self.param_names: dict[int, str] = {}
-        """``id`` of a model or main parameter -> its name, for error messages (:meth:`name_parameters`)."""
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -149,11 +135,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
     @state.setter
     def state(self, value: Any) -> None:
         self.optimizer.state = value
-
-    def name_parameters(self, named_parameters: Any) -> None:
-        """Give the model's ``(name, parameter)`` pairs: errors then name parameters."""
-        for name, p in named_parameters:
-            self.param_names.setdefault(id(p), name)
 
     def get_parameters(self) -> list[torch.Tensor]:
         """The parameters the inner optimizer updates (fp32 main params for fp16/bf16 models)."""
@@ -215,19 +196,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 loss = closure()
 
         self._copy_model_grads_to_main_grads()
-        checked_loss = None
-        if self.check_for_nan_in_loss_and_grad and torch.is_tensor(loss):
-            checked_loss = loss.detach().float().reshape(-1)[:1]
         if self.grad_scaler is not None:
             self._unscale_main_grads()
-        # One pass over the grads: the norm, and whether any grad (or the checked loss) on any
-        # model-parallel rank is inf/nan; without a scaler and without the check only the norm is used.
-        grad_norm, found_inf = self._grad_norm_and_found_inf(checked_loss)
-        if found_inf and self.check_for_nan_in_loss_and_grad:
-            # An fp16 overflow is the dynamic scaler's to skip; a non-finite loss never is.
-            loss_finite = checked_loss is None or bool(torch.isfinite(checked_loss).all())
-            if not (isinstance(self.grad_scaler, DynamicGradScaler) and loss_finite):
-                self._raise_non_finite(loss, grad_norm)
+        # One pass over the grads: the norm, and whether any grad on any model-parallel rank is inf/nan
+        # (used with a scaler: the step is skipped; without one only the norm is used).
+        grad_norm, found_inf = self._grad_norm_and_found_inf()
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
             if found_inf:
@@ -248,40 +221,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         return loss
 
-    def _raise_non_finite(self, loss: Any, grad_norm: float) -> None:
-        """Stop the run: name the step, the loss, the norm and this rank's first non-finite gradient."""
-        what = []
-        if torch.is_tensor(loss) and not bool(torch.isfinite(loss.detach()).all()):
-            what.append(f"the loss is {loss.detach().float().reshape(-1)[0].item()}")
-        what.append(f"the gradient norm is {grad_norm}")
-        bad = self._non_finite_grad_params()
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        where = (f"first parameter with a non-finite gradient on rank {rank}: "
-                 f"{self.param_names.get(id(bad[0]), f'<parameter {self._index(bad[0])} of the optimizer>')}"
-                 if bad else f"rank {rank} holds no non-finite gradient (another rank does, or only the loss is)")
-        step = "" if self.iteration is None else (f"at step {self.iteration} (the state at global_step="
-                                                  f"{self.iteration} is the last good one) ")
-        raise NonFiniteLossOrGradError(
-            f"{step}{' and '.join(what)}; {where}. The run stops before the optimizer step: parameters, "
-            f"optimizer state and checkpoints keep the last good step (resume from the last checkpoint with "
-            f"another lr, data or seed). check_for_nan_in_loss_and_grad=False (--megatron_optimizer."
-            f"check_for_nan_in_loss_and_grad false) turns this check off")
-
-    def _index(self, tensor: torch.Tensor) -> int:
-        return next((i for i, p in enumerate(self.get_parameters()) if p is tensor), -1)
-
-    def _non_finite_grad_params(self) -> list[torch.Tensor]:
-        """The parameters (in optimizer order) whose gradient on this rank holds an inf/nan."""
-        return [p for p in self.get_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-
     # Hooks of the step; the DistributedOptimizer overrides them for its flat shards.
-    def _grad_norm_and_found_inf(self, loss: torch.Tensor | None = None) -> tuple[float, bool]:
-        """The global L2 norm and whether any main grad (or ``loss``) on any model-parallel rank is inf/nan."""
+    def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
+        """The global L2 norm and whether any main grad on any model-parallel rank is inf/nan."""
         counted = grads_for_norm(self.get_parameters(), coordinates=self.coordinates)
         ids = {id(g) for g in counted}
         others = [g for g in self._main_grads() if id(g) not in ids]
-        if loss is not None:  # 0 * loss: 0, or nan for a non-finite loss; checked in the same all-reduce
-            others.append(loss.to(counted[0].device if counted else loss.device) * 0.0)
         return grad_norm_and_found_inf(counted, others, self.model_parallel_group)
 
     def _num_zeros(self) -> int:
@@ -368,11 +313,6 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     def main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 main copy of a 16-bit ``param``; an fp32 ``param`` itself."""
         return self._main_by_param.get(id(param), param)
-
-    def name_parameters(self, named_parameters: Any) -> None:
-        for name, p in named_parameters:
-            self.param_names.setdefault(id(p), name)
-            self.param_names.setdefault(id(self.main_param(p)), name)  # the step checks the main grads
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The model params (where backward writes) and the main params (where the optimizer reads).

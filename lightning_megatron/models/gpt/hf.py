@@ -277,7 +277,12 @@ def hf_state_dict_from_gpt(state_dict: Mapping[str, torch.Tensor], arch: Mapping
 
 def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
     """The transformers ``LlamaConfig`` / ``GPT2Config`` (``architectures`` set) of our architecture
-    (``GPTLightningModule`` arguments); refuses, naming each, what the transformers class cannot compute."""
+    (``GPTLightningModule`` arguments); refuses, naming each, what the transformers class cannot compute.
+
+    The dropouts the model trained with, when ``arch`` has them (``hidden_dropout``, ``attention_dropout``;
+    0.0 otherwise), go where transformers applies them: GPT-2's ``resid_pdrop`` and ``embd_pdrop`` (Megatron
+    drops the embeddings' output and each residual branch with ``hidden_dropout``) and ``attn_pdrop``; Llama's
+    ``attention_dropout`` (``LlamaConfig`` has no hidden dropout). They do not change the logits in eval mode."""
     import transformers
 
     spec, n, h = arch["spec"], arch["num_attention_heads"], arch["hidden_size"]
@@ -303,6 +308,8 @@ def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
     if bad:
         cls = "LlamaForCausalLM" if llama else "GPT2LMHeadModel"
         raise ValueError(f"export to {cls}: {', '.join(bad)}; transformers' {cls} would compute other logits")
+    hidden_dropout = float(arch.get("hidden_dropout", 0.0))
+    attention_dropout = float(arch.get("attention_dropout", 0.0))
     if llama:
         theta = float(arch.get("rotary_base", 10000.0))
         config = transformers.LlamaConfig(
@@ -310,7 +317,7 @@ def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
             num_attention_heads=n, num_key_value_heads=g, head_dim=kv or h // n,
             max_position_embeddings=arch["max_sequence_length"], rms_norm_eps=arch["layernorm_epsilon"],
             tie_word_embeddings=not arch.get("untie_embeddings_and_output_weights", True), hidden_act="silu",
-            rope_theta=theta, attention_bias=False, mlp_bias=False, attention_dropout=0.0)
+            rope_theta=theta, attention_bias=False, mlp_bias=False, attention_dropout=attention_dropout)
         if "rope_parameters" in config.to_dict():  # transformers >= 5 keeps rope_theta there
             config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
         config.architectures = ["LlamaForCausalLM"]
@@ -318,7 +325,8 @@ def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
     config = transformers.GPT2Config(
         vocab_size=arch["vocab_size"], n_positions=arch["max_sequence_length"], n_embd=h, n_layer=arch["num_layers"],
         n_head=n, n_inner=ffn, activation_function=_GPT2_ACT_OUT[arch.get("activation", "gelu")],
-        layer_norm_epsilon=arch["layernorm_epsilon"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=arch["layernorm_epsilon"], resid_pdrop=hidden_dropout, embd_pdrop=hidden_dropout,
+        attn_pdrop=attention_dropout,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     config.architectures = ["GPT2LMHeadModel"]
     return config

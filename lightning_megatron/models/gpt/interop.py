@@ -178,7 +178,8 @@ class GPTInterop:
     # ------------------------------------------------------------------ ours -> Hugging Face
 
     def hf_config(self, saved: SavedModel) -> Any:
-        return ghf.hf_config_from_architecture(architecture_of_saved(saved))
+        dropouts = {k: saved.hparams[k] for k in ("hidden_dropout", "attention_dropout") if k in saved.hparams}
+        return ghf.hf_config_from_architecture({**architecture_of_saved(saved), **dropouts})
 
     def state_dict_to_hf(self, saved: SavedModel, config: Any) -> dict[str, torch.Tensor]:
         return ghf.hf_state_dict_from_gpt(saved.state_dict, architecture_of_saved(saved))

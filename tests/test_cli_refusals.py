@@ -1,0 +1,114 @@
+"""Bad inputs of the decoder, predict, fine-tuning and check surfaces (issue 34), through the real CLI.
+
+Each row runs ``lightning-megatron ...`` in this process (``lightning_megatron.cli.main``, as the console
+script calls it) and must be refused before any process is launched: the exit it gets (the CLI's one
+ConfigError listing the problems, or argparse's usage error), every text the message must hold (the
+value, the file, the fix) and none of the ones the old refusals gave. Nothing is launched: no process
+group is created and the run folder is never made.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from lightning_megatron.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "recipes" / "gpt_tiny.yaml")
+SST2 = str(ROOT / "recipes" / "bert_tiny_sst2.yaml")
+BEFORE_LAUNCH = "configuration problem(s), found before launching any process"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    """The files the rows name: a GPT dataset made with the packaged BPE (its record names it), prompts
+    (plain, too long for the positions, Latin-1), fine-tuning files (good, empty, a label id outside the
+    classes)."""
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.data.preprocess import preprocess_corpus
+
+    d = tmp_path_factory.mktemp("refusals")
+    text = "\n\n".join(f"Document {i} is about tensor parallel layers.\nIt splits the weights." for i in range(40))
+    (d / "docs.txt").write_text(text + "\n")
+    preprocess_corpus([d / "docs.txt"], d / "gpt", BPETokenizer(), append_eod=True, progress=False)
+    (d / "prompts.txt").write_text("The function returns\nA list of\n")
+    (d / "long.txt").write_text("The function returns\n" + " ".join(["word"] * 60) + "\n")  # 60 tokens
+    (d / "latin1.txt").write_bytes(b"The function returns\ncaf\xe9 au lait\n")
+    rows = [{"sentence": f"a fine film number {i}", "label": ["negative", "positive"][i % 2]} for i in range(40)]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "empty.jsonl").write_text("\n")
+    ids = [{"sentence": r["sentence"], "label": i % 2} for i, r in enumerate(rows)]
+    ids[30]["label"] = 7
+    (d / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ids))
+    return {"dir": str(d), "gpt": str(d / "gpt"), "prompts": str(d / "prompts.txt"), "long": str(d / "long.txt"),
+            "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
+            "ids": str(d / "ids.jsonl"), "nope": str(d / "nope.ckpt")}
+
+
+FIT, PREDICT = ["fit", "--config", GPT], ["predict", "--config", GPT, "--data.predict_file", "{prompts}"]
+FINETUNE = ["finetune", "fit", "--config", SST2, "--data.init_args.validation", "{train}"]
+
+CASES = {
+    # (argv, exit code (None: the CLI's one-line ConfigError), texts the message holds, texts it must not hold)
+    "gpt_data_prefix_vocab_null": (  # the dataset's record names its BPE: not "another vocabulary" (the
+        # refusal here is the timeout, to stop before launch)
+        [*FIT, "--data.data_prefix", "{gpt}", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["1 configuration problem(s)", "strategy timeout=0"], ["another vocabulary", "bert-base-uncased"]),
+    "gpt_seq_length": ([*FIT, "--data.seq_length", "256"], None,
+                       ["data seq_length=256 exceeds the model's max_sequence_length=128"], []),
+    "predict_temperature": ([*PREDICT, "--model.predict_greedy", "false", "--model.predict_temperature", "0"], None,
+                            ["--model.predict_temperature=0.0 must be > 0"], []),
+    "predict_top_p": ([*PREDICT, "--model.predict_greedy", "false", "--model.predict_top_p", "1.5"], None,
+                      ["--model.predict_top_p=1.5 must be in (0, 1]"], []),
+    "predict_positions": ([*PREDICT[:-1], "{long}", "--model.predict_max_new_tokens", "100"], None,
+                          ["--model.predict_max_new_tokens=100: the longest prompt of predict_file '{long}' (prompt "
+                           "2, 60 tokens) followed by 100 new tokens needs 159 positions, more than the model's "
+                           "max_sequence_length=128; generate at most 69 new tokens"], ["raise max_sequence_length"]),
+    "predict_non_utf8": ([*PREDICT[:-1], "{latin1}"], None,
+                         ["predict_file '{latin1}' is not UTF-8 text: byte 24 (line 2)"], ["UnicodeDecodeError"]),
+    "predict_missing_ckpt": ([*PREDICT, "--ckpt_path", "{nope}"], None, ["ckpt_path='{nope}' does not exist"], []),
+    "finetune_empty_file": ([*FINETUNE, "--data.init_args.train", "{empty}"], None,
+                            ["data.train '{empty}' is empty: it holds no rows"], ["no 'train' split"]),
+    "finetune_label_outside_classes": (
+        [*FINETUNE, "--data.init_args.train", "{ids}", "--data.init_args.labels", "null",
+         "--data.init_args.num_classes", "2", "--data.init_args.validation", "{ids}"], None,
+        ["2 configuration problem(s)", "data.train '{ids}' row 31: label 7 is outside the classes 0..1 "
+         "(data.num_classes=2)", "data.validation '{ids}' row 31: label 7"], []),
+    "finetune_label_key": ([*FINETUNE, "--data.init_args.train", "{train}", "--data.init_args.label_key", "labl"],
+                           None, ["1 configuration problem(s)", "data.train '{train}' row 1 has no column 'labl': "
+                                  "its columns are ['label', 'sentence']; set --data.label_key"], []),
+    "check_tp3_with_4_heads": (["check", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--layouts", "tp3"], 2,
+                               ["found before starting any process", "layout tp3: num_attention_heads=4 is not "
+                                "divisible by tensor_model_parallel_size=3"], ["DistributedTestFailure"]),
+    "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
+                           ["unrecognized arguments: --trainer.max_step 50"], []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_refused_before_launch_naming_the_value(case, inputs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])  # as the console script, with argv passed in
+    argv, code, wanted, unwanted = CASES[case]
+    argv = [a.format(**inputs) for a in argv]
+    run = tmp_path / "run"
+    if argv[0] != "check":
+        argv += ["--trainer.default_root_dir", str(run)]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    if code is None:  # the CLI's ConfigError: one message, every problem on a line of its own
+        message = str(exited.value.code)
+        assert message.startswith("lightning-megatron: ") and BEFORE_LAUNCH in message, message
+    else:  # argparse's error (exit 2) on stderr
+        message = capsys.readouterr().err
+        assert exited.value.code == code, (exited.value.code, message)
+    for text in wanted:
+        assert text.format(**inputs) in message, message
+    for text in unwanted:
+        assert text not in message, message
+    assert not dist.is_initialized() and not run.exists()  # nothing launched, nothing written
