@@ -104,7 +104,7 @@ def _plot_and_export_the_run(tmp_path: Path, run: Path, module) -> None:
     assert (tmp_path / "curves.png").is_file()
     main(["export", "hf", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--output", str(tmp_path / "hf")])
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert module.hparams.hidden_dropout == module.hparams.attention_dropout == 0.1
+    assert module.config.hidden_dropout == module.config.attention_dropout == 0.1
     assert (config["resid_pdrop"], config["embd_pdrop"], config["attn_pdrop"]) == (0.1, 0.1, 0.1), config
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
