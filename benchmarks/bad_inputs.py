@@ -33,18 +33,21 @@ BEFORE = "before launch"
 SETUP = "at setup (after launch, before step 1)"
 LATE = "late (during training)"
 
-GOOD_MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, max_sequence_length=128,
-                  params_dtype="float32", lr=1e-3)
+GOOD_CONFIG = dict(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, max_sequence_length=128,
+                   params_dtype="float32")
 GOOD_DATA = dict(max_seq_length=128, global_batch_size=16, micro_batch_size=4, masked_lm_prob=0.15)
 GOOD_STRATEGY = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
 GOOD_TRAINER = dict(devices=4, num_nodes=1, precision="32-true", max_steps=100)
 GOOD_SCHED = dict(init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=10, lr_decay_steps=None)
 
 
-def _config(model=None, data=None, strategy=None, trainer=None, sched=None, has_cb: bool = True) -> Callable[[], Any]:
+def _config(model=None, data=None, strategy=None, trainer=None, sched=None, has_cb: bool = True,
+            lr: float = 1e-3) -> Callable[[], Any]:
+    """``model``: the model's config fields that differ from GOOD_CONFIG."""
     from lightning_megatron.config_checks import validate_config
 
-    return lambda: validate_config({**GOOD_MODEL, **(model or {})}, {**GOOD_DATA, **(data or {})},
+    return lambda: validate_config({"config": {**GOOD_CONFIG, **(model or {})}, "lr": lr},
+                                   {**GOOD_DATA, **(data or {})},
                                    {**GOOD_STRATEGY, **(strategy or {})}, {**GOOD_TRAINER, **(trainer or {})},
                                    {**GOOD_SCHED, **(sched or {})}, has_optimizer_callback=has_cb)
 
@@ -70,7 +73,7 @@ def _config_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
         ("config", "data max_seq_length=256 > model max_sequence_length=128", c(data=dict(max_seq_length=256)),
          BEFORE),
         ("config", "masked_lm_prob=1.5", c(data=dict(masked_lm_prob=1.5)), BEFORE),
-        ("config", "model lr=-1", c(model=dict(lr=-1.0)), BEFORE),
+        ("config", "model lr=-1", c(lr=-1.0), BEFORE),
         ("config", "accumulate_grad_batches=4", c(trainer=dict(accumulate_grad_batches=4)), BEFORE),
         ("config", "gradient_clip_val=1.0", c(trainer=dict(gradient_clip_val=1.0)), BEFORE),
         ("config", "lr_warmup_steps=100 with max_steps=100 (lr_decay_steps null)", c(sched=dict(lr_warmup_steps=100)),
@@ -94,6 +97,7 @@ def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.datamodules.pretraining import BertDataModule
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
     from lightning_megatron.strategy import MegatronStrategy
@@ -110,7 +114,7 @@ def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
 
     def module_then_build(**kw):
         def f():
-            m = BertLightningModule(vocab_size=100, **kw)
+            m = BertLightningModule(BertConfig(vocab_size=100, **kw))
             m.configure_model()
         return f
 
@@ -123,13 +127,13 @@ def _constructor_cases() -> list[tuple[str, str, Callable[[], Any], str]]:
          BEFORE),
         ("strategy", "MegatronStrategy(ddp_bucket_size_mb=0)", lambda: MegatronStrategy(ddp_bucket_size_mb=0), BEFORE),
         ("strategy", "MegatronStrategy(micro_batch_size=0)", lambda: MegatronStrategy(micro_batch_size=0), BEFORE),
-        ("model", "params_dtype='float64'", lambda: BertLightningModule(params_dtype="float64"), BEFORE),
+        ("model", "params_dtype='float64'", lambda: BertConfig(params_dtype="float64"), BEFORE),
         ("model", "optimizer='lamb'", lambda: BertLightningModule(optimizer="lamb"), BEFORE),
-        ("model", "hidden_size=130, 4 heads", lambda: BertLightningModule(hidden_size=130), BEFORE),
-        ("model", "hidden_dropout=1.0", lambda: BertLightningModule(hidden_dropout=1.0), BEFORE),
+        ("model", "hidden_size=130, 4 heads", lambda: BertConfig(hidden_size=130), BEFORE),
+        ("model", "hidden_dropout=1.0", lambda: BertConfig(hidden_dropout=1.0), BEFORE),
         ("model", "recompute_granularity='full' without a method",
-         lambda: BertLightningModule(recompute_granularity="full"), BEFORE),
-        ("model", "recompute_num_layers=8 > num_layers=2", lambda: BertLightningModule(
+         lambda: BertConfig(recompute_granularity="full"), BEFORE),
+        ("model", "recompute_num_layers=8 > num_layers=2", lambda: BertConfig(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=8), BEFORE),
         ("model", "spec='nope' (unregistered)", module_then_build(spec="nope"), SETUP),
         ("model", "TransformerConfig(activation='swish')", lambda: TransformerConfig(**tc, activation="swish"), BEFORE),
@@ -225,7 +229,8 @@ def _trust_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
     v1 = copy("v1", "format1")
 
     def init_from(path: Path) -> Callable[[], Any]:
-        return lambda: BertLightningModule(**v1_model, init_from=str(path)).configure_model()
+        return lambda: BertLightningModule(**BertLightningModule.upgrade_hparams(v1_model),
+                                           init_from=str(path)).configure_model()
 
     def export(path: Path) -> Callable[[], Any]:
         return lambda: main(["export", "hf", "--ckpt_path", str(path), "--output", str(tmp / f"{path.name}-hf")])
@@ -305,17 +310,18 @@ def _cli_cases(tmp: Path) -> list[tuple[str, str, Callable[[], Any], str]]:
         return f
 
     return [
-        ("CLI", "misspelled key --model.num_layrs 2", cli("--model.num_layrs", "2"), BEFORE),
-        ("CLI", "wrong type --model.num_layers two", cli("--model.num_layers", "two"), BEFORE),
+        ("CLI", "misspelled key --model.config.num_layrs 2", cli("--model.config.num_layrs", "2"), BEFORE),
+        ("CLI", "a config field in its old place --model.num_layers 2", cli("--model.num_layers", "2"), BEFORE),
+        ("CLI", "wrong type --model.config.num_layers two", cli("--model.config.num_layers", "two"), BEFORE),
         ("CLI", "--trainer.precision bf17", cli("--trainer.precision", "bf17"), BEFORE),
         ("CLI", "--config that does not exist", lambda: main(["fit", "--config", str(tmp / "nope.yaml")]), BEFORE),
-        ("CLI", "--model.params_dtype float64", cli("--model.params_dtype", "float64"), BEFORE),
+        ("CLI", "--model.config.params_dtype float64", cli("--model.config.params_dtype", "float64"), BEFORE),
         ("CLI", "TP=4 on devices=2, 6 heads, max_sequence_length 64", cli(
             "--trainer.strategy.init_args.tensor_model_parallel_size", "4", "--trainer.devices", "2",
-            "--model.num_attention_heads", "6",
-            "--model.hidden_size", "96", "--model.max_sequence_length", "64"), BEFORE),
-        ("CLI", "--trainer.precision 32-true with --model.params_dtype bfloat16",
-         cli("--model.params_dtype", "bfloat16"), BEFORE),
+            "--model.config.num_attention_heads", "6",
+            "--model.config.hidden_size", "96", "--model.config.max_sequence_length", "64"), BEFORE),
+        ("CLI", "--trainer.precision 32-true with --model.config.params_dtype bfloat16",
+         cli("--model.config.params_dtype", "bfloat16"), BEFORE),
     ]
 
 
@@ -427,14 +433,15 @@ def _setup_worker() -> list[tuple[str, str, str, str]]:
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.optimizer import OptimizerConfig
     from lightning_megatron.strategy import MegatronStrategy
-    from megatron_testing import TINY_MODEL, dataloader, make_trainer
+    from lightning_megatron.models.bert import BertConfig
+    from megatron_testing import TINY_CONFIG, TINY_OPTIONS, dataloader, make_trainer
 
     def fit(strategy_kw=None, model_kw=None, trainer_kw=None, callback=True):
         def f():
             cbs = [MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0))] if callback else []
             trainer = make_trainer(MegatronStrategy(micro_batch_size=4, **(strategy_kw or {})), 1, 1, callbacks=cbs,
                                    **(trainer_kw or {}))
-            trainer.fit(BertLightningModule(**{**TINY_MODEL, **(model_kw or {})}),
+            trainer.fit(BertLightningModule(BertConfig(**{**TINY_CONFIG, **(model_kw or {})}), **TINY_OPTIONS),
                         train_dataloaders=dataloader(8, 1, 0))
         return f
 

@@ -15,7 +15,7 @@
   the time in forward and backward passes, and ``trace_step_s``, that step's wall time.
 
 ``run["vp"]`` and ``run["overlap_p2p_comm"]`` (ours) set the interleaved schedule and its p2p overlap,
-``run["model_kwargs"]`` extra ``BertLightningModule`` arguments (e.g. ``num_layers_in_last_pipeline_stage``).
+``run["model_kwargs"]`` extra ``BertConfig`` fields (e.g. ``num_layers_in_last_pipeline_stage``).
 
 Ours: :class:`BertLightningModule` with the post-norm spec (Hugging Face's layout), the
 MegatronStrategy, torch AdamW; bf16 = bf16 parameters with :class:`MegatronOptimizerCallback`
@@ -116,14 +116,15 @@ def _cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _ours_module(size: BertSize, bf16: bool, **kwargs: Any):
+def _ours_module(size: BertSize, bf16: bool, **config_fields: Any):
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
 
-    return BertLightningModule(
+    return BertLightningModule(BertConfig(
         num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
         ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
         max_sequence_length=size.max_position_embeddings, spec="bert_layer_post_norm_spec",
-        params_dtype="bfloat16" if bf16 else "float32", lr=LR, weight_decay=WEIGHT_DECAY, **kwargs)
+        params_dtype="bfloat16" if bf16 else "float32", **config_fields), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def _optimizer_stepped(optimizers: list[Any]) -> bool:

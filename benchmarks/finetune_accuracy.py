@@ -99,6 +99,7 @@ def main() -> None:
     from lightning.pytorch import Trainer, seed_everything
 
     from lightning_megatron.datamodules.finetune import LabelledTextDataModule
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.classification import BertClassificationModule
     from lightning_megatron.models.bert.docstring_task import StdlibDocstringDataModule
 
@@ -136,11 +137,11 @@ def main() -> None:
         dm = datamodule()
         if name == "ours":
             module = BertClassificationModule(
-                num_classes=dm.num_classes, init_from=path, spec="bert_layer_post_norm_spec",
-                num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.intermediate_size,
-                vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
-                layernorm_epsilon=cfg.layer_norm_eps, hidden_dropout=0.1, attention_dropout=0.1,
+                num_classes=dm.num_classes, init_from=path, config=BertConfig(
+                    spec="bert_layer_post_norm_spec", num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                    num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.intermediate_size,
+                    vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
+                    layernorm_epsilon=cfg.layer_norm_eps, hidden_dropout=0.1, attention_dropout=0.1),
                 classifier_dropout=0.1, lr=a.lr, weight_decay=0.01)
         else:
             module = _hf_module(path, dm.num_classes, a.lr, 0.01)

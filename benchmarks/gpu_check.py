@@ -308,9 +308,10 @@ def part_fit(device: torch.device, dry: bool, out_dir: Path, budget_s: float) ->
            "--trainer.default_root_dir", str(run_dir)]
     if dry:
         cmd += ["--trainer.accelerator", "cpu", "--trainer.max_steps", str(steps), "--trainer.precision", "32-true",
-                "--model.params_dtype", "float32", "--model.num_layers", "1", "--model.hidden_size", "64",
-                "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "128",
-                "--model.max_sequence_length", "64", "--data.max_seq_length", "64",
+                "--model.config.params_dtype", "float32", "--model.config.num_layers", "1",
+                "--model.config.hidden_size", "64", "--model.config.num_attention_heads", "2",
+                "--model.config.ffn_hidden_size", "128", "--model.config.max_sequence_length", "64",
+                "--data.max_seq_length", "64",
                 "--data.global_batch_size", "4", "--data.micro_batch_size", "4"]
     else:
         cmd += ["--trainer.max_steps", str(steps)]

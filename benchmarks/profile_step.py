@@ -35,6 +35,7 @@ from lightning_megatron.parallel_dims import ParallelDims
 
 
 def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None = None):
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
@@ -42,11 +43,11 @@ def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None =
     s = SIZES[size_name]
     if layers is not None:
         s = dataclasses.replace(s, num_layers=layers)
-    module = BertLightningModule(num_layers=s.num_layers, hidden_size=s.hidden_size,
-                                 num_attention_heads=s.num_attention_heads, ffn_hidden_size=s.ffn_hidden_size,
-                                 vocab_size=s.vocab_size, max_sequence_length=s.max_position_embeddings,
-                                 spec="bert_layer_post_norm_spec", params_dtype="bfloat16" if dtype == "bf16" else
-                                 "float32", lr=LR, weight_decay=WEIGHT_DECAY)
+    config = BertConfig(num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
+                        ffn_hidden_size=s.ffn_hidden_size, vocab_size=s.vocab_size,
+                        max_sequence_length=s.max_position_embeddings, spec="bert_layer_post_norm_spec",
+                        params_dtype="bfloat16" if dtype == "bf16" else "float32")
+    module = BertLightningModule(config, lr=LR, weight_decay=WEIGHT_DECAY)
     module.configure_model()
     opt = module.configure_optimizers()
     if dtype == "bf16":

@@ -171,7 +171,7 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
     add("## BERT pretraining step\n")
     add(f"Sequence {SEQ}, batch {BATCH} (= {SEQ * BATCH} tokens per step), full-length sequences, 15% masked, "
         "dropout 0.1, AdamW (lr 1e-4, weight decay 0.01 except biases and norms), masked-LM + NSP/SOP loss. "
-        f"Ours: `BertLightningModule(spec=\"bert_layer_post_norm_spec\")` (Hugging Face's layer layout) under "
+        f"Ours: `BertLightningModule(BertConfig(spec=\"bert_layer_post_norm_spec\"))` (Hugging Face's layer layout) under "
         f"`MegatronStrategy(cpu_tuning=True)` (the opt-in CPU tuning: shared-memory collectives, allocator setting, CPU kernels); PP=2 runs 1F1B over {BATCH // PP_MICRO_BATCH} microbatches of {PP_MICRO_BATCH}, "
         f"everything else one microbatch of {BATCH}; bf16 = bf16 parameters with `MegatronOptimizerCallback"
         "(clip_grad=0)` (fp32 main params, `precision=\"bf16-true\"`). HF: `transformers.BertForPreTraining` "

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIT = ["fit", "--config", os.path.join(ROOT, "recipes", "bert_tiny.yaml"), "--model.num_layers", "1",
+FIT = ["fit", "--config", os.path.join(ROOT, "recipes", "bert_tiny.yaml"), "--model.config.num_layers", "1",
        "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
        "--lr_schedule.lr_warmup_steps", "0", "--trainer.log_every_n_steps", "1"]
 

@@ -69,9 +69,10 @@ def run(scenario: str, out: Path) -> None:
     cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(ROOT / "recipes/bert_tiny.yaml"),
            "--trainer.devices", "2", "--trainer.strategy.tensor_model_parallel_size", "2",
            "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(out / "run"),
-           "--trainer.enable_progress_bar", "false", "--model.num_layers", "1", "--model.hidden_size", "32",
-           "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "64", "--data.global_batch_size", "2",
-           "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.max_sequence_length", "32",
+           "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1",
+           "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
+           "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2",
+           "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32",
            "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0", "--lr_schedule.lr_warmup_steps", "0"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(out / "inject"), os.environ.get("PYTHONPATH", "")]),
                WANDB_MODE="offline", WANDB_SILENT="true")

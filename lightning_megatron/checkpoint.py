@@ -44,6 +44,7 @@ import shutil
 import sys
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ from lightning_megatron.sharded_state import ShardedStateMapper, optimizer_extra
 __all__ = [
     "CheckpointError",
     "FORMAT_VERSION",
+    "CONFIG_HPARAM",
     "HPARAMS_MAY_DIFFER",
     "MARKER",
     "READABLE_FORMATS",
@@ -92,6 +94,10 @@ __all__ = [
 ]
 
 
+CONFIG_HPARAM = "config"
+"""The hyper-parameter a module's configuration record is saved under, as a plain dict of its fields
+(``BertLightningModule(config=BertConfig(...))``: ``hyper_parameters["config"] = {"num_layers": ...}``)."""
+
 HPARAMS_MAY_DIFFER = frozenset({
     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # a layout, as TP / PP
     "defer_embedding_wgrad_compute",  # when the same weight gradient is computed
@@ -101,10 +107,12 @@ HPARAMS_MAY_DIFFER = frozenset({
     "make_vocab_size_divisible_by", "compile", "init_from", "predict_output", "predict_top_k", "optimizer_kwargs",
     "predict_max_new_tokens", "predict_greedy", "predict_temperature", "predict_top_p",  # a decoder's generation
     "predict_stop_at_eod",
+    "tensor_model_parallel_size", "sequence_parallel",  # a config record's layout fields: the strategy's
 })
 """Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any
 other differing hyper-parameter is an error. (Optimizer hyper-parameters are restored from the
-checkpoint's optimizer state; the others take the current value.)"""
+checkpoint's optimizer state; the others take the current value.) A field of a config record saved as a
+dict (``config.hidden_dropout``) is named by its own name here."""
 
 
 # ---------------------------------------------------------------------- files
@@ -307,25 +315,44 @@ def remove(filepath: str | os.PathLike) -> None:
 
 
 def init_defaults(module_class: type) -> dict[str, Any]:
-    """The keyword defaults of ``module_class.__init__``: the value of a hyper-parameter that a
-    checkpoint predates (see :func:`compare_hparams`)."""
-    return {name: p.default for name, p in inspect.signature(module_class.__init__).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    """The keyword defaults of ``module_class.__init__`` and of the ``__init__`` s it passes its
+    ``**kwargs`` to (its bases'; the class's own win): the value of a hyper-parameter that a checkpoint
+    predates (see :func:`compare_hparams`)."""
+    defaults: dict[str, Any] = {}
+    for klass in reversed(module_class.__mro__):
+        if "__init__" in vars(klass):
+            defaults.update({name: p.default for name, p in inspect.signature(klass.__init__).parameters.items()
+                             if p.default is not inspect.Parameter.empty})
+    return defaults
+
+
+def _fields(hparams: dict[str, Any]) -> dict[str, Any]:
+    """A config record saved as a dict compared field by field: ``{"config": {"num_layers": 2}}`` ->
+    ``{"config.num_layers": 2}``."""
+    out = {}
+    for key, value in hparams.items():
+        if key == CONFIG_HPARAM and isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
 def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None,
                     defaults: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
-    """(errors, allowed differences): one ``"name: checkpoint X, model Y"`` per differing field.
+    """(errors, allowed differences): one ``"name: checkpoint X, model Y"`` per differing field
+    (a config record's fields as ``config.<field>``).
 
     A field the checkpoint does not record (written before the field existed) counts as its default
     in ``defaults`` (the module's ``__init__`` defaults): the model it saved behaved that way."""
-    saved, current = plain(dict(saved or {})), plain(dict(current or {}))
-    defaults = plain(dict(defaults or {}))
+    saved, current = _fields(plain(dict(saved or {}))), _fields(plain(dict(current or {})))
+    defaults = _fields(plain(dict(defaults or {})))
     errors, allowed = [], []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, defaults.get(key, "<absent>")), current.get(key, "<absent>")
         if a != b:
-            (allowed if key in HPARAMS_MAY_DIFFER else errors).append(f"{key}: checkpoint {a!r}, model {b!r}")
+            name = key.rpartition(".")[2]
+            (allowed if name in HPARAMS_MAY_DIFFER else errors).append(f"{key}: checkpoint {a!r}, model {b!r}")
     return errors, allowed
 
 
@@ -354,10 +381,12 @@ def _same_ranks(saved: dict[str, Any], current: dict[str, Any]) -> bool:
 
 def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,
          layout: dict[str, int | None], load_optimizer: bool,
-         hparam_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+         hparam_defaults: dict[str, Any] | None = None,
+         upgrade_hparams: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Collective: verify ``filepath``, then load it into ``mapper``'s parameters and optimizers in
     place; returns Lightning's checkpoint dict (without tensors). ``hparam_defaults``: see
-    :func:`compare_hparams`."""
+    :func:`compare_hparams`; ``upgrade_hparams``: the saved hyper-parameters in the module's current
+    spelling (``MegatronLightningModule.upgrade_hparams``: a checkpoint written before its arguments moved)."""
     rank, _ = _rank_world()
     path = Path(filepath)
     info = verify_checkpoint(path, collective=True)
@@ -371,7 +400,10 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
         error = f"checkpoint {str(path)!r}: extra.pt cannot be read safely (weights_only=True): {e}"
     _agree(error)
     md = metadata.state_dict_metadata
-    errors, allowed = compare_hparams(extra.get("hyper_parameters"), hparams, hparam_defaults)
+    saved_hparams = dict(extra.get("hyper_parameters") or {})
+    if upgrade_hparams is not None:
+        saved_hparams = upgrade_hparams(saved_hparams)
+    errors, allowed = compare_hparams(saved_hparams, hparams, hparam_defaults)
     state = mapper.save_state(include_optimizer=False)
     problems = errors + _shape_errors(state, md)
     everyone = _gather((problems, sorted(state)))

@@ -81,6 +81,9 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
         from lightning_megatron.models.bert.module import BertLightningModule as model_class
     if datamodule_class is None and "data" not in named:
         from lightning_megatron.datamodules.pretraining import BertDataModule as datamodule_class
+    moved = _moved_model_arguments(given, model_class)
+    if moved:
+        raise SystemExit(moved)
     # The section's type: the callback's own arguments, or (megatron_optimizer) the OptimizerConfig the
     # callback takes, so that the section holds its fields (clip_grad: ...) without a config: level.
     _NAMED_CALLBACKS = {"megatron_optimizer": (MegatronOptimizerCallback, OptimizerConfig),
@@ -201,25 +204,79 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
 def _named_by_class_path(argv: list[str]) -> set[str]:
     """Which of ``model`` / ``data`` the command line (``--model.class_path X``, ``--model X``) or a
     ``--config`` recipe (``model: {class_path: X}``; merged YAML text or a file) names by class path."""
-    import yaml
-
     named = set()
-    for i, arg in enumerate(argv):
+    for arg in argv:
         for key in ("model", "data"):
             if arg.split("=", 1)[0] in (f"--{key}", f"--{key}.class_path"):
                 named.add(key)
+    for recipe in _recipes(argv):
+        named |= {k for k in ("model", "data") if isinstance(recipe.get(k), dict) and "class_path" in recipe[k]}
+    return named
+
+
+def _recipes(argv: list[str]) -> list[dict[str, Any]]:
+    """The ``--config`` recipes of ``argv`` (merged YAML text or files), read with ``yaml.safe_load``."""
+    import yaml
+
+    out = []
+    for i, arg in enumerate(argv):
         value = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
             arg[len("--config="):] if arg.startswith("--config=") else None)
         if value is None:
             continue
         try:
-            text = value if "\n" in value else Path(value).read_text()
-            recipe = yaml.safe_load(text)
+            recipe = yaml.safe_load(value if "\n" in value else Path(value).read_text())
         except (OSError, ValueError, yaml.YAMLError):
             continue  # LightningCLI reports it
         if isinstance(recipe, dict):
-            named |= {k for k in ("model", "data") if isinstance(recipe.get(k), dict) and "class_path" in recipe[k]}
-    return named
+            out.append(recipe)
+    return out
+
+
+def _moved_model_arguments(argv: list[str], model_class: type | None) -> str | None:
+    """The refusal of model arguments written where they were before they moved (``--model.num_layers``,
+    a recipe's ``model: {num_layers: ...}``, now ``config.num_layers``: the module's
+    ``moved_arguments``), naming the new spelling of each; None when there is none. Never folded in
+    silently: the recipe or the command line says what it means."""
+    import re
+
+    from lightning_megatron.cli_config import _class
+    from lightning_megatron.module import MegatronLightningModule
+
+    recipes = _recipes(argv)
+    for i, arg in enumerate(argv):  # the class the command line or a recipe names wins over the default
+        option, eq, value = arg.partition("=")
+        if option in ("--model", "--model.class_path"):
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", value) and not value.endswith((".yaml", ".yml", ".json")):
+                model_class = _class(value) or model_class  # a class path (not the model group's config file)
+    for recipe in recipes:
+        section = recipe.get("model")
+        if isinstance(section, dict) and section.get("class_path"):
+            model_class = _class(str(section["class_path"])) or model_class
+    if not (isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule)):
+        return None
+    problems = []
+    for arg in argv:
+        option = arg.partition("=")[0]
+        for prefix in ("--model.init_args.", "--model."):
+            if option.startswith(prefix):
+                problems += model_class.moved_argument_problems([option[len(prefix):]], prefix)
+                break
+    for recipe in recipes:
+        section = recipe.get("model")
+        if not isinstance(section, dict):
+            continue
+        named = "class_path" in section
+        arguments = section.get("init_args") if named else section
+        if isinstance(arguments, dict):
+            problems += [f"the recipe's {p}" for p in model_class.moved_argument_problems(
+                arguments, "model.init_args." if named else "model.")]
+    if not problems:
+        return None
+    return (f"lightning-megatron: {model_class.__name__}'s architecture is its config record, written under "
+            f"config (--model.config.num_layers 4; in a recipe, model: {{config: {{num_layers: 4}}}}): "
+            + "; ".join(dict.fromkeys(problems)))
 
 
 _OPTIMIZER_HYPERPARAMETERS = ("lr", "weight_decay")
@@ -400,7 +457,7 @@ def _print_help() -> None:
     for name, text in {**_LIGHTNING_COMMANDS, **{k: v[1] for k, v in COMMANDS.items()}}.items():
         lines.append(f"  {name:16s} {text}")
     lines += ["", "fit/validate/test/predict take --config recipes/bert_tiny.yaml and dotted overrides "
-              "(--trainer.max_steps 50, --model.hidden_size 256, --megatron_optimizer.clip_grad 0.5, ...).",
+              "(--trainer.max_steps 50, --model.config.hidden_size 256, --megatron_optimizer.clip_grad 0.5, ...).",
               f"{ALLOW_UNVERIFIED_FLAG} (any command): load checkpoints that carry no checksums (format 1)."]
     print("\n".join(lines))
 

@@ -219,22 +219,30 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
         architecture = model_class.read_architecture(source)
     except (CheckpointError, OSError, ValueError) as error:
         raise SystemExit(f"lightning-megatron: --model.init_from {source}: {error}") from None
+    # An architecture dict is flat (num_layers, ...); the module's argument may live in its config record.
+    moved = model_class.moved_arguments()
+    where = {k: moved.get(k, k) for k in architecture if moved.get(k, k).split(".")[0] in model}
+    for record in {w.split(".")[0] for w in where.values() if "." in w}:
+        if model.get(record) is None:
+            from jsonargparse import Namespace
+
+            model[record] = Namespace()  # the record's defaults, then the source's fields
     flags = {a.split("=", 1)[0].removeprefix("--model.").removeprefix("init_args.") for a in argv
              if a.startswith("--model.")}
-    current = {k: model.get(k) for k in architecture if k in model}
+    current = {k: model.get(w) for k, w in where.items() if w in model}
     architecture_conflicts = model_class.architecture_conflicts
-    wrong = architecture_conflicts({k: v for k, v in current.items() if k in flags}, architecture)
+    wrong = architecture_conflicts({k: v for k, v in current.items() if where[k] in flags}, architecture)
     if wrong:
-        listed = ", ".join(f"--model.{k} {h} (the source has {w})" for k, h, w in wrong)
+        listed = ", ".join(f"--model.{where[k]} {h} (the source has {w})" for k, h, w in wrong)
         raise SystemExit(f"lightning-megatron: --model.init_from {source} fixes the architecture, and these flags "
                          f"disagree with it: {listed}. Drop them.")
     replaced = architecture_conflicts(current, architecture)
     for key, value in architecture.items():
-        if key in model and key not in flags and not (key == "vocab_size" and value is None):
-            model[key] = value
+        if key in where and where[key] not in flags and not (key == "vocab_size" and value is None):
+            model[where[key]] = value
     if replaced:
         warnings.warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's " + ", ".join(
-            f"{k}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning, stacklevel=1)
+            f"{where[k]}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning, stacklevel=1)
 
 
 def _checkpoint_folders(trainer) -> list[str]:

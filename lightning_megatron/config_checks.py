@@ -9,7 +9,7 @@ LightningCLI config holds) and returns the problems, each naming the value and t
 CLI calls it right after parsing, before the Trainer is built; from Python::
 
     from lightning_megatron.config_checks import validate_config
-    validate_config(model_hparams={"num_attention_heads": 4, "hidden_size": 128},
+    validate_config(model_hparams={"config": {"num_attention_heads": 4, "hidden_size": 128}},
                     strategy_args={"tensor_model_parallel_size": 2}, trainer_args={"devices": 2})
 
 The only files read are those the configuration names (:func:`_check_data_files`: the ``.bin`` /
@@ -32,6 +32,7 @@ from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, 
 from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
 from lightning_megatron.pipeline.layout import get_layer_range
 from lightning_megatron.pipeline.registry import AUTO, pipeline_schedule_problem
+from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import batch_size_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
@@ -148,7 +149,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     the positions); ``ckpt_path``: the checkpoint to load must exist; ``running=False`` (the CLI only builds
     its objects, ``run=False``): the fine-tuning files, read by a run only, are not.
     """
-    m, d = dict(model_hparams or {}), dict(data_hparams or {})
+    m, d = flat_hparams(dict(model_hparams or {})), dict(data_hparams or {})  # config.<field> at the top level
+    spelled = "model.config." if isinstance((model_hparams or {}).get("config"), Mapping) else "model."
     s, t, sch = dict(strategy_args or {}), dict(trainer_args or {}), dict(scheduler_args or {})
     problems: list[str] = []
     world = _world_size(t)
@@ -231,11 +233,11 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     seq, positions = _int(d.get("max_seq_length")), _int(m.get("max_sequence_length"))
     if seq is not None and positions is not None and seq > positions:
         problems.append(f"data max_seq_length={seq} exceeds the model's max_sequence_length={positions} (learned "
-                        f"positions); set data.max_seq_length <= {positions} or model.max_sequence_length >= {seq}")
+                        f"positions); set data.max_seq_length <= {positions} or {spelled}max_sequence_length >= {seq}")
     seq = _int(d.get("seq_length"))  # a decoder's samples (GPTDataModule)
     if seq is not None and positions is not None and seq > positions:
         problems.append(f"data seq_length={seq} exceeds the model's max_sequence_length={positions} (the positions "
-                        f"it has); set data.seq_length <= {positions} or model.max_sequence_length >= {seq}")
+                        f"it has); set data.seq_length <= {positions} or {spelled}max_sequence_length >= {seq}")
     problems += _generation_problems(m)
 
     problems += _check_data_files(d, m, data_class=data_class, predicting=predicting, running=running)
@@ -257,7 +259,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     elif params_dtype is not None and PRECISION_PARAMS_DTYPE[precision] != params_dtype:
         problems.append(f"precision={precision!r} needs params_dtype={PRECISION_PARAMS_DTYPE[precision]!r} but the "
                         f"model has params_dtype={params_dtype!r}; set trainer.precision="
-                        f"{_PRECISION_FOR_DTYPE.get(params_dtype, '?')} or model.params_dtype="
+                        f"{_PRECISION_FOR_DTYPE.get(params_dtype, '?')} or {spelled}params_dtype="
                         f"{PRECISION_PARAMS_DTYPE[precision]!r}")
     if params_dtype in ("bfloat16", "float16") and has_optimizer_callback is False:
         problems.append(f"params_dtype={params_dtype!r} without MegatronOptimizerCallback updates 16-bit weights "

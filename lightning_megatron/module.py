@@ -35,14 +35,20 @@ Lightning's:
   them) through the state-dict adapter its class declares, ``interop``
   (:class:`~lightning_megatron.interop.StateDictAdapter`), and names the arguments a source fixes in
   ``architecture_keys``. Every checkpoint records the class that wrote it (``module_class``), so
-  ``export hf`` takes that class's adapter.
+  ``export hf`` takes that class's adapter;
+- hyper-parameters across versions: :meth:`moved_arguments` names the constructor arguments that moved
+  (``num_layers`` -> ``config.num_layers``), :meth:`upgrade_hparams` maps a checkpoint's saved
+  hyper-parameters with it (load, resume, ``init_from``), and the CLI refuses the old spellings, naming
+  the new ones; :meth:`flat_hparams` is the flat view architecture dicts use (keyed by field names).
 
-Nothing here imports the strategy, a model family or the CLI.
+A language model (embedding, output layer, vocabulary) extends
+:class:`~lightning_megatron.language.module.LanguageLightningModule`, which is this base with the shared
+language-model half. Nothing here imports the strategy, a model family or the CLI.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -139,23 +145,64 @@ class MegatronLightningModule(LightningModule):
         # The class that wrote the checkpoint (a plain string): `export hf` takes its interop adapter.
         checkpoint[MODULE_CLASS] = class_path(type(self))
 
-    def resolved_vocab_size(self) -> int:
-        """``hparams.vocab_size``, else the datamodule's ``vocab_size`` (a recipe's ``vocab_size: null``
-        takes the tokenizer's). Refuses when neither says."""
-        vocab_size = self.hparams.get("vocab_size")
-        if vocab_size is None:
-            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-            vocab_size = getattr(datamodule, "vocab_size", None)
-            if vocab_size is None:
-                raise ValueError(f"{type(self).__name__}: vocab_size is None and the datamodule has no vocab_size; "
-                                 f"pass vocab_size=... or a datamodule with a vocab_size")
-        return int(vocab_size)
-
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every chunk's parameters under their own names (override when they depend on the layout)."""
         assert self.model_chunks is not None, "configure_model has not run"
         for chunk in self.model_chunks:
             yield from chunk.named_parameters()
+
+    # ------------------------------------------------------------------ hyper-parameters across versions
+
+    @classmethod
+    def moved_arguments(cls) -> dict[str, str]:
+        """Constructor arguments of earlier versions that live elsewhere now: ``{old name: new dotted
+        name}`` (``{"num_layers": "config.num_layers"}``); none here. The one table behind
+        :meth:`upgrade_hparams` (checkpoints written before the move) and the refusal of the old
+        spelling in a recipe, on the command line (naming the new one) or in :meth:`with_overrides`."""
+        return {}
+
+    @classmethod
+    def upgrade_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """Saved hyper-parameters in this version's spelling: each :meth:`moved_arguments` entry put where
+        it lives now (a value already there wins). Checkpoints written before a move load, resume
+        and ``init_from`` through this."""
+        out = dict(hparams)
+        for old, new in cls.moved_arguments().items():
+            if old not in out:
+                continue
+            value = out.pop(old)
+            *path, leaf = new.split(".")
+            target = out
+            for part in path:
+                inner = target.get(part)
+                target[part] = inner = dict(inner) if isinstance(inner, Mapping) else {}
+                target = inner
+            target.setdefault(leaf, value)
+        return out
+
+    @classmethod
+    def flat_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """Constructor arguments in the flat spelling of architecture dicts (keyed by field name: what
+        :meth:`architecture_conflicts` compares with a source's); the arguments themselves here."""
+        return dict(hparams)
+
+    @classmethod
+    def moved_argument_problems(cls, names: Iterable[str], prefix: str) -> list[str]:
+        """One ``"<prefix><old> is now <prefix><new>"`` per name of ``names`` that :meth:`moved_arguments`
+        lists (``prefix``: how the caller spells an argument, ``--model.`` or ``model.init_args.``)."""
+        moved = cls.moved_arguments()
+        return [f"{prefix}{name} is now {prefix}{moved[name]}" for name in names if name in moved]
+
+    @classmethod
+    def with_overrides(cls, arguments: Mapping[str, Any], overrides: Mapping[str, Any], caller: str) -> dict[str, Any]:
+        """``arguments`` with ``overrides`` on top (the keyword arguments of ``caller``); an old spelling
+        (:meth:`moved_arguments`) is refused, naming the new one."""
+        moved = cls.moved_arguments()
+        old = [k for k in overrides if k in moved]
+        if old:
+            raise TypeError(f"{caller}: " + ", ".join(f"{k}=... is now {moved[k]}" for k in old)
+                            + f" ({cls.__name__}'s arguments)")
+        return {**arguments, **overrides}
 
     # ------------------------------------------------------------------ weights from elsewhere
 
@@ -170,6 +217,8 @@ class MegatronLightningModule(LightningModule):
     """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
     missing_tensors_hint: str = ""
     """Advice added to the error when a source lacks tensors the model needs."""
+    architecture_flag_prefix: str = "--model."
+    """How the command line spells an ``architecture_keys`` argument (``--model.<key> VALUE``)."""
 
     @classmethod
     def read_pretrained(cls, source: str) -> SavedModel:
@@ -220,13 +269,15 @@ class MegatronLightningModule(LightningModule):
         assert self.model_chunks is not None and self.parallel_state is not None, "configure_model has not run"
         name = source if isinstance(source, str) else "<state dict>"
         saved = self.read_pretrained(source) if isinstance(source, str) else source
-        refuse_architecture(self.architecture_conflicts(dict(self.hparams), saved.hparams), name)
+        hparams = self.flat_hparams(self.hparams)
+        refuse_architecture(self.architecture_conflicts(hparams, saved.hparams), name,
+                            flag_prefix=self.architecture_flag_prefix)
         ps = self.parallel_state
         params = list(self.sharded_named_parameters()) if everything else self.pretrained_parameters()
         load_full_state_dict(list(self.model_chunks), params, saved.state_dict, coordinates=ps.coordinates,
-                             sizes=ps.dims.sizes(), num_layers=self.hparams.get("num_layers"), source_name=name,
+                             sizes=ps.dims.sizes(), num_layers=hparams.get("num_layers"), source_name=name,
                              optional=() if everything else self.optional_pretrained, fresh=saved.fresh,
-                             missing_hint=self.missing_tensors_hint)
+                             missing_hint=self.missing_tensors_hint, flag_prefix=self.architecture_flag_prefix)
         fresh = [n for n, _ in params if n in saved.fresh]
         if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
             import warnings
@@ -237,14 +288,17 @@ class MegatronLightningModule(LightningModule):
     @classmethod
     def from_pretrained(cls, source: str, **kwargs: Any) -> MegatronLightningModule:
         """A module with the architecture of ``source`` (:meth:`read_architecture`), started from its
-        weights in ``configure_model``. ``kwargs`` set the other arguments; architecture arguments among
+        weights in ``configure_model``. ``kwargs`` set the other arguments (a language model's
+        ``config={"vocab_size": ...}`` the fields the source leaves open); architecture arguments among
         them must agree with the source."""
+        arguments = cls.with_overrides({}, kwargs, f"{cls.__name__}.from_pretrained")
         architecture = cls.read_architecture(source)
-        wrong = cls.architecture_conflicts(kwargs, architecture)
+        wrong = cls.architecture_conflicts(cls.flat_hparams(arguments), architecture)
         if wrong:
             raise ValueError(f"from_pretrained({source!r}): " + ", ".join(
                 f"{k}={h!r} but the source has {w!r}" for k, h, w in wrong) + ": drop these arguments")
-        return cls(**{**architecture, **kwargs, "init_from": source})
+        return cls(**cls.with_overrides(cls.upgrade_hparams(architecture), arguments, "from_pretrained"),
+                   init_from=source)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
@@ -269,20 +323,24 @@ class MegatronLightningModule(LightningModule):
                 f"{cls.__name__}.load_from_checkpoint reads lightning_megatron checkpoint directories or "
                 f"single-file Lightning checkpoints")
         saved = read_model_checkpoint(path)
-        # LightningCLI records how it built the module (``_instantiator``, ``_class_path``): not arguments.
-        hparams = {k: v for k, v in saved.hparams.items() if not k.startswith("_")}
-        hparams = {**hparams, **kwargs}
-        if "init_from" in hparams:
-            hparams["init_from"] = None  # the checkpoint's own weights, not its start's
-        if "vocab_size" in hparams and hparams["vocab_size"] is None and "embedding.word_embeddings.weight" in \
-                saved.state_dict:  # the run read it from its datamodule: the embedding's rows (unpadded)
-            hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
-        module = cls(**hparams)
+        module = cls(**cls.checkpoint_arguments(saved, kwargs))
         module.configure_model()
         module.load_pretrained(saved, everything=True)
         if map_location is not None:
             module.to(map_location)
         return module.eval()
+
+    @classmethod
+    def checkpoint_arguments(cls, saved: SavedModel, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor arguments of a module rebuilt from a checkpoint (:meth:`load_from_checkpoint`):
+        its saved hyper-parameters in this version's spelling (:meth:`upgrade_hparams`), ``overrides`` on
+        top, and no ``init_from`` (the checkpoint's own weights, not its start's)."""
+        # LightningCLI records how it built the module (``_instantiator``, ``_class_path``): not arguments.
+        hparams = cls.upgrade_hparams({k: v for k, v in saved.module_hparams.items() if not k.startswith("_")})
+        hparams = cls.with_overrides(hparams, overrides, f"{cls.__name__}.load_from_checkpoint")
+        if "init_from" in hparams:
+            hparams["init_from"] = None
+        return hparams
 
     # ------------------------------------------------------------------ steps without the strategy
 

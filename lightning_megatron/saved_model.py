@@ -4,7 +4,8 @@ A lightning_megatron checkpoint stores every model tensor as a DCP *global* tens
 ``model.<name>`` (global layer numbers, vocabulary unpadded, the tied word embedding once), whatever
 the TP/PP/VP/DP layout it was written at. :func:`read_model_checkpoint` reads those tensors on ONE
 process (no process group) into a :class:`SavedModel` (a plain TP=1 state dict with the module's and
-the datamodule's hyper-parameters from ``extra.pt``, ``torch.load(weights_only=True)``), and
+the datamodule's hyper-parameters from ``extra.pt``, ``torch.load(weights_only=True)``; the module's
+also flat, its config record's fields at the top level as every architecture dict has them), and
 :func:`load_full_state_dict` copies this rank's slice of each tensor into a built model at any layout
 (from the parameters' typed facts: partition dim, real vocabulary rows, tied embedding).
 
@@ -33,7 +34,7 @@ from lightning_megatron import dcp_io
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 __all__ = ["SavedModel", "MODULE_CLASS", "class_path", "read_model_checkpoint", "read_saved_hparams",
-           "load_full_state_dict", "refuse_architecture"]
+           "load_full_state_dict", "refuse_architecture", "flat_hparams"]
 
 MODULE_CLASS = "module_class"
 """The ``extra.pt`` entry naming the class of the module that wrote the checkpoint (``package.module.Class``)."""
@@ -49,7 +50,11 @@ class SavedModel:
     state_dict: dict[str, torch.Tensor]
     """Full tensors under our global names (``encoder.layers.<global i>.*``), vocabulary unpadded."""
     hparams: dict[str, Any] = field(default_factory=dict)
-    """The LightningModule's ``hyper_parameters`` (its init arguments)."""
+    """The architecture and the other hyper-parameters, flat: keyed by the config record's field names
+    (``num_layers``, ``spec``, ...), as every architecture dict (:func:`flat_hparams` of the saved ones)."""
+    module_hparams: dict[str, Any] = field(default_factory=dict)
+    """The LightningModule's ``hyper_parameters`` as saved (its init arguments; a checkpoint written before
+    a module's arguments moved holds the old spelling: ``upgrade_hparams`` maps it)."""
     datamodule_hparams: dict[str, Any] = field(default_factory=dict)
     """The datamodule's hyper-parameters (``vocab_file``, ...), when it saved them."""
     layout: dict[str, Any] = field(default_factory=dict)
@@ -93,15 +98,26 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     except Exception as e:  # noqa: BLE001 - name the file and the cause
         raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
                                    f"(weights_only=True): {e}") from e
+    hparams = dict(extra.get("hyper_parameters") or {})
     return SavedModel(state_dict={k.removeprefix("model."): v for k, v in state.items()},
-                      hparams=dict(extra.get("hyper_parameters") or {}),
+                      hparams=flat_hparams(hparams), module_hparams=hparams,
                       datamodule_hparams=dict(extra.get("datamodule_hyper_parameters") or {}),
                       layout=dict(info.get("layout") or {}), module_class=_module_class(extra, path))
 
 
+def flat_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Saved hyper-parameters with the config record's fields (``checkpoint.CONFIG_HPARAM``) at the top level:
+    ``{"config": {"num_layers": 2}, "lr": 1e-3}`` -> ``{"num_layers": 2, "lr": 1e-3}``; flat ones as they are."""
+    config = hparams.get(ckpt.CONFIG_HPARAM)
+    if not isinstance(config, dict):
+        return dict(hparams)
+    return {**{k: v for k, v in hparams.items() if k != ckpt.CONFIG_HPARAM}, **config}
+
+
 def read_saved_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The module's saved hyper-parameters of a lightning_megatron checkpoint directory (``extra.pt``,
-    ``weights_only=True``), without reading its tensors."""
+    ``weights_only=True``), without reading its tensors; flat (:func:`flat_hparams`), as
+    :attr:`SavedModel.hparams`."""
     path = Path(path)
     ckpt.validate_checkpoint_dir(path)
     try:
@@ -109,13 +125,14 @@ def read_saved_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - name the file and the cause
         raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
                                    f"(weights_only=True): {e}") from e
-    return dict(extra.get("hyper_parameters") or {})
+    return flat_hparams(dict(extra.get("hyper_parameters") or {}))
 
 
-def refuse_architecture(wrong: list[tuple[str, Any, Any]], source_name: str) -> None:
-    """Raise listing every ``(argument, the module's value, the source's)`` that differs, with the flags to set."""
+def refuse_architecture(wrong: list[tuple[str, Any, Any]], source_name: str, *, flag_prefix: str = "--model.") -> None:
+    """Raise listing every ``(argument, the module's value, the source's)`` that differs, with the flags to set
+    (``flag_prefix``: ``--model.config.`` for a language model's config record)."""
     if wrong:
-        flags = " ".join(f"--model.{k} {v}" for k, _, v in wrong)
+        flags = " ".join(f"{flag_prefix}{k} {v}" for k, _, v in wrong)
         details = ", ".join(f"{k}={h!r} (needs {w!r})" for k, h, w in wrong)
         raise ValueError(f"init_from={source_name!r}: the model's {details}. Set: {flags}")
 
@@ -124,18 +141,18 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                          full: dict[str, torch.Tensor], *, coordinates: Mapping[str, int],
                          sizes: Mapping[str, int], num_layers: int | None,
                          source_name: str, optional: tuple[str, ...] = (), fresh: tuple[str, ...] = (),
-                         missing_hint: str = "") -> None:
+                         missing_hint: str = "", flag_prefix: str = "--model.") -> None:
     """Copy this rank's slice of every tensor of ``full`` (TP=1, unpadded vocab, global layer names)
     into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``), this rank being
     at ``coordinates`` among the dimension ``sizes`` (``ParallelState.coordinates``, ``ParallelDims.sizes()``).
     Parameters whose names start with one of ``optional`` keep their initialization when the source
     lacks them (a warning names them); those named in ``fresh`` keep it silently (the caller warns once).
     ``num_layers``: checked against the source's layers (None: not checked); ``missing_hint``: the
-    family's advice when tensors are missing."""
+    family's advice when tensors are missing; ``flag_prefix``: how a fix's flag is spelled."""
     layers = {int(m.group(1)) for m in map(_LAYER.match, full) if m}
     if num_layers is not None and layers and max(layers) + 1 != num_layers:
         raise ValueError(f"init_from={source_name!r} has {max(layers) + 1} layers but the model has "
-                         f"num_layers={num_layers}: set --model.num_layers {max(layers) + 1}")
+                         f"num_layers={num_layers}: set {flag_prefix}num_layers {max(layers) + 1}")
     missing, skipped = [], []
     with torch.no_grad():
         for name, p in named_parameters:
@@ -160,7 +177,7 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                 padded = p.size(0) * count
                 if t.size(0) < real:
                     raise ValueError(f"init_from={source_name!r}: {key} has a vocabulary of {t.size(0)} rows, "
-                                     f"the model's vocab_size is {real}: set --model.vocab_size {t.size(0)}")
+                                     f"the model's vocab_size is {real}: set {flag_prefix}vocab_size {t.size(0)}")
                 t = t[:real]  # Megatron-LM pads its vocabulary; the padding never is a prediction
                 t = torch.cat([t, t.new_zeros((padded - real, *t.shape[1:]))]) if padded > real else t
             if sharded and facts.partition_stride > 1:

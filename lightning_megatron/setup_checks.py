@@ -23,6 +23,7 @@ from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_dims import ParallelDims, ParallelDimsError
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.registry import PipelineSchedule
+from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import BatchSizes
 
 __all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes", "describe_setup",
@@ -80,6 +81,7 @@ def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict
                          f"{sorted(PRECISION_PARAMS_DTYPE)}")
     expected = getattr(torch, PRECISION_PARAMS_DTYPE[precision])
     dtypes = sorted({str(p.dtype) for chunk in chunks for p in chunk.parameters() if p.is_floating_point()})
+    hparams = flat_hparams(hparams)  # a config record's fields (config.params_dtype) at the top level
     named = f" (params_dtype={hparams['params_dtype']!r})" if "params_dtype" in hparams else ""
     if dtypes and dtypes != [str(expected)]:
         fix = {"torch.float32": "Trainer(precision='32-true') (or 'bf16-mixed' for autocast)",

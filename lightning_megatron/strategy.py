@@ -483,9 +483,10 @@ class MegatronStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.parallel_state is not None
         module = self.lightning_module
+        upgrade = type(module).upgrade_hparams if isinstance(module, MegatronLightningModule) else None
         loaded = ckpt.load(self._state_mapper(), checkpoint_path, dict(module.hparams),
                            self.parallel_dims.as_record(), load_optimizer=bool(self.optimizers),
-                           hparam_defaults=ckpt.init_defaults(type(module)))
+                           hparam_defaults=ckpt.init_defaults(type(module)), upgrade_hparams=upgrade)
         if module.trainer.state.fn == TrainerFn.FITTING:
             # A resumed fit continues the run that wrote the checkpoint (verified by now); one written
             # before checkpoints recorded their run keeps the id chosen at setup.

@@ -15,9 +15,13 @@ VOCAB = 1000
 SEQ = 16
 MASKED_PER_SAMPLE = 3  # constant: the mean over microbatch means equals the token mean for any grouping
 
-TINY_MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=VOCAB,
-                  max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0, lr=1e-3,
-                  weight_decay=0.01, make_vocab_size_divisible_by=128)
+TINY_CONFIG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=VOCAB,
+                   max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=128)
+"""The tiny BERT's BertConfig fields."""
+TINY_OPTIONS = dict(lr=1e-3, weight_decay=0.01)
+"""The tiny BERT's other BertLightningModule arguments."""
+TINY_MODEL = dict(config=TINY_CONFIG, **TINY_OPTIONS)
+"""``BertLightningModule(**TINY_MODEL)`` (the config as a mapping of its fields, as a recipe gives it)."""
 
 
 class SyntheticBertDataset(Dataset):

@@ -19,9 +19,10 @@ transformers = pytest.importorskip("transformers")
 
 HF = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
           max_position_embeddings=32, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-OURS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=120,
-            max_sequence_length=32, hidden_dropout=0.0, attention_dropout=0.0, classifier_dropout=0.0,
-            spec="bert_layer_post_norm_spec", layernorm_epsilon=1e-12)
+OURS = dict(config=dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=120,
+                        max_sequence_length=32, hidden_dropout=0.0, attention_dropout=0.0,
+                        spec="bert_layer_post_norm_spec", layernorm_epsilon=1e-12),
+            classifier_dropout=0.0)
 
 
 def _batch() -> dict[str, torch.Tensor]:

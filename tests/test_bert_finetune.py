@@ -8,9 +8,10 @@ import torch
 
 from dist_utils import run_distributed
 
-MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=200,
-             max_sequence_length=16, hidden_dropout=0.0, attention_dropout=0.0, classifier_dropout=0.0,
-             num_classes=3, lr=1e-3, spec="bert_layer_post_norm_spec")
+MODEL = dict(config=dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=200,
+                         max_sequence_length=16, hidden_dropout=0.0, attention_dropout=0.0,
+                         spec="bert_layer_post_norm_spec"),
+             classifier_dropout=0.0, num_classes=3, lr=1e-3)
 STEPS = 4
 
 

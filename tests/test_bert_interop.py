@@ -19,11 +19,16 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, VOCAB, SyntheticBertDataset, full_params, local_shards, make_trainer, \
-    synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_MODEL, VOCAB, SyntheticBertDataset, full_params, local_shards, \
+    make_trainer, synthetic_datamodule
 
 SPECS = ("bert_layer_post_norm_spec", "bert_layer_local_spec")
-MODEL = {**TINY_MODEL, "num_layers": 2}
+MODEL = {**TINY_MODEL, "config": {**TINY_CONFIG, "num_layers": 2}}
+
+
+def _with_spec(spec: str) -> dict:
+    """MODEL's arguments with the layer spec ``spec``."""
+    return {**MODEL, "config": {**MODEL["config"], "spec": spec}}
 
 
 def _batches(n: int = 4, per_batch: int = 4) -> list[dict[str, torch.Tensor]]:
@@ -46,7 +51,7 @@ def _predict(spec: str, strategy_kwargs: dict, batches, mode: str, ckpt_path: st
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
-    module = BertLightningModule(**MODEL, spec=spec, predict_output=mode, **model_kwargs)
+    module = BertLightningModule(**_with_spec(spec), predict_output=mode, **model_kwargs)
     strategy = MegatronStrategy(micro_batch_size=2, **strategy_kwargs)
     trainer = make_trainer(strategy, 4, 0, callbacks=callbacks)
     out = trainer.predict(module, dataloaders=DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
@@ -71,7 +76,7 @@ def _worker(root: str) -> dict:
     for spec in SPECS:
         res: dict = {}
         ckpt = f"{root}/{spec}/ckpt"
-        module = BertLightningModule(**MODEL, spec=spec)
+        module = BertLightningModule(**_with_spec(spec))
         strategy = MegatronStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
         trainer = make_trainer(strategy, 4, 1)
         dm = synthetic_datamodule(8, 2, 1, 0)
@@ -114,7 +119,7 @@ def _reference(per_rank: list[dict], spec: str):
     full = full_params(shards, tp=2)
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                             hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-12)
-    model = BertModel(cfg, spec, VOCAB, MODEL["max_sequence_length"], make_vocab_size_divisible_by=1).eval()
+    model = BertModel(cfg, spec, VOCAB, MODEL["config"]["max_sequence_length"], make_vocab_size_divisible_by=1).eval()
     model.load_state_dict(full, strict=True)
     return model
 
@@ -211,10 +216,10 @@ def test_init_from_architecture_mismatch_names_the_flags():
     from lightning_megatron.models.bert.interop import check_architecture
 
     source = {"num_layers": 6, "hidden_size": 384, "spec": "bert_layer_post_norm_spec", "activation": "gelu"}
-    with pytest.raises(ValueError, match="--model.num_layers 6 --model.hidden_size 384 "
-                                         "--model.spec bert_layer_post_norm_spec"):
-        check_architecture({**MODEL, "spec": "bert_layer_local_spec", "activation": "gelu"}, source, "src")
-    check_architecture({**MODEL, **source}, source, "src")  # matching: no error
+    with pytest.raises(ValueError, match="--model.config.num_layers 6 --model.config.hidden_size 384 "
+                                         "--model.config.spec bert_layer_post_norm_spec"):
+        check_architecture({**MODEL["config"], "spec": "bert_layer_local_spec", "activation": "gelu"}, source, "src")
+    check_architecture({**MODEL["config"], **source}, source, "src")  # matching: no error
 
 
 def test_any_torch_optim_optimizer_keeps_our_param_groups():

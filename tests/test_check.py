@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 
-from megatron_testing import MASKED_PER_SAMPLE, SEQ, TINY_MODEL, SyntheticBertDataset
+from megatron_testing import MASKED_PER_SAMPLE, SEQ, TINY_CONFIG, TINY_MODEL, SyntheticBertDataset
 
 from lightning_megatron.models.bert.specs import bert_layer_spec
 from lightning_megatron.tensor_parallel import RowParallelLinear
@@ -48,7 +48,7 @@ for _name, _fc2 in (("check_test_intact_fc2", IntactRowParallelLinear),
 def make_module(spec: str):
     from lightning_megatron.models.bert.module import BertLightningModule
 
-    return BertLightningModule(**{**TINY_MODEL, "spec": spec})
+    return BertLightningModule(**{**TINY_MODEL, "config": {**TINY_CONFIG, "spec": spec}})
 
 
 def _check(spec: str, layouts=("tp2",), **kwargs):
@@ -89,10 +89,10 @@ def _assert_memory_predicted(report) -> None:
     optimizer state exactly; the peak of the tensors saved for backward within 10%."""
     from lightning_megatron.check.memory import ModelShape, estimate_stage
 
-    shape = ModelShape(num_layers=TINY_MODEL["num_layers"], hidden_size=TINY_MODEL["hidden_size"],
-                       num_attention_heads=TINY_MODEL["num_attention_heads"],
-                       ffn_hidden_size=TINY_MODEL["ffn_hidden_size"], vocab_size=TINY_MODEL["vocab_size"],
-                       max_sequence_length=TINY_MODEL["max_sequence_length"], seq_length=SEQ, micro_batch_size=4,
+    shape = ModelShape(num_layers=TINY_CONFIG["num_layers"], hidden_size=TINY_CONFIG["hidden_size"],
+                       num_attention_heads=TINY_CONFIG["num_attention_heads"],
+                       ffn_hidden_size=TINY_CONFIG["ffn_hidden_size"], vocab_size=TINY_CONFIG["vocab_size"],
+                       max_sequence_length=TINY_CONFIG["max_sequence_length"], seq_length=SEQ, micro_batch_size=4,
                        global_batch_size=8, masked_lm_prob=MASKED_PER_SAMPLE / SEQ)
     for name, run in report.runs.items():
         layout = ParallelDims.parse(name)
@@ -131,24 +131,29 @@ def test_cli_lists_layouts_that_fit(capsys, tmp_path):
     from lightning_megatron.cli import main
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model:\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 4\n"
+    recipe.write_text("model:\n  config:\n    num_layers: 4\n    hidden_size: 256\n    num_attention_heads: 4\n"
                       "data:\n  global_batch_size: 16\n  micro_batch_size: 4\n  max_seq_length: 128\n")
     with pytest.raises(SystemExit) as e:
         main(["check", "--config", str(recipe), "--estimate-memory", "--gpus", "4", "--gpu-memory", "1GB",
-              "--model.hidden_size", "512"])
+              "--model.config.hidden_size", "512"])
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     assert "hidden 512" in out and "tp2pp2" in out and " yes" in out
     with pytest.raises(SystemExit) as e:
         main(["check", "--config", str(recipe), "--estimate-memory", "--gpus", "4", "--gpu-memory", "1MB"])
     assert e.value.code == 1 and "0 of" in capsys.readouterr().out
+    # the flat spelling of before: refused, naming the new one
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--estimate-memory", "--model.hidden_size", "512"])
+    assert e.value.code == 2
+    assert "--model.hidden_size is now --model.config.hidden_size" in capsys.readouterr().err
 
 
 def test_recipe_check_keeps_the_megatron_callback_sections():
     """``check --config`` runs a recipe's layouts with its clipping and lr schedule (the CLI's named sections)."""
     from pathlib import Path
 
-    from lightning_megatron.check.recipe import build_callbacks, load_recipe
+    from lightning_megatron.check.recipe import build_callbacks, load_recipe, with_dropout
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml")
     built = {type(cb).__name__: cb for cb in build_callbacks(recipe.callbacks, None)}
@@ -156,8 +161,11 @@ def test_recipe_check_keeps_the_megatron_callback_sections():
     assert built["OptimizerParamSchedulerCallback"].kwargs["max_lr"] == 1.0e-3
     # the deferred output-layer weight gradient is the schedule's business: off for the one-process reference
     deferred = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml",
-                           model_overrides={"defer_embedding_wgrad_compute": True})
-    assert deferred.model["defer_embedding_wgrad_compute"] is False and recipe.model.get("hidden_dropout") == 0.0
+                           model_overrides={"config.defer_embedding_wgrad_compute": True})
+    assert deferred.model["config"]["defer_embedding_wgrad_compute"] is False
+    assert recipe.model["config"]["hidden_dropout"] == 0.0 and recipe.dropout == {"config.hidden_dropout": 0.1,
+                                                                                  "config.attention_dropout": 0.1}
+    assert with_dropout(recipe.model, recipe.dropout)["config"]["hidden_dropout"] == 0.1
 
 
 def test_first_divergence_forward_then_gradients():

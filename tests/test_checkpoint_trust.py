@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_MODEL, make_trainer, synthetic_datamodule
 
 DATA = Path(__file__).parent / "data"
 
@@ -118,10 +118,10 @@ def _worker(root: str) -> dict:
 
     # --- other hyper-parameters: every differing field in one error; another hidden size: short
     trainer, dm = _trainer(2, 6)
-    other = {**TINY_MODEL, "num_attention_heads": 2, "layernorm_epsilon": 1e-5}
+    other = {**TINY_MODEL, "config": {**TINY_CONFIG, "num_attention_heads": 2, "layernorm_epsilon": 1e-5}}
     out["heads"] = _error(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
     trainer, dm = _trainer(2, 6)
-    other = {**TINY_MODEL, "hidden_size": 64}
+    other = {**TINY_MODEL, "config": {**TINY_CONFIG, "hidden_size": 64}}
     out["hidden"] = _error(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
 
     # --- a full disk: the previous checkpoint stays, no temporary is left, the error names the directory
@@ -236,8 +236,9 @@ def _worker(root: str) -> dict:
     trainer, dm = _trainer(2, 6)
     out["nosums_fit"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=nosums))
     v1 = json.loads((DATA / "ckpt_v1_tp2.json").read_text())
+    v1_model = BertLightningModule.upgrade_hparams(v1["model"])  # written with the flat arguments of before
     trainer, dm = _trainer(2, 0, limit_val_batches=2)
-    out["v1_validate"] = _error(lambda: trainer.validate(BertLightningModule(**v1["model"]), datamodule=dm,
+    out["v1_validate"] = _error(lambda: trainer.validate(BertLightningModule(**v1_model), datamodule=dm,
                                                          ckpt_path=DATA / "ckpt_v1_tp2", verbose=False))
     os.environ[ckpt.ALLOW_UNVERIFIED_ENV] = "1"  # the opt-in from here on (--allow-unverified-checkpoint)
     trainer, dm = _trainer(2, 6)
@@ -253,7 +254,7 @@ def _worker(root: str) -> dict:
     # --- format 1 (written by the release before format 2): loads at TP=2 and TP=1 with the opt-in
     for tp in (2, 1):
         trainer, dm = _trainer(tp, 0, limit_val_batches=2)
-        [metrics] = trainer.validate(BertLightningModule(**v1["model"]), datamodule=dm,
+        [metrics] = trainer.validate(BertLightningModule(**v1_model), datamodule=dm,
                                      ckpt_path=DATA / "ckpt_v1_tp2", verbose=False)
         out[f"v1_tp{tp}"] = float(metrics["val_loss"])
     return out

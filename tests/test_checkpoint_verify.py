@@ -24,6 +24,13 @@ DATA = Path(__file__).parent / "data"
 V1 = json.loads((DATA / "ckpt_v1_tp2.json").read_text())
 
 
+def _v1_model() -> dict:
+    """The arguments the format-1 checkpoint was written with (the flat ones of before), in today's spelling."""
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    return BertLightningModule.upgrade_hparams(V1["model"])
+
+
 def _format_2(src: Path, dst: Path) -> Path:
     """A copy of ``src`` with the marker the current release writes (format 2, sha256 of every file)."""
     shutil.copytree(src, dst)
@@ -70,7 +77,7 @@ def _load_from_checkpoint(path: Path) -> None:
 def _init_from(path: Path) -> None:
     from lightning_megatron.models.bert.module import BertLightningModule
 
-    module = BertLightningModule(**V1["model"], init_from=str(path))
+    module = BertLightningModule(**_v1_model(), init_from=str(path))
     module.configure_model()
 
 
@@ -173,7 +180,7 @@ def test_export_flag_opts_in_and_the_good_checkpoint_loads_everywhere(good, tmp_
         warnings.simplefilter("error", UserWarning)  # a verified checkpoint loads without the warning
         ckpt.verify_checkpoint(good)
         loaded = BertLightningModule.load_from_checkpoint(good)
-    module = BertLightningModule(**V1["model"], init_from=str(good))
+    module = BertLightningModule(**_v1_model(), init_from=str(good))
     module.configure_model()
     for (name, a), (_, b) in zip(loaded.sharded_named_parameters(), module.sharded_named_parameters()):
         assert torch.equal(a, b), name
@@ -209,7 +216,7 @@ def test_hf_folder_with_auto_map_is_refused_and_its_code_never_runs(tmp_path):
     (folder / "config.json").write_text(json.dumps({
         "model_type": "evil", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}, "hidden_size": 16}))
     for load in (lambda: read_pretrained(str(folder)),
-                 lambda: BertLightningModule(**V1["model"], init_from=str(folder)).configure_model()):
+                 lambda: BertLightningModule(**_v1_model(), init_from=str(folder)).configure_model()):
         with pytest.raises(ValueError, match=r"config.json' has auto_map .*trust_remote_code=False") as info:
             load()
         assert str(folder) in str(info.value)

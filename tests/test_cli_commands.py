@@ -119,9 +119,9 @@ def test_fit_fast_dev_run(tmp_path):
     cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", recipe, "--trainer.fast_dev_run", "true",
            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
            "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
-           "--model.num_layers", "1", "--model.hidden_size", "32", "--model.num_attention_heads", "2",
-           "--model.ffn_hidden_size", "64", "--data.global_batch_size", "2", "--data.micro_batch_size", "2",
-           "--data.max_seq_length", "32", "--model.max_sequence_length", "32"]
+           "--model.config.num_layers", "1", "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
+           "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2", "--data.micro_batch_size", "2",
+           "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32"]
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr

@@ -13,7 +13,7 @@ def _built(*extra: str, recipe: str = RECIPE) -> dict:
 
     try:
         cli = _lightning_cli(run=False, args=["--config", recipe, "--trainer.accelerator", "cpu",
-                                              "--trainer.logger", "false", "--model.vocab_size", "512", *extra])
+                                              "--trainer.logger", "false", "--model.config.vocab_size", "512", *extra])
     except SystemExit as e:
         return {"exit": str(e.code)}
     model = cli.model

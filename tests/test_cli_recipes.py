@@ -33,7 +33,7 @@ def _build_worker(*recipes: str | tuple[str, list[str]]) -> list[dict]:
         recipe, extra = (item, []) if isinstance(item, str) else item
         build = finetune_cli if Path(recipe) in FINETUNE else _lightning_cli
         # CPU stand-ins for the cluster settings, everything else exactly as written (the recipe's
-        # precision too: the config checks before launch compare it with model.params_dtype).
+        # precision too: the config checks before launch compare it with model.config.params_dtype).
         cli = build([
             "--config", recipe, "--trainer.accelerator", accelerator(), "--trainer.num_nodes", "1",
             "--trainer.logger", "false", *extra], run=False)
@@ -41,7 +41,7 @@ def _build_worker(*recipes: str | tuple[str, list[str]]) -> list[dict]:
         out.append({"model": type(cli.model).__name__, "data": type(cli.datamodule).__name__,
                     "tp": strategy.parallel_dims.tp, "pp": strategy.parallel_dims.pp,
                     "callbacks": sorted(type(c).__name__ for c in cli.trainer.callbacks),
-                    "hidden": cli.model.hparams.hidden_size, "global_batch": cli.datamodule.global_batch_size,
+                    "hidden": cli.model.config.hidden_size, "global_batch": cli.datamodule.global_batch_size,
                     "num_classes": cli.model.hparams.get("num_classes"),
                     "cpu_tuning": None if strategy.cpu_tuning is None else vars(strategy.cpu_tuning)})
     return out
@@ -151,9 +151,9 @@ def _test_config(tmp: Path, name: str, run_dir: Path) -> Path:
 
 
 # A small model for the tests, appended to the documented lines (the later value of an option wins).
-_SMALL = ["--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false", "--model.hidden_dropout",
-          "0.0", "--model.attention_dropout", "0.0", "--model.num_layers", "1", "--data.global_batch_size", "8",
-          "--data.micro_batch_size", "4", "--data.max_seq_length", "64", "--model.max_sequence_length", "64"]
+_SMALL = ["--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false", "--model.config.hidden_dropout",
+          "0.0", "--model.config.attention_dropout", "0.0", "--model.config.num_layers", "1", "--data.global_batch_size", "8",
+          "--data.micro_batch_size", "4", "--data.max_seq_length", "64", "--model.config.max_sequence_length", "64"]
 
 
 def _fit(tmp: Path, name: str, wandb: bool, launches: list[Launch] | None = None) -> tuple[list[float], str, str]:
@@ -243,8 +243,8 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
     test = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "test", "--config", str(tmp_path / "tp2.yaml"),
                            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
                            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-                           "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
-                           "--data.max_seq_length", "64", "--model.max_sequence_length", "64",
+                           "--model.config.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+                           "--data.max_seq_length", "64", "--model.config.max_sequence_length", "64",
                            "--trainer.limit_test_batches", "2", "--ckpt_path", str(ckpt)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert test.returncode == 0 and "test_lm_loss" in test.stdout, test.stdout[-3000:] + test.stderr[-3000:]
@@ -329,8 +329,8 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
         [sys.executable, "-m", "lightning_megatron.cli", "predict", "--config", str(tmp_path / "tp2.yaml"),
          "--trainer.devices", "2", "--trainer.strategy.tensor_model_parallel_size", "2", "--trainer.logger", "false",
          "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "pred"),
-         "--model.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
-         "--data.max_seq_length", "64", "--model.max_sequence_length", "64", "--data.predict_file",
+         "--model.config.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+         "--data.max_seq_length", "64", "--model.config.max_sequence_length", "64", "--data.predict_file",
          str(tmp_path / "texts.jsonl"), "--data.predict_json_key", "body", "--ckpt_path", str(ckpt),
          "--model.predict_top_k", "3"],  # not the checkpoint's 5: a setting that may differ
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="offline"))

@@ -89,9 +89,10 @@ def _cli(tmp: Path, command: str, *args: str, root: str = "run", status: int = 0
     cmd = [sys.executable, "-m", "lightning_megatron.cli", command, "--config", RECIPE,
            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
            "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp / root),
-           "--trainer.enable_progress_bar", "false", "--model.num_layers", "1", "--model.hidden_size", "32",
-           "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "64", "--data.global_batch_size", "2",
-           "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.max_sequence_length", "32", *args]
+           "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1",
+           "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
+           "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2", "--data.micro_batch_size", "2",
+           "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32", *args]
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=path)
     if columns is None:

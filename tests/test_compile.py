@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_megatron.models.bert import BertConfig
 from lightning_megatron.models.bert.module import BertLightningModule
 from lightning_megatron.tensor_parallel import model_parallel_seed
-from megatron_testing import TINY_MODEL, SyntheticBertDataset
+from megatron_testing import TINY_CONFIG, TINY_OPTIONS, SyntheticBertDataset
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 def _loss_and_grads(compile: bool, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     torch._dynamo.reset()
     model_parallel_seed(1234, 0)
-    module = BertLightningModule(**{**TINY_MODEL, "num_layers": 2}, compile=compile)
+    module = BertLightningModule(BertConfig(**{**TINY_CONFIG, "num_layers": 2}), **TINY_OPTIONS, compile=compile)
     module.configure_model()
     chunk = module.model_chunks[0]
     loss, _ = module.forward_step(batch, chunk)

@@ -285,13 +285,14 @@ def test_fit_refuses_a_model_vocab_below_the_data_ids_before_any_step(tmp_path):
     import lightning.pytorch as pl
 
     from lightning_megatron.datamodules.pretraining import BertDataModule
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
 
     (tmp_path / "a.txt").write_text(_text() * 10)
     preprocess_corpus([tmp_path / "a.txt"], tmp_path / "ds", tokenizer(), max_seq_length=32)
     largest = read_dataset_vocab(tmp_path / "ds").max_token_id
-    model = BertLightningModule(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
-                                vocab_size=1000, max_sequence_length=32)
+    model = BertLightningModule(BertConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
+                                           vocab_size=1000, max_sequence_length=32))
     dm = BertDataModule(str(tmp_path / "ds"), max_seq_length=32, global_batch_size=2, micro_batch_size=2,
                         splits="1,0,0")
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,

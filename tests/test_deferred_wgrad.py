@@ -149,10 +149,11 @@ def test_cpu_tuning_defers_every_linear_layer_of_a_stage():
 
 
 def test_refused_without_pipeline_parallelism():
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
-    from megatron_testing import TINY_MODEL
+    from megatron_testing import TINY_CONFIG, TINY_OPTIONS
 
-    module = BertLightningModule(**{**TINY_MODEL, "defer_embedding_wgrad_compute": True})
+    module = BertLightningModule(BertConfig(**TINY_CONFIG, defer_embedding_wgrad_compute=True), **TINY_OPTIONS)
     with pytest.raises(ValueError, match=r"defer_embedding_wgrad_compute=True needs pipeline parallelism "
                                          r"\(pipeline_model_parallel_size >= 2\).*Set it to False"):
         module.configure_model()

@@ -72,12 +72,12 @@ def test_training_step_without_host_sync():
     from lightning_megatron.datamodules.pretraining import NO_PADDING, BertDataModule
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.tensor_parallel import model_parallel_seed
-    from megatron_testing import TINY_MODEL, SyntheticBertDataset
+    from megatron_testing import TINY_CONFIG, TINY_OPTIONS, SyntheticBertDataset
 
     model_parallel_seed(1234, 0)
     # lm_head_on_masked_only selects the masked tokens by a boolean mask (a data-dependent shape,
     # one sync per microbatch; docs/strategy.md lists it): off here.
-    module = BertLightningModule(**{**TINY_MODEL, "hidden_dropout": 0.1, "attention_dropout": 0.1},
+    module = BertLightningModule({**TINY_CONFIG, "hidden_dropout": 0.1, "attention_dropout": 0.1}, **TINY_OPTIONS,
                                  lm_head_on_masked_only=False)
     with torch.device("cpu"):  # built on the host as under Lightning, then moved
         module.configure_model()

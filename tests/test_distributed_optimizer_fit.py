@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, assert_final_params_close, make_trainer, synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_OPTIONS, assert_final_params_close, make_trainer, synthetic_datamodule
 
 from lightning_megatron.check import Tolerances
 
@@ -51,6 +51,7 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
          **trainer_kwargs) -> dict:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -64,7 +65,7 @@ def _run(tp: int, dtype: str, distributed: bool, max_steps: int, *, save_to: str
     dims = strategy.parallel_dims.for_world_size(trainer.world_size)
     dp_rank = dims.coordinates(torch.distributed.get_rank())["dp"]
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dp_rank)
-    module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype})
+    module = BertLightningModule(BertConfig(**TINY_CONFIG, params_dtype=dtype), **TINY_OPTIONS)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)
     if save_to:
         trainer.save_checkpoint(save_to)

@@ -5,7 +5,6 @@ Pure arithmetic and one in-process CLI call: no timings are asserted."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
@@ -81,10 +80,9 @@ def test_activation_estimate_counts_dropout_masks():
 
 
 def test_default_dropout_is_the_modules():
-    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.models.bert import BertConfig
 
-    sig = inspect.signature(BertLightningModule.__init__).parameters
-    assert sig["hidden_dropout"].default == sig["attention_dropout"].default == DEFAULT_DROPOUT
+    assert BertConfig().hidden_dropout == BertConfig().attention_dropout == DEFAULT_DROPOUT
 
 
 def test_collective_times():
@@ -278,12 +276,12 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
     from lightning_megatron.cli import main
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model:\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 4\n"
+    recipe.write_text("model:\n  config:\n    num_layers: 4\n    hidden_size: 256\n    num_attention_heads: 4\n"
                       "data:\n  global_batch_size: 32\n  micro_batch_size: 8\n  max_seq_length: 128\n")
     with pytest.raises(SystemExit) as e:
         main(["check", "--config", str(recipe), "--estimate-memory", "--estimate-time", "--device", "h100",
               "--gpus", "8", "--gpu-memory", "80GB", "--data.global_batch_size", "16", "--data.micro_batch_size", "4",
-              "--model.hidden_size", "512"])
+              "--model.config.hidden_size", "512"])
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     assert "hidden 512" in out and "global batch 16" in out and "dropout 0.1/0.1" in out

@@ -179,8 +179,7 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
     # The checkpoint in one plain process, on the same validation file: the same numbers.
     # (Built from the checkpoint's parts here: load_from_checkpoint of CLI checkpoints is issue 24's.)
     saved = read_model_checkpoint(run / "checkpoints" / "last.ckpt")
-    saved.hparams["vocab_size"] = saved.state_dict["embedding.word_embeddings.weight"].size(0)
-    model = BertClassificationModule(**{k: v for k, v in saved.hparams.items() if not k.startswith("_")})
+    model = BertClassificationModule(**BertClassificationModule.checkpoint_arguments(saved, {}))
     model.configure_model()
     model.load_pretrained(saved, everything=True)
     assert model.hparams.num_classes == 1  # from the data: task regression

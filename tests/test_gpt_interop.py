@@ -25,9 +25,10 @@ from dist_utils import run_distributed
 from megatron_testing import LossRecorder, local_shards, make_trainer
 
 VOCAB, SEQ = 97, 16
+LR = 1e-2
 COMMON = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, max_sequence_length=SEQ,
-              hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5, lr=1e-2, init_method_std=0.2)
-FAMILIES = {
+              hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5, init_method_std=0.2)
+FAMILIES = {  # GPTConfig fields
     "llama": dict(COMMON, spec="llama_layer_spec", num_query_groups=2, ffn_hidden_size=48, activation="silu",
                   gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope",
                   untie_embeddings_and_output_weights=True, rotary_base=5000.0),
@@ -79,8 +80,8 @@ def test_hf_folder_through_from_pretrained_gives_transformers_logits(tmp_path, f
             bos_token_id=0, eos_token_id=0))
     hf.save_pretrained(tmp_path / "hf")
     module = GPTLightningModule.from_pretrained(str(tmp_path / "hf"))
-    assert {k: module.hparams[k] for k in ("spec", "num_query_groups", "rotary_base")} == {
-        "spec": FAMILIES[family]["spec"], "num_query_groups": 2 if family == "llama" else None,
+    assert {k: module.hparams["config"][k] for k in ("spec", "num_query_groups", "rotary_base")} == {
+        "spec": FAMILIES[family]["spec"], "num_query_groups": 2 if family == "llama" else 4,  # 4: one per head
         "rotary_base": 5000.0 if family == "llama" else 10000.0}
     module.configure_model()
     module.eval()
@@ -110,12 +111,13 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
             "--data.seq_length", str(SEQ)]  # within the folder's positions (checked before launch)
     with pytest.warns(UserWarning, match="replaces the recipe's .*spec='gpt_layer_spec' \\(now 'llama_layer_spec'\\)"):
         cli = _lightning_cli(run=False, args=args)
-    hp = cli.model.hparams
+    hp = cli.model.config
     assert (hp.num_layers, hp.num_query_groups, hp.gated_linear_unit, hp.add_bias_linear, hp.position_embedding_type,
             hp.rotary_base, hp.untie_embeddings_and_output_weights, hp.vocab_size) == (
         3, 2, True, False, "rope", 5000.0, True, VOCAB)
-    with pytest.raises(SystemExit, match=r"--model.num_layers 2 \(the source has 3\)"):
-        _lightning_cli(run=False, args=[*args, "--model.num_layers", "2"])
+    assert cli.model.hparams["config"]["spec"] == "llama_layer_spec"
+    with pytest.raises(SystemExit, match=r"--model.config.num_layers 2 \(the source has 3\)"):
+        _lightning_cli(run=False, args=[*args, "--model.config.num_layers", "2"])
 
 
 # ------------------------------------------------------------------------------ TP=2 x PP=2
@@ -126,6 +128,7 @@ def _worker(root: str) -> dict:
     from torch.utils.data import DataLoader
 
     from lightning_megatron.cli import main
+    from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
     from lightning_megatron.strategy import MegatronStrategy
     from lightning_megatron.tensor_parallel import pad_vocab_size
@@ -135,7 +138,7 @@ def _worker(root: str) -> dict:
     for family, kwargs in FAMILIES.items():
         res: dict = {}
         ckpt, folder = f"{root}/{family}/ckpt", f"{root}/{family}/hf"
-        module = GPTLightningModule(**kwargs)
+        module = GPTLightningModule(GPTConfig(**kwargs), lr=LR)
         tp2pp2 = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, micro_batch_size=2)
         trainer = make_trainer(MegatronStrategy(**tp2pp2), 4, 1)
         trainer.fit(module, train_dataloaders=loader)
@@ -151,7 +154,7 @@ def _worker(root: str) -> dict:
             results[family] = res
             continue
         # A step at lr=0 (no update): the loss of the restored model at TP=2 x PP=2, its shards unchanged.
-        restored = GPTLightningModule(**{**kwargs, "lr": 0.0}, init_from=folder)
+        restored = GPTLightningModule(GPTConfig(**kwargs), lr=0.0, init_from=folder)
         recorder = LossRecorder()
         make_trainer(MegatronStrategy(**tp2pp2), 4, 1, callbacks=[recorder]).fit(restored, train_dataloaders=loader)
         res["restored_loss"] = recorder.losses[0]

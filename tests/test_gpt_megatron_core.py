@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 reason="megatron-core is not installed (the bench extra)")
 
 VOCAB, PADDED, SEQ = 100, 128, 16
-OURS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+OURS = dict(num_layers=2,  # GPTConfig fields hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
             vocab_size=VOCAB, max_sequence_length=SEQ, spec="llama_layer_spec", activation="silu",
             gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope", rotary_base=5000.0,
             untie_embeddings_and_output_weights=True, layernorm_epsilon=1e-5, hidden_dropout=0.0,
@@ -123,11 +123,11 @@ def test_init_from_megatron_core_gpt_gives_its_logits(megatron_root, source):
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     if source == "legacy":  # its args give the architecture
-        module = GPTLightningModule.from_pretrained(str(megatron_root / source), vocab_size=VOCAB,
-                                                    hidden_dropout=0.0, attention_dropout=0.0)
-        assert {k: module.hparams[k] for k in OURS} == OURS
+        module = GPTLightningModule.from_pretrained(str(megatron_root / source), config=dict(
+            vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0))
+        assert {k: module.hparams["config"][k] for k in OURS} == OURS
     else:  # no args saved beside it here: the architecture given, checked against the tensors
-        module = GPTLightningModule(**OURS, init_from=str(megatron_root / source))
+        module = GPTLightningModule(OURS, init_from=str(megatron_root / source))
     module.configure_model()
     with torch.no_grad():
         ours = module.eval().model_chunks[0](_tokens())[..., :VOCAB]

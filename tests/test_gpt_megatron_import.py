@@ -147,7 +147,7 @@ def test_gpt_module_from_a_megatron_checkpoint_gives_transformers_logits(tmp_pat
     model = _models()["llama"].eval()
     arch = ghf.hf_architecture(model.config)
     _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama"))
-    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), vocab_size=VOCAB)
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), config={"vocab_size": VOCAB})
     module.configure_model()
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

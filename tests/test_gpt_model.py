@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from lightning_megatron.models.gpt import GPTModel
+from lightning_megatron.models.gpt import GPTConfig, GPTModel
 from lightning_megatron.models.gpt.module import GPTLightningModule
 from lightning_megatron.transformer import TransformerConfig
 
@@ -121,8 +121,9 @@ def test_parameter_names_are_megatron_core_gpt_names():
 def _module_step(dropout: float = 0.1, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     from lightning_megatron.tensor_parallel import model_parallel_seed
 
-    module = GPTLightningModule(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
-                                max_sequence_length=SEQ, hidden_dropout=dropout, attention_dropout=dropout, **kw)
+    module = GPTLightningModule(GPTConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                          vocab_size=VOCAB, max_sequence_length=SEQ, hidden_dropout=dropout,
+                                          attention_dropout=dropout, **kw))
     module.configure_model()
     model_parallel_seed(7, 0)
     torch.manual_seed(11)
@@ -158,9 +159,9 @@ def test_refusals_name_the_value():
     with pytest.raises(ValueError, match="position_embedding_type='alibi'"):
         GPTModel(_gpt2_config(), "gpt_layer_spec", VOCAB, SEQ, position_embedding_type="alibi")
     with pytest.raises(ValueError, match="no_such_spec"):
-        GPTLightningModule(spec="no_such_spec")
+        GPTConfig(spec="no_such_spec")
     with pytest.raises(ValueError, match="normalization='RMSNorm' but spec='gpt_layer_spec' uses LayerNorm"):
-        GPTLightningModule(spec="gpt_layer_spec", normalization="RMSNorm")
+        GPTLightningModule(GPTConfig(spec="gpt_layer_spec", normalization="RMSNorm"))
     with pytest.raises(ValueError, match="must start at layer 0"):
         GPTModel(_gpt2_config(), "gpt_layer_spec", VOCAB, SEQ, layer_range=range(1, 2))
 
@@ -173,9 +174,11 @@ def test_declared_flops_equal_the_counted_matmuls(shape):
     vocabulary padding: V = 256)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    module = GPTLightningModule(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=96,
-                                vocab_size=VOCAB, max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
-                                attention_backend="unfused", **shape)  # CPU SDPA's kernel is not in the counter
+    # the unfused attention: CPU SDPA's kernel is not in the counter
+    module = GPTLightningModule(GPTConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                          ffn_hidden_size=96, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                          hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused",
+                                          **shape))
     module.configure_model()
     ids = _tokens()
     batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(BATCH, SEQ)}
@@ -271,12 +274,12 @@ def test_greedy_generation_equals_transformers_generate(shape):
     kw = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
               max_sequence_length=SEQ + 1, hidden_dropout=0.0, attention_dropout=0.0)
     if shape == "gpt2":
-        module = GPTLightningModule(**kw, activation="gelu_tanh")
+        module = GPTLightningModule(GPTConfig(**kw, activation="gelu_tanh"))
         hf = _hf_gpt2()
         copy = copy_into_gpt2
     else:
-        module = GPTLightningModule(**{**kw, **LLAMA_MODULE, "ffn_hidden_size": FFN, "layernorm_epsilon": 1e-6,
-                                       "rotary_base": ROPE_BASE})
+        module = GPTLightningModule(GPTConfig(**{**kw, **LLAMA_MODULE, "ffn_hidden_size": FFN,
+                                                 "layernorm_epsilon": 1e-6, "rotary_base": ROPE_BASE}))
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
             num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=SEQ + 1, rms_norm_eps=1e-6,
@@ -302,8 +305,8 @@ def test_validate_and_predict_through_the_strategy():
 
     from lightning_megatron.strategy import MegatronStrategy
 
-    module = GPTLightningModule(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
-                                max_sequence_length=SEQ, predict_max_new_tokens=5,
+    module = GPTLightningModule(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                                          max_sequence_length=SEQ), predict_max_new_tokens=5,
                                 predict_stop_at_eod=False)  # a plain dataloader: no tokenizer to stop at
     prompts = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(5))
     rows = [{"tokens": t, "labels": t, "loss_mask": torch.ones(8)} for t in prompts]
@@ -340,9 +343,10 @@ def test_kv_cache_logits_equal_the_whole_sequence_logits(shape):
     the logits by ~1e-3 of their size, which rarely changes an argmax of small random weights."""
     from lightning_megatron.transformer import InferenceContext
 
-    module = GPTLightningModule(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
-                                max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
-                                **({"ffn_hidden_size": FFN, "rotary_base": ROPE_BASE} | shape if shape else {}))
+    module = GPTLightningModule(GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                          vocab_size=VOCAB, max_sequence_length=SEQ, hidden_dropout=0.0,
+                                          attention_dropout=0.0,
+                                          **({"ffn_hidden_size": FFN, "rotary_base": ROPE_BASE} | shape if shape else {})))
     module.configure_model()
     model = module.model_chunks[0].eval()
     tokens = _tokens(SEQ)

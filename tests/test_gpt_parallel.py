@@ -22,8 +22,8 @@ from lightning_megatron.parallel_dims import ParallelDims
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 200, 16, 8, 2, 3
 
 GPT2_TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=VOCAB,
-                 max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh",
-                 lr=1e-3, weight_decay=0.01)
+                 max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh")
+"""GPTConfig fields of the GPT-2 shape."""
 
 
 class SyntheticGPTDataset(Dataset):
@@ -53,10 +53,11 @@ LLAMA_TINY = {**GPT2_TINY, "spec": "llama_layer_spec", "num_query_groups": 1, "a
               "untie_embeddings_and_output_weights": True, "rotary_base": 10000.0}
 
 
-def make_module(**overrides):
+def make_module(**config_fields):
+    from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
-    return GPTLightningModule(**{**GPT2_TINY, **overrides})
+    return GPTLightningModule(GPTConfig(**{**GPT2_TINY, **config_fields}), lr=1e-3, weight_decay=0.01)
 
 
 GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1"]

@@ -29,8 +29,9 @@ MAX_NEW = 6
 # The recipe's loggers (CSV, W&B offline), progress bar, dropouts (0.1) and sequence length (128: the built-in
 # corpus's test split holds no sample of it, which predict does not need).
 SMALL = ["--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--trainer.devices", "2",
-         "--trainer.strategy.tensor_model_parallel_size", "2", "--model.num_layers", "1", "--model.hidden_size", "32",
-         "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "64"]
+         "--trainer.strategy.tensor_model_parallel_size", "2", "--model.config.num_layers", "1",
+         "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
+         "--model.config.ffn_hidden_size", "64"]
 NOISE = ("anonymous setting", "💡 Tip", "LeafSpec", "LengthGroupedBatchSampler", "no test dataset", "args parameter")
 """What printed on every decoder run, asking nothing of the user (issue 34)."""
 
@@ -103,7 +104,7 @@ def _plot_and_export_the_run(tmp_path: Path, run: Path, module) -> None:
     assert (tmp_path / "curves.png").is_file()
     main(["export", "hf", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--output", str(tmp_path / "hf")])
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert module.hparams.hidden_dropout == module.hparams.attention_dropout == 0.1
+    assert module.config.hidden_dropout == module.config.attention_dropout == 0.1
     assert (config["resid_pdrop"], config["embd_pdrop"], config["attn_pdrop"]) == (0.1, 0.1, 0.1), config
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -120,6 +121,7 @@ def test_predict_stops_at_eod_and_the_writer_cuts_there():
 
     from lightning_megatron.callbacks.prediction_writer import PredictionWriter
     from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     tokenizer = BPETokenizer()
@@ -136,12 +138,12 @@ def test_predict_stops_at_eod_and_the_writer_cuts_there():
     assert ended["token_ids"] == b + [eod] and ended["completion"] == tokenizer.detokenize(b)
     assert running["token_ids"] == a + b and running["completion"] == tokenizer.detokenize(a + b)
     # Without a datamodule tokenizer to take EOD from, predict_stop_at_eod=True is refused, not ignored.
-    module = GPTLightningModule(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64)
+    tiny = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64)
+    module = GPTLightningModule(tiny)
     module.trainer = SimpleNamespace(datamodule=None)  # a predict over a plain dataloader
     with pytest.raises(ValueError, match=r"predict_stop_at_eod=True.*set predict_stop_at_eod=False"):
         module.predict_stop_token()
-    assert GPTLightningModule(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
-                              predict_stop_at_eod=False).predict_stop_token() is None
+    assert GPTLightningModule(tiny, predict_stop_at_eod=False).predict_stop_token() is None
 
 
 def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):

@@ -21,12 +21,12 @@ GPT_DATA = "lightning_megatron.datamodules.gpt.GPTDataModule"
 def test_gpt_tiny_recipe_builds_the_gpt2_shape():
     recipe = load_recipe(ROOT / "recipes" / "gpt_tiny.yaml")
     assert recipe.model_class == GPT_MODULE and recipe.data_class == GPT_DATA
-    assert recipe.dropout == {"hidden_dropout": 0.1, "attention_dropout": 0.1}  # check turns them off
+    assert recipe.dropout == {"config.hidden_dropout": 0.1, "config.attention_dropout": 0.1}  # check turns them off
     assert {name for name, _ in recipe.callbacks} == {"MegatronOptimizerCallback", "OptimizerParamSchedulerCallback"}
-    assert recipe.data["seq_length"] <= recipe.model["max_sequence_length"]
+    assert recipe.data["seq_length"] <= recipe.model["config"]["max_sequence_length"]
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
-    module = GPTLightningModule(**recipe.model, vocab_size=30522)
+    module = GPTLightningModule(**{**recipe.model, "config": {**recipe.model["config"], "vocab_size": 30522}})
     module.configure_model()
     params = dict(module.sharded_named_parameters())
     h, f, layers, v = 128, 512, 4, 30592  # vocab padded to a multiple of 128
@@ -49,7 +49,7 @@ def test_llama_1b_recipe_is_accepted_by_estimate_memory_and_its_layout_is_the_fa
 
     recipe = load_recipe(ROOT / "recipes" / "llama_1b.yaml")
     assert recipe.model_class == GPT_MODULE and recipe.data_class == GPT_DATA
-    m = recipe.model
+    m = recipe.model["config"]
     assert (m["spec"], m["position_embedding_type"], m["gated_linear_unit"], m["add_bias_linear"],
             m["untie_embeddings_and_output_weights"]) == ("llama_layer_spec", "rope", True, False, True)
     assert m["num_attention_heads"] % m["num_query_groups"] == 0 and m["num_query_groups"] % 2 == 0  # TP=2 possible
@@ -73,9 +73,9 @@ def test_llama_1b_module_has_1_1b_parameters():
     the parameter count of TinyLlama-1.1B, 1,100,048,384, from the per-layer count."""
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
-    model = dict(load_recipe(ROOT / "recipes" / "llama_1b.yaml").model, params_dtype="float32")
-    layers = model.pop("num_layers")
-    small = GPTLightningModule(**model, num_layers=1)
+    model = load_recipe(ROOT / "recipes" / "llama_1b.yaml").model
+    layers = model["config"]["num_layers"]
+    small = GPTLightningModule(**{**model, "config": {**model["config"], "params_dtype": "float32", "num_layers": 1}})
     small.configure_model()
     params = dict(small.sharded_named_parameters())
     per_layer = sum(p.numel() for n, p in params.items() if n.startswith("decoder.layers.0."))
@@ -83,23 +83,21 @@ def test_llama_1b_module_has_1_1b_parameters():
     assert layers * per_layer + rest == 1_100_048_384
 
 
-def _built_per_rank(model: dict, tp: int, pp: int, stage: int) -> int:
+def _built_per_rank(config: dict, tp: int, pp: int, stage: int) -> int:
     """Parameter elements one TP rank of ``stage`` holds: that stage's chunk built at TP=1, each column- or
     row-split tensor (Megatron's rule: qkv and fc1 weights and biases, proj and fc2 weights) counted 1/tp,
     the vocab-parallel ones at the vocabulary padded for ``tp``."""
-    from lightning_megatron.models.gpt import GPTModel
-    from lightning_megatron.models.gpt.module import GPTLightningModule
+    from lightning_megatron.models.gpt import GPTConfig, GPTModel
     from lightning_megatron.tensor_parallel import pad_vocab_size
-    from lightning_megatron.transformer import TransformerConfig
 
-    module = GPTLightningModule(**model)
-    per_stage = model["num_layers"] // pp
-    chunk = GPTModel(TransformerConfig(**module._config_kwargs), model["spec"], model["vocab_size"],
-                     model["max_sequence_length"], position_embedding_type=model["position_embedding_type"],
-                     share_embeddings_and_output_weights=not model["untie_embeddings_and_output_weights"],
+    record = GPTConfig(**config).with_layout(1, False)
+    per_stage = record.num_layers // pp
+    chunk = GPTModel(record, record.spec, record.vocab_size, record.max_sequence_length,
+                     position_embedding_type=record.position_embedding_type,
+                     share_embeddings_and_output_weights=not record.untie_embeddings_and_output_weights,
                      pre_process=stage == 0, post_process=stage == pp - 1,
                      layer_range=range(stage * per_stage, (stage + 1) * per_stage))
-    vocab_rows = pad_vocab_size(model["vocab_size"], tp, 128) // tp
+    vocab_rows = pad_vocab_size(record.vocab_size, tp, 128) // tp
     total = 0
     for name, p in chunk.named_parameters():
         if "word_embeddings" in name or name.startswith("output_layer"):
@@ -122,9 +120,9 @@ def test_declared_parameters_per_stage_equal_the_built_chunks(recipe, tp, pp):
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     rc = load_recipe(ROOT / "recipes" / f"{recipe}.yaml")
-    model = {"spec": "gpt_layer_spec", "position_embedding_type": "learned_absolute",
-             "untie_embeddings_and_output_weights": False, **rc.model, "vocab_size": 30000, "num_layers": 4,
-             "params_dtype": "float32", **(SMALL_LLAMA if recipe == "llama_1b" else {})}
-    shape = GPTLightningModule.estimate_shape(model, rc.data, micro_batch_size=1, global_batch_size=8)
+    config = {**rc.model["config"], "vocab_size": 30000, "num_layers": 4, "params_dtype": "float32",
+              **(SMALL_LLAMA if recipe == "llama_1b" else {})}
+    shape = GPTLightningModule.estimate_shape({**rc.model, "config": config}, rc.data, micro_batch_size=1,
+                                              global_batch_size=8)
     for stage in range(pp):
-        assert shape.stage_parameters(tp, pp, stage) == _built_per_rank(model, tp, pp, stage), stage
+        assert shape.stage_parameters(tp, pp, stage) == _built_per_rank(config, tp, pp, stage), stage

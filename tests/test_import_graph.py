@@ -204,3 +204,30 @@ def test_every_public_name_exists():
         module = importlib.import_module(name)
         missing += [f"{name}.{n}" for n in getattr(module, "__all__", ()) if not hasattr(module, n)]
     assert not missing, missing
+
+
+def test_the_language_layer_imports_no_model_family_and_its_chunks_no_lightning():
+    """``language/`` is below the families (they build on it, it names none of them); its config record and
+    chunk base are inner code (no Lightning: a chunk is used without a Trainer), its LightningModule half is not."""
+    wrong = []
+    for name, path in _MODULES.items():
+        if not name.startswith("lightning_megatron.language"):
+            continue
+        for imported in sorted(_imports(path, module_level_only=False)):
+            if imported.startswith("lightning_megatron.models"):
+                wrong.append(f"{name} imports {imported}")
+            if name != "lightning_megatron.language.module" and (imported == "lightning" or imported.startswith(
+                    ("lightning.", "lightning_megatron.module", "lightning_megatron.strategy"))):
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_family_s_model_and_module_import_no_other_family():
+    """The record, the chunk and the LightningModule of a family stand on ``language/`` alone."""
+    wrong = []
+    for family, other in (("bert", "gpt"), ("gpt", "bert")):
+        for stem in ("config", "model", "module", "specs"):
+            path = PACKAGE / "models" / family / f"{stem}.py"
+            wrong += [f"models/{family}/{stem}.py imports {m}" for m in _imports(path, module_level_only=False)
+                      if m.startswith(f"lightning_megatron.models.{other}")]
+    assert not wrong, "\n".join(wrong)

@@ -30,8 +30,8 @@ from megatron_testing import make_trainer
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 97, 16
-LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, max_sequence_length=SEQ,
-             hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5, lr=1e-2, init_method_std=0.2,
+LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, max_sequence_length=SEQ,  # GPTConfig
+             hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5, init_method_std=0.2,
              spec="llama_layer_spec", num_query_groups=2, ffn_hidden_size=48, activation="silu",
              gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope",
              untie_embeddings_and_output_weights=True, rotary_base=5000.0)
@@ -49,7 +49,7 @@ def _worker(root: str) -> None:
     seq = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
     batch = {"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": torch.ones(4, SEQ)}
     trainer = make_trainer(MegatronStrategy(micro_batch_size=2), 1, 1)
-    trainer.fit(GPTLightningModule(**LLAMA), train_dataloaders=DataLoader([batch], batch_size=None))
+    trainer.fit(GPTLightningModule(LLAMA, lr=1e-2), train_dataloaders=DataLoader([batch], batch_size=None))
     trainer.save_checkpoint(f"{root}/gpt.ckpt")
 
 

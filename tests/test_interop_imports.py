@@ -81,7 +81,7 @@ def test_hf_folder_logits_match_transformers(tmp_path, megatron):
     model = _hf_model(megatron, hidden_act="gelu_new", layer_norm_eps=1e-6)
     model.save_pretrained(tmp_path / "hf")
     module = BertLightningModule.from_pretrained(str(tmp_path / "hf"))
-    assert module.hparams.activation == "gelu_tanh" and module.hparams.layernorm_epsilon == 1e-6
+    assert module.config.activation == "gelu_tanh" and module.config.layernorm_epsilon == 1e-6
     _close(_ours(module), _theirs(model))
 
 
@@ -139,8 +139,8 @@ def test_megatron_lm_legacy_logits_match_transformers_with_the_bias_gelu_fusion_
     model = _hf_model(True, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-5)
     model.cls.predictions.transform.transform_act_fn = torch.nn.GELU()  # exact, as Megatron's LM head
     source = _megatron_legacy(tmp_path, model)
-    module = BertLightningModule.from_pretrained(str(source), vocab_size=VOCAB)
-    assert (module.hparams.activation, module.hparams.lm_head_activation) == ("gelu_tanh", "gelu")
+    module = BertLightningModule.from_pretrained(str(source), config={"vocab_size": VOCAB})
+    assert (module.config.activation, module.config.lm_head_activation) == ("gelu_tanh", "gelu")
     _close(_ours(module), _theirs(model))
 
 
@@ -207,7 +207,7 @@ def test_encoder_only_hf_model_gets_fresh_heads_with_one_warning():
     from test_bert_hf import _minilm_dir
 
     module = BertLightningModule.from_pretrained(_minilm_dir())
-    assert (module.hparams.num_layers, module.hparams.hidden_size, module.hparams.num_attention_heads) == (6, 384, 12)
+    assert (module.config.num_layers, module.config.hidden_size, module.config.num_attention_heads) == (6, 384, 12)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module.configure_model()
@@ -237,14 +237,14 @@ def test_cli_init_from_reads_the_architecture_and_refuses_disagreeing_flags(tmp_
     args = ["--config", str(ROOT / "recipes/bert_tiny.yaml"), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
             "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.logger", "false",
             "--data.max_seq_length", str(SEQ), "--model.init_from", str(tmp_path / "hf")]
-    with pytest.warns(UserWarning, match="replaces the recipe's num_layers=2 \\(now 3\\)"):
+    with pytest.warns(UserWarning, match="replaces the recipe's config.num_layers=2 \\(now 3\\)"):
         cli = _lightning_cli(run=False, args=args)
-    hp = cli.model.hparams
-    assert (hp.num_layers, hp.hidden_size, hp.ffn_hidden_size, hp.spec, hp.layernorm_epsilon, hp.vocab_size) == (
-        3, 32, 64, "bert_layer_post_norm_spec", 1e-7, 30522)
-    with pytest.raises(SystemExit, match=r"--model.num_layers 2 \(the source has 3\), --model.hidden_size 64 "
-                                         r"\(the source has 32\)"):
-        _lightning_cli(run=False, args=[*args, "--model.num_layers", "2", "--model.hidden_size=64"])
+    hp = cli.model.hparams["config"]  # saved as a plain dict of the record's fields
+    assert (hp["num_layers"], hp["hidden_size"], hp["ffn_hidden_size"], hp["spec"], hp["layernorm_epsilon"],
+            hp["vocab_size"]) == (3, 32, 64, "bert_layer_post_norm_spec", 1e-7, 30522)
+    with pytest.raises(SystemExit, match=r"--model.config.num_layers 2 \(the source has 3\), "
+                                         r"--model.config.hidden_size 64 \(the source has 32\)"):
+        _lightning_cli(run=False, args=[*args, "--model.config.num_layers", "2", "--model.config.hidden_size=64"])
 
 
 def test_predict_batches_cover_every_sample_once_at_any_size():

@@ -10,7 +10,7 @@ import torch
 
 import gpipe_schedule  # noqa: F401  (a user's schedule, registered as "gpipe" by the import)
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_OPTIONS, make_trainer, synthetic_datamodule
 
 GLOBAL_BATCH, MICRO, STEPS = 8, 2, 4
 
@@ -78,9 +78,10 @@ def _record_loss_func_logs(module) -> None:
 
 
 def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = False, clip_grad: float = 0.0,
-         model_kwargs: dict | None = None, **strategy_kwargs) -> dict:
+         config_fields: dict | None = None, **strategy_kwargs) -> dict:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -94,7 +95,8 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     dims = strategy.parallel_dims.for_world_size(trainer.world_size)
     dp_rank = dims.coordinates(torch.distributed.get_rank() if world > 1 else 0)["dp"]
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dp_rank)
-    module = BertLightningModule(**{**TINY_MODEL, "params_dtype": dtype, **(model_kwargs or {})})
+    module = BertLightningModule(BertConfig(**{**TINY_CONFIG, "params_dtype": dtype, **(config_fields or {})}),
+                                 **TINY_OPTIONS)
     _record_loss_func_logs(module)
     trainer.fit(module, datamodule=dm)
     layers = {m.group(1) for name, _ in module.named_parameters() for m in [re.search(r"layers\.(\d+)\.", name)] if m}
@@ -114,11 +116,11 @@ def _two_ranks() -> dict:
         "tp2": _run(tp=2),
         "pp2": _run(pp=2),
         # uneven stages (megatron-core's num_layers_in_last_pipeline_stage): 3 layers, then 1 + the heads
-        "pp2_last1": _run(pp=2, model_kwargs={"num_layers_in_last_pipeline_stage": 1}),
+        "pp2_last1": _run(pp=2, config_fields={"num_layers_in_last_pipeline_stage": 1}),
         # a schedule the user registered in a file of its own (tests/gpipe_schedule.py): all forwards first
         "pp2_gpipe": _run(pp=2, pipeline_schedule="gpipe"),
         # the LM head's weight gradient computed at the pipeline flush (megatron-core's option)
-        "pp2_deferred": _run(pp=2, model_kwargs={"defer_embedding_wgrad_compute": True}),
+        "pp2_deferred": _run(pp=2, config_fields={"defer_embedding_wgrad_compute": True}),
         # the CPU tuning's weight_grads_per_step: every linear layer's weight gradient once per step, at
         # the flush of the interleaved schedule (one GEMM over the step's microbatches)
         "pp2_vp2_step_wgrad": _run(pp=2, virtual_pipeline_model_parallel_size=2,
@@ -135,7 +137,7 @@ def _two_ranks() -> dict:
         # aborted gloo)
         "bf16_pp2_vp2": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2),
         "bf16_pp2_vp2_deferred": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2,
-                                      model_kwargs={"defer_embedding_wgrad_compute": True}),
+                                      config_fields={"defer_embedding_wgrad_compute": True}),
     }
 
 

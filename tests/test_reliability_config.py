@@ -159,7 +159,7 @@ def test_cli_bad_recipe_fails_before_the_trainer_is_built(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(REPO / "recipes/bert_tiny.yaml"),
            "--trainer.strategy.init_args.tensor_model_parallel_size", "4", "--trainer.devices", "2",
-           "--model.num_attention_heads", "6", "--model.hidden_size", "96", "--model.max_sequence_length", "64",
+           "--model.config.num_attention_heads", "6", "--model.config.hidden_size", "96", "--model.config.max_sequence_length", "64",
            "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy.init_args.timeout", "0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     text = out.stdout + out.stderr

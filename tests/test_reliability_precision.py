@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, LossRecorder, dataloader, make_trainer
+from megatron_testing import TINY_CONFIG, TINY_MODEL, TINY_OPTIONS, LossRecorder, dataloader, make_trainer
 
 MICRO, BATCH = 4, 8
 
@@ -14,6 +14,7 @@ def _trainer_losses(precision: str, params_dtype: str = "float32", callback: boo
                     steps: int = 1) -> list[float] | str:
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron.optimizer import OptimizerConfig
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -22,7 +23,7 @@ def _trainer_losses(precision: str, params_dtype: str = "float32", callback: boo
     kwargs = {"plugins": plugins} if plugins else {"precision": precision}
     trainer = make_trainer(MegatronStrategy(micro_batch_size=MICRO), 1, steps, callbacks=callbacks, **kwargs)
     try:
-        trainer.fit(BertLightningModule(**{**TINY_MODEL, "params_dtype": params_dtype}),
+        trainer.fit(BertLightningModule(BertConfig(**TINY_CONFIG, params_dtype=params_dtype), **TINY_OPTIONS),
                     train_dataloaders=dataloader(BATCH, 1, 0))
     except ValueError as e:
         assert not recorder.losses, "refused only after training started"

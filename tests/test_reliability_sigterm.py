@@ -114,9 +114,10 @@ def test_ctrl_c_of_a_two_rank_cli_run_saves_and_exits_130(tmp_path):
     cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(REPO / "recipes" / "bert_tiny.yaml"),
            "--trainer.devices", "2", "--trainer.strategy.tensor_model_parallel_size", "2",
            "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
-           "--trainer.enable_progress_bar", "false", "--model.num_layers", "1", "--model.hidden_size", "32",
-           "--model.num_attention_heads", "2", "--model.ffn_hidden_size", "64", "--data.global_batch_size", "2",
-           "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.max_sequence_length", "32",
+           "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1",
+           "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
+           "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2",
+           "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32",
            "--trainer.max_steps", "20", "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1",
            "--trainer.callbacks+=cli_faults.SignalAt", "--trainer.callbacks.step=3",
            "--trainer.callbacks.signal=SIGINT"]

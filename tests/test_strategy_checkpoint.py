@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, LossRecorder, make_trainer, synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_MODEL, TINY_OPTIONS, LossRecorder, make_trainer, synthetic_datamodule
 
 GLOBAL_BATCH, MICRO = 8, 2
 
@@ -123,6 +123,7 @@ def _fp16_run(max_steps: int, save_to: str | None = None, ckpt_in: str | None = 
 
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
     from lightning_megatron.optimizer import OptimizerConfig
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -143,7 +144,7 @@ def _fp16_run(max_steps: int, save_to: str | None = None, ckpt_in: str | None = 
                                                  lr_decay_style="cosine"), trace]
     trainer = make_trainer(strategy, 2, max_steps, callbacks=callbacks, precision="16-true")
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, 1, 0)
-    module = BertLightningModule(**{**TINY_MODEL, "params_dtype": "float16"})
+    module = BertLightningModule(BertConfig(**TINY_CONFIG, params_dtype="float16"), **TINY_OPTIONS)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)
     if save_to:
         trainer.save_checkpoint(save_to)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_MODEL, make_trainer, synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_OPTIONS, make_trainer, synthetic_datamodule
 
 
-def _attempt(strategy_kwargs: dict, model_kwargs: dict, trainer_kwargs: dict, global_batch: int = 8,
+def _attempt(strategy_kwargs: dict, config_fields: dict, trainer_kwargs: dict, global_batch: int = 8,
              micro: int = 2, dp: int = 1) -> str:
     from lightning.pytorch import Callback
 
+    from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -22,7 +23,7 @@ def _attempt(strategy_kwargs: dict, model_kwargs: dict, trainer_kwargs: dict, gl
     try:
         strategy = MegatronStrategy(**strategy_kwargs)
         trainer = make_trainer(strategy, 2, 3, callbacks=[CountSteps()], **trainer_kwargs)
-        trainer.fit(BertLightningModule(**{**TINY_MODEL, **model_kwargs}),
+        trainer.fit(BertLightningModule(BertConfig(**{**TINY_CONFIG, **config_fields}), **TINY_OPTIONS),
                     datamodule=synthetic_datamodule(global_batch, micro, dp, 0))
     except ValueError as e:
         assert CountSteps.steps == 0, "the error must come before any training step"
@@ -41,6 +42,8 @@ def _errors_worker() -> dict:
         "microbatches": _attempt({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
                                   "virtual_pipeline_model_parallel_size": 2}, {"num_layers": 4}, {},
                                  global_batch=6, micro=2),
+        # the layout is the strategy's: a config record that says otherwise is refused, naming where to set it
+        "layout": _attempt({"tensor_model_parallel_size": 2}, {"tensor_model_parallel_size": 1}, {}),
     }
 
 
@@ -52,3 +55,5 @@ def test_bad_configurations_raise_before_training():
     assert "accumulate_grad_batches=2" in e["accumulate"], e["accumulate"]
     assert "MegatronOptimizerCallback" in e["clip"], e["clip"]
     assert "3" in e["microbatches"] and "pipeline" in e["microbatches"].lower(), e["microbatches"]
+    assert ("config.tensor_model_parallel_size=1 but the strategy runs tensor_model_parallel_size=2" in e["layout"]
+            and "MegatronStrategy(tensor_model_parallel_size=...)" in e["layout"]), e["layout"]

@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         print(time_table(recipe, [reference] + [x for x in layouts if x != reference], timing), flush=True)
         return 0
     from lightning_megatron.check.parity import Tolerances, check_layouts
+    from lightning_megatron.saved_model import flat_hparams
 
-    tol = Tolerances.bf16() if str(recipe.model.get("params_dtype", "float32")) in ("bfloat16", "bf16", "float16",
-                                                                                     "fp16") else Tolerances()
+    params_dtype = flat_hparams(recipe.model).get("params_dtype", "float32")  # config.params_dtype
+    tol = Tolerances.bf16() if str(params_dtype) in ("bfloat16", "bf16", "float16", "fp16") else Tolerances()
     G, m = recipe.global_batch_size, recipe.micro_batch_size
     print(f"lightning-megatron check: {args.config}, layouts {', '.join(map(str, layouts))} against {reference}, "
           f"{args.steps} steps, global batch {G}, micro batch {m}, dropout off", flush=True)

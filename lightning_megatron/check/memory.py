@@ -18,24 +18,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule, get_schedule
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from lightning_megatron.language.config import LanguageModelConfig
     from lightning_megatron.protocols import MemoryCost
 
 __all__ = ["ModelShape", "MemoryEstimate", "LayoutSearch", "candidate_layouts", "search_layouts", "estimate_memory",
            "estimate_stage", "layout_schedule"]
 
 DEFAULT_DROPOUT = 0.1
-"""``BertLightningModule``'s default ``hidden_dropout`` and ``attention_dropout`` (a test keeps them equal)."""
+"""``BertConfig``'s default ``hidden_dropout`` and ``attention_dropout`` (a test keeps them equal)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """The sizes the formulas need (a BertLightningModule's arguments plus the batch)."""
+    """The sizes the formulas need (a BertConfig's fields plus the batch: :meth:`from_config`)."""
 
     num_layers: int
     hidden_size: int
@@ -72,6 +75,19 @@ class ModelShape:
     family: str = "bert"
     """"bert": the LM head (with its dense layer) runs on the masked tokens; "gpt": on every token,
     without the dense layer (step-time estimates of decoder configurations, docs/check.md)."""
+
+    @classmethod
+    def from_config(cls, config: LanguageModelConfig, **shape: Any) -> Self:
+        """The sizes of a model's config record (a ``LanguageModelConfig``: ``BertConfig``, ``GPTConfig``),
+        with ``shape`` the rest (the batch, the resolved ``vocab_size``, the optimizer, ...)."""
+        sizes = dict(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                     num_attention_heads=config.num_attention_heads, ffn_hidden_size=config.ffn_hidden_size,
+                     vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+                     max_sequence_length=config.max_sequence_length,
+                     params_dtype=str(config.params_dtype).removeprefix("torch."),
+                     recompute=config.recompute_granularity == "full", attention_backend=config.attention_backend,
+                     hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout)
+        return cls(**{**sizes, **shape})
 
     def __post_init__(self) -> None:
         if self.family not in ("bert", "gpt"):

@@ -21,7 +21,7 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> Me
     applied); ``on_cpu``: the attention path the CPU takes (a transformer :class:`ModelShape`, for
     comparing with a check run on this machine); ``training``: with the recipe's dropout (a check run
     turns it off)."""
-    from lightning_megatron.check.recipe import import_class
+    from lightning_megatron.check.recipe import import_class, with_dropout
     from lightning_megatron.protocols import EstimatesCost
 
     cls = import_class(recipe.model_class)
@@ -29,7 +29,7 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> Me
         raise ValueError(f"{recipe.model_class} declares no estimate_shape(model, data, *, micro_batch_size, "
                          f"global_batch_size) (lightning_megatron.protocols.EstimatesCost): --estimate-memory and "
                          f"--estimate-time need its sizes; layout parity (check without them) works for any module")
-    model = {**recipe.model, **(recipe.dropout if training else {})}
+    model = with_dropout(recipe.model, recipe.dropout) if training else recipe.model
     shape = cls.estimate_shape(model, recipe.data, micro_batch_size=recipe.micro_batch_size,
                                global_batch_size=recipe.global_batch_size)
     if isinstance(shape, ModelShape):

@@ -2,8 +2,10 @@
 
 The check takes the recipe's ``model`` and ``data`` sections: the classes they name by ``class_path``
 (any LightningModule following the strategy's contract, any LightningDataModule), else
-BertLightningModule and BertDataModule, imported by name only when built. It turns dropout off (every
-constructor argument of the module named ``*dropout``), and keeps, of the Trainer's callbacks,
+BertLightningModule and BertDataModule. It turns dropout off (every constructor argument of the
+module named ``*dropout``, and every such field of a language model's config record, ``config.*dropout``),
+refuses a model argument written where it was before it moved (``num_layers`` -> ``config.num_layers``),
+and keeps, of the Trainer's callbacks,
 those that change the update: ``MegatronOptimizerCallback`` (clipping, loss scaling) and
 ``OptimizerParamSchedulerCallback`` (learning rate, weight decay). Loggers, checkpointing and throughput callbacks are left out. Only
 classes of ``lightning_megatron.callbacks`` are built from a recipe.
@@ -11,6 +13,7 @@ classes of ``lightning_megatron.callbacks`` are built from a recipe.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -21,10 +24,9 @@ from typing import Any
 import yaml
 
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.check.memory import DEFAULT_DROPOUT
 from lightning_megatron.recipes import read_recipe, refuse_moved_class_paths
 
-__all__ = ["RecipeCheck", "load_recipe", "parse_overrides"]
+__all__ = ["RecipeCheck", "load_recipe", "parse_overrides", "with_dropout"]
 
 _SECTIONS = {"megatron_optimizer": "MegatronOptimizerCallback", "lr_schedule": "OptimizerParamSchedulerCallback"}
 """The recipe sections the CLI turns into callbacks (see lightning_megatron.cli)."""
@@ -73,8 +75,8 @@ class RecipeCheck:
     data_class: str = BERT_DATA
     """The datamodule's class path (the recipe's ``data.class_path``)."""
     dropout: dict[str, float] = field(default_factory=dict)
-    """The recipe's own ``hidden_dropout`` and ``attention_dropout`` (what training uses; the memory
-    estimate of ``--gpus`` counts their masks)."""
+    """The recipe's own dropout probabilities by argument (``config.hidden_dropout``, ...: what training
+    uses; the memory estimate of ``--gpus`` counts their masks)."""
     data: dict[str, Any]
     """The datamodule's arguments."""
     callbacks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -103,9 +105,51 @@ class RecipeCheck:
         return int(self.data.get("micro_batch_size", 8))
 
 
+def _get(arguments: dict[str, Any], path: str, default: Any = None) -> Any:
+    """``arguments["config"]["num_layers"]`` for ``path="config.num_layers"`` (``default`` when absent)."""
+    *parents, leaf = path.split(".")
+    for part in parents:
+        arguments = arguments.get(part) or {}
+    return arguments.get(leaf, default)
+
+
+def _set(arguments: dict[str, Any], path: str, value: Any) -> None:
+    """``arguments["config"]["num_layers"] = value`` for ``path="config.num_layers"`` (mappings made on the way)."""
+    *parents, leaf = path.split(".")
+    for part in parents:
+        arguments[part] = dict(arguments.get(part) or {})
+        arguments = arguments[part]
+    arguments[leaf] = value
+
+
+def with_dropout(model: dict[str, Any], dropout: dict[str, float]) -> dict[str, Any]:
+    """A copy of the module's arguments ``model`` with the dropout probabilities ``dropout`` (a
+    :class:`RecipeCheck`'s: the recipe's own, which the check turns off) put back where they live."""
+    model = copy.deepcopy(model)
+    for where, p in dropout.items():
+        _set(model, where, p)
+    return model
+
+
+def _dropout_arguments(cls: type) -> dict[str, float]:
+    """Where ``cls`` takes a dropout probability -> its default: constructor arguments named ``*dropout``,
+    and the ``*dropout`` fields of a language model's config record (``config.hidden_dropout``)."""
+    import dataclasses
+
+    from lightning_megatron.language.module import LanguageLightningModule
+
+    out = {k: p.default for k, p in _arguments(cls).items()
+           if k.endswith("dropout") and isinstance(p.default, (int, float))}
+    if issubclass(cls, LanguageLightningModule):
+        out.update({f"config.{f.name}": f.default for f in dataclasses.fields(cls.config_class)
+                    if f.name.endswith("dropout") and isinstance(f.default, (int, float))})
+    return out
+
+
 def parse_overrides(args: list[str], prefixes: tuple[str, ...] = ("model", "data")) -> dict[str, dict[str, Any]]:
-    """``["--model.num_layers", "24", "--data.micro_batch_size=4"]`` ->
-    ``{"model": {"num_layers": 24}, "data": {"micro_batch_size": 4}}`` (values read as YAML)."""
+    """``["--model.config.num_layers", "24", "--data.micro_batch_size=4"]`` ->
+    ``{"model": {"config.num_layers": 24}, "data": {"micro_batch_size": 4}}`` (values read as YAML; a
+    dotted name sets a field of a record, :func:`load_recipe`)."""
     out: dict[str, dict[str, Any]] = {p: {} for p in prefixes}
     written = " or ".join(f"--{p}.NAME VALUE" for p in prefixes)
     i = 0
@@ -131,24 +175,34 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
                 data_overrides: dict[str, Any] | None = None) -> RecipeCheck:
     """Read a recipe (``yaml.safe_load``, no code runs; with its ``base:`` recipes); dropout is turned off,
     and ``defer_embedding_wgrad_compute`` (the schedule's business, not the math's)."""
+    from lightning_megatron.module import MegatronLightningModule
+
     cfg = read_recipe(path)
     refuse_moved_class_paths(cfg, f"recipe {str(path)!r}")
     model_class, model = _section(cfg.get("model"))
-    model.update(model_overrides or {})
+    spelled = "model.init_args." if model_class else "model."
     data_class, data = _section(cfg.get("data"))
     data.update(data_overrides or {})
     model_class, data_class = model_class or BERT_MODULE, data_class or BERT_DATA
-    if model_class == BERT_MODULE:
-        dropout = {k: float(model.get(k, DEFAULT_DROPOUT)) for k in ("hidden_dropout", "attention_dropout")}
-        model.update(hidden_dropout=0.0, attention_dropout=0.0)
-    else:  # every float argument named *dropout, at its value or default
-        dropout = {k: float(model.get(k, p.default)) for k, p in _arguments(import_class(model_class)).items()
-                   if k.endswith("dropout") and isinstance(model.get(k, p.default), (int, float))}
-        model.update({k: 0.0 for k in dropout})
+    cls = import_class(model_class)
+    if issubclass(cls, MegatronLightningModule):  # an argument where it was before it moved: say where it is now
+        problems = cls.moved_argument_problems(model, spelled)
+        problems += cls.moved_argument_problems(model_overrides or {}, "--model.")
+        if problems:
+            raise ValueError(f"{cls.__name__}'s architecture is its config record: " + "; ".join(problems))
+    for key, value in (model_overrides or {}).items():
+        _set(model, key, value)
+    dropout = {}  # every dropout probability, at its value or default, then off
+    for where, default in _dropout_arguments(cls).items():
+        value = _get(model, where, default)
+        if isinstance(value, (int, float)):
+            dropout[where] = float(value)
+            _set(model, where, 0.0)
     # A schedule-only option (bitwise equal on or off: tests/test_optimizer_grad_norm.py) that the
     # one-process reference and every layout without pipelining refuse: the check compares the math.
-    if model.get("defer_embedding_wgrad_compute"):
-        model["defer_embedding_wgrad_compute"] = False
+    for where in ("defer_embedding_wgrad_compute", "config.defer_embedding_wgrad_compute"):
+        if _get(model, where):
+            _set(model, where, False)
     trainer = cfg.get("trainer") or {}
     kept, skipped = [], []
     for cb in trainer.get("callbacks") or []:
@@ -220,17 +274,23 @@ def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: Paralle
 
 def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[str, Any]:
     """Prepare the data once here (the corpus cache), then the picklable factories of :func:`check_layouts`.
-    A module taking ``vocab_size`` gets the datamodule's when the recipe leaves it unset."""
+    A module taking ``vocab_size`` (or a config record with one) gets the datamodule's when the recipe
+    leaves it unset."""
+    from lightning_megatron.language.module import LanguageLightningModule
+
     data_cls = import_class(recipe.data_class)
     dm = data_cls(**recipe.data)
     dm.prepare_data()
-    model = dict(recipe.model)
-    if model.get("vocab_size") is None and "vocab_size" in _arguments(import_class(recipe.model_class)):
+    model = copy.deepcopy(recipe.model)
+    model_cls = import_class(recipe.model_class)
+    where = ("config.vocab_size" if issubclass(model_cls, LanguageLightningModule)
+             else "vocab_size" if "vocab_size" in _arguments(model_cls) else None)
+    if where is not None and _get(model, where) is None:
         vocab = getattr(dm, "vocab_size", None)
         if vocab is None:
             raise ValueError(f"{recipe.model_class} takes vocab_size, the recipe leaves it unset and "
-                             f"{recipe.data_class} has no vocab_size: set --model.vocab_size")
-        model["vocab_size"] = int(vocab)
+                             f"{recipe.data_class} has no vocab_size: set --model.{where}")
+        _set(model, where, int(vocab))
     return dict(module_factory=functools.partial(build_module, recipe.model_class, model),
                 dataset_factory=functools.partial(build_dataset, recipe.data_class, recipe.data,
                                                   steps * global_batch_size),

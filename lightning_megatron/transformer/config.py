@@ -13,12 +13,20 @@ import torch
 
 from lightning_megatron.flops import transformer_flops
 
-__all__ = ["TransformerConfig", "ACTIVATIONS", "NORMALIZATIONS", "training_flops"]
+__all__ = ["TransformerConfig", "ACTIVATIONS", "NORMALIZATIONS", "PARAMS_DTYPES", "dtype_name", "training_flops"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 """Supported MLP activations: exact erf GELU (Hugging Face "gelu"), tanh-approximated GELU, ReLU, SiLU."""
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The parameter dtypes by name (as a recipe writes them; the short names are aliases)."""
+DtypeName = Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a recipe writes for a parameter dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(kw_only=True)
@@ -60,8 +68,9 @@ class TransformerConfig:
     """Whether the linear layers of attention and MLP have biases (BERT: yes)."""
     init_method_std: float = 0.02
     """Std of the N(0, std^2) weight init; output projections use std / sqrt(2 * num_layers)."""
-    params_dtype: torch.dtype = torch.float32
-    """Dtype of the parameters (float32, bfloat16 or float16)."""
+    params_dtype: DtypeName | torch.dtype = "float32"
+    """Dtype of the parameters: "float32", "bfloat16" or "float16" ("fp32", "bf16", "fp16" too) or the
+    torch dtype; a name becomes the dtype (so ``config.params_dtype`` is always a ``torch.dtype``)."""
     tensor_model_parallel_size: int = 1
     """TP size t the model is built for (must equal the size of the tp_group given to the model)."""
     sequence_parallel: bool = False
@@ -133,8 +142,11 @@ class TransformerConfig:
         if self.attention_backend not in ("auto", "sdpa", "unfused"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; "
                              "use 'auto', 'sdpa' or 'unfused'")
-        if self.params_dtype not in _DTYPES:
-            raise ValueError(f"params_dtype={self.params_dtype} is not supported; use one of {_DTYPES}")
+        if isinstance(self.params_dtype, str) and self.params_dtype in PARAMS_DTYPES:
+            self.params_dtype = PARAMS_DTYPES[self.params_dtype]
+        if self.params_dtype not in set(PARAMS_DTYPES.values()):
+            raise ValueError(f"params_dtype={self.params_dtype!r} is not supported; use one of "
+                             f"{sorted(PARAMS_DTYPES)} (or the torch dtype)")
         for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not

@@ -1,9 +1,10 @@
-"""BERT built from ModuleSpecs: the model, its registered layer specs, and Hugging Face conversion."""
+"""BERT built from ModuleSpecs: the model, its config record, its registered layer specs, and Hugging Face
+conversion (the LightningModule: ``lightning_megatron.models.bert.module.BertLightningModule``)."""
 
 from __future__ import annotations
 
+from lightning_megatron.models.bert.config import BertConfig
 from lightning_megatron.models.bert.model import (
-    BertEmbedding,
     BertLMHead,
     BertModel,
     Pooler,
@@ -19,6 +20,6 @@ from lightning_megatron.models.bert.specs import (
 )
 
 __all__ = [
-    "BertModel", "BertEmbedding", "BertLMHead", "Pooler", "bert_attention_mask", "bert_loss", "count_parameters",
+    "BertConfig", "BertModel", "BertLMHead", "Pooler", "bert_attention_mask", "bert_loss", "count_parameters",
     "bert_layer_local_spec", "bert_layer_post_norm_spec", "bert_layer_rmsnorm_spec", "bert_layer_spec",
 ]

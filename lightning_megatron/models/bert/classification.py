@@ -43,16 +43,16 @@ class BertClassificationModule(BertLightningModule):
             ``finetune`` CLI takes it from the datamodule (``data.num_classes``).
         classifier_dropout: dropout on the pooled representation before the classifier.
         Others: as :class:`BertLightningModule` (``init_from`` points at the pretrained model; its
-            pooler is used when it has one, ``add_binary_head`` must stay True for the pooler).
+            pooler is used when it has one, ``config.add_binary_head`` must stay True for the pooler).
     """
 
     def __init__(self, *, num_classes: int = 2, classifier_dropout: float = 0.1, **kwargs: Any) -> None:
         if num_classes < 1:
             raise ValueError(f"num_classes={num_classes} must be >= 2 for classification, or 1 for regression")
-        if not kwargs.get("add_binary_head", True):
-            raise ValueError("BertClassificationModule pools with the pretraining pooler: keep add_binary_head=True")
-        super().__init__(**kwargs)
-        self.save_hyperparameters()
+        super().__init__(**kwargs)  # saves num_classes and classifier_dropout with the rest
+        if not self.config.add_binary_head:
+            raise ValueError("BertClassificationModule pools with the pretraining pooler: keep "
+                             "config.add_binary_head=True")
 
     @override
     def on_chunks_built(self) -> None:

@@ -42,7 +42,8 @@ ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
                      "lm_head_activation", "layernorm_epsilon", "max_sequence_length", "vocab_size")
 """Module arguments a source fixes (checked by :func:`check_architecture`)."""
 
-MISSING_TENSORS_HINT = "is the spec right (post-norm Hugging Face BERT needs --model.spec bert_layer_post_norm_spec)?"
+MISSING_TENSORS_HINT = ("is the spec right (post-norm Hugging Face BERT needs --model.config.spec "
+                        "bert_layer_post_norm_spec)?")
 
 HF_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
 """Our ``activation`` -> transformers' ``hidden_act``."""
@@ -289,4 +290,4 @@ def architecture_conflicts(hparams: dict[str, Any], source: dict[str, Any]) -> l
 
 def check_architecture(hparams: dict[str, Any], source: dict[str, Any], source_name: str) -> None:
     """Raise listing every module argument that differs from what the source needs."""
-    refuse_architecture(architecture_conflicts(hparams, source), source_name)
+    refuse_architecture(architecture_conflicts(hparams, source), source_name, flag_prefix="--model.config.")

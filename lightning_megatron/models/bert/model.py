@@ -15,32 +15,17 @@ No Lightning imports here: the LightningModule wraps this.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_megatron.parallel_state import Group, group_size
-from lightning_megatron.tensor_parallel import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    gather_from_sequence_parallel_region,
-    init_method_normal,
-    mark_replicated,
-    pad_vocab_size,
-    scatter_to_sequence_parallel_region,
-    set_param_facts,
-    vocab_parallel_cross_entropy,
-)
-from lightning_megatron.tensor_parallel.backward import defer_output_layer_weight_grad
-from lightning_megatron.tensor_parallel.random import get_rng_tracker
+from lightning_megatron.language.model import LanguageModelEmbedding, LanguageModule
+from lightning_megatron.parallel_state import Group
+from lightning_megatron.tensor_parallel import gather_from_sequence_parallel_region, init_method_normal, pad_vocab_size
 from lightning_megatron.transformer import (
-    Dropout,
     ModuleSpec,
     TransformerBlock,
     TransformerConfig,
-    TransformerLayer,
     build_module,
     get_activation_func,
     get_spec,
@@ -51,8 +36,7 @@ from lightning_megatron.transformer import (
     seeded,
 )
 
-__all__ = ["BertModel", "BertEmbedding", "Pooler", "BertLMHead", "bert_loss", "count_parameters",
-           "bert_attention_mask"]
+__all__ = ["BertModel", "Pooler", "BertLMHead", "bert_loss", "count_parameters", "bert_attention_mask"]
 
 
 def _resolve_spec(spec: ModuleSpec | str) -> ModuleSpec:
@@ -71,56 +55,6 @@ def bert_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     loss mask ignores.
     """
     return (attention_mask == 0).view(attention_mask.size(0), 1, 1, attention_mask.size(1))
-
-
-class BertEmbedding(nn.Module):
-    """word (vocab-parallel) + position + token type -> [norm] -> dropout. [b, s] -> [s, b, h].
-
-    The norm exists for post-norm specs (Hugging Face's ``embeddings.LayerNorm``). Under sequence
-    parallelism the sum is scattered along s first, so the norm and dropout run on [s/t, b, h],
-    and the dropout draws from the per-rank model-parallel stream (different chunks per rank).
-    """
-
-    def __init__(self, config: TransformerConfig, padded_vocab_size: int, max_sequence_length: int,
-                 num_tokentypes: int, *, tp_group: Group, norm: ModuleSpec | type | None,
-                 seed: int) -> None:
-        super().__init__()
-        self.config, self.tp_group = config, tp_group
-        init = init_method_normal(config.init_method_std)
-        with seeded(seed, "embedding.word_embeddings"):
-            self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp_group=tp_group,
-                                                          init_method=init, params_dtype=config.params_dtype)
-        with seeded(seed, "embedding.position_embeddings"):
-            self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size,
-                                                    dtype=config.params_dtype)
-            init(self.position_embeddings.weight.data)
-        self.tokentype_embeddings = None
-        if num_tokentypes > 0:
-            with seeded(seed, "embedding.tokentype_embeddings"):
-                self.tokentype_embeddings = nn.Embedding(num_tokentypes, config.hidden_size, dtype=config.params_dtype)
-                init(self.tokentype_embeddings.weight.data)
-        self.layernorm = None if norm is None else build_module(norm, config=config, hidden_size=config.hidden_size,
-                                                                eps=config.layernorm_epsilon)
-        self.embedding_dropout = Dropout(config.hidden_dropout)
-
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
-                token_types: torch.Tensor | None = None) -> torch.Tensor:
-        embeddings = self.word_embeddings(tokens) + self.position_embeddings(position_ids)  # [b, s, h]
-        if self.tokentype_embeddings is not None:
-            if token_types is None:
-                token_types = torch.zeros_like(tokens)
-            embeddings = embeddings + self.tokentype_embeddings(token_types)
-        elif token_types is not None:
-            raise ValueError("token_types given but the model was built with num_tokentypes=0")
-        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.config.sequence_parallel:
-            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/t, b, h]
-        if self.layernorm is not None:
-            embeddings = self.layernorm(embeddings)
-        if self.config.sequence_parallel and self.training and self.embedding_dropout.p > 0:
-            with get_rng_tracker().fork():
-                return self.embedding_dropout(embeddings)
-        return self.embedding_dropout(embeddings)
 
 
 class Pooler(nn.Module):
@@ -165,8 +99,12 @@ class BertLMHead(nn.Module):
         return self.layer_norm(self.activation_func(self.dense(hidden_states)))
 
 
-class BertModel(nn.Module):
+class BertModel(LanguageModule):
     """BERT built from a layer spec (a ModuleSpec or a registered name), for one pipeline chunk.
+
+    A :class:`~lightning_megatron.language.LanguageModule` (the checks of a chunk's place, the
+    vocabulary and its padding, the tied output layer, the parameter facts, ``set_input_tensor``,
+    ``compile_layers``); BERT's own: token types, the encoder, the LM head and the pooler + binary head.
 
     Args:
         config: sizes and options; ``config.tensor_model_parallel_size`` must equal the size of ``tp_group``.
@@ -183,53 +121,34 @@ class BertModel(nn.Module):
             ``lm_head_activation="gelu"`` (exact) in the head.
     """
 
+    block_name = "encoder"
+
     def __init__(self, config: TransformerConfig, spec: ModuleSpec | str, vocab_size: int, max_sequence_length: int,
                  *, tp_group: Group = None, num_tokentypes: int = 2, add_binary_head: bool = True,
                  pre_process: bool = True, post_process: bool = True,
                  share_embeddings_and_output_weights: bool = True, layer_range: range | None = None,
                  make_vocab_size_divisible_by: int = 128, seed: int = 1234,
                  lm_head_activation: str | None = None) -> None:
-        super().__init__()
-        t = group_size(tp_group)
-        if t != config.tensor_model_parallel_size:
-            raise ValueError(f"tensor_model_parallel_size={config.tensor_model_parallel_size} in the config but the "
-                             f"tp_group has {t} ranks; set config.tensor_model_parallel_size={t}")
-        layer_range = range(config.num_layers) if layer_range is None else layer_range
-        if pre_process and layer_range.start != 0:
-            raise ValueError(f"layer_range={layer_range}: the chunk with pre_process=True must start at layer 0")
-        if post_process and layer_range.stop != config.num_layers:
-            raise ValueError(f"layer_range={layer_range}: the chunk with post_process=True must end at "
-                             f"num_layers={config.num_layers}")
+        super().__init__(config, vocab_size, max_sequence_length, tp_group=tp_group, pre_process=pre_process,
+                         post_process=post_process, layer_range=layer_range,
+                         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                         make_vocab_size_divisible_by=make_vocab_size_divisible_by, seed=seed)
         spec = _resolve_spec(spec)
-        self.config, self.spec, self.tp_group = config, spec, tp_group
-        self.vocab_size = vocab_size
-        self.padded_vocab_size = pad_vocab_size(vocab_size, t, make_vocab_size_divisible_by)
-        self.max_sequence_length = max_sequence_length
-        self.pre_process, self.post_process = pre_process, post_process
+        self.spec = spec
         self.add_binary_head = add_binary_head
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         post_norm = norm_placement(spec) == "post"
         norm = layer_norm_spec(spec)  # the LM head (and the embeddings, if post-norm) use the layers' norm
 
         if pre_process:
-            self.embedding = BertEmbedding(config, self.padded_vocab_size, max_sequence_length, num_tokentypes,
-                                           tp_group=tp_group, norm=norm if post_norm else None, seed=seed)
-        self.encoder = TransformerBlock(config, spec, tp_group=tp_group, layer_range=layer_range,
+            self.embedding = LanguageModelEmbedding(config, self.padded_vocab_size, max_sequence_length,
+                                                    tp_group=tp_group, seed=seed, num_tokentypes=num_tokentypes,
+                                                    norm=norm if post_norm else None)
+        self.encoder = TransformerBlock(config, spec, tp_group=tp_group, layer_range=self.layer_range,
                                         pre_process=pre_process, post_process=post_process, seed=seed)
         if post_process:
             with seeded(seed, "lm_head"):
                 self.lm_head = BertLMHead(config, norm, lm_head_activation)
-            # Tied: the embedding's weight is passed in forward, unless this chunk has no embedding
-            # (pipeline last stage): then it owns a copy drawn from the embedding's own stream.
-            owns_weight = not (pre_process and share_embeddings_and_output_weights)
-            key = "embedding.word_embeddings" if share_embeddings_and_output_weights else "output_layer"
-            with seeded(seed, key):
-                self.output_layer = ColumnParallelLinear(
-                    config.hidden_size, self.padded_vocab_size, tp_group=tp_group, bias=True, gather_output=False,
-                    init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
-                    params_dtype=config.params_dtype, skip_weight_param_allocation=not owns_weight)
-            defer_output_layer_weight_grad(self.output_layer, config.defer_embedding_wgrad_compute,
-                                           pre_process=pre_process)
+            self.build_output_layer(bias=True)
             if add_binary_head:
                 with seeded(seed, "pooler"):
                     self.pooler = Pooler(config, tp_group)
@@ -237,18 +156,7 @@ class BertModel(nn.Module):
                     self.binary_head = nn.Linear(config.hidden_size, 2, dtype=config.params_dtype)
                     init_method_normal(config.init_method_std)(self.binary_head.weight.data)
                     nn.init.zeros_(self.binary_head.bias.data)
-        if share_embeddings_and_output_weights and (pre_process or post_process):
-            # The strategy all-reduces this grad over the embedding group (first + last stage).
-            set_param_facts(self.shared_embedding_or_output_weight(), shared_embedding=True)
-        mark_replicated(self.parameters())  # the rest (norms, position embeddings, heads) replicated over TP
-
-    def shared_embedding_or_output_weight(self) -> nn.Parameter:
-        """The word-embedding weight [V_padded/t, h] this chunk holds (its own copy on a last stage)."""
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.post_process and self.output_layer.weight is not None:
-            return self.output_layer.weight
-        raise ValueError("this chunk holds no word embedding (pre_process=False and post_process=False)")
+        self.finish_parameters()
 
     def _masked_lm_logits(self, hidden_states: torch.Tensor, lm_positions: torch.Tensor,
                           weight: torch.Tensor | None) -> torch.Tensor:
@@ -269,23 +177,6 @@ class BertModel(nn.Module):
         full = gather_from_sequence_parallel_region(hidden_states, self.tp_group, True)  # [s, b, h]
         selected = full.transpose(0, 1)[lm_positions].unsqueeze(1)
         return self.output_layer.apply_weight(self.lm_head(selected), weight)
-
-    def compile_layers(self, **options: Any) -> int:
-        """Regional compilation: ``torch.compile`` the forward of every transformer layer in place.
-
-        Layers share their code and shapes, so the compiled graph is reused across them (a few
-        seconds of compilation instead of minutes for the whole model). Returns the number of layers.
-        """
-        layers = [m for m in self.modules() if isinstance(m, TransformerLayer)]
-        for layer in layers:
-            layer.compile(**options)
-        return len(layers)
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
-        """Pipeline hook: the [s, b, h] input of a chunk with ``pre_process=False``."""
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0] if input_tensor else None
-        self.encoder.set_input_tensor(input_tensor)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, token_types: torch.Tensor | None = None,
                 lm_labels: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None,
@@ -321,20 +212,17 @@ class BertModel(nn.Module):
                 return gather_from_sequence_parallel_region(hidden_states, self.tp_group, False)
             return hidden_states
         binary_logits = self.binary_head(self.pooler(hidden_states)) if self.add_binary_head else None
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        weight = self.output_weight()
         if lm_positions is not None:
             logits = self._masked_lm_logits(hidden_states, lm_positions, weight).squeeze(1)  # [n, V/t]
             if lm_labels is None:
                 return logits, binary_logits
-            lm_loss = vocab_parallel_cross_entropy(logits, lm_labels[lm_positions], tp_group=self.tp_group,
-                                                   vocab_size=self.vocab_size)
-            return lm_loss, binary_logits
+            return self.compute_language_model_loss(lm_labels[lm_positions], logits), binary_logits
         logits, _ = self.output_layer(self.lm_head(hidden_states), weight=weight)  # [s, b, V/t]
         logits = logits.transpose(0, 1).contiguous()  # [b, s, V/t]
         if lm_labels is None:
             return logits, binary_logits
-        lm_loss = vocab_parallel_cross_entropy(logits, lm_labels, tp_group=self.tp_group, vocab_size=self.vocab_size)
-        return lm_loss, binary_logits
+        return self.compute_language_model_loss(lm_labels, logits), binary_logits
 
 
 def bert_loss(lm_loss_per_token: torch.Tensor, loss_mask: torch.Tensor, binary_logits: torch.Tensor | None = None,

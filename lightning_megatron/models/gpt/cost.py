@@ -16,15 +16,21 @@ formulas) with what a decoder layer and its ends hold instead (:class:`~lightnin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.check.memory import ModelShape
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from lightning_megatron.models.gpt.config import GPTConfig
 
 __all__ = ["DecoderShape"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderShape(ModelShape):
-    """A decoder's sizes (GPTLightningModule's arguments plus the batch)."""
+    """A decoder's sizes (GPTLightningModule's config record plus the batch)."""
 
     num_query_groups: int | None = None
     """Key/value heads (None: one per query head)."""
@@ -35,6 +41,15 @@ class DecoderShape(ModelShape):
     untie_embeddings_and_output_weights: bool = False
     learned_positions: bool = True
     family: str = "gpt"
+
+    @classmethod
+    def from_config(cls, config: GPTConfig, **shape: Any) -> Self:  # type: ignore[override]
+        """:meth:`ModelShape.from_config` with the decoder's fields of a ``GPTConfig``."""
+        decoder = dict(num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
+                       gated_linear_unit=config.gated_linear_unit, add_bias_linear=config.add_bias_linear,
+                       untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
+                       learned_positions=config.position_embedding_type == "learned_absolute")
+        return super().from_config(config, **{**decoder, **shape})
 
     @property
     def head_dim(self) -> int:

@@ -1,6 +1,7 @@
 """GPTModel: embedding -> TransformerBlock of causal layers -> final norm -> output layer (vocab-parallel).
 
-megatron-core's ``GPTModel`` with the local spec, built per pipeline chunk as our ``BertModel``:
+megatron-core's ``GPTModel`` with the local spec, a :class:`~lightning_megatron.language.LanguageModule`
+(the chunk's place, vocabulary, tied output layer, parameter facts and pipeline hooks) built per pipeline chunk:
 
     tokens [b, s] -> word embeddings (vocab-parallel) [+ learned positions] -> dropout   [s, b, h]
                   -> layers (causal self-attention, MLP; pre-norm) -> final norm          [s, b, h]
@@ -30,33 +31,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_megatron.parallel_state import group_size
-from lightning_megatron.tensor_parallel import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    init_method_normal,
-    mark_replicated,
-    pad_vocab_size,
-    scatter_to_sequence_parallel_region,
-    set_param_facts,
-    vocab_parallel_cross_entropy,
-)
-from lightning_megatron.tensor_parallel.backward import defer_output_layer_weight_grad
-from lightning_megatron.tensor_parallel.random import get_rng_tracker
-from lightning_megatron.transformer import (
-    Dropout,
-    ModuleSpec,
-    TransformerBlock,
-    TransformerConfig,
-    TransformerLayer,
-    get_spec,
-    seeded,
-)
+from lightning_megatron.language.model import LanguageModelEmbedding, LanguageModule
+from lightning_megatron.parallel_state import Group
+from lightning_megatron.transformer import ModuleSpec, TransformerBlock, TransformerConfig, get_spec
 
-__all__ = ["GPTEmbedding", "GPTModel", "POSITION_EMBEDDING_TYPES", "gpt_loss"]
+__all__ = ["GPTModel", "POSITION_EMBEDDING_TYPES", "gpt_loss"]
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
@@ -70,43 +51,7 @@ def _resolve_spec(spec: ModuleSpec | str) -> ModuleSpec:
     return spec
 
 
-class GPTEmbedding(nn.Module):
-    """word (vocab-parallel) [+ learned absolute position] -> dropout. [b, s] -> [s, b, h].
-
-    Under sequence parallelism the sum is scattered along s first, so dropout runs on [s/t, b, h]
-    and draws from the per-rank model-parallel stream.
-    """
-
-    def __init__(self, config: TransformerConfig, padded_vocab_size: int, max_sequence_length: int, *,
-                 tp_group: dist.ProcessGroup | None, learned_positions: bool, seed: int) -> None:
-        super().__init__()
-        self.config, self.tp_group = config, tp_group
-        init = init_method_normal(config.init_method_std)
-        with seeded(seed, "embedding.word_embeddings"):
-            self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp_group=tp_group,
-                                                          init_method=init, params_dtype=config.params_dtype)
-        self.position_embeddings = None
-        if learned_positions:
-            with seeded(seed, "embedding.position_embeddings"):
-                self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size,
-                                                        dtype=config.params_dtype)
-                init(self.position_embeddings.weight.data)
-        self.embedding_dropout = Dropout(config.hidden_dropout)
-
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        embeddings = self.word_embeddings(tokens)  # [b, s, h]
-        if self.position_embeddings is not None:
-            embeddings = embeddings + self.position_embeddings(position_ids)
-        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.config.sequence_parallel:
-            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/t, b, h]
-            if self.training and self.embedding_dropout.p > 0:
-                with get_rng_tracker().fork():
-                    return self.embedding_dropout(embeddings)
-        return self.embedding_dropout(embeddings)
-
-
-class GPTModel(nn.Module):
+class GPTModel(LanguageModule):
     """A causal decoder LM built from a layer spec (a ModuleSpec or a registered name), for one pipeline chunk.
 
     Args:
@@ -124,61 +69,39 @@ class GPTModel(nn.Module):
         seed: the base of every submodule's init stream.
     """
 
+    block_name = "decoder"
+
     def __init__(self, config: TransformerConfig, spec: ModuleSpec | str, vocab_size: int, max_sequence_length: int,
-                 *, tp_group: dist.ProcessGroup | None = None,
+                 *, tp_group: Group = None,
                  position_embedding_type: PositionEmbeddingType = "learned_absolute",
                  share_embeddings_and_output_weights: bool = True, pre_process: bool = True,
                  post_process: bool = True, layer_range: range | None = None, make_vocab_size_divisible_by: int = 128,
                  seed: int = 1234) -> None:
-        super().__init__()
-        t = group_size(tp_group)
-        if t != config.tensor_model_parallel_size:
-            raise ValueError(f"tensor_model_parallel_size={config.tensor_model_parallel_size} in the config but the "
-                             f"tp_group has {t} ranks; set config.tensor_model_parallel_size={t}")
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type={position_embedding_type!r} must be one of "
                              f"{POSITION_EMBEDDING_TYPES}")
-        layer_range = range(config.num_layers) if layer_range is None else layer_range
-        if pre_process and layer_range.start != 0:
-            raise ValueError(f"layer_range={layer_range}: the chunk with pre_process=True must start at layer 0")
-        if post_process and layer_range.stop != config.num_layers:
-            raise ValueError(f"layer_range={layer_range}: the chunk with post_process=True must end at "
-                             f"num_layers={config.num_layers}")
+        super().__init__(config, vocab_size, max_sequence_length, tp_group=tp_group, pre_process=pre_process,
+                         post_process=post_process, layer_range=layer_range,
+                         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                         make_vocab_size_divisible_by=make_vocab_size_divisible_by, seed=seed)
         spec = _resolve_spec(spec)
-        self.config, self.spec, self.tp_group = config, spec, tp_group
-        self.vocab_size = vocab_size
-        self.padded_vocab_size = pad_vocab_size(vocab_size, t, make_vocab_size_divisible_by)
-        self.max_sequence_length = max_sequence_length
+        self.spec = spec
         self.position_embedding_type = position_embedding_type
-        self.pre_process, self.post_process = pre_process, post_process
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
 
         if pre_process:
-            self.embedding = GPTEmbedding(config, self.padded_vocab_size, max_sequence_length, tp_group=tp_group,
-                                          learned_positions=position_embedding_type == "learned_absolute", seed=seed)
+            self.embedding = LanguageModelEmbedding(config, self.padded_vocab_size, max_sequence_length,
+                                                    tp_group=tp_group, seed=seed,
+                                                    learned_positions=position_embedding_type == "learned_absolute")
         # Not a submodule: Lightning's bf16-true casts a module's floating buffers, and inv_freq in bf16
         # would turn position 2048's angles by radians. The fp32 table is made per length and device.
         self._rotary = (self._make_rotary(),) if position_embedding_type == "rope" else ()
         self._rotary_table: torch.Tensor | None = None
-        self.decoder = TransformerBlock(config, spec, tp_group=tp_group, layer_range=layer_range,
+        self.decoder = TransformerBlock(config, spec, tp_group=tp_group, layer_range=self.layer_range,
                                         pre_process=pre_process, post_process=post_process, post_layer_norm=True,
                                         seed=seed, key_prefix="decoder.layers")
         if post_process:
-            # Tied: the embedding's weight is passed in forward, unless this chunk has no embedding
-            # (pipeline last stage): then it owns a copy drawn from the embedding's own stream.
-            owns_weight = not (pre_process and share_embeddings_and_output_weights)
-            key = "embedding.word_embeddings" if share_embeddings_and_output_weights else "output_layer"
-            with seeded(seed, key):
-                self.output_layer = ColumnParallelLinear(
-                    config.hidden_size, self.padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
-                    init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
-                    params_dtype=config.params_dtype, skip_weight_param_allocation=not owns_weight)
-            defer_output_layer_weight_grad(self.output_layer, config.defer_embedding_wgrad_compute,
-                                           pre_process=pre_process)
-        if share_embeddings_and_output_weights and (pre_process or post_process):
-            # The strategy all-reduces this grad over the embedding group (first + last stage).
-            set_param_facts(self.shared_embedding_or_output_weight(), shared_embedding=True)
-        mark_replicated(self.parameters())  # the rest (norms, position embeddings) replicated over TP
+            self.build_output_layer(bias=False)
+        self.finish_parameters()
 
     def _make_rotary(self) -> nn.Module:
         from lightning_megatron.transformer.rotary import RotaryEmbedding
@@ -193,27 +116,6 @@ class GPTModel(nn.Module):
             table = self._rotary[0](max(offset + seq_length, self.max_sequence_length)).to(device)
             self._rotary_table = table
         return table[offset: offset + seq_length]
-
-    def shared_embedding_or_output_weight(self) -> nn.Parameter:
-        """The word-embedding weight [V_padded/t, h] this chunk holds (its own copy on a last stage)."""
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.post_process and self.output_layer.weight is not None:
-            return self.output_layer.weight
-        raise ValueError("this chunk holds no word embedding (pre_process=False and post_process=False)")
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
-        """Pipeline hook: the [s, b, h] input of a chunk with ``pre_process=False``."""
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0] if input_tensor else None
-        self.decoder.set_input_tensor(input_tensor)
-
-    def compile_layers(self, **options: Any) -> int:
-        """Regional compilation: ``torch.compile`` every transformer layer's forward in place."""
-        layers = [m for m in self.modules() if isinstance(m, TransformerLayer)]
-        for layer in layers:
-            layer.compile(**options)
-        return len(layers)
 
     def _decode(self, hidden_states: torch.Tensor | None, tokens: torch.Tensor, position_offset: int,
                 inference_context: Any) -> torch.Tensor:
@@ -248,12 +150,11 @@ class GPTModel(nn.Module):
         hidden_states = self._decode(hidden_states, tokens, position_offset, inference_context)
         if not self.post_process:
             return hidden_states
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, V/t]
+        logits, _ = self.output_layer(hidden_states, weight=self.output_weight())  # [s, b, V/t]
         logits = logits.transpose(0, 1).contiguous()  # [b, s, V/t]
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.vocab_size)
+        return self.compute_language_model_loss(labels, logits)
 
 
 def gpt_loss(loss_per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,284 @@
+"""LanguageLightningModule: the language-model half every model family's LightningModule shares.
+
+A :class:`~lightning_megatron.module.MegatronLightningModule` (the strategy's ``parallel_state``,
+chunks built once, steps without the strategy, weights from elsewhere) for models whose chunks are
+:class:`~lightning_megatron.language.model.LanguageModule` s, configured by one record, a
+:class:`~lightning_megatron.language.config.LanguageModelConfig` subclass (``config_class``). Once here:
+
+- the constructor's shared options (seed, the optimizer and its hyper-parameters, ``compile``,
+  ``init_from``, ``--optimizer`` / ``--lr_scheduler``) and the record saved as a plain dict in the
+  hyper-parameters (``hparams["config"]``: a checkpoint loads with ``weights_only=True``);
+- ``build_chunks``: the record at the strategy's layout (a layout field the record sets must agree),
+  the vocabulary (the record's, else the datamodule's), one chunk per virtual pipeline stage from the
+  family's :meth:`build_chunk`, regional compilation;
+- ``sharded_named_parameters`` (global layer numbers), ``pipeline_tensor_shape`` ([s, b, h]; [s/t, b, h]
+  under sequence parallelism);
+- ``forward_step``: predicting, the family's :meth:`predict_forward` (the generation hook: generated
+  tokens, masked-LM top-k, ...), logged as ``predictions``; otherwise the family's :meth:`loss_forward`
+  (the loss hook: the last chunk's loss and its logged statistics);
+- the ``adam`` / ``adamw`` / ``sgd`` default optimizer and its defaults;
+- the hyper-parameters of checkpoints written before the record: the config fields were constructor
+  arguments (``num_layers=...``); :meth:`moved_arguments` maps them into ``config`` (load, resume,
+  export) and the CLI refuses the old spelling, naming the new one.
+
+A family writes ``config_class``, ``build_chunk``, ``loss_forward`` (and ``predict_forward``), what its
+checkpoints and costs need (``architecture_keys``, ``estimate_shape``, ``training_flops``) and its metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from lightning_megatron.language.config import LanguageModelConfig
+from lightning_megatron.language.model import LanguageModule
+from lightning_megatron.module import MegatronLightningModule
+from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.pipeline.layout import ChunkLayout, stage_chunks
+from lightning_megatron.checkpoint import CONFIG_HPARAM
+from lightning_megatron.saved_model import SavedModel
+
+__all__ = ["LanguageLightningModule"]
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+class LanguageLightningModule(MegatronLightningModule):
+    """A language model for the MegatronStrategy, any TP x SP x PP x VP x DP layout (module docstring).
+
+    Args:
+        config: the model's record (``config_class``; None: its defaults), which the module copies. A
+            mapping of its fields is taken too (saved hyper-parameters). The layout fields are the strategy's.
+        init_seed: seed of the layout-independent weight initialization (and of the dropout streams
+            without the MegatronStrategy).
+        optimizer: "adamw", "adam" or "sgd"; ``lr``, ``weight_decay``, ``adam_beta1``, ``adam_beta2``,
+            ``adam_eps``, ``sgd_momentum`` as in torch. The learning rate is usually driven by the
+            OptimizerParamSchedulerCallback.
+        fused_optimizer: torch's fused Adam/AdamW kernel (CPU and CUDA): one pass over all parameters
+            instead of a loop (docs/benchmarks.md, "Figures behind the code").
+        compile: ``torch.compile`` each transformer layer (regional compilation: one compiled region per
+            layer, reused by every layer of the same shapes); equal to eager within fp32 tolerance
+            (tests/test_compile.py). The first steps pay the compilation.
+        init_from: start from pretrained weights (any layout): a lightning_megatron checkpoint directory
+            or a source the family reads (Hugging Face folders, Megatron-LM checkpoints; docs/interop.md).
+            Ignored when a checkpoint is resumed (``ckpt_path``), which restores its own weights.
+        optimizer_class, optimizer_kwargs: any ``torch.optim`` optimizer by name (``torch.optim.SGD``,
+            ``NAdam``...), replacing ``optimizer``; built on the same parameter groups (no weight decay on
+            biases and norms) with ``lr``, ``weight_decay`` and ``optimizer_kwargs``. The CLI sets both from
+            ``--optimizer torch.optim.SGD --optimizer.momentum 0.9`` (docs/recipes.md).
+        lr_scheduler_class, lr_scheduler_kwargs: a ``torch.optim.lr_scheduler`` scheduler by name and its
+            arguments, stepped every optimizer step (CLI: ``--lr_scheduler ...``); not together with the
+            OptimizerParamSchedulerCallback, which also sets the lr.
+
+    Training, validation and test run ``forward_step`` through the strategy's microbatch schedule; a
+    ``training_step`` override is NOT called under the MegatronStrategy (override ``forward_step``
+    instead), and the strategy warns when it finds one.
+    """
+
+    config_class: ClassVar[type[LanguageModelConfig]] = LanguageModelConfig
+    """The family's record: what ``config`` is (``BertConfig``, ``GPTConfig``)."""
+    architecture_flag_prefix = "--model.config."
+
+    def __init__(
+        self,
+        config: LanguageModelConfig | None = None,
+        *,
+        init_seed: int = 1234,
+        optimizer: Literal["adamw", "adam", "sgd"] = "adamw",
+        lr: float = 1e-4,
+        weight_decay: float = 0.01,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
+        adam_eps: float = 1e-8,
+        sgd_momentum: float = 0.9,
+        fused_optimizer: bool = True,
+        compile: bool = False,
+        init_from: str | None = None,
+        optimizer_class: str | None = None,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        lr_scheduler_class: str | None = None,
+        lr_scheduler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} must be 'adamw', 'adam' or 'sgd'")
+        self.config = self.config_class.coerce(config)
+        """The model's record; once the chunks are built, at the strategy's layout (the chunks' config)."""
+        self.vocab_size: int | None = self.config.vocab_size
+        """The real vocabulary: the record's, else (once the chunks are built) the datamodule's."""
+        # Every __init__ of the class chain (a family's and a subclass's arguments too; under LightningCLI
+        # the parsed ones), then the record as a plain dict of its fields (weights_only=True loads it).
+        self.save_hyperparameters()
+        self.save_hyperparameters({**self.hparams, CONFIG_HPARAM: self.config.as_dict()})
+        self.init_seed = init_seed
+        self.use_optimizer(optimizer_class, optimizer_kwargs)
+        self.use_lr_scheduler(lr_scheduler_class, lr_scheduler_kwargs)
+
+    # ------------------------------------------------------------------ what a family writes
+
+    def build_chunk(self, config: LanguageModelConfig, place: ChunkLayout, parallel_state: ParallelState) -> LanguageModule:
+        """The chunk of ``place`` (its global ``layers``, ``pre_process``, ``post_process``) with ``config``
+        at the strategy's layout and ``self.vocab_size`` resolved."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_chunk(config, place, parallel_state)")
+
+    def loss_forward(self, microbatch: Any, chunk: LanguageModule) -> Any:
+        """The loss hook: run ``chunk`` on ``microbatch``; the hidden states on a chunk that does not end the
+        model, ``(loss, {name: scalar tensor to log})`` on the one that does."""
+        raise NotImplementedError(f"{type(self).__name__} must implement loss_forward(microbatch, chunk)")
+
+    def predict_forward(self, microbatch: Any, chunk: LanguageModule) -> Any:
+        """The generation hook: what ``predict`` returns for ``microbatch`` (a tensor or a dict of them) on
+        the chunk that ends the model; the hidden states elsewhere."""
+        raise NotImplementedError(f"{type(self).__name__} does not predict: implement predict_forward")
+
+    # ------------------------------------------------------------------ model
+
+    @override
+    def build_chunks(self, parallel_state: ParallelState) -> list[LanguageModule]:
+        config = self.config.with_layout(parallel_state.tp_size, self.sequence_parallel)
+        self.config = config
+        self.vocab_size = self.resolved_vocab_size()
+        chunks = []
+        for place in stage_chunks(config.num_layers, parallel_state.pp_size, parallel_state.pp_rank,
+                                  parallel_state.vp_size,
+                                  num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
+                                  num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage):
+            chunk = self.build_chunk(config, place, parallel_state)
+            if self.hparams.compile:
+                chunk.compile_layers()
+            chunks.append(chunk)
+        return chunks
+
+    def resolved_vocab_size(self) -> int:
+        """``config.vocab_size``, else the datamodule's ``vocab_size`` (a recipe's ``vocab_size: null`` takes
+        the tokenizer's). Refuses when neither says."""
+        vocab_size = self.config.vocab_size
+        if vocab_size is None:
+            datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            vocab_size = getattr(datamodule, "vocab_size", None)
+            if vocab_size is None:
+                raise ValueError(f"{type(self).__name__}: config.vocab_size is None and the datamodule has no "
+                                 f"vocab_size; set config.vocab_size=... or use a datamodule with a vocab_size")
+        return int(vocab_size)
+
+    @override
+    def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters under layout-independent names: global layer numbers, no chunk index."""
+        assert self.model_chunks is not None, "configure_model has not run"
+        for chunk in self.model_chunks:
+            yield from chunk.global_named_parameters()
+
+    @override
+    def pipeline_tensor_shape(self, microbatch: Mapping[str, torch.Tensor]) -> Sequence[int]:
+        """[s, b, h] exchanged between stages ([s/t, b, h] under sequence parallelism)."""
+        b, s = microbatch["tokens"].shape
+        if self.config.sequence_parallel:
+            s //= self.config.tensor_model_parallel_size
+        return (s, b, self.config.hidden_size)
+
+    # ------------------------------------------------------------------ steps
+
+    @override
+    def forward_step(self, microbatch: Any, chunk: LanguageModule) -> tuple[Any, Any]:
+        """Megatron's forward step: ``(output, loss_func)`` on the chunk that ends the model, ``(output,
+        None)`` elsewhere. Predicting, the loss function logs :meth:`predict_forward`'s output as
+        ``predictions`` (the strategy concatenates them over the microbatches)."""
+        if self._trainer is not None and self.trainer.predicting:
+            output = self.predict_forward(microbatch, chunk)
+            if not chunk.post_process:
+                return output, None
+            device = microbatch["tokens"].device
+
+            def predictions(_: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+                return torch.zeros((), device=device), {"predictions": output}
+
+            return output, predictions
+        output = self.loss_forward(microbatch, chunk)
+        if not chunk.post_process:
+            return output, None
+        loss, stats = output
+
+        def loss_func(value: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return value, {"loss": value.detach(), **stats}
+
+        return loss, loss_func
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """:meth:`predict_forward` of the batch without pipelining (with it, the strategy runs
+        ``forward_step`` over the microbatches and returns the same on the last stage)."""
+        assert self.model_chunks is not None and len(self.model_chunks) == 1, "predict_step runs one chunk"
+        return self.predict_forward(batch, self.model_chunks[0])
+
+    # ------------------------------------------------------------------ optimizer
+
+    @override
+    def optimizer_defaults(self) -> dict[str, float]:
+        return {"lr": self.hparams.lr, "weight_decay": self.hparams.weight_decay}
+
+    @override
+    def default_optimizer(self, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """``optimizer``: "adamw", "adam" or "sgd" with the module's lr, weight decay, betas, eps, momentum."""
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(param_groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
+        cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
+        return cls(param_groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
+                   weight_decay=hp.weight_decay, fused=hp.fused_optimizer or None)
+
+    # ------------------------------------------------------------------ hyper-parameters across versions
+
+    @classmethod
+    @override
+    def moved_arguments(cls) -> dict[str, str]:
+        """Every field of the record was a constructor argument before the record: ``num_layers`` ->
+        ``config.num_layers``."""
+        return {f.name: f"{CONFIG_HPARAM}.{f.name}" for f in dataclasses.fields(cls.config_class) if f.init}
+
+    @classmethod
+    @override
+    def upgrade_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """As the base (flat fields into ``config``), and the record's fields resolved as the record resolves
+        them (``ffn_hidden_size: None`` -> ``4 * hidden_size``, ``params_dtype: bf16`` -> ``bfloat16``): what
+        the module saves, so a checkpoint of either spelling compares field by field with a module."""
+        out = super().upgrade_hparams(hparams)
+        out[CONFIG_HPARAM] = cls.config_class.coerce(out.get(CONFIG_HPARAM) or {}).as_dict()
+        return out
+
+    @classmethod
+    @override
+    def flat_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        config = hparams.get(CONFIG_HPARAM)
+        if isinstance(config, LanguageModelConfig):
+            config = config.as_dict()
+        rest = {k: v for k, v in hparams.items() if k != CONFIG_HPARAM}
+        return {**rest, **(config or {})}
+
+    @classmethod
+    @override
+    def with_overrides(cls, arguments: Mapping[str, Any], overrides: Mapping[str, Any], caller: str) -> dict[str, Any]:
+        """As the base; a ``config`` override is a mapping of the fields it changes (merged into ``arguments``'
+        record), or a whole record."""
+        out = super().with_overrides(arguments, overrides, caller)
+        config, given = arguments.get(CONFIG_HPARAM), overrides.get(CONFIG_HPARAM)
+        if isinstance(given, Mapping) and not isinstance(given, LanguageModelConfig):
+            base = config.as_dict() if isinstance(config, LanguageModelConfig) else dict(config or {})
+            out[CONFIG_HPARAM] = {**base, **given}
+        return out
+
+    @classmethod
+    @override
+    def checkpoint_arguments(cls, saved: SavedModel, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """As the base; a checkpoint whose run read the vocabulary from its datamodule (``vocab_size: None``)
+        gets the embedding's rows (unpadded in checkpoints)."""
+        hparams = super().checkpoint_arguments(saved, overrides)
+        config = hparams[CONFIG_HPARAM]
+        if isinstance(config, Mapping) and config.get("vocab_size") is None and "embedding.word_embeddings.weight" in saved.state_dict:
+            config = {**config, "vocab_size": saved.state_dict["embedding.word_embeddings.weight"].size(0)}
+            hparams[CONFIG_HPARAM] = config
+        return hparams

@@ -1,0 +1,38 @@
+"""BertConfig: BERT's configuration record (what ``BertLightningModule`` builds its chunks from).
+
+No Lightning imports here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_megatron.language.config import LanguageModelConfig
+from lightning_megatron.transformer.config import ACTIVATIONS
+
+__all__ = ["BertConfig"]
+
+
+@dataclass(kw_only=True)
+class BertConfig(LanguageModelConfig):
+    """Megatron's BERT: a :class:`~lightning_megatron.language.LanguageModelConfig` (the TransformerConfig,
+    vocabulary, positions and spec) with BERT's defaults and heads. Written in a recipe as the
+    ``config:`` section of the model (``--model.config.num_layers 12`` on the command line)."""
+
+    spec: str = "bert_layer_local_spec"
+    """A registered layer spec name: ``bert_layer_local_spec`` (pre-norm, as Megatron),
+    ``bert_layer_post_norm_spec`` (post-norm, as Hugging Face), ``bert_layer_rmsnorm_spec``."""
+    layernorm_epsilon: float = 1e-12
+    """Epsilon added to the variance (LayerNorm) or mean square (RMSNorm); BERT's 1e-12."""
+    add_binary_head: bool = True
+    """The pooler and the binary (next-sentence / sentence-order) head on the last stage."""
+    lm_head_activation: Literal["gelu", "gelu_tanh", "relu", "silu"] | None = None
+    """The LM head's activation; None: ``activation``. Megatron-LM models trained with
+    ``--bias-gelu-fusion`` need ``activation=gelu_tanh`` and ``lm_head_activation=gelu``."""
+
+    def __post_init__(self) -> None:
+        if self.lm_head_activation is not None and self.lm_head_activation not in ACTIVATIONS:
+            raise ValueError(f"lm_head_activation={self.lm_head_activation!r} is not supported; use one of "
+                             f"{ACTIVATIONS} or None (the MLP's activation)")
+        super().__post_init__()
