@@ -174,6 +174,7 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit"),
                                                   predicting=self.subcommand == "predict",
                                                   data_class=self.datamodule_class,
+                                                  model_class=self.model_class,
                                                   running=self.subcommand is not None))
             except ConfigError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None

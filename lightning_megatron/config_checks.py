@@ -9,8 +9,10 @@ LightningCLI config holds) and returns the problems, each naming the value and t
 CLI calls it right after parsing, before the Trainer is built; from Python::
 
     from lightning_megatron.config_checks import validate_config
-    validate_config(model_hparams={"config": {"num_attention_heads": 4, "hidden_size": 128}},
-                    strategy_args={"tensor_model_parallel_size": 2}, trainer_args={"devices": 2})
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+    validate_config(model_hparams={"config": {"num_attention_heads": 8, "num_query_groups": 2}},
+                    strategy_args={"tensor_model_parallel_size": 2}, trainer_args={"devices": 2},
+                    model_class=GPTLightningModule)  # the model's rules: its record, built at TP=2
 
 The only files read are those the configuration names (:func:`_check_data_files`: the ``.bin`` /
 ``.idx`` of each ``data_prefix`` exist, the dataset's ``.vocab.json`` matches the tokenizer the
@@ -18,8 +20,9 @@ datamodule will use; ``predict``'s prompts fit the model's positions; a fine-tun
 labelled files; ``ckpt_path`` exists).
 A missing key skips the checks that need it (the defaults of the classes apply later); checks that
 need the world size (``devices x num_nodes``) are skipped when it is not an integer (``"auto"``).
-The same rules are enforced again at set-up by the classes themselves (``TransformerConfig``,
-``MegatronStrategy``, the scheduler): this module only moves the failure earlier.
+Each rule is written once, where the class that enforces it at set-up lives: this module builds the
+records (``ParallelDims``, the model's config record through ``model_class.config_problems``,
+``BatchSizes``, the schedule's rules) or calls their validators, and only moves the failure earlier.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
@@ -139,12 +143,15 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                  scheduler_args: Mapping[str, Any] | None = None, *,
                  has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False,
                  data_class: type | None = None, predicting: bool = False, ckpt_path: Any = None,
-                 running: bool = True) -> list[str]:
+                 running: bool = True, model_class: type | None = None) -> list[str]:
     """Every problem of this configuration, each with the offending values and the fix; [] when none.
 
     ``has_optimizer_callback``: whether a MegatronOptimizerCallback is configured (None: unknown,
     skip the 16-bit-parameters check); ``use_distributed_optimizer``: its ZeRO-1 setting.
-    ``data_class``: the datamodule the data section builds (its packaged tokenizer; a fine-tuning
+    ``model_class``: the LightningModule the model section builds: its records are built here
+    (:meth:`~lightning_megatron.module.MegatronLightningModule.config_problems`: heads, FFN and grouped-query
+    groups against the TP size, ...; every rule where the module enforces it). ``data_class``: the
+    datamodule the data section builds (its packaged tokenizer; a fine-tuning
     section's files are read); ``predicting``: ``predict``'s inputs are checked too (the prompts against
     the positions); ``ckpt_path``: the checkpoint to load must exist; ``running=False`` (the CLI only builds
     its objects, ``run=False``): the fine-tuning files, read by a run only, are not.
@@ -167,6 +174,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                  zero1=bool(has_optimizer_callback and use_distributed_optimizer),
                  schedule=s.get("pipeline_schedule", AUTO))
     layout_problems = parallel_dims_problems(**sizes, world_size=world)
+    # The sizes as the strategy takes them (before the world is known): the model's rules use these even
+    # when the world does not fit them, so that every problem is listed at once.
+    nominal = ParallelDims(**sizes) if not parallel_dims_problems(**sizes) else None
     dims = None
     if not layout_problems:
         dims = ParallelDims(**sizes)
@@ -182,20 +192,10 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     vp = dims.vp if dims is not None else _int(sizes["vp"])
     dp = dims.dp if dims is not None else None
 
-    # --- model sizes against TP / PP
-    heads, hidden = _int(m.get("num_attention_heads")), _int(m.get("hidden_size"))
-    if heads is not None and heads % tp:
-        problems.append(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}; "
-                        f"each TP rank holds whole heads: choose a multiple of {tp} heads or a TP size dividing {heads}")
-    if heads and hidden is not None and hidden % heads and m.get("kv_channels") is None:
-        problems.append(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
-                        f"choose a hidden_size that is a multiple of the head count")
-    ffn = _int(m.get("ffn_hidden_size"))
-    if ffn is None and hidden is not None and m.get("ffn_hidden_size") is None:
-        ffn = 4 * hidden
-    if ffn is not None and ffn % tp:
-        problems.append(f"ffn_hidden_size={ffn} is not divisible by tensor_model_parallel_size={tp}; "
-                        f"choose a multiple of {tp}")
+    # --- the model's records at this layout (heads, FFN, grouped-query groups against TP: the module's rules)
+    if isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule):
+        problems += model_class.config_problems(dict(model_hparams or {}), nominal)
+    # --- the model against the pipeline
     layers = _int(m.get("num_layers"))
     chunks = pp * (vp or 1)
     if layers is not None and chunks > layers:
@@ -447,17 +447,10 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
     return problems
 
 
-def validate_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: Mapping[str, Any] | None = None,
-                    strategy_args: Mapping[str, Any] | None = None, trainer_args: Mapping[str, Any] | None = None,
-                    scheduler_args: Mapping[str, Any] | None = None, *,
-                    has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False,
-                    data_class: type | None = None, predicting: bool = False, ckpt_path: Any = None,
-                    running: bool = True) -> None:
-    """:func:`check_config`, raising one :class:`ConfigError` (a ValueError) that lists every problem."""
-    problems = check_config(model_hparams, data_hparams, strategy_args, trainer_args, scheduler_args,
-                            has_optimizer_callback=has_optimizer_callback,
-                            use_distributed_optimizer=use_distributed_optimizer, data_class=data_class,
-                            predicting=predicting, ckpt_path=ckpt_path, running=running)
+def validate_config(*args: Any, **kwargs: Any) -> None:
+    """:func:`check_config` (the same arguments), raising one :class:`ConfigError` (a ValueError) that lists
+    every problem."""
+    problems = check_config(*args, **kwargs)
     if problems:
         raise ConfigError(problems)
 
@@ -474,13 +467,14 @@ def _init_args(section: Any) -> dict[str, Any]:
 
 
 def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicting: bool = False,
-                    data_class: type | None = None, running: bool = True) -> dict[str, Any]:
+                    data_class: type | None = None, model_class: type | None = None,
+                    running: bool = True) -> dict[str, Any]:
     """The keyword arguments of :func:`check_config` from a parsed LightningCLI config (one subcommand's).
 
     Only a MegatronStrategy configuration is checked: with another strategy this returns ``{}``.
     ``fitting=False`` (validate/test/predict) skips the checks that only matter for training;
-    ``predicting`` adds ``predict``'s. ``data_class``: the datamodule when the data section names none by
-    ``class_path`` (the CLI's default one); ``running=False``: no command runs (see :func:`check_config`).
+    ``predicting`` adds ``predict``'s. ``data_class`` / ``model_class``: the datamodule / LightningModule when
+    the section names none by ``class_path`` (the CLI's default one); ``running=False``: no command runs (see :func:`check_config`).
     """
     c = _plain(config)
     trainer = dict(c.get("trainer") or {})
@@ -513,10 +507,14 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicti
     data = c.get("data")
     if isinstance(data, Mapping) and data.get("class_path"):
         data_class = _imported_class(str(data["class_path"]))
+    model = c.get("model")
+    if isinstance(model, Mapping) and model.get("class_path"):
+        model_class = _imported_class(str(model["class_path"]))
     return dict(model_hparams=_init_args(c.get("model")), data_hparams=_init_args(data),
                 strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
                 has_optimizer_callback=has_optimizer_callback if fitting else None,
-                use_distributed_optimizer=zero1 and fitting, data_class=data_class, predicting=predicting,
+                use_distributed_optimizer=zero1 and fitting, data_class=data_class, model_class=model_class,
+                predicting=predicting,
                 ckpt_path=c.get("ckpt_path"), running=running)
 
 

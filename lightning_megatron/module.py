@@ -57,6 +57,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron.optimizer.param_groups import get_param_groups
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.saved_model import MODULE_CLASS, SavedModel, class_path
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
@@ -152,6 +153,14 @@ class MegatronLightningModule(LightningModule):
             yield from chunk.named_parameters()
 
     # ------------------------------------------------------------------ hyper-parameters across versions
+
+    @classmethod
+    def config_problems(cls, hparams: Mapping[str, Any], dims: ParallelDims | None) -> list[str]:
+        """What is wrong with these constructor arguments at the layout ``dims`` (None: not known yet),
+        found by building the records the module builds (the pre-launch config check asks this, so each
+        rule is written once, where the module enforces it); [] here: a module without records validates
+        itself when it is built."""
+        return []
 
     @classmethod
     def moved_arguments(cls) -> dict[str, str]:

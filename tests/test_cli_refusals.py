@@ -83,8 +83,16 @@ CASES = {
                            None, ["1 configuration problem(s)", "data.train '{train}' row 1 has no column 'labl': "
                                   "its columns are ['label', 'sentence']; set --data.label_key"], []),
     "check_tp3_with_4_heads": (["check", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--layouts", "tp3"], 2,
-                               ["found before starting any process", "layout tp3: num_attention_heads=4 is not "
+                               ["found before starting any process", "layout tp3: model.config: num_attention_heads=4 is not "
                                 "divisible by tensor_model_parallel_size=3"], ["DistributedTestFailure"]),
+    "num_query_groups_against_tp": (  # the decoder's record at the strategy's TP size (issue 35)
+        [*FIT, "--model.init_args.config.num_query_groups", "3"], None,
+        ["model.config: num_query_groups=3 must be a number that divides num_attention_heads=4"], []),
+    "num_query_groups_not_fitting_tp": (
+        [*FIT, "--model.init_args.config.num_attention_heads", "6", "--model.init_args.config.hidden_size", "96",
+         "--model.init_args.config.num_query_groups", "3"], None,
+        ["1 configuration problem(s)", "num_query_groups=3 must be a multiple or a divisor of "
+         "tensor_model_parallel_size=2"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }

@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 
 from lightning_megatron.config_checks import ConfigError, check_config, config_from_cli, validate_config
+from lightning_megatron.models.bert.module import BertLightningModule
+from lightning_megatron.models.gpt.module import GPTLightningModule
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = dict(
-    model_hparams=dict(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
-                       max_sequence_length=128, params_dtype="float32"),
+    model_hparams=dict(config=dict(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                                   max_sequence_length=128, params_dtype="float32")),
+    model_class=BertLightningModule,
     data_hparams=dict(max_seq_length=128, global_batch_size=16, micro_batch_size=4),
     strategy_args=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1),
     trainer_args=dict(devices=4, num_nodes=1, precision="32-true", max_steps=100),
@@ -23,10 +26,19 @@ GOOD = dict(
 )
 
 
+MODULE_ARGUMENTS = ("lr", "predict_max_new_tokens", "predict_greedy", "predict_temperature", "predict_top_p",
+                    "predict_top_k")
+"""The module's own arguments; the other model keys of a row are fields of its config record."""
+
+
 def _with(**changes: dict) -> dict:
     kwargs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in GOOD.items()}
+    kwargs["model_hparams"]["config"] = dict(GOOD["model_hparams"]["config"])
     for group, values in changes.items():
-        if isinstance(values, dict):
+        if group == "model_hparams":
+            for key, value in values.items():
+                (kwargs[group] if key in MODULE_ARGUMENTS else kwargs[group]["config"])[key] = value
+        elif isinstance(values, dict):
             kwargs[group].update(values)
         else:
             kwargs[group] = values
@@ -44,6 +56,14 @@ def test_good_config_has_no_problems():
     (dict(model_hparams=dict(num_attention_heads=3, hidden_size=96)), "num_attention_heads=3"),
     (dict(model_hparams=dict(hidden_size=130)), "hidden_size=130 is not divisible by num_attention_heads=4"),
     (dict(model_hparams=dict(ffn_hidden_size=501)), "ffn_hidden_size=501"),
+    # the grouped-query rules, from the decoder's record built at the strategy's TP size (issue 35)
+    (dict(model_class=GPTLightningModule, model_hparams=dict(num_attention_heads=8, num_query_groups=3)),
+     "num_query_groups=3 must be a number that divides num_attention_heads=8"),
+    (dict(model_class=GPTLightningModule, model_hparams=dict(num_attention_heads=6, num_query_groups=3, hidden_size=96),
+          strategy_args=dict(tensor_model_parallel_size=2)),
+     "num_query_groups=3 must be a multiple or a divisor of tensor_model_parallel_size=2"),
+    (dict(model_class=GPTLightningModule, model_hparams=dict(num_attention_heads=8, num_query_groups=2),
+          strategy_args=dict(tensor_model_parallel_size=4)), None),  # t/g ranks share one group, as megatron-core
     (dict(model_hparams=dict(ffn_hidden_size=None, hidden_size=132, num_attention_heads=4),
           strategy_args=dict(tensor_model_parallel_size=4), trainer_args=dict(devices=4)), None),
     (dict(model_hparams=dict(num_layers=3), strategy_args=dict(tensor_model_parallel_size=1,
@@ -59,7 +79,7 @@ def test_good_config_has_no_problems():
      "defer_embedding_wgrad_compute=True needs pipeline parallelism"),
     (dict(model_hparams=dict(defer_embedding_wgrad_compute=True), strategy_args=dict(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=2)), None),
-    # one rule for the layout, read by the strategy, ParallelLayout and this check alike (vp=1 with pp=1 too)
+    # one rule for the layout, read by the strategy, ParallelDims and this check alike (vp=1 with pp=1 too)
     (dict(strategy_args=dict(tensor_model_parallel_size=1, virtual_pipeline_model_parallel_size=1)),
      "virtual_pipeline_model_parallel_size=1 needs pipeline_model_parallel_size >= 2"),
     (dict(strategy_args=dict(micro_batch_size=2)), "strategy micro_batch_size=2 disagrees with data micro_batch_size=4"),
@@ -136,7 +156,9 @@ def test_unknown_world_size_skips_layout_checks():
 
 
 def test_config_from_cli_only_checks_megatron_strategy():
-    config = {"trainer": {"strategy": "ddp", "devices": 2}, "model": {"num_attention_heads": 3}}
+    config = {"trainer": {"strategy": "ddp", "devices": 2},
+              "model": {"class_path": "lightning_megatron.models.bert.module.BertLightningModule",
+                        "init_args": {"config": {"num_attention_heads": 3}}}}
     assert config_from_cli(config) == {}
     config["trainer"]["strategy"] = {"class_path": "lightning_megatron.strategy.MegatronStrategy",
                                      "init_args": {"tensor_model_parallel_size": 2}}
@@ -146,7 +168,7 @@ def test_config_from_cli_only_checks_megatron_strategy():
     assert any("num_attention_heads=3" in p for p in check_config(**kwargs))
     # validate/test: the training-only checks (16-bit params without the callback, schedule) are skipped
     config["trainer"]["callbacks"] = []
-    config["model"]["params_dtype"] = "bfloat16"
+    config["model"]["init_args"]["config"]["params_dtype"] = "bfloat16"
     config["trainer"]["precision"] = "bf16-true"
     assert config_from_cli(config)["has_optimizer_callback"] is False
     assert any("without MegatronOptimizerCallback" in p for p in check_config(**config_from_cli(config)))

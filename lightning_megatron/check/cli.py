@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 def _layout_problems(recipe, layouts: list) -> list[str]:
     """What ``fit`` would refuse before launch for each layout (:func:`lightning_megatron.config_checks.check_config`
     on the recipe's model, its batch sizes and precision, the layout's sizes and world size)."""
+    from lightning_megatron.check.recipe import import_class
     from lightning_megatron.config_checks import check_config
 
     data = {k: recipe.data[k] for k in ("global_batch_size", "micro_batch_size") if k in recipe.data}
@@ -79,7 +80,8 @@ def _layout_problems(recipe, layouts: list) -> list[str]:
     for dims in layouts:
         found = check_config(model_hparams=recipe.model, data_hparams=data, strategy_args=dims.strategy_kwargs(),
                              trainer_args={**trainer, "devices": dims.world_size},
-                             has_optimizer_callback=True if dims.zero1 else None, use_distributed_optimizer=dims.zero1)
+                             has_optimizer_callback=True if dims.zero1 else None, use_distributed_optimizer=dims.zero1,
+                             model_class=import_class(recipe.model_class))
         problems += [f"layout {dims}: {p}" for p in found]
     return problems
 

@@ -38,10 +38,12 @@ from typing_extensions import override
 from lightning_megatron.language.config import LanguageModelConfig
 from lightning_megatron.language.model import LanguageModule
 from lightning_megatron.module import MegatronLightningModule
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import ChunkLayout, stage_chunks
 from lightning_megatron.checkpoint import CONFIG_HPARAM
 from lightning_megatron.saved_model import SavedModel
+from lightning_megatron.transformer.config import ConfigProblems
 
 __all__ = ["LanguageLightningModule"]
 
@@ -232,6 +234,19 @@ class LanguageLightningModule(MegatronLightningModule):
                    weight_decay=hp.weight_decay, fused=hp.fused_optimizer or None)
 
     # ------------------------------------------------------------------ hyper-parameters across versions
+
+    @classmethod
+    @override
+    def config_problems(cls, hparams: Mapping[str, Any], dims: ParallelDims | None) -> list[str]:
+        """The record built as :meth:`build_chunks` builds it: its own rules, and at the layout's TP size
+        and sequence parallelism the TP-dependent ones (heads, ffn, grouped-query groups, qkv rows)."""
+        try:
+            config = cls.config_class.coerce(hparams.get(CONFIG_HPARAM))
+            if dims is not None:
+                config.with_layout(dims.tp, dims.sequence_parallel)
+        except (TypeError, ValueError) as e:
+            return [f"model.{CONFIG_HPARAM}: {p}" for p in (e.problems if isinstance(e, ConfigProblems) else [str(e)])]
+        return []
 
     @classmethod
     @override

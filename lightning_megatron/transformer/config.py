@@ -13,7 +13,7 @@ import torch
 
 from lightning_megatron.flops import transformer_flops
 
-__all__ = ["TransformerConfig", "ACTIVATIONS", "NORMALIZATIONS", "PARAMS_DTYPES", "dtype_name", "training_flops"]
+__all__ = ["TransformerConfig", "ConfigProblems", "ACTIVATIONS", "NORMALIZATIONS", "PARAMS_DTYPES", "dtype_name", "training_flops"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 """Supported MLP activations: exact erf GELU (Hugging Face "gelu"), tanh-approximated GELU, ReLU, SiLU."""
@@ -27,6 +27,15 @@ DtypeName = Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 def dtype_name(dtype: torch.dtype) -> str:
     """The name a recipe writes for a parameter dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
+
+
+class ConfigProblems(ValueError):
+    """A record that cannot be built; ``problems`` lists each broken rule (its message names the field,
+    the value and the fix)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
 
 
 @dataclass(kw_only=True)
@@ -100,8 +109,24 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            if not isinstance(value, int) or value < 1:  # every rule below needs these: first, alone
+                raise ConfigProblems([f"{name}={value!r} must be a positive integer"])
+        # Each rule group on its own: a record with several mistakes names them all in one error.
+        problems: list[str] = []
+        for rules in (self._resolve_sizes, self._validate_heads, self._validate_query_groups, self._validate_rotary,
+                      self._validate_ffn, self._validate_options, self._validate_recompute):
+            try:
+                rules()
+            except ValueError as e:
+                problems += e.problems if isinstance(e, ConfigProblems) else [str(e)]
+        if problems:
+            raise ConfigProblems(problems)
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            warnings.warn("sequence_parallel=True has no effect with tensor_model_parallel_size=1", stacklevel=3)
+
+    def _resolve_sizes(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
@@ -111,55 +136,60 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         elif self.kv_channels < 1:
             raise ValueError(f"kv_channels={self.kv_channels} must be a positive integer or None")
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        elif self.ffn_hidden_size < 1:
-            raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} must be a positive integer or None")
+
+    def _validate_heads(self) -> None:
         t = self.tensor_model_parallel_size
         if self.num_attention_heads % t != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by tensor_model_parallel_size="
                 f"{t}; each TP rank must hold whole heads: choose a head count that is a multiple of {t} "
                 f"or a TP size that divides {self.num_attention_heads}")
-        self._validate_query_groups()
-        self._validate_rotary()
+
+    def _validate_ffn(self) -> None:
+        t = self.tensor_model_parallel_size
+        if self.ffn_hidden_size < 1:
+            raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} must be a positive integer or None")
         if self.ffn_hidden_size % t != 0:
             raise ValueError(
                 f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tensor_model_parallel_size={t}; "
                 f"choose an ffn_hidden_size that is a multiple of {t}")
+
+    def _validate_options(self) -> None:
+        problems = []
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ValueError(f"{name}={p} must be in [0, 1); use 0.0 to turn dropout off")
+                problems.append(f"{name}={p} must be in [0, 1); use 0.0 to turn dropout off")
         if not self.layernorm_epsilon > 0:
-            raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0 (e.g. 1e-5)")
+            problems.append(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0 (e.g. 1e-5)")
         if not self.init_method_std > 0:
-            raise ValueError(f"init_method_std={self.init_method_std} must be > 0 (e.g. 0.02)")
+            problems.append(f"init_method_std={self.init_method_std} must be > 0 (e.g. 0.02)")
         if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization={self.normalization!r} is not supported; use one of {NORMALIZATIONS}")
+            problems.append(f"normalization={self.normalization!r} is not supported; use one of {NORMALIZATIONS}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r} is not supported; use one of {ACTIVATIONS}")
+            problems.append(f"activation={self.activation!r} is not supported; use one of {ACTIVATIONS}")
         if self.attention_backend not in ("auto", "sdpa", "unfused"):
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; "
-                             "use 'auto', 'sdpa' or 'unfused'")
+            problems.append(f"attention_backend={self.attention_backend!r} is not supported; "
+                            "use 'auto', 'sdpa' or 'unfused'")
         if isinstance(self.params_dtype, str) and self.params_dtype in PARAMS_DTYPES:
             self.params_dtype = PARAMS_DTYPES[self.params_dtype]
         if self.params_dtype not in set(PARAMS_DTYPES.values()):
-            raise ValueError(f"params_dtype={self.params_dtype!r} is not supported; use one of "
-                             f"{sorted(PARAMS_DTYPES)} (or the torch dtype)")
+            problems.append(f"params_dtype={self.params_dtype!r} is not supported; use one of "
+                            f"{sorted(PARAMS_DTYPES)} (or the torch dtype)")
         for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not
                                       0 < value < self.num_layers):
-                raise ValueError(f"{name}={value!r} must be None or an integer in [1, num_layers={self.num_layers})")
-        if self.sequence_parallel and t == 1:
-            warnings.warn("sequence_parallel=True has no effect with tensor_model_parallel_size=1", stacklevel=3)
-        self._validate_recompute()
+                problems.append(f"{name}={value!r} must be None or an integer in [1, num_layers={self.num_layers})")
+        if problems:
+            raise ConfigProblems(problems)
 
     def _validate_query_groups(self) -> None:
         n, t, g = self.num_attention_heads, self.tensor_model_parallel_size, self.num_query_groups
         if g is None:
             self.num_query_groups = g = n
+        if g == n and n % t != 0:  # one group per head: the heads' own rule (_validate_heads) says it all
+            return
         if not isinstance(g, int) or isinstance(g, bool) or g < 1:
             raise ValueError(f"num_query_groups={g!r} must be a positive integer or None (= num_attention_heads)")
         if n % g != 0:
@@ -171,8 +201,8 @@ class TransformerConfig:
             raise ValueError(f"num_query_groups={g} must be a multiple or a divisor of tensor_model_parallel_size={t} "
                              f"(as megatron-core requires): choose num_query_groups among the multiples or "
                              f"divisors of {t}, or a TP size that divides or is a multiple of {g}")
-        rows = (n + 2 * g) * self.kv_channels
-        if rows % t != 0:
+        rows = (n + 2 * g) * (self.kv_channels or 0)
+        if self.kv_channels is not None and rows % t != 0:
             raise ValueError(f"linear_qkv has (num_attention_heads + 2 * num_query_groups) * kv_channels = {rows} rows, "
                              f"not divisible by tensor_model_parallel_size={t}; choose kv_channels or the head "
                              f"counts so that it is")
