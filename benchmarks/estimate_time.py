@@ -52,16 +52,16 @@ def main() -> None:
     from bert_step import bert_rank
 
     from lightning_megatron.check.devices import measure_this_machine
-    from lightning_megatron.check.memory import ModelShape
+    from lightning_megatron.models.bert.cost import BertCost
     from lightning_megatron.check.timing import MEASURED, Framework, estimate_time
 
     bf16 = a.precision == "bf16"
     size = BertSize(name="bench", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                     ffn_hidden_size=4 * a.hidden)
-    shape = ModelShape(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                       vocab_size=size.vocab_size, max_sequence_length=size.max_position_embeddings,
-                       seq_length=a.seq, micro_batch_size=a.micro_batch, global_batch_size=a.global_batch,
-                       params_dtype="bfloat16" if bf16 else "float32", post_norm=True, on_cpu=True)
+    shape = BertCost(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                     vocab_size=size.vocab_size, max_sequence_length=size.max_position_embeddings,
+                     seq_length=a.seq, micro_batch_size=a.micro_batch, global_batch_size=a.global_batch,
+                     params_dtype="bfloat16" if bf16 else "float32", post_norm=True, on_cpu=True)
     def rates(dev: Any) -> str:
         return (f"GEMM {dev.flops_16 / 1e9:.1f} GFLOP/s ({a.seq * a.micro_batch}x{a.hidden}x{shape.ffn}, {a.precision}), "
                 f"copy {dev.hbm / 1e9:.2f} GB/s, elementwise kernels of one layer {dev.elementwise / 1e9:.2f} GB/s, "

@@ -1,4 +1,4 @@
-"""Predicted vs measured memory per rank (``lightning_megatron.check.memory`` against a check run).
+"""Predicted vs measured memory per rank (``lightning_megatron.cost.memory`` against a check run).
 
 For bert-tiny and bert-base (the recipes, with a small batch so it runs on a shared CPU machine),
 runs ``check_layouts`` with ``measure_memory=True`` at TP=2, PP=2, DP=2 and DP=2 + ZeRO-1 next to
@@ -31,7 +31,7 @@ MODELS = {
 
 def run(name: str, layouts: list[str], steps: int) -> list[dict]:
     from lightning_megatron.check import check_layouts
-    from lightning_megatron.check.memory import estimate_stage
+    from lightning_megatron.cost.memory import estimate_stage
     from lightning_megatron.check.memory_cli import model_shape
     from lightning_megatron.check.parity import Tolerances
     from lightning_megatron.check.recipe import factories, load_recipe

@@ -76,11 +76,13 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
 
     # A class named by class_path (command line or recipe): LightningCLI's subclass mode, and BERT is
     # never imported; otherwise the BERT module and datamodule, whose recipes give plain arguments.
+    from lightning_megatron.recipes import DEFAULT_DATA_CLASS, DEFAULT_MODEL_CLASS, import_class
+
     named = _named_by_class_path(given)
     if model_class is None and "model" not in named:
-        from lightning_megatron.models.bert.module import BertLightningModule as model_class
+        model_class = import_class(DEFAULT_MODEL_CLASS)
     if datamodule_class is None and "data" not in named:
-        from lightning_megatron.datamodules.pretraining import BertDataModule as datamodule_class
+        datamodule_class = import_class(DEFAULT_DATA_CLASS)
     moved = _moved_model_arguments(given, model_class)
     if moved:
         raise SystemExit(moved)

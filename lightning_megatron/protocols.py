@@ -55,8 +55,6 @@ __all__ = [
     "MegatronModule",
     "LightningStepsModule",
     "CountsFlops",
-    "EstimatesCost",
-    "MemoryCost",
     "megatron_module",
     "OptimizerWrapper",
     "ShardedOptimizer",
@@ -114,64 +112,6 @@ class CountsFlops(Protocol):
     def training_flops(self, batch: Any, data_parallel_size: int) -> float | Tensor:
         """Model FLOPs of one training step whose per-rank batch is ``batch``, over all
         ``data_parallel_size`` replicas (forward + backward, recomputation not counted)."""
-
-
-@runtime_checkable
-class MemoryCost(Protocol):
-    """A model's costs per rank for ``lightning-megatron check --estimate-memory`` (no model is built).
-
-    ``check/memory.py`` adds the layout's part (gradients, optimizer state and fp32 copies from the
-    parameter count, microbatches in flight per pipeline schedule, ZeRO-1 shards); the model declares
-    the rest here. :class:`~lightning_megatron.check.memory.ModelShape` implements it for transformer
-    encoders (BERT); a family with other layers returns an object of its own (or a ``ModelShape``
-    subclass overriding what differs)."""
-
-    num_layers: int
-    """Transformer layers (split evenly over pipeline stages and virtual chunks)."""
-    micro_batch_size: int
-    global_batch_size: int
-    param_bytes: int
-    """Bytes per parameter element (4: fp32, 2: 16-bit)."""
-    optimizer: str
-    """"adam"/"adamw" (two fp32 moments) or another (one)."""
-    recompute: bool
-    """Full activation recomputation (each layer keeps only its input)."""
-
-    def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
-        """Parameter elements on one TP rank of pipeline stage ``stage`` (its ``num_layers / pp`` layers and
-        the embeddings or heads the stage holds, the tied embedding's second copy included)."""
-
-    def layer_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
-        """Bytes one layer saves for backward for one microbatch."""
-
-    def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
-        """Bytes one layer keeps per microbatch under full recomputation (its input)."""
-
-    def first_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
-        """Bytes the first stage saves outside the layers per microbatch (e.g. the embedding dropout's mask)."""
-
-    def last_stage_activation_bytes(self, tp: int) -> float:
-        """Bytes the last stage saves outside the layers per microbatch (heads and loss)."""
-
-    def tensor_parallel_problem(self, tp: int) -> str | None:
-        """Why the model cannot be split over ``tp`` ranks (heads, FFN not divisible), or None."""
-
-    def describe(self) -> str:
-        """One line: the sizes the estimate used."""
-
-
-@runtime_checkable
-class EstimatesCost(Protocol):
-    """Optional, on the module's class: its costs for ``lightning-megatron check --estimate-memory`` and
-    ``--estimate-time``, which build no model. Memory takes any :class:`MemoryCost`; the step-time
-    model and ``flops.py`` take a transformer
-    :class:`~lightning_megatron.check.memory.ModelShape` (``family="bert"`` or ``"gpt"``)."""
-
-    @classmethod
-    def estimate_shape(cls, model: Mapping[str, Any], data: Mapping[str, Any], *, micro_batch_size: int,
-                       global_batch_size: int) -> MemoryCost:
-        """The module's :class:`MemoryCost` from the recipe's ``model`` and ``data`` arguments (dropout as
-        given)."""
 
 
 _MODULE_MEMBERS = ("model_chunks", "forward_step", "pipeline_tensor_shape", "sharded_named_parameters")

@@ -23,14 +23,21 @@ rewritten behind the user's back.
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["BASE_KEY", "MOVED_CLASS_PATHS", "RecipeError", "merge_recipes", "read_recipe",
-           "refuse_moved_class_paths", "resolve_config_arguments"]
+__all__ = ["BASE_KEY", "DEFAULT_DATA_CLASS", "DEFAULT_MODEL_CLASS", "MOVED_CLASS_PATHS", "RecipeError", "import_class",
+           "merge_recipes", "read_recipe", "refuse_moved_class_paths", "resolve_config_arguments"]
+
+DEFAULT_MODEL_CLASS = "lightning_megatron.models.bert.module.BertLightningModule"
+"""The module a recipe's ``model:`` section builds when it names no ``class_path`` (the CLI's and
+``check``'s default: the one place either names a model family)."""
+DEFAULT_DATA_CLASS = "lightning_megatron.datamodules.pretraining.BertDataModule"
+"""The datamodule a recipe's ``data:`` section builds when it names no ``class_path``."""
 
 BASE_KEY = "base"
 """The top-level key naming the recipe(s) a recipe starts from."""
@@ -56,6 +63,18 @@ MOVED_CLASS_PATHS: dict[str, str] = {
 ``lightning_megatron.data`` (which imports no Lightning) for ``lightning_megatron.datamodules``."""
 
 _MOVED = re.compile("|".join(rf"(?<![\w.]){re.escape(old)}(?![\w.])" for old in MOVED_CLASS_PATHS))
+
+
+def import_class(path: str) -> type:
+    """The class at ``module.Name`` (what LightningCLI does with a ``class_path``)."""
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"class_path {path!r} cannot be imported: {e}") from None
+    if not isinstance(cls, type):
+        raise ValueError(f"class_path {path!r} is not a class")
+    return cls
 
 
 def _moved_in(value: Any, where: str) -> tuple[str, str] | None:

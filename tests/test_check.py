@@ -87,13 +87,14 @@ def test_check_names_the_layer_that_forgets_its_all_reduce():
 def _assert_memory_predicted(report) -> None:
     """The closed-form bytes (docs/memory.md) against what the run held: parameters, gradients and
     optimizer state exactly; the peak of the tensors saved for backward within 10%."""
-    from lightning_megatron.check.memory import ModelShape, estimate_stage
+    from lightning_megatron.cost import estimate_stage
+    from lightning_megatron.models.bert.cost import BertCost
 
-    shape = ModelShape(num_layers=TINY_CONFIG["num_layers"], hidden_size=TINY_CONFIG["hidden_size"],
-                       num_attention_heads=TINY_CONFIG["num_attention_heads"],
-                       ffn_hidden_size=TINY_CONFIG["ffn_hidden_size"], vocab_size=TINY_CONFIG["vocab_size"],
-                       max_sequence_length=TINY_CONFIG["max_sequence_length"], seq_length=SEQ, micro_batch_size=4,
-                       global_batch_size=8, masked_lm_prob=MASKED_PER_SAMPLE / SEQ)
+    shape = BertCost(num_layers=TINY_CONFIG["num_layers"], hidden_size=TINY_CONFIG["hidden_size"],
+                     num_attention_heads=TINY_CONFIG["num_attention_heads"],
+                     ffn_hidden_size=TINY_CONFIG["ffn_hidden_size"], vocab_size=TINY_CONFIG["vocab_size"],
+                     max_sequence_length=TINY_CONFIG["max_sequence_length"], seq_length=SEQ, micro_batch_size=4,
+                     global_batch_size=8, masked_lm_prob=MASKED_PER_SAMPLE / SEQ)
     for name, run in report.runs.items():
         layout = ParallelDims.parse(name)
         for rank, measured in enumerate(run.memory):
@@ -107,10 +108,11 @@ def _assert_memory_predicted(report) -> None:
 
 def test_memory_formula_scales_with_the_layout():
     """Pure arithmetic: sharding divides what it should, and the fit listing runs nothing."""
-    from lightning_megatron.check.memory import ModelShape, candidate_layouts, estimate_memory
+    from lightning_megatron.cost import candidate_layouts, estimate_memory
+    from lightning_megatron.models.bert.cost import BertCost
 
-    m = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=4,
-                   global_batch_size=256, params_dtype="bfloat16")
+    m = BertCost(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=4,
+                 global_batch_size=256, params_dtype="bfloat16")
     one = estimate_memory(m, ParallelDims(dp=1))
     assert 330e6 < one.params < 340e6  # BERT-large
     assert one.param_bytes == 2 * one.params and one.grad_bytes == 4 * one.params

@@ -92,7 +92,7 @@ def test_old_datamodule_class_paths_are_refused_naming_the_new_one(tmp_path, cap
     lightning_megatron.datamodules: a recipe or command line naming an old class path stops before
     anything is built, in one line naming the new path (never rewritten behind the user's back); the
     new path is that class, the old module is gone."""
-    from lightning_megatron.check.recipe import import_class
+    from lightning_megatron.recipes import import_class
     from lightning_megatron.cli import main
     from lightning_megatron.recipes import MOVED_CLASS_PATHS
 

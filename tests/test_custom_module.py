@@ -72,20 +72,20 @@ class Chunk(nn.Module):
     """One pipeline piece: the embedding if it is the first, its blocks (keyed by global block
     number, so parameter names do not depend on the layout), the head if it is the last."""
 
-    def __init__(self, layers: range, pre_process: bool, post_process: bool, tp_group) -> None:
+    def __init__(self, layers: range, pre_process: bool, post_process: bool, tp_group, vocab_size: int = VOCAB) -> None:
         super().__init__()
         self.pre_process, self.post_process = pre_process, post_process
         self.input_tensor: torch.Tensor | None = None
         if pre_process:
             with seeded("embed"):
-                self.embed = nn.Embedding(VOCAB, HIDDEN)
+                self.embed = nn.Embedding(vocab_size, HIDDEN)
         self.blocks = nn.ModuleDict()
         for i in layers:
             with seeded(f"blocks.{i}"):
                 self.blocks[str(i)] = Block(tp_group)
         if post_process:
             with seeded("head"):   # logits split by vocabulary: [s, b, VOCAB / t]
-                self.head = ColumnParallelLinear(HIDDEN, VOCAB, tp_group=tp_group)
+                self.head = ColumnParallelLinear(HIDDEN, vocab_size, tp_group=tp_group)
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         self.input_tensor = tensor   # the previous stage's output (None on the first piece)
@@ -142,10 +142,15 @@ class CharModel(LightningModule):
 
 
 class CharLightningModule(MegatronLightningModule):
-    """CharModel on the model-agnostic base: only the chunks, the forward step and the stage shape."""
+    """CharModel on the model-agnostic base: only the chunks, the forward step and the stage shape. Its
+    ``vocab_size`` has a default, as a user writes it (``check`` keeps it; the datamodule has none)."""
+
+    def __init__(self, vocab_size: int = VOCAB) -> None:
+        super().__init__()
+        self.save_hyperparameters()
 
     def build_chunks(self, ps):                       # the strategy's ParallelState (one process without it)
-        return [Chunk(c.layers, c.pre_process, c.post_process, ps.tp_group)
+        return [Chunk(c.layers, c.pre_process, c.post_process, ps.tp_group, self.hparams.vocab_size)
                 for c in stage_chunks(BLOCKS, ps.pp_size, ps.pp_rank, ps.vp_size)]
 
     def forward_step(self, microbatch, chunk):

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.check.memory import DEFAULT_DROPOUT, ModelShape, estimate_stage, search_layouts
+from lightning_megatron.cost import DEFAULT_DROPOUT, TransformerCost, estimate_stage, search_layouts
+from lightning_megatron.models.bert.cost import BertCost
+from lightning_megatron.models.gpt.cost import GPTCost
 from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, collective_time,
                                              estimate_time)
 from lightning_megatron.flops import transformer_flops
 
-BERT_LARGE = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=16,
-                        global_batch_size=256, params_dtype="bfloat16")
+BERT_LARGE = BertCost(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=16,
+                      global_batch_size=256, params_dtype="bfloat16")
 
 
 def test_layout_search_tries_vp_and_names_what_it_skips():
@@ -63,8 +65,8 @@ def _saved_activation_bytes(hidden_dropout: float, attention_dropout: float) -> 
 def test_activation_estimate_counts_dropout_masks():
     """Measured: the bytes dropout adds to the saved tensors equal the formula's (CPU: masks in the
     activation dtype; the unfused attention keeps its mask and the dropped probabilities)."""
-    shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_sequence_length=16,
-                       seq_length=16, micro_batch_size=2, global_batch_size=2, on_cpu=True)
+    shape = BertCost(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_sequence_length=16,
+                     seq_length=16, micro_batch_size=2, global_batch_size=2, on_cpu=True)
 
     def predicted(hidden: float, attention: float) -> int:
         m = dataclasses.replace(shape, hidden_dropout=hidden, attention_dropout=attention)
@@ -102,9 +104,9 @@ def test_flops_are_the_papers():
 
 def test_step_time_against_hand_computed_numbers():
     """TP=2 x PP=2 x DP=2 on 8 devices of 4 per node, measured-style efficiencies of 1, no latency."""
-    m = ModelShape(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=1024,
-                   micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", family="gpt", hidden_dropout=0.0,
-                   attention_dropout=0.0)
+    m = GPTCost(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=1024,
+                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", learned_positions=False,
+                hidden_dropout=0.0, attention_dropout=0.0)
     dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
                  devices_per_node=4, latency_intra=0.0, latency_inter=0.0)
     layout = ParallelDims(tp=2, pp=2, dp=2)
@@ -161,8 +163,8 @@ def test_vocabulary_and_grad_accumulation_bytes():
     (micro batch 4 x 128 tokens, 15% of them in the LM head: 76.8), per microbatch and rank."""
     from lightning_megatron.check.timing import grad_accumulation_bytes, vocab_bytes
 
-    m = ModelShape(num_layers=4, hidden_size=768, num_attention_heads=12, seq_length=128, micro_batch_size=4,
-                   global_batch_size=16, post_norm=True, on_cpu=True)
+    m = BertCost(num_layers=4, hidden_size=768, num_attention_heads=12, seq_length=128, micro_batch_size=4,
+                 global_batch_size=16, post_norm=True, on_cpu=True)
     w = 30592 * 768 * 4  # the word embedding: 94 MB
     logits = 6 * 76.8 * 30592 * 4  # [n, V] fp32, 6 passes
     # One rank holds both uses of the tied weight: the embedding's dense gradient written (W), the head's
@@ -190,8 +192,8 @@ def test_measured_elementwise_rate_times_the_memory_bound_kernels():
     from lightning_megatron.check.timing import elementwise_bytes
     from lightning_megatron.flops import transformer_flops
 
-    m = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                   global_batch_size=4, on_cpu=True)
+    m = BertCost(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                 global_batch_size=4, on_cpu=True)
     dev = Device(name="toy", flops_16=1e10, flops_32=1e10, hbm=1e10, link_intra=1e9, link_inter=1e9, latency_intra=0.0,
                  latency_inter=0.0, cores=1)
     fw = Framework(overlap_grad_reduce=False, fused_attention=not m.unfused_attention)
@@ -212,11 +214,11 @@ def test_measured_vocab_rate_times_the_vocabulary_passes():
     and loss took beyond the heads' GEMMs."""
     from dataclasses import replace
 
-    from lightning_megatron.check.devices import _vocab_rate, model_seconds
+    from lightning_megatron.check.devices import _vocab_rate, layer_seconds, model_seconds
     from lightning_megatron.check.timing import vocab_bytes
 
-    m = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=16,
-                   micro_batch_size=2, global_batch_size=4, on_cpu=True)
+    m = BertCost(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=16,
+                 micro_batch_size=2, global_batch_size=4, on_cpu=True)
     dev = Device(name="toy", flops_16=1e10, flops_32=1e10, hbm=1e10, link_intra=1e9, link_inter=1e9, latency_intra=0.0,
                  latency_inter=0.0, cores=1)
     fw = Framework(overlap_grad_reduce=False, fused_attention=not m.unfused_attention)
@@ -231,6 +233,19 @@ def test_measured_vocab_rate_times_the_vocabulary_passes():
                              head_tokens=0.15 * 32, vocab_size=1024)
     assert _vocab_rate(m, head / 1e10 + 0.5, 1e10) == pytest.approx(counted / 0.5, rel=1e-9)
     assert model_seconds(m) > 0  # a real one-layer BERT of m with its loss, forward and backward
+    # The decoder's own pieces are timed, not BERT's: its grouped-query, gated layer and a one-layer GPTModel.
+    decoder = GPTCost(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                      gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, learned_positions=False,
+                      vocab_size=1000, seq_length=16, micro_batch_size=2, global_batch_size=4, on_cpu=True)
+    layer, _ = decoder.build_layer_step()
+    assert layer.self_attention.linear_qkv.weight.shape == ((4 + 2 * 2) * 16, 64)
+    assert layer.mlp.linear_fc1.weight.shape == (2 * 96, 64) and layer.mlp.linear_fc1.bias is None
+    assert type(layer.input_layernorm).__name__ == "RMSNorm"
+    model, _ = decoder.build_model_step()
+    assert type(model).__name__ == "GPTModel"
+    assert layer_seconds(decoder) > 0 and model_seconds(decoder) > 0
+    # A cost record that builds no one-layer model: its vocabulary passes go at the copy rate.
+    assert model_seconds(TransformerCost(num_layers=1, hidden_size=8, num_attention_heads=2)) is None
 
 
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
@@ -255,9 +270,9 @@ def megatron_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: i
     """Predicted TFLOP/s per GPU in the paper's count (with recomputation) for one row of the table."""
     from lightning_megatron.check.devices import DEVICES
 
-    m = ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=51200,
-                   max_sequence_length=2048, seq_length=2048, micro_batch_size=1, global_batch_size=batch,
-                   params_dtype="float16", recompute=True, family="gpt")
+    m = GPTCost(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=51200,
+                max_sequence_length=2048, seq_length=2048, micro_batch_size=1, global_batch_size=batch,
+                params_dtype="float16", recompute=True)
     st = estimate_time(m, ParallelDims(tp=tp, pp=pp, dp=gpus // (tp * pp)), DEVICES["a100"], eff, MEGATRON_2021)
     flops = transformer_flops(num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden, seq_length=2048,
                               tokens=batch * 2048, head_tokens=batch * 2048, vocab_size=51200, head_dense=False,
@@ -313,7 +328,7 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
 
 
 class _ToyCost:
-    """A model family's own cost model (not a ModelShape): 100 parameters per layer split over TP, 7 more on
+    """A model family's own cost model (not a TransformerCost): 100 parameters per layer split over TP, 7 more on
     the first stage; 1000 activation bytes per layer and microbatch; its own TP rule."""
 
     num_layers, micro_batch_size, global_batch_size, param_bytes, optimizer, recompute = 4, 2, 8, 4, "sgd", False
@@ -347,17 +362,17 @@ class _ToyModule:
 
 
 def test_memory_estimate_takes_any_module_cost_model(capsys):
-    """--estimate-memory computes from the module's declared costs (protocols.MemoryCost), not from a BERT
+    """--estimate-memory computes from the module's declared costs (cost.MemoryCost), not from a BERT
     formula: a family plugs in its own parameter and activation counts without touching check/."""
     from types import SimpleNamespace
 
-    from lightning_megatron.check.memory import estimate_memory
+    from lightning_megatron.cost import estimate_memory
     from lightning_megatron.check.memory_cli import fitting_layouts
-    from lightning_megatron.protocols import EstimatesCost, MemoryCost
+    from lightning_megatron.cost import EstimatesCost, MemoryCost
 
     toy = _ToyCost()
     assert isinstance(toy, MemoryCost) and isinstance(_ToyModule, EstimatesCost)
-    assert isinstance(BERT_LARGE, MemoryCost)  # BERT's ModelShape is one implementation
+    assert isinstance(BERT_LARGE, MemoryCost)  # BERT's cost record is one implementation
     # PP=2, DP=2: 2 microbatches; stage 0 holds 2 layers (200) + 7, 2 forwards in flight, plus its 5 bytes
     est = estimate_memory(toy, ParallelDims(pp=2, dp=2))
     assert (est.stage, est.params, est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (0, 207, 828, 828, 828)

@@ -1,8 +1,9 @@
-"""The package's import graph: no cycles (imports inside functions count: they are dependencies too),
-and no upward imports from the
-inner layers (``tensor_parallel/``, ``transformer/``, ``pipeline/``, ``optimizer/`` and ``data/`` import
-neither Lightning nor the strategy, the CLI, callbacks, checks, the LightningDataModules or a model family;
-the model-agnostic base imports no model family)."""
+"""The package's import graph: no cycles between files or between folders (imports inside functions count:
+they are dependencies too), and no upward imports from the inner layers (``tensor_parallel/``,
+``transformer/``, ``pipeline/``, ``optimizer/``, ``data/``, ``cost/`` and ``interop/`` import neither
+Lightning nor the strategy, the CLI, callbacks, checks, the LightningDataModules or a model family; the
+model-agnostic base imports no model family; ``check/`` names no family and no family imports ``check/``;
+families never import each other)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,19 @@ INNER: dict[str, tuple[str, ...]] = {
     "lightning_megatron.pipeline": ABOVE_INNER,
     "lightning_megatron.optimizer": ABOVE_INNER,
     "lightning_megatron.data": ABOVE_INNER,
+    "lightning_megatron.cost": ABOVE_INNER,
+    "lightning_megatron.interop": (*ABOVE_INNER, "lightning_megatron.export"),
 }
 """Inner layer -> what it never imports (the layers and the optimizer's mixed precision, clipping and
-ZeRO-1 sit below the Lightning glue; the datamodules over data/ are that glue)."""
+ZeRO-1 sit below the Lightning glue; the datamodules over data/ are that glue; the cost contracts and the
+generic interop readers reach a family only through what its module class hands them)."""
+
+APART: dict[str, tuple[str, ...]] = {
+    "lightning_megatron.check": ("lightning_megatron.models",),
+    "lightning_megatron.models": ("lightning_megatron.check", "lightning_megatron.cli"),
+}
+"""Outer parts that never import each other: ``check`` works for any module class (it asks the class for its
+costs and its layer), and a family's files never reach up into ``check`` or the CLI."""
 
 KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 """Edges allowed to close a cycle, each with the change that removes it (none: h-owner's change removed
@@ -114,11 +125,68 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def _upward_imports(modules: dict[str, Path]) -> list[str]:
-    """``"<module> imports <name>"`` for every import of an inner layer's module that its layer forbids."""
+def _folder(name: str) -> str:
+    """The folder a module lies in (a top-level file is a node of its own)."""
+    path = _MODULES.get(name)
+    if path is not None and path.name == "__init__.py" or name.count(".") < 2:
+        return name
+    return name.rpartition(".")[0]
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder -> the folders its files import (a folder's own subfolders and parents left out)."""
+    out: dict[str, set[str]] = {}
+    for name, imported in graph.items():
+        mine = _folder(name)
+        for other in map(_folder, imported):
+            if other != mine and not _under(mine, other) and not _under(other, mine):
+                out.setdefault(mine, set()).add(other)
+    return out
+
+
+def test_no_import_cycles_between_folders():
+    """Folders form layers too: ``datamodules/`` -> ``strategy`` -> ``config_checks`` -> ``datamodules/`` was
+    one (the fine-tuning datamodule now reads the strategy's ``parallel_state`` without importing it)."""
+    graph = _folder_graph(_graph())
+    assert "lightning_megatron.models.bert" in graph and "lightning_megatron.cost" in graph
+    files = {"lightning_megatron.aa.x": {"lightning_megatron.bb.y"}, "lightning_megatron.bb.z": {"lightning_megatron.aa.w"}}
+    assert find_cycle(files) is None and find_cycle(_folder_graph(files)) == [
+        "lightning_megatron.aa", "lightning_megatron.bb", "lightning_megatron.aa"]  # no file cycle, a folder one
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between folders: " + " -> ".join(cycle)
+
+
+def test_check_and_the_families_stay_apart():
+    wrong = _upward_imports(_MODULES, APART)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_family_imported_from_check_or_another_family_is_found(tmp_path):
+    """The rules above see a family imported from ``check/`` (inside a function too), ``check/`` imported from
+    a family, and one family imported from another."""
+    planted = {}
+    for name, text in (("lightning_megatron.check.planted_a", "from lightning_megatron.models.bert import BertModel\n"),
+                       ("lightning_megatron.check.planted_b",
+                        "def f():\n    import lightning_megatron.models.gpt.cost\n"),
+                       ("lightning_megatron.models.gpt.planted", "from lightning_megatron.check import memory_cli\n"),
+                       ("lightning_megatron.models.gpt.planted_c", "from lightning_megatron.models.bert import specs\n")):
+        path = tmp_path / f"{name.rsplit('.', 1)[1]}_{len(planted)}.py"
+        path.write_text(text)
+        planted[name] = path
+    assert _upward_imports({**_MODULES, **planted}, APART) == [
+        "lightning_megatron.check.planted_a imports lightning_megatron.models.bert",
+        "lightning_megatron.check.planted_b imports lightning_megatron.models.gpt.cost",
+        "lightning_megatron.models.gpt.planted imports lightning_megatron.check.memory_cli"]
+    assert _family_imports({**_MODULES, **planted}) == [
+        "lightning_megatron.models.gpt.planted_c imports lightning_megatron.models.bert.specs"]
+
+
+def _upward_imports(modules: dict[str, Path], rules: dict[str, tuple[str, ...]] = INNER) -> list[str]:
+    """``"<module> imports <name>"`` for every import of a module under a folder of ``rules`` that its
+    folder forbids."""
     wrong = []
     for name, path in sorted(modules.items()):
-        for layer, above in INNER.items():
+        for layer, above in rules.items():
             if _under(name, layer):
                 wrong += [f"{name} imports {imported}" for imported in sorted(_imports(path, False, name))
                           if any(_under(imported, a) for a in above)]
@@ -160,37 +228,27 @@ def test_the_generic_base_imports_no_model_family_and_no_strategy():
     assert not [m for m in _imports(bert, module_level_only=False) if m.startswith("lightning_megatron.strategy")]
 
 
-INTEROP = "lightning_megatron.interop"
-INTEROP_FORBIDDEN = ("lightning", "lightning_megatron.cli", "lightning_megatron.check", "lightning_megatron.callbacks",
-                     "lightning_megatron.models", "lightning_megatron.module", "lightning_megatron.strategy",
-                     "lightning_megatron.export")
-"""What the generic interop readers and writers never import: they reach a family only through the adapter
-its module class hands them."""
-
-
 def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def test_interop_imports_no_lightning_cli_check_callbacks_or_model_family():
-    assert any(_under(name, INTEROP) for name in _MODULES)
-    wrong = [f"{name} imports {imported}" for name, path in sorted(_MODULES.items()) if _under(name, INTEROP)
-             for imported in sorted(_imports(path, module_level_only=False))
-             if any(_under(imported, f) for f in INTEROP_FORBIDDEN)]
-    assert not wrong, "\n".join(wrong)
-
-
-def test_model_families_never_import_each_other():
+def _family_imports(modules: dict[str, Path]) -> list[str]:
+    """``"<module> imports <name>"`` for every import of one family's module from another family."""
     families = sorted(p.name for p in (PACKAGE / "models").iterdir() if (p / "__init__.py").is_file())
-    assert {"bert", "gpt"} <= set(families)
     wrong = []
     for family in families:
         mine = f"lightning_megatron.models.{family}"
         others = [f"lightning_megatron.models.{f}" for f in families if f != family]
-        for name, path in sorted(_MODULES.items()):
+        for name, path in sorted(modules.items()):
             if _under(name, mine):
-                wrong += [f"{name} imports {m}" for m in sorted(_imports(path, module_level_only=False))
+                wrong += [f"{name} imports {m}" for m in sorted(_imports(path, False, name))
                           if any(_under(m, o) for o in others)]
+    return wrong
+
+
+def test_model_families_never_import_each_other():
+    assert {"bert", "gpt"} <= {p.name for p in (PACKAGE / "models").iterdir() if (p / "__init__.py").is_file()}
+    wrong = _family_imports(_MODULES)
     assert not wrong, "\n".join(wrong)
 
 

@@ -152,7 +152,7 @@ class _Cost:
 def test_estimates_ask_the_schedule():
     """--estimate-memory holds the schedule's in-flight forwards, --estimate-time idles its bubble."""
     from lightning_megatron.parallel_dims import ParallelDims
-    from lightning_megatron.check.memory import ModelShape, estimate_stage
+    from lightning_megatron.cost import TransformerCost, estimate_stage
     from lightning_megatron.check.timing import Device, Efficiency, estimate_time
 
     cost, layout = _Cost(), ParallelDims(pp=2, dp=1)  # 8 microbatches of 2 layers per stage
@@ -160,8 +160,8 @@ def test_estimates_ask_the_schedule():
         head = 50 if stage == 1 else 0
         assert estimate_stage(cost, layout, stage).activation_bytes == one_f_one_b * 2 * 1000 + head
         assert estimate_stage(cost, layout, stage, schedule="gpipe").activation_bytes == all_forwards * 2 * 1000 + head
-    shape = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=32,
-                       micro_batch_size=2, global_batch_size=8)  # 4 microbatches
+    shape = TransformerCost(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=32,
+                            micro_batch_size=2, global_batch_size=8)  # 4 microbatches
     dev = Device(name="toy", flops_16=1e12, flops_32=1e12, hbm=1e11, link_intra=1e10, link_inter=1e10,
                  devices_per_node=8, latency_intra=0.0, latency_inter=0.0)
     auto = estimate_time(shape, layout, dev, Efficiency())  # 1F1B at p=2: idle (p - 1) = one microbatch's time

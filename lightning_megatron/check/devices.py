@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import time
 
-from lightning_megatron.check.memory import ModelShape
 from lightning_megatron.check.timing import Device
+from lightning_megatron.cost.protocols import StepCost
 
 __all__ = ["DEVICES", "device", "layer_seconds", "measure_this_machine", "model_seconds"]
 
@@ -78,26 +78,6 @@ def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) ->
         dist.destroy_process_group()
 
 
-def _config(m: ModelShape, num_layers: int):
-    import torch
-
-    from lightning_megatron.transformer.config import TransformerConfig
-
-    dtype = torch.float32 if m.param_bytes == 4 else torch.bfloat16
-    return TransformerConfig(num_layers=num_layers, hidden_size=m.hidden_size,
-                             num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn, hidden_dropout=m.hidden_dropout,
-                             attention_dropout=m.attention_dropout, params_dtype=dtype,
-                             attention_backend=m.attention_backend)
-
-
-def _spec(m: ModelShape):
-    from lightning_megatron.models.bert.specs import bert_layer_spec
-    from lightning_megatron.transformer.norms import LayerNorm, Norm, RMSNorm
-
-    norm = RMSNorm if m.rmsnorm else (LayerNorm if m.post_norm else Norm)
-    return bert_layer_spec(norm, "post" if m.post_norm else "pre")
-
-
 def _best_of_3(build) -> float:
     """Best of 3 runs of the step ``build()`` returns (after one untimed), one thread, with the weights,
     inputs and dropout masks drawn from RNG states that are put back afterwards (the global one and
@@ -123,80 +103,41 @@ def _best_of_3(build) -> float:
         tracker.seeds = saved_seeds
 
 
-def layer_seconds(m: ModelShape) -> float:
-    """Best of 3 forward + backward passes of one transformer layer of ``m`` on its micro batch
-    ``[s, b, h]``, one thread: its spec's norm placement, dtype, dropout and attention backend, with
-    the CPU tuning's kernels (what a run with ``cpu_tuning`` executes); each backward writes fresh
-    gradients (the GradBuffer's hook takes them away after every microbatch)."""
-    import torch
+def _timed_step(build) -> float:
+    """Best of 3 of the step a model's ``build()`` returns (``(module, step)``), with the CPU tuning's
+    kernels on the module (what a run with ``cpu_tuning`` executes)."""
 
-    from lightning_megatron.cpu.kernels import CPUKernels
-    from lightning_megatron.transformer.kernels import set_kernels
-    from lightning_megatron.transformer.spec import build_module
+    def prepared():
+        from lightning_megatron.cpu.kernels import CPUKernels
+        from lightning_megatron.transformer.kernels import set_kernels
 
-    def build():
-        config = _config(m, 1)
-        layer = build_module(_spec(m), config=config, layer_number=1)
-        set_kernels(layer, CPUKernels())
-        x = torch.randn(m.seq_length, m.micro_batch_size, m.hidden_size, dtype=config.params_dtype,
-                        requires_grad=True)
-
-        def step() -> None:
-            y = layer(x, None)
-            y.backward(torch.ones_like(y))
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-
+        module, step = build()
+        set_kernels(module, CPUKernels())
         return step
 
-    return _best_of_3(build)
+    return _best_of_3(prepared)
 
 
-def model_seconds(m: ModelShape) -> float:
-    """Best of 3 forward + backward passes of a one-layer BERT of ``m`` with its loss, one thread, as
-    a microbatch of a training step runs them (``BertLightningModule.forward_step``): embeddings, the
-    layer, the LM head on the masked tokens (``m.head_fraction`` of each sample) with the word
-    embedding tied to the output layer, the binary head, the vocab-parallel cross entropy, the
-    predictions' argmax; the CPU tuning's kernels; fresh gradients each time. Less
-    :func:`layer_seconds`, what the first and last stage add to their layers. A GPT configuration
-    (``family="gpt"``) is timed with these BERT pieces, its head on every token."""
-    import torch
+def layer_seconds(m: StepCost) -> float:
+    """Best of 3 forward + backward passes of one of the model's own layers (``m.build_layer_step()``: its
+    family's spec, dtype, dropout and attention backend) on its micro batch ``[s, b, h]``, one thread,
+    with the CPU tuning's kernels; each backward writes fresh gradients."""
+    return _timed_step(m.build_layer_step)
 
-    from lightning_megatron.cpu.kernels import CPUKernels
-    from lightning_megatron.models.bert.model import BertModel, bert_loss
-    from lightning_megatron.models.bert.predict import vocab_parallel_argmax
-    from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-    from lightning_megatron.transformer.kernels import set_kernels
 
-    def build():
-        s, b, v = m.seq_length, m.micro_batch_size, m.vocab_size
-        model = BertModel(_config(m, 1), _spec(m), v, m.max_sequence_length,
-                          make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
-        set_kernels(model, CPUKernels())
-        tokens = torch.randint(0, v, (b, s))
-        token_types = (torch.arange(s) >= s // 2).long().expand(b, s)
-        masked = max(1, int(m.head_fraction * s))
-        positions = torch.zeros(b, s, dtype=torch.bool)
-        for row in positions:
-            row[torch.randperm(s)[:masked]] = True
-        labels, binary_labels = torch.randint(0, v, (b, s)), torch.randint(0, 2, (b,))
-
-        def step() -> None:
-            logits, binary_logits = model(tokens, None, token_types, lm_positions=positions)
-            loss_per_token = vocab_parallel_cross_entropy(logits, labels[positions], tp_group=None, vocab_size=v)
-            loss, _ = bert_loss(loss_per_token, torch.ones_like(loss_per_token), binary_logits, binary_labels)
-            with torch.no_grad():
-                vocab_parallel_argmax(logits, None, v)
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-
-        return step
-
-    return _best_of_3(build)
+def model_seconds(m: StepCost) -> float | None:
+    """Best of 3 forward + backward passes of the model's own one-layer model with its loss
+    (``m.build_model_step()``: embeddings, the layer, heads and loss as a microbatch of a training step
+    runs them), one thread, the CPU tuning's kernels; less :func:`layer_seconds`, what the first and last
+    stage add to their layers. None when the model's family builds none."""
+    try:
+        return _timed_step(m.build_model_step)
+    except NotImplementedError:
+        return None
 
 
 def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_memory: bool = True,
-                         timeout: float = 120.0, shape: ModelShape | None = None) -> Device:
+                         timeout: float = 120.0, shape: StepCost | None = None) -> Device:
     """Rates of one core of this host measured now (one thread): a GEMM of the model's shape
     ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and 2-process
     all-reduces of 4 KiB (latency) and 16 MiB (bandwidth): through the CPU tuning's shared-memory
@@ -204,7 +145,8 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     (pipeline sends, and collectives without the tuning). The estimate gives each rank
     ``cores / world_size`` cores (:attr:`~lightning_megatron.check.timing.Device.cores`).
 
-    With ``shape``, also one transformer layer of it (:func:`layer_seconds`): what its forward and
+    With ``shape`` (the model's :class:`~lightning_megatron.cost.protocols.StepCost`), also one of its
+    layers (:func:`layer_seconds`): what its forward and
     backward take beyond their GEMMs at the measured GEMM rate is the time of its memory-bound
     kernels, whose bytes (:func:`~lightning_megatron.check.timing.elementwise_bytes`) over that time
     give :attr:`~lightning_megatron.check.timing.Device.elementwise` (else the copy rate stands in);
@@ -259,7 +201,9 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     if shape is not None:
         layer_s = layer_seconds(shape)
         elementwise = _elementwise_rate(shape, layer_s, gemm)
-        vocab = _vocab_rate(shape, model_seconds(shape) - layer_s, gemm)
+        model_s = model_seconds(shape)
+        vocab = None if model_s is None else _vocab_rate(shape, model_s - layer_s, gemm)
+    timed = "" if shape is None else ", the model's own layer" + ("" if vocab is None else " and one-layer model")
     return Device(name="this machine (measured)", flops_16=gemm, flops_32=gemm, hbm=hbm, elementwise=elementwise,
                   vocab=vocab,
                   link_intra=link,
@@ -267,10 +211,10 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
                   p2p_latency=p2p_latency, cores=cores,
                   source=f"measured per core: {rows}x{inner}x{cols} GEMM, 64 MiB copy, "
                          f"{'shared-memory' if shm else 'gloo'} all-reduce, gloo sends"
-                         f"{', one transformer layer and a one-layer model' if shape is not None else ''}")
+                         f"{timed}")
 
 
-def _elementwise_rate(m: ModelShape, layer_s: float, gemm_rate: float) -> float:
+def _elementwise_rate(m: StepCost, layer_s: float, gemm_rate: float) -> float:
     """Bytes/s of the memory-bound kernels of a layer that took ``layer_s`` (forward + backward) whose
     GEMMs run at ``gemm_rate``: their counted bytes (forward + twice that backward) over the rest."""
     from lightning_megatron.parallel_dims import ParallelDims
@@ -285,7 +229,7 @@ def _elementwise_rate(m: ModelShape, layer_s: float, gemm_rate: float) -> float:
     return counted / rest
 
 
-def _vocab_rate(m: ModelShape, vocab_s: float, gemm_rate: float) -> float:
+def _vocab_rate(m: StepCost, vocab_s: float, gemm_rate: float) -> float:
     """Bytes/s of the vocabulary passes of a model whose embeddings, heads and loss took ``vocab_s``
     (forward + backward, one microbatch, no pipelining) with GEMMs at ``gemm_rate``: their counted
     bytes (:func:`~lightning_megatron.check.timing.vocab_bytes`) over what the time leaves beyond the

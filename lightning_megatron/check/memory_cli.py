@@ -1,5 +1,5 @@
 """The ``--estimate-memory`` part of ``lightning-megatron check``: predicted next to measured bytes,
-and the layouts of N GPUs that fit (from :mod:`lightning_megatron.check.memory`)."""
+and the layouts of N GPUs that fit (from :mod:`lightning_megatron.cost.memory`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 from typing import Any
 
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.check.memory import ModelShape, estimate_memory, estimate_stage, search_layouts
-from lightning_megatron.protocols import MemoryCost
+from lightning_megatron.cost.memory import estimate_memory, estimate_stage, search_layouts
+from lightning_megatron.cost.protocols import EstimatesCost, MemoryCost
 
 __all__ = ["fitting_layouts", "memory_table", "model_shape"]
 
@@ -17,26 +17,26 @@ _MIB = 2**20
 
 def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> MemoryCost:
     """The model's costs, declared by the recipe's module class (``estimate_shape``,
-    :class:`~lightning_megatron.protocols.EstimatesCost`; ``--model.*`` / ``--data.*`` overrides
-    applied); ``on_cpu``: the attention path the CPU takes (a transformer :class:`ModelShape`, for
+    :class:`~lightning_megatron.cost.protocols.EstimatesCost`; ``--model.*`` / ``--data.*`` overrides
+    applied); ``on_cpu``: the attention path the CPU takes (a cost record with an ``on_cpu`` field, for
     comparing with a check run on this machine); ``training``: with the recipe's dropout (a check run
     turns it off)."""
-    from lightning_megatron.check.recipe import import_class, with_dropout
-    from lightning_megatron.protocols import EstimatesCost
+    from lightning_megatron.check.recipe import with_dropout
+    from lightning_megatron.recipes import import_class
 
     cls = import_class(recipe.model_class)
     if not isinstance(cls, EstimatesCost):
         raise ValueError(f"{recipe.model_class} declares no estimate_shape(model, data, *, micro_batch_size, "
-                         f"global_batch_size) (lightning_megatron.protocols.EstimatesCost): --estimate-memory and "
+                         f"global_batch_size) (lightning_megatron.cost.EstimatesCost): --estimate-memory and "
                          f"--estimate-time need its sizes; layout parity (check without them) works for any module")
     model = with_dropout(recipe.model, recipe.dropout) if training else recipe.model
     shape = cls.estimate_shape(model, recipe.data, micro_batch_size=recipe.micro_batch_size,
                                global_batch_size=recipe.global_batch_size)
-    if isinstance(shape, ModelShape):
-        return dataclasses.replace(shape, on_cpu=on_cpu)
+    if dataclasses.is_dataclass(shape) and "on_cpu" in {f.name for f in dataclasses.fields(shape)}:
+        shape = dataclasses.replace(shape, on_cpu=on_cpu)
     if not isinstance(shape, MemoryCost):
         raise ValueError(f"{recipe.model_class}.estimate_shape returned a {type(shape).__name__}, which lacks members of "
-                         f"lightning_megatron.protocols.MemoryCost (stage_parameters, layer_activation_bytes, ...)")
+                         f"lightning_megatron.cost.MemoryCost (stage_parameters, layer_activation_bytes, ...)")
     return shape
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,8 @@ from typing import Any
 import yaml
 
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.recipes import read_recipe, refuse_moved_class_paths
+from lightning_megatron.recipes import (DEFAULT_DATA_CLASS, DEFAULT_MODEL_CLASS, import_class, read_recipe,
+                                        refuse_moved_class_paths)
 
 __all__ = ["RecipeCheck", "load_recipe", "parse_overrides", "with_dropout"]
 
@@ -34,22 +34,6 @@ _CALLBACKS = {"lightning_megatron.callbacks.MegatronOptimizerCallback",
               "lightning_megatron.callbacks.optimizer.MegatronOptimizerCallback",
               "lightning_megatron.callbacks.OptimizerParamSchedulerCallback",
               "lightning_megatron.callbacks.scheduler.OptimizerParamSchedulerCallback"}
-
-
-BERT_MODULE = "lightning_megatron.models.bert.module.BertLightningModule"
-BERT_DATA = "lightning_megatron.datamodules.pretraining.BertDataModule"
-
-
-def import_class(path: str) -> type:
-    """The class at ``module.Name`` (what LightningCLI does with a ``class_path``)."""
-    module, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"class_path {path!r} cannot be imported: {e}") from None
-    if not isinstance(cls, type):
-        raise ValueError(f"class_path {path!r} is not a class")
-    return cls
 
 
 def _arguments(cls: type) -> dict[str, inspect.Parameter]:
@@ -70,9 +54,9 @@ class RecipeCheck:
 
     model: dict[str, Any]
     """The module's arguments (dropout off)."""
-    model_class: str = BERT_MODULE
+    model_class: str = DEFAULT_MODEL_CLASS
     """The module's class path (the recipe's ``model.class_path``)."""
-    data_class: str = BERT_DATA
+    data_class: str = DEFAULT_DATA_CLASS
     """The datamodule's class path (the recipe's ``data.class_path``)."""
     dropout: dict[str, float] = field(default_factory=dict)
     """The recipe's own dropout probabilities by argument (``config.hidden_dropout``, ...: what training
@@ -183,7 +167,7 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     spelled = "model.init_args." if model_class else "model."
     data_class, data = _section(cfg.get("data"))
     data.update(data_overrides or {})
-    model_class, data_class = model_class or BERT_MODULE, data_class or BERT_DATA
+    model_class, data_class = model_class or DEFAULT_MODEL_CLASS, data_class or DEFAULT_DATA_CLASS
     cls = import_class(model_class)
     if issubclass(cls, MegatronLightningModule):  # an argument where it was before it moved: say where it is now
         problems = cls.moved_argument_problems(model, spelled)
@@ -283,8 +267,12 @@ def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[s
     dm.prepare_data()
     model = copy.deepcopy(recipe.model)
     model_cls = import_class(recipe.model_class)
+    # A module's own default (``vocab_size: int = 16``) stands; the datamodule's fills only an argument that
+    # has none, or whose default is None.
+    argument = _arguments(model_cls).get("vocab_size")
     where = ("config.vocab_size" if issubclass(model_cls, LanguageLightningModule)
-             else "vocab_size" if "vocab_size" in _arguments(model_cls) else None)
+             else "vocab_size" if argument is not None and argument.default in (inspect.Parameter.empty, None)
+             else None)
     if where is not None and _get(model, where) is None:
         vocab = getattr(dm, "vocab_size", None)
         if vocab is None:

@@ -7,9 +7,9 @@ import dataclasses
 from typing import Any
 
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.check.memory import ModelShape
 from lightning_megatron.check.memory_cli import model_shape
 from lightning_megatron.check.timing import MEASURED, Device, Efficiency, Framework, estimate_time
+from lightning_megatron.cost.protocols import StepCost
 
 __all__ = ["timing_inputs", "time_table"]
 
@@ -18,10 +18,10 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     """(device, efficiencies, framework) from the CLI flags; ``--device this`` measures this machine."""
     on_cpu = args.device == "this"
     m = model_shape(recipe, on_cpu=on_cpu, training=True)
-    if not isinstance(m, ModelShape):
+    if not isinstance(m, StepCost):
         raise ValueError(f"--estimate-time models transformer layers: {recipe.model_class}.estimate_shape returned a "
-                         f"{type(m).__name__}, not a lightning_megatron.check.memory.ModelShape (family 'bert' or "
-                         f"'gpt'); --estimate-memory takes it as it is")
+                         f"{type(m).__name__}, which lacks members of lightning_megatron.cost.StepCost (a "
+                         f"lightning_megatron.cost.TransformerCost is one); --estimate-memory takes it as it is")
     if on_cpu:
         from lightning_megatron.check.devices import measure_this_machine
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.check.memory import ModelShape, estimate_stage, layout_schedule
+from lightning_megatron.cost.memory import estimate_stage, layout_schedule
+from lightning_megatron.cost.protocols import StepCost
 from lightning_megatron.flops import transformer_flops
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
@@ -178,16 +179,16 @@ def collective_time(kind: str, nbytes: float, ranks: int, bandwidth: float, late
     return factor * (ranks - 1) / ranks * nbytes / bandwidth + latency
 
 
-def model_flops(m: ModelShape, *, recompute: bool = False) -> float:
+def model_flops(m: StepCost, *, recompute: bool = False) -> float:
     """FLOPs of one step of ``m`` (all replicas): :func:`lightning_megatron.flops.transformer_flops`
-    with the LM head on the masked tokens (BERT)."""
+    with the output layer on the model's ``head_fraction`` of the tokens (a masked LM's: the masked ones)."""
     tokens = m.global_batch_size * m.seq_length
     return transformer_flops(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                              seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
                              vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute)
 
 
-def stage_flops(m: ModelShape, layout: ParallelDims, stage: int, *, head: bool = True) -> float:
+def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = True) -> float:
     """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage`` (without
     the LM head's: ``head=False``)."""
     t, p = layout.tp, layout.pp
@@ -203,11 +204,11 @@ def stage_flops(m: ModelShape, layout: ParallelDims, stage: int, *, head: bool =
     return (layers + head_flops) / t
 
 
-def elementwise_bytes(m: ModelShape, layout: ParallelDims, fw: Framework) -> float:
+def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float:
     """HBM bytes of the memory-bound kernels of one layer, one token, forward, on one rank:
     both norms (read + write h), bias-GeLU (f), two bias-dropout-adds (read x and the residual, write
     the sum and the mask), and without fused attention the softmax (read + write ``a s``) and its
-    dropout (read, write, mask); a mask element is ``ModelShape.mask_bytes``. The backward moves
+    dropout (read, write, mask); a mask element is ``StepCost.mask_bytes``. The backward moves
     about twice as much."""
     e, h, f, a, s = m.param_bytes, m.hidden_size, m.ffn, m.num_attention_heads, m.seq_length
     t = layout.tp
@@ -219,7 +220,7 @@ def elementwise_bytes(m: ModelShape, layout: ParallelDims, fw: Framework) -> flo
     return n
 
 
-def vocab_bytes(m: ModelShape, layout: ParallelDims, stage: int) -> float:
+def vocab_bytes(m: StepCost, layout: ParallelDims, stage: int) -> float:
     """Bytes of one microbatch's passes over vocabulary-sized tensors on one rank of ``stage``, forward
     and backward, which :func:`stage_flops` counts only as GEMM FLOPs. With ``W = V/t h e`` (the rank's
     word-embedding shard) and ``n`` head tokens: the first stage's embedding backward writes a dense
@@ -261,7 +262,7 @@ def _bandwidth(dev: Device, eff: Efficiency, crosses_nodes: bool) -> tuple[float
     return dev.link_intra * eff.link, dev.latency_intra
 
 
-def estimate_time(m: ModelShape, layout: ParallelDims, dev: Device, eff: Efficiency = Efficiency(),
+def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficiency = Efficiency(),
                   fw: Framework = Framework(), *, schedule: str | PipelineSchedule = AUTO) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices under
     the pipeline ``schedule`` (a registered name, ``"auto"``: the layout's)."""

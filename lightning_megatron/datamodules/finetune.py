@@ -105,12 +105,11 @@ class FinetuneDataModule(LightningDataModule):
                                                    regression=self.num_classes == 1)
 
     def _dp(self) -> tuple[int, int]:
-        """(rank, size) of this process's data-parallel group: the MegatronStrategy's, else the world's."""
-        from lightning_megatron.strategy import MegatronStrategy
-
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        if isinstance(strategy, MegatronStrategy) and strategy.parallel_state is not None:
-            return strategy.parallel_state.dp_rank, strategy.parallel_state.dp_size
+        """(rank, size) of this process's data-parallel group: the strategy's ``parallel_state`` (the
+        MegatronStrategy's), else the world's."""
+        state = getattr(self.trainer.strategy, "parallel_state", None) if self.trainer is not None else None
+        if state is not None:
+            return int(state.dp_rank), int(state.dp_size)
         if self.trainer is not None:
             return self.trainer.global_rank, self.trainer.world_size
         return 0, 1

@@ -124,14 +124,14 @@ class BertLightningModule(LanguageLightningModule):
         from this module's arguments (its ``config``) and BertDataModule's; unset ones at their defaults."""
         from pathlib import Path
 
-        from lightning_megatron.check.memory import ModelShape
+        from lightning_megatron.models.bert.cost import BertCost
 
         config = cls.config_class.coerce(model.get("config"))
         vocab = config.vocab_size
         if vocab is None:
             vocab_file = data.get("vocab_file")
             vocab = 30522 if vocab_file is None else sum(1 for _ in Path(vocab_file).open(encoding="utf-8"))
-        return ModelShape.from_config(
+        return BertCost.from_config(
             config, vocab_size=int(vocab), seq_length=int(data.get("max_seq_length", 128)),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
             masked_lm_prob=float(data.get("masked_lm_prob", 0.15)), optimizer=str(model.get("optimizer", "adamw")),

@@ -204,19 +204,19 @@ class GPTLightningModule(LanguageLightningModule):
     def estimate_shape(cls, model: Mapping[str, Any], data: Mapping[str, Any], *, micro_batch_size: int,
                        global_batch_size: int) -> Any:
         """The decoder's costs for ``check --estimate-memory`` / ``--estimate-time`` (``EstimatesCost``):
-        a :class:`~lightning_megatron.models.gpt.cost.DecoderShape` from this module's arguments (its
+        a :class:`~lightning_megatron.models.gpt.cost.GPTCost` from this module's arguments (its
         ``config``, whose ``vocab_size`` must be set) and the data's ``seq_length``; unset ones at their defaults."""
-        from lightning_megatron.models.gpt.cost import DecoderShape
+        from lightning_megatron.models.gpt.cost import GPTCost
 
         config = cls.config_class.coerce(model.get("config"))
         vocab = config.vocab_size if config.vocab_size is not None else data.get("vocab_size")
         if vocab is None:
             raise ValueError("GPTLightningModule.estimate_shape: set model.config.vocab_size (the estimate builds no "
                              "tokenizer)")
-        return DecoderShape.from_config(
+        return GPTCost.from_config(
             config, vocab_size=int(vocab), seq_length=int(data.get("seq_length", config.max_sequence_length)),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-            optimizer=str(model.get("optimizer", "adamw")), rmsnorm=config.normalization == "RMSNorm")
+            optimizer=str(model.get("optimizer", "adamw")))
 
 
 def decoder_flops(config: TransformerConfig, tokens: int, seq_length: int, vocab_size: int) -> float:

@@ -1,0 +1,168 @@
+"""Closed-form bytes per rank of a layout: parameters, gradients, optimizer state, activations.
+
+Two halves. The model declares its own costs (:class:`~lightning_megatron.cost.protocols.MemoryCost`:
+parameters per stage, activation bytes per layer and microbatch, what the first and last stage add;
+:class:`~lightning_megatron.cost.transformer.TransformerCost` for transformer layers, with each family's
+ends in ``models/<family>/cost.py``). :func:`estimate_stage` adds the layout's part for any model: fp32
+gradients and optimizer state from the parameter count, ZeRO-1 shards, and the microbatches in flight
+under the pipeline schedule (its ``in_flight``: :mod:`lightning_megatron.pipeline.registry`).
+
+The formulas (derivation in docs/memory.md, section "Predicting memory per rank") count what this
+library allocates, tensor by tensor; ``lightning-megatron check --estimate-memory`` prints them next
+to the bytes a check run measured, and ``--gpus N --gpu-memory 80GB`` lists the layouts that fit.
+Pure arithmetic: no torch, no process groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule, get_schedule
+
+if TYPE_CHECKING:
+    from lightning_megatron.cost.protocols import MemoryCost
+
+__all__ = ["MemoryEstimate", "LayoutSearch", "candidate_layouts", "search_layouts", "estimate_memory",
+           "estimate_stage", "layout_schedule"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes on the fullest rank of a layout (the maximum over pipeline stages of each term's stage)."""
+
+    layout: str
+    params: int
+    """Parameter count on that rank (elements)."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    """Peak bytes of the tensors saved for backward (all microbatches in flight)."""
+
+    stage: int
+    """The pipeline stage of the fullest rank."""
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+def layout_schedule(layout: ParallelDims, schedule: str | PipelineSchedule = AUTO) -> PipelineSchedule:
+    """The pipeline schedule ``layout`` runs: ``schedule`` by name (``"auto"``: the layout's own), or as given."""
+    if isinstance(schedule, PipelineSchedule):
+        return schedule
+    return get_schedule(schedule, layout.pp, layout.vp)
+
+
+def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
+                   schedule: str | PipelineSchedule = AUTO) -> MemoryEstimate:
+    """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for the model whose costs are ``m``,
+    under the pipeline ``schedule`` (a registered name, ``"auto"``: the layout's)."""
+    t, pp, d, vp = layout.tp, layout.pp, layout.dp, layout.vp or 1
+    if m.num_layers % (pp * vp):
+        raise ValueError(f"num_layers={m.num_layers} is not divisible by pp x vp = {pp * vp}")
+    microbatches = m.global_batch_size // (m.micro_batch_size * d)
+    if microbatches < 1 or m.global_batch_size % (m.micro_batch_size * d):
+        raise ValueError(f"global batch {m.global_batch_size} is not divisible by micro batch "
+                         f"{m.micro_batch_size} x dp {d}")
+    per_chunk = m.num_layers // (pp * vp)
+    n = m.stage_parameters(t, pp, stage)
+    e = m.param_bytes
+    shard = math.ceil(n / d)
+    grads = 4 * shard * d if layout.zero1 else 4 * n  # fp32 main grads (ZeRO-1: one padded flat buffer)
+    moments = 8 if m.optimizer in ("adam", "adamw") else 4
+    main = 4 if (e != 4 or layout.zero1) else 0  # fp32 main copy: 16-bit params, or the ZeRO-1 shard
+    opt = (moments + main) * (shard if layout.zero1 else n)
+    chunks = layout_schedule(layout, schedule).in_flight(pp, layout.vp, stage, microbatches)
+    sp = layout.sequence_parallel
+    layer = m.layer_activation_bytes(t, sp)
+    head = m.last_stage_activation_bytes(t) if stage == pp - 1 else 0.0
+    if m.recompute:
+        # Each layer keeps only its input. The peak is the forward's (with the head) or, in the
+        # backward, after the head's backward, one layer's activations computed again.
+        act = chunks * per_chunk * m.layer_input_bytes(t, sp) + max(head, layer)
+    else:
+        act = chunks * per_chunk * layer + head
+    if stage == 0:  # e.g. the embedding dropout's mask, once per first-chunk forward
+        act += -(-chunks // vp) * m.first_stage_activation_bytes(t, sp)
+    return MemoryEstimate(layout=layout.name, params=n, param_bytes=e * n, grad_bytes=grads, optimizer_bytes=opt,
+                          activation_bytes=int(act), stage=stage)
+
+
+def estimate_memory(m: MemoryCost, layout: ParallelDims, *, schedule: str | PipelineSchedule = AUTO) -> MemoryEstimate:
+    """Bytes on the fullest rank of ``layout`` (the pipeline stage with the largest total)."""
+    return max((estimate_stage(m, layout, s, schedule=schedule) for s in range(layout.pp)),
+               key=lambda e: e.total_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutSearch:
+    """The layouts of N ranks a model allows, and what was left out and why."""
+
+    layouts: list[ParallelDims]
+    skipped: dict[str, int]
+    """Reason -> how many TP x PP (x VP) x DP combinations it excluded."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
+def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None = None) -> LayoutSearch:
+    """Every TP x PP (x VP) x DP of ``gpus`` ranks, with and without SP and ZeRO-1, that the model's
+    sizes and the batch allow; each excluded combination is counted under its reason.
+
+    VP: every v >= 2 (up to ``max_vp``) dividing the layers per stage; the interleaved schedule needs
+    the microbatches per step divisible by PP.
+    """
+    out: list[ParallelDims] = []
+    skipped: dict[str, int] = {}
+
+    def skip(reason: str, n: int = 1) -> None:
+        skipped[reason] = skipped.get(reason, 0) + n
+
+    G, b = m.global_batch_size, m.micro_batch_size
+    for t in _divisors(gpus):
+        pps = _divisors(gpus // t)
+        if t > max_tp:
+            skip(f"TP={t} > {max_tp} (TP stays within a node)", len(pps))
+            continue
+        problem = m.tensor_parallel_problem(t)
+        if problem:
+            skip(problem, len(pps))
+            continue
+        for pp in pps:
+            d = gpus // (t * pp)
+            if m.num_layers % pp:
+                skip(f"PP={pp} does not divide {m.num_layers} layers")
+                continue
+            if G % (b * d):
+                skip(f"DP={d} does not divide global batch {G} into micro batches of {b}")
+                continue
+            microbatches = G // (b * d)
+            vps: list[int | None] = [None]
+            if pp > 1:
+                for v in _divisors(m.num_layers // pp)[1:]:
+                    if max_vp is not None and v > max_vp:
+                        continue
+                    if microbatches % pp:
+                        skip(f"VP with PP={pp}: the microbatches per step (G / (b x DP)) are not divisible by PP")
+                    else:
+                        vps.append(v)
+            for v in vps:
+                for sp in ((False, True) if t > 1 else (False,)):
+                    for zero1 in ((False, True) if d > 1 else (False,)):
+                        out.append(ParallelDims(tp=t, pp=pp, vp=v, dp=d, sequence_parallel=sp, zero1=zero1))
+    return LayoutSearch(layouts=out, skipped=skipped)
+
+
+def candidate_layouts(m: MemoryCost, gpus: int, max_tp: int = 8) -> list[ParallelDims]:
+    """The layouts of :func:`search_layouts` (without the reasons for the ones left out)."""
+    return search_layouts(m, gpus, max_tp).layouts

@@ -1,0 +1,264 @@
+"""The costs of transformer layers, from a model's config record: :class:`TransformerCost`.
+
+A layer on one TP rank (megatron-core's layout, any width of key/value groups, plain or gated MLP):
+
+- parameters: ``linear_qkv`` (n + 2g) d h / t, ``linear_proj`` n d h / t, ``linear_fc1`` m f h / t
+  (m = 2 for a gated MLP: [gate; up]), ``linear_fc2`` f h / t; biases when ``add_bias_linear`` (qkv and
+  fc1 split, proj and fc2 replicated); two norms (h for RMSNorm, 2h for LayerNorm);
+- activations per microbatch: both norms' inputs and outputs, q, k, v and the attention output, the
+  MLP's intermediate tensors, the norms' fp32 statistics, the attention's softmax (unfused) or
+  log-sum-exp (fused), the dropout masks (derivation in docs/memory.md).
+
+The ends are a decoder's (the word embedding and learned positions on the first stage, the final norm
+and the output layer on every token on the last, tied or not); a family whose ends differ overrides
+:meth:`~TransformerCost.stage_parameters`, :meth:`~TransformerCost.last_stage_activation_bytes`,
+:attr:`~TransformerCost.head_fraction` / :attr:`~TransformerCost.head_dense` in its
+``models/<family>/cost.py``, and says which layer it builds (:meth:`~TransformerCost.layer_spec`).
+Arithmetic only; torch is imported when a layer is built for timing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from lightning_megatron.transformer.config import TransformerConfig
+    from lightning_megatron.transformer.spec import ModuleSpec
+
+__all__ = ["DEFAULT_DROPOUT", "TransformerCost"]
+
+DEFAULT_DROPOUT = 0.1
+"""The config records' default ``hidden_dropout`` and ``attention_dropout`` (a test keeps them equal)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerCost:
+    """The sizes the cost formulas need (a config record's fields plus the batch: :meth:`from_config`);
+    implements :class:`~lightning_megatron.cost.protocols.StepCost`."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None
+    """None: 4 x hidden_size."""
+    num_query_groups: int | None = None
+    """Key/value heads (None: one per query head)."""
+    kv_channels: int | None = None
+    """Per-head width d (None: hidden_size / num_attention_heads)."""
+    gated_linear_unit: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    learned_positions: bool = True
+    vocab_size: int = 30522
+    make_vocab_size_divisible_by: int = 128
+    max_sequence_length: int = 512
+    """Learned position embeddings (rows)."""
+    seq_length: int = 128
+    """Tokens per sample in the batch."""
+    micro_batch_size: int = 8
+    global_batch_size: int = 32
+    params_dtype: str = "float32"
+    optimizer: str = "adamw"
+    rmsnorm: bool = False
+    """Norms without bias."""
+    recompute: bool = False
+    """Full activation recomputation (only each layer's input is kept)."""
+    attention_backend: str = "auto"
+    """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
+    on_cpu: bool = False
+    """With "auto": CPU runs 16-bit attention unfused (fp32 without dropout: sdpa); accelerators sdpa."""
+    hidden_dropout: float = DEFAULT_DROPOUT
+    """Dropout after the embeddings and in both bias-dropout-adds of every layer (a saved mask each)."""
+    attention_dropout: float = DEFAULT_DROPOUT
+    """Dropout of the attention probabilities (a saved mask on the unfused path; fused sdpa saves none)."""
+
+    @classmethod
+    def from_config(cls, config: TransformerConfig, **shape: Any) -> Self:
+        """The sizes of a model's config record (a ``TransformerConfig``: ``BertConfig``, ``GPTConfig``, yours),
+        with ``shape`` the rest (the batch, the resolved ``vocab_size``, the optimizer, ...)."""
+        sizes = dict(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                     num_attention_heads=config.num_attention_heads, ffn_hidden_size=config.ffn_hidden_size,
+                     num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
+                     gated_linear_unit=config.gated_linear_unit, add_bias_linear=config.add_bias_linear,
+                     params_dtype=str(config.params_dtype).removeprefix("torch."),
+                     recompute=config.recompute_granularity == "full", attention_backend=config.attention_backend,
+                     hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout)
+        for name in ("vocab_size", "make_vocab_size_divisible_by", "max_sequence_length"):
+            if getattr(config, name, None) is not None:
+                sizes[name] = getattr(config, name)
+        return cls(**{**sizes, **shape})
+
+    def __post_init__(self) -> None:
+        for name, p in (("hidden_dropout", self.hidden_dropout), ("attention_dropout", self.attention_dropout)):
+            if not 0 <= p < 1:
+                raise ValueError(f"{name}={p} must be in [0, 1)")
+
+    # ------------------------------------------------------------ sizes
+
+    @property
+    def head_fraction(self) -> float:
+        """Fraction of the tokens that go through the output layer: all of them."""
+        return 1.0
+
+    @property
+    def head_dense(self) -> bool:
+        """No dense layer before the output layer."""
+        return False
+
+    @property
+    def unfused_attention(self) -> bool:
+        if self.attention_backend != "auto":
+            return self.attention_backend == "unfused"
+        return self.on_cpu and (self.param_bytes != 4 or self.attention_dropout > 0)
+
+    @property
+    def mask_bytes(self) -> int:
+        """Bytes per element of a saved dropout mask: ``F.dropout``'s bool mask; the CPU kernel's 0/1 in
+        the activation dtype (lightning_megatron.cpu)."""
+        return self.param_bytes if self.on_cpu else 1
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.params_dtype in ("float32", "fp32") else 2
+
+    @property
+    def norm_parameters(self) -> int:
+        """One norm's parameters (RMSNorm: a weight; LayerNorm: weight and bias)."""
+        return self.hidden_size if self.rmsnorm else 2 * self.hidden_size
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    # ------------------------------------------------------------ MemoryCost
+
+    def layer_parameters(self, tp: int) -> int:
+        """Parameter elements of one layer on one TP rank."""
+        h, f, d, n, g = self.hidden_size, self.ffn, self.head_dim, self.num_attention_heads, self.groups
+        m = 2 if self.gated_linear_unit else 1
+        n_w = ((n + 2 * g) * d * h + n * d * h + m * f * h + f * h) // tp
+        n_b = ((n + 2 * g) * d + m * f) // tp + 2 * h if self.add_bias_linear else 0
+        return n_w + n_b + 2 * self.norm_parameters
+
+    def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
+        h = self.hidden_size
+        embedding = self.padded_vocab(tp) // tp * h
+        n = self.num_layers // pp * self.layer_parameters(tp)
+        if stage == 0:
+            n += embedding + (self.max_sequence_length * h if self.learned_positions else 0)
+        if stage == pp - 1:
+            n += self.norm_parameters  # final norm
+            if self.untie_embeddings_and_output_weights or pp > 1:
+                n += embedding  # the output layer, or the last stage's copy of the tied embedding
+        return n
+
+    def layer_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        s, b, h, f = self.seq_length, self.micro_batch_size, self.hidden_size, self.ffn
+        d, n, g, e = self.head_dim, self.num_attention_heads, self.groups, self.param_bytes
+        sp = tp if sequence_parallel else 1
+        replicated = 4 * h / sp  # both norms' inputs and outputs
+        # q, k, v and the attention output; fc1's output(s), the activation (and the gated product)
+        parallel = ((2 * n + 2 * g) * d + (4 * f if self.gated_linear_unit else 2 * f)) / tp
+        stats = 4 * 4 * s * b / sp  # fp32 mean/rstd of the two norms
+        # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
+        attention = e * b * n * s * s / tp if self.unfused_attention else 4 * b * n * s / tp
+        masks = 0.0
+        if self.hidden_dropout > 0:  # the two bias-dropout-adds
+            masks += 2 * self.mask_bytes * s * b * h / sp
+        if self.attention_dropout > 0 and self.unfused_attention:  # its mask and the dropped probabilities
+            masks += (self.mask_bytes + e) * b * n * s * s / tp
+        return e * s * b * (replicated + parallel) + stats + attention + masks
+
+    def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        return self.param_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (
+            tp if sequence_parallel else 1)
+
+    def first_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """The embedding dropout's mask."""
+        if self.hidden_dropout <= 0:
+            return 0.0
+        return self.mask_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (
+            tp if sequence_parallel else 1)
+
+    def last_stage_activation_bytes(self, tp: int) -> float:
+        """The final norm's output, the vocab-parallel logits and the cross entropy's fp32 softmax."""
+        s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
+        v = self.padded_vocab(tp) / tp
+        return e * s * b * (h + v) + 4 * s * b * v + 8 * s * b
+
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        g = self.groups
+        if self.num_attention_heads % tp or self.ffn % tp:
+            return f"TP={tp} does not divide {self.num_attention_heads} heads / FFN {self.ffn}"
+        if g % tp and tp % g:
+            return f"TP={tp} is neither a multiple nor a divisor of {g} key/value groups"
+        return None
+
+    def describe(self) -> str:
+        shape = "SwiGLU" if self.gated_linear_unit else "MLP"
+        return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads in "
+                f"{self.groups} key/value groups, {shape} {self.ffn}, vocab {self.vocab_size} "
+                f"({'untied' if self.untie_embeddings_and_output_weights else 'tied'}), seq {self.seq_length}, "
+                f"micro batch {self.micro_batch_size}, global batch {self.global_batch_size}, {self.params_dtype}, "
+                f"{self.optimizer}{', full recompute' if self.recompute else ''}, dropout {self.hidden_dropout:g}/"
+                f"{self.attention_dropout:g}")
+
+    # ------------------------------------------------------------ StepCost: the model's own pieces
+
+    def layer_spec(self) -> ModuleSpec:
+        """The spec of one of the model's layers (its family's). The base has none: a family declares it."""
+        raise NotImplementedError(f"{type(self).__name__} declares no layer_spec(): the layer to time is the family's")
+
+    def layer_config(self, num_layers: int = 1) -> TransformerConfig:
+        """A ``TransformerConfig`` of these sizes (one TP rank, ``num_layers`` layers)."""
+        import torch
+
+        from lightning_megatron.transformer.config import TransformerConfig
+
+        return TransformerConfig(num_layers=num_layers, hidden_size=self.hidden_size,
+                                 num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn,
+                                 num_query_groups=self.num_query_groups, kv_channels=self.kv_channels,
+                                 gated_linear_unit=self.gated_linear_unit, add_bias_linear=self.add_bias_linear,
+                                 hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+                                 params_dtype=torch.float32 if self.param_bytes == 4 else torch.bfloat16,
+                                 attention_backend=self.attention_backend)
+
+    def build_layer_step(self) -> tuple[Any, Callable[[], None]]:
+        """One layer of :meth:`layer_spec` on its micro batch ``[s, b, h]``: forward, backward with ones, and
+        fresh gradients each time (the GradBuffer's hook takes them away after every microbatch)."""
+        import torch
+
+        from lightning_megatron.transformer.spec import build_module
+
+        config = self.layer_config()
+        layer = build_module(self.layer_spec(), config=config, layer_number=1)
+        x = torch.randn(self.seq_length, self.micro_batch_size, self.hidden_size, dtype=config.params_dtype,
+                        requires_grad=True)
+
+        def step() -> None:
+            y = layer(x, None)
+            y.backward(torch.ones_like(y))
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+
+        return layer, step
+
+    def build_model_step(self) -> tuple[Any, Callable[[], None]]:
+        raise NotImplementedError(f"{type(self).__name__} builds no one-layer model to time")

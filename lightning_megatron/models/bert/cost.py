@@ -1,0 +1,109 @@
+"""BERT's costs (:class:`BertCost`): a transformer encoder's layers (:class:`~lightning_megatron.cost.TransformerCost`)
+with BERT's ends, for ``check --estimate-memory`` / ``--estimate-time`` (no model is built).
+
+- first stage: the vocab-parallel word embedding V/t x h, learned positions s_max x h, two token types,
+  and with the post-norm (Hugging Face) spec the embedding's LayerNorm;
+- last stage: the final norm (pre-norm specs), the LM head (a dense h x h layer, its norm, the output bias
+  V/t) tied to the word embedding (the last stage's copy when it is not also the first), the pooler and
+  the binary head;
+- the LM head runs on the masked tokens only (``masked_lm_prob`` of each sample).
+
+:meth:`BertCost.build_model_step` is a one-layer BertModel with its loss, as a microbatch of
+``BertLightningModule`` runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_megatron.cost.transformer import TransformerCost
+
+if TYPE_CHECKING:
+    from lightning_megatron.transformer.spec import ModuleSpec
+
+__all__ = ["BertCost"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BertCost(TransformerCost):
+    """A BERT's sizes (``BertLightningModule``'s config record plus the batch)."""
+
+    masked_lm_prob: float = 0.15
+    """Fraction of tokens in the LM head (it runs on the masked tokens only)."""
+    post_norm: bool = False
+    """Hugging Face-style post-norm spec (an embedding LayerNorm instead of the final one)."""
+
+    @property
+    def head_fraction(self) -> float:
+        return self.masked_lm_prob
+
+    @property
+    def head_dense(self) -> bool:
+        return True
+
+    def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
+        h, norm, v = self.hidden_size, self.norm_parameters, self.padded_vocab(tp)
+        n = self.num_layers // pp * self.layer_parameters(tp)
+        if stage == 0:
+            n += v // tp * h + self.max_sequence_length * h + 2 * h + (norm if self.post_norm else 0)
+        if stage == pp - 1:
+            n += 0 if self.post_norm else norm  # final norm
+            n += h * h + h + norm + v // tp  # LM head dense + norm, output bias (vocab-parallel)
+            n += h * h + h + 2 * h + 2  # pooler, binary head
+            if pp > 1:
+                n += v // tp * h  # the last stage's copy of the tied word embedding
+        return n
+
+    def last_stage_activation_bytes(self, tp: int) -> float:
+        """The final norm's output, the LM head on the masked tokens, their logits, the pooler."""
+        s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
+        n = self.masked_lm_prob * s * b
+        return e * (s * b * h + 5 * n * h + n * self.padded_vocab(tp) / tp + 2 * b * h) + 8 * s * b
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, ffn "
+                f"{self.ffn}, vocab {self.vocab_size}, seq {self.seq_length}, micro batch {self.micro_batch_size}, "
+                f"global batch {self.global_batch_size}, {self.params_dtype}, {self.optimizer}"
+                f"{', full recompute' if self.recompute else ''}, dropout {self.hidden_dropout:g}/"
+                f"{self.attention_dropout:g}")
+
+    def layer_spec(self) -> ModuleSpec:
+        from lightning_megatron.models.bert.specs import bert_layer_spec
+        from lightning_megatron.transformer.norms import LayerNorm, Norm, RMSNorm
+
+        norm = RMSNorm if self.rmsnorm else (LayerNorm if self.post_norm else Norm)
+        return bert_layer_spec(norm, "post" if self.post_norm else "pre")
+
+    def build_model_step(self) -> tuple[Any, Callable[[], None]]:
+        """A one-layer BertModel and its loss as ``BertLightningModule.forward_step`` runs a microbatch:
+        embeddings, the layer, the LM head on the masked tokens with the word embedding tied to the output
+        layer, the binary head, the vocab-parallel cross entropy, the predictions' argmax."""
+        import torch
+
+        from lightning_megatron.models.bert.model import BertModel, bert_loss
+        from lightning_megatron.models.bert.predict import vocab_parallel_argmax
+        from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+        s, b, v = self.seq_length, self.micro_batch_size, self.vocab_size
+        model = BertModel(self.layer_config(), self.layer_spec(), v, self.max_sequence_length,
+                          make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+        tokens = torch.randint(0, v, (b, s))
+        token_types = (torch.arange(s) >= s // 2).long().expand(b, s)
+        masked = max(1, int(self.head_fraction * s))
+        positions = torch.zeros(b, s, dtype=torch.bool)
+        for row in positions:
+            row[torch.randperm(s)[:masked]] = True
+        labels, binary_labels = torch.randint(0, v, (b, s)), torch.randint(0, 2, (b,))
+
+        def step() -> None:
+            logits, binary_logits = model(tokens, None, token_types, lm_positions=positions)
+            loss_per_token = vocab_parallel_cross_entropy(logits, labels[positions], tp_group=None, vocab_size=v)
+            loss, _ = bert_loss(loss_per_token, torch.ones_like(loss_per_token), binary_logits, binary_labels)
+            with torch.no_grad():
+                vocab_parallel_argmax(logits, None, v)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return model, step
