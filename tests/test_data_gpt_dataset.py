@@ -256,3 +256,41 @@ def test_blend_of_two_gpt_datasets(tmp_path):
         assert blend[i]["tokens"].tolist() == expected[which][seen[which]][:-1].tolist()
         seen[which] += 1
     assert abs(seen[0] - 0.25 * size) <= 1
+
+
+def _megatron_ltor(tokens: np.ndarray, eod: int) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron-LM's ``get_ltor_masks_and_position_ids`` with ``reset_position_ids`` and
+    ``reset_attention_mask`` for one sample, written as its loop: (may-attend [s, s], position ids [s])."""
+    s = len(tokens)
+    may_attend, position_ids, previous = np.tril(np.ones((s, s), bool)), np.arange(s), 0
+    for i in np.flatnonzero(tokens == eod):
+        may_attend[i + 1:, :i + 1] = False
+        position_ids[i + 1:] -= i + 1 - previous
+        previous = i + 1
+    return may_attend, position_ids
+
+
+def test_packed_samples_carry_megatrons_positions_and_document_mask(tmp_path):
+    """``reset_position_ids`` / ``reset_attention_mask``: the positions and, with the causal triangle, the
+    document mask of every sample equal Megatron-LM's; off, the sample is as before."""
+    from lightning_megatron.transformer.attention import document_attention_mask
+
+    _write_corpus(tmp_path / "ds", np.random.default_rng(4), 40, max_len=10)
+    kw = dict(seq_length=24, seed=2, num_epochs=2, eod_id=EOD, samples_cache_dir=False)
+    packed = GPTDataset(IndexedDataset(tmp_path / "ds"), reset_position_ids=True, reset_attention_mask=True, **kw)
+    plain = GPTDataset(IndexedDataset(tmp_path / "ds"), **kw)
+    documents_seen = 0
+    for i in range(len(packed)):
+        sample = packed[i]
+        assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids", "document_ids"}
+        assert set(plain[i]) == {"tokens", "labels", "loss_mask"} and torch.equal(plain[i]["tokens"], sample["tokens"])
+        may_attend, position_ids = _megatron_ltor(sample["tokens"].numpy(), EOD)
+        assert sample["position_ids"].tolist() == position_ids.tolist(), i
+        hidden = document_attention_mask(sample["document_ids"][None])[0, 0].numpy()
+        assert ((~hidden) & np.tril(np.ones((24, 24), bool)) == may_attend).all(), i
+        documents_seen += int(sample["document_ids"][-1]) + 1
+    assert documents_seen > 2 * len(packed)  # most samples pack several documents
+    only_positions = GPTDataset(IndexedDataset(tmp_path / "ds"), reset_position_ids=True, **kw)
+    assert set(only_positions[0]) == {"tokens", "labels", "loss_mask", "position_ids"}
+    with pytest.raises(ValueError, match="reset_attention_mask=True needs eod_id"):
+        GPTDataset(IndexedDataset(tmp_path / "ds"), seq_length=12, reset_attention_mask=True, samples_cache_dir=False)

@@ -7,13 +7,15 @@ DP=2, DP=2 with ZeRO-1. Tolerances are BERT's (``check.Tolerances()``): per-step
 1e-5 relative, every gradient after step 1 within 1e-4 of its largest entry, final parameters within
 2e-3 of the reference's update (rms per tensor: ``check.parity.update_error``, not element by element:
 after Adam an element can differ by 1e-5 on one CPU's kernels and not on another's).
-The same ranks then generate greedily with the Llama shape at TP=2, compared with one process.
+The Llama shape trains on packed samples (two documents each). The same ranks then generate greedily with
+the Llama shape at TP=2, compared with one process.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -29,10 +31,12 @@ GPT2_TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden
 class SyntheticGPTDataset(Dataset):
     """Deterministic GPT samples: ``seq + 1`` tokens of an arithmetic progression mod VOCAB (learnable),
     ``tokens`` / ``labels`` shifted by one, and a ``loss_mask`` hiding one target per sample (as an EOD
-    would be): the same number of counted tokens in every sample, so any grouping averages alike."""
+    would be): the same number of counted tokens in every sample, so any grouping averages alike.
+    ``packed``: each sample is two documents, split after a random token (``document_ids`` and restarting
+    ``position_ids``, as ``GPTDataset(reset_attention_mask=True, reset_position_ids=True)`` gives them)."""
 
-    def __init__(self, num_samples: int, seed: int = 0) -> None:
-        self.num_samples, self.seed = num_samples, seed
+    def __init__(self, num_samples: int, seed: int = 0, packed: bool = False) -> None:
+        self.num_samples, self.seed, self.packed = num_samples, seed, packed
 
     def __len__(self) -> int:
         return self.num_samples
@@ -44,7 +48,15 @@ class SyntheticGPTDataset(Dataset):
         seq = (start + step * torch.arange(SEQ + 1)) % VOCAB
         loss_mask = torch.ones(SEQ)
         loss_mask[int(torch.randint(0, SEQ, (1,), generator=g))] = 0.0
-        return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask}
+        sample = {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask}
+        if self.packed:
+            from lightning_megatron.data.packing import document_ids, document_positions
+
+            end = np.arange(SEQ) == int(torch.randint(2, SEQ - 2, (1,), generator=g))  # the first document's last token
+            documents = document_ids(end, True)
+            sample.update(document_ids=torch.from_numpy(documents),
+                          position_ids=torch.from_numpy(document_positions(documents)))
+        return sample
 
 
 # one key/value head for 4 query heads: fewer key/value heads than TP ranks at TP=2 (megatron-core allows it)
@@ -63,6 +75,8 @@ def make_module(**config_fields):
 GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1"]
 LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1"]
 SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS)}
+PACKED = {"llama"}
+"""The shapes trained on packed samples (attention within each document, rope positions restarting)."""
 
 
 PROMPT = torch.tensor([[5, 7, 9, 11, 13], [100, 3, 42, 42, 7]])
@@ -92,7 +106,8 @@ def check_shapes(shapes: dict) -> dict:
     from lightning_megatron.check.worker import CheckRun
 
     runs = {name: CheckRun(module_factory=factory, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO,
-                           dataset_factory=functools.partial(SyntheticGPTDataset, GLOBAL_BATCH * STEPS),
+                           dataset_factory=functools.partial(SyntheticGPTDataset, GLOBAL_BATCH * STEPS,
+                                                             packed=name in PACKED),
                            steps=STEPS, record_params=True)
             for name, (factory, _) in shapes.items()}
     names = list(shapes)
@@ -176,7 +191,8 @@ def test_final_parameter_rule_on_the_real_runs(reports):
 @pytest.mark.parametrize("layout", LLAMA_LAYOUTS)
 def test_llama_shape_layouts_equal_one_process(reports, layout):
     """Grouped-query attention (1 key/value group shared by both TP ranks), rope (under sequence parallelism too), SwiGLU
-    (fc1 [gate_r; up_r] per rank, compared as the global [gate; up]), RMSNorm, untied output layer."""
+    (fc1 [gate_r; up_r] per rank, compared as the global [gate; up]), RMSNorm, untied output layer; trained on
+    packed samples (two documents each: the document mask and the restarting rope positions at every layout)."""
     report = reports["llama"]
     [result] = [r for r in report.results if r.layout == layout]
     assert result.passed, report.table()

@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_megatron.data.indexed_dataset import IndexedDataset
+from lightning_megatron.data.packing import document_ids, document_positions
 from lightning_megatron.data.samples_index import NpyStreamWriter, cached_npy_files, content_key
 
 __all__ = ["GPTDataset", "GPTIndexPlan", "build_gpt_indices", "cached_gpt_indices", "check_documents_end_with_eod",
@@ -244,7 +245,10 @@ class GPTDataset(Dataset):
 
     ``dataset[i]`` is a dict of ``tokens`` (int64 ``[s]``), ``labels`` (``tokens`` shifted by one, int64
     ``[s]``) and ``loss_mask`` (float32 ``[s]``: 1, or 0 where the input token is EOD with
-    ``eod_mask_loss``, Megatron's ``--eod-mask-loss``: no loss on predicting across a document end).
+    ``eod_mask_loss``, Megatron's ``--eod-mask-loss``: no loss on predicting across a document end); with
+    ``reset_position_ids`` also ``position_ids`` (int64 ``[s]``, restarting after every EOD), with
+    ``reset_attention_mask`` also ``document_ids`` (int64 ``[s]``: the model attends only within a
+    document; :mod:`lightning_megatron.data.packing`).
 
     Args:
         indexed_dataset: the tokenized corpus, every document ending with EOD.
@@ -255,6 +259,9 @@ class GPTDataset(Dataset):
         num_epochs: whole epochs (default: one epoch).
         eod_id: the end-of-document token (needed by ``eod_mask_loss``).
         eod_mask_loss: loss mask 0 at positions whose input token is ``eod_id``.
+        reset_position_ids: positions restart at 0 after every EOD (Megatron's ``--reset-position-ids``).
+        reset_attention_mask: no attention across an EOD (Megatron's ``--reset-attention-mask``): the
+            sample's documents are seen as if each were run alone.
         vocab_size: the tokenizer's vocabulary: a sample holding an id outside ``[0, vocab_size)`` is an
             error naming the dataset, the document and the id (the vocab-parallel embedding would zero
             it and the loss mask it: a corrupt ``.bin`` would train silently); ``None``: not checked.
@@ -266,9 +273,13 @@ class GPTDataset(Dataset):
                  seq_length: int = 1024, seed: int = 1234, num_samples: int | None = None,
                  num_epochs: int | None = None, eod_id: int | None = None, eod_mask_loss: bool = False,
                  samples_cache_dir: str | os.PathLike[str] | None | bool = None,
-                 vocab_size: int | None = None) -> None:
-        if eod_mask_loss and eod_id is None:
-            raise ValueError("eod_mask_loss=True needs eod_id (the tokenizer's end-of-document id)")
+                 vocab_size: int | None = None, reset_position_ids: bool = False,
+                 reset_attention_mask: bool = False) -> None:
+        for name, on in (("eod_mask_loss", eod_mask_loss), ("reset_position_ids", reset_position_ids),
+                         ("reset_attention_mask", reset_attention_mask)):
+            if on and eod_id is None:
+                raise ValueError(f"{name}=True needs eod_id (the tokenizer's end-of-document id)")
+        self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
         self.indexed_dataset = indexed_dataset
         self.seq_length, self.seed = seq_length, seed
         self.eod_id, self.eod_mask_loss = eod_id, eod_mask_loss
@@ -349,5 +360,12 @@ class GPTDataset(Dataset):
         loss_mask = np.ones(len(tokens), dtype=np.float32)
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod_id] = 0.0
-        return {"tokens": torch.from_numpy(tokens.copy()), "labels": torch.from_numpy(labels.copy()),
-                "loss_mask": torch.from_numpy(loss_mask)}
+        sample = {"tokens": torch.from_numpy(tokens.copy()), "labels": torch.from_numpy(labels.copy()),
+                  "loss_mask": torch.from_numpy(loss_mask)}
+        if self.reset_position_ids or self.reset_attention_mask:
+            documents = document_ids(tokens, self.eod_id)
+            if self.reset_position_ids:
+                sample["position_ids"] = torch.from_numpy(document_positions(documents))
+            if self.reset_attention_mask:
+                sample["document_ids"] = torch.from_numpy(documents)
+        return sample

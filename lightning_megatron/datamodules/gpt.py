@@ -47,6 +47,10 @@ class GPTDataModule(PretrainingDataModule):
         micro_batch_size: samples per forward/backward pass on one rank.
         seed: seed of the document orders, the sample shuffle and the random sampler.
         eod_mask_loss: no loss where the input token is EOD (Megatron's ``--eod-mask-loss``).
+        reset_position_ids: positions restart after every EOD (Megatron's ``--reset-position-ids``).
+        reset_attention_mask: a token attends only to its own document of the packed sample (Megatron's
+            ``--reset-attention-mask``); with ``reset_position_ids``, each document of a sample computes
+            what it computes alone (docs/long_context.md).
         splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style.
         train_samples: length of the training set; ``None``: ``trainer.max_steps * global_batch_size``
             when a trainer with ``max_steps`` is attached, else one epoch of the training documents.
@@ -71,7 +75,8 @@ class GPTDataModule(PretrainingDataModule):
 
     def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
                  seq_length: int = 1024, global_batch_size: int = 32, micro_batch_size: int = 8,
-                 seed: int = 1234, eod_mask_loss: bool = False, splits: str = "949,50,1",
+                 seed: int = 1234, eod_mask_loss: bool = False, reset_position_ids: bool = False,
+                 reset_attention_mask: bool = False, splits: str = "949,50,1",
                  train_samples: int | None = None, eval_samples: int | None = None,
                  shuffle: Literal["sequential", "random"] = "sequential", num_workers: int | None = None,
                  cache_dir: str | None = None, samples_cache_dir: str | None = None,
@@ -87,6 +92,7 @@ class GPTDataModule(PretrainingDataModule):
         self.vocab_file = vocab_file
         self.seq_length = seq_length
         self.eod_mask_loss = eod_mask_loss
+        self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
         self.predict_file, self.predict_json_key = predict_file, predict_json_key
         self.predict_dataset: PromptDataset | None = None
         """The prompts of the last ``predict_dataloader`` (their texts: ``predict_dataset.texts``)."""
@@ -113,7 +119,8 @@ class GPTDataModule(PretrainingDataModule):
     def _make_dataset(self, indexed: IndexedDataset, documents: range, num_samples: int | None) -> GPTDataset:
         return GPTDataset(indexed, documents=documents, num_samples=num_samples, seq_length=self.seq_length,
                           seed=self.seed, eod_id=self.tokenizer.eod, eod_mask_loss=self.eod_mask_loss,
-                          samples_cache_dir=self.samples_cache_dir, vocab_size=self.tokenizer.vocab_size)
+                          samples_cache_dir=self.samples_cache_dir, vocab_size=self.tokenizer.vocab_size,
+                          reset_position_ids=self.reset_position_ids, reset_attention_mask=self.reset_attention_mask)
 
     @override
     def predict_dataloader(self) -> DataLoader:

@@ -36,6 +36,7 @@ from torch import nn
 from lightning_megatron.language.model import LanguageModelEmbedding, LanguageModule
 from lightning_megatron.parallel_state import Group
 from lightning_megatron.transformer import ModuleSpec, TransformerBlock, TransformerConfig, get_spec
+from lightning_megatron.transformer.attention import document_attention_mask
 
 __all__ = ["GPTModel", "POSITION_EMBEDDING_TYPES", "gpt_loss"]
 
@@ -117,16 +118,20 @@ class GPTModel(LanguageModule):
             self._rotary_table = table
         return table[offset: offset + seq_length]
 
-    def _decode(self, hidden_states: torch.Tensor | None, tokens: torch.Tensor, position_offset: int,
-                inference_context: Any) -> torch.Tensor:
+    def _decode(self, hidden_states: torch.Tensor | None, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+                position_offset: int, inference_context: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
         kwargs: dict[str, Any] = {} if inference_context is None else {"inference_context": inference_context}
         if self._rotary:
-            kwargs["rotary_pos_emb"] = self.rotary_pos_emb(tokens.size(1), tokens.device, position_offset)
-        return self.decoder(hidden_states, None, **kwargs)
+            if position_ids is None:
+                kwargs["rotary_pos_emb"] = self.rotary_pos_emb(tokens.size(1), tokens.device, position_offset)
+            else:  # each sample's own positions (restarting per packed document): [s, b, 1, d_rot]
+                table = self.rotary_pos_emb(self.max_sequence_length, tokens.device)[:, 0, 0]  # no host sync
+                kwargs["rotary_pos_emb"] = table[position_ids.t()].unsqueeze(2)
+        return self.decoder(hidden_states, attention_mask, **kwargs)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, *, position_offset: int = 0,
-                inference_context: Any = None) -> torch.Tensor:
+                inference_context: Any = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` [b, s] (on every chunk: it gives the sequence length); returns
 
         - ``post_process=False``: hidden states [s, b, h] (input of the next stage);
@@ -135,9 +140,16 @@ class GPTModel(LanguageModule):
 
         ``position_ids`` [b, s]: None is ``arange(s)`` (the GPT dataset's positions) shifted by
         ``position_offset``, the position of ``tokens[:, 0]`` when generating with a KV cache
-        (``inference_context``, :func:`lightning_megatron.generation.generate`).
+        (``inference_context``, :func:`lightning_megatron.generation.generate`). Given, they are also the
+        rotary positions (packed samples: Megatron's ``reset_position_ids``).
+
+        ``document_ids`` [b, s]: packed samples (Megatron's ``reset_attention_mask``): a token attends
+        only to the earlier tokens of its own document (:func:`document_attention_mask`).
         """
         s = tokens.size(1)
+        if position_ids is not None and position_offset:
+            raise ValueError("position_ids and position_offset: give one (the offset shifts the default positions)")
+        given_positions = position_ids
         if position_offset + s > self.max_sequence_length:
             raise ValueError(f"positions up to {position_offset + s} exceed max_sequence_length="
                              f"{self.max_sequence_length}; raise max_sequence_length")
@@ -147,7 +159,8 @@ class GPTModel(LanguageModule):
                 position_ids = torch.arange(position_offset, position_offset + s, device=tokens.device)
                 position_ids = position_ids.unsqueeze(0).expand_as(tokens)
             hidden_states = self.embedding(tokens, position_ids)
-        hidden_states = self._decode(hidden_states, tokens, position_offset, inference_context)
+        mask = None if document_ids is None else document_attention_mask(document_ids)
+        hidden_states = self._decode(hidden_states, tokens, given_positions, position_offset, inference_context, mask)
         if not self.post_process:
             return hidden_states
         logits, _ = self.output_layer(hidden_states, weight=self.output_weight())  # [s, b, V/t]

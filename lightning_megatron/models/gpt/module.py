@@ -16,7 +16,8 @@ global layer numbers, the [s, b, h] pipeline tensor, the default optimizer; on t
   exp(mean token cross entropy), equal at every layout).
 
 The batch (Megatron's GPT dataset): ``tokens`` [b, s] int64, ``labels`` [b, s] int64 (the tokens
-shifted by one), ``loss_mask`` [b, s] float; optional ``position_ids`` [b, s] (default arange).
+shifted by one), ``loss_mask`` [b, s] float; optional ``position_ids`` [b, s] (default arange) and
+``document_ids`` [b, s] (packed samples: attention within a document only).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class GPTLightningModule(LanguageLightningModule):
         counted tokens to log; at validation / test the whole split's perplexity is updated); the hidden
         states elsewhere."""
         labels = batch["labels"] if chunk.post_process else None
-        out = chunk(batch["tokens"], batch.get("position_ids"), labels=labels)
+        out = chunk(batch["tokens"], batch.get("position_ids"), labels=labels, document_ids=batch.get("document_ids"))
         if not chunk.post_process:
             return out
         loss_mask = batch["loss_mask"]
