@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_megatron.module import MegatronLightningModule
+from lightning_megatron.module import MegatronLightningModule, context_parallel_problem
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
@@ -38,6 +38,7 @@ from lightning_megatron.pipeline.layout import get_layer_range
 from lightning_megatron.pipeline.registry import AUTO, pipeline_schedule_problem
 from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import batch_size_problem
+from lightning_megatron.transformer.context_parallel import sequence_length_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
            "ckpt_path_problem", "PRECISION_PARAMS_DTYPE"]
@@ -195,6 +196,11 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     # --- the model's records at this layout (heads, FFN, grouped-query groups against TP: the module's rules)
     if isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule):
         problems += model_class.config_problems(dict(model_hparams or {}), nominal)
+    cp = _int(sizes["cp"]) or 1
+    if cp > 1 and model_class is not None:  # the module takes context parallelism, on a sequence it can split
+        problems += [p for p in [context_parallel_problem(model_class, cp)] if p]
+        seq_length = _int(d.get("seq_length", d.get("max_seq_length")))
+        problems += [p for p in [sequence_length_problem(seq_length, cp) if seq_length else None] if p]
     # --- the model against the pipeline
     layers = _int(m.get("num_layers"))
     chunks = pp * (vp or 1)

@@ -65,7 +65,18 @@ from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 if TYPE_CHECKING:
     from lightning_megatron.interop import StateDictAdapter
 
-__all__ = ["MegatronLightningModule", "torch_class"]
+__all__ = ["MegatronLightningModule", "context_parallel_problem", "torch_class"]
+
+
+def context_parallel_problem(module: Any, cp: int) -> str | None:
+    """Why ``module`` (a LightningModule or its class) cannot run at ``context_parallel_size=cp``, or None:
+    only a module that declares ``supports_context_parallel`` splits its sequence over the CP ranks."""
+    if cp <= 1 or getattr(module, "supports_context_parallel", False):
+        return None
+    name = module.__name__ if isinstance(module, type) else type(module).__name__
+    return (f"context_parallel_size={cp}: {name} does not split its sequence over context-parallel ranks "
+            f"(supports_context_parallel is not set); use context_parallel_size=1, or a module that does "
+            f"(GPTLightningModule)")
 
 
 class MegatronLightningModule(LightningModule):
@@ -73,6 +84,10 @@ class MegatronLightningModule(LightningModule):
 
     init_seed: int = 1234
     """Seed of the dropout streams when no MegatronStrategy seeded them (one process)."""
+
+    supports_context_parallel: ClassVar[bool] = False
+    """Whether the module splits each sample's sequence over the ranks of the CP group (its forward step
+    slices the batch and its attention gathers keys and values: ``transformer.context_parallel``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -171,11 +171,10 @@ class ParallelDims:
 
     def unsupported(self) -> list[str]:
         """What the record allows but the training engine does not implement yet (one message each):
-        context and expert parallelism have their place in the record, the groups and the parameter
-        facts; the models and the step do not take them yet."""
+        expert parallelism has its place in the record, the groups and the parameter facts; the models
+        and the step do not take it yet. (Context parallelism is the module's to take:
+        :func:`lightning_megatron.module.context_parallel_problem`.)"""
         out = []
-        if self.cp > 1:
-            out.append(f"context_parallel_size={self.cp}: context parallelism is not supported yet; use 1")
         if self.ep > 1:
             out.append(f"expert_model_parallel_size={self.ep}: expert parallelism is not supported yet; use 1")
         if self.etp is not None and self.etp != self.tp:

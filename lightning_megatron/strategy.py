@@ -42,7 +42,7 @@ from lightning_megatron import checkpoint as ckpt
 from lightning_megatron.config_checks import timeout_problem
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
-from lightning_megatron.module import MegatronLightningModule
+from lightning_megatron.module import MegatronLightningModule, context_parallel_problem
 from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.grad_scaler import DynamicGradScaler
 from lightning_megatron.parallel_dims import ParallelDims
@@ -234,6 +234,9 @@ class MegatronStrategy(DDPStrategy):
         ps = self.parallel_state
         assert ps is not None and self.accelerator is not None
         check_trainer(trainer)
+        problem = context_parallel_problem(self.lightning_module, ps.cp_size)
+        if problem:
+            raise ValueError(f"MegatronStrategy: {problem}")
         self._module = megatron_module(self.lightning_module, pipelined=ps.pp_size > 1, num_chunks=ps.vp_size or 1)
         # Parameters no parallel layer described are replicated across TP: said once, here (param_facts).
         mark_replicated(p for chunk in self.model_chunks for p in chunk.parameters())

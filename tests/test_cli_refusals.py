@@ -93,6 +93,16 @@ CASES = {
          "--model.init_args.config.num_query_groups", "3"], None,
         ["1 configuration problem(s)", "num_query_groups=3 must be a multiple or a divisor of "
          "tensor_model_parallel_size=2"], []),
+    "context_parallel_on_bert": (  # a module that does not split its sequence (issue 37)
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--trainer.strategy.init_args.context_parallel_size",
+         "2", "--trainer.strategy.init_args.tensor_model_parallel_size", "1"], None,
+        ["context_parallel_size=2: BertLightningModule does not split its sequence over context-parallel ranks",
+         "use context_parallel_size=1"], []),
+    "context_parallel_sequence": (  # 2 x CP chunks of the sequence
+        [*FIT, "--trainer.strategy.init_args.context_parallel_size", "2", "--trainer.strategy.init_args."
+         "tensor_model_parallel_size", "1", "--data.seq_length", "30", "--model.init_args.config.max_sequence_length",
+         "32"], None,
+        ["sequence length 30 is not divisible by 2 x context_parallel_size = 4"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }

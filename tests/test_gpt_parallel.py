@@ -1,9 +1,10 @@
 """GPTLightningModule under Trainer.fit at every layout equals one process (fp32, dropout off), through
 the parity machinery of ``lightning-megatron check`` (``check.worker.run_layouts``, ``check.parity``).
 
-Both shapes share two spawns: one process fits each shape's reference, then 2 ranks fit every layout
+Both shapes share three spawns: one process fits each shape's reference, then 2 ranks fit every layout
 of each shape in turn: TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), PP=2 x VP=2 (interleaved),
-DP=2, DP=2 with ZeRO-1. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
+DP=2, DP=2 with ZeRO-1, CP=2 (context parallelism); then 4 ranks CP=2 with TP=2 + SP, PP=2 x VP=2 and
+DP=2 + ZeRO-1. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
 1e-5 relative, every gradient after step 1 within 1e-4 of its largest entry, final parameters within
 2e-3 of the reference's update (rms per tensor: ``check.parity.update_error``, not element by element:
 after Adam an element can differ by 1e-5 on one CPU's kernels and not on another's).
@@ -72,8 +73,10 @@ def make_module(**config_fields):
     return GPTLightningModule(GPTConfig(**{**GPT2_TINY, **config_fields}), lr=1e-3, weight_decay=0.01)
 
 
-GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1"]
-LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1"]
+GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1", "cp2"]
+LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1", "cp2", "tp2cp2sp", "cp2pp2vp2", "cp2dp2zero1"]
+"""Context parallelism (cp2) on both shapes; composed with TP + SP, interleaved PP and ZeRO-1 on 4 ranks on the
+packed Llama shape (rope at the tokens' real positions, documents across the split)."""
 SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS)}
 PACKED = {"llama"}
 """The shapes trained on packed samples (attention within each document, rope positions restarting)."""
@@ -91,6 +94,8 @@ def _fit_each(work: list) -> dict:
     from lightning_megatron.parallel_state import initialize_model_parallel
 
     fits = [run_layouts(run, layouts) for run, layouts in work]
+    if dist.get_world_size() > 2:
+        return {"fits": fits}
     module = make_module(**LLAMA_TINY)
     if dist.get_world_size() > 1:
         module.connect_parallel_state(initialize_model_parallel(ParallelDims(tp=dist.get_world_size(), pp=1)))
@@ -112,12 +117,15 @@ def check_shapes(shapes: dict) -> dict:
             for name, (factory, _) in shapes.items()}
     names = list(shapes)
     ref = run_distributed(_fit_each, 1, [(runs[n], [ParallelDims.parse("tp1")]) for n in names], timeout=600)
-    par = run_distributed(_fit_each, 2, [(runs[n], [ParallelDims.parse(x) for x in shapes[n][1]]) for n in names],
-                          timeout=900)
+    worlds = {n: {x: ParallelDims.parse(x).world_size for x in shapes[n][1]} for n in names}
+    par = run_distributed(_fit_each, 2, [(runs[n], [ParallelDims.parse(x) for x, w in worlds[n].items() if w == 2])
+                                         for n in names], timeout=900)
+    four = run_distributed(_fit_each, 4, [(runs[n], [ParallelDims.parse(x) for x, w in worlds[n].items() if w == 4])
+                                          for n in names], timeout=900)
     tol, reports = Tolerances(), {"generated": {"tp1": ref[0]["generated"], "tp2": [r["generated"] for r in par]}}
     for i, name in enumerate(names):
         reference = gather_runs([r["fits"][i] for r in ref])["tp1"]
-        layouts = gather_runs([r["fits"][i] for r in par])
+        layouts = {**gather_runs([r["fits"][i] for r in par]), **gather_runs([r["fits"][i] for r in four])}
         reports[name] = CheckReport(reference=reference, runs=layouts, tolerances=tol,
                                     results=[compare_runs(layouts[x], reference, tol) for x in shapes[name][1]])
     return reports

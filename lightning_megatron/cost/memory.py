@@ -65,7 +65,7 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
                    schedule: str | PipelineSchedule = AUTO) -> MemoryEstimate:
     """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for the model whose costs are ``m``,
     under the pipeline ``schedule`` (a registered name, ``"auto"``: the layout's)."""
-    t, pp, d, vp = layout.tp, layout.pp, layout.dp, layout.vp or 1
+    t, pp, d, vp, cp = layout.tp, layout.pp, layout.dp, layout.vp or 1, layout.cp
     if m.num_layers % (pp * vp):
         raise ValueError(f"num_layers={m.num_layers} is not divisible by pp x vp = {pp * vp}")
     microbatches = m.global_batch_size // (m.micro_batch_size * d)
@@ -75,23 +75,26 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
     per_chunk = m.num_layers // (pp * vp)
     n = m.stage_parameters(t, pp, stage)
     e = m.param_bytes
-    shard = math.ceil(n / d)
-    grads = 4 * shard * d if layout.zero1 else 4 * n  # fp32 main grads (ZeRO-1: one padded flat buffer)
+    shard = math.ceil(n / (d * cp))  # ZeRO-1 shards over the data- and context-parallel ranks
+    grads = 4 * shard * d * cp if layout.zero1 else 4 * n  # fp32 main grads (ZeRO-1: one padded flat buffer)
     moments = 8 if m.optimizer in ("adam", "adamw") else 4
     main = 4 if (e != 4 or layout.zero1) else 0  # fp32 main copy: 16-bit params, or the ZeRO-1 shard
     opt = (moments + main) * (shard if layout.zero1 else n)
     chunks = layout_schedule(layout, schedule).in_flight(pp, layout.vp, stage, microbatches)
     sp = layout.sequence_parallel
-    layer = m.layer_activation_bytes(t, sp)
-    head = m.last_stage_activation_bytes(t) if stage == pp - 1 else 0.0
+    # Context parallelism splits every token-sized tensor over cp ranks; a layer's attention also keeps the
+    # keys and values gathered from the other ranks (the model says how many bytes: context_parallel_bytes).
+    gathered = getattr(m, "context_parallel_bytes", None)
+    layer = m.layer_activation_bytes(t, sp) / cp + (gathered(t, cp) if cp > 1 and gathered is not None else 0.0)
+    head = m.last_stage_activation_bytes(t) / cp if stage == pp - 1 else 0.0
     if m.recompute:
         # Each layer keeps only its input. The peak is the forward's (with the head) or, in the
         # backward, after the head's backward, one layer's activations computed again.
-        act = chunks * per_chunk * m.layer_input_bytes(t, sp) + max(head, layer)
+        act = chunks * per_chunk * m.layer_input_bytes(t, sp) / cp + max(head, layer)
     else:
         act = chunks * per_chunk * layer + head
     if stage == 0:  # e.g. the embedding dropout's mask, once per first-chunk forward
-        act += -(-chunks // vp) * m.first_stage_activation_bytes(t, sp)
+        act += -(-chunks // vp) * m.first_stage_activation_bytes(t, sp) / cp
     return MemoryEstimate(layout=layout.name, params=n, param_bytes=e * n, grad_bytes=grads, optimizer_bytes=opt,
                           activation_bytes=int(act), stage=stage)
 

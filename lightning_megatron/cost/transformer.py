@@ -186,6 +186,16 @@ class TransformerCost:
             masks += (self.mask_bytes + e) * b * n * s * s / tp
         return e * s * b * (replicated + parallel) + stats + attention + masks
 
+    def context_parallel_bytes(self, tp: int, cp: int) -> float:
+        """What one layer keeps beyond its 1/cp share under context parallelism (all-gather of keys and
+        values, :mod:`~lightning_megatron.transformer.context_parallel`): the other ranks' keys and values
+        ``2 (s - s/cp) b g/t d``, saved by the attention, and its mask's keys ``b (s/cp) s`` bools over
+        ``(s/cp)^2`` when unfused (the probabilities of the whole sequence's keys are in the 1/cp share's
+        ``s^2 / cp``)."""
+        s, b, e = self.seq_length, self.micro_batch_size, self.param_bytes
+        kv = 2 * (s - s / cp) * b * self.groups * self.head_dim / tp * e
+        return kv + b * (s / cp) * s
+
     def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
         return self.param_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (
             tp if sequence_parallel else 1)
@@ -198,10 +208,12 @@ class TransformerCost:
             tp if sequence_parallel else 1)
 
     def last_stage_activation_bytes(self, tp: int) -> float:
-        """The final norm's output, the vocab-parallel logits and the cross entropy's fp32 softmax."""
+        """The final norm's output (the output layer's input) and the cross entropy's fp32 softmax of the
+        vocab-parallel logits, with its per-token statistics; the logits themselves are not kept (measured:
+        ``check --estimate-memory`` on ``recipes/gpt_tiny.yaml``, fp32 and bf16, docs/long_context.md)."""
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
         v = self.padded_vocab(tp) / tp
-        return e * s * b * (h + v) + 4 * s * b * v + 8 * s * b
+        return e * s * b * h + 4 * s * b * v + 8 * s * b
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
         g = self.groups

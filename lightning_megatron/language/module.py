@@ -177,8 +177,11 @@ class LanguageLightningModule(MegatronLightningModule):
 
     @override
     def pipeline_tensor_shape(self, microbatch: Mapping[str, torch.Tensor]) -> Sequence[int]:
-        """[s, b, h] exchanged between stages ([s/t, b, h] under sequence parallelism)."""
+        """[s, b, h] exchanged between stages ([s/t, b, h] under sequence parallelism; s/cp under context
+        parallelism)."""
         b, s = microbatch["tokens"].shape
+        if self.parallel_state is not None:
+            s //= self.parallel_state.cp_size
         if self.config.sequence_parallel:
             s //= self.config.tensor_model_parallel_size
         return (s, b, self.config.hidden_size)

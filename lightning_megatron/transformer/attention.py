@@ -40,6 +40,7 @@ different heads, so their masks must be independent, yet reproducible under reco
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -58,6 +59,7 @@ from lightning_megatron.tensor_parallel import (
     scaled_init_method_normal,
 )
 from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.context_parallel import ContextParallel
 from lightning_megatron.transformer.dropout import dropout
 from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
@@ -123,12 +125,15 @@ class DotProductAttention(nn.Module):
         return get_rng_tracker().fork()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, *, causal: bool | None = None) -> torch.Tensor:
+        """``causal``: None, the module's mask type; False when ``attention_mask`` is the whole mask (context
+        parallelism: the queries are not the last ``s`` of the keys)."""
         s, b, heads, d = query.shape
         sk = key.shape[0]  # > s with a KV cache: the queries are the last s of the sk positions
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n/t, s, d], k/v [b, g/t, sk, d]
         gqa = k.shape[1] != heads
-        causal = self.attn_mask_type == AttnMaskType.causal
+        if causal is None:
+            causal = self.attn_mask_type == AttnMaskType.causal
         if self.attn_mask_type == AttnMaskType.no_mask:
             attention_mask = None
         p = self.config.attention_dropout if self.training else 0.0
@@ -233,16 +238,22 @@ class SelfAttention(nn.Module):
         return query, key, value
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None,
+                context_parallel: ContextParallel | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``rotary_pos_emb``: the RoPE angle table [s, 1, 1, d_rot] of this forward's positions (the
         full sequence, or the new tokens with a KV cache), or None. ``inference_context``: the KV
         cache (:class:`~lightning_megatron.transformer.inference.InferenceContext`): this forward's
-        keys and values are appended and the queries attend to every cached position."""
+        keys and values are appended and the queries attend to every cached position.
+        ``context_parallel``: this rank holds part of the sequence
+        (:mod:`~lightning_megatron.transformer.context_parallel`): the keys and values are gathered over
+        the CP group and its mask replaces ``attention_mask``."""
         if inference_context is not None and self.config.sequence_parallel:
             raise ValueError("a KV cache (inference_context) with sequence_parallel=True is not supported: one new "
                              "token cannot be split over the sequence; generate with a model built with "
                              "sequence_parallel=False")
+        if inference_context is not None and context_parallel is not None:
+            raise ValueError("a KV cache (inference_context) with context parallelism is not supported: generate "
+                             "with a model built without it (checkpoints do not depend on the layout)")
         if inference_context is not None and attention_mask is not None:
             raise ValueError("a KV cache (inference_context) with an attention_mask is not supported: generation "
                              "runs causal attention on prompts of equal length; pass attention_mask=None")
@@ -250,6 +261,12 @@ class SelfAttention(nn.Module):
         query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             query, key = apply_rotary_pos_emb(query, rotary_pos_emb), apply_rotary_pos_emb(key, rotary_pos_emb)
+        if context_parallel is not None:  # the whole sequence's keys and values; the mask says which to see
+            key, value = context_parallel.gather(key), context_parallel.gather(value)
+            core = functools.partial(self.core_attention, causal=False)
+            if self.config.recompute_granularity == "selective":
+                return self.linear_proj(recompute(core, query, key, value, context_parallel.mask))
+            return self.linear_proj(core(query, key, value, context_parallel.mask))
         if inference_context is not None:
             key, value = inference_context.append(self.layer_number, key, value)  # [offset + s, b, g/t, d]
             context = self.core_attention(query, key, value, attention_mask)

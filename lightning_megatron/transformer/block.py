@@ -17,6 +17,7 @@ loss and gradients are those of the run without recomputation.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.layer import layer_norm_spec, norm_placement
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import seeded
+
+if TYPE_CHECKING:
+    from lightning_megatron.transformer.context_parallel import ContextParallel
 
 __all__ = ["TransformerBlock"]
 
@@ -70,19 +74,23 @@ class TransformerBlock(nn.Module):
 
     def _run(self, start: int, end: int):
         def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                rotary_pos_emb: torch.Tensor | None, inference_context: InferenceContext | None = None) -> torch.Tensor:
+                rotary_pos_emb: torch.Tensor | None, inference_context: InferenceContext | None = None,
+                context_parallel: ContextParallel | None = None) -> torch.Tensor:
+            extra = {} if context_parallel is None else {"context_parallel": context_parallel}
             for layer in self.layers[start:end]:
                 hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                      inference_context=inference_context)
+                                      inference_context=inference_context, **extra)
             return hidden_states
         return run
 
     def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None, *,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None
-                ) -> torch.Tensor:
+                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None,
+                context_parallel: ContextParallel | None = None) -> torch.Tensor:
         """``rotary_pos_emb``: the RoPE table [s, 1, 1, d_rot] of the full sequence (also under sequence
         parallelism) or None; it reaches every layer's attention, recomputed or not.
-        ``inference_context``: the KV cache of generation (no recomputation then)."""
+        ``inference_context``: the KV cache of generation (no recomputation then).
+        ``context_parallel``: this rank's part of the sequence
+        (:class:`~lightning_megatron.transformer.context_parallel.ContextParallel`), for every attention."""
         if not self.pre_process:
             if self.input_tensor is None:
                 raise ValueError("TransformerBlock with pre_process=False needs set_input_tensor(...) before forward")
@@ -98,16 +106,18 @@ class TransformerBlock(nn.Module):
                 if cfg.recompute_method == "uniform":
                     for start in range(0, n, k):
                         hidden_states = recompute(self._run(start, min(start + k, n)), hidden_states, attention_mask,
-                                                  rotary_pos_emb)
+                                                  rotary_pos_emb, None, context_parallel)
                 else:  # "block"
                     for i in range(n):
                         if i < k:
                             hidden_states = recompute(self._run(i, i + 1), hidden_states, attention_mask,
-                                                      rotary_pos_emb)
+                                                      rotary_pos_emb, None, context_parallel)
                         else:
-                            hidden_states = self._run(i, i + 1)(hidden_states, attention_mask, rotary_pos_emb)
+                            hidden_states = self._run(i, i + 1)(hidden_states, attention_mask, rotary_pos_emb, None,
+                                                                context_parallel)
             else:
-                hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb, inference_context)
+                hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb, inference_context,
+                                                context_parallel)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

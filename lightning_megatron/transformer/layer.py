@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import IdentityFuncOp, IdentityOp
+
+if TYPE_CHECKING:
+    from lightning_megatron.transformer.context_parallel import ContextParallel
 
 __all__ = [
     "TransformerLayerSubmodules",
@@ -132,13 +135,14 @@ class TransformerLayer(nn.Module):
         return slot(self.training, kernels=self.kernels)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None
-                ) -> torch.Tensor:
+                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None,
+                context_parallel: ContextParallel | None = None) -> torch.Tensor:
         """``rotary_pos_emb`` (the RoPE table, :mod:`~lightning_megatron.transformer.rotary`) and
         ``inference_context`` (the KV cache, :mod:`~lightning_megatron.transformer.inference`) go to the
-        attention; each is passed only when given, so attention modules without them keep working."""
-        extra = {k: v for k, v in (("rotary_pos_emb", rotary_pos_emb), ("inference_context", inference_context))
-                 if v is not None}
+        attention, and ``context_parallel`` (:mod:`~lightning_megatron.transformer.context_parallel`); each is
+        passed only when given, so attention modules without them keep working."""
+        extra = {k: v for k, v in (("rotary_pos_emb", rotary_pos_emb), ("inference_context", inference_context),
+                                   ("context_parallel", context_parallel)) if v is not None}
         residual = hidden_states
         attention_output_with_bias = self.self_attention(self.input_layernorm(hidden_states), attention_mask, **extra)
         hidden_states = self._bda(self.self_attn_bda)(attention_output_with_bias, residual, self.hidden_dropout)

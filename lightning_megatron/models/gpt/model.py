@@ -37,6 +37,7 @@ from lightning_megatron.language.model import LanguageModelEmbedding, LanguageMo
 from lightning_megatron.parallel_state import Group
 from lightning_megatron.transformer import ModuleSpec, TransformerBlock, TransformerConfig, get_spec
 from lightning_megatron.transformer.attention import document_attention_mask
+from lightning_megatron.transformer.context_parallel import ContextParallel
 
 __all__ = ["GPTModel", "POSITION_EMBEDDING_TYPES", "gpt_loss"]
 
@@ -119,8 +120,11 @@ class GPTModel(LanguageModule):
         return table[offset: offset + seq_length]
 
     def _decode(self, hidden_states: torch.Tensor | None, tokens: torch.Tensor, position_ids: torch.Tensor | None,
-                position_offset: int, inference_context: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+                position_offset: int, inference_context: Any, attention_mask: torch.Tensor | None,
+                context_parallel: ContextParallel | None) -> torch.Tensor:
         kwargs: dict[str, Any] = {} if inference_context is None else {"inference_context": inference_context}
+        if context_parallel is not None:
+            kwargs["context_parallel"] = context_parallel
         if self._rotary:
             if position_ids is None:
                 kwargs["rotary_pos_emb"] = self.rotary_pos_emb(tokens.size(1), tokens.device, position_offset)
@@ -131,7 +135,8 @@ class GPTModel(LanguageModule):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, *, position_offset: int = 0,
-                inference_context: Any = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                inference_context: Any = None, document_ids: torch.Tensor | None = None,
+                context_parallel: ContextParallel | None = None) -> torch.Tensor:
         """``tokens`` [b, s] (on every chunk: it gives the sequence length); returns
 
         - ``post_process=False``: hidden states [s, b, h] (input of the next stage);
@@ -145,7 +150,14 @@ class GPTModel(LanguageModule):
 
         ``document_ids`` [b, s]: packed samples (Megatron's ``reset_attention_mask``): a token attends
         only to the earlier tokens of its own document (:func:`document_attention_mask`).
+
+        ``context_parallel``: ``tokens`` are this rank's part of the sequence and ``position_ids`` their real
+        positions (:func:`~lightning_megatron.transformer.context_parallel.split_batch`, which also folds
+        the documents into its mask); attention runs over the CP group.
         """
+        if context_parallel is not None and (position_ids is None or document_ids is not None):
+            raise ValueError("context parallelism: give this rank's position_ids and no document_ids (split_batch "
+                             "makes both)")
         s = tokens.size(1)
         if position_ids is not None and position_offset:
             raise ValueError("position_ids and position_offset: give one (the offset shifts the default positions)")
@@ -160,7 +172,8 @@ class GPTModel(LanguageModule):
                 position_ids = position_ids.unsqueeze(0).expand_as(tokens)
             hidden_states = self.embedding(tokens, position_ids)
         mask = None if document_ids is None else document_attention_mask(document_ids)
-        hidden_states = self._decode(hidden_states, tokens, given_positions, position_offset, inference_context, mask)
+        hidden_states = self._decode(hidden_states, tokens, given_positions, position_offset, inference_context, mask,
+                                     context_parallel)
         if not self.post_process:
             return hidden_states
         logits, _ = self.output_layer(hidden_states, weight=self.output_weight())  # [s, b, V/t]

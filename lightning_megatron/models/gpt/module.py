@@ -38,7 +38,9 @@ from lightning_megatron.models.gpt.interop import GPTInterop
 from lightning_megatron.models.gpt.model import GPTModel, gpt_loss
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.layout import ChunkLayout
+from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.context_parallel import split_batch
 
 __all__ = ["GPTLightningModule"]
 
@@ -103,6 +105,7 @@ class GPTLightningModule(LanguageLightningModule):
     # ------------------------------------------------------------------ weights from elsewhere
 
     interop = GPTInterop()  # Hugging Face Llama / GPT-2 folders, Megatron-LM GPT checkpoints, export hf
+    supports_context_parallel = True  # loss_forward splits the batch; attention gathers keys and values
     architecture_keys = GPT_ARCHITECTURE_KEYS
 
 
@@ -113,18 +116,35 @@ class GPTLightningModule(LanguageLightningModule):
         """The next-token loss of the batch on the last chunk (averaged over ``loss_mask``, with the number of
         counted tokens to log; at validation / test the whole split's perplexity is updated); the hidden
         states elsewhere."""
+        ps = self.parallel_state
+        context = None
+        if ps is not None and ps.cp_size > 1:  # this rank's part of every sequence, attention over the CP group
+            batch, context = split_batch(batch, ps.cp_group, ps.cp_rank)
         labels = batch["labels"] if chunk.post_process else None
-        out = chunk(batch["tokens"], batch.get("position_ids"), labels=labels, document_ids=batch.get("document_ids"))
+        out = chunk(batch["tokens"], batch.get("position_ids"), labels=labels, document_ids=batch.get("document_ids"),
+                    context_parallel=context)
         if not chunk.post_process:
             return out
         loss_mask = batch["loss_mask"]
-        loss = gpt_loss(out, loss_mask)
+        if context is None:
+            loss = gpt_loss(out, loss_mask)
+            value, num_tokens = loss.detach(), loss_mask.float().sum()
+        else:
+            # The sequence's loss is its ranks' summed losses over its counted tokens: this rank's part,
+            # times cp because the gradients are averaged over the data- and context-parallel ranks.
+            mask = loss_mask.float()
+            local = (out.float() * mask).sum()
+            totals = torch.stack([local.detach(), mask.sum()])
+            all_reduce(totals, ps.cp_group)
+            value, num_tokens = totals[0] / totals[1].clamp(min=1.0), totals[1]
+            loss = local * ps.cp_size / totals[1].clamp(min=1.0)
         with torch.no_grad():
-            num_tokens = loss_mask.float().sum()
             stage = eval_stage(self)
             if stage:  # the whole split's perplexity, logged at the end of the epoch
-                on_device(self.eval_metrics[stage], loss.device)["perplexity"].update(loss.detach(), num_tokens)
-            stats = {"lm_loss": loss.detach(), "num_tokens": num_tokens}
+                on_device(self.eval_metrics[stage], loss.device)["perplexity"].update(value, num_tokens)
+            stats = {"lm_loss": value, "num_tokens": num_tokens}
+            if context is not None:
+                stats["loss"] = value  # logged: the whole sequence's, not this rank's objective
         return loss, stats
 
     @override
