@@ -103,6 +103,11 @@ CASES = {
          "tensor_model_parallel_size", "1", "--data.seq_length", "30", "--model.init_args.config.max_sequence_length",
          "32"], None,
         ["sequence length 30 is not divisible by 2 x context_parallel_size = 4"], []),
+    "context_parallel_a2a_heads": (  # Ulysses splits the heads over CP
+        [*FIT, "--trainer.strategy.init_args.context_parallel_size", "2", "--model.init_args.config.cp_comm_type",
+         "a2a", "--model.init_args.config.num_attention_heads", "2", "--model.init_args.config.hidden_size", "64"],
+        None, ["cp_comm_type='a2a' splits the 1 attention heads of a tensor-parallel rank over "
+               "context_parallel_size=2"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }

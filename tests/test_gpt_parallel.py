@@ -4,7 +4,8 @@ the parity machinery of ``lightning-megatron check`` (``check.worker.run_layouts
 Both shapes share three spawns: one process fits each shape's reference, then 2 ranks fit every layout
 of each shape in turn: TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), PP=2 x VP=2 (interleaved),
 DP=2, DP=2 with ZeRO-1, CP=2 (context parallelism); then 4 ranks CP=2 with TP=2 + SP, PP=2 x VP=2 and
-DP=2 + ZeRO-1. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
+DP=2 + ZeRO-1; the Llama shape also with Ulysses context parallelism (``cp_comm_type="a2a"``) at CP=2 and
+TP=2 x CP=2 with SP. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
 1e-5 relative, every gradient after step 1 within 1e-4 of its largest entry, final parameters within
 2e-3 of the reference's update (rms per tensor: ``check.parity.update_error``, not element by element:
 after Adam an element can differ by 1e-5 on one CPU's kernels and not on another's).
@@ -77,8 +78,11 @@ GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1", "cp2"]
 LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1", "cp2", "tp2cp2sp", "cp2pp2vp2", "cp2dp2zero1"]
 """Context parallelism (cp2) on both shapes; composed with TP + SP, interleaved PP and ZeRO-1 on 4 ranks on the
 packed Llama shape (rope at the tokens' real positions, documents across the split)."""
-SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS)}
-PACKED = {"llama"}
+ULYSSES_LAYOUTS = ["cp2", "tp2cp2sp"]
+"""The Llama shape with cp_comm_type="a2a" (Ulysses: heads for sequence), one key/value head repeated for CP."""
+SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS),
+          "llama_a2a": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="a2a"), ULYSSES_LAYOUTS)}
+PACKED = {"llama", "llama_a2a"}
 """The shapes trained on packed samples (attention within each document, rope positions restarting)."""
 
 
@@ -194,6 +198,14 @@ def test_final_parameter_rule_on_the_real_runs(reports):
             for what, planted in (("one sign", flipped), ("1% too far", init[name] + 1.01 * (final - init[name]))):
                 err = update_error({name: planted}, ref.params, init)[name]
                 assert err > 3 * tol, (shape, name, what, err)
+
+
+@pytest.mark.parametrize("layout", ULYSSES_LAYOUTS)
+def test_ulysses_context_parallel_equals_one_process(reports, layout):
+    """Context parallelism by all-to-all (heads scattered, sequence gathered, and back), on packed samples."""
+    report = reports["llama_a2a"]
+    [result] = [r for r in report.results if r.layout == layout]
+    assert result.passed, report.table()
 
 
 @pytest.mark.parametrize("layout", LLAMA_LAYOUTS)

@@ -249,6 +249,11 @@ class LanguageLightningModule(MegatronLightningModule):
                 config.with_layout(dims.tp, dims.sequence_parallel)
         except (TypeError, ValueError) as e:
             return [f"model.{CONFIG_HPARAM}: {p}" for p in (e.problems if isinstance(e, ConfigProblems) else [str(e)])]
+        heads = config.num_attention_heads // (dims.tp if dims is not None else 1)
+        if dims is not None and dims.cp > 1 and config.cp_comm_type == "a2a" and heads % dims.cp:
+            return [f"model.{CONFIG_HPARAM}: cp_comm_type='a2a' splits the {heads} attention heads of a tensor-parallel "
+                    f"rank over context_parallel_size={dims.cp}, which does not divide them; use "
+                    f"cp_comm_type='all_gather'"]
         return []
 
     @classmethod

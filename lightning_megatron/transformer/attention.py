@@ -261,12 +261,12 @@ class SelfAttention(nn.Module):
         query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             query, key = apply_rotary_pos_emb(query, rotary_pos_emb), apply_rotary_pos_emb(key, rotary_pos_emb)
-        if context_parallel is not None:  # the whole sequence's keys and values; the mask says which to see
-            key, value = context_parallel.gather(key), context_parallel.gather(value)
-            core = functools.partial(self.core_attention, causal=False)
+        if context_parallel is not None:  # over the CP group: gathered keys and values, or heads for sequence
+            attend = functools.partial(context_parallel.attention, self.core_attention,
+                                       comm_type=self.config.cp_comm_type)
             if self.config.recompute_granularity == "selective":
-                return self.linear_proj(recompute(core, query, key, value, context_parallel.mask))
-            return self.linear_proj(core(query, key, value, context_parallel.mask))
+                return self.linear_proj(recompute(attend, query, key, value))
+            return self.linear_proj(attend(query, key, value))
         if inference_context is not None:
             key, value = inference_context.append(self.layer_number, key, value)  # [offset + s, b, g/t, d]
             context = self.core_attention(query, key, value, attention_mask)

@@ -9,20 +9,24 @@ tokens' real ones, so rope and learned positions see the sequence as one process
 Attention (:class:`ContextParallel`): each rank computes the queries of its tokens against the keys and
 values of the whole sequence, gathered over the CP group (an all-gather whose backward reduce-scatters
 the keys' and values' gradients to their owners); the mask is causal on the tokens' global indices and,
-for packed samples, keeps each token within its document. This is the all-gather variant of megatron-core's
+for packed samples, keeps each token within its document. This is megatron-core's
 ``cp_comm_type="all_gather"``: the keys and values of a layer are held whole during its attention, the
-queries and everything else stay split. No Lightning here; the group is an argument.
+queries and everything else stay split. ``cp_comm_type="a2a"`` (Ulysses, DeepSpeed's all-to-all
+sequence parallelism) instead trades the sequence split for a split of the heads before the attention
+(an all-to-all of queries, keys and values: every rank then holds the whole sequence of ``1/cp`` of the
+heads) and back after it. No Lightning here; the group is an argument.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from lightning_megatron.parallel_state import Group, group_size
+from lightning_megatron.parallel_state import Group, group_size, process_group
 from lightning_megatron.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 __all__ = ["ContextParallel", "context_parallel_indices", "sequence_length_problem", "split_batch"]
@@ -48,18 +52,96 @@ def context_parallel_indices(seq_length: int, cp_size: int, cp_rank: int, device
                       torch.arange(second, second + chunk, device=device)])
 
 
-@dataclass(frozen=True)
+def _all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``x`` [cp, ...]: part ``j`` goes to rank ``j``; returns [cp, ...], part ``j`` from rank ``j``."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous like x (empty_like keeps a permuted tensor's strides)
+    dist.all_to_all_single(out, x, group=process_group(group))
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """[s/cp, b, h, d] of this rank's tokens -> [s, b, h/cp, d]: the whole sequence (in rank order) of this
+    rank's ``1/cp`` of the heads."""
+    cp = group_size(group)
+    s, b, h, d = x.shape
+    parts = x.reshape(s, b, cp, h // cp, d).permute(2, 0, 1, 3, 4)
+    return _all_to_all(parts, group).reshape(cp * s, b, h // cp, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """The inverse of :func:`_seq_to_heads`: [s, b, h/cp, d] -> [s/cp, b, h, d]."""
+    cp = group_size(group)
+    s, b, h, d = x.shape
+    parts = _all_to_all(x.reshape(cp, s // cp, b, h, d), group)
+    return parts.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * h, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+@dataclass
 class ContextParallel:
     """What attention needs to run over a CP group: the group, the mask of this rank's queries against
-    the gathered keys (``[b or 1, 1, s / cp, s]``, True where hidden)."""
+    the gathered keys (``[b or 1, 1, s / cp, s]``, True where hidden), and what the whole sequence's mask
+    is made of (for ``a2a``: built on first use)."""
 
     group: Group
     mask: torch.Tensor
+    gathered: torch.Tensor
+    """The global index of each token of the gathered sequence (rank order)."""
+    documents: torch.Tensor | None = None
+    """``document_ids`` [b, s] of the gathered sequence, for packed samples."""
+    _full_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` [s / cp, ...] of this rank -> [s, ...] of the group, in rank order (autograd: the gradient is
         reduce-scattered back)."""
         return gather_from_sequence_parallel_region(t, self.group, True)
+
+    def full_mask(self) -> torch.Tensor:
+        """The gathered sequence's queries against its keys, [b or 1, 1, s, s] (True where hidden)."""
+        if self._full_mask is None:
+            hidden = (self.gathered[None, :] > self.gathered[:, None])[None, None]
+            if self.documents is not None:
+                hidden = hidden | (self.documents[:, None, :, None] != self.documents[:, None, None, :])
+            self._full_mask = hidden
+        return self._full_mask
+
+    def attention(self, core: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, comm_type: str) -> torch.Tensor:
+        """``core(q, k, v, mask, causal=False)`` (the layer's core attention) over the CP group, from this rank's
+        queries [s/cp, b, n, d], keys and values [s/cp, b, g, d]; returns this rank's context [s/cp, b, n d]."""
+        if comm_type == "all_gather":
+            return core(query, self.gather(key), self.gather(value), self.mask, causal=False)
+        cp, (s, b, n, d), g = group_size(self.group), query.shape, key.shape[2]
+        if n % cp:
+            raise ValueError(f"cp_comm_type='a2a': the {n} attention heads of a tensor-parallel rank do not divide "
+                             f"over context_parallel_size={cp}; use cp_comm_type='all_gather'")
+        if g % cp:  # fewer key/value heads than CP ranks: each query head group takes its own copy
+            key, value = key.repeat_interleave(n // g, dim=2), value.repeat_interleave(n // g, dim=2)
+        q, k, v = (_SeqToHeads.apply(t, self.group) for t in (query, key, value))
+        context = core(q, k, v, self.full_mask(), causal=False)  # [s, b, n/cp * d]
+        return _HeadsToSeq.apply(context.reshape(cp * s, b, n // cp, d), self.group).reshape(s, b, n * d)
 
 
 def split_batch(batch: Mapping[str, Any], group: Group, cp_rank: int) -> tuple[dict[str, Any], ContextParallel]:
@@ -84,4 +166,5 @@ def split_batch(batch: Mapping[str, Any], group: Group, cp_rank: int) -> tuple[d
         hidden = hidden | (documents.index_select(1, mine)[:, None, :, None]
                            != documents.index_select(1, gathered)[:, None, None, :])
         out.pop("document_ids")
-    return out, ContextParallel(group=group, mask=hidden)
+    gathered_documents = None if documents is None else documents.index_select(1, gathered)
+    return out, ContextParallel(group=group, mask=hidden, gathered=gathered, documents=gathered_documents)
