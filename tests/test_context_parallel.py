@@ -1,14 +1,16 @@
-"""Context parallelism's split (megatron-core's load-balanced order) and its attention mask, against the
-one-process causal and document masks; the layouts themselves (CP=2 alone and with TP + SP, interleaved
-PP and ZeRO-1) equal one process in ``tests/test_gpt_parallel.py``."""
+"""Context parallelism's split (megatron-core's load-balanced order) and a rank's attention, against one
+process's causal, document-masked attention; the layouts themselves (CP=2 alone and with TP + SP, interleaved
+PP and ZeRO-1, by all-gather and by all-to-all) equal one process in ``tests/test_gpt_parallel.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_megatron.transformer.attention import document_attention_mask
+from lightning_megatron.transformer.attention import DotProductAttention, document_attention_mask
+from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.context_parallel import context_parallel_indices, split_batch
+from lightning_megatron.transformer.utils import AttnMaskType
 
 
 def test_each_rank_keeps_an_early_and_a_late_chunk():
@@ -21,22 +23,38 @@ def test_each_rank_keeps_an_early_and_a_late_chunk():
         context_parallel_indices(10, 2, 0)
 
 
-def test_a_rank_s_batch_and_mask_are_the_one_process_ones_at_its_tokens(monkeypatch):
-    """Rank 1 of 2 on a packed batch: every [b, s] tensor sliced at its tokens, the real positions kept, and
-    its mask (queries: its tokens; keys: the gathered sequence in rank order) equal to the one-process
-    causal + document mask at those places."""
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_a_rank_s_batch_and_attention_are_the_one_process_ones_at_its_tokens(monkeypatch, cp_rank):
+    """A rank of 2 on a packed batch: every [b, s] tensor sliced at its tokens, the real positions kept; its
+    all-gather attention (the exchange given here: the keys and values of the whole sequence in rank order)
+    is one process's causal, document-masked attention at its tokens."""
     import lightning_megatron.transformer.context_parallel as cp
 
-    monkeypatch.setattr(cp, "group_size", lambda group: 2)  # the split's arithmetic only: no collective runs
+    monkeypatch.setattr(cp, "group_size", lambda group: 2)  # the split's arithmetic only
     s = 8
     tokens = torch.arange(2 * s).view(2, s)
     documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 1, 1, 1]])
     batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(2, s), "document_ids": documents,
              "sample_index": torch.tensor([3, 4])}
-    local, context = split_batch(batch, group=object(), cp_rank=1)
-    mine, gathered = [2, 3, 4, 5], [0, 1, 6, 7, 2, 3, 4, 5]
+    local, context = split_batch(batch, group=object(), cp_rank=cp_rank)
+    mine = [[0, 1, 6, 7], [2, 3, 4, 5]][cp_rank]
+    gathered = [0, 1, 6, 7, 2, 3, 4, 5]
     assert local["tokens"].tolist() == tokens[:, mine].tolist() and local["labels"].tolist() == (tokens + 1)[:, mine].tolist()
     assert local["position_ids"].tolist() == [mine, mine] and "document_ids" not in local
     assert local["sample_index"].tolist() == [3, 4]  # not along the sequence: as it is
-    full = document_attention_mask(documents) | torch.ones(s, s, dtype=torch.bool).triu(1)
-    assert torch.equal(context.mask, full[:, :, mine][:, :, :, gathered])
+    assert (context.chunks, context.chunk, context.gathered.tolist()) == ((cp_rank, 3 - cp_rank), 2, gathered)
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(s, 2, 4, 8), torch.randn(s, 2, 2, 8), torch.randn(s, 2, 2, 8)
+    core = DotProductAttention(TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                                 num_query_groups=2), 1, AttnMaskType.causal).eval()
+    whole = core(q, k, v, document_attention_mask(documents))  # one process: causal within documents
+    k_mine, v_mine = k[mine], v[mine]
+    full = {id(k_mine): k[gathered], id(v_mine): v[gathered]}
+    monkeypatch.setattr(context, "gather", lambda t: full[id(t)])
+    got = context.attention(core, q[mine], k_mine, v_mine, "all_gather")
+    assert torch.allclose(got, whole[mine], atol=1e-6)
+    no_documents = split_batch({"tokens": tokens}, group=object(), cp_rank=cp_rank)[1]
+    monkeypatch.setattr(no_documents, "gather", lambda t: full[id(t)])
+    assert torch.allclose(no_documents.attention(core, q[mine], k_mine, v_mine, "all_gather"),
+                          core(q, k, v, None)[mine], atol=1e-6)

@@ -189,12 +189,9 @@ class TransformerCost:
     def context_parallel_bytes(self, tp: int, cp: int) -> float:
         """What one layer keeps beyond its 1/cp share under context parallelism (all-gather of keys and
         values, :mod:`~lightning_megatron.transformer.context_parallel`): the other ranks' keys and values
-        ``2 (s - s/cp) b g/t d``, saved by the attention, and its mask's keys ``b (s/cp) s`` bools over
-        ``(s/cp)^2`` when unfused (the probabilities of the whole sequence's keys are in the 1/cp share's
-        ``s^2 / cp``)."""
+        ``2 (s - s/cp) b g/t d``, which its attention saves."""
         s, b, e = self.seq_length, self.micro_batch_size, self.param_bytes
-        kv = 2 * (s - s / cp) * b * self.groups * self.head_dim / tp * e
-        return kv + b * (s / cp) * s
+        return 2 * (s - s / cp) * b * self.groups * self.head_dim / tp * e
 
     def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
         return self.param_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (

@@ -8,8 +8,8 @@ tokens' real ones, so rope and learned positions see the sequence as one process
 
 Attention (:class:`ContextParallel`): each rank computes the queries of its tokens against the keys and
 values of the whole sequence, gathered over the CP group (an all-gather whose backward reduce-scatters
-the keys' and values' gradients to their owners); the mask is causal on the tokens' global indices and,
-for packed samples, keeps each token within its document. This is megatron-core's
+the keys' and values' gradients to their owners) and put in sequence order; each of its two chunks attends
+causally to the keys up to its own end (no mask but, for packed samples, the documents'). This is megatron-core's
 ``cp_comm_type="all_gather"``: the keys and values of a layer are held whole during its attention, the
 queries and everything else stay split. ``cp_comm_type="a2a"`` (Ulysses, DeepSpeed's all-to-all
 sequence parallelism) instead trades the sequence split for a split of the heads before the attention
@@ -101,46 +101,65 @@ class _HeadsToSeq(torch.autograd.Function):
 
 @dataclass
 class ContextParallel:
-    """What attention needs to run over a CP group: the group, the mask of this rank's queries against
-    the gathered keys (``[b or 1, 1, s / cp, s]``, True where hidden), and what the whole sequence's mask
-    is made of (for ``a2a``: built on first use)."""
+    """What attention needs to run over a CP group: the group, which chunks of the sequence this rank holds,
+    the order the gathered sequence comes in, and the documents of packed samples."""
 
     group: Group
-    mask: torch.Tensor
+    chunks: tuple[int, int]
+    """The indices of this rank's two chunks of the sequence (of ``2 cp``), in the order it holds them."""
+    chunk: int
+    """Tokens per chunk."""
     gathered: torch.Tensor
     """The global index of each token of the gathered sequence (rank order)."""
     documents: torch.Tensor | None = None
-    """``document_ids`` [b, s] of the gathered sequence, for packed samples."""
-    _full_mask: torch.Tensor | None = field(default=None, repr=False)
+    """``document_ids`` [b, s] of the gathered sequence (the split's order), for packed samples."""
+    _natural_documents: torch.Tensor | None = field(default=None, repr=False)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` [s / cp, ...] of this rank -> [s, ...] of the group, in rank order (autograd: the gradient is
         reduce-scattered back)."""
         return gather_from_sequence_parallel_region(t, self.group, True)
 
-    def full_mask(self) -> torch.Tensor:
-        """The gathered sequence's queries against its keys, [b or 1, 1, s, s] (True where hidden)."""
-        if self._full_mask is None:
-            hidden = (self.gathered[None, :] > self.gathered[:, None])[None, None]
-            if self.documents is not None:
-                hidden = hidden | (self.documents[:, None, :, None] != self.documents[:, None, None, :])
-            self._full_mask = hidden
-        return self._full_mask
+    def natural_order(self) -> torch.Tensor:
+        """The gathered positions in sequence order (``gathered[natural_order()]`` is ``0 .. s-1``)."""
+        return torch.argsort(self.gathered)
+
+    def document_mask(self, queries: slice = slice(None), keys: slice = slice(None)) -> torch.Tensor | None:
+        """Packed samples: [b, 1, queries, keys] of the sequence in order, True where the key is in another
+        document (the causal triangle is the attention's own); None otherwise."""
+        if self.documents is None:
+            return None
+        if self._natural_documents is None:
+            self._natural_documents = self.documents.index_select(1, self.natural_order())
+        documents = self._natural_documents
+        return documents[:, None, queries, None] != documents[:, None, None, keys]
 
     def attention(self, core: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, comm_type: str) -> torch.Tensor:
-        """``core(q, k, v, mask, causal=False)`` (the layer's core attention) over the CP group, from this rank's
+        """``core(q, k, v, mask, causal=True)`` (the layer's core attention) over the CP group, from this rank's
         queries [s/cp, b, n, d], keys and values [s/cp, b, g, d]; returns this rank's context [s/cp, b, n d]."""
         if comm_type == "all_gather":
-            return core(query, self.gather(key), self.gather(value), self.mask, causal=False)
+            # The whole sequence's keys and values, in sequence order; each of this rank's chunks attends to
+            # the keys up to its own end, causally (bottom-right aligned), within its documents.
+            natural = self.natural_order()
+            key, value = (self.gather(t).index_select(0, natural) for t in (key, value))
+            out = []
+            for i, c in enumerate(self.chunks):
+                begin, end = c * self.chunk, (c + 1) * self.chunk
+                mask = self.document_mask(slice(begin, end), slice(0, end))
+                out.append(core(query[i * self.chunk:(i + 1) * self.chunk], key[:end], value[:end], mask, causal=True))
+            return torch.cat(out)
         cp, (s, b, n, d), g = group_size(self.group), query.shape, key.shape[2]
         if n % cp:
             raise ValueError(f"cp_comm_type='a2a': the {n} attention heads of a tensor-parallel rank do not divide "
                              f"over context_parallel_size={cp}; use cp_comm_type='all_gather'")
         if g % cp:  # fewer key/value heads than CP ranks: each query head group takes its own copy
             key, value = key.repeat_interleave(n // g, dim=2), value.repeat_interleave(n // g, dim=2)
-        q, k, v = (_SeqToHeads.apply(t, self.group) for t in (query, key, value))
-        context = core(q, k, v, self.full_mask(), causal=False)  # [s, b, n/cp * d]
+        # The whole sequence of 1/cp of the heads, put in sequence order: plain causal attention (no mask
+        # but the documents'), then back to the split's order and to this rank's tokens.
+        natural = self.natural_order()
+        q, k, v = (_SeqToHeads.apply(t, self.group).index_select(0, natural) for t in (query, key, value))
+        context = core(q, k, v, self.document_mask(), causal=True).index_select(0, self.gathered)  # [s, b, n/cp d]
         return _HeadsToSeq.apply(context.reshape(cp * s, b, n // cp, d), self.group).reshape(s, b, n * d)
 
 
@@ -160,11 +179,7 @@ def split_batch(batch: Mapping[str, Any], group: Group, cp_rank: int) -> tuple[d
         full["position_ids"] = torch.arange(s, device=device).expand(b, s)
     out = {k: v.index_select(1, mine) if torch.is_tensor(v) and v.dim() >= 2 and v.shape[:2] == (b, s) else v
            for k, v in full.items()}
-    hidden = (gathered[None, :] > mine[:, None])[None, None]  # [1, 1, s/cp, s]: a later token
-    documents = full.get("document_ids")
-    if documents is not None:  # and another document
-        hidden = hidden | (documents.index_select(1, mine)[:, None, :, None]
-                           != documents.index_select(1, gathered)[:, None, None, :])
-        out.pop("document_ids")
-    gathered_documents = None if documents is None else documents.index_select(1, gathered)
-    return out, ContextParallel(group=group, mask=hidden, gathered=gathered, documents=gathered_documents)
+    documents = out.pop("document_ids", None)  # travel with the chunks: the attention gathers them
+    gathered_documents = None if documents is None else full["document_ids"].index_select(1, gathered)
+    return out, ContextParallel(group=group, chunks=(cp_rank, 2 * cp_size - 1 - cp_rank), chunk=s // (2 * cp_size),
+                                gathered=gathered, documents=gathered_documents)
