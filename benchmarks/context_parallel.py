@@ -3,7 +3,7 @@ same sequence length, and the time the CP exchanges take (exposed: gloo's collec
 
 A Llama-shaped decoder (RMSNorm, rope, SwiGLU, grouped-query attention), micro batch 1, fp32, one thread per
 rank: CP=1 is one process, CP=2 two processes of one thread each, the sequence split in megatron-core's
-load-balanced order (``transformer/context_parallel.py``) with ``cp_comm_type`` all_gather or a2a. Each
+load-balanced order (``transformer/context_parallel.py``) with ``cp_comm_type`` all_gather, a2a or p2p. Each
 configuration: 1 warm-up step, then the best of ``--steps``. The exchanges are timed by wrapping the all-gather,
 reduce-scatter and all-to-all the attention calls (forward and backward). Memory: the peak bytes autograd saves
 for backward per rank.
@@ -51,6 +51,18 @@ def _run(rank: int, world: int, port: int, args, queue) -> None:  # pragma: no c
     mappings._gather_along_dim = timed(mappings._gather_along_dim)
     mappings._reduce_scatter_along_first_dim = timed(mappings._reduce_scatter_along_first_dim)
     cpm._all_to_all = timed(cpm._all_to_all)
+    if args.comm == "p2p":  # the ring: the waits for each posted exchange, and the gradients' all-to-all
+
+        class _Timed:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self):
+                return timed(self.work.wait)()
+
+        post = dist.batch_isend_irecv
+        dist.batch_isend_irecv = lambda ops: [_Timed(w) for w in post(ops)]
+        dist.all_to_all_single = timed(dist.all_to_all_single)
     results = []
     for seq in args.seq:
         config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ffn", type=int, default=704)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--comm", choices=("all_gather", "a2a"), default="all_gather")
+    parser.add_argument("--comm", choices=("all_gather", "a2a", "p2p"), default="all_gather")
     args = parser.parse_args(argv)
     one, two = measure(1, args), measure(2, args)
     print(f"decoder {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.groups} kv groups, "

@@ -5,7 +5,7 @@ Both shapes share three spawns: one process fits each shape's reference, then 2 
 of each shape in turn: TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), PP=2 x VP=2 (interleaved),
 DP=2, DP=2 with ZeRO-1, CP=2 (context parallelism); then 4 ranks CP=2 with TP=2 + SP, PP=2 x VP=2 and
 DP=2 + ZeRO-1; the Llama shape also with Ulysses context parallelism (``cp_comm_type="a2a"``) at CP=2 and
-TP=2 x CP=2 with SP. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
+TP=2 x CP=2 with SP, and with ring attention (``cp_comm_type="p2p"``) at CP=2, TP=2 x CP=2 with SP and CP=4. Tolerances are BERT's (``check.Tolerances()``): per-step loss and grad norm
 1e-5 relative, every gradient after step 1 within 1e-4 of its largest entry, final parameters within
 2e-3 of the reference's update (rms per tensor: ``check.parity.update_error``, not element by element:
 after Adam an element can differ by 1e-5 on one CPU's kernels and not on another's).
@@ -80,9 +80,14 @@ LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1", "cp2", "tp2cp2sp", "cp2pp
 packed Llama shape (rope at the tokens' real positions, documents across the split)."""
 ULYSSES_LAYOUTS = ["cp2", "tp2cp2sp"]
 """The Llama shape with cp_comm_type="a2a" (Ulysses: heads for sequence), one key/value head repeated for CP."""
+RING_LAYOUTS = ["cp2", "tp2cp2sp", "cp4"]
+"""The Llama shape with cp_comm_type="p2p" (ring attention: 2 and 4 ranks around the ring)."""
 SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS),
-          "llama_a2a": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="a2a"), ULYSSES_LAYOUTS)}
-PACKED = {"llama", "llama_a2a"}
+          "llama_a2a": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="a2a"), ULYSSES_LAYOUTS),
+          "llama_p2p": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="p2p"), RING_LAYOUTS)}
+PACKED = {"llama", "llama_a2a", "llama_p2p"}
+SAME_REFERENCE = {"llama_a2a": "llama", "llama_p2p": "llama"}
+"""One process runs the same math whatever cp_comm_type says: these shapes are compared with the Llama one's."""
 """The shapes trained on packed samples (attention within each document, rope positions restarting)."""
 
 
@@ -120,7 +125,9 @@ def check_shapes(shapes: dict) -> dict:
                            steps=STEPS, record_params=True)
             for name, (factory, _) in shapes.items()}
     names = list(shapes)
-    ref = run_distributed(_fit_each, 1, [(runs[n], [ParallelDims.parse("tp1")]) for n in names], timeout=600)
+    # A shape that differs from another only in how context parallelism communicates has that one's reference.
+    own = [n for n in names if n not in SAME_REFERENCE]
+    ref = run_distributed(_fit_each, 1, [(runs[n], [ParallelDims.parse("tp1")]) for n in own], timeout=600)
     worlds = {n: {x: ParallelDims.parse(x).world_size for x in shapes[n][1]} for n in names}
     par = run_distributed(_fit_each, 2, [(runs[n], [ParallelDims.parse(x) for x, w in worlds[n].items() if w == 2])
                                          for n in names], timeout=900)
@@ -128,7 +135,7 @@ def check_shapes(shapes: dict) -> dict:
                                           for n in names], timeout=900)
     tol, reports = Tolerances(), {"generated": {"tp1": ref[0]["generated"], "tp2": [r["generated"] for r in par]}}
     for i, name in enumerate(names):
-        reference = gather_runs([r["fits"][i] for r in ref])["tp1"]
+        reference = gather_runs([r["fits"][own.index(SAME_REFERENCE.get(name, name))] for r in ref])["tp1"]
         layouts = {**gather_runs([r["fits"][i] for r in par]), **gather_runs([r["fits"][i] for r in four])}
         reports[name] = CheckReport(reference=reference, runs=layouts, tolerances=tol,
                                     results=[compare_runs(layouts[x], reference, tol) for x in shapes[name][1]])
@@ -204,6 +211,15 @@ def test_final_parameter_rule_on_the_real_runs(reports):
 def test_ulysses_context_parallel_equals_one_process(reports, layout):
     """Context parallelism by all-to-all (heads scattered, sequence gathered, and back), on packed samples."""
     report = reports["llama_a2a"]
+    [result] = [r for r in report.results if r.layout == layout]
+    assert result.passed, report.table()
+
+
+@pytest.mark.parametrize("layout", RING_LAYOUTS)
+def test_ring_context_parallel_equals_one_process(reports, layout):
+    """Ring attention: keys and values around the CP group, blocks merged by log-sum-exp, a hand-written
+    backward; on packed samples, at CP=2, TP=2 x CP=2 with SP and CP=4."""
+    report = reports["llama_p2p"]
     [result] = [r for r in report.results if r.layout == layout]
     assert result.passed, report.table()
 

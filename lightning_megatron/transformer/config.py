@@ -89,10 +89,11 @@ class TransformerConfig:
     "auto": SDPA on accelerators, on CPU whichever of the two is faster (see DotProductAttention)."""
     attention_softmax_in_fp32: bool = True
     """Unfused backend: compute the softmax in fp32 when the activations are bf16/fp16."""
-    cp_comm_type: Literal["all_gather", "a2a"] = "all_gather"
+    cp_comm_type: Literal["all_gather", "a2a", "p2p"] = "all_gather"
     """Attention under context parallelism (megatron-core's name): "all_gather", every rank's queries against
     the gathered keys and values; "a2a" (Ulysses), an all-to-all trading the sequence split for a split of
-    the heads (the heads on a TP rank must divide by the CP size) and back."""
+    the heads (the heads on a TP rank must divide by the CP size) and back; "p2p", ring attention (keys and
+    values passed around the group, partial results merged by log-sum-exp; no attention dropout)."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation: "full" (whole layers), "selective" (core attention only) or None."""
     recompute_method: Literal["uniform", "block"] | None = None
@@ -172,8 +173,8 @@ class TransformerConfig:
             problems.append(f"normalization={self.normalization!r} is not supported; use one of {NORMALIZATIONS}")
         if self.activation not in ACTIVATIONS:
             problems.append(f"activation={self.activation!r} is not supported; use one of {ACTIVATIONS}")
-        if self.cp_comm_type not in ("all_gather", "a2a"):
-            problems.append(f"cp_comm_type={self.cp_comm_type!r} is not supported; use 'all_gather' or 'a2a'")
+        if self.cp_comm_type not in ("all_gather", "a2a", "p2p"):
+            problems.append(f"cp_comm_type={self.cp_comm_type!r} is not supported; use 'all_gather', 'a2a' or 'p2p'")
         if self.attention_backend not in ("auto", "sdpa", "unfused"):
             problems.append(f"attention_backend={self.attention_backend!r} is not supported; "
                             "use 'auto', 'sdpa' or 'unfused'")

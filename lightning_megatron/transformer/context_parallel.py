@@ -138,6 +138,15 @@ class ContextParallel:
                   value: torch.Tensor, comm_type: str) -> torch.Tensor:
         """``core(q, k, v, mask, causal=True)`` (the layer's core attention) over the CP group, from this rank's
         queries [s/cp, b, n, d], keys and values [s/cp, b, g, d]; returns this rank's context [s/cp, b, n d]."""
+        if comm_type == "p2p":
+            from lightning_megatron.transformer.ring_attention import ring_attention
+
+            if core.training and core.config.attention_dropout > 0:
+                raise ValueError("cp_comm_type='p2p' (ring attention) has no attention dropout: set "
+                                 "attention_dropout=0.0 or use cp_comm_type='all_gather' or 'a2a'")
+            if self.documents is not None and self._natural_documents is None:
+                self._natural_documents = self.documents.index_select(1, self.natural_order())
+            return ring_attention(query, key, value, self.group, core.softmax_scale, self._natural_documents)
         if comm_type == "all_gather":
             # The whole sequence's keys and values, in sequence order; each of this rank's chunks attends to
             # the keys up to its own end, causally (bottom-right aligned), within its documents.

@@ -1,0 +1,152 @@
+"""Ring attention for context parallelism (``cp_comm_type="p2p"``): the keys and values travel around the CP
+group, one rank's block at a time, and never stand whole on a rank.
+
+Each rank holds two chunks of the sequence (the load-balanced split of
+:mod:`~lightning_megatron.transformer.context_parallel`). At step ``j`` it holds the keys and values of rank
+``r - j``, while the next block is already on its way (the exchange is posted before the block is computed and
+waited for after). Each of its query chunks attends to each key chunk before it in the sequence: whole
+(an earlier chunk), causal (its own chunk), or not at all (a later one: skipped). The partial results are
+merged by their log-sum-exp (FlashAttention's online softmax). The backward runs the same ring with the
+saved log-sum-exp, recomputing each block's probabilities; each rank's key and value gradients for every
+block are sent back to the block's owner by one all-to-all. Softmax in fp32; no attention dropout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_megatron.parallel_state import Group, group_rank, group_size, process_group
+
+__all__ = ["ring_attention"]
+
+
+def _chunks_of(rank: int, cp: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def _exchange(send: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
+    """Post: ``send`` to the next rank of the ring, a tensor like it from the previous; returns (the receive
+    buffer, the requests to wait for)."""
+    pg = process_group(group)
+    ranks = dist.get_process_group_ranks(pg)
+    me = ranks.index(dist.get_rank())
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, ranks[(me + 1) % len(ranks)], pg),
+           dist.P2POp(dist.irecv, recv, ranks[(me - 1) % len(ranks)], pg)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, hidden: torch.Tensor | None) -> torch.Tensor:
+    """[b, n, C, C] fp32 scores of a query chunk against a key chunk, -inf where hidden."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
+    return s
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale, documents):
+        # q [b, n, 2C, d]; k, v [b, g, 2C, d]; documents [b, s] in sequence order or None
+        cp, r = group_size(group), group_rank(group)
+        b, n, s2, d = q.shape
+        g, c = k.shape[1], s2 // 2
+        qf = q.float()
+        out = torch.zeros(b, n, s2, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, n, s2), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.cat([k, v], dim=1).contiguous()
+        for step in range(cp):
+            src = (r - step) % cp
+            pending = _exchange(kv, group) if step < cp - 1 else None
+            kf = kv[:, :g].float().repeat_interleave(n // g, dim=1)
+            vf = kv[:, g:].float().repeat_interleave(n // g, dim=1)
+            for qi, qc in enumerate(_chunks_of(r, cp)):
+                rows = slice(qi * c, (qi + 1) * c)
+                for ki, kc in enumerate(_chunks_of(src, cp)):
+                    if kc > qc:
+                        continue
+                    cols = slice(ki * c, (ki + 1) * c)
+                    hidden = None if documents is None else (
+                        documents[:, None, qc * c:(qc + 1) * c, None] != documents[:, None, None, kc * c:(kc + 1) * c])
+                    scores = _scores(qf[:, :, rows], kf[:, :, cols], scale, kc == qc, hidden)
+                    block_lse = torch.logsumexp(scores, dim=-1)
+                    seen = torch.isfinite(block_lse)
+                    probs = torch.where(seen[..., None], torch.exp(scores - block_lse[..., None]), 0.0)
+                    block_out = torch.matmul(probs, vf[:, :, cols])
+                    new = torch.logaddexp(lse[:, :, rows], block_lse)
+                    old_w = torch.where(torch.isfinite(lse[:, :, rows]), torch.exp(lse[:, :, rows] - new), 0.0)
+                    new_w = torch.where(seen, torch.exp(block_lse - new), 0.0)
+                    out[:, :, rows] = out[:, :, rows] * old_w[..., None] + block_out * new_w[..., None]
+                    lse[:, :, rows] = torch.where(torch.isfinite(new), new, lse[:, :, rows])
+            if pending is not None:
+                recv, requests = pending
+                for request in requests:
+                    request.wait()
+                kv = recv
+        ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0))
+        ctx.group, ctx.scale, ctx.has_documents = group, scale, documents is not None
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        documents = documents if ctx.has_documents else None
+        group, scale = ctx.group, ctx.scale
+        cp, r = group_size(group), group_rank(group)
+        b, n, s2, d = q.shape
+        g, c = k.shape[1], s2 // 2
+        qf, do = q.float(), grad_out.float()
+        delta = (do * out).sum(-1)  # [b, n, 2C]
+        dq = torch.zeros_like(qf)
+        dkv = torch.zeros(cp, b, 2 * g, s2, d, dtype=torch.float32, device=q.device)  # per source block
+        kv = torch.cat([k, v], dim=1).contiguous()
+        for step in range(cp):
+            src = (r - step) % cp
+            pending = _exchange(kv, group) if step < cp - 1 else None
+            kf = kv[:, :g].float().repeat_interleave(n // g, dim=1)
+            vf = kv[:, g:].float().repeat_interleave(n // g, dim=1)
+            dk_full = torch.zeros(b, n, s2, d, dtype=torch.float32, device=q.device)
+            dv_full = torch.zeros_like(dk_full)
+            for qi, qc in enumerate(_chunks_of(r, cp)):
+                rows = slice(qi * c, (qi + 1) * c)
+                for ki, kc in enumerate(_chunks_of(src, cp)):
+                    if kc > qc:
+                        continue
+                    cols = slice(ki * c, (ki + 1) * c)
+                    hidden = None if documents is None else (
+                        documents[:, None, qc * c:(qc + 1) * c, None] != documents[:, None, None, kc * c:(kc + 1) * c])
+                    scores = _scores(qf[:, :, rows], kf[:, :, cols], scale, kc == qc, hidden)
+                    row_lse = lse[:, :, rows, None]
+                    probs = torch.where(torch.isfinite(row_lse), torch.exp(scores - row_lse), 0.0)
+                    dprobs = torch.matmul(do[:, :, rows], vf[:, :, cols].transpose(-1, -2))
+                    dscores = probs * (dprobs - delta[:, :, rows, None])
+                    dq[:, :, rows] += torch.matmul(dscores, kf[:, :, cols]) * scale
+                    dk_full[:, :, cols] += torch.matmul(dscores.transpose(-1, -2), qf[:, :, rows]) * scale
+                    dv_full[:, :, cols] += torch.matmul(probs.transpose(-1, -2), do[:, :, rows])
+            per_group = n // g  # the query heads of one key/value head share its gradient
+            dkv[src, :, :g] = dk_full.view(b, g, per_group, s2, d).sum(2)
+            dkv[src, :, g:] = dv_full.view(b, g, per_group, s2, d).sum(2)
+            if pending is not None:
+                recv, requests = pending
+                for request in requests:
+                    request.wait()
+                kv = recv
+        # Every rank's gradient of block ``src`` goes back to rank ``src``, which sums them.
+        received = torch.empty_like(dkv)
+        dist.all_to_all_single(received, dkv, group=process_group(group))
+        mine = received.sum(0)
+        return dq.to(q.dtype), mine[:, :g].to(k.dtype), mine[:, g:].to(v.dtype), None, None, None
+
+
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, scale: float,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's attention context [2C, b, n d] from its query chunks [2C, b, n, d] and its keys and values
+    [2C, b, g, d] (the load-balanced split), over the CP ``group``; ``documents`` [b, s] in sequence order
+    for packed samples."""
+    s2, b, n, d = query.shape
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, 2C, d]
+    context = _Ring.apply(q, k, v, group, scale, documents)
+    return context.permute(2, 0, 1, 3).reshape(s2, b, n * d)
