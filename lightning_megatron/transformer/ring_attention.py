@@ -37,6 +37,18 @@ def _exchange(send: torch.Tensor, group: Group) -> tuple[torch.Tensor, list]:
     return recv, dist.batch_isend_irecv(ops)
 
 
+def _visible_blocks(rank: int, src: int, cp: int, c: int, documents: torch.Tensor | None):
+    """(query rows, key columns, causal, hidden) of every block of rank ``rank``'s queries that sees the keys
+    of rank ``src``: a query chunk sees an earlier key chunk whole, its own causally, a later one not at all."""
+    for qi, qc in enumerate(_chunks_of(rank, cp)):
+        for ki, kc in enumerate(_chunks_of(src, cp)):
+            if kc > qc:
+                continue
+            hidden = None if documents is None else (
+                documents[:, None, qc * c:(qc + 1) * c, None] != documents[:, None, None, kc * c:(kc + 1) * c])
+            yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kc == qc, hidden
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, hidden: torch.Tensor | None) -> torch.Tensor:
     """[b, n, C, C] fp32 scores of a query chunk against a key chunk, -inf where hidden."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -63,24 +75,17 @@ class _Ring(torch.autograd.Function):
             pending = _exchange(kv, group) if step < cp - 1 else None
             kf = kv[:, :g].float().repeat_interleave(n // g, dim=1)
             vf = kv[:, g:].float().repeat_interleave(n // g, dim=1)
-            for qi, qc in enumerate(_chunks_of(r, cp)):
-                rows = slice(qi * c, (qi + 1) * c)
-                for ki, kc in enumerate(_chunks_of(src, cp)):
-                    if kc > qc:
-                        continue
-                    cols = slice(ki * c, (ki + 1) * c)
-                    hidden = None if documents is None else (
-                        documents[:, None, qc * c:(qc + 1) * c, None] != documents[:, None, None, kc * c:(kc + 1) * c])
-                    scores = _scores(qf[:, :, rows], kf[:, :, cols], scale, kc == qc, hidden)
-                    block_lse = torch.logsumexp(scores, dim=-1)
-                    seen = torch.isfinite(block_lse)
-                    probs = torch.where(seen[..., None], torch.exp(scores - block_lse[..., None]), 0.0)
-                    block_out = torch.matmul(probs, vf[:, :, cols])
-                    new = torch.logaddexp(lse[:, :, rows], block_lse)
-                    old_w = torch.where(torch.isfinite(lse[:, :, rows]), torch.exp(lse[:, :, rows] - new), 0.0)
-                    new_w = torch.where(seen, torch.exp(block_lse - new), 0.0)
-                    out[:, :, rows] = out[:, :, rows] * old_w[..., None] + block_out * new_w[..., None]
-                    lse[:, :, rows] = torch.where(torch.isfinite(new), new, lse[:, :, rows])
+            for rows, cols, causal, hidden in _visible_blocks(r, src, cp, c, documents):
+                scores = _scores(qf[:, :, rows], kf[:, :, cols], scale, causal, hidden)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                seen = torch.isfinite(block_lse)
+                probs = torch.where(seen[..., None], torch.exp(scores - block_lse[..., None]), 0.0)
+                block_out = torch.matmul(probs, vf[:, :, cols])
+                new = torch.logaddexp(lse[:, :, rows], block_lse)
+                old_w = torch.where(torch.isfinite(lse[:, :, rows]), torch.exp(lse[:, :, rows] - new), 0.0)
+                new_w = torch.where(seen, torch.exp(block_lse - new), 0.0)
+                out[:, :, rows] = out[:, :, rows] * old_w[..., None] + block_out * new_w[..., None]
+                lse[:, :, rows] = torch.where(torch.isfinite(new), new, lse[:, :, rows])
             if pending is not None:
                 recv, requests = pending
                 for request in requests:
@@ -110,22 +115,15 @@ class _Ring(torch.autograd.Function):
             vf = kv[:, g:].float().repeat_interleave(n // g, dim=1)
             dk_full = torch.zeros(b, n, s2, d, dtype=torch.float32, device=q.device)
             dv_full = torch.zeros_like(dk_full)
-            for qi, qc in enumerate(_chunks_of(r, cp)):
-                rows = slice(qi * c, (qi + 1) * c)
-                for ki, kc in enumerate(_chunks_of(src, cp)):
-                    if kc > qc:
-                        continue
-                    cols = slice(ki * c, (ki + 1) * c)
-                    hidden = None if documents is None else (
-                        documents[:, None, qc * c:(qc + 1) * c, None] != documents[:, None, None, kc * c:(kc + 1) * c])
-                    scores = _scores(qf[:, :, rows], kf[:, :, cols], scale, kc == qc, hidden)
-                    row_lse = lse[:, :, rows, None]
-                    probs = torch.where(torch.isfinite(row_lse), torch.exp(scores - row_lse), 0.0)
-                    dprobs = torch.matmul(do[:, :, rows], vf[:, :, cols].transpose(-1, -2))
-                    dscores = probs * (dprobs - delta[:, :, rows, None])
-                    dq[:, :, rows] += torch.matmul(dscores, kf[:, :, cols]) * scale
-                    dk_full[:, :, cols] += torch.matmul(dscores.transpose(-1, -2), qf[:, :, rows]) * scale
-                    dv_full[:, :, cols] += torch.matmul(probs.transpose(-1, -2), do[:, :, rows])
+            for rows, cols, causal, hidden in _visible_blocks(r, src, cp, c, documents):
+                scores = _scores(qf[:, :, rows], kf[:, :, cols], scale, causal, hidden)
+                row_lse = lse[:, :, rows, None]
+                probs = torch.where(torch.isfinite(row_lse), torch.exp(scores - row_lse), 0.0)
+                dprobs = torch.matmul(do[:, :, rows], vf[:, :, cols].transpose(-1, -2))
+                dscores = probs * (dprobs - delta[:, :, rows, None])
+                dq[:, :, rows] += torch.matmul(dscores, kf[:, :, cols]) * scale
+                dk_full[:, :, cols] += torch.matmul(dscores.transpose(-1, -2), qf[:, :, rows]) * scale
+                dv_full[:, :, cols] += torch.matmul(probs.transpose(-1, -2), do[:, :, rows])
             per_group = n // g  # the query heads of one key/value head share its gradient
             dkv[src, :, :g] = dk_full.view(b, g, per_group, s2, d).sum(2)
             dkv[src, :, g:] = dv_full.view(b, g, per_group, s2, d).sum(2)
