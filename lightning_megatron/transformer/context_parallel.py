@@ -77,26 +77,17 @@ def _heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     return parts.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * h, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _HeadsForSequence(torch.autograd.Function):
+    """:func:`_seq_to_heads` (``to_heads``) or :func:`_heads_to_seq`; the backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group), None, None
 
 
 @dataclass
@@ -167,9 +158,9 @@ class ContextParallel:
         # The whole sequence of 1/cp of the heads, put in sequence order: plain causal attention (no mask
         # but the documents'), then back to the split's order and to this rank's tokens.
         natural = self.natural_order()
-        q, k, v = (_SeqToHeads.apply(t, self.group).index_select(0, natural) for t in (query, key, value))
+        q, k, v = (_HeadsForSequence.apply(t, self.group, True).index_select(0, natural) for t in (query, key, value))
         context = core(q, k, v, self.document_mask(), causal=True).index_select(0, self.gathered)  # [s, b, n/cp d]
-        return _HeadsToSeq.apply(context.reshape(cp * s, b, n // cp, d), self.group).reshape(s, b, n * d)
+        return _HeadsForSequence.apply(context.reshape(cp * s, b, n // cp, d), self.group, False).reshape(s, b, n * d)
 
 
 def split_batch(batch: Mapping[str, Any], group: Group, cp_rank: int) -> tuple[dict[str, Any], ContextParallel]:
