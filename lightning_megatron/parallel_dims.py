@@ -47,15 +47,19 @@ GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("dp",),
     "pp": ("pp",),
     "dp_cp": ("dp", "cp"),
+    "tp_cp": ("tp", "cp"),
     "mp": ("tp", "pp"),
     "ep": ("ep",),
     "expert_tp": ("etp",),
     "expert_dp": ("edp",),
+    "expert_mp": ("etp", "ep", "pp"),
 }
 """The process groups of a layout, by name: the mesh dimensions whose ranks each group spans (the
 others fixed). ``dp_cp`` reduces the gradients of parameters replicated over DP and CP, ``mp`` (the
-model-parallel group: TP x PP) sums the gradient norm; ``ep`` / ``expert_tp`` / ``expert_dp`` are
-taken over the expert view of the ranks (``etp x ep x edp x pp``). The embedding group (first and
+model-parallel group: TP x PP) sums the gradient norm; ``tp_cp`` holds the tokens of one microbatch
+(the MoE router's statistics); ``ep`` / ``expert_tp`` / ``expert_dp`` / ``expert_mp`` are taken over the
+expert view of the ranks (``etp x ep x edp x pp``): ``expert_dp`` averages the experts' gradients,
+``expert_mp`` sums their part of the gradient norm. The embedding group (first and
 last pipeline stage) is derived from the pipeline groups."""
 
 _DENSE = ("tp", "cp", "dp", "pp")  # rank order, fastest first
@@ -170,16 +174,15 @@ class ParallelDims:
             raise ParallelDimsError(problems)
 
     def unsupported(self) -> list[str]:
-        """What the record allows but the training engine does not implement yet (one message each):
-        expert parallelism has its place in the record, the groups and the parameter facts; the models
-        and the step do not take it yet. (Context parallelism is the module's to take:
-        :func:`lightning_megatron.module.context_parallel_problem`.)"""
+        """What the record allows but the training engine does not implement yet (one message each): an
+        expert tensor-parallel size other than the TP size. (Context and expert parallelism are the
+        module's to take: :func:`lightning_megatron.module.context_parallel_problem`, and the model's
+        ``num_moe_experts``.)"""
         out = []
-        if self.ep > 1:
-            out.append(f"expert_model_parallel_size={self.ep}: expert parallelism is not supported yet; use 1")
         if self.etp is not None and self.etp != self.tp:
-            out.append(f"expert_tensor_parallel_size={self.etp}: a separate expert tensor-parallel size is not "
-                       f"supported yet; leave it None")
+            out.append(f"expert_tensor_parallel_size={self.etp}: an expert tensor-parallel size other than the TP size "
+                       f"({self.tp}) is not supported yet; leave it None (the experts are split over TP like the "
+                       f"dense MLP)")
         return out
 
     # -- sizes ---------------------------------------------------------------------------------------

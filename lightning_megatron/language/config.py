@@ -25,7 +25,8 @@ from lightning_megatron.transformer.config import TransformerConfig, dtype_name
 
 __all__ = ["LanguageModelConfig", "LAYOUT_FIELDS"]
 
-LAYOUT_FIELDS = {"tensor_model_parallel_size": "tensor_model_parallel_size", "sequence_parallel": "sequence_parallel"}
+LAYOUT_FIELDS = {"tensor_model_parallel_size": "tensor_model_parallel_size", "sequence_parallel": "sequence_parallel",
+                 "expert_model_parallel_size": "expert_model_parallel_size"}
 """The record's fields the strategy sets -> the MegatronStrategy argument a user sets instead."""
 
 _Config = TypeVar("_Config", bound="LanguageModelConfig")
@@ -58,6 +59,9 @@ class LanguageModelConfig(TransformerConfig):
     sequence_parallel: bool | None = None
     """The strategy's ``sequence_parallel``, filled in when the model is built; set it on the MegatronStrategy.
     A value here must equal the strategy's."""
+    expert_model_parallel_size: int | None = None
+    """The strategy's EP size, filled in when the model is built; set it on the MegatronStrategy
+    (``expert_model_parallel_size``). A value here must equal the strategy's."""
 
     def __post_init__(self) -> None:
         if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or isinstance(self.vocab_size, bool)
@@ -72,13 +76,14 @@ class LanguageModelConfig(TransformerConfig):
             raise ValueError(f"spec={self.spec!r} must be the name of a registered layer spec")
         # Until the strategy's layout is known the sizes are validated at TP=1 (with_layout validates
         # the TP-dependent rules again at the strategy's TP size).
-        layout = self.tensor_model_parallel_size, self.sequence_parallel
+        layout = self.tensor_model_parallel_size, self.sequence_parallel, self.expert_model_parallel_size
         self.tensor_model_parallel_size = 1 if layout[0] is None else layout[0]
         self.sequence_parallel = bool(layout[1]) if layout[0] is not None else False
+        self.expert_model_parallel_size = 1 if layout[2] is None else layout[2]
         try:
             super().__post_init__()
         finally:
-            self.tensor_model_parallel_size, self.sequence_parallel = layout
+            self.tensor_model_parallel_size, self.sequence_parallel, self.expert_model_parallel_size = layout
 
     @classmethod
     def coerce(cls: type[_Config], value: _Config | Mapping[str, Any] | None) -> _Config:
@@ -108,11 +113,14 @@ class LanguageModelConfig(TransformerConfig):
             out["params_dtype"] = dtype_name(out["params_dtype"])
         return out
 
-    def with_layout(self: _Config, tensor_model_parallel_size: int, sequence_parallel: bool) -> _Config:
-        """This record at the strategy's layout (the TP-dependent rules validated at that TP size);
+    def with_layout(self: _Config, tensor_model_parallel_size: int, sequence_parallel: bool,
+                    expert_model_parallel_size: int = 1) -> _Config:
+        """This record at the strategy's layout (the TP- and EP-dependent rules validated at those sizes);
         refuses a layout field given here that disagrees with the strategy's."""
-        given = {"tensor_model_parallel_size": self.tensor_model_parallel_size, "sequence_parallel": self.sequence_parallel}
-        actual = {"tensor_model_parallel_size": tensor_model_parallel_size, "sequence_parallel": sequence_parallel}
+        given = {"tensor_model_parallel_size": self.tensor_model_parallel_size, "sequence_parallel": self.sequence_parallel,
+                 "expert_model_parallel_size": self.expert_model_parallel_size}
+        actual = {"tensor_model_parallel_size": tensor_model_parallel_size, "sequence_parallel": sequence_parallel,
+                  "expert_model_parallel_size": expert_model_parallel_size}
         for name, value in given.items():
             if value is not None and value != actual[name]:
                 raise ValueError(

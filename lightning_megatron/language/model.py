@@ -234,9 +234,18 @@ class LanguageModule(nn.Module):
 
     def global_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``named_parameters()`` under layout-independent names: a layer's local index in this chunk
-        becomes its global number (``decoder.layers.3.*``); what makes checkpoints reshardable."""
+        becomes its global number (``decoder.layers.3.*``), and a local expert its global index
+        (``mlp.experts.local_experts.5.*``): what makes checkpoints reshardable over PP and EP."""
+        first_expert = next((m.experts.first_expert for m in self.modules() if hasattr(m, "experts")
+                             and hasattr(m.experts, "first_expert")), 0)
         layer = re.compile(rf"{re.escape(self.block_name)}\.layers\.(\d+)\.(.*)")
+        expert = re.compile(r"(.*\.experts\.local_experts\.)(\d+)(\..*)")
         start = self.layer_range.start
         for name, p in self.named_parameters():
             m = layer.match(name)
-            yield (f"{self.block_name}.layers.{start + int(m.group(1))}.{m.group(2)}" if m else name), p
+            if m:
+                name = f"{self.block_name}.layers.{start + int(m.group(1))}.{m.group(2)}"
+                e = expert.match(name)
+                if e:  # this EP rank's local expert i is global expert first_expert + i
+                    name = f"{e.group(1)}{first_expert + int(e.group(2))}{e.group(3)}"
+            yield name, p

@@ -142,7 +142,7 @@ class LanguageLightningModule(MegatronLightningModule):
 
     @override
     def build_chunks(self, parallel_state: ParallelState) -> list[LanguageModule]:
-        config = self.config.with_layout(parallel_state.tp_size, self.sequence_parallel)
+        config = self.config.with_layout(parallel_state.tp_size, self.sequence_parallel, parallel_state.ep_size)
         self.config = config
         self.vocab_size = self.resolved_vocab_size()
         chunks = []
@@ -246,9 +246,13 @@ class LanguageLightningModule(MegatronLightningModule):
         try:
             config = cls.config_class.coerce(hparams.get(CONFIG_HPARAM))
             if dims is not None:
-                config.with_layout(dims.tp, dims.sequence_parallel)
+                config.with_layout(dims.tp, dims.sequence_parallel, dims.ep)
         except (TypeError, ValueError) as e:
             return [f"model.{CONFIG_HPARAM}: {p}" for p in (e.problems if isinstance(e, ConfigProblems) else [str(e)])]
+        if dims is not None and dims.ep > 1 and not config.num_moe_experts:
+            return [f"model.{CONFIG_HPARAM}: expert_model_parallel_size={dims.ep} but the model has no experts "
+                    f"(num_moe_experts is None); use expert_model_parallel_size=1, or a spec with a mixture of experts "
+                    f"(spec: llama_moe_layer_spec, num_moe_experts: ...)"]
         heads = config.num_attention_heads // (dims.tp if dims is not None else 1)
         if dims is not None and dims.cp > 1 and config.cp_comm_type == "a2a" and heads % dims.cp:
             return [f"model.{CONFIG_HPARAM}: cp_comm_type='a2a' splits the {heads} attention heads of a tensor-parallel "

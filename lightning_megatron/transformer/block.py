@@ -46,7 +46,8 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: TransformerConfig, spec: ModuleSpec, *, tp_group: dist.ProcessGroup | None = None,
                  layer_range: range | None = None, pre_process: bool = True, post_process: bool = True,
-                 post_layer_norm: bool | None = None, seed: int = 1234, key_prefix: str = "layers") -> None:
+                 post_layer_norm: bool | None = None, seed: int = 1234, key_prefix: str = "layers",
+                 expert_groups: object | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_range = range(config.num_layers) if layer_range is None else layer_range
@@ -59,7 +60,8 @@ class TransformerBlock(nn.Module):
         layers = []
         for i in self.layer_range:
             with seeded(seed, f"{key_prefix}.{i}"):
-                layers.append(build_module(spec, config=config, layer_number=i + 1, tp_group=tp_group))
+                extra = {} if expert_groups is None else {"expert_groups": expert_groups}
+                layers.append(build_module(spec, config=config, layer_number=i + 1, tp_group=tp_group, **extra))
         self.layers = nn.ModuleList(layers)
         if post_layer_norm is None:
             post_layer_norm = norm_placement(spec) == "pre"

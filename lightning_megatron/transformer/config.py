@@ -111,6 +111,41 @@ class TransformerConfig:
     steady state on the last stage, the output gradients of the step's microbatches kept until the
     flush. Needs pipeline parallelism (:mod:`lightning_megatron.tensor_parallel.deferred_wgrad`)."""
 
+    num_moe_experts: int | None = None
+    """Mixture of experts (:mod:`lightning_megatron.transformer.moe`): the number of routed experts of every
+    MoE layer (a spec whose MLP slot is :class:`~lightning_megatron.transformer.moe.MoELayer`); None: dense."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (k)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: "softmax" over the experts, or "sigmoid" per expert (the chosen k renormalised)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax: False (Mixtral) takes the top k of the logits, then a softmax over those k (equal to
+    softmax, top-k, renormalise); True takes the softmax over every expert first and keeps the top k
+    probabilities as they are (Qwen2-MoE's ``norm_topk_prob=False``)."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden width of each routed expert's SwiGLU; None: ``ffn_hidden_size``."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Hidden width of the shared experts (one SwiGLU every token passes through); None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x w_gate) per token (Qwen2-MoE)."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    """The load-balancing loss (megatron-core's): "aux_loss" over the microbatch's tokens, "seq_aux_loss"
+    per sequence, averaged over the sequences, or "none"; weighted by ``moe_aux_loss_coeff``."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss of each layer (0: not added)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss, mean over tokens of logsumexp(logits)^2 (None: not added)."""
+    moe_expert_capacity_factor: float | None = None
+    """Token dropping: each expert takes at most ceil(factor * k * tokens / experts) of the tokens its rank
+    routes (the most probable ones); None: no dropping."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor: pad every expert's input to its capacity (static shapes; the output is the same)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach the experts under expert parallelism: "alltoall" (each token sent to the ranks of its
+    experts) or "allgather" (every EP rank sees every token); the results are bitwise equal."""
+    expert_model_parallel_size: int = 1
+    """EP size the model is built for: the experts of a layer are split into this many contiguous blocks."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size"):
             value = getattr(self, name)
@@ -119,7 +154,7 @@ class TransformerConfig:
         # Each rule group on its own: a record with several mistakes names them all in one error.
         problems: list[str] = []
         for rules in (self._resolve_sizes, self._validate_heads, self._validate_query_groups, self._validate_rotary,
-                      self._validate_ffn, self._validate_options, self._validate_recompute):
+                      self._validate_ffn, self._validate_options, self._validate_recompute, self._validate_moe):
             try:
                 rules()
             except ValueError as e:
@@ -221,6 +256,63 @@ class TransformerConfig:
         # (BERT) may have an odd head width.
         if not self.rotary_base > 0:
             raise ValueError(f"rotary_base={self.rotary_base} must be > 0 (e.g. 10000.0)")
+
+    def _validate_moe(self) -> None:
+        e = self.num_moe_experts
+        if e is None:
+            return
+        problems = []
+
+        def positive(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+        if not positive(e):
+            raise ValueError(f"num_moe_experts={e!r} must be a positive integer or None (a dense MLP)")
+        k, ep, t = self.moe_router_topk, self.expert_model_parallel_size, self.tensor_model_parallel_size
+        if not positive(k) or k > e:
+            problems.append(f"moe_router_topk={k!r} must be an integer in [1, num_moe_experts={e}]")
+        if not positive(ep) or e % ep:
+            problems.append(f"num_moe_experts={e} is not divisible by expert_model_parallel_size={ep!r}: each EP rank "
+                            f"holds a contiguous block of whole experts; choose an EP size that divides {e}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not positive(value):
+                problems.append(f"{name}={value!r} must be a positive integer")
+            elif value % t:
+                problems.append(f"{name}={value} is not divisible by tensor_model_parallel_size={t} (the experts are "
+                                f"split over TP like the dense MLP); choose a multiple of {t}")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            problems.append("moe_shared_expert_gate=True needs shared experts: set moe_shared_expert_intermediate_size")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            problems.append(f"moe_router_score_function={self.moe_router_score_function!r}: use 'softmax' or 'sigmoid'")
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            problems.append("moe_router_pre_softmax=True applies to moe_router_score_function='softmax' only")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+            problems.append(f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r}: use 'aux_loss', "
+                            f"'seq_aux_loss' or 'none'")
+        if not self.moe_aux_loss_coeff >= 0 or (self.moe_z_loss_coeff is not None and not self.moe_z_loss_coeff >= 0):
+            problems.append(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} and moe_z_loss_coeff={self.moe_z_loss_coeff} "
+                            f"must be >= 0")
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and not factor > 0:
+            problems.append(f"moe_expert_capacity_factor={factor} must be > 0 or None (no token dropping)")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            problems.append("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor")
+        if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+            problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: use 'alltoall' or "
+                            f"'allgather'")
+        if self.add_bias_linear:
+            problems.append("add_bias_linear=True: the experts here have no biases (as Mixtral's, Qwen-MoE's and "
+                            "megatron-core's MoE recipes); set add_bias_linear=False with num_moe_experts")
+        if not self.gated_linear_unit:
+            problems.append("gated_linear_unit=False: the experts are SwiGLU-shaped; set gated_linear_unit=True "
+                            "(and activation='silu') with num_moe_experts")
+        if problems:
+            raise ConfigProblems(problems)
 
     def _validate_recompute(self) -> None:
         granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

@@ -109,7 +109,7 @@ class TransformerLayer(nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules, layer_number: int = 1,
-                 *, tp_group: dist.ProcessGroup | None = None) -> None:
+                 *, tp_group: dist.ProcessGroup | None = None, expert_groups: object | None = None) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.hidden_dropout = config.hidden_dropout
@@ -124,7 +124,10 @@ class TransformerLayer(nn.Module):
         self.self_attn_bda = build_module(submodules.self_attn_bda)
         self.post_self_attn_layernorm = norm(submodules.post_self_attn_layernorm)
         self.pre_mlp_layernorm = norm(submodules.pre_mlp_layernorm)
-        self.mlp = build_module(submodules.mlp, config=config, tp_group=tp_group)
+        # The process groups of a mixture-of-experts MLP (transformer.moe.ExpertGroups), given to the MLP
+        # slot only when the model has experts: a dense MLP keeps its signature.
+        extra = {} if expert_groups is None else {"expert_groups": expert_groups}
+        self.mlp = build_module(submodules.mlp, config=config, tp_group=tp_group, **extra)
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.post_mlp_layernorm = norm(submodules.post_mlp_layernorm)
 

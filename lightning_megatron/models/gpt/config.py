@@ -13,7 +13,7 @@ from lightning_megatron.models.gpt.model import POSITION_EMBEDDING_TYPES
 
 __all__ = ["GPTConfig", "SPEC_NORMALIZATION"]
 
-SPEC_NORMALIZATION = {"gpt_layer_spec": "LayerNorm", "llama_layer_spec": "RMSNorm"}
+SPEC_NORMALIZATION = {"gpt_layer_spec": "LayerNorm", "llama_layer_spec": "RMSNorm", "llama_moe_layer_spec": "RMSNorm"}
 """The norm each built-in decoder spec is written with (a spec of one's own takes ``normalization``)."""
 
 
@@ -24,7 +24,8 @@ class GPTConfig(LanguageModelConfig):
     recipe as the ``config:`` section of the model (``--model.config.num_layers 12`` on the command line)."""
 
     spec: str = "gpt_layer_spec"
-    """A registered layer spec name: ``gpt_layer_spec`` (LayerNorm) or ``llama_layer_spec`` (RMSNorm)."""
+    """A registered layer spec name: ``gpt_layer_spec`` (LayerNorm), ``llama_layer_spec`` (RMSNorm) or
+    ``llama_moe_layer_spec`` (RMSNorm, a mixture of experts: ``num_moe_experts``)."""
     normalization: Literal["LayerNorm", "RMSNorm"] | None = None
     """The norm of specs that take it from the config (``transformer.Norm``); None: the spec's own
     (LayerNorm for ``gpt_layer_spec``, RMSNorm for ``llama_layer_spec``, which refuse the other)."""
@@ -45,7 +46,23 @@ class GPTConfig(LanguageModelConfig):
                              f"{SPEC_NORMALIZATION[self.spec]}: drop normalization, or use the other spec")
         if self.normalization is None:
             self.normalization = SPEC_NORMALIZATION.get(self.spec, "LayerNorm")
+        self._check_experts()
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type={self.position_embedding_type!r} must be one of "
                              f"{POSITION_EMBEDDING_TYPES}")
         super().__post_init__()
+
+    def _check_experts(self) -> None:
+        """A mixture-of-experts spec needs ``num_moe_experts``, and ``num_moe_experts`` needs such a spec
+        (a dense spec would silently ignore it)."""
+        import lightning_megatron.models.gpt.specs  # noqa: F401  (the built-in specs registered)
+        from lightning_megatron.transformer import get_spec
+        from lightning_megatron.transformer.moe import MoELayer
+
+        mlp = getattr(get_spec(self.spec).submodules, "mlp", None)
+        has_experts = getattr(mlp, "module", None) is MoELayer
+        if has_experts and not self.num_moe_experts:
+            raise ValueError(f"spec={self.spec!r} has a mixture of experts: set num_moe_experts (e.g. 8)")
+        if self.num_moe_experts and not has_experts:
+            raise ValueError(f"num_moe_experts={self.num_moe_experts} but spec={self.spec!r} has a dense MLP; use "
+                             f"spec: llama_moe_layer_spec (or a spec whose MLP slot is transformer.moe.MoELayer)")

@@ -38,6 +38,7 @@ from lightning_megatron.parallel_state import Group
 from lightning_megatron.transformer import ModuleSpec, TransformerBlock, TransformerConfig, get_spec
 from lightning_megatron.transformer.attention import document_attention_mask
 from lightning_megatron.transformer.context_parallel import ContextParallel
+from lightning_megatron.transformer.moe import ExpertGroups
 
 __all__ = ["GPTModel", "POSITION_EMBEDDING_TYPES", "gpt_loss"]
 
@@ -69,6 +70,8 @@ class GPTModel(LanguageModule):
         layer_range: GLOBAL indices of the layers this chunk builds (None: all).
         pre_process / post_process: this chunk owns the embedding / the output layer and the loss.
         seed: the base of every submodule's init stream.
+        expert_groups: the process groups of mixture-of-experts layers (``config.num_moe_experts``), for a
+            spec whose MLP slot is :class:`~lightning_megatron.transformer.moe.MoELayer`; None: one rank.
     """
 
     block_name = "decoder"
@@ -78,7 +81,7 @@ class GPTModel(LanguageModule):
                  position_embedding_type: PositionEmbeddingType = "learned_absolute",
                  share_embeddings_and_output_weights: bool = True, pre_process: bool = True,
                  post_process: bool = True, layer_range: range | None = None, make_vocab_size_divisible_by: int = 128,
-                 seed: int = 1234) -> None:
+                 seed: int = 1234, expert_groups: ExpertGroups | None = None) -> None:
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type={position_embedding_type!r} must be one of "
                              f"{POSITION_EMBEDDING_TYPES}")
@@ -100,7 +103,8 @@ class GPTModel(LanguageModule):
         self._rotary_table: torch.Tensor | None = None
         self.decoder = TransformerBlock(config, spec, tp_group=tp_group, layer_range=self.layer_range,
                                         pre_process=pre_process, post_process=post_process, post_layer_norm=True,
-                                        seed=seed, key_prefix="decoder.layers")
+                                        seed=seed, key_prefix="decoder.layers",
+                                        expert_groups=expert_groups if config.num_moe_experts else None)
         if post_process:
             self.build_output_layer(bias=False)
         self.finish_parameters()

@@ -37,6 +37,7 @@ from lightning_megatron.models.gpt.hf import GPT_ARCHITECTURE_KEYS
 from lightning_megatron.models.gpt.interop import GPTInterop
 from lightning_megatron.models.gpt.model import GPTModel, gpt_loss
 from lightning_megatron.parallel_state import ParallelState
+from lightning_megatron.transformer.moe import ExpertGroups
 from lightning_megatron.pipeline.layout import ChunkLayout
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.transformer.config import TransformerConfig
@@ -94,7 +95,8 @@ class GPTLightningModule(LanguageLightningModule):
                         tp_group=parallel_state.group("tp"), position_embedding_type=config.position_embedding_type,
                         share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
                         pre_process=place.pre_process, post_process=place.post_process, layer_range=place.layers,
-                        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, seed=self.init_seed)
+                        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, seed=self.init_seed,
+                        expert_groups=ExpertGroups.of(parallel_state) if config.num_moe_experts else None)
 
     @override
     def on_chunks_built(self) -> None:
