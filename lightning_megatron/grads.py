@@ -46,7 +46,7 @@ waits for all pending gathers first. Same collectives on the same bytes: bitwise
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,18 @@ class Bucket:
     ready: int = field(default=0, repr=False)
     gather: Any = None
     """The pending asynchronous parameter all-gather of this bucket (overlap_param_gather)."""
+    group: Any = None
+    """The data-parallel group this bucket is reduced (and, under ZeRO-1, sharded) over; None: no DP."""
+    family: str = "dp_cp"
+    """The ``data_parallel`` name (:class:`~lightning_megatron.tensor_parallel.ParamFacts`) of its params."""
+    divisor: int = 1
+    """What the reduced sum is divided by: the group's size, or for the experts the data-parallel size of
+    the dense params (their gradient sums the tokens of every data-parallel rank of the EP group)."""
+
+    @property
+    def size(self) -> int:
+        """Ranks of :attr:`group`."""
+        return group_size(self.group)
 
 
 def buffer_order(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -104,6 +116,10 @@ class GradBuffer:
         separate_shared_embedding: put ``shared_embedding`` parameters in their own, deferred
             bucket (with pipelining, their grads are summed over stages before the DP reduction).
         dp_group: the data-parallel group the buckets are reduced over (``None``: no DP).
+        groups: the data-parallel group of each other ``data_parallel`` name of the params' facts (the
+            experts' ``expert_dp``): their params get buckets of their own (after the others), reduced,
+            padded and sharded over that group. A name missing here uses ``dp_group``.
+        divisors: what each named family's reduced sum is divided by (default: its group's size).
         overlap_grad_reduce: start a bucket's DP reduction during the last microbatch's backward.
         overlap_param_gather: ZeRO-1: the parameter all-gather of :meth:`start_param_gather` runs
             asynchronously and each bucket is waited for when first needed (see the module doc).
@@ -115,7 +131,8 @@ class GradBuffer:
     def __init__(self, params: Sequence[nn.Parameter], *, bucket_bytes: float = 40 * 2**20, pad_to: int = 1,
                  separate_shared_embedding: bool = False, dp_group: Any = None,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> None:
+                 accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+                 groups: Mapping[str, Any] | None = None, divisors: Mapping[str, int] | None = None) -> None:
         if pad_to < 1:
             raise ValueError(f"GradBuffer: pad_to={pad_to} must be >= 1")
         self.params = list(params)
@@ -126,6 +143,7 @@ class GradBuffer:
                 raise TypeError(f"parameter of dtype {p.dtype} is not supported; use float32, float16 or bfloat16")
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
+        self.groups = dict(groups or {})
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.accumulate = accumulate or torch.Tensor.add_
@@ -137,13 +155,23 @@ class GradBuffer:
         current: list[nn.Parameter] = []
         start = 0
 
+        def family(p: nn.Parameter) -> str:
+            name = param_facts(p).data_parallel
+            return name if name in self.groups else ""
+
         def close(deferred: bool = False) -> None:
             nonlocal offset, current, start
             if not current:
                 return
+            name = family(current[0])
+            group = self.groups[name] if name else dp_group
+            unit = group_size(group) if name else pad_to
             numel = offset - start
-            offset = start + -(-numel // pad_to) * pad_to
-            bucket = Bucket(len(self.buckets), start, offset, current, numel, deferred)
+            offset = start + -(-numel // unit) * unit
+            bucket = Bucket(len(self.buckets), start, offset, current, numel, deferred,
+                            group=group if group_size(group) > 1 else None,
+                            family=name or param_facts(current[0]).data_parallel,
+                            divisor=(divisors or {}).get(name, group_size(group)) if name else group_size(group))
             self.buckets.append(bucket)
             for q in current:
                 self._bucket_of[id(q)] = bucket
@@ -151,8 +179,12 @@ class GradBuffer:
 
         shared = [p for p in self.params if separate_shared_embedding and param_facts(p).shared_embedding]
         shared_ids = {id(p) for p in shared}
-        for p in [p for p in self.params if id(p) not in shared_ids] + shared:
-            if id(p) in shared_ids and current and id(current[0]) not in shared_ids:
+        rest = [p for p in self.params if id(p) not in shared_ids]
+        families = [""] + [name for name in self.groups]
+        rest = [p for name in families for p in rest if family(p) == name]  # one family after another
+        for p in rest + shared:
+            if current and ((id(p) in shared_ids and id(current[0]) not in shared_ids)
+                            or family(p) != family(current[0])):
                 close()
             self.offsets[id(p)] = offset
             current.append(p)
@@ -214,8 +246,8 @@ class GradBuffer:
 
     def shard(self, bucket: Bucket, rank: int | None = None) -> tuple[int, int]:
         """``[start, end)`` in the buffer of DP rank ``rank``'s (default: this rank's) piece of ``bucket``."""
-        rank = group_rank(self.dp_group) if rank is None else rank
-        size = (bucket.end - bucket.start) // self.dp_size
+        rank = group_rank(bucket.group) if rank is None else rank
+        size = (bucket.end - bucket.start) // bucket.size
         return bucket.start + rank * size, bucket.start + (rank + 1) * size
 
     def memory_bytes(self) -> int:
@@ -319,14 +351,14 @@ class GradBuffer:
     def _launch(self, bucket: Bucket) -> None:
         data = self.bucket_data(bucket)
         data[bucket.numel:].zero_()  # padding: the ZeRO-1 all-gather may have left bytes there
-        if self.dp_size == 1:
+        if bucket.size == 1:
             return
         t0 = time.perf_counter()
         if self._reduce_scatter:
             lo, hi = self.shard(bucket)
-            bucket.handle = reduce_scatter_tensor(self.data[lo:hi], data, self.dp_group, async_op=True)
+            bucket.handle = reduce_scatter_tensor(self.data[lo:hi], data, bucket.group, async_op=True)
         else:
-            bucket.handle = all_reduce(data, self.dp_group, async_op=True)
+            bucket.handle = all_reduce(data, bucket.group, async_op=True)
         self.exposed_comm_seconds += time.perf_counter() - t0
 
     def finish_grad_sync(self) -> None:
@@ -361,9 +393,9 @@ class GradBuffer:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
-            if self.dp_size > 1:
+            if b.divisor > 1:
                 lo, hi = self.shard(b) if self._reduce_scatter else (b.start, b.end)
-                self.data[lo:hi].div_(self.dp_size)
+                self.data[lo:hi].div_(b.divisor)
         self.exposed_comm_seconds += time.perf_counter() - t0
 
     # -- ZeRO-1 parameter all-gather --------------------------------------------------------------
@@ -377,9 +409,9 @@ class GradBuffer:
         self.param_gather_seconds = 0.0
         t0 = time.perf_counter()
         for bucket in reversed(self.buckets):  # the first layers' bucket first: the next forward needs it first
-            if self.dp_size > 1:
+            if bucket.size > 1:
                 bucket.gather = all_gather_into_tensor(view[bucket.start: bucket.end], view[slice(*self.shard(bucket))],
-                                                       self.dp_group, async_op=self.overlap_param_gather)
+                                                       bucket.group, async_op=self.overlap_param_gather)
             self._gathers.append(bucket)
         self.param_gather_seconds += time.perf_counter() - t0
         if not self.overlap_param_gather:
@@ -436,18 +468,17 @@ class GradBuffer:
         (``data_parallel``), the tied embedding in its own last bucket under pipelining."""
         ps = parallel_state
         params = buffer_order(chunks)
-        names = sorted({param_facts(p).data_parallel for p in params}) or ["dp_cp"]
-        if len(names) > 1:
-            raise NotImplementedError(f"GradBuffer: the parameters are reduced over several data-parallel groups "
-                                      f"{names}; one buffer reduces over one group (a buffer per group is the "
-                                      f"extension expert parallelism needs)")
-        group = ps.group(names[0])
+        names = sorted({param_facts(p).data_parallel for p in params} - {"dp_cp"})
+        group = ps.group("dp_cp")
         size = 1 if group is None else group.size
         dp_group = group if size > 1 else None
+        others = {name: ps.group(name) for name in names}  # the experts' expert_dp: buckets of their own
+        reduced = dp_group is not None or any(group_size(g) > 1 for g in others.values())
         return cls(params, bucket_bytes=bucket_bytes, pad_to=size,
                    separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
-                   dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and dp_group is not None,
-                   overlap_param_gather=overlap_param_gather and dp_group is not None, accumulate=accumulate)
+                   dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and reduced,
+                   overlap_param_gather=overlap_param_gather and reduced, accumulate=accumulate, groups=others,
+                   divisors={name: size for name in others})
 
     def remove(self) -> None:
         """Remove the hooks and every ``main_grad`` (teardown)."""

@@ -113,6 +113,11 @@ class MegatronLightningModule(LightningModule):
         """Shape of the activation sent between pipeline stages for ``microbatch``."""
         raise NotImplementedError(f"{type(self).__name__} must implement pipeline_tensor_shape(microbatch)")
 
+    def step_metrics(self, num_microbatches: int) -> dict[str, torch.Tensor]:
+        """Metrics of a training step the model gathers itself (logged as ``train_<name>``), after the
+        schedule; called on every rank (it may reduce over the world). None by default."""
+        return {}
+
     def default_optimizer(self, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The optimizer when the CLI names none (``--optimizer``)."""
         raise NotImplementedError(f"{type(self).__name__}: no optimizer: pass --optimizer torch.optim.AdamW (CLI), "

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.grads import GradBuffer, finalize_model_grads
+from lightning_megatron.transformer.moe import set_aux_loss_scale
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.microbatches import split_microbatches
 from lightning_megatron.pipeline.registry import PipelineSchedule
@@ -142,6 +143,9 @@ class StepRunner:
         else:
             assert grad_buffer is not None, "training needs the strategy's grad buffer"
             grad_buffer.start(len(microbatches))
+            # Auxiliary losses added inside the model (MoE load balancing) get the loss's backward scale.
+            one = torch.ones((), device=self.device)
+            set_aux_loss_scale((one if grad_scale_func is None else grad_scale_func(one)) / len(microbatches))
             with self.weight_grads.step(grad_buffer.add_grad, grad_buffer.add_grad_rows):
                 logged = self.schedule.run(**run, weight_grads=self.weight_grads)
                 # The pipeline flush: the weight gradients still deferred (the last stage's, while the
@@ -151,6 +155,9 @@ class StepRunner:
         if stage == "predict":
             return self._predictions(logged)
         means = self._reduce_logged(logged, stage)
+        step_metrics = getattr(self.module, "step_metrics", None)
+        if not forward_only and step_metrics is not None:
+            means.update(step_metrics(len(microbatches)))
         if not forward_only and self.check_for_nan_in_loss_and_grad:
             self._check_finite(grad_buffer, means.get("loss"), iteration, overflow_is_skipped)
         return means

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.parallel_state import process_group
 from lightning_megatron.tensor_parallel.param_facts import is_counted, param_facts
 
 __all__ = ["CheckRun", "global_batch_loader", "global_pieces", "run_layouts"]
@@ -109,10 +110,10 @@ def global_pieces(named: list[tuple[str, nn.Parameter]], tensors: dict[str, torc
     from lightning_megatron.sharded_state import shard_info
 
     out: dict[str, tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...]]] = {}
-    if ps.dp_rank != 0:
-        return out
     for name, p in named:
-        if _tied_copy(p, ps):
+        # One data-parallel copy: the experts' replicas are their expert-data-parallel ranks.
+        replica = ps.coordinates["edp"] if param_facts(p).data_parallel == "expert_dp" else ps.dp_rank
+        if replica != 0 or _tied_copy(p, ps):
             continue
         t = tensors[name].detach().float().cpu()
         info = shard_info(p, ps.coordinates, ps.dims.sizes())
@@ -245,15 +246,17 @@ def _on_shared_memory(group: Any) -> bool:
     return isinstance(group_communicator(group), SharedMemoryCollectives)
 
 
-def _gathered_main_grads(buffer: Any, named: list[tuple[str, nn.Parameter]], grads: dict[str, torch.Tensor],
-                         dp_group: Any) -> dict[str, torch.Tensor]:
+def _gathered_main_grads(buffer: Any, named: list[tuple[str, nn.Parameter]],
+                         grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The DP-mean gradients of a buffer reduced by reduce-scatter (ZeRO-1): each DP rank holds the mean
-    of its own piece of every bucket only (the rest is its local sum): the pieces, summed over DP."""
+    of its own piece of every bucket only (the rest is its local sum): the pieces, summed over each
+    bucket's data-parallel group."""
     full = torch.zeros_like(buffer.data)
     for bucket in buffer.buckets:
         lo, hi = buffer.shard(bucket)
         full[lo:hi] = buffer.data[lo:hi]
-    dist.all_reduce(full, group=dp_group.process_group)
+        if bucket.group is not None:
+            dist.all_reduce(full[bucket.start: bucket.end], group=process_group(bucket.group))
     out = dict(grads)
     for name, p in named:
         if buffer.holds(grads[name]):
@@ -321,22 +324,32 @@ def _make_recorder(run: CheckRun):
             if run.measure_memory and trainer.global_step == 0:
                 self.memory["params"] = _storage_bytes([p for _, p in named])
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
-            if buffer is not None and buffer.reduces_by_scatter and ps.dp_size > 1:
-                grads = _gathered_main_grads(buffer, named, grads, ps.group("dp_cp"))
+            if buffer is not None and buffer.reduces_by_scatter:
+                grads = _gathered_main_grads(buffer, named, grads)
             elif any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
                 flat = torch.cat([g.detach().float().reshape(-1) for g in grads.values()])
                 dist.all_reduce(flat, group=ps.dp_cp_group)
                 flat /= ps.dp_size
                 grads = dict(zip(grads, (v.view_as(g) for v, g in
                                          zip(flat.split([g.numel() for g in grads.values()]), grads.values()))))
-            counted = [grads[n] for n, p in named if is_counted(p, ps.coordinates)]
             # In float64: torch's fp32 norm of a vocab-sized tensor is off by ~1e-4 relative, differently
-            # for each TP split, which would hide the layout's own differences.
-            squares = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum().reshape(1) \
-                if counted else torch.zeros(1, dtype=torch.float64)
-            if ps.mp_group is not None and ps.group("mp").size > 1:
-                dist.all_reduce(squares, group=ps.mp_group)
-            self.grad_norms.append(float(squares.item()) ** 0.5)
+            # for each TP split, which would hide the layout's own differences. Under expert parallelism
+            # the experts' part is summed over their own model-parallel ranks (each expert once).
+            families = [("mp", [n for n, p in named if ps.ep_size == 1
+                                or param_facts(p).data_parallel != "expert_dp"])]
+            if ps.ep_size > 1:
+                families.append(("expert_mp", [n for n, p in named if param_facts(p).data_parallel == "expert_dp"]))
+            total = 0.0
+            for group_name, names in families:
+                wanted = set(names)
+                counted = [grads[n] for n, p in named if n in wanted and is_counted(p, ps.coordinates)]
+                squares = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum().reshape(1) \
+                    if counted else torch.zeros(1, dtype=torch.float64)
+                group = ps.group(group_name)
+                if group is not None and group.size > 1:
+                    dist.all_reduce(squares, group=group.process_group)
+                total += float(squares.item())
+            self.grad_norms.append(total ** 0.5)
             step = trainer.global_step + 1
             if step in run.grad_steps:
                 self.grads[step] = global_pieces(named, grads, ps)

@@ -141,6 +141,17 @@ class LanguageLightningModule(MegatronLightningModule):
     # ------------------------------------------------------------------ model
 
     @override
+    def step_metrics(self, num_microbatches: int) -> dict[str, torch.Tensor]:
+        """Mixture of experts: each layer's load-balancing and z-loss and its experts' share of the tokens
+        (:func:`~lightning_megatron.transformer.moe.stats.moe_metrics`)."""
+        if not self.config.num_moe_experts:
+            return {}
+        from lightning_megatron.transformer.moe.stats import moe_metrics
+
+        return moe_metrics(self.model_chunks, self.parallel_state, num_layers=self.config.num_layers,
+                           num_experts=self.config.num_moe_experts, num_microbatches=num_microbatches)
+
+    @override
     def build_chunks(self, parallel_state: ParallelState) -> list[LanguageModule]:
         config = self.config.with_layout(parallel_state.tp_size, self.sequence_parallel, parallel_state.ep_size)
         self.config = config

@@ -38,9 +38,11 @@ from lightning_megatron.optimizer.mixed_precision import (
     MegatronOptimizer,
 )
 
+from lightning_megatron.tensor_parallel.param_facts import has_param_facts, param_facts
+
 if TYPE_CHECKING:
     from lightning_megatron.grads import GradBuffer
-    from lightning_megatron.parallel_state import ParallelState
+    from lightning_megatron.parallel_state import Group, ParallelState
 
 __all__ = ["OptimizerConfig", "gradient_clip_val_problem"]
 
@@ -109,6 +111,7 @@ class OptimizerConfig:
         ps = parallel_state
         common = dict(clip_grad=self.clip_grad, log_num_zeros_in_grad=self.log_num_zeros_in_grad, grad_buffer=grad_buffer,
                       model_parallel_group=None if ps is None else ps.group("mp"),
+                      expert_model_parallel_group=_expert_norm_group(optimizer, ps),
                       coordinates=None if ps is None else ps.coordinates)
         dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"]}
         low = next((d for d in (torch.float16, torch.bfloat16) if d in dtypes), torch.float32)
@@ -118,3 +121,14 @@ class OptimizerConfig:
         if low != torch.float32:
             return Float16OptimizerWithFloat16Params(optimizer, grad_scaler=self.grad_scaler(low), **common)
         return FP32Optimizer(optimizer, grad_scaler=self.grad_scaler(low), **common)
+
+
+def _expert_norm_group(optimizer: torch.optim.Optimizer, ps: ParallelState | None) -> Group:
+    """The group the experts' part of the gradient norm is summed over under expert parallelism (their TP,
+    EP and PP ranks: ``expert_mp``); None without experts or EP (they are summed with the rest). Every
+    rank of an EP layout holds experts (each stage has its MoE layers), so all take the same decision."""
+    if ps is None or ps.ep_size == 1:
+        return None
+    has_experts = any(param_facts(p).data_parallel == "expert_dp" for group in optimizer.param_groups
+                      for p in group["params"] if has_param_facts(p))
+    return ps.group("expert_mp") if has_experts else None

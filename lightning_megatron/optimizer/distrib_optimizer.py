@@ -57,7 +57,7 @@ from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
 from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.mappings import all_reduce
-from lightning_megatron.tensor_parallel.param_facts import is_counted
+from lightning_megatron.tensor_parallel.param_facts import is_counted, param_facts
 
 __all__ = ["DistributedOptimizer"]
 
@@ -86,10 +86,12 @@ class DistributedOptimizer(MegatronOptimizer):
         log_num_zeros_in_grad: bool = False,
         grads_already_reduced: bool = False,
         grad_buffer: GradBuffer | None = None,
+        expert_model_parallel_group: Group = None,
     ) -> None:
         super().__init__(optimizer, grad_scaler=grad_scaler, clip_grad=clip_grad,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
-                         model_parallel_group=model_parallel_group, coordinates=coordinates)
+                         model_parallel_group=model_parallel_group, coordinates=coordinates,
+                         expert_model_parallel_group=expert_model_parallel_group)
         if len(optimizer.state) > 0:
             raise ValueError("wrap the optimizer before its first step: its state is keyed by model params "
                              "and cannot be sharded afterwards")
@@ -120,23 +122,24 @@ class DistributedOptimizer(MegatronOptimizer):
                 f"{grad_buffer.dp_size} DP ranks but the optimizer has {len(mine)} trainable params over "
                 f"{self.dp_size}: one DistributedOptimizer must own every trainable param of the buffer, "
                 f"with the same data-parallel group")
-        uneven = [b.index for b in grad_buffer.buckets if (b.end - b.start) % self.dp_size]
+        uneven = [b.index for b in grad_buffer.buckets if (b.end - b.start) % b.size]
         if uneven:
             raise ValueError(f"DistributedOptimizer: buckets {uneven} of the grad buffer are not padded to a multiple "
-                             f"of the DP size {self.dp_size}; build the GradBuffer with pad_to={self.dp_size}")
+                             f"of their DP size; build the GradBuffer with pad_to={self.dp_size}")
         self.buffer = grad_buffer
         grad_buffer.use_reduce_scatter()
         dtypes = {p.dtype for p in mine}
         self._gather_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes != {torch.float32} else torch.float32
         self.padded_numel = grad_buffer.data.numel()
-        self.shard_size = self.padded_numel // self.dp_size
+        # Each bucket is sharded over its own data-parallel group (the experts' over expert_dp).
+        self.shard_size = sum((b.end - b.start) // b.size for b in grad_buffer.buckets)
         device = grad_buffer.data.device
 
         # This rank's piece of every bucket, concatenated: [main position, buffer start, buffer end).
         self._pieces: list[tuple[int, int, int]] = []
         pos = 0
         for bucket in grad_buffer.buckets:
-            lo, hi = grad_buffer.shard(bucket, self.dp_rank)
+            lo, hi = grad_buffer.shard(bucket)
             self._pieces.append((pos, lo, hi))
             pos += hi - lo
         group_of = {id(p): k for k, params in enumerate(self.model_groups) for p in params}
@@ -199,39 +202,56 @@ class DistributedOptimizer(MegatronOptimizer):
     def _main_grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self.main_params if m.grad is not None]
 
-    def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp) -> None:
-        for group in (self.data_parallel_group, self.model_parallel_group):
+    def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp, experts: bool = False) -> None:
+        """Over the shards' data-parallel group, then the model-parallel group (the experts': their own)."""
+        groups = (self.data_parallel_group, self.model_parallel_group)
+        if experts:
+            groups = (self.buffer.groups.get("expert_dp", self.data_parallel_group), self.expert_model_parallel_group)
+        for group in groups:
             if group is not None:
                 all_reduce(t, group, op)
+
+    def _segment_families(self) -> list[tuple[bool, list]]:
+        """``(experts, segments)``: the shard's segments by the groups their norm is summed over."""
+        if self.expert_model_parallel_group is None:
+            return [(False, self._segments)]
+        expert = [param_facts(seg[0]).data_parallel == "expert_dp" for seg in self._segments]
+        return [(False, [seg for seg, e in zip(self._segments, expert) if not e]),
+                (True, [seg for seg, e in zip(self._segments, expert) if e])]
 
     def _segment_grad(self, seg: tuple[torch.nn.Parameter, int, int, int, int]) -> torch.Tensor:
         p, lo, hi, _, g = seg
         return self.buffer.data[g: g + hi - lo]
 
-    def _counted_grad_pieces(self) -> list[torch.Tensor]:
+    def _counted_grad_pieces(self, segments: list) -> list[torch.Tensor]:
         """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
-        return [self._segment_grad(seg) for seg in self._segments if is_counted(seg[0], self.coordinates)]
+        return [self._segment_grad(seg) for seg in segments if is_counted(seg[0], self.coordinates)]
 
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as
         # clip_grads), the rest are only checked; reduced over DP and the model-parallel group.
-        counted = self._counted_grad_pieces()
-        others = [self._segment_grad(seg) for seg in self._segments
-                  if not is_counted(seg[0], self.coordinates)]
-        total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
-        total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device)
-        for piece in others:
-            total[1] += torch.linalg.vector_norm(piece, 2, dtype=torch.float32).double()
-        self._all_reduce(total, dist.ReduceOp.SUM)
-        squares, checked = total.tolist()
+        squares = checked = 0.0
+        for experts, segments in self._segment_families():
+            counted = self._counted_grad_pieces(segments)
+            others = [self._segment_grad(seg) for seg in segments if not is_counted(seg[0], self.coordinates)]
+            total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
+            total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device)
+            for piece in others:
+                total[1] += torch.linalg.vector_norm(piece, 2, dtype=torch.float32).double()
+            self._all_reduce(total, dist.ReduceOp.SUM, experts)
+            family_squares, family_checked = total.tolist()
+            squares, checked = squares + family_squares, checked + family_checked
         return squares ** 0.5, not (math.isfinite(squares) and math.isfinite(checked))
 
     def _num_zeros(self) -> int:
-        total = torch.zeros(1, dtype=torch.float64, device=self.grad_buffer.device)
-        for g in self._counted_grad_pieces():
-            total += g.numel() - torch.count_nonzero(g)
-        self._all_reduce(total, dist.ReduceOp.SUM)
-        return int(total.item())
+        zeros = 0
+        for experts, segments in self._segment_families():
+            total = torch.zeros(1, dtype=torch.float64, device=self.grad_buffer.device)
+            for g in self._counted_grad_pieces(segments):
+                total += g.numel() - torch.count_nonzero(g)
+            self._all_reduce(total, dist.ReduceOp.SUM, experts)
+            zeros += int(total.item())
+        return zeros
 
     def _copy_main_params_to_model_params(self) -> None:
         # The grads are consumed: the grad buffer's memory is the gather target. When every model

@@ -43,7 +43,7 @@ from lightning_megatron.optimizer.clip_grads import (
     grads_for_norm,
 )
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
-from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, mark_replicated
+from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, mark_replicated, param_facts
 
 if TYPE_CHECKING:
     from lightning_megatron.grads import GradBuffer
@@ -83,6 +83,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         model_parallel_group: Group = None,
         coordinates: Mapping[str, int] | None = None,
         grad_buffer: GradBuffer | None = None,
+        expert_model_parallel_group: Group = None,
     ) -> None:
         # Deliberately no super().__init__: it would build new param groups and state; ours are the
         # inner optimizer's. The hook dicts exist so Optimizer's hook-registration API still works.
@@ -98,6 +99,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.clip_grad = float(clip_grad)
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.model_parallel_group = model_parallel_group
+        self.expert_model_parallel_group = expert_model_parallel_group
+        """Where the experts' part of the norm is summed (``expert_mp``: their TP, EP and PP ranks); None: no
+        experts, or expert parallelism off (then they are summed with the rest over ``model_parallel_group``)."""
         self.coordinates: dict[str, int] = dict(coordinates or {})
         """This rank's coordinates (``ParallelState.coordinates``): which parameters it counts in the norm."""
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -222,16 +226,30 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return loss
 
     # Hooks of the step; the DistributedOptimizer overrides them for its flat shards.
+    def _norm_families(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], Group]]:
+        """``params`` by the group their part of the norm is summed over: the model-parallel group, and the
+        experts' own when expert parallelism is on (each expert counted once, on its EP rank)."""
+        if self.expert_model_parallel_group is None:
+            return [(params, self.model_parallel_group)]
+        experts = [p for p in params if param_facts(p).data_parallel == "expert_dp"]
+        ids = {id(p) for p in experts}
+        return [([p for p in params if id(p) not in ids], self.model_parallel_group),
+                (experts, self.expert_model_parallel_group)]
+
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
         """The global L2 norm and whether any main grad on any model-parallel rank is inf/nan."""
-        counted = grads_for_norm(self.get_parameters(), coordinates=self.coordinates)
-        ids = {id(g) for g in counted}
-        others = [g for g in self._main_grads() if id(g) not in ids]
-        return grad_norm_and_found_inf(counted, others, self.model_parallel_group)
+        squares, found_inf = 0.0, False
+        for params, group in self._norm_families(self.get_parameters()):
+            counted = grads_for_norm(params, coordinates=self.coordinates)
+            ids = {id(g) for g in counted}
+            others = [p.grad for p in params if p.grad is not None and id(p.grad) not in ids]
+            norm, inf = grad_norm_and_found_inf(counted, others, group)
+            squares, found_inf = squares + norm * norm, found_inf or inf
+        return squares ** 0.5, found_inf
 
     def _num_zeros(self) -> int:
-        return count_zeros_fp32(self.get_parameters(), model_parallel_group=self.model_parallel_group,
-                                coordinates=self.coordinates)
+        return sum(count_zeros_fp32(params, model_parallel_group=group, coordinates=self.coordinates)
+                   for params, group in self._norm_families(self.get_parameters()))
 
     def _clip_parameters(self) -> list[torch.Tensor]:
         return self.get_parameters()

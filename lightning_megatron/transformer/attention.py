@@ -199,9 +199,10 @@ class SelfAttention(nn.Module):
         projection_size = n * d
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype)
+        # add_qkv_bias: a bias on q, k and v only (Qwen2), the projection keeping add_bias_linear's.
         self.linear_qkv = build_module(submodules.linear_qkv, config.hidden_size, (n + 2 * g) * d,
                                        gather_output=False, init_method=init_method_normal(config.init_method_std),
-                                       **common)
+                                       **{**common, "bias": config.add_bias_linear or config.add_qkv_bias})
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
                                            attn_mask_type=attn_mask_type, tp_group=tp_group)
         # The bias of the row-parallel projection is added by the bias-dropout-add after the reduce.

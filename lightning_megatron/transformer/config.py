@@ -75,6 +75,9 @@ class TransformerConfig:
     """Fraction of each head's channels the rotary embedding rotates (the leading ones)."""
     add_bias_linear: bool = True
     """Whether the linear layers of attention and MLP have biases (BERT: yes)."""
+    add_qkv_bias: bool = False
+    """Give the attention's ``linear_qkv`` a bias even when ``add_bias_linear=False`` (megatron-core's name;
+    Qwen2 and Qwen2-MoE: biases on q, k and v only, none on the output projection or the MLP)."""
     init_method_std: float = 0.02
     """Std of the N(0, std^2) weight init; output projections use std / sqrt(2 * num_layers)."""
     params_dtype: DtypeName | torch.dtype = "float32"

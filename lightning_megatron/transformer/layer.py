@@ -126,7 +126,7 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = norm(submodules.pre_mlp_layernorm)
         # The process groups of a mixture-of-experts MLP (transformer.moe.ExpertGroups), given to the MLP
         # slot only when the model has experts: a dense MLP keeps its signature.
-        extra = {} if expert_groups is None else {"expert_groups": expert_groups}
+        extra = {} if expert_groups is None else {"expert_groups": expert_groups, "layer_number": layer_number}
         self.mlp = build_module(submodules.mlp, config=config, tp_group=tp_group, **extra)
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.post_mlp_layernorm = norm(submodules.post_mlp_layernorm)

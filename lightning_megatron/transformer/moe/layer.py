@@ -107,8 +107,9 @@ class MoELayer(nn.Module):
     """Router, this rank's experts, the dispatcher and the optional shared experts (module docstring)."""
 
     def __init__(self, config: TransformerConfig, submodules: MoESubmodules | None = None, *,
-                 tp_group: Group = None, expert_groups: ExpertGroups | None = None) -> None:
+                 tp_group: Group = None, expert_groups: ExpertGroups | None = None, layer_number: int = 1) -> None:
         super().__init__()
+        self.layer_number = layer_number
         if config.num_moe_experts is None:
             raise ValueError("MoELayer needs config.num_moe_experts (the number of routed experts)")
         groups = expert_groups or ExpertGroups()
