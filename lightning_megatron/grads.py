@@ -60,7 +60,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     all_reduce_coalesced,
     reduce_scatter_tensor,
 )
-from lightning_megatron.tensor_parallel.param_facts import param_facts
+from lightning_megatron.tensor_parallel.param_facts import has_param_facts, param_facts
 
 __all__ = ["GradBuffer", "Bucket", "finalize_model_grads", "buffer_order"]
 
@@ -156,6 +156,8 @@ class GradBuffer:
         start = 0
 
         def family(p: nn.Parameter) -> str:
+            if not self.groups or not has_param_facts(p):
+                return ""
             name = param_facts(p).data_parallel
             return name if name in self.groups else ""
 
@@ -170,7 +172,7 @@ class GradBuffer:
             offset = start + -(-numel // unit) * unit
             bucket = Bucket(len(self.buckets), start, offset, current, numel, deferred,
                             group=group if group_size(group) > 1 else None,
-                            family=name or param_facts(current[0]).data_parallel,
+                            family=name or "dp_cp",
                             divisor=(divisors or {}).get(name, group_size(group)) if name else group_size(group))
             self.buckets.append(bucket)
             for q in current:

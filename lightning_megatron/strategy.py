@@ -87,8 +87,8 @@ class MegatronStrategy(DDPStrategy):
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved 1F1B).
         sequence_parallel: split activations outside the TP regions along the sequence.
         context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size: the context-
-            and expert-parallel dimensions of the record (sizes other than 1 / None are refused until
-            the models support them).
+            and expert-parallel dimensions of the record (CP for modules that take it, EP for models with
+            experts, docs/moe.md; an expert TP size other than the TP size is refused).
         pipeline_schedule: the microbatch schedule, a registered name (``no_pipelining``, ``1f1b``,
             ``interleaved``, or one registered with ``lightning_megatron.pipeline.register_schedule``) or
             ``"auto"``: the layout's (PP=1 no_pipelining, PP>1 1f1b, PP>1 and VP>1 interleaved).

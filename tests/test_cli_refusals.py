@@ -108,6 +108,18 @@ CASES = {
          "a2a", "--model.init_args.config.num_attention_heads", "2", "--model.init_args.config.hidden_size", "64"],
         None, ["cp_comm_type='a2a' splits the 1 attention heads of a tensor-parallel rank over "
                "context_parallel_size=2"], []),
+    "expert_parallel_without_experts": (  # EP on a dense model (issue 36)
+        [*FIT, "--trainer.strategy.init_args.expert_model_parallel_size", "2", "--trainer.strategy.init_args."
+         "tensor_model_parallel_size", "1"], None,
+        ["expert_model_parallel_size=2 but the model has no experts (num_moe_experts is None)"], []),
+    "experts_not_divisible_by_ep": (
+        ["fit", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--model.init_args.config.num_moe_experts", "3"],
+        None, ["num_moe_experts=3 is not divisible by expert_model_parallel_size=2"], []),
+    "expert_tensor_parallel_size": (
+        ["fit", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--trainer.strategy.init_args."
+         "expert_tensor_parallel_size", "1", "--trainer.strategy.init_args.tensor_model_parallel_size", "2",
+         "--trainer.strategy.init_args.expert_model_parallel_size", "1"], None,
+        ["expert_tensor_parallel_size=1: an expert tensor-parallel size other than the TP size (2)"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }

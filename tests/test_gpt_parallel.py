@@ -82,11 +82,22 @@ ULYSSES_LAYOUTS = ["cp2", "tp2cp2sp"]
 """The Llama shape with cp_comm_type="a2a" (Ulysses: heads for sequence), one key/value head repeated for CP."""
 RING_LAYOUTS = ["cp2", "tp2cp2sp", "cp4"]
 """The Llama shape with cp_comm_type="p2p" (ring attention: 2 and 4 ranks around the ring)."""
+MOE_TINY = {**LLAMA_TINY, "spec": "llama_moe_layer_spec", "num_query_groups": 2, "num_moe_experts": 4,
+            "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3}
+"""The Mixtral shape: 4 SwiGLU experts per layer, top-2, megatron-core's load-balancing loss and the z-loss."""
+MOE_LAYOUTS = ["ep2", "ep2zero1", "tp2sp", "tp2ep2"]
+"""Expert parallelism (each rank 2 of the 4 experts), with ZeRO-1 (the dense state sharded over DP, the experts'
+over their own expert-DP group of one), experts split over TP with sequence parallelism, and TP=2 x EP=2 on 4 ranks."""
+MOE_ALLGATHER_LAYOUTS = ["ep2"]
+"""The same model with the all-gather dispatcher."""
 SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS),
           "llama_a2a": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="a2a"), ULYSSES_LAYOUTS),
-          "llama_p2p": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="p2p"), RING_LAYOUTS)}
+          "llama_p2p": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="p2p"), RING_LAYOUTS),
+          "moe": (functools.partial(make_module, **MOE_TINY), MOE_LAYOUTS),
+          "moe_allgather": (functools.partial(make_module, **MOE_TINY, moe_token_dispatcher_type="allgather"),
+                            MOE_ALLGATHER_LAYOUTS)}
 PACKED = {"llama", "llama_a2a", "llama_p2p"}
-SAME_REFERENCE = {"llama_a2a": "llama", "llama_p2p": "llama"}
+SAME_REFERENCE = {"llama_a2a": "llama", "llama_p2p": "llama", "moe_allgather": "moe"}
 """One process runs the same math whatever cp_comm_type says: these shapes are compared with the Llama one's."""
 """The shapes trained on packed samples (attention within each document, rope positions restarting)."""
 
@@ -244,3 +255,27 @@ def test_llama_greedy_generation_at_tp2_equals_one_process(reports):
     assert generated["tp1"].shape == (2, 5 + 12) and torch.equal(generated["tp1"][:, :5], PROMPT)
     for tokens in generated["tp2"]:
         assert torch.equal(tokens, generated["tp1"]), (tokens, generated["tp1"])
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_layouts_equal_one_process(reports, layout):
+    """The Mixtral shape: every layout's loss (with the load-balancing and z-losses in the objective), grad
+    norm (each expert counted once), every gradient (experts compared under their global index) and final
+    parameters equal one process."""
+    report = reports["moe"]
+    [result] = [r for r in report.results if r.layout == layout]
+    assert result.passed, report.table()
+    grads = report.reference.grads[1]
+    assert set(report.runs[layout].grads[1]) == set(grads)
+    experts = {n for n in grads if ".experts.local_experts." in n}
+    assert len(experts) == 4 * 4 * 2 and {n.split("local_experts.")[1].split(".")[0] for n in experts} == set("0123")
+
+
+def test_moe_dispatchers_are_bitwise_equal(reports):
+    """At EP=2 the all-to-all and the all-gather dispatcher give the same first-step loss, bit for bit, and
+    the all-gather one equals one process too."""
+    report = reports["moe_allgather"]
+    [result] = report.results
+    assert result.passed, report.table()
+    alltoall, allgather = reports["moe"].runs["ep2"], report.runs["ep2"]
+    assert alltoall.losses[0] == allgather.losses[0], (alltoall.losses, allgather.losses)

@@ -100,8 +100,8 @@ def test_checkpoint_records_old_and_new():
 def test_what_the_engine_does_not_take_yet_is_named():
     assert ParallelDims(tp=2).unsupported() == []
     assert ParallelDims(cp=2).unsupported() == []  # the module's to take (module.context_parallel_problem)
-    assert "expert parallelism is not supported yet" in ParallelDims(ep=2).unsupported()[0]
-    assert ParallelDims(tp=2, etp=1).unsupported()
+    assert ParallelDims(ep=2).unsupported() == []  # the model's to take (num_moe_experts)
+    assert "other than the TP size (2) is not supported yet" in ParallelDims(tp=2, etp=1).unsupported()[0]
 
 
 def test_tp_groups_stay_within_a_node_when_devices_are_a_multiple_of_tp():

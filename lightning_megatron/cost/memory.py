@@ -73,10 +73,16 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
         raise ValueError(f"global batch {m.global_batch_size} is not divisible by micro batch "
                          f"{m.micro_batch_size} x dp {d}")
     per_chunk = m.num_layers // (pp * vp)
-    n = m.stage_parameters(t, pp, stage)
+    # A mixture of experts' routed experts (the model says how many a rank holds): split over EP, their
+    # ZeRO-1 state over the expert-data-parallel ranks.
+    expert_params = getattr(m, "stage_expert_parameters", None)
+    n_experts = expert_params(t, layout.ep, pp) if expert_params is not None else 0
+    n = m.stage_parameters(t, pp, stage) + n_experts
     e = m.param_bytes
-    shard = math.ceil(n / (d * cp))  # ZeRO-1 shards over the data- and context-parallel ranks
-    grads = 4 * shard * d * cp if layout.zero1 else 4 * n  # fp32 main grads (ZeRO-1: one padded flat buffer)
+    dense_shard, expert_shard = math.ceil((n - n_experts) / (d * cp)), math.ceil(n_experts / layout.expert_dp)
+    shard = dense_shard + expert_shard  # ZeRO-1 shards over the data- (and context-) parallel ranks
+    # fp32 main grads (ZeRO-1: one flat buffer, each part padded to its group)
+    grads = 4 * (dense_shard * d * cp + expert_shard * layout.expert_dp) if layout.zero1 else 4 * n
     moments = 8 if m.optimizer in ("adam", "adamw") else 4
     main = 4 if (e != 4 or layout.zero1) else 0  # fp32 main copy: 16-bit params, or the ZeRO-1 shard
     opt = (moments + main) * (shard if layout.zero1 else n)
@@ -159,10 +165,15 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
                         skip(f"VP with PP={pp}: the microbatches per step (G / (b x DP)) are not divisible by PP")
                     else:
                         vps.append(v)
+            experts = getattr(m, "num_moe_experts", None)
+            # Expert parallelism takes its ranks from the data-parallel ones (expert TP = TP).
+            eps = [ep for ep in _divisors(d) if experts and experts % ep == 0] or [1]
             for v in vps:
                 for sp in ((False, True) if t > 1 else (False,)):
                     for zero1 in ((False, True) if d > 1 else (False,)):
-                        out.append(ParallelDims(tp=t, pp=pp, vp=v, dp=d, sequence_parallel=sp, zero1=zero1))
+                        for ep in eps:
+                            out.append(ParallelDims(tp=t, pp=pp, vp=v, dp=d, ep=ep, sequence_parallel=sp,
+                                                    zero1=zero1))
     return LayoutSearch(layouts=out, skipped=skipped)
 
 

@@ -76,6 +76,12 @@ class TransformerCost:
     """Dropout after the embeddings and in both bias-dropout-adds of every layer (a saved mask each)."""
     attention_dropout: float = DEFAULT_DROPOUT
     """Dropout of the attention probabilities (a saved mask on the unfused path; fused sdpa saves none)."""
+    num_moe_experts: int | None = None
+    """Mixture of experts: routed experts per layer (None: a dense MLP)."""
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's width (None: ``ffn_hidden_size``)."""
+    moe_shared_expert_intermediate_size: int | None = None
 
     @classmethod
     def from_config(cls, config: TransformerConfig, **shape: Any) -> Self:
@@ -88,6 +94,10 @@ class TransformerCost:
                      params_dtype=str(config.params_dtype).removeprefix("torch."),
                      recompute=config.recompute_granularity == "full", attention_backend=config.attention_backend,
                      hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout)
+        if getattr(config, "num_moe_experts", None):
+            sizes.update(num_moe_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
+                         moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
         for name in ("vocab_size", "make_vocab_size_divisible_by", "max_sequence_length"):
             if getattr(config, name, None) is not None:
                 sizes[name] = getattr(config, name)
@@ -124,7 +134,15 @@ class TransformerCost:
 
     @property
     def ffn(self) -> int:
+        """The MLP's width a token passes through: a mixture of experts' active width (k experts and the
+        shared ones), what its compute and activations scale with under balanced routing."""
+        if self.num_moe_experts:
+            return self.moe_router_topk * self.expert_ffn + (self.moe_shared_expert_intermediate_size or 0)
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -150,12 +168,27 @@ class TransformerCost:
     # ------------------------------------------------------------ MemoryCost
 
     def layer_parameters(self, tp: int) -> int:
-        """Parameter elements of one layer on one TP rank."""
+        """Parameter elements of one layer on one TP rank (a mixture of experts: all but the routed experts,
+        :meth:`expert_layer_parameters`)."""
         h, f, d, n, g = self.hidden_size, self.ffn, self.head_dim, self.num_attention_heads, self.groups
         m = 2 if self.gated_linear_unit else 1
+        if self.num_moe_experts:  # the router (replicated) and the shared experts (split over TP)
+            shared = self.moe_shared_expert_intermediate_size or 0
+            return ((n + 2 * g) * d * h + n * d * h + 3 * shared * h) // tp + self.num_moe_experts * h + \
+                2 * self.norm_parameters
         n_w = ((n + 2 * g) * d * h + n * d * h + m * f * h + f * h) // tp
         n_b = ((n + 2 * g) * d + m * f) // tp + 2 * h if self.add_bias_linear else 0
         return n_w + n_b + 2 * self.norm_parameters
+
+    def expert_layer_parameters(self, tp: int, ep: int) -> int:
+        """The routed experts of one layer on one rank: ``E / ep`` SwiGLU experts split over TP (0: dense)."""
+        if not self.num_moe_experts:
+            return 0
+        return self.num_moe_experts // ep * 3 * self.expert_ffn * self.hidden_size // tp
+
+    def stage_expert_parameters(self, tp: int, ep: int, pp: int) -> int:
+        """The routed experts of a pipeline stage on one rank."""
+        return self.num_layers // pp * self.expert_layer_parameters(tp, ep)
 
     def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
         h = self.hidden_size
@@ -214,7 +247,7 @@ class TransformerCost:
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
         g = self.groups
-        if self.num_attention_heads % tp or self.ffn % tp:
+        if self.num_attention_heads % tp or self.ffn % tp or self.expert_ffn % tp:
             return f"TP={tp} does not divide {self.num_attention_heads} heads / FFN {self.ffn}"
         if g % tp and tp % g:
             return f"TP={tp} is neither a multiple nor a divisor of {g} key/value groups"
@@ -222,8 +255,11 @@ class TransformerCost:
 
     def describe(self) -> str:
         shape = "SwiGLU" if self.gated_linear_unit else "MLP"
+        if self.num_moe_experts:
+            shape = f"{self.num_moe_experts} SwiGLU experts of {self.expert_ffn} (top-{self.moe_router_topk}, active"
         return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads in "
-                f"{self.groups} key/value groups, {shape} {self.ffn}, vocab {self.vocab_size} "
+                f"{self.groups} key/value groups, {shape} {self.ffn}{')' if self.num_moe_experts else ''}, "
+                f"vocab {self.vocab_size} "
                 f"({'untied' if self.untie_embeddings_and_output_weights else 'tied'}), seq {self.seq_length}, "
                 f"micro batch {self.micro_batch_size}, global batch {self.global_batch_size}, {self.params_dtype}, "
                 f"{self.optimizer}{', full recompute' if self.recompute else ''}, dropout {self.hidden_dropout:g}/"

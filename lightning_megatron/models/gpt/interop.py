@@ -1,17 +1,20 @@
 """The decoder family's state-dict adapter (:class:`GPTInterop`), declared by ``GPTLightningModule.interop``.
 
-- Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` folders (:data:`GPT_MODEL_TYPES`): the
-  architecture from ``config.json`` (refusing, by name, what our model cannot compute), the names mapped
-  by :mod:`.hf`;
+- Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` /
+  ``GPT2LMHeadModel`` folders (:data:`GPT_MODEL_TYPES`): the architecture from ``config.json`` (refusing, by
+  name, what our model cannot compute), the names mapped by :mod:`.hf` (the mixtures of experts' fused or
+  per-expert tensors);
 - Megatron-LM (megatron-core) GPT checkpoints: the generic reader merges the rank files (SwiGLU
   ``linear_fc1`` shards, each TP rank ``[gate_r; up_r]``, regrouped: :meth:`GPTInterop.tp_layout`) and this
   adapter reads ``args``: ``normalization RMSNorm`` -> ``llama_layer_spec`` (else ``gpt_layer_spec``),
   ``swiglu`` -> ``gated_linear_unit`` + ``silu``, ``--bias-gelu-fusion`` / ``openai_gelu`` -> ``gelu_tanh``
   (megatron-core's fused bias-GELU is the tanh approximation), ``group_query_attention`` ->
   ``num_query_groups``, ``position_embedding_type``, ``rotary_base``, ``rotary_percent``,
-  ``add_bias_linear``, ``untie_embeddings_and_output_weights``, ``kv_channels``, ``norm_epsilon``. Settings
-  our model cannot compute are refused by name (:data:`UNSUPPORTED_GPT_ARGS`);
-- export: ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` with the tokenizer the model was trained with.
+  ``add_bias_linear``, ``add_qkv_bias``, ``untie_embeddings_and_output_weights``, ``kv_channels``,
+  ``norm_epsilon``. Settings our model cannot compute are refused by name (:data:`UNSUPPORTED_GPT_ARGS`);
+- export: ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (a qkv bias) / ``MixtralForCausalLM`` /
+  ``Qwen2MoeForCausalLM`` (``llama_moe_layer_spec``; :func:`~.hf.hf_model_type` says which) /
+  ``GPT2LMHeadModel`` with the tokenizer the model was trained with.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ __all__ = ["GPTInterop", "GPT_MODEL_TYPES", "UNSUPPORTED_GPT_ARGS", "gpt_archite
 
 _EOD = "<|endoftext|>"
 
-GPT_MODEL_TYPES = ("llama", "gpt2")
+GPT_MODEL_TYPES = tuple(ghf.HF_MODEL_TYPES)  # llama, gpt2, qwen2, mixtral, qwen2_moe
 """transformers ``model_type`` s the decoder family reads."""
 
 UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -50,7 +53,6 @@ UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "rotary_interleaved": ((False, None), "interleaved rotary embeddings"),
     "use_rope_scaling": ((False, None), "rope frequency scaling (Llama 3.1)"),
     "rotary_seq_len_interpolation_factor": ((None, 1, 1.0), "rotary sequence interpolation"),
-    "add_qkv_bias": ((False, None), "a qkv bias without the other linear biases"),
 }
 """Megatron-LM arguments whose other values change the computation in ways GPTModel does not have."""
 
@@ -61,8 +63,7 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
         return {"num_layers": num_layers}
     get = lambda k, d=None: getattr(args, k, d)  # noqa: E731
     bias = get("add_bias_linear", True)
-    unsupported = [f"{k}={get(k)!r} ({what})" for k, (ok, what) in UNSUPPORTED_GPT_ARGS.items()
-                   if get(k) not in ok and not (k == "add_qkv_bias" and bias)]
+    unsupported = [f"{k}={get(k)!r} ({what})" for k, (ok, what) in UNSUPPORTED_GPT_ARGS.items() if get(k) not in ok]
     normalization = get("normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         unsupported.append(f"normalization={normalization!r}")
@@ -86,6 +87,7 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
         "kv_channels": kv if kv and heads and hidden and kv * heads != hidden else None,
         "spec": "llama_layer_spec" if normalization == "RMSNorm" else "gpt_layer_spec",
         "activation": activation, "gated_linear_unit": swiglu, "add_bias_linear": bool(bias),
+        "add_qkv_bias": bool(get("add_qkv_bias", False)),  # megatron-core: a linear_qkv bias when either is set
         "layernorm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
         "max_sequence_length": get("max_position_embeddings"), "position_embedding_type": position,
         "untie_embeddings_and_output_weights": bool(get("untie_embeddings_and_output_weights", False)),
@@ -97,24 +99,36 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
 
 def architecture_of_saved(saved: SavedModel) -> dict[str, Any]:
     """The architecture (:data:`~.hf.GPT_ARCHITECTURE_KEYS`) of a saved GPT model: its module arguments,
-    completed from the tensors' shapes (layers, vocabulary, query groups, gating) and checked against them."""
+    completed from the tensors' shapes (layers, vocabulary, query groups, gating, a qkv-only bias, the experts,
+    their width and the shared experts') and checked against them."""
     hp, sd = saved.hparams, saved.state_dict
     word = sd["embedding.word_embeddings.weight"]
     n, h = int(hp.get("num_attention_heads", 4)), word.size(1)
     d = hp.get("kv_channels") or h // n
-    qkv = sd["decoder.layers.0.self_attention.linear_qkv.weight"]
-    fc1, fc2 = sd["decoder.layers.0.mlp.linear_fc1.weight"], sd["decoder.layers.0.mlp.linear_fc2.weight"]
+    layer = "decoder.layers.0."
+    qkv = sd[layer + "self_attention.linear_qkv.weight"]
     groups = (qkv.size(0) // d - n) // 2
     layers = {int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")}
     arch = {k: hp[k] for k in ghf.GPT_ARCHITECTURE_KEYS if k in hp}
     arch.update(num_layers=max(layers) + 1 if layers else 0, hidden_size=h, num_attention_heads=n,
-                num_query_groups=groups, ffn_hidden_size=fc2.size(1), kv_channels=hp.get("kv_channels"),
-                vocab_size=word.size(0), gated_linear_unit=fc1.size(0) == 2 * fc2.size(1),
+                num_query_groups=groups, kv_channels=hp.get("kv_channels"), vocab_size=word.size(0),
                 untie_embeddings_and_output_weights="output_layer.weight" in sd)
+    if layer + "mlp.router.weight" in sd:  # a mixture of experts: its sizes from the router and the experts
+        fc1, fc2 = (sd[f"{layer}mlp.experts.local_experts.0.linear_fc{i}.weight"] for i in (1, 2))
+        shared = sd.get(layer + "mlp.shared_experts.linear_fc2.weight")
+        arch.update(spec=hp.get("spec", ghf.MOE_SPEC), num_moe_experts=sd[layer + "mlp.router.weight"].size(0),
+                    moe_ffn_hidden_size=fc2.size(1), gated_linear_unit=fc1.size(0) == 2 * fc2.size(1),
+                    moe_shared_expert_intermediate_size=None if shared is None else shared.size(1),
+                    moe_shared_expert_gate=layer + "mlp.shared_expert_gate" in sd)
+        arch.setdefault("ffn_hidden_size", fc2.size(1))
+    else:
+        fc1, fc2 = sd[layer + "mlp.linear_fc1.weight"], sd[layer + "mlp.linear_fc2.weight"]
+        arch.update(ffn_hidden_size=fc2.size(1), gated_linear_unit=fc1.size(0) == 2 * fc2.size(1))
     arch.setdefault("spec", "gpt_layer_spec")
     arch.setdefault("position_embedding_type", "learned_absolute")
     arch.setdefault("activation", "gelu")
-    arch.setdefault("add_bias_linear", "decoder.layers.0.mlp.linear_fc1.bias" in sd)
+    arch.setdefault("add_bias_linear", layer + "self_attention.linear_proj.bias" in sd)
+    arch["add_qkv_bias"] = not arch["add_bias_linear"] and layer + "self_attention.linear_qkv.bias" in sd
     arch.setdefault("layernorm_epsilon", 1e-5)
     if "embedding.position_embeddings.weight" in sd:
         arch["max_sequence_length"] = sd["embedding.position_embeddings.weight"].size(0)
@@ -126,7 +140,8 @@ def architecture_of_saved(saved: SavedModel) -> dict[str, Any]:
 
 
 class GPTInterop:
-    """:class:`~lightning_megatron.interop.StateDictAdapter` of the decoder family (Llama and GPT-2 shapes)."""
+    """:class:`~lightning_megatron.interop.StateDictAdapter` of the decoder family (Llama, Qwen2, Mixtral,
+    Qwen2-MoE and GPT-2 shapes)."""
 
     hf_model_types = GPT_MODEL_TYPES
     megatron_prefixes = ("embedding.", "decoder.", "output_layer.")
@@ -170,16 +185,30 @@ class GPTInterop:
         return sd
 
     def tp_layout(self, state_dict: Mapping[str, torch.Tensor]) -> TPLayout:
-        """A SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2`` has columns, on every rank) is strided."""
-        fc1 = next((k for k in state_dict if k.endswith("mlp.linear_fc1.weight")), None)
+        """A SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2`` has columns, on every rank) is strided
+        (a dense MLP's, an expert's, the shared experts')."""
+        fc1 = next((k for k in state_dict if k.endswith("linear_fc1.weight")
+                    and k.replace("linear_fc1", "linear_fc2") in state_dict), None)
         gated = fc1 is not None and state_dict[fc1].size(0) == 2 * state_dict[fc1.replace("fc1", "fc2")].size(1)
         return ghf.gpt_tp_layout(gated_linear_unit=gated)
 
     # ------------------------------------------------------------------ ours -> Hugging Face
 
     def hf_config(self, saved: SavedModel) -> Any:
-        dropouts = {k: saved.hparams[k] for k in ("hidden_dropout", "attention_dropout") if k in saved.hparams}
-        return ghf.hf_config_from_architecture({**architecture_of_saved(saved), **dropouts})
+        """The transformers config of :func:`~.hf.hf_config_from_architecture`, with the dropouts and the aux-loss
+        weight the model trained with. A mixture of experts trained with token dropping
+        (``moe_expert_capacity_factor``) exports with a warning: transformers drops no tokens, so its logits
+        equal ours only where no expert overflowed."""
+        extra = {k: saved.hparams[k] for k in ("hidden_dropout", "attention_dropout", "moe_aux_loss_coeff")
+                 if k in saved.hparams}
+        architecture = architecture_of_saved(saved)
+        config = ghf.hf_config_from_architecture({**architecture, **extra})
+        factor = saved.hparams.get("moe_expert_capacity_factor")
+        if architecture.get("num_moe_experts") and factor is not None:
+            warnings.warn(f"export hf: the model routes with moe_expert_capacity_factor={factor} (tokens over an "
+                          f"expert's capacity dropped); {config.architectures[0]} drops none, so its logits equal ours "
+                          f"only where no expert overflows", UserWarning, stacklevel=2)
+        return config
 
     def state_dict_to_hf(self, saved: SavedModel, config: Any) -> dict[str, torch.Tensor]:
         return ghf.hf_state_dict_from_gpt(saved.state_dict, architecture_of_saved(saved))
