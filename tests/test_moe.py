@@ -199,3 +199,27 @@ def test_config_refusals():
                   gated_linear_unit=True).with_layout(1, False, 3)
     with pytest.raises(ValueError, match="moe_router_topk=5"):
         _config(moe_router_topk=5)
+
+
+def test_cpu_kernels_pad_16bit_expert_rows_to_a_multiple_of_128():
+    """The opt-in CPU tuning runs bf16 expert matmuls on rows rounded up to 128 (oneDNN builds a kernel per new
+    row count): the same outputs and gradients as without it, to bf16 rounding; fp32 is left alone."""
+    from lightning_megatron.cpu.kernels import CPUKernels
+    from lightning_megatron.transformer import set_kernels
+
+    cpu = CPUKernels()
+    assert cpu.expert_rows(5, torch.zeros(1, dtype=torch.bfloat16)) == 128
+    assert cpu.expert_rows(129, torch.zeros(1, dtype=torch.bfloat16)) == 256
+    assert cpu.expert_rows(5, torch.zeros(1)) == 5 and cpu.expert_rows(0, torch.zeros(1, dtype=torch.bfloat16)) == 0
+    torch.manual_seed(4)
+    plain = MoELayer(_config(params_dtype="bfloat16"))
+    tuned = MoELayer(_config(params_dtype="bfloat16"))
+    tuned.load_state_dict(plain.state_dict())
+    assert set_kernels(tuned, cpu) == 1
+    x = torch.randn(6, 2, H, dtype=torch.bfloat16)
+    out_plain, out_tuned = plain(x)[0], tuned(x)[0]
+    torch.testing.assert_close(out_tuned, out_plain, rtol=1e-2, atol=1e-2)
+    out_plain.float().square().sum().backward()
+    out_tuned.float().square().sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), tuned.parameters()):
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=2e-2, atol=2e-2, msg=name)

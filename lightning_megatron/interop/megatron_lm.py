@@ -1,8 +1,8 @@
 """Megatron-LM (megatron-core) checkpoints -> one full state dict under megatron-core's names, any family.
 
-Two formats, any TP/PP (and VP) layout they were saved at:
+Two formats, any TP/PP (and VP, EP) layout they were saved at:
 
-- legacy per-rank files (``--ckpt-format torch``): ``[iter_XXXXXXX/]mp_rank_TT[_PPP]/model_optim_rng.pt``,
+- legacy per-rank files (``--ckpt-format torch``): ``[iter_XXXXXXX/]mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``,
   each rank's ``state_dict()`` of the model (``model``, or ``model0``, ``model1``... per virtual stage)
   with stage-local layer numbers. The TP shards are merged by the family's :class:`~.tp.TPLayout`
   (a SwiGLU ``linear_fc1`` regrouped from ``[gate_r; up_r]``), layer numbers made global,
@@ -14,7 +14,26 @@ Two formats, any TP/PP (and VP) layout they were saved at:
 
 megatron-core's layer names equal ours, except the Transformer-Engine spec's norms fused into the
 next linear (``linear_qkv.layer_norm_weight`` -> ``input_layernorm.weight``,
-``linear_fc1.layer_norm_weight`` -> ``pre_mlp_layernorm.weight``). Megatron pads its vocabulary: the
+``linear_fc1.layer_norm_weight`` -> ``pre_mlp_layernorm.weight``).
+
+Mixture-of-experts layers come out as megatron-core's ``SequentialMLP`` names under the **global** expert
+index (``<stack>.layers.L.mlp.experts.local_experts.<e>.linear_fc1.weight`` ``[2f, h]`` = ``[gate; up]``,
+``linear_fc2.weight`` ``[h, f]``), whatever the checkpoint holds:
+
+- legacy files at expert parallelism ``ep > 1`` (``mp_rank_TT_EEE`` without pipeline parallelism,
+  ``mp_rank_TT_PPP_EEE`` with it: which of the two a ``mp_rank_TT_XXX`` directory is, its ``args`` say)
+  number each rank's experts from 0: rank ``r``'s ``local_experts.i`` is expert ``r E/ep + i``. The TP
+  shards of each EP rank are merged first (an expert's ``linear_fc1`` as a SwiGLU one); the tensors that are
+  not experts' must be equal on every EP rank. A Transformer-Engine ``TEGroupedMLP``'s per-expert
+  ``experts.linear_fc1.weight<i>`` are renamed to ``local_experts.<i>`` (same layout per expert); the legacy
+  ``GroupedMLP``'s fused ``experts.weight1`` / ``weight2`` are refused, by name, as is an expert
+  tensor-parallel size other than the TP size (its shards are laid out over other ranks);
+- ``torch_dist`` keeps every expert of a layer in one global tensor ``<stack>.layers.mlp.experts.experts.
+  linear_fc1.weight`` ``[L, E, ...]`` (the same for ``SequentialMLP``, ``GroupedMLP`` and ``TEGroupedMLP``),
+  or with ``singleton_local_shards`` one per layer and expert (``<stack>.layers.L.mlp.experts.experts.<e>.
+  linear_fc1.weight``, a SwiGLU ``linear_fc1`` as ``..._w`` (gate) and ``..._v`` (up)): split per expert.
+
+Megatron pads its vocabulary: the
 rows travel along (``init_from`` keeps the model's ``vocab_size`` rows). The family's adapter reads the
 architecture from ``args`` and finishes the state dict (tied output layer, buffers): which family it is
 is the reading class's, never the tensor names'.
@@ -45,11 +64,23 @@ _FUSED_NORMS = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-_RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?$")
+_RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
+"""A legacy rank directory: ``mp_rank_TT``, ``mp_rank_TT_XXX`` (a pipeline stage, or an expert rank without
+pipeline parallelism: the ``args`` say which) or ``mp_rank_TT_PPP_EEE``."""
 _LAYER = re.compile(r"(\w+)\.layers\.(\d+)\.(.*)")
 """A transformer layer's tensor (``encoder.layers.3.*``, ``decoder.layers.3.*``): stack, number, rest."""
 _STACKED = re.compile(r"(\w+\.layers\.)(\D.*)")
 """A ``torch_dist`` tensor of all layers stacked (``decoder.layers.mlp.linear_fc1.weight`` [L, ...])."""
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
+"""An expert's tensor in a ``state_dict()`` (``SequentialMLP``): before the index, the index, after it."""
+_TE_GROUPED_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)")
+"""A Transformer-Engine ``TEGroupedMLP`` expert's tensor in a ``state_dict()`` (``linear_fc1.weight3``)."""
+_FUSED_GROUPED_EXPERTS = re.compile(r".*\.mlp\.experts\.weight[12]")
+"""The legacy ``GroupedMLP``'s experts fused into one tensor (``experts.weight1`` [h, E_local * 2f])."""
+_DIST_EXPERTS = re.compile(r"(.*\.mlp\.experts\.)experts\.(?:(\d+)\.)?(linear_fc[12]\.(?:weight|bias))(_[wv])?")
+"""A ``torch_dist`` experts' tensor: every expert of the layer (``experts.experts.linear_fc1.weight`` [E, ...])
+or, with ``singleton_local_shards``, one (``experts.experts.3.linear_fc1.weight``, a SwiGLU one split into
+``_w`` / ``_v``)."""
 
 
 @dataclass(kw_only=True)
@@ -63,7 +94,7 @@ class MegatronCheckpoint:
     num_layers: int
     """Transformer layers, counted from the tensors."""
     layout: dict[str, Any] = field(default_factory=dict)
-    """The layout it was saved at (``tp``, ``pp``, ``vp``), legacy files only."""
+    """The layout it was saved at (``tp``, ``pp``, ``vp``, ``ep``), legacy files only."""
 
 
 def _iteration_dir(path: Path) -> Path:
@@ -89,16 +120,87 @@ def is_megatron_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def normalize_megatron_keys(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Drop ``_extra_state`` and non-tensors; rename Transformer-Engine fused norms to ours."""
+    """Drop ``_extra_state`` and non-tensors; rename Transformer-Engine fused norms to ours, and a
+    ``TEGroupedMLP``'s experts (``experts.linear_fc1.weight<i>``) to ``SequentialMLP``'s
+    (``experts.local_experts.<i>.linear_fc1.weight``); refuse the legacy ``GroupedMLP``'s fused experts."""
     out = {}
     for key, value in sd.items():
         if key.endswith("_extra_state") or not torch.is_tensor(value):
             continue
+        if _FUSED_GROUPED_EXPERTS.fullmatch(key):
+            raise ValueError(f"the Megatron-LM checkpoint holds {key!r}: the experts of megatron-core's legacy "
+                             f"GroupedMLP (--moe-grouped-gemm --moe-use-legacy-grouped-gemm) fused into one tensor, "
+                             f"which this reader does not split; save the model with --ckpt-format torch_dist (whose "
+                             f"expert tensors are per expert whatever the implementation) or with SequentialMLP / "
+                             f"TEGroupedMLP experts")
+        m = _TE_GROUPED_EXPERT.fullmatch(key)
+        if m:
+            key = f"{m.group(1)}local_experts.{m.group(4)}.{m.group(2)}.{m.group(3)}"
         for fused, ours in _FUSED_NORMS.items():
             if key.endswith(fused):
                 key = key[: -len(fused)] + ours
                 break
         out[key] = value
+    return out
+
+
+def _merge_expert_ranks(parts: list[dict[str, torch.Tensor]], names: list[str]) -> dict[str, torch.Tensor]:
+    """One state dict of the expert-parallel ranks' ``parts`` (EP rank order, each TP-merged): rank ``r``'s
+    ``local_experts.i`` becomes expert ``r * local + i``; every other tensor must be the same on every rank
+    (``names``: the ranks' files, for the errors)."""
+    if len(parts) == 1:
+        return parts[0]
+    counts = [len({int(m.group(2)) for m in map(_LOCAL_EXPERT.fullmatch, sd) if m}) for sd in parts]
+    if len(set(counts)) != 1 or not counts[0]:
+        raise ValueError(f"the expert-parallel rank files {names} hold {counts} experts per layer: expected the same "
+                         f"number on each, at least one")
+    local = counts[0]
+    out: dict[str, torch.Tensor] = {}
+    for r, sd in enumerate(parts):
+        for key, value in sd.items():
+            m = _LOCAL_EXPERT.fullmatch(key)
+            if m:
+                out[f"{m.group(1)}{r * local + int(m.group(2))}{m.group(3)}"] = value
+            elif key not in out:
+                out[key] = value
+            elif not torch.equal(out[key], value):
+                raise ValueError(f"{key} differs between {names[0]!r} and {names[r]!r}, which the checkpoint's layout "
+                                 f"makes expert-parallel ranks of one pipeline stage (holding the same non-expert "
+                                 f"tensors): the files are not one checkpoint, or its args name another layout")
+    return out
+
+
+def _join_swiglu_halves(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``singleton_local_shards``' SwiGLU ``linear_fc1.weight_w`` (gate) and ``_v`` (up) joined into ``weight``."""
+    out: dict[str, torch.Tensor] = {}
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in sd.items():
+        m = re.fullmatch(r"(.*\.linear_fc1\.(?:weight|bias))_([wv])", key)
+        if m:
+            halves.setdefault(m.group(1), {})[m.group(2)] = value
+        else:
+            out[key] = value
+    for key, parts in halves.items():
+        if set(parts) != {"w", "v"}:
+            raise ValueError(f"the torch_dist checkpoint has {key}_{next(iter(parts))} without its other half "
+                             f"(a SwiGLU linear_fc1 is saved as _w and _v)")
+        out[key] = torch.cat([parts["w"], parts["v"]])
+    return out
+
+
+def _split_dist_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``torch_dist``'s experts (``mlp.experts.experts.linear_fc1.weight`` [E, ...] per layer, or one tensor per
+    expert ``mlp.experts.experts.<e>.linear_fc1.weight``) under ``SequentialMLP``'s global names."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        m = _DIST_EXPERTS.fullmatch(key)
+        if m is None:
+            out[key] = value
+        elif m.group(2) is not None:
+            out[f"{m.group(1)}local_experts.{m.group(2)}.{m.group(3)}"] = value
+        else:
+            for e in range(value.size(0)):
+                out[f"{m.group(1)}local_experts.{e}.{m.group(3)}"] = value[e].clone()
     return out
 
 
@@ -169,42 +271,99 @@ def read_args(path: str | os.PathLike[str]) -> argparse.Namespace | None:
     return args if isinstance(args, argparse.Namespace) else None
 
 
-def _rank_files(path: Path) -> dict[tuple[int, int], Path]:
-    """``(tp, pp) -> model_optim_rng.pt`` of one iteration."""
+def _rank_files(path: Path) -> dict[tuple[int, int | None, int | None], Path]:
+    """The numbers of each ``mp_rank_*`` directory name (:data:`_RANK_DIR`) -> its ``model_optim_rng.pt``, of one
+    iteration."""
     if path.is_file():
-        return {(0, 0): path}
+        return {(0, None, None): path}
     d = _iteration_dir(path)
     files = {}
     for sub in d.iterdir():
         m = _RANK_DIR.match(sub.name)
         if m and (sub / "model_optim_rng.pt").is_file():
-            files[(int(m.group(1)), int(m.group(2) or 0))] = sub / "model_optim_rng.pt"
+            files[tuple(None if g is None else int(g) for g in m.groups())] = sub / "model_optim_rng.pt"
     if not files:
         raise FileNotFoundError(f"no mp_rank_*/model_optim_rng.pt under {str(d)!r}")
     return files
 
 
+def _rank_coordinates(names: dict[tuple[int, int | None, int | None], Path],
+                      args: argparse.Namespace | None) -> dict[tuple[int, int, int], Path]:
+    """``(tp, pp, ep) -> file``: Megatron-LM names a rank ``mp_rank_TT``, ``_PPP`` appended under pipeline
+    parallelism and ``_EEE`` under expert parallelism, so ``mp_rank_TT_XXX`` is an expert rank when ``args`` say
+    ``expert_model_parallel_size > 1`` and ``pipeline_model_parallel_size == 1``, else a pipeline stage."""
+    ep_size = int(getattr(args, "expert_model_parallel_size", None) or 1)
+    pp_size = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
+    second_is_ep = ep_size > 1 and pp_size == 1
+    out = {}
+    for (a, b, c), file in names.items():
+        if c is not None:
+            out[(a, b, c)] = file
+        elif b is None:
+            out[(a, 0, 0)] = file
+        else:
+            out[(a, 0, b) if second_is_ep else (a, b, 0)] = file
+    return out
+
+
+def _check_expert_layout(args: argparse.Namespace | None, ep: int, path: Path) -> None:
+    """Legacy files of a mixture of experts: an expert tensor-parallel size other than the TP size is refused
+    (the experts' shards are laid out over other ranks than the files')."""
+    if args is None or not getattr(args, "num_experts", None):
+        return
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    if etp is not None and tp is not None and int(etp) != int(tp):
+        raise ValueError(f"{str(path)!r} was saved with expert_tensor_parallel_size={etp} and "
+                         f"tensor_model_parallel_size={tp}: the experts' shards of its legacy files are laid out over "
+                         f"other ranks than the rest, which this reader does not merge; save it with "
+                         f"--ckpt-format torch_dist (global tensors) or with an expert TP size equal to the TP size")
+    saved_ep = getattr(args, "expert_model_parallel_size", None)
+    if saved_ep is not None and int(saved_ep) != ep:
+        raise ValueError(f"{str(path)!r}: its args say expert_model_parallel_size={saved_ep} but its rank files make "
+                         f"{ep} expert-parallel ranks")
+
+
 def read_legacy_checkpoint(path: str | os.PathLike[str], adapter: StateDictAdapter) -> MegatronCheckpoint:
-    """Merge the per-rank ``model_optim_rng.pt`` files of one iteration (any TP/PP/VP) by the family's
-    TP layout."""
+    """Merge the per-rank ``model_optim_rng.pt`` files of one iteration (any TP/PP/VP/EP) by the family's
+    TP layout, the experts of the expert-parallel ranks under their global index."""
     path = Path(path)
-    files = _rank_files(path)
-    tp = 1 + max(t for t, _ in files)
-    pp = 1 + max(p for _, p in files)
-    if len(files) != tp * pp:
-        raise ValueError(f"{str(path)!r}: expected {tp} x {pp} rank files (TP x PP), found {len(files)}")
-    args = None
-    stages: dict[int, list[dict[str, torch.Tensor]]] = {}  # stage -> per virtual chunk, TP-merged
+    names = _rank_files(path)
+    first_file = names[min(names, key=lambda n: tuple(-1 if x is None else x for x in n))]
+    first = _load_rank_file(first_file)  # its args tell the layout the directory names leave open
+    args = first.get("args") if isinstance(first, dict) else None
+    args = args if isinstance(args, argparse.Namespace) else None
+    files = _rank_coordinates(names, args)
+    tp = 1 + max(t for t, _, _ in files)
+    pp = 1 + max(p for _, p, _ in files)
+    ep = 1 + max(e for _, _, e in files)
+    if len(files) != tp * pp * ep:
+        raise ValueError(f"{str(path)!r}: expected {tp} x {pp} x {ep} rank files (TP x PP x EP), found {len(files)}")
+    _check_expert_layout(args, ep, path)
+
+    def load(file: Path) -> dict[str, Any]:
+        return first if file == first_file else _load_rank_file(file)
+
+    stages: dict[int, list[dict[str, torch.Tensor]]] = {}  # stage -> per virtual chunk, TP- and EP-merged
     for p in range(pp):
-        per_tp = [_load_rank_file(files[(t, p)]) for t in range(tp)]
-        args = per_tp[0].get("args", args)
-        chunk_keys = sorted((k for k in per_tp[0] if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
-        if not chunk_keys:
-            raise ValueError(f"{str(files[(0, p)])!r} has no 'model' state dict")
-        stages[p] = []
-        for k in chunk_keys:
-            shards = [normalize_megatron_keys(x[k]) for x in per_tp]
-            stages[p].append(merge_tp_shards(shards, adapter.tp_layout(shards[0])))
+        per_ep: list[list[dict[str, torch.Tensor]]] = []
+        for e in range(ep):
+            per_tp = [load(files[(t, p, e)]) for t in range(tp)]
+            args = per_tp[0].get("args", args)
+            chunk_keys = sorted((k for k in per_tp[0] if re.fullmatch(r"model\d*", k)),
+                                key=lambda k: int(k[5:] or 0))
+            if not chunk_keys:
+                raise ValueError(f"{str(files[(0, p, e)])!r} has no 'model' state dict")
+            chunks = []
+            for k in chunk_keys:
+                shards = [normalize_megatron_keys(x[k]) for x in per_tp]
+                chunks.append(merge_tp_shards(shards, adapter.tp_layout(shards[0])))
+            per_ep.append(chunks)
+        if len({len(c) for c in per_ep}) != 1:
+            raise ValueError(f"{str(path)!r}: the expert-parallel ranks of pipeline stage {p} hold "
+                             f"{[len(c) for c in per_ep]} virtual chunks")
+        ep_names = [str(files[(0, p, e)]) for e in range(ep)]
+        stages[p] = [_merge_expert_ranks([chunks[c] for chunks in per_ep], ep_names) for c in range(len(per_ep[0]))]
     vp = len(stages[0])
     local_layers = [len({m.group(2) for m in map(_LAYER.fullmatch, c) if m}) for p in range(pp) for c in stages[p]]
     per_chunk = local_layers[0]
@@ -220,7 +379,7 @@ def read_legacy_checkpoint(path: str | os.PathLike[str], adapter: StateDictAdapt
                     key = f"{m.group(1)}.layers.{offset + int(m.group(2))}.{m.group(3)}"
                 full.setdefault(key, value)  # a tied output layer's last-stage copy: the family checks it
     return MegatronCheckpoint(state_dict=full, args=args if isinstance(args, argparse.Namespace) else None,
-                              num_layers=per_chunk * pp * vp, layout={"tp": tp, "pp": pp, "vp": vp})
+                              num_layers=per_chunk * pp * vp, layout={"tp": tp, "pp": pp, "vp": vp, "ep": ep})
 
 
 def read_torch_dist_checkpoint(path: str | os.PathLike[str], adapter: StateDictAdapter) -> MegatronCheckpoint:
@@ -237,15 +396,16 @@ def read_torch_dist_checkpoint(path: str | os.PathLike[str], adapter: StateDictA
         raise ValueError(f"{str(d)!r} holds no model tensors (expected {', '.join(p + '*' for p in prefixes)} keys)")
     dcp_io.load(state, d, single_process=True, allow_bytes=True)
     full: dict[str, torch.Tensor] = {}
-    num_layers = 0
     for key, value in normalize_megatron_keys(state).items():
         m = _STACKED.fullmatch(key)
         if m:  # stacked [L, ...]: one tensor per layer
-            num_layers = value.size(0)
             for i in range(value.size(0)):
                 full[f"{m.group(1)}{i}.{m.group(2)}"] = value[i].clone()
-        else:
+        else:  # one layer's (singleton_local_shards), or not a layer's
             full[key] = value
+    full = _split_dist_experts(_join_swiglu_halves(full))
+    layers = {int(m.group(2)) for m in map(_LAYER.fullmatch, full) if m}
+    num_layers = 1 + max(layers) if layers else 0
     args = None
     if (d / "common.pt").is_file():  # megatron-core saves its args there
         try:

@@ -5,7 +5,7 @@ attention backend, the softmax in fp32 when the config asks). A platform package
 subclass on a built model with :func:`set_kernels`; the opt-in CPU tuning
 (:class:`lightning_megatron.cpu.CPUTuning`) does, with :class:`lightning_megatron.cpu.kernels.CPUKernels`.
 Modules that use kernels hold them in a ``kernels`` attribute (:class:`DotProductAttention`,
-:class:`TransformerLayer`'s bias-dropout-add, :class:`Dropout`).
+:class:`TransformerLayer`'s bias-dropout-add, :class:`Dropout`, a mixture of experts' ``LocalExperts``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ class Kernels:
         if in_fp32 and scores.dtype != torch.float32:
             return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
         return torch.softmax(scores, dim=-1)
+
+    def expert_rows(self, rows: int, x: torch.Tensor) -> int:
+        """The rows to run an expert's matmuls on when it receives ``rows`` tokens (``x`` one of them): more
+        pads the input with zero rows (the extra outputs are dropped; the result is the same)."""
+        return rows
 
 
 DEFAULT_KERNELS = Kernels()

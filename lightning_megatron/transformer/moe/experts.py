@@ -27,6 +27,7 @@ from lightning_megatron.tensor_parallel.layers import (
 )
 from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 from lightning_megatron.transformer.config import TransformerConfig
+from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
 from lightning_megatron.transformer.utils import get_activation_func, seeded
 
 __all__ = ["ExpertMLP", "LocalExperts"]
@@ -77,6 +78,7 @@ class LocalExperts(nn.Module):
             with seeded(seed, f"experts.{first_expert + i}"):
                 experts.append(ExpertMLP(config, config.moe_ffn_hidden_size, tp_group=tp_group))
         self.local_experts = nn.ModuleList(experts)
+        self.kernels: Kernels = DEFAULT_KERNELS  # how many rows an expert's matmuls run on (transformer.kernels)
 
     def forward(self, rows: torch.Tensor, counts: list[int], capacity: int | None = None) -> torch.Tensor:
         """``rows`` [R, h] sorted by local expert, ``counts`` (host ints) rows per local expert. ``capacity``:
@@ -84,7 +86,8 @@ class LocalExperts(nn.Module):
         outputs = []
         for expert, x in zip(self.local_experts, torch.split(rows, counts)):
             n = x.shape[0]
-            if capacity is not None and n < capacity:
-                x = torch.cat([x, x.new_zeros(capacity - n, x.shape[1])])
+            padded = max(n, capacity or 0, self.kernels.expert_rows(n, x))
+            if padded > n:
+                x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
             outputs.append(expert(x)[:n] if n or capacity is not None else x.new_zeros(0, x.shape[1]))
         return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[1])
