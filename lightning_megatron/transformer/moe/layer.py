@@ -154,7 +154,7 @@ class MoELayer(nn.Module):
         c = self.config
         s, b, h = hidden_states.shape
         x = hidden_states.reshape(s * b, h)
-        routing = self.router(x)
+        routing = self.router(x, self.groups.token)
         probs, experts, keep = routing.probs, routing.experts, routing.keep
         training = self.training and torch.is_grad_enabled()
         if self.training:
@@ -163,8 +163,8 @@ class MoELayer(nn.Module):
             self.stats += torch.cat([torch.stack([aux.detach(), z.detach()]), tokens / token_ranks])
         sp = bool(c.sequence_parallel) and group_size(self.tp_group) > 1
         self._capacity = None
-        if c.moe_pad_expert_input_to_capacity:  # an expert's rows come from every EP (and, gathered, TP) rank
-            self._capacity = routing.capacity * group_size(self.groups.ep) * (group_size(self.tp_group) if sp else 1)
+        if c.moe_pad_expert_input_to_capacity:  # an expert's rows: at most the capacity from each EP rank
+            self._capacity = routing.capacity * group_size(self.groups.ep)
         if sp:  # every TP rank dispatches the TP group's tokens; the routing weights' gradient is whole here
             tokens_in = gather_from_sequence_parallel_region(x, self.tp_group, True)
             probs = gather_from_sequence_parallel_region(probs, self.tp_group, False)

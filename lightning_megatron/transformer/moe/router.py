@@ -13,9 +13,12 @@ per token and their weights (``probs`` [n, k]), with megatron-core's names:
 The softmax and sigmoid are taken in fp32; the weights are cast to the activations' dtype (as
 transformers and megatron-core do).
 
-Capacity (``moe_expert_capacity_factor`` f): an expert takes at most ``ceil(f k n / E)`` of the ``n``
-tokens this rank routes, the most probable ones; the others' assignments are dropped (their weight
-is not renormalised: the token keeps its other experts and its residual).
+Capacity (``moe_expert_capacity_factor`` f): an expert takes at most ``ceil(f k N / E)`` of the ``N``
+tokens of the microbatch, the most probable ones; the others' assignments are dropped (their weight
+is not renormalised: the token keeps its other experts and its residual). The choice is taken over the
+whole microbatch whatever the layout (the ranks of the ``token_group`` exchange their routing first),
+so token dropping does not change with sequence or context parallelism (megatron-core decides per
+rank, over the tokens the rank routes).
 
 Auxiliary losses (megatron-core's, each weighted by its coefficient and added to the objective of
 the microbatch; ``N`` the microbatch's tokens, ``T_e`` the tokens routed to expert e before any
@@ -44,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_megatron.parallel_state import Group, group_size
+from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.layers import init_method_normal
-from lightning_megatron.tensor_parallel.mappings import all_reduce
+from lightning_megatron.tensor_parallel.mappings import _gather_along_dim, all_reduce
 from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 from lightning_megatron.transformer.config import TransformerConfig
 
@@ -68,7 +71,7 @@ class Routing:
     logits: torch.Tensor
     """[n, E] the router's logits."""
     capacity: int | None = None
-    """Rows each expert takes of this rank's tokens (with a capacity factor)."""
+    """Rows each expert takes of the microbatch's tokens (with a capacity factor)."""
 
 
 def route(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False) -> Routing:
@@ -154,11 +157,16 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(master.to(config.params_dtype))
         set_param_facts(self.weight, sequence_parallel=bool(config.sequence_parallel))
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, token_group: Group = None) -> Routing:
+        """``token_group``: the ranks holding the microbatch's other tokens (the capacity is chosen over all)."""
         c = self.config
         routing = route(F.linear(x, self.weight), c.moe_router_topk, c.moe_router_score_function,
                         c.moe_router_pre_softmax)
         if c.moe_expert_capacity_factor is not None:
-            routing.keep, routing.capacity = capacity_mask(routing.probs, routing.experts, c.num_moe_experts,
-                                            c.moe_expert_capacity_factor)
+            probs, experts, n = routing.probs.detach(), routing.experts, x.shape[0]
+            if group_size(token_group) > 1:
+                probs, experts = _gather_along_dim(probs, token_group, 0), _gather_along_dim(experts, token_group, 0)
+            keep, routing.capacity = capacity_mask(probs, experts, c.num_moe_experts, c.moe_expert_capacity_factor)
+            first = group_rank(token_group) * n
+            routing.keep = keep[first: first + n]
         return routing
