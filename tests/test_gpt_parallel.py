@@ -90,12 +90,21 @@ MOE_LAYOUTS = ["ep2", "ep2zero1", "tp2sp", "tp2ep2"]
 over their own expert-DP group of one), experts split over TP with sequence parallelism, and TP=2 x EP=2 on 4 ranks."""
 MOE_ALLGATHER_LAYOUTS = ["ep2"]
 """The same model with the all-gather dispatcher."""
+MOE_CAPACITY = {**MOE_TINY, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+MOE_CAPACITY_LAYOUTS = ["tp2sp", "cp2"]
+"""Token dropping chosen over the whole microbatch, where sequence and context parallelism split it."""
+MOE_VARIANTS = {**MOE_TINY, "moe_router_load_balancing_type": "seq_aux_loss", "moe_router_score_function": "sigmoid",
+                "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}
+MOE_VARIANTS_LAYOUTS = ["tp2sp"]
+"""The per-sequence balance loss, sigmoid scores and a gated shared expert (Qwen2-MoE's) under TP with SP."""
 SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS),
           "llama_a2a": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="a2a"), ULYSSES_LAYOUTS),
           "llama_p2p": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="p2p"), RING_LAYOUTS),
           "moe": (functools.partial(make_module, **MOE_TINY), MOE_LAYOUTS),
           "moe_allgather": (functools.partial(make_module, **MOE_TINY, moe_token_dispatcher_type="allgather"),
-                            MOE_ALLGATHER_LAYOUTS)}
+                            MOE_ALLGATHER_LAYOUTS),
+          "moe_capacity": (functools.partial(make_module, **MOE_CAPACITY), MOE_CAPACITY_LAYOUTS),
+          "moe_variants": (functools.partial(make_module, **MOE_VARIANTS), MOE_VARIANTS_LAYOUTS)}
 PACKED = {"llama", "llama_a2a", "llama_p2p"}
 SAME_REFERENCE = {"llama_a2a": "llama", "llama_p2p": "llama", "moe_allgather": "moe"}
 """One process runs the same math whatever cp_comm_type says: these shapes are compared with the Llama one's."""
@@ -279,3 +288,13 @@ def test_moe_dispatchers_are_bitwise_equal(reports):
     assert result.passed, report.table()
     alltoall, allgather = reports["moe"].runs["ep2"], report.runs["ep2"]
     assert alltoall.losses[0] == allgather.losses[0], (alltoall.losses, allgather.losses)
+
+
+@pytest.mark.parametrize(("shape", "layout"), [*(("moe_capacity", x) for x in MOE_CAPACITY_LAYOUTS),
+                                               *(("moe_variants", x) for x in MOE_VARIANTS_LAYOUTS)])
+def test_moe_variants_equal_one_process(reports, shape, layout):
+    """Capacity-limited routing where TP+SP and CP split the microbatch (the drop decided over all of it), and
+    seq_aux_loss + sigmoid routing + a gated shared expert under TP with SP."""
+    report = reports[shape]
+    [result] = [r for r in report.results if r.layout == layout]
+    assert result.passed, report.table()
