@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 reason="megatron-core is not installed (the bench extra)")
 
 VOCAB, PADDED, SEQ = 100, 128, 16
-OURS = dict(num_layers=2,  # GPTConfig fields hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+OURS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,  # GPTConfig fields
             vocab_size=VOCAB, max_sequence_length=SEQ, spec="llama_layer_spec", activation="silu",
             gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope", rotary_base=5000.0,
             untie_embeddings_and_output_weights=True, layernorm_epsilon=1e-5, hidden_dropout=0.0,

@@ -123,10 +123,10 @@ def test_megatron_gpt_checkpoint_reads_as_our_state_dict_and_architecture(tmp_pa
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(qk_layernorm=True), "qk_layernorm=True"),
     (dict(use_rope_scaling=True), "use_rope_scaling=True"),
-    (dict(num_experts=8), "num_experts=8"),
+    (dict(num_experts=8, moe_layer_freq=2), "moe_layer_freq=2"),  # dense layers among the experts
     (dict(rotary_interleaved=True), "rotary_interleaved=True"),
     (dict(position_embedding_type="relative"), "position_embedding_type='relative'"),
-], ids=["qk_layernorm", "rope_scaling", "moe", "interleaved", "relative"])
+], ids=["qk_layernorm", "rope_scaling", "moe_layer_freq", "interleaved", "relative"])
 def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, named):
     from lightning_megatron.models.gpt.module import GPTLightningModule
 

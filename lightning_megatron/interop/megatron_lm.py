@@ -77,10 +77,9 @@ _TE_GROUPED_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|b
 """A Transformer-Engine ``TEGroupedMLP`` expert's tensor in a ``state_dict()`` (``linear_fc1.weight3``)."""
 _FUSED_GROUPED_EXPERTS = re.compile(r".*\.mlp\.experts\.weight[12]")
 """The legacy ``GroupedMLP``'s experts fused into one tensor (``experts.weight1`` [h, E_local * 2f])."""
-_DIST_EXPERTS = re.compile(r"(.*\.mlp\.experts\.)experts\.(?:(\d+)\.)?(linear_fc[12]\.(?:weight|bias))(_[wv])?")
+_DIST_EXPERTS = re.compile(r"(.*\.mlp\.experts\.)experts\.(?:(\d+)\.)?(linear_fc[12]\.(?:weight|bias))")
 """A ``torch_dist`` experts' tensor: every expert of the layer (``experts.experts.linear_fc1.weight`` [E, ...])
-or, with ``singleton_local_shards``, one (``experts.experts.3.linear_fc1.weight``, a SwiGLU one split into
-``_w`` / ``_v``)."""
+or, with ``singleton_local_shards``, one (``experts.experts.3.linear_fc1.weight``, its SwiGLU halves joined)."""
 
 
 @dataclass(kw_only=True)

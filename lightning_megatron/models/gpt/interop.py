@@ -11,7 +11,12 @@
   (megatron-core's fused bias-GELU is the tanh approximation), ``group_query_attention`` ->
   ``num_query_groups``, ``position_embedding_type``, ``rotary_base``, ``rotary_percent``,
   ``add_bias_linear``, ``add_qkv_bias``, ``untie_embeddings_and_output_weights``, ``kv_channels``,
-  ``norm_epsilon``. Settings our model cannot compute are refused by name (:data:`UNSUPPORTED_GPT_ARGS`);
+  ``norm_epsilon``. Settings our model cannot compute are refused by name (:data:`UNSUPPORTED_GPT_ARGS`).
+  A mixture of experts (``num_experts``; megatron-core's ``SequentialMLP`` names under the global expert index,
+  whatever the format and expert-parallel layout: :mod:`~lightning_megatron.interop.megatron_lm`) becomes
+  ``llama_moe_layer_spec`` with the ``moe_*`` fields of :func:`moe_architecture_from_args` (refusing, by name,
+  what our MoE layer does not compute: :data:`UNSUPPORTED_MOE_ARGS`), the shared experts' gate
+  ``shared_experts.gate_weight`` renamed ``shared_expert_gate``;
 - export: ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (a qkv bias) / ``MixtralForCausalLM`` /
   ``Qwen2MoeForCausalLM`` (``llama_moe_layer_spec``; :func:`~.hf.hf_model_type` says which) /
   ``GPT2LMHeadModel`` with the tokenizer the model was trained with.
@@ -32,8 +37,8 @@ from lightning_megatron.interop.tp import TPLayout
 from lightning_megatron.models.gpt import hf as ghf
 from lightning_megatron.saved_model import SavedModel
 
-__all__ = ["GPTInterop", "GPT_MODEL_TYPES", "UNSUPPORTED_GPT_ARGS", "gpt_architecture_from_args",
-           "architecture_of_saved"]
+__all__ = ["GPTInterop", "GPT_MODEL_TYPES", "UNSUPPORTED_GPT_ARGS", "UNSUPPORTED_MOE_ARGS",
+           "gpt_architecture_from_args", "moe_architecture_from_args", "architecture_of_saved"]
 
 _EOD = "<|endoftext|>"
 
@@ -47,7 +52,6 @@ UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "qk_layernorm": ((False, None), "query/key norms"),
     "apply_layernorm_1p": ((False, None), "zero-centred norm weights (apply_layernorm_1p)"),
     "layernorm_zero_centered_gamma": ((False, None), "zero-centred norm weights"),
-    "num_experts": ((None, 0, 1), "mixture-of-experts layers"),
     "multi_latent_attention": ((False, None), "multi-latent attention"),
     "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
     "rotary_interleaved": ((False, None), "interleaved rotary embeddings"),
@@ -55,6 +59,23 @@ UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "rotary_seq_len_interpolation_factor": ((None, 1, 1.0), "rotary sequence interpolation"),
 }
 """Megatron-LM arguments whose other values change the computation in ways GPTModel does not have."""
+
+UNSUPPORTED_MOE_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "moe_router_topk_scaling_factor": ((None, 1, 1.0), "routing weights scaled by a factor"),
+    "moe_router_num_groups": ((None, 0, 1), "group-limited routing (device-limited top-k)"),
+    "moe_router_group_topk": ((None, 0), "group-limited routing (device-limited top-k)"),
+    "moe_router_enable_expert_bias": ((False, None), "expert-bias routing (aux-loss-free load balancing)"),
+    "moe_router_force_load_balancing": ((False, None), "random routing (a benchmark setting)"),
+    "moe_apply_probs_on_input": ((False, None), "routing weights applied to the experts' input"),
+    "moe_latent_size": ((None, 0), "latent projections around the experts"),
+}
+"""Megatron-LM mixture-of-experts arguments whose other values change the routing or the experts' output in ways
+our MoE layer does not have (``moe_layer_freq``, the load-balancing type and the capacity's drop policy are
+checked in :func:`moe_architecture_from_args`)."""
+
+_DISPATCHERS = {"alltoall": "alltoall", "allgather": "allgather", "alltoall_seq": "alltoall", "flex": "alltoall"}
+"""megatron-core's token dispatchers -> ours (the same outputs: ``flex`` is the all-to-all with DeepEP kernels,
+``alltoall_seq`` an older all-to-all)."""
 
 
 def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
@@ -67,6 +88,7 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
     normalization = get("normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         unsupported.append(f"normalization={normalization!r}")
+    moe = moe_architecture_from_args(args, unsupported) if get("num_experts") else {}
     if unsupported:
         raise ValueError(f"the Megatron-LM checkpoint was trained with {', '.join(unsupported)}: GPTLightningModule "
                          f"has no equivalent, so its logits would differ")
@@ -94,7 +116,70 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
     }
     if position == "rope":
         hp.update(rotary_base=float(get("rotary_base", 10000)), rotary_percent=float(get("rotary_percent", 1.0)))
+    if moe:
+        hp.update(moe, spec=ghf.MOE_SPEC)
+        hp["moe_ffn_hidden_size"] = hp["moe_ffn_hidden_size"] or hp["ffn_hidden_size"]
     return {k: v for k, v in hp.items() if v is not None or k in ("num_query_groups", "kv_channels")}
+
+
+def moe_architecture_from_args(args: argparse.Namespace, unsupported: list[str]) -> dict[str, Any]:
+    """The ``moe_*`` fields of a Megatron-LM mixture of experts (``num_experts`` set): ``num_experts`` ->
+    ``num_moe_experts`` and, under the same names, ``moe_router_topk``, ``moe_router_score_function``,
+    ``moe_router_pre_softmax``, ``moe_ffn_hidden_size``, ``moe_shared_expert_intermediate_size`` (0: None),
+    ``moe_shared_expert_gate``, ``moe_router_load_balancing_type``, ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``,
+    ``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity``, ``moe_token_dispatcher_type``.
+    What our MoE layer cannot compute is appended to ``unsupported`` (its name and value): the arguments of
+    :data:`UNSUPPORTED_MOE_ARGS`, dense layers among the MoE ones (``moe_layer_freq``), sinkhorn routing, the
+    capacity's ``position`` drop policy, a norm other than RMSNorm (``llama_moe_layer_spec``), experts that are
+    not bias-free SwiGLU MLPs. Load-balancing losses that only training sees and our layer lacks
+    (``global_aux_loss``, several types at once) and the router's input jitter are dropped with a warning."""
+    get = lambda k, d=None: getattr(args, k, d)  # noqa: E731
+    unsupported += [f"{k}={get(k)!r} ({what})" for k, (ok, what) in UNSUPPORTED_MOE_ARGS.items() if get(k) not in ok]
+    freq = get("moe_layer_freq", 1)  # Megatron-LM parses it into an int (every n-th layer) or a per-layer list
+    if not (freq in (None, 1, "1") or isinstance(freq, (list, tuple)) and all(f == 1 for f in freq)):
+        unsupported.append(f"moe_layer_freq={freq!r} (dense layers among the mixture-of-experts layers: every layer "
+                           f"of llama_moe_layer_spec is one)")
+    if get("normalization", "LayerNorm") != "RMSNorm":
+        unsupported.append(f"num_experts={get('num_experts')} with normalization={get('normalization', 'LayerNorm')!r} "
+                           f"(llama_moe_layer_spec is the RMSNorm layer)")
+    if not get("swiglu") or get("add_bias_linear", True):
+        unsupported.append(f"num_experts={get('num_experts')} with swiglu={bool(get('swiglu'))}, add_bias_linear="
+                           f"{bool(get('add_bias_linear', True))} (our experts are bias-free SwiGLU MLPs)")
+    balance, coeff = get("moe_router_load_balancing_type", "aux_loss"), get("moe_aux_loss_coeff", 0.0)
+    if balance == "sinkhorn":
+        unsupported.append("moe_router_load_balancing_type='sinkhorn' (Sinkhorn routing)")
+    dropped = []
+    if isinstance(balance, (list, tuple)) or isinstance(coeff, (list, tuple)) or balance not in (
+            "aux_loss", "seq_aux_loss", "none", "sinkhorn", None):
+        dropped.append(f"moe_router_load_balancing_type={balance!r} with moe_aux_loss_coeff={coeff!r} (our layer has "
+                       f"one of aux_loss / seq_aux_loss: set --model.config.moe_router_load_balancing_type and "
+                       f"moe_aux_loss_coeff; imported as none)")
+        balance, coeff = "none", 0.0
+    if get("moe_input_jitter_eps"):
+        dropped.append(f"moe_input_jitter_eps={get('moe_input_jitter_eps')} (training-time noise on the router's "
+                       f"input)")
+    capacity = get("moe_expert_capacity_factor")
+    if capacity is not None and get("moe_token_drop_policy", "probs") not in ("probs", None):
+        unsupported.append(f"moe_token_drop_policy={get('moe_token_drop_policy')!r} (tokens over an expert's capacity "
+                           f"dropped by position; ours drops the least probable)")
+    dispatcher = get("moe_token_dispatcher_type") or "alltoall"
+    if dispatcher not in _DISPATCHERS:
+        unsupported.append(f"moe_token_dispatcher_type={dispatcher!r}")
+    if dropped:
+        warnings.warn(f"the Megatron-LM checkpoint was trained with {', '.join(dropped)}: these change training, not "
+                      f"the logits, and GPTLightningModule has no equivalent", UserWarning, stacklevel=3)
+    score = get("moe_router_score_function") or "softmax"
+    return {
+        "num_moe_experts": int(get("num_experts")), "moe_router_topk": int(get("moe_router_topk") or 2),
+        "moe_router_score_function": score, "moe_router_pre_softmax": bool(get("moe_router_pre_softmax", False)),
+        "moe_ffn_hidden_size": get("moe_ffn_hidden_size"),
+        "moe_shared_expert_intermediate_size": get("moe_shared_expert_intermediate_size") or None,
+        "moe_shared_expert_gate": bool(get("moe_shared_expert_gate", False)),
+        "moe_router_load_balancing_type": balance or "none", "moe_aux_loss_coeff": float(coeff or 0.0),
+        "moe_z_loss_coeff": get("moe_z_loss_coeff"), "moe_expert_capacity_factor": capacity,
+        "moe_pad_expert_input_to_capacity": bool(get("moe_pad_expert_input_to_capacity", False)),
+        "moe_token_dispatcher_type": _DISPATCHERS.get(dispatcher, "alltoall"),
+    }
 
 
 def architecture_of_saved(saved: SavedModel) -> dict[str, Any]:
@@ -168,8 +253,24 @@ class GPTInterop:
     def state_dict_from_megatron(self, state_dict: dict[str, torch.Tensor],
                                  architecture: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The last stage's copy of a tied output layer dropped (checked equal to the embedding), an untied
-        one kept (without ``args``: one that differs from the embedding); rotary buffers dropped."""
+        one kept (without ``args``: one that differs from the embedding); rotary buffers dropped; a mixture of
+        experts' shared-expert gate renamed (:meth:`_moe_from_megatron`)."""
         sd = {k: v for k, v in state_dict.items() if not k.endswith("inv_freq")}
+        routers = [k for k in sd if k.endswith(".mlp.router.weight")]
+        experts = architecture.get("num_moe_experts")
+        if experts and not routers:
+            raise ValueError(f"the Megatron-LM checkpoint's args say num_experts={experts} but it holds no "
+                             f"mixture-of-experts tensors (no mlp.router.weight): the args do not belong to these "
+                             f"weights")
+        if routers and architecture.get("spec") not in (None, ghf.MOE_SPEC):
+            raise ValueError(f"the Megatron-LM checkpoint holds mixture-of-experts tensors ({routers[0]}) but its args "
+                             f"name no num_experts: the args do not belong to these weights")
+        if routers:
+            sd = self._moe_from_megatron(sd, architecture)
+            rows = {sd[k].size(0) for k in routers}
+            if rows != {architecture["num_moe_experts"]}:
+                raise ValueError(f"the Megatron-LM checkpoint's routers have {sorted(rows)} experts but its args say "
+                                 f"num_experts={architecture['num_moe_experts']}")
         out_w, emb = sd.get("output_layer.weight"), sd.get("embedding.word_embeddings.weight")
         untied = architecture.get("untie_embeddings_and_output_weights")
         if untied is None:  # no args: an output layer of its own is untied, a copy of the embedding tied
@@ -183,6 +284,39 @@ class GPTInterop:
             raise ValueError("the Megatron-LM checkpoint says untie_embeddings_and_output_weights but has no "
                              "output_layer.weight")
         return sd
+
+    @staticmethod
+    def _moe_from_megatron(sd: dict[str, torch.Tensor], architecture: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """megatron-core's ``mlp.shared_experts.gate_weight`` -> our ``mlp.shared_expert_gate``; a router bias or
+        expert bias (routing our router does not have) refused unless zero. Without ``args`` (``architecture``
+        names no experts) the facts the tensors fix are added to ``architecture`` (``spec``,
+        ``num_moe_experts``, ``moe_ffn_hidden_size``, the shared experts' width and gate), so that a module
+        built otherwise is refused before loading; with ``args``, a gate they do not name is refused."""
+        out = {}
+        for key, value in sd.items():
+            if key.endswith((".mlp.router.bias", ".mlp.router.expert_bias")):
+                if bool(value.any()):
+                    raise ValueError(f"the Megatron-LM checkpoint has a non-zero {key} (a router bias, or an expert "
+                                     f"bias from aux-loss-free balancing): our router routes by x W^T alone, so its "
+                                     f"logits would differ")
+                continue
+            if key.endswith(".mlp.shared_experts.gate_weight"):
+                key = key[: -len("shared_experts.gate_weight")] + "shared_expert_gate"
+            out[key] = value
+        layer = next(k for k in out if k.endswith(".mlp.router.weight"))[: -len("router.weight")]
+        gated = layer + "shared_expert_gate" in out
+        shared = out.get(layer + "shared_experts.linear_fc2.weight")
+        if "num_moe_experts" not in architecture:  # no args: what the tensors fix
+            fc2 = out.get(layer + "experts.local_experts.0.linear_fc2.weight")
+            architecture.update(spec=ghf.MOE_SPEC, num_moe_experts=out[layer + "router.weight"].size(0),
+                                moe_shared_expert_intermediate_size=None if shared is None else shared.size(1),
+                                moe_shared_expert_gate=gated)
+            if fc2 is not None:
+                architecture["moe_ffn_hidden_size"] = fc2.size(1)
+        elif gated and not architecture.get("moe_shared_expert_gate"):
+            raise ValueError("the Megatron-LM checkpoint has shared_experts.gate_weight (a sigmoid gate on the shared "
+                             "experts) but its args do not say moe_shared_expert_gate")
+        return out
 
     def tp_layout(self, state_dict: Mapping[str, torch.Tensor]) -> TPLayout:
         """A SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2`` has columns, on every rank) is strided
