@@ -117,3 +117,92 @@ def launch(fn: Any, world_size: int, *args: Any, timeout: float = 600.0, **kwarg
     from dist_utils import run_distributed
 
     return run_distributed(fn, world_size, *args, timeout=timeout, **kwargs)
+
+
+class TokenBatches:
+    """Deterministic full-length decoder samples from sample ``offset`` on: tokens, labels shifted by one, every
+    target counted (a map-style dataset; the decoder benchmarks share it)."""
+
+    def __init__(self, num_samples: int, seq: int, vocab: int, offset: int = 0) -> None:
+        self.num_samples, self.seq, self.vocab, self.offset = num_samples, seq, vocab, offset
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        import torch
+
+        ids = torch.randint(0, self.vocab, (self.seq + 1,), generator=torch.Generator().manual_seed(self.offset + index))
+        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": torch.ones(self.seq)}
+
+
+def plain_lightning_causal_lm(model: Any, lr: float, weight_decay: float) -> Any:
+    """A transformers causal LM in a plain LightningModule, what a user of plain Lightning writes: the mean token
+    cross entropy (plus ``router_aux_loss_coef`` x the model's ``aux_loss`` when it returns one: a mixture of
+    experts), AdamW with no weight decay on biases and norms."""
+    import torch
+    from lightning.pytorch import LightningModule
+
+    class PlainCausalLM(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            out = self.model(input_ids=batch["tokens"])
+            loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), batch["labels"].flatten())
+            if getattr(out, "aux_loss", None) is not None:
+                loss = loss + self.model.router_aux_loss_coef * out.aux_loss.to(loss.dtype)
+            self.log("loss", loss.detach(), prog_bar=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            decay, no_decay = [], []
+            for name, p in self.model.named_parameters():
+                (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
+            return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+    return PlainCausalLM()
+
+
+def timed_fit(framework: str, module: Any, bf16: bool, dataset: Any, batch: int, warmup: int, steps: int, *,
+              devices: int = 1, **strategy_kwargs: Any) -> list[float]:
+    """``Trainer.fit`` of ``warmup + steps`` steps of ``module`` on ``dataset`` in this (spawned) process; the
+    seconds of each step after the warm-up. ``framework`` "ours": the MegatronStrategy (``strategy_kwargs``, the
+    opt-in CPU tuning) with bf16 parameters and fp32 main params in bf16 (``bf16-true``); otherwise plain
+    Lightning, bf16 by autocast (``bf16-mixed``)."""
+    import time
+
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    class Stamps(Callback):
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.t.append(time.perf_counter())
+
+    stamps = Stamps()
+    callbacks: list[Any] = [stamps]
+    if framework == "ours":
+        from lightning_megatron.strategy import MegatronStrategy
+
+        strategy: Any = MegatronStrategy(micro_batch_size=batch, cpu_tuning=True, **strategy_kwargs)
+        precision = "bf16-true" if bf16 else "32-true"
+        if bf16:
+            from lightning_megatron.callbacks import MegatronOptimizerCallback
+            from lightning_megatron.optimizer import OptimizerConfig
+
+            callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0)))
+    else:
+        if devices != 1:
+            raise ValueError("the plain Lightning run is one process")
+        strategy, precision = "auto", "bf16-mixed" if bf16 else "32-true"
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=precision,
+                      max_steps=warmup + steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                      use_distributed_sampler=False, callbacks=callbacks)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(dataset, batch_size=batch))
+    return [b - a for a, b in zip(stamps.t[warmup - 1:], stamps.t[warmup:])]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from _common import launch, median, set_threads
+from _common import TokenBatches, launch, median, plain_lightning_causal_lm, set_threads, timed_fit
 
 __all__ = ["LlamaSize", "SIZES", "gpt_rank"]
 
@@ -59,18 +59,6 @@ SIZES = {s.name: s for s in (
 )}
 
 
-class TokenBatches(torch.utils.data.Dataset):
-    """Deterministic full-length decoder samples: tokens, labels shifted by one, every target counted."""
-
-    def __init__(self, num_samples: int, seq: int, vocab: int) -> None:
-        self.num_samples, self.seq, self.vocab = num_samples, seq, vocab
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, self.vocab, (self.seq + 1,), generator=torch.Generator().manual_seed(index))
-        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": torch.ones(self.seq)}
 
 
 def _ours(size: LlamaSize, bf16: bool):
@@ -87,35 +75,14 @@ def _ours(size: LlamaSize, bf16: bool):
 
 
 def _hf(size: LlamaSize):
-    from lightning.pytorch import LightningModule
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    class HFLlama(LightningModule):
-        """Plain Lightning around LlamaForCausalLM: what a user would write."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            config = LlamaConfig(vocab_size=size.vocab_size, hidden_size=size.hidden_size,
-                                 intermediate_size=size.ffn_hidden_size, num_hidden_layers=size.num_layers,
-                                 num_attention_heads=size.num_attention_heads,
-                                 num_key_value_heads=size.num_query_groups, max_position_embeddings=size.seq_length,
-                                 rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
-            self.model = LlamaForCausalLM(config)
-
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            logits = self.model(input_ids=batch["tokens"]).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
-            self.log("loss", loss.detach(), prog_bar=True)
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            decay, no_decay = [], []
-            for name, p in self.model.named_parameters():
-                (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
-            return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=LR)
-
-    return HFLlama()
+    config = LlamaConfig(vocab_size=size.vocab_size, hidden_size=size.hidden_size,
+                         intermediate_size=size.ffn_hidden_size, num_hidden_layers=size.num_layers,
+                         num_attention_heads=size.num_attention_heads,
+                         num_key_value_heads=size.num_query_groups, max_position_embeddings=size.seq_length,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
+    return plain_lightning_causal_lm(LlamaForCausalLM(config), LR, WEIGHT_DECAY)
 
 
 def gpt_rank(run: dict[str, Any]) -> dict[str, Any]:
@@ -126,41 +93,12 @@ def gpt_rank(run: dict[str, Any]) -> dict[str, Any]:
 
     set_threads(dist.get_world_size())
     warnings.filterwarnings("ignore")
-    from lightning.pytorch import Callback, Trainer
-
     size = LlamaSize(**run["size"])
     bf16, warmup, steps = run["precision"] == "bf16", run["warmup"], run["steps"]
 
-    class Stamps(Callback):
-        def __init__(self) -> None:
-            self.t: list[float] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.t.append(time.perf_counter())
-
-    stamps = Stamps()
-    callbacks: list[Any] = [stamps]
-    if run["framework"] == "ours":
-        from lightning_megatron.strategy import MegatronStrategy
-
-        strategy: Any = MegatronStrategy(micro_batch_size=size.batch, cpu_tuning=True)
-        module: Any = _ours(size, bf16)
-        precision = "bf16-true" if bf16 else "32-true"
-        if bf16:
-            from lightning_megatron.callbacks import MegatronOptimizerCallback
-            from lightning_megatron.optimizer import OptimizerConfig
-
-            callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0)))
-    else:
-        strategy, module, precision = "auto", _hf(size), "bf16-mixed" if bf16 else "32-true"
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision,
-                      max_steps=warmup + steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                      use_distributed_sampler=False, callbacks=callbacks)
-    data = torch.utils.data.DataLoader(TokenBatches((warmup + steps) * size.batch, size.seq_length, size.vocab_size),
-                                       batch_size=size.batch)
-    trainer.fit(module, train_dataloaders=data)
-    times = [b - a for a, b in zip(stamps.t[warmup - 1:], stamps.t[warmup:])]
+    module = _ours(size, bf16) if run["framework"] == "ours" else _hf(size)
+    times = timed_fit(run["framework"], module, bf16, TokenBatches((warmup + steps) * size.batch, size.seq_length,
+                                                                   size.vocab_size), size.batch, warmup, steps)
     return {"step_s": times, "tokens_per_step": size.batch * size.seq_length}
 
 
