@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.grads import GradBuffer, finalize_model_grads
-from lightning_megatron.transformer.moe import set_aux_loss_scale
+from lightning_megatron.transformer.moe import aux_loss_scale
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.microbatches import split_microbatches
 from lightning_megatron.pipeline.registry import PipelineSchedule
@@ -145,8 +145,8 @@ class StepRunner:
             grad_buffer.start(len(microbatches))
             # Auxiliary losses added inside the model (MoE load balancing) get the loss's backward scale.
             one = torch.ones((), device=self.device)
-            set_aux_loss_scale((one if grad_scale_func is None else grad_scale_func(one)) / len(microbatches))
-            with self.weight_grads.step(grad_buffer.add_grad, grad_buffer.add_grad_rows):
+            scale = (one if grad_scale_func is None else grad_scale_func(one)) / len(microbatches)
+            with self.weight_grads.step(grad_buffer.add_grad, grad_buffer.add_grad_rows), aux_loss_scale(scale):
                 logged = self.schedule.run(**run, weight_grads=self.weight_grads)
                 # The pipeline flush: the weight gradients still deferred (the last stage's, while the
                 # earlier stages run their last backward passes).

@@ -269,17 +269,17 @@ def _our_layer(case: str, ep_group=None):
 
 
 def _run_our_layer(case: str, data: dict, rank: int, ep_group=None) -> dict:
-    from lightning_megatron.transformer.moe import set_aux_loss_scale
+    from lightning_megatron.transformer.moe import aux_loss_scale
 
     ep = LAYER_CASES[case][0]
     layer = _our_layer(case, ep_group)
     layer.load_state_dict(_local_weights(data, rank, ep))
     layer.train()
-    set_aux_loss_scale(1.0)
     x = data[f"x{rank}"].clone().requires_grad_(True)
     out, bias = layer(x)
     assert bias is None
-    out.backward(data[f"g{rank}"])
+    with aux_loss_scale(1.0):  # megatron-core's autoscaler at scale 1
+        out.backward(data[f"g{rank}"])
     with torch.no_grad():
         keep = layer.router(x.reshape(-1, H)).keep
     return {"out": out.detach(), "x_grad": x.grad, "aux": layer.stats[0].clone(), "z": layer.stats[1].clone(),

@@ -7,10 +7,10 @@ from lightning_megatron.transformer.moe.layer import (
     ExpertGroups,
     MoELayer,
     MoESubmodules,
-    set_aux_loss_scale,
+    aux_loss_scale,
 )
 from lightning_megatron.transformer.moe.router import Routing, TopKRouter, capacity_mask, load_balancing_losses, route
 
-__all__ = ["MoELayer", "MoESubmodules", "ExpertGroups", "AuxLossScaler", "set_aux_loss_scale", "TopKRouter", "Routing",
+__all__ = ["MoELayer", "MoESubmodules", "ExpertGroups", "AuxLossScaler", "aux_loss_scale", "TopKRouter", "Routing",
            "route", "capacity_mask", "load_balancing_losses", "LocalExperts", "ExpertMLP", "DISPATCHERS",
            "dispatch_alltoall", "dispatch_allgather"]

@@ -14,7 +14,8 @@ part of the sequence. Without sequence parallelism the TP ranks hold the same to
 Auxiliary losses (:func:`~lightning_megatron.transformer.moe.router.load_balancing_losses`) are added to
 the training objective through :class:`AuxLossScaler`: the forward passes the output through, the
 backward adds the gradient of the weighted losses with the scale of the microbatch's loss
-(:func:`set_aux_loss_scale`, set by the training step: the loss scale over the microbatch count). Under
+(:func:`aux_loss_scale`, set by the training step around its schedule: the loss scale over the microbatch
+count). Under
 context parallelism the scale is multiplied by the CP size, as the language-model loss is (the
 gradients are averaged over the data- and context-parallel ranks).
 
@@ -25,7 +26,9 @@ and its share of the tokens each expert was routed (``tokens / token-group size`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +49,7 @@ from lightning_megatron.transformer.moe.experts import LocalExperts
 from lightning_megatron.transformer.moe.router import TopKRouter, load_balancing_losses
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 
-__all__ = ["MoELayer", "MoESubmodules", "ExpertGroups", "AuxLossScaler", "set_aux_loss_scale"]
+__all__ = ["MoELayer", "MoESubmodules", "ExpertGroups", "AuxLossScaler", "aux_loss_scale"]
 
 
 @dataclass(frozen=True)
@@ -81,10 +84,18 @@ class MoESubmodules:
 _AUX_LOSS_SCALE: list[torch.Tensor | float] = [1.0]
 
 
-def set_aux_loss_scale(scale: torch.Tensor | float) -> None:
-    """The scale the auxiliary losses' gradient gets in backward: the training step sets the loss scale
-    divided by the number of microbatches (megatron-core's ``MoEAuxLossAutoScaler.set_loss_scale``)."""
+@contextlib.contextmanager
+def aux_loss_scale(scale: torch.Tensor | float) -> Iterator[None]:
+    """The scale the auxiliary losses' gradient gets in the backward passes run inside: the training step
+    sets the loss scale divided by the number of microbatches around its schedule (megatron-core's
+    ``MoEAuxLossAutoScaler.set_loss_scale``). Outside, 1: a backward of one's own loss gives the aux losses
+    the gradient 1, as if they had been added to it."""
+    previous = _AUX_LOSS_SCALE[0]
     _AUX_LOSS_SCALE[0] = scale
+    try:
+        yield
+    finally:
+        _AUX_LOSS_SCALE[0] = previous
 
 
 class AuxLossScaler(torch.autograd.Function):
