@@ -35,7 +35,7 @@ from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
 from lightning_megatron.pipeline.layout import get_layer_range
-from lightning_megatron.pipeline.registry import AUTO, pipeline_schedule_problem
+from lightning_megatron.pipeline.registry import pipeline_schedule_problem
 from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import batch_size_problem
 from lightning_megatron.transformer.context_parallel import sequence_length_problem
@@ -164,16 +164,10 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     world = _world_size(t)
 
     # --- layout: the strategy's record, built as the strategy builds it (every rule once, in parallel_dims)
-    def size(key: str, default: Any) -> Any:
-        value = s.get(key, default)
-        return value if _int(value) is None else _int(value)
-
-    sizes = dict(tp=size("tensor_model_parallel_size", 1), pp=size("pipeline_model_parallel_size", 1),
-                 vp=size("virtual_pipeline_model_parallel_size", None), cp=size("context_parallel_size", 1),
-                 ep=size("expert_model_parallel_size", 1), etp=size("expert_tensor_parallel_size", None),
-                 sequence_parallel=bool(s.get("sequence_parallel", False)),
-                 zero1=bool(has_optimizer_callback and use_distributed_optimizer),
-                 schedule=s.get("pipeline_schedule", AUTO))
+    given = ParallelDims.fields_of_strategy_kwargs(s)
+    sizes = {**{k: v if _int(v) is None else _int(v) for k, v in given.items()},
+             "sequence_parallel": bool(given["sequence_parallel"]), "schedule": given["schedule"],
+             "zero1": bool(has_optimizer_callback and use_distributed_optimizer)}
     layout_problems = parallel_dims_problems(**sizes, world_size=world)
     # The sizes as the strategy takes them (before the world is known): the model's rules use these even
     # when the world does not fit them, so that every problem is listed at once.

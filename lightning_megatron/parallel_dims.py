@@ -35,10 +35,11 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-__all__ = ["ParallelDims", "ParallelDimsError", "GROUP_DIMS", "parallel_dims_problems"]
+__all__ = ["ParallelDims", "ParallelDimsError", "GROUP_DIMS", "STRATEGY_ARGUMENTS", "parallel_dims_problems"]
 
 
 GROUP_DIMS: dict[str, tuple[str, ...]] = {
@@ -61,6 +62,15 @@ model-parallel group: TP x PP) sums the gradient norm; ``tp_cp`` holds the token
 expert view of the ranks (``etp x ep x edp x pp``): ``expert_dp`` averages the experts' gradients,
 ``expert_mp`` sums their part of the gradient norm. The embedding group (first and
 last pipeline stage) is derived from the pipeline groups."""
+
+STRATEGY_ARGUMENTS: dict[str, str] = {
+    "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+    "vp": "virtual_pipeline_model_parallel_size", "cp": "context_parallel_size", "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size", "sequence_parallel": "sequence_parallel", "schedule": "pipeline_schedule"}
+"""Each field of the record set by a :class:`~lightning_megatron.strategy.MegatronStrategy` argument -> its name
+(Megatron's): the one table of them (``dp`` is the rest of the world, ``zero1`` the optimizer callback's)."""
+STRATEGY_DEFAULTS: dict[str, Any] = {"tp": 1, "pp": 1, "vp": None, "cp": 1, "ep": 1, "etp": None,
+                                     "sequence_parallel": False, "schedule": "auto"}
 
 _DENSE = ("tp", "cp", "dp", "pp")  # rank order, fastest first
 _EXPERT = ("etp", "ep", "edp", "pp")
@@ -339,10 +349,14 @@ class ParallelDims:
     def strategy_kwargs(self) -> dict[str, Any]:
         """The :class:`~lightning_megatron.strategy.MegatronStrategy` arguments of this layout (its sizes,
         Megatron's names; ``zero1`` is the optimizer callback's ``use_distributed_optimizer``)."""
-        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                    virtual_pipeline_model_parallel_size=self.vp, context_parallel_size=self.cp,
-                    expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-                    sequence_parallel=self.sequence_parallel, pipeline_schedule=self.schedule)
+        return {argument: getattr(self, field) for field, argument in STRATEGY_ARGUMENTS.items()}
+
+    @staticmethod
+    def fields_of_strategy_kwargs(arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The record's fields from MegatronStrategy arguments (a recipe's ``init_args``; a missing one takes
+        the strategy's default): the inverse of :meth:`strategy_kwargs`, without ``dp`` and ``zero1``."""
+        return {field: arguments.get(argument, STRATEGY_DEFAULTS[field])
+                for field, argument in STRATEGY_ARGUMENTS.items()}
 
     def as_record(self) -> dict[str, Any]:
         """Plain values for a checkpoint (with the world size once resolved)."""

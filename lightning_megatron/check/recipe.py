@@ -215,12 +215,8 @@ def _recipe_layout(trainer: dict[str, Any], optimizer: Any) -> ParallelDims | No
     args = strategy.get("init_args") or {}
     zero1 = bool(optimizer.get("use_distributed_optimizer")) if isinstance(optimizer, dict) else False
     try:
-        layout = ParallelDims(tp=args.get("tensor_model_parallel_size", 1),
-                              pp=args.get("pipeline_model_parallel_size", 1),
-                              vp=args.get("virtual_pipeline_model_parallel_size"),
-                              cp=args.get("context_parallel_size", 1), ep=args.get("expert_model_parallel_size", 1),
-                              etp=args.get("expert_tensor_parallel_size"),
-                              sequence_parallel=bool(args.get("sequence_parallel", False)), zero1=zero1)
+        fields = ParallelDims.fields_of_strategy_kwargs(args)
+        layout = ParallelDims(**{**fields, "sequence_parallel": bool(fields["sequence_parallel"])}, zero1=zero1)
         devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
         if isinstance(devices, int) and isinstance(nodes, int):
             layout = layout.for_world_size(devices * nodes)
