@@ -61,6 +61,12 @@ SIZES = {s.name: s for s in (
 
 
 
+LLAMA_SHAPE = dict(position_embedding_type="rope", activation="silu", gated_linear_unit=True, add_bias_linear=False,
+                   untie_embeddings_and_output_weights=True, layernorm_epsilon=1e-6, hidden_dropout=0.0,
+                   attention_dropout=0.0, make_vocab_size_divisible_by=128)
+"""GPTConfig fields of the Llama shape both decoder benchmarks build (transformers' defaults on its side)."""
+
+
 def _ours(size: LlamaSize, bf16: bool):
     from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
@@ -68,9 +74,7 @@ def _ours(size: LlamaSize, bf16: bool):
     return GPTLightningModule(GPTConfig(
         num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
         num_query_groups=size.num_query_groups, ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
-        max_sequence_length=size.seq_length, spec="llama_layer_spec", position_embedding_type="rope",
-        activation="silu", gated_linear_unit=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
-        layernorm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=128,
+        max_sequence_length=size.seq_length, spec="llama_layer_spec", **LLAMA_SHAPE,
         params_dtype="bfloat16" if bf16 else "float32"), lr=LR, weight_decay=WEIGHT_DECAY)
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from _common import TokenBatches, launch, median, plain_lightning_causal_lm, set_threads, timed_fit
+from gpt_step import LLAMA_SHAPE
 
 __all__ = ["MixtralSize", "SIZES", "moe_rank"]
 
@@ -83,9 +84,7 @@ def _ours(size: MixtralSize, bf16: bool):
         num_query_groups=size.num_query_groups, ffn_hidden_size=size.expert_ffn_hidden_size,
         vocab_size=size.vocab_size, max_sequence_length=size.seq_length, spec="llama_moe_layer_spec",
         num_moe_experts=size.num_experts, moe_router_topk=size.topk, moe_aux_loss_coeff=AUX_LOSS_COEFF,
-        moe_token_dispatcher_type="alltoall", position_embedding_type="rope", activation="silu",
-        gated_linear_unit=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
-        layernorm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=128,
+        moe_token_dispatcher_type="alltoall", **LLAMA_SHAPE,
         params_dtype="bfloat16" if bf16 else "float32"), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
