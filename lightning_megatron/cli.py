@@ -8,6 +8,7 @@
     lightning-megatron plot RUN_DIR [RUN_DIR ...] --output curves.png
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2 [--estimate-memory]
     lightning-megatron export hf --ckpt_path CKPT --output DIR [--vocab_file vocab.txt] [--model-class C]
+    lightning-megatron export peft --ckpt_path LORA_CKPT --output DIR     (a LoRA run's adapters, PEFT's format)
     lightning-megatron ... --allow-unverified-checkpoint     (any command: checkpoints without checksums load)
 
 fit/validate/test/predict are LightningCLI subcommands over BertLightningModule and BertDataModule,
@@ -398,9 +399,11 @@ def _plot(argv: list[str]) -> None:
 def _export(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, prog="lightning-megatron export",
                                      description="a checkpoint (any TP/PP/DP layout) -> a Hugging Face folder")
-    parser.add_argument("format", choices=["hf"], help="hf: transformers BertForPreTraining (post-norm spec), "
-                                                       "MegatronBertForPreTraining (pre-norm, the default recipe), "
-                                                       "LlamaForCausalLM or GPT2LMHeadModel (GPT family)")
+    parser.add_argument("format", choices=["hf", "peft"],
+                        help="hf: transformers BertForPreTraining (post-norm spec), MegatronBertForPreTraining "
+                             "(pre-norm, the default recipe), LlamaForCausalLM or GPT2LMHeadModel (GPT family; a LoRA "
+                             "checkpoint's adapters merged into its base); peft: a LoRA checkpoint's adapters as a PEFT "
+                             "folder (PeftModel.from_pretrained)")
     parser.add_argument("--ckpt_path", required=True, help="a lightning_megatron checkpoint directory")
     parser.add_argument("--output", required=True, help="the folder to write (config, model.safetensors, tokenizer)")
     parser.add_argument("--vocab_file", default=None,
@@ -414,9 +417,12 @@ def _export(argv: list[str]) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
     a = parser.parse_args(argv)
     from lightning_megatron.checkpoint import CheckpointError
-    from lightning_megatron.export import export_hf
+    from lightning_megatron.export import export_hf, export_peft
 
     try:
+        if a.format == "peft":
+            print(export_peft(a.ckpt_path, a.output, overwrite=a.overwrite))
+            return
         print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite, tokenizer=a.tokenizer,
                         model_class=a.model_class))
     except (CheckpointError, OSError, ValueError) as error:
@@ -428,14 +434,50 @@ def _finetune(argv: list[str]) -> None:
 
 
 def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
-    """``finetune fit|validate|test|predict``: BertClassificationModule over any FinetuneDataModule
-    (``data: {class_path: ...LabelledTextDataModule, init_args: ...}``: your JSONL/CSV/datasets; or the
-    built-in StdlibDocstringDataModule); ``model.num_classes`` comes from the data."""
+    """``finetune fit|validate|test|predict``: a sequence classifier, BertClassificationModule over any
+    FinetuneDataModule (``data: {class_path: ...LabelledTextDataModule, init_args: ...}``: your JSONL/CSV/datasets;
+    or the built-in StdlibDocstringDataModule; ``model.num_classes`` comes from the data); or a decoder, when the
+    recipe or the command line names a decoder class (``model: {class_path: ...GPTLightningModule}``, with
+    ``init_from``, ``lora`` and the SFTDataModule: docs/finetune.md), which runs as ``fit`` does."""
     from lightning_megatron.datamodules.finetune import FinetuneDataModule
     from lightning_megatron.models.bert.classification import BertClassificationModule
 
+    named = _model_class_path(_resolve_recipes(list(sys.argv[1:] if argv is None else argv)))
+    if named is not None and not _is_classifier(named):
+        return _lightning_cli(argv, **kwargs)
     return _lightning_cli(argv, BertClassificationModule, FinetuneDataModule, link_num_classes=True,
                           subclass_mode_data=True, **kwargs)
+
+
+def _model_class_path(argv: list[str]) -> str | None:
+    """The model class the command line (``--model.class_path X``, ``--model X``) or the last recipe names."""
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key in ("--model", "--model.class_path"):
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value and not value.lstrip().startswith(("{", "\n")) and "\n" not in value:
+                return value
+    found = None
+    for recipe in _recipes(argv):
+        model = recipe.get("model")
+        if isinstance(model, dict) and isinstance(model.get("class_path"), str):
+            found = model["class_path"]
+    return found
+
+
+def _is_classifier(class_path: str) -> bool:
+    """Whether ``finetune`` builds ``class_path`` as a sequence classifier (anything but a language model of ours
+    that is not BERT's classifier: a class it cannot import is LightningCLI's to report)."""
+    from lightning_megatron.language.module import LanguageLightningModule
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.recipes import import_class
+
+    try:
+        cls = import_class(class_path)
+    except Exception:  # noqa: BLE001
+        return True
+    return not (isinstance(cls, type) and issubclass(cls, LanguageLightningModule)) or issubclass(
+        cls, BertClassificationModule)
 
 
 def _check(argv: list[str]) -> None:
@@ -449,7 +491,8 @@ COMMANDS = {
     "preprocess": (_preprocess, "text/jsonl corpus -> Megatron indexed dataset (.bin/.idx)"),
     "train-tokenizer": (_train_tokenizer, "train a WordPiece vocabulary or a byte-level BPE tokenizer"),
     "plot": (_plot, "loss curves of run directories -> PNG"),
-    "finetune": (_finetune, "fit|validate|test a sequence classifier: finetune fit --config recipes/bert_tiny_finetune.yaml"),
+    "finetune": (_finetune, "fit|validate|test|predict a classifier (finetune fit --config recipes/bert_tiny_finetune.yaml) "
+                            "or a decoder with SFT / LoRA (finetune fit --config recipes/llama_tiny_lora.yaml)"),
     "export": (_export, "checkpoint (any layout) -> Hugging Face folder: export hf --ckpt_path CKPT --output DIR"),
 }
 """Commands besides LightningCLI's: name -> (function taking the remaining argv, one-line help)."""

@@ -209,8 +209,8 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
     if model.get("class_path"):  # named by class path: its arguments are the init_args
         model_class, model = _class(model.class_path), model.get("init_args")
     source = model.get("init_from") if model is not None and hasattr(model, "get") else None
-    if not source or config.get("ckpt_path"):  # a resumed run restores its own weights
-        return
+    if not source or (config.get("ckpt_path") and not model.get("lora")):
+        return  # a resumed run restores its own weights (a LoRA run's checkpoints hold the adapters: not the base's)
     if not (isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule)):
         return  # a module of its own: init_from is its business
     from lightning_megatron.checkpoint import CheckpointError

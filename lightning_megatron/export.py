@@ -31,7 +31,7 @@ from lightning_megatron.interop.hf_folder import check_output_folder, hf_model_f
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.saved_model import SavedModel, read_model_checkpoint
 
-__all__ = ["DEFAULT_MODEL_CLASS", "export_hf", "module_class_of", "import_module_class"]
+__all__ = ["DEFAULT_MODEL_CLASS", "export_hf", "export_peft", "module_class_of", "import_module_class"]
 
 DEFAULT_MODEL_CLASS = "lightning_megatron.models.bert.module.BertLightningModule"
 """The class ``lightning-megatron fit`` builds when no class path is named: that of a checkpoint recording none."""
@@ -96,6 +96,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
     path, how = module_class_of(saved, model_class)
     cls = import_module_class(path, named_by_user=model_class is not None)
     adapter = check_adapter(cls.interop, cls.__name__)
+    saved = cls.whole_model(saved)  # a LoRA checkpoint: its base with the adapters merged in
     try:
         model, write_tokenizer = hf_model_from_saved(saved, adapter, tokenizer=tokenizer if vocab_file is None
                                                      else vocab_file)
@@ -106,3 +107,23 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
         raise
     write_hf_folder(model, write_tokenizer, out)
     return out
+
+
+def export_peft(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write ``output/`` as a PEFT LoRA adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) from a
+    LoRA checkpoint of a Llama-shaped decoder (:mod:`lightning_megatron.models.gpt.peft`): ``peft.PeftModel.from_pretrained``
+    loads it onto transformers' model of the base (the run's ``init_from``, exported or as it was)."""
+    from lightning_megatron.models.gpt.peft import write_peft_folder
+    from lightning_megatron.transformer.lora import LoRAConfig, is_adapter_name
+
+    out = check_output_folder(output, overwrite)
+    saved = read_model_checkpoint(ckpt_path)
+    lora = LoRAConfig.coerce(saved.module_hparams.get("lora"))
+    if lora is None:
+        raise ValueError(f"checkpoint {str(ckpt_path)!r} has no LoRA adapters (its model trained every weight): "
+                         f"export the model with export hf")
+    path, _ = module_class_of(saved)
+    cls = import_module_class(path, named_by_user=False)
+    cls.whole_model(saved)  # the base it names is there and unchanged (checksum): the adapters belong to it
+    adapters = {k: v for k, v in saved.state_dict.items() if is_adapter_name(k)}
+    return write_peft_folder(adapters, saved.hparams, lora, out, base_model=saved.module_hparams.get("init_from"))

@@ -315,6 +315,12 @@ class MegatronLightningModule(LightningModule):
                           f"fresh, from init_seed", UserWarning, stacklevel=2)
 
     @classmethod
+    def whole_model(cls, saved: SavedModel) -> SavedModel:
+        """The whole model of one of this class's checkpoints (what ``export`` converts); the checkpoint itself
+        here. A module whose checkpoints hold part of the model (LoRA adapters) completes it."""
+        return saved
+
+    @classmethod
     def from_pretrained(cls, source: str, **kwargs: Any) -> MegatronLightningModule:
         """A module with the architecture of ``source`` (:meth:`read_architecture`), started from its
         weights in ``configure_model``. ``kwargs`` set the other arguments (a language model's

@@ -33,7 +33,7 @@ from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import dcp_io
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
-__all__ = ["SavedModel", "MODULE_CLASS", "class_path", "read_model_checkpoint", "read_saved_hparams",
+__all__ = ["SavedModel", "MODULE_CLASS", "class_path", "read_model_checkpoint", "read_saved_hparams", "state_digest",
            "load_full_state_dict", "refuse_architecture", "flat_hparams"]
 
 MODULE_CLASS = "module_class"
@@ -103,6 +103,19 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
                       hparams=flat_hparams(hparams), module_hparams=hparams,
                       datamodule_hparams=dict(extra.get("datamodule_hyper_parameters") or {}),
                       layout=dict(info.get("layout") or {}), module_class=_module_class(extra, path))
+
+
+def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """sha256 of a state dict's tensors (names, dtypes, shapes and bytes, in name order): the same weights give
+    the same digest whatever file format or layout they came from."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def flat_hparams(hparams: dict[str, Any]) -> dict[str, Any]:

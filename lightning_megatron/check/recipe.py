@@ -176,6 +176,12 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
             raise ValueError(f"{cls.__name__}'s architecture is its config record: " + "; ".join(problems))
     for key, value in (model_overrides or {}).items():
         _set(model, key, value)
+    if issubclass(cls, MegatronLightningModule) and model.get("init_from"):
+        # As `fit --model.init_from`: the source fixes the architecture (cli_config._architecture_of_init_from).
+        moved = cls.moved_arguments()
+        for key, value in cls.read_architecture(model["init_from"]).items():
+            if not (key == "vocab_size" and value is None):
+                _set(model, moved.get(key, key), value)
     dropout = {}  # every dropout probability, at its value or default, then off
     for where, default in _dropout_arguments(cls).items():
         value = _get(model, where, default)

@@ -79,13 +79,20 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
     n_experts = expert_params(t, layout.ep, pp) if expert_params is not None else 0
     n = m.stage_parameters(t, pp, stage) + n_experts
     e = m.param_bytes
-    dense_shard, expert_shard = math.ceil((n - n_experts) / (d * cp)), math.ceil(n_experts / layout.expert_dp)
+    # LoRA: only the adapters have gradients and optimizer state (the model says how many; None: all train)
+    trainable = getattr(m, "stage_trainable_parameters", None)
+    trained = trainable(t, pp, stage) if trainable is not None else None
+    if trained is not None:
+        n_experts = 0
+    dense = n - n_experts if trained is None else trained
+    dense_shard, expert_shard = math.ceil(dense / (d * cp)), math.ceil(n_experts / layout.expert_dp)
     shard = dense_shard + expert_shard  # ZeRO-1 shards over the data- (and context-) parallel ranks
     # fp32 main grads (ZeRO-1: one flat buffer, each part padded to its group)
-    grads = 4 * (dense_shard * d * cp + expert_shard * layout.expert_dp) if layout.zero1 else 4 * n
+    n_trained = n if trained is None else trained
+    grads = 4 * (dense_shard * d * cp + expert_shard * layout.expert_dp) if layout.zero1 else 4 * n_trained
     moments = 8 if m.optimizer in ("adam", "adamw") else 4
     main = 4 if (e != 4 or layout.zero1) else 0  # fp32 main copy: 16-bit params, or the ZeRO-1 shard
-    opt = (moments + main) * (shard if layout.zero1 else n)
+    opt = (moments + main) * (shard if layout.zero1 else n_trained)
     chunks = layout_schedule(layout, schedule).in_flight(pp, layout.vp, stage, microbatches)
     sp = layout.sequence_parallel
     # Context parallelism splits every token-sized tensor over cp ranks; a layer's attention also keeps the

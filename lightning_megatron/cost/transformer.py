@@ -82,6 +82,11 @@ class TransformerCost:
     moe_ffn_hidden_size: int | None = None
     """Each expert's width (None: ``ffn_hidden_size``)."""
     moe_shared_expert_intermediate_size: int | None = None
+    lora_rank: int = 0
+    """LoRA adapters' rank (0: none, every parameter trains); with adapters only they have gradients and
+    optimizer state, the frozen base its weights alone."""
+    lora_targets: tuple[str, ...] = ()
+    """The projections with adapters (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)."""
 
     @classmethod
     def from_config(cls, config: TransformerConfig, **shape: Any) -> Self:
@@ -186,6 +191,20 @@ class TransformerCost:
             return 0
         return self.num_moe_experts // ep * 3 * self.expert_ffn * self.hidden_size // tp
 
+    def lora_layer_parameters(self, tp: int) -> int:
+        """One layer's LoRA adapters on one TP rank (lightning_megatron.transformer.lora): on a column-parallel
+        projection A [r/t, in] and B [out/t, r]; on a row-parallel one A [r, in/t] and B [out, r] (replicated)."""
+        r, h, f, d, n, g = self.lora_rank, self.hidden_size, self.ffn, self.head_dim, self.num_attention_heads, self.groups
+        m = 2 if self.gated_linear_unit else 1
+        sizes = {"linear_qkv": r * h // tp + (n + 2 * g) * d // tp * r, "linear_proj": r * n * d // tp + h * r,
+                 "linear_fc1": r * h // tp + m * f // tp * r, "linear_fc2": r * f // tp + h * r}
+        return sum(sizes[t] for t in self.lora_targets) if r else 0
+
+    def stage_trainable_parameters(self, tp: int, pp: int, stage: int) -> int | None:
+        """Parameter elements with gradients and optimizer state on one rank of ``stage``: the LoRA adapters
+        (also counted in :meth:`stage_parameters`), or None when every parameter trains."""
+        return self.num_layers // pp * self.lora_layer_parameters(tp) if self.lora_rank else None
+
     def stage_expert_parameters(self, tp: int, ep: int, pp: int) -> int:
         """The routed experts of a pipeline stage on one rank."""
         return self.num_layers // pp * self.expert_layer_parameters(tp, ep)
@@ -193,7 +212,7 @@ class TransformerCost:
     def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
         h = self.hidden_size
         embedding = self.padded_vocab(tp) // tp * h
-        n = self.num_layers // pp * self.layer_parameters(tp)
+        n = self.num_layers // pp * (self.layer_parameters(tp) + self.lora_layer_parameters(tp))
         if stage == 0:
             n += embedding + (self.max_sequence_length * h if self.learned_positions else 0)
         if stage == pp - 1:

@@ -26,7 +26,8 @@ from lightning_megatron.interop.adapter import StateDictAdapter
 from lightning_megatron.saved_model import SavedModel
 
 __all__ = ["read_hf_config", "read_hf_weights", "read_hf_folder", "read_hf_architecture", "hf_model",
-           "hf_model_from_saved", "check_output_folder", "write_hf_folder"]
+           "hf_model_from_saved", "check_output_folder", "write_hf_folder",
+           "swap_in_folder"]
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> Any:
@@ -144,12 +145,12 @@ def write_hf_folder(model: Any, write_tokenizer: Callable[[Path], None], out: Pa
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         write_tokenizer(tmp)
-        _swap_in(tmp, out)
+        swap_in_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _swap_in(new: Path, target: Path) -> None:
+def swap_in_folder(new: Path, target: Path) -> None:
     """Put the finished folder ``new`` at ``target`` (a rename on one filesystem), the old one removed after."""
     old = None
     if target.exists():

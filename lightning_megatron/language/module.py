@@ -44,6 +44,7 @@ from lightning_megatron.pipeline.layout import ChunkLayout, stage_chunks
 from lightning_megatron.checkpoint import CONFIG_HPARAM
 from lightning_megatron.saved_model import SavedModel
 from lightning_megatron.transformer.config import ConfigProblems
+from lightning_megatron.transformer.lora import LoRAConfig, add_lora
 
 __all__ = ["LanguageLightningModule"]
 
@@ -76,6 +77,15 @@ class LanguageLightningModule(MegatronLightningModule):
         lr_scheduler_class, lr_scheduler_kwargs: a ``torch.optim.lr_scheduler`` scheduler by name and its
             arguments, stepped every optimizer step (CLI: ``--lr_scheduler ...``); not together with the
             OptimizerParamSchedulerCallback, which also sets the lr.
+        lora: LoRA adapters (:class:`~lightning_megatron.transformer.lora.LoRAConfig`: rank, alpha, dropout,
+            target_modules; CLI ``--model.lora.rank 8``) on the transformer's projections, added once the
+            chunks hold their starting weights (``init_from``); every other parameter is frozen, outside the
+            optimizer and the gradient buffer, and checkpoints hold the adapters alone with a checksum of the
+            base they adapt (docs/finetune.md).
+        init_from_sha256: the checksum ``init_from``'s weights must have (:func:`~lightning_megatron.saved_model.state_digest`
+            of its tensors), checked before they load. A LoRA run records it: its checkpoints hold the adapters
+            only, and every later load of them (resume, ``load_from_checkpoint``, ``export``) reads ``init_from``
+            again and refuses other weights than the ones the adapters were trained on.
 
     Training, validation and test run ``forward_step`` through the strategy's microbatch schedule; a
     ``training_step`` override is NOT called under the MegatronStrategy (override ``forward_step``
@@ -105,6 +115,8 @@ class LanguageLightningModule(MegatronLightningModule):
         optimizer_kwargs: dict[str, Any] | None = None,
         lr_scheduler_class: str | None = None,
         lr_scheduler_kwargs: dict[str, Any] | None = None,
+        lora: LoRAConfig | None = None,
+        init_from_sha256: str | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -116,7 +128,10 @@ class LanguageLightningModule(MegatronLightningModule):
         # Every __init__ of the class chain (a family's and a subclass's arguments too; under LightningCLI
         # the parsed ones), then the record as a plain dict of its fields (weights_only=True loads it).
         self.save_hyperparameters()
-        self.save_hyperparameters({**self.hparams, CONFIG_HPARAM: self.config.as_dict()})
+        self.lora = LoRAConfig.coerce(lora)
+        """The LoRA adapters' settings, or None (every parameter trains)."""
+        self.save_hyperparameters({**self.hparams, CONFIG_HPARAM: self.config.as_dict(),
+                                   "lora": self.lora.as_dict() if self.lora is not None else None})
         self.init_seed = init_seed
         self.use_optimizer(optimizer_class, optimizer_kwargs)
         self.use_lr_scheduler(lr_scheduler_class, lr_scheduler_kwargs)
@@ -167,6 +182,33 @@ class LanguageLightningModule(MegatronLightningModule):
             chunks.append(chunk)
         return chunks
 
+    @override
+    def configure_model(self) -> None:
+        built = self.model_chunks is not None
+        super().configure_model()  # the chunks, with init_from's weights
+        if not built and self.lora is not None:
+            if not self.hparams.get("init_from"):
+                raise ValueError(f"{type(self).__name__}(lora=...) adapts pretrained weights: set init_from (a Hugging "
+                                 f"Face folder or a checkpoint); its checkpoints hold the adapters only")
+            for chunk in self.model_chunks:
+                add_lora(chunk, self.lora, global_names={id(p): n for n, p in chunk.global_named_parameters()})
+
+    @override
+    def load_pretrained(self, source: str | SavedModel, *, everything: bool = False) -> None:
+        """As the base; ``init_from``'s weights are checked against ``init_from_sha256`` when it is set, and a LoRA
+        module records their checksum there (its checkpoints name the base they adapt)."""
+        if isinstance(source, str) and (self.lora is not None or self.hparams.get("init_from_sha256")):
+            from lightning_megatron.saved_model import state_digest
+
+            saved = self.read_pretrained(source)
+            digest, want = state_digest(saved.state_dict), self.hparams.get("init_from_sha256")
+            if want is not None and digest != want:
+                raise ValueError(f"init_from={source!r}: its weights have sha256 {digest}, but init_from_sha256={want} "
+                                 f"(the weights the adapters were trained on): point init_from at that base model")
+            self.hparams["init_from_sha256"] = digest
+            source = saved
+        super().load_pretrained(source, everything=everything)
+
     def resolved_vocab_size(self) -> int:
         """``config.vocab_size``, else the datamodule's ``vocab_size`` (a recipe's ``vocab_size: null`` takes
         the tokenizer's). Refuses when neither says."""
@@ -181,10 +223,13 @@ class LanguageLightningModule(MegatronLightningModule):
 
     @override
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters under layout-independent names: global layer numbers, no chunk index."""
+        """Parameters under layout-independent names: global layer numbers, no chunk index. With LoRA adapters,
+        the adapters alone (what trains and what checkpoints hold; the frozen base comes from ``init_from``)."""
         assert self.model_chunks is not None, "configure_model has not run"
         for chunk in self.model_chunks:
-            yield from chunk.global_named_parameters()
+            for name, p in chunk.global_named_parameters():
+                if self.lora is None or p.requires_grad:
+                    yield name, p
 
     @override
     def pipeline_tensor_shape(self, microbatch: Mapping[str, torch.Tensor]) -> Sequence[int]:
@@ -311,10 +356,34 @@ class LanguageLightningModule(MegatronLightningModule):
 
     @classmethod
     @override
+    def whole_model(cls, saved: SavedModel) -> SavedModel:
+        """A LoRA checkpoint (adapters only) with its base: ``init_from`` read again, checked against the recorded
+        ``init_from_sha256``, and the adapters merged into it (``W + alpha / r * B A``); others as they are."""
+        lora = LoRAConfig.coerce(saved.module_hparams.get("lora"))
+        if lora is None:
+            return saved
+        from lightning_megatron.saved_model import state_digest
+        from lightning_megatron.transformer.lora import merged_state_dict
+
+        source, want = saved.module_hparams.get("init_from"), saved.module_hparams.get("init_from_sha256")
+        if not source or not want:
+            raise ValueError("a LoRA checkpoint must name its base (init_from) and the base's checksum "
+                             f"(init_from_sha256); this one has init_from={source!r}, init_from_sha256={want!r}")
+        base = cls.read_pretrained(source)
+        digest = state_digest(base.state_dict)
+        if digest != want:
+            raise ValueError(f"the LoRA checkpoint's base init_from={source!r} has changed: its weights have sha256 "
+                             f"{digest}, the adapters were trained on {want}; restore that base model there")
+        return dataclasses.replace(saved, state_dict=merged_state_dict({**base.state_dict, **saved.state_dict}, lora))
+
+    @classmethod
+    @override
     def checkpoint_arguments(cls, saved: SavedModel, overrides: Mapping[str, Any]) -> dict[str, Any]:
         """As the base; a checkpoint whose run read the vocabulary from its datamodule (``vocab_size: None``)
         gets the embedding's rows (unpadded in checkpoints)."""
         hparams = super().checkpoint_arguments(saved, overrides)
+        if hparams.get("lora") is not None:  # the checkpoint holds the adapters: the base is init_from's, checked
+            hparams["init_from"] = saved.module_hparams.get("init_from")
         config = hparams[CONFIG_HPARAM]
         if isinstance(config, Mapping) and config.get("vocab_size") is None and "embedding.word_embeddings.weight" in saved.state_dict:
             config = {**config, "vocab_size": saved.state_dict["embedding.word_embeddings.weight"].size(0)}
