@@ -106,7 +106,7 @@ HPARAMS_MAY_DIFFER = frozenset({
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
     "make_vocab_size_divisible_by", "compile", "init_from", "predict_output", "predict_top_k", "optimizer_kwargs",
     "predict_max_new_tokens", "predict_greedy", "predict_temperature", "predict_top_p",  # a decoder's generation
-    "predict_stop_at_eod",
+    "predict_stop_at_eod", "predict_stop_strings",
     "tensor_model_parallel_size", "sequence_parallel",  # a config record's layout fields: the strategy's
 })
 """Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any

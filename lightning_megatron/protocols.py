@@ -55,6 +55,7 @@ __all__ = [
     "MegatronModule",
     "LightningStepsModule",
     "CountsFlops",
+    "PredictsBatches",
     "megatron_module",
     "OptimizerWrapper",
     "ShardedOptimizer",
@@ -112,6 +113,16 @@ class CountsFlops(Protocol):
     def training_flops(self, batch: Any, data_parallel_size: int) -> float | Tensor:
         """Model FLOPs of one training step whose per-rank batch is ``batch``, over all
         ``data_parallel_size`` replicas (forward + backward, recomputation not counted)."""
+
+
+@runtime_checkable
+class PredictsBatches(Protocol):
+    """Optional: a module whose ``predict`` is a loop of its own over every rank of the model rather than one
+    pass of the microbatch schedule (a decoder generates token by token, each token through every pipeline
+    stage: ``GPTLightningModule``). The strategy calls it on every rank with this data-parallel rank's batch."""
+
+    def predict_batch(self, batch: Any, batch_idx: int) -> Any:
+        """The batch's predictions (on the last pipeline stage at least; the PredictionWriter reads them there)."""
 
 
 _MODULE_MEMBERS = ("model_chunks", "forward_step", "pipeline_tensor_shape", "sharded_named_parameters")

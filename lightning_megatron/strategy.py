@@ -54,6 +54,7 @@ from lightning_megatron.protocols import (
     MegatronModule,
     OptimizerWrapper,
     PlainOptimizer,
+    PredictsBatches,
     is_sharded,
     megatron_module,
     optimizer_wrapper,
@@ -421,9 +422,12 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The batch's predictions on the last pipeline stage (``None`` on the others)."""
+        """The batch's predictions on the last pipeline stage (``None`` on the others); a module that predicts by
+        a loop of its own (:class:`~lightning_megatron.protocols.PredictsBatches`: generation) runs it instead."""
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         with self.precision_plugin.predict_step_context():
+            if isinstance(self._module, PredictsBatches):
+                return self._module.predict_batch(batch, batch_idx)
             return self._run(batch, batch_idx, "predict")
 
     def _log(self, means: dict[str, torch.Tensor], stage: str) -> None:

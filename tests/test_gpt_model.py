@@ -288,11 +288,11 @@ def test_greedy_generation_equals_transformers_generate(shape):
     module.configure_model()
     copy(module.model_chunks[0], hf)
     prompt = _tokens(5)
-    ours = module.generate(prompt, 10)
+    ours = module.generate(prompt, 10, stop_token=None)
     theirs = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
                          attention_mask=torch.ones_like(prompt))
     assert torch.equal(ours, theirs), (ours, theirs)
-    assert torch.equal(module.generate(prompt, 10, use_cache=False), ours)
+    assert torch.equal(module.generate(prompt, 10, stop_token=None, use_cache=False), ours)
 
 
 def test_validate_and_predict_through_the_strategy():
@@ -317,7 +317,7 @@ def test_validate_and_predict_through_the_strategy():
         [out] = trainer.predict(module, DataLoader(rows, batch_size=4))
     assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-5), metrics
     assert out.shape == (4, 8 + 5) and torch.equal(out[:, :8], prompts)
-    assert torch.equal(out, module.generate(prompts, 5))
+    assert torch.equal(out, module.generate(prompts, 5, stop_token=None))
 
 
 def test_rope_table_stays_fp32_when_the_model_is_cast_to_bf16():

@@ -121,13 +121,15 @@ def test_predict_stops_at_eod_and_the_writer_cuts_there():
 
     from lightning_megatron.callbacks.prediction_writer import PredictionWriter
     from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.generation import StopRule
     from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     tokenizer = BPETokenizer()
     eod = tokenizer.eod
     writer = PredictionWriter()
-    writer._tokenizer, writer._texts, writer._stop_token = tokenizer, None, eod
+    writer._tokenizer, writer._texts = tokenizer, None
+    writer._stop = StopRule(stop_token=eod, detokenize=tokenizer.detokenize)  # the module's predict_stop_rule
     prompt = tokenizer.tokenize("The function")
     a, b = tokenizer.tokenize(" returns a value")[:3], tokenizer.tokenize(" is")[:1]
     # row 0 ended after b (then padded with EOD, as generate pads ended rows); row 1 did not end
@@ -137,13 +139,29 @@ def test_predict_stops_at_eod_and_the_writer_cuts_there():
     (_, ended), (_, running) = writer._generated
     assert ended["token_ids"] == b + [eod] and ended["completion"] == tokenizer.detokenize(b)
     assert running["token_ids"] == a + b and running["completion"] == tokenizer.detokenize(a + b)
-    # Without a datamodule tokenizer to take EOD from, predict_stop_at_eod=True is refused, not ignored.
+    # A stop string ends row 0 at the token that completes it: the ids end there, the text before the string.
+    text = tokenizer.detokenize(b)
+    writer._stop = StopRule(stop_token=eod, stop_strings=[text[1:]], detokenize=tokenizer.detokenize)
+    writer._generated = []
+    writer._collect_generated(tokens, generated, torch.tensor([0, 1]), torch.tensor([True, False]))
+    [(_, cut)] = writer._generated
+    assert cut["token_ids"] == b and cut["completion"] == text[:1]
+    # Without a datamodule tokenizer to take EOD from, predict_stop_at_eod=True is refused, not ignored; so are
+    # stop strings without a tokenizer to read the text with. Any datamodule with a tokenizer will do.
     tiny = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64)
     module = GPTLightningModule(tiny)
     module.trainer = SimpleNamespace(datamodule=None)  # a predict over a plain dataloader
     with pytest.raises(ValueError, match=r"predict_stop_at_eod=True.*set predict_stop_at_eod=False"):
-        module.predict_stop_token()
-    assert GPTLightningModule(tiny, predict_stop_at_eod=False).predict_stop_token() is None
+        module.predict_stop_rule()
+    assert GPTLightningModule(tiny, predict_stop_at_eod=False).predict_stop_rule() == StopRule()
+    module = GPTLightningModule(tiny, predict_stop_at_eod=False, predict_stop_strings=["\n"])
+    module.trainer = SimpleNamespace(datamodule=None)
+    with pytest.raises(ValueError, match=r"predict_stop_strings=\['\\n'\].*drop predict_stop_strings"):
+        module.predict_stop_rule()
+    module.trainer = SimpleNamespace(datamodule=SimpleNamespace(tokenizer=tokenizer))  # e.g. a fine-tuning one
+    rule = module.predict_stop_rule()
+    assert (rule.stop_token, rule.stop_strings, rule.detokenize) == (None, ("\n",), tokenizer.detokenize)
+    assert GPTLightningModule(tiny).stop_rule(tokenizer=tokenizer).stop_token == eod
 
 
 def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):

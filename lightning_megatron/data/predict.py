@@ -6,11 +6,12 @@ schedule and the pipeline shapes depend on it), so :class:`PredictBatchSampler` 
 batch with the index ``-1``; :class:`IndexedSamples` turns it into a copy of sample 0 whose
 ``sample_index`` is ``-1``, which :class:`~lightning_megatron.callbacks.PredictionWriter` drops.
 
-Decoders generate from prompts (:class:`PromptDataset`: the tokens of each text, unpadded). Generation
-takes prompts of one length per batch (no padding, no attention mask), so
-:class:`LengthGroupedBatchSampler` groups the prompts by token count and fills full global batches from
-one group at a time, padded with ``-1 - j``: a copy of the group's sample ``j`` (the same length),
-marked ``sample_index = -1``.
+Decoders generate from prompts (:class:`PromptDataset`: the tokens of each text, unpadded). A batch of
+them stacks as one tensor at one length only, so :class:`LengthGroupedBatchSampler` groups the prompts
+by token count and fills full global batches from one group at a time, padded with ``-1 - j``: a copy
+of the group's sample ``j`` (the same length), marked ``sample_index = -1``; such batches need no
+padding inside a row (generation itself also takes left-padded batches of mixed lengths:
+:func:`lightning_megatron.generation.generate`).
 """
 
 from __future__ import annotations

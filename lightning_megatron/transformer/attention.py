@@ -244,7 +244,8 @@ class SelfAttention(nn.Module):
         """``rotary_pos_emb``: the RoPE angle table [s, 1, 1, d_rot] of this forward's positions (the
         full sequence, or the new tokens with a KV cache), or None. ``inference_context``: the KV
         cache (:class:`~lightning_megatron.transformer.inference.InferenceContext`): this forward's
-        keys and values are appended and the queries attend to every cached position.
+        keys and values are appended and the queries attend to every cached position (but the padding of
+        left-padded prompts: the context's :meth:`~InferenceContext.attention_mask`).
         ``context_parallel``: this rank holds part of the sequence
         (:mod:`~lightning_megatron.transformer.context_parallel`): the keys and values are gathered over
         the CP group and its mask replaces ``attention_mask``."""
@@ -256,8 +257,9 @@ class SelfAttention(nn.Module):
             raise ValueError("a KV cache (inference_context) with context parallelism is not supported: generate "
                              "with a model built without it (checkpoints do not depend on the layout)")
         if inference_context is not None and attention_mask is not None:
-            raise ValueError("a KV cache (inference_context) with an attention_mask is not supported: generation "
-                             "runs causal attention on prompts of equal length; pass attention_mask=None")
+            raise ValueError("a KV cache (inference_context) with an attention_mask is not supported: the cache holds "
+                             "the padding of prompts of unequal length (InferenceContext(left_padding=...)) and "
+                             "makes the mask; pass attention_mask=None")
         query, key, value = self._query_key_value(hidden_states)  # [s, b, n/t, d]; key, value [s, b, g/t, d]
         query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
@@ -270,7 +272,8 @@ class SelfAttention(nn.Module):
             return self.linear_proj(attend(query, key, value))
         if inference_context is not None:
             key, value = inference_context.append(self.layer_number, key, value)  # [offset + s, b, g/t, d]
-            context = self.core_attention(query, key, value, attention_mask)
+            padding = inference_context.attention_mask(query.shape[0])  # left-padded prompts: [b, 1, s, offset + s]
+            context = self.core_attention(query, key, value, None if padding is None else padding[: query.shape[1]])
         elif self.config.recompute_granularity == "selective":
             # Core attention holds the O(s^2) activations (scores, probs, dropout mask) and is cheap
             # to recompute compared with the matmuls around it: Megatron's selective recomputation.

@@ -149,8 +149,11 @@ class GPTModel(LanguageModule):
 
         ``position_ids`` [b, s]: None is ``arange(s)`` (the GPT dataset's positions) shifted by
         ``position_offset``, the position of ``tokens[:, 0]`` when generating with a KV cache
-        (``inference_context``, :func:`lightning_megatron.generation.generate`). Given, they are also the
-        rotary positions (packed samples: Megatron's ``reset_position_ids``).
+        (``inference_context``, :func:`lightning_megatron.generation.generate`), or, when the cache holds
+        left-padded prompts, each row's own positions (:meth:`InferenceContext.position_ids
+        <lightning_megatron.transformer.inference.InferenceContext.position_ids>`, counted from the row's
+        first real token; the cache masks the padding in attention). Given, they are also the rotary
+        positions (packed samples: Megatron's ``reset_position_ids``).
 
         ``document_ids`` [b, s]: packed samples (Megatron's ``reset_attention_mask``): a token attends
         only to the earlier tokens of its own document (:func:`document_attention_mask`).
@@ -165,10 +168,12 @@ class GPTModel(LanguageModule):
         s = tokens.size(1)
         if position_ids is not None and position_offset:
             raise ValueError("position_ids and position_offset: give one (the offset shifts the default positions)")
-        given_positions = position_ids
         if position_offset + s > self.max_sequence_length:
             raise ValueError(f"positions up to {position_offset + s} exceed max_sequence_length="
                              f"{self.max_sequence_length}; raise max_sequence_length")
+        if position_ids is None and inference_context is not None:
+            position_ids = inference_context.position_ids(s)  # left-padded prompts: each row's own; else None
+        given_positions = position_ids
         hidden_states = None
         if self.pre_process:
             if position_ids is None and self.embedding.position_embeddings is not None:

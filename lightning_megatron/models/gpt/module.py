@@ -9,7 +9,11 @@ global layer numbers, the [s, b, h] pipeline tensor, the default optimizer; on t
 - ``build_chunk``: one :class:`GPTModel` per virtual pipeline stage;
 - ``loss_forward``: the last chunk computes the vocab-parallel cross entropy of the next tokens
   (``labels``) averaged over ``loss_mask``;
-- ``predict_forward`` / :meth:`GPTLightningModule.generate`: continuations with a KV cache;
+- :meth:`GPTLightningModule.generate` (and ``complete`` for texts): continuations with a KV cache at any
+  layout (pipeline stages token by token, sequence parallelism off while generating), prompts of different
+  lengths left-padded in one batch, one stop rule (:meth:`~GPTLightningModule.stop_rule`: the tokenizer's
+  end-of-document token by default, stop strings) shared with ``predict`` (``predict_batch``, the strategy's
+  ``PredictsBatches``; ``predict_stop_rule``, which the PredictionWriter cuts with);
 - ``training_flops`` (``CountsFlops``): the decoder's count, grouped-query and gated MLP included;
 - ``estimate_shape`` (``EstimatesCost``): the sizes ``check --estimate-memory / --estimate-time`` use;
 - validation / test ``perplexity`` (torchmetrics, over the data-parallel group: the whole split's
@@ -22,14 +26,15 @@ shifted by one), ``loss_mask`` [b, s] float; optional ``position_ids`` [b, s] (d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torchmetrics import MetricCollection
 from typing_extensions import override
 
 from lightning_megatron.flops import transformer_flops
+from lightning_megatron.generation import GenerationTokenizer, Prompts, StopRule, TokenizedData, stop_strings_problem
 from lightning_megatron.language.module import LanguageLightningModule
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
 from lightning_megatron.models.gpt.config import GPTConfig
@@ -42,6 +47,7 @@ from lightning_megatron.pipeline.layout import ChunkLayout
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.context_parallel import split_batch
+from lightning_megatron.transformer.inference import sequence_parallel_off
 
 __all__ = ["GPTLightningModule"]
 
@@ -61,6 +67,9 @@ class GPTLightningModule(LanguageLightningModule):
             token (as Hugging Face's ``generate`` stops at ``eos_token_id``): generation stops when every
             sequence of the batch has ended, and the written completion ends before it. ``False``: always
             ``predict_max_new_tokens`` tokens, EOD included as any other token.
+        predict_stop_strings: texts that also end a sequence once its generated text contains one (e.g.
+            ``["\\n\\n"]``); the written completion is cut before it. The rule of both settings is
+            :meth:`predict_stop_rule`, the one :meth:`generate` applies (:meth:`stop_rule`).
         Others: as :class:`~lightning_megatron.language.module.LanguageLightningModule` (``init_seed``,
             ``optimizer``, ``adam_beta1``, ``compile``, ``init_from``: a lightning_megatron checkpoint, a
             Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` folder or a Megatron-LM GPT checkpoint,
@@ -83,9 +92,13 @@ class GPTLightningModule(LanguageLightningModule):
         predict_top_k: int = 0,
         predict_top_p: float = 1.0,
         predict_stop_at_eod: bool = True,
+        predict_stop_strings: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(config, lr=lr, weight_decay=weight_decay, adam_beta2=adam_beta2, **kwargs)
+        problem = stop_strings_problem(predict_stop_strings or [], "predict_stop_strings")
+        if problem:
+            raise ValueError(f"{type(self).__name__}: {problem}")
 
     # ------------------------------------------------------------------ model
 
@@ -163,58 +176,155 @@ class GPTLightningModule(LanguageLightningModule):
     # ------------------------------------------------------------------ generation
 
     @torch.no_grad()
-    def generate(self, prompt_tokens: torch.Tensor, max_new_tokens: int, *, greedy: bool = True,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_token: int | None = None,
-                 use_cache: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``prompt_tokens`` [b, s0] followed by up to ``max_new_tokens`` tokens [b, s0 + n], with a KV cache
-        (:func:`lightning_megatron.generation.generate`); under TP every rank returns the same tokens.
-        The whole model must be on this rank (``pipeline_model_parallel_size=1``), in eval mode meanwhile."""
-        from lightning_megatron.generation import generate
+    def generate(self, prompt_tokens: Prompts, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
+                 greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 stop_token: int | Literal["eod"] | None = "eod", stop_strings: Sequence[str] = (),
+                 tokenizer: GenerationTokenizer | None = None, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """Each prompt followed by up to ``max_new_tokens`` new tokens, with a KV cache
+        (:func:`lightning_megatron.generation.generate`), at any layout: every rank of the model returns the
+        same tokens (call it on all of them).
+
+        - ``prompt_tokens`` [b, s0] -> [b, s0 + n] (rows that ended padded with the stop token); with
+          ``attention_mask`` [b, s0] the rows are left-padded prompts of different lengths;
+        - a list of 1-D prompts (tensors or lists of ids, any lengths) -> a list of 1-D tensors, each its
+          prompt and its new tokens up to and including the one that ended it.
+
+        Stopping (:meth:`stop_rule`, the rule ``predict`` applies): ``stop_token="eod"`` (the default) is the
+        tokenizer's end-of-document token, from ``tokenizer`` or else from the attached datamodule's tokenizer,
+        and refused when neither is there; an id; or None (always ``max_new_tokens``). ``stop_strings`` end a
+        sequence when its generated text contains one (the text from the same tokenizer; :meth:`complete`
+        gives the texts cut before the stop).
+
+        Checked before any forward: ``max_new_tokens`` an integer >= 0, the sampling settings, and the longest
+        prompt plus ``max_new_tokens - 1`` within ``config.max_sequence_length``. Pipeline stages run token by
+        token (:func:`~lightning_megatron.generation.pipelined_forward`: each rank its chunks, the last
+        stage picks the token); a sequence-parallel model generates without splitting the sequence
+        (:func:`~lightning_megatron.transformer.inference.sequence_parallel_off`: the same weights). The
+        chunks are in eval mode meanwhile.
+        """
+        rule = self.stop_rule(stop_token, stop_strings, tokenizer)
+        return self._generate(prompt_tokens, max_new_tokens, rule, attention_mask=attention_mask, greedy=greedy,
+                              temperature=temperature, top_k=top_k, top_p=top_p, use_cache=use_cache,
+                              generator=generator)
+
+    def complete(self, prompts: Sequence[str], max_new_tokens: int, *, tokenizer: GenerationTokenizer | None = None,
+                 stop_token: int | Literal["eod"] | None = "eod", stop_strings: Sequence[str] = (),
+                 **kwargs: Any) -> list[str]:
+        """The completion of each text of ``prompts``: tokenized by ``tokenizer`` (else the datamodule's),
+        generated as one left-padded batch (:meth:`generate`; ``kwargs``: its sampling settings) and the text of
+        the new tokens cut before the stop (:meth:`StopRule.completion
+        <lightning_megatron.generation.StopRule.completion>`)."""
+        rule = self.stop_rule(stop_token, stop_strings, tokenizer)
+        tok = self._tokenizer(tokenizer)
+        if tok is None:
+            raise ValueError(f"{type(self).__name__}.complete tokenizes the prompts, and no tokenizer is known: no "
+                             f"tokenizer= was given and {self._no_tokenizer()}; pass tokenizer=...")
+        ids = [tok.tokenize(text) for text in prompts]
+        out = self._generate(ids, max_new_tokens, rule, **kwargs)
+        return [rule.completion(row[len(p):].tolist()) for row, p in zip(out, ids)]
+
+    def stop_rule(self, stop_token: int | Literal["eod"] | None = "eod", stop_strings: Sequence[str] = (),
+                  tokenizer: GenerationTokenizer | None = None) -> StopRule:
+        """The :class:`~lightning_megatron.generation.StopRule` of :meth:`generate` (and, from the
+        ``predict_*`` settings, of ``predict``): ``stop_token="eod"`` is the end-of-document token (``eod``) of
+        ``tokenizer``, else of the attached datamodule's ``tokenizer`` (any datamodule that has one), refused
+        when there is neither (pass ``tokenizer=``, an id, or ``stop_token=None``); ``stop_strings`` take
+        their text from the same tokenizer's ``detokenize``."""
+        tok = self._tokenizer(tokenizer)
+        if tok is None and (stop_token == "eod" or stop_strings):
+            what = "stops at the tokenizer's end-of-document token by default (stop_token='eod')" if \
+                stop_token == "eod" else f"needs the text of the new tokens for stop_strings={list(stop_strings)!r}"
+            raise ValueError(f"{type(self).__name__}.generate {what}, and no tokenizer is known: no tokenizer= was "
+                             f"given and {self._no_tokenizer()}. Pass tokenizer=<a tokenizer with eod, tokenize and "
+                             f"detokenize>" + (", or stop_token=<the id to stop at>, or stop_token=None to always "
+                                               "generate max_new_tokens tokens" if stop_token == "eod" else ""))
+        if stop_token == "eod":
+            stop_token = int(tok.eod)
+        return StopRule(stop_token, tuple(stop_strings), None if tok is None else tok.detokenize)
+
+    def _tokenizer(self, tokenizer: GenerationTokenizer | None) -> GenerationTokenizer | None:
+        """``tokenizer`` (checked), else the attached datamodule's ``tokenizer`` when it is one, else None."""
+        if tokenizer is not None:
+            if not isinstance(tokenizer, GenerationTokenizer):
+                raise TypeError(f"tokenizer={type(tokenizer).__name__}: generation needs a tokenizer with eod (the "
+                                f"end-of-document id), tokenize(text) and detokenize(ids) "
+                                f"(lightning_megatron.generation.GenerationTokenizer)")
+            return tokenizer
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        found = dm.tokenizer if isinstance(dm, TokenizedData) else None
+        return found if isinstance(found, GenerationTokenizer) else None
+
+    def _no_tokenizer(self) -> str:
+        """Why the datamodule gives no tokenizer, for the errors."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is None:
+            return "no datamodule is attached"
+        return f"the datamodule ({type(dm).__name__}) has no tokenizer with eod, tokenize and detokenize"
+
+    def _generate(self, prompt_tokens: Prompts, max_new_tokens: int, rule: StopRule, *,
+                  attention_mask: torch.Tensor | None = None, **settings: Any) -> torch.Tensor | list[torch.Tensor]:
+        """:meth:`generate` with its stop rule resolved: every chunk of this rank through
+        :func:`~lightning_megatron.generation.pipelined_forward`, eval mode, sequence parallelism off."""
+        from lightning_megatron.generation import generate, pipelined_forward
 
         assert self.model_chunks is not None, "configure_model has not run"
-        chunk = self.model_chunks[0]
-        if len(self.model_chunks) != 1 or not (chunk.pre_process and chunk.post_process):
-            raise ValueError("generate needs the whole model on this rank: pipeline_model_parallel_size=1 (the "
-                             "decoder's pipeline stages are not chained token by token)")
-        if chunk.config.sequence_parallel:
-            raise ValueError("generate with sequence_parallel=True is not supported (one new token per step "
-                             "cannot be split along the sequence); generate without sequence parallelism")
+        chunks = list(self.model_chunks)
+        device = next(chunks[0].parameters()).device
+        if torch.is_tensor(prompt_tokens):
+            prompt_tokens = prompt_tokens.to(device)
+        else:
+            prompt_tokens = [p.to(device) if torch.is_tensor(p) else torch.tensor(list(p), device=device)
+                             for p in prompt_tokens]
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device)
 
-        def forward(tokens: torch.Tensor, offset: int, cache: Any) -> torch.Tensor:
+        def run(chunk: GPTModel, tokens: torch.Tensor, offset: int, cache: Any) -> torch.Tensor:
             return chunk(tokens, position_offset=offset, inference_context=cache)
 
-        was_training = chunk.training
-        chunk.eval()
+        ps = self.parallel_state
+        forward = pipelined_forward(chunks, ps, self.config.hidden_size, run)
+        modes = [chunk.training for chunk in chunks]
+        self.model_chunks.eval()
         try:
-            return generate(forward, prompt_tokens, max_new_tokens, greedy=greedy, temperature=temperature,
-                            top_k=top_k, top_p=top_p, use_cache=use_cache, stop_token=stop_token,
-                            vocab_size=self.vocab_size, tp_group=self.parallel_state.group("tp"), generator=generator)
+            with sequence_parallel_off(self.model_chunks):
+                return generate(forward, prompt_tokens, max_new_tokens, attention_mask=attention_mask,
+                                stop_token=rule.stop_token, stop_strings=rule.stop_strings, detokenize=rule.detokenize,
+                                vocab_size=self.vocab_size, max_sequence_length=self.config.max_sequence_length,
+                                tp_group=ps.group("tp"), pp_group=ps.group("pp"), **settings)
         finally:
-            chunk.train(was_training)
+            for chunk, mode in zip(chunks, modes):
+                chunk.train(mode)
+
+    def predict_batch(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """``predict`` (the strategy's :class:`~lightning_megatron.protocols.PredictsBatches`): each sample's
+        ``tokens`` as the prompt, followed by up to ``predict_max_new_tokens`` generated ones with the
+        ``predict_*`` settings, stopped by :meth:`predict_stop_rule`. Every rank runs it, each pipeline stage
+        its chunks token by token (:meth:`generate`); every rank returns the same tokens [b, s0 + n]."""
+        hp = self.hparams
+        return self._generate(batch["tokens"], hp.predict_max_new_tokens, self.predict_stop_rule(),
+                              greedy=hp.predict_greedy, temperature=hp.predict_temperature, top_k=hp.predict_top_k,
+                              top_p=hp.predict_top_p)
 
     @override
     def predict_forward(self, batch: dict[str, torch.Tensor], chunk: GPTModel) -> torch.Tensor:
-        """Each sample's ``tokens`` as the prompt, followed by ``predict_max_new_tokens`` generated ones (the
-        whole model generates: ``chunk`` is the only one, :meth:`generate`)."""
+        """:meth:`predict_batch` (``predict_step`` without the MegatronStrategy: ``chunk`` is the whole model)."""
+        return self.predict_batch(batch, 0)
+
+    def predict_stop_rule(self) -> StopRule:
+        """What ``predict`` stops at, and where the PredictionWriter cuts what it writes: the datamodule
+        tokenizer's end-of-document token with ``predict_stop_at_eod``, and ``predict_stop_strings``
+        (:meth:`stop_rule`); refused, naming the setting, when the datamodule has no tokenizer for them."""
         hp = self.hparams
-        return self.generate(batch["tokens"], hp.predict_max_new_tokens, greedy=hp.predict_greedy,
-                             temperature=hp.predict_temperature, top_k=hp.predict_top_k, top_p=hp.predict_top_p,
-                             stop_token=self.predict_stop_token())
-
-    def predict_stop_token(self) -> int | None:
-        """The token ``predict`` stops at: the datamodule tokenizer's ``eod`` with ``predict_stop_at_eod``
-        (refused when there is no tokenizer to take it from), else None."""
-        if not self.hparams.get("predict_stop_at_eod", True):
-            return None
-        from lightning_megatron.datamodules.pretraining import PretrainingDataModule  # the data side, at predict time
-
-        dm = self.trainer.datamodule if self._trainer is not None else None
-        if not isinstance(dm, PretrainingDataModule):
-            raise ValueError(f"{type(self).__name__}(predict_stop_at_eod=True) stops at the datamodule tokenizer's "
-                             f"end-of-document token, and this predict has no PretrainingDataModule "
-                             f"(got {type(dm).__name__}) to take it from: predict through a GPTDataModule, or set "
-                             f"predict_stop_at_eod=False")
-        return int(dm.tokenizer.eod)
+        stop_at_eod, strings = hp.get("predict_stop_at_eod", True), tuple(hp.get("predict_stop_strings") or ())
+        try:
+            return self.stop_rule("eod" if stop_at_eod else None, strings)
+        except ValueError:
+            setting = "predict_stop_at_eod=True" if stop_at_eod else f"predict_stop_strings={list(strings)!r}"
+            fix = "set predict_stop_at_eod=False" if stop_at_eod else "drop predict_stop_strings"
+            raise ValueError(f"{type(self).__name__}({setting}) needs the datamodule's tokenizer (its end-of-document "
+                             f"token and text), and {self._no_tokenizer()}: predict through a datamodule with a "
+                             f"tokenizer (GPTDataModule), or {fix}") from None
 
     # ------------------------------------------------------------------ cost
 
@@ -236,10 +346,14 @@ class GPTLightningModule(LanguageLightningModule):
         if vocab is None:
             raise ValueError("GPTLightningModule.estimate_shape: set model.config.vocab_size (the estimate builds no "
                              "tokenizer)")
+        from lightning_megatron.transformer.lora import LoRAConfig
+
+        lora = LoRAConfig.coerce(model.get("lora"))
+        adapters = dict(lora_rank=lora.rank, lora_targets=tuple(lora.target_modules)) if lora is not None else {}
         return GPTCost.from_config(
             config, vocab_size=int(vocab), seq_length=int(data.get("seq_length", config.max_sequence_length)),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-            optimizer=str(model.get("optimizer", "adamw")))
+            optimizer=str(model.get("optimizer", "adamw")), **adapters)
 
 
 def decoder_flops(config: TransformerConfig, tokens: int, seq_length: int, vocab_size: int) -> float:
