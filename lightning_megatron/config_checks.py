@@ -328,7 +328,7 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
     the datamodule's own rule) and ids below the model's ``vocab_size``. ``predicting``: the
     ``predict_file`` is read and a decoder's longest prompt plus ``predict_max_new_tokens`` must fit the
     model's positions. A fine-tuning section (LabelledTextDataModule's arguments: ``text_key``,
-    ``label_key`` and split files): its files are read
+    ``label_key`` and split files): its files are read, when predicting only the input of ``predict``
     (:func:`~lightning_megatron.data.labelled_text.labelled_files_problems`). Reads only the vocabulary,
     the small sidecar and these text files, never the token data; the datamodule checks the same again
     at set-up (lightning_megatron.data.dataset_vocab)."""
@@ -341,11 +341,12 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
         problems.append(f"data vocab_file={os.fspath(vocab_file)!r} does not exist; pass the vocab.txt the dataset "
                         f"was preprocessed with (or null for the packaged BERT vocabulary)")
     arguments = _arguments(data_class, d)
-    if {"text_key", "label_key"} <= arguments.keys() and any(arguments.get(k) for k in ("train", "validation", "test")):
-        # labelled split files (LabelledTextDataModule's arguments), read only when a command runs
+    if {"text_key", "label_key"} <= arguments.keys():
+        # labelled split files (LabelledTextDataModule's arguments), read only when a command runs; predict
+        # reads only its input (the predict_file, or the split it predicts)
         from lightning_megatron.data.labelled_text import labelled_files_problems
 
-        return problems + (labelled_files_problems(arguments) if running else [])
+        return problems + (labelled_files_problems(arguments, predicting=predicting) if running else [])
     prefixes: list[str] = []
     found: list[str] = []
     if data_prefix is not None:  # None: the built-in corpus, preprocessed with the right vocabulary at set-up

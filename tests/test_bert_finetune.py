@@ -1,10 +1,16 @@
 """Fine-tuning (BertClassificationModule): TP=2 under the MegatronStrategy equals plain single-process Lightning
-per step, and so do the validation metrics (torchmetrics, synchronised over the data-parallel group)."""
+per step, and so do the validation metrics (torchmetrics, synchronised over the data-parallel group).
+``finetune predict``'s input: checked before launch, texts only (its CLI runs: tests/test_docs_finetune.py)."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_utils import run_distributed
 
@@ -63,3 +69,93 @@ def test_finetune_tp2_equals_single_process_per_step():
     assert set(plain_metrics) == {"val_loss", "val_accuracy", "val_f1", "val_matthews_corrcoef"}
     for key, value in plain_metrics.items():
         assert tp2[0][1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+SST2 = str(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny_sst2.yaml")
+
+
+@pytest.mark.parametrize("case", ["predict_file_missing", "predict_file_column", "no_rows_to_predict",
+                                  "test_file_missing", "held_out_without_training_file"])
+def test_finetune_predict_input_refused_before_launch(case, tmp_path, monkeypatch):
+    """`finetune predict` checks what it will read, and only that, before any process starts (the training
+    file of the recipe, data/sst2/train.jsonl, is absent here), naming the option to set."""
+    from lightning_megatron.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    (tmp_path / "texts.csv").write_text("sentence\nfine\n")
+    args, wanted = {
+        "predict_file_missing": (["--data.predict_file", "nope.txt"],
+                                 "data.predict_file 'nope.txt' does not exist (relative paths start at"),
+        "predict_file_column": (["--data.predict_file", "texts.csv", "--data.text_key", "review"],
+                                "data.predict_file 'texts.csv' row 1 has no column 'review': its columns are "
+                                "['sentence']; set --data.text_key"),
+        "no_rows_to_predict": (["--data.validation", "null"],
+                               "predict has no rows to read: give --data.predict_file FILE"),
+        "test_file_missing": (["--data.test", "test.jsonl"], "data.test 'test.jsonl' does not exist"),
+        "held_out_without_training_file": (["--data.validation", "null", "--data.val_fraction", "0.1"],
+                                           "data.train 'data/sst2/train.jsonl' does not exist"),
+    }[case]
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        main(["finetune", "predict", "--config", SST2, *args, "--trainer.default_root_dir", str(run)])
+    message = str(exited.value.code)
+    assert "found before launching any process" in message and wanted in message, message
+    assert message.count("\n  - ") == 1, message  # only the input of predict is read (the recipe's files are absent)
+    assert not dist.is_initialized() and not run.exists()
+
+
+def test_rows_to_predict_read_texts_only(tmp_path):
+    """The test split's texts without its labels (GLUE's unlabelled -1, or no label column), never the
+    training file; a predict_file of texts (.txt one per line, .csv/.jsonl by the text columns); pairs."""
+    from lightning_megatron.datamodules.finetune import LabelledTextDataModule
+
+    test = tmp_path / "test.jsonl"
+    test.write_text('{"premise": "a dog runs", "hypothesis": "an animal moves", "label": -1}\n'
+                    '{"premise": "it rains", "hypothesis": "the sun shines"}\n')
+    pairs = dict(text_key="premise", text_pair_key="hypothesis", labels=["entailment", "neutral", "contradiction"],
+                 max_seq_length=16)
+    dm = LabelledTextDataModule(str(tmp_path / "absent.jsonl"), test=str(test), **pairs)
+    dm.setup("predict")
+    assert dm.predict_rows == [("a dog runs", "an animal moves", None), ("it rains", "the sun shines", None)]
+    sample = dm.predict_dataset[0]
+    assert "labels" not in sample and sample["token_types"].sum() > 0  # the pair: token types 1 after [SEP]
+    assert dm.label_names == ["entailment", "neutral", "contradiction"]
+    texts = tmp_path / "texts.txt"
+    texts.write_text("first text\n\nsecond text\n")
+    single = LabelledTextDataModule(predict_file=str(texts), num_classes=2, max_seq_length=16)
+    assert single.read_predict_rows() == [("first text", None, None), ("second text", None, None)]
+    with pytest.raises(ValueError, match="a .txt file holds one text per line, and this data has text pairs"):
+        LabelledTextDataModule(predict_file=str(texts), **pairs).read_predict_rows()
+    with pytest.raises(ValueError, match="no training split: give data.train"):
+        single.read_splits()
+
+
+def test_regression_pairs_predicted_in_one_process_by_the_writer(tmp_path):
+    """Plain Lightning (no MegatronStrategy): the PredictionWriter writes a regression model's value per row,
+    with both texts, in order; the values are predict_step's."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import default_collate
+
+    from lightning_megatron.callbacks import PredictionWriter
+    from lightning_megatron.datamodules.finetune import LabelledTextDataModule
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+
+    rows = [{"s1": f"the cat sat on mat {i}", "s2": f"a dog ran {i}"} for i in range(11)]
+    texts = tmp_path / "pairs.jsonl"
+    texts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = LabelledTextDataModule(predict_file=str(texts), text_key="s1", text_pair_key="s2", task="regression",
+                                max_seq_length=16, global_batch_size=4, micro_batch_size=4)
+    model = BertClassificationModule(**{**MODEL, "num_classes": 1, "config": {**MODEL["config"], "vocab_size": None}})
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[PredictionWriter(str(tmp_path / "out"))])
+    trainer.predict(model, datamodule=dm, return_predictions=False)  # 11 rows: 3 batches of 4, the last padded
+    written = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").open()]
+    assert [(w["index"], w["text"], w["text_pair"]) for w in written] == [
+        (i, r["s1"], r["s2"]) for i, r in enumerate(rows)]
+    assert all(set(w) == {"index", "text", "text_pair", "value"} for w in written)
+    batch = default_collate([dm.predict_dataset[i] for i in range(len(rows))])
+    with torch.no_grad():
+        values = model.predict_step(batch, 0)
+    torch.testing.assert_close(torch.tensor([w["value"] for w in written]), values, rtol=0, atol=1e-6)

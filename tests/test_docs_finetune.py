@@ -1,17 +1,23 @@
 """docs/finetune.md runs as written: every bash and python block (but the parse-only ones, which
 tests/test_docs_blocks.py parses), in order, from a scratch directory that holds the repository's
 recipes (so the page's relative paths resolve as in a checkout): pretraining, a GLUE-shaped JSONL task
-fine-tuned and validated through the CLI, the export."""
+fine-tuned, validated and predicted through the CLI, the export. The predictions (one JSON line per row,
+in order, at DP=2 and at TP=2, without the training file) equal the checkpoint's in one plain process."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+PREDICTIONS = Path("runs") / "bert_tiny_sst2" / "predictions" / "predictions.jsonl"
 
 
 def blocks(page: Path) -> list[tuple[str, str]]:
@@ -26,15 +32,63 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], WANDB_MODE="offline", WANDB_SILENT="true",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
     found = blocks(ROOT / "docs" / "finetune.md")
-    assert [lang for lang, _ in found] == ["bash", "python", "bash", "bash", "python"]
-    outputs = []
+    assert [lang for lang, _ in found] == ["bash", "python", "bash", "bash", "python", "bash", "bash", "python"]
+    outputs, predicted = [], []
     for lang, code in found:
+        if "finetune predict" in code and (tmp_path / "data" / "sst2" / "train.jsonl").exists():
+            # predict reads only its input: the training file may be gone (kept aside for the reference below)
+            (tmp_path / "data" / "sst2" / "train.jsonl").rename(tmp_path / "train.jsonl")
         cmd = ["bash", "-e", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, code + "\n" + proc.stdout[-3000:] + proc.stderr[-5000:]
         outputs.append(proc.stdout)
+        if "finetune predict" in code:
+            predicted.append([json.loads(line) for line in (tmp_path / PREDICTIONS).open()])
     assert "520 training rows, 129 validation rows" in outputs[1]
     assert (tmp_path / "runs" / "bert_tiny_sst2" / "checkpoints" / "last.ckpt").is_dir()
     for metric in ("val_accuracy", "val_f1", "val_matthews_corrcoef", "val_loss"):  # printed by `finetune validate`
         assert metric in outputs[2], metric
     assert (tmp_path / "runs" / "bert_tiny_hf" / "model.safetensors").is_file()
+
+    # predict: the validation split at DP=2 (129 rows: the last global batch of 32 holds 1 row and 31 padding),
+    # then a .txt file of texts at TP=2
+    validation = [json.loads(line) for line in (tmp_path / "data" / "sst2" / "validation.jsonl").open()]
+    texts = (tmp_path / "texts.txt").read_text().splitlines()
+    split_rows, file_rows = predicted
+    assert [r["index"] for r in split_rows] == list(range(len(validation)))
+    assert [r["text"] for r in split_rows] == [r["sentence"] for r in validation]
+    assert [r["index"] for r in file_rows] == [0, 1] and [r["text"] for r in file_rows] == texts
+    for row in split_rows + file_rows:
+        assert set(row) == {"index", "text", "label", "label_id", "probabilities"}
+        assert sum(row["probabilities"]) == pytest.approx(1.0, abs=1e-6)
+        assert row["label_id"] == max(range(2), key=row["probabilities"].__getitem__)
+        assert row["label"] == ["asyncio", "email"][row["label_id"]]
+    # the accuracy of the predicted labels (the page prints it) is `finetune validate`'s val_accuracy
+    accuracy = float(re.search(r"129 rows, accuracy (\S+)", outputs[4]).group(1))
+    assert accuracy == pytest.approx(float(re.search(r"val_accuracy\D+([0-9.]+)", outputs[2]).group(1)), abs=1e-4)
+    # the same probabilities from the checkpoint in one plain process (no strategy, sampler or writer)
+    sources = (split_rows, tmp_path / "data" / "sst2" / "validation.jsonl"), (file_rows, tmp_path / "texts.txt")
+    for rows, source in sources:
+        torch.testing.assert_close(torch.tensor([r["probabilities"] for r in rows]),
+                                   _single_process_probabilities(tmp_path, source), rtol=0, atol=1e-5)
+
+
+def _single_process_probabilities(run: Path, predict_file: Path) -> torch.Tensor:
+    """softmax of the fine-tuned checkpoint's logits on ``predict_file``'s rows (as the recipe encodes them),
+    one batch, one process."""
+    from torch.utils.data import default_collate
+
+    from lightning_megatron.datamodules.finetune import LabelledTextDataModule
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.saved_model import read_model_checkpoint
+
+    saved = read_model_checkpoint(run / "runs" / "bert_tiny_sst2" / "checkpoints" / "last.ckpt")
+    model = BertClassificationModule(**BertClassificationModule.checkpoint_arguments(saved, {}))
+    model.configure_model()
+    model.load_pretrained(saved, everything=True)
+    model.eval()
+    dm = LabelledTextDataModule(predict_file=str(predict_file), labels=["asyncio", "email"], max_seq_length=64)
+    dm.setup("predict")
+    batch = default_collate([dm.predict_dataset[i] for i in range(len(dm.predict_dataset))])
+    with torch.no_grad():
+        return model.predict_step(batch, 0)

@@ -14,10 +14,19 @@ of the last pipeline stage (the only one returning predictions that others do no
   ``GPTLightningModule.predict_step`` does): one ``predictions.jsonl`` (the data-parallel replicas'
   records gathered, written by DP rank 0), one line per prompt in input order,
   ``{"index": i, "prompt": text, "completion": text, "token_ids": [...]}`` (``token_ids``: the ``n``
-  new tokens, which end at the first end-of-document token when the module stops there
-  (``predict_stop_at_eod``); ``completion``: their detokenized text, without that token; ``prompt``: the
+  new tokens, which end at the token that ended the sequence when the module stops it (its
+  ``predict_stop_rule``: the end-of-document token, ``predict_stop_strings``); ``completion``: their
+  detokenized text, without the end-of-document token and cut before a stop string; ``prompt``: the
   ``predict_file`` line, or the detokenized prompt tokens; both texts ``null`` without the datamodule's
-  tokenizer).
+  tokenizer);
+- sequence classification (the datamodule a
+  :class:`~lightning_megatron.datamodules.finetune.FinetuneDataModule`, whose module's ``predict_step``
+  returns class probabilities ``[b, c]``, or values ``[b]`` when ``num_classes`` is 1: regression): one
+  ``predictions.jsonl`` (gathered over the data-parallel replicas, written by DP rank 0), one line per
+  row in input order, ``{"index": i, "text": ..., "label": name, "label_id": id, "probabilities": [...]}``
+  (``label``: the datamodule's ``label_names[id]``, else the id; ``label_id``: the argmax of
+  ``probabilities``, listed in class order), or ``{"index": i, "text": ..., "value": v}``; ``"text_pair"``
+  after ``"text"`` for rows of two texts.
 
 ``index`` is the sample's position in the predict dataset (the line of a ``predict_file``); the padding
 samples of the last batch (index -1, :mod:`lightning_megatron.data.predict`) are dropped. Files are
@@ -38,7 +47,9 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
 from lightning_megatron.data.predict import SAMPLE_INDEX
+from lightning_megatron.datamodules.finetune import FinetuneDataModule
 from lightning_megatron.datamodules.pretraining import PretrainingDataModule
+from lightning_megatron.generation import StopRule, StopsGeneration
 from lightning_megatron.parallel_state import group_rank, group_size, process_group
 from lightning_megatron.strategy import MegatronStrategy
 
@@ -62,11 +73,13 @@ class PredictionWriter(BasePredictionWriter):
         self._jsonl: Any = None
         self._arrays: dict[str, list[np.ndarray]] = {}
         self._tokenizer: Any = None
-        self._stop_token: int | None = None
+        self._stop = StopRule()
         self._generated: list[tuple[int, dict[str, Any]]] = []
         self._generation = False
         self._dp_group: Any = None
         self._texts: list[str] | None = None
+        self._classified: FinetuneDataModule | None = None  # the data of a classifier's predictions
+        self._records: list[tuple[int, dict[str, Any]]] = []
 
     @override
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
@@ -79,14 +92,16 @@ class PredictionWriter(BasePredictionWriter):
         self._arrays = {}
         dm = trainer.datamodule
         self._tokenizer = dm.tokenizer if isinstance(dm, PretrainingDataModule) else None
-        # A decoder that stops at EOD (GPTLightningModule(predict_stop_at_eod=True)) pads ended sequences with it.
-        self._stop_token = int(self._tokenizer.eod) if self._tokenizer is not None and \
-            pl_module.hparams.get("predict_stop_at_eod", False) else None
+        # A decoder's stop rule (GPTLightningModule.predict_stop_rule: EOD, stop strings): the rule its generation
+        # applied, so each sequence is cut where it ended.
+        self._stop = pl_module.predict_stop_rule() if isinstance(pl_module, StopsGeneration) else StopRule()
         self._texts = None  # the prompts' texts, read at the first batch (the dataloader is built by then)
         self._generated, self._generation = [], False
+        self._classified = dm if isinstance(dm, FinetuneDataModule) else None
+        self._records = []
         if self._writes:
             self._folder.mkdir(parents=True, exist_ok=True)
-            if pl_module.hparams.get("predict_output", "masked_lm") == "masked_lm":
+            if self._classified is None and pl_module.hparams.get("predict_output", "masked_lm") == "masked_lm":
                 self._jsonl = open(self._tmp("predictions.jsonl"), "w", encoding="utf-8")  # noqa: SIM115
 
     def _tmp(self, name: str) -> Path:
@@ -108,6 +123,9 @@ class PredictionWriter(BasePredictionWriter):
             start = batch_idx * batch["tokens"].size(0)
             index = torch.arange(start, start + batch["tokens"].size(0))
         keep = index >= 0
+        if self._classified is not None:
+            self._collect_classified(prediction, index, keep)
+            return
         if _is_generation(prediction, batch):
             if not self._generation:
                 self._generation, self._texts = True, self._prompt_texts(trainer.datamodule)
@@ -142,6 +160,31 @@ class PredictionWriter(BasePredictionWriter):
                 masked.append(entry)
             self._jsonl.write(json.dumps({"index": int(index[row]), "masked": masked}) + "\n")
 
+    def _collect_classified(self, prediction: Any, index: torch.Tensor, keep: torch.Tensor) -> None:
+        """One record per kept row: its texts (the datamodule's ``predict_rows``), and its class (label
+        name, id, probabilities) or value; written in index order when the epoch ends."""
+        dm = self._classified
+        classes = dm.num_classes
+        expected = (index.size(0), classes) if classes > 1 else (index.size(0),)
+        if not torch.is_tensor(prediction) or tuple(prediction.shape) != expected:
+            got = tuple(prediction.shape) if torch.is_tensor(prediction) else type(prediction).__name__
+            raise ValueError(f"PredictionWriter: {type(dm).__name__} has num_classes={classes}: a prediction per "
+                             f"batch of {index.size(0)} rows is {'probabilities' if classes > 1 else 'values'} of "
+                             f"shape {list(expected)} (BertClassificationModule's predict_step), not {got}")
+        values = prediction.detach().float().cpu()
+        names = dm.label_names
+        for row in torch.nonzero(keep).flatten().tolist():
+            i = int(index[row])
+            text, pair, _ = dm.predict_rows[i]
+            record: dict[str, Any] = {"index": i, "text": text, **({} if pair is None else {"text_pair": pair})}
+            if classes == 1:
+                record["value"] = float(values[row])
+            else:
+                label_id = int(values[row].argmax())
+                record.update(label=names[label_id] if names is not None else label_id, label_id=label_id,
+                              probabilities=values[row].tolist())
+            self._records.append((i, record))
+
     @staticmethod
     def _prompt_texts(dm: Any) -> list[str] | None:
         from lightning_megatron.datamodules.gpt import GPTDataModule
@@ -156,37 +199,48 @@ class PredictionWriter(BasePredictionWriter):
             i, new = int(index[row]), generated[row, s0:].tolist()
             prompt = self._texts[i] if self._texts is not None else \
                 self._tokenizer.detokenize(generated[row, :s0].tolist()) if self._tokenizer is not None else None
-            text = new
-            if self._stop_token is not None and self._stop_token in new:  # ended: the stop token kept in the
-                end = new.index(self._stop_token)                          # ids, not in the text; the padding
-                new, text = new[:end + 1], new[:end]                       # after it dropped
-            completion = self._tokenizer.detokenize(text) if self._tokenizer is not None else None
+            new = new[: self._stop.end(new)]  # ended: up to the token that ended it, the padding after it dropped
+            completion = self._stop.completion(new) if self._stop.detokenize is not None else \
+                self._tokenizer.detokenize(new) if self._tokenizer is not None else None  # the text before the stop
             self._generated.append((i, {"index": i, "prompt": prompt, "completion": completion, "token_ids": new}))
 
     def _write_generated(self) -> None:
-        """One ``predictions.jsonl`` in input order: the data-parallel replicas' records gathered (over the
-        writers' DP group: every writer is in it) and written by DP rank 0."""
         if self._jsonl is not None:  # opened for masked_lm by default: not this module's output
             self._jsonl.close()
             self._jsonl = None
             os.remove(self._tmp("predictions.jsonl"))
         records = self._generated
         self._generated, self._generation = [], False
+        self._write_records(records)
+
+    def _write_records(self, records: list[tuple[int, dict[str, Any]]]) -> None:
+        """One ``predictions.jsonl`` in input order: the data-parallel replicas' records gathered (over the
+        writers' DP group: every writer is in it) and written by DP rank 0. Each index is one replica's
+        (the samplers give every row to one rank once; padding rows were dropped)."""
         if self._dp_group is not None:
             parts: list[Any] = [None] * group_size(self._dp_group)
             dist.all_gather_object(parts, records, group=process_group(self._dp_group))
             if group_rank(self._dp_group) != 0:
                 return
             records = [r for part in parts for r in part]
+        records = sorted(records, key=lambda r: r[0])
+        twice = sorted({a for (a, _), (b, _) in zip(records, records[1:]) if a == b})
+        if twice:
+            raise RuntimeError(f"PredictionWriter: rows {twice[:10]} were predicted more than once (by several "
+                               f"data-parallel replicas): the predict sampler must give each row to one rank once")
         self._suffix = ""
         with open(self._tmp("predictions.jsonl"), "w", encoding="utf-8") as fh:
-            for _, record in sorted(records, key=lambda r: r[0]):
+            for _, record in records:
                 fh.write(json.dumps(record) + "\n")
         os.replace(self._tmp("predictions.jsonl"), self._final("predictions.jsonl"))
 
     @override
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if not self._writes:
+            return
+        if self._classified is not None:
+            records, self._records = self._records, []
+            self._write_records(records)
             return
         if self._generation:
             self._write_generated()

@@ -11,6 +11,8 @@ and the label under ``label_key``, refusing (the file, the row and the value nam
 column that is not there (listing the columns there are) and a label that is no class; the
 ``lightning-megatron`` command runs the same on a section's files before it launches any process
 (:func:`labelled_files_problems`). Rows are counted from 1 (a CSV file's header is not a row).
+The rows to predict carry no label (``label_key=None``): a split's file read for its texts only, or a
+``predict_file`` (:func:`read_predict_file`: also ``.txt``, one text per line).
 :func:`encode_rows` encodes each row as BERT does: ``[CLS] a [SEP]`` or
 ``[CLS] a [SEP] b [SEP]`` (token types 0 then 1), the longer text truncated first, padded to
 ``max_seq_length``.
@@ -34,21 +36,24 @@ import torch
 from lightning_megatron.data.corpus import read_utf8_text
 
 __all__ = ["EncodedRows", "MissingColumnError", "Row", "encode_rows", "file_where", "labelled_files_problems",
-           "read_labelled_rows", "read_records"]
+           "predict_input_problems", "predict_split", "read_labelled_rows", "read_predict_file", "read_records"]
 
-Row = tuple[str, str | None, float | int]
-"""(text, second text or None, label): a class id, or a real value for regression."""
+Row = tuple[str, str | None, float | int | None]
+"""(text, second text or None, label): a class id, a real value for regression, or None (a row to predict)."""
 
 SPLITS = ("train", "validation", "test")
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
+PREDICT_SUFFIXES = (".txt", *FILE_SUFFIXES)
+"""What ``predict_file`` takes: one text per line (``.txt``), or the labelled files' formats (labels unread)."""
 
 
 class EncodedRows(torch.utils.data.Dataset):
     """Encoded rows held as stacked tensors (int32 tokens): ``tokens``, ``attention_mask``,
-    ``token_types`` [n, s] and ``labels`` [n] (int64 class ids or float32 values)."""
+    ``token_types`` [n, s] and ``labels`` [n] (int64 class ids or float32 values; None, and no
+    ``labels`` in a sample: rows to predict)."""
 
     def __init__(self, tokens: torch.Tensor, token_types: torch.Tensor, lengths: torch.Tensor,
-                 labels: torch.Tensor) -> None:
+                 labels: torch.Tensor | None) -> None:
         self.tokens, self.token_types, self.lengths, self.labels = tokens, token_types, lengths, labels
 
     def __len__(self) -> int:
@@ -56,8 +61,9 @@ class EncodedRows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = self.tokens.size(1)
-        return {"tokens": self.tokens[i].long(), "attention_mask": (torch.arange(s) < self.lengths[i]).long(),
-                "token_types": self.token_types[i].long(), "labels": self.labels[i]}
+        sample = {"tokens": self.tokens[i].long(), "attention_mask": (torch.arange(s) < self.lengths[i]).long(),
+                  "token_types": self.token_types[i].long()}
+        return sample if self.labels is None else {**sample, "labels": self.labels[i]}
 
 
 def _truncate_pair(la: int, lb: int, budget: int) -> tuple[int, int]:
@@ -77,7 +83,8 @@ def _truncate_pair(la: int, lb: int, budget: int) -> tuple[int, int]:
 
 def encode_rows(tokenizer: Any, rows: Sequence[Row], max_seq_length: int, *, regression: bool = False) -> EncodedRows:
     """``[CLS] a [SEP] (b [SEP])`` of every row, truncated longest-first (as transformers'
-    ``truncation=True``) and padded to ``max_seq_length``."""
+    ``truncation=True``) and padded to ``max_seq_length``. Rows without labels (None: to predict)
+    give no ``labels``."""
     n, s = len(rows), max_seq_length
     tokens = torch.full((n, s), tokenizer.pad, dtype=torch.int32)
     types = torch.zeros((n, s), dtype=torch.int32)
@@ -97,7 +104,11 @@ def encode_rows(tokenizer: Any, rows: Sequence[Row], max_seq_length: int, *, reg
         tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         types[i, n_a: len(ids)] = 1
         lengths[i] = len(ids)
-    labels = torch.tensor([r[2] for r in rows], dtype=torch.float32 if regression else torch.long)
+    labelled = [r[2] is not None for r in rows]
+    if any(labelled) and not all(labelled):
+        raise ValueError(f"encode_rows: {labelled.count(False)} of the {n} rows have no label: label all or none")
+    labels = torch.tensor([r[2] for r in rows], dtype=torch.float32 if regression else torch.long) \
+        if all(labelled) and rows else None
     return EncodedRows(tokens, types, lengths, labels)
 
 
@@ -147,11 +158,12 @@ def read_records(path: Path, where: str | None = None) -> list[dict[str, Any]]:
     return records
 
 
-def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key: str | None, label_key: str,
+def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key: str | None, label_key: str | None,
                        regression: bool, labels: Sequence[str] | None, num_classes: int | None = None) -> list[Row]:
     """(text, pair, label) of each record (dicts, or a ``datasets.Dataset``). Refused, naming ``where``, the
     row and the value: no rows at all, a key that is not a column (listing the row's keys), a label that is
-    not a class (a name outside ``labels``, an id outside ``0..num_classes-1``), a text that is no string."""
+    not a class (a name outside ``labels``, an id outside ``0..num_classes-1``), a text that is no string.
+    ``label_key=None``: the texts only (rows to predict; a label column, if any, is not read), label None."""
     names = {str(name): i for i, name in enumerate(labels)} if labels else None
     rows: list[Row] = []
     for i, rec in enumerate(records, 1):
@@ -163,10 +175,12 @@ def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key
             raise MissingColumnError(f"{where} row {i} has no column {' or '.join(repr(k) for _, k in missing)}: its columns "
                              f"are {sorted(rec)}; set {' / '.join(f'--data.{o}' for o, _ in missing)} to the one that "
                              f"holds the {'label' if missing[0][0] == 'label_key' else 'text'}")
-        raw = rec[label_key]
+        raw = rec[label_key] if label_key is not None else None
         try:
-            if regression:
-                label: float | int = float(raw)
+            if label_key is None:
+                label: float | int | None = None
+            elif regression:
+                label = float(raw)
             elif names is not None and str(raw) in names:
                 label = names[str(raw)]
             else:
@@ -178,7 +192,8 @@ def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key
                     "a class id (or list the label names in data.labels)")
             raise ValueError(f"{where} row {i}: label {raw!r} is not {hint}"
                              + ("" if raw not in (-1, "-1") else " (GLUE's test splits are unlabelled: -1)")) from None
-        if names is None and not regression and num_classes is not None and not 0 <= label < num_classes:
+        if names is None and not regression and num_classes is not None and label is not None and \
+                not 0 <= label < num_classes:
             raise ValueError(f"{where} row {i}: label {raw!r} is outside the classes 0..{num_classes - 1} "
                              f"(data.num_classes={num_classes}); set data.num_classes (or data.labels) to the "
                              f"task's classes")
@@ -194,9 +209,50 @@ def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key
     return rows
 
 
-def labelled_files_problems(args: Mapping[str, Any]) -> list[str]:
+def read_predict_file(path: str | os.PathLike[str], *, text_key: str, text_pair_key: str | None) -> list[Row]:
+    """The rows of a ``predict_file`` (label None): a ``.txt`` file holds one text per non-empty line (one
+    text per row: not for text pairs); ``.jsonl`` / ``.json`` / ``.csv`` / ``.tsv`` files the texts under
+    ``text_key`` (and ``text_pair_key``), as :func:`read_labelled_rows` reads them, a label column ignored.
+    Errors name the option (``data.predict_file``), the file and the row."""
+    path = Path(path)
+    where = file_where("predict_file", path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{where} does not exist (relative paths start at {os.getcwd()!r}): give "
+                                f"--data.predict_file the file of the texts to predict")
+    suffix = path.suffix.lower()
+    if suffix not in PREDICT_SUFFIXES:
+        raise ValueError(f"{where}: use a .txt file (one text per line), or .jsonl, .json (one object per line), "
+                         f".csv or .tsv with the text column {text_key!r} (--data.text_key)")
+    if suffix != ".txt":
+        return read_labelled_rows(read_records(path, where), where, text_key=text_key, text_pair_key=text_pair_key,
+                                  label_key=None, regression=False, labels=None)
+    if text_pair_key is not None:
+        raise ValueError(f"{where}: a .txt file holds one text per line, and this data has text pairs "
+                         f"(data.text_pair_key={text_pair_key!r}): give a .jsonl or .csv file with the columns "
+                         f"{text_key!r} and {text_pair_key!r}")
+    texts = [line for line in read_utf8_text(path, where).splitlines() if line.strip()]
+    if not texts:
+        raise ValueError(f"{where} holds no text (one text per line)")
+    return [(text, None, None) for text in texts]
+
+
+def predict_split(files: Mapping[str, Any], fractions: Mapping[str, float]) -> str | None:
+    """The split ``predict`` (without a ``predict_file``) reads, as ``test`` evaluates: ``test`` when the
+    data has one (its file, or ``fractions["test"]`` of the training rows held out), else ``validation``;
+    None when neither has a source. ``files``: split -> file or None (a ``datasets`` DatasetDict: the
+    splits it has, each mapped to its name)."""
+    for split in ("test", "validation"):
+        if files.get(split) or fractions.get(split):
+            return split
+    return None
+
+
+def labelled_files_problems(args: Mapping[str, Any], *, predicting: bool = False) -> list[str]:
     """Before launch: the problems of the split files a LabelledTextDataModule section names (``args``: its
-    arguments, every one given), one line each. A ``dataset`` folder is read at set-up."""
+    arguments, every one given), one line each. A ``dataset`` folder is read at set-up. ``predicting``: only
+    what ``predict`` reads (:func:`predict_input_problems`)."""
+    if predicting:
+        return predict_input_problems(args)
     if args.get("dataset") is not None:
         return []
     regression = args.get("task") == "regression"
@@ -218,3 +274,45 @@ def labelled_files_problems(args: Mapping[str, Any]) -> list[str]:
             if isinstance(error, MissingColumnError):
                 break  # the same keys name every split's columns: said once
     return problems
+
+
+def predict_input_problems(args: Mapping[str, Any]) -> list[str]:
+    """Before ``predict`` launches: its input (``args``: a LabelledTextDataModule section's arguments) can be
+    read: the ``predict_file``'s texts, else the texts of the split :func:`predict_split` names (its file;
+    a split held out from the training rows: the training file, labelled); the training file is read for
+    nothing else. A ``dataset`` folder is read at set-up."""
+    keys = dict(text_key=args["text_key"], text_pair_key=args.get("text_pair_key"))
+    if args.get("predict_file") is not None:
+        try:
+            read_predict_file(args["predict_file"], **keys)
+        except (ValueError, OSError) as error:
+            return [str(error)]
+        return []
+    if args.get("dataset") is not None:
+        return []
+    split = predict_split({s: args.get(s) for s in SPLITS},
+                          {"validation": args.get("val_fraction") or 0.0, "test": args.get("test_fraction") or 0.0})
+    if split is None:
+        return ["predict has no rows to read: give --data.predict_file FILE (the texts to predict: .txt, one per "
+                "line, or .jsonl / .csv) or --data.test FILE (the test split; labels optional)"]
+    path = args.get(split)
+    if not path:  # held out from the training rows
+        train = args.get("train")
+        if train and not Path(train).is_file():
+            fraction = "test_fraction" if split == "test" else "val_fraction"
+            return [f"{file_where('train', train)} does not exist (relative paths start at {os.getcwd()!r}): predict "
+                    f"reads the {split} split, held out from the training rows (data.{fraction}); give the "
+                    f"training file, --data.{split} a file, or --data.predict_file the texts to predict"]
+        return labelled_files_problems({**args, "validation": None, "test": None})
+    if Path(path).suffix.lower() not in FILE_SUFFIXES:
+        return []  # the constructor refuses a suffix
+    where = file_where(split, path)
+    if not Path(path).is_file():
+        return [f"{where} does not exist (relative paths start at {os.getcwd()!r}): predict reads the texts of the "
+                f"{split} split; give --data.{split} the file, or --data.predict_file the texts to predict"]
+    try:
+        read_labelled_rows(read_records(Path(path), where), where, **keys, label_key=None, regression=False,
+                           labels=None)
+    except (ValueError, OSError) as error:
+        return [str(error)]
+    return []

@@ -20,6 +20,11 @@ listed in ``labels`` (``[negative, positive]``: "positive" is class 1).
 Splits: ``train``/``validation``/``test`` files (or a DatasetDict's splits); a missing validation or
 test split is carved from the training rows by ``val_fraction`` / ``test_fraction`` (seeded).
 
+``predict`` reads texts only, and only what it predicts: ``predict_file`` (``.txt``, one text per line, or
+``.jsonl``/``.json``/``.csv``/``.tsv`` with the text columns), else the split ``test`` evaluates (the test
+split, else the validation one; labels there are not read). The training file is read only when that
+split is held out from it (``test_fraction`` / ``val_fraction``).
+
 :class:`FinetuneDataModule` is the shared part (tokenizer, encoding, data-parallel sharding,
 loaders); the built-in docstring task (``models/bert/docstring_task.py``) is one too.
 """
@@ -37,13 +42,16 @@ from typing_extensions import override
 
 from lightning_megatron.data.labelled_text import (
     FILE_SUFFIXES,
+    PREDICT_SUFFIXES,
     SPLITS,
     EncodedRows,
     Row,
     _load_hf,
     encode_rows,
     file_where,
+    predict_split,
     read_labelled_rows,
+    read_predict_file,
     read_records,
 )
 from lightning_megatron.data.loader import MegatronDataLoader
@@ -57,7 +65,10 @@ class FinetuneDataModule(LightningDataModule):
     rows encoded by :func:`encode_rows`, and loaders sharded over the data-parallel ranks (each rank
     takes ``global_batch_size / dp`` rows per step; every TP/PP rank of a replica the same ones).
 
-    Subclasses implement :meth:`read_splits` (rows per split) and :attr:`num_classes` (1: regression).
+    Subclasses implement :meth:`read_splits` (rows per split) and :attr:`num_classes` (1: regression);
+    :meth:`read_predict_rows` (default: the texts of the split ``test`` evaluates) and :attr:`label_names`
+    (default: none, the classes are their ids) are what ``predict`` reads and writes. ``predict_rows``: the
+    rows predicted, in the order of their ``sample_index`` (set up for ``predict``).
     """
 
     def __init__(self, *, vocab_file: str | None = None, lowercase: bool | None = None, max_seq_length: int = 128,
@@ -72,6 +83,8 @@ class FinetuneDataModule(LightningDataModule):
         self.max_seq_length = max_seq_length
         self.global_batch_size, self.micro_batch_size, self.seed = global_batch_size, micro_batch_size, seed
         self.datasets: dict[str, EncodedRows] = {}
+        self.predict_rows: list[Row] | None = None
+        self.predict_dataset: EncodedRows | None = None
         self._tokenizer = None
 
     @property
@@ -81,6 +94,18 @@ class FinetuneDataModule(LightningDataModule):
     def read_splits(self) -> dict[str, list[Row]]:
         """Rows of ``train`` and ``validation`` (and ``test`` when there is one)."""
         raise NotImplementedError
+
+    @property
+    def label_names(self) -> list[str] | None:
+        """The class names in class-id order (``predict`` writes them as ``label``); None: the ids."""
+        return None
+
+    def read_predict_rows(self) -> list[Row]:
+        """The rows ``predict`` reads, label None: here the split ``test`` evaluates (the test split, else
+        the validation split)."""
+        splits = self.read_splits()
+        split = "test" if "test" in splits else "validation"
+        return [(text, pair, None) for text, pair, _ in splits[split]]
 
     @property
     def tokenizer(self):
@@ -97,6 +122,11 @@ class FinetuneDataModule(LightningDataModule):
 
     @override
     def setup(self, stage: str | None = None) -> None:
+        if stage == "predict":  # the rows to predict only: the splits (the training file) are not read
+            if self.predict_dataset is None:
+                self.predict_rows = self.read_predict_rows()
+                self.predict_dataset = encode_rows(self.tokenizer, self.predict_rows, self.max_seq_length)
+            return
         if self.datasets:
             return
         for split, rows in self.read_splits().items():
@@ -114,23 +144,31 @@ class FinetuneDataModule(LightningDataModule):
             return self.trainer.global_rank, self.trainer.world_size
         return 0, 1
 
+    def _per_rank(self) -> tuple[int, int, int]:
+        """(rank, size, rows per step on this rank) of the data-parallel group."""
+        rank, size = self._dp()
+        if self.global_batch_size % size:
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by the {size} "
+                             f"data-parallel ranks; choose a multiple of {size}")
+        return rank, size, self.global_batch_size // size
+
+    def _every_row_once(self, dataset: EncodedRows) -> DataLoader:
+        """Evaluation and prediction see every row once: full global batches (the microbatch schedule needs
+        equal microbatches), this rank's contiguous slice of each, the last one padded with sample_index -1,
+        which the module leaves out of its loss and metrics and the PredictionWriter drops."""
+        rank, size, per_rank = self._per_rank()
+        sampler = PredictBatchSampler(total_samples=len(dataset), local_batch_size=per_rank,
+                                      data_parallel_rank=rank, data_parallel_size=size)
+        return MegatronDataLoader(IndexedSamples(dataset), batch_sampler=sampler)
+
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         dataset = self.datasets.get(split)
         if dataset is None:
             raise ValueError(f"{type(self).__name__} has no {split!r} split: give the file (data.{split}) or a "
                              f"fraction of the training rows (data.val_fraction / data.test_fraction)")
-        rank, size = self._dp()
-        per_rank = self.global_batch_size // size
-        if self.global_batch_size % size:
-            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by the {size} "
-                             f"data-parallel ranks; choose a multiple of {size}")
         if not shuffle:
-            # Evaluation sees every row once: full global batches (the microbatch schedule needs equal
-            # microbatches), the last one padded with sample_index -1, which the module leaves out of
-            # its loss and metrics.
-            sampler = PredictBatchSampler(total_samples=len(dataset), local_batch_size=per_rank,
-                                          data_parallel_rank=rank, data_parallel_size=size)
-            return MegatronDataLoader(IndexedSamples(dataset), batch_sampler=sampler)
+            return self._every_row_once(dataset)
+        rank, size, per_rank = self._per_rank()
         if len(dataset) < self.global_batch_size:
             raise ValueError(f"the {split} split has {len(dataset)} rows and global_batch_size="
                              f"{self.global_batch_size}: a training step needs a full global batch; lower "
@@ -155,7 +193,9 @@ class FinetuneDataModule(LightningDataModule):
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        return self.test_dataloader()
+        if self.predict_dataset is None:
+            self.setup("predict")
+        return self._every_row_once(self.predict_dataset)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -178,6 +218,9 @@ class LabelledTextDataModule(FinetuneDataModule):
         num_classes: classes when the labels are ids (None: ``len(labels)``; 1 for regression).
         val_fraction, test_fraction: share of the training rows held out for a missing
             validation / test split (seeded shuffle).
+        predict_file: what ``predict`` reads instead of the test split: a ``.txt`` file (one text per
+            line) or a ``.jsonl``/``.json``/``.csv``/``.tsv`` file with the text columns (labels not
+            read). With it, ``train`` may be None (a model that is only used to predict).
         vocab_file: the pretrained model's vocabulary (``vocab.txt`` or a ``tokenizer.json``);
             None: the packaged BERT vocabulary.
         lowercase: lowercase before WordPiece; None: as the vocabulary says (see
@@ -190,16 +233,17 @@ class LabelledTextDataModule(FinetuneDataModule):
                  text_pair_key: str | None = None, label_key: str = "label",
                  task: Literal["classification", "regression"] = "classification",
                  labels: list[str] | None = None, num_classes: int | None = None,
-                 val_fraction: float = 0.0, test_fraction: float = 0.0, vocab_file: str | None = None,
-                 lowercase: bool | None = None, max_seq_length: int = 128, global_batch_size: int = 32,
-                 micro_batch_size: int = 16, seed: int = 1234) -> None:
+                 val_fraction: float = 0.0, test_fraction: float = 0.0, predict_file: str | None = None,
+                 vocab_file: str | None = None, lowercase: bool | None = None, max_seq_length: int = 128,
+                 global_batch_size: int = 32, micro_batch_size: int = 16, seed: int = 1234) -> None:
         super().__init__(vocab_file=vocab_file, lowercase=lowercase, max_seq_length=max_seq_length,
                          global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed)
         if task not in ("classification", "regression"):
             raise ValueError(f"task={task!r} must be 'classification' or 'regression'")
-        if (dataset is None) == (train is None):
+        if (dataset is not None and train is not None) or (dataset is None and train is None and predict_file is None):
             raise ValueError("give the training data either as files (data.train, data.validation, data.test) or "
-                             "as a Hugging Face datasets folder/object (data.dataset), one of the two")
+                             "as a Hugging Face datasets folder/object (data.dataset), one of the two (only to "
+                             "predict: data.predict_file alone)")
         if dataset is not None and (validation or test):
             raise ValueError("data.dataset brings its own splits: leave data.validation / data.test unset "
                              "(or choose the splits with data.split_names)")
@@ -229,10 +273,14 @@ class LabelledTextDataModule(FinetuneDataModule):
             if path is not None and Path(path).suffix.lower() not in FILE_SUFFIXES:
                 raise ValueError(f"data.{split}={path!r}: use .jsonl, .json (one object per line), .csv or .tsv "
                                  f"files, or a Hugging Face datasets folder (data.dataset)")
+        if predict_file is not None and Path(predict_file).suffix.lower() not in PREDICT_SUFFIXES:
+            raise ValueError(f"data.predict_file={predict_file!r}: use a .txt file (one text per line), or .jsonl, "
+                             f".json (one object per line), .csv or .tsv with the text columns")
         unknown = set(split_names or {}) - set(SPLITS)
         if unknown:
             raise ValueError(f"data.split_names has {sorted(unknown)}: its keys are {list(SPLITS)}")
         self.files = {"train": train, "validation": validation, "test": test}
+        self.predict_file = predict_file
         self.dataset = dataset
         self.split_names = {s: s for s in SPLITS} | dict(split_names or {})
         self.keys = dict(text_key=text_key, text_pair_key=text_pair_key, label_key=label_key)
@@ -250,16 +298,24 @@ class LabelledTextDataModule(FinetuneDataModule):
             return 1
         return len(self.labels) if self.labels is not None else int(self._num_classes)
 
-    def _records(self) -> dict[str, tuple[Any, str]]:
+    @property
+    @override
+    def label_names(self) -> list[str] | None:
+        return None if self.labels is None else list(self.labels)
+
+    def _records(self, splits: tuple[str, ...] = SPLITS) -> dict[str, tuple[Any, str]]:
+        """(records, how errors name them) of each of ``splits`` the data has (files read only for these)."""
         if self.dataset is None:
-            return {s: (read_records(Path(f), file_where(s, f)), file_where(s, f)) for s, f in self.files.items() if f}
+            return {s: (read_records(Path(f), file_where(s, f)), file_where(s, f)) for s in splits
+                    if (f := self.files[s])}
         loaded = _load_hf(self.dataset)
         where = repr(os.fspath(self.dataset)) if isinstance(self.dataset, (str, os.PathLike)) else "the dataset"
         if not hasattr(loaded, "keys"):  # one Dataset: the training rows
-            return {"train": (loaded, where)}
+            return {"train": (loaded, where)} if "train" in splits else {}
         available = list(loaded.keys())
         out = {}
-        for split, name in self.split_names.items():
+        for split in splits:
+            name = self.split_names[split]
             if name in available:
                 out[split] = (loaded[name], f"{where}[{name!r}]")
             elif split == "train" or name != split:
@@ -268,11 +324,38 @@ class LabelledTextDataModule(FinetuneDataModule):
         return out
 
     @override
+    def read_predict_rows(self) -> list[Row]:
+        """``predict_file``'s rows, else the texts of the test split (else the validation split), labels
+        not read; the training file only when that split is held out from it."""
+        keys = dict(text_key=self.keys["text_key"], text_pair_key=self.keys["text_pair_key"])
+        if self.predict_file is not None:
+            return read_predict_file(self.predict_file, **keys)
+        fractions = {"validation": self.val_fraction, "test": self.test_fraction}
+        if self.dataset is None:
+            found = dict(self.files)
+        else:  # the splits the DatasetDict has (a training-only Dataset: none)
+            loaded = _load_hf(self.dataset)
+            names = set(loaded.keys()) if hasattr(loaded, "keys") else set()
+            found = {s: self.split_names[s] in names for s in SPLITS}
+        split = predict_split(found, fractions)
+        if split is None:
+            source = "data.test (the test split; labels optional)" if self.dataset is None else \
+                "a dataset with a test or validation split (or data.test_fraction)"
+            raise ValueError(f"predict has no rows to read: give data.predict_file (the texts to predict) or {source}")
+        if fractions[split] and not found.get(split):  # held out from the training rows
+            return [(text, pair, None) for text, pair, _ in self.read_splits()[split]]
+        [(records, where)] = self._records((split,)).values()
+        return read_labelled_rows(records, where, **keys, label_key=None, regression=False, labels=None)
+
+    @override
     def read_splits(self) -> dict[str, list[Row]]:
         regression = self.task == "regression"
         found = {s: read_labelled_rows(records, where, **self.keys, regression=regression, labels=self.labels,
                                        num_classes=None if regression else self.num_classes)
                  for s, (records, where) in self._records().items()}
+        if "train" not in found:
+            raise ValueError("no training split: give data.train (a file) or data.dataset (data.predict_file "
+                             "alone serves predict only)")
         train = found["train"]
         carve = [(s, f) for s, f in (("validation", self.val_fraction), ("test", self.test_fraction)) if f]
         if carve:

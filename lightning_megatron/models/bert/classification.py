@@ -14,6 +14,11 @@ and ``labels`` [b] (class ids; float values for regression). Logged: ``loss`` (a
 training, the batch ``accuracy``) per step; validation/test log the torchmetrics of the whole split
 (:mod:`~lightning_megatron.models.bert.metrics`: accuracy, F1, Matthews correlation; Pearson,
 Spearman and MSE for regression), synchronised over the data-parallel group.
+
+``predict`` (``predict_step``, and ``forward_step`` under the MegatronStrategy): per row the class
+probabilities ``softmax(logits)`` [b, num_classes] in fp32 (the label is their argmax), or the predicted
+value [b] for regression; no ``labels`` needed. The ``PredictionWriter`` writes them with the rows' texts
+and label names (a :class:`~lightning_megatron.datamodules.finetune.FinetuneDataModule`'s).
 """
 
 from __future__ import annotations
@@ -123,8 +128,8 @@ class BertClassificationModule(BertLightningModule):
         return rows.sum(), lambda output: (output, {})
 
     def _predictions(self, logits: torch.Tensor) -> torch.Tensor:
-        """Class ids, or the predicted values for regression."""
-        return logits.float().view(-1) if self.hparams.num_classes == 1 else logits.argmax(-1)
+        """Class probabilities ``softmax(logits)`` [b, c] (fp32), or the predicted values [b] for regression."""
+        return logits.float().view(-1) if self.hparams.num_classes == 1 else logits.float().softmax(-1)
 
     def _classify(self, chunk: BertModel, hidden: torch.Tensor) -> torch.Tensor:
         pooled = torch.tanh(chunk.pooler.dense(hidden[0]))  # hidden is the full sequence here
@@ -132,6 +137,7 @@ class BertClassificationModule(BertLightningModule):
 
     @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """One process: the probabilities [b, c] (regression: values [b]) of the batch's rows."""
         chunk = self.model_chunks[0]
         hidden = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"), return_hidden_states=True)
         return self._predictions(self._classify(chunk, hidden))
