@@ -263,3 +263,20 @@ def test_sft_and_lora_layouts_equal_one_process_through_check(tmp_path):
     assert "tp2sp          PASS" in lora and "pp2            PASS" in lora and ".adapter.linear_" in lora
     full = _cli("check", "--config", str(recipe), "--layouts", "tp2", "--steps", "2", "--model.lora", "null").stdout
     assert "tp2            PASS" in full and "layernorm" in full  # the base trains too
+
+
+def test_lora_settings_are_refused_before_launch(tmp_path):
+    """What the pre-launch check refuses: adapters without a base, a rank TP does not divide."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+    from lightning_megatron.parallel_dims import ParallelDims
+
+    problems = GPTLightningModule.config_problems
+    assert problems({"lora": {"rank": 8}}, None) == [
+        "model.lora adapts pretrained weights: set model.init_from (a Hugging Face folder or a checkpoint); its "
+        "checkpoints hold the adapters only"]
+    [odd] = problems({"lora": {"rank": 6}, "init_from": "x"}, ParallelDims(tp=4))
+    assert odd.startswith("model.lora.rank=6 must be divisible by tensor_model_parallel_size=4"), odd
+    assert problems({"lora": {"rank": 6, "target_modules": ["linear_proj"]}, "init_from": "x"},
+                    ParallelDims(tp=4)) == []  # row-parallel adapters keep the whole rank
+    [bad] = problems({"lora": {"rank": 8, "alpha": -1}, "init_from": "x"}, None)
+    assert bad == "model.lora.alpha=-1 must be > 0", bad

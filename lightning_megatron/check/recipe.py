@@ -176,8 +176,9 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
             raise ValueError(f"{cls.__name__}'s architecture is its config record: " + "; ".join(problems))
     for key, value in (model_overrides or {}).items():
         _set(model, key, value)
-    if issubclass(cls, MegatronLightningModule) and model.get("init_from"):
-        # As `fit --model.init_from`: the source fixes the architecture (cli_config._architecture_of_init_from).
+    if issubclass(cls, MegatronLightningModule) and model.get("init_from") and Path(model["init_from"]).exists():
+        # As `fit --model.init_from`: the source fixes the architecture (cli_config._architecture_of_init_from);
+        # one not there (a recipe's placeholder) leaves the recipe's, which estimates need, and a run refuses.
         moved = cls.moved_arguments()
         for key, value in cls.read_architecture(model["init_from"]).items():
             if not (key == "vocab_size" and value is None):

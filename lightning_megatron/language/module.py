@@ -305,6 +305,17 @@ class LanguageLightningModule(MegatronLightningModule):
                 config.with_layout(dims.tp, dims.sequence_parallel, dims.ep)
         except (TypeError, ValueError) as e:
             return [f"model.{CONFIG_HPARAM}: {p}" for p in (e.problems if isinstance(e, ConfigProblems) else [str(e)])]
+        try:
+            lora = LoRAConfig.coerce(hparams.get("lora"))
+        except (TypeError, ValueError) as e:
+            return [f"model.{e}" if str(e).startswith("lora") else f"model.lora: {e}"]
+        if lora is not None and not hparams.get("init_from"):
+            return ["model.lora adapts pretrained weights: set model.init_from (a Hugging Face folder or a checkpoint); "
+                    "its checkpoints hold the adapters only"]
+        column = {"linear_qkv", "linear_fc1"} & set(lora.target_modules) if lora is not None else set()
+        if column and dims is not None and lora.rank % dims.tp:
+            return [f"model.lora.rank={lora.rank} must be divisible by tensor_model_parallel_size={dims.tp} (the "
+                    f"adapters of {sorted(column)} split their rank over TP): choose a multiple of {dims.tp}"]
         if dims is not None and dims.ep > 1 and not config.num_moe_experts:
             return [f"model.{CONFIG_HPARAM}: expert_model_parallel_size={dims.ep} but the model has no experts "
                     f"(num_moe_experts is None); use expert_model_parallel_size=1, or a spec with a mixture of experts "
