@@ -12,8 +12,8 @@ Training, validation, test and prediction take the same path (:meth:`StepRunner.
    deferred are computed after the schedule (``backward_weight``: the pipeline flush);
 3. training: :func:`~lightning_megatron.grads.finalize_model_grads` (DP reduction, sequence-parallel
    and tied-embedding sums);
-4. the metrics the loss function logged: mean over microbatches (last stage), mean over DP,
-   broadcast along the pipeline, so every rank logs the same values; or, when predicting, the
+4. the metrics the loss function logged: mean over microbatches (last stage) and DP (microbatches
+   without any of the ``num_tokens`` it counts left out), broadcast along the pipeline, so every rank logs the same values; or, when predicting, the
    microbatches' ``predictions`` concatenated (last stage; ``None`` on the others);
 5. training, with ``check_for_nan_in_loss_and_grad`` (megatron-core's option, on by default): THE
    NaN/Inf guard of a training step, whatever optimizer (wrapper or plain torch optimizer) steps
@@ -222,7 +222,8 @@ class StepRunner:
         return predictions
 
     def _reduce_logged(self, logged: list[dict[str, Any]], stage: str) -> dict[str, torch.Tensor]:
-        """Mean over microbatches (last stage), mean over DP, then broadcast along the pipeline.
+        """Mean over microbatches (last stage) and DP ranks, then broadcast along the pipeline. A loss function
+        that logs ``num_tokens`` (the tokens its loss averages) has its microbatches without any left out.
 
         The pipeline broadcast is one tensor op (no host sync): the metric names are sent as objects
         only on the first step of ``stage``; a loss function whose names change later is refused.
@@ -234,10 +235,15 @@ class StepRunner:
             keys = sorted(k for k, v in logged[0].items() if torch.is_tensor(v) and v.numel() == 1)
         if keys:  # a loss function may log nothing per step (fine-tuning's evaluation logs per epoch)
             stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
-            values = stacked.mean(dim=0)
+            weights = torch.ones(len(logged), device=stacked.device)
+            if "num_tokens" in keys:
+                # A microbatch that counted no token (the padding that fills an evaluation split's last global
+                # batch) has no loss to report: it is left out of the mean, not averaged in as a zero.
+                weights = (stacked[:, keys.index("num_tokens")] > 0).float()
+            packed = torch.cat([(stacked * weights[:, None]).sum(dim=0), weights.sum().reshape(1)])
             if ps.dp_size > 1:
-                all_reduce(values, ps.group("dp"))
-                values /= ps.dp_size
+                all_reduce(packed, ps.group("dp"))
+            values = packed[:-1] / packed[-1].clamp(min=1.0)
         if ps.pp_size > 1:
             keys, values = self._broadcast_logged(keys, values, stage)
         return {} if values is None else dict(zip(keys, values.unbind(0)))

@@ -147,3 +147,25 @@ def test_mixtral_recipe_is_accepted_by_estimate_memory_and_time(capsys):
     # each GPU holds 1/8 of the experts: without EP the same layout needs 8x their bytes
     without = [line for line in out.splitlines() if line.startswith("tp2pp4dp8spzero1 ")]
     assert without and float(without[0].split()[5]) > 1.5 * float(row.split()[5]), (without, row)
+
+
+def test_lora_recipes_read_and_the_8b_one_is_accepted_by_estimate_memory(capsys):
+    """The LoRA recipes: the tiny one fine-tunes gpt_tiny's checkpoint on the packaged chats (SFTDataModule), the
+    Llama-3-8B-shaped one is read with its adapters (their gradients and optimizer state only: the frozen 8B
+    base adds weights, not state) and its layout, DP=8 with ZeRO-1, ranks first of those that fit in 80 GB."""
+    from lightning_megatron.check.cli import main
+    from lightning_megatron.parallel_dims import ParallelDims
+
+    tiny = load_recipe(ROOT / "recipes" / "gpt_tiny_lora.yaml")
+    assert tiny.data_class == "lightning_megatron.datamodules.sft.SFTDataModule"
+    assert tiny.model["init_from"] == "runs/gpt_tiny/checkpoints/last.ckpt" and tiny.model["lora"]["rank"] == 8
+    recipe = load_recipe(ROOT / "recipes" / "llama3_8b_lora.yaml")
+    assert recipe.layout == ParallelDims(dp=8, zero1=True) and recipe.model["lora"]["rank"] == 16
+    argv = ["--config", str(ROOT / "recipes" / "llama3_8b_lora.yaml"), "--estimate-memory", "--estimate-time",
+            "--gpus", "8", "--gpu-memory", "80GB", "--device", "h100"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    [row] = [line for line in out.splitlines() if line.endswith("<- the recipe's")]
+    assert row.startswith("dp8zero1 ") and out.splitlines()[3] == row, out
+    params, grads, optimizer = (float(x) for x in row.split()[1:4])
+    assert 14.9 < params < 15.1 and grads < 0.2 and optimizer < 0.2, row  # 8.03B bf16 weights; adapters' state

@@ -236,6 +236,14 @@ def test_lora_cli_fit_checkpoint_holds_adapters_and_exports_give_our_logits(tmp_
                                                       tmp_path / "adapter").eval()(input_ids=tokens).logits
     assert float((merged - ours).abs().max()) <= 1e-5
     assert float((with_adapter - ours).abs().max()) <= 1e-5
+    # the exported tokenizer renders chats as the run was trained on them (its chat template, its end of turn)
+    from lightning_megatron.data.chat import ChatTokenizer
+
+    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    trained = ChatTokenizer(base)
+    assert exported.apply_chat_template(chat, tokenize=False) == trained.template().render(chat)
+    assert exported.eos_token == trained.eos_token
 
     # The base changed under the adapters: every load path refuses it, naming both checksums.
     from safetensors.torch import load_file, save_file

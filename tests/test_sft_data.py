@@ -416,3 +416,22 @@ def test_predict_prompts_with_the_generation_prompt(folders, tmp_path):
         assert got[i] == hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     assert dm.predict_dataset.texts[0].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert dm.tokenizer.eod == hf.eos_token_id and dm.vocab_size == len(hf)
+
+
+def test_logged_loss_leaves_out_microbatches_without_counted_tokens():
+    """The validation split's last global batch is filled with copies that carry no loss (loss_mask 0): their
+    microbatches log ``num_tokens`` 0 and are left out of the logged mean, so ``val_loss`` stays the loss of
+    the real rows (averaging them in as zeros halved it: val_loss 3.57 against val_perplexity 1257 = e^7.14)."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.parallel_state import ParallelState
+    from lightning_megatron.step import StepRunner
+
+    runner = SimpleNamespace(ps=ParallelState.single_process())
+    logged = [{"loss": torch.tensor(7.0), "num_tokens": torch.tensor(12.0)},
+              {"loss": torch.tensor(6.0), "num_tokens": torch.tensor(4.0)},
+              {"loss": torch.tensor(0.0), "num_tokens": torch.tensor(0.0)}]
+    out = StepRunner._reduce_logged(runner, logged, "val")
+    assert float(out["loss"]) == 6.5 and float(out["num_tokens"]) == 8.0  # the two microbatches with tokens
+    plain = StepRunner._reduce_logged(runner, [{"loss": torch.tensor(1.0)}, {"loss": torch.tensor(2.0)}], "train")
+    assert float(plain["loss"]) == 1.5  # a loss function that counts no tokens: the plain mean

@@ -355,10 +355,15 @@ class GPTInterop:
         ``bos`` / ``eos`` token."""
         source = _tokenizer_source(saved, tokenizer)
         hf_tok = _hf_tokenizer(source) if source is not None else None
+        chat = _chat_tokenizer(saved) if tokenizer is None else None
+        if hf_tok is not None and chat is not None:
+            # an instruction-tuned model: the chat template it was trained with, and where its turns end
+            hf_tok.chat_template = chat.chat_template
+            hf_tok.eos_token = chat.eos_token
         if hf_tok is not None and len(hf_tok) != config.vocab_size:
             raise ValueError(f"tokenizer {str(source)!r} has {len(hf_tok)} tokens but the model's vocabulary is "
                              f"{config.vocab_size}: pass --tokenizer with the tokenizer it was trained with")
-        eod = hf_tok.get_vocab().get(_EOD) if hf_tok is not None else None
+        eod = hf_tok.get_vocab().get(chat.eos_token if chat is not None else _EOD) if hf_tok is not None else None
         if eod is not None:  # Megatron's end-of-document token is the model's end of text
             config.bos_token_id = config.eos_token_id = eod
         max_length = architecture_of_saved(saved)["max_sequence_length"]
@@ -370,6 +375,8 @@ class GPTInterop:
                 return
             if eod is not None and hf_tok.eos_token is None:
                 hf_tok.eos_token = hf_tok.bos_token = _EOD
+            if chat is not None and hf_tok.bos_token is None:
+                hf_tok.bos_token = chat.eos_token
             hf_tok.model_max_length = max_length
             hf_tok.save_pretrained(folder)
 
@@ -383,12 +390,26 @@ def _tokenizer_source(saved: SavedModel, tokenizer: str | os.PathLike[str] | Non
     for key in ("tokenizer_file", "tokenizer", "vocab_file"):
         if isinstance(dm.get(key), str) and Path(dm[key]).exists():
             return Path(dm[key])
-    if "vocab_file" in dm and dm["vocab_file"] is None and not dm.get("data_prefix"):
-        # GPTDataModule's default: the packaged byte-level BPE (the size check still applies)
+    if ("vocab_file" in dm and dm["vocab_file"] is None and not dm.get("data_prefix")) or (
+            "chat_template" in dm and dm.get("tokenizer") is None):
+        # GPTDataModule's and SFTDataModule's default: the packaged byte-level BPE (the size check still applies)
         from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
 
         return packaged_bpe_tokenizer_file()
     return None
+
+
+def _chat_tokenizer(saved: SavedModel) -> Any:
+    """The chat tokenizer of a run that trained on chats (an ``SFTDataModule``: its ``tokenizer``, ``chat_template``
+    and ``eos_token``), resolved as the run resolved them; None for other runs."""
+    dm = saved.datamodule_hparams
+    if "chat_template" not in dm or "tokenizer" not in dm:
+        return None
+    from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
+    from lightning_megatron.data.chat import ChatTokenizer
+
+    path = dm["tokenizer"] if dm["tokenizer"] is not None else packaged_bpe_tokenizer_file()
+    return ChatTokenizer(path, eos_token=dm.get("eos_token"), chat_template=dm.get("chat_template"))
 
 
 def _hf_tokenizer(source: Path) -> Any:
