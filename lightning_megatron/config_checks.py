@@ -341,6 +341,16 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
         problems.append(f"data vocab_file={os.fspath(vocab_file)!r} does not exist; pass the vocab.txt the dataset "
                         f"was preprocessed with (or null for the packaged BERT vocabulary)")
     arguments = _arguments(data_class, d)
+    source = m.get("init_from")
+    if {"chat_template", "tokenizer"} <= arguments.keys() and arguments.get("tokenizer") is None and isinstance(
+            source, (str, os.PathLike)) and os.path.isfile(os.path.join(os.fspath(source), "tokenizer.json")):
+        # chats encoded with the packaged BPE for a model that came with its own tokenizer: valid ids, wrong text
+        problems.append(f"data tokenizer=None encodes the chats with the packaged BPE, but model init_from="
+                        f"{os.fspath(source)!r} has its own tokenizer.json; set data.tokenizer={os.fspath(source)!r}")
+    if {"chat_template", "tokenizer"} <= arguments.keys():  # chats (SFTDataModule): its own prompt reader
+        if predicting and arguments.get("predict_file") is not None and data_class is not None:
+            problems += _check_prompts(arguments, m, lambda: data_class(**arguments).read_prompts().lengths)
+        return problems
     if {"text_key", "label_key"} <= arguments.keys():
         # labelled split files (LabelledTextDataModule's arguments), read only when a command runs; predict
         # reads only its input (the predict_file, or the split it predicts)
@@ -393,18 +403,23 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
             if tokenizer is None:
                 return problems  # the tokenizer itself cannot be had: said once
     if predicting and d.get("predict_file") is not None:
-        problems += _check_prompts(arguments, m, data_tokenizer)
+        from lightning_megatron.data.predict import PromptDataset
+
+        key = arguments.get("predict_json_key", "text")
+        problems += _check_prompts(arguments, m, lambda: PromptDataset(
+            os.fspath(arguments["predict_file"]), data_tokenizer(), key,
+            max_length=_int(arguments.get("seq_length"))).lengths)
     return problems
 
 
-def _check_prompts(d: dict[str, Any], m: dict[str, Any], data_tokenizer: Any) -> list[str]:
-    """``predict``'s ``predict_file``: readable (UTF-8, JSON lines with ``predict_json_key``); a decoder's
-    prompts (tokenized as the datamodule will) each fit ``seq_length``, and the longest one plus
-    ``predict_max_new_tokens`` fits the model's positions (a trained model's positions are fixed: the fix
-    is fewer new tokens or shorter prompts)."""
+def _check_prompts(d: dict[str, Any], m: dict[str, Any], prompt_lengths: Any) -> list[str]:
+    """``predict``'s ``predict_file``: readable (UTF-8, JSON lines with ``predict_json_key``; chats for an
+    ``SFTDataModule``); a decoder's prompts (``prompt_lengths()``: tokenized as the datamodule will) each fit
+    ``seq_length``, and the longest one plus ``predict_max_new_tokens`` fits the model's positions (a trained
+    model's positions are fixed: the fix is fewer new tokens or shorter prompts)."""
     import os
 
-    from lightning_megatron.data.predict import PromptDataset, read_texts
+    from lightning_megatron.data.predict import read_texts
 
     path, key = os.fspath(d["predict_file"]), d.get("predict_json_key", "text")
     new, positions = _int(m.get("predict_max_new_tokens")), _int(m.get("max_sequence_length"))
@@ -412,7 +427,7 @@ def _check_prompts(d: dict[str, Any], m: dict[str, Any], data_tokenizer: Any) ->
         if new is None:  # an encoder's texts (cut to max_seq_length by the datamodule)
             read_texts(path, key)
             return []
-        lengths = PromptDataset(path, data_tokenizer(), key, max_length=_int(d.get("seq_length"))).lengths
+        lengths = prompt_lengths()
     except (ValueError, OSError) as error:
         return [f"data {error}"]
     longest = max(range(len(lengths)), key=lengths.__getitem__)

@@ -36,7 +36,8 @@ def _llama_folder(path: Path, *, vocab: int, layers: int = 2, seed: int = 0) -> 
     eos = vocab - 1
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, rope_theta=5000.0)
+                                      tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, rope_theta=5000.0,
+                                      initializer_range=0.1)  # peaked logits: greedy tokens without near-ties
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -245,6 +246,25 @@ def test_lora_cli_fit_checkpoint_holds_adapters_and_exports_give_our_logits(tmp_
     assert exported.apply_chat_template(chat, tokenize=False) == trained.template().render(chat)
     assert exported.eos_token == trained.eos_token
 
+    # finetune predict continues chat prompts at TP=2 (rendered with the generation prompt, stopped at the end of
+    # turn): the tokens equal our greedy generation of the checkpoint in this process
+    import json
+
+    from lightning_megatron.datamodules.sft import SFTDataModule
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "Name a prime number, please."}]}) + "\n")
+    _cli("finetune", "predict", "--config", str(recipe), "--ckpt_path", str(ckpt), "--data.init_args.predict_file",
+         str(prompts), "--model.init_args.predict_max_new_tokens", "6")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "predictions" / "predictions.jsonl").open()]
+    data = SFTDataModule(predict_file=str(prompts), tokenizer=str(base), seq_length=64, global_batch_size=4,
+                         micro_batch_size=2)
+    read = data.read_prompts()
+    want = module.generate([torch.tensor(ids) for ids in read.ids], 6, tokenizer=data.tokenizer)
+    assert [r["prompt"] for r in rows] == read.texts and read.texts[0].endswith("<|im_start|>assistant\n")
+    assert [r["token_ids"] for r in rows] == [w[len(ids):].tolist() for w, ids in zip(want, read.ids)]
+
     # The base changed under the adapters: every load path refuses it, naming both checksums.
     from safetensors.torch import load_file, save_file
 
@@ -270,7 +290,9 @@ def test_sft_and_lora_layouts_equal_one_process_through_check(tmp_path):
                 "--model.optimizer", "sgd").stdout
     assert "tp2sp          PASS" in lora and "pp2            PASS" in lora and ".adapter.linear_" in lora
     full = _cli("check", "--config", str(recipe), "--layouts", "tp2", "--steps", "2", "--model.lora", "null").stdout
-    assert "tp2            PASS" in full and "layernorm" in full  # the base trains too
+    assert "tp2            PASS" in full
+    [worst] = [line.split()[-1] for line in full.splitlines() if line.startswith("tp2               1 ")]
+    assert ".adapter." not in worst, worst  # the base trains too: its gradients are compared
 
 
 def test_lora_settings_are_refused_before_launch(tmp_path):
@@ -288,3 +310,21 @@ def test_lora_settings_are_refused_before_launch(tmp_path):
                     ParallelDims(tp=4)) == []  # row-parallel adapters keep the whole rank
     [bad] = problems({"lora": {"rank": 8, "alpha": -1}, "init_from": "x"}, None)
     assert bad == "model.lora.alpha=-1 must be > 0", bad
+
+
+def test_chats_encoded_with_another_tokenizer_than_the_base_folders_are_refused(tmp_path):
+    """SFTDataModule's ``tokenizer: null`` is the packaged BPE: for a base that brings its own tokenizer.json the ids
+    would be valid and the text wrong, so the pre-launch check refuses it, naming the folder to use."""
+    from lightning_megatron.config_checks import check_config
+    from lightning_megatron.datamodules.sft import SFTDataModule
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    model = {"init_from": str(tmp_path), "lora": {"rank": 8}}
+    problems = check_config(model, {"tokenizer": None, "seq_length": 64}, data_class=SFTDataModule,
+                            model_class=GPTLightningModule, running=False)
+    assert any(p.startswith("data tokenizer=None encodes the chats with the packaged BPE, but model init_from=")
+               and p.endswith(f"set data.tokenizer={str(tmp_path)!r}") for p in problems), problems
+    problems = check_config(model, {"tokenizer": str(tmp_path), "seq_length": 64}, data_class=SFTDataModule,
+                            model_class=GPTLightningModule, running=False)
+    assert not any("packaged BPE" in p for p in problems), problems

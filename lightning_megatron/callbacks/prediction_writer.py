@@ -49,7 +49,7 @@ from typing_extensions import override
 from lightning_megatron.data.predict import SAMPLE_INDEX
 from lightning_megatron.datamodules.finetune import FinetuneDataModule
 from lightning_megatron.datamodules.pretraining import PretrainingDataModule
-from lightning_megatron.generation import StopRule, StopsGeneration
+from lightning_megatron.generation import StopRule, StopsGeneration, TokenizedData
 from lightning_megatron.parallel_state import group_rank, group_size, process_group
 from lightning_megatron.strategy import MegatronStrategy
 
@@ -91,7 +91,7 @@ class PredictionWriter(BasePredictionWriter):
         self._folder = Path(self.output_dir or os.path.join(trainer.default_root_dir, "predictions"))
         self._arrays = {}
         dm = trainer.datamodule
-        self._tokenizer = dm.tokenizer if isinstance(dm, PretrainingDataModule) else None
+        self._tokenizer = dm.tokenizer if isinstance(dm, (PretrainingDataModule, TokenizedData)) else None
         # A decoder's stop rule (GPTLightningModule.predict_stop_rule: EOD, stop strings): the rule its generation
         # applied, so each sequence is cut where it ended.
         self._stop = pl_module.predict_stop_rule() if isinstance(pl_module, StopsGeneration) else StopRule()
@@ -188,8 +188,10 @@ class PredictionWriter(BasePredictionWriter):
     @staticmethod
     def _prompt_texts(dm: Any) -> list[str] | None:
         from lightning_megatron.datamodules.gpt import GPTDataModule
+        from lightning_megatron.datamodules.sft import SFTDataModule  # prompts rendered with the chat template
 
-        return dm.predict_dataset.texts if isinstance(dm, GPTDataModule) and dm.predict_dataset is not None else None
+        prompts = isinstance(dm, (GPTDataModule, SFTDataModule)) and dm.predict_dataset is not None
+        return dm.predict_dataset.texts if prompts else None
 
     def _collect_generated(self, tokens: torch.Tensor, prediction: torch.Tensor, index: torch.Tensor,
                            keep: torch.Tensor) -> None:

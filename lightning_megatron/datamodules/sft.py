@@ -261,9 +261,9 @@ class SFTDataModule(pl.LightningDataModule):
         return self._eval_loader("test")
 
     @override
-    def predict_dataloader(self) -> DataLoader:
-        """``predict_file``'s prompts, every one once: full global batches of one prompt length (the last of
-        each length padded with copies whose ``sample_index`` is -1)."""
+    def read_prompts(self) -> PromptSamples:
+        """``predict_file``'s prompts rendered with the generation prompt and tokenized (each at most
+        ``seq_length`` tokens): what ``predict`` continues (the pre-launch check reads them too)."""
         if self.predict_file is None:
             raise ValueError("SFTDataModule: predict continues prompts: pass --data.predict_file (.jsonl of "
                              "{\"prompt\": ...} or {\"messages\": [...]} without the final assistant message)")
@@ -277,7 +277,12 @@ class SFTDataModule(pl.LightningDataModule):
                                  f"{self.seq_length}: shorten it or raise seq_length")
             texts.append(text)
             ids.append(tokens)
-        self.predict_dataset = PromptSamples(texts, ids)
+        return PromptSamples(texts, ids)
+
+    def predict_dataloader(self) -> DataLoader:
+        """``predict_file``'s prompts, every one once: full global batches of one prompt length (the last of
+        each length padded with copies whose ``sample_index`` is -1)."""
+        self.predict_dataset = self.read_prompts()
         rank, size = self._dp_coordinates()
         sampler = LengthGroupedBatchSampler(self.predict_dataset.lengths, data_parallel_rank=rank,
                                             data_parallel_size=size,
