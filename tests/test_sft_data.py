@@ -19,9 +19,9 @@ import torch
 import transformers
 from dist_utils import accelerator
 
-from lightning_megatron.data.chat import (DEFAULT_CHAT_TEMPLATE, ChatRecord, ChatTemplate, ChatTokenizer, SFTSamples,
-                                          encode_chat, first_fit, fit_examples, packaged_sample_file,
-                                          read_chat_records)
+from lightning_megatron.data.chat import (DEFAULT_CHAT_TEMPLATE, ChatRecord, ChatTemplate, ChatTokenizer, encode_chat,
+                                          packaged_sample_file, read_chat_records)
+from lightning_megatron.data.sft_samples import SFTSamples, first_fit, fit_examples
 from lightning_megatron.datamodules import SFTDataModule
 
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "

@@ -24,9 +24,10 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_megatron.data.chat import (ChatRecord, ChatTokenizer, EncodeStats, EpochShuffledBatchSampler,
-                                          PromptSamples, SFTSamples, encode_chat, encode_prompt, fit_examples,
-                                          group_examples, packaged_sample_file, read_chat_records)
+from lightning_megatron.data.chat import (ChatRecord, ChatTokenizer, encode_chat, encode_prompt, packaged_sample_file,
+                                          read_chat_records)
+from lightning_megatron.data.sft_samples import (EncodeStats, EpochShuffledBatchSampler, PromptSamples, SFTSamples,
+                                                 fit_examples, group_examples)
 from lightning_megatron.data.loader import MegatronDataLoader, default_num_workers
 from lightning_megatron.data.predict import IndexedSamples, LengthGroupedBatchSampler, PredictBatchSampler
 
