@@ -1,7 +1,7 @@
 """``SFTDataModule``: instruction tuning (SFT) data for decoders, chats rendered by the tokenizer's chat template.
 
-The Lightning-free part (records, template, loss mask, truncation, packing, the training order) is
-:mod:`lightning_megatron.data.chat`. A training step receives this data-parallel rank's share of one global
+The Lightning-free part: :mod:`lightning_megatron.data.chat` (records, template, loss mask) and
+:mod:`lightning_megatron.data.sft_samples` (truncation, packing, the training order). A training step receives this data-parallel rank's share of one global
 batch, the :class:`~lightning_megatron.models.gpt.module.GPTLightningModule` contract: ``tokens`` /
 ``labels`` int64 and ``loss_mask`` float32 ``[b, s]`` (the loss on the assistant's tokens only), and with
 ``pack=True`` also ``position_ids`` and ``document_ids`` (attention within each example). The DP
