@@ -130,7 +130,7 @@ def test_folder_import_gives_transformers_logits_and_greedy_tokens(tmp_path, nam
     if name == "qwen2_moe_norm_topk":
         return  # the routing variant: the logits suffice
     prompt = _tokens(5)
-    ours = module.generate(prompt, 8)
+    ours = module.generate(prompt, 8, stop_token=None)
     theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
                          attention_mask=torch.ones_like(prompt))
     assert torch.equal(ours, theirs), (ours, theirs)

@@ -145,6 +145,12 @@ class ColumnParallelLinear(nn.Module):
         bias = None if self.skip_bias_add else self.bias
         return policy_linear(self, total_input, weight, bias)
 
+    def set_sequence_parallel(self, on: bool) -> bool:
+        """Run with (``on``) or without sequence parallelism from now on (the weights do not depend on it);
+        returns the previous setting."""
+        previous, self.sequence_parallel = self.sequence_parallel, on
+        return previous
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, out_per_partition={self.output_size_per_partition}, "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
@@ -195,6 +201,12 @@ class RowParallelLinear(nn.Module):
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
+
+    def set_sequence_parallel(self, on: bool) -> bool:
+        """Run with (``on``) or without sequence parallelism from now on (the weights do not depend on it);
+        returns the previous setting."""
+        previous, self.sequence_parallel = self.sequence_parallel, on
+        return previous
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, in_per_partition={self.input_size_per_partition}, out={self.output_size}, "

@@ -167,6 +167,12 @@ class TransformerConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn("sequence_parallel=True has no effect with tensor_model_parallel_size=1", stacklevel=3)
 
+    def set_sequence_parallel(self, on: bool) -> bool:
+        """Layers that read this record run with (``on``) or without sequence parallelism from now on (generation
+        switches it off for a call: the weights do not depend on it); returns the previous setting."""
+        previous, self.sequence_parallel = self.sequence_parallel, on
+        return previous
+
     def _resolve_sizes(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size

@@ -122,17 +122,22 @@ class InferenceContext:
 @contextlib.contextmanager
 def sequence_parallel_off(module: nn.Module) -> Iterator[None]:
     """Inside the block, ``module`` runs as if built with ``sequence_parallel=False``: the
-    ``sequence_parallel`` flag of every submodule that has one (the tensor-parallel linears) and of every
-    submodule's :class:`TransformerConfig` is False, and restored on exit. The parameters are the same
+    ``sequence_parallel`` flag of every tensor-parallel linear (and LoRA adapter) and of every submodule's
+    :class:`TransformerConfig` is False (``set_sequence_parallel``), and restored on exit. The parameters are the same
     (sequence parallelism splits activations only), so the outputs are those of the model without it:
     whole-sequence activations on every TP rank, the all-reduces of plain tensor parallelism."""
+    from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from lightning_megatron.transformer.lora import LoRAAdapter
+
     configs = {id(c): c for m in module.modules()
                if isinstance(c := getattr(m, "config", None), TransformerConfig) and c.sequence_parallel}
-    layers = [m for m in module.modules() if getattr(m, "sequence_parallel", None) is True]
-    for owner in (*configs.values(), *layers):
-        owner.sequence_parallel = False
+    layers = [m for m in module.modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear, LoRAAdapter)) and m.sequence_parallel]
+    owners = [*configs.values(), *layers]
+    for owner in owners:
+        owner.set_sequence_parallel(False)
     try:
         yield
     finally:
-        for owner in (*configs.values(), *layers):
-            owner.sequence_parallel = True
+        for owner in owners:
+            owner.set_sequence_parallel(True)

@@ -191,6 +191,12 @@ class LoRAAdapter(nn.Module):
              else reduce_from_tensor_model_parallel_region(a, tp))
         return F.linear(a, b_w) * self.scaling
 
+    def set_sequence_parallel(self, on: bool) -> bool:
+        """Run with (``on``) or without sequence parallelism from now on (the weights do not depend on it);
+        returns the previous setting."""
+        previous, self.sequence_parallel = self.sequence_parallel, on
+        return previous
+
     def extra_repr(self) -> str:
         kind = "column" if self.column else "row"
         return f"{kind}-parallel base, rank={self.linear_in.weight.shape[0 if self.column else 0]}, scaling={self.scaling}"
