@@ -2,7 +2,8 @@
 
 :class:`MegatronDataLoader` is a plain ``DataLoader`` whose position is its batch sampler's
 ``consumed_samples`` (:mod:`~lightning_megatron.data.samplers`); :func:`default_num_workers` is the
-worker count when a datamodule's ``num_workers`` is None. Neither imports Lightning.
+worker count when a datamodule's ``num_workers`` is None; :func:`trainer_loader` builds the loader a datamodule
+hands its trainer. None imports Lightning.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-__all__ = ["MegatronDataLoader", "default_num_workers"]
+__all__ = ["MegatronDataLoader", "default_num_workers", "trainer_loader"]
 
 
 def default_num_workers(processes_per_node: int = 1) -> int:
@@ -37,3 +38,15 @@ class MegatronDataLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
+
+
+def trainer_loader(dataset: Any, batch_sampler: Any, trainer: Any, num_workers: int | None) -> MegatronDataLoader:
+    """The datamodules' loader of ``dataset`` in ``batch_sampler``'s order for ``trainer`` (None: none attached):
+    ``num_workers`` workers (None: :func:`default_num_workers` for the trainer's processes on this node), kept
+    alive between epochs, and pinned memory when the strategy's device is not the CPU."""
+    devices = int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1
+    workers = num_workers if num_workers is not None else default_num_workers(devices)
+    root = getattr(getattr(trainer, "strategy", None), "root_device", None) if trainer is not None else None
+    pin = root is not None and getattr(root, "type", "cpu") != "cpu"
+    return MegatronDataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
+                              persistent_workers=workers > 0, pin_memory=pin)

@@ -27,7 +27,7 @@ from lightning_megatron.data.corpus import default_corpus_fingerprint
 from lightning_megatron.data.dataset_vocab import (TokenizerFamily, check_dataset_vocab, dataset_tokenizer,
                                                    vocab_sidecar_path)
 from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
-from lightning_megatron.data.loader import MegatronDataLoader, default_num_workers
+from lightning_megatron.data.loader import trainer_loader
 from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from lightning_megatron.data.tokenizer import default_cache_dir, file_lock
@@ -266,13 +266,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         return base_samples + (int(trainer.global_step) - base_step) * self.global_batch_size
 
     def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
-        trainer = self._trainer_or_none()
-        devices = int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1
-        workers = self.num_workers if self.num_workers is not None else default_num_workers(devices)
-        root = getattr(getattr(trainer, "strategy", None), "root_device", None) if trainer is not None else None
-        pin = root is not None and getattr(root, "type", "cpu") != "cpu"
-        return MegatronDataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                  persistent_workers=workers > 0, pin_memory=pin)
+        return trainer_loader(dataset, sampler, self._trainer_or_none(), self.num_workers)
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -21,14 +21,14 @@ import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_megatron.data.chat import (ChatRecord, ChatTokenizer, encode_chat, encode_prompt, packaged_sample_file,
                                           read_chat_records)
 from lightning_megatron.data.sft_samples import (EncodeStats, EpochShuffledBatchSampler, PromptSamples, SFTSamples,
                                                  fit_examples, group_examples)
-from lightning_megatron.data.loader import MegatronDataLoader, default_num_workers
+from lightning_megatron.data.loader import trainer_loader
 from lightning_megatron.data.predict import IndexedSamples, LengthGroupedBatchSampler, PredictBatchSampler
 
 __all__ = ["SFTDataModule"]
@@ -219,13 +219,8 @@ class SFTDataModule(pl.LightningDataModule):
             return base_samples
         return base_samples + (int(trainer.global_step) - base_step) * self.global_batch_size
 
-    def _loader(self, dataset: Dataset, sampler: Any) -> DataLoader:
-        trainer = self._trainer_or_none()
-        devices = int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1
-        workers = self.num_workers if self.num_workers is not None else default_num_workers(devices)
-        root = getattr(getattr(trainer, "strategy", None), "root_device", None) if trainer is not None else None
-        return MegatronDataLoader(dataset, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
-                                  pin_memory=root is not None and getattr(root, "type", "cpu") != "cpu")
+    def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
+        return trainer_loader(dataset, sampler, self._trainer_or_none(), self.num_workers)
 
     def _split(self, split: str) -> SFTSamples | None:
         if not self.datasets:
