@@ -28,7 +28,8 @@ FIT = ["fit", "--config", os.path.join(ROOT, "recipes", "bert_tiny.yaml"), "--mo
 
 
 def _fit(steps: int, folder: str, profile: str | None = None) -> float:
-    args = [*FIT, "--trainer.max_steps", str(steps), "--trainer.default_root_dir", os.path.join(folder, f"run{steps}")]
+    run = tempfile.mkdtemp(prefix=f"run{steps}-", dir=folder)  # a new run folder each time (runs never share one)
+    args = [*FIT, "--trainer.max_steps", str(steps), "--trainer.default_root_dir", run]
     cmd = [sys.executable, "-m", "lightning_megatron.cli", *args]
     if profile:  # rank 0 under cProfile; Lightning starts rank 1 as `python <sys.argv[0]> ...`, i.e. cli.py
         import lightning_megatron.cli as cli

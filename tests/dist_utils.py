@@ -1,7 +1,8 @@
 """Run a function on N ranks in spawned processes, with a timeout, for tests.
 
 Every multi-process test goes through :func:`run_distributed`:
-- each rank is a fresh ``spawn``-ed process with ``torch.set_num_threads(1)`` (2 cores here);
+- each rank is a fresh process (:func:`lightning_megatron.check.spawn.run_distributed`: forked from a
+  server that imported torch, with the caller's environment) with ``torch.set_num_threads(1)``;
 - the default process group is initialized with a collective timeout: gloo on CPU; with the test
   device cuda (``pytest --device cuda`` / ``LM_TEST_DEVICE=cuda``) NCCL, one GPU per rank
   (``torch.set_default_device``), and the test is skipped, saying why, with fewer GPUs than ranks;
