@@ -59,20 +59,24 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     build). ``args`` (or ``sys.argv`` when None) may name recipes with ``base:``; they are merged first
     (lightning_megatron.recipes). ``link_num_classes``: the model's ``num_classes`` is the datamodule's
     (fine-tuning)."""
-    from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
-    from torch.optim import Optimizer
-
-    import lightning_megatron.strategy  # noqa: F401  registers strategy="megatron"
-    from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback, PredictionWriter
-    from lightning_megatron.loggers import WandbRunIdCallback
-    from lightning_megatron.module import MegatronLightningModule
-
     if args is None:  # LightningCLI reads sys.argv; Lightning starts the other ranks with it too
         sys.argv[1:] = _resolve_recipes(sys.argv[1:])
     else:
         args = _resolve_recipes(args)
 
     given = list(args if args is not None else sys.argv[1:])  # the command line's own flags
+    from lightning_megatron import launch
+
+    launch.prewarm(given)  # the other local ranks import while this one parses (lightning_megatron.launch)
+
+    from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+    from torch.optim import Optimizer
+
+    from lightning_megatron.strategy import MegatronStrategy  # also registers strategy="megatron"
+    from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback, PredictionWriter
+    from lightning_megatron.loggers import WandbRunIdCallback
+    from lightning_megatron.module import MegatronLightningModule
     from lightning_megatron.optimizer.config import OptimizerConfig
 
     # A class named by class_path (command line or recipe): LightningCLI's subclass mode, and BERT is
@@ -148,6 +152,9 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
 
         def instantiate_classes(self) -> None:
             super().instantiate_classes()
+            strategy = self.trainer.strategy
+            if not (isinstance(strategy, MegatronStrategy) and isinstance(strategy.launcher, _SubprocessScriptLauncher)):
+                launch.release()  # no launcher that hands local ranks to the waiting ones: they exit
             config = self.config[self.subcommand] if self.subcommand else self.config
             optimizer, scheduler = config.get("optimizer"), config.get("lr_scheduler")
             if not (optimizer or scheduler):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import signal
+import sys
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -32,6 +33,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -39,6 +41,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatron import checkpoint as ckpt
+from lightning_megatron import launch
 from lightning_megatron.config_checks import timeout_problem
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
@@ -74,6 +77,17 @@ from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 from lightning_megatron.tensor_parallel.random import model_parallel_seed
 
 __all__ = ["MegatronStrategy"]
+
+
+class _PrewarmedLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, whose local ranks are the ones the ``lightning-megatron``
+    command started early where they wait (:mod:`lightning_megatron.launch`: same command,
+    environment and folder); the others it starts itself."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        with launch.hand_to_waiting(sys.modules[_SubprocessScriptLauncher.__module__]):
+            super()._call_children_scripts()
 
 
 class MegatronStrategy(DDPStrategy):
@@ -203,6 +217,12 @@ class MegatronStrategy(DDPStrategy):
             return self.parallel_dims.for_world_size(self.num_nodes * self.num_processes)
         except ValueError as e:
             raise ValueError(f"MegatronStrategy: {e}") from None
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = _PrewarmedLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:

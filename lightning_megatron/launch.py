@@ -1,0 +1,180 @@
+"""Local ranks started before they are needed: they import while rank 0 reads the recipe.
+
+Lightning's subprocess launcher starts local ranks 1..N-1 when rank 0 reaches ``trainer.fit``; each
+then imports torch, Lightning and ours (~4 s on 2 cores) while rank 0 waits for it at the
+rendezvous, so a 2-process command paid its imports twice, one after the other. The
+``lightning-megatron`` command starts those ranks as soon as it has read the recipe
+(:func:`prewarm`): each imports what every rank imports, then waits on a pipe. Lightning still
+launches: ``MegatronStrategy``'s launcher is Lightning's own (:func:`hand_to_waiting` around it), and where
+it would start local rank k with ``subprocess.Popen(command, env=..., cwd=...)``, the waiting
+process k receives that command line, environment and folder and runs the command as Python would
+(a script, or ``-m module``), so it is the process Lightning would have started, begun earlier.
+
+A guess that was wrong (another device count, another strategy, a command it cannot run) costs
+only the imports: Lightning starts what is missing itself, and a waiting process that is not used
+exits when rank 0 closes its pipe (:func:`release`, also at rank 0's exit, or its death).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["prewarm", "release", "local_processes", "hand_to_waiting", "PREWARM_ENV"]
+
+PREWARM_ENV = "LIGHTNING_MEGATRON_PREWARM_FD"
+"""Set in a waiting rank's environment: the file descriptor of the pipe its order arrives on."""
+
+_STARTED_ELSEWHERE = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE",
+                      "PMI_SIZE")
+"""Environment variables of a rank, or of a cluster that starts the ranks itself: no prewarming there."""
+
+_IMPORTS = ("lightning.pytorch.cli", "lightning_megatron.strategy", "lightning_megatron.callbacks",
+            "lightning_megatron.loggers", "lightning_megatron.module")
+"""What every rank of the command imports before it parses anything."""
+
+
+@dataclass
+class _Waiting:
+    local_rank: int
+    proc: subprocess.Popen
+    pipe: int  # the write end of its order pipe
+
+
+_waiting: list[_Waiting] = []
+
+
+def local_processes(argv: list[str]) -> int:
+    """The processes per node ``argv`` asks for when it says so as a number (``--trainer.devices 2``
+    on the command line, last one winning, else the last ``--config`` recipe's ``trainer.devices``);
+    1 for anything else (``auto``, a list of devices, none given): only a guess that saves time."""
+    from lightning_megatron.cli import _recipes
+
+    value: Any = None
+    for recipe in _recipes(argv):
+        trainer = recipe.get("trainer")
+        if isinstance(trainer, dict) and "devices" in trainer:
+            value = trainer["devices"]
+    for i, arg in enumerate(argv):
+        option, eq, given = arg.partition("=")
+        if option == "--trainer.devices":
+            value = given if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    if isinstance(value, bool):
+        return 1
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and value > 1 else 1
+
+
+def prewarm(argv: list[str]) -> None:
+    """Start local ranks 1..N-1 of the command ``argv`` now, waiting for their order (N from
+    :func:`local_processes`); nothing inside a rank, under a cluster that starts ranks itself,
+    for a help or print-config call, or when N is 1."""
+    if _waiting or any(k in os.environ for k in (PREWARM_ENV, *_STARTED_ELSEWHERE)):
+        return
+    if any(a in ("-h", "--help", "--print_config") or a.startswith("--print_config=") for a in argv):
+        return
+    for local_rank in range(1, local_processes(argv)):
+        read, write = os.pipe()
+        env = dict(os.environ, LOCAL_RANK=str(local_rank), **{PREWARM_ENV: str(read)})  # LOCAL_RANK: as
+        # Lightning's rank k has it at import (rank_zero_only.rank is read from it then)
+        proc = subprocess.Popen([sys.executable, "-c", "from lightning_megatron.launch import _wait; _wait()"],
+                                env=env, pass_fds=(read,))
+        os.close(read)
+        _waiting.append(_Waiting(local_rank, proc, write))
+    if _waiting:
+        atexit.register(release)
+
+
+def release() -> None:
+    """Close the pipes of the waiting ranks no launcher took: they exit without running anything."""
+    while _waiting:
+        os.close(_waiting.pop().pipe)
+
+
+def _runnable(command: list[str]) -> bool:
+    """Whether a waiting rank can run ``command`` as this interpreter would: ``python script args``
+    or ``python -m module args`` (Lightning's command for a rank), with this interpreter."""
+    if len(command) < 2 or os.path.realpath(command[0]) != os.path.realpath(sys.executable):
+        return False
+    return (command[1] == "-m" and len(command) >= 3) or not command[1].startswith("-")
+
+
+class _PopenFromWaiting:
+    """Lightning's launcher module's ``subprocess``, whose ``Popen`` hands the command to the waiting
+    rank of its ``LOCAL_RANK`` (or starts it, when none waits or it cannot run it)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    def Popen(self, command: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
+              **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - subprocess's name
+        env = dict(os.environ if env is None else env)
+        rank = next((w for w in _waiting if str(w.local_rank) == env.get("LOCAL_RANK")), None)
+        if rank is None or kwargs or not _runnable(list(command)) or rank.proc.poll() is not None:
+            return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
+        _waiting.remove(rank)
+        order = json.dumps({"command": list(command), "env": env, "cwd": cwd}).encode()
+        try:
+            view = memoryview(order)
+            while view:
+                view = view[os.write(rank.pipe, view):]
+        finally:
+            os.close(rank.pipe)
+        return rank.proc
+
+
+@contextlib.contextmanager
+def hand_to_waiting(launcher_module: Any) -> Iterator[None]:
+    """While Lightning's launcher (in ``launcher_module``) starts the local ranks: each ``Popen`` of
+    it is handed to the waiting rank of its ``LOCAL_RANK``; after, the ranks not taken are released."""
+    if not _waiting:
+        yield
+        return
+    launcher_module.subprocess = _PopenFromWaiting()
+    try:
+        yield
+    finally:
+        launcher_module.subprocess = subprocess
+        release()
+
+
+def _wait() -> None:
+    """A waiting rank: import, wait for the order (none: exit quietly), become the command."""
+    import importlib
+    import runpy
+
+    fd = int(os.environ.pop(PREWARM_ENV))
+    try:
+        for name in _IMPORTS:
+            importlib.import_module(name)
+        with os.fdopen(fd, "rb") as pipe:
+            order = pipe.read()
+    except KeyboardInterrupt:  # Ctrl-C of the command before this rank was needed
+        raise SystemExit(130) from None
+    if not order:
+        raise SystemExit(0)  # not needed (rank 0 launched otherwise, failed, or exited)
+    order = json.loads(order)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+    rank_zero_only.rank = _get_rank() or 0  # as read at import by a process started with this environment
+    if order["cwd"]:
+        os.chdir(order["cwd"])
+    command = order["command"]
+    if command[1] == "-m":
+        sys.argv = [command[2], *command[3:]]  # runpy puts the module's file in argv[0]
+        sys.path[0] = os.getcwd()  # as `python -m` has it
+        runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = command[1:]
+        sys.path[0] = os.path.dirname(os.path.abspath(command[1]))  # as `python script` has it
+        runpy.run_path(command[1], run_name="__main__")

@@ -1,0 +1,81 @@
+"""Local ranks started early (lightning_megatron.launch): the waiting process Lightning's launcher hands a
+rank to runs exactly the command, environment and folder Lightning gave; the others exit untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from lightning_megatron import launch
+
+
+@pytest.fixture
+def outside_any_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in launch._STARTED_ELSEWHERE:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    launch.release()
+
+
+def test_waiting_ranks_run_lightnings_commands_and_the_rest_exit(tmp_path, outside_any_rank) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "import lightning.pytorch\n"
+        "json.dump({'argv': sys.argv, 'local_rank': os.environ['LOCAL_RANK'], 'cwd': os.getcwd(),\n"
+        "           'extra': os.environ.get('EXTRA'), 'prewarm': os.environ.get('" + launch.PREWARM_ENV + "'),\n"
+        "           'name': __name__, 'rank_zero': lightning.pytorch.utilities.rank_zero_only.rank},\n"
+        "          open(sys.argv[1], 'w'))\n")
+    (tmp_path / "in.json").write_text('{"b": 1}')
+    work = tmp_path / "work"
+    work.mkdir()
+
+    launch.prewarm(["fit", "--trainer.devices", "4"])  # local ranks 1, 2 and 3 start importing now
+    waiting = {w.local_rank: w.proc for w in launch._waiting}
+    assert sorted(waiting) == [1, 2, 3]
+
+    lightnings = types.SimpleNamespace(subprocess=subprocess)  # stands for Lightning's launcher module
+    with launch.hand_to_waiting(lightnings):
+        env = dict(os.environ, EXTRA="from rank 0")
+        script_rank = lightnings.subprocess.Popen([sys.executable, str(script), str(tmp_path / "out.json")],
+                                                  env=dict(env, LOCAL_RANK="1"), cwd=str(work))
+        module_rank = lightnings.subprocess.Popen([sys.executable, "-m", "json.tool", str(tmp_path / "in.json"),
+                                                   str(tmp_path / "out2.json")], env=dict(env, LOCAL_RANK="2"))
+        # `python -c` is no command a waiting rank runs: started as asked, and waiting rank 3 is released
+        other = lightnings.subprocess.Popen([sys.executable, "-c", "pass"], env=dict(env, LOCAL_RANK="3"))
+    assert lightnings.subprocess is subprocess  # the launcher module is left as it was
+
+    assert script_rank is waiting[1] and module_rank is waiting[2] and other is not waiting[3]
+    assert [p.wait(timeout=120) for p in (script_rank, module_rank, other, waiting[3])] == [0, 0, 0, 0]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got == {"argv": [str(script), str(tmp_path / "out.json")], "local_rank": "1", "cwd": str(work),
+                   "extra": "from rank 0", "prewarm": None, "name": "__main__", "rank_zero": 1}
+    assert json.loads((tmp_path / "out2.json").read_text()) == {"b": 1}
+    assert launch._waiting == []
+
+
+@pytest.mark.parametrize("argv, recipe, expected", [
+    (["fit", "--trainer.devices", "2"], None, 2),
+    (["fit", "--trainer.devices=3"], "trainer:\n  devices: 2\n", 3),  # the command line wins over the recipe
+    (["fit"], "trainer:\n  devices: 2\n", 2),
+    (["fit"], "trainer:\n  devices: auto\n", 1),  # not a number: no guess
+    (["fit", "--trainer.devices", "[0, 1]"], None, 1),
+    (["fit"], None, 1),
+])
+def test_local_processes_reads_a_number_of_devices_only(tmp_path, argv, recipe, expected) -> None:
+    if recipe is not None:
+        (tmp_path / "r.yaml").write_text(recipe)
+        argv = [*argv, "--config", str(tmp_path / "r.yaml")]
+    assert launch.local_processes(argv) == expected
+
+
+def test_no_prewarming_inside_a_rank_or_for_help(monkeypatch, outside_any_rank) -> None:
+    launch.prewarm(["fit", "--trainer.devices", "2", "--help"])
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    launch.prewarm(["fit", "--trainer.devices", "2"])
+    assert launch._waiting == []
