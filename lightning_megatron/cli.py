@@ -68,7 +68,15 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
     from lightning_megatron import launch
 
     launch.prewarm(given)  # the other local ranks import while this one parses (lightning_megatron.launch)
+    try:
+        return _megatron_cli(args, given, model_class, datamodule_class, link_num_classes=link_num_classes, **kwargs)
+    finally:
+        launch.release()  # local ranks started early that no launcher took (a refusal, an error, one device)
 
+
+def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | None, datamodule_class: type | None,
+                  *, link_num_classes: bool, **kwargs) -> Any:
+    """:func:`_lightning_cli` once the recipes are resolved: build (and run) the LightningCLI."""
     from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
     from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
     from torch.optim import Optimizer
@@ -154,6 +162,8 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
             super().instantiate_classes()
             strategy = self.trainer.strategy
             if not (isinstance(strategy, MegatronStrategy) and isinstance(strategy.launcher, _SubprocessScriptLauncher)):
+                from lightning_megatron import launch
+
                 launch.release()  # no launcher that hands local ranks to the waiting ones: they exit
             config = self.config[self.subcommand] if self.subcommand else self.config
             optimizer, scheduler = config.get("optimizer"), config.get("lr_scheduler")

@@ -14,7 +14,7 @@ from lightning_megatron.cost import DEFAULT_DROPOUT, TransformerCost, estimate_s
 from lightning_megatron.models.bert.cost import BertCost
 from lightning_megatron.models.gpt.cost import GPTCost
 from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, collective_time,
-                                             estimate_time)
+                                             estimate_time, stage_flops)
 from lightning_megatron.flops import transformer_flops
 
 BERT_LARGE = BertCost(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=16,
@@ -314,7 +314,7 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
         main(["check", "--config", str(recipe), "--layouts", "tp2,pp2vp2,dp2zero1", "--estimate-time",
               "--device", "a100", "--gemm-efficiency", "0.5", "--overlap-param-gather", "on"])
     overlapped = capsys.readouterr().out
-    dp_column = {name: [line.split()[6] for line in text.splitlines() if line.startswith("dp2zero1")][0]
+    dp_column = {name: [line.split()[8] for line in text.splitlines() if line.startswith("dp2zero1")][0]
                  for name, text in (("off", out), ("on", overlapped))}
     assert e.value.code == 0 and float(dp_column["off"]) > 0 and float(dp_column["on"]) == 0, dp_column
     for flags, message in ((["--device", "tpu"], "unknown device 'tpu'"),
@@ -386,3 +386,49 @@ def test_memory_estimate_takes_any_module_cost_model(capsys):
     assert fitting_layouts(recipe, 2, 10**6) == 0
     out = capsys.readouterr().out
     assert "a toy of 4 layers" in out and "tp2" in out.replace("-", "").lower()
+
+
+def test_context_and_expert_parallel_terms_against_hand_computed_numbers():
+    """CP=2 gives each rank half the tokens (FLOPs, elementwise bytes, TP messages), all-gathers each layer's
+    keys and values and reduce-scatters their gradients, and reduces the dense gradients over d x cp ranks;
+    EP=2 adds 4 all-to-alls of the routed rows per MoE layer and reduces the experts' gradients over their
+    own data-parallel ranks (none here). Latencies 0, efficiencies 1, one node of 4."""
+    dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
+                 devices_per_node=4, latency_intra=0.0, latency_inter=0.0)
+    fw = Framework(overlap_grad_reduce=False)
+    m = GPTCost(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=1024,
+                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", learned_positions=False,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    dp = estimate_time(m, ParallelDims(tp=2, dp=2), dev, MEASURED, fw)  # 4 microbatches of 2048 tokens
+    cp = estimate_time(m, ParallelDims(tp=2, cp=2, dp=1), dev, MEASURED, fw)  # 8 microbatches of 1024 tokens per rank
+    layout = ParallelDims(tp=2, cp=2, dp=1)
+    assert stage_flops(m, layout, 0) == pytest.approx(stage_flops(m, ParallelDims(tp=2, dp=1), 0) / 2, rel=1e-12)
+    # Keys and values of the whole sequence: 2 x 1024 tokens x 2 samples x 16 groups x 64 / 2 (TP) x 2 bytes,
+    # all-gathered forward and their gradients reduce-scattered backward, over 2 ranks, 4 layers, 8 microbatches.
+    kv = 2 * 1024 * 2 * 16 * 64 / 2 * 2
+    assert cp.cp_comm == pytest.approx(8 * 4 * 2 * (1 / 2 * kv / 1e11), rel=1e-12)
+    assert cp.tp_comm == pytest.approx(dp.tp_comm, rel=1e-12)  # twice the microbatches, half the tokens each
+    assert cp.dp_comm == pytest.approx(dp.dp_comm, rel=1e-12)  # the same parameters over d x cp = 2 ranks
+    assert dp.cp_comm == 0 and dp.ep_comm == 0
+    # Both ranks run 8192 tokens a step: the same GEMMs and elementwise bytes; but the word embedding's dense
+    # gradient and the gradient accumulation come per microbatch (8 against 4), as do the logits of fewer tokens.
+    assert cp.compute - cp.vocab - cp.accumulate == pytest.approx(dp.compute - dp.vocab - dp.accumulate, rel=1e-12)
+    assert cp.accumulate > dp.accumulate and cp.vocab > dp.vocab
+    assert cp.total == pytest.approx(
+        cp.compute + cp.tp_comm + cp.cp_comm + cp.dp_comm + cp.optimizer, rel=1e-12)
+
+    moe = GPTCost(num_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=1024, seq_length=256,
+                  micro_batch_size=2, global_batch_size=8, params_dtype="bfloat16", learned_positions=False,
+                  hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=4, moe_router_topk=2,
+                  moe_ffn_hidden_size=1024)
+    ep = estimate_time(moe, ParallelDims(dp=2, ep=2), dev, MEASURED, fw)  # 2 microbatches per rank
+    rows = 256 * 2 * 2 * 512 * 2  # tokens x k rows of h bf16 elements
+    assert ep.ep_comm == pytest.approx(2 * 2 * 4 * (1 / 2 * rows / 1e11), rel=1e-12)
+    params = estimate_stage(moe, ParallelDims(dp=2, ep=2), 0).params
+    experts = moe.stage_expert_parameters(1, 2, 1)
+    assert 0 < experts < params
+    # Only the dense parameters are all-reduced over the 2 data-parallel ranks; each expert lives on one rank.
+    assert ep.dp_comm == pytest.approx(2 * 1 / 2 * 4 * (params - experts) / 1e11, rel=1e-12)
+    replicated = estimate_time(moe, ParallelDims(dp=2), dev, MEASURED, fw)
+    assert replicated.ep_comm == 0 and replicated.dp_comm == pytest.approx(
+        2 * 1 / 2 * 4 * estimate_stage(moe, ParallelDims(dp=2), 0).params / 1e11, rel=1e-12)

@@ -128,7 +128,7 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
               f"GEMM {eff.gemm:g}, memory {eff.memory:g}, links {eff.link:g}")
     head = f"{'layout':<22} {'params':>7} {'grads':>7} {'optim.':>7} {'activ.':>7} {'GiB':>7}  fits"
     if timing is not None:
-        head += f" {'step s':>9} {'tokens/s':>10} {'MFU':>5}  (compute/TP/PP/bubble/DP/optimizer s)"
+        head += f" {'step s':>9} {'tokens/s':>10} {'MFU':>5}  (compute/TP/CP/EP/PP/bubble/DP/optimizer s)"
     print(head)
     g = 2**30
     mine = _recipe_layout_for(recipe, gpus)
@@ -136,7 +136,8 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
         sizes = (est.param_bytes, est.grad_bytes, est.optimizer_bytes, est.activation_bytes, est.total_bytes)
         line = f"{layout.name:<22} " + " ".join(f"{x / g:7.2f}" for x in sizes) + f"  {'yes' if ok else 'no ':<3}"
         if step is not None:
-            parts = (step.compute, step.tp_comm, step.pp_comm, step.bubble, step.dp_comm, step.optimizer)
+            parts = (step.compute, step.tp_comm, step.cp_comm, step.ep_comm, step.pp_comm, step.bubble, step.dp_comm,
+                     step.optimizer)
             line += (f" {step.total:9.4g} {step.tokens_per_s:10.4g} {step.mfu:5.1%}  "
                      + "/".join(f"{x:.3g}" for x in parts))
         print(line + ("   <- the recipe's" if mine is not None and layout.name == mine.name else ""))

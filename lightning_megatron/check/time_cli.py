@@ -51,10 +51,11 @@ def time_table(recipe: Any, layouts: list[ParallelDims], timing: tuple[Device, E
     m = model_shape(recipe, on_cpu=dev.cores is not None, training=True)
     lines = [f"predicted step time on {dev.name} ({dev.source}); achievable fractions: GEMM {eff.gemm:g}, "
              f"memory {eff.memory:g}, links {eff.link:g}",
-             f"{'layout':<14} {'step s':>9} {'compute':>9} {'TP':>8} {'PP':>8} {'bubble':>8} {'DP':>8} "
-             f"{'optim.':>8} {'tokens/s':>10} {'MFU':>6}"]
+             f"{'layout':<14} {'step s':>9} {'compute':>9} {'TP':>8} {'CP':>8} {'EP':>8} {'PP':>8} {'bubble':>8} "
+             f"{'DP':>8} {'optim.':>8} {'tokens/s':>10} {'MFU':>6}"]
     for layout in layouts:
         st = estimate_time(m, layout, dev, eff, fw)
-        lines.append(f"{layout.name:<14} {st.total:9.4g} {st.compute:9.3g} {st.tp_comm:8.3g} {st.pp_comm:8.3g} "
+        lines.append(f"{layout.name:<14} {st.total:9.4g} {st.compute:9.3g} {st.tp_comm:8.3g} {st.cp_comm:8.3g} "
+                     f"{st.ep_comm:8.3g} {st.pp_comm:8.3g} "
                      f"{st.bubble:8.3g} {st.dp_comm:8.3g} {st.optimizer:8.3g} {st.tokens_per_s:10.4g} {st.mfu:6.1%}")
     return "\n".join(lines)

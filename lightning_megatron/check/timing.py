@@ -7,11 +7,11 @@ layout ``t`` (TP), ``p`` (PP), ``v`` (virtual stages), ``d`` (DP), ``m = G/(b d)
 One microbatch on the slowest pipeline stage takes
 
     T_mb = F_stage / (peak x gemm_eff) + B_stage / (hbm x mem_eff) + V_stage / vocab
-           + A_stage / (m hbm x mem_eff) + TP_comm + PP_p2p
+           + A_stage / (m hbm x mem_eff) + TP_comm + CP_comm + EP_comm + PP_p2p
 
 (GEMM FLOPs, memory-bound elementwise bytes of the layers, the passes over vocabulary-sized tensors
 of the first and last stage, the gradient accumulation into the fp32 main grads, the exposed
-tensor-parallel collectives and the pipeline sends; the slowest stage's), and the step
+tensor-, context- and expert-parallel collectives and the pipeline sends; the slowest stage's), and the step
 
     T_step = m T_mb + f/(1 - f) m T_mb  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
 
@@ -19,8 +19,18 @@ with ``f`` the pipeline schedule's bubble, the idle fraction of the pipelined ti
 :mod:`lightning_megatron.pipeline.registry`; 1F1B ``(p - 1)/(m + p - 1)``, interleaved
 ``(p - 1)/(v m + p - 1)``, so the idle time is ``(p - 1)/v T_mb``). Collectives are ring
 algorithms: an all-reduce of ``n`` bytes over ``k`` ranks moves ``2 (k-1)/k n`` bytes per rank, an
-all-gather or reduce-scatter ``(k-1)/k n``; time = bytes / (link bandwidth x link_eff) + latency,
-over NVLink inside a node and InfiniBand between nodes. Derivation and validation: docs/check.md.
+all-gather, reduce-scatter or all-to-all ``(k-1)/k n``; time = bytes / (link bandwidth x link_eff) +
+latency, over NVLink inside a node and InfiniBand between nodes.
+
+Context parallelism (``c`` ranks) gives each rank ``s/c`` of every sample's tokens: the FLOPs, the
+elementwise and logit bytes and the TP and pipeline messages of a rank are ``1/c`` of CP=1's (the
+causal chunks are balanced), and each layer all-gathers its keys and values ``2 s b g/t d`` (forward,
+and again when recomputed) and reduce-scatters their gradients (backward). Expert parallelism (``ep``
+ranks, the all-to-all dispatcher) sends each rank's ``k`` routed rows per token (``h`` elements; under
+balanced routing ``(ep-1)/ep`` of them leave the rank) to the experts' ranks and back, forward and
+backward: 4 all-to-alls per layer (6 recomputing). The dense parameters' gradients are reduced over
+``d c`` ranks, the experts' over the ``edp`` expert-data-parallel ranks. Derivation and validation:
+docs/check.md.
 """
 
 from __future__ import annotations
@@ -145,6 +155,10 @@ class StepTime:
     world_size: int
     peak: float
     """Peak FLOP/s per device that MFU divides by."""
+    cp_comm: float = 0.0
+    """Context-parallel key/value all-gathers and gradient reduce-scatters (all microbatches)."""
+    ep_comm: float = 0.0
+    """Expert-parallel all-to-alls of the routed rows (all microbatches)."""
     vocab: float = 0.0
     """Of ``compute``: the passes over vocabulary-sized tensors (:func:`vocab_bytes`), all microbatches."""
     accumulate: float = 0.0
@@ -152,7 +166,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+                + self.optimizer)
 
     @property
     def tokens_per_s(self) -> float:
@@ -169,13 +184,14 @@ class StepTime:
 
 def collective_time(kind: str, nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
     """Seconds of a ring collective of ``nbytes`` (the full tensor) over ``ranks`` ranks:
-    all_reduce ``2(k-1)/k n / bw``, all_gather / reduce_scatter ``(k-1)/k n / bw``, send ``n / bw``;
-    plus ``latency``; 0 on one rank."""
+    all_reduce ``2(k-1)/k n / bw``, all_gather / reduce_scatter / all_to_all ``(k-1)/k n / bw`` (an
+    all-to-all's ``n``: what one rank sends, itself included), send ``n / bw``; plus ``latency``; 0 on
+    one rank."""
     if kind == "send":
         return nbytes / bandwidth + latency
     if ranks == 1:
         return 0.0
-    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}[kind]
+    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind]
     return factor * (ranks - 1) / ranks * nbytes / bandwidth + latency
 
 
@@ -190,7 +206,7 @@ def model_flops(m: StepCost, *, recompute: bool = False) -> float:
 
 def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = True) -> float:
     """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage`` (without
-    the LM head's: ``head=False``)."""
+    the LM head's: ``head=False``); a context-parallel rank does ``1/cp`` of them."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
     layers = transformer_flops(num_layers=m.num_layers // p, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
@@ -201,7 +217,7 @@ def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = T
         head_flops = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                                  seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
                                  vocab_size=m.padded_vocab(t), head_dense=m.head_dense)
-    return (layers + head_flops) / t
+    return (layers + head_flops) / (t * layout.cp)
 
 
 def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float:
@@ -237,8 +253,8 @@ def vocab_bytes(m: StepCost, layout: ParallelDims, stage: int) -> float:
     n = 0.0
     if stage == 0:
         n += w
-    if stage == p - 1:
-        n += 3 * w + 6 * m.head_fraction * m.seq_length * m.micro_batch_size * (m.padded_vocab(t) // t) * 4
+    if stage == p - 1:  # a context-parallel rank's logits: its s/cp tokens
+        n += 3 * w + 6 * m.head_fraction * m.seq_length / layout.cp * m.micro_batch_size * (m.padded_vocab(t) // t) * 4
     if p == 1:
         n += 3 * w
     return n
@@ -266,7 +282,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
                   fw: Framework = Framework(), *, schedule: str | PipelineSchedule = AUTO) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices under
     the pipeline ``schedule`` (a registered name, ``"auto"``: the layout's)."""
-    t, p, d, v = layout.tp, layout.pp, layout.dp, layout.vp or 1
+    t, p, d, v, c = layout.tp, layout.pp, layout.dp, layout.vp or 1, layout.cp
     e, s, b, h = m.param_bytes, m.seq_length, m.micro_batch_size, m.hidden_size
     microbatches = m.global_batch_size // (b * d)
     share = 1.0 if dev.cores is None else dev.cores / layout.world_size
@@ -276,22 +292,38 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     vocab_rate = (dev.vocab or dev.hbm) * eff.memory * share
     layers = m.num_layers // p
     passes = 3 + (1 if m.recompute else 0)  # forward, backward (~2x), recomputed forward
-    elementwise = elementwise_bytes(m, layout, fw) * s * b * layers * passes / kernel_rate
+    elementwise = elementwise_bytes(m, layout, fw) * s / c * b * layers * passes / kernel_rate
     dpn = dev.devices_per_node
     # TP: per layer two all-reduces forward and two backward (+2 recomputed) of [s, b, h]; with SP an
     # all-gather and a reduce-scatter instead of each, the same bytes; without pipelining the
     # embedding's all-reduce too (with it, the slowest stage is taken without it).
     tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
-    act = e * s * b * h
+    act = e * s / c * b * h
     per_layer = (4 + (2 if m.recompute else 0)) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
     tp_mb = per_layer * layers + (collective_time("all_reduce", act, t, tp_bw, tp_lat) if p == 1 else 0.0)
+    # CP: per layer the keys and values of the whole sequence all-gathered (forward, recomputed forward)
+    # and their gradients reduce-scattered (backward), over the c ranks of one TP rank's CP group.
+    cp_mb = 0.0
+    if c > 1:
+        cp_bw, cp_lat = _bandwidth(dev, eff, t * c > dpn)
+        kv = 2 * s * b * m.groups * m.head_dim / t * e
+        cp_mb = layers * ((2 if m.recompute else 1) * collective_time("all_gather", kv, c, cp_bw, cp_lat)
+                          + collective_time("reduce_scatter", kv, c, cp_bw, cp_lat))
+    # EP: per MoE layer each rank's k rows per token (all of its TP group's tokens) to the experts' ranks
+    # and back, forward and backward (and the recomputed forward), all-to-all over the ep ranks.
+    ep, experts = layout.ep, getattr(m, "num_moe_experts", None)
+    ep_mb = 0.0
+    if experts and ep > 1:
+        ep_bw, ep_lat = _bandwidth(dev, eff, t * ep > dpn)  # expert TP = TP fastest, then EP
+        rows = s / c * b * m.moe_router_topk * h * e
+        ep_mb = layers * (4 + (2 if m.recompute else 0)) * collective_time("all_to_all", rows, ep, ep_bw, ep_lat)
     # PP: each chunk sends its output forward and its input gradient backward, per microbatch.
     pp_mb = 0.0
     if p > 1:
         pp_bw, pp_lat = _bandwidth(dev, eff, t * d * p > dpn)
         if dev.p2p is not None:
             pp_bw, pp_lat = dev.p2p * eff.link, dev.p2p_latency
-        sent = act / (t if (layout.sequence_parallel or fw.p2p_scatter_gather) else 1)
+        sent = act / (t if (layout.sequence_parallel or fw.p2p_scatter_gather) else 1)  # act: s/c tokens
         pp_mb = 2 * v * collective_time("send", sent, 2, pp_bw, pp_lat)
         # The tied word embedding's fp32 grads summed over the first and last stage, once a step: a
         # collective of the embedding group, on the collectives' path (the CPU tuning's shared memory
@@ -309,24 +341,31 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
         stages.append((total, vocab_s, accumulate_s))
     compute_mb, vocab_mb, accumulate = max(stages)
-    t_mb = compute_mb + tp_mb + pp_mb
+    t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     idle = layout_schedule(layout, schedule).bubble(p, layout.vp, microbatches)  # of the pipelined time
     bubble = idle / (1 - idle) * microbatches * t_mb
     # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
+    # The dense ones over the d c data- and context-parallel ranks, the experts' over the edp ranks.
     params = max(estimate_stage(m, layout, stage, schedule=schedule).params for stage in range(p))
-    dp_bw, dp_lat = _bandwidth(dev, eff, t * d > dpn)
-    grads = params * fw.grad_reduce_bytes
-    if layout.zero1:
-        reduce = collective_time("reduce_scatter", grads, d, dp_bw, dp_lat)
-        gather = collective_time("all_gather", params * e, d, dp_bw, dp_lat)
-    else:
-        reduce, gather = collective_time("all_reduce", grads, d, dp_bw, dp_lat), 0.0
+    expert_params = m.stage_expert_parameters(t, ep, p) if experts else 0
+    replicas = ((params - expert_params, d * c, t * d * c > dpn), (expert_params, layout.expert_dp, t * c * d > dpn))
+    reduce = gather = 0.0
+    for n, k, crosses in replicas:
+        dp_bw, dp_lat = _bandwidth(dev, eff, crosses)
+        if n == 0:
+            continue
+        if layout.zero1:
+            reduce += collective_time("reduce_scatter", n * fw.grad_reduce_bytes, k, dp_bw, dp_lat)
+            gather += collective_time("all_gather", n * e, k, dp_bw, dp_lat)
+        else:
+            reduce += collective_time("all_reduce", n * fw.grad_reduce_bytes, k, dp_bw, dp_lat)
     if fw.overlap_grad_reduce:  # hidden behind the last microbatch's backward
         reduce = max(0.0, reduce - 2.0 / 3.0 * compute_mb)
     if fw.overlap_param_gather:  # hidden behind the next step's first forward
         gather = max(0.0, gather - 1.0 / 3.0 * compute_mb)
-    optimizer = (params / d if layout.zero1 else params) * fw.optimizer_bytes / mem_rate
+    owned = sum(n / k for n, k, _ in replicas) if layout.zero1 else params
+    optimizer = owned * fw.optimizer_bytes / mem_rate
     return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb,
-                    pp_comm=microbatches * pp_mb + tied, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
+                    cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
                     peak=peak * share, vocab=microbatches * vocab_mb, accumulate=accumulate)
