@@ -9,6 +9,10 @@ added into the fp32 :class:`GradBuffer` by its hooks) -> optimizer step (bf16: t
 After ``--warmup`` steps one step runs under ``torch.profiler`` with shapes recorded, and prints
 
 - wall time of the phases (``FWD``, ``BWD``, ``OPT`` record_function ranges);
+- the step's time by kind (:func:`by_kind`): GEMM, copies and casts, norms, softmax and attention,
+  dropout and random numbers, other elementwise ops, the optimizer step (everything under ``OPT``:
+  grad finalize, unscale, the update, the copy back to 16-bit), and the rest of the wall time, which
+  no op accounts for (Python, autograd's engine, the profiler's own cost);
 - the top ops by self CPU time;
 - for each op named in ``--ops``: its time grouped by the chain of calling ops and input shape, which
   tells which line of the model issued it (e.g. ``aten::clone < aten::contiguous < FWD`` on
@@ -58,6 +62,43 @@ def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None =
     ds = SyntheticBatches(batch, seq, s.vocab_size)
     data = {k: torch.stack([ds[i][k] for i in range(batch)]) for k in ds[0]}
     return module, opt, data
+
+
+_KINDS = (
+    ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation",
+              "aten::mkldnn_linear", "aten::mkldnn_matmul")),
+    ("copies and casts", ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat",
+                          "aten::_unsafe_view", "aten::index", "aten::index_put_", "aten::embedding_dense_backward")),
+    ("norms", ("aten::native_layer_norm", "aten::native_layer_norm_backward", "aten::_fused_rms_norm",
+               "aten::rms_norm", "aten::_fused_rms_norm_backward")),
+    ("softmax and attention", ("aten::_softmax", "aten::_softmax_backward_data", "aten::_log_softmax",
+                               "aten::_log_softmax_backward_data", "aten::_scaled_dot_product",
+                               "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill",
+                               "aten::nll_loss", "aten::nll_loss_backward")),
+    ("dropout and random numbers", ("aten::bernoulli_", "aten::native_dropout", "aten::uniform_", "aten::rand",
+                                    "aten::native_dropout_backward")),
+)
+
+
+def by_kind(events, wall: float) -> list[tuple[str, float]]:
+    """Seconds of the profiled step by kind: each op's self CPU time, the ones under the ``OPT`` range
+    as "optimizer step", the others by name (:data:`_KINDS`, prefixes; "other elementwise" for the
+    rest); "not in any op" is the wall time less all ops' self time."""
+    seconds: collections.Counter = collections.Counter()
+    for e in events:
+        if e.name in ("FWD", "BWD", "OPT") or e.name.startswith(("ProfilerStep", "autograd::", "Optimizer.")):
+            continue
+        parent, in_opt = e.cpu_parent, False
+        while parent is not None:
+            in_opt = in_opt or parent.name == "OPT"
+            parent = parent.cpu_parent
+        if in_opt:
+            kind = "optimizer step"
+        else:
+            kind = next((k for k, names in _KINDS if e.name.startswith(names)), "other elementwise")
+        seconds[kind] += e.self_cpu_time_total / 1e6
+    seconds["not in any op (Python, autograd, profiler)"] = max(0.0, wall - sum(seconds.values()))
+    return seconds.most_common()
 
 
 def main() -> None:
@@ -120,6 +161,9 @@ def main() -> None:
             phases[e.name] += e.cpu_time_total / 1e6
     print(f"\nprofiled step {wall:.3f} s: " + ", ".join(f"{k} {v:.3f} s ({100 * v / wall:.0f}%)"
                                                       for k, v in phases.items()))
+    print("by kind (self CPU time of the ops):")
+    for kind, sec in by_kind(events, wall):
+        print(f"  {kind:<45} {sec:7.3f} s  {100 * sec / wall:5.1f}%")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=50))
     wanted = set(args.ops.split(","))
     by_caller: collections.Counter = collections.Counter()

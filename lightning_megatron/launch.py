@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -94,9 +95,12 @@ def prewarm(argv: list[str]) -> None:
 
 
 def release() -> None:
-    """Close the pipes of the waiting ranks no launcher took: they exit without running anything."""
+    """Close the pipes of the waiting ranks no launcher took: they exit without running anything (and
+    are reaped by a daemon thread each, so that none stays a zombie while this process runs on)."""
     while _waiting:
-        os.close(_waiting.pop().pipe)
+        rank = _waiting.pop()
+        os.close(rank.pipe)
+        threading.Thread(target=rank.proc.wait, daemon=True, name="lightning-megatron-reap").start()
 
 
 def _runnable(command: list[str]) -> bool:
