@@ -75,7 +75,7 @@ _KINDS = (
                                "aten::_log_softmax_backward_data", "aten::_scaled_dot_product",
                                "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill",
                                "aten::nll_loss", "aten::nll_loss_backward")),
-    ("dropout and random numbers", ("aten::bernoulli_", "aten::native_dropout", "aten::uniform_", "aten::rand",
+    ("dropout and random numbers", ("aten::bernoulli_", "aten::native_dropout", "aten::uniform_", "aten::rand", "aten::random_",
                                     "aten::native_dropout_backward")),
 )
 

@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_megatron.recipes import config_recipes
+
 __all__ = ["main", "finetune_cli", "plot_runs", "COMMANDS"]
 
 
@@ -230,28 +232,9 @@ def _named_by_class_path(argv: list[str]) -> set[str]:
         for key in ("model", "data"):
             if arg.split("=", 1)[0] in (f"--{key}", f"--{key}.class_path"):
                 named.add(key)
-    for recipe in _recipes(argv):
+    for recipe in config_recipes(argv):
         named |= {k for k in ("model", "data") if isinstance(recipe.get(k), dict) and "class_path" in recipe[k]}
     return named
-
-
-def _recipes(argv: list[str]) -> list[dict[str, Any]]:
-    """The ``--config`` recipes of ``argv`` (merged YAML text or files), read with ``yaml.safe_load``."""
-    import yaml
-
-    out = []
-    for i, arg in enumerate(argv):
-        value = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
-            arg[len("--config="):] if arg.startswith("--config=") else None)
-        if value is None:
-            continue
-        try:
-            recipe = yaml.safe_load(value if "\n" in value else Path(value).read_text())
-        except (OSError, ValueError, yaml.YAMLError):
-            continue  # LightningCLI reports it
-        if isinstance(recipe, dict):
-            out.append(recipe)
-    return out
 
 
 def _moved_model_arguments(argv: list[str], model_class: type | None) -> str | None:
@@ -264,7 +247,7 @@ def _moved_model_arguments(argv: list[str], model_class: type | None) -> str | N
     from lightning_megatron.cli_config import _class
     from lightning_megatron.module import MegatronLightningModule
 
-    recipes = _recipes(argv)
+    recipes = config_recipes(argv)
     for i, arg in enumerate(argv):  # the class the command line or a recipe names wins over the default
         option, eq, value = arg.partition("=")
         if option in ("--model", "--model.class_path"):
@@ -475,7 +458,7 @@ def _model_class_path(argv: list[str]) -> str | None:
             if value and not value.lstrip().startswith(("{", "\n")) and "\n" not in value:
                 return value
     found = None
-    for recipe in _recipes(argv):
+    for recipe in config_recipes(argv):
         model = recipe.get("model")
         if isinstance(model, dict) and isinstance(model.get("class_path"), str):
             found = model["class_path"]

@@ -41,7 +41,7 @@ from lightning_megatron.step import batch_size_problem
 from lightning_megatron.transformer.context_parallel import sequence_length_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
-           "ckpt_path_problem", "PRECISION_PARAMS_DTYPE"]
+           "init_timeout_problem", "ckpt_path_problem", "PRECISION_PARAMS_DTYPE"]
 
 
 class ConfigError(ValueError):
@@ -88,6 +88,40 @@ def timeout_problem(timeout: Any) -> str | None:
                 f"long, and 0 fails the first rendezvous ('socket timed out after 0ms'); leave the default "
                 f"(1800 s) or give e.g. 600")
     return None
+
+
+def init_timeout_problem(init_timeout_s: Any, timeout: Any = None) -> str | None:
+    """What is wrong with a WandbLogger's ``init_timeout_s`` (:class:`lightning_megatron.loggers.WandbLogger`:
+    the bound on ``wandb.init`` on rank 0, the W&B service start and the offline fallback included), or None.
+
+    It must be a finite number of seconds above 0, and below the strategy ``timeout`` (seconds or a timedelta;
+    None: not compared): the other ranks wait for rank 0 at the next barrier, which fails after ``timeout``,
+    so a longer bound would let the barrier fail first."""
+    import datetime
+    import math
+
+    if isinstance(init_timeout_s, bool) or not isinstance(init_timeout_s, (int, float)) or \
+            not (math.isfinite(init_timeout_s) and init_timeout_s > 0):
+        return (f"WandbLogger init_timeout_s={init_timeout_s!r} must be a number of seconds above 0: it bounds "
+                f"wandb.init (the W&B service start included) on rank 0 while the other ranks wait at the barrier; "
+                f"leave the default (60) or give e.g. --trainer.logger.init_args.init_timeout_s 120")
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0 \
+            and not init_timeout_s < seconds:
+        return (f"WandbLogger init_timeout_s={init_timeout_s:g} is not below the strategy timeout={seconds:g} s: the "
+                f"other ranks wait for rank 0's wandb.init at the barrier, which would fail first; give "
+                f"init_timeout_s below {seconds:g} (--trainer.logger.init_args.init_timeout_s N) or a longer strategy "
+                f"timeout")
+    return None
+
+
+def _init_timeout_problems(logger: Any, timeout: Any) -> list[str]:
+    """:func:`init_timeout_problem` of each ``trainer.logger`` entry (``class_path``/``init_args``) that has an
+    ``init_timeout_s``."""
+    entries = logger if isinstance(logger, list) else [logger]
+    args = [entry.get("init_args") or {} for entry in entries if isinstance(entry, Mapping)]
+    problems = [init_timeout_problem(a["init_timeout_s"], timeout) for a in args if "init_timeout_s" in a]
+    return [p for p in problems if p]
 
 
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
@@ -155,7 +189,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     datamodule the data section builds (its packaged tokenizer; a fine-tuning
     section's files are read); ``predicting``: ``predict``'s inputs are checked too (the prompts against
     the positions); ``ckpt_path``: the checkpoint to load must exist; ``running=False`` (the CLI only builds
-    its objects, ``run=False``): the fine-tuning files, read by a run only, are not.
+    its objects, ``run=False``): the fine-tuning files, read by a run only, are not. A WandbLogger in
+    ``trainer_args["logger"]`` has its ``init_timeout_s`` checked against the strategy's ``timeout``
+    (:func:`init_timeout_problem`).
     """
     m, d = flat_hparams(dict(model_hparams or {})), dict(data_hparams or {})  # config.<field> at the top level
     spelled = "model.config." if isinstance((model_hparams or {}).get("config"), Mapping) else "model."
@@ -182,6 +218,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     if dims is not None:  # a registered name (imported by now: the parsed class paths)
         problems += [p for p in [pipeline_schedule_problem(dims.schedule, dims.pp, dims.vp)] if p]
     problems += [p for p in [timeout_problem(s.get("timeout"))] if p]
+    problems += _init_timeout_problems(t.get("logger"), s.get("timeout"))  # W&B's start against the barrier
     tp = dims.tp if dims is not None else (_int(sizes["tp"]) or 1)
     pp = dims.pp if dims is not None else (_int(sizes["pp"]) or 1)
     vp = dims.vp if dims is not None else _int(sizes["vp"])

@@ -56,10 +56,10 @@ def local_processes(argv: list[str]) -> int:
     """The processes per node ``argv`` asks for when it says so as a number (``--trainer.devices 2``
     on the command line, last one winning, else the last ``--config`` recipe's ``trainer.devices``);
     1 for anything else (``auto``, a list of devices, none given): only a guess that saves time."""
-    from lightning_megatron.cli import _recipes
+    from lightning_megatron.recipes import config_recipes
 
     value: Any = None
-    for recipe in _recipes(argv):
+    for recipe in config_recipes(argv):
         trainer = recipe.get("trainer")
         if isinstance(trainer, dict) and "devices" in trainer:
             value = trainer["devices"]

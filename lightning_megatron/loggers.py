@@ -2,8 +2,9 @@
 
 - :class:`CSVLogger`: Lightning's, with ``save_dir`` optional (the CLI puts it in ``trainer.default_root_dir``);
 - :class:`WandbLogger`: Lightning's, whose history is indexed by the trainer's step (a resumed run continues
-  it instead of restarting W&B's ``_step`` at 0), an offline resume recorded as one, and no ``anonymous``
-  setting passed to ``wandb.init`` (deprecated there: it warned on every run);
+  it instead of restarting W&B's ``_step`` at 0), an offline resume recorded as one, no ``anonymous``
+  setting passed to ``wandb.init`` (deprecated there: it warned on every run), and ``wandb.init`` bounded
+  in time (``init_timeout_s``), with one offline fallback, so that W&B never keeps the other ranks waiting;
 - :class:`WandbRunIdCallback` and :func:`saved_wandb_run`: every checkpoint records the W&B run id of
   the run that wrote it, so that a resumed ``fit`` continues that run and ``validate``/``test`` of it are
   grouped with it (or join its history, when asked); the callback also puts :func:`run_config` (layout,
@@ -14,15 +15,21 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch import loggers
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
+
+from lightning_megatron.config_checks import init_timeout_problem
 
 __all__ = ["CSVLogger", "WANDB_RUN_ID", "WandbLogger", "WandbRunIdCallback", "run_config", "SavedWandbRun",
            "saved_wandb_run", "wandb_credentials"]
@@ -58,14 +65,32 @@ class WandbLogger(loggers.WandbLogger):
       W&B cannot ask its server, and would record every segment as a new run.
     - ``anonymous=None`` (the default) is not passed on: ``wandb`` deprecated the setting and warns whenever it
       is given, even as None.
+    - ``wandb.init`` (on rank 0, when ``experiment`` is first used, while the other ranks wait at the next
+      barrier) takes at most ``init_timeout_s``, then falls back to one offline run (:meth:`_bounded_init`).
 
     ``history_step``: log every row at this step of the run's history instead (an evaluation of a checkpoint
     joining the training run's history: the checkpoint's global step; Lightning logs an evaluation at 0).
+    ``init_timeout_s``: the bound on ``wandb.init``, the W&B service start included, in seconds: the first
+    attempt gets three quarters of it; when it fails or is still running then, the run continues offline
+    (same run id and folder, one warning saying how to upload it), within what is left; when that fails too,
+    an error. It must be below the strategy's ``timeout`` (checked before launch by ``lightning-megatron``),
+    else the other ranks' barrier fails first.
     """
 
-    def __init__(self, *args: Any, history_step: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, history_step: int | None = None, init_timeout_s: float = 60.0,
+                 **kwargs: Any) -> None:
+        problem = init_timeout_problem(init_timeout_s)
+        if problem:
+            raise ValueError(problem)
         super().__init__(*args, **kwargs)
         self.history_step = history_step
+        self.init_timeout_s = float(init_timeout_s)
+        for name in ("init_timeout", "x_service_wait"):  # wandb's own waits, kept when the user sets them
+            value = _setting(self._wandb_init.get("settings"), name)
+            if isinstance(value, (int, float)) and value > self.init_timeout_s:
+                rank_zero_warn(f"WandbLogger: settings {name}={value:g} has no effect past "
+                               f"init_timeout_s={self.init_timeout_s:g}, the bound on all of wandb.init; raise "
+                               f"init_timeout_s to wait longer")
         if self._wandb_init.get("anonymous") is None:
             self._wandb_init.pop("anonymous", None)
         offline = self._offline or os.environ.get("WANDB_MODE") in ("offline", "dryrun")
@@ -73,6 +98,89 @@ class WandbLogger(loggers.WandbLogger):
             import wandb
 
             self._wandb_init["settings"] = wandb.Settings(resumed=True)
+
+    @property
+    @override
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        """Lightning's, with the run it starts started by :meth:`_bounded_init`."""
+        import wandb
+
+        if self._experiment is None and getattr(self, "_attach_id", None) is None and wandb.run is None:
+            if self._offline:
+                os.environ["WANDB_MODE"] = "dryrun"  # as Lightning's
+            run = self._bounded_init()
+            if self._wandb_init.get("sync_tensorboard"):  # Lightning's x-axis for the runs it starts
+                run.define_metric("*", step_metric="global_step")
+            else:
+                run.define_metric("trainer/global_step")
+                run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+            self._experiment = run
+        return super().experiment
+
+    def _bounded_init(self) -> Any:
+        """``wandb.init`` within ``init_timeout_s``; once offline when the first attempt fails or runs out.
+
+        wandb's own waits (``x_service_wait``: the service start; ``init_timeout``: the run at the server) are set
+        to half the bound each, under the user's ``settings``, so that wandb usually ends a slow start itself,
+        with its error. They do not cover every step of ``wandb.init`` (the login, git, the run-start request,
+        a service start that hangs before its wait), so the call runs in a daemon thread that is waited for at
+        most three quarters of the bound: a thread still running then is left behind (Python cannot stop it;
+        it does not keep the process alive; a run it still starts later is finished at once, unused). The
+        offline fallback first tears W&B's library state down (``wandb.teardown()``, in the background): the
+        call left behind holds its service lock, and a failed run keeps its id in use in the service. The
+        fallback keeps the run id (named here when none is given) and folder, so that ``wandb sync`` uploads
+        it as the same run, and has what is left of the bound.
+        """
+        import wandb
+
+        bound = self.init_timeout_s
+        deadline = time.monotonic() + bound
+        init = dict(self._wandb_init)
+        init["id"] = init.get("id") or uuid.uuid4().hex[:8]  # named now: the offline fallback continues it
+        first = dict(init, settings=self._settings(bound / 2))
+        try:  # a run the stuck call still starts later is finished at once: the logger has the fallback's
+            return _call_within(lambda: wandb.init(**first), 0.75 * bound, late=lambda run: run.finish(exit_code=1))
+        except Exception as error:  # noqa: BLE001 - any failure of W&B's start falls back to offline
+            failed = _failure(error)
+
+        teardown = threading.Thread(target=wandb.teardown, name="wandb-teardown", daemon=True)
+        teardown.start()
+        teardown.join((deadline - time.monotonic()) / 2)  # detaches the library state first, then waits
+        left = deadline - time.monotonic()
+        settings = self._settings(left)
+        if init.get("resume") == "must":
+            settings.resumed = True  # as __init__ for an offline resume: W&B cannot ask its server
+        offline = dict(init, mode="offline", settings=settings)
+        try:
+            run = _call_within(lambda: wandb.init(**offline), left)
+        except Exception as error:  # noqa: BLE001
+            raise RuntimeError(
+                f"W&B: wandb.init {failed}, and the offline run it fell back to {_failure(error)}, within "
+                f"init_timeout_s={bound:g} (the bound on starting W&B, so that rank 0 does not keep the other "
+                f"ranks waiting at the barrier). Run without W&B (WANDB_MODE=disabled, or no WandbLogger), or "
+                f"give W&B longer: --trainer.logger.init_args.init_timeout_s N (WandbLogger(init_timeout_s=N)), "
+                f"below the strategy timeout") from error
+        rank_zero_warn(
+            f"W&B: wandb.init {failed} (init_timeout_s={bound:g}: the bound on starting W&B, its service included, "
+            f"so that rank 0 does not keep the other ranks waiting at the barrier); this run logs offline instead, "
+            f"as run {init['id']} in {run.settings.sync_dir}. Upload it later with `wandb sync "
+            f"{run.settings.sync_dir}`; to give W&B longer, --trainer.logger.init_args.init_timeout_s N "
+            f"(WandbLogger(init_timeout_s=N)), below the strategy timeout; or set WANDB_MODE=offline to run "
+            f"offline from the start")
+        return run
+
+    def _settings(self, seconds: float) -> Any:
+        """``wandb.Settings`` with wandb's own waits at ``seconds`` each, under the user's ``settings`` (kept)."""
+        import wandb
+
+        settings = wandb.Settings(init_timeout=seconds, x_service_wait=seconds)
+        given = self._wandb_init.get("settings")
+        if isinstance(given, wandb.Settings):
+            settings.update_from_settings(given)
+        elif given:
+            settings.update_from_dict(dict(given))
+        return settings
 
     @override
     @rank_zero_only
@@ -84,6 +192,63 @@ class WandbLogger(loggers.WandbLogger):
         if self._prefix:  # as Lightning's logger names them
             metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
         self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
+
+
+def _setting(settings: Any, name: str) -> Any:
+    """A field of the user's ``settings`` (a ``wandb.Settings`` or a mapping) when they set it, else None."""
+    if settings is None:
+        return None
+    if isinstance(settings, Mapping):
+        return settings.get(name)
+    import wandb
+
+    given = isinstance(settings, wandb.Settings) and name in settings.model_fields_set
+    return getattr(settings, name) if given else None
+
+
+class _StillRunning(TimeoutError):
+    """A call :func:`_call_within` stopped waiting for."""
+
+
+def _call_within(fn: Callable[[], Any], seconds: float, late: Callable[[Any], Any] | None = None) -> Any:
+    """``fn()`` in a daemon thread, waited for at most ``seconds``: its result, or the exception it raised;
+    :class:`_StillRunning` when it is still running then (it is left running, and ``late`` is called on
+    the result it returns after that)."""
+    outcome: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def call() -> None:
+        try:
+            result = fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            with lock:
+                outcome["error"] = error
+            return
+        with lock:
+            outcome["result"] = result
+            too_late = outcome.get("gave_up", False)
+        if too_late and late is not None:
+            late(result)
+
+    seconds = max(seconds, 0.0)
+    thread = threading.Thread(target=call, name="wandb-init", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    with lock:
+        if "result" not in outcome and "error" not in outcome:
+            outcome["gave_up"] = True
+            raise _StillRunning(f"did not finish within {seconds:.3g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _failure(error: BaseException) -> str:
+    """What happened to an attempt, for the messages: how long it ran, else its error's first line."""
+    if isinstance(error, _StillRunning):
+        return str(error)
+    lines = str(error).strip().splitlines()
+    return f"failed ({type(error).__name__}: {lines[0]})" if lines else f"failed ({type(error).__name__})"
 
 
 _OPTIMIZER_HPARAMS = ("optimizer", "optimizer_class", "optimizer_kwargs", "lr", "weight_decay", "adam_beta1",

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["BASE_KEY", "DEFAULT_DATA_CLASS", "DEFAULT_MODEL_CLASS", "MOVED_CLASS_PATHS", "RecipeError", "import_class",
+__all__ = ["BASE_KEY", "config_recipes", "DEFAULT_DATA_CLASS", "DEFAULT_MODEL_CLASS", "MOVED_CLASS_PATHS", "RecipeError", "import_class",
            "merge_recipes", "read_recipe", "refuse_moved_class_paths", "resolve_config_arguments"]
 
 DEFAULT_MODEL_CLASS = "lightning_megatron.models.bert.module.BertLightningModule"
@@ -219,3 +219,20 @@ def _merged_text(value: str) -> str:
     if not isinstance(raw, dict) or BASE_KEY not in raw:
         return value
     return yaml.safe_dump(read_recipe(path), sort_keys=False)
+
+
+def config_recipes(argv: list[str]) -> list[dict[str, Any]]:
+    """The ``--config`` recipes of ``argv`` (merged YAML text or files), read with ``yaml.safe_load``."""
+    out = []
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
+            arg[len("--config="):] if arg.startswith("--config=") else None)
+        if value is None:
+            continue
+        try:
+            recipe = yaml.safe_load(value if "\n" in value else Path(value).read_text())
+        except (OSError, ValueError, yaml.YAMLError):
+            continue  # LightningCLI reports it
+        if isinstance(recipe, dict):
+            out.append(recipe)
+    return out
