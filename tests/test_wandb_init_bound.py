@@ -31,12 +31,14 @@ SLACK_S = 2.0
 
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch) -> Path:
-    """A W&B run folder in ``tmp_path``, W&B quiet; the library torn down after the test (its runs finished)."""
+    """A W&B run folder in ``tmp_path``, W&B quiet; the library torn down before the test (a fresh service) and
+    after it (its runs finished)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_MODE", "offline")
     for variable in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_SERVICE"):
         monkeypatch.delenv(variable, raising=False)
+    wandb.teardown()  # a service an earlier test of this process left running would start no new one
     yield tmp_path
     wandb.teardown()
 
