@@ -432,3 +432,22 @@ def test_context_and_expert_parallel_terms_against_hand_computed_numbers():
     replicated = estimate_time(moe, ParallelDims(dp=2), dev, MEASURED, fw)
     assert replicated.ep_comm == 0 and replicated.dp_comm == pytest.approx(
         2 * 1 / 2 * 4 * estimate_stage(moe, ParallelDims(dp=2), 0).params / 1e11, rel=1e-12)
+
+
+def test_step_flops_of_a_gated_grouped_query_decoder_and_of_its_lora_run():
+    """A Llama-shaped layer (SwiGLU: three h x f matrices; 2 key/value groups of 8 heads) counted as such, and
+    under LoRA the frozen weights without their weight-gradient GEMMs while each adapter weight does all 6 FLOPs
+    per token (hand-written from the shapes, not from transformer_flops)."""
+    shape = dict(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1024,
+                 gated_linear_unit=True, vocab_size=1024, seq_length=256, micro_batch_size=2, global_batch_size=4,
+                 learned_positions=False)
+    m = GPTCost(**shape)
+    T, L, h, f, s, V = 512, 2, 512, 1024, 256, m.padded_vocab(1)
+    p, k = 512, 2 * 64  # query projection n d, key/value projection g d
+    weights = 2 * h * p + 2 * h * k + 3 * h * f  # q and proj, k and v, gate/up/down
+    layers = 6 * T * L * weights + 12 * T * L * s * p
+    assert stage_flops(m, ParallelDims(dp=1), 0) == pytest.approx(layers + 6 * T * h * V, rel=1e-12)
+    lora = GPTCost(**shape, lora_rank=8, lora_targets=("linear_qkv", "linear_fc2"))
+    adapters = (8 * h + (8 + 2 * 2) * 64 * 8) + (8 * f + h * 8)  # qkv: A [r, h], B [(n + 2g) d, r]; fc2: A [r, f], B [h, r]
+    assert stage_flops(lora, ParallelDims(dp=1), 0, head=False) == pytest.approx(
+        layers - 2 * T * L * weights + 6 * T * L * adapters, rel=1e-12)

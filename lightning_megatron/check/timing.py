@@ -36,10 +36,12 @@ docs/check.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.cost.memory import estimate_stage, layout_schedule
 from lightning_megatron.cost.protocols import StepCost
+from lightning_megatron.cost.transformer import TransformerCost
 from lightning_megatron.flops import transformer_flops
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
@@ -195,13 +197,24 @@ def collective_time(kind: str, nbytes: float, ranks: int, bandwidth: float, late
     return factor * (ranks - 1) / ranks * nbytes / bandwidth + latency
 
 
+def _layer_shape(m: StepCost) -> dict[str, Any]:
+    """What :func:`transformer_flops` takes beyond the sizes, where the cost record has it (a
+    :class:`TransformerCost`): the query and key/value projection widths (grouped-query attention)
+    and a gated MLP (SwiGLU: three h x f matrices); a plain layer's otherwise."""
+    if not isinstance(m, TransformerCost):
+        return {}
+    return dict(query_projection_size=m.num_attention_heads * m.head_dim, kv_projection_size=m.groups * m.head_dim,
+                gated_linear_unit=m.gated_linear_unit)
+
+
 def model_flops(m: StepCost, *, recompute: bool = False) -> float:
     """FLOPs of one step of ``m`` (all replicas): :func:`lightning_megatron.flops.transformer_flops`
     with the output layer on the model's ``head_fraction`` of the tokens (a masked LM's: the masked ones)."""
     tokens = m.global_batch_size * m.seq_length
     return transformer_flops(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                              seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
-                             vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute)
+                             vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute,
+                             **_layer_shape(m))
 
 
 def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = True) -> float:
@@ -209,9 +222,14 @@ def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = T
     the LM head's: ``head=False``); a context-parallel rank does ``1/cp`` of them."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
-    layers = transformer_flops(num_layers=m.num_layers // p, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
-                               seq_length=m.seq_length, tokens=tokens, head_tokens=0, vocab_size=0,
-                               recompute=m.recompute)
+    shape = dict(num_layers=m.num_layers // p, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn, tokens=tokens,
+                 head_tokens=0, vocab_size=0, **_layer_shape(m))
+    layers = transformer_flops(seq_length=m.seq_length, recompute=m.recompute, **shape)
+    if isinstance(m, TransformerCost) and m.lora_rank:
+        # LoRA: the frozen weights get no weight-gradient GEMM (2 of each weight's 6 FLOPs per token; the
+        # weight matmuls alone are the count at seq_length 0); each adapter weight on this rank does all 6.
+        layers -= transformer_flops(seq_length=0, **shape) / 3
+        layers += 6 * tokens * (m.num_layers // p) * m.lora_layer_parameters(t) * t  # divided by t below
     head_flops = 0.0
     if head and stage == p - 1:
         head_flops = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
