@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_megatron import launch
 from lightning_megatron.recipes import config_recipes
 
 __all__ = ["main", "finetune_cli", "plot_runs", "COMMANDS"]
@@ -67,8 +68,6 @@ def _lightning_cli(args: list[str] | None, model_class: type | None = None, data
         args = _resolve_recipes(args)
 
     given = list(args if args is not None else sys.argv[1:])  # the command line's own flags
-    from lightning_megatron import launch
-
     launch.prewarm(given)  # the other local ranks import while this one parses (lightning_megatron.launch)
     try:
         return _megatron_cli(args, given, model_class, datamodule_class, link_num_classes=link_num_classes, **kwargs)
@@ -164,8 +163,6 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
             super().instantiate_classes()
             strategy = self.trainer.strategy
             if not (isinstance(strategy, MegatronStrategy) and isinstance(strategy.launcher, _SubprocessScriptLauncher)):
-                from lightning_megatron import launch
-
                 launch.release()  # no launcher that hands local ranks to the waiting ones: they exit
             config = self.config[self.subcommand] if self.subcommand else self.config
             optimizer, scheduler = config.get("optimizer"), config.get("lr_scheduler")
