@@ -427,7 +427,7 @@ def _export(argv: list[str]) -> None:
 
 
 def _finetune(argv: list[str]) -> None:
-    finetune_cli(argv)
+    _leave_in_order(finetune_cli(argv))
 
 
 def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> None:
             COMMANDS[argv[0]][0](argv[1:])
             return
         # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
-        _lightning_cli(None if from_sys_argv else argv)
+        _leave_in_order(_lightning_cli(None if from_sys_argv else argv))
     except Exception as e:
         # Imported here: `plot`, `preprocess`, `train-tokenizer` and `--help` need no torch.
         from lightning_megatron.checkpoint import CheckpointError
@@ -576,6 +576,16 @@ def main(argv: list[str] | None = None) -> None:
         if rank_zero_only.rank != 0:
             raise SystemExit(1) from None
         raise SystemExit(f"lightning-megatron: {e}") from None
+
+
+def _leave_in_order(cli: Any) -> None:
+    """The command's run is done and its process exits next: a ``MegatronStrategy``'s ranks shut their
+    process groups down in order first (``MegatronStrategy.leave``)."""
+    from lightning_megatron.strategy import MegatronStrategy
+
+    strategy = getattr(cli.trainer, "strategy", None) if cli is not None else None
+    if isinstance(strategy, MegatronStrategy):
+        strategy.leave()
 
 
 def _resolve_recipes(argv: list[str]) -> list[str]:

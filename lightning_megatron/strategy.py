@@ -578,6 +578,15 @@ class MegatronStrategy(DDPStrategy):
         if self._preemption.exiting:  # the process exits with 143 / 130 next: process groups go first, in order
             self._preemption.leave(self.launcher)
 
+    def leave(self) -> None:
+        """Shut distributed state down in order before this process exits (the ``lightning-megatron``
+        command calls it once its subcommand has run; a script may too, after its last stage): the ranks
+        meet at a barrier, the launching rank waits for the ranks it started, which destroy their process
+        groups and exit, and destroys its own, with the rendezvous store it hosts, last. Left to
+        interpreter exit, the launching rank was seen aborting on its way out ("terminate called without
+        an active exception", status -6; docs/reliability.md)."""
+        self._preemption.leave(self.launcher)
+
 
 def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
