@@ -30,6 +30,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[DEVICE_ENV] = device  # spawned ranks inherit it
     if test_device() == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda (or LM_TEST_DEVICE=cuda) was asked for, but torch sees no GPU")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pytest -n N: this is one of N workers
+    if workers > 1:  # the cores shared between the workers, not each worker's threads spinning on all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,8 @@ class OfflineRun:
     """Each history row: key -> value (``_step`` included)."""
     config: bytes = b""
     """The config records' bytes (the run config's keys and values)."""
+    exited: bool = False
+    """The file holds the exit record (``run.finish()``'s last)."""
 
     @property
     def steps(self) -> list[int]:
@@ -40,6 +43,8 @@ def _records(path: Path):
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = path.read_bytes()
+    if len(data) < 7:  # not written yet
+        return
     assert data[:4] == b":W&B", path
     pos, block, buf = 7, 32768, b""
     while pos + 7 <= len(data):
@@ -48,6 +53,8 @@ def _records(path: Path):
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written
+            return
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == 0 and length == 0:
             continue
@@ -59,23 +66,35 @@ def _records(path: Path):
             yield record
 
 
-def offline_runs(wandb_dir: Path) -> list[OfflineRun]:
-    """Every ``offline-run-*`` folder under ``wandb_dir``, oldest first."""
-    out = []
-    for folder in sorted(Path(wandb_dir).glob("offline-run-*")):
-        run = OfflineRun(folder)
-        for path in folder.glob("*.wandb"):
-            for record in _records(path):
-                kind = record.WhichOneof("record_type")
-                if kind == "run":
-                    r = record.run
-                    run.run_id, run.resume, run.resumed = r.run_id, r.resume, r.resumed
-                    run.group, run.job_type = r.run_group, r.job_type
-                    run.config += r.config.SerializeToString()
-                elif kind == "config":
-                    run.config += record.config.SerializeToString()
-                elif kind == "history":
-                    run.history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                        for item in record.history.item})
-        out.append(run)
-    return out
+def offline_runs(wandb_dir: Path, *, wait_s: float = 60.0) -> list[OfflineRun]:
+    """Every ``offline-run-*`` folder under ``wandb_dir``, oldest first, read once each run file holds its exit
+    record (W&B's service writes the file on its own; on a loaded machine it can trail ``run.finish()``),
+    or after ``wait_s`` as it is then. A folder without a run file (an attempt that never reached the
+    service) is read as it is."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        runs = [_read(folder) for folder in sorted(Path(wandb_dir).glob("offline-run-*"))]
+        pending = [r for r in runs if not r.exited and any(r.folder.glob("*.wandb"))]
+        if not pending or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.2)
+
+
+def _read(folder: Path) -> OfflineRun:
+    run = OfflineRun(folder)
+    for path in folder.glob("*.wandb"):
+        for record in _records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                r = record.run
+                run.run_id, run.resume, run.resumed = r.run_id, r.resume, r.resumed
+                run.group, run.job_type = r.run_group, r.job_type
+                run.config += r.config.SerializeToString()
+            elif kind == "config":
+                run.config += record.config.SerializeToString()
+            elif kind == "history":
+                run.history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                    for item in record.history.item})
+            elif kind == "exit":
+                run.exited = True
+    return run
