@@ -13,6 +13,8 @@ After ``--warmup`` steps one step runs under ``torch.profiler`` with shapes reco
   dropout and random numbers, other elementwise ops, the optimizer step (everything under ``OPT``:
   grad finalize, unscale, the update, the copy back to 16-bit), and the rest of the wall time, which
   no op accounts for (Python, autograd's engine, the profiler's own cost);
+- the GEMM floor (:func:`gemm_floor`): the step's GEMMs run again alone at their shapes, their rate
+  against the square GEMM rate measured in the same process, and the unprofiled step against both;
 - the top ops by self CPU time;
 - for each op named in ``--ops``: its time grouped by the chain of calling ops and input shape, which
   tells which line of the model issued it (e.g. ``aten::clone < aten::contiguous < FWD`` on
@@ -101,6 +103,56 @@ def by_kind(events, wall: float) -> list[tuple[str, float]]:
     return seconds.most_common()
 
 
+_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+_TORCH_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
+
+
+def _gemm_flops(name: str, shapes: list[list[int]]) -> float:
+    """2 m k n (times the batch) of one recorded GEMM."""
+    a, b = (shapes[0], shapes[1]) if name in ("aten::mm", "aten::bmm") else (shapes[1], shapes[2])
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
+
+
+def gemm_floor(events, repeats: int = 5) -> tuple[float, float, int]:
+    """``(seconds, flops, gemms)``: every GEMM of the profiled step (mm, addmm, bmm, baddbmm, by the shapes
+    and dtypes the profiler recorded) run again alone, outside the profiler, on fresh contiguous operands:
+    each distinct one ``repeats`` times after a warm-up, its median times its count. What the step's
+    matrix multiplications cost by themselves on this machine at these shapes: no step can be shorter,
+    and its FLOPs over this time is the rate these GEMMs reach (below the square-GEMM peak)."""
+    seen: collections.Counter = collections.Counter()
+    for e in events:
+        if e.name in _GEMMS and e.input_shapes:
+            dtypes = tuple(getattr(e, "input_dtypes", ()) or ())
+            seen[(e.name, tuple(tuple(x) for x in e.input_shapes), dtypes)] += 1
+    total = flops = 0.0
+    for (name, shapes, dtypes), count in seen.items():
+        dtype = _TORCH_DTYPES.get(next((d for d in dtypes if d), "float"), torch.float32)
+        args = [torch.randn(*shape, dtype=torch.float32).to(dtype) for shape in shapes if shape]
+        op = getattr(torch, name.removeprefix("aten::"))
+        op(*args)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            op(*args)
+            times.append(time.perf_counter() - t0)
+        total += sorted(times)[repeats // 2] * count
+        flops += _gemm_flops(name, [list(x) for x in shapes]) * count
+    return total, flops, sum(seen.values())
+
+
+def square_gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of ``n x n @ n x n`` in ``dtype``, best of ``repeats`` (the peak ``benchmarks/gemm.py`` measures)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="base", choices=sorted(SIZES))
@@ -109,7 +161,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=1, help="microbatches per step (grad accumulation)")
     parser.add_argument("--layers", type=int, default=None, help="override the size's layer count")
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=4, help="steps before the profiled one (the first ones page-fault)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", default="aten::copy_", help="comma-separated ops to attribute to their callers")
     args = parser.parse_args()
@@ -164,6 +216,20 @@ def main() -> None:
     print("by kind (self CPU time of the ops):")
     for kind, sec in by_kind(events, wall):
         print(f"  {kind:<45} {sec:7.3f} s  {100 * sec / wall:5.1f}%")
+    floor, flops, count = gemm_floor(events)
+    peak = square_gemm_rate(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    unprofiled = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step()
+        unprofiled.append(time.perf_counter() - t0)
+    step_s = sorted(unprofiled)[1]
+    print(f"\nthe step's {count} GEMMs ({flops / 1e9:.0f} GFLOP executed) replayed alone: {floor:.3f} s, "
+          f"{flops / floor / 1e9:.0f} GFLOP/s = {flops / floor / peak:.0%} of the square {args.dtype} GEMM rate "
+          f"measured now ({peak / 1e9:.0f} GFLOP/s, n=2048)")
+    print(f"unprofiled step (median of 3): {step_s:.3f} s = {flops / step_s / 1e9:.0f} GFLOP/s = "
+          f"{flops / step_s / peak:.0%} of that rate; GEMMs alone {floor / step_s:.0%} of the step, "
+          f"the rest {step_s - floor:.3f} s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=50))
     wanted = set(args.ops.split(","))
     by_caller: collections.Counter = collections.Counter()

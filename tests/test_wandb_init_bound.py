@@ -74,14 +74,16 @@ def _experiment_timed(logger: WandbLogger):
 
 
 def test_wedged_service_start_continues_offline_within_the_bound(wandb_env, wedged_service_start):
-    logger = WandbLogger(project="bound", save_dir=str(wandb_env), init_timeout_s=8)
-    with pytest.warns(UserWarning, match=r"init_timeout_s=8\b") as caught:
+    # 20 s: the offline fallback gets the last quarter, 5 s, to start a second W&B service (over 2 s on a loaded
+    # 2-core machine)
+    logger = WandbLogger(project="bound", save_dir=str(wandb_env), init_timeout_s=20)
+    with pytest.warns(UserWarning, match=r"init_timeout_s=20\b") as caught:
         run, seconds = _experiment_timed(logger)
-    assert seconds < 8 + SLACK_S, seconds
+    assert seconds < 20 + SLACK_S, seconds
     [warning] = [str(w.message) for w in caught if "init_timeout_s" in str(w.message)]
     folder = run.settings.sync_dir
     assert run.settings.mode == "offline" and Path(folder).parent == wandb_env / "wandb", folder
-    assert "did not finish within 6 s" in warning, warning  # the first attempt's three quarters
+    assert "did not finish within 15 s" in warning, warning  # the first attempt's three quarters
     for text in (f"run {run.id} in {folder}", f"`wandb sync {folder}`", "--trainer.logger.init_args.init_timeout_s N",
                  "WANDB_MODE=offline"):
         assert text in warning, warning
@@ -97,21 +99,22 @@ def test_wedged_service_start_continues_offline_within_the_bound(wandb_env, wedg
 
 def test_unanswered_server_continues_offline_as_the_same_run(wandb_env, monkeypatch):
     """Online, a server that never answers: wandb's own init timeout (half the bound, passed in its settings
-    under the user's) ends the attempt with its error, and the run continues offline with the id it was given."""
+    under the user's) ends the attempt with its error, and the run continues offline with the id it was given
+    (in the other half: 6 s)."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)  # connections are accepted by the kernel, and never answered
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
-    logger = WandbLogger(project="bound", save_dir=str(wandb_env), id="boundrun1", init_timeout_s=8,
+    logger = WandbLogger(project="bound", save_dir=str(wandb_env), id="boundrun1", init_timeout_s=12,
                          settings={"console": "off"})
     try:
-        with pytest.warns(UserWarning, match=r"init_timeout_s=8\b") as caught:
+        with pytest.warns(UserWarning, match=r"init_timeout_s=12\b") as caught:
             run, seconds = _experiment_timed(logger)
     finally:
         server.close()
-    assert seconds < 8 + SLACK_S, seconds
+    assert seconds < 12 + SLACK_S, seconds
     [warning] = [str(w.message) for w in caught if "init_timeout_s" in str(w.message)]
     assert "wandb.init failed (CommError: " in warning and "deadline exceeded" in warning, warning  # wandb's own
     assert run.id == "boundrun1" and run.settings.mode == "offline" and run.settings.console == "off"
