@@ -40,7 +40,7 @@ from bert_step import LR, WEIGHT_DECAY, SyntheticBatches  # noqa: E402
 from lightning_megatron.parallel_dims import ParallelDims
 
 
-def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None = None):
+def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None = None, dropout: float = 0.1):
     from lightning_megatron.models.bert import BertConfig
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.tensor_parallel.random import model_parallel_seed
@@ -52,7 +52,8 @@ def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None =
     config = BertConfig(num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
                         ffn_hidden_size=s.ffn_hidden_size, vocab_size=s.vocab_size,
                         max_sequence_length=s.max_position_embeddings, spec="bert_layer_post_norm_spec",
-                        params_dtype="bfloat16" if dtype == "bf16" else "float32")
+                        params_dtype="bfloat16" if dtype == "bf16" else "float32",
+                        hidden_dropout=dropout, attention_dropout=dropout)
     module = BertLightningModule(config, lr=LR, weight_decay=WEIGHT_DECAY)
     module.configure_model()
     opt = module.configure_optimizers()
@@ -128,7 +129,8 @@ def gemm_floor(events, repeats: int = 5) -> tuple[float, float, int]:
     total = flops = 0.0
     for (name, shapes, dtypes), count in seen.items():
         dtype = _TORCH_DTYPES.get(next((d for d in dtypes if d), "float"), torch.float32)
-        args = [torch.randn(*shape, dtype=torch.float32).to(dtype) for shape in shapes if shape]
+        operands = 2 if name in ("aten::mm", "aten::bmm") else 3  # compiled code also records an out= tensor
+        args = [torch.randn(*shape, dtype=torch.float32).to(dtype) for shape in shapes[:operands]]
         op = getattr(torch, name.removeprefix("aten::"))
         op(*args)
         times = []
@@ -161,6 +163,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=1, help="microbatches per step (grad accumulation)")
     parser.add_argument("--layers", type=int, default=None, help="override the size's layer count")
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer (compile_layers)")
     parser.add_argument("--warmup", type=int, default=4, help="steps before the profiled one (the first ones page-fault)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", default="aten::copy_", help="comma-separated ops to attribute to their callers")
@@ -177,11 +181,13 @@ def main() -> None:
     keep_freed_memory()  # as the opt-in CPU tuning does (CPUTuning(keep_freed_memory=True))
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     ps = initialize_model_parallel(ParallelDims(tp=1, pp=1))
-    module, opt, data = build(args.size, args.dtype, args.batch, args.seq, args.layers)
+    module, opt, data = build(args.size, args.dtype, args.batch, args.seq, args.layers, args.dropout)
     chunk = module.model_chunks[0]
     from lightning_megatron.cpu import CPUTuning
 
     CPUTuning().configure_model(chunk, torch.device("cpu"))  # the CPU kernels, as the CPU tuning installs them
+    if args.compile:
+        print(f"compiled {chunk.compile_layers()} transformer layers")
     grads = GradBuffer(buffer_order([chunk]))  # the strategy's fp32 grad buffer (filled by backward hooks)
 
     def step() -> None:
