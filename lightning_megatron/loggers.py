@@ -65,8 +65,9 @@ class WandbLogger(loggers.WandbLogger):
       W&B cannot ask its server, and would record every segment as a new run.
     - ``anonymous=None`` (the default) is not passed on: ``wandb`` deprecated the setting and warns whenever it
       is given, even as None.
-    - ``wandb.init`` (on rank 0, when ``experiment`` is first used, while the other ranks wait at the next
-      barrier) takes at most ``init_timeout_s``, then falls back to one offline run (:meth:`_bounded_init`).
+    - ``wandb.init`` (on rank 0: started in the background by :meth:`start_in_background` while the ranks meet,
+      else when ``experiment`` is first used) takes at most ``init_timeout_s``, then falls back to one offline
+      run (:meth:`_bounded_init`).
 
     ``history_step``: log every row at this step of the run's history instead (an evaluation of a checkpoint
     joining the training run's history: the checkpoint's global step; Lightning logs an evaluation at 0).
@@ -83,6 +84,7 @@ class WandbLogger(loggers.WandbLogger):
         if problem:
             raise ValueError(problem)
         super().__init__(*args, **kwargs)
+        self._starting: tuple[threading.Thread, dict[str, Any]] | None = None
         self.history_step = history_step
         self.init_timeout_s = float(init_timeout_s)
         for name in ("init_timeout", "x_service_wait"):  # wandb's own waits, kept when the user sets them
@@ -106,10 +108,8 @@ class WandbLogger(loggers.WandbLogger):
         """Lightning's, with the run it starts started by :meth:`_bounded_init`."""
         import wandb
 
-        if self._experiment is None and getattr(self, "_attach_id", None) is None and wandb.run is None:
-            if self._offline:
-                os.environ["WANDB_MODE"] = "dryrun"  # as Lightning's
-            run = self._bounded_init()
+        if self._experiment is None and (self._starting is not None or self._may_start()):
+            run = self._started_run() if self._starting is not None else self._bounded_init()
             if self._wandb_init.get("sync_tensorboard"):  # Lightning's x-axis for the runs it starts
                 run.define_metric("*", step_metric="global_step")
             else:
@@ -117,6 +117,45 @@ class WandbLogger(loggers.WandbLogger):
                 run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
             self._experiment = run
         return super().experiment
+
+    def _may_start(self) -> bool:
+        """No run yet to attach to or reuse: this logger starts one (Lightning's condition)."""
+        import wandb
+
+        if self._experiment is not None or getattr(self, "_attach_id", None) is not None or wandb.run is not None:
+            return False
+        if self._offline:
+            os.environ["WANDB_MODE"] = "dryrun"  # as Lightning's
+        return True
+
+    def start_in_background(self) -> None:
+        """Start the run now, on a daemon thread (:meth:`_bounded_init`, within ``init_timeout_s``); the first use of
+        :attr:`experiment` waits for it. ``MegatronStrategy`` calls this on global rank 0 once the ranks are known
+        and before it waits for the other ranks at the rendezvous, so that W&B's start (its service, the run at the
+        server: 1.5 s offline on 2 cores, seconds online) overlaps that wait instead of following it."""
+        if self._starting is not None or not self._may_start():
+            return
+        outcome: dict[str, Any] = {}
+
+        def start() -> None:
+            try:
+                outcome["run"] = self._bounded_init()
+            except BaseException as error:  # noqa: BLE001 - raised where the run is first used
+                outcome["error"] = error
+
+        thread = threading.Thread(target=start, name="wandb-start", daemon=True)
+        thread.start()
+        self._starting = (thread, outcome)
+
+    def _started_run(self) -> Any:
+        """The run :meth:`start_in_background` started (waits: at most ``init_timeout_s`` from its start), or its error."""
+        assert self._starting is not None
+        thread, outcome = self._starting
+        thread.join()  # bounded: _bounded_init returns or raises within init_timeout_s
+        self._starting = None
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["run"]
 
     def _bounded_init(self) -> Any:
         """``wandb.init`` within ``init_timeout_s``; once offline when the first attempt fails or runs out.

@@ -225,6 +225,22 @@ class MegatronStrategy(DDPStrategy):
             self._launcher = _PrewarmedLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        if self.global_rank == 0:  # known now, before the rendezvous waits for the other ranks
+            self._start_loggers()
+
+    def _start_loggers(self) -> None:
+        """Rank 0's loggers that can start their run in the background do so now
+        (:meth:`lightning_megatron.loggers.WandbLogger.start_in_background`): W&B's start overlaps the rendezvous
+        instead of holding the other ranks at Lightning's first barrier."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        for logger in getattr(trainer, "loggers", ()):
+            start = getattr(logger, "start_in_background", None)
+            if callable(start):
+                start()
+
+    @override
     def setup_environment(self) -> None:
         self.parallel_dims = self._resolved_dims()  # before launching collectives
         super().setup_environment()

@@ -35,6 +35,20 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+SLOW_MODULES_FIRST = (
+    "test_docs_finetune.py", "test_cli_recipes.py", "test_cli_run_folder.py", "test_docs_blocks.py", "test_lora.py",
+    "test_reliability_sigterm.py", "test_gpt_parallel.py", "test_gpt_predict.py", "test_strategy_checkpoint.py",
+    "test_moe_cli.py", "test_launch.py",
+)
+"""The modules that take longest (``pytest --durations``, 2026-12-03), run first: with ``-n 2 --dist loadscope``
+(the README's command) a worker that takes one of them last would finish alone, minutes after the other."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: every module keeps its order
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"lightning_megatron test device: {test_device()}"
 

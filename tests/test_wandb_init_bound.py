@@ -165,3 +165,41 @@ def test_bound_the_barrier_would_outlast_is_refused_before_launch(tmp_path, monk
     assert ("WandbLogger init_timeout_s=60 is not below the strategy timeout=30 s" in message
             and "--trainer.logger.init_args.init_timeout_s N" in message), message
     assert not dist.is_initialized() and not run.exists()  # nothing launched, nothing written
+
+
+def test_rank_zero_starts_wandb_while_the_ranks_meet(wandb_env):
+    """MegatronStrategy starts rank 0's W&B run in the background as soon as the ranks are known, before the
+    rendezvous waits for the other ranks; the run Lightning's set-up hook then gets is that one. Another rank
+    starts nothing."""
+    from lightning.pytorch import Trainer
+
+    from lightning_megatron.models.bert import BertConfig
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.strategy import MegatronStrategy
+    from megatron_testing import TINY_CONFIG, TINY_OPTIONS
+
+    def trainer_with_logger() -> tuple[MegatronStrategy, WandbLogger]:
+        logger = WandbLogger(project="bound", save_dir=str(wandb_env), init_timeout_s=20)
+        strategy = MegatronStrategy()
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=logger, enable_progress_bar=False)
+        module = BertLightningModule(BertConfig(**TINY_CONFIG), **TINY_OPTIONS)
+        module.trainer = trainer
+        strategy.connect(module)
+        return strategy, logger
+
+    strategy, logger = trainer_with_logger()
+    with pytest.MonkeyPatch.context() as rank_one:
+        rank_one.setattr(MegatronStrategy, "global_rank", property(lambda self: 1))
+        strategy.set_world_ranks()
+    assert logger._starting is None and wandb.run is None  # not rank 0: nothing started
+
+    strategy, logger = trainer_with_logger()
+    strategy.set_world_ranks()  # rank 0: started, and set_world_ranks returned without waiting for it
+    assert logger._starting is not None and logger._starting[0].name == "wandb-start"
+    run = logger.experiment  # what Lightning's set-up hook does first: waits for the run started above
+    assert logger._starting is None and run is wandb.run and logger.version == run.id
+    assert run.settings.mode == "offline" and Path(run.settings.sync_dir).parent == wandb_env / "wandb"
+    logger.log_metrics({"loss": 1.5}, step=2)
+    run.finish()
+    [saved] = [r for r in offline_runs(wandb_env / "wandb") if r.run_id]
+    assert saved.run_id == run.id and saved.steps == [2]
