@@ -167,11 +167,12 @@ def plain_lightning_causal_lm(model: Any, lr: float, weight_decay: float) -> Any
 
 
 def timed_fit(framework: str, module: Any, bf16: bool, dataset: Any, batch: int, warmup: int, steps: int, *,
-              devices: int = 1, **strategy_kwargs: Any) -> list[float]:
+              devices: int = 1, micro_batch: int | None = None, **strategy_kwargs: Any) -> list[float]:
     """``Trainer.fit`` of ``warmup + steps`` steps of ``module`` on ``dataset`` in this (spawned) process; the
     seconds of each step after the warm-up. ``framework`` "ours": the MegatronStrategy (``strategy_kwargs``, the
-    opt-in CPU tuning) with bf16 parameters and fp32 main params in bf16 (``bf16-true``); otherwise plain
-    Lightning, bf16 by autocast (``bf16-mixed``)."""
+    opt-in CPU tuning) with bf16 parameters and fp32 main params in bf16 (``bf16-true``), ``batch`` rows per rank
+    and step in microbatches of ``micro_batch`` (default: one microbatch); otherwise plain Lightning, bf16 by
+    autocast (``bf16-mixed``)."""
     import time
 
     import torch
@@ -189,7 +190,7 @@ def timed_fit(framework: str, module: Any, bf16: bool, dataset: Any, batch: int,
     if framework == "ours":
         from lightning_megatron.strategy import MegatronStrategy
 
-        strategy: Any = MegatronStrategy(micro_batch_size=batch, cpu_tuning=True, **strategy_kwargs)
+        strategy: Any = MegatronStrategy(micro_batch_size=micro_batch or batch, cpu_tuning=True, **strategy_kwargs)
         precision = "bf16-true" if bf16 else "32-true"
         if bf16:
             from lightning_megatron.callbacks import MegatronOptimizerCallback

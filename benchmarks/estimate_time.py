@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/estimate_time.py                       # the full run (~10 min idle)
     .venv/bin/python benchmarks/estimate_time.py --layouts tp1,tp2 --steps 2 --layers 2   # plumbing only
+    .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --precision bf16         # the decoder's rows
 
 Measures this machine's rates before and after the runs, and predicts with the faster of the two
 (:func:`lightning_megatron.check.devices.measure_this_machine`: a GEMM of the model's shape on one
@@ -10,7 +11,9 @@ one-layer model's for the vocabulary passes of its embeddings, heads and loss, 2
 and gloo sends; other jobs only slow a measurement), then runs each
 layout for ``--warmup`` + ``--steps`` optimizer steps of ``Trainer.fit`` in fresh spawned gloo
 processes (``benchmarks/bert_step.py``: BERT, post-norm spec, dropout 0.1, the CPU tuning, synthetic
-full-length batches) and compares the median step time with the prediction of
+full-length batches; with ``--model llama-tiny`` / ``llama-small``, ``benchmarks/gpt_step.py``'s Llama-shaped
+decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output layer, no dropout, synthetic tokens,
+layouts ``DECODER_LAYOUTS`` by default) and compares the median step time with the prediction of
 :func:`lightning_megatron.check.timing.estimate_time` at efficiencies 1 (measured rates). Ranks share
 the cores (``cores / world_size`` each). Target: within 25% on every layout. Other work on the
 machine slows the measured steps, not the prediction: run it on an idle machine (the last column, the
@@ -33,11 +36,13 @@ from _common import CPU_COUNT, BertSize, launch, median  # noqa: E402
 from lightning_megatron.parallel_dims import ParallelDims
 
 LAYOUTS = "tp1,tp2,pp2,pp2vp2,dp2,dp2zero1,tp2sp,tp2pp2,tp2dp2zero1"
+DECODER_LAYOUTS = "tp1,tp2,tp2sp,dp2,cp2,pp2"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layouts", default=LAYOUTS)
+    p.add_argument("--model", default="bert", choices=("bert", "llama-tiny", "llama-small"))
+    p.add_argument("--layouts", default=None, help=f"default: {LAYOUTS} (bert), {DECODER_LAYOUTS} (decoders)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -56,12 +61,32 @@ def main() -> None:
     from lightning_megatron.check.timing import MEASURED, Framework, estimate_time
 
     bf16 = a.precision == "bf16"
-    size = BertSize(name="bench", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                    ffn_hidden_size=4 * a.hidden)
-    shape = BertCost(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                     vocab_size=size.vocab_size, max_sequence_length=size.max_position_embeddings,
-                     seq_length=a.seq, micro_batch_size=a.micro_batch, global_batch_size=a.global_batch,
-                     params_dtype="bfloat16" if bf16 else "float32", post_norm=True, on_cpu=True)
+    if a.model == "bert":
+        size = BertSize(name="bench", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                        ffn_hidden_size=4 * a.hidden)
+        shape: Any = BertCost(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                              vocab_size=size.vocab_size, max_sequence_length=size.max_position_embeddings,
+                              seq_length=a.seq, micro_batch_size=a.micro_batch, global_batch_size=a.global_batch,
+                              params_dtype="bfloat16" if bf16 else "float32", post_norm=True, on_cpu=True)
+        rank, layouts = bert_rank, a.layouts or LAYOUTS
+        title = (f"BERT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro batch {a.micro_batch}, "
+                 f"global batch {a.global_batch}, {a.precision}, dropout 0.1")
+    else:
+        from gpt_step import SIZES as DECODERS
+        from gpt_step import _ours, gpt_layout_rank
+
+        from lightning_megatron.models.gpt.cost import GPTCost
+
+        decoder = DECODERS[a.model]
+        a.seq, a.hidden = decoder.seq_length, decoder.hidden_size
+        config = _ours(decoder, bf16).config
+        shape = GPTCost.from_config(config, seq_length=a.seq, micro_batch_size=a.micro_batch,
+                                    global_batch_size=a.global_batch, on_cpu=True)
+        rank, layouts = gpt_layout_rank, a.layouts or DECODER_LAYOUTS
+        title = (f"{a.model}: {decoder.num_layers} layers, hidden {decoder.hidden_size}, {decoder.num_attention_heads} "
+                 f"heads in {decoder.num_query_groups} groups, SwiGLU {decoder.ffn_hidden_size}, vocabulary "
+                 f"{decoder.vocab_size}, seq {a.seq}, micro batch {a.micro_batch}, global batch {a.global_batch}, "
+                 f"{a.precision}, no dropout")
     def rates(dev: Any) -> str:
         return (f"GEMM {dev.flops_16 / 1e9:.1f} GFLOP/s ({a.seq * a.micro_batch}x{a.hidden}x{shape.ffn}, {a.precision}), "
                 f"copy {dev.hbm / 1e9:.2f} GB/s, elementwise kernels of one layer {dev.elementwise / 1e9:.2f} GB/s, "
@@ -74,16 +99,25 @@ def main() -> None:
     print(f"this machine, per core ({CPU_COUNT} cores): {rates(before)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     fw = Framework(overlap_grad_reduce=False, fused_attention=not shape.unfused_attention)  # the CPU tuning's
     runs = []
-    for layout in ParallelDims.parse_list(a.layouts):
-        run = dict(framework="ours", size=size.as_dict(), precision=a.precision, tp=layout.tp, pp=layout.pp,
-                   vp=layout.vp, sp=layout.sequence_parallel, zero1=layout.zero1, micro_batch=a.micro_batch,
-                   batch=a.global_batch // layout.dp, seq=a.seq, warmup=a.warmup, steps=a.steps)
+    for layout in ParallelDims.parse_list(layouts):
+        if a.model == "bert":
+            run = dict(framework="ours", size=size.as_dict(), precision=a.precision, tp=layout.tp, pp=layout.pp,
+                       vp=layout.vp, sp=layout.sequence_parallel, zero1=layout.zero1, micro_batch=a.micro_batch,
+                       batch=a.global_batch // layout.dp, seq=a.seq, warmup=a.warmup, steps=a.steps)
+        else:
+            if layout.zero1 or layout.ep > 1:
+                raise SystemExit(f"estimate_time.py --model {a.model}: layout {layout.name} is not run for decoders here")
+            run = dict(size=dataclasses.asdict(decoder), precision=a.precision, warmup=a.warmup, steps=a.steps,
+                       batch=a.global_batch // layout.dp, micro_batch=a.micro_batch,
+                       strategy=dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                     virtual_pipeline_model_parallel_size=layout.vp,
+                                     context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel))
         t1 = time.perf_counter()
-        results = launch(bert_rank, layout.world_size, run, timeout=1800)
+        results = launch(rank, layout.world_size, run, timeout=1800)
         measured = max(median(r["step_times"]) for r in results)
         # CPU seconds per thread of the busiest rank: what the step would take with the cores to
         # itself if it never waited (a lower bound that other jobs on the machine barely move).
-        busy = max(median(r["step_cpu"]) / r["threads"] for r in results)
+        busy = max(median(r["step_cpu"]) / r["threads"] for r in results) if "step_cpu" in results[0] else float("nan")
         runs.append((layout, measured, busy))
         print(f"{layout.name}: measured {measured:.3f} s ({time.perf_counter() - t1:.0f} s)", flush=True)
     after = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape)
@@ -105,8 +139,7 @@ def main() -> None:
           f"vocabulary {after.vocab / before.vocab - 1:+.0%} "
           f"(a large change means the machine was busy: the measured step times are not meaningful then)")
     rows = [(layout, estimate_time(shape, layout, dev, MEASURED, fw), measured, busy) for layout, measured, busy in runs]
-    print(f"\nBERT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro batch {a.micro_batch}, "
-          f"global batch {a.global_batch}, {a.precision}, dropout 0.1; median of {a.steps} steps after {a.warmup}\n")
+    print(f"\n{title}; median of {a.steps} steps after {a.warmup}\n")
     print("| layout | ranks | predicted s | compute (of which vocabulary / grad accumulation) / TP / PP / bubble / "
           "DP / optimizer s | measured s | measured / predicted | CPU s per thread (busiest rank) |")
     print("|---|---|---|---|---|---|---|")
@@ -118,7 +151,7 @@ def main() -> None:
         within += abs(ratio - 1) <= 0.25
         print(f"| {layout.name} | {layout.world_size} | {pred.total:.3f} | {pred.compute:.3f} ({pred.vocab:.3f} / "
               f"{pred.accumulate:.3f}) / {' / '.join(f'{x:.3f}' for x in parts)} "
-              f"| {measured:.3f} | {ratio:.2f} | {busy:.3f} |")
+              f"| {measured:.3f} | {ratio:.2f} | {'-' if busy != busy else f'{busy:.3f}'} |")
     print(f"\nlargest error: {worst:.0%}; {within} of {len(rows)} layouts within 25% (target 25%)")
 
 

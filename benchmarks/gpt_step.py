@@ -106,6 +106,25 @@ def gpt_rank(run: dict[str, Any]) -> dict[str, Any]:
     return {"step_s": times, "tokens_per_step": size.batch * size.seq_length}
 
 
+def gpt_layout_rank(run: dict[str, Any]) -> dict[str, Any]:
+    """Our decoder at one layout on this rank (``benchmarks/estimate_time.py --model llama-*``): ``run`` = size,
+    precision, warmup, steps, batch (rows per DP replica and step), micro_batch, strategy (MegatronStrategy's
+    layout arguments)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    threads = set_threads(world)
+    warnings.filterwarnings("ignore")
+    size = LlamaSize(**run["size"])
+    bf16, warmup, steps = run["precision"] == "bf16", run["warmup"], run["steps"]
+    data = TokenBatches((warmup + steps) * run["batch"], size.seq_length, size.vocab_size)
+    times = timed_fit("ours", _ours(size, bf16), bf16, data, run["batch"], warmup, steps, devices=world,
+                      micro_batch=run["micro_batch"], **run["strategy"])
+    return {"step_times": times, "threads": threads}
+
+
 def _flops(size: LlamaSize) -> float:
     from lightning_megatron.flops import transformer_flops
 
