@@ -167,19 +167,25 @@ class StepRunner:
         """Raise :class:`NonFiniteLossOrGradError` on every rank when the loss or any gradient of any rank
         is NaN/Inf (after :func:`finalize_model_grads`, before any optimizer reads the gradients).
 
-        One pass over this rank's fp32 grad buffer (a sum in fp64: non-finite exactly when an element
-        is; fp32 values cannot overflow it), the loss (the same on every rank: reduced over DP,
-        broadcast along the pipeline) beside it, one SUM all-reduce over the world and one read on
-        the host. Only a failing step does more: it finds and gathers the parameter to name.
+        One pass over this rank's fp32 grad buffer: its smallest and largest element (``aminmax``, one
+        reduction that allocates nothing; a NaN makes both NaN, an inf is the largest or the smallest, so
+        both are finite exactly when every element is), the loss (the same on every rank: reduced over
+        DP, broadcast along the pipeline) beside them in fp64, one SUM all-reduce over the world (fp64
+        sums of finite fp32 values cannot overflow) and one read on the host. Only a failing step does
+        more: it finds and gathers the parameter to name. (A sum of the buffer in fp64, the check before,
+        cast the whole buffer to a new fp64 tensor first on CPU: 8 bytes per parameter and 0.24 s a step at
+        bert-base, against 0.03 s.)
         """
         device = buffer.data.device
-        values = torch.stack([torch.sum(buffer.data, dtype=torch.float64),
-                              torch.zeros((), dtype=torch.float64, device=device) if loss is None
-                              else loss.detach().to(device, torch.float64).reshape(())])
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        low, high = torch.aminmax(buffer.data) if buffer.data.numel() else (zero, zero)
+        values = torch.stack([low.to(torch.float64), high.to(torch.float64),
+                              zero if loss is None else loss.detach().to(device, torch.float64).reshape(())])
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(values)  # a NaN/Inf on any rank makes the sum non-finite on every rank
-        grad_sum, loss_sum = values.tolist()
+        low_sum, high_sum, loss_sum = values.tolist()
+        grad_sum = low_sum + high_sum  # non-finite exactly when one of them is (inf - inf is nan)
         if math.isfinite(grad_sum) and math.isfinite(loss_sum):
             return
         if math.isfinite(loss_sum) and overflow_is_skipped:

@@ -216,3 +216,32 @@ def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
     tuning = CPUTuning(weight_grads_per_step=True)
     assert tuning.configure_grads(WeightGradPolicy(), embedding, ParallelState.single_process(),
                                   torch.device("cpu")) == none
+
+
+def test_finiteness_check_of_the_grad_buffer_is_exact():
+    """The training step's NaN/Inf guard (``StepRunner._check_finite``, one ``aminmax`` over the fp32 buffer): the
+    largest finite gradients pass (no overflow of a sum), a single +inf, -inf or NaN anywhere stops the step and
+    names its parameter."""
+    import types
+
+    import pytest
+
+    from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.step import NonFiniteLossOrGradError, StepRunner
+
+    a, b = nn.Parameter(torch.zeros(3, 4)), nn.Parameter(torch.zeros(1000))
+    buffer = GradBuffer([a, b])
+    runner = types.SimpleNamespace(named_parameters=[("a", a), ("b", b)])
+    finfo = torch.finfo(torch.float32)
+    buffer.data.fill_(finfo.max)
+    buffer.data[::2] = -finfo.max  # sums of these would overflow fp32 many times over
+    StepRunner._check_finite(runner, buffer, torch.tensor(2.5), 7, False)
+    for bad, word in ((float("inf"), "inf"), (-float("inf"), "inf"), (float("nan"), "nan")):
+        buffer.data.zero_()
+        buffer.main_grad_of(b)[999] = bad
+        with pytest.raises(NonFiniteLossOrGradError, match=rf"at step 7 .*the gradient is not finite \({word}\); "
+                                                             r"first parameter with a non-finite gradient on rank 0: b"):
+            StepRunner._check_finite(runner, buffer, torch.tensor(2.5), 7, False)
+    buffer.data.zero_()
+    with pytest.raises(NonFiniteLossOrGradError, match=r"the loss is nan; no gradient is non-finite"):
+        StepRunner._check_finite(runner, buffer, torch.tensor(float("nan")), 7, False)
