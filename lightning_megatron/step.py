@@ -173,8 +173,8 @@ class StepRunner:
         DP, broadcast along the pipeline) beside them in fp64, one SUM all-reduce over the world (fp64
         sums of finite fp32 values cannot overflow) and one read on the host. Only a failing step does
         more: it finds and gathers the parameter to name. (A sum of the buffer in fp64, the check before,
-        cast the whole buffer to a new fp64 tensor first on CPU: 8 bytes per parameter and 0.24 s a step at
-        bert-base, against 0.03 s.)
+        casts the whole buffer into a new fp64 tensor first on CPU: at bert-base 95 ms and 842 MiB of peak
+        memory a step, against 28 ms and none; docs/reliability.md.)
         """
         device = buffer.data.device
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -185,7 +185,7 @@ class StepRunner:
         if world > 1:
             dist.all_reduce(values)  # a NaN/Inf on any rank makes the sum non-finite on every rank
         low_sum, high_sum, loss_sum = values.tolist()
-        grad_sum = low_sum + high_sum  # non-finite exactly when one of them is (inf - inf is nan)
+        grad_sum = low_sum + high_sum  # non-finite exactly when one of them is (-inf + inf is nan)
         if math.isfinite(grad_sum) and math.isfinite(loss_sum):
             return
         if math.isfinite(loss_sum) and overflow_is_skipped:

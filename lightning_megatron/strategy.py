@@ -227,18 +227,9 @@ class MegatronStrategy(DDPStrategy):
     @override
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
-        if self.global_rank == 0:  # known now, before the rendezvous waits for the other ranks
-            self._start_loggers()
-
-    def _start_loggers(self) -> None:
-        """Rank 0's loggers that can start their run in the background do so now
-        (:meth:`lightning_megatron.loggers.WandbLogger.start_in_background`): W&B's start overlaps the rendezvous
-        instead of holding the other ranks at Lightning's first barrier."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        for logger in getattr(trainer, "loggers", ()):
-            start = getattr(logger, "start_in_background", None)
-            if callable(start):
-                start()
+        if self.global_rank == 0:  # known now: rank 0's W&B run starts while the rendezvous waits for the others
+            for logger in getattr(getattr(self.lightning_module, "_trainer", None), "loggers", ()):
+                getattr(logger, "start_in_background", lambda: None)()  # WandbLogger.start_in_background
 
     @override
     def setup_environment(self) -> None:
