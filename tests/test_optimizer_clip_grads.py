@@ -202,6 +202,8 @@ def test_l2_norm_is_exact_however_the_gradient_is_cut():
     g[:100] += 0.5  # a few large entries, as in a word embedding's gradient
     exact = math.sqrt(math.fsum((g.double() ** 2).tolist()))
     norms = {"whole": get_grad_norm_fp32([g]), "pieces": get_grad_norm_fp32(list(g.chunk(7))),
+             # an empty gradient, a transposed one and a short one after a long one (the reused scratch)
+             "shapes": get_grad_norm_fp32([g[:0], g[: 1 << 21].view(1024, 2048).t(), g[1 << 21:], g[:0]]),
              "found_inf_path": grad_norm_and_found_inf(list(g.chunk(3)), [g[:10]])[0]}
     for name, norm in norms.items():
         assert abs(norm - exact) <= 1e-12 * exact, (name, norm, exact)

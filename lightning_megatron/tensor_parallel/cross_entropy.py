@@ -44,7 +44,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if valid < partition:
             logits[..., valid:] = float("-inf")
 
-        logits_max = logits.max(dim=-1)[0]
+        logits_max = logits.amax(dim=-1)  # the values only (``max(dim)`` also finds their indices: ~3x the time)
         all_reduce(logits_max, group, dist.ReduceOp.MAX)
         logits.sub_(logits_max.unsqueeze(-1))
 
