@@ -18,9 +18,11 @@ Training, validation, test and prediction take the same path (:meth:`StepRunner.
 5. training, with ``check_for_nan_in_loss_and_grad`` (megatron-core's option, on by default): THE
    NaN/Inf guard of a training step, whatever optimizer (wrapper or plain torch optimizer) steps
    next. A non-finite loss or gradient anywhere raises :class:`NonFiniteLossOrGradError` on every
-   rank before the optimizer sees the step, naming the step and the first parameter with a
+   rank before the optimizer updates anything, naming the step and the first parameter with a
    non-finite gradient (gathered from the rank that holds it); an fp16 overflow with a finite loss is
-   not an error when the optimizer's dynamic loss scaler skips it.
+   not an error when the optimizer's dynamic loss scaler skips it. The gradients are read here, or,
+   when the strategy's optimizers are our wrappers and read every gradient, by the wrapper's norm,
+   whose step raises the same error through :meth:`StepRunner.non_finite_grads` (one pass, not two).
 
 No Lightning here: the strategy passes what this needs.
 """
@@ -117,7 +119,8 @@ class StepRunner:
 
     def run(self, batch: Any, batch_idx: int, stage: str, *, grad_buffer: GradBuffer | None = None,
             grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None, trace: list | None = None,
-            iteration: int | None = None, overflow_is_skipped: bool = False) -> Any:
+            iteration: int | None = None, overflow_is_skipped: bool = False,
+            grads_checked_by_optimizer: bool = False) -> Any:
         """One step. ``stage``: ``train`` (needs ``grad_buffer``), ``val``, ``test`` -> the logged
         means ``{name: scalar tensor}``; ``predict`` -> the batch's predictions. ``trace``: a list
         that receives the schedule's events (:class:`~lightning_megatron.pipeline.schedules.ScheduleEvent`).
@@ -159,11 +162,12 @@ class StepRunner:
         if not forward_only and step_metrics is not None:
             means.update(step_metrics(len(microbatches)))
         if not forward_only and self.check_for_nan_in_loss_and_grad:
-            self._check_finite(grad_buffer, means.get("loss"), iteration, overflow_is_skipped)
+            self._check_finite(grad_buffer, means.get("loss"), iteration, overflow_is_skipped,
+                               grads=not grads_checked_by_optimizer)
         return means
 
     def _check_finite(self, buffer: GradBuffer, loss: torch.Tensor | None, iteration: int | None,
-                      overflow_is_skipped: bool) -> None:
+                      overflow_is_skipped: bool, grads: bool = True) -> None:
         """Raise :class:`NonFiniteLossOrGradError` on every rank when the loss or any gradient of any rank
         is NaN/Inf (after :func:`finalize_model_grads`, before any optimizer reads the gradients).
 
@@ -175,12 +179,20 @@ class StepRunner:
         more: it finds and gathers the parameter to name. (A sum of the buffer in fp64, the check before,
         casts the whole buffer into a new fp64 tensor first on CPU: at bert-base 95 ms and 842 MiB of peak
         memory a step, against 28 ms and none; docs/reliability.md.)
+
+        ``grads=False`` when the optimizer's own pass over the gradients (its norm, which finds inf/nan on
+        any rank) raises through :meth:`non_finite_grads` instead: then only the loss is checked here, and a
+        non-finite loss still checks the gradients, for the message.
         """
         device = buffer.data.device
         zero = torch.zeros((), dtype=torch.float64, device=device)
+        loss_value = zero if loss is None else loss.detach().to(device, torch.float64).reshape(())
+        if not grads:
+            if bool(torch.isfinite(loss_value)):  # the same on every rank: every rank decides alike
+                return
+            grads = True
         low, high = torch.aminmax(buffer.data) if buffer.data.numel() else (zero, zero)
-        values = torch.stack([low.to(torch.float64), high.to(torch.float64),
-                              zero if loss is None else loss.detach().to(device, torch.float64).reshape(())])
+        values = torch.stack([low.to(torch.float64), high.to(torch.float64), loss_value])
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(values)  # a NaN/Inf on any rank makes the sum non-finite on every rank
@@ -190,20 +202,32 @@ class StepRunner:
             return
         if math.isfinite(loss_sum) and overflow_is_skipped:
             return  # an fp16 overflow: the dynamic loss scaler skips the step and backs off
+        self._raise_non_finite(buffer, loss, loss_sum, grad_sum, iteration)
+
+    def non_finite_grads(self, buffer: GradBuffer, iteration: int | None) -> None:
+        """The guard's error when the optimizer's pass found an inf/nan gradient on some rank (every rank
+        calls it: the optimizer's check reduces over every rank's gradients): the parameter named, raised
+        before anything is updated (``MegatronOptimizer.on_non_finite_grads``)."""
+        self._raise_non_finite(buffer, None, 0.0, math.nan, iteration)
+
+    def _raise_non_finite(self, buffer: GradBuffer, loss: torch.Tensor | None, loss_sum: float, grad_sum: float,
+                          iteration: int | None) -> None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         named = self.named_parameters or [(f"<parameter {i} of shape {tuple(p.shape)}>", p)
                                           for i, p in enumerate(buffer.params)]
-        mine = next((name for name, p in named if (g := buffer.main_grad_of(p)) is not None
-                     and not bool(torch.isfinite(g).all())), None)
+        mine = next(((name, "nan" if bool(torch.isnan(g).any()) else "inf") for name, p in named
+                     if (g := buffer.main_grad_of(p)) is not None and not bool(torch.isfinite(g).all())), None)
         rank = dist.get_rank() if world > 1 else 0
         found = [(rank, mine)]
         if world > 1:
             found = [None] * world
             dist.all_gather_object(found, (rank, mine))
+        first = next(((r, name_kind) for r, name_kind in found if name_kind), None)
         what = [] if math.isfinite(loss_sum) else [f"the loss is {loss.detach().float().reshape(()).item()}"]
         if not math.isfinite(grad_sum):
-            what.append(f"the gradient is not finite ({'inf' if math.isinf(grad_sum) else 'nan'})")
-        where = next((f"first parameter with a non-finite gradient on rank {r}: {name}" for r, name in found if name),
-                     "no gradient is non-finite (only the loss is)")
+            what.append(f"the gradient is not finite ({first[1][1] if first else 'nan'})")
+        where = ("no gradient is non-finite (only the loss is)" if first is None
+                 else f"first parameter with a non-finite gradient on rank {first[0]}: {first[1][0]}")
         step = "" if iteration is None else (f"at step {iteration} (the state at global_step={iteration} is the "
                                              f"last good one) ")
         raise NonFiniteLossOrGradError(

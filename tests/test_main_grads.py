@@ -221,9 +221,8 @@ def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
 def test_finiteness_check_of_the_grad_buffer_is_exact():
     """The training step's NaN/Inf guard (``StepRunner._check_finite``, one ``aminmax`` over the fp32 buffer): the
     largest finite gradients pass (no overflow of a sum), a single +inf, -inf or NaN anywhere stops the step and
-    names its parameter."""
-    import types
-
+    names its parameter; so does the error the optimizers' pass raises through ``non_finite_grads`` when the step
+    checked only the loss (``grads=False``), and a non-finite loss still names a non-finite gradient."""
     import pytest
 
     from lightning_megatron.grads import GradBuffer
@@ -231,17 +230,28 @@ def test_finiteness_check_of_the_grad_buffer_is_exact():
 
     a, b = nn.Parameter(torch.zeros(3, 4)), nn.Parameter(torch.zeros(1000))
     buffer = GradBuffer([a, b])
-    runner = types.SimpleNamespace(named_parameters=[("a", a), ("b", b)])
+    runner = StepRunner.__new__(StepRunner)  # only what the guard reads: the parameters' names
+    runner.named_parameters = [("a", a), ("b", b)]
     finfo = torch.finfo(torch.float32)
     buffer.data.fill_(finfo.max)
     buffer.data[::2] = -finfo.max  # sums of these would overflow fp32 many times over
-    StepRunner._check_finite(runner, buffer, torch.tensor(2.5), 7, False)
+    runner._check_finite(buffer, torch.tensor(2.5), 7, False)
     for bad, word in ((float("inf"), "inf"), (-float("inf"), "inf"), (float("nan"), "nan")):
         buffer.data.zero_()
         buffer.main_grad_of(b)[999] = bad
         with pytest.raises(NonFiniteLossOrGradError, match=rf"at step 7 .*the gradient is not finite \({word}\); "
                                                              r"first parameter with a non-finite gradient on rank 0: b"):
-            StepRunner._check_finite(runner, buffer, torch.tensor(2.5), 7, False)
+            runner._check_finite(buffer, torch.tensor(2.5), 7, False)
+        # The optimizer's pass found it (grads=False here: the loss only, then the optimizer's hook).
+        runner._check_finite(buffer, torch.tensor(2.5), 7, False, grads=False)
+        with pytest.raises(NonFiniteLossOrGradError, match=rf"at step 7 .*the gradient is not finite \({word}\); "
+                                                             r"first parameter with a non-finite gradient on rank 0: b"):
+            runner.non_finite_grads(buffer, 7)
     buffer.data.zero_()
-    with pytest.raises(NonFiniteLossOrGradError, match=r"the loss is nan; no gradient is non-finite"):
-        StepRunner._check_finite(runner, buffer, torch.tensor(float("nan")), 7, False)
+    for grads in (True, False):  # a non-finite loss checks the gradients too, for the message
+        with pytest.raises(NonFiniteLossOrGradError, match=r"the loss is nan; no gradient is non-finite"):
+            runner._check_finite(buffer, torch.tensor(float("nan")), 7, False, grads=grads)
+    buffer.main_grad_of(a)[1, 2] = float("nan")
+    with pytest.raises(NonFiniteLossOrGradError, match=r"the loss is nan and the gradient is not finite \(nan\); "
+                                                         r"first parameter with a non-finite gradient on rank 0: a"):
+        runner._check_finite(buffer, torch.tensor(float("nan")), 7, False, grads=False)

@@ -278,10 +278,12 @@ def test_fp16_overflow_skipped_step_keeps_the_lr_schedule_and_the_logged_lr(tmp_
     ("32-true", "grad", "plain"), ("32-true", "grad", "FP32Optimizer"), ("bf16-true", "grad", "Float16"),
     ("16-true", "loss", "Float16"), ("bf16-true", "grad", "DistributedOptimizer"), ("16-true", "overflow", "Float16")])
 def test_non_finite_loss_or_grad_stops_the_step_whatever_the_optimizer(precision, inject, optimizer):
-    """The guard is the MegatronStrategy's training step (on by default), not an optimizer wrapper's: a NaN
-    gradient (fp32 with a plain torch optimizer or a wrapper, bf16, ZeRO-1) or a NaN loss (fp16: not an
-    overflow the scaler may skip) at step 2 raises before the optimizer step, naming the step and the
-    first parameter; an fp16 overflow with a finite loss is the dynamic scaler's to skip, not an error."""
+    """The guard is the MegatronStrategy's (on by default), whatever the optimizer: a NaN gradient (fp32 with a
+    plain torch optimizer or a wrapper, bf16, ZeRO-1) or a NaN loss (fp16: not an overflow the scaler may skip)
+    at step 2 raises before the optimizer updates anything, naming the step and the first parameter; an fp16
+    overflow with a finite loss is the dynamic scaler's to skip, not an error. With our wrappers the gradients'
+    check is the wrapper's own pass over them (its norm), which raises the guard's error; with a plain
+    optimizer it is the training step's."""
     from lightning_megatron.step import NonFiniteLossOrGradError
 
     factor = {"grad": {"grad": float("nan")}, "loss": {"loss": float("nan")}, "overflow": {"grad": float("inf")}}
@@ -307,6 +309,8 @@ def test_non_finite_loss_or_grad_stops_the_step_whatever_the_optimizer(precision
     assert "first parameter with a non-finite gradient on rank 0: net.0.weight" in message, message
     assert ("the loss is nan" in message) == (inject == "loss") and "\n" not in message, message
     assert type(trainer.optimizers[0]).__name__.startswith(optimizer) or optimizer == "plain"
+    raised_by = "non_finite_grads" if optimizer != "plain" and inject == "grad" else "_check_finite"
+    assert raised_by in [entry.name for entry in info.traceback], [entry.name for entry in info.traceback]
     assert trainer.global_step == 2
     for k, v in module.state_dict().items():  # the step was not taken
         assert torch.equal(v, before[k]), k
@@ -318,6 +322,20 @@ def test_non_finite_loss_or_grad_stops_the_step_whatever_the_optimizer(precision
                                     strategy=MegatronStrategy(check_for_nan_in_loss_and_grad=False))
         trainer.fit(InjectModule(at=2, grad=float("nan")).to(dtype))
         assert trainer.optimizers[0].num_skipped_steps == 1
+
+
+def test_a_gradient_no_optimizer_reads_is_still_checked():
+    """With our wrapper the gradients' check is the wrapper's pass over what it reads: a trainable parameter
+    left out of every optimizer (here the first layer) is checked by the training step instead."""
+    from lightning_megatron.step import NonFiniteLossOrGradError
+
+    module = InjectModule(at=2, grad=float("nan"))
+    module.make_optimizer = lambda params: torch.optim.AdamW(list(params)[2:], lr=1e-3)  # not net.0
+    trainer = _megatron_trainer([MegatronOptimizerCallback()], max_steps=4, precision="32-true")
+    with pytest.raises(NonFiniteLossOrGradError, match="first parameter with a non-finite gradient on rank 0: "
+                                                       "net.0.weight") as info:
+        trainer.fit(module)
+    assert "_check_finite" in [entry.name for entry in info.traceback]
 
 
 class _SeesOptimizers(pl.Callback):

@@ -42,7 +42,7 @@ from lightning_megatron.optimizer.clip_grads import (
     grad_norm_and_found_inf,
     grads_for_norm,
 )
-from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
+from lightning_megatron.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
 from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, mark_replicated, param_facts
 
 if TYPE_CHECKING:
@@ -122,6 +122,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.last_num_zeros: int | None = None
         self.last_step_skipped = False
         self.num_skipped_steps = 0
+        self.on_non_finite_grads: Callable[[], None] | None = None
+        """Called by :meth:`step` when a gradient on any rank is inf/nan and no dynamic loss scaler skips the
+        step, before anything is updated: the strategy's NaN guard installs its raise here, so that the
+        norm's pass over the gradients is also the guard's (``StepRunner``, ``check_for_nan_in_loss_and_grad``)."""
 
     # -- shared containers ---------------------------------------------------------------------
     @property
@@ -147,6 +151,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The tensor the inner optimizer updates for model parameter ``param`` (``param`` itself here)."""
         return param
+
+    def model_parameters(self) -> list[torch.Tensor]:
+        """The model parameters whose gradients :meth:`step` reads (and checks for inf/nan)."""
+        return self.get_parameters()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
@@ -205,6 +213,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         # One pass over the grads: the norm, and whether any grad on any model-parallel rank is inf/nan
         # (used with a scaler: the step is skipped; without one only the norm is used).
         grad_norm, found_inf = self._grad_norm_and_found_inf()
+        if found_inf and self.on_non_finite_grads is not None and not isinstance(self.grad_scaler, DynamicGradScaler):
+            self.on_non_finite_grads()
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
             if found_inf:
@@ -331,6 +341,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     def main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 main copy of a 16-bit ``param``; an fp32 ``param`` itself."""
         return self._main_by_param.get(id(param), param)
+
+    def model_parameters(self) -> list[torch.Tensor]:
+        return [p for groups in (self.float16_groups, self.fp32_from_fp32_groups) for group in groups for p in group]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The model params (where backward writes) and the main params (where the optimizer reads).
