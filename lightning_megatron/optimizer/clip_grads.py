@@ -50,17 +50,15 @@ __all__ = [
     "sum_of_squares_fp64",
 ]
 
-_PIECE = 1 << 20
-"""Elements squared in fp64 at a time on an accelerator: 8 MiB of temporary, few kernel launches."""
-_CPU_PIECE_PER_THREAD = 1 << 16
-"""... on CPU, per thread: 512 KiB of fp64 that stays in a core's cache between the conversion and the
-dot product (measured in docs/optimizer.md, "One exact norm")."""
+_PIECE_PER_THREAD = 1 << 16
+"""Elements squared in fp64 at a time, per intra-op thread (a piece is this times ``torch.get_num_threads()``):
+each thread's 512 KiB of fp64 stays in its core's cache between the conversion and the dot product on a CPU
+(measured in docs/optimizer.md, "One exact norm"); on an accelerator it only sets how many kernels a large
+tensor takes (a host's threads: 1-8 M elements)."""
 
 
-def _piece(device: torch.device) -> int:
-    if device.type == "cpu":
-        return _CPU_PIECE_PER_THREAD * max(1, torch.get_num_threads())
-    return _PIECE
+def _piece() -> int:
+    return _PIECE_PER_THREAD * max(1, torch.get_num_threads())
 
 
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
@@ -94,7 +92,7 @@ def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | 
     scratch: dict[torch.device, torch.Tensor] = {}
     for t in tensors:
         flat = t.detach().reshape(-1)
-        piece = _piece(flat.device)
+        piece = _piece()
         if flat.device not in scratch:
             longest = max(x.numel() for x in tensors if x.device == flat.device)
             scratch[flat.device] = torch.empty(min(piece, longest), dtype=torch.float64, device=flat.device)
