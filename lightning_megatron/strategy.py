@@ -48,7 +48,7 @@ from lightning_megatron.grads import GradBuffer
 from lightning_megatron.module import MegatronLightningModule, context_parallel_problem
 from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.grad_scaler import DynamicGradScaler
-from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
+from lightning_megatron.optimizer.mixed_precision import route_non_finite_grads
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
@@ -376,29 +376,16 @@ class MegatronStrategy(DDPStrategy):
                     "MegatronStrategy: a DistributedOptimizer must shard the strategy's grad buffer: build it "
                     "with DistributedOptimizer(..., grad_buffer=trainer.strategy.grad_buffer) or use "
                     "MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=True))")
-        self._grads_checked_by_optimizers = self._guard_through_optimizers(wrappers)
+        # The NaN guard's gradient check rides on the optimizers' norm where they read every gradient.
+        self._grads_checked_by_optimizers = bool(
+            self.check_for_nan_in_loss_and_grad and self._grad_buffer is not None
+            and route_non_finite_grads(wrappers, self._grad_buffer.params, self._non_finite_grads))
         if self.overlap_param_gather and not any(is_sharded(opt) for opt in wrappers):
             raise ValueError(
                 "MegatronStrategy(overlap_param_gather=True) overlaps the ZeRO-1 parameter all-gather, but no "
                 "optimizer is a DistributedOptimizer: add MegatronOptimizerCallback(OptimizerConfig("
                 "use_distributed_optimizer=True)) (--megatron_optimizer.use_distributed_optimizer true) "
                 "or set overlap_param_gather=False")
-
-    def _guard_through_optimizers(self, wrappers: list[OptimizerWrapper]) -> bool:
-        """The NaN guard's gradient check done by the optimizers' own pass over the gradients (their norm,
-        which finds inf/nan on every rank) instead of a second one: when every optimizer is one of our
-        wrappers, with its ``step``, and together they read every gradient of the buffer. Their step then
-        raises the guard's error (:meth:`StepRunner.non_finite_grads`) before it updates anything."""
-        if not (self.check_for_nan_in_loss_and_grad and wrappers and self._grad_buffer is not None):
-            return False
-        if not all(isinstance(w, MegatronOptimizer) and type(w).step is MegatronOptimizer.step for w in wrappers):
-            return False
-        read = {id(p) for w in wrappers for p in w.model_parameters()}
-        if any(id(p) not in read for p in self._grad_buffer.params):
-            return False
-        for w in wrappers:
-            w.on_non_finite_grads = self._non_finite_grads
-        return True
 
     def _non_finite_grads(self) -> None:
         assert self._runner is not None and self._grad_buffer is not None

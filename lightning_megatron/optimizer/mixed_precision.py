@@ -394,3 +394,20 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         for current_group, saved_group in zip(self.fp32_from_float16_groups, saved_groups):
             for current, saved in zip(current_group, saved_group):
                 current.data.copy_(saved.data)
+
+
+def route_non_finite_grads(optimizers: list[Any], params: list[torch.Tensor], raise_error: Callable[[], None]) -> bool:
+    """Hand the NaN guard's gradient check to the optimizers' own pass over the gradients (their norm,
+    which finds inf/nan on every rank) instead of a second pass: possible when every optimizer is one of
+    our wrappers, with its ``step``, and together they read every one of ``params``. Then each calls
+    ``raise_error`` before it updates anything (:attr:`MegatronOptimizer.on_non_finite_grads`) and this
+    returns True; otherwise nothing is installed and the caller checks the gradients itself."""
+    if not optimizers or not all(isinstance(o, MegatronOptimizer) and type(o).step is MegatronOptimizer.step
+                                 for o in optimizers):
+        return False
+    read = {id(p) for o in optimizers for p in o.model_parameters()}
+    if any(id(p) not in read for p in params):
+        return False
+    for o in optimizers:
+        o.on_non_finite_grads = raise_error
+    return True
