@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -147,3 +148,5 @@ def test_refused_before_launch_naming_the_value(case, inputs, tmp_path, monkeypa
     for text in unwanted:
         assert text not in message, message
     assert not dist.is_initialized() and not run.exists()  # nothing launched, nothing written
+    # and no local rank started early outlives the refusal (it would import for seconds, for nothing)
+    assert not [p for p in psutil.Process().children() if "lightning_megatron.launch" in " ".join(p.cmdline())]
