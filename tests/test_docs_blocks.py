@@ -1,6 +1,7 @@
 """Every code block of README.md and docs/*.md: python blocks compile, bash blocks parse (``bash -n``), and
-the python blocks of each page run in order in one fresh interpreter (a page's blocks share a namespace,
-as a reader pastes them in order).
+the python blocks of each page run in order as one script, ``python page_blocks.py`` in a process of its own
+(a page's blocks share a namespace, as a reader pastes them in order); that process is forked from a server
+that imported torch and Lightning (tests/dist_utils.py ``run_script``) instead of a new interpreter.
 
 A block preceded by ``<!-- doc-test: parse-only (reason) -->`` (a GPU, a cluster, a long run, a dataset
 path) is parsed but not run; docs/finetune.md's blocks are run by tests/test_docs_finetune.py, and bash
@@ -12,10 +13,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -39,9 +40,8 @@ def test_python_blocks_run(page, tmp_path):
     script.write_text(code)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"{page.name}: its python blocks fail when run in order:\n{proc.stderr[-4000:]}"
+    returncode, output = run_script(script, tmp_path, env, timeout=300)
+    assert returncode == 0, f"{page.name}: its python blocks fail when run in order (exit {returncode}):\n{output[-4000:]}"
 
 
 @pytest.mark.parametrize("page", PARSE_PAGES)
@@ -52,3 +52,18 @@ def test_blocks_parse(page):
         else:
             proc = subprocess.run(["bash", "-n"], input=code, capture_output=True, text=True, timeout=30)
             assert proc.returncode == 0, f"{page.name}: bash block does not parse:\n{code}\n{proc.stderr}"
+
+
+def test_a_failing_page_fails(tmp_path):
+    """The page runner reports what ``python script`` would: the exit code and traceback of a failing block,
+    ``__name__ == "__main__"``, ``sys.argv``, the working folder, the environment, no tests/ on ``sys.path``."""
+    script = tmp_path / "page_blocks.py"
+    script.write_text("import os, sys\nassert __name__ == '__main__' and sys.argv == [__file__]\n"
+                      "assert os.getcwd() == os.environ['EXPECTED_CWD']\n"
+                      "assert not any(p.endswith('tests') for p in sys.path), sys.path\n"
+                      "print('reached')\nraise ValueError('block 2 is wrong')\n")
+    env = dict(os.environ, EXPECTED_CWD=str(tmp_path))
+    returncode, output = run_script(script, tmp_path, env, timeout=60)
+    assert returncode == 1 and "reached" in output and "ValueError: block 2 is wrong" in output, output
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert run_script(script, tmp_path, env, timeout=60)[0] == 3
