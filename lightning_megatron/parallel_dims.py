@@ -103,8 +103,7 @@ def parallel_dims_problems(*, tp: Any = 1, pp: Any = 1, vp: Any = None, cp: Any 
     """Every broken rule of these sizes, one message each naming the values and the fix ([] when they
     can run). ``world_size``: check the sizes against it too (``dp`` None is derived from it). The one
     place the layout's rules are written: :class:`ParallelDims` raises them, ``config_checks`` lists them."""
-    names = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
-             "ep": "expert_model_parallel_size"}
+    names = STRATEGY_ARGUMENTS
     problems = [f"{names[k]}={v!r} must be a positive integer" for k, v in
                 (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if not _positive(v)]
     if etp is not None and not _positive(etp):
