@@ -103,8 +103,7 @@ def parallel_dims_problems(*, tp: Any = 1, pp: Any = 1, vp: Any = None, cp: Any 
     """Every broken rule of these sizes, one message each naming the values and the fix ([] when they
     can run). ``world_size``: check the sizes against it too (``dp`` None is derived from it). The one
     place the layout's rules are written: :class:`ParallelDims` raises them, ``config_checks`` lists them."""
-    names = STRATEGY_ARGUMENTS
-    problems = [f"{names[k]}={v!r} must be a positive integer" for k, v in
+    problems = [f"{STRATEGY_ARGUMENTS[k]}={v!r} must be a positive integer" for k, v in
                 (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if not _positive(v)]
     if etp is not None and not _positive(etp):
         problems.append(f"expert_tensor_parallel_size={etp!r} must be a positive integer or None (= the TP size)")
@@ -131,7 +130,8 @@ def parallel_dims_problems(*, tp: Any = 1, pp: Any = 1, vp: Any = None, cp: Any 
     per_stage = tp * cp
     if world_size is not None:
         if world_size % (per_stage * pp):
-            factors = " x ".join(f"{names[k]}={v}" for k, v in (("tp", tp), ("cp", cp), ("pp", pp)) if k != "cp" or v > 1)
+            factors = " x ".join(f"{STRATEGY_ARGUMENTS[k]}={v}" for k, v in (("tp", tp), ("cp", cp), ("pp", pp))
+                                 if k != "cp" or v > 1)
             problems.append(f"world_size={world_size} is not divisible by {factors} (= {per_stage * pp}); choose sizes "
                             f"whose product divides the number of processes")
             return problems

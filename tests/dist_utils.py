@@ -61,36 +61,39 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return _run_distributed(fn, world_size, *args, timeout=timeout, backend=backend, weights_only=False, **kwargs)
 
 
-def run_script(script: str | os.PathLike, cwd: str | os.PathLike, env: dict[str, str], timeout: float) -> tuple[int, str]:
-    """Run ``python script`` (its exit code and its merged stdout and stderr), started from the forkserver
+def run_script(script: str | os.PathLike, cwd: str | os.PathLike, env: dict[str, str],
+               timeout: float) -> tuple[int, str, str]:
+    """Run ``python script`` (its exit code, stdout and stderr), started from the forkserver
     of :func:`run_distributed` instead of a new interpreter: the process skips importing torch and
     Lightning (~10 s on a 2-core host), and is otherwise what ``python script`` starts: ``__main__`` is the
     script (``if __name__ == "__main__"`` runs; launchers that re-run ``sys.argv[0]`` and spawned ranks
     that re-import ``__main__`` find it), ``sys.argv == [script]``, ``sys.path`` the one a fresh interpreter
-    computes from ``env``, the working folder ``cwd``. An exception exits 1 with its traceback in the output;
+    computes from ``env``, the working folder ``cwd``. An exception exits 1 with its traceback on stderr;
     past ``timeout`` seconds the process is killed (exit code -9)."""
     import subprocess
     import sys
     import tempfile
+    from pathlib import Path
 
     from lightning_megatron.check.spawn import _context
 
     fresh_path = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
                                 env=env, cwd=cwd, capture_output=True, text=True, check=True, timeout=60).stdout
     with tempfile.TemporaryDirectory() as scratch:
-        out = os.path.join(scratch, "output")  # a path: the forked process is not this one's child
-        open(out, "w").close()
-        proc = _context().Process(target=_script_main, args=(os.fspath(script), os.fspath(cwd), env, fresh_path, out))
+        outs = [os.path.join(scratch, name) for name in ("stdout", "stderr")]  # paths: the forked process is
+        for out in outs:                                                       # not this one's child
+            open(out, "w").close()
+        proc = _context().Process(target=_script_main, args=(os.fspath(script), os.fspath(cwd), env, fresh_path, outs))
         proc.start()
         proc.join(timeout)
         if proc.is_alive():
             proc.kill()
             proc.join()
-        with open(out, errors="replace") as f:
-            return proc.exitcode, f.read()
+        stdout, stderr = (Path(out).read_text(errors="replace") for out in outs)
+        return proc.exitcode, stdout, stderr
 
 
-def _script_main(script: str, cwd: str, env: dict[str, str], fresh_path: str, out: str) -> None:
+def _script_main(script: str, cwd: str, env: dict[str, str], fresh_path: str, outs: list[str]) -> None:
     import json
     import runpy
     import sys
@@ -102,8 +105,8 @@ def _script_main(script: str, cwd: str, env: dict[str, str], fresh_path: str, ou
     sys.path[:] = [os.path.dirname(script), *json.loads(fresh_path)]
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for stream, out in enumerate(outs, start=1):
+        fd = os.open(out, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(fd, stream)
+        os.close(fd)
     runpy.run_path(script, run_name="__main__")

@@ -40,8 +40,9 @@ def test_python_blocks_run(page, tmp_path):
     script.write_text(code)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    returncode, output = run_script(script, tmp_path, env, timeout=300)
-    assert returncode == 0, f"{page.name}: its python blocks fail when run in order (exit {returncode}):\n{output[-4000:]}"
+    returncode, _, stderr = run_script(script, tmp_path, env, timeout=300)
+    assert returncode == 0, (f"{page.name}: its python blocks fail when run in order (exit {returncode}):\n"
+                             f"{stderr[-4000:]}")
 
 
 @pytest.mark.parametrize("page", PARSE_PAGES)
@@ -63,7 +64,7 @@ def test_a_failing_page_fails(tmp_path):
                       "assert not any(p.endswith('tests') for p in sys.path), sys.path\n"
                       "print('reached')\nraise ValueError('block 2 is wrong')\n")
     env = dict(os.environ, EXPECTED_CWD=str(tmp_path))
-    returncode, output = run_script(script, tmp_path, env, timeout=60)
-    assert returncode == 1 and "reached" in output and "ValueError: block 2 is wrong" in output, output
+    returncode, stdout, stderr = run_script(script, tmp_path, env, timeout=60)
+    assert returncode == 1 and stdout == "reached\n" and "ValueError: block 2 is wrong" in stderr, (stdout, stderr)
     script.write_text("import sys\nsys.exit(3)\n")
     assert run_script(script, tmp_path, env, timeout=60)[0] == 3
