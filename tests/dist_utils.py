@@ -15,13 +15,17 @@ Rank results are sent back with ``torch.save`` so tensors survive the process ex
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lightning_megatron.check.spawn import DistributedTestFailure
 from lightning_megatron.check.spawn import run_distributed as _run_distributed
 
-__all__ = ["run_distributed", "run_script", "DistributedTestFailure", "test_device", "accelerator", "DEVICE_ENV"]
+__all__ = ["run_distributed", "run_python", "start_python", "ForkedPython", "DistributedTestFailure", "test_device",
+           "accelerator", "DEVICE_ENV"]
 
 DEVICE_ENV = "LM_TEST_DEVICE"
 
@@ -61,52 +65,112 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return _run_distributed(fn, world_size, *args, timeout=timeout, backend=backend, weights_only=False, **kwargs)
 
 
-def run_script(script: str | os.PathLike, cwd: str | os.PathLike, env: dict[str, str],
-               timeout: float) -> tuple[int, str, str]:
-    """Run ``python script`` (its exit code, stdout and stderr), started from the forkserver
-    of :func:`run_distributed` instead of a new interpreter: the process skips importing torch and
-    Lightning (~10 s on a 2-core host), and is otherwise what ``python script`` starts: ``__main__`` is the
-    script (``if __name__ == "__main__"`` runs; launchers that re-run ``sys.argv[0]`` and spawned ranks
-    that re-import ``__main__`` find it), ``sys.argv == [script]``, ``sys.path`` the one a fresh interpreter
-    computes from ``env``, the working folder ``cwd``. An exception exits 1 with its traceback on stderr;
-    past ``timeout`` seconds the process is killed (exit code -9)."""
-    import subprocess
-    import sys
+class ForkedPython:
+    """A ``python ARGS`` process forked from the server of :func:`run_distributed` (:func:`start_python`);
+    waited for as :class:`subprocess.Popen` is, its output read from files."""
+
+    def __init__(self, args: list[str], process: Any, scratch: Any, outs: list[str]) -> None:
+        self.args, self._process, self._scratch, self._outs = args, process, scratch, outs
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its exit code, stdout and stderr; past ``timeout`` seconds it is killed and
+        :class:`subprocess.TimeoutExpired` raised with what it wrote, as ``subprocess.run`` does."""
+        self._process.join(timeout)
+        expired = self._process.exitcode is None
+        if expired:
+            self._process.kill()
+            self._process.join()
+        stdout, stderr = (Path(out).read_text(errors="replace") for out in self._outs)
+        self._scratch.cleanup()
+        if expired:
+            raise subprocess.TimeoutExpired(self.args, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(self.args, self._process.exitcode, stdout, stderr)
+
+
+def start_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str]) -> ForkedPython:
+    """Start ``python *args`` (``[script, ...]``, ``["-m", module, ...]`` or ``["-c", code, ...]``), stdout and
+    stderr captured, from the forkserver of :func:`run_distributed` instead of a new interpreter: the process
+    skips importing torch and Lightning (~10 s of CPU on a 2-core host) and is otherwise what ``python *args``
+    starts: ``__main__`` is the script or module (``if __name__ == "__main__"`` runs; launchers that re-run
+    ``sys.argv[0]`` or ``-m __main__.__spec__.name``, and spawned ranks that re-import ``__main__``, find
+    it), ``sys.argv`` and ``sys.path`` as the interpreter sets them for ``env`` (the script's folder, the
+    working folder for ``-m``, ``''`` for ``-c``, first), the working folder ``cwd``; and it exits as the
+    interpreter does: an uncaught exception's traceback on stderr and status 1, ``SystemExit``'s status, then the
+    non-daemon threads joined, the ``atexit`` handlers run (W&B's among them) and the streams flushed.
+    What differs: warnings that importing torch or Lightning prints are printed by the server, not here."""
     import tempfile
-    from pathlib import Path
 
     from lightning_megatron.check.spawn import _context
 
     fresh_path = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
                                 env=env, cwd=cwd, capture_output=True, text=True, check=True, timeout=60).stdout
-    with tempfile.TemporaryDirectory() as scratch:
-        outs = [os.path.join(scratch, name) for name in ("stdout", "stderr")]  # paths: the forked process is
-        for out in outs:                                                       # not this one's child
-            open(out, "w").close()
-        proc = _context().Process(target=_script_main, args=(os.fspath(script), os.fspath(cwd), env, fresh_path, outs))
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        stdout, stderr = (Path(out).read_text(errors="replace") for out in outs)
-        return proc.exitcode, stdout, stderr
+    scratch = tempfile.TemporaryDirectory()
+    outs = [os.path.join(scratch.name, name) for name in ("stdout", "stderr")]  # paths: the forked process is
+    for out in outs:                                                            # not this one's child
+        open(out, "w").close()
+    process = _context().Process(target=_python_main, args=(list(args), os.fspath(cwd), env, fresh_path, outs))
+    process.start()
+    return ForkedPython([sys.executable, *args], process, scratch, outs)
 
 
-def _script_main(script: str, cwd: str, env: dict[str, str], fresh_path: str, outs: list[str]) -> None:
+def run_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str],
+               timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout)``, the process started by :func:`start_python`."""
+    return start_python(args, cwd, env).wait(timeout)
+
+
+def _python_main(args: list[str], cwd: str, env: dict[str, str], fresh_path: str, outs: list[str]) -> None:
+    import atexit
     import json
     import runpy
-    import sys
+    import threading
+    import types
 
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = [script]
-    sys.path[:] = [os.path.dirname(script), *json.loads(fresh_path)]
+    if args[0] == "-m":  # run_module puts the module's file in sys.argv[0]
+        sys.argv, first = args[1:], os.getcwd()
+    elif args[0] == "-c":
+        sys.argv, first = ["-c", *args[2:]], ""
+    else:
+        sys.argv, first = list(args), os.path.dirname(os.path.abspath(args[0]))
+    sys.path[:] = [first, *json.loads(fresh_path)]
     sys.stdout.flush()
     sys.stderr.flush()
     for stream, out in enumerate(outs, start=1):
         fd = os.open(out, os.O_WRONLY | os.O_TRUNC)
         os.dup2(fd, stream)
         os.close(fd)
-    runpy.run_path(script, run_name="__main__")
+    try:
+        if args[0] == "-m":
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        else:
+            runpy.run_path(args[0], run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback, then status 1
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    threading._shutdown()  # the interpreter's exit, in its order: threads, atexit, streams
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

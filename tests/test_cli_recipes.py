@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dist_utils import accelerator
+from dist_utils import ForkedPython, accelerator, run_python, start_python
 from launch_lines import STRATEGY_SECTION, Launch, bash_block_text, doc_lines, environ, free_port, slurm_job_id
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,10 +126,13 @@ def _start(launches: list[Launch], cwd: Path, env: dict, **popen) -> list[subpro
 
 def _launch(launches: list[Launch], cwd: Path, env: dict) -> list[subprocess.CompletedProcess]:
     """Start every launch (a torchrun line once per simulated node, a SLURM loop once per task) and
-    wait for all of them."""
-    procs = _start(launches, cwd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait for all of them. ``lightning-megatron`` starts from the forkserver (``start_python``), torchrun's
+    agent (which starts its workers as new interpreters) as a new interpreter."""
+    procs = [start_python(launch.argv()[1:], cwd, dict(env, **launch.env)) if launch.program == "lightning-megatron"
+             else _start([launch], cwd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)[0] for launch in launches]
     try:
-        return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
+        return [p.wait(timeout=600) if isinstance(p, ForkedPython)
+                else subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -240,13 +243,13 @@ def test_cli_fit_tp1_equals_tp2(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a), (tp1, resumed)
     ckpt = tmp_path / "tp2" / "ckpt" / "step=12.ckpt"
     assert ckpt.is_dir()
-    test = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "test", "--config", str(tmp_path / "tp2.yaml"),
-                           "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
-                           "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-                           "--model.config.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
-                           "--data.max_seq_length", "64", "--model.config.max_sequence_length", "64",
-                           "--trainer.limit_test_batches", "2", "--ckpt_path", str(ckpt)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    test = run_python(["-m", "lightning_megatron.cli", "test", "--config", str(tmp_path / "tp2.yaml"),
+                       "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
+                       "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                       "--model.config.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
+                       "--data.max_seq_length", "64", "--model.config.max_sequence_length", "64",
+                       "--trainer.limit_test_batches", "2", "--ckpt_path", str(ckpt)],
+                      tmp_path, dict(os.environ), timeout=600)
     assert test.returncode == 0 and "test_lm_loss" in test.stdout, test.stdout[-3000:] + test.stderr[-3000:]
     from lightning_megatron.cli import main
 
@@ -325,15 +328,15 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
 
     texts = [f"sentence number {i} says the [MASK] is {'blue' if i % 2 else '[MASK]'} today" for i in range(11)]
     (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
-    predict = subprocess.run(
-        [sys.executable, "-m", "lightning_megatron.cli", "predict", "--config", str(tmp_path / "tp2.yaml"),
+    predict = run_python(
+        ["-m", "lightning_megatron.cli", "predict", "--config", str(tmp_path / "tp2.yaml"),
          "--trainer.devices", "2", "--trainer.strategy.tensor_model_parallel_size", "2", "--trainer.logger", "false",
          "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "pred"),
          "--model.config.num_layers", "1", "--data.global_batch_size", "8", "--data.micro_batch_size", "4",
          "--data.max_seq_length", "64", "--model.config.max_sequence_length", "64", "--data.predict_file",
          str(tmp_path / "texts.jsonl"), "--data.predict_json_key", "body", "--ckpt_path", str(ckpt),
          "--model.predict_top_k", "3"],  # not the checkpoint's 5: a setting that may differ
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="offline"))
+        tmp_path, dict(os.environ, WANDB_MODE="offline"), timeout=600)
     assert predict.returncode == 0, predict.stdout[-3000:] + predict.stderr[-6000:]
     assert "custom batch sampler" not in predict.stderr, predict.stderr[-3000:]  # Lightning's doubt: filtered by the CLI
     records = [json.loads(line) for line in (tmp_path / "pred" / "predictions" / "predictions.jsonl").open()]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dist_utils import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "bert_tiny.yaml")
 
@@ -80,12 +82,13 @@ def test_default_root_dir_moves_logs_and_checkpoints(tmp_path):
     assert kept["loggers"] == {"CSVLogger": explicit, "WandbLogger": explicit}  # explicit values win
 
 
-def _cli(tmp: Path, command: str, *args: str, root: str = "run", status: int = 0,
-         columns: int | None = None) -> subprocess.CompletedProcess:
+def _cli(tmp: Path, command: str, *args: str, root: str = "run", status: int = 0, columns: int | None = None,
+         fresh: bool = False) -> subprocess.CompletedProcess:
     """``lightning-megatron COMMAND`` of a 1-layer bert_tiny on one process in ``tmp/root``, which must
     exit with ``status``; ``tests/`` is on the PYTHONPATH (the faults of ``cli_faults``). Its output is
     not a terminal (a pipe, as under nohup or SLURM), or with ``columns`` a terminal of that width (a
-    pseudo-terminal: Rich draws the live bar)."""
+    pseudo-terminal: Rich draws the live bar). It runs from the forkserver (``run_python``), or with ``fresh``
+    or ``columns`` in a new interpreter (which prints what importing torch and Lightning prints)."""
     cmd = [sys.executable, "-m", "lightning_megatron.cli", command, "--config", RECIPE,
            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
            "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp / root),
@@ -95,7 +98,9 @@ def _cli(tmp: Path, command: str, *args: str, root: str = "run", status: int = 0
            "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32", *args]
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=path)
-    if columns is None:
+    if columns is None and not fresh:
+        proc = run_python(cmd[1:], tmp, env, timeout=600)
+    elif columns is None:
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     else:
         proc = _in_terminal(cmd, tmp, dict(env, COLUMNS=str(columns), LINES="24", TERM="xterm"))
@@ -153,7 +158,7 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
 
     first = _cli(tmp_path, "fit", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
                  "--lr_schedule.lr_warmup_steps", "0", "--trainer.log_every_n_steps", "1",
-                 "--trainer.enable_progress_bar", "true")
+                 "--trainer.enable_progress_bar", "true", fresh=True)
     # Not a terminal: a plain line per logged step, with the step, loss, lr, throughput and MFU
     lines = [line for line in first.stdout.splitlines() if line.startswith("Step ")]
     assert [line.split()[1] for line in lines] == ["1/2", "2/2"], first.stdout[-3000:]

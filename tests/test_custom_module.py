@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import zlib
 from pathlib import Path
@@ -30,7 +28,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dist_utils import accelerator, run_distributed
+from dist_utils import accelerator, run_distributed, run_python
 
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.pipeline import stage_chunks
@@ -412,8 +410,7 @@ def test_any_module_fits_and_checks_through_the_cli(tmp_path):
         """))
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _CLI_RUN, str(recipe)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = run_python(["-c", _CLI_RUN, str(recipe)], tmp_path, env, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     result = json.loads(done.stdout.strip().splitlines()[-1])

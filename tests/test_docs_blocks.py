@@ -1,7 +1,7 @@
 """Every code block of README.md and docs/*.md: python blocks compile, bash blocks parse (``bash -n``), and
 the python blocks of each page run in order as one script, ``python page_blocks.py`` in a process of its own
 (a page's blocks share a namespace, as a reader pastes them in order); that process is forked from a server
-that imported torch and Lightning (tests/dist_utils.py ``run_script``) instead of a new interpreter.
+that imported torch and Lightning (tests/dist_utils.py ``run_python``) instead of a new interpreter.
 
 A block preceded by ``<!-- doc-test: parse-only (reason) -->`` (a GPU, a cluster, a long run, a dataset
 path) is parsed but not run; docs/finetune.md's blocks are run by tests/test_docs_finetune.py, and bash
@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import run_script
+from dist_utils import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -40,9 +41,9 @@ def test_python_blocks_run(page, tmp_path):
     script.write_text(code)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    returncode, _, stderr = run_script(script, tmp_path, env, timeout=300)
-    assert returncode == 0, (f"{page.name}: its python blocks fail when run in order (exit {returncode}):\n"
-                             f"{stderr[-4000:]}")
+    proc = run_python([str(script)], tmp_path, env, timeout=300)
+    assert proc.returncode == 0, (f"{page.name}: its python blocks fail when run in order (exit {proc.returncode}):\n"
+                                  f"{proc.stderr[-4000:]}")
 
 
 @pytest.mark.parametrize("page", PARSE_PAGES)
@@ -55,16 +56,34 @@ def test_blocks_parse(page):
             assert proc.returncode == 0, f"{page.name}: bash block does not parse:\n{code}\n{proc.stderr}"
 
 
-def test_a_failing_page_fails(tmp_path):
-    """The page runner reports what ``python script`` would: the exit code and traceback of a failing block,
-    ``__name__ == "__main__"``, ``sys.argv``, the working folder, the environment, no tests/ on ``sys.path``."""
-    script = tmp_path / "page_blocks.py"
-    script.write_text("import os, sys\nassert __name__ == '__main__' and sys.argv == [__file__]\n"
-                      "assert os.getcwd() == os.environ['EXPECTED_CWD']\n"
-                      "assert not any(p.endswith('tests') for p in sys.path), sys.path\n"
-                      "print('reached')\nraise ValueError('block 2 is wrong')\n")
-    env = dict(os.environ, EXPECTED_CWD=str(tmp_path))
-    returncode, stdout, stderr = run_script(script, tmp_path, env, timeout=60)
-    assert returncode == 1 and stdout == "reached\n" and "ValueError: block 2 is wrong" in stderr, (stdout, stderr)
-    script.write_text("import sys\nsys.exit(3)\n")
-    assert run_script(script, tmp_path, env, timeout=60)[0] == 3
+_PROBE = """import atexit, json, os, sys, threading, time
+print(json.dumps([__name__, getattr(__spec__, "name", None), sys.argv, sys.path, os.getcwd(), os.environ["PROBE"]]))
+atexit.register(print, "atexit ran")
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread ended", flush=True))).start()
+print("main ended")
+ending = sys.argv[-1]
+if ending == "raise":
+    raise ValueError("block 2 is wrong")
+sys.exit(None if ending == "none" else ending if ending.startswith("bye") else int(ending))
+"""
+
+
+def test_python_from_the_forkserver_is_python(tmp_path):
+    """``run_python`` (the page runner, and the CLI runs of the tests) gives what a new interpreter gives
+    for a script, ``-m module`` and ``-c code``: ``__name__``, ``__spec__``, ``sys.argv``, ``sys.path``, the working
+    folder and environment, stdout in order (a non-daemon thread joined before the ``atexit`` handlers
+    run), the exit status of an exception, ``sys.exit(n)``, ``sys.exit(None)`` and ``sys.exit("bye")``,
+    and the error's last line on stderr."""
+    (tmp_path / "pages").mkdir()
+    for where in (tmp_path, tmp_path / "pages"):  # a script's folder, not the working folder, leads sys.path
+        (where / "probe.py").write_text(_PROBE)
+    env = dict(os.environ, PROBE="set", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for args in (["pages/probe.py", "raise"], [str(tmp_path / "pages" / "probe.py"), "3"], ["-m", "probe", "none"], ["-m", "probe", "bye now"],
+                 ["-m", "probe", "raise"], ["-c", _PROBE, "4"]):
+        real = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        forked = run_python(args, tmp_path, env, timeout=60)
+        assert real.stdout.endswith("main ended\nthread ended\natexit ran\n"), real.stdout
+        assert (forked.returncode, forked.stdout) == (real.returncode, real.stdout), (args, forked, real)
+        assert forked.stderr.splitlines()[-1:] == real.stderr.splitlines()[-1:], (args, forked.stderr, real.stderr)
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(["probe.py", "raise"], tmp_path, env, timeout=0.01)  # killed, as subprocess.run does

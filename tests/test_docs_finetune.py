@@ -2,7 +2,7 @@
 tests/test_docs_blocks.py parses), in order, from a scratch directory that holds the repository's
 recipes (so the page's relative paths resolve as in a checkout): pretraining, a GLUE-shaped JSONL task
 fine-tuned, validated and predicted through the CLI, the export (python blocks run as ``python block.py`` from a
-server that imported torch and Lightning: tests/dist_utils.py ``run_script``). The predictions (one JSON line per row,
+server that imported torch and Lightning: tests/dist_utils.py ``run_python``). The predictions (one JSON line per row,
 in order, at DP=2 and at TP=2, without the training file) equal the checkpoint's in one plain process."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_script
+from dist_utils import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PREDICTIONS = Path("runs") / "bert_tiny_sst2" / "predictions" / "predictions.jsonl"
@@ -43,15 +43,12 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
         if lang == "bash":
             proc = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                                   timeout=900)
-            returncode, output = proc.returncode, proc.stdout  # the checks below read what the command prints
-            shown = proc.stdout[-3000:] + proc.stderr[-5000:]
         else:  # `python block.py`, from the forkserver that has imported torch and Lightning
             script = tmp_path / f"block{len(outputs)}.py"
             script.write_text(code)
-            returncode, output, stderr = run_script(script, tmp_path, env, timeout=900)
-            shown = output[-3000:] + stderr[-5000:]
-        assert returncode == 0, code + "\n" + shown
-        outputs.append(output)
+            proc = run_python([str(script)], tmp_path, env, timeout=900)
+        assert proc.returncode == 0, code + "\n" + proc.stdout[-3000:] + proc.stderr[-5000:]
+        outputs.append(proc.stdout)  # the checks below read what the command prints
         if "finetune predict" in code:
             predicted.append([json.loads(line) for line in (tmp_path / PREDICTIONS).open()])
     assert "520 training rows, 129 validation rows" in outputs[1]

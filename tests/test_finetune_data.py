@@ -13,12 +13,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from dist_utils import run_python
 
 from lightning_megatron.data.labelled_text import encode_rows
 from lightning_megatron.data.tokenizer import BertTokenizer, packaged_vocab_file
@@ -166,7 +167,7 @@ def test_finetune_cli_regression_from_csv_dp2_metrics_equal_one_process(tmp_path
            "--trainer.val_check_interval", "4", "--trainer.log_every_n_steps", "1", "--lr_schedule.lr_warmup_steps", "1",
            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run)]
     env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python(cmd[1:], tmp_path, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # no warning from LightningCLI holding the whole merged recipe in one line (finetune passes its arguments)
     assert "args parameter" not in proc.stderr and "base:" not in proc.stderr, proc.stderr[-3000:]

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from dist_utils import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The function returns", "A list of", "The module", "If the value is None, the",
@@ -37,8 +38,7 @@ NOISE = ("anonymous setting", "💡 Tip", "LeafSpec", "LengthGroupedBatchSampler
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, WANDB_MODE="offline"))
+    proc = run_python(["-m", "lightning_megatron.cli", *args], tmp_path, dict(os.environ, WANDB_MODE="offline"), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

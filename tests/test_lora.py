@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from dist_utils import run_python
 
 from lightning_megatron.models.gpt import hf as ghf
 from lightning_megatron.transformer.lora import LoRAConfig, merged_state_dict
@@ -196,8 +198,7 @@ def _sft_data(base: Path) -> str:
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", *args], capture_output=True, text=True,
-                         timeout=timeout, cwd=REPO)
+    run = run_python(["-m", "lightning_megatron.cli", *args], REPO, dict(os.environ), timeout=timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from dist_utils import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--model.config.hidden_size", "32",
@@ -19,8 +20,7 @@ SMALL = ["--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--model.config.hi
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, WANDB_MODE="offline"))
+    proc = run_python(["-m", "lightning_megatron.cli", *args], tmp_path, dict(os.environ, WANDB_MODE="offline"), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
