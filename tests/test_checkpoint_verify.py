@@ -265,7 +265,7 @@ def test_cli_reports_an_agreed_error_once_on_rank_0(monkeypatch, capsys, rank, e
     def fail(*args, **kwargs):
         raise (ckpt.CheckpointError if error == "disk_full" else NonFiniteLossOrGradError)(message)
 
-    monkeypatch.setattr(cli, "_lightning_cli", fail)
+    monkeypatch.setattr(cli, "lightning_cli", fail)
     monkeypatch.setattr(rank_zero_only, "rank", rank)
     with pytest.raises(SystemExit) as info:
         cli.main(["fit", "--config", "recipe.yaml"])

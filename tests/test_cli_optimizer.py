@@ -9,10 +9,10 @@ RECIPE = str(ROOT / "recipes" / "bert_tiny.yaml")
 
 
 def _built(*extra: str, recipe: str = RECIPE) -> dict:
-    from lightning_megatron.cli import _lightning_cli
+    from lightning_megatron.cli_lightning import lightning_cli
 
     try:
-        cli = _lightning_cli(run=False, args=["--config", recipe, "--trainer.accelerator", "cpu",
+        cli = lightning_cli(run=False, args=["--config", recipe, "--trainer.accelerator", "cpu",
                                               "--trainer.logger", "false", "--model.config.vocab_size", "512", *extra])
     except SystemExit as e:
         return {"exit": str(e.code)}

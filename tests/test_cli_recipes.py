@@ -26,12 +26,12 @@ PRETRAINING = [p for p in RECIPES if p not in FINETUNE and p not in DECODER]
 
 def _build_worker(*recipes: str | tuple[str, list[str]]) -> list[dict]:
     """Build each recipe (or ``(recipe, extra command-line arguments)``) as the CLI does, without running."""
-    from lightning_megatron.cli import _lightning_cli, finetune_cli
+    from lightning_megatron.cli_lightning import finetune_cli, lightning_cli
 
     out = []
     for item in recipes:
         recipe, extra = (item, []) if isinstance(item, str) else item
-        build = finetune_cli if Path(recipe) in FINETUNE else _lightning_cli
+        build = finetune_cli if Path(recipe) in FINETUNE else lightning_cli
         # CPU stand-ins for the cluster settings, everything else exactly as written (the recipe's
         # precision too: the config checks before launch compare it with model.config.params_dtype).
         cli = build([

@@ -18,11 +18,11 @@ RECIPE = str(ROOT / "recipes" / "bert_tiny.yaml")
 def _build_worker(*extras: list[str]) -> list[dict]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_megatron.cli import _lightning_cli
+    from lightning_megatron.cli_lightning import lightning_cli
 
     built = []
     for extra in extras:
-        cli = _lightning_cli(run=False, args=["--config", RECIPE, "--trainer.accelerator", "cpu", *extra])
+        cli = lightning_cli(run=False, args=["--config", RECIPE, "--trainer.accelerator", "cpu", *extra])
         loggers = {type(lg).__name__: os.path.abspath(lg.save_dir) for lg in cli.trainer.loggers}
         [csv] = [lg for lg in cli.trainer.loggers if type(lg).__name__ == "CSVLogger"]
         [ckpt] = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
@@ -37,7 +37,7 @@ def _login_worker(home: str, *extras: list[str]) -> tuple[list[dict], list[tuple
     it, then :func:`_build_worker` of ``extras``."""
     import warnings
 
-    from lightning_megatron.cli import _lightning_cli
+    from lightning_megatron.cli_lightning import lightning_cli
 
     os.environ["HOME"] = home
     for variable in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE"):
@@ -52,7 +52,7 @@ def _login_worker(home: str, *extras: list[str]) -> tuple[list[dict], list[tuple
             netrc.unlink()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _lightning_cli(run=False, args=["--config", RECIPE, "--trainer.accelerator", "cpu"])
+            lightning_cli(run=False, args=["--config", RECIPE, "--trainer.accelerator", "cpu"])
         modes.append((os.environ.pop("WANDB_MODE", None), " ".join(str(w.message) for w in caught)))
     return _build_worker(*extras), modes
 

@@ -368,8 +368,9 @@ def test_checkpoint_of_custom_module_loads_at_one_process(runs, layout):
 
 _CLI_RUN = """
 import json, sys
-from lightning_megatron.cli import _lightning_cli, main
-cli = _lightning_cli(["fit", "--config", sys.argv[1], "--trainer.callbacks+=test_custom_module.LossLog"])
+from lightning_megatron.cli import main
+from lightning_megatron.cli_lightning import lightning_cli
+cli = lightning_cli(["fit", "--config", sys.argv[1], "--trainer.callbacks+=test_custom_module.LossLog"])
 [log] = [c for c in cli.trainer.callbacks if type(c).__name__ == "LossLog"]
 import torch
 from test_custom_module import CharLightningModule

@@ -98,7 +98,7 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
     config.json (spec, rope, SwiGLU, query groups, no biases, untied), replacing the GPT-2 recipe's."""
     import transformers
 
-    from lightning_megatron.cli import _lightning_cli
+    from lightning_megatron.cli_lightning import lightning_cli
 
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
@@ -110,14 +110,14 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
             "--model.init_from", str(tmp_path / "llama"),
             "--data.seq_length", str(SEQ)]  # within the folder's positions (checked before launch)
     with pytest.warns(UserWarning, match="replaces the recipe's .*spec='gpt_layer_spec' \\(now 'llama_layer_spec'\\)"):
-        cli = _lightning_cli(run=False, args=args)
+        cli = lightning_cli(run=False, args=args)
     hp = cli.model.config
     assert (hp.num_layers, hp.num_query_groups, hp.gated_linear_unit, hp.add_bias_linear, hp.position_embedding_type,
             hp.rotary_base, hp.untie_embeddings_and_output_weights, hp.vocab_size) == (
         3, 2, True, False, "rope", 5000.0, True, VOCAB)
     assert cli.model.hparams["config"]["spec"] == "llama_layer_spec"
     with pytest.raises(SystemExit, match=r"--model.config.num_layers 2 \(the source has 3\)"):
-        _lightning_cli(run=False, args=[*args, "--model.config.num_layers", "2"])
+        lightning_cli(run=False, args=[*args, "--model.config.num_layers", "2"])
 
 
 # ------------------------------------------------------------------------------ TP=2 x PP=2

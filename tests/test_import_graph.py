@@ -13,7 +13,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_megatron"
 
 ABOVE_INNER = ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_megatron.strategy",
-               "lightning_megatron.cli", "lightning_megatron.cli_config", "lightning_megatron.config_checks",
+               "lightning_megatron.cli", "lightning_megatron.cli_lightning", "lightning_megatron.cli_config",
+               "lightning_megatron.config_checks",
                "lightning_megatron.callbacks", "lightning_megatron.check", "lightning_megatron.models",
                "lightning_megatron.module", "lightning_megatron.setup_checks", "lightning_megatron.step",
                "lightning_megatron.datamodules")
@@ -33,7 +34,8 @@ generic interop readers reach a family only through what its module class hands 
 
 APART: dict[str, tuple[str, ...]] = {
     "lightning_megatron.check": ("lightning_megatron.models",),
-    "lightning_megatron.models": ("lightning_megatron.check", "lightning_megatron.cli"),
+    "lightning_megatron.models": ("lightning_megatron.check", "lightning_megatron.cli",
+                                  "lightning_megatron.cli_lightning"),
 }
 """Outer parts that never import each other: ``check`` works for any module class (it asks the class for its
 costs and its layer), and a family's files never reach up into ``check`` or the CLI."""

@@ -228,7 +228,7 @@ def test_cli_init_from_reads_the_architecture_and_refuses_disagreeing_flags(tmp_
     config.json (replacing the recipe's); a command-line flag that disagrees is refused, all listed."""
     import transformers
 
-    from lightning_megatron.cli import _lightning_cli
+    from lightning_megatron.cli_lightning import lightning_cli
 
     from test_cli_recipes import ROOT
 
@@ -238,13 +238,13 @@ def test_cli_init_from_reads_the_architecture_and_refuses_disagreeing_flags(tmp_
             "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.logger", "false",
             "--data.max_seq_length", str(SEQ), "--model.init_from", str(tmp_path / "hf")]
     with pytest.warns(UserWarning, match="replaces the recipe's config.num_layers=2 \\(now 3\\)"):
-        cli = _lightning_cli(run=False, args=args)
+        cli = lightning_cli(run=False, args=args)
     hp = cli.model.hparams["config"]  # saved as a plain dict of the record's fields
     assert (hp["num_layers"], hp["hidden_size"], hp["ffn_hidden_size"], hp["spec"], hp["layernorm_epsilon"],
             hp["vocab_size"]) == (3, 32, 64, "bert_layer_post_norm_spec", 1e-7, 30522)
     with pytest.raises(SystemExit, match=r"--model.config.num_layers 2 \(the source has 3\), "
                                          r"--model.config.hidden_size 64 \(the source has 32\)"):
-        _lightning_cli(run=False, args=[*args, "--model.config.num_layers", "2", "--model.config.hidden_size=64"])
+        lightning_cli(run=False, args=[*args, "--model.config.num_layers", "2", "--model.config.hidden_size=64"])
 
 
 def test_predict_batches_cover_every_sample_once_at_any_size():

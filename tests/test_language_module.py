@@ -165,16 +165,16 @@ def test_a_gpt_checkpoint_written_before_the_record_loads_resumes_and_exports(tm
 
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # pytest's own argv is there too
 def test_the_flat_spelling_of_before_is_refused_before_launch_naming_the_new_one(tmp_path):
-    from lightning_megatron.cli import _lightning_cli
+    from lightning_megatron.cli_lightning import lightning_cli
 
     recipe = str(ROOT / "recipes" / "bert_tiny.yaml")
     with pytest.raises(SystemExit, match=r"--model.num_layers is now --model.config.num_layers"):
-        _lightning_cli(run=False, args=["--config", recipe, "--model.num_layers", "1"])
+        lightning_cli(run=False, args=["--config", recipe, "--model.num_layers", "1"])
     old = tmp_path / "old.yaml"
     old.write_text(f"base: {recipe}\nmodel:\n  num_layers: 1\n  spec: bert_layer_post_norm_spec\n")
     with pytest.raises(SystemExit, match=r"the recipe's model.num_layers is now model.config.num_layers; the recipe's "
                                          r"model.spec is now model.config.spec"):
-        _lightning_cli(run=False, args=["--config", str(old)])
+        lightning_cli(run=False, args=["--config", str(old)])
     gpt = str(ROOT / "recipes" / "gpt_tiny.yaml")
     with pytest.raises(SystemExit, match=r"--model.init_args.hidden_size is now --model.init_args.config.hidden_size"):
-        _lightning_cli(run=False, args=["--config", gpt, "--model.init_args.hidden_size=64"])
+        lightning_cli(run=False, args=["--config", gpt, "--model.init_args.hidden_size=64"])
