@@ -112,8 +112,9 @@ def test_fit_fast_dev_run(tmp_path):
     """`fit --trainer.fast_dev_run true` with the recipe's 30 warm-up steps and lr_decay_steps null:
     one training step and one validation batch run (Lightning's meaning), nothing is saved."""
     import os
-    import subprocess
     from pathlib import Path
+
+    from dist_utils import run_python
 
     recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml")
     cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", recipe, "--trainer.fast_dev_run", "true",
@@ -123,7 +124,7 @@ def test_fit_fast_dev_run(tmp_path):
            "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2", "--data.micro_batch_size", "2",
            "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32"]
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python(cmd[1:], tmp_path, env, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "lr_decay_steps=null taken as lr_warmup_steps + 1 = 31" in out, out[-3000:]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_python
 
 from lightning_megatron.config_checks import ConfigError, check_config, config_from_cli, validate_config
 from lightning_megatron.models.bert.module import BertLightningModule
@@ -183,7 +183,7 @@ def test_cli_bad_recipe_fails_before_the_trainer_is_built(tmp_path):
            "--trainer.strategy.init_args.tensor_model_parallel_size", "4", "--trainer.devices", "2",
            "--model.config.num_attention_heads", "6", "--model.config.hidden_size", "96", "--model.config.max_sequence_length", "64",
            "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy.init_args.timeout", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    out = run_python(cmd[1:], tmp_path, env, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
     assert "configuration problem(s), found before launching any process" in text, text
