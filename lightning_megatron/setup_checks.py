@@ -1,6 +1,6 @@
 """What :class:`~lightning_megatron.strategy.MegatronStrategy` checks at set-up, before any step:
 Trainer settings the strategy would silently ignore, the precision against the parameters' dtype,
-and the batch sizes (the one place ``micro_batch_size`` and ``global_batch_size`` are read from).
+the optimizers against the grad buffer, and the batch sizes (the one place ``micro_batch_size`` and ``global_batch_size`` are read from).
 
 Each check raises ``ValueError`` naming the value and the fix. Config-only checks that run before
 any process starts are in :mod:`lightning_megatron.config_checks`.
@@ -23,10 +23,12 @@ from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_dims import ParallelDims, ParallelDimsError
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.registry import PipelineSchedule
+from lightning_megatron.protocols import is_sharded
 from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import BatchSizes
 
-__all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "resolve_batch_sizes", "describe_setup",
+__all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "check_optimizers", "resolve_batch_sizes",
+           "describe_setup",
            "check_nodes", "gather_node_ranks", "tp_groups_across_nodes"]
 
 
@@ -97,6 +99,23 @@ def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict
             f"16 bits (fp16 diverges without loss scaling; bf16 drops small updates). Add "
             f"lightning_megatron.callbacks.MegatronOptimizerCallback to the Trainer's callbacks (fp32 main "
             f"params, loss scaling, overflow skip), or train with params_dtype='float32'")
+
+
+def check_optimizers(wrappers: Sequence[Any], grad_buffer: Any, *, overlap_param_gather: bool) -> None:
+    """The fit's optimizers (as :class:`~lightning_megatron.protocols.OptimizerWrapper`) against the strategy:
+    a ZeRO-1 optimizer shards the strategy's own grad buffer; ``overlap_param_gather`` needs one."""
+    for opt in wrappers:
+        if is_sharded(opt) and opt.buffer is not grad_buffer:
+            raise ValueError(
+                "MegatronStrategy: a DistributedOptimizer must shard the strategy's grad buffer: build it "
+                "with DistributedOptimizer(..., grad_buffer=trainer.strategy.grad_buffer) or use "
+                "MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=True))")
+    if overlap_param_gather and not any(is_sharded(opt) for opt in wrappers):
+        raise ValueError(
+            "MegatronStrategy(overlap_param_gather=True) overlaps the ZeRO-1 parameter all-gather, but no "
+            "optimizer is a DistributedOptimizer: add MegatronOptimizerCallback(OptimizerConfig("
+            "use_distributed_optimizer=True)) (--megatron_optimizer.use_distributed_optimizer true) "
+            "or set overlap_param_gather=False")
 
 
 def resolve_batch_sizes(micro_batch_size: int | None, datamodule: Any, ps: ParallelState,

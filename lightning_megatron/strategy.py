@@ -59,16 +59,16 @@ from lightning_megatron.protocols import (
     OptimizerWrapper,
     PlainOptimizer,
     PredictsBatches,
-    is_sharded,
     megatron_module,
     optimizer_wrapper,
 )
 from lightning_megatron.setup_checks import (
     check_nodes,
     check_precision,
-    describe_setup,
+    check_optimizers,
     check_strategy_arguments,
     check_trainer,
+    describe_setup,
     resolve_batch_sizes,
 )
 from lightning_megatron.sharded_state import ShardedStateMapper
@@ -370,22 +370,11 @@ class MegatronStrategy(DDPStrategy):
             self.optimizers = [self._optimizer_config.wrap(opt, parallel_state=self.parallel_state,
                                                            grad_buffer=self._grad_buffer) for opt in self.optimizers]
         wrappers = self._optimizer_wrappers()
-        for opt in wrappers:
-            if is_sharded(opt) and opt.buffer is not self._grad_buffer:
-                raise ValueError(
-                    "MegatronStrategy: a DistributedOptimizer must shard the strategy's grad buffer: build it "
-                    "with DistributedOptimizer(..., grad_buffer=trainer.strategy.grad_buffer) or use "
-                    "MegatronOptimizerCallback(OptimizerConfig(use_distributed_optimizer=True))")
+        check_optimizers(wrappers, self._grad_buffer, overlap_param_gather=self.overlap_param_gather)
         # The NaN guard's gradient check rides on the optimizers' norm where they read every gradient.
         self._grads_checked_by_optimizers = bool(
             self.check_for_nan_in_loss_and_grad and self._grad_buffer is not None
             and route_non_finite_grads(wrappers, self._grad_buffer.params, self._non_finite_grads))
-        if self.overlap_param_gather and not any(is_sharded(opt) for opt in wrappers):
-            raise ValueError(
-                "MegatronStrategy(overlap_param_gather=True) overlaps the ZeRO-1 parameter all-gather, but no "
-                "optimizer is a DistributedOptimizer: add MegatronOptimizerCallback(OptimizerConfig("
-                "use_distributed_optimizer=True)) (--megatron_optimizer.use_distributed_optimizer true) "
-                "or set overlap_param_gather=False")
 
     def _non_finite_grads(self) -> None:
         assert self._runner is not None and self._grad_buffer is not None
@@ -427,9 +416,8 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         with self.precision_plugin.train_step_context():
-            means = self._run(batch, batch_idx, "train")
+            means = self._run(*_batch_and_index(args, kwargs), "train")
         if "loss" not in means:  # the same keys on every rank (broadcast along the pipeline)
             raise ValueError(f"MegatronStrategy: the loss function of forward_step logged {sorted(means)} without "
                              f"'loss', which Lightning reports as the step's loss; return (loss, {{'loss': "
@@ -452,9 +440,8 @@ class MegatronStrategy(DDPStrategy):
         return self._eval_step("test", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     def _eval_step(self, stage: str, context: Any, *args: Any, **kwargs: Any) -> Any:
-        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         with context:
-            means = self._run(batch, batch_idx, stage)
+            means = self._run(*_batch_and_index(args, kwargs), stage)
         self._log(means, stage)
         return means.get("loss")
 
@@ -462,7 +449,7 @@ class MegatronStrategy(DDPStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's predictions on the last pipeline stage (``None`` on the others); a module that predicts by
         a loop of its own (:class:`~lightning_megatron.protocols.PredictsBatches`: generation) runs it instead."""
-        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        batch, batch_idx = _batch_and_index(args, kwargs)
         with self.precision_plugin.predict_step_context():
             if isinstance(self._module, PredictsBatches):
                 return self._module.predict_batch(batch, batch_idx)
@@ -605,6 +592,11 @@ class MegatronStrategy(DDPStrategy):
         interpreter exit, the launching rank was seen aborting on its way out ("terminate called without
         an active exception", status -6; docs/reliability.md)."""
         self._preemption.leave(self.launcher)
+
+
+def _batch_and_index(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """``(batch, batch_idx)`` of a ``*_step(batch, batch_idx)`` call, however Lightning passed them."""
+    return args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
 
 
 def _register() -> None:

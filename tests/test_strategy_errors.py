@@ -57,3 +57,26 @@ def test_bad_configurations_raise_before_training():
     assert "3" in e["microbatches"] and "pipeline" in e["microbatches"].lower(), e["microbatches"]
     assert ("config.tensor_model_parallel_size=1 but the strategy runs tensor_model_parallel_size=2" in e["layout"]
             and "MegatronStrategy(tensor_model_parallel_size=...)" in e["layout"]), e["layout"]
+
+
+def test_optimizers_that_do_not_fit_the_strategy_are_refused():
+    """A ZeRO-1 optimizer over a grad buffer other than the strategy's, and overlap_param_gather with no
+    ZeRO-1 optimizer, are refused naming the fix (``setup_checks.check_optimizers``, run after
+    ``configure_optimizers``); a ZeRO-1 optimizer over the strategy's buffer passes."""
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from lightning_megatron.protocols import PlainOptimizer
+    from lightning_megatron.setup_checks import check_optimizers
+
+    ours, theirs = object(), object()
+    sharded = SimpleNamespace(reduces_gradients=True, buffer=theirs)  # what is_sharded and the check read
+    with pytest.raises(ValueError, match=r"must shard the strategy's grad buffer.*grad_buffer=trainer.strategy"):
+        check_optimizers([sharded], ours, overlap_param_gather=False)
+    check_optimizers([SimpleNamespace(reduces_gradients=True, buffer=ours)], ours, overlap_param_gather=True)
+    plain = PlainOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    with pytest.raises(ValueError, match=r"overlap_param_gather=True\).*use_distributed_optimizer true"):
+        check_optimizers([plain], ours, overlap_param_gather=True)
+    check_optimizers([plain], ours, overlap_param_gather=False)
