@@ -1,6 +1,7 @@
 """What :class:`~lightning_megatron.strategy.MegatronStrategy` checks at set-up, before any step:
-Trainer settings the strategy would silently ignore, the precision against the parameters' dtype,
-the optimizers against the grad buffer, and the batch sizes (the one place ``micro_batch_size`` and ``global_batch_size`` are read from).
+Trainer settings the strategy would silently ignore, the precision against the parameters' dtype, the
+optimizers against the grad buffer, and the batch sizes (the one place ``micro_batch_size`` and
+``global_batch_size`` are read from).
 
 Each check raises ``ValueError`` naming the value and the fix. Config-only checks that run before
 any process starts are in :mod:`lightning_megatron.config_checks`.
@@ -28,8 +29,7 @@ from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import BatchSizes
 
 __all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "check_optimizers", "resolve_batch_sizes",
-           "describe_setup",
-           "check_nodes", "gather_node_ranks", "tp_groups_across_nodes"]
+           "describe_setup", "check_nodes", "gather_node_ranks", "tp_groups_across_nodes"]
 
 
 def check_strategy_arguments(dims: dict[str, Any], *, micro_batch_size: int | None, ddp_bucket_size_mb: float,
