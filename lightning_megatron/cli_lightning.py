@@ -295,10 +295,12 @@ def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
     or the built-in StdlibDocstringDataModule; ``model.num_classes`` comes from the data); or a decoder, when the
     recipe or the command line names a decoder class (``model: {class_path: ...GPTLightningModule}``, with
     ``init_from``, ``lora`` and the SFTDataModule: docs/finetune.md), which runs as ``fit`` does."""
+    resolved = resolve_recipes(list(sys.argv[1:] if argv is None else argv))
+    launch.prewarm(resolved)  # before the imports below (torch, Lightning): the other ranks import meanwhile
     from lightning_megatron.datamodules.finetune import FinetuneDataModule
     from lightning_megatron.models.bert.classification import BertClassificationModule
 
-    named = _model_class_path(resolve_recipes(list(sys.argv[1:] if argv is None else argv)))
+    named = _model_class_path(resolved)
     if named is not None and not _is_classifier(named):
         return lightning_cli(argv, **kwargs)
     return lightning_cli(argv, BertClassificationModule, FinetuneDataModule, link_num_classes=True,

@@ -81,3 +81,32 @@ def test_no_prewarming_inside_a_rank_or_for_help(monkeypatch, outside_any_rank) 
     monkeypatch.setenv("LOCAL_RANK", "1")
     launch.prewarm(["fit", "--trainer.devices", "2"])
     assert launch._waiting == []
+
+
+_PREWARM_PROBE = """
+import sys
+from lightning_megatron import cli, launch
+
+def prewarm(argv):  # what was imported when the command starts its other local ranks
+    print([name for name in ("torch", "lightning") if name in sys.modules], flush=True)
+    raise SystemExit(0)
+
+launch.prewarm = prewarm
+cli.main(sys.argv[1:])
+print("never prewarmed")
+"""
+
+
+@pytest.mark.parametrize("command", [
+    "fit --config recipes/bert_tiny.yaml",
+    "finetune fit --config recipes/bert_tiny_sst2.yaml",  # a classifier
+    "finetune predict --config recipes/gpt_tiny_lora.yaml",  # a decoder
+])
+def test_commands_start_their_ranks_before_importing_torch(command, outside_any_rank) -> None:
+    """The waiting ranks import while rank 0 does: a command that imported torch and Lightning first (~10 s
+    on 2 cores) would start them only after, and pay the imports twice, one after the other. A new
+    interpreter (the tests' own has torch imported already)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _PREWARM_PROBE, *command.split()], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr[-3000:]
