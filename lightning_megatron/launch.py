@@ -83,15 +83,21 @@ def prewarm(argv: list[str]) -> None:
     if any(a in ("-h", "--help", "--print_config") or a.startswith("--print_config=") for a in argv):
         return
     for local_rank in range(1, local_processes(argv)):
-        read, write = os.pipe()
-        env = dict(os.environ, LOCAL_RANK=str(local_rank), **{PREWARM_ENV: str(read)})  # LOCAL_RANK: as
-        # Lightning's rank k has it at import (rank_zero_only.rank is read from it then)
-        proc = subprocess.Popen([sys.executable, "-c", "from lightning_megatron.launch import _wait; _wait()"],
-                                env=env, pass_fds=(read,))
-        os.close(read)
-        _waiting.append(_Waiting(local_rank, proc, write))
+        _waiting.append(_start_waiting(local_rank))
     if _waiting:
         atexit.register(release)
+
+
+def _start_waiting(local_rank: int) -> _Waiting:
+    """Local rank ``local_rank`` started as a new interpreter that imports and waits for its order
+    (:func:`_wait`) on a pipe whose write end is returned (tests/dist_utils.py forks it instead)."""
+    read, write = os.pipe()
+    env = dict(os.environ, LOCAL_RANK=str(local_rank), **{PREWARM_ENV: str(read)})  # LOCAL_RANK: as
+    # Lightning's rank k has it at import (rank_zero_only.rank is read from it then)
+    proc = subprocess.Popen([sys.executable, "-c", "from lightning_megatron.launch import _wait; _wait()"],
+                            env=env, pass_fds=(read,))
+    os.close(read)
+    return _Waiting(local_rank, proc, write)
 
 
 def release() -> None:

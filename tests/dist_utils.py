@@ -10,22 +10,28 @@ Every multi-process test goes through :func:`run_distributed`:
 - the whole run is bounded by ``timeout`` seconds, after which every rank is killed.
 
 Rank results are sent back with ``torch.save`` so tensors survive the process exit.
+
+``python ARGS`` runs start from the same server (:func:`start_python`, :func:`run_python`), and so can the
+commands of a shell's line (:func:`commands_from_forkserver`): no new interpreter imports torch and Lightning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning_megatron.check.spawn import DistributedTestFailure
 from lightning_megatron.check.spawn import run_distributed as _run_distributed
 
-__all__ = ["run_distributed", "run_python", "start_python", "ForkedPython", "DistributedTestFailure", "test_device",
-           "accelerator", "DEVICE_ENV"]
+__all__ = ["run_distributed", "run_python", "start_python", "commands_from_forkserver", "ForkedPython",
+           "DistributedTestFailure", "test_device", "accelerator", "DEVICE_ENV"]
 
 DEVICE_ENV = "LM_TEST_DEVICE"
 
@@ -107,7 +113,9 @@ def start_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str]) -
     working folder for ``-m``, ``''`` for ``-c``, first), the working folder ``cwd``; and it exits as the
     interpreter does: an uncaught exception's traceback on stderr and status 1, ``SystemExit``'s status, then the
     non-daemon threads joined, the ``atexit`` handlers run (W&B's among them) and the streams flushed.
-    What differs: warnings that importing torch or Lightning prints are printed by the server, not here."""
+    The other local ranks a ``lightning-megatron`` command starts early are forks of it too (not new
+    interpreters: :func:`_fork_waiting_ranks`). What differs: warnings that importing torch or Lightning prints
+    are printed by the server, not here."""
     import tempfile
 
     from lightning_megatron.check.spawn import _context
@@ -130,11 +138,86 @@ def run_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str],
     return start_python(args, cwd, env).wait(timeout)
 
 
+@contextlib.contextmanager
+def commands_from_forkserver(commands: dict[str, list[str]], timeout: float) -> Iterator[str]:
+    """A folder of executables, for the front of ``PATH``: ``NAME ARGS`` (a shell's command line) runs
+    ``python *commands[NAME] ARGS`` by :func:`start_python`, in the caller's working folder and environment,
+    prints what it printed (stdout, then stderr, once it has ended) and exits with its status; at most
+    ``timeout`` seconds each. The executable itself is a small stdlib-only interpreter (``-IS``); what it
+    runs skips importing torch and Lightning, as a ``run_python`` process does."""
+    import json
+    import socket
+    import tempfile
+    import threading
+
+    folder = tempfile.TemporaryDirectory()
+    address = os.path.join(folder.name, "commands.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen()
+
+    def answer(connection: socket.socket) -> None:
+        with connection:
+            order = json.loads(_read_all(connection))
+            try:
+                proc = start_python(order["args"], order["cwd"], order["env"]).wait(timeout)
+                reply = {"status": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+            except subprocess.TimeoutExpired as e:
+                reply = {"status": 124, "stdout": e.stdout or "", "stderr": f"{e.stderr or ''}\n{e}\n"}
+            connection.sendall(json.dumps(reply).encode())
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # closed: the block has ended
+                return
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+    for name, prefix in commands.items():
+        executable = Path(folder.name) / name
+        executable.write_text(_COMMAND_CLIENT.format(python=sys.executable, address=address, prefix=prefix))
+        executable.chmod(0o755)
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        yield folder.name
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        server.join(timeout=10)
+        folder.cleanup()
+
+
+def _read_all(connection: Any) -> bytes:
+    chunks = []
+    while chunk := connection.recv(1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+_COMMAND_CLIENT = """#!{python} -IS
+import json, os, socket, sys
+
+connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+connection.connect({address!r})
+order = {{"args": {prefix!r} + sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}
+connection.sendall(json.dumps(order).encode())
+connection.shutdown(socket.SHUT_WR)
+chunks = []
+while chunk := connection.recv(1 << 20):
+    chunks.append(chunk)
+reply = json.loads(b"".join(chunks))
+sys.stdout.buffer.write(reply["stdout"].encode())
+sys.stdout.flush()
+sys.stderr.buffer.write(reply["stderr"].encode())
+sys.exit(reply["status"])
+"""
+
+
 def _python_main(args: list[str], cwd: str, env: dict[str, str], fresh_path: str, outs: list[str]) -> None:
-    import atexit
     import json
     import runpy
-    import threading
     import types
 
     os.environ.clear()
@@ -153,7 +236,9 @@ def _python_main(args: list[str], cwd: str, env: dict[str, str], fresh_path: str
         fd = os.open(out, os.O_WRONLY | os.O_TRUNC)
         os.dup2(fd, stream)
         os.close(fd)
-    try:
+    _fork_waiting_ranks()
+
+    def run() -> None:
         if args[0] == "-m":
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         elif args[0] == "-c":
@@ -161,6 +246,17 @@ def _python_main(args: list[str], cwd: str, env: dict[str, str], fresh_path: str
             exec(compile(args[1], "<string>", "exec"), main.__dict__)
         else:
             runpy.run_path(args[0], run_name="__main__")
+
+    _exit_as_python(run)
+
+
+def _exit_as_python(run: Callable[[], Any]) -> NoReturn:
+    """``run()``, then this process exits as the interpreter does at the end of ``__main__``."""
+    import atexit
+    import threading
+
+    try:
+        run()
         status = 0
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
@@ -174,3 +270,61 @@ def _python_main(args: list[str], cwd: str, env: dict[str, str], fresh_path: str
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _fork_waiting_ranks() -> None:
+    """The other local ranks a ``lightning-megatron`` command starts early (lightning_megatron.launch) are forks of
+    this process, which has imported what they import, instead of new interpreters: a waiting rank as
+    ``launch._start_waiting`` starts it (its environment, the order pipe, ``launch._wait``), holding no other
+    rank's pipe, exiting as the interpreter does; Lightning's launcher hands it its command as to a new one."""
+    from lightning_megatron import launch
+
+    def start_waiting(local_rank: int) -> Any:
+        read, write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write)
+            for rank in launch._waiting:  # the pipes of the ranks started before: the command's, not this rank's
+                os.close(rank.pipe)
+            launch._waiting.clear()
+            os.environ.update({"LOCAL_RANK": str(local_rank), launch.PREWARM_ENV: str(read)})
+            _exit_as_python(launch._wait)
+        os.close(read)
+        return launch._Waiting(local_rank, _ForkedChild(pid), write)
+
+    launch._start_waiting = start_waiting
+
+
+class _ForkedChild:
+    """``subprocess.Popen``'s ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate`` and ``kill``
+    over a child of ``os.fork``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

@@ -88,8 +88,11 @@ def _cli(tmp: Path, command: str, *args: str, root: str = "run", status: int = 0
     exit with ``status``; ``tests/`` is on the PYTHONPATH (the faults of ``cli_faults``). Its output is
     not a terminal (a pipe, as under nohup or SLURM), or with ``columns`` a terminal of that width (a
     pseudo-terminal: Rich draws the live bar). It runs from the forkserver (``run_python``), or with ``fresh``
-    or ``columns`` in a new interpreter (which prints what importing torch and Lightning prints)."""
-    cmd = [sys.executable, "-m", "lightning_megatron.cli", command, "--config", RECIPE,
+    or ``columns`` as the installed ``lightning-megatron`` (a new interpreter, which prints what importing torch
+    and Lightning prints)."""
+    installed = os.path.join(os.path.dirname(sys.executable), "lightning-megatron")  # the console script
+    cmd = [sys.executable, "-m", "lightning_megatron.cli"] if columns is None and not fresh else [installed]
+    cmd += [command, "--config", RECIPE,
            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
            "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp / root),
            "--trainer.enable_progress_bar", "false", "--model.config.num_layers", "1",

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import run_python
+from dist_utils import commands_from_forkserver, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -73,17 +73,29 @@ def test_python_from_the_forkserver_is_python(tmp_path):
     for a script, ``-m module`` and ``-c code``: ``__name__``, ``__spec__``, ``sys.argv``, ``sys.path``, the working
     folder and environment, stdout in order (a non-daemon thread joined before the ``atexit`` handlers
     run), the exit status of an exception, ``sys.exit(n)``, ``sys.exit(None)`` and ``sys.exit("bye")``,
-    and the error's last line on stderr."""
+    and the error's last line on stderr; and so does a command on a shell's line that ``commands_from_forkserver``
+    runs (stdout, the status, the error's last line)."""
     (tmp_path / "pages").mkdir()
     for where in (tmp_path, tmp_path / "pages"):  # a script's folder, not the working folder, leads sys.path
         (where / "probe.py").write_text(_PROBE)
     env = dict(os.environ, PROBE="set", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for args in (["pages/probe.py", "raise"], [str(tmp_path / "pages" / "probe.py"), "3"], ["-m", "probe", "none"], ["-m", "probe", "bye now"],
-                 ["-m", "probe", "raise"], ["-c", _PROBE, "4"]):
-        real = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    for args in (["pages/probe.py", "raise"], [str(tmp_path / "pages" / "probe.py"), "3"], ["-m", "probe", "none"],
+                 ["-m", "probe", "bye now"], ["-m", "probe", "raise"], ["-c", _PROBE, "4"]):
+        real = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)
         forked = run_python(args, tmp_path, env, timeout=60)
         assert real.stdout.endswith("main ended\nthread ended\natexit ran\n"), real.stdout
         assert (forked.returncode, forked.stdout) == (real.returncode, real.stdout), (args, forked, real)
         assert forked.stderr.splitlines()[-1:] == real.stderr.splitlines()[-1:], (args, forked.stderr, real.stderr)
     with pytest.raises(subprocess.TimeoutExpired):
         run_python(["probe.py", "raise"], tmp_path, env, timeout=0.01)  # killed, as subprocess.run does
+    # a command of a shell's line (commands_from_forkserver: the finetune walkthrough's `lightning-megatron`)
+    with commands_from_forkserver({"probe": ["-m", "probe"]}, timeout=60) as commands:
+        shell_env = dict(env, PATH=commands + os.pathsep + env["PATH"])
+        for ending in ("raise", "5"):
+            real = subprocess.run([sys.executable, "-m", "probe", ending], cwd=tmp_path, env=env, capture_output=True,
+                                  text=True, timeout=60)
+            shell = subprocess.run(["bash", "-c", f"probe {ending}; echo status $?"], cwd=tmp_path, env=shell_env,
+                                   capture_output=True, text=True, timeout=60)
+            assert shell.stdout == f"{real.stdout}status {real.returncode}\n", (shell, real)
+            assert shell.stderr.splitlines()[-1:] == real.stderr.splitlines()[-1:], (shell.stderr, real.stderr)

@@ -1,8 +1,10 @@
 """docs/finetune.md runs as written: every bash and python block (but the parse-only ones, which
 tests/test_docs_blocks.py parses), in order, from a scratch directory that holds the repository's
 recipes (so the page's relative paths resolve as in a checkout): pretraining, a GLUE-shaped JSONL task
-fine-tuned, validated and predicted through the CLI, the export (python blocks run as ``python block.py`` from a
-server that imported torch and Lightning: tests/dist_utils.py ``run_python``). The predictions (one JSON line per row,
+fine-tuned, validated and predicted through the CLI, the export. Bash runs the bash blocks; their
+``lightning-megatron`` and the python blocks (as ``python block.py``) start from a server that imported torch and
+Lightning (tests/dist_utils.py ``commands_from_forkserver``, ``run_python``; the installed ``lightning-megatron``
+itself runs in tests/test_cli_run_folder.py). The predictions (one JSON line per row,
 in order, at DP=2 and at TP=2, without the training file) equal the checkpoint's in one plain process."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_python
+from dist_utils import commands_from_forkserver, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PREDICTIONS = Path("runs") / "bert_tiny_sst2" / "predictions" / "predictions.jsonl"
@@ -36,21 +38,9 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
     found = blocks(ROOT / "docs" / "finetune.md")
     assert [lang for lang, _ in found] == ["bash", "python", "bash", "bash", "python", "bash", "bash", "python"]
     outputs, predicted = [], []
-    for lang, code in found:
-        if "finetune predict" in code and (tmp_path / "data" / "sst2" / "train.jsonl").exists():
-            # predict reads only its input: the training file may be gone (kept aside for the reference below)
-            (tmp_path / "data" / "sst2" / "train.jsonl").rename(tmp_path / "train.jsonl")
-        if lang == "bash":
-            proc = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                  timeout=900)
-        else:  # `python block.py`, from the forkserver that has imported torch and Lightning
-            script = tmp_path / f"block{len(outputs)}.py"
-            script.write_text(code)
-            proc = run_python([str(script)], tmp_path, env, timeout=900)
-        assert proc.returncode == 0, code + "\n" + proc.stdout[-3000:] + proc.stderr[-5000:]
-        outputs.append(proc.stdout)  # the checks below read what the command prints
-        if "finetune predict" in code:
-            predicted.append([json.loads(line) for line in (tmp_path / PREDICTIONS).open()])
+    with commands_from_forkserver({"lightning-megatron": ["-m", "lightning_megatron.cli"]}, timeout=900) as commands:
+        env["PATH"] = commands + os.pathsep + env["PATH"]
+        _run_blocks(tmp_path, env, found, outputs, predicted)
     assert "520 training rows, 129 validation rows" in outputs[1]
     assert (tmp_path / "runs" / "bert_tiny_sst2" / "checkpoints" / "last.ckpt").is_dir()
     for metric in ("val_accuracy", "val_f1", "val_matthews_corrcoef", "val_loss"):  # printed by `finetune validate`
@@ -78,6 +68,27 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
     for rows, source in sources:
         torch.testing.assert_close(torch.tensor([r["probabilities"] for r in rows]),
                                    _single_process_probabilities(tmp_path, source), rtol=0, atol=1e-5)
+
+
+def _run_blocks(tmp_path: Path, env: dict[str, str], found: list[tuple[str, str]], outputs: list[str],
+                predicted: list[list[dict]]) -> None:
+    """Every block in order, each required to succeed; what each prints goes to ``outputs``, each prediction file
+    to ``predicted``."""
+    for lang, code in found:
+        if "finetune predict" in code and (tmp_path / "data" / "sst2" / "train.jsonl").exists():
+            # predict reads only its input: the training file may be gone (kept aside for the reference below)
+            (tmp_path / "data" / "sst2" / "train.jsonl").rename(tmp_path / "train.jsonl")
+        if lang == "bash":
+            proc = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=900)
+        else:  # `python block.py`, from the forkserver that has imported torch and Lightning
+            script = tmp_path / f"block{len(outputs)}.py"
+            script.write_text(code)
+            proc = run_python([str(script)], tmp_path, env, timeout=900)
+        assert proc.returncode == 0, code + "\n" + proc.stdout[-3000:] + proc.stderr[-5000:]
+        outputs.append(proc.stdout)  # the checks below read what the command prints
+        if "finetune predict" in code:
+            predicted.append([json.loads(line) for line in (tmp_path / PREDICTIONS).open()])
 
 
 def _single_process_probabilities(run: Path, predict_file: Path) -> torch.Tensor:

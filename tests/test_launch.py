@@ -7,9 +7,9 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
+from dist_utils import run_python
 
 from lightning_megatron import launch
 
@@ -22,43 +22,66 @@ def outside_any_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     launch.release()
 
 
-def test_waiting_ranks_run_lightnings_commands_and_the_rest_exit(tmp_path, outside_any_rank) -> None:
+_HANDING = """
+import json, os, subprocess, sys, types
+from lightning_megatron import launch
+
+script, tmp = sys.argv[1:]
+launch.prewarm(["fit", "--trainer.devices", "4"])  # local ranks 1, 2 and 3 start importing now
+waiting = {w.local_rank: w.proc for w in launch._waiting}
+lightnings = types.SimpleNamespace(subprocess=subprocess)  # stands for Lightning's launcher module
+with launch.hand_to_waiting(lightnings):
+    env = dict(os.environ, EXTRA="from rank 0")
+    script_rank = lightnings.subprocess.Popen([sys.executable, script, os.path.join(tmp, "out.json")],
+                                              env=dict(env, LOCAL_RANK="1"), cwd=os.path.join(tmp, "work"))
+    module_rank = lightnings.subprocess.Popen([sys.executable, "-m", "after_rank_1", os.path.join(tmp, "out.json"),
+                                               os.path.join(tmp, "out2.json")], env=dict(env, LOCAL_RANK="2"))
+    # `python -c` is no command a waiting rank runs: started as asked, and waiting rank 3 is released
+    other = lightnings.subprocess.Popen([sys.executable, "-c", "pass"], env=dict(env, LOCAL_RANK="3"))
+print(json.dumps({"waiting": sorted(waiting), "launcher module as it was": lightnings.subprocess is subprocess,
+                  "unused rank ended at once": waiting[3].returncode is not None,  # not left to finish importing
+                  "handed": [script_rank is waiting[1], module_rank is waiting[2], other is not waiting[3]],
+                  "status": [p.wait(timeout=120) for p in (script_rank, module_rank, other)],
+                  "still waiting": len(launch._waiting)}))
+"""
+
+
+@pytest.mark.parametrize("started", ["new interpreters", "forks"])
+def test_waiting_ranks_run_lightnings_commands_and_the_rest_exit(tmp_path, started, outside_any_rank) -> None:
+    """The command's waiting ranks as ``lightning-megatron`` starts them (new interpreters), and as the tests'
+    forked CLI runs start them (tests/dist_utils.py: forks of the run)."""
     script = tmp_path / "rank.py"
     script.write_text(
         "import json, os, sys\n"
         "import lightning.pytorch\n"
         "json.dump({'argv': sys.argv, 'local_rank': os.environ['LOCAL_RANK'], 'cwd': os.getcwd(),\n"
         "           'extra': os.environ.get('EXTRA'), 'prewarm': os.environ.get('" + launch.PREWARM_ENV + "'),\n"
-        "           'name': __name__, 'rank_zero': lightning.pytorch.utilities.rank_zero_only.rank},\n"
+        "           'name': __name__, 'path0': sys.path[0],\n"
+        "           'rank_zero': lightning.pytorch.utilities.rank_zero_only.rank},\n"
         "          open(sys.argv[1], 'w'))\n")
-    (tmp_path / "in.json").write_text('{"b": 1}')
+    (tmp_path / "after_rank_1.py").write_text(  # runs while rank 1 starts: each rank holds its own order pipe only
+        "import os, shutil, sys, time\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "shutil.copy(sys.argv[1], sys.argv[2])\n")
     work = tmp_path / "work"
     work.mkdir()
 
-    launch.prewarm(["fit", "--trainer.devices", "4"])  # local ranks 1, 2 and 3 start importing now
-    waiting = {w.local_rank: w.proc for w in launch._waiting}
-    assert sorted(waiting) == [1, 2, 3]
-
-    lightnings = types.SimpleNamespace(subprocess=subprocess)  # stands for Lightning's launcher module
-    with launch.hand_to_waiting(lightnings):
-        env = dict(os.environ, EXTRA="from rank 0")
-        script_rank = lightnings.subprocess.Popen([sys.executable, str(script), str(tmp_path / "out.json")],
-                                                  env=dict(env, LOCAL_RANK="1"), cwd=str(work))
-        module_rank = lightnings.subprocess.Popen([sys.executable, "-m", "json.tool", str(tmp_path / "in.json"),
-                                                   str(tmp_path / "out2.json")], env=dict(env, LOCAL_RANK="2"))
-        # `python -c` is no command a waiting rank runs: started as asked, and waiting rank 3 is released
-        other = lightnings.subprocess.Popen([sys.executable, "-c", "pass"], env=dict(env, LOCAL_RANK="3"))
-    assert lightnings.subprocess is subprocess  # the launcher module is left as it was
-    assert waiting[3].returncode is not None  # the rank no launcher took is ended and reaped on the spot,
-    # not left to finish its imports
-
-    assert script_rank is waiting[1] and module_rank is waiting[2] and other is not waiting[3]
-    assert [p.wait(timeout=120) for p in (script_rank, module_rank, other)] == [0, 0, 0]
+    args = ["-c", _HANDING, str(script), str(tmp_path)]
+    if started == "forks":
+        proc = run_python(args, tmp_path, dict(os.environ), timeout=120)
+    else:
+        proc = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == {"waiting": [1, 2, 3], "launcher module as it was": True,
+                                       "unused rank ended at once": True, "handed": [True, True, True],
+                                       "status": [0, 0, 0], "still waiting": 0}
     got = json.loads((tmp_path / "out.json").read_text())
     assert got == {"argv": [str(script), str(tmp_path / "out.json")], "local_rank": "1", "cwd": str(work),
-                   "extra": "from rank 0", "prewarm": None, "name": "__main__", "rank_zero": 1}
-    assert json.loads((tmp_path / "out2.json").read_text()) == {"b": 1}
-    assert launch._waiting == []
+                   "extra": "from rank 0", "prewarm": None, "name": "__main__", "path0": str(tmp_path),
+                   "rank_zero": 1}
+    assert (tmp_path / "out2.json").read_text() == (tmp_path / "out.json").read_text()
 
 
 @pytest.mark.parametrize("argv, recipe, expected", [
