@@ -198,3 +198,32 @@ def test_peak_measurement_leaves_the_global_rng_alone():
     for min_seconds in (0.0, 1e-3):  # one size, and likely a few
         assert measure_matmul_tflops(torch.float32, torch.device("cpu"), min_seconds=min_seconds, max_n=512) > 0
     assert torch.equal(torch.get_rng_state(), before)
+
+
+_EXIT_PROBE = """
+import atexit, gc, sys
+gc.disable()  # garbage stays garbage until a collection the command runs
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0, flush=True))  # runs after the command's
+class Holder:
+    def __del__(self):
+        with open(sys.argv[1], "w") as out:
+            out.write("finalized")
+holder = Holder()
+holder.cycle = holder  # garbage in a reference cycle: only a collection finalizes it
+del holder
+from lightning_megatron.cli import main
+main(["--help"])
+"""
+
+
+def test_the_command_exits_collecting_its_garbage_before_freezing_the_rest(tmp_path):
+    """The command's last ``atexit`` handler collects the garbage (its finalizers run, as at any exit) before it
+    freezes what is alive, which CPython's collections at interpreter teardown then skip
+    (cli._collect_then_freeze). A new interpreter: the exit is the subject."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _EXIT_PROBE, str(tmp_path / "del.txt")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.endswith("frozen at exit: True\n"), proc.stdout[-500:]
+    assert (tmp_path / "del.txt").read_text() == "finalized"
