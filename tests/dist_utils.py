@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -148,7 +149,6 @@ def commands_from_forkserver(commands: dict[str, list[str]], timeout: float) -> 
     import json
     import socket
     import tempfile
-    import threading
 
     folder = tempfile.TemporaryDirectory()
     address = os.path.join(folder.name, "commands.sock")
@@ -253,7 +253,6 @@ def _python_main(args: list[str], cwd: str, env: dict[str, str], fresh_path: str
 def _exit_as_python(run: Callable[[], Any]) -> NoReturn:
     """``run()``, then this process exits as the interpreter does at the end of ``__main__``."""
     import atexit
-    import threading
 
     try:
         run()
@@ -303,12 +302,14 @@ class _ForkedChild:
 
     def __init__(self, pid: int) -> None:
         self.pid, self.returncode = pid, None
+        self._reaping = threading.Lock()  # Lightning's observer thread polls too: the child is reaped once
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+        with self._reaping:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
