@@ -234,13 +234,14 @@ def _cloud_tip_filter(record: Any) -> bool:
 
 
 def _collect_then_freeze() -> None:
-    """The command's last ``atexit`` handler (registered first): collect the garbage now, running its
-    finalizers as any exit does, then freeze what is still alive, so that CPython's collections while it
-    tears the ~3,900 imported modules down do not walk that heap again (1.4 of the ~1.9 s a rank took to
-    exit after its work on a 2-core host; the launching rank waits for the other ranks' exits, then makes
-    its own). What is still alive is freed by reference counting as before; a reference cycle still alive
-    then is not finalized (Python does not promise it; our files are closed when written, logging's by its
-    own handler, W&B's by its teardown, which runs before this)."""
+    """The ``atexit`` handler registered when the command starts, so it runs after those its run
+    registers: collect the garbage now, running its finalizers as any exit does, then freeze what is
+    still alive, so that CPython's collections while it tears the ~3,900 imported modules down do not
+    walk that heap again (1.4 of the ~1.9 s a rank took to exit after its work on a 2-core host; the
+    launching rank waits for the other ranks' exits, then makes its own). What is still alive is freed
+    by reference counting as before; a reference cycle still alive then is not finalized (Python does
+    not promise it; our files are closed when written, logging's by its own handler, W&B's by its
+    teardown, which runs before this)."""
     import gc
 
     gc.collect()
