@@ -164,6 +164,10 @@ def commands_from_forkserver(commands: dict[str, list[str]], timeout: float) -> 
                 reply = {"status": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
             except subprocess.TimeoutExpired as e:
                 reply = {"status": 124, "stdout": e.stdout or "", "stderr": f"{e.stderr or ''}\n{e}\n"}
+            except Exception:  # noqa: BLE001 - the command's caller reads why, not a broken reply
+                import traceback
+
+                reply = {"status": 1, "stdout": "", "stderr": traceback.format_exc()}
             connection.sendall(json.dumps(reply).encode())
 
     def serve() -> None:
