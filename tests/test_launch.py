@@ -58,7 +58,8 @@ def test_waiting_ranks_run_lightnings_commands_and_the_rest_exit(tmp_path, start
         "           'extra': os.environ.get('EXTRA'), 'prewarm': os.environ.get('" + launch.PREWARM_ENV + "'),\n"
         "           'name': __name__, 'path0': sys.path[0],\n"
         "           'rank_zero': lightning.pytorch.utilities.rank_zero_only.rank},\n"
-        "          open(sys.argv[1], 'w'))\n")
+        "          open(sys.argv[1] + '.part', 'w'))\n"
+        "os.replace(sys.argv[1] + '.part', sys.argv[1])  # whole when it appears (rank 2 copies it then)\n")
     (tmp_path / "after_rank_1.py").write_text(  # runs while rank 1 starts: each rank holds its own order pipe only
         "import os, shutil, sys, time\n"
         "deadline = time.monotonic() + 60\n"
