@@ -104,14 +104,16 @@ class ForkedPython:
         return subprocess.CompletedProcess(self.args, self._process.exitcode, stdout, stderr)
 
 
-def start_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str]) -> ForkedPython:
+def start_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str],
+                 start_new_session: bool = False) -> ForkedPython:
     """Start ``python *args`` (``[script, ...]``, ``["-m", module, ...]`` or ``["-c", code, ...]``), stdout and
     stderr captured, from the forkserver of :func:`run_distributed` instead of a new interpreter: the process
     skips importing torch and Lightning (~10 s of CPU on a 2-core host) and is otherwise what ``python *args``
     starts: ``__main__`` is the script or module (``if __name__ == "__main__"`` runs; launchers that re-run
     ``sys.argv[0]`` or ``-m __main__.__spec__.name``, and spawned ranks that re-import ``__main__``, find
     it), ``sys.argv`` and ``sys.path`` as the interpreter sets them for ``env`` (the script's folder, the
-    working folder for ``-m``, ``''`` for ``-c``, first), the working folder ``cwd``; and it exits as the
+    working folder for ``-m``, ``''`` for ``-c``, first), the working folder ``cwd``, a session of its own with
+    ``start_new_session`` (as ``subprocess.Popen``'s: what a terminal's Ctrl-C reaches); and it exits as the
     interpreter does: an uncaught exception's traceback on stderr and status 1, ``SystemExit``'s status, then the
     non-daemon threads joined, the ``atexit`` handlers run (W&B's among them) and the streams flushed.
     The other local ranks a ``lightning-megatron`` command starts early are forks of it too (not new
@@ -127,16 +129,17 @@ def start_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str]) -
     outs = [os.path.join(scratch.name, name) for name in ("stdout", "stderr")]  # paths: the forked process is
     for out in outs:                                                            # not this one's child
         open(out, "w").close()
-    process = _context().Process(target=_python_main, args=(list(args), os.fspath(cwd), env, fresh_path, outs))
+    process = _context().Process(target=_python_main,
+                                  args=(list(args), os.fspath(cwd), env, fresh_path, outs, start_new_session))
     process.start()
     return ForkedPython([sys.executable, *args], process, scratch, outs)
 
 
-def run_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str],
-               timeout: float) -> subprocess.CompletedProcess:
+def run_python(args: list[str], cwd: str | os.PathLike, env: dict[str, str], timeout: float,
+               start_new_session: bool = False) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout)``, the process started by :func:`start_python`."""
-    return start_python(args, cwd, env).wait(timeout)
+    timeout=timeout, start_new_session=start_new_session)``, the process started by :func:`start_python`."""
+    return start_python(args, cwd, env, start_new_session).wait(timeout)
 
 
 @contextlib.contextmanager
@@ -219,11 +222,14 @@ sys.exit(reply["status"])
 """
 
 
-def _python_main(args: list[str], cwd: str, env: dict[str, str], fresh_path: str, outs: list[str]) -> None:
+def _python_main(args: list[str], cwd: str, env: dict[str, str], fresh_path: str, outs: list[str],
+                 start_new_session: bool) -> None:
     import json
     import runpy
     import types
 
+    if start_new_session:
+        os.setsid()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -1,7 +1,7 @@
 """A short real training run for the fault tests and benchmarks/faults.py (not a test module).
 
     python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigint|sigint2|kill0|kill1|raise1
-        --fault-step 3] [--ckpt-path last] [--every 2]
+        --fault-step 3] [--ckpt-path last] [--every 2] [--prewarm]
 
 Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
 subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
@@ -9,7 +9,8 @@ subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_tim
 ``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``; the fault is injected at the end of step ``--fault-step`` by rank 0 (sigterm: SIGTERM
 to rank 0's own process, as a scheduler would; sigint: SIGINT to the job's process group, as Ctrl-C in a
 terminal (start the script in a session of its own); sigint2: two of them 0.5 s apart; kill0: SIGKILL of
-rank 0; kill1 / raise1: rank 1 is SIGKILLed / raises), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps.
+rank 0; kill1 / raise1: rank 1 is SIGKILLed / raises), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps. ``--prewarm``: ranks 1.. start before torch is imported and wait for
+Lightning's command (``lightning_megatron.launch.prewarm``), as the ``lightning-megatron`` command starts them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=1800, help="collective timeout (s); 1800 is the default")
     parser.add_argument("--gloo", action="store_true", help="no CPU tuning: torch.distributed (gloo) collectives")
+    parser.add_argument("--prewarm", action="store_true", help="start ranks 1.. now, as lightning-megatron does")
     a = parser.parse_args()
+    if a.prewarm:
+        from lightning_megatron.launch import prewarm
+
+        prewarm(["--trainer.devices", str(a.devices)])
 
     import torch
     from lightning.pytorch import Callback, Trainer

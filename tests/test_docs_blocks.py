@@ -56,34 +56,37 @@ def test_blocks_parse(page):
             assert proc.returncode == 0, f"{page.name}: bash block does not parse:\n{code}\n{proc.stderr}"
 
 
-_PROBE = """import atexit, json, os, sys, threading, time
-print(json.dumps([__name__, getattr(__spec__, "name", None), sys.argv, sys.path, os.getcwd(), os.environ["PROBE"]]))
+_PROBE = """import atexit, json, os, signal, sys, threading, time
+print(json.dumps([__name__, getattr(__spec__, "name", None), sys.argv, sys.path, os.getcwd(), os.environ["PROBE"],
+                  os.getsid(0) == os.getpid() == os.getpgid(0), str(signal.getsignal(signal.SIGINT)),
+                  str(signal.getsignal(signal.SIGTERM))]))
 atexit.register(print, "atexit ran")
 threading.Thread(target=lambda: (time.sleep(0.3), print("thread ended", flush=True))).start()
 print("main ended")
 ending = sys.argv[-1]
 if ending == "raise":
     raise ValueError("block 2 is wrong")
-sys.exit(None if ending == "none" else ending if ending.startswith("bye") else int(ending))
+sys.exit(None if ending in ("none", "new session") else ending if ending.startswith("bye") else int(ending))
 """
 
 
 def test_python_from_the_forkserver_is_python(tmp_path):
     """``run_python`` (the page runner, and the CLI runs of the tests) gives what a new interpreter gives
     for a script, ``-m module`` and ``-c code``: ``__name__``, ``__spec__``, ``sys.argv``, ``sys.path``, the working
-    folder and environment, stdout in order (a non-daemon thread joined before the ``atexit`` handlers
-    run), the exit status of an exception, ``sys.exit(n)``, ``sys.exit(None)`` and ``sys.exit("bye")``,
-    and the error's last line on stderr; and so does a command on a shell's line that ``commands_from_forkserver``
-    runs (stdout, the status, the error's last line)."""
+    folder and environment, the signal handlers, a session of its own or not (``start_new_session``), stdout in
+    order (a non-daemon thread joined before the ``atexit`` handlers run), the exit status of an exception,
+    ``sys.exit(n)``, ``sys.exit(None)`` and ``sys.exit("bye")``, and the error's last line on stderr; and so does
+    a command on a shell's line that ``commands_from_forkserver`` runs (stdout, the status, the error's last line)."""
     (tmp_path / "pages").mkdir()
     for where in (tmp_path, tmp_path / "pages"):  # a script's folder, not the working folder, leads sys.path
         (where / "probe.py").write_text(_PROBE)
     env = dict(os.environ, PROBE="set", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for args in (["pages/probe.py", "raise"], [str(tmp_path / "pages" / "probe.py"), "3"], ["-m", "probe", "none"],
-                 ["-m", "probe", "bye now"], ["-m", "probe", "raise"], ["-c", _PROBE, "4"]):
+                 ["-m", "probe", "bye now"], ["-m", "probe", "raise"], ["-c", _PROBE, "4"], ["probe.py", "new session"]):
+        new_session = args[-1] == "new session"
         real = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=60)
-        forked = run_python(args, tmp_path, env, timeout=60)
+                              timeout=60, start_new_session=new_session)
+        forked = run_python(args, tmp_path, env, timeout=60, start_new_session=new_session)
         assert real.stdout.endswith("main ended\nthread ended\natexit ran\n"), real.stdout
         assert (forked.returncode, forked.stdout) == (real.returncode, real.stdout), (args, forked, real)
         assert forked.stderr.splitlines()[-1:] == real.stderr.splitlines()[-1:], (args, forked.stderr, real.stderr)

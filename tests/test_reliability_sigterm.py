@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_python
 
 from lightning_megatron.preemption import SIGINT_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionHandler
 
@@ -20,8 +21,7 @@ SCRIPT = REPO / "tests" / "reliability_run.py"
 
 def _run(root: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(SCRIPT), str(root), "--devices", "2", *args], capture_output=True,
-                          text=True, timeout=400, env=env, cwd=root)
+    return run_python([str(SCRIPT), str(root), "--devices", "2", "--prewarm", *args], root, env, timeout=400)
 
 
 def _steps(root: Path, rank: int) -> list[int]:
@@ -29,7 +29,8 @@ def _steps(root: Path, rank: int) -> list[int]:
 
 
 def test_sigterm_saves_exits_nonzero_and_resumes(tmp_path):
-    # 2 ranks (TP=2, rank 0 is Lightning's launcher); rank 0 gets SIGTERM at the end of step 3 of 20.
+    # 2 ranks (TP=2, rank 0 is Lightning's launcher, rank 1 started early as the command starts it); rank 0 gets
+    # SIGTERM at the end of step 3 of 20.
     first = _run(tmp_path, "--max-steps", "20", "--fault", "sigterm", "--fault-step", "3", "--every", "100")
     out = first.stdout + first.stderr
     assert first.returncode == SIGTERM_EXIT_CODE, out[-3000:]
@@ -96,8 +97,7 @@ print("not aborted", flush=True)
 
 
 def test_a_second_ctrl_c_aborts_at_once():
-    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGINT], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_python(["-c", _SECOND_SIGINT], REPO, {**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert proc.stdout == f"alive {int(signal.SIGINT)}\n", proc.stdout
     assert proc.stderr.count("press Ctrl-C again to abort at once") == 1, proc.stderr
@@ -124,8 +124,7 @@ def test_ctrl_c_of_a_two_rank_cli_run_saves_and_exits_130(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH") or str(REPO)])}
     # A session of its own: the job's process group is what a terminal's Ctrl-C reaches (not pytest)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
-                          start_new_session=True)
+    proc = run_python(cmd[1:], tmp_path, env, timeout=400, start_new_session=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == SIGINT_EXIT_CODE, out[-4000:]
     assert out.count("press Ctrl-C again to abort at once") == 1, out[-4000:]
@@ -159,6 +158,5 @@ print("left")
 def test_leave_waits_for_children_without_being_killed_by_lightnings_observer():
     # Lightning's child observer SIGKILLs the launching rank when a child exits non-zero, which every
     # child does after a SIGTERM (143): leave() waits for the children with the observer disarmed.
-    proc = subprocess.run([sys.executable, "-c", _LEAVE_SCRIPT], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_python(["-c", _LEAVE_SCRIPT], REPO, {**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 0 and "left" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-2000:])
