@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_megatron.models.gpt import hf as ghf
+from lightning_megatron.models.gpt import hf_config as ghc
 
 VOCAB, SEQ = 97, 12
 LLAMA_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -93,7 +94,7 @@ def _rope(x, base):  # x [b, s, heads, d], rotate-half convention
 
 def _reference_logits(full, arch, tokens, tp: int):
     """Our model's math on our tensors, as ``tp`` ranks each computing from its own shard."""
-    llama = arch["spec"] == ghf.LLAMA_SPEC
+    llama = arch["spec"] == ghc.LLAMA_SPEC
     n, h = arch["num_attention_heads"], arch["hidden_size"]
     g, d, eps = arch["num_query_groups"] or n, arch["kv_channels"] or h // n, arch["layernorm_epsilon"]
     shards = [ghf.shard_full_state_dict(full, r, tp, gated_linear_unit=llama, num_query_groups=g)
@@ -143,7 +144,7 @@ def _reference_logits(full, arch, tokens, tp: int):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_hf_to_ours_to_hf_is_bit_exact_and_loads_strictly(family):
     model = _llama() if family == "llama" else _gpt2()
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     hf_sd = model.state_dict()
     ours = ghf.gpt_state_dict_from_hf(hf_sd, arch)
     layer = ours["decoder.layers.0.self_attention.linear_qkv.weight"]
@@ -153,7 +154,7 @@ def test_hf_to_ours_to_hf_is_bit_exact_and_loads_strictly(family):
     for key, value in hf_sd.items():
         if key in back:
             assert torch.equal(back[key], value), key
-    fresh = type(model)(ghf.hf_config_from_architecture(arch))
+    fresh = type(model)(ghc.hf_config_from_architecture(arch))
     result = fresh.load_state_dict(back, strict=False)
     assert not result.unexpected_keys and not [k for k in result.missing_keys if not k.endswith("attn.bias")]
 
@@ -162,7 +163,7 @@ def test_hf_to_ours_to_hf_is_bit_exact_and_loads_strictly(family):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_fused_layouts_compute_transformers_logits(family, tp):
     model = _llama() if family == "llama" else _gpt2()
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
     with torch.no_grad():
         logits = _reference_logits(ours, arch, _tokens(), tp)
@@ -174,7 +175,7 @@ def test_fused_layouts_compute_transformers_logits(family, tp):
 def test_a_wrong_layout_is_caught_by_the_reference():
     """The check can fail: q/k/v concatenated instead of grouped, and fc1 shards cut as plain row chunks."""
     model = _llama()
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
     theirs = _theirs(model)
     hf_sd = model.state_dict()
@@ -194,7 +195,7 @@ def test_a_wrong_layout_is_caught_by_the_reference():
 
 def test_shards_merge_back_to_the_full_state_dict_with_vocab_padding():
     model = _llama()
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
     shards = [ghf.shard_full_state_dict(ours, r, 2, gated_linear_unit=True, num_query_groups=2,
                                         make_vocab_size_divisible_by=8) for r in range(2)]
@@ -210,7 +211,7 @@ def test_shards_merge_back_to_the_full_state_dict_with_vocab_padding():
 
 def test_llama_rope_theta_and_tied_embeddings_are_carried():
     model = _llama(tie_word_embeddings=True)
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     assert arch["rotary_base"] == 5000.0 and not arch["untie_embeddings_and_output_weights"]
     assert arch["num_query_groups"] == 2 and arch["layernorm_epsilon"] == 1e-5
     ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
@@ -218,21 +219,21 @@ def test_llama_rope_theta_and_tied_embeddings_are_carried():
     with torch.no_grad():
         err = float((_reference_logits(ours, arch, _tokens(), 2) - _theirs(model)).abs().max())
     assert err <= 1e-5
-    config = ghf.hf_config_from_architecture(arch)
+    config = ghc.hf_config_from_architecture(arch)
     assert config.tie_word_embeddings and config.num_key_value_heads == 2
-    assert ghf.hf_architecture(config)["rotary_base"] == 5000.0
+    assert ghc.hf_architecture(config)["rotary_base"] == 5000.0
 
 
 def test_llama_head_dim_other_than_hidden_over_heads_becomes_kv_channels():
     model = _llama(head_dim=16)
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     assert arch["kv_channels"] == 16
     ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
     assert ours["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 16, 32)
     with torch.no_grad():
         err = float((_reference_logits(ours, arch, _tokens(), 2) - _theirs(model)).abs().max())
     assert err <= 1e-5
-    assert ghf.hf_config_from_architecture(arch).head_dim == 16
+    assert ghc.hf_config_from_architecture(arch).head_dim == 16
 
 
 @pytest.mark.parametrize(("kw", "named"), [
@@ -246,7 +247,7 @@ def test_llama_settings_we_cannot_compute_are_refused_by_name(kw, named):
 
     config = transformers.LlamaConfig(**{**LLAMA_KW, **kw})
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace("[", r"\[")):
-        ghf.hf_architecture(config)
+        ghc.hf_architecture(config)
 
 
 @pytest.mark.parametrize(("kw", "named"), [
@@ -259,33 +260,33 @@ def test_gpt2_settings_we_cannot_compute_are_refused_by_name(kw, named):
     import transformers
 
     with pytest.raises(ValueError, match=named):
-        ghf.hf_architecture(transformers.GPT2Config(**{**GPT2_KW, **kw}))
+        ghc.hf_architecture(transformers.GPT2Config(**{**GPT2_KW, **kw}))
 
 
 def test_unused_tensors_and_other_model_types_are_refused():
     import transformers
 
     model = _llama()
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     sd = dict(model.state_dict())
     sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
     with pytest.raises(ValueError, match="q_proj.bias"):
         ghf.gpt_state_dict_from_hf(sd, arch)
     with pytest.raises(ValueError, match="model_type='bert'"):
-        ghf.hf_architecture(transformers.BertConfig())
+        ghc.hf_architecture(transformers.BertConfig())
 
 
 def test_export_config_refuses_architectures_transformers_cannot_compute():
-    llama = ghf.hf_architecture(_llama().config)
-    gpt2 = ghf.hf_architecture(_gpt2().config)
+    llama = ghc.hf_architecture(_llama().config)
+    gpt2 = ghc.hf_architecture(_gpt2().config)
     with pytest.raises(ValueError, match=r"rotary_percent=0.5 \(needs 1.0\)"):
-        ghf.hf_config_from_architecture({**llama, "rotary_percent": 0.5})
+        ghc.hf_config_from_architecture({**llama, "rotary_percent": 0.5})
     with pytest.raises(ValueError, match="gated_linear_unit=True"):
-        ghf.hf_config_from_architecture({**gpt2, "gated_linear_unit": True})
+        ghc.hf_config_from_architecture({**gpt2, "gated_linear_unit": True})
     with pytest.raises(ValueError, match="num_query_groups=2"):
-        ghf.hf_config_from_architecture({**gpt2, "num_query_groups": 2})
+        ghc.hf_config_from_architecture({**gpt2, "num_query_groups": 2})
     with pytest.raises(ValueError, match="spec='bert_layer_local_spec' has no transformers equivalent"):
-        ghf.hf_config_from_architecture({**gpt2, "spec": "bert_layer_local_spec"})
+        ghc.hf_config_from_architecture({**gpt2, "spec": "bert_layer_local_spec"})
 
 
 # ------------------------------------------------------------------ folders: init_from's reader, export's writer
@@ -300,7 +301,7 @@ def test_hf_folder_reads_through_init_from_sharded_or_not_and_refuses_auto_map(t
     read_architecture = GPTLightningModule.read_architecture
 
     model = _llama()
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     want = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
     model.save_pretrained(tmp_path / "one")
     model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
@@ -339,7 +340,7 @@ def test_export_of_a_saved_model_gives_the_contract_logits_in_transformers(tmp_p
     from lightning_megatron.saved_model import SavedModel
 
     source = _llama() if family == "llama" else _gpt2()
-    arch = ghf.hf_architecture(source.config)
+    arch = ghc.hf_architecture(source.config)
     ours = ghf.gpt_state_dict_from_hf(source.state_dict(), arch)
     with torch.no_grad():
         want = _reference_logits(ours, arch, _tokens(), 1)
@@ -394,7 +395,7 @@ def test_export_takes_the_packaged_bpe_when_the_run_used_gpt_datamodules_default
 
     config = transformers.GPT2Config(vocab_size=8192, n_positions=8, n_embd=8, n_layer=1, n_head=2,
                                      bos_token_id=0, eos_token_id=0)
-    arch = ghf.hf_architecture(config)
+    arch = ghc.hf_architecture(config)
     ours = ghf.gpt_state_dict_from_hf(transformers.GPT2LMHeadModel(config).state_dict(), arch)
     dm = {"vocab_file": None, "data_prefix": None}
     model, write_tokenizer = hf_model_from_saved(SavedModel(state_dict=ours, hparams=arch, datamodule_hparams=dm))
@@ -418,7 +419,7 @@ def test_export_takes_a_gpt2_vocab_json_with_its_merges(tmp_path):
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     model = _gpt2()
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     saved = SavedModel(state_dict=ghf.gpt_state_dict_from_hf(model.state_dict(), arch), hparams=arch)
     hf, write_tokenizer = hf_model_from_saved(saved, tokenizer=tmp_path / "vocab.json")
     write_tokenizer(tmp_path / "out")

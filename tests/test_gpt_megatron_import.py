@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from lightning_megatron.models.gpt import hf as ghf
+from lightning_megatron.models.gpt import hf_config as ghc
 
 VOCAB = 97
 
@@ -56,7 +57,7 @@ def _args(family: str, **kw) -> argparse.Namespace:
 
 
 def _write_legacy(root, full, arch, args):
-    gated = arch["spec"] == ghf.LLAMA_SPEC
+    gated = arch["spec"] == ghc.LLAMA_SPEC
     it = root / "iter_0000010"
     (root / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True, exist_ok=True)
     (root / "latest_checkpointed_iteration.txt").write_text("10")
@@ -102,7 +103,7 @@ def test_megatron_gpt_checkpoint_reads_as_our_state_dict_and_architecture(tmp_pa
     read_architecture = GPTLightningModule.read_architecture
 
     model = _models()[family]
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     full = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
     (_write_legacy if fmt == "legacy" else _write_torch_dist)(tmp_path / "ckpt", full, arch, _args(family))
     saved = read_pretrained(str(tmp_path / "ckpt"))
@@ -133,7 +134,7 @@ def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, nam
     read_pretrained = GPTLightningModule.read_pretrained
 
     model = _models()["llama"]
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama", **kw))
     with pytest.raises(ValueError, match=named):
         read_pretrained(str(tmp_path / "ckpt"))
@@ -145,7 +146,7 @@ def test_gpt_module_from_a_megatron_checkpoint_gives_transformers_logits(tmp_pat
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     model = _models()["llama"].eval()
-    arch = ghf.hf_architecture(model.config)
+    arch = ghc.hf_architecture(model.config)
     _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama"))
     module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), config={"vocab_size": VOCAB})
     module.configure_model()

@@ -124,6 +124,7 @@ def test_export_takes_the_recorded_class_adapter_not_the_tensor_names(gpt_ckpt, 
 def test_sources_are_read_by_the_reading_class_family(tmp_path):
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.models.gpt import hf as ghf
+    from lightning_megatron.models.gpt import hf_config as ghc
     from lightning_megatron.models.gpt.module import GPTLightningModule
     from lightning_megatron.module import MegatronLightningModule
 
@@ -131,7 +132,7 @@ def test_sources_are_read_by_the_reading_class_family(tmp_path):
 
     models = _models()
     for family in ("llama", "gpt2"):
-        arch = ghf.hf_architecture(models[family].config)
+        arch = ghc.hf_architecture(models[family].config)
         _write_legacy(tmp_path / family, ghf.gpt_state_dict_from_hf(models[family].state_dict(), arch), arch,
                       _args(family))
         assert GPTLightningModule.read_pretrained(str(tmp_path / family)).hparams["spec"] == arch["spec"]

@@ -23,6 +23,7 @@ import torch
 from dist_utils import run_python
 
 from lightning_megatron.models.gpt import hf as ghf
+from lightning_megatron.models.gpt import hf_config as ghc
 from lightning_megatron.transformer.lora import LoRAConfig, merged_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +105,7 @@ def test_lora_equals_peft_on_transformers_loss_and_adapter_gradients(tmp_path):
 
     hf = transformers.LlamaForCausalLM.from_pretrained(folder)
     theirs = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PEFT_MODULES))
-    arch = ghf.hf_architecture(hf.config)
+    arch = ghc.hf_architecture(hf.config)
     _copy_into_peft(theirs, {n: p.detach() for n, p in ours.items()}, arch)
     logits = theirs(input_ids=tokens).logits
     their_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))

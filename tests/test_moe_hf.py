@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from lightning_megatron.models.gpt import hf as ghf
+from lightning_megatron.models.gpt import hf_config as ghc
 
 transformers = pytest.importorskip("transformers")
 
@@ -216,7 +217,7 @@ def test_export_round_trip_loads_in_transformers_with_our_logits(tmp_path, name)
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     hf = MODELS[name]()
-    arch = ghf.hf_architecture(hf.config)
+    arch = ghc.hf_architecture(hf.config)
     back = ghf.hf_state_dict_from_gpt(ghf.gpt_state_dict_from_hf(hf.state_dict(), arch), arch)
     assert back.keys() == hf.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items()), "HF -> ours -> HF is not bit-exact"
@@ -255,15 +256,15 @@ def test_export_round_trip_loads_in_transformers_with_our_logits(tmp_path, name)
 ], ids=["sparse_step", "mlp_only_layers", "no_experts", "qwen_sliding", "mixtral_sliding", "rope_scaling"])
 def test_hf_settings_our_model_cannot_compute_are_refused_by_name(make, named):
     with pytest.raises(ValueError, match=named):
-        ghf.hf_architecture(make())
+        ghc.hf_architecture(make())
 
 
 def test_router_jitter_is_dropped_with_a_warning_and_bad_expert_shapes_are_refused():
     with pytest.warns(UserWarning, match="router_jitter_noise=0.1"):
-        arch = ghf.hf_architecture(transformers.MixtralConfig(**COMMON, router_jitter_noise=0.1))
+        arch = ghc.hf_architecture(transformers.MixtralConfig(**COMMON, router_jitter_noise=0.1))
     assert arch["num_moe_experts"] == 8  # MixtralConfig's default
     hf = _mixtral()
-    arch = ghf.hf_architecture(hf.config)
+    arch = ghc.hf_architecture(hf.config)
     sd = dict(hf.state_dict())
     sd["model.layers.0.mlp.experts.gate_up_proj"] = sd["model.layers.0.mlp.experts.gate_up_proj"].transpose(1, 2)
     with pytest.raises(ValueError, match=r"gate_up_proj is \(4, 32, 96\)"):
@@ -275,16 +276,16 @@ def test_router_jitter_is_dropped_with_a_warning_and_bad_expert_shapes_are_refus
 
 
 def test_export_refuses_what_mixtral_and_qwen2_moe_cannot_compute():
-    mixtral = ghf.hf_architecture(_mixtral().config)
-    qwen = ghf.hf_architecture(_qwen2_moe().config)
-    assert ghf.hf_class_name(mixtral) == "MixtralForCausalLM" and ghf.hf_class_name(qwen) == "Qwen2MoeForCausalLM"
+    mixtral = ghc.hf_architecture(_mixtral().config)
+    qwen = ghc.hf_architecture(_qwen2_moe().config)
+    assert ghc.hf_class_name(mixtral) == "MixtralForCausalLM" and ghc.hf_class_name(qwen) == "Qwen2MoeForCausalLM"
     with pytest.raises(ValueError, match="moe_router_score_function='sigmoid'"):
-        ghf.hf_config_from_architecture({**mixtral, "moe_router_score_function": "sigmoid"})
+        ghc.hf_config_from_architecture({**mixtral, "moe_router_score_function": "sigmoid"})
     with pytest.raises(ValueError, match="moe_shared_expert_gate=False"):
-        ghf.hf_config_from_architecture({**qwen, "moe_shared_expert_gate": False})
+        ghc.hf_config_from_architecture({**qwen, "moe_shared_expert_gate": False})
     with pytest.raises(ValueError, match="without shared experts"):
-        ghf.hf_config_from_architecture({**mixtral, "moe_router_pre_softmax": True})
-    config = ghf.hf_config_from_architecture({**qwen, "moe_router_pre_softmax": False})
+        ghc.hf_config_from_architecture({**mixtral, "moe_router_pre_softmax": True})
+    config = ghc.hf_config_from_architecture({**qwen, "moe_router_pre_softmax": False})
     assert config.norm_topk_prob and config.qkv_bias and config.shared_expert_intermediate_size == 40
 
 
@@ -293,7 +294,7 @@ def test_export_of_a_model_trained_with_token_dropping_warns():
     from lightning_megatron.saved_model import SavedModel
 
     hf = _mixtral()
-    arch = ghf.hf_architecture(hf.config)
+    arch = ghc.hf_architecture(hf.config)
     saved = SavedModel(state_dict=ghf.gpt_state_dict_from_hf(hf.state_dict(), arch),
                        hparams={**arch, "moe_expert_capacity_factor": 1.0})
     with pytest.warns(UserWarning, match="moe_expert_capacity_factor=1.0 .* drops none"):

@@ -24,14 +24,12 @@ Our layouts (the decoder-family contract):
   fused tensors of its classes (:func:`hf_state_dict_from_gpt`) and its ``save_pretrained`` writes the files;
 - GPT-2's ``Conv1D`` weights are ``[in, out]``: transposed to our ``[out, in]``.
 
-:func:`hf_architecture` reads a transformers config into the module arguments our model needs
-(:data:`GPT_ARCHITECTURE_KEYS`) and refuses, by name, every setting our model cannot reproduce (rope scaling,
-biases in Llama, a head size other than hidden / heads, Qwen2-MoE's dense layers between MoE layers, ...).
+The architecture these functions take (``arch``: our module arguments, read from a transformers config) and the
+transformers config of ours: :mod:`lightning_megatron.models.gpt.hf_config`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,214 +37,11 @@ import torch
 
 from lightning_megatron.interop.tp import TPLayout, shard_state_dict
 from lightning_megatron.interop.tp import merge_tp_shards as generic_merge
+from lightning_megatron.models.gpt.hf_config import GPT2_SPEC, MODEL_NAMES, MOE_SPEC, hf_model_type
 from lightning_megatron.tensor_parallel import pad_vocab_size
 
-__all__ = ["GPT_ARCHITECTURE_KEYS", "LLAMA_SPEC", "GPT2_SPEC", "MOE_SPEC", "HF_MODEL_TYPES", "llama_architecture",
-           "qwen2_architecture", "mixtral_architecture", "qwen2_moe_architecture", "gpt2_architecture",
-           "hf_architecture", "hf_model_type", "hf_class_name", "gpt_state_dict_from_hf", "hf_state_dict_from_gpt",
-           "hf_config_from_architecture", "qkv_from_separate", "qkv_to_separate", "gpt_tp_layout",
-           "shard_full_state_dict", "merge_tp_shards"]
-
-LLAMA_SPEC = "llama_layer_spec"
-"""The registered layer spec of the Llama shape (RMSNorm, rotary, SwiGLU, GQA, no biases; Qwen2 adds a qkv bias)."""
-GPT2_SPEC = "gpt_layer_spec"
-"""The registered layer spec of the GPT-2 shape (LayerNorm, learned positions, GELU, biases, tied)."""
-MOE_SPEC = "llama_moe_layer_spec"
-"""The registered layer spec of the Mixtral / Qwen2-MoE shape (the Llama layer, a mixture of experts as its MLP)."""
-
-GPT_ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                         "kv_channels", "spec", "activation", "layernorm_epsilon", "max_sequence_length", "vocab_size",
-                         "position_embedding_type", "add_bias_linear", "gated_linear_unit", "rotary_base",
-                         "rotary_percent", "untie_embeddings_and_output_weights", "add_qkv_bias", "num_moe_experts",
-                         "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
-                         "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
-"""``GPTLightningModule`` arguments a source fixes (the architecture dicts below use these; a mixture of experts'
-also carries ``moe_aux_loss_coeff``, a training setting the source suggests but does not fix)."""
-
-HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-"""transformers ``model_type`` -> the causal-LM class the decoder family reads and writes."""
-
-_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
-_GPT2_ACT_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
-_MODEL_NAMES = {"llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
-
-
-def _refuse(model: str, bad: list[str]) -> None:
-    if bad:
-        raise ValueError(f"the {model} config has {', '.join(bad)}: our GPT model has no equivalent, so its logits "
-                         f"would differ; convert a model without these settings")
-
-
-def _rope(cfg: dict[str, Any]) -> tuple[float, str, Any]:
-    """(rope_theta, rope_type, scaling) from a transformers 4.x (``rope_theta``, ``rope_scaling``) or 5.x
-    (``rope_parameters``) Llama config dict."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    extra = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}
-    return float(theta), rope_type, scaling if scaling else (extra or None)
-
-
-def _config_dict(hf_config: Any, model_type: str) -> dict[str, Any]:
-    cfg = hf_config.to_dict()
-    if cfg.get("model_type") != model_type:
-        raise ValueError(f"model_type={cfg.get('model_type')!r} is not {model_type!r}")
-    return cfg
-
-
-def _rotary_decoder(cfg: dict[str, Any], bad: list[str]) -> dict[str, Any]:
-    """The module arguments of the Llama-shaped decoder Llama, Qwen2, Mixtral and Qwen2-MoE share (RMSNorm, rope,
-    SwiGLU, grouped-query attention, no linear biases); what it cannot compute appended to ``bad``."""
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    groups = cfg.get("num_key_value_heads") or heads
-    theta, rope_type, scaling = _rope(cfg)
-    if rope_type != "default" or scaling:
-        bad.append(f"rope scaling (rope_type={rope_type!r}, {scaling!r})")
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-        bad.append(f"hidden_act={cfg.get('hidden_act')!r} (the Llama spec's SwiGLU uses silu)")
-    head_dim = cfg.get("head_dim")
-    kv_channels = head_dim if head_dim is not None and head_dim * heads != hidden else None
-    if (cfg.get("pretraining_tp") or 1) != 1:
-        bad.append(f"pretraining_tp={cfg['pretraining_tp']}")
-    if heads % groups:
-        bad.append(f"num_key_value_heads={groups} not dividing num_attention_heads={heads}")
-    # Llama and Mixtral slide whenever sliding_window is set; Qwen2 / Qwen2-MoE keep a sliding_window they use
-    # only in the layer_types "sliding_attention" layers (use_sliding_window, when they have no layer_types).
-    if cfg.get("model_type") in ("qwen2", "qwen2_moe"):
-        window_keys: tuple[str, ...] = () if "layer_types" in cfg else ("use_sliding_window",)
-    else:
-        window_keys = ("sliding_window", "use_sliding_window")
-    for key in (*window_keys, "partial_rotary_factor", "qk_norm"):
-        if cfg.get(key) not in (None, False, 1.0):
-            bad.append(f"{key}={cfg[key]!r}")
-    other = sorted(set(cfg.get("layer_types") or ()) - {"full_attention"})
-    if other:
-        bad.append(f"layer_types with {other} (sliding-window attention in some layers)")
-    return dict(num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
-                num_query_groups=groups, ffn_hidden_size=cfg["intermediate_size"], kv_channels=kv_channels,
-                spec=LLAMA_SPEC, activation="silu", layernorm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_sequence_length=cfg.get("max_position_embeddings", 2048), vocab_size=cfg["vocab_size"],
-                position_embedding_type="rope", add_bias_linear=False, gated_linear_unit=True, rotary_base=theta,
-                rotary_percent=1.0, untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
-                add_qkv_bias=False)
-
-
-def llama_architecture(hf_config: Any) -> dict[str, Any]:
-    """Our module arguments for a ``transformers.LlamaConfig``; refuses what our Llama spec cannot compute."""
-    cfg = _config_dict(hf_config, "llama")
-    bad = [f"{key}=True" for key in ("attention_bias", "mlp_bias") if cfg.get(key)]
-    arch = _rotary_decoder(cfg, bad)
-    _refuse("Llama", bad)
-    return arch
-
-
-def qwen2_architecture(hf_config: Any) -> dict[str, Any]:
-    """Our module arguments for a ``transformers.Qwen2Config``: the Llama shape with a bias on q, k and v only
-    (``add_qkv_bias``); refuses sliding-window attention."""
-    cfg = _config_dict(hf_config, "qwen2")
-    bad: list[str] = []
-    arch = _rotary_decoder(cfg, bad)
-    _refuse("Qwen2", bad)
-    return {**arch, "add_qkv_bias": True}
-
-
-def _moe(experts: int, topk: int, ffn: int, *, pre_softmax: bool, shared: int | None, aux: float) -> dict[str, Any]:
-    return dict(spec=MOE_SPEC, num_moe_experts=experts, moe_router_topk=topk, moe_router_score_function="softmax",
-                moe_router_pre_softmax=pre_softmax, moe_ffn_hidden_size=ffn, moe_shared_expert_intermediate_size=shared,
-                moe_shared_expert_gate=shared is not None, moe_aux_loss_coeff=aux)
-
-
-def mixtral_architecture(hf_config: Any) -> dict[str, Any]:
-    """Our module arguments for a ``transformers.MixtralConfig``: ``llama_moe_layer_spec``, ``num_local_experts``
-    experts of width ``intermediate_size``, the top ``num_experts_per_tok`` of the router's logits softmaxed
-    (``moe_router_pre_softmax=False``: softmax, top-k, renormalise), ``router_aux_loss_coef`` ->
-    ``moe_aux_loss_coeff``. ``router_jitter_noise`` (training-time noise on the router's input; the logits are
-    unchanged) is dropped with a warning."""
-    cfg = _config_dict(hf_config, "mixtral")
-    bad: list[str] = []
-    arch = _rotary_decoder(cfg, bad)
-    experts, topk = cfg.get("num_local_experts") or 0, cfg.get("num_experts_per_tok") or 0
-    if not 1 <= topk <= experts:
-        bad.append(f"num_experts_per_tok={topk} with num_local_experts={experts}")
-    _refuse("Mixtral", bad)
-    if cfg.get("router_jitter_noise"):
-        warnings.warn(f"the Mixtral config has router_jitter_noise={cfg['router_jitter_noise']}: our router adds no "
-                      f"jitter noise when training (the logits are the same), so fine-tuning runs without it",
-                      UserWarning, stacklevel=3)
-    return {**arch, **_moe(experts, topk, cfg["intermediate_size"], pre_softmax=False, shared=None,
-                           aux=float(cfg.get("router_aux_loss_coef") or 0.0))}
-
-
-def qwen2_moe_architecture(hf_config: Any) -> dict[str, Any]:
-    """Our module arguments for a ``transformers.Qwen2MoeConfig``: ``llama_moe_layer_spec`` with a qkv bias
-    (``qkv_bias`` -> ``add_qkv_bias``), ``num_experts`` experts of width ``moe_intermediate_size``, a shared
-    expert of width ``shared_expert_intermediate_size`` scaled by its sigmoid gate (0: none),
-    ``norm_topk_prob`` -> ``moe_router_pre_softmax = not norm_topk_prob`` (False: the top-k of the softmax kept
-    as they are; True: renormalised, equal to a softmax over the top-k logits); ``intermediate_size`` (the
-    width of Qwen2-MoE's dense layers, which a checkpoint we read does not have) -> ``ffn_hidden_size``.
-    Refused: dense layers among the MoE ones (``decoder_sparse_step`` != 1, ``mlp_only_layers``), no experts,
-    sliding-window attention."""
-    cfg = _config_dict(hf_config, "qwen2_moe")
-    bad: list[str] = []
-    arch = _rotary_decoder(cfg, bad)
-    experts, topk = cfg.get("num_experts") or 0, cfg.get("num_experts_per_tok") or 0
-    if experts < 1:
-        bad.append(f"num_experts={experts} (every layer dense)")
-    elif not 1 <= topk <= experts:
-        bad.append(f"num_experts_per_tok={topk} with num_experts={experts}")
-    if (cfg.get("decoder_sparse_step") or 1) != 1:
-        bad.append(f"decoder_sparse_step={cfg['decoder_sparse_step']} (dense MLP layers between the MoE layers; "
-                   f"every layer of llama_moe_layer_spec is a mixture of experts)")
-    if cfg.get("mlp_only_layers"):
-        bad.append(f"mlp_only_layers={cfg['mlp_only_layers']} (dense MLP layers among the MoE layers)")
-    _refuse("Qwen2-MoE", bad)
-    shared = cfg.get("shared_expert_intermediate_size") or None  # 0: an empty shared expert, adding nothing
-    return {**arch, "add_qkv_bias": bool(cfg.get("qkv_bias", True)),
-            **_moe(experts, topk, cfg["moe_intermediate_size"], pre_softmax=not cfg.get("norm_topk_prob", False),
-                   shared=shared, aux=float(cfg.get("router_aux_loss_coef") or 0.0))}
-
-
-def gpt2_architecture(hf_config: Any) -> dict[str, Any]:
-    """Our module arguments for a ``transformers.GPT2Config``; refuses what our GPT-2 spec cannot compute."""
-    cfg = _config_dict(hf_config, "gpt2")
-    act = cfg.get("activation_function", "gelu_new")
-    bad = []
-    if act not in _GPT2_ACT:
-        bad.append(f"activation_function={act!r} (known: {sorted(_GPT2_ACT)})")
-    if not cfg.get("scale_attn_weights", True):
-        bad.append("scale_attn_weights=False")
-    for key in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
-        if cfg.get(key):
-            bad.append(f"{key}=True")
-    if not cfg.get("tie_word_embeddings", True):
-        bad.append("tie_word_embeddings=False (the GPT-2 spec ties the output layer to the embedding)")
-    _refuse("GPT-2", bad)
-    hidden = cfg["n_embd"]
-    return dict(num_layers=cfg["n_layer"], hidden_size=hidden, num_attention_heads=cfg["n_head"],
-                num_query_groups=None, ffn_hidden_size=cfg.get("n_inner") or 4 * hidden, kv_channels=None,
-                spec=GPT2_SPEC, activation=_GPT2_ACT.get(act, act),
-                layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)), max_sequence_length=cfg["n_positions"],
-                vocab_size=cfg["vocab_size"], position_embedding_type="learned_absolute", add_bias_linear=True,
-                gated_linear_unit=False, rotary_base=10000.0, rotary_percent=1.0,
-                untie_embeddings_and_output_weights=False, add_qkv_bias=False)
-
-
-_ARCHITECTURES = {"llama": llama_architecture, "qwen2": qwen2_architecture, "mixtral": mixtral_architecture,
-                  "qwen2_moe": qwen2_moe_architecture, "gpt2": gpt2_architecture}
-
-
-def hf_architecture(hf_config: Any) -> dict[str, Any]:
-    """Our module arguments for a transformers config of one of :data:`HF_MODEL_TYPES`, by ``model_type``."""
-    model_type = hf_config.model_type
-    if model_type not in _ARCHITECTURES:
-        known = ", ".join(f"{t!r} ({c})" for t, c in HF_MODEL_TYPES.items())
-        raise ValueError(f"model_type={model_type!r}: the GPT family converts {known}")
-    return _ARCHITECTURES[model_type](hf_config)
-
-
-# ---------------------------------------------------------------------- layouts
+__all__ = ["gpt_state_dict_from_hf", "hf_state_dict_from_gpt", "qkv_from_separate", "qkv_to_separate",
+           "gpt_tp_layout", "shard_full_state_dict", "merge_tp_shards"]
 
 
 def qkv_from_separate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
@@ -293,26 +88,6 @@ def _take(hf: dict[str, torch.Tensor], key: str, model: str) -> torch.Tensor:
     return hf.pop(key)
 
 
-def hf_model_type(arch: Mapping[str, Any]) -> str:
-    """The transformers ``model_type`` whose names and class fit our architecture (no refusal here: see
-    :func:`hf_config_from_architecture`): GPT-2 for ``gpt_layer_spec``; Qwen2 for the Llama spec with a qkv
-    bias, else Llama; for ``llama_moe_layer_spec`` Qwen2-MoE when the model has what only Qwen2-MoE has (shared
-    experts, a qkv bias, the top-k probabilities not renormalised), else Mixtral."""
-    spec = arch["spec"]
-    if spec == GPT2_SPEC:
-        return "gpt2"
-    if spec == MOE_SPEC:
-        qwen = (arch.get("moe_shared_expert_intermediate_size") or arch.get("add_qkv_bias")
-                or arch.get("moe_router_pre_softmax"))
-        return "qwen2_moe" if qwen else "mixtral"
-    return "qwen2" if arch.get("add_qkv_bias") else "llama"
-
-
-def hf_class_name(arch: Mapping[str, Any]) -> str:
-    """The transformers class of :func:`hf_model_type`."""
-    return HF_MODEL_TYPES[hf_model_type(arch)]
-
-
 def _experts_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, arch: Mapping[str, Any],
                      model: str) -> dict[str, torch.Tensor]:
     """Our ``mlp.*`` tensors of one MoE layer from transformers' fused ``mlp.experts.gate_up_proj`` /
@@ -356,9 +131,10 @@ def _experts_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, arch: Mapp
 def gpt_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor],
                            arch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Our full TP=1 state dict (unpadded vocabulary) from a Llama / Qwen2 / Mixtral / Qwen2-MoE / GPT-2 state
-    dict and the architecture :func:`hf_architecture` read from its config. A tensor the conversion does not use
-    (a bias, a layer beyond ``num_layers``) is refused by name: it would change the logits."""
-    model = _MODEL_NAMES[hf_model_type(arch)]
+    dict and the architecture :func:`~lightning_megatron.models.gpt.hf_config.hf_architecture` read from its
+    config. A tensor the conversion does not use (a bias, a layer beyond ``num_layers``) is refused by name: it
+    would change the logits."""
+    model = MODEL_NAMES[hf_model_type(arch)]
     gpt2 = arch["spec"] == GPT2_SPEC
     prefix = "transformer." if gpt2 else "model."
     hf = {k.removeprefix(prefix): v for k, v in hf_state_dict.items() if not k.endswith(_IGNORED)}
@@ -413,9 +189,10 @@ def gpt_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor],
 
 
 def hf_state_dict_from_gpt(state_dict: Mapping[str, torch.Tensor], arch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The state dict of :func:`hf_class_name`'s class (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-    ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` with transformers 5's fused experts, ``GPT2LMHeadModel``)
-    from our FULL state dict; vocabulary rows beyond ``arch["vocab_size"]`` (padding) are dropped."""
+    """The state dict of :func:`~lightning_megatron.models.gpt.hf_config.hf_class_name`'s class
+    (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` with
+    transformers 5's fused experts, ``GPT2LMHeadModel``) from our FULL state dict; vocabulary rows beyond
+    ``arch["vocab_size"]`` (padding) are dropped."""
     vocab = arch["vocab_size"]
     sd = {k: (v[:vocab] if k in ("embedding.word_embeddings.weight", "output_layer.weight") else v)
           for k, v in state_dict.items()}
@@ -466,103 +243,6 @@ def hf_state_dict_from_gpt(state_dict: Mapping[str, torch.Tensor], arch: Mapping
         out["transformer.ln_f.bias"] = sd["decoder.final_layernorm.bias"]
         out["lm_head.weight"] = sd["embedding.word_embeddings.weight"]
     return {k: v.contiguous().clone() for k, v in out.items()}
-
-
-def _moe_export_problems(arch: Mapping[str, Any], model_type: str) -> list[str]:
-    """What Mixtral / Qwen2-MoE cannot compute of our mixture of experts."""
-    bad = []
-    if arch.get("moe_router_score_function", "softmax") != "softmax":
-        bad.append(f"moe_router_score_function={arch['moe_router_score_function']!r} (Mixtral and Qwen2-MoE route "
-                   f"by softmax)")
-    if model_type == "qwen2_moe":
-        if arch.get("moe_shared_expert_intermediate_size") and not arch.get("moe_shared_expert_gate"):
-            bad.append("moe_shared_expert_gate=False (Qwen2-MoE scales its shared expert by a sigmoid gate)")
-        if not arch.get("moe_shared_expert_intermediate_size"):
-            bad.append(f"add_qkv_bias={bool(arch.get('add_qkv_bias'))}, moe_router_pre_softmax="
-                       f"{bool(arch.get('moe_router_pre_softmax'))} without shared experts (Mixtral has neither a qkv "
-                       f"bias nor unrenormalised top-k probabilities; Qwen2-MoE always has a shared expert)")
-    return bad
-
-
-def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
-    """The transformers config (``architectures`` set) of our architecture (``GPTLightningModule``
-    arguments): ``LlamaConfig``, ``Qwen2Config`` (a qkv bias), ``MixtralConfig`` / ``Qwen2MoeConfig``
-    (``llama_moe_layer_spec``, :func:`hf_model_type`) or ``GPT2Config``; refuses, naming each, what the
-    transformers class cannot compute.
-
-    The dropouts the model trained with, when ``arch`` has them (``hidden_dropout``, ``attention_dropout``;
-    0.0 otherwise), go where transformers applies them: GPT-2's ``resid_pdrop`` and ``embd_pdrop`` (Megatron
-    drops the embeddings' output and each residual branch with ``hidden_dropout``) and ``attn_pdrop``; the
-    rotary decoders' ``attention_dropout`` (they have no hidden dropout). They do not change the logits in eval
-    mode; nor does ``moe_aux_loss_coeff`` (-> ``router_aux_loss_coef``) when ``arch`` has it."""
-    import transformers
-
-    spec, n, h = arch["spec"], arch["num_attention_heads"], arch["hidden_size"]
-    g = arch.get("num_query_groups") or n
-    ffn = arch.get("ffn_hidden_size") or 4 * h
-    kv = arch.get("kv_channels")
-    if spec not in (LLAMA_SPEC, GPT2_SPEC, MOE_SPEC):
-        raise ValueError(f"spec={spec!r} has no transformers equivalent: export supports {LLAMA_SPEC!r} "
-                         f"(LlamaForCausalLM, Qwen2ForCausalLM), {MOE_SPEC!r} (MixtralForCausalLM, "
-                         f"Qwen2MoeForCausalLM) and {GPT2_SPEC!r} (GPT2LMHeadModel)")
-    model_type = hf_model_type(arch)
-    rotary = spec != GPT2_SPEC
-    want = (dict(position_embedding_type="rope", activation="silu", add_bias_linear=False, gated_linear_unit=True,
-                 rotary_percent=1.0) if rotary else
-            dict(position_embedding_type="learned_absolute", add_bias_linear=True, gated_linear_unit=False,
-                 untie_embeddings_and_output_weights=False))
-    bad = [f"{k}={arch.get(k)!r} (needs {v!r})" for k, v in want.items() if k in arch and arch[k] != v]
-    if not rotary:
-        if arch.get("activation", "gelu") not in _GPT2_ACT_OUT:
-            bad.append(f"activation={arch['activation']!r} (GPT-2 knows {sorted(_GPT2_ACT_OUT)})")
-        if g != n:
-            bad.append(f"num_query_groups={g} (GPT-2 has one key/value head per query head)")
-        if kv not in (None, h // n) or h % n:
-            bad.append(f"kv_channels={kv} (GPT-2's heads are hidden_size / num_attention_heads wide)")
-    if spec == MOE_SPEC:
-        bad += _moe_export_problems(arch, model_type)
-    cls = HF_MODEL_TYPES[model_type]
-    if bad:
-        raise ValueError(f"export to {cls}: {', '.join(bad)}; transformers' {cls} would compute other logits")
-    hidden_dropout = float(arch.get("hidden_dropout", 0.0))
-    attention_dropout = float(arch.get("attention_dropout", 0.0))
-    if not rotary:
-        config = transformers.GPT2Config(
-            vocab_size=arch["vocab_size"], n_positions=arch["max_sequence_length"], n_embd=h,
-            n_layer=arch["num_layers"], n_head=n, n_inner=ffn,
-            activation_function=_GPT2_ACT_OUT[arch.get("activation", "gelu")],
-            layer_norm_epsilon=arch["layernorm_epsilon"], resid_pdrop=hidden_dropout, embd_pdrop=hidden_dropout,
-            attn_pdrop=attention_dropout, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
-        config.architectures = [cls]
-        return config
-    theta = float(arch.get("rotary_base", 10000.0))
-    common = dict(vocab_size=arch["vocab_size"], hidden_size=h, num_hidden_layers=arch["num_layers"],
-                  num_attention_heads=n, num_key_value_heads=g, head_dim=kv or h // n,
-                  max_position_embeddings=arch["max_sequence_length"], rms_norm_eps=arch["layernorm_epsilon"],
-                  tie_word_embeddings=not arch.get("untie_embeddings_and_output_weights", True), hidden_act="silu",
-                  attention_dropout=attention_dropout)
-    moe = dict(num_experts_per_tok=arch.get("moe_router_topk"),
-               router_aux_loss_coef=float(arch.get("moe_aux_loss_coeff") or 0.0))
-    expert_ffn = arch.get("moe_ffn_hidden_size") or ffn
-    if model_type == "llama":
-        config = transformers.LlamaConfig(**common, intermediate_size=ffn, rope_theta=theta, attention_bias=False,
-                                          mlp_bias=False)
-    elif model_type == "qwen2":
-        config = transformers.Qwen2Config(**common, intermediate_size=ffn, rope_theta=theta, use_sliding_window=False)
-    elif model_type == "mixtral":
-        config = transformers.MixtralConfig(**common, **moe, intermediate_size=expert_ffn, rope_theta=theta,
-                                            sliding_window=None, num_local_experts=arch["num_moe_experts"])
-    else:
-        config = transformers.Qwen2MoeConfig(
-            **common, **moe, intermediate_size=ffn, moe_intermediate_size=expert_ffn, rope_theta=theta,
-            num_experts=arch["num_moe_experts"], norm_topk_prob=not arch.get("moe_router_pre_softmax", False),
-            shared_expert_intermediate_size=arch.get("moe_shared_expert_intermediate_size") or 0,
-            qkv_bias=bool(arch.get("add_qkv_bias")), decoder_sparse_step=1, mlp_only_layers=[],
-            use_sliding_window=False)
-    if "rope_parameters" in config.to_dict():  # transformers >= 5 keeps rope_theta there
-        config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
-    config.architectures = [cls]
-    return config
 
 
 # ---------------------------------------------------------------------- tensor parallelism

@@ -35,6 +35,7 @@ import torch
 
 from lightning_megatron.interop.tp import TPLayout
 from lightning_megatron.models.gpt import hf as ghf
+from lightning_megatron.models.gpt import hf_config as ghc
 from lightning_megatron.saved_model import SavedModel
 
 __all__ = ["GPTInterop", "GPT_MODEL_TYPES", "UNSUPPORTED_GPT_ARGS", "UNSUPPORTED_MOE_ARGS",
@@ -42,7 +43,7 @@ __all__ = ["GPTInterop", "GPT_MODEL_TYPES", "UNSUPPORTED_GPT_ARGS", "UNSUPPORTED
 
 _EOD = "<|endoftext|>"
 
-GPT_MODEL_TYPES = tuple(ghf.HF_MODEL_TYPES)  # llama, gpt2, qwen2, mixtral, qwen2_moe
+GPT_MODEL_TYPES = tuple(ghc.HF_MODEL_TYPES)  # llama, gpt2, qwen2, mixtral, qwen2_moe
 """transformers ``model_type`` s the decoder family reads."""
 
 UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -117,7 +118,7 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
     if position == "rope":
         hp.update(rotary_base=float(get("rotary_base", 10000)), rotary_percent=float(get("rotary_percent", 1.0)))
     if moe:
-        hp.update(moe, spec=ghf.MOE_SPEC)
+        hp.update(moe, spec=ghc.MOE_SPEC)
         hp["moe_ffn_hidden_size"] = hp["moe_ffn_hidden_size"] or hp["ffn_hidden_size"]
     return {k: v for k, v in hp.items() if v is not None or k in ("num_query_groups", "kv_channels")}
 
@@ -194,14 +195,14 @@ def architecture_of_saved(saved: SavedModel) -> dict[str, Any]:
     qkv = sd[layer + "self_attention.linear_qkv.weight"]
     groups = (qkv.size(0) // d - n) // 2
     layers = {int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")}
-    arch = {k: hp[k] for k in ghf.GPT_ARCHITECTURE_KEYS if k in hp}
+    arch = {k: hp[k] for k in ghc.GPT_ARCHITECTURE_KEYS if k in hp}
     arch.update(num_layers=max(layers) + 1 if layers else 0, hidden_size=h, num_attention_heads=n,
                 num_query_groups=groups, kv_channels=hp.get("kv_channels"), vocab_size=word.size(0),
                 untie_embeddings_and_output_weights="output_layer.weight" in sd)
     if layer + "mlp.router.weight" in sd:  # a mixture of experts: its sizes from the router and the experts
         fc1, fc2 = (sd[f"{layer}mlp.experts.local_experts.0.linear_fc{i}.weight"] for i in (1, 2))
         shared = sd.get(layer + "mlp.shared_experts.linear_fc2.weight")
-        arch.update(spec=hp.get("spec", ghf.MOE_SPEC), num_moe_experts=sd[layer + "mlp.router.weight"].size(0),
+        arch.update(spec=hp.get("spec", ghc.MOE_SPEC), num_moe_experts=sd[layer + "mlp.router.weight"].size(0),
                     moe_ffn_hidden_size=fc2.size(1), gated_linear_unit=fc1.size(0) == 2 * fc2.size(1),
                     moe_shared_expert_intermediate_size=None if shared is None else shared.size(1),
                     moe_shared_expert_gate=layer + "mlp.shared_expert_gate" in sd)
@@ -234,7 +235,7 @@ class GPTInterop:
     # ------------------------------------------------------------------ Hugging Face -> ours
 
     def architecture_from_hf(self, config: Any) -> dict[str, Any]:
-        return ghf.hf_architecture(config)
+        return ghc.hf_architecture(config)
 
     def state_dict_from_hf(self, hf_state_dict: dict[str, torch.Tensor], config: Any, architecture: dict[str, Any],
                            *, source: str) -> SavedModel:
@@ -262,7 +263,7 @@ class GPTInterop:
             raise ValueError(f"the Megatron-LM checkpoint's args say num_experts={experts} but it holds no "
                              f"mixture-of-experts tensors (no mlp.router.weight): the args do not belong to these "
                              f"weights")
-        if routers and architecture.get("spec") not in (None, ghf.MOE_SPEC):
+        if routers and architecture.get("spec") not in (None, ghc.MOE_SPEC):
             raise ValueError(f"the Megatron-LM checkpoint holds mixture-of-experts tensors ({routers[0]}) but its args "
                              f"name no num_experts: the args do not belong to these weights")
         if routers:
@@ -308,7 +309,7 @@ class GPTInterop:
         shared = out.get(layer + "shared_experts.linear_fc2.weight")
         if "num_moe_experts" not in architecture:  # no args: what the tensors fix
             fc2 = out.get(layer + "experts.local_experts.0.linear_fc2.weight")
-            architecture.update(spec=ghf.MOE_SPEC, num_moe_experts=out[layer + "router.weight"].size(0),
+            architecture.update(spec=ghc.MOE_SPEC, num_moe_experts=out[layer + "router.weight"].size(0),
                                 moe_shared_expert_intermediate_size=None if shared is None else shared.size(1),
                                 moe_shared_expert_gate=gated)
             if fc2 is not None:
@@ -336,7 +337,7 @@ class GPTInterop:
         extra = {k: saved.hparams[k] for k in ("hidden_dropout", "attention_dropout", "moe_aux_loss_coeff")
                  if k in saved.hparams}
         architecture = architecture_of_saved(saved)
-        config = ghf.hf_config_from_architecture({**architecture, **extra})
+        config = ghc.hf_config_from_architecture({**architecture, **extra})
         factor = saved.hparams.get("moe_expert_capacity_factor")
         if architecture.get("num_moe_experts") and factor is not None:
             warnings.warn(f"export hf: the model routes with moe_expert_capacity_factor={factor} (tokens over an "

@@ -38,7 +38,7 @@ from lightning_megatron.generation import GenerationTokenizer, Prompts, StopRule
 from lightning_megatron.language.module import LanguageLightningModule
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
 from lightning_megatron.models.gpt.config import GPTConfig
-from lightning_megatron.models.gpt.hf import GPT_ARCHITECTURE_KEYS
+from lightning_megatron.models.gpt.hf_config import GPT_ARCHITECTURE_KEYS
 from lightning_megatron.models.gpt.interop import GPTInterop
 from lightning_megatron.models.gpt.model import GPTModel, gpt_loss
 from lightning_megatron.parallel_state import ParallelState

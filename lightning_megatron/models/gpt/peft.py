@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from lightning_megatron.interop.hf_folder import swap_in_folder
-from lightning_megatron.models.gpt.hf import hf_model_type, qkv_to_separate
+from lightning_megatron.models.gpt.hf import qkv_to_separate
+from lightning_megatron.models.gpt.hf_config import hf_model_type
 from lightning_megatron.transformer.lora import ADAPTER_IN, ADAPTER_OUT, LoRAConfig
 
 __all__ = ["peft_state_dict", "write_peft_folder", "PEFT_TARGETS"]
