@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/estimate_time.py                       # the full run (~10 min idle)
     .venv/bin/python benchmarks/estimate_time.py --layouts tp1,tp2 --steps 2 --layers 2   # plumbing only
     .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --precision bf16         # the decoder's rows
+    .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --lora 8                 # LoRA adapters' rows
+    .venv/bin/python benchmarks/estimate_time.py --model mixtral-tiny                        # the experts' rows
 
 Measures this machine's rates before and after the runs, and predicts with the faster of the two
 (:func:`lightning_megatron.check.devices.measure_this_machine`: a GEMM of the model's shape on one
@@ -13,7 +15,10 @@ layout for ``--warmup`` + ``--steps`` optimizer steps of ``Trainer.fit`` in fres
 processes (``benchmarks/bert_step.py``: BERT, post-norm spec, dropout 0.1, the CPU tuning, synthetic
 full-length batches; with ``--model llama-tiny`` / ``llama-small``, ``benchmarks/gpt_step.py``'s Llama-shaped
 decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output layer, no dropout, synthetic tokens,
-layouts ``DECODER_LAYOUTS`` by default) and compares the median step time with the prediction of
+layouts ``DECODER_LAYOUTS`` by default; ``--lora r``: that decoder saved as a transformers Llama once, every run
+training rank-``r`` adapters on its four projections with the base frozen (``from_pretrained``, as
+``benchmarks/lora_memory.py``); ``--model mixtral-tiny``: ``benchmarks/moe_step.py``'s mixture of experts, 8
+SwiGLU experts top 2 with the all-to-all dispatcher, layouts ``MOE_LAYOUTS``) and compares the median step time with the prediction of
 :func:`lightning_megatron.check.timing.estimate_time` at efficiencies 1 (measured rates). Ranks share
 the cores (``cores / world_size`` each). Target: within 25% on every layout. Other work on the
 machine slows the measured steps, not the prediction: run it on an idle machine (the last column, the
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -37,12 +43,16 @@ from lightning_megatron.parallel_dims import ParallelDims
 
 LAYOUTS = "tp1,tp2,pp2,pp2vp2,dp2,dp2zero1,tp2sp,tp2pp2,tp2dp2zero1"
 DECODER_LAYOUTS = "tp1,tp2,tp2sp,dp2,cp2,pp2"
+LORA_LAYOUTS = "tp1,tp2,dp2,pp2"
+MOE_LAYOUTS = "tp1,ep2,dp2,tp2"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="bert", choices=("bert", "llama-tiny", "llama-small"))
-    p.add_argument("--layouts", default=None, help=f"default: {LAYOUTS} (bert), {DECODER_LAYOUTS} (decoders)")
+    p.add_argument("--model", default="bert", choices=("bert", "llama-tiny", "llama-small", "mixtral-tiny"))
+    p.add_argument("--layouts", default=None, help=f"default: {LAYOUTS} (bert), {DECODER_LAYOUTS} (decoders), "
+                                                   f"{LORA_LAYOUTS} (--lora), {MOE_LAYOUTS} (mixtral-tiny)")
+    p.add_argument("--lora", type=int, default=None, help="LoRA adapters of this rank on a llama-* decoder")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -55,12 +65,14 @@ def main() -> None:
     a = p.parse_args()
 
     from bert_step import bert_rank
+    from gpt_step import _ours, gpt_layout_rank
 
     from lightning_megatron.check.devices import measure_this_machine
     from lightning_megatron.models.bert.cost import BertCost
     from lightning_megatron.check.timing import MEASURED, Framework, estimate_time
+    from lightning_megatron.transformer.lora import LORA_TARGETS
 
-    bf16 = a.precision == "bf16"
+    bf16, folder = a.precision == "bf16", None
     if a.model == "bert":
         size = BertSize(name="bench", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                         ffn_hidden_size=4 * a.hidden)
@@ -71,22 +83,47 @@ def main() -> None:
         rank, layouts = bert_rank, a.layouts or LAYOUTS
         title = (f"BERT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro batch {a.micro_batch}, "
                  f"global batch {a.global_batch}, {a.precision}, dropout 0.1")
+    elif a.model.startswith("mixtral"):
+        from moe_step import SIZES as MOES
+        from moe_step import _ours as moe_module
+
+        from lightning_megatron.models.gpt.cost import GPTCost
+
+        moe = MOES[a.model]
+        if a.lora:
+            raise SystemExit("estimate_time.py: --lora is for the llama-* decoders")
+        a.seq, a.hidden = moe.seq_length, moe.hidden_size
+        shape = GPTCost.from_config(moe_module(moe, bf16).config, seq_length=a.seq, micro_batch_size=a.micro_batch,
+                                    global_batch_size=a.global_batch, on_cpu=True)
+        rank, layouts = gpt_layout_rank, a.layouts or MOE_LAYOUTS
+        title = (f"{a.model}: {moe.num_layers} layers, hidden {moe.hidden_size}, {moe.num_attention_heads} heads in "
+                 f"{moe.num_query_groups} groups, {moe.num_experts} SwiGLU experts of {moe.expert_ffn_hidden_size} "
+                 f"(top {moe.topk}, all-to-all dispatcher), vocabulary {moe.vocab_size}, seq {a.seq}, micro batch "
+                 f"{a.micro_batch}, global batch {a.global_batch}, {a.precision}, no dropout")
+        decoder = moe
     else:
         from gpt_step import SIZES as DECODERS
-        from gpt_step import _ours, gpt_layout_rank
 
         from lightning_megatron.models.gpt.cost import GPTCost
 
         decoder = DECODERS[a.model]
         a.seq, a.hidden = decoder.seq_length, decoder.hidden_size
         config = _ours(decoder, bf16).config
+        adapters = dict(lora_rank=a.lora, lora_targets=tuple(LORA_TARGETS)) if a.lora else {}
         shape = GPTCost.from_config(config, seq_length=a.seq, micro_batch_size=a.micro_batch,
-                                    global_batch_size=a.global_batch, on_cpu=True)
-        rank, layouts = gpt_layout_rank, a.layouts or DECODER_LAYOUTS
+                                    global_batch_size=a.global_batch, on_cpu=True, **adapters)
+        rank, layouts = gpt_layout_rank, a.layouts or (LORA_LAYOUTS if a.lora else DECODER_LAYOUTS)
         title = (f"{a.model}: {decoder.num_layers} layers, hidden {decoder.hidden_size}, {decoder.num_attention_heads} "
                  f"heads in {decoder.num_query_groups} groups, SwiGLU {decoder.ffn_hidden_size}, vocabulary "
                  f"{decoder.vocab_size}, seq {a.seq}, micro batch {a.micro_batch}, global batch {a.global_batch}, "
-                 f"{a.precision}, no dropout")
+                 f"{a.precision}, no dropout" + (f", LoRA rank {a.lora} on {', '.join(LORA_TARGETS)} (base frozen)"
+                                                 if a.lora else ""))
+        if a.lora:
+            import tempfile
+
+            from lora_memory import save_llama_folder
+
+            folder = save_llama_folder(decoder, tempfile.mkdtemp(prefix="estimate_time_lora_"))
     def rates(dev: Any) -> str:
         return (f"GEMM {dev.flops_16 / 1e9:.1f} GFLOP/s ({a.seq * a.micro_batch}x{a.hidden}x{shape.ffn}, {a.precision}), "
                 f"copy {dev.hbm / 1e9:.2f} GB/s, elementwise kernels of one layer {dev.elementwise / 1e9:.2f} GB/s, "
@@ -105,13 +142,15 @@ def main() -> None:
                        vp=layout.vp, sp=layout.sequence_parallel, zero1=layout.zero1, micro_batch=a.micro_batch,
                        batch=a.global_batch // layout.dp, seq=a.seq, warmup=a.warmup, steps=a.steps)
         else:
-            if layout.zero1 or layout.ep > 1:
-                raise SystemExit(f"estimate_time.py --model {a.model}: layout {layout.name} is not run for decoders here")
+            if layout.zero1 or (layout.ep > 1 and not a.model.startswith("mixtral")):
+                raise SystemExit(f"estimate_time.py --model {a.model}: layout {layout.name} is not run here")
             run = dict(size=dataclasses.asdict(decoder), precision=a.precision, warmup=a.warmup, steps=a.steps,
                        batch=a.global_batch // layout.dp, micro_batch=a.micro_batch,
+                       moe=a.model.startswith("mixtral"), folder=folder, lora=a.lora,
                        strategy=dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                      virtual_pipeline_model_parallel_size=layout.vp,
-                                     context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel))
+                                     context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+                                     sequence_parallel=layout.sequence_parallel))
         t1 = time.perf_counter()
         results = launch(rank, layout.world_size, run, timeout=1800)
         measured = max(median(r["step_times"]) for r in results)
@@ -140,12 +179,12 @@ def main() -> None:
           f"(a large change means the machine was busy: the measured step times are not meaningful then)")
     rows = [(layout, estimate_time(shape, layout, dev, MEASURED, fw), measured, busy) for layout, measured, busy in runs]
     print(f"\n{title}; median of {a.steps} steps after {a.warmup}\n")
-    print("| layout | ranks | predicted s | compute (of which vocabulary / grad accumulation) / TP / PP / bubble / "
-          "DP / optimizer s | measured s | measured / predicted | CPU s per thread (busiest rank) |")
+    print("| layout | ranks | predicted s | compute (of which vocabulary / grad accumulation) / TP / CP / EP / PP / "
+          "bubble / DP / optimizer s | measured s | measured / predicted | CPU s per thread (busiest rank) |")
     print("|---|---|---|---|---|---|---|")
     worst, within = 0.0, 0
     for layout, pred, measured, busy in rows:
-        parts = (pred.tp_comm, pred.pp_comm, pred.bubble, pred.dp_comm, pred.optimizer)
+        parts = (pred.tp_comm, pred.cp_comm, pred.ep_comm, pred.pp_comm, pred.bubble, pred.dp_comm, pred.optimizer)
         ratio = measured / pred.total
         worst = max(worst, abs(ratio - 1))
         within += abs(ratio - 1) <= 0.25
@@ -153,6 +192,8 @@ def main() -> None:
               f"{pred.accumulate:.3f}) / {' / '.join(f'{x:.3f}' for x in parts)} "
               f"| {measured:.3f} | {ratio:.2f} | {'-' if busy != busy else f'{busy:.3f}'} |")
     print(f"\nlargest error: {worst:.0%}; {within} of {len(rows)} layouts within 25% (target 25%)")
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

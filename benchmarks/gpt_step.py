@@ -107,9 +107,10 @@ def gpt_rank(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def gpt_layout_rank(run: dict[str, Any]) -> dict[str, Any]:
-    """Our decoder at one layout on this rank (``benchmarks/estimate_time.py --model llama-*``): ``run`` = size,
-    precision, warmup, steps, batch (rows per DP replica and step), micro_batch, strategy (MegatronStrategy's
-    layout arguments)."""
+    """Our decoder at one layout on this rank (``benchmarks/estimate_time.py --model llama-*|mixtral-*``): ``run`` =
+    size, precision, warmup, steps, batch (rows per DP replica and step), micro_batch, strategy (MegatronStrategy's
+    layout arguments); ``moe``: the size is ``moe_step``'s mixture of experts; ``folder`` and ``lora``: LoRA
+    adapters of rank ``lora`` on every projection of the Llama saved in ``folder`` (its base frozen)."""
     import warnings
 
     import torch.distributed as dist
@@ -117,10 +118,26 @@ def gpt_layout_rank(run: dict[str, Any]) -> dict[str, Any]:
     world = dist.get_world_size()
     threads = set_threads(world)
     warnings.filterwarnings("ignore")
-    size = LlamaSize(**run["size"])
     bf16, warmup, steps = run["precision"] == "bf16", run["warmup"], run["steps"]
+    if run.get("moe"):
+        from moe_step import MixtralSize
+        from moe_step import _ours as moe_module
+
+        size: Any = MixtralSize(**run["size"])
+        module = moe_module(size, bf16)
+    elif run.get("folder"):
+        from lightning_megatron.models.gpt.module import GPTLightningModule
+
+        size = LlamaSize(**run["size"])
+        r = run["lora"]
+        module = GPTLightningModule.from_pretrained(
+            run["folder"], lora={"rank": r, "alpha": 2.0 * r, "dropout": 0.0}, lr=LR, weight_decay=WEIGHT_DECAY,
+            config={"hidden_dropout": 0.0, "attention_dropout": 0.0, "params_dtype": "bfloat16" if bf16 else "float32"})
+    else:
+        size = LlamaSize(**run["size"])
+        module = _ours(size, bf16)
     data = TokenBatches((warmup + steps) * run["batch"], size.seq_length, size.vocab_size)
-    times = timed_fit("ours", _ours(size, bf16), bf16, data, run["batch"], warmup, steps, devices=world,
+    times = timed_fit("ours", module, bf16, data, run["batch"], warmup, steps, devices=world,
                       micro_batch=run["micro_batch"], **run["strategy"])
     return {"step_times": times, "threads": threads}
 

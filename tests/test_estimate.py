@@ -14,7 +14,7 @@ from lightning_megatron.cost import DEFAULT_DROPOUT, TransformerCost, estimate_s
 from lightning_megatron.models.bert.cost import BertCost
 from lightning_megatron.models.gpt.cost import GPTCost
 from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, collective_time,
-                                             estimate_time, stage_flops)
+                                             elementwise_bytes, estimate_time, stage_flops)
 from lightning_megatron.flops import transformer_flops
 
 BERT_LARGE = BertCost(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=16,
@@ -451,3 +451,90 @@ def test_step_flops_of_a_gated_grouped_query_decoder_and_of_its_lora_run():
     adapters = (8 * h + (8 + 2 * 2) * 64 * 8) + (8 * f + h * 8)  # qkv: A [r, h], B [(n + 2g) d, r]; fc2: A [r, f], B [h, r]
     assert stage_flops(lora, ParallelDims(dp=1), 0, head=False) == pytest.approx(
         layers - 2 * T * L * weights + 6 * T * L * adapters, rel=1e-12)
+
+
+def test_lora_step_moves_only_what_trains_and_pays_for_the_adapters_passes():
+    """Under LoRA the base is frozen, the word embedding and output layer included: the output layer runs its
+    forward and input-gradient GEMMs only (4 of 6 FLOPs), no dense embedding gradient or output-layer gradient
+    is written, and only the adapters are accumulated into main grads, reduced over DP and stepped by the
+    optimizer. The adapters' thin GEMMs and their scale-and-add move their inputs and outputs through memory
+    (6 input + 10 output elements per token, forward and backward), and a column-parallel adapter's input
+    gradient is all-reduced over TP beside its base's. Hand-written from the shapes; latencies 0."""
+    from lightning_megatron.check.timing import adapter_bytes, grad_accumulation_bytes, vocab_bytes
+
+    dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
+                 devices_per_node=8, latency_intra=0.0, latency_inter=0.0)
+    fw = Framework(overlap_grad_reduce=False)
+    shape = dict(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1024,
+                 gated_linear_unit=True, vocab_size=1024, seq_length=256, micro_batch_size=2, global_batch_size=4,
+                 learned_positions=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                 attention_dropout=0.0)
+    full = GPTCost(**shape)
+    lora = GPTCost(**shape, lora_rank=8, lora_targets=("linear_qkv", "linear_fc2"))
+    T, h, f, V, w = 512, 512, 1024, 1024, 1024 * 512 * 4  # tokens of a microbatch; the [V, h] fp32 weights
+    one = ParallelDims(dp=1)
+    head = stage_flops(lora, one, 0) - stage_flops(lora, one, 0, head=False)
+    assert head == pytest.approx(4 * T * h * V, rel=1e-12)
+    logits = 6 * T * V * 4
+    # Untied, one stage: the embedding's dense gradient (W), the output layer read twice and its gradient written
+    # (3W); nothing is summed. Frozen: the output layer read twice, nothing written.
+    assert vocab_bytes(full, one, 0) == pytest.approx(4 * w + logits, rel=1e-12)
+    assert vocab_bytes(lora, one, 0) == pytest.approx(2 * w + logits, rel=1e-12)
+    assert vocab_bytes(lora, ParallelDims(pp=2, dp=1), 0) == 0  # the frozen embedding: no gradient at all
+    # qkv (column): in h, out (8 + 2 x 2) x 64 = 768 (over TP); fc2 (row): in f (over TP), out h.
+    assert adapter_bytes(full, one) == 0
+    assert adapter_bytes(lora, one) == 4 * (6 * 512 + 10 * 768 + 6 * 1024 + 10 * 512)
+    assert adapter_bytes(lora, ParallelDims(tp=2, dp=1)) == 4 * (6 * 512 + 10 * 384 + 6 * 512 + 10 * 512)
+
+    adapters = (8 * h + 768 * 8) + (8 * f + h * 8)  # qkv A [r, h], B [768, r]; fc2 A [r, f], B [h, r]
+    trained = 2 * adapters  # two layers
+    base = estimate_time(full, ParallelDims(dp=2), dev, MEASURED, fw)  # one microbatch per rank
+    est = estimate_time(lora, ParallelDims(dp=2), dev, MEASURED, fw)
+    assert est.dp_comm == pytest.approx(2 * 1 / 2 * 4 * trained / 1e11, rel=1e-12)
+    assert est.optimizer == pytest.approx(trained * fw.optimizer_bytes / 1e12, rel=1e-12)
+    assert est.accumulate == pytest.approx(grad_accumulation_bytes(trained, 4, 1, fw) / 1e12, rel=1e-12)
+    assert est.optimizer < base.optimizer / 100 and est.dp_comm < base.dp_comm / 100
+    # The compute: the frozen weights' weight-gradient GEMMs and the output layer's gone, the adapters' 6 FLOPs
+    # per weight and token added; their bytes at the elementwise rate (hbm here); the vocabulary passes above.
+    weights = 2 * h * 512 + 2 * h * 128 + 3 * h * f
+    flops = 2 * (6 * T * weights + 12 * T * 256 * 512) - 2 * 2 * T * weights + 2 * 6 * T * adapters + 4 * T * h * V
+    elementwise = 2 * T * (3 * elementwise_bytes(lora, one, fw) + adapter_bytes(lora, one))
+    assert est.compute == pytest.approx(flops / 1e13 + elementwise / 1e12 + (2 * w + logits) / 1e12
+                                        + est.accumulate, rel=1e-12)
+    # TP=2: one more all-reduce of the [s, b, h] activations per layer and microbatch (qkv's adapter; fc2's is
+    # row-parallel: its input gradient stays on the rank).
+    act = 256 * 2 * 512 * 4
+    tp_full = estimate_time(full, ParallelDims(tp=2, dp=1), dev, MEASURED, fw)
+    tp_lora = estimate_time(lora, ParallelDims(tp=2, dp=1), dev, MEASURED, fw)
+    assert tp_lora.tp_comm - tp_full.tp_comm == pytest.approx(2 * 2 * collective_time("all_reduce", act, 2, 1e11, 0.0),
+                                                              rel=1e-12)
+
+
+def test_measured_elementwise_rate_of_a_decoder_layer_counts_its_own_gemms():
+    """The time a layer spends beyond its GEMMs is what the elementwise rate divides into: a grouped-query, gated
+    layer's GEMMs are counted with its own shape (3 h x f matrices, narrow key/value projections), and a LoRA
+    layer's without the frozen weights' weight gradients, with its adapters' FLOPs and bytes."""
+    from lightning_megatron.check.devices import _elementwise_rate
+    from lightning_megatron.check.timing import adapter_bytes
+
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                 gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, learned_positions=False,
+                 vocab_size=1000, seq_length=16, micro_batch_size=2, global_batch_size=4, on_cpu=True)
+    m = GPTCost(**shape)
+    T, h, f, s = 32, 64, 96, 16
+    weights = 2 * h * 64 + 2 * h * 32 + 3 * h * f  # q and proj; k and v of 2 groups of 16; gate, up, down
+    flops = 6 * T * weights + 12 * T * s * 64
+    fw = Framework(fused_attention=not m.unfused_attention)
+    counted = 3 * T * elementwise_bytes(m, ParallelDims(dp=1), fw)
+    assert _elementwise_rate(m, flops / 1e10 + 0.5, 1e10) == pytest.approx(counted / 0.5, rel=1e-9)
+    lora = GPTCost(**shape, lora_rank=4, lora_targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    adapters = (4 * h + 128 * 4) + (4 * 64 + h * 4) + (4 * h + 2 * f * 4) + (4 * f + h * 4)
+    flops = 6 * T * weights - 2 * T * weights + 6 * T * adapters + 12 * T * s * 64
+    counted = 3 * T * elementwise_bytes(lora, ParallelDims(dp=1), fw) + T * adapter_bytes(lora, ParallelDims(dp=1))
+    assert _elementwise_rate(lora, flops / 1e10 + 0.5, 1e10) == pytest.approx(counted / 0.5, rel=1e-9)
+    # The layer timed is the LoRA layer: its base frozen, its adapters training.
+    layer, step = lora.build_layer_step()
+    trains = sorted(n for n, p in layer.named_parameters() if p.requires_grad)
+    assert trains and all(".adapter." in f".{n}" for n in trains), trains
+    assert len(trains) == 8  # A and B of the four projections
+    step()

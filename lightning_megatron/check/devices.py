@@ -216,15 +216,17 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
 
 def _elementwise_rate(m: StepCost, layer_s: float, gemm_rate: float) -> float:
     """Bytes/s of the memory-bound kernels of a layer that took ``layer_s`` (forward + backward) whose
-    GEMMs run at ``gemm_rate``: their counted bytes (forward + twice that backward) over the rest."""
+    GEMMs (:func:`~lightning_megatron.check.timing.layer_flops`: the layer's own shape, LoRA's frozen weights
+    and adapters) run at ``gemm_rate``: their counted bytes (forward + twice that backward, and the LoRA
+    adapters' :func:`~lightning_megatron.check.timing.adapter_bytes`) over the rest."""
     from lightning_megatron.parallel_dims import ParallelDims
-    from lightning_megatron.check.timing import Framework, elementwise_bytes
-    from lightning_megatron.flops import transformer_flops
+    from lightning_megatron.check.timing import Framework, adapter_bytes, elementwise_bytes, layer_flops
 
     tokens = m.seq_length * m.micro_batch_size
-    flops = transformer_flops(num_layers=1, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
-                              seq_length=m.seq_length, tokens=tokens, head_tokens=0, vocab_size=0)
-    counted = 3 * tokens * elementwise_bytes(m, ParallelDims(dp=1), Framework(fused_attention=not m.unfused_attention))
+    one = ParallelDims(dp=1)
+    flops = layer_flops(m, 1, tokens, recompute=False)  # the timed layer does not recompute
+    counted = tokens * (3 * elementwise_bytes(m, one, Framework(fused_attention=not m.unfused_attention))
+                        + adapter_bytes(m, one))
     rest = max(layer_s - flops / gemm_rate, 0.05 * layer_s)  # the GEMMs at their best-case rate: a floor
     return counted / rest
 

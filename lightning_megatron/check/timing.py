@@ -45,8 +45,8 @@ from lightning_megatron.cost.transformer import TransformerCost
 from lightning_megatron.flops import transformer_flops
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
-__all__ = ["Device", "Efficiency", "Framework", "StepTime", "collective_time", "elementwise_bytes",
-           "estimate_time", "grad_accumulation_bytes", "model_flops", "stage_flops", "vocab_bytes"]
+__all__ = ["Device", "Efficiency", "Framework", "StepTime", "adapter_bytes", "collective_time", "elementwise_bytes",
+           "estimate_time", "grad_accumulation_bytes", "layer_flops", "model_flops", "stage_flops", "vocab_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,24 +217,41 @@ def model_flops(m: StepCost, *, recompute: bool = False) -> float:
                              **_layer_shape(m))
 
 
+def _lora(m: StepCost) -> bool:
+    """Whether ``m`` trains LoRA adapters on a frozen base (its embeddings and output layer frozen too)."""
+    return isinstance(m, TransformerCost) and bool(m.lora_rank)
+
+
+def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompute: bool | None = None) -> float:
+    """FLOPs of ``layers`` layers over ``tokens`` tokens (forward, backward, recomputation), all TP ranks
+    together; under LoRA without the frozen weights' weight-gradient GEMMs (2 of each weight's 6 FLOPs per
+    token: the weight matmuls alone are the count at seq_length 0) and with all 6 for each adapter weight
+    (``tp`` ranks' adapters: a row-parallel adapter's B is on every rank); ``recompute``: the model's when None."""
+    shape = dict(num_layers=layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn, tokens=tokens,
+                 head_tokens=0, vocab_size=0, **_layer_shape(m))
+    flops = transformer_flops(seq_length=m.seq_length, recompute=m.recompute if recompute is None else recompute,
+                              **shape)
+    if _lora(m):
+        assert isinstance(m, TransformerCost)
+        flops -= transformer_flops(seq_length=0, **shape) / 3
+        flops += 6 * tokens * layers * m.lora_layer_parameters(tp) * tp
+    return flops
+
+
 def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = True) -> float:
     """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage`` (without
-    the LM head's: ``head=False``); a context-parallel rank does ``1/cp`` of them."""
+    the LM head's: ``head=False``); a context-parallel rank does ``1/cp`` of them. Under LoRA the output
+    layer is frozen: its forward and input-gradient GEMMs, no weight gradient."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
-    shape = dict(num_layers=m.num_layers // p, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn, tokens=tokens,
-                 head_tokens=0, vocab_size=0, **_layer_shape(m))
-    layers = transformer_flops(seq_length=m.seq_length, recompute=m.recompute, **shape)
-    if isinstance(m, TransformerCost) and m.lora_rank:
-        # LoRA: the frozen weights get no weight-gradient GEMM (2 of each weight's 6 FLOPs per token; the
-        # weight matmuls alone are the count at seq_length 0); each adapter weight on this rank does all 6.
-        layers -= transformer_flops(seq_length=0, **shape) / 3
-        layers += 6 * tokens * (m.num_layers // p) * m.lora_layer_parameters(t) * t  # divided by t below
+    layers = layer_flops(m, m.num_layers // p, tokens, t)
     head_flops = 0.0
     if head and stage == p - 1:
         head_flops = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                                  seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
                                  vocab_size=m.padded_vocab(t), head_dense=m.head_dense)
+        if _lora(m):
+            head_flops *= 2 / 3
     return (layers + head_flops) / (t * layout.cp)
 
 
@@ -254,6 +271,30 @@ def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float
     return n
 
 
+def adapter_bytes(m: StepCost, layout: ParallelDims) -> float:
+    """Bytes of one layer's LoRA adapters per token, forward and backward, on one rank (0 without LoRA). An
+    adapter beside a projection of ``i`` inputs and ``o`` outputs on this rank (column-parallel: the whole input,
+    ``o/t`` outputs; row-parallel: ``i/t`` inputs, the whole output) moves its input through the thin A GEMM
+    (read ``i``), writes, scales and adds its output into the base's (``6 o`` with the B GEMM's write) forward;
+    backward it scales the output gradient (2 o), reads it in both B GEMMs (2 o), reads the input for A's
+    gradient, writes the input gradient and adds it into the base's (5 i): ``6 i + 10 o`` elements (the
+    ``[tokens, r]`` intermediates are negligible). Bound by memory, not by their ``6 r (i + o)`` FLOPs."""
+    if not _lora(m):
+        return 0.0
+    assert isinstance(m, TransformerCost)
+    t, h, f = layout.tp, m.hidden_size, m.ffn
+    mlp = 2 * f if m.gated_linear_unit else f
+    qkv = (m.num_attention_heads + 2 * m.groups) * m.head_dim
+    sides = {"linear_qkv": (h, qkv // t), "linear_proj": (m.num_attention_heads * m.head_dim // t, h),
+             "linear_fc1": (h, mlp // t), "linear_fc2": (f // t, h)}
+    return float(sum(6 * sides[n][0] + 10 * sides[n][1] for n in m.lora_targets) * m.param_bytes)
+
+
+def _column_adapters(m: StepCost) -> int:
+    """LoRA adapters of a layer on column-parallel projections: each all-reduces its input gradient over TP."""
+    return sum(n in ("linear_qkv", "linear_fc1") for n in m.lora_targets) if _lora(m) else 0  # type: ignore[attr-defined]
+
+
 def vocab_bytes(m: StepCost, layout: ParallelDims, stage: int) -> float:
     """Bytes of one microbatch's passes over vocabulary-sized tensors on one rank of ``stage``, forward
     and backward, which :func:`stage_flops` counts only as GEMM FLOPs. With ``W = V/t h e`` (the rank's
@@ -262,18 +303,21 @@ def vocab_bytes(m: StepCost, layout: ParallelDims, stage: int) -> float:
     the tied weight in its forward and its input-gradient GEMM and writes its weight gradient (3W),
     and its fp32 logits [n, V/t] pass 6 times (written; read by the cross entropy's max and exp, its
     softmax written; backward: read, the logits' gradient written); a rank holding both uses of the
-    tied weight (no pipelining) sums their two gradients (read 2W, write W).
+    tied weight (no pipelining) sums their two gradients (read 2W, write W). Under LoRA both are frozen: no
+    gradient is written, the head reads its weight twice (2W).
 
     Negligible on a GPU (a few GB at HBM speed against a large GEMM); on a CPU the head's GEMMs have
     few rows (BERT: the masked tokens), which makes them bound by these bytes, not by their FLOPs."""
     t, p = layout.tp, layout.pp
     w = m.padded_vocab(t) // t * m.hidden_size * m.param_bytes
+    frozen = _lora(m)
     n = 0.0
-    if stage == 0:
+    if stage == 0 and not frozen:
         n += w
     if stage == p - 1:  # a context-parallel rank's logits: its s/cp tokens
-        n += 3 * w + 6 * m.head_fraction * m.seq_length / layout.cp * m.micro_batch_size * (m.padded_vocab(t) // t) * 4
-    if p == 1:
+        n += (2 if frozen else 3) * w
+        n += 6 * m.head_fraction * m.seq_length / layout.cp * m.micro_batch_size * (m.padded_vocab(t) // t) * 4
+    if p == 1 and not frozen and not getattr(m, "untie_embeddings_and_output_weights", False):
         n += 3 * w
     return n
 
@@ -296,6 +340,13 @@ def _bandwidth(dev: Device, eff: Efficiency, crosses_nodes: bool) -> tuple[float
     return dev.link_intra * eff.link, dev.latency_intra
 
 
+def _trained_parameters(m: StepCost, layout: ParallelDims, stage: int, schedule: str | PipelineSchedule) -> int:
+    """Parameter elements with gradients on a rank of ``stage``: its LoRA adapters, else all of them."""
+    trainable = getattr(m, "stage_trainable_parameters", None)
+    trained = trainable(layout.tp, layout.pp, stage) if trainable is not None else None
+    return estimate_stage(m, layout, stage, schedule=schedule).params if trained is None else trained
+
+
 def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficiency = Efficiency(),
                   fw: Framework = Framework(), *, schedule: str | PipelineSchedule = AUTO) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices under
@@ -311,13 +362,16 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     layers = m.num_layers // p
     passes = 3 + (1 if m.recompute else 0)  # forward, backward (~2x), recomputed forward
     elementwise = elementwise_bytes(m, layout, fw) * s / c * b * layers * passes / kernel_rate
+    elementwise += adapter_bytes(m, layout) * s / c * b * layers * passes / 3 / kernel_rate  # LoRA's adapters
     dpn = dev.devices_per_node
     # TP: per layer two all-reduces forward and two backward (+2 recomputed) of [s, b, h]; with SP an
     # all-gather and a reduce-scatter instead of each, the same bytes; without pipelining the
     # embedding's all-reduce too (with it, the slowest stage is taken without it).
     tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
     act = e * s / c * b * h
-    per_layer = (4 + (2 if m.recompute else 0)) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
+    # Under LoRA each column-parallel adapter all-reduces its input gradient too (backward).
+    per_layer = (4 + (2 if m.recompute else 0) + _column_adapters(m)) * collective_time("all_reduce", act, t, tp_bw,
+                                                                                         tp_lat)
     tp_mb = per_layer * layers + (collective_time("all_reduce", act, t, tp_bw, tp_lat) if p == 1 else 0.0)
     # CP: per layer the keys and values of the whole sequence all-gathered (forward, recomputed forward)
     # and their gradients reduce-scattered (backward), over the c ranks of one TP rank's CP group.
@@ -354,7 +408,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     stages = []
     for stage in range(p):
         vocab_s = vocab_bytes(m, layout, stage) / vocab_rate
-        params_s = estimate_stage(m, layout, stage, schedule=schedule).params
+        params_s = _trained_parameters(m, layout, stage, schedule)
         accumulate_s = grad_accumulation_bytes(params_s, e, microbatches, fw) / mem_rate
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
         stages.append((total, vocab_s, accumulate_s))
@@ -364,8 +418,8 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     bubble = idle / (1 - idle) * microbatches * t_mb
     # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
     # The dense ones over the d c data- and context-parallel ranks, the experts' over the edp ranks.
-    params = max(estimate_stage(m, layout, stage, schedule=schedule).params for stage in range(p))
-    expert_params = m.stage_expert_parameters(t, ep, p) if experts else 0
+    params = max(_trained_parameters(m, layout, stage, schedule) for stage in range(p))
+    expert_params = m.stage_expert_parameters(t, ep, p) if experts and not _lora(m) else 0  # LoRA: frozen experts
     replicas = ((params - expert_params, d * c, t * d * c > dpn), (expert_params, layout.expert_dp, t * c * d > dpn))
     reduce = gather = 0.0
     for n, k, crosses in replicas:

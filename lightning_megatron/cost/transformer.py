@@ -312,7 +312,7 @@ class TransformerCost:
         from lightning_megatron.transformer.spec import build_module
 
         config = self.layer_config()
-        layer = build_module(self.layer_spec(), config=config, layer_number=1)
+        layer = self.with_adapters(build_module(self.layer_spec(), config=config, layer_number=1))
         x = torch.randn(self.seq_length, self.micro_batch_size, self.hidden_size, dtype=config.params_dtype,
                         requires_grad=True)
 
@@ -323,6 +323,18 @@ class TransformerCost:
             x.grad = None
 
         return layer, step
+
+    def with_adapters(self, module: Any) -> Any:
+        """``module`` as a LoRA run trains it: adapters of ``lora_rank`` on the ``lora_targets``, every other
+        parameter frozen (unchanged without LoRA). What :meth:`build_layer_step` and a family's
+        :meth:`build_model_step` time."""
+        if self.lora_rank:
+            from lightning_megatron.transformer.lora import LoRAConfig, add_lora
+
+            add_lora(module, LoRAConfig(rank=self.lora_rank, alpha=2.0 * self.lora_rank,
+                                        target_modules=list(self.lora_targets)),
+                     global_names={id(p): n for n, p in module.named_parameters()})
+        return module
 
     def build_model_step(self) -> tuple[Any, Callable[[], None]]:
         raise NotImplementedError(f"{type(self).__name__} builds no one-layer model to time")

@@ -89,6 +89,7 @@ class BertCost(TransformerCost):
         s, b, v = self.seq_length, self.micro_batch_size, self.vocab_size
         model = BertModel(self.layer_config(), self.layer_spec(), v, self.max_sequence_length,
                           make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+        model = self.with_adapters(model)
         tokens = torch.randint(0, v, (b, s))
         token_types = (torch.arange(s) >= s // 2).long().expand(b, s)
         masked = max(1, int(self.head_fraction * s))

@@ -56,6 +56,7 @@ class GPTCost(TransformerCost):
                          position_embedding_type="learned_absolute" if self.learned_positions else "rope",
                          share_embeddings_and_output_weights=not self.untie_embeddings_and_output_weights,
                          make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+        model = self.with_adapters(model)
         tokens, labels = torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))
 
         def step() -> None:
