@@ -457,8 +457,8 @@ def test_lora_step_moves_only_what_trains_and_pays_for_the_adapters_passes():
     """Under LoRA the base is frozen, the word embedding and output layer included: the output layer runs its
     forward and input-gradient GEMMs only (4 of 6 FLOPs), no dense embedding gradient or output-layer gradient
     is written, and only the adapters are accumulated into main grads, reduced over DP and stepped by the
-    optimizer. The adapters' thin GEMMs and their scale-and-add move their inputs and outputs through memory
-    (6 input + 10 output elements per token, forward and backward), and a column-parallel adapter's input
+    optimizer. The adapters' thin GEMMs move their inputs and outputs through memory (6 input + 4 output
+    elements per token, forward and backward: the output accumulated into the base's), and a column-parallel adapter's input
     gradient is all-reduced over TP beside its base's. Hand-written from the shapes; latencies 0."""
     from lightning_megatron.check.timing import adapter_bytes, grad_accumulation_bytes, vocab_bytes
 
@@ -483,8 +483,8 @@ def test_lora_step_moves_only_what_trains_and_pays_for_the_adapters_passes():
     assert vocab_bytes(lora, ParallelDims(pp=2, dp=1), 0) == 0  # the frozen embedding: no gradient at all
     # qkv (column): in h, out (8 + 2 x 2) x 64 = 768 (over TP); fc2 (row): in f (over TP), out h.
     assert adapter_bytes(full, one) == 0
-    assert adapter_bytes(lora, one) == 4 * (6 * 512 + 10 * 768 + 6 * 1024 + 10 * 512)
-    assert adapter_bytes(lora, ParallelDims(tp=2, dp=1)) == 4 * (6 * 512 + 10 * 384 + 6 * 512 + 10 * 512)
+    assert adapter_bytes(lora, one) == 4 * (6 * 512 + 4 * 768 + 6 * 1024 + 4 * 512)
+    assert adapter_bytes(lora, ParallelDims(tp=2, dp=1)) == 4 * (6 * 512 + 4 * 384 + 6 * 512 + 4 * 512)
 
     adapters = (8 * h + 768 * 8) + (8 * f + h * 8)  # qkv A [r, h], B [768, r]; fc2 A [r, f], B [h, r]
     trained = 2 * adapters  # two layers
@@ -501,6 +501,8 @@ def test_lora_step_moves_only_what_trains_and_pays_for_the_adapters_passes():
     elementwise = 2 * T * (3 * elementwise_bytes(lora, one, fw) + adapter_bytes(lora, one))
     assert est.compute == pytest.approx(flops / 1e13 + elementwise / 1e12 + (2 * w + logits) / 1e12
                                         + est.accumulate, rel=1e-12)
+    # MFU counts what the step runs: the global batch is 2 such microbatches (4 samples of 256 tokens).
+    assert est.model_flops == pytest.approx(2 * flops, rel=1e-12)
     # TP=2: one more all-reduce of the [s, b, h] activations per layer and microbatch (qkv's adapter; fc2's is
     # row-parallel: its input gradient stays on the rank).
     act = 256 * 2 * 512 * 4

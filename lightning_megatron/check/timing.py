@@ -209,12 +209,16 @@ def _layer_shape(m: StepCost) -> dict[str, Any]:
 
 def model_flops(m: StepCost, *, recompute: bool = False) -> float:
     """FLOPs of one step of ``m`` (all replicas): :func:`lightning_megatron.flops.transformer_flops`
-    with the output layer on the model's ``head_fraction`` of the tokens (a masked LM's: the masked ones)."""
+    with the output layer on the model's ``head_fraction`` of the tokens (a masked LM's: the masked ones);
+    under LoRA what its step runs (:func:`layer_flops`: no weight gradients of the frozen weights, the
+    output layer's included; the adapters'), so that its MFU is not inflated by work it skips."""
     tokens = m.global_batch_size * m.seq_length
-    return transformer_flops(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
-                             seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
-                             vocab_size=m.padded_vocab(1), head_dense=m.head_dense, recompute=recompute,
-                             **_layer_shape(m))
+    head = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn, seq_length=m.seq_length,
+                             tokens=tokens, head_tokens=m.head_fraction * tokens, vocab_size=m.padded_vocab(1),
+                             head_dense=m.head_dense)
+    if _lora(m):
+        head *= 2 / 3
+    return layer_flops(m, m.num_layers, tokens, recompute=recompute) + head
 
 
 def _lora(m: StepCost) -> bool:
@@ -274,11 +278,11 @@ def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float
 def adapter_bytes(m: StepCost, layout: ParallelDims) -> float:
     """Bytes of one layer's LoRA adapters per token, forward and backward, on one rank (0 without LoRA). An
     adapter beside a projection of ``i`` inputs and ``o`` outputs on this rank (column-parallel: the whole input,
-    ``o/t`` outputs; row-parallel: ``i/t`` inputs, the whole output) moves its input through the thin A GEMM
-    (read ``i``), writes, scales and adds its output into the base's (``6 o`` with the B GEMM's write) forward;
-    backward it scales the output gradient (2 o), reads it in both B GEMMs (2 o), reads the input for A's
-    gradient, writes the input gradient and adds it into the base's (5 i): ``6 i + 10 o`` elements (the
-    ``[tokens, r]`` intermediates are negligible). Bound by memory, not by their ``6 r (i + o)`` FLOPs."""
+    ``o/t`` outputs; row-parallel: ``i/t`` inputs, the whole output) reads its input in the thin A GEMM (``i``)
+    and accumulates its output into the base's in the B GEMM (``addmm``: read and write ``o``) forward;
+    backward it reads the output gradient in both B GEMMs (``2 o``), reads the input for A's gradient, writes
+    the input gradient and adds it into the base's (``5 i``): ``6 i + 4 o`` elements (the ``[tokens, r]``
+    intermediates are negligible). Bound by memory, not by their ``6 r (i + o)`` FLOPs."""
     if not _lora(m):
         return 0.0
     assert isinstance(m, TransformerCost)
@@ -287,7 +291,7 @@ def adapter_bytes(m: StepCost, layout: ParallelDims) -> float:
     qkv = (m.num_attention_heads + 2 * m.groups) * m.head_dim
     sides = {"linear_qkv": (h, qkv // t), "linear_proj": (m.num_attention_heads * m.head_dim // t, h),
              "linear_fc1": (h, mlp // t), "linear_fc2": (f // t, h)}
-    return float(sum(6 * sides[n][0] + 10 * sides[n][1] for n in m.lora_targets) * m.param_bytes)
+    return float(sum(6 * sides[n][0] + 4 * sides[n][1] for n in m.lora_targets) * m.param_bytes)
 
 
 def _column_adapters(m: StepCost) -> int:
