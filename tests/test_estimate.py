@@ -540,3 +540,31 @@ def test_measured_elementwise_rate_of_a_decoder_layer_counts_its_own_gemms():
     assert trains and all(".adapter." in f".{n}" for n in trains), trains
     assert len(trains) == 8  # A and B of the four projections
     step()
+
+
+def test_a_mixture_of_experts_layer_moves_its_routed_rows_and_is_timed_itself():
+    """Per token, an MoE layer's all-to-all dispatcher gathers its k routed rows in expert order (read and write
+    k h), puts the experts' outputs back into [n, k, h] slots (zeros, then an index copy: 4 k h), weighs them
+    (2 k h) and sums them (k h read, h written): (9 k + 1) h elements forward beyond a dense MLP of the active
+    width, and 4 k h more at EP > 1 (the received rows regrouped by local expert and back). The layer that
+    ``--device this`` times for the elementwise rate is the MoE layer itself: router, dispatcher, grouped experts."""
+    from lightning_megatron.transformer.moe import MoELayer
+
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, gated_linear_unit=True,
+                 add_bias_linear=False, rmsnorm=True, learned_positions=False, vocab_size=1000, seq_length=16,
+                 micro_batch_size=2, global_batch_size=4, on_cpu=True, hidden_dropout=0.0, attention_dropout=0.0)
+    moe = GPTCost(**shape, ffn_hidden_size=96, num_moe_experts=4, moe_router_topk=2)
+    dense = GPTCost(**shape, ffn_hidden_size=2 * 96)  # the active width: k experts of 96
+    fw = Framework()
+    one = ParallelDims(dp=1)
+    assert moe.ffn == dense.ffn == 192
+    assert elementwise_bytes(moe, one, fw) - elementwise_bytes(dense, one, fw) == (9 * 2 + 1) * 64 * 4
+    ep = ParallelDims(dp=2, ep=2)
+    assert elementwise_bytes(moe, ep, fw) - elementwise_bytes(dense, ep, fw) == (9 * 2 + 1 + 4 * 2) * 64 * 4
+    layer, step = moe.build_layer_step()
+    assert isinstance(layer.mlp, MoELayer) and layer.mlp.num_experts == 4
+    assert layer.mlp.experts is not None and layer.mlp.config.moe_ffn_hidden_size == 96
+    step()
+    model, step = moe.build_model_step()
+    assert any(isinstance(x, MoELayer) for x in model.modules())
+    step()

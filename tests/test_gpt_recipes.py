@@ -130,22 +130,22 @@ def test_declared_parameters_per_stage_equal_the_built_chunks(recipe, tp, pp):
 
 def test_mixtral_recipe_is_accepted_by_estimate_memory_and_time(capsys):
     """``check --estimate-memory --estimate-time --gpus 64`` takes the Mixtral-8x7B-shaped recipe: its layout
-    (TP=2 x EP=8 x PP=4 with SP and ZeRO-1) read with its expert-parallel size, 46.7B parameters (Mixtral's),
-    the experts split over EP in the per-GPU memory, and the layout among those that fit in 80 GB."""
+    (EP=8 x PP=4 x VP=4 x DP=16 with ZeRO-1) read with its expert-parallel size, 46.7B parameters (Mixtral's),
+    the experts split over EP in the per-GPU memory, and the layout first of those that fit in 80 GB."""
     from lightning_megatron.check.cli import main
     from lightning_megatron.parallel_dims import ParallelDims
 
     recipe = load_recipe(ROOT / "recipes" / "mixtral_8x7b.yaml")
-    assert recipe.layout == ParallelDims(tp=2, pp=4, ep=8, dp=8, sequence_parallel=True, zero1=True)
+    assert recipe.layout == ParallelDims(pp=4, vp=4, ep=8, dp=16, zero1=True)
     argv = ["--config", str(ROOT / "recipes" / "mixtral_8x7b.yaml"), "--estimate-memory", "--estimate-time",
             "--gpus", "64", "--gpu-memory", "80GB", "--device", "h100"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "8 SwiGLU experts of 14336 (top-2, active 28672)" in out and ": 46702.8 M parameters;" in out, out
     [row] = [line for line in out.splitlines() if line.endswith("<- the recipe's")]
-    assert row.startswith("tp2ep8pp4spzero1 ") and " yes " in row, row
+    assert row.startswith("ep8pp4vp4dp16zero1 ") and " yes " in row and out.splitlines()[3] == row, row
     # each GPU holds 1/8 of the experts: without EP the same layout needs 8x their bytes
-    without = [line for line in out.splitlines() if line.startswith("tp2pp4dp8spzero1 ")]
+    without = [line for line in out.splitlines() if line.startswith("pp4vp4dp16zero1 ")]
     assert without and float(without[0].split()[5]) > 1.5 * float(row.split()[5]), (without, row)
 
 

@@ -263,8 +263,12 @@ def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float
     """HBM bytes of the memory-bound kernels of one layer, one token, forward, on one rank:
     both norms (read + write h), bias-GeLU (f), two bias-dropout-adds (read x and the residual, write
     the sum and the mask), and without fused attention the softmax (read + write ``a s``) and its
-    dropout (read, write, mask); a mask element is ``StepCost.mask_bytes``. The backward moves
-    about twice as much."""
+    dropout (read, write, mask); a mask element is ``StepCost.mask_bytes``. A mixture of experts' layer
+    (``f`` its active width) also moves its ``k`` routed rows per token: the all-to-all dispatcher gathers
+    them in expert order (read and write ``k h``), puts the experts' outputs back into ``[n, k, h]`` slots
+    (zeros, then an index copy: ``4 k h``), weighs (``2 k h``) and sums them (read ``k h``, write ``h``):
+    ``(9 k + 1) h``, and ``4 k h`` more at EP > 1 (the received rows regrouped by local expert and back);
+    every TP rank dispatches its TP group's tokens. The backward moves about twice as much."""
     e, h, f, a, s = m.param_bytes, m.hidden_size, m.ffn, m.num_attention_heads, m.seq_length
     t = layout.tp
     ts = t if layout.sequence_parallel else 1
@@ -272,6 +276,9 @@ def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float
     n = (4 * h * e + 2 * (3 * e + drop) * h) / ts + 2 * f * e / t
     if not fw.fused_attention:
         n += (2 * e + (2 * e + m.mask_bytes if m.attention_dropout > 0 else 0)) * a * s / t
+    if getattr(m, "num_moe_experts", None):
+        k = m.moe_router_topk  # type: ignore[attr-defined]
+        n += (9 * k + 1 + (4 * k if layout.ep > 1 else 0)) * h * e
     return n
 
 

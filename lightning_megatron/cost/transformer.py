@@ -291,13 +291,20 @@ class TransformerCost:
         raise NotImplementedError(f"{type(self).__name__} declares no layer_spec(): the layer to time is the family's")
 
     def layer_config(self, num_layers: int = 1) -> TransformerConfig:
-        """A ``TransformerConfig`` of these sizes (one TP rank, ``num_layers`` layers)."""
+        """A ``TransformerConfig`` of these sizes (one TP rank, ``num_layers`` layers; a mixture of experts'
+        on one EP rank: every expert)."""
         import torch
 
         from lightning_megatron.transformer.config import TransformerConfig
 
+        moe = {}
+        if self.num_moe_experts:  # the MoE layer itself: router, dispatcher, this many experts of their width
+            moe = dict(num_moe_experts=self.num_moe_experts, moe_router_topk=self.moe_router_topk,
+                       moe_ffn_hidden_size=self.expert_ffn,
+                       moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size)
         return TransformerConfig(num_layers=num_layers, hidden_size=self.hidden_size,
-                                 num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn,
+                                 num_attention_heads=self.num_attention_heads,
+                                 ffn_hidden_size=self.expert_ffn if moe else self.ffn, **moe,
                                  num_query_groups=self.num_query_groups, kv_channels=self.kv_channels,
                                  gated_linear_unit=self.gated_linear_unit, add_bias_linear=self.add_bias_linear,
                                  hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,

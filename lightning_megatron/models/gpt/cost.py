@@ -40,10 +40,11 @@ class GPTCost(TransformerCost):
         return "decoder: " + super().describe()
 
     def layer_spec(self) -> ModuleSpec:
-        from lightning_megatron.models.gpt.specs import decoder_layer_spec
+        from lightning_megatron.models.gpt.specs import decoder_layer_spec, moe_mlp_spec
         from lightning_megatron.transformer.norms import LayerNorm, RMSNorm
 
-        return decoder_layer_spec(RMSNorm if self.rmsnorm else LayerNorm)
+        return decoder_layer_spec(RMSNorm if self.rmsnorm else LayerNorm,
+                                  moe_mlp_spec() if self.num_moe_experts else None)
 
     def build_model_step(self) -> tuple[Any, Callable[[], None]]:
         """A one-layer GPTModel with its loss on every token, as ``GPTLightningModule`` runs a microbatch."""
