@@ -13,11 +13,13 @@ One microbatch on the slowest pipeline stage takes
 of the first and last stage, the gradient accumulation into the fp32 main grads, the exposed
 tensor-, context- and expert-parallel collectives and the pipeline sends; the slowest stage's), and the step
 
-    T_step = m T_mb + f/(1 - f) m T_mb  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
+    T_step = m T_mb + f/(1 - f) m T_other  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
 
 with ``f`` the pipeline schedule's bubble, the idle fraction of the pipelined time (its ``bubble``:
 :mod:`lightning_megatron.pipeline.registry`; 1F1B ``(p - 1)/(m + p - 1)``, interleaved
-``(p - 1)/(v m + p - 1)``, so the idle time is ``(p - 1)/v T_mb``). Collectives are ring
+``(p - 1)/(v m + p - 1)``, so the idle time is ``(p - 1)/v T_other``), and ``T_other`` the mean
+microbatch time of the other stages (the slowest runs back to back; the pipe fills with the others'
+forwards and drains with their backwards: the last stage, which holds the head, waits for lighter ones). Collectives are ring
 algorithms: an all-reduce of ``n`` bytes over ``k`` ranks moves ``2 (k-1)/k n`` bytes per rank, an
 all-gather, reduce-scatter or all-to-all ``(k-1)/k n``; time = bytes / (link bandwidth x link_eff) +
 latency, over NVLink inside a node and InfiniBand between nodes.
@@ -424,9 +426,15 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
         stages.append((total, vocab_s, accumulate_s))
     compute_mb, vocab_mb, accumulate = max(stages)
-    t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
+    comm_mb = tp_mb + cp_mb + ep_mb + pp_mb
+    t_mb = compute_mb + comm_mb
+    # The bubble: the schedule's idle fraction of the pipelined time, in microbatches of the other stages (the
+    # slowest runs back to back; 1F1B waits once for each other stage's forward filling the pipe and backward
+    # draining it: with a first stage lighter than the last, which holds the head, less than a slowest one's).
     idle = layout_schedule(layout, schedule).bubble(p, layout.vp, microbatches)  # of the pipelined time
-    bubble = idle / (1 - idle) * microbatches * t_mb
+    others = sorted(total for total, _, _ in stages)[:-1]
+    t_other = sum(others) / len(others) + comm_mb if others else t_mb
+    bubble = idle / (1 - idle) * microbatches * t_other
     # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
     # The dense ones over the d c data- and context-parallel ranks, the experts' over the edp ranks.
     params = max(_trained_parameters(m, layout, stage, schedule) for stage in range(p))
