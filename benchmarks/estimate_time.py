@@ -6,8 +6,9 @@
     .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --lora 8                 # LoRA adapters' rows
     .venv/bin/python benchmarks/estimate_time.py --model mixtral-tiny                        # the experts' rows
 
-Measures this machine's rates before and after the runs, and predicts with the faster of the two
-(:func:`lightning_megatron.check.devices.measure_this_machine`: a GEMM of the model's shape on one
+Measures this machine's rates before and after the runs, and predicts with the quieter of the two (the
+faster GEMM with its own elementwise and vocabulary rates; the faster copy and links of either;
+:func:`lightning_megatron.check.devices.measure_this_machine`: a GEMM of the model's shape on one
 core, a memory copy, one transformer layer's forward and backward for the memory-bound kernels, a
 one-layer model's for the vocabulary passes of its embeddings, heads and loss, 2-process all-reduces
 and gloo sends; other jobs only slow a measurement), then runs each
@@ -161,18 +162,22 @@ def main() -> None:
         print(f"{layout.name}: measured {measured:.3f} s ({time.perf_counter() - t1:.0f} s)", flush=True)
     after = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape)
     print(f"this machine again after the runs: {rates(after)}")
-    # Other jobs only slow a measurement down: each rate is the faster of the two measurements, and the
-    # times are the smaller of the two (what this machine does when it is not shared).
-    dev = dataclasses.replace(before, flops_16=max(before.flops_16, after.flops_16),
-                              flops_32=max(before.flops_32, after.flops_32), hbm=max(before.hbm, after.hbm),
-                              elementwise=max(before.elementwise, after.elementwise),
-                              vocab=max(before.vocab, after.vocab),
+    # Other jobs only slow a measurement down: each independent rate is the faster of the two measurements, the
+    # latencies the smaller (what this machine does when it is not shared). The GEMM, elementwise and vocabulary
+    # rates are one measurement's: the last two are what the model's layer and one-layer model took beyond
+    # their GEMMs at that measurement's GEMM rate, so mixing them with the other's GEMM rate would count the
+    # same time twice as fast (before 2026-12-03 it did: a 4x jump of the elementwise rate between the two
+    # measurements under-predicted every layout). The quieter measurement's (the faster GEMM) is used.
+    quiet = before if before.flops_16 >= after.flops_16 else after
+    dev = dataclasses.replace(quiet, hbm=max(before.hbm, after.hbm),
                               link_intra=max(before.link_intra, after.link_intra),
                               link_inter=max(before.link_inter, after.link_inter),
                               latency_intra=min(before.latency_intra, after.latency_intra),
                               latency_inter=min(before.latency_inter, after.latency_inter),
                               p2p=max(before.p2p, after.p2p), p2p_latency=min(before.p2p_latency, after.p2p_latency))
-    print(f"the faster of the two, used below: {rates(dev)}; change from before to after: GEMM "
+    print(f"used below (GEMM, elementwise and vocabulary rates of the {'first' if quiet is before else 'second'} "
+          f"measurement, the quieter; the faster copy and links of the two): {rates(dev)}; change from before to "
+          f"after: GEMM "
           f"{after.flops_16 / before.flops_16 - 1:+.0%}, "
           f"elementwise {after.elementwise / before.elementwise - 1:+.0%}, "
           f"vocabulary {after.vocab / before.vocab - 1:+.0%} "
