@@ -463,8 +463,9 @@ def test_lora_step_moves_only_what_trains_and_pays_for_the_adapters_passes():
     forward and input-gradient GEMMs only (4 of 6 FLOPs), no dense embedding gradient or output-layer gradient
     is written, and only the adapters are accumulated into main grads, reduced over DP and stepped by the
     optimizer. The adapters' thin GEMMs move their inputs and outputs through memory (6 input + 4 output
-    elements per token, forward and backward: the output accumulated into the base's), and a column-parallel adapter's input
-    gradient is all-reduced over TP beside its base's. Hand-written from the shapes; latencies 0."""
+    elements per token, forward and backward: the output accumulated into the base's), and add no activation-sized
+    TP collective (a column-parallel adapter's input gradient joins its base's reduction). Hand-written from the
+    shapes; latencies 0."""
     from lightning_megatron.check.timing import adapter_bytes, grad_accumulation_bytes, vocab_bytes
 
     dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
@@ -508,13 +509,11 @@ def test_lora_step_moves_only_what_trains_and_pays_for_the_adapters_passes():
                                         + est.accumulate, rel=1e-12)
     # MFU counts what the step runs: the global batch is 2 such microbatches (4 samples of 256 tokens).
     assert est.model_flops == pytest.approx(2 * flops, rel=1e-12)
-    # TP=2: one more all-reduce of the [s, b, h] activations per layer and microbatch (qkv's adapter; fc2's is
-    # row-parallel: its input gradient stays on the rank).
-    act = 256 * 2 * 512 * 4
+    # TP=2: no more TP collectives of [s, b, h] than without adapters (a column-parallel adapter reads its base's
+    # mapped input: their input gradients are summed before the one all-reduce; the adapters' own are [s, b, r]).
     tp_full = estimate_time(full, ParallelDims(tp=2, dp=1), dev, MEASURED, fw)
     tp_lora = estimate_time(lora, ParallelDims(tp=2, dp=1), dev, MEASURED, fw)
-    assert tp_lora.tp_comm - tp_full.tp_comm == pytest.approx(2 * 2 * collective_time("all_reduce", act, 2, 1e11, 0.0),
-                                                              rel=1e-12)
+    assert tp_lora.tp_comm == pytest.approx(tp_full.tp_comm, rel=1e-12) and tp_full.tp_comm > 0
 
 
 def test_measured_elementwise_rate_of_a_decoder_layer_counts_its_own_gemms():

@@ -280,17 +280,18 @@ def test_lora_cli_fit_checkpoint_holds_adapters_and_exports_give_our_logits(tmp_
 
 
 def test_sft_and_lora_layouts_equal_one_process_through_check(tmp_path):
-    """``check`` on the SFT recipe from an HF folder: LoRA at TP=2 with sequence parallelism and at PP=2, and full
-    fine-tuning at TP=2, give one process's losses, grad norms and gradients."""
+    """``check`` on the SFT recipe from an HF folder: LoRA at TP=2 without and with sequence parallelism and at
+    PP=2, and full fine-tuning at TP=2, give one process's losses, grad norms and gradients."""
     base = _llama_folder(tmp_path / "base", vocab=8192)
     shutil.copy(VOCAB_JSON, base / "tokenizer.json")
     recipe = _lora_recipe(tmp_path, base, _sft_data(base))
     # SGD: Adam's first step divides a gradient by its magnitude + eps (1e-8), and B's gradient has elements near
     # 4e-9, where the reductions' round-off (~3e-9 here) changes the update by O(lr): an ill-conditioned step, not
     # a difference in the math (with SGD every layout stays equal over the steps; with Adam step 1 is equal).
-    lora = _cli("check", "--config", str(recipe), "--layouts", "tp2sp,pp2", "--steps", "3",
+    lora = _cli("check", "--config", str(recipe), "--layouts", "tp2,tp2sp,pp2", "--steps", "3",
                 "--model.optimizer", "sgd").stdout
-    assert "tp2sp          PASS" in lora and "pp2            PASS" in lora and ".adapter.linear_" in lora
+    assert "tp2            PASS" in lora and "tp2sp          PASS" in lora and "pp2            PASS" in lora, lora
+    assert ".adapter.linear_" in lora
     full = _cli("check", "--config", str(recipe), "--layouts", "tp2", "--steps", "2", "--model.lora", "null").stdout
     assert "tp2            PASS" in full
     [worst] = [line.split()[-1] for line in full.splitlines() if line.startswith("tp2               1 ")]
@@ -330,3 +331,63 @@ def test_chats_encoded_with_another_tokenizer_than_the_base_folders_are_refused(
     problems = check_config(model, {"tokenizer": str(tmp_path), "seq_length": 64}, data_class=SFTDataModule,
                             model_class=GPTLightningModule, running=False)
     assert not any("packaged BPE" in p for p in problems), problems
+
+
+def _adapted_projection_backward(sequence_parallel: bool) -> dict:
+    """On 2 TP ranks: a column-parallel projection with a LoRA adapter, forward and backward; the TP reductions
+    of activation-sized tensors ([tokens, h]) its backward runs, and its input's gradient."""
+    from torch import nn
+
+    from lightning_megatron.parallel_dims import ParallelDims
+    from lightning_megatron.parallel_state import initialize_model_parallel
+    from lightning_megatron.tensor_parallel import ColumnParallelLinear, mappings
+    from lightning_megatron.tensor_parallel.random import model_parallel_seed
+    from lightning_megatron.transformer.lora import ADAPTER_OUT, LoRAConfig, add_lora
+
+    ps = initialize_model_parallel(ParallelDims(tp=2, sequence_parallel=sequence_parallel))
+    model_parallel_seed(0, ps.tp_rank)
+    s, b, h = 8, 2, 16
+    holder = nn.Module()
+    holder.linear_fc1 = ColumnParallelLinear(h, 32, tp_group=ps.tp_group, bias=False,
+                                             sequence_parallel=sequence_parallel)
+    add_lora(holder, LoRAConfig(rank=4, target_modules=["linear_fc1"]),
+             global_names={id(p): n for n, p in holder.named_parameters()})
+    with torch.no_grad():
+        for name, p in holder.named_parameters():
+            if name.endswith(ADAPTER_OUT):
+                p.normal_()
+    g = torch.Generator().manual_seed(ps.tp_rank if sequence_parallel else 0)  # SP: each rank its part
+    x = torch.randn(s // 2 if sequence_parallel else s, b, h, generator=g, requires_grad=True)
+    y, _ = holder.linear_fc1(x)
+    reductions = []
+    real_all_reduce, real_reduce_scatter = mappings.all_reduce, mappings.reduce_scatter_tensor
+
+    def all_reduce(t, group, *args, **kwargs):
+        reductions.append(("all_reduce", t.numel()))
+        return real_all_reduce(t, group, *args, **kwargs)
+
+    def reduce_scatter_tensor(out, t, group, *args, **kwargs):
+        reductions.append(("reduce_scatter", t.numel()))
+        return real_reduce_scatter(out, t, group, *args, **kwargs)
+
+    mappings.all_reduce, mappings.reduce_scatter_tensor = all_reduce, reduce_scatter_tensor
+    try:
+        y.pow(2).sum().backward()
+    finally:
+        mappings.all_reduce, mappings.reduce_scatter_tensor = real_all_reduce, real_reduce_scatter
+    return {"activation_sized": [kind for kind, n in reductions if n >= s * b * h], "x_grad": x.grad}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2sp"])
+def test_an_adapted_column_projection_reduces_its_input_gradient_once(sequence_parallel):
+    """A LoRA adapter on a column-parallel projection reads the input its base layer already gathered (SP) or
+    copied over TP, so the input's gradient, the base's part and the adapter's summed first, is reduced over TP
+    once: one all-reduce (one reduce-scatter under SP) per adapted projection, as without the adapter, not two.
+    The values are checked by the layouts against one process (``test_sft_and_lora_layouts_equal_one_process``)."""
+    from dist_utils import run_distributed
+
+    ranks = run_distributed(_adapted_projection_backward, 2, sequence_parallel, timeout=120)
+    for r in ranks:
+        assert r["activation_sized"] == ["reduce_scatter" if sequence_parallel else "all_reduce"], r["activation_sized"]
+    if not sequence_parallel:  # a replicated input: its gradient is the same on both ranks
+        assert torch.equal(ranks[0]["x_grad"], ranks[1]["x_grad"])

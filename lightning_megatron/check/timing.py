@@ -303,11 +303,6 @@ def adapter_bytes(m: StepCost, layout: ParallelDims) -> float:
     return float(sum(6 * sides[n][0] + 4 * sides[n][1] for n in m.lora_targets) * m.param_bytes)
 
 
-def _column_adapters(m: StepCost) -> int:
-    """LoRA adapters of a layer on column-parallel projections: each all-reduces its input gradient over TP."""
-    return sum(n in ("linear_qkv", "linear_fc1") for n in m.lora_targets) if _lora(m) else 0  # type: ignore[attr-defined]
-
-
 def vocab_bytes(m: StepCost, layout: ParallelDims, stage: int) -> float:
     """Bytes of one microbatch's passes over vocabulary-sized tensors on one rank of ``stage``, forward
     and backward, which :func:`stage_flops` counts only as GEMM FLOPs. With ``W = V/t h e`` (the rank's
@@ -382,9 +377,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     # embedding's all-reduce too (with it, the slowest stage is taken without it).
     tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
     act = e * s / c * b * h
-    # Under LoRA each column-parallel adapter all-reduces its input gradient too (backward).
-    per_layer = (4 + (2 if m.recompute else 0) + _column_adapters(m)) * collective_time("all_reduce", act, t, tp_bw,
-                                                                                         tp_lat)
+    per_layer = (4 + (2 if m.recompute else 0)) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
     tp_mb = per_layer * layers + (collective_time("all_reduce", act, t, tp_bw, tp_lat) if p == 1 else 0.0)
     # CP: per layer the keys and values of the whole sequence all-gathered (forward, recomputed forward)
     # and their gradients reduce-scattered (backward), over the c ranks of one TP rank's CP group.

@@ -134,6 +134,9 @@ class ColumnParallelLinear(nn.Module):
         else:
             total_input = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         output = self.apply_weight(total_input, weight)
+        adapter = self._modules.get("adapter")
+        if adapter is not None:  # a side branch on the same input (LoRA): its input gradient joins the base's
+            output = adapter(total_input, output)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
@@ -198,6 +201,9 @@ class RowParallelLinear(nn.Module):
         else:
             # output_parallel is a fresh matmul result used nowhere else: reduce it in place.
             output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group, inplace=True)
+        adapter = self._modules.get("adapter")
+        if adapter is not None:  # a side branch on the same input (LoRA), added before the bias
+            output = adapter(input_parallel, output)
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None

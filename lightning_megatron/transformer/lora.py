@@ -9,10 +9,12 @@ How the adapter is split over the TP group of size t matches its base layer (Meg
 
 - **column-parallel base** (``linear_qkv``, ``linear_fc1``; output [s, b, out/t]): ``A`` is split by
   its rows ([r/t, in] per rank) and its output all-gathered ([s, b, r]); ``B`` is split like the base's
-  output rows ([out/t, r], the same stride: a gated fc1's [gate_i; up_i]). The input is the base's
-  (all-gathered along the sequence under sequence parallelism, copied otherwise). Backward: ``B``'s
-  input enters through ``copy_to`` (all-reduce of dL/da, each rank's B giving a part), and the gather's
-  backward hands each rank its rows of A. Needs ``t | r``.
+  output rows ([out/t, r], the same stride: a gated fc1's [gate_i; up_i]). The input is the one the base
+  multiplies, after its TP mapping (all-gathered along the sequence under sequence parallelism, copied
+  otherwise): ``ColumnParallelLinear.forward`` calls the adapter, so the input's gradient, the base's part
+  and the adapter's summed, is reduced over TP once. Backward: ``B``'s input enters through ``copy_to``
+  (all-reduce of dL/da, each rank's B giving a part), and the gather's backward hands each rank its rows
+  of A. Needs ``t | r``.
 - **row-parallel base** (``linear_proj``, ``linear_fc2``; input [s, b, in/t], output summed over TP):
   ``A`` is split by columns like the base ([r, in/t]), its partial outputs all-reduced (reduce-scattered
   along the sequence under sequence parallelism); ``B`` [out, r] is replicated, its gradient summed
@@ -52,7 +54,6 @@ from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -177,16 +178,17 @@ class LoRAAdapter(nn.Module):
         return dropout(x, self.p)
 
     def forward(self, x: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
-        """``(alpha / r) B A dropout(x)``, shaped like the base's output; with ``base`` (the base layer's output)
-        ``base`` plus that, by one GEMM that accumulates into it (``addmm``): the adapter's output is never
-        written, scaled and added on its own, which would pass over the ``[s, b, out]`` tensor 4 more times
-        forward and 2 more backward (the scale lands on the ``r``-wide operands)."""
+        """``(alpha / r) B A dropout(x)``, shaped like the base's output, from the input the base layer multiplies:
+        a column-parallel base's after its TP mapping (gathered along the sequence under SP, copied otherwise:
+        the adapter's part of the input gradient joins the base's before that mapping's one reduction), a
+        row-parallel base's parallel input. With ``base`` (the base layer's output before its bias) ``base``
+        plus that, by one GEMM that accumulates into it (``addmm``): the adapter's output is never written,
+        scaled and added on its own, which would pass over the ``[s, b, out]`` tensor 4 more times forward and
+        2 more backward (the scale lands on the ``r``-wide operands)."""
         a_w, b_w = self.linear_in.weight, self.linear_out.weight
         tp = self.tp_group
         if self.column:
-            x = self._dropout(x, self.sequence_parallel and group_size(tp) > 1)
-            total = (gather_from_sequence_parallel_region(x, tp, True) if self.sequence_parallel
-                     else copy_to_tensor_model_parallel_region(x, tp))
+            total = self._dropout(x, False)  # the mapped input is the same on every TP rank: the shared stream
             a = gather_from_tensor_model_parallel_region(F.linear(total, a_w), tp)  # [s, b, r]
             return self._up(copy_to_tensor_model_parallel_region(a, tp), b_w, base)  # [s, b, out/t]
         x = self._dropout(x, group_size(tp) > 1)
@@ -213,12 +215,6 @@ class LoRAAdapter(nn.Module):
         return f"{kind}-parallel base, rank={self.linear_in.weight.shape[0 if self.column else 0]}, scaling={self.scaling}"
 
 
-def _add_adapter_output(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
-    """Forward hook of an adapted base layer: the adapter's output added to the base's (its bias untouched)."""
-    y, bias = output
-    return module.adapter(inputs[0], y), bias
-
-
 def add_lora(chunk: nn.Module, config: LoRAConfig, *, global_names: Mapping[int, str]) -> list[str]:
     """Attach a :class:`LoRAAdapter` to every target projection of ``chunk`` (``<base>.adapter``) and freeze
     every other parameter of it. ``global_names``: ``id(parameter) -> global name`` (the base weight's global
@@ -234,8 +230,7 @@ def add_lora(chunk: nn.Module, config: LoRAConfig, *, global_names: Mapping[int,
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or module.weight is None:
             raise ValueError(f"LoRA target {name} is a {type(module).__name__}, not a Column/RowParallelLinear")
         key = global_names[id(module.weight)].removesuffix(".weight")
-        module.adapter = LoRAAdapter(module, config, key=key)
-        module.register_forward_hook(_add_adapter_output)
+        module.adapter = LoRAAdapter(module, config, key=key)  # the layer's forward adds its output
         adapted.append(key)
     if not adapted:
         raise ValueError(f"lora.target_modules={config.target_modules}: no such layer in the model")
