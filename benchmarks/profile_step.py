@@ -1,9 +1,13 @@
-"""Where one TP=1 training step of our BERT goes: forward / backward / optimizer, top ops, copy sources.
+"""Where one TP=1 training step of our BERT or Llama-shaped decoder goes: forward / backward / optimizer, top ops,
+copy sources.
 
     .venv/bin/python benchmarks/profile_step.py [--size base] [--dtype bf16] [--ops aten::copy_,aten::max]
+    .venv/bin/python benchmarks/profile_step.py --size llama-tiny    # gpt_step.py's decoder, seq 256, batch 8
     .venv/bin/python benchmarks/profile_step.py --layers 4 --batch 4 --microbatches 4   # estimate_time.py's tp1
 
-Runs the model of :class:`BertLightningModule` directly (no Trainer: one process, all cores), the
+Runs the model of :class:`BertLightningModule` (``--size`` base, tiny) or of ``gpt_step.py``'s
+:class:`GPTLightningModule` (``--size`` llama-tiny, llama-small: RMSNorm, SwiGLU, rope, grouped-query attention;
+their sequence length and batch unless ``--seq`` / ``--batch`` say otherwise) directly (no Trainer: one process, all cores), the
 way the MegatronStrategy's no-pipelining schedule does: ``forward_step`` -> ``backward`` (16-bit grads
 added into the fp32 :class:`GradBuffer` by its hooks) -> optimizer step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping).
 After ``--warmup`` steps one step runs under ``torch.profiler`` with shapes recorded, and prints
@@ -27,6 +31,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import resource
 import sys
 import time
 import warnings
@@ -35,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import CPU_COUNT, SIZES  # noqa: E402
+from _common import CPU_COUNT, SIZES, TokenBatches  # noqa: E402
 from bert_step import LR, WEIGHT_DECAY, SyntheticBatches  # noqa: E402
 from lightning_megatron.parallel_dims import ParallelDims
 
@@ -56,15 +61,40 @@ def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None =
                         hidden_dropout=dropout, attention_dropout=dropout)
     module = BertLightningModule(config, lr=LR, weight_decay=WEIGHT_DECAY)
     module.configure_model()
+    return module, _optimizer(module, dtype), _stacked(SyntheticBatches(batch, seq, s.vocab_size), batch)
+
+
+def build_decoder(size_name: str, dtype: str, batch: int | None, seq: int | None, layers: int | None = None,
+                  dropout: float = 0.0):
+    """``gpt_step.py``'s decoder of ``size_name`` (its sequence length and batch unless given)."""
+    from gpt_step import LLAMA_SHAPE, _ours
+    from gpt_step import SIZES as DECODERS
+
+    from lightning_megatron.tensor_parallel.random import model_parallel_seed
+
+    model_parallel_seed(1234, 0)
+    s = DECODERS[size_name]
+    s = dataclasses.replace(s, num_layers=layers or s.num_layers, seq_length=seq or s.seq_length,
+                            batch=batch or s.batch)
+    if dropout != LLAMA_SHAPE["hidden_dropout"]:
+        raise SystemExit(f"--dropout {dropout}: the Llama shape has no dropout (0.0)")
+    module = _ours(s, dtype == "bf16")
+    module.configure_model()
+    return module, _optimizer(module, dtype), _stacked(TokenBatches(s.batch, s.seq_length, s.vocab_size), s.batch)
+
+
+def _optimizer(module, dtype: str):
     opt = module.configure_optimizers()
     if dtype == "bf16":
         from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler
         from lightning_megatron.optimizer.mixed_precision import Float16OptimizerWithFloat16Params
 
         opt = Float16OptimizerWithFloat16Params(opt, grad_scaler=ConstantGradScaler(1.0), clip_grad=0.0)
-    ds = SyntheticBatches(batch, seq, s.vocab_size)
-    data = {k: torch.stack([ds[i][k] for i in range(batch)]) for k in ds[0]}
-    return module, opt, data
+    return opt
+
+
+def _stacked(ds, batch: int) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([ds[i][k] for i in range(batch)]) for k in ds[0]}
 
 
 _KINDS = (
@@ -155,18 +185,50 @@ def square_gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> flo
     return 2.0 * n**3 / best
 
 
+def map_each_block(threshold: int = 1 << 17) -> None:
+    """glibc: every block of ``threshold`` bytes or more its own ``mmap``, unmapped when freed (a fixed
+    threshold: glibc's own rises with the blocks freed), so the process's resident memory follows the live
+    tensors (what a GPU's allocator reports as allocated), not the heap's high-water mark."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    m_mmap_threshold = -3
+    if not libc.mallopt(m_mmap_threshold, threshold):
+        raise SystemExit("--peak-memory needs glibc's mallopt")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def step_peak_bytes(step) -> int:
+    """Bytes by which the process's resident memory rises above its level before ``step()`` at the step's
+    peak (Linux: the high-water mark ``VmHWM`` reset through ``/proc/self/clear_refs``; with
+    :func:`map_each_block`, the transient tensors of the step: activations, the logits and their gradients,
+    weight gradients before they reach the buffer)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    step()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="base", choices=sorted(SIZES))
+    parser.add_argument("--size", default="base", choices=sorted(SIZES) + ["llama-small", "llama-tiny"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--batch", type=int, default=8, help="micro batch size")
+    parser.add_argument("--batch", type=int, default=None, help="micro batch size (BERT: 8; a decoder: its own)")
     parser.add_argument("--microbatches", type=int, default=1, help="microbatches per step (grad accumulation)")
     parser.add_argument("--layers", type=int, default=None, help="override the size's layer count")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (BERT: 128; a decoder: its own)")
+    parser.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout (BERT: 0.1; a decoder: 0)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer (compile_layers)")
     parser.add_argument("--warmup", type=int, default=4, help="steps before the profiled one (the first ones page-fault)")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--peak-memory", action="store_true",
+                        help="only measure a step's peak memory (step_peak_bytes), not its time")
     parser.add_argument("--ops", default="aten::copy_", help="comma-separated ops to attribute to their callers")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -178,10 +240,18 @@ def main() -> None:
 
     from lightning_megatron.cpu.allocator import keep_freed_memory
 
-    keep_freed_memory()  # as the opt-in CPU tuning does (CPUTuning(keep_freed_memory=True))
+    if args.peak_memory:
+        map_each_block()
+    else:
+        keep_freed_memory()  # as the opt-in CPU tuning does (CPUTuning(keep_freed_memory=True))
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     ps = initialize_model_parallel(ParallelDims(tp=1, pp=1))
-    module, opt, data = build(args.size, args.dtype, args.batch, args.seq, args.layers, args.dropout)
+    if args.size.startswith("llama"):
+        module, opt, data = build_decoder(args.size, args.dtype, args.batch, args.seq, args.layers,
+                                          0.0 if args.dropout is None else args.dropout)
+    else:
+        module, opt, data = build(args.size, args.dtype, args.batch or 8, args.seq or 128, args.layers,
+                                  0.1 if args.dropout is None else args.dropout)
     chunk = module.model_chunks[0]
     from lightning_megatron.cpu import CPUTuning
 
@@ -208,6 +278,11 @@ def main() -> None:
         t0 = time.perf_counter()
         step()
         print(f"warm-up step {time.perf_counter() - t0:.3f} s")
+    if args.peak_memory:
+        peaks = [step_peak_bytes(step) for _ in range(3)]
+        print(f"a step's peak of memory above what lives between steps: {min(peaks) / 2**20:.1f} MiB "
+              f"(3 steps: {', '.join(f'{p / 2**20:.1f}' for p in peaks)} MiB)")
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         t0 = time.perf_counter()
         step()
@@ -236,6 +311,7 @@ def main() -> None:
     print(f"unprofiled step (median of 3): {step_s:.3f} s = {flops / step_s / 1e9:.0f} GFLOP/s = "
           f"{flops / step_s / peak:.0%} of that rate; GEMMs alone {floor / step_s:.0%} of the step, "
           f"the rest {step_s - floor:.3f} s")
+    print(f"peak RSS of the process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=50))
     wanted = set(args.ops.split(","))
     by_caller: collections.Counter = collections.Counter()

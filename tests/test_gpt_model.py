@@ -361,3 +361,41 @@ def test_kv_cache_logits_equal_the_whole_sequence_logits(shape):
     assert cached.shape == whole.shape == (BATCH, SEQ, module.model_chunks[0].padded_vocab_size)
     err = float((cached - whole).abs().max() / whole.abs().max())
     assert err <= 1e-5, f"cached logits differ from the whole sequence's by {err:.2e} of their largest"
+
+
+@pytest.mark.parametrize("dtype,most", [("float32", 2), ("bfloat16", 3)], ids=["fp32", "bf16"])
+def test_a_training_step_makes_the_logits_as_few_times_as_it_needs(dtype, most):
+    """The logits are the largest tensor of a decoder's step ([s, b, V]: 4 GB in fp32 for 8k tokens of a
+    128k vocabulary). A training microbatch's forward and backward allocate a logits-sized tensor only for the
+    output layer's product and the loss's fp32 working copy, whose backward turns it into the gradient in place
+    (bf16: and that gradient cast back to the logits' dtype). Megatron's order: the labels are transposed to
+    [s, b], never the logits to [b, s] (a copy forward, another in the backward's reshape)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    vocab = 4096  # the logits 8x the largest other activation, as in a real decoder
+    module = GPTLightningModule(GPTConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                          vocab_size=vocab, max_sequence_length=SEQ, hidden_dropout=0.0,
+                                          attention_dropout=0.0, params_dtype=dtype, **LLAMA_MODULE))
+    module.configure_model()
+    ids = _tokens()
+    batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(BATCH, SEQ)}
+    logits_numel = BATCH * SEQ * vocab
+    made: list[str] = []
+
+    class LogitsSized(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if (isinstance(t, torch.Tensor) and t.numel() == logits_numel and t.size(-1) == vocab
+                        and t.untyped_storage().data_ptr() not in inputs):
+                    made.append(f"{func} {tuple(t.shape)} {t.dtype}")
+            return out
+
+    with LogitsSized():
+        output, loss_func = module.forward_step(batch, module.model_chunks[0])
+        loss_func(output)[0].backward()
+    assert len(made) <= most, made
+    assert any("mm" in m for m in made), made  # the counter sees the output layer's product

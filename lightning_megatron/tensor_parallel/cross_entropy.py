@@ -30,9 +30,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group, vocab_size, ignore_index):
         input_dtype = logits.dtype
-        logits = logits.float()  # a fresh fp32 copy (or the input itself if already fp32: cloned below)
-        if input_dtype == torch.float32:
-            logits = logits.clone()
         partition = logits.size(-1)
         world, rank = group_size(group), group_rank(group)
         start = rank * partition
@@ -41,12 +38,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if not 0 < real_vocab <= full_vocab:
             raise ValueError(f"vocab_size={vocab_size} must be in (0, {full_vocab}] (the padded vocab across ranks)")
         valid = max(0, min(partition, real_vocab - start))  # this rank's real (unpadded) columns
+
+        # The max over the real columns, read from the input as it is (the values only: ``max(dim)`` also
+        # finds their indices, ~3x the time); a rank holding only padding contributes -inf.
+        if valid:
+            logits_max = logits[..., :valid].amax(dim=-1).float()
+        else:
+            logits_max = torch.full(logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
+        all_reduce(logits_max, group, dist.ReduceOp.MAX)
+        # The one working copy, fp32 (a 16-bit input is widened on the way): the input itself is never written.
+        logits = torch.sub(logits, logits_max.unsqueeze(-1), out=torch.empty(logits.shape, dtype=torch.float32,
+                                                                               device=logits.device))
         if valid < partition:
             logits[..., valid:] = float("-inf")
-
-        logits_max = logits.amax(dim=-1)  # the values only (``max(dim)`` also finds their indices: ~3x the time)
-        all_reduce(logits_max, group, dist.ReduceOp.MAX)
-        logits.sub_(logits_max.unsqueeze(-1))
 
         ignored = target == ignore_index
         outside = (target < start) | (target >= start + partition) | ignored

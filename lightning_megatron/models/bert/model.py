@@ -219,10 +219,10 @@ class BertModel(LanguageModule):
                 return logits, binary_logits
             return self.compute_language_model_loss(lm_labels[lm_positions], logits), binary_logits
         logits, _ = self.output_layer(self.lm_head(hidden_states), weight=weight)  # [s, b, V/t]
-        logits = logits.transpose(0, 1).contiguous()  # [b, s, V/t]
         if lm_labels is None:
-            return logits, binary_logits
-        return self.compute_language_model_loss(lm_labels, logits), binary_logits
+            return logits.transpose(0, 1).contiguous(), binary_logits  # [b, s, V/t]
+        # the labels go to [s, b], not the logits to [b, s] (as GPTModel.forward)
+        return self.compute_language_model_loss(lm_labels.t(), logits).t().contiguous(), binary_logits
 
 
 def bert_loss(lm_loss_per_token: torch.Tensor, loss_mask: torch.Tensor, binary_logits: torch.Tensor | None = None,

@@ -186,10 +186,11 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
         logits, _ = self.output_layer(hidden_states, weight=self.output_weight())  # [s, b, V/t]
-        logits = logits.transpose(0, 1).contiguous()  # [b, s, V/t]
         if labels is None:
-            return logits
-        return self.compute_language_model_loss(labels, logits)
+            return logits.transpose(0, 1).contiguous()  # [b, s, V/t]
+        # Megatron's order: the labels go to [s, b], not the logits (the step's largest tensor) to [b, s], which
+        # would copy them forward and again in the backward.
+        return self.compute_language_model_loss(labels.t(), logits).t().contiguous()
 
 
 def gpt_loss(loss_per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
