@@ -15,7 +15,13 @@ What it runs, each part time-boxed and recorded even when another part fails:
    params + fp32 main params, fused AdamW; eager and ``compile=True``) against Hugging Face
    ``BertForPreTraining`` (SDPA) under plain Lightning (``bf16-mixed``), same run: tokens/s, MFU
    against the GEMM rate of part 2, which SDPA kernel ran (profiler op names), peak memory;
-5. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
+5. ``decoder``: the Llama-shaped decoder of ``gpt_step.py`` at a GPU size (``DECODER``: 8 layers, h 2048, 16
+   heads in 8 groups, SwiGLU 5632, vocabulary 32000, seq 2048, batch 16, 0.51 B parameters), bf16, ours against
+   transformers' ``LlamaForCausalLM`` (SDPA) under plain Lightning (``bf16-mixed``), same run: tokens/s, MFU
+   against part 2's GEMM rate (issue 39: >= 80% of it, >= 1.6x Hugging Face), and ``check --estimate-time``'s
+   prediction of our step on this device (the datasheet rates of the device's entry in
+   ``lightning_megatron.check.devices``, and the same with part 2's measured GEMM rate): measured / predicted;
+6. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
    PP=1; CSV logger only), exit code, the logged losses and throughput.
 
 Written under ``--out``: ``results.json`` (everything), ``summary.md`` (the table for
@@ -30,7 +36,8 @@ typeshed-client into ``.whl/``, ignored by git), carry ``.whl``, and start the c
 ``benchmarks/gpu_check.sh``, which installs them into /tmp/site first. Without them part 5 is
 recorded as skipped, with the reason; parts 1-4 need nothing extra.
 
-Targets (issue 17): bert-large bf16 >= 50% MFU on one H200 and >= 1.3x Hugging Face's tokens/s.
+Targets (issue 17): bert-large bf16 >= 50% MFU on one H200 and >= 1.3x Hugging Face's tokens/s. Issue 39's
+need more than one GPU where they are about pipelining (PP=2 x VP=2 against TP=1): not measurable here.
 """
 
 from __future__ import annotations
@@ -57,11 +64,16 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from _common import BertSize  # noqa: E402
+from gpt_step import LlamaSize  # noqa: E402
 
 LARGE = BertSize(name="large", num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096)
 BASE = BertSize(name="base", num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072)
 DRY = BertSize(name="dry", num_layers=2, hidden_size=64, num_attention_heads=2, ffn_hidden_size=128,
                vocab_size=1024, max_position_embeddings=64)
+DECODER = LlamaSize(name="llama-0.5b", num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
+                    ffn_hidden_size=5632, vocab_size=32000, seq_length=2048, batch=16)
+DRY_DECODER = LlamaSize(name="dry-decoder", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=128, vocab_size=512, seq_length=64, batch=2)
 MASK_FRACTION = 0.15
 TEST_FILES = ["tests/test_device_neutral.py", "tests/test_transformer_units.py", "tests/test_cross_entropy_and_rng.py",
               "tests/test_tensor_parallel.py", "tests/test_compile.py", "tests/test_bert_module.py",
@@ -187,12 +199,20 @@ def _step_flops(size: BertSize, tokens: int, seq: int, head_tokens: float) -> fl
     return 6.0 * tokens * L * (4 * h * h + 2 * h * f) + 12.0 * tokens * L * seq * h + 6.0 * head_tokens * (h * v + h * h)
 
 
-def _bench_one(framework: str, size: BertSize, seq: int, batch: int, warmup: int, steps: int,
+def _bench_one(framework: str, size: BertSize | LlamaSize, seq: int, batch: int, warmup: int, steps: int,
                device: torch.device) -> dict[str, Any]:
+    """One timed ``Trainer.fit`` of ``framework`` ("hf", "ours", "ours+compile") on ``size``: BERT pretraining,
+    or a Llama-shaped decoder (a :class:`LlamaSize`: ``gpt_step.py``'s modules, every token in the loss)."""
     import lightning.pytorch as pl
     from lightning.pytorch import Callback
 
+    from _common import TokenBatches
     from bert_step import SyntheticBatches, _hf_module, _ours_module
+    from gpt_step import _flops as decoder_step_flops
+    from gpt_step import _hf as decoder_hf
+    from gpt_step import _ours as decoder_ours
+
+    decoder = isinstance(size, LlamaSize)
 
     times: list[float] = []
     prof_box: dict[str, Any] = {}
@@ -220,7 +240,7 @@ def _bench_one(framework: str, size: BertSize, seq: int, batch: int, warmup: int
         from lightning_megatron.optimizer import OptimizerConfig
         from lightning_megatron.strategy import MegatronStrategy
 
-        module = _ours_module(size, bf16=True)
+        module = decoder_ours(size, bf16=True) if decoder else _ours_module(size, bf16=True)
         if framework == "ours+compile":
             module.hparams.compile = True
         # CPU tuning only where it applies (a dry run on CPU): the GPU path is the library default.
@@ -228,9 +248,10 @@ def _bench_one(framework: str, size: BertSize, seq: int, batch: int, warmup: int
         precision = "bf16-true"
         callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0)))
     else:
-        module, strategy, precision = _hf_module(size, seq), "auto", "bf16-mixed"
-    data = torch.utils.data.DataLoader(SyntheticBatches((warmup + steps) * batch, seq, size.vocab_size),
-                                       batch_size=batch, shuffle=False, num_workers=0)
+        module = decoder_hf(size) if decoder else _hf_module(size, seq)
+        strategy, precision = "auto", "bf16-mixed"
+    samples = (TokenBatches if decoder else SyntheticBatches)((warmup + steps) * batch, seq, size.vocab_size)
+    data = torch.utils.data.DataLoader(samples, batch_size=batch, shuffle=False, num_workers=0)
     trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, precision=precision,
                          max_steps=warmup + steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -241,9 +262,13 @@ def _bench_one(framework: str, size: BertSize, seq: int, batch: int, warmup: int
     wall = time.perf_counter() - t0
     step = sorted(times)[len(times) // 2]
     tokens = batch * seq
-    head = MASK_FRACTION * tokens if framework.startswith("ours") else tokens  # ours: LM head on masked tokens only
+    if decoder:  # Megatron's decoder count, the output layer on every token (both frameworks run it there)
+        flops = decoder_step_flops(size)
+    else:
+        head = MASK_FRACTION * tokens if framework.startswith("ours") else tokens  # ours: LM head on masked tokens only
+        flops = _step_flops(size, tokens, seq, head)
     return {"framework": framework, "size": size.name, "seq": seq, "batch": batch, "step_s": step,
-            "tokens_per_s": tokens / step, "tflops": _step_flops(size, tokens, seq, head) / step / 1e12,
+            "tokens_per_s": tokens / step, "tflops": flops / step / 1e12,
             "sdpa_kernels": prof_box.get("kernels", []), "peak_memory_gib": _peak_memory(device),
             "wall_s": wall, "steps_timed": len(times)}
 
@@ -268,13 +293,72 @@ def part_bench(device: torch.device, dry: bool, gemm: dict[str, Any], compile_: 
             except Exception:  # noqa: BLE001 - record and go on with the next configuration
                 errors.append({"framework": fw, "size": size.name, "error": traceback.format_exc()[-3000:]})
                 _log(f"  FAILED: {errors[-1]['error'].splitlines()[-1]}")
+    return {"rows": rows, "errors": errors, "ratios": _ratios(rows)}
+
+
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     ratios = {}
     for size in {r["size"] for r in rows}:
         hf = next((r for r in rows if r["size"] == size and r["framework"] == "hf"), None)
         for r in rows:
             if r["size"] == size and r["framework"] != "hf" and hf:
                 ratios[f"{size} {r['framework']}/hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
-    return {"rows": rows, "errors": errors, "ratios": ratios}
+    return ratios
+
+
+def decoder_estimate(size: LlamaSize, device_name: str, gemm_bf16_flops: float | None) -> dict[str, Any]:
+    """``check --estimate-time``'s prediction of one step of our decoder of ``size`` (TP=PP=DP=1, one microbatch
+    of ``size.batch``, bf16) on the device named ``device_name``: with the datasheet rates of its entry in
+    :data:`lightning_megatron.check.devices.DEVICES` (matched by name; none: H200's) and the default
+    efficiencies, and with the GEMM rate measured in this run (``gemm_bf16_flops``) at efficiency 1."""
+    import dataclasses
+
+    from gpt_step import _ours as decoder_ours
+
+    from lightning_megatron.check.devices import DEVICES
+    from lightning_megatron.check.timing import Efficiency, estimate_time
+    from lightning_megatron.models.gpt.cost import GPTCost
+    from lightning_megatron.parallel_dims import ParallelDims
+
+    key = next((k for k in DEVICES if k in device_name.lower()), None)
+    datasheet = DEVICES[key or "h200"]
+    shape = GPTCost.from_config(decoder_ours(size, bf16=True).config, seq_length=size.seq_length,
+                                micro_batch_size=size.batch, global_batch_size=size.batch)
+    one = ParallelDims(dp=1)
+    out: dict[str, Any] = {"device_entry": key, "datasheet_s": estimate_time(shape, one, datasheet).total}
+    if gemm_bf16_flops:
+        measured = dataclasses.replace(datasheet, flops_16=gemm_bf16_flops)
+        out["measured_gemm_s"] = estimate_time(shape, one, measured,
+                                               dataclasses.replace(Efficiency(), gemm=1.0)).total
+    return out
+
+
+def part_decoder(device: torch.device, dry: bool, gemm: dict[str, Any], device_name: str) -> dict[str, Any]:
+    size = DRY_DECODER if dry else DECODER
+    warmup, steps = (1, 2) if dry else (3, 10)
+    rows, errors = [], []
+    for fw in ("hf", "ours"):
+        _log(f"decoder {size.name} {fw}")
+        try:
+            row = _bench_one(fw, size, size.seq_length, size.batch, warmup, steps, device)
+            row["mfu"] = row["tflops"] / gemm["bf16_tflops"] if gemm.get("bf16_tflops") else None
+            rows.append(row)
+            _log(f"  {row['tokens_per_s']:.0f} tokens/s, MFU {row['mfu'] or 0:.1%}, kernels {row['sdpa_kernels']}")
+        except Exception:  # noqa: BLE001 - record and go on
+            errors.append({"framework": fw, "size": size.name, "error": traceback.format_exc()[-3000:]})
+            _log(f"  FAILED: {errors[-1]['error'].splitlines()[-1]}")
+    result: dict[str, Any] = {"rows": rows, "errors": errors, "ratios": _ratios(rows)}
+    ours = next((r for r in rows if r["framework"] == "ours"), None)
+    try:
+        rate = gemm.get("bf16_tflops")
+        estimate = decoder_estimate(size, device_name, rate * 1e12 if rate else None)
+        if ours:
+            estimate.update({f"measured_over_{k}": ours["step_s"] / v for k, v in list(estimate.items())
+                             if k.endswith("_s")})
+        result["estimate"] = estimate
+    except Exception:  # noqa: BLE001
+        result["estimate"] = {"error": traceback.format_exc()[-3000:]}
+    return result
 
 
 def part_fit(device: torch.device, dry: bool, out_dir: Path, budget_s: float) -> dict[str, Any]:
@@ -349,21 +433,26 @@ def summary_markdown(results: dict[str, Any]) -> str:
              f"(n={gemm.get('n')}), fp32 {gemm.get('fp32_tflops', 0):.3g}.", ""]
     tests = results.get("tests", {})
     lines += [f"- CUDA test path: {tests.get('counts')} (exit {tests.get('returncode')}, {tests.get('seconds', 0):.0f} s)"]
-    bench = results.get("bench", {})
-    if bench.get("rows"):
-        lines += ["", "| model | framework | tokens/s | TFLOP/s | MFU | peak memory GiB | SDPA kernel(s) |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in bench["rows"]:
-            mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-            lines.append(f"| {r['size']} seq {r['seq']} x {r['batch']} | {r['framework']} | {r['tokens_per_s']:.0f} | "
-                         f"{r['tflops']:.3g} | {mfu} | {r['peak_memory_gib']:.1f} | {', '.join(r['sdpa_kernels']) or '-'} |")
-        lines += ["", "Ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(bench["ratios"].items()))]
-    for e in bench.get("errors", []):
-        lines.append(f"- bench {e['size']} {e['framework']} FAILED: {e['error'].strip().splitlines()[-1]}")
+    for part in ("bench", "decoder"):
+        bench = results.get(part, {})
+        if bench.get("rows"):
+            lines += ["", "| model | framework | tokens/s | TFLOP/s | MFU | peak memory GiB | SDPA kernel(s) |",
+                      "|---|---|---|---|---|---|---|"]
+            for r in bench["rows"]:
+                mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+                lines.append(f"| {r['size']} seq {r['seq']} x {r['batch']} | {r['framework']} | {r['tokens_per_s']:.0f} | "
+                             f"{r['tflops']:.3g} | {mfu} | {r['peak_memory_gib']:.1f} | "
+                             f"{', '.join(r['sdpa_kernels']) or '-'} |")
+            lines += ["", "Ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(bench["ratios"].items()))]
+        for e in bench.get("errors", []):
+            lines.append(f"- {part} {e['size']} {e['framework']} FAILED: {e['error'].strip().splitlines()[-1]}")
+    estimate = results.get("decoder", {}).get("estimate")
+    if estimate:
+        lines += ["", f"- `--estimate-time` of our decoder step on this device: {estimate}"]
     fit = results.get("fit", {})
     lines += ["", f"- 50-step fit: {fit}"]
-    lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF: "
-              f"{results.get('targets')}"]
+    lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF; the "
+              f"decoder >= 80% MFU (of the measured GEMM rate), >= 1.6x HF: {results.get('targets')}"]
     return "\n".join(lines) + "\n"
 
 
@@ -372,7 +461,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="CI-size: tiny model, few steps, one test file")
     parser.add_argument("--out", default="gpu_check_out", help="folder for the results (created)")
-    parser.add_argument("--parts", default="env,gemm,tests,bench,fit", help="comma-separated subset")
+    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,fit", help="comma-separated subset")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile=True row of the benchmark")
     args = parser.parse_args()
     out_dir = Path(args.out)
@@ -401,6 +490,8 @@ def main() -> int:
     run("env", part_env, device)
     run("gemm", part_gemm, device, args.dry_run)
     run("bench", part_bench, device, args.dry_run, results.get("gemm", {}), not args.no_compile)
+    run("decoder", part_decoder, device, args.dry_run, results.get("gemm", {}),
+        results.get("env", {}).get("device_name", str(device)))
     run("tests", part_tests, device, args.dry_run, out_dir, budgets["tests"])
     run("fit", part_fit, device, args.dry_run, out_dir, budgets["fit"])
     results["total_s"] = time.perf_counter() - t0
@@ -411,11 +502,17 @@ def main() -> int:
         results["targets"] = {"large_mfu": best.get("mfu"), "large_mfu_ok": (best.get("mfu") or 0) >= 0.5,
                               "large_vs_hf": best["tokens_per_s"] / large["hf"]["tokens_per_s"],
                               "large_vs_hf_ok": best["tokens_per_s"] >= 1.3 * large["hf"]["tokens_per_s"]}
+    decoder = {r["framework"]: r for r in results.get("decoder", {}).get("rows", [])}
+    if {"ours", "hf"} <= set(decoder):  # issue 39: >= 80% of the measured GEMM rate, >= 1.6x Hugging Face
+        results.setdefault("targets", {}).update(
+            decoder_mfu=decoder["ours"].get("mfu"), decoder_mfu_ok=(decoder["ours"].get("mfu") or 0) >= 0.8,
+            decoder_vs_hf=decoder["ours"]["tokens_per_s"] / decoder["hf"]["tokens_per_s"],
+            decoder_vs_hf_ok=decoder["ours"]["tokens_per_s"] >= 1.6 * decoder["hf"]["tokens_per_s"])
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out_dir / "summary.md").write_text(summary_markdown(results))
     _log(f"done in {results['total_s']:.0f} s: {out_dir}/summary.md")
     print(summary_markdown(results))
-    failed = [k for k in ("env", "gemm", "bench", "tests", "fit") if isinstance(results.get(k), dict)
+    failed = [k for k in ("env", "gemm", "bench", "decoder", "tests", "fit") if isinstance(results.get(k), dict)
               and "error" in results[k]]
     return 1 if failed else 0
 

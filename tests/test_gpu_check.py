@@ -16,7 +16,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_check"
     # every part but the test path (this is the test path) and the compile row (slow on 2 cores; tests/test_compile.py)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--dry-run", "--no-compile",
-           "--parts", "env,gemm,bench,fit", "--out", str(out)]
+           "--parts", "env,gemm,bench,decoder,fit", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = run_python(cmd[1:], tmp_path, env, timeout=600)  # the script; the runs it starts are new interpreters
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -27,6 +27,13 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert set(rows) == {"hf", "ours"} and not results["bench"]["errors"], results["bench"]
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["steps_timed"] == 2 and r["peak_memory_gib"] > 0 and r["sdpa_kernels"]
+    decoder = {r["framework"]: r for r in results["decoder"]["rows"]}
+    assert set(decoder) == {"hf", "ours"} and not results["decoder"]["errors"], results["decoder"]
+    assert all(r["size"] == "dry-decoder" and r["tokens_per_s"] > 0 and r["steps_timed"] == 2 for r in decoder.values())
+    estimate = results["decoder"]["estimate"]  # check --estimate-time's prediction of the step that ran
+    assert estimate["datasheet_s"] > 0 and estimate["measured_gemm_s"] > 0, estimate
+    assert estimate["measured_over_measured_gemm_s"] == decoder["ours"]["step_s"] / estimate["measured_gemm_s"]
+    assert {"decoder_mfu", "decoder_vs_hf"} <= set(results["targets"]), results["targets"]
     fit = results["fit"]
     assert fit["returncode"] == 0 and fit["logged_steps"] >= 1 and fit["checkpoint_saved"], fit
     assert (out / "summary.md").read_text().startswith("### GPU check")
