@@ -22,7 +22,9 @@ TOL = dict(atol=1e-6, rtol=1e-6)
 
 
 def _ce_cases(tp: int, group, rank: int) -> None:
-    for vocab, smoothing, scale in [(48, 0.0, 1.0), (50, 0.0, 1.0), (50, 0.1, 1.0), (47, 0.2, 1e3), (48, 0.0, 1e3)]:
+    # vocab 5 at tp=4: 8 padded columns, the last rank holds only padding (its max is -inf)
+    for vocab, smoothing, scale in [(48, 0.0, 1.0), (50, 0.0, 1.0), (50, 0.1, 1.0), (47, 0.2, 1e3), (48, 0.0, 1e3),
+                                    (5, 0.1, 1.0)]:
         padded = pad_vocab_size(vocab, tp, make_vocab_size_divisible_by=1)
         torch.manual_seed(vocab + int(100 * smoothing))
         logits = torch.randn(3, 5, padded) * scale
@@ -43,6 +45,21 @@ def _ce_cases(tp: int, group, rank: int) -> None:
         full_grad[..., :vocab] = ref_logits.grad
         torch.testing.assert_close(local.grad, full_grad.chunk(tp, -1)[rank], **TOL)
         assert torch.isfinite(loss).all()
+        # 16-bit logits: the same loss as their fp32 values (the widening is exact), the gradient in their dtype
+        local16 = logits.chunk(tp, -1)[rank].bfloat16().requires_grad_()
+        ref16 = logits[..., :vocab].bfloat16().float().requires_grad_()
+        F.cross_entropy(ref16.reshape(-1, vocab), target.reshape(-1), reduction="none", label_smoothing=smoothing,
+                        ignore_index=-100).reshape(3, 5).backward(dloss)
+        loss16 = vocab_parallel_cross_entropy(local16, target, smoothing, tp_group=group,
+                                              vocab_size=None if vocab == padded else vocab)
+        loss16.backward(dloss)
+        full16 = torch.zeros(3, 5, padded)
+        full16[..., :vocab] = ref16.grad
+        assert loss16.dtype == torch.float32 and local16.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(loss16, F.cross_entropy(ref16.detach().reshape(-1, vocab), target.reshape(-1),
+                                                           reduction="none", label_smoothing=smoothing,
+                                                           ignore_index=-100).reshape(3, 5), **TOL)
+        torch.testing.assert_close(local16.grad, full16.chunk(tp, -1)[rank].bfloat16(), atol=1e-5, rtol=8e-3)  # 1 ulp
     _argmax_cases(tp, group, rank)
 
 
