@@ -62,14 +62,41 @@ QUICK_SKIP = {"tiny": [("ours", "fp32", 1, 2), ("ours", "bf16", 2, 1), ("ours", 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
+def _descendants_cpu_seconds() -> float:
+    """CPU seconds of every process this one started, directly or not: the children it reaped
+    (``RUSAGE_CHILDREN``) plus each live descendant's own and its reaped children's (``/proc/<pid>/stat``).
+    The ranks are forked by the spawn helper's forkserver, our child, which reaps them: counting only our
+    reaped children missed them, and their CPU time was reported as other processes' (*background*)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ticks = 0
+    children: dict[int, list[int]] = {}
+    own: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+        except OSError:  # it exited meanwhile
+            continue
+        pid = int(entry)
+        children.setdefault(int(fields[1]), []).append(pid)  # fields[1]: the parent's pid
+        own[pid] = sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    todo = list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        ticks += own[pid]
+        todo.extend(children.get(pid, []))
+    return ru.ru_utime + ru.ru_stime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_snapshot() -> tuple[float, float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of our reaped children, wall clock)."""
+    """(busy CPU seconds of the whole machine, CPU seconds of our descendants, wall clock)."""
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + fields[4]
     busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return busy, ru.ru_utime + ru.ru_stime, time.monotonic()
+    return busy, _descendants_cpu_seconds(), time.monotonic()
 
 
 class _QuietWait:
