@@ -5,6 +5,7 @@ refused, not overwritten."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,29 @@ def test_the_committed_page_has_the_markers():
     before, after = report._surroundings(str(ROOT / "docs" / "benchmarks.md"))
     assert text.startswith(before + report.BEGIN) and text.endswith(report.END + "\n" + after)
     assert "## GPU check" in after and "## Checkpoint memory (ZeRO-1)" in after
+
+
+def test_the_background_load_does_not_count_ranks_a_forkserver_reaped(tmp_path: Path) -> None:
+    """run.py's *background* is the machine's busy time less ours. Our ranks are grandchildren (the spawn
+    helper's forkserver, our child, forks and reaps them), so counting only the children we reaped reported
+    them as other processes' load: the CPU time of a grandchild its parent reaped must count as ours."""
+    import subprocess
+
+    import run
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    done = tmp_path / "reaped"
+    parent = (f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burn!r}], check=True)\n"
+              f"open({str(done)!r}, 'w').close()\ntime.sleep(60)\n")
+    before = run._descendants_cpu_seconds()
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        deadline = time.monotonic() + 30
+        while not done.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the grandchild did not finish"
+            time.sleep(0.05)
+        counted = run._descendants_cpu_seconds() - before  # the child lives on; its reaped grandchild burned 0.4 s
+    finally:
+        proc.kill()
+        proc.wait()
+    assert counted >= 0.35, f"{counted:.2f} CPU s counted as ours; the grandchild alone used 0.4"
