@@ -2,8 +2,12 @@
 
     .venv/bin/python benchmarks/startup.py [--profile prof.txt]
 
-1. Wall time of ``fit --config recipes/bert_tiny.yaml`` (2 processes, TP=2, a 1-layer model, logging
-   on as the recipe has it) with ``--trainer.max_steps 1`` and ``11``: start-up ~= T(1) - (T(11) - T(1)) / 10.
+1. ``fit --config recipes/bert_tiny.yaml`` (2 processes, TP=2, a 1-layer model, logging on as the
+   recipe has it) with ``--trainer.max_steps 1``, its output read as it comes: when rank 0 has parsed
+   (``Seed set``), when each rank reaches its process group (``Initializing distributed``), and when the
+   first step is done (Lightning's ``Trainer.fit` stopped: `max_steps=1` reached``, said after the step
+   and before the last checkpoint and the exit); and T(1), T(11): the wall times of the whole commands
+   (start-up ~= T(1) - (T(11) - T(1)) / 10 counts the last checkpoint, the run summary and the exit too).
 2. ``python -X importtime`` of what the fit command imports, the 10 largest cumulative entries.
 3. ``--profile``: rank 0 under cProfile (cumulative time of the phases: imports, parsing, the Trainer,
    waiting for rank 1 at the process-group rendezvous, set-up, the GEMM peak measurement, W&B).
@@ -27,7 +31,14 @@ FIT = ["fit", "--config", os.path.join(ROOT, "recipes", "bert_tiny.yaml"), "--mo
        "--lr_schedule.lr_warmup_steps", "0", "--trainer.log_every_n_steps", "1"]
 
 
-def _fit(steps: int, folder: str, profile: str | None = None) -> float:
+MARKS = {"rank 0 parsed": "Seed set to", "rank 0 at its process group": "Initializing distributed: GLOBAL_RANK: 0",
+         "rank 1 parsed": "[rank: 1] Seed set to", "rank 1 at its process group": "Initializing distributed: GLOBAL_RANK: 1",
+         "first step done": "`Trainer.fit` stopped"}
+"""What the run says, and the phrase that says it (the first line holding it counts)."""
+
+
+def _fit(steps: int, folder: str, profile: str | None = None) -> tuple[float, dict[str, float]]:
+    """(wall time of the command, seconds after launch at which each of :data:`MARKS` was said)."""
     run = tempfile.mkdtemp(prefix=f"run{steps}-", dir=folder)  # a new run folder each time (runs never share one)
     args = [*FIT, "--trainer.max_steps", str(steps), "--trainer.default_root_dir", run]
     cmd = [sys.executable, "-m", "lightning_megatron.cli", *args]
@@ -37,26 +48,43 @@ def _fit(steps: int, folder: str, profile: str | None = None) -> float:
         script = (f"import cProfile, runpy, sys; sys.argv = {[cli.__file__, *args]!r}; "
                   f"cProfile.run('runpy.run_path(sys.argv[0], run_name=\"__main__\")', {profile!r})")
         cmd = [sys.executable, "-c", script]
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marks: dict[str, float] = {}
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:  # one pipe for both streams: the order the ranks said things in
+            lines.append(line)
+            for name, phrase in MARKS.items():
+                if name not in marks and phrase in line and not (name == "rank 0 parsed" and "[rank: " in line):
+                    marks[name] = time.perf_counter() - start
+        proc.wait(timeout=900)
+    finally:
+        proc.kill()
     took = time.perf_counter() - start
     if proc.returncode:
-        raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
-    return took
+        raise SystemExit("".join(lines)[-6000:])
+    return took, marks
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", default=None, help="write rank 0's cProfile (cumulative, top 60) here")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of max_steps=1 (each timed from its output)")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         _fit(1, folder)  # caches (corpus, samples mappings) built once, outside the measurement
         load = os.getloadavg()[0]
-        one, eleven = _fit(1, folder), _fit(11, folder)
+        runs = [_fit(1, folder) for _ in range(a.repeats)]
+        eleven, _ = _fit(11, folder)
+        print(f"launch to (seconds; {a.repeats} runs of max_steps=1, load average {load:.1f} on {os.cpu_count()} cores):")
+        for name in MARKS:
+            print(f"  {name:28s} " + "  ".join(f"{marks[name]:5.2f}" if name in marks else "    -" for _, marks in runs))
+        one = sorted(t for t, _ in runs)[len(runs) // 2]
         step = (eleven - one) / 10
-        print(f"fit max_steps=1: {one:.1f} s; max_steps=11: {eleven:.1f} s; per step ~{step:.2f} s; "
-              f"start-up ~{one - step:.1f} s (load average {load:.1f} on {os.cpu_count()} cores)")
+        print(f"fit max_steps=1: {one:.1f} s (median); max_steps=11: {eleven:.1f} s; per step ~{step:.2f} s; "
+              f"T(1) - step ~{one - step:.1f} s (with the last checkpoint, the summary and the exit)")
         imports = subprocess.run([sys.executable, "-X", "importtime", "-c",
                                   "import lightning_megatron.cli, lightning.pytorch.cli, lightning_megatron.strategy, "
                                   "lightning_megatron.datamodules, lightning_megatron.models.bert.module, "

@@ -261,8 +261,16 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         _print_help()
         return
+    from lightning_megatron import launch
+
     try:
-        if argv[0] in COMMANDS:
+        if argv[0] in COMMANDS and argv[0] != "finetune":
+            COMMANDS[argv[0]][0](argv[1:])
+            return
+        # A LightningCLI command: no garbage collections while it imports; resumed, with what the imports
+        # made frozen out of later ones, once they are done (lightning_megatron.launch).
+        launch.pause_collection()
+        if argv[0] == "finetune":
             COMMANDS[argv[0]][0](argv[1:])
             return
         # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
@@ -281,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         if rank_zero_only.rank != 0:
             raise SystemExit(1) from None
         raise SystemExit(f"lightning-megatron: {e}") from None
+    finally:
+        launch.resume_collection()  # a command that ended before its imports were done
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def lightning_cli(args: list[str] | None, model_class: type | None = None, datam
         args = resolve_recipes(args)
 
     given = list(args if args is not None else sys.argv[1:])  # the command line's own flags
-    launch.prewarm(given)  # the other local ranks import while this one parses (lightning_megatron.launch)
+    # The other local ranks import while this one parses (lightning_megatron.launch), the classes it builds too.
+    launch.prewarm(given, also=_default_classes(given, model_class, datamodule_class))
     try:
         return _megatron_cli(args, given, model_class, datamodule_class, link_num_classes=link_num_classes, **kwargs)
     finally:
@@ -59,6 +60,7 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
     # never imported; otherwise the BERT module and datamodule, whose recipes give plain arguments.
     from lightning_megatron.recipes import DEFAULT_DATA_CLASS, DEFAULT_MODEL_CLASS, import_class
 
+    launch.resume_collection()  # the command's imports are done (lightning_megatron.launch)
     named = _named_by_class_path(given)
     if model_class is None and "model" not in named:
         model_class = import_class(DEFAULT_MODEL_CLASS)
@@ -188,6 +190,20 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
 
 
+def _default_classes(given: list[str], model_class: type | None, datamodule_class: type | None) -> list[str]:
+    """The class paths of the model and data classes the command builds when ``given`` names none."""
+    from lightning_megatron.recipes import DEFAULT_DATA_CLASS, DEFAULT_MODEL_CLASS
+
+    named = _named_by_class_path(given)
+    out = []
+    for key, cls, default in (("model", model_class, DEFAULT_MODEL_CLASS), ("data", datamodule_class, DEFAULT_DATA_CLASS)):
+        if cls is not None:
+            out.append(f"{cls.__module__}.{cls.__qualname__}")
+        elif key not in named:
+            out.append(default)
+    return out
+
+
 def _named_by_class_path(argv: list[str]) -> set[str]:
     """Which of ``model`` / ``data`` the command line (``--model.class_path X``, ``--model X``) or a
     ``--config`` recipe (``model: {class_path: X}``; merged YAML text or a file) names by class path."""
@@ -296,7 +312,11 @@ def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
     recipe or the command line names a decoder class (``model: {class_path: ...GPTLightningModule}``, with
     ``init_from``, ``lora`` and the SFTDataModule: docs/finetune.md), which runs as ``fit`` does."""
     resolved = resolve_recipes(list(sys.argv[1:] if argv is None else argv))
-    launch.prewarm(resolved)  # before the imports below (torch, Lightning): the other ranks import meanwhile
+    # Before the imports below (torch, Lightning): the other ranks import meanwhile, the classifier's classes
+    # too when no model class is named (a named one is imported as the recipe's classes are).
+    classifier = ["lightning_megatron.models.bert.classification.BertClassificationModule",
+                  "lightning_megatron.datamodules.finetune.FinetuneDataModule"]
+    launch.prewarm(resolved, also=classifier if _model_class_path(resolved) is None else [])
     from lightning_megatron.datamodules.finetune import FinetuneDataModule
     from lightning_megatron.models.bert.classification import BertClassificationModule
 

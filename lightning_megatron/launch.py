@@ -10,6 +10,19 @@ it would start local rank k with ``subprocess.Popen(command, env=..., cwd=...)``
 process k receives that command line, environment and folder and runs the command as Python would
 (a script, or ``-m module``), so it is the process Lightning would have started, begun earlier.
 
+While it waits, it also imports the classes the command names (:func:`named_classes`: the recipe's and
+the command line's class paths, and the command's default model and data classes) and reads their
+signatures as LightningCLI's parse will, which imports the modules their annotations name (W&B's for
+the ``WandbLogger``): work of the rank's parse that came after its order, while rank 0 waited
+(docs/benchmarks.md, "Start-up").
+
+A command's start-up imports ~3,900 modules; CPython's full garbage collections during them walk the
+growing heap again and again. The command (``lightning-megatron``, and a waiting rank) pauses the
+collector for its imports (:func:`pause_collection`) and then freezes what they made out of every
+later collection (:func:`resume_collection`, ``gc.freeze``): modules, classes and functions, which
+live as long as the process. Only the command's own process does this: the library called from a
+user's program leaves the collector alone.
+
 A guess that was wrong (another device count, another strategy, a command it cannot run) costs
 only the imports: Lightning starts what is missing itself, and a waiting process that is not used
 is ended by rank 0 (:func:`release`: after a refusal, an error, or at its exit) or exits when its pipe
@@ -20,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -28,10 +42,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["prewarm", "release", "local_processes", "hand_to_waiting", "PREWARM_ENV"]
+__all__ = ["prewarm", "release", "local_processes", "named_classes", "hand_to_waiting", "pause_collection",
+           "resume_collection", "PREWARM_ENV", "CLASSES_ENV"]
 
 PREWARM_ENV = "LIGHTNING_MEGATRON_PREWARM_FD"
 """Set in a waiting rank's environment: the file descriptor of the pipe its order arrives on."""
+
+CLASSES_ENV = "LIGHTNING_MEGATRON_PREWARM_CLASSES"
+"""Set in a waiting rank's environment: the class paths it imports while it waits, comma-separated."""
+
+_CLASS_PATH_OPTIONS = ("--model", "--data", "--optimizer", "--lr_scheduler", "--trainer.strategy",
+                       "--trainer.logger", "--trainer.callbacks", "--trainer.plugins")
+"""Command-line options whose value LightningCLI reads as a class path (also ``--X.class_path``, and ``+=``)."""
 
 _STARTED_ELSEWHERE = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE",
                       "PMI_SIZE")
@@ -50,6 +72,28 @@ class _Waiting:
 
 
 _waiting: list[_Waiting] = []
+_collection_paused = False
+
+
+def pause_collection() -> None:
+    """No cyclic garbage collection until :func:`resume_collection` (a command, before its imports)."""
+    global _collection_paused
+    if gc.isenabled():
+        gc.disable()
+        _collection_paused = True
+
+
+def resume_collection() -> None:
+    """The imports are done: everything alive now is frozen out of later collections (``gc.freeze``:
+    reference counting still frees it) and collection resumes. Nothing unless :func:`pause_collection`
+    paused it: called from a user's program, the library leaves the collector as it is. The cycles the
+    imports left as garbage (~12 k objects) are frozen with them: collecting them first costs a full
+    walk of the heap (~0.35 s on 2 cores), for ~8 MB."""
+    global _collection_paused
+    if _collection_paused:
+        _collection_paused = False
+        gc.freeze()
+        gc.enable()
 
 
 def local_processes(argv: list[str]) -> int:
@@ -74,26 +118,60 @@ def local_processes(argv: list[str]) -> int:
     return value if isinstance(value, int) and value > 1 else 1
 
 
-def prewarm(argv: list[str]) -> None:
+def named_classes(argv: list[str]) -> list[str]:
+    """The class paths the command ``argv`` names, where LightningCLI reads one: every ``class_path``
+    of its ``--config`` recipes (nested ones too), and the values of the command line's class-path
+    options (``--model X``, ``--trainer.logger+=X``, ``--data.class_path X`` ...), in order, once each."""
+    from lightning_megatron.recipes import config_recipes
+
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if isinstance(value.get("class_path"), str):
+                found.append(value["class_path"])
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    for recipe in config_recipes(argv):
+        walk(recipe)
+    for i, arg in enumerate(argv):
+        option, eq, given = arg.partition("=")
+        option = option.removesuffix("+")
+        if option in _CLASS_PATH_OPTIONS or (option.startswith("--") and option.endswith(".class_path")):
+            value = given if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value.replace(".", "").replace("_", "").isalnum() and "." in value:  # a dotted name, not YAML
+                found.append(value)
+    return list(dict.fromkeys(found))
+
+
+def prewarm(argv: list[str], also: list[str] | tuple[str, ...] = ()) -> None:
     """Start local ranks 1..N-1 of the command ``argv`` now, waiting for their order (N from
     :func:`local_processes`); nothing inside a rank, under a cluster that starts ranks itself,
-    for a help or print-config call, or when N is 1."""
+    for a help or print-config call, or when N is 1. While they wait they import the classes
+    ``argv`` names (:func:`named_classes`) and those in ``also`` (the command's defaults)."""
     if _waiting or any(k in os.environ for k in (PREWARM_ENV, *_STARTED_ELSEWHERE)):
         return
     if any(a in ("-h", "--help", "--print_config") or a.startswith("--print_config=") for a in argv):
         return
-    for local_rank in range(1, local_processes(argv)):
-        _waiting.append(_start_waiting(local_rank))
+    processes = local_processes(argv)
+    classes = list(dict.fromkeys([*named_classes(argv), *also])) if processes > 1 else []
+    for local_rank in range(1, processes):
+        _waiting.append(_start_waiting(local_rank, classes))
     if _waiting:
         atexit.register(release)
 
 
-def _start_waiting(local_rank: int) -> _Waiting:
-    """Local rank ``local_rank`` started as a new interpreter that imports and waits for its order
-    (:func:`_wait`) on a pipe whose write end is returned (tests/dist_utils.py forks it instead)."""
+def _start_waiting(local_rank: int, classes: list[str]) -> _Waiting:
+    """Local rank ``local_rank`` started as a new interpreter that imports (``classes`` too) and waits
+    for its order (:func:`_wait`) on a pipe whose write end is returned (tests/dist_utils.py forks it
+    instead)."""
     read, write = os.pipe()
-    env = dict(os.environ, LOCAL_RANK=str(local_rank), **{PREWARM_ENV: str(read)})  # LOCAL_RANK: as
-    # Lightning's rank k has it at import (rank_zero_only.rank is read from it then)
+    env = dict(os.environ, LOCAL_RANK=str(local_rank), **{PREWARM_ENV: str(read), CLASSES_ENV: ",".join(classes)})
+    # LOCAL_RANK: as Lightning's rank k has it at import (rank_zero_only.rank is read from it then)
     proc = subprocess.Popen([sys.executable, "-c", "from lightning_megatron.launch import _wait; _wait()"],
                             env=env, pass_fds=(read,))
     os.close(read)
@@ -158,15 +236,40 @@ def hand_to_waiting(launcher_module: Any) -> Iterator[None]:
         release()
 
 
+def _warm(classes: list[str]) -> None:
+    """Import each of ``classes`` (class paths) and read its signature as LightningCLI's parse does
+    (jsonargparse's ``add_class_arguments``, which imports what the annotations name, even under
+    ``TYPE_CHECKING``); one that fails is left to the command's own parse to report, so nothing is said
+    here (its warnings neither: they are the parse's to give)."""
+    import warnings
+
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    from lightning_megatron.recipes import import_class
+
+    for path in classes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                parser = LightningArgumentParser(exit_on_error=False)
+                parser.add_class_arguments(import_class(path), "warm", fail_untyped=False)
+            except Exception:  # noqa: BLE001,S112 - the command's parse reports it, with its context
+                continue
+
+
 def _wait() -> None:
     """A waiting rank: import, wait for the order (none: exit quietly), become the command."""
     import importlib
     import runpy
 
     fd = int(os.environ.pop(PREWARM_ENV))
+    classes = [c for c in os.environ.pop(CLASSES_ENV, "").split(",") if c]
+    pause_collection()
     try:
         for name in _IMPORTS:
             importlib.import_module(name)
+        _warm(classes)
+        resume_collection()
         with os.fdopen(fd, "rb") as pipe:
             order = pipe.read()
     except KeyboardInterrupt:  # Ctrl-C of the command before this rank was needed

@@ -288,7 +288,7 @@ def _fork_waiting_ranks() -> None:
     rank's pipe, exiting as the interpreter does; Lightning's launcher hands it its command as to a new one."""
     from lightning_megatron import launch
 
-    def start_waiting(local_rank: int) -> Any:
+    def start_waiting(local_rank: int, classes: list[str]) -> Any:
         read, write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -298,7 +298,8 @@ def _fork_waiting_ranks() -> None:
             for rank in launch._waiting:  # the pipes of the ranks started before: the command's, not this rank's
                 os.close(rank.pipe)
             launch._waiting.clear()
-            os.environ.update({"LOCAL_RANK": str(local_rank), launch.PREWARM_ENV: str(read)})
+            os.environ.update({"LOCAL_RANK": str(local_rank), launch.PREWARM_ENV: str(read),
+                               launch.CLASSES_ENV: ",".join(classes)})
             _exit_as_python(launch._wait)
         os.close(read)
         return launch._Waiting(local_rank, _ForkedChild(pid), write)

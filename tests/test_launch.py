@@ -27,7 +27,8 @@ import json, os, subprocess, sys, types
 from lightning_megatron import launch
 
 script, tmp = sys.argv[1:]
-launch.prewarm(["fit", "--trainer.devices", "4"])  # local ranks 1, 2 and 3 start importing now
+launch.prewarm(["fit", "--trainer.devices", "4", "--model.class_path", "warm_probe.Probe"],  # local ranks 1, 2 and 3
+               also=["warm_probe.Missing", "no_such_module.Class"])  # start importing now
 waiting = {w.local_rank: w.proc for w in launch._waiting}
 lightnings = types.SimpleNamespace(subprocess=subprocess)  # stands for Lightning's launcher module
 with launch.hand_to_waiting(lightnings):
@@ -57,6 +58,7 @@ def test_waiting_ranks_run_lightnings_commands_and_the_rest_exit(tmp_path, start
         "json.dump({'argv': sys.argv, 'local_rank': os.environ['LOCAL_RANK'], 'cwd': os.getcwd(),\n"
         "           'extra': os.environ.get('EXTRA'), 'prewarm': os.environ.get('" + launch.PREWARM_ENV + "'),\n"
         "           'name': __name__, 'path0': sys.path[0],\n"
+        "           'warmed': [m in sys.modules for m in ('warm_probe', 'warm_probe_types')],\n"
         "           'rank_zero': lightning.pytorch.utilities.rank_zero_only.rank},\n"
         "          open(sys.argv[1] + '.part', 'w'))\n"
         "os.replace(sys.argv[1] + '.part', sys.argv[1])  # whole when it appears (rank 2 copies it then)\n")
@@ -66,6 +68,7 @@ def test_waiting_ranks_run_lightnings_commands_and_the_rest_exit(tmp_path, start
         "while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:\n"
         "    time.sleep(0.05)\n"
         "shutil.copy(sys.argv[1], sys.argv[2])\n")
+    _write_warm_probe(tmp_path)
     work = tmp_path / "work"
     work.mkdir()
 
@@ -81,8 +84,49 @@ def test_waiting_ranks_run_lightnings_commands_and_the_rest_exit(tmp_path, start
     got = json.loads((tmp_path / "out.json").read_text())
     assert got == {"argv": [str(script), str(tmp_path / "out.json")], "local_rank": "1", "cwd": str(work),
                    "extra": "from rank 0", "prewarm": None, "name": "__main__", "path0": str(tmp_path),
-                   "rank_zero": 1}
+                   "rank_zero": 1, "warmed": [True, True]}  # the class the command names, and its annotations' types
+    assert "Traceback" not in proc.stderr  # the class paths it could not import: left to the command's parse
     assert (tmp_path / "out2.json").read_text() == (tmp_path / "out.json").read_text()
+
+
+def _write_warm_probe(folder) -> None:
+    """A class whose argument's type is imported under ``TYPE_CHECKING`` only (as Lightning's ``WandbLogger``
+    has ``wandb``'s): LightningCLI's parse imports that module when it reads the signature."""
+    (folder / "warm_probe.py").write_text(
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from warm_probe_types import Size\n"
+        "class Probe:\n"
+        "    def __init__(self, size: Size | None = None) -> None:\n"
+        "        self.size = size\n")
+    (folder / "warm_probe_types.py").write_text("Size = int\n")
+
+
+def test_the_classes_a_command_names_are_read_where_lightningcli_reads_class_paths(tmp_path) -> None:
+    """Every ``class_path`` of the recipes (nested, in lists), and the command line's class-path options;
+    values elsewhere are not imported, even when they look like one (a run folder named ``runs.Bert``)."""
+    (tmp_path / "r.yaml").write_text(
+        "model:\n  class_path: pkg.models.Model\n  init_args:\n    head: {class_path: pkg.heads.Head}\n"
+        "trainer:\n  default_root_dir: runs.Bert\n  logger:\n    - class_path: lightning.pytorch.loggers.CSVLogger\n"
+        "  callbacks:\n    - {class_path: pkg.callbacks.Early, init_args: {monitor: val.Loss}}\n")
+    argv = ["fit", "--config", str(tmp_path / "r.yaml"), "--trainer.strategy", "pkg.strategy.Strategy",
+            "--data.class_path=pkg.data.Data", "--optimizer", "torch.optim.SGD", "--trainer.callbacks+=pkg.cb.Other",
+            "--trainer.default_root_dir", "runs.Other", "--model.init_args.head.class_path", "pkg.heads.Head"]
+    assert launch.named_classes(argv) == [
+        "pkg.models.Model", "pkg.heads.Head", "lightning.pytorch.loggers.CSVLogger", "pkg.callbacks.Early",
+        "pkg.strategy.Strategy", "pkg.data.Data", "torch.optim.SGD", "pkg.cb.Other"]
+
+
+def test_warming_a_class_imports_its_annotations_and_says_nothing_of_the_classes_it_cannot(
+        tmp_path, monkeypatch, capsys) -> None:
+    _write_warm_probe(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    launch._warm(["no_such_module.Class", "warm_probe.Missing", "warm_probe.Probe", "warm_probe"])
+    assert {"warm_probe", "warm_probe_types"} <= set(sys.modules)
+    assert capsys.readouterr() == ("", "")
+    for name in ("warm_probe", "warm_probe_types"):
+        monkeypatch.delitem(sys.modules, name)
 
 
 @pytest.mark.parametrize("argv, recipe, expected", [
@@ -111,7 +155,7 @@ _PREWARM_PROBE = """
 import sys
 from lightning_megatron import cli, launch
 
-def prewarm(argv):  # what was imported when the command starts its other local ranks
+def prewarm(argv, also=()):  # what was imported when the command starts its other local ranks
     print([name for name in ("torch", "lightning") if name in sys.modules], flush=True)
     raise SystemExit(0)
 
@@ -134,3 +178,55 @@ def test_commands_start_their_ranks_before_importing_torch(command, outside_any_
     proc = subprocess.run([sys.executable, "-c", _PREWARM_PROBE, *command.split()], cwd=root, capture_output=True,
                           text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr[-3000:]
+
+
+def test_collection_pauses_only_when_the_command_paused_it() -> None:
+    """``resume_collection`` without ``pause_collection`` (the library called from a user's program) changes
+    nothing; after a pause, what exists is frozen out of later collections and collection is back on."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    launch.resume_collection()
+    assert (gc.isenabled(), gc.get_freeze_count()) == (True, frozen)
+    launch.pause_collection()
+    try:
+        assert not gc.isenabled()
+        made = [[] for _ in range(1000)]  # tracked objects made while paused
+        launch.resume_collection()
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(made)
+        launch.resume_collection()  # once only
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()  # this test process's objects back in the oldest generation, as before
+
+
+_GC_PROBE = """
+import gc, sys
+from lightning_megatron import cli, launch
+
+started = launch.prewarm
+def prewarm(argv, also=()):  # the command's start-up: before its imports
+    print("collecting while importing:", gc.isenabled(), flush=True)
+    started(argv, also)
+
+launch.prewarm = prewarm
+try:
+    cli.main(sys.argv[1:])
+except SystemExit:
+    pass
+print("after the imports:", gc.isenabled(), gc.get_freeze_count() > 100_000, flush=True)
+"""
+
+
+def test_the_command_does_not_collect_while_it_imports_and_freezes_what_it_imported(outside_any_rank) -> None:
+    """CPython's full collections while ~3,900 modules import walk the growing heap again and again (~1 s of a
+    rank's start-up on 2 cores); the command pauses them until its imports are done, then freezes what they made
+    (never garbage: modules, classes, functions) out of every later collection. A new interpreter."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _GC_PROBE, "fit", "--config", "recipes/bert_tiny.yaml",
+                           "--trainer.devices", "1", "--print_config"], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("collecting", "after"))]
+    assert lines == ["collecting while importing: False", "after the imports: True True"], proc.stdout[-3000:]
