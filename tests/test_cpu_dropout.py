@@ -140,3 +140,42 @@ def test_default_dropout_is_torchs_and_kernels_install_on_every_site():
     assert set_kernels(block, kernels) == 2
     assert all(m.kernels is kernels for m in block.modules() if hasattr(m, "kernels"))
     block.train()(torch.randn(4, 2, 64), None).sum().backward()  # runs with the kernels installed
+
+
+class _StridedOperands(CPUKernels):
+    """The CPU kernels with the attention operands left as the projections' strided views."""
+
+    def attention_operands(self, q, k, v):
+        return q, k, v
+
+
+@pytest.mark.parametrize("case", ["padding", "causal", "gqa", "cache"])
+def test_contiguous_16_bit_attention_operands_give_the_strided_operands_bits(case):
+    """The CPU kernels copy 16-bit Q, K, V contiguous before the unfused attention's batched matmuls (oneDNN
+    copies strided operands itself, slower): forward and gradients are the same bits. Q, K, V are views of
+    one projection's output, as in a layer; ``cache``: the queries are the last s of sk positions."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    s, b, n, d = 12, 3, 4, 16
+    groups = 2 if case == "gqa" else n
+    sk = s + 5 if case == "cache" else s
+    cfg = TransformerConfig(**BASE, attention_dropout=0.0, params_dtype=dtype, num_query_groups=groups)
+    mask = None
+    if case in ("padding", "cache"):
+        mask = torch.zeros(b, 1, 1, sk, dtype=torch.bool)
+        mask[1, ..., sk - 3:] = True
+    qp = torch.randn(s, b, n * d, dtype=dtype, requires_grad=True)
+    kvp = torch.randn(sk, b, 2 * groups * d, dtype=dtype, requires_grad=True)
+    weights = torch.randn(s, b, n * d)
+    results = []
+    for kernels in (CPUKernels(), _StridedOperands()):
+        core = DotProductAttention(cfg, 1, AttnMaskType.padding if case == "padding" else AttnMaskType.causal)
+        set_kernels(core.train(), kernels)
+        k, v = kvp.view(sk, b, groups, 2 * d).split(d, dim=-1)  # strided views, as a layer's
+        out = core(qp.view(s, b, n, d), k, v, mask)
+        results.append((out, *torch.autograd.grad((out.float() * weights).sum(), (qp, kvp))))
+    for ours, strided in zip(*results):
+        assert torch.equal(ours, strided)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (qp.view(s, b, n, d), *kvp.view(sk, b, groups, 2 * d).split(d, -1)))
+    assert not k.is_contiguous() and all(t.is_contiguous() for t in CPUKernels().attention_operands(q, k, v))
+    assert CPUKernels().attention_operands(*(t.float() for t in (q, k, v)))[1].is_contiguous() is False  # fp32: as is

@@ -5,6 +5,10 @@
 - attention "auto": SDPA only for fp32 without dropout; else the unfused math, because SDPA's CPU
   kernels draw the dropout mask with ``bernoulli_`` and run bf16 through a slower path (the
   measurement is in docs/benchmarks.md, "Figures behind the code");
+- attention operands: the unfused attention's 16-bit Q, K and V made contiguous ([b, n, s, d]) before its
+  batched matmuls: oneDNN's matmul copies any operand that is neither contiguous nor transposed in its last two
+  dims, and its copies of these views (K transposed: a gather) are slower than copying them first; the
+  same bits (docs/benchmarks.md, "Figures behind the code");
 - softmax: a 16-bit softmax on CPU already computes in fp32 (forward bit-identical to fp32 then
   rounding; backward within an ulp), as Megatron's fused softmax does on GPUs: no casts of
   [b, n, s, s] needed;
@@ -48,6 +52,12 @@ class CPUKernels(Kernels):
         if backend == "auto" and self.attention and _on_cpu(query):
             return p == 0.0 and query.dtype == torch.float32
         return super().use_sdpa(query, p, backend)
+
+    def attention_operands(self, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.attention and _on_cpu(q) and q.dtype in (torch.bfloat16, torch.float16):  # fp32: no copy to save
+            return q.contiguous(), k.contiguous(), v.contiguous()
+        return super().attention_operands(q, k, v)
 
     def softmax(self, scores: torch.Tensor, in_fp32: bool) -> torch.Tensor:
         if self.attention and _on_cpu(scores):

@@ -154,6 +154,7 @@ class DotProductAttention(nn.Module):
             if gqa:
                 repeat = heads // k.shape[1]
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            q, k, v = self.kernels.attention_operands(q, k, v)
             context = self._unfused(q, k, v, attention_mask, causal, p)
         return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, n/t * d]
 

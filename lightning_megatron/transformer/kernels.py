@@ -28,6 +28,12 @@ class Kernels:
         """Whether core attention calls ``scaled_dot_product_attention`` ("auto": yes)."""
         return backend != "unfused"
 
+    def attention_operands(self, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The unfused attention's ``q, k, v`` ([b, n, s, d] views of the ``[s, b, n, d]`` projections) in the
+        layout its batched matmuls read (the defaults: as they are; a GPU's strided batched GEMM reads them)."""
+        return q, k, v
+
     def softmax(self, scores: torch.Tensor, in_fp32: bool) -> torch.Tensor:
         """Row softmax of ``scores``; computed in fp32 and cast back when ``in_fp32`` and 16-bit."""
         if in_fp32 and scores.dtype != torch.float32:
