@@ -268,8 +268,11 @@ def main(argv: list[str] | None = None) -> None:
             COMMANDS[argv[0]][0](argv[1:])
             return
         # A LightningCLI command: no garbage collections while it imports; resumed, with what the imports
-        # made frozen out of later ones, once they are done (lightning_megatron.launch).
-        launch.pause_collection()
+        # made frozen out of later ones, once they are done (lightning_megatron.launch). Only as the process's
+        # command (its arguments from sys.argv): main called with arguments from a program or a test would
+        # freeze that process's garbage of the moment too, a dropped model's tensors among it.
+        if from_sys_argv:
+            launch.pause_collection()
         if argv[0] == "finetune":
             COMMANDS[argv[0]][0](argv[1:])
             return
