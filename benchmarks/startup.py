@@ -31,8 +31,10 @@ FIT = ["fit", "--config", os.path.join(ROOT, "recipes", "bert_tiny.yaml"), "--mo
        "--lr_schedule.lr_warmup_steps", "0", "--trainer.log_every_n_steps", "1"]
 
 
-MARKS = {"rank 0 parsed": "Seed set to", "rank 0 at its process group": "Initializing distributed: GLOBAL_RANK: 0",
-         "rank 1 parsed": "[rank: 1] Seed set to", "rank 1 at its process group": "Initializing distributed: GLOBAL_RANK: 1",
+MARKS = {"rank 0 parsed": "Seed set to",
+         "rank 0 at its process group": "Initializing distributed: GLOBAL_RANK: 0",
+         "rank 1 parsed": "[rank: 1] Seed set to",
+         "rank 1 at its process group": "Initializing distributed: GLOBAL_RANK: 1",
          "first step done": "`Trainer.fit` stopped"}
 """What the run says, and the phrase that says it (the first line holding it counts)."""
 
@@ -78,9 +80,11 @@ def main() -> None:
         load = os.getloadavg()[0]
         runs = [_fit(1, folder) for _ in range(a.repeats)]
         eleven, _ = _fit(11, folder)
-        print(f"launch to (seconds; {a.repeats} runs of max_steps=1, load average {load:.1f} on {os.cpu_count()} cores):")
+        print(f"launch to (seconds; {a.repeats} runs of max_steps=1, load average {load:.1f} on "
+              f"{os.cpu_count()} cores):")
         for name in MARKS:
-            print(f"  {name:28s} " + "  ".join(f"{marks[name]:5.2f}" if name in marks else "    -" for _, marks in runs))
+            times = (f"{marks[name]:5.2f}" if name in marks else "    -" for _, marks in runs)
+            print(f"  {name:28s} " + "  ".join(times))
         one = sorted(t for t, _ in runs)[len(runs) // 2]
         step = (eleven - one) / 10
         print(f"fit max_steps=1: {one:.1f} s (median); max_steps=11: {eleven:.1f} s; per step ~{step:.2f} s; "

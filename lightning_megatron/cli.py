@@ -264,16 +264,13 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_megatron import launch
 
     try:
-        if argv[0] in COMMANDS and argv[0] != "finetune":
-            COMMANDS[argv[0]][0](argv[1:])
-            return
-        # A LightningCLI command: no garbage collections while it imports; resumed, with what the imports
-        # made frozen out of later ones, once they are done (lightning_megatron.launch). Only as the process's
-        # command (its arguments from sys.argv): main called with arguments from a program or a test would
-        # freeze that process's garbage of the moment too, a dropped model's tensors among it.
-        if from_sys_argv:
+        # A LightningCLI command (finetune too): no garbage collections while it imports; resumed, with what the
+        # imports made frozen out of later ones, once they are done (lightning_megatron.launch). Only as the
+        # process's command (its arguments from sys.argv): main called with arguments from a program or a test
+        # would freeze that process's garbage of the moment too, a dropped model's tensors among it.
+        if from_sys_argv and (argv[0] not in COMMANDS or argv[0] == "finetune"):
             launch.pause_collection()
-        if argv[0] == "finetune":
+        if argv[0] in COMMANDS:
             COMMANDS[argv[0]][0](argv[1:])
             return
         # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).

@@ -196,7 +196,8 @@ def _default_classes(given: list[str], model_class: type | None, datamodule_clas
 
     named = _named_by_class_path(given)
     out = []
-    for key, cls, default in (("model", model_class, DEFAULT_MODEL_CLASS), ("data", datamodule_class, DEFAULT_DATA_CLASS)):
+    for key, cls, default in (("model", model_class, DEFAULT_MODEL_CLASS),
+                              ("data", datamodule_class, DEFAULT_DATA_CLASS)):
         if cls is not None:
             out.append(f"{cls.__module__}.{cls.__qualname__}")
         elif key not in named:

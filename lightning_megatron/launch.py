@@ -16,7 +16,7 @@ signatures as LightningCLI's parse will, which imports the modules their annotat
 the ``WandbLogger``): work of the rank's parse that came after its order, while rank 0 waited
 (docs/benchmarks.md, "Start-up").
 
-A command's start-up imports ~3,900 modules; CPython's full garbage collections during them walk the
+A command's start-up imports thousands of modules; CPython's full garbage collections during them walk the
 growing heap again and again. The command (``lightning-megatron``, and a waiting rank) pauses the
 collector for its imports (:func:`pause_collection`) and then freezes what they made out of every
 later collection (:func:`resume_collection`, ``gc.freeze``): modules, classes and functions, which
@@ -87,8 +87,8 @@ def resume_collection() -> None:
     """The imports are done: everything alive now is frozen out of later collections (``gc.freeze``:
     reference counting still frees it) and collection resumes. Nothing unless :func:`pause_collection`
     paused it: called from a user's program, the library leaves the collector as it is. The cycles the
-    imports left as garbage (~12 k objects) are frozen with them: collecting them first costs a full
-    walk of the heap (~0.35 s on 2 cores), for ~8 MB."""
+    imports left as garbage are frozen with them: collecting them first would cost a full walk of the
+    heap, for a few MB (docs/benchmarks.md, "Start-up: the garbage collector during the imports")."""
     global _collection_paused
     if _collection_paused:
         _collection_paused = False
