@@ -165,11 +165,11 @@ class WandbLogger(loggers.WandbLogger):
         with its error. They do not cover every step of ``wandb.init`` (the login, git, the run-start request,
         a service start that hangs before its wait), so the call runs in a daemon thread that is waited for at
         most three quarters of the bound: a thread still running then is left behind (Python cannot stop it;
-        it does not keep the process alive; a run it still starts later is finished at once, unused). The
-        offline fallback first tears W&B's library state down (``wandb.teardown()``, in the background): the
-        call left behind holds its service lock, and a failed run keeps its id in use in the service. The
-        fallback keeps the run id (named here when none is given) and folder, so that ``wandb sync`` uploads
-        it as the same run, and has what is left of the bound.
+        it does not keep the process alive; a run it still starts later is finished at once, unused, as is a
+        late offline fallback's after the error). The offline fallback first tears W&B's library state down
+        (``wandb.teardown()``, in the background): the call left behind holds its service lock, and a failed run
+        keeps its id in use in the service. The fallback keeps the run id (named here when none is given) and
+        folder, so that ``wandb sync`` uploads it as the same run, and has what is left of the bound.
         """
         import wandb
 
@@ -192,7 +192,7 @@ class WandbLogger(loggers.WandbLogger):
             settings.resumed = True  # as __init__ for an offline resume: W&B cannot ask its server
         offline = dict(init, mode="offline", settings=settings)
         try:
-            run = _call_within(lambda: wandb.init(**offline), left)
+            run = _call_within(lambda: wandb.init(**offline), left, late=lambda run: run.finish(exit_code=1))
         except Exception as error:  # noqa: BLE001
             raise RuntimeError(
                 f"W&B: wandb.init {failed}, and the offline run it fell back to {_failure(error)}, within "

@@ -1,4 +1,4 @@
-"""Shared fixtures: every test leaves environment variables, default dtype, seeds and process groups as it found them.
+"""Shared fixtures: every test leaves environment variables, default dtype, seeds, process groups and W&B's run as it found them.
 
 The device the tests run on: ``pytest --device cuda`` (or ``LM_TEST_DEVICE=cuda``; default cpu).
 On cuda, single-rank tests create their tensors on the GPU (``torch.set_default_device``) and
@@ -82,3 +82,6 @@ def _restore_global_state():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.run.finish()  # a run a failed test left going: the next WandbLogger would reuse it
