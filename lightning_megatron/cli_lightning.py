@@ -74,7 +74,15 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
     _NAMED_CALLBACKS = {"megatron_optimizer": (MegatronOptimizerCallback, OptimizerConfig),
                         "lr_schedule": (OptimizerParamSchedulerCallback, OptimizerParamSchedulerCallback)}
 
+    # LightningCLI builds a parser for each of fit, validate, test and predict, whichever runs (each ~0.1 s of
+    # every rank's start on 2 cores): a command line that starts with its subcommand builds that one only.
+    every = LightningCLI.subcommands()
+    running = {given[0]: every[given[0]]} if given and given[0] in every else every
+
     class MegatronCLI(LightningCLI):
+        def subcommands(self) -> dict[str, set[str]]:  # LightningCLI's staticmethod, called on the instance
+            return running
+
         def add_arguments_to_parser(self, parser) -> None:
             # Named groups, so that every argument is a command-line override (a callback inside
             # trainer.callbacks' list is not). Optional: a section in the config (its arguments, no
@@ -182,7 +190,9 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                              PredictionWriter()]
     # A mistyped option that is the prefix of one (--trainer.max_step) is an error, not that option:
     # argparse's abbreviations off (jsonargparse hands the setting to every subcommand's parser).
-    kwargs["parser_kwargs"] = {"allow_abbrev": False, **(kwargs.get("parser_kwargs") or {})}
+    # (Settings for the subcommands not built are dropped: LightningCLI would read them as the main parser's.)
+    kwargs["parser_kwargs"] = {k: v for k, v in {"allow_abbrev": False, **(kwargs.get("parser_kwargs") or {})}.items()
+                               if k in running or k not in every}
     kwargs.setdefault("subclass_mode_model", model_class is None)  # a class named by class_path
     kwargs.setdefault("subclass_mode_data", datamodule_class is None)
     return MegatronCLI(model_class, datamodule_class, args=args,

@@ -150,3 +150,29 @@ def test_refused_before_launch_naming_the_value(case, inputs, tmp_path, monkeypa
     assert not dist.is_initialized() and not run.exists()  # nothing launched, nothing written
     # and no local rank started early outlives the refusal (it would import for seconds, for nothing)
     assert not [p for p in psutil.Process().children() if "lightning_megatron.launch" in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("argv, subcommand", [(["validate", "--config", GPT], "validate"), (FINETUNE, "fit")],
+                         ids=["validate", "finetune-fit"])
+def test_a_command_builds_the_parser_of_its_own_subcommand_only(argv, subcommand, inputs, monkeypatch, capsys):
+    """LightningCLI builds a parser for each of fit, validate, test and predict, whichever runs: a share of
+    every rank's start-up. A command builds its own subcommand's, and parses with it as before (here: a
+    mistyped option refused by it, with its usage)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    built: list[str] = []
+    prepare = LightningCLI._prepare_subcommand_parser
+
+    def recorded(self, klass, name, **kwargs):
+        built.append(name)
+        return prepare(self, klass, name, **kwargs)
+
+    monkeypatch.setattr(LightningCLI, "_prepare_subcommand_parser", recorded)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    with pytest.raises(SystemExit) as exited:
+        main([a.format(**inputs) for a in argv] + ["--trainer.max_step", "5"])
+    message = capsys.readouterr().err
+    assert exited.value.code == 2 and "unrecognized arguments: --trainer.max_step 5" in message, message
+    assert f"usage: lightning-megatron [options] {subcommand} [-c CONFIG]" in message, message
+    assert built == [subcommand]
