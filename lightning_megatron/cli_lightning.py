@@ -37,6 +37,7 @@ def lightning_cli(args: list[str] | None, model_class: type | None = None, datam
     given = list(args if args is not None else sys.argv[1:])  # the command line's own flags
     # The other local ranks import while this one parses (lightning_megatron.launch), the classes it builds too.
     launch.prewarm(given, also=_default_classes(given, model_class, datamodule_class))
+    launch.import_wandb_ahead(given)
     try:
         return _megatron_cli(args, given, model_class, datamodule_class, link_num_classes=link_num_classes, **kwargs)
     finally:
@@ -328,6 +329,7 @@ def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
     classifier = ["lightning_megatron.models.bert.classification.BertClassificationModule",
                   "lightning_megatron.datamodules.finetune.FinetuneDataModule"]
     launch.prewarm(resolved, also=classifier if _model_class_path(resolved) is None else [])
+    launch.import_wandb_ahead(resolved)
     from lightning_megatron.datamodules.finetune import FinetuneDataModule
     from lightning_megatron.models.bert.classification import BertClassificationModule
 

@@ -23,6 +23,10 @@ later collection (:func:`resume_collection`, ``gc.freeze``): modules, classes an
 live as long as the process. Only the command's own process does this: the library called from a
 user's program leaves the collector alone.
 
+The command that will start W&B also imports, before torch and Lightning, what ``wandb.init`` imports last
+(:func:`import_wandb_ahead`): that import scans ``sys.modules`` once per stack frame, so it costs a few times
+less while few modules are loaded than on rank 0's W&B thread later.
+
 A guess that was wrong (another device count, another strategy, a command it cannot run) costs
 only the imports: Lightning starts what is missing itself, and a waiting process that is not used
 is ended by rank 0 (:func:`release`: after a refusal, an error, or at its exit) or exits when its pipe
@@ -42,8 +46,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["prewarm", "release", "local_processes", "named_classes", "hand_to_waiting", "pause_collection",
-           "resume_collection", "PREWARM_ENV", "CLASSES_ENV"]
+__all__ = ["prewarm", "import_wandb_ahead", "release", "local_processes", "named_classes", "hand_to_waiting",
+           "pause_collection", "resume_collection", "PREWARM_ENV", "CLASSES_ENV"]
 
 PREWARM_ENV = "LIGHTNING_MEGATRON_PREWARM_FD"
 """Set in a waiting rank's environment: the file descriptor of the pipe its order arrives on."""
@@ -163,6 +167,28 @@ def prewarm(argv: list[str], also: list[str] | tuple[str, ...] = ()) -> None:
         _waiting.append(_start_waiting(local_rank, classes))
     if _waiting:
         atexit.register(release)
+
+
+def import_wandb_ahead(argv: list[str]) -> None:
+    """Import W&B, and the part of it ``wandb.init`` imports last, now, while few modules are loaded, when the
+    command ``argv`` names a ``WandbLogger`` and this process is the one that starts the command's ranks.
+
+    ``wandb.init`` imports ``wandb.sdk.launch`` (W&B Launch's staged inputs) once the run is ready. Its pydantic
+    models read their docstrings by walking the stack with ``inspect.getmodule``, which scans ``sys.modules``
+    for each frame: 0.35-0.7 s on rank 0's W&B thread with the ~4,000 modules of a command loaded, against
+    ~0.13 s before torch and Lightning are (docs/benchmarks.md, "Start-up"). Nothing else changes: the
+    same modules, imported earlier. (On a node other than the first, whose rank 0 starts no W&B run, it is
+    ~0.13 s spent for nothing: the parse imports ``wandb`` itself.)"""
+    if "torch" in sys.modules or os.environ.get("WANDB_MODE") == "disabled":
+        return  # no longer cheaper; no W&B run
+    if any(k in os.environ for k in (PREWARM_ENV, *_STARTED_ELSEWHERE)):
+        return  # a rank, not the process that starts them
+    if not any(path.rpartition(".")[2] == "WandbLogger" for path in named_classes(argv)):
+        return
+    try:
+        import wandb.sdk.launch.inputs.internal  # noqa: F401 - what wandb.init imports once the run is ready
+    except Exception:  # noqa: BLE001 - another W&B version: wandb.init imports what it needs itself
+        return
 
 
 def _start_waiting(local_rank: int, classes: list[str]) -> _Waiting:

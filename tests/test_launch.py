@@ -244,3 +244,39 @@ def test_main_given_its_arguments_leaves_the_collector_alone(tmp_path, monkeypat
     with pytest.raises(SystemExit):  # the recipe is refused before anything runs
         cli.main(["fit", "--config", str(tmp_path / "missing.yaml")])
     assert (gc.isenabled(), gc.get_freeze_count()) == (True, frozen)
+
+
+_WANDB_AHEAD_PROBE = """
+import sys
+from lightning_megatron import cli, launch
+
+ahead = launch.import_wandb_ahead
+def probe(argv):  # what the command imported ahead, and whether torch was imported then
+    ahead(argv)
+    print(["wandb.sdk.launch.inputs.internal" in sys.modules, "torch" in sys.modules], flush=True)
+    raise SystemExit(0)
+
+launch.import_wandb_ahead = probe
+cli.main(sys.argv[1:])
+print("never imported ahead")
+"""
+
+
+@pytest.mark.parametrize("command, env, imported", [
+    ("fit --config recipes/bert_tiny.yaml", {}, True),  # the recipe's WandbLogger
+    ("fit --config recipes/bert_tiny.yaml", {"WANDB_MODE": "disabled"}, False),  # no W&B run will start
+    ("fit --config recipes/bert_tiny.yaml", {"LOCAL_RANK": "1"}, False),  # a rank the command started
+    ("finetune fit --config recipes/bert_tiny_sst2.yaml", {}, False),  # a CSVLogger only
+    ("finetune fit --config recipes/bert_tiny_sst2.yaml --trainer.logger+=lightning_megatron.loggers.WandbLogger",
+     {}, True),
+], ids=["wandb", "disabled", "in-a-rank", "csv", "finetune-wandb"])
+def test_the_command_imports_what_wandb_init_imports_last_before_torch(command, env, imported, outside_any_rank):
+    """``wandb.init`` imports W&B Launch's inputs once the run is ready, whose pydantic models scan ``sys.modules``
+    per stack frame: ~0.13 s before torch and Lightning are imported, 0.35-0.7 s after, on rank 0's W&B thread
+    (docs/benchmarks.md, "Start-up"). The command that starts W&B imports it ahead; nothing else does. A new
+    interpreter."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environ = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    proc = subprocess.run([sys.executable, "-c", _WANDB_AHEAD_PROBE, *command.split()], cwd=root,
+                          capture_output=True, text=True, timeout=120, env={**environ, **env})
+    assert (proc.returncode, proc.stdout) == (0, f"[{imported}, False]\n"), proc.stderr[-3000:]
