@@ -75,8 +75,9 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
     _NAMED_CALLBACKS = {"megatron_optimizer": (MegatronOptimizerCallback, OptimizerConfig),
                         "lr_schedule": (OptimizerParamSchedulerCallback, OptimizerParamSchedulerCallback)}
 
-    # LightningCLI builds a parser for each of fit, validate, test and predict, whichever runs (each ~0.1 s of
-    # every rank's start on 2 cores): a command line that starts with its subcommand builds that one only.
+    # LightningCLI builds a parser for each of fit, validate, test and predict, whichever runs (the three unused
+    # ones ~0.1-0.2 s of every rank's start on 2 cores): a command line that starts with its subcommand builds
+    # that one only.
     every = LightningCLI.subcommands()
     running = {given[0]: every[given[0]]} if given and given[0] in every else every
 
