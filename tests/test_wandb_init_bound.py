@@ -117,22 +117,23 @@ def test_wedged_service_start_continues_offline_within_the_bound(wandb_env, wedg
 
 def test_unanswered_server_continues_offline_as_the_same_run(wandb_env, monkeypatch):
     """Online, a server that never answers: wandb's own init timeout (the user's 2 s, kept under the bound) ends
-    the attempt with its error, well inside the first attempt's 15 s even on a loaded machine (the W&B service
-    start comes before it), and the run continues offline with the id it was given and the user's settings."""
+    the attempt with its error, well inside the first attempt's 9 s even on a loaded machine (the W&B service
+    start comes before it: at half the bound, 6 s, it lost that race on a loaded CI runner), and the run
+    continues offline with the id it was given and the user's settings."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)  # connections are accepted by the kernel, and never answered
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
-    logger = WandbLogger(project="bound", save_dir=str(wandb_env), id="boundrun1", init_timeout_s=20,
+    logger = WandbLogger(project="bound", save_dir=str(wandb_env), id="boundrun1", init_timeout_s=12,
                          settings={"console": "off", "init_timeout": 2})
     try:
-        with pytest.warns(UserWarning, match=r"init_timeout_s=20\b") as caught:
+        with pytest.warns(UserWarning, match=r"init_timeout_s=12\b") as caught:
             run, seconds = _experiment_timed(logger)
     finally:
         server.close()
-    assert seconds < 20 + SLACK_S, seconds
+    assert seconds < 12 + SLACK_S, seconds
     [warning] = [str(w.message) for w in caught if "init_timeout_s" in str(w.message)]
     assert "wandb.init failed (CommError: " in warning and "deadline exceeded" in warning, warning  # wandb's own
     assert run.id == "boundrun1" and run.settings.mode == "offline" and run.settings.console == "off"
