@@ -1,4 +1,5 @@
-"""Shared fixtures: every test leaves environment variables, default dtype, seeds, process groups and W&B's run as it found them.
+"""Shared fixtures: every test leaves environment variables, default dtype, seeds, process groups and W&B's run as
+it found them.
 
 The device the tests run on: ``pytest --device cuda`` (or ``LM_TEST_DEVICE=cuda``; default cpu).
 On cuda, single-rank tests create their tensors on the GPU (``torch.set_default_device``) and
