@@ -1,6 +1,6 @@
 """Start-up of a 2-process `lightning-megatron fit`: where the seconds before the first step go.
 
-    .venv/bin/python benchmarks/startup.py [--profile prof.txt]
+    .venv/bin/python benchmarks/startup.py [--repeats N] [--wandb-mode offline|disabled] [--profile prof.txt]
 
 1. ``fit --config recipes/bert_tiny.yaml`` (2 processes, TP=2, a 1-layer model, logging on as the
    recipe has it) with ``--trainer.max_steps 1``, its output read as it comes: when rank 0 has parsed
@@ -39,7 +39,8 @@ MARKS = {"rank 0 parsed": "Seed set to",
 """What the run says, and the phrase that says it (the first line holding it counts)."""
 
 
-def _fit(steps: int, folder: str, profile: str | None = None) -> tuple[float, dict[str, float]]:
+def _fit(steps: int, folder: str, profile: str | None = None,
+         wandb_mode: str = "offline") -> tuple[float, dict[str, float]]:
     """(wall time of the command, seconds after launch at which each of :data:`MARKS` was said)."""
     run = tempfile.mkdtemp(prefix=f"run{steps}-", dir=folder)  # a new run folder each time (runs never share one)
     args = [*FIT, "--trainer.max_steps", str(steps), "--trainer.default_root_dir", run]
@@ -50,7 +51,7 @@ def _fit(steps: int, folder: str, profile: str | None = None) -> tuple[float, di
         script = (f"import cProfile, runpy, sys; sys.argv = {[cli.__file__, *args]!r}; "
                   f"cProfile.run('runpy.run_path(sys.argv[0], run_name=\"__main__\")', {profile!r})")
         cmd = [sys.executable, "-c", script]
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, WANDB_MODE=wandb_mode, WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks: dict[str, float] = {}
@@ -74,13 +75,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", default=None, help="write rank 0's cProfile (cumulative, top 60) here")
     parser.add_argument("--repeats", type=int, default=3, help="runs of max_steps=1 (each timed from its output)")
+    parser.add_argument("--wandb-mode", default="offline", choices=["offline", "disabled"],
+                        help="the recipe's WandbLogger offline (as the README runs it), or disabled: what W&B's "
+                             "start costs is the difference")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        _fit(1, folder)  # caches (corpus, samples mappings) built once, outside the measurement
+        # caches (corpus, samples mappings) built once, outside the measurement
+        _fit(1, folder, wandb_mode=a.wandb_mode)
         load = os.getloadavg()[0]
-        runs = [_fit(1, folder) for _ in range(a.repeats)]
-        eleven, _ = _fit(11, folder)
-        print(f"launch to (seconds; {a.repeats} runs of max_steps=1, load average {load:.1f} on "
+        runs = [_fit(1, folder, wandb_mode=a.wandb_mode) for _ in range(a.repeats)]
+        eleven, _ = _fit(11, folder, wandb_mode=a.wandb_mode)
+        print(f"launch to (seconds; {a.repeats} runs of max_steps=1, W&B {a.wandb_mode}, load average {load:.1f} on "
               f"{os.cpu_count()} cores):")
         for name in MARKS:
             times = (f"{marks[name]:5.2f}" if name in marks else "    -" for _, marks in runs)
@@ -101,7 +106,7 @@ def main() -> None:
             print(f"  {us / 1e6:6.2f} s {name}")
         if a.profile:
             out = os.path.abspath(a.profile) + ".prof"
-            _fit(1, folder, profile=out)
+            _fit(1, folder, profile=out, wandb_mode=a.wandb_mode)
             import pstats
 
             with open(a.profile, "w") as fh:
