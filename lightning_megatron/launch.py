@@ -187,8 +187,8 @@ def import_wandb_ahead(argv: list[str]) -> None:
         return
     try:
         import wandb.sdk.launch.inputs.internal  # noqa: F401 - what wandb.init imports once the run is ready
-    except Exception:  # noqa: BLE001 - another W&B version: wandb.init imports what it needs itself
-        return
+    except Exception:  # noqa: BLE001,S110 - another W&B version: wandb.init imports what it needs itself
+        pass
 
 
 def _start_waiting(local_rank: int, classes: list[str]) -> _Waiting:
