@@ -216,6 +216,41 @@ def test_causal_attention_with_a_padding_mask_stays_causal_on_both_backends():
         torch.testing.assert_close(core(q, k, v, mask), expected.reshape(s, b, N * D), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unfused_attention_hides_keys_with_the_bits_and_gradients_of_masked_fill(dtype):
+    # The unfused path fills the hidden scores in place and passes the gradient through them unmasked
+    # (softmax's gradient is exactly zero where a probability is). The reference spells the formula out
+    # with the same kernels (softmax in fp32, attention_softmax_in_fp32's default) and an out-of-place
+    # masked_fill, whose backward masks the gradient.
+    torch.manual_seed(0)
+    s, b = 9, 3
+    q0, k0, v0 = (torch.randn(s, b, N, D).to(dtype) for _ in range(3))
+    mask = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+    mask[1, ..., 6:] = True  # sequence 1 is padded after position 5
+    mask[2, ..., 3] = True
+    weights = torch.randn(s, b, N * D).to(dtype)
+    for mask_type, given in [(AttnMaskType.causal, None), (AttnMaskType.causal, mask), (AttnMaskType.padding, mask)]:
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        rq, rk, rv = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        core = DotProductAttention(TransformerConfig(**BASE, attention_backend="unfused"), 1, mask_type)
+        out = core(q, k, v, given)
+        (out * weights).sum().backward()
+        qb, kb, vb = (t.permute(1, 2, 0, 3).reshape(b * N, s, D) for t in (rq, rk, rv))
+        scores = torch.baddbmm(qb.new_empty(b * N, s, s), qb, kb.transpose(1, 2), beta=0.0,
+                               alpha=1.0 / D ** 0.5).view(b, N, s, s)
+        hidden = torch.zeros(s, s, dtype=torch.bool) if given is None else given
+        if mask_type == AttnMaskType.causal:
+            hidden = hidden | torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32).to(dtype)
+        expected = torch.matmul(probs, vb.view(b, N, s, D)).permute(2, 0, 1, 3).reshape(s, b, N * D)
+        (expected * weights).sum().backward()
+        assert torch.equal(out, expected), mask_type
+        for name, got, want in [("q", q.grad, rq.grad), ("k", k.grad, rk.grad), ("v", v.grad, rv.grad)]:
+            assert torch.equal(got, want), (mask_type, given is not None, name)
+        if given is not None:  # hidden keys get no gradient
+            assert k.grad[6:, 1].abs().sum() == 0 and k.grad[3, 2].abs().sum() == 0
+
+
 def test_swiglu_mlp_matches_llama_mlp():
     torch.manual_seed(0)
     theirs = hf.LlamaMLP(_hf_config(2))

@@ -170,12 +170,31 @@ class DotProductAttention(nn.Module):
             upper = torch.ones(s, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - s)
             attention_mask = upper if attention_mask is None else attention_mask | upper
         if attention_mask is not None:
-            scores = scores.masked_fill(attention_mask, float("-inf"))
+            scores = _HideScores.apply(scores, attention_mask)
         probs = self.kernels.softmax(scores, self.config.attention_softmax_in_fp32)
         if p > 0:
             with self._dropout_rng():
                 probs = dropout(probs, p, kernels=self.kernels)
         return torch.matmul(probs, v)
+
+
+class _HideScores(torch.autograd.Function):
+    """``scores.masked_fill_(hidden, -inf)`` in place, whose backward passes the gradient through unmasked.
+
+    The scores are the unfused path's own fresh tensor, so filling them in place saves the copy an
+    out-of-place ``masked_fill`` makes; and the softmax that follows gives a hidden score's gradient as its
+    probability (exactly 0) times a finite factor, so masking that gradient again, as ``masked_fill``'s
+    backward does, is a second pass over the scores that changes nothing (the tests compare the bits)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(scores)
+        scores.masked_fill_(hidden, float("-inf"))
+        return scores  # the very tensor (torch.compile traces mark_dirty only so)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class SelfAttention(nn.Module):
