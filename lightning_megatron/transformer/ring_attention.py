@@ -51,11 +51,13 @@ def _visible_blocks(rank: int, src: int, cp: int, c: int, documents: torch.Tenso
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, hidden: torch.Tensor | None) -> torch.Tensor:
     """[b, n, C, C] fp32 scores of a query chunk against a key chunk, -inf where hidden."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    # Inside the ring's autograd Function: nothing records these ops, so the fresh product is scaled and
+    # masked in place (the same values as out of place, no copies of the block).
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     if hidden is not None:
-        s = s.masked_fill(hidden, float("-inf"))
+        s.masked_fill_(hidden, float("-inf"))
     return s
 
 
