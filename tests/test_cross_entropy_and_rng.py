@@ -60,6 +60,15 @@ def _ce_cases(tp: int, group, rank: int) -> None:
                                                            reduction="none", label_smoothing=smoothing,
                                                            ignore_index=-100).reshape(3, 5), **TOL)
         torch.testing.assert_close(local16.grad, full16.chunk(tp, -1)[rank].bfloat16(), atol=1e-5, rtol=8e-3)  # 1 ulp
+        # A piece of rows at a time (the CPU tuning's loss_rows): the same bits as all rows at once. 15 rows:
+        # pieces of 2 leave one row over (it joins the piece before), of 4 three.
+        for rows in (2, 4):
+            for whole, loss_whole in ((local, loss), (local16, loss16)):
+                piecewise = whole.detach().clone().requires_grad_()
+                got = vocab_parallel_cross_entropy(piecewise, target, smoothing, tp_group=group, rows_per_piece=rows,
+                                                   vocab_size=None if vocab == padded else vocab)
+                got.backward(dloss)
+                assert torch.equal(got, loss_whole) and torch.equal(piecewise.grad, whole.grad), (vocab, smoothing, rows)
     _argmax_cases(tp, group, rank)
 
 
@@ -88,6 +97,31 @@ def test_cross_entropy_single_process():
 @pytest.mark.parametrize("tp", [2, 4], ids=lambda t: f"tp{t}")
 def test_vocab_parallel_cross_entropy_equals_torch(tp):
     run_distributed(_ce_worker, tp, tp, timeout=120)
+
+
+def test_cross_entropy_in_pieces_keeps_the_bits_where_a_row_sum_may_be_split_across_threads():
+    """33,000 columns: more than ATen's grain, so a one-row sum would be split across threads (another order
+    of additions); pieces of 2 over 9 rows end in a piece of 3, never of one. A transposed (not flattenable)
+    input goes all at once, and a one-row piece is refused."""
+    torch.set_num_threads(2)  # a split needs two threads (an xdist worker has one; the autouse fixture restores it)
+    torch.manual_seed(0)
+    logits = torch.randn(9, 33_000) * 0.5  # fp32, and a scale where one row alone sums its exps in another order
+    target = torch.randint(0, 33_000, (9,))
+    target[4] = -100
+    dloss = torch.rand(9)
+    results = []
+    for rows, z in ((None, logits), (2, logits), (3, logits), (2, logits.view(3, 3, -1).transpose(0, 1))):
+        z = z.clone() if z.is_contiguous() else z.detach()
+        z.requires_grad_()
+        loss = vocab_parallel_cross_entropy(z, target if z.dim() == 2 else target.view(3, 3).t(), 0.1,
+                                            rows_per_piece=rows)
+        loss.backward(dloss if z.dim() == 2 else dloss.view(3, 3).t())
+        grad = z.grad if z.dim() == 2 else z.grad.transpose(0, 1).reshape(9, -1)
+        results.append((loss if z.dim() == 2 else loss.t().reshape(9), grad))
+    for loss, grad in results[1:]:
+        assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][1])
+    with pytest.raises(ValueError, match="rows_per_piece=1 must be at least 2 rows"):
+        vocab_parallel_cross_entropy(logits, target, rows_per_piece=1)
 
 
 def test_cross_entropy_bf16_logits_give_fp32_loss_and_bf16_grad():

@@ -265,6 +265,42 @@ def test_llama_shape_equals_transformers_llama():
         assert (ours_g - hf_g).abs().max() <= 1e-5 * hf_g.abs().max()
 
 
+def test_platform_kernels_take_the_loss_a_piece_of_rows_at_a_time_with_the_same_bits():
+    """A platform's Kernels installed with set_kernels reach the model's loss (Kernels.loss_rows): the llama shape in
+    bf16, its loss in pieces of 5 rows (48 tokens: the last piece 3) equals the default kernels' bit for bit, loss and
+    gradients, and F.cross_entropy of its logits; the CPU kernels choose ~4 MiB of fp32 rows, none on another device."""
+    import torch.nn.functional as F
+
+    from lightning_megatron.cpu.kernels import CPUKernels
+    from lightning_megatron.transformer import Kernels, set_kernels
+
+    class FiveRows(Kernels):
+        def loss_rows(self, logits: torch.Tensor) -> int | None:
+            return 5
+
+    torch.manual_seed(0)
+    model = GPTModel(_llama_config(), "llama_layer_spec", VOCAB, SEQ, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False).bfloat16()
+    ids = _tokens()
+    tokens, labels = ids[:, :-1], ids[:, 1:]
+    runs = []
+    for kernels in (Kernels(), FiveRows()):
+        assert set_kernels(model, kernels) >= 1 and model.kernels is kernels
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, labels=labels)
+        loss.sum().backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (whole, whole_grads), (pieces, piece_grads) = runs
+    assert torch.equal(pieces, whole)
+    assert all(torch.equal(piece_grads[n], g) for n, g in whole_grads.items())
+    logits = model(tokens).float()[..., :VOCAB]
+    torch.testing.assert_close(pieces, F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1),
+                                                       reduction="none").view_as(labels), rtol=1e-6, atol=1e-6)
+    assert CPUKernels().loss_rows(torch.empty(4, 32_000)) == 32
+    assert CPUKernels().loss_rows(torch.empty(4, 4_000_000, device="meta")) is None
+    assert CPUKernels(loss_pieces=False).loss_rows(torch.empty(4, 32_000)) is None
+
+
 @pytest.mark.parametrize("shape", ["gpt2", "llama"])
 def test_greedy_generation_equals_transformers_generate(shape):
     """``GPTLightningModule.generate`` (KV cache; learned positions or rope from the cache's offset) gives

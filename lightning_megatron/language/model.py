@@ -47,6 +47,7 @@ from lightning_megatron.tensor_parallel import (
 from lightning_megatron.tensor_parallel.backward import defer_output_layer_weight_grad
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 from lightning_megatron.transformer import (
+    DEFAULT_KERNELS,
     Dropout,
     ModuleSpec,
     TransformerBlock,
@@ -155,6 +156,7 @@ class LanguageModule(nn.Module):
         self.max_sequence_length = max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.kernels = DEFAULT_KERNELS  # the loss's (Kernels.loss_rows); a platform's with set_kernels
 
     # ------------------------------------------------------------------ building
 
@@ -208,7 +210,8 @@ class LanguageModule(nn.Module):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy of vocab-parallel ``logits`` [.., V_padded/t] against ``labels`` [..]
         (fp32; the padded columns never count): megatron-core's loss hook."""
-        return vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.vocab_size)
+        return vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.vocab_size,
+                                            rows_per_piece=self.kernels.loss_rows(logits))
 
     @property
     def transformer_block(self) -> TransformerBlock:

@@ -17,6 +17,8 @@ Gradient: dloss/dz_j = softmax_j - (1 - eps) [j == y] - eps / V   (j < V).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -26,9 +28,29 @@ from lightning_megatron.tensor_parallel.mappings import all_reduce
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
+def _pieces(rows_per_piece: int | None, *tensors: torch.Tensor | None) -> Iterator[tuple[torch.Tensor | None, ...]]:
+    """Yield views of ``tensors`` (each [..., V] or [...] over the same leading dims; None stays None) a piece
+    of ``rows_per_piece`` rows of the flattened leading dims at a time; all of them at once when None or when a
+    tensor's leading dims cannot be flattened without a copy. No piece has a single row unless there is one row
+    in all: a one-row reduction may be split across threads, which adds in another order."""
+    n = tensors[1].numel() // tensors[1].size(-1) if tensors[1] is not None else 0
+    viewable = all(t is None or t.is_contiguous() for t in tensors)
+    if rows_per_piece is None or rows_per_piece >= n or not viewable:
+        yield tensors
+        return
+    lead = tensors[0].shape[:-1]
+    flat = [None if t is None else (t.view(-1, t.size(-1)) if t.shape[:-1] == lead else t.view(-1))
+            for t in tensors]
+    starts = list(range(0, n, rows_per_piece))
+    if n - starts[-1] == 1:
+        starts.pop()  # the last row joins the piece before it
+    for lo, hi in zip(starts, starts[1:] + [n]):
+        yield tuple(None if t is None else t[lo:hi] for t in flat)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, group, vocab_size, ignore_index):
+    def forward(ctx, logits, target, label_smoothing, group, vocab_size, ignore_index, rows_per_piece):
         input_dtype = logits.dtype
         partition = logits.size(-1)
         world, rank = group_size(group), group_rank(group)
@@ -46,21 +68,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             logits_max = torch.full(logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
         all_reduce(logits_max, group, dist.ReduceOp.MAX)
-        # The one working copy, fp32 (a 16-bit input is widened on the way): the input itself is never written.
-        logits = torch.sub(logits, logits_max.unsqueeze(-1), out=torch.empty(logits.shape, dtype=torch.float32,
-                                                                               device=logits.device))
-        if valid < partition:
-            logits[..., valid:] = float("-inf")
 
         ignored = target == ignore_index
         outside = (target < start) | (target >= start + partition) | ignored
         local_target = (target - start).masked_fill(outside, 0)
-        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        all_reduce(predicted, group)
 
-        sum_logits = logits[..., :valid].sum(dim=-1) if label_smoothing > 0 else None
-        exp_logits = logits.exp_()  # the shifted logits are not needed any more: exp in place
-        sum_exp = exp_logits.sum(dim=-1)
+        # The one working copy, fp32 (a 16-bit input is widened on the way): the input itself is never written.
+        # Each row's values depend on that row only, so the passes below may go a piece of rows at a time
+        # (``rows_per_piece``): the same bits, with a piece's fp32 rows still in cache from one pass to the next.
+        exp_logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        predicted, sum_exp = (torch.empty(target.shape, dtype=torch.float32, device=logits.device) for _ in "ab")
+        sum_logits = torch.empty_like(sum_exp) if label_smoothing > 0 else None
+        for z, out, m, y, pred, sums, sums_z in _pieces(rows_per_piece, logits, exp_logits, logits_max,
+                                                        local_target.contiguous(), predicted, sum_exp, sum_logits):
+            shifted = torch.sub(z, m.unsqueeze(-1), out=out)
+            if valid < partition:
+                shifted[..., valid:] = float("-inf")
+            torch.gather(shifted, -1, y.unsqueeze(-1), out=pred.unsqueeze(-1))
+            if sums_z is not None:
+                torch.sum(shifted[..., :valid], dim=-1, out=sums_z)
+            shifted.exp_()  # the shifted logits are not needed any more: exp in place
+            torch.sum(shifted, dim=-1, out=sums)
+        predicted = predicted.masked_fill(outside, 0.0)
+        all_reduce(predicted, group)
         all_reduce(sum_exp, group)
         log_z = sum_exp.log()
         loss = log_z - predicted
@@ -74,6 +104,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # multiplication by the incoming gradient (one pass over [..., V] fewer than normalising here).
         ctx.save_for_backward(exp_logits, sum_exp, local_target, outside, ignored)
         ctx.label_smoothing, ctx.real_vocab, ctx.valid, ctx.input_dtype = label_smoothing, real_vocab, valid, input_dtype
+        ctx.rows_per_piece = rows_per_piece
         return loss
 
     @staticmethod
@@ -84,22 +115,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = exp_logits  # saved exponentials are ours alone: update in place
         grad.scatter_add_(-1, local_target.unsqueeze(-1),
                           (-(1.0 - eps) * sum_exp).masked_fill(outside, 0.0).unsqueeze(-1))
-        if eps > 0:
-            grad[..., :ctx.valid] -= (eps / ctx.real_vocab) * sum_exp.unsqueeze(-1)
-        grad.mul_((grad_output.masked_fill(ignored, 0.0) / sum_exp).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None, None
+        scale = grad_output.masked_fill(ignored, 0.0) / sum_exp
+        shift = (eps / ctx.real_vocab) * sum_exp if eps > 0 else None
+        # Narrowed to the logits' dtype into a new tensor (fp32 logits: the saved one is the gradient), a piece
+        # of rows at a time as in the forward.
+        out = grad if ctx.input_dtype == grad.dtype else torch.empty(grad.shape, dtype=ctx.input_dtype,
+                                                                      device=grad.device)
+        for piece, piece_out, piece_scale, piece_shift in _pieces(ctx.rows_per_piece, grad, out, scale, shift):
+            if piece_shift is not None:
+                piece[..., :ctx.valid] -= piece_shift.unsqueeze(-1)
+            piece.mul_(piece_scale.unsqueeze(-1))
+            if piece_out is not piece:
+                piece_out.copy_(piece)
+        return out, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  label_smoothing: float = 0.0, *, tp_group: Group = None,
-                                 vocab_size: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+                                 vocab_size: int | None = None, ignore_index: int = -100,
+                                 rows_per_piece: int | None = None) -> torch.Tensor:
     """Per-token cross entropy (no reduction) of logits split by vocab across ``tp_group``.
 
     vocab_parallel_logits: [..., V_padded / t] (this rank's columns); target: [...] global ids.
     vocab_size: the real vocabulary (columns >= vocab_size are padding and excluded); None = all.
     Targets equal to ``ignore_index`` give loss 0 and no gradient. Computed in fp32.
+    rows_per_piece: the passes over the fp32 working copy go this many rows (tokens) at a time, each
+    piece through all of them while it is in cache; None: all rows in each pass (one kernel per pass: what
+    a GPU wants). The values are the same bit for bit (a row's sums are its own); the CPU tuning sets it
+    (:meth:`~lightning_megatron.cpu.kernels.CPUKernels.loss_rows`).
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    if rows_per_piece is not None and rows_per_piece < 2:
+        raise ValueError(f"rows_per_piece={rows_per_piece} must be at least 2 rows or None (all rows at once): a "
+                         "one-row sum may be split across threads, which would change the loss's last bits")
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, float(label_smoothing),
-                                            tp_group, vocab_size, ignore_index)
+                                            tp_group, vocab_size, ignore_index, rows_per_piece)

@@ -5,7 +5,8 @@ attention backend, the softmax in fp32 when the config asks). A platform package
 subclass on a built model with :func:`set_kernels`; the opt-in CPU tuning
 (:class:`lightning_megatron.cpu.CPUTuning`) does, with :class:`lightning_megatron.cpu.kernels.CPUKernels`.
 Modules that use kernels hold them in a ``kernels`` attribute (:class:`DotProductAttention`,
-:class:`TransformerLayer`'s bias-dropout-add, :class:`Dropout`, a mixture of experts' ``LocalExperts``).
+:class:`TransformerLayer`'s bias-dropout-add, :class:`Dropout`, a mixture of experts' ``LocalExperts``, the
+language model's loss: :class:`~lightning_megatron.language.model.LanguageModule`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Kernels:
         if in_fp32 and scores.dtype != torch.float32:
             return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
         return torch.softmax(scores, dim=-1)
+
+    def loss_rows(self, logits: torch.Tensor) -> int | None:
+        """Rows (tokens) of ``logits`` [..., V/t] the cross entropy takes through its fp32 passes at a time
+        (:func:`~lightning_megatron.tensor_parallel.vocab_parallel_cross_entropy`'s ``rows_per_piece``; the
+        same bits either way). The default, None: all rows in each pass, one kernel per pass."""
+        return None
 
     def expert_rows(self, rows: int, x: torch.Tensor) -> int:
         """The rows to run an expert's matmuls on when it receives ``rows`` tokens (``x`` one of them): more
