@@ -9,7 +9,8 @@ Runs the model of :class:`BertLightningModule` (``--size`` base, tiny) or of ``g
 :class:`GPTLightningModule` (``--size`` llama-tiny, llama-small: RMSNorm, SwiGLU, rope, grouped-query attention;
 their sequence length and batch unless ``--seq`` / ``--batch`` say otherwise) directly (no Trainer: one process, all cores), the
 way the MegatronStrategy's no-pipelining schedule does: ``forward_step`` -> ``backward`` (16-bit grads
-added into the fp32 :class:`GradBuffer` by its hooks) -> optimizer step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping).
+added into the fp32 :class:`GradBuffer` by its hooks) -> optimizer step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping,
+its grads read from the buffer as under the strategy).
 After ``--warmup`` steps one step runs under ``torch.profiler`` with shapes recorded, and prints
 
 - wall time of the phases (``FWD``, ``BWD``, ``OPT`` record_function ranges);
@@ -62,7 +63,7 @@ def build(size_name: str, dtype: str, batch: int, seq: int, layers: int | None =
                         hidden_dropout=dropout, attention_dropout=dropout)
     module = BertLightningModule(config, lr=LR, weight_decay=WEIGHT_DECAY)
     module.configure_model()
-    return module, _optimizer(module, dtype), _stacked(SyntheticBatches(batch, seq, s.vocab_size), batch)
+    return module, module.configure_optimizers(), _stacked(SyntheticBatches(batch, seq, s.vocab_size), batch)
 
 
 def build_decoder(size_name: str, dtype: str, batch: int | None, seq: int | None, layers: int | None = None,
@@ -81,17 +82,31 @@ def build_decoder(size_name: str, dtype: str, batch: int | None, seq: int | None
         raise SystemExit(f"--dropout {dropout}: the Llama shape has no dropout (0.0)")
     module = _ours(s, dtype == "bf16")
     module.configure_model()
-    return module, _optimizer(module, dtype), _stacked(TokenBatches(s.batch, s.seq_length, s.vocab_size), s.batch)
+    return module, module.configure_optimizers(), _stacked(TokenBatches(s.batch, s.seq_length, s.vocab_size), s.batch)
 
 
-def _optimizer(module, dtype: str):
-    opt = module.configure_optimizers()
-    if dtype == "bf16":
-        from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler
-        from lightning_megatron.optimizer.mixed_precision import Float16OptimizerWithFloat16Params
+def _mixed_precision(opt, dtype: str, grads):
+    """bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, reading the grads from the
+    strategy's buffer ``grads`` as there (without it the 16-bit params' ``.grad``, which the buffer's hooks
+    empty, and the update would step nothing); fp32: the plain optimizer."""
+    if dtype != "bf16":
+        return opt
+    from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler
+    from lightning_megatron.optimizer.mixed_precision import Float16OptimizerWithFloat16Params
 
-        opt = Float16OptimizerWithFloat16Params(opt, grad_scaler=ConstantGradScaler(1.0), clip_grad=0.0)
-    return opt
+    return Float16OptimizerWithFloat16Params(opt, grad_scaler=ConstantGradScaler(1.0), clip_grad=0.0,
+                                             grad_buffer=grads)
+
+
+def _check_updated(opt) -> None:
+    """Refuse to time a step whose Adam update stepped no state for some parameter (its grad never reached it)."""
+    inner = getattr(opt, "optimizer", opt)
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        params = [p for group in inner.param_groups for p in group["params"]]
+        missing = sum(1 for p in params if not inner.state.get(p))
+        if missing:
+            raise SystemExit(f"the optimizer updated {len(params) - missing} of {len(params)} parameters in the "
+                             f"warm-up: the timed step would leave out the update of the rest")
 
 
 def _stacked(ds, batch: int) -> dict[str, torch.Tensor]:
@@ -275,6 +290,7 @@ def main() -> None:
     if args.compile:
         print(f"compiled {chunk.compile_layers()} transformer layers")
     grads = GradBuffer(buffer_order([chunk]))  # the strategy's fp32 grad buffer (filled by backward hooks)
+    opt = _mixed_precision(opt, args.dtype, grads)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -294,6 +310,7 @@ def main() -> None:
         t0 = time.perf_counter()
         step()
         print(f"warm-up step {time.perf_counter() - t0:.3f} s")
+    _check_updated(opt)
     if args.peak_memory:
         peaks = [step_peak_bytes(step) for _ in range(3)]
         print(f"a step's peak of memory above what lives between steps: {min(peaks) / 2**20:.1f} MiB "
