@@ -85,17 +85,16 @@ def build_decoder(size_name: str, dtype: str, batch: int | None, seq: int | None
     return module, module.configure_optimizers(), _stacked(TokenBatches(s.batch, s.seq_length, s.vocab_size), s.batch)
 
 
-def _mixed_precision(opt, dtype: str, grads):
-    """bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, reading the grads from the
-    strategy's buffer ``grads`` as there (without it the 16-bit params' ``.grad``, which the buffer's hooks
-    empty, and the update would step nothing); fp32: the plain optimizer."""
+def _mixed_precision(opt, dtype: str, grads, ps):
+    """bf16: the optimizer as the MegatronOptimizerCallback wraps it (``OptimizerConfig.wrap``: fp32 main params,
+    scale 1, here no clipping), reading the grads from the strategy's buffer ``grads`` as there (without it, the
+    16-bit params' ``.grad``, which the buffer's hooks empty: the update would step nothing); fp32: the plain
+    optimizer."""
     if dtype != "bf16":
         return opt
-    from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler
-    from lightning_megatron.optimizer.mixed_precision import Float16OptimizerWithFloat16Params
+    from lightning_megatron.optimizer.config import OptimizerConfig
 
-    return Float16OptimizerWithFloat16Params(opt, grad_scaler=ConstantGradScaler(1.0), clip_grad=0.0,
-                                             grad_buffer=grads)
+    return OptimizerConfig(clip_grad=0.0).wrap(opt, parallel_state=ps, grad_buffer=grads)
 
 
 def _check_updated(opt) -> None:
@@ -290,7 +289,7 @@ def main() -> None:
     if args.compile:
         print(f"compiled {chunk.compile_layers()} transformer layers")
     grads = GradBuffer(buffer_order([chunk]))  # the strategy's fp32 grad buffer (filled by backward hooks)
-    opt = _mixed_precision(opt, args.dtype, grads)
+    opt = _mixed_precision(opt, args.dtype, grads, ps)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
