@@ -1,12 +1,14 @@
 """The gradient norm's fp64 sum of squares on bert-base's gradient shapes: 1 M-element temporaries
-against the cache-sized pieces of ``clip_grads.sum_of_squares_fp64``.
+against the cache-sized pieces of ``clip_grads.sum_of_squares_fp64``, and the size of those pieces.
 
     .venv/bin/python benchmarks/grad_norm.py [--repeats 7]
 
 The gradients are views of one flat fp32 buffer, as the grad buffer's ``main_grad`` are, with the glibc
 setting of the CPU tuning (``keep_freed_memory``). ``before``: every 1 M-element piece converted into a
-new fp64 tensor and dotted with itself (the code until 2026-12-03); ``now``: the library's function.
-Median milliseconds per call, on 1 and on all threads, and the two sums (equal to ~1e-16 relative).
+new fp64 tensor and dotted with itself (the code until 2026-12-03); ``now``: the library's function;
+``pieces_<k>K``: the library's function with pieces of ``k`` Ki elements in all (``clip_grads._piece``:
+64 Ki per intra-op thread until 2026-12-04; since, 128 Ki per thread and at least 256 Ki). Median milliseconds per call, on 1
+and on all threads, measured in alternating order, and the sums (equal to ~1e-14 relative).
 """
 
 from __future__ import annotations
@@ -31,6 +33,19 @@ def _before(tensors: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def _with_pieces(elements: int):
+    from lightning_megatron.optimizer import clip_grads
+
+    def fn(tensors: list[torch.Tensor]) -> torch.Tensor:
+        default = clip_grads._piece
+        clip_grads._piece = lambda device: elements
+        try:
+            return clip_grads.sum_of_squares_fp64(tensors)
+        finally:
+            clip_grads._piece = default
+    return fn
+
+
 def run(repeats: int) -> dict:
     from lightning_megatron.cpu.allocator import keep_freed_memory
     from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
@@ -44,15 +59,19 @@ def run(repeats: int) -> dict:
     for threads in sorted({1, CPU_COUNT}):
         torch.set_num_threads(threads)
         row: dict = {"threads": threads}
-        for name, fn in (("before", _before), ("now", sum_of_squares_fp64)):
+        fns = [("before", _before), ("now", sum_of_squares_fp64)]
+        fns += [(f"pieces_{k}K", _with_pieces(k << 10)) for k in (64, 128, 256, 512, 1024, 2048)]
+        times: dict[str, list[float]] = {name: [] for name, _ in fns}
+        for name, fn in fns:
             fn(grads)  # warm
-            times = []
-            for _ in range(repeats):
+        for r in range(repeats):  # alternating order: a slow spell of the host does not fall on one of them
+            for name, fn in (fns if r % 2 == 0 else fns[::-1]):
                 t0 = time.perf_counter()
                 value = fn(grads)
-                times.append(time.perf_counter() - t0)
-            row[f"{name}_ms"] = round(1000 * median(times), 1)
-            row[f"{name}_sum"] = float(value)
+                times[name].append(time.perf_counter() - t0)
+                row[f"{name}_sum"] = float(value)
+        for name, _ in fns:
+            row[f"{name}_ms"] = round(1000 * median(times[name]), 1)
         out["rows"].append(row)
     return out
 

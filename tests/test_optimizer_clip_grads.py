@@ -209,3 +209,28 @@ def test_l2_norm_is_exact_however_the_gradient_is_cut():
         assert abs(norm - exact) <= 1e-12 * exact, (name, norm, exact)
     fp32 = torch.linalg.vector_norm(g, 2, dtype=torch.float32).item()
     assert abs(fp32 - exact) > 1e-5 * exact, "the test must tell an fp32 accumulation from an exact one"
+
+
+def test_l2_norm_on_an_accelerator_takes_a_few_large_pieces_whatever_the_host_threads(monkeypatch):
+    """The fp64 squares go a piece at a time through one scratch tensor. On a CPU a piece is cache-sized per
+    host thread; on an accelerator the piece only sets how many kernels the norm launches, so it must not follow
+    the host's threads: under torchrun (``OMP_NUM_THREADS=1``) 64 Ki-element pieces made a 7 B-parameter gradient
+    ~110,000 pieces of 3 launches each. The meta device stands in for an accelerator (shapes, no memory)."""
+    from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
+
+    pieces: list[int] = []
+    dot = torch.dot
+    monkeypatch.setattr(torch, "dot", lambda a, b: pieces.append(a.numel()) or dot(a, b))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        total = sum_of_squares_fp64([torch.empty(1 << 25, device="meta"), torch.empty(3, device="meta")])
+        assert total.device.type == "meta" and total.dtype == torch.float64
+        assert pieces == [1 << 24, 1 << 24, 3]
+        pieces.clear()
+        g = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0))
+        total = sum_of_squares_fp64([g])
+        assert len(pieces) >= 8 and sum(pieces) == g.numel()  # cache-sized on the CPU
+        assert abs(total.item() - math.fsum((g.double() ** 2).tolist())) <= 1e-12 * total.item()
+    finally:
+        torch.set_num_threads(threads)

@@ -50,15 +50,25 @@ __all__ = [
     "sum_of_squares_fp64",
 ]
 
-_PIECE_PER_THREAD = 1 << 16
-"""Elements squared in fp64 at a time, per intra-op thread (a piece is this times ``torch.get_num_threads()``):
-each thread's 512 KiB of fp64 stays in its core's cache between the conversion and the dot product on a CPU
-(measured in docs/optimizer.md, "One exact norm"); on an accelerator it only sets how many kernels a large
-tensor takes (a host's threads: 1-8 M elements)."""
+_PIECE_PER_THREAD = 1 << 17
+"""Elements squared in fp64 at a time on a CPU, per intra-op thread, with at least ``_PIECE_MIN`` in all: each
+thread's 1 MiB of fp64 stays in its core's cache between the conversion and the dot product."""
+
+_PIECE_MIN = 1 << 18
+"""The smallest piece on a CPU (2 MiB of fp64): smaller ones pay the two ops' fixed cost per call too often
+(measured in docs/optimizer.md, "One exact norm": bert-base's gradients on one Zen 4 core in 46-58 ms in pieces of
+128-256 Ki elements, 73-78 ms in pieces of 64 Ki; on two, 128 Ki per thread 36-42 ms, 64 Ki 45-57 ms, and 256 Ki or
+more per thread from 35 to 78 ms with the host's state)."""
+
+_ACCELERATOR_PIECE = 1 << 24
+"""Elements per piece on an accelerator (128 MiB of fp64 scratch at most): there a piece only sets how many
+kernels the norm launches, ~3 per piece (a 7 B-parameter gradient: ~420 pieces), whatever the host's threads."""
 
 
-def _piece() -> int:
-    return _PIECE_PER_THREAD * max(1, torch.get_num_threads())
+def _piece(device: torch.device) -> int:
+    if device.type == "cpu":
+        return max(_PIECE_MIN, _PIECE_PER_THREAD * torch.get_num_threads())
+    return _ACCELERATOR_PIECE
 
 
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
@@ -86,13 +96,14 @@ def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | 
     """``sum_i sum_j t_ij^2`` over ``tensors`` as a 0-d fp64 tensor (exact squares, fp64 sums).
 
     Each piece of a tensor is converted into one reused fp64 scratch tensor and dotted with itself:
-    no temporary as large as the tensor, and on CPU a piece small enough to stay in cache."""
+    no temporary as large as the tensor; on a CPU a piece small enough to stay in cache, on an accelerator
+    large ones (few kernel launches)."""
     tensors = _as_list(tensors)
     total = torch.zeros((), dtype=torch.float64, device=device if device is not None else _device_of(tensors))
     scratch: dict[torch.device, torch.Tensor] = {}
     for t in tensors:
         flat = t.detach().reshape(-1)
-        piece = _piece()
+        piece = _piece(flat.device)
         if flat.device not in scratch:
             longest = max(x.numel() for x in tensors if x.device == flat.device)
             scratch[flat.device] = torch.empty(min(piece, longest), dtype=torch.float64, device=flat.device)
