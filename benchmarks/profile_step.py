@@ -9,8 +9,9 @@ Runs the model of :class:`BertLightningModule` (``--size`` base, tiny) or of ``g
 :class:`GPTLightningModule` (``--size`` llama-tiny, llama-small: RMSNorm, SwiGLU, rope, grouped-query attention;
 their sequence length and batch unless ``--seq`` / ``--batch`` say otherwise) directly (no Trainer: one process, all cores), the
 way the MegatronStrategy's no-pipelining schedule does: ``forward_step`` -> ``backward`` (16-bit grads
-added into the fp32 :class:`GradBuffer` by its hooks) -> optimizer step (bf16: the fp32-main-params wrapper the MegatronOptimizerCallback installs, scale 1, no clipping,
-its grads read from the buffer as under the strategy).
+added into the fp32 :class:`GradBuffer` by its hooks) -> optimizer step (the wrapper the MegatronOptimizerCallback
+installs: bf16 the fp32-main-params one, scale 1; fp32 ``FP32Optimizer``; no clipping; the grads read from the
+buffer as under the strategy, the norm computed).
 After ``--warmup`` steps one step runs under ``torch.profiler`` with shapes recorded, and prints
 
 - wall time of the phases (``FWD``, ``BWD``, ``OPT`` record_function ranges);
@@ -86,12 +87,11 @@ def build_decoder(size_name: str, dtype: str, batch: int | None, seq: int | None
 
 
 def _mixed_precision(opt, dtype: str, grads, ps):
-    """bf16: the optimizer as the MegatronOptimizerCallback wraps it (``OptimizerConfig.wrap``: fp32 main params,
-    scale 1, here no clipping), reading the grads from the strategy's buffer ``grads`` as there (without it, the
-    16-bit params' ``.grad``, which the buffer's hooks empty: the update would step nothing); fp32: the plain
-    optimizer."""
-    if dtype != "bf16":
-        return opt
+    """The optimizer as the MegatronOptimizerCallback wraps it (``OptimizerConfig.wrap``; here no clipping), reading
+    the grads from the strategy's buffer ``grads`` as there: bf16 the fp32-main-params wrapper (scale 1; without the
+    buffer it would read the 16-bit params' ``.grad``, which the buffer's hooks empty: the update would step
+    nothing), fp32 the ``FP32Optimizer`` (its exact norm and NaN/Inf check over the buffer's gradients, one pass;
+    until 2026-12-04 fp32 timed the plain optimizer, without that pass)."""
     from lightning_megatron.optimizer.config import OptimizerConfig
 
     return OptimizerConfig(clip_grad=0.0).wrap(opt, parallel_state=ps, grad_buffer=grads)
@@ -301,8 +301,6 @@ def main() -> None:
                 loss.backward()
         with torch.profiler.record_function("OPT"):
             finalize_model_grads(grads, ps)
-            if args.dtype != "bf16":  # the plain torch optimizer reads .grad (views of the buffer)
-                grads.set_param_grads()
             opt.step()
 
     for _ in range(args.warmup):
