@@ -126,12 +126,22 @@ class Framework:
     """Megatron's scatter/gather of pipeline sends between nodes: each TP rank sends 1/t."""
     fused_attention: bool = True
     """Attention without [b, a, s, s] tensors in memory (flash / memory-efficient sdpa)."""
-    optimizer_bytes: int = 32
-    """Bytes read + written per parameter by the optimizer step (Adam: param, grad, fp32 main, 2 moments)."""
+    optimizer_bytes: int | None = None
+    """Bytes read + written per trained parameter by the optimizer step; None: this library's wrappers
+    (:meth:`optimizer_bytes_per_param`)."""
     fused_grad_accumulation: bool = False
     """The weight-gradient GEMMs add into the fp32 ``main_grad`` themselves (megatron-core's
     ``gradient_accumulation_fusion``). Off here: each microbatch's backward writes ``param.grad`` and
     the GradBuffer's hook adds it into ``main_grad`` (:func:`grad_accumulation_bytes`)."""
+
+    def optimizer_bytes_per_param(self, param_bytes: int) -> int:
+        """``optimizer_bytes``, or what the wrappers move per parameter of ``param_bytes``-byte params: Adam over
+        the fp32 (main) params reads the param, its grad and both moments and writes the param and the moments
+        (28), the norm reads the grads (4), and with 16-bit params the fp32 main params are copied back into them
+        (read 4, write ``param_bytes``): 32 in fp32, 38 in bf16."""
+        if self.optimizer_bytes is not None:
+            return self.optimizer_bytes
+        return 32 + (4 + param_bytes if param_bytes < 4 else 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -448,7 +458,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     if fw.overlap_param_gather:  # hidden behind the next step's first forward
         gather = max(0.0, gather - 1.0 / 3.0 * compute_mb)
     owned = sum(n / k for n, k, _ in replicas) if layout.zero1 else params
-    optimizer = owned * fw.optimizer_bytes / mem_rate
+    optimizer = owned * fw.optimizer_bytes_per_param(e) / mem_rate
     return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb,
                     cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
