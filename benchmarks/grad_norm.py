@@ -1,14 +1,16 @@
-"""The gradient norm's fp64 sum of squares on bert-base's gradient shapes: 1 M-element temporaries
-against the cache-sized pieces of ``clip_grads.sum_of_squares_fp64``, and the size of those pieces.
+"""The gradient norm's fp64 sum of squares on bert-base's gradient shapes: 1 M-element temporaries against
+the pieces of ``clip_grads.sum_of_squares_fp64``, and the size of those pieces.
 
     .venv/bin/python benchmarks/grad_norm.py [--repeats 7]
 
 The gradients are views of one flat fp32 buffer, as the grad buffer's ``main_grad`` are, with the glibc
 setting of the CPU tuning (``keep_freed_memory``). ``before``: every 1 M-element piece converted into a
-new fp64 tensor and dotted with itself (the code until 2026-12-03); ``now``: the library's function;
-``pieces_<k>K``: the library's function with pieces of ``k`` Ki elements in all (``clip_grads._piece``:
-64 Ki per intra-op thread until 2026-12-04; since, 128 Ki per thread and at least 256 Ki). Median milliseconds per call, on 1
-and on all threads, measured in alternating order, and the sums (equal to ~1e-14 relative).
+new fp64 tensor and dotted with itself (the code until 2026-12-03); ``default``: the library's function with
+its default piece (``NORM_PIECE``, 16 Mi elements: what an accelerator wants); ``cpu_tuning``: with the opt-in
+CPU tuning's piece (``CPUTuning.norm_piece``: 128 Ki elements per intra-op thread, at least 256 Ki; until
+2026-12-04 every device had 64 Ki per thread); ``pieces_<k>K``: pieces of ``k`` Ki elements. Median
+milliseconds per call, on 1 and on all threads, measured in alternating order, and the sums (equal to ~1e-14
+relative).
 """
 
 from __future__ import annotations
@@ -33,22 +35,15 @@ def _before(tensors: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _with_pieces(elements: int):
-    from lightning_megatron.optimizer import clip_grads
+def _with_pieces(elements: int | None):
+    from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 
-    def fn(tensors: list[torch.Tensor]) -> torch.Tensor:
-        default = clip_grads._piece
-        clip_grads._piece = lambda device: elements
-        try:
-            return clip_grads.sum_of_squares_fp64(tensors)
-        finally:
-            clip_grads._piece = default
-    return fn
+    return lambda tensors: sum_of_squares_fp64(tensors, piece=elements)
 
 
 def run(repeats: int) -> dict:
+    from lightning_megatron.cpu import CPUTuning
     from lightning_megatron.cpu.allocator import keep_freed_memory
-    from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 
     keep_freed_memory()
     shapes = _bert_shapes(SIZES["base"])
@@ -59,7 +54,8 @@ def run(repeats: int) -> dict:
     for threads in sorted({1, CPU_COUNT}):
         torch.set_num_threads(threads)
         row: dict = {"threads": threads}
-        fns = [("before", _before), ("now", sum_of_squares_fp64)]
+        fns = [("before", _before), ("default", _with_pieces(None)),
+               ("cpu_tuning", _with_pieces(CPUTuning().norm_piece(torch.device("cpu"))))]
         fns += [(f"pieces_{k}K", _with_pieces(k << 10)) for k in (64, 128, 256, 512, 1024, 2048)]
         times: dict[str, list[float]] = {name: [] for name, _ in fns}
         for name, fn in fns:

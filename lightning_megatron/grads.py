@@ -126,13 +126,17 @@ class GradBuffer:
         accumulate: ``accumulate(main_grad, grad)`` adds a later microbatch's gradient into
             ``main_grad``; must be bitwise equal to ``main_grad.add_(grad)`` (the default). The opt-in
             CPU tuning installs :func:`lightning_megatron.cpu.accumulate.accumulate_grad`.
+        norm_piece: elements of these gradients the optimizers' norm squares in fp64 at a time
+            (:func:`~lightning_megatron.optimizer.clip_grads.sum_of_squares_fp64`; None: its default). The
+            opt-in CPU tuning sets cache-sized pieces (:meth:`lightning_megatron.cpu.CPUTuning.norm_piece`).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], *, bucket_bytes: float = 40 * 2**20, pad_to: int = 1,
                  separate_shared_embedding: bool = False, dp_group: Any = None,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
-                 groups: Mapping[str, Any] | None = None, divisors: Mapping[str, int] | None = None) -> None:
+                 groups: Mapping[str, Any] | None = None, divisors: Mapping[str, int] | None = None,
+                 norm_piece: int | None = None) -> None:
         if pad_to < 1:
             raise ValueError(f"GradBuffer: pad_to={pad_to} must be >= 1")
         self.params = list(params)
@@ -147,6 +151,7 @@ class GradBuffer:
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.accumulate = accumulate or torch.Tensor.add_
+        self.norm_piece = norm_piece
         self._reduce_scatter = False  # use_reduce_scatter(): a DistributedOptimizer shards this buffer
         self.offsets: dict[int, int] = {}
         self.buckets: list[Bucket] = []
@@ -464,7 +469,8 @@ class GradBuffer:
     @classmethod
     def for_chunks(cls, chunks: Sequence[nn.Module], parallel_state: ParallelState, *, bucket_bytes: float,
                    overlap_grad_reduce: bool, overlap_param_gather: bool = False,
-                   accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> GradBuffer:
+                   accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+                   norm_piece: int | None = None) -> GradBuffer:
         """The buffer of this rank's model ``chunks`` (:func:`buffer_order`), padded to and reduced over
         the data-parallel group their :class:`~lightning_megatron.tensor_parallel.ParamFacts` name
         (``data_parallel``), the tied embedding in its own last bucket under pipelining."""
@@ -480,7 +486,7 @@ class GradBuffer:
                    separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
                    dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and reduced,
                    overlap_param_gather=overlap_param_gather and reduced, accumulate=accumulate, groups=others,
-                   divisors={name: size for name in others})
+                   divisors={name: size for name in others}, norm_piece=norm_piece)
 
     def remove(self) -> None:
         """Remove the hooks and every ``main_grad`` (teardown)."""

@@ -211,12 +211,15 @@ def test_l2_norm_is_exact_however_the_gradient_is_cut():
     assert abs(fp32 - exact) > 1e-5 * exact, "the test must tell an fp32 accumulation from an exact one"
 
 
-def test_l2_norm_on_an_accelerator_takes_a_few_large_pieces_whatever_the_host_threads(monkeypatch):
-    """The fp64 squares go a piece at a time through one scratch tensor. On a CPU a piece is cache-sized per
-    host thread; on an accelerator the piece only sets how many kernels the norm launches, so it must not follow
-    the host's threads: under torchrun (``OMP_NUM_THREADS=1``) 64 Ki-element pieces made a 7 B-parameter gradient
-    ~110,000 pieces of 3 launches each. The meta device stands in for an accelerator (shapes, no memory)."""
-    from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
+def test_l2_norm_pieces_do_not_follow_the_host_threads_and_the_cpu_tuning_passes_cache_sized_ones(monkeypatch):
+    """The fp64 squares go a piece at a time through one scratch tensor. By default (every device) a piece is
+    ``NORM_PIECE`` elements: on an accelerator the pieces only set how many kernels the norm launches, so they
+    must not follow the host's threads (with 64 Ki elements per host thread, torchrun's ``OMP_NUM_THREADS=1``
+    made a 7 B-parameter gradient ~110,000 pieces of ~3 launches each). The opt-in CPU tuning passes
+    cache-sized pieces (``CPUTuning.norm_piece``; the strategy hands them to the optimizers with the grad
+    buffer), none off the CPU. The meta device stands in for an accelerator (shapes, no memory)."""
+    from lightning_megatron.cpu import CPUTuning
+    from lightning_megatron.optimizer.clip_grads import NORM_PIECE, sum_of_squares_fp64
 
     pieces: list[int] = []
     dot = torch.dot
@@ -226,11 +229,17 @@ def test_l2_norm_on_an_accelerator_takes_a_few_large_pieces_whatever_the_host_th
     try:
         total = sum_of_squares_fp64([torch.empty(1 << 25, device="meta"), torch.empty(3, device="meta")])
         assert total.device.type == "meta" and total.dtype == torch.float64
-        assert pieces == [1 << 24, 1 << 24, 3]
+        assert NORM_PIECE == 1 << 24 and pieces == [1 << 24, 1 << 24, 3]
+        cpu = torch.device("cpu")
+        tuned = CPUTuning().norm_piece(cpu)
+        assert tuned is not None and 1 << 16 < tuned <= 1 << 20  # cache-sized
+        assert CPUTuning().norm_piece(torch.device("meta")) is None and CPUTuning(kernels=False).norm_piece(cpu) is None
         pieces.clear()
         g = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0))
-        total = sum_of_squares_fp64([g])
-        assert len(pieces) >= 8 and sum(pieces) == g.numel()  # cache-sized on the CPU
+        total = sum_of_squares_fp64([g], piece=tuned)
+        assert len(pieces) >= 4 and sum(pieces) == g.numel()
         assert abs(total.item() - math.fsum((g.double() ** 2).tolist())) <= 1e-12 * total.item()
+        with pytest.raises(ValueError, match="piece=0 must be a positive number of elements"):
+            sum_of_squares_fp64([g], piece=0)
     finally:
         torch.set_num_threads(threads)

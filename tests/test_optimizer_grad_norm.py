@@ -39,6 +39,7 @@ def _recorder():
                                  and all(m is None or m.grad is None or buffer.holds(m.grad) for m in mains))
             self.bytes = (buffer.memory_bytes(), 4 * sum(p.numel() for p in params))
             self.accumulate = buffer.accumulate.__name__
+            self.norm_piece = buffer.norm_piece
             self.communicators = sorted(trainer.strategy.parallel_state.communicators)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -104,7 +105,8 @@ def _run(tp: int = 1, pp: int = 1, *, dtype: str = "float32", zero1: bool = Fals
     row_grads = len(strategy.weight_grads.embedding_rows)
     return {"losses": recorder.losses, "norms": recorder.norms, "one_copy": recorder.one_copy,
             "bytes": recorder.bytes, "num_layers_here": len(layers), "pp_rank": module.parallel_state.pp_rank,
-            "accumulate": recorder.accumulate, "communicators": recorder.communicators, "drained": drained,
+            "accumulate": recorder.accumulate, "norm_piece": recorder.norm_piece,
+            "communicators": recorder.communicators, "drained": drained,
             "row_grads": row_grads, "loss_func_means": recorder.loss_func_means, "logged": recorder.logged,
             "first_backward": [e.kind for e in strategy.schedule_trace].index("B")}
 
@@ -290,6 +292,8 @@ def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():
             assert run["losses"] == base["losses"], key
             # the CPU tuning's microbatch accumulation (cpu/accumulate.py) is installed only with it
             assert run["accumulate"] == ("accumulate_grad" if key[1] == "cpu-tuning" else "add_"), key
+            # ... and its cache-sized pieces of the norm's fp64 squares (the norms below: equal to 1e-12)
+            assert (run["norm_piece"] is not None) == (key[1] == "cpu-tuning"), (key, run["norm_piece"])
             # ... and its shared-memory collectives, the embedding group's sum over stages included
             assert run["communicators"] == (["dp", "dp_cp", "embedding", "mp"] if key[1] == "cpu-tuning" else []), \
                 (key, run["communicators"])

@@ -16,8 +16,9 @@ switches them on explicitly, in one place::
   allocator: that is why it is never on by default;
 - ``kernels``: the CPU dropout kernel and the CPU choice of attention path
   (:class:`lightning_megatron.cpu.kernels.CPUKernels`), the gradient buffer's accumulation of a
-  16-bit microbatch gradient into fp32 (:mod:`lightning_megatron.cpu.accumulate`), and on a pipeline's
-  first stage the word embedding's gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`);
+  16-bit microbatch gradient into fp32 (:mod:`lightning_megatron.cpu.accumulate`), the grad norm's fp64
+  squares in cache-sized pieces (:meth:`CPUTuning.norm_piece`), and on a pipeline's first stage the word
+  embedding's gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`);
 - ``weight_grads_per_step`` (off unless asked for: other bits): each linear layer's weight gradient
   computed once per step, after the schedule's last backward (:meth:`CPUTuning.configure_grads`).
 
@@ -42,6 +43,16 @@ if TYPE_CHECKING:
 
 __all__ = ["CPUTuning"]
 
+NORM_PIECE_PER_THREAD = 1 << 17
+"""The grad norm's fp64 squares on a CPU, per intra-op thread, with at least ``NORM_PIECE_MIN`` in all: each
+thread's 1 MiB of fp64 stays in its core's cache between the conversion and the dot product."""
+
+NORM_PIECE_MIN = 1 << 18
+"""The smallest piece (2 MiB of fp64): smaller ones pay the two ops' fixed cost per call too often (docs/optimizer.md,
+"The pieces": bert-base's gradients on one Zen 4 core in 45-46 ms in pieces of 256 Ki elements, 70 ms in pieces of
+64 Ki; on two, 31-37 ms against 40-45 ms in pieces of 64 Ki per thread, and 27-78 ms from one run to the next in
+pieces of 512 Ki or more)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CPUTuning:
@@ -54,7 +65,8 @@ class CPUTuning:
     kernels: bool = True
     """CPU dropout kernel and CPU attention path choice (:class:`~lightning_megatron.cpu.kernels.CPUKernels`);
     16-bit gradients added into fp32 main grads a cache-sized piece at a time (:mod:`lightning_megatron.cpu.accumulate`);
-    a pipeline first stage's word-embedding gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`)."""
+    the grad norm's fp64 squares in cache-sized pieces (:meth:`norm_piece`); a pipeline first stage's word-embedding
+    gradient as rows (:mod:`lightning_megatron.cpu.embedding_grad`)."""
     weight_grads_per_step: bool = False
     """Every linear layer's weight gradient computed once per step, after the schedule's last backward
     (the pipeline flush), one GEMM over all the microbatches
@@ -135,6 +147,15 @@ class CPUTuning:
         from lightning_megatron.cpu.accumulate import accumulate_grad
 
         return accumulate_grad
+
+    def norm_piece(self, device: torch.device) -> int | None:
+        """Elements of a gradient squared in fp64 at a time by the optimizers' norm
+        (:func:`~lightning_megatron.optimizer.clip_grads.sum_of_squares_fp64`), handed to them with the grad
+        buffer: on CPU with ``kernels``, ``NORM_PIECE_PER_THREAD`` per intra-op thread and at least
+        ``NORM_PIECE_MIN`` (cache-sized); None elsewhere (the library's ``NORM_PIECE``: few kernel launches)."""
+        if not self.kernels or device.type != "cpu":
+            return None
+        return max(NORM_PIECE_MIN, NORM_PIECE_PER_THREAD * torch.get_num_threads())
 
     def configure_grads(self, weight_grads: WeightGradPolicy, chunks: Sequence[nn.Module],
                         parallel_state: ParallelState, device: torch.device) -> dict[str, int]:

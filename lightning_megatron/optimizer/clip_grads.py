@@ -48,27 +48,14 @@ __all__ = [
     "grads_for_norm",
     "grad_norm_and_found_inf",
     "sum_of_squares_fp64",
+    "NORM_PIECE",
 ]
 
-_PIECE_PER_THREAD = 1 << 17
-"""Elements squared in fp64 at a time on a CPU, per intra-op thread, with at least ``_PIECE_MIN`` in all: each
-thread's 1 MiB of fp64 stays in its core's cache between the conversion and the dot product."""
-
-_PIECE_MIN = 1 << 18
-"""The smallest piece on a CPU (2 MiB of fp64): smaller ones pay the two ops' fixed cost per call too often
-(measured in docs/optimizer.md, "One exact norm": bert-base's gradients on one Zen 4 core in 46-58 ms in pieces of
-128-256 Ki elements, 73-78 ms in pieces of 64 Ki; on two, 128 Ki per thread 36-42 ms, 64 Ki 45-57 ms, and 256 Ki or
-more per thread from 35 to 78 ms with the host's state)."""
-
-_ACCELERATOR_PIECE = 1 << 24
-"""Elements per piece on an accelerator (128 MiB of fp64 scratch at most): there a piece only sets how many
-kernels the norm launches, ~3 per piece (a 7 B-parameter gradient: ~420 pieces), whatever the host's threads."""
-
-
-def _piece(device: torch.device) -> int:
-    if device.type == "cpu":
-        return max(_PIECE_MIN, _PIECE_PER_THREAD * torch.get_num_threads())
-    return _ACCELERATOR_PIECE
+NORM_PIECE = 1 << 24
+"""Elements squared in fp64 at a time by default, on every device (128 MiB of fp64 scratch at most, transient,
+in the optimizer step): on an accelerator a piece only sets how many kernels the norm launches, ~3 a piece (a
+7 B-parameter gradient: ~420 pieces). A CPU run's opt-in tuning passes cache-sized pieces
+(:meth:`lightning_megatron.cpu.CPUTuning.norm_piece`)."""
 
 
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
@@ -92,18 +79,21 @@ def _device_of(tensors: list[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | None = None, *,
+                        piece: int | None = None) -> torch.Tensor:
     """``sum_i sum_j t_ij^2`` over ``tensors`` as a 0-d fp64 tensor (exact squares, fp64 sums).
 
-    Each piece of a tensor is converted into one reused fp64 scratch tensor and dotted with itself:
-    no temporary as large as the tensor; on a CPU a piece small enough to stay in cache, on an accelerator
-    large ones (few kernel launches)."""
+    Each ``piece`` elements of a tensor (None: :data:`NORM_PIECE`) are converted into one reused fp64
+    scratch tensor and dotted with itself: no temporary as large as the tensor. The sum does not depend on
+    the piece beyond fp64 rounding (~1e-16 per term)."""
+    piece = NORM_PIECE if piece is None else piece
+    if piece < 1:
+        raise ValueError(f"piece={piece} must be a positive number of elements (None: NORM_PIECE)")
     tensors = _as_list(tensors)
     total = torch.zeros((), dtype=torch.float64, device=device if device is not None else _device_of(tensors))
     scratch: dict[torch.device, torch.Tensor] = {}
     for t in tensors:
         flat = t.detach().reshape(-1)
-        piece = _piece(flat.device)
         if flat.device not in scratch:
             longest = max(x.numel() for x in tensors if x.device == flat.device)
             scratch[flat.device] = torch.empty(min(piece, longest), dtype=torch.float64, device=flat.device)
@@ -153,6 +143,8 @@ def grad_norm_and_found_inf(
     counted: Iterable[torch.Tensor],
     others: Iterable[torch.Tensor] = (),
     model_parallel_group: Group = None,
+    *,
+    piece: int | None = None,
 ) -> tuple[float, bool]:
     """(global L2 norm of ``counted``, whether any of ``counted`` or ``others`` holds inf/nan).
 
@@ -163,13 +155,13 @@ def grad_norm_and_found_inf(
     checked, not counted. One all-reduce (SUM) over ``model_parallel_group`` of
     ``[sum of fp64 squares over counted, sum of fp32 ||g|| over others]`` answers both; a non-finite value on any
     rank makes the sum non-finite on every rank, so all ranks take the same decision (Megatron
-    MAX-reduces a found-inf flag over the same group).
+    MAX-reduces a found-inf flag over the same group). ``piece``: :func:`sum_of_squares_fp64`'s.
     """
     counted, others = _as_list(counted), _as_list(others)
     device = _device_of(counted + others)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     rest = [torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32) for g in others]
-    total = torch.stack([sum_of_squares_fp64(counted, device),
+    total = torch.stack([sum_of_squares_fp64(counted, device, piece=piece),
                          torch.stack(rest).double().sum() if rest else zero])
     if model_parallel_group is not None:
         all_reduce(total, model_parallel_group)

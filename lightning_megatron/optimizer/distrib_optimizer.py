@@ -235,7 +235,7 @@ class DistributedOptimizer(MegatronOptimizer):
             counted = self._counted_grad_pieces(segments)
             others = [self._segment_grad(seg) for seg in segments if not is_counted(seg[0], self.coordinates)]
             total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
-            total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device)
+            total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device, piece=self.buffer.norm_piece)
             for piece in others:
                 total[1] += torch.linalg.vector_norm(piece, 2, dtype=torch.float32).double()
             self._all_reduce(total, dist.ReduceOp.SUM, experts)

@@ -249,11 +249,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
         """The global L2 norm and whether any main grad on any model-parallel rank is inf/nan."""
         squares, found_inf = 0.0, False
+        piece = None if self._grad_buffer is None else self._grad_buffer.norm_piece
         for params, group in self._norm_families(self.get_parameters()):
             counted = grads_for_norm(params, coordinates=self.coordinates)
             ids = {id(g) for g in counted}
             others = [p.grad for p in params if p.grad is not None and id(p.grad) not in ids]
-            norm, inf = grad_norm_and_found_inf(counted, others, group)
+            norm, inf = grad_norm_and_found_inf(counted, others, group, piece=piece)
             squares, found_inf = squares + norm * norm, found_inf or inf
         return squares ** 0.5, found_inf
 
