@@ -288,9 +288,8 @@ def main() -> None:
     CPUTuning().configure_model(chunk, torch.device("cpu"))  # the CPU kernels, as the CPU tuning installs them
     if args.compile:
         print(f"compiled {chunk.compile_layers()} transformer layers")
-    cpu = torch.device("cpu")  # the strategy's fp32 grad buffer (filled by backward hooks), with the CPU tuning's pieces
-    grads = GradBuffer(buffer_order([chunk]), accumulate=CPUTuning().grad_accumulation(cpu),
-                       norm_piece=CPUTuning().norm_piece(cpu))
+    # The strategy's fp32 grad buffer (filled by backward hooks), with what the CPU tuning hands it.
+    grads = GradBuffer(buffer_order([chunk]), **CPUTuning().grad_buffer_options(torch.device("cpu")))
     opt = _mixed_precision(opt, args.dtype, grads, ps)
 
     def step() -> None:

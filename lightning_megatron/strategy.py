@@ -322,12 +322,10 @@ class MegatronStrategy(DDPStrategy):
         overlap = self.overlap_grad_reduce
         if overlap is None:  # on, except with the CPU tuning's synchronous shared-memory collectives
             overlap = not (self.cpu_tuning is not None and self.cpu_tuning.synchronous_collectives(self.root_device))
-        tuning, device = self.cpu_tuning, self.root_device
+        tuned = {} if self.cpu_tuning is None else self.cpu_tuning.grad_buffer_options(self.root_device)
         self._grad_buffer = GradBuffer.for_chunks(self.model_chunks, self.parallel_state,
                                                   bucket_bytes=self.ddp_bucket_size_mb * 2**20, overlap_grad_reduce=overlap,
-                                                  overlap_param_gather=self.overlap_param_gather,
-                                                  accumulate=None if tuning is None else tuning.grad_accumulation(device),
-                                                  norm_piece=None if tuning is None else tuning.norm_piece(device))
+                                                  overlap_param_gather=self.overlap_param_gather, **tuned)
         if self.cpu_tuning is not None:
             assert self._runner is not None
             self.cpu_tuning.configure_grads(self._runner.weight_grads, self.model_chunks, self.parallel_state,

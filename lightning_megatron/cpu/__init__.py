@@ -31,7 +31,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ thread's 1 MiB of fp64 stays in its core's cache between the conversion and the 
 NORM_PIECE_MIN = 1 << 18
 """The smallest piece (2 MiB of fp64): smaller ones pay the two ops' fixed cost per call too often (docs/optimizer.md,
 "The pieces": bert-base's gradients on one Zen 4 core in 45-46 ms in pieces of 256 Ki elements, 70 ms in pieces of
-64 Ki; on two, 31-37 ms against 40-45 ms in pieces of 64 Ki per thread, and 27-78 ms from one run to the next in
+64 Ki; on two, 31-40 ms against 40-55 ms in pieces of 64 Ki per thread, and 27-78 ms from one run to the next in
 pieces of 512 Ki or more)."""
 
 
@@ -147,6 +147,12 @@ class CPUTuning:
         from lightning_megatron.cpu.accumulate import accumulate_grad
 
         return accumulate_grad
+
+    def grad_buffer_options(self, device: torch.device) -> dict[str, Any]:
+        """What the tuning hands the strategy's :class:`~lightning_megatron.grads.GradBuffer` on ``device``: its
+        microbatch accumulation (:meth:`grad_accumulation`) and the pieces of the optimizers' norm
+        (:meth:`norm_piece`); each None where the tuning does nothing."""
+        return {"accumulate": self.grad_accumulation(device), "norm_piece": self.norm_piece(device)}
 
     def norm_piece(self, device: torch.device) -> int | None:
         """Elements of a gradient squared in fp64 at a time by the optimizers' norm
