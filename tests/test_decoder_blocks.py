@@ -216,6 +216,19 @@ def test_causal_attention_with_a_padding_mask_stays_causal_on_both_backends():
         torch.testing.assert_close(core(q, k, v, mask), expected.reshape(s, b, N * D), rtol=1e-6, atol=1e-6)
 
 
+def _graph_node_names(tensor: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes ``tensor``'s backward runs."""
+    names, todo, seen = set(), [tensor.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_unfused_attention_hides_keys_with_the_bits_and_gradients_of_masked_fill(dtype):
     # The unfused path fills the hidden scores in place and passes the gradient through them unmasked
@@ -234,6 +247,10 @@ def test_unfused_attention_hides_keys_with_the_bits_and_gradients_of_masked_fill
         rq, rk, rv = (t.clone().requires_grad_() for t in (q0, k0, v0))
         core = DotProductAttention(TransformerConfig(**BASE, attention_backend="unfused"), 1, mask_type)
         out = core(q, k, v, given)
+        # Filled in place on the scores themselves, not on a view of them: a view filled in place makes
+        # autograd rebase it (CopySlices and AsStridedBackward0: a copy of the scores and a zero-filled
+        # scatter of their gradient in every backward).
+        assert not {"CopySlices", "AsStridedBackward0"} & _graph_node_names(out), mask_type
         (out * weights).sum().backward()
         qb, kb, vb = (t.permute(1, 2, 0, 3).reshape(b * N, s, D) for t in (rq, rk, rv))
         scores = torch.baddbmm(qb.new_empty(b * N, s, s), qb, kb.transpose(1, 2), beta=0.0,

@@ -165,13 +165,13 @@ class DotProductAttention(nn.Module):
         b, n, s, d = q.shape
         sk = k.shape[2]
         scores = torch.baddbmm(q.new_empty(b * n, s, sk), q.reshape(b * n, s, d), k.reshape(b * n, sk, d).transpose(1, 2),
-                               beta=0.0, alpha=self.softmax_scale).view(b, n, s, sk)
+                               beta=0.0, alpha=self.softmax_scale)
         if causal:
             upper = torch.ones(s, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - s)
             attention_mask = upper if attention_mask is None else attention_mask | upper
         if attention_mask is not None:
-            scores = _HideScores.apply(scores, attention_mask)
-        probs = self.kernels.softmax(scores, self.config.attention_softmax_in_fp32)
+            scores = _HideScores.apply(scores, attention_mask, (b, n, s, sk))
+        probs = self.kernels.softmax(scores.view(b, n, s, sk), self.config.attention_softmax_in_fp32)
         if p > 0:
             with self._dropout_rng():
                 probs = dropout(probs, p, kernels=self.kernels)
@@ -179,22 +179,26 @@ class DotProductAttention(nn.Module):
 
 
 class _HideScores(torch.autograd.Function):
-    """``scores.masked_fill_(hidden, -inf)`` in place, whose backward passes the gradient through unmasked.
+    """``scores.view(shape).masked_fill_(hidden, -inf)`` in place, whose backward passes the gradient
+    through unmasked.
 
     The scores are the unfused path's own fresh tensor, so filling them in place saves the copy an
     out-of-place ``masked_fill`` makes; and the softmax that follows gives a hidden score's gradient as its
     probability (exactly 0) times a finite factor, so masking that gradient again, as ``masked_fill``'s
-    backward does, is a second pass over the scores that changes nothing (the tests compare the bits)."""
+    backward does, is a second pass over the scores that changes nothing (the tests compare the bits).
+    It takes the batched matmul's output itself and views it as ``shape`` (the mask's [b, n, s, sk]) inside:
+    a view filled in place would make autograd rebase it, a copy of the scores and a zero-filled scatter of
+    their gradient in every backward."""
 
     @staticmethod
-    def forward(ctx, scores: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, scores: torch.Tensor, hidden: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         ctx.mark_dirty(scores)
-        scores.masked_fill_(hidden, float("-inf"))
+        scores.view(shape).masked_fill_(hidden, float("-inf"))
         return scores  # the very tensor (torch.compile traces mark_dirty only so)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class SelfAttention(nn.Module):
