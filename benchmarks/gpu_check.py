@@ -21,7 +21,11 @@ What it runs, each part time-boxed and recorded even when another part fails:
    against part 2's GEMM rate (issue 39: >= 80% of it, >= 1.6x Hugging Face), and ``check --estimate-time``'s
    prediction of our step on this device (the datasheet rates of the device's entry in
    ``lightning_megatron.check.devices``, and the same with part 2's measured GEMM rate): measured / predicted;
-6. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
+6. ``norm``: the gradient norm's fp64 sum of squares (``clip_grads.sum_of_squares_fp64``) over bert-large's
+   gradients (views of one flat fp32 buffer, as the grad buffer's), by the size of its pieces: 64 Ki elements
+   (the default until 2026-12-04 under torchrun's one host thread), 1 Mi, 16 Mi (``NORM_PIECE``, the default
+   since) and 256 Mi (every tensor whole): milliseconds per call, and the sums' largest relative difference;
+7. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
    PP=1; CSV logger only), exit code, the logged losses and throughput.
 
 Written under ``--out``: ``results.json`` (everything), ``summary.md`` (the table for
@@ -167,6 +171,37 @@ def part_tests(device: torch.device, dry: bool, out_dir: Path, budget_s: float) 
     (out_dir / "tests.log").write_text(log)
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", log)}
     return {"returncode": rc, "counts": counts, "seconds": time.perf_counter() - start, "files": files}
+
+
+NORM_PIECES = {"64Ki": 1 << 16, "1Mi": 1 << 20, "16Mi": 1 << 24, "256Mi": 1 << 28}
+"""The pieces the ``norm`` part times, by name; 16 Mi is the library's default (``NORM_PIECE``)."""
+
+
+def part_norm(device: torch.device, dry: bool) -> dict[str, Any]:
+    from adamw_step import _bert_shapes
+
+    from lightning_megatron.optimizer.clip_grads import NORM_PIECE, sum_of_squares_fp64
+
+    shapes = _bert_shapes(DRY if dry else LARGE)
+    numels = [int(torch.Size(shape).numel()) for shape in shapes]
+    flat = torch.randn(sum(numels), device=device, generator=torch.Generator(device).manual_seed(0)) * 1e-3
+    grads = list(torch.split(flat, numels))
+    repeats = 3 if dry else 20
+    times: dict[str, list[float]] = {name: [] for name in NORM_PIECES}
+    sums: dict[str, float] = {}
+    for name, piece in NORM_PIECES.items():
+        sum_of_squares_fp64(grads, piece=piece)  # warm: the scratch's first allocation
+    for r in range(repeats):  # alternating order, so that a slow spell does not fall on one piece size
+        for name, piece in (NORM_PIECES.items() if r % 2 == 0 else list(NORM_PIECES.items())[::-1]):
+            _sync()
+            start = time.perf_counter()
+            total = sum_of_squares_fp64(grads, piece=piece)
+            sums[name] = float(total)  # synchronizes
+            times[name].append(time.perf_counter() - start)
+    reference = sums["16Mi"]
+    return {"elements": flat.numel(), "tensors": len(grads), "default_piece": NORM_PIECE, "repeats": repeats,
+            "ms": {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()},
+            "sums_max_rel_diff": max(abs(v - reference) / reference for v in sums.values())}
 
 
 def _sdpa_kernels(prof: Any) -> list[str]:
@@ -449,6 +484,12 @@ def summary_markdown(results: dict[str, Any]) -> str:
     estimate = results.get("decoder", {}).get("estimate")
     if estimate:
         lines += ["", f"- `--estimate-time` of our decoder step on this device: {estimate}"]
+    norm = results.get("norm", {})
+    if norm.get("ms"):
+        lines += ["", f"- grad norm's fp64 sum of squares over {norm['elements']:,} gradients in "
+                      f"{norm['tensors']} tensors, ms by piece (16Mi the default): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in norm["ms"].items())
+                  + f"; sums within {norm['sums_max_rel_diff']:.1e} relative"]
     fit = results.get("fit", {})
     lines += ["", f"- 50-step fit: {fit}"]
     lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF; the "
@@ -461,7 +502,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="CI-size: tiny model, few steps, one test file")
     parser.add_argument("--out", default="gpu_check_out", help="folder for the results (created)")
-    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,fit", help="comma-separated subset")
+    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,fit", help="comma-separated subset")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile=True row of the benchmark")
     args = parser.parse_args()
     out_dir = Path(args.out)
@@ -492,6 +533,7 @@ def main() -> int:
     run("bench", part_bench, device, args.dry_run, results.get("gemm", {}), not args.no_compile)
     run("decoder", part_decoder, device, args.dry_run, results.get("gemm", {}),
         results.get("env", {}).get("device_name", str(device)))
+    run("norm", part_norm, device, args.dry_run)
     run("tests", part_tests, device, args.dry_run, out_dir, budgets["tests"])
     run("fit", part_fit, device, args.dry_run, out_dir, budgets["fit"])
     results["total_s"] = time.perf_counter() - t0
@@ -512,7 +554,7 @@ def main() -> int:
     (out_dir / "summary.md").write_text(summary_markdown(results))
     _log(f"done in {results['total_s']:.0f} s: {out_dir}/summary.md")
     print(summary_markdown(results))
-    failed = [k for k in ("env", "gemm", "bench", "decoder", "tests", "fit") if isinstance(results.get(k), dict)
+    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "tests", "fit") if isinstance(results.get(k), dict)
               and "error" in results[k]]
     return 1 if failed else 0
 
