@@ -245,7 +245,9 @@ def write_markdown(path: str, meta: dict[str, Any], gemm: dict[str, Any], rows: 
     add("| TP | dtype | ours (ms) | megatron-core (ms) | ours / megatron-core | max abs output diff | background |")
     add("|---:|---|---:|---:|---:|---:|---:|")
     for r in mlp:
-        if "error" in r:
+        if "skipped" in r:
+            add(f"| - | - | - | skipped: {r['skipped']} | | | |")
+        elif "error" in r:
             add(f"| {r['tp']} | {r['dtype']} | - | failed: {r['error']} | | | |")
         else:
             add(f"| {r['tp']} | {r['dtype']} | {r['ours_s'] * 1e3:.1f} | {r['mcore_s'] * 1e3:.1f} | "
@@ -461,7 +463,7 @@ def write_png(path: str, rows: list[dict[str, Any]], mlp: list[dict[str, Any]], 
     ax.set_xlim(0, right * 1.35)
     ax.set_title("Targets at bert-base (black: target; green: met)")
     ax = axes[1][1]
-    ok = [r for r in mlp if "error" not in r]
+    ok = [r for r in mlp if "error" not in r and "skipped" not in r]
     if ok:
         x = range(len(ok))
         ax.bar([i - 0.2 for i in x], [r["ours_s"] * 1e3 for r in ok], width=0.4, label="ours", color="#1f77b4")
