@@ -258,3 +258,22 @@ def test_overflow_in_a_duplicate_the_norm_skips_is_still_found(bad):
     opt.step()
     assert opt.last_step_skipped and opt.last_grad_norm is None
     assert torch.equal(sharded, before[0]) and torch.equal(replicated, before[1])
+
+
+def test_main_params_are_copied_into_the_16_bit_params_by_one_foreach_call_per_group():
+    """Issue 39's "no per-parameter Python in the step": after the update, the fp32 main params are rounded
+    into the 16-bit model params by one ``_foreach_copy_`` per param group (an accelerator's few fused kernels
+    instead of a launch per parameter), with the bits of a per-parameter ``copy_``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(5))).bfloat16()
+    params = list(model.parameters())
+    opt = Float16OptimizerWithFloat16Params(torch.optim.AdamW(
+        [{"params": params[:4]}, {"params": params[4:], "weight_decay": 0.0}], lr=0.1))
+    model(torch.randn(3, 8).bfloat16()).float().square().sum().backward()
+    with torch.profiler.profile() as prof:
+        opt.step()
+    calls = [e.name for e in prof.events()]
+    assert calls.count("aten::_foreach_copy_") == 2, [c for c in calls if "copy" in c]
+    for p in params:  # each model param is its main param rounded to nearest, once
+        assert torch.equal(p, opt.main_param(p).to(torch.bfloat16))
+        assert not torch.equal(opt.main_param(p), opt.main_param(p).to(torch.bfloat16).float())  # it did round
