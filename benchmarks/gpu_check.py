@@ -14,10 +14,12 @@ What it runs, each part time-boxed and recorded even when another part fails:
 4. ``bench``: bert-base and bert-large (seq 512) bf16 training steps, ours (MegatronStrategy, bf16
    params + fp32 main params, fused AdamW; eager and ``compile=True``) against Hugging Face
    ``BertForPreTraining`` (SDPA) under plain Lightning (``bf16-mixed``), same run: tokens/s, MFU
-   against the GEMM rate of part 2, which SDPA kernel ran (profiler op names), peak memory;
+   against the GEMM rate of part 2, which SDPA kernel ran (profiler op names), peak memory, and the last
+   warm-up step's device time by kind (GEMM, elementwise, copies and casts, norms, softmax and attention,
+   dropout, the optimizer: :func:`step_by_kind`, issue 39's profile on the GPU);
 5. ``decoder``: the Llama-shaped decoder of ``gpt_step.py`` at a GPU size (``DECODER``: 8 layers, h 2048, 16
    heads in 8 groups, SwiGLU 5632, vocabulary 32000, seq 2048, batch 16, 0.51 B parameters), bf16, ours against
-   transformers' ``LlamaForCausalLM`` (SDPA) under plain Lightning (``bf16-mixed``), same run: tokens/s, MFU
+   transformers' ``LlamaForCausalLM`` (SDPA) under plain Lightning (``bf16-mixed``), same run: tokens/s, by kind, MFU
    against part 2's GEMM rate (issue 39: >= 80% of it, >= 1.6x Hugging Face), and ``check --estimate-time``'s
    prediction of our step on this device (the datasheet rates of the device's entry in
    ``lightning_megatron.check.devices``, and the same with part 2's measured GEMM rate): measured / predicted;
@@ -47,6 +49,7 @@ need more than one GPU where they are about pipelining (PP=2 x VP=2 against TP=1
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -204,6 +207,35 @@ def part_norm(device: torch.device, dry: bool) -> dict[str, Any]:
             "sums_max_rel_diff": max(abs(v - reference) / reference for v in sums.values())}
 
 
+_OPTIMIZER_OPS = ("aten::_fused_adam", "aten::_foreach_", "aten::_fused_sgd")
+"""Ops counted as the optimizer step in :func:`step_by_kind` (both frameworks' AdamW is fused or foreach)."""
+
+
+def step_by_kind(prof: Any, device: torch.device) -> dict[str, float]:
+    """Milliseconds of a profiled step by kind (``profile_step.py``'s kinds, by op name): each op's self time on
+    the device (its kernels) on an accelerator, its self CPU time on CPU. The optimizer step is its fused and
+    foreach ops (torch's AdamW is one of them by default on an accelerator; on CPU its per-tensor loop counts as
+    elementwise); the norm's conversions and dots count as copies and elementwise (under ``Trainer.fit`` the
+    forward and backward run inside ``optimizer.step``'s closure, so its range does not set the step apart)."""
+    from torch.autograd import DeviceType
+
+    from profile_step import _KINDS
+
+    ms: collections.Counter = collections.Counter()
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU or e.name.startswith(("ProfilerStep", "autograd::", "Optimizer.", "[")):
+            continue
+        t = e.self_cpu_time_total if device.type == "cpu" else e.self_device_time_total
+        if t <= 0:
+            continue
+        if e.name.startswith(_OPTIMIZER_OPS):
+            kind = "optimizer step"
+        else:
+            kind = next((k for k, names in _KINDS if e.name.startswith(names)), "other elementwise")
+        ms[kind] += t / 1e3
+    return {kind: round(v, 3) for kind, v in ms.most_common()}
+
+
 def _sdpa_kernels(prof: Any) -> list[str]:
     """The attention ops of a profiled step: SDPA's variant (flash, memory-efficient, cuDNN, math) or
     "unfused" (our baddbmm + softmax path)."""
@@ -256,8 +288,11 @@ def _bench_one(framework: str, size: BertSize | LlamaSize, seq: int, batch: int,
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             _sync()
             self.t0 = time.perf_counter()
-            if batch_idx == warmup - 1:  # profile the last warm-up step: which kernels ran
-                prof_box["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            if batch_idx == warmup - 1:  # profile the last warm-up step: which kernels ran, where the time goes
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                prof_box["prof"] = torch.profiler.profile(activities=activities)
                 prof_box["prof"].__enter__()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -266,7 +301,13 @@ def _bench_one(framework: str, size: BertSize | LlamaSize, seq: int, batch: int,
                 times.append(time.perf_counter() - self.t0)
             if "prof" in prof_box and batch_idx == warmup - 1:
                 prof_box["prof"].__exit__(None, None, None)
-                prof_box["kernels"] = _sdpa_kernels(prof_box.pop("prof"))
+                prof_box["profiled_step_s"] = time.perf_counter() - self.t0
+                prof = prof_box.pop("prof")
+                prof_box["kernels"] = _sdpa_kernels(prof)
+                try:
+                    prof_box["by_kind"] = step_by_kind(prof, device)
+                except Exception:  # noqa: BLE001 - the attribution is extra; the timed steps still count
+                    prof_box["by_kind"] = {"error": traceback.format_exc()[-1000:]}
 
     callbacks: list[Any] = [Timer()]
     accelerator = "cpu" if device.type == "cpu" else "gpu"
@@ -304,7 +345,8 @@ def _bench_one(framework: str, size: BertSize | LlamaSize, seq: int, batch: int,
         flops = _step_flops(size, tokens, seq, head)
     return {"framework": framework, "size": size.name, "seq": seq, "batch": batch, "step_s": step,
             "tokens_per_s": tokens / step, "tflops": flops / step / 1e12,
-            "sdpa_kernels": prof_box.get("kernels", []), "peak_memory_gib": _peak_memory(device),
+            "sdpa_kernels": prof_box.get("kernels", []), "by_kind_ms": prof_box.get("by_kind", {}),
+            "profiled_step_s": prof_box.get("profiled_step_s"), "peak_memory_gib": _peak_memory(device),
             "wall_s": wall, "steps_timed": len(times)}
 
 
@@ -479,6 +521,10 @@ def summary_markdown(results: dict[str, Any]) -> str:
                              f"{r['tflops']:.3g} | {mfu} | {r['peak_memory_gib']:.1f} | "
                              f"{', '.join(r['sdpa_kernels']) or '-'} |")
             lines += ["", "Ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(bench["ratios"].items()))]
+            lines += ["", "By kind, ms of the profiled last warm-up step (device time of each op's kernels):"]
+            for r in bench["rows"]:
+                kinds = ", ".join(f"{k} {v:.1f}" for k, v in r.get("by_kind_ms", {}).items() if k != "error")
+                lines.append(f"- {r['size']} {r['framework']}: {kinds or r.get('by_kind_ms')}")
         for e in bench.get("errors", []):
             lines.append(f"- {part} {e['size']} {e['framework']} FAILED: {e['error'].strip().splitlines()[-1]}")
     estimate = results.get("decoder", {}).get("estimate")

@@ -27,6 +27,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert set(rows) == {"hf", "ours"} and not results["bench"]["errors"], results["bench"]
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["steps_timed"] == 2 and r["peak_memory_gib"] > 0 and r["sdpa_kernels"]
+        # the profiled warm-up step by kind: its GEMMs (and our fused AdamW) are found, within the step's time
+        kinds = r["by_kind_ms"]
+        assert kinds["GEMM"] > 0 and (r["framework"] == "hf" or kinds["optimizer step"] > 0), kinds
+        assert sum(kinds.values()) <= 1000 * r["profiled_step_s"], (kinds, r["profiled_step_s"])
     decoder = {r["framework"]: r for r in results["decoder"]["rows"]}
     assert set(decoder) == {"hf", "ours"} and not results["decoder"]["errors"], results["decoder"]
     assert all(r["size"] == "dry-decoder" and r["tokens_per_s"] > 0 and r["steps_timed"] == 2 for r in decoder.values())
