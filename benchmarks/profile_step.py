@@ -122,6 +122,8 @@ _KINDS = (
     ("softmax and attention", ("aten::_softmax", "aten::_softmax_backward_data", "aten::_log_softmax",
                                "aten::_log_softmax_backward_data", "aten::_scaled_dot_product",
                                "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill",
+                               # on a GPU (gpu_check.step_by_kind) the kernels run under these, inside SDPA's op
+                               "aten::_flash_attention", "aten::_efficient_attention", "aten::_cudnn_attention",
                                "aten::nll_loss", "aten::nll_loss_backward")),
     ("dropout and random numbers", ("aten::bernoulli_", "aten::native_dropout", "aten::uniform_", "aten::rand", "aten::random_",
                                     "aten::native_dropout_backward")),
