@@ -12,6 +12,10 @@
 3. ``--profile``: rank 0 under cProfile (cumulative time of the phases: imports, parsing, the Trainer,
    waiting for rank 1 at the process-group rendezvous, set-up, the GEMM peak measurement, W&B).
 
+It runs the command with its own interpreter, so it measures that environment: the README's training command
+installs the library alone; with the ``test`` extra installed too (the tests' command), Lightning's
+``torchmetrics`` also imports scipy, 0.6-1 s more on 2 cores (docs/benchmarks.md, "Start-up: a user's install").
+
 Indicative only: the machine may be shared; the background load (``os.getloadavg``) is printed with
 each measurement, and contended numbers must be labelled as such.
 """
