@@ -17,7 +17,7 @@ def _loss_and_grads(masked_only: bool) -> tuple[torch.Tensor, dict[str, torch.Te
     module = BertLightningModule(**{**TINY_MODEL, "lm_head_on_masked_only": masked_only})
     module.configure_model()
     ds = SyntheticBertDataset(4)
-    batch = {k: torch.stack([ds[i][k] for i in range(4)]) for k in ds[0]}
+    batch = {k: torch.stack([ds[i][k] for i in range(4)]).to(torch.get_default_device()) for k in ds[0]}
     loss, loss_func = module.forward_step(batch, module.model_chunks[0])
     loss.backward()
     _, stats = loss_func(loss)
@@ -68,7 +68,7 @@ def _plain_module_worker() -> list[float]:
             self.logged = float(trainer.callback_metrics["loss"])  # the module's own self.log("loss")
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 32, generator=g)
+    x = torch.randn(256, 32, generator=g, device="cpu")
     data = TensorDataset(x, x[:, :4].sum(-1))
     rec = Losses()
     trainer = Trainer(accelerator=accelerator(), devices=2, max_steps=30, logger=False, enable_checkpointing=False,

@@ -105,10 +105,13 @@ def test_cross_entropy_in_pieces_keeps_the_bits_where_a_row_sum_may_be_split_acr
     input goes all at once, and a one-row piece is refused."""
     torch.set_num_threads(2)  # a split needs two threads (an xdist worker has one; the autouse fixture restores it)
     torch.manual_seed(0)
-    logits = torch.randn(9, 33_000) * 0.5  # fp32, and a scale where one row alone sums its exps in another order
-    target = torch.randint(0, 33_000, (9,))
+    # On the host whatever the test device: the pieces are the CPU kernels' (rows_per_piece, kernels.py), and
+    # an accelerator's reduction kernels choose their own order of additions by the number of rows.
+    cpu = torch.device("cpu")
+    logits = torch.randn(9, 33_000, device=cpu) * 0.5  # fp32, a scale where one row sums its exps in another order
+    target = torch.randint(0, 33_000, (9,), device=cpu)
     target[4] = -100
-    dloss = torch.rand(9)
+    dloss = torch.rand(9, device=cpu)
     results = []
     for rows, z in ((None, logits), (2, logits), (3, logits), (2, logits.view(3, 3, -1).transpose(0, 1))):
         z = z.clone() if z.is_contiguous() else z.detach()

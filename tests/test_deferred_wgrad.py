@@ -21,10 +21,10 @@ from lightning_megatron.tensor_parallel import DeferredWeightGrad
 @pytest.mark.parametrize("bias", [True, False])
 def test_deferred_linear_gives_autograds_gradients_bitwise(dtype, shape, bias):
     gen, device = torch.Generator().manual_seed(0), test_device()  # the GPU check runs it on CUDA
-    x = torch.randn(*shape, generator=gen).to(device, dtype)
-    weight = torch.randn(1000, 96, generator=gen).to(device, dtype)
-    b = torch.randn(1000, generator=gen).to(device, dtype) if bias else None
-    grad_out = torch.randn(*shape[:-1], 1000, generator=gen).to(device, dtype)
+    x = torch.randn(*shape, generator=gen, device="cpu").to(device, dtype)
+    weight = torch.randn(1000, 96, generator=gen, device="cpu").to(device, dtype)
+    b = torch.randn(1000, generator=gen, device="cpu").to(device, dtype) if bias else None
+    grad_out = torch.randn(*shape[:-1], 1000, generator=gen, device="cpu").to(device, dtype)
 
     def grads(deferral):
         xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -52,11 +52,11 @@ def test_deferred_linear_gives_autograds_gradients_bitwise(dtype, shape, bias):
 def test_drained_grads_reach_main_grad_as_the_hook_would():
     # Three bf16 microbatches: fp32 main_grad sums, in microbatch order, equal to autograd's path.
     gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(20, 64, generator=gen).bfloat16() for _ in range(3)]
-    gs = [torch.randn(20, 500, generator=gen).bfloat16() for _ in range(3)]
+    xs = [torch.randn(20, 64, generator=gen, device="cpu").bfloat16() for _ in range(3)]
+    gs = [torch.randn(20, 500, generator=gen, device="cpu").bfloat16() for _ in range(3)]
 
     def main_grad(defer: bool) -> torch.Tensor:
-        weight = torch.nn.Parameter(torch.randn(500, 64, generator=torch.Generator().manual_seed(2)).bfloat16())
+        weight = torch.nn.Parameter(torch.randn(500, 64, generator=torch.Generator().manual_seed(2), device="cpu").bfloat16())
         buffer = GradBuffer([weight])
         deferral = DeferredWeightGrad()
         buffer.start(3)
@@ -84,10 +84,10 @@ def test_per_step_drain_is_one_microbatch_of_all_tokens():
     # final: the overlapped reduction's bucket is ready), and stay within bf16 rounding of the
     # per-microbatch path.
     gen = torch.Generator().manual_seed(3)
-    xs = [torch.randn(20, 64, generator=gen).bfloat16() for _ in range(3)]
-    gs = [torch.randn(20, 48, generator=gen).bfloat16() for _ in range(3)]
-    w0 = torch.randn(48, 64, generator=gen).bfloat16()
-    w1 = torch.randn(48, 48, generator=gen).bfloat16()
+    xs = [torch.randn(20, 64, generator=gen, device="cpu").bfloat16() for _ in range(3)]
+    gs = [torch.randn(20, 48, generator=gen, device="cpu").bfloat16() for _ in range(3)]
+    w0 = torch.randn(48, 64, generator=gen, device="cpu").bfloat16()
+    w1 = torch.randn(48, 48, generator=gen, device="cpu").bfloat16()
 
     def reference() -> tuple[torch.Tensor, torch.Tensor]:
         a, b = w0.clone().requires_grad_(), w1.clone().requires_grad_()

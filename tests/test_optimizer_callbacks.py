@@ -41,7 +41,7 @@ class TinyModule(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(32, 8, generator=g)
+        x = torch.randn(32, 8, generator=g, device="cpu")  # on the host, as a DataLoader's (any test device)
         return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8, shuffle=False)
 
 

@@ -65,7 +65,8 @@ def _manual_worker(steps: int) -> dict:
         n = GLOBAL_BATCH // MICRO
         step_loss = 0.0
         for i in range(n):
-            micro = {k: v[i * MICRO:(i + 1) * MICRO] for k, v in batch.items()}
+            micro = {k: v[i * MICRO:(i + 1) * MICRO].to(next(chunk.parameters()).device)
+                     for k, v in batch.items()}
             loss, _ = module.forward_step(micro, chunk)
             (loss / n).backward()
             step_loss += loss.item() / n

@@ -162,7 +162,7 @@ def _assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
                 continue
             t = full.get(name)
             if t is None:
-                t = full[name] = torch.zeros(shape, dtype=piece.dtype)
+                t = full[name] = torch.zeros(shape, dtype=piece.dtype, device=piece.device)
             t[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] = piece
     return full
 
