@@ -8,9 +8,14 @@ import torch
 from lightning_megatron.models.bert import BertConfig
 from lightning_megatron.models.bert.module import BertLightningModule
 from lightning_megatron.tensor_parallel import model_parallel_seed
+from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 from megatron_testing import TINY_CONFIG, TINY_OPTIONS, SyntheticBertDataset
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _unused(*args):
+    raise AssertionError("no gradient is deferred or routed in this model")
 
 
 def _loss_and_grads(compile: bool, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -19,8 +24,13 @@ def _loss_and_grads(compile: bool, batch: dict) -> tuple[torch.Tensor, dict[str,
     module = BertLightningModule(BertConfig(**{**TINY_CONFIG, "num_layers": 2}), **TINY_OPTIONS, compile=compile)
     module.configure_model()
     chunk = module.model_chunks[0]
-    loss, _ = module.forward_step(batch, chunk)
-    loss.backward()
+    # As in the strategy's training step: the layers ask the step's weight-gradient policy for their GEMMs
+    # (the policy must not tie a compiled graph to one layer object: one graph serves every layer, no
+    # recompilation per layer, which 24 layers would take past torch's recompile limit into eager).
+    policy = WeightGradPolicy.for_chunks([chunk])
+    with torch._dynamo.config.patch(error_on_recompile=True), policy.step(_unused, _unused):
+        loss, _ = module.forward_step(batch, chunk)
+        loss.backward()
     layers = [m for m in chunk.modules() if type(m).__name__ == "TransformerLayer"]
     compiled = sum(1 for m in layers if getattr(m, "_compiled_call_impl", None) is not None)
     return loss.detach(), {n: p.grad.clone() for n, p in chunk.named_parameters()}, compiled
@@ -31,7 +41,7 @@ def test_compiled_layers_equal_eager(monkeypatch):
 
     monkeypatch.setattr(inductor_config, "compile_threads", 1)  # no pool of compile workers on 2 cores
     data = SyntheticBertDataset(4)
-    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in data[0]}
+    batch = {k: torch.stack([data[i][k] for i in range(4)]).to(torch.get_default_device()) for k in data[0]}
     eager_loss, eager_grads, none = _loss_and_grads(False, batch)
     loss, grads, compiled = _loss_and_grads(True, batch)
     assert none == 0 and compiled == 2, "every transformer layer is compiled, nothing else"

@@ -116,11 +116,14 @@ def active_weight_grad_policy() -> WeightGradPolicy | None:
 
 
 def policy_linear(layer: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear(x, weight, bias)`` of ``layer``, its weight gradient deferred when the active policy
-    defers ``layer``'s."""
-    if _active is None:
-        return F.linear(x, weight, bias)
-    return _active.linear(layer, x, weight, bias)
+    """``F.linear(x, weight, bias)`` of ``layer`` (a column- or row-parallel linear layer), its weight gradient
+    deferred when the active policy defers ``layer``'s.
+
+    The deferral is the layer's own ``weight_grad_deferral`` (set by :meth:`WeightGradPolicy.step`), not looked
+    up by the layer's ``id``: under ``torch.compile`` an ``id`` ties the compiled graph to that one layer object,
+    and every transformer layer would compile again (past torch's recompile limit, 8, the rest run eager)."""
+    deferral = layer.weight_grad_deferral
+    return F.linear(x, weight, bias) if deferral is None else deferral.linear(x, weight, bias)
 
 
 def policy_embedding(layer: nn.Module, ids: Tensor, weight: Tensor) -> Tensor:
@@ -218,17 +221,16 @@ class WeightGradPolicy:
         for rows in self.embedding_rows:
             rows.open(add_grad_rows)
         self._add_grad, _active = add_grad, self
+        for layer, deferral in self._deferral_of.values():
+            layer.weight_grad_deferral = deferral
         try:
             yield self
         finally:
+            for layer, _ in self._deferral_of.values():
+                layer.weight_grad_deferral = None
             _active, self._add_grad = None, None
             for rows in self.embedding_rows:
                 rows.close()
-
-    def linear(self, layer: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """``layer``'s ``F.linear`` during the step (:func:`policy_linear`)."""
-        entry = self._deferral_of.get(id(layer))
-        return F.linear(x, weight, bias) if entry is None else entry[1].linear(x, weight, bias)
 
     def embedding(self, layer: nn.Module, ids: Tensor, weight: Tensor) -> Tensor:
         """``layer``'s ``F.embedding`` during the step (:func:`policy_embedding`)."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.backward import policy_embedding, policy_linear
+from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
 from lightning_megatron.tensor_parallel.mappings import (
     all_reduce_coalesced,
     copy_to_tensor_model_parallel_region,
@@ -106,6 +107,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("ColumnParallelLinear: gather_output=True is incompatible with sequence_parallel=True")
         self.input_size, self.output_size = input_size, output_size
         self.tp_group = tp_group
+        self.weight_grad_deferral: DeferredWeightGrad | None = None  # set by a WeightGradPolicy's step
         self.gather_output, self.skip_bias_add, self.sequence_parallel = gather_output, skip_bias_add, sequence_parallel
         self.output_size_per_partition = divide(output_size, world, "output_size")
         init_method = init_method or init_method_normal()
@@ -178,6 +180,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
         self.input_size, self.output_size = input_size, output_size
         self.tp_group = tp_group
+        self.weight_grad_deferral: DeferredWeightGrad | None = None  # set by a WeightGradPolicy's step
         self.input_is_parallel, self.skip_bias_add, self.sequence_parallel = input_is_parallel, skip_bias_add, sequence_parallel
         self.input_size_per_partition = divide(input_size, world, "input_size")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
