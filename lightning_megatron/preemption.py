@@ -129,11 +129,13 @@ class PreemptionHandler:
             self._launcher.kill(signum)  # the ranks this process started (Lightning's subprocess launcher)
 
     def should_stop(self, device: torch.device) -> bool:
-        """Whether any rank received a stop signal; collective over the default group when there is one."""
-        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
+        """Whether any rank received a stop signal; collective over the default group when there is one (a
+        single process decides from its own flag: no tensor, no device read that would wait for the
+        accelerator at every step)."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([self.received], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.received = int(flag.item())
+            self.received = int(flag.item())
         return self.received != 0
 
     def leave(self, launcher: Any = None, wait_s: float = 120.0) -> None:

@@ -174,3 +174,64 @@ def test_the_communicator_belongs_to_the_group_object_not_to_a_registry():
 
     a.close_communicators()
     assert rec.closed and isinstance(a.group("tp").communicator, TorchCommunicator) and a.communicators == {}
+
+
+def test_a_training_step_reads_the_device_three_times():
+    """Every read of a device value on the host waits for the accelerator to finish all queued work (and
+    starves it while the host catches up). A bf16 BERT step under the strategy (fp32 main params, one process,
+    the library's default path) reads three: the masked positions (one ``nonzero`` for the LM head's rows),
+    the NaN guard's loss check and the grad norm with its found-inf. Counted on any device: the ops that read
+    (``item``, ``nonzero``, ``masked_select``, ``tolist``) at dispatch."""
+    import lightning.pytorch as pl
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dist_utils import accelerator
+    from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.optimizer import OptimizerConfig
+    from lightning_megatron.strategy import MegatronStrategy
+    from megatron_testing import TINY_CONFIG, TINY_OPTIONS, SyntheticBertDataset
+
+    reads: list[str] = []
+    reading = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.masked_select.default}
+
+    indexing = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                torch.ops.aten._index_put_impl_.default}
+
+    class CountReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in reading:
+                reads.append(func.overloadpacket.__name__)
+            elif func in indexing and any(i is not None and i.dtype == torch.bool for i in args[1]):
+                reads.append(f"{func.overloadpacket.__name__} by a boolean mask")  # a nonzero inside
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        reads.append("tolist")
+        return tolist(self)
+
+    class Window(pl.Callback):  # the steps after the first (which allocates the optimizer state)
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx >= 1:
+                self.mode = CountReads().__enter__()
+                torch.Tensor.tolist = counted_tolist
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx >= 1:
+                torch.Tensor.tolist = tolist
+                self.mode.__exit__(None, None, None)
+
+    module = BertLightningModule({**TINY_CONFIG, "params_dtype": "bfloat16"}, **TINY_OPTIONS)
+    data = torch.utils.data.DataLoader(SyntheticBertDataset(12), batch_size=4)
+    trainer = pl.Trainer(accelerator=accelerator(), devices=1, max_steps=3, precision="bf16-true", logger=False,
+                         strategy=MegatronStrategy(micro_batch_size=4), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=[Window(), MegatronOptimizerCallback(OptimizerConfig())])
+    try:
+        trainer.fit(module, data)
+    finally:
+        torch.Tensor.tolist = tolist
+    assert sorted(reads) == sorted(["nonzero", "_local_scalar_dense", "tolist"] * 2), " | ".join(reads)

@@ -57,6 +57,11 @@ class MegatronGradScaler(ABC):
 class ConstantGradScaler(MegatronGradScaler):
     """A fixed loss scale (``--loss-scale`` in Megatron); overflowing steps are still skipped."""
 
+    def __init__(self, initial_scale: float) -> None:
+        super().__init__(initial_scale)
+        self.constant = float(initial_scale)
+        """The scale as a host number (it never changes): what the optimizer tests without reading the device."""
+
     def update(self, found_inf: bool) -> None:
         pass
 

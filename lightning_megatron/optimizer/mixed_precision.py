@@ -42,7 +42,7 @@ from lightning_megatron.optimizer.clip_grads import (
     grad_norm_and_found_inf,
     grads_for_norm,
 )
-from lightning_megatron.optimizer.grad_scaler import DynamicGradScaler, MegatronGradScaler
+from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, mark_replicated, param_facts
 
 if TYPE_CHECKING:
@@ -190,13 +190,14 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return [p.grad for p in self.get_parameters() if p.grad is not None]
 
     def _unscale_main_grads(self) -> None:
-        """``g *= 1 / scale`` for every main grad (nothing to do at scale 1, e.g. bf16)."""
+        """``g *= 1 / scale`` for every main grad. Nothing to do at a constant scale of 1 (bf16), known on the
+        host; any other scale multiplies without reading it back (a read waits for the accelerator)."""
         assert self.grad_scaler is not None
+        if isinstance(self.grad_scaler, ConstantGradScaler) and self.grad_scaler.constant == 1.0:
+            return
         grads = self._main_grads()
         if grads:
-            inv_scale = self.grad_scaler.inv_scale.to(grads[0].device)
-            if inv_scale.item() != 1.0:
-                torch._foreach_mul_(grads, inv_scale.reshape(()))
+            torch._foreach_mul_(grads, self.grad_scaler.inv_scale.to(grads[0].device).reshape(()))
 
     # -- public API ----------------------------------------------------------------------------
     @torch.no_grad()

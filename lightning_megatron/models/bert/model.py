@@ -36,7 +36,8 @@ from lightning_megatron.transformer import (
     seeded,
 )
 
-__all__ = ["BertModel", "Pooler", "BertLMHead", "bert_loss", "count_parameters", "bert_attention_mask"]
+__all__ = ["BertModel", "Pooler", "BertLMHead", "bert_loss", "count_parameters", "bert_attention_mask",
+           "masked_positions"]
 
 
 def _resolve_spec(spec: ModuleSpec | str) -> ModuleSpec:
@@ -46,6 +47,13 @@ def _resolve_spec(spec: ModuleSpec | str) -> ModuleSpec:
 
         return get_spec(spec)
     return spec
+
+
+def masked_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The flat (b, s) indices [n] (int64, ascending) where ``mask`` [b, s] is True: the rows the LM head runs
+    on. One ``nonzero``: its size depends on the data, so it reads the device (waits for the queued work);
+    done once per microbatch, before the forward, and every gather after it is by index."""
+    return mask.reshape(-1).nonzero().squeeze(1)
 
 
 def bert_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -160,22 +168,26 @@ class BertModel(LanguageModule):
 
     def _masked_lm_logits(self, hidden_states: torch.Tensor, lm_positions: torch.Tensor,
                           weight: torch.Tensor | None) -> torch.Tensor:
-        """Logits [n, 1, V/t] of the n selected tokens (``lm_positions`` [b, s], in (b, s) order).
+        """Logits [n, 1, V/t] of the n selected tokens (``lm_positions`` [n]: :func:`masked_positions`, flat
+        (b, s) indices, in that order).
 
-        Under sequence parallelism the selected tokens lie in every rank's sequence chunk: the
-        sequence is all-gathered first (its backward reduce-scatters), every rank runs the head on
-        all n tokens, and the output layer is applied without its own input all-gather. Its input
-        gradient is then a partial sum over the vocabulary shards (each rank holds V/t columns), and
-        stays partial through the head, which is linear in it: the head's parameters are marked
-        ``sequence_parallel`` (summed over TP after backward) and the reduce-scatter of the gather
-        sums the hidden states' gradient, exactly where the non-selective path sums them.
+        The rows are gathered by index (``index_select``: no read of the device, and its backward adds each
+        row's gradient into zeros, the values of the boolean mask's). Under sequence parallelism the
+        selected tokens lie in every rank's sequence chunk: the sequence is all-gathered first (its backward
+        reduce-scatters), every rank runs the head on all n tokens, and the output layer is applied without
+        its own input all-gather. Its input gradient is then a partial sum over the vocabulary shards (each
+        rank holds V/t columns), and stays partial through the head, which is linear in it: the head's
+        parameters are marked ``sequence_parallel`` (summed over TP after backward) and the reduce-scatter of
+        the gather sums the hidden states' gradient, exactly where the non-selective path sums them.
         """
+        full = (gather_from_sequence_parallel_region(hidden_states, self.tp_group, True)
+                if self.config.sequence_parallel else hidden_states)  # [s, b, h]
+        s, b = full.shape[:2]
+        rows = (lm_positions % s) * b + lm_positions.div(s, rounding_mode="floor")  # (b, s) -> row of [s * b, h]
+        selected = full.reshape(s * b, -1).index_select(0, rows).unsqueeze(1)  # [n, 1, h]
         if not self.config.sequence_parallel:
-            selected = hidden_states.transpose(0, 1)[lm_positions].unsqueeze(1)  # [n, 1, h]
             logits, _ = self.output_layer(self.lm_head(selected), weight=weight)
             return logits
-        full = gather_from_sequence_parallel_region(hidden_states, self.tp_group, True)  # [s, b, h]
-        selected = full.transpose(0, 1)[lm_positions].unsqueeze(1)
         return self.output_layer.apply_weight(self.lm_head(selected), weight)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, token_types: torch.Tensor | None = None,
@@ -189,17 +201,20 @@ class BertModel(LanguageModule):
         - else ``(lm_logits [b, s, V_padded/t], binary_logits [b, 2] | None)``;
         - with ``lm_labels`` [b, s] (-100 = not masked): ``(lm_loss [b, s], binary_logits)``.
 
-        ``lm_positions`` [b, s] bool: run the LM head only where True (the masked tokens, ~15%):
-        logits become [n, V_padded/t] for the n selected tokens (and ``lm_labels``, if given, is
-        read at those positions, giving ``lm_loss`` [n]). Each token's head is independent of the
-        others, so this is the same numbers for the tokens that count in the loss, at a fraction of
-        the cost (the head's output layer is a [h, V] matmul per token). Under sequence parallelism the
-        sequence is gathered first (see :meth:`_masked_lm_logits`).
+        ``lm_positions`` [b, s] bool, or [n] int64 flat (b, s) indices (:func:`masked_positions`, which the
+        bool mask is turned into first: one read of the device, before any layer runs): run the LM head only
+        at those tokens (the masked ones, ~15%): logits become [n, V_padded/t] for the n selected tokens (and
+        ``lm_labels``, if given, is read at those positions, giving ``lm_loss`` [n]). Each token's head is
+        independent of the others, so this is the same numbers for the tokens that count in the loss, at a
+        fraction of the cost (the head's output layer is a [h, V] matmul per token). Under sequence
+        parallelism the sequence is gathered first (see :meth:`_masked_lm_logits`).
         """
         # ``attention_mask=None``: no padding, so attention takes its unmasked (faster, flash) path. The
         # caller knows that from the host-side batch (``BertLightningModule`` flags it before the
         # transfer): testing the device tensor here would synchronize with the host every step.
         mask = None if attention_mask is None else bert_attention_mask(attention_mask)
+        if lm_positions is not None and lm_positions.dtype == torch.bool:
+            lm_positions = masked_positions(lm_positions)
         hidden_states = None
         if self.pre_process:
             position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
@@ -217,7 +232,7 @@ class BertModel(LanguageModule):
             logits = self._masked_lm_logits(hidden_states, lm_positions, weight).squeeze(1)  # [n, V/t]
             if lm_labels is None:
                 return logits, binary_logits
-            return self.compute_language_model_loss(lm_labels[lm_positions], logits), binary_logits
+            return self.compute_language_model_loss(lm_labels.reshape(-1)[lm_positions], logits), binary_logits
         logits, _ = self.output_layer(self.lm_head(hidden_states), weight=weight)  # [s, b, V/t]
         if lm_labels is None:
             return logits.transpose(0, 1).contiguous(), binary_logits  # [b, s, V/t]
