@@ -64,14 +64,28 @@ def device() -> torch.device:
     return torch.device("cuda", 0) if test_device() == "cuda" else torch.device("cpu")
 
 
+def _indices_on_the_host(sampler_iter):
+    """A sampler's ``__iter__`` run on the host: torch's samplers draw with a CPU generator, which the GPU
+    default device (this harness's way of putting single-rank tests on the GPU) would refuse. The indices are
+    drawn at once (a mode left pushed across a generator's yields would leak into the consumer)."""
+    def iter_on_host(self):
+        with torch.device("cpu"):
+            return iter(list(sampler_iter(self)))
+    return iter_on_host
+
+
 @pytest.fixture(autouse=True)
-def _restore_global_state():
+def _restore_global_state(monkeypatch):
     env = dict(os.environ)
     dtype = torch.get_default_dtype()
     threads = torch.get_num_threads()
     on_gpu = test_device() == "cuda"
     if on_gpu:
         torch.set_default_device("cuda")
+        from torch.utils.data import DistributedSampler, RandomSampler
+
+        for sampler in (DistributedSampler, RandomSampler):
+            monkeypatch.setattr(sampler, "__iter__", _indices_on_the_host(sampler.__iter__))
     yield
     if on_gpu:
         torch.set_default_device(None)

@@ -49,7 +49,8 @@ def check(layouts: list[str], reference_run=None, **kwargs):
 
 
 def _manual_worker(steps: int) -> dict:
-    """The ground truth without Lightning: a plain PyTorch loop over the same microbatches."""
+    """The ground truth without Lightning: a plain PyTorch loop over the same microbatches (on gloo and the
+    host, as the reference: ``check_layouts`` runs its layouts on CPU whatever the test device)."""
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.tensor_parallel import model_parallel_seed
 
@@ -65,8 +66,7 @@ def _manual_worker(steps: int) -> dict:
         n = GLOBAL_BATCH // MICRO
         step_loss = 0.0
         for i in range(n):
-            micro = {k: v[i * MICRO:(i + 1) * MICRO].to(next(chunk.parameters()).device)
-                     for k, v in batch.items()}
+            micro = {k: v[i * MICRO:(i + 1) * MICRO] for k, v in batch.items()}
             loss, _ = module.forward_step(micro, chunk)
             (loss / n).backward()
             step_loss += loss.item() / n
@@ -83,7 +83,7 @@ def reference():
 
 def test_one_process_strategy_equals_plain_pytorch_loop(reference):
     """The single-process reference itself equals a hand-written loop: Lightning adds nothing, loses nothing."""
-    [manual] = run_distributed(_manual_worker, 1, STEPS, timeout=300)
+    [manual] = run_distributed(_manual_worker, 1, STEPS, timeout=300, backend="gloo")
     ref_losses, ref_params = reference.losses, reference.params
     torch.testing.assert_close(torch.tensor(ref_losses), torch.tensor(manual["losses"]), rtol=1e-6, atol=0)
     # Relative to the update: the key bias has a zero true gradient (softmax is shift-invariant), so its
