@@ -304,6 +304,9 @@ def _bench_one(framework: str, size: BertSize | LlamaSize, seq: int, batch: int,
                 prof_box["profiled_step_s"] = time.perf_counter() - self.t0
                 prof = prof_box.pop("prof")
                 prof_box["kernels"] = _sdpa_kernels(prof)
+                # The host's waits on the device in the step (each read of a device value is one; the Timer's
+                # own synchronize is a cudaDeviceSynchronize, not counted): issue 39's host-bound GPU step.
+                prof_box["stream_syncs"] = sum(1 for e in prof.events() if e.name == "cudaStreamSynchronize")
                 try:
                     prof_box["by_kind"] = step_by_kind(prof, device)
                 except Exception:  # noqa: BLE001 - the attribution is extra; the timed steps still count
@@ -346,7 +349,8 @@ def _bench_one(framework: str, size: BertSize | LlamaSize, seq: int, batch: int,
     return {"framework": framework, "size": size.name, "seq": seq, "batch": batch, "step_s": step,
             "tokens_per_s": tokens / step, "tflops": flops / step / 1e12,
             "sdpa_kernels": prof_box.get("kernels", []), "by_kind_ms": prof_box.get("by_kind", {}),
-            "profiled_step_s": prof_box.get("profiled_step_s"), "peak_memory_gib": _peak_memory(device),
+            "profiled_step_s": prof_box.get("profiled_step_s"), "stream_syncs": prof_box.get("stream_syncs"),
+            "peak_memory_gib": _peak_memory(device),
             "wall_s": wall, "steps_timed": len(times)}
 
 
@@ -524,7 +528,8 @@ def summary_markdown(results: dict[str, Any]) -> str:
             lines += ["", "By kind, ms of the profiled last warm-up step (device time of each op's kernels):"]
             for r in bench["rows"]:
                 kinds = ", ".join(f"{k} {v:.1f}" for k, v in r.get("by_kind_ms", {}).items() if k != "error")
-                lines.append(f"- {r['size']} {r['framework']}: {kinds or r.get('by_kind_ms')}")
+                lines.append(f"- {r['size']} {r['framework']}: {kinds or r.get('by_kind_ms')}; "
+                             f"host waits on the device (cudaStreamSynchronize): {r.get('stream_syncs')}")
         for e in bench.get("errors", []):
             lines.append(f"- {part} {e['size']} {e['framework']} FAILED: {e['error'].strip().splitlines()[-1]}")
     estimate = results.get("decoder", {}).get("estimate")

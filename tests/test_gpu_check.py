@@ -31,6 +31,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         kinds = r["by_kind_ms"]
         assert kinds["GEMM"] > 0 and (r["framework"] == "hf" or kinds["optimizer step"] > 0), kinds
         assert sum(kinds.values()) <= 1000 * r["profiled_step_s"], (kinds, r["profiled_step_s"])
+        assert r["stream_syncs"] == 0  # on CPU no stream: counted on an accelerator only
     decoder = {r["framework"]: r for r in results["decoder"]["rows"]}
     assert set(decoder) == {"hf", "ours"} and not results["decoder"]["errors"], results["decoder"]
     assert all(r["size"] == "dry-decoder" and r["tokens_per_s"] > 0 and r["steps_timed"] == 2 for r in decoder.values())
