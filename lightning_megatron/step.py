@@ -120,13 +120,15 @@ class StepRunner:
     def run(self, batch: Any, batch_idx: int, stage: str, *, grad_buffer: GradBuffer | None = None,
             grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None, trace: list | None = None,
             iteration: int | None = None, overflow_is_skipped: bool = False,
-            grads_checked_by_optimizer: bool = False) -> Any:
+            grads_checked_by_optimizer: bool = False, loss_checked_by_optimizer: bool = False) -> Any:
         """One step. ``stage``: ``train`` (needs ``grad_buffer``), ``val``, ``test`` -> the logged
         means ``{name: scalar tensor}``; ``predict`` -> the batch's predictions. ``trace``: a list
         that receives the schedule's events (:class:`~lightning_megatron.pipeline.schedules.ScheduleEvent`).
         Training: ``iteration`` is the step the NaN guard's message names; ``overflow_is_skipped``: the
         optimizer's dynamic loss scaler skips a step whose gradients overflowed (fp16), so non-finite
-        gradients with a finite loss are its business, not an error."""
+        gradients with a finite loss are its business, not an error. ``grads_checked_by_optimizer`` /
+        ``loss_checked_by_optimizer``: the optimizer's step checks the gradients / the loss (handed to it by
+        the strategy) instead (:func:`~lightning_megatron.optimizer.mixed_precision.route_non_finite_grads`)."""
         ps = self.ps
         forward_only = stage != "train"
         microbatches = split_microbatches(batch, self.micro_batch_size)
@@ -161,7 +163,7 @@ class StepRunner:
         step_metrics = getattr(self.module, "step_metrics", None)
         if not forward_only and step_metrics is not None:
             means.update(step_metrics(len(microbatches)))
-        if not forward_only and self.check_for_nan_in_loss_and_grad:
+        if not forward_only and self.check_for_nan_in_loss_and_grad and not loss_checked_by_optimizer:
             self._check_finite(grad_buffer, means.get("loss"), iteration, overflow_is_skipped,
                                grads=not grads_checked_by_optimizer)
         return means
@@ -209,6 +211,12 @@ class StepRunner:
         calls it: the optimizer's check reduces over every rank's gradients): the parameter named, raised
         before anything is updated (``MegatronOptimizer.on_non_finite_grads``)."""
         self._raise_non_finite(buffer, None, 0.0, math.nan, iteration)
+
+    def non_finite_loss(self, buffer: GradBuffer, loss: torch.Tensor, loss_sum: float, grad_sum: float,
+                        iteration: int | None) -> None:
+        """The guard's error when the optimizer's step found the loss handed to it not finite (it reads the loss
+        with the gradients, after queueing an update the non-finite flag skips: nothing was updated)."""
+        self._raise_non_finite(buffer, loss, loss_sum, grad_sum, iteration)
 
     def _raise_non_finite(self, buffer: GradBuffer, loss: torch.Tensor | None, loss_sum: float, grad_sum: float,
                           iteration: int | None) -> None:

@@ -201,6 +201,7 @@ class MegatronStrategy(DDPStrategy):
         self._grad_buffer: GradBuffer | None = None
         self._optimizer_config: OptimizerConfig | None = None  # handed over by MegatronOptimizerCallback.setup
         self._grads_checked_by_optimizers = False  # the NaN guard's gradient check rides on the optimizers' norm
+        self._loss_checked_by_optimizers = False  # and its loss check, where they decide on the device
         self._preemption = PreemptionHandler()
         self.run_id: str | None = None
         """The run this fit continues or starts: the run id of the checkpoint it resumed, else the W&B
@@ -370,14 +371,21 @@ class MegatronStrategy(DDPStrategy):
                                                            grad_buffer=self._grad_buffer) for opt in self.optimizers]
         wrappers = self._optimizer_wrappers()
         check_optimizers(wrappers, self._grad_buffer, overlap_param_gather=self.overlap_param_gather)
-        # The NaN guard's gradient check rides on the optimizers' norm where they read every gradient.
-        self._grads_checked_by_optimizers = bool(
-            self.check_for_nan_in_loss_and_grad and self._grad_buffer is not None
-            and route_non_finite_grads(wrappers, self._grad_buffer.params, self._non_finite_grads))
+        # The NaN guard's gradient check rides on the optimizers' norm where they read every gradient, and its
+        # loss check too where they decide on the device (one read of the device a step, after the update).
+        self._grads_checked_by_optimizers = self._loss_checked_by_optimizers = False
+        if self.check_for_nan_in_loss_and_grad and self._grad_buffer is not None:
+            self._grads_checked_by_optimizers, self._loss_checked_by_optimizers = route_non_finite_grads(
+                wrappers, self._grad_buffer.params, self._non_finite_grads, self._non_finite_loss)
 
     def _non_finite_grads(self) -> None:
         assert self._runner is not None and self._grad_buffer is not None
         self._runner.non_finite_grads(self._grad_buffer, self.lightning_module.trainer.global_step)
+
+    def _non_finite_loss(self, loss: torch.Tensor, loss_sum: float, grad_sum: float) -> None:
+        assert self._runner is not None and self._grad_buffer is not None
+        self._runner.non_finite_loss(self._grad_buffer, loss, loss_sum, grad_sum,
+                                     self.lightning_module.trainer.global_step)
 
     def finish_param_gather(self) -> None:
         """Wait for every pending ZeRO-1 parameter all-gather (``overlap_param_gather``): after this the
@@ -399,7 +407,8 @@ class MegatronStrategy(DDPStrategy):
                                 grad_scale_func=wrappers[0].scale_loss if wrappers else None, trace=self.schedule_trace,
                                 iteration=self.lightning_module.trainer.global_step,
                                 overflow_is_skipped=any(isinstance(w.grad_scaler, DynamicGradScaler) for w in wrappers),
-                                grads_checked_by_optimizer=self._grads_checked_by_optimizers)
+                                grads_checked_by_optimizer=self._grads_checked_by_optimizers,
+                                loss_checked_by_optimizer=self._loss_checked_by_optimizers)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -417,6 +426,9 @@ class MegatronStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
             means = self._run(*_batch_and_index(args, kwargs), "train")
+        if self._loss_checked_by_optimizers and "loss" in means:
+            for wrapper in self._optimizer_wrappers():
+                wrapper.loss_to_check = means["loss"]  # read with the gradients' check, after the update is queued
         if "loss" not in means:  # the same keys on every rank (broadcast along the pipeline)
             raise ValueError(f"MegatronStrategy: the loss function of forward_step logged {sorted(means)} without "
                              f"'loss', which Lightning reports as the step's loss; return (loss, {{'loss': "
@@ -573,7 +585,7 @@ class MegatronStrategy(DDPStrategy):
     def teardown(self) -> None:
         self._preemption.uninstall()
         self._optimizer_config = None  # handed over again by the callback's setup of the next fit
-        self._grads_checked_by_optimizers = False
+        self._grads_checked_by_optimizers = self._loss_checked_by_optimizers = False
         if self._grad_buffer is not None:
             self._grad_buffer.remove()
             self._grad_buffer = None

@@ -274,21 +274,34 @@ def test_fp16_overflow_skipped_step_keeps_the_lr_schedule_and_the_logged_lr(tmp_
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(_lr_at(5))
 
 
+def _fused_adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
 @pytest.mark.parametrize("precision, inject, optimizer", [
     ("32-true", "grad", "plain"), ("32-true", "grad", "FP32Optimizer"), ("bf16-true", "grad", "Float16"),
-    ("16-true", "loss", "Float16"), ("bf16-true", "grad", "DistributedOptimizer"), ("16-true", "overflow", "Float16")])
+    ("16-true", "loss", "Float16"), ("bf16-true", "grad", "DistributedOptimizer"), ("16-true", "overflow", "Float16"),
+    ("32-true", "grad", "FP32Optimizer fused"), ("bf16-true", "grad", "Float16 fused"),
+    ("bf16-true", "loss", "Float16 fused"), ("16-true", "loss", "Float16 fused")])
 def test_non_finite_loss_or_grad_stops_the_step_whatever_the_optimizer(precision, inject, optimizer):
     """The guard is the MegatronStrategy's (on by default), whatever the optimizer: a NaN gradient (fp32 with a
     plain torch optimizer or a wrapper, bf16, ZeRO-1) or a NaN loss (fp16: not an overflow the scaler may skip)
     at step 2 raises before the optimizer updates anything, naming the step and the first parameter; an fp16
     overflow with a finite loss is the dynamic scaler's to skip, not an error. With our wrappers the gradients'
     check is the wrapper's own pass over them (its norm), which raises the guard's error; with a plain
-    optimizer it is the training step's."""
+    optimizer it is the training step's. With a fused torch optimizer ("fused") the wrapper queues the update
+    with the found-inf flag on the device (the kernel skips it) and reads the flag and the loss's check once,
+    after (not with fp16's dynamic scaler): the same error, and neither the parameters nor the optimizer's state
+    moved."""
     from lightning_megatron.step import NonFiniteLossOrGradError
 
     factor = {"grad": {"grad": float("nan")}, "loss": {"loss": float("nan")}, "overflow": {"grad": float("inf")}}
     dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}[precision]
     module = InjectModule(at=2, **factor[inject]).to(dtype)  # the strategy takes the parameters as built
+    fused = optimizer.endswith(" fused")
+    optimizer = optimizer.removesuffix(" fused")
+    if fused:
+        module.make_optimizer = _fused_adamw
     config = OptimizerConfig(initial_loss_scale=2.0**8, use_distributed_optimizer=optimizer == "DistributedOptimizer")
     callbacks = [] if optimizer == "plain" else [MegatronOptimizerCallback(config)]
     trainer = _megatron_trainer(callbacks, max_steps=4, precision=precision)
@@ -309,19 +322,28 @@ def test_non_finite_loss_or_grad_stops_the_step_whatever_the_optimizer(precision
     assert "first parameter with a non-finite gradient on rank 0: net.0.weight" in message, message
     assert ("the loss is nan" in message) == (inject == "loss") and "\n" not in message, message
     assert type(trainer.optimizers[0]).__name__.startswith(optimizer) or optimizer == "plain"
-    raised_by = "non_finite_grads" if optimizer != "plain" and inject == "grad" else "_check_finite"
+    on_device = fused and precision != "16-true"  # fp16's dynamic scaler needs the flag on the host first
+    raised_by = ("non_finite_loss" if on_device and inject == "loss" else
+                 "non_finite_grads" if optimizer != "plain" and inject == "grad" else "_check_finite")
     assert raised_by in [entry.name for entry in info.traceback], [entry.name for entry in info.traceback]
     assert trainer.global_step == 2
     for k, v in module.state_dict().items():  # the step was not taken
         assert torch.equal(v.cpu(), before[k].cpu()), k
+    if fused:  # the optimizer's state too: two updates counted, its moments as they were
+        inner = trainer.optimizers[0].optimizer
+        assert inner.defaults["fused"] and all(float(st["step"]) == 2 for st in inner.state.values())
     # Off (the strategy's switch): the step of the scaler (bf16: skipped) as before the check existed.
-    if precision == "bf16-true" and optimizer == "Float16":
+    if precision == "bf16-true" and optimizer == "Float16" and inject == "grad":
         from lightning_megatron.strategy import MegatronStrategy
 
         trainer = _megatron_trainer([MegatronOptimizerCallback()], max_steps=4, precision=precision,
                                     strategy=MegatronStrategy(check_for_nan_in_loss_and_grad=False))
-        trainer.fit(InjectModule(at=2, grad=float("nan")).to(dtype))
-        assert trainer.optimizers[0].num_skipped_steps == 1
+        skipped = InjectModule(at=2, grad=float("nan")).to(dtype)
+        if fused:
+            skipped.make_optimizer = _fused_adamw
+        trainer.fit(skipped)
+        assert trainer.optimizers[0].num_skipped_steps == 1 and trainer.global_step == 4
+        assert all(torch.isfinite(p).all() for p in skipped.parameters())
 
 
 def test_a_gradient_no_optimizer_reads_is_still_checked():

@@ -239,14 +239,18 @@ def test_float16_wrapper_keeps_fp32_params_and_moves_existing_state():
         FP32Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad=-1.0)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adamw"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_overflow_in_a_duplicate_the_norm_skips_is_still_found(bad):
-    """On TP rank 1 a replicated parameter is left out of the norm (rank 0 counts it) but is checked."""
+def test_overflow_in_a_duplicate_the_norm_skips_is_still_found(bad, fused):
+    """On TP rank 1 a replicated parameter is left out of the norm (rank 0 counts it) but is checked (fused: by
+    the device's flag that skips the kernel's update)."""
     sharded = torch.nn.Parameter(torch.ones(4).bfloat16())
     set_param_facts(sharded, sharded_over=("tp",), replicated_over=(), partition_dim=0)
     replicated = torch.nn.Parameter(torch.ones(3).bfloat16())
-    opt = Float16OptimizerWithFloat16Params(torch.optim.SGD([sharded, replicated], lr=0.1),
-                                            grad_scaler=ConstantGradScaler(1.0), coordinates={"tp": 1})
+    inner = (torch.optim.AdamW([sharded, replicated], lr=0.1, fused=True) if fused
+             else torch.optim.SGD([sharded, replicated], lr=0.1))
+    opt = Float16OptimizerWithFloat16Params(inner, grad_scaler=ConstantGradScaler(1.0), coordinates={"tp": 1})
+    assert opt.decides_on_device() == fused
     sharded.grad = torch.full((4,), 2.0).bfloat16()
     replicated.grad = torch.full((3,), 5.0).bfloat16()
     opt.step()
@@ -277,3 +281,40 @@ def test_main_params_are_copied_into_the_16_bit_params_by_one_foreach_call_per_g
     for p in params:  # each model param is its main param rounded to nearest, once
         assert torch.equal(p, opt.main_param(p).to(torch.bfloat16))
         assert not torch.equal(opt.main_param(p), opt.main_param(p).to(torch.bfloat16).float())  # it did round
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.3])
+@pytest.mark.parametrize("wrapper", ["fp32", "bf16"])
+def test_the_step_decided_on_the_device_has_the_host_decisions_bits(wrapper, clip):
+    """With a fused optimizer the wrapper clips by the norm on the device and leaves the skip of a non-finite
+    step to the kernel's found-inf flag, reading the device once after the update: parameters, optimizer
+    state, the norm and the skipped steps are the host decision's (the same wrapper made to decide on the host),
+    bit for bit, through a skipped step (a NaN gradient at step 3; a constant scaler skips it)."""
+    def run(on_device: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+        if wrapper == "bf16":
+            model = model.bfloat16()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, fused=True)
+        cls = Float16OptimizerWithFloat16Params if wrapper == "bf16" else FP32Optimizer
+        opt = cls(inner, clip_grad=clip, grad_scaler=ConstantGradScaler(1.0))
+        assert opt.decides_on_device()
+        if not on_device:
+            opt.decides_on_device = lambda: False
+        norms = []
+        for i, batch in enumerate(torch.randn(6, 8, 6, generator=torch.Generator().manual_seed(1))):
+            opt.zero_grad()
+            loss = model(batch.to(model[0].weight.dtype)).float().square().mean() * (float("nan") if i == 3 else 1)
+            loss.backward()
+            opt.step()
+            norms.append(opt.last_grad_norm)
+        state = [v for st in inner.state.values() for v in st.values()]
+        return list(model.parameters()), state, norms, opt.num_skipped_steps
+
+    params, state, norms, skipped = run(True)
+    params_ref, state_ref, norms_ref, skipped_ref = run(False)
+    assert skipped == skipped_ref == 1 and norms[3] is None and norms_ref[3] is None
+    del norms[3], norms_ref[3]
+    assert norms == pytest.approx(norms_ref, rel=1e-15)
+    assert all(torch.equal(a, b) for a, b in zip(params, params_ref))
+    assert all(torch.equal(a, b) for a, b in zip(state, state_ref))

@@ -47,6 +47,8 @@ __all__ = [
     "count_zeros_fp32",
     "grads_for_norm",
     "grad_norm_and_found_inf",
+    "grad_norm_squares",
+    "clip_grads_by_squares",
     "sum_of_squares_fp64",
     "NORM_PIECE",
 ]
@@ -157,6 +159,21 @@ def grad_norm_and_found_inf(
     rank makes the sum non-finite on every rank, so all ranks take the same decision (Megatron
     MAX-reduces a found-inf flag over the same group). ``piece``: :func:`sum_of_squares_fp64`'s.
     """
+    squares, checked = grad_norm_squares(counted, others, model_parallel_group, piece=piece).tolist()
+    found_inf = not (math.isfinite(squares) and math.isfinite(checked))
+    return squares**0.5, found_inf
+
+
+def grad_norm_squares(
+    counted: Iterable[torch.Tensor],
+    others: Iterable[torch.Tensor] = (),
+    model_parallel_group: Group = None,
+    *,
+    piece: int | None = None,
+) -> torch.Tensor:
+    """:func:`grad_norm_and_found_inf`'s all-reduced ``[sum of fp64 squares over counted, sum of fp32 ||g|| over
+    others]`` (fp64, on the grads' device), not read on the host: both are finite exactly when every gradient
+    is."""
     counted, others = _as_list(counted), _as_list(others)
     device = _device_of(counted + others)
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -165,9 +182,23 @@ def grad_norm_and_found_inf(
                          torch.stack(rest).double().sum() if rest else zero])
     if model_parallel_group is not None:
         all_reduce(total, model_parallel_group)
-    squares, checked = total.tolist()
-    found_inf = not (math.isfinite(squares) and math.isfinite(checked))
-    return squares**0.5, found_inf
+    return total
+
+
+def clip_grads_by_squares(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                          squares: torch.Tensor, skip: torch.Tensor) -> None:
+    """:func:`clip_grad_by_total_norm_fp32` with the norm's square ``squares`` (an fp64 device tensor) read on
+    the device: the same coefficient ``max_norm / (sqrt(squares) + 1e-6)`` in fp64, rounded to the grads'
+    fp32 as a host number would be, where it is < 1 (elsewhere a product by 1, exact); by 1 where ``skip``
+    (a non-finite norm: the step is skipped, and the gradients stay as they are for the error to name)."""
+    coeff = max_norm / (squares.sqrt() + 1.0e-6)
+    coeff = torch.where(skip | (coeff >= 1.0), torch.ones_like(coeff), coeff)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in _as_list(parameters):
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad.detach())
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coeff.to(dtype))
 
 
 def clip_grad_by_total_norm_fp32(

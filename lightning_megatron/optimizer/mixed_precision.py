@@ -29,6 +29,7 @@ once, when the model copy is refreshed.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -38,8 +39,10 @@ import torch
 from lightning_megatron.parallel_state import Group
 from lightning_megatron.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
+    clip_grads_by_squares,
     count_zeros_fp32,
     grad_norm_and_found_inf,
+    grad_norm_squares,
     grads_for_norm,
 )
 from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
@@ -126,6 +129,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """Called by :meth:`step` when a gradient on any rank is inf/nan and no dynamic loss scaler skips the
         step, before anything is updated: the strategy's NaN guard installs its raise here, so that the
         norm's pass over the gradients is also the guard's (``StepRunner``, ``check_for_nan_in_loss_and_grad``)."""
+        self.on_non_finite_loss: Callable[[torch.Tensor, float, float], None] | None = None
+        """Called by :meth:`step` with (the loss, its value, the sum of the norm's two parts) when the loss handed
+        over in :attr:`loss_to_check` is not finite: the NaN guard's raise, where the step reads the device once
+        (:meth:`decides_on_device`; the update was skipped there)."""
+        self.loss_to_check: torch.Tensor | None = None
+        """The step's loss, handed over by the strategy's NaN guard for this step's one read (then cleared)."""
 
     # -- shared containers ---------------------------------------------------------------------
     @property
@@ -211,6 +220,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
             self._unscale_main_grads()
+        if self.decides_on_device():
+            self._step_deciding_on_device()
+            return loss
         # One pass over the grads: the norm, and whether any grad on any model-parallel rank is inf/nan
         # (used with a scaler: the step is skipped; without one only the norm is used).
         grad_norm, found_inf = self._grad_norm_and_found_inf()
@@ -235,6 +247,72 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._copy_main_params_to_model_params()
         self.last_step_skipped = False
         return loss
+
+    def decides_on_device(self) -> bool:
+        """Whether a step leaves the skip to the device and reads it once, after the update is queued: the inner
+        optimizer is fused (it skips its update where a ``found_inf`` flag on the device is set: torch's
+        ``GradScaler`` protocol), no dynamic loss scaler (its update needs the flag on the host first), no zero
+        count (a host number before the update) and this class's norm (not ZeRO-1's shards)."""
+        return (bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+                and not isinstance(self.grad_scaler, DynamicGradScaler) and not self.log_num_zeros_in_grad
+                and type(self)._grad_norm_and_found_inf is MegatronOptimizer._grad_norm_and_found_inf)
+
+    def _step_deciding_on_device(self) -> None:
+        """The step of :meth:`decides_on_device`. A read of a device value waits for all the work queued before
+        it: read after the backward (as :meth:`step` does otherwise), it leaves the accelerator idle while the
+        host prepares the update; read after the update is queued, that preparation overlaps the backward.
+
+        The norm's two parts and the handed-over loss stay on the device; their non-finite flag skips the
+        update in the fused kernel (a constant scaler's skip, the NaN guard's "before anything is updated")
+        and makes the clipping coefficient 1; then one read decides on the host what the flag decided there:
+        the guard's error, the skipped-step counters, the logged norm. Without a scaler or the guard nothing
+        skips, as in :meth:`step`."""
+        totals = self._norm_totals()  # [sum of squares counted, sum of the duplicates' norms], fp64
+        loss, self.loss_to_check = self.loss_to_check, None
+        if loss is not None:
+            totals_and_loss = [totals, loss.detach().to(totals.device, totals.dtype).reshape(1)]
+        values = totals if loss is None else torch.cat(totals_and_loss)
+        skip = ~torch.isfinite(values).all()
+        if self.clip_grad > 0.0:
+            clip_grads_by_squares(self._clip_parameters(), self.clip_grad, totals[0], skip)
+        decides = self.grad_scaler is not None or self.on_non_finite_grads is not None or loss is not None
+        if decides:
+            self.optimizer.found_inf = skip.float()
+        try:
+            self.optimizer.step()
+        finally:
+            if decides:
+                del self.optimizer.found_inf
+        self._release_main_grads()
+        self._copy_main_params_to_model_params()
+        read = values.tolist()  # the step's one read of the device
+        squares, checked = read[0], read[1]
+        if loss is not None and not math.isfinite(read[2]) and self.on_non_finite_loss is not None:
+            self.on_non_finite_loss(loss, read[2], squares + checked)
+        self.last_num_zeros = None
+        if not (math.isfinite(squares) and math.isfinite(checked)):
+            if self.on_non_finite_grads is not None:
+                self.on_non_finite_grads()
+            if self.grad_scaler is not None:
+                self.last_step_skipped, self.last_grad_norm = True, None
+                self.num_skipped_steps += 1
+                return
+        self.last_grad_norm = squares**0.5
+        self.last_step_skipped = False
+
+    def _norm_totals(self) -> torch.Tensor:
+        """:meth:`_grad_norm_and_found_inf`'s sums on the device (:func:`grad_norm_squares`), over the norm's
+        families."""
+        piece = None if self._grad_buffer is None else self._grad_buffer.norm_piece
+        totals = None
+        for params, group in self._norm_families(self.get_parameters()):
+            counted = grads_for_norm(params, coordinates=self.coordinates)
+            ids = {id(g) for g in counted}
+            others = [p.grad for p in params if p.grad is not None and id(p.grad) not in ids]
+            part = grad_norm_squares(counted, others, group, piece=piece)
+            totals = part if totals is None else totals + part
+        assert totals is not None
+        return totals
 
     # Hooks of the step; the DistributedOptimizer overrides them for its flat shards.
     def _norm_families(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], Group]]:
@@ -400,18 +478,25 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 current.data.copy_(saved.data)
 
 
-def route_non_finite_grads(optimizers: list[Any], params: list[torch.Tensor], raise_error: Callable[[], None]) -> bool:
+def route_non_finite_grads(optimizers: list[Any], params: list[torch.Tensor], raise_error: Callable[[], None],
+                           raise_loss_error: Callable[[torch.Tensor, float, float], None] | None = None
+                           ) -> tuple[bool, bool]:
     """Hand the NaN guard's gradient check to the optimizers' own pass over the gradients (their norm,
     which finds inf/nan on every rank) instead of a second pass: possible when every optimizer is one of
     our wrappers, with its ``step``, and together they read every one of ``params``. Then each calls
-    ``raise_error`` before it updates anything (:attr:`MegatronOptimizer.on_non_finite_grads`) and this
-    returns True; otherwise nothing is installed and the caller checks the gradients itself."""
+    ``raise_error`` before it updates anything (:attr:`MegatronOptimizer.on_non_finite_grads`); otherwise
+    nothing is installed and the caller checks the gradients itself. When moreover every one decides on the
+    device (:meth:`MegatronOptimizer.decides_on_device`), the loss's check goes with it too (the caller hands
+    each step's loss to :attr:`~MegatronOptimizer.loss_to_check`; ``raise_loss_error`` raises): the step then
+    reads the device once, after the update is queued. Returns (gradients routed, loss routed)."""
     if not optimizers or not all(isinstance(o, MegatronOptimizer) and type(o).step is MegatronOptimizer.step
                                  for o in optimizers):
-        return False
+        return False, False
     read = {id(p) for o in optimizers for p in o.model_parameters()}
     if any(id(p) not in read for p in params):
-        return False
+        return False, False
+    loss_routed = raise_loss_error is not None and all(o.decides_on_device() for o in optimizers)
     for o in optimizers:
         o.on_non_finite_grads = raise_error
-    return True
+        o.on_non_finite_loss = raise_loss_error if loss_routed else None
+    return True, loss_routed
