@@ -92,3 +92,15 @@ def test_the_background_load_does_not_count_ranks_a_forkserver_reaped(tmp_path: 
         proc.kill()
         proc.wait()
     assert counted >= 0.35, f"{counted:.2f} CPU s counted as ours; the grandchild alone used 0.4"
+
+
+def test_norm_bytes_counts_what_docs_benchmarks_quotes():
+    """benchmarks/norm_bytes.py, whose figures docs/benchmarks.md quotes ("GPU check"): our RMSNorm's eager fp32
+    arithmetic moves 40 + 108 bytes per element, torch's fused LayerNorm 4 + 6 (a smaller shape: bytes per element
+    barely depend on it). A fused RMSNorm would change these numbers and the page."""
+    import norm_bytes
+
+    rms = norm_bytes.norm_bytes("RMSNorm", hidden=1024, tokens=256)
+    layer = norm_bytes.norm_bytes("LayerNorm", hidden=1024, tokens=256)
+    assert (round(rms["forward"]), round(rms["backward"])) == (40, 108), rms["ops"]
+    assert (round(layer["forward"]), round(layer["backward"])) == (4, 6), layer["ops"]
