@@ -27,6 +27,10 @@ What it runs, each part time-boxed and recorded even when another part fails:
    gradients (views of one flat fp32 buffer, as the grad buffer's), by the size of its pieces: 64 Ki elements
    (the default until 2026-12-04 under torchrun's one host thread), 1 Mi, 16 Mi (``NORM_PIECE``, the default
    since) and 256 Mi (every tensor whole): milliseconds per call, and the sums' largest relative difference;
+   and the lead measured on the H200 (the fp64 sum took 16 ms of bert-large's 136 ms step): one fused fp32
+   ``torch._foreach_norm`` per tensor, the squares summed in fp64, with its difference from the fp64 sum;
+6b. ``rmsnorm``: our RMSNorm (eager fp32 arithmetic, 148 bytes per element: ``norm_bytes.py``) against torch's
+   ``F.rms_norm`` on the decoder's activation, forward and backward: milliseconds and how far they differ;
 7. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
    PP=1; CSV logger only), exit code, the logged losses and throughput.
 
@@ -190,21 +194,64 @@ def part_norm(device: torch.device, dry: bool) -> dict[str, Any]:
     flat = torch.randn(sum(numels), device=device, generator=torch.Generator(device).manual_seed(0)) * 1e-3
     grads = list(torch.split(flat, numels))
     repeats = 3 if dry else 20
-    times: dict[str, list[float]] = {name: [] for name in NORM_PIECES}
+    def foreach_fp32() -> torch.Tensor:  # the lead: one fused fp32 pass per tensor, the squares summed in fp64
+        return torch.stack(torch._foreach_norm(grads, 2)).double().square().sum()
+
+    variants = {**{name: (lambda piece=piece: sum_of_squares_fp64(grads, piece=piece))
+                   for name, piece in NORM_PIECES.items()}, "foreach fp32": foreach_fp32}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     sums: dict[str, float] = {}
-    for name, piece in NORM_PIECES.items():
-        sum_of_squares_fp64(grads, piece=piece)  # warm: the scratch's first allocation
-    for r in range(repeats):  # alternating order, so that a slow spell does not fall on one piece size
-        for name, piece in (NORM_PIECES.items() if r % 2 == 0 else list(NORM_PIECES.items())[::-1]):
+    for fn in variants.values():
+        fn()  # warm: the scratch's first allocation
+    for r in range(repeats):  # alternating order, so that a slow spell does not fall on one variant
+        for name, fn in (variants.items() if r % 2 == 0 else list(variants.items())[::-1]):
             _sync()
             start = time.perf_counter()
-            total = sum_of_squares_fp64(grads, piece=piece)
-            sums[name] = float(total)  # synchronizes
+            sums[name] = float(fn())  # synchronizes
             times[name].append(time.perf_counter() - start)
     reference = sums["16Mi"]
     return {"elements": flat.numel(), "tensors": len(grads), "default_piece": NORM_PIECE, "repeats": repeats,
             "ms": {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()},
-            "sums_max_rel_diff": max(abs(v - reference) / reference for v in sums.values())}
+            "sums_max_rel_diff": max(abs(sums[n] - reference) / reference for n in NORM_PIECES),
+            "foreach_fp32_rel_diff": abs(sums["foreach fp32"] - reference) / reference}
+
+
+def part_rmsnorm(device: torch.device, dry: bool) -> dict[str, Any]:
+    """Our RMSNorm (eager fp32 arithmetic: 148 bytes per element forward and backward, ``norm_bytes.py``) against
+    torch's ``F.rms_norm`` (a fused kernel where the device has one) on the decoder's bf16 activation
+    [tokens, 1, hidden], forward and backward: milliseconds, and how far the outputs and input gradients differ
+    (the lead for the decoder's non-GEMM time; torch's rounds to bf16 before the weight, ours after)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from lightning_megatron.transformer.norms import RMSNorm
+
+    tokens, hidden = (256, 64) if dry else (DECODER.batch * DECODER.seq_length, DECODER.hidden_size)
+    config = SimpleNamespace(layernorm_epsilon=1e-6, params_dtype=torch.bfloat16, sequence_parallel=False)
+    ours = RMSNorm(config, hidden).to(device)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16, generator=g)
+    variants = {"ours": lambda t: ours(t), "F.rms_norm": lambda t: F.rms_norm(t, (hidden,), ours.weight, 1e-6)}
+    repeats = 3 if dry else 20
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    outs = {}
+    for r in range(repeats + 1):
+        for name, fn in (variants.items() if r % 2 == 0 else list(variants.items())[::-1]):
+            xi = x.detach().requires_grad_()
+            _sync()
+            start = time.perf_counter()
+            y = fn(xi)
+            y.backward(dy)
+            _sync()
+            if r:  # the first round warms
+                times[name].append(time.perf_counter() - start)
+            outs[name] = (y.detach().float(), xi.grad.float())
+    (y0, dx0), (y1, dx1) = outs["ours"], outs["F.rms_norm"]
+    return {"tokens": tokens, "hidden": hidden, "repeats": repeats,
+            "ms": {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()},
+            "output_max_abs_diff": float((y0 - y1).abs().max()), "grad_max_abs_diff": float((dx0 - dx1).abs().max())}
 
 
 _OPTIMIZER_OPS = ("aten::_fused_adam", "aten::_foreach_", "aten::_fused_sgd")
@@ -540,7 +587,14 @@ def summary_markdown(results: dict[str, Any]) -> str:
         lines += ["", f"- grad norm's fp64 sum of squares over {norm['elements']:,} gradients in "
                       f"{norm['tensors']} tensors, ms by piece (16Mi the default): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in norm["ms"].items())
-                  + f"; sums within {norm['sums_max_rel_diff']:.1e} relative"]
+                  + f"; sums within {norm['sums_max_rel_diff']:.1e} relative (foreach fp32: "
+                  + f"{norm.get('foreach_fp32_rel_diff', float('nan')):.1e})"]
+    rms = results.get("rmsnorm", {})
+    if rms.get("ms"):
+        lines += ["", f"- RMSNorm forward + backward on [{rms['tokens']}, 1, {rms['hidden']}] bf16, ms: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in rms["ms"].items())
+                      + f"; outputs differ by {rms['output_max_abs_diff']:.1e}, input gradients by "
+                      + f"{rms['grad_max_abs_diff']:.1e} (max abs)"]
     fit = results.get("fit", {})
     lines += ["", f"- 50-step fit: {fit}"]
     lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF; the "
@@ -553,7 +607,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="CI-size: tiny model, few steps, one test file")
     parser.add_argument("--out", default="gpu_check_out", help="folder for the results (created)")
-    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,fit", help="comma-separated subset")
+    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,rmsnorm,fit", help="comma-separated subset")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile=True row of the benchmark")
     args = parser.parse_args()
     out_dir = Path(args.out)
@@ -585,6 +639,7 @@ def main() -> int:
     run("decoder", part_decoder, device, args.dry_run, results.get("gemm", {}),
         results.get("env", {}).get("device_name", str(device)))
     run("norm", part_norm, device, args.dry_run)
+    run("rmsnorm", part_rmsnorm, device, args.dry_run)
     run("tests", part_tests, device, args.dry_run, out_dir, budgets["tests"])
     run("fit", part_fit, device, args.dry_run, out_dir, budgets["fit"])
     results["total_s"] = time.perf_counter() - t0
@@ -605,7 +660,8 @@ def main() -> int:
     (out_dir / "summary.md").write_text(summary_markdown(results))
     _log(f"done in {results['total_s']:.0f} s: {out_dir}/summary.md")
     print(summary_markdown(results))
-    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "tests", "fit") if isinstance(results.get(k), dict)
+    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "rmsnorm", "tests", "fit")
+              if isinstance(results.get(k), dict)
               and "error" in results[k]]
     return 1 if failed else 0
 

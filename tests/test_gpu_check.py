@@ -16,7 +16,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_check"
     # every part but the test path (this is the test path) and the compile row (slow on 2 cores; tests/test_compile.py)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--dry-run", "--no-compile",
-           "--parts", "env,gemm,bench,decoder,norm,fit", "--out", str(out)]
+           "--parts", "env,gemm,bench,decoder,norm,rmsnorm,fit", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = run_python(cmd[1:], tmp_path, env, timeout=600)  # the script; the runs it starts are new interpreters
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -40,8 +40,13 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert estimate["measured_over_measured_gemm_s"] == decoder["ours"]["step_s"] / estimate["measured_gemm_s"]
     assert {"decoder_mfu", "decoder_vs_hf"} <= set(results["targets"]), results["targets"]
     norm = results["norm"]  # the grad norm by the size of its pieces, the library's default among them
-    assert set(norm["ms"]) == {"64Ki", "1Mi", "16Mi", "256Mi"} and all(v > 0 for v in norm["ms"].values()), norm
+    assert set(norm["ms"]) == {"64Ki", "1Mi", "16Mi", "256Mi", "foreach fp32"}, norm
+    assert all(v > 0 for v in norm["ms"].values()), norm
     assert norm["default_piece"] == 1 << 24 and norm["sums_max_rel_diff"] < 1e-12, norm
+    assert norm["foreach_fp32_rel_diff"] < 1e-5, norm  # fp32 per-tensor norms: within fp32 rounding
+    rms = results["rmsnorm"]  # ours against torch's F.rms_norm: timed, and within a bf16 rounding of each other
+    assert set(rms["ms"]) == {"ours", "F.rms_norm"} and all(v > 0 for v in rms["ms"].values()), rms
+    assert rms["output_max_abs_diff"] < 0.1 and rms["grad_max_abs_diff"] < 0.1, rms
     fit = results["fit"]
     assert fit["returncode"] == 0 and fit["logged_steps"] >= 1 and fit["checkpoint_saved"], fit
     assert (out / "summary.md").read_text().startswith("### GPU check")
