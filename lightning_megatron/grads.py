@@ -129,6 +129,11 @@ class GradBuffer:
         norm_piece: elements of these gradients the optimizers' norm squares in fp64 at a time
             (:func:`~lightning_megatron.optimizer.clip_grads.sum_of_squares_fp64`; None: its default). The
             opt-in CPU tuning sets cache-sized pieces (:meth:`lightning_megatron.cpu.CPUTuning.norm_piece`).
+        decide_on_host: the optimizers read their step's checks before the update, on the host, rather than
+            leaving the skip to the device and reading once after it
+            (:meth:`~lightning_megatron.optimizer.mixed_precision.MegatronOptimizer.decides_on_device`). The
+            opt-in CPU tuning sets it on CPU, where a read waits for nothing and the device's decision costs a
+            pass over the gradients when clipping (their product by 1).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], *, bucket_bytes: float = 40 * 2**20, pad_to: int = 1,
@@ -136,7 +141,7 @@ class GradBuffer:
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
                  groups: Mapping[str, Any] | None = None, divisors: Mapping[str, int] | None = None,
-                 norm_piece: int | None = None) -> None:
+                 norm_piece: int | None = None, decide_on_host: bool = False) -> None:
         if pad_to < 1:
             raise ValueError(f"GradBuffer: pad_to={pad_to} must be >= 1")
         self.params = list(params)
@@ -152,6 +157,7 @@ class GradBuffer:
         self.overlap_param_gather = overlap_param_gather
         self.accumulate = accumulate or torch.Tensor.add_
         self.norm_piece = norm_piece
+        self.decide_on_host = decide_on_host
         self._reduce_scatter = False  # use_reduce_scatter(): a DistributedOptimizer shards this buffer
         self.offsets: dict[int, int] = {}
         self.buckets: list[Bucket] = []
@@ -470,7 +476,7 @@ class GradBuffer:
     def for_chunks(cls, chunks: Sequence[nn.Module], parallel_state: ParallelState, *, bucket_bytes: float,
                    overlap_grad_reduce: bool, overlap_param_gather: bool = False,
                    accumulate: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
-                   norm_piece: int | None = None) -> GradBuffer:
+                   norm_piece: int | None = None, decide_on_host: bool = False) -> GradBuffer:
         """The buffer of this rank's model ``chunks`` (:func:`buffer_order`), padded to and reduced over
         the data-parallel group their :class:`~lightning_megatron.tensor_parallel.ParamFacts` name
         (``data_parallel``), the tied embedding in its own last bucket under pipelining."""
@@ -486,7 +492,7 @@ class GradBuffer:
                    separate_shared_embedding=ps.pp_size > 1 and ps.embedding_group is not None,
                    dp_group=dp_group, overlap_grad_reduce=overlap_grad_reduce and reduced,
                    overlap_param_gather=overlap_param_gather and reduced, accumulate=accumulate, groups=others,
-                   divisors={name: size for name in others}, norm_piece=norm_piece)
+                   divisors={name: size for name in others}, norm_piece=norm_piece, decide_on_host=decide_on_host)
 
     def remove(self) -> None:
         """Remove the hooks and every ``main_grad`` (teardown)."""

@@ -168,7 +168,8 @@ def test_cpu_grad_accumulation_is_bitwise_add_and_is_what_the_cpu_tuning_install
     assert CPUTuning(kernels=False).grad_accumulation(torch.device("cpu")) is None
     assert CPUTuning().grad_accumulation(torch.device("meta")) is None
     assert CPUTuning().grad_buffer_options(torch.device("cpu"))["accumulate"] is accumulate_grad
-    assert CPUTuning().grad_buffer_options(torch.device("meta")) == {"accumulate": None, "norm_piece": None}
+    assert CPUTuning().grad_buffer_options(torch.device("meta")) == {"accumulate": None, "norm_piece": None,
+                                                                    "decide_on_host": False}
 
 
 def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():

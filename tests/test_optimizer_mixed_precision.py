@@ -318,3 +318,22 @@ def test_the_step_decided_on_the_device_has_the_host_decisions_bits(wrapper, cli
     assert norms == pytest.approx(norms_ref, rel=1e-15)
     assert all(torch.equal(a, b) for a, b in zip(params, params_ref))
     assert all(torch.equal(a, b) for a, b in zip(state, state_ref))
+
+
+def test_the_cpu_tuning_has_the_host_decide():
+    """A grad buffer that asks for the host's decision (``decide_on_host``: the opt-in CPU tuning's, on CPU, where a
+    read waits for nothing) keeps the read before the update; on any other device the tuning leaves it to the
+    device."""
+    from lightning_megatron.cpu import CPUTuning
+    from lightning_megatron.grads import GradBuffer
+
+    assert CPUTuning().grad_buffer_options(torch.device("cpu"))["decide_on_host"]
+    assert not CPUTuning().grad_buffer_options(torch.device("meta"))["decide_on_host"]
+    assert not CPUTuning(kernels=False).grad_buffer_options(torch.device("cpu"))["decide_on_host"]
+    for on_host in (False, True):
+        model = torch.nn.Linear(4, 4).bfloat16()
+        buffer = GradBuffer(list(model.parameters()), decide_on_host=on_host)
+        opt = Float16OptimizerWithFloat16Params(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True),
+                                                grad_scaler=ConstantGradScaler(1.0), grad_buffer=buffer)
+        assert opt.decides_on_device() != on_host
+        buffer.remove()

@@ -150,9 +150,12 @@ class CPUTuning:
 
     def grad_buffer_options(self, device: torch.device) -> dict[str, Any]:
         """What the tuning hands the strategy's :class:`~lightning_megatron.grads.GradBuffer` on ``device``: its
-        microbatch accumulation (:meth:`grad_accumulation`) and the pieces of the optimizers' norm
-        (:meth:`norm_piece`); each None where the tuning does nothing."""
-        return {"accumulate": self.grad_accumulation(device), "norm_piece": self.norm_piece(device)}
+        microbatch accumulation (:meth:`grad_accumulation`), the pieces of the optimizers' norm
+        (:meth:`norm_piece`), each None where the tuning does nothing, and on CPU with ``kernels`` that the
+        optimizers decide their step on the host (``decide_on_host``: a read of a CPU value waits for nothing,
+        and leaving the decision to the device costs a pass over the gradients when clipping)."""
+        return {"accumulate": self.grad_accumulation(device), "norm_piece": self.norm_piece(device),
+                "decide_on_host": self.kernels and device.type == "cpu"}
 
     def norm_piece(self, device: torch.device) -> int | None:
         """Elements of a gradient squared in fp64 at a time by the optimizers' norm
