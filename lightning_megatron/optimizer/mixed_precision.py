@@ -41,7 +41,6 @@ from lightning_megatron.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     clip_grads_by_squares,
     count_zeros_fp32,
-    grad_norm_and_found_inf,
     grad_norm_squares,
     grads_for_norm,
 )
@@ -303,8 +302,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
 
     def _norm_totals(self) -> torch.Tensor:
-        """:meth:`_grad_norm_and_found_inf`'s sums on the device (:func:`grad_norm_squares`), over the norm's
-        families."""
+        """[sum of the squares this rank counts, sum of the norms of the duplicates it only checks] over every
+        rank of the norm's families (:func:`grad_norm_squares`), fp64 on the device: finite exactly when every
+        gradient is."""
         piece = None if self._grad_buffer is None else self._grad_buffer.norm_piece
         totals = None
         for params, group in self._norm_families(self.get_parameters()):
@@ -328,16 +328,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 (experts, self.expert_model_parallel_group)]
 
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
-        """The global L2 norm and whether any main grad on any model-parallel rank is inf/nan."""
-        squares, found_inf = 0.0, False
-        piece = None if self._grad_buffer is None else self._grad_buffer.norm_piece
-        for params, group in self._norm_families(self.get_parameters()):
-            counted = grads_for_norm(params, coordinates=self.coordinates)
-            ids = {id(g) for g in counted}
-            others = [p.grad for p in params if p.grad is not None and id(p.grad) not in ids]
-            norm, inf = grad_norm_and_found_inf(counted, others, group, piece=piece)
-            squares, found_inf = squares + norm * norm, found_inf or inf
-        return squares ** 0.5, found_inf
+        """The global L2 norm and whether any main grad on any model-parallel rank is inf/nan: :meth:`_norm_totals`
+        read on the host."""
+        squares, checked = self._norm_totals().tolist()
+        return squares ** 0.5, not (math.isfinite(squares) and math.isfinite(checked))
 
     def _num_zeros(self) -> int:
         return sum(count_zeros_fp32(params, model_parallel_group=group, coordinates=self.coordinates)
