@@ -24,11 +24,13 @@ What it runs, each part time-boxed and recorded even when another part fails:
    prediction of our step on this device (the datasheet rates of the device's entry in
    ``lightning_megatron.check.devices``, and the same with part 2's measured GEMM rate): measured / predicted;
 6. ``norm``: the gradient norm's fp64 sum of squares (``clip_grads.sum_of_squares_fp64``) over bert-large's
-   gradients (views of one flat fp32 buffer, as the grad buffer's), by the size of its pieces: 64 Ki elements
-   (the default until 2026-12-04 under torchrun's one host thread), 1 Mi, 16 Mi (``NORM_PIECE``, the default
-   since) and 256 Mi (every tensor whole): milliseconds per call, and the sums' largest relative difference;
-   and the lead measured on the H200 (the fp64 sum took 16 ms of bert-large's 136 ms step): one fused fp32
-   ``torch._foreach_norm`` per tensor, the squares summed in fp64, with its difference from the fp64 sum;
+   gradients (views of one flat fp32 buffer, as the grad buffer's): the library's default since 2026-12-04
+   night (``fused fp64``: one ``torch._foreach_norm`` with fp64 sums, the per-tensor norms squared and summed)
+   against its earlier pieces, fp64 scratch pieces dotted with themselves, of 64 Ki elements (the default until
+   2026-12-04 under torchrun's one host thread), 1 Mi, 16 Mi (the default until that night: 16 ms of bert-large's
+   136 ms step on the H200) and 256 Mi (every tensor whole), and one fused fp32 ``torch._foreach_norm``
+   (Megatron's precision; not exact): milliseconds per call, and each sum's relative difference from the
+   16 Mi pieces';
 6b. ``rmsnorm``: our RMSNorm (eager fp32 arithmetic, 148 bytes per element: ``norm_bytes.py``) against torch's
    ``F.rms_norm`` on the decoder's activation, forward and backward: milliseconds and how far they differ;
 7. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
@@ -181,23 +183,25 @@ def part_tests(device: torch.device, dry: bool, out_dir: Path, budget_s: float) 
 
 
 NORM_PIECES = {"64Ki": 1 << 16, "1Mi": 1 << 20, "16Mi": 1 << 24, "256Mi": 1 << 28}
-"""The pieces the ``norm`` part times, by name; 16 Mi is the library's default (``NORM_PIECE``)."""
+"""The pieces the ``norm`` part times beside the library's default (one fused fp64 norm), by name; 16 Mi was the
+default on every device until 2026-12-04 night."""
 
 
 def part_norm(device: torch.device, dry: bool) -> dict[str, Any]:
     from adamw_step import _bert_shapes
 
-    from lightning_megatron.optimizer.clip_grads import NORM_PIECE, sum_of_squares_fp64
+    from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 
     shapes = _bert_shapes(DRY if dry else LARGE)
     numels = [int(torch.Size(shape).numel()) for shape in shapes]
     flat = torch.randn(sum(numels), device=device, generator=torch.Generator(device).manual_seed(0)) * 1e-3
     grads = list(torch.split(flat, numels))
     repeats = 3 if dry else 20
-    def foreach_fp32() -> torch.Tensor:  # the lead: one fused fp32 pass per tensor, the squares summed in fp64
+    def foreach_fp32() -> torch.Tensor:  # one fused fp32 pass per tensor (not exact), the squares summed in fp64
         return torch.stack(torch._foreach_norm(grads, 2)).double().square().sum()
 
-    variants = {**{name: (lambda piece=piece: sum_of_squares_fp64(grads, piece=piece))
+    variants = {"fused fp64": lambda: sum_of_squares_fp64(grads),
+                **{name: (lambda piece=piece: sum_of_squares_fp64(grads, piece=piece))
                    for name, piece in NORM_PIECES.items()}, "foreach fp32": foreach_fp32}
     times: dict[str, list[float]] = {name: [] for name in variants}
     sums: dict[str, float] = {}
@@ -210,9 +214,10 @@ def part_norm(device: torch.device, dry: bool) -> dict[str, Any]:
             sums[name] = float(fn())  # synchronizes
             times[name].append(time.perf_counter() - start)
     reference = sums["16Mi"]
-    return {"elements": flat.numel(), "tensors": len(grads), "default_piece": NORM_PIECE, "repeats": repeats,
+    return {"elements": flat.numel(), "tensors": len(grads), "repeats": repeats,
             "ms": {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()},
             "sums_max_rel_diff": max(abs(sums[n] - reference) / reference for n in NORM_PIECES),
+            "fused_fp64_rel_diff": abs(sums["fused fp64"] - reference) / reference,
             "foreach_fp32_rel_diff": abs(sums["foreach fp32"] - reference) / reference}
 
 
@@ -585,10 +590,11 @@ def summary_markdown(results: dict[str, Any]) -> str:
     norm = results.get("norm", {})
     if norm.get("ms"):
         lines += ["", f"- grad norm's fp64 sum of squares over {norm['elements']:,} gradients in "
-                      f"{norm['tensors']} tensors, ms by piece (16Mi the default): "
+                      f"{norm['tensors']} tensors, ms (fused fp64 the default; pieces of fp64 scratch by size): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in norm["ms"].items())
-                  + f"; sums within {norm['sums_max_rel_diff']:.1e} relative (foreach fp32: "
-                  + f"{norm.get('foreach_fp32_rel_diff', float('nan')):.1e})"]
+                  + f"; the pieces' sums within {norm['sums_max_rel_diff']:.1e} relative, fused fp64 "
+                  + f"{norm.get('fused_fp64_rel_diff', float('nan')):.1e}, foreach fp32 "
+                  + f"{norm.get('foreach_fp32_rel_diff', float('nan')):.1e}"]
     rms = results.get("rmsnorm", {})
     if rms.get("ms"):
         lines += ["", f"- RMSNorm forward + backward on [{rms['tokens']}, 1, {rms['hidden']}] bf16, ms: "

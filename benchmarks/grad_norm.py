@@ -5,8 +5,9 @@ the pieces of ``clip_grads.sum_of_squares_fp64``, and the size of those pieces.
 
 The gradients are views of one flat fp32 buffer, as the grad buffer's ``main_grad`` are, with the glibc
 setting of the CPU tuning (``keep_freed_memory``). ``before``: every 1 M-element piece converted into a
-new fp64 tensor and dotted with itself (the code until 2026-12-03); ``default``: the library's function with
-its default piece (``NORM_PIECE``, 16 Mi elements: what an accelerator wants); ``cpu_tuning``: with the opt-in
+new fp64 tensor and dotted with itself (the code until 2026-12-03); ``default``: the library's function by
+default (one fused ``torch._foreach_norm`` with fp64 sums: what an accelerator wants; on a CPU it goes tensor by
+tensor); ``cpu_tuning``: with the opt-in
 CPU tuning's piece (``CPUTuning.norm_piece``: 128 Ki elements per intra-op thread, at least 256 Ki; until
 2026-12-04 every device had 64 Ki per thread); ``pieces_<k>K``: pieces of ``k`` Ki elements. Median
 milliseconds per call, on 1 and on all threads, measured in alternating order, and the sums (equal to ~1e-14

@@ -127,7 +127,8 @@ class GradBuffer:
             ``main_grad``; must be bitwise equal to ``main_grad.add_(grad)`` (the default). The opt-in
             CPU tuning installs :func:`lightning_megatron.cpu.accumulate.accumulate_grad`.
         norm_piece: elements of these gradients the optimizers' norm squares in fp64 at a time
-            (:func:`~lightning_megatron.optimizer.clip_grads.sum_of_squares_fp64`; None: its default). The
+            (:func:`~lightning_megatron.optimizer.clip_grads.sum_of_squares_fp64`; None: its default, one fused
+            fp64 norm). The
             opt-in CPU tuning sets cache-sized pieces (:meth:`lightning_megatron.cpu.CPUTuning.norm_piece`).
         decide_on_host: the optimizers read their step's checks before the update, on the host, rather than
             leaving the skip to the device and reading once after it

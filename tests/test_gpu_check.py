@@ -39,10 +39,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert estimate["datasheet_s"] > 0 and estimate["measured_gemm_s"] > 0, estimate
     assert estimate["measured_over_measured_gemm_s"] == decoder["ours"]["step_s"] / estimate["measured_gemm_s"]
     assert {"decoder_mfu", "decoder_vs_hf"} <= set(results["targets"]), results["targets"]
-    norm = results["norm"]  # the grad norm by the size of its pieces, the library's default among them
-    assert set(norm["ms"]) == {"64Ki", "1Mi", "16Mi", "256Mi", "foreach fp32"}, norm
+    norm = results["norm"]  # the grad norm: the library's fused default against fp64 pieces by size
+    assert set(norm["ms"]) == {"fused fp64", "64Ki", "1Mi", "16Mi", "256Mi", "foreach fp32"}, norm
     assert all(v > 0 for v in norm["ms"].values()), norm
-    assert norm["default_piece"] == 1 << 24 and norm["sums_max_rel_diff"] < 1e-12, norm
+    assert norm["sums_max_rel_diff"] < 1e-12 and norm["fused_fp64_rel_diff"] < 1e-12, norm
     assert norm["foreach_fp32_rel_diff"] < 1e-5, norm  # fp32 per-tensor norms: within fp32 rounding
     rms = results["rmsnorm"]  # ours against torch's F.rms_norm: timed, and within a bf16 rounding of each other
     assert set(rms["ms"]) == {"ours", "F.rms_norm"} and all(v > 0 for v in rms["ms"].values()), rms

@@ -161,7 +161,7 @@ class CPUTuning:
         """Elements of a gradient squared in fp64 at a time by the optimizers' norm
         (:func:`~lightning_megatron.optimizer.clip_grads.sum_of_squares_fp64`), handed to them with the grad
         buffer: on CPU with ``kernels``, ``NORM_PIECE_PER_THREAD`` per intra-op thread and at least
-        ``NORM_PIECE_MIN`` (cache-sized); None elsewhere (the library's ``NORM_PIECE``: few kernel launches)."""
+        ``NORM_PIECE_MIN`` (cache-sized); None elsewhere (the library's default: one fused fp64 norm)."""
         if not self.kernels or device.type != "cpu":
             return None
         return max(NORM_PIECE_MIN, NORM_PIECE_PER_THREAD * torch.get_num_threads())

@@ -50,15 +50,7 @@ __all__ = [
     "grad_norm_squares",
     "clip_grads_by_squares",
     "sum_of_squares_fp64",
-    "NORM_PIECE",
 ]
-
-NORM_PIECE = 1 << 24
-"""Elements squared in fp64 at a time by default, on every device (128 MiB of fp64 scratch at most, transient,
-in the optimizer step): on an accelerator a piece only sets how many kernels the norm launches, ~3 a piece (a
-7 B-parameter gradient: ~420 pieces). A CPU run's opt-in tuning passes cache-sized pieces
-(:meth:`lightning_megatron.cpu.CPUTuning.norm_piece`)."""
-
 
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
@@ -83,16 +75,28 @@ def _device_of(tensors: list[torch.Tensor]) -> torch.device:
 
 def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | None = None, *,
                         piece: int | None = None) -> torch.Tensor:
-    """``sum_i sum_j t_ij^2`` over ``tensors`` as a 0-d fp64 tensor (exact squares, fp64 sums).
+    """``sum_i sum_j t_ij^2`` over ``tensors`` as a 0-d fp64 tensor on ``device`` (exact squares, fp64 sums).
 
-    Each ``piece`` elements of a tensor (None: :data:`NORM_PIECE`) are converted into one reused fp64
-    scratch tensor and dotted with itself: no temporary as large as the tensor. The sum does not depend on
-    the piece beyond fp64 rounding (~1e-16 per term)."""
-    piece = NORM_PIECE if piece is None else piece
-    if piece < 1:
-        raise ValueError(f"piece={piece} must be a positive number of elements (None: NORM_PIECE)")
+    By default (``piece=None``, the accelerators' way) one fused ``torch._foreach_norm`` with fp64 sums gives
+    every tensor's norm (on a GPU one multi-tensor kernel per 400 tensors, reading each gradient once, whatever
+    its size) and their squares are summed: a tensor's sum comes back within two fp64 roundings (its root and
+    the square). With ``piece`` (the opt-in CPU tuning's cache-sized pieces, :meth:`lightning_megatron.cpu.
+    CPUTuning.norm_piece`: torch's fp64 foreach norm goes tensor by tensor on a CPU, ~7 ns an element), each
+    ``piece`` elements of a tensor are converted into one reused fp64 scratch tensor and dotted with itself. The
+    sum does not depend on the way beyond fp64 rounding (~1e-16 per term)."""
     tensors = _as_list(tensors)
-    total = torch.zeros((), dtype=torch.float64, device=device if device is not None else _device_of(tensors))
+    device = device if device is not None else _device_of(tensors)
+    if piece is None:
+        if not tensors:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        with torch.no_grad():  # values only, no per-tensor detach (host time on an accelerator)
+            norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+            if any(n.device != device for n in norms):
+                norms = [n.to(device) for n in norms]
+            return torch.stack(norms).square().sum()
+    if piece < 1:
+        raise ValueError(f"piece={piece} must be a positive number of elements (None: one fused norm)")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     scratch: dict[torch.device, torch.Tensor] = {}
     for t in tensors:
         flat = t.detach().reshape(-1)
