@@ -48,3 +48,28 @@ def test_compiled_layers_equal_eager(monkeypatch):
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, g in eager_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "unfused"])
+def test_a_layer_with_attention_dropout_compiles_into_one_graph_at_tp1(backend):
+    """With one TP rank a compiled layer keeps its attention dropout in the default stream: the model-parallel
+    stream's fork swaps the generators' states, which dynamo cannot trace (on an H200 each BERT layer broke into
+    4 graphs there, and ``compile=True`` ran slower than eager). Eager still forks (the same bits as before): the
+    tracker's stream advances."""
+    from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
+
+    model_parallel_seed(1234, 0)
+    config = {**TINY_CONFIG, "num_layers": 1, "hidden_dropout": 0.1, "attention_dropout": 0.1,
+              "attention_backend": backend}
+    module = BertLightningModule(BertConfig(**config), **TINY_OPTIONS)
+    module.configure_model()
+    layer = next(m for m in module.model_chunks[0].modules() if type(m).__name__ == "TransformerLayer")
+    x = torch.randn(16, 2, TINY_CONFIG["hidden_size"])
+    hidden = torch.zeros(2, 1, 16, 16, dtype=torch.bool)
+    hidden[1, ..., 12:] = True  # padding
+    stream = get_rng_tracker().states[MODEL_PARALLEL_RNG_TRACKER_NAME][0].clone()
+    layer(x, hidden)
+    assert not torch.equal(get_rng_tracker().states[MODEL_PARALLEL_RNG_TRACKER_NAME][0], stream), "eager forks"
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(x, hidden)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]

@@ -116,11 +116,18 @@ class DotProductAttention(nn.Module):
         self.config, self.layer_number, self.attn_mask_type = config, layer_number, attn_mask_type
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.kernels: Kernels = DEFAULT_KERNELS
+        self.tp_size = group_size(tp_group)
 
     def _dropout_rng(self) -> contextlib.AbstractContextManager:
         # Under sequence parallelism the whole block already runs in the model-parallel stream
         # (TransformerBlock forks it); forking again would replay the same numbers.
         if self.config.sequence_parallel:
+            return contextlib.nullcontext()
+        # The stream keeps TP ranks from dropping their heads in lock-step. With one TP rank there is none to
+        # differ from, and a layer being compiled stays in the default stream: the fork's swaps of the generators'
+        # states are not traceable (a graph break before and after the dropout), and its masks come from the
+        # compiled graph's own random numbers anyway. Eager keeps the fork (the same bits at every TP size).
+        if self.tp_size == 1 and torch.compiler.is_compiling():
             return contextlib.nullcontext()
         return get_rng_tracker().fork()
 
