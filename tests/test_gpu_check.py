@@ -65,3 +65,6 @@ def test_gpu_check_covers_the_overlaps():
                        ("tests/test_pipeline_schedules.py", "test_overlap_p2p_comm_is_bitwise"),
                        ("tests/test_deferred_wgrad.py", "test_deferred_linear_gives_autograds_gradients_bitwise")):
         assert path in TEST_FILES and name in (ROOT / path).read_text(), (path, name)
+    for entry in TEST_FILES:  # a file, or one test of a file (a node id): each still exists under its name
+        path, _, test = entry.partition("::")
+        assert (ROOT / path).is_file() and f"def {test}(" in (ROOT / path).read_text(), entry

@@ -261,11 +261,13 @@ def test_l2_norm_is_one_fused_kernel_by_default_and_the_cpu_tuning_passes_cache_
 def test_the_fused_l2_norm_is_exact_in_every_dtype_and_propagates_what_is_not_finite():
     """The default's fp64 sums over fp32, bf16 and a mix of both (torch's foreach norm then goes tensor by
     tensor), against ``math.fsum`` of the exact squares, within 1e-12 (the per-tensor norm's root squared back:
-    two roundings of fp64); an inf or a nan in any gradient makes the sum inf or nan (the found-inf check)."""
+    two roundings of fp64); an inf or a nan in any gradient makes the sum inf or nan (the found-inf check). The GPU
+    check runs it on the GPU (``gpu_check.TEST_FILES``), where the fused multi-tensor kernel does the sums."""
     from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 
-    gen = torch.Generator().manual_seed(1)
-    fp32 = [torch.randn(n, generator=gen) * s for n, s in ((1 << 20, 1e-3), (4097, 2.0), (1, 1e-20), (0, 1.0))]
+    gen, device = torch.Generator().manual_seed(1), torch.get_default_device()  # the GPU check runs it on a GPU
+    fp32 = [(torch.randn(n, generator=gen, device="cpu") * s).to(device)
+            for n, s in ((1 << 20, 1e-3), (4097, 2.0), (1, 1e-20), (0, 1.0))]
     bf16 = [t.bfloat16() for t in fp32]
     for name, grads in {"fp32": fp32, "bf16": bf16, "mixed": fp32[:2] + bf16[2:]}.items():
         exact = math.fsum(x * x for t in grads for x in t.double().tolist())
