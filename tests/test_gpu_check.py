@@ -67,4 +67,4 @@ def test_gpu_check_covers_the_overlaps():
         assert path in TEST_FILES and name in (ROOT / path).read_text(), (path, name)
     for entry in TEST_FILES:  # a file, or one test of a file (a node id): each still exists under its name
         path, _, test = entry.partition("::")
-        assert (ROOT / path).is_file() and f"def {test}(" in (ROOT / path).read_text(), entry
+        assert (ROOT / path).is_file() and (not test or f"def {test}(" in (ROOT / path).read_text()), entry
