@@ -31,8 +31,9 @@ What it runs, each part time-boxed and recorded even when another part fails:
    136 ms step on the H200) and 256 Mi (every tensor whole), and one fused fp32 ``torch._foreach_norm``
    (Megatron's precision; not exact): milliseconds per call, and each sum's relative difference from the
    16 Mi pieces';
-6b. ``rmsnorm``: our RMSNorm (eager fp32 arithmetic, 148 bytes per element: ``norm_bytes.py``) against torch's
-   ``F.rms_norm`` on the decoder's activation, forward and backward: milliseconds and how far they differ;
+6b. ``rmsnorm``: our RMSNorm (torch's ``F.rms_norm`` since 2026-12-04 night) against the same arithmetic spelled
+   out eagerly (the module until then, 148 bytes per element: ``norm_bytes.py``) on the decoder's activation,
+   forward and backward: milliseconds and how far they differ;
 7. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
    PP=1; CSV logger only), exit code, the logged losses and throughput.
 
@@ -224,13 +225,12 @@ def part_norm(device: torch.device, dry: bool) -> dict[str, Any]:
 
 
 def part_rmsnorm(device: torch.device, dry: bool) -> dict[str, Any]:
-    """Our RMSNorm (eager fp32 arithmetic: 148 bytes per element forward and backward, ``norm_bytes.py``) against
-    torch's ``F.rms_norm`` (a fused kernel where the device has one) on the decoder's bf16 activation
-    [tokens, 1, hidden], forward and backward: milliseconds, and how far the outputs and input gradients differ
-    (the lead for the decoder's non-GEMM time; torch's rounds to bf16 before the weight, ours after)."""
+    """Our RMSNorm (since 2026-12-04 night torch's ``F.rms_norm``: a fused kernel where the device has one) against
+    the same arithmetic spelled out eagerly (fp32 statistics and products, one rounding; the module until then: 148
+    bytes per element forward and backward, ``norm_bytes.py``) on the decoder's bf16 activation [tokens, 1, hidden],
+    forward and backward: milliseconds, and how far the outputs and input gradients differ (bitwise equal on CPU,
+    where torch's op is that composite)."""
     from types import SimpleNamespace
-
-    import torch.nn.functional as F
 
     from lightning_megatron.transformer.norms import RMSNorm
 
@@ -240,7 +240,11 @@ def part_rmsnorm(device: torch.device, dry: bool) -> dict[str, Any]:
     g = torch.Generator(device).manual_seed(0)
     x = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16, generator=g)
     dy = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16, generator=g)
-    variants = {"ours": lambda t: ours(t), "F.rms_norm": lambda t: F.rms_norm(t, (hidden,), ours.weight, 1e-6)}
+    def eager_fp32(t: torch.Tensor) -> torch.Tensor:
+        tf = t.float()
+        return (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6) * ours.weight.float()).to(t.dtype)
+
+    variants = {"ours": lambda t: ours(t), "eager fp32": eager_fp32}
     repeats = 3 if dry else 20
     times: dict[str, list[float]] = {name: [] for name in variants}
     outs = {}
@@ -255,7 +259,7 @@ def part_rmsnorm(device: torch.device, dry: bool) -> dict[str, Any]:
             if r:  # the first round warms
                 times[name].append(time.perf_counter() - start)
             outs[name] = (y.detach().float(), xi.grad.float())
-    (y0, dx0), (y1, dx1) = outs["ours"], outs["F.rms_norm"]
+    (y0, dx0), (y1, dx1) = outs["ours"], outs["eager fp32"]
     return {"tokens": tokens, "hidden": hidden, "repeats": repeats,
             "ms": {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()},
             "output_max_abs_diff": float((y0 - y1).abs().max()), "grad_max_abs_diff": float((dx0 - dx1).abs().max())}

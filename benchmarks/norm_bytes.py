@@ -4,7 +4,9 @@
 
 Each aten op's inputs and outputs (views excluded) in one forward and backward of the library's norm on a bf16
 activation [tokens, 1, hidden]. On an accelerator these ops are memory-bound: bytes / bandwidth estimates their
-time (docs/benchmarks.md, "GPU check": RMSNorm is the llama decoder's largest non-GEMM lead).
+time (docs/benchmarks.md, "GPU check": RMSNorm was the llama decoder's largest non-GEMM lead). Counted on CPU:
+the RMSNorm (torch's ``F.rms_norm``) is there the composite of fp32 ops that CUDA runs as one fused kernel each
+way, so its figure is what the arithmetic spelled out moves, not what a GPU's fused kernel does.
 """
 
 from __future__ import annotations

@@ -44,9 +44,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert all(v > 0 for v in norm["ms"].values()), norm
     assert norm["sums_max_rel_diff"] < 1e-12 and norm["fused_fp64_rel_diff"] < 1e-12, norm
     assert norm["foreach_fp32_rel_diff"] < 1e-5, norm  # fp32 per-tensor norms: within fp32 rounding
-    rms = results["rmsnorm"]  # ours against torch's F.rms_norm: timed, and within a bf16 rounding of each other
-    assert set(rms["ms"]) == {"ours", "F.rms_norm"} and all(v > 0 for v in rms["ms"].values()), rms
-    assert rms["output_max_abs_diff"] < 0.1 and rms["grad_max_abs_diff"] < 0.1, rms
+    rms = results["rmsnorm"]  # ours (torch's F.rms_norm) against the arithmetic spelled out: timed, the same bits on CPU
+    assert set(rms["ms"]) == {"ours", "eager fp32"} and all(v > 0 for v in rms["ms"].values()), rms
+    assert rms["output_max_abs_diff"] == 0 and rms["grad_max_abs_diff"] == 0, rms
     fit = results["fit"]
     assert fit["returncode"] == 0 and fit["logged_steps"] >= 1 and fit["checkpoint_saved"], fit
     assert (out / "summary.md").read_text().startswith("### GPU check")

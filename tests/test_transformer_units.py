@@ -110,6 +110,54 @@ def test_norms_match_their_formulas():
     torch.testing.assert_close(rms(x), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_torchs_op_with_the_fp32_arithmetic(dtype):
+    """RMSNorm is torch's ``rms_norm`` when its weight has the activation's dtype: one fused kernel each way where
+    the device has one (CUDA; our arithmetic spelled out eagerly moves 148 bytes per element forward and backward,
+    ``benchmarks/norm_bytes.py``), with the same arithmetic, spelled out below as the reference: fp32 statistics
+    and products, one rounding to the activation's dtype. On CPU torch's op is that composite: the output and both
+    gradients bit for bit; on a GPU (the GPU check runs this file there) its reduction may round the last bit
+    differently. An fp32 weight on 16-bit activations keeps the arithmetic spelled out (torch's fused op wants one
+    dtype, and would warn)."""
+    import warnings
+
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(x.dtype)
+
+    for weight_dtype in {dtype, torch.float32}:
+        rms = RMSNorm(TransformerConfig(**BASE, layernorm_epsilon=1e-6, params_dtype=weight_dtype), 64)
+        with torch.no_grad():
+            rms.weight.uniform_(0.5, 1.5)
+        x = (torch.randn(5, 3, 64) * 3).to(dtype).requires_grad_()
+        dy = torch.randn(5, 3, 64).to(dtype)
+        with Calls() as calls, warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "cannot dispatch to fused implementation"
+            y = rms(x)
+        assert ("rms_norm" in calls.names) == (weight_dtype == dtype), (weight_dtype, calls.names)
+        y.backward(dy)
+        xr, wr = x.detach().clone().requires_grad_(), rms.weight.detach().clone().requires_grad_()
+        expected = reference(xr, wr)
+        expected.backward(dy)
+        for got, want in ((y, expected), (x.grad, xr.grad), (rms.weight.grad, wr.grad)):
+            assert got.dtype == want.dtype
+            if torch.get_default_device().type == "cpu":
+                assert torch.equal(got, want), (weight_dtype, (got.float() - want.float()).abs().max())
+            else:
+                torch.testing.assert_close(got, want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
 def test_sdpa_and_unfused_attention_agree_with_padding():
     torch.manual_seed(0)
     s, b, n, d = 7, 3, 4, 16
