@@ -81,7 +81,7 @@ def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | 
     every tensor's norm (on a GPU one multi-tensor kernel per 400 tensors, reading each gradient once, whatever
     its size) and their squares are summed: a tensor's sum comes back within two fp64 roundings (its root and
     the square). With ``piece`` (the opt-in CPU tuning's cache-sized pieces, :meth:`lightning_megatron.cpu.
-    CPUTuning.norm_piece`: torch's fp64 foreach norm goes tensor by tensor on a CPU, ~7 ns an element), each
+    CPUTuning.norm_piece`: on a CPU torch's fp64 foreach norm goes tensor by tensor, with an fp64 copy of each), each
     ``piece`` elements of a tensor are converted into one reused fp64 scratch tensor and dotted with itself. The
     sum does not depend on the way beyond fp64 rounding (~1e-16 per term)."""
     tensors = _as_list(tensors)
