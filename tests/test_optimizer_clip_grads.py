@@ -216,9 +216,10 @@ def test_l2_norm_is_one_fused_kernel_by_default_and_the_cpu_tuning_passes_cache_
     over every gradient, whatever their sizes and the host's threads: on a GPU one multi-tensor kernel reads
     each gradient once (the fp64 ``dot`` of 16 Mi-element pieces took 16 ms of bert-large's 136 ms step on an
     H200; with 64 Ki elements per host thread, torchrun's ``OMP_NUM_THREADS=1`` would have made a 7 B-parameter
-    gradient ~110,000 pieces). The opt-in CPU tuning passes cache-sized pieces (``CPUTuning.norm_piece``; the
-    strategy hands them to the optimizers with the grad buffer), none off the CPU: there torch's fp64 foreach
-    norm takes a slow path per tensor. The meta device stands in for an accelerator (shapes, no memory)."""
+    gradient ~110,000 pieces). Gradients longer than 16 Mi elements go to it as views of 16 Mi: where torch's
+    fp64 foreach norm goes tensor by tensor (a CPU), each tensor's fp64 copy stays within 128 MiB. The opt-in CPU
+    tuning passes cache-sized pieces (``CPUTuning.norm_piece``; the strategy hands them to the optimizers with the
+    grad buffer), none off the CPU. The meta device stands in for an accelerator (shapes, no memory)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lightning_megatron.cpu import CPUTuning
@@ -236,11 +237,22 @@ def test_l2_norm_is_one_fused_kernel_by_default_and_the_cpu_tuning_passes_cache_
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        grads = [torch.empty(1 << 25, device="meta"), torch.empty(3, device="meta"), torch.empty(0, device="meta")]
+        grads = [torch.empty(1 << 25, device="meta"), torch.empty(3, device="meta"), torch.empty(0, device="meta"),
+                 torch.empty(3 << 22, device="meta").view(3, 1 << 22)]
+        handed: list[list[int]] = []
+        foreach_norm = torch._foreach_norm
+        monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: handed.append([t.numel() for t in ts])
+                            or foreach_norm(ts, *a, **k))
         with Ops() as ops:
             total = sum_of_squares_fp64(grads)
         assert total.device.type == "meta" and total.dtype == torch.float64 and total.dim() == 0
-        assert ops.names.count("_foreach_norm.Scalar") == 1 and len(ops.names) <= 5, ops.names
+        # one fused norm; the rest are views (the long gradients' pieces) and three small ops on the norms
+        assert ops.names.count("_foreach_norm.Scalar") == 1, ops.names
+        assert set(ops.names) <= {"_foreach_norm.Scalar", "stack.default", "pow.Tensor_Scalar", "sum.default",
+                                  "view.default", "slice.Tensor", "_reshape_alias.default"}, ops.names
+        # no tensor over 16 Mi elements: where torch's norm goes tensor by tensor (a CPU) it makes an fp64 copy of
+        # each, so the largest transient is 128 MiB however large a gradient is (a 7 B model's word embedding: 4 GiB)
+        assert handed == [[1 << 24, 1 << 24, 3, 0, 3 << 22]], handed
         cpu = torch.device("cpu")
         tuned = CPUTuning().norm_piece(cpu)
         assert tuned is not None and 1 << 16 < tuned <= 1 << 20  # cache-sized

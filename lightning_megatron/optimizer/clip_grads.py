@@ -50,7 +50,14 @@ __all__ = [
     "grad_norm_squares",
     "clip_grads_by_squares",
     "sum_of_squares_fp64",
+    "NORM_PIECE",
 ]
+
+NORM_PIECE = 1 << 24
+"""The longest piece of a gradient the default (fused) norm takes at once: longer gradients go to it as views of
+this many elements. Where torch's fp64 foreach norm goes tensor by tensor (a CPU), it makes an fp64 copy of each,
+so the transient stays within 128 MiB however long a gradient is; a GPU's multi-tensor kernel takes the views as
+they come (a 7 B model's word embedding: ~32 views)."""
 
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
@@ -78,9 +85,9 @@ def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | 
     """``sum_i sum_j t_ij^2`` over ``tensors`` as a 0-d fp64 tensor on ``device`` (exact squares, fp64 sums).
 
     By default (``piece=None``, the accelerators' way) one fused ``torch._foreach_norm`` with fp64 sums gives
-    every tensor's norm (on a GPU one multi-tensor kernel per 400 tensors, reading each gradient once, whatever
-    its size) and their squares are summed: a tensor's sum comes back within two fp64 roundings (its root and
-    the square). With ``piece`` (the opt-in CPU tuning's cache-sized pieces, :meth:`lightning_megatron.cpu.
+    every tensor's norm (on a GPU one multi-tensor kernel per 400 tensors, reading each gradient once; a gradient
+    longer than :data:`NORM_PIECE` as views of that many elements) and their squares are summed: a tensor's sum
+    comes back within two fp64 roundings (its root and the square). With ``piece`` (the opt-in CPU tuning's cache-sized pieces, :meth:`lightning_megatron.cpu.
     CPUTuning.norm_piece`: on a CPU torch's fp64 foreach norm goes tensor by tensor, with an fp64 copy of each), each
     ``piece`` elements of a tensor are converted into one reused fp64 scratch tensor and dotted with itself. The
     sum does not depend on the way beyond fp64 rounding (~1e-16 per term)."""
@@ -89,8 +96,15 @@ def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | 
     if piece is None:
         if not tensors:
             return torch.zeros((), dtype=torch.float64, device=device)
+        pieces: list[torch.Tensor] = []
+        for t in tensors:
+            if t.numel() > NORM_PIECE and t.is_contiguous():
+                flat = t.view(-1)
+                pieces.extend(flat[lo: lo + NORM_PIECE] for lo in range(0, flat.numel(), NORM_PIECE))
+            else:
+                pieces.append(t)
         with torch.no_grad():  # values only, no per-tensor detach (host time on an accelerator)
-            norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+            norms = torch._foreach_norm(pieces, 2, dtype=torch.float64)
             if any(n.device != device for n in norms):
                 norms = [n.to(device) for n in norms]
             return torch.stack(norms).square().sum()
