@@ -73,3 +73,24 @@ def test_a_layer_with_attention_dropout_compiles_into_one_graph_at_tp1(backend):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(layer)(x, hidden)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
+
+
+def test_attention_with_tp_ranks_keeps_its_dropout_stream_when_compiled():
+    """A TP size above 1, by the config even without a group (an attention built on its own), keeps the fork
+    under compilation: each rank's heads must not be dropped in lock-step with another rank's."""
+    from lightning_megatron.transformer import TransformerConfig
+    from lightning_megatron.transformer.attention import DotProductAttention
+    from lightning_megatron.transformer.utils import AttnMaskType
+
+    model_parallel_seed(1234, 0)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, attention_dropout=0.1,
+                               tensor_model_parallel_size=2)
+    core = DotProductAttention(config, 1, AttnMaskType.padding)
+    from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
+
+    q, k, v = (torch.randn(16, 2, 2, 8) for _ in range(3))  # this rank's 2 of the 4 heads
+    stream = get_rng_tracker().states[MODEL_PARALLEL_RNG_TRACKER_NAME][0].clone()
+    torch._dynamo.reset()
+    torch.compile(core, backend="eager")(q, k, v, torch.zeros(2, 1, 1, 16, dtype=torch.bool))
+    assert not torch.equal(get_rng_tracker().states[MODEL_PARALLEL_RNG_TRACKER_NAME][0], stream), \
+        "the dropout ran in the model-parallel stream"

@@ -116,7 +116,8 @@ class DotProductAttention(nn.Module):
         self.config, self.layer_number, self.attn_mask_type = config, layer_number, attn_mask_type
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.kernels: Kernels = DEFAULT_KERNELS
-        self.tp_size = group_size(tp_group)
+        # Only a model with one TP rank by both its group and its config may leave the model-parallel stream.
+        self.tp_size = max(group_size(tp_group), config.tensor_model_parallel_size)
 
     def _dropout_rng(self) -> contextlib.AbstractContextManager:
         # Under sequence parallelism the whole block already runs in the model-parallel stream
