@@ -59,6 +59,7 @@ this many elements. Where torch's fp64 foreach norm goes tensor by tensor (a CPU
 so the transient stays within 128 MiB however long a gradient is; a GPU's multi-tensor kernel takes the views as
 they come (a 7 B model's word embedding: ~32 views)."""
 
+
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
         return [parameters]
@@ -80,6 +81,12 @@ def _device_of(tensors: list[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
+def _flat_pieces(t: torch.Tensor, piece: int) -> list[torch.Tensor]:
+    """``t``'s elements as 1-d pieces of ``piece`` (views when ``t`` is contiguous)."""
+    flat = t.reshape(-1)
+    return [flat[lo: lo + piece] for lo in range(0, flat.numel(), piece)]
+
+
 def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | None = None, *,
                         piece: int | None = None) -> torch.Tensor:
     """``sum_i sum_j t_ij^2`` over ``tensors`` as a 0-d fp64 tensor on ``device`` (exact squares, fp64 sums).
@@ -87,23 +94,19 @@ def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | 
     By default (``piece=None``, the accelerators' way) one fused ``torch._foreach_norm`` with fp64 sums gives
     every tensor's norm (on a GPU one multi-tensor kernel per 400 tensors, reading each gradient once; a gradient
     longer than :data:`NORM_PIECE` as views of that many elements) and their squares are summed: a tensor's sum
-    comes back within two fp64 roundings (its root and the square). With ``piece`` (the opt-in CPU tuning's cache-sized pieces, :meth:`lightning_megatron.cpu.
-    CPUTuning.norm_piece`: on a CPU torch's fp64 foreach norm goes tensor by tensor, with an fp64 copy of each), each
-    ``piece`` elements of a tensor are converted into one reused fp64 scratch tensor and dotted with itself. The
-    sum does not depend on the way beyond fp64 rounding (~1e-16 per term)."""
+    comes back within two fp64 roundings (its root and the square). With ``piece`` (the opt-in CPU tuning's
+    cache-sized pieces, :meth:`lightning_megatron.cpu.CPUTuning.norm_piece`: on a CPU torch's fp64 foreach norm
+    goes tensor by tensor, with an fp64 copy of each), each ``piece`` elements of a tensor are converted into one
+    reused fp64 scratch tensor and dotted with itself. The sum does not depend on the way beyond fp64 rounding
+    (~1e-16 per term)."""
     tensors = _as_list(tensors)
     device = device if device is not None else _device_of(tensors)
     if piece is None:
         if not tensors:
             return torch.zeros((), dtype=torch.float64, device=device)
-        pieces: list[torch.Tensor] = []
-        for t in tensors:
-            if t.numel() > NORM_PIECE and t.is_contiguous():
-                flat = t.view(-1)
-                pieces.extend(flat[lo: lo + NORM_PIECE] for lo in range(0, flat.numel(), NORM_PIECE))
-            else:
-                pieces.append(t)
         with torch.no_grad():  # values only, no per-tensor detach (host time on an accelerator)
+            pieces = [part for t in tensors for part in
+                      (_flat_pieces(t, NORM_PIECE) if t.numel() > NORM_PIECE and t.is_contiguous() else [t])]
             norms = torch._foreach_norm(pieces, 2, dtype=torch.float64)
             if any(n.device != device for n in norms):
                 norms = [n.to(device) for n in norms]
@@ -113,13 +116,11 @@ def sum_of_squares_fp64(tensors: Iterable[torch.Tensor], device: torch.device | 
     total = torch.zeros((), dtype=torch.float64, device=device)
     scratch: dict[torch.device, torch.Tensor] = {}
     for t in tensors:
-        flat = t.detach().reshape(-1)
-        if flat.device not in scratch:
-            longest = max(x.numel() for x in tensors if x.device == flat.device)
-            scratch[flat.device] = torch.empty(min(piece, longest), dtype=torch.float64, device=flat.device)
-        for lo in range(0, flat.numel(), piece):
-            src = flat[lo: lo + piece]
-            part = scratch[flat.device][: src.numel()]
+        if t.device not in scratch:
+            longest = max(x.numel() for x in tensors if x.device == t.device)
+            scratch[t.device] = torch.empty(min(piece, longest), dtype=torch.float64, device=t.device)
+        for src in _flat_pieces(t.detach(), piece):
+            part = scratch[t.device][: src.numel()]
             part.copy_(src)
             total += torch.dot(part, part).to(total.device)
     return total
