@@ -94,3 +94,31 @@ def test_attention_with_tp_ranks_keeps_its_dropout_stream_when_compiled():
     torch.compile(core, backend="eager")(q, k, v, torch.zeros(2, 1, 1, 16, dtype=torch.bool))
     assert not torch.equal(get_rng_tracker().states[MODEL_PARALLEL_RNG_TRACKER_NAME][0], stream), \
         "the dropout ran in the model-parallel stream"
+
+
+def test_a_gated_mlp_compiles_into_one_graph_with_eagers_gradients():
+    """The gated activation's backward writes its two halves into one tensor through ``out=`` views in eager,
+    which dynamo cannot trace (a graph break before and after: three graphs); compiled, it concatenates them:
+    one graph, and under ``aot_eager`` (the joint graph without inductor's fusion) the bits of eager."""
+    from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from lightning_megatron.transformer import MLP, MLPSubmodules, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                               gated_linear_unit=True, activation="silu", add_bias_linear=False)
+    mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(mlp)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
+    g = torch.randn(8, 2, 32)
+    torch._dynamo.reset()
+    y, _ = torch.compile(mlp, backend="aot_eager")(x)
+    y.backward(g)
+    compiled = (y.detach(), x.grad.clone(), *(p.grad.clone() for p in mlp.parameters()))
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    y, _ = mlp(x)
+    y.backward(g)
+    for got, want in zip(compiled, (y.detach(), x.grad, *(p.grad for p in mlp.parameters()))):
+        assert torch.equal(got, want)

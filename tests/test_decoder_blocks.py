@@ -282,6 +282,78 @@ def test_swiglu_mlp_matches_llama_mlp():
     torch.testing.assert_close(out, theirs(x), **TOL)
 
 
+def _saved_activation_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in ``module(x)``, the parameters' left out."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
+def test_gated_mlp_keeps_fc1s_output_not_the_activation_with_autograds_bits(activation, dtype):
+    """A gated MLP (SwiGLU, GeGLU, ...) and a MoE expert save fc1's output [T, 2f] and the gated product (fc2's
+    input) but not act(gate), which the backward computes again; their output and every gradient are the bits of
+    act(gate) * up spelled out through autograd (the reference: the same linears on a copy, plain autograd)."""
+    import copy
+
+    from lightning_megatron.transformer.moe.experts import ExpertMLP
+
+    T, e = 5 * 2, torch.finfo(dtype).bits // 8
+    for bias in (False, True):
+        torch.manual_seed(0)
+        cfg = TransformerConfig(**{**BASE, "activation": activation, "add_bias_linear": bias,
+                                   "params_dtype": dtype})
+        mlp = MLP(cfg, _layer_spec().submodules.mlp.submodules)
+        expert = ExpertMLP(cfg, F_HIDDEN)
+        if bias:  # nonzero biases, so that the bias path counts
+            with torch.no_grad():
+                for p in mlp.parameters():
+                    if p.ndim == 1:
+                        p.normal_()
+        act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+               "relu": F.relu}[activation]
+
+        def spelled_out(m, x):  # act(gate) * up through plain autograd, on m's own linears
+            out = m.linear_fc1(x)
+            inter = out[0] + out[1] if isinstance(out, tuple) and out[1] is not None else \
+                (out[0] if isinstance(out, tuple) else out)
+            gate, up = torch.chunk(inter, 2, dim=-1)
+            y = m.linear_fc2(act(gate) * up)
+            return y[0] if isinstance(y, tuple) else y
+
+        for module in (mlp, expert):
+            ref_module = copy.deepcopy(module)
+            x = torch.randn(5, 2, H, dtype=dtype)
+            x.requires_grad_(True)
+            rx = x.detach().clone().requires_grad_(True)
+            y = module(x)
+            y = y[0] if isinstance(y, tuple) else y
+            want = spelled_out(ref_module, rx)
+            assert torch.equal(y, want), (activation, bias, type(module).__name__)
+            g = torch.randn_like(y)
+            y.backward(g)
+            want.backward(g)
+            assert torch.equal(x.grad, rx.grad), (activation, bias, type(module).__name__)
+            for (name, p), q in zip(module.named_parameters(), ref_module.parameters()):
+                if name == "linear_fc2.bias":  # returned apart, for the bias-dropout-add (no gradient here)
+                    assert p.grad is None and q.grad is None
+                    continue
+                assert torch.equal(p.grad, q.grad), (activation, bias, type(module).__name__, name)
+            if not bias:
+                # x (fc1's input), fc1's output [T, 2f] and the product [T, f]; not act(gate) [T, f].
+                assert _saved_activation_bytes(module, x) == e * T * (H + 3 * F_HIDDEN), type(module).__name__
+
+
 @pytest.mark.parametrize("recompute", [None, "full", "selective"])
 def test_block_with_rotary_matches_llama_layers_under_every_recompute(recompute):
     g = 2

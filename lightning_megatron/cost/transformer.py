@@ -226,8 +226,9 @@ class TransformerCost:
         d, n, g, e = self.head_dim, self.num_attention_heads, self.groups, self.param_bytes
         sp = tp if sequence_parallel else 1
         replicated = 4 * h / sp  # both norms' inputs and outputs
-        # q, k, v and the attention output; fc1's output(s), the activation (and the gated product)
-        parallel = ((2 * n + 2 * g) * d + (4 * f if self.gated_linear_unit else 2 * f)) / tp
+        # q, k, v and the attention output; fc1's output and the activation; gated: fc1's [gate, up] and the
+        # product (act(gate) is computed again in the backward: transformer.utils.gated_activation)
+        parallel = ((2 * n + 2 * g) * d + (3 * f if self.gated_linear_unit else 2 * f)) / tp
         stats = 4 * 4 * s * b / sp  # fp32 mean/rstd of the two norms
         # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
         attention = e * b * n * s * s / tp if self.unfused_attention else 4 * b * n * s / tp

@@ -25,7 +25,7 @@ from torch import nn
 from lightning_megatron.tensor_parallel import init_method_normal, scaled_init_method_normal
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
-from lightning_megatron.transformer.utils import get_activation_func
+from lightning_megatron.transformer.utils import gated_activation, get_activation_func
 
 __all__ = ["MLPSubmodules", "MLP"]
 
@@ -67,6 +67,5 @@ class MLP(nn.Module):
         if bias is not None:
             intermediate = intermediate + bias
         if self.config.gated_linear_unit:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)
-            return self.linear_fc2(self.activation_func(gate) * up)
+            return self.linear_fc2(gated_activation(intermediate, self.config.activation))
         return self.linear_fc2(self.activation_func(intermediate))

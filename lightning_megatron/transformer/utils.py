@@ -6,6 +6,7 @@ import contextlib
 import enum
 import hashlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ __all__ = [
     "stable_seed",
     "seeded",
     "get_activation_func",
+    "gated_activation",
     "mark_sequence_parallel",
 ]
 
@@ -86,6 +88,57 @@ def get_activation_func(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         return _ACTIVATIONS[name]
     except KeyError:
         raise ValueError(f"activation={name!r} is not supported; use one of {sorted(_ACTIVATIONS)}") from None
+
+
+_ACTIVATION_BACKWARDS: dict[str, tuple[torch._ops.OpOverloadPacket, dict[str, Any]]] = {
+    # The op autograd's own backward of each activation calls. relu's passes relu's output; x <= 0 exactly
+    # where relu(x) <= 0, so the input gives the same bits.
+    "gelu": (torch.ops.aten.gelu_backward, {}),
+    "gelu_tanh": (torch.ops.aten.gelu_backward, {"approximate": "tanh"}),
+    "relu": (torch.ops.aten.threshold_backward, {"threshold": 0}),
+    "silu": (torch.ops.aten.silu_backward, {}),
+}
+
+
+def _activation_backward(name: str, grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    op, kwargs = _ACTIVATION_BACKWARDS[name]
+    return op.default(grad, x, **kwargs) if out is None else op.grad_input(grad, x, **kwargs, grad_input=out)
+
+
+class _GatedActivation(torch.autograd.Function):
+    """``act(gate) * up`` of ``x = [gate, up]`` that saves ``x`` alone (not ``act(gate)``, [.., f]: the
+    backward computes it again) and writes both halves of its gradient into one tensor (no concatenation)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.name = name
+        gate, up = torch.chunk(x, 2, dim=-1)
+        return _ACTIVATIONS[name](gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        gate, up = torch.chunk(x, 2, dim=-1)
+        if torch.compiler.is_compiling():
+            # dynamo cannot trace out= into a view (a graph break each side); the compiler fuses the concatenation.
+            return torch.cat([_activation_backward(ctx.name, grad * up, gate),
+                              grad * _ACTIVATIONS[ctx.name](gate)], dim=-1), None
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+        d_gate, d_up = torch.chunk(dx, 2, dim=-1)
+        torch.mul(grad, _ACTIVATIONS[ctx.name](gate), out=d_up)  # what autograd's mul gives up: grad * act(gate)
+        _activation_backward(ctx.name, grad * up, gate, out=d_gate)
+        return dx, None
+
+
+def gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """A gated linear unit's ``act(gate) * up`` for ``x = [gate, up]`` along the last dimension (SwiGLU with
+    "silu"), ``act`` named as by :func:`get_activation_func`: the bits of that expression through autograd,
+    saving ``x`` only. megatron-core's fused SwiGLU saves its input likewise; act(gate) ([.., f], a quarter of
+    a Llama MLP's saved activations) is computed again in the backward, whose gradient is written in place
+    of the concatenation autograd would make of the two halves'."""
+    get_activation_func(name)  # the error that names the choices
+    return _GatedActivation.apply(x, name)
 
 
 def mark_sequence_parallel(module: nn.Module, sequence_parallel: bool) -> None:

@@ -28,7 +28,7 @@ from lightning_megatron.tensor_parallel.layers import (
 from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
-from lightning_megatron.transformer.utils import get_activation_func, seeded
+from lightning_megatron.transformer.utils import gated_activation, get_activation_func, seeded
 
 __all__ = ["ExpertMLP", "LocalExperts"]
 
@@ -59,11 +59,11 @@ class ExpertMLP(nn.Module):
                                   scaled_init_method_normal(config.init_method_std, config.num_layers), rank, t)
         for p in self.parameters():
             set_param_facts(p, replicated_over=(), data_parallel="expert_dp")
-        self.activation_func = get_activation_func(config.activation)
+        self.activation = config.activation
+        get_activation_func(self.activation)  # the error that names the choices, at build
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.chunk(self.linear_fc1(x), 2, dim=-1)
-        return self.linear_fc2(self.activation_func(gate) * up)
+        return self.linear_fc2(gated_activation(self.linear_fc1(x), self.activation))
 
 
 class LocalExperts(nn.Module):
