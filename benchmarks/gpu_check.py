@@ -34,6 +34,9 @@ What it runs, each part time-boxed and recorded even when another part fails:
 6b. ``rmsnorm``: our RMSNorm (torch's ``F.rms_norm`` since 2026-12-04 night) against the same arithmetic spelled
    out eagerly (the module until then, 148 bytes per element: ``norm_bytes.py``) on the decoder's activation,
    forward and backward: milliseconds and how far they differ;
+6c. ``glu``: the gated MLP's ``silu(gate) * up`` as the library computes it (``gated_activation`` since
+   2026-12-05: fc1's output saved alone, one gradient tensor) against the expression through autograd, on the
+   decoder's fc1 output, forward and backward: milliseconds, how far they differ, the bytes each saves;
 7. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
    PP=1; CSV logger only), exit code, the logged losses and throughput.
 
@@ -244,8 +247,48 @@ def part_rmsnorm(device: torch.device, dry: bool) -> dict[str, Any]:
         tf = t.float()
         return (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6) * ours.weight.float()).to(t.dtype)
 
-    variants = {"ours": lambda t: ours(t), "eager fp32": eager_fp32}
-    repeats = 3 if dry else 20
+    return {"tokens": tokens, "hidden": hidden,
+            **_forward_backward_ab({"ours": lambda t: ours(t), "eager fp32": eager_fp32}, x, dy, 3 if dry else 20)}
+
+
+def part_glu(device: torch.device, dry: bool) -> dict[str, Any]:
+    """The gated MLP's ``silu(gate) * up`` as the library computes it (since 2026-12-05: ``gated_activation``,
+    which saves fc1's output alone and writes both halves' gradients into one tensor) against the expression
+    through autograd (which also keeps silu(gate) and concatenates the halves' gradients) on the decoder's bf16
+    fc1 output [tokens, 1, 2 ffn], forward and backward: milliseconds, how far they differ (the same bits on
+    CPU, by a test) and the bytes each saves for the backward."""
+    import torch.nn.functional as F
+
+    from lightning_megatron.transformer.utils import gated_activation
+
+    tokens, ffn = (256, 128) if dry else (DECODER.batch * DECODER.seq_length, DECODER.ffn_hidden_size)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(tokens, 1, 2 * ffn, device=device, dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(tokens, 1, ffn, device=device, dtype=torch.bfloat16, generator=g)
+
+    def autograd(t: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.chunk(t, 2, dim=-1)
+        return F.silu(gate) * up
+
+    variants = {"ours": lambda t: gated_activation(t, "silu"), "autograd": autograd}
+    saved = {}
+    for name, fn in variants.items():
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x.detach().requires_grad_())
+        saved[name] = sum(storages.values())
+    return {"tokens": tokens, "ffn": ffn, "saved_bytes": saved,
+            **_forward_backward_ab(variants, x, dy, 3 if dry else 20)}
+
+
+def _forward_backward_ab(variants: dict[str, Any], x: torch.Tensor, dy: torch.Tensor, repeats: int) -> dict[str, Any]:
+    """The median milliseconds of each of two ``variants``' forward and backward of ``x`` (gradient ``dy``), in
+    alternating order after a warming round, and how far their outputs and input gradients differ (max abs)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     outs = {}
     for r in range(repeats + 1):
@@ -259,9 +302,8 @@ def part_rmsnorm(device: torch.device, dry: bool) -> dict[str, Any]:
             if r:  # the first round warms
                 times[name].append(time.perf_counter() - start)
             outs[name] = (y.detach().float(), xi.grad.float())
-    (y0, dx0), (y1, dx1) = outs["ours"], outs["eager fp32"]
-    return {"tokens": tokens, "hidden": hidden, "repeats": repeats,
-            "ms": {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()},
+    (y0, dx0), (y1, dx1) = outs.values()
+    return {"repeats": repeats, "ms": {name: 1000 * sorted(ts)[len(ts) // 2] for name, ts in times.items()},
             "output_max_abs_diff": float((y0 - y1).abs().max()), "grad_max_abs_diff": float((dx0 - dx1).abs().max())}
 
 
@@ -607,6 +649,14 @@ def summary_markdown(results: dict[str, Any]) -> str:
                       + ", ".join(f"{k} {v:.2f}" for k, v in rms["ms"].items())
                       + f"; outputs differ by {rms['output_max_abs_diff']:.1e}, input gradients by "
                       + f"{rms['grad_max_abs_diff']:.1e} (max abs)"]
+    glu = results.get("glu", {})
+    if glu.get("ms"):
+        lines += ["", f"- SwiGLU's silu(gate) * up forward + backward on [{glu['tokens']}, 1, 2 x {glu['ffn']}] bf16, ms: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in glu["ms"].items())
+                      + "; saved for the backward, MiB: "
+                      + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in glu["saved_bytes"].items())
+                      + f"; outputs differ by {glu['output_max_abs_diff']:.1e}, input gradients by "
+                      + f"{glu['grad_max_abs_diff']:.1e} (max abs)"]
     fit = results.get("fit", {})
     lines += ["", f"- 50-step fit: {fit}"]
     lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF; the "
@@ -619,7 +669,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="CI-size: tiny model, few steps, one test file")
     parser.add_argument("--out", default="gpu_check_out", help="folder for the results (created)")
-    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,rmsnorm,fit", help="comma-separated subset")
+    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,rmsnorm,glu,fit",
+                        help="comma-separated subset")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile=True row of the benchmark")
     args = parser.parse_args()
     out_dir = Path(args.out)
@@ -652,6 +703,7 @@ def main() -> int:
         results.get("env", {}).get("device_name", str(device)))
     run("norm", part_norm, device, args.dry_run)
     run("rmsnorm", part_rmsnorm, device, args.dry_run)
+    run("glu", part_glu, device, args.dry_run)
     run("tests", part_tests, device, args.dry_run, out_dir, budgets["tests"])
     run("fit", part_fit, device, args.dry_run, out_dir, budgets["fit"])
     results["total_s"] = time.perf_counter() - t0
@@ -672,7 +724,7 @@ def main() -> int:
     (out_dir / "summary.md").write_text(summary_markdown(results))
     _log(f"done in {results['total_s']:.0f} s: {out_dir}/summary.md")
     print(summary_markdown(results))
-    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "rmsnorm", "tests", "fit")
+    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "rmsnorm", "glu", "tests", "fit")
               if isinstance(results.get(k), dict)
               and "error" in results[k]]
     return 1 if failed else 0
