@@ -147,6 +147,42 @@ def test_partial_rotary_rotates_the_leading_channels_only():
     torch.testing.assert_close(apply_rotary_pos_emb(t, freqs), expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("percent", [1.0, 0.5])
+def test_rotary_has_the_bits_of_rotate_half_through_autograd_without_its_copies(percent, dtype):
+    """RoPE and its gradient are the bits of ``t * cos + rotate_half(t) * sin`` (its passing channels appended)
+    through autograd, on a strided view as the qkv split gives; rotate_half's negation and concatenation are not
+    made (no ``neg`` or ``cat`` at dispatch, forward or backward). Compiled, one graph."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    s, rot = 6, int(D * percent)
+    freqs = RotaryEmbedding(D, percent, 10000.0)(s)
+    torch.manual_seed(0)
+    wide = torch.randn(s, 2, 3, 3 * D, dtype=dtype)
+    t = wide[..., D:2 * D].detach().requires_grad_(True)  # strided, like a query from linear_qkv's output
+    ref = t.detach().clone().requires_grad_(True)
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    x1, x2 = ref[..., :rot // 2], ref[..., rot // 2:rot]
+    want = torch.cat([ref[..., :rot] * cos + torch.cat([-x2, x1], -1) * sin, ref[..., rot:]], -1)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.randn(s, 2, 3, D, dtype=dtype)
+    with Ops():
+        got = apply_rotary_pos_emb(t, freqs)
+        got.backward(g)
+    want.backward(g)
+    assert torch.equal(got, want) and torch.equal(t.grad, ref.grad), (percent, dtype)
+    assert not {"neg", "cat"} & set(seen), seen
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(apply_rotary_pos_emb)(t, freqs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
+
+
 # ---------------------------------------------------------------- attention and MLP
 
 

@@ -64,8 +64,45 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     if freqs.shape[0] != t.shape[0]:
         raise ValueError(f"rotary table has {freqs.shape[0]} positions but the tensor has sequence length "
                          f"{t.shape[0]}: compute the table for the whole sequence (RotaryEmbedding(seq_len, offset))")
-    rot = freqs.shape[-1]
-    t_rot, t_pass = t[..., :rot], t[..., rot:]
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    t_rot = t_rot * cos + rotate_half(t_rot) * sin
-    return t_rot if t_pass.shape[-1] == 0 else torch.cat([t_rot, t_pass], dim=-1)
+    if torch.compiler.is_compiling():  # the expression itself: the compiler fuses it (and cannot trace out= views)
+        rot = freqs.shape[-1]
+        t_rot, t_pass = t[..., :rot], t[..., rot:]
+        t_rot = t_rot * cos + rotate_half(t_rot) * sin
+        return t_rot if t_pass.shape[-1] == 0 else torch.cat([t_rot, t_pass], dim=-1)
+    return _Rotate.apply(t, cos, sin)
+
+
+class _Rotate(torch.autograd.Function):
+    """``t * cos + rotate_half(t) * sin`` on the leading channels, the bits of that expression through autograd
+    without rotate_half's negated copy and concatenation (nor the one that appends the passing channels): with
+    halves 1, 2 of the rotated channels, ``[t1 c1 - t2 s1, t2 c2 + t1 s2]`` (``a + (-b)`` is ``a - b`` exactly),
+    and the backward its transpose ``[g1 c1 + g2 s2, g2 c2 - g1 s1]``. Saves cos and sin ([s, 1, 1, d_rot])."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotated(t, cos, sin, transpose=False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotated(grad, cos, sin, transpose=True), None, None
+
+
+def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, transpose: bool) -> torch.Tensor:
+    rot = cos.shape[-1]
+    h = rot // 2
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    o = out[..., :rot]
+    torch.mul(t[..., :rot], cos, out=o)
+    first, second = t[..., :h], t[..., h:rot]
+    if transpose:
+        o[..., :h].add_(second * sin[..., h:])
+        o[..., h:].sub_(first * sin[..., :h])
+    else:
+        o[..., :h].sub_(second * sin[..., :h])
+        o[..., h:].add_(first * sin[..., h:])
+    if rot < t.shape[-1]:
+        out[..., rot:].copy_(t[..., rot:])
+    return out
