@@ -37,6 +37,9 @@ What it runs, each part time-boxed and recorded even when another part fails:
 6c. ``glu``: the gated MLP's ``silu(gate) * up`` as the library computes it (``gated_activation`` since
    2026-12-05: fc1's output saved alone, one gradient tensor) against the expression through autograd, on the
    decoder's fc1 output, forward and backward: milliseconds, how far they differ, the bytes each saves;
+6d. ``rope``: rotary embeddings as the library applies them (without rotate_half's copies since 2026-12-05)
+   against ``t * cos + rotate_half(t) * sin`` through autograd on the decoder's query: milliseconds, how far
+   they differ;
 7. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
    PP=1; CSV logger only), exit code, the logged losses and throughput.
 
@@ -102,7 +105,10 @@ TEST_FILES = ["tests/test_device_neutral.py", "tests/test_transformer_units.py",
               # the output layer's weight gradient deferred to the pipeline flush: autograd's GEMMs bitwise
               "tests/test_deferred_wgrad.py",
               # the grad norm's fused fp64 kernel (the library's default): exact, and inf / nan propagate
-              "tests/test_optimizer_clip_grads.py::test_the_fused_l2_norm_is_exact_in_every_dtype_and_propagates_what_is_not_finite"]
+              "tests/test_optimizer_clip_grads.py::test_the_fused_l2_norm_is_exact_in_every_dtype_and_propagates_what_is_not_finite",
+              # the gated activation and RoPE without their copies: autograd's bits, the saved bytes
+              "tests/test_decoder_blocks.py::test_gated_mlp_keeps_fc1s_output_not_the_activation_with_autograds_bits",
+              "tests/test_decoder_blocks.py::test_rotary_has_the_bits_of_rotate_half_through_autograd_without_its_copies"]
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -284,6 +290,28 @@ def part_glu(device: torch.device, dry: bool) -> dict[str, Any]:
         saved[name] = sum(storages.values())
     return {"tokens": tokens, "ffn": ffn, "saved_bytes": saved,
             **_forward_backward_ab(variants, x, dy, 3 if dry else 20)}
+
+
+def part_rope(device: torch.device, dry: bool) -> dict[str, Any]:
+    """Rotary embeddings as the library applies them (since 2026-12-05 an autograd Function without rotate_half's
+    negated copy and concatenation) against ``t * cos + rotate_half(t) * sin`` through autograd, on the decoder's
+    bf16 query [seq, batch, heads, head dim] (a strided view of the qkv output, as in the model), forward and
+    backward: milliseconds and how far they differ (the same bits on CPU, by a test)."""
+    from lightning_megatron.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb, rotate_half
+
+    s, b, n, d = (64, 2, 4, 16) if dry else (DECODER.seq_length, DECODER.batch, DECODER.num_attention_heads,
+                                            DECODER.hidden_size // DECODER.num_attention_heads)
+    freqs = RotaryEmbedding(d)(s).to(device)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(s, b, n, 2 * d, device=device, dtype=torch.bfloat16, generator=g)[..., :d]  # strided
+    dy = torch.randn(s, b, n, d, device=device, dtype=torch.bfloat16, generator=g)
+
+    def autograd(t: torch.Tensor) -> torch.Tensor:
+        cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+        return t * cos + rotate_half(t) * sin
+
+    return {"shape": [s, b, n, d], **_forward_backward_ab({"ours": lambda t: apply_rotary_pos_emb(t, freqs),
+                                                           "autograd": autograd}, x, dy, 3 if dry else 20)}
 
 
 def _forward_backward_ab(variants: dict[str, Any], x: torch.Tensor, dy: torch.Tensor, repeats: int) -> dict[str, Any]:
@@ -657,6 +685,12 @@ def summary_markdown(results: dict[str, Any]) -> str:
                       + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in glu["saved_bytes"].items())
                       + f"; outputs differ by {glu['output_max_abs_diff']:.1e}, input gradients by "
                       + f"{glu['grad_max_abs_diff']:.1e} (max abs)"]
+    rope = results.get("rope", {})
+    if rope.get("ms"):
+        lines += ["", f"- rotary embedding forward + backward on the query {rope['shape']} bf16, ms: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in rope["ms"].items())
+                      + f"; outputs differ by {rope['output_max_abs_diff']:.1e}, input gradients by "
+                      + f"{rope['grad_max_abs_diff']:.1e} (max abs)"]
     fit = results.get("fit", {})
     lines += ["", f"- 50-step fit: {fit}"]
     lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF; the "
@@ -669,7 +703,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="CI-size: tiny model, few steps, one test file")
     parser.add_argument("--out", default="gpu_check_out", help="folder for the results (created)")
-    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,rmsnorm,glu,fit",
+    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,rmsnorm,glu,rope,fit",
                         help="comma-separated subset")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile=True row of the benchmark")
     args = parser.parse_args()
@@ -704,6 +738,7 @@ def main() -> int:
     run("norm", part_norm, device, args.dry_run)
     run("rmsnorm", part_rmsnorm, device, args.dry_run)
     run("glu", part_glu, device, args.dry_run)
+    run("rope", part_rope, device, args.dry_run)
     run("tests", part_tests, device, args.dry_run, out_dir, budgets["tests"])
     run("fit", part_fit, device, args.dry_run, out_dir, budgets["fit"])
     results["total_s"] = time.perf_counter() - t0
@@ -724,7 +759,7 @@ def main() -> int:
     (out_dir / "summary.md").write_text(summary_markdown(results))
     _log(f"done in {results['total_s']:.0f} s: {out_dir}/summary.md")
     print(summary_markdown(results))
-    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "rmsnorm", "glu", "tests", "fit")
+    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "rmsnorm", "glu", "rope", "tests", "fit")
               if isinstance(results.get(k), dict)
               and "error" in results[k]]
     return 1 if failed else 0
