@@ -77,32 +77,30 @@ class _Rotate(torch.autograd.Function):
     """``t * cos + rotate_half(t) * sin`` on the leading channels, the bits of that expression through autograd
     without rotate_half's negated copy and concatenation (nor the one that appends the passing channels): with
     halves 1, 2 of the rotated channels, ``[t1 c1 - t2 s1, t2 c2 + t1 s2]`` (``a + (-b)`` is ``a - b`` exactly),
-    and the backward its transpose ``[g1 c1 + g2 s2, g2 c2 - g1 s1]``. Saves cos and sin ([s, 1, 1, d_rot])."""
+    and the backward its transpose ``[g1 c1 + g2 s2, g2 c2 - g1 s1]``, the rotation by the opposite angle. Saves
+    cos and sin ([s, 1, 1, d_rot])."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotated(t, cos, sin, transpose=False)
+        return _rotated(t, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # The transpose is the rotation by the opposite angle, -(g s) being exactly (-s) g: the same Function, so
+        # that a second derivative is taken through it too.
         cos, sin = ctx.saved_tensors
-        return _rotated(grad, cos, sin, transpose=True), None, None
+        return _Rotate.apply(grad, cos, -sin), None, None
 
 
-def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, transpose: bool) -> torch.Tensor:
+def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
     h = rot // 2
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     o = out[..., :rot]
     torch.mul(t[..., :rot], cos, out=o)
-    first, second = t[..., :h], t[..., h:rot]
-    if transpose:
-        o[..., :h].add_(second * sin[..., h:])
-        o[..., h:].sub_(first * sin[..., :h])
-    else:
-        o[..., :h].sub_(second * sin[..., :h])
-        o[..., h:].add_(first * sin[..., h:])
+    o[..., :h].sub_(t[..., h:rot] * sin[..., :h])
+    o[..., h:].add_(t[..., :h] * sin[..., h:])
     if rot < t.shape[-1]:
         out[..., rot:].copy_(t[..., rot:])
     return out
