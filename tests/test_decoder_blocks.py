@@ -350,7 +350,8 @@ def _saved_activation_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
 def test_gated_mlp_keeps_fc1s_output_not_the_activation_with_autograds_bits(activation, dtype):
     """A gated MLP (SwiGLU, GeGLU, ...) and a MoE expert save fc1's output [T, 2f] and the gated product (fc2's
     input) but not act(gate), which the backward computes again; their output and every gradient are the bits of
-    act(gate) * up spelled out through autograd (the reference: the same linears on a copy, plain autograd)."""
+    act(gate) * up spelled out through autograd (the reference: the same linears on a copy, plain autograd), also
+    under create_graph, through which a second derivative is taken."""
     import copy
 
     from lightning_megatron.transformer.moe.experts import ExpertMLP
@@ -396,6 +397,13 @@ def test_gated_mlp_keeps_fc1s_output_not_the_activation_with_autograds_bits(acti
                     assert p.grad is None and q.grad is None
                     continue
                 assert torch.equal(p.grad, q.grad), (activation, bias, type(module).__name__, name)
+            # a second derivative (create_graph) as through the expression, within rounding (its graph sums in
+            # another order)
+            (gx,) = torch.autograd.grad(module(x)[0].pow(2).sum() if isinstance(module, MLP) else
+                                        module(x).pow(2).sum(), x, create_graph=True)
+            (want_gx,) = torch.autograd.grad(spelled_out(ref_module, rx).pow(2).sum(), rx, create_graph=True)
+            assert torch.equal(gx, want_gx)
+            torch.testing.assert_close(torch.autograd.grad(gx.sum(), x)[0], torch.autograd.grad(want_gx.sum(), rx)[0])
             if not bias:
                 # x (fc1's input), fc1's output [T, 2f] and the product [T, f]; not act(gate) [T, f].
                 assert _saved_activation_bytes(module, x) == e * T * (H + 3 * F_HIDDEN), type(module).__name__

@@ -120,6 +120,10 @@ class _GatedActivation(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (x,) = ctx.saved_tensors
         gate, up = torch.chunk(x, 2, dim=-1)
+        if torch.is_grad_enabled():  # only under create_graph: a second derivative through autograd's own first
+            a = _ACTIVATIONS[ctx.name](gate)
+            (d_gate,) = torch.autograd.grad(a, gate, grad * up, create_graph=True)
+            return torch.cat([d_gate, grad * a], dim=-1), None
         if torch.compiler.is_compiling():
             # dynamo cannot trace out= into a view (a graph break each side); the compiler fuses the concatenation.
             return torch.cat([_activation_backward(ctx.name, grad * up, gate),
