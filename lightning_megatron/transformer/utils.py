@@ -114,7 +114,7 @@ class _GatedActivation(torch.autograd.Function):
         ctx.save_for_backward(x)
         ctx.name = name
         gate, up = torch.chunk(x, 2, dim=-1)
-        return _ACTIVATIONS[name](gate) * up
+        return _ACTIVATIONS[name](gate).mul_(up)  # act(gate) is ours alone: the product in its place
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -131,7 +131,8 @@ class _GatedActivation(torch.autograd.Function):
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         d_gate, d_up = torch.chunk(dx, 2, dim=-1)
         torch.mul(grad, _ACTIVATIONS[ctx.name](gate), out=d_up)  # what autograd's mul gives up: grad * act(gate)
-        _activation_backward(ctx.name, grad * up, gate, out=d_gate)
+        torch.mul(grad, up, out=d_gate)  # and act(gate): grad * up, through act's derivative in place
+        _activation_backward(ctx.name, d_gate, gate, out=d_gate)
         return dx, None
 
 
