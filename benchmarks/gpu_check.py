@@ -671,31 +671,28 @@ def summary_markdown(results: dict[str, Any]) -> str:
                   + f"; the pieces' sums within {norm['sums_max_rel_diff']:.1e} relative, fused fp64 "
                   + f"{norm.get('fused_fp64_rel_diff', float('nan')):.1e}, foreach fp32 "
                   + f"{norm.get('foreach_fp32_rel_diff', float('nan')):.1e}"]
-    rms = results.get("rmsnorm", {})
+    rms, glu, rope = (results.get(k, {}) for k in ("rmsnorm", "glu", "rope"))
     if rms.get("ms"):
-        lines += ["", f"- RMSNorm forward + backward on [{rms['tokens']}, 1, {rms['hidden']}] bf16, ms: "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in rms["ms"].items())
-                      + f"; outputs differ by {rms['output_max_abs_diff']:.1e}, input gradients by "
-                      + f"{rms['grad_max_abs_diff']:.1e} (max abs)"]
-    glu = results.get("glu", {})
+        lines += ["", f"- RMSNorm forward + backward on [{rms['tokens']}, 1, {rms['hidden']}] bf16, {_ab_line(rms)}"]
     if glu.get("ms"):
-        lines += ["", f"- SwiGLU's silu(gate) * up forward + backward on [{glu['tokens']}, 1, 2 x {glu['ffn']}] bf16, ms: "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in glu["ms"].items())
-                      + "; saved for the backward, MiB: "
-                      + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in glu["saved_bytes"].items())
-                      + f"; outputs differ by {glu['output_max_abs_diff']:.1e}, input gradients by "
-                      + f"{glu['grad_max_abs_diff']:.1e} (max abs)"]
-    rope = results.get("rope", {})
+        saved = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in glu["saved_bytes"].items())
+        lines += ["", f"- SwiGLU's silu(gate) * up forward + backward on [{glu['tokens']}, 1, 2 x {glu['ffn']}] bf16, "
+                      f"{_ab_line(glu)}; saved for the backward, MiB: {saved}"]
     if rope.get("ms"):
-        lines += ["", f"- rotary embedding forward + backward on the query {rope['shape']} bf16, ms: "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in rope["ms"].items())
-                      + f"; outputs differ by {rope['output_max_abs_diff']:.1e}, input gradients by "
-                      + f"{rope['grad_max_abs_diff']:.1e} (max abs)"]
+        lines += ["", f"- rotary embedding forward + backward on the query {rope['shape']} bf16, {_ab_line(rope)}"]
     fit = results.get("fit", {})
     lines += ["", f"- 50-step fit: {fit}"]
     lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF; the "
               f"decoder >= 80% MFU (of the measured GEMM rate), >= 1.6x HF: {results.get('targets')}"]
     return "\n".join(lines) + "\n"
+
+
+def _ab_line(part: dict[str, Any]) -> str:
+    """``ms: ours .., <other> ..; outputs differ by .., input gradients by .. (max abs)`` of a
+    :func:`_forward_backward_ab` result."""
+    return ("ms: " + ", ".join(f"{k} {v:.2f}" for k, v in part["ms"].items())
+            + f"; outputs differ by {part['output_max_abs_diff']:.1e}, input gradients by "
+            + f"{part['grad_max_abs_diff']:.1e} (max abs)")
 
 
 def main() -> int:
