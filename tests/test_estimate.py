@@ -115,8 +115,9 @@ def test_step_time_against_hand_computed_numbers():
     # Last stage, one microbatch (2048 tokens), per TP rank: 2 layers 360777252864 + head 412316860416 FLOPs, / 2.
     gemm = 386547056640 / 1e14
     # Elementwise: 28672 bytes per token and layer (norms 8192, 2 bias-dropout-adds 12288, bias-GeLU 8192 / 2),
-    # x 2048 tokens x 2 layers x 3 passes, at 1e12 B/s.
-    elementwise = 28672 * 2048 * 2 * 3 / 1e12
+    # x 2048 tokens x 2 layers x 3 passes, and RoPE's 14 bf16 elements read or written per element of the 8 query
+    # and 8 key heads of 64 of a TP rank (forward and backward, 14 x 2048 bytes per token and layer), at 1e12 B/s.
+    elementwise = (28672 * 3 + 14 * 2048) * 2048 * 2 / 1e12
     # Vocabulary passes of the last stage: its [16384, 1024] bf16 word-embedding copy (32 MiB) read by the
     # head's forward and input-gradient GEMMs and its gradient written (3 x 32 MiB), and the fp32 logits
     # [2048, 16384] passed 6 times.
@@ -550,6 +551,66 @@ def test_measured_elementwise_rate_of_a_decoder_layer_counts_its_own_gemms():
     # Timed as ``--device this`` times it (its attention dropout draws from the model-parallel RNG state, which
     # the measurement seeds when the process has none: the step alone needed an earlier test to have seeded it).
     assert layer_seconds(lora) > 0
+
+
+def _moved_bytes(run, larger_than: int = 0) -> int:
+    """Bytes the aten ops of ``run()`` read and write at dispatch: each op's tensor arguments read, its results
+    written (an ``out=`` tensor once, as a result); views and allocations move nothing; tensors of at most
+    ``larger_than`` elements (an angle table) left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    skip = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze", "squeeze",
+            "reshape", "as_strided", "detach", "alias", "split", "split_with_sizes", "chunk", "unbind", "empty",
+            "empty_like", "empty_strided"}
+    total = [0]
+
+    def size(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size() if x.numel() > larger_than else 0
+        return sum(size(y) for y in x) if isinstance(x, (list, tuple)) else 0
+
+    class Moved(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in skip:
+                total[0] += size(list(args)) + size(out)
+            return out
+
+    with Moved():
+        run()
+    return total[0]
+
+
+def test_a_decoder_layers_gated_mlp_and_rotary_bytes_are_what_their_ops_move():
+    """``elementwise_bytes`` of a Llama-shaped layer counts, beyond a plain one, the bytes the library's gated
+    activation and rotary embeddings read and write, forward and backward (3 passes of the formula), as counted
+    at dispatch: 16 f per token for ``act(gate) * up`` (bias-GeLU's 2 f per pass otherwise), 14 elements of each
+    query and key for RoPE; in bf16, at TP=1 and TP=2."""
+    from lightning_megatron.check.timing import elementwise_bytes
+    from lightning_megatron.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
+    from lightning_megatron.transformer.utils import gated_activation
+
+    T, f, s, n, g, d = 64, 96, 16, 8, 2, 32
+    x = torch.randn(T, 2 * f, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, f, dtype=torch.bfloat16)
+    glu = _moved_bytes(lambda: gated_activation(x, "silu").backward(dy))
+    assert glu == 16 * f * 2 * T
+    freqs = RotaryEmbedding(d)(s)
+    q = torch.randn(s, T // s, n + g, d, dtype=torch.bfloat16, requires_grad=True)  # queries and keys of T tokens
+    dq = torch.randn_like(q)
+    rope = _moved_bytes(lambda: apply_rotary_pos_emb(q, freqs).backward(dq), freqs.numel())
+    assert rope == 14 * (n + g) * d * 2 * T
+
+    shape = dict(num_layers=2, hidden_size=n * d, num_attention_heads=n, num_query_groups=g, ffn_hidden_size=f,
+                 vocab_size=1000, seq_length=s, micro_batch_size=2, global_batch_size=4, params_dtype="bfloat16",
+                 hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, rmsnorm=True)
+    llama = GPTCost(**shape, gated_linear_unit=True, learned_positions=False)
+    plain = GPTCost(**shape)
+    fw = Framework()
+    for tp in (1, 2):
+        layout = ParallelDims(tp=tp, dp=1)
+        extra = 3 * T * (elementwise_bytes(llama, layout, fw) - elementwise_bytes(plain, layout, fw))
+        assert extra == pytest.approx((glu - 3 * 2 * f * 2 * T + rope) / tp, rel=1e-12), tp
 
 
 def test_a_mixture_of_experts_layer_moves_its_routed_rows_and_is_timed_itself():
