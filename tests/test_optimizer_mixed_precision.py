@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -337,3 +338,78 @@ def test_the_cpu_tuning_has_the_host_decide():
                                                 grad_scaler=ConstantGradScaler(1.0), grad_buffer=buffer)
         assert opt.decides_on_device() != on_host
         buffer.remove()
+
+
+@pytest.mark.parametrize("wrapper", ["fp32", "bf16", "zero1-bf16"])
+def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_grad_views(wrapper, monkeypatch):
+    """Issue 39's "no per-parameter Python in the step" (on a GPU the host's step is the device's idle time): which
+    parameters this rank counts in the norm and where each main grad lives in the grad buffer do not change
+    between steps, so a step after the first looks up neither (a ``param_facts`` record costs a dict and a
+    dataclass per parameter; a main grad a slice and a view). Its norm, skip and update are still the step's
+    own: the norm equals the one over the public ``grads_for_norm`` of this step's gradients, the duplicate
+    is checked (an inf in it skips the step) and not counted."""
+    from lightning_megatron.grads import GradBuffer
+    from lightning_megatron.optimizer import DistributedOptimizer
+    from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
+
+    facts_module = importlib.import_module("lightning_megatron.tensor_parallel.param_facts")
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if wrapper == "fp32" else torch.bfloat16
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)).to(dtype)
+    weight, bias = model[0].weight, model[0].bias
+    set_param_facts(weight, sharded_over=("tp",), replicated_over=(), partition_dim=0)
+    set_param_facts(bias, sharded_over=("tp",), replicated_over=(), partition_dim=0)
+    # model[2]'s weight and bias stay replicated over TP: on TP rank 1 they are checked, not counted.
+    buffer = GradBuffer(list(model.parameters()))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    if wrapper == "zero1-bf16":  # one data-parallel rank: the whole shard
+        opt = DistributedOptimizer(inner, grad_scaler=ConstantGradScaler(1.0), coordinates={"tp": 1},
+                                   grad_buffer=buffer, data_parallel_group=None)
+    else:
+        cls = FP32Optimizer if wrapper == "fp32" else Float16OptimizerWithFloat16Params
+        opt = cls(inner, grad_scaler=ConstantGradScaler(1.0), coordinates={"tp": 1}, grad_buffer=buffer)
+
+    lookups = {"facts": 0, "views": 0}
+    stored, view = facts_module._stored, GradBuffer.main_grad_view
+
+    def counting_stored(p):
+        lookups["facts"] += 1
+        return stored(p)
+
+    def counting_view(self, p):
+        lookups["views"] += 1
+        return view(self, p)
+
+    monkeypatch.setattr(facts_module, "_stored", counting_stored)
+    monkeypatch.setattr(GradBuffer, "main_grad_view", counting_view)
+
+    def step(i: int, bad: bool = False) -> None:
+        opt.zero_grad()
+        buffer.start(1)
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(i)).to(dtype)
+        model(x).float().square().mean().backward()
+        buffer.finish_grad_sync()
+        buffer.finish_deferred()  # as finalize_model_grads ends a step's reduction
+        if bad:
+            model[2].bias.main_grad[1] = float("inf")
+        counted = [buffer.main_grad_of(p) for p in (weight, bias)]
+        expected = float(sum_of_squares_fp64(counted, torch.device("cpu"))) ** 0.5
+        lookups.update(facts=0, views=0)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        if i == 0:  # the first step looks them up, once (ZeRO-1's pieces are slices of the buffer's data)
+            assert lookups["facts"] > 0 and (lookups["views"] > 0 or wrapper.startswith("zero1"))
+        else:
+            assert lookups == {"facts": 0, "views": 0}, lookups
+        if bad:
+            assert opt.last_step_skipped and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        else:
+            assert not opt.last_step_skipped and opt.last_grad_norm == pytest.approx(expected, rel=1e-12)
+            assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    for i in range(3):
+        step(i)
+    step(3, bad=True)
+    step(4)
+    buffer.remove()

@@ -176,6 +176,7 @@ class DistributedOptimizer(MegatronOptimizer):
             self.main_params.extend(mains)
             group["params"] = mains
         self._grads_ready = False
+        self._norm_pieces_made: list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]] | None = None
 
     # -- step pieces ---------------------------------------------------------------------------
     @property
@@ -223,17 +224,24 @@ class DistributedOptimizer(MegatronOptimizer):
         p, lo, hi, _, g = seg
         return self.buffer.data[g: g + hi - lo]
 
-    def _counted_grad_pieces(self, segments: list) -> list[torch.Tensor]:
-        """Pieces of the grad shard this rank counts in the norm (duplicates once, see clip_grads)."""
-        return [self._segment_grad(seg) for seg in segments if is_counted(seg[0], self.coordinates)]
+    def _norm_pieces(self) -> list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]]:
+        """``(experts, counted, checked only)`` per family of the norm: the pieces of the grad shard this rank counts
+        (duplicates once, see clip_grads) and the ones it only checks. Views of the buffer by the parameters'
+        records, neither of which changes between steps: made once, not every step."""
+        if self._norm_pieces_made is None:
+            self._norm_pieces_made = []
+            for experts, segments in self._segment_families():
+                counted = [is_counted(seg[0], self.coordinates) for seg in segments]
+                self._norm_pieces_made.append(
+                    (experts, [self._segment_grad(seg) for seg, c in zip(segments, counted) if c],
+                     [self._segment_grad(seg) for seg, c in zip(segments, counted) if not c]))
+        return self._norm_pieces_made
 
     def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as
         # clip_grads), the rest are only checked; reduced over DP and the model-parallel group.
         squares = checked = 0.0
-        for experts, segments in self._segment_families():
-            counted = self._counted_grad_pieces(segments)
-            others = [self._segment_grad(seg) for seg in segments if not is_counted(seg[0], self.coordinates)]
+        for experts, counted, others in self._norm_pieces():
             total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
             total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device, piece=self.buffer.norm_piece)
             for piece in others:
@@ -245,9 +253,9 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _num_zeros(self) -> int:
         zeros = 0
-        for experts, segments in self._segment_families():
+        for experts, counted, _ in self._norm_pieces():
             total = torch.zeros(1, dtype=torch.float64, device=self.grad_buffer.device)
-            for g in self._counted_grad_pieces(segments):
+            for g in counted:
                 total += g.numel() - torch.count_nonzero(g)
             self._all_reduce(total, dist.ReduceOp.SUM, experts)
             zeros += int(total.item())

@@ -42,15 +42,17 @@ from lightning_megatron.optimizer.clip_grads import (
     clip_grads_by_squares,
     count_zeros_fp32,
     grad_norm_squares,
-    grads_for_norm,
 )
 from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, mark_replicated, param_facts
+from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, is_counted, mark_replicated, param_facts
 
 if TYPE_CHECKING:
     from lightning_megatron.grads import GradBuffer
 
 __all__ = ["MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params"]
+
+_NormFamily = tuple[list[torch.Tensor], list[torch.Tensor], Group]
+"""One family of the norm: (parameters this rank counts, duplicates it only checks, the group summing them)."""
 
 
 def zero_grads(params: list[torch.Tensor], set_to_none: bool = True) -> None:
@@ -118,6 +120,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         mark_replicated(params)
         self._grad_buffer = grad_buffer
         """The strategy's GradBuffer whose ``main_grad`` views hold the grads (None: ``.grad``)."""
+        self._main_grad_views: dict[int, torch.Tensor] | None = None  # id(param) -> its main grad: _main_grad_of
+        self._norm_plan_for: tuple[tuple[int, ...], list[_NormFamily]] | None = None  # (param ids, plan): _norm_plan
         if grad_scaler is not None and params:
             grad_scaler.to(params[0].device)  # the scale lives next to the grads
         self.last_grad_norm: float | None = None
@@ -183,11 +187,22 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return loss * self.get_loss_scale().to(loss.device).reshape(())
 
     # -- step pieces (overridden by the fp16/bf16 wrapper) ---------------------------------------
+    def _main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s main grad in the grad buffer (None: no buffer, or ``p`` is not in it). Where a parameter's grad
+        lives in the buffer does not change: the views are made once, not every step (issue 39's "no
+        per-parameter Python in the step": a slice and a view per parameter)."""
+        if self._grad_buffer is None:
+            return None
+        if self._main_grad_views is None:
+            buffer = self._grad_buffer
+            self._main_grad_views = {id(q): buffer.main_grad_view(q) for q in buffer.params}
+        return self._main_grad_views.get(id(p))
+
     def _copy_model_grads_to_main_grads(self) -> None:
         # Under the strategy the grads are in its GradBuffer (``main_grad``); hand them to the optimizer.
         if self._grad_buffer is not None:
             for p in self.get_parameters():
-                main_grad = self._grad_buffer.main_grad_of(p)
+                main_grad = self._main_grad_of(p)
                 if main_grad is not None:
                     p.grad = main_grad
 
@@ -307,14 +322,28 @@ class MegatronOptimizer(torch.optim.Optimizer):
         gradient is."""
         piece = None if self._grad_buffer is None else self._grad_buffer.norm_piece
         totals = None
-        for params, group in self._norm_families(self.get_parameters()):
-            counted = grads_for_norm(params, coordinates=self.coordinates)
+        for counted_params, other_params, group in self._norm_plan(self.get_parameters()):
+            counted = [p.grad for p in counted_params if p.grad is not None]
             ids = {id(g) for g in counted}
-            others = [p.grad for p in params if p.grad is not None and id(p.grad) not in ids]
+            others = [p.grad for p in other_params if p.grad is not None and id(p.grad) not in ids]
             part = grad_norm_squares(counted, others, group, piece=piece)
             totals = part if totals is None else totals + part
         assert totals is not None
         return totals
+
+    def _norm_plan(self, params: list[torch.Tensor]) -> list[_NormFamily]:
+        """``(counted, checked only, group)`` per family of the norm (:meth:`_norm_families`): the parameters whose
+        grads this rank counts (:func:`grads_for_norm`'s rule) and the duplicates it only checks. Their records
+        do not change between steps: read once for a list of parameters, not every step."""
+        key = tuple(map(id, params))
+        if self._norm_plan_for is None or self._norm_plan_for[0] != key:
+            plan = []
+            for family, group in self._norm_families(params):
+                counted = [p for p in family if is_counted(p, self.coordinates)]
+                ids = {id(p) for p in counted}
+                plan.append((counted, [p for p in family if id(p) not in ids], group))
+            self._norm_plan_for = (key, plan)
+        return self._norm_plan_for[1]
 
     # Hooks of the step; the DistributedOptimizer overrides them for its flat shards.
     def _norm_families(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], Group]]:
@@ -432,7 +461,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         # ``.grad`` is converted once and freed.
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
-                main_grad = None if self._grad_buffer is None else self._grad_buffer.main_grad_of(model_param)
+                main_grad = self._main_grad_of(model_param)
                 if main_grad is not None:
                     main_param.grad = main_grad.float()  # the same tensor when fp32
                 else:
@@ -440,7 +469,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 model_param.grad = None
         for group in self.fp32_from_fp32_groups:
             for param in group:
-                main_grad = None if self._grad_buffer is None else self._grad_buffer.main_grad_of(param)
+                main_grad = self._main_grad_of(param)
                 if main_grad is not None:
                     param.grad = main_grad
 

@@ -1,0 +1,121 @@
+"""The host's share of a training step: bert-base's structure at a width where the arithmetic is negligible.
+
+On a GPU our BERT step is host-bound (docs/benchmarks.md, "GPU check": bert-base's kernels took 35.5 ms of a
+57.8 ms step, the device idle in the optimizer step and the logging). What the host does per step does not
+depend on the width, so it can be measured here: bert-base's depth and modules (12 layers, the MLM and SOP
+heads, bf16 parameters, fp32 main params, fused AdamW) at hidden size 64, seq 32, batch 2, one thread, through
+``Trainer.fit`` with the library's default path (no CPU tuning), against Hugging Face's ``BertForPreTraining``
+of the same shape under plain Lightning (bf16-mixed, torch AdamW with the same weight-decay groups).
+
+Per step (median over the timed steps, milliseconds), from Lightning's hooks (no patching):
+
+- ``forward+backward``: ``on_train_batch_start`` to ``on_before_optimizer_step`` (the training step: forward,
+  backward, the strategy's logging of the step's means);
+- ``optimizer``: to the first callback's ``on_train_batch_end`` (the optimizer step: norm, update, copies);
+- ``batch-end callbacks``: to the last callback's ``on_train_batch_end`` (the optimizer callback's logging);
+- ``loop and data``: to the next ``on_train_batch_start`` (Lightning's loop, the next batch);
+- ``step``: ``on_train_batch_start`` to the next one.
+
+On a GPU the host time after the step's last read of the device (the optimizer's tail, the batch-end
+callbacks, the loop and the next batch) is time the device waits.
+
+    .venv/bin/python benchmarks/host_step.py [--rounds 3] [--steps 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from _common import BertSize  # noqa: E402
+
+HOST = BertSize(name="bert-base-depth", num_layers=12, hidden_size=64, num_attention_heads=2, ffn_hidden_size=256,
+                vocab_size=1024, max_position_embeddings=64)
+SEQ, BATCH, WARMUP = 32, 2, 30
+PHASES = ("forward+backward", "optimizer", "batch-end callbacks", "loop and data", "step")
+
+
+def run(framework: str, steps: int) -> dict[str, float]:
+    """Median milliseconds per phase of ``steps`` timed steps (after ``WARMUP``) of ``framework`` ("ours" or
+    "hf")."""
+    import lightning.pytorch as pl
+
+    from bert_step import SyntheticBatches, _hf_module, _ours_module
+
+    marks: dict[str, list[float]] = {name: [] for name in ("start", "before_opt", "first_end", "last_end")}
+
+    class First(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            marks["start"].append(time.perf_counter())
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            marks["before_opt"].append(time.perf_counter())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            marks["first_end"].append(time.perf_counter())
+
+    class Last(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            marks["last_end"].append(time.perf_counter())
+
+    total = WARMUP + steps + 1
+    if framework == "ours":
+        from lightning_megatron.callbacks import MegatronOptimizerCallback
+        from lightning_megatron.optimizer import OptimizerConfig
+        from lightning_megatron.strategy import MegatronStrategy
+
+        module = _ours_module(HOST, bf16=True)
+        strategy: Any = MegatronStrategy(micro_batch_size=BATCH)  # the library's default path: no CPU tuning
+        precision = "bf16-true"
+        callbacks: list[Any] = [First(), MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0)), Last()]
+    else:
+        module, strategy, precision = _hf_module(HOST, SEQ), "auto", "bf16-mixed"
+        callbacks = [First(), Last()]
+    data = torch.utils.data.DataLoader(SyntheticBatches(total * BATCH, SEQ, HOST.vocab_size), batch_size=BATCH)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=total,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         use_distributed_sampler=False, callbacks=callbacks)
+    trainer.fit(module, train_dataloaders=data)
+    if not len(marks["start"]) == len(marks["before_opt"]) == len(marks["last_end"]) == total:
+        raise RuntimeError(f"{framework}: hooks fired {[len(v) for v in marks.values()]} times, expected {total}")
+    timed = range(WARMUP, total - 1)
+    s, b, f, e = (marks[k] for k in ("start", "before_opt", "first_end", "last_end"))
+    phases = {"forward+backward": [b[i] - s[i] for i in timed], "optimizer": [f[i] - b[i] for i in timed],
+              "batch-end callbacks": [e[i] - f[i] for i in timed], "loop and data": [s[i + 1] - e[i] for i in timed],
+              "step": [s[i + 1] - s[i] for i in timed]}
+    return {name: statistics.median(values) * 1e3 for name, values in phases.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each framework")
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per run (after 30 warm-up steps)")
+    parser.add_argument("--frameworks", default="ours,hf")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a GPU step's host work is one thread
+    frameworks = args.frameworks.split(",")
+    results: dict[str, list[dict[str, float]]] = {fw: [] for fw in frameworks}
+    for _ in range(args.rounds):
+        for fw in frameworks:
+            results[fw].append(run(fw, args.steps))
+    print(f"\nhost ms per step, {HOST.num_layers} layers at hidden {HOST.hidden_size}, seq {SEQ} x batch {BATCH} "
+          f"(median of {args.steps} steps; each round's figure)")
+    print(f"| phase | {' | '.join(frameworks)} |")
+    print(f"|---|{'---:|' * len(frameworks)}")
+    for phase in PHASES:
+        cells = [", ".join(f"{r[phase]:.2f}" for r in results[fw]) for fw in frameworks]
+        print(f"| {phase} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
