@@ -285,20 +285,27 @@ def test_main_params_are_copied_into_the_16_bit_params_by_one_foreach_call_per_g
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.3])
-@pytest.mark.parametrize("wrapper", ["fp32", "bf16"])
+@pytest.mark.parametrize("wrapper", ["fp32", "bf16", "zero1-bf16"])
 def test_the_step_decided_on_the_device_has_the_host_decisions_bits(wrapper, clip):
     """With a fused optimizer the wrapper clips by the norm on the device and leaves the skip of a non-finite
     step to the kernel's found-inf flag, reading the device once after the update: parameters, optimizer
     state, the norm and the skipped steps are the host decision's (the same wrapper made to decide on the host),
-    bit for bit, through a skipped step (a NaN gradient at step 3; a constant scaler skips it)."""
+    bit for bit, through a skipped step (a NaN gradient at step 3; a constant scaler skips it). ZeRO-1's
+    DistributedOptimizer too (its norm over the shard's pieces, reduced over DP and the model-parallel group)."""
+    from lightning_megatron.optimizer import DistributedOptimizer
+
     def run(on_device: bool):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-        if wrapper == "bf16":
+        if wrapper != "fp32":
             model = model.bfloat16()
         inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, fused=True)
-        cls = Float16OptimizerWithFloat16Params if wrapper == "bf16" else FP32Optimizer
-        opt = cls(inner, clip_grad=clip, grad_scaler=ConstantGradScaler(1.0))
+        if wrapper == "zero1-bf16":
+            opt = DistributedOptimizer(inner, clip_grad=clip, grad_scaler=ConstantGradScaler(1.0),
+                                       data_parallel_group=None)
+        else:
+            cls = Float16OptimizerWithFloat16Params if wrapper == "bf16" else FP32Optimizer
+            opt = cls(inner, clip_grad=clip, grad_scaler=ConstantGradScaler(1.0))
         assert opt.decides_on_device()
         if not on_device:
             opt.decides_on_device = lambda: False

@@ -44,7 +44,6 @@ Checkpoints: ``sharded_state_for_checkpoint()`` lists this rank's pieces per mod
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -237,19 +236,26 @@ class DistributedOptimizer(MegatronOptimizer):
                      [self._segment_grad(seg) for seg, c in zip(segments, counted) if not c]))
         return self._norm_pieces_made
 
-    def _grad_norm_and_found_inf(self) -> tuple[float, bool]:
-        # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as
-        # clip_grads), the rest are only checked; reduced over DP and the model-parallel group.
-        squares = checked = 0.0
+    def _norm_totals(self) -> torch.Tensor:
+        # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as clip_grads), the rest
+        # are only checked; reduced over DP and the model-parallel group (the experts': their own), left on the
+        # device: MegatronOptimizer reads it once, after the update is queued where it can
+        # (``decides_on_device``), or before it.
+        totals = None
         for experts, counted, others in self._norm_pieces():
             total = torch.zeros(2, dtype=torch.float64, device=self.grad_buffer.device)
             total[0] = sum_of_squares_fp64(counted, self.grad_buffer.device, piece=self.buffer.norm_piece)
             for piece in others:
                 total[1] += torch.linalg.vector_norm(piece, 2, dtype=torch.float32).double()
             self._all_reduce(total, dist.ReduceOp.SUM, experts)
-            family_squares, family_checked = total.tolist()
-            squares, checked = squares + family_squares, checked + family_checked
-        return squares ** 0.5, not (math.isfinite(squares) and math.isfinite(checked))
+            totals = total if totals is None else totals + total
+        assert totals is not None
+        return totals
+
+    def decides_on_device(self) -> bool:
+        # The shard's buffer is this wrapper's own (not the base class's ``_grad_buffer``): its
+        # ``decide_on_host`` (the CPU tuning's) is asked here.
+        return not self.buffer.decide_on_host and super().decides_on_device()
 
     def _num_zeros(self) -> int:
         zeros = 0

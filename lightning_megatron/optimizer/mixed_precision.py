@@ -266,8 +266,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """Whether a step leaves the skip to the device and reads it once, after the update is queued: the inner
         optimizer is fused (it skips its update where a ``found_inf`` flag on the device is set: torch's
         ``GradScaler`` protocol), no dynamic loss scaler (its update needs the flag on the host first), no zero
-        count (a host number before the update), this class's norm (not ZeRO-1's shards), and the grad buffer
-        does not ask for the host's decision (``GradBuffer.decide_on_host``: the CPU tuning's)."""
+        count (a host number before the update), the norm read from :meth:`_norm_totals` (a wrapper that reads
+        it another way decides on the host), and the grad buffer does not ask for the host's decision
+        (``GradBuffer.decide_on_host``: the CPU tuning's)."""
         return (bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
                 and not (self._grad_buffer is not None and self._grad_buffer.decide_on_host)
                 and not isinstance(self.grad_scaler, DynamicGradScaler) and not self.log_num_zeros_in_grad
