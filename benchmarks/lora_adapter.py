@@ -80,7 +80,7 @@ def layer(dtype: torch.dtype) -> tuple[float, float, float]:
 
     model_parallel_seed(0, 0)
     cost = GPTCost(num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1376,
-                   gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, learned_positions=False,
+                   gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, position_embedding_type="rope",
                    vocab_size=32000, seq_length=256, micro_batch_size=4, global_batch_size=4, on_cpu=True,
                    hidden_dropout=0.0, attention_dropout=0.0,
                    params_dtype="bfloat16" if dtype == torch.bfloat16 else "float32")

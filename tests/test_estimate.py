@@ -105,7 +105,7 @@ def test_flops_are_the_papers():
 def test_step_time_against_hand_computed_numbers():
     """TP=2 x PP=2 x DP=2 on 8 devices of 4 per node, measured-style efficiencies of 1, no latency."""
     m = GPTCost(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=1024,
-                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", learned_positions=False,
+                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", position_embedding_type="rope",
                 hidden_dropout=0.0, attention_dropout=0.0)
     dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
                  devices_per_node=4, latency_intra=0.0, latency_inter=0.0)
@@ -245,7 +245,7 @@ def test_measured_vocab_rate_times_the_vocabulary_passes():
     assert model_seconds(m) > 0  # a real one-layer BERT of m with its loss, forward and backward
     # The decoder's own pieces are timed, not BERT's: its grouped-query, gated layer and a one-layer GPTModel.
     decoder = GPTCost(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-                      gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, learned_positions=False,
+                      gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, position_embedding_type="rope",
                       vocab_size=1000, seq_length=16, micro_batch_size=2, global_batch_size=4, on_cpu=True)
     layer, _ = decoder.build_layer_step()
     assert layer.self_attention.linear_qkv.weight.shape == ((4 + 2 * 2) * 16, 64)
@@ -407,7 +407,7 @@ def test_context_and_expert_parallel_terms_against_hand_computed_numbers():
                  devices_per_node=4, latency_intra=0.0, latency_inter=0.0)
     fw = Framework(overlap_grad_reduce=False)
     m = GPTCost(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=1024,
-                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", learned_positions=False,
+                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", position_embedding_type="rope",
                 hidden_dropout=0.0, attention_dropout=0.0)
     dp = estimate_time(m, ParallelDims(tp=2, dp=2), dev, MEASURED, fw)  # 4 microbatches of 2048 tokens
     cp = estimate_time(m, ParallelDims(tp=2, cp=2, dp=1), dev, MEASURED, fw)  # 8 microbatches of 1024 tokens per rank
@@ -428,7 +428,7 @@ def test_context_and_expert_parallel_terms_against_hand_computed_numbers():
         cp.compute + cp.tp_comm + cp.cp_comm + cp.dp_comm + cp.optimizer, rel=1e-12)
 
     moe = GPTCost(num_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=1024, seq_length=256,
-                  micro_batch_size=2, global_batch_size=8, params_dtype="bfloat16", learned_positions=False,
+                  micro_batch_size=2, global_batch_size=8, params_dtype="bfloat16", position_embedding_type="rope",
                   hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=4, moe_router_topk=2,
                   moe_ffn_hidden_size=1024)
     ep = estimate_time(moe, ParallelDims(dp=2, ep=2), dev, MEASURED, fw)  # 2 microbatches per rank
@@ -450,7 +450,7 @@ def test_step_flops_of_a_gated_grouped_query_decoder_and_of_its_lora_run():
     per token (hand-written from the shapes, not from transformer_flops)."""
     shape = dict(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1024,
                  gated_linear_unit=True, vocab_size=1024, seq_length=256, micro_batch_size=2, global_batch_size=4,
-                 learned_positions=False)
+                 position_embedding_type="rope")
     m = GPTCost(**shape)
     T, L, h, f, s, V = 512, 2, 512, 1024, 256, m.padded_vocab(1)
     p, k = 512, 2 * 64  # query projection n d, key/value projection g d
@@ -478,7 +478,7 @@ def test_lora_step_moves_only_what_trains_and_pays_for_the_adapters_passes():
     fw = Framework(overlap_grad_reduce=False)
     shape = dict(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1024,
                  gated_linear_unit=True, vocab_size=1024, seq_length=256, micro_batch_size=2, global_batch_size=4,
-                 learned_positions=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                 position_embedding_type="rope", untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
                  attention_dropout=0.0)
     full = GPTCost(**shape)
     lora = GPTCost(**shape, lora_rank=8, lora_targets=("linear_qkv", "linear_fc2"))
@@ -529,7 +529,7 @@ def test_measured_elementwise_rate_of_a_decoder_layer_counts_its_own_gemms():
     from lightning_megatron.check.timing import adapter_bytes
 
     shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-                 gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, learned_positions=False,
+                 gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, position_embedding_type="rope",
                  vocab_size=1000, seq_length=16, micro_batch_size=2, global_batch_size=4, on_cpu=True)
     m = GPTCost(**shape)
     T, h, f, s = 32, 64, 96, 16
@@ -604,13 +604,28 @@ def test_a_decoder_layers_gated_mlp_and_rotary_bytes_are_what_their_ops_move():
     shape = dict(num_layers=2, hidden_size=n * d, num_attention_heads=n, num_query_groups=g, ffn_hidden_size=f,
                  vocab_size=1000, seq_length=s, micro_batch_size=2, global_batch_size=4, params_dtype="bfloat16",
                  hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, rmsnorm=True)
-    llama = GPTCost(**shape, gated_linear_unit=True, learned_positions=False)
+    llama = GPTCost(**shape, gated_linear_unit=True, position_embedding_type="rope")
     plain = GPTCost(**shape)
+    unplaced = GPTCost(**shape, gated_linear_unit=True, position_embedding_type="none")  # no positions at all
     fw = Framework()
     for tp in (1, 2):
         layout = ParallelDims(tp=tp, dp=1)
         extra = 3 * T * (elementwise_bytes(llama, layout, fw) - elementwise_bytes(plain, layout, fw))
         assert extra == pytest.approx((glu - 3 * 2 * f * 2 * T + rope) / tp, rel=1e-12), tp
+        extra = 3 * T * (elementwise_bytes(unplaced, layout, fw) - elementwise_bytes(plain, layout, fw))
+        assert extra == pytest.approx((glu - 3 * 2 * f * 2 * T) / tp, rel=1e-12), tp  # no rotation moved
+    # From a config: each type as it is, and the model --estimate-memory measures applies what the config says.
+    from lightning_megatron.models.gpt.config import GPTConfig
+
+    for kind in ("learned_absolute", "rope", "none"):
+        config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, position_embedding_type=kind)
+        cost = GPTCost.from_config(config, seq_length=8, micro_batch_size=1, global_batch_size=1, vocab_size=64)
+        assert (cost.position_embedding_type, cost.learned_positions) == (kind, kind == "learned_absolute")
+        model, _ = cost.build_model_step()
+        assert model.position_embedding_type == kind
+        assert cost.stage_parameters(1, 1, 0) == sum(p.numel() for p in model.parameters()), kind
+    with pytest.raises(ValueError, match="position_embedding_type='alibi' must be one of"):
+        GPTCost(**shape, position_embedding_type="alibi")
 
 
 def test_a_mixture_of_experts_layer_moves_its_routed_rows_and_is_timed_itself():
@@ -622,7 +637,7 @@ def test_a_mixture_of_experts_layer_moves_its_routed_rows_and_is_timed_itself():
     from lightning_megatron.transformer.moe import MoELayer
 
     shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, gated_linear_unit=True,
-                 add_bias_linear=False, rmsnorm=True, learned_positions=False, vocab_size=1000, seq_length=16,
+                 add_bias_linear=False, rmsnorm=True, position_embedding_type="rope", vocab_size=1000, seq_length=16,
                  micro_batch_size=2, global_batch_size=4, on_cpu=True, hidden_dropout=0.0, attention_dropout=0.0)
     moe = GPTCost(**shape, ffn_hidden_size=96, num_moe_experts=4, moe_router_topk=2)
     dense = GPTCost(**shape, ffn_hidden_size=2 * 96)  # the active width: k experts of 96

@@ -285,7 +285,7 @@ def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float
     A decoder's layer (a :class:`TransformerCost`) counts what its own ops move, forward and backward, as a
     third of the sum (the caller's 3 passes): a gated MLP's ``act(gate) * up``
     (:func:`~lightning_megatron.transformer.utils.gated_activation`) 5 f forward and 11 f backward (``act(gate)``
-    computed again) instead of bias-GeLU's f; rotary embeddings (no learned positions) 7 elements of each query and
+    computed again) instead of bias-GeLU's f; rotary embeddings (``position_embedding_type: rope``) 7 elements of each query and
     key forward and 7 backward, ``14 (a + g) d / t``. ``tests/test_estimate.py`` checks both against the bytes
     their ops read and write at dispatch."""
     e, h, f, a, s = m.param_bytes, m.hidden_size, m.ffn, m.num_attention_heads, m.seq_length
@@ -294,7 +294,7 @@ def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float
     drop = m.mask_bytes if m.hidden_dropout > 0 else 0
     gated = isinstance(m, TransformerCost) and m.gated_linear_unit
     n = (4 * h * e + 2 * (3 * e + drop) * h) / ts + (16 / 3 if gated else 2) * f * e / t
-    if isinstance(m, TransformerCost) and not m.learned_positions:
+    if isinstance(m, TransformerCost) and m.rotary:
         n += 14 / 3 * (a + m.groups) * m.head_dim * e / t
     if not fw.fused_attention:
         n += (2 * e + (2 * e + m.mask_bytes if m.attention_dropout > 0 else 0)) * a * s / t

@@ -53,7 +53,9 @@ class TransformerCost:
     gated_linear_unit: bool = False
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
-    learned_positions: bool = True
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` (a table on the first stage), ``rope`` (rotary embeddings in every layer's attention)
+    or ``none``: a config's own value (GPTConfig's names), so that each is costed as it runs."""
     vocab_size: int = 30522
     make_vocab_size_divisible_by: int = 128
     max_sequence_length: int = 512
@@ -109,11 +111,26 @@ class TransformerCost:
         return cls(**{**sizes, **shape})
 
     def __post_init__(self) -> None:
+        from lightning_megatron.language.model import POSITION_EMBEDDING_TYPES
+
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type={self.position_embedding_type!r} must be one of "
+                             f"{POSITION_EMBEDDING_TYPES}")
         for name, p in (("hidden_dropout", self.hidden_dropout), ("attention_dropout", self.attention_dropout)):
             if not 0 <= p < 1:
                 raise ValueError(f"{name}={p} must be in [0, 1)")
 
     # ------------------------------------------------------------ sizes
+
+    @property
+    def learned_positions(self) -> bool:
+        """A learned position table on the first stage."""
+        return self.position_embedding_type == "learned_absolute"
+
+    @property
+    def rotary(self) -> bool:
+        """Rotary embeddings applied to every layer's queries and keys."""
+        return self.position_embedding_type == "rope"
 
     @property
     def head_fraction(self) -> float:

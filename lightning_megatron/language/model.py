@@ -57,7 +57,12 @@ from lightning_megatron.transformer import (
     seeded,
 )
 
-__all__ = ["LanguageModelEmbedding", "LanguageModule"]
+__all__ = ["LanguageModelEmbedding", "LanguageModule", "POSITION_EMBEDDING_TYPES"]
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+"""How a language model places its tokens: a learned table added to the word embedding (``learned_absolute``),
+rotary embeddings in every layer's attention (``rope``), or nothing (``none``). Its cost record
+(``cost.TransformerCost.position_embedding_type``) takes the same names."""
 
 
 class LanguageModelEmbedding(nn.Module):

@@ -32,7 +32,7 @@ class GPTCost(TransformerCost):
     def from_config(cls, config: GPTConfig, **shape: Any) -> Self:  # type: ignore[override]
         """:meth:`TransformerCost.from_config` with the decoder's ends of a ``GPTConfig``."""
         ends = dict(untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
-                    learned_positions=config.position_embedding_type == "learned_absolute",
+                    position_embedding_type=config.position_embedding_type,
                     rmsnorm=config.normalization == "RMSNorm")
         return super().from_config(config, **{**ends, **shape})
 
@@ -54,7 +54,7 @@ class GPTCost(TransformerCost):
 
         s, b, v = self.seq_length, self.micro_batch_size, self.vocab_size
         model = GPTModel(self.layer_config(), self.layer_spec(), v, max(self.max_sequence_length, s),
-                         position_embedding_type="learned_absolute" if self.learned_positions else "rope",
+                         position_embedding_type=self.position_embedding_type,
                          share_embeddings_and_output_weights=not self.untie_embeddings_and_output_weights,
                          make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
         model = self.with_adapters(model)

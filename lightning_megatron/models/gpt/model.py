@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_megatron.language.model import LanguageModelEmbedding, LanguageModule
+from lightning_megatron.language.model import POSITION_EMBEDDING_TYPES, LanguageModelEmbedding, LanguageModule
 from lightning_megatron.parallel_state import Group
 from lightning_megatron.transformer import ModuleSpec, TransformerBlock, TransformerConfig, get_spec
 from lightning_megatron.transformer.attention import document_attention_mask
@@ -42,7 +42,6 @@ from lightning_megatron.transformer.moe import ExpertGroups
 
 __all__ = ["GPTModel", "POSITION_EMBEDDING_TYPES", "gpt_loss"]
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
 
 
