@@ -40,6 +40,10 @@ What it runs, each part time-boxed and recorded even when another part fails:
 6d. ``rope``: rotary embeddings as the library applies them (without rotate_half's copies since 2026-12-05)
    against ``t * cos + rotate_half(t) * sin`` through autograd on the decoder's query: milliseconds, how far
    they differ;
+6e. ``host``: the host's share of a step (``host_step.py``): bert-base's depth and modules at hidden 64, where
+   the arithmetic is negligible, ours against Hugging Face on this machine's host with its launches, ms per
+   phase (forward + backward, the optimizer step, batch-end callbacks, Lightning's loop and the next batch):
+   the floor under a host-bound BERT step;
 7. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
    PP=1; CSV logger only), exit code, the logged losses and throughput.
 
@@ -312,6 +316,22 @@ def part_rope(device: torch.device, dry: bool) -> dict[str, Any]:
 
     return {"shape": [s, b, n, d], **_forward_backward_ab({"ours": lambda t: apply_rotary_pos_emb(t, freqs),
                                                            "autograd": autograd}, x, dy, 3 if dry else 20)}
+
+
+def part_host(device: torch.device, dry: bool) -> dict[str, Any]:
+    from host_step import HOST, SEQ
+    from host_step import run as host_run
+
+    steps, warmup = (3, 2) if dry else (100, 30)
+    result: dict[str, Any] = {"layers": HOST.num_layers, "hidden": HOST.hidden_size, "seq": SEQ, "steps": steps,
+                              "ms": {}, "errors": []}
+    for fw in ("ours", "hf"):
+        _log(f"host {fw}")
+        try:
+            result["ms"][fw] = host_run(fw, steps, device, warmup)
+        except Exception:  # noqa: BLE001 - record and go on
+            result["errors"].append({"framework": fw, "error": traceback.format_exc()[-3000:]})
+    return result
 
 
 def _forward_backward_ab(variants: dict[str, Any], x: torch.Tensor, dy: torch.Tensor, repeats: int) -> dict[str, Any]:
@@ -680,6 +700,11 @@ def summary_markdown(results: dict[str, Any]) -> str:
                       f"{_ab_line(glu)}; saved for the backward, MiB: {saved}"]
     if rope.get("ms"):
         lines += ["", f"- rotary embedding forward + backward on the query {rope['shape']} bf16, {_ab_line(rope)}"]
+    host = results.get("host", {})
+    if host.get("ms"):
+        lines += ["", f"- the host's ms per step ({host['layers']} layers at hidden {host['hidden']}, median of "
+                      f"{host['steps']}): " + "; ".join(f"{fw} " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
+                                                       for fw, ms in host["ms"].items())]
     fit = results.get("fit", {})
     lines += ["", f"- 50-step fit: {fit}"]
     lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF; the "
@@ -700,7 +725,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="CI-size: tiny model, few steps, one test file")
     parser.add_argument("--out", default="gpu_check_out", help="folder for the results (created)")
-    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,rmsnorm,glu,rope,fit",
+    parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,rmsnorm,glu,rope,host,fit",
                         help="comma-separated subset")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile=True row of the benchmark")
     args = parser.parse_args()
@@ -736,6 +761,7 @@ def main() -> int:
     run("rmsnorm", part_rmsnorm, device, args.dry_run)
     run("glu", part_glu, device, args.dry_run)
     run("rope", part_rope, device, args.dry_run)
+    run("host", part_host, device, args.dry_run)
     run("tests", part_tests, device, args.dry_run, out_dir, budgets["tests"])
     run("fit", part_fit, device, args.dry_run, out_dir, budgets["fit"])
     results["total_s"] = time.perf_counter() - t0
@@ -756,7 +782,7 @@ def main() -> int:
     (out_dir / "summary.md").write_text(summary_markdown(results))
     _log(f"done in {results['total_s']:.0f} s: {out_dir}/summary.md")
     print(summary_markdown(results))
-    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "rmsnorm", "glu", "rope", "tests", "fit")
+    failed = [k for k in ("env", "gemm", "bench", "decoder", "norm", "rmsnorm", "glu", "rope", "host", "tests", "fit")
               if isinstance(results.get(k), dict)
               and "error" in results[k]]
     return 1 if failed else 0

@@ -44,9 +44,11 @@ SEQ, BATCH, WARMUP = 32, 2, 30
 PHASES = ("forward+backward", "optimizer", "batch-end callbacks", "loop and data", "step")
 
 
-def run(framework: str, steps: int) -> dict[str, float]:
-    """Median milliseconds per phase of ``steps`` timed steps (after ``WARMUP``) of ``framework`` ("ours" or
-    "hf")."""
+def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), warmup: int = WARMUP
+        ) -> dict[str, float]:
+    """Median milliseconds per phase of ``steps`` timed steps (after ``warmup``) of ``framework`` ("ours" or
+    "hf") on ``device`` (a GPU: the host's step with its launches and its reads of the device; the GPU check's
+    ``host`` part)."""
     import lightning.pytorch as pl
 
     from bert_step import SyntheticBatches, _hf_module, _ours_module
@@ -67,7 +69,7 @@ def run(framework: str, steps: int) -> dict[str, float]:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             marks["last_end"].append(time.perf_counter())
 
-    total = WARMUP + steps + 1
+    total = warmup + steps + 1
     if framework == "ours":
         from lightning_megatron.callbacks import MegatronOptimizerCallback
         from lightning_megatron.optimizer import OptimizerConfig
@@ -81,14 +83,15 @@ def run(framework: str, steps: int) -> dict[str, float]:
         module, strategy, precision = _hf_module(HOST, SEQ), "auto", "bf16-mixed"
         callbacks = [First(), Last()]
     data = torch.utils.data.DataLoader(SyntheticBatches(total * BATCH, SEQ, HOST.vocab_size), batch_size=BATCH)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=total,
+    accelerator = "cpu" if device.type == "cpu" else "gpu"
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=total,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                          use_distributed_sampler=False, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=data)
     if not len(marks["start"]) == len(marks["before_opt"]) == len(marks["last_end"]) == total:
         raise RuntimeError(f"{framework}: hooks fired {[len(v) for v in marks.values()]} times, expected {total}")
-    timed = range(WARMUP, total - 1)
+    timed = range(warmup, total - 1)
     s, b, f, e = (marks[k] for k in ("start", "before_opt", "first_end", "last_end"))
     phases = {"forward+backward": [b[i] - s[i] for i in timed], "optimizer": [f[i] - b[i] for i in timed],
               "batch-end callbacks": [e[i] - f[i] for i in timed], "loop and data": [s[i + 1] - e[i] for i in timed],

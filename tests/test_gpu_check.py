@@ -16,7 +16,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_check"
     # every part but the test path (this is the test path) and the compile row (slow on 2 cores; tests/test_compile.py)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--dry-run", "--no-compile",
-           "--parts", "env,gemm,bench,decoder,norm,rmsnorm,glu,rope,fit", "--out", str(out)]
+           "--parts", "env,gemm,bench,decoder,norm,rmsnorm,glu,rope,host,fit", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = run_python(cmd[1:], tmp_path, env, timeout=600)  # the script; the runs it starts are new interpreters
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -54,6 +54,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     rope = results["rope"]  # RoPE without rotate_half's copies against the expression through autograd: same bits
     assert set(rope["ms"]) == {"ours", "autograd"} and all(v > 0 for v in rope["ms"].values()), rope
     assert rope["output_max_abs_diff"] == 0 and rope["grad_max_abs_diff"] == 0, rope
+    host = results["host"]  # the host's share of a step at bert-base's depth: every phase timed, both frameworks
+    assert set(host["ms"]) == {"ours", "hf"} and not host["errors"], host
+    assert all(0 < ms["forward+backward"] < ms["step"] and ms["optimizer"] > 0 for ms in host["ms"].values()), host
     fit = results["fit"]
     assert fit["returncode"] == 0 and fit["logged_steps"] >= 1 and fit["checkpoint_saved"], fit
     assert (out / "summary.md").read_text().startswith("### GPU check")
