@@ -32,6 +32,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         assert kinds["GEMM"] > 0 and (r["framework"] == "hf" or kinds["optimizer step"] > 0), kinds
         assert sum(kinds.values()) <= 1000 * r["profiled_step_s"], (kinds, r["profiled_step_s"])
         assert r["stream_syncs"] == 0  # on CPU no stream: counted on an accelerator only
+        # the largest non-GEMM ops by name and shapes: what the kinds' time is made of, within it
+        top = r["top_non_gemm_ops"]
+        assert top and all(kind != "GEMM" and isinstance(op, str) and op and calls >= 1 and ms > 0
+                           for kind, op, shapes, calls, ms in top), top
+        assert all(ms <= kinds[kind] + 1e-6 for kind, op, shapes, calls, ms in top), (top, kinds)
     decoder = {r["framework"]: r for r in results["decoder"]["rows"]}
     assert set(decoder) == {"hf", "ours"} and not results["decoder"]["errors"], results["decoder"]
     assert all(r["size"] == "dry-decoder" and r["tokens_per_s"] > 0 and r["steps_timed"] == 2 for r in decoder.values())
