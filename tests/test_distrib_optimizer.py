@@ -56,7 +56,7 @@ def _grads(params, step, tp_rank, dp_rank, scale=1.0):
     return out
 
 
-def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_step=None):
+def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_step=None, fused=False):
     import torch.distributed as dist
 
     from lightning_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
@@ -68,7 +68,9 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
     for p, r in zip(model, ref_model):
         r.__dict__.update(p.__dict__)
     mp = dict(model_parallel_group=ps.mp_group, coordinates=ps.coordinates)
-    opt = DistributedOptimizer(torch.optim.AdamW(_groups(model), betas=(0.9, 0.95)), clip_grad=clip_grad,
+    # fused: ZeRO-1 clips and skips on the device, reading it once after the update; the reference (a plain
+    # AdamW) decides on the host.
+    opt = DistributedOptimizer(torch.optim.AdamW(_groups(model), betas=(0.9, 0.95), fused=fused), clip_grad=clip_grad,
                                data_parallel_group=ps.dp_group, grad_scaler=scaler_factory and scaler_factory(),
                                **mp)
     wrapper = FP32Optimizer if dtype == torch.float32 else Float16OptimizerWithFloat16Params
@@ -76,6 +78,7 @@ def _run_parity(ps, dtype, *, clip_grad=0.0, scaler_factory=None, inject_inf_ste
     ref_buffer = GradBuffer(ref_model, bucket_bytes=float("inf"))
     ref = wrapper(torch.optim.AdamW(_groups(ref_model), betas=(0.9, 0.95)), clip_grad=clip_grad,
                   grad_scaler=scaler_factory and scaler_factory(), grad_buffer=ref_buffer, **mp)
+    assert opt.decides_on_device() == fused and not ref.decides_on_device()
     max_diff, norms, skipped = 0.0, [], []
     for step in range(STEPS):
         grads = _grads(model, step, ps.tp_rank, ps.dp_rank, scale=1.0 if scaler_factory is None else 64.0)
@@ -127,7 +130,7 @@ def _memory_check(opt, dtype):
 def _worker(tp: int, check_resume: bool):
     import torch.distributed as dist
 
-    from lightning_megatron.optimizer import DynamicGradScaler
+    from lightning_megatron.optimizer import ConstantGradScaler, DynamicGradScaler
     from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
     from lightning_megatron.parallel_state import initialize_model_parallel
 
@@ -145,6 +148,10 @@ def _worker(tp: int, check_resume: bool):
                     scaler_factory=lambda: DynamicGradScaler(initial_scale=64.0, min_scale=1.0, growth_factor=2.0,
                                                              backoff_factor=0.5, growth_interval=100, hysteresis=1))
     out["fp16"], out["fp16_skipped"] = r["max_diff"], r["skipped"]
+    # the step decided on the device (fused AdamW): clipped every step, an inf on one rank at step 3 skipped
+    r = _run_parity(ps, torch.float32, clip_grad=0.5, inject_inf_step=3, fused=True,
+                    scaler_factory=lambda: ConstantGradScaler(1.0))
+    out["on_device"], out["on_device_skipped"] = r["max_diff"], r["skipped"]
 
     if check_resume:
         # After a few steps: per-param pieces cover every param exactly once over DP and hold its
@@ -178,9 +185,9 @@ def _worker(tp: int, check_resume: bool):
 def test_distributed_optimizer_matches_non_distributed(tp, world):
     results = run_distributed(_worker, world, tp, tp == 1, timeout=120)
     for r in results:
-        for key in ("fp32", "bf16", "clip", "fp16"):
+        for key in ("fp32", "bf16", "clip", "fp16", "on_device"):
             assert r[key] <= 1e-6, (key, r[key])
-        assert r["fp16_skipped"] == [i == 3 for i in range(STEPS)]
+        assert r["fp16_skipped"] == r["on_device_skipped"] == [i == 3 for i in range(STEPS)]
         # every rank reports the same (global) norm
         assert r["fp32_norms"] == results[0]["fp32_norms"]
         # measured bytes/param: 12/d for main + Adam moments (padding < d elements), 4 for the fp32 grads
