@@ -732,8 +732,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
     host = results.get("host", {})
     if host.get("ms"):
         lines += ["", f"- the host's ms per step ({host['layers']} layers at hidden {host['hidden']}, median of "
-                      f"{host['steps']}): " + "; ".join(f"{fw} " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
-                                                       for fw, ms in host["ms"].items())]
+                      f"{host['steps']}; ops: dispatched in one step): "
+                  + "; ".join(f"{fw} " + ", ".join(f"{k} {v:.0f}" if "ops" in k else f"{k} {v:.2f}"
+                                                   for k, v in ms.items()) for fw, ms in host["ms"].items())]
     fit = results.get("fit", {})
     lines += ["", f"- 50-step fit: {fit}"]
     lines += ["", f"Total {results.get('total_s', 0):.0f} s. Targets: bert-large bf16 >= 50% MFU, >= 1.3x HF; the "

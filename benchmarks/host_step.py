@@ -14,7 +14,9 @@ Per step (median over the timed steps, milliseconds), from Lightning's hooks (no
 - ``optimizer``: to the first callback's ``on_train_batch_end`` (the optimizer step: norm, update, copies);
 - ``batch-end callbacks``: to the last callback's ``on_train_batch_end`` (the optimizer callback's logging);
 - ``loop and data``: to the next ``on_train_batch_start`` (Lightning's loop, the next batch);
-- ``step``: ``on_train_batch_start`` to the next one.
+- ``step``: ``on_train_batch_start`` to the next one;
+- ``ops``, ``non-view ops``: the aten ops one step dispatches (counted in the last warm-up step, untimed), so
+  that ``step / ops`` is the host's time per op (on a GPU machine: with its launches).
 
 On a GPU the host time after the step's last read of the device (the optimizer's tail, the batch-end
 callbacks, the loop and the next batch) is time the device waits.
@@ -35,13 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from _common import BertSize  # noqa: E402
 
 HOST = BertSize(name="bert-base-depth", num_layers=12, hidden_size=64, num_attention_heads=2, ffn_hidden_size=256,
                 vocab_size=1024, max_position_embeddings=64)
 SEQ, BATCH, WARMUP = 32, 2, 30
-PHASES = ("forward+backward", "optimizer", "batch-end callbacks", "loop and data", "step")
+PHASES = ("forward+backward", "optimizer", "batch-end callbacks", "loop and data", "step", "ops", "non-view ops")
 
 
 def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), warmup: int = WARMUP
@@ -54,10 +57,15 @@ def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), 
     from bert_step import SyntheticBatches, _hf_module, _ours_module
 
     marks: dict[str, list[float]] = {name: [] for name in ("start", "before_opt", "first_end", "last_end")}
+    counter = _OpCounter()
 
     class First(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == warmup:
+                counter.__exit__(None, None, None)
             marks["start"].append(time.perf_counter())
+            if batch_idx == warmup - 1:
+                counter.__enter__()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             marks["before_opt"].append(time.perf_counter())
@@ -96,7 +104,21 @@ def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), 
     phases = {"forward+backward": [b[i] - s[i] for i in timed], "optimizer": [f[i] - b[i] for i in timed],
               "batch-end callbacks": [e[i] - f[i] for i in timed], "loop and data": [s[i + 1] - e[i] for i in timed],
               "step": [s[i + 1] - s[i] for i in timed]}
-    return {name: statistics.median(values) * 1e3 for name, values in phases.items()}
+    result = {name: statistics.median(values) * 1e3 for name, values in phases.items()}
+    return {**result, "ops": float(counter.ops), "non-view ops": float(counter.ops - counter.views)}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is on (views apart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.views += bool(getattr(func, "is_view", False))
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -116,7 +138,8 @@ def main() -> None:
     print(f"| phase | {' | '.join(frameworks)} |")
     print(f"|---|{'---:|' * len(frameworks)}")
     for phase in PHASES:
-        cells = [", ".join(f"{r[phase]:.2f}" for r in results[fw]) for fw in frameworks]
+        cells = [", ".join(f"{r[phase]:.0f}" if "ops" in phase else f"{r[phase]:.2f}" for r in results[fw])
+                 for fw in frameworks]
         print(f"| {phase} | {' | '.join(cells)} |")
 
 

@@ -62,6 +62,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     host = results["host"]  # the host's share of a step at bert-base's depth: every phase timed, both frameworks
     assert set(host["ms"]) == {"ours", "hf"} and not host["errors"], host
     assert all(0 < ms["forward+backward"] < ms["step"] and ms["optimizer"] > 0 for ms in host["ms"].values()), host
+    assert all(ms["ops"] > ms["non-view ops"] > 100 for ms in host["ms"].values()), host  # one step's aten ops
     fit = results["fit"]
     assert fit["returncode"] == 0 and fit["logged_steps"] >= 1 and fit["checkpoint_saved"], fit
     assert (out / "summary.md").read_text().startswith("### GPU check")
