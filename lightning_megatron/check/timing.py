@@ -285,9 +285,9 @@ def elementwise_bytes(m: StepCost, layout: ParallelDims, fw: Framework) -> float
     A decoder's layer (a :class:`TransformerCost`) counts what its own ops move, forward and backward, as a
     third of the sum (the caller's 3 passes): a gated MLP's ``act(gate) * up``
     (:func:`~lightning_megatron.transformer.utils.gated_activation`) 5 f forward and 11 f backward (``act(gate)``
-    computed again) instead of bias-GeLU's f; rotary embeddings (``position_embedding_type: rope``) 7 elements of each query and
-    key forward and 7 backward, ``14 (a + g) d / t``. ``tests/test_estimate.py`` checks both against the bytes
-    their ops read and write at dispatch."""
+    computed again) instead of bias-GeLU's f; rotary embeddings (``position_embedding_type: rope``) 7 elements
+    of each query and key forward and 7 backward, ``14 (a + g) d / t``. ``tests/test_estimate.py`` checks both
+    against the bytes their ops read and write at dispatch."""
     e, h, f, a, s = m.param_bytes, m.hidden_size, m.ffn, m.num_attention_heads, m.seq_length
     t = layout.tp
     ts = t if layout.sequence_parallel else 1
