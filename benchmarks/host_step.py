@@ -49,8 +49,8 @@ PHASES = ("forward+backward", "optimizer", "batch-end callbacks", "loop and data
 
 def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), warmup: int = WARMUP
         ) -> dict[str, float]:
-    """Median milliseconds per phase of ``steps`` timed steps (after ``warmup``) of ``framework`` ("ours" or
-    "hf") on ``device`` (a GPU: the host's step with its launches and its reads of the device; the GPU check's
+    """Median milliseconds per phase of ``steps`` timed steps (after ``warmup``) of ``framework`` ("ours", "ours-zero1":
+    the same with the ZeRO-1 wrapper, at one rank a flat step over the buffer's runs, or "hf") on ``device`` (a GPU: the host's step with its launches and its reads of the device; the GPU check's
     ``host`` part)."""
     import lightning.pytorch as pl
 
@@ -78,7 +78,7 @@ def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), 
             marks["last_end"].append(time.perf_counter())
 
     total = warmup + steps + 1
-    if framework == "ours":
+    if framework in ("ours", "ours-zero1"):
         from lightning_megatron.callbacks import MegatronOptimizerCallback
         from lightning_megatron.optimizer import OptimizerConfig
         from lightning_megatron.strategy import MegatronStrategy
@@ -86,7 +86,8 @@ def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), 
         module = _ours_module(HOST, bf16=True)
         strategy: Any = MegatronStrategy(micro_batch_size=BATCH)  # the library's default path: no CPU tuning
         precision = "bf16-true"
-        callbacks: list[Any] = [First(), MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0)), Last()]
+        callbacks: list[Any] = [First(), MegatronOptimizerCallback(OptimizerConfig(
+            clip_grad=0.0, use_distributed_optimizer=framework == "ours-zero1")), Last()]
     else:
         module, strategy, precision = _hf_module(HOST, SEQ), "auto", "bf16-mixed"
         callbacks = [First(), Last()]
@@ -125,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each framework")
     parser.add_argument("--steps", type=int, default=150, help="timed steps per run (after 30 warm-up steps)")
-    parser.add_argument("--frameworks", default="ours,hf")
+    parser.add_argument("--frameworks", default="ours,hf", help="of ours, ours-zero1 (the ZeRO-1 wrapper), hf")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a GPU step's host work is one thread
     frameworks = args.frameworks.split(",")

@@ -221,10 +221,34 @@ class GradBuffer:
         self._removed = False
         self._gathers: list[Bucket] = []  # buckets whose parameter all-gather is in flight, in launch order
         self._gather_view: torch.Tensor | None = None
+        self._gathered_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}  # _gathered_params
         self.param_gather_seconds = 0.0
         """Seconds blocked in the last parameter all-gather (launches, waits and copies into the params)."""
 
     # -- layout ----------------------------------------------------------------------------------
+    def order_within_buckets(self, key: Callable[[nn.Parameter], int]) -> None:
+        """Lay each bucket's parameters out by ``key`` (a stable sort: an optimizer's group index), so that a flat
+        step over the buffer (the DistributedOptimizer's) meets one run of consecutive elements per group and
+        bucket, instead of one per alternation of the groups in model order (bert-base's weights and biases:
+        ~100 runs, each a tensor of the inner optimizer's step). Which parameters a bucket holds, its bounds and
+        its padding are unchanged, so is when its reduction starts (when all its parameters are final); every
+        ``main_grad`` is made anew. Before the first step only: refused once the buffer holds values (a step's grads,
+        or ZeRO-1's gathered parameters)."""
+        if (self._active or self._reduced or self._counts or self._gathers
+                or any(b.handle is not None for b in self.buckets) or bool(self.data.any())):
+            raise RuntimeError("GradBuffer.order_within_buckets: the buffer holds a step's gradients; order it "
+                               "before the first step")
+        for bucket in self.buckets:
+            bucket.params.sort(key=key)  # stable: model order within a group
+            offset = bucket.start
+            for p in bucket.params:
+                self.offsets[id(p)] = offset
+                offset += p.numel()
+        self.params.sort(key=lambda p: self.offsets[id(p)])
+        for p in self.params:
+            p.main_grad = self.main_grad_view(p)
+        self._gathered_views.clear()
+
     def main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """``p``'s fp32 main grad (a view of the buffer), ``None`` when ``p`` is not in this buffer."""
         return self.main_grad_view(p) if id(p) in self.offsets else None
@@ -444,14 +468,23 @@ class GradBuffer:
             if b.gather is not None:
                 b.gather.wait()  # bounded by the DP group's timeout
                 b.gather = None
-            for p in b.params:
-                o = self.offsets[id(p)]
-                p.data.copy_(view[o: o + p.numel()].view_as(p))
+            with torch.no_grad():  # also from a forward pre-hook
+                torch._foreach_copy_(b.params, self._gathered_params(b, view))
             if b is bucket:
                 break
         if not self._gathers:
             self._gather_view = None
         self.param_gather_seconds += time.perf_counter() - t0
+
+    def _gathered_params(self, bucket: Bucket, view: torch.Tensor) -> list[torch.Tensor]:
+        """``bucket``'s parameters in ``view`` (the gather's memory in their dtype), as views of their shapes. The
+        same memory every step: made once per (memory, dtype), not a slice and a view per parameter each step."""
+        key = (bucket.index, view.data_ptr(), view.dtype)
+        views = self._gathered_views.get(key)
+        if views is None:
+            views = [view[self.offsets[id(p)]: self.offsets[id(p)] + p.numel()].view_as(p) for p in bucket.params]
+            self._gathered_views[key] = views
+        return views
 
     def add_param_gather_hooks(self, chunks: Sequence[nn.Module]) -> None:
         """A forward pre-hook on every module of ``chunks`` that owns params of this buffer: it waits

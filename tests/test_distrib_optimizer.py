@@ -221,3 +221,43 @@ def test_the_buffer_mode_is_switched_by_declared_methods_only():
         assert name not in vars(GradBuffer)
     for name in ("layout", "_all_segments"):
         assert name not in vars(DistributedOptimizer)
+
+
+def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucket():
+    """The strategy's buffer is laid out in reverse model order, where the weight-decay groups alternate (a layer's
+    weight, its bias, a norm's weight...). The ZeRO-1 step over it holds one flat main param per run of one group
+    inside a bucket: it must meet one run per group and bucket (its inner optimizer then steps a few tensors, not
+    one per parameter), and its updates equal a plain AdamW's over each parameter, the same groups."""
+    from lightning_megatron.grads import GradBuffer, buffer_order
+    from lightning_megatron.optimizer import DistributedOptimizer, get_param_groups
+    from lightning_megatron.tensor_parallel import mark_replicated
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[layer for _ in range(6) for layer in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))])
+    mark_replicated(list(model.parameters()))  # plain layers, as the strategy declares them at set-up
+    reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_of = {id(p): r for p, r in zip(model.parameters(), reference)}
+    bucket_bytes = 4 * 3 * (16 * 16 + 3 * 16)  # three layers a bucket: two buckets
+    buffer = GradBuffer(buffer_order([model]), bucket_bytes=bucket_bytes)
+    groups = get_param_groups(model, lr=1e-2, weight_decay=0.1)
+    assert [len(g["params"]) for g in groups] == [6, 18]
+    ref_groups = [{**g, "params": [ref_of[id(p)] for p in g["params"]]} for g in groups]
+    opt = DistributedOptimizer(torch.optim.AdamW(groups, betas=(0.9, 0.95)), data_parallel_group=None,
+                               clip_grad=1.0, grad_buffer=buffer)
+    ref = torch.optim.AdamW(ref_groups, betas=(0.9, 0.95))
+    assert len(buffer.buckets) == 2
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]  # was 6 and 6: a run per alternation
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
+        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]).double()).item()
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+            ref_of[id(p)].grad = g * min(1.0, 1.0 / (norm + 1e-6))
+        opt.step()
+        ref.step()
+        assert abs(opt.last_grad_norm - norm) <= 1e-6 * norm
+        for p in model.parameters():
+            torch.testing.assert_close(p.detach(), ref_of[id(p)].detach(), rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match="before the first step"):
+        buffer.order_within_buckets(lambda p: 0)

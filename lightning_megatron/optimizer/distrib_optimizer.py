@@ -126,6 +126,8 @@ class DistributedOptimizer(MegatronOptimizer):
             raise ValueError(f"DistributedOptimizer: buckets {uneven} of the grad buffer are not padded to a multiple "
                              f"of their DP size; build the GradBuffer with pad_to={self.dp_size}")
         self.buffer = grad_buffer
+        group_of = {id(p): k for k, params in enumerate(self.model_groups) for p in params}
+        grad_buffer.order_within_buckets(lambda p: group_of[id(p)])  # one flat main param per group and bucket
         grad_buffer.use_reduce_scatter()
         dtypes = {p.dtype for p in mine}
         self._gather_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes != {torch.float32} else torch.float32
@@ -141,7 +143,6 @@ class DistributedOptimizer(MegatronOptimizer):
             lo, hi = grad_buffer.shard(bucket)
             self._pieces.append((pos, lo, hi))
             pos += hi - lo
-        group_of = {id(p): k for k, params in enumerate(self.model_groups) for p in params}
         # Per param piece here: (param, start, end in the param's flat numbering, main pos, buffer pos).
         segments: list[tuple[torch.nn.Parameter, int, int, int, int]] = []
         for (base, lo, hi), bucket in zip(self._pieces, grad_buffer.buckets):
