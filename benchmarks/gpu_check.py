@@ -42,9 +42,10 @@ What it runs, each part time-boxed and recorded even when another part fails:
    against ``t * cos + rotate_half(t) * sin`` through autograd on the decoder's query: milliseconds, how far
    they differ;
 6e. ``host``: the host's share of a step (``host_step.py``): bert-base's depth and modules at hidden 64, where
-   the arithmetic is negligible, ours against Hugging Face on this machine's host with its launches, ms per
-   phase (forward + backward, the optimizer step, batch-end callbacks, Lightning's loop and the next batch):
-   the floor under a host-bound BERT step;
+   the arithmetic is negligible, ours (and ours with the ZeRO-1 wrapper at one rank: the flat optimizer step)
+   against Hugging Face on this machine's host with its launches, ms per phase (forward + backward, the
+   optimizer step, batch-end callbacks, Lightning's loop and the next batch): the floor under a host-bound
+   BERT step;
 7. ``fit``: a 50-step ``lightning-megatron fit --config recipes/bert_base.yaml`` on one GPU (TP=1,
    PP=1; CSV logger only), exit code, the logged losses and throughput.
 
@@ -326,7 +327,7 @@ def part_host(device: torch.device, dry: bool) -> dict[str, Any]:
     steps, warmup = (3, 2) if dry else (100, 30)
     result: dict[str, Any] = {"layers": HOST.num_layers, "hidden": HOST.hidden_size, "seq": SEQ, "steps": steps,
                               "ms": {}, "errors": []}
-    for fw in ("ours", "hf"):
+    for fw in ("ours", "ours-zero1", "hf"):  # ours-zero1: the flat optimizer step (one rank)
         _log(f"host {fw}")
         try:
             result["ms"][fw] = host_run(fw, steps, device, warmup)
