@@ -49,9 +49,10 @@ PHASES = ("forward+backward", "optimizer", "batch-end callbacks", "loop and data
 
 def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), warmup: int = WARMUP
         ) -> dict[str, float]:
-    """Median milliseconds per phase of ``steps`` timed steps (after ``warmup``) of ``framework`` ("ours", "ours-zero1":
-    the same with the ZeRO-1 wrapper, at one rank a flat step over the buffer's runs, or "hf") on ``device`` (a GPU: the host's step with its launches and its reads of the device; the GPU check's
-    ``host`` part)."""
+    """Median milliseconds per phase of ``steps`` timed steps (after ``warmup``) of ``framework`` ("ours";
+    "ours-zero1": the same with the ZeRO-1 wrapper, at one rank a flat step over the buffer's runs; "hf") on
+    ``device`` (a GPU: the host's step with its launches and its reads of the device; the GPU check's ``host``
+    part)."""
     import lightning.pytorch as pl
 
     from bert_step import SyntheticBatches, _hf_module, _ours_module

@@ -233,7 +233,8 @@ def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucke
     from lightning_megatron.tensor_parallel import mark_replicated
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[layer for _ in range(6) for layer in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))])
+    layers = [layer for _ in range(6) for layer in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))]
+    model = torch.nn.Sequential(*layers)
     mark_replicated(list(model.parameters()))  # plain layers, as the strategy declares them at set-up
     reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
     ref_of = {id(p): r for p, r in zip(model.parameters(), reference)}
