@@ -330,9 +330,10 @@ def main() -> None:
     # embedding's [30592, 768] gradient was zero-filled in 90-127 ms and summed with the output layer's in
     # 105-153 ms (0.9 and 2.6 ms in a profiled step without faults; unprofiled steps fault a few times): the
     # table then charges the kernel's page zeroing to the ops that first touch the memory. Headroom touched and
-    # freed first (the CPU tuning's allocator setting keeps freed memory in the process) avoided it in half of
-    # the runs tried; profiling again made it worse (the first profile's records stay). The faults are printed.
-    headroom = torch.ones(128 * 2**20)  # 512 MiB
+    # freed first stays resident at the top of the heap (the CPU tuning's allocator setting); 512 MiB or 1 GiB
+    # left some runs faulting (fp32, llama-tiny), 2 GiB is past that setting's trim threshold (2 GiB - 1: the
+    # freed top is given back at once); 1.75 GiB left 38-45 faults in every run tried. The faults are printed.
+    headroom = torch.ones(448 * 2**20)  # 1.75 GiB
     del headroom
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
