@@ -21,7 +21,8 @@ Lifecycle of one training step (the strategy drives it)::
   reduce-scatter when a DistributedOptimizer shards the buffer) as soon as all its parameters are
   final, while backward goes on through the earlier layers. Buckets are started in order on every
   rank (a bucket waits for the ones before it), so all DP ranks issue the same collectives in the
-  same order. Parameters are laid out in reverse model order, so buckets become final in order.
+  same order. Parameters are laid out in reverse model order, so buckets become final in order (within
+  a bucket a DistributedOptimizer orders them by its parameter groups: :meth:`GradBuffer.order_within_buckets`).
 - :func:`finalize_model_grads` starts what is left, waits for every bucket, divides by the DP size
   (the mean), then sums the sequence-parallel grads over TP and the tied word embedding over the
   first and last pipeline stage. Overlap on or off runs the same collectives on the same bytes:
@@ -236,8 +237,8 @@ class GradBuffer:
         or ZeRO-1's gathered parameters)."""
         if (self._active or self._reduced or self._counts or self._gathers
                 or any(b.handle is not None for b in self.buckets) or bool(self.data.any())):
-            raise RuntimeError("GradBuffer.order_within_buckets: the buffer holds a step's gradients; order it "
-                               "before the first step")
+            raise RuntimeError("GradBuffer.order_within_buckets: the buffer is in use (a step's gradients or gathered "
+                               "parameters); order it before the first step")
         for bucket in self.buckets:
             bucket.params.sort(key=key)  # stable: model order within a group
             offset = bucket.start
