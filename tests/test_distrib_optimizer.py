@@ -223,42 +223,49 @@ def test_the_buffer_mode_is_switched_by_declared_methods_only():
         assert name not in vars(DistributedOptimizer)
 
 
-def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucket():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucket(dtype):
     """The strategy's buffer is laid out in reverse model order, where the weight-decay groups alternate (a layer's
     weight, its bias, a norm's weight...). The ZeRO-1 step over it holds one flat main param per run of one group
     inside a bucket: it must meet one run per group and bucket (its inner optimizer then steps a few tensors, not
-    one per parameter), and its updates equal a plain AdamW's over each parameter, the same groups."""
+    one per parameter), and its updates equal a plain AdamW's over each parameter, the same groups: fp32 clipped
+    (the norm summed in another order: within 1e-6), bf16 unclipped, where the model params must be the
+    reference's fp32 params rounded, bit for bit (at one rank they are copied from the main params directly)."""
     from lightning_megatron.grads import GradBuffer, buffer_order
     from lightning_megatron.optimizer import DistributedOptimizer, get_param_groups
     from lightning_megatron.tensor_parallel import mark_replicated
 
     torch.manual_seed(0)
     layers = [layer for _ in range(6) for layer in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))]
-    model = torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers).to(dtype)
     mark_replicated(list(model.parameters()))  # plain layers, as the strategy declares them at set-up
-    reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref_of = {id(p): r for p, r in zip(model.parameters(), reference)}
     bucket_bytes = 4 * 3 * (16 * 16 + 3 * 16)  # three layers a bucket: two buckets
     buffer = GradBuffer(buffer_order([model]), bucket_bytes=bucket_bytes)
     groups = get_param_groups(model, lr=1e-2, weight_decay=0.1)
     assert [len(g["params"]) for g in groups] == [6, 18]
     ref_groups = [{**g, "params": [ref_of[id(p)] for p in g["params"]]} for g in groups]
+    clip = 1.0 if dtype == torch.float32 else 0.0
     opt = DistributedOptimizer(torch.optim.AdamW(groups, betas=(0.9, 0.95)), data_parallel_group=None,
-                               clip_grad=1.0, grad_buffer=buffer)
+                               clip_grad=clip, grad_buffer=buffer)
     ref = torch.optim.AdamW(ref_groups, betas=(0.9, 0.95))
     assert len(buffer.buckets) == 2
     assert [len(g["params"]) for g in opt.param_groups] == [2, 2]  # was 6 and 6: a run per alternation
     for step in range(4):
         gen = torch.Generator().manual_seed(step)
-        grads = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
+        grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in model.parameters()]
         norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]).double()).item()
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
-            ref_of[id(p)].grad = g * min(1.0, 1.0 / (norm + 1e-6))
+            ref_of[id(p)].grad = g.float() * (min(1.0, clip / (norm + 1e-6)) if clip else 1.0)
         opt.step()
         ref.step()
         assert abs(opt.last_grad_norm - norm) <= 1e-6 * norm
         for p in model.parameters():
-            torch.testing.assert_close(p.detach(), ref_of[id(p)].detach(), rtol=0, atol=1e-6)
+            if dtype == torch.float32:
+                torch.testing.assert_close(p.detach(), ref_of[id(p)].detach(), rtol=0, atol=1e-6)
+            else:
+                assert torch.equal(p.detach(), ref_of[id(p)].detach().to(dtype))
     with pytest.raises(RuntimeError, match="before the first step"):
         buffer.order_within_buckets(lambda p: 0)

@@ -28,7 +28,8 @@ One step (``step(closure)``), Megatron's order, on every DP rank:
 5. ``all_gather`` per bucket (into the grad buffer, free by now; in the params' 16-bit dtype when
    they all have one) and copy into the model params (one rounding per step for bf16/fp16):
    :meth:`GradBuffer.start_param_gather`, asynchronous and waited for by the next forward with the
-   buffer's ``overlap_param_gather`` (the strategy's option of that name).
+   buffer's ``overlap_param_gather`` (the strategy's option of that name). With one data-parallel rank
+   for every bucket there is nothing to gather: the main params are copied into the model params directly.
 
 Memory per parameter and rank (persistent, ``d`` = DP size), Adam: model params ``m`` bytes (2 for
 bf16/fp16, 4 for fp32) + fp32 grad buffer 4 + fp32 main shard ``4/d`` + two fp32 moments ``8/d``::
@@ -176,6 +177,13 @@ class DistributedOptimizer(MegatronOptimizer):
             self.main_params.extend(mains)
             group["params"] = mains
         self._grads_ready = False
+        # One data-parallel rank for every bucket (DP size 1, or data parallelism off): the model params and their
+        # main params as views of the shard, copied straight into the params after the step (the gather through
+        # the grad buffer's memory would copy every element twice).
+        self._unsharded_mains: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        if all(b.size == 1 for b in grad_buffer.buckets):
+            self._unsharded_mains = ([p for p, *_ in segments],
+                                     [self.main_shard[s: s + hi - lo].view_as(p) for p, lo, hi, s, _ in segments])
         self._norm_pieces_made: list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]] | None = None
 
     # -- step pieces ---------------------------------------------------------------------------
@@ -269,6 +277,10 @@ class DistributedOptimizer(MegatronOptimizer):
         return zeros
 
     def _copy_main_params_to_model_params(self) -> None:
+        if self._unsharded_mains is not None:  # no bucket is sharded: every main param is here, nothing to gather
+            self.buffer.mark_consumed()
+            torch._foreach_copy_(self._unsharded_mains[0], self._unsharded_mains[1])  # round to nearest, once
+            return
         # The grads are consumed: the grad buffer's memory is the gather target. When every model
         # param has one 16-bit dtype, the shard is rounded to it first and gathered in it (half the
         # bytes of fp32, as Megatron gathers its bf16 param buffer); rounding each element before or
