@@ -224,13 +224,14 @@ def test_the_buffer_mode_is_switched_by_declared_methods_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucket(dtype):
+def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucket(dtype, monkeypatch):
     """The strategy's buffer is laid out in reverse model order, where the weight-decay groups alternate (a layer's
     weight, its bias, a norm's weight...). The ZeRO-1 step over it holds one flat main param per run of one group
     inside a bucket: it must meet one run per group and bucket (its inner optimizer then steps a few tensors, not
     one per parameter), and its updates equal a plain AdamW's over each parameter, the same groups: fp32 clipped
     (the norm summed in another order: within 1e-6), bf16 unclipped, where the model params must be the
-    reference's fp32 params rounded, bit for bit (at one rank they are copied from the main params directly)."""
+    reference's fp32 params rounded, bit for bit (at one rank they are copied from the main params directly).
+    The norm squares runs of adjacent gradients, not a tensor per parameter."""
     from lightning_megatron.grads import GradBuffer, buffer_order
     from lightning_megatron.optimizer import DistributedOptimizer, get_param_groups
     from lightning_megatron.tensor_parallel import mark_replicated
@@ -252,6 +253,10 @@ def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucke
     ref = torch.optim.AdamW(ref_groups, betas=(0.9, 0.95))
     assert len(buffer.buckets) == 2
     assert [len(g["params"]) for g in opt.param_groups] == [2, 2]  # was 6 and 6: a run per alternation
+    normed: list[int] = []
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, *a, **k: normed.append(len(tensors))
+                        or foreach_norm(tensors, *a, **k))
     for step in range(4):
         gen = torch.Generator().manual_seed(step)
         grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in model.parameters()]
@@ -267,5 +272,6 @@ def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucke
                 torch.testing.assert_close(p.detach(), ref_of[id(p)].detach(), rtol=0, atol=1e-6)
             else:
                 assert torch.equal(p.detach(), ref_of[id(p)].detach().to(dtype))
+    assert normed == [1] * 4  # every gradient counted, the two buckets adjacent: one run (was 24, one a parameter)
     with pytest.raises(RuntimeError, match="before the first step"):
         buffer.order_within_buckets(lambda p: 0)

@@ -228,22 +228,29 @@ class DistributedOptimizer(MegatronOptimizer):
         return [(False, [seg for seg, e in zip(self._segments, expert) if not e]),
                 (True, [seg for seg, e in zip(self._segments, expert) if e])]
 
-    def _segment_grad(self, seg: tuple[torch.nn.Parameter, int, int, int, int]) -> torch.Tensor:
-        p, lo, hi, _, g = seg
-        return self.buffer.data[g: g + hi - lo]
-
     def _norm_pieces(self) -> list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]]:
         """``(experts, counted, checked only)`` per family of the norm: the pieces of the grad shard this rank counts
-        (duplicates once, see clip_grads) and the ones it only checks. Views of the buffer by the parameters'
-        records, neither of which changes between steps: made once, not every step."""
+        (duplicates once, see clip_grads) and the ones it only checks, each a view of the buffer over a run of
+        adjacent segments (a few tensors, not one per parameter: the norm's per-tensor host work). The
+        parameters' records and the layout do not change between steps: made once, not every step."""
         if self._norm_pieces_made is None:
             self._norm_pieces_made = []
             for experts, segments in self._segment_families():
                 counted = [is_counted(seg[0], self.coordinates) for seg in segments]
                 self._norm_pieces_made.append(
-                    (experts, [self._segment_grad(seg) for seg, c in zip(segments, counted) if c],
-                     [self._segment_grad(seg) for seg, c in zip(segments, counted) if not c]))
+                    (experts, self._buffer_runs([seg for seg, c in zip(segments, counted) if c]),
+                     self._buffer_runs([seg for seg, c in zip(segments, counted) if not c])))
         return self._norm_pieces_made
+
+    def _buffer_runs(self, segments: list[tuple[torch.nn.Parameter, int, int, int, int]]) -> list[torch.Tensor]:
+        """The grads of ``segments`` as views of the buffer, adjacent ones merged into one."""
+        runs: list[tuple[int, int]] = []  # (buffer position, elements)
+        for g, n in sorted((g, hi - lo) for _, lo, hi, _, g in segments):
+            if runs and sum(runs[-1]) == g:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((g, n))
+        return [self.buffer.data[g: g + n] for g, n in runs]
 
     def _norm_totals(self) -> torch.Tensor:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as clip_grads), the rest
