@@ -250,6 +250,18 @@ class GradBuffer:
             p.main_grad = self.main_grad_view(p)
         self._gathered_views.clear()
 
+    def runs_of(self, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``views`` (contiguous views of this buffer, none overlapping) as views of its data, the adjacent ones
+        merged into one: the same elements in fewer tensors."""
+        base = self.data.storage_offset()
+        runs: list[list[int]] = []  # [start, elements]
+        for start, n in sorted((v.storage_offset() - base, v.numel()) for v in views):
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1][1] += n
+            else:
+                runs.append([start, n])
+        return [self.data[start: start + n] for start, n in runs]
+
     def main_grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """``p``'s fp32 main grad (a view of the buffer), ``None`` when ``p`` is not in this buffer."""
         return self.main_grad_view(p) if id(p) in self.offsets else None

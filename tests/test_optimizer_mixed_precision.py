@@ -354,7 +354,8 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
     between steps, so a step after the first looks up neither (a ``param_facts`` record costs a dict and a
     dataclass per parameter; a main grad a slice and a view). Its norm, skip and update are still the step's
     own: the norm equals the one over the public ``grads_for_norm`` of this step's gradients, the duplicate
-    is checked (an inf in it skips the step) and not counted."""
+    is checked (an inf in it skips the step) and not counted. The norm squares runs of gradients adjacent in the
+    buffer, not a tensor per parameter."""
     from lightning_megatron.grads import GradBuffer
     from lightning_megatron.optimizer import DistributedOptimizer
     from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
@@ -390,6 +391,10 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
 
     monkeypatch.setattr(facts_module, "_stored", counting_stored)
     monkeypatch.setattr(GradBuffer, "main_grad_view", counting_view)
+    normed: list[int] = []  # tensors handed to the fused fp64 norm, a call each
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, *a, **k: normed.append(len(tensors))
+                        or foreach_norm(tensors, *a, **k))
 
     def step(i: int, bad: bool = False) -> None:
         opt.zero_grad()
@@ -403,12 +408,15 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
         counted = [buffer.main_grad_of(p) for p in (weight, bias)]
         expected = float(sum_of_squares_fp64(counted, torch.device("cpu"))) ** 0.5
         lookups.update(facts=0, views=0)
+        normed.clear()
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
         if i == 0:  # the first step looks them up, once (ZeRO-1's pieces are slices of the buffer's data)
             assert lookups["facts"] > 0 and (lookups["views"] > 0 or wrapper.startswith("zero1"))
         else:
             assert lookups == {"facts": 0, "views": 0}, lookups
+            # the counted weight and bias lie side by side in the buffer: one run, not a tensor each
+            assert normed == [1], normed
         if bad:
             assert opt.last_step_skipped and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         else:

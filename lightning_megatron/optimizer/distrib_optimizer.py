@@ -238,19 +238,13 @@ class DistributedOptimizer(MegatronOptimizer):
             for experts, segments in self._segment_families():
                 counted = [is_counted(seg[0], self.coordinates) for seg in segments]
                 self._norm_pieces_made.append(
-                    (experts, self._buffer_runs([seg for seg, c in zip(segments, counted) if c]),
-                     self._buffer_runs([seg for seg, c in zip(segments, counted) if not c])))
+                    (experts, self._segment_grads([seg for seg, c in zip(segments, counted) if c]),
+                     self._segment_grads([seg for seg, c in zip(segments, counted) if not c])))
         return self._norm_pieces_made
 
-    def _buffer_runs(self, segments: list[tuple[torch.nn.Parameter, int, int, int, int]]) -> list[torch.Tensor]:
-        """The grads of ``segments`` as views of the buffer, adjacent ones merged into one."""
-        runs: list[tuple[int, int]] = []  # (buffer position, elements)
-        for g, n in sorted((g, hi - lo) for _, lo, hi, _, g in segments):
-            if runs and sum(runs[-1]) == g:
-                runs[-1] = (runs[-1][0], runs[-1][1] + n)
-            else:
-                runs.append((g, n))
-        return [self.buffer.data[g: g + n] for g, n in runs]
+    def _segment_grads(self, segments: list[tuple[torch.nn.Parameter, int, int, int, int]]) -> list[torch.Tensor]:
+        """The grads of ``segments``: views of the buffer, the adjacent ones merged (:meth:`GradBuffer.runs_of`)."""
+        return self.buffer.runs_of([self.buffer.data[g: g + hi - lo] for _, lo, hi, _, g in segments])
 
     def _norm_totals(self) -> torch.Tensor:
         # One pass over the shard: counted pieces give the norm (fp64 sum of squares, as clip_grads), the rest

@@ -122,6 +122,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """The strategy's GradBuffer whose ``main_grad`` views hold the grads (None: ``.grad``)."""
         self._main_grad_views: dict[int, torch.Tensor] | None = None  # id(param) -> its main grad: _main_grad_of
         self._norm_plan_for: tuple[tuple[int, ...], list[_NormFamily]] | None = None  # (param ids, plan): _norm_plan
+        self._norm_runs_for: tuple[list[_NormFamily], list[_NormFamily]] | None = None  # (plan, runs): _norm_grads
         if grad_scaler is not None and params:
             grad_scaler.to(params[0].device)  # the scale lives next to the grads
         self.last_grad_norm: float | None = None
@@ -323,14 +324,34 @@ class MegatronOptimizer(torch.optim.Optimizer):
         gradient is."""
         piece = None if self._grad_buffer is None else self._grad_buffer.norm_piece
         totals = None
-        for counted_params, other_params, group in self._norm_plan(self.get_parameters()):
-            counted = [p.grad for p in counted_params if p.grad is not None]
-            ids = {id(g) for g in counted}
-            others = [p.grad for p in other_params if p.grad is not None and id(p.grad) not in ids]
+        for counted, others, group in self._norm_grads():
             part = grad_norm_squares(counted, others, group, piece=piece)
             totals = part if totals is None else totals + part
         assert totals is not None
         return totals
+
+    def _norm_grads(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor], Group]]:
+        """``(counted, checked only, group)``: this step's gradients by family of :meth:`_norm_plan`. When every one
+        is a view of the grad buffer (the strategy's step: each parameter's main grad, the same view every step),
+        the views adjacent in the buffer are merged into runs, found once: the norm then squares a few tensors,
+        not one per parameter, and no list is built per step."""
+        plan = self._norm_plan(self.get_parameters())
+        if self._norm_runs_for is not None and self._norm_runs_for[0] is plan:
+            return self._norm_runs_for[1]
+        grads = []
+        for counted_params, other_params, group in plan:
+            counted = [p.grad for p in counted_params if p.grad is not None]
+            ids = {id(g) for g in counted}
+            others = [p.grad for p in other_params if p.grad is not None and id(p.grad) not in ids]
+            grads.append((counted, others, group))
+        buffer = self._grad_buffer
+        every = [p for params, others, _ in plan for p in params + others]
+        if buffer is None or not all(p.grad is not None and buffer.holds(p.grad) and p.grad.is_contiguous()
+                                     for p in every):
+            return grads
+        runs = [(buffer.runs_of(counted), buffer.runs_of(others), group) for counted, others, group in grads]
+        self._norm_runs_for = (plan, runs)
+        return runs
 
     def _norm_plan(self, params: list[torch.Tensor]) -> list[_NormFamily]:
         """``(counted, checked only, group)`` per family of the norm (:meth:`_norm_families`): the parameters whose
