@@ -354,8 +354,8 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
     between steps, so a step after the first looks up neither (a ``param_facts`` record costs a dict and a
     dataclass per parameter; a main grad a slice and a view). Its norm, skip and update are still the step's
     own: the norm equals the one over the public ``grads_for_norm`` of this step's gradients, the duplicate
-    is checked (an inf in it skips the step) and not counted. The norm squares runs of gradients adjacent in the
-    buffer, not a tensor per parameter."""
+    is checked (an inf in it skips the step) and not counted. The norm squares, and the clipping scales, runs of
+    gradients adjacent in the buffer, not a tensor per parameter."""
     from lightning_megatron.grads import GradBuffer
     from lightning_megatron.optimizer import DistributedOptimizer
     from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
@@ -373,10 +373,11 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     if wrapper == "zero1-bf16":  # one data-parallel rank: the whole shard
         opt = DistributedOptimizer(inner, grad_scaler=ConstantGradScaler(1.0), coordinates={"tp": 1},
-                                   grad_buffer=buffer, data_parallel_group=None)
+                                   grad_buffer=buffer, data_parallel_group=None, clip_grad=1e-3)
     else:
         cls = FP32Optimizer if wrapper == "fp32" else Float16OptimizerWithFloat16Params
-        opt = cls(inner, grad_scaler=ConstantGradScaler(1.0), coordinates={"tp": 1}, grad_buffer=buffer)
+        opt = cls(inner, grad_scaler=ConstantGradScaler(1.0), coordinates={"tp": 1}, grad_buffer=buffer,
+                  clip_grad=1e-3)  # clipped every step
 
     lookups = {"facts": 0, "views": 0}
     stored, view = facts_module._stored, GradBuffer.main_grad_view
@@ -395,6 +396,10 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
     foreach_norm = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, *a, **k: normed.append(len(tensors))
                         or foreach_norm(tensors, *a, **k))
+    scaled: list[int] = []  # tensors handed to a foreach product: the clipping's (no unscaling at a scale of 1)
+    foreach_mul_ = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda tensors, *a, **k: scaled.append(len(tensors))
+                        or foreach_mul_(tensors, *a, **k))
 
     def step(i: int, bad: bool = False) -> None:
         opt.zero_grad()
@@ -409,14 +414,16 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
         expected = float(sum_of_squares_fp64(counted, torch.device("cpu"))) ** 0.5
         lookups.update(facts=0, views=0)
         normed.clear()
+        scaled.clear()
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
         if i == 0:  # the first step looks them up, once (ZeRO-1's pieces are slices of the buffer's data)
             assert lookups["facts"] > 0 and (lookups["views"] > 0 or wrapper.startswith("zero1"))
         else:
             assert lookups == {"facts": 0, "views": 0}, lookups
-            # the counted weight and bias lie side by side in the buffer: one run, not a tensor each
-            assert normed == [1], normed
+            # the counted weight and bias lie side by side in the buffer: one run, not a tensor each; the clipping
+            # scales every gradient: one run too (by 1 on the NaN step, decided on the device)
+            assert normed == [1] and scaled == [1], (normed, scaled)
         if bad:
             assert opt.last_step_skipped and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         else:

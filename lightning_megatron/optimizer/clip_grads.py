@@ -204,20 +204,19 @@ def grad_norm_squares(
     return total
 
 
-def clip_grads_by_squares(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                          squares: torch.Tensor, skip: torch.Tensor) -> None:
-    """:func:`clip_grad_by_total_norm_fp32` with the norm's square ``squares`` (an fp64 device tensor) read on
-    the device: the same coefficient ``max_norm / (sqrt(squares) + 1e-6)`` in fp64, rounded to the grads'
-    fp32 as a host number would be, where it is < 1 (elsewhere a product by 1, exact); by 1 where ``skip``
-    (a non-finite norm: the step is skipped, and the gradients stay as they are for the error to name)."""
+def clip_grads_by_squares(grads: list[torch.Tensor], max_norm: float, squares: torch.Tensor,
+                          skip: torch.Tensor) -> None:
+    """:func:`clip_grad_by_total_norm_fp32` on ``grads`` with the norm's square ``squares`` (an fp64 device
+    tensor) read on the device: the same coefficient ``max_norm / (sqrt(squares) + 1e-6)`` in fp64, rounded to
+    the grads' fp32 as a host number would be, where it is < 1 (elsewhere a product by 1, exact); by 1 where
+    ``skip`` (a non-finite norm: the step is skipped, and the gradients stay as they are for the error to name)."""
     coeff = max_norm / (squares.sqrt() + 1.0e-6)
     coeff = torch.where(skip | (coeff >= 1.0), torch.ones_like(coeff), coeff)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in _as_list(parameters):
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad.detach())
-    for dtype, grads in by_dtype.items():
-        torch._foreach_mul_(grads, coeff.to(dtype))
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, same in by_dtype.items():
+        torch._foreach_mul_(same, coeff.to(dtype))
 
 
 def clip_grad_by_total_norm_fp32(

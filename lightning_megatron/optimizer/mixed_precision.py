@@ -38,7 +38,6 @@ import torch
 
 from lightning_megatron.parallel_state import Group
 from lightning_megatron.optimizer.clip_grads import (
-    clip_grad_by_total_norm_fp32,
     clip_grads_by_squares,
     count_zeros_fp32,
     grad_norm_squares,
@@ -123,6 +122,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._main_grad_views: dict[int, torch.Tensor] | None = None  # id(param) -> its main grad: _main_grad_of
         self._norm_plan_for: tuple[tuple[int, ...], list[_NormFamily]] | None = None  # (param ids, plan): _norm_plan
         self._norm_runs_for: tuple[list[_NormFamily], list[_NormFamily]] | None = None  # (plan, runs): _norm_grads
+        self._clip_runs_for: tuple[list[_NormFamily], list[torch.Tensor]] | None = None  # (runs, union): _clip_grads
         if grad_scaler is not None and params:
             grad_scaler.to(params[0].device)  # the scale lives next to the grads
         self.last_grad_norm: float | None = None
@@ -255,7 +255,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
         self.last_grad_norm = grad_norm
         if self.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(self._clip_parameters(), self.clip_grad, self.last_grad_norm)
+            coeff = self.clip_grad / (self.last_grad_norm + 1.0e-6)  # clip_grad_by_total_norm_fp32's, on the grads
+            if coeff < 1.0:
+                torch._foreach_mul_(self._clip_grads(), coeff)
         self.last_num_zeros = self._num_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
         self._release_main_grads()
@@ -292,7 +294,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         values = totals if loss is None else torch.cat(totals_and_loss)
         skip = ~torch.isfinite(values).all()
         if self.clip_grad > 0.0:
-            clip_grads_by_squares(self._clip_parameters(), self.clip_grad, totals[0], skip)
+            clip_grads_by_squares(self._clip_grads(), self.clip_grad, totals[0], skip)
         decides = self.grad_scaler is not None or self.on_non_finite_grads is not None or loss is not None
         if decides:
             self.optimizer.found_inf = skip.float()
@@ -352,6 +354,19 @@ class MegatronOptimizer(torch.optim.Optimizer):
         runs = [(buffer.runs_of(counted), buffer.runs_of(others), group) for counted, others, group in grads]
         self._norm_runs_for = (plan, runs)
         return runs
+
+    def _clip_grads(self) -> list[torch.Tensor]:
+        """The gradients clipping scales: those of :meth:`_clip_parameters`; when they are the norm's families, all
+        of them views of the grad buffer (:meth:`_norm_grads`), its runs merged once more: a few tensors."""
+        if type(self)._clip_parameters is MegatronOptimizer._clip_parameters:
+            grads = self._norm_grads()
+            if self._norm_runs_for is not None and grads is self._norm_runs_for[1]:
+                if self._clip_runs_for is None or self._clip_runs_for[0] is not grads:
+                    assert self._grad_buffer is not None
+                    self._clip_runs_for = (grads, self._grad_buffer.runs_of(
+                        [g for counted, others, _ in grads for g in counted + others]))
+                return self._clip_runs_for[1]
+        return [p.grad.detach() for p in self._clip_parameters() if p.grad is not None]
 
     def _norm_plan(self, params: list[torch.Tensor]) -> list[_NormFamily]:
         """``(counted, checked only, group)`` per family of the norm (:meth:`_norm_families`): the parameters whose
