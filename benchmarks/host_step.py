@@ -21,7 +21,7 @@ Per step (median over the timed steps, milliseconds), from Lightning's hooks (no
 On a GPU the host time after the step's last read of the device (the optimizer's tail, the batch-end
 callbacks, the loop and the next batch) is time the device waits.
 
-    .venv/bin/python benchmarks/host_step.py [--rounds 3] [--steps 150]
+    .venv/bin/python benchmarks/host_step.py [--rounds 3] [--steps 150] [--frameworks ours,ours-zero1,hf] [--clip-grad 1.0]
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ SEQ, BATCH, WARMUP = 32, 2, 30
 PHASES = ("forward+backward", "optimizer", "batch-end callbacks", "loop and data", "step", "ops", "non-view ops")
 
 
-def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), warmup: int = WARMUP
-        ) -> dict[str, float]:
+def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), warmup: int = WARMUP,
+        clip_grad: float = 0.0) -> dict[str, float]:
     """Median milliseconds per phase of ``steps`` timed steps (after ``warmup``) of ``framework`` ("ours";
     "ours-zero1": the same with the ZeRO-1 wrapper, at one rank a flat step over the buffer's runs; "hf") on
     ``device`` (a GPU: the host's step with its launches and its reads of the device; the GPU check's ``host``
-    part)."""
+    part), clipping by the global norm at ``clip_grad`` (0: off; Hugging Face's through the Trainer's
+    ``gradient_clip_val``)."""
     import lightning.pytorch as pl
 
     from bert_step import SyntheticBatches, _hf_module, _ours_module
@@ -88,16 +89,17 @@ def run(framework: str, steps: int, device: torch.device = torch.device("cpu"), 
         strategy: Any = MegatronStrategy(micro_batch_size=BATCH)  # the library's default path: no CPU tuning
         precision = "bf16-true"
         callbacks: list[Any] = [First(), MegatronOptimizerCallback(OptimizerConfig(
-            clip_grad=0.0, use_distributed_optimizer=framework == "ours-zero1")), Last()]
+            clip_grad=clip_grad, use_distributed_optimizer=framework == "ours-zero1")), Last()]
     else:
         module, strategy, precision = _hf_module(HOST, SEQ), "auto", "bf16-mixed"
         callbacks = [First(), Last()]
     data = torch.utils.data.DataLoader(SyntheticBatches(total * BATCH, SEQ, HOST.vocab_size), batch_size=BATCH)
     accelerator = "cpu" if device.type == "cpu" else "gpu"
+    hf_clip = {"gradient_clip_val": clip_grad} if clip_grad and framework == "hf" else {}
     trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=total,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         use_distributed_sampler=False, callbacks=callbacks)
+                         use_distributed_sampler=False, callbacks=callbacks, **hf_clip)
     trainer.fit(module, train_dataloaders=data)
     if not len(marks["start"]) == len(marks["before_opt"]) == len(marks["last_end"]) == total:
         raise RuntimeError(f"{framework}: hooks fired {[len(v) for v in marks.values()]} times, expected {total}")
@@ -128,15 +130,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each framework")
     parser.add_argument("--steps", type=int, default=150, help="timed steps per run (after 30 warm-up steps)")
     parser.add_argument("--frameworks", default="ours,hf", help="of ours, ours-zero1 (the ZeRO-1 wrapper), hf")
+    parser.add_argument("--clip-grad", type=float, default=0.0, help="clip by the global norm (the recipes: 1.0)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a GPU step's host work is one thread
     frameworks = args.frameworks.split(",")
     results: dict[str, list[dict[str, float]]] = {fw: [] for fw in frameworks}
     for _ in range(args.rounds):
         for fw in frameworks:
-            results[fw].append(run(fw, args.steps))
+            results[fw].append(run(fw, args.steps, clip_grad=args.clip_grad))
     print(f"\nhost ms per step, {HOST.num_layers} layers at hidden {HOST.hidden_size}, seq {SEQ} x batch {BATCH} "
-          f"(median of {args.steps} steps; each round's figure)")
+          f"(median of {args.steps} steps; each round's figure){f', clipped at {args.clip_grad:g}' if args.clip_grad else ''}")
     print(f"| phase | {' | '.join(frameworks)} |")
     print(f"|---|{'---:|' * len(frameworks)}")
     for phase in PHASES:
