@@ -49,6 +49,7 @@ __all__ = [
     "grad_norm_and_found_inf",
     "grad_norm_squares",
     "clip_grads_by_squares",
+    "clip_grads_by_total_norm",
     "sum_of_squares_fp64",
     "NORM_PIECE",
 ]
@@ -227,11 +228,16 @@ def clip_grad_by_total_norm_fp32(
     A nan or inf ``total_norm`` gives a coefficient that is not < 1: grads are left alone (the
     mixed-precision optimizer skips such steps before clipping).
     """
+    clip_grads_by_total_norm([p.grad.detach() for p in _as_list(parameters) if p.grad is not None], max_norm,
+                             total_norm)
+
+
+def clip_grads_by_total_norm(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """:func:`clip_grad_by_total_norm_fp32` on ``grads`` themselves: one foreach product (each element times the
+    same coefficient as a ``mul_`` would give)."""
     clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0:
-        for p in _as_list(parameters):
-            if p.grad is not None:
-                p.grad.detach().mul_(clip_coeff)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
 
 
 def clip_grad_norm(

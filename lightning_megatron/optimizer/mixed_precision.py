@@ -39,6 +39,7 @@ import torch
 from lightning_megatron.parallel_state import Group
 from lightning_megatron.optimizer.clip_grads import (
     clip_grads_by_squares,
+    clip_grads_by_total_norm,
     count_zeros_fp32,
     grad_norm_squares,
 )
@@ -255,9 +256,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
         self.last_grad_norm = grad_norm
         if self.clip_grad > 0.0:
-            coeff = self.clip_grad / (self.last_grad_norm + 1.0e-6)  # clip_grad_by_total_norm_fp32's, on the grads
-            if coeff < 1.0:
-                torch._foreach_mul_(self._clip_grads(), coeff)
+            clip_grads_by_total_norm(self._clip_grads(), self.clip_grad, self.last_grad_norm)
         self.last_num_zeros = self._num_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
         self._release_main_grads()
