@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_megatron.dcp_io import CheckpointError, Chunks
+from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.protocols import OptimizerWrapper, PlainOptimizer, ShardedOptimizer, is_sharded
 from lightning_megatron.tensor_parallel.param_facts import param_facts
@@ -182,12 +183,11 @@ class ShardedStateMapper:
         return state
 
     def _put_plain(self, state: dict[str, Any], i: int, opt: OptimizerWrapper) -> None:
-        inner = opt.optimizer
         for name, p in self.named:
             opt_param = opt.main_param(p)
             if opt_param is not p:
                 self.put(state, f"optim.{i}.main.{name}", opt_param.detach(), p)
-            for k, v in inner.state.get(opt_param, {}).items():
+            for k, v in _param_state(opt, opt_param).items():
                 if torch.is_tensor(v):
                     if v.shape == p.shape:
                         self.put(state, f"optim.{i}.state.{name}.{k}", v, p)
@@ -339,7 +339,10 @@ class ShardedStateMapper:
                 scalars = {k: v.to(opt_param.device) if on_device else v for k, v in entry["scalars"].items()}
                 loaded = {**scalars, **{k: v.to(opt_param.device) for k, v in entry["state"].items()}}
                 if loaded:
-                    inner.state[opt_param] = loaded
+                    if isinstance(opt, MegatronOptimizer):
+                        opt.load_param_state(opt_param, loaded)
+                    else:
+                        inner.state[opt_param] = loaded
             _load_optimizer_extra(opt, saved)
 
     def fill_mains_from_model(self, targets: list) -> None:
@@ -365,6 +368,14 @@ class ShardedStateMapper:
                         main = None if is_sharded(opt) else opt.main_param(p)
                         if main is not None and main is not p:
                             dist.broadcast(main.data, src=ps.embedding_ranks[0], group=ps.embedding_group)
+
+
+def _param_state(opt: OptimizerWrapper, main: torch.Tensor) -> dict[str, Any]:
+    """The optimizer state of ``main`` (``opt.main_param(p)``): our wrappers' view of it (a flat step keeps it in
+    runs of several parameters), another wrapper's inner optimizer's."""
+    if isinstance(opt, MegatronOptimizer):
+        return opt.param_state(main)
+    return opt.optimizer.state.get(main, {})
 
 
 def rng_state() -> dict[str, Any]:

@@ -91,6 +91,11 @@ def _worker(root: str) -> dict:
     # Overlapped parameter all-gather in bf16 (the gather in the params' dtype; fp32 is run overlapped
     # by tests/test_checkpoint_zero1.py and tests/test_optimizer_grad_norm.py)
     out["overlap_bfloat16"] = _run(2, "bfloat16", True, 10, clip_grad=0.0, overlap_param_gather=True, **VAL)
+    # The 16-bit wrapper's flat state through a checkpoint: saved by it, loaded by ZeRO-1 (sharded over DP=2: a
+    # parameter's state read from the wrong place of its run would show) and by itself.
+    out["first_bfloat16"] = _run(2, "bfloat16", False, 5, clip_grad=0.0, save_to=f"{root}/plain_bf16")
+    out["zero1_from_plain_bfloat16"] = _run(2, "bfloat16", True, 10, clip_grad=0.0, ckpt_in=f"{root}/plain_bf16")
+    out["plain_from_plain_bfloat16"] = _run(2, "bfloat16", False, 10, clip_grad=0.0, ckpt_in=f"{root}/plain_bf16")
     out["first"] = _run(2, "float32", True, 5, save_to=f"{root}/zero1")
     out["resumed_dp4"] = _run(1, "float32", True, 10, ckpt_in=f"{root}/zero1")
     try:  # last: nothing to overlap without the DistributedOptimizer, refused before the first step
@@ -113,8 +118,11 @@ def test_distributed_optimizer_equals_non_distributed_tp2_dp2(runs, dtype):
     assert zero1["type"] == "DistributedOptimizer"
     assert plain["type"] != "DistributedOptimizer"
     assert len(zero1["main_grads_in_buffer"]) == 10 and all(zero1["main_grads_in_buffer"])
-    # one flat run per weight-decay group and bucket: its fused step sees a few tensors, not one per parameter
+    # one flat run per weight-decay group and bucket: its fused step sees a few tensors, not one per parameter;
+    # the 16-bit non-distributed wrapper's too (its main params views of one flat buffer)
     assert zero1["buckets"] > 1 and len(zero1["runs"]) == 2 and all(n <= zero1["buckets"] for n in zero1["runs"])
+    if dtype == "bfloat16":
+        assert plain["buckets"] > 1 and len(plain["runs"]) == 2 and all(n <= plain["buckets"] for n in plain["runs"])
     torch.testing.assert_close(torch.tensor(zero1["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
     if dtype == "float32":  # clip_grad=0.05 clips on every step: the clipping norm must be the same number
         assert min(plain["norms"]) > 0.05
@@ -143,6 +151,13 @@ def test_overlap_param_gather_bitwise_equal_to_off_tp2_dp2(runs, dtype):
 def test_overlap_param_gather_without_distributed_optimizer_is_refused(runs):
     assert runs["refused"] is not None and "overlap_param_gather=True" in runs["refused"]
     assert "use_distributed_optimizer=True" in runs["refused"]
+
+
+def test_the_16_bit_wrappers_flat_state_resumes_under_both_optimizers(runs):
+    straight = runs["plain_bfloat16"]["losses"]
+    assert runs["first_bfloat16"]["losses"] == straight[:5]
+    for resumed in ("zero1_from_plain_bfloat16", "plain_from_plain_bfloat16"):
+        torch.testing.assert_close(torch.tensor(runs[resumed]["losses"]), torch.tensor(straight[5:]), rtol=1e-6, atol=0)
 
 
 def test_resume_after_data_parallel_size_change(runs):

@@ -417,8 +417,9 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
         scaled.clear()
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
-        if i == 0:  # the first step looks them up, once (ZeRO-1's pieces are slices of the buffer's data)
-            assert lookups["facts"] > 0 and (lookups["views"] > 0 or wrapper.startswith("zero1"))
+        if i == 0:  # the first step looks them up, once (ZeRO-1's pieces are slices of the buffer's data; the
+            # flat 16-bit wrapper's main grads were handed over when it was built)
+            assert lookups["facts"] > 0 and (lookups["views"] > 0 or wrapper != "fp32")
         else:
             assert lookups == {"facts": 0, "views": 0}, lookups
             # the counted weight and bias lie side by side in the buffer: one run, not a tensor each; the clipping
@@ -435,3 +436,91 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
     step(3, bad=True)
     step(4)
     buffer.remove()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_the_16_bit_wrapper_over_the_strategys_buffer_steps_one_run_per_group_and_bucket(fused):
+    """Issue 39's "a fused optimizer step over the flat fp32 buffer" on the default path (no ZeRO-1): under the
+    strategy the fp32 main params are views of one flat buffer laid out as the grad buffer (each bucket's
+    parameters by weight-decay group), and the inner optimizer steps one run per group and bucket, not a tensor
+    per parameter. The updates are a plain AdamW's over each parameter in fp32, the same groups, clipped every
+    step (within 1e-6: the norm is summed in another order); each 16-bit parameter is its fp32 reference rounded,
+    and each main param's optimizer state (read per parameter, as a checkpoint reads it) is the reference's.
+    ``state_dict()`` keeps the per-parameter format: a wrapper without a buffer (a tensor per parameter) loads it
+    and continues as the flat one does, and the flat one loads its own."""
+    from lightning_megatron.grads import GradBuffer, buffer_order
+    from lightning_megatron.optimizer import get_param_groups
+    from lightning_megatron.tensor_parallel import mark_replicated
+
+    def build(model, flat: bool):
+        mark_replicated(list(model.parameters()))  # plain layers, as the strategy declares them at set-up
+        groups = get_param_groups(model, lr=1e-2, weight_decay=0.1)
+        buffer = GradBuffer(buffer_order([model]), bucket_bytes=4 * 3 * (16 * 16 + 3 * 16)) if flat else None
+        opt = Float16OptimizerWithFloat16Params(torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused),
+                                                clip_grad=0.5, grad_buffer=buffer)
+        return opt, buffer
+
+    torch.manual_seed(0)
+    layers = [layer for _ in range(6) for layer in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))]
+    model = torch.nn.Sequential(*layers).bfloat16()
+    twin = copy.deepcopy(model)
+    params = list(model.parameters())
+    reference = [p.detach().float().clone().requires_grad_() for p in params]
+    ref_of = {id(p): r for p, r in zip(params, reference)}
+    opt, buffer = build(model, flat=True)
+    ref = torch.optim.AdamW([{**g, "params": [ref_of[id(p)] for p in g["params"]]}
+                             for g in get_param_groups(model, lr=1e-2, weight_decay=0.1)], betas=(0.9, 0.95))
+    assert len(buffer.buckets) == 2
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]  # was 6 and 18: a tensor per parameter
+
+    def grads(step: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(step)
+        return [torch.randn(p.shape, generator=gen).bfloat16() for p in like]
+
+    def step_flat(opt, buffer, model_params, step: int) -> None:
+        for p, g in zip(model_params, grads(step, model_params)):  # where the strategy's backward hooks put them
+            buffer.main_grad_of(p).copy_(g)
+        opt.step()
+        opt.zero_grad()
+
+    for step in range(4):
+        step_flat(opt, buffer, params, step)
+        gs = grads(step, params)
+        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in gs]).double()).item()
+        for p, g in zip(params, gs):
+            ref_of[id(p)].grad = g.float() * min(1.0, 0.5 / (norm + 1e-6))
+        ref.step()
+        assert abs(opt.last_grad_norm - norm) <= 1e-6 * norm
+    for p in params:
+        main = opt.main_param(p)
+        assert main.shape == p.shape and main.dtype == torch.float32
+        torch.testing.assert_close(main, ref_of[id(p)].detach(), rtol=0, atol=1e-6)
+        assert torch.equal(p.detach(), main.to(torch.bfloat16))
+        state, ref_state = opt.param_state(main), ref.state[ref_of[id(p)]]
+        assert set(state) == set(ref_state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 4
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].shape == p.shape
+            torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-9)
+
+    saved = copy.deepcopy(opt.state_dict())
+    assert set(saved) == {"optimizer", "grad_scaler", "fp32_from_fp16_params"}
+    assert [len(g["params"]) for g in saved["optimizer"]["param_groups"]] == [6, 18]  # a parameter each
+    per_param_model = copy.deepcopy(twin)
+    per_param, _ = build(per_param_model, flat=False)
+    per_param.load_state_dict(saved)
+    assert [len(g["params"]) for g in per_param.param_groups] == [6, 18]
+    flat_twin, twin_buffer = build(twin, flat=True)
+    flat_twin.load_state_dict(saved)
+    twin_params = list(twin.parameters())
+    assert _bit_equal(flat_twin.state_dict(), saved)
+    for step in range(4, 6):
+        step_flat(opt, buffer, params, step)
+        step_flat(flat_twin, twin_buffer, twin_params, step)
+        for p, g in zip(per_param_model.parameters(), grads(step, params)):  # no buffer: the grads in .grad
+            p.grad = g
+        per_param.step()
+        per_param.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params))
+    for p, q in zip(params, per_param_model.parameters()):  # its norm summed by parameter: within 1e-6
+        torch.testing.assert_close(opt.main_param(p), per_param.main_param(q), rtol=0, atol=1e-6)
+    assert _bit_equal(flat_twin.state_dict(), opt.state_dict())
