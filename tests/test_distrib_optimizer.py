@@ -275,3 +275,21 @@ def test_a_flat_step_over_the_strategys_buffer_meets_one_run_per_group_and_bucke
     assert normed == [1] * 4  # every gradient counted, the two buckets adjacent: one run (was 24, one a parameter)
     with pytest.raises(RuntimeError, match="before the first step"):
         buffer.order_within_buckets(lambda p: 0)
+
+
+def test_an_optimizer_that_is_not_elementwise_is_refused():
+    """ZeRO-1 steps flat pieces of its shard, several parameters (and parts of them) in one tensor: that is the step
+    over each parameter for an elementwise optimizer only. torch's Adafactor factors a matrix's second moment by its
+    rows and columns, and a subclass of AdamW may step otherwise: over flat pieces either would take other steps,
+    silently. Refused at construction (before the first step), naming the class and the fix."""
+    from lightning_megatron.optimizer import DistributedOptimizer
+
+    class LoggingAdamW(torch.optim.AdamW):
+        pass
+
+    model = torch.nn.Linear(4, 4)
+    for inner, name in ((torch.optim.Adafactor(model.parameters()), "Adafactor"),
+                        (LoggingAdamW(model.parameters()), "LoggingAdamW")):
+        with pytest.raises(ValueError, match=f"{name}.*use_distributed_optimizer=False"):
+            DistributedOptimizer(inner, data_parallel_group=None)
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data_parallel_group=None)

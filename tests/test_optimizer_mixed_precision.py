@@ -523,4 +523,13 @@ def test_the_16_bit_wrapper_over_the_strategys_buffer_steps_one_run_per_group_an
     assert all(torch.equal(a, b) for a, b in zip(params, twin_params))
     for p, q in zip(params, per_param_model.parameters()):  # its norm summed by parameter: within 1e-6
         torch.testing.assert_close(opt.main_param(p), per_param.main_param(q), rtol=0, atol=1e-6)
+    # Built over a buffer that holds a step's values (its layout can no longer change), or for an optimizer that is
+    # not elementwise (torch's Adafactor factors a matrix's second moment): a tensor per parameter.
+    late = Float16OptimizerWithFloat16Params(torch.optim.AdamW(get_param_groups(model, lr=1e-2, weight_decay=0.1)),
+                                             grad_buffer=buffer)
+    fresh = copy.deepcopy(per_param_model)
+    mark_replicated(list(fresh.parameters()))
+    adafactor = torch.optim.Adafactor(get_param_groups(fresh, lr=1e-2, weight_decay=0.1))
+    factored = Float16OptimizerWithFloat16Params(adafactor, grad_buffer=GradBuffer(buffer_order([fresh])))
+    assert [len(g["params"]) for g in late.param_groups] == [len(g["params"]) for g in factored.param_groups] == [6, 18]
     assert _bit_equal(flat_twin.state_dict(), opt.state_dict())

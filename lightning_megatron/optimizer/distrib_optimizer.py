@@ -54,7 +54,12 @@ import torch.distributed as dist
 from lightning_megatron.grads import GradBuffer
 from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
-from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer, zero_grads
+from lightning_megatron.optimizer.mixed_precision import (
+    ELEMENTWISE_OPTIMIZERS,
+    MegatronOptimizer,
+    steps_elementwise,
+    zero_grads,
+)
 from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.param_facts import is_counted, param_facts
@@ -95,6 +100,13 @@ class DistributedOptimizer(MegatronOptimizer):
         if len(optimizer.state) > 0:
             raise ValueError("wrap the optimizer before its first step: its state is keyed by model params "
                              "and cannot be sharded afterwards")
+        if not steps_elementwise(optimizer):
+            raise ValueError(
+                f"DistributedOptimizer: {type(optimizer).__name__} is not one of torch's elementwise optimizers "
+                f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; the exact classes): ZeRO-1 steps flat "
+                f"pieces of several parameters, which equals a step over each parameter only when every element is "
+                f"updated from its own gradient and state. Use one of those, or use_distributed_optimizer=False "
+                f"(a step over each parameter)")
         self.data_parallel_group = data_parallel_group
         self.grads_already_reduced = grads_already_reduced
         self.dp_size = group_size(data_parallel_group)

@@ -543,8 +543,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 or not any(p.dtype in (torch.float16, torch.bfloat16) for p in trainable)):
             return None
         group_of = {id(p): k for k, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
-        # Within a group the 16-bit parameters first: their main params adjacent, one run.
-        buffer.order_within_buckets(lambda p: 2 * group_of[id(p)] + (p.dtype == torch.float32 or p.dim() == 0))
+        try:  # within a group the 16-bit parameters first: their main params adjacent, one run
+            buffer.order_within_buckets(lambda p: 2 * group_of[id(p)] + (p.dtype == torch.float32 or p.dim() == 0))
+        except RuntimeError:  # the buffer already holds a step's values (a wrapper built mid-run): per parameter
+            return None
         return torch.zeros_like(buffer.data)
 
     def _step_runs(self, flat: torch.Tensor) -> None:
@@ -706,7 +708,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         # As torch's load_state_dict: a step's scalar on the parameter's device for fused / capturable optimizers
         on_device = bool(self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable"))
         self.optimizer.state.clear()
-        for group, saved_group, params in zip(self.optimizer.param_groups, saved["param_groups"], self._per_param_groups):
+        groups = zip(self.optimizer.param_groups, saved["param_groups"], self._per_param_groups)
+        for group, saved_group, params in groups:
             group.update({k: v for k, v in saved_group.items() if k != "params"})
             for i, p in zip(saved_group["params"], params):
                 if i in saved["state"]:
