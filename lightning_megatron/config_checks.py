@@ -30,8 +30,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_megatron.module import MegatronLightningModule, context_parallel_problem
+import torch
+
+from lightning_megatron.module import MegatronLightningModule, context_parallel_problem, torch_class
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
+from lightning_megatron.optimizer.distrib_optimizer import distributed_optimizer_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
 from lightning_megatron.pipeline.layout import get_layer_range
@@ -311,6 +314,15 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     clip_problem = gradient_clip_val_problem(t.get("gradient_clip_val"))
     if clip_problem is not None:
         problems.append(clip_problem)
+    if use_distributed_optimizer and isinstance(m.get("optimizer_class"), str):  # ZeRO-1 over a named optimizer
+        try:
+            optimizer_class = torch_class(m["optimizer_class"], torch.optim, torch.optim.Optimizer, "optimizer_class",
+                                          "optimizer", "torch.optim.SGD, torch.optim.NAdam")
+        except ValueError as e:
+            problems.append(str(e))
+        else:
+            problems += [p for p in [distributed_optimizer_problem(
+                optimizer_class, f"model.optimizer_class={m['optimizer_class']!r}")] if p]
 
     # --- schedule
     if sch:
@@ -541,7 +553,7 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicti
     else:
         return {}
     scheduler_args: dict[str, Any] = {}
-    has_optimizer_callback = False
+    has_optimizer_callback = zero1 = False
     for cb in trainer.get("callbacks") or []:
         if not isinstance(cb, Mapping):
             continue
@@ -550,10 +562,11 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicti
             scheduler_args = dict(cb.get("init_args") or {})
         elif path.endswith("MegatronOptimizerCallback"):
             has_optimizer_callback = True
+            optimizer_config = (cb.get("init_args") or {}).get("config")  # where the CLI's section has moved
+            zero1 = isinstance(optimizer_config, Mapping) and bool(optimizer_config.get("use_distributed_optimizer"))
     # The CLI's named callback groups (``lr_schedule:``, ``megatron_optimizer:``; None when absent).
     if isinstance(c.get("lr_schedule"), Mapping):
         scheduler_args = dict(c["lr_schedule"])
-    zero1 = False
     if isinstance(c.get("megatron_optimizer"), Mapping):
         has_optimizer_callback = True
         zero1 = bool(c["megatron_optimizer"].get("use_distributed_optimizer"))

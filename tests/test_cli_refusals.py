@@ -121,6 +121,11 @@ CASES = {
          "expert_tensor_parallel_size", "1", "--trainer.strategy.init_args.tensor_model_parallel_size", "2",
          "--trainer.strategy.init_args.expert_model_parallel_size", "1"], None,
         ["expert_tensor_parallel_size=1: an expert tensor-parallel size other than the TP size (2)"], []),
+    "zero1_over_an_optimizer_that_is_not_elementwise": (  # ZeRO-1 steps flat pieces of several parameters
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--megatron_optimizer.use_distributed_optimizer",
+         "true", "--model.optimizer_class", "torch.optim.Adafactor"], None,
+        ["model.optimizer_class='torch.optim.Adafactor' with use_distributed_optimizer=True: Adafactor is not one of "
+         "torch's elementwise optimizers", "or use_distributed_optimizer=False"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }

@@ -14,6 +14,7 @@ from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
 from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from lightning_megatron.optimizer.mixed_precision import (
+    ELEMENTWISE_OPTIMIZERS,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
@@ -35,6 +36,7 @@ __all__ = [
     "MegatronOptimizer",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
+    "ELEMENTWISE_OPTIMIZERS",
     "get_param_groups",
     "default_no_weight_decay_cond",
     "OptimizerParamScheduler",

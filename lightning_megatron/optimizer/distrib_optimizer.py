@@ -54,17 +54,26 @@ import torch.distributed as dist
 from lightning_megatron.grads import GradBuffer
 from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
 from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
-from lightning_megatron.optimizer.mixed_precision import (
-    ELEMENTWISE_OPTIMIZERS,
-    MegatronOptimizer,
-    steps_elementwise,
-    zero_grads,
-)
+from lightning_megatron.optimizer.mixed_precision import ELEMENTWISE_OPTIMIZERS, MegatronOptimizer, zero_grads
 from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 from lightning_megatron.tensor_parallel.param_facts import is_counted, param_facts
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "distributed_optimizer_problem"]
+
+
+def distributed_optimizer_problem(optimizer_class: type, named: str | None = None) -> str | None:
+    """Why the DistributedOptimizer cannot wrap an optimizer of ``optimizer_class`` (``named``: how the
+    configuration names it), or None: it steps flat pieces of several parameters, which is the step over each
+    parameter for an elementwise optimizer only (:data:`~lightning_megatron.optimizer.ELEMENTWISE_OPTIMIZERS`)."""
+    if optimizer_class in ELEMENTWISE_OPTIMIZERS:
+        return None
+    return (f"{named or optimizer_class.__name__} with use_distributed_optimizer=True: {optimizer_class.__name__} is "
+            f"not one of torch's elementwise optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; "
+            f"the exact classes). ZeRO-1 steps flat pieces of several parameters, which equals a step over each "
+            f"parameter only when every element is updated from its own gradient and state (not Adafactor's "
+            f"factored second moment, not a subclass's step of its own). Use one of those, or "
+            f"use_distributed_optimizer=False (a step over each parameter)")
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -100,13 +109,9 @@ class DistributedOptimizer(MegatronOptimizer):
         if len(optimizer.state) > 0:
             raise ValueError("wrap the optimizer before its first step: its state is keyed by model params "
                              "and cannot be sharded afterwards")
-        if not steps_elementwise(optimizer):
-            raise ValueError(
-                f"DistributedOptimizer: {type(optimizer).__name__} is not one of torch's elementwise optimizers "
-                f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; the exact classes): ZeRO-1 steps flat "
-                f"pieces of several parameters, which equals a step over each parameter only when every element is "
-                f"updated from its own gradient and state. Use one of those, or use_distributed_optimizer=False "
-                f"(a step over each parameter)")
+        problem = distributed_optimizer_problem(type(optimizer))
+        if problem is not None:
+            raise ValueError(f"DistributedOptimizer: {problem}")
         self.data_parallel_group = data_parallel_group
         self.grads_already_reduced = grads_already_reduced
         self.dp_size = group_size(data_parallel_group)

@@ -49,8 +49,7 @@ from lightning_megatron.tensor_parallel.param_facts import copy_param_facts, is_
 if TYPE_CHECKING:
     from lightning_megatron.grads import GradBuffer
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
-           "steps_elementwise"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params"]
 
 _NormFamily = tuple[list[torch.Tensor], list[torch.Tensor], Group]
 """One family of the norm: (parameters this rank counts, duplicates it only checks, the group summing them)."""
@@ -63,12 +62,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 scalars a group shares, such as Adam's step): stepping flat runs of several parameters equals stepping each
 parameter. Not Adafactor (it factors a matrix's second moment by its rows and columns), LBFGS (a global line
 search) or a subclass (its step may be another)."""
-
-
-def steps_elementwise(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is exactly one of :data:`ELEMENTWISE_OPTIMIZERS` (a flat step over runs of
-    parameters is its step over each)."""
-    return type(optimizer) in ELEMENTWISE_OPTIMIZERS
 
 
 def zero_grads(params: list[torch.Tensor], set_to_none: bool = True) -> None:
@@ -538,7 +531,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         within each bucket), when the step can be flat (see the class doc); None otherwise."""
         buffer = self._grad_buffer
         trainable = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
-        if (buffer is None or self.optimizer.state or not steps_elementwise(self.optimizer)
+        if (buffer is None or self.optimizer.state or type(self.optimizer) not in ELEMENTWISE_OPTIMIZERS
                 or len(trainable) != len(buffer.params) or {id(p) for p in trainable} != {id(p) for p in buffer.params}
                 or not any(p.dtype in (torch.float16, torch.bfloat16) for p in trainable)):
             return None
