@@ -339,10 +339,7 @@ class ShardedStateMapper:
                 scalars = {k: v.to(opt_param.device) if on_device else v for k, v in entry["scalars"].items()}
                 loaded = {**scalars, **{k: v.to(opt_param.device) for k, v in entry["state"].items()}}
                 if loaded:
-                    if isinstance(opt, MegatronOptimizer):
-                        opt.load_param_state(opt_param, loaded)
-                    else:
-                        inner.state[opt_param] = loaded
+                    _load_param_state(opt, opt_param, loaded)
             _load_optimizer_extra(opt, saved)
 
     def fill_mains_from_model(self, targets: list) -> None:
@@ -376,6 +373,14 @@ def _param_state(opt: OptimizerWrapper, main: torch.Tensor) -> dict[str, Any]:
     if isinstance(opt, MegatronOptimizer):
         return opt.param_state(main)
     return opt.optimizer.state.get(main, {})
+
+
+def _load_param_state(opt: OptimizerWrapper, main: torch.Tensor, state: dict[str, Any]) -> None:
+    """Install ``state`` (:func:`_param_state`'s form, loaded) as ``main``'s."""
+    if isinstance(opt, MegatronOptimizer):
+        opt.load_param_state(main, state)
+    else:
+        opt.optimizer.state[main] = state
 
 
 def rng_state() -> dict[str, Any]:
