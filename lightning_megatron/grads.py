@@ -22,7 +22,8 @@ Lifecycle of one training step (the strategy drives it)::
   final, while backward goes on through the earlier layers. Buckets are started in order on every
   rank (a bucket waits for the ones before it), so all DP ranks issue the same collectives in the
   same order. Parameters are laid out in reverse model order, so buckets become final in order (within
-  a bucket a DistributedOptimizer orders them by its parameter groups: :meth:`GradBuffer.order_within_buckets`).
+  a bucket the optimizer wrapper stepping flat runs orders them by its parameter groups:
+  :meth:`GradBuffer.order_within_buckets`).
 - :func:`finalize_model_grads` starts what is left, waits for every bucket, divides by the DP size
   (the mean), then sums the sequence-parallel grads over TP and the tied word embedding over the
   first and last pipeline stage. Overlap on or off runs the same collectives on the same bytes:
@@ -229,9 +230,9 @@ class GradBuffer:
     # -- layout ----------------------------------------------------------------------------------
     def order_within_buckets(self, key: Callable[[nn.Parameter], int]) -> None:
         """Lay each bucket's parameters out by ``key`` (a stable sort: an optimizer's group index), so that a flat
-        step over the buffer (the DistributedOptimizer's) meets one run of consecutive elements per group and
-        bucket, instead of one per alternation of the groups in model order (bert-base's weights and biases:
-        ~100 runs, each a tensor of the inner optimizer's step). Which parameters a bucket holds, its bounds and
+        step over the buffer (the DistributedOptimizer's, the 16-bit wrapper's) meets one run of consecutive
+        elements per group and bucket, instead of one per alternation of the groups in model order (bert-base's
+        weights and biases: ~100 runs, each a tensor of the inner optimizer's step). Which parameters a bucket holds, its bounds and
         its padding are unchanged, so is when its reduction starts (when all its parameters are final); every
         ``main_grad`` is made anew. Before the first step only: refused once the buffer holds values (a step's grads,
         or ZeRO-1's gathered parameters)."""
