@@ -439,7 +439,7 @@ def test_a_step_after_the_first_reads_no_parameters_facts_and_builds_no_main_gra
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
-def test_the_16_bit_wrapper_over_the_strategys_buffer_steps_one_run_per_group_and_bucket(fused):
+def test_the_16_bit_wrapper_over_the_strategys_buffer_steps_one_run_per_group_and_bucket(fused, device):
     """Issue 39's "a fused optimizer step over the flat fp32 buffer" on the default path (no ZeRO-1): under the
     strategy the fp32 main params are views of one flat buffer laid out as the grad buffer (each bucket's
     parameters by weight-decay group), and the inner optimizer steps one run per group and bucket, not a tensor
@@ -462,7 +462,7 @@ def test_the_16_bit_wrapper_over_the_strategys_buffer_steps_one_run_per_group_an
 
     torch.manual_seed(0)
     layers = [layer for _ in range(6) for layer in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))]
-    model = torch.nn.Sequential(*layers).bfloat16()
+    model = torch.nn.Sequential(*layers).bfloat16().to(device)  # the GPU check runs it with --device cuda
     twin = copy.deepcopy(model)
     params = list(model.parameters())
     reference = [p.detach().float().clone().requires_grad_() for p in params]
@@ -475,7 +475,7 @@ def test_the_16_bit_wrapper_over_the_strategys_buffer_steps_one_run_per_group_an
 
     def grads(step: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(step)
-        return [torch.randn(p.shape, generator=gen).bfloat16() for p in like]
+        return [torch.randn(p.shape, generator=gen).bfloat16().to(device) for p in like]
 
     def step_flat(opt, buffer, model_params, step: int) -> None:
         for p, g in zip(model_params, grads(step, model_params)):  # where the strategy's backward hooks put them
