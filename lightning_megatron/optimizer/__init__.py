@@ -13,12 +13,8 @@ from lightning_megatron.optimizer.clip_grads import (
 from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
 from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from lightning_megatron.optimizer.mixed_precision import (
-    ELEMENTWISE_OPTIMIZERS,
-    Float16OptimizerWithFloat16Params,
-    FP32Optimizer,
-    MegatronOptimizer,
-)
+from lightning_megatron.optimizer.float16 import Float16OptimizerWithFloat16Params
+from lightning_megatron.optimizer.mixed_precision import ELEMENTWISE_OPTIMIZERS, FP32Optimizer, MegatronOptimizer
 from lightning_megatron.optimizer.param_groups import default_no_weight_decay_cond, get_param_groups
 from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler
 

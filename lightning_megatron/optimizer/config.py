@@ -11,7 +11,7 @@ fp16                         Float16Optimizer...  ``DynamicGradScaler``
 any, ZeRO-1                  DistributedOptimizer as above, by the lowest precision present
 ===========================  ===================  ==========================================
 
-``Float16Optimizer...`` is :class:`~lightning_megatron.optimizer.mixed_precision.Float16OptimizerWithFloat16Params`.
+``Float16Optimizer...`` is :class:`~lightning_megatron.optimizer.float16.Float16OptimizerWithFloat16Params`.
 A float ``loss_scale`` gives ``ConstantGradScaler(loss_scale)`` in every case. No Lightning here:
 :class:`~lightning_megatron.callbacks.MegatronOptimizerCallback` carries it into a Trainer, and the
 :class:`~lightning_megatron.strategy.MegatronStrategy` calls :meth:`OptimizerConfig.wrap` right after
@@ -32,11 +32,8 @@ import torch
 
 from lightning_megatron.optimizer.distrib_optimizer import DistributedOptimizer
 from lightning_megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from lightning_megatron.optimizer.mixed_precision import (
-    Float16OptimizerWithFloat16Params,
-    FP32Optimizer,
-    MegatronOptimizer,
-)
+from lightning_megatron.optimizer.float16 import Float16OptimizerWithFloat16Params
+from lightning_megatron.optimizer.mixed_precision import FP32Optimizer, MegatronOptimizer
 
 from lightning_megatron.tensor_parallel.param_facts import has_param_facts, param_facts
 
