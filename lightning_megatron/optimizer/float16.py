@@ -97,36 +97,30 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         return torch.zeros_like(buffer.data)
 
     def _step_runs(self, flat: torch.Tensor) -> None:
-        """Hand the inner optimizer one run of adjacent main params per group and bucket (a 16-bit parameter's
-        main param with its shape stays the checkpoints' and the norm's, its gradient set once: the buffer's view
-        of its elements, read anew each step)."""
+        """Hand the inner optimizer one run of adjacent main params per group and bucket (the buffer's runs of
+        their gradients, :meth:`~lightning_megatron.grads.GradBuffer.runs_of`, over the same elements of
+        ``flat``). A 16-bit parameter's main param with its shape stays the checkpoints' and the norm's, its
+        gradient set once: the buffer's view of its elements, read anew each step."""
         buffer = self._grad_buffer
         assert buffer is not None
-        base = flat.storage_offset()
+        base = buffer.data.storage_offset()  # flat has the buffer's layout: the same offsets
         for group, model_params in zip(self.optimizer.param_groups, self.float16_groups):
             self._per_param_groups.append(list(group["params"]))
-            spans: list[list[int]] = []  # [start, elements] of the runs
-            members: list[list[torch.Tensor]] = []
-            for p in sorted(model_params, key=lambda q: buffer.offsets[id(q)]):
-                main, start = self._main_by_param[id(p)], buffer.offsets[id(p)]
-                main.grad = buffer.main_grad_of(p)
-                if p.dim() == 0:  # stepped as itself: a run's per-element state would have another shape
-                    continue
-                if spans and spans[-1][0] + spans[-1][1] == start:
-                    spans[-1][1] += p.numel()
-                    members[-1].append(main)
-                else:
-                    spans.append([start, p.numel()])
-                    members.append([main])
+            for p in model_params:
+                self._main_by_param[id(p)].grad = buffer.main_grad_of(p)
+            # a 0-dim parameter is stepped as itself: a run's per-element state would have another shape
+            stepped = [p for p in model_params if p.dim() > 0]
             runs = []
-            for (start, n), mains in zip(spans, members):
-                run = flat[start: start + n]
-                runs.append(run)
-                self._run_grads.append((run, buffer.data[start: start + n]))
-                for main in mains:
-                    self._run_of[id(main)] = (run, main.storage_offset() - base - start)
-            in_runs = {id(main) for mains in members for main in mains}
-            group["params"] = runs + [p for p in group["params"] if id(p) not in in_runs]
+            for grad in buffer.runs_of([buffer.main_grad_of(p) for p in stepped]):
+                start = grad.storage_offset() - base
+                runs.append((start, flat[start: start + grad.numel()]))
+                self._run_grads.append((runs[-1][1], grad))
+            for p in stepped:
+                offset = buffer.offsets[id(p)]
+                start, run = next((s, r) for s, r in runs if s <= offset < s + r.numel())
+                self._run_of[id(self._main_by_param[id(p)])] = (run, offset - start)
+            in_runs = {id(self._main_by_param[id(p)]) for p in stepped}
+            group["params"] = [run for _, run in runs] + [p for p in group["params"] if id(p) not in in_runs]
 
     def main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 main copy of a 16-bit ``param``; an fp32 ``param`` itself."""
