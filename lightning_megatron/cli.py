@@ -148,14 +148,16 @@ def _export(argv: list[str]) -> None:
     a = parser.parse_args(argv)
     from lightning_megatron.checkpoint import CheckpointError
     from lightning_megatron.export import export_hf, export_peft
+    from lightning_megatron.interop.hf_folder import import_transformers
 
     try:
         if a.format == "peft":
             print(export_peft(a.ckpt_path, a.output, overwrite=a.overwrite))
             return
+        import_transformers("exporting a Hugging Face folder")  # before anything is read
         print(export_hf(a.ckpt_path, a.output, vocab_file=a.vocab_file, overwrite=a.overwrite, tokenizer=a.tokenizer,
                         model_class=a.model_class))
-    except (CheckpointError, OSError, ValueError) as error:
+    except (CheckpointError, OSError, ValueError, ImportError) as error:
         parser.exit(1, f"lightning-megatron export: error: {error}\n")
 
 

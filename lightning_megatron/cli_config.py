@@ -217,7 +217,7 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
 
     try:
         architecture = model_class.read_architecture(source)
-    except (CheckpointError, OSError, ValueError) as error:
+    except (CheckpointError, OSError, ValueError, ImportError) as error:  # ImportError: the hf extra not installed
         raise SystemExit(f"lightning-megatron: --model.init_from {source}: {error}") from None
     # An architecture dict is flat (num_layers, ...); the module's argument may live in its config record.
     moved = model_class.moved_arguments()

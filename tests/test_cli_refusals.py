@@ -181,3 +181,53 @@ def test_a_command_builds_the_parser_of_its_own_subcommand_only(argv, subcommand
     assert exited.value.code == 2 and "unrecognized arguments: --trainer.max_step 5" in message, message
     assert f"usage: lightning-megatron [options] {subcommand} [-c CONFIG]" in message, message
     assert built == [subcommand]
+
+
+HF_EXTRA = "pip install 'lightning-megatron[hf]'"
+
+
+@pytest.mark.parametrize("command", ["fit_init_from_hf_folder", "export_hf"])
+def test_without_transformers_a_hugging_face_path_names_the_hf_extra(command, inputs, tmp_path, monkeypatch, capsys):
+    """transformers is not in the library's install (it is the ``hf`` extra's: torchmetrics, which Lightning
+    imports, imports it whenever it is installed, ~0.9 s of every rank's start-up): a command that needs it says
+    which install brings it, in one line and before anything is read, launched or written."""
+    import lightning.pytorch  # noqa: F401  (imports torchmetrics, which imports transformers when installed)
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises as when not installed
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    folder = tmp_path / "llama_hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    out = tmp_path / "exported"
+    if command == "fit_init_from_hf_folder":
+        argv = ["fit", "--config", GPT, "--model.init_from", str(folder),
+                "--trainer.default_root_dir", str(tmp_path / "run")]
+    else:  # the checkpoint does not exist either: the missing package is said first, before anything is read
+        argv = ["export", "hf", "--ckpt_path", inputs["nope"], "--output", str(out)]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    message = str(exited.value.code) if command.startswith("fit") else capsys.readouterr().err
+    if command.startswith("fit"):
+        assert message.startswith(f"lightning-megatron: --model.init_from {folder}: "), message
+        assert "reading the Hugging Face folder" in message, message
+    else:
+        assert exited.value.code == 1 and message.startswith("lightning-megatron export: error: "), message
+        assert "exporting a Hugging Face folder" in message, message
+    assert f"needs the `transformers` package: {HF_EXTRA}" in message and "Traceback" not in message, message
+    assert not dist.is_initialized() and not (tmp_path / "run").exists() and not out.exists()
+
+
+def test_the_librarys_install_leaves_transformers_to_the_hf_extra():
+    """What the README's first command installs (``-e .``) has neither transformers nor a package that brings
+    scipy (both imported by torchmetrics when installed); the ``hf`` extra and the test tools have transformers."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(requirements):
+        return {r.split(">")[0].split("=")[0].split("[")[0].split(";")[0].strip().lower() for r in requirements}
+
+    assert not names(project["dependencies"]) & {"transformers", "scipy", "scikit-learn", "sentence-transformers"}
+    assert "transformers" in names(project["optional-dependencies"]["hf"])
+    assert "transformers" in names(project["optional-dependencies"]["test"])

@@ -6,6 +6,10 @@ Reading never runs code from the folder: ``config.json`` is parsed as JSON first
 ``model.safetensors.index.json`` names (inside the folder), or ``pytorch_model.bin`` through
 ``torch.load(weights_only=True)``.
 
+transformers is the ``hf`` extra's, not the library's install (:func:`import_transformers`): torchmetrics, which
+Lightning imports, imports it whenever it is installed, ~0.9 s of every process's start-up on 2 cores
+(docs/benchmarks.md, "Start-up without transformers").
+
 Writing (:func:`write_hf_folder`) puts the model (safetensors) and its tokenizer in a temporary folder
 next to the target and swaps it in whole, so a failed export never leaves a half-written model.
 """
@@ -25,15 +29,29 @@ import torch
 from lightning_megatron.interop.adapter import StateDictAdapter
 from lightning_megatron.saved_model import SavedModel
 
-__all__ = ["read_hf_config", "read_hf_weights", "read_hf_folder", "read_hf_architecture", "hf_model",
-           "hf_model_from_saved", "check_output_folder", "write_hf_folder",
+__all__ = ["HF_EXTRA", "import_transformers", "read_hf_config", "read_hf_weights", "read_hf_folder",
+           "read_hf_architecture", "hf_model", "hf_model_from_saved", "check_output_folder", "write_hf_folder",
            "swap_in_folder"]
+
+
+HF_EXTRA = "pip install 'lightning-megatron[hf]'"
+"""The install that brings transformers (and Hugging Face datasets)."""
+
+
+def import_transformers(purpose: str) -> Any:
+    """The ``transformers`` module; without it an ``ImportError`` saying that ``purpose`` needs it and which install
+    brings it (:data:`HF_EXTRA`)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(f"{purpose} needs the `transformers` package: {HF_EXTRA}") from None
+    return transformers
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> Any:
     """The ``config.json`` of a Hugging Face folder as a transformers config, never running code from the
     folder: a config with ``auto_map`` is refused, and transformers is called with ``trust_remote_code=False``."""
-    import transformers
+    transformers = import_transformers(f"reading the Hugging Face folder {str(path)!r}")
 
     file = Path(path) / "config.json"
     try:
@@ -103,8 +121,7 @@ def hf_model(config: Any, hf_state_dict: dict[str, torch.Tensor]) -> Any:
     """The transformers model ``config.architectures[0]`` with ``hf_state_dict`` loaded: every parameter must
     be given (buffers, and a tied head that shares its tensor, are not parameters of their own), nothing
     else may be."""
-    import transformers
-
+    transformers = import_transformers("building a transformers model")
     cls = getattr(transformers, config.architectures[0])
     model = cls(config)
     parameters = {name for name, _ in model.named_parameters()}  # a tied weight appears once

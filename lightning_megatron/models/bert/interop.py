@@ -167,7 +167,9 @@ class BertInterop:
     def hf_config(self, saved: SavedModel) -> Any:
         """``BertConfig`` (post-norm) or ``MegatronBertConfig`` (pre-norm), ``*ForPreTraining`` when the binary
         head is saved, else ``*ForMaskedLM``."""
-        import transformers
+        from lightning_megatron.interop.hf_folder import import_transformers
+
+        transformers = import_transformers("a transformers config")
 
         hp, sd = saved.hparams, saved.state_dict
         spec = hp.get("spec", "bert_layer_local_spec")
@@ -249,7 +251,9 @@ def _save_tokenizer(vocab: Path, out: Path, *, lowercase: bool, max_length: int)
     """WordPiece tokenizer files transformers 4.x and 5.x load with ``AutoTokenizer``, plus ``vocab.txt``."""
     import inspect
 
-    import transformers
+    from lightning_megatron.interop.hf_folder import import_transformers
+
+    transformers = import_transformers("writing a transformers tokenizer")
 
     kwargs = dict(do_lower_case=lowercase, model_max_length=max_length)
     if "vocab" in inspect.signature(transformers.BertTokenizer.__init__).parameters:  # transformers >= 5

@@ -265,7 +265,9 @@ def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
     drops the embeddings' output and each residual branch with ``hidden_dropout``) and ``attn_pdrop``; the
     rotary decoders' ``attention_dropout`` (they have no hidden dropout). They do not change the logits in eval
     mode; nor does ``moe_aux_loss_coeff`` (-> ``router_aux_loss_coef``) when ``arch`` has it."""
-    import transformers
+    from lightning_megatron.interop.hf_folder import import_transformers
+
+    transformers = import_transformers("a transformers config")
 
     spec, n, h = arch["spec"], arch["num_attention_heads"], arch["hidden_size"]
     g = arch.get("num_query_groups") or n

@@ -418,7 +418,9 @@ def _hf_tokenizer(source: Path) -> Any:
     folder holding either."""
     import json
 
-    import transformers
+    from lightning_megatron.interop.hf_folder import import_transformers
+
+    transformers = import_transformers("writing a transformers tokenizer")
 
     if source.is_dir():
         source = source / "tokenizer.json" if (source / "tokenizer.json").is_file() else source / "vocab.json"
