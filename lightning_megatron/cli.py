@@ -176,8 +176,9 @@ COMMANDS = {
     "preprocess": (_preprocess, "text/jsonl corpus -> Megatron indexed dataset (.bin/.idx)"),
     "train-tokenizer": (_train_tokenizer, "train a WordPiece vocabulary or a byte-level BPE tokenizer"),
     "plot": (_plot, "loss curves of run directories -> PNG"),
-    "finetune": (_finetune, "fit|validate|test|predict a classifier (finetune fit --config recipes/bert_tiny_finetune.yaml) "
-                            "or a decoder with SFT / LoRA (finetune fit --config recipes/llama_tiny_lora.yaml)"),
+    "finetune": (_finetune, "fit|validate|test|predict a classifier (finetune fit --config "
+                            "recipes/bert_tiny_finetune.yaml) or a decoder with SFT / LoRA "
+                            "(finetune fit --config recipes/gpt_tiny_lora.yaml)"),
     "export": (_export, "checkpoint (any layout) -> Hugging Face folder: export hf --ckpt_path CKPT --output DIR"),
 }
 """Commands besides LightningCLI's: name -> (function taking the remaining argv, one-line help)."""

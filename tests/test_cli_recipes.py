@@ -416,6 +416,16 @@ def test_help_lists_every_command():
         assert f"  {command} " in proc.stdout, proc.stdout
 
 
+def test_every_recipe_named_in_the_help_the_docs_and_the_recipes_exists():
+    """The help's ``finetune`` line named recipes/llama_tiny_lora.yaml, which never existed (gpt_tiny_lora.yaml)."""
+    texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "recipes").glob("*.yaml"),
+             *(ROOT / "lightning_megatron").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    named = {(m, t.relative_to(ROOT)) for t in texts for m in re.findall(r"recipes/[\w.-]+?\.yaml", t.read_text())}
+    assert len({m for m, _ in named}) > 10
+    missing = sorted(f"{where} names {m}" for m, where in named if not (ROOT / m).is_file())
+    assert not missing, missing
+
+
 def test_preprocess_and_plot_commands(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes("The first document has two sentences. Here is the second one.\n\n"

@@ -3,11 +3,16 @@ they are dependencies too), and no upward imports from the inner layers (``tenso
 ``transformer/``, ``pipeline/``, ``optimizer/``, ``data/``, ``cost/`` and ``interop/`` import neither
 Lightning nor the strategy, the CLI, callbacks, checks, the LightningDataModules or a model family; the
 model-agnostic base imports no model family; ``check/`` names no family and no family imports ``check/``;
-families never import each other)."""
+families never import each other). And what it imports from outside is declared: a dependency of the base
+install, or an optional extra's imported only inside a function."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_megatron"
@@ -219,6 +224,56 @@ def test_an_inner_layer_importing_lightning_is_found(tmp_path):
         "lightning_megatron.data.planted_c imports lightning_megatron.datamodules",
         "lightning_megatron.optimizer.planted imports lightning_megatron.callbacks",
         "lightning_megatron.pipeline.planted imports lightning_fabric"]
+
+
+def _distributions(requirements: list[str]) -> set[str]:
+    return {_canonical(re.match(r"[A-Za-z0-9._-]+", r).group()) for r in requirements}
+
+
+def _canonical(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def _undeclared_imports(modules: dict[str, Path]) -> list[str]:
+    """Imports of a package outside the standard library that pyproject.toml does not declare, or that only an
+    optional extra declares and a module imports when it is imported (not inside a function)."""
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    base = _distributions(project["dependencies"])
+    extras = set().union(*map(_distributions, project["optional-dependencies"].values()))
+    installed = importlib.metadata.packages_distributions()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        at_import = {m.partition(".")[0] for m in _imports(path, module_level_only=True, name=name)}
+        for top in sorted({m.partition(".")[0] for m in _imports(path, module_level_only=False, name=name)}):
+            if top in sys.stdlib_module_names or top == "lightning_megatron":
+                continue
+            distributions = {_canonical(d) for d in installed.get(top, [top])}
+            if distributions & base or (distributions & extras and top not in at_import):
+                continue
+            why = "an extra's, imported with the module" if distributions & extras else "not declared"
+            wrong.append(f"{name} imports {top} ({', '.join(sorted(distributions))}: {why})")
+    return wrong
+
+
+def test_every_package_the_library_imports_is_declared():
+    """A fresh ``pip install -e .`` has what the package imports: a module of rich (Lightning's progress bar
+    columns), which transformers' dependencies had brought, stopped the README's first command once
+    transformers left the base install."""
+    wrong = _undeclared_imports(_MODULES)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_an_undeclared_import_is_found(tmp_path):
+    planted = {}
+    for name, text in (("lightning_megatron.planted_a", "import packaging.version\n"),
+                       ("lightning_megatron.planted_b", "from transformers import AutoConfig\n"),
+                       ("lightning_megatron.planted_c", "def f():\n    import transformers\n    import yaml, json\n")):
+        path = tmp_path / f"{name.rsplit('.', 1)[1]}.py"
+        path.write_text(text)
+        planted[name] = path
+    assert _undeclared_imports(planted) == [
+        "lightning_megatron.planted_a imports packaging (packaging: not declared)",
+        "lightning_megatron.planted_b imports transformers (transformers: an extra's, imported with the module)"]
 
 
 def test_the_generic_base_imports_no_model_family_and_no_strategy():
