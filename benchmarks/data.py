@@ -93,9 +93,13 @@ def _index_job(kind: str, num_samples: int, cache_dir: str | None) -> dict[str, 
 def _in_fresh_processes(jobs: list[tuple]) -> list[dict[str, Any]]:
     """Run the jobs concurrently, each in its own fresh (spawned) process."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(len(jobs), mp_context=context, max_tasks_per_child=1) as pool:
-        futures = [pool.submit(_index_job, *job) for job in jobs]
+    pools = [ProcessPoolExecutor(1, mp_context=context) for _ in jobs]  # a pool each: no process takes two jobs
+    try:
+        futures = [pool.submit(_index_job, *job) for pool, job in zip(pools, jobs)]
         return [f.result() for f in futures]
+    finally:
+        for pool in pools:
+            pool.shutdown()
 
 
 def run_samples_index(quick: bool, only: tuple[int, ...] | None = None) -> dict[str, Any]:
@@ -163,7 +167,7 @@ def run_preprocess(quick: bool) -> list[dict[str, Any]]:
         context = multiprocessing.get_context("spawn")
         for name, inputs in (("built-in corpus", None), ("JSON lines", [jsonl])):
             for workers in (1, 2):
-                with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
+                with ProcessPoolExecutor(1, mp_context=context) as pool:
                     result = pool.submit(_preprocess_job, inputs, workers, os.path.join(tmp, f"out-{workers}")).result()
                 result.update(input=name, workers=workers, background=_background(),
                               mb_per_s=result["text_bytes"] / 1e6 / result["seconds"])

@@ -62,7 +62,7 @@ def _job(num_samples: int, seq_length: int, cache_dir: str) -> dict[str, Any]:
 
 def _fresh(*args: Any) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(_job, *args).result()
 
 

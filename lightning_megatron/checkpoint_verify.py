@@ -70,11 +70,14 @@ def _agree(error: str | None) -> None:
 
 def file_sha256(path: Path, sync: bool = False) -> str:
     """The sha256 of a file, streamed; ``sync`` also flushes it to disk (a file this rank wrote)."""
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    digest, chunk = hashlib.sha256(), bytearray(1 << 20)  # hashlib.file_digest's way; it needs Python 3.11
+    view = memoryview(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            digest.update(view[:n])
         if sync:
             os.fsync(f.fileno())
-    return digest
+    return digest.hexdigest()
 
 
 def _files(path: Path) -> list[str]:

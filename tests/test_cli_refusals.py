@@ -221,13 +221,10 @@ def test_without_transformers_a_hugging_face_path_names_the_hf_extra(command, in
 def test_the_librarys_install_leaves_transformers_to_the_hf_extra():
     """What the README's first command installs (``-e .``) has neither transformers nor a package that brings
     scipy (both imported by torchmetrics when installed); the ``hf`` extra and the test tools have transformers."""
-    import tomllib
+    from project_file import distributions, project
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-
-    def names(requirements):
-        return {r.split(">")[0].split("=")[0].split("[")[0].split(";")[0].strip().lower() for r in requirements}
-
-    assert not names(project["dependencies"]) & {"transformers", "scipy", "scikit-learn", "sentence-transformers"}
-    assert "transformers" in names(project["optional-dependencies"]["hf"])
-    assert "transformers" in names(project["optional-dependencies"]["test"])
+    declared = project()
+    assert not distributions(declared["dependencies"]) & {"transformers", "scipy", "scikit-learn",
+                                                          "sentence-transformers"}
+    assert "transformers" in distributions(declared["optional-dependencies"]["hf"])
+    assert "transformers" in distributions(declared["optional-dependencies"]["test"])

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import re
 import sys
-import tomllib
 from pathlib import Path
+
+from project_file import canonical, distributions, project
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_megatron"
 
@@ -226,20 +226,12 @@ def test_an_inner_layer_importing_lightning_is_found(tmp_path):
         "lightning_megatron.pipeline.planted imports lightning_fabric"]
 
 
-def _distributions(requirements: list[str]) -> set[str]:
-    return {_canonical(re.match(r"[A-Za-z0-9._-]+", r).group()) for r in requirements}
-
-
-def _canonical(distribution: str) -> str:
-    return re.sub(r"[-_.]+", "-", distribution).lower()
-
-
 def _undeclared_imports(modules: dict[str, Path]) -> list[str]:
     """Imports of a package outside the standard library that pyproject.toml does not declare, or that only an
     optional extra declares and a module imports when it is imported (not inside a function)."""
-    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
-    base = _distributions(project["dependencies"])
-    extras = set().union(*map(_distributions, project["optional-dependencies"].values()))
+    declared = project()
+    base = distributions(declared["dependencies"])
+    extras = set().union(*map(distributions, declared["optional-dependencies"].values()))
     installed = importlib.metadata.packages_distributions()
     wrong = []
     for name, path in sorted(modules.items()):
@@ -247,11 +239,11 @@ def _undeclared_imports(modules: dict[str, Path]) -> list[str]:
         for top in sorted({m.partition(".")[0] for m in _imports(path, module_level_only=False, name=name)}):
             if top in sys.stdlib_module_names or top == "lightning_megatron":
                 continue
-            distributions = {_canonical(d) for d in installed.get(top, [top])}
-            if distributions & base or (distributions & extras and top not in at_import):
+            names = {canonical(d) for d in installed.get(top, [top])}
+            if names & base or (names & extras and top not in at_import):
                 continue
-            why = "an extra's, imported with the module" if distributions & extras else "not declared"
-            wrong.append(f"{name} imports {top} ({', '.join(sorted(distributions))}: {why})")
+            why = "an extra's, imported with the module" if names & extras else "not declared"
+            wrong.append(f"{name} imports {top} ({', '.join(sorted(names))}: {why})")
     return wrong
 
 
