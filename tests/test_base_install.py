@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 
 from packaging.requirements import Requirement
-from project_file import ROOT, canonical, project
+from project_file import ROOT, canonical, distributions, project
 
 
 def base_install() -> dict[str, importlib.metadata.Distribution]:
@@ -53,10 +53,19 @@ def _environment(where: Path) -> Path:
     return where / "bin" / "python"
 
 
-def test_the_readme_first_command_runs_in_the_librarys_own_install(tmp_path):
+def test_the_base_install_leaves_transformers_and_scipy_to_the_extras():
+    """Neither is in what the README's first command installs, directly or through a dependency: torchmetrics,
+    imported by Lightning, imports both whenever they are installed (docs/benchmarks.md, "Start-up without
+    transformers"); the ``hf`` extra and the test tools have transformers."""
     names = set(base_install())
     assert {"torch", "lightning", "rich", "jsonargparse", "docstring-parser"} <= names, sorted(names)
-    assert not names & {"transformers", "pytest", "peft", "scipy", "datasets"}, sorted(names)
+    assert not names & {"transformers", "scipy", "scikit-learn", "sentence-transformers", "datasets", "pytest"}, (
+        sorted(names))
+    extras = project()["optional-dependencies"]
+    assert "transformers" in distributions(extras["hf"]) and "transformers" in distributions(extras["test"])
+
+
+def test_the_readme_first_command_runs_in_the_librarys_own_install(tmp_path):
     python = _environment(tmp_path / "venv")
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": ""}
     fit = subprocess.run(

@@ -216,15 +216,3 @@ def test_without_transformers_a_hugging_face_path_names_the_hf_extra(command, in
         assert "exporting a Hugging Face folder" in message, message
     assert f"needs the `transformers` package: {HF_EXTRA}" in message and "Traceback" not in message, message
     assert not dist.is_initialized() and not (tmp_path / "run").exists() and not out.exists()
-
-
-def test_the_librarys_install_leaves_transformers_to_the_hf_extra():
-    """What the README's first command installs (``-e .``) has neither transformers nor a package that brings
-    scipy (both imported by torchmetrics when installed); the ``hf`` extra and the test tools have transformers."""
-    from project_file import distributions, project
-
-    declared = project()
-    assert not distributions(declared["dependencies"]) & {"transformers", "scipy", "scikit-learn",
-                                                          "sentence-transformers"}
-    assert "transformers" in distributions(declared["optional-dependencies"]["hf"])
-    assert "transformers" in distributions(declared["optional-dependencies"]["test"])
