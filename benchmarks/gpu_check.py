@@ -440,9 +440,11 @@ def _step_flops(size: BertSize, tokens: int, seq: int, head_tokens: float) -> fl
 
 
 def _bench_one(framework: str, size: BertSize | LlamaSize, seq: int, batch: int, warmup: int, steps: int,
-               device: torch.device) -> dict[str, Any]:
+               device: torch.device, estimate: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """One timed ``Trainer.fit`` of ``framework`` ("hf", "ours", "ours+compile") on ``size``: BERT pretraining,
-    or a Llama-shaped decoder (a :class:`LlamaSize`: ``gpt_step.py``'s modules, every token in the loss)."""
+    or a Llama-shaped decoder (a :class:`LlamaSize`: ``gpt_step.py``'s modules, every token in the loss). With
+    ``estimate`` (the device's name and the ``gemm`` part's result), ours is also predicted
+    (:func:`step_estimate`, in the row's ``estimate``)."""
     import lightning.pytorch as pl
     from lightning.pytorch import Callback
 
@@ -520,16 +522,22 @@ def _bench_one(framework: str, size: BertSize | LlamaSize, seq: int, batch: int,
     else:
         head = MASK_FRACTION * tokens if framework.startswith("ours") else tokens  # ours: LM head on masked tokens only
         flops = _step_flops(size, tokens, seq, head)
-    return {"framework": framework, "size": size.name, "seq": seq, "batch": batch, "step_s": step,
+    row = {"framework": framework, "size": size.name, "seq": seq, "batch": batch, "step_s": step,
             "tokens_per_s": tokens / step, "tflops": flops / step / 1e12,
             "sdpa_kernels": prof_box.get("kernels", []), "by_kind_ms": prof_box.get("by_kind", {}),
             "top_non_gemm_ops": prof_box.get("top_ops", []),
             "profiled_step_s": prof_box.get("profiled_step_s"), "stream_syncs": prof_box.get("stream_syncs"),
             "peak_memory_gib": _peak_memory(device),
             "wall_s": wall, "steps_timed": len(times)}
+    if estimate is not None and framework == "ours":
+        shape = type(module).estimate_shape({"config": module.config}, {"max_seq_length": seq},
+                                            micro_batch_size=batch, global_batch_size=batch)
+        _estimated(row, shape, *estimate)
+    return row
 
 
-def part_bench(device: torch.device, dry: bool, gemm: dict[str, Any], compile_: bool) -> dict[str, Any]:
+def part_bench(device: torch.device, dry: bool, gemm: dict[str, Any], compile_: bool,
+               device_name: str = "") -> dict[str, Any]:
     if dry:
         plan = [(DRY, 64, 2, 1, 2)]
     else:
@@ -542,7 +550,7 @@ def part_bench(device: torch.device, dry: bool, gemm: dict[str, Any], compile_: 
                 continue  # compile once, on the size the target is about
             _log(f"bench {size.name} {fw}")
             try:
-                row = _bench_one(fw, size, seq, batch, warmup, steps, device)
+                row = _bench_one(fw, size, seq, batch, warmup, steps, device, (device_name, gemm))
                 row["mfu"] = row["tflops"] / gemm["bf16_tflops"] if gemm.get("bf16_tflops") else None
                 rows.append(row)
                 _log(f"  {row['tokens_per_s']:.0f} tokens/s, MFU {row['mfu'] or 0:.1%}, kernels {row['sdpa_kernels']}")
@@ -562,31 +570,42 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return ratios
 
 
-def decoder_estimate(size: LlamaSize, device_name: str, gemm_bf16_flops: float | None) -> dict[str, Any]:
-    """``check --estimate-time``'s prediction of one step of our decoder of ``size`` (TP=PP=DP=1, one microbatch
-    of ``size.batch``, bf16) on the device named ``device_name``: with the datasheet rates of its entry in
-    :data:`lightning_megatron.check.devices.DEVICES` (matched by name; none: H200's) and the default
-    efficiencies, and with the GEMM rate measured in this run (``gemm_bf16_flops``) at efficiency 1."""
+def step_estimate(shape: Any, device_name: str, gemm_bf16_flops: float | None) -> dict[str, Any]:
+    """``check --estimate-time``'s prediction of one step of the cost record ``shape`` (TP=PP=DP=1, bf16) on the
+    device named ``device_name``: the datasheet rates of its entry in
+    :data:`lightning_megatron.check.devices.DEVICES` (matched by name; none: H200's) at the default efficiencies,
+    the device's work alone and with the host's dispatch (the ops ``count_host_ops`` counts x ``HOST_OP``), and
+    with the GEMM rate measured in this run (``gemm_bf16_flops``) at efficiency 1."""
     import dataclasses
 
-    from gpt_step import _ours as decoder_ours
-
     from lightning_megatron.check.devices import DEVICES
-    from lightning_megatron.check.timing import Efficiency, estimate_time
-    from lightning_megatron.models.gpt.cost import GPTCost
+    from lightning_megatron.check.host_ops import count_host_ops
+    from lightning_megatron.check.timing import Efficiency, Framework, estimate_time
     from lightning_megatron.parallel_dims import ParallelDims
 
     key = next((k for k in DEVICES if k in device_name.lower()), None)
     datasheet = DEVICES[key or "h200"]
-    shape = GPTCost.from_config(decoder_ours(size, bf16=True).config, seq_length=size.seq_length,
-                                micro_batch_size=size.batch, global_batch_size=size.batch)
     one = ParallelDims(dp=1)
-    out: dict[str, Any] = {"device_entry": key, "datasheet_s": estimate_time(shape, one, datasheet).total}
+    with_host = Framework(host_ops=count_host_ops(shape))
+    out: dict[str, Any] = {"device_entry": key, "datasheet_s": estimate_time(shape, one, datasheet).device,
+                           "with_host_s": estimate_time(shape, one, datasheet, Efficiency(), with_host).total}
     if gemm_bf16_flops:
         measured = dataclasses.replace(datasheet, flops_16=gemm_bf16_flops)
-        out["measured_gemm_s"] = estimate_time(shape, one, measured,
-                                               dataclasses.replace(Efficiency(), gemm=1.0)).total
+        out["measured_gemm_s"] = estimate_time(shape, one, measured, dataclasses.replace(Efficiency(), gemm=1.0),
+                                               with_host).total
     return out
+
+
+def _estimated(row: dict[str, Any], shape: Any, device_name: str, gemm: dict[str, Any]) -> None:
+    """``row["estimate"]``: :func:`step_estimate` of ``shape`` with the measured step over each prediction."""
+    try:
+        rate = gemm.get("bf16_tflops")
+        estimate = step_estimate(shape, device_name, rate * 1e12 if rate else None)
+        estimate.update({f"measured_over_{k}": row["step_s"] / v for k, v in list(estimate.items())
+                         if k.endswith("_s")})
+        row["estimate"] = estimate
+    except Exception:  # noqa: BLE001 - the prediction is extra; the measured row still counts
+        row["estimate"] = {"error": traceback.format_exc()[-3000:]}
 
 
 def part_decoder(device: torch.device, dry: bool, gemm: dict[str, Any], device_name: str) -> dict[str, Any]:
@@ -596,7 +615,7 @@ def part_decoder(device: torch.device, dry: bool, gemm: dict[str, Any], device_n
     for fw in ("hf", "ours"):
         _log(f"decoder {size.name} {fw}")
         try:
-            row = _bench_one(fw, size, size.seq_length, size.batch, warmup, steps, device)
+            row = _bench_one(fw, size, size.seq_length, size.batch, warmup, steps, device, (device_name, gemm))
             row["mfu"] = row["tflops"] / gemm["bf16_tflops"] if gemm.get("bf16_tflops") else None
             rows.append(row)
             _log(f"  {row['tokens_per_s']:.0f} tokens/s, MFU {row['mfu'] or 0:.1%}, kernels {row['sdpa_kernels']}")
@@ -604,16 +623,6 @@ def part_decoder(device: torch.device, dry: bool, gemm: dict[str, Any], device_n
             errors.append({"framework": fw, "size": size.name, "error": traceback.format_exc()[-3000:]})
             _log(f"  FAILED: {errors[-1]['error'].splitlines()[-1]}")
     result: dict[str, Any] = {"rows": rows, "errors": errors, "ratios": _ratios(rows)}
-    ours = next((r for r in rows if r["framework"] == "ours"), None)
-    try:
-        rate = gemm.get("bf16_tflops")
-        estimate = decoder_estimate(size, device_name, rate * 1e12 if rate else None)
-        if ours:
-            estimate.update({f"measured_over_{k}": ours["step_s"] / v for k, v in list(estimate.items())
-                             if k.endswith("_s")})
-        result["estimate"] = estimate
-    except Exception:  # noqa: BLE001
-        result["estimate"] = {"error": traceback.format_exc()[-3000:]}
     return result
 
 
@@ -712,9 +721,10 @@ def summary_markdown(results: dict[str, Any]) -> str:
                 lines.append(f"- {r['size']} {r['framework']}: {top or '-'}")
         for e in bench.get("errors", []):
             lines.append(f"- {part} {e['size']} {e['framework']} FAILED: {e['error'].strip().splitlines()[-1]}")
-    estimate = results.get("decoder", {}).get("estimate")
-    if estimate:
-        lines += ["", f"- `--estimate-time` of our decoder step on this device: {estimate}"]
+    for part in ("bench", "decoder"):
+        for r in results.get(part, {}).get("rows", []):
+            if r.get("estimate"):
+                lines += ["", f"- `--estimate-time` of our {r['size']} step on this device: {r['estimate']}"]
     norm = results.get("norm", {})
     if norm.get("ms"):
         lines += ["", f"- grad norm's fp64 sum of squares over {norm['elements']:,} gradients in "
@@ -787,7 +797,8 @@ def main() -> int:
 
     run("env", part_env, device)
     run("gemm", part_gemm, device, args.dry_run)
-    run("bench", part_bench, device, args.dry_run, results.get("gemm", {}), not args.no_compile)
+    run("bench", part_bench, device, args.dry_run, results.get("gemm", {}), not args.no_compile,
+        results.get("env", {}).get("device_name", ""))
     run("decoder", part_decoder, device, args.dry_run, results.get("gemm", {}),
         results.get("env", {}).get("device_name", str(device)))
     run("norm", part_norm, device, args.dry_run)

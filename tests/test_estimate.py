@@ -13,7 +13,7 @@ from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.cost import DEFAULT_DROPOUT, TransformerCost, estimate_stage, search_layouts
 from lightning_megatron.models.bert.cost import BertCost
 from lightning_megatron.models.gpt.cost import GPTCost
-from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, collective_time,
+from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, HostOps, collective_time,
                                              elementwise_bytes, estimate_time, stage_flops)
 from lightning_megatron.flops import transformer_flops
 
@@ -166,6 +166,75 @@ def test_step_time_against_hand_computed_numbers():
     # megatron-core's gradient_accumulation_fusion: the weight-gradient GEMMs add into main_grad themselves.
     fused = estimate_time(m, layout, dev, MEASURED, Framework(overlap_grad_reduce=False, fused_grad_accumulation=True))
     assert fused.accumulate == 0 and fused.compute == pytest.approx(st.compute - accumulate, rel=1e-12)
+
+
+def test_the_host_bounds_a_step_whose_kernels_take_less_than_their_dispatch():
+    """On an accelerator the host queues the kernels ahead of the device: a step takes the longer of the device's
+    work and the host's dispatch (ops x host seconds per op), by the rank whose host dispatches the most."""
+    m = GPTCost(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=1024, seq_length=128,
+                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16")
+    dev = Device(name="fast device, slow host", flops_16=1e15, flops_32=1e14, hbm=1e13, link_intra=1e12,
+                 link_inter=1e11, host_op=20e-6)
+    ops = HostOps(layer=150, ends=300, step=350)
+    layout = ParallelDims(pp=2, dp=1)
+    st = estimate_time(m, layout, dev, MEASURED, Framework(host_ops=ops))
+    # 8 microbatches; the last stage dispatches its 2 layers' and the ends' ops for each, then the step's.
+    assert st.host == pytest.approx((8 * (2 * 150 + 300) + 350) * 20e-6, rel=1e-12)
+    assert st.host > st.device and st.total == st.host
+    assert st.tokens_per_s == pytest.approx(16 * 128 / st.host)
+    no_host = estimate_time(m, layout, dev, MEASURED, Framework())  # no counts: the device alone
+    assert no_host.host == 0 and no_host.total == no_host.device == pytest.approx(st.device, rel=1e-12)
+    cpu = estimate_time(m, layout, dataclasses.replace(dev, host_op=None), MEASURED, Framework(host_ops=ops))
+    assert cpu.host == 0  # a CPU runs its kernels on the host: their dispatch is inside the measured rates
+    recomputed = estimate_time(dataclasses.replace(m, recompute=True), layout, dev, MEASURED, Framework(host_ops=ops))
+    assert recomputed.host == pytest.approx((8 * (2 * 150 * 4 / 3 + 300) + 350) * 20e-6, rel=1e-12)
+    slow = dataclasses.replace(dev, flops_16=1e11)  # device-bound: the host waits
+    assert estimate_time(m, layout, slow, MEASURED, Framework(host_ops=ops)).total == pytest.approx(
+        estimate_time(m, layout, slow, MEASURED, Framework()).total, rel=1e-12)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_host_ops_are_counted_from_the_models_own_layer_and_ends_at_any_width(family):
+    """``count_host_ops`` counts a small copy of the model (the same spec, dropout, heads and groups); what its
+    layer and its ends dispatch does not depend on the width, the sequence or the batch: the same counts as this
+    test's own count of the model at another shape, with one hook op per trained parameter for the GradBuffer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_megatron.check.host_ops import count_host_ops
+    from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
+
+    if family == "bert":
+        m = BertCost(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=512, micro_batch_size=32,
+                     global_batch_size=32, params_dtype="bfloat16")
+        other = dataclasses.replace(m, hidden_size=96, seq_length=40, micro_batch_size=3)
+    else:
+        m = GPTCost(num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=5632,
+                    gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, position_embedding_type="rope",
+                    vocab_size=32000, seq_length=2048, micro_batch_size=16, global_batch_size=16,
+                    params_dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
+        other = dataclasses.replace(m, hidden_size=64, ffn_hidden_size=48, seq_length=24, micro_batch_size=2)
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(build) -> tuple[int, int]:
+        module, step = build()
+        step()
+        with Ops() as ops:
+            step()
+        return ops.count, sum(p.requires_grad for p in module.parameters())
+
+    tracker = get_rng_tracker()
+    if MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.states:
+        tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, 1234)
+    (layer, layer_params), (model, model_params) = counted(other.build_layer_step), counted(other.build_model_step)
+    host = count_host_ops(m)
+    assert host.layer == layer + layer_params > 100
+    assert host.ends == (model + model_params) - (layer + layer_params) > 50
 
 
 def test_vocabulary_and_grad_accumulation_bytes():
@@ -328,10 +397,26 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
                  for name, text in (("off", out), ("on", overlapped))}
     assert e.value.code == 0 and float(dp_column["off"]) > 0 and float(dp_column["on"]) == 0, dp_column
     for flags, message in ((["--device", "tpu"], "unknown device 'tpu'"),
-                           (["--link-efficiency", "1.5"], "efficiency link=1.5 must be in (0, 1]")):
+                           (["--link-efficiency", "1.5"], "efficiency link=1.5 must be in (0, 1]"),
+                           (["--device", "h100", "--host-op-us", "-1"], "--host-op-us -1: a GPU's host microseconds"),
+                           (["--device", "this", "--host-op-us", "5"], "--device this runs the kernels on its host")):
         with pytest.raises(SystemExit) as e:
             main(["check", "--config", str(recipe), "--estimate-time", *flags])
         assert e.value.code == 2 and message in capsys.readouterr().err
+    for host_us in ("22", "0"):  # the hosts' dispatch: counted and shown, or left out (the device alone)
+        with pytest.raises(SystemExit) as e:
+            main(["check", "--config", str(recipe), "--layouts", "tp1,tp2", "--estimate-time", "--device", "h100",
+                  "--host-op-us", host_us])
+        out = capsys.readouterr().out
+        assert e.value.code == 0, out
+        rows = {line.split()[0]: [float(x) for x in line.split()[1:11]] for line in out.splitlines()
+                if line.startswith("tp")}
+        step, host = {k: r[0] for k, r in rows.items()}, {k: r[9] for k, r in rows.items()}
+        if host_us == "0":
+            assert set(host.values()) == {0.0} and "us an op" not in out, out
+        else:  # one TP=2 rank dispatches every op of its layers, as one TP=1 rank: no faster on the host
+            assert "host 22 us an op" in out and host["tp2"] == host["tp1"] > 0, out
+            assert all(step[k] >= 0.999 * host[k] for k in step), out  # host printed to 3 digits
     with pytest.raises(SystemExit) as e:  # --gpus alone would silently run a parity check instead
         main(["check", "--config", str(recipe), "--gpus", "8"])
     assert e.value.code == 2 and "add one of them" in capsys.readouterr().err

@@ -5,7 +5,8 @@
 - :mod:`.memory`: closed-form bytes per rank of parameters, gradients, optimizer state and
   activations for a layout (docs/memory.md);
 - :mod:`.timing`: predicted step time, tokens/s and MFU of a layout from FLOPs, communication
-  volumes and device rates (:mod:`.devices`: datasheet figures, or this machine measured);
+  volumes and device rates (:mod:`.devices`: datasheet figures, or this machine measured), and on a GPU the
+  host's dispatch of the ops :mod:`.host_ops` counts;
 - :mod:`.cli`: the command line.
 """
 

@@ -9,22 +9,29 @@ DGX A100, one 400 Gb/s NDR NIC per GPU in a DGX H100/H200). What a kernel reache
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 from lightning_megatron.check.timing import Device
 from lightning_megatron.cost.protocols import StepCost
 
-__all__ = ["DEVICES", "device", "layer_seconds", "measure_this_machine", "model_seconds"]
+__all__ = ["DEVICES", "HOST_OP", "device", "isolated_rng", "layer_seconds", "measure_this_machine", "model_seconds"]
 
 _GB = 1e9
+HOST_OP = 22e-6
+"""Seconds of host time per op of the training step on a GPU host (:attr:`~lightning_megatron.check.timing.Device.
+host_op`): the H200 host of 2026-12-04 ran bert-base's step (seq 512 x 32, one GPU; 2,589 ops counted by
+:func:`~lightning_megatron.check.host_ops.count_host_ops`) in 57.8 ms with 35.5 ms of kernels. One machine's
+figure: hosts differ by 2x (that check's second machine); ``check --host-op-us`` sets another."""
 DEVICES: dict[str, Device] = {
     "a100": Device(name="A100 80GB SXM", flops_16=312e12, flops_32=19.5e12, hbm=2039 * _GB, link_intra=300 * _GB,
-                   link_inter=25 * _GB, source="NVIDIA A100 datasheet; DGX A100: 8x HDR 200 Gb/s"),
+                   link_inter=25 * _GB, host_op=HOST_OP, source="NVIDIA A100 datasheet; DGX A100: 8x HDR 200 Gb/s"),
     "h100": Device(name="H100 SXM", flops_16=989e12, flops_32=67e12, hbm=3350 * _GB, link_intra=450 * _GB,
-                   link_inter=50 * _GB, source="NVIDIA H100 datasheet; DGX H100: 8x NDR 400 Gb/s"),
+                   link_inter=50 * _GB, host_op=HOST_OP, source="NVIDIA H100 datasheet; DGX H100: 8x NDR 400 Gb/s"),
     "h200": Device(name="H200 SXM", flops_16=989e12, flops_32=67e12, hbm=4800 * _GB, link_intra=450 * _GB,
-                   link_inter=50 * _GB, source="NVIDIA H200 datasheet; DGX H200: 8x NDR 400 Gb/s"),
+                   link_inter=50 * _GB, host_op=HOST_OP, source="NVIDIA H200 datasheet; DGX H200: 8x NDR 400 Gb/s"),
 }
 
 
@@ -78,10 +85,10 @@ def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) ->
         dist.destroy_process_group()
 
 
-def _best_of_3(build) -> float:
-    """Best of 3 runs of the step ``build()`` returns (after one untimed), one thread, with the weights,
-    inputs and dropout masks drawn from RNG states that are put back afterwards (the global one and
-    the model-parallel tracker's), so the measurement changes no later result."""
+@contextlib.contextmanager
+def isolated_rng() -> Iterator[None]:
+    """One thread, and the RNG states (the global one and the model-parallel tracker's, with its stream added
+    when missing) put back afterwards: a step built and run inside changes no later result."""
     import torch
 
     from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
@@ -94,13 +101,20 @@ def _best_of_3(build) -> float:
         with torch.random.fork_rng(devices=[]):
             if MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.states:
                 tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, max(saved_seeds, default=0) + 1)
-            step = build()
-            step()
-            return min(_timed(step) for _ in range(3))
+            yield
     finally:
         torch.set_num_threads(threads)
         tracker.set_states(saved_states)
         tracker.seeds = saved_seeds
+
+
+def _best_of_3(build) -> float:
+    """Best of 3 runs of the step ``build()`` returns (after one untimed), with the weights, inputs and dropout
+    masks drawn inside :func:`isolated_rng`."""
+    with isolated_rng():
+        step = build()
+        step()
+        return min(_timed(step) for _ in range(3))
 
 
 def _timed_step(build) -> float:

@@ -123,12 +123,14 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
     print(f"{m.describe()}: {estimate_stage(m, ParallelDims(dp=1), 0).params / 1e6:.1f} M parameters; {gpus} GPUs"
           + (f" of {gpu_memory / 1e9:.0f} GB" if gpu_memory else ""))
     if timing is not None:
-        dev, eff, _ = timing
+        from lightning_megatron.check.host_ops import host_line
+
+        dev, eff, fw = timing
         print(f"step time on {dev.name} ({dev.source}; {dev.devices_per_node} per node), achievable fractions: "
-              f"GEMM {eff.gemm:g}, memory {eff.memory:g}, links {eff.link:g}")
+              f"GEMM {eff.gemm:g}, memory {eff.memory:g}, links {eff.link:g}" + host_line(dev, fw))
     head = f"{'layout':<22} {'params':>7} {'grads':>7} {'optim.':>7} {'activ.':>7} {'GiB':>7}  fits"
     if timing is not None:
-        head += f" {'step s':>9} {'tokens/s':>10} {'MFU':>5}  (compute/TP/CP/EP/PP/bubble/DP/optimizer s)"
+        head += f" {'step s':>9} {'tokens/s':>10} {'MFU':>5}  (compute/TP/CP/EP/PP/bubble/DP/optimizer/host s)"
     print(head)
     g = 2**30
     mine = _recipe_layout_for(recipe, gpus)
@@ -137,7 +139,7 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
         line = f"{layout.name:<22} " + " ".join(f"{x / g:7.2f}" for x in sizes) + f"  {'yes' if ok else 'no ':<3}"
         if step is not None:
             parts = (step.compute, step.tp_comm, step.cp_comm, step.ep_comm, step.pp_comm, step.bubble, step.dp_comm,
-                     step.optimizer)
+                     step.optimizer, step.host)
             line += (f" {step.total:9.4g} {step.tokens_per_s:10.4g} {step.mfu:5.1%}  "
                      + "/".join(f"{x:.3g}" for x in parts))
         print(line + ("   <- the recipe's" if mine is not None and layout.name == mine.name else ""))

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.check.host_ops import count_host_ops, host_line
 from lightning_megatron.check.memory_cli import model_shape
 from lightning_megatron.check.timing import MEASURED, Device, Efficiency, Framework, estimate_time
 from lightning_megatron.cost.protocols import StepCost
@@ -17,6 +18,9 @@ __all__ = ["timing_inputs", "time_table"]
 def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework]:
     """(device, efficiencies, framework) from the CLI flags; ``--device this`` measures this machine."""
     on_cpu = args.device == "this"
+    if args.host_op_us is not None and (on_cpu or args.host_op_us < 0):
+        raise ValueError(f"--host-op-us {args.host_op_us:g}: a GPU's host microseconds per op, >= 0 (0: the device "
+                         f"alone); --device this runs the kernels on its host, whose dispatch its measured rates hold")
     m = model_shape(recipe, on_cpu=on_cpu, training=True)
     if not isinstance(m, StepCost):
         raise ValueError(f"--estimate-time models transformer layers: {recipe.model_class}.estimate_shape returned a "
@@ -35,13 +39,18 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
         base = Efficiency()
     if args.devices_per_node is not None:
         dev = dataclasses.replace(dev, devices_per_node=args.devices_per_node)
+    if args.host_op_us is not None:
+        dev = dataclasses.replace(dev, host_op=args.host_op_us * 1e-6 or None)
+    host_ops = None
+    if dev.host_op is not None:
+        host_ops = count_host_ops(m)
     eff = Efficiency(gemm=args.gemm_efficiency or base.gemm, memory=args.memory_efficiency or base.memory,
                      link=args.link_efficiency or base.link)
     # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
     # shared-memory collectives.
     overlap = (not on_cpu) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
     fw = Framework(overlap_grad_reduce=overlap, overlap_param_gather=args.overlap_param_gather == "on",
-                   fused_attention=not m.unfused_attention)
+                   fused_attention=not m.unfused_attention, host_ops=host_ops)
     return dev, eff, fw
 
 
@@ -50,12 +59,12 @@ def time_table(recipe: Any, layouts: list[ParallelDims], timing: tuple[Device, E
     dev, eff, fw = timing
     m = model_shape(recipe, on_cpu=dev.cores is not None, training=True)
     lines = [f"predicted step time on {dev.name} ({dev.source}); achievable fractions: GEMM {eff.gemm:g}, "
-             f"memory {eff.memory:g}, links {eff.link:g}",
+             f"memory {eff.memory:g}, links {eff.link:g}" + host_line(dev, fw),
              f"{'layout':<14} {'step s':>9} {'compute':>9} {'TP':>8} {'CP':>8} {'EP':>8} {'PP':>8} {'bubble':>8} "
-             f"{'DP':>8} {'optim.':>8} {'tokens/s':>10} {'MFU':>6}"]
+             f"{'DP':>8} {'optim.':>8} {'host':>8} {'tokens/s':>10} {'MFU':>6}"]
     for layout in layouts:
         st = estimate_time(m, layout, dev, eff, fw)
         lines.append(f"{layout.name:<14} {st.total:9.4g} {st.compute:9.3g} {st.tp_comm:8.3g} {st.cp_comm:8.3g} "
-                     f"{st.ep_comm:8.3g} {st.pp_comm:8.3g} "
-                     f"{st.bubble:8.3g} {st.dp_comm:8.3g} {st.optimizer:8.3g} {st.tokens_per_s:10.4g} {st.mfu:6.1%}")
+                     f"{st.ep_comm:8.3g} {st.pp_comm:8.3g} {st.bubble:8.3g} {st.dp_comm:8.3g} {st.optimizer:8.3g} "
+                     f"{st.host:8.3g} {st.tokens_per_s:10.4g} {st.mfu:6.1%}")
     return "\n".join(lines)

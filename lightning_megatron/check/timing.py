@@ -22,7 +22,9 @@ microbatch time of the other stages (the slowest runs back to back; the pipe fil
 forwards and drains with their backwards: the last stage, which holds the head, waits for lighter ones). Collectives are ring
 algorithms: an all-reduce of ``n`` bytes over ``k`` ranks moves ``2 (k-1)/k n`` bytes per rank, an
 all-gather, reduce-scatter or all-to-all ``(k-1)/k n``; time = bytes / (link bandwidth x link_eff) +
-latency, over NVLink inside a node and InfiniBand between nodes.
+latency, over NVLink inside a node and InfiniBand between nodes. On a GPU the host queues the kernels
+ahead of the device, so the step takes the longer of that and the host's dispatch, ``host_op`` seconds an op
+(:attr:`Device.host_op`) times the ops the busiest rank dispatches (:class:`HostOps`).
 
 Context parallelism (``c`` ranks) gives each rank ``s/c`` of every sample's tokens: the FLOPs, the
 elementwise and logit bytes and the TP and pipeline messages of a rank are ``1/c`` of CP=1's (the
@@ -47,7 +49,8 @@ from lightning_megatron.cost.transformer import TransformerCost
 from lightning_megatron.flops import transformer_flops
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
-__all__ = ["Device", "Efficiency", "Framework", "StepTime", "adapter_bytes", "collective_time", "elementwise_bytes",
+__all__ = ["Device", "Efficiency", "Framework", "HostOps", "STEP_OPS", "StepTime",
+           "adapter_bytes", "collective_time", "elementwise_bytes",
            "estimate_time", "grad_accumulation_bytes", "layer_flops", "model_flops", "stage_flops", "vocab_bytes"]
 
 
@@ -85,6 +88,11 @@ class Device:
     ``hbm``). On a CPU the LM head's GEMMs with few rows (the masked tokens) against the [V, h]
     weight run far below the GEMM rate and the dense embedding gradient is written into fresh memory:
     measured on this machine from the model's embedding, heads and loss (``devices.measure_this_machine``)."""
+    host_op: float | None = None
+    """Seconds of host time per aten op the training step dispatches (Python, autograd, the kernel's launch):
+    an accelerator runs its kernels while the host queues the next ones, so a step takes at least its ops times
+    this (:class:`HostOps`). None: the host runs the kernels itself (a CPU; their dispatch is inside the measured
+    rates)."""
     cores: int | None = None
     """A host without accelerators: the rates are per core, and each of a layout's ranks gets
     ``cores / world_size`` cores (threads when fewer ranks than cores, time slices when more)."""
@@ -110,6 +118,25 @@ class Efficiency:
 
 MEASURED = Efficiency(gemm=1.0, memory=1.0, link=1.0)
 
+STEP_OPS = 350
+"""Host work once an optimizer step, in ops at the training step's host time per op: the wrapper's flat step,
+zero-grad, Lightning's loop and its logging. ``benchmarks/host_step.py`` at bert-base's depth: 3.7 ms of them
+(optimizer 2.0, batch-end callbacks 1.0, loop and data 0.7) at ~10.5 us per op of the training step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostOps:
+    """The aten ops (views included) one rank's host dispatches for a step of the model, counted from its own
+    layer and one-layer model (:func:`lightning_megatron.check.host_ops.count_host_ops`): they do not depend on
+    the width, the sequence or the batch. Not counted: the TP, CP and EP collectives' few ops per layer."""
+
+    layer: int
+    """One layer's forward and backward of one microbatch, and the GradBuffer hook's op per trained parameter."""
+    ends: int
+    """The embeddings, heads and loss of one microbatch, their hook ops included (counted on the last stage)."""
+    step: int = STEP_OPS
+    """Once a step: :data:`STEP_OPS`."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Framework:
@@ -133,6 +160,8 @@ class Framework:
     """The weight-gradient GEMMs add into the fp32 ``main_grad`` themselves (megatron-core's
     ``gradient_accumulation_fusion``). Off here: each microbatch's backward writes ``param.grad`` and
     the GradBuffer's hook adds it into ``main_grad`` (:func:`grad_accumulation_bytes`)."""
+    host_ops: HostOps | None = None
+    """What the host dispatches per step, for a device with a :attr:`Device.host_op` (None: not modelled)."""
 
     def optimizer_bytes_per_param(self, param_bytes: int) -> int:
         """``optimizer_bytes``, or what the wrappers move per parameter of ``param_bytes``-byte params: Adam over
@@ -177,11 +206,20 @@ class StepTime:
     """Of ``compute``: the passes over vocabulary-sized tensors (:func:`vocab_bytes`), all microbatches."""
     accumulate: float = 0.0
     """Of ``compute``: adding each microbatch's gradients into the fp32 main grads (:func:`grad_accumulation_bytes`)."""
+    host: float = 0.0
+    """The busiest rank's host dispatching the step's ops (:class:`HostOps` x :attr:`Device.host_op`); 0 where not
+    modelled."""
+
+    @property
+    def device(self) -> float:
+        """The device's part: compute, exposed communication, bubble and optimizer."""
+        return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+                + self.optimizer)
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
-                + self.optimizer)
+        """The longer of the device's work and the host's dispatch (the host queues kernels ahead of the device)."""
+        return max(self.device, self.host)
 
     @property
     def tokens_per_s(self) -> float:
@@ -469,7 +507,12 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         gather = max(0.0, gather - 1.0 / 3.0 * compute_mb)
     owned = sum(n / k for n, k, _ in replicas) if layout.zero1 else params
     optimizer = owned * fw.optimizer_bytes_per_param(e) / mem_rate
+    host = 0.0
+    if dev.host_op is not None and fw.host_ops is not None:  # the busiest host: the last stage's, with the ends
+        ops = fw.host_ops
+        layer_ops = ops.layer * (4 / 3 if m.recompute else 1)  # the recomputed forward: a third of fwd + bwd
+        host = (microbatches * (layers * layer_ops + ops.ends) + ops.step) * dev.host_op
     return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb,
                     cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
-                    peak=peak * share, vocab=microbatches * vocab_mb, accumulate=accumulate)
+                    peak=peak * share, vocab=microbatches * vocab_mb, accumulate=accumulate, host=host)
