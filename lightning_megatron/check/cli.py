@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --estimate-time: DP reduction overlapped with the backward (default: the strategy's "
                         "default, on; off for --device this, whose CPU tuning reduces synchronously)")
     p.add_argument("--host-op-us", type=float, default=None,
-                   help="with --estimate-time on a GPU: host microseconds per op the step dispatches (default 22, "
+                   help="with --estimate-time on a GPU: host microseconds per op the step dispatches (default 30, "
                         "measured on one H200 host; 0: the device's time alone)")
     p.add_argument("--overlap-param-gather", choices=("on", "off"), default="off",
                    help="with --estimate-time: the ZeRO-1 parameter all-gather hidden behind the next forward "

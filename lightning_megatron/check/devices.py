@@ -20,11 +20,10 @@ from lightning_megatron.cost.protocols import StepCost
 __all__ = ["DEVICES", "HOST_OP", "device", "isolated_rng", "layer_seconds", "measure_this_machine", "model_seconds"]
 
 _GB = 1e9
-HOST_OP = 22e-6
+HOST_OP = 30e-6
 """Seconds of host time per op of the training step on a GPU host (:attr:`~lightning_megatron.check.timing.Device.
-host_op`): the H200 host of 2026-12-04 ran bert-base's step (seq 512 x 32, one GPU; 2,589 ops counted by
-:func:`~lightning_megatron.check.host_ops.count_host_ops`) in 57.8 ms with 35.5 ms of kernels. One machine's
-figure: hosts differ by 2x (that check's second machine); ``check --host-op-us`` sets another."""
+host_op`): one H200 host's, bert-base's host-bound step over the ops it dispatches (docs/check.md, "Host");
+hosts differ, ``check --host-op-us`` sets another."""
 DEVICES: dict[str, Device] = {
     "a100": Device(name="A100 80GB SXM", flops_16=312e12, flops_32=19.5e12, hbm=2039 * _GB, link_intra=300 * _GB,
                    link_inter=25 * _GB, host_op=HOST_OP, source="NVIDIA A100 datasheet; DGX A100: 8x HDR 200 Gb/s"),

@@ -15,9 +15,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from lightning_megatron.check.timing import Device, Framework, HostOps
 from lightning_megatron.cost.protocols import StepCost
 from lightning_megatron.cost.transformer import TransformerCost
+from lightning_megatron.transformer.kernels import Kernels, set_kernels
 
 __all__ = ["count_host_ops", "host_line", "small_copy"]
 
@@ -39,16 +42,29 @@ def small_copy(m: TransformerCost) -> TransformerCost:
     return dataclasses.replace(m, **narrow)
 
 
+class _AcceleratorKernels(Kernels):
+    """The library's default kernels as an accelerator dispatches them, for counting on the CPU: ``F.dropout`` is
+    one fused op there (``native_dropout``, and its backward one), four on the CPU (``empty_like``,
+    ``bernoulli_``, ``div_``, ``mul``)."""
+
+    def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        return torch.native_dropout(x, p, True)[0]
+
+
 def count_host_ops(m: StepCost) -> HostOps | None:
     """The aten ops (views included) of one microbatch of ``m``'s layer and of its ends (embeddings, heads, loss:
     the one-layer model's less the layer's), each with one op per trained parameter (the GradBuffer's hook adding
-    the gradient into ``main_grad``). None when ``m`` is not a :class:`TransformerCost` (no small copy to build);
-    ends of 0 when its family builds no one-layer model."""
+    the gradient into ``main_grad``), as an accelerator dispatches them: dropout one fused op each way, and fused
+    attention one op each way, its dropout inside the kernel (the CPU's SDPA with dropout is its math path, ~45
+    ops; counted without the dropout: one op each way there too). None when ``m`` is not a
+    :class:`TransformerCost` (no small copy to build); ends of 0 when its family builds no one-layer model."""
     if not isinstance(m, TransformerCost):
         return None
     from lightning_megatron.check.devices import isolated_rng
 
     small = small_copy(m)
+    if not m.unfused_attention:
+        small = dataclasses.replace(small, attention_dropout=0.0)
     with isolated_rng():
         layer = _dispatched(small.build_layer_step)
         try:
@@ -71,6 +87,7 @@ def _dispatched(build: Callable[[], tuple[Any, Callable[[], None]]]) -> int:
             return func(*args, **(kwargs or {}))
 
     module, step = build()
+    set_kernels(module, _AcceleratorKernels())
     step()
     with Count() as count:
         step()

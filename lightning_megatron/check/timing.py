@@ -120,8 +120,7 @@ MEASURED = Efficiency(gemm=1.0, memory=1.0, link=1.0)
 
 STEP_OPS = 350
 """Host work once an optimizer step, in ops at the training step's host time per op: the wrapper's flat step,
-zero-grad, Lightning's loop and its logging. ``benchmarks/host_step.py`` at bert-base's depth: 3.7 ms of them
-(optimizer 2.0, batch-end callbacks 1.0, loop and data 0.7) at ~10.5 us per op of the training step."""
+zero-grad, Lightning's loop and its logging (``benchmarks/host_step.py``'s phases; docs/check.md, "Host")."""
 
 
 @dataclass(frozen=True, kw_only=True)
