@@ -193,14 +193,15 @@ def test_the_host_bounds_a_step_whose_kernels_take_less_than_their_dispatch():
         estimate_time(m, layout, slow, MEASURED, Framework()).total, rel=1e-12)
 
 
-@pytest.mark.parametrize("family", ["bert", "llama"])
+@pytest.mark.parametrize("family", ["bert", "gpt"])
 def test_host_ops_are_counted_from_the_models_own_layer_and_ends_at_any_width(family):
     """``count_host_ops`` counts a small copy of the model (the same spec, norms, heads and groups) as an
-    accelerator dispatches it. Without dropout (where the CPU dispatches as a GPU does) its counts are this test's
-    own count of the model's layer and one-layer model at another width, sequence and batch, with one hook op per
-    trained parameter for the GradBuffer; with dropout each hidden dropout site adds its fused op and that op's
-    backward (2 a layer's site; the CPU composes four ops forward), and the attention's dropout nothing (inside
-    the fused kernel; the CPU's SDPA with dropout runs its ~45-op math path)."""
+    accelerator dispatches it: a layer is a two-layer model's ops less a one-layer model's. Without dropout and
+    with LayerNorm (where the CPU dispatches as a GPU does) its counts are this test's own count of the model at
+    another width, sequence and batch, with one hook op per trained parameter for the GradBuffer. Each hidden
+    dropout site adds its fused op and that op's backward (2; the CPU composes four ops forward), the attention's
+    dropout nothing (inside the fused kernel; the CPU's SDPA with dropout runs its ~45-op math path), and RMSNorm
+    is a fused kernel each way as LayerNorm is (the CPU composes ~25 ops)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lightning_megatron.check.host_ops import count_host_ops
@@ -212,7 +213,7 @@ def test_host_ops_are_counted_from_the_models_own_layer_and_ends_at_any_width(fa
         other = dataclasses.replace(m, hidden_size=96, seq_length=40, micro_batch_size=3)
     else:
         m = GPTCost(num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=5632,
-                    gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, position_embedding_type="rope",
+                    gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope",
                     vocab_size=32000, seq_length=2048, micro_batch_size=16, global_batch_size=16,
                     params_dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
         other = dataclasses.replace(m, hidden_size=64, ffn_hidden_size=48, seq_length=24, micro_batch_size=2)
@@ -224,8 +225,8 @@ def test_host_ops_are_counted_from_the_models_own_layer_and_ends_at_any_width(fa
             self.count += 1
             return func(*args, **(kwargs or {}))
 
-    def counted(build) -> int:
-        module, step = build()
+    def counted(layers: int) -> int:
+        module, step = other.build_model_step(layers)
         step()
         with Ops() as ops:
             step()
@@ -234,13 +235,16 @@ def test_host_ops_are_counted_from_the_models_own_layer_and_ends_at_any_width(fa
     tracker = get_rng_tracker()
     if MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.states:
         tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, 1234)
-    layer, model = counted(other.build_layer_step), counted(other.build_model_step)
+    one, two = counted(1), counted(2)
     host = count_host_ops(m)
-    assert host.layer == layer > 100 and host.ends == model - layer > 50, (host, layer, model)
+    assert host.layer == two - one > 100 and host.ends == 2 * one - two > 50, (host, one, two)
     dropped = count_host_ops(dataclasses.replace(m, hidden_dropout=0.1, attention_dropout=0.1))
     assert dropped.layer == host.layer + 2 * 2  # two bias-dropout-adds a layer
     if family == "bert":  # and the embeddings' dropout
         assert dropped.ends == host.ends + 2
+    else:  # two norms a layer and the final one: a fused kernel each way; a weight each, where LayerNorm's bias
+        rms = count_host_ops(dataclasses.replace(m, rmsnorm=True))  # costs its AccumulateGrad's and the hook's ops
+        assert rms.layer == host.layer - 2 * 2 and rms.ends == host.ends - 2, (rms, host)
 
 
 def test_vocabulary_and_grad_accumulation_bytes():

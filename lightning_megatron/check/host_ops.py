@@ -1,12 +1,13 @@
 """What a step of the model dispatches on its host, for ``check --estimate-time`` on an accelerator.
 
 An accelerator runs a kernel while its host prepares the next (Python, autograd, the launch): a step whose
-kernels are short takes as long as its host's dispatch, whatever the device's rates (the H200's bert-base step:
-35.5 ms of kernels in 57.8 ms, docs/benchmarks.md, "GPU check"). The ops a step dispatches do not depend on the
-width, the sequence or the batch, so they are counted on a small copy of the model: its own layer and its
-one-layer model with the same spec, norms, dropout, heads, groups, experts and adapters
-(:meth:`~lightning_megatron.cost.protocols.StepCost.build_layer_step`, ``build_model_step``), run once on the
-CPU under a counting dispatch mode.
+kernels are short takes as long as its host's dispatch, whatever the device's rates (docs/check.md, "Host").
+The ops a step dispatches do not depend on the width, the sequence or the batch, so they are counted on a small
+copy of the model with the same spec, norms, dropout, heads, groups, experts and adapters: its models of two
+layers and of one (:meth:`~lightning_megatron.cost.protocols.StepCost.build_model_step`; a layer is their
+difference, as it runs inside the model, rotary embeddings and masks included), run on the CPU under a counting
+dispatch mode, with the functions that are one fused kernel each way on an accelerator but a composite of
+several ops on the CPU (:data:`FUSED_ON_ACCELERATORS`) dispatched as the GPU's fused kernels are.
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_megatron.check.timing import Device, Framework, HostOps
 from lightning_megatron.cost.protocols import StepCost
 from lightning_megatron.cost.transformer import TransformerCost
-from lightning_megatron.transformer.kernels import Kernels, set_kernels
 
-__all__ = ["count_host_ops", "host_line", "small_copy"]
+__all__ = ["FUSED_ON_ACCELERATORS", "count_host_ops", "host_line", "small_copy"]
+
+FUSED_ON_ACCELERATORS = (F.dropout, F.rms_norm, F.scaled_dot_product_attention)
+"""One kernel each way on a GPU, several ops on the CPU, and so counted as the GPU dispatches them: ``F.dropout``
+(four ops forward on the CPU) as ``native_dropout``, which the CPU has too; SDPA with dropout (its ~45-op math
+path on the CPU) as SDPA without, one fused kernel on both (a GPU's applies the dropout inside); ``F.rms_norm``
+(the CPU composes ~25 ops; ``_fused_rms_norm`` on a GPU) as the CPU's fused LayerNorm without its bias."""
 
 
 def small_copy(m: TransformerCost) -> TransformerCost:
@@ -42,56 +51,67 @@ def small_copy(m: TransformerCost) -> TransformerCost:
     return dataclasses.replace(m, **narrow)
 
 
-class _AcceleratorKernels(Kernels):
-    """The library's default kernels as an accelerator dispatches them, for counting on the CPU: ``F.dropout`` is
-    one fused op there (``native_dropout``, and its backward one), four on the CPU (``empty_like``,
-    ``bernoulli_``, ``div_``, ``mul``)."""
-
-    def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
-        return torch.native_dropout(x, p, True)[0]
-
-
 def count_host_ops(m: StepCost) -> HostOps | None:
     """The aten ops (views included) of one microbatch of ``m``'s layer and of its ends (embeddings, heads, loss:
-    the one-layer model's less the layer's), each with one op per trained parameter (the GradBuffer's hook adding
-    the gradient into ``main_grad``), as an accelerator dispatches them: dropout one fused op each way, and fused
-    attention one op each way, its dropout inside the kernel (the CPU's SDPA with dropout is its math path, ~45
-    ops; counted without the dropout: one op each way there too). None when ``m`` is not a
-    :class:`TransformerCost` (no small copy to build); ends of 0 when its family builds no one-layer model."""
+    the one-layer model's less a layer), each with one op per trained parameter (the GradBuffer's hook adding the
+    gradient into ``main_grad``), as an accelerator dispatches them (:data:`FUSED_ON_ACCELERATORS`). None when
+    ``m`` is not a :class:`TransformerCost` (no small copy to build); without a family's models, its layer alone
+    (:meth:`~lightning_megatron.cost.protocols.StepCost.build_layer_step`) and ends of 0."""
     if not isinstance(m, TransformerCost):
         return None
     from lightning_megatron.check.devices import isolated_rng
 
     small = small_copy(m)
-    if not m.unfused_attention:
-        small = dataclasses.replace(small, attention_dropout=0.0)
     with isolated_rng():
-        layer = _dispatched(small.build_layer_step)
         try:
-            model = _dispatched(small.build_model_step)
+            one, two = _dispatched(lambda: small.build_model_step(1)), _dispatched(lambda: small.build_model_step(2))
         except NotImplementedError:
-            model = layer
-    return HostOps(layer=layer, ends=model - layer)
+            return HostOps(layer=_dispatched(small.build_layer_step), ends=0)
+    return HostOps(layer=two - one, ends=2 * one - two)
+
+
+class _Counter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _AsAccelerator(TorchFunctionMode):
+    """Each call of :data:`FUSED_ON_ACCELERATORS` as a GPU dispatches it (training dropouts; the others)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in FUSED_ON_ACCELERATORS or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        if func is F.dropout:
+            x, p = args[0], kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            if not kwargs.get("training", args[2] if len(args) > 2 else True) or p == 0:
+                return func(*args, **kwargs)
+            return torch.native_dropout(x, p, True)[0]
+        if func is F.scaled_dot_product_attention:
+            if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+                return func(*args[:4], 0.0, *args[5:], **kwargs)
+            return func(*args, **{**kwargs, "dropout_p": 0.0})
+        # F.rms_norm(input, normalized_shape, weight, eps): a fused norm kernel each way, as the CPU's LayerNorm
+        full = dict(zip(("input", "normalized_shape", "weight", "eps"), args), **kwargs)
+        return F.layer_norm(full["input"], full["normalized_shape"], full.get("weight"), None, full.get("eps") or 1e-5)
 
 
 def _dispatched(build: Callable[[], tuple[Any, Callable[[], None]]]) -> int:
     """Ops of the second run of ``build()``'s step (the first may make what later ones reuse), plus its module's
     trained parameters."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            return func(*args, **(kwargs or {}))
-
     module, step = build()
-    set_kernels(module, _AcceleratorKernels())
     step()
-    with Count() as count:
+    counter = _Counter()
+    with counter, _AsAccelerator():
         step()
-    return count.ops + sum(p.requires_grad for p in module.parameters())
+    return counter.ops + sum(p.requires_grad for p in module.parameters())
 
 
 def host_line(dev: Device, fw: Framework) -> str:

@@ -101,9 +101,9 @@ class StepCost(MemoryCost, Protocol):
         runs its forward and backward on one microbatch; the caller may swap the module's kernels
         before timing ``step``."""
 
-    def build_model_step(self) -> tuple[Any, Callable[[], None]]:
-        """``(module, step)``: a one-layer model of these sizes with its embeddings, heads and loss, and a
-        step that runs one microbatch's forward and backward as a training step does. Raises
+    def build_model_step(self, num_layers: int = 1) -> tuple[Any, Callable[[], None]]:
+        """``(module, step)``: a model of these sizes with ``num_layers`` layers, its embeddings, heads and loss,
+        and a step that runs one microbatch's forward and backward as a training step does. Raises
         ``NotImplementedError`` when the family does not build one (its vocabulary passes are then timed
         at the copy rate)."""
 

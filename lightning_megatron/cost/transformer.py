@@ -361,5 +361,5 @@ class TransformerCost:
                      global_names={id(p): n for n, p in module.named_parameters()})
         return module
 
-    def build_model_step(self) -> tuple[Any, Callable[[], None]]:
+    def build_model_step(self, num_layers: int = 1) -> tuple[Any, Callable[[], None]]:
         raise NotImplementedError(f"{type(self).__name__} builds no one-layer model to time")

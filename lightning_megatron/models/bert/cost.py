@@ -76,8 +76,9 @@ class BertCost(TransformerCost):
         norm = RMSNorm if self.rmsnorm else (LayerNorm if self.post_norm else Norm)
         return bert_layer_spec(norm, "post" if self.post_norm else "pre")
 
-    def build_model_step(self) -> tuple[Any, Callable[[], None]]:
-        """A one-layer BertModel and its loss as ``BertLightningModule.forward_step`` runs a microbatch:
+    def build_model_step(self, num_layers: int = 1) -> tuple[Any, Callable[[], None]]:
+        """A BertModel of ``num_layers`` layers (one: what :func:`~lightning_megatron.check.devices.model_seconds`
+        times) and its loss as ``BertLightningModule.forward_step`` runs a microbatch:
         embeddings, the layer, the LM head on the masked tokens with the word embedding tied to the output
         layer, the binary head, the vocab-parallel cross entropy, the predictions' argmax."""
         import torch
@@ -87,7 +88,7 @@ class BertCost(TransformerCost):
         from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
         s, b, v = self.seq_length, self.micro_batch_size, self.vocab_size
-        model = BertModel(self.layer_config(), self.layer_spec(), v, self.max_sequence_length,
+        model = BertModel(self.layer_config(num_layers), self.layer_spec(), v, self.max_sequence_length,
                           make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
         model = self.with_adapters(model)
         tokens = torch.randint(0, v, (b, s))

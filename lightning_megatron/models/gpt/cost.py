@@ -46,14 +46,15 @@ class GPTCost(TransformerCost):
         return decoder_layer_spec(RMSNorm if self.rmsnorm else LayerNorm,
                                   moe_mlp_spec() if self.num_moe_experts else None)
 
-    def build_model_step(self) -> tuple[Any, Callable[[], None]]:
-        """A one-layer GPTModel with its loss on every token, as ``GPTLightningModule`` runs a microbatch."""
+    def build_model_step(self, num_layers: int = 1) -> tuple[Any, Callable[[], None]]:
+        """A GPTModel of ``num_layers`` layers with its loss on every token, as ``GPTLightningModule`` runs a
+        microbatch."""
         import torch
 
         from lightning_megatron.models.gpt.model import GPTModel, gpt_loss
 
         s, b, v = self.seq_length, self.micro_batch_size, self.vocab_size
-        model = GPTModel(self.layer_config(), self.layer_spec(), v, max(self.max_sequence_length, s),
+        model = GPTModel(self.layer_config(num_layers), self.layer_spec(), v, max(self.max_sequence_length, s),
                          position_embedding_type=self.position_embedding_type,
                          share_embeddings_and_output_weights=not self.untie_embeddings_and_output_weights,
                          make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
