@@ -432,6 +432,27 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
     assert e.value.code == 2 and "add one of them" in capsys.readouterr().err
 
 
+def test_cli_refuses_an_estimate_whose_ops_it_cannot_count_and_names_the_way_round(capsys, tmp_path, monkeypatch):
+    """A model whose small copy fails to run stops the estimate with the reason and ``--host-op-us 0``."""
+    from lightning_megatron.check import time_cli
+    from lightning_megatron.cli import main
+
+    def cannot(m):
+        raise RuntimeError("a shape the small copy cannot take")
+
+    monkeypatch.setattr(time_cli, "count_host_ops", cannot)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  config:\n    num_layers: 2\n    hidden_size: 64\n    num_attention_heads: 4\n")
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--layouts", "tp1", "--estimate-time", "--device", "h100"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "a shape the small copy cannot take" in err and "--host-op-us 0" in err, err
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--layouts", "tp1", "--estimate-time", "--device", "h100",
+              "--host-op-us", "0"])
+    assert e.value.code == 0 and "tp1" in capsys.readouterr().out
+
+
 class _ToyCost:
     """A model family's own cost model (not a TransformerCost): 100 parameters per layer split over TP, 7 more on
     the first stage; 1000 activation bytes per layer and microbatch; its own TP rule."""

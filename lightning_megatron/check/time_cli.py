@@ -43,7 +43,12 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
         dev = dataclasses.replace(dev, host_op=args.host_op_us * 1e-6 or None)
     host_ops = None
     if dev.host_op is not None:
-        host_ops = count_host_ops(m)
+        try:
+            host_ops = count_host_ops(m)
+        except Exception as e:  # a model the small copy cannot stand for: say so, with the way round
+            raise ValueError(f"--estimate-time counts the host's ops on a small copy of the model ({m.describe()}), "
+                             f"which failed: {type(e).__name__}: {e}; --host-op-us 0 predicts the device's time "
+                             f"alone") from e
     eff = Efficiency(gemm=args.gemm_efficiency or base.gemm, memory=args.memory_efficiency or base.memory,
                      link=args.link_efficiency or base.link)
     # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
