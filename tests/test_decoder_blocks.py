@@ -194,6 +194,50 @@ def test_rotary_has_the_bits_of_rotate_half_through_autograd_without_its_copies(
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("percent", [1.0, 0.5])
+def test_rotating_the_query_and_key_heads_in_one_pass_has_the_bits_of_rotating_each(percent, dtype):
+    """``apply_rotary_pos_emb_heads`` on linear_qkv's group-major output (2 groups of 3 query heads, a key and a
+    value) rotates every query and key head and copies the value: the bits of RoPE on the split query and key
+    (which ``apply_rotary_pos_emb`` is, against the expression above), gradients and second derivatives too, in
+    fewer ops than the two at dispatch, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_megatron.transformer.rotary import apply_rotary_pos_emb_heads
+
+    s, groups, per_group = 6, 2, 3
+    freqs = RotaryEmbedding(D, percent, 10000.0)(s)
+    torch.manual_seed(0)
+    mixed = torch.randn(s, 2, groups, per_group + 2, D, dtype=dtype, requires_grad=True)
+    ref = mixed.detach().clone().requires_grad_(True)
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.randn(s, 2, groups, per_group + 2, D, dtype=dtype)
+    with Ops() as joint:
+        got = apply_rotary_pos_emb_heads(mixed, freqs, per_group + 1)
+        got.backward(g)
+    with Ops() as apart:
+        q, k, v = ref.split([per_group, 1, 1], dim=-2)
+        want = torch.cat([apply_rotary_pos_emb(q, freqs.unsqueeze(-2)), apply_rotary_pos_emb(k, freqs.unsqueeze(-2)),
+                          v], dim=-2)
+        want.backward(g)
+    assert torch.equal(got, want) and torch.equal(mixed.grad, ref.grad), (percent, dtype)
+    assert joint.count < apart.count * 2 // 3, (joint.count, apart.count)
+    (gg,) = torch.autograd.grad(apply_rotary_pos_emb_heads(mixed, freqs, per_group + 1).pow(2).sum(), mixed,
+                                create_graph=True)
+    q, k, v = ref.split([per_group, 1, 1], dim=-2)
+    rotated = torch.cat([apply_rotary_pos_emb(q, freqs.unsqueeze(-2)), apply_rotary_pos_emb(k, freqs.unsqueeze(-2)),
+                         v], dim=-2)
+    (want_gg,) = torch.autograd.grad(rotated.pow(2).sum(), ref, create_graph=True)
+    assert torch.equal(torch.autograd.grad(gg.sum(), mixed)[0], torch.autograd.grad(want_gg.sum(), ref)[0])
+
+
 # ---------------------------------------------------------------- attention and MLP
 
 

@@ -63,7 +63,7 @@ from lightning_megatron.transformer.context_parallel import ContextParallel
 from lightning_megatron.transformer.dropout import dropout
 from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
-from lightning_megatron.transformer.rotary import apply_rotary_pos_emb
+from lightning_megatron.transformer.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_heads
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp
 
@@ -248,7 +248,11 @@ class SelfAttention(nn.Module):
         self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=d,
                                         eps=config.layernorm_epsilon)
 
-    def _query_key_value(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _query_key_value(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """``(query, key, value, rotated)``: with ``rotary_pos_emb``, no q/k norms (which come before RoPE) and
+        whole groups on this rank, the query and key heads are rotated together before the split
+        (:func:`~lightning_megatron.transformer.rotary.apply_rotary_pos_emb_heads`), and ``rotated`` is True."""
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, g/t * (n/g + 2) * d], group-major
         s, b = mixed.shape[:2]
         d, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
@@ -261,6 +265,11 @@ class SelfAttention(nn.Module):
             j = self.tp_rank // (t // g)
             mixed = full.movedim(0, -1)[..., j * width:(j + 1) * width]
         per_group = n // g if g < t else self.num_attention_heads_per_partition // groups  # query heads per group
+        rotated = (rotary_pos_emb is not None and g >= t and isinstance(self.q_layernorm, IdentityOp)
+                   and isinstance(self.k_layernorm, IdentityOp))
+        if rotated:
+            mixed = apply_rotary_pos_emb_heads(mixed.reshape(s, b, groups, per_group + 2, d), rotary_pos_emb,
+                                               per_group + 1)
         mixed = mixed.reshape(s, b, groups, (per_group + 2) * d)
         query, key, value = torch.split(mixed, [per_group * d, d, d], dim=-1)
         query = query.reshape(s, b, groups * per_group, d)
@@ -268,7 +277,7 @@ class SelfAttention(nn.Module):
             mine = self.num_attention_heads_per_partition
             i = self.tp_rank % (t // g)
             query = query[:, :, i * mine:(i + 1) * mine]
-        return query, key, value
+        return query, key, value, rotated
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
                 rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None,
@@ -292,9 +301,10 @@ class SelfAttention(nn.Module):
             raise ValueError("a KV cache (inference_context) with an attention_mask is not supported: the cache holds "
                              "the padding of prompts of unequal length (InferenceContext(left_padding=...)) and "
                              "makes the mask; pass attention_mask=None")
-        query, key, value = self._query_key_value(hidden_states)  # [s, b, n/t, d]; key, value [s, b, g/t, d]
+        # [s, b, n/t, d]; key, value [s, b, g/t, d]
+        query, key, value, rotated = self._query_key_value(hidden_states, rotary_pos_emb)
         query, key = self.q_layernorm(query), self.k_layernorm(key)
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb is not None and not rotated:
             query, key = apply_rotary_pos_emb(query, rotary_pos_emb), apply_rotary_pos_emb(key, rotary_pos_emb)
         if context_parallel is not None:  # over the CP group: gathered keys and values, or heads for sequence
             attend = functools.partial(context_parallel.attention, self.core_attention,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb", "rotate_half"]
+__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_heads", "rotate_half"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -93,10 +93,46 @@ class _Rotate(torch.autograd.Function):
         return _Rotate.apply(grad, cos, -sin), None, None
 
 
-def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_pos_emb_heads(t: torch.Tensor, freqs: torch.Tensor, heads: int) -> torch.Tensor:
+    """RoPE of the leading ``heads`` heads of ``t`` [s, b, groups, heads + k, d] by ``freqs`` [s, 1, 1, d_rot], the
+    other ``k`` copied: a new tensor of ``t``'s shape. On linear_qkv's group-major output (each group's query heads,
+    its key, its value) one pass rotates every query and key, where :func:`apply_rotary_pos_emb` on the query and
+    the key after their split would be two, each a dozen ops forward and backward (host time on an accelerator,
+    docs/check.md, "Host"); the same bits."""
+    if freqs.shape[0] != t.shape[0]:
+        raise ValueError(f"rotary table has {freqs.shape[0]} positions but the tensor has sequence length "
+                         f"{t.shape[0]}: compute the table for the whole sequence (RotaryEmbedding(seq_len, offset))")
+    freqs = freqs.unsqueeze(-2)  # [s, 1, 1, 1, d_rot]
+    if torch.compiler.is_compiling():
+        return torch.cat([apply_rotary_pos_emb(t[..., :heads, :], freqs), t[..., heads:, :]], dim=-2)
+    return _RotateHeads.apply(t, freqs.cos().to(t.dtype), freqs.sin().to(t.dtype), heads)
+
+
+class _RotateHeads(torch.autograd.Function):
+    """:class:`_Rotate` on the leading ``heads`` heads (dim -2) of a new tensor, the others copied; the backward
+    the same by the opposite angle."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.heads = heads
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        _rotated(t[..., :heads, :], cos, sin, out[..., :heads, :])
+        out[..., heads:, :].copy_(t[..., heads:, :])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _RotateHeads.apply(grad, cos, -sin, ctx.heads), None, None, None
+
+
+def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t * cos + rotate_half(t) * sin`` on the leading channels, into ``out`` (a new tensor when None)."""
     rot = cos.shape[-1]
     h = rot // 2
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if out is None:
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     o = out[..., :rot]
     torch.mul(t[..., :rot], cos, out=o)
     o[..., :h].sub_(t[..., h:rot] * sin[..., :h])
