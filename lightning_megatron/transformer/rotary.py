@@ -133,10 +133,11 @@ def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.T
     h = rot // 2
     if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    o = out[..., :rot]
-    torch.mul(t[..., :rot], cos, out=o)
+    whole = rot == t.shape[-1]  # every channel rotated (the usual case): no views of all of them to dispatch
+    o = out if whole else out[..., :rot]
+    torch.mul(t if whole else t[..., :rot], cos, out=o)
     o[..., :h].sub_(t[..., h:rot] * sin[..., :h])
     o[..., h:].add_(t[..., :h] * sin[..., h:])
-    if rot < t.shape[-1]:
+    if not whole:
         out[..., rot:].copy_(t[..., rot:])
     return out
