@@ -326,8 +326,20 @@ def test_measured_vocab_rate_times_the_vocabulary_passes():
     decoder = GPTCost(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
                       gated_linear_unit=True, add_bias_linear=False, rmsnorm=True, position_embedding_type="rope",
                       vocab_size=1000, seq_length=16, micro_batch_size=2, global_batch_size=4, on_cpu=True)
-    layer, _ = decoder.build_layer_step()
+    layer, step = decoder.build_layer_step()
     assert layer.self_attention.linear_qkv.weight.shape == ((4 + 2 * 2) * 16, 64)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:  # the timed layer runs the model's rotary embeddings, which its counted bytes include
+        step()
+    assert {"cos", "sin"} <= ops.names, sorted(ops.names)
     assert layer.mlp.linear_fc1.weight.shape == (2 * 96, 64) and layer.mlp.linear_fc1.bias is None
     assert type(layer.input_layernorm).__name__ == "RMSNorm"
     model, _ = decoder.build_model_step()

@@ -330,19 +330,22 @@ class TransformerCost:
                                  attention_backend=self.attention_backend)
 
     def build_layer_step(self) -> tuple[Any, Callable[[], None]]:
-        """One layer of :meth:`layer_spec` on its micro batch ``[s, b, h]``: forward, backward with ones, and
+        """One layer of :meth:`layer_spec` on its micro batch ``[s, b, h]``, with the rotary embeddings of the
+        sequence when the model has them (``position_embedding_type: rope``): forward, backward with ones, and
         fresh gradients each time (the GradBuffer's hook takes them away after every microbatch)."""
         import torch
 
+        from lightning_megatron.transformer.rotary import RotaryEmbedding
         from lightning_megatron.transformer.spec import build_module
 
         config = self.layer_config()
         layer = self.with_adapters(build_module(self.layer_spec(), config=config, layer_number=1))
         x = torch.randn(self.seq_length, self.micro_batch_size, self.hidden_size, dtype=config.params_dtype,
                         requires_grad=True)
+        rope = {"rotary_pos_emb": RotaryEmbedding(self.head_dim)(self.seq_length)} if self.rotary else {}
 
         def step() -> None:
-            y = layer(x, None)
+            y = layer(x, None, **rope)
             y.backward(torch.ones_like(y))
             layer.zero_grad(set_to_none=True)
             x.grad = None
