@@ -125,9 +125,10 @@ zero-grad, Lightning's loop and its logging (``benchmarks/host_step.py``'s phase
 
 @dataclass(frozen=True, kw_only=True)
 class HostOps:
-    """The aten ops (views included) one rank's host dispatches for a step of the model, counted from its own
-    layer and one-layer model (:func:`lightning_megatron.check.host_ops.count_host_ops`): they do not depend on
-    the width, the sequence or the batch. Not counted: the TP, CP and EP collectives' few ops per layer."""
+    """The aten ops (views included) one rank's host dispatches for a step of the model, counted on a small copy
+    of it (:func:`lightning_megatron.check.host_ops.count_host_ops`: its two-layer model's ops less its one-layer
+    model's): they do not depend on the width, the sequence or the batch. Not counted: the TP, CP and EP
+    collectives' few ops per layer."""
 
     layer: int
     """One layer's forward and backward of one microbatch, and the GradBuffer hook's op per trained parameter."""
