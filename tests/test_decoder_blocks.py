@@ -236,6 +236,10 @@ def test_rotating_the_query_and_key_heads_in_one_pass_has_the_bits_of_rotating_e
                          v], dim=-2)
     (want_gg,) = torch.autograd.grad(rotated.pow(2).sum(), ref, create_graph=True)
     assert torch.equal(torch.autograd.grad(gg.sum(), mixed)[0], torch.autograd.grad(want_gg.sum(), ref)[0])
+    for rotate in (lambda t, f: apply_rotary_pos_emb(t, f.unsqueeze(-2)),
+                   lambda t, f: apply_rotary_pos_emb_heads(t, f, 1)):
+        with pytest.raises(ValueError, match="rotary table has 5 positions but the tensor has sequence length 6"):
+            rotate(mixed, freqs[:5])  # a table of other positions than the tensor's sequence is refused
 
 
 # ---------------------------------------------------------------- attention and MLP

@@ -61,9 +61,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """RoPE of ``t`` [s, b, heads, d] by the angle table ``freqs`` [s, 1, 1, d_rot] (d_rot <= d): the
     leading d_rot channels are rotated, the rest returned unchanged."""
-    if freqs.shape[0] != t.shape[0]:
-        raise ValueError(f"rotary table has {freqs.shape[0]} positions but the tensor has sequence length "
-                         f"{t.shape[0]}: compute the table for the whole sequence (RotaryEmbedding(seq_len, offset))")
+    _check_table(t, freqs)
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
     if torch.compiler.is_compiling():  # the expression itself: the compiler fuses it (and cannot trace out= views)
         rot = freqs.shape[-1]
@@ -71,6 +69,13 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         t_rot = t_rot * cos + rotate_half(t_rot) * sin
         return t_rot if t_pass.shape[-1] == 0 else torch.cat([t_rot, t_pass], dim=-1)
     return _Rotate.apply(t, cos, sin)
+
+
+def _check_table(t: torch.Tensor, freqs: torch.Tensor) -> None:
+    """Refuses a table whose positions are not ``t``'s sequence."""
+    if freqs.shape[0] != t.shape[0]:
+        raise ValueError(f"rotary table has {freqs.shape[0]} positions but the tensor has sequence length "
+                         f"{t.shape[0]}: compute the table for the whole sequence (RotaryEmbedding(seq_len, offset))")
 
 
 class _Rotate(torch.autograd.Function):
@@ -99,9 +104,7 @@ def apply_rotary_pos_emb_heads(t: torch.Tensor, freqs: torch.Tensor, heads: int)
     its key, its value) one pass rotates every query and key, where :func:`apply_rotary_pos_emb` on the query and
     the key after their split would be two, each a dozen ops forward and backward (host time on an accelerator,
     docs/check.md, "Host"); the same bits."""
-    if freqs.shape[0] != t.shape[0]:
-        raise ValueError(f"rotary table has {freqs.shape[0]} positions but the tensor has sequence length "
-                         f"{t.shape[0]}: compute the table for the whole sequence (RotaryEmbedding(seq_len, offset))")
+    _check_table(t, freqs)
     freqs = freqs.unsqueeze(-2)  # [s, 1, 1, 1, d_rot]
     if torch.compiler.is_compiling():
         return torch.cat([apply_rotary_pos_emb(t[..., :heads, :], freqs), t[..., heads:, :]], dim=-2)
