@@ -31,7 +31,7 @@ from lightning_megatron.transformer import (
     TransformerLayerSubmodules,
     get_bias_dropout_add,
 )
-from lightning_megatron.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from lightning_megatron.transformer.rotary import RotaryEmbedding, RotaryTable, apply_rotary_pos_emb
 from lightning_megatron.parallel_dims import ParallelDims
 
 H, N, D, F_HIDDEN = 64, 4, 16, 96
@@ -152,8 +152,9 @@ def test_partial_rotary_rotates_the_leading_channels_only():
 def test_rotary_has_the_bits_of_rotate_half_through_autograd_without_its_copies(percent, dtype):
     """RoPE and its gradient are the bits of ``t * cos + rotate_half(t) * sin`` (its passing channels appended)
     through autograd, on a strided view as the qkv split gives; rotate_half's negation and concatenation are not
-    made (no ``neg`` or ``cat`` of anything larger than the angle table at dispatch, forward or backward), and the
-    second derivative is taken through it (the backward is the rotation by the opposite angle). Compiled, one
+    made (no ``neg`` or ``cat`` at dispatch, forward or backward: the backward rotates by the same tables with
+    the sin terms' signs swapped), and the second derivative is taken through it (the backward is the rotation by
+    the opposite angle). The same bits from a :class:`RotaryTable`, whose cos and sin are made once. Compiled, one
     graph."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -185,7 +186,13 @@ def test_rotary_has_the_bits_of_rotate_half_through_autograd_without_its_copies(
         got.backward(g)
     want.backward(g)
     assert torch.equal(got, want) and torch.equal(t.grad, ref.grad), (percent, dtype)
-    assert not [(op, n) for op, n in seen if op in ("neg", "cat") and n > freqs.numel()], seen
+    assert not [(op, n) for op, n in seen if op in ("neg", "cat")], seen
+    table = RotaryTable(freqs)  # the model's: cos and sin made once for all the layers, the same bits
+    t.grad = None
+    got_from_table = apply_rotary_pos_emb(t, table)
+    got_from_table.backward(g)
+    assert torch.equal(got_from_table, want) and torch.equal(t.grad, ref.grad)
+    assert table.cos_sin(dtype)[0] is table.cos_sin(dtype)[0]
     (gg,) = torch.autograd.grad(apply_rotary_pos_emb(t, freqs).pow(2).sum(), t, create_graph=True)
     (want_gg,) = torch.autograd.grad(expression(ref).pow(2).sum(), ref, create_graph=True)
     assert torch.equal(torch.autograd.grad(gg.sum(), t)[0], torch.autograd.grad(want_gg.sum(), ref)[0])

@@ -435,3 +435,40 @@ def test_a_training_step_makes_the_logits_as_few_times_as_it_needs(dtype, most):
         loss_func(output)[0].backward()
     assert len(made) <= most, made
     assert any("mm" in m for m in made), made  # the counter sees the output layer's product
+
+
+@pytest.mark.parametrize("positions", ["shared", "per-sample"])
+def test_a_decoder_step_makes_the_rope_cos_and_sin_once_for_all_its_layers(positions):
+    """Every layer rotates its queries and keys by the same cos and sin of the forward's angle table, in the
+    activations' dtype: the model makes them once for all its layers (as Hugging Face Llama's
+    ``position_embeddings``), and keeps those of the positions every training step shares from one step to the
+    next; the backward rotates back by the same tables (no negated sin). Counted at dispatch in the second
+    training step of a bf16 decoder of three layers: no cos, sin or neg with shared positions (each layer made
+    a cos, a sin, two casts and, backward, a neg), one cos and one sin with each sample's own positions."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import dataclasses
+
+    model = GPTModel(dataclasses.replace(_llama_config(), num_layers=3), "llama_layer_spec", VOCAB, SEQ,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False).to(torch.bfloat16)
+    ids = _tokens()
+    kwargs = {}
+    if positions == "per-sample":  # two packed documents a sample, each from position 0
+        kwargs["position_ids"] = torch.cat([torch.arange(5), torch.arange(SEQ - 5)]).expand(BATCH, SEQ)
+    counts: dict[str, int] = {}
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            counts[name] = counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    def step() -> None:
+        model(ids[:, :-1], labels=ids[:, 1:], **kwargs).float().mean().backward()
+
+    step()
+    with Ops():
+        step()
+    made = {op: counts.get(op, 0) for op in ("cos", "sin", "neg")}
+    want = {"cos": 0, "sin": 0, "neg": 0} if positions == "shared" else {"cos": 1, "sin": 1, "neg": 0}
+    assert made == want, made

@@ -331,18 +331,20 @@ class TransformerCost:
 
     def build_layer_step(self) -> tuple[Any, Callable[[], None]]:
         """One layer of :meth:`layer_spec` on its micro batch ``[s, b, h]``, with the rotary embeddings of the
-        sequence when the model has them (``position_embedding_type: rope``): forward, backward with ones, and
-        fresh gradients each time (the GradBuffer's hook takes them away after every microbatch)."""
+        sequence when the model has them (``position_embedding_type: rope``; one
+        :class:`~lightning_megatron.transformer.rotary.RotaryTable` from step to step, its cos and sin made on the
+        first, as the model keeps them): forward, backward with ones, and fresh gradients each time (the
+        GradBuffer's hook takes them away after every microbatch)."""
         import torch
 
-        from lightning_megatron.transformer.rotary import RotaryEmbedding
+        from lightning_megatron.transformer.rotary import RotaryEmbedding, RotaryTable
         from lightning_megatron.transformer.spec import build_module
 
         config = self.layer_config()
         layer = self.with_adapters(build_module(self.layer_spec(), config=config, layer_number=1))
         x = torch.randn(self.seq_length, self.micro_batch_size, self.hidden_size, dtype=config.params_dtype,
                         requires_grad=True)
-        rope = {"rotary_pos_emb": RotaryEmbedding(self.head_dim)(self.seq_length)} if self.rotary else {}
+        rope = {"rotary_pos_emb": RotaryTable(RotaryEmbedding(self.head_dim)(self.seq_length))} if self.rotary else {}
 
         def step() -> None:
             y = layer(x, None, **rope)

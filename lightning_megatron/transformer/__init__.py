@@ -17,7 +17,7 @@ from lightning_megatron.transformer.layer import (
 )
 from lightning_megatron.transformer.mlp import MLP, MLPSubmodules
 from lightning_megatron.transformer.norms import LayerNorm, Norm, RMSNorm, get_norm_class, resolve_norm_class
-from lightning_megatron.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from lightning_megatron.transformer.rotary import RotaryEmbedding, RotaryTable, apply_rotary_pos_emb
 from lightning_megatron.transformer.spec import ModuleSpec, build_module, get_spec, list_specs, register_spec
 from lightning_megatron.transformer.utils import (
     AttnMaskType,
@@ -36,5 +36,5 @@ __all__ = [
     "LayerNorm", "RMSNorm", "Norm", "get_norm_class", "resolve_norm_class", "get_bias_dropout_add", "norm_placement", "layer_norm_spec",
     "Dropout", "dropout", "AttnMaskType", "IdentityOp", "IdentityFuncOp", "get_activation_func", "mark_sequence_parallel",
     "seeded", "stable_seed", "Kernels", "DEFAULT_KERNELS", "set_kernels", "RotaryEmbedding", "apply_rotary_pos_emb",
-    "InferenceContext",
+    "RotaryTable", "InferenceContext",
 ]

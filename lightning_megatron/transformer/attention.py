@@ -63,7 +63,7 @@ from lightning_megatron.transformer.context_parallel import ContextParallel
 from lightning_megatron.transformer.dropout import dropout
 from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
-from lightning_megatron.transformer.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_heads
+from lightning_megatron.transformer.rotary import RotaryTable, apply_rotary_pos_emb, apply_rotary_pos_emb_heads
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp
 
@@ -248,7 +248,7 @@ class SelfAttention(nn.Module):
         self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=d,
                                         eps=config.layernorm_epsilon)
 
-    def _query_key_value(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None
+    def _query_key_value(self, hidden_states: torch.Tensor, rotary_pos_emb: RotaryTable | None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """``(query, key, value, rotated)``: with ``rotary_pos_emb``, no q/k norms (which come before RoPE) and
         whole groups on this rank, the query and key heads are rotated together before the split
@@ -280,10 +280,12 @@ class SelfAttention(nn.Module):
         return query, key, value, rotated
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None,
+                rotary_pos_emb: torch.Tensor | RotaryTable | None = None,
+                inference_context: InferenceContext | None = None,
                 context_parallel: ContextParallel | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``rotary_pos_emb``: the RoPE angle table [s, 1, 1, d_rot] of this forward's positions (the
-        full sequence, or the new tokens with a KV cache), or None. ``inference_context``: the KV
+        full sequence, or the new tokens with a KV cache; a :class:`~lightning_megatron.transformer.rotary.
+        RotaryTable`, whose cos and sin the model's layers share), or None. ``inference_context``: the KV
         cache (:class:`~lightning_megatron.transformer.inference.InferenceContext`): this forward's
         keys and values are appended and the queries attend to every cached position (but the padding of
         left-padded prompts: the context's :meth:`~InferenceContext.attention_mask`).
@@ -301,6 +303,8 @@ class SelfAttention(nn.Module):
             raise ValueError("a KV cache (inference_context) with an attention_mask is not supported: the cache holds "
                              "the padding of prompts of unequal length (InferenceContext(left_padding=...)) and "
                              "makes the mask; pass attention_mask=None")
+        if rotary_pos_emb is not None:
+            rotary_pos_emb = RotaryTable.of(rotary_pos_emb)
         # [s, b, n/t, d]; key, value [s, b, g/t, d]
         query, key, value, rotated = self._query_key_value(hidden_states, rotary_pos_emb)
         query, key = self.q_layernorm(query), self.k_layernorm(key)

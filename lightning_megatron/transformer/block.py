@@ -27,6 +27,7 @@ from lightning_megatron.tensor_parallel import get_rng_tracker, recompute
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.layer import layer_norm_spec, norm_placement
+from lightning_megatron.transformer.rotary import RotaryTable
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import seeded
 
@@ -76,7 +77,7 @@ class TransformerBlock(nn.Module):
 
     def _run(self, start: int, end: int):
         def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                rotary_pos_emb: torch.Tensor | None, inference_context: InferenceContext | None = None,
+                rotary_pos_emb: RotaryTable | None, inference_context: InferenceContext | None = None,
                 context_parallel: ContextParallel | None = None) -> torch.Tensor:
             extra = {} if context_parallel is None else {"context_parallel": context_parallel}
             for layer in self.layers[start:end]:
@@ -86,10 +87,12 @@ class TransformerBlock(nn.Module):
         return run
 
     def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None, *,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None,
+                rotary_pos_emb: torch.Tensor | RotaryTable | None = None,
+                inference_context: InferenceContext | None = None,
                 context_parallel: ContextParallel | None = None) -> torch.Tensor:
         """``rotary_pos_emb``: the RoPE table [s, 1, 1, d_rot] of the full sequence (also under sequence
-        parallelism) or None; it reaches every layer's attention, recomputed or not.
+        parallelism) or None; it reaches every layer's attention, recomputed or not, as one
+        :class:`~lightning_megatron.transformer.rotary.RotaryTable` (its cos and sin made once for them all).
         ``inference_context``: the KV cache of generation (no recomputation then).
         ``context_parallel``: this rank's part of the sequence
         (:class:`~lightning_megatron.transformer.context_parallel.ContextParallel`), for every attention."""
@@ -97,6 +100,8 @@ class TransformerBlock(nn.Module):
             if self.input_tensor is None:
                 raise ValueError("TransformerBlock with pre_process=False needs set_input_tensor(...) before forward")
             hidden_states = self.input_tensor
+        if rotary_pos_emb is not None:
+            rotary_pos_emb = RotaryTable.of(rotary_pos_emb)
         cfg, n = self.config, len(self.layers)
         # Under sequence parallelism each rank holds a different sequence chunk, so hidden dropout
         # must draw from the per-rank model-parallel stream (Megatron does the same).

@@ -35,6 +35,7 @@ from lightning_megatron.transformer.utils import IdentityFuncOp, IdentityOp
 
 if TYPE_CHECKING:
     from lightning_megatron.transformer.context_parallel import ContextParallel
+    from lightning_megatron.transformer.rotary import RotaryTable
 
 __all__ = [
     "TransformerLayerSubmodules",
@@ -138,9 +139,11 @@ class TransformerLayer(nn.Module):
         return slot(self.training, kernels=self.kernels)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                rotary_pos_emb: torch.Tensor | None = None, inference_context: InferenceContext | None = None,
+                rotary_pos_emb: torch.Tensor | RotaryTable | None = None,
+                inference_context: InferenceContext | None = None,
                 context_parallel: ContextParallel | None = None) -> torch.Tensor:
-        """``rotary_pos_emb`` (the RoPE table, :mod:`~lightning_megatron.transformer.rotary`) and
+        """``rotary_pos_emb`` (the RoPE table or its :class:`~lightning_megatron.transformer.rotary.RotaryTable`,
+        :mod:`~lightning_megatron.transformer.rotary`) and
         ``inference_context`` (the KV cache, :mod:`~lightning_megatron.transformer.inference`) go to the
         attention, and ``context_parallel`` (:mod:`~lightning_megatron.transformer.context_parallel`); each is
         passed only when given, so attention modules without them keep working."""

@@ -12,9 +12,10 @@ so <rope(q, p), rope(k, p')> depends on p - p' only. The angle table is fp32; co
 the activation dtype before the product (as Hugging Face and megatron-core do).
 
 The model computes the table for the whole sequence once and passes it down as ``rotary_pos_emb``
-(TransformerBlock -> TransformerLayer -> SelfAttention). Under sequence parallelism q and k are
-full-sequence after linear_qkv's all-gather, so the full table applies. With a KV cache the new tokens
-sit at positions ``offset ..``: ``RotaryEmbedding(seq_len, offset)`` gives their rows.
+(TransformerBlock -> TransformerLayer -> SelfAttention), as a :class:`RotaryTable`: the angles with their cos
+and sin, made once for all the layers (a layer given the bare angles makes its own). Under sequence
+parallelism q and k are full-sequence after linear_qkv's all-gather, so the full table applies. With a KV
+cache the new tokens sit at positions ``offset ..``: ``RotaryEmbedding(seq_len, offset)`` gives their rows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_heads", "rotate_half"]
+__all__ = ["RotaryEmbedding", "RotaryTable", "apply_rotary_pos_emb", "apply_rotary_pos_emb_heads", "rotate_half"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -52,23 +53,60 @@ class RotaryEmbedding(nn.Module):
         return f"dim={self.dim}, base={self.base}"
 
 
+class RotaryTable:
+    """The angle table of one forward's positions, ``freqs`` [s, 1, 1, d_rot] (or [s, b, 1, d_rot]: each sample's
+    own positions; fp32), with its cos and sin in each dtype a layer asks for, made on the first ask: every layer
+    of a forward rotates by the same tables (as Hugging Face Llama's ``position_embeddings``), where each would
+    compute and cast its own (host time on an accelerator, docs/check.md, "Host"). A model may keep one from step
+    to step for positions every step shares (not one made in inference mode: its tensors cannot be saved for a
+    backward)."""
+
+    def __init__(self, freqs: torch.Tensor) -> None:
+        self.freqs = freqs
+        self._cos_sin: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, dtype: torch.dtype, ndim: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos(freqs), sin(freqs))`` computed in fp32 and cast to ``dtype`` (as Hugging Face and megatron-core
+        do before the product), with singleton dims before the last to ``ndim`` dims ([s, 1, 1, 1, d_rot] for
+        :func:`apply_rotary_pos_emb_heads`)."""
+        pair = self._cos_sin.get((dtype, ndim))
+        if pair is None:
+            cos, sin = self._cos_sin.get((dtype, self.freqs.dim())) or (self.freqs.cos().to(dtype),
+                                                                       self.freqs.sin().to(dtype))
+            self._cos_sin[(dtype, self.freqs.dim())] = cos, sin
+            shape = (*cos.shape[:-1], *(1,) * (ndim - cos.dim()), cos.shape[-1])
+            pair = self._cos_sin[(dtype, ndim)] = cos.view(shape), sin.view(shape)
+        return pair
+
+    @staticmethod
+    def of(table: torch.Tensor | RotaryTable) -> RotaryTable:
+        """``table`` itself, or the bare angles ``table`` in a new one."""
+        return table if isinstance(table, RotaryTable) else RotaryTable(table)
+
+    def __repr__(self) -> str:
+        return f"RotaryTable(freqs={tuple(self.freqs.shape)}, made={sorted(str(d) for d, _ in self._cos_sin)})"
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[x_1, x_2] -> [-x_2, x_1] along the last dimension."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """RoPE of ``t`` [s, b, heads, d] by the angle table ``freqs`` [s, 1, 1, d_rot] (d_rot <= d): the
-    leading d_rot channels are rotated, the rest returned unchanged."""
-    _check_table(t, freqs)
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor | RotaryTable) -> torch.Tensor:
+    """RoPE of ``t`` [s, b, heads, d] by the angle table ``freqs`` [s, 1, 1, d_rot] (d_rot <= d; or a
+    :class:`RotaryTable`, whose cos and sin are made once): the leading d_rot channels are rotated, the rest
+    returned unchanged."""
+    table = RotaryTable.of(freqs)
+    _check_table(t, table.freqs)
     if torch.compiler.is_compiling():  # the expression itself: the compiler fuses it (and cannot trace out= views)
-        rot = freqs.shape[-1]
+        cos, sin = table.freqs.cos().to(t.dtype), table.freqs.sin().to(t.dtype)
+        rot = cos.shape[-1]
         t_rot, t_pass = t[..., :rot], t[..., rot:]
         t_rot = t_rot * cos + rotate_half(t_rot) * sin
         return t_rot if t_pass.shape[-1] == 0 else torch.cat([t_rot, t_pass], dim=-1)
-    return _Rotate.apply(t, cos, sin)
+    cos, sin = table.cos_sin(t.dtype)
+    return _Rotate.apply(t, cos, sin, False)
 
 
 def _check_table(t: torch.Tensor, freqs: torch.Tensor) -> None:
@@ -82,33 +120,37 @@ class _Rotate(torch.autograd.Function):
     """``t * cos + rotate_half(t) * sin`` on the leading channels, the bits of that expression through autograd
     without rotate_half's negated copy and concatenation (nor the one that appends the passing channels): with
     halves 1, 2 of the rotated channels, ``[t1 c1 - t2 s1, t2 c2 + t1 s2]`` (``a + (-b)`` is ``a - b`` exactly),
-    and the backward its transpose ``[g1 c1 + g2 s2, g2 c2 - g1 s1]``, the rotation by the opposite angle. Saves
+    and the backward its transpose ``[g1 c1 + g2 s2, g2 c2 - g1 s1]``, the rotation by the opposite angle
+    (``inverse``: the same tables, the signs of the sin terms swapped, the bits of rotating by ``-sin``). Saves
     cos and sin ([s, 1, 1, d_rot])."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotated(t, cos, sin)
+        ctx.inverse = inverse
+        return _rotated(t, cos, sin, inverse)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        # The transpose is the rotation by the opposite angle, -(g s) being exactly (-s) g: the same Function, so
-        # that a second derivative is taken through it too.
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # The transpose is the rotation by the opposite angle: the same Function, so that a second derivative is
+        # taken through it too.
         cos, sin = ctx.saved_tensors
-        return _Rotate.apply(grad, cos, -sin), None, None
+        return _Rotate.apply(grad, cos, sin, not ctx.inverse), None, None, None
 
 
-def apply_rotary_pos_emb_heads(t: torch.Tensor, freqs: torch.Tensor, heads: int) -> torch.Tensor:
-    """RoPE of the leading ``heads`` heads of ``t`` [s, b, groups, heads + k, d] by ``freqs`` [s, 1, 1, d_rot], the
-    other ``k`` copied: a new tensor of ``t``'s shape. On linear_qkv's group-major output (each group's query heads,
-    its key, its value) one pass rotates every query and key, where :func:`apply_rotary_pos_emb` on the query and
-    the key after their split would be two, each a dozen ops forward and backward (host time on an accelerator,
-    docs/check.md, "Host"); the same bits."""
-    _check_table(t, freqs)
-    freqs = freqs.unsqueeze(-2)  # [s, 1, 1, 1, d_rot]
+def apply_rotary_pos_emb_heads(t: torch.Tensor, freqs: torch.Tensor | RotaryTable, heads: int) -> torch.Tensor:
+    """RoPE of the leading ``heads`` heads of ``t`` [s, b, groups, heads + k, d] by ``freqs`` [s, 1, 1, d_rot] (or a
+    :class:`RotaryTable`), the other ``k`` copied: a new tensor of ``t``'s shape. On linear_qkv's group-major output
+    (each group's query heads, its key, its value) one pass rotates every query and key, where
+    :func:`apply_rotary_pos_emb` on the query and the key after their split would be two, each a dozen ops forward
+    and backward (host time on an accelerator, docs/check.md, "Host"); the same bits."""
+    table = RotaryTable.of(freqs)
+    _check_table(t, table.freqs)
     if torch.compiler.is_compiling():
+        freqs = table.freqs.unsqueeze(-2)  # [s, 1, 1, 1, d_rot]
         return torch.cat([apply_rotary_pos_emb(t[..., :heads, :], freqs), t[..., heads:, :]], dim=-2)
-    return _RotateHeads.apply(t, freqs.cos().to(t.dtype), freqs.sin().to(t.dtype), heads)
+    cos, sin = table.cos_sin(t.dtype, ndim=5)
+    return _RotateHeads.apply(t, cos, sin, heads, False)
 
 
 class _RotateHeads(torch.autograd.Function):
@@ -116,22 +158,25 @@ class _RotateHeads(torch.autograd.Function):
     the same by the opposite angle."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                inverse: bool) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        ctx.heads = heads
+        ctx.heads, ctx.inverse = heads, inverse
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        _rotated(t[..., :heads, :], cos, sin, out[..., :heads, :])
+        _rotated(t[..., :heads, :], cos, sin, inverse, out[..., :heads, :])
         out[..., heads:, :].copy_(t[..., heads:, :])
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         cos, sin = ctx.saved_tensors
-        return _RotateHeads.apply(grad, cos, -sin, ctx.heads), None, None, None
+        return _RotateHeads.apply(grad, cos, sin, ctx.heads, not ctx.inverse), None, None, None, None
 
 
-def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``t * cos + rotate_half(t) * sin`` on the leading channels, into ``out`` (a new tensor when None)."""
+def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t * cos + rotate_half(t) * sin`` on the leading channels (``inverse``: ``- rotate_half(t) * sin``, by the
+    opposite angle), into ``out`` (a new tensor when None)."""
     rot = cos.shape[-1]
     h = rot // 2
     if out is None:
@@ -139,8 +184,9 @@ def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.T
     whole = rot == t.shape[-1]  # every channel rotated (the usual case): no views of all of them to dispatch
     o = out if whole else out[..., :rot]
     torch.mul(t if whole else t[..., :rot], cos, out=o)
-    o[..., :h].sub_(t[..., h:rot] * sin[..., :h])
-    o[..., h:].add_(t[..., :h] * sin[..., h:])
+    first, second = (o[..., :h].add_, o[..., h:].sub_) if inverse else (o[..., :h].sub_, o[..., h:].add_)
+    first(t[..., h:rot] * sin[..., :h])
+    second(t[..., :h] * sin[..., h:])
     if not whole:
         out[..., rot:].copy_(t[..., rot:])
     return out

@@ -38,6 +38,7 @@ from lightning_megatron.parallel_state import Group
 from lightning_megatron.transformer import ModuleSpec, TransformerBlock, TransformerConfig, get_spec
 from lightning_megatron.transformer.attention import document_attention_mask
 from lightning_megatron.transformer.context_parallel import ContextParallel
+from lightning_megatron.transformer.rotary import RotaryTable
 from lightning_megatron.transformer.moe import ExpertGroups
 
 __all__ = ["GPTModel", "POSITION_EMBEDDING_TYPES", "gpt_loss"]
@@ -100,6 +101,7 @@ class GPTModel(LanguageModule):
         # would turn position 2048's angles by radians. The fp32 table is made per length and device.
         self._rotary = (self._make_rotary(),) if position_embedding_type == "rope" else ()
         self._rotary_table: torch.Tensor | None = None
+        self._shared_rotary: tuple[tuple[int, int, torch.device], RotaryTable] | None = None
         self.decoder = TransformerBlock(config, spec, tp_group=tp_group, layer_range=self.layer_range,
                                         pre_process=pre_process, post_process=post_process, post_layer_norm=True,
                                         seed=seed, key_prefix="decoder.layers",
@@ -130,11 +132,21 @@ class GPTModel(LanguageModule):
             kwargs["context_parallel"] = context_parallel
         if self._rotary:
             if position_ids is None:
-                kwargs["rotary_pos_emb"] = self.rotary_pos_emb(tokens.size(1), tokens.device, position_offset)
+                kwargs["rotary_pos_emb"] = self._shared_rotary_table(tokens.size(1), tokens.device, position_offset)
             else:  # each sample's own positions (restarting per packed document): [s, b, 1, d_rot]
                 table = self.rotary_pos_emb(self.max_sequence_length, tokens.device)[:, 0, 0]  # no host sync
-                kwargs["rotary_pos_emb"] = table[position_ids.t()].unsqueeze(2)
+                kwargs["rotary_pos_emb"] = RotaryTable(table[position_ids.t()].unsqueeze(2))
         return self.decoder(hidden_states, attention_mask, **kwargs)
+
+    def _shared_rotary_table(self, seq_length: int, device: torch.device, offset: int) -> RotaryTable:
+        """The :class:`RotaryTable` of positions ``offset .. offset + s``, kept while the forwards ask for the same
+        positions (every training step: its cos and sin made once a run), but not one made in inference mode."""
+        key = (offset, seq_length, device)
+        if self._shared_rotary is not None and self._shared_rotary[0] == key:
+            return self._shared_rotary[1]
+        table = RotaryTable(self.rotary_pos_emb(seq_length, device, offset))
+        self._shared_rotary = None if torch.is_inference_mode_enabled() else (key, table)
+        return table
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, *, position_offset: int = 0,
