@@ -86,8 +86,9 @@ def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) ->
 
 @contextlib.contextmanager
 def isolated_rng() -> Iterator[None]:
-    """One thread, and the RNG states (the global one and the model-parallel tracker's, with its stream added
-    when missing) put back afterwards: a step built and run inside changes no later result."""
+    """One thread, the CPU's global RNG seeded (0) and the model-parallel tracker's stream added when missing, and
+    the RNG states put back afterwards: a step built and run inside draws the same weights and inputs whatever ran
+    before (a mixture's routing, and so the ops its experts dispatch, follows them) and changes no later result."""
     import torch
 
     from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
@@ -98,6 +99,7 @@ def isolated_rng() -> Iterator[None]:
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(0)  # the CPU's alone: an accelerator's generators are not forked
             if MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.states:
                 tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, max(saved_seeds, default=0) + 1)
             yield
