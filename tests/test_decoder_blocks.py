@@ -370,6 +370,43 @@ def test_unfused_attention_hides_keys_with_the_bits_and_gradients_of_masked_fill
             assert k.grad[6:, 1].abs().sum() == 0 and k.grad[3, 2].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unfused_grouped_query_attention_multiplies_each_group_once_without_repeating_k_and_v(dtype):
+    """With g < n key/value heads the unfused path multiplies each group's n/g query heads, stacked along the
+    sequence, by the group's key and value head once: the output and gradients of the formula with k and v
+    repeated per query head (computed in fp64; fp32 to 1e-6, bf16 to its rounding), without the repeats at
+    dispatch (``repeat_interleave``'s unsqueeze and copy forward, or an ``index_select``; the sum over the
+    copies backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    s, b, g = 7, 2, 2
+    q, k, v = (torch.randn(s, b, heads, D).to(dtype).requires_grad_() for heads in (N, g, g))
+    weights = torch.randn(s, b, N * D).to(dtype)
+    names: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    core = DotProductAttention(TransformerConfig(**BASE, num_query_groups=g, attention_backend="unfused"), 1,
+                               AttnMaskType.causal)
+    with Ops():
+        out = core(q, k, v, None)
+        out.backward(weights)
+    assert not {"repeat_interleave", "unsqueeze", "index_select", "sum"} & set(names), " ".join(sorted(set(names)))
+    rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = torch.einsum("sbnd,tbnd->bnst", rq, rk.repeat_interleave(N // g, dim=2)) / D ** 0.5
+    hidden = torch.ones(s, s, dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    expected = torch.einsum("bnst,tbnd->sbnd", probs, rv.repeat_interleave(N // g, dim=2)).reshape(s, b, N * D)
+    (expected * weights.double()).sum().backward()
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)
+    for got, want in ((q.grad, rq.grad), (k.grad, rk.grad), (v.grad, rv.grad)):
+        torch.testing.assert_close(got.double(), want, **tol)
+
 def test_swiglu_mlp_matches_llama_mlp():
     torch.manual_seed(0)
     theirs = hf.LlamaMLP(_hf_config(2))

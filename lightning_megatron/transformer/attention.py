@@ -100,7 +100,9 @@ class DotProductAttention(nn.Module):
     """Core attention on this rank's heads: q [s, b, n/t, d], k, v [s, b, g/t, d] -> context [s, b, n/t * d].
 
     With fewer key/value heads than query heads (grouped-query attention) each key/value head serves
-    n/g consecutive query heads: SDPA gets ``enable_gqa=True``, the unfused path repeats k and v.
+    n/g consecutive query heads: SDPA gets ``enable_gqa=True``; the unfused path multiplies each group's n/g
+    query heads, stacked along the sequence ([b g, n/g s, d]), by its key and value head once, without
+    repeating k and v (copies forward, their sums backward).
 
     ``attention_mask``: bool, broadcastable to [b, n/t, s, s], True where a key is hidden (padding).
     The "sdpa" backend calls ``torch.nn.functional.scaled_dot_product_attention``; "unfused" spells
@@ -159,9 +161,6 @@ class DotProductAttention(nn.Module):
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p,
                                                          is_causal=causal and keep is None and sk == s, **extra)
         else:
-            if gqa:
-                repeat = heads // k.shape[1]
-                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             q, k, v = self.kernels.attention_operands(q, k, v)
             context = self._unfused(q, k, v, attention_mask, causal, p)
         return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, n/t * d]
@@ -169,11 +168,12 @@ class DotProductAttention(nn.Module):
     def _unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
                  causal: bool, p: float) -> torch.Tensor:
         # Megatron's order: S = alpha * Q K^T in the activation dtype (fp32 accumulation, one
-        # rounding), softmax in fp32 when asked, probabilities back in the activation dtype.
+        # rounding), softmax in fp32 when asked, probabilities back in the activation dtype. Each of the g
+        # key/value heads with its n/g query heads' rows stacked: [b g, n/g s, sk] is [b, n, s, sk] in memory.
         b, n, s, d = q.shape
-        sk = k.shape[2]
-        scores = torch.baddbmm(q.new_empty(b * n, s, sk), q.reshape(b * n, s, d), k.reshape(b * n, sk, d).transpose(1, 2),
-                               beta=0.0, alpha=self.softmax_scale)
+        g, sk = k.shape[1], k.shape[2]
+        scores = torch.baddbmm(q.new_empty(b * g, n // g * s, sk), q.reshape(b * g, n // g * s, d),
+                               k.reshape(b * g, sk, d).transpose(1, 2), beta=0.0, alpha=self.softmax_scale)
         if causal:
             upper = torch.ones(s, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - s)
             attention_mask = upper if attention_mask is None else attention_mask | upper
@@ -183,7 +183,7 @@ class DotProductAttention(nn.Module):
         if p > 0:
             with self._dropout_rng():
                 probs = dropout(probs, p, kernels=self.kernels)
-        return torch.matmul(probs, v)
+        return torch.matmul(probs.reshape(b * g, n // g * s, sk), v.reshape(b * g, sk, d)).view(b, n, s, d)
 
 
 class _HideScores(torch.autograd.Function):
