@@ -736,3 +736,17 @@ def test_tp2_gqa_swiglu_rotary_and_sequence_parallel_equal_one_process():
             assert value < 2e-6, (key, value, diffs)
         assert torch.equal(greedy_tp1, greedy_tp2), (greedy_tp1, greedy_tp2)
     assert torch.equal(results[0][2], results[1][2])  # both TP ranks hold the same sampled tokens
+
+
+def test_a_rotary_table_asked_in_inference_mode_still_trains():
+    """A model keeps its RotaryTable from step to step, so a table a training step made may be asked for a new
+    dtype inside ``torch.inference_mode()`` (generation, a Trainer's validation) and then by a training step again:
+    tensors made in inference mode cannot be saved for a backward, so those stay with inference mode's asks."""
+    s = 5
+    table = RotaryTable(RotaryEmbedding(D, 1.0, 10000.0)(s))
+    t = torch.randn(s, 2, 3, D, requires_grad=True)
+    with torch.inference_mode():
+        inferred = apply_rotary_pos_emb(t.detach(), table)
+    trained = apply_rotary_pos_emb(t, table)
+    trained.sum().backward()  # would raise: "Inference tensors cannot be saved for backward"
+    assert torch.equal(trained.detach(), inferred) and t.grad is not None

@@ -63,19 +63,21 @@ class RotaryTable:
 
     def __init__(self, freqs: torch.Tensor) -> None:
         self.freqs = freqs
-        self._cos_sin: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cos_sin: dict[tuple[torch.dtype, int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, dtype: torch.dtype, ndim: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos(freqs), sin(freqs))`` computed in fp32 and cast to ``dtype`` (as Hugging Face and megatron-core
         do before the product), with singleton dims before the last to ``ndim`` dims ([s, 1, 1, 1, d_rot] for
-        :func:`apply_rotary_pos_emb_heads`)."""
-        pair = self._cos_sin.get((dtype, ndim))
+        :func:`apply_rotary_pos_emb_heads`). Those made in inference mode serve its asks alone (a training step
+        cannot save them for its backward)."""
+        inference = torch.is_inference_mode_enabled()
+        pair = self._cos_sin.get((dtype, ndim, inference))
         if pair is None:
-            cos, sin = self._cos_sin.get((dtype, self.freqs.dim())) or (self.freqs.cos().to(dtype),
-                                                                       self.freqs.sin().to(dtype))
-            self._cos_sin[(dtype, self.freqs.dim())] = cos, sin
+            base = (dtype, self.freqs.dim(), inference)
+            cos, sin = self._cos_sin.get(base) or (self.freqs.cos().to(dtype), self.freqs.sin().to(dtype))
+            self._cos_sin[base] = cos, sin
             shape = (*cos.shape[:-1], *(1,) * (ndim - cos.dim()), cos.shape[-1])
-            pair = self._cos_sin[(dtype, ndim)] = cos.view(shape), sin.view(shape)
+            pair = self._cos_sin[(dtype, ndim, inference)] = cos.view(shape), sin.view(shape)
         return pair
 
     @staticmethod
@@ -84,7 +86,7 @@ class RotaryTable:
         return table if isinstance(table, RotaryTable) else RotaryTable(table)
 
     def __repr__(self) -> str:
-        return f"RotaryTable(freqs={tuple(self.freqs.shape)}, made={sorted(str(d) for d, _ in self._cos_sin)})"
+        return f"RotaryTable(freqs={tuple(self.freqs.shape)}, made={sorted({str(key[0]) for key in self._cos_sin})})"
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
