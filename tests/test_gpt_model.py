@@ -443,8 +443,9 @@ def test_a_decoder_step_makes_the_rope_cos_and_sin_once_for_all_its_layers(posit
     activations' dtype: the model makes them once for all its layers (as Hugging Face Llama's
     ``position_embeddings``), and keeps those of the positions every training step shares from one step to the
     next; the backward rotates back by the same tables (no negated sin). Counted at dispatch in the second
-    training step of a bf16 decoder of three layers: no cos, sin or neg with shared positions (each layer made
-    a cos, a sin, two casts and, backward, a neg), one cos and one sin with each sample's own positions."""
+    training step of a bf16 decoder of three layers, after a forward in inference mode: no cos, sin or neg with
+    shared positions (each layer made a cos, a sin, two casts and, backward, a neg), one cos and one sin with each
+    sample's own positions."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import dataclasses
@@ -466,6 +467,8 @@ def test_a_decoder_step_makes_the_rope_cos_and_sin_once_for_all_its_layers(posit
     def step() -> None:
         model(ids[:, :-1], labels=ids[:, 1:], **kwargs).float().mean().backward()
 
+    with torch.inference_mode():  # the table the model keeps is made here (a Trainer's validation, generation)
+        model(ids[:, :-1], **kwargs)
     step()
     with Ops():
         step()

@@ -58,8 +58,8 @@ class RotaryTable:
     own positions; fp32), with its cos and sin in each dtype a layer asks for, made on the first ask: every layer
     of a forward rotates by the same tables (as Hugging Face Llama's ``position_embeddings``), where each would
     compute and cast its own (host time on an accelerator, docs/check.md, "Host"). A model may keep one from step
-    to step for positions every step shares (not one made in inference mode: its tensors cannot be saved for a
-    backward)."""
+    to step for positions every step shares: what inference mode asks for is made and kept apart (its tensors
+    cannot be saved for a backward)."""
 
     def __init__(self, freqs: torch.Tensor) -> None:
         self.freqs = freqs

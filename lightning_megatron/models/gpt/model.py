@@ -140,13 +140,12 @@ class GPTModel(LanguageModule):
 
     def _shared_rotary_table(self, seq_length: int, device: torch.device, offset: int) -> RotaryTable:
         """The :class:`RotaryTable` of positions ``offset .. offset + s``, kept while the forwards ask for the same
-        positions (every training step: its cos and sin made once a run), but not one made in inference mode."""
+        positions (every training step: its cos and sin made once a run; the table keeps what inference mode
+        makes apart)."""
         key = (offset, seq_length, device)
-        if self._shared_rotary is not None and self._shared_rotary[0] == key:
-            return self._shared_rotary[1]
-        table = RotaryTable(self.rotary_pos_emb(seq_length, device, offset))
-        self._shared_rotary = None if torch.is_inference_mode_enabled() else (key, table)
-        return table
+        if self._shared_rotary is None or self._shared_rotary[0] != key:
+            self._shared_rotary = key, RotaryTable(self.rotary_pos_emb(seq_length, device, offset))
+        return self._shared_rotary[1]
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, *, position_offset: int = 0,
