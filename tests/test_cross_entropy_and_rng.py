@@ -194,3 +194,43 @@ def test_tracker_rejects_duplicates_and_unknown_names():
     with pytest.raises(KeyError, match="model_parallel_seed"):
         with t.fork("missing"):
             pass
+
+
+def test_the_16_bit_gradient_takes_one_pass_after_its_scaling(device):
+    """The backward scales the fp32 softmax rows by the incoming gradient and narrows them to the logits' dtype:
+    the bits of scaling in fp32 and rounding once. An accelerator's product writes the 16-bit gradient itself
+    (no [tokens, V] copy; its dispatch seen on the meta device); the CPU scales in place, then narrows (its product
+    would make an fp32 temporary of the output's size). Label smoothing's shift is subtracted in place, not copied
+    back over itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passes(TorchDispatchMode):
+        """The ops writing [tokens, V] (or a piece of its rows), views and allocations apart."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if isinstance(out, torch.Tensor) and out.shape[-1:] == (40,) and name not in (
+                    "empty", "alias", "view", "slice", "detach"):
+                self.names.append(name)
+            return out
+
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 40) * 3).bfloat16()
+    target, dloss = torch.randint(0, 40, (6,)), torch.rand(6)
+    for on in (device, torch.device("meta")):
+        per_piece = ["sub_", "mul_", "copy_"] if on.type == "cpu" else ["sub_", "mul"]
+        for rows in (None, 2):
+            z = logits.to(on, copy=True).requires_grad_()
+            loss = vocab_parallel_cross_entropy(z, target.to(on), 0.1, rows_per_piece=rows)
+            with Passes() as passes:
+                loss.backward(dloss.to(on))
+            assert passes.names == ["scatter_add_"] + per_piece * (1 if rows is None else 3), (on, rows, passes.names)
+            assert z.grad.dtype == torch.bfloat16
+            if on.type != "meta":  # softmax - (1 - eps) onehot - eps / V, times the incoming gradient; rounded once
+                g = torch.softmax(logits.float(), -1) - 0.9 * F.one_hot(target, 40) - 0.1 / 40
+                torch.testing.assert_close(z.grad.cpu(), (g * dloss[:, None]).bfloat16(), atol=0, rtol=8e-3)

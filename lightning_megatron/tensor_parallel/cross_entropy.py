@@ -117,16 +117,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                           (-(1.0 - eps) * sum_exp).masked_fill(outside, 0.0).unsqueeze(-1))
         scale = grad_output.masked_fill(ignored, 0.0) / sum_exp
         shift = (eps / ctx.real_vocab) * sum_exp if eps > 0 else None
-        # Narrowed to the logits' dtype into a new tensor (fp32 logits: the saved one is the gradient), a piece
-        # of rows at a time as in the forward.
+        # Scaled in fp32 and narrowed to the logits' dtype (fp32 logits: the saved tensor is the gradient), a piece
+        # of rows at a time as in the forward. An accelerator's product writes the 16-bit gradient itself (rounded
+        # on the store: the bits of scaling, then narrowing); the CPU's would compute into an fp32 temporary of
+        # the output's size first, so there the rows are scaled in place and then narrowed.
         out = grad if ctx.input_dtype == grad.dtype else torch.empty(grad.shape, dtype=ctx.input_dtype,
                                                                       device=grad.device)
+        narrow_by_product = out is grad or grad.device.type != "cpu"
         for piece, piece_out, piece_scale, piece_shift in _pieces(ctx.rows_per_piece, grad, out, scale, shift):
             if piece_shift is not None:
-                piece[..., :ctx.valid] -= piece_shift.unsqueeze(-1)
-            piece.mul_(piece_scale.unsqueeze(-1))
-            if piece_out is not piece:
-                piece_out.copy_(piece)
+                piece[..., :ctx.valid].sub_(piece_shift.unsqueeze(-1))  # in place (``-=`` on a slice copies it back)
+            if narrow_by_product:
+                torch.mul(piece, piece_scale.unsqueeze(-1), out=piece_out)
+            else:
+                piece_out.copy_(piece.mul_(piece_scale.unsqueeze(-1)))
         return out, None, None, None, None, None, None
 
 
