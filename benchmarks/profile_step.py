@@ -254,7 +254,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="override the size's layer count")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (BERT: 128; a decoder: its own)")
     parser.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout (BERT: 0.1; a decoder: 0)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer (compile_layers)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each transformer layer and the loss, as compile=True does")
     parser.add_argument("--warmup", type=int, default=4, help="steps before the profiled one (the first ones page-fault)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=5, help="unprofiled steps timed after the warm-up ones")
@@ -289,7 +290,8 @@ def main() -> None:
 
     CPUTuning().configure_model(chunk, torch.device("cpu"))  # the CPU kernels, as the CPU tuning installs them
     if args.compile:
-        print(f"compiled {chunk.compile_layers()} transformer layers")
+        layers = chunk.compile_layers()
+        print(f"compiled {layers} transformer layers{' and the loss' if chunk.compile_loss() else ''}")
     # The strategy's fp32 grad buffer (filled by backward hooks), with what the CPU tuning hands it.
     grads = GradBuffer(buffer_order([chunk]), **CPUTuning().grad_buffer_options(torch.device("cpu")))
     opt = _mixed_precision(opt, args.dtype, grads, ps)

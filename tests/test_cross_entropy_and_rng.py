@@ -197,11 +197,10 @@ def test_tracker_rejects_duplicates_and_unknown_names():
 
 
 def test_the_16_bit_gradient_takes_one_pass_after_its_scaling(device):
-    """The backward scales the fp32 softmax rows by the incoming gradient and narrows them to the logits' dtype:
-    the bits of scaling in fp32 and rounding once. An accelerator's product writes the 16-bit gradient itself
-    (no [tokens, V] copy; its dispatch seen on the meta device); the CPU scales in place, then narrows (its product
-    would make an fp32 temporary of the output's size). Label smoothing's shift is subtracted in place, not copied
-    back over itself."""
+    """The backward scales the fp32 softmax rows by the incoming gradient and writes the 16-bit gradient in that
+    product: the bits of scaling in fp32 and rounding once, no [tokens, V] copy after it (the same dispatch on the
+    meta device, an accelerator's stand-in). Label smoothing's shift is subtracted in place, not copied back over
+    itself."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Passes(TorchDispatchMode):
@@ -223,7 +222,7 @@ def test_the_16_bit_gradient_takes_one_pass_after_its_scaling(device):
     logits = (torch.randn(6, 40) * 3).bfloat16()
     target, dloss = torch.randint(0, 40, (6,)), torch.rand(6)
     for on in (device, torch.device("meta")):
-        per_piece = ["sub_", "mul_", "copy_"] if on.type == "cpu" else ["sub_", "mul"]
+        per_piece = ["sub_", "mul"]
         for rows in (None, 2):
             z = logits.to(on, copy=True).requires_grad_()
             loss = vocab_parallel_cross_entropy(z, target.to(on), 0.1, rows_per_piece=rows)
@@ -234,3 +233,50 @@ def test_the_16_bit_gradient_takes_one_pass_after_its_scaling(device):
             if on.type != "meta":  # softmax - (1 - eps) onehot - eps / V, times the incoming gradient; rounded once
                 g = torch.softmax(logits.float(), -1) - 0.9 * F.one_hot(target, 40) - 0.1 / 40
                 torch.testing.assert_close(z.grad.cpu(), (g * dloss[:, None]).bfloat16(), atol=0, rtol=8e-3)
+
+
+def test_the_recomputing_cross_entropy_equals_the_vocab_parallel_function():
+    """``recomputing_cross_entropy`` (what ``compile=True`` hands the compiler at one TP rank) is the function's loss
+    and gradient: fp32 and bf16 logits, a padded vocabulary, label smoothing, ignored targets; eager and compiled.
+    What it keeps for the backward is the logits themselves and per-row values, no fp32 [..., V] (the function's
+    exponentials)."""
+    import torch._inductor.config as inductor_config
+
+    from lightning_megatron.tensor_parallel.cross_entropy import recomputing_cross_entropy
+
+    def kept(f, z, *args):
+        """``f(z, *args)`` and the shapes and dtypes autograd saved for its backward."""
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t,
+                                                      lambda t: t):
+            return f(z, *args), saved
+
+    torch.manual_seed(0)
+    target = torch.randint(0, 45, (3, 7))
+    target[1, 2] = target[2, 6] = -100
+    dloss = torch.rand(3, 7)
+    cases = [(torch.float32, 0.0, None), (torch.float32, 0.1, 45), (torch.bfloat16, 0.0, 45), (torch.bfloat16, 0.2, None)]
+    for dtype, smoothing, vocab in cases:
+        logits = (torch.randn(3, 7, 48) * 3).to(dtype)
+        results = []
+        for f in (vocab_parallel_cross_entropy, recomputing_cross_entropy):
+            z = logits.clone().requires_grad_()
+            loss, saved = kept(lambda z: f(z, target, smoothing, vocab_size=vocab), z)
+            loss.backward(dloss)
+            results.append((loss, z.grad, saved))
+        (want, want_grad, theirs), (got, grad, ours) = results
+        assert ((3, 7, 48), torch.float32) in theirs, "the function keeps fp32 exponentials"
+        assert [shape for shape, dtype in ours if shape[-1:] == (48,) or shape[-1:] == (vocab,)] == [(3, 7, 48)]
+        assert got.dtype == torch.float32 and grad.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, want_grad, **({} if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)))
+        assert not vocab or (grad[..., vocab:] == 0).all(), "the padded columns have no gradient"
+        assert (grad[1, 2] == 0).all() and got[1, 2] == 0, "an ignored target"
+    torch._dynamo.reset()
+    with inductor_config.patch(compile_threads=1):  # no pool of compile workers on 2 cores
+        z = logits.clone().requires_grad_()
+        loss, saved = kept(torch.compile(recomputing_cross_entropy), z, target, 0.2)
+        loss.backward(dloss)
+    assert [(shape, dtype) for shape, dtype in saved if shape[-1:] == (48,)] == [((3, 7, 48), torch.bfloat16)], saved
+    torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z.grad, results[0][1], rtol=8e-3, atol=1e-6)

@@ -89,6 +89,9 @@ class TransformerCost:
     optimizer state, the frozen base its weights alone."""
     lora_targets: tuple[str, ...] = ()
     """The projections with adapters (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)."""
+    compiled_loss: bool = False
+    """``compile=True``: at one TP rank the loss keeps its logits for the backward, not an fp32 softmax
+    (:meth:`~lightning_megatron.language.LanguageModule.compile_loss`)."""
 
     @classmethod
     def from_config(cls, config: TransformerConfig, **shape: Any) -> Self:
@@ -277,10 +280,11 @@ class TransformerCost:
     def last_stage_activation_bytes(self, tp: int) -> float:
         """The final norm's output (the output layer's input) and the cross entropy's fp32 softmax of the
         vocab-parallel logits, with its per-token statistics; the logits themselves are not kept (measured:
-        ``check --estimate-memory`` on ``recipes/gpt_tiny.yaml``, fp32 and bf16, docs/long_context.md)."""
+        ``check --estimate-memory`` on ``recipes/gpt_tiny.yaml``, fp32 and bf16, docs/long_context.md). A compiled
+        loss (:attr:`compiled_loss`, one TP rank) keeps the logits instead of the softmax."""
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
         v = self.padded_vocab(tp) / tp
-        return e * s * b * h + 4 * s * b * v + 8 * s * b
+        return e * s * b * h + (e if self.compiled_loss and tp == 1 else 4) * s * b * v + 8 * s * b
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
         g = self.groups

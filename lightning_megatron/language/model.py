@@ -16,7 +16,8 @@ transformer block and heads; the base holds, once:
   (checkpoints keep the real rows), every other parameter replicated across TP;
 - ``compute_language_model_loss`` (the vocab-parallel cross entropy against the real vocabulary),
   ``set_input_tensor`` (the pipeline's input of a chunk without the embedding), ``compile_layers``
-  (regional ``torch.compile``), and :meth:`global_named_parameters` (names with global layer numbers).
+  (regional ``torch.compile``) and ``compile_loss``, and :meth:`global_named_parameters` (names with global layer
+  numbers).
 
 Shapes: tokens [b, s]; activations [s, b, h] ([s/t, b, h] outside the TP regions under sequence
 parallelism); logits vocab-parallel, [.., V_padded / t]. Every submodule is built inside an RNG stream
@@ -27,7 +28,7 @@ numbers. No Lightning imports here.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from lightning_megatron.tensor_parallel import (
     init_method_normal,
     mark_replicated,
     pad_vocab_size,
+    recomputing_cross_entropy,
     scatter_to_sequence_parallel_region,
     set_param_facts,
     vocab_parallel_cross_entropy,
@@ -162,6 +164,7 @@ class LanguageModule(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.kernels = DEFAULT_KERNELS  # the loss's (Kernels.loss_rows); a platform's with set_kernels
+        self._compiled_loss: Callable[..., torch.Tensor] | None = None  # compile_loss's
 
     # ------------------------------------------------------------------ building
 
@@ -215,6 +218,8 @@ class LanguageModule(nn.Module):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy of vocab-parallel ``logits`` [.., V_padded/t] against ``labels`` [..]
         (fp32; the padded columns never count): megatron-core's loss hook."""
+        if self._compiled_loss is not None:
+            return self._compiled_loss(logits, labels, vocab_size=self.vocab_size)
         return vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.vocab_size,
                                             rows_per_piece=self.kernels.loss_rows(logits))
 
@@ -239,6 +244,17 @@ class LanguageModule(nn.Module):
         for layer in layers:
             layer.compile(**options)
         return len(layers)
+
+    def compile_loss(self, **options: Any) -> bool:
+        """With one TP rank, :meth:`compute_language_model_loss` from now on runs
+        :func:`~lightning_megatron.tensor_parallel.cross_entropy.recomputing_cross_entropy` under ``torch.compile``
+        (``options``): the compiler fuses its passes over the logits, and the backward recomputes the softmax from
+        the logits instead of keeping an fp32 copy of them. With more TP ranks the vocab-parallel function stays
+        (its collectives). Returns whether the loss is compiled."""
+        if group_size(self.tp_group) > 1:
+            return False
+        self._compiled_loss = torch.compile(recomputing_cross_entropy, **options)
+        return True
 
     def global_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``named_parameters()`` under layout-independent names: a layer's local index in this chunk

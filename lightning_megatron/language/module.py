@@ -65,7 +65,8 @@ class LanguageLightningModule(MegatronLightningModule):
         fused_optimizer: torch's fused Adam/AdamW kernel (CPU and CUDA): one pass over all parameters
             instead of a loop (docs/benchmarks.md, "Figures behind the code").
         compile: ``torch.compile`` each transformer layer (regional compilation: one compiled region per
-            layer, reused by every layer of the same shapes); equal to eager within fp32 tolerance
+            layer, reused by every layer of the same shapes) and, with one TP rank, the loss (its passes over
+            the logits fused, no fp32 copy of them kept for the backward); equal to eager within fp32 tolerance
             (tests/test_compile.py). The first steps pay the compilation.
         init_from: start from pretrained weights (any layout): a lightning_megatron checkpoint directory
             or a source the family reads (Hugging Face folders, Megatron-LM checkpoints; docs/interop.md).
@@ -179,6 +180,8 @@ class LanguageLightningModule(MegatronLightningModule):
             chunk = self.build_chunk(config, place, parallel_state)
             if self.hparams.compile:
                 chunk.compile_layers()
+                if chunk.post_process:
+                    chunk.compile_loss()
             chunks.append(chunk)
         return chunks
 

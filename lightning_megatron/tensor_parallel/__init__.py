@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning_megatron.communicator import Communicator, TorchCommunicator
 from lightning_megatron.tensor_parallel.backward import WeightGradPolicy, defer_output_layer_weight_grad
-from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lightning_megatron.tensor_parallel.cross_entropy import recomputing_cross_entropy, vocab_parallel_cross_entropy
 from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
 from lightning_megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -42,6 +42,7 @@ from lightning_megatron.tensor_parallel.utils import VocabUtility, divide, pad_v
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "recomputing_cross_entropy",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

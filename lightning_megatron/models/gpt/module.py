@@ -353,7 +353,8 @@ class GPTLightningModule(LanguageLightningModule):
         return GPTCost.from_config(
             config, vocab_size=int(vocab), seq_length=int(data.get("seq_length", config.max_sequence_length)),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-            optimizer=str(model.get("optimizer", "adamw")), **adapters)
+            optimizer=str(model.get("optimizer", "adamw")), compiled_loss=bool(model.get("compile", False)),
+            **adapters)
 
 
 def decoder_flops(config: TransformerConfig, tokens: int, seq_length: int, vocab_size: int) -> float:
