@@ -1,6 +1,7 @@
 """Our decoder against transformers' ``LlamaForCausalLM`` under plain Lightning, in the same run: tokens/s.
 
-    python benchmarks/gpt_step.py [--size llama-tiny] [--repeats 3] [--precisions fp32,bf16] [--out results.json]
+    python benchmarks/gpt_step.py [--size llama-tiny] [--repeats 3] [--precisions fp32,bf16] [--compile]
+        [--out results.json]
 
 Each measurement is a fresh spawned process (one rank, all cores) that runs ``warmup + steps``
 training steps of ``Trainer.fit`` on synthetic full-length batches and times the steps after the
@@ -67,7 +68,7 @@ LLAMA_SHAPE = dict(position_embedding_type="rope", activation="silu", gated_line
 """GPTConfig fields of the Llama shape both decoder benchmarks build (transformers' defaults on its side)."""
 
 
-def _ours(size: LlamaSize, bf16: bool):
+def _ours(size: LlamaSize, bf16: bool, compile: bool = False):
     from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
@@ -75,7 +76,7 @@ def _ours(size: LlamaSize, bf16: bool):
         num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
         num_query_groups=size.num_query_groups, ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
         max_sequence_length=size.seq_length, spec="llama_layer_spec", **LLAMA_SHAPE,
-        params_dtype="bfloat16" if bf16 else "float32"), lr=LR, weight_decay=WEIGHT_DECAY)
+        params_dtype="bfloat16" if bf16 else "float32"), lr=LR, weight_decay=WEIGHT_DECAY, compile=compile)
 
 
 def _hf(size: LlamaSize):
@@ -100,7 +101,7 @@ def gpt_rank(run: dict[str, Any]) -> dict[str, Any]:
     size = LlamaSize(**run["size"])
     bf16, warmup, steps = run["precision"] == "bf16", run["warmup"], run["steps"]
 
-    module = _ours(size, bf16) if run["framework"] == "ours" else _hf(size)
+    module = _ours(size, bf16, run.get("compile", False)) if run["framework"] == "ours" else _hf(size)
     times = timed_fit(run["framework"], module, bf16, TokenBatches((warmup + steps) * size.batch, size.seq_length,
                                                                    size.vocab_size), size.batch, warmup, steps)
     return {"step_s": times, "tokens_per_step": size.batch * size.seq_length}
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--compile", action="store_true",
+                        help="ours with compile=True (its layers and loss; the warm-up steps compile)")
     args = parser.parse_args(argv)
     size = SIZES[args.size]
     precisions = args.precisions.split(",")
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(args.repeats):
             for framework in ("ours", "hf"):
                 run = {"framework": framework, "size": asdict(size), "precision": precision,
-                       "warmup": args.warmup, "steps": args.steps}
+                       "warmup": args.warmup, "steps": args.steps, "compile": args.compile}
                 [r] = launch(gpt_rank, 1, run, timeout=1800)
                 tokens_per_s[framework].append(r["tokens_per_step"] / median(r["step_s"]))
         row = {k: median(v) for k, v in tokens_per_s.items()}

@@ -255,7 +255,8 @@ def test_the_recomputing_cross_entropy_equals_the_vocab_parallel_function():
     target = torch.randint(0, 45, (3, 7))
     target[1, 2] = target[2, 6] = -100
     dloss = torch.rand(3, 7)
-    cases = [(torch.float32, 0.0, None), (torch.float32, 0.1, 45), (torch.bfloat16, 0.0, 45), (torch.bfloat16, 0.2, None)]
+    cases = [(torch.float32, 0.0, None), (torch.float32, 0.1, 45), (torch.bfloat16, 0.0, 45),
+             (torch.bfloat16, 0.2, None)]
     for dtype, smoothing, vocab in cases:
         logits = (torch.randn(3, 7, 48) * 3).to(dtype)
         results = []
