@@ -20,7 +20,8 @@ What it runs, each part time-boxed and recorded even when another part fails:
    name and input shapes (:func:`top_non_gemm_ops`), and ``check --estimate-time``'s prediction of ours
    (:func:`step_estimate`: the device's work alone, with the host's dispatch, at the measured GEMM rate);
 5. ``decoder``: the Llama-shaped decoder of ``gpt_step.py`` at a GPU size (``DECODER``: 8 layers, h 2048, 16
-   heads in 8 groups, SwiGLU 5632, vocabulary 32000, seq 2048, batch 16, 0.51 B parameters), bf16, ours against
+   heads in 8 groups, SwiGLU 5632, vocabulary 32000, seq 2048, batch 16, 0.51 B parameters), bf16, ours (eager and
+   ``compile=True``: its layers and its loss, no fp32 [tokens, V] kept, 4.2 GB at this size) against
    transformers' ``LlamaForCausalLM`` (SDPA) under plain Lightning (``bf16-mixed``), same run: tokens/s, by kind, MFU
    against part 2's GEMM rate (issue 39: >= 80% of it, >= 1.6x Hugging Face), and ``check --estimate-time``'s
    prediction of our step on this device (:func:`step_estimate`: the datasheet rates of the device's entry in
@@ -615,11 +616,13 @@ def _estimated(row: dict[str, Any], shape: Any, device_name: str, gemm: dict[str
         row["estimate"] = {"error": traceback.format_exc()[-3000:]}
 
 
-def part_decoder(device: torch.device, dry: bool, gemm: dict[str, Any], device_name: str) -> dict[str, Any]:
+def part_decoder(device: torch.device, dry: bool, gemm: dict[str, Any], device_name: str,
+                 compile_: bool = False) -> dict[str, Any]:
     size = DRY_DECODER if dry else DECODER
     warmup, steps = (1, 2) if dry else (3, 10)
     rows, errors = [], []
-    for fw in ("hf", "ours"):
+    # compile=True: its layers and its loss, which then keeps no fp32 [tokens, V] (peak memory in the row)
+    for fw in ("hf", "ours") + (("ours+compile",) if compile_ else ()):
         _log(f"decoder {size.name} {fw}")
         try:
             row = _bench_one(fw, size, size.seq_length, size.batch, warmup, steps, device, (device_name, gemm))
@@ -777,7 +780,8 @@ def main() -> int:
     parser.add_argument("--out", default="gpu_check_out", help="folder for the results (created)")
     parser.add_argument("--parts", default="env,gemm,tests,bench,decoder,norm,rmsnorm,glu,rope,host,fit",
                         help="comma-separated subset")
-    parser.add_argument("--no-compile", action="store_true", help="skip the compile=True row of the benchmark")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the compile=True rows (bert-large, the decoder)")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -807,7 +811,7 @@ def main() -> int:
     run("bench", part_bench, device, args.dry_run, results.get("gemm", {}), not args.no_compile,
         results.get("env", {}).get("device_name", ""))
     run("decoder", part_decoder, device, args.dry_run, results.get("gemm", {}),
-        results.get("env", {}).get("device_name", str(device)))
+        results.get("env", {}).get("device_name", str(device)), not args.no_compile)
     run("norm", part_norm, device, args.dry_run)
     run("rmsnorm", part_rmsnorm, device, args.dry_run)
     run("glu", part_glu, device, args.dry_run)
@@ -824,11 +828,12 @@ def main() -> int:
                               "large_vs_hf": best["tokens_per_s"] / large["hf"]["tokens_per_s"],
                               "large_vs_hf_ok": best["tokens_per_s"] >= 1.3 * large["hf"]["tokens_per_s"]}
     decoder = {r["framework"]: r for r in results.get("decoder", {}).get("rows", [])}
-    if {"ours", "hf"} <= set(decoder):  # issue 39: >= 80% of the measured GEMM rate, >= 1.6x Hugging Face
+    ours = max((r for k, r in decoder.items() if k != "hf"), key=lambda r: r["tokens_per_s"], default=None)
+    if ours and "hf" in decoder:  # issue 39: >= 80% of the measured GEMM rate, >= 1.6x Hugging Face
         results.setdefault("targets", {}).update(
-            decoder_mfu=decoder["ours"].get("mfu"), decoder_mfu_ok=(decoder["ours"].get("mfu") or 0) >= 0.8,
-            decoder_vs_hf=decoder["ours"]["tokens_per_s"] / decoder["hf"]["tokens_per_s"],
-            decoder_vs_hf_ok=decoder["ours"]["tokens_per_s"] >= 1.6 * decoder["hf"]["tokens_per_s"])
+            decoder_mfu=ours.get("mfu"), decoder_mfu_ok=(ours.get("mfu") or 0) >= 0.8,
+            decoder_vs_hf=ours["tokens_per_s"] / decoder["hf"]["tokens_per_s"],
+            decoder_vs_hf_ok=ours["tokens_per_s"] >= 1.6 * decoder["hf"]["tokens_per_s"])
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out_dir / "summary.md").write_text(summary_markdown(results))
     _log(f"done in {results['total_s']:.0f} s: {out_dir}/summary.md")
