@@ -54,12 +54,14 @@ def test_compiled_layers_equal_eager():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("kernels", ["default", "cpu"])
 @pytest.mark.parametrize("backend", ["sdpa", "unfused"])
-def test_a_layer_with_attention_dropout_compiles_into_one_graph_at_tp1(backend):
+def test_a_layer_with_attention_dropout_compiles_into_one_graph_at_tp1(backend, kernels):
     """With one TP rank a compiled layer keeps its attention dropout in the default stream: the model-parallel
     stream's fork swaps the generators' states, which dynamo cannot trace (on an H200 each BERT layer broke into
     4 graphs there, and ``compile=True`` ran slower than eager). Eager still forks (the same bits as before): the
-    tracker's stream advances."""
+    tracker's stream advances. The CPU tuning's dropout draws its words through one opaque op when compiled
+    (dynamo does not trace ``random_``: a BERT layer broke into 19 graphs, one at every dropout)."""
     from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
 
     model_parallel_seed(1234, 0)
@@ -67,6 +69,11 @@ def test_a_layer_with_attention_dropout_compiles_into_one_graph_at_tp1(backend):
               "attention_backend": backend}
     module = BertLightningModule(BertConfig(**config), **TINY_OPTIONS)
     module.configure_model()
+    if kernels == "cpu":
+        from lightning_megatron.cpu.kernels import CPUKernels
+        from lightning_megatron.transformer.kernels import set_kernels
+
+        set_kernels(module.model_chunks[0], CPUKernels())
     layer = next(m for m in module.model_chunks[0].modules() if type(m).__name__ == "TransformerLayer")
     x = torch.randn(16, 2, TINY_CONFIG["hidden_size"])
     hidden = torch.zeros(2, 1, 16, 16, dtype=torch.bool)
@@ -126,3 +133,25 @@ def test_a_gated_mlp_compiles_into_one_graph_with_eagers_gradients():
     y.backward(g)
     for got, want in zip(compiled, (y.detach(), x.grad, *(p.grad for p in mlp.parameters()))):
         assert torch.equal(got, want)
+
+
+def test_the_cpu_dropout_compiled_draws_the_numbers_of_eager():
+    """Compiled, the CPU tuning's dropout takes its words from the same generator in the same order: the same
+    mask, output and gradient as eager under the same seed."""
+    import torch._inductor.config as inductor_config
+
+    from lightning_megatron.cpu.dropout import cpu_dropout
+
+    x = torch.randn(64, 3, 8, device="cpu")
+    results = []
+    torch._dynamo.reset()
+    with inductor_config.patch(compile_threads=1):
+        for f in (cpu_dropout, torch.compile(cpu_dropout)):
+            torch.manual_seed(7)
+            z = x.clone().requires_grad_()
+            y = f(z, 0.3)
+            y.backward(torch.ones_like(y))
+            results.append((y, z.grad))
+    (y, g), (yc, gc) = results
+    assert torch.equal(y, yc) and torch.equal(g, gc)
+    assert 0 < (y == 0).float().mean() < 0.6, "it drops"

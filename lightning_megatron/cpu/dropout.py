@@ -26,6 +26,24 @@ __all__ = ["cpu_dropout", "keep_mask"]
 _LANES = 1 << 16
 
 
+def _words(count: int, device: torch.device | str | None) -> torch.Tensor:
+    """``count`` int64 words over their full range from the device's default generator."""
+    return torch.empty(count, dtype=torch.int64, device=device).random_(-(2**63), None)
+
+
+@torch.library.custom_op("lightning_megatron::dropout_words", mutates_args=())
+def _draw_words(count: int, device: torch.device) -> torch.Tensor:
+    """:func:`_words` as one opaque op for code being compiled (``compile=True``): dynamo does not trace
+    ``random_``, which broke a compiled layer at every dropout (a BERT layer into 19 graphs); the compiler calls
+    this op as it is and fuses the mask's arithmetic around it. The same numbers as eager."""
+    return _words(count, device)
+
+
+@_draw_words.register_fake
+def _(count: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(count, dtype=torch.int64, device=device)
+
+
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype = torch.float32,
               device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
     """(``keep`` of ``shape`` and ``dtype``: 1 with probability P(keep), else 0; that P(keep)).
@@ -41,7 +59,9 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype 
     numel = 1
     for n in shape:
         numel *= n
-    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
+    count = (numel + 3) // 4
+    compiling = torch.compiler.is_compiling()
+    words = _draw_words(count, torch.device(device or "cpu")) if compiling else _words(count, device)
     lanes = words.view(torch.int16)[:numel].view(shape)  # uniform on [-2^15, 2^15)
     # keep = lane >= t, as 0/1 by integer clamping: a bool mask would cost a slow bool -> float
     # conversion (slower than these two int16 passes and the cast together).

@@ -1,7 +1,7 @@
 """CPU kernels for the transformer (installed by :class:`lightning_megatron.cpu.CPUTuning`).
 
 - dropout: :func:`lightning_megatron.cpu.dropout.cpu_dropout` (one 64-bit draw per four elements
-  instead of torch's one Mersenne-Twister draw per element);
+  instead of torch's one Mersenne-Twister draw per element; compiled, the draw is one opaque op);
 - attention "auto": SDPA only for fp32 without dropout; else the unfused math, because SDPA's CPU
   kernels draw the dropout mask with ``bernoulli_`` and run bf16 through a slower path (the
   measurement is in docs/benchmarks.md, "Figures behind the code");
