@@ -236,10 +236,10 @@ def test_the_16_bit_gradient_takes_one_pass_after_its_scaling(device):
 
 
 def test_the_recomputing_cross_entropy_equals_the_vocab_parallel_function():
-    """``recomputing_cross_entropy`` (what ``compile=True`` hands the compiler at one TP rank) is the function's loss
-    and gradient: fp32 and bf16 logits, a padded vocabulary, label smoothing, ignored targets; eager and compiled.
-    What it keeps for the backward is the logits themselves and per-row values, no fp32 [..., V] (the function's
-    exponentials)."""
+    """``recomputing_cross_entropy`` (what ``compile=True`` hands the compiler at one TP rank) is torch's cross
+    entropy of the real columns and the function's loss and gradient: fp32 and bf16 logits, a padded vocabulary,
+    label smoothing, ignored targets; eager and compiled. What it keeps for the backward is the logits themselves and
+    per-row values, no fp32 [..., V] (the function's exponentials)."""
     import torch._inductor.config as inductor_config
 
     from lightning_megatron.tensor_parallel.cross_entropy import recomputing_cross_entropy
@@ -266,6 +266,13 @@ def test_the_recomputing_cross_entropy_equals_the_vocab_parallel_function():
             loss.backward(dloss)
             results.append((loss, z.grad, saved))
         (want, want_grad, theirs), (got, grad, ours) = results
+        real = logits[..., :vocab].float().requires_grad_()  # torch's, on the real columns' exact fp32 values
+        torch_loss = F.cross_entropy(real.reshape(-1, real.size(-1)), target.reshape(-1), reduction="none",
+                                     label_smoothing=smoothing, ignore_index=-100).reshape(3, 7)
+        torch_loss.backward(dloss)
+        torch.testing.assert_close(got, torch_loss.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad[..., :real.size(-1)].float(), real.grad,
+                                   **({} if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)))
         assert ((3, 7, 48), torch.float32) in theirs, "the function keeps fp32 exponentials"
         assert [shape for shape, dtype in ours if shape[-1:] == (48,) or shape[-1:] == (vocab,)] == [(3, 7, 48)]
         assert got.dtype == torch.float32 and grad.dtype == dtype
