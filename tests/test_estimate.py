@@ -81,6 +81,38 @@ def test_activation_estimate_counts_dropout_masks():
     assert 1.05 < on / off.activation_bytes < 1.08
 
 
+def test_a_16_bit_berts_head_is_estimated_with_the_losss_fp32_softmax_or_with_its_logits_compiled():
+    """Measured (the saved tensors of one microbatch of a one-layer BERT whose masked tokens' logits dominate):
+    the eager loss keeps an fp32 softmax of the masked tokens' logits whatever the parameters' dtype, so a bf16
+    model's estimate counts 4 bytes a logit, not 2; with the loss compiled at one TP rank it keeps the 16-bit
+    logits (``compiled_loss``, the recipe's ``model.compile``). With the library's kernels (sdpa, what a check run
+    takes) and with the CPU tuning's (``on_cpu``: 16-bit attention unfused, its probabilities kept), each within 2%
+    of what autograd held. The compiled loss is installed by ``compile_loss`` and run uncompiled
+    (``disable=True``): saved-tensor hooks do not see into a compiled graph, and its function saves what its
+    autograd Function does (the logits and per-row values)."""
+    import itertools
+
+    from lightning_megatron.check.worker import _SavedActivations
+    from lightning_megatron.cpu.kernels import CPUKernels
+    from lightning_megatron.transformer.kernels import set_kernels
+
+    for dtype, compiled, tuned in itertools.product(("bfloat16", "float32"), (False, True), (False, True)):
+        m = BertCost(num_layers=1, hidden_size=64, num_attention_heads=2, seq_length=128, micro_batch_size=4,
+                     global_batch_size=4, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
+                     compiled_loss=compiled, on_cpu=tuned)
+        torch.manual_seed(0)
+        model, step = m.build_model_step()
+        if tuned:
+            set_kernels(model, CPUKernels())
+        if compiled:
+            assert model.compile_loss(disable=True)
+        saved = _SavedActivations({p.untyped_storage().data_ptr() for p in model.parameters()})
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            step()
+        predicted = estimate_stage(m, ParallelDims(dp=1), 0).activation_bytes
+        assert abs(predicted / saved.peak - 1) < 0.02, (dtype, compiled, tuned, predicted, saved.peak)
+
+
 def test_default_dropout_is_the_modules():
     from lightning_megatron.models.bert import BertConfig
 

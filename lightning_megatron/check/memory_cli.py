@@ -18,8 +18,8 @@ _MIB = 2**20
 def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> MemoryCost:
     """The model's costs, declared by the recipe's module class (``estimate_shape``,
     :class:`~lightning_megatron.cost.protocols.EstimatesCost`; ``--model.*`` / ``--data.*`` overrides
-    applied); ``on_cpu``: the attention path the CPU takes (a cost record with an ``on_cpu`` field, for
-    comparing with a check run on this machine); ``training``: with the recipe's dropout (a check run
+    applied); ``on_cpu``: the CPU tuning's kernels (a cost record with an ``on_cpu`` field, for comparing with
+    what they run on this machine); ``training``: with the recipe's dropout (a check run
     turns it off)."""
     from lightning_megatron.check.recipe import with_dropout
     from lightning_megatron.recipes import import_class
@@ -83,8 +83,9 @@ def _mib(x: float) -> str:
 
 
 def memory_table(recipe: Any, layouts: list[ParallelDims], report: Any) -> str:
-    """Predicted vs measured MiB per rank (the fullest pipeline stage; measured: max over its ranks)."""
-    m = model_shape(recipe, on_cpu=True)
+    """Predicted vs measured MiB per rank (the fullest pipeline stage; measured: max over its ranks). A check run
+    takes the library's kernels (no CPU tuning), so they are what is predicted."""
+    m = model_shape(recipe)
     lines = ["memory per rank, MiB: predicted / measured (measured: tensors held at step 1 on this machine; "
              "activations: peak bytes saved for backward)",
              f"{'layout':<14} {'stage':>5} {'params':>19} {'grads':>19} {'optimizer':>19} {'activations':>19}"]

@@ -73,7 +73,10 @@ class TransformerCost:
     attention_backend: str = "auto"
     """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
     on_cpu: bool = False
-    """With "auto": CPU runs 16-bit attention unfused (fp32 without dropout: sdpa); accelerators sdpa."""
+    """The opt-in CPU tuning's kernels (:class:`~lightning_megatron.cpu.CPUTuning`, what ``--device this`` times):
+    with "auto", 16-bit attention and attention with dropout run unfused, and dropout keeps its masks in the
+    activation dtype. False: the library's kernels on every device, the CPU's without the tuning included (sdpa,
+    bool masks)."""
     hidden_dropout: float = DEFAULT_DROPOUT
     """Dropout after the embeddings and in both bias-dropout-adds of every layer (a saved mask each)."""
     attention_dropout: float = DEFAULT_DROPOUT
@@ -245,7 +248,10 @@ class TransformerCost:
         s, b, h, f = self.seq_length, self.micro_batch_size, self.hidden_size, self.ffn
         d, n, g, e = self.head_dim, self.num_attention_heads, self.groups, self.param_bytes
         sp = tp if sequence_parallel else 1
-        replicated = 4 * h / sp  # both norms' inputs and outputs
+        # both norms' inputs, split under SP, and their outputs, the qkv and fc1 inputs: under SP those layers keep
+        # the all-gathered input for their weight gradient (megatron-core keeps the split one and gathers it again
+        # in the backward)
+        replicated = 2 * h / sp + 2 * h
         # q, k, v and the attention output; fc1's output and the activation; gated: fc1's [gate, up] and the
         # product (act(gate) is computed again in the backward: transformer.utils.gated_activation)
         parallel = ((2 * n + 2 * g) * d + (3 * f if self.gated_linear_unit else 2 * f)) / tp

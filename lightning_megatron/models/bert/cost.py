@@ -57,10 +57,13 @@ class BertCost(TransformerCost):
         return n
 
     def last_stage_activation_bytes(self, tp: int) -> float:
-        """The final norm's output, the LM head on the masked tokens, their logits, the pooler."""
+        """The final norm's output, the LM head on the masked tokens, the pooler, and what the loss keeps of the
+        masked tokens' logits: an fp32 softmax (the vocab-parallel cross entropy, whatever the logits' dtype), or
+        the logits themselves with the loss compiled at one TP rank (:attr:`compiled_loss`)."""
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
         n = self.masked_lm_prob * s * b
-        return e * (s * b * h + 5 * n * h + n * self.padded_vocab(tp) / tp + 2 * b * h) + 8 * s * b
+        logit = e if self.compiled_loss and tp == 1 else 4
+        return e * (s * b * h + 5 * n * h + 2 * b * h) + logit * n * self.padded_vocab(tp) / tp + 8 * s * b
 
     def describe(self) -> str:
         return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, ffn "
@@ -80,12 +83,12 @@ class BertCost(TransformerCost):
         """A BertModel of ``num_layers`` layers (one: what :func:`~lightning_megatron.check.devices.model_seconds`
         times) and its loss as ``BertLightningModule.forward_step`` runs a microbatch:
         embeddings, the layer, the LM head on the masked tokens with the word embedding tied to the output
-        layer, the binary head, the vocab-parallel cross entropy, the predictions' argmax."""
+        layer, the binary head, the model's cross entropy (:meth:`compute_language_model_loss`), the predictions'
+        argmax."""
         import torch
 
         from lightning_megatron.models.bert.model import BertModel, bert_loss
         from lightning_megatron.models.bert.predict import vocab_parallel_argmax
-        from lightning_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
         s, b, v = self.seq_length, self.micro_batch_size, self.vocab_size
         model = BertModel(self.layer_config(num_layers), self.layer_spec(), v, self.max_sequence_length,
@@ -101,7 +104,7 @@ class BertCost(TransformerCost):
 
         def step() -> None:
             logits, binary_logits = model(tokens, None, token_types, lm_positions=positions)
-            loss_per_token = vocab_parallel_cross_entropy(logits, labels[positions], tp_group=None, vocab_size=v)
+            loss_per_token = model.compute_language_model_loss(labels[positions], logits)
             loss, _ = bert_loss(loss_per_token, torch.ones_like(loss_per_token), binary_logits, binary_labels)
             with torch.no_grad():
                 vocab_parallel_argmax(logits, None, v)

@@ -135,7 +135,8 @@ class BertLightningModule(LanguageLightningModule):
             config, vocab_size=int(vocab), seq_length=int(data.get("max_seq_length", 128)),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
             masked_lm_prob=float(data.get("masked_lm_prob", 0.15)), optimizer=str(model.get("optimizer", "adamw")),
-            post_norm="post_norm" in config.spec, rmsnorm="rmsnorm" in config.spec)
+            post_norm="post_norm" in config.spec, rmsnorm="rmsnorm" in config.spec,
+            compiled_loss=bool(model.get("compile", False)))
 
     # ------------------------------------------------------------------ steps
 
