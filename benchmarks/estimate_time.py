@@ -135,7 +135,8 @@ def main() -> None:
     t0 = time.perf_counter()
     before = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape)
     print(f"this machine, per core ({CPU_COUNT} cores): {rates(before)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    fw = Framework(overlap_grad_reduce=False, fused_attention=not shape.unfused_attention)  # the CPU tuning's
+    fw = Framework(overlap_grad_reduce=False, overlap_sp_gather=False,  # the CPU tuning's synchronous collectives
+                   fused_attention=not shape.unfused_attention)
     runs = []
     for layout in ParallelDims.parse_list(layouts):
         if a.model == "bert":

@@ -185,11 +185,16 @@ def test_step_time_against_hand_computed_numbers():
     flops = transformer_flops(num_layers=4, hidden_size=1024, ffn_hidden_size=4096, seq_length=1024, tokens=16384,
                               head_tokens=16384, vocab_size=32768, head_dense=False)
     assert st.mfu == pytest.approx(flops / st.total / 8 / 1e14)
-    # VP divides the bubble; SP moves the same TP bytes; ZeRO-1 = reduce-scatter + all-gather; overlap hides DP.
+    # VP divides the bubble; SP moves the same TP bytes, and its backward gathers the qkv and fc1 inputs again:
+    # hidden behind their input gradients' GEMMs (asynchronous collectives), or not (the CPU tuning's synchronous
+    # ones: two all-gathers of [s, b, h] a layer); ZeRO-1 = reduce-scatter + all-gather; overlap hides DP.
     vp = estimate_time(m, ParallelDims(tp=2, pp=2, vp=2, dp=2), dev, MEASURED, fw)
     assert vp.bubble == pytest.approx((t0 + pp) / 2, rel=1e-12)  # each of the 2 chunks sends
     sp = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, sequence_parallel=True), dev, MEASURED, fw)
     assert sp.tp_comm == pytest.approx(st.tp_comm) and sp.pp_comm == pytest.approx(4 * pp / 2 + tied)
+    exposed = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, sequence_parallel=True), dev, MEASURED,
+                            dataclasses.replace(fw, overlap_sp_gather=False))
+    assert exposed.tp_comm == pytest.approx(st.tp_comm + 4 * 2 * 2 * (1 / 2 * 4194304 / 1e11), rel=1e-12)
     z = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, zero1=True), dev, MEASURED, fw)
     assert z.dp_comm == pytest.approx(1 / 2 * 4 * params / 1e11 + 1 / 2 * 2 * params / 1e11, rel=1e-12)
     assert z.optimizer == pytest.approx(st.optimizer / 2)

@@ -107,6 +107,38 @@ def _check_linear_pair(ref, par, x_full, x_local, dy_full, dy_local, out_full_fn
     return y_ref, y_par
 
 
+def _check_sequence_parallel_column_keeps_its_part(fc1, fc2, x_part, dy_part, ref1, group, tp: int) -> None:
+    """Under SP the column-parallel layer keeps its part of the sequence for the backward, not the all-gathered
+    input (megatron-core's way: the backward gathers it again for the weight gradient), and its weight gradient
+    deferred by a :class:`DeferredWeightGrad` is drained as the one process computes it."""
+    from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
+
+    params = {p.untyped_storage().data_ptr() for p in fc1.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(t.numel())
+        return t
+
+    x = x_part.detach().clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fc1(x)
+    assert saved == [x.numel()], (saved, x.numel())
+    deferral = DeferredWeightGrad()
+    fc1.weight_grad_deferral = deferral
+    fc1.weight.grad = None
+    deferral.open()
+    try:
+        fc2(F.gelu(fc1(x)[0]))[0].backward(dy_part)
+        assert fc1.weight.grad is None and deferral.pending == 1
+        drained = {}
+        deferral.drain(lambda weight, grad, microbatches=1: drained.setdefault(id(weight), grad))
+    finally:
+        fc1.weight_grad_deferral = None
+    torch.testing.assert_close(_gather(drained[id(fc1.weight)], group, 0), ref1.weight.grad, **TOL)
+
+
 def _layers_worker(tp: int, shm: bool = False) -> None:
     ps = initialize_model_parallel(ParallelDims(tp=tp))
     if shm:
@@ -192,6 +224,8 @@ def _layers_worker(tp: int, shm: bool = False) -> None:
         torch.testing.assert_close(_gather(par1.bias.grad, g, 0), ref1.bias.grad, **TOL)
         torch.testing.assert_close(_gather(par2.weight.grad, g, 1), ref2.weight.grad, **TOL)
         torch.testing.assert_close(par2.bias.grad, ref2.bias.grad, **TOL)
+        if sp:
+            _check_sequence_parallel_column_keeps_its_part(par1, par2, x_in, dy_h.chunk(tp, 0)[r], ref1, g, tp)
 
     # VocabParallelEmbedding with a padded vocab
     vocab = pad_vocab_size(50, tp, make_vocab_size_divisible_by=4)

@@ -55,7 +55,7 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     # shared-memory collectives.
     overlap = (not on_cpu) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
     fw = Framework(overlap_grad_reduce=overlap, overlap_param_gather=args.overlap_param_gather == "on",
-                   fused_attention=not m.unfused_attention, host_ops=host_ops)
+                   overlap_sp_gather=not on_cpu, fused_attention=not m.unfused_attention, host_ops=host_ops)
     return dev, eff, fw
 
 

@@ -149,6 +149,10 @@ class Framework:
     on by default except with the CPU tuning's synchronous shared-memory collectives)."""
     overlap_param_gather: bool = False
     """ZeRO-1 parameter all-gather hidden behind the next forward."""
+    overlap_sp_gather: bool = True
+    """Under sequence parallelism the backward gathers the qkv and fc1 layers' inputs again
+    (:mod:`~lightning_megatron.tensor_parallel.layers`) while their input gradients' GEMMs run: hidden with
+    asynchronous collectives (NCCL, gloo), exposed with the CPU tuning's synchronous shared-memory ones."""
     p2p_scatter_gather: bool = False
     """Megatron's scatter/gather of pipeline sends between nodes: each TP rank sends 1/t."""
     fused_attention: bool = True
@@ -436,6 +440,9 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
     act = e * s / c * b * h
     per_layer = (4 + (2 if m.recompute else 0)) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
+    if layout.sequence_parallel and not fw.overlap_sp_gather:  # the column layers' inputs gathered again
+        regathered = m.regathered_inputs if isinstance(m, TransformerCost) else 2
+        per_layer += regathered * collective_time("all_gather", act, t, tp_bw, tp_lat)
     tp_mb = per_layer * layers + (collective_time("all_reduce", act, t, tp_bw, tp_lat) if p == 1 else 0.0)
     # CP: per layer the keys and values of the whole sequence all-gathered (forward, recomputed forward)
     # and their gradients reduce-scattered (backward), over the c ranks of one TP rank's CP group.

@@ -155,6 +155,13 @@ class TransformerCost:
         return self.on_cpu and (self.param_bytes != 4 or self.attention_dropout > 0)
 
     @property
+    def regathered_inputs(self) -> int:
+        """Of the qkv and fc1 layers, those whose backward under sequence parallelism gathers their input again
+        (:mod:`~lightning_megatron.tensor_parallel.layers`): both but one with a LoRA adapter, which keeps the
+        gathered input it reads."""
+        return 2 - sum(self.lora_rank > 0 and name in self.lora_targets for name in ("linear_qkv", "linear_fc1"))
+
+    @property
     def mask_bytes(self) -> int:
         """Bytes per element of a saved dropout mask: ``F.dropout``'s bool mask; the CPU kernel's 0/1 in
         the activation dtype (lightning_megatron.cpu)."""
@@ -248,10 +255,10 @@ class TransformerCost:
         s, b, h, f = self.seq_length, self.micro_batch_size, self.hidden_size, self.ffn
         d, n, g, e = self.head_dim, self.num_attention_heads, self.groups, self.param_bytes
         sp = tp if sequence_parallel else 1
-        # both norms' inputs, split under SP, and their outputs, the qkv and fc1 inputs: under SP those layers keep
-        # the all-gathered input for their weight gradient (megatron-core keeps the split one and gathers it again
-        # in the backward)
-        replicated = 2 * h / sp + 2 * h
+        # both norms' inputs and outputs (the qkv and fc1 inputs): under SP those layers keep their part of the
+        # sequence (gathered again in the backward), an adapted one the gathered input its adapter reads
+        kept_whole = 2 - self.regathered_inputs
+        replicated = (4 - kept_whole) * h / sp + kept_whole * h
         # q, k, v and the attention output; fc1's output and the activation; gated: fc1's [gate, up] and the
         # product (act(gate) is computed again in the backward: transformer.utils.gated_activation)
         parallel = ((2 * n + 2 * g) * d + (3 * f if self.gated_linear_unit else 2 * f)) / tp

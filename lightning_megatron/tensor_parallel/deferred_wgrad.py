@@ -91,8 +91,12 @@ class DeferredWeightGrad:
         self._stashed.clear()
         self._open = True
 
+    def defers(self, weight: torch.Tensor) -> bool:
+        """Whether a linear layer of ``weight`` run now stashes its weight gradient (open, training, trained)."""
+        return self._open and torch.is_grad_enabled() and weight.requires_grad
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._open and torch.is_grad_enabled() and weight.requires_grad:
+        if self.defers(weight):
             return _LinearDeferredWeightGrad.apply(x, weight, bias, self)
         return F.linear(x, weight, bias)
 

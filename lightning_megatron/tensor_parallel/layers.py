@@ -14,7 +14,10 @@ down-projections row-parallel.
 
 Sequence parallel: activations outside the TP region are split along the sequence (dim 0, shape
 [s/t, b, h]); the column layer all-gathers its input along s and the row layer reduce-scatters its
-output along s (same communication volume as one all-reduce, activations t times smaller).
+output along s (same communication volume as one all-reduce, activations t times smaller). For its
+weight gradient the column layer keeps its own part of the input, not the gathered one, and gathers it
+again in the backward while the input gradient's GEMM runs (megatron-core's way): t times less of that
+input kept, for one more all-gather in each backward.
 
 Initialization is layout-independent: the full master weight is built on the CPU in fp32 with
 ``init_method`` and this rank keeps its slice, so TP=k shards are exact slices of the TP=1 weight.
@@ -32,6 +35,9 @@ from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.backward import policy_embedding, policy_linear
 from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
 from lightning_megatron.tensor_parallel.mappings import (
+    _gather_along_dim,
+    _reduce_scatter_along_first_dim,
+    all_gather_into_tensor,
     all_reduce_coalesced,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -87,6 +93,43 @@ def _initialize_affine_weight(weight: torch.Tensor, full_shape: tuple[int, int],
         weight.copy_(mine.to(dtype=weight.dtype, device=weight.device))
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``F.linear`` of the sequence-parallel ``x`` [s/t, b, h] all-gathered along the sequence, keeping ``x`` (this
+    rank's part) for the backward, not the gathered input. The backward gathers ``x`` again while the input
+    gradient's GEMM runs (asynchronously where the TP communicator is), reduce-scatters that gradient along the
+    sequence, and computes the weight gradient as autograd does for ``F.linear`` (``grad^T @ input``), or stashes
+    it with ``deferral`` (:class:`~lightning_megatron.tensor_parallel.deferred_wgrad.DeferredWeightGrad`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                deferral: DeferredWeightGrad | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.deferral, ctx.has_bias = group, deferral, bias is not None
+        return torch.nn.functional.linear(_gather_along_dim(x, group, 0), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        x = x.contiguous()
+        total = torch.empty((group_size(ctx.group) * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        gathering = all_gather_into_tensor(total, x, ctx.group, async_op=True)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # the input gradient's GEMM while the input is gathered
+            grad_x = torch.mm(grad_2d, weight).view(*grad.shape[:-1], weight.shape[-1])
+        gathering.wait()
+        if grad_x is not None:
+            grad_x = _reduce_scatter_along_first_dim(grad_x, ctx.group)
+        total_2d = total.view(-1, total.shape[-1])
+        grad_weight = None
+        if ctx.deferral is not None:
+            ctx.deferral.stash(weight, grad_2d.detach(), total_2d)
+        elif ctx.needs_input_grad[1]:
+            grad_weight = torch.mm(grad_2d.t(), total_2d)
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b with A split by columns: weight [out/t, in], bias [out/t].
 
@@ -131,17 +174,31 @@ class ColumnParallelLinear(nn.Module):
                 raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True: "
                                  "pass the weight to forward(input, weight=...)")
             weight = self.weight
-        if self.sequence_parallel:
-            total_input = gather_from_sequence_parallel_region(input_, self.tp_group, True)
-        else:
-            total_input = copy_to_tensor_model_parallel_region(input_, self.tp_group)
-        output = self.apply_weight(total_input, weight)
         adapter = self._modules.get("adapter")
-        if adapter is not None:  # a side branch on the same input (LoRA): its input gradient joins the base's
-            output = adapter(total_input, output)
+        if self.sequence_parallel and adapter is None and self._keeps_its_part(input_, weight):
+            deferral = self.weight_grad_deferral
+            if deferral is not None and not deferral.defers(weight):
+                deferral = None
+            bias = None if self.skip_bias_add else self.bias
+            output = _SequenceParallelLinear.apply(input_, weight, bias, self.tp_group, deferral)
+        else:
+            if self.sequence_parallel:
+                total_input = gather_from_sequence_parallel_region(input_, self.tp_group, True)
+            else:
+                total_input = copy_to_tensor_model_parallel_region(input_, self.tp_group)
+            output = self.apply_weight(total_input, weight)
+            if adapter is not None:  # a side branch on the same input (LoRA): its input gradient joins the base's
+                output = adapter(total_input, output)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def _keeps_its_part(self, input_: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the sequence-parallel forward keeps its part of the input (:class:`_SequenceParallelLinear`):
+        on more than one rank, for a weight gradient, without autocast (which the function's own GEMMs would
+        bypass) and outside ``torch.compile`` (whose graphs keep the gathered input as before)."""
+        return (group_size(self.tp_group) > 1 and weight.requires_grad and torch.is_grad_enabled()
+                and not torch.is_autocast_enabled(input_.device.type) and not torch.compiler.is_compiling())
 
     def apply_weight(self, total_input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``total_input @ weight.T (+ bias)`` without the TP mappings (the input already gathered), the
