@@ -75,9 +75,10 @@ def make_module(**config_fields):
 
 
 GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1", "cp2"]
-LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1", "cp2", "tp2cp2sp", "cp2pp2vp2", "cp2dp2zero1"]
+LLAMA_LAYOUTS = ["tp2", "tp2sp", "pp2vp2", "dp2zero1", "cp2", "tp2cp2sp", "cp2pp2vp2", "cp2dp2zero1", "tp2pp2vp2sp"]
 """Context parallelism (cp2) on both shapes; composed with TP + SP, interleaved PP and ZeRO-1 on 4 ranks on the
-packed Llama shape (rope at the tokens' real positions, documents across the split)."""
+packed Llama shape (rope at the tokens' real positions, documents across the split); TP + SP under the interleaved
+schedule (SP's backward gathers each column layer's input again, inside the pipeline's backward passes)."""
 ULYSSES_LAYOUTS = ["cp2", "tp2cp2sp"]
 """The Llama shape with cp_comm_type="a2a" (Ulysses: heads for sequence), one key/value head repeated for CP."""
 RING_LAYOUTS = ["cp2", "tp2cp2sp", "cp4"]
