@@ -172,6 +172,28 @@ def test_a_berts_compiled_loss_is_estimated_keeping_the_masked_tokens_logits(cap
     assert fullest(base, "tp2dp4") == fullest(compiled, "tp2dp4")
 
 
+def test_a_16_bit_recipes_layouts_are_checked_in_fp32_with_fp32s_bounds(capsys, tmp_path):
+    """``check --fp32`` on a bf16 recipe (``base: bert_tiny.yaml`` made bf16-true): the model with fp32 parameters
+    and the Trainer at 32-true, held to the fp32 bounds (a 16-bit check compares runs that round differently in
+    each layout, docs/check.md, "Open finding"); without it the recipe's bf16 is checked at the 16-bit bounds."""
+    from pathlib import Path
+
+    from lightning_megatron.check.cli import main
+
+    base = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
+    recipe = tmp_path / "bert_tiny_bf16.yaml"
+    recipe.write_text(f"base: {base}\ntrainer:\n  precision: bf16-true\nmodel:\n  config:\n    params_dtype: bfloat16\n")
+    args = ["--config", str(recipe), "--layouts", "tp2", "--steps", "1", "--global-batch-size", "8",
+            "--micro-batch-size", "4", "--data.max_seq_length", "64"]
+    assert main(args + ["--fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "in fp32 (--fp32: config.params_dtype float32, precision 32-true)" in out, out
+    assert "tolerances: loss 1e-05 rel, grad norm 1e-05 rel, grads 0.0001" in out and out.rstrip().endswith("PASS"), out
+    with pytest.raises(SystemExit) as refused:  # a recipe already in fp32: nothing to switch, said so
+        main(["--config", str(base), "--layouts", "tp2", "--fp32"])
+    assert refused.value.code == 2 and "already trains in fp32" in capsys.readouterr().err
+
+
 def test_recipe_check_keeps_the_megatron_callback_sections():
     """``check --config`` runs a recipe's layouts with its clipping and lr schedule (the CLI's named sections)."""
     from pathlib import Path

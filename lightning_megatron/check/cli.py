@@ -2,7 +2,7 @@
 
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,pp2,dp2,tp2pp2 [--steps 3]
         [--reference tp1] [--global-batch-size 16] [--micro-batch-size 4] [--model.NAME VALUE ...]
-        [--data.NAME VALUE ...]
+        [--data.NAME VALUE ...] [--fp32]
     lightning-megatron check --config recipes/bert_tiny.yaml --layouts tp2,dp2zero1 --estimate-memory
     lightning-megatron check --config recipes/bert_large.yaml --estimate-memory --estimate-time --gpus 64 \\
         --gpu-memory 80GB --device h100 [--data.global_batch_size 512]
@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=int, default=None, help="default: the recipe's data.max_seq_length")
     p.add_argument("--grad-steps", default="1", help="steps after which every gradient is compared (comma-separated)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per group of layouts of one world size")
+    p.add_argument("--fp32", action="store_true",
+                   help="check a 16-bit recipe's layouts in fp32 (config.params_dtype float32, precision 32-true) at "
+                        "fp32's bounds: 16-bit runs round differently in each layout (docs/check.md, 'Open finding')")
     p.add_argument("--estimate-memory", action="store_true",
                    help="predicted bytes per rank (docs/memory.md); with --gpus: the layouts that fit, nothing run")
     p.add_argument("--estimate-time", action="store_true",
@@ -69,6 +72,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --estimate-memory / --estimate-time: every layout of this many GPUs")
     p.add_argument("--gpu-memory", type=_bytes, default=None, help="with --gpus: memory per GPU, e.g. 80GB")
     return p
+
+
+def _in_fp32(recipe) -> str | None:
+    """``--fp32``: the recipe's model with fp32 parameters (its config record's ``params_dtype``, or the module's own
+    argument) and the Trainer at 32-true; why not, when the recipe already trains in fp32."""
+    config = recipe.model.get("config")
+    holder = config if isinstance(config, dict) else recipe.model
+    dtype = str(holder.get("params_dtype", "float32")).removeprefix("torch.")
+    if dtype in ("float32", "fp32") and recipe.precision in (None, "32-true", "32"):  # not autocast's 16-bit math
+        return (f"--fp32: {recipe.model_class} already trains in fp32 (params_dtype {dtype}, precision "
+                f"{recipe.precision or 'the Trainer default'}): its check is in fp32 without the flag")
+    holder["params_dtype"] = "float32"
+    recipe.precision = "32-true"
+    return None
 
 
 def _layout_problems(recipe, layouts: list) -> list[str]:
@@ -102,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         layouts, reference = ParallelDims.parse_list(args.layouts), ParallelDims.parse(args.reference)
     except (ValueError, OSError) as e:
         parser.error(str(e))
+    if args.fp32:
+        refused = _in_fp32(recipe)
+        if refused:
+            parser.error(refused)
     if args.global_batch_size is not None:
         recipe.data["global_batch_size"] = args.global_batch_size
     if args.micro_batch_size is not None:
@@ -145,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     params_dtype = flat_hparams(recipe.model).get("params_dtype", "float32")  # config.params_dtype
     tol = Tolerances.bf16() if str(params_dtype) in ("bfloat16", "bf16", "float16", "fp16") else Tolerances()
     G, m = recipe.global_batch_size, recipe.micro_batch_size
-    print(f"lightning-megatron check: {args.config}, layouts {', '.join(map(str, layouts))} against {reference}, "
-          f"{args.steps} steps, global batch {G}, micro batch {m}, dropout off", flush=True)
+    in_fp32 = " in fp32 (--fp32: config.params_dtype float32, precision 32-true)" if args.fp32 else ""
+    print(f"lightning-megatron check: {args.config}{in_fp32}, layouts {', '.join(map(str, layouts))} against "
+          f"{reference}, {args.steps} steps, global batch {G}, micro batch {m}, dropout off", flush=True)
     if recipe.skipped_callbacks:
         print(f"  recipe callbacks not used by the check: {', '.join(recipe.skipped_callbacks)}", flush=True)
     report = check_layouts(**factories(recipe, args.steps, G), layouts=layouts, reference=reference,
@@ -155,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                            grad_steps=[int(s) for s in args.grad_steps.split(",") if s.strip()],
                            measure_memory=args.estimate_memory, timeout=args.timeout)
     print(report.table(), flush=True)
+    if not report.passed and tol != Tolerances():
+        print("  16-bit runs round differently in each layout (TP's partial sums, PP's and DP's accumulation): a "
+              "gradient whose terms cancel can differ beyond the 16-bit bounds with the math right (docs/check.md, "
+              "'Open finding'); the layouts' math at fp32's bounds: add --fp32", flush=True)
     if args.estimate_memory:
         from lightning_megatron.check.memory_cli import memory_table
 
