@@ -249,6 +249,27 @@ def test_rotating_the_query_and_key_heads_in_one_pass_has_the_bits_of_rotating_e
             rotate(mixed, freqs[:5])  # a table of other positions than the tensor's sequence is refused
 
 
+@pytest.mark.parametrize("percent", [1.0, 0.5])
+def test_rotating_grouped_query_heads_where_they_lie_has_the_bits_of_rotating_their_copy(percent):
+    """Grouped-query attention rotates its query heads as they lie in linear_qkv's group-major output (a
+    [s, b, groups, heads, d] view with that output's strides) into a new contiguous tensor, the queries'
+    [s, b, n, d] a view of it (no copy beside it to keep for the backward): the bits, and the gradient's, of
+    rotating their [s, b, n, d] copy."""
+    s, groups, per_group = 6, 2, 3
+    freqs = RotaryEmbedding(D, percent, 10000.0)(s)
+    torch.manual_seed(0)
+    mixed = torch.randn(s, 2, groups, per_group + 2, D, requires_grad=True)
+    ref = mixed.detach().clone().requires_grad_(True)
+    got = apply_rotary_pos_emb(mixed[..., :per_group, :], freqs)
+    assert got.is_contiguous() and got.shape == (s, 2, groups, per_group, D)
+    got = got.view(s, 2, groups * per_group, D)
+    want = apply_rotary_pos_emb(ref[..., :per_group, :].reshape(s, 2, groups * per_group, D), freqs)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    assert torch.equal(got, want) and torch.equal(mixed.grad, ref.grad)
+
+
 # ---------------------------------------------------------------- attention and MLP
 
 

@@ -291,13 +291,14 @@ class TransformerCost:
             tp if sequence_parallel else 1)
 
     def last_stage_activation_bytes(self, tp: int) -> float:
-        """The final norm's output (the output layer's input) and the cross entropy's fp32 softmax of the
+        """The final norm's input and output (the output layer's input) and the cross entropy's fp32 softmax of the
         vocab-parallel logits, with its per-token statistics; the logits themselves are not kept (measured:
-        ``check --estimate-memory`` on ``recipes/gpt_tiny.yaml``, fp32 and bf16, docs/long_context.md). A compiled
-        loss (:attr:`compiled_loss`, one TP rank) keeps the logits instead of the softmax."""
+        ``check --estimate-memory`` on ``recipes/gpt_tiny.yaml``, fp32 and bf16, docs/long_context.md, and
+        ``tests/test_estimate.py``). A compiled loss (:attr:`compiled_loss`, one TP rank) keeps the logits instead
+        of the softmax."""
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
         v = self.padded_vocab(tp) / tp
-        return e * s * b * h + (e if self.compiled_loss and tp == 1 else 4) * s * b * v + 8 * s * b
+        return 2 * e * s * b * h + (e if self.compiled_loss and tp == 1 else 4) * s * b * v + 8 * s * b
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
         g = self.groups

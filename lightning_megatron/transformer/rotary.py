@@ -96,18 +96,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor | RotaryTable) -> torch.Tensor:
-    """RoPE of ``t`` [s, b, heads, d] by the angle table ``freqs`` [s, 1, 1, d_rot] (d_rot <= d; or a
-    :class:`RotaryTable`, whose cos and sin are made once): the leading d_rot channels are rotated, the rest
-    returned unchanged."""
+    """RoPE of ``t`` [s, b, heads, d] (or [s, b, groups, heads, d], any strides) by the angle table ``freqs``
+    [s, 1, 1, d_rot] (d_rot <= d; or a :class:`RotaryTable`, whose cos and sin are made once): a new contiguous
+    tensor, the leading d_rot channels rotated, the rest copied."""
     table = RotaryTable.of(freqs)
     _check_table(t, table.freqs)
     if torch.compiler.is_compiling():  # the expression itself: the compiler fuses it (and cannot trace out= views)
-        cos, sin = table.freqs.cos().to(t.dtype), table.freqs.sin().to(t.dtype)
+        angles = table.freqs.reshape(t.shape[0], *(1,) * (t.dim() - 2), table.freqs.shape[-1])
+        cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
         rot = cos.shape[-1]
         t_rot, t_pass = t[..., :rot], t[..., rot:]
         t_rot = t_rot * cos + rotate_half(t_rot) * sin
         return t_rot if t_pass.shape[-1] == 0 else torch.cat([t_rot, t_pass], dim=-1)
-    cos, sin = table.cos_sin(t.dtype)
+    cos, sin = table.cos_sin(t.dtype, ndim=t.dim())
     return _Rotate.apply(t, cos, sin, False)
 
 
@@ -145,7 +146,9 @@ def apply_rotary_pos_emb_heads(t: torch.Tensor, freqs: torch.Tensor | RotaryTabl
     :class:`RotaryTable`), the other ``k`` copied: a new tensor of ``t``'s shape. On linear_qkv's group-major output
     (each group's query heads, its key, its value) one pass rotates every query and key, where
     :func:`apply_rotary_pos_emb` on the query and the key after their split would be two, each a dozen ops forward
-    and backward (host time on an accelerator, docs/check.md, "Host"); the same bits."""
+    and backward (host time on an accelerator, docs/check.md, "Host"); the same bits. With one query head a group
+    the queries, keys and values are views of the new tensor (with more, the queries' ``[s, b, n, d]`` would be a
+    copy, and the keys and values views keeping all of it: ``SelfAttention`` rotates them apart then)."""
     table = RotaryTable.of(freqs)
     _check_table(t, table.freqs)
     if torch.compiler.is_compiling():
