@@ -184,6 +184,38 @@ def test_rng_tracker_semantics_and_recompute():
     assert torch.equal(again[0]["sharded"], r0["sharded"]), "same seed must give the same masks"
 
 
+def test_a_fork_inside_a_fork_of_the_same_stream_goes_on_drawing_from_it_and_recompute_replays_it():
+    """A module that forks into the model-parallel stream inside a block that forked into it already (a LoRA
+    adapter's dropout under sequence parallelism, which the block runs in that stream) draws the stream's next
+    numbers, not its first ones again (a second swap would restore the state the outer fork started from); and
+    ``recompute`` started inside the outer fork replays the forward's masks in the backward (outside it)."""
+    from lightning_megatron.tensor_parallel import RNGStatesTracker, recompute
+
+    t = RNGStatesTracker()
+    t.add("mp", 5)
+    with t.fork("mp"):
+        first = torch.rand(4)
+        with t.fork("mp"):
+            inner = torch.rand(4)
+        last = torch.rand(4)
+    t.reset()
+    t.add("mp", 5)
+    with t.fork("mp"):
+        want = torch.rand(12)
+    assert torch.equal(torch.cat([first, inner, last]), want)
+
+    def drop(x):
+        with t.fork("mp"):
+            return F.dropout(x, 0.5)
+
+    x = torch.ones(256, requires_grad=True)
+    with t.fork("mp"):
+        torch.rand(3)
+        y = recompute(drop, x, tracker=t)
+    y.sum().backward()
+    assert torch.equal(x.grad, (y != 0).float() * 2), "the backward's mask is the forward's"
+
+
 def test_tracker_rejects_duplicates_and_unknown_names():
     from lightning_megatron.tensor_parallel import RNGStatesTracker
 

@@ -6,7 +6,9 @@ stream, seeded differently per TP rank, drives dropout on TP-sharded activations
 probabilities of a rank's heads), so shards are not dropped in lock-step.
 
 Each tracked stream holds the CPU generator state and, when an accelerator is present, its state.
-``fork(name)`` swaps the stream in, runs the block, saves the advanced state and swaps back.
+``fork(name)`` swaps the stream in, runs the block, saves the advanced state and swaps back; inside a fork of
+the same stream it swaps nothing (the stream is the generators' already: a second swap would restore the state
+the outer fork started from and draw its numbers again).
 
 ``recompute(fn, *args)`` (activation recomputation; Megatron calls it ``checkpoint``) runs ``fn`` without keeping activations and recomputes it in backward,
 restoring the CPU, accelerator and tracker RNG states of the forward so dropout masks repeat.
@@ -58,10 +60,13 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self.states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.seeds: set[int] = set()
+        self.forked: str | None = None
+        """The stream the generators hold now (inside its :meth:`fork`), None for the default one."""
 
     def reset(self) -> None:
         self.states.clear()
         self.seeds.clear()
+        self.forked = None
 
     def get_states(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         return {k: (v[0].clone(), None if v[1] is None else v[1].clone()) for k, v in self.states.items()}
@@ -84,13 +89,18 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
         if name not in self.states:
             raise KeyError(f"RNG state {name!r} is not in the tracker: call model_parallel_seed(seed, tp_rank) first")
-        saved = _get_states()
+        if self.forked == name:  # the generators hold this stream already: draw on from it
+            yield
+            return
+        saved, outer = _get_states(), self.forked
         _set_states(self.states[name])
+        self.forked = name
         try:
             yield
         finally:
             self.states[name] = _get_states()
             _set_states(saved)
+            self.forked = outer
 
 
 _TRACKER = RNGStatesTracker()
@@ -115,7 +125,7 @@ class _RecomputeFunction(torch.autograd.Function):
     def forward(ctx, run_function, tracker, *args):
         ctx.run_function, ctx.tracker = run_function, tracker
         ctx.fwd_states = _get_states()
-        ctx.fwd_tracker_states = tracker.get_states()
+        ctx.fwd_tracker_states, ctx.fwd_forked = tracker.get_states(), tracker.forked
         with torch.no_grad():
             outputs = run_function(*args)
         tensor_idx = [i for i, a in enumerate(args) if torch.is_tensor(a)]
@@ -131,15 +141,17 @@ class _RecomputeFunction(torch.autograd.Function):
             d = t.detach()
             d.requires_grad_(t.requires_grad)
             args[i] = d
-        current, current_tracker = _get_states(), ctx.tracker.get_states()
+        current, current_tracker, current_forked = _get_states(), ctx.tracker.get_states(), ctx.tracker.forked
         _set_states(ctx.fwd_states)
         ctx.tracker.set_states(ctx.fwd_tracker_states)
+        ctx.tracker.forked = ctx.fwd_forked  # the forward ran inside that fork: its forks swap nothing again
         try:
             with torch.enable_grad():
                 outputs = ctx.run_function(*args)
         finally:
             _set_states(current)
             ctx.tracker.set_states(current_tracker)
+            ctx.tracker.forked = current_forked
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]

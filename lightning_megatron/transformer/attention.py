@@ -122,8 +122,8 @@ class DotProductAttention(nn.Module):
         self.tp_size = max(group_size(tp_group), config.tensor_model_parallel_size)
 
     def _dropout_rng(self) -> contextlib.AbstractContextManager:
-        # Under sequence parallelism the whole block already runs in the model-parallel stream
-        # (TransformerBlock forks it); forking again would replay the same numbers.
+        # Under sequence parallelism the whole block already runs in the model-parallel stream (TransformerBlock
+        # forks it): a fork would swap nothing (RNGStatesTracker.fork), and inside a compiled layer break its graph.
         if self.config.sequence_parallel:
             return contextlib.nullcontext()
         # The stream keeps TP ranks from dropping their heads in lock-step. With one TP rank there is none to
