@@ -281,7 +281,8 @@ def test_lora_cli_fit_checkpoint_holds_adapters_and_exports_give_our_logits(tmp_
 
 def test_sft_and_lora_layouts_equal_one_process_through_check(tmp_path):
     """``check`` on the SFT recipe from an HF folder: LoRA at TP=2 without and with sequence parallelism and at
-    PP=2, and full fine-tuning at TP=2, give one process's losses, grad norms and gradients."""
+    PP=2, and full fine-tuning at TP=2, give one process's losses, grad norms and gradients; its memory table
+    (``--estimate-memory``) measures the parameters a rank holds, the frozen base's too, as predicted."""
     base = _llama_folder(tmp_path / "base", vocab=8192)
     shutil.copy(VOCAB_JSON, base / "tokenizer.json")
     recipe = _lora_recipe(tmp_path, base, _sft_data(base))
@@ -289,9 +290,15 @@ def test_sft_and_lora_layouts_equal_one_process_through_check(tmp_path):
     # 4e-9, where the reductions' round-off (~3e-9 here) changes the update by O(lr): an ill-conditioned step, not
     # a difference in the math (with SGD every layout stays equal over the steps; with Adam step 1 is equal).
     lora = _cli("check", "--config", str(recipe), "--layouts", "tp2,tp2sp,pp2", "--steps", "3",
-                "--model.optimizer", "sgd").stdout
+                "--model.optimizer", "sgd", "--estimate-memory").stdout
     assert "tp2            PASS" in lora and "tp2sp          PASS" in lora and "pp2            PASS" in lora, lora
     assert ".adapter.linear_" in lora
+    # The memory table: every parameter held (the frozen base too) and the adapters' gradients, as predicted
+    rows = [line.split() for line in lora.split("memory per rank")[1].splitlines()[2:] if line.strip()]
+    assert [r[0] for r in rows] == ["tp1", "tp2", "tp2sp", "pp2"], lora
+    for row in rows:
+        params, grads = row[2].split("/"), row[3].split("/")
+        assert params[0] == params[1] and grads[0] == grads[1], row
     full = _cli("check", "--config", str(recipe), "--layouts", "tp2", "--steps", "2", "--model.lora", "null").stdout
     assert "tp2            PASS" in full
     [worst] = [line.split()[-1] for line in full.splitlines() if line.startswith("tp2               1 ")]
@@ -358,7 +365,16 @@ def _adapted_projection_backward(sequence_parallel: bool) -> dict:
                 p.normal_()
     g = torch.Generator().manual_seed(ps.tp_rank if sequence_parallel else 0)  # SP: each rank its part
     x = torch.randn(s // 2 if sequence_parallel else s, b, h, generator=g, requires_grad=True)
-    y, _ = holder.linear_fc1(x)
+    params = {p.untyped_storage().data_ptr() for p in holder.parameters()}
+    kept: dict[int, int] = {}  # storage -> elements of the tensors autograd keeps for the backward (not parameters)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = holder.linear_fc1(x)
     reductions = []
     real_all_reduce, real_reduce_scatter = mappings.all_reduce, mappings.reduce_scatter_tensor
 
@@ -375,19 +391,24 @@ def _adapted_projection_backward(sequence_parallel: bool) -> dict:
         y.pow(2).sum().backward()
     finally:
         mappings.all_reduce, mappings.reduce_scatter_tensor = real_all_reduce, real_reduce_scatter
-    return {"activation_sized": [kind for kind, n in reductions if n >= s * b * h], "x_grad": x.grad}
+    return {"activation_sized": [kind for kind, n in reductions if n >= s * b * h], "x_grad": x.grad,
+            "largest_kept": max(kept.values()), "gathered": s * b * h}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2sp"])
 def test_an_adapted_column_projection_reduces_its_input_gradient_once(sequence_parallel):
-    """A LoRA adapter on a column-parallel projection reads the input its base layer already gathered (SP) or
-    copied over TP, so the input's gradient, the base's part and the adapter's summed first, is reduced over TP
-    once: one all-reduce (one reduce-scatter under SP) per adapted projection, as without the adapter, not two.
-    The values are checked by the layouts against one process (``test_sft_and_lora_layouts_equal_one_process``)."""
+    """A LoRA adapter on a column-parallel projection reads the input its base layer copied over TP, so the input's
+    gradient, the base's part and the adapter's summed first, is all-reduced over TP once, as without the adapter,
+    not twice. Under sequence parallelism it reads this rank's part of the sequence, with A's rows gathered, and
+    gathers its [s/t, b, r] output along the sequence: it keeps that part for A's gradient, not the [s, b, h]
+    gathered input (the frozen base keeps none), and the input's gradient is still reduce-scattered once (the
+    adapter's part of it is this rank's already). The values are checked by the layouts against one process
+    (``test_sft_and_lora_layouts_equal_one_process``)."""
     from dist_utils import run_distributed
 
     ranks = run_distributed(_adapted_projection_backward, 2, sequence_parallel, timeout=120)
     for r in ranks:
         assert r["activation_sized"] == ["reduce_scatter" if sequence_parallel else "all_reduce"], r["activation_sized"]
+        assert r["largest_kept"] == (r["gathered"] // 2 if sequence_parallel else r["gathered"]), r
     if not sequence_parallel:  # a replicated input: its gradient is the same on both ranks
         assert torch.equal(ranks[0]["x_grad"], ranks[1]["x_grad"])

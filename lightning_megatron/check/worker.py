@@ -321,8 +321,8 @@ def _make_recorder(run: CheckRun):
                 g = None if buffer is None else buffer.main_grad_of(p)
                 g = p.grad if g is None else g
                 grads[name] = torch.zeros_like(p, dtype=torch.float32) if g is None else g
-            if run.measure_memory and trainer.global_step == 0:
-                self.memory["params"] = _storage_bytes([p for _, p in named])
+            if run.measure_memory and trainer.global_step == 0:  # every parameter held, frozen ones too (LoRA)
+                self.memory["params"] = _storage_bytes(list(pl_module.parameters()))
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
             if buffer is not None and buffer.reduces_by_scatter:
                 grads = _gathered_main_grads(buffer, named, grads)

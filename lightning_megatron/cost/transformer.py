@@ -157,9 +157,15 @@ class TransformerCost:
     @property
     def regathered_inputs(self) -> int:
         """Of the qkv and fc1 layers, those whose backward under sequence parallelism gathers their input again
-        (:mod:`~lightning_megatron.tensor_parallel.layers`): both but one with a LoRA adapter, which keeps the
-        gathered input it reads."""
-        return 2 - sum(self.lora_rank > 0 and name in self.lora_targets for name in ("linear_qkv", "linear_fc1"))
+        (:mod:`~lightning_megatron.tensor_parallel.layers`): both when they train; none under LoRA (the frozen
+        layers compute no weight gradient, an adapter computes A's from this rank's part of the sequence,
+        :mod:`~lightning_megatron.transformer.lora`)."""
+        return 0 if self.lora_rank else 2
+
+    def keeps_input(self, name: str) -> bool:
+        """Whether the projection ``name`` (``linear_qkv``, ``linear_fc1``, ``linear_fc2``) keeps its input for a
+        weight gradient, its own or its LoRA adapter's A: a frozen one without an adapter keeps none."""
+        return not self.lora_rank or name in self.lora_targets
 
     @property
     def mask_bytes(self) -> int:
@@ -255,13 +261,20 @@ class TransformerCost:
         s, b, h, f = self.seq_length, self.micro_batch_size, self.hidden_size, self.ffn
         d, n, g, e = self.head_dim, self.num_attention_heads, self.groups, self.param_bytes
         sp = tp if sequence_parallel else 1
-        # both norms' inputs and outputs (the qkv and fc1 inputs): under SP those layers keep their part of the
-        # sequence (gathered again in the backward), an adapted one the gathered input its adapter reads
-        kept_whole = 2 - self.regathered_inputs
-        replicated = (4 - kept_whole) * h / sp + kept_whole * h
-        # q, k, v and the attention output; fc1's output and the activation; gated: fc1's [gate, up] and the
-        # product (act(gate) is computed again in the backward: transformer.utils.gated_activation)
-        parallel = ((2 * n + 2 * g) * d + (3 * f if self.gated_linear_unit else 2 * f)) / tp
+        # both norms' inputs and outputs, the outputs the qkv and fc1 inputs, kept for a weight gradient (under SP
+        # those layers keep their part of the sequence, gathered again in the backward; LoRA: only an adapted
+        # frozen layer keeps it, its part too)
+        replicated = (2 + self.keeps_input("linear_qkv") + self.keeps_input("linear_fc1")) * h / sp
+        # q, k, v and the attention output; fc1's output and the activation (fc2's input); gated: fc1's
+        # [gate, up] and the product (act(gate) is computed again in the backward:
+        # transformer.utils.gated_activation)
+        parallel = ((2 * n + 2 * g) * d + (2 * f if self.gated_linear_unit else f)
+                    + (f if self.keeps_input("linear_fc2") else 0)) / tp
+        # LoRA: B's input a [s, b, r] for each adapter (a row-parallel one's its part under SP), and under SP a
+        # column-parallel adapter's A with its rows gathered [r, h] (what its input's gradient multiplies)
+        column = sum(name in self.lora_targets for name in ("linear_qkv", "linear_fc1"))
+        adapters = (column + (len(self.lora_targets) - column) / sp) * s * b * self.lora_rank
+        adapters += column * self.lora_rank * h if sp > 1 else 0
         stats = 4 * 4 * s * b / sp  # fp32 mean/rstd of the two norms
         # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
         attention = e * b * n * s * s / tp if self.unfused_attention else 4 * b * n * s / tp
@@ -270,7 +283,7 @@ class TransformerCost:
             masks += 2 * self.mask_bytes * s * b * h / sp
         if self.attention_dropout > 0 and self.unfused_attention:  # its mask and the dropped probabilities
             masks += (self.mask_bytes + e) * b * n * s * s / tp
-        return e * s * b * (replicated + parallel) + stats + attention + masks
+        return e * s * b * (replicated + parallel) + e * adapters + stats + attention + masks
 
     def context_parallel_bytes(self, tp: int, cp: int) -> float:
         """What one layer keeps beyond its 1/cp share under context parallelism (all-gather of keys and
@@ -291,14 +304,15 @@ class TransformerCost:
             tp if sequence_parallel else 1)
 
     def last_stage_activation_bytes(self, tp: int) -> float:
-        """The final norm's input and output (the output layer's input) and the cross entropy's fp32 softmax of the
-        vocab-parallel logits, with its per-token statistics; the logits themselves are not kept (measured:
-        ``check --estimate-memory`` on ``recipes/gpt_tiny.yaml``, fp32 and bf16, docs/long_context.md, and
-        ``tests/test_estimate.py``). A compiled loss (:attr:`compiled_loss`, one TP rank) keeps the logits instead
-        of the softmax."""
+        """The final norm's input and output (the output layer's input; not under LoRA, the layer frozen) and the
+        cross entropy's fp32 softmax of the vocab-parallel logits, with its per-token statistics; the logits
+        themselves are not kept (measured: ``check --estimate-memory`` on ``recipes/gpt_tiny.yaml``, fp32 and bf16,
+        docs/long_context.md, and ``tests/test_estimate.py``). A compiled loss (:attr:`compiled_loss`, one TP
+        rank) keeps the logits instead of the softmax."""
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
         v = self.padded_vocab(tp) / tp
-        return 2 * e * s * b * h + (e if self.compiled_loss and tp == 1 else 4) * s * b * v + 8 * s * b
+        norm = (1 if self.lora_rank else 2) * e * s * b * h  # LoRA: the frozen output layer keeps no input
+        return norm + (e if self.compiled_loss and tp == 1 else 4) * s * b * v + 8 * s * b
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
         g = self.groups

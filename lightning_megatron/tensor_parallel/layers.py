@@ -187,8 +187,8 @@ class ColumnParallelLinear(nn.Module):
             else:
                 total_input = copy_to_tensor_model_parallel_region(input_, self.tp_group)
             output = self.apply_weight(total_input, weight)
-            if adapter is not None:  # a side branch on the same input (LoRA): its input gradient joins the base's
-                output = adapter(total_input, output)
+            if adapter is not None:  # a side branch (LoRA) on the same input: under SP this rank's part of it
+                output = adapter(input_ if self.sequence_parallel else total_input, output)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)

@@ -10,11 +10,16 @@ How the adapter is split over the TP group of size t matches its base layer (Meg
 - **column-parallel base** (``linear_qkv``, ``linear_fc1``; output [s, b, out/t]): ``A`` is split by
   its rows ([r/t, in] per rank) and its output all-gathered ([s, b, r]); ``B`` is split like the base's
   output rows ([out/t, r], the same stride: a gated fc1's [gate_i; up_i]). The input is the one the base
-  multiplies, after its TP mapping (all-gathered along the sequence under sequence parallelism, copied
-  otherwise): ``ColumnParallelLinear.forward`` calls the adapter, so the input's gradient, the base's part
-  and the adapter's summed, is reduced over TP once. Backward: ``B``'s input enters through ``copy_to``
-  (all-reduce of dL/da, each rank's B giving a part), and the gather's backward hands each rank its rows
-  of A. Needs ``t | r``.
+  multiplies after its TP mapping (copied): ``ColumnParallelLinear.forward`` calls the adapter, so the input's
+  gradient, the base's part and the adapter's summed, is all-reduced over TP once. Backward: ``B``'s input
+  enters through ``copy_to`` (all-reduce of dL/da, each rank's B giving a part), and the gather's backward hands
+  each rank its rows of A. Under sequence parallelism the adapter reads this rank's part of the sequence
+  ([s/t, b, in], before the base's all-gather) with A's rows all-gathered ([r, in]) and all-gathers its output
+  along the sequence ([s, b, r]): it keeps that part for A's gradient, not the gathered input (t times less;
+  the frozen base keeps none, megatron-core's column layers keep their part likewise), for the same FLOPs.
+  Backward: the gathers' reduce-scatters sum dL/da over the ranks' B (its rows of the sequence to each) and A's
+  gradient over the ranks' parts of the sequence (its rows to each); the adapter's part of the input gradient
+  is this rank's already, added to the base's reduce-scattered one. Needs ``t | r``.
 - **row-parallel base** (``linear_proj``, ``linear_fc2``; input [s, b, in/t], output summed over TP):
   ``A`` is split by columns like the base ([r, in/t]), its partial outputs all-reduced (reduce-scattered
   along the sequence under sequence parallelism); ``B`` [out, r] is replicated, its gradient summed
@@ -54,6 +59,7 @@ from lightning_megatron.parallel_state import Group, group_rank, group_size
 from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -154,7 +160,10 @@ class LoRAAdapter(nn.Module):
             a = full_a.chunk(t, dim=1)[rank_in_tp]
             b = torch.zeros(base.output_size, r)
         self.linear_in = nn.Module()
-        self.linear_in.weight = nn.Parameter(a.to(dtype=dtype, device=device))
+        # a copy: this rank's rows or columns of A in a tensor of their own, not a view keeping all of A (t times
+        # the bytes, and strided where the split is by columns)
+        self.linear_in.weight = nn.Parameter(a.to(dtype=dtype, device=device).clone(
+            memory_format=torch.contiguous_format))
         self.linear_out = nn.Module()
         self.linear_out.weight = nn.Parameter(b.to(dtype=dtype, device=device))
         sharded = t > 1
@@ -172,21 +181,26 @@ class LoRAAdapter(nn.Module):
     def _dropout(self, x: torch.Tensor, sharded: bool) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if sharded:  # each TP rank holds different elements: its own stream
+        if sharded:  # each TP rank holds different elements: its own stream (the block's under SP, if it forked)
             with get_rng_tracker().fork():
                 return dropout(x, self.p)
         return dropout(x, self.p)
 
     def forward(self, x: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
         """``(alpha / r) B A dropout(x)``, shaped like the base's output, from the input the base layer multiplies:
-        a column-parallel base's after its TP mapping (gathered along the sequence under SP, copied otherwise:
-        the adapter's part of the input gradient joins the base's before that mapping's one reduction), a
-        row-parallel base's parallel input. With ``base`` (the base layer's output before its bias) ``base``
+        a column-parallel base's after its TP mapping (copied: the adapter's part of the input gradient joins the
+        base's before that mapping's one reduction), under SP its input before it (this rank's part of the
+        sequence, module docstring); a row-parallel base's parallel input. With ``base`` (the base layer's output before its bias) ``base``
         plus that, by one GEMM that accumulates into it (``addmm``): the adapter's output is never written,
         scaled and added on its own, which would pass over the ``[s, b, out]`` tensor 4 more times forward and
         2 more backward (the scale lands on the ``r``-wide operands)."""
         a_w, b_w = self.linear_in.weight, self.linear_out.weight
         tp = self.tp_group
+        if self.column and self.sequence_parallel:  # x: this rank's part of the sequence [s/t, b, in]
+            x = self._dropout(x, True)  # each rank its part of the sequence: the model-parallel stream
+            a_all = gather_from_sequence_parallel_region(a_w, tp, True)  # [r, in]; its gradient's rows to each
+            a = gather_from_sequence_parallel_region(F.linear(x, a_all), tp, True)  # [s, b, r]
+            return self._up(a, b_w, base)  # [s, b, out/t]; dL/da summed over the ranks' B by the reduce-scatter
         if self.column:
             total = self._dropout(x, False)  # the mapped input is the same on every TP rank: the shared stream
             a = gather_from_tensor_model_parallel_region(F.linear(total, a_w), tp)  # [s, b, r]
