@@ -8,6 +8,8 @@ seed, and TP=2 greedy generation (g=2 and g=1) equal to TP=1."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from dist_utils import run_distributed
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from lightning_megatron.transformer import (
     MLP,
+    LayerNorm,
     AttnMaskType,
     DotProductAttention,
     MLPSubmodules,
@@ -299,6 +302,40 @@ def test_gqa_rope_causal_attention_matches_llama_attention(g, backend):
     expected_dw = _fuse_qkv(theirs.q_proj.weight.grad, theirs.k_proj.weight.grad, theirs.v_proj.weight.grad, g)
     torch.testing.assert_close(ours.linear_qkv.weight.grad, expected_dw, **TOL)
     torch.testing.assert_close(ours.linear_proj.weight.grad, theirs.o_proj.weight.grad, **TOL)
+
+
+@pytest.mark.parametrize("g,rope,qk_norm", [(4, True, False), (2, True, False), (1, True, False), (2, False, False),
+                                             (2, True, True)], ids=["mha", "gqa", "mqa", "gqa-no-rope", "gqa-qk-norms"])
+def test_attention_keeps_its_queries_keys_values_and_context_and_nothing_they_were_cut_from(g, rope, qk_norm):
+    """What self-attention keeps for its backward, measured (distinct storages of the saved tensors, parameters
+    excluded): linear_qkv's input, the queries, keys and values, the context (linear_proj's input too), sdpa's
+    log-sum-exp, RoPE's cos and sin, and with q/k norms their inputs and statistics: ``(2n + 2g) d`` a token for
+    the attention, not ``linear_qkv``'s output held whole by key and value views beside queries that left it
+    (copied to merge a group's heads, rotated or normed on their own)."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig(**BASE, num_query_groups=g)
+    spec = _attention_spec()
+    if qk_norm:
+        spec = ModuleSpec(module=SelfAttention, params=spec.params, submodules=dataclasses.replace(
+            spec.submodules, q_layernorm=LayerNorm, k_layernorm=LayerNorm))
+    ours = SelfAttention(cfg, spec.submodules, 1, AttnMaskType.causal)
+    s, b = 8, 2
+    x = torch.randn(s, b, H, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in ours.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = ours(x, None, rotary_pos_emb=RotaryEmbedding(D, 1.0, 10000.0)(s) if rope else None)
+    expected = 4 * s * b * (H + (2 * N + 2 * g) * D) + 4 * b * N * s  # fp32: x, q, k, v, context; log-sum-exp
+    expected += 2 * 4 * s * D if rope else 0  # cos, sin
+    expected += (4 * s * b * (N + g) * D + 2 * 4 * s * b * (N + g)) if qk_norm else 0  # the norms' inputs, stats
+    assert sum(kept.values()) == expected, (sum(kept.values()), expected)
+    out.sum().backward()
 
 
 def test_causal_attention_uses_sdpa_is_causal_and_hides_the_future(monkeypatch):

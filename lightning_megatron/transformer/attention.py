@@ -209,6 +209,24 @@ class _HideScores(torch.autograd.Function):
         return grad, None, None
 
 
+def _apart(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key, value)``, copied out of the tensor they are views of (linear_qkv's output, or its all-gather) when the
+    queries are not in it (copied to merge a group's heads, or rotated on their own): the attention keeps the
+    three for its backward (a q/k norm its input), and a view would keep all of that tensor, ``n d`` a token or
+    more a layer beside ``(2n + 2g) d``. None is copied when all three are views of one tensor (one query head a
+    group), nor while no gradient is recorded, nor in a compiled graph (whose partitioner chooses what it keeps)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return key, value
+    if query.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
+        return key, value
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if whole else t.clone(memory_format=torch.contiguous_format)
+
+    return own(key), own(value)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention: [s, b, h] -> (output [s, b, h], bias [h] or None for the bda).
 
@@ -252,11 +270,12 @@ class SelfAttention(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """``(query, key, value, rotated)``: with ``rotary_pos_emb``, no q/k norms (which come before RoPE) and
         whole groups on this rank, the query and key heads are rotated here, and ``rotated`` is True. With one query
-        head a group in one pass over linear_qkv's group-major output (:func:`~lightning_megatron.transformer.rotary.
-        apply_rotary_pos_emb_heads`), whose views the three are; with more (grouped-query attention) each from its
-        heads in that output into a tensor of its own (the queries without the copy that merging a group's heads
-        with the groups makes), the values copied out (as views they would keep all of it for the backward): the
-        tensors the attention keeps, ``(2n + 2g) d`` a token, for 16 more ops a layer than one pass."""
+        head a group, or one group on this rank, in one pass over linear_qkv's group-major output
+        (:func:`~lightning_megatron.transformer.rotary.apply_rotary_pos_emb_heads`), whose views the three are;
+        otherwise (grouped-query attention) each from its heads in that output into a tensor of its own (the queries
+        without the copy that merging a group's heads with the groups makes; the values copied out by
+        :func:`_apart`): the tensors the attention keeps, ``(2n + 2g) d`` a token, for 16 more ops a layer than one
+        pass."""
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, g/t * (n/g + 2) * d], group-major
         s, b = mixed.shape[:2]
         d, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
@@ -271,13 +290,14 @@ class SelfAttention(nn.Module):
         per_group = n // g if g < t else self.num_attention_heads_per_partition // groups  # query heads per group
         rotated = (rotary_pos_emb is not None and g >= t and isinstance(self.q_layernorm, IdentityOp)
                    and isinstance(self.k_layernorm, IdentityOp))
-        if rotated and per_group > 1:  # each into a tensor of its own: what attention keeps, (2n + 2g) d a token
+        if rotated and per_group > 1 and groups > 1:  # each into a tensor of its own (the values by _apart)
             query, key, value = mixed.reshape(s, b, groups, per_group + 2, d).split([per_group, 1, 1], dim=-2)
             query = apply_rotary_pos_emb(query, rotary_pos_emb).view(s, b, groups * per_group, d)
             key = apply_rotary_pos_emb(key, rotary_pos_emb).view(s, b, groups, d)
-            return query, key, value.reshape(s, b, groups, d).contiguous(), rotated
-        if rotated:  # one query head a group: one pass, the three views of its output
-            mixed = apply_rotary_pos_emb_heads(mixed.reshape(s, b, groups, 3, d), rotary_pos_emb, 2)
+            return query, key, value.reshape(s, b, groups, d), rotated
+        if rotated:  # one query head a group, or one group: one pass, the three views of its output
+            mixed = apply_rotary_pos_emb_heads(mixed.reshape(s, b, groups, per_group + 2, d), rotary_pos_emb,
+                                               per_group + 1)
         mixed = mixed.reshape(s, b, groups, (per_group + 2) * d)
         query, key, value = torch.split(mixed, [per_group * d, d, d], dim=-1)
         query = query.reshape(s, b, groups * per_group, d)
@@ -315,6 +335,7 @@ class SelfAttention(nn.Module):
             rotary_pos_emb = RotaryTable.of(rotary_pos_emb)
         # [s, b, n/t, d]; key, value [s, b, g/t, d]
         query, key, value, rotated = self._query_key_value(hidden_states, rotary_pos_emb)
+        key, value = _apart(query, key, value)
         query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None and not rotated:
             query, key = apply_rotary_pos_emb(query, rotary_pos_emb), apply_rotary_pos_emb(key, rotary_pos_emb)
