@@ -190,8 +190,9 @@ class LoRAAdapter(nn.Module):
         """``(alpha / r) B A dropout(x)``, shaped like the base's output, from the input the base layer multiplies:
         a column-parallel base's after its TP mapping (copied: the adapter's part of the input gradient joins the
         base's before that mapping's one reduction), under SP its input before it (this rank's part of the
-        sequence, module docstring); a row-parallel base's parallel input. With ``base`` (the base layer's output before its bias) ``base``
-        plus that, by one GEMM that accumulates into it (``addmm``): the adapter's output is never written,
+        sequence, module docstring); a row-parallel base's parallel input. With ``base`` (the base layer's output
+        before its bias) ``base`` plus that, by one GEMM that accumulates into it (``addmm``): the adapter's output
+        is never written,
         scaled and added on its own, which would pass over the ``[s, b, out]`` tensor 4 more times forward and
         2 more backward (the scale lands on the ``r``-wide operands)."""
         a_w, b_w = self.linear_in.weight, self.linear_out.weight
