@@ -113,6 +113,18 @@ def test_a_16_bit_berts_head_is_estimated_with_the_losss_fp32_softmax_or_with_it
         assert abs(predicted / saved.peak - 1) < 0.02, (dtype, compiled, tuned, predicted, saved.peak)
 
 
+def _saved_by_model_step(m: GPTCost, layers: int) -> int:
+    """Peak bytes autograd saves (parameters excluded) in one microbatch of ``m``'s model of ``layers`` layers."""
+    from lightning_megatron.check.worker import _SavedActivations
+
+    torch.manual_seed(0)
+    model, step = m.build_model_step(num_layers=layers)
+    held = _SavedActivations({p.untyped_storage().data_ptr() for p in model.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
+        step()
+    return held.peak
+
+
 def test_a_grouped_query_decoders_activations_are_its_query_keys_values_and_context_and_under_lora_less():
     """Measured (the saved tensors of one microbatch of a grouped-query decoder with RoPE, 4 query heads in 2
     groups, SwiGLU, in fp32 and bf16), each within 2% of the estimate:
@@ -128,16 +140,7 @@ def test_a_grouped_query_decoders_activations_are_its_query_keys_values_and_cont
 
     LayerNorm: on a CPU torch's RMSNorm is its composite, which keeps fp32 copies (docs/memory.md); on a GPU its
     fused kernel keeps what LayerNorm's does."""
-    from lightning_megatron.check.worker import _SavedActivations
-
-    def saved(m: GPTCost, layers: int) -> int:
-        torch.manual_seed(0)
-        model, step = m.build_model_step(num_layers=layers)
-        held = _SavedActivations({p.untyped_storage().data_ptr() for p in model.parameters()})
-        with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
-            step()
-        return held.peak
-
+    saved = _saved_by_model_step
     for dtype in ("float32", "bfloat16"):
         for targets in ((), ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), ("linear_qkv", "linear_fc2"),
                         ("linear_proj", "linear_fc1")):
@@ -152,6 +155,26 @@ def test_a_grouped_query_decoders_activations_are_its_query_keys_values_and_cont
             layer = saved(m, 3) - saved(m, 2)
             predicted = m.layer_activation_bytes(1, False)
             assert abs(predicted / layer - 1) < 0.02, (dtype, targets, predicted, layer)
+
+
+def test_a_mixture_of_experts_layer_keeps_its_rows_and_slots_once():
+    """Measured (a layer of a grouped-query decoder whose MLP is 4 SwiGLU experts, top 2, with and without a shared
+    expert, fp32 and bf16: the three-layer model's saved bytes less the two-layer one's), within 2% of the estimate:
+    the experts' rows ``[s b k, h]``, the slots ``[s b, k, h]`` the routing weights' gradient reads, and the
+    router's and the dispatch's per-token bookkeeping. Before, the estimate counted the mixture as a dense MLP of
+    the active width (0.76 of the measured), and the dispatch kept the experts' outputs once more (autograd's
+    ``index_copy`` keeps its source): ``k h`` a token a layer."""
+    for dtype in ("float32", "bfloat16"):
+        for shared in (None, 256):
+            m = GPTCost(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
+                        gated_linear_unit=True, add_bias_linear=False, position_embedding_type="rope", vocab_size=512,
+                        untie_embeddings_and_output_weights=True, seq_length=128, micro_batch_size=2,
+                        global_batch_size=2, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
+                        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256,
+                        moe_shared_expert_intermediate_size=shared)
+            layer = _saved_by_model_step(m, 3) - _saved_by_model_step(m, 2)
+            predicted = m.layer_activation_bytes(1, False)
+            assert abs(predicted / layer - 1) < 0.02, (dtype, shared, predicted, layer)
 
 
 def test_default_dropout_is_the_modules():

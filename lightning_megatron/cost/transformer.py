@@ -276,6 +276,15 @@ class TransformerCost:
         adapters = (column + (len(self.lora_targets) - column) / sp) * s * b * self.lora_rank
         adapters += column * self.lora_rank * h if sp > 1 else 0
         stats = 4 * 4 * s * b / sp  # fp32 mean/rstd of the two norms
+        moe = 0.0
+        if self.num_moe_experts:  # lightning_megatron.transformer.moe
+            k, experts = self.moe_router_topk, self.num_moe_experts
+            # the routed experts' rows [s b k, h] (their first layer's input) and the slots [s b, k, h] the routing
+            # weights' gradient reads: every token's on each TP rank (gathered under SP), k rows each on average
+            moe = 2 * e * s * b * k * h
+            # the router's fp32 scores and weights and int64 choices (this rank's tokens), the dispatch's two int64
+            # orders, the weights cast to a 16-bit activation dtype
+            moe += (4 * experts + 12 * k) * s * b / sp + (16 + (e if e != 4 else 0)) * k * s * b
         # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
         attention = e * b * n * s * s / tp if self.unfused_attention else 4 * b * n * s / tp
         masks = 0.0
@@ -283,7 +292,7 @@ class TransformerCost:
             masks += 2 * self.mask_bytes * s * b * h / sp
         if self.attention_dropout > 0 and self.unfused_attention:  # its mask and the dropped probabilities
             masks += (self.mask_bytes + e) * b * n * s * s / tp
-        return e * s * b * (replicated + parallel) + e * adapters + stats + attention + masks
+        return e * s * b * (replicated + parallel) + e * adapters + stats + attention + masks + moe
 
     def context_parallel_bytes(self, tp: int, cp: int) -> float:
         """What one layer keeps beyond its 1/cp share under context parallelism (all-gather of keys and

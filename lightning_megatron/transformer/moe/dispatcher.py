@@ -59,6 +59,23 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
+class _IntoSlots(torch.autograd.Function):
+    """``out``'s rows into zeros of ``slots`` rows at ``index`` (``zeros.index_copy(0, index, out)``, the same bits),
+    keeping only ``index`` for the backward, ``grad.index_select(0, index)``: autograd's ``index_copy`` keeps its
+    source too (its formula reads the source's shape), ``k`` rows of ``h`` a token beside the slots the layer keeps
+    for the routing weights' gradient."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, index: torch.Tensor, slots: int) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return out.new_zeros(slots, out.shape[-1]).index_copy_(0, index, out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
 def _sort_key(experts: torch.Tensor, keep: torch.Tensor | None, num_experts: int) -> torch.Tensor:
     """Per assignment (flattened ``[n k]``): its expert, or ``num_experts`` (after every expert) if dropped."""
     key = experts.reshape(-1)
@@ -96,9 +113,7 @@ def dispatch_alltoall(x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor
         out = _AllToAll.apply(out, send, recv, ep_group)
     else:
         out = run_experts(rows, received_host)
-    slots = out.new_zeros(n * k, x.shape[-1])
-    slots = slots.index_copy(0, order[:total], out)
-    return slots.view(n, k, -1)
+    return _IntoSlots.apply(out, order[:total], n * k).view(n, k, -1)
 
 
 def dispatch_allgather(x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None, *, num_experts: int,
@@ -119,7 +134,7 @@ def dispatch_allgather(x: torch.Tensor, experts: torch.Tensor, keep: torch.Tenso
     per_expert = torch.bincount(local_key, minlength=local + 1)[:local].tolist()
     total = sum(per_expert)
     out = run_experts(x[order[:total] // k], per_expert)
-    slots = out.new_zeros(key.shape[0], x.shape[-1]).index_copy(0, order[:total], out)
+    slots = _IntoSlots.apply(out, order[:total], key.shape[0])
     if ep > 1:
         slots = reduce_scatter_to_sequence_parallel_region(slots, ep_group)  # each slot: one non-zero summand
     return slots.view(n, k, -1)
