@@ -15,11 +15,12 @@ __all__ = ["fitting_layouts", "memory_table", "model_shape"]
 _MIB = 2**20
 
 
-def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> MemoryCost:
+def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False, cpu_run: bool = False) -> MemoryCost:
     """The model's costs, declared by the recipe's module class (``estimate_shape``,
     :class:`~lightning_megatron.cost.protocols.EstimatesCost`; ``--model.*`` / ``--data.*`` overrides
     applied); ``on_cpu``: the CPU tuning's kernels (a cost record with an ``on_cpu`` field, for comparing with
-    what they run on this machine); ``training``: with the recipe's dropout (a check run
+    what they run on this machine); ``cpu_run``: torch's kernels on a CPU, the composite RMSNorm (a record's
+    ``composite_rmsnorm``: what a check run measures); ``training``: with the recipe's dropout (a check run
     turns it off)."""
     from lightning_megatron.check.recipe import with_dropout
     from lightning_megatron.recipes import import_class
@@ -32,8 +33,11 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False) -> Me
     model = with_dropout(recipe.model, recipe.dropout) if training else recipe.model
     shape = cls.estimate_shape(model, recipe.data, micro_batch_size=recipe.micro_batch_size,
                                global_batch_size=recipe.global_batch_size)
-    if dataclasses.is_dataclass(shape) and "on_cpu" in {f.name for f in dataclasses.fields(shape)}:
+    fields = {f.name for f in dataclasses.fields(shape)} if dataclasses.is_dataclass(shape) else set()
+    if "on_cpu" in fields:
         shape = dataclasses.replace(shape, on_cpu=on_cpu)
+    if "composite_rmsnorm" in fields:
+        shape = dataclasses.replace(shape, composite_rmsnorm=cpu_run)
     if not isinstance(shape, MemoryCost):
         raise ValueError(f"{recipe.model_class}.estimate_shape returned a {type(shape).__name__}, which lacks members of "
                          f"lightning_megatron.cost.MemoryCost (stage_parameters, layer_activation_bytes, ...)")
@@ -84,8 +88,8 @@ def _mib(x: float) -> str:
 
 def memory_table(recipe: Any, layouts: list[ParallelDims], report: Any) -> str:
     """Predicted vs measured MiB per rank (the fullest pipeline stage; measured: max over its ranks). A check run
-    takes the library's kernels (no CPU tuning), so they are what is predicted."""
-    m = model_shape(recipe)
+    takes the library's kernels (no CPU tuning) on the CPU, so they are what is predicted."""
+    m = model_shape(recipe, cpu_run=True)
     lines = ["memory per rank, MiB: predicted / measured (measured: tensors held at step 1 on this machine; "
              "activations: peak bytes saved for backward)",
              f"{'layout':<14} {'stage':>5} {'params':>19} {'grads':>19} {'optimizer':>19} {'activations':>19}"]

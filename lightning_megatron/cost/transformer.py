@@ -68,6 +68,10 @@ class TransformerCost:
     optimizer: str = "adamw"
     rmsnorm: bool = False
     """Norms without bias."""
+    composite_rmsnorm: bool = False
+    """With ``rmsnorm``: torch's RMSNorm runs as its composite of ops (a device without its fused kernel: the CPU,
+    where check runs measure), which keeps an fp32 copy of its input and the fp32 normalized input, 8 bytes an
+    element, where the fused kernel (a GPU's) keeps the input and its fp32 statistic."""
     recompute: bool = False
     """Full activation recomputation (only each layer's input is kept)."""
     attention_backend: str = "auto"
@@ -275,7 +279,8 @@ class TransformerCost:
         column = sum(name in self.lora_targets for name in ("linear_qkv", "linear_fc1"))
         adapters = (column + (len(self.lora_targets) - column) / sp) * s * b * self.lora_rank
         adapters += column * self.lora_rank * h if sp > 1 else 0
-        stats = 4 * 4 * s * b / sp  # fp32 mean/rstd of the two norms
+        stats = (1 if self.rmsnorm else 2) * 2 * 4 * s * b / sp  # fp32 rstd (and mean) of the two norms
+        norm_copies = 2 * self.norm_copy_bytes * s * b * h / sp  # the composite RMSNorm's fp32 copies
         moe = 0.0
         if self.num_moe_experts:  # lightning_megatron.transformer.moe
             k, experts = self.moe_router_topk, self.num_moe_experts
@@ -292,7 +297,12 @@ class TransformerCost:
             masks += 2 * self.mask_bytes * s * b * h / sp
         if self.attention_dropout > 0 and self.unfused_attention:  # its mask and the dropped probabilities
             masks += (self.mask_bytes + e) * b * n * s * s / tp
-        return e * s * b * (replicated + parallel) + e * adapters + stats + attention + masks + moe
+        return e * s * b * (replicated + parallel) + e * adapters + stats + norm_copies + attention + masks + moe
+
+    @property
+    def norm_copy_bytes(self) -> int:
+        """Bytes an element a norm keeps beyond its input's (:attr:`composite_rmsnorm`: ``8 - e``; 0 otherwise)."""
+        return 8 - self.param_bytes if self.rmsnorm and self.composite_rmsnorm else 0
 
     def context_parallel_bytes(self, tp: int, cp: int) -> float:
         """What one layer keeps beyond its 1/cp share under context parallelism (all-gather of keys and
@@ -320,7 +330,8 @@ class TransformerCost:
         rank) keeps the logits instead of the softmax."""
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
         v = self.padded_vocab(tp) / tp
-        norm = (1 if self.lora_rank else 2) * e * s * b * h  # LoRA: the frozen output layer keeps no input
+        # LoRA: the frozen output layer keeps no input
+        norm = ((1 if self.lora_rank else 2) * e + self.norm_copy_bytes) * s * b * h
         return norm + (e if self.compiled_loss and tp == 1 else 4) * s * b * v + 8 * s * b
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
