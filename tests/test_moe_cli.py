@@ -50,15 +50,16 @@ def test_moe_tiny_fits_at_ep2_logs_routing_and_resumes_at_ep1(tmp_path):
 
 
 def test_moe_tiny_check_measures_what_the_estimate_predicts(tmp_path):
-    """``check --estimate-memory`` on the recipe at EP=2 and at TP=2 with SP (one step): the parameters, gradients
-    and optimizer state a rank holds are the estimate's exactly, and the activations it saved for the backward
-    within 3% (the experts' rows and slots, the router's bookkeeping, the CPU's composite RMSNorm: docs/memory.md;
-    an EP rank's share of the rows depends on the routing, the estimate takes the mean: 2.5% here)."""
-    out = _cli(tmp_path, "check", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--layouts", "ep2,tp2sp",
+    """``check --estimate-memory`` on the recipe at EP=2, at TP=2 with SP and at CP=2 (one step): the parameters,
+    gradients and optimizer state a rank holds are the estimate's exactly, and the activations it saved for the
+    backward within 3% (the experts' rows and slots, the router's bookkeeping, the CPU's composite RMSNorm:
+    docs/memory.md; an EP rank's share of the rows depends on the routing, the estimate takes the mean: 2.5% here;
+    under CP the other ranks' keys and values and the two chunks' contexts beside their concatenation)."""
+    out = _cli(tmp_path, "check", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--layouts", "ep2,tp2sp,cp2",
                "--steps", "1", "--estimate-memory", "--model.config.vocab_size", "8192").stdout
-    assert "ep2            PASS" in out and "tp2sp          PASS" in out, out
+    assert "ep2            PASS" in out and "tp2sp          PASS" in out and "cp2            PASS" in out, out
     rows = [line.split() for line in out.split("memory per rank")[1].splitlines()[2:] if line.strip()]
-    assert [r[0] for r in rows] == ["tp1", "ep2", "tp2sp"], out
+    assert [r[0] for r in rows] == ["tp1", "ep2", "tp2sp", "cp2"], out
     for row in rows:
         held = [cell.split("/") for cell in row[2:6]]
         assert all(p == m for p, m in held[:3]), row

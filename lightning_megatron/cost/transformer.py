@@ -307,9 +307,10 @@ class TransformerCost:
     def context_parallel_bytes(self, tp: int, cp: int) -> float:
         """What one layer keeps beyond its 1/cp share under context parallelism (all-gather of keys and
         values, :mod:`~lightning_megatron.transformer.context_parallel`): the other ranks' keys and values
-        ``2 (s - s/cp) b g/t d``, which its attention saves."""
-        s, b, e = self.seq_length, self.micro_batch_size, self.param_bytes
-        return 2 * (s - s / cp) * b * self.groups * self.head_dim / tp * e
+        ``2 (s - s/cp) b g/t d``, which its attention saves, and its two chunks' contexts beside their
+        concatenation (each chunk's attention keeps its output), ``(s/cp) b n/t d``."""
+        s, b, e, d = self.seq_length, self.micro_batch_size, self.param_bytes, self.head_dim
+        return (2 * (s - s / cp) * b * self.groups * d + s / cp * b * self.num_attention_heads * d) / tp * e
 
     def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
         return self.param_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (

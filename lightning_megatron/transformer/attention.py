@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from lightning_megatron.parallel_state import group_rank, group_size
 from lightning_megatron.tensor_parallel import (
@@ -65,7 +66,7 @@ from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
 from lightning_megatron.transformer.rotary import RotaryTable, apply_rotary_pos_emb, apply_rotary_pos_emb_heads
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
-from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp
+from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp, owned
 
 __all__ = ["SelfAttentionSubmodules", "SelfAttention", "DotProductAttention", "document_attention_mask"]
 
@@ -150,9 +151,14 @@ class DotProductAttention(nn.Module):
         if self.kernels.use_sdpa(q, p, self.config.attention_backend):
             # SDPA takes True = "may attend"; our mask is True = "hidden".
             keep = None if attention_mask is None else ~attention_mask
-            # SDPA's is_causal aligns the triangle top-left and does not combine with a mask: build it
-            # (bottom-right aligned) when there is a mask or a cache; one query sees every key.
-            if causal and (keep is not None or sk != s) and s > 1:
+            # SDPA's is_causal aligns the triangle top-left and does not combine with a mask. Bottom-right aligned
+            # (queries the last s of sk keys: a cache, a context-parallel chunk) without a mask of our own: torch's
+            # CausalBias, which a GPU's memory-efficient kernel applies without an [s, sk] mask to keep for the
+            # backward (the CPU's kernel is given it made); with a mask, the triangle built into it. One query sees
+            # every key.
+            if causal and keep is None and sk != s and s > 1 and not torch.compiler.is_compiling():
+                keep = causal_lower_right(s, sk)
+            elif causal and (keep is not None or sk != s) and s > 1:
                 lower = torch.ones(s, sk, dtype=torch.bool, device=q.device).tril(sk - s)
                 keep = lower if keep is None else keep & lower
             rng = self._dropout_rng() if p > 0 else contextlib.nullcontext()
@@ -219,12 +225,7 @@ def _apart(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple
         return key, value
     if query.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
         return key, value
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        return t if whole else t.clone(memory_format=torch.contiguous_format)
-
-    return own(key), own(value)
+    return owned(key), owned(value)
 
 
 class SelfAttention(nn.Module):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from lightning_megatron.parallel_state import Group, group_size, process_group
 from lightning_megatron.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from lightning_megatron.transformer.utils import owned
 
 __all__ = ["ContextParallel", "context_parallel_indices", "sequence_length_problem", "split_batch"]
 
@@ -143,6 +144,9 @@ class ContextParallel:
             # the keys up to its own end, causally (bottom-right aligned), within its documents.
             natural = self.natural_order()
             key, value = (self.gather(t).index_select(0, natural) for t in (key, value))
+            # the queries, if a view of linear_qkv's output, copied out: this rank's keys and values in it are
+            # no longer read (their gathered copies are), and the attention keeps the queries for its backward
+            query = owned(query) if torch.is_grad_enabled() and not torch.compiler.is_compiling() else query
             out = []
             for i, c in enumerate(self.chunks):
                 begin, end = c * self.chunk, (c + 1) * self.chunk

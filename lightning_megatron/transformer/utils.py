@@ -18,6 +18,7 @@ __all__ = [
     "AttnMaskType",
     "IdentityOp",
     "IdentityFuncOp",
+    "owned",
     "stable_seed",
     "seeded",
     "get_activation_func",
@@ -49,6 +50,13 @@ class IdentityFuncOp(IdentityOp):
 
     def forward(self, *args: object, **kwargs: object) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x, *a, **k: x
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when it is all of its storage, else a contiguous copy: a view kept for a backward keeps all of the
+    tensor it views alive (the attention's queries, keys and values cut from ``linear_qkv``'s output)."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone(
+        memory_format=torch.contiguous_format)
 
 
 def stable_seed(seed: int, key: str) -> int:
