@@ -68,6 +68,9 @@ class TransformerCost:
     optimizer: str = "adamw"
     rmsnorm: bool = False
     """Norms without bias."""
+    cp_comm_type: str = "all_gather"
+    """How context parallelism's attention communicates (``all_gather``, ``a2a``, ``p2p``: what each keeps,
+    :meth:`context_parallel_bytes`)."""
     composite_rmsnorm: bool = False
     """With ``rmsnorm``: torch's RMSNorm runs as its composite of ops (a device without its fused kernel: the CPU,
     where check runs measure), which keeps an fp32 copy of its input and the fp32 normalized input, 8 bytes an
@@ -110,7 +113,8 @@ class TransformerCost:
                      gated_linear_unit=config.gated_linear_unit, add_bias_linear=config.add_bias_linear,
                      params_dtype=str(config.params_dtype).removeprefix("torch."),
                      recompute=config.recompute_granularity == "full", attention_backend=config.attention_backend,
-                     hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout)
+                     hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+                     cp_comm_type=config.cp_comm_type)
         if getattr(config, "num_moe_experts", None):
             sizes.update(num_moe_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
                          moe_ffn_hidden_size=config.moe_ffn_hidden_size,
@@ -305,12 +309,15 @@ class TransformerCost:
         return 8 - self.param_bytes if self.rmsnorm and self.composite_rmsnorm else 0
 
     def context_parallel_bytes(self, tp: int, cp: int) -> float:
-        """What one layer keeps beyond its 1/cp share under context parallelism (all-gather of keys and
-        values, :mod:`~lightning_megatron.transformer.context_parallel`): the other ranks' keys and values
-        ``2 (s - s/cp) b g/t d``, which its attention saves, and its two chunks' contexts beside their
-        concatenation (each chunk's attention keeps its output), ``(s/cp) b n/t d``."""
+        """What one layer keeps beyond its 1/cp share under context parallelism
+        (:mod:`~lightning_megatron.transformer.context_parallel`): its attention's output beside the context the
+        projection keeps (``all_gather``: each of the two chunks'; ``a2a``: the whole sequence of ``1/cp`` of the
+        heads; ``p2p``: the ring's), ``(s/cp) b n/t d``, and with ``all_gather`` the other ranks' keys and values,
+        ``2 (s - s/cp) b g/t d``, which its attention saves (measured with ``check --estimate-memory``,
+        docs/long_context.md)."""
         s, b, e, d = self.seq_length, self.micro_batch_size, self.param_bytes, self.head_dim
-        return (2 * (s - s / cp) * b * self.groups * d + s / cp * b * self.num_attention_heads * d) / tp * e
+        gathered = 2 * (s - s / cp) * b * self.groups * d if self.cp_comm_type == "all_gather" else 0.0
+        return (gathered + s / cp * b * self.num_attention_heads * d) / tp * e
 
     def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
         return self.param_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (
