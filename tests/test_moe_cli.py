@@ -56,7 +56,7 @@ def test_moe_tiny_check_measures_what_the_estimate_predicts(tmp_path):
     docs/memory.md; an EP rank's share of the rows depends on the routing, the estimate takes the mean: 2.5% here;
     under CP the other ranks' keys and values and the two chunks' contexts beside their concatenation)."""
     out = _cli(tmp_path, "check", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--layouts", "ep2,tp2sp,cp2",
-               "--steps", "1", "--estimate-memory", "--model.config.vocab_size", "8192").stdout
+               "--steps", "1", "--estimate-memory").stdout
     assert "ep2            PASS" in out and "tp2sp          PASS" in out and "cp2            PASS" in out, out
     rows = [line.split() for line in out.split("memory per rank")[1].splitlines()[2:] if line.strip()]
     assert [r[0] for r in rows] == ["tp1", "ep2", "tp2sp", "cp2"], out

@@ -138,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
                            f"any process:\n" + "".join(f"  - {p}\n" for p in problems))
     if args.estimate_memory or args.estimate_time:
         from lightning_megatron.check.memory_cli import model_shape
+        from lightning_megatron.check.recipe import fill_vocab_size
 
+        try:  # the vocabulary the data's tokenizer has, where the recipe leaves it to the data (as `fit` does)
+            fill_vocab_size(recipe)
+        except (ValueError, OSError, ImportError):
+            pass  # the data cannot tell it here (its files elsewhere): the estimate names what to set
         try:  # the module's class declares its sizes (protocols.EstimatesCost), or the estimate is refused
             model_shape(recipe)
         except ValueError as e:

@@ -261,29 +261,37 @@ def build_callbacks(callbacks: list[tuple[str, dict[str, Any]]], layout: Paralle
     return [build(name, kwargs) for name, kwargs in callbacks]
 
 
-def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[str, Any]:
-    """Prepare the data once here (the corpus cache), then the picklable factories of :func:`check_layouts`.
-    A module taking ``vocab_size`` (or a config record with one) gets the datamodule's when the recipe
-    leaves it unset."""
+def fill_vocab_size(recipe: RecipeCheck, dm: Any = None) -> None:
+    """A module taking ``vocab_size`` (or a config record with one) gets the datamodule's (``dm``, else one built
+    from the recipe's data arguments: its tokenizer's, as ``fit`` gives it) in ``recipe.model`` when the recipe
+    leaves it unset; a module's own default (``vocab_size: int = 16``) stands."""
     from lightning_megatron.language.module import LanguageLightningModule
 
-    data_cls = import_class(recipe.data_class)
-    dm = data_cls(**recipe.data)
-    dm.prepare_data()
-    model = copy.deepcopy(recipe.model)
     model_cls = import_class(recipe.model_class)
-    # A module's own default (``vocab_size: int = 16``) stands; the datamodule's fills only an argument that
-    # has none, or whose default is None.
     argument = _arguments(model_cls).get("vocab_size")
     where = ("config.vocab_size" if issubclass(model_cls, LanguageLightningModule)
              else "vocab_size" if argument is not None and argument.default in (inspect.Parameter.empty, None)
              else None)
-    if where is not None and _get(model, where) is None:
-        vocab = getattr(dm, "vocab_size", None)
-        if vocab is None:
-            raise ValueError(f"{recipe.model_class} takes vocab_size, the recipe leaves it unset and "
-                             f"{recipe.data_class} has no vocab_size: set --model.{where}")
-        _set(model, where, int(vocab))
+    if where is None or _get(recipe.model, where) is not None:
+        return
+    dm = import_class(recipe.data_class)(**recipe.data) if dm is None else dm
+    vocab = getattr(dm, "vocab_size", None)
+    if vocab is None:
+        raise ValueError(f"{recipe.model_class} takes vocab_size, the recipe leaves it unset and "
+                         f"{recipe.data_class} has no vocab_size: set --model.{where}")
+    _set(recipe.model, where, int(vocab))
+
+
+def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[str, Any]:
+    """Prepare the data once here (the corpus cache), then the picklable factories of :func:`check_layouts`
+    (the model's vocabulary the datamodule's where the recipe leaves it unset: :func:`fill_vocab_size`)."""
+    data_cls = import_class(recipe.data_class)
+    dm = data_cls(**recipe.data)
+    dm.prepare_data()
+    filled = copy.copy(recipe)
+    filled.model = copy.deepcopy(recipe.model)
+    fill_vocab_size(filled, dm)
+    model = filled.model
     return dict(module_factory=functools.partial(build_module, recipe.model_class, model),
                 dataset_factory=functools.partial(build_dataset, recipe.data_class, recipe.data,
                                                   steps * global_batch_size),
