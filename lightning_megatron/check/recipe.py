@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -288,11 +288,9 @@ def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[s
     data_cls = import_class(recipe.data_class)
     dm = data_cls(**recipe.data)
     dm.prepare_data()
-    filled = copy.copy(recipe)
-    filled.model = copy.deepcopy(recipe.model)
+    filled = replace(recipe, model=copy.deepcopy(recipe.model))
     fill_vocab_size(filled, dm)
-    model = filled.model
-    return dict(module_factory=functools.partial(build_module, recipe.model_class, model),
+    return dict(module_factory=functools.partial(build_module, recipe.model_class, filled.model),
                 dataset_factory=functools.partial(build_dataset, recipe.data_class, recipe.data,
                                                   steps * global_batch_size),
                 callbacks_factory=functools.partial(build_callbacks, recipe.callbacks))
