@@ -145,7 +145,7 @@ class _Cost:
     def first_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
         return 0.0
 
-    def last_stage_activation_bytes(self, tp: int) -> float:
+    def last_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
         return 50.0
 
 

@@ -96,8 +96,7 @@ def memory_table(recipe: Any, layouts: list[ParallelDims], report: Any) -> str:
     for layout in layouts:
         est = estimate_memory(m, layout)
         ranks = report.runs[layout.name].memory
-        per_stage = layout.tp * layout.dp
-        mine = ranks[est.stage * per_stage:(est.stage + 1) * per_stage]
+        mine = [r for i, r in enumerate(ranks) if layout.coordinates(i)["pp"] == est.stage]
         meas = {k: max(r.get(k, 0) for r in mine) for k in ("params", "grads", "optimizer", "activations_peak")}
         cells = [(est.param_bytes, meas["params"]), (est.grad_bytes, meas["grads"]),
                  (est.optimizer_bytes, meas["optimizer"]), (est.activation_bytes, meas["activations_peak"])]

@@ -99,7 +99,7 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
     # keys and values gathered from the other ranks (the model says how many bytes: context_parallel_bytes).
     gathered = getattr(m, "context_parallel_bytes", None)
     layer = m.layer_activation_bytes(t, sp) / cp + (gathered(t, cp) if cp > 1 and gathered is not None else 0.0)
-    head = m.last_stage_activation_bytes(t) / cp if stage == pp - 1 else 0.0
+    head = m.last_stage_activation_bytes(t, sp) / cp if stage == pp - 1 else 0.0
     if m.recompute:
         # Each layer keeps only its input. The peak is the forward's (with the head) or, in the
         # backward, after the head's backward, one layer's activations computed again.

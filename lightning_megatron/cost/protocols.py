@@ -50,8 +50,9 @@ class MemoryCost(Protocol):
     def first_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
         """Bytes the first stage saves outside the layers per microbatch (e.g. the embedding dropout's mask)."""
 
-    def last_stage_activation_bytes(self, tp: int) -> float:
-        """Bytes the last stage saves outside the layers per microbatch (heads and loss)."""
+    def last_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """Bytes the last stage saves outside the layers per microbatch (heads and loss; under sequence
+        parallelism what runs on the sequence's chunk keeps the chunk)."""
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
         """Why the model cannot be split over ``tp`` ranks (heads, FFN not divisible), or None."""

@@ -330,8 +330,10 @@ class TransformerCost:
         return self.mask_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (
             tp if sequence_parallel else 1)
 
-    def last_stage_activation_bytes(self, tp: int) -> float:
-        """The final norm's input and output (the output layer's input; not under LoRA, the layer frozen) and the
+    def last_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """The final norm's input and output (the output layer's input; not under LoRA, the layer frozen; under
+        sequence parallelism both this rank's chunk, the output layer gathering its input again for the
+        backward, as the layers' column-parallel linears do: measured at TP=2 x PP=2, ``tests/test_context_parallel.py``) and the
         cross entropy's fp32 softmax of the vocab-parallel logits, with its per-token statistics; the logits
         themselves are not kept (measured: ``check --estimate-memory`` on ``recipes/gpt_tiny.yaml``, fp32 and bf16,
         docs/long_context.md, and ``tests/test_estimate.py``). A compiled loss (:attr:`compiled_loss`, one TP
@@ -339,7 +341,8 @@ class TransformerCost:
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
         v = self.padded_vocab(tp) / tp
         # LoRA: the frozen output layer keeps no input
-        norm = ((1 if self.lora_rank else 2) * e + self.norm_copy_bytes) * s * b * h
+        chunk = tp if sequence_parallel else 1
+        norm = ((1 if self.lora_rank else 2) * e + self.norm_copy_bytes) * s * b * h / chunk
         return norm + (e if self.compiled_loss and tp == 1 else 4) * s * b * v + 8 * s * b
 
     def tensor_parallel_problem(self, tp: int) -> str | None:

@@ -56,14 +56,22 @@ class BertCost(TransformerCost):
                 n += v // tp * h  # the last stage's copy of the tied word embedding
         return n
 
-    def last_stage_activation_bytes(self, tp: int) -> float:
-        """The final norm's output, the LM head on the masked tokens, the pooler, and what the loss keeps of the
-        masked tokens' logits: an fp32 softmax (the vocab-parallel cross entropy, whatever the logits' dtype), or
-        the logits themselves with the loss compiled at one TP rank (:attr:`compiled_loss`)."""
+    def first_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """The embedding dropout's mask and, post-norm, the embedding norm's input (this rank's chunk under
+        sequence parallelism)."""
+        norm = self.seq_length * self.micro_batch_size * self.hidden_size * self.param_bytes if self.post_norm else 0
+        return super().first_stage_activation_bytes(tp, sequence_parallel) + norm / (tp if sequence_parallel else 1)
+
+    def last_stage_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """Pre-norm, the final norm's input (this rank's chunk under sequence parallelism); the LM head on the
+        masked tokens, the pooler's first token and output, and what the loss keeps of the masked tokens' logits:
+        an fp32 softmax (the vocab-parallel cross entropy, whatever the logits' dtype), or the logits themselves
+        with the loss compiled at one TP rank (:attr:`compiled_loss`). Measured: ``tests/test_estimate.py``."""
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
         n = self.masked_lm_prob * s * b
         logit = e if self.compiled_loss and tp == 1 else 4
-        return e * (s * b * h + 5 * n * h + 2 * b * h) + logit * n * self.padded_vocab(tp) / tp + 8 * s * b
+        norm = 0 if self.post_norm else e * s * b * h / (tp if sequence_parallel else 1)
+        return norm + e * (5 * n * h + 2 * b * h) + logit * n * self.padded_vocab(tp) / tp + 8 * s * b
 
     def describe(self) -> str:
         return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, ffn "

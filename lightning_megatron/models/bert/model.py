@@ -83,7 +83,8 @@ class Pooler(nn.Module):
         if self.config.sequence_parallel:
             hidden_states = gather_from_sequence_parallel_region(hidden_states, self.tp_group,
                                                                  tensor_parallel_output_grad=False)
-        return torch.tanh(self.dense(hidden_states[sequence_index]))
+        # a copy of the token: the dense layer keeps its input, and a view would keep all of [s, b, h]
+        return torch.tanh(self.dense(hidden_states[sequence_index].clone()))
 
 
 class BertLMHead(nn.Module):
