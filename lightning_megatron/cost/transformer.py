@@ -94,6 +94,10 @@ class TransformerCost:
     moe_ffn_hidden_size: int | None = None
     """Each expert's width (None: ``ffn_hidden_size``)."""
     moe_shared_expert_intermediate_size: int | None = None
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor ``f``: every expert runs on its capacity, ``f`` times the balanced rows
+    (:attr:`expert_rows_factor`)."""
     lora_rank: int = 0
     """LoRA adapters' rank (0: none, every parameter trains); with adapters only they have gradients and
     optimizer state, the frozen base its weights alone."""
@@ -118,7 +122,9 @@ class TransformerCost:
         if getattr(config, "num_moe_experts", None):
             sizes.update(num_moe_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
                          moe_ffn_hidden_size=config.moe_ffn_hidden_size,
-                         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
+                         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                         moe_expert_capacity_factor=config.moe_expert_capacity_factor,
+                         moe_pad_expert_input_to_capacity=config.moe_pad_expert_input_to_capacity)
         for name in ("vocab_size", "make_vocab_size_divisible_by", "max_sequence_length"):
             if getattr(config, name, None) is not None:
                 sizes[name] = getattr(config, name)
@@ -192,6 +198,14 @@ class TransformerCost:
     @property
     def expert_ffn(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_rows_factor(self) -> float:
+        """The routed experts' rows against balanced routing's ``k`` a token: the capacity factor when they are
+        padded to their capacity, else 1 (balanced; a capacity that drops rows only lowers it)."""
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor:
+            return self.moe_expert_capacity_factor
+        return 1.0
 
     @property
     def head_dim(self) -> int:
@@ -269,6 +283,9 @@ class TransformerCost:
         s, b, h, f = self.seq_length, self.micro_batch_size, self.hidden_size, self.ffn
         d, n, g, e = self.head_dim, self.num_attention_heads, self.groups, self.param_bytes
         sp = tp if sequence_parallel else 1
+        rows = self.expert_rows_factor  # experts padded to their capacity: f times the rows
+        if self.num_moe_experts:
+            f += (rows - 1) * self.moe_router_topk * self.expert_ffn
         # both norms' inputs and outputs, the outputs the qkv and fc1 inputs, kept for a weight gradient (under SP
         # those layers keep their part of the sequence, gathered again in the backward; LoRA: only an adapted
         # frozen layer keeps it, its part too)
@@ -290,7 +307,7 @@ class TransformerCost:
             k, experts = self.moe_router_topk, self.num_moe_experts
             # the routed experts' rows [s b k, h] (their first layer's input) and the slots [s b, k, h] the routing
             # weights' gradient reads: every token's on each TP rank (gathered under SP), k rows each on average
-            moe = 2 * e * s * b * k * h
+            moe = (1 + rows) * e * s * b * k * h
             # the router's fp32 scores and weights and int64 choices (this rank's tokens), the dispatch's two int64
             # orders, the weights cast to a 16-bit activation dtype
             moe += (4 * experts + 12 * k) * s * b / sp + (16 + (e if e != 4 else 0)) * k * s * b
@@ -382,7 +399,9 @@ class TransformerCost:
         if self.num_moe_experts:  # the MoE layer itself: router, dispatcher, this many experts of their width
             moe = dict(num_moe_experts=self.num_moe_experts, moe_router_topk=self.moe_router_topk,
                        moe_ffn_hidden_size=self.expert_ffn,
-                       moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size)
+                       moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+                       moe_expert_capacity_factor=self.moe_expert_capacity_factor,
+                       moe_pad_expert_input_to_capacity=self.moe_pad_expert_input_to_capacity)
         return TransformerConfig(num_layers=num_layers, hidden_size=self.hidden_size,
                                  num_attention_heads=self.num_attention_heads,
                                  ffn_hidden_size=self.expert_ffn if moe else self.ffn, **moe,

@@ -83,11 +83,13 @@ class LocalExperts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: list[int], capacity: int | None = None) -> torch.Tensor:
         """``rows`` [R, h] sorted by local expert, ``counts`` (host ints) rows per local expert. ``capacity``:
         pad every expert's rows to it (static shapes; padded rows' outputs are dropped)."""
-        outputs = []
-        for expert, x in zip(self.local_experts, torch.split(rows, counts)):
-            n = x.shape[0]
-            padded = max(n, capacity or 0, self.kernels.expert_rows(n, x))
-            if padded > n:
-                x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
-            outputs.append(expert(x)[:n] if n or capacity is not None else x.new_zeros(0, x.shape[1]))
+        pieces = torch.split(rows, counts)
+        sizes = [max(n, capacity or 0, self.kernels.expert_rows(n, x)) for n, x in zip(counts, pieces)]
+        if sizes != list(counts):
+            # One tensor of every expert's rows, each followed by its zeros, and a view of it for each expert: an
+            # expert left unpadded would keep a view of ``rows``, which holds them all, beside the padded copies.
+            parts = [p for x, n, m in zip(pieces, counts, sizes) for p in (x, x.new_zeros(m - n, x.shape[1])) if len(p)]
+            pieces = torch.split(torch.cat(parts), sizes)
+        outputs = [expert(x)[:n] if n or capacity is not None else x.new_zeros(0, x.shape[1])
+                   for expert, x, n in zip(self.local_experts, pieces, counts)]
         return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[1])
