@@ -86,6 +86,11 @@ CASES = {
     "check_tp3_with_4_heads": (["check", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--layouts", "tp3"], 2,
                                ["found before starting any process", "layout tp3: model.config: num_attention_heads=4 is not "
                                 "divisible by tensor_model_parallel_size=3"], ["DistributedTestFailure"]),
+    "check_missing_init_from": (  # a run builds the model from its source: refused before any process starts
+        ["check", "--config", str(ROOT / "recipes" / "gpt_tiny_lora.yaml"), "--layouts", "tp2", "--model.init_from",
+         "{nope}"], 2,
+        ["found before starting any process", "model.init_from='{nope}' does not exist", "--model.init_from"],
+        ["DistributedTestFailure", "Traceback"]),
     "num_query_groups_against_tp": (  # the decoder's record at the strategy's TP size (issue 35)
         [*FIT, "--model.init_args.config.num_query_groups", "3"], None,
         ["model.config: num_query_groups=3 must be a number that divides num_attention_heads=4"], []),

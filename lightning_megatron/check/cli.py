@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -133,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gpus lists layouts for --estimate-memory and/or --estimate-time; add one of them")
     if args.gpus is None:  # the layouts named: refused as `fit` refuses them, before any process starts
         problems = _layout_problems(recipe, [reference] + [x for x in layouts if x != reference])
+        source = recipe.model.get("init_from")
+        if source and not Path(source).exists() and (args.estimate_memory or not args.estimate_time):
+            problems.append(f"model.init_from={str(source)!r} does not exist: a check run builds the model from it; "
+                            f"make it first (the recipe's comments say how) or set --model.init_from to a "
+                            f"checkpoint or a Hugging Face folder")
         if problems:
-            parser.exit(2, f"lightning-megatron check: {len(problems)} layout problem(s), found before starting "
+            parser.exit(2, f"lightning-megatron check: {len(problems)} problem(s), found before starting "
                            f"any process:\n" + "".join(f"  - {p}\n" for p in problems))
     if args.estimate_memory or args.estimate_time:
         from lightning_megatron.check.memory_cli import model_shape
