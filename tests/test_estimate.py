@@ -175,6 +175,12 @@ def test_a_grouped_query_decoders_activations_are_its_query_keys_values_and_cont
             layer = saved(m, 3) - saved(m, 2)
             predicted = m.layer_activation_bytes(1, False)
             assert abs(predicted / layer - 1) < 0.02, (dtype, targets, predicted, layer)
+            if targets and dtype == "float32":  # the adapters' dropout: a mask each (on a CPU in the activation
+                # dtype, ``on_cpu``), A's dropped input, beside the context the attention keeps for linear_proj's
+                drop = dataclasses.replace(m, lora_dropout=0.1, on_cpu=True)
+                layer = saved(drop, 3) - saved(drop, 2)
+                predicted = drop.layer_activation_bytes(1, False)
+                assert abs(predicted / layer - 1) < 0.02, ("dropout", targets, predicted, layer)
 
 
 def test_a_mixture_of_experts_layer_keeps_its_rows_and_slots_once():

@@ -3,7 +3,8 @@
 The check takes the recipe's ``model`` and ``data`` sections: the classes they name by ``class_path``
 (any LightningModule following the strategy's contract, any LightningDataModule), else
 BertLightningModule and BertDataModule. It turns dropout off (every constructor argument of the
-module named ``*dropout``, and every such field of a language model's config record, ``config.*dropout``),
+module named ``*dropout``, every such field of a language model's config record, ``config.*dropout``, and of
+any other record the recipe gives as a mapping, ``lora.dropout``),
 refuses a model argument written where it was before it moved (``num_layers`` -> ``config.num_layers``),
 and keeps, of the Trainer's callbacks,
 those that change the update: ``MegatronOptimizerCallback`` (clipping, loss scaling) and
@@ -189,6 +190,12 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
         if isinstance(value, (int, float)):
             dropout[where] = float(value)
             _set(model, where, 0.0)
+    for key, record in model.items():  # a record given as a mapping (``lora: {rank: 8, dropout: 0.05}``): its too
+        for name, value in (record.items() if isinstance(record, dict) else ()):
+            where = f"{key}.{name}"
+            if name.endswith("dropout") and where not in dropout and type(value) in (int, float):
+                dropout[where] = float(value)
+                record[name] = 0.0
     # A schedule-only option (bitwise equal on or off: tests/test_optimizer_grad_norm.py) that the
     # one-process reference and every layout without pipelining refuse: the check compares the math.
     for where in ("defer_embedding_wgrad_compute", "config.defer_embedding_wgrad_compute"):

@@ -103,6 +103,8 @@ class TransformerCost:
     optimizer state, the frozen base its weights alone."""
     lora_targets: tuple[str, ...] = ()
     """The projections with adapters (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' inputs (a saved mask each, and the dropped input A keeps)."""
     compiled_loss: bool = False
     """``compile=True``: at one TP rank the loss keeps its logits for the backward, not an fp32 softmax
     (:meth:`~lightning_megatron.language.LanguageModule.compile_loss`)."""
@@ -300,6 +302,14 @@ class TransformerCost:
         column = sum(name in self.lora_targets for name in ("linear_qkv", "linear_fc1"))
         adapters = (column + (len(self.lora_targets) - column) / sp) * s * b * self.lora_rank
         adapters += column * self.lora_rank * h if sp > 1 else 0
+        if self.lora_rank and self.lora_dropout > 0:
+            # each adapter's dropout keeps its mask, and A the dropped input in place of the input itself, which
+            # the attention's context (linear_proj's input) is kept by anyway
+            widths = {"linear_qkv": h / sp, "linear_fc1": h / sp, "linear_proj": n * d / tp, "linear_fc2": f / tp}
+            kept = sum(widths[name] for name in self.lora_targets)
+            masks_and_copies = self.mask_bytes * kept + (e * n * d / tp if "linear_proj" in self.lora_targets else 0)
+        else:
+            masks_and_copies = 0.0
         stats = (1 if self.rmsnorm else 2) * 2 * 4 * s * b / sp  # fp32 rstd (and mean) of the two norms
         norm_copies = 2 * self.norm_copy_bytes * s * b * h / sp  # the composite RMSNorm's fp32 copies
         moe = 0.0
@@ -318,6 +328,7 @@ class TransformerCost:
             masks += 2 * self.mask_bytes * s * b * h / sp
         if self.attention_dropout > 0 and self.unfused_attention:  # its mask and the dropped probabilities
             masks += (self.mask_bytes + e) * b * n * s * s / tp
+        masks += s * b * masks_and_copies
         return e * s * b * (replicated + parallel) + e * adapters + stats + norm_copies + attention + masks + moe
 
     @property
@@ -380,7 +391,9 @@ class TransformerCost:
                 f"({'untied' if self.untie_embeddings_and_output_weights else 'tied'}), seq {self.seq_length}, "
                 f"micro batch {self.micro_batch_size}, global batch {self.global_batch_size}, {self.params_dtype}, "
                 f"{self.optimizer}{', full recompute' if self.recompute else ''}, dropout {self.hidden_dropout:g}/"
-                f"{self.attention_dropout:g}")
+                f"{self.attention_dropout:g}"
+                + (f", LoRA r{self.lora_rank} on {'/'.join(self.lora_targets)} (dropout {self.lora_dropout:g})"
+                   if self.lora_rank else ""))
 
     # ------------------------------------------------------------ StepCost: the model's own pieces
 
@@ -443,7 +456,7 @@ class TransformerCost:
         if self.lora_rank:
             from lightning_megatron.transformer.lora import LoRAConfig, add_lora
 
-            add_lora(module, LoRAConfig(rank=self.lora_rank, alpha=2.0 * self.lora_rank,
+            add_lora(module, LoRAConfig(rank=self.lora_rank, alpha=2.0 * self.lora_rank, dropout=self.lora_dropout,
                                         target_modules=list(self.lora_targets)),
                      global_names={id(p): n for n, p in module.named_parameters()})
         return module

@@ -349,7 +349,8 @@ class GPTLightningModule(LanguageLightningModule):
         from lightning_megatron.transformer.lora import LoRAConfig
 
         lora = LoRAConfig.coerce(model.get("lora"))
-        adapters = dict(lora_rank=lora.rank, lora_targets=tuple(lora.target_modules)) if lora is not None else {}
+        adapters = (dict(lora_rank=lora.rank, lora_targets=tuple(lora.target_modules), lora_dropout=lora.dropout)
+                    if lora is not None else {})
         return GPTCost.from_config(
             config, vocab_size=int(vocab), seq_length=int(data.get("seq_length", config.max_sequence_length)),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
