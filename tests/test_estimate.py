@@ -226,7 +226,23 @@ def test_experts_padded_to_their_capacity_keep_the_padded_rows():
         assert abs((predicted - balanced) / (held - balanced_held) - 1) < 0.01, (factor, predicted, held)
 
 
-def test_default_dropout_is_the_modules():
+def test_experts_padded_to_their_capacity_are_timed_with_the_padding():
+    """The step time's FLOPs (``stage_flops``) count the padded rows' GEMMs: a SwiGLU expert's three ``h x F``
+    matrices, 6 FLOPs a weight a row, for ``(f - 1) k`` more rows a token; the MFU's model FLOPs do not."""
+    from lightning_megatron.check.timing import model_flops, stage_flops
+
+    m = GPTCost(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512, gated_linear_unit=True,
+                vocab_size=512, seq_length=128, micro_batch_size=2, global_batch_size=2, num_moe_experts=8,
+                moe_router_topk=2, moe_ffn_hidden_size=384)
+    padded = dataclasses.replace(m, moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True)
+    for layout in (ParallelDims(dp=1), ParallelDims(tp=2, pp=2, dp=1)):
+        tokens, layers = 2 * 128, 4 // layout.pp
+        extra = 6 * 3 * 256 * 384 * 0.25 * 2 * tokens * layers / layout.tp
+        assert stage_flops(padded, layout, 0) - stage_flops(m, layout, 0) == pytest.approx(extra, rel=1e-9)
+    assert model_flops(padded) == model_flops(m)
+
+
+
     from lightning_megatron.models.bert import BertConfig
 
     assert BertConfig().hidden_dropout == BertConfig().attention_dropout == DEFAULT_DROPOUT

@@ -235,11 +235,12 @@ def _elementwise_rate(m: StepCost, layer_s: float, gemm_rate: float) -> float:
     and adapters) run at ``gemm_rate``: their counted bytes (forward + twice that backward, and the LoRA
     adapters' :func:`~lightning_megatron.check.timing.adapter_bytes`) over the rest."""
     from lightning_megatron.parallel_dims import ParallelDims
-    from lightning_megatron.check.timing import Framework, adapter_bytes, elementwise_bytes, layer_flops
+    from lightning_megatron.check.timing import Framework, adapter_bytes, elementwise_bytes, layer_flops, padding_flops
 
     tokens = m.seq_length * m.micro_batch_size
     one = ParallelDims(dp=1)
-    flops = layer_flops(m, 1, tokens, recompute=False)  # the timed layer does not recompute
+    # the timed layer does not recompute; experts padded to their capacity run the padding's GEMMs too
+    flops = layer_flops(m, 1, tokens, recompute=False) + padding_flops(m, 1, tokens, recompute=False)
     counted = tokens * (3 * elementwise_bytes(m, one, Framework(fused_attention=not m.unfused_attention))
                         + adapter_bytes(m, one))
     rest = max(layer_s - flops / gemm_rate, 0.05 * layer_s)  # the GEMMs at their best-case rate: a floor

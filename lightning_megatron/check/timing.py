@@ -296,13 +296,28 @@ def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompu
     return flops
 
 
+def padding_flops(m: StepCost, layers: int, tokens: float, *, recompute: bool | None = None) -> float:
+    """FLOPs of the rows experts padded to their capacity run beyond the balanced ones (``f - 1`` times ``k`` rows a
+    token, :attr:`~lightning_megatron.cost.TransformerCost.expert_rows_factor`), all TP ranks together; 0 without."""
+    padding = getattr(m, "expert_rows_factor", 1.0) - 1
+    if padding <= 0:
+        return 0.0
+    assert isinstance(m, TransformerCost)
+    shape = dict(num_layers=layers, hidden_size=m.hidden_size, seq_length=m.seq_length, tokens=tokens, head_tokens=0,
+                 vocab_size=0, recompute=m.recompute if recompute is None else recompute, **_layer_shape(m))
+    routed = padding * m.moe_router_topk * m.expert_ffn
+    return transformer_flops(ffn_hidden_size=routed, **shape) - transformer_flops(ffn_hidden_size=0, **shape)
+
+
 def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = True) -> float:
     """FLOPs of one microbatch (forward, backward, recomputation) on one rank of ``stage`` (without
     the LM head's: ``head=False``); a context-parallel rank does ``1/cp`` of them. Under LoRA the output
-    layer is frozen: its forward and input-gradient GEMMs, no weight gradient."""
+    layer is frozen: its forward and input-gradient GEMMs, no weight gradient. Experts padded to their capacity
+    (:attr:`~lightning_megatron.cost.TransformerCost.expert_rows_factor`) run the padding's GEMMs too (not counted
+    by :func:`model_flops`, the MFU's)."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
-    layers = layer_flops(m, m.num_layers // p, tokens, t)
+    layers = layer_flops(m, m.num_layers // p, tokens, t) + padding_flops(m, m.num_layers // p, tokens)
     head_flops = 0.0
     if head and stage == p - 1:
         head_flops = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
