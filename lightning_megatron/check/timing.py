@@ -296,6 +296,17 @@ def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompu
     return flops
 
 
+def recomputed_share(m: StepCost, layout: ParallelDims) -> float:
+    """The share of a stage's layers whose forward runs again in the backward: none without recomputation, all
+    with "uniform" groups, the first ``recompute_num_layers`` of each chunk with "block"."""
+    if not m.recompute:
+        return 0.0
+    if getattr(m, "recompute_method", None) != "block":
+        return 1.0
+    per_chunk = m.num_layers // (layout.pp * (layout.vp or 1))
+    return min(getattr(m, "recompute_num_layers", None) or 1, per_chunk) / per_chunk
+
+
 def padding_flops(m: StepCost, layers: int, tokens: float, *, recompute: bool | None = None) -> float:
     """FLOPs of the rows experts padded to their capacity run beyond the balanced ones (``f - 1`` times ``k`` rows a
     token, :attr:`~lightning_megatron.cost.TransformerCost.expert_rows_factor`), all TP ranks together; 0 without."""
@@ -317,7 +328,9 @@ def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = T
     by :func:`model_flops`, the MFU's)."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
-    layers = layer_flops(m, m.num_layers // p, tokens, t) + padding_flops(m, m.num_layers // p, tokens)
+    r, n = recomputed_share(m, layout), m.num_layers // p
+    layers = sum(share * (layer_flops(m, n, tokens, t, recompute=again) + padding_flops(m, n, tokens, recompute=again))
+                 for share, again in ((1 - r, False), (r, True)) if share)
     head_flops = 0.0
     if head and stage == p - 1:
         head_flops = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
@@ -445,7 +458,8 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     kernel_rate = (dev.elementwise or dev.hbm) * eff.memory * share
     vocab_rate = (dev.vocab or dev.hbm) * eff.memory * share
     layers = m.num_layers // p
-    passes = 3 + (1 if m.recompute else 0)  # forward, backward (~2x), recomputed forward
+    r = recomputed_share(m, layout)
+    passes = 3 + r  # forward, backward (~2x), recomputed forward
     elementwise = elementwise_bytes(m, layout, fw) * s / c * b * layers * passes / kernel_rate
     elementwise += adapter_bytes(m, layout) * s / c * b * layers * passes / 3 / kernel_rate  # LoRA's adapters
     dpn = dev.devices_per_node
@@ -454,7 +468,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     # embedding's all-reduce too (with it, the slowest stage is taken without it).
     tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
     act = e * s / c * b * h
-    per_layer = (4 + (2 if m.recompute else 0)) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
+    per_layer = (4 + 2 * r) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
     if layout.sequence_parallel and not fw.overlap_sp_gather:  # the column layers' inputs gathered again
         regathered = m.regathered_inputs if isinstance(m, TransformerCost) else 2
         per_layer += regathered * collective_time("all_gather", act, t, tp_bw, tp_lat)
@@ -465,7 +479,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     if c > 1:
         cp_bw, cp_lat = _bandwidth(dev, eff, t * c > dpn)
         kv = 2 * s * b * m.groups * m.head_dim / t * e
-        cp_mb = layers * ((2 if m.recompute else 1) * collective_time("all_gather", kv, c, cp_bw, cp_lat)
+        cp_mb = layers * ((1 + r) * collective_time("all_gather", kv, c, cp_bw, cp_lat)
                           + collective_time("reduce_scatter", kv, c, cp_bw, cp_lat))
     # EP: per MoE layer each rank's k rows per token (all of its TP group's tokens) to the experts' ranks
     # and back, forward and backward (and the recomputed forward), all-to-all over the ep ranks.
@@ -474,7 +488,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     if experts and ep > 1:
         ep_bw, ep_lat = _bandwidth(dev, eff, t * ep > dpn)  # expert TP = TP fastest, then EP
         rows = s / c * b * m.moe_router_topk * h * e
-        ep_mb = layers * (4 + (2 if m.recompute else 0)) * collective_time("all_to_all", rows, ep, ep_bw, ep_lat)
+        ep_mb = layers * (4 + 2 * r) * collective_time("all_to_all", rows, ep, ep_bw, ep_lat)
     # PP: each chunk sends its output forward and its input gradient backward, per microbatch.
     pp_mb = 0.0
     if p > 1:
@@ -532,7 +546,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     host = 0.0
     if dev.host_op is not None and fw.host_ops is not None:  # the busiest host: the last stage's, with the ends
         ops = fw.host_ops
-        layer_ops = ops.layer * (4 / 3 if m.recompute else 1)  # the recomputed forward: a third of fwd + bwd
+        layer_ops = ops.layer * (1 + r / 3)  # the recomputed forward: a third of fwd + bwd
         host = (microbatches * (layers * layer_ops + ops.ends) + ops.step) * dev.host_op
     return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb,
                     cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,

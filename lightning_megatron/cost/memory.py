@@ -101,9 +101,17 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
     layer = m.layer_activation_bytes(t, sp) / cp + (gathered(t, cp) if cp > 1 and gathered is not None else 0.0)
     head = m.last_stage_activation_bytes(t, sp) / cp if stage == pp - 1 else 0.0
     if m.recompute:
-        # Each layer keeps only its input. The peak is the forward's (with the head) or, in the
-        # backward, after the head's backward, one layer's activations computed again.
-        act = chunks * per_chunk * m.layer_input_bytes(t, sp) / cp + max(head, layer)
+        # A recomputed layer keeps only its input: "uniform" keeps a group's (k layers) and recomputes a group at a
+        # time, "block" recomputes the first k layers of a chunk and keeps everything of the rest. The peak is the
+        # forward's (with the head) or, in the backward, after the head's and the kept layers' backward, the
+        # recomputed layers' activations (of which the first layer's input is already kept).
+        k = min(getattr(m, "recompute_num_layers", None) or 1, per_chunk)
+        kept_input = m.layer_input_bytes(t, sp) / cp
+        if getattr(m, "recompute_method", None) == "block":
+            kept = k * kept_input + (per_chunk - k) * layer
+            act = max(chunks * kept + head, (chunks - 1) * kept + (k - 1) * kept_input + layer)
+        else:
+            act = chunks * -(-per_chunk // k) * kept_input + max(head, k * layer - kept_input)
     else:
         act = chunks * per_chunk * layer + head
     if stage == 0:  # e.g. the embedding dropout's mask, once per first-chunk forward

@@ -77,6 +77,11 @@ class TransformerCost:
     element, where the fused kernel (a GPU's) keeps the input and its fp32 statistic."""
     recompute: bool = False
     """Full activation recomputation (only each layer's input is kept)."""
+    recompute_method: str | None = None
+    """With ``recompute``: "uniform" (groups of :attr:`recompute_num_layers` layers of a chunk, each keeping its
+    input) or "block" (the first :attr:`recompute_num_layers` layers of a chunk, the rest keeping everything);
+    None: one-layer groups."""
+    recompute_num_layers: int | None = None
     attention_backend: str = "auto"
     """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
     on_cpu: bool = False
@@ -119,6 +124,7 @@ class TransformerCost:
                      gated_linear_unit=config.gated_linear_unit, add_bias_linear=config.add_bias_linear,
                      params_dtype=str(config.params_dtype).removeprefix("torch."),
                      recompute=config.recompute_granularity == "full", attention_backend=config.attention_backend,
+                     recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers,
                      hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
                      cp_comm_type=config.cp_comm_type)
         if getattr(config, "num_moe_experts", None):
