@@ -61,13 +61,16 @@ def test_a_rank_s_batch_and_attention_are_the_one_process_ones_at_its_tokens(mon
 
 
 def test_what_a_cp_rank_keeps_is_predicted_for_each_way_of_communicating(tmp_path):
-    """``check --estimate-memory`` on ``recipes/gpt_tiny.yaml`` at CP=2 by all-to-all (one step, through the CLI; the
-    all-gather's is ``tests/test_moe_cli.py``'s cp2), CP=2 x PP=2 and TP=2 x PP=2 with SP: the activations a rank
-    saved for the backward within 1% of the estimate, which counts the attention's output beside the projection's
-    context and, for all-to-all, no other rank's keys and values (it counted the all-gather's for every kind: 6%
-    over), and the last stage's final norm in SP's chunks (it counted them whole: 2% over). The measured column is
-    the predicted stage's ranks: with CP the table took another stage's (cp2pp2: stage 0's parameters, 26.04
-    predicted against 19.16 MiB)."""
+    """``check --estimate-memory`` on ``recipes/gpt_tiny.yaml`` with 5 layers, 3 of them on the first of two pipeline
+    stages (one step, through the CLI), at CP=2 by all-to-all (the all-gather's is ``tests/test_moe_cli.py``'s cp2),
+    CP=2 x PP=2 and TP=2 x PP=2 with SP, a row for each stage: the parameters, gradients and optimizer state exactly,
+    the activations a rank saved for the backward within 1% of the estimate. It counts the attention's output
+    beside the projection's context and, for all-to-all, no other rank's keys and values (it counted the
+    all-gather's for every kind: 6% over), the last stage's final norm in SP's chunks (it counted them whole: 2%
+    over), and each stage's own layers (it took an even split: stage 0 under by a layer). The first stage under SP
+    keeps its own chunk of the embedding's output (it kept a view of the whole: 2% over the estimate). The one-
+    stage layouts (the reference, cp2) run without the stage sizes. The measured column is the stage's ranks: with
+    CP the table took another stage's (cp2pp2: stage 0's parameters, 26.04 predicted against 19.16 MiB)."""
     import os
 
     from dist_utils import run_python
@@ -75,13 +78,15 @@ def test_what_a_cp_rank_keeps_is_predicted_for_each_way_of_communicating(tmp_pat
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     recipe = os.path.join(root, "recipes", "gpt_tiny.yaml")
     run = run_python(["-m", "lightning_megatron.cli", "check", "--config", recipe, "--layouts", "cp2,cp2pp2,tp2pp2sp",
-                      "--steps", "1", "--estimate-memory", "--model.config.cp_comm_type", "a2a"],
+                      "--steps", "1", "--estimate-memory", "--model.config.cp_comm_type", "a2a",
+                      "--model.config.num_layers", "5", "--model.config.num_layers_in_first_pipeline_stage", "3"],
                      str(tmp_path), dict(os.environ), timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     table = run.stdout.split("memory per rank")[1]
-    rows = {line.split()[0]: line.split() for line in table.splitlines()[2:] if line.strip()}
-    assert set(rows) == {"tp1", "cp2", "cp2pp2", "tp2pp2sp"}, table
-    for name, row in rows.items():
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    assert [(r[0], r[1]) for r in rows] == [("tp1", "0"), ("cp2", "0"), ("cp2pp2", "0"), ("cp2pp2", "1"),
+                                            ("tp2pp2sp", "0"), ("tp2pp2sp", "1")], table
+    for row in rows:
         (params, params_held), (grads, grads_held), (opt, opt_held), (predicted, measured) = (
             (float(x) for x in cell.split("/")) for cell in row[2:6])
         assert (params, grads, opt) == (params_held, grads_held, opt_held), table

@@ -275,6 +275,34 @@ def test_recomputation_by_groups_or_of_the_first_layers_keeps_what_the_estimate_
         assert again > 0 and stage_flops(block, layout, 0) == pytest.approx(stage_flops(none, layout, 0) + share * again)
 
 
+def test_uneven_pipeline_stages_are_estimated_with_their_own_layers():
+    """``num_layers_in_last_pipeline_stage`` (and first), and a split ``pp`` does not divide: each stage's parameters,
+    activations and FLOPs are its own layers' (the estimate took ``num_layers // pp`` for every stage); the ``--gpus``
+    search skips the PP sizes the stage sizes cannot fill, naming why. Measured through ``check``:
+    ``tests/test_context_parallel.py``."""
+    from lightning_megatron.check.timing import stage_flops
+    from lightning_megatron.cost.memory import stage_layers
+
+    m = GPTCost(num_layers=12, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512, vocab_size=512,
+                seq_length=128, micro_batch_size=2, global_batch_size=8, num_layers_in_last_pipeline_stage=4,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    layout = ParallelDims(pp=2, dp=1)
+    assert [stage_layers(m, 2, s) for s in (0, 1)] == [[8], [4]]
+    assert [stage_layers(m, 2, s, 2) for s in (0, 1)] == [[4, 4], [2, 2]]
+    assert stage_layers(m, 1, 0) == [12]  # one stage holds them all
+    even = dataclasses.replace(m, num_layers_in_last_pipeline_stage=None)
+    first, last = (estimate_stage(m, layout, s) for s in (0, 1))
+    assert first.params - estimate_stage(even, layout, 0).params == 2 * m.layer_parameters(1)
+    assert first.activation_bytes == pytest.approx(2 * 8 * m.layer_activation_bytes(1, False))  # 1F1B: 2 in flight
+    assert stage_flops(m, layout, 0, head=False) == pytest.approx(2 * stage_flops(m, layout, 1, head=False))
+    assert [sum(stage_layers(dataclasses.replace(even, num_layers=10), 4, s)) for s in range(4)] == [3, 3, 2, 2]
+    assert estimate_stage(dataclasses.replace(even, num_layers=10), ParallelDims(pp=4, dp=1), 0).params > \
+        estimate_stage(dataclasses.replace(even, num_layers=10), ParallelDims(pp=4, dp=1), 2).params
+    search = search_layouts(dataclasses.replace(m, num_layers_in_last_pipeline_stage=10), 8)
+    assert search.skipped.get("PP=4 does not fit the model's first / last pipeline stage sizes") == 2, search.skipped
+    assert {x.pp for x in search.layouts} == {1, 2}  # PP=4 and 8 leave the other stages 2 layers for 3 or 7
+
+
 def test_default_dropout_is_the_modules():
     from lightning_megatron.models.bert import BertConfig
 

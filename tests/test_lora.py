@@ -296,7 +296,7 @@ def test_sft_and_lora_layouts_equal_one_process_through_check(tmp_path):
     assert ".adapter.linear_" in lora
     # The memory table: every parameter held (the frozen base too) and the adapters' gradients, as predicted
     rows = [line.split() for line in lora.split("memory per rank")[1].splitlines()[2:] if line.strip()]
-    assert [r[0] for r in rows] == ["tp1", "tp2", "tp2sp", "pp2"], lora
+    assert [r[0] for r in rows] == ["tp1", "tp2", "tp2sp", "pp2", "pp2"], lora  # a row for each stage
     for row in rows:
         params, grads = row[2].split("/"), row[3].split("/")
         assert params[0] == params[1] and grads[0] == grads[1], row

@@ -15,6 +15,7 @@ when no layout fits).
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import sys
 from pathlib import Path
@@ -93,13 +94,18 @@ def _layout_problems(recipe, layouts: list) -> list[str]:
     """What ``fit`` would refuse before launch for each layout (:func:`lightning_megatron.config_checks.check_config`
     on the recipe's model, its batch sizes and precision, the layout's sizes and world size)."""
     from lightning_megatron.recipes import import_class
+    from lightning_megatron.check.worker import STAGE_SIZES
     from lightning_megatron.config_checks import check_config
 
     data = {k: recipe.data[k] for k in ("global_batch_size", "micro_batch_size") if k in recipe.data}
     trainer = {"precision": recipe.precision} if recipe.precision is not None else {}
     problems = []
+    one_stage = copy.deepcopy(recipe.model)  # the one-stage layouts' (the reference's): every layer on the stage
+    for name in STAGE_SIZES:
+        (one_stage.get("config") or {}).pop(name, None)
     for dims in layouts:
-        found = check_config(model_hparams=recipe.model, data_hparams=data, strategy_args=dims.strategy_kwargs(),
+        model = recipe.model if dims.pp > 1 else one_stage
+        found = check_config(model_hparams=model, data_hparams=data, strategy_args=dims.strategy_kwargs(),
                              trainer_args={**trainer, "devices": dims.world_size},
                              has_optimizer_callback=True if dims.zero1 else None, use_distributed_optimizer=dims.zero1,
                              model_class=import_class(recipe.model_class))

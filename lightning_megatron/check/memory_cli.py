@@ -87,20 +87,22 @@ def _mib(x: float) -> str:
 
 
 def memory_table(recipe: Any, layouts: list[ParallelDims], report: Any) -> str:
-    """Predicted vs measured MiB per rank (the fullest pipeline stage; measured: max over its ranks). A check run
+    """Predicted vs measured MiB per rank, a row for each pipeline stage (measured: max over its ranks). A check run
     takes the library's kernels (no CPU tuning) on the CPU, so they are what is predicted."""
     m = model_shape(recipe, cpu_run=True)
     lines = ["memory per rank, MiB: predicted / measured (measured: tensors held at step 1 on this machine; "
              "activations: peak bytes saved for backward)",
              f"{'layout':<14} {'stage':>5} {'params':>19} {'grads':>19} {'optimizer':>19} {'activations':>19}"]
     for layout in layouts:
-        est = estimate_memory(m, layout)
         ranks = report.runs[layout.name].memory
-        mine = [r for i, r in enumerate(ranks) if layout.coordinates(i)["pp"] == est.stage]
-        meas = {k: max(r.get(k, 0) for r in mine) for k in ("params", "grads", "optimizer", "activations_peak")}
-        cells = [(est.param_bytes, meas["params"]), (est.grad_bytes, meas["grads"]),
-                 (est.optimizer_bytes, meas["optimizer"]), (est.activation_bytes, meas["activations_peak"])]
-        lines.append(f"{layout.name:<14} {est.stage:>5} " + " ".join(f"{_mib(p)}/{_mib(q).strip():<9}" for p, q in cells))
+        for stage in range(layout.pp):
+            est = estimate_stage(m, layout, stage)
+            mine = [r for i, r in enumerate(ranks) if layout.coordinates(i)["pp"] == stage]
+            meas = {k: max(r.get(k, 0) for r in mine) for k in ("params", "grads", "optimizer", "activations_peak")}
+            cells = [(est.param_bytes, meas["params"]), (est.grad_bytes, meas["grads"]),
+                     (est.optimizer_bytes, meas["optimizer"]), (est.activation_bytes, meas["activations_peak"])]
+            lines.append(f"{layout.name:<14} {stage:>5} " + " ".join(f"{_mib(p)}/{_mib(q).strip():<9}"
+                                                                      for p, q in cells))
     return "\n".join(lines)
 
 

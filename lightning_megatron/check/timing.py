@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.cost.memory import estimate_stage, layout_schedule
+from lightning_megatron.cost.memory import estimate_stage, layout_schedule, stage_layers
 from lightning_megatron.cost.protocols import StepCost
 from lightning_megatron.cost.transformer import TransformerCost
 from lightning_megatron.flops import transformer_flops
@@ -296,15 +296,16 @@ def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompu
     return flops
 
 
-def recomputed_share(m: StepCost, layout: ParallelDims) -> float:
-    """The share of a stage's layers whose forward runs again in the backward: none without recomputation, all
-    with "uniform" groups, the first ``recompute_num_layers`` of each chunk with "block"."""
+def recomputed_share(m: StepCost, layout: ParallelDims, stage: int = 0) -> float:
+    """The share of the layers of ``stage`` whose forward runs again in the backward: none without recomputation,
+    all with "uniform" groups, the first ``recompute_num_layers`` of each chunk with "block"."""
     if not m.recompute:
         return 0.0
     if getattr(m, "recompute_method", None) != "block":
         return 1.0
-    per_chunk = m.num_layers // (layout.pp * (layout.vp or 1))
-    return min(getattr(m, "recompute_num_layers", None) or 1, per_chunk) / per_chunk
+    chunks = stage_layers(m, layout.pp, stage, layout.vp)
+    k = getattr(m, "recompute_num_layers", None) or 1
+    return sum(min(k, n) for n in chunks) / sum(chunks)
 
 
 def padding_flops(m: StepCost, layers: int, tokens: float, *, recompute: bool | None = None) -> float:
@@ -328,7 +329,7 @@ def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = T
     by :func:`model_flops`, the MFU's)."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
-    r, n = recomputed_share(m, layout), m.num_layers // p
+    r, n = recomputed_share(m, layout, stage), sum(stage_layers(m, p, stage, layout.vp))
     layers = sum(share * (layer_flops(m, n, tokens, t, recompute=again) + padding_flops(m, n, tokens, recompute=again))
                  for share, again in ((1 - r, False), (r, True)) if share)
     head_flops = 0.0
@@ -457,38 +458,35 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     gemm_rate, mem_rate = peak * eff.gemm * share, dev.hbm * eff.memory * share
     kernel_rate = (dev.elementwise or dev.hbm) * eff.memory * share
     vocab_rate = (dev.vocab or dev.hbm) * eff.memory * share
-    layers = m.num_layers // p
-    r = recomputed_share(m, layout)
-    passes = 3 + r  # forward, backward (~2x), recomputed forward
-    elementwise = elementwise_bytes(m, layout, fw) * s / c * b * layers * passes / kernel_rate
-    elementwise += adapter_bytes(m, layout) * s / c * b * layers * passes / 3 / kernel_rate  # LoRA's adapters
+    # per layer of a stage (the stages' layers as the model splits them: stage_layers), then each stage's
+    layer_bytes = (elementwise_bytes(m, layout, fw) + adapter_bytes(m, layout) / 3) * s / c * b  # LoRA's adapters
     dpn = dev.devices_per_node
     # TP: per layer two all-reduces forward and two backward (+2 recomputed) of [s, b, h]; with SP an
     # all-gather and a reduce-scatter instead of each, the same bytes; without pipelining the
     # embedding's all-reduce too (with it, the slowest stage is taken without it).
     tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
     act = e * s / c * b * h
-    per_layer = (4 + 2 * r) * collective_time("all_reduce", act, t, tp_bw, tp_lat)
+    tp_pass = collective_time("all_reduce", act, t, tp_bw, tp_lat)  # one, a layer, of every kind below
+    regather = 0.0
     if layout.sequence_parallel and not fw.overlap_sp_gather:  # the column layers' inputs gathered again
         regathered = m.regathered_inputs if isinstance(m, TransformerCost) else 2
-        per_layer += regathered * collective_time("all_gather", act, t, tp_bw, tp_lat)
-    tp_mb = per_layer * layers + (collective_time("all_reduce", act, t, tp_bw, tp_lat) if p == 1 else 0.0)
+        regather = regathered * collective_time("all_gather", act, t, tp_bw, tp_lat)
     # CP: per layer the keys and values of the whole sequence all-gathered (forward, recomputed forward)
     # and their gradients reduce-scattered (backward), over the c ranks of one TP rank's CP group.
-    cp_mb = 0.0
+    cp_gather = cp_scatter = 0.0
     if c > 1:
         cp_bw, cp_lat = _bandwidth(dev, eff, t * c > dpn)
         kv = 2 * s * b * m.groups * m.head_dim / t * e
-        cp_mb = layers * ((1 + r) * collective_time("all_gather", kv, c, cp_bw, cp_lat)
-                          + collective_time("reduce_scatter", kv, c, cp_bw, cp_lat))
+        cp_gather = collective_time("all_gather", kv, c, cp_bw, cp_lat)
+        cp_scatter = collective_time("reduce_scatter", kv, c, cp_bw, cp_lat)
     # EP: per MoE layer each rank's k rows per token (all of its TP group's tokens) to the experts' ranks
     # and back, forward and backward (and the recomputed forward), all-to-all over the ep ranks.
     ep, experts = layout.ep, getattr(m, "num_moe_experts", None)
-    ep_mb = 0.0
+    ep_pass = 0.0
     if experts and ep > 1:
         ep_bw, ep_lat = _bandwidth(dev, eff, t * ep > dpn)  # expert TP = TP fastest, then EP
         rows = s / c * b * m.moe_router_topk * h * e
-        ep_mb = layers * (4 + 2 * r) * collective_time("all_to_all", rows, ep, ep_bw, ep_lat)
+        ep_pass = collective_time("all_to_all", rows, ep, ep_bw, ep_lat)
     # PP: each chunk sends its output forward and its input gradient backward, per microbatch.
     pp_mb = 0.0
     if p > 1:
@@ -504,28 +502,33 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         tied = collective_time("all_reduce", m.padded_vocab(t) // t * h * fw.grad_reduce_bytes, 2, tied_bw, tied_lat)
     else:
         tied = 0.0
-    # The slowest stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation.
+    # The slowest stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation, and its
+    # layers' collectives (TP without pipelining: the embedding's all-reduce too).
     stages = []
     for stage in range(p):
+        layers, r = sum(stage_layers(m, p, stage, layout.vp)), recomputed_share(m, layout, stage)
+        elementwise = layer_bytes * layers * (3 + r) / kernel_rate  # forward, backward (~2x), recomputed forward
         vocab_s = vocab_bytes(m, layout, stage) / vocab_rate
         params_s = _trained_parameters(m, layout, stage, schedule)
         accumulate_s = grad_accumulation_bytes(params_s, e, microbatches, fw) / mem_rate
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
-        stages.append((total, vocab_s, accumulate_s))
-    compute_mb, vocab_mb, accumulate = max(stages)
+        comm = (layers * ((4 + 2 * r) * tp_pass + regather) + (tp_pass if p == 1 else 0.0),
+                layers * ((1 + r) * cp_gather + cp_scatter), layers * (4 + 2 * r) * ep_pass)
+        stages.append((total + sum(comm), total, vocab_s, accumulate_s, comm, stage))
+    _, compute_mb, vocab_mb, accumulate, (tp_mb, cp_mb, ep_mb), slowest = max(stages)
     comm_mb = tp_mb + cp_mb + ep_mb + pp_mb
     t_mb = compute_mb + comm_mb
     # The bubble: the schedule's idle fraction of the pipelined time, in microbatches of the other stages (the
     # slowest runs back to back; 1F1B waits once for each other stage's forward filling the pipe and backward
     # draining it: with a first stage lighter than the last, which holds the head, less than a slowest one's).
     idle = layout_schedule(layout, schedule).bubble(p, layout.vp, microbatches)  # of the pipelined time
-    others = sorted(total for total, _, _ in stages)[:-1]
+    others = sorted(total for _, total, _, _, _, _ in stages)[:-1]
     t_other = sum(others) / len(others) + comm_mb if others else t_mb
     bubble = idle / (1 - idle) * microbatches * t_other
     # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
     # The dense ones over the d c data- and context-parallel ranks, the experts' over the edp ranks.
-    params = max(_trained_parameters(m, layout, stage, schedule) for stage in range(p))
-    expert_params = m.stage_expert_parameters(t, ep, p) if experts and not _lora(m) else 0  # LoRA: frozen experts
+    params, fullest = max((_trained_parameters(m, layout, stage, schedule), stage) for stage in range(p))
+    expert_params = m.stage_expert_parameters(t, ep, p, fullest) if experts and not _lora(m) else 0  # LoRA: frozen
     replicas = ((params - expert_params, d * c, t * d * c > dpn), (expert_params, layout.expert_dp, t * c * d > dpn))
     reduce = gather = 0.0
     for n, k, crosses in replicas:
@@ -546,8 +549,9 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     host = 0.0
     if dev.host_op is not None and fw.host_ops is not None:  # the busiest host: the last stage's, with the ends
         ops = fw.host_ops
-        layer_ops = ops.layer * (1 + r / 3)  # the recomputed forward: a third of fwd + bwd
-        host = (microbatches * (layers * layer_ops + ops.ends) + ops.step) * dev.host_op
+        layer_ops = ops.layer * (1 + recomputed_share(m, layout, p - 1) / 3)  # recomputed: a third of fwd + bwd
+        host = (microbatches * (sum(stage_layers(m, p, p - 1, layout.vp)) * layer_ops + ops.ends) + ops.step) \
+            * dev.host_op
     return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb,
                     cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,

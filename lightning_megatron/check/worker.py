@@ -18,8 +18,9 @@ of its piece only), the recorder puts the pieces together.
 
 from __future__ import annotations
 
+
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -389,7 +390,7 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
     seed_everything(run.seed, verbose=False)
     strategy = MegatronStrategy(**layout.strategy_kwargs(), micro_batch_size=run.micro_batch_size, seed=run.seed,
                                 **run.strategy_kwargs)
-    module = run.module_factory()
+    module = _one_stage_sizes(run.module_factory(), layout)
     callbacks = list(run.callbacks_factory(layout)) if run.callbacks_factory is not None else []
     optimizer_cbs = [c for c in callbacks if isinstance(c, MegatronOptimizerCallback)]
     if layout.zero1:
@@ -416,6 +417,19 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
             "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,
             "params": params, "init_params": recorder.init_params, "memory": recorder.memory,
             "collectives": recorder.collectives, "outputs": recorder.outputs}
+
+
+STAGE_SIZES = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+"""A model config's pipeline stage sizes: where the layers go, not what they compute (one stage holds them all)."""
+
+
+def _one_stage_sizes(module: Any, layout: ParallelDims) -> Any:
+    """``module`` with its config's :data:`STAGE_SIZES` unset when ``layout`` has one pipeline stage (the one-process
+    reference of a recipe with uneven stages), which a run refuses with them."""
+    config = getattr(module, "config", None)
+    if layout.pp == 1 and is_dataclass(config) and any(getattr(config, n, None) for n in STAGE_SIZES):
+        module.config = replace(config, **dict.fromkeys(STAGE_SIZES))
+    return module
 
 
 def run_layouts(run: CheckRun, layouts: list[ParallelDims]) -> list[dict[str, Any]]:

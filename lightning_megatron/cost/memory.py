@@ -61,22 +61,34 @@ def layout_schedule(layout: ParallelDims, schedule: str | PipelineSchedule = AUT
     return get_schedule(schedule, layout.pp, layout.vp)
 
 
+def stage_layers(m: MemoryCost, pp: int, stage: int, vp: int | None = None) -> list[int]:
+    """Layers of each model chunk of pipeline stage ``stage``, as the model builds them
+    (:func:`lightning_megatron.pipeline.layout.get_layer_range`): uneven where ``pp x vp`` does not divide the
+    layers, and the model's ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` (which
+    one stage, ``pp = 1``, has no use for). Raises ``ValueError`` when the layers cannot fill the chunks."""
+    from lightning_megatron.pipeline.layout import get_layer_range
+
+    ends = {name: getattr(m, name, None) if pp > 1 else None
+            for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")}
+    return [len(get_layer_range(m.num_layers, pp, stage, vp, c, **ends)) for c in range(vp or 1)]
+
+
 def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
                    schedule: str | PipelineSchedule = AUTO) -> MemoryEstimate:
     """Bytes on a rank of pipeline stage ``stage`` of ``layout`` for the model whose costs are ``m``,
     under the pipeline ``schedule`` (a registered name, ``"auto"``: the layout's)."""
     t, pp, d, vp, cp = layout.tp, layout.pp, layout.dp, layout.vp or 1, layout.cp
-    if m.num_layers % (pp * vp):
-        raise ValueError(f"num_layers={m.num_layers} is not divisible by pp x vp = {pp * vp}")
+    chunk_layers = stage_layers(m, pp, stage, vp)
     microbatches = m.global_batch_size // (m.micro_batch_size * d)
     if microbatches < 1 or m.global_batch_size % (m.micro_batch_size * d):
         raise ValueError(f"global batch {m.global_batch_size} is not divisible by micro batch "
                          f"{m.micro_batch_size} x dp {d}")
-    per_chunk = m.num_layers // (pp * vp)
+    # the in-flight chunks of an uneven stage counted at its largest chunk's layers (exact without interleaving)
+    per_chunk = max(chunk_layers)
     # A mixture of experts' routed experts (the model says how many a rank holds): split over EP, their
     # ZeRO-1 state over the expert-data-parallel ranks.
     expert_params = getattr(m, "stage_expert_parameters", None)
-    n_experts = expert_params(t, layout.ep, pp) if expert_params is not None else 0
+    n_experts = expert_params(t, layout.ep, pp, stage) if expert_params is not None else 0
     n = m.stage_parameters(t, pp, stage) + n_experts
     e = m.param_bytes
     # LoRA: only the adapters have gradients and optimizer state (the model says how many; None: all train)
@@ -100,20 +112,31 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
     gathered = getattr(m, "context_parallel_bytes", None)
     layer = m.layer_activation_bytes(t, sp) / cp + (gathered(t, cp) if cp > 1 and gathered is not None else 0.0)
     head = m.last_stage_activation_bytes(t, sp) / cp if stage == pp - 1 else 0.0
-    if m.recompute:
-        # A recomputed layer keeps only its input: "uniform" keeps a group's (k layers) and recomputes a group at a
-        # time, "block" recomputes the first k layers of a chunk and keeps everything of the rest. The peak is the
-        # forward's (with the head) or, in the backward, after the head's and the kept layers' backward, the
-        # recomputed layers' activations (of which the first layer's input is already kept).
-        k = min(getattr(m, "recompute_num_layers", None) or 1, per_chunk)
-        kept_input = m.layer_input_bytes(t, sp) / cp
-        if getattr(m, "recompute_method", None) == "block":
-            kept = k * kept_input + (per_chunk - k) * layer
-            act = max(chunks * kept + head, (chunks - 1) * kept + (k - 1) * kept_input + layer)
-        else:
-            act = chunks * -(-per_chunk // k) * kept_input + max(head, k * layer - kept_input)
+    # What a chunk of c layers keeps through its forward. A recomputed layer keeps only its input: "uniform" keeps a
+    # group's (k layers) and recomputes a group at a time, "block" recomputes the first k layers of a chunk and keeps
+    # everything of the rest.
+    k = getattr(m, "recompute_num_layers", None) or 1
+    kept_input = m.layer_input_bytes(t, sp) / cp
+    block = getattr(m, "recompute_method", None) == "block"
+
+    def kept(c: int) -> float:
+        if not m.recompute:
+            return c * layer
+        return min(k, c) * kept_input + (c - min(k, c)) * layer if block else -(-c // k) * kept_input
+
+    # The forwards still waiting for their backward: ``chunks`` consecutive ones in the schedule's order (the
+    # interleaved schedule runs pp microbatches of a chunk, then of the next), at their fullest (chunks of an
+    # uneven stage differ; the order repeats every pp x vp forwards).
+    order = [kept(chunk_layers[(i // pp) % vp]) for i in range(min(microbatches * vp, chunks + pp * vp))]
+    window = max(sum(order[i:i + chunks]) for i in range(len(order) - chunks + 1))
+    # The peak is the forward's (with the head) or, in the backward, after the head's and the kept layers' backward,
+    # the recomputed layers' activations (of which the first layer's input is already kept).
+    if not m.recompute:
+        act = window + head
+    elif block:
+        act = max(window + head, window - kept(per_chunk) + (min(k, per_chunk) - 1) * kept_input + layer)
     else:
-        act = chunks * per_chunk * layer + head
+        act = window + max(head, min(k, per_chunk) * layer - kept_input)
     if stage == 0:  # e.g. the embedding dropout's mask, once per first-chunk forward
         act += -(-chunks // vp) * m.first_stage_activation_bytes(t, sp) / cp
     return MemoryEstimate(layout=layout.name, params=n, param_bytes=e * n, grad_bytes=grads, optimizer_bytes=opt,
@@ -164,16 +187,26 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
             continue
         for pp in pps:
             d = gpus // (t * pp)
-            if m.num_layers % pp:
+            uneven = pp > 1 and any(getattr(m, name, None) is not None for name in
+                                    ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"))
+            if uneven:  # the model's own first / last stage sizes: every stage must get its layers
+                try:
+                    per_stage = [sum(stage_layers(m, pp, s)) for s in range(pp)]
+                except ValueError:
+                    skip(f"PP={pp} does not fit the model's first / last pipeline stage sizes")
+                    continue
+            elif m.num_layers % pp:
                 skip(f"PP={pp} does not divide {m.num_layers} layers")
                 continue
+            else:
+                per_stage = [m.num_layers // pp]
             if G % (b * d):
                 skip(f"DP={d} does not divide global batch {G} into micro batches of {b}")
                 continue
             microbatches = G // (b * d)
             vps: list[int | None] = [None]
             if pp > 1:
-                for v in _divisors(m.num_layers // pp)[1:]:
+                for v in _divisors(math.gcd(*per_stage))[1:]:
                     if max_vp is not None and v > max_vp:
                         continue
                     if microbatches % pp:

@@ -82,6 +82,10 @@ class TransformerCost:
     input) or "block" (the first :attr:`recompute_num_layers` layers of a chunk, the rest keeping everything);
     None: one-layer groups."""
     recompute_num_layers: int | None = None
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Layers of the first pipeline stage (None: an even split; :mod:`lightning_megatron.pipeline.layout`)."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Layers of the last pipeline stage, which also holds the head (None: an even split)."""
     attention_backend: str = "auto"
     """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
     on_cpu: bool = False
@@ -125,6 +129,8 @@ class TransformerCost:
                      params_dtype=str(config.params_dtype).removeprefix("torch."),
                      recompute=config.recompute_granularity == "full", attention_backend=config.attention_backend,
                      recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers,
+                     num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
+                     num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage,
                      hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
                      cp_comm_type=config.cp_comm_type)
         if getattr(config, "num_moe_experts", None):
@@ -269,16 +275,23 @@ class TransformerCost:
     def stage_trainable_parameters(self, tp: int, pp: int, stage: int) -> int | None:
         """Parameter elements with gradients and optimizer state on one rank of ``stage``: the LoRA adapters
         (also counted in :meth:`stage_parameters`), or None when every parameter trains."""
-        return self.num_layers // pp * self.lora_layer_parameters(tp) if self.lora_rank else None
+        return self.stage_layer_count(pp, stage) * self.lora_layer_parameters(tp) if self.lora_rank else None
 
-    def stage_expert_parameters(self, tp: int, ep: int, pp: int) -> int:
-        """The routed experts of a pipeline stage on one rank."""
-        return self.num_layers // pp * self.expert_layer_parameters(tp, ep)
+    def stage_expert_parameters(self, tp: int, ep: int, pp: int, stage: int = 0) -> int:
+        """The routed experts of pipeline stage ``stage`` on one rank."""
+        return self.stage_layer_count(pp, stage) * self.expert_layer_parameters(tp, ep)
+
+    def stage_layer_count(self, pp: int, stage: int) -> int:
+        """The layers of pipeline stage ``stage`` (:func:`~lightning_megatron.cost.memory.stage_layers`: uneven
+        where ``pp`` does not divide them, and :attr:`num_layers_in_first_pipeline_stage` / last)."""
+        from lightning_megatron.cost.memory import stage_layers
+
+        return sum(stage_layers(self, pp, stage))
 
     def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
         h = self.hidden_size
         embedding = self.padded_vocab(tp) // tp * h
-        n = self.num_layers // pp * (self.layer_parameters(tp) + self.lora_layer_parameters(tp))
+        n = self.stage_layer_count(pp, stage) * (self.layer_parameters(tp) + self.lora_layer_parameters(tp))
         if stage == 0:
             n += embedding + (self.max_sequence_length * h if self.learned_positions else 0)
         if stage == pp - 1:

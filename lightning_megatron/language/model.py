@@ -58,6 +58,7 @@ from lightning_megatron.transformer import (
     build_module,
     seeded,
 )
+from lightning_megatron.transformer.utils import owned
 
 __all__ = ["LanguageModelEmbedding", "LanguageModule", "POSITION_EMBEDDING_TYPES"]
 
@@ -113,6 +114,10 @@ class LanguageModelEmbedding(nn.Module):
         embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.sequence_parallel:
             embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/t, b, h]
+            if torch.is_grad_enabled() and (self.layernorm is not None or not self.training
+                                            or self.embedding_dropout.p == 0):
+                # a chunk of the whole: the norm, or the first layer's, would keep all of it for the backward
+                embeddings = owned(embeddings)
         if self.layernorm is not None:
             embeddings = self.layernorm(embeddings)
         if self.config.sequence_parallel and self.training and self.embedding_dropout.p > 0:

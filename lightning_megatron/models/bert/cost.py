@@ -45,7 +45,7 @@ class BertCost(TransformerCost):
 
     def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
         h, norm, v = self.hidden_size, self.norm_parameters, self.padded_vocab(tp)
-        n = self.num_layers // pp * self.layer_parameters(tp)
+        n = self.stage_layer_count(pp, stage) * self.layer_parameters(tp)
         if stage == 0:
             n += v // tp * h + self.max_sequence_length * h + 2 * h + (norm if self.post_norm else 0)
         if stage == pp - 1:
