@@ -303,6 +303,33 @@ def test_uneven_pipeline_stages_are_estimated_with_their_own_layers():
     assert {x.pp for x in search.layouts} == {1, 2}  # PP=4 and 8 leave the other stages 2 layers for 3 or 7
 
 
+def test_the_output_layers_deferred_weight_gradient_keeps_each_microbatchs_output_gradient_and_input():
+    """``defer_embedding_wgrad_compute``: measured, what the output layer's deferral keeps of one microbatch (its
+    output gradient ``[tokens, V/t]`` and input ``[tokens, h]``, fp32 and bf16) is the estimate's, and the last stage
+    holds the step's earlier microbatches' until the flush (the estimate counted none: at Llama-3-8B's vocabulary,
+    s = 4096, bf16, 1 GiB a microbatch)."""
+    from lightning_megatron.models.gpt.model import gpt_loss
+    from lightning_megatron.tensor_parallel import DeferredWeightGrad
+
+    for dtype in ("float32", "bfloat16"):
+        m = GPTCost(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256, vocab_size=1000,
+                    seq_length=64, micro_batch_size=2, global_batch_size=8, params_dtype=dtype, hidden_dropout=0.0,
+                    attention_dropout=0.0, untie_embeddings_and_output_weights=True, defer_embedding_wgrad_compute=True)
+        model, _ = m.build_model_step(1)
+        deferral = DeferredWeightGrad()
+        deferral.open()
+        model.output_layer.weight_grad_deferral = deferral  # as the step's policy sets it on the last stage
+        tokens = torch.randint(0, 1000, (2, 64))
+        gpt_loss(model(tokens, labels=tokens), torch.ones(2, 64)).backward()
+        held = sum(g.untyped_storage().nbytes() + x.untyped_storage().nbytes() for _, _, g, x in deferral._stashed)
+        assert deferral.pending == 1 and m.deferred_output_bytes(1) == held, (dtype, held)
+        layout = ParallelDims(pp=2, dp=1)
+        plain = dataclasses.replace(m, defer_embedding_wgrad_compute=False)
+        assert (estimate_stage(m, layout, 1).activation_bytes - estimate_stage(plain, layout, 1).activation_bytes
+                == 3 * held)  # 4 microbatches: 3 kept while the last runs
+        assert estimate_stage(m, layout, 0).activation_bytes == estimate_stage(plain, layout, 0).activation_bytes
+
+
 def test_default_dropout_is_the_modules():
     from lightning_megatron.models.bert import BertConfig
 

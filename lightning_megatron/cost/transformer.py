@@ -86,6 +86,9 @@ class TransformerCost:
     """Layers of the first pipeline stage (None: an even split; :mod:`lightning_megatron.pipeline.layout`)."""
     num_layers_in_last_pipeline_stage: int | None = None
     """Layers of the last pipeline stage, which also holds the head (None: an even split)."""
+    defer_embedding_wgrad_compute: bool = False
+    """The output layer's weight gradient at the pipeline flush: each microbatch's output gradient and input kept
+    until then (:meth:`deferred_output_bytes`)."""
     attention_backend: str = "auto"
     """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
     on_cpu: bool = False
@@ -131,6 +134,7 @@ class TransformerCost:
                      recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers,
                      num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
                      num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage,
+                     defer_embedding_wgrad_compute=config.defer_embedding_wgrad_compute,
                      hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
                      cp_comm_type=config.cp_comm_type)
         if getattr(config, "num_moe_experts", None):
@@ -391,6 +395,16 @@ class TransformerCost:
         chunk = tp if sequence_parallel else 1
         norm = ((1 if self.lora_rank else 2) * e + self.norm_copy_bytes) * s * b * h / chunk
         return norm + (e if self.compiled_loss and tp == 1 else 4) * s * b * v + 8 * s * b
+
+    def deferred_output_bytes(self, tp: int) -> float:
+        """With :attr:`defer_embedding_wgrad_compute`, what the last stage keeps of each microbatch until the flush
+        (:mod:`lightning_megatron.tensor_parallel.deferred_wgrad`): the output layer's output gradient
+        ``[tokens, V/t]`` and input ``[tokens, h]`` (the head's tokens; under SP the gathered sequence's); 0
+        without."""
+        if not self.defer_embedding_wgrad_compute:
+            return 0.0
+        tokens = self.head_fraction * self.seq_length * self.micro_batch_size
+        return self.param_bytes * tokens * (self.padded_vocab(tp) / tp + self.hidden_size)
 
     def tensor_parallel_problem(self, tp: int) -> str | None:
         g = self.groups
