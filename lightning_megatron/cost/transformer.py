@@ -89,6 +89,9 @@ class TransformerCost:
     defer_embedding_wgrad_compute: bool = False
     """The output layer's weight gradient at the pipeline flush: each microbatch's output gradient and input kept
     until then (:meth:`deferred_output_bytes`)."""
+    attention_softmax_in_fp32: bool = True
+    """The unfused attention's softmax in fp32 (a 16-bit model's keeps those probabilities beside their 16-bit cast:
+    :attr:`probability_bytes`)."""
     attention_backend: str = "auto"
     """"sdpa" (fused: saves a log-sum-exp), "unfused" (saves the [b, a, s, s] probabilities) or "auto"."""
     on_cpu: bool = False
@@ -131,6 +134,7 @@ class TransformerCost:
                      gated_linear_unit=config.gated_linear_unit, add_bias_linear=config.add_bias_linear,
                      params_dtype=str(config.params_dtype).removeprefix("torch."),
                      recompute=config.recompute_granularity == "full", attention_backend=config.attention_backend,
+                     attention_softmax_in_fp32=config.attention_softmax_in_fp32,
                      recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers,
                      num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
                      num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage,
@@ -185,6 +189,14 @@ class TransformerCost:
         if self.attention_backend != "auto":
             return self.attention_backend == "unfused"
         return self.on_cpu and (self.param_bytes != 4 or self.attention_dropout > 0)
+
+    @property
+    def probability_bytes(self) -> int:
+        """Bytes an attention probability the unfused attention keeps: its activation dtype's, and a 16-bit model's
+        softmax in fp32 (:attr:`attention_softmax_in_fp32`) keeps the fp32 ones too (the CPU tuning's softmax is in
+        the activation dtype, :attr:`on_cpu`)."""
+        e = self.param_bytes
+        return e + (4 if e != 4 and self.attention_softmax_in_fp32 and not self.on_cpu else 0)
 
     @property
     def regathered_inputs(self) -> int:
@@ -345,7 +357,7 @@ class TransformerCost:
             # orders, the weights cast to a 16-bit activation dtype
             moe += (4 * experts + 12 * k) * s * b / sp + (16 + (e if e != 4 else 0)) * k * s * b
         # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
-        attention = e * b * n * s * s / tp if self.unfused_attention else 4 * b * n * s / tp
+        attention = self.probability_bytes * b * n * s * s / tp if self.unfused_attention else 4 * b * n * s / tp
         masks = 0.0
         if self.hidden_dropout > 0:  # the two bias-dropout-adds
             masks += 2 * self.mask_bytes * s * b * h / sp
