@@ -113,6 +113,12 @@ class MegatronLightningModule(LightningModule):
         """Shape of the activation sent between pipeline stages for ``microbatch``."""
         raise NotImplementedError(f"{type(self).__name__} must implement pipeline_tensor_shape(microbatch)")
 
+    def head_tokens(self, microbatch: Any) -> int | None:
+        """The tokens the model's head runs on in ``microbatch`` where the data decides how many (a masked LM's
+        masked tokens), else None (every token, or no head): a check run's memory table predicts with the most of
+        its step's microbatches (:mod:`lightning_megatron.check.memory_cli`)."""
+        return None
+
     def step_metrics(self, num_microbatches: int) -> dict[str, torch.Tensor]:
         """Metrics of a training step the model gathers itself (logged as ``train_<name>``), after the
         schedule; called on every rank (it may reduce over the world). None by default."""

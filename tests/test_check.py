@@ -183,12 +183,19 @@ def test_a_16_bit_recipes_layouts_are_checked_in_fp32_with_fp32s_bounds(capsys, 
     base = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
     recipe = tmp_path / "bert_tiny_bf16.yaml"
     recipe.write_text(f"base: {base}\ntrainer:\n  precision: bf16-true\nmodel:\n  config:\n    params_dtype: bfloat16\n")
-    args = ["--config", str(recipe), "--layouts", "tp2", "--steps", "1", "--global-batch-size", "8",
+    args = ["--config", str(recipe), "--layouts", "tp2,pp2", "--steps", "1", "--global-batch-size", "8",
             "--micro-batch-size", "4", "--data.max_seq_length", "64"]
-    assert main(args + ["--fp32"]) == 0
+    assert main(args + ["--fp32", "--estimate-memory"]) == 0
     out = capsys.readouterr().out
     assert "in fp32 (--fp32: config.params_dtype float32, precision 32-true)" in out, out
-    assert "tolerances: loss 1e-05 rel, grad norm 1e-05 rel, grads 0.0001" in out and out.rstrip().endswith("PASS"), out
+    assert "tolerances: loss 1e-05 rel, grad norm 1e-05 rel, grads 0.0001" in out and "tp2            PASS" in out, out
+    # The memory table predicts the LM head with the most masked tokens a microbatch of the step had (the built-in
+    # corpus's short samples have fewer than 0.15 s b: the last stage was 10-16% over), every stage within 2%
+    rows = [line.split() for line in out.split("memory per rank")[1].splitlines()[2:] if line.strip()]
+    assert [(r[0], r[1]) for r in rows] == [("tp1", "0"), ("tp2", "0"), ("pp2", "0"), ("pp2", "1")], out
+    for row in rows:
+        predicted, measured = (float(x) for x in row[5].split("/"))
+        assert abs(predicted / measured - 1) < 0.02, out
     with pytest.raises(SystemExit) as refused:  # a recipe already in fp32: nothing to switch, said so
         main(["--config", str(base), "--layouts", "tp2", "--fp32"])
     assert refused.value.code == 2 and "already trains in fp32" in capsys.readouterr().err

@@ -95,8 +95,11 @@ def memory_table(recipe: Any, layouts: list[ParallelDims], report: Any) -> str:
              f"{'layout':<14} {'stage':>5} {'params':>19} {'grads':>19} {'optimizer':>19} {'activations':>19}"]
     for layout in layouts:
         ranks = report.runs[layout.name].memory
+        # a head that runs on the tokens the data picks (BERT's masked ones): the most a microbatch of the step had
+        tokens = [r["head_tokens"] for r in ranks if "head_tokens" in r]
+        shape = m.with_head_tokens(max(tokens)) if tokens and hasattr(m, "with_head_tokens") else m
         for stage in range(layout.pp):
-            est = estimate_stage(m, layout, stage)
+            est = estimate_stage(shape, layout, stage)
             mine = [r for i, r in enumerate(ranks) if layout.coordinates(i)["pp"] == stage]
             meas = {k: max(r.get(k, 0) for r in mine) for k in ("params", "grads", "optimizer", "activations_peak")}
             cells = [(est.param_bytes, meas["params"]), (est.grad_bytes, meas["grads"]),

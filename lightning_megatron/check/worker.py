@@ -300,6 +300,12 @@ def _make_recorder(run: CheckRun):
                 chunks = list(trainer.strategy.model_chunks)
                 self._outputs = ForwardOutputs(module_names(_named_parameters(trainer), chunks), chunks)
             if run.measure_memory and trainer.global_step == 0:
+                head = getattr(pl_module, "head_tokens", None)
+                if head is not None and isinstance(batch, dict):  # the most tokens a microbatch's head runs on
+                    rows, mb = len(next(iter(batch.values()))), run.micro_batch_size
+                    counts = [head({k: v[i:i + mb] for k, v in batch.items()}) for i in range(0, rows, mb)]
+                    if counts and None not in counts:
+                        self.memory["head_tokens"] = max(counts)
                 ptrs = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
                 self._saved = _SavedActivations(ptrs)
                 self._hooks = torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack)

@@ -15,7 +15,7 @@ with BERT's ends, for ``check --estimate-memory`` / ``--estimate-time`` (no mode
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.cost.transformer import TransformerCost
@@ -42,6 +42,10 @@ class BertCost(TransformerCost):
     @property
     def head_dense(self) -> bool:
         return True
+
+    def with_head_tokens(self, tokens: int) -> BertCost:
+        """These sizes with ``tokens`` masked tokens a microbatch (what a check run's step had at most)."""
+        return replace(self, masked_lm_prob=tokens / (self.seq_length * self.micro_batch_size))
 
     def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
         h, norm, v = self.hidden_size, self.norm_parameters, self.padded_vocab(tp)

@@ -138,6 +138,13 @@ class BertLightningModule(LanguageLightningModule):
             post_norm="post_norm" in config.spec, rmsnorm="rmsnorm" in config.spec,
             compiled_loss=bool(model.get("compile", False)))
 
+    @override
+    def head_tokens(self, microbatch: Any) -> int | None:
+        """The masked tokens the LM head runs on (``lm_head_on_masked_only``), else None (every token)."""
+        if not self.hparams.lm_head_on_masked_only or "loss_mask" not in microbatch:
+            return None
+        return int((microbatch["loss_mask"] > 0).sum())
+
     # ------------------------------------------------------------------ steps
 
     @override
