@@ -94,7 +94,7 @@ def _layout_problems(recipe, layouts: list) -> list[str]:
     """What ``fit`` would refuse before launch for each layout (:func:`lightning_megatron.config_checks.check_config`
     on the recipe's model, its batch sizes and precision, the layout's sizes and world size)."""
     from lightning_megatron.recipes import import_class
-    from lightning_megatron.check.worker import STAGE_SIZES
+    from lightning_megatron.pipeline.layout import STAGE_SIZES
     from lightning_megatron.config_checks import check_config
 
     data = {k: recipe.data[k] for k in ("global_batch_size", "micro_batch_size") if k in recipe.data}

@@ -514,15 +514,15 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
         comm = (layers * ((4 + 2 * r) * tp_pass + regather) + (tp_pass if p == 1 else 0.0),
                 layers * ((1 + r) * cp_gather + cp_scatter), layers * (4 + 2 * r) * ep_pass)
-        stages.append((total + sum(comm), total, vocab_s, accumulate_s, comm, stage))
-    _, compute_mb, vocab_mb, accumulate, (tp_mb, cp_mb, ep_mb), slowest = max(stages)
+        stages.append((total + sum(comm), total, vocab_s, accumulate_s, comm))
+    _, compute_mb, vocab_mb, accumulate, (tp_mb, cp_mb, ep_mb) = max(stages)
     comm_mb = tp_mb + cp_mb + ep_mb + pp_mb
     t_mb = compute_mb + comm_mb
     # The bubble: the schedule's idle fraction of the pipelined time, in microbatches of the other stages (the
     # slowest runs back to back; 1F1B waits once for each other stage's forward filling the pipe and backward
     # draining it: with a first stage lighter than the last, which holds the head, less than a slowest one's).
     idle = layout_schedule(layout, schedule).bubble(p, layout.vp, microbatches)  # of the pipelined time
-    others = sorted(total for _, total, _, _, _, _ in stages)[:-1]
+    others = sorted(total for _, total, _, _, _ in stages)[:-1]
     t_other = sum(others) / len(others) + comm_mb if others else t_mb
     bubble = idle / (1 - idle) * microbatches * t_other
     # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.

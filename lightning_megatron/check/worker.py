@@ -425,13 +425,11 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
             "collectives": recorder.collectives, "outputs": recorder.outputs}
 
 
-STAGE_SIZES = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
-"""A model config's pipeline stage sizes: where the layers go, not what they compute (one stage holds them all)."""
-
-
 def _one_stage_sizes(module: Any, layout: ParallelDims) -> Any:
     """``module`` with its config's :data:`STAGE_SIZES` unset when ``layout`` has one pipeline stage (the one-process
     reference of a recipe with uneven stages), which a run refuses with them."""
+    from lightning_megatron.pipeline.layout import STAGE_SIZES
+
     config = getattr(module, "config", None)
     if layout.pp == 1 and is_dataclass(config) and any(getattr(config, n, None) for n in STAGE_SIZES):
         module.config = replace(config, **dict.fromkeys(STAGE_SIZES))

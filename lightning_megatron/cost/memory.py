@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_megatron.parallel_dims import ParallelDims
+from lightning_megatron.pipeline.layout import STAGE_SIZES, get_layer_range
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule, get_schedule
 
 if TYPE_CHECKING:
@@ -66,10 +67,7 @@ def stage_layers(m: MemoryCost, pp: int, stage: int, vp: int | None = None) -> l
     (:func:`lightning_megatron.pipeline.layout.get_layer_range`): uneven where ``pp x vp`` does not divide the
     layers, and the model's ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` (which
     one stage, ``pp = 1``, has no use for). Raises ``ValueError`` when the layers cannot fill the chunks."""
-    from lightning_megatron.pipeline.layout import get_layer_range
-
-    ends = {name: getattr(m, name, None) if pp > 1 else None
-            for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")}
+    ends = {name: getattr(m, name, None) if pp > 1 else None for name in STAGE_SIZES}
     return [len(get_layer_range(m.num_layers, pp, stage, vp, c, **ends)) for c in range(vp or 1)]
 
 
@@ -190,8 +188,7 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
             continue
         for pp in pps:
             d = gpus // (t * pp)
-            uneven = pp > 1 and any(getattr(m, name, None) is not None for name in
-                                    ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"))
+            uneven = pp > 1 and any(getattr(m, name, None) is not None for name in STAGE_SIZES)
             if uneven:  # the model's own first / last stage sizes: every stage must get its layers
                 try:
                     per_stage = [sum(stage_layers(m, pp, s)) for s in range(pp)]

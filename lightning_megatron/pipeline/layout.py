@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "STAGE_SIZES",
     "ChunkLayout",
     "get_layer_range",
     "get_num_layers_to_build",
@@ -35,6 +36,10 @@ __all__ = [
     "is_last_chunk_stage",
     "stage_chunks",
 ]
+
+
+STAGE_SIZES = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+"""A config's uneven stage sizes (module docstring): where the layers go, not what they compute."""
 
 
 def _check(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None, vp_rank: int) -> int:
