@@ -301,9 +301,11 @@ def _make_recorder(run: CheckRun):
                 self._outputs = ForwardOutputs(module_names(_named_parameters(trainer), chunks), chunks)
             if run.measure_memory and trainer.global_step == 0:
                 head = getattr(pl_module, "head_tokens", None)
-                if head is not None and isinstance(batch, dict):  # the most tokens a microbatch's head runs on
-                    rows, mb = len(next(iter(batch.values()))), run.micro_batch_size
-                    counts = [head({k: v[i:i + mb] for k, v in batch.items()}) for i in range(0, rows, mb)]
+                tensors = [v for v in batch.values() if torch.is_tensor(v)] if isinstance(batch, dict) else []
+                if head is not None and tensors:  # the most tokens a microbatch's head runs on
+                    rows, mb = len(tensors[0]), run.micro_batch_size
+                    counts = [head({k: v[i:i + mb] if torch.is_tensor(v) else v for k, v in batch.items()})
+                              for i in range(0, rows, mb)]
                     if counts and None not in counts:
                         self.memory["head_tokens"] = max(counts)
                 ptrs = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
