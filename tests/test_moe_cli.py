@@ -65,3 +65,19 @@ def test_moe_tiny_check_measures_what_the_estimate_predicts(tmp_path):
         assert all(p == m for p, m in held[:3]), row
         predicted, measured = (float(x) for x in held[3])
         assert abs(predicted / measured - 1) < 0.03, row
+
+
+def test_experts_padded_to_their_capacity_are_predicted_at_every_layout(tmp_path):
+    """``check --estimate-memory`` with ``moe_expert_capacity_factor`` 1.5 and the experts padded to it, at CP=2 and
+    TP=2 with SP (one step): every expert runs on its capacity, so no routing imbalance, each row within 1%. Under CP
+    the capacity is the whole microbatch's (the ranks that split the sequence choose together), so every CP rank
+    pads to it: the estimate divided those rows by CP (cp2 16.92 predicted against 22.29 MiB)."""
+    out = _cli(tmp_path, "check", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--layouts", "cp2,tp2sp",
+               "--steps", "1", "--estimate-memory", "--model.config.moe_expert_capacity_factor", "1.5",
+               "--model.config.moe_pad_expert_input_to_capacity", "true").stdout
+    assert "cp2            PASS" in out and "tp2sp          PASS" in out, out
+    rows = [line.split() for line in out.split("memory per rank")[1].splitlines()[2:] if line.strip()]
+    assert [r[0] for r in rows] == ["tp1", "cp2", "tp2sp"], out
+    for row in rows:
+        predicted, measured = (float(x) for x in row[5].split("/"))
+        assert abs(predicted / measured - 1) < 0.01, row

@@ -320,9 +320,8 @@ class TransformerCost:
         s, b, h, f = self.seq_length, self.micro_batch_size, self.hidden_size, self.ffn
         d, n, g, e = self.head_dim, self.num_attention_heads, self.groups, self.param_bytes
         sp = tp if sequence_parallel else 1
-        rows = self.expert_rows_factor  # experts padded to their capacity: f times the rows
-        if self.num_moe_experts:
-            f += (rows - 1) * self.moe_router_topk * self.expert_ffn
+        if self.num_moe_experts:  # the routed experts' part is routed_expert_bytes (below); a shared expert's here
+            f -= self.moe_router_topk * self.expert_ffn
         # both norms' inputs and outputs, the outputs the qkv and fc1 inputs, kept for a weight gradient (under SP
         # those layers keep their part of the sequence, gathered again in the backward; LoRA: only an adapted
         # frozen layer keeps it, its part too)
@@ -350,9 +349,9 @@ class TransformerCost:
         moe = 0.0
         if self.num_moe_experts:  # lightning_megatron.transformer.moe
             k, experts = self.moe_router_topk, self.num_moe_experts
-            # the routed experts' rows [s b k, h] (their first layer's input) and the slots [s b, k, h] the routing
-            # weights' gradient reads: every token's on each TP rank (gathered under SP), k rows each on average
-            moe = (1 + rows) * e * s * b * k * h
+            # the slots [s b, k, h] the routing weights' gradient reads: every token's on each TP rank (gathered
+            # under SP); the routed experts' rows and hidden activations
+            moe = e * s * b * k * h + self.routed_expert_bytes(tp)
             # the router's fp32 scores and weights and int64 choices (this rank's tokens), the dispatch's two int64
             # orders, the weights cast to a 16-bit activation dtype
             moe += (4 * experts + 12 * k) * s * b / sp + (16 + (e if e != 4 else 0)) * k * s * b
@@ -365,6 +364,16 @@ class TransformerCost:
             masks += (self.mask_bytes + e) * b * n * s * s / tp
         masks += s * b * masks_and_copies
         return e * s * b * (replicated + parallel) + e * adapters + stats + norm_copies + attention + masks + moe
+
+    def routed_expert_bytes(self, tp: int) -> float:
+        """What a mixture's routed experts keep on a TP rank: their rows ``[s b k, h]`` (their first layer's input:
+        every token's, gathered under SP, ``k`` rows each on average) and hidden activations, as a dense MLP's of
+        width ``k F`` keeps them; ``f`` times that when padded to their capacity (:attr:`expert_rows_factor`)."""
+        if not self.num_moe_experts:
+            return 0.0
+        hidden = (2 if self.gated_linear_unit else 1) + (1 if self.keeps_input("linear_fc2") else 0)
+        rows = self.seq_length * self.micro_batch_size * self.moe_router_topk * self.expert_rows_factor
+        return self.param_bytes * rows * (self.hidden_size + hidden * self.expert_ffn / tp)
 
     @property
     def norm_copy_bytes(self) -> int:
@@ -380,7 +389,9 @@ class TransformerCost:
         docs/long_context.md)."""
         s, b, e, d = self.seq_length, self.micro_batch_size, self.param_bytes, self.head_dim
         gathered = 2 * (s - s / cp) * b * self.groups * d if self.cp_comm_type == "all_gather" else 0.0
-        return (gathered + s / cp * b * self.num_attention_heads * d) / tp * e
+        # experts padded to their capacity: the capacity is the whole microbatch's, on every CP rank
+        padded = (1 - 1 / cp) * self.routed_expert_bytes(tp) if self.expert_rows_factor != 1 else 0.0
+        return (gathered + s / cp * b * self.num_attention_heads * d) / tp * e + padded
 
     def layer_input_bytes(self, tp: int, sequence_parallel: bool) -> float:
         return self.param_bytes * self.seq_length * self.micro_batch_size * self.hidden_size / (
