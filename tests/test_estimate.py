@@ -246,6 +246,10 @@ def test_experts_padded_to_their_capacity_are_timed_with_the_padding():
         extra = 6 * 3 * 256 * 384 * 0.25 * 2 * tokens * layers / layout.tp
         assert stage_flops(padded, layout, 0) - stage_flops(m, layout, 0) == pytest.approx(extra, rel=1e-9)
     assert model_flops(padded) == model_flops(m)
+    # under CP every rank pads to the whole microbatch's capacity: its experts run f k rows a token of all of them
+    routed = 6 * 3 * 256 * 384 * 1.25 * 2 * 2 * 128 * 4
+    cp2 = ParallelDims(cp=2, dp=1)
+    assert stage_flops(padded, cp2, 0) == pytest.approx(stage_flops(padded, ParallelDims(dp=1), 0) / 2 + routed / 2)
 
 
 def test_recomputation_by_groups_or_of_the_first_layers_keeps_what_the_estimate_counts():

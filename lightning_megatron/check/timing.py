@@ -308,16 +308,18 @@ def recomputed_share(m: StepCost, layout: ParallelDims, stage: int = 0) -> float
     return sum(min(k, n) for n in chunks) / sum(chunks)
 
 
-def padding_flops(m: StepCost, layers: int, tokens: float, *, recompute: bool | None = None) -> float:
+def padding_flops(m: StepCost, layers: int, tokens: float, *, recompute: bool | None = None,
+                  rows: float | None = None) -> float:
     """FLOPs of the rows experts padded to their capacity run beyond the balanced ones (``f - 1`` times ``k`` rows a
-    token, :attr:`~lightning_megatron.cost.TransformerCost.expert_rows_factor`), all TP ranks together; 0 without."""
-    padding = getattr(m, "expert_rows_factor", 1.0) - 1
-    if padding <= 0:
+    token, :attr:`~lightning_megatron.cost.TransformerCost.expert_rows_factor`; ``rows``: that many times ``k``
+    instead), all TP ranks together; 0 without padding."""
+    factor = getattr(m, "expert_rows_factor", 1.0)
+    if factor == 1:
         return 0.0
     assert isinstance(m, TransformerCost)
     shape = dict(num_layers=layers, hidden_size=m.hidden_size, seq_length=m.seq_length, tokens=tokens, head_tokens=0,
                  vocab_size=0, recompute=m.recompute if recompute is None else recompute, **_layer_shape(m))
-    routed = padding * m.moe_router_topk * m.expert_ffn
+    routed = (factor - 1 if rows is None else rows) * m.moe_router_topk * m.expert_ffn
     return transformer_flops(ffn_hidden_size=routed, **shape) - transformer_flops(ffn_hidden_size=0, **shape)
 
 
@@ -329,8 +331,11 @@ def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = T
     by :func:`model_flops`, the MFU's)."""
     t, p = layout.tp, layout.pp
     tokens = m.micro_batch_size * m.seq_length
-    r, n = recomputed_share(m, layout, stage), sum(stage_layers(m, p, stage, layout.vp))
-    layers = sum(share * (layer_flops(m, n, tokens, t, recompute=again) + padding_flops(m, n, tokens, recompute=again))
+    r, n, c = recomputed_share(m, layout, stage), sum(stage_layers(m, p, stage, layout.vp)), layout.cp
+    # a CP rank runs 1/c of the FLOPs; experts padded to their capacity, the whole microbatch's on every CP rank
+    layers = sum(share * (layer_flops(m, n, tokens, t, recompute=again) + padding_flops(m, n, tokens, recompute=again)
+                          + (c - 1) * padding_flops(m, n, tokens, recompute=again,
+                                                    rows=getattr(m, "expert_rows_factor", 1.0)))
                  for share, again in ((1 - r, False), (r, True)) if share)
     head_flops = 0.0
     if head and stage == p - 1:
