@@ -196,6 +196,16 @@ def test_a_16_bit_recipes_layouts_are_checked_in_fp32_with_fp32s_bounds(capsys, 
     for row in rows:
         predicted, measured = (float(x) for x in row[5].split("/"))
         assert abs(predicted / measured - 1) < 0.02, out
+    # and with the LM head on every token (lm_head_on_masked_only: false; the estimate put it on 0.15 s b tokens
+    # still: 34.88 predicted against 138.15 MiB at the recipe's sizes)
+    assert main([*args[:3], "tp2", *args[4:], "--fp32", "--estimate-memory", "--model.lm_head_on_masked_only",
+                 "false"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.split("memory per rank")[1].splitlines()[2:] if line.strip()]
+    assert [r[0] for r in rows] == ["tp1", "tp2"], out
+    for row in rows:
+        predicted, measured = (float(x) for x in row[5].split("/"))
+        assert abs(predicted / measured - 1) < 0.02, out
     with pytest.raises(SystemExit) as refused:  # a recipe already in fp32: nothing to switch, said so
         main(["--config", str(base), "--layouts", "tp2", "--fp32"])
     assert refused.value.code == 2 and "already trains in fp32" in capsys.readouterr().err

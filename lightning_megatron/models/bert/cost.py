@@ -31,13 +31,15 @@ class BertCost(TransformerCost):
     """A BERT's sizes (``BertLightningModule``'s config record plus the batch)."""
 
     masked_lm_prob: float = 0.15
-    """Fraction of tokens in the LM head (it runs on the masked tokens only)."""
+    """Fraction of tokens masked (the LM head runs on them only, :attr:`lm_head_on_masked_only`)."""
+    lm_head_on_masked_only: bool = True
+    """The module's ``lm_head_on_masked_only``; False: the LM head runs on every token."""
     post_norm: bool = False
     """Hugging Face-style post-norm spec (an embedding LayerNorm instead of the final one)."""
 
     @property
     def head_fraction(self) -> float:
-        return self.masked_lm_prob
+        return self.masked_lm_prob if self.lm_head_on_masked_only else 1.0
 
     @property
     def head_dense(self) -> bool:
@@ -72,7 +74,7 @@ class BertCost(TransformerCost):
         an fp32 softmax (the vocab-parallel cross entropy, whatever the logits' dtype), or the logits themselves
         with the loss compiled at one TP rank (:attr:`compiled_loss`). Measured: ``tests/test_estimate.py``."""
         s, b, h, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.param_bytes
-        n = self.masked_lm_prob * s * b
+        n = self.head_fraction * s * b
         logit = e if self.compiled_loss and tp == 1 else 4
         norm = 0 if self.post_norm else e * s * b * h / (tp if sequence_parallel else 1)
         return norm + e * (5 * n * h + 2 * b * h) + logit * n * self.padded_vocab(tp) / tp + 8 * s * b

@@ -136,7 +136,8 @@ class BertLightningModule(LanguageLightningModule):
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
             masked_lm_prob=float(data.get("masked_lm_prob", 0.15)), optimizer=str(model.get("optimizer", "adamw")),
             post_norm="post_norm" in config.spec, rmsnorm="rmsnorm" in config.spec,
-            compiled_loss=bool(model.get("compile", False)))
+            compiled_loss=bool(model.get("compile", False)),
+            lm_head_on_masked_only=bool(model.get("lm_head_on_masked_only", True)))
 
     @override
     def head_tokens(self, microbatch: Any) -> int | None:
