@@ -42,6 +42,7 @@ from lightning_megatron.tensor_parallel import (
     mark_replicated,
     pad_vocab_size,
     recomputing_cross_entropy,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     set_param_facts,
     vocab_parallel_cross_entropy,
@@ -71,9 +72,10 @@ rotary embeddings in every layer's attention (``rope``), or nothing (``none``). 
 class LanguageModelEmbedding(nn.Module):
     """word (vocab-parallel) [+ learned position] [+ token type] -> [norm] -> dropout. [b, s] -> [s, b, h].
 
-    Under sequence parallelism the sum is scattered along s first, so the norm and the dropout run on
-    [s/t, b, h], and the dropout draws from the per-rank model-parallel stream (different chunks per
-    rank). ``norm``: BERT's post-norm specs (Hugging Face's ``embeddings.LayerNorm``); GPT has none.
+    Under sequence parallelism the sum is scattered along s first (the word embedding alone: its vocab-parallel
+    partial sums reduce-scattered), so the norm and the dropout run on [s/t, b, h], and the dropout draws from the
+    per-rank model-parallel stream (different chunks per rank). ``norm``: BERT's post-norm specs (Hugging Face's
+    ``embeddings.LayerNorm``); GPT has none.
     """
 
     def __init__(self, config: TransformerConfig, padded_vocab_size: int, max_sequence_length: int, *,
@@ -102,25 +104,33 @@ class LanguageModelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
-        embeddings = self.word_embeddings(tokens)  # [b, s, h]
-        if self.position_embeddings is not None:
-            embeddings = embeddings + self.position_embeddings(position_ids)
-        if self.tokentype_embeddings is not None:
-            if token_types is None:
-                token_types = torch.zeros_like(tokens)
-            embeddings = embeddings + self.tokentype_embeddings(token_types)
-        elif token_types is not None:
+        if token_types is not None and self.tokentype_embeddings is None:
             raise ValueError("token_types given but the model was built with num_tokentypes=0")
-        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.config.sequence_parallel:
-            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/t, b, h]
-            if torch.is_grad_enabled() and (self.layernorm is not None or not self.training
-                                            or self.embedding_dropout.p == 0):
-                # a chunk of the whole: the norm, or the first layer's, would keep all of it for the backward
-                embeddings = owned(embeddings)
+        sp = self.config.sequence_parallel
+        if sp and self.position_embeddings is None and self.tokentype_embeddings is None:
+            # the word embedding alone: its TP ranks' partial sums reduce-scattered straight into SP's chunks (the
+            # backward all-gathers their gradients): half the bytes of an all-reduce and a scatter (megatron-core's
+            # way; with position or token-type rows added, replicated on every rank, it all-reduces first too)
+            partial = self.word_embeddings(tokens, reduce=False).transpose(0, 1).contiguous()  # [s, b, h]
+            embeddings = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/t, b, h], its own
+        else:
+            embeddings = self.word_embeddings(tokens)  # [b, s, h]
+            if self.position_embeddings is not None:
+                embeddings = embeddings + self.position_embeddings(position_ids)
+            if self.tokentype_embeddings is not None:
+                if token_types is None:
+                    token_types = torch.zeros_like(tokens)
+                embeddings = embeddings + self.tokentype_embeddings(token_types)
+            embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
+            if sp:
+                embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/t, b, h]
+                if torch.is_grad_enabled() and (self.layernorm is not None or not self.training
+                                                or self.embedding_dropout.p == 0):
+                    # a chunk of the whole: the norm, or the first layer's, would keep all of it for the backward
+                    embeddings = owned(embeddings)
         if self.layernorm is not None:
             embeddings = self.layernorm(embeddings)
-        if self.config.sequence_parallel and self.training and self.embedding_dropout.p > 0:
+        if sp and self.training and self.embedding_dropout.p > 0:
             with get_rng_tracker().fork():
                 return self.embedding_dropout(embeddings)
         return self.embedding_dropout(embeddings)

@@ -302,12 +302,16 @@ class VocabParallelEmbedding(nn.Module):
         _initialize_affine_weight(self.weight, (num_embeddings, embedding_dim), 0,
                                   init_method or init_method_normal(), rank, world)
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
+        """The rows of ``input_``'s ids; ``reduce=False``: this rank's partial sum (its ids' rows, zeros for the
+        others'), for a caller that reduces it itself (a reduce-scatter into sequence-parallel chunks)."""
         if group_size(self.tp_group) == 1:
             return policy_embedding(self, input_, self.weight)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         output_parallel = policy_embedding(self, local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if not reduce:
+            return output_parallel
         return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group, inplace=True)
 
     def extra_repr(self) -> str:

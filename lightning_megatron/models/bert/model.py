@@ -68,8 +68,8 @@ def bert_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 class Pooler(nn.Module):
     """tanh(W h_0 + b) on the first token: [s, b, h] -> [b, h]. Replicated across TP.
 
-    Under sequence parallelism the first token lives on TP rank 0's chunk: gather the sequence
-    (its backward is a split, since every rank computes the same, complete pooler gradient).
+    Under sequence parallelism the first token lives on TP rank 0's chunk: gather that row of every chunk (one
+    row a rank; its backward is a split, since every rank computes the same, complete pooler gradient).
     """
 
     def __init__(self, config: TransformerConfig, tp_group: Group) -> None:
@@ -81,8 +81,13 @@ class Pooler(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
         if self.config.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, self.tp_group,
-                                                                 tensor_parallel_output_grad=False)
+            # the token's row of every rank's chunk gathered (one row a rank, not the sequence): the rank whose
+            # chunk holds the token gave row ``sequence_index // chunk``
+            chunk = hidden_states.shape[0]
+            row = sequence_index % chunk
+            rows = gather_from_sequence_parallel_region(hidden_states[row:row + 1], self.tp_group,
+                                                        tensor_parallel_output_grad=False)
+            hidden_states, sequence_index = rows, sequence_index // chunk
         # a copy of the token: the dense layer keeps its input, and a view would keep all of [s, b, h]
         return torch.tanh(self.dense(hidden_states[sequence_index].clone()))
 

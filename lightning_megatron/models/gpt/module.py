@@ -134,7 +134,7 @@ class GPTLightningModule(LanguageLightningModule):
         ps = self.parallel_state
         context = None
         if ps is not None and ps.cp_size > 1:  # this rank's part of every sequence, attention over the CP group
-            batch, context = split_batch(batch, ps.cp_group, ps.cp_rank)
+            batch, context = split_batch(batch, ps.group("cp"), ps.cp_rank)
         labels = batch["labels"] if chunk.post_process else None
         out = chunk(batch["tokens"], batch.get("position_ids"), labels=labels, document_ids=batch.get("document_ids"),
                     context_parallel=context)
