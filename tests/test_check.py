@@ -178,6 +178,8 @@ def test_a_16_bit_recipes_layouts_are_checked_in_fp32_with_fp32s_bounds(capsys, 
     each layout, docs/check.md, "Open finding"); without it the recipe's bf16 is checked at the 16-bit bounds."""
     from pathlib import Path
 
+    from check_tables import assert_traffic
+
     from lightning_megatron.check.cli import main
 
     base = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
@@ -185,12 +187,16 @@ def test_a_16_bit_recipes_layouts_are_checked_in_fp32_with_fp32s_bounds(capsys, 
     recipe.write_text(f"base: {base}\ntrainer:\n  precision: bf16-true\nmodel:\n  config:\n    params_dtype: bfloat16\n")
     args = ["--config", str(recipe), "--layouts", "tp2,pp2", "--steps", "1", "--global-batch-size", "8",
             "--micro-batch-size", "4", "--data.max_seq_length", "64"]
-    assert main(args + ["--fp32", "--estimate-memory"]) == 0
+    assert main(args + ["--fp32", "--estimate-memory", "--estimate-time"]) == 0
     out = capsys.readouterr().out
     assert "in fp32 (--fp32: config.params_dtype float32, precision 32-true)" in out, out
     assert "tolerances: loss 1e-05 rel, grad norm 1e-05 rel, grads 0.0001" in out and "tp2            PASS" in out, out
+    # What a rank sends: TP's from the most masked tokens a microbatch had (within 2%), the pipeline's sends and the
+    # tied embedding's gradient exactly
+    assert_traffic(out, [("tp2", 0), ("pp2", 0), ("pp2", 1)], tp=0.02)
     # The memory table predicts the LM head with the most masked tokens a microbatch of the step had (the built-in
     # corpus's short samples have fewer than 0.15 s b: the last stage was 10-16% over), every stage within 2%
+    out = out.split("predicted step time")[0]
     rows = [line.split() for line in out.split("memory per rank")[1].splitlines()[2:] if line.strip()]
     assert [(r[0], r[1]) for r in rows] == [("tp1", "0"), ("tp2", "0"), ("pp2", "0"), ("pp2", "1")], out
     for row in rows:
@@ -209,6 +215,39 @@ def test_a_16_bit_recipes_layouts_are_checked_in_fp32_with_fp32s_bounds(capsys, 
     with pytest.raises(SystemExit) as refused:  # a recipe already in fp32: nothing to switch, said so
         main(["--config", str(base), "--layouts", "tp2", "--fp32"])
     assert refused.value.code == 2 and "already trains in fp32" in capsys.readouterr().err
+
+
+def test_what_each_rank_sends_is_what_the_time_model_times(capsys):
+    """``check --estimate-memory --estimate-time`` counts the bytes each rank sends in a step, by part (every
+    collective of the parallel state's groups, the all-to-alls and sends the library issues itself), beside what
+    the time model's collectives and sends move: ``recipes/gpt_tiny.yaml`` with rotary positions and ring attention
+    at TP=2 with SP and at CP=2, within 0.5%. The ring passes keys and values around and sends their fp32
+    gradients to their owners (the model timed it as the all-gather's: 8 MiB predicted against 12 sent); with
+    no learned positions the word embedding reduce-scatters into SP's chunks (it all-reduced, then scattered: 0.5
+    MiB more at TP=2); the output layer and the loss send under TP (not counted before: at TP=2 without SP 17 MiB
+    predicted against 18.02 sent)."""
+    from pathlib import Path
+
+    from check_tables import assert_traffic, traffic_rows
+
+    from lightning_megatron.check.cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "gpt_tiny.yaml"
+    assert main(["--config", str(recipe), "--layouts", "tp2sp,cp2", "--steps", "1", "--estimate-memory",
+                 "--estimate-time", "--model.config.position_embedding_type", "rope",
+                 "--model.config.cp_comm_type", "p2p"]) == 0
+    out = capsys.readouterr().out
+    assert_traffic(out, [("tp2sp", 0), ("cp2", 0)])
+    rows = traffic_rows(out)
+    # By hand, 2 microbatches of 8 x 128 tokens, hidden 128 in fp32 (x = 0.5 MiB), 4 layers. TP=2 with SP, a rank's
+    # half of an all-gather or reduce-scatter of x: 0.25 MiB; a layer 10 (a column and a row layer's gather and
+    # reduce-scatter each way, twice, and the qkv and fc1 inputs gathered again); the embedding 2 (reduce-scatter,
+    # its gradient gathered); the output layer 3 (gathered twice, its input gradient reduce-scattered); the loss
+    # 3 all-reduces of 4 bytes a token (12 KiB); once a step the norms' and biases' gradients (3328 fp32, 13 KiB).
+    assert rows[("tp2sp", 0)]["tp"][1] == pytest.approx(2 * ((4 * 10 + 2 + 3) * 0.25 + 12 / 1024) + 13 / 1024, abs=1e-3)
+    # CP=2 by the ring, a rank's keys and values 2 x 512 tokens x 4 heads x 32 x 4 bytes = 0.5 MiB, a layer: sent
+    # once forward, once backward, and its share of the fp32 gradients of both chunks (1 MiB) to their owner: 0.5
+    assert rows[("cp2", 0)]["cp"][1] == pytest.approx(2 * 4 * (0.5 + 0.5 + 0.5), abs=1e-3)
 
 
 def test_recipe_check_keeps_the_megatron_callback_sections():

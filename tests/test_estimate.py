@@ -387,7 +387,9 @@ def test_step_time_against_hand_computed_numbers():
     assert params == estimate_stage(m, layout, 1).params  # the last stage is the fuller one
     accumulate = 36 * params / 1e12
     tp = 2 * 4 * (2 * 1 / 2 * 4194304 / 1e11)  # 2 layers x 4 all-reduces of [s, b, h] bf16 (4 MiB) over NVLink
-    pp = 2 * 4194304 / 1e10  # one send forward, one backward, between nodes (2 x 2 x 2 = 8 > 4 per node)
+    # the output layer's input gradient all-reduced, and the cross entropy's 3 fp32 values a token (8 KiB each)
+    tp += 2 * 1 / 2 * 4194304 / 1e11 + 3 * (2 * 1 / 2 * 8192 / 1e11)
+    pp = 4194304 / 1e10  # the last stage sends its input gradient back, between nodes (2 x 2 x 2 = 8 > 4 per node)
     # The tied word embedding's fp32 grads (64 MiB) all-reduced between the first and last stage, once a step.
     tied = 2 * 1 / 2 * 67108864 / 1e10
     compute_mb = gemm + elementwise + vocab + accumulate / 4
@@ -416,12 +418,16 @@ def test_step_time_against_hand_computed_numbers():
     # hidden behind their input gradients' GEMMs (asynchronous collectives), or not (the CPU tuning's synchronous
     # ones: two all-gathers of [s, b, h] a layer); ZeRO-1 = reduce-scatter + all-gather; overlap hides DP.
     vp = estimate_time(m, ParallelDims(tp=2, pp=2, vp=2, dp=2), dev, MEASURED, fw)
-    assert vp.bubble == pytest.approx((t0 + pp) / 2, rel=1e-12)  # each of the 2 chunks sends
+    assert vp.bubble == pytest.approx((t0 + 2 * pp) / 2, rel=1e-12)  # 3 sends: chunk 1 both ways, chunk 3 back
     sp = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, sequence_parallel=True), dev, MEASURED, fw)
-    assert sp.tp_comm == pytest.approx(st.tp_comm) and sp.pp_comm == pytest.approx(4 * pp / 2 + tied)
+    # ... and once a step sums the gradients of the parameters that saw a chunk of the sequence over TP: the last
+    # stage's 2 layers' norms and row-parallel biases (6 h), the final norm (2 h), fp32
+    sp_grads = 2 * 1 / 2 * (2 * 6 + 2) * 1024 * 4 / 1e11
+    assert sp.tp_comm == pytest.approx(st.tp_comm + sp_grads) and sp.pp_comm == pytest.approx(4 * pp / 2 + tied)
     exposed = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, sequence_parallel=True), dev, MEASURED,
                             dataclasses.replace(fw, overlap_sp_gather=False))
-    assert exposed.tp_comm == pytest.approx(st.tp_comm + 4 * 2 * 2 * (1 / 2 * 4194304 / 1e11), rel=1e-12)
+    # the gathers again: the qkv and fc1 inputs of 2 layers and the output layer's, 4 microbatches
+    assert exposed.tp_comm == pytest.approx(sp.tp_comm + 4 * (2 * 2 + 1) * (1 / 2 * 4194304 / 1e11), rel=1e-12)
     z = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, zero1=True), dev, MEASURED, fw)
     assert z.dp_comm == pytest.approx(1 / 2 * 4 * params / 1e11 + 1 / 2 * 2 * params / 1e11, rel=1e-12)
     assert z.optimizer == pytest.approx(st.optimizer / 2)

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                            global_batch_size=G, micro_batch_size=m, steps=args.steps, tolerances=tol,
                            trainer_kwargs=recipe.trainer_kwargs(args.steps),
                            grad_steps=[int(s) for s in args.grad_steps.split(",") if s.strip()],
-                           measure_memory=args.estimate_memory, timeout=args.timeout)
+                           measure_memory=args.estimate_memory, measure_traffic=timing is not None,
+                           timeout=args.timeout)
     print(report.table(), flush=True)
     if not report.passed and (sixteen_bit or str(recipe.precision) in ("bf16-mixed", "16-mixed")):
         print("  16-bit runs round differently in each layout (TP's partial sums, PP's and DP's accumulation): a "
@@ -206,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     if timing is not None:
         from lightning_megatron.check.time_cli import time_table
 
-        print(time_table(recipe, [reference] + [x for x in layouts if x != reference], timing), flush=True)
+        from lightning_megatron.check.traffic import traffic_table
+
+        shown = [reference] + [x for x in layouts if x != reference]
+        print(time_table(recipe, shown, timing), flush=True)
+        print(traffic_table(recipe, shown, report, timing[2]), flush=True)
     return 0 if report.passed else 1
 
 

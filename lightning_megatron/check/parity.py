@@ -75,6 +75,8 @@ class LayoutRun:
     """Per global rank: bytes of ``params``, ``grads``, ``optimizer``, ``activations_peak``."""
     collectives: list[dict[str, bool]]
     """Per global rank: which groups ran on shared memory."""
+    traffic: list[dict[str, float]] = field(default_factory=list)
+    """Per global rank: bytes it sent in step 1 by part (``measure_traffic``), else empty."""
     outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """Module name -> its step-1 forward output pieces, by TP rank (DP rank 0)."""
     output_order: list[str] = field(default_factory=list)
@@ -208,6 +210,7 @@ def gather_runs(per_rank: list[list[dict[str, Any]]]) -> dict[str, LayoutRun]:
             params=_assemble([r["params"] for r in records]),
             init_params=_assemble([r.get("init_params", {}) for r in records]),
             memory=[r["memory"] for r in records], collectives=[r["collectives"] for r in records],
+            traffic=[r.get("traffic", {}) for r in records],
             **dict(zip(("outputs", "output_order"), _outputs(records))))
     return runs
 
@@ -349,6 +352,7 @@ def check_layouts(
     grad_steps: Sequence[int] = (1,),
     record_params: bool = False,
     measure_memory: bool = False,
+    measure_traffic: bool = False,
     seed: int = 1234,
     timeout: float = 900.0,
     reference_run: LayoutRun | None = None,
@@ -369,6 +373,7 @@ def check_layouts(
             (:func:`update_error`, ``param_rtol``), and check that every layout starts from the
             reference's initial parameters.
         measure_memory: record per-rank bytes (see :class:`LayoutRun.memory`).
+        measure_traffic: count the bytes each rank sends in step 1 (see :class:`LayoutRun.traffic`).
         timeout: seconds per group of layouts sharing a world size.
         reference_run: the reference's records from an earlier report (``report.reference``) of the
             same model, data, steps and options: it is not run again.
@@ -380,7 +385,8 @@ def check_layouts(
                    global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, steps=steps, seed=seed,
                    callbacks_factory=callbacks_factory, strategy_kwargs=dict(strategy_kwargs or {}),
                    trainer_kwargs=dict(trainer_kwargs or {}), grad_steps=tuple(grad_steps),
-                   record_params=record_params, measure_memory=measure_memory)
+                   record_params=record_params, measure_memory=measure_memory,
+                   measure_traffic=measure_traffic)
     for layout in [ref_layout] + parsed:
         if global_batch_size % (micro_batch_size * layout.dp):
             raise ValueError(f"layout {layout}: global_batch_size={global_batch_size} is not divisible by "

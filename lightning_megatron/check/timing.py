@@ -28,13 +28,11 @@ ahead of the device, so the step takes the longer of that and the host's dispatc
 
 Context parallelism (``c`` ranks) gives each rank ``s/c`` of every sample's tokens: the FLOPs, the
 elementwise and logit bytes and the TP and pipeline messages of a rank are ``1/c`` of CP=1's (the
-causal chunks are balanced), and each layer all-gathers its keys and values ``2 s b g/t d`` (forward,
-and again when recomputed) and reduce-scatters their gradients (backward). Expert parallelism (``ep``
-ranks, the all-to-all dispatcher) sends each rank's ``k`` routed rows per token (``h`` elements; under
-balanced routing ``(ep-1)/ep`` of them leave the rank) to the experts' ranks and back, forward and
-backward: 4 all-to-alls per layer (6 recomputing). The dense parameters' gradients are reduced over
-``d c`` ranks, the experts' over the ``edp`` expert-data-parallel ranks. Derivation and validation:
-docs/check.md.
+causal chunks are balanced). Every collective and send of a stage's rank is one :class:`Message`
+(:func:`stage_messages`: TP's, CP's by ``cp_comm_type``, EP's all-to-alls, the pipeline's sends, DP's
+reductions), timed as the ring algorithm moves it; :func:`stage_traffic` gives their bytes, which
+``check --estimate-memory --estimate-time`` compares with what a run's ranks send
+(:mod:`lightning_megatron.check.traffic`). Derivation and validation: docs/check.md.
 """
 
 from __future__ import annotations
@@ -49,9 +47,9 @@ from lightning_megatron.cost.transformer import TransformerCost
 from lightning_megatron.flops import transformer_flops
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
-__all__ = ["Device", "Efficiency", "Framework", "HostOps", "STEP_OPS", "StepTime",
-           "adapter_bytes", "collective_time", "elementwise_bytes",
-           "estimate_time", "grad_accumulation_bytes", "layer_flops", "model_flops", "stage_flops", "vocab_bytes"]
+__all__ = ["Device", "Efficiency", "Framework", "HostOps", "Message", "STEP_OPS", "StepTime",
+           "adapter_bytes", "collective_time", "elementwise_bytes", "estimate_time", "grad_accumulation_bytes",
+           "layer_flops", "model_flops", "stage_flops", "stage_messages", "stage_traffic", "vocab_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +184,8 @@ class StepTime:
     """GEMMs, elementwise kernels, vocabulary passes and gradient accumulation of every microbatch on the
     slowest stage (bubble excluded)."""
     tp_comm: float
-    """Tensor-parallel collectives on the critical path (all microbatches)."""
+    """Tensor-parallel collectives on the critical path (all microbatches; under SP, once a step, the sum of the
+    gradients of the parameters that saw a chunk of the sequence)."""
     pp_comm: float
     """Pipeline sends on the critical path (all microbatches) and the tied word embedding's gradient
     all-reduce between the first and last stage (once a step)."""
@@ -203,7 +202,7 @@ class StepTime:
     peak: float
     """Peak FLOP/s per device that MFU divides by."""
     cp_comm: float = 0.0
-    """Context-parallel key/value all-gathers and gradient reduce-scatters (all microbatches)."""
+    """Context parallelism's collectives and sends (``cp_comm_type``'s; all microbatches)."""
     ep_comm: float = 0.0
     """Expert-parallel all-to-alls of the routed rows (all microbatches)."""
     vocab: float = 0.0
@@ -451,6 +450,170 @@ def _trained_parameters(m: StepCost, layout: ParallelDims, stage: int, schedule:
     return estimate_stage(m, layout, stage, schedule=schedule).params if trained is None else trained
 
 
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """A collective (or send) a rank of a pipeline stage takes part in, ``times`` a microbatch (``per_step``: a
+    step): ``kind`` and ``nbytes`` as :func:`collective_time` takes them, over ``ranks`` ranks."""
+
+    part: str
+    """The layout's dimension it belongs to: ``tp``, ``cp``, ``ep``, ``pp`` or ``dp`` (:class:`StepTime`'s)."""
+    kind: str
+    nbytes: float
+    ranks: int
+    times: float = 1.0
+    crosses_nodes: bool = False
+    p2p: bool = False
+    """A send on the pipeline's path (:attr:`Device.p2p` where the device has one)."""
+    hidden: bool = False
+    """Overlapped with compute (:class:`Framework`): no time on the critical path; the bytes are sent all the same."""
+    per_step: bool = False
+
+    @property
+    def sent(self) -> float:
+        """Bytes a rank puts on the wire for it, all ``times``."""
+        return self.times * collective_time(self.kind, self.nbytes, self.ranks, 1.0, 0.0)
+
+    def seconds(self, dev: Device, eff: Efficiency) -> float:
+        """Its time on the critical path, all ``times``."""
+        if self.hidden or self.times == 0:
+            return 0.0
+        bw, lat = _bandwidth(dev, eff, self.crosses_nodes)
+        if self.p2p and dev.p2p is not None:
+            bw, lat = dev.p2p * eff.link, dev.p2p_latency
+        return self.times * collective_time(self.kind, self.nbytes, self.ranks, bw, lat)
+
+
+def _chunks_sending(p: int, v: int, stage: int) -> tuple[int, int]:
+    """(forward sends, backward sends) a microbatch of a rank of ``stage``: each of its ``v`` model chunks sends
+    its output on unless it is the model's last chunk, and its input gradient back unless it is the first."""
+    chunks = [j * p + stage for j in range(v)]
+    return sum(c < p * v - 1 for c in chunks), sum(c > 0 for c in chunks)
+
+
+def stage_messages(m: StepCost, layout: ParallelDims, stage: int, fw: Framework = Framework(), *,
+                   devices_per_node: int = 8, schedule: str | PipelineSchedule = AUTO) -> list[Message]:
+    """Every collective and send of a rank of ``stage`` in one step of ``m`` at ``layout``: what the library's
+    layers, schedule and gradient code issue (``check --estimate-time`` counts them on a run:
+    :mod:`lightning_megatron.check.traffic`). A microbatch's ``tokens = s/c b`` of ``h`` elements of ``e`` bytes,
+    ``x = e tokens h``:
+
+    - TP, a layer: without SP an all-reduce of ``x`` after the attention's and the MLP's row-parallel layers
+      (forward) and of their column-parallel layers' input gradients (backward); under SP an all-gather and a
+      reduce-scatter for each (the same bytes), and the column-parallel layers' inputs gathered again for their
+      weight gradients (:attr:`~lightning_megatron.cost.TransformerCost.regathered_inputs`); recomputed layers'
+      forwards again. A MoE layer's MLP all-reduces its experts' ``k`` rows a token (forward) and the tokens'
+      input gradient (backward; under SP it gathers its tokens, scatters its output). The word embedding's and
+      the head's (``embedding_messages``, ``head_messages`` of the cost record) on the end stages.
+    - CP, a layer, by ``cp_comm_type``: ``all_gather`` all-gathers the keys and values of the whole sequence
+      (forward) and reduce-scatters their gradients; ``a2a`` sends queries, keys, values and the context
+      all-to-all, forward and backward; ``p2p`` passes its keys and values around the ring ``c - 1`` times,
+      forward and backward, and sends their fp32 gradients to their owners all-to-all.
+    - EP, a MoE layer: the routed rows all-to-all to the experts' ranks and back, forward and backward.
+    - PP: each model chunk's output sent on and its input gradient back (not past the model's ends); the tied
+      word embedding's gradient all-reduced by the first and last stage once a step.
+    - DP (a step): the gradients all-reduced, or with ZeRO-1 reduce-scattered and the parameters all-gathered,
+      the dense ones over ``d c`` ranks, the experts' over their ``edp``.
+    """
+    t, p, d, v, c, ep = layout.tp, layout.pp, layout.dp, layout.vp or 1, layout.cp, layout.ep
+    e, s, b, h = m.param_bytes, m.seq_length, m.micro_batch_size, m.hidden_size
+    dpn, sp = devices_per_node, layout.sequence_parallel
+    tokens = s / c * b
+    x = e * tokens * h
+    layers, r = sum(stage_layers(m, p, stage, v)), recomputed_share(m, layout, stage)
+    n = layers * (1 + r)  # the layers' forwards, recomputed ones again
+    experts = getattr(m, "num_moe_experts", None)
+    k = getattr(m, "moe_router_topk", 0)
+    out: list[Message] = []
+
+    def add(part: str, kind: str, nbytes: float, ranks: int, times: float, crosses: bool, **kw: Any) -> None:
+        if times and ranks > 1:
+            out.append(Message(part=part, kind=kind, nbytes=nbytes, ranks=ranks, times=times, crosses_nodes=crosses,
+                               **kw))
+
+    tp_x = t > dpn
+    if t > 1:
+        # the attention, and a dense MLP or a MoE layer's shared experts: a row- and a column-parallel pair each
+        pairs = 1 + (1 if not experts or getattr(m, "moe_shared_expert_intermediate_size", None) else 0)
+        if sp:
+            add("tp", "all_gather", x, t, pairs * (n + layers), tp_x)  # column inputs; row outputs' gradients
+            add("tp", "reduce_scatter", x, t, pairs * (n + layers), tp_x)  # row outputs; column inputs' gradients
+            regathered = m.regathered_inputs if isinstance(m, TransformerCost) else 2
+            add("tp", "all_gather", x, t, regathered * layers, tp_x, hidden=fw.overlap_sp_gather)
+        else:
+            add("tp", "all_reduce", x, t, pairs * (n + layers), tp_x)
+        if experts:  # the experts' k rows a token all-reduced; the tokens' gradient (SP: tokens gathered, scattered)
+            add("tp", "all_reduce", k * x, t, n, tp_x)
+            if sp:  # with the routing: k fp32 weights and int64 expert ids a token (and whether each is kept)
+                add("tp", "all_gather", x, t, n + layers, tp_x)
+                capacity = getattr(m, "moe_expert_capacity_factor", None)
+                add("tp", "all_gather", (12 + (1 if capacity else 0)) * k * tokens, t, n, tp_x)
+                add("tp", "reduce_scatter", x, t, layers, tp_x)
+            else:
+                add("tp", "all_reduce", x, t, layers, tp_x)
+        if sp and hasattr(m, "sequence_parallel_parameters"):  # their gradients summed once a step
+            add("tp", "all_reduce", m.sequence_parallel_parameters(p, stage) * fw.grad_reduce_bytes, t, 1, tp_x,
+                per_step=True)
+        ends = []
+        if stage == 0:
+            ends += m.embedding_messages(t, sp, tokens) if hasattr(m, "embedding_messages") else [("all_reduce", x)]
+        if stage == p - 1 and hasattr(m, "head_messages"):
+            ends += m.head_messages(t, sp, tokens)
+        for kind, nbytes, *again in ends:  # a gather for a weight gradient runs beside the input gradient's GEMM
+            add("tp", kind, nbytes, t, 1, tp_x, hidden=bool(again and again[0]) and fw.overlap_sp_gather)
+    token_ranks = c * (t if sp else 1)  # the ranks holding a microbatch's tokens, over which a capacity is chosen
+    if experts and getattr(m, "moe_expert_capacity_factor", None) and token_ranks > 1:  # their routing gathered
+        add("cp" if c > 1 else "tp", "all_gather", 12 * k * s * b, token_ranks, n, t * c > dpn)
+    if c > 1:
+        cp_x = t * c > dpn
+        g, dh = m.groups / t, m.head_dim
+        kind = getattr(m, "cp_comm_type", "all_gather")
+        if kind == "a2a":
+            heads = m.num_attention_heads / t
+            kv_heads = g if g % c == 0 else heads  # fewer key/value heads than CP ranks: repeated for each group
+            add("cp", "all_to_all", e * tokens * heads * dh, c, 2 * (n + layers), cp_x)  # queries; the context
+            add("cp", "all_to_all", e * tokens * kv_heads * dh, c, 2 * (n + layers), cp_x)  # keys; values
+        elif kind == "p2p":
+            kv = 2 * e * tokens * g * dh  # this rank's keys and values, around the ring
+            add("cp", "send", kv, 2, (c - 1) * (n + layers), cp_x, p2p=True)
+            add("cp", "all_to_all", 2 * 4 * s * b * g * dh, c, layers, cp_x)  # fp32 gradients, each block's owner
+        else:
+            kv = 2 * e * s * b * g * dh  # the whole sequence's keys and values
+            add("cp", "all_gather", kv, c, n, cp_x)
+            add("cp", "reduce_scatter", kv, c, layers, cp_x)
+    if experts and ep > 1:  # expert TP = TP fastest, then EP
+        add("ep", "all_to_all", k * x, ep, 2 * (n + layers), t * ep > dpn)
+    if p > 1:
+        forward, backward = _chunks_sending(p, v, stage)
+        sent = x / (t if (sp or fw.p2p_scatter_gather) else 1)
+        add("pp", "send", sent, 2, forward + backward, t * d * p > dpn, p2p=True)
+        if stage in (0, p - 1) and not getattr(m, "untie_embeddings_and_output_weights", False):
+            add("pp", "all_reduce", m.padded_vocab(t) // t * h * fw.grad_reduce_bytes, 2, 1, t * d * p > dpn,
+                per_step=True)
+    params = _trained_parameters(m, layout, stage, schedule)
+    expert_params = m.stage_expert_parameters(t, ep, p, stage) if experts and not _lora(m) else 0  # LoRA: frozen
+    for count, ranks, crosses in ((params - expert_params, d * c, t * d * c > dpn),
+                                  (expert_params, layout.expert_dp, t * c * d > dpn)):
+        if not count:
+            continue
+        if layout.zero1:
+            add("dp", "reduce_scatter", count * fw.grad_reduce_bytes, ranks, 1, crosses, per_step=True)
+            add("dp", "all_gather", count * e, ranks, 1, crosses, per_step=True)
+        else:
+            add("dp", "all_reduce", count * fw.grad_reduce_bytes, ranks, 1, crosses, per_step=True)
+    return out
+
+
+def stage_traffic(m: StepCost, layout: ParallelDims, stage: int, fw: Framework = Framework(), *,
+                  schedule: str | PipelineSchedule = AUTO) -> dict[str, float]:
+    """Bytes a rank of ``stage`` sends in one step, by part (``tp``, ``cp``, ``ep``, ``pp``, ``dp``): its
+    :func:`stage_messages`, all microbatches."""
+    microbatches = m.global_batch_size // (m.micro_batch_size * layout.dp)
+    sent = dict.fromkeys(("tp", "cp", "ep", "pp", "dp"), 0.0)
+    for msg in stage_messages(m, layout, stage, fw, schedule=schedule):
+        sent[msg.part] += msg.sent * (1 if msg.per_step else microbatches)
+    return sent
+
+
 def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficiency = Efficiency(),
                   fw: Framework = Framework(), *, schedule: str | PipelineSchedule = AUTO) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices under
@@ -465,51 +628,9 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     vocab_rate = (dev.vocab or dev.hbm) * eff.memory * share
     # per layer of a stage (the stages' layers as the model splits them: stage_layers), then each stage's
     layer_bytes = (elementwise_bytes(m, layout, fw) + adapter_bytes(m, layout) / 3) * s / c * b  # LoRA's adapters
-    dpn = dev.devices_per_node
-    # TP: per layer two all-reduces forward and two backward (+2 recomputed) of [s, b, h]; with SP an
-    # all-gather and a reduce-scatter instead of each, the same bytes; without pipelining the
-    # embedding's all-reduce too (with it, the slowest stage is taken without it).
-    tp_bw, tp_lat = _bandwidth(dev, eff, t > dpn)
-    act = e * s / c * b * h
-    tp_pass = collective_time("all_reduce", act, t, tp_bw, tp_lat)  # one, a layer, of every kind below
-    regather = 0.0
-    if layout.sequence_parallel and not fw.overlap_sp_gather:  # the column layers' inputs gathered again
-        regathered = m.regathered_inputs if isinstance(m, TransformerCost) else 2
-        regather = regathered * collective_time("all_gather", act, t, tp_bw, tp_lat)
-    # CP: per layer the keys and values of the whole sequence all-gathered (forward, recomputed forward)
-    # and their gradients reduce-scattered (backward), over the c ranks of one TP rank's CP group.
-    cp_gather = cp_scatter = 0.0
-    if c > 1:
-        cp_bw, cp_lat = _bandwidth(dev, eff, t * c > dpn)
-        kv = 2 * s * b * m.groups * m.head_dim / t * e
-        cp_gather = collective_time("all_gather", kv, c, cp_bw, cp_lat)
-        cp_scatter = collective_time("reduce_scatter", kv, c, cp_bw, cp_lat)
-    # EP: per MoE layer each rank's k rows per token (all of its TP group's tokens) to the experts' ranks
-    # and back, forward and backward (and the recomputed forward), all-to-all over the ep ranks.
-    ep, experts = layout.ep, getattr(m, "num_moe_experts", None)
-    ep_pass = 0.0
-    if experts and ep > 1:
-        ep_bw, ep_lat = _bandwidth(dev, eff, t * ep > dpn)  # expert TP = TP fastest, then EP
-        rows = s / c * b * m.moe_router_topk * h * e
-        ep_pass = collective_time("all_to_all", rows, ep, ep_bw, ep_lat)
-    # PP: each chunk sends its output forward and its input gradient backward, per microbatch.
-    pp_mb = 0.0
-    if p > 1:
-        pp_bw, pp_lat = _bandwidth(dev, eff, t * d * p > dpn)
-        if dev.p2p is not None:
-            pp_bw, pp_lat = dev.p2p * eff.link, dev.p2p_latency
-        sent = act / (t if (layout.sequence_parallel or fw.p2p_scatter_gather) else 1)  # act: s/c tokens
-        pp_mb = 2 * v * collective_time("send", sent, 2, pp_bw, pp_lat)
-        # The tied word embedding's fp32 grads summed over the first and last stage, once a step: a
-        # collective of the embedding group, on the collectives' path (the CPU tuning's shared memory
-        # too), not the sends'.
-        tied_bw, tied_lat = _bandwidth(dev, eff, t * d * p > dpn)
-        tied = collective_time("all_reduce", m.padded_vocab(t) // t * h * fw.grad_reduce_bytes, 2, tied_bw, tied_lat)
-    else:
-        tied = 0.0
-    # The slowest stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation, and its
-    # layers' collectives (TP without pipelining: the embedding's all-reduce too).
-    stages = []
+    # each stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation, and its
+    # collectives and sends a microbatch (stage_messages); the slowest stage sets the pace
+    stages, messages = [], {}
     for stage in range(p):
         layers, r = sum(stage_layers(m, p, stage, layout.vp)), recomputed_share(m, layout, stage)
         elementwise = layer_bytes * layers * (3 + r) / kernel_rate  # forward, backward (~2x), recomputed forward
@@ -517,10 +638,12 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         params_s = _trained_parameters(m, layout, stage, schedule)
         accumulate_s = grad_accumulation_bytes(params_s, e, microbatches, fw) / mem_rate
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
-        comm = (layers * ((4 + 2 * r) * tp_pass + regather) + (tp_pass if p == 1 else 0.0),
-                layers * ((1 + r) * cp_gather + cp_scatter), layers * (4 + 2 * r) * ep_pass)
+        messages[stage] = stage_messages(m, layout, stage, fw, devices_per_node=dev.devices_per_node,
+                                         schedule=schedule)
+        comm = tuple(sum(x.seconds(dev, eff) for x in messages[stage] if x.part == part and not x.per_step)
+                     for part in ("tp", "cp", "ep", "pp"))
         stages.append((total + sum(comm), total, vocab_s, accumulate_s, comm))
-    _, compute_mb, vocab_mb, accumulate, (tp_mb, cp_mb, ep_mb) = max(stages)
+    _, compute_mb, vocab_mb, accumulate, (tp_mb, cp_mb, ep_mb, pp_mb) = max(stages)
     comm_mb = tp_mb + cp_mb + ep_mb + pp_mb
     t_mb = compute_mb + comm_mb
     # The bubble: the schedule's idle fraction of the pipelined time, in microbatches of the other stages (the
@@ -530,26 +653,22 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     others = sorted(total for _, total, _, _, _ in stages)[:-1]
     t_other = sum(others) / len(others) + comm_mb if others else t_mb
     bubble = idle / (1 - idle) * microbatches * t_other
-    # DP: the slowest stage's parameters; ZeRO-1 reduce-scatters the grads and all-gathers the params.
-    # The dense ones over the d c data- and context-parallel ranks, the experts' over the edp ranks.
+    # once a step: the tied word embedding's gradient (first and last stage), and DP on the fullest stage:
+    # ZeRO-1 reduce-scatters the grads and all-gathers the params
+    tied, sp_grads = (max(sum(x.seconds(dev, eff) for x in msgs if x.part == part and x.per_step)
+                          for msgs in messages.values()) for part in ("pp", "tp"))
     params, fullest = max((_trained_parameters(m, layout, stage, schedule), stage) for stage in range(p))
-    expert_params = m.stage_expert_parameters(t, ep, p, fullest) if experts and not _lora(m) else 0  # LoRA: frozen
-    replicas = ((params - expert_params, d * c, t * d * c > dpn), (expert_params, layout.expert_dp, t * c * d > dpn))
-    reduce = gather = 0.0
-    for n, k, crosses in replicas:
-        dp_bw, dp_lat = _bandwidth(dev, eff, crosses)
-        if n == 0:
-            continue
-        if layout.zero1:
-            reduce += collective_time("reduce_scatter", n * fw.grad_reduce_bytes, k, dp_bw, dp_lat)
-            gather += collective_time("all_gather", n * e, k, dp_bw, dp_lat)
-        else:
-            reduce += collective_time("all_reduce", n * fw.grad_reduce_bytes, k, dp_bw, dp_lat)
+    dp = [x for x in messages[fullest] if x.part == "dp"]
+    reduce = sum(x.seconds(dev, eff) for x in dp if x.kind != "all_gather")
+    gather = sum(x.seconds(dev, eff) for x in dp if x.kind == "all_gather")
     if fw.overlap_grad_reduce:  # hidden behind the last microbatch's backward
         reduce = max(0.0, reduce - 2.0 / 3.0 * compute_mb)
     if fw.overlap_param_gather:  # hidden behind the next step's first forward
         gather = max(0.0, gather - 1.0 / 3.0 * compute_mb)
-    owned = sum(n / k for n, k, _ in replicas) if layout.zero1 else params
+    experts = getattr(m, "num_moe_experts", None)
+    expert_params = m.stage_expert_parameters(t, layout.ep, p, fullest) if experts and not _lora(m) else 0
+    replicas = ((params - expert_params, d * c), (expert_params, layout.expert_dp))
+    owned = sum(n / k for n, k in replicas) if layout.zero1 else params
     optimizer = owned * fw.optimizer_bytes_per_param(e) / mem_rate
     host = 0.0
     if dev.host_op is not None and fw.host_ops is not None:  # the busiest host: the last stage's, with the ends
@@ -557,7 +676,8 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         layer_ops = ops.layer * (1 + recomputed_share(m, layout, p - 1) / 3)  # recomputed: a third of fwd + bwd
         host = (microbatches * (sum(stage_layers(m, p, p - 1, layout.vp)) * layer_ops + ops.ends) + ops.step) \
             * dev.host_op
-    return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb,
-                    cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied, bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
+    return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb + sp_grads,
+                    cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied,
+                    bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
                     peak=peak * share, vocab=microbatches * vocab_mb, accumulate=accumulate, host=host)

@@ -65,6 +65,9 @@ class CheckRun:
     relative to the reference's update, final minus initial)."""
     measure_memory: bool = False
     """Measure per-rank bytes of params, grads, optimizer state and saved activations at step 1."""
+    measure_traffic: bool = False
+    """Count the bytes each rank sends in step 1, by part
+    (:class:`~lightning_megatron.check.traffic.TrafficCounter`)."""
     record_outputs: bool = True
     """Record every module's forward output of step 1's first microbatch (DP rank 0)."""
     accelerator: str = "cpu"
@@ -280,6 +283,8 @@ def _make_recorder(run: CheckRun):
             self.grads: dict[int, dict] = {}
             self.memory: dict[str, int] = {}
             self.collectives: dict[str, bool] = {}
+            self.traffic: dict[str, float] = {}
+            self._counter: Any = None
             self._saved: _SavedActivations | None = None
             self._hooks: Any = None
             self._outputs: ForwardOutputs | None = None
@@ -294,8 +299,15 @@ def _make_recorder(run: CheckRun):
             self.collectives = {name: _on_shared_memory(g)
                                 for name, g in (("tp", ps.group("tp")), ("dp", ps.group("dp_cp")))
                                 if g is not None and g.size > 1}
+            if run.measure_traffic and ps.groups:
+                from lightning_megatron.check.traffic import TrafficCounter
+
+                self._counter = TrafficCounter()
+                self._counter.install(ps)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if self._counter is not None and trainer.global_step == 0:
+                self._counter.counting = True
             if run.record_outputs and trainer.global_step == 0 and trainer.strategy.parallel_state.dp_rank == 0:
                 chunks = list(trainer.strategy.model_chunks)
                 self._outputs = ForwardOutputs(module_names(_named_parameters(trainer), chunks), chunks)
@@ -314,6 +326,16 @@ def _make_recorder(run: CheckRun):
                 self._hooks.__enter__()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            counting = self._counter is not None and self._counter.counting
+            if counting:  # the recorder's own gathers are not the step's
+                self._counter.counting = False
+            try:
+                self._record(trainer, pl_module, optimizer)
+            finally:
+                if counting:
+                    self._counter.counting = True
+
+        def _record(self, trainer, pl_module, optimizer) -> None:
             if self._outputs is not None:
                 self._outputs.remove()
                 self.outputs, self._outputs = self._outputs.outputs, None
@@ -365,6 +387,10 @@ def _make_recorder(run: CheckRun):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(outputs["loss"]))
+            if self._counter is not None and self._counter.counting:
+                self._counter.counting = False
+                self.traffic = dict(self._counter.sent)
+                self._counter.remove()
             if run.measure_memory and "optimizer" not in self.memory:
                 self.memory["optimizer"] = _optimizer_bytes(trainer.strategy.optimizers, pl_module)
 
@@ -424,7 +450,7 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
     return {"layout": layout.name, "rank": dist.get_rank(), "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
             "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,
             "params": params, "init_params": recorder.init_params, "memory": recorder.memory,
-            "collectives": recorder.collectives, "outputs": recorder.outputs}
+            "collectives": recorder.collectives, "traffic": recorder.traffic, "outputs": recorder.outputs}
 
 
 def _one_stage_sizes(module: Any, layout: ParallelDims) -> Any:

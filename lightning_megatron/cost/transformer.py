@@ -200,11 +200,70 @@ class TransformerCost:
 
     @property
     def regathered_inputs(self) -> int:
-        """Of the qkv and fc1 layers, those whose backward under sequence parallelism gathers their input again
-        (:mod:`~lightning_megatron.tensor_parallel.layers`): both when they train; none under LoRA (the frozen
-        layers compute no weight gradient, an adapter computes A's from this rank's part of the sequence,
+        """Of a layer's column-parallel layers (qkv, the dense MLP's fc1, a MoE layer's shared experts' fc1), those
+        whose backward under sequence parallelism gathers their input again
+        (:mod:`~lightning_megatron.tensor_parallel.layers`): all when they train (the routed experts gather no
+        input: the MoE layer gathers its tokens once); none under LoRA (the frozen layers compute no weight
+        gradient, an adapter computes A's from this rank's part of the sequence,
         :mod:`~lightning_megatron.transformer.lora`)."""
-        return 0 if self.lora_rank else 2
+        if self.lora_rank:
+            return 0
+        return 1 + (1 if not self.num_moe_experts or self.moe_shared_expert_intermediate_size else 0)
+
+    # ------------------------------------------------------------ communication at the model's ends
+
+    def embedding_messages(self, tp: int, sequence_parallel: bool, tokens: float) -> list[tuple[str, float]]:
+        """The word embedding's tensor-parallel collectives on a microbatch of ``tokens`` tokens, as ``(kind, bytes
+        of the whole tensor)`` (:func:`~lightning_megatron.check.timing.collective_time`'s): the vocab-parallel
+        lookup all-reduced, under SP then scattered into SP's chunks (the backward all-gathers the chunks'
+        gradients), or, with no learned position (or token-type) rows added, reduce-scattered into them instead
+        (:class:`~lightning_megatron.language.model.LanguageModelEmbedding`); none at one TP rank."""
+        if tp == 1:
+            return []
+        act = self.param_bytes * tokens * self.hidden_size
+        if not sequence_parallel:
+            return [("all_reduce", act)]
+        return [("all_reduce" if self.replicated_embedding_rows else "reduce_scatter", act), ("all_gather", act)]
+
+    def sequence_parallel_parameters(self, pp: int, stage: int) -> int:
+        """Trained parameter elements of ``stage`` replicated over TP that see only a rank's chunk of the sequence
+        under SP, whose gradients the TP ranks sum once a step: the norms, the row-parallel layers' biases, a MoE
+        layer's router (and its shared experts' gate, not counted: a vector), the final norm. None under LoRA
+        (frozen)."""
+        if self.lora_rank:
+            return 0
+        return (self.stage_layer_count(pp, stage) * self.sequence_parallel_layer_parameters
+                + (self.norm_parameters if stage == pp - 1 else 0))
+
+    @property
+    def sequence_parallel_layer_parameters(self) -> int:
+        """Of one layer's parameters, those :meth:`sequence_parallel_parameters` counts."""
+        h = self.hidden_size
+        biases = (1 if self.num_moe_experts else 2) * h if self.add_bias_linear else 0
+        return 2 * self.norm_parameters + biases + (self.num_moe_experts or 0) * h
+
+    @property
+    def replicated_embedding_rows(self) -> bool:
+        """Rows added to the word embedding's that every TP rank holds whole: learned positions."""
+        return self.learned_positions
+
+    def head_messages(self, tp: int, sequence_parallel: bool, tokens: float) -> list[tuple[Any, ...]]:
+        """The output layer's and the vocab-parallel loss's tensor-parallel collectives on a microbatch of
+        ``tokens`` tokens, as :meth:`embedding_messages`'s (a third element True: a gather of an input again for a
+        weight gradient, which runs beside the input gradient's GEMM): under SP the column-parallel output layer
+        gathers its input (forward), gathers it again for its weight gradient when it trains and reduce-scatters
+        its input gradient; without SP it all-reduces
+        its input gradient (backward); the cross entropy all-reduces three fp32 values a token (the logits' max,
+        the sum of exponentials, the target's logit). None at one TP rank."""
+        if tp == 1:
+            return []
+        n = self.head_fraction * tokens
+        act = self.param_bytes * n * self.hidden_size
+        loss = [("all_reduce", 4.0 * n)] * 3
+        if not sequence_parallel:
+            return [("all_reduce", act)] + loss
+        again = [] if self.lora_rank else [("all_gather", act, True)]
+        return [("all_gather", act)] + again + [("reduce_scatter", act)] + loss
 
     def keeps_input(self, name: str) -> bool:
         """Whether the projection ``name`` (``linear_qkv``, ``linear_fc1``, ``linear_fc2``) keeps its input for a

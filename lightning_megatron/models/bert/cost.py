@@ -45,6 +45,42 @@ class BertCost(TransformerCost):
     def head_dense(self) -> bool:
         return True
 
+    @property
+    def replicated_embedding_rows(self) -> bool:
+        """Learned positions and token types."""
+        return True
+
+    def sequence_parallel_parameters(self, pp: int, stage: int) -> int:
+        """The layers' and (pre-norm) the final norm's; the LM head's dense layer and norm (its input the whole
+        sequence's gathered masked tokens, its parameters marked so that the TP ranks' partial gradients are
+        summed); post-norm the embedding's norm on the first stage."""
+        h, norm = self.hidden_size, self.norm_parameters
+        n = self.stage_layer_count(pp, stage) * self.sequence_parallel_layer_parameters
+        if stage == pp - 1:
+            n += (0 if self.post_norm else norm) + h * h + h + norm
+        if stage == 0 and self.post_norm:
+            n += norm
+        return n
+
+    def head_messages(self, tp: int, sequence_parallel: bool, tokens: float) -> list[tuple[Any, ...]]:
+        """On the masked tokens only (:attr:`lm_head_on_masked_only`), under SP the whole sequence is gathered
+        first (the backward reduce-scatters its gradient) and the output layer gathers nothing itself; without
+        SP the output layer all-reduces its input gradient; the cross entropy's three fp32 values a token. The
+        pooler gathers its token from SP's chunks (one row a rank, no backward collective). None at one TP
+        rank."""
+        if tp == 1:
+            return []
+        if not self.lm_head_on_masked_only:
+            head = super().head_messages(tp, sequence_parallel, tokens)
+        else:
+            n = self.head_fraction * tokens
+            loss = [("all_reduce", 4.0 * n)] * 3
+            act = self.param_bytes * tokens * self.hidden_size
+            head = ([("all_gather", act), ("reduce_scatter", act)] if sequence_parallel
+                    else [("all_reduce", self.param_bytes * n * self.hidden_size)]) + loss
+        pooler = [("all_gather", self.param_bytes * tp * self.micro_batch_size * self.hidden_size)]
+        return head + (pooler if sequence_parallel else [])
+
     def with_head_tokens(self, tokens: int) -> BertCost:
         """These sizes with ``tokens`` masked tokens a microbatch (what a check run's step had at most)."""
         return replace(self, masked_lm_prob=tokens / (self.seq_length * self.micro_batch_size))
