@@ -57,9 +57,10 @@ def test_moe_tiny_check_measures_what_the_estimate_predicts(tmp_path):
     under CP the other ranks' keys and values and the two chunks' contexts beside their concatenation).
 
     With ``--estimate-time`` the bytes each rank sends, by part, are the time model's within 0.5% (the all-to-alls of
-    the routed rows within 5%: the routing's imbalance): under TP the experts' ``k`` rows a token all-reduced, under
-    SP with the tokens' and the routing's gathers (the model counted a dense MLP's: 11 MiB predicted against 15.08
-    sent at TP=2 with SP), CP's all-gathered keys and values, the dense and the experts' gradients over DP."""
+    the routed rows within 5%: the routing's imbalance): under TP the experts' partial outputs weighed and summed,
+    then reduced (they all-reduced the ``k`` slots: 15.08 MiB sent at TP=2 with SP, 11.61 now), the routing weights'
+    gradient, under SP the tokens' and the routing's gathers (the model counted a dense MLP's: 11 MiB predicted),
+    CP's all-gathered keys and values, the dense and the experts' gradients over DP."""
     from check_tables import assert_traffic
 
     out = _cli(tmp_path, "check", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--layouts", "ep2,tp2sp,cp2",

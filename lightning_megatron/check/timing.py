@@ -541,15 +541,15 @@ def stage_messages(m: StepCost, layout: ParallelDims, stage: int, fw: Framework 
             add("tp", "all_gather", x, t, regathered * layers, tp_x, hidden=fw.overlap_sp_gather)
         else:
             add("tp", "all_reduce", x, t, pairs * (n + layers), tp_x)
-        if experts:  # the experts' k rows a token all-reduced; the tokens' gradient (SP: tokens gathered, scattered)
-            add("tp", "all_reduce", k * x, t, n, tp_x)
-            if sp:  # with the routing: k fp32 weights and int64 expert ids a token (and whether each is kept)
+        if experts:  # the experts' partial outputs weighed, summed, reduced; the weights' and the tokens' gradients
+            add("tp", "all_reduce", 4 * k * tokens, t, layers, tp_x)
+            if sp:  # the tokens and their routing gathered (k fp32 weights, int64 expert ids, whether each is kept)
                 add("tp", "all_gather", x, t, n + layers, tp_x)
+                add("tp", "reduce_scatter", x, t, n + layers, tp_x)
                 capacity = getattr(m, "moe_expert_capacity_factor", None)
                 add("tp", "all_gather", (12 + (1 if capacity else 0)) * k * tokens, t, n, tp_x)
-                add("tp", "reduce_scatter", x, t, layers, tp_x)
             else:
-                add("tp", "all_reduce", x, t, layers, tp_x)
+                add("tp", "all_reduce", x, t, n + layers, tp_x)
         if sp and hasattr(m, "sequence_parallel_parameters"):  # their gradients summed once a step
             add("tp", "all_reduce", m.sequence_parallel_parameters(p, stage) * fw.grad_reduce_bytes, t, 1, tp_x,
                 per_step=True)

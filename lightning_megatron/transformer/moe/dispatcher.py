@@ -15,8 +15,8 @@ two are bitwise equal:
   megatron-style reduce-scatter of summed outputs, in exchange for the bitwise equality.
 
 Under tensor parallelism (expert TP = TP) every TP rank holds the same tokens here (the layer gathers
-them under sequence parallelism) and the same routing; the experts' partial outputs are summed over TP
-on the same tensor in both dispatchers.
+them under sequence parallelism) and the same routing; both dispatchers return each TP rank's partial
+outputs, which the layer weighs, sums over the slots and then reduces over TP.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from lightning_megatron.tensor_parallel.mappings import (
 __all__ = ["dispatch_alltoall", "dispatch_allgather", "DISPATCHERS"]
 
 Experts = Callable[[torch.Tensor, list[int]], torch.Tensor]
-"""``(rows sorted by local expert, rows per local expert) -> outputs`` (summed over TP)."""
+"""``(rows sorted by local expert, rows per local expert) -> outputs`` (this TP rank's partial sums)."""
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group) -> torch.Tensor:

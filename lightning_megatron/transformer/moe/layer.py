@@ -8,8 +8,8 @@
 
 Layout. Under sequence parallelism each TP rank routes its own tokens, then the tokens and their
 routing are gathered over TP, so every TP rank dispatches the same rows over EP and runs its TP
-shard of each expert; the partial outputs are summed over TP, combined, and each TP rank keeps its
-part of the sequence. Without sequence parallelism the TP ranks hold the same tokens throughout.
+shard of each expert; the partial outputs are combined, then summed over TP (reduce-scattered: each TP rank
+keeps its part of the sequence). Without sequence parallelism the TP ranks hold the same tokens throughout.
 
 Auxiliary losses (:func:`~lightning_megatron.transformer.moe.router.load_balancing_losses`) are added to
 the training objective through :class:`AuxLossScaler`: the forward passes the output through, the
@@ -40,7 +40,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    scatter_to_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 from lightning_megatron.transformer.config import TransformerConfig
@@ -159,7 +159,7 @@ class MoELayer(nn.Module):
         self._capacity: int | None = None
 
     def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return reduce_from_tensor_model_parallel_region(self.experts(rows, counts, self._capacity), self.tp_group)
+        return self.experts(rows, counts, self._capacity)  # this TP rank's partial sums
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
         c = self.config
@@ -184,10 +184,15 @@ class MoELayer(nn.Module):
         else:
             tokens_in = copy_to_tensor_model_parallel_region(x, self.tp_group)
         slots = self.dispatch(tokens_in, experts, keep, num_experts=self.num_experts, ep_group=self.groups.ep,
-                              run_experts=self._run_experts)  # [n, k, h]
+                              run_experts=self._run_experts)  # [n, k, h], this TP rank's partial sums
+        # Weighted and summed first, then reduced over TP once: h a token, not the k slots' k h (megatron-core
+        # reduce-scatters the k rows). The weights' gradient, read from partial slots, is summed over TP.
+        probs = copy_to_tensor_model_parallel_region(probs, self.tp_group)
         out = (slots * probs.to(slots.dtype).unsqueeze(-1)).sum(dim=1)
         if sp:
-            out = scatter_to_sequence_parallel_region(out, self.tp_group)
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        else:
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         out = out.view(s, b, h)
         if self.shared_experts is not None:
             shared, bias = self.shared_experts(hidden_states)
