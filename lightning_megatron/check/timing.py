@@ -508,7 +508,8 @@ def stage_messages(m: StepCost, layout: ParallelDims, stage: int, fw: Framework 
       (forward) and reduce-scatters their gradients; ``a2a`` sends queries, keys, values and the context
       all-to-all, forward and backward; ``p2p`` passes its keys and values around the ring ``c - 1`` times,
       forward and backward, and sends their fp32 gradients to their owners all-to-all.
-    - EP, a MoE layer: the routed rows all-to-all to the experts' ranks and back, forward and backward.
+    - EP, a MoE layer: the routed rows all-to-all to the experts' ranks and back, forward and backward (the
+      ``allgather`` dispatcher: the tokens all-gathered, the slots reduce-scattered back, and the reverse).
     - PP: each model chunk's output sent on and its input gradient back (not past the model's ends); the tied
       word embedding's gradient all-reduced by the first and last stage once a step.
     - DP (a step): the gradients all-reduced, or with ZeRO-1 reduce-scattered and the parameters all-gathered,
@@ -534,13 +535,32 @@ def stage_messages(m: StepCost, layout: ParallelDims, stage: int, fw: Framework 
     if t > 1:
         # the attention, and a dense MLP or a MoE layer's shared experts: a row- and a column-parallel pair each
         pairs = 1 + (1 if not experts or getattr(m, "moe_shared_expert_intermediate_size", None) else 0)
+        # the column layers' input gradients, but the first layer's qkv's under LoRA: the frozen embedding below
+        # needs none
+        inputs = pairs * layers - (1 if stage == 0 and _lora(m) else 0)
         if sp:
             add("tp", "all_gather", x, t, pairs * (n + layers), tp_x)  # column inputs; row outputs' gradients
-            add("tp", "reduce_scatter", x, t, pairs * (n + layers), tp_x)  # row outputs; column inputs' gradients
+            add("tp", "reduce_scatter", x, t, pairs * n + inputs, tp_x)  # row outputs; column inputs' gradients
             regathered = m.regathered_inputs if isinstance(m, TransformerCost) else 2
             add("tp", "all_gather", x, t, regathered * layers, tp_x, hidden=fw.overlap_sp_gather)
         else:
-            add("tp", "all_reduce", x, t, pairs * (n + layers), tp_x)
+            add("tp", "all_reduce", x, t, pairs * n + inputs, tp_x)
+        if _lora(m):  # the adapters' [tokens, r] (lora.LoRAAdapter); under SP a column one gathers its A too
+            a, w = e * tokens * m.lora_rank, e * m.lora_rank * h
+            for name in m.lora_targets:
+                if name in ("linear_qkv", "linear_fc1") and sp:
+                    add("tp", "all_gather", a, t, n, tp_x)
+                    add("tp", "reduce_scatter", a, t, layers, tp_x)
+                    add("tp", "all_gather", w, t, n, tp_x)
+                    add("tp", "reduce_scatter", w, t, layers, tp_x)
+                elif name in ("linear_qkv", "linear_fc1"):
+                    add("tp", "all_gather", a, t, n, tp_x)
+                    add("tp", "all_reduce", a, t, layers, tp_x)
+                elif sp:
+                    add("tp", "reduce_scatter", a, t, n, tp_x)
+                    add("tp", "all_gather", a, t, layers, tp_x)
+                else:
+                    add("tp", "all_reduce", a, t, n, tp_x)
         if experts:  # the experts' partial outputs weighed, summed, reduced; the weights' and the tokens' gradients
             add("tp", "all_reduce", 4 * k * tokens, t, layers, tp_x)
             if sp:  # the tokens and their routing gathered (k fp32 weights, int64 expert ids, whether each is kept)
@@ -581,12 +601,22 @@ def stage_messages(m: StepCost, layout: ParallelDims, stage: int, fw: Framework 
             add("cp", "all_gather", kv, c, n, cp_x)
             add("cp", "reduce_scatter", kv, c, layers, cp_x)
     if experts and ep > 1:  # expert TP = TP fastest, then EP
-        add("ep", "all_to_all", k * x, ep, 2 * (n + layers), t * ep > dpn)
+        ep_x = t * ep > dpn
+        if getattr(m, "moe_token_dispatcher_type", "alltoall") == "allgather":
+            # every rank's tokens and int64 sort keys gathered, the slots reduce-scattered back; gradients reversed
+            add("ep", "all_gather", ep * x, ep, n, ep_x)
+            add("ep", "all_gather", ep * 8 * k * tokens, ep, n, ep_x)
+            add("ep", "reduce_scatter", ep * k * x, ep, n, ep_x)
+            add("ep", "reduce_scatter", ep * x, ep, layers, ep_x)
+            add("ep", "all_gather", ep * k * x, ep, layers, ep_x)
+        else:  # the rows each way, forward and backward, after the int64 counts a forward
+            add("ep", "all_to_all", k * x, ep, 2 * (n + layers), ep_x)
+            add("ep", "all_to_all", 8 * experts, ep, n, ep_x)
     if p > 1:
         forward, backward = _chunks_sending(p, v, stage)
         sent = x / (t if (sp or fw.p2p_scatter_gather) else 1)
         add("pp", "send", sent, 2, forward + backward, t * d * p > dpn, p2p=True)
-        if stage in (0, p - 1) and not getattr(m, "untie_embeddings_and_output_weights", False):
+        if stage in (0, p - 1) and not getattr(m, "untie_embeddings_and_output_weights", False) and not _lora(m):
             add("pp", "all_reduce", m.padded_vocab(t) // t * h * fw.grad_reduce_bytes, 2, 1, t * d * p > dpn,
                 per_step=True)
     params = _trained_parameters(m, layout, stage, schedule)

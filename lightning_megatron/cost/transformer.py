@@ -113,6 +113,9 @@ class TransformerCost:
     moe_pad_expert_input_to_capacity: bool = False
     """With a capacity factor ``f``: every expert runs on its capacity, ``f`` times the balanced rows
     (:attr:`expert_rows_factor`)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """How the routed rows reach the experts' EP ranks: ``alltoall`` (the rows each way) or ``allgather`` (every
+    rank's tokens gathered, the slots reduce-scattered back)."""
     lora_rank: int = 0
     """LoRA adapters' rank (0: none, every parameter trains); with adapters only they have gradients and
     optimizer state, the frozen base its weights alone."""
@@ -146,7 +149,8 @@ class TransformerCost:
                          moe_ffn_hidden_size=config.moe_ffn_hidden_size,
                          moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
                          moe_expert_capacity_factor=config.moe_expert_capacity_factor,
-                         moe_pad_expert_input_to_capacity=config.moe_pad_expert_input_to_capacity)
+                         moe_pad_expert_input_to_capacity=config.moe_pad_expert_input_to_capacity,
+                         moe_token_dispatcher_type=config.moe_token_dispatcher_type)
         for name in ("vocab_size", "make_vocab_size_divisible_by", "max_sequence_length"):
             if getattr(config, name, None) is not None:
                 sizes[name] = getattr(config, name)
@@ -223,15 +227,17 @@ class TransformerCost:
         act = self.param_bytes * tokens * self.hidden_size
         if not sequence_parallel:
             return [("all_reduce", act)]
-        return [("all_reduce" if self.replicated_embedding_rows else "reduce_scatter", act), ("all_gather", act)]
+        gradient = [] if self.lora_rank else [("all_gather", act)]  # frozen under LoRA: no gradient comes back
+        return [("all_reduce" if self.replicated_embedding_rows else "reduce_scatter", act)] + gradient
 
     def sequence_parallel_parameters(self, pp: int, stage: int) -> int:
         """Trained parameter elements of ``stage`` replicated over TP that see only a rank's chunk of the sequence
         under SP, whose gradients the TP ranks sum once a step: the norms, the row-parallel layers' biases, a MoE
-        layer's router (and its shared experts' gate, not counted: a vector), the final norm. None under LoRA
-        (frozen)."""
+        layer's router (and its shared experts' gate, not counted: a vector), the final norm. Under LoRA (the base
+        frozen) the B of each adapter beside a row-parallel projection (``[h, r]``, applied to the rank's chunk)."""
         if self.lora_rank:
-            return 0
+            rows = sum(name in ("linear_proj", "linear_fc2") for name in self.lora_targets)
+            return self.stage_layer_count(pp, stage) * rows * self.hidden_size * self.lora_rank
         return (self.stage_layer_count(pp, stage) * self.sequence_parallel_layer_parameters
                 + (self.norm_parameters if stage == pp - 1 else 0))
 
