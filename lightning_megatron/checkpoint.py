@@ -100,7 +100,7 @@ CONFIG_HPARAM = "config"
 
 HPARAMS_MAY_DIFFER = frozenset({
     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # a layout, as TP / PP
-    "defer_embedding_wgrad_compute",  # when the same weight gradient is computed
+    "defer_embedding_wgrad_compute", "wgrad_deferral_limit",  # when the same weight gradient is computed
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fused_optimizer",
     "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",

@@ -217,3 +217,44 @@ def test_backward_input_then_backward_weight_per_microbatch():
     shuffled, _, _ = run("reversed")
     assert torch.equal(shuffled["2.weight"], plain["2.weight"])  # not deferred
     torch.testing.assert_close(shuffled["1.weight"], plain["1.weight"], rtol=0, atol=1e-6)
+
+
+def test_a_deferral_limit_keeps_at_most_that_many_microbatches_waiting_with_the_same_bits():
+    """``wgrad_deferral_limit`` (megatron-core's name): at most ``limit`` microbatches' output gradients and inputs
+    wait; when one more would, the oldest is computed then, in its turn, so the fp32 ``main_grad`` is autograd's
+    bits at every limit (megatron-core computes the later microbatches' at once instead: another order). 5
+    microbatches, limits 0 (all wait), 1, 2 and 5."""
+    from lightning_megatron.tensor_parallel import ColumnParallelLinear, WeightGradPolicy
+
+    torch.manual_seed(0)
+    xs = [torch.randn(6, 8).bfloat16() for _ in range(5)]
+
+    def run(limit: int | None) -> tuple[torch.Tensor, list[int]]:
+        torch.manual_seed(1)
+        layer = ColumnParallelLinear(8, 16).bfloat16()
+        buffer, policy = GradBuffer(list(layer.parameters())), WeightGradPolicy()
+        if limit is not None:
+            policy.defer([layer], limit=limit)
+        buffer.start(len(xs))
+        waiting = []
+        with policy.step(buffer.add_grad, buffer.add_grad_rows):
+            for k, x in enumerate(xs):
+                policy.backward_input(layer(x)[0].float().square().mean(), None, microbatch=k)
+                waiting.append(policy.deferral(layer).pending if limit is not None else 0)
+            policy.backward_weight()
+        buffer.finish_grad_sync()
+        grad = layer.weight.main_grad.clone()
+        buffer.remove()
+        return grad, waiting
+
+    plain, _ = run(None)
+    for limit, most in ((0, [1, 2, 3, 4, 5]), (1, [1, 1, 1, 1, 1]), (2, [1, 2, 2, 2, 2]), (5, [1, 2, 3, 4, 5])):
+        grad, waiting = run(limit)
+        assert waiting == most and torch.equal(grad, plain), (limit, waiting)
+    with pytest.raises(ValueError, match="limit=-1 must be >= 0"):
+        WeightGradPolicy().defer([ColumnParallelLinear(8, 16)], limit=-1)
+    from lightning_megatron.transformer.config import TransformerConfig
+
+    with pytest.raises(ValueError, match="wgrad_deferral_limit=2 bounds the deferral of defer_embedding_wgrad_compute"):
+        TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, wgrad_deferral_limit=2)
+

@@ -317,7 +317,7 @@ def test_the_output_layers_deferred_weight_gradient_keeps_each_microbatchs_outpu
     """``defer_embedding_wgrad_compute``: measured, what the output layer's deferral keeps of one microbatch (its
     output gradient ``[tokens, V/t]`` and input ``[tokens, h]``, fp32 and bf16) is the estimate's, and the last stage
     holds the step's earlier microbatches' until the flush (the estimate counted none: at Llama-3-8B's vocabulary,
-    s = 4096, bf16, 1 GiB a microbatch)."""
+    s = 4096, bf16, 1 GiB a microbatch), or as many as ``wgrad_deferral_limit``."""
     from lightning_megatron.models.gpt.model import gpt_loss
     from lightning_megatron.tensor_parallel import DeferredWeightGrad
 
@@ -337,6 +337,9 @@ def test_the_output_layers_deferred_weight_gradient_keeps_each_microbatchs_outpu
         plain = dataclasses.replace(m, defer_embedding_wgrad_compute=False)
         assert (estimate_stage(m, layout, 1).activation_bytes - estimate_stage(plain, layout, 1).activation_bytes
                 == 3 * held)  # 4 microbatches: 3 kept while the last runs
+        limited = dataclasses.replace(m, wgrad_deferral_limit=2)  # at most 2 wait (tests/test_deferred_wgrad.py)
+        assert (estimate_stage(limited, layout, 1).activation_bytes
+                - estimate_stage(plain, layout, 1).activation_bytes == 2 * held)
         assert estimate_stage(m, layout, 0).activation_bytes == estimate_stage(plain, layout, 0).activation_bytes
 
 

@@ -138,8 +138,10 @@ def _two_ranks() -> dict:
         # stage in fp32 while the precision plugin makes bf16 the default dtype (a bf16 receive buffer
         # aborted gloo)
         "bf16_pp2_vp2": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2),
+        # ... with at most one microbatch waiting (wgrad_deferral_limit): the oldest computed in its turn
         "bf16_pp2_vp2_deferred": _run(pp=2, dtype="bfloat16", clip_grad=0.05, virtual_pipeline_model_parallel_size=2,
-                                      config_fields={"defer_embedding_wgrad_compute": True}),
+                                      config_fields={"defer_embedding_wgrad_compute": True,
+                                                     "wgrad_deferral_limit": 1}),
     }
 
 

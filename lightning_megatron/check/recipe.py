@@ -201,6 +201,9 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     for where in ("defer_embedding_wgrad_compute", "config.defer_embedding_wgrad_compute"):
         if _get(model, where):
             _set(model, where, False)
+    for where in ("wgrad_deferral_limit", "config.wgrad_deferral_limit"):  # bounds the deferral: without it, none
+        if _get(model, where):
+            _set(model, where, 0)
     trainer = cfg.get("trainer") or {}
     kept, skipped = [], []
     for cb in trainer.get("callbacks") or []:

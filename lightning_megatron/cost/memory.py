@@ -137,7 +137,9 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
         act = window + max(head, min(k, per_chunk) * layer - kept_input)
     deferred = getattr(m, "deferred_output_bytes", None)
     if stage == pp - 1 and deferred is not None:  # the output layer's weight gradient at the flush: the step's
-        act += (microbatches - 1) * deferred(t) / cp  # earlier microbatches' output gradients and inputs, kept
+        waiting = microbatches - 1  # earlier microbatches' output gradients and inputs, kept (the most: the limit)
+        limit = getattr(m, "wgrad_deferral_limit", 0)
+        act += (min(waiting, limit) if limit else waiting) * deferred(t) / cp
     if stage == 0:  # e.g. the embedding dropout's mask, once per first-chunk forward
         act += -(-chunks // vp) * m.first_stage_activation_bytes(t, sp) / cp
     return MemoryEstimate(layout=layout.name, params=n, param_bytes=e * n, grad_bytes=grads, optimizer_bytes=opt,

@@ -89,6 +89,8 @@ class TransformerCost:
     defer_embedding_wgrad_compute: bool = False
     """The output layer's weight gradient at the pipeline flush: each microbatch's output gradient and input kept
     until then (:meth:`deferred_output_bytes`)."""
+    wgrad_deferral_limit: int = 0
+    """With :attr:`defer_embedding_wgrad_compute`, the most microbatches kept until the flush (0: all)."""
     attention_softmax_in_fp32: bool = True
     """The unfused attention's softmax in fp32 (a 16-bit model's keeps those probabilities beside their 16-bit cast:
     :attr:`probability_bytes`)."""
@@ -142,6 +144,7 @@ class TransformerCost:
                      num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
                      num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage,
                      defer_embedding_wgrad_compute=config.defer_embedding_wgrad_compute,
+                     wgrad_deferral_limit=config.wgrad_deferral_limit,
                      hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
                      cp_comm_type=config.cp_comm_type)
         if getattr(config, "num_moe_experts", None):

@@ -198,7 +198,7 @@ class LanguageModule(nn.Module):
                 init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
                 params_dtype=config.params_dtype, skip_weight_param_allocation=not owns_weight)
         defer_output_layer_weight_grad(self.output_layer, config.defer_embedding_wgrad_compute,
-                                       pre_process=self.pre_process)
+                                       pre_process=self.pre_process, limit=config.wgrad_deferral_limit)
 
     def finish_parameters(self) -> None:
         """The parameter facts of a built chunk: the tied word embedding is ``shared_embedding`` (the

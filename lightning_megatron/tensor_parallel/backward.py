@@ -86,24 +86,26 @@ def custom_backward(output: Tensor, grad_output: Tensor | None) -> None:
     )
 
 
-_declared: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""Output layers whose model asked for ``defer_embedding_wgrad_compute`` (read by ``for_chunks`` only)."""
+_declared: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+"""Output layers whose model asked for ``defer_embedding_wgrad_compute``, and their ``wgrad_deferral_limit`` (read
+by ``for_chunks`` only)."""
 
 
-def defer_output_layer_weight_grad(layer: nn.Module, defer: bool, *, pre_process: bool) -> None:
+def defer_output_layer_weight_grad(layer: nn.Module, defer: bool, *, pre_process: bool, limit: int = 0) -> None:
     """The model's ``defer_embedding_wgrad_compute`` (megatron-core's name) for its output ``layer``:
     the step's :class:`WeightGradPolicy` computes that layer's weight gradient of every microbatch at
-    the pipeline flush (:meth:`WeightGradPolicy.for_chunks`). Refused on a chunk that also holds the
+    the pipeline flush (:meth:`WeightGradPolicy.for_chunks`), of at most ``limit`` microbatches (0: all; the
+    model's ``wgrad_deferral_limit``) when more would wait. Refused on a chunk that also holds the
     embedding (``pre_process``): without pipeline parallelism there is no flush to hide the work in,
     and a tied weight's two gradients are summed by autograd within the one backward."""
     if not defer:
-        _declared.discard(layer)
+        _declared.pop(layer, None)
         return
     if pre_process:
         raise ValueError("defer_embedding_wgrad_compute=True needs pipeline parallelism "
                          "(pipeline_model_parallel_size >= 2): the output layer's weight gradient is deferred to the "
                          "pipeline flush of the last stage, and with one stage there is none. Set it to False.")
-    _declared.add(layer)
+    _declared[layer] = limit
 
 
 _active: WeightGradPolicy | None = None
@@ -155,19 +157,19 @@ class WeightGradPolicy:
         for chunk in chunks:
             for m in chunk.modules():
                 if m in _declared:
-                    policy.defer([m])
+                    policy.defer([m], limit=_declared[m])
         return policy
 
     # -- set-up ---------------------------------------------------------------------------------------
 
-    def defer(self, layers: Iterable[nn.Module], *, per_step: bool = False) -> int:
+    def defer(self, layers: Iterable[nn.Module], *, per_step: bool = False, limit: int = 0) -> int:
         """Defer the weight gradients of ``layers`` (column- and row-parallel linear layers: the layers
         that ask the policy) to :meth:`backward_weight`, through one shared
         :class:`~lightning_megatron.tensor_parallel.deferred_wgrad.DeferredWeightGrad` (``per_step``:
-        one GEMM per weight over the microbatches drained together). A layer deferred again takes the
-        later deferral. Returns the number of layers."""
+        one GEMM per weight over the microbatches drained together; ``limit``: at most that many microbatches
+        wait, 0 all). A layer deferred again takes the later deferral. Returns the number of layers."""
         self._check_idle("defer")
-        deferral = DeferredWeightGrad(per_step=per_step)
+        deferral = DeferredWeightGrad(per_step=per_step, limit=limit)
         count = 0
         for layer in layers:
             self._deferral_of[id(layer)] = (layer, deferral)
@@ -217,7 +219,7 @@ class WeightGradPolicy:
         if _active is not None:
             raise RuntimeError("WeightGradPolicy.step: another policy's step is running")
         for deferral in self.deferrals:
-            deferral.open()
+            deferral.open(add_grad)
         for rows in self.embedding_rows:
             rows.open(add_grad_rows)
         self._add_grad, _active = add_grad, self

@@ -15,6 +15,9 @@ weight gradients reach the gradient buffer in microbatch order, as they did duri
 passes: the fp32 ``main_grad`` sums are the same bits. Costs memory until the flush: each
 microbatch's output gradient ``[tokens, V/t]`` and input ``[tokens, h]`` (BERT's head on the masked
 tokens: ~2 MB per microbatch at bert-base; a decoder's full-sequence logits: ``s b V/t`` elements).
+``limit`` (megatron-core's ``wgrad_deferral_limit``) bounds that to as many microbatches: when one more
+would wait, the oldest waiting one is computed first (in its turn: the same bits), and the flush computes
+the last ``limit``.
 
 ``DeferredWeightGrad(per_step=True)`` (the CPU tuning's ``weight_grads_per_step``,
 :mod:`lightning_megatron.cpu`) drains differently: one GEMM per weight over the step's microbatches
@@ -70,15 +73,22 @@ class DeferredWeightGrad:
     schedule) it is plain ``F.linear``.
     """
 
-    def __init__(self, *, per_step: bool = False) -> None:
+    def __init__(self, *, per_step: bool = False, limit: int = 0) -> None:
+        if limit < 0 or (limit and per_step):
+            raise ValueError(f"limit={limit} must be >= 0 (0: every microbatch waits for the drain), and 0 with "
+                             f"per_step=True (one GEMM over all the step's microbatches)")
         self.per_step = per_step
         """Drain one GEMM per weight over all the microbatches drained together (see the module doc)."""
+        self.limit = limit
+        """The most microbatches that wait (megatron-core's ``wgrad_deferral_limit``; 0: all): when one more would,
+        the oldest is drained first, so the gradients still reach ``main_grad`` in microbatch order."""
         self.microbatch: int | None = None
         """The microbatch whose backward runs now: what the stashed gradients are filed under (set by
         :meth:`~lightning_megatron.tensor_parallel.backward.WeightGradPolicy.backward_input`)."""
         self.drained = 0
         """Microbatch weight gradients computed by :meth:`drain` so far (all steps)."""
         self._open = False
+        self._add_grad: Callable[..., None] | None = None
         self._stashed: list[tuple[int | None, nn.Parameter, torch.Tensor, torch.Tensor]] = []
 
     @property
@@ -86,10 +96,13 @@ class DeferredWeightGrad:
         """Microbatches whose weight gradient is stashed and not drained yet."""
         return len(self._stashed)
 
-    def open(self) -> None:
-        """Before a step's first microbatch: defer from now on (a failed step's leftovers are dropped)."""
+    def open(self, add_grad: Callable[..., None] | None = None) -> None:
+        """Before a step's first microbatch: defer from now on (a failed step's leftovers are dropped);
+        ``add_grad`` takes the gradients drained early under a :attr:`limit`."""
+        if self.limit and add_grad is None:
+            raise ValueError("DeferredWeightGrad(limit=...) drains early: open it with the step's add_grad")
         self._stashed.clear()
-        self._open = True
+        self._open, self._add_grad = True, add_grad
 
     def defers(self, weight: torch.Tensor) -> bool:
         """Whether a linear layer of ``weight`` run now stashes its weight gradient (open, training, trained)."""
@@ -101,6 +114,9 @@ class DeferredWeightGrad:
         return F.linear(x, weight, bias)
 
     def stash(self, weight: nn.Parameter, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
+        waiting = list(dict.fromkeys(entry[0] for entry in self._stashed))
+        if self.limit and self.microbatch not in waiting and len(waiting) >= self.limit:
+            self.drain(self._add_grad, microbatch=waiting[0])  # the oldest, in its turn
         self._stashed.append((self.microbatch, weight, grad_2d, x_2d))
 
     def drain(self, add_grad: Callable[..., None], *, microbatch: int | None = None) -> int:

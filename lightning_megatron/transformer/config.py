@@ -113,6 +113,11 @@ class TransformerConfig:
     of the last stage instead of in each backward (megatron-core's name): the same numbers, a shorter
     steady state on the last stage, the output gradients of the step's microbatches kept until the
     flush. Needs pipeline parallelism (:mod:`lightning_megatron.tensor_parallel.deferred_wgrad`)."""
+    wgrad_deferral_limit: int = 0
+    """With :attr:`defer_embedding_wgrad_compute`, the most microbatches whose output-layer weight gradient waits
+    (megatron-core's name; 0: all of the step's): the oldest is computed when one more would wait, so the last
+    stage keeps at most this many microbatches' output gradients and inputs, and the flush computes them. The same
+    numbers at every limit (the gradients reach ``main_grad`` in microbatch order)."""
 
     num_moe_experts: int | None = None
     """Mixture of experts (:mod:`lightning_megatron.transformer.moe`): the number of routed experts of every
@@ -232,6 +237,12 @@ class TransformerConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not
                                       0 < value < self.num_layers):
                 problems.append(f"{name}={value!r} must be None or an integer in [1, num_layers={self.num_layers})")
+        limit = self.wgrad_deferral_limit
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            problems.append(f"wgrad_deferral_limit={limit!r} must be an integer >= 0 (0: every microbatch waits)")
+        elif limit and not self.defer_embedding_wgrad_compute:
+            problems.append(f"wgrad_deferral_limit={limit} bounds the deferral of defer_embedding_wgrad_compute, "
+                            f"which is off: set defer_embedding_wgrad_compute=True or leave the limit at 0")
         if problems:
             raise ConfigProblems(problems)
 
