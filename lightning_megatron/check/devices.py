@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from lightning_megatron.check.timing import Device
+from lightning_megatron.check.records import Device
 from lightning_megatron.cost.protocols import StepCost
 
 __all__ = ["DEVICES", "HOST_OP", "device", "isolated_rng", "layer_seconds", "measure_this_machine", "model_seconds"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_megatron.check.timing import Device, Framework, HostOps
+from lightning_megatron.check.records import Device, Framework, HostOps
 from lightning_megatron.cost.protocols import StepCost
 from lightning_megatron.cost.transformer import TransformerCost
 

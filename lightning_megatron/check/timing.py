@@ -40,139 +40,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.cost.memory import estimate_stage, layout_schedule, stage_layers
+from lightning_megatron.check.communication import Message, stage_messages, stage_traffic
+from lightning_megatron.check.records import (MEASURED, STEP_OPS, Device, Efficiency, Framework, HostOps,
+                                              collective_time, link_rate)
+from lightning_megatron.cost.memory import (adapters_only, layout_schedule, recomputed_share, stage_layers,
+                                            trained_parameters)
 from lightning_megatron.cost.protocols import StepCost
 from lightning_megatron.cost.transformer import TransformerCost
 from lightning_megatron.flops import transformer_flops
+from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
-__all__ = ["Device", "Efficiency", "Framework", "HostOps", "Message", "STEP_OPS", "StepTime",
+# the records and the messages it takes are re-exported: the model's names, where the docs and callers find them
+__all__ = ["Device", "Efficiency", "Framework", "HostOps", "MEASURED", "Message", "STEP_OPS", "StepTime",
            "adapter_bytes", "collective_time", "elementwise_bytes", "estimate_time", "grad_accumulation_bytes",
-           "layer_flops", "model_flops", "stage_flops", "stage_messages", "stage_traffic", "vocab_bytes"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Device:
-    """Rates of one accelerator and its links (datasheet figures or measured: see ``devices``)."""
-
-    name: str
-    flops_16: float
-    """Dense bf16/fp16 FLOP/s (no sparsity)."""
-    flops_32: float
-    """Dense fp32 FLOP/s (what fp32 matmuls get without TF32)."""
-    hbm: float
-    """Memory bandwidth, bytes/s."""
-    link_intra: float
-    """Bandwidth per device within a node, one direction, bytes/s (NVLink)."""
-    link_inter: float
-    """Bandwidth per device between nodes, bytes/s (the node's InfiniBand / devices per node)."""
-    devices_per_node: int = 8
-    latency_intra: float = 10e-6
-    """Seconds per collective or send within a node."""
-    latency_inter: float = 20e-6
-    """Seconds per collective or send between nodes."""
-    p2p: float | None = None
-    """Bandwidth of pipeline sends when they take another path than the collectives (a host whose
-    collectives go through shared memory and sends through gloo); None: the group's link."""
-    p2p_latency: float = 0.0
-    """Seconds per send on that path."""
-    elementwise: float | None = None
-    """Bytes/s the model's memory-bound kernels reach, as counted by :func:`elementwise_bytes` (None:
-    ``hbm``). A CPU's norms, GELU, softmax and dropout run far below its copy bandwidth: measured on
-    this machine from one transformer layer (``devices.measure_this_machine``)."""
-    vocab: float | None = None
-    """Bytes/s of the passes over vocabulary-sized tensors, as counted by :func:`vocab_bytes` (None:
-    ``hbm``). On a CPU the LM head's GEMMs with few rows (the masked tokens) against the [V, h]
-    weight run far below the GEMM rate and the dense embedding gradient is written into fresh memory:
-    measured on this machine from the model's embedding, heads and loss (``devices.measure_this_machine``)."""
-    host_op: float | None = None
-    """Seconds of host time per aten op the training step dispatches (Python, autograd, the kernel's launch):
-    an accelerator runs its kernels while the host queues the next ones, so a step takes at least its ops times
-    this (:class:`HostOps`). None: the host runs the kernels itself (a CPU; their dispatch is inside the measured
-    rates)."""
-    cores: int | None = None
-    """A host without accelerators: the rates are per core, and each of a layout's ranks gets
-    ``cores / world_size`` cores (threads when fewer ranks than cores, time slices when more)."""
-    source: str = ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Efficiency:
-    """Achievable fractions of the datasheet rates (1.0 for measured rates)."""
-
-    gemm: float = 0.7
-    """Of the dense peak, for the model's GEMMs (large cuBLAS GEMMs reach ~0.75-0.85; attention less)."""
-    memory: float = 0.8
-    """Of the HBM bandwidth, for elementwise kernels."""
-    link: float = 0.8
-    """Of the link bandwidth, for NCCL collectives (bus bandwidth over link bandwidth)."""
-
-    def __post_init__(self) -> None:
-        for name, value in (("gemm", self.gemm), ("memory", self.memory), ("link", self.link)):
-            if not 0 < value <= 1:
-                raise ValueError(f"efficiency {name}={value} must be in (0, 1] (a fraction of the device's rate)")
-
-
-MEASURED = Efficiency(gemm=1.0, memory=1.0, link=1.0)
-
-STEP_OPS = 350
-"""Host work once an optimizer step, in ops at the training step's host time per op: the wrapper's flat step,
-zero-grad, Lightning's loop and its logging (``benchmarks/host_step.py``'s phases; docs/check.md, "Host")."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class HostOps:
-    """The aten ops (views included) one rank's host dispatches for a step of the model, counted on a small copy
-    of it (:func:`lightning_megatron.check.host_ops.count_host_ops`: its two-layer model's ops less its one-layer
-    model's): they do not depend on the width, the sequence or the batch. Not counted: the TP, CP and EP
-    collectives' few ops per layer."""
-
-    layer: int
-    """One layer's forward and backward of one microbatch, and the GradBuffer hook's op per trained parameter."""
-    ends: int
-    """The embeddings, heads and loss of one microbatch, their hook ops included (counted on the last stage)."""
-    step: int = STEP_OPS
-    """Once a step: :data:`STEP_OPS`."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Framework:
-    """What the training code does that changes the time (defaults: this library's)."""
-
-    grad_reduce_bytes: int = 4
-    """Bytes per gradient element in the DP reduction (fp32 ``main_grad`` here)."""
-    overlap_grad_reduce: bool = True
-    """DP reduction started during the last microbatch's backward (``MegatronStrategy(overlap_grad_reduce)``,
-    on by default except with the CPU tuning's synchronous shared-memory collectives)."""
-    overlap_param_gather: bool = False
-    """ZeRO-1 parameter all-gather hidden behind the next forward."""
-    overlap_sp_gather: bool = True
-    """Under sequence parallelism the backward gathers the qkv and fc1 layers' inputs again
-    (:mod:`~lightning_megatron.tensor_parallel.layers`) while their input gradients' GEMMs run: hidden with
-    asynchronous collectives (NCCL, gloo), exposed with the CPU tuning's synchronous shared-memory ones."""
-    p2p_scatter_gather: bool = False
-    """Megatron's scatter/gather of pipeline sends between nodes: each TP rank sends 1/t."""
-    fused_attention: bool = True
-    """Attention without [b, a, s, s] tensors in memory (flash / memory-efficient sdpa)."""
-    optimizer_bytes: int | None = None
-    """Bytes read + written per trained parameter by the optimizer step; None: this library's wrappers
-    (:meth:`optimizer_bytes_per_param`)."""
-    fused_grad_accumulation: bool = False
-    """The weight-gradient GEMMs add into the fp32 ``main_grad`` themselves (megatron-core's
-    ``gradient_accumulation_fusion``). Off here: each microbatch's backward writes ``param.grad`` and
-    the GradBuffer's hook adds it into ``main_grad`` (:func:`grad_accumulation_bytes`)."""
-    host_ops: HostOps | None = None
-    """What the host dispatches per step, for a device with a :attr:`Device.host_op` (None: not modelled)."""
-
-    def optimizer_bytes_per_param(self, param_bytes: int) -> int:
-        """``optimizer_bytes``, or what the wrappers move per parameter of ``param_bytes``-byte params: Adam over
-        the fp32 (main) params reads the param, its grad and both moments and writes the param and the moments
-        (28), the norm reads the grads (4), and with 16-bit params the fp32 main params are copied back into them
-        (read 4, write ``param_bytes``): 32 in fp32, 38 in bf16."""
-        if self.optimizer_bytes is not None:
-            return self.optimizer_bytes
-        return 32 + (4 + param_bytes if param_bytes < 4 else 0)
+           "layer_flops", "link_rate", "model_flops", "recomputed_share", "stage_flops", "stage_messages",
+           "stage_traffic", "vocab_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,19 +120,6 @@ class StepTime:
         return self.model_flops / self.total / self.world_size / self.peak
 
 
-def collective_time(kind: str, nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
-    """Seconds of a ring collective of ``nbytes`` (the full tensor) over ``ranks`` ranks:
-    all_reduce ``2(k-1)/k n / bw``, all_gather / reduce_scatter / all_to_all ``(k-1)/k n / bw`` (an
-    all-to-all's ``n``: what one rank sends, itself included), send ``n / bw``; plus ``latency``; 0 on
-    one rank."""
-    if kind == "send":
-        return nbytes / bandwidth + latency
-    if ranks == 1:
-        return 0.0
-    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind]
-    return factor * (ranks - 1) / ranks * nbytes / bandwidth + latency
-
-
 def _layer_shape(m: StepCost) -> dict[str, Any]:
     """What :func:`transformer_flops` takes beyond the sizes, where the cost record has it (a
     :class:`TransformerCost`): the query and key/value projection widths (grouped-query attention)
@@ -269,14 +139,9 @@ def model_flops(m: StepCost, *, recompute: bool = False) -> float:
     head = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn, seq_length=m.seq_length,
                              tokens=tokens, head_tokens=m.head_fraction * tokens, vocab_size=m.padded_vocab(1),
                              head_dense=m.head_dense)
-    if _lora(m):
+    if adapters_only(m):
         head *= 2 / 3
     return layer_flops(m, m.num_layers, tokens, recompute=recompute) + head
-
-
-def _lora(m: StepCost) -> bool:
-    """Whether ``m`` trains LoRA adapters on a frozen base (its embeddings and output layer frozen too)."""
-    return isinstance(m, TransformerCost) and bool(m.lora_rank)
 
 
 def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompute: bool | None = None) -> float:
@@ -288,23 +153,11 @@ def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompu
                  head_tokens=0, vocab_size=0, **_layer_shape(m))
     flops = transformer_flops(seq_length=m.seq_length, recompute=m.recompute if recompute is None else recompute,
                               **shape)
-    if _lora(m):
+    if adapters_only(m):
         assert isinstance(m, TransformerCost)
         flops -= transformer_flops(seq_length=0, **shape) / 3
         flops += 6 * tokens * layers * m.lora_layer_parameters(tp) * tp
     return flops
-
-
-def recomputed_share(m: StepCost, layout: ParallelDims, stage: int = 0) -> float:
-    """The share of the layers of ``stage`` whose forward runs again in the backward: none without recomputation,
-    all with "uniform" groups, the first ``recompute_num_layers`` of each chunk with "block"."""
-    if not m.recompute:
-        return 0.0
-    if getattr(m, "recompute_method", None) != "block":
-        return 1.0
-    chunks = stage_layers(m, layout.pp, stage, layout.vp)
-    k = getattr(m, "recompute_num_layers", None) or 1
-    return sum(min(k, n) for n in chunks) / sum(chunks)
 
 
 def padding_flops(m: StepCost, layers: int, tokens: float, *, recompute: bool | None = None,
@@ -341,7 +194,7 @@ def stage_flops(m: StepCost, layout: ParallelDims, stage: int, *, head: bool = T
         head_flops = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
                                  seq_length=m.seq_length, tokens=tokens, head_tokens=m.head_fraction * tokens,
                                  vocab_size=m.padded_vocab(t), head_dense=m.head_dense)
-        if _lora(m):
+        if adapters_only(m):
             head_flops *= 2 / 3
     return (layers + head_flops) / (t * layout.cp)
 
@@ -387,7 +240,7 @@ def adapter_bytes(m: StepCost, layout: ParallelDims) -> float:
     backward it reads the output gradient in both B GEMMs (``2 o``), reads the input for A's gradient, writes
     the input gradient and adds it into the base's (``5 i``): ``6 i + 4 o`` elements (the ``[tokens, r]``
     intermediates are negligible). Bound by memory, not by their ``6 r (i + o)`` FLOPs."""
-    if not _lora(m):
+    if not adapters_only(m):
         return 0.0
     assert isinstance(m, TransformerCost)
     t, h, f = layout.tp, m.hidden_size, m.ffn
@@ -413,7 +266,7 @@ def vocab_bytes(m: StepCost, layout: ParallelDims, stage: int) -> float:
     few rows (BERT: the masked tokens), which makes them bound by these bytes, not by their FLOPs."""
     t, p = layout.tp, layout.pp
     w = m.padded_vocab(t) // t * m.hidden_size * m.param_bytes
-    frozen = _lora(m)
+    frozen = adapters_only(m)
     n = 0.0
     if stage == 0 and not frozen:
         n += w
@@ -437,213 +290,6 @@ def grad_accumulation_bytes(params: int, grad_bytes: int, microbatches: int, fw:
     return float(params * (microbatches * (grad_bytes + 4) + (microbatches - 1) * 4))
 
 
-def _bandwidth(dev: Device, eff: Efficiency, crosses_nodes: bool) -> tuple[float, float]:
-    if crosses_nodes:
-        return dev.link_inter * eff.link, dev.latency_inter
-    return dev.link_intra * eff.link, dev.latency_intra
-
-
-def _trained_parameters(m: StepCost, layout: ParallelDims, stage: int, schedule: str | PipelineSchedule) -> int:
-    """Parameter elements with gradients on a rank of ``stage``: its LoRA adapters, else all of them."""
-    trainable = getattr(m, "stage_trainable_parameters", None)
-    trained = trainable(layout.tp, layout.pp, stage) if trainable is not None else None
-    return estimate_stage(m, layout, stage, schedule=schedule).params if trained is None else trained
-
-
-@dataclass(frozen=True, kw_only=True)
-class Message:
-    """A collective (or send) a rank of a pipeline stage takes part in, ``times`` a microbatch (``per_step``: a
-    step): ``kind`` and ``nbytes`` as :func:`collective_time` takes them, over ``ranks`` ranks."""
-
-    part: str
-    """The layout's dimension it belongs to: ``tp``, ``cp``, ``ep``, ``pp`` or ``dp`` (:class:`StepTime`'s)."""
-    kind: str
-    nbytes: float
-    ranks: int
-    times: float = 1.0
-    crosses_nodes: bool = False
-    p2p: bool = False
-    """A send on the pipeline's path (:attr:`Device.p2p` where the device has one)."""
-    hidden: bool = False
-    """Overlapped with compute (:class:`Framework`): no time on the critical path; the bytes are sent all the same."""
-    per_step: bool = False
-
-    @property
-    def sent(self) -> float:
-        """Bytes a rank puts on the wire for it, all ``times``."""
-        return self.times * collective_time(self.kind, self.nbytes, self.ranks, 1.0, 0.0)
-
-    def seconds(self, dev: Device, eff: Efficiency) -> float:
-        """Its time on the critical path, all ``times``."""
-        if self.hidden or self.times == 0:
-            return 0.0
-        bw, lat = _bandwidth(dev, eff, self.crosses_nodes)
-        if self.p2p and dev.p2p is not None:
-            bw, lat = dev.p2p * eff.link, dev.p2p_latency
-        return self.times * collective_time(self.kind, self.nbytes, self.ranks, bw, lat)
-
-
-def _chunks_sending(p: int, v: int, stage: int) -> tuple[int, int]:
-    """(forward sends, backward sends) a microbatch of a rank of ``stage``: each of its ``v`` model chunks sends
-    its output on unless it is the model's last chunk, and its input gradient back unless it is the first."""
-    chunks = [j * p + stage for j in range(v)]
-    return sum(c < p * v - 1 for c in chunks), sum(c > 0 for c in chunks)
-
-
-def stage_messages(m: StepCost, layout: ParallelDims, stage: int, fw: Framework = Framework(), *,
-                   devices_per_node: int = 8, schedule: str | PipelineSchedule = AUTO) -> list[Message]:
-    """Every collective and send of a rank of ``stage`` in one step of ``m`` at ``layout``: what the library's
-    layers, schedule and gradient code issue (``check --estimate-time`` counts them on a run:
-    :mod:`lightning_megatron.check.traffic`). A microbatch's ``tokens = s/c b`` of ``h`` elements of ``e`` bytes,
-    ``x = e tokens h``:
-
-    - TP, a layer: without SP an all-reduce of ``x`` after the attention's and the MLP's row-parallel layers
-      (forward) and of their column-parallel layers' input gradients (backward); under SP an all-gather and a
-      reduce-scatter for each (the same bytes), and the column-parallel layers' inputs gathered again for their
-      weight gradients (:attr:`~lightning_megatron.cost.TransformerCost.regathered_inputs`); recomputed layers'
-      forwards again. A MoE layer's MLP all-reduces its experts' ``k`` rows a token (forward) and the tokens'
-      input gradient (backward; under SP it gathers its tokens, scatters its output). The word embedding's and
-      the head's (``embedding_messages``, ``head_messages`` of the cost record) on the end stages.
-    - CP, a layer, by ``cp_comm_type``: ``all_gather`` all-gathers the keys and values of the whole sequence
-      (forward) and reduce-scatters their gradients; ``a2a`` sends queries, keys, values and the context
-      all-to-all, forward and backward; ``p2p`` passes its keys and values around the ring ``c - 1`` times,
-      forward and backward, and sends their fp32 gradients to their owners all-to-all.
-    - EP, a MoE layer: the routed rows all-to-all to the experts' ranks and back, forward and backward (the
-      ``allgather`` dispatcher: the tokens all-gathered, the slots reduce-scattered back, and the reverse).
-    - PP: each model chunk's output sent on and its input gradient back (not past the model's ends); the tied
-      word embedding's gradient all-reduced by the first and last stage once a step.
-    - DP (a step): the gradients all-reduced, or with ZeRO-1 reduce-scattered and the parameters all-gathered,
-      the dense ones over ``d c`` ranks, the experts' over their ``edp``.
-    """
-    t, p, d, v, c, ep = layout.tp, layout.pp, layout.dp, layout.vp or 1, layout.cp, layout.ep
-    e, s, b, h = m.param_bytes, m.seq_length, m.micro_batch_size, m.hidden_size
-    dpn, sp = devices_per_node, layout.sequence_parallel
-    tokens = s / c * b
-    x = e * tokens * h
-    layers, r = sum(stage_layers(m, p, stage, v)), recomputed_share(m, layout, stage)
-    n = layers * (1 + r)  # the layers' forwards, recomputed ones again
-    experts = getattr(m, "num_moe_experts", None)
-    k = getattr(m, "moe_router_topk", 0)
-    out: list[Message] = []
-
-    def add(part: str, kind: str, nbytes: float, ranks: int, times: float, crosses: bool, **kw: Any) -> None:
-        if times and ranks > 1:
-            out.append(Message(part=part, kind=kind, nbytes=nbytes, ranks=ranks, times=times, crosses_nodes=crosses,
-                               **kw))
-
-    tp_x = t > dpn
-    if t > 1:
-        # the attention, and a dense MLP or a MoE layer's shared experts: a row- and a column-parallel pair each
-        pairs = 1 + (1 if not experts or getattr(m, "moe_shared_expert_intermediate_size", None) else 0)
-        # the column layers' input gradients, but the first layer's qkv's under LoRA: the frozen embedding below
-        # needs none
-        inputs = pairs * layers - (1 if stage == 0 and _lora(m) else 0)
-        if sp:
-            add("tp", "all_gather", x, t, pairs * (n + layers), tp_x)  # column inputs; row outputs' gradients
-            add("tp", "reduce_scatter", x, t, pairs * n + inputs, tp_x)  # row outputs; column inputs' gradients
-            regathered = m.regathered_inputs if isinstance(m, TransformerCost) else 2
-            add("tp", "all_gather", x, t, regathered * layers, tp_x, hidden=fw.overlap_sp_gather)
-        else:
-            add("tp", "all_reduce", x, t, pairs * n + inputs, tp_x)
-        if _lora(m):  # the adapters' [tokens, r] (lora.LoRAAdapter); under SP a column one gathers its A too
-            a, w = e * tokens * m.lora_rank, e * m.lora_rank * h
-            for name in m.lora_targets:
-                if name in ("linear_qkv", "linear_fc1") and sp:
-                    add("tp", "all_gather", a, t, n, tp_x)
-                    add("tp", "reduce_scatter", a, t, layers, tp_x)
-                    add("tp", "all_gather", w, t, n, tp_x)
-                    add("tp", "reduce_scatter", w, t, layers, tp_x)
-                elif name in ("linear_qkv", "linear_fc1"):
-                    add("tp", "all_gather", a, t, n, tp_x)
-                    add("tp", "all_reduce", a, t, layers, tp_x)
-                elif sp:
-                    add("tp", "reduce_scatter", a, t, n, tp_x)
-                    add("tp", "all_gather", a, t, layers, tp_x)
-                else:
-                    add("tp", "all_reduce", a, t, n, tp_x)
-        if experts:  # the experts' partial outputs weighed, summed, reduced; the weights' and the tokens' gradients
-            add("tp", "all_reduce", 4 * k * tokens, t, layers, tp_x)
-            if sp:  # the tokens and their routing gathered (k fp32 weights, int64 expert ids, whether each is kept)
-                add("tp", "all_gather", x, t, n + layers, tp_x)
-                add("tp", "reduce_scatter", x, t, n + layers, tp_x)
-                capacity = getattr(m, "moe_expert_capacity_factor", None)
-                add("tp", "all_gather", (12 + (1 if capacity else 0)) * k * tokens, t, n, tp_x)
-            else:
-                add("tp", "all_reduce", x, t, n + layers, tp_x)
-        if sp and hasattr(m, "sequence_parallel_parameters"):  # their gradients summed once a step
-            add("tp", "all_reduce", m.sequence_parallel_parameters(p, stage) * fw.grad_reduce_bytes, t, 1, tp_x,
-                per_step=True)
-        ends = []
-        if stage == 0:
-            ends += m.embedding_messages(t, sp, tokens) if hasattr(m, "embedding_messages") else [("all_reduce", x)]
-        if stage == p - 1 and hasattr(m, "head_messages"):
-            ends += m.head_messages(t, sp, tokens)
-        for kind, nbytes, *again in ends:  # a gather for a weight gradient runs beside the input gradient's GEMM
-            add("tp", kind, nbytes, t, 1, tp_x, hidden=bool(again and again[0]) and fw.overlap_sp_gather)
-    token_ranks = c * (t if sp else 1)  # the ranks holding a microbatch's tokens, over which a capacity is chosen
-    if experts and getattr(m, "moe_expert_capacity_factor", None) and token_ranks > 1:  # their routing gathered
-        add("cp" if c > 1 else "tp", "all_gather", 12 * k * s * b, token_ranks, n, t * c > dpn)
-    if c > 1:
-        cp_x = t * c > dpn
-        g, dh = m.groups / t, m.head_dim
-        kind = getattr(m, "cp_comm_type", "all_gather")
-        if kind == "a2a":
-            heads = m.num_attention_heads / t
-            kv_heads = g if g % c == 0 else heads  # fewer key/value heads than CP ranks: repeated for each group
-            add("cp", "all_to_all", e * tokens * heads * dh, c, 2 * (n + layers), cp_x)  # queries; the context
-            add("cp", "all_to_all", e * tokens * kv_heads * dh, c, 2 * (n + layers), cp_x)  # keys; values
-        elif kind == "p2p":
-            kv = 2 * e * tokens * g * dh  # this rank's keys and values, around the ring
-            add("cp", "send", kv, 2, (c - 1) * (n + layers), cp_x, p2p=True)
-            add("cp", "all_to_all", 2 * 4 * s * b * g * dh, c, layers, cp_x)  # fp32 gradients, each block's owner
-        else:
-            kv = 2 * e * s * b * g * dh  # the whole sequence's keys and values
-            add("cp", "all_gather", kv, c, n, cp_x)
-            add("cp", "reduce_scatter", kv, c, layers, cp_x)
-    if experts and ep > 1:  # expert TP = TP fastest, then EP
-        ep_x = t * ep > dpn
-        if getattr(m, "moe_token_dispatcher_type", "alltoall") == "allgather":
-            # every rank's tokens and int64 sort keys gathered, the slots reduce-scattered back; gradients reversed
-            add("ep", "all_gather", ep * x, ep, n, ep_x)
-            add("ep", "all_gather", ep * 8 * k * tokens, ep, n, ep_x)
-            add("ep", "reduce_scatter", ep * k * x, ep, n, ep_x)
-            add("ep", "reduce_scatter", ep * x, ep, layers, ep_x)
-            add("ep", "all_gather", ep * k * x, ep, layers, ep_x)
-        else:  # the rows each way, forward and backward, after the int64 counts a forward
-            add("ep", "all_to_all", k * x, ep, 2 * (n + layers), ep_x)
-            add("ep", "all_to_all", 8 * experts, ep, n, ep_x)
-    if p > 1:
-        forward, backward = _chunks_sending(p, v, stage)
-        sent = x / (t if (sp or fw.p2p_scatter_gather) else 1)
-        add("pp", "send", sent, 2, forward + backward, t * d * p > dpn, p2p=True)
-        if stage in (0, p - 1) and not getattr(m, "untie_embeddings_and_output_weights", False) and not _lora(m):
-            add("pp", "all_reduce", m.padded_vocab(t) // t * h * fw.grad_reduce_bytes, 2, 1, t * d * p > dpn,
-                per_step=True)
-    params = _trained_parameters(m, layout, stage, schedule)
-    expert_params = m.stage_expert_parameters(t, ep, p, stage) if experts and not _lora(m) else 0  # LoRA: frozen
-    for count, ranks, crosses in ((params - expert_params, d * c, t * d * c > dpn),
-                                  (expert_params, layout.expert_dp, t * c * d > dpn)):
-        if not count:
-            continue
-        if layout.zero1:
-            add("dp", "reduce_scatter", count * fw.grad_reduce_bytes, ranks, 1, crosses, per_step=True)
-            add("dp", "all_gather", count * e, ranks, 1, crosses, per_step=True)
-        else:
-            add("dp", "all_reduce", count * fw.grad_reduce_bytes, ranks, 1, crosses, per_step=True)
-    return out
-
-
-def stage_traffic(m: StepCost, layout: ParallelDims, stage: int, fw: Framework = Framework(), *,
-                  schedule: str | PipelineSchedule = AUTO) -> dict[str, float]:
-    """Bytes a rank of ``stage`` sends in one step, by part (``tp``, ``cp``, ``ep``, ``pp``, ``dp``): its
-    :func:`stage_messages`, all microbatches."""
-    microbatches = m.global_batch_size // (m.micro_batch_size * layout.dp)
-    sent = dict.fromkeys(("tp", "cp", "ep", "pp", "dp"), 0.0)
-    for msg in stage_messages(m, layout, stage, fw, schedule=schedule):
-        sent[msg.part] += msg.sent * (1 if msg.per_step else microbatches)
-    return sent
-
-
 def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficiency = Efficiency(),
                   fw: Framework = Framework(), *, schedule: str | PipelineSchedule = AUTO) -> StepTime:
     """Predicted :class:`StepTime` of one optimizer step of ``m`` at ``layout`` on ``dev`` devices under
@@ -665,7 +311,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         layers, r = sum(stage_layers(m, p, stage, layout.vp)), recomputed_share(m, layout, stage)
         elementwise = layer_bytes * layers * (3 + r) / kernel_rate  # forward, backward (~2x), recomputed forward
         vocab_s = vocab_bytes(m, layout, stage) / vocab_rate
-        params_s = _trained_parameters(m, layout, stage, schedule)
+        params_s = trained_parameters(m, layout, stage, schedule)
         accumulate_s = grad_accumulation_bytes(params_s, e, microbatches, fw) / mem_rate
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
         messages[stage] = stage_messages(m, layout, stage, fw, devices_per_node=dev.devices_per_node,
@@ -687,7 +333,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     # ZeRO-1 reduce-scatters the grads and all-gathers the params
     tied, sp_grads = (max(sum(x.seconds(dev, eff) for x in msgs if x.part == part and x.per_step)
                           for msgs in messages.values()) for part in ("pp", "tp"))
-    params, fullest = max((_trained_parameters(m, layout, stage, schedule), stage) for stage in range(p))
+    params, fullest = max((trained_parameters(m, layout, stage, schedule), stage) for stage in range(p))
     dp = [x for x in messages[fullest] if x.part == "dp"]
     reduce = sum(x.seconds(dev, eff) for x in dp if x.kind != "all_gather")
     gather = sum(x.seconds(dev, eff) for x in dp if x.kind == "all_gather")
@@ -696,7 +342,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     if fw.overlap_param_gather:  # hidden behind the next step's first forward
         gather = max(0.0, gather - 1.0 / 3.0 * compute_mb)
     experts = getattr(m, "num_moe_experts", None)
-    expert_params = m.stage_expert_parameters(t, layout.ep, p, fullest) if experts and not _lora(m) else 0
+    expert_params = m.stage_expert_parameters(t, layout.ep, p, fullest) if experts and not adapters_only(m) else 0
     replicas = ((params - expert_params, d * c), (expert_params, layout.expert_dp))
     owned = sum(n / k for n, k in replicas) if layout.zero1 else params
     optimizer = owned * fw.optimizer_bytes_per_param(e) / mem_rate

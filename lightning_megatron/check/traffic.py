@@ -1,12 +1,12 @@
 """What each rank of a layout sends in a step, predicted and counted: the communication half of the time model
 checked in bytes, which no device's speed moves.
 
-The prediction is :func:`~lightning_megatron.check.timing.stage_traffic`: the collectives and sends the time model
-times (:func:`~lightning_megatron.check.timing.stage_messages`), each as the bytes a rank puts on the wire.
+The prediction is :func:`~lightning_megatron.check.communication.stage_traffic`: the collectives and sends the time model
+times (:func:`~lightning_megatron.check.communication.stage_messages`), each as the bytes a rank puts on the wire.
 :class:`TrafficCounter` counts the same on a rank of a check run: every collective of the parallel state's groups
 (their communicators, whatever runs them) and the all-to-alls and point-to-point sends the library issues itself
 (context parallelism's, the experts' dispatch, the pipeline's), each as the ring algorithm the model assumes
-sends it (:func:`~lightning_megatron.check.timing.collective_time`: an all-reduce of ``n`` bytes over ``k`` ranks
+sends it (:func:`~lightning_megatron.check.records.collective_time`: an all-reduce of ``n`` bytes over ``k`` ranks
 ``2 (k-1)/k n``, an all-gather or reduce-scatter ``(k-1)/k n``), an all-to-all as what leaves the rank, a send
 as its bytes.
 """
@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_megatron.check.timing import Framework, collective_time, stage_traffic
+from lightning_megatron.check.communication import stage_traffic
+from lightning_megatron.check.records import Framework, collective_time
 
 __all__ = ["DIMENSIONS", "TrafficCounter", "traffic_table"]
 

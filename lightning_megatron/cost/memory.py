@@ -161,6 +161,31 @@ class LayoutSearch:
     """Reason -> how many TP x PP (x VP) x DP combinations it excluded."""
 
 
+def adapters_only(m: MemoryCost) -> bool:
+    """Whether ``m`` trains LoRA adapters on a frozen base (its embeddings and output layer frozen too)."""
+    return bool(getattr(m, "lora_rank", 0))
+
+
+def recomputed_share(m: MemoryCost, layout: ParallelDims, stage: int = 0) -> float:
+    """The share of the layers of ``stage`` whose forward runs again in the backward: none without recomputation,
+    all with "uniform" groups, the first ``recompute_num_layers`` of each chunk with "block"."""
+    if not getattr(m, "recompute", False):
+        return 0.0
+    if getattr(m, "recompute_method", None) != "block":
+        return 1.0
+    chunks = stage_layers(m, layout.pp, stage, layout.vp)
+    k = getattr(m, "recompute_num_layers", None) or 1
+    return sum(min(k, n) for n in chunks) / sum(chunks)
+
+
+def trained_parameters(m: MemoryCost, layout: ParallelDims, stage: int,
+                       schedule: str | PipelineSchedule = AUTO) -> int:
+    """Parameter elements with gradients on a rank of ``stage``: its LoRA adapters, else all of them."""
+    trainable = getattr(m, "stage_trainable_parameters", None)
+    trained = trainable(layout.tp, layout.pp, stage) if trainable is not None else None
+    return estimate_stage(m, layout, stage, schedule=schedule).params if trained is None else trained
+
+
 def _divisors(n: int) -> list[int]:
     return [x for x in range(1, n + 1) if n % x == 0]
 

@@ -221,7 +221,7 @@ class TransformerCost:
 
     def embedding_messages(self, tp: int, sequence_parallel: bool, tokens: float) -> list[tuple[str, float]]:
         """The word embedding's tensor-parallel collectives on a microbatch of ``tokens`` tokens, as ``(kind, bytes
-        of the whole tensor)`` (:func:`~lightning_megatron.check.timing.collective_time`'s): the vocab-parallel
+        of the whole tensor)`` (:func:`~lightning_megatron.check.records.collective_time`'s): the vocab-parallel
         lookup all-reduced, under SP then scattered into SP's chunks (the backward all-gathers the chunks'
         gradients), or, with no learned position (or token-type) rows added, reduce-scattered into them instead
         (:class:`~lightning_megatron.language.model.LanguageModelEmbedding`); none at one TP rank."""
