@@ -4,9 +4,11 @@
 
 Each aten op's inputs and outputs (views excluded) in one forward and backward of the library's norm on a bf16
 activation [tokens, 1, hidden]. On an accelerator these ops are memory-bound: bytes / bandwidth estimates their
-time (docs/benchmarks.md, "GPU check": RMSNorm was the llama decoder's largest non-GEMM lead). Counted on CPU:
-the RMSNorm (torch's ``F.rms_norm``) is there the composite of fp32 ops that CUDA runs as one fused kernel each
-way, so its figure is what the arithmetic spelled out moves, not what a GPU's fused kernel does.
+time (docs/benchmarks.md, "GPU check": RMSNorm was the llama decoder's largest non-GEMM lead). Counted on the meta
+device (as on CPU): the RMSNorm (torch's ``F.rms_norm``) is there the composite of fp32 ops that CUDA runs as one
+fused kernel each way, so its figure is what the arithmetic spelled out moves, not what a GPU's fused kernel does;
+the LayerNorm is torch's kernel each way, as on a GPU (on CPU a 16-bit LayerNorm sums its weight and bias
+gradients in fp32 itself, ``transformer/norms.py``: 48 more bytes an element in its backward).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ def norm_bytes(norm: str = "RMSNorm", hidden: int = 2048, tokens: int = 2048) ->
     from lightning_megatron.transformer.norms import LayerNorm, RMSNorm
 
     config = SimpleNamespace(layernorm_epsilon=1e-6, params_dtype=torch.bfloat16, sequence_parallel=False)
-    layer = (RMSNorm if norm == "RMSNorm" else LayerNorm)(config, hidden)
-    x = torch.randn(tokens, 1, hidden, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, 1, hidden, dtype=torch.bfloat16)
+    with torch.device("meta"):  # shapes only; and not the CPU's correction of its 16-bit LayerNorm sums
+        layer = (RMSNorm if norm == "RMSNorm" else LayerNorm)(config, hidden)
+        x = torch.randn(tokens, 1, hidden, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(tokens, 1, hidden, dtype=torch.bfloat16)
     phase, ops = ["forward"], []
 
     class Count(TorchDispatchMode):

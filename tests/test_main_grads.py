@@ -173,15 +173,15 @@ def test_cpu_grad_accumulation_is_bitwise_add_and_is_what_the_cpu_tuning_install
 
 
 def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
-    """The CPU tuning's first-stage word-embedding gradient as rows (cpu/embedding_grad.py): the row sums
-    of torch's CPU embedding backward, bit for bit, and main_grad as the hook leaves it."""
-    import torch.nn.functional as F
-
+    """The CPU tuning's first-stage word-embedding gradient as rows (cpu/embedding_grad.py): the row sums of the
+    lookup without it (``tensor_parallel/embedding.py``: torch's CPU embedding backward in fp32, its rows summed in
+    fp32 in bf16), bit for bit, and main_grad as the hook leaves it."""
     from lightning_megatron.cpu import CPUTuning
     from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad, row_sums
     from lightning_megatron.grads import GradBuffer
     from lightning_megatron.parallel_state import ParallelState
     from lightning_megatron.tensor_parallel import WeightGradPolicy
+    from lightning_megatron.tensor_parallel.embedding import embedding
 
     gen = torch.Generator().manual_seed(0)
     vocab, hidden = 3000, 48
@@ -193,7 +193,7 @@ def test_row_sparse_word_embedding_grad_is_bitwise_the_dense_one():
     for dtype in (torch.bfloat16, torch.float32):
         grads = [torch.randn(2, 64, hidden, generator=gen).to(dtype) for _ in batches]
         weight = torch.randn(vocab, hidden, generator=gen).to(dtype).requires_grad_()
-        F.embedding(batches[0], weight).backward(grads[0])
+        embedding(batches[0], weight).backward(grads[0])
         rows, sums = row_sums(batches[0], grads[0])
         assert torch.equal(weight.grad[rows], sums) and int(weight.grad.abs().sum(1).ne(0).sum()) <= len(rows)
 

@@ -7,7 +7,9 @@ copy of the model with the same spec, norms, dropout, heads, groups, experts and
 layers and of one (:meth:`~lightning_megatron.cost.protocols.StepCost.build_model_step`; a layer is their
 difference, as it runs inside the model, rotary embeddings and masks included), run on the CPU under a counting
 dispatch mode, with the functions that are one fused kernel each way on an accelerator but a composite of
-several ops on the CPU (:data:`FUSED_ON_ACCELERATORS`) dispatched as the GPU's fused kernels are.
+several ops on the CPU (:data:`FUSED_ON_ACCELERATORS`) dispatched as the GPU's fused kernels are, and the weight
+gradients the library sums in fp32 on the CPU left to torch's kernels, as on a GPU
+(:func:`~lightning_megatron.tensor_parallel.utils.torch_kernel_sums`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_megatron.check.records import Device, Framework, HostOps
 from lightning_megatron.cost.protocols import StepCost
 from lightning_megatron.cost.transformer import TransformerCost
+from lightning_megatron.tensor_parallel.utils import torch_kernel_sums
 
 __all__ = ["FUSED_ON_ACCELERATORS", "count_host_ops", "host_line", "small_copy"]
 
@@ -106,11 +109,12 @@ class _AsAccelerator(TorchFunctionMode):
 def _dispatched(build: Callable[[], tuple[Any, Callable[[], None]]]) -> int:
     """Ops of the second run of ``build()``'s step (the first may make what later ones reuse), plus its module's
     trained parameters."""
-    module, step = build()
-    step()
-    counter = _Counter()
-    with counter, _AsAccelerator():
+    with torch_kernel_sums():  # a GPU's kernels sum 16-bit weight gradients in fp32 themselves
+        module, step = build()
         step()
+        counter = _Counter()
+        with counter, _AsAccelerator():
+            step()
     return counter.ops + sum(p.requires_grad for p in module.parameters())
 
 

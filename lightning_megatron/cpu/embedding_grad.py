@@ -7,8 +7,9 @@ hundred rows a microbatch touches. On a pipeline's first stage the word embeddin
 only (the tied output layer is on the last stage), so its gradient can go straight into ``main_grad``
 as rows: :class:`RowSparseEmbeddingGrad`.
 
-Same bits as torch's CPU kernel: each touched row's sum is built as ``embedding_dense_backward_cpu``
-builds it (the tokens in their order, one addition at a time in the parameter's dtype), then added into
+Same bits as the lookup without it (:func:`lightning_megatron.tensor_parallel.embedding.embedding`): each touched
+row's sum is built by the same :func:`~lightning_megatron.tensor_parallel.embedding.row_sums` (a 16-bit table's in
+fp32, rounded once; an fp32 table's as torch's CPU kernel builds it, the tokens in their order), then added into
 ``main_grad`` as the hook would add the dense row (untouched rows would get ``+ 0``). Only for CPU
 tensors: a GPU's embedding backward sums in another order, and writes dense gradients fast.
 """
@@ -21,24 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_megatron.tensor_parallel.embedding import embedding, row_sums
+
 __all__ = ["RowSparseEmbeddingGrad", "row_sums"]
 
 AddRows = Callable[[nn.Parameter, torch.Tensor, torch.Tensor], None]
-
-
-def row_sums(ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, sums)``: the distinct ``ids`` (ascending) and, for each, the sum of the output-gradient
-    rows of its tokens, accumulated in token order in ``grad``'s dtype, as torch's CPU embedding
-    backward accumulates them into its dense gradient."""
-    flat_ids, flat = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
-    sorted_ids, order = torch.sort(flat_ids, stable=True)  # stable: the tokens of a row stay in order
-    rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    sums = flat[order[starts]].clone()  # 0 + g is g exactly: the first token of each row
-    for k in range(1, int(counts.max()) if counts.numel() else 0):
-        more = torch.nonzero(counts > k).flatten()
-        sums[more] = sums[more] + flat[order[starts[more] + k]]
-    return rows, sums
 
 
 class _LookupWithRowGrad(torch.autograd.Function):
@@ -61,7 +49,7 @@ class RowSparseEmbeddingGrad:
 
     Between :meth:`open` and :meth:`close` (the training schedule, with the gradient buffer's
     :meth:`~lightning_megatron.grads.GradBuffer.add_grad_rows`), :meth:`lookup` is ``F.embedding`` with
-    that backward; otherwise it is plain ``F.embedding``.
+    that backward; otherwise it is :func:`~lightning_megatron.tensor_parallel.embedding.embedding`.
     """
 
     def __init__(self) -> None:
@@ -81,4 +69,4 @@ class RowSparseEmbeddingGrad:
     def lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._add_rows is not None and torch.is_grad_enabled() and weight.requires_grad and weight.is_cpu:
             return _LookupWithRowGrad.apply(ids, weight, self)
-        return F.embedding(ids, weight)
+        return embedding(ids, weight)

@@ -48,6 +48,7 @@ from lightning_megatron.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_megatron.tensor_parallel.backward import defer_output_layer_weight_grad
+from lightning_megatron.tensor_parallel.embedding import Embedding
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 from lightning_megatron.transformer import (
     DEFAULT_KERNELS,
@@ -90,13 +91,13 @@ class LanguageModelEmbedding(nn.Module):
         self.position_embeddings = None
         if learned_positions:
             with seeded(seed, "embedding.position_embeddings"):
-                self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size,
-                                                        dtype=config.params_dtype)
+                self.position_embeddings = Embedding(max_sequence_length, config.hidden_size,
+                                                     dtype=config.params_dtype)
                 init(self.position_embeddings.weight.data)
         self.tokentype_embeddings = None
         if num_tokentypes > 0:
             with seeded(seed, "embedding.tokentype_embeddings"):
-                self.tokentype_embeddings = nn.Embedding(num_tokentypes, config.hidden_size, dtype=config.params_dtype)
+                self.tokentype_embeddings = Embedding(num_tokentypes, config.hidden_size, dtype=config.params_dtype)
                 init(self.tokentype_embeddings.weight.data)
         self.layernorm = None if norm is None else build_module(norm, config=config, hidden_size=config.hidden_size,
                                                                 eps=config.layernorm_epsilon)

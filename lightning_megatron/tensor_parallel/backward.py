@@ -27,8 +27,9 @@ The layers carry none of this: :class:`~lightning_megatron.tensor_parallel.Colum
 ``RowParallelLinear`` and ``VocabParallelEmbedding`` ask the active policy (:func:`policy_linear`,
 :func:`policy_embedding`), which the step makes active around its training schedule
 (:meth:`WeightGradPolicy.step`). With none active (evaluation, a backward outside the step) they run
-plain ``F.linear`` / ``F.embedding``. The active policy is one per process, not per thread: autograd
-runs an accelerator's backward (and the activations recomputed inside it) on its own threads.
+plain ``F.linear`` / :func:`~lightning_megatron.tensor_parallel.embedding.embedding`. The active policy is one
+per process, not per thread: autograd runs an accelerator's backward (and the activations recomputed inside it)
+on its own threads.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 from torch.autograd.variable import Variable
 
 from lightning_megatron.tensor_parallel.deferred_wgrad import DeferredWeightGrad
+from lightning_megatron.tensor_parallel.embedding import embedding
 
 __all__ = [
     "EmbeddingGradRows",
@@ -129,10 +131,10 @@ def policy_linear(layer: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | No
 
 
 def policy_embedding(layer: nn.Module, ids: Tensor, weight: Tensor) -> Tensor:
-    """``F.embedding(ids, weight)`` of ``layer``, through the row lookup the active policy routes
-    ``layer``'s gradient to, if any."""
+    """:func:`~lightning_megatron.tensor_parallel.embedding.embedding` of ``layer``, through the row lookup the
+    active policy routes ``layer``'s gradient to, if any."""
     if _active is None:
-        return F.embedding(ids, weight)
+        return embedding(ids, weight)
     return _active.embedding(layer, ids, weight)
 
 
@@ -237,7 +239,7 @@ class WeightGradPolicy:
     def embedding(self, layer: nn.Module, ids: Tensor, weight: Tensor) -> Tensor:
         """``layer``'s ``F.embedding`` during the step (:func:`policy_embedding`)."""
         entry = self._rows_of.get(id(layer))
-        return F.embedding(ids, weight) if entry is None else entry[1].lookup(ids, weight)
+        return embedding(ids, weight) if entry is None else entry[1].lookup(ids, weight)
 
     def backward_input(self, output: Tensor, grad_output: Tensor | None, *, microbatch: int) -> None:
         """The backward pass of ``microbatch`` from ``output`` (``grad_output`` None: a scalar loss):

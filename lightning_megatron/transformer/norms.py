@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_megatron.tensor_parallel.param_facts import set_param_facts
+from lightning_megatron.tensor_parallel.utils import kernel_sums_in_16_bits
 from lightning_megatron.transformer.config import TransformerConfig
 
 __all__ = ["LayerNorm", "RMSNorm", "Norm", "get_norm_class", "resolve_norm_class"]
@@ -39,7 +40,46 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's kernels accumulate mean and variance in fp32 for bf16/fp16 inputs; an explicit
         # fp32 round trip would only add two copies of the activation (and time: docs/benchmarks.md).
-        return F.layer_norm(x, self.weight.shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+        weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
+        if kernel_sums_in_16_bits(x) and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+                and not torch.is_autocast_enabled(x.device.type):  # autocast: its own choice of dtype
+            return _LayerNormWideSums.apply(x, weight, bias, self.eps)
+        return F.layer_norm(x, self.weight.shape, weight, bias, self.eps)
+
+
+class _LayerNormWideSums(torch.autograd.Function):
+    """``F.layer_norm`` of a 16-bit ``x`` whose weight and bias gradients are summed over the tokens in fp32.
+
+    torch's CPU kernel (torch 2.13) sums them in 16 bits: on ``[1024, 768]`` bf16 inputs it is 4-7% off the exact
+    sums (of the same bf16 inputs), 12% on 4096 rows, and the error depends on the thread count, so one process and
+    a layout of two (one thread each) disagree by 20% on a layer norm's bias where its terms cancel (docs/check.md,
+    "bf16 on CPU"). Here the input gradient is torch's (``native_layer_norm_backward`` without the other two), the
+    bias gradient ``sum dy`` and the weight gradient ``sum dy x_hat`` are fp32 sums rounded once, as the CUDA kernel
+    does. The forward is torch's, the same bits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        y, mean, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        x, weight, mean, rstd = ctx.saved_tensors
+        h = weight.numel()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.aten.native_layer_norm_backward(dy, x, weight.shape, mean, rstd, weight, None,
+                                                           [True, False, False])[0]
+        dy_2d = dy.reshape(-1, h).float()  # fp32 sums over the tokens, each column in token order (any thread count)
+        dw = db = None
+        if ctx.needs_input_grad[1]:
+            rstd, mean = rstd.reshape(-1, 1).float(), mean.reshape(-1, 1).float()
+            x_hat = torch.addcmul(-mean * rstd, x.reshape(-1, h), rstd)  # (x - mean) rstd in fp32, in one pass
+            dw = x_hat.mul_(dy_2d).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            db = dy_2d.sum(0).to(weight.dtype)
+        return dx, dw, db, None
 
 
 class RMSNorm(nn.Module):
