@@ -31,6 +31,7 @@ MODELS = {
 
 def run(name: str, layouts: list[str], steps: int) -> list[dict]:
     from lightning_megatron.check import check_layouts
+    from lightning_megatron.check.cli import judged_against_truth
     from lightning_megatron.cost.memory import estimate_stage
     from lightning_megatron.check.memory_cli import model_shape
     from lightning_megatron.check.parity import Tolerances
@@ -46,6 +47,7 @@ def run(name: str, layouts: list[str], steps: int) -> list[dict]:
     report = check_layouts(**factories(recipe, steps, G), layouts=layouts, global_batch_size=G, micro_batch_size=m,
                            steps=steps, trainer_kwargs=recipe.trainer_kwargs(steps), measure_memory=True,
                            tolerances=Tolerances.bf16() if bf16 else None, timeout=1800)
+    report = judged_against_truth(recipe, report, steps=steps, grad_steps=[1], timeout=1800)  # as `check` does
     print(f"{name}: check {'PASS' if report.passed else 'FAIL'} in {time.perf_counter() - t0:.0f} s")
     print(report.table())
     shape = model_shape(recipe)  # a check run takes the library's kernels, not the CPU tuning's

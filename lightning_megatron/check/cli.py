@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per group of layouts of one world size")
     p.add_argument("--fp32", action="store_true",
                    help="check a 16-bit recipe's layouts in fp32 (config.params_dtype float32, precision 32-true) at "
-                        "fp32's bounds: 16-bit runs round differently in each layout (docs/check.md, 'Open finding')")
+                        "fp32's bounds: the layouts' math without 16-bit rounding (docs/check.md, '16-bit checks')")
     p.add_argument("--estimate-memory", action="store_true",
                    help="predicted bytes per rank (docs/memory.md); with --gpus: the layouts that fit, nothing run")
     p.add_argument("--estimate-time", action="store_true",
@@ -88,6 +88,41 @@ def _in_fp32(recipe) -> str | None:
     holder["params_dtype"] = "float32"
     recipe.precision = "32-true"
     return None
+
+
+def _sixteen_bit(recipe) -> tuple[str | None, bool]:
+    """(the recipe's 16-bit parameter dtype, ``"bfloat16"`` or ``"float16"``, else None; whether its math is 16-bit:
+    16-bit parameters or autocast's ``bf16-mixed`` / ``16-mixed``)."""
+    from lightning_megatron.saved_model import flat_hparams
+
+    dtype = str(flat_hparams(recipe.model).get("params_dtype", "float32")).removeprefix("torch.")  # config.params_dtype
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+    params = dtype if dtype in ("bfloat16", "float16") else None
+    return params, params is not None or str(recipe.precision) in ("bf16-mixed", "16-mixed")
+
+
+def judged_against_truth(recipe, report, *, steps: int, grad_steps: list[int], timeout: float = 900.0):
+    """``report`` of a 16-bit ``recipe``'s check with its gradients beyond the bounds judged against the fp32 truth:
+    its reference layout run once more with the recipe made fp32 (:func:`_in_fp32`) from the same weights rounded to
+    the recipe's 16 bits (:func:`~lightning_megatron.check.parity.judge_against_truth`); ``report`` itself when the
+    recipe's math is fp32 or no gradient is beyond the bounds."""
+    from lightning_megatron.check.parity import check_layouts, judge_against_truth
+    from lightning_megatron.check.recipe import factories
+
+    params, sixteen_bit_math = _sixteen_bit(recipe)
+    if not sixteen_bit_math or not any(f.startswith("step ") and ": gradient of " in f
+                                       for r in report.results for f in r.failures):
+        return report
+    reference = report.reference.layout
+    print(f"  16-bit gradients beyond the bounds: judged against the fp32 truth, {reference} in fp32 from the same "
+          f"weights (docs/check.md, '16-bit checks')", flush=True)
+    exact = copy.deepcopy(recipe)
+    _in_fp32(exact)
+    G, m = exact.global_batch_size, exact.micro_batch_size
+    truth = check_layouts(**factories(exact, steps, G), layouts=[], reference=reference, global_batch_size=G,
+                          micro_batch_size=m, steps=steps, trainer_kwargs=exact.trainer_kwargs(steps),
+                          grad_steps=grad_steps, round_params_to=params, timeout=timeout).reference
+    return judge_against_truth(report, truth)
 
 
 def _layout_problems(recipe, layouts: list) -> list[str]:
@@ -178,28 +213,24 @@ def main(argv: list[str] | None = None) -> int:
         print(time_table(recipe, [reference] + [x for x in layouts if x != reference], timing), flush=True)
         return 0
     from lightning_megatron.check.parity import Tolerances, check_layouts
-    from lightning_megatron.saved_model import flat_hparams
 
-    params_dtype = flat_hparams(recipe.model).get("params_dtype", "float32")  # config.params_dtype
-    sixteen_bit = str(params_dtype) in ("bfloat16", "bf16", "float16", "fp16")
-    tol = Tolerances.bf16() if sixteen_bit else Tolerances()
+    tol = Tolerances.bf16() if _sixteen_bit(recipe)[0] else Tolerances()
     G, m = recipe.global_batch_size, recipe.micro_batch_size
     in_fp32 = " in fp32 (--fp32: config.params_dtype float32, precision 32-true)" if args.fp32 else ""
     print(f"lightning-megatron check: {args.config}{in_fp32}, layouts {', '.join(map(str, layouts))} against "
           f"{reference}, {args.steps} steps, global batch {G}, micro batch {m}, dropout off", flush=True)
     if recipe.skipped_callbacks:
         print(f"  recipe callbacks not used by the check: {', '.join(recipe.skipped_callbacks)}", flush=True)
+    report_steps = [int(s) for s in args.grad_steps.split(",") if s.strip()]
     report = check_layouts(**factories(recipe, args.steps, G), layouts=layouts, reference=reference,
                            global_batch_size=G, micro_batch_size=m, steps=args.steps, tolerances=tol,
-                           trainer_kwargs=recipe.trainer_kwargs(args.steps),
-                           grad_steps=[int(s) for s in args.grad_steps.split(",") if s.strip()],
+                           trainer_kwargs=recipe.trainer_kwargs(args.steps), grad_steps=report_steps,
                            measure_memory=args.estimate_memory, measure_traffic=timing is not None,
                            timeout=args.timeout)
+    report = judged_against_truth(recipe, report, steps=args.steps, grad_steps=report_steps, timeout=args.timeout)
     print(report.table(), flush=True)
-    if not report.passed and (sixteen_bit or str(recipe.precision) in ("bf16-mixed", "16-mixed")):
-        print("  16-bit runs round differently in each layout (TP's partial sums, PP's and DP's accumulation): a "
-              "gradient whose terms cancel can differ beyond the 16-bit bounds with the math right (docs/check.md, "
-              "'Open finding'); the layouts' math at fp32's bounds: add --fp32", flush=True)
+    if not report.passed and _sixteen_bit(recipe)[1]:
+        print("  the layouts' math at fp32's bounds: add --fp32", flush=True)
     if args.estimate_memory:
         from lightning_megatron.check.memory_cli import memory_table
 

@@ -70,6 +70,10 @@ class CheckRun:
     (:class:`~lightning_megatron.check.traffic.TrafficCounter`)."""
     record_outputs: bool = True
     """Record every module's forward output of step 1's first microbatch (DP rank 0)."""
+    round_params_to: str | None = None
+    """Round every parameter to this dtype (``"bfloat16"``, ``"float16"``) in place before the first step, keeping
+    its own dtype: the fp32 truth a 16-bit check is judged against starts from the 16-bit run's weights
+    (:func:`~lightning_megatron.check.parity.judge_against_truth`)."""
     accelerator: str = "cpu"
 
 
@@ -169,6 +173,9 @@ class ForwardOutputs:
 
     def __init__(self, names: dict[nn.Module, str], chunks: list[nn.Module]) -> None:
         self.outputs: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        self.params = {name: sum(1 for _ in m.parameters()) for m, name in names.items()}
+        """Name -> the parameter tensors its module holds on this rank: a module split over pipeline stages (a
+        stage's part of the layer stack) holds fewer than the reference's, and its output is not the whole's."""
         chunk_of = {m: i for i, chunk in enumerate(chunks) for m in chunk.modules()}
         self._handles = [m.register_forward_hook(self._hook(name, chunk_of.get(m, 0))) for m, name in names.items()]
 
@@ -289,10 +296,15 @@ def _make_recorder(run: CheckRun):
             self._hooks: Any = None
             self._outputs: ForwardOutputs | None = None
             self.outputs: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+            self.output_params: dict[str, int] = {}
             self.init_params: dict = {}
 
         def on_train_start(self, trainer, pl_module) -> None:
             ps = trainer.strategy.parallel_state
+            if run.round_params_to is not None:
+                with torch.no_grad():
+                    for p in pl_module.parameters():
+                        p.copy_(p.to(getattr(torch, run.round_params_to)))
             if run.record_params:
                 named = _named_parameters(trainer)
                 self.init_params = global_pieces(named, dict(named), ps)
@@ -338,7 +350,8 @@ def _make_recorder(run: CheckRun):
         def _record(self, trainer, pl_module, optimizer) -> None:
             if self._outputs is not None:
                 self._outputs.remove()
-                self.outputs, self._outputs = self._outputs.outputs, None
+                self.outputs, self.output_params = self._outputs.outputs, self._outputs.params
+                self._outputs = None
             if self._hooks is not None:
                 self._hooks.__exit__(None, None, None)
                 self._hooks = None
@@ -450,7 +463,8 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
     return {"layout": layout.name, "rank": dist.get_rank(), "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
             "losses": recorder.losses, "grad_norms": recorder.grad_norms, "grads": recorder.grads,
             "params": params, "init_params": recorder.init_params, "memory": recorder.memory,
-            "collectives": recorder.collectives, "traffic": recorder.traffic, "outputs": recorder.outputs}
+            "collectives": recorder.collectives, "traffic": recorder.traffic, "outputs": recorder.outputs,
+            "output_params": recorder.output_params}
 
 
 def _one_stage_sizes(module: Any, layout: ParallelDims) -> Any:
