@@ -18,7 +18,7 @@ def kernel_sums_in_16_bits(t: torch.Tensor) -> bool:
     """Whether torch's kernels on ``t``'s device sum the weight gradient of a 16-bit ``t`` over the tokens in 16 bits,
     so the library sums it itself (:class:`~lightning_megatron.transformer.norms.LayerNorm`,
     :func:`~lightning_megatron.tensor_parallel.embedding.embedding`): torch 2.13's CPU layer norm and embedding
-    backward do (10-12% off the exact sums of bf16 numbers over 4096 tokens, 5% for an embedding row looked up 2048
+    backward do (5-14% off the exact sums of bf16 numbers over 4096 tokens, 5% for an embedding row looked up 2048
     times: ``tests/test_wide_sums.py``); GPU kernels accumulate in fp32. Not a tuning but a correction, so not in
     the opt-in :mod:`lightning_megatron.cpu`: the one place the library branches on a CPU outside it
     (``tests/test_device_neutral.py``). False inside :func:`torch_kernel_sums`."""
