@@ -100,3 +100,50 @@ def test_what_a_cp_rank_keeps_is_predicted_for_each_way_of_communicating(tmp_pat
         assert (params, grads, opt) == (params_held, grads_held, opt_held), table
         assert abs(predicted / measured - 1) < 0.01, table
     assert_traffic(run.stdout, [("cp2", 0), ("cp2pp2", 0), ("cp2pp2", 1), ("tp2pp2sp", 0), ("tp2pp2sp", 1)])
+
+
+def test_the_ring_multiplies_in_a_16_bit_models_dtype_and_is_as_near_exact_attention(tmp_path):
+    """Ring attention (``cp_comm_type="p2p"``) on one rank, bf16 with grouped-query heads: every matrix product of its
+    forward and backward takes bf16 operands (they were fp32: a GPU's fp32 rate, not its 16-bit one), and its output
+    and gradients are within bf16's reach of fp64 causal attention on the same bf16 inputs."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_megatron.transformer.ring_attention import ring_attention
+
+    gen = torch.Generator().manual_seed(0)
+    s, b, n, g, d = 32, 2, 4, 2, 16
+    q, k, v = (torch.randn(s, b, heads, d, generator=gen).to(torch.bfloat16).requires_grad_()
+               for heads in (n, g, g))
+    grad = torch.randn(s, b, n * d, generator=gen).to(torch.bfloat16)
+    products = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("mm", "bmm", "addmm", "baddbmm", "matmul"):
+                products.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            return func(*args, **(kwargs or {}))
+
+    import torch.distributed as dist
+
+    mine = not dist.is_initialized()  # a ring of one rank: its all-to-all of the key and value gradients, to itself
+    if mine:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with Products():
+            out = ring_attention(q, k, v, dist.new_group([0]), d ** -0.5)
+            out.backward(grad)
+    finally:
+        if mine:
+            dist.destroy_process_group()
+    assert products and all(set(dtypes) == {torch.bfloat16} for dtypes in products), products
+    # exact: fp64 causal attention of the same bf16 numbers ([b, heads, s, d], the key/value heads repeated)
+    qd, kd, vd = (t.detach().double().permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qd, kd.repeat_interleave(n // g, 1), vd.repeat_interleave(n // g, 1),
+                                         is_causal=True, scale=d ** -0.5)
+    ref.permute(2, 0, 1, 3).reshape(s, b, n * d).backward(grad.double())
+    out, ref = out.detach(), ref.detach().permute(2, 0, 1, 3).reshape(s, b, n * d)
+    for got, want in ((out, ref), (q.grad, qd.grad.permute(2, 0, 1, 3)), (k.grad, kd.grad.permute(2, 0, 1, 3)),
+                      (v.grad, vd.grad.permute(2, 0, 1, 3))):
+        err = float((got.double() - want).abs().max() / want.abs().max())  # one-rounding noise is ~4e-3
+        assert err < 2e-2, err

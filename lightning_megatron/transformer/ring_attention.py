@@ -8,7 +8,9 @@ waited for after). Each of its query chunks attends to each key chunk before it 
 (an earlier chunk), causal (its own chunk), or not at all (a later one: skipped). The partial results are
 merged by their log-sum-exp (FlashAttention's online softmax). The backward runs the same ring with the
 saved log-sum-exp, recomputing each block's probabilities; each rank's key and value gradients for every
-block are sent back to the block's owner by one all-to-all. Softmax in fp32; no attention dropout.
+block are sent back to the block's owner by one all-to-all. The matrix products run in the inputs' dtype (fp32
+accumulation, each product rounded once, as the unfused attention's; a 16-bit model's at its 16-bit GEMM rate),
+the softmax, the log-sum-exp merge and the accumulated outputs and gradients in fp32; no attention dropout.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ def _visible_blocks(rank: int, src: int, cp: int, c: int, documents: torch.Tenso
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, hidden: torch.Tensor | None) -> torch.Tensor:
-    """[b, n, C, C] fp32 scores of a query chunk against a key chunk, -inf where hidden."""
+    """[b, n, C, C] fp32 scores of a query chunk against a key chunk, -inf where hidden: the product in the inputs'
+    dtype (fp32 accumulation, one rounding: the unfused attention's ``Q K^T``), then fp32."""
     # Inside the ring's autograd Function: nothing records these ops, so the fresh product is scaled and
     # masked in place (the same values as out of place, no copies of the block).
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
     if causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     if hidden is not None:
@@ -68,21 +71,20 @@ class _Ring(torch.autograd.Function):
         cp, r = group_size(group), group_rank(group)
         b, n, s2, d = q.shape
         g, c = k.shape[1], s2 // 2
-        qf = q.float()
         out = torch.zeros(b, n, s2, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, n, s2), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], dim=1).contiguous()
         for step in range(cp):
             src = (r - step) % cp
             pending = _exchange(kv, group) if step < cp - 1 else None
-            kf = kv[:, :g].float().repeat_interleave(n // g, dim=1)
-            vf = kv[:, g:].float().repeat_interleave(n // g, dim=1)
+            kb = kv[:, :g].repeat_interleave(n // g, dim=1)
+            vb = kv[:, g:].repeat_interleave(n // g, dim=1)
             for rows, cols, causal, hidden in _visible_blocks(r, src, cp, c, documents):
-                scores = _scores(qf[:, :, rows], kf[:, :, cols], scale, causal, hidden)
+                scores = _scores(q[:, :, rows], kb[:, :, cols], scale, causal, hidden)
                 block_lse = torch.logsumexp(scores, dim=-1)
                 seen = torch.isfinite(block_lse)
                 probs = torch.where(seen[..., None], torch.exp(scores - block_lse[..., None]), 0.0)
-                block_out = torch.matmul(probs, vf[:, :, cols])
+                block_out = torch.matmul(probs.to(q.dtype), vb[:, :, cols]).float()
                 new = torch.logaddexp(lse[:, :, rows], block_lse)
                 old_w = torch.where(torch.isfinite(lse[:, :, rows]), torch.exp(lse[:, :, rows] - new), 0.0)
                 new_w = torch.where(seen, torch.exp(block_lse - new), 0.0)
@@ -105,27 +107,27 @@ class _Ring(torch.autograd.Function):
         cp, r = group_size(group), group_rank(group)
         b, n, s2, d = q.shape
         g, c = k.shape[1], s2 // 2
-        qf, do = q.float(), grad_out.float()
-        delta = (do * out).sum(-1)  # [b, n, 2C]
-        dq = torch.zeros_like(qf)
+        do = grad_out.to(q.dtype)
+        delta = (grad_out.float() * out).sum(-1)  # [b, n, 2C]
+        dq = torch.zeros(b, n, s2, d, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(cp, b, 2 * g, s2, d, dtype=torch.float32, device=q.device)  # per source block
         kv = torch.cat([k, v], dim=1).contiguous()
         for step in range(cp):
             src = (r - step) % cp
             pending = _exchange(kv, group) if step < cp - 1 else None
-            kf = kv[:, :g].float().repeat_interleave(n // g, dim=1)
-            vf = kv[:, g:].float().repeat_interleave(n // g, dim=1)
+            kb = kv[:, :g].repeat_interleave(n // g, dim=1)
+            vb = kv[:, g:].repeat_interleave(n // g, dim=1)
             dk_full = torch.zeros(b, n, s2, d, dtype=torch.float32, device=q.device)
             dv_full = torch.zeros_like(dk_full)
             for rows, cols, causal, hidden in _visible_blocks(r, src, cp, c, documents):
-                scores = _scores(qf[:, :, rows], kf[:, :, cols], scale, causal, hidden)
+                scores = _scores(q[:, :, rows], kb[:, :, cols], scale, causal, hidden)
                 row_lse = lse[:, :, rows, None]
                 probs = torch.where(torch.isfinite(row_lse), torch.exp(scores - row_lse), 0.0)
-                dprobs = torch.matmul(do[:, :, rows], vf[:, :, cols].transpose(-1, -2))
-                dscores = probs * (dprobs - delta[:, :, rows, None])
-                dq[:, :, rows] += torch.matmul(dscores, kf[:, :, cols]) * scale
-                dk_full[:, :, cols] += torch.matmul(dscores.transpose(-1, -2), qf[:, :, rows]) * scale
-                dv_full[:, :, cols] += torch.matmul(probs.transpose(-1, -2), do[:, :, rows])
+                dprobs = torch.matmul(do[:, :, rows], vb[:, :, cols].transpose(-1, -2)).float()
+                dscores = (probs * (dprobs - delta[:, :, rows, None])).to(q.dtype)
+                dq[:, :, rows] += torch.matmul(dscores, kb[:, :, cols]).float() * scale
+                dk_full[:, :, cols] += torch.matmul(dscores.transpose(-1, -2), q[:, :, rows]).float() * scale
+                dv_full[:, :, cols] += torch.matmul(probs.to(q.dtype).transpose(-1, -2), do[:, :, rows]).float()
             per_group = n // g  # the query heads of one key/value head share its gradient
             dkv[src, :, :g] = dk_full.view(b, g, per_group, s2, d).sum(2)
             dkv[src, :, g:] = dv_full.view(b, g, per_group, s2, d).sum(2)
