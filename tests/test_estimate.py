@@ -854,7 +854,22 @@ def test_context_and_expert_parallel_terms_against_hand_computed_numbers():
     assert cp.accumulate > dp.accumulate and cp.vocab > dp.vocab
     assert cp.total == pytest.approx(
         cp.compute + cp.tp_comm + cp.cp_comm + cp.dp_comm + cp.optimizer, rel=1e-12)
-
+    # The ring (p2p) sends the rank's keys and values (kv / 2) once a layer forward and once backward (c - 1 = 1),
+    # each beside a ring step's attention, two [256, 256] blocks (four chunks of the 1024 tokens) of 8 heads of 64:
+    # 2 x 2 products forward, 2 x 5 backward, of 2 x 256^2 x 64 x 8 x 2 FLOPs; exposed only beyond them (at 5e13
+    # FLOP/s the forward's exchange outlasts its blocks, the backward's does not). And each layer's key and value
+    # gradients go to their owners all-to-all in fp32 (2 x 4 x 1024 x 2 x 16 x 64 / 2 bytes).
+    ring_model, slower = dataclasses.replace(m, cp_comm_type="p2p"), dataclasses.replace(dev, flops_16=5e13)
+    ring = estimate_time(ring_model, layout, slower, MEASURED, fw)
+    product = 2 * 256**2 * 64 * 8 * 2
+    send = kv / 2 / 1e11
+    grads = 2 * 4 * 1024 * 2 * 16 * 64 / 2
+    assert 4 * product / 5e13 < send < 10 * product / 5e13
+    assert ring.cp_comm == pytest.approx(8 * 4 * (send - 4 * product / 5e13 + 1 / 2 * grads / 1e11), rel=1e-12)
+    # on a link a hundred times slower little of it hides (the blocks take 1.4e-5 s beside 2e-3)
+    slow = estimate_time(ring_model, layout, dataclasses.replace(slower, link_intra=1e9), MEASURED, fw)
+    assert slow.cp_comm == pytest.approx(8 * 4 * (2 * send * 100 - 14 * product / 5e13 + 1 / 2 * grads / 1e9),
+                                         rel=1e-12)
     moe = GPTCost(num_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=1024, seq_length=256,
                   micro_batch_size=2, global_batch_size=8, params_dtype="bfloat16", position_embedding_type="rope",
                   hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=4, moe_router_topk=2,

@@ -34,6 +34,11 @@ class Message:
     """A send on the pipeline's path (:attr:`Device.p2p` where the device has one)."""
     hidden: bool = False
     """Overlapped with compute (:class:`Framework`): no time on the critical path; the bytes are sent all the same."""
+    beside_flops: float = 0.0
+    """Matrix-product FLOPs that run while it is in flight, each time (the ring's blocks beside the next block's
+    exchange): only the time it takes beyond theirs is on the critical path."""
+    beside_16_bit: bool = True
+    """Those products run at the 16-bit rate (else the fp32 one)."""
     per_step: bool = False
 
     @property
@@ -48,7 +53,11 @@ class Message:
         bw, lat = link_rate(dev, eff, self.crosses_nodes)
         if self.p2p and dev.p2p is not None:
             bw, lat = dev.p2p * eff.link, dev.p2p_latency
-        return self.times * collective_time(self.kind, self.nbytes, self.ranks, bw, lat)
+        each = collective_time(self.kind, self.nbytes, self.ranks, bw, lat)
+        if self.beside_flops:
+            each = max(0.0, each - self.beside_flops / ((dev.flops_16 if self.beside_16_bit else dev.flops_32)
+                                                        * eff.gemm))
+        return self.times * each
 
 
 def _chunks_sending(p: int, v: int, stage: int) -> tuple[int, int]:
@@ -75,7 +84,8 @@ def stage_messages(m: StepCost, layout: ParallelDims, stage: int, fw: Framework 
     - CP, a layer, by ``cp_comm_type``: ``all_gather`` all-gathers the keys and values of the whole sequence
       (forward) and reduce-scatters their gradients; ``a2a`` sends queries, keys, values and the context
       all-to-all, forward and backward; ``p2p`` passes its keys and values around the ring ``c - 1`` times,
-      forward and backward, and sends their fp32 gradients to their owners all-to-all.
+      forward and backward, each exchange beside a ring step's attention (only its time beyond that is
+      exposed), and sends their fp32 gradients to their owners all-to-all.
     - EP, a MoE layer: the routed rows all-to-all to the experts' ranks and back, forward and backward (the
       ``allgather`` dispatcher: the tokens all-gathered, the slots reduce-scattered back, and the reverse).
     - PP: each model chunk's output sent on and its input gradient back (not past the model's ends); the tied
@@ -162,7 +172,13 @@ def stage_messages(m: StepCost, layout: ParallelDims, stage: int, fw: Framework 
             add("cp", "all_to_all", e * tokens * kv_heads * dh, c, 2 * (n + layers), cp_x)  # keys; values
         elif kind == "p2p":
             kv = 2 * e * tokens * g * dh  # this rank's keys and values, around the ring
-            add("cp", "send", kv, 2, (c - 1) * (n + layers), cp_x, p2p=True)
+            # each exchange runs beside a ring step's attention (transformer/ring_attention.py posts it first):
+            # two [C, C] blocks of n/t heads are visible at a step after the first, C = s / 2c; forward Q K^T and
+            # P V, backward those two again and three more (dP, dQ, dK; dV)
+            block = 2 * (s / (2 * c)) ** 2 * dh * m.num_attention_heads / t * b  # one product of one block
+            add("cp", "send", kv, 2, (c - 1) * n, cp_x, p2p=True, beside_flops=2 * 2 * block, beside_16_bit=e == 2)
+            add("cp", "send", kv, 2, (c - 1) * layers, cp_x, p2p=True, beside_flops=2 * 5 * block,
+                beside_16_bit=e == 2)
             add("cp", "all_to_all", 2 * 4 * s * b * g * dh, c, layers, cp_x)  # fp32 gradients, each block's owner
         else:
             kv = 2 * e * s * b * g * dh  # the whole sequence's keys and values
