@@ -357,11 +357,20 @@ def _rms(t: torch.Tensor) -> float:
     return float(t.pow(2).mean().sqrt()) if t.numel() else 0.0
 
 
+def _splits_sequence(layout: str) -> bool:
+    """Whether ``layout`` is context-parallel: each rank's module outputs are its tokens, in the split's order."""
+    try:
+        return ParallelDims.parse(layout).cp > 1
+    except ValueError:  # a name of the caller's own (the tests')
+        return False
+
+
 def first_divergence(run: LayoutRun, ref: LayoutRun, tol: Tolerances) -> str | None:
     """The first module, in the reference's forward order, whose step-1 output differs beyond ``output_rtol`` (of
-    the modules holding as many parameter tensors as the reference's: not a stage's part of the layer stack); else
-    the first, in backward order, with a parameter whose step-1 gradient differs beyond ``grad_rtol``; else None."""
-    for name in ref.output_order:
+    the modules holding as many parameter tensors as the reference's: not a stage's part of the layer stack; and
+    none under context parallelism, whose outputs are each rank's tokens in the split's order); else the first, in
+    backward order, with a parameter whose step-1 gradient differs beyond ``grad_rtol``; else None."""
+    for name in [] if _splits_sequence(run.layout) or _splits_sequence(ref.layout) else ref.output_order:
         if name not in run.outputs or run.output_params.get(name) != ref.output_params.get(name):
             continue  # not run here, or a part of it (a stage's share of the layers): not the whole's output
         want = ref.outputs[name][0]
