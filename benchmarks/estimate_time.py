@@ -129,6 +129,7 @@ def main() -> None:
         return (f"GEMM {dev.flops_16 / 1e9:.1f} GFLOP/s ({a.seq * a.micro_batch}x{a.hidden}x{shape.ffn}, {a.precision}), "
                 f"copy {dev.hbm / 1e9:.2f} GB/s, elementwise kernels of one layer {dev.elementwise / 1e9:.2f} GB/s, "
                 f"vocabulary passes of the embeddings, heads and loss {dev.vocab / 1e9:.2f} GB/s, "
+                f"the layer on {CPU_COUNT} threads {dev.thread_speedup or 1:.2f}x one, "
                 f"all-reduce {dev.link_intra / 1e9:.2f} GB/s + {dev.latency_intra * 1e6:.0f} us, gloo send "
                 f"{dev.p2p / 1e9:.2f} GB/s + {dev.p2p_latency * 1e6:.0f} us")
 

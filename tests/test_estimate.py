@@ -407,7 +407,8 @@ def test_step_time_against_hand_computed_numbers():
     params0 = estimate_stage(m, layout, 0).params
     t0 = gemm - 412316860416 / 2 / 1e14 + elementwise + 33554432 / 1e12 + 36 * params0 / 1e12 / 4 + tp + pp
     assert st.bubble == pytest.approx(t0, rel=1e-12) and t0 < t_mb
-    assert st.dp_comm == pytest.approx(2 * 1 / 2 * 4 * params / 1e11, rel=1e-12)  # fp32 grads, within the node
+    # fp32 grads all-reduced within the node, then divided by the DP size in place (read and write 4 bytes each)
+    assert st.dp_comm == pytest.approx(2 * 1 / 2 * 4 * params / 1e11 + 8 * params / 1e12, rel=1e-12)
     # Adam over the fp32 main params (read param, grad and both moments, write param and moments: 28 bytes), the
     # norm's read of the grads (4) and the main params copied back into the bf16 model params (read 4, write 2).
     assert st.optimizer == pytest.approx(38 * params / 1e12, rel=1e-12)
@@ -432,10 +433,14 @@ def test_step_time_against_hand_computed_numbers():
     # the gathers again: the qkv and fc1 inputs of 2 layers and the output layer's, 4 microbatches
     assert exposed.tp_comm == pytest.approx(sp.tp_comm + 4 * (2 * 2 + 1) * (1 / 2 * 4194304 / 1e11), rel=1e-12)
     z = estimate_time(m, ParallelDims(tp=2, pp=2, dp=2, zero1=True), dev, MEASURED, fw)
-    assert z.dp_comm == pytest.approx(1 / 2 * 4 * params / 1e11 + 1 / 2 * 2 * params / 1e11, rel=1e-12)
+    # ZeRO-1: reduce-scatter, the mean of the rank's half, all-gather of the bf16 params
+    assert z.dp_comm == pytest.approx(1 / 2 * 4 * params / 1e11 + 8 * params / 2 / 1e12 + 1 / 2 * 2 * params / 1e11,
+                                      rel=1e-12)
     assert z.optimizer == pytest.approx(st.optimizer / 2)
     hidden = estimate_time(m, layout, dev, MEASURED, Framework())  # the strategy's default: overlapped
-    assert hidden.dp_comm == pytest.approx(max(0.0, st.dp_comm - 2 / 3 * compute_mb))
+    # the reduction hidden behind the last microbatch's backward; the mean after it is not
+    assert hidden.dp_comm == pytest.approx(max(0.0, 2 * 1 / 2 * 4 * params / 1e11 - 2 / 3 * compute_mb)
+                                           + 8 * params / 1e12)
     # megatron-core's gradient_accumulation_fusion: the weight-gradient GEMMs add into main_grad themselves.
     fused = estimate_time(m, layout, dev, MEASURED, Framework(overlap_grad_reduce=False, fused_grad_accumulation=True))
     assert fused.accumulate == 0 and fused.compute == pytest.approx(st.compute - accumulate, rel=1e-12)
@@ -592,6 +597,42 @@ def test_measured_elementwise_rate_times_the_memory_bound_kernels():
     assert layer_seconds(m) > 0  # one real layer of m, forward and backward
 
 
+def test_a_cpu_ranks_threads_speed_its_kernels_up_by_the_measured_factor():
+    """A CPU's rates are one core's. A rank with more cores than one runs them as intra-op threads, which do not
+    scale linearly (each op's dispatch stays on one thread; small ops split poorly): ``Device.thread_speedup``,
+    measured on the model's layer at all cores, divides its GEMMs, memory-bound kernels and vocabulary passes
+    (interpolated linearly between one thread and all); the gradient accumulation and the optimizer keep the copy
+    rate times the cores (a copy's bandwidth does scale). Ranks with a core or less time-slice: unchanged."""
+    from dataclasses import replace
+
+    from lightning_megatron.check.devices import isolated_rng
+
+    m = BertCost(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=16,
+                 micro_batch_size=2, global_batch_size=16, on_cpu=True)
+    linear = Device(name="toy", flops_16=1e10, flops_32=1e10, hbm=1e10, elementwise=2e9, vocab=3e9, link_intra=1e9,
+                    link_inter=1e9, latency_intra=0.0, latency_inter=0.0, cores=4)
+    measured = replace(linear, thread_speedup=2.5)  # 4 threads run a layer 2.5x as fast as one
+    fw = Framework(overlap_grad_reduce=False, fused_attention=not m.unfused_attention)
+
+    def kernels(t):  # the compute that is not the gradient accumulation
+        return t.compute - t.accumulate
+
+    for layout, threads, speedup in (("tp1", 4, 2.5), ("dp2", 2, 1 + 1.5 / 3), ("dp4", 1, 1), ("dp8", 0.5, 0.5)):
+        dims = ParallelDims.parse(layout)
+        a, b = (estimate_time(m, dims, dev, MEASURED, fw) for dev in (linear, measured))
+        assert kernels(b) == pytest.approx(kernels(a) * threads / speedup, rel=1e-12), layout
+        assert b.vocab == pytest.approx(a.vocab * threads / speedup, rel=1e-12), layout
+        assert (b.accumulate, b.optimizer, b.dp_comm, b.peak) == (a.accumulate, a.optimizer, a.dp_comm, a.peak)
+    with pytest.raises(ValueError, match="thread_speedup=5"):
+        replace(linear, thread_speedup=5.0)  # more than its 4 cores: a measurement gone wrong
+    with pytest.raises(ValueError, match="thread_speedup=2"):
+        replace(linear, cores=None, thread_speedup=2.0)  # a GPU has no threads to speed up
+    threads = torch.get_num_threads()
+    with isolated_rng(threads=2):  # what measures the layer at all cores
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == threads
+
+
 def test_measured_vocab_rate_times_the_vocabulary_passes():
     """``Device.vocab`` (measured from a one-layer model less its layer) times the vocabulary passes of the
     first and last stage, nothing else; the rate is their counted bytes over what the embeddings, heads
@@ -717,7 +758,8 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
     overlapped = capsys.readouterr().out
     dp_column = {name: [line.split()[8] for line in text.splitlines() if line.startswith("dp2zero1")][0]
                  for name, text in (("off", out), ("on", overlapped))}
-    assert e.value.code == 0 and float(dp_column["off"]) > 0 and float(dp_column["on"]) == 0, dp_column
+    # hidden: the all-gather; left: the mean of the rank's shard and what the backward does not hide of its reduction
+    assert e.value.code == 0 and 0 < float(dp_column["on"]) < float(dp_column["off"]) / 2, dp_column
     for flags, message in ((["--device", "tpu"], "unknown device 'tpu'"),
                            (["--link-efficiency", "1.5"], "efficiency link=1.5 must be in (0, 1]"),
                            (["--device", "h100", "--host-op-us", "-1"], "--host-op-us -1: a GPU's host microseconds"),
@@ -888,11 +930,13 @@ def test_context_and_expert_parallel_terms_against_hand_computed_numbers():
     params = estimate_stage(moe, ParallelDims(dp=2, ep=2), 0).params
     experts = moe.stage_expert_parameters(1, 2, 1)
     assert 0 < experts < params
-    # Only the dense parameters are all-reduced over the 2 data-parallel ranks; each expert lives on one rank.
-    assert ep.dp_comm == pytest.approx(2 * 1 / 2 * 4 * (params - experts) / 1e11, rel=1e-12)
+    # Only the dense parameters are all-reduced over the 2 data-parallel ranks; each expert lives on one rank. Every
+    # gradient is then divided by the DP size (the loss's mean over the global batch: the experts' too).
+    assert ep.dp_comm == pytest.approx(2 * 1 / 2 * 4 * (params - experts) / 1e11 + 8 * params / 1e12, rel=1e-12)
     replicated = estimate_time(moe, ParallelDims(dp=2), dev, MEASURED, fw)
+    dense = estimate_stage(moe, ParallelDims(dp=2), 0).params
     assert replicated.ep_comm == 0 and replicated.dp_comm == pytest.approx(
-        2 * 1 / 2 * 4 * estimate_stage(moe, ParallelDims(dp=2), 0).params / 1e11, rel=1e-12)
+        2 * 1 / 2 * 4 * dense / 1e11 + 8 * dense / 1e12, rel=1e-12)
 
 
 def test_step_flops_of_a_gated_grouped_query_decoder_and_of_its_lora_run():
@@ -952,7 +996,7 @@ def test_lora_step_moves_only_what_trains_and_pays_for_the_adapters_passes():
     trained = 2 * adapters  # two layers
     base = estimate_time(full, ParallelDims(dp=2), dev, MEASURED, fw)  # one microbatch per rank
     est = estimate_time(lora, ParallelDims(dp=2), dev, MEASURED, fw)
-    assert est.dp_comm == pytest.approx(2 * 1 / 2 * 4 * trained / 1e11, rel=1e-12)
+    assert est.dp_comm == pytest.approx(2 * 1 / 2 * 4 * trained / 1e11 + 8 * trained / 1e12, rel=1e-12)
     assert est.optimizer == pytest.approx(trained * fw.optimizer_bytes_per_param(4) / 1e12, rel=1e-12)
     assert est.accumulate == pytest.approx(grad_accumulation_bytes(trained, 4, 1, fw) / 1e12, rel=1e-12)
     assert est.optimizer < base.optimizer / 100 and est.dp_comm < base.dp_comm / 100

@@ -85,18 +85,19 @@ def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) ->
 
 
 @contextlib.contextmanager
-def isolated_rng() -> Iterator[None]:
-    """One thread, the CPU's global RNG seeded (0) and the model-parallel tracker's stream added when missing, and
-    the RNG states put back afterwards: a step built and run inside draws the same weights and inputs whatever ran
-    before (a mixture's routing, and so the ops its experts dispatch, follows them) and changes no later result."""
+def isolated_rng(threads: int = 1) -> Iterator[None]:
+    """``threads`` intra-op threads (one by default), the CPU's global RNG seeded (0) and the model-parallel
+    tracker's stream added when missing, and the thread count and RNG states put back afterwards: a step built and
+    run inside draws the same weights and inputs whatever ran before (a mixture's routing, and so the ops its
+    experts dispatch, follows them) and changes no later result."""
     import torch
 
     from lightning_megatron.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
 
     tracker = get_rng_tracker()
     saved_states, saved_seeds = tracker.get_states(), set(tracker.seeds)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(0)  # the CPU's alone: an accelerator's generators are not forked
@@ -104,23 +105,23 @@ def isolated_rng() -> Iterator[None]:
                 tracker.add(MODEL_PARALLEL_RNG_TRACKER_NAME, max(saved_seeds, default=0) + 1)
             yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved_threads)
         tracker.set_states(saved_states)
         tracker.seeds = saved_seeds
 
 
-def _best_of_3(build) -> float:
-    """Best of 3 runs of the step ``build()`` returns (after one untimed), with the weights, inputs and dropout
-    masks drawn inside :func:`isolated_rng`."""
-    with isolated_rng():
+def _best_of_3(build, threads: int = 1) -> float:
+    """Best of 3 runs of the step ``build()`` returns (after one untimed) on ``threads`` threads, with the weights,
+    inputs and dropout masks drawn inside :func:`isolated_rng`."""
+    with isolated_rng(threads):
         step = build()
         step()
         return min(_timed(step) for _ in range(3))
 
 
-def _timed_step(build) -> float:
-    """Best of 3 of the step a model's ``build()`` returns (``(module, step)``), with the CPU tuning's
-    kernels on the module (what a run with ``cpu_tuning`` executes)."""
+def _timed_step(build, threads: int = 1) -> float:
+    """Best of 3 of the step a model's ``build()`` returns (``(module, step)``) on ``threads`` threads, with the
+    CPU tuning's kernels on the module (what a run with ``cpu_tuning`` executes)."""
 
     def prepared():
         from lightning_megatron.cpu.kernels import CPUKernels
@@ -130,14 +131,14 @@ def _timed_step(build) -> float:
         set_kernels(module, CPUKernels())
         return step
 
-    return _best_of_3(prepared)
+    return _best_of_3(prepared, threads)
 
 
-def layer_seconds(m: StepCost) -> float:
+def layer_seconds(m: StepCost, threads: int = 1) -> float:
     """Best of 3 forward + backward passes of one of the model's own layers (``m.build_layer_step()``: its
-    family's spec, dtype, dropout and attention backend) on its micro batch ``[s, b, h]``, one thread,
-    with the CPU tuning's kernels; each backward writes fresh gradients."""
-    return _timed_step(m.build_layer_step)
+    family's spec, dtype, dropout and attention backend) on its micro batch ``[s, b, h]``, on ``threads``
+    threads (one by default), with the CPU tuning's kernels; each backward writes fresh gradients."""
+    return _timed_step(m.build_layer_step, threads)
 
 
 def model_seconds(m: StepCost) -> float | None:
@@ -158,7 +159,9 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     all-reduces of 4 KiB (latency) and 16 MiB (bandwidth): through the CPU tuning's shared-memory
     collectives when ``shared_memory`` (what ``CPUTuning`` installs for TP and DP) and through gloo
     (pipeline sends, and collectives without the tuning). The estimate gives each rank
-    ``cores / world_size`` cores (:attr:`~lightning_megatron.check.timing.Device.cores`).
+    ``cores / world_size`` cores (:attr:`~lightning_megatron.check.timing.Device.cores`), as threads at the
+    speed-up the layer shows on all of them against one (:attr:`~lightning_megatron.check.timing.Device.
+    thread_speedup`) when a rank has more than one.
 
     With ``shape`` (the model's :class:`~lightning_megatron.cost.protocols.StepCost`), also one of its
     layers (:func:`layer_seconds`): what its forward and
@@ -212,15 +215,19 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     shm = shared_memory and times["shared_memory"] is not None
     link, latency = rate(times["shared_memory"]) if shm else (p2p, p2p_latency)
     cores = os.cpu_count() or 1
-    elementwise = vocab = None
+    elementwise = vocab = speedup = None
     if shape is not None:
         layer_s = layer_seconds(shape)
         elementwise = _elementwise_rate(shape, layer_s, gemm)
         model_s = model_seconds(shape)
         vocab = None if model_s is None else _vocab_rate(shape, model_s - layer_s, gemm)
+        if cores > 1:  # the same layer on every core, as one rank's intra-op threads
+            speedup = min(max(layer_s / layer_seconds(shape, threads=cores), 1.0), float(cores))
     timed = "" if shape is None else ", the model's own layer" + ("" if vocab is None else " and one-layer model")
+    if speedup is not None:
+        timed += f", the layer on {cores} threads {speedup:.2f}x one"
     return Device(name="this machine (measured)", flops_16=gemm, flops_32=gemm, hbm=hbm, elementwise=elementwise,
-                  vocab=vocab,
+                  vocab=vocab, thread_speedup=speedup,
                   link_intra=link,
                   link_inter=link, devices_per_node=cores, latency_intra=latency, latency_inter=latency, p2p=p2p,
                   p2p_latency=p2p_latency, cores=cores,

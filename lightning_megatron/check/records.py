@@ -52,7 +52,25 @@ class Device:
     cores: int | None = None
     """A host without accelerators: the rates are per core, and each of a layout's ranks gets
     ``cores / world_size`` cores (threads when fewer ranks than cores, time slices when more)."""
+    thread_speedup: float | None = None
+    """A host without accelerators: how many times faster the model's layer runs on ``cores`` intra-op threads
+    than on one (measured; each op's dispatch stays on one thread and small ops split poorly: 1.76-1.86 on 2
+    cores of an Intel AMX host). A rank with ``n`` cores runs its GEMMs, memory-bound kernels and vocabulary
+    passes ``1 + (thread_speedup - 1)(n - 1)/(cores - 1)`` times one core's rate (:meth:`kernel_cores`); None:
+    ``n`` times."""
     source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.thread_speedup is not None and (self.cores is None or not 1 <= self.thread_speedup <= self.cores):
+            raise ValueError(f"Device {self.name!r}: thread_speedup={self.thread_speedup:g} must be between 1 and the "
+                             f"host's cores ({self.cores}): the layer on all cores against one core")
+
+    def kernel_cores(self, cores: float) -> float:
+        """How many cores' worth of one core's kernel rates a rank given ``cores`` cores gets: ``cores`` up to
+        one (time slices), then the measured :attr:`thread_speedup` interpolated (threads)."""
+        if self.thread_speedup is None or self.cores is None or cores <= 1 or self.cores <= 1:
+            return cores
+        return 1 + (self.thread_speedup - 1) * (min(cores, self.cores) - 1) / (self.cores - 1)
 
 
 @dataclass(frozen=True, kw_only=True)

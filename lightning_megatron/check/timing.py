@@ -75,7 +75,8 @@ class StepTime:
     bubble: float
     """Pipeline fill and drain: (p - 1)/v microbatch times."""
     dp_comm: float
-    """Exposed data-parallel gradient reduction (and ZeRO-1 parameter all-gather)."""
+    """Exposed data-parallel gradient reduction, the mean it takes (a pass over the reduced fp32 gradients), and
+    ZeRO-1's parameter all-gather."""
     optimizer: float
     tokens: int
     """Tokens per step (all replicas)."""
@@ -298,10 +299,11 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     e, s, b, h = m.param_bytes, m.seq_length, m.micro_batch_size, m.hidden_size
     microbatches = m.global_batch_size // (b * d)
     share = 1.0 if dev.cores is None else dev.cores / layout.world_size
+    threads = dev.kernel_cores(share)  # a CPU rank's intra-op threads do not add up linearly
     peak = dev.flops_16 if e == 2 else dev.flops_32
-    gemm_rate, mem_rate = peak * eff.gemm * share, dev.hbm * eff.memory * share
-    kernel_rate = (dev.elementwise or dev.hbm) * eff.memory * share
-    vocab_rate = (dev.vocab or dev.hbm) * eff.memory * share
+    gemm_rate, mem_rate = peak * eff.gemm * threads, dev.hbm * eff.memory * share
+    kernel_rate = (dev.elementwise or dev.hbm) * eff.memory * threads
+    vocab_rate = (dev.vocab or dev.hbm) * eff.memory * threads
     # per layer of a stage (the stages' layers as the model splits them: stage_layers), then each stage's
     layer_bytes = (elementwise_bytes(m, layout, fw) + adapter_bytes(m, layout) / 3) * s / c * b  # LoRA's adapters
     # each stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation, and its
@@ -346,6 +348,9 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     replicas = ((params - expert_params, d * c), (expert_params, layout.expert_dp))
     owned = sum(n / k for n, k in replicas) if layout.zero1 else params
     optimizer = owned * fw.optimizer_bytes_per_param(e) / mem_rate
+    # the DP mean: each reduced fp32 gradient divided by the DP x CP size in place, read and written (GradBuffer's
+    # finish; a rank's shard under ZeRO-1)
+    mean = owned * 8 / mem_rate if d * c > 1 else 0.0
     host = 0.0
     if dev.host_op is not None and fw.host_ops is not None:  # the busiest host: the last stage's, with the ends
         ops = fw.host_ops
@@ -354,6 +359,6 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
             * dev.host_op
     return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb + sp_grads,
                     cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied,
-                    bubble=bubble, dp_comm=reduce + gather, optimizer=optimizer,
+                    bubble=bubble, dp_comm=reduce + gather + mean, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
                     peak=peak * share, vocab=microbatches * vocab_mb, accumulate=accumulate, host=host)
