@@ -728,6 +728,30 @@ def test_megatron_weak_scaling_within_25_percent(row):
     assert abs(megatron_row(heads, hidden, layers, tp, pp, gpus, batch) / published - 1) < 0.25
 
 
+def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys):
+    """``check --estimate-time --device this`` as a user runs it on a recipe: the machine measured (one core's
+    rates, the model's layer on every core too), the layouts predicted with them; DP's part holds the reduction and
+    the mean, one rank's none."""
+    import os
+    import re
+    from pathlib import Path
+
+    from lightning_megatron.cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--estimate-time", "--device", "this", "--layouts", "tp1,dp2"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    cores = os.cpu_count() or 1
+    if cores > 1:
+        speedup = float(re.search(rf"the layer on {cores} threads ([0-9.]+)x one", out).group(1))
+        assert 1 <= speedup <= cores, out
+    rows = {r[0]: r for r in (line.split() for line in out.splitlines()) if r and r[0] in ("tp1", "dp2")}
+    assert float(rows["tp1"][8]) == 0 < float(rows["dp2"][8]), out  # the DP column
+    assert float(rows["tp1"][1]) > 0 and float(rows["dp2"][1]) > 0
+
+
 def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_path):
     """Through the CLI: --data.* overrides, VP layouts, skip reasons, ranking by predicted tokens/s."""
     from lightning_megatron.cli import main
