@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --precision bf16         # the decoder's rows
     .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --lora 8                 # LoRA adapters' rows
     .venv/bin/python benchmarks/estimate_time.py --model mixtral-tiny                        # the experts' rows
+    .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --layouts pp2,pp2vp2 --defer-wgrad  # at the flush
 
 Measures this machine's rates before and after the runs, and predicts with the quieter of the two (the
 faster GEMM with its own elementwise and vocabulary rates; the faster copy and links of either;
@@ -54,6 +55,9 @@ def main() -> None:
     p.add_argument("--layouts", default=None, help=f"default: {LAYOUTS} (bert), {DECODER_LAYOUTS} (decoders), "
                                                    f"{LORA_LAYOUTS} (--lora), {MOE_LAYOUTS} (mixtral-tiny)")
     p.add_argument("--lora", type=int, default=None, help="LoRA adapters of this rank on a llama-* decoder")
+    p.add_argument("--defer-wgrad", action="store_true",
+                   help="llama-* decoders: defer_embedding_wgrad_compute (the output layer's weight gradient at the "
+                        "pipeline flush; layouts with PP)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -74,6 +78,9 @@ def main() -> None:
     from lightning_megatron.transformer.lora import LORA_TARGETS
 
     bf16, folder = a.precision == "bf16", None
+    if a.defer_wgrad and not a.model.startswith("llama"):
+        raise SystemExit("estimate_time.py: --defer-wgrad is for the llama-* decoders")
+    extra = dict(defer_embedding_wgrad_compute=True) if a.defer_wgrad else {}
     if a.model == "bert":
         size = BertSize(name="bench", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                         ffn_hidden_size=4 * a.hidden)
@@ -109,7 +116,7 @@ def main() -> None:
 
         decoder = DECODERS[a.model]
         a.seq, a.hidden = decoder.seq_length, decoder.hidden_size
-        config = _ours(decoder, bf16).config
+        config = _ours(decoder, bf16, **extra).config
         adapters = dict(lora_rank=a.lora, lora_targets=tuple(LORA_TARGETS)) if a.lora else {}
         shape = GPTCost.from_config(config, seq_length=a.seq, micro_batch_size=a.micro_batch,
                                     global_batch_size=a.global_batch, on_cpu=True, **adapters)
@@ -118,7 +125,8 @@ def main() -> None:
                  f"heads in {decoder.num_query_groups} groups, SwiGLU {decoder.ffn_hidden_size}, vocabulary "
                  f"{decoder.vocab_size}, seq {a.seq}, micro batch {a.micro_batch}, global batch {a.global_batch}, "
                  f"{a.precision}, no dropout" + (f", LoRA rank {a.lora} on {', '.join(LORA_TARGETS)} (base frozen)"
-                                                 if a.lora else ""))
+                                                 if a.lora else "")
+                 + (", the output layer's weight gradient deferred to the flush" if a.defer_wgrad else ""))
         if a.lora:
             import tempfile
 
@@ -149,7 +157,7 @@ def main() -> None:
                 raise SystemExit(f"estimate_time.py --model {a.model}: layout {layout.name} is not run here")
             run = dict(size=dataclasses.asdict(decoder), precision=a.precision, warmup=a.warmup, steps=a.steps,
                        batch=a.global_batch // layout.dp, micro_batch=a.micro_batch,
-                       moe=a.model.startswith("mixtral"), folder=folder, lora=a.lora,
+                       moe=a.model.startswith("mixtral"), folder=folder, lora=a.lora, config=extra,
                        strategy=dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                      virtual_pipeline_model_parallel_size=layout.vp,
                                      context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,

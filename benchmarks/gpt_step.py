@@ -68,7 +68,8 @@ LLAMA_SHAPE = dict(position_embedding_type="rope", activation="silu", gated_line
 """GPTConfig fields of the Llama shape both decoder benchmarks build (transformers' defaults on its side)."""
 
 
-def _ours(size: LlamaSize, bf16: bool, compile: bool = False):
+def _ours(size: LlamaSize, bf16: bool, compile: bool = False, **config: Any):
+    """Our Llama-shaped decoder of ``size``; ``config``: more GPTConfig fields (``defer_embedding_wgrad_compute``)."""
     from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
@@ -76,7 +77,7 @@ def _ours(size: LlamaSize, bf16: bool, compile: bool = False):
         num_layers=size.num_layers, hidden_size=size.hidden_size, num_attention_heads=size.num_attention_heads,
         num_query_groups=size.num_query_groups, ffn_hidden_size=size.ffn_hidden_size, vocab_size=size.vocab_size,
         max_sequence_length=size.seq_length, spec="llama_layer_spec", **LLAMA_SHAPE,
-        params_dtype="bfloat16" if bf16 else "float32"), lr=LR, weight_decay=WEIGHT_DECAY, compile=compile)
+        params_dtype="bfloat16" if bf16 else "float32", **config), lr=LR, weight_decay=WEIGHT_DECAY, compile=compile)
 
 
 def _hf(size: LlamaSize):
@@ -111,7 +112,8 @@ def gpt_layout_rank(run: dict[str, Any]) -> dict[str, Any]:
     """Our decoder at one layout on this rank (``benchmarks/estimate_time.py --model llama-*|mixtral-*``): ``run`` =
     size, precision, warmup, steps, batch (rows per DP replica and step), micro_batch, strategy (MegatronStrategy's
     layout arguments); ``moe``: the size is ``moe_step``'s mixture of experts; ``folder`` and ``lora``: LoRA
-    adapters of rank ``lora`` on every projection of the Llama saved in ``folder`` (its base frozen)."""
+    adapters of rank ``lora`` on every projection of the Llama saved in ``folder`` (its base frozen); ``config``:
+    more GPTConfig fields of the decoder (``defer_embedding_wgrad_compute``)."""
     import warnings
 
     import torch.distributed as dist
@@ -136,7 +138,7 @@ def gpt_layout_rank(run: dict[str, Any]) -> dict[str, Any]:
             config={"hidden_dropout": 0.0, "attention_dropout": 0.0, "params_dtype": "bfloat16" if bf16 else "float32"})
     else:
         size = LlamaSize(**run["size"])
-        module = _ours(size, bf16)
+        module = _ours(size, bf16, **run.get("config", {}))
     data = TokenBatches((warmup + steps) * run["batch"], size.seq_length, size.vocab_size)
     times = timed_fit("ours", module, bf16, data, run["batch"], warmup, steps, devices=world,
                       micro_batch=run["micro_batch"], **run["strategy"])

@@ -14,7 +14,7 @@ from lightning_megatron.cost import DEFAULT_DROPOUT, TransformerCost, estimate_s
 from lightning_megatron.models.bert.cost import BertCost
 from lightning_megatron.models.gpt.cost import GPTCost
 from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, HostOps, collective_time,
-                                             elementwise_bytes, estimate_time, stage_flops)
+                                             deferred_head_flops, elementwise_bytes, estimate_time, stage_flops)
 from lightning_megatron.flops import transformer_flops
 
 BERT_LARGE = BertCost(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=16,
@@ -341,6 +341,36 @@ def test_the_output_layers_deferred_weight_gradient_keeps_each_microbatchs_outpu
         assert (estimate_stage(limited, layout, 1).activation_bytes
                 - estimate_stage(plain, layout, 1).activation_bytes == 2 * held)
         assert estimate_stage(m, layout, 0).activation_bytes == estimate_stage(plain, layout, 0).activation_bytes
+
+
+def test_the_output_layers_deferred_weight_gradient_is_timed_at_the_flush_beyond_the_drain():
+    """``defer_embedding_wgrad_compute`` moves the last stage's output-layer weight gradients (GEMM and the [V/t, h]
+    gradient written) out of its microbatches into the flush, where the earlier stages' last backward passes (2/3 of
+    the bubble) hide them: TP=2 x PP=2 x DP=2, 4 microbatches, efficiencies of 1, no latency."""
+    m = GPTCost(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=1024,
+                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", position_embedding_type="rope",
+                hidden_dropout=0.0, attention_dropout=0.0)
+    dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
+                 devices_per_node=4, latency_intra=0.0, latency_inter=0.0)
+    layout, fw = ParallelDims(tp=2, pp=2, dp=2), Framework(overlap_grad_reduce=False)
+    plain = estimate_time(m, layout, dev, MEASURED, fw)
+    deferred = dataclasses.replace(m, defer_embedding_wgrad_compute=True)
+    # a microbatch's: 2 x 2048 head tokens x 1024 x 32768 / 2 FLOPs (a third of the head's), its 32 MiB gradient written
+    assert deferred_head_flops(deferred, layout) == 2 * 2048 * 1024 * 32768 / 2
+    wgrad = 2 * 2048 * 1024 * 32768 / 2 / 1e14 + 16384 * 1024 * 2 / 1e12
+    st = estimate_time(deferred, layout, dev, MEASURED, fw)
+    assert st.bubble == plain.bubble  # the first stage's microbatch, as before
+    drain = 2 / 3 * plain.bubble
+    assert 4 * wgrad > drain > wgrad  # all 4 at the flush outlast the drain; one does not
+    assert st.compute == pytest.approx(plain.compute - 4 * wgrad + (4 * wgrad - drain), rel=1e-12)
+    # wgrad_deferral_limit=1: three are drained within the steady state, the last one hides in the drain
+    one = estimate_time(dataclasses.replace(deferred, wgrad_deferral_limit=1), layout, dev, MEASURED, fw)
+    assert one.compute == pytest.approx(plain.compute - wgrad, rel=1e-12)
+    # nothing to defer without a pipeline, or under LoRA (the output layer is frozen)
+    flat = ParallelDims(tp=2, dp=4)
+    assert deferred_head_flops(deferred, flat) == 0
+    assert estimate_time(deferred, flat, dev, MEASURED, fw) == estimate_time(m, flat, dev, MEASURED, fw)
+    assert deferred_head_flops(dataclasses.replace(deferred, lora_rank=8), layout) == 0
 
 
 def test_default_dropout_is_the_modules():

@@ -15,6 +15,10 @@ tensor-, context- and expert-parallel collectives and the pipeline sends; the sl
 
     T_step = m T_mb + f/(1 - f) m T_other  +  tied-embedding all-reduce  +  DP_exposed  +  T_optimizer
 
+(with ``defer_embedding_wgrad_compute`` the last stage's ``T_mb`` leaves out the output layer's weight gradient of
+the microbatches that wait for the flush, and the flush's ``W`` of them adds what the drain does not hide:
+``max(0, W T_wgrad - 2/3 bubble)``)
+
 with ``f`` the pipeline schedule's bubble, the idle fraction of the pipelined time (its ``bubble``:
 :mod:`lightning_megatron.pipeline.registry`; 1F1B ``(p - 1)/(m + p - 1)``, interleaved
 ``(p - 1)/(v m + p - 1)``, so the idle time is ``(p - 1)/v T_other``), and ``T_other`` the mean
@@ -53,9 +57,9 @@ from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
 # the records and the messages it takes are re-exported: the model's names, where the docs and callers find them
 __all__ = ["Device", "Efficiency", "Framework", "HostOps", "MEASURED", "Message", "STEP_OPS", "StepTime",
-           "adapter_bytes", "collective_time", "elementwise_bytes", "estimate_time", "grad_accumulation_bytes",
-           "layer_flops", "link_rate", "model_flops", "recomputed_share", "stage_flops", "stage_messages",
-           "stage_traffic", "vocab_bytes"]
+           "adapter_bytes", "collective_time", "deferred_head_flops", "elementwise_bytes", "estimate_time",
+           "grad_accumulation_bytes", "layer_flops", "link_rate", "model_flops", "recomputed_share", "stage_flops",
+           "stage_messages", "stage_traffic", "vocab_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +69,8 @@ class StepTime:
     layout: str
     compute: float
     """GEMMs, elementwise kernels, vocabulary passes and gradient accumulation of every microbatch on the
-    slowest stage (bubble excluded)."""
+    slowest stage (bubble excluded), and the part of the output layer's weight gradients deferred to the pipeline
+    flush (``defer_embedding_wgrad_compute``) that the flush's drain does not hide (:func:`deferred_head_flops`)."""
     tp_comm: float
     """Tensor-parallel collectives on the critical path (all microbatches; under SP, once a step, the sum of the
     gradients of the parameters that saw a chunk of the sequence)."""
@@ -279,6 +284,17 @@ def vocab_bytes(m: StepCost, layout: ParallelDims, stage: int) -> float:
     return n
 
 
+def deferred_head_flops(m: StepCost, layout: ParallelDims) -> float:
+    """FLOPs of the output layer's weight gradient of one microbatch on a last-stage rank when the model defers it to
+    the pipeline flush (``defer_embedding_wgrad_compute`` with pipeline parallelism; megatron-core's name), else 0:
+    ``2 n h V/t`` for the ``n`` head tokens of the rank's ``s/cp`` (a third of the head's :func:`stage_flops`, the dense
+    layer before a BERT head excepted). Frozen under LoRA: nothing deferred."""
+    if not getattr(m, "defer_embedding_wgrad_compute", False) or layout.pp < 2 or adapters_only(m):
+        return 0.0
+    tokens = m.head_fraction * m.seq_length * m.micro_batch_size
+    return 2 * tokens * m.hidden_size * m.padded_vocab(layout.tp) / (layout.tp * layout.cp)
+
+
 def grad_accumulation_bytes(params: int, grad_bytes: int, microbatches: int, fw: Framework) -> float:
     """Bytes per step of adding the microbatches' gradients into the fp32 main grads on a rank holding
     ``params`` parameters whose ``.grad`` has ``grad_bytes`` per element: the GradBuffer's hook copies
@@ -304,6 +320,13 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     gemm_rate, mem_rate = peak * eff.gemm * threads, dev.hbm * eff.memory * share
     kernel_rate = (dev.elementwise or dev.hbm) * eff.memory * threads
     vocab_rate = (dev.vocab or dev.hbm) * eff.memory * threads
+    # the output layer's deferred weight gradient of a microbatch (its GEMM, its [V/t, h] gradient written), and how
+    # many microbatches' wait for the flush: all of them, or the model's wgrad_deferral_limit
+    deferred_mb = deferred_head_flops(m, layout) / gemm_rate
+    if deferred_mb:
+        deferred_mb += m.padded_vocab(t) // t * h * e / vocab_rate
+    limit = getattr(m, "wgrad_deferral_limit", 0)
+    waiting = min(limit, microbatches) if limit else microbatches
     # per layer of a stage (the stages' layers as the model splits them: stage_layers), then each stage's
     layer_bytes = (elementwise_bytes(m, layout, fw) + adapter_bytes(m, layout) / 3) * s / c * b  # LoRA's adapters
     # each stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation, and its
@@ -316,6 +339,8 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         params_s = trained_parameters(m, layout, stage, schedule)
         accumulate_s = grad_accumulation_bytes(params_s, e, microbatches, fw) / mem_rate
         total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
+        if stage == p - 1 and deferred_mb:  # the output layer's weight gradients waiting for the flush leave the steady
+            total -= deferred_mb * waiting / microbatches  # state (with a limit, the older ones are drained within it)
         messages[stage] = stage_messages(m, layout, stage, fw, devices_per_node=dev.devices_per_node,
                                          schedule=schedule)
         comm = tuple(sum(x.seconds(dev, eff) for x in messages[stage] if x.part == part and not x.per_step)
@@ -331,6 +356,9 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     others = sorted(total for _, total, _, _, _ in stages)[:-1]
     t_other = sum(others) / len(others) + comm_mb if others else t_mb
     bubble = idle / (1 - idle) * microbatches * t_other
+    # the flush's deferred weight gradients run on the last stage while the earlier stages still run their last
+    # backward passes (the bubble's drain, about 2/3 of it: a backward is ~2/3 of a microbatch): exposed beyond it
+    flush = max(0.0, deferred_mb * waiting - 2.0 / 3.0 * bubble)
     # once a step: the tied word embedding's gradient (first and last stage), and DP on the fullest stage:
     # ZeRO-1 reduce-scatters the grads and all-gathers the params
     tied, sp_grads = (max(sum(x.seconds(dev, eff) for x in msgs if x.part == part and x.per_step)
@@ -357,7 +385,7 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         layer_ops = ops.layer * (1 + recomputed_share(m, layout, p - 1) / 3)  # recomputed: a third of fwd + bwd
         host = (microbatches * (sum(stage_layers(m, p, p - 1, layout.vp)) * layer_ops + ops.ends) + ops.step) \
             * dev.host_op
-    return StepTime(layout=layout.name, compute=microbatches * compute_mb, tp_comm=microbatches * tp_mb + sp_grads,
+    return StepTime(layout=layout.name, compute=microbatches * compute_mb + flush, tp_comm=microbatches * tp_mb + sp_grads,
                     cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied,
                     bubble=bubble, dp_comm=reduce + gather + mean, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
