@@ -258,3 +258,48 @@ def test_a_deferral_limit_keeps_at_most_that_many_microbatches_waiting_with_the_
     with pytest.raises(ValueError, match="wgrad_deferral_limit=2 bounds the deferral of defer_embedding_wgrad_compute"):
         TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, wgrad_deferral_limit=2)
 
+
+
+@pytest.mark.parametrize("limit, per_step", [(0, False), (1, False), (0, True)])
+def test_a_deferred_layer_run_twice_in_a_microbatch_reaches_its_bucket_once_per_microbatch(limit, per_step):
+    """A layer whose weight gradient is deferred, run twice in each microbatch (a head or block reused in one
+    forward): autograd sums the two uses' gradients before the gradient buffer's hook sees them, once per
+    microbatch. The drain must hand the buffer the same: one sum per microbatch, so that the count that says a
+    bucket is final (its overlapped DP reduction starts then) is reached only after the last one, and
+    ``main_grad`` is autograd's bits. It had been two gradients per microbatch: the bucket was declared final
+    after half of them and its reduction would have started while the other half were still to be added. The CPU
+    tuning's one GEMM a step (``per_step``) hands the buffer one gradient of the step's microbatches: final at once,
+    within fp32 rounding of autograd's sum."""
+    from lightning_megatron.tensor_parallel import ColumnParallelLinear, WeightGradPolicy
+
+    torch.manual_seed(0)
+    xs = [torch.randn(6, 16) for _ in range(4)]
+
+    def run(defer: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(1)
+        layer = ColumnParallelLinear(16, 16, bias=False)
+        buffer, policy = GradBuffer([layer.weight], overlap_grad_reduce=True), WeightGradPolicy()
+        if defer:
+            policy.defer([layer], limit=limit, per_step=per_step)
+        at_launch: list[torch.Tensor] = []
+        launch = buffer._launch
+        buffer._launch = lambda bucket: (at_launch.append(layer.weight.main_grad.clone()), launch(bucket))
+        buffer.start(len(xs))
+        with policy.step(buffer.add_grad, buffer.add_grad_rows):
+            for k, x in enumerate(xs):
+                h = layer(x)[0]
+                policy.backward_input(layer(h.tanh())[0].square().mean(), None, microbatch=k)
+            policy.backward_weight()
+        buffer.finish_grad_sync()
+        grad = layer.weight.main_grad.clone()
+        buffer.remove()
+        return grad, at_launch
+
+    plain, plain_launch = run(False)
+    assert len(plain_launch) == 1 and torch.equal(plain_launch[0], plain)  # launched once, when final
+    deferred, launched = run(True)
+    assert len(launched) == 1 and torch.equal(launched[0], deferred), "the bucket was launched before it was final"
+    if per_step:
+        torch.testing.assert_close(deferred, plain, rtol=1e-5, atol=1e-7)
+    else:
+        assert torch.equal(deferred, plain)

@@ -122,7 +122,9 @@ class DeferredWeightGrad:
     def drain(self, add_grad: Callable[..., None], *, microbatch: int | None = None) -> int:
         """Each stashed weight gradient (autograd's ``grad_output^T @ input``) of ``microbatch`` (None:
         all of them), in the order of the backward passes, handed to ``add_grad(weight, grad)``
-        (:meth:`lightning_megatron.grads.GradBuffer.add_grad`). With :attr:`per_step`, one
+        (:meth:`lightning_megatron.grads.GradBuffer.add_grad`): once per weight and microbatch, a layer run
+        more than once in a microbatch's forward handing the sum of its uses' gradients, as autograd does (the
+        buffer counts one gradient per microbatch to know when a bucket is final). With :attr:`per_step`, one
         ``add_grad(weight, grad, microbatches=n)`` per weight instead, ``grad`` over its ``n`` drained
         microbatches. Returns how many microbatch gradients; after a drain of all of them, stops
         deferring until the next :meth:`open`."""
@@ -132,23 +134,36 @@ class DeferredWeightGrad:
         else:
             stashed = [entry for entry in self._stashed if entry[0] == microbatch]
             self._stashed = [entry for entry in self._stashed if entry[0] != microbatch]
-        count = len(stashed)
+        # A weight's uses in one microbatch (a layer run twice in a forward) are one microbatch gradient, as autograd
+        # sums them before the gradient buffer's hook: one key per (microbatch, weight); an entry filed under no
+        # microbatch (a deferral used outside a policy's step) counts as its own.
+        keys = [(mb, id(weight)) if mb is not None else (i,) for i, (mb, weight, _, _) in enumerate(stashed)]
+        count = len(set(keys))
         with torch.no_grad():  # as inside autograd's backward: the gradients carry no graph
             if not self.per_step:
-                for _, weight, grad_2d, x_2d in stashed:
-                    add_grad(weight, torch.mm(grad_2d.t(), x_2d))
+                uses: dict[tuple, list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+                for key, (_, weight, grad_2d, x_2d) in zip(keys, stashed):
+                    uses.setdefault(key, []).append((weight, grad_2d, x_2d))
+                stashed.clear()
+                for key in list(uses):
+                    entries = uses.pop(key)
+                    grad = torch.mm(entries[0][1].t(), entries[0][2])
+                    for _, grad_2d, x_2d in entries[1:]:  # in the order the backward reached them, as autograd adds
+                        grad = grad + torch.mm(grad_2d.t(), x_2d)
+                    add_grad(entries[0][0], grad)
             else:
-                by_weight: dict[int, tuple[nn.Parameter, list[torch.Tensor], list[torch.Tensor]]] = {}
-                for _, weight, grad_2d, x_2d in stashed:
-                    entry = by_weight.setdefault(id(weight), (weight, [], []))
+                by_weight: dict[int, tuple[nn.Parameter, list[torch.Tensor], list[torch.Tensor], set]] = {}
+                for key, (_, weight, grad_2d, x_2d) in zip(keys, stashed):
+                    entry = by_weight.setdefault(id(weight), (weight, [], [], set()))
                     entry[1].append(grad_2d)
                     entry[2].append(x_2d)
+                    entry[3].add(key)
                 stashed.clear()  # each weight's tensors are freed as soon as its gradient is computed
                 for key in list(by_weight):
-                    weight, grads, xs = by_weight.pop(key)
-                    n = len(grads)
-                    grad = torch.mm(torch.cat(grads).t(), torch.cat(xs)) if n > 1 else torch.mm(grads[0].t(), xs[0])
+                    weight, grads, xs, microbatches = by_weight.pop(key)
+                    grad = (torch.mm(torch.cat(grads).t(), torch.cat(xs)) if len(grads) > 1
+                            else torch.mm(grads[0].t(), xs[0]))
                     del grads, xs
-                    add_grad(weight, grad, microbatches=n)
+                    add_grad(weight, grad, microbatches=len(microbatches))
         self.drained += count
         return count
