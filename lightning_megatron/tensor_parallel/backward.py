@@ -65,7 +65,11 @@ AddRows = Callable[[nn.Parameter, Tensor, Tensor], None]
 
 class EmbeddingGradRows(Protocol):
     """A word-embedding lookup whose weight gradient goes to ``add_rows(weight, rows, sums)`` between
-    :meth:`open` and :meth:`close` (the training schedule); :meth:`WeightGradPolicy.route_embedding_grad`."""
+    :meth:`open` and :meth:`close` (the training schedule); :meth:`WeightGradPolicy.route_embedding_grad`.
+    ``microbatch``: the microbatch whose backward runs now (set by :meth:`WeightGradPolicy.backward_input`; the
+    buffer takes one gradient of a weight a microbatch)."""
+
+    microbatch: int | None
 
     def open(self, add_rows: AddRows) -> None: ...
 
@@ -245,8 +249,8 @@ class WeightGradPolicy:
         """The backward pass of ``microbatch`` from ``output`` (``grad_output`` None: a scalar loss):
         input gradients and the weight gradients of the layers not deferred; the deferred layers'
         stashed under ``microbatch`` for :meth:`backward_weight`."""
-        for deferral in self.deferrals:
-            deferral.microbatch = microbatch
+        for labelled in (*self.deferrals, *self.embedding_rows):
+            labelled.microbatch = microbatch
         custom_backward(output, grad_output)
 
     def backward_weight(self, microbatch: int | None = None) -> int:
