@@ -915,7 +915,7 @@ def test_memory_estimate_takes_any_module_cost_model(capsys):
     assert (last.params, last.activation_bytes) == (200, 1 * 2 * 1000 + 50)
     found = search_layouts(toy, 4)
     assert found.skipped == {"toy: TP=4 > 2": 1} and ParallelDims(tp=2, pp=2, dp=1) in found.layouts
-    recipe = SimpleNamespace(model_class=f"{__name__}._ToyModule", model={}, data={}, dropout={},
+    recipe = SimpleNamespace(model_class=f"{__name__}._ToyModule", model={}, data={}, dropout={}, schedule_only={},
                              micro_batch_size=2, global_batch_size=8)
     assert fitting_layouts(recipe, 2, 10**6) == 0
     out = capsys.readouterr().out
@@ -1207,3 +1207,26 @@ def test_a_mixture_of_experts_layer_moves_its_routed_rows_and_is_timed_itself():
     model, step = moe.build_model_step()
     assert any(isinstance(x, MoELayer) for x in model.modules())
     step()
+
+
+def test_cli_plans_a_recipe_with_its_deferred_output_layer_weight_gradient(capsys):
+    """``check --estimate-memory --estimate-time --gpus`` plans the recipe as it trains: with its
+    ``defer_embedding_wgrad_compute`` (the parity runs turn it off: the one-process reference refuses it), the last
+    stage keeps the waiting microbatches' output gradients and inputs, and its step leaves their weight gradients to
+    the flush. It had planned every recipe without it: memory short by those tensors (at Llama-3-8B's vocabulary 1
+    GiB a microbatch), and "fits" where a run could run out."""
+    from lightning_megatron.cli import main
+
+    def row(defer: str) -> list[str]:
+        with pytest.raises(SystemExit) as e:
+            main(["check", "--config", "recipes/llama_1b.yaml", "--estimate-memory", "--estimate-time", "--device",
+                  "h100", "--gpus", "8", "--model.config.defer_embedding_wgrad_compute", defer])
+        out = capsys.readouterr().out
+        assert e.value.code == 0, out
+        return next(line.split() for line in out.splitlines() if line.startswith("tp4pp2 "))
+
+    plain, deferred = row("false"), row("true")
+    # activations (GiB) of the fullest rank, the last stage: 4.56 without, 22.19 with the waiting microbatches' tensors
+    assert float(deferred[4]) > 4 * float(plain[4])
+    compute = [float(r[-1].split("/")[0]) for r in (plain, deferred)]  # the device's compute part (the host bounds it)
+    assert compute[1] < compute[0]

@@ -20,9 +20,9 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False, cpu_r
     :class:`~lightning_megatron.cost.protocols.EstimatesCost`; ``--model.*`` / ``--data.*`` overrides
     applied); ``on_cpu``: the CPU tuning's kernels (a cost record with an ``on_cpu`` field, for comparing with
     what they run on this machine); ``cpu_run``: torch's kernels on a CPU, the composite RMSNorm (a record's
-    ``composite_rmsnorm``: what a check run measures); ``training``: with the recipe's dropout (a check run
-    turns it off)."""
-    from lightning_megatron.check.recipe import with_dropout
+    ``composite_rmsnorm``: what a check run measures); ``training``: with the recipe's dropout and its
+    schedule-only options, the output layer's deferred weight gradient (a check run turns them off)."""
+    from lightning_megatron.check.recipe import as_trained
     from lightning_megatron.recipes import import_class
 
     cls = import_class(recipe.model_class)
@@ -30,7 +30,7 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False, cpu_r
         raise ValueError(f"{recipe.model_class} declares no estimate_shape(model, data, *, micro_batch_size, "
                          f"global_batch_size) (lightning_megatron.cost.EstimatesCost): --estimate-memory and "
                          f"--estimate-time need its sizes; layout parity (check without them) works for any module")
-    model = with_dropout(recipe.model, recipe.dropout) if training else recipe.model
+    model = as_trained(recipe) if training else recipe.model
     shape = cls.estimate_shape(model, recipe.data, micro_batch_size=recipe.micro_batch_size,
                                global_batch_size=recipe.global_batch_size)
     fields = {f.name for f in dataclasses.fields(shape)} if dataclasses.is_dataclass(shape) else set()

@@ -27,7 +27,7 @@ from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.recipes import (DEFAULT_DATA_CLASS, DEFAULT_MODEL_CLASS, import_class, read_recipe,
                                         refuse_moved_class_paths)
 
-__all__ = ["RecipeCheck", "load_recipe", "parse_overrides", "with_dropout"]
+__all__ = ["RecipeCheck", "as_trained", "load_recipe", "parse_overrides", "with_dropout"]
 
 _SECTIONS = {"megatron_optimizer": "MegatronOptimizerCallback", "lr_schedule": "OptimizerParamSchedulerCallback"}
 """The recipe sections the CLI turns into callbacks (see lightning_megatron.cli)."""
@@ -62,6 +62,10 @@ class RecipeCheck:
     dropout: dict[str, float] = field(default_factory=dict)
     """The recipe's own dropout probabilities by argument (``config.hidden_dropout``, ...: what training
     uses; the memory estimate of ``--gpus`` counts their masks)."""
+    schedule_only: dict[str, Any] = field(default_factory=dict)
+    """The recipe's own schedule-only options the check turns off by argument
+    (``config.defer_embedding_wgrad_compute``, ``config.wgrad_deferral_limit``): what training runs, which the
+    estimates plan with (:func:`as_trained`)."""
     data: dict[str, Any]
     """The datamodule's arguments."""
     callbacks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -107,13 +111,19 @@ def _set(arguments: dict[str, Any], path: str, value: Any) -> None:
     arguments[leaf] = value
 
 
-def with_dropout(model: dict[str, Any], dropout: dict[str, float]) -> dict[str, Any]:
+def with_dropout(model: dict[str, Any], dropout: dict[str, Any]) -> dict[str, Any]:
     """A copy of the module's arguments ``model`` with the dropout probabilities ``dropout`` (a
     :class:`RecipeCheck`'s: the recipe's own, which the check turns off) put back where they live."""
     model = copy.deepcopy(model)
     for where, p in dropout.items():
         _set(model, where, p)
     return model
+
+
+def as_trained(recipe: RecipeCheck) -> dict[str, Any]:
+    """The module's arguments as the recipe trains with them: its dropout and its schedule-only options (the
+    output layer's deferred weight gradient) put back, which the check's runs turn off."""
+    return with_dropout(recipe.model, {**recipe.dropout, **recipe.schedule_only})
 
 
 def _dropout_arguments(cls: type) -> dict[str, float]:
@@ -198,11 +208,15 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
                 record[name] = 0.0
     # A schedule-only option (bitwise equal on or off: tests/test_optimizer_grad_norm.py) that the
     # one-process reference and every layout without pipelining refuse: the check compares the math.
+    # The estimates plan with them (schedule_only, as_trained).
+    schedule_only: dict[str, Any] = {}
     for where in ("defer_embedding_wgrad_compute", "config.defer_embedding_wgrad_compute"):
         if _get(model, where):
+            schedule_only[where] = _get(model, where)
             _set(model, where, False)
     for where in ("wgrad_deferral_limit", "config.wgrad_deferral_limit"):  # bounds the deferral: without it, none
         if _get(model, where):
+            schedule_only[where] = _get(model, where)
             _set(model, where, 0)
     trainer = cfg.get("trainer") or {}
     kept, skipped = [], []
@@ -218,7 +232,7 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
             args = dict(cfg[section])
             kept.append((name, {"config": args} if name == "MegatronOptimizerCallback" else args))
     precision = trainer.get("precision")
-    return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout, data=data,
+    return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout, schedule_only=schedule_only, data=data,
                        callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"),
                        layout=_recipe_layout(trainer, cfg.get("megatron_optimizer")))
