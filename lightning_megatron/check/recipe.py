@@ -232,8 +232,8 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
             args = dict(cfg[section])
             kept.append((name, {"config": args} if name == "MegatronOptimizerCallback" else args))
     precision = trainer.get("precision")
-    return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout, schedule_only=schedule_only, data=data,
-                       callbacks=kept, skipped_callbacks=skipped,
+    return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout,
+                       schedule_only=schedule_only, data=data, callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"),
                        layout=_recipe_layout(trainer, cfg.get("megatron_optimizer")))
 

@@ -385,7 +385,8 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
         layer_ops = ops.layer * (1 + recomputed_share(m, layout, p - 1) / 3)  # recomputed: a third of fwd + bwd
         host = (microbatches * (sum(stage_layers(m, p, p - 1, layout.vp)) * layer_ops + ops.ends) + ops.step) \
             * dev.host_op
-    return StepTime(layout=layout.name, compute=microbatches * compute_mb + flush, tp_comm=microbatches * tp_mb + sp_grads,
+    return StepTime(layout=layout.name, compute=microbatches * compute_mb + flush,
+                    tp_comm=microbatches * tp_mb + sp_grads,
                     cp_comm=microbatches * cp_mb, ep_comm=microbatches * ep_mb, pp_comm=microbatches * pp_mb + tied,
                     bubble=bubble, dp_comm=reduce + gather + mean, optimizer=optimizer,
                     tokens=m.global_batch_size * s, model_flops=model_flops(m), world_size=layout.world_size,
