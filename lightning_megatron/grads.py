@@ -21,7 +21,8 @@ Lifecycle of one training step (the strategy drives it)::
   reduce-scatter when a DistributedOptimizer shards the buffer) as soon as all its parameters are
   final, while backward goes on through the earlier layers. Buckets are started in order on every
   rank (a bucket waits for the ones before it), so all DP ranks issue the same collectives in the
-  same order. Parameters are laid out in reverse model order, so buckets become final in order (within
+  same order. A gradient that arrives after its bucket's reduction started (a parameter whose gradient
+  came more often than once a microbatch: used in two separately recomputed layers) is refused, not lost. Parameters are laid out in reverse model order, so buckets become final in order (within
   a bucket the optimizer wrapper stepping flat runs orders them by its parameter groups:
   :meth:`GradBuffer.order_within_buckets`).
 - :func:`finalize_model_grads` starts what is left, waits for every bucket, divides by the DP size
@@ -369,8 +370,19 @@ class GradBuffer:
         self._after_write(p, count)
 
     def _before_write(self, p: torch.Tensor) -> int:
+        bucket = self._bucket_of[id(p)]
+        if self._next_launch > bucket.index and bucket.size > 1:
+            # Its reduction started when every gradient of the bucket had come in its microbatches' count: a
+            # gradient after that would be lost to the other ranks, or race the collective reading the bucket.
+            raise RuntimeError(
+                f"a gradient of a parameter {tuple(p.shape)} reached the gradient buffer after its bucket's "
+                f"data-parallel reduction had started (overlap_grad_reduce): it came more often than once a "
+                f"microbatch ({self._counts.get(id(p), 0)} of {self.num_microbatches} counted), as when one "
+                "parameter is used in two separately recomputed layers (each recomputation runs its own backward "
+                "pass) or its weight gradient is deferred in one use and not in another. Use it once a backward "
+                "pass (recompute those layers together), or set overlap_grad_reduce=False")
         if self._gathers:  # the buffer is about to be written: no gathered params may be lost
-            self.finish_param_gather(self._bucket_of[id(p)])
+            self.finish_param_gather(bucket)
         return self._counts.get(id(p), 0)
 
     def _accumulate(self, p: torch.Tensor, microbatches: int = 1) -> None:

@@ -96,6 +96,25 @@ def _worker() -> dict[str, object]:
             out["runs"][(shm, overlap)] = run
         if shm:
             ps.set_communicator("dp", None)
+    # A parameter used in two separately recomputed layers: each recomputation runs its own backward pass, so its
+    # gradient reaches the buffer twice in a microbatch, and with the overlapped reduction the second would come
+    # after its bucket's reduction had started (lost to the other rank): refused, on every rank, not lost.
+    from lightning_megatron.tensor_parallel import recompute
+
+    shared = nn.Linear(16, 16)
+    mark_replicated(shared.parameters())
+    buffer = GradBuffer(buffer_order([shared]), dp_group=ps.group("dp"), overlap_grad_reduce=True)
+    buffer.start(1)
+    x = inputs[0].float().requires_grad_()
+    try:
+        recompute(shared, torch.tanh(recompute(shared, x))).square().mean().backward()
+        out["reused_refused"] = ""
+    except RuntimeError as e:
+        out["reused_refused"] = str(e)
+    for b in buffer.buckets:  # the reduction the first gradient started
+        if b.handle is not None:
+            b.handle.wait()
+    buffer.remove()
     # A bf16 sum of the microbatch grads: what the fp32 buffer avoids.
     model = _model(torch.bfloat16)
     for x in inputs:
@@ -109,6 +128,7 @@ def _worker() -> dict[str, object]:
 def test_grad_buffer_sums_microbatches_in_fp32_overlaps_and_holds_one_copy():
     results = run_distributed(_worker, 2, timeout=120)
     for r in results:
+        assert "after its bucket's data-parallel reduction had started" in r["reused_refused"], r["reused_refused"]
         base = r["runs"][(False, False)]
         for (shm, overlap), run in r["runs"].items():
             # fp32 sums of bf16 grads, then the fp32 DP mean: rounding of the last fp32 op only.
