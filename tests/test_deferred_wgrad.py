@@ -219,6 +219,22 @@ def test_backward_input_then_backward_weight_per_microbatch():
     torch.testing.assert_close(shuffled["1.weight"], plain["1.weight"], rtol=0, atol=1e-6)
 
 
+def _policy_step(layer, buffer: GradBuffer, policy, losses: list, after=None) -> torch.Tensor:
+    """One training step through ``policy`` into ``buffer``: each microbatch's ``losses[k]()`` backward as the schedule
+    runs it (``after()`` following each), then the deferred weight gradients; ``layer``'s ``main_grad``."""
+    buffer.start(len(losses))
+    with policy.step(buffer.add_grad, buffer.add_grad_rows):
+        for k, loss in enumerate(losses):
+            policy.backward_input(loss(), None, microbatch=k)
+            if after is not None:
+                after()
+        policy.backward_weight()
+    buffer.finish_grad_sync()
+    grad = layer.weight.main_grad.clone()
+    buffer.remove()
+    return grad
+
+
 def test_a_deferral_limit_keeps_at_most_that_many_microbatches_waiting_with_the_same_bits():
     """``wgrad_deferral_limit`` (megatron-core's name): at most ``limit`` microbatches' output gradients and inputs
     wait; when one more would, the oldest is computed then, in its turn, so the fp32 ``main_grad`` is autograd's
@@ -235,16 +251,9 @@ def test_a_deferral_limit_keeps_at_most_that_many_microbatches_waiting_with_the_
         buffer, policy = GradBuffer(list(layer.parameters())), WeightGradPolicy()
         if limit is not None:
             policy.defer([layer], limit=limit)
-        buffer.start(len(xs))
-        waiting = []
-        with policy.step(buffer.add_grad, buffer.add_grad_rows):
-            for k, x in enumerate(xs):
-                policy.backward_input(layer(x)[0].float().square().mean(), None, microbatch=k)
-                waiting.append(policy.deferral(layer).pending if limit is not None else 0)
-            policy.backward_weight()
-        buffer.finish_grad_sync()
-        grad = layer.weight.main_grad.clone()
-        buffer.remove()
+        waiting: list[int] = []
+        grad = _policy_step(layer, buffer, policy, [lambda x=x: layer(x)[0].float().square().mean() for x in xs],
+                            after=lambda: waiting.append(policy.deferral(layer).pending if limit is not None else 0))
         return grad, waiting
 
     plain, _ = run(None)
@@ -284,15 +293,9 @@ def test_a_deferred_layer_run_twice_in_a_microbatch_reaches_its_bucket_once_per_
         at_launch: list[torch.Tensor] = []
         launch = buffer._launch
         buffer._launch = lambda bucket: (at_launch.append(layer.weight.main_grad.clone()), launch(bucket))
-        buffer.start(len(xs))
-        with policy.step(buffer.add_grad, buffer.add_grad_rows):
-            for k, x in enumerate(xs):
-                h = layer(x)[0]
-                policy.backward_input(layer(h.tanh())[0].square().mean(), None, microbatch=k)
-            policy.backward_weight()
-        buffer.finish_grad_sync()
-        grad = layer.weight.main_grad.clone()
-        buffer.remove()
+        grad = _policy_step(layer, buffer, policy,
+                            [lambda x=x: layer(layer(x)[0].tanh())[0].square().mean() for x in xs])
+        assert policy.drained == (len(xs) if defer else 0)  # one gradient a microbatch, of the two uses
         return grad, at_launch
 
     plain, plain_launch = run(False)
