@@ -306,23 +306,3 @@ def test_a_deferred_layer_run_twice_in_a_microbatch_reaches_its_bucket_once_per_
         torch.testing.assert_close(deferred, plain, rtol=1e-5, atol=1e-7)
     else:
         assert torch.equal(deferred, plain)
-
-
-def test_a_row_routed_embedding_looked_up_twice_in_a_microbatch_is_refused():
-    """The CPU tuning's word-embedding gradient as rows adds each lookup's rows into ``main_grad`` from its backward,
-    counted as that microbatch's gradient: a second lookup with a gradient in the same microbatch would count
-    again and declare the bucket final early (see the deferred layers' test above). It is refused with the way
-    round; one lookup a microbatch, the library's models', runs as before."""
-    from lightning_megatron.cpu.embedding_grad import RowSparseEmbeddingGrad
-    from lightning_megatron.tensor_parallel import VocabParallelEmbedding, WeightGradPolicy
-
-    embedding = VocabParallelEmbedding(32, 8)
-    buffer, policy = GradBuffer(list(embedding.parameters())), WeightGradPolicy()
-    policy.route_embedding_grad(embedding, RowSparseEmbeddingGrad())
-    ids = torch.randint(0, 32, (6, 2))
-    buffer.start(2)
-    with policy.step(buffer.add_grad, buffer.add_grad_rows):
-        policy.backward_input(embedding(ids).square().mean(), None, microbatch=0)  # once: fine
-        with pytest.raises(RuntimeError, match=r"looked up more than once in microbatch 1.*cpu_tuning"):
-            policy.backward_input((embedding(ids) + embedding(ids)).square().mean(), None, microbatch=1)
-    buffer.remove()

@@ -54,33 +54,16 @@ class RowSparseEmbeddingGrad:
 
     def __init__(self) -> None:
         self._add_rows: AddRows | None = None
-        self.microbatch: int | None = None
-        """The microbatch whose backward runs now (the step's policy sets it; None: not known)."""
-        self._added: set[tuple[int, int]] = set()
 
     def open(self, add_rows: AddRows) -> None:
         self._add_rows = add_rows
-        self.microbatch = None
-        self._added.clear()
 
     def close(self) -> None:
         self._add_rows = None
 
     def add_rows(self, weight: nn.Parameter, rows: torch.Tensor, sums: torch.Tensor) -> None:
-        """Hand one lookup's rows to the gradient buffer, which counts them as ``weight``'s gradient of the
-        microbatch: a second lookup with a gradient in the same microbatch is refused (autograd would have summed
-        the two before the buffer saw them; counted twice, the bucket would be declared final early)."""
         if self._add_rows is None:
             raise RuntimeError("RowSparseEmbeddingGrad: a backward after the schedule closed it")
-        if self.microbatch is not None:
-            key = (self.microbatch, id(weight))
-            if key in self._added:
-                raise RuntimeError(
-                    f"the word embedding {tuple(weight.shape)} was looked up more than once in microbatch "
-                    f"{self.microbatch}: the CPU tuning's word-embedding gradient as rows (on a pipeline's first "
-                    "stage) takes one lookup a microbatch. Look it up once (concatenate the ids), or turn the CPU "
-                    "kernels off: cpu_tuning: {kernels: false}")
-            self._added.add(key)
         self._add_rows(weight, rows, sums)
 
     def lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -65,11 +65,7 @@ AddRows = Callable[[nn.Parameter, Tensor, Tensor], None]
 
 class EmbeddingGradRows(Protocol):
     """A word-embedding lookup whose weight gradient goes to ``add_rows(weight, rows, sums)`` between
-    :meth:`open` and :meth:`close` (the training schedule); :meth:`WeightGradPolicy.route_embedding_grad`.
-    ``microbatch``: the microbatch whose backward runs now (set by :meth:`WeightGradPolicy.backward_input`; the
-    buffer takes one gradient of a weight a microbatch)."""
-
-    microbatch: int | None
+    :meth:`open` and :meth:`close` (the training schedule); :meth:`WeightGradPolicy.route_embedding_grad`."""
 
     def open(self, add_rows: AddRows) -> None: ...
 
@@ -249,8 +245,8 @@ class WeightGradPolicy:
         """The backward pass of ``microbatch`` from ``output`` (``grad_output`` None: a scalar loss):
         input gradients and the weight gradients of the layers not deferred; the deferred layers'
         stashed under ``microbatch`` for :meth:`backward_weight`."""
-        for labelled in (*self.deferrals, *self.embedding_rows):
-            labelled.microbatch = microbatch
+        for deferral in self.deferrals:
+            deferral.microbatch = microbatch
         custom_backward(output, grad_output)
 
     def backward_weight(self, microbatch: int | None = None) -> int:
