@@ -200,6 +200,18 @@ def test_peak_measurement_leaves_the_global_rng_alone():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_the_peak_measurement_aims_its_next_size_at_the_time_it_needs_not_double():
+    """A 1024 matmul at 13 ms of the 20 wanted is followed by 1280 (~25 ms), not 2048 (~105 ms, five times):
+    on one CPU core the doubling cost 0.6 s of a 2-process run's 5 s start. Far too fast: at most double
+    (small sizes run below the peak, the cubic law aims short); always one multiple more; never past max_n."""
+    from lightning_megatron.callbacks.throughput import next_matmul_size
+
+    assert next_matmul_size(1024, 0.013, 0.02, 8192) == 1280
+    assert next_matmul_size(256, 1e-5, 0.02, 8192) == 512
+    assert next_matmul_size(1024, 0.0199, 0.02, 8192) == 1280
+    assert next_matmul_size(4096, 1e-4, 0.02, 6144) == 6144
+
+
 _EXIT_PROBE = """
 import atexit, gc, sys
 gc.disable()  # garbage stays garbage until a collection the command runs
