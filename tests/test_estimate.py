@@ -764,6 +764,7 @@ def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys):
     the mean, one rank's none."""
     import os
     import re
+    import sys
     from pathlib import Path
 
     from lightning_megatron.cli import main
@@ -777,9 +778,41 @@ def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys):
     if cores > 1:
         speedup = float(re.search(rf"the layer on {cores} threads ([0-9.]+)x one", out).group(1))
         assert 1 <= speedup <= cores, out
+    if sys.platform.startswith("linux"):  # timed as a tuned run's ranks run: glibc keeps freed memory
+        assert "freed memory kept (the CPU tuning's allocator)" in out, out
     rows = {r[0]: r for r in (line.split() for line in out.splitlines()) if r and r[0] in ("tp1", "dp2")}
     assert float(rows["tp1"][8]) == 0 < float(rows["dp2"][8]), out  # the DP column
     assert float(rows["tp1"][1]) > 0 and float(rows["dp2"][1]) > 0
+
+
+def test_the_machines_probes_take_turns_so_a_slow_spell_falls_on_none_alone():
+    """``--device this`` derives the elementwise rate from a layer's time beyond its GEMMs at the GEMM probe's rate:
+    a slow spell on the layer's runs alone read it 10x off (1.53 against 14.85 GB/s in one benchmark run). The probes
+    take turns, each keeping its fastest run: the spell costs each probe the runs inside it, not its best."""
+    from lightning_megatron.check.devices import interleaved_best, probe_times
+
+    now, order = [0.0], []
+    spell = {"gemm": [1.0, 1.0, 1.0], "layer": [9.0, 9.0, 5.0]}  # the first two rounds slow for the layer alone
+
+    def step(name):
+        def run():
+            order.append(name)
+            now[0] += spell[name][order.count(name) - 1]
+        return run
+
+    best = interleaved_best({"gemm": step("gemm"), "layer": step("layer")}, 3, clock=lambda: now[0])
+    assert best == {"gemm": 1.0, "layer": 5.0}
+    assert order == ["gemm", "layer"] * 3
+    m = BertCost(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=16,
+                 micro_batch_size=2, global_batch_size=4, on_cpu=True)
+    times = probe_times(32, 256, 64, False, m, rounds=2)  # the real probes: GEMM, copy, the layer, the 1-layer model
+    assert set(times) == {"gemm", "copy", "layer", "model"} and min(times.values()) > 0
+    class LayerOnly(BertCost):  # a family that builds no one-layer model: the copy rate stands in for its vocabulary
+        def build_model_step(self, num_layers=1):
+            raise NotImplementedError
+
+    layer_only = LayerOnly(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)})
+    assert set(probe_times(32, 256, 64, False, layer_only, rounds=1)) == {"gemm", "copy", "layer"}
 
 
 def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_path):

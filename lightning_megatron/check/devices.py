@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from lightning_megatron.check.records import Device
 from lightning_megatron.cost.protocols import StepCost
 
-__all__ = ["DEVICES", "HOST_OP", "device", "isolated_rng", "layer_seconds", "measure_this_machine", "model_seconds"]
+__all__ = ["DEVICES", "HOST_OP", "device", "interleaved_best", "isolated_rng", "layer_seconds",
+           "measure_this_machine", "model_seconds", "probe_times"]
 
 _GB = 1e9
 HOST_OP = 30e-6
@@ -42,16 +44,23 @@ def device(name: str) -> Device:
         raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} or 'this'") from None
 
 
-def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) -> None:  # pragma: no cover (child)
-    """Best of 5 all-reduces of each size through gloo and, when the host allows, through the CPU
-    tuning's shared-memory collectives (:mod:`lightning_megatron.cpu.shared_memory`)."""
+def _machine_times(rank: int, world: int, port: int, sizes: list[int], probes: dict[str, Any],
+                   keep_freed: bool, out) -> None:  # pragma: no cover (child)
+    """A spawned rank of :func:`measure_this_machine`: with the CPU tuning's allocator setting when ``keep_freed``
+    (as a tuned run's ranks have it, :func:`~lightning_megatron.cpu.allocator.keep_freed_memory`; set in this child,
+    never in the caller's process), best of 5 all-reduces of each size through gloo and, when the host allows,
+    through the CPU tuning's shared-memory collectives (:mod:`lightning_megatron.cpu.shared_memory`); then, with the
+    other rank gone, rank 0 alone times ``probes`` (:func:`probe_times`'s arguments) and, on every core, the model's
+    layer. Rank 0 puts the results on ``out``."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    from lightning_megatron.cpu.allocator import keep_freed_memory
     from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 
+    kept = keep_freed_memory() if keep_freed else False
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -71,17 +80,20 @@ def _allreduce_times(rank: int, world: int, port: int, sizes: list[int], out) ->
                 times.append(fastest)
             return times
 
-        result = {"gloo": best(dist.all_reduce), "shared_memory": None}
+        result: dict[str, Any] = {"gloo": best(dist.all_reduce), "shared_memory": None, "kept_freed": kept}
         comm = enable_shared_memory_collectives(dist.group.WORLD, timeout=timeout)
         if comm is not None:
             try:
                 result["shared_memory"] = best(comm.all_reduce)
             finally:
                 comm.close()
-        if rank == 0:
-            out.put(result)
     finally:
         dist.destroy_process_group()
+    if rank == 0:
+        result["probes"] = probe_times(**probes)
+        shape, cores = probes["shape"], os.cpu_count() or 1
+        result["layer_on_cores"] = layer_seconds(shape, threads=cores) if shape is not None and cores > 1 else None
+        out.put(result)
 
 
 @contextlib.contextmanager
@@ -110,28 +122,45 @@ def isolated_rng(threads: int = 1) -> Iterator[None]:
         tracker.seeds = saved_seeds
 
 
+def interleaved_best(steps: dict[str, Callable[[], Any]], rounds: int,
+                     clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Each step's fastest of ``rounds`` timed runs, the steps taking turns (one run of each a round). The rates of
+    :func:`measure_this_machine` are differences and ratios of these times (a layer's time beyond its GEMMs at the
+    GEMM probe's rate), so a slow spell of the machine must not fall on one of them alone: taking turns spreads each
+    step's runs over the whole measurement, and a spell shorter than it leaves each step a run outside it."""
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = clock()
+            step()
+            best[name] = min(best[name], clock() - start)
+    return best
+
+
 def _best_of_3(build, threads: int = 1) -> float:
     """Best of 3 runs of the step ``build()`` returns (after one untimed) on ``threads`` threads, with the weights,
     inputs and dropout masks drawn inside :func:`isolated_rng`."""
     with isolated_rng(threads):
         step = build()
         step()
-        return min(_timed(step) for _ in range(3))
+        return interleaved_best({"step": step}, 3)["step"]
+
+
+def _with_cpu_kernels(build) -> Callable[[], Any]:
+    """The step of a model's ``build()`` (``(module, step)``) with the CPU tuning's kernels on the module (what a
+    run with ``cpu_tuning`` executes)."""
+    from lightning_megatron.cpu.kernels import CPUKernels
+    from lightning_megatron.transformer.kernels import set_kernels
+
+    module, step = build()
+    set_kernels(module, CPUKernels())
+    return step
 
 
 def _timed_step(build, threads: int = 1) -> float:
     """Best of 3 of the step a model's ``build()`` returns (``(module, step)``) on ``threads`` threads, with the
     CPU tuning's kernels on the module (what a run with ``cpu_tuning`` executes)."""
-
-    def prepared():
-        from lightning_megatron.cpu.kernels import CPUKernels
-        from lightning_megatron.transformer.kernels import set_kernels
-
-        module, step = build()
-        set_kernels(module, CPUKernels())
-        return step
-
-    return _best_of_3(prepared, threads)
+    return _best_of_3(lambda: _with_cpu_kernels(build), threads)
 
 
 def layer_seconds(m: StepCost, threads: int = 1) -> float:
@@ -152,8 +181,31 @@ def model_seconds(m: StepCost) -> float | None:
         return None
 
 
+def probe_times(rows: int, cols: int, inner: int, bf16: bool, shape: StepCost | None = None,
+                rounds: int = 4) -> dict[str, float]:
+    """Seconds of each probe of :func:`measure_this_machine` on one thread, the fastest of ``rounds`` runs after an
+    untimed one, the probes taking turns (:func:`interleaved_best`): ``gemm`` ([rows, inner] x [inner, cols] in the
+    model's dtype), ``copy`` (64 MiB), and with ``shape`` ``layer`` (one of its layers forward and backward,
+    :func:`layer_seconds`'s step) and ``model`` (its one-layer model with its loss, :func:`model_seconds`'s; absent
+    when its family builds none), with the weights, inputs and dropout masks drawn inside :func:`isolated_rng`."""
+    import torch
+
+    with isolated_rng(1):
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        a, w = torch.randn(rows, inner).to(dtype), torch.randn(inner, cols).to(dtype)
+        x, y = torch.empty(2**24), torch.ones(2**24)
+        steps: dict[str, Callable[[], Any]] = {"gemm": lambda: torch.matmul(a, w), "copy": lambda: x.copy_(y)}
+        if shape is not None:
+            steps["layer"] = _with_cpu_kernels(shape.build_layer_step)
+            with contextlib.suppress(NotImplementedError):
+                steps["model"] = _with_cpu_kernels(shape.build_model_step)
+        for step in steps.values():
+            step()
+        return interleaved_best(steps, rounds)
+
+
 def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_memory: bool = True,
-                         timeout: float = 120.0, shape: StepCost | None = None) -> Device:
+                         timeout: float = 120.0, shape: StepCost | None = None, keep_freed: bool = True) -> Device:
     """Rates of one core of this host measured now (one thread): a GEMM of the model's shape
     ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and 2-process
     all-reduces of 4 KiB (latency) and 16 MiB (bandwidth): through the CPU tuning's shared-memory
@@ -171,36 +223,44 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     and a one-layer model of it (:func:`model_seconds`): what its embeddings, heads and loss take
     beyond the layer and the head's GEMMs, over their vocabulary passes
     (:func:`~lightning_megatron.check.timing.vocab_bytes`), gives
-    :attr:`~lightning_megatron.check.timing.Device.vocab` (else the copy rate)."""
+    :attr:`~lightning_megatron.check.timing.Device.vocab` (else the copy rate).
+
+    Everything is timed in two spawned processes, as a run's ranks (:func:`_machine_times`): the caller's process
+    is left as it was, and with ``keep_freed`` (the CPU tuning's allocator setting, on in a tuned run) they keep
+    freed memory as the run does; without it a one-layer BERT-base step took 400 ms instead of 320 (~400 k page
+    faults a step), which read the vocabulary rate 1.6x low. The one-thread probes take turns
+    (:func:`probe_times`), as the rates are differences of their times. ``timeout``: seconds the all-reduces
+    may take; the probes take as long as the model's layer needs (a child that dies is noticed)."""
     import multiprocessing as mp
+    import queue as queues
     import socket
 
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        a, w = torch.randn(rows, inner).to(dtype), torch.randn(inner, cols).to(dtype)
-        torch.matmul(a, w)
-        best = min(_timed(lambda: torch.matmul(a, w)) for _ in range(5))
-        gemm = 2.0 * rows * cols * inner / best
-        x, y = torch.empty(2**24), torch.ones(2**24)
-        x.copy_(y)
-        hbm = 2 * x.numel() * 4 / min(_timed(lambda: x.copy_(y)) for _ in range(5))
-    finally:
-        torch.set_num_threads(threads)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    out = ctx.Queue()
     sizes = [4096, 2**24]
-    procs = [ctx.Process(target=_allreduce_times, args=(r, 2, port, sizes, queue)) for r in range(2)]
+    probes = {"rows": rows, "cols": cols, "inner": inner, "bf16": bf16, "shape": shape}
+    procs = [ctx.Process(target=_machine_times, args=(r, 2, port, sizes, probes, keep_freed, out)) for r in range(2)]
     for proc in procs:
         proc.start()
+    deadline = time.monotonic() + timeout
     try:
-        times = queue.get(timeout=timeout)
+        while True:
+            with contextlib.suppress(queues.Empty):
+                times = out.get(timeout=1.0)
+                break
+            ended = procs[0].exitcode is not None or any(p.exitcode not in (None, 0) for p in procs)
+            if ended or (procs[1].is_alive() and time.monotonic() > deadline):
+                try:  # what rank 0 put before it ended may still be on its way
+                    times = out.get(timeout=5.0)
+                    break
+                except queues.Empty:
+                    raise RuntimeError(f"measuring this machine: its processes ended with "
+                                       f"{[p.exitcode for p in procs]} (None: still running {timeout:g} s after the "
+                                       f"start) before reporting; run it again, or name a device (--device h100)"
+                                       ) from None
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -215,14 +275,16 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     shm = shared_memory and times["shared_memory"] is not None
     link, latency = rate(times["shared_memory"]) if shm else (p2p, p2p_latency)
     cores = os.cpu_count() or 1
+    probed = times["probes"]
+    gemm = 2.0 * rows * cols * inner / probed["gemm"]
+    hbm = 2 * 2**24 * 4 / probed["copy"]
     elementwise = vocab = speedup = None
     if shape is not None:
-        layer_s = layer_seconds(shape)
-        elementwise = _elementwise_rate(shape, layer_s, gemm)
-        model_s = model_seconds(shape)
-        vocab = None if model_s is None else _vocab_rate(shape, model_s - layer_s, gemm)
-        if cores > 1:  # the same layer on every core, as one rank's intra-op threads
-            speedup = min(max(layer_s / layer_seconds(shape, threads=cores), 1.0), float(cores))
+        elementwise = _elementwise_rate(shape, probed["layer"], gemm)
+        if "model" in probed:
+            vocab = _vocab_rate(shape, probed["model"] - probed["layer"], gemm)
+        if times["layer_on_cores"]:  # the same layer on every core, as one rank's intra-op threads
+            speedup = min(max(probed["layer"] / times["layer_on_cores"], 1.0), float(cores))
     timed = "" if shape is None else ", the model's own layer" + ("" if vocab is None else " and one-layer model")
     if speedup is not None:
         timed += f", the layer on {cores} threads {speedup:.2f}x one"
@@ -233,7 +295,7 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
                   p2p_latency=p2p_latency, cores=cores,
                   source=f"measured per core: {rows}x{inner}x{cols} GEMM, 64 MiB copy, "
                          f"{'shared-memory' if shm else 'gloo'} all-reduce, gloo sends"
-                         f"{timed}")
+                         f"{timed}" + (", freed memory kept (the CPU tuning's allocator)" if times["kept_freed"] else ""))
 
 
 def _elementwise_rate(m: StepCost, layer_s: float, gemm_rate: float) -> float:
