@@ -815,6 +815,25 @@ def test_the_machines_probes_take_turns_so_a_slow_spell_falls_on_none_alone():
     assert set(probe_times(32, 256, 64, False, layer_only, rounds=1)) == {"gemm", "copy", "layer"}
 
 
+class _LayerFails(BertCost):
+    """A model whose layer cannot be built: the measuring process that times it dies (module level: the spawned
+    process unpickles it by name)."""
+
+    def build_layer_step(self):
+        raise RuntimeError("no layer")
+
+
+def test_measuring_this_machine_notices_its_process_dying_instead_of_waiting():
+    """The machine is measured in two spawned processes; one that dies before reporting is noticed (the caller
+    raises, naming the exit codes and the way round) instead of waiting on the queue forever."""
+    from lightning_megatron.check.devices import measure_this_machine
+
+    m = _LayerFails(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=16,
+                    micro_batch_size=2, global_batch_size=4, on_cpu=True)
+    with pytest.raises(RuntimeError, match=r"processes ended with \[1, (0|None)\].*--device h100"):
+        measure_this_machine(32, 256, 64, False, shape=m)
+
+
 def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_path):
     """Through the CLI: --data.* overrides, VP layouts, skip reasons, ranking by predicted tokens/s."""
     from lightning_megatron.cli import main

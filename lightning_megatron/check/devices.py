@@ -251,16 +251,15 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
             with contextlib.suppress(queues.Empty):
                 times = out.get(timeout=1.0)
                 break
-            ended = procs[0].exitcode is not None or any(p.exitcode not in (None, 0) for p in procs)
-            if ended or (procs[1].is_alive() and time.monotonic() > deadline):
-                try:  # what rank 0 put before it ended may still be on its way
-                    times = out.get(timeout=5.0)
-                    break
-                except queues.Empty:
-                    raise RuntimeError(f"measuring this machine: its processes ended with "
-                                       f"{[p.exitcode for p in procs]} (None: still running {timeout:g} s after the "
-                                       f"start) before reporting; run it again, or name a device (--device h100)"
-                                       ) from None
+            # rank 0 reports; a rank 1 that dies leaves rank 0 at a collective until gloo's timeout ends it too
+            if procs[0].exitcode is not None or (procs[1].is_alive() and time.monotonic() > deadline):
+                if procs[0].exitcode == 0:  # what it put before it ended may still be on its way
+                    with contextlib.suppress(queues.Empty):
+                        times = out.get(timeout=5.0)
+                        break
+                raise RuntimeError(f"measuring this machine: its processes ended with {[p.exitcode for p in procs]} "
+                                   f"(None: still running {timeout:g} s after the start) before reporting; run it "
+                                   f"again, or name a device (--device h100)")
     finally:
         for proc in procs:
             proc.join(timeout=10)
