@@ -24,8 +24,11 @@ SwiGLU experts top 2 with the all-to-all dispatcher, layouts ``MOE_LAYOUTS``) an
 :func:`lightning_megatron.check.timing.estimate_time` at efficiencies 1 (measured rates). Ranks share
 the cores (``cores / world_size`` each). Target: within 25% on every layout. Other work on the
 machine slows the measured steps, not the prediction: run it on an idle machine (the last column, the
-busiest rank's CPU seconds per thread, is a lower bound that contention barely moves). No number
-here is a test.
+busiest rank's CPU seconds per thread, is a lower bound that contention barely moves). One core's GEMM rate is
+probed just before and after each run (the last column, against the rate predicted with): on a host whose rate
+moves in spells (the Intel AMX host's bf16 rate halved for seconds at a time, docs/benchmarks.md) a run between
+probes 15% off it ran in another state than the one measured, and the closing line also counts the others alone.
+No number here is a test.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def main() -> None:
     from bert_step import bert_rank
     from gpt_step import _ours, gpt_layout_rank
 
-    from lightning_megatron.check.devices import measure_this_machine
+    from lightning_megatron.check.devices import measure_this_machine, probe_times
     from lightning_megatron.models.bert.cost import BertCost
     from lightning_megatron.check.timing import MEASURED, Framework, estimate_time
     from lightning_megatron.transformer.lora import LORA_TARGETS
@@ -141,6 +144,11 @@ def main() -> None:
                 f"all-reduce {dev.link_intra / 1e9:.2f} GB/s + {dev.latency_intra * 1e6:.0f} us, gloo send "
                 f"{dev.p2p / 1e9:.2f} GB/s + {dev.p2p_latency * 1e6:.0f} us")
 
+    def probe() -> float:
+        """One core's GEMM rate now (the measurement's GEMM, fastest of 10): this host's rate moves in spells."""
+        gemm_s = probe_times(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, rounds=10)["gemm"]
+        return 2.0 * a.seq * a.micro_batch * shape.ffn * a.hidden / gemm_s
+
     t0 = time.perf_counter()
     before = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape)
     print(f"this machine, per core ({CPU_COUNT} cores): {rates(before)} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -163,13 +171,16 @@ def main() -> None:
                                      context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
                                      sequence_parallel=layout.sequence_parallel))
         t1 = time.perf_counter()
+        around = [probe(), 0.0]
         results = launch(rank, layout.world_size, run, timeout=1800)
+        around[1] = probe()
         measured = max(median(r["step_times"]) for r in results)
         # CPU seconds per thread of the busiest rank: what the step would take with the cores to
         # itself if it never waited (a lower bound that other jobs on the machine barely move).
         busy = max(median(r["step_cpu"]) / r["threads"] for r in results) if "step_cpu" in results[0] else float("nan")
-        runs.append((layout, measured, busy))
-        print(f"{layout.name}: measured {measured:.3f} s ({time.perf_counter() - t1:.0f} s)", flush=True)
+        runs.append((layout, measured, busy, around))
+        print(f"{layout.name}: measured {measured:.3f} s ({time.perf_counter() - t1:.0f} s; one core's GEMM "
+              f"{around[0] / 1e9:.0f} GFLOP/s before the run, {around[1] / 1e9:.0f} after)", flush=True)
     after = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape)
     print(f"this machine again after the runs: {rates(after)}")
     # Other jobs only slow a measurement down: each independent rate is the faster of the two measurements, the
@@ -192,21 +203,31 @@ def main() -> None:
           f"elementwise {after.elementwise / before.elementwise - 1:+.0%}, "
           f"vocabulary {after.vocab / before.vocab - 1:+.0%} "
           f"(a large change means the machine was busy: the measured step times are not meaningful then)")
-    rows = [(layout, estimate_time(shape, layout, dev, MEASURED, fw), measured, busy) for layout, measured, busy in runs]
+    rows = [(layout, estimate_time(shape, layout, dev, MEASURED, fw), measured, busy, around)
+            for layout, measured, busy, around in runs]
     print(f"\n{title}; median of {a.steps} steps after {a.warmup}\n")
     print("| layout | ranks | predicted s | compute (of which vocabulary / grad accumulation) / TP / CP / EP / PP / "
-          "bubble / DP / optimizer s | measured s | measured / predicted | CPU s per thread (busiest rank) |")
-    print("|---|---|---|---|---|---|---|")
-    worst, within = 0.0, 0
-    for layout, pred, measured, busy in rows:
+          "bubble / DP / optimizer s | measured s | measured / predicted | CPU s per thread (busiest rank) | "
+          "GEMM around the run / used |")
+    print("|---|---|---|---|---|---|---|---|")
+    worst, within, steady, steady_within = 0.0, 0, 0, 0
+    for layout, pred, measured, busy, around in rows:
         parts = (pred.tp_comm, pred.cp_comm, pred.ep_comm, pred.pp_comm, pred.bubble, pred.dp_comm, pred.optimizer)
         ratio = measured / pred.total
         worst = max(worst, abs(ratio - 1))
         within += abs(ratio - 1) <= 0.25
+        # the host's GEMM rate just before and after the run against the rate predicted with: a run between two
+        # probes 15% off it ran in another host state than the one measured (this host's rate moves in spells)
+        host = [x / dev.flops_16 for x in around]
+        same = all(abs(x - 1) <= 0.15 for x in host)
+        steady += same
+        steady_within += same and abs(ratio - 1) <= 0.25
         print(f"| {layout.name} | {layout.world_size} | {pred.total:.3f} | {pred.compute:.3f} ({pred.vocab:.3f} / "
               f"{pred.accumulate:.3f}) / {' / '.join(f'{x:.3f}' for x in parts)} "
-              f"| {measured:.3f} | {ratio:.2f} | {'-' if busy != busy else f'{busy:.3f}'} |")
-    print(f"\nlargest error: {worst:.0%}; {within} of {len(rows)} layouts within 25% (target 25%)")
+              f"| {measured:.3f} | {ratio:.2f} | {'-' if busy != busy else f'{busy:.3f}'} "
+              f"| {host[0]:.2f}, {host[1]:.2f}{'' if same else ' (host state differed)'} |")
+    print(f"\nlargest error: {worst:.0%}; {within} of {len(rows)} layouts within 25% (target 25%); of the {steady} run "
+          f"with the host's GEMM rate within 15% of the one used before and after, {steady_within}")
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
 
