@@ -19,7 +19,7 @@ from lightning_megatron.check.records import Device
 from lightning_megatron.cost.protocols import StepCost
 
 __all__ = ["DEVICES", "HOST_OP", "device", "interleaved_best", "isolated_rng", "layer_seconds",
-           "measure_this_machine", "model_seconds", "probe_times"]
+           "measure_this_machine", "probe_times"]
 
 _GB = 1e9
 HOST_OP = 30e-6
@@ -170,24 +170,14 @@ def layer_seconds(m: StepCost, threads: int = 1) -> float:
     return _timed_step(m.build_layer_step, threads)
 
 
-def model_seconds(m: StepCost) -> float | None:
-    """Best of 3 forward + backward passes of the model's own one-layer model with its loss
-    (``m.build_model_step()``: embeddings, the layer, heads and loss as a microbatch of a training step
-    runs them), one thread, the CPU tuning's kernels; less :func:`layer_seconds`, what the first and last
-    stage add to their layers. None when the model's family builds none."""
-    try:
-        return _timed_step(m.build_model_step)
-    except NotImplementedError:
-        return None
-
-
 def probe_times(rows: int, cols: int, inner: int, bf16: bool, shape: StepCost | None = None,
                 rounds: int = 4) -> dict[str, float]:
     """Seconds of each probe of :func:`measure_this_machine` on one thread, the fastest of ``rounds`` runs after an
     untimed one, the probes taking turns (:func:`interleaved_best`): ``gemm`` ([rows, inner] x [inner, cols] in the
     model's dtype), ``copy`` (64 MiB), and with ``shape`` ``layer`` (one of its layers forward and backward,
-    :func:`layer_seconds`'s step) and ``model`` (its one-layer model with its loss, :func:`model_seconds`'s; absent
-    when its family builds none), with the weights, inputs and dropout masks drawn inside :func:`isolated_rng`."""
+    :func:`layer_seconds`'s step) and ``model`` (its one-layer model with its loss, ``m.build_model_step()``:
+    embeddings, the layer, heads and loss as a microbatch of a training step runs them; absent when its family
+    builds none), with the weights, inputs and dropout masks drawn inside :func:`isolated_rng`."""
     import torch
 
     with isolated_rng(1):
@@ -220,7 +210,7 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     backward take beyond their GEMMs at the measured GEMM rate is the time of its memory-bound
     kernels, whose bytes (:func:`~lightning_megatron.check.timing.elementwise_bytes`) over that time
     give :attr:`~lightning_megatron.check.timing.Device.elementwise` (else the copy rate stands in);
-    and a one-layer model of it (:func:`model_seconds`): what its embeddings, heads and loss take
+    and a one-layer model of it (:func:`probe_times`' ``model``): what its embeddings, heads and loss take
     beyond the layer and the head's GEMMs, over their vocabulary passes
     (:func:`~lightning_megatron.check.timing.vocab_bytes`), gives
     :attr:`~lightning_megatron.check.timing.Device.vocab` (else the copy rate).
@@ -285,6 +275,7 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
         if times["layer_on_cores"]:  # the same layer on every core, as one rank's intra-op threads
             speedup = min(max(probed["layer"] / times["layer_on_cores"], 1.0), float(cores))
     timed = "" if shape is None else ", the model's own layer" + ("" if vocab is None else " and one-layer model")
+    kept = ", freed memory kept (the CPU tuning's allocator)" if times["kept_freed"] else ""
     if speedup is not None:
         timed += f", the layer on {cores} threads {speedup:.2f}x one"
     return Device(name="this machine (measured)", flops_16=gemm, flops_32=gemm, hbm=hbm, elementwise=elementwise,
@@ -294,7 +285,7 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
                   p2p_latency=p2p_latency, cores=cores,
                   source=f"measured per core: {rows}x{inner}x{cols} GEMM, 64 MiB copy, "
                          f"{'shared-memory' if shm else 'gloo'} all-reduce, gloo sends"
-                         f"{timed}" + (", freed memory kept (the CPU tuning's allocator)" if times["kept_freed"] else ""))
+                         f"{timed}{kept}")
 
 
 def _elementwise_rate(m: StepCost, layer_s: float, gemm_rate: float) -> float:

@@ -130,7 +130,7 @@ class BertCost(TransformerCost):
         return bert_layer_spec(norm, "post" if self.post_norm else "pre")
 
     def build_model_step(self, num_layers: int = 1) -> tuple[Any, Callable[[], None]]:
-        """A BertModel of ``num_layers`` layers (one: what :func:`~lightning_megatron.check.devices.model_seconds`
+        """A BertModel of ``num_layers`` layers (one: what :func:`~lightning_megatron.check.devices.probe_times`
         times) and its loss as ``BertLightningModule.forward_step`` runs a microbatch:
         embeddings, the layer, the LM head on the masked tokens with the word embedding tied to the output
         layer, the binary head, the model's cross entropy (:meth:`compute_language_model_loss`), the predictions'
