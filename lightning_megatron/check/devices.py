@@ -137,15 +137,6 @@ def interleaved_best(steps: dict[str, Callable[[], Any]], rounds: int,
     return best
 
 
-def _best_of_3(build, threads: int = 1) -> float:
-    """Best of 3 runs of the step ``build()`` returns (after one untimed) on ``threads`` threads, with the weights,
-    inputs and dropout masks drawn inside :func:`isolated_rng`."""
-    with isolated_rng(threads):
-        step = build()
-        step()
-        return interleaved_best({"step": step}, 3)["step"]
-
-
 def _with_cpu_kernels(build) -> Callable[[], Any]:
     """The step of a model's ``build()`` (``(module, step)``) with the CPU tuning's kernels on the module (what a
     run with ``cpu_tuning`` executes)."""
@@ -157,17 +148,15 @@ def _with_cpu_kernels(build) -> Callable[[], Any]:
     return step
 
 
-def _timed_step(build, threads: int = 1) -> float:
-    """Best of 3 of the step a model's ``build()`` returns (``(module, step)``) on ``threads`` threads, with the
-    CPU tuning's kernels on the module (what a run with ``cpu_tuning`` executes)."""
-    return _best_of_3(lambda: _with_cpu_kernels(build), threads)
-
-
 def layer_seconds(m: StepCost, threads: int = 1) -> float:
     """Best of 3 forward + backward passes of one of the model's own layers (``m.build_layer_step()``: its
-    family's spec, dtype, dropout and attention backend) on its micro batch ``[s, b, h]``, on ``threads``
-    threads (one by default), with the CPU tuning's kernels; each backward writes fresh gradients."""
-    return _timed_step(m.build_layer_step, threads)
+    family's spec, dtype, dropout and attention backend) on its micro batch ``[s, b, h]``, after an untimed one, on
+    ``threads`` threads (one by default), with the CPU tuning's kernels and the weights, inputs and dropout masks
+    drawn inside :func:`isolated_rng`; each backward writes fresh gradients."""
+    with isolated_rng(threads):
+        step = _with_cpu_kernels(m.build_layer_step)
+        step()
+        return interleaved_best({"layer": step}, 3)["layer"]
 
 
 def probe_times(rows: int, cols: int, inner: int, bf16: bool, shape: StepCost | None = None,
@@ -318,9 +307,3 @@ def _vocab_rate(m: StepCost, vocab_s: float, gemm_rate: float) -> float:
     head = stage_flops(m, layout, 0) - stage_flops(m, layout, 0, head=False)
     rest = max(vocab_s - head / gemm_rate, 0.05 * vocab_s)  # the GEMMs at their best-case rate: a floor
     return vocab_bytes(m, layout, 0) / rest
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
