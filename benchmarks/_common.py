@@ -190,7 +190,9 @@ def timed_fit(framework: str, module: Any, bf16: bool, dataset: Any, batch: int,
     if framework == "ours":
         from lightning_megatron.strategy import MegatronStrategy
 
-        strategy: Any = MegatronStrategy(micro_batch_size=micro_batch or batch, cpu_tuning=True, **strategy_kwargs)
+        # the CPU tuning unless the run names its own (a CPUTuning record)
+        strategy: Any = MegatronStrategy(**{"micro_batch_size": micro_batch or batch, "cpu_tuning": True,
+                                            **strategy_kwargs})
         precision = "bf16-true" if bf16 else "32-true"
         if bf16:
             from lightning_megatron.callbacks import MegatronOptimizerCallback

@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --lora 8                 # LoRA adapters' rows
     .venv/bin/python benchmarks/estimate_time.py --model mixtral-tiny                        # the experts' rows
     .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --layouts pp2,pp2vp2 --defer-wgrad  # at the flush
+    .venv/bin/python benchmarks/estimate_time.py --layouts tp1,pp2,pp2vp2 --weight-grads-per-step   # CPU tuning's
 
 Measures this machine's rates before and after the runs, and predicts with the quieter of the two (the
 faster GEMM with its own elementwise and vocabulary rates; the faster copy and links of either;
@@ -62,6 +63,9 @@ def main() -> None:
     p.add_argument("--defer-wgrad", action="store_true",
                    help="llama-* decoders: defer_embedding_wgrad_compute (the output layer's weight gradient at the "
                         "pipeline flush; layouts with PP)")
+    p.add_argument("--weight-grads-per-step", action="store_true",
+                   help="the CPU tuning's weight_grads_per_step: every linear layer's weight gradient once a step, "
+                        "after the schedule's last backward (CPUTuning(weight_grads_per_step=True))")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -157,13 +161,18 @@ def main() -> None:
     before = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape)
     print(f"this machine, per core ({CPU_COUNT} cores): {rates(before)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     fw = Framework(overlap_grad_reduce=False, overlap_sp_gather=False,  # the CPU tuning's synchronous collectives
-                   fused_attention=not shape.unfused_attention)
+                   fused_attention=not shape.unfused_attention, weight_grads_per_step=a.weight_grads_per_step)
+    if a.weight_grads_per_step:
+        from lightning_megatron.cpu import CPUTuning
+
+        title += ", the CPU tuning's weight gradients once a step"
     runs = []
     for layout in ParallelDims.parse_list(layouts):
         if a.model == "bert":
             run = dict(framework="ours", size=size.as_dict(), precision=a.precision, tp=layout.tp, pp=layout.pp,
                        vp=layout.vp, sp=layout.sequence_parallel, zero1=layout.zero1, micro_batch=a.micro_batch,
-                       batch=a.global_batch // layout.dp, seq=a.seq, warmup=a.warmup, steps=a.steps)
+                       batch=a.global_batch // layout.dp, seq=a.seq, warmup=a.warmup, steps=a.steps,
+                       cpu_tuning={"weight_grads_per_step": a.weight_grads_per_step})
         else:
             if layout.zero1 or (layout.ep > 1 and not a.model.startswith("mixtral")):
                 raise SystemExit(f"estimate_time.py --model {a.model}: layout {layout.name} is not run here")
@@ -173,7 +182,9 @@ def main() -> None:
                        strategy=dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                      virtual_pipeline_model_parallel_size=layout.vp,
                                      context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-                                     sequence_parallel=layout.sequence_parallel))
+                                     sequence_parallel=layout.sequence_parallel,
+                                     **({"cpu_tuning": CPUTuning(weight_grads_per_step=True)}
+                                        if a.weight_grads_per_step else {})))
         t1 = time.perf_counter()
         for attempt in range(a.retries + 1):
             around = [probe(), 0.0]

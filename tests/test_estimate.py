@@ -14,7 +14,8 @@ from lightning_megatron.cost import DEFAULT_DROPOUT, TransformerCost, estimate_s
 from lightning_megatron.models.bert.cost import BertCost
 from lightning_megatron.models.gpt.cost import GPTCost
 from lightning_megatron.check.timing import (MEASURED, Device, Efficiency, Framework, HostOps, collective_time,
-                                             deferred_head_flops, elementwise_bytes, estimate_time, stage_flops)
+                                             deferred_head_flops, elementwise_bytes, estimate_time, stage_flops,
+                                             step_weight_parameters)
 from lightning_megatron.flops import transformer_flops
 
 BERT_LARGE = BertCost(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, micro_batch_size=16,
@@ -371,6 +372,54 @@ def test_the_output_layers_deferred_weight_gradient_is_timed_at_the_flush_beyond
     assert deferred_head_flops(deferred, flat) == 0
     assert estimate_time(deferred, flat, dev, MEASURED, fw) == estimate_time(m, flat, dev, MEASURED, fw)
     assert deferred_head_flops(dataclasses.replace(deferred, lora_rank=8), layout) == 0
+
+
+def test_the_cpu_tunings_weight_grads_once_a_step_are_timed_after_each_ranks_last_backward():
+    """``CPUTuning(weight_grads_per_step=True)``: each microbatch leaves out its layers' weight-gradient GEMMs (and on
+    a pipeline's last stage the output layer's, which owns its weight there), whose gradients are added into
+    ``main_grad`` once a step instead of each microbatch; each rank computes them after its last backward pass, the
+    last stage's hidden behind the earlier stages' last backward passes (2/3 of the bubble), the first stage's not at
+    all. Hand-computed: TP=2 x PP=2 x DP=2, 4 microbatches of 2 x 1024 tokens, bf16, efficiencies of 1."""
+    m = GPTCost(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=1024,
+                micro_batch_size=2, global_batch_size=16, params_dtype="bfloat16", position_embedding_type="rope",
+                hidden_dropout=0.0, attention_dropout=0.0)
+    dev = Device(name="toy", flops_16=1e14, flops_32=1e13, hbm=1e12, link_intra=1e11, link_inter=1e10,
+                 devices_per_node=4, latency_intra=0.0, latency_inter=0.0)
+    fw = Framework(overlap_grad_reduce=False)
+    per_step = dataclasses.replace(fw, weight_grads_per_step=True)
+    layout = ParallelDims(tp=2, pp=2, dp=2)
+    # a rank of either stage: 2 layers of qkv 3h^2, projection h^2, MLP 2 h 4h, over TP=2; the output layer 16384 x h
+    weights, head = 2 * 12 * 1024 ** 2 / 2, 16384 * 1024
+    assert step_weight_parameters(m, layout, 0) == step_weight_parameters(m, layout, 1) == weights
+    layers_mb = 2 * 2048 * weights / 1e14  # a microbatch's layer weight gradients: 2 FLOPs a weight and token
+    head_mb = 2 * 2048 * 1024 * 16384 / 1e14 + head * 2 / 1e12  # the head's GEMM and its bf16 gradient written
+    # main_grad: the microbatches no longer add these bf16 gradients (copy, then 3 adds: 4 x 6 + 3 x 4 bytes); the
+    # drain copies each once (6 bytes)
+    each, once = [36 * weights / 1e12, 36 * (weights + head) / 1e12], [6 * weights / 1e12, 6 * (weights + head) / 1e12]
+    plain, st = estimate_time(m, layout, dev, MEASURED, fw), estimate_time(m, layout, dev, MEASURED, per_step)
+    # 1F1B over 2 stages and 4 microbatches: the bubble is one microbatch of the first stage, now without its share
+    assert plain.bubble - st.bubble == pytest.approx(layers_mb + each[0] / 4, rel=1e-9)
+    drains = [4 * layers_mb + once[0], 4 * (layers_mb + head_mb) + once[1]]
+    flush = drains[1] - 2 / 3 * st.bubble
+    assert flush > drains[0]  # the last stage's drain (the head's GEMMs too) beyond the bubble's outlasts the first's
+    assert st.compute == pytest.approx(plain.compute - 4 * (layers_mb + head_mb) - each[1] + flush, rel=1e-12)
+    assert st.accumulate == pytest.approx(plain.accumulate - each[1] + once[1], rel=1e-12)
+    # without PP the (tied) output layer uses the embedding's weight: the layers' gradients alone, all after the one
+    # stage's last backward, so the step only saves their additions into main_grad (2 microbatches: 16 - 6 bytes)
+    flat = ParallelDims(tp=2, dp=4)
+    one = estimate_time(m, flat, dev, MEASURED, per_step)
+    assert deferred_head_flops(m, flat, per_step=True) == 0 < deferred_head_flops(m, layout, per_step=True)
+    assert one.compute == pytest.approx(estimate_time(m, flat, dev, MEASURED, fw).compute - 10 * 2 * weights / 1e12,
+                                        rel=1e-12)
+    # untied, the output layer owns its weight without PP too; under LoRA nothing is deferred (bases frozen)
+    assert deferred_head_flops(dataclasses.replace(m, untie_embeddings_and_output_weights=True), flat, per_step=True)
+    lora = dataclasses.replace(m, lora_rank=8)
+    assert step_weight_parameters(lora, layout, 0) == deferred_head_flops(lora, layout, per_step=True) == 0
+    assert estimate_time(lora, layout, dev, MEASURED, per_step) == estimate_time(lora, layout, dev, MEASURED, fw)
+    # a mixture of experts' layer: the attention's and the shared experts' weights; the routed experts are not linear
+    # layers of the tuning's (their grouped GEMMs keep their per-microbatch gradients)
+    moe = dataclasses.replace(m, num_moe_experts=8, moe_router_topk=2, moe_shared_expert_intermediate_size=512)
+    assert step_weight_parameters(moe, layout, 0) == 2 * (4 * 1024 ** 2 + 2 * 1024 * 512) / 2
 
 
 def test_default_dropout_is_the_modules():
@@ -756,22 +805,29 @@ def test_megatron_weak_scaling_within_25_percent(row):
     assert abs(megatron_row(heads, hidden, layers, tp, pp, gpus, batch) / published - 1) < 0.25
 
 
-def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys):
-    """``check --estimate-time --device this`` as a user runs it on a recipe: the machine measured (one core's
-    rates, the model's layer on every core too), the layouts predicted with them; DP's part holds the reduction and
-    the mean, one rank's none."""
+def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys, tmp_path):
+    """``check --estimate-time --device this`` as a user runs it on a recipe (``base:`` the tiny BERT one, the CPU
+    tuning's weight gradients once a step): the machine measured (one core's rates, the model's layer on every core
+    too), the layouts predicted with them and the tuning; DP's part holds the reduction and the mean, one rank's
+    none."""
     import os
     import re
     import sys
     from pathlib import Path
 
+    from lightning_megatron.check.recipe import load_recipe
     from lightning_megatron.cli import main
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
+    base = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
+    recipe = tmp_path / "per_step.yaml"
+    recipe.write_text(f"base: {base}\ntrainer:\n  strategy:\n    init_args:\n      cpu_tuning:\n"
+                      f"        weight_grads_per_step: true\n")
+    assert load_recipe(recipe).weight_grads_per_step and not load_recipe(base).weight_grads_per_step
     with pytest.raises(SystemExit) as e:
         main(["check", "--config", str(recipe), "--estimate-time", "--device", "this", "--layouts", "tp1,dp2"])
     out = capsys.readouterr().out
     assert e.value.code == 0, out
+    assert "the CPU tuning's weight gradients once a step" in out, out
     cores = os.cpu_count() or 1
     if cores > 1:
         speedup = float(re.search(rf"the layer on {cores} threads ([0-9.]+)x one", out).group(1))

@@ -78,6 +78,10 @@ class RecipeCheck:
     """The recipe's own layout: its MegatronStrategy's sizes, ``megatron_optimizer.use_distributed_optimizer``
     as ``zero1``, ``dp`` from ``trainer.devices`` x ``num_nodes`` (None: no MegatronStrategy, or sizes that
     do not make a layout)."""
+    weight_grads_per_step: bool = False
+    """The recipe's MegatronStrategy's ``cpu_tuning`` computes the linear layers' weight gradients once per step
+    (:attr:`lightning_megatron.cpu.CPUTuning.weight_grads_per_step`; a CPU run's, which ``--estimate-time --device
+    this`` times)."""
 
     def trainer_kwargs(self, steps: int) -> dict[str, Any]:
         out: dict[str, Any] = {"max_steps": max(steps, self.max_steps or steps)}
@@ -235,7 +239,18 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout,
                        schedule_only=schedule_only, data=data, callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"),
-                       layout=_recipe_layout(trainer, cfg.get("megatron_optimizer")))
+                       layout=_recipe_layout(trainer, cfg.get("megatron_optimizer")),
+                       weight_grads_per_step=_weight_grads_per_step(trainer))
+
+
+def _weight_grads_per_step(trainer: dict[str, Any]) -> bool:
+    """:attr:`RecipeCheck.weight_grads_per_step` of a recipe's ``trainer`` section: its MegatronStrategy's
+    ``cpu_tuning`` given as the record's fields (``{weight_grads_per_step: true}``, or with ``init_args``)."""
+    strategy = trainer.get("strategy")
+    tuning = (strategy.get("init_args") or {}).get("cpu_tuning") if isinstance(strategy, dict) else None
+    if isinstance(tuning, dict):
+        tuning = tuning.get("init_args", tuning)
+    return isinstance(tuning, dict) and tuning.get("weight_grads_per_step") is True
 
 
 def _recipe_layout(trainer: dict[str, Any], optimizer: Any) -> ParallelDims | None:

@@ -140,6 +140,11 @@ class Framework:
     the GradBuffer's hook adds it into ``main_grad`` (:func:`grad_accumulation_bytes`)."""
     host_ops: HostOps | None = None
     """What the host dispatches per step, for a device with a :attr:`Device.host_op` (None: not modelled)."""
+    weight_grads_per_step: bool = False
+    """The CPU tuning's ``weight_grads_per_step`` (:class:`lightning_megatron.cpu.CPUTuning`; it acts on a CPU only):
+    the column- and row-parallel layers' weight gradients computed once per step after each rank's last backward,
+    one GEMM over the step's microbatches added into ``main_grad`` once (:func:`~lightning_megatron.check.timing.
+    step_weight_parameters`)."""
 
     def optimizer_bytes_per_param(self, param_bytes: int) -> int:
         """``optimizer_bytes``, or what the wrappers move per parameter of ``param_bytes``-byte params: Adam over

@@ -54,8 +54,10 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
     # shared-memory collectives.
     overlap = (not on_cpu) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
+    # the CPU tuning acts on a CPU only: its weight gradients once a step are what --device this times
     fw = Framework(overlap_grad_reduce=overlap, overlap_param_gather=args.overlap_param_gather == "on",
-                   overlap_sp_gather=not on_cpu, fused_attention=not m.unfused_attention, host_ops=host_ops)
+                   overlap_sp_gather=not on_cpu, fused_attention=not m.unfused_attention, host_ops=host_ops,
+                   weight_grads_per_step=on_cpu and recipe.weight_grads_per_step)
     return dev, eff, fw
 
 
@@ -64,7 +66,8 @@ def time_table(recipe: Any, layouts: list[ParallelDims], timing: tuple[Device, E
     dev, eff, fw = timing
     m = model_shape(recipe, on_cpu=dev.cores is not None, training=True)
     lines = [f"predicted step time on {dev.name} ({dev.source}); achievable fractions: GEMM {eff.gemm:g}, "
-             f"memory {eff.memory:g}, links {eff.link:g}" + host_line(dev, fw),
+             f"memory {eff.memory:g}, links {eff.link:g}" + host_line(dev, fw)
+             + ("; the CPU tuning's weight gradients once a step" if fw.weight_grads_per_step else ""),
              f"{'layout':<14} {'step s':>9} {'compute':>9} {'TP':>8} {'CP':>8} {'EP':>8} {'PP':>8} {'bubble':>8} "
              f"{'DP':>8} {'optim.':>8} {'host':>8} {'tokens/s':>10} {'MFU':>6}"]
     for layout in layouts:

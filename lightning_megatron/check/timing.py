@@ -17,7 +17,9 @@ tensor-, context- and expert-parallel collectives and the pipeline sends; the sl
 
 (with ``defer_embedding_wgrad_compute`` the last stage's ``T_mb`` leaves out the output layer's weight gradient of
 the microbatches that wait for the flush, and the flush's ``W`` of them adds what the drain does not hide:
-``max(0, W T_wgrad - 2/3 bubble)``)
+``max(0, W T_wgrad - 2/3 bubble)``; with the CPU tuning's ``weight_grads_per_step`` every stage's ``T_mb`` leaves out
+its layers' weight gradients too, all ``m`` wait, and a stage ``s`` hides its drain behind ``s/(p - 1)`` of that:
+the step ends with the longest exposed one, the first stage's whole drain or the last's beyond ``2/3 bubble``)
 
 with ``f`` the pipeline schedule's bubble, the idle fraction of the pipelined time (its ``bubble``:
 :mod:`lightning_megatron.pipeline.registry`; 1F1B ``(p - 1)/(m + p - 1)``, interleaved
@@ -59,7 +61,7 @@ from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 __all__ = ["Device", "Efficiency", "Framework", "HostOps", "MEASURED", "Message", "STEP_OPS", "StepTime",
            "adapter_bytes", "collective_time", "deferred_head_flops", "elementwise_bytes", "estimate_time",
            "grad_accumulation_bytes", "layer_flops", "link_rate", "model_flops", "recomputed_share", "stage_flops",
-           "stage_messages", "stage_traffic", "vocab_bytes"]
+           "stage_messages", "stage_traffic", "step_weight_parameters", "vocab_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,8 +71,9 @@ class StepTime:
     layout: str
     compute: float
     """GEMMs, elementwise kernels, vocabulary passes and gradient accumulation of every microbatch on the
-    slowest stage (bubble excluded), and the part of the output layer's weight gradients deferred to the pipeline
-    flush (``defer_embedding_wgrad_compute``) that the flush's drain does not hide (:func:`deferred_head_flops`)."""
+    slowest stage (bubble excluded), and the part of the weight gradients deferred to the pipeline flush (the output
+    layer's with ``defer_embedding_wgrad_compute``, :func:`deferred_head_flops`; every linear layer's with the CPU
+    tuning's ``weight_grads_per_step``, :func:`step_weight_parameters`) that the flush's drain does not hide."""
     tp_comm: float
     """Tensor-parallel collectives on the critical path (all microbatches; under SP, once a step, the sum of the
     gradients of the parameters that saw a chunk of the sequence)."""
@@ -284,15 +287,41 @@ def vocab_bytes(m: StepCost, layout: ParallelDims, stage: int) -> float:
     return n
 
 
-def deferred_head_flops(m: StepCost, layout: ParallelDims) -> float:
+def deferred_head_flops(m: StepCost, layout: ParallelDims, *, per_step: bool = False) -> float:
     """FLOPs of the output layer's weight gradient of one microbatch on a last-stage rank when the model defers it to
     the pipeline flush (``defer_embedding_wgrad_compute`` with pipeline parallelism; megatron-core's name), else 0:
     ``2 n h V/t`` for the ``n`` head tokens of the rank's ``s/cp`` (a third of the head's :func:`stage_flops`, the dense
-    layer before a BERT head excepted). Frozen under LoRA: nothing deferred."""
-    if not getattr(m, "defer_embedding_wgrad_compute", False) or layout.pp < 2 or adapters_only(m):
+    layer before a BERT head excepted). With ``per_step`` (the CPU tuning's ``weight_grads_per_step``,
+    :attr:`Framework.weight_grads_per_step`) whenever the output layer owns its weight: on a pipeline's last stage, or
+    untied (a tied one without PP uses the embedding's, whose two gradients autograd sums). Frozen under LoRA: nothing
+    deferred."""
+    if adapters_only(m):
+        return 0.0
+    if per_step:
+        deferred = layout.pp > 1 or getattr(m, "untie_embeddings_and_output_weights", False)
+    else:
+        deferred = getattr(m, "defer_embedding_wgrad_compute", False) and layout.pp > 1
+    if not deferred:
         return 0.0
     tokens = m.head_fraction * m.seq_length * m.micro_batch_size
     return 2 * tokens * m.hidden_size * m.padded_vocab(layout.tp) / (layout.tp * layout.cp)
+
+
+def step_weight_parameters(m: StepCost, layout: ParallelDims, stage: int) -> float:
+    """Weights of the column- and row-parallel layers of a rank of ``stage`` whose gradients the CPU tuning's
+    ``weight_grads_per_step`` (:attr:`Framework.weight_grads_per_step`) computes once per step: each layer's qkv,
+    projection and MLP weights over ``t`` (a mixture of experts' layer: its shared experts'; the routed experts are not
+    such layers); the output layer's is :func:`deferred_head_flops`'s. None under LoRA (the bases are frozen, the
+    adapters are not such layers). A weight's gradient is ``2`` FLOPs per token of it."""
+    if adapters_only(m):
+        return 0.0
+    ffn = m.ffn
+    if getattr(m, "num_moe_experts", None):
+        ffn = getattr(m, "moe_shared_expert_intermediate_size", None) or 0
+    per_token = transformer_flops(num_layers=sum(stage_layers(m, layout.pp, stage, layout.vp)),
+                                  hidden_size=m.hidden_size, ffn_hidden_size=ffn, seq_length=0, tokens=1,
+                                  head_tokens=0, vocab_size=0, **_layer_shape(m))
+    return per_token / 6 / layout.tp
 
 
 def grad_accumulation_bytes(params: int, grad_bytes: int, microbatches: int, fw: Framework) -> float:
@@ -321,26 +350,35 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     kernel_rate = (dev.elementwise or dev.hbm) * eff.memory * threads
     vocab_rate = (dev.vocab or dev.hbm) * eff.memory * threads
     # the output layer's deferred weight gradient of a microbatch (its GEMM, its [V/t, h] gradient written), and how
-    # many microbatches' wait for the flush: all of them, or the model's wgrad_deferral_limit
-    deferred_mb = deferred_head_flops(m, layout) / gemm_rate
-    if deferred_mb:
-        deferred_mb += m.padded_vocab(t) // t * h * e / vocab_rate
-    limit = getattr(m, "wgrad_deferral_limit", 0)
+    # many microbatches' wait for the flush: all of them, or the model's wgrad_deferral_limit; the CPU tuning's
+    # weight_grads_per_step defers the layers' weight gradients of all of them too (one GEMM per weight)
+    per_step, head_weights = fw.weight_grads_per_step, m.padded_vocab(t) // t * h
+    head_mb = deferred_head_flops(m, layout, per_step=per_step) / gemm_rate
+    if head_mb:
+        head_mb += head_weights * e / vocab_rate
+    limit = 0 if per_step else getattr(m, "wgrad_deferral_limit", 0)
     waiting = min(limit, microbatches) if limit else microbatches
     # per layer of a stage (the stages' layers as the model splits them: stage_layers), then each stage's
     layer_bytes = (elementwise_bytes(m, layout, fw) + adapter_bytes(m, layout) / 3) * s / c * b  # LoRA's adapters
     # each stage: its GEMMs, layers' elementwise kernels, vocabulary passes and grad accumulation, and its
     # collectives and sends a microbatch (stage_messages); the slowest stage sets the pace
-    stages, messages = [], {}
+    stages, messages, drains = [], {}, []
     for stage in range(p):
         layers, r = sum(stage_layers(m, p, stage, layout.vp)), recomputed_share(m, layout, stage)
         elementwise = layer_bytes * layers * (3 + r) / kernel_rate  # forward, backward (~2x), recomputed forward
         vocab_s = vocab_bytes(m, layout, stage) / vocab_rate
         params_s = trained_parameters(m, layout, stage, schedule)
-        accumulate_s = grad_accumulation_bytes(params_s, e, microbatches, fw) / mem_rate
-        total = stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + accumulate_s / microbatches
-        if stage == p - 1 and deferred_mb:  # the output layer's weight gradients waiting for the flush leave the steady
-            total -= deferred_mb * waiting / microbatches  # state (with a limit, the older ones are drained within it)
+        # a microbatch's weight gradients waiting for the flush leave the steady state (with a limit, the older ones
+        # are drained within it); gradients computed once a step are added into main_grad once, at the flush
+        weights = step_weight_parameters(m, layout, stage) if per_step else 0.0
+        deferred_s = 2 * s / c * b * weights / gemm_rate + (head_mb if stage == p - 1 else 0.0)
+        once = weights + (head_weights if stage == p - 1 and head_mb and per_step else 0)
+        each_s = grad_accumulation_bytes(params_s - once, e, microbatches, fw) / mem_rate
+        once_s = grad_accumulation_bytes(once, e, 1, fw) / mem_rate if once else 0.0
+        accumulate_s = each_s + once_s
+        total = (stage_flops(m, layout, stage) / gemm_rate + elementwise + vocab_s + each_s / microbatches
+                 - deferred_s * waiting / microbatches)
+        drains.append(deferred_s * waiting + once_s)
         messages[stage] = stage_messages(m, layout, stage, fw, devices_per_node=dev.devices_per_node,
                                          schedule=schedule)
         comm = tuple(sum(x.seconds(dev, eff) for x in messages[stage] if x.part == part and not x.per_step)
@@ -356,9 +394,12 @@ def estimate_time(m: StepCost, layout: ParallelDims, dev: Device, eff: Efficienc
     others = sorted(total for _, total, _, _, _ in stages)[:-1]
     t_other = sum(others) / len(others) + comm_mb if others else t_mb
     bubble = idle / (1 - idle) * microbatches * t_other
-    # the flush's deferred weight gradients run on the last stage while the earlier stages still run their last
-    # backward passes (the bubble's drain, about 2/3 of it: a backward is ~2/3 of a microbatch): exposed beyond it
-    flush = max(0.0, deferred_mb * waiting - 2.0 / 3.0 * bubble)
+    # each rank computes its deferred weight gradients after its last backward pass: the last stage's while the
+    # earlier stages still run theirs (the bubble's drain, about 2/3 of it: a backward is ~2/3 of a microbatch), a
+    # stage s's while the s stages before it do (s/(p-1) of the drain), the first stage's after the schedule: the
+    # step ends with the stage whose drain is exposed longest
+    hidden = [2.0 / 3.0 * bubble * stage / (p - 1) if p > 1 else 0.0 for stage in range(p)]
+    flush = max(0.0, *(drain - hide for drain, hide in zip(drains, hidden)))
     # once a step: the tied word embedding's gradient (first and last stage), and DP on the fullest stage:
     # ZeRO-1 reduce-scatters the grads and all-gathers the params
     tied, sp_grads = (max(sum(x.seconds(dev, eff) for x in msgs if x.part == part and x.per_step)
