@@ -656,7 +656,7 @@ def test_measured_elementwise_rate_times_the_memory_bound_kernels():
     over what the layer took beyond its GEMMs."""
     from dataclasses import replace
 
-    from lightning_megatron.check.devices import _elementwise_rate, layer_seconds
+    from lightning_megatron.check.devices import _elementwise_rate, probe_times
     from lightning_megatron.check.timing import elementwise_bytes
     from lightning_megatron.flops import transformer_flops
 
@@ -673,7 +673,9 @@ def test_measured_elementwise_rate_times_the_memory_bound_kernels():
     flops = transformer_flops(num_layers=1, hidden_size=64, ffn_hidden_size=256, seq_length=16, tokens=32,
                               head_tokens=0, vocab_size=0)
     assert _elementwise_rate(m, flops / 1e10 + 0.5, 1e10) == pytest.approx(counted / 4 / 0.5, rel=1e-9)
-    assert layer_seconds(m) > 0  # one real layer of m, forward and backward
+    # one real layer of m, forward and backward, on one thread and in turn on two (the threads' speed-up)
+    probed = probe_times(32, 256, 64, False, m, rounds=1, cores=2)
+    assert probed["layer"] > 0 and probed["layer_on_cores"] > 0
 
 
 def test_a_cpu_ranks_threads_speed_its_kernels_up_by_the_measured_factor():
@@ -718,7 +720,7 @@ def test_measured_vocab_rate_times_the_vocabulary_passes():
     and loss took beyond the heads' GEMMs."""
     from dataclasses import replace
 
-    from lightning_megatron.check.devices import _vocab_rate, isolated_rng, layer_seconds, probe_times
+    from lightning_megatron.check.devices import _vocab_rate, isolated_rng, probe_times
     from lightning_megatron.check.timing import vocab_bytes
 
     m = BertCost(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=16,
@@ -764,7 +766,8 @@ def test_measured_vocab_rate_times_the_vocabulary_passes():
     assert type(layer.input_layernorm).__name__ == "RMSNorm"
     model, _ = decoder.build_model_step()
     assert type(model).__name__ == "GPTModel"
-    assert layer_seconds(decoder) > 0 and probe_times(32, 96, 64, False, decoder, rounds=1)["model"] > 0
+    probed = probe_times(32, 96, 64, False, decoder, rounds=1)
+    assert probed["layer"] > 0 and probed["model"] > 0
 
 
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
@@ -1184,7 +1187,7 @@ def test_measured_elementwise_rate_of_a_decoder_layer_counts_its_own_gemms():
     """The time a layer spends beyond its GEMMs is what the elementwise rate divides into: a grouped-query, gated
     layer's GEMMs are counted with its own shape (3 h x f matrices, narrow key/value projections), and a LoRA
     layer's without the frozen weights' weight gradients, with its adapters' FLOPs and bytes."""
-    from lightning_megatron.check.devices import _elementwise_rate, layer_seconds
+    from lightning_megatron.check.devices import _elementwise_rate, probe_times
     from lightning_megatron.check.timing import adapter_bytes
 
     shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
@@ -1209,7 +1212,7 @@ def test_measured_elementwise_rate_of_a_decoder_layer_counts_its_own_gemms():
     assert len(trains) == 8  # A and B of the four projections
     # Timed as ``--device this`` times it (its attention dropout draws from the model-parallel RNG state, which
     # the measurement seeds when the process has none: the step alone needed an earlier test to have seeded it).
-    assert layer_seconds(lora) > 0
+    assert probe_times(32, 96, 64, False, lora, rounds=1)["layer"] > 0
 
 
 def _moved_bytes(run, larger_than: int = 0) -> int:

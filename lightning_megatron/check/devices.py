@@ -18,7 +18,7 @@ from typing import Any
 from lightning_megatron.check.records import Device
 from lightning_megatron.cost.protocols import StepCost
 
-__all__ = ["DEVICES", "HOST_OP", "device", "interleaved_best", "isolated_rng", "layer_seconds",
+__all__ = ["DEVICES", "HOST_OP", "device", "interleaved_best", "isolated_rng",
            "measure_this_machine", "probe_times"]
 
 _GB = 1e9
@@ -50,8 +50,8 @@ def _machine_times(rank: int, world: int, port: int, sizes: list[int], probes: d
     (as a tuned run's ranks have it, :func:`~lightning_megatron.cpu.allocator.keep_freed_memory`; set in this child,
     never in the caller's process), best of 5 all-reduces of each size through gloo and, when the host allows,
     through the CPU tuning's shared-memory collectives (:mod:`lightning_megatron.cpu.shared_memory`); then, with the
-    other rank gone, rank 0 alone times ``probes`` (:func:`probe_times`'s arguments) and, on every core, the model's
-    layer. Rank 0 puts the results on ``out``."""
+    other rank gone, rank 0 alone times ``probes`` (:func:`probe_times`'s arguments), the model's layer on every
+    core among them. Rank 0 puts the results on ``out``."""
     import datetime
 
     import torch
@@ -90,9 +90,7 @@ def _machine_times(rank: int, world: int, port: int, sizes: list[int], probes: d
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        result["probes"] = probe_times(**probes)
-        shape, cores = probes["shape"], os.cpu_count() or 1
-        result["layer_on_cores"] = layer_seconds(shape, threads=cores) if shape is not None and cores > 1 else None
+        result["probes"] = probe_times(**probes, cores=os.cpu_count() or 1)
         out.put(result)
 
 
@@ -148,25 +146,32 @@ def _with_cpu_kernels(build) -> Callable[[], Any]:
     return step
 
 
-def layer_seconds(m: StepCost, threads: int = 1) -> float:
-    """Best of 3 forward + backward passes of one of the model's own layers (``m.build_layer_step()``: its
-    family's spec, dtype, dropout and attention backend) on its micro batch ``[s, b, h]``, after an untimed one, on
-    ``threads`` threads (one by default), with the CPU tuning's kernels and the weights, inputs and dropout masks
-    drawn inside :func:`isolated_rng`; each backward writes fresh gradients."""
-    with isolated_rng(threads):
-        step = _with_cpu_kernels(m.build_layer_step)
-        step()
-        return interleaved_best({"layer": step}, 3)["layer"]
+def _on_threads(step: Callable[[], Any], threads: int) -> Callable[[], Any]:
+    """``step`` run on ``threads`` intra-op threads, the thread count put back after it."""
+    import torch
+
+    def run() -> Any:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return step()
+        finally:
+            torch.set_num_threads(saved)
+
+    return run
 
 
 def probe_times(rows: int, cols: int, inner: int, bf16: bool, shape: StepCost | None = None,
-                rounds: int = 4) -> dict[str, float]:
+                rounds: int = 4, cores: int = 1) -> dict[str, float]:
     """Seconds of each probe of :func:`measure_this_machine` on one thread, the fastest of ``rounds`` runs after an
     untimed one, the probes taking turns (:func:`interleaved_best`): ``gemm`` ([rows, inner] x [inner, cols] in the
-    model's dtype), ``copy`` (64 MiB), and with ``shape`` ``layer`` (one of its layers forward and backward,
-    :func:`layer_seconds`'s step) and ``model`` (its one-layer model with its loss, ``m.build_model_step()``:
-    embeddings, the layer, heads and loss as a microbatch of a training step runs them; absent when its family
-    builds none), with the weights, inputs and dropout masks drawn inside :func:`isolated_rng`."""
+    model's dtype), ``copy`` (64 MiB), and with ``shape`` ``layer`` (one of its layers, ``m.build_layer_step()``: its
+    family's spec, dtype, dropout and attention backend on its micro batch, forward and backward writing fresh
+    gradients, with the CPU tuning's kernels) and ``model`` (its one-layer model with its loss,
+    ``m.build_model_step()``: embeddings, the layer, heads and loss as a microbatch of a training step runs them;
+    absent when its family builds none), with the weights, inputs and dropout masks drawn inside
+    :func:`isolated_rng`; with ``cores`` > 1 also ``layer_on_cores``, the same layer on that many threads in its turn
+    with the others (the threads' speed-up is the ratio of the two layer times, so they are timed together)."""
     import torch
 
     with isolated_rng(1):
@@ -178,6 +183,8 @@ def probe_times(rows: int, cols: int, inner: int, bf16: bool, shape: StepCost | 
             steps["layer"] = _with_cpu_kernels(shape.build_layer_step)
             with contextlib.suppress(NotImplementedError):
                 steps["model"] = _with_cpu_kernels(shape.build_model_step)
+            if cores > 1:
+                steps["layer_on_cores"] = _on_threads(steps["layer"], cores)
         for step in steps.values():
             step()
         return interleaved_best(steps, rounds)
@@ -195,7 +202,7 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     thread_speedup`) when a rank has more than one.
 
     With ``shape`` (the model's :class:`~lightning_megatron.cost.protocols.StepCost`), also one of its
-    layers (:func:`layer_seconds`): what its forward and
+    layers (:func:`probe_times`' ``layer``): what its forward and
     backward take beyond their GEMMs at the measured GEMM rate is the time of its memory-bound
     kernels, whose bytes (:func:`~lightning_megatron.check.timing.elementwise_bytes`) over that time
     give :attr:`~lightning_megatron.check.timing.Device.elementwise` (else the copy rate stands in);
@@ -261,8 +268,8 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
         elementwise = _elementwise_rate(shape, probed["layer"], gemm)
         if "model" in probed:
             vocab = _vocab_rate(shape, probed["model"] - probed["layer"], gemm)
-        if times["layer_on_cores"]:  # the same layer on every core, as one rank's intra-op threads
-            speedup = min(max(probed["layer"] / times["layer_on_cores"], 1.0), float(cores))
+        if "layer_on_cores" in probed:  # the same layer on every core, as one rank's intra-op threads
+            speedup = min(max(probed["layer"] / probed["layer_on_cores"], 1.0), float(cores))
     timed = "" if shape is None else ", the model's own layer" + ("" if vocab is None else " and one-layer model")
     kept = ", freed memory kept (the CPU tuning's allocator)" if times["kept_freed"] else ""
     if speedup is not None:
