@@ -827,11 +827,13 @@ def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys, tmp_
                       f"        weight_grads_per_step: true\n")
     assert load_recipe(recipe).weight_grads_per_step and not load_recipe(base).weight_grads_per_step
     with pytest.raises(SystemExit) as e:
-        main(["check", "--config", str(recipe), "--estimate-time", "--device", "this", "--layouts", "tp1,dp2"])
+        main(["check", "--config", str(recipe), "--estimate-time", "--device", "this", "--layouts", "tp1,dp2,tp2dp2"])
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     assert "the CPU tuning's weight gradients once a step" in out, out
     cores = os.cpu_count() or 1
+    # ranks outnumbering the cores share them in time slices: the table says what that does not model
+    assert ("tp2dp2: more ranks than this machine's" in out) == (cores < 4), out
     if cores > 1:
         speedup = float(re.search(rf"the layer on {cores} threads ([0-9.]+)x one", out).group(1))
         assert 1 <= speedup <= cores, out

@@ -75,4 +75,10 @@ def time_table(recipe: Any, layouts: list[ParallelDims], timing: tuple[Device, E
         lines.append(f"{layout.name:<14} {st.total:9.4g} {st.compute:9.3g} {st.tp_comm:8.3g} {st.cp_comm:8.3g} "
                      f"{st.ep_comm:8.3g} {st.pp_comm:8.3g} {st.bubble:8.3g} {st.dp_comm:8.3g} {st.optimizer:8.3g} "
                      f"{st.host:8.3g} {st.tokens_per_s:10.4g} {st.mfu:6.1%}")
+    crowded = [layout.name for layout in layouts if dev.cores is not None and layout.world_size > dev.cores]
+    if crowded:  # a fraction of a core each; what time slicing adds is not modelled
+        lines.append(f"{', '.join(crowded)}: more ranks than this machine's {dev.cores} cores, each predicted on its "
+                     f"share of a core; the time a rank waits at a collective for a partner the scheduler is not "
+                     f"running is not modelled (on 2 cores benchmarks/estimate_time.py measured tp2dp2zero1 at 1.44x "
+                     f"its prediction, tp2pp2 at 1.05x: docs/check.md)")
     return "\n".join(lines)
