@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/estimate_time.py --model mixtral-tiny                        # the experts' rows
     .venv/bin/python benchmarks/estimate_time.py --model llama-tiny --layouts pp2,pp2vp2 --defer-wgrad  # at the flush
     .venv/bin/python benchmarks/estimate_time.py --layouts tp1,pp2,pp2vp2 --weight-grads-per-step   # CPU tuning's
+    .venv/bin/python benchmarks/estimate_time.py --untuned --layouts tp1,tp2,dp2,pp2   # a recipe without the tuning
 
 Measures this machine's rates before and after the runs, and predicts with the quieter of the two (the
 faster GEMM with its own elementwise and vocabulary rates; the faster copy and links of either;
@@ -66,6 +67,11 @@ def main() -> None:
     p.add_argument("--weight-grads-per-step", action="store_true",
                    help="the CPU tuning's weight_grads_per_step: every linear layer's weight gradient once a step, "
                         "after the schedule's last backward (CPUTuning(weight_grads_per_step=True))")
+    p.add_argument("--untuned", action="store_true",
+                   help="the runs without the CPU tuning (cpu_tuning=None: gloo collectives, torch's allocator and "
+                        "the library's kernels), predicted as check --estimate-time --device this predicts a recipe "
+                        "without it; the predictions with the tuning assumed (what it predicted for such a recipe "
+                        "before 2026-12-06) printed beside them")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -89,6 +95,10 @@ def main() -> None:
     from lightning_megatron.transformer.lora import LORA_TARGETS
 
     bf16, folder = a.precision == "bf16", None
+    if a.untuned and a.weight_grads_per_step:
+        raise SystemExit("estimate_time.py: --weight-grads-per-step is a piece of the CPU tuning; --untuned runs "
+                         "without it")
+    tuned = not a.untuned
     if a.defer_wgrad and not a.model.startswith("llama"):
         raise SystemExit("estimate_time.py: --defer-wgrad is for the llama-* decoders")
     extra = dict(defer_embedding_wgrad_compute=True) if a.defer_wgrad else {}
@@ -98,7 +108,7 @@ def main() -> None:
         shape: Any = BertCost(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                               vocab_size=size.vocab_size, max_sequence_length=size.max_position_embeddings,
                               seq_length=a.seq, micro_batch_size=a.micro_batch, global_batch_size=a.global_batch,
-                              params_dtype="bfloat16" if bf16 else "float32", post_norm=True, on_cpu=True)
+                              params_dtype="bfloat16" if bf16 else "float32", post_norm=True, on_cpu=tuned)
         rank, layouts = bert_rank, a.layouts or LAYOUTS
         title = (f"BERT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro batch {a.micro_batch}, "
                  f"global batch {a.global_batch}, {a.precision}, dropout 0.1")
@@ -113,7 +123,7 @@ def main() -> None:
             raise SystemExit("estimate_time.py: --lora is for the llama-* decoders")
         a.seq, a.hidden = moe.seq_length, moe.hidden_size
         shape = GPTCost.from_config(moe_module(moe, bf16).config, seq_length=a.seq, micro_batch_size=a.micro_batch,
-                                    global_batch_size=a.global_batch, on_cpu=True)
+                                    global_batch_size=a.global_batch, on_cpu=tuned)
         rank, layouts = gpt_layout_rank, a.layouts or MOE_LAYOUTS
         title = (f"{a.model}: {moe.num_layers} layers, hidden {moe.hidden_size}, {moe.num_attention_heads} heads in "
                  f"{moe.num_query_groups} groups, {moe.num_experts} SwiGLU experts of {moe.expert_ffn_hidden_size} "
@@ -130,7 +140,7 @@ def main() -> None:
         config = _ours(decoder, bf16, **extra).config
         adapters = dict(lora_rank=a.lora, lora_targets=tuple(LORA_TARGETS)) if a.lora else {}
         shape = GPTCost.from_config(config, seq_length=a.seq, micro_batch_size=a.micro_batch,
-                                    global_batch_size=a.global_batch, on_cpu=True, **adapters)
+                                    global_batch_size=a.global_batch, on_cpu=tuned, **adapters)
         rank, layouts = gpt_layout_rank, a.layouts or (LORA_LAYOUTS if a.lora else DECODER_LAYOUTS)
         title = (f"{a.model}: {decoder.num_layers} layers, hidden {decoder.hidden_size}, {decoder.num_attention_heads} "
                  f"heads in {decoder.num_query_groups} groups, SwiGLU {decoder.ffn_hidden_size}, vocabulary "
@@ -157,11 +167,16 @@ def main() -> None:
         gemm_s = probe_times(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, rounds=10)["gemm"]
         return 2.0 * a.seq * a.micro_batch * shape.ffn * a.hidden / gemm_s
 
+    # the CPU tuning's pieces, as check --estimate-time --device this takes them from a recipe: all on, or all off
+    pieces = dict(shared_memory=tuned, keep_freed=tuned, kernels=tuned)
     t0 = time.perf_counter()
-    before = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape)
+    before = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape, **pieces)
     print(f"this machine, per core ({CPU_COUNT} cores): {rates(before)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    fw = Framework(overlap_grad_reduce=False, overlap_sp_gather=False,  # the CPU tuning's synchronous collectives
+    # the CPU tuning's synchronous collectives expose the DP reduction and SP's gathers; gloo's are asynchronous
+    fw = Framework(overlap_grad_reduce=not tuned, overlap_sp_gather=not tuned,
                    fused_attention=not shape.unfused_attention, weight_grads_per_step=a.weight_grads_per_step)
+    if a.untuned:
+        title += ", without the CPU tuning (gloo collectives, torch's allocator and kernels)"
     if a.weight_grads_per_step:
         from lightning_megatron.cpu import CPUTuning
 
@@ -172,7 +187,7 @@ def main() -> None:
             run = dict(framework="ours", size=size.as_dict(), precision=a.precision, tp=layout.tp, pp=layout.pp,
                        vp=layout.vp, sp=layout.sequence_parallel, zero1=layout.zero1, micro_batch=a.micro_batch,
                        batch=a.global_batch // layout.dp, seq=a.seq, warmup=a.warmup, steps=a.steps,
-                       cpu_tuning={"weight_grads_per_step": a.weight_grads_per_step})
+                       cpu_tuning={"weight_grads_per_step": a.weight_grads_per_step} if tuned else None)
         else:
             if layout.zero1 or (layout.ep > 1 and not a.model.startswith("mixtral")):
                 raise SystemExit(f"estimate_time.py --model {a.model}: layout {layout.name} is not run here")
@@ -184,7 +199,7 @@ def main() -> None:
                                      context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
                                      sequence_parallel=layout.sequence_parallel,
                                      **({"cpu_tuning": CPUTuning(weight_grads_per_step=True)}
-                                        if a.weight_grads_per_step else {})))
+                                        if a.weight_grads_per_step else {} if tuned else {"cpu_tuning": None})))
         t1 = time.perf_counter()
         for attempt in range(a.retries + 1):
             around = [probe(), 0.0]
@@ -201,7 +216,7 @@ def main() -> None:
         runs.append((layout, measured, busy, around))
         print(f"{layout.name}: measured {measured:.3f} s ({time.perf_counter() - t1:.0f} s; one core's GEMM "
               f"{around[0] / 1e9:.0f} GFLOP/s before the run, {around[1] / 1e9:.0f} after)", flush=True)
-    after = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape)
+    after = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=shape, **pieces)
     print(f"this machine again after the runs: {rates(after)}")
     # Other jobs only slow a measurement down: each independent rate is the faster of the two measurements, the
     # latencies the smaller (what this machine does when it is not shared). The GEMM, elementwise and vocabulary
@@ -248,6 +263,17 @@ def main() -> None:
               f"| {host[0]:.2f}, {host[1]:.2f}{'' if same else ' (host state differed)'} |")
     print(f"\nlargest error: {worst:.0%}; {within} of {len(rows)} layouts within 25% (target 25%); of the {steady} run "
           f"with the host's GEMM rate within 15% of the one used before and after, {steady_within}")
+    if a.untuned:  # what the estimate predicted for these runs while it took the tuning for granted
+        as_tuned = dataclasses.replace(shape, on_cpu=True)
+        assumed = measure_this_machine(a.seq * a.micro_batch, shape.ffn, a.hidden, bf16, shape=as_tuned)
+        fw_tuned = dataclasses.replace(fw, overlap_grad_reduce=False, overlap_sp_gather=False,
+                                       fused_attention=not as_tuned.unfused_attention)
+        print(f"\nthe same runs predicted with the CPU tuning assumed ({rates(assumed)}):\n")
+        print("| layout | predicted s, tuning assumed | measured / that |")
+        print("|---|---|---|")
+        for layout, _, measured, _, _ in rows:
+            pred = estimate_time(as_tuned, layout, assumed, MEASURED, fw_tuned).total
+            print(f"| {layout.name} | {pred:.3f} | {measured / pred:.2f} |")
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -808,37 +808,76 @@ def test_megatron_weak_scaling_within_25_percent(row):
     assert abs(megatron_row(heads, hidden, layers, tp, pp, gpus, batch) / published - 1) < 0.25
 
 
-def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys, tmp_path):
-    """``check --estimate-time --device this`` as a user runs it on a recipe (``base:`` the tiny BERT one, the CPU
-    tuning's weight gradients once a step): the machine measured (one core's rates, the model's layer on every core
-    too), the layouts predicted with them and the tuning; DP's part holds the reduction and the mean, one rank's
-    none."""
+def test_the_estimate_reads_the_recipes_cpu_tuning_as_the_strategy_does(tmp_path):
+    """``--estimate-time --device this`` times the run the recipe describes: its MegatronStrategy's ``cpu_tuning``
+    read as the strategy reads the argument (``true``, a mapping of the record's fields or ``class_path`` and
+    ``init_args``, ``false`` or none); a field the record lacks is refused, naming it and the record's fields."""
+    from pathlib import Path
+
+    from lightning_megatron.check.recipe import load_recipe
+    from lightning_megatron.cpu import CPUTuning
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    base = recipes / "bert_tiny.yaml"  # cpu_tuning: true
+
+    def tuning(value: str) -> CPUTuning | None:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(f"base: {base}\ntrainer:\n  strategy:\n    init_args:\n      cpu_tuning: {value}\n")
+        return load_recipe(recipe).cpu_tuning
+
+    assert load_recipe(base).cpu_tuning == CPUTuning()
+    assert load_recipe(recipes / "bert_base.yaml").cpu_tuning is None  # a GPU recipe: the library's path on a CPU
+    assert tuning("{weight_grads_per_step: true}") == CPUTuning(weight_grads_per_step=True)
+    assert tuning("{class_path: lightning_megatron.cpu.CPUTuning, init_args: {kernels: false}}") == CPUTuning(
+        kernels=False)
+    assert tuning("false") is None and tuning("null") is None
+    with pytest.raises(ValueError, match=r"cpu_tuning: weight_grad_per_step is not a field of .*CPUTuning "
+                                         r"\(shared_memory_collectives, keep_freed_memory, kernels, "
+                                         r"weight_grads_per_step"):
+        tuning("{weight_grad_per_step: true}")
+
+
+@pytest.mark.parametrize("tuned", [True, False], ids=["per-step-tuning", "untuned"])
+def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys, tmp_path, tuned):
+    """``check --estimate-time --device this`` as a user runs it on a recipe (``base:`` the tiny BERT one, with the
+    CPU tuning's weight gradients once a step, or with the tuning off): the machine measured as that run runs (the
+    tuning's shared-memory collectives, kept memory and kernels, or gloo, torch's allocator and the library's
+    kernels; one core's rates, the model's layer on every core too), the layouts predicted with them and the
+    tuning; DP's part holds the reduction and the mean, one rank's none."""
     import os
+    import platform
     import re
     import sys
     from pathlib import Path
 
-    from lightning_megatron.check.recipe import load_recipe
     from lightning_megatron.cli import main
 
     base = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
-    recipe = tmp_path / "per_step.yaml"
-    recipe.write_text(f"base: {base}\ntrainer:\n  strategy:\n    init_args:\n      cpu_tuning:\n"
-                      f"        weight_grads_per_step: true\n")
-    assert load_recipe(recipe).weight_grads_per_step and not load_recipe(base).weight_grads_per_step
+    recipe = tmp_path / "r.yaml"
+    tuning = "{weight_grads_per_step: true}" if tuned else "false"
+    recipe.write_text(f"base: {base}\ntrainer:\n  strategy:\n    init_args:\n      cpu_tuning: {tuning}\n")
     with pytest.raises(SystemExit) as e:
         main(["check", "--config", str(recipe), "--estimate-time", "--device", "this", "--layouts", "tp1,dp2,tp2dp2"])
     out = capsys.readouterr().out
     assert e.value.code == 0, out
-    assert "the CPU tuning's weight gradients once a step" in out, out
+    linux = sys.platform.startswith("linux")
+    if tuned:
+        assert ("the recipe's CPU tuning: shared-memory collectives, freed memory kept, CPU kernels, weight gradients "
+                "once a step") in out, out
+        assert "the model's own layer and one-layer model with the CPU tuning's kernels" in out, out
+        if linux:  # timed as a tuned run's ranks run: glibc keeps freed memory, the groups share memory on x86-64
+            assert "freed memory kept (the CPU tuning's allocator)" in out, out
+            assert ("shared-memory all-reduce" in out) == (platform.machine().lower() in ("x86_64", "amd64")), out
+    else:
+        assert "without the CPU tuning (the recipe's cpu_tuning is off): gloo collectives" in out, out
+        assert "the model's own layer and one-layer model with torch's kernels" in out, out
+        assert "gloo all-reduce" in out and "freed memory kept" not in out, out
     cores = os.cpu_count() or 1
     # ranks outnumbering the cores share them in time slices: the table says what that does not model
     assert ("tp2dp2: more ranks than this machine's" in out) == (cores < 4), out
     if cores > 1:
         speedup = float(re.search(rf"the layer on {cores} threads ([0-9.]+)x one", out).group(1))
         assert 1 <= speedup <= cores, out
-    if sys.platform.startswith("linux"):  # timed as a tuned run's ranks run: glibc keeps freed memory
-        assert "freed memory kept (the CPU tuning's allocator)" in out, out
     rows = {r[0]: r for r in (line.split() for line in out.splitlines()) if r and r[0] in ("tp1", "dp2")}
     assert float(rows["tp1"][8]) == 0 < float(rows["dp2"][8]), out  # the DP column
     assert float(rows["tp1"][1]) > 0 and float(rows["dp2"][1]) > 0

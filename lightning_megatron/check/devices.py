@@ -45,13 +45,13 @@ def device(name: str) -> Device:
 
 
 def _machine_times(rank: int, world: int, port: int, sizes: list[int], probes: dict[str, Any],
-                   keep_freed: bool, out) -> None:  # pragma: no cover (child)
+                   keep_freed: bool, shared_memory: bool, out) -> None:  # pragma: no cover (child)
     """A spawned rank of :func:`measure_this_machine`: with the CPU tuning's allocator setting when ``keep_freed``
     (as a tuned run's ranks have it, :func:`~lightning_megatron.cpu.allocator.keep_freed_memory`; set in this child,
-    never in the caller's process), best of 5 all-reduces of each size through gloo and, when the host allows,
-    through the CPU tuning's shared-memory collectives (:mod:`lightning_megatron.cpu.shared_memory`); then, with the
-    other rank gone, rank 0 alone times ``probes`` (:func:`probe_times`'s arguments), the model's layer on every
-    core among them. Rank 0 puts the results on ``out``."""
+    never in the caller's process), best of 5 all-reduces of each size through gloo and, with ``shared_memory`` where
+    the host allows, through the CPU tuning's shared-memory collectives (:mod:`lightning_megatron.cpu.shared_memory`);
+    then, with the other rank gone, rank 0 alone times ``probes`` (:func:`probe_times`'s arguments), the model's
+    layer on every core among them. Rank 0 puts the results on ``out``."""
     import datetime
 
     import torch
@@ -81,7 +81,7 @@ def _machine_times(rank: int, world: int, port: int, sizes: list[int], probes: d
             return times
 
         result: dict[str, Any] = {"gloo": best(dist.all_reduce), "shared_memory": None, "kept_freed": kept}
-        comm = enable_shared_memory_collectives(dist.group.WORLD, timeout=timeout)
+        comm = enable_shared_memory_collectives(dist.group.WORLD, timeout=timeout) if shared_memory else None
         if comm is not None:
             try:
                 result["shared_memory"] = best(comm.all_reduce)
@@ -135,14 +135,15 @@ def interleaved_best(steps: dict[str, Callable[[], Any]], rounds: int,
     return best
 
 
-def _with_cpu_kernels(build) -> Callable[[], Any]:
-    """The step of a model's ``build()`` (``(module, step)``) with the CPU tuning's kernels on the module (what a
-    run with ``cpu_tuning`` executes)."""
-    from lightning_megatron.cpu.kernels import CPUKernels
-    from lightning_megatron.transformer.kernels import set_kernels
-
+def _step_of(build, cpu_kernels: bool) -> Callable[[], Any]:
+    """The step of a model's ``build()`` (``(module, step)``), with ``cpu_kernels`` the CPU tuning's kernels on the
+    module (what a run with ``cpu_tuning`` executes; else the library's, what an untuned run executes)."""
     module, step = build()
-    set_kernels(module, CPUKernels())
+    if cpu_kernels:
+        from lightning_megatron.cpu.kernels import CPUKernels
+        from lightning_megatron.transformer.kernels import set_kernels
+
+        set_kernels(module, CPUKernels())
     return step
 
 
@@ -162,14 +163,14 @@ def _on_threads(step: Callable[[], Any], threads: int) -> Callable[[], Any]:
 
 
 def probe_times(rows: int, cols: int, inner: int, bf16: bool, shape: StepCost | None = None,
-                rounds: int = 4, cores: int = 1) -> dict[str, float]:
+                rounds: int = 4, cores: int = 1, kernels: bool = True) -> dict[str, float]:
     """Seconds of each probe of :func:`measure_this_machine` on one thread, the fastest of ``rounds`` runs after an
     untimed one, the probes taking turns (:func:`interleaved_best`): ``gemm`` ([rows, inner] x [inner, cols] in the
     model's dtype), ``copy`` (64 MiB), and with ``shape`` ``layer`` (one of its layers, ``m.build_layer_step()``: its
     family's spec, dtype, dropout and attention backend on its micro batch, forward and backward writing fresh
-    gradients, with the CPU tuning's kernels) and ``model`` (its one-layer model with its loss,
-    ``m.build_model_step()``: embeddings, the layer, heads and loss as a microbatch of a training step runs them;
-    absent when its family builds none), with the weights, inputs and dropout masks drawn inside
+    gradients, with the CPU tuning's kernels unless ``kernels`` is False) and ``model`` (its one-layer model with its
+    loss, ``m.build_model_step()``: embeddings, the layer, heads and loss as a microbatch of a training step runs
+    them; absent when its family builds none), with the weights, inputs and dropout masks drawn inside
     :func:`isolated_rng`; with ``cores`` > 1 also ``layer_on_cores``, the same layer on that many threads in its turn
     with the others (the threads' speed-up is the ratio of the two layer times, so they are timed together)."""
     import torch
@@ -180,9 +181,9 @@ def probe_times(rows: int, cols: int, inner: int, bf16: bool, shape: StepCost | 
         x, y = torch.empty(2**24), torch.ones(2**24)
         steps: dict[str, Callable[[], Any]] = {"gemm": lambda: torch.matmul(a, w), "copy": lambda: x.copy_(y)}
         if shape is not None:
-            steps["layer"] = _with_cpu_kernels(shape.build_layer_step)
+            steps["layer"] = _step_of(shape.build_layer_step, kernels)
             with contextlib.suppress(NotImplementedError):
-                steps["model"] = _with_cpu_kernels(shape.build_model_step)
+                steps["model"] = _step_of(shape.build_model_step, kernels)
             if cores > 1:
                 steps["layer_on_cores"] = _on_threads(steps["layer"], cores)
         for step in steps.values():
@@ -191,7 +192,8 @@ def probe_times(rows: int, cols: int, inner: int, bf16: bool, shape: StepCost | 
 
 
 def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_memory: bool = True,
-                         timeout: float = 120.0, shape: StepCost | None = None, keep_freed: bool = True) -> Device:
+                         timeout: float = 120.0, shape: StepCost | None = None, keep_freed: bool = True,
+                         kernels: bool = True) -> Device:
     """Rates of one core of this host measured now (one thread): a GEMM of the model's shape
     ([rows, inner] x [inner, cols], its dtype), a 64 MiB copy (memory bandwidth), and 2-process
     all-reduces of 4 KiB (latency) and 16 MiB (bandwidth): through the CPU tuning's shared-memory
@@ -214,9 +216,12 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     Everything is timed in two spawned processes, as a run's ranks (:func:`_machine_times`): the caller's process
     is left as it was, and with ``keep_freed`` (the CPU tuning's allocator setting, on in a tuned run) they keep
     freed memory as the run does; without it a one-layer BERT-base step took 400 ms instead of 320 (~400 k page
-    faults a step), which read the vocabulary rate 1.6x low. The one-thread probes take turns
-    (:func:`probe_times`), as the rates are differences of their times. ``timeout``: seconds the all-reduces
-    may take; the probes take as long as the model's layer needs (a child that dies is noticed)."""
+    faults a step), which read the vocabulary rate 1.6x low. ``shared_memory``, ``keep_freed`` and ``kernels``
+    (the layer and model probes with the tuning's :class:`~lightning_megatron.cpu.kernels.CPUKernels`) are the CPU
+    tuning's pieces: ``check --estimate-time --device this`` passes those the recipe's run switches on, and times
+    a recipe without the tuning with gloo, torch's allocator and the library's kernels, as it runs. The one-thread
+    probes take turns (:func:`probe_times`), as the rates are differences of their times. ``timeout``: seconds the
+    all-reduces may take; the probes take as long as the model's layer needs (a child that dies is noticed)."""
     import multiprocessing as mp
     import queue as queues
     import socket
@@ -227,8 +232,9 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     sizes = [4096, 2**24]
-    probes = {"rows": rows, "cols": cols, "inner": inner, "bf16": bf16, "shape": shape}
-    procs = [ctx.Process(target=_machine_times, args=(r, 2, port, sizes, probes, keep_freed, out)) for r in range(2)]
+    probes = {"rows": rows, "cols": cols, "inner": inner, "bf16": bf16, "shape": shape, "kernels": kernels}
+    procs = [ctx.Process(target=_machine_times, args=(r, 2, port, sizes, probes, keep_freed, shared_memory, out))
+             for r in range(2)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout
@@ -270,7 +276,8 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
             vocab = _vocab_rate(shape, probed["model"] - probed["layer"], gemm)
         if "layer_on_cores" in probed:  # the same layer on every core, as one rank's intra-op threads
             speedup = min(max(probed["layer"] / probed["layer_on_cores"], 1.0), float(cores))
-    timed = "" if shape is None else ", the model's own layer" + ("" if vocab is None else " and one-layer model")
+    timed = "" if shape is None else (", the model's own layer" + ("" if vocab is None else " and one-layer model")
+                                      + (" with the CPU tuning's kernels" if kernels else " with torch's kernels"))
     kept = ", freed memory kept (the CPU tuning's allocator)" if times["kept_freed"] else ""
     if speedup is not None:
         timed += f", the layer on {cores} threads {speedup:.2f}x one"

@@ -17,15 +17,18 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.recipes import (DEFAULT_DATA_CLASS, DEFAULT_MODEL_CLASS, import_class, read_recipe,
                                         refuse_moved_class_paths)
+
+if TYPE_CHECKING:
+    from lightning_megatron.cpu import CPUTuning
 
 __all__ = ["RecipeCheck", "as_trained", "load_recipe", "parse_overrides", "with_dropout"]
 
@@ -78,10 +81,10 @@ class RecipeCheck:
     """The recipe's own layout: its MegatronStrategy's sizes, ``megatron_optimizer.use_distributed_optimizer``
     as ``zero1``, ``dp`` from ``trainer.devices`` x ``num_nodes`` (None: no MegatronStrategy, or sizes that
     do not make a layout)."""
-    weight_grads_per_step: bool = False
-    """The recipe's MegatronStrategy's ``cpu_tuning`` computes the linear layers' weight gradients once per step
-    (:attr:`lightning_megatron.cpu.CPUTuning.weight_grads_per_step`; a CPU run's, which ``--estimate-time --device
-    this`` times)."""
+    cpu_tuning: CPUTuning | None = None
+    """The recipe's MegatronStrategy's ``cpu_tuning`` as the strategy reads it (``true``: every piece but the weight
+    gradients once a step; a mapping: those fields; None: off, a CPU run takes the library's code path): what a CPU
+    run of the recipe switches on, which ``--estimate-time --device this`` measures and times."""
 
     def trainer_kwargs(self, steps: int) -> dict[str, Any]:
         out: dict[str, Any] = {"max_steps": max(steps, self.max_steps or steps)}
@@ -240,17 +243,26 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
                        schedule_only=schedule_only, data=data, callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"),
                        layout=_recipe_layout(trainer, cfg.get("megatron_optimizer")),
-                       weight_grads_per_step=_weight_grads_per_step(trainer))
+                       cpu_tuning=_cpu_tuning(trainer))
 
 
-def _weight_grads_per_step(trainer: dict[str, Any]) -> bool:
-    """:attr:`RecipeCheck.weight_grads_per_step` of a recipe's ``trainer`` section: its MegatronStrategy's
-    ``cpu_tuning`` given as the record's fields (``{weight_grads_per_step: true}``, or with ``init_args``)."""
+def _cpu_tuning(trainer: dict[str, Any]) -> CPUTuning | None:
+    """:attr:`RecipeCheck.cpu_tuning` of a recipe's ``trainer`` section: its MegatronStrategy's ``cpu_tuning``, read as
+    the strategy reads the argument (``true``; a mapping of the record's fields, or ``class_path`` and ``init_args``;
+    ``false`` or none: off); a field the record lacks is refused, naming the record's fields."""
+    from lightning_megatron.cpu import CPUTuning
+
     strategy = trainer.get("strategy")
-    tuning = (strategy.get("init_args") or {}).get("cpu_tuning") if isinstance(strategy, dict) else None
-    if isinstance(tuning, dict):
-        tuning = tuning.get("init_args", tuning)
-    return isinstance(tuning, dict) and tuning.get("weight_grads_per_step") is True
+    value = (strategy.get("init_args") or {}).get("cpu_tuning") if isinstance(strategy, dict) else None
+    if not isinstance(value, dict):
+        return CPUTuning.from_argument(value)
+    given = dict(value.get("init_args") or {}) if "class_path" in value else value
+    known = [f.name for f in fields(CPUTuning)]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"trainer.strategy.init_args.cpu_tuning: {', '.join(unknown)} is not a field of "
+                         f"lightning_megatron.cpu.CPUTuning ({', '.join(known)})")
+    return CPUTuning(**given)
 
 
 def _recipe_layout(trainer: dict[str, Any], optimizer: Any) -> ParallelDims | None:

@@ -4,13 +4,16 @@ predicted step time of given layouts (from :mod:`lightning_megatron.check.timing
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.host_ops import count_host_ops, host_line
 from lightning_megatron.check.memory_cli import model_shape
 from lightning_megatron.check.timing import MEASURED, Device, Efficiency, Framework, estimate_time
 from lightning_megatron.cost.protocols import StepCost
+
+if TYPE_CHECKING:
+    from lightning_megatron.cpu import CPUTuning
 
 __all__ = ["timing_inputs", "time_table"]
 
@@ -21,16 +24,19 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     if args.host_op_us is not None and (on_cpu or args.host_op_us < 0):
         raise ValueError(f"--host-op-us {args.host_op_us:g}: a GPU's host microseconds per op, >= 0 (0: the device "
                          f"alone); --device this runs the kernels on its host, whose dispatch its measured rates hold")
-    m = model_shape(recipe, on_cpu=on_cpu, training=True)
+    tuning = _tuning(recipe, on_cpu)
+    m = model_shape(recipe, on_cpu=tuning is not None and tuning.kernels, training=True)
     if not isinstance(m, StepCost):
         raise ValueError(f"--estimate-time models transformer layers: {recipe.model_class}.estimate_shape returned a "
                          f"{type(m).__name__}, which lacks members of lightning_megatron.cost.StepCost (a "
                          f"lightning_megatron.cost.TransformerCost is one); --estimate-memory takes it as it is")
-    if on_cpu:
+    if on_cpu:  # timed as the recipe's run would run: with the pieces of the CPU tuning it switches on, or none
         from lightning_megatron.check.devices import measure_this_machine
 
         dev = measure_this_machine(m.seq_length * m.micro_batch_size, m.ffn, m.hidden_size, m.param_bytes == 2,
-                                   shape=m)
+                                   shared_memory=tuning is not None and tuning.shared_memory_collectives,
+                                   keep_freed=tuning is not None and tuning.keep_freed_memory,
+                                   kernels=tuning is not None and tuning.kernels, shape=m)
         base = MEASURED
     else:
         from lightning_megatron.check.devices import device
@@ -52,22 +58,41 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     eff = Efficiency(gemm=args.gemm_efficiency or base.gemm, memory=args.memory_efficiency or base.memory,
                      link=args.link_efficiency or base.link)
     # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
-    # shared-memory collectives.
-    overlap = (not on_cpu) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
-    # the CPU tuning acts on a CPU only: its weight gradients once a step are what --device this times
+    # shared-memory collectives (CPUTuning.synchronous_collectives), which also expose sequence parallelism's gathers
+    synchronous = tuning is not None and tuning.shared_memory_collectives
+    overlap = (not synchronous) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
     fw = Framework(overlap_grad_reduce=overlap, overlap_param_gather=args.overlap_param_gather == "on",
-                   overlap_sp_gather=not on_cpu, fused_attention=not m.unfused_attention, host_ops=host_ops,
-                   weight_grads_per_step=on_cpu and recipe.weight_grads_per_step)
+                   overlap_sp_gather=not synchronous, fused_attention=not m.unfused_attention, host_ops=host_ops,
+                   weight_grads_per_step=tuning is not None and tuning.weight_grads_per_step)
     return dev, eff, fw
+
+
+def _tuning(recipe: Any, on_cpu: bool) -> CPUTuning | None:
+    """The recipe's CPU tuning where it acts (a CPU: ``--device this``), else None."""
+    return recipe.cpu_tuning if on_cpu else None
+
+
+def _tuning_line(tuning: CPUTuning | None) -> str:
+    """What the table's first line says of the CPU tuning its measured rates and model take."""
+    if tuning is None:
+        return ("; without the CPU tuning (the recipe's cpu_tuning is off): gloo collectives, torch's allocator and "
+                "kernels")
+    pieces = [name for name, on in (("shared-memory collectives", tuning.shared_memory_collectives),
+                                    ("freed memory kept", tuning.keep_freed_memory),
+                                    ("CPU kernels", tuning.kernels),
+                                    ("weight gradients once a step", tuning.weight_grads_per_step)) if on]
+    return f"; the recipe's CPU tuning: {', '.join(pieces) or 'no piece on'}"
 
 
 def time_table(recipe: Any, layouts: list[ParallelDims], timing: tuple[Device, Efficiency, Framework]) -> str:
     """Predicted seconds per step, by part, tokens/s and MFU of each layout."""
     dev, eff, fw = timing
-    m = model_shape(recipe, on_cpu=dev.cores is not None, training=True)
+    on_cpu = dev.cores is not None
+    tuning = _tuning(recipe, on_cpu)
+    m = model_shape(recipe, on_cpu=tuning is not None and tuning.kernels, training=True)
     lines = [f"predicted step time on {dev.name} ({dev.source}); achievable fractions: GEMM {eff.gemm:g}, "
              f"memory {eff.memory:g}, links {eff.link:g}" + host_line(dev, fw)
-             + ("; the CPU tuning's weight gradients once a step" if fw.weight_grads_per_step else ""),
+             + (_tuning_line(tuning) if on_cpu else ""),
              f"{'layout':<14} {'step s':>9} {'compute':>9} {'TP':>8} {'CP':>8} {'EP':>8} {'PP':>8} {'bubble':>8} "
              f"{'DP':>8} {'optim.':>8} {'host':>8} {'tokens/s':>10} {'MFU':>6}"]
     for layout in layouts:
