@@ -869,7 +869,7 @@ def test_cli_estimate_time_on_this_machine_measures_a_ranks_threads(capsys, tmp_
             assert "freed memory kept (the CPU tuning's allocator)" in out, out
             assert ("shared-memory all-reduce" in out) == (platform.machine().lower() in ("x86_64", "amd64")), out
     else:
-        assert "without the CPU tuning (the recipe's cpu_tuning is off): gloo collectives" in out, out
+        assert "without the CPU tuning (the recipe switches none of its pieces on): gloo collectives" in out, out
         assert "the model's own layer and one-layer model with torch's kernels" in out, out
         assert "gloo all-reduce" in out and "freed memory kept" not in out, out
     cores = os.cpu_count() or 1

@@ -25,7 +25,7 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
         raise ValueError(f"--host-op-us {args.host_op_us:g}: a GPU's host microseconds per op, >= 0 (0: the device "
                          f"alone); --device this runs the kernels on its host, whose dispatch its measured rates hold")
     tuning = _tuning(recipe, on_cpu)
-    m = model_shape(recipe, on_cpu=tuning is not None and tuning.kernels, training=True)
+    m = model_shape(recipe, on_cpu=tuning.kernels, training=True)
     if not isinstance(m, StepCost):
         raise ValueError(f"--estimate-time models transformer layers: {recipe.model_class}.estimate_shape returned a "
                          f"{type(m).__name__}, which lacks members of lightning_megatron.cost.StepCost (a "
@@ -34,9 +34,8 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
         from lightning_megatron.check.devices import measure_this_machine
 
         dev = measure_this_machine(m.seq_length * m.micro_batch_size, m.ffn, m.hidden_size, m.param_bytes == 2,
-                                   shared_memory=tuning is not None and tuning.shared_memory_collectives,
-                                   keep_freed=tuning is not None and tuning.keep_freed_memory,
-                                   kernels=tuning is not None and tuning.kernels, shape=m)
+                                   shared_memory=tuning.shared_memory_collectives,
+                                   keep_freed=tuning.keep_freed_memory, kernels=tuning.kernels, shape=m)
         base = MEASURED
     else:
         from lightning_megatron.check.devices import device
@@ -59,29 +58,33 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
                      link=args.link_efficiency or base.link)
     # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
     # shared-memory collectives (CPUTuning.synchronous_collectives), which also expose sequence parallelism's gathers
-    synchronous = tuning is not None and tuning.shared_memory_collectives
+    synchronous = tuning.shared_memory_collectives
     overlap = (not synchronous) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
     fw = Framework(overlap_grad_reduce=overlap, overlap_param_gather=args.overlap_param_gather == "on",
                    overlap_sp_gather=not synchronous, fused_attention=not m.unfused_attention, host_ops=host_ops,
-                   weight_grads_per_step=tuning is not None and tuning.weight_grads_per_step)
+                   weight_grads_per_step=tuning.weight_grads_per_step)
     return dev, eff, fw
 
 
-def _tuning(recipe: Any, on_cpu: bool) -> CPUTuning | None:
-    """The recipe's CPU tuning where it acts (a CPU: ``--device this``), else None."""
-    return recipe.cpu_tuning if on_cpu else None
+def _tuning(recipe: Any, on_cpu: bool) -> CPUTuning:
+    """The pieces of the CPU tuning the recipe's run switches on where the tuning acts (a CPU: ``--device this``);
+    none off a CPU, or without the tuning."""
+    from lightning_megatron.cpu import CPUTuning
+
+    none = CPUTuning(shared_memory_collectives=False, keep_freed_memory=False, kernels=False)
+    return (recipe.cpu_tuning or none) if on_cpu else none
 
 
-def _tuning_line(tuning: CPUTuning | None) -> str:
+def _tuning_line(tuning: CPUTuning) -> str:
     """What the table's first line says of the CPU tuning its measured rates and model take."""
-    if tuning is None:
-        return ("; without the CPU tuning (the recipe's cpu_tuning is off): gloo collectives, torch's allocator and "
-                "kernels")
     pieces = [name for name, on in (("shared-memory collectives", tuning.shared_memory_collectives),
                                     ("freed memory kept", tuning.keep_freed_memory),
                                     ("CPU kernels", tuning.kernels),
                                     ("weight gradients once a step", tuning.weight_grads_per_step)) if on]
-    return f"; the recipe's CPU tuning: {', '.join(pieces) or 'no piece on'}"
+    if not pieces:
+        return ("; without the CPU tuning (the recipe switches none of its pieces on): gloo collectives, torch's "
+                "allocator and kernels")
+    return f"; the recipe's CPU tuning: {', '.join(pieces)}"
 
 
 def time_table(recipe: Any, layouts: list[ParallelDims], timing: tuple[Device, Efficiency, Framework]) -> str:
@@ -89,7 +92,7 @@ def time_table(recipe: Any, layouts: list[ParallelDims], timing: tuple[Device, E
     dev, eff, fw = timing
     on_cpu = dev.cores is not None
     tuning = _tuning(recipe, on_cpu)
-    m = model_shape(recipe, on_cpu=tuning is not None and tuning.kernels, training=True)
+    m = model_shape(recipe, on_cpu=tuning.kernels, training=True)
     lines = [f"predicted step time on {dev.name} ({dev.source}); achievable fractions: GEMM {eff.gemm:g}, "
              f"memory {eff.memory:g}, links {eff.link:g}" + host_line(dev, fw)
              + (_tuning_line(tuning) if on_cpu else ""),
