@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.check.host_ops import count_host_ops, host_line
 from lightning_megatron.check.memory_cli import model_shape
@@ -57,8 +59,8 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
     eff = Efficiency(gemm=args.gemm_efficiency or base.gemm, memory=args.memory_efficiency or base.memory,
                      link=args.link_efficiency or base.link)
     # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
-    # shared-memory collectives (CPUTuning.synchronous_collectives), which also expose sequence parallelism's gathers
-    synchronous = tuning.shared_memory_collectives
+    # shared-memory collectives, which also expose sequence parallelism's gathers (a tuning acts on a CPU only)
+    synchronous = tuning.synchronous_collectives(torch.device("cpu"))
     overlap = (not synchronous) if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
     fw = Framework(overlap_grad_reduce=overlap, overlap_param_gather=args.overlap_param_gather == "on",
                    overlap_sp_gather=not synchronous, fused_attention=not m.unfused_attention, host_ops=host_ops,
