@@ -115,7 +115,8 @@ class MegatronStrategy(DDPStrategy):
             data-parallel gradient reduction (all-reduce, or reduce-scatter with ZeRO-1).
         overlap_grad_reduce: start each bucket's DP reduction in the last microbatch's backward and wait
             for it before the optimizer step (megatron-core's name; bitwise equal either way). ``None``:
-            on, except with the CPU tuning's synchronous shared-memory collectives (docs/strategy.md).
+            on, except where the CPU tuning installed its synchronous shared-memory collectives on the DP
+            group (docs/strategy.md).
         overlap_param_gather: with the DistributedOptimizer (ZeRO-1), launch each bucket's parameter
             all-gather asynchronously after the step and wait for it in the forward pre-hook of the
             first module that uses it, so it hides behind the next forward (megatron-core's name;
@@ -321,8 +322,9 @@ class MegatronStrategy(DDPStrategy):
         if self._grad_buffer is not None:  # a second fit: hooks of the old buffer off first
             self._grad_buffer.remove()
         overlap = self.overlap_grad_reduce
-        if overlap is None:  # on, except with the CPU tuning's synchronous shared-memory collectives
-            overlap = not (self.cpu_tuning is not None and self.cpu_tuning.synchronous_collectives(self.root_device))
+        if overlap is None:  # on, except where the CPU tuning installed its synchronous shared-memory collectives
+            tuning = self.cpu_tuning
+            overlap = not (tuning is not None and tuning.synchronous_collectives(self.root_device, self.parallel_state))
         tuned = {} if self.cpu_tuning is None else self.cpu_tuning.grad_buffer_options(self.root_device)
         self._grad_buffer = GradBuffer.for_chunks(self.model_chunks, self.parallel_state,
                                                   bucket_bytes=self.ddp_bucket_size_mb * 2**20, overlap_grad_reduce=overlap,

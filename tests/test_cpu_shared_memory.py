@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from lightning_megatron.cpu import shared_memory
+from lightning_megatron.cpu import CPUTuning, shared_memory
 from lightning_megatron.cpu.shared_memory import enable_shared_memory_collectives
 from lightning_megatron.communicator import TorchCommunicator, _all_gather_fn, _reduce_scatter_fn
 from lightning_megatron.parallel_state import initialize_model_parallel
@@ -117,6 +117,13 @@ def _collectives_worker(world: int) -> int:
     assert handle.wait() and handle.is_completed()
     ps.close_communicators()
     assert isinstance(tp.communicator, TorchCommunicator) and comm._slots is None
+    # the tuning on a DP group of the same ranks: installed, so the DP reduction runs synchronously (no overlap)
+    dp, cpu = initialize_model_parallel(ParallelDims(dp=world)), torch.device("cpu")
+    tuning = CPUTuning(keep_freed_memory=False)
+    assert not tuning.synchronous_collectives(cpu, dp)  # before set-up: nothing installed yet
+    assert tuning.setup(dp, device=cpu)["dp_cp"] and tuning.synchronous_collectives(cpu, dp)
+    assert not tuning.synchronous_collectives(torch.device("meta"), dp)  # acts on CPU tensors only
+    dp.close_communicators()
     return checked
 
 
@@ -154,6 +161,11 @@ def _fallback_worker(kind: str) -> bool:
     group = dist.new_group([0, 1])
     if kind == "hosts":  # ranks report different hosts: gloo stays in charge, on every rank
         shared_memory._host_id = lambda: f"host{dist.get_rank()}"
+        # the strategy's overlap of the DP reduction follows what the tuning installed, not what it asked for:
+        # a DP group left on gloo (asynchronous) keeps the overlap
+        ps, tuning, cpu = initialize_model_parallel(ParallelDims(dp=2)), CPUTuning(), torch.device("cpu")
+        assert tuning.synchronous_collectives(cpu)  # the prediction for ranks on one host
+        assert not tuning.setup(ps, device=cpu)["dp_cp"] and not tuning.synchronous_collectives(cpu, ps)
     elif kind == "no-directory":
         return enable_shared_memory_collectives(group, directory="/nonexistent-dir") is None
     comm = enable_shared_memory_collectives(group)

@@ -125,10 +125,22 @@ class CPUTuning:
                     applied[name] = True
         return applied
 
-    def synchronous_collectives(self, device: torch.device) -> bool:
-        """Whether the DP collectives of ``device`` tensors run synchronously (shared memory): then
-        overlapping the gradient reduction with backward only makes each bucket wait inside backward."""
-        return self.shared_memory_collectives and device.type == "cpu"
+    def synchronous_collectives(self, device: torch.device, parallel_state: ParallelState | None = None) -> bool:
+        """Whether the DP gradient reduction of ``device`` tensors runs synchronously (shared memory): then
+        overlapping it with backward only makes each bucket wait inside backward.
+
+        With ``parallel_state`` (after :meth:`setup`): whether its ``dp_cp`` group, the one the gradient buffer
+        reduces over, got the shared-memory communicator; a group that stays on gloo (ranks on several hosts, a
+        machine that is not x86-64) reduces asynchronously. Without it: the prediction for ranks on one host
+        (``check --estimate-time``)."""
+        if not self.shared_memory_collectives or device.type != "cpu":
+            return False
+        if parallel_state is None:
+            return True
+        from lightning_megatron.cpu.shared_memory import SharedMemoryCollectives
+
+        group = parallel_state.group("dp_cp")
+        return group is not None and isinstance(group.communicator, SharedMemoryCollectives)
 
     def configure_model(self, model: nn.Module, device: torch.device) -> int:
         """Install the CPU kernels on a built model (on CPU); returns the number of modules changed."""
