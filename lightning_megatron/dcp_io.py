@@ -339,10 +339,11 @@ def _distributed() -> bool:
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """Without a process group DCP warns that it assumes one process: that is what we ask for."""
+def _single_process_quiet(single_process: bool = False) -> Iterator[None]:
+    """DCP warns that it assumes one process without a process group, or when this process reads alone inside one
+    (``single_process``: ``init_from``, ``export``): that is what we ask for."""
     with warnings.catch_warnings():
-        if not _distributed():
+        if single_process or not _distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
@@ -367,7 +368,7 @@ def load(state: dict[str, Any], path: str | Path, *, single_process: bool = Fals
     reads what it asks for on its own, e.g. whole tensors to convert). ``allow_bytes``: see
     :func:`read_metadata` (the bytes entries are never read)."""
     try:
-        with _single_process_quiet():
+        with _single_process_quiet(single_process):
             dcp.load(state, storage_reader=SafeFileSystemReader(path, allow_bytes=allow_bytes),
                      planner=ChunkLoadPlanner(), no_dist=single_process or not _distributed())
     except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException

@@ -212,8 +212,13 @@ def test_overlong_examples_truncated_dropped_or_refused():
     assert [len(i) for i, _ in kept] == [6, 4]
     assert (stats.truncated, stats.dropped, stats.dropped_where) == (1, 1, ["a"])
     assert stats.targets == 2 and stats.examples == 2
+    # what the datamodule's warning says: only what happened, with the numbers
+    assert stats.overlong_line(5, "truncate") == ("1 of 3 examples cut to seq_length + 1 = 6 tokens; 1 left out, no "
+                                                  "target left after the cut (first: a)")
     kept, stats = fit_examples(examples, wheres, 5, "drop")
     assert len(kept) == 1 and stats.dropped == 2
+    assert stats.overlong_line(5, "drop") == "2 of 3 examples left out, longer than seq_length + 1 = 6 tokens (first: a, b)"
+    assert fit_examples(examples[2:], wheres[2:], 5, "truncate")[1].overlong_line(5, "truncate") is None
     with pytest.raises(ValueError, match="a has 10 tokens, more than seq_length \\+ 1 = 6"):
         fit_examples(examples, wheres, 5, "error")
     with pytest.raises(ValueError, match="c: no assistant token"):

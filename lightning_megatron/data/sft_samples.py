@@ -46,6 +46,17 @@ class EncodeStats:
         return (f"{self.examples} examples ({self.truncated} truncated), {self.dropped} dropped, {self.tokens} "
                 f"tokens of which {self.targets} targets")
 
+    def overlong_line(self, seq_length: int, overlong: Literal["truncate", "drop", "error"]) -> str | None:
+        """What :func:`fit_examples` did to the examples longer than ``seq_length + 1`` tokens, or None (none was)."""
+        if not self.truncated and not self.dropped:
+            return None
+        total, fit = self.examples + self.dropped, f"seq_length + 1 = {seq_length + 1} tokens"
+        first = f" (first: {', '.join(self.dropped_where[:3])})"
+        if overlong == "drop":
+            return f"{self.dropped} of {total} examples left out, longer than {fit}{first}"
+        line = f"{self.truncated} of {total} examples cut to {fit}"
+        return line + (f"; {self.dropped} left out, no target left after the cut{first}" if self.dropped else "")
+
 
 def fit_examples(examples: Sequence[Example], wheres: Sequence[str], seq_length: int,
                  overlong: Literal["truncate", "drop", "error"]) -> tuple[list[Example], EncodeStats]:

@@ -17,10 +17,10 @@ would have. See ``docs/finetune.md``.
 from __future__ import annotations
 
 import random
-import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -163,10 +163,10 @@ class SFTDataModule(pl.LightningDataModule):
             if not examples:
                 raise ValueError(f"no {split} example fits seq_length={self.seq_length} ({stats.summary()}): raise "
                                  f"seq_length")
-            if stats.dropped or stats.truncated:
-                warnings.warn(f"SFT {split} split: {stats.truncated} examples cut to seq_length + 1 = "
-                              f"{self.seq_length + 1} tokens, {stats.dropped} left out (first: "
-                              f"{stats.dropped_where[:3]}); {stats.summary()}", stacklevel=2)
+            line = stats.overlong_line(self.seq_length, self.overlong)
+            if line is not None:  # every rank reads the same examples: said once
+                rank_zero_warn(f"SFT {split} split: {line}; {stats.examples} examples kept, {stats.tokens} tokens, "
+                               f"{stats.targets} of them targets")
             largest = max(int(ids.max()) for ids, _ in examples)
             if model_vocab is not None and largest >= model_vocab:
                 raise ValueError(f"the {split} data has token id {largest} but the model's vocabulary has "
