@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_moe_tiny_fits_at_ep2_logs_routing_and_resumes_at_ep1(tmp_path):
     run = tmp_path / "run"
-    _cli(tmp_path, "fit", *SMALL, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+    first = _cli(tmp_path, "fit", *SMALL, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
          "--trainer.default_root_dir", str(run))
     [metrics] = list((run / "csv").rglob("metrics.csv"))
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("train_moe/max_load")]
@@ -47,6 +48,10 @@ def test_moe_tiny_fits_at_ep2_logs_routing_and_resumes_at_ep1(tmp_path):
                    "--trainer.default_root_dir", str(tmp_path / "resumed"), "--ckpt_path", str(ckpt))
     steps = [line for line in resumed.stdout.splitlines() if line.startswith("Step ")]
     assert [line.split()[1] for line in steps] == ["3/3"], resumed.stdout[-3000:]
+    # the model summary counts the whole model at EP=2 (each rank holds two of the four experts) as one process does
+    whole = [re.findall(r"Whole model: ([\d.]+ [KMB]?) ?parameters", p.stdout + p.stderr) for p in (first, resumed)]
+    assert whole[0] == whole[1] and len(whole[1]) == 1, whole
+    assert "over TP=1 x PP=1 x EP=2;" in first.stdout + first.stderr
 
 
 def test_moe_tiny_check_measures_what_the_estimate_predicts(tmp_path):

@@ -4,8 +4,8 @@ Lightning's ``ModelSummary`` counts ``pl_module.parameters()`` on rank 0: under 
 parallelism that is one shard ("2.2 M" for a 4.4 M model at TP=2), and its FLOPs column needs an
 ``example_input_array`` (else it prints 0). :class:`MegatronModelSummary` keeps Lightning's layer table
 of this rank's modules and adds the whole model's parameter count (:func:`model_parameter_count`,
-every tensor-parallel shard and pipeline stage, each duplicated parameter once); it prints no FLOPs:
-``ThroughputCallback`` measures them per step (``tflops_per_device``, ``mfu``).
+every tensor-parallel shard, pipeline stage and expert-parallel rank's experts, each duplicated parameter
+once); it prints no FLOPs: ``ThroughputCallback`` measures them per step (``tflops_per_device``, ``mfu``).
 
 :func:`run_summary` is what ``lightning-megatron fit`` prints at the end: every logged metric, the
 median throughput and MFU, where the metrics and checkpoints are.
@@ -22,25 +22,34 @@ from lightning.pytorch.utilities.model_summary import summarize
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from typing_extensions import override
 
-from lightning_megatron.tensor_parallel.param_facts import is_counted
+from lightning_megatron.tensor_parallel.param_facts import has_param_facts, is_counted, param_facts
 from lightning_megatron.strategy import MegatronStrategy
 
 __all__ = ["MegatronModelSummary", "model_parameter_count", "run_summary"]
 
 def model_parameter_count(trainer: pl.Trainer, pl_module: pl.LightningModule, *, trainable: bool = False) -> int:
     """Parameters of the whole model: this rank's, each tensor-parallel duplicate and the tied embedding's
-    second copy counted once, summed over the model-parallel group (a collective: every rank calls it)."""
+    second copy counted once, summed over the model-parallel group, and under expert parallelism the experts'
+    over theirs (``expert_mp``: each EP rank holds other experts; the gradient norm's groups). A collective: every
+    rank calls it."""
     params = [p for p in pl_module.parameters() if p.requires_grad or not trainable]
     strategy = trainer.strategy
     if not isinstance(strategy, MegatronStrategy) or strategy.parallel_state is None:
         return sum(p.numel() for p in params)
     ps = strategy.parallel_state
-    count = sum(p.numel() for p in params if is_counted(p, ps.coordinates))
-    mp = ps.group("mp")
-    if mp is not None and mp.size > 1:
-        total = torch.tensor([float(count)], dtype=torch.float64, device=strategy.root_device)
-        dist.all_reduce(total, group=mp.process_group)
-        count = int(total.item())
+    counted = [p for p in params if is_counted(p, ps.coordinates)]
+    # without EP the experts are summed with the rest; the decision follows the layout, the same on every rank
+    experts = sum(p.numel() for p in counted if ps.ep_size > 1 and has_param_facts(p)
+                  and param_facts(p).data_parallel == "expert_dp")
+    sums = [(sum(p.numel() for p in counted) - experts, ps.group("mp"))]
+    sums += [(experts, ps.group("expert_mp"))] if ps.ep_size > 1 else []
+    count = 0
+    for part, group in sums:
+        if group is not None and group.size > 1:
+            total = torch.tensor([float(part)], dtype=torch.float64, device=strategy.root_device)
+            dist.all_reduce(total, group=group.process_group)
+            part = int(total.item())
+        count += part
     return count
 
 
@@ -64,7 +73,8 @@ class MegatronModelSummary(ModelSummary):
         where = ""
         if isinstance(strategy, MegatronStrategy) and strategy.parallel_state is not None:
             ps = strategy.parallel_state
-            where = (f" over TP={ps.tp_size} x PP={ps.pp_size}; global rank 0 holds "
+            experts = f" x EP={ps.ep_size}" if ps.ep_size > 1 else ""
+            where = (f" over TP={ps.tp_size} x PP={ps.pp_size}{experts}; global rank 0 holds "
                      f"{get_human_readable_count(local.total_parameters)} ({local.model_size:.1f} MB)")
         lines.append(f"Whole model: {get_human_readable_count(total)} parameters "
                      f"({get_human_readable_count(trainable)} trainable){where}")
