@@ -183,6 +183,12 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
 
                 print(run_summary(self.trainer), flush=True)
 
+        def after_predict(self) -> None:  # each rank that wrote (the last stage's first TP rank of each replica)
+            written = [str(path) for cb in self.trainer.callbacks if isinstance(cb, PredictionWriter)
+                       for path in cb.written]
+            if written:
+                print(f"lightning-megatron: predictions: {', '.join(written)}", flush=True)
+
     # Every checkpoint records the W&B run id (see cli_config._continue_wandb_run) and the W&B config gets the run's
     # settings (WandbRunIdCallback); `predict` writes its outputs into the run folder (PredictionWriter);
     # trainer_defaults' callbacks are added to the configured ones.

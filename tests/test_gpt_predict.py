@@ -70,6 +70,8 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
                      "--data.predict_file", str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2",
                      "--data.micro_batch_size", "1", "--model.predict_max_new_tokens", str(MAX_NEW))
     assert not [n for n in NOISE if n in predicted.stderr], predicted.stderr[-3000:]
+    # it says where its output went (fit prints its run summary)
+    assert f"lightning-megatron: predictions: {run / 'predictions' / 'predictions.jsonl'}\n" in predicted.stdout
     # predict added no W&B segment to the training run, no csv/version_N among its versions
     assert len(list((run / "wandb").glob("offline-run-*"))) == 1
     assert sorted(p.relative_to(run / "csv").parent.as_posix() for p in (run / "csv").rglob("hparams.yaml")) == [

@@ -78,6 +78,8 @@ class PredictionWriter(BasePredictionWriter):
         self._generation = False
         self._dp_group: Any = None
         self._texts: list[str] | None = None
+        self.written: list[Path] = []
+        """The files this rank wrote in the last ``predict`` (``lightning-megatron predict`` names them)."""
         self._classified: FinetuneDataModule | None = None  # the data of a classifier's predictions
         self._records: list[tuple[int, dict[str, Any]]] = []
 
@@ -99,6 +101,7 @@ class PredictionWriter(BasePredictionWriter):
         self._generated, self._generation = [], False
         self._classified = dm if isinstance(dm, FinetuneDataModule) else None
         self._records = []
+        self.written = []
         if self._writes:
             self._folder.mkdir(parents=True, exist_ok=True)
             if self._classified is None and pl_module.hparams.get("predict_output", "masked_lm") == "masked_lm":
@@ -111,6 +114,12 @@ class PredictionWriter(BasePredictionWriter):
     def _final(self, name: str) -> Path:
         stem, ext = name.rsplit(".", 1)
         return self._folder / f"{stem}{self._suffix}.{ext}"
+
+    def _publish(self, tmp: Path, name: str) -> None:
+        """The finished ``tmp`` renamed to its final name (atomic), and listed in :attr:`written`."""
+        final = self._final(name)
+        os.replace(tmp, final)
+        self.written.append(final)
 
     @override
     def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Any, batch: Any,
@@ -234,7 +243,7 @@ class PredictionWriter(BasePredictionWriter):
         with open(self._tmp("predictions.jsonl"), "w", encoding="utf-8") as fh:
             for _, record in records:
                 fh.write(json.dumps(record) + "\n")
-        os.replace(self._tmp("predictions.jsonl"), self._final("predictions.jsonl"))
+        self._publish(self._tmp("predictions.jsonl"), "predictions.jsonl")
 
     @override
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
@@ -250,12 +259,12 @@ class PredictionWriter(BasePredictionWriter):
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-            os.replace(self._tmp("predictions.jsonl"), self._final("predictions.jsonl"))
+            self._publish(self._tmp("predictions.jsonl"), "predictions.jsonl")
         for name, parts in self._arrays.items():
             tmp = self._tmp(f"{name}.npy")
             with open(tmp, "wb") as fh:
                 np.save(fh, np.concatenate(parts))
-            os.replace(tmp, self._final(f"{name}.npy"))
+            self._publish(tmp, f"{name}.npy")
         self._arrays = {}
 
 
