@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     G, m = recipe.global_batch_size, recipe.micro_batch_size
     in_fp32 = " in fp32 (--fp32: config.params_dtype float32, precision 32-true)" if args.fp32 else ""
     print(f"lightning-megatron check: {args.config}{in_fp32}, layouts {', '.join(map(str, layouts))} against "
-          f"{reference}, {args.steps} steps, global batch {G}, micro batch {m}, dropout off", flush=True)
+          f"{reference}, {args.steps} step{'s' if args.steps != 1 else ''}, global batch {G}, micro batch {m}, "
+          f"dropout off", flush=True)
     if recipe.skipped_callbacks:
         print(f"  recipe callbacks not used by the check: {', '.join(recipe.skipped_callbacks)}", flush=True)
     report_steps = [int(s) for s in args.grad_steps.split(",") if s.strip()]
