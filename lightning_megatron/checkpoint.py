@@ -77,6 +77,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CONFIG_HPARAM",
     "HPARAMS_MAY_DIFFER",
+    "HPARAMS_UNUSED_ON_LOAD",
     "MARKER",
     "READABLE_FORMATS",
     "compare_hparams",
@@ -104,11 +105,15 @@ HPARAMS_MAY_DIFFER = frozenset({
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fused_optimizer",
     "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
-    "make_vocab_size_divisible_by", "compile", "init_from", "predict_output", "predict_top_k", "optimizer_kwargs",
+    "make_vocab_size_divisible_by", "compile", "predict_output", "predict_top_k", "optimizer_kwargs",
     "predict_max_new_tokens", "predict_greedy", "predict_temperature", "predict_top_p",  # a decoder's generation
     "predict_stop_at_eod", "predict_stop_strings",
     "tensor_model_parallel_size", "sequence_parallel",  # a config record's layout fields: the strategy's
 })
+
+HPARAMS_UNUSED_ON_LOAD = frozenset({"init_from"})
+"""Hyper-parameters that say where a model's weights first came from: a loaded checkpoint's weights replace them, so
+:func:`compare_hparams` does not report them (a fine-tuned run predicted without its ``--model.init_from``)."""
 """Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any
 other differing hyper-parameter is an error. (Optimizer hyper-parameters are restored from the
 checkpoint's optimizer state; the others take the current value.) A field of a config record saved as a
@@ -350,7 +355,7 @@ def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None
     errors, allowed = [], []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, defaults.get(key, "<absent>")), current.get(key, "<absent>")
-        if a != b:
+        if a != b and key.rpartition(".")[2] not in HPARAMS_UNUSED_ON_LOAD:
             name = key.rpartition(".")[2]
             (allowed if name in HPARAMS_MAY_DIFFER else errors).append(f"{key}: checkpoint {a!r}, model {b!r}")
     return errors, allowed

@@ -222,3 +222,6 @@ def test_compare_hparams_lists_every_differing_field():
     errors, allowed = ckpt.compare_hparams(saved, {**saved, "num_attention_heads": 2, "hidden_size": 64, "lr": 1.0})
     assert errors == ["hidden_size: checkpoint 32, model 64", "num_attention_heads: checkpoint 4, model 2"]
     assert allowed == ["lr: checkpoint 0.001, model 1.0"]
+    # where the weights first came from: the checkpoint's replace them, so predicting from a fine-tuned run without
+    # its --model.init_from says nothing about it
+    assert ckpt.compare_hparams({**saved, "init_from": "runs/bert_tiny/checkpoints/last.ckpt"}, saved) == ([], [])
