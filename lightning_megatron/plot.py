@@ -25,8 +25,12 @@ from pathlib import Path
 
 __all__ = ["EVALUATION_FOLDERS", "QUANTITIES", "columns", "objective", "plot_runs", "read_run"]
 
-QUANTITIES = ("loss", "lm_loss", "binary_loss", "mlm_accuracy", "perplexity")
-"""The panels drawn when a run has them: total loss, LM loss, SOP/NSP loss, masked-LM accuracy, perplexity."""
+QUANTITIES = ("loss", "lm_loss", "binary_loss", "mlm_accuracy", "perplexity",
+              "accuracy", "f1", "matthews_corrcoef", "pearson", "spearman")
+"""The panels drawn when a run has them: total loss, LM loss, SOP/NSP loss, masked-LM accuracy, perplexity; a
+classifier's accuracy and its split's scores (F1, Matthews, a regression's Pearson and Spearman correlations)."""
+
+_CLASSIFIER_SCORES = ("accuracy", "f1", "matthews_corrcoef", "pearson", "spearman")
 
 EVALUATION_FOLDERS = ("validate", "test", "predict")
 """Folders of a run's evaluation logs (``csv/validate/version_0``): not part of its training curves."""
@@ -35,8 +39,11 @@ _TITLES = {
     "masked LM": {"loss": "total loss (MLM + SOP/NSP)", "lm_loss": "masked-LM loss", "binary_loss": "SOP/NSP loss",
                   "mlm_accuracy": "masked-LM accuracy", "perplexity": "masked-LM perplexity"},
     "next-token": {"loss": "next-token loss", "lm_loss": "next-token loss", "perplexity": "perplexity"},
+    "classifier": {"f1": "F1", "matthews_corrcoef": "Matthews correlation", "pearson": "Pearson correlation",
+                   "spearman": "Spearman correlation"},
 }
-_GROUP_TITLES = {"masked LM": "masked LM (encoder)", "next-token": "next-token LM (decoder)", "other": ""}
+_GROUP_TITLES = {"masked LM": "masked LM (encoder)", "next-token": "next-token LM (decoder)",
+                 "classifier": "classifier (fine-tuning)", "other": ""}
 
 
 def read_run(run_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
@@ -73,12 +80,15 @@ def read_run(run_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float
 
 def objective(run: dict[str, list[tuple[int, float]]]) -> str:
     """What a run's losses measure, from what it logged: ``"masked LM"`` (an encoder: a masked-LM accuracy
-    or a SOP/NSP loss beside its ``lm_loss``), ``"next-token"`` (a decoder: ``lm_loss`` alone), ``"other"``."""
+    or a SOP/NSP loss beside its ``lm_loss``), ``"next-token"`` (a decoder: ``lm_loss`` alone), ``"classifier"``
+    (``finetune fit``: an accuracy or a split's scores), ``"other"``."""
     names = set(run)
     if any(n.endswith(("mlm_accuracy", "binary_loss")) for n in names):
         return "masked LM"
     if any(n.endswith("lm_loss") for n in names):
         return "next-token"
+    if names & {f"{stage}_{score}" for stage in ("train", "val") for score in _CLASSIFIER_SCORES}:
+        return "classifier"
     return "other"
 
 

@@ -98,7 +98,15 @@ def test_plot_groups_runs_by_what_they_measured(tmp_path, capsys):
     [(q, _, curves)] = [p for p in decoder if p[0] == "perplexity"]
     train, val = curves[0]
     assert train[0] == (4, pytest.approx(8103.08, rel=1e-4)) and val == [(9, 5431.6)]  # exp(loss); the logged value
-    main(["plot", str(gpt), str(bert), "--output", str(tmp_path / "curves.png")])
+    # a classifier's fine-tuning (finetune fit): its loss, accuracy and the split's scores, in a column of its own
+    cls = tmp_path / "cls"
+    _write_run(cls / "csv" / "version_0", "epoch,step,loss,train_accuracy,val_loss,val_accuracy,val_f1",
+               ["0,9,2.1,0.19,,,", "0,19,1.5,0.44,1.6,0.41,0.37"])
+    figure = columns([read_run(gpt), read_run(bert), read_run(cls)])
+    assert [title for title, _ in figure][2] == "classifier (fine-tuning)"
+    assert [(q, label, sorted(curves)) for q, label, curves in figure[2][1]] == [
+        ("loss", "loss", [2]), ("accuracy", "accuracy", [2]), ("f1", "F1", [2])]
+    main(["plot", str(gpt), str(bert), str(cls), "--output", str(tmp_path / "curves.png")])
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
