@@ -227,6 +227,11 @@ def _filter_dependency_noise() -> None:
     warnings.filterwarnings("ignore", message=r"You are using a custom batch sampler "
                                               r"`(LengthGroupedBatchSampler|PredictBatchSampler)`",
                             module=r"lightning\.pytorch\.utilities\.data")
+    # ModelCheckpoint's "Checkpoint directory ... exists and is not empty": the only fit this command lets into a
+    # folder holding checkpoints resumes the run they belong to (cli_config: one run per checkpoint folder; another
+    # run's there is refused or named), where that is expected.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty\.",
+                            module=r"lightning\.pytorch\.callbacks\.model_checkpoint")
     # Lightning's tips for its cloud services (litlogger, litmodels), logged at every Trainer start.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_cloud_tip_filter)  # once: same object
 

@@ -180,6 +180,9 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
     last = frames[-1].split("lightning-megatron: run summary")[0].rstrip("\n ").split("\n")
     assert len(last) <= 2 and all(len(line) <= 80 for line in last), last
     assert "loss:" in last[0] and "tok/s:" in frames[-1] and "mfu:" in frames[-1] and "v_num" not in screen, last
+    # resuming into its own folder (the only fit the CLI lets into a folder holding checkpoints): Lightning's
+    # "Checkpoint directory ... exists and is not empty" tells the user nothing
+    assert not [n for n in (*_NOISE, "exists and is not empty") if n in resumed.stderr], resumed.stderr[-3000:]
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt.tmp-1a2b3c4d"
     (tmp_path / "run" / "checkpoints" / "last.ckpt").rename(ckpt)
     marker = json.loads((ckpt / "lightning_megatron.json").read_text())
