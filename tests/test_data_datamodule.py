@@ -155,3 +155,19 @@ def test_short_seq_prob_reaches_the_samples():
     # the loader's samples in order: [CLS] A [SEP] B [SEP] truncated to the target
     assert (lengths[1.0] <= targets[1.0] + 3).all() and (lengths[0.0] <= 64).all()
     assert lengths[1.0].float().mean() < 0.75 * lengths[0.0].float().mean(), (lengths[0.0], lengths[1.0])
+
+
+def test_a_split_too_small_for_a_document_says_so_where_validation_asks():
+    """A corpus too small to give the validation split one document (a preprocessed text without blank lines is
+    one document) ran no validation, with only Lightning's "Total length of `list` across ranks is zero". The
+    loader says why, once; a split given no weight is not validated, as asked, and says nothing."""
+    dm = _datamodule(_fake_trainer(), splits="1000000,1,0")
+    dm.setup("fit")
+    with pytest.warns(UserWarning, match=r"no valid dataset: splits='1000000,1,0' gives it none of the corpus's "
+                                         r"\d+ documents"):
+        assert dm.val_dataloader() == []
+    quiet = _datamodule(_fake_trainer(), splits="100,0,0")
+    quiet.setup("fit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert quiet.val_dataloader() == []

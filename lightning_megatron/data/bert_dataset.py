@@ -49,9 +49,8 @@ IGNORE_INDEX = -100
 """``lm_labels`` value at positions without an MLM target (``torch.nn.CrossEntropyLoss``'s default)."""
 
 
-def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
-    """Megatron's split of ``size`` documents by weights such as ``"949,50,1"``: returns the four
-    boundaries ``[0, end_train, end_valid, size]`` (missing weights count as 0)."""
+def split_weights(splits_string: str) -> list[float]:
+    """The three weights (train, valid, test) of ``splits_string`` such as ``"949,50,1"`` (missing ones 0)."""
     try:
         splits = [float(s) for s in splits_string.replace("/", ",").split(",")]
     except ValueError:
@@ -63,6 +62,14 @@ def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
     total = sum(splits)
     if total <= 0 or any(s < 0 for s in splits):
         raise ValueError(f"splits={splits_string!r} needs non-negative weights with a positive sum, like '949,50,1'")
+    return splits
+
+
+def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
+    """Megatron's split of ``size`` documents by weights such as ``"949,50,1"``: returns the four
+    boundaries ``[0, end_train, end_valid, size]`` (missing weights count as 0)."""
+    splits = split_weights(splits_string)
+    total = sum(splits)
     index = [0]
     for split in splits:
         index.append(index[-1] + int(round(split / total * float(size))))

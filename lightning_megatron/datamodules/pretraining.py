@@ -13,15 +13,15 @@ checkpoint (``state_dict`` / ``load_state_dict``) or else ``trainer.global_step 
 from __future__ import annotations
 
 import hashlib
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_
+from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_, split_weights
 from lightning_megatron.data.blended import BlendedDataset, blend_num_samples, parse_data_prefix
 from lightning_megatron.data.corpus import default_corpus_fingerprint
 from lightning_megatron.data.dataset_vocab import (TokenizerFamily, check_dataset_vocab, dataset_tokenizer,
@@ -64,7 +64,7 @@ class PretrainingDataModule(pl.LightningDataModule):
                              f"micro_batch_size={micro_batch_size}")
         if shuffle not in ("sequential", "random"):
             raise ValueError(f"shuffle={shuffle!r} must be 'sequential' or 'random'")
-        get_train_valid_test_split_(splits, 1)  # validates the string now, not at setup
+        split_weights(splits)  # validates the string now, not at setup
         if isinstance(data_prefix, (list, tuple)):
             parse_data_prefix(data_prefix)  # validates the blend now, not at setup
         self.data_prefix = data_prefix
@@ -211,7 +211,7 @@ class PretrainingDataModule(pl.LightningDataModule):
             raise ValueError(f"splits={self.splits!r} leaves no training documents in {empty}; give train a "
                              f"weight or use more text")
         if empty:
-            warnings.warn(f"the {name} blend leaves out {empty}: no {name} documents there", stacklevel=2)
+            rank_zero_warn(f"the {name} blend leaves out {empty}: no {name} documents there")
             parts = [part for part in parts if str(part[1]) not in empty]
             if not parts:
                 return None
@@ -240,6 +240,11 @@ class PretrainingDataModule(pl.LightningDataModule):
         if len(documents) == 0:
             if name == "train":
                 raise ValueError(f"splits={self.splits!r} leaves no training documents; give train a weight")
+            if split_weights(self.splits)[("train", "valid", "test").index(name)] > 0:  # weight 0: none, as asked
+                n = indexed.num_documents
+                self._no_dataset[name] = (f"splits={self.splits!r} gives it none of the corpus's {n} "
+                                          f"document{'s' if n != 1 else ''} (a .txt file's documents are separated by "
+                                          f"blank lines): give it more documents, or weight 0 to run without it")
             return None
         try:
             dataset = self._make_dataset(indexed, documents, num_samples)
@@ -283,8 +288,8 @@ class PretrainingDataModule(pl.LightningDataModule):
 
     def _eval_loader(self, dataset: Dataset | None, name: str) -> DataLoader | list:
         if dataset is None:
-            if name in self._no_dataset:
-                warnings.warn(f"no {name} dataset: {self._no_dataset.pop(name)}", stacklevel=3)
+            if name in self._no_dataset:  # every rank has the same data: said once
+                rank_zero_warn(f"no {name} dataset: {self._no_dataset.pop(name)}")
             return []
         dp_rank, dp_size = self._dp_coordinates()
         sampler = MegatronPretrainingSampler(
