@@ -33,7 +33,7 @@ import torch
 from torchmetrics import MetricCollection
 from typing_extensions import override
 
-from lightning_megatron.flops import transformer_flops
+from lightning_megatron.flops import active_ffn_hidden_size, transformer_flops
 from lightning_megatron.generation import GenerationTokenizer, Prompts, StopRule, TokenizedData, stop_strings_problem
 from lightning_megatron.language.module import LanguageLightningModule
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
@@ -360,10 +360,15 @@ class GPTLightningModule(LanguageLightningModule):
 
 def decoder_flops(config: TransformerConfig, tokens: int, seq_length: int, vocab_size: int) -> float:
     """Megatron's count of a decoder training step (:func:`~lightning_megatron.flops.transformer_flops`):
-    the output layer on every token, no head dense layer; model FLOPs (recomputation not counted)."""
+    the output layer on every token, no head dense layer, a mixture of experts' MLP at the width a token passes
+    through (:func:`~lightning_megatron.flops.active_ffn_hidden_size`); model FLOPs (recomputation not counted)."""
     d = config.kv_channels
+    ffn = active_ffn_hidden_size(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
+                                 num_moe_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
+                                 moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                                 moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
     return transformer_flops(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                             ffn_hidden_size=config.ffn_hidden_size, seq_length=seq_length, tokens=tokens,
+                             ffn_hidden_size=ffn, seq_length=seq_length, tokens=tokens,
                              head_tokens=tokens, vocab_size=vocab_size, head_dense=False,
                              query_projection_size=config.num_attention_heads * d,
                              kv_projection_size=config.num_query_groups * d,
