@@ -9,7 +9,8 @@ warm-up (data, forward, backward, optimizer, logging: what a user waits for). Ou
 alternate, ``repeats`` times per precision, so drift of the machine hits both alike; the GEMM
 ceiling of the same dtype is measured in the same run. Reported: median tokens/s of each, their
 ratio, and the MFU of each against that ceiling (the decoder FLOP count of
-:func:`lightning_megatron.models.gpt.module.decoder_flops`).
+:meth:`~lightning_megatron.models.gpt.module.GPTLightningModule.training_flops`, check's
+:func:`lightning_megatron.cost.flops.model_flops`).
 
 - ours: :class:`~lightning_megatron.models.gpt.module.GPTLightningModule` with the Llama shape
   (``llama_layer_spec``: RMSNorm, SwiGLU, rope, grouped-query attention, no biases, untied output

@@ -141,6 +141,32 @@ def test_lora_equals_peft_on_transformers_loss_and_adapter_gradients(tmp_path):
     assert worst <= 1e-5, f"max |our adapter grad - peft's| = {worst:.2e}"
 
 
+def test_a_lora_steps_logged_flops_are_what_it_executes(tmp_path):
+    """A LoRA run logs (``training_flops``: ThroughputCallback's TFLOP/s and MFU) the FLOPs its step executes, as
+    ``check --estimate-time`` counts them: the frozen weights' forward and input-gradient GEMMs without their weight
+    gradients (the output layer's too), the adapters' six per weight and token. Against torch's FlopCounterMode over
+    a forward and backward (the unfused attention, whose matmuls it sees; V = 256, no padding), less what autograd
+    skips because nothing before the first layer trains: its fused QKV projection's input gradient and its shared
+    adapter A's. It logged the full training count before (the frozen weights' weight gradients, no adapters)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    folder = _llama_folder(tmp_path / "base", vocab=256)
+    module = GPTLightningModule.from_pretrained(str(folder), lora={"rank": 4}, config={
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "attention_backend": "unfused"})
+    module.configure_model()
+    ids = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(1))
+    batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(3, 16)}
+    with FlopCounterMode(display=False) as counter:
+        output, loss_func = module.forward_step(batch, module.model_chunks[0])
+        loss_func(output)[0].backward()
+    tokens, h, qkv, rank = 3 * 16, 64, (4 + 2 * 2) * 16, 4  # 4 query heads, 2 groups, head dim 16
+    skipped = 2 * tokens * h * qkv + 2 * tokens * h * rank
+    assert module.training_flops(batch, data_parallel_size=1) == pytest.approx(
+        counter.get_total_flops() + skipped, rel=1e-9), counter.get_flop_counts()
+
+
 def test_merge_is_w_plus_scaled_b_a_and_config_refusals():
     lora = LoRAConfig(rank=2, alpha=6.0, target_modules=["linear_fc2"])
     w, a, b = torch.randn(5, 3), torch.randn(2, 3), torch.randn(5, 2)

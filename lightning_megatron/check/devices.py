@@ -293,7 +293,7 @@ def measure_this_machine(rows: int, cols: int, inner: int, bf16: bool, shared_me
 
 def _elementwise_rate(m: StepCost, layer_s: float, gemm_rate: float) -> float:
     """Bytes/s of the memory-bound kernels of a layer that took ``layer_s`` (forward + backward) whose
-    GEMMs (:func:`~lightning_megatron.check.timing.layer_flops`: the layer's own shape, LoRA's frozen weights
+    GEMMs (:func:`~lightning_megatron.cost.flops.layer_flops`: the layer's own shape, LoRA's frozen weights
     and adapters) run at ``gemm_rate``: their counted bytes (forward + twice that backward, and the LoRA
     adapters' :func:`~lightning_megatron.check.timing.adapter_bytes`) over the rest."""
     from lightning_megatron.parallel_dims import ParallelDims

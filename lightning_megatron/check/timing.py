@@ -44,20 +44,21 @@ reductions), timed as the ring algorithm moves it; :func:`stage_traffic` gives t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from lightning_megatron.check.communication import Message, stage_messages, stage_traffic
 from lightning_megatron.check.records import (MEASURED, STEP_OPS, Device, Efficiency, Framework, HostOps,
                                               collective_time, link_rate)
 from lightning_megatron.cost.memory import (adapters_only, layout_schedule, recomputed_share, stage_layers,
                                             trained_parameters)
+from lightning_megatron.cost.flops import layer_flops, layer_shape, model_flops
 from lightning_megatron.cost.protocols import StepCost
 from lightning_megatron.cost.transformer import TransformerCost
 from lightning_megatron.flops import transformer_flops
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.pipeline.registry import AUTO, PipelineSchedule
 
-# the records and the messages it takes are re-exported: the model's names, where the docs and callers find them
+# the records, the messages and the FLOP counts it takes are re-exported: the model's names, where the docs and
+# callers find them
 __all__ = ["Device", "Efficiency", "Framework", "HostOps", "MEASURED", "Message", "STEP_OPS", "StepTime",
            "adapter_bytes", "collective_time", "deferred_head_flops", "elementwise_bytes", "estimate_time",
            "grad_accumulation_bytes", "layer_flops", "link_rate", "model_flops", "recomputed_share", "stage_flops",
@@ -129,46 +130,6 @@ class StepTime:
         return self.model_flops / self.total / self.world_size / self.peak
 
 
-def _layer_shape(m: StepCost) -> dict[str, Any]:
-    """What :func:`transformer_flops` takes beyond the sizes, where the cost record has it (a
-    :class:`TransformerCost`): the query and key/value projection widths (grouped-query attention)
-    and a gated MLP (SwiGLU: three h x f matrices); a plain layer's otherwise."""
-    if not isinstance(m, TransformerCost):
-        return {}
-    return dict(query_projection_size=m.num_attention_heads * m.head_dim, kv_projection_size=m.groups * m.head_dim,
-                gated_linear_unit=m.gated_linear_unit)
-
-
-def model_flops(m: StepCost, *, recompute: bool = False) -> float:
-    """FLOPs of one step of ``m`` (all replicas): :func:`lightning_megatron.flops.transformer_flops`
-    with the output layer on the model's ``head_fraction`` of the tokens (a masked LM's: the masked ones);
-    under LoRA what its step runs (:func:`layer_flops`: no weight gradients of the frozen weights, the
-    output layer's included; the adapters'), so that its MFU is not inflated by work it skips."""
-    tokens = m.global_batch_size * m.seq_length
-    head = transformer_flops(num_layers=0, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn, seq_length=m.seq_length,
-                             tokens=tokens, head_tokens=m.head_fraction * tokens, vocab_size=m.padded_vocab(1),
-                             head_dense=m.head_dense)
-    if adapters_only(m):
-        head *= 2 / 3
-    return layer_flops(m, m.num_layers, tokens, recompute=recompute) + head
-
-
-def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompute: bool | None = None) -> float:
-    """FLOPs of ``layers`` layers over ``tokens`` tokens (forward, backward, recomputation), all TP ranks
-    together; under LoRA without the frozen weights' weight-gradient GEMMs (2 of each weight's 6 FLOPs per
-    token: the weight matmuls alone are the count at seq_length 0) and with all 6 for each adapter weight
-    (``tp`` ranks' adapters: a row-parallel adapter's B is on every rank); ``recompute``: the model's when None."""
-    shape = dict(num_layers=layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn, tokens=tokens,
-                 head_tokens=0, vocab_size=0, **_layer_shape(m))
-    flops = transformer_flops(seq_length=m.seq_length, recompute=m.recompute if recompute is None else recompute,
-                              **shape)
-    if adapters_only(m):
-        assert isinstance(m, TransformerCost)
-        flops -= transformer_flops(seq_length=0, **shape) / 3
-        flops += 6 * tokens * layers * m.lora_layer_parameters(tp) * tp
-    return flops
-
-
 def padding_flops(m: StepCost, layers: int, tokens: float, *, recompute: bool | None = None,
                   rows: float | None = None) -> float:
     """FLOPs of the rows experts padded to their capacity run beyond the balanced ones (``f - 1`` times ``k`` rows a
@@ -179,7 +140,7 @@ def padding_flops(m: StepCost, layers: int, tokens: float, *, recompute: bool | 
         return 0.0
     assert isinstance(m, TransformerCost)
     shape = dict(num_layers=layers, hidden_size=m.hidden_size, seq_length=m.seq_length, tokens=tokens, head_tokens=0,
-                 vocab_size=0, recompute=m.recompute if recompute is None else recompute, **_layer_shape(m))
+                 vocab_size=0, recompute=m.recompute if recompute is None else recompute, **layer_shape(m))
     routed = (factor - 1 if rows is None else rows) * m.moe_router_topk * m.expert_ffn
     return transformer_flops(ffn_hidden_size=routed, **shape) - transformer_flops(ffn_hidden_size=0, **shape)
 
@@ -320,7 +281,7 @@ def step_weight_parameters(m: StepCost, layout: ParallelDims, stage: int) -> flo
         ffn = getattr(m, "moe_shared_expert_intermediate_size", None) or 0
     per_token = transformer_flops(num_layers=sum(stage_layers(m, layout.pp, stage, layout.vp)),
                                   hidden_size=m.hidden_size, ffn_hidden_size=ffn, seq_length=0, tokens=1,
-                                  head_tokens=0, vocab_size=0, **_layer_shape(m))
+                                  head_tokens=0, vocab_size=0, **layer_shape(m))
     return per_token / 6 / layout.tp
 
 

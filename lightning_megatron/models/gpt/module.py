@@ -33,7 +33,6 @@ import torch
 from torchmetrics import MetricCollection
 from typing_extensions import override
 
-from lightning_megatron.flops import active_ffn_hidden_size, transformer_flops
 from lightning_megatron.generation import GenerationTokenizer, Prompts, StopRule, TokenizedData, stop_strings_problem
 from lightning_megatron.language.module import LanguageLightningModule
 from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
@@ -45,7 +44,6 @@ from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.transformer.moe import ExpertGroups
 from lightning_megatron.pipeline.layout import ChunkLayout
 from lightning_megatron.tensor_parallel.mappings import all_reduce
-from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.context_parallel import split_batch
 from lightning_megatron.transformer.inference import sequence_parallel_off
 
@@ -329,9 +327,21 @@ class GPTLightningModule(LanguageLightningModule):
     # ------------------------------------------------------------------ cost
 
     def training_flops(self, batch: dict[str, torch.Tensor], data_parallel_size: int) -> float:
-        """FLOPs of a training step (``CountsFlops``): :func:`decoder_flops` on every token."""
+        """FLOPs of a training step (``CountsFlops``): the executed model FLOPs ``check --estimate-time`` counts
+        (:func:`lightning_megatron.cost.flops.model_flops` of this module's cost record at the step's tokens):
+        Megatron's decoder count with the output layer on every token, a mixture of experts at the width a token
+        passes through, and under LoRA without the frozen weights' weight gradients (the adapters' counted)."""
+        from lightning_megatron.cost.flops import model_flops
+
         tokens = batch["tokens"]
-        return decoder_flops(self.config, tokens.numel() * data_parallel_size, tokens.size(-1), self.vocab_size)
+        seq = tokens.size(-1)
+        samples = tokens.numel() // seq * data_parallel_size
+        records = self.__dict__.setdefault("_flops_records", {})  # one record per step shape (built once)
+        if (samples, seq) not in records:
+            records[(samples, seq)] = self.estimate_shape(
+                {"config": self.config, "lora": self.lora}, {"vocab_size": self.vocab_size, "seq_length": seq},
+                micro_batch_size=samples, global_batch_size=samples)
+        return model_flops(records[(samples, seq)])
 
     @classmethod
     def estimate_shape(cls, model: Mapping[str, Any], data: Mapping[str, Any], *, micro_batch_size: int,
@@ -356,20 +366,3 @@ class GPTLightningModule(LanguageLightningModule):
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
             optimizer=str(model.get("optimizer", "adamw")), compiled_loss=bool(model.get("compile", False)),
             **adapters)
-
-
-def decoder_flops(config: TransformerConfig, tokens: int, seq_length: int, vocab_size: int) -> float:
-    """Megatron's count of a decoder training step (:func:`~lightning_megatron.flops.transformer_flops`):
-    the output layer on every token, no head dense layer, a mixture of experts' MLP at the width a token passes
-    through (:func:`~lightning_megatron.flops.active_ffn_hidden_size`); model FLOPs (recomputation not counted)."""
-    d = config.kv_channels
-    ffn = active_ffn_hidden_size(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
-                                 num_moe_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
-                                 moe_ffn_hidden_size=config.moe_ffn_hidden_size,
-                                 moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
-    return transformer_flops(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                             ffn_hidden_size=ffn, seq_length=seq_length, tokens=tokens,
-                             head_tokens=tokens, vocab_size=vocab_size, head_dense=False,
-                             query_projection_size=config.num_attention_heads * d,
-                             kv_projection_size=config.num_query_groups * d,
-                             gated_linear_unit=config.gated_linear_unit)
