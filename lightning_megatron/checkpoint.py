@@ -110,14 +110,14 @@ HPARAMS_MAY_DIFFER = frozenset({
     "predict_stop_at_eod", "predict_stop_strings",
     "tensor_model_parallel_size", "sequence_parallel",  # a config record's layout fields: the strategy's
 })
-
-HPARAMS_UNUSED_ON_LOAD = frozenset({"init_from"})
-"""Hyper-parameters that say where a model's weights first came from: a loaded checkpoint's weights replace them, so
-:func:`compare_hparams` does not report them (a fine-tuned run predicted without its ``--model.init_from``)."""
 """Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any
 other differing hyper-parameter is an error. (Optimizer hyper-parameters are restored from the
 checkpoint's optimizer state; the others take the current value.) A field of a config record saved as a
 dict (``config.hidden_dropout``) is named by its own name here."""
+
+HPARAMS_UNUSED_ON_LOAD = frozenset({"init_from"})
+"""Hyper-parameters that say where a model's weights first came from: a loaded checkpoint's weights replace them, so
+:func:`compare_hparams` does not report them (a fine-tuned run predicted without its ``--model.init_from``)."""
 
 
 # ---------------------------------------------------------------------- files
@@ -355,8 +355,8 @@ def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None
     errors, allowed = [], []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, defaults.get(key, "<absent>")), current.get(key, "<absent>")
-        if a != b and key.rpartition(".")[2] not in HPARAMS_UNUSED_ON_LOAD:
-            name = key.rpartition(".")[2]
+        name = key.rpartition(".")[2]
+        if a != b and name not in HPARAMS_UNUSED_ON_LOAD:
             (allowed if name in HPARAMS_MAY_DIFFER else errors).append(f"{key}: checkpoint {a!r}, model {b!r}")
     return errors, allowed
 

@@ -10,19 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["active_ffn_hidden_size", "transformer_flops"]
-
-
-def active_ffn_hidden_size(*, hidden_size: int, ffn_hidden_size: int | None, num_moe_experts: int | None = None,
-                           moe_router_topk: int = 2, moe_ffn_hidden_size: int | None = None,
-                           moe_shared_expert_intermediate_size: int | None = None) -> int:
-    """The MLP width a token passes through: a dense layer's ``ffn_hidden_size`` (4 h when unset); a mixture of
-    experts' ``k`` routed experts (``moe_ffn_hidden_size``, else ``ffn_hidden_size``) and its shared experts
-    (megatron-core's count, under balanced routing; the router's [h, E] matmul is not counted)."""
-    dense = ffn_hidden_size or 4 * hidden_size
-    if not num_moe_experts:
-        return dense
-    return moe_router_topk * (moe_ffn_hidden_size or dense) + (moe_shared_expert_intermediate_size or 0)
+__all__ = ["transformer_flops"]
 
 
 def transformer_flops(*, num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int, tokens: Any,

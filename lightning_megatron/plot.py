@@ -25,12 +25,11 @@ from pathlib import Path
 
 __all__ = ["EVALUATION_FOLDERS", "QUANTITIES", "columns", "objective", "plot_runs", "read_run"]
 
-QUANTITIES = ("loss", "lm_loss", "binary_loss", "mlm_accuracy", "perplexity",
-              "accuracy", "f1", "matthews_corrcoef", "pearson", "spearman")
+_CLASSIFIER_SCORES = ("accuracy", "f1", "matthews_corrcoef", "pearson", "spearman")
+
+QUANTITIES = ("loss", "lm_loss", "binary_loss", "mlm_accuracy", "perplexity", *_CLASSIFIER_SCORES)
 """The panels drawn when a run has them: total loss, LM loss, SOP/NSP loss, masked-LM accuracy, perplexity; a
 classifier's accuracy and its split's scores (F1, Matthews, a regression's Pearson and Spearman correlations)."""
-
-_CLASSIFIER_SCORES = ("accuracy", "f1", "matthews_corrcoef", "pearson", "spearman")
 
 EVALUATION_FOLDERS = ("validate", "test", "predict")
 """Folders of a run's evaluation logs (``csv/validate/version_0``): not part of its training curves."""

@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_megatron.flops import active_ffn_hidden_size
-
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -290,11 +288,11 @@ class TransformerCost:
     @property
     def ffn(self) -> int:
         """The MLP's width a token passes through: a mixture of experts' active width (k experts and the
-        shared ones), what its compute and activations scale with under balanced routing."""
-        return active_ffn_hidden_size(hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
-                                      num_moe_experts=self.num_moe_experts, moe_router_topk=self.moe_router_topk,
-                                      moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-                                      moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size)
+        shared ones), what its compute and activations scale with under balanced routing (megatron-core's FLOP
+        count: the router's [h, E] matmul not counted)."""
+        if self.num_moe_experts:
+            return self.moe_router_topk * self.expert_ffn + (self.moe_shared_expert_intermediate_size or 0)
+        return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
     def expert_ffn(self) -> int:
