@@ -10,12 +10,15 @@ group is created and the run folder is never made.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
 import torch.distributed as dist
+from dist_utils import DistributedTestFailure, run_distributed
 
 from lightning_megatron.cli import main
 
@@ -221,3 +224,62 @@ def test_without_transformers_a_hugging_face_path_names_the_hf_extra(command, in
         assert "exporting a Hugging Face folder" in message, message
     assert f"needs the `transformers` package: {HF_EXTRA}" in message and "Traceback" not in message, message
     assert not dist.is_initialized() and not (tmp_path / "run").exists() and not out.exists()
+
+
+def _killed() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer ends a process
+
+
+def test_a_check_larger_than_this_machine_is_refused_before_launch(monkeypatch, capsys):
+    """`check` runs every layout's ranks on this machine's CPU. A GPU recipe checked without ``--gpus``
+    (mixtral_8x7b's 46.7B parameters) built the model in the reference's process until the kernel killed it:
+    "rank 0 died with exit code -9 without reporting", a traceback. The layouts' predicted bytes (the memory
+    estimate, each layout's ranks together) are held against the memory this machine has free, before any
+    process starts; a rank killed anyway is named with its signal."""
+    from lightning_megatron.check import memory_cli
+    from lightning_megatron.check.recipe import load_recipe
+    from lightning_megatron.parallel_dims import ParallelDims
+
+    monkeypatch.setattr(memory_cli, "host_memory_available", lambda: 16 * 2**30)
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    for recipe, gpus, too_large in (("mixtral_8x7b.yaml", 64, ["tp1", "tp2", "pp2", "dp2"]),
+                                    ("llama_1b.yaml", 8, ["dp2"])):
+        with pytest.raises(SystemExit) as exited:
+            main(["check", "--config", str(ROOT / "recipes" / recipe), "--estimate-memory"])
+        message = capsys.readouterr().err
+        assert exited.value.code == 2 and "found before starting any process" in message, message
+        assert "more than the 16.00 GiB this machine has free" in message, message
+        for layout in too_large:
+            assert f"\n    {layout}: " in message, message
+        assert f"--gpus {gpus} --gpu-memory 80GB" in message and "--model.config.num_layers" in message, message
+        assert "DistributedTestFailure" not in message and "Traceback" not in message, message
+    assert not dist.is_initialized()
+    tiny = load_recipe(str(ROOT / "recipes" / "bert_tiny.yaml"), {}, {})
+    assert memory_cli.check_run_too_large(tiny, ParallelDims.parse_list("tp1,tp2,pp2,dp2")) is None
+    monkeypatch.setattr(memory_cli, "host_memory_available", lambda: 64 * 2**20)  # a vocabulary the data's tokenizer
+    gpt = load_recipe(GPT, {}, {})                                                # has is counted too (8,192)
+    too_large = memory_cli.check_run_too_large(gpt, ParallelDims.parse_list("tp1"))
+    assert "\n    tp1: 0.09 GiB over 1 process(es)\n" in too_large, too_large
+    with pytest.raises(DistributedTestFailure, match=r"rank 0 was killed by SIGKILL \(signal 9\) without reporting: "
+                                                     r"on Linux most often the out-of-memory killer"):
+        run_distributed(_killed, 1, timeout=60)
+
+
+def test_check_seq_length_sets_the_data_s_own_argument(capsys):
+    """``check --seq-length N`` set ``data.max_seq_length`` whatever the data: a decoder recipe's GPTDataModule
+    takes ``seq_length``, so its check run died in every rank with "unexpected keyword argument
+    'max_seq_length'" (and its estimates kept the recipe's length). It sets the argument the data's class takes:
+    the same estimate as ``--data.seq_length N``."""
+    from lightning_megatron.check.cli import main as check_main
+
+    estimate = ["--config", GPT, "--estimate-memory", "--estimate-time", "--gpus", "2", "--gpu-memory", "80GB"]
+    outputs = []
+    for option in (["--seq-length", "64"], ["--data.seq_length", "64"], []):
+        assert check_main(estimate + option) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] != outputs[2], outputs
+    from lightning_megatron.check.cli import _seq_length_argument
+
+    assert _seq_length_argument("lightning_megatron.datamodules.BertDataModule") == "max_seq_length"
+    with pytest.raises(ValueError, match="BoringDataModule takes neither seq_length nor max_seq_length; set its own"):
+        _seq_length_argument("lightning.pytorch.demos.boring_classes.BoringDataModule")

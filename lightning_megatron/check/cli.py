@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--global-batch-size", type=int, default=None, help="default: the recipe's")
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the recipe's")
-    p.add_argument("--seq-length", type=int, default=None, help="default: the recipe's data.max_seq_length")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="the data's sequence length (a decoder's data.seq_length, BERT's data.max_seq_length); "
+                        "default: the recipe's")
     p.add_argument("--grad-steps", default="1", help="steps after which every gradient is compared (comma-separated)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per group of layouts of one world size")
     p.add_argument("--fp32", action="store_true",
@@ -74,6 +76,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --estimate-memory / --estimate-time: every layout of this many GPUs")
     p.add_argument("--gpu-memory", type=_bytes, default=None, help="with --gpus: memory per GPU, e.g. 80GB")
     return p
+
+
+def _seq_length_argument(data_class: str) -> str:
+    """The data argument ``--seq-length`` sets: the sequence length the datamodule ``data_class`` takes (a decoder's
+    ``seq_length``, BERT's ``max_seq_length``)."""
+    import inspect
+
+    from lightning_megatron.recipes import import_class
+
+    taken = inspect.signature(import_class(data_class)).parameters
+    for name in ("seq_length", "max_seq_length"):
+        if name in taken:
+            return name
+    raise ValueError(f"--seq-length: {data_class} takes neither seq_length nor max_seq_length; set its own "
+                     f"argument with --data.NAME VALUE")
 
 
 def _in_fp32(recipe) -> str | None:
@@ -170,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.micro_batch_size is not None:
         recipe.data["micro_batch_size"] = args.micro_batch_size
     if args.seq_length is not None:
-        recipe.data["max_seq_length"] = args.seq_length
+        try:
+            recipe.data[_seq_length_argument(recipe.data_class)] = args.seq_length
+        except ValueError as e:
+            parser.error(str(e))
     if args.gpus is not None and not (args.estimate_memory or args.estimate_time):
         parser.error("--gpus lists layouts for --estimate-memory and/or --estimate-time; add one of them")
     if args.gpus is None:  # the layouts named: refused as `fit` refuses them, before any process starts
@@ -180,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"model.init_from={str(source)!r} does not exist: a check run builds the model from it; "
                             f"make it first (the recipe's comments say how) or set --model.init_from to a "
                             f"checkpoint or a Hugging Face folder")
+        if not problems:  # a layout's ranks together larger than this machine: the kernel would kill them
+            from lightning_megatron.check.memory_cli import check_run_too_large
+
+            runs = [reference] + [x for x in layouts if x != reference]
+            too_large = None if args.estimate_time and not args.estimate_memory else check_run_too_large(recipe, runs)
+            problems += [too_large] if too_large else []
         if problems:
             parser.exit(2, f"lightning-megatron check: {len(problems)} problem(s), found before starting "
                            f"any process:\n" + "".join(f"  - {p}\n" for p in problems))

@@ -23,6 +23,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -87,6 +88,19 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
                 pass
 
 
+def _death(rank: int, exitcode: int) -> str:
+    """What ended ``rank`` without a report: its exit status, or the signal that killed it."""
+    if exitcode >= 0:
+        return f"rank {rank} died with exit code {exitcode} without reporting"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = "a signal"
+    why = (": on Linux most often the out-of-memory killer (`dmesg` names it), a rank larger than this machine's "
+           "free memory" if -exitcode == signal.SIGKILL else "")
+    return f"rank {rank} was killed by {name} (signal {-exitcode}) without reporting{why}"
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
                     backend: str = "gloo", weights_only: bool = True, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order.
@@ -122,8 +136,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                 if dead:
-                    raise DistributedTestFailure(
-                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting")
+                    raise DistributedTestFailure(_death(dead[0], procs[dead[0]].exitcode))
                 continue
             if status == "error":
                 raise DistributedTestFailure(f"rank {rank} of {world_size} failed:\n{payload}")

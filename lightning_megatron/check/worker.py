@@ -440,11 +440,10 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
     module = _one_stage_sizes(run.module_factory(), layout)
     callbacks = list(run.callbacks_factory(layout)) if run.callbacks_factory is not None else []
     optimizer_cbs = [c for c in callbacks if isinstance(c, MegatronOptimizerCallback)]
-    if layout.zero1:
-        if not optimizer_cbs:  # clip_grad=0: the same update as the plain optimizer of the other layouts
-            callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0, use_distributed_optimizer=True)))
-        for c in optimizer_cbs:
-            c.config = replace(c.config, use_distributed_optimizer=True)
+    if layout.zero1 and not optimizer_cbs:  # clip_grad=0: the same update as the plain optimizer of the other layouts
+        callbacks.append(MegatronOptimizerCallback(OptimizerConfig(clip_grad=0.0, use_distributed_optimizer=True)))
+    for c in optimizer_cbs:  # the layout named is the one run: ZeRO-1 where it says zero1, whatever the recipe's
+        c.config = replace(c.config, use_distributed_optimizer=layout.zero1)
     recorder = _make_recorder(run)
     # One epoch over the loader's ``steps`` global batches; ``trainer_kwargs`` may set a larger max_steps
     # (a recipe's: its scheduler decays over max_steps), the run still stops after ``steps``.
