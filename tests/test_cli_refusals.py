@@ -233,33 +233,39 @@ def _killed() -> None:
 def test_a_check_larger_than_this_machine_is_refused_before_launch(monkeypatch, capsys):
     """`check` runs every layout's ranks on this machine's CPU. A GPU recipe checked without ``--gpus``
     (mixtral_8x7b's 46.7B parameters) built the model in the reference's process until the kernel killed it:
-    "rank 0 died with exit code -9 without reporting", a traceback. The layouts' predicted bytes (the memory
-    estimate, each layout's ranks together) are held against the memory this machine has free, before any
-    process starts; a rank killed anyway is named with its signal."""
-    from lightning_megatron.check import memory_cli
-    from lightning_megatron.check.recipe import load_recipe
-    from lightning_megatron.parallel_dims import ParallelDims
+    "rank 0 died with exit code -9 without reporting", a traceback. Each layout's ranks together (the memory
+    estimate, as `fit` on a CPU is judged) are held against the memory this machine has free, before any process
+    starts; a rank killed anyway is named with its signal."""
+    from lightning_megatron import config_checks
 
-    monkeypatch.setattr(memory_cli, "host_memory_available", lambda: 16 * 2**30)
+    monkeypatch.setattr(config_checks, "host_memory_available", lambda: 16 * 2**30)
     monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
-    for recipe, gpus, too_large in (("mixtral_8x7b.yaml", 64, ["tp1", "tp2", "pp2", "dp2"]),
-                                    ("llama_1b.yaml", 8, ["dp2"])):
+
+    def refused(argv: list[str]) -> str:
         with pytest.raises(SystemExit) as exited:
-            main(["check", "--config", str(ROOT / "recipes" / recipe), "--estimate-memory"])
+            main(["check", *argv])
         message = capsys.readouterr().err
         assert exited.value.code == 2 and "found before starting any process" in message, message
-        assert "more than the 16.00 GiB this machine has free" in message, message
-        for layout in too_large:
-            assert f"\n    {layout}: " in message, message
-        assert f"--gpus {gpus} --gpu-memory 80GB" in message and "--model.config.num_layers" in message, message
         assert "DistributedTestFailure" not in message and "Traceback" not in message, message
+        return message
+
+    for recipe, gpus, too_large in (("mixtral_8x7b.yaml", 64, ["tp1", "tp2", "pp2", "dp2"]),
+                                    ("llama_1b.yaml", 8, ["dp2"])):
+        message = refused(["--config", str(ROOT / "recipes" / recipe), "--estimate-memory"])
+        for layout in too_large:
+            assert f"  - layout {layout}: on this machine's CPU the " in message, message
+        assert "GiB it has free: the kernel would kill a rank; train a smaller shape" in message, message
+        assert f"without running anything: --estimate-memory --estimate-time --gpus {gpus} --gpu-memory 80GB" \
+            in message, message
+    from lightning_megatron.check.cli import main as check_main  # --estimate-time alone runs nothing: not refused
+
+    assert check_main(["--config", str(ROOT / "recipes" / "mixtral_8x7b.yaml"), "--estimate-time"]) == 0
+    assert "tp2 " in capsys.readouterr().out
+    # a vocabulary left to the data's tokenizer is counted too (gpt_tiny's packaged 8,192 pieces)
+    monkeypatch.setattr(config_checks, "host_memory_available", lambda: 64 * 2**20)
+    message = refused(["--config", GPT, "--layouts", "tp2"])
+    assert "  - layout tp1: on this machine's CPU the 1 rank(s) of tp1 on a host need at least 0.09 GiB" in message
     assert not dist.is_initialized()
-    tiny = load_recipe(str(ROOT / "recipes" / "bert_tiny.yaml"), {}, {})
-    assert memory_cli.check_run_too_large(tiny, ParallelDims.parse_list("tp1,tp2,pp2,dp2")) is None
-    monkeypatch.setattr(memory_cli, "host_memory_available", lambda: 64 * 2**20)  # a vocabulary the data's tokenizer
-    gpt = load_recipe(GPT, {}, {})                                                # has is counted too (8,192)
-    too_large = memory_cli.check_run_too_large(gpt, ParallelDims.parse_list("tp1"))
-    assert "\n    tp1: 0.09 GiB over 1 process(es)\n" in too_large, too_large
     with pytest.raises(DistributedTestFailure, match=r"rank 0 was killed by SIGKILL \(signal 9\) without reporting: "
                                                      r"on Linux most often the out-of-memory killer"):
         run_distributed(_killed, 1, timeout=60)
@@ -283,3 +289,49 @@ def test_check_seq_length_sets_the_data_s_own_argument(capsys):
     assert _seq_length_argument("lightning_megatron.datamodules.BertDataModule") == "max_seq_length"
     with pytest.raises(ValueError, match="BoringDataModule takes neither seq_length nor max_seq_length; set its own"):
         _seq_length_argument("lightning.pytorch.demos.boring_classes.BoringDataModule")
+
+
+LLAMA_1B = str(ROOT / "recipes" / "llama_1b.yaml")
+
+
+def test_a_run_this_machine_cannot_hold_is_refused_before_launch(monkeypatch, tmp_path):
+    """A GPU recipe run where it cannot run: `fit --config recipes/llama_1b.yaml` on a machine without a GPU
+    ended in Lightning's traceback ("No supported gpu backend found!"), on one with fewer GPUs than its
+    ``trainer.devices`` in another; tried on the CPU (``--trainer.accelerator cpu --trainer.devices 2``), its two
+    ranks built 1.1B parameters each until the kernel killed one ("Child process ... terminated with code -9",
+    1.5 minutes in). Each is refused before any process starts, naming the value and the fix: a CPU run's ranks
+    of a node together (the memory estimate) against the memory this machine has free."""
+    import torch
+
+    from lightning_megatron import config_checks
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    run = ["--trainer.default_root_dir", str(tmp_path / "run")]
+
+    def refused(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as exited:
+            main(["fit", "--config", LLAMA_1B, *argv, *run])
+        message = str(exited.value.code)
+        assert message.startswith("lightning-megatron: ") and BEFORE_LAUNCH in message, message
+        assert "Traceback" not in message and not dist.is_initialized() and not (tmp_path / "run").exists()
+        return message
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # whatever this machine has
+    message = refused([])
+    assert "trainer.accelerator='gpu': this machine has no such device torch can use (none)" in message, message
+    assert "--trainer.accelerator cpu" in message, message
+    message = refused(["--trainer.accelerator", "xpu"])
+    assert "trainer.accelerator='xpu': this machine has no such device torch can use (none)" in message, message
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("mps"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    message = refused([])
+    assert "trainer.devices=8 with trainer.accelerator='gpu': this machine has 1 (mps)" in message, message
+    message = refused(["--trainer.accelerator", "xpu", "--trainer.devices", "1"])
+    assert "trainer.accelerator='xpu': this machine has no such device torch can use (only mps)" in message, message
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(config_checks, "host_memory_available", lambda: 16 * 2**30)
+    message = refused(["--trainer.accelerator", "cpu", "--trainer.devices", "2"])
+    assert "on this machine's CPU the 2 rank(s) of dp2zero1 on a host need at least " in message, message
+    assert "more than the 16.00 GiB it has free: the kernel would kill a rank; train a smaller" in message, message

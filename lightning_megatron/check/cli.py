@@ -142,15 +142,24 @@ def judged_against_truth(recipe, report, *, steps: int, grad_steps: list[int], t
     return judge_against_truth(report, truth)
 
 
-def _layout_problems(recipe, layouts: list) -> list[str]:
+def _layout_problems(recipe, layouts: list, runs: bool = True) -> list[str]:
     """What ``fit`` would refuse before launch for each layout (:func:`lightning_megatron.config_checks.check_config`
-    on the recipe's model, its batch sizes and precision, the layout's sizes and world size)."""
-    from lightning_megatron.recipes import import_class
-    from lightning_megatron.pipeline.layout import STAGE_SIZES
+    on the recipe's model and data, its precision, the layout's sizes and world size; where the check ``runs`` the
+    layouts, on this machine's CPU: the layout's ranks together against its free memory)."""
+    from lightning_megatron.check.recipe import fill_vocab_size
     from lightning_megatron.config_checks import check_config
+    from lightning_megatron.pipeline.layout import STAGE_SIZES
+    from lightning_megatron.recipes import import_class
 
-    data = {k: recipe.data[k] for k in ("global_batch_size", "micro_batch_size") if k in recipe.data}
+    sized = copy.deepcopy(recipe)  # the vocabulary the data's tokenizer has, where the recipe leaves it to the data
+    try:
+        fill_vocab_size(sized)
+    except (ValueError, OSError, ImportError):
+        pass  # the data cannot tell it here: the memory this machine needs for the run is then not predicted
+    data = dict(sized.data)  # the run's: batch sizes, sequence length, vocabulary (the memory estimate's)
     trainer = {"precision": recipe.precision} if recipe.precision is not None else {}
+    trainer["accelerator"] = "cpu"  # a check runs every layout's ranks on this machine's CPU
+    recipe = sized
     problems = []
     one_stage = copy.deepcopy(recipe.model)  # the one-stage layouts' (the reference's): every layer on the stage
     for name in STAGE_SIZES:
@@ -160,7 +169,7 @@ def _layout_problems(recipe, layouts: list) -> list[str]:
         found = check_config(model_hparams=model, data_hparams=data, strategy_args=dims.strategy_kwargs(),
                              trainer_args={**trainer, "devices": dims.world_size},
                              has_optimizer_callback=True if dims.zero1 else None, use_distributed_optimizer=dims.zero1,
-                             model_class=import_class(recipe.model_class))
+                             model_class=import_class(recipe.model_class), running=runs)
         problems += [f"layout {dims}: {p}" for p in found]
     return problems
 
@@ -194,18 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus is not None and not (args.estimate_memory or args.estimate_time):
         parser.error("--gpus lists layouts for --estimate-memory and/or --estimate-time; add one of them")
     if args.gpus is None:  # the layouts named: refused as `fit` refuses them, before any process starts
-        problems = _layout_problems(recipe, [reference] + [x for x in layouts if x != reference])
+        runs = args.estimate_memory or not args.estimate_time  # --estimate-time alone runs nothing
+        problems = _layout_problems(recipe, [reference] + [x for x in layouts if x != reference], runs)
         source = recipe.model.get("init_from")
-        if source and not Path(source).exists() and (args.estimate_memory or not args.estimate_time):
+        if source and not Path(source).exists() and runs:
             problems.append(f"model.init_from={str(source)!r} does not exist: a check run builds the model from it; "
                             f"make it first (the recipe's comments say how) or set --model.init_from to a "
                             f"checkpoint or a Hugging Face folder")
-        if not problems:  # a layout's ranks together larger than this machine: the kernel would kill them
-            from lightning_megatron.check.memory_cli import check_run_too_large
+        from lightning_megatron.config_checks import MEMORY_FIX
 
-            runs = [reference] + [x for x in layouts if x != reference]
-            too_large = None if args.estimate_time and not args.estimate_memory else check_run_too_large(recipe, runs)
-            problems += [too_large] if too_large else []
+        if any(p.endswith(MEMORY_FIX) for p in problems):  # runs larger than this machine: the estimate runs nothing
+            gpus = recipe.layout.world_size if recipe.layout is not None else "N"
+            problems.append(f"estimate the recipe's GPUs instead, without running anything: --estimate-memory "
+                            f"--estimate-time --gpus {gpus} --gpu-memory 80GB")
         if problems:
             parser.exit(2, f"lightning-megatron check: {len(problems)} problem(s), found before starting "
                            f"any process:\n" + "".join(f"  - {p}\n" for p in problems))

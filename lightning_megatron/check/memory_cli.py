@@ -3,7 +3,6 @@ and the layouts of N GPUs that fit (from :mod:`lightning_megatron.cost.memory`).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -11,7 +10,7 @@ from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.cost.memory import estimate_memory, estimate_stage, search_layouts
 from lightning_megatron.cost.protocols import EstimatesCost, MemoryCost
 
-__all__ = ["check_run_too_large", "fitting_layouts", "host_memory_available", "memory_table", "model_shape"]
+__all__ = ["fitting_layouts", "memory_table", "model_shape"]
 
 _MIB = 2**20
 
@@ -43,49 +42,6 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False, cpu_r
         raise ValueError(f"{recipe.model_class}.estimate_shape returned a {type(shape).__name__}, which lacks members of "
                          f"lightning_megatron.cost.MemoryCost (stage_parameters, layer_activation_bytes, ...)")
     return shape
-
-
-def host_memory_available() -> int:
-    """Bytes this machine can give new processes without swapping (psutil's ``available``)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
-def check_run_too_large(recipe: Any, layouts: list[ParallelDims]) -> str | None:
-    """Why a check run of ``layouts`` cannot run here, or None: a check runs each layout's ranks together on this
-    machine's CPU (the layouts of one world size one after another in the same processes), so each layout's
-    predicted bytes, summed over its ranks (:func:`~lightning_megatron.cost.memory.estimate_stage`, the run's
-    kernels and dropout off), must fit in the memory this machine has free. None too when the recipe's module
-    declares no sizes (nothing to predict from)."""
-    from lightning_megatron.check.recipe import fill_vocab_size
-
-    recipe = copy.deepcopy(recipe)  # the vocabulary the data's tokenizer has, for the estimate alone (as `fit` does)
-    try:
-        fill_vocab_size(recipe)
-    except (ValueError, OSError, ImportError):
-        pass  # the data cannot tell it here: a vocabulary left to the data is then not predicted
-    try:
-        m = model_shape(recipe, cpu_run=True)
-        needed = {x.name: sum(estimate_stage(m, x, x.coordinates(r)["pp"]).total_bytes for r in range(x.world_size))
-                  for x in layouts}
-    except ValueError:
-        return None  # no declared sizes, or a layout `fit` refuses (said on its own)
-    free = host_memory_available()
-    over = {name: n for name, n in needed.items() if n > free}
-    if not over:
-        return None
-    g = 2**30
-    rows = "".join(f"\n    {name}: {n / g:.2f} GiB over {ParallelDims.parse(name).world_size} process(es)"
-                   for name, n in over.items())
-    mine = getattr(recipe, "layout", None)
-    gpus = mine.world_size if mine is not None else "N"
-    return (f"the check runs every layout's ranks on this machine's CPU; the model's predicted bytes (params, grads, "
-            f"optimizer state, activations; more in practice) are more than the {free / g:.2f} GiB this machine has "
-            f"free for {len(over)} of the layouts:{rows}\n    estimate the recipe's GPUs without running anything: "
-            f"--estimate-memory --estimate-time --gpus {gpus} --gpu-memory 80GB; or check the layouts' math on a "
-            f"smaller shape (e.g. --model.config.num_layers 2 --model.config.hidden_size 256 "
-            f"--model.config.ffn_hidden_size 1024 --global-batch-size 4 --micro-batch-size 1 --seq-length 256)")
 
 
 def _recipe_layout_for(recipe: Any, gpus: int) -> ParallelDims | None:

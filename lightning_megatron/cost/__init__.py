@@ -12,10 +12,10 @@ module class for its cost record and never names a family.
 """
 
 from lightning_megatron.cost.memory import (LayoutSearch, MemoryEstimate, candidate_layouts, estimate_memory,
-                                            estimate_stage, layout_schedule, search_layouts)
+                                            estimate_stage, layout_schedule, node_bytes, search_layouts)
 from lightning_megatron.cost.protocols import EstimatesCost, MemoryCost, StepCost
 from lightning_megatron.cost.transformer import DEFAULT_DROPOUT, TransformerCost
 
 __all__ = ["DEFAULT_DROPOUT", "EstimatesCost", "LayoutSearch", "MemoryCost", "MemoryEstimate", "StepCost",
            "TransformerCost", "candidate_layouts", "estimate_memory", "estimate_stage", "layout_schedule",
-           "search_layouts"]
+           "node_bytes", "search_layouts"]

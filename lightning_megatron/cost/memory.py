@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from lightning_megatron.cost.protocols import MemoryCost
 
 __all__ = ["MemoryEstimate", "LayoutSearch", "candidate_layouts", "search_layouts", "estimate_memory",
-           "estimate_stage", "layout_schedule"]
+           "estimate_stage", "layout_schedule", "node_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +150,16 @@ def estimate_memory(m: MemoryCost, layout: ParallelDims, *, schedule: str | Pipe
     """Bytes on the fullest rank of ``layout`` (the pipeline stage with the largest total)."""
     return max((estimate_stage(m, layout, s, schedule=schedule) for s in range(layout.pp)),
                key=lambda e: e.total_bytes)
+
+
+def node_bytes(m: MemoryCost, layout: ParallelDims, ranks_per_node: int | None = None) -> int:
+    """Bytes of the ranks of ``layout`` that share a host, summed, on the fullest host (``ranks_per_node``
+    consecutive global ranks each, as launchers number them; None: all of them on one): what a CPU run's
+    processes take from its host's memory together."""
+    k = ranks_per_node or layout.world_size
+    stages = [estimate_stage(m, layout, s).total_bytes for s in range(layout.pp)]
+    ranks = [stages[layout.coordinates(r)["pp"]] for r in range(layout.world_size)]
+    return max(sum(ranks[i:i + k]) for i in range(0, layout.world_size, k))
 
 
 @dataclass(frozen=True, kw_only=True)
