@@ -105,9 +105,7 @@ HPARAMS_MAY_DIFFER = frozenset({
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fused_optimizer",
     "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
-    "make_vocab_size_divisible_by", "compile", "predict_output", "predict_top_k", "optimizer_kwargs",
-    "predict_max_new_tokens", "predict_greedy", "predict_temperature", "predict_top_p",  # a decoder's generation
-    "predict_stop_at_eod", "predict_stop_strings",
+    "make_vocab_size_divisible_by", "compile", "optimizer_kwargs",
     "tensor_model_parallel_size", "sequence_parallel",  # a config record's layout fields: the strategy's
 })
 """Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any
@@ -115,9 +113,16 @@ other differing hyper-parameter is an error. (Optimizer hyper-parameters are res
 checkpoint's optimizer state; the others take the current value.) A field of a config record saved as a
 dict (``config.hidden_dropout``) is named by its own name here."""
 
-HPARAMS_UNUSED_ON_LOAD = frozenset({"init_from"})
-"""Hyper-parameters that say where a model's weights first came from: a loaded checkpoint's weights replace them, so
-:func:`compare_hparams` does not report them (a fine-tuned run predicted without its ``--model.init_from``)."""
+HPARAMS_UNUSED_ON_LOAD = frozenset({
+    "init_from",  # where the weights first came from
+    "predict_output", "predict_top_k",  # what `predict` writes, and a decoder's generation
+    "predict_max_new_tokens", "predict_greedy", "predict_temperature", "predict_top_p", "predict_stop_at_eod",
+    "predict_stop_strings",
+})
+"""Hyper-parameters that are not the weights' and not the training's: where a model's weights first came from (a
+loaded checkpoint's replace them) and what ``predict`` does with them (the command's own options). :func:`compare_hparams`
+does not report them: a fine-tuned run predicted without its ``--model.init_from``, or sampled from with
+``--model.predict_greedy false``, says nothing of it."""
 
 
 # ---------------------------------------------------------------------- files

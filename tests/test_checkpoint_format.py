@@ -225,3 +225,9 @@ def test_compare_hparams_lists_every_differing_field():
     # where the weights first came from: the checkpoint's replace them, so predicting from a fine-tuned run without
     # its --model.init_from says nothing about it
     assert ckpt.compare_hparams({**saved, "init_from": "runs/bert_tiny/checkpoints/last.ckpt"}, saved) == ([], [])
+    # what `predict` does with the weights (sampling, what it writes): the command's own options, never the weights',
+    # so sampling from a greedily-trained run's checkpoint does not warn of its own --model.predict_* options
+    predicting = {"predict_greedy": False, "predict_temperature": 0.8, "predict_top_p": 0.9, "predict_top_k": 10,
+                  "predict_max_new_tokens": 8, "predict_output": "pooled", "predict_stop_at_eod": False,
+                  "predict_stop_strings": ["\n"]}
+    assert ckpt.compare_hparams(saved, {**saved, **predicting}) == ([], [])
