@@ -212,3 +212,55 @@ def test_export_of_checkpoints_without_a_record_follows_the_rule(gpt_ckpt, token
         export_hf(mine, tmp_path / "z", tokenizer=tokenizer)
     with pytest.raises(ValueError, match="my_pkg.models.MyModule cannot be imported"):
         export_hf(mine, tmp_path / "z", tokenizer=tokenizer, model_class="my_pkg.models.MyModule")
+
+
+def test_export_takes_the_tokenizer_the_runs_data_was_tokenized_with(tmp_path, monkeypatch):
+    """A run on a preprocessed corpus with ``data.vocab_file: null`` tokenizes with the vocabulary the dataset's
+    ``.vocab.json`` names (``dataset_tokenizer``). `export hf` took it from the run's ``vocab_file`` alone: a GPT
+    run's folder got no tokenizer ("the checkpoint names no tokenizer"), a BERT run's the packaged bert-base-uncased
+    vocabulary (refused only when the sizes differ), and a cased WordPiece vocabulary was always exported
+    lowercasing. Export follows the data's rule: the folder's tokenizer gives the ids ours gave the training text."""
+    from lightning_megatron.data.bpe_tokenizer import train_bpe_tokenizer
+    from lightning_megatron.data.dataset_vocab import dataset_tokenizer
+    from lightning_megatron.data.preprocess import preprocess_corpus
+    from lightning_megatron.data.tokenizer import train_wordpiece_tokenizer
+    from lightning_megatron.models.bert.interop import BertInterop
+    from lightning_megatron.models.gpt.interop import GPTInterop
+
+    monkeypatch.chdir(tmp_path)  # the run's relative data_prefix, as a run folder holds it
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(f"Tensor Parallel layer {i} splits the Weights of MLP {i % 7}.\nThen it Gathers."
+                                for i in range(60)) + "\n")
+    for family, adapter, train in (("bpe", GPTInterop(), lambda: train_bpe_tokenizer([text], 400, tmp_path / "bpe")),
+                                   ("wordpiece", BertInterop(),
+                                    lambda: train_wordpiece_tokenizer([text], 120, tmp_path / "wp", lowercase=False))):
+        ours = dataset_tokenizer(train(), None, default=family)
+        preprocess_corpus([text], f"data/{family}", ours, append_eod=family == "bpe", progress=False)
+        for dm in ({"data_prefix": f"data/{family}", "vocab_file": None},  # the dataset's record names it
+                   {"data_prefix": None, "vocab_file": str(ours.vocab_file)}):  # the run named it (cased: not lowered)
+            _assert_exported_tokenizer(adapter, dm, ours, tmp_path / f"hf_{family}_{dm['data_prefix'] is None}")
+    with pytest.raises(FileNotFoundError, match="the run trained on data_prefix 'elsewhere/gpt', which is not here"):
+        _assert_exported_tokenizer(GPTInterop(), {"data_prefix": "elsewhere/gpt", "vocab_file": None}, ours,
+                                   tmp_path / "hf_elsewhere")
+
+
+def _assert_exported_tokenizer(adapter, dm, ours, folder) -> None:
+    """The folder ``adapter`` writes for a run of datamodule arguments ``dm`` tokenizes as ``ours`` did (a decoder's
+    sizes from its tensors: one layer of 2 heads of 4)."""
+    import types
+
+    from transformers import AutoTokenizer
+
+    from lightning_megatron.saved_model import SavedModel
+
+    layer = {f"decoder.layers.0.{k}": torch.zeros(shape) for k, shape in (
+        ("self_attention.linear_qkv.weight", (24, 8)), ("mlp.linear_fc1.weight", (16, 8)),
+        ("mlp.linear_fc2.weight", (8, 16)))}
+    weights = {"embedding.word_embeddings.weight": torch.zeros(ours.vocab_size, 8), **layer}
+    saved = SavedModel(state_dict=weights, hparams={"num_attention_heads": 2}, datamodule_hparams=dm)
+    config = types.SimpleNamespace(vocab_size=ours.vocab_size, max_position_embeddings=64)
+    adapter.hf_tokenizer(saved, config, None)(folder)
+    theirs = AutoTokenizer.from_pretrained(folder)
+    sample = "Tensor Parallel layer 3 splits the Weights."
+    assert theirs.encode(sample, add_special_tokens=False) == ours.tokenize(sample), dm
+    assert len(theirs) == ours.vocab_size, dm

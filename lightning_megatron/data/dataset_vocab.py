@@ -37,6 +37,8 @@ __all__ = [
     "check_dataset_vocab",
     "dataset_tokenizer",
     "read_dataset_vocab",
+    "recorded_vocabulary",
+    "trained_vocabulary",
     "vocab_sha256",
     "vocab_sidecar_path",
     "write_dataset_vocab",
@@ -153,6 +155,41 @@ WordPiece, whose special tokens BERT samples need) or ``"bpe"`` (the byte-level 
 ends GPT documents; a given vocabulary loads as what it holds, BPE or WordPiece)."""
 
 
+def recorded_vocabulary(prefix: str | os.PathLike[str]) -> tuple[str | None, bool | None]:
+    """(vocabulary file, lowercase) that dataset ``prefix``'s ``.vocab.json`` names: what it was tokenized with;
+    ``(None, None)`` without a record or a named file (a family's packaged vocabulary). A named vocabulary that does
+    not exist here is an error naming it."""
+    record = read_dataset_vocab(prefix)
+    if record is None or record.vocab_file is None:
+        return None, None
+    if not Path(record.vocab_file).is_file():
+        raise FileNotFoundError(f"dataset {os.fspath(prefix)!r} was tokenized with {record.vocab_file!r} (its "
+                                f"{vocab_sidecar_path(prefix).name} says), which does not exist here: pass "
+                                f"that vocabulary as data.vocab_file")
+    return record.vocab_file, record.lowercase
+
+
+def trained_vocabulary(data: dict[str, Any]) -> tuple[str | None, bool | None]:
+    """(vocabulary file, lowercase) a run's data section tokenized with, from its saved hyper-parameters
+    (``vocab_file``, ``data_prefix``, ``lowercase``), by :func:`dataset_tokenizer`'s rule: its ``vocab_file``; else
+    the vocabulary its first dataset's ``.vocab.json`` names; ``(None, None)``: the family's packaged one. A
+    ``data_prefix`` not found here is an error (its record decides), as is a named vocabulary that is not."""
+    from lightning_megatron.data.blended import parse_data_prefix
+
+    if data.get("vocab_file") is not None:
+        return os.fspath(data["vocab_file"]), data.get("lowercase")
+    prefix = data.get("data_prefix")
+    if prefix is None:
+        return None, None
+    if isinstance(prefix, (list, tuple)):
+        prefix = parse_data_prefix(prefix)[1][0]
+    if not Path(f"{os.fspath(prefix)}.idx").is_file():
+        raise FileNotFoundError(f"the run trained on data_prefix {os.fspath(prefix)!r}, which is not here (relative "
+                                f"paths start at {os.getcwd()!r}): its .vocab.json names the vocabulary the run used; "
+                                f"run this where the run ran, or name that vocabulary")
+    return recorded_vocabulary(prefix)
+
+
 def dataset_tokenizer(vocab_file: str | os.PathLike[str] | None, prefix: str | os.PathLike[str] | None, *,
                       default: TokenizerFamily) -> Any:
     """The tokenizer of a data section: ``vocab_file`` when given; else the vocabulary the record
@@ -166,13 +203,7 @@ def dataset_tokenizer(vocab_file: str | os.PathLike[str] | None, prefix: str | o
         raise ValueError(f"default={default!r} must be 'wordpiece' or 'bpe'")
     lowercase = None
     if vocab_file is None and prefix is not None:
-        record = read_dataset_vocab(prefix)
-        if record is not None and record.vocab_file is not None:
-            if not Path(record.vocab_file).is_file():
-                raise FileNotFoundError(f"dataset {os.fspath(prefix)!r} was tokenized with {record.vocab_file!r} (its "
-                                        f"{vocab_sidecar_path(prefix).name} says), which does not exist here: pass "
-                                        f"that vocabulary as data.vocab_file")
-            vocab_file, lowercase = record.vocab_file, record.lowercase
+        vocab_file, lowercase = recorded_vocabulary(prefix)
     if default == "wordpiece":
         return BertTokenizer(vocab_file, lowercase=lowercase)
     if vocab_file is None:

@@ -225,17 +225,26 @@ class BertInterop:
                      tokenizer: str | os.PathLike[str] | None) -> Callable[[Path], None]:
         """The WordPiece ``vocab.txt`` (``tokenizer``; None: the datamodule's ``vocab_file`` saved in the
         checkpoint, else the default vocabulary), its size equal to the model's vocabulary."""
-        vocab = _vocab_file(saved, tokenizer)
+        from lightning_megatron.data.tokenizer import BertTokenizer
+
+        vocab, lowercase = _vocab_file(saved, tokenizer)
         pieces = sum(1 for line in vocab.read_text(encoding="utf-8").splitlines() if line)
         if pieces != config.vocab_size:
             raise ValueError(f"vocab file {str(vocab)!r} has {pieces} pieces but the model's vocabulary is "
                              f"{config.vocab_size}: pass --vocab_file with the vocabulary it was trained with")
-        return lambda folder: _save_tokenizer(vocab, folder, lowercase=True, max_length=config.max_position_embeddings)
+        lowercase = BertTokenizer(vocab, lowercase=lowercase).lowercase  # as the run's tokenizer: a cased one is not
+        return lambda folder: _save_tokenizer(vocab, folder, lowercase=lowercase,
+                                              max_length=config.max_position_embeddings)
 
 
-def _vocab_file(saved: SavedModel, vocab_file: str | os.PathLike[str] | None) -> Path:
+def _vocab_file(saved: SavedModel, vocab_file: str | os.PathLike[str] | None) -> tuple[Path, bool | None]:
+    """(the WordPiece vocabulary, lowercase or None: as the vocabulary says) the model was trained with: ``vocab_file``,
+    else the run's data's (:func:`~lightning_megatron.data.dataset_vocab.trained_vocabulary`), else the packaged."""
+    from lightning_megatron.data.dataset_vocab import trained_vocabulary
+
+    lowercase = None
     if vocab_file is None:
-        vocab_file = saved.datamodule_hparams.get("vocab_file")
+        vocab_file, lowercase = trained_vocabulary(saved.datamodule_hparams)
     if vocab_file is None:
         from lightning_megatron.data.tokenizer import default_vocab_file
 
@@ -244,7 +253,7 @@ def _vocab_file(saved: SavedModel, vocab_file: str | os.PathLike[str] | None) ->
     if not vocab_file.is_file():
         raise FileNotFoundError(f"vocab file {str(vocab_file)!r} not found: pass --vocab_file with the vocabulary "
                                 f"the model was trained with")
-    return vocab_file
+    return vocab_file, lowercase
 
 
 def _save_tokenizer(vocab: Path, out: Path, *, lowercase: bool, max_length: int) -> None:

@@ -387,16 +387,18 @@ class GPTInterop:
 def _tokenizer_source(saved: SavedModel, tokenizer: str | os.PathLike[str] | None) -> Path | None:
     if tokenizer is not None:
         return Path(tokenizer)
+    from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
+    from lightning_megatron.data.dataset_vocab import trained_vocabulary
+
     dm = saved.datamodule_hparams
-    for key in ("tokenizer_file", "tokenizer", "vocab_file"):
+    for key in ("tokenizer_file", "tokenizer"):
         if isinstance(dm.get(key), str) and Path(dm[key]).exists():
             return Path(dm[key])
-    if ("vocab_file" in dm and dm["vocab_file"] is None and not dm.get("data_prefix")) or (
-            "chat_template" in dm and dm.get("tokenizer") is None):
-        # GPTDataModule's and SFTDataModule's default: the packaged byte-level BPE (the size check still applies)
-        from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
-
+    if "chat_template" in dm and dm.get("tokenizer") is None:  # SFTDataModule's default: the packaged BPE
         return packaged_bpe_tokenizer_file()
+    if "vocab_file" in dm:  # GPTDataModule's rule: its vocab_file, the dataset's record, else the packaged BPE
+        vocab_file, _ = trained_vocabulary(dm)  # (the size check still applies)
+        return Path(vocab_file) if vocab_file is not None else packaged_bpe_tokenizer_file()
     return None
 
 
