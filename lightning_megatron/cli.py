@@ -29,6 +29,7 @@ functions here, in ``COMMANDS`` (name -> (function(argv), one-line help)).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -100,11 +101,16 @@ def _train_tokenizer(argv: list[str]) -> None:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--json-key", default="text", help="JSON field / dataset column holding the text")
+    parser.add_argument("--cased", action="store_true",
+                        help="WordPiece: keep case and accents (Megatron's BertWordPieceCase); default: lowercased")
     a = parser.parse_args(argv)
+    if a.cased and a.type == "bpe":
+        parser.error("--cased is WordPiece's: a byte-level BPE never lowercases")
     from lightning_megatron.data.bpe_tokenizer import train_bpe_tokenizer
     from lightning_megatron.data.tokenizer import train_wordpiece_tokenizer
 
-    train = train_bpe_tokenizer if a.type == "bpe" else train_wordpiece_tokenizer
+    train = train_bpe_tokenizer if a.type == "bpe" else functools.partial(train_wordpiece_tokenizer,
+                                                                          lowercase=not a.cased)
     try:
         print(train(a.input, a.vocab_size, a.output_dir, json_key=a.json_key))
     except (ValueError, OSError, ImportError) as error:

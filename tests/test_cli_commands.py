@@ -32,6 +32,16 @@ def test_train_tokenizer_json_key_and_empty_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "no text to train a vocabulary on" in err and "json_key='text'" in err, err
     assert "--json-key" in err and not (tmp_path / "empty" / "vocab.txt").exists()
+    # --cased: a cased WordPiece vocabulary (Megatron's BertWordPieceCase), which the tokenizer then keeps cased
+    from lightning_megatron.data.tokenizer import BertTokenizer
+
+    main(["train-tokenizer", "--input", body, "--json-key", "body", "--vocab-size", "200", "--cased",
+          "--output-dir", str(tmp_path / "cased")])
+    vocab = tmp_path / "cased" / "vocab.txt"
+    assert "Document" in vocab.read_text().split("\n") and BertTokenizer(vocab).lowercase is False
+    with pytest.raises(SystemExit) as e:  # a byte-level BPE never lowercases: the flag is WordPiece's
+        main(["train-tokenizer", "--type", "bpe", "--input", body, "--cased", "--output-dir", str(tmp_path / "b")])
+    assert e.value.code == 2 and "--cased is WordPiece's" in capsys.readouterr().err
 
 
 def test_bpe_docs_commands_train_tokenizer_then_preprocess_with_eod(tmp_path, capsys, monkeypatch):
