@@ -32,7 +32,8 @@ from lightning_megatron import dcp_io
 from lightning_megatron.dcp_io import CheckpointError
 
 __all__ = ["ALLOW_UNVERIFIED_ENV", "FORMAT_VERSION", "MARKER", "READABLE_FORMATS", "TMP_INFIX", "allow_unverified",
-           "checkpoint_identity", "file_sha256", "recover_last", "validate_checkpoint_dir", "verify_checkpoint"]
+           "checkpoint_identity", "file_sha256", "read_marker", "recover_last", "validate_checkpoint_dir",
+           "verify_checkpoint"]
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -96,7 +97,7 @@ def allow_unverified() -> bool:
     return os.environ.get(ALLOW_UNVERIFIED_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _read_marker(path: Path) -> dict[str, Any]:
+def read_marker(path: Path) -> dict[str, Any]:
     """The marker of a complete checkpoint directory, its format and its file sizes checked."""
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
@@ -160,7 +161,7 @@ def verify_checkpoint(path: str | os.PathLike, *, collective: bool = False) -> d
     files; otherwise this process hashes them all.
     """
     path = Path(path)
-    info = _read_marker(path)
+    info = read_marker(path)
     rank, world = _rank_world() if collective else (0, 1)
     reason = _unverified(path, info)
     if reason is not None:

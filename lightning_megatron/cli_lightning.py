@@ -173,7 +173,9 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                                                   predicting=self.subcommand == "predict",
                                                   data_class=self.datamodule_class,
                                                   model_class=self.model_class,
-                                                  running=self.subcommand is not None))
+                                                  running=self.subcommand is not None,
+                                                  split={"validate": "valid", "test": "test",
+                                                         "predict": "test"}.get(self.subcommand)))
             except ConfigError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
 

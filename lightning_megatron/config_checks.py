@@ -133,9 +133,10 @@ _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 
 
 def ckpt_path_problem(ckpt_path: Any) -> str | None:
-    """What is wrong with a ``--ckpt_path`` before launch (it does not exist, or is a file: ours are
-    directories), or None; Lightning's names (``last``, ``best``, ``hpc``, ``registry``) are left to it.
-    The checkpoint's contents are verified at set-up (:func:`lightning_megatron.checkpoint.verify_checkpoint`)."""
+    """What is wrong with a ``--ckpt_path`` before launch (it does not exist, is a file: ours are directories, or
+    is not a complete checkpoint: its marker, format and files), or None; Lightning's names (``last``, ``best``,
+    ``hpc``, ``registry``) are left to it. The files' checksums are verified at set-up
+    (:func:`lightning_megatron.checkpoint.verify_checkpoint`)."""
     import os
 
     if not isinstance(ckpt_path, (str, os.PathLike)):
@@ -150,6 +151,14 @@ def ckpt_path_problem(ckpt_path: Any) -> str | None:
     if not os.path.isdir(path):
         return (f"ckpt_path={path!r} is a file, not a lightning_megatron checkpoint directory (was it written by "
                 f"another strategy?)")
+    from pathlib import Path
+
+    from lightning_megatron.checkpoint_verify import CheckpointError, read_marker
+
+    try:  # its marker, format and files' sizes (the checksums are read at set-up, by every rank)
+        read_marker(Path(path))
+    except CheckpointError as e:
+        return str(e)
     return None
 
 
@@ -182,7 +191,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                  scheduler_args: Mapping[str, Any] | None = None, *,
                  has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False,
                  data_class: type | None = None, predicting: bool = False, ckpt_path: Any = None,
-                 running: bool = True, model_class: type | None = None) -> list[str]:
+                 running: bool = True, model_class: type | None = None, split: str | None = None) -> list[str]:
     """Every problem of this configuration, each with the offending values and the fix; [] when none.
 
     ``has_optimizer_callback``: whether a MegatronOptimizerCallback is configured (None: unknown,
@@ -193,7 +202,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     datamodule the data section builds (its packaged tokenizer; a fine-tuning
     section's files are read); ``predicting``: ``predict``'s inputs are checked too (the prompts against
     the positions); ``ckpt_path``: the checkpoint to load must exist; ``running=False`` (the CLI only builds
-    its objects, ``run=False``): the fine-tuning files, read by a run only, are not. A WandbLogger in
+    its objects, ``run=False``): the fine-tuning files, read by a run only, are not. ``split``: the split of a
+    pretraining corpus the command reads whole (``validate``: ``"valid"``; ``test``, ``predict``: ``"test"``), which
+    must hold a document. A WandbLogger in
     ``trainer_args["logger"]`` has its ``init_timeout_s`` checked against the strategy's ``timeout``
     (:func:`init_timeout_problem`).
     """
@@ -281,7 +292,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                         f"it has); set data.seq_length <= {positions} or {spelled}max_sequence_length >= {seq}")
     problems += _generation_problems(m)
 
-    problems += _check_data_files(d, m, data_class=data_class, predicting=predicting, running=running)
+    problems += _check_data_files(d, m, data_class=data_class, predicting=predicting, running=running, split=split)
     problems += [p for p in [ckpt_path_problem(ckpt_path)] if p]
 
     prob = d.get("masked_lm_prob")
@@ -469,7 +480,7 @@ def _tokenizer_family(data_class: type | None) -> str:
 
 
 def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,
-                      predicting: bool = False, running: bool = True) -> list[str]:
+                      predicting: bool = False, running: bool = True, split: str | None = None) -> list[str]:
     """The files the data section names: each ``data_prefix`` (or blend member) has its ``.bin`` and
     ``.idx``, the ``vocab_file`` exists, and a dataset's ``.vocab.json`` (written by ``preprocess``)
     records the vocabulary of the tokenizer the datamodule will use (``vocab_file``, else the one the
@@ -551,6 +562,9 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
             problems.append(f"data {error}")
             if tokenizer is None:
                 return problems  # the tokenizer itself cannot be had: said once
+    if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
+        problems += [p for p in [_empty_split_problem(found, str(arguments.get("splits", "949,50,1")), split,
+                                                      predicting)] if p]
     if predicting and d.get("predict_file") is not None:
         from lightning_megatron.data.predict import PromptDataset
 
@@ -559,6 +573,26 @@ def _check_data_files(d: dict[str, Any], m: dict[str, Any], *, data_class: type 
             os.fspath(arguments["predict_file"]), data_tokenizer(), key,
             max_length=_int(arguments.get("seq_length"))).lengths)
     return problems
+
+
+def _empty_split_problem(prefixes: list[str], splits: str, split: str, predicting: bool) -> str | None:
+    """The ``split`` a command reads whole holding no document of any dataset of ``prefixes`` (Megatron's split of
+    each by ``splits``, as the datamodule cuts it): the command would read nothing (a split of weight 0 too)."""
+    from lightning_megatron.data.bert_dataset import get_train_valid_test_split_
+    from lightning_megatron.data.indexed_dataset import IndexedDataset
+
+    i = ("train", "valid", "test").index(split)
+    try:
+        counts = [IndexedDataset(p).num_documents for p in prefixes]
+        bounds = [get_train_valid_test_split_(splits, n) for n in counts]
+    except (ValueError, OSError):
+        return None  # said by the checks of the files and the datamodule's arguments
+    if any(b[i + 1] > b[i] for b in bounds):
+        return None
+    n, command = sum(counts), "predict" if predicting else {"valid": "validate", "test": "test"}[split]
+    return (f"data splits={splits!r} gives the {split} split none of the {n} document{'s' if n != 1 else ''} of "
+            f"{', '.join(prefixes)}: `{command}` would have nothing to read; give it more documents or a larger "
+            f"weight" + (", or pass --data.predict_file" if predicting else ""))
 
 
 def _check_prompts(d: dict[str, Any], m: dict[str, Any], prompt_lengths: Any) -> list[str]:
@@ -633,7 +667,7 @@ def _init_args(section: Any) -> dict[str, Any]:
 
 def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicting: bool = False,
                     data_class: type | None = None, model_class: type | None = None,
-                    running: bool = True) -> dict[str, Any]:
+                    running: bool = True, split: str | None = None) -> dict[str, Any]:
     """The keyword arguments of :func:`check_config` from a parsed LightningCLI config (one subcommand's).
 
     Only a MegatronStrategy configuration is checked: with another strategy this returns ``{}``.
@@ -680,8 +714,7 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicti
                 strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
                 has_optimizer_callback=has_optimizer_callback if fitting else None,
                 use_distributed_optimizer=zero1 and fitting, data_class=data_class, model_class=model_class,
-                predicting=predicting,
-                ckpt_path=c.get("ckpt_path"), running=running)
+                predicting=predicting, ckpt_path=c.get("ckpt_path"), running=running, split=split)
 
 
 def _imported_class(class_path: str) -> type | None:

@@ -75,6 +75,20 @@ CASES = {
                            "max_sequence_length=128; generate at most 69 new tokens"], ["raise max_sequence_length"]),
     "predict_non_utf8": ([*PREDICT[:-1], "{latin1}"], None,
                          ["predict_file '{latin1}' is not UTF-8 text: byte 24 (line 2)"], ["UnicodeDecodeError"]),
+    "test_split_without_documents": (  # 40 documents: the test split's 1/1000 is none of them
+        ["test", "--config", GPT, "--data.data_prefix", "{gpt}"], None,
+        ["data splits='949,50,1' gives the test split none of the 40 documents of {gpt}: `test` would have "
+         "nothing to read; give it more documents or a larger weight"], ["Total length"]),
+    "validate_split_weight_zero": (
+        ["validate", "--config", GPT, "--data.data_prefix", "{gpt}", "--data.splits", "100,0,0"], None,
+        ["data splits='100,0,0' gives the valid split none of the 40 documents"], []),
+    "predict_split_without_documents": (  # predicting the test split: its own refusal names predict_file
+        ["predict", "--config", GPT, "--data.data_prefix", "{gpt}"], None,
+        ["gives the test split none of the 40 documents of {gpt}: `predict` would have nothing to read; give it "
+         "more documents or a larger weight, or pass --data.predict_file"], []),
+    "predict_ckpt_not_a_checkpoint": (  # a folder without the marker: refused before the ranks start, not after
+        [*PREDICT, "--ckpt_path", "{dir}"], None,
+        ["checkpoint '{dir}' is incomplete: lightning_megatron.json is missing"], ["Restoring states"]),
     "predict_missing_ckpt": ([*PREDICT, "--ckpt_path", "{nope}"], None, ["ckpt_path='{nope}' does not exist"], []),
     "finetune_empty_file": ([*FINETUNE, "--data.init_args.train", "{empty}"], None,
                             ["data.train '{empty}' is empty: it holds no rows"], ["no 'train' split"]),

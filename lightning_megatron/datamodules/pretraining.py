@@ -243,8 +243,9 @@ class PretrainingDataModule(pl.LightningDataModule):
             if split_weights(self.splits)[("train", "valid", "test").index(name)] > 0:  # weight 0: none, as asked
                 n = indexed.num_documents
                 self._no_dataset[name] = (f"splits={self.splits!r} gives it none of the corpus's {n} "
-                                          f"document{'s' if n != 1 else ''} (a .txt file's documents are separated by "
-                                          f"blank lines): give it more documents, or weight 0 to run without it")
+                                          f"document{'s' if n != 1 else ''} (preprocess makes a document of each "
+                                          f"JSON line, and of a .txt file's text between blank lines): give it more "
+                                          f"documents, or weight 0 to run without it")
             return None
         try:
             dataset = self._make_dataset(indexed, documents, num_samples)
