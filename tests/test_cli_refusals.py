@@ -250,9 +250,9 @@ def test_a_check_larger_than_this_machine_is_refused_before_launch(monkeypatch, 
     "rank 0 died with exit code -9 without reporting", a traceback. Each layout's ranks together (the memory
     estimate, as `fit` on a CPU is judged) are held against the memory this machine has free, before any process
     starts; a rank killed anyway is named with its signal."""
-    from lightning_megatron import config_checks
+    from lightning_megatron import machine_checks
 
-    monkeypatch.setattr(config_checks, "host_memory_available", lambda: 16 * 2**30)
+    monkeypatch.setattr(machine_checks, "host_memory_available", lambda: 16 * 2**30)
     monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
 
     def refused(argv: list[str]) -> str:
@@ -276,7 +276,7 @@ def test_a_check_larger_than_this_machine_is_refused_before_launch(monkeypatch, 
     assert check_main(["--config", str(ROOT / "recipes" / "mixtral_8x7b.yaml"), "--estimate-time"]) == 0
     assert "tp2 " in capsys.readouterr().out
     # a vocabulary left to the data's tokenizer is counted too (gpt_tiny's packaged 8,192 pieces)
-    monkeypatch.setattr(config_checks, "host_memory_available", lambda: 64 * 2**20)
+    monkeypatch.setattr(machine_checks, "host_memory_available", lambda: 64 * 2**20)
     message = refused(["--config", GPT, "--layouts", "tp2"])
     assert "  - layout tp1: on this machine's CPU the 1 rank(s) of tp1 on a host need at least 0.09 GiB" in message
     assert not dist.is_initialized()
@@ -317,7 +317,7 @@ def test_a_run_this_machine_cannot_hold_is_refused_before_launch(monkeypatch, tm
     of a node together (the memory estimate) against the memory this machine has free."""
     import torch
 
-    from lightning_megatron import config_checks
+    from lightning_megatron import machine_checks
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
@@ -345,7 +345,7 @@ def test_a_run_this_machine_cannot_hold_is_refused_before_launch(monkeypatch, tm
     message = refused(["--trainer.accelerator", "xpu", "--trainer.devices", "1"])
     assert "trainer.accelerator='xpu': this machine has no such device torch can use (only mps)" in message, message
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
-    monkeypatch.setattr(config_checks, "host_memory_available", lambda: 16 * 2**30)
+    monkeypatch.setattr(machine_checks, "host_memory_available", lambda: 16 * 2**30)
     message = refused(["--trainer.accelerator", "cpu", "--trainer.devices", "2"])
     assert "on this machine's CPU the 2 rank(s) of dp2zero1 on a host need at least " in message, message
     assert "more than the 16.00 GiB it has free: the kernel would kill a rank; train a smaller" in message, message

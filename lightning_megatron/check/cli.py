@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"model.init_from={str(source)!r} does not exist: a check run builds the model from it; "
                             f"make it first (the recipe's comments say how) or set --model.init_from to a "
                             f"checkpoint or a Hugging Face folder")
-        from lightning_megatron.config_checks import MEMORY_FIX
+        from lightning_megatron.machine_checks import MEMORY_FIX
 
         if any(p.endswith(MEMORY_FIX) for p in problems):  # runs larger than this machine: the estimate runs nothing
             gpus = recipe.layout.world_size if recipe.layout is not None else "N"
