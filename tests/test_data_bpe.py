@@ -130,18 +130,19 @@ def test_preprocess_bpe_one_item_per_document_with_eod_and_vocab_sidecar(tmp_pat
         check_dataset_vocab(tmp_path / "gpt", BertTokenizer())
     # The pre-launch check of `lightning-megatron fit` takes the datamodule's tokenizer the same way: a BPE
     # data.vocab_file, or (null) the vocabulary the record names
-    from lightning_megatron.config_checks import _check_data_files
+    from lightning_megatron.data_checks import data_files_problems
     from lightning_megatron.datamodules.pretraining import BertDataModule
     from lightning_megatron.datamodules.gpt import GPTDataModule
 
+    gpt = str(tmp_path / "gpt")
     for vocab_file in (str(packaged_bpe_tokenizer_file()), None):
-        assert _check_data_files({"vocab_file": vocab_file, "data_prefix": str(tmp_path / "gpt")}, {"vocab_size": 8192},
-                                 data_class=GPTDataModule) == []
-    (problem,) = _check_data_files({"vocab_file": str(tmp_path / "other.json"), "data_prefix": str(tmp_path / "gpt")},
-                                   {}, data_class=GPTDataModule)
+        assert data_files_problems({"vocab_file": vocab_file, "data_prefix": gpt}, {"vocab_size": 8192},
+                                   data_class=GPTDataModule) == []
+    (problem,) = data_files_problems({"vocab_file": str(tmp_path / "other.json"), "data_prefix": gpt}, {},
+                                     data_class=GPTDataModule)
     assert "tokenized with another vocabulary" in problem, problem
-    (problem,) = _check_data_files({"vocab_file": None, "data_prefix": str(tmp_path / "gpt")}, {},
-                                   data_class=BertDataModule)  # BERT's datamodule needs WordPiece: refused as it would
+    (problem,) = data_files_problems({"vocab_file": None, "data_prefix": gpt}, {},
+                                     data_class=BertDataModule)  # BERT needs WordPiece: refused as it would
     assert "holds a BPE tokenizer; BERT needs WordPiece" in problem, problem
     # Without --append-eod: the same ids without the EOD, recorded as such
     preprocess_corpus([jsonl], tmp_path / "plain", tok, max_seq_length=64)

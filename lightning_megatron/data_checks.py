@@ -1,0 +1,190 @@
+"""The data section's checks before launch (:func:`lightning_megatron.config_checks.check_config` calls them): the
+files it names (datasets, vocabularies, the prompts of ``predict``, a fine-tuning section's split files), each
+dataset's record against the tokenizer the datamodule will use, and the split a command reads whole. They read
+vocabularies, sidecars and text files, never the token data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["data_arguments", "data_files_problems", "int_or_none", "tokenizer_family"]
+
+
+def int_or_none(value: Any) -> int | None:
+    """A count from a parsed configuration value (an int, or a string of digits); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def data_arguments(data_class: type | None, d: dict[str, Any]) -> dict[str, Any]:
+    """The data section's arguments with the class's defaults under them (the CLI's parsed config has
+    them all; a Python caller may give a few)."""
+    import inspect
+
+    if data_class is None:
+        return dict(d)
+    defaults = {k: p.default for k, p in inspect.signature(data_class).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **d}
+
+
+def tokenizer_family(data_class: type | None) -> str:
+    """The packaged tokenizer of the data section's datamodule (``default_tokenizer``); WordPiece (BERT's,
+    the CLI's default datamodule) when unknown."""
+    if data_class is not None:
+        from lightning_megatron.datamodules.pretraining import PretrainingDataModule
+
+        if issubclass(data_class, PretrainingDataModule):
+            return data_class.default_tokenizer
+    return "wordpiece"
+
+
+def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,
+                      predicting: bool = False, running: bool = True, split: str | None = None) -> list[str]:
+    """The files the data section names: each ``data_prefix`` (or blend member) has its ``.bin`` and
+    ``.idx``, the ``vocab_file`` exists, and a dataset's ``.vocab.json`` (written by ``preprocess``)
+    records the vocabulary of the tokenizer the datamodule will use (``vocab_file``, else the one the
+    record names, else the packaged one: :func:`~lightning_megatron.data.dataset_vocab.dataset_tokenizer`,
+    the datamodule's own rule) and ids below the model's ``vocab_size``. ``predicting``: the
+    ``predict_file`` is read and a decoder's longest prompt plus ``predict_max_new_tokens`` must fit the
+    model's positions. A fine-tuning section (LabelledTextDataModule's arguments: ``text_key``,
+    ``label_key`` and split files): its files are read, when predicting only the input of ``predict``
+    (:func:`~lightning_megatron.data.labelled_text.labelled_files_problems`). Reads only the vocabulary,
+    the small sidecar and these text files, never the token data; the datamodule checks the same again
+    at set-up (lightning_megatron.data.dataset_vocab)."""
+    import os
+
+    vocab_file, data_prefix = d.get("vocab_file"), d.get("data_prefix")
+    problems: list[str] = []
+    vocab_missing = vocab_file is not None and not os.path.exists(os.fspath(vocab_file))
+    if vocab_missing:
+        problems.append(f"data vocab_file={os.fspath(vocab_file)!r} does not exist; pass the vocab.txt the dataset "
+                        f"was preprocessed with (or null for the packaged BERT vocabulary)")
+    arguments = data_arguments(data_class, d)
+    source = m.get("init_from")
+    if {"chat_template", "tokenizer"} <= arguments.keys() and arguments.get("tokenizer") is None and isinstance(
+            source, (str, os.PathLike)) and os.path.isfile(os.path.join(os.fspath(source), "tokenizer.json")):
+        # chats encoded with the packaged BPE for a model that came with its own tokenizer: valid ids, wrong text
+        problems.append(f"data tokenizer=None encodes the chats with the packaged BPE, but model init_from="
+                        f"{os.fspath(source)!r} has its own tokenizer.json; set data.tokenizer={os.fspath(source)!r}")
+    if {"chat_template", "tokenizer"} <= arguments.keys():  # chats (SFTDataModule): its own prompt reader
+        if predicting and arguments.get("predict_file") is not None and data_class is not None:
+            problems += _check_prompts(arguments, m, lambda: data_class(**arguments).read_prompts().lengths)
+        return problems
+    if {"text_key", "label_key"} <= arguments.keys():
+        # labelled split files (LabelledTextDataModule's arguments), read only when a command runs; predict
+        # reads only its input (the predict_file, or the split it predicts)
+        from lightning_megatron.data.labelled_text import labelled_files_problems
+
+        return problems + (labelled_files_problems(arguments, predicting=predicting) if running else [])
+    prefixes: list[str] = []
+    found: list[str] = []
+    if data_prefix is not None:  # None: the built-in corpus, preprocessed with the right vocabulary at set-up
+        from lightning_megatron.data.blended import parse_data_prefix
+
+        try:
+            prefixes = ([os.fspath(data_prefix)] if isinstance(data_prefix, (str, os.PathLike))
+                        else parse_data_prefix(list(data_prefix))[1])
+        except (TypeError, ValueError) as error:
+            return [*problems, f"data {error}"]
+        for prefix in prefixes:
+            missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(f"{prefix}{ext}")]
+            if not missing:
+                found.append(prefix)
+                continue
+            stem, ext = os.path.splitext(prefix)
+            hint = (f"the prefix is the path without {ext}: data_prefix={stem!r}" if ext in (".bin", ".idx")
+                    else f"make it with `lightning-megatron preprocess --input ... --output-prefix {prefix}`")
+            problems.append(f"data data_prefix={prefix!r}: {' and '.join(repr(x) for x in missing)} not found "
+                            f"(relative paths start at {os.getcwd()!r}); {hint}")
+        if not found:
+            return problems
+    if vocab_missing:
+        return problems
+    from lightning_megatron.data.dataset_vocab import check_dataset_vocab, dataset_tokenizer, read_dataset_vocab
+
+    tokenizer: Any = None
+
+    def data_tokenizer() -> Any:  # the datamodule's: the first dataset's record names its vocabulary
+        nonlocal tokenizer
+        if tokenizer is None:
+            tokenizer = dataset_tokenizer(vocab_file, prefixes[0] if prefixes else None,
+                                          default=tokenizer_family(data_class))
+        return tokenizer
+
+    model_vocab = int_or_none(m.get("vocab_size"))
+    for prefix in found:
+        try:
+            if read_dataset_vocab(prefix) is None:
+                continue  # no record: the datamodule warns at set-up
+            check_dataset_vocab(prefix, data_tokenizer(), model_vocab)
+        except (ValueError, OSError) as error:
+            problems.append(f"data {error}")
+            if tokenizer is None:
+                return problems  # the tokenizer itself cannot be had: said once
+    if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
+        problems += [p for p in [_empty_split_problem(found, str(arguments.get("splits", "949,50,1")), split,
+                                                      predicting)] if p]
+    if predicting and d.get("predict_file") is not None:
+        from lightning_megatron.data.predict import PromptDataset
+
+        key = arguments.get("predict_json_key", "text")
+        problems += _check_prompts(arguments, m, lambda: PromptDataset(
+            os.fspath(arguments["predict_file"]), data_tokenizer(), key,
+            max_length=int_or_none(arguments.get("seq_length"))).lengths)
+    return problems
+
+
+def _empty_split_problem(prefixes: list[str], splits: str, split: str, predicting: bool) -> str | None:
+    """The ``split`` a command reads whole holding no document of any dataset of ``prefixes`` (Megatron's split of
+    each by ``splits``, as the datamodule cuts it): the command would read nothing (a split of weight 0 too)."""
+    from lightning_megatron.data.bert_dataset import get_train_valid_test_split_
+    from lightning_megatron.data.indexed_dataset import IndexedDataset
+
+    i = ("train", "valid", "test").index(split)
+    try:
+        counts = [IndexedDataset(p).num_documents for p in prefixes]
+        bounds = [get_train_valid_test_split_(splits, n) for n in counts]
+    except (ValueError, OSError):
+        return None  # said by the checks of the files and the datamodule's arguments
+    if any(b[i + 1] > b[i] for b in bounds):
+        return None
+    n, command = sum(counts), "predict" if predicting else {"valid": "validate", "test": "test"}[split]
+    return (f"data splits={splits!r} gives the {split} split none of the {n} document{'s' if n != 1 else ''} of "
+            f"{', '.join(prefixes)}: `{command}` would have nothing to read; give it more documents or a larger "
+            f"weight" + (", or pass --data.predict_file" if predicting else ""))
+
+
+def _check_prompts(d: dict[str, Any], m: dict[str, Any], prompt_lengths: Any) -> list[str]:
+    """``predict``'s ``predict_file``: readable (UTF-8, JSON lines with ``predict_json_key``; chats for an
+    ``SFTDataModule``); a decoder's prompts (``prompt_lengths()``: tokenized as the datamodule will) each fit
+    ``seq_length``, and the longest one plus ``predict_max_new_tokens`` fits the model's positions (a trained
+    model's positions are fixed: the fix is fewer new tokens or shorter prompts)."""
+    import os
+
+    from lightning_megatron.data.predict import read_texts
+
+    path, key = os.fspath(d["predict_file"]), d.get("predict_json_key", "text")
+    new, positions = int_or_none(m.get("predict_max_new_tokens")), int_or_none(m.get("max_sequence_length"))
+    try:
+        if new is None:  # an encoder's texts (cut to max_seq_length by the datamodule)
+            read_texts(path, key)
+            return []
+        lengths = prompt_lengths()
+    except (ValueError, OSError) as error:
+        return [f"data {error}"]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    need = lengths[longest] + new - 1  # the last new token is written, never fed back
+    if positions is None or need <= positions:
+        return []
+    fewer = positions - lengths[longest] + 1
+    fix = (f"generate at most {fewer} new tokens (--model.predict_max_new_tokens {fewer}) or shorten the prompts "
+           f"to at most {max(positions - new + 1, 1)} tokens" if fewer >= 1 else "shorten the prompt")
+    return [f"--model.predict_max_new_tokens={new}: the longest prompt of predict_file {path!r} (prompt "
+            f"{longest + 1}, {lengths[longest]} tokens) followed by {new} new tokens needs {need} positions, more than "
+            f"the model's max_sequence_length={positions}; {fix}"]
