@@ -70,7 +70,8 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
 )
 from lightning_megatron.dcp_io import CheckpointError, Chunks
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.sharded_state import ShardedStateMapper, optimizer_extra, plain, rng_state, set_rng_state
+from lightning_megatron.sharded_state import (ShardedStateMapper, optimizer_class_name, optimizer_extra, plain, rng_state,
+                                              set_rng_state)
 
 __all__ = [
     "CheckpointError",
@@ -389,6 +390,21 @@ def _same_ranks(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     return sizes[0] == sizes[1]
 
 
+def _optimizer_class_errors(mapper: ShardedStateMapper, saved: list[dict[str, Any]], path: Path) -> list[str]:
+    """One error per optimizer whose class is not the one the checkpoint's state was written by: another
+    optimizer's moments are not this one's state (AdamW's would be dropped by SGD without a word, SGD's
+    momentum fails in AdamW's first step). A checkpoint written before the class was recorded is not judged."""
+    errors = []
+    for opt, record in zip(mapper.optimizers, saved):
+        was, now = record.get("optimizer_class"), optimizer_class_name(opt.optimizer)
+        if was is not None and was != now:
+            errors.append(f"optimizer class: checkpoint {was}, this run {now} (its state is another optimizer's: "
+                          f"resume with the optimizer the run was trained with, the recipe's model.optimizer or "
+                          f"--optimizer {was} with its arguments, or start a new run from its weights alone with "
+                          f"--model.init_from {str(path)!r})")
+    return errors
+
+
 def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,
          layout: dict[str, int | None], load_optimizer: bool,
          hparam_defaults: dict[str, Any] | None = None,
@@ -414,6 +430,8 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     if upgrade_hparams is not None:
         saved_hparams = upgrade_hparams(saved_hparams)
     errors, allowed = compare_hparams(saved_hparams, hparams, hparam_defaults)
+    if load_optimizer:
+        errors += _optimizer_class_errors(mapper, extra.get("megatron_optimizers") or [], path)
     state = mapper.save_state(include_optimizer=False)
     problems = errors + _shape_errors(state, md)
     everyone = _gather((problems, sorted(state)))

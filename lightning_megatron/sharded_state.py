@@ -38,7 +38,7 @@ from lightning_megatron.protocols import OptimizerWrapper, PlainOptimizer, Shard
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 
-__all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "optimizer_extra",
+__all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "optimizer_class_name", "optimizer_extra",
            "plain", "rng_state", "set_rng_state", "shard_info"]
 
 
@@ -404,9 +404,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tracker.set_states(current)
 
 
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The class as the CLI's ``--optimizer`` names it: ``torch.optim.AdamW``, or its module and name."""
+    cls = type(optimizer)
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def optimizer_extra(opt: OptimizerWrapper) -> dict[str, Any]:
     groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
-    out: dict[str, Any] = {"param_groups": groups, "num_skipped_steps": int(opt.num_skipped_steps)}
+    out: dict[str, Any] = {"param_groups": groups, "num_skipped_steps": int(opt.num_skipped_steps),
+                           "optimizer_class": optimizer_class_name(opt.optimizer)}
     if opt.grad_scaler is not None:
         out["grad_scaler"] = opt.grad_scaler.state_dict()
     return out

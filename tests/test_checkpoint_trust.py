@@ -1,8 +1,8 @@
 """Checkpoints under Trainer on 2 ranks: a planted .metadata payload never runs (fit and validate),
-a flipped byte, an altered checksum, another head count and another hidden size are clear
-CheckpointErrors, saving is warning-free and atomic, stale temporaries go, a full disk is named, a
-NaN gradient stops the run and keeps the last good checkpoint, checkpoints without checksums (format
-1, or checksums deleted) load only with the opt-in."""
+a flipped byte, an altered checksum, another head count, another hidden size and (on resume) another
+optimizer class are clear CheckpointErrors, saving is warning-free and atomic, stale temporaries go, a
+full disk is named, a NaN gradient stops the run and keeps the last good checkpoint, checkpoints without
+checksums (format 1, or checksums deleted) load only with the opt-in."""
 
 from __future__ import annotations
 
@@ -123,6 +123,18 @@ def _worker(root: str) -> dict:
     trainer, dm = _trainer(2, 6)
     other = {**TINY_MODEL, "config": {**TINY_CONFIG, "hidden_size": 64}}
     out["hidden"] = _error(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
+    # --- another optimizer class (the CLI's --optimizer): AdamW's moments never become SGD's state (they
+    # were dropped silently), nor SGD's momentum AdamW's (a KeyError at the first step); validate loads no
+    # optimizer state and is not refused
+    trainer, dm = _trainer(2, 6)
+    sgd = BertLightningModule(**TINY_MODEL)
+    sgd.use_optimizer("torch.optim.SGD", {"momentum": 0.9})
+    out["optimizer_class"] = _error(lambda: trainer.fit(sgd, datamodule=dm, ckpt_path=good))
+    trainer, dm = _trainer(2, 0, limit_val_batches=1)
+    sgd = BertLightningModule(**TINY_MODEL)
+    sgd.use_optimizer("torch.optim.SGD", {"momentum": 0.9})
+    out["optimizer_class_validate"] = _error(lambda: trainer.validate(sgd, datamodule=dm, ckpt_path=good,
+                                                                      verbose=False))
 
     # --- a full disk: the previous checkpoint stays, no temporary is left, the error names the directory
     import torch.distributed.checkpoint as dcp
@@ -295,6 +307,11 @@ def test_other_hyperparameters_are_listed_in_one_error(results):
         assert hidden.startswith("CheckpointError") and "hidden_size: checkpoint 32, model 64" in hidden, hidden
         assert "checkpoint shape (1000, 32), model shape (1000, 64)" in hidden
         assert "Traceback" not in hidden and len(hidden) < 4000
+        refused = r["optimizer_class"]
+        assert refused.startswith("CheckpointError"), refused
+        assert "optimizer class: checkpoint torch.optim.AdamW, this run torch.optim.SGD" in refused, refused
+        assert "--optimizer torch.optim.AdamW" in refused and "--model.init_from" in refused, refused
+        assert r["optimizer_class_validate"] == "no error", r["optimizer_class_validate"]
 
 
 def test_a_save_never_replaces_another_runs_checkpoint(results):
