@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["data_arguments", "data_files_problems", "int_or_none", "tokenizer_family"]
+__all__ = ["checkpoint_vocabulary_problems", "data_arguments", "data_files_problems", "int_or_none", "tokenizer_family"]
 
 
 def int_or_none(value: Any) -> int | None:
@@ -42,6 +42,47 @@ def tokenizer_family(data_class: type | None) -> str:
         if issubclass(data_class, PretrainingDataModule):
             return data_class.default_tokenizer
     return "wordpiece"
+
+
+def checkpoint_vocabulary_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None,
+                                   ckpt_path: Any = None) -> list[str]:
+    """A checkpoint to load (``ckpt_path``, or our checkpoint as ``model.init_from``) that records the vocabulary
+    its data was tokenized with, against the tokenizer the datamodule will use (``data_class(...).tokenizer``: its
+    own rule, read here as the ranks will read it): a vocabulary of the same size with other pieces gives valid
+    ids of the wrong text (:func:`~lightning_megatron.data.dataset_vocab.vocabulary_mismatch`; the module refuses
+    it again at set-up). A datamodule whose class has no ``tokenizer`` property, or whose tokenizer cannot be
+    had (its own checks say why), is not judged."""
+    import os
+    from pathlib import Path
+
+    records = [(os.fspath(p), r) for p in (m.get("init_from"), ckpt_path)
+               if isinstance(p, (str, os.PathLike)) and (r := _recorded_vocabulary(Path(p))) is not None]
+    if not records or data_class is None or not isinstance(getattr(data_class, "tokenizer", None), property):
+        return []
+    from lightning_megatron.data.dataset_vocab import vocabulary_mismatch
+
+    try:
+        tokenizer = data_class(**data_arguments(data_class, d)).tokenizer
+    except Exception:  # noqa: BLE001 - the data section's own checks name what is wrong with it
+        return []
+    return [problem for path, record in records if (problem := vocabulary_mismatch(record, tokenizer, path))]
+
+
+def _recorded_vocabulary(path: Any) -> dict[str, Any] | None:
+    """The vocabulary our checkpoint directory records (``extra.pt``, read with ``weights_only=True``); None for
+    anything else (the ranks verify its checksums before they load it)."""
+    import torch
+
+    from lightning_megatron.checkpoint_verify import MARKER
+    from lightning_megatron.saved_model import VOCABULARY
+
+    if not (path / MARKER).is_file() or not (path / "extra.pt").is_file():
+        return None
+    try:
+        record = torch.load(path / "extra.pt", weights_only=True, map_location="cpu").get(VOCABULARY)
+    except Exception:  # noqa: BLE001 - unreadable: the ranks' verification names it
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,

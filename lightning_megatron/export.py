@@ -25,6 +25,7 @@ import importlib
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from lightning_megatron.interop import check_adapter
 from lightning_megatron.interop.hf_folder import check_output_folder, hf_model_from_saved, write_hf_folder
@@ -93,6 +94,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
         raise ValueError("--tokenizer and --vocab_file both name the tokenizer the model was trained with: give one")
     out = check_output_folder(output, overwrite)
     saved = read_model_checkpoint(ckpt_path)  # verified first: a damaged checkpoint is refused as such
+    trained_on = saved.vocabulary
     path, how = module_class_of(saved, model_class)
     cls = import_module_class(path, named_by_user=model_class is not None)
     adapter = check_adapter(cls.interop, cls.__name__)
@@ -105,8 +107,36 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
             raise ValueError(f"{e} (exported as {cls.__name__}, {how}; if another class wrote it, pass "
                              f"--model-class package.module.Class)") from e
         raise
-    write_hf_folder(model, write_tokenizer, out)
+    def write_checked_tokenizer(folder: Path) -> None:
+        write_tokenizer(folder)
+        problem = exported_vocabulary_problem(trained_on, folder)
+        if problem is not None:  # the folder is still the temporary one: nothing is swapped in
+            raise ValueError(f"export hf {str(ckpt_path)!r}: {problem}")
+
+    write_hf_folder(model, write_checked_tokenizer, out)
     return out
+
+
+def exported_vocabulary_problem(trained_on: dict[str, Any] | None, folder: Path) -> str | None:
+    """Why the tokenizer written to ``folder`` is not the vocabulary the checkpoint records its data was tokenized
+    with (``trained_on``: :func:`~lightning_megatron.data.dataset_vocab.vocabulary_record`), read back as
+    transformers reads it: its pieces in id order. None when they agree, or when either side says nothing (a
+    checkpoint written before the record, a folder without a tokenizer)."""
+    if not isinstance(trained_on, dict) or not any((folder / name).is_file() for name in (
+            "tokenizer.json", "vocab.txt", "vocab.json")):
+        return None
+    import hashlib
+
+    from lightning_megatron.interop.hf_folder import import_transformers
+
+    written = import_transformers("reading the exported tokenizer back").AutoTokenizer.from_pretrained(folder)
+    pieces = [piece or "" for piece in written.convert_ids_to_tokens(list(range(len(written))))]
+    if hashlib.sha256("\n".join(pieces).encode("utf-8")).hexdigest() == trained_on.get("pieces_sha256"):
+        return None
+    return (f"the tokenizer it would write ({len(pieces)} pieces) is not the vocabulary the run's data was tokenized "
+            f"with ({trained_on.get('source')}, {trained_on.get('vocab_size')} pieces, sha256 "
+            f"{str(trained_on.get('pieces_sha256'))[:12]}): pass that file with --tokenizer (a decoder) or "
+            f"--vocab_file (BERT)")
 
 
 def export_peft(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str], *, overwrite: bool = False) -> Path:

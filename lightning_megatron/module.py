@@ -59,7 +59,7 @@ from typing_extensions import override
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.saved_model import MODULE_CLASS, SavedModel, class_path
+from lightning_megatron.saved_model import MODULE_CLASS, VOCABULARY, SavedModel, class_path
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 
 if TYPE_CHECKING:
@@ -171,6 +171,28 @@ class MegatronLightningModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The class that wrote the checkpoint (a plain string): `export hf` takes its interop adapter.
         checkpoint[MODULE_CLASS] = class_path(type(self))
+        from lightning_megatron.data.dataset_vocab import vocabulary_record
+
+        record = vocabulary_record(self._data_tokenizer())
+        if record is not None:  # what the ids mean: resume, evaluation and init_from compare it
+            checkpoint[VOCABULARY] = record
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose data was tokenized with another vocabulary than this run's data."""
+        self._refuse_another_vocabulary(checkpoint.get(VOCABULARY), str(self.trainer.ckpt_path))
+
+    def _data_tokenizer(self) -> Any:
+        """The tokenizer of the trainer's datamodule (None without a trainer, a datamodule or a ``tokenizer``)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return getattr(datamodule, "tokenizer", None) if datamodule is not None else None
+
+    def _refuse_another_vocabulary(self, saved: Any, checkpoint: str) -> None:
+        from lightning_megatron.checkpoint_verify import CheckpointError
+        from lightning_megatron.data.dataset_vocab import vocabulary_mismatch
+
+        if saved is not None and (problem := vocabulary_mismatch(saved, self._data_tokenizer(), checkpoint)):
+            raise CheckpointError(problem)
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every chunk's parameters under their own names (override when they depend on the layout)."""
@@ -304,6 +326,7 @@ class MegatronLightningModule(LightningModule):
         assert self.model_chunks is not None and self.parallel_state is not None, "configure_model has not run"
         name = source if isinstance(source, str) else "<state dict>"
         saved = self.read_pretrained(source) if isinstance(source, str) else source
+        self._refuse_another_vocabulary(saved.vocabulary, name)
         hparams = self.flat_hparams(self.hparams)
         refuse_architecture(self.architecture_conflicts(hparams, saved.hparams), name,
                             flag_prefix=self.architecture_flag_prefix)

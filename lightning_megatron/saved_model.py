@@ -33,11 +33,14 @@ from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import dcp_io
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
-__all__ = ["SavedModel", "MODULE_CLASS", "class_path", "read_model_checkpoint", "read_saved_hparams", "state_digest",
-           "load_full_state_dict", "refuse_architecture", "flat_hparams"]
+__all__ = ["SavedModel", "MODULE_CLASS", "VOCABULARY", "class_path", "read_model_checkpoint", "read_saved_hparams",
+           "state_digest", "load_full_state_dict", "refuse_architecture", "flat_hparams"]
 
 MODULE_CLASS = "module_class"
 """The ``extra.pt`` entry naming the class of the module that wrote the checkpoint (``package.module.Class``)."""
+VOCABULARY = "vocabulary"
+"""The ``extra.pt`` entry recording the vocabulary the run's data was tokenized with
+(:func:`~lightning_megatron.data.dataset_vocab.vocabulary_record`)."""
 
 _LAYER = re.compile(r"^\w+\.layers\.(\d+)\.")
 """A transformer layer's parameter under its global number (``encoder.layers.3.*``, ``decoder.layers.3.*``)."""
@@ -65,6 +68,9 @@ class SavedModel:
     module_class: str | None = None
     """The class path of the module that wrote our checkpoint (:data:`MODULE_CLASS`); None for
     checkpoints written before it was recorded, and for other sources."""
+    vocabulary: dict[str, Any] | None = None
+    """What our checkpoint records of the vocabulary its data was tokenized with
+    (:func:`~lightning_megatron.data.dataset_vocab.vocabulary_record`); None where it records none."""
 
 
 def class_path(cls: type) -> str:
@@ -102,7 +108,8 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     return SavedModel(state_dict={k.removeprefix("model."): v for k, v in state.items()},
                       hparams=flat_hparams(hparams), module_hparams=hparams,
                       datamodule_hparams=dict(extra.get("datamodule_hyper_parameters") or {}),
-                      layout=dict(info.get("layout") or {}), module_class=_module_class(extra, path))
+                      layout=dict(info.get("layout") or {}), module_class=_module_class(extra, path),
+                      vocabulary=extra.get(VOCABULARY) if isinstance(extra.get(VOCABULARY), dict) else None)
 
 
 def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:

@@ -348,6 +348,15 @@ class ChatTokenizer:
         self._vocab_size = max(vocab.values()) + 1
         self.chat_template, self.template_source = self._template(folder, config, chat_template)
 
+    @property
+    def inv_vocab(self) -> list[str]:
+        """The pieces in id order (added tokens included; an id without a piece is ``""``): what a checkpoint
+        records of the vocabulary (:func:`~lightning_megatron.data.dataset_vocab.vocabulary_record`)."""
+        pieces = [""] * self._vocab_size
+        for token, index in self._tokenizer.get_vocab(with_added_tokens=True).items():
+            pieces[index] = token
+        return pieces
+
     @staticmethod
     def _template(folder: Path, config: dict[str, Any], choice: str | None) -> tuple[str, str]:
         """(template, where it came from)."""

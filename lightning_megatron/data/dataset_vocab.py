@@ -41,6 +41,8 @@ __all__ = [
     "trained_vocabulary",
     "vocab_sha256",
     "vocab_sidecar_path",
+    "vocabulary_mismatch",
+    "vocabulary_record",
     "write_dataset_vocab",
 ]
 
@@ -99,6 +101,36 @@ def vocab_sha256(tokenizer: DatasetTokenizer) -> str:
     if tokenizer.merges:
         text += "\n\n#merges\n" + "\n".join(tokenizer.merges)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def vocabulary_record(tokenizer: Any) -> dict[str, Any] | None:
+    """What a checkpoint records of the vocabulary its data was tokenized with: ``{"vocab_size", "pieces_sha256",
+    "source"}``, the pieces hashed in id order (``\\n``-joined; one tokenizer.json read by our BPE reader and by the
+    chat reader hashes the same). None for a tokenizer that does not give its pieces (``inv_vocab``)."""
+    pieces = getattr(tokenizer, "inv_vocab", None)
+    if not isinstance(pieces, (list, tuple)) or not pieces:
+        return None
+    source = getattr(tokenizer, "vocab_file", None) or getattr(tokenizer, "path", None)
+    return {"vocab_size": len(pieces), "pieces_sha256": hashlib.sha256("\n".join(pieces).encode("utf-8")).hexdigest(),
+            "source": str(Path(source).resolve()) if source else None}
+
+
+def vocabulary_mismatch(saved: Any, tokenizer: Any, checkpoint: str) -> str | None:
+    """Why the model of ``checkpoint``, trained on data tokenized as ``saved`` (its :func:`vocabulary_record`)
+    must not take data tokenized by ``tokenizer``: the same ids would be other pieces (with the same number of
+    pieces nothing else notices). None when they agree, or when either side does not say."""
+    current = vocabulary_record(tokenizer)
+    if not isinstance(saved, dict) or current is None or saved.get("pieces_sha256") in (None, current["pieces_sha256"]):
+        return None
+
+    def named(record: dict[str, Any]) -> str:
+        return (f"{record.get('source') or 'a vocabulary'} ({record.get('vocab_size')} pieces, sha256 "
+                f"{str(record.get('pieces_sha256'))[:12]})")
+
+    return (f"checkpoint {checkpoint!r} was trained on data tokenized with {named(saved)}; this run's data is "
+            f"tokenized with {named(current)}: the same ids would be other pieces. Tokenize the data with the "
+            f"checkpoint's vocabulary (the data section's vocab_file, or tokenizer for chats: "
+            f"{saved.get('source') or 'the one the checkpoint was trained with'})")
 
 
 def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokenizer, *,
