@@ -181,6 +181,14 @@ class MegatronLightningModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint whose data was tokenized with another vocabulary than this run's data."""
         self._refuse_another_vocabulary(checkpoint.get(VOCABULARY), str(self.trainer.ckpt_path))
+        fresh = self.trainer.lr_scheduler_configs[len(checkpoint.get("lr_schedulers") or []):]
+        if fresh and checkpoint.get("global_step", 0) > 0 and self.trainer.state.fn == "fit":
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            names = ", ".join(type(config.scheduler).__name__ for config in fresh)
+            rank_zero_warn(f"the checkpoint at step {checkpoint['global_step']} holds no state of the LR scheduler "
+                           f"{names} this run configures (it was trained with another schedule, or none): it starts "
+                           f"from its own first step here", category=UserWarning)
 
     def _data_tokenizer(self) -> Any:
         """The tokenizer of the trainer's datamodule (None without a trainer, a datamodule or a ``tokenizer``)."""

@@ -78,6 +78,16 @@ class LossRecorder:
         return _Recorder()
 
 
+def error_of(fn: Any) -> str:
+    """``"<ExceptionType>: <message>"`` of what ``fn()`` raises, ``"no error"`` when it returns (a rank's outcome,
+    returned to the test as a string)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def make_trainer(strategy: Any, world_size: int, max_steps: int, callbacks: list | None = None, **kwargs: Any):
     from lightning.pytorch import Trainer
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import TINY_CONFIG, TINY_MODEL, make_trainer, synthetic_datamodule
+from megatron_testing import TINY_CONFIG, TINY_MODEL, error_of, make_trainer, synthetic_datamodule
 
 DATA = Path(__file__).parent / "data"
 
@@ -49,14 +49,6 @@ def _trainer(tp: int, max_steps: int, pp: int = 1, **kwargs):
     dims = strategy.parallel_dims.for_world_size(trainer.world_size)
     dp_rank = dims.coordinates(torch.distributed.get_rank())["dp"]
     return trainer, synthetic_datamodule(8, 2, dims.dp, dp_rank)
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _worker(root: str) -> dict:
@@ -97,10 +89,10 @@ def _worker(root: str) -> dict:
         _rewrite_marker(planted, ".metadata")
     torch.distributed.barrier()
     trainer, dm = _trainer(2, 6)
-    out["payload_fit"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
+    out["payload_fit"] = error_of(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
                                                     ckpt_path=planted))
     trainer, dm = _trainer(2, 6)
-    out["payload_validate"] = _error(lambda: trainer.validate(BertLightningModule(**TINY_MODEL), datamodule=dm,
+    out["payload_validate"] = error_of(lambda: trainer.validate(BertLightningModule(**TINY_MODEL), datamodule=dm,
                                                               ckpt_path=planted, verbose=False))
     out["sentinel"] = sentinel.exists()
 
@@ -114,27 +106,36 @@ def _worker(root: str) -> dict:
         shard.write_bytes(bytes(data))
     torch.distributed.barrier()
     trainer, dm = _trainer(2, 6)
-    out["flip"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=flipped))
+    out["flip"] = error_of(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=flipped))
 
     # --- other hyper-parameters: every differing field in one error; another hidden size: short
     trainer, dm = _trainer(2, 6)
     other = {**TINY_MODEL, "config": {**TINY_CONFIG, "num_attention_heads": 2, "layernorm_epsilon": 1e-5}}
-    out["heads"] = _error(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
+    out["heads"] = error_of(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
     trainer, dm = _trainer(2, 6)
     other = {**TINY_MODEL, "config": {**TINY_CONFIG, "hidden_size": 64}}
-    out["hidden"] = _error(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
+    out["hidden"] = error_of(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
     # --- another optimizer class (the CLI's --optimizer): AdamW's moments never become SGD's state (they
     # were dropped silently), nor SGD's momentum AdamW's (a KeyError at the first step); validate loads no
     # optimizer state and is not refused
     trainer, dm = _trainer(2, 6)
     sgd = BertLightningModule(**TINY_MODEL)
     sgd.use_optimizer("torch.optim.SGD", {"momentum": 0.9})
-    out["optimizer_class"] = _error(lambda: trainer.fit(sgd, datamodule=dm, ckpt_path=good))
+    out["optimizer_class"] = error_of(lambda: trainer.fit(sgd, datamodule=dm, ckpt_path=good))
     trainer, dm = _trainer(2, 0, limit_val_batches=1)
     sgd = BertLightningModule(**TINY_MODEL)
     sgd.use_optimizer("torch.optim.SGD", {"momentum": 0.9})
-    out["optimizer_class_validate"] = _error(lambda: trainer.validate(sgd, datamodule=dm, ckpt_path=good,
+    out["optimizer_class_validate"] = error_of(lambda: trainer.validate(sgd, datamodule=dm, ckpt_path=good,
                                                                       verbose=False))
+    # --- a torch LR scheduler the checkpoint holds no state of (the run was trained without it) starts from its own
+    # first step: said (Lightning restored the schedulers it had state for without a word)
+    trainer, dm = _trainer(2, 6)
+    stepped = BertLightningModule(**TINY_MODEL)
+    stepped.use_lr_scheduler("torch.optim.lr_scheduler.StepLR", {"step_size": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(stepped, datamodule=dm, ckpt_path=good)
+    out["fresh_scheduler"] = [str(w.message) for w in caught if "holds no state of the LR scheduler" in str(w.message)]
 
     # --- a full disk: the previous checkpoint stays, no temporary is left, the error names the directory
     import torch.distributed.checkpoint as dcp
@@ -149,7 +150,7 @@ def _worker(root: str) -> dict:
     trainer, dm = _trainer(2, 1)
     trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm)
     before = ckpt.checkpoint_identity(good), (good / ckpt.MARKER).read_text()
-    out["other_run"] = _error(lambda: trainer.save_checkpoint(good))
+    out["other_run"] = error_of(lambda: trainer.save_checkpoint(good))
     out["other_run_ids"] = trainer.strategy.run_id, before[0][0]
     out["other_run_untouched"] = (good / ckpt.MARKER).read_text() == before[1]
     original = dcp.FileSystemWriter.write_data
@@ -157,7 +158,7 @@ def _worker(root: str) -> dict:
     try:
         trainer, dm = _trainer(2, 5)  # the run of last.ckpt, one step further, saved again there
         trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=good)
-        out["full"] = _error(lambda: trainer.save_checkpoint(good))
+        out["full"] = error_of(lambda: trainer.save_checkpoint(good))
     finally:
         dcp.FileSystemWriter.write_data = original
     torch.distributed.barrier()
@@ -217,7 +218,7 @@ def _worker(root: str) -> dict:
     trainer, dm = _trainer(2, 6, enable_checkpointing=True, callbacks=[
         MegatronOptimizerCallback(), inject,
         ModelCheckpoint(dirpath=nan_dir, save_last=True, save_top_k=0, every_n_train_steps=1)])
-    out["nan"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm))
+    out["nan"] = error_of(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm))
     step_module.finalize_model_grads = finalize
     stopped = [None] * torch.distributed.get_world_size()
     try:
@@ -246,15 +247,16 @@ def _worker(root: str) -> dict:
         (altered / ckpt.MARKER).write_text(json.dumps(marker))
     torch.distributed.barrier()
     trainer, dm = _trainer(2, 6)
-    out["nosums_fit"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=nosums))
+    out["nosums_fit"] = error_of(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
+                                                     ckpt_path=nosums))
     v1 = json.loads((DATA / "ckpt_v1_tp2.json").read_text())
     v1_model = BertLightningModule.upgrade_hparams(v1["model"])  # written with the flat arguments of before
     trainer, dm = _trainer(2, 0, limit_val_batches=2)
-    out["v1_validate"] = _error(lambda: trainer.validate(BertLightningModule(**v1_model), datamodule=dm,
+    out["v1_validate"] = error_of(lambda: trainer.validate(BertLightningModule(**v1_model), datamodule=dm,
                                                          ckpt_path=DATA / "ckpt_v1_tp2", verbose=False))
     os.environ[ckpt.ALLOW_UNVERIFIED_ENV] = "1"  # the opt-in from here on (--allow-unverified-checkpoint)
     trainer, dm = _trainer(2, 6)
-    out["altered_fit"] = _error(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
+    out["altered_fit"] = error_of(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
                                                     ckpt_path=altered))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -298,7 +300,7 @@ def test_byte_flip_names_the_file(results):
         assert ".distcp" in r["flip"]
 
 
-def test_other_hyperparameters_are_listed_in_one_error(results):
+def test_other_hyperparameters_are_listed_in_oneerror_of(results):
     for r in results:
         assert r["heads"].startswith("CheckpointError"), r["heads"]
         assert "num_attention_heads: checkpoint 4, model 2" in r["heads"]
@@ -312,6 +314,10 @@ def test_other_hyperparameters_are_listed_in_one_error(results):
         assert "optimizer class: checkpoint torch.optim.AdamW, this run torch.optim.SGD" in refused, refused
         assert "--optimizer torch.optim.AdamW" in refused and "--model.init_from" in refused, refused
         assert r["optimizer_class_validate"] == "no error", r["optimizer_class_validate"]
+    assert results[0]["fresh_scheduler"] == ["the checkpoint at step 3 holds no state of the LR scheduler StepLR this "
+                                             "run configures (it was trained with another schedule, or none): it "
+                                             "starts from its own first step here"], results[0]["fresh_scheduler"]
+    assert results[1]["fresh_scheduler"] == []  # said once
 
 
 def test_a_save_never_replaces_another_runs_checkpoint(results):

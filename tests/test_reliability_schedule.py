@@ -77,8 +77,11 @@ def test_resume_with_larger_max_steps_warns_and_follows_the_flags(tmp_path, recw
     assert "lr_decay_steps: configured 8, checkpoint 4" in msg and "using the configured values" in msg, msg
     assert extended == pytest.approx([_linear(s, 8) for s in range(4, 8)])
 
-    # Neither flag (Megatron's default): a difference is an error naming every differing field.
-    with pytest.raises(ValueError) as info:
+    # Neither flag (Megatron's default): a difference is an error naming every differing field (a CheckpointError:
+    # one line from the CLI, not a traceback per rank).
+    from lightning_megatron.checkpoint_verify import CheckpointError
+
+    with pytest.raises(CheckpointError) as info:
         _fit(8, ckpt_in=ckpt, use_checkpoint_opt_param_scheduler=False)
     assert "lr_decay_steps: configured 8, checkpoint 4" in str(info.value), info.value
     assert "wd_incr_steps: configured 8, checkpoint 4" in str(info.value), info.value
@@ -90,3 +93,27 @@ def test_resume_with_the_same_schedule_is_silent(tmp_path, recwarn):
     resumed = _fit(8, ckpt_in=ckpt, lr_decay_steps=8, wd_incr_steps=8)
     assert not [w for w in recwarn if "schedule differs" in str(w.message)]
     assert first + resumed == pytest.approx([0.0] + [_linear(s, 8) for s in range(1, 8)])
+
+
+def test_resume_from_a_checkpoint_without_this_schedule_is_refused_or_starts_at_its_step(tmp_path):
+    """A run trained without this schedule (a torch LR scheduler, or a constant lr) and resumed with it warmed up
+    again from step 0 at the checkpoint's step, its decay horizon shifted past the run's end, without a word.
+    Refused, naming the ways on; with ``override_opt_param_scheduler=True`` (and
+    ``use_checkpoint_opt_param_scheduler=False``, Megatron's pair) the schedule starts at the checkpoint's
+    step, as if it had run from the first step."""
+    ckpt = str(tmp_path / "constant.ckpt")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_Module())
+    trainer.save_checkpoint(ckpt)
+    from lightning_megatron.checkpoint_verify import CheckpointError
+
+    with pytest.raises(CheckpointError) as info:
+        _fit(8, ckpt_in=ckpt, lr_decay_steps=8)
+    message = str(info.value)
+    assert "resumes at step 4 from a checkpoint that holds no state of this schedule" in message, message
+    assert "--lr_schedule.override_opt_param_scheduler true" in message and "--lr_scheduler" in message, message
+    with pytest.warns(UserWarning, match="starts at step 4"):
+        resumed = _fit(8, ckpt_in=ckpt, lr_decay_steps=8, override_opt_param_scheduler=True,
+                       use_checkpoint_opt_param_scheduler=False)
+    assert resumed == pytest.approx([_linear(s, 8) for s in range(4, 8)])

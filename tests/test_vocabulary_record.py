@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_testing import make_trainer
+from megatron_testing import error_of, make_trainer
 
 TINY = dict(num_layers=1, hidden_size=32, num_attention_heads=2, max_sequence_length=32, hidden_dropout=0.0,
             attention_dropout=0.0)
@@ -30,14 +30,6 @@ def _swapped_tokenizer(folder: Path) -> Path:
     folder.mkdir()
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     return folder
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _worker(root: str) -> dict:
@@ -59,15 +51,15 @@ def _worker(root: str) -> dict:
     trainer.save_checkpoint(root_p / "base.ckpt")
     base = str(root_p / "base.ckpt")
     trainer, data, module = run(2, other)
-    out["resume"] = _error(lambda: trainer.fit(module, datamodule=data, ckpt_path=base))
+    out["resume"] = error_of(lambda: trainer.fit(module, datamodule=data, ckpt_path=base))
     trainer, data, module = run(0, other)
-    out["validate"] = _error(lambda: trainer.validate(module, datamodule=data, ckpt_path=base, verbose=False))
+    out["validate"] = error_of(lambda: trainer.validate(module, datamodule=data, ckpt_path=base, verbose=False))
     trainer, data, module = run(1, other, init_from=base)
-    out["init_from"] = _error(lambda: trainer.fit(module, datamodule=data))
+    out["init_from"] = error_of(lambda: trainer.fit(module, datamodule=data))
     trainer, data, module = run(1, None, init_from=base)
-    out["init_from_same"] = _error(lambda: trainer.fit(module, datamodule=data))
+    out["init_from_same"] = error_of(lambda: trainer.fit(module, datamodule=data))
     trainer, data, module = run(2, None)
-    out["resume_same"] = _error(lambda: trainer.fit(module, datamodule=data, ckpt_path=base))
+    out["resume_same"] = error_of(lambda: trainer.fit(module, datamodule=data, ckpt_path=base))
     return out
 
 

@@ -74,6 +74,8 @@ class OptimizerParamSchedulerCallback(Callback):
         )
         self.scheduler: OptimizerParamScheduler | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._state_loaded = False
+        """Whether this fit loaded the schedule's state from a checkpoint."""
         self._last_global_step = 0
         self._resolved: dict[str, int] = {}
 
@@ -102,11 +104,36 @@ class OptimizerParamSchedulerCallback(Callback):
             if message:
                 rank_zero_warn(f"OptimizerParamSchedulerCallback: {message}", category=UserWarning)
         self.scheduler = OptimizerParamScheduler(trainer.optimizers[0], **kwargs)
+        self._state_loaded = False
         self._resolved = {name: kwargs[name] for name in ("lr_decay_steps", "wd_incr_steps")
                           if self.kwargs[name] is None}
         if self._pending_state is not None:
             self._load(self._pending_state)
             self._pending_state = None
+
+    def _start_without_state(self, trainer: pl.Trainer) -> None:
+        """A run resumed from a checkpoint that holds no state of this schedule (trained with a torch LR scheduler,
+        or a constant lr): from its first step it would warm up again mid-run, its decay ending past the run's end.
+        Refused; with ``override_opt_param_scheduler`` it starts at the checkpoint's step (its applied steps), as if
+        it had run from the first."""
+        assert self.scheduler is not None
+        step = trainer.global_step
+        applied = step - int(getattr(optimizer_wrapper(trainer.optimizers[0]), "num_skipped_steps", 0) or 0)
+        if not self.kwargs["override_opt_param_scheduler"]:
+            from lightning_megatron.checkpoint_verify import CheckpointError
+
+            raise CheckpointError(  # every rank decides alike: the CLI says it once
+                f"OptimizerParamSchedulerCallback: the run resumes at step {step} from a checkpoint that holds no "
+                f"state of this schedule (it was trained with another LR schedule, or none): the schedule would warm "
+                f"up again from its first step there. Resume with the schedule the run was trained with (its "
+                f"--lr_scheduler ..., or --lr_schedule null), or take the configured schedule, started at step "
+                f"{applied} as if it had run from the first step: override_opt_param_scheduler=True with "
+                f"use_checkpoint_opt_param_scheduler=False (--lr_schedule.override_opt_param_scheduler true "
+                f"--lr_schedule.use_checkpoint_opt_param_scheduler false)")
+        rank_zero_warn(f"OptimizerParamSchedulerCallback: the checkpoint holds no state of this schedule; with "
+                       f"override_opt_param_scheduler=True it starts at step {applied}, as if it had run from the "
+                       f"first step", category=UserWarning)
+        self.scheduler.num_steps = applied
 
     def _fast_dev_run_horizon(self, trainer: pl.Trainer) -> int:
         """``fast_dev_run``: Lightning sets ``max_steps`` to the few batches it runs, so ``lr_decay_steps=None``
@@ -123,7 +150,13 @@ class OptimizerParamSchedulerCallback(Callback):
     def _load(self, state: dict[str, Any]) -> None:
         """Megatron's resume rule (see OptimizerParamScheduler.load_state_dict), with a warning on any difference."""
         assert self.scheduler is not None
-        self.scheduler.load_state_dict(state)
+        try:
+            self.scheduler.load_state_dict(state)
+        except ValueError as e:  # a field differs and neither flag says which value to take
+            from lightning_megatron.checkpoint_verify import CheckpointError
+
+            raise CheckpointError(f"OptimizerParamSchedulerCallback: {e}") from None  # the CLI says it once
+        self._state_loaded = True
         message = self.scheduler.describe_resume_differences()
         if message:
             resolved = [f"{name}=null resolved to trainer.max_steps={steps}" for name, steps in self._resolved.items()
@@ -135,6 +168,8 @@ class OptimizerParamSchedulerCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the checkpoint restore: global_step is where this run continues from.
         self._last_global_step = trainer.global_step
+        if self.scheduler is not None and trainer.global_step > 0 and not self._state_loaded:
+            self._start_without_state(trainer)
         if self.scheduler is not None:
             # The restored optimizer state carries the lr/wd of the saved step; the schedule (which may
             # have been overridden on resume) sets them for the first step of this run.
