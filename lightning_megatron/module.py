@@ -181,10 +181,26 @@ class MegatronLightningModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint whose data was tokenized with another vocabulary than this run's data."""
         self._refuse_another_vocabulary(checkpoint.get(VOCABULARY), str(self.trainer.ckpt_path))
-        fresh = self.trainer.lr_scheduler_configs[len(checkpoint.get("lr_schedulers") or []):]
-        if fresh and checkpoint.get("global_step", 0) > 0 and self.trainer.state.fn == "fit":
-            from lightning.pytorch.utilities import rank_zero_warn
+        if self.trainer.state.fn != "fit":
+            return
+        from lightning.pytorch.utilities import rank_zero_warn
 
+        datamodule = getattr(self.trainer, "datamodule", None)
+        saved_data = checkpoint.get("datamodule_hyper_parameters")
+        if datamodule is not None and isinstance(saved_data, Mapping) and saved_data:
+            from lightning_megatron.sharded_state import plain
+
+            current = plain(dict(datamodule.hparams))
+            saved_data = plain(dict(saved_data))
+            differ = [f"{key}: checkpoint {saved_data.get(key, '<absent>')!r}, this run {current.get(key, '<absent>')!r}"
+                      for key in sorted(set(saved_data) | set(current))
+                      if not key.startswith("predict") and saved_data.get(key) != current.get(key)]
+            if differ:  # a curriculum may change it on purpose; a forgotten --data.data_prefix takes the built-in corpus
+                rank_zero_warn(f"the data section differs from the checkpoint's run ({'; '.join(differ)}): the run "
+                               f"continues on this data; resume with the run's data section if that is not what you "
+                               f"meant", category=UserWarning)
+        fresh = self.trainer.lr_scheduler_configs[len(checkpoint.get("lr_schedulers") or []):]
+        if fresh and checkpoint.get("global_step", 0) > 0:
             names = ", ".join(type(config.scheduler).__name__ for config in fresh)
             rank_zero_warn(f"the checkpoint at step {checkpoint['global_step']} holds no state of the LR scheduler "
                            f"{names} this run configures (it was trained with another schedule, or none): it starts "

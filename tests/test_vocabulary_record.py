@@ -7,6 +7,7 @@ launch reads the same record (``check_config``)."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,9 @@ def _worker(root: str) -> dict:
     root_p = Path(root)
     other = str(root_p / "swapped")
 
-    def run(max_steps: int, tokenizer: str | None, **model):
+    def run(max_steps: int, tokenizer: str | None, seed: int = 1234, **model):
         trainer = make_trainer(MegatronStrategy(micro_batch_size=2), 1, max_steps, limit_val_batches=1)
-        data = SFTDataModule(tokenizer=tokenizer, seq_length=32, global_batch_size=2, micro_batch_size=2)
+        data = SFTDataModule(tokenizer=tokenizer, seq_length=32, global_batch_size=2, micro_batch_size=2, seed=seed)
         return trainer, data, GPTLightningModule(dict(TINY), lr=1e-3, **model)
 
     out: dict = {}
@@ -58,8 +59,17 @@ def _worker(root: str) -> dict:
     out["init_from"] = error_of(lambda: trainer.fit(module, datamodule=data))
     trainer, data, module = run(1, None, init_from=base)
     out["init_from_same"] = error_of(lambda: trainer.fit(module, datamodule=data))
-    trainer, data, module = run(2, None)
-    out["resume_same"] = error_of(lambda: trainer.fit(module, datamodule=data, ckpt_path=base))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, data, module = run(2, None)
+        out["resume_same"] = error_of(lambda: trainer.fit(module, datamodule=data, ckpt_path=base))
+        out["resume_same_data_warnings"] = [str(w.message) for w in caught if "data section" in str(w.message)]
+    # another data section on resume (a forgotten --data.data_prefix takes the built-in corpus): said, not refused
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, data, module = run(2, None, seed=7)
+        out["resume_other_data"] = error_of(lambda: trainer.fit(module, datamodule=data, ckpt_path=base))
+        out["resume_other_data_warnings"] = [str(w.message) for w in caught if "data section" in str(w.message)]
     return out
 
 
@@ -89,6 +99,14 @@ def test_another_vocabulary_of_the_same_size_is_refused_on_every_load_path(check
         assert "the same ids would be other pieces" in error, (path, error)
         assert str(root / "swapped" / "tokenizer.json") in error and "8192 pieces" in error, (path, error)
     assert out["init_from_same"] == "no error" and out["resume_same"] == "no error", out
+
+
+def test_another_data_section_on_resume_is_said(checkpoints):
+    _, out = checkpoints
+    assert out["resume_same_data_warnings"] == [], out["resume_same_data_warnings"]
+    assert out["resume_other_data"] == "no error", out["resume_other_data"]
+    [said] = out["resume_other_data_warnings"]
+    assert said.startswith("the data section differs from the checkpoint's run (seed: checkpoint 1234, this run 7)"), said
 
 
 def test_the_command_line_refuses_it_before_launch(checkpoints):
