@@ -192,10 +192,11 @@ class MegatronLightningModule(LightningModule):
 
             current = plain(dict(datamodule.hparams))
             saved_data = plain(dict(saved_data))
-            differ = [f"{key}: checkpoint {saved_data.get(key, '<absent>')!r}, this run {current.get(key, '<absent>')!r}"
-                      for key in sorted(set(saved_data) | set(current))
+            differ = [f"{key}: checkpoint {saved_data.get(key, '<absent>')!r}, "
+                      f"this run {current.get(key, '<absent>')!r}" for key in sorted(set(saved_data) | set(current))
                       if not key.startswith("predict") and saved_data.get(key) != current.get(key)]
-            if differ:  # a curriculum may change it on purpose; a forgotten --data.data_prefix takes the built-in corpus
+            # a curriculum may change it on purpose; a forgotten --data.data_prefix takes the built-in corpus
+            if differ:
                 rank_zero_warn(f"the data section differs from the checkpoint's run ({'; '.join(differ)}): the run "
                                f"continues on this data; resume with the run's data section if that is not what you "
                                f"meant", category=UserWarning)

@@ -106,7 +106,8 @@ def test_another_data_section_on_resume_is_said(checkpoints):
     assert out["resume_same_data_warnings"] == [], out["resume_same_data_warnings"]
     assert out["resume_other_data"] == "no error", out["resume_other_data"]
     [said] = out["resume_other_data_warnings"]
-    assert said.startswith("the data section differs from the checkpoint's run (seed: checkpoint 1234, this run 7)"), said
+    assert said.startswith("the data section differs from the checkpoint's run (seed: checkpoint 1234, this run 7)"), \
+        said
 
 
 def test_the_command_line_refuses_it_before_launch(checkpoints):
