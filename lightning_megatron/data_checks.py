@@ -49,40 +49,57 @@ def checkpoint_vocabulary_problems(d: dict[str, Any], m: dict[str, Any], *, data
     """A checkpoint to load (``ckpt_path``, or our checkpoint as ``model.init_from``) that records the vocabulary
     its data was tokenized with, against the tokenizer the datamodule will use (``data_class(...).tokenizer``: its
     own rule, read here as the ranks will read it): a vocabulary of the same size with other pieces gives valid
-    ids of the wrong text (:func:`~lightning_megatron.data.dataset_vocab.vocabulary_mismatch`; the module refuses
-    it again at set-up). A datamodule whose class has no ``tokenizer`` property, or whose tokenizer cannot be
-    had (its own checks say why), is not judged."""
+    ids of the wrong text (:func:`~lightning_megatron.data.dataset_vocab.vocabulary_mismatch`); and a classifier's
+    class names (``ckpt_path`` only) against the datamodule's ``label_names``: another order names every prediction
+    by another class. The module refuses both again at set-up. A datamodule whose class has no ``tokenizer``
+    property, or whose tokenizer cannot be had (its own checks say why), is not judged on it."""
     import os
     from pathlib import Path
 
-    records = [(os.fspath(p), r) for p in (m.get("init_from"), ckpt_path)
-               if isinstance(p, (str, os.PathLike)) and (r := _recorded_vocabulary(Path(p))) is not None]
-    if not records or data_class is None or not isinstance(getattr(data_class, "tokenizer", None), property):
+    from lightning_megatron.saved_model import LABEL_NAMES, VOCABULARY, label_names_mismatch
+
+    # init_from gives weights only (a classifier's head is the new task's): its class names are not compared
+    sources = [(os.fspath(p), extra, p is ckpt_path) for p in (m.get("init_from"), ckpt_path)
+               if isinstance(p, (str, os.PathLike)) and (extra := _checkpoint_extra(Path(p))) is not None]
+    tokenized = data_class is not None and isinstance(getattr(data_class, "tokenizer", None), property)
+    labelled = data_class is not None and isinstance(getattr(data_class, "label_names", None), property)
+    sources = [(path, extra, loaded) for path, extra, loaded in sources
+               if (tokenized and isinstance(extra.get(VOCABULARY), dict))
+               or (labelled and loaded and extra.get(LABEL_NAMES) is not None)]
+    if not sources or data_class is None:
+        return []
+    try:
+        datamodule = data_class(**data_arguments(data_class, d))
+    except Exception:  # noqa: BLE001 - the data section's own checks name what is wrong with it
         return []
     from lightning_megatron.data.dataset_vocab import vocabulary_mismatch
 
-    try:
-        tokenizer = data_class(**data_arguments(data_class, d)).tokenizer
-    except Exception:  # noqa: BLE001 - the data section's own checks name what is wrong with it
-        return []
-    return [problem for path, record in records if (problem := vocabulary_mismatch(record, tokenizer, path))]
+    problems = []
+    for path, extra, loaded in sources:
+        if tokenized and isinstance(extra.get(VOCABULARY), dict):
+            try:
+                problems += [p for p in [vocabulary_mismatch(extra[VOCABULARY], datamodule.tokenizer, path)] if p]
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot be had: the data's own checks say why
+                pass
+        if labelled and loaded:
+            problems += [p for p in [label_names_mismatch(extra.get(LABEL_NAMES), datamodule.label_names, path)] if p]
+    return problems
 
 
-def _recorded_vocabulary(path: Any) -> dict[str, Any] | None:
-    """The vocabulary our checkpoint directory records (``extra.pt``, read with ``weights_only=True``); None for
-    anything else (the ranks verify its checksums before they load it)."""
+def _checkpoint_extra(path: Any) -> dict[str, Any] | None:
+    """Our checkpoint directory's ``extra.pt`` (read with ``weights_only=True``); None for anything else (the ranks
+    verify its checksums before they load it)."""
     import torch
 
     from lightning_megatron.checkpoint_verify import MARKER
-    from lightning_megatron.saved_model import VOCABULARY
 
     if not (path / MARKER).is_file() or not (path / "extra.pt").is_file():
         return None
     try:
-        record = torch.load(path / "extra.pt", weights_only=True, map_location="cpu").get(VOCABULARY)
+        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
     except Exception:  # noqa: BLE001 - unreadable: the ranks' verification names it
         return None
-    return record if isinstance(record, dict) else None
+    return extra if isinstance(extra, dict) else None
 
 
 def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,

@@ -59,7 +59,8 @@ from typing_extensions import override
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.saved_model import MODULE_CLASS, VOCABULARY, SavedModel, class_path
+from lightning_megatron.saved_model import (LABEL_NAMES, MODULE_CLASS, VOCABULARY, SavedModel, class_path,
+                                            label_names_mismatch)
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 
 if TYPE_CHECKING:
@@ -176,11 +177,20 @@ class MegatronLightningModule(LightningModule):
         record = vocabulary_record(self._data_tokenizer())
         if record is not None:  # what the ids mean: resume, evaluation and init_from compare it
             checkpoint[VOCABULARY] = record
+        labels = self._data_label_names()
+        if labels is not None:  # what a classifier's outputs mean: resume and evaluation compare them
+            checkpoint[LABEL_NAMES] = labels
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint whose data was tokenized with another vocabulary than this run's data."""
         self._refuse_another_vocabulary(checkpoint.get(VOCABULARY), str(self.trainer.ckpt_path))
+        problem = label_names_mismatch(checkpoint.get(LABEL_NAMES), self._data_label_names(),
+                                       str(self.trainer.ckpt_path))
+        if problem is not None:
+            from lightning_megatron.checkpoint_verify import CheckpointError
+
+            raise CheckpointError(problem)
         if self.trainer.state.fn != "fit":
             return
         from lightning.pytorch.utilities import rank_zero_warn
@@ -211,6 +221,12 @@ class MegatronLightningModule(LightningModule):
         """The tokenizer of the trainer's datamodule (None without a trainer, a datamodule or a ``tokenizer``)."""
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         return getattr(datamodule, "tokenizer", None) if datamodule is not None else None
+
+    def _data_label_names(self) -> list[str] | None:
+        """The class names of the trainer's datamodule (``label_names``, in class-id order), else None."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        labels = getattr(datamodule, "label_names", None) if datamodule is not None else None
+        return [str(label) for label in labels] if isinstance(labels, (list, tuple)) else None
 
     def _refuse_another_vocabulary(self, saved: Any, checkpoint: str) -> None:
         from lightning_megatron.checkpoint_verify import CheckpointError

@@ -69,6 +69,16 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
         torch.testing.assert_close(torch.tensor([r["probabilities"] for r in rows]),
                                    _single_process_probabilities(tmp_path, source), rtol=0, atol=1e-5)
 
+    # the labels in another order name every prediction and metric by the other class (the accuracy of the page's
+    # check would read 1 - accuracy): the checkpoint records the class names, and the command is refused before launch
+    swapped = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "finetune", "predict", "--config",
+                              "recipes/bert_tiny_sst2.yaml", "--data.labels", "[email, asyncio]", "--ckpt_path",
+                              "runs/bert_tiny_sst2/checkpoints/last.ckpt"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert swapped.returncode != 0 and "found before launching any process" in swapped.stderr, swapped.stderr[-3000:]
+    assert ("was trained with the classes ['asyncio', 'email'] (in class-id order); this run's data names "
+            "['email', 'asyncio']") in swapped.stderr, swapped.stderr[-3000:]
+
 
 def _run_blocks(tmp_path: Path, env: dict[str, str], found: list[tuple[str, str]], outputs: list[str],
                 predicted: list[list[dict]]) -> None:
