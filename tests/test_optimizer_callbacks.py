@@ -222,6 +222,34 @@ def test_logged_lr_equals_lr_monitor_at_every_step(tmp_path):
     assert ours[0] == pytest.approx(1e-4, rel=1e-7) and len(set(ours.values())) == 8  # init_lr, then a new lr every step
 
 
+def test_without_the_schedule_the_optimizer_callback_logs_the_lr_of_each_step(tmp_path):
+    """A run with a torch LR scheduler (the CLI's --lr_scheduler) or a constant lr has no
+    OptimizerParamSchedulerCallback, which logged ``lr`` and ``wd``: such a run logged neither (no lr in the bar, the
+    CSV or W&B). MegatronOptimizerCallback logs them then, the values of each step's optimizer step: Lightning's
+    LearningRateMonitor logs the same lr at the same step."""
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = pl.Trainer(accelerator=accelerator(), devices=1, max_steps=6, max_epochs=None, log_every_n_steps=1,
+                         callbacks=[MegatronOptimizerCallback(), LearningRateMonitor(logging_interval="step")],
+                         logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(TinyModule(lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01), TORCH_SCHEDULERS["StepLR"]))
+    ours, wd, monitor = {}, {}, {}
+    with open(trainer.logger.log_dir + "/metrics.csv") as fh:
+        for row in csv.DictReader(fh):
+            if row.get("lr"):
+                ours[int(row["step"])], wd[int(row["step"])] = float(row["lr"]), float(row["wd"])
+            if row.get("lr-SGD"):
+                monitor[int(row["step"])] = float(row["lr-SGD"])
+    assert sorted(ours) == sorted(monitor) == list(range(6))
+    assert ours == pytest.approx(monitor, rel=1e-7)
+    assert ours[0] == pytest.approx(0.1) and ours[5] == pytest.approx(0.025)  # StepLR: halved every 2 steps
+    assert list(wd.values()) == pytest.approx([0.01] * 6)
+
+
 class InjectModule(ScaledBackwardModule):
     """At optimizer step ``at``: the gradient of the first layer's output times ``grad`` (inf: an fp16
     overflow the dynamic scaler skips), or the loss times ``loss`` (nan: a non-finite loss)."""

@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_megatron.optimizer.config import OptimizerConfig, gradient_clip_val_problem
 from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.protocols import PlainOptimizer, WrapsOptimizers, optimizer_wrapper
+from lightning_megatron.callbacks.scheduler import OptimizerParamSchedulerCallback
 
 __all__ = ["MegatronOptimizerCallback"]
 
@@ -59,6 +60,8 @@ class MegatronOptimizerCallback(Callback):
             raise TypeError(f"MegatronOptimizerCallback(config=...) takes an OptimizerConfig, got "
                             f"{type(config).__name__}; write MegatronOptimizerCallback(OptimizerConfig(clip_grad=...))")
         self.config = config if config is not None else OptimizerConfig()
+        self._step_lr_wd: tuple[float, float] | None = None
+        """(lr, weight decay) of this batch's optimizer step, logged when no schedule callback logs them."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -110,3 +113,21 @@ class MegatronOptimizerCallback(Callback):
                 metrics[f"num_zeros{suffix}"] = float(opt.last_num_zeros)
             for name, value in metrics.items():
                 pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        if self._step_lr_wd is not None:
+            lr, wd = self._step_lr_wd
+            pl_module.log("lr", lr, on_step=True, on_epoch=False, rank_zero_only=True)
+            pl_module.log("wd", wd, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # Without the schedule callback, which logs them (a torch --lr_scheduler, or a constant lr): the lr and
+        # weight decay this batch's optimizer step uses, read before Lightning steps a torch scheduler after it,
+        # before the groups' lr_mult / wd_mult, as the schedule callback logs them.
+        self._step_lr_wd = None
+        if trainer.optimizers and not any(isinstance(cb, OptimizerParamSchedulerCallback) for cb in trainer.callbacks):
+            groups = trainer.optimizers[0].param_groups
+            base = next((g for g in groups if g.get("lr_mult", 1.0) == 1.0), groups[0])
+            decayed = next((g for g in groups if g.get("wd_mult", 1.0) != 0.0), None)
+            wd = 0.0 if decayed is None else decayed.get("weight_decay", 0.0) / decayed.get("wd_mult", 1.0)
+            self._step_lr_wd = (float(base["lr"]), float(wd))
