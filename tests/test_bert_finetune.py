@@ -159,3 +159,43 @@ def test_regression_pairs_predicted_in_one_process_by_the_writer(tmp_path):
     with torch.no_grad():
         values = model.predict_step(batch, 0)
     torch.testing.assert_close(torch.tensor([w["value"] for w in written]), values, rtol=0, atol=1e-6)
+
+
+def _labels_worker(root: str) -> dict[str, str]:
+    from lightning_megatron.datamodules.finetune import LabelledTextDataModule
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.strategy import MegatronStrategy
+    from megatron_testing import error_of, make_trainer
+
+    rows = [{"sentence": f"text number {i} is {'good' if i % 2 else 'bad'}", "label": "pos" if i % 2 else "neg"}
+            for i in range(16)]
+    (Path(root) / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(labels: list[str], max_steps: int):
+        trainer = make_trainer(MegatronStrategy(micro_batch_size=4), 1, max_steps, limit_val_batches=1)
+        data = LabelledTextDataModule(f"{root}/rows.jsonl", f"{root}/rows.jsonl", labels=labels, max_seq_length=16,
+                                      global_batch_size=4, micro_batch_size=4)
+        model = BertClassificationModule(**{**MODEL, "num_classes": 2,
+                                            "config": {**MODEL["config"], "vocab_size": None}})
+        return trainer, data, model
+
+    trainer, data, model = run(["neg", "pos"], 1)
+    trainer.fit(model, datamodule=data)
+    trainer.save_checkpoint(f"{root}/cls.ckpt")
+    out = {}
+    for name, labels in (("same", ["neg", "pos"]), ("swapped", ["pos", "neg"])):
+        trainer, data, model = run(labels, 0)
+        out[name] = error_of(lambda: trainer.validate(model, datamodule=data, ckpt_path=f"{root}/cls.ckpt",
+                                                      verbose=False))
+    return out
+
+
+def test_a_classifier_evaluated_with_its_labels_in_another_order_is_refused_at_set_up(tmp_path):
+    """The Python path of the class-name record (the CLI's refusal before launch: tests/test_docs_finetune.py):
+    ``Trainer.validate`` of a classifier's checkpoint with ``labels`` in another order named every class by the
+    other one (accuracy 1 - accuracy)."""
+    [out] = run_distributed(_labels_worker, 1, str(tmp_path), timeout=300)
+    assert out["same"] == "no error", out
+    assert out["swapped"].startswith("CheckpointError: checkpoint ") and (
+        "was trained with the classes ['neg', 'pos'] (in class-id order); this run's data names ['pos', 'neg']"
+        in out["swapped"]), out
