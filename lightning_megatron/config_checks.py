@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.data_checks import checkpoint_vocabulary_problems, data_arguments, data_files_problems
+from lightning_megatron.data_checks import checkpoint_data_problems, data_arguments, data_files_problems
 from lightning_megatron.data_checks import int_or_none as _int
 from lightning_megatron.machine_checks import accelerator_problem, cpu_memory_problem, runs_on_cpu
 from lightning_megatron.module import MegatronLightningModule, context_parallel_problem, torch_class
@@ -288,8 +288,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     problems += data_files_problems(d, m, data_class=data_class, predicting=predicting, running=running, split=split)
     checkpoint_problem = ckpt_path_problem(ckpt_path)
     problems += [checkpoint_problem] if checkpoint_problem else []
-    problems += checkpoint_vocabulary_problems(d, m, data_class=data_class,
-                                               ckpt_path=None if checkpoint_problem else ckpt_path)
+    problems += checkpoint_data_problems(d, m, data_class=data_class,
+                                         ckpt_path=None if checkpoint_problem else ckpt_path)
 
     prob = d.get("masked_lm_prob")
     if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:

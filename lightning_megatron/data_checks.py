@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["checkpoint_vocabulary_problems", "data_arguments", "data_files_problems", "int_or_none", "tokenizer_family"]
+__all__ = ["checkpoint_data_problems", "data_arguments", "data_files_problems", "int_or_none", "tokenizer_family"]
 
 
 def int_or_none(value: Any) -> int | None:
@@ -44,46 +44,34 @@ def tokenizer_family(data_class: type | None) -> str:
     return "wordpiece"
 
 
-def checkpoint_vocabulary_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None,
-                                   ckpt_path: Any = None) -> list[str]:
-    """A checkpoint to load (``ckpt_path``, or our checkpoint as ``model.init_from``) that records the vocabulary
-    its data was tokenized with, against the tokenizer the datamodule will use (``data_class(...).tokenizer``: its
-    own rule, read here as the ranks will read it): a vocabulary of the same size with other pieces gives valid
-    ids of the wrong text (:func:`~lightning_megatron.data.dataset_vocab.vocabulary_mismatch`); and a classifier's
-    class names (``ckpt_path`` only) against the datamodule's ``label_names``: another order names every prediction
-    by another class. The module refuses both again at set-up. A datamodule whose class has no ``tokenizer``
-    property, or whose tokenizer cannot be had (its own checks say why), is not judged on it."""
+def checkpoint_data_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None,
+                             ckpt_path: Any = None) -> list[str]:
+    """What the data section's data means otherwise than a checkpoint to load records
+    (:func:`~lightning_megatron.checkpoint_data.data_problems`, on the datamodule the ranks will build, so read by its
+    own rule): another vocabulary of the same size (valid ids of other text), and for ``ckpt_path`` (a checkpoint
+    loaded whole, not ``model.init_from``'s weights for a new head) a classifier's class names in another order.
+    The module refuses both again at set-up. A datamodule class without a ``tokenizer`` / ``label_names`` property,
+    or one that cannot be built here (the data section's own checks say why), is not judged."""
     import os
     from pathlib import Path
 
-    from lightning_megatron.saved_model import LABEL_NAMES, VOCABULARY, label_names_mismatch
+    from lightning_megatron.checkpoint_data import LABEL_NAMES, VOCABULARY, data_problems
 
-    # init_from gives weights only (a classifier's head is the new task's): its class names are not compared
-    sources = [(os.fspath(p), extra, p is ckpt_path) for p in (m.get("init_from"), ckpt_path)
-               if isinstance(p, (str, os.PathLike)) and (extra := _checkpoint_extra(Path(p))) is not None]
     tokenized = data_class is not None and isinstance(getattr(data_class, "tokenizer", None), property)
     labelled = data_class is not None and isinstance(getattr(data_class, "label_names", None), property)
-    sources = [(path, extra, loaded) for path, extra, loaded in sources
+    sources = [(os.fspath(p), extra, whole) for p, whole in ((m.get("init_from"), False), (ckpt_path, True))
+               if isinstance(p, (str, os.PathLike)) and (extra := _checkpoint_extra(Path(p))) is not None]
+    sources = [(path, extra, whole) for path, extra, whole in sources
                if (tokenized and isinstance(extra.get(VOCABULARY), dict))
-               or (labelled and loaded and extra.get(LABEL_NAMES) is not None)]
+               or (labelled and whole and extra.get(LABEL_NAMES) is not None)]
     if not sources or data_class is None:
         return []
-    try:
+    try:  # the datamodule the ranks will build: its own tokenizer and class names (one rule)
         datamodule = data_class(**data_arguments(data_class, d))
+        return [problem for path, extra, whole in sources for problem in data_problems(extra, datamodule, path,
+                                                                                         labels=whole)]
     except Exception:  # noqa: BLE001 - the data section's own checks name what is wrong with it
         return []
-    from lightning_megatron.data.dataset_vocab import vocabulary_mismatch
-
-    problems = []
-    for path, extra, loaded in sources:
-        if tokenized and isinstance(extra.get(VOCABULARY), dict):
-            try:
-                problems += [p for p in [vocabulary_mismatch(extra[VOCABULARY], datamodule.tokenizer, path)] if p]
-            except Exception:  # noqa: BLE001 - a tokenizer that cannot be had: the data's own checks say why
-                pass
-        if labelled and loaded:
-            problems += [p for p in [label_names_mismatch(extra.get(LABEL_NAMES), datamodule.label_names, path)] if p]
-    return problems
 
 
 def _checkpoint_extra(path: Any) -> dict[str, Any] | None:

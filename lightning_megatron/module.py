@@ -59,8 +59,8 @@ from typing_extensions import override
 from lightning_megatron.optimizer.param_groups import get_param_groups
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState
-from lightning_megatron.saved_model import (LABEL_NAMES, MODULE_CLASS, VOCABULARY, SavedModel, class_path,
-                                            label_names_mismatch)
+from lightning_megatron.checkpoint_data import VOCABULARY, data_problems, record_data, resume_differences
+from lightning_megatron.saved_model import MODULE_CLASS, SavedModel, class_path
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 
 if TYPE_CHECKING:
@@ -172,68 +172,31 @@ class MegatronLightningModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The class that wrote the checkpoint (a plain string): `export hf` takes its interop adapter.
         checkpoint[MODULE_CLASS] = class_path(type(self))
-        from lightning_megatron.data.dataset_vocab import vocabulary_record
-
-        record = vocabulary_record(self._data_tokenizer())
-        if record is not None:  # what the ids mean: resume, evaluation and init_from compare it
-            checkpoint[VOCABULARY] = record
-        labels = self._data_label_names()
-        if labels is not None:  # what a classifier's outputs mean: resume and evaluation compare them
-            checkpoint[LABEL_NAMES] = labels
+        record_data(checkpoint, self._datamodule())  # what its ids and outputs mean (checkpoint_data.py)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint whose data was tokenized with another vocabulary than this run's data."""
-        self._refuse_another_vocabulary(checkpoint.get(VOCABULARY), str(self.trainer.ckpt_path))
-        problem = label_names_mismatch(checkpoint.get(LABEL_NAMES), self._data_label_names(),
-                                       str(self.trainer.ckpt_path))
-        if problem is not None:
+        """Refuse a checkpoint whose data meant otherwise (another vocabulary, other class names); on a resumed
+        ``fit``, say what else differs (the data section, a torch LR scheduler without saved state)."""
+        self._refuse_other_data(checkpoint, str(self.trainer.ckpt_path))
+        if self.trainer.state.fn == "fit":
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            datamodule = self._datamodule()
+            for message in resume_differences(checkpoint, datamodule.hparams if datamodule is not None else None,
+                                              [config.scheduler for config in self.trainer.lr_scheduler_configs]):
+                rank_zero_warn(message, category=UserWarning)
+
+    def _datamodule(self) -> Any:
+        """The trainer's datamodule (None without a trainer or a datamodule)."""
+        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+
+    def _refuse_other_data(self, recorded: Mapping[str, Any], checkpoint: str, *, labels: bool = True) -> None:
+        problems = data_problems(recorded, self._datamodule(), checkpoint, labels=labels)
+        if problems:
             from lightning_megatron.checkpoint_verify import CheckpointError
 
-            raise CheckpointError(problem)
-        if self.trainer.state.fn != "fit":
-            return
-        from lightning.pytorch.utilities import rank_zero_warn
-
-        datamodule = getattr(self.trainer, "datamodule", None)
-        saved_data = checkpoint.get("datamodule_hyper_parameters")
-        if datamodule is not None and isinstance(saved_data, Mapping) and saved_data:
-            from lightning_megatron.sharded_state import plain
-
-            current = plain(dict(datamodule.hparams))
-            saved_data = plain(dict(saved_data))
-            differ = [f"{key}: checkpoint {saved_data.get(key, '<absent>')!r}, "
-                      f"this run {current.get(key, '<absent>')!r}" for key in sorted(set(saved_data) | set(current))
-                      if not key.startswith("predict") and saved_data.get(key) != current.get(key)]
-            # a curriculum may change it on purpose; a forgotten --data.data_prefix takes the built-in corpus
-            if differ:
-                rank_zero_warn(f"the data section differs from the checkpoint's run ({'; '.join(differ)}): the run "
-                               f"continues on this data; resume with the run's data section if that is not what you "
-                               f"meant", category=UserWarning)
-        fresh = self.trainer.lr_scheduler_configs[len(checkpoint.get("lr_schedulers") or []):]
-        if fresh and checkpoint.get("global_step", 0) > 0:
-            names = ", ".join(type(config.scheduler).__name__ for config in fresh)
-            rank_zero_warn(f"the checkpoint at step {checkpoint['global_step']} holds no state of the LR scheduler "
-                           f"{names} this run configures (it was trained with another schedule, or none): it starts "
-                           f"from its own first step here", category=UserWarning)
-
-    def _data_tokenizer(self) -> Any:
-        """The tokenizer of the trainer's datamodule (None without a trainer, a datamodule or a ``tokenizer``)."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return getattr(datamodule, "tokenizer", None) if datamodule is not None else None
-
-    def _data_label_names(self) -> list[str] | None:
-        """The class names of the trainer's datamodule (``label_names``, in class-id order), else None."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        labels = getattr(datamodule, "label_names", None) if datamodule is not None else None
-        return [str(label) for label in labels] if isinstance(labels, (list, tuple)) else None
-
-    def _refuse_another_vocabulary(self, saved: Any, checkpoint: str) -> None:
-        from lightning_megatron.checkpoint_verify import CheckpointError
-        from lightning_megatron.data.dataset_vocab import vocabulary_mismatch
-
-        if saved is not None and (problem := vocabulary_mismatch(saved, self._data_tokenizer(), checkpoint)):
-            raise CheckpointError(problem)
+            raise CheckpointError("; ".join(problems))
 
     def sharded_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every chunk's parameters under their own names (override when they depend on the layout)."""
@@ -367,7 +330,7 @@ class MegatronLightningModule(LightningModule):
         assert self.model_chunks is not None and self.parallel_state is not None, "configure_model has not run"
         name = source if isinstance(source, str) else "<state dict>"
         saved = self.read_pretrained(source) if isinstance(source, str) else source
-        self._refuse_another_vocabulary(saved.vocabulary, name)
+        self._refuse_other_data({VOCABULARY: saved.vocabulary}, name, labels=False)  # weights for a new head
         hparams = self.flat_hparams(self.hparams)
         refuse_architecture(self.architecture_conflicts(hparams, saved.hparams), name,
                             flag_prefix=self.architecture_flag_prefix)

@@ -31,29 +31,14 @@ from torch import nn
 
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import dcp_io
+from lightning_megatron.checkpoint_data import VOCABULARY
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
-__all__ = ["SavedModel", "LABEL_NAMES", "MODULE_CLASS", "VOCABULARY", "class_path", "flat_hparams",
-           "label_names_mismatch", "load_full_state_dict", "read_model_checkpoint", "read_saved_hparams",
-           "refuse_architecture", "state_digest"]
+__all__ = ["SavedModel", "MODULE_CLASS", "class_path", "flat_hparams", "load_full_state_dict", "read_model_checkpoint",
+           "read_saved_hparams", "refuse_architecture", "state_digest"]
 
 MODULE_CLASS = "module_class"
 """The ``extra.pt`` entry naming the class of the module that wrote the checkpoint (``package.module.Class``)."""
-VOCABULARY = "vocabulary"
-"""The ``extra.pt`` entry recording the vocabulary the run's data was tokenized with
-(:func:`~lightning_megatron.data.dataset_vocab.vocabulary_record`)."""
-LABEL_NAMES = "label_names"
-"""The ``extra.pt`` entry recording a classifier's class names in class-id order (its datamodule's ``label_names``)."""
-
-
-def label_names_mismatch(saved: Any, current: Any, checkpoint: str) -> str | None:
-    """Why a classifier trained with the class names ``saved`` (in class-id order) must not read data that names
-    ``current``: every prediction and metric would name another class. None when they agree or either is unknown."""
-    if not isinstance(saved, (list, tuple)) or not isinstance(current, (list, tuple)) or list(saved) == list(current):
-        return None
-    return (f"checkpoint {checkpoint!r} was trained with the classes {list(saved)} (in class-id order); this run's "
-            f"data names {list(current)}: every prediction and metric would name another class; pass the run's "
-            f"labels in their order (--data.labels '[{', '.join(map(str, saved))}]')")
 
 _LAYER = re.compile(r"^\w+\.layers\.(\d+)\.")
 """A transformer layer's parameter under its global number (``encoder.layers.3.*``, ``decoder.layers.3.*``)."""
