@@ -70,8 +70,8 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
 )
 from lightning_megatron.dcp_io import CheckpointError, Chunks
 from lightning_megatron.parallel_dims import ParallelDims
-from lightning_megatron.sharded_state import (ShardedStateMapper, optimizer_class_name, optimizer_extra, plain, rng_state,
-                                              set_rng_state)
+from lightning_megatron.sharded_state import (ShardedStateMapper, optimizer_class_name, optimizer_class_problem,
+                                              optimizer_extra, plain, rng_state, set_rng_state)
 
 __all__ = [
     "CheckpointError",
@@ -391,18 +391,9 @@ def _same_ranks(saved: dict[str, Any], current: dict[str, Any]) -> bool:
 
 
 def _optimizer_class_errors(mapper: ShardedStateMapper, saved: list[dict[str, Any]], path: Path) -> list[str]:
-    """One error per optimizer whose class is not the one the checkpoint's state was written by: another
-    optimizer's moments are not this one's state (AdamW's would be dropped by SGD without a word, SGD's
-    momentum fails in AdamW's first step). A checkpoint written before the class was recorded is not judged."""
-    errors = []
-    for opt, record in zip(mapper.optimizers, saved):
-        was, now = record.get("optimizer_class"), optimizer_class_name(opt.optimizer)
-        if was is not None and was != now:
-            errors.append(f"optimizer class: checkpoint {was}, this run {now} (its state is another optimizer's: "
-                          f"resume with the optimizer the run was trained with, the recipe's model.optimizer or "
-                          f"--optimizer {was} with its arguments, or start a new run from its weights alone with "
-                          f"--model.init_from {str(path)!r})")
-    return errors
+    """One error per optimizer whose class is not the one the checkpoint's state was written by."""
+    return [problem for opt, record in zip(mapper.optimizers, saved)
+            if (problem := optimizer_class_problem(record, optimizer_class_name(opt.optimizer), str(path)))]
 
 
 def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,

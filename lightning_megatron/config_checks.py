@@ -184,7 +184,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                  scheduler_args: Mapping[str, Any] | None = None, *,
                  has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False,
                  data_class: type | None = None, predicting: bool = False, ckpt_path: Any = None,
-                 running: bool = True, model_class: type | None = None, split: str | None = None) -> list[str]:
+                 running: bool = True, model_class: type | None = None, split: str | None = None,
+                 fitting: bool = True, optimizer_class: str | None = None) -> list[str]:
     """Every problem of this configuration, each with the offending values and the fix; [] when none.
 
     ``has_optimizer_callback``: whether a MegatronOptimizerCallback is configured (None: unknown,
@@ -197,7 +198,10 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     the positions); ``ckpt_path``: the checkpoint to load must exist; ``running=False`` (the CLI only builds
     its objects, ``run=False``): the fine-tuning files, read by a run only, are not. ``split``: the split of a
     pretraining corpus the command reads whole (``validate``: ``"valid"``; ``test``, ``predict``: ``"test"``), which
-    must hold a document. A WandbLogger in
+    must hold a document. ``fitting``: the command trains (a ``ckpt_path`` it resumes from is checked against the
+    optimizer class, ``optimizer_class`` (the CLI's ``--optimizer``) else the module's
+    :meth:`~lightning_megatron.module.MegatronLightningModule.default_optimizer_class`, and the lr schedule of
+    ``scheduler_args``, as the ranks check them at set-up). A WandbLogger in
     ``trainer_args["logger"]`` has its ``init_timeout_s`` checked against the strategy's ``timeout``
     (:func:`init_timeout_problem`).
     """
@@ -290,6 +294,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     problems += [checkpoint_problem] if checkpoint_problem else []
     problems += checkpoint_data_problems(d, m, data_class=data_class,
                                          ckpt_path=None if checkpoint_problem else ckpt_path)
+    if fitting and ckpt_path is not None and not checkpoint_problem:
+        problems += _resume_problems(str(ckpt_path), dict(model_hparams or {}), model_class, optimizer_class, sch)
 
     prob = d.get("masked_lm_prob")
     if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
@@ -386,6 +392,43 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
     return problems
 
 
+def _resume_problems(path: str, model_hparams: dict[str, Any], model_class: type | None, optimizer_class: str | None,
+                     scheduler_args: dict[str, Any]) -> list[str]:
+    """What the ranks refuse at set-up when ``fit`` resumes from ``path``, read from its ``extra.pt``: another
+    optimizer class (:func:`~lightning_megatron.sharded_state.optimizer_class_problem`) and an lr schedule it holds
+    no state of (:func:`~lightning_megatron.optimizer.scheduler.missing_state_problem`), in the same words."""
+    from pathlib import Path
+
+    from lightning_megatron.data_checks import checkpoint_extra
+    from lightning_megatron.optimizer.scheduler import missing_state_problem
+    from lightning_megatron.sharded_state import optimizer_class_name, optimizer_class_problem
+
+    extra = checkpoint_extra(Path(path))
+    if extra is None:
+        return []
+    problems = []
+    saved = (extra.get("megatron_optimizers") or [None])[0]
+    if optimizer_class is not None:
+        try:
+            cls: type | None = torch_class(optimizer_class, torch.optim, torch.optim.Optimizer, "optimizer",
+                                           "optimizer", "torch.optim.SGD")
+        except ValueError:
+            cls = None  # the CLI's parser names a class that is not there
+    elif isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule):
+        cls = model_class.default_optimizer_class(model_hparams)
+    else:
+        cls = None
+    if cls is not None:
+        problems += [p for p in [optimizer_class_problem(saved, optimizer_class_name(cls), path)] if p]
+        problems = [f"checkpoint {path!r}: {p}" for p in problems]
+    step = int(extra.get("global_step") or 0)
+    if scheduler_args and "OptimizerParamSchedulerCallback" not in (extra.get("callbacks") or {}):
+        skipped = int(saved.get("num_skipped_steps", 0)) if isinstance(saved, dict) else 0
+        problems += [p for p in [missing_state_problem(step, step - skipped,
+                                                       bool(scheduler_args.get("override_opt_param_scheduler")))] if p]
+    return problems
+
+
 def validate_config(*args: Any, **kwargs: Any) -> None:
     """:func:`check_config` (the same arguments), raising one :class:`ConfigError` (a ValueError) that lists
     every problem."""
@@ -454,7 +497,15 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicti
                 strategy_args=strategy_args, trainer_args=trainer, scheduler_args=scheduler_args if fitting else {},
                 has_optimizer_callback=has_optimizer_callback if fitting else None,
                 use_distributed_optimizer=zero1 and fitting, data_class=data_class, model_class=model_class,
-                predicting=predicting, ckpt_path=c.get("ckpt_path"), running=running, split=split)
+                predicting=predicting, ckpt_path=c.get("ckpt_path"), running=running, split=split,
+                fitting=fitting, optimizer_class=_optimizer_class_path(c.get("optimizer")))
+
+
+def _optimizer_class_path(section: Any) -> str | None:
+    """The class path of the CLI's ``--optimizer`` section (a class path, or ``{class_path, init_args}``)."""
+    if isinstance(section, Mapping):
+        section = section.get("class_path")
+    return section if isinstance(section, str) else None
 
 
 def _imported_class(class_path: str) -> type | None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["checkpoint_data_problems", "data_arguments", "data_files_problems", "int_or_none", "tokenizer_family"]
+__all__ = ["checkpoint_data_problems", "checkpoint_extra", "data_arguments", "data_files_problems", "int_or_none",
+           "tokenizer_family"]
 
 
 def int_or_none(value: Any) -> int | None:
@@ -60,7 +61,7 @@ def checkpoint_data_problems(d: dict[str, Any], m: dict[str, Any], *, data_class
     tokenized = data_class is not None and isinstance(getattr(data_class, "tokenizer", None), property)
     labelled = data_class is not None and isinstance(getattr(data_class, "label_names", None), property)
     sources = [(os.fspath(p), extra, whole) for p, whole in ((m.get("init_from"), False), (ckpt_path, True))
-               if isinstance(p, (str, os.PathLike)) and (extra := _checkpoint_extra(Path(p))) is not None]
+               if isinstance(p, (str, os.PathLike)) and (extra := checkpoint_extra(Path(p))) is not None]
     sources = [(path, extra, whole) for path, extra, whole in sources
                if (tokenized and isinstance(extra.get(VOCABULARY), dict))
                or (labelled and whole and extra.get(LABEL_NAMES) is not None)]
@@ -74,7 +75,7 @@ def checkpoint_data_problems(d: dict[str, Any], m: dict[str, Any], *, data_class
         return []
 
 
-def _checkpoint_extra(path: Any) -> dict[str, Any] | None:
+def checkpoint_extra(path: Any) -> dict[str, Any] | None:
     """Our checkpoint directory's ``extra.pt`` (read with ``weights_only=True``); None for anything else (the ranks
     verify its checksums before they load it)."""
     import torch

@@ -441,6 +441,12 @@ class MegatronLightningModule(LightningModule):
 
     # ------------------------------------------------------------------ optimizer
 
+    @classmethod
+    def default_optimizer_class(cls, hparams: Mapping[str, Any]) -> type | None:
+        """The class :meth:`default_optimizer` builds for these constructor arguments, when it can be told without
+        building the module (a resume's optimizer state is checked against it before launch); None here."""
+        return None
+
     def use_optimizer(self, class_path: str | None, init_args: dict[str, Any] | None = None) -> None:
         """Build ``configure_optimizers``' optimizer as ``torch.optim.<class_path>(param_groups, **init_args)``
         (the CLI's ``--optimizer``); None: :meth:`default_optimizer`."""

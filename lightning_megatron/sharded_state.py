@@ -38,7 +38,8 @@ from lightning_megatron.protocols import OptimizerWrapper, PlainOptimizer, Shard
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 
-__all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "optimizer_class_name", "optimizer_extra",
+__all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "optimizer_class_name", "optimizer_class_problem",
+           "optimizer_extra",
            "plain", "rng_state", "set_rng_state", "shard_info"]
 
 
@@ -404,12 +405,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tracker.set_states(current)
 
 
-def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
-    """The class as the CLI's ``--optimizer`` names it: ``torch.optim.AdamW``, or its module and name."""
-    cls = type(optimizer)
+def optimizer_class_name(optimizer: torch.optim.Optimizer | type) -> str:
+    """The class (of an optimizer) as the CLI's ``--optimizer`` names it: ``torch.optim.AdamW``, or its module and
+    name."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
     if getattr(torch.optim, cls.__name__, None) is cls:
         return f"torch.optim.{cls.__name__}"
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def optimizer_class_problem(saved: Any, current: str, checkpoint: str) -> str | None:
+    """Why a resume must not load the optimizer state ``saved`` (a checkpoint's :func:`optimizer_extra`) into an
+    optimizer of class ``current``: another optimizer's moments are not this one's state (AdamW's would be dropped
+    by SGD without a word, SGD's momentum fails in AdamW's first step). None when the classes agree, or the
+    checkpoint predates the record."""
+    was = saved.get("optimizer_class") if isinstance(saved, Mapping) else None
+    if was is None or was == current:
+        return None
+    return (f"optimizer class: checkpoint {was}, this run {current} (its state is another optimizer's: resume with "
+            f"the optimizer the run was trained with, the recipe's model.optimizer or --optimizer {was} with its "
+            f"arguments, or start a new run from its weights alone with --model.init_from {checkpoint!r})")
 
 
 def optimizer_extra(opt: OptimizerWrapper) -> dict[str, Any]:

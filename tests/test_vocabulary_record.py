@@ -147,3 +147,32 @@ def test_export_writes_the_recorded_vocabulary_or_refuses(checkpoints, tmp_path,
     main(["export", "hf", "--ckpt_path", str(root / "base.ckpt"), "--output", str(tmp_path / "same")])
     sample = "The function returns a list of tensors."
     assert AutoTokenizer.from_pretrained(tmp_path / "same").encode(sample) == BPETokenizer().tokenize(sample)
+
+
+def test_a_resume_the_ranks_would_refuse_is_refused_before_launch(checkpoints):
+    """What the ranks refuse at set-up on ``fit --ckpt_path`` (another optimizer class; an lr schedule the checkpoint
+    holds no state of) is read from the checkpoint's ``extra.pt`` before launch, in the same words. ``base.ckpt``
+    was written by AdamW (the module's default) without a schedule, at step 1."""
+    from lightning_megatron.config_checks import check_config
+    from lightning_megatron.datamodules.sft import SFTDataModule
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    root, _ = checkpoints
+    base = str(root / "base.ckpt")
+
+    def problems(model: dict | None = None, **kwargs) -> list[str]:
+        return check_config(model or {}, {"tokenizer": None, "seq_length": 32}, data_class=SFTDataModule,
+                            running=False, model_class=GPTLightningModule, ckpt_path=base,
+                            trainer_args={"max_steps": 10}, **kwargs)
+
+    [wrong] = problems(optimizer_class="torch.optim.SGD")
+    assert wrong.startswith(f"checkpoint {base!r}: optimizer class: checkpoint torch.optim.AdamW, this run "
+                            f"torch.optim.SGD"), wrong
+    [wrong] = [p for p in problems({"optimizer": "sgd"}) if "optimizer class" in p]  # the module's own choice
+    assert "this run torch.optim.SGD" in wrong, wrong
+    [restart] = problems(scheduler_args={"max_lr": 1e-3})
+    assert "the run resumes at step 1 from a checkpoint that holds no state of this schedule" in restart, restart
+    assert problems(scheduler_args={"max_lr": 1e-3, "override_opt_param_scheduler": True,
+                                    "use_checkpoint_opt_param_scheduler": False}) == []
+    assert problems(optimizer_class="torch.optim.AdamW") == problems() == []
+    assert problems(optimizer_class="torch.optim.SGD", fitting=False) == []  # validate loads no optimizer state

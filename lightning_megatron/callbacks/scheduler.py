@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler, warmup_for_run
+from lightning_megatron.optimizer.scheduler import OptimizerParamScheduler, missing_state_problem, warmup_for_run
 from lightning_megatron.protocols import optimizer_wrapper
 
 __all__ = ["OptimizerParamSchedulerCallback"]
@@ -119,17 +119,11 @@ class OptimizerParamSchedulerCallback(Callback):
         assert self.scheduler is not None
         step = trainer.global_step
         applied = step - int(getattr(optimizer_wrapper(trainer.optimizers[0]), "num_skipped_steps", 0) or 0)
-        if not self.kwargs["override_opt_param_scheduler"]:
+        problem = missing_state_problem(step, applied, self.kwargs["override_opt_param_scheduler"])
+        if problem is not None:
             from lightning_megatron.checkpoint_verify import CheckpointError
 
-            raise CheckpointError(  # every rank decides alike: the CLI says it once
-                f"OptimizerParamSchedulerCallback: the run resumes at step {step} from a checkpoint that holds no "
-                f"state of this schedule (it was trained with another LR schedule, or none): the schedule would warm "
-                f"up again from its first step there. Resume with the schedule the run was trained with (its "
-                f"--lr_scheduler ..., or --lr_schedule null), or take the configured schedule, started at step "
-                f"{applied} as if it had run from the first step: override_opt_param_scheduler=True with "
-                f"use_checkpoint_opt_param_scheduler=False (--lr_schedule.override_opt_param_scheduler true "
-                f"--lr_schedule.use_checkpoint_opt_param_scheduler false)")
+            raise CheckpointError(problem)  # every rank decides alike: the CLI says it once
         rank_zero_warn(f"OptimizerParamSchedulerCallback: the checkpoint holds no state of this schedule; with "
                        f"override_opt_param_scheduler=True it starts at step {applied}, as if it had run from the "
                        f"first step", category=UserWarning)

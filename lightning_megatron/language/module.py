@@ -48,7 +48,10 @@ from lightning_megatron.transformer.lora import LoRAConfig, add_lora
 
 __all__ = ["LanguageLightningModule"]
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+"""``optimizer``: the class it names (:meth:`LanguageLightningModule.default_optimizer`)."""
+OPTIMIZERS = tuple(OPTIMIZER_CLASSES)
 
 
 class LanguageLightningModule(MegatronLightningModule):
@@ -285,13 +288,18 @@ class LanguageLightningModule(MegatronLightningModule):
     def optimizer_defaults(self) -> dict[str, float]:
         return {"lr": self.hparams.lr, "weight_decay": self.hparams.weight_decay}
 
+    @classmethod
+    @override
+    def default_optimizer_class(cls, hparams: Mapping[str, Any]) -> type | None:
+        return OPTIMIZER_CLASSES.get(str(hparams.get("optimizer", "adamw")))
+
     @override
     def default_optimizer(self, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """``optimizer``: "adamw", "adam" or "sgd" with the module's lr, weight decay, betas, eps, momentum."""
         hp = self.hparams
-        if hp.optimizer == "sgd":
-            return torch.optim.SGD(param_groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
-        cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
+        cls = OPTIMIZER_CLASSES[hp.optimizer]
+        if cls is torch.optim.SGD:
+            return cls(param_groups, lr=hp.lr, momentum=hp.sgd_momentum, weight_decay=hp.weight_decay)
         return cls(param_groups, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), eps=hp.adam_eps,
                    weight_decay=hp.weight_decay, fused=hp.fused_optimizer or None)
 

@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 __all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES", "warmup_problem",
-           "warmup_for_run", "lr_problems", "resume_problem"]
+           "warmup_for_run", "lr_problems", "missing_state_problem", "resume_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,22 @@ def resume_problem(use_checkpoint_opt_param_scheduler: bool, override_opt_param_
         return ("override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True contradict "
                 "each other; set use_checkpoint_opt_param_scheduler=False to override")
     return None
+
+
+def missing_state_problem(step: int, applied: int, override_opt_param_scheduler: bool) -> str | None:
+    """Why a run resumed at ``step`` (``applied`` of them not skipped) from a checkpoint that holds no state of the
+    schedule must not start it from its first step (a second warm-up mid-run, a decay ending past the run's end);
+    None with ``override_opt_param_scheduler``, which starts it at ``applied`` (the callback and the check before
+    launch both ask this)."""
+    if override_opt_param_scheduler or step <= 0:
+        return None
+    return (f"OptimizerParamSchedulerCallback: the run resumes at step {step} from a checkpoint that holds no state "
+            f"of this schedule (it was trained with another LR schedule, or none): the schedule would warm up again "
+            f"from its first step there. Resume with the schedule the run was trained with (its --lr_scheduler ..., "
+            f"or --lr_schedule null), or take the configured schedule, started at step {applied} as if it had run "
+            f"from the first step: override_opt_param_scheduler=True with use_checkpoint_opt_param_scheduler=False "
+            f"(--lr_schedule.override_opt_param_scheduler true --lr_schedule.use_checkpoint_opt_param_scheduler "
+            f"false)")
 
 
 def warmup_for_run(lr_warmup_steps: int, max_steps: int) -> tuple[int, str | None]:
