@@ -295,7 +295,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     problems += checkpoint_data_problems(d, m, data_class=data_class,
                                          ckpt_path=None if checkpoint_problem else ckpt_path)
     if fitting and ckpt_path is not None and not checkpoint_problem:
-        problems += _resume_problems(str(ckpt_path), dict(model_hparams or {}), model_class, optimizer_class, sch)
+        problems += _resume_problems(str(ckpt_path), dict(model_hparams or {}), model_class, optimizer_class, sch,
+                                     _int(t.get("max_steps")))
 
     prob = d.get("masked_lm_prob")
     if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
@@ -393,10 +394,11 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
 
 
 def _resume_problems(path: str, model_hparams: dict[str, Any], model_class: type | None, optimizer_class: str | None,
-                     scheduler_args: dict[str, Any]) -> list[str]:
+                     scheduler_args: dict[str, Any], max_steps: int | None) -> list[str]:
     """What the ranks refuse at set-up when ``fit`` resumes from ``path``, read from its ``extra.pt``: another
     optimizer class (:func:`~lightning_megatron.sharded_state.optimizer_class_problem`) and an lr schedule it holds
-    no state of (:func:`~lightning_megatron.optimizer.scheduler.missing_state_problem`), in the same words."""
+    no state of (:func:`~lightning_megatron.optimizer.scheduler.missing_state_problem`), in the same words; and a
+    ``max_steps`` the checkpoint has reached (Lightning trained nothing and exited 0)."""
     from pathlib import Path
 
     from lightning_megatron.data_checks import checkpoint_extra
@@ -422,6 +424,9 @@ def _resume_problems(path: str, model_hparams: dict[str, Any], model_class: type
         problems += [p for p in [optimizer_class_problem(saved, optimizer_class_name(cls), path)] if p]
         problems = [f"checkpoint {path!r}: {p}" for p in problems]
     step = int(extra.get("global_step") or 0)
+    if max_steps is not None and 0 <= max_steps <= step:
+        problems.append(f"fit --ckpt_path {path!r} resumes at step {step}, and trainer.max_steps={max_steps} ends the "
+                        f"run there: nothing would be trained; raise --trainer.max_steps above {step}")
     if scheduler_args and "OptimizerParamSchedulerCallback" not in (extra.get("callbacks") or {}):
         skipped = int(saved.get("num_skipped_steps", 0)) if isinstance(saved, dict) else 0
         problems += [p for p in [missing_state_problem(step, step - skipped,

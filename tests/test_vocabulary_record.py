@@ -160,10 +160,10 @@ def test_a_resume_the_ranks_would_refuse_is_refused_before_launch(checkpoints):
     root, _ = checkpoints
     base = str(root / "base.ckpt")
 
-    def problems(model: dict | None = None, **kwargs) -> list[str]:
+    def problems(model: dict | None = None, max_steps: int = 10, **kwargs) -> list[str]:
         return check_config(model or {}, {"tokenizer": None, "seq_length": 32}, data_class=SFTDataModule,
                             running=False, model_class=GPTLightningModule, ckpt_path=base,
-                            trainer_args={"max_steps": 10}, **kwargs)
+                            trainer_args={"max_steps": max_steps}, **kwargs)
 
     [wrong] = problems(optimizer_class="torch.optim.SGD")
     assert wrong.startswith(f"checkpoint {base!r}: optimizer class: checkpoint torch.optim.AdamW, this run "
@@ -176,3 +176,8 @@ def test_a_resume_the_ranks_would_refuse_is_refused_before_launch(checkpoints):
                                     "use_checkpoint_opt_param_scheduler": False}) == []
     assert problems(optimizer_class="torch.optim.AdamW") == problems() == []
     assert problems(optimizer_class="torch.optim.SGD", fitting=False) == []  # validate loads no optimizer state
+    # a resume to a max_steps the checkpoint has reached trained nothing and exited 0
+    [done] = problems(max_steps=1)
+    assert done == (f"fit --ckpt_path {base!r} resumes at step 1, and trainer.max_steps=1 ends the run there: nothing "
+                    f"would be trained; raise --trainer.max_steps above 1"), done
+    assert problems(max_steps=1, fitting=False) == []
