@@ -408,7 +408,7 @@ def _resume_problems(path: str, model_hparams: dict[str, Any], model_class: type
     extra = checkpoint_extra(Path(path))
     if extra is None:
         return []
-    problems = []
+    problems: list[str] = []
     saved = (extra.get("megatron_optimizers") or [None])[0]
     if optimizer_class is not None:
         try:
@@ -420,9 +420,8 @@ def _resume_problems(path: str, model_hparams: dict[str, Any], model_class: type
         cls = model_class.default_optimizer_class(model_hparams)
     else:
         cls = None
-    if cls is not None:
-        problems += [p for p in [optimizer_class_problem(saved, optimizer_class_name(cls), path)] if p]
-        problems = [f"checkpoint {path!r}: {p}" for p in problems]
+    if cls is not None and (problem := optimizer_class_problem(saved, optimizer_class_name(cls), path)):
+        problems.append(f"checkpoint {path!r}: {problem}")
     step = int(extra.get("global_step") or 0)
     if max_steps is not None and 0 <= max_steps <= step:
         problems.append(f"fit --ckpt_path {path!r} resumes at step {step}, and trainer.max_steps={max_steps} ends the "
