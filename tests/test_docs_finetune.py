@@ -79,6 +79,19 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
     assert ("was trained with the classes ['asyncio', 'email'] (in class-id order); this run's data names "
             "['email', 'asyncio']") in swapped.stderr, swapped.stderr[-3000:]
 
+    # resuming the page's pretraining run (40 steps, AdamW, the recipe's lr_schedule) with another optimizer, or to
+    # the step it has reached, is refused before launch from what its checkpoint records
+    def resume(*args: str) -> str:
+        run = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
+                              "recipes/bert_tiny.yaml", "--ckpt_path", "runs/bert_tiny/checkpoints/last.ckpt", *args],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and "found before launching any process" in run.stderr, run.stderr[-3000:]
+        return run.stderr
+
+    assert "optimizer class: checkpoint torch.optim.AdamW, this run torch.optim.SGD" in resume(
+        "--trainer.max_steps", "41", "--optimizer", "torch.optim.SGD")
+    assert "resumes at step 40, and trainer.max_steps=40 ends the run there" in resume("--trainer.max_steps", "40")
+
 
 def _run_blocks(tmp_path: Path, env: dict[str, str], found: list[tuple[str, str]], outputs: list[str],
                 predicted: list[list[dict]]) -> None:
