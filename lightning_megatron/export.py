@@ -125,13 +125,12 @@ def exported_vocabulary_problem(trained_on: dict[str, Any] | None, folder: Path)
     if not isinstance(trained_on, dict) or not any((folder / name).is_file() for name in (
             "tokenizer.json", "vocab.txt", "vocab.json")):
         return None
-    import hashlib
-
+    from lightning_megatron.data.dataset_vocab import pieces_sha256
     from lightning_megatron.interop.hf_folder import import_transformers
 
     written = import_transformers("reading the exported tokenizer back").AutoTokenizer.from_pretrained(folder)
     pieces = [piece or "" for piece in written.convert_ids_to_tokens(list(range(len(written))))]
-    if hashlib.sha256("\n".join(pieces).encode("utf-8")).hexdigest() == trained_on.get("pieces_sha256"):
+    if pieces_sha256(pieces) == trained_on.get("pieces_sha256"):
         return None
     return (f"the tokenizer it would write ({len(pieces)} pieces) is not the vocabulary the run's data was tokenized "
             f"with ({trained_on.get('source')}, {trained_on.get('vocab_size')} pieces, sha256 "

@@ -41,6 +41,7 @@ __all__ = [
     "trained_vocabulary",
     "vocab_sha256",
     "vocab_sidecar_path",
+    "pieces_sha256",
     "vocabulary_mismatch",
     "vocabulary_record",
     "write_dataset_vocab",
@@ -111,8 +112,13 @@ def vocabulary_record(tokenizer: Any) -> dict[str, Any] | None:
     if not isinstance(pieces, (list, tuple)) or not pieces:
         return None
     source = getattr(tokenizer, "vocab_file", None) or getattr(tokenizer, "path", None)
-    return {"vocab_size": len(pieces), "pieces_sha256": hashlib.sha256("\n".join(pieces).encode("utf-8")).hexdigest(),
+    return {"vocab_size": len(pieces), "pieces_sha256": pieces_sha256(pieces),
             "source": str(Path(source).resolve()) if source else None}
+
+
+def pieces_sha256(pieces: Any) -> str:
+    """sha256 of a vocabulary's pieces in id order, ``\\n``-joined (what :func:`vocabulary_record` records)."""
+    return hashlib.sha256("\n".join(pieces).encode("utf-8")).hexdigest()
 
 
 def vocabulary_mismatch(saved: Any, tokenizer: Any, checkpoint: str) -> str | None:
