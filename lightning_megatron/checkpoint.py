@@ -350,12 +350,15 @@ def _fields(hparams: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None,
-                    defaults: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
+                    defaults: dict[str, Any] | None = None, *,
+                    free: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
     """(errors, allowed differences): one ``"name: checkpoint X, model Y"`` per differing field
     (a config record's fields as ``config.<field>``).
 
     A field the checkpoint does not record (written before the field existed) counts as its default
-    in ``defaults`` (the module's ``__init__`` defaults): the model it saved behaved that way."""
+    in ``defaults`` (the module's ``__init__`` defaults): the model it saved behaved that way. ``free``: the
+    names that size no weight of either model (``MegatronLightningModule.free_arguments``), allowed as
+    :data:`HPARAMS_MAY_DIFFER`."""
     saved, current = _fields(plain(dict(saved or {}))), _fields(plain(dict(current or {})))
     defaults = _fields(plain(dict(defaults or {})))
     errors, allowed = [], []
@@ -363,7 +366,8 @@ def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None
         a, b = saved.get(key, defaults.get(key, "<absent>")), current.get(key, "<absent>")
         name = key.rpartition(".")[2]
         if a != b and name not in HPARAMS_UNUSED_ON_LOAD:
-            (allowed if name in HPARAMS_MAY_DIFFER else errors).append(f"{key}: checkpoint {a!r}, model {b!r}")
+            may_differ = name in HPARAMS_MAY_DIFFER or name in free
+            (allowed if may_differ else errors).append(f"{key}: checkpoint {a!r}, model {b!r}")
     return errors, allowed
 
 
@@ -399,11 +403,14 @@ def _optimizer_class_errors(mapper: ShardedStateMapper, saved: list[dict[str, An
 def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,
          layout: dict[str, int | None], load_optimizer: bool,
          hparam_defaults: dict[str, Any] | None = None,
-         upgrade_hparams: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
+         upgrade_hparams: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+         free_arguments: Callable[[dict[str, Any]], frozenset[str]] | None = None) -> dict[str, Any]:
     """Collective: verify ``filepath``, then load it into ``mapper``'s parameters and optimizers in
     place; returns Lightning's checkpoint dict (without tensors). ``hparam_defaults``: see
     :func:`compare_hparams`; ``upgrade_hparams``: the saved hyper-parameters in the module's current
-    spelling (``MegatronLightningModule.upgrade_hparams``: a checkpoint written before its arguments moved)."""
+    spelling (``MegatronLightningModule.upgrade_hparams``: a checkpoint written before its arguments moved);
+    ``free_arguments``: the names that size no weight of a model with these hyper-parameters (a rope decoder's
+    ``max_sequence_length``), allowed to differ where both models have them free."""
     rank, _ = _rank_world()
     path = Path(filepath)
     info = verify_checkpoint(path, collective=True)
@@ -420,7 +427,8 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     saved_hparams = dict(extra.get("hyper_parameters") or {})
     if upgrade_hparams is not None:
         saved_hparams = upgrade_hparams(saved_hparams)
-    errors, allowed = compare_hparams(saved_hparams, hparams, hparam_defaults)
+    free = (free_arguments(saved_hparams) & free_arguments(dict(hparams or {}))) if free_arguments else frozenset()
+    errors, allowed = compare_hparams(saved_hparams, hparams, hparam_defaults, free=free)
     if load_optimizer:
         errors += _optimizer_class_errors(mapper, extra.get("megatron_optimizers") or [], path)
     state = mapper.save_state(include_optimizer=False)
@@ -432,8 +440,10 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
                  and k not in loaded]
     if problems:
         more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+        fix = "" if all("optimizer class" in p for p in problems) else (
+            ". Build the model with the checkpoint's values (the first of each pair) to load it")
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model (saved at layout "
-                              f"{info.get('layout')}): " + "; ".join(problems[:10]) + more)
+                              f"{info.get('layout')}): " + "; ".join(problems[:10]) + more + fix)
     if allowed and rank == 0:
         warnings.warn(f"checkpoint {str(path)!r}: hyper-parameters differ (allowed): " + "; ".join(allowed))
     include_optimizer = load_optimizer and "megatron_optimizers" in extra

@@ -299,12 +299,22 @@ class MegatronLightningModule(LightningModule):
         return read_architecture(source, cls.interop, architecture_keys=cls.architecture_keys, owner=cls.__name__)
 
     @classmethod
+    def free_arguments(cls, hparams: Mapping[str, Any]) -> frozenset[str]:
+        """The architecture arguments (flat names) that size no weight of a model with ``hparams`` (the module's
+        or their :meth:`flat_hparams`): a run may resume, or start from weights, with another value (a decoder
+        with rope's ``max_sequence_length``: a longer context continues from the weights of a shorter one).
+        None here."""
+        return frozenset()
+
+    @classmethod
     def architecture_conflicts(cls, hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
         """``(key, the module's value, the source's)`` for every ``architecture_keys`` argument of ``hparams``
-        that differs from the source's (a ``None`` on the source's side fixes nothing)."""
+        that differs from the source's (a ``None`` on the source's side fixes nothing; an argument free in both,
+        :meth:`free_arguments`, neither)."""
         wrong = []
+        free = cls.free_arguments(source) & cls.free_arguments({**source, **hparams})
         for key in cls.architecture_keys:
-            if key not in source or key not in hparams or source[key] is None:
+            if key not in source or key not in hparams or source[key] is None or key in free:
                 continue
             want, have = source[key], hparams[key]
             if isinstance(want, float) and isinstance(have, (int, float)):

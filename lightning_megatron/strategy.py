@@ -528,10 +528,11 @@ class MegatronStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.parallel_state is not None
         module = self.lightning_module
-        upgrade = type(module).upgrade_hparams if isinstance(module, MegatronLightningModule) else None
+        cls = type(module) if isinstance(module, MegatronLightningModule) else None
         loaded = ckpt.load(self._state_mapper(), checkpoint_path, dict(module.hparams),
                            self.parallel_dims.as_record(), load_optimizer=bool(self.optimizers),
-                           hparam_defaults=ckpt.init_defaults(type(module)), upgrade_hparams=upgrade)
+                           hparam_defaults=ckpt.init_defaults(type(module)),
+                           upgrade_hparams=cls and cls.upgrade_hparams, free_arguments=cls and cls.free_arguments)
         if module.trainer.state.fn == TrainerFn.FITTING:
             # A resumed fit continues the run that wrote the checkpoint (verified by now); one written
             # before checkpoints recorded their run keeps the id chosen at setup.

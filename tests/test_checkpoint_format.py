@@ -231,3 +231,30 @@ def test_compare_hparams_lists_every_differing_field():
                   "predict_max_new_tokens": 8, "predict_output": "pooled", "predict_stop_at_eod": False,
                   "predict_stop_strings": ["\n"]}
     assert ckpt.compare_hparams(saved, {**saved, **predicting}) == ([], [])
+
+
+def test_a_length_that_sizes_no_weight_may_differ_one_that_sizes_learned_positions_not():
+    """A rope decoder's ``max_sequence_length`` sizes no tensor: a run at a longer context resumes from (or starts
+    from) the weights of a shorter one, said as an allowed difference. GPT-2's learned positions are a tensor of
+    that many rows: refused, and with the fix named."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule as GPT
+
+    rope = {"config": {"position_embedding_type": "rope", "max_sequence_length": 32, "hidden_size": 32}}
+    longer = {"config": {**rope["config"], "max_sequence_length": 64}}
+    free = GPT.free_arguments(rope) & GPT.free_arguments(longer)
+    assert free == {"max_sequence_length"}
+    allowed = ["config.max_sequence_length: checkpoint 32, model 64"]
+    assert ckpt.compare_hparams(rope, longer, free=free) == ([], allowed)
+    learned = {"config": {**rope["config"], "position_embedding_type": "learned_absolute"}}
+    assert GPT.free_arguments(learned) == frozenset()
+    errors, _ = ckpt.compare_hparams(learned, {"config": {**learned["config"], "max_sequence_length": 64}})
+    assert errors == ["config.max_sequence_length: checkpoint 32, model 64"]
+    # init_from: a source that fixes the architecture fixes no rope length, but still a learned one
+    flat = {"position_embedding_type": "rope", "max_sequence_length": 64, "hidden_size": 32}
+    assert GPT.architecture_conflicts(flat, {**flat, "max_sequence_length": 32}) == []
+    assert GPT.architecture_conflicts({"max_sequence_length": 64}, {**flat, "max_sequence_length": 32}) == []
+    gpt2 = {**flat, "position_embedding_type": "learned_absolute"}
+    assert GPT.architecture_conflicts(gpt2, {**gpt2, "max_sequence_length": 32}) == [("max_sequence_length", 64, 32)]
+    # switching the kind of positions is no longer context: both are reported
+    assert [k for k, _, _ in GPT.architecture_conflicts(flat, {**gpt2, "max_sequence_length": 32})] == [
+        "max_sequence_length", "position_embedding_type"]

@@ -308,6 +308,8 @@ def test_other_hyperparameters_are_listed_in_oneerror_of(results):
         hidden = r["hidden"]
         assert hidden.startswith("CheckpointError") and "hidden_size: checkpoint 32, model 64" in hidden, hidden
         assert "checkpoint shape (1000, 32), model shape (1000, 64)" in hidden
+        assert hidden.rstrip().endswith("Build the model with the checkpoint's values (the first of each pair) to load "
+                                        "it"), hidden
         assert "Traceback" not in hidden and len(hidden) < 4000
         refused = r["optimizer_class"]
         assert refused.startswith("CheckpointError"), refused

@@ -147,3 +147,40 @@ def test_the_ring_multiplies_in_a_16_bit_models_dtype_and_is_as_near_exact_atten
                       (v.grad, vd.grad.permute(2, 0, 1, 3))):
         err = float((got.double() - want).abs().max() / want.abs().max())  # one-rounding noise is ~4e-3
         assert err < 2e-2, err
+
+
+def test_a_rope_decoder_continues_at_a_longer_context_on_cp2_from_the_checkpoint_the_cli_wrote(tmp_path):
+    """The long-context stage as a user runs it: ``recipes/gpt_tiny.yaml`` as a rope decoder pretrained at 32
+    positions (TP=2), then ``fit --ckpt_path last`` at 64 positions on CP=2, its optimizer and schedule state kept.
+    Rope's positions have no weights, so the longer ``max_sequence_length`` is said (a hyper-parameter that may
+    differ), not refused: the resume refused it as a checkpoint that "does not fit this model", and ``init_from``
+    as an architecture the source fixes, leaving no way to lengthen a rope model's context. The learned positions
+    of GPT-2 stay refused (a tensor's shape: ``tests/test_checkpoint_format.py``)."""
+    import os
+
+    from dist_utils import run_python
+
+    from lightning_megatron.data_checks import checkpoint_extra
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    small = ["-m", "lightning_megatron.cli", "fit", "--config", os.path.join(root, "recipes", "gpt_tiny.yaml"),
+             "--model.config.spec", "llama_layer_spec", "--model.config.position_embedding_type", "rope",
+             "--model.config.num_layers", "1", "--model.config.hidden_size", "32", "--model.config.num_attention_heads",
+             "2", "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "4", "--data.micro_batch_size",
+             "2", "--data.eval_samples", "4", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2",
+             "--trainer.default_root_dir", str(tmp_path / "run"), "--lr_schedule.lr_warmup_steps", "1",
+             "--lr_schedule.lr_decay_steps", "4"]
+    env = dict(os.environ, WANDB_MODE="offline")
+    short = run_python([*small, "--trainer.max_steps", "2", "--data.seq_length", "32",
+                        "--model.config.max_sequence_length", "32"], str(tmp_path), env, timeout=600)
+    assert short.returncode == 0, short.stdout[-3000:] + short.stderr[-3000:]
+    longer = run_python([*small, "--trainer.max_steps", "3", "--data.seq_length", "64",
+                         "--model.config.max_sequence_length", "64", "--trainer.strategy.tensor_model_parallel_size",
+                         "1", "--trainer.strategy.context_parallel_size", "2", "--ckpt_path", "last"], str(tmp_path), env,
+                        timeout=600)
+    assert longer.returncode == 0, longer.stdout[-3000:] + longer.stderr[-3000:]
+    said = [line for line in longer.stderr.splitlines() if "hyper-parameters differ (allowed)" in line]
+    assert len(said) == 1 and "config.max_sequence_length: checkpoint 32, model 64" in said[0], longer.stderr[-3000:]
+    assert "Step 3/3" in longer.stdout, longer.stdout[-3000:]
+    extra = checkpoint_extra(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert extra["global_step"] == 3 and extra["hyper_parameters"]["config"]["max_sequence_length"] == 64

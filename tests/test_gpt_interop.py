@@ -118,6 +118,11 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
     assert cli.model.hparams["config"]["spec"] == "llama_layer_spec"
     with pytest.raises(SystemExit, match=r"--model.config.num_layers 2 \(the source has 3\)"):
         lightning_cli(run=False, args=[*args, "--model.config.num_layers", "2"])
+    # rope's positions are no weights: a longer context than the folder's is this run's choice (it was refused)
+    with pytest.warns(UserWarning, match="replaces the recipe's"):
+        longer = lightning_cli(run=False, args=[*args, "--model.config.max_sequence_length", str(4 * SEQ),
+                                                "--data.seq_length", str(4 * SEQ)])
+    assert (longer.model.config.max_sequence_length, longer.datamodule.seq_length) == (4 * SEQ, 4 * SEQ)
 
 
 # ------------------------------------------------------------------------------ TP=2 x PP=2

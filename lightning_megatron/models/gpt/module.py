@@ -121,6 +121,14 @@ class GPTLightningModule(LanguageLightningModule):
     supports_context_parallel = True  # loss_forward splits the batch; attention gathers keys and values
     architecture_keys = GPT_ARCHITECTURE_KEYS
 
+    @classmethod
+    @override
+    def free_arguments(cls, hparams: Mapping[str, Any]) -> frozenset[str]:
+        """``max_sequence_length`` with rope or no positions (the rope table is computed, not a weight); learned
+        positions are a tensor of that many rows."""
+        free = cls.flat_hparams(hparams).get("position_embedding_type") in ("rope", "none")
+        return frozenset({"max_sequence_length"}) if free else frozenset()
+
 
     # ------------------------------------------------------------------ steps
 
