@@ -65,7 +65,8 @@ def test_resume_with_larger_max_steps_warns_and_follows_the_flags(tmp_path, recw
         kept = _fit(8, ckpt_in=ckpt)
     msg = " ".join(str(w.message) for w in record if "schedule differs" in str(w.message))
     assert "lr_decay_steps: configured 8, checkpoint 4" in msg, msg
-    assert "wd_incr_steps: configured 8, checkpoint 4" in msg, msg
+    # the weight decay is constant (the callback's default): its horizon changes no value and is not named
+    assert "wd_incr_steps" not in msg, msg
     assert "using the checkpoint's values" in msg and "override_opt_param_scheduler=True" in msg, msg
     assert "lr_decay_steps=null resolved to trainer.max_steps=8" in msg, msg
     assert kept == pytest.approx([MIN_LR] * 4)  # past the old horizon: min_lr
@@ -84,7 +85,17 @@ def test_resume_with_larger_max_steps_warns_and_follows_the_flags(tmp_path, recw
     with pytest.raises(CheckpointError) as info:
         _fit(8, ckpt_in=ckpt, use_checkpoint_opt_param_scheduler=False)
     assert "lr_decay_steps: configured 8, checkpoint 4" in str(info.value), info.value
-    assert "wd_incr_steps: configured 8, checkpoint 4" in str(info.value), info.value
+    assert "wd_incr_steps" not in str(info.value), info.value
+    # a run extended with its lr horizon named: a constant weight decay's horizon (null: max_steps) is no difference,
+    # so neither a warning nor, with neither flag, an error (it refused the resume)
+    _fit(4, save_to=str(tmp_path / "named.ckpt"), lr_decay_steps=8)
+    assert _fit(8, ckpt_in=str(tmp_path / "named.ckpt"), lr_decay_steps=8, use_checkpoint_opt_param_scheduler=False
+                ) == pytest.approx([_linear(s, 8) for s in range(4, 8)])
+    # a weight decay that grows over its horizon: another horizon is a difference, named
+    _fit(4, save_to=str(tmp_path / "wd.ckpt"), lr_decay_steps=8, start_wd=0.0, end_wd=0.1, wd_incr_style="linear")
+    with pytest.raises(CheckpointError, match="wd_incr_steps: configured 8, checkpoint 4"):
+        _fit(8, ckpt_in=str(tmp_path / "wd.ckpt"), lr_decay_steps=8, start_wd=0.0, end_wd=0.1, wd_incr_style="linear",
+             use_checkpoint_opt_param_scheduler=False)
 
 
 def test_resume_with_the_same_schedule_is_silent(tmp_path, recwarn):

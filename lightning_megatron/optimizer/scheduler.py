@@ -372,7 +372,14 @@ class OptimizerParamScheduler:
         if "start_wd" in state_dict:
             self.start_wd = self._check_and_set(self.start_wd, state_dict["start_wd"], "start_wd")
             self.end_wd = self._check_and_set(self.end_wd, state_dict["end_wd"], "end_wd")
-            self.wd_incr_steps = self._check_and_set(self.wd_incr_steps, state_dict["wd_incr_steps"], "wd_incr_steps")
+            if self.wd_incr_style == state_dict["wd_incr_style"] == "constant":
+                # wd_incr_steps of a constant weight decay changes no value (null: max_steps, another in an
+                # extended run): no difference, so neither a warning nor, with neither flag, an error
+                self.wd_incr_steps = self.wd_incr_steps if self.override_opt_param_scheduler else state_dict[
+                    "wd_incr_steps"]
+            else:
+                self.wd_incr_steps = self._check_and_set(self.wd_incr_steps, state_dict["wd_incr_steps"],
+                                                         "wd_incr_steps")
             self.wd_incr_style = self._check_and_set(self.wd_incr_style, state_dict["wd_incr_style"], "wd_incr_style")
             # Megatron set lr/wd above with the old wd values; refresh so the groups match the state.
             self.step(0)
