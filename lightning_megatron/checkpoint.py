@@ -81,6 +81,7 @@ __all__ = [
     "HPARAMS_UNUSED_ON_LOAD",
     "MARKER",
     "READABLE_FORMATS",
+    "check_shared_storage",
     "compare_hparams",
     "file_sha256",
     "init_defaults",
@@ -315,6 +316,57 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
         except OSError as e:
             error = _write_error(e, final, tmp)
     _agree(error)
+
+
+def check_shared_storage(folders: list[str | os.PathLike | None], nodes: list[int]) -> None:
+    """Collective, where the ranks span nodes (``nodes``: the node of each rank): every rank must see a file rank 0
+    writes into each local checkpoint folder, as rank 0 names it (the path :func:`save` has every rank write into).
+    A folder on a node's own disk (its ``/tmp``, a local NVMe) would hold that node's shards only: the run trained
+    to its first save and died there. Raises :class:`CheckpointError` on every rank, naming the folder, the nodes
+    that cannot see it and the fix."""
+    if len(set(nodes)) < 2:
+        return
+    rank, _ = _rank_world()
+    probes: list[tuple[str, str]] = []
+    error = None
+    if rank == 0:
+        token = uuid.uuid4().hex
+        for folder in dict.fromkeys(os.fspath(f) for f in folders if f and "://" not in os.fspath(f)):
+            probe = Path(folder) / f".shared-{token}"
+            try:
+                probe.parent.mkdir(parents=True, exist_ok=True)
+                with open(probe, "w") as f:
+                    f.write(token)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                error = _write_error(e, Path(folder), Path(folder))
+                break
+            probes.append((folder, str(probe)))
+    probes, error = _gather((probes, error))[0]
+    _agree(error)
+    token = Path(probes[0][1]).name.removeprefix(".shared-") if probes else ""
+
+    def sees(probe: str) -> bool:
+        try:
+            return Path(probe).read_text() == token
+        except OSError:
+            return False
+
+    unseen = _gather([folder for folder, probe in probes if not sees(probe)])
+    if rank == 0:
+        for _, probe in probes:
+            Path(probe).unlink(missing_ok=True)
+    for folder, _ in probes:
+        ranks = [r for r, folders in enumerate(unseen) if folder in folders]
+        if ranks:
+            blind = ", ".join(f"node {n} (ranks {[r for r in ranks if nodes[r] == n]})"
+                              for n in sorted({nodes[r] for r in ranks}))
+            raise CheckpointError(
+                f"the checkpoint folder {folder!r} is not shared by every node: {blind} cannot see a file rank 0 "
+                f"wrote there, so each node would keep only its own shards of every checkpoint and the first save "
+                f"would fail after the steps before it. Put trainer.default_root_dir (or ModelCheckpoint's dirpath) "
+                f"on a filesystem every node mounts at the same path")
 
 
 def remove(filepath: str | os.PathLike) -> None:

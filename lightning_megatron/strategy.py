@@ -289,6 +289,7 @@ class MegatronStrategy(DDPStrategy):
         if self.cpu_tuning is not None:
             self.cpu_tuning.configure_model(self.model, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
+            ckpt.check_shared_storage([c.dirpath for c in trainer.checkpoint_callbacks], self._node_ranks)
             self.run_id = self._new_run_id(trainer)  # replaced by the checkpoint's when the fit resumes one
             self._build_grad_buffer()  # before configure_optimizers, which may shard it (ZeRO-1)
             self.setup_optimizers(trainer)

@@ -316,6 +316,44 @@ def test_killing_one_node_ends_the_other(tmp_path):
             log.close()
 
 
+def _own_filesystem_at(folder: Path) -> list[str]:
+    """A command prefix that runs a program seeing an empty filesystem of its own at ``folder`` (a mount
+    namespace with a tmpfs there: a node whose disk is its own); [] where this host allows none."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs none '{folder}'"], capture_output=True)
+    return ["unshare", "-m", "sh", "-c", f"mount -t tmpfs none '{folder}' && exec \"$@\"", "sh"] if (
+        probe.returncode == 0) else []
+
+
+def test_a_checkpoint_folder_one_node_cannot_see_is_refused_before_the_first_step(tmp_path):
+    """Two nodes started by the documented static torchrun line, node 1 with a disk of its own at the run folder
+    (a folder on a node's /tmp or local NVMe): each node would keep only its own shards of every checkpoint.
+    The run trained to its first save and died there ("Parent directory ... does not exist"), its steps lost. It is
+    refused at set-up, before the first step, naming the folder, the node that cannot see it and the fix."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    own = _own_filesystem_at(run_dir)
+    if not own:
+        pytest.skip("this host allows no mount namespace (unshare -m), which gives a node a disk of its own")
+    config = _test_config(tmp_path, "local", run_dir)
+    static = _documented("static")[0].replace({"--nproc-per-node": "1", "--master-port": str(free_port()),
+                                               "--config": str(config), "--trainer.devices": "1"})
+    args = ["--trainer.max_steps", "12", "--trainer.default_root_dir", str(run_dir), "--trainer.logger", "false",
+            *_SMALL]
+    nodes = [static.replace({"--node-rank": str(r)}).args + args for r in (0, 1)]
+    with (tmp_path / "node0.out").open("w+") as log0, (tmp_path / "node1.out").open("w+") as log1:
+        procs = [subprocess.Popen([*prefix, *Launch(static.program, node).argv()], cwd=tmp_path, env=environ(),
+                                  stdout=log, stderr=subprocess.STDOUT)
+                 for prefix, node, log in (([], nodes[0], log0), (own, nodes[1], log1))]
+        codes = [p.wait(timeout=600) for p in procs]
+    out = (tmp_path / "node0.out").read_text()
+    assert codes[0] != 0 and codes[1] != 0, out[-4000:]
+    refusal = [line for line in out.splitlines() if line.startswith("lightning-megatron: ")]
+    assert len(refusal) == 1 and f"the checkpoint folder '{run_dir / 'ckpt'}' is not shared by every node" in \
+        refusal[0] and "node 1 (ranks [1])" in refusal[0] and "every node mounts" in refusal[0], out[-4000:]
+    assert "Step " not in out and "saving checkpoint" not in out, out[-4000:]
+    assert not list((run_dir / "ckpt").iterdir())  # the probe removed, nothing saved
+
+
 def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
     """On the TP=2 checkpoint the CLI wrote: `predict` through the CLI at TP=2 on a JSONL file of 11 texts
     (one full global batch of 8 and a short one, top 3), `load_from_checkpoint`, the default test split
