@@ -224,6 +224,60 @@ def test_llama_rope_theta_and_tied_embeddings_are_carried():
     assert ghc.hf_architecture(config)["rotary_base"] == 5000.0
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""Meta-Llama-3.1-8B's rope (its ``config.json``'s ``rope_scaling`` and ``rope_theta``; Llama 3.2's factor is 32)."""
+
+
+def test_llama_3_1_rope_scaling_is_read_computed_and_written_as_transformers_does(tmp_path):
+    """Llama 3.1 / 3.2's frequency scaling (``rope_type: llama3``; megatron-core's ``rope_scaling`` and
+    ``rope_scaling_factor``) was refused on import ("rope scaling"): no Llama 3.1 or 3.2 could be fine-tuned. Read
+    from a folder, our rope's frequencies are transformers' and our GPTModel gives its logits within 1e-5 over 512
+    positions (transformers without the scaling differs by more than 1e-3: the test can fail); export writes the
+    scaling back and transformers computes the same logits from the folder. Low/high frequency factors and an
+    original length other than Meta's (1, 4, 8192), which megatron-core fixes, are refused by name."""
+    import transformers
+
+    from lightning_megatron.models.gpt import GPTConfig
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+    from lightning_megatron.saved_model import SavedModel
+
+    shape = dict(head_dim=16, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384)
+    hf = _llama(rope_parameters=dict(LLAMA3_ROPE), **shape)
+    hf.save_pretrained(tmp_path / "hf")
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "hf"))
+    config = module.config
+    assert (config.rope_scaling, config.rope_scaling_factor, config.rotary_base) == (True, 8.0, 500000.0)
+    module.configure_model()
+    chunk = module.eval().model_chunks[0]
+    assert torch.equal(chunk._rotary[0].inv_freq, hf.model.rotary_emb.inv_freq)
+    tokens = torch.randint(0, VOCAB, (1, 512), generator=torch.Generator().manual_seed(2))
+    plain = _llama(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **shape)
+    plain.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        ours, theirs = chunk(tokens)[..., :VOCAB], hf(input_ids=tokens).logits
+        unscaled = plain(input_ids=tokens).logits
+    assert float((ours - theirs).abs().max()) <= 1e-5
+    assert float((unscaled - theirs).abs().max()) > 1e-3
+    # export: the scaling written back, transformers' logits from the folder
+    arch = ghc.hf_architecture(hf.config)
+    hparams = {k: v for k, v in arch.items() if k not in ("gated_linear_unit", "vocab_size")}
+    model, write_tokenizer = hf_model_from_saved(
+        SavedModel(state_dict=ghf.gpt_state_dict_from_hf(hf.state_dict(), arch), hparams=hparams),
+        tokenizer=_tokenizer_json(tmp_path / "tokenizer.json"))
+    model.save_pretrained(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert {k: loaded.config.rope_parameters[k] for k in LLAMA3_ROPE} == LLAMA3_ROPE
+    with torch.no_grad():
+        assert float((loaded(input_ids=tokens).logits - theirs).abs().max()) <= 1e-5
+    with pytest.raises(ValueError, match="rope_scaling=True scales rope's frequencies, and position_embedding_type="):
+        GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, rope_scaling=True)
+    for key, value in (("low_freq_factor", 2.0), ("high_freq_factor", 8.0), ("original_max_position_embeddings", 4096)):
+        other = transformers.LlamaConfig(**{**LLAMA_KW, **shape, "rope_parameters": {**LLAMA3_ROPE, key: value}})
+        with pytest.raises(ValueError, match=f"{key}={value!r}"):
+            ghc.hf_architecture(other)
+
+
 def test_llama_head_dim_other_than_hidden_over_heads_becomes_kv_channels():
     model = _llama(head_dim=16)
     arch = ghc.hf_architecture(model.config)

@@ -121,13 +121,27 @@ def test_megatron_gpt_checkpoint_reads_as_our_state_dict_and_architecture(tmp_pa
     assert read_architecture(tmp_path / "ckpt") == want
 
 
+def test_a_megatron_llama_3_1_with_rope_scaling_is_read_with_its_factor(tmp_path):
+    """``--use-rope-scaling --rope-scaling-factor 32`` (a Llama 3.2 trained with Megatron-LM) was refused; it is our
+    ``rope_scaling`` with its factor (the frequencies, transformers' ``llama3``: ``tests/test_gpt_hf.py``)."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    model = _models()["llama"]
+    arch = ghc.hf_architecture(model.config)
+    args = _args("llama", use_rope_scaling=True, rope_scaling_factor=32.0)
+    _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, args)
+    hparams = GPTLightningModule.read_architecture(tmp_path / "ckpt")
+    assert (hparams["rope_scaling"], hparams["rope_scaling_factor"]) == (True, 32.0)
+    assert not arch["rope_scaling"]  # the folder's (transformers' default rope) for contrast
+
+
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(qk_layernorm=True), "qk_layernorm=True"),
-    (dict(use_rope_scaling=True), "use_rope_scaling=True"),
+    (dict(rotary_seq_len_interpolation_factor=2), "rotary_seq_len_interpolation_factor=2"),
     (dict(num_experts=8, moe_layer_freq=2), "moe_layer_freq=2"),  # dense layers among the experts
     (dict(rotary_interleaved=True), "rotary_interleaved=True"),
     (dict(position_embedding_type="relative"), "position_embedding_type='relative'"),
-], ids=["qk_layernorm", "rope_scaling", "moe_layer_freq", "interleaved", "relative"])
+], ids=["qk_layernorm", "interpolation", "moe_layer_freq", "interleaved", "relative"])
 def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, named):
     from lightning_megatron.models.gpt.module import GPTLightningModule
 

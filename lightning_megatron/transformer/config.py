@@ -73,6 +73,13 @@ class TransformerConfig:
     """Base of the rotary position embedding's frequencies (used when the model applies rotary)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels the rotary embedding rotates (the leading ones)."""
+    rope_scaling: bool = False
+    """Llama 3.1's frequency scaling of the rotary embedding (megatron-core's ``rope_scaling``, transformers'
+    ``rope_type: llama3``): frequencies whose wavelength exceeds the original 8192 positions are divided by
+    ``rope_scaling_factor``, those below 8192 / 4 kept, those between interpolated (Meta's low and high
+    frequency factors 1 and 4, as megatron-core fixes them)."""
+    rope_scaling_factor: float = 8.0
+    """The factor of :attr:`rope_scaling` (Llama 3.1: 8, Llama 3.2: 32)."""
     add_bias_linear: bool = True
     """Whether the linear layers of attention and MLP have biases (BERT: yes)."""
     add_qkv_bias: bool = False
@@ -276,6 +283,8 @@ class TransformerConfig:
         # (BERT) may have an odd head width.
         if not self.rotary_base > 0:
             raise ValueError(f"rotary_base={self.rotary_base} must be > 0 (e.g. 10000.0)")
+        if self.rope_scaling and not self.rope_scaling_factor >= 1:
+            raise ValueError(f"rope_scaling_factor={self.rope_scaling_factor} must be >= 1 (Llama 3.1: 8.0)")
 
     def _validate_moe(self) -> None:
         e = self.num_moe_experts

@@ -23,14 +23,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RotaryEmbedding", "RotaryTable", "apply_rotary_pos_emb", "apply_rotary_pos_emb_heads", "rotate_half"]
+__all__ = ["RotaryEmbedding", "RotaryTable", "apply_rotary_pos_emb", "apply_rotary_pos_emb_heads", "llama3_scaling",
+           "rotate_half"]
+
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_LENGTH = 1.0, 4.0, 8192
+"""Meta's Llama 3.1 / 3.2 frequency scaling constants, as megatron-core fixes them (transformers reads them from
+``rope_scaling``: every released Llama 3.x has these)."""
+
+
+def llama3_scaling(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.1's scaled inverse frequencies (transformers' ``_compute_llama3_parameters``, megatron-core's
+    ``RotaryEmbedding._apply_scaling``): a wavelength over the original length divided by ``factor``, one under a
+    quarter of it kept, those between interpolated linearly in ``original length / wavelength``."""
+    low_wavelen = LLAMA3_ORIGINAL_LENGTH / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = LLAMA3_ORIGINAL_LENGTH / LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (LLAMA3_ORIGINAL_LENGTH / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
     """The angle table of RoPE: ``forward(seq_len, offset=0)`` -> freqs [seq_len, 1, 1, d_rot] (fp32),
     row i for position ``offset + i``."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0) -> None:
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0,
+                 scaling_factor: float | None = None) -> None:
         super().__init__()
         dim = int(kv_channels * rotary_percent)
         if dim < 2 or dim % 2 != 0:
@@ -41,6 +62,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary_base={rotary_base} must be > 0 (e.g. 10000.0)")
         self.dim, self.base = dim, float(rotary_base)
         inv_freq = 1.0 / (self.base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        self.scaling_factor = scaling_factor  # Llama 3.1's (llama3_scaling), None: none
+        if scaling_factor is not None:
+            inv_freq = llama3_scaling(inv_freq, scaling_factor)
         # Not a parameter and not saved: it is a function of the config.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -50,7 +74,8 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, d_rot]
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}"
+        scaled = f", llama3 scaling x{self.scaling_factor}" if self.scaling_factor is not None else ""
+        return f"dim={self.dim}, base={self.base}{scaled}"
 
 
 class RotaryTable:

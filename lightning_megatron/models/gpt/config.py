@@ -50,6 +50,10 @@ class GPTConfig(LanguageModelConfig):
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type={self.position_embedding_type!r} must be one of "
                              f"{POSITION_EMBEDDING_TYPES}")
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            raise ValueError(f"rope_scaling=True scales rope's frequencies, and position_embedding_type="
+                             f"{self.position_embedding_type!r} has none: set position_embedding_type: rope, or drop "
+                             f"rope_scaling")
         super().__post_init__()
 
     def _check_experts(self) -> None:

@@ -14,6 +14,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_megatron.transformer.rotary import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
+                                                   LLAMA3_ORIGINAL_LENGTH)
+
 __all__ = ["GPT_ARCHITECTURE_KEYS", "LLAMA_SPEC", "GPT2_SPEC", "MOE_SPEC", "HF_MODEL_TYPES", "MODEL_NAMES",
            "llama_architecture", "qwen2_architecture", "mixtral_architecture", "qwen2_moe_architecture",
            "gpt2_architecture", "hf_architecture", "hf_model_type", "hf_class_name", "hf_config_from_architecture"]
@@ -28,9 +31,10 @@ MOE_SPEC = "llama_moe_layer_spec"
 GPT_ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                          "kv_channels", "spec", "activation", "layernorm_epsilon", "max_sequence_length", "vocab_size",
                          "position_embedding_type", "add_bias_linear", "gated_linear_unit", "rotary_base",
-                         "rotary_percent", "untie_embeddings_and_output_weights", "add_qkv_bias", "num_moe_experts",
-                         "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
-                         "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+                         "rotary_percent", "rope_scaling", "rope_scaling_factor", "untie_embeddings_and_output_weights",
+                         "add_qkv_bias", "num_moe_experts", "moe_router_topk", "moe_router_score_function",
+                         "moe_router_pre_softmax", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                         "moe_shared_expert_gate")
 """``GPTLightningModule`` arguments a source fixes (the architecture dicts below use these; a mixture of experts'
 also carries ``moe_aux_loss_coeff``, a training setting the source suggests but does not fix)."""
 
@@ -74,8 +78,7 @@ def _rotary_decoder(cfg: dict[str, Any], bad: list[str]) -> dict[str, Any]:
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     groups = cfg.get("num_key_value_heads") or heads
     theta, rope_type, scaling = _rope(cfg)
-    if rope_type != "default" or scaling:
-        bad.append(f"rope scaling (rope_type={rope_type!r}, {scaling!r})")
+    factor = _llama3_factor(rope_type, scaling or {}, bad)
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         bad.append(f"hidden_act={cfg.get('hidden_act')!r} (the Llama spec's SwiGLU uses silu)")
     head_dim = cfg.get("head_dim")
@@ -102,7 +105,31 @@ def _rotary_decoder(cfg: dict[str, Any], bad: list[str]) -> dict[str, Any]:
                 max_sequence_length=cfg.get("max_position_embeddings", 2048), vocab_size=cfg["vocab_size"],
                 position_embedding_type="rope", add_bias_linear=False, gated_linear_unit=True, rotary_base=theta,
                 rotary_percent=1.0, untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
-                add_qkv_bias=False)
+                add_qkv_bias=False, rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0)
+
+
+def _llama3_factor(rope_type: str, scaling: dict[str, Any], bad: list[str]) -> float | None:
+    """The factor of Llama 3.1's frequency scaling (``rope_type: llama3``) with Meta's other constants, which our
+    rope (as megatron-core's) fixes; None without scaling. Any other scaling appended to ``bad``."""
+    if rope_type == "default" and not scaling:
+        return None
+    if rope_type != "llama3":
+        bad.append(f"rope scaling (rope_type={rope_type!r}, {scaling!r})")
+        return None
+    fixed = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+             "original_max_position_embeddings": LLAMA3_ORIGINAL_LENGTH}
+    bad += [f"rope scaling {key}={scaling[key]!r} (Llama 3.1's is {want!r})" for key, want in fixed.items()
+            if key in scaling and float(scaling[key]) != float(want)]
+    return float(scaling.get("factor", 8.0))
+
+
+def _rope_out(theta: float, arch: dict[str, Any]) -> dict[str, Any]:
+    """transformers' rope parameters of our arguments: the base, and Llama 3.1's scaling when ``rope_scaling``."""
+    if not arch.get("rope_scaling"):
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": float(arch.get("rope_scaling_factor", 8.0)),
+            "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": LLAMA3_ORIGINAL_LENGTH}
 
 
 def llama_architecture(hf_config: Any) -> dict[str, Any]:
@@ -331,7 +358,10 @@ def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
             shared_expert_intermediate_size=arch.get("moe_shared_expert_intermediate_size") or 0,
             qkv_bias=bool(arch.get("add_qkv_bias")), decoder_sparse_step=1, mlp_only_layers=[],
             use_sliding_window=False)
+    rope = _rope_out(theta, arch)
     if "rope_parameters" in config.to_dict():  # transformers >= 5 keeps rope_theta there
-        config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+        config.rope_parameters = rope
+    elif rope["rope_type"] != "default":  # transformers 4: rope_scaling beside rope_theta
+        config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     config.architectures = [cls]
     return config

@@ -56,7 +56,6 @@ UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "multi_latent_attention": ((False, None), "multi-latent attention"),
     "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
     "rotary_interleaved": ((False, None), "interleaved rotary embeddings"),
-    "use_rope_scaling": ((False, None), "rope frequency scaling (Llama 3.1)"),
     "rotary_seq_len_interpolation_factor": ((None, 1, 1.0), "rotary sequence interpolation"),
 }
 """Megatron-LM arguments whose other values change the computation in ways GPTModel does not have."""
@@ -116,7 +115,9 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
         "untie_embeddings_and_output_weights": bool(get("untie_embeddings_and_output_weights", False)),
     }
     if position == "rope":
-        hp.update(rotary_base=float(get("rotary_base", 10000)), rotary_percent=float(get("rotary_percent", 1.0)))
+        hp.update(rotary_base=float(get("rotary_base", 10000)), rotary_percent=float(get("rotary_percent", 1.0)),
+                  rope_scaling=bool(get("use_rope_scaling", False)),  # Llama 3.1's, as our rope_scaling
+                  rope_scaling_factor=float(get("rope_scaling_factor", 8.0)))
     if moe:
         hp.update(moe, spec=ghc.MOE_SPEC)
         hp["moe_ffn_hidden_size"] = hp["moe_ffn_hidden_size"] or hp["ffn_hidden_size"]

@@ -113,7 +113,9 @@ class GPTModel(LanguageModule):
     def _make_rotary(self) -> nn.Module:
         from lightning_megatron.transformer.rotary import RotaryEmbedding
 
-        return RotaryEmbedding(self.config.kv_channels, self.config.rotary_percent, self.config.rotary_base)
+        c = self.config
+        return RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base,
+                               c.rope_scaling_factor if c.rope_scaling else None)
 
     def rotary_pos_emb(self, seq_length: int, device: torch.device, offset: int = 0) -> torch.Tensor:
         """The rope angle table [s, 1, 1, d_rot] (fp32) of positions ``offset .. offset + s``, for the
