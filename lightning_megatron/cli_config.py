@@ -237,6 +237,10 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
         raise SystemExit(f"lightning-megatron: --model.init_from {source} fixes the architecture, and these flags "
                          f"disagree with it: {listed}. Drop them.")
     replaced = architecture_conflicts(current, architecture)
+    # an argument free in both (a rope model's length: no conflict) is replaced by the source's unless flagged: said
+    replaced += [(k, current[k], architecture[k]) for k in model_class.free_arguments(architecture)
+                 if k in current and where[k] not in flags and architecture.get(k) not in (None, current[k])
+                 and k not in {r[0] for r in replaced}]
     for key, value in architecture.items():
         if key in where and where[key] not in flags and not (key == "vocab_size" and value is None):
             model[where[key]] = value

@@ -109,8 +109,15 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
             "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.logger", "false",
             "--model.init_from", str(tmp_path / "llama"),
             "--data.seq_length", str(SEQ)]  # within the folder's positions (checked before launch)
-    with pytest.warns(UserWarning, match="replaces the recipe's .*spec='gpt_layer_spec' \\(now 'llama_layer_spec'\\)"):
+    with pytest.warns(UserWarning, match="replaces the recipe's .*spec='gpt_layer_spec' \\(now 'llama_layer_spec'\\)") as said:
         cli = lightning_cli(run=False, args=args)
+    # the recipe's length replaced too (a rope model's run may choose another, below), and said
+    [replaced] = [str(w.message) for w in said if "replaces the recipe's" in str(w.message)]
+    assert replaced.count(f"config.max_sequence_length=128 (now {SEQ})") == 1, replaced
+    with pytest.warns(UserWarning, match="replaces the recipe's") as said:  # a rope recipe's length: replaced alike
+        lightning_cli(run=False, args=[*args, "--model.config.position_embedding_type", "rope"])
+    [replaced] = [str(w.message) for w in said if "replaces the recipe's" in str(w.message)]
+    assert f"config.max_sequence_length=128 (now {SEQ})" in replaced, replaced
     hp = cli.model.config
     assert (hp.num_layers, hp.num_query_groups, hp.gated_linear_unit, hp.add_bias_linear, hp.position_embedding_type,
             hp.rotary_base, hp.untie_embeddings_and_output_weights, hp.vocab_size) == (
