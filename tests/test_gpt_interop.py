@@ -109,7 +109,8 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
             "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.logger", "false",
             "--model.init_from", str(tmp_path / "llama"),
             "--data.seq_length", str(SEQ)]  # within the folder's positions (checked before launch)
-    with pytest.warns(UserWarning, match="replaces the recipe's .*spec='gpt_layer_spec' \\(now 'llama_layer_spec'\\)") as said:
+    spec = "replaces the recipe's .*spec='gpt_layer_spec' \\(now 'llama_layer_spec'\\)"
+    with pytest.warns(UserWarning, match=spec) as said:
         cli = lightning_cli(run=False, args=args)
     # the recipe's length replaced too (a rope model's run may choose another, below), and said
     [replaced] = [str(w.message) for w in said if "replaces the recipe's" in str(w.message)]
