@@ -41,6 +41,7 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
     with commands_from_forkserver({"lightning-megatron": ["-m", "lightning_megatron.cli"]}, timeout=900) as commands:
         env["PATH"] = commands + os.pathsep + env["PATH"]
         _run_blocks(tmp_path, env, found, outputs, predicted)
+        refused = _refusals(tmp_path, env)
     assert "520 training rows, 129 validation rows" in outputs[1]
     assert (tmp_path / "runs" / "bert_tiny_sst2" / "checkpoints" / "last.ckpt").is_dir()
     for metric in ("val_accuracy", "val_f1", "val_matthews_corrcoef", "val_loss"):  # printed by `finetune validate`
@@ -71,26 +72,31 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
 
     # the labels in another order name every prediction and metric by the other class (the accuracy of the page's
     # check would read 1 - accuracy): the checkpoint records the class names, and the command is refused before launch
-    swapped = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "finetune", "predict", "--config",
-                              "recipes/bert_tiny_sst2.yaml", "--data.labels", "[email, asyncio]", "--ckpt_path",
-                              "runs/bert_tiny_sst2/checkpoints/last.ckpt"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=300)
-    assert swapped.returncode != 0 and "found before launching any process" in swapped.stderr, swapped.stderr[-3000:]
     assert ("was trained with the classes ['asyncio', 'email'] (in class-id order); this run's data names "
-            "['email', 'asyncio']") in swapped.stderr, swapped.stderr[-3000:]
-
+            "['email', 'asyncio']") in refused["labels"], refused["labels"]
     # resuming the page's pretraining run (40 steps, AdamW, the recipe's lr_schedule) with another optimizer, or to
     # the step it has reached, is refused before launch from what its checkpoint records
-    def resume(*args: str) -> str:
-        run = subprocess.run([sys.executable, "-m", "lightning_megatron.cli", "fit", "--config",
-                              "recipes/bert_tiny.yaml", "--ckpt_path", "runs/bert_tiny/checkpoints/last.ckpt", *args],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode != 0 and "found before launching any process" in run.stderr, run.stderr[-3000:]
-        return run.stderr
+    assert "optimizer class: checkpoint torch.optim.AdamW, this run torch.optim.SGD" in refused["optimizer"]
+    assert "resumes at step 40, and trainer.max_steps=40 ends the run there" in refused["max_steps"]
 
-    assert "optimizer class: checkpoint torch.optim.AdamW, this run torch.optim.SGD" in resume(
-        "--trainer.max_steps", "41", "--optimizer", "torch.optim.SGD")
-    assert "resumes at step 40, and trainer.max_steps=40 ends the run there" in resume("--trainer.max_steps", "40")
+
+def _refusals(tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
+    """What ``lightning-megatron`` (the forkserver's, on ``env``'s PATH) says refusing, before launch, commands on the
+    page's checkpoints: its classifier's labels in another order, its pretraining run resumed with SGD or to the step
+    it reached."""
+    resume = ["fit", "--config", "recipes/bert_tiny.yaml", "--ckpt_path", "runs/bert_tiny/checkpoints/last.ckpt"]
+    commands = {
+        "labels": ["finetune", "predict", "--config", "recipes/bert_tiny_sst2.yaml", "--data.labels",
+                   "[email, asyncio]", "--ckpt_path", "runs/bert_tiny_sst2/checkpoints/last.ckpt"],
+        "optimizer": [*resume, "--trainer.max_steps", "41", "--optimizer", "torch.optim.SGD"],
+        "max_steps": [*resume, "--trainer.max_steps", "40"]}
+    said = {}
+    for name, args in commands.items():
+        run = subprocess.run(["lightning-megatron", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode != 0 and "found before launching any process" in run.stderr, run.stderr[-3000:]
+        said[name] = run.stderr
+    return said
 
 
 def _run_blocks(tmp_path: Path, env: dict[str, str], found: list[tuple[str, str]], outputs: list[str],
