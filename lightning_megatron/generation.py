@@ -103,10 +103,10 @@ class StopsGeneration(Protocol):
 class StopRule:
     """When a generated sequence ends, and what a reader sees of it.
 
-    A sequence ends at the first new token that is ``stop_token``, or after which the text of its new
-    tokens (``detokenize``) contains one of ``stop_strings``. It keeps its new tokens up to and including
-    that one (:meth:`end`); its completion is their text without the stop token, cut before the first
-    stop string (:meth:`completion`). The default rule never ends a sequence.
+    A sequence ends at the first new token that is ``stop_token`` (or one of ``other_stop_tokens``), or after
+    which the text of its new tokens (``detokenize``) contains one of ``stop_strings``. It keeps its new tokens up
+    to and including that one (:meth:`end`); its completion is their text without the stop token, cut before the
+    first stop string (:meth:`completion`). The default rule never ends a sequence.
     """
 
     stop_token: int | None = None
@@ -115,11 +115,16 @@ class StopRule:
     """Texts that end a sequence once its generated text contains one (needs ``detokenize``)."""
     detokenize: Callable[[Sequence[int]], str] | None = None
     """Ids -> text (the tokenizer's ``detokenize``): for ``stop_strings`` and :meth:`completion`."""
+    other_stop_tokens: tuple[int, ...] = ()
+    """More ids that end a sequence as ``stop_token`` does (a Hugging Face folder's ``generation_config.json``
+    names several: Llama 3.1 Instruct's ``<|end_of_text|>``, ``<|eom_id|>`` beside ``<|eot_id|>``)."""
 
     def __post_init__(self) -> None:
-        if self.stop_token is not None and (not isinstance(self.stop_token, int) or isinstance(self.stop_token, bool)
-                                            or self.stop_token < 0):
-            raise ValueError(f"stop_token={self.stop_token!r} must be a token id (an integer >= 0) or None")
+        object.__setattr__(self, "other_stop_tokens", tuple(self.other_stop_tokens))
+        named = [("stop_token", self.stop_token), *(("other_stop_tokens", t) for t in self.other_stop_tokens)]
+        for name, token in named:
+            if token is not None and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
+                raise ValueError(f"{name}: {token!r} must be a token id (an integer >= 0) or None")
         problem = stop_strings_problem(self.stop_strings)
         if problem:
             raise ValueError(problem)
@@ -129,9 +134,14 @@ class StopRule:
                              f"a detokenize function (the tokenizer's detokenize)")
 
     @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        """Every id that ends a sequence."""
+        return ((self.stop_token,) if self.stop_token is not None else ()) + self.other_stop_tokens
+
+    @property
     def stops(self) -> bool:
         """Whether anything ends a sequence."""
-        return self.stop_token is not None or bool(self.stop_strings)
+        return bool(self.stop_tokens) or bool(self.stop_strings)
 
     def _has_stop_string(self, ids: Sequence[int]) -> bool:
         text = self.detokenize(list(ids))  # type: ignore[misc]
@@ -142,8 +152,8 @@ class StopRule:
         it, else all of them."""
         new = list(new)
         n = len(new)
-        if self.stop_token is not None and self.stop_token in new:
-            n = new.index(self.stop_token) + 1
+        stops = self.stop_tokens
+        n = next((i + 1 for i, token in enumerate(new) if token in stops), n)
         if self.stop_strings and self._has_stop_string(new[:n]):
             lo, hi = 1, n  # the fewest tokens whose text holds a stop string (text only grows with tokens)
             while lo < hi:
@@ -158,7 +168,7 @@ class StopRule:
         if self.detokenize is None:
             raise ValueError("StopRule.completion needs detokenize (the tokenizer's detokenize)")
         kept = list(new)[: self.end(new)]
-        if self.stop_token is not None and kept and kept[-1] == self.stop_token:
+        if kept and kept[-1] in self.stop_tokens:
             kept = kept[:-1]
         text = self.detokenize(kept)
         return text[: min((i for s in self.stop_strings if (i := text.find(s)) >= 0), default=len(text))]
@@ -167,8 +177,8 @@ class StopRule:
         """Which rows have ended [b] (bool), given the new tokens so far ``new`` [b, k] (the last column just
         picked) and the rows ``finished`` before it."""
         ended = finished.clone()
-        if self.stop_token is not None:
-            ended |= new[:, -1] == self.stop_token
+        if self.stop_tokens:
+            ended |= torch.isin(new[:, -1], torch.tensor(self.stop_tokens, device=new.device))
         if self.stop_strings:
             rows = new.tolist()
             for i in torch.nonzero(~ended).flatten().tolist():
@@ -337,8 +347,8 @@ def generate(forward: DecoderForward, prompt_tokens: Prompts, max_new_tokens: in
              attention_mask: torch.Tensor | None = None, greedy: bool = True, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, use_cache: bool = True, stop_token: int | None = None,
              stop_strings: Sequence[str] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
-             pad_token: int | None = None, vocab_size: int | None = None, max_sequence_length: int | None = None,
-             tp_group: Group = None, pp_group: Group = None,
+             other_stop_tokens: Sequence[int] = (), pad_token: int | None = None, vocab_size: int | None = None,
+             max_sequence_length: int | None = None, tp_group: Group = None, pp_group: Group = None,
              generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
     """Each prompt followed by up to ``max_new_tokens`` generated tokens.
 
@@ -348,14 +358,14 @@ def generate(forward: DecoderForward, prompt_tokens: Prompts, max_new_tokens: in
     - a list of 1-D prompts (tensors or lists of ids) -> a list of 1-D tensors, each its prompt followed by its
       new tokens up to and including the one that ended it (no padding).
 
-    ``stop_token``, ``stop_strings``, ``detokenize``: the :class:`StopRule`. ``pad_token``: what fills the left
-    padding of a list's batch and ended rows (None: ``stop_token``, else 0). ``use_cache=False`` re-runs the
-    whole sequence each step (the reference the cache is tested against; left-padded prompts then go through
-    a fresh cache per step, which carries their padding). ``vocab_size`` cuts padded vocabulary columns so
-    they are never picked. ``max_sequence_length``: the model's positions, checked before any forward
-    (:func:`context_length_problem`). ``tp_group`` / ``pp_group``: module docstring.
+    ``stop_token``, ``stop_strings``, ``detokenize``, ``other_stop_tokens``: the :class:`StopRule`.
+    ``pad_token``: what fills the left padding of a list's batch and ended rows (None: ``stop_token``, else 0).
+    ``use_cache=False`` re-runs the whole sequence each step (the reference the cache is tested against;
+    left-padded prompts then go through a fresh cache per step, which carries their padding). ``vocab_size`` cuts
+    padded vocabulary columns so they are never picked. ``max_sequence_length``: the model's positions, checked
+    before any forward (:func:`context_length_problem`). ``tp_group`` / ``pp_group``: module docstring.
     """
-    rule = StopRule(stop_token, tuple(stop_strings), detokenize)
+    rule = StopRule(stop_token, tuple(stop_strings), detokenize, tuple(other_stop_tokens))
     fill = pad_token if pad_token is not None else stop_token if stop_token is not None else 0
     ragged = not torch.is_tensor(prompt_tokens)
     if ragged:

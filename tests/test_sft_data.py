@@ -440,3 +440,41 @@ def test_logged_loss_leaves_out_microbatches_without_counted_tokens():
     assert float(out["loss"]) == 6.5 and float(out["num_tokens"]) == 8.0  # the two microbatches with tokens
     plain = StepRunner._reduce_logged(runner, [{"loss": torch.tensor(1.0)}, {"loss": torch.tensor(2.0)}], "train")
     assert float(plain["loss"]) == 1.5  # a loss function that counts no tokens: the plain mean
+
+
+def test_generation_stops_where_transformers_does_at_every_eos_of_the_generation_config(folders, tmp_path):
+    """A Llama 3.1 Instruct folder's ``generation_config.json`` ends a generation at any of three ids
+    (``<|end_of_text|>``, ``<|eom_id|>``, ``<|eot_id|>``); ``generate`` and ``predict`` stopped at the tokenizer's
+    ``eos_token`` alone and went on past the others. A folder whose generation config names another id: our greedy
+    generation from it (the tokenizer's stop ids) equals transformers' ``generate`` from the same folder, which stops
+    there."""
+    import shutil
+
+    import transformers
+
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    folder = tmp_path / "llama"
+    shutil.copytree(folders["llama3"], folder)
+    tok = ChatTokenizer(folder)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=tok.eos_id, eos_token_id=tok.eos_id)).eval()
+    prompt = torch.tensor([tok.tokenize("Hi there, what's 2+2?")])
+    free = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_id)
+    new = free[0, prompt.shape[1]:].tolist()
+    other = next(t for t in new[2:] if t != tok.eos_id and t not in new[:2])  # a later token made a stop id
+    hf.generation_config.eos_token_id = [other, tok.eos_id]
+    hf.save_pretrained(folder)  # config.json, generation_config.json (the two stop ids), the weights
+    tok = ChatTokenizer(folder)
+    assert set(tok.stop_ids) == {other, tok.eos_id}
+    theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_id)
+    assert theirs.shape[1] < free.shape[1] and theirs[0, -1] == other  # transformers stopped there
+    module = GPTLightningModule.from_pretrained(str(folder))
+    module.configure_model()
+    ours = module.eval().generate(prompt, 8, tokenizer=tok)
+    assert ours.tolist() == theirs.tolist()
+    assert module.stop_rule("eod", tokenizer=tok).completion(ours[0, prompt.shape[1]:].tolist()) == tok.detokenize(
+        theirs[0, prompt.shape[1]:-1].tolist())

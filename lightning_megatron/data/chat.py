@@ -294,6 +294,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def _generation_stop_ids(folder: Path, eos_id: int, vocab_size: int) -> tuple[int, ...]:
+    """``eos_id`` and the ``eos_token_id`` (an id or a list) of ``folder``'s ``generation_config.json``, as
+    transformers' ``generate`` stops at any of them; an id outside the vocabulary is refused, naming the file."""
+    path = folder / "generation_config.json"
+    named = _read_json(path).get("eos_token_id") if path.is_file() else None
+    ids = [named] if isinstance(named, int) else list(named or [])
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"{str(path)!r}: eos_token_id {bad} are not ids of the tokenizer's {vocab_size} tokens")
+    return tuple(dict.fromkeys([eos_id, *ids]))
+
+
 class ChatTokenizer:
     """A Hugging Face tokenizer for chat data (see the module docstring).
 
@@ -339,6 +351,9 @@ class ChatTokenizer:
                              f"token that ends the assistant's turns)")
         self.special_tokens["eos_token"] = eos
         self.eos_token, self.eos_id = eos, vocab[eos]
+        self.stop_ids = _generation_stop_ids(folder, self.eos_id, len(vocab))
+        """The ids that end a generation (``generate``, ``predict``): EOS and the folder's ``generation_config.json``
+        ``eos_token_id`` (Llama 3.1 Instruct names three)."""
         pad = self.special_tokens.get("pad_token")
         self.pad_id = vocab.get(pad, self.eos_id) if pad is not None else self.eos_id
         """Id of the padding (the pad token, else EOS; never a target)."""

@@ -245,9 +245,11 @@ class GPTLightningModule(LanguageLightningModule):
                              f"given and {self._no_tokenizer()}. Pass tokenizer=<a tokenizer with eod, tokenize and "
                              f"detokenize>" + (", or stop_token=<the id to stop at>, or stop_token=None to always "
                                                "generate max_new_tokens tokens" if stop_token == "eod" else ""))
-        if stop_token == "eod":
+        others: tuple[int, ...] = ()
+        if stop_token == "eod":  # with the tokenizer's other end-of-sequence ids (ChatTokenizer.stop_ids)
             stop_token = int(tok.eod)
-        return StopRule(stop_token, tuple(stop_strings), None if tok is None else tok.detokenize)
+            others = tuple(int(t) for t in getattr(tok, "stop_ids", ()) if int(t) != stop_token)
+        return StopRule(stop_token, tuple(stop_strings), None if tok is None else tok.detokenize, others)
 
     def _tokenizer(self, tokenizer: GenerationTokenizer | None) -> GenerationTokenizer | None:
         """``tokenizer`` (checked), else the attached datamodule's ``tokenizer`` when it is one, else None."""
@@ -296,6 +298,7 @@ class GPTLightningModule(LanguageLightningModule):
             with sequence_parallel_off(self.model_chunks):
                 return generate(forward, prompt_tokens, max_new_tokens, attention_mask=attention_mask,
                                 stop_token=rule.stop_token, stop_strings=rule.stop_strings, detokenize=rule.detokenize,
+                                other_stop_tokens=rule.other_stop_tokens,
                                 vocab_size=self.vocab_size, max_sequence_length=self.config.max_sequence_length,
                                 tp_group=ps.group("tp"), pp_group=ps.group("pp"), **settings)
         finally:
