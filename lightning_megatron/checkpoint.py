@@ -318,13 +318,13 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
     _agree(error)
 
 
-def check_shared_storage(folders: list[str | os.PathLike | None], nodes: list[int]) -> None:
-    """Collective, where the ranks span nodes (``nodes``: the node of each rank): every rank must see a file rank 0
-    writes into each local checkpoint folder, as rank 0 names it (the path :func:`save` has every rank write into).
-    A folder on a node's own disk (its ``/tmp``, a local NVMe) would hold that node's shards only: the run trained
-    to its first save and died there. Raises :class:`CheckpointError` on every rank, naming the folder, the nodes
+def check_shared_storage(folders: list[str | os.PathLike | None], nodes: list[int] | None) -> None:
+    """Collective, where the ranks span nodes (``nodes``: the node of each rank, None: unknown): every rank must see
+    a file rank 0 writes into each local checkpoint folder, as rank 0 names it (the path :func:`save` has every rank
+    write into). A folder on a node's own disk (its ``/tmp``, a local NVMe) would hold that node's shards only: the
+    run trained to its first save and died there. Raises :class:`CheckpointError` on every rank, naming the folder, the nodes
     that cannot see it and the fix."""
-    if len(set(nodes)) < 2:
+    if nodes is None or len(set(nodes)) < 2:
         return
     rank, _ = _rank_world()
     probes: list[tuple[str, str]] = []
