@@ -322,8 +322,8 @@ def check_shared_storage(folders: list[str | os.PathLike | None], nodes: list[in
     """Collective, where the ranks span nodes (``nodes``: the node of each rank, None: unknown): every rank must see
     a file rank 0 writes into each local checkpoint folder, as rank 0 names it (the path :func:`save` has every rank
     write into). A folder on a node's own disk (its ``/tmp``, a local NVMe) would hold that node's shards only: the
-    run trained to its first save and died there. Raises :class:`CheckpointError` on every rank, naming the folder, the nodes
-    that cannot see it and the fix."""
+    run trained to its first save and died there. Raises :class:`CheckpointError` on every rank, naming the folder,
+    the nodes that cannot see it and the fix."""
     if nodes is None or len(set(nodes)) < 2:
         return
     rank, _ = _rank_world()
