@@ -176,8 +176,8 @@ def test_a_rope_decoder_continues_at_a_longer_context_on_cp2_from_the_checkpoint
     assert short.returncode == 0, short.stdout[-3000:] + short.stderr[-3000:]
     longer = run_python([*small, "--trainer.max_steps", "3", "--data.seq_length", "64",
                          "--model.config.max_sequence_length", "64", "--trainer.strategy.tensor_model_parallel_size",
-                         "1", "--trainer.strategy.context_parallel_size", "2", "--ckpt_path", "last"], str(tmp_path), env,
-                        timeout=600)
+                         "1", "--trainer.strategy.context_parallel_size", "2", "--ckpt_path", "last"], str(tmp_path),
+                        env, timeout=600)
     assert longer.returncode == 0, longer.stdout[-3000:] + longer.stderr[-3000:]
     said = [line for line in longer.stderr.splitlines() if "hyper-parameters differ (allowed)" in line]
     assert len(said) == 1 and "config.max_sequence_length: checkpoint 32, model 64" in said[0], longer.stderr[-3000:]
