@@ -177,8 +177,8 @@ class StopRule:
         """Which rows have ended [b] (bool), given the new tokens so far ``new`` [b, k] (the last column just
         picked) and the rows ``finished`` before it."""
         ended = finished.clone()
-        if self.stop_tokens:
-            ended |= torch.isin(new[:, -1], torch.tensor(self.stop_tokens, device=new.device))
+        for token in self.stop_tokens:  # a scalar each: no list of ids copied to the device every step
+            ended |= new[:, -1] == token
         if self.stop_strings:
             rows = new.tolist()
             for i in torch.nonzero(~ended).flatten().tolist():
