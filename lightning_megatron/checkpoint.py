@@ -328,9 +328,8 @@ def check_shared_storage(folders: list[str | os.PathLike | None], nodes: list[in
         return
     rank, _ = _rank_world()
     probes: list[tuple[str, str]] = []
-    error = None
+    token, error = uuid.uuid4().hex, None  # rank 0's is the one written and read
     if rank == 0:
-        token = uuid.uuid4().hex
         for folder in dict.fromkeys(os.fspath(f) for f in folders if f and "://" not in os.fspath(f)):
             probe = Path(folder) / f".shared-{token}"
             try:
@@ -343,9 +342,8 @@ def check_shared_storage(folders: list[str | os.PathLike | None], nodes: list[in
                 error = _write_error(e, Path(folder), Path(folder))
                 break
             probes.append((folder, str(probe)))
-    probes, error = _gather((probes, error))[0]
+    token, probes, error = _gather((token, probes, error))[0]
     _agree(error)
-    token = Path(probes[0][1]).name.removeprefix(".shared-") if probes else ""
 
     def sees(probe: str) -> bool:
         try:
