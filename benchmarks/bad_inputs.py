@@ -507,9 +507,10 @@ AFTER_MERGE = [
     ("checkpoint", "same-size byte flip, altered checksum, checksums deleted: fit --ckpt_path", "CheckpointError "
      "naming the file / 'cannot be verified' with the opt-in to use", SETUP, "tests/test_checkpoint_trust.py"),
     ("checkpoint", "checkpoint of a model with another head count", "CheckpointError listing the differing "
-     "hyper-parameters", SETUP, "tests/test_checkpoint_trust.py"),
-    ("checkpoint", "checkpoint of a model with another hidden size", "one short CheckpointError", SETUP,
-     "tests/test_checkpoint_trust.py"),
+     "hyper-parameters", BEFORE + " (the CLI; at setup through the Python API)",
+     "tests/test_checkpoint_trust.py, tests/test_cli_run_folder.py (another depth)"),
+    ("checkpoint", "checkpoint of a model with another hidden size", "one short CheckpointError (the shapes' lines "
+     "at setup)", BEFORE + " (the CLI; at setup through the Python API)", "tests/test_checkpoint_trust.py"),
     ("checkpoint", "disk full while saving (2-rank CLI run)", "one line from rank 0 naming the directory and the free "
      "space, exit 1; other ranks quiet (was 243 lines, 10 tracebacks)", LATE, "benchmarks/trust_faults.py"),
     ("checkpoint", "--ckpt_path last: last.ckpt missing, a complete last.ckpt.tmp-<id>", "resumes from it with a "

@@ -64,6 +64,7 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
     allow_unverified,
     checkpoint_identity,
     file_sha256,
+    read_marker,
     recover_last,
     validate_checkpoint_dir,
     verify_checkpoint,
@@ -83,7 +84,9 @@ __all__ = [
     "READABLE_FORMATS",
     "check_shared_storage",
     "compare_hparams",
+    "does_not_fit",
     "file_sha256",
+    "hparam_problems",
     "init_defaults",
     "ALLOW_UNVERIFIED_ENV",
     "allow_unverified",
@@ -92,6 +95,7 @@ __all__ = [
     "recover_last",
     "remove",
     "save",
+    "saved_extra",
     "validate_checkpoint_dir",
     "verify_checkpoint",
 ]
@@ -450,6 +454,54 @@ def _optimizer_class_errors(mapper: ShardedStateMapper, saved: list[dict[str, An
             if (problem := optimizer_class_problem(record, optimizer_class_name(opt.optimizer), str(path)))]
 
 
+def hparam_problems(saved: dict[str, Any], hparams: dict[str, Any] | None, *,
+                    hparam_defaults: dict[str, Any] | None = None,
+                    upgrade_hparams: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                    free_arguments: Callable[[dict[str, Any]], frozenset[str]] | None = None
+                    ) -> tuple[list[str], list[str]]:
+    """(errors, allowed differences) of a checkpoint's saved hyper-parameters against a model's: :func:`compare_hparams`
+    after ``upgrade_hparams``, the names free in both (``free_arguments``) allowed. The keywords are :func:`load`'s
+    (``module.checkpoint_rules`` gives a module's)."""
+    if upgrade_hparams is not None:
+        saved = upgrade_hparams(saved)
+    free = (free_arguments(saved) & free_arguments(dict(hparams or {}))) if free_arguments else frozenset()
+    return compare_hparams(saved, hparams, hparam_defaults, free=free)
+
+
+def does_not_fit(path: str | os.PathLike, layout: Any, problems: list[str]) -> CheckpointError:
+    """The error of a checkpoint whose tensors or hyper-parameters are not the model's, naming the first ten
+    ``problems`` and the fix."""
+    more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+    fix = "" if all("optimizer class" in p for p in problems) else (
+        ". Build the model with the checkpoint's values (the first of each pair) to load it")
+    return CheckpointError(f"checkpoint {str(path)!r} does not fit this model (saved at layout {layout}): "
+                           + "; ".join(problems[:10]) + more + fix)
+
+
+def saved_extra(filepath: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(extra.pt, the marker)`` of a checkpoint directory, for checks before any process starts (the CLI's):
+    the marker and the file sizes checked, ``extra.pt``'s sha256 matched with the marker's and the file read with
+    ``weights_only=True``; the tensors neither hashed nor read (:func:`load` verifies everything, on every rank).
+    None where ``extra.pt`` has no checksum and the user did not opt in to unverified checkpoints (:func:`load`
+    refuses it, saying why). A corrupt or unsafe file is a :class:`CheckpointError`."""
+    path = Path(filepath)
+    info = read_marker(path)
+    want = info["sha256"].get("extra.pt") if isinstance(info.get("sha256"), dict) else None
+    if want is None and not allow_unverified():
+        return None
+    if want is not None and file_sha256(path / "extra.pt") != want:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: extra.pt does not match the sha256 recorded "
+                              f"in {MARKER} (the file changed after it was saved)")
+    try:
+        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - name the file and the cause
+        raise CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
+                              f"(weights_only=True): {e}") from e
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: extra.pt holds a {type(extra).__name__}, not a dict")
+    return extra, info
+
+
 def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,
          layout: dict[str, int | None], load_optimizer: bool,
          hparam_defaults: dict[str, Any] | None = None,
@@ -474,11 +526,9 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
         error = f"checkpoint {str(path)!r}: extra.pt cannot be read safely (weights_only=True): {e}"
     _agree(error)
     md = metadata.state_dict_metadata
-    saved_hparams = dict(extra.get("hyper_parameters") or {})
-    if upgrade_hparams is not None:
-        saved_hparams = upgrade_hparams(saved_hparams)
-    free = (free_arguments(saved_hparams) & free_arguments(dict(hparams or {}))) if free_arguments else frozenset()
-    errors, allowed = compare_hparams(saved_hparams, hparams, hparam_defaults, free=free)
+    errors, allowed = hparam_problems(dict(extra.get("hyper_parameters") or {}), hparams,
+                                      hparam_defaults=hparam_defaults, upgrade_hparams=upgrade_hparams,
+                                      free_arguments=free_arguments)
     if load_optimizer:
         errors += _optimizer_class_errors(mapper, extra.get("megatron_optimizers") or [], path)
     state = mapper.save_state(include_optimizer=False)
@@ -489,11 +539,7 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     problems += [f"{k}: in the checkpoint, not in the model" for k in sorted(md) if k.startswith("model.")
                  and k not in loaded]
     if problems:
-        more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-        fix = "" if all("optimizer class" in p for p in problems) else (
-            ". Build the model with the checkpoint's values (the first of each pair) to load it")
-        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model (saved at layout "
-                              f"{info.get('layout')}): " + "; ".join(problems[:10]) + more + fix)
+        raise does_not_fit(path, info.get("layout"), problems)
     if allowed and rank == 0:
         warnings.warn(f"checkpoint {str(path)!r}: hyper-parameters differ (allowed): " + "; ".join(allowed))
     include_optimizer = load_optimizer and "megatron_optimizers" in extra

@@ -13,6 +13,7 @@ No Lightning import at module level (``lightning-megatron --help`` needs no torc
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional
 
@@ -54,7 +55,7 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
     from lightning_megatron.strategy import MegatronStrategy  # also registers strategy="megatron"
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback, PredictionWriter
     from lightning_megatron.loggers import WandbRunIdCallback
-    from lightning_megatron.module import MegatronLightningModule
+    from lightning_megatron.module import MegatronLightningModule, check_checkpoint_fits
     from lightning_megatron.optimizer.config import OptimizerConfig
 
     # A class named by class_path (command line or recipe): LightningCLI's subclass mode, and BERT is
@@ -144,6 +145,16 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
             if not (isinstance(strategy, MegatronStrategy) and isinstance(strategy.launcher, _SubprocessScriptLauncher)):
                 launch.release()  # no launcher that hands local ranks to the waiting ones: they exit
             config = self.config[self.subcommand] if self.subcommand else self.config
+            ckpt_path = config.get("ckpt_path")
+            if (isinstance(strategy, MegatronStrategy) and isinstance(self.model, MegatronLightningModule)
+                    and isinstance(ckpt_path, (str, os.PathLike)) and os.path.isdir(ckpt_path)):
+                # a model the checkpoint does not fit: refused here, not in every rank once they all started
+                from lightning_megatron.checkpoint import CheckpointError
+
+                try:
+                    check_checkpoint_fits(self.model, ckpt_path)
+                except CheckpointError as e:
+                    raise SystemExit(f"lightning-megatron: {e}") from None
             optimizer, scheduler = config.get("optimizer"), config.get("lr_scheduler")
             if not (optimizer or scheduler):
                 return

@@ -76,19 +76,16 @@ def checkpoint_data_problems(d: dict[str, Any], m: dict[str, Any], *, data_class
 
 
 def checkpoint_extra(path: Any) -> dict[str, Any] | None:
-    """Our checkpoint directory's ``extra.pt`` (read with ``weights_only=True``); None for anything else (the ranks
-    verify its checksums before they load it)."""
-    import torch
+    """Our checkpoint directory's ``extra.pt``, its checksum matched
+    (:func:`~lightning_megatron.checkpoint.saved_extra`); None for anything else, and for a checkpoint that does not
+    verify (the ranks' verification names why)."""
+    from lightning_megatron.checkpoint import CheckpointError, saved_extra
 
-    from lightning_megatron.checkpoint_verify import MARKER
-
-    if not (path / MARKER).is_file() or not (path / "extra.pt").is_file():
-        return None
     try:
-        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
-    except Exception:  # noqa: BLE001 - unreadable: the ranks' verification names it
+        saved = saved_extra(path)
+    except CheckpointError:
         return None
-    return extra if isinstance(extra, dict) else None
+    return saved[0] if saved is not None else None
 
 
 def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,

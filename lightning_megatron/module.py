@@ -48,6 +48,7 @@ language-model half. Nothing here imports the strategy, a model family or the CL
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -66,7 +67,8 @@ from lightning_megatron.tensor_parallel.param_facts import mark_replicated
 if TYPE_CHECKING:
     from lightning_megatron.interop import StateDictAdapter
 
-__all__ = ["MegatronLightningModule", "context_parallel_problem", "torch_class"]
+__all__ = ["MegatronLightningModule", "check_checkpoint_fits", "checkpoint_rules", "context_parallel_problem",
+           "torch_class"]
 
 
 def context_parallel_problem(module: Any, cp: int) -> str | None:
@@ -89,6 +91,10 @@ class MegatronLightningModule(LightningModule):
     supports_context_parallel: ClassVar[bool] = False
     """Whether the module splits each sample's sequence over the ranks of the CP group (its forward step
     slices the batch and its attention gathers keys and values: ``transformer.context_parallel``)."""
+
+    hparams_set_in_setup: ClassVar[frozenset[str]] = frozenset()
+    """Hyper-parameters the module fills in while it is set up in a rank (after ``__init__``): a check of a
+    checkpoint before the ranks start (:func:`check_checkpoint_fits`) leaves them to the load's."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -504,6 +510,36 @@ class MegatronLightningModule(LightningModule):
                           "lr_scheduler_class", "LR scheduler", "torch.optim.lr_scheduler.StepLR, ...")
         scheduler = cls(optimizer, **kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def checkpoint_rules(module: LightningModule) -> dict[str, Any]:
+    """How ``module``'s hyper-parameters are compared with a checkpoint's (the keywords of
+    :func:`lightning_megatron.checkpoint.load` and ``hparam_problems``): its ``__init__`` defaults for what an older
+    checkpoint does not record, and a :class:`MegatronLightningModule`'s ``upgrade_hparams`` and ``free_arguments``."""
+    from lightning_megatron import checkpoint as ckpt
+
+    cls = type(module) if isinstance(module, MegatronLightningModule) else None
+    return {"hparam_defaults": ckpt.init_defaults(type(module)), "upgrade_hparams": cls and cls.upgrade_hparams,
+            "free_arguments": cls and cls.free_arguments}
+
+
+def check_checkpoint_fits(module: MegatronLightningModule, ckpt_path: str | os.PathLike) -> None:
+    """Refuse, before any rank starts, a checkpoint whose saved hyper-parameters ``module`` does not have (the
+    errors the load in every rank would raise, as :func:`lightning_megatron.checkpoint.does_not_fit` words them);
+    the tensors' shapes, the optimizer and the differences allowed stay the load's. Reads only the checkpoint's
+    marker and ``extra.pt`` (:func:`~lightning_megatron.checkpoint.saved_extra`)."""
+    from lightning_megatron import checkpoint as ckpt
+
+    saved = ckpt.saved_extra(ckpt_path)
+    if saved is None:
+        return
+    hparams, layout = dict(saved[0].get("hyper_parameters") or {}), saved[1].get("layout")
+    later = module.hparams_set_in_setup
+    errors, _ = ckpt.hparam_problems({k: v for k, v in hparams.items() if k not in later},
+                                     {k: v for k, v in module.hparams.items() if k not in later},
+                                     **checkpoint_rules(module))
+    if errors:
+        raise ckpt.does_not_fit(ckpt_path, layout, errors)
 
 
 def torch_class(path: str, namespace: Any, base: type, arg: str, kind: str, examples: str) -> type:

@@ -45,7 +45,7 @@ from lightning_megatron import launch
 from lightning_megatron.config_checks import timeout_problem
 from lightning_megatron.cpu import CPUTuning
 from lightning_megatron.grads import GradBuffer
-from lightning_megatron.module import MegatronLightningModule, context_parallel_problem
+from lightning_megatron.module import MegatronLightningModule, checkpoint_rules, context_parallel_problem
 from lightning_megatron.optimizer.config import OptimizerConfig
 from lightning_megatron.optimizer.grad_scaler import DynamicGradScaler
 from lightning_megatron.optimizer.mixed_precision import route_non_finite_grads
@@ -529,11 +529,9 @@ class MegatronStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.parallel_state is not None
         module = self.lightning_module
-        cls = type(module) if isinstance(module, MegatronLightningModule) else None
         loaded = ckpt.load(self._state_mapper(), checkpoint_path, dict(module.hparams),
                            self.parallel_dims.as_record(), load_optimizer=bool(self.optimizers),
-                           hparam_defaults=ckpt.init_defaults(type(module)),
-                           upgrade_hparams=cls and cls.upgrade_hparams, free_arguments=cls and cls.free_arguments)
+                           **checkpoint_rules(module))
         if module.trainer.state.fn == TrainerFn.FITTING:
             # A resumed fit continues the run that wrote the checkpoint (verified by now); one written
             # before checkpoints recorded their run keeps the id chosen at setup.

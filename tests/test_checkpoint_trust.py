@@ -55,6 +55,7 @@ def _worker(root: str) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.module import check_checkpoint_fits
 
     rank = torch.distributed.get_rank()
     out: dict = {}
@@ -112,6 +113,9 @@ def _worker(root: str) -> dict:
     trainer, dm = _trainer(2, 6)
     other = {**TINY_MODEL, "config": {**TINY_CONFIG, "num_attention_heads": 2, "layernorm_epsilon": 1e-5}}
     out["heads"] = error_of(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
+    # the check the CLI makes before any rank starts: the same error, from extra.pt alone
+    out["heads_before_launch"] = error_of(lambda: check_checkpoint_fits(BertLightningModule(**other), good))
+    out["fits_before_launch"] = error_of(lambda: check_checkpoint_fits(BertLightningModule(**TINY_MODEL), good))
     trainer, dm = _trainer(2, 6)
     other = {**TINY_MODEL, "config": {**TINY_CONFIG, "hidden_size": 64}}
     out["hidden"] = error_of(lambda: trainer.fit(BertLightningModule(**other), datamodule=dm, ckpt_path=good))
@@ -245,6 +249,13 @@ def _worker(root: str) -> dict:
         name = sorted(marker["sha256"])[-1]
         marker["sha256"][name] = "0" * 64
         (altered / ckpt.MARKER).write_text(json.dumps(marker))
+        extra_flipped = root_p / "extra_flipped"  # a byte of extra.pt flipped: refused before launch too
+        shutil.copytree(good, extra_flipped)
+        data = bytearray((extra_flipped / "extra.pt").read_bytes())
+        data[len(data) // 2] ^= 0x40
+        (extra_flipped / "extra.pt").write_bytes(bytes(data))
+        out["extra_flipped"] = error_of(lambda: ckpt.saved_extra(extra_flipped))
+        out["nosums_extra"] = ckpt.saved_extra(nosums)  # None without the opt-in: the ranks refuse it, saying why
     torch.distributed.barrier()
     trainer, dm = _trainer(2, 6)
     out["nosums_fit"] = error_of(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
@@ -263,6 +274,7 @@ def _worker(root: str) -> dict:
         trainer, dm = _trainer(2, 6)
         trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=nosums)
     out["nosums_step"] = trainer.global_step
+    out["nosums_extra_opted_in"] = ckpt.saved_extra(nosums)[0]["global_step"]
     out["nosums_warnings"] = [str(w.message) for w in caught if "UNVERIFIED" in str(w.message)]
 
     # --- format 1 (written by the release before format 2): loads at TP=2 and TP=1 with the opt-in
@@ -311,6 +323,7 @@ def test_other_hyperparameters_are_listed_in_oneerror_of(results):
         assert hidden.rstrip().endswith("Build the model with the checkpoint's values (the first of each pair) to load "
                                         "it"), hidden
         assert "Traceback" not in hidden and len(hidden) < 4000
+        assert r["heads_before_launch"] == r["heads"] and r["fits_before_launch"] == "no error", r
         refused = r["optimizer_class"]
         assert refused.startswith("CheckpointError"), refused
         assert "optimizer class: checkpoint torch.optim.AdamW, this run torch.optim.SGD" in refused, refused
@@ -367,7 +380,10 @@ def test_unverified_checkpoints_need_the_opt_in_and_wrong_checksums_never_load(r
         assert "--allow-unverified-checkpoint" in r["nosums_fit"], r["nosums_fit"]
         assert "cannot be verified: it is format 1" in r["v1_validate"], r["v1_validate"]
         assert r["altered_fit"].startswith("CheckpointError") and "does not match the sha256" in r["altered_fit"]
-        assert r["nosums_step"] == 6
+        assert r["nosums_step"] == 6 and r["nosums_extra_opted_in"] == 3, r
+    flipped = results[0]["extra_flipped"]
+    assert flipped.startswith("CheckpointError") and "extra.pt does not match the sha256" in flipped, flipped
+    assert results[0]["nosums_extra"] is None
     assert results[0]["nosums_warnings"] and "has no sha256 checksums" in results[0]["nosums_warnings"][0]
 
 

@@ -168,6 +168,18 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
     assert re.fullmatch(r"Step 2/2 loss \d+\.\d{4} lr \S+ tok/s \S+ mfu [\d.]+%!? \d:\d\d:\d\d elapsed, "
                         r"0:00:00 left", lines[-1]), lines
     assert not [n for n in _NOISE if n in first.stderr], first.stderr[-3000:]
+    # A resume whose model the checkpoint does not fit (another depth) is refused before any rank starts, in one
+    # line naming the value and the fix (it was refused in every rank after they started, a traceback each)
+    wrong = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.devices", "2", "--data.micro_batch_size",
+                 "1", "--model.config.num_layers", "2", "--ckpt_path", "last", status=1)
+    said = wrong.stdout + wrong.stderr
+    assert "Initializing distributed" not in said and "Traceback" not in said, said[-3000:]
+    last_ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert _last_line(wrong) == (
+        f"lightning-megatron: checkpoint {str(last_ckpt)!r} does not fit this model (saved at layout {{'cp': 1, "
+        f"'dp': 1, 'ep': 1, 'etp': None, 'pp': 1, 'schedule': 'auto', 'sequence_parallel': False, 'tp': 1, 'vp': None, "
+        f"'world_size': 1, 'zero1': False}}): config.num_layers: checkpoint 1, model 2. Build the model with the "
+        f"checkpoint's values (the first of each pair) to load it"), said[-3000:]
     # `--ckpt_path last` (Lightning's name for the newest last.ckpt) continues the run as the path does
     resumed = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
                    "--lr_schedule.lr_warmup_steps", "0", "--ckpt_path", "last", "--trainer.enable_progress_bar", "true",

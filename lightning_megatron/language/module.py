@@ -99,6 +99,7 @@ class LanguageLightningModule(MegatronLightningModule):
     config_class: ClassVar[type[LanguageModelConfig]] = LanguageModelConfig
     """The family's record: what ``config`` is (``BertConfig``, ``GPTConfig``)."""
     architecture_flag_prefix = "--model.config."
+    hparams_set_in_setup = frozenset({"init_from_sha256"})  # a LoRA module's base, checksummed as it is read
 
     def __init__(
         self,
