@@ -21,8 +21,8 @@ def _fake_trainer(dp_rank=0, dp_size=1, global_step=0, max_steps=-1):
 
 
 def _datamodule(trainer=None, **kwargs) -> BertDataModule:
-    kwargs = dict(max_seq_length=64, global_batch_size=8, micro_batch_size=2, cache_dir=str(data_cache_dir()),
-                  **kwargs)
+    kwargs = {"max_seq_length": 64, "global_batch_size": 8, "micro_batch_size": 2, "cache_dir": str(data_cache_dir()),
+              **kwargs}
     dm = BertDataModule(**kwargs)
     dm.trainer = trainer
     return dm
@@ -105,9 +105,9 @@ class _Recorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def _fit(max_steps, tmp_path, ckpt_path=None):
+def _fit(max_steps, tmp_path, ckpt_path=None, **data):
     model = _Recorder()
-    dm = _datamodule(splits="100,0,0")
+    dm = _datamodule(splits="100,0,0", **data)
     trainer = pl.Trainer(max_steps=max_steps, accelerator=accelerator(), devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=tmp_path, num_sanity_val_steps=0)
@@ -125,6 +125,13 @@ def test_lightning_resume_continues_the_sample_stream(tmp_path):
         _, second = _fit(5, tmp_path / "second", ckpt_path=tmp_path / "step2.ckpt")
     assert not [w for w in caught if "not resumable" in str(w.message)]
     assert len(full.seen) == 5 and first.seen + second.seen == full.seen
+    # Resumed with a smaller global batch (4, from 8): the training set is the samples the run reads by max_steps
+    # (16 consumed + 3 steps x 4), not max_steps x 4 = 20, so it goes on with samples 16..27 of the stream (the
+    # mapping's first rows are the same for any length): it read samples 16..19, then 0..7 again, unsaid
+    trainer, smaller = _fit(5, tmp_path / "smaller", ckpt_path=tmp_path / "step2.ckpt", global_batch_size=4)
+    stream = [sample for batch in full.seen for sample in batch]
+    assert [sample for batch in smaller.seen for sample in batch] == stream[16:28], smaller.seen
+    assert trainer.datamodule.state_dict() == {"consumed_samples": 28, "global_step": 5}
 
 
 def test_eval_loaders_repeat_the_same_batches():

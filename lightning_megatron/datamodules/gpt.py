@@ -53,7 +53,8 @@ class GPTDataModule(PretrainingDataModule):
             what it computes alone (docs/long_context.md).
         splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style.
         train_samples: length of the training set; ``None``: ``trainer.max_steps * global_batch_size``
-            when a trainer with ``max_steps`` is attached, else one epoch of the training documents.
+            when a trainer with ``max_steps`` is attached (a resumed run: the samples consumed by its step plus
+            ``global_batch_size`` per step left), else one epoch of the training documents.
         eval_samples: length of the validation and test sets; ``None``: one epoch of their documents
             (at least one global batch).
         shuffle: ``"sequential"`` (the shuffle index already shuffles; Megatron's default) or

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
@@ -80,6 +80,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._restored: tuple[int, int] = (0, 0)
         """(consumed_samples, global_step) at the last checkpoint restored."""
+        self._sources: tuple[list[float], list[Path], list[tuple[IndexedDataset, list[range]]]] | None = None
+        """The blend's weights, its prefixes and each one opened with its split's documents (set-up's)."""
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
@@ -175,19 +177,33 @@ class PretrainingDataModule(pl.LightningDataModule):
                 self._build_default_corpus()
             trainer.strategy.barrier("lightning_megatron.data.build")
         weights, prefixes = self._blend()
-        splits = [self._open(prefix) for prefix in prefixes]
-        train_samples = self.train_samples
-        if train_samples is None and trainer is not None and (trainer.max_steps or -1) > 0:
-            train_samples = trainer.max_steps * self.global_batch_size
+        self._sources = weights, prefixes, [self._open(prefix) for prefix in prefixes]
+        self.train_dataset = self._split_dataset(0, self._samples_to_read(), "train")
+        self.val_dataset = self._split_dataset(1, self.eval_samples, "valid")
+        self.test_dataset = self._split_dataset(2, self.eval_samples, "test")
+
+    def _split_dataset(self, split: int, num_samples: int | None, name: str) -> Dataset | None:
+        """The dataset of one split (0 train, 1 valid, 2 test) of the opened prefixes, blended when there are
+        several: ``num_samples`` samples (``None``: one epoch)."""
+        assert self._sources is not None, "setup() opens the prefixes"
+        weights, prefixes, splits = self._sources
         if len(prefixes) == 1:
             indexed, split_docs = splits[0]
-            self.train_dataset = self._dataset(indexed, split_docs[0], train_samples, "train")
-            self.val_dataset = self._dataset(indexed, split_docs[1], self.eval_samples, "valid")
-            self.test_dataset = self._dataset(indexed, split_docs[2], self.eval_samples, "test")
-            return
-        self.train_dataset = self._blended(weights, prefixes, splits, 0, train_samples, "train")
-        self.val_dataset = self._blended(weights, prefixes, splits, 1, self.eval_samples, "valid")
-        self.test_dataset = self._blended(weights, prefixes, splits, 2, self.eval_samples, "test")
+            return self._dataset(indexed, split_docs[split], num_samples, name)
+        return self._blended(weights, prefixes, splits, split, num_samples, name)
+
+    def _samples_to_read(self) -> int | None:
+        """``train_samples``, else the samples the run reads by ``trainer.max_steps``: those consumed when it was
+        restored plus ``global_batch_size`` per step left (``max_steps x global_batch_size`` for a run from the
+        start, more when it resumes with a smaller global batch than it was trained with); None without
+        ``max_steps`` (one epoch)."""
+        if self.train_samples is not None:
+            return self.train_samples
+        trainer = self._trainer_or_none()
+        if trainer is None or (trainer.max_steps or -1) <= 0:
+            return None
+        base_samples, base_step = self._restored
+        return base_samples + max(0, trainer.max_steps - base_step) * self.global_batch_size
 
     def _open(self, prefix: Path) -> tuple[IndexedDataset, list[range]]:
         """The indexed dataset at ``prefix``, checked (not empty, same vocabulary as the tokenizer,
@@ -279,6 +295,14 @@ class PretrainingDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
+        needed = self._samples_to_read()
+        if self.train_samples is None and needed is not None and needed > len(self.train_dataset):
+            # set-up (before the checkpoint's state was restored) built max_steps x global_batch_size samples; a
+            # run resumed with a smaller global batch reads past them, and the sampler's next pass starts at 0
+            rank_zero_info(f"training data: {needed} samples ({self._restored[0]} consumed by step "
+                           f"{self._restored[1]}, then {self.global_batch_size} a step to max_steps), not the "
+                           f"{len(self.train_dataset)} built at set-up")
+            self.train_dataset = self._split_dataset(0, needed, "train")
         dp_rank, dp_size = self._dp_coordinates()
         common = dict(total_samples=len(self.train_dataset), consumed_samples=self.consumed_samples,
                       micro_batch_size=self.micro_batch_size, data_parallel_rank=dp_rank,
@@ -347,7 +371,8 @@ class BertDataModule(PretrainingDataModule):
         max_ngrams: longest n-gram (in words) masked as one unit.
         splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style.
         train_samples: length of the training set; ``None``: ``trainer.max_steps * global_batch_size``
-            when a trainer with ``max_steps`` is attached, else one epoch of the training documents.
+            when a trainer with ``max_steps`` is attached (a resumed run: the samples consumed by its step plus
+            ``global_batch_size`` per step left), else one epoch of the training documents.
         eval_samples: length of the validation and test sets; ``None``: one epoch of their documents
             (at least one global batch).
         shuffle: ``"sequential"`` (the samples mapping is already shuffled; Megatron's default) or
