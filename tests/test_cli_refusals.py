@@ -49,7 +49,13 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     ids = [{"sentence": r["sentence"], "label": i % 2} for i, r in enumerate(rows)]
     ids[30]["label"] = 7
     (d / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ids))
-    return {"dir": str(d), "gpt": str(d / "gpt"), "prompts": str(d / "prompts.txt"), "long": str(d / "long.txt"),
+    import transformers  # a Mixtral folder's config.json: what the CLI reads of init_from before launch
+
+    transformers.MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=8192,
+                               max_position_embeddings=128).save_pretrained(d / "mixtral")
+    return {"dir": str(d), "gpt": str(d / "gpt"), "mixtral": str(d / "mixtral"), "prompts": str(d / "prompts.txt"),
+            "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
             "ids": str(d / "ids.jsonl"), "nope": str(d / "nope.ckpt")}
 
@@ -143,6 +149,12 @@ CASES = {
          "expert_tensor_parallel_size", "1", "--trainer.strategy.init_args.tensor_model_parallel_size", "2",
          "--trainer.strategy.init_args.expert_model_parallel_size", "1"], None,
         ["expert_tensor_parallel_size=1: an expert tensor-parallel size other than the TP size (2)"], []),
+    "lora_on_experts": (  # a mixture of experts' projections take no adapters: refused in every rank after launch
+        ["fit", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--model.init_args.lora.rank", "8",
+         "--model.init_args.init_from", "{mixtral}"], None,
+        ["model.lora.target_modules=['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2'] adapt linear_fc1 and "
+         "linear_fc2, which are a mixture of experts' projections in this model (num_moe_experts=4): LoRA adapts "
+         "the attention's only here; set --model.lora.target_modules '[linear_qkv, linear_proj]'"], []),
     "zero1_over_an_optimizer_that_is_not_elementwise": (  # ZeRO-1 steps flat pieces of several parameters
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--megatron_optimizer.use_distributed_optimizer",
          "true", "--model.optimizer_class", "torch.optim.Adafactor"], None,

@@ -324,6 +324,11 @@ class LanguageLightningModule(MegatronLightningModule):
         if lora is not None and not hparams.get("init_from"):
             return ["model.lora adapts pretrained weights: set model.init_from (a Hugging Face folder or a checkpoint); "
                     "its checkpoints hold the adapters only"]
+        experts = [m for m in ("linear_fc1", "linear_fc2") if m in lora.target_modules] if lora is not None else []
+        if experts and config.num_moe_experts:
+            return [f"model.lora.target_modules={list(lora.target_modules)!r} adapt {' and '.join(experts)}, which are "
+                    f"a mixture of experts' projections in this model (num_moe_experts={config.num_moe_experts}): LoRA "
+                    f"adapts the attention's only here; set --model.lora.target_modules '[linear_qkv, linear_proj]'"]
         column = {"linear_qkv", "linear_fc1"} & set(lora.target_modules) if lora is not None else set()
         if column and dims is not None and lora.rank % dims.tp:
             return [f"model.lora.rank={lora.rank} must be divisible by tensor_model_parallel_size={dims.tp} (the "
