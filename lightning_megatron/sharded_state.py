@@ -265,10 +265,16 @@ class ShardedStateMapper:
         per_param: dict[int, dict[str, Any]] = {}
         for name, p in self._optim_named:
             entry: dict[str, Any] = {"main": None, "state": {}, "scalars": {}}
-            main_key = f"optim.{i}.main.{name}"
-            if main_key in metadata and opt.main_param(p) is not p:
+            main_key, model_key = f"optim.{i}.main.{name}", f"model.{name}"
+            if main_key in metadata:  # the saved fp32 main: the main's, and the parameter's (bf16 resumed in fp32)
                 entry["main"] = torch.zeros_like(p, dtype=torch.float32)
                 self.put(state, main_key, entry["main"], p)
+            elif opt.main_param(p) is not p and model_key in state:
+                # saved parameters that were their own mains (an fp32 run resumed in 16 bits): the main is the saved
+                # tensor read in fp32, the parameter its copy (the main kept the weights it was built with)
+                entry["main"] = torch.zeros_like(p, dtype=torch.float32)
+                del state[model_key]
+                self.put(state, model_key, entry["main"], p)
             keys, scalars = self._state_keys(metadata, i, name, p)
             for k in keys:
                 entry["state"][k] = torch.zeros_like(p, dtype=metadata[f"optim.{i}.state.{name}.{k}"].properties.dtype)
@@ -311,7 +317,18 @@ class ShardedStateMapper:
                     missing_main.append(piece)
         names_all = {id(p) for _, p in self._optim_named}
         missing_main += [piece for piece in opt.sharded_state_for_checkpoint() if id(piece["param"]) not in names_all]
-        return {"scalars": group_scalars, "main_from_model": missing_main}
+        # saved parameters that were their own mains (an fp32 run resumed in 16 bits): read in fp32 for the mains, the
+        # parameter their copy (not the mains rounded through the 16-bit parameter)
+        full: dict[int, torch.Tensor] = {}
+        for piece in missing_main:
+            p = piece["param"]
+            model_key = f"model.{names.get(id(p))}"
+            if p.dtype != torch.float32 and id(p) not in full and model_key in state and model_key in metadata \
+                    and metadata[model_key].properties.dtype == torch.float32:
+                full[id(p)] = torch.zeros_like(p, dtype=torch.float32)
+                del state[model_key]
+                self.put(state, model_key, full[id(p)], p)
+        return {"scalars": group_scalars, "main_from_model": missing_main, "full": full}
 
     def finish_optimizer_load(self, targets: list, saved_extras: list[dict[str, Any]]) -> None:
         """Install the loaded tensors into the optimizers (after DCP filled ``targets`` and the
@@ -321,6 +338,10 @@ class ShardedStateMapper:
             # Fused/capturable Adam keep ``step`` on the parameter's device, the others on the CPU.
             on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
             if is_sharded(opt):
+                with torch.no_grad():
+                    for piece in target["main_from_model"]:
+                        if (loaded := target["full"].get(id(piece["param"]))) is not None:
+                            piece["param"].copy_(loaded)
                 for param_group, scalars in zip(inner.param_groups, target["scalars"]):
                     for main in param_group["params"] if scalars else ():
                         # One tensor per main param: optimizers increment ``step`` in place.
@@ -345,13 +366,14 @@ class ShardedStateMapper:
 
     def fill_mains_from_model(self, targets: list) -> None:
         """ZeRO-1 main params the checkpoint has none for (fp32 parameters saved by a non-distributed
-        optimizer, the last stage's tied embedding) := the loaded parameters. After the tied sync."""
+        optimizer, the last stage's tied embedding) := the loaded parameters, read in fp32 where they were saved in
+        fp32. After the tied sync."""
         with torch.no_grad():
             for opt, target in zip(self.optimizers, targets):
                 if is_sharded(opt):
                     for piece in target["main_from_model"]:
-                        piece["tensors"]["main_param"].copy_(
-                            piece["param"].detach().reshape(-1)[piece["start"]: piece["end"]])
+                        source = target["full"].get(id(piece["param"]), piece["param"])
+                        piece["tensors"]["main_param"].copy_(source.detach().reshape(-1)[piece["start"]: piece["end"]])
 
     def sync_shared_embeddings(self) -> None:
         """The last stage's tied copy takes the first stage's weights (and fp32 main copy)."""
@@ -444,8 +466,8 @@ def _load_optimizer_extra(opt: OptimizerWrapper, saved: dict[str, Any]) -> None:
                                    f"this optimizer has {len(inner.param_groups)}")
     for group, saved_group in zip(inner.param_groups, groups):
         group.update(saved_group)
-    if opt.grad_scaler is not None and saved.get("grad_scaler") is not None:
-        opt.grad_scaler.load_state_dict(saved["grad_scaler"])
+    if opt.grad_scaler is not None and saved.get("grad_scaler"):  # a constant scale saves none ({}): fp16 after bf16
+        opt.grad_scaler.load_state_dict(saved["grad_scaler"])       # starts its dynamic scale at its initial value
     if "num_skipped_steps" in saved and not isinstance(opt, PlainOptimizer):
         opt.num_skipped_steps = saved["num_skipped_steps"]
 

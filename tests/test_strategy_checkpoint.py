@@ -167,3 +167,63 @@ def test_fp16_loss_scaling_and_scheduler_state_survive_resume(tmp_path):
     # Resumed from step 6: losses, loss scale, lr and skip count continue exactly.
     assert r["first"]["rows"] == straight[:6]
     assert r["resumed"]["rows"] == straight[6:]
+
+
+def _precision_worker(root: str) -> dict:
+    """A run saved in one precision and resumed in the other (restored at its step, nothing trained), TP=2 with the
+    plain optimizer and DP=2 with ZeRO-1: each rank's parameters (but the word embedding: its padding rows are the
+    layout's) and their fp32 mains, after the first run and after the restore."""
+    from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.models.bert.config import BertConfig
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.optimizer.config import OptimizerConfig
+    from lightning_megatron.strategy import MegatronStrategy
+
+    def run(dtype: str, tp: int, zero1: bool, ckpt_in: str | None = None, save_to: str | None = None) -> dict:
+        callback = MegatronOptimizerCallback(OptimizerConfig(clip_grad=1.0, use_distributed_optimizer=zero1))
+        trainer = make_trainer(MegatronStrategy(tensor_model_parallel_size=tp), 2, 4, callbacks=[callback],
+                               precision={"float32": "32-true", "bfloat16": "bf16-true", "float16": "16-true"}[dtype])
+        module = BertLightningModule(BertConfig(**TINY_CONFIG, params_dtype=dtype), lr=1e-2, weight_decay=0.01)
+        dp = 2 // tp
+        trainer.fit(module, datamodule=synthetic_datamodule(GLOBAL_BATCH, MICRO, dp, torch.distributed.get_rank() % dp),
+                    ckpt_path=ckpt_in)
+        if save_to:
+            trainer.save_checkpoint(save_to)
+        opt = trainer.strategy.optimizers[0]
+        kept = [p for n, p in module.named_parameters() if "word_embeddings" not in n]
+        if zero1:  # the mains of this rank's shard, as the parameters' flat ranges
+            pieces = [pc for pc in opt.sharded_state_for_checkpoint() if any(pc["param"] is p for p in kept)]
+            mains = [(pc["tensors"]["main_param"], pc["param"].detach().reshape(-1)[pc["start"]:pc["end"]])
+                     for pc in pieces]
+            return {"param": torch.cat([q.float() for _, q in mains]), "main": torch.cat([m for m, _ in mains])}
+        return {"param": torch.cat([p.detach().float().reshape(-1) for p in kept]),
+                "main": torch.cat([opt.main_param(p).detach().float().reshape(-1) for p in kept])}
+
+    out = {}
+    for tp, zero1 in ((2, False), (1, True)):
+        for first, second in (("float32", "bfloat16"), ("bfloat16", "float32")):
+            path = f"{root}/{first}_tp{tp}_zero1{zero1}"
+            out[(tp, zero1, first)] = (run(first, tp, zero1, save_to=path), run(second, tp, zero1, ckpt_in=path))
+    # bf16 -> fp16: its dynamic loss scale starts at its initial value (the constant scale saves no state)
+    out[(2, False, "bfloat16", "float16")] = (out[(2, False, "bfloat16")][0],
+                                              run("float16", 2, False, ckpt_in=f"{root}/bfloat16_tp2_zero1False"))
+    return out
+
+
+def test_a_run_resumed_in_another_precision_goes_on_from_its_saved_weights(tmp_path):
+    """fp32 -> bf16: the mains kept the weights they were built with (a resume went back to step 0's weights at its
+    first step, the optimizer state kept; TP=2, plain optimizer), or took the saved fp32 weights rounded to bf16
+    (ZeRO-1); now the mains are the saved fp32 parameters, the bf16 parameters their copy. bf16 -> fp32: the
+    parameters are the saved fp32 mains, not the bf16 parameters widened (under ZeRO-1 the mains, the parameters
+    after the first step's gather)."""
+    for r in run_distributed(_precision_worker, 2, str(tmp_path), timeout=600):
+        for (tp, zero1, first, *second), (saved, resumed) in r.items():
+            where = f"tp{tp} zero1={zero1}, {first} -> {second or 'the other'}"
+            assert torch.equal(resumed["main"], saved["main"]), (where, (resumed["main"] - saved["main"]).abs().max())
+            if second:
+                assert torch.equal(resumed["param"], saved["main"].half().float()), where
+            elif first == "float32" or zero1:  # the 16-bit parameters: the mains rounded; ZeRO-1's fp32 parameters
+                # are the saved bf16 ones until its first step gathers them from the mains (a DP collective)
+                assert torch.equal(resumed["param"], saved["main"].bfloat16().float()), where
+            else:
+                assert torch.equal(resumed["param"], saved["main"]), where
