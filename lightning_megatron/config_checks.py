@@ -296,7 +296,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                                          ckpt_path=None if checkpoint_problem else ckpt_path)
     if fitting and ckpt_path is not None and not checkpoint_problem:
         problems += _resume_problems(str(ckpt_path), dict(model_hparams or {}), model_class, optimizer_class, sch,
-                                     _int(t.get("max_steps")))
+                                     _int(t.get("max_steps")), data=d, data_class=data_class)
 
     prob = d.get("masked_lm_prob")
     if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
@@ -394,11 +394,14 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
 
 
 def _resume_problems(path: str, model_hparams: dict[str, Any], model_class: type | None, optimizer_class: str | None,
-                     scheduler_args: dict[str, Any], max_steps: int | None) -> list[str]:
+                     scheduler_args: dict[str, Any], max_steps: int | None, *, data: dict[str, Any] | None = None,
+                     data_class: type | None = None) -> list[str]:
     """What the ranks refuse at set-up when ``fit`` resumes from ``path``, read from its ``extra.pt``: another
     optimizer class (:func:`~lightning_megatron.sharded_state.optimizer_class_problem`) and an lr schedule it holds
-    no state of (:func:`~lightning_megatron.optimizer.scheduler.missing_state_problem`), in the same words; and a
-    ``max_steps`` the checkpoint has reached (Lightning trained nothing and exited 0)."""
+    no state of (:func:`~lightning_megatron.optimizer.scheduler.missing_state_problem`), in the same words; a
+    ``max_steps`` the checkpoint has reached (Lightning trained nothing and exited 0); and a random shuffle
+    (``data.shuffle``) going on mid-epoch from a sample count the global batch does not divide (the sampler's
+    refusal)."""
     from pathlib import Path
 
     from lightning_megatron.data_checks import checkpoint_extra
@@ -426,6 +429,14 @@ def _resume_problems(path: str, model_hparams: dict[str, Any], model_class: type
     if max_steps is not None and 0 <= max_steps <= step:
         problems.append(f"fit --ckpt_path {path!r} resumes at step {step}, and trainer.max_steps={max_steps} ends the "
                         f"run there: nothing would be trained; raise --trainer.max_steps above {step}")
+    state = extra.get(data_class.__qualname__) if data_class is not None else None
+    consumed, batch = (state or {}).get("consumed_samples"), _int((data or {}).get("global_batch_size"))
+    if (data or {}).get("shuffle") == "random" and isinstance(consumed, int) and batch and consumed % batch:
+        was = (extra.get("datamodule_hyper_parameters") or {}).get("global_batch_size")
+        problems.append(f"data.shuffle='random' goes on from sample {consumed} of the checkpoint {path!r}, mid-epoch, "
+                        f"which global_batch_size={batch} does not divide: resume with a global batch that divides "
+                        f"{consumed}" + (f" (the run's was {was})" if was else "")
+                        + ", or with data.shuffle='sequential'")
     if scheduler_args and "OptimizerParamSchedulerCallback" not in (extra.get("callbacks") or {}):
         skipped = int(saved.get("num_skipped_steps", 0)) if isinstance(saved, dict) else 0
         problems += [p for p in [missing_state_problem(step, step - skipped,

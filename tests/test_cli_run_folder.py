@@ -180,6 +180,14 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
         f"'dp': 1, 'ep': 1, 'etp': None, 'pp': 1, 'schedule': 'auto', 'sequence_parallel': False, 'tp': 1, 'vp': None, "
         f"'world_size': 1, 'zero1': False}}): config.num_layers: checkpoint 1, model 2. Build the model with the "
         f"checkpoint's values (the first of each pair) to load it"), said[-3000:]
+    # the random shuffle goes on mid-epoch from the samples consumed (4), which another global batch must divide:
+    # refused before launch (each rank raised the sampler's ValueError once started)
+    shuffled = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--data.shuffle", "random", "--data.global_batch_size",
+                    "8", "--data.micro_batch_size", "8", "--ckpt_path", "last", status=1)
+    assert "Initializing distributed" not in shuffled.stdout + shuffled.stderr, shuffled.stderr[-3000:]
+    assert (f"data.shuffle='random' goes on from sample 4 of the checkpoint {str(last_ckpt)!r}, mid-epoch, which "
+            f"global_batch_size=8 does not divide: resume with a global batch that divides 4 (the run's was 2), or "
+            f"with data.shuffle='sequential'") in shuffled.stderr, shuffled.stderr[-3000:]
     # `--ckpt_path last` (Lightning's name for the newest last.ckpt) continues the run as the path does
     resumed = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
                    "--lr_schedule.lr_warmup_steps", "0", "--ckpt_path", "last", "--trainer.enable_progress_bar", "true",
