@@ -251,7 +251,9 @@ class OptimizerWrapper(Protocol):
 
 @runtime_checkable
 class ShardedOptimizer(OptimizerWrapper, Protocol):
-    """A ZeRO-1 optimizer: main params and state sharded over the data-parallel ranks."""
+    """A ZeRO-1 optimizer: main params and state sharded over the data-parallel ranks. It may also have
+    ``params_from_mains()`` (the model params gathered from the mains, as after a step), which a checkpoint load calls
+    when the saved params are 16-bit and the optimizer's fp32 ones."""
 
     buffer: GradBuffer
     """The strategy's gradient buffer whose reduce-scattered shards this optimizer reads."""

@@ -328,7 +328,11 @@ class ShardedStateMapper:
                 full[id(p)] = torch.zeros_like(p, dtype=torch.float32)
                 del state[model_key]
                 self.put(state, model_key, full[id(p)], p)
-        return {"scalars": group_scalars, "main_from_model": missing_main, "full": full}
+        # fp32 parameters saved in 16 bits beside their fp32 mains (a bf16 run resumed in fp32): the mains are the
+        # weights, gathered into the parameters once loaded
+        widened = any(p.dtype == torch.float32 and f"optim.{i}.main.{n}" in metadata and f"model.{n}" in metadata
+                      and metadata[f"model.{n}"].properties.dtype != torch.float32 for n, p in self._optim_named)
+        return {"scalars": group_scalars, "main_from_model": missing_main, "full": full, "widened": widened}
 
     def finish_optimizer_load(self, targets: list, saved_extras: list[dict[str, Any]]) -> None:
         """Install the loaded tensors into the optimizers (after DCP filled ``targets`` and the
@@ -367,13 +371,15 @@ class ShardedStateMapper:
     def fill_mains_from_model(self, targets: list) -> None:
         """ZeRO-1 main params the checkpoint has none for (fp32 parameters saved by a non-distributed
         optimizer, the last stage's tied embedding) := the loaded parameters, read in fp32 where they were saved in
-        fp32. After the tied sync."""
+        fp32; fp32 parameters saved in 16 bits := their loaded mains (gathered). After the tied sync."""
         with torch.no_grad():
             for opt, target in zip(self.optimizers, targets):
                 if is_sharded(opt):
                     for piece in target["main_from_model"]:
                         source = target["full"].get(id(piece["param"]), piece["param"])
                         piece["tensors"]["main_param"].copy_(source.detach().reshape(-1)[piece["start"]: piece["end"]])
+                    if target["widened"] and hasattr(opt, "params_from_mains"):
+                        opt.params_from_mains()
 
     def sync_shared_embeddings(self) -> None:
         """The last stage's tied copy takes the first stage's weights (and fp32 main copy)."""

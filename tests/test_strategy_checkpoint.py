@@ -214,16 +214,14 @@ def test_a_run_resumed_in_another_precision_goes_on_from_its_saved_weights(tmp_p
     """fp32 -> bf16: the mains kept the weights they were built with (a resume went back to step 0's weights at its
     first step, the optimizer state kept; TP=2, plain optimizer), or took the saved fp32 weights rounded to bf16
     (ZeRO-1); now the mains are the saved fp32 parameters, the bf16 parameters their copy. bf16 -> fp32: the
-    parameters are the saved fp32 mains, not the bf16 parameters widened (under ZeRO-1 the mains, the parameters
-    after the first step's gather)."""
+    parameters are the saved fp32 mains, not the bf16 parameters widened (under ZeRO-1 gathered from the mains)."""
     for r in run_distributed(_precision_worker, 2, str(tmp_path), timeout=600):
         for (tp, zero1, first, *second), (saved, resumed) in r.items():
             where = f"tp{tp} zero1={zero1}, {first} -> {second or 'the other'}"
             assert torch.equal(resumed["main"], saved["main"]), (where, (resumed["main"] - saved["main"]).abs().max())
             if second:
                 assert torch.equal(resumed["param"], saved["main"].half().float()), where
-            elif first == "float32" or zero1:  # the 16-bit parameters: the mains rounded; ZeRO-1's fp32 parameters
-                # are the saved bf16 ones until its first step gathers them from the mains (a DP collective)
+            elif first == "float32":  # the 16-bit parameters: the mains rounded
                 assert torch.equal(resumed["param"], saved["main"].bfloat16().float()), where
             else:
                 assert torch.equal(resumed["param"], saved["main"]), where

@@ -314,6 +314,12 @@ class DistributedOptimizer(MegatronOptimizer):
         self.buffer.start_param_gather(target)
 
     # -- public API ----------------------------------------------------------------------------
+    def params_from_mains(self) -> None:
+        """The model params := the main params, gathered over the data-parallel ranks as after a step (a checkpoint
+        load whose params were saved in 16 bits for this optimizer's fp32 ones: the mains are the exact weights).
+        Collective over every DP group of the buffer."""
+        self._copy_main_params_to_model_params()
+
     def get_parameters(self) -> list[torch.Tensor]:
         """The model params (the inner optimizer holds flat views of the main shard)."""
         return [p for group in self.model_groups for p in group]
