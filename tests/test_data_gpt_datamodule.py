@@ -98,3 +98,28 @@ def test_refuses_data_without_eod_or_from_another_vocabulary(tmp_path):
     with pytest.raises(ValueError, match="seq_length=1"):
         GPTDataModule(seq_length=1)
     assert IndexedDataset(no_eod).num_documents == 30
+
+
+def test_a_resume_that_reorders_the_samples_says_so(tmp_path):
+    """megatron-core's GPT shuffle permutes the samples of all the epochs together: a run resumed with more epochs
+    (a raised max_steps, here train_samples) reads on in another order, some samples again. Said once at the resume;
+    more samples within the same epochs keep the order (the resumed batches are the first run's) and say nothing."""
+    import warnings
+
+    prefix = _prefix(tmp_path, "alpha", 120)
+    first = _datamodule(prefix, splits="100,0,0", train_samples=40)
+    epoch = GPTDataset(first.train_dataset.indexed_dataset, documents=first.train_dataset.documents, seq_length=32,
+                       seed=first.seed, eod_id=0, samples_cache_dir=False, num_epochs=1)
+    assert len(epoch) > 48, len(epoch)  # one epoch holds the first run and the longer one below
+    stream = [b for b, _ in zip(first.train_dataloader(), range(4))]
+    first.trainer.global_step = 2
+    state = first.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same = _datamodule(prefix, step=2, state=state, splits="100,0,0", train_samples=48)
+        after = [b for b, _ in zip(same.train_dataloader(), range(2))]
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(after, stream[2:4]))
+    longer = _datamodule(prefix, step=2, state=state, splits="100,0,0", train_samples=3 * len(epoch))
+    with pytest.warns(UserWarning, match=r"the training samples are in another order than the checkpoint's run read "
+                                         r"them \(1 epoch -> 3 epochs of the data\)"):
+        longer.train_dataloader()

@@ -202,6 +202,13 @@ class BlendedDataset(Dataset):
             state["index"] = np.load(state["index"], mmap_mode="r", allow_pickle=False)
         self.__dict__.update(state)
 
+    @property
+    def order_key(self) -> list[Any] | None:
+        """The parts' ``order_key`` (None where no part has one: a prefix-stable order, as BERT's mapping); the blend's
+        own index keeps its first samples for any size."""
+        keys = [getattr(d, "order_key", None) for d in self.datasets]
+        return keys if any(k is not None for k in keys) else None
+
     def __len__(self) -> int:
         return len(self.index)
 

@@ -296,7 +296,15 @@ class GPTDataset(Dataset):
             self.indices = cached_gpt_indices(
                 lengths, self.documents, name=prefix.name,
                 cache_dir=prefix.parent if samples_cache_dir in (None, True) else Path(samples_cache_dir), **kwargs)
-        self._length = _prepare(lengths, self.documents, seq_length, num_samples, num_epochs)[2].num_samples
+        self.plan = _prepare(lengths, self.documents, seq_length, num_samples, num_epochs)[2]
+        self._length = self.plan.num_samples
+
+    @property
+    def order_key(self) -> list[int | None]:
+        """What the order of the samples follows from besides the data and the seed: the epochs, and where the last
+        is shuffled apart (megatron-core's shuffle permutes all the epochs' samples together, so another count
+        reorders every sample). Datasets of one key read their common first samples in the same order."""
+        return [self.plan.num_epochs, self.plan.separate_at]
 
     @property
     def document_index(self) -> np.ndarray:

@@ -80,6 +80,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._restored: tuple[int, int] = (0, 0)
         """(consumed_samples, global_step) at the last checkpoint restored."""
+        self._restored_order: Any = None
+        """The ``order_key`` of the training set the restored checkpoint's run read (None: unrecorded, or an order
+        any length keeps)."""
         self._sources: tuple[list[float], list[Path], list[tuple[IndexedDataset, list[range]]]] | None = None
         """The blend's weights, its prefixes and each one opened with its split's documents (set-up's)."""
         self.train_dataset: Dataset | None = None
@@ -303,6 +306,15 @@ class PretrainingDataModule(pl.LightningDataModule):
                            f"{self._restored[1]}, then {self.global_batch_size} a step to max_steps), not the "
                            f"{len(self.train_dataset)} built at set-up")
             self.train_dataset = self._split_dataset(0, needed, "train")
+        order = getattr(self.train_dataset, "order_key", None)
+        if self._restored_order is not None and order is not None and order != self._restored_order:
+            rank_zero_warn(f"the training samples are in another order than the checkpoint's run read them "
+                           f"({_epochs(self._restored_order)} -> {_epochs(order)} of the data): megatron-core's "
+                           f"shuffle permutes the samples of all the epochs together, so this run reads on from sample "
+                           f"{self._restored[0]} of its own order, some samples again and others not at all. To "
+                           f"extend a run exactly, give data.train_samples the samples of the whole run from its "
+                           f"start (its epochs then stay)")
+            self._restored_order = None  # said once
         dp_rank, dp_size = self._dp_coordinates()
         common = dict(total_samples=len(self.train_dataset), consumed_samples=self.consumed_samples,
                       micro_batch_size=self.micro_batch_size, data_parallel_rank=dp_rank,
@@ -340,11 +352,14 @@ class PretrainingDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer_or_none()
         step = int(trainer.global_step) if trainer is not None else self._restored[1]
-        return {"consumed_samples": self.consumed_samples, "global_step": step}
+        state = {"consumed_samples": self.consumed_samples, "global_step": step}
+        order = getattr(self.train_dataset, "order_key", None)
+        return {**state, "train_order": order} if order is not None else state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = (int(state_dict["consumed_samples"]), int(state_dict.get("global_step", 0)))
+        self._restored_order = state_dict.get("train_order")
 
 
 class BertDataModule(PretrainingDataModule):
@@ -470,3 +485,10 @@ class BertDataModule(PretrainingDataModule):
         if isinstance(batch, dict) and "attention_mask" in batch:
             batch = {**batch, NO_PADDING: bool(batch["attention_mask"].all())}
         return batch
+
+
+def _epochs(order: Any) -> str:
+    """``3 epochs`` of an ``order_key`` (a GPT dataset's ``[epochs, separate_at]``; a blend's: each part's)."""
+    if isinstance(order, list) and order and isinstance(order[0], int):
+        return f"{order[0]} epoch{'s' if order[0] != 1 else ''}"
+    return "epochs " + ", ".join(str(k[0]) if isinstance(k, list) and k else "-" for k in order)
