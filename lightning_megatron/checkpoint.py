@@ -111,7 +111,7 @@ HPARAMS_MAY_DIFFER = frozenset({
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fused_optimizer",
     "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
-    "make_vocab_size_divisible_by", "compile", "optimizer_kwargs",
+    "make_vocab_size_divisible_by", "compile", "optimizer_kwargs", "calculate_per_token_loss",
     "tensor_model_parallel_size", "sequence_parallel",  # a config record's layout fields: the strategy's
 })
 """Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any

@@ -9,7 +9,9 @@ Training, validation, test and prediction take the same path (:meth:`StepRunner.
    loss scale and divided by the number of microbatches) through the step's
    :class:`~lightning_megatron.tensor_parallel.backward.WeightGradPolicy`, and the gradients
    accumulate into the :class:`~lightning_megatron.grads.GradBuffer`; the weight gradients the policy
-   deferred are computed after the schedule (``backward_weight``: the pipeline flush);
+   deferred are computed after the schedule (``backward_weight``: the pipeline flush). Before it, a
+   module's optional ``start_step(microbatches)`` sees the step's microbatches (a per-token loss counts
+   the global batch's tokens there);
 3. training: :func:`~lightning_megatron.grads.finalize_model_grads` (DP reduction, sequence-parallel
    and tied-embedding sums);
 4. the metrics the loss function logged: mean over microbatches (last stage) and DP (microbatches
@@ -148,6 +150,9 @@ class StepRunner:
         else:
             assert grad_buffer is not None, "training needs the strategy's grad buffer"
             grad_buffer.start(len(microbatches))
+            start_step = getattr(self.module, "start_step", None)
+            if start_step is not None:  # e.g. a per-token loss counting the global batch's tokens
+                start_step(microbatches)
             # Auxiliary losses added inside the model (MoE load balancing) get the loss's backward scale.
             one = torch.ones((), device=self.device)
             scale = (one if grad_scale_func is None else grad_scale_func(one)) / len(microbatches)
@@ -261,7 +266,8 @@ class StepRunner:
 
     def _reduce_logged(self, logged: list[dict[str, Any]], stage: str) -> dict[str, torch.Tensor]:
         """Mean over microbatches (last stage) and DP ranks, then broadcast along the pipeline. A loss function
-        that logs ``num_tokens`` (the tokens its loss averages) has its microbatches without any left out.
+        that logs ``num_tokens`` (the tokens its loss averages) has its microbatches without any left out, or, where
+        the module's ``calculate_per_token_loss`` is true, each weighted by its tokens.
 
         The pipeline broadcast is one tensor op (no host sync): the metric names are sent as objects
         only on the first step of ``stage``; a loss function whose names change later is refused.
@@ -276,8 +282,11 @@ class StepRunner:
             weights = torch.ones(len(logged), device=stacked.device)
             if "num_tokens" in keys:
                 # A microbatch that counted no token (the padding that fills an evaluation split's last global
-                # batch) has no loss to report: it is left out of the mean, not averaged in as a zero.
-                weights = (stacked[:, keys.index("num_tokens")] > 0).float()
+                # batch) has no loss to report: it is left out of the mean, not averaged in as a zero. A loss
+                # per token (the module's calculate_per_token_loss) weighs each microbatch by its tokens.
+                counted = stacked[:, keys.index("num_tokens")]
+                per_token = getattr(self.module, "calculate_per_token_loss", False)
+                weights = counted if per_token else (counted > 0).float()
             packed = torch.cat([(stacked * weights[:, None]).sum(dim=0), weights.sum().reshape(1)])
             if ps.dp_size > 1:
                 all_reduce(packed, ps.group("dp"))

@@ -10,7 +10,8 @@ TP=2 x CP=2 with SP, and with ring attention (``cp_comm_type="p2p"``) at CP=2, T
 2e-3 of the reference's update (rms per tensor: ``check.parity.update_error``, not element by element:
 after Adam an element can differ by 1e-5 on one CPU's kernels and not on another's).
 The Llama shape trains on packed samples (two documents each). The same ranks then generate greedily with
-the Llama shape at TP=2, compared with one process.
+the Llama shape at TP=2, compared with one process. The GPT-2 shape with ``calculate_per_token_loss`` trains on
+ragged loss masks, its one-process run checked against a plain computation of the global batch's token mean.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ class SyntheticGPTDataset(Dataset):
     ``tokens`` / ``labels`` shifted by one, and a ``loss_mask`` hiding one target per sample (as an EOD
     would be): the same number of counted tokens in every sample, so any grouping averages alike.
     ``packed``: each sample is two documents, split after a random token (``document_ids`` and restarting
-    ``position_ids``, as ``GPTDataset(reset_attention_mask=True, reset_position_ids=True)`` gives them)."""
+    ``position_ids``, as ``GPTDataset(reset_attention_mask=True, reset_position_ids=True)`` gives them).
+    ``ragged``: each sample's first 1..SEQ-2 targets hidden too, as a fine-tuning prompt is: samples and
+    microbatches count different numbers of tokens."""
 
-    def __init__(self, num_samples: int, seed: int = 0, packed: bool = False) -> None:
-        self.num_samples, self.seed, self.packed = num_samples, seed, packed
+    def __init__(self, num_samples: int, seed: int = 0, packed: bool = False, ragged: bool = False) -> None:
+        self.num_samples, self.seed, self.packed, self.ragged = num_samples, seed, packed, ragged
 
     def __len__(self) -> int:
         return self.num_samples
@@ -50,6 +53,8 @@ class SyntheticGPTDataset(Dataset):
         seq = (start + step * torch.arange(SEQ + 1)) % VOCAB
         loss_mask = torch.ones(SEQ)
         loss_mask[int(torch.randint(0, SEQ, (1,), generator=g))] = 0.0
+        if self.ragged:
+            loss_mask[:int(torch.randint(1, SEQ - 1, (1,), generator=g))] = 0.0
         sample = {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask}
         if self.packed:
             from lightning_megatron.data.packing import document_ids, document_positions
@@ -67,11 +72,12 @@ LLAMA_TINY = {**GPT2_TINY, "spec": "llama_layer_spec", "num_query_groups": 1, "a
               "untie_embeddings_and_output_weights": True, "rotary_base": 10000.0}
 
 
-def make_module(**config_fields):
+def make_module(calculate_per_token_loss: bool = False, **config_fields):
     from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
-    return GPTLightningModule(GPTConfig(**{**GPT2_TINY, **config_fields}), lr=1e-3, weight_decay=0.01)
+    return GPTLightningModule(GPTConfig(**{**GPT2_TINY, **config_fields}), lr=1e-3, weight_decay=0.01,
+                              calculate_per_token_loss=calculate_per_token_loss)
 
 
 GPT2_LAYOUTS = ["tp2", "tp2sp", "pp2", "pp2vp2", "dp2", "dp2zero1", "cp2"]
@@ -98,7 +104,12 @@ MOE_VARIANTS = {**MOE_TINY, "moe_router_load_balancing_type": "seq_aux_loss", "m
                 "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}
 MOE_VARIANTS_LAYOUTS = ["tp2sp"]
 """The per-sequence balance loss, sigmoid scores and a gated shared expert (Qwen2-MoE's) under TP with SP."""
-SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS),
+PER_TOKEN_LAYOUTS = ["dp2", "pp2vp2", "cp2", "cp2dp2"]
+"""``calculate_per_token_loss`` on ragged loss masks: the mean over the global batch's counted tokens, whichever
+ranks and microbatches hold them (the data- and context-parallel sizes in the loss's factor, the last stage's)."""
+SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS),
+          "per_token": (functools.partial(make_module, calculate_per_token_loss=True), PER_TOKEN_LAYOUTS),
+          "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS),
           "llama_a2a": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="a2a"), ULYSSES_LAYOUTS),
           "llama_p2p": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="p2p"), RING_LAYOUTS),
           "moe": (functools.partial(make_module, **MOE_TINY), MOE_LAYOUTS),
@@ -107,6 +118,7 @@ SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS), "llama": (functools.partial(make_
           "moe_capacity": (functools.partial(make_module, **MOE_CAPACITY), MOE_CAPACITY_LAYOUTS),
           "moe_variants": (functools.partial(make_module, **MOE_VARIANTS), MOE_VARIANTS_LAYOUTS)}
 PACKED = {"llama", "llama_a2a", "llama_p2p"}
+RAGGED = {"per_token"}
 SAME_REFERENCE = {"llama_a2a": "llama", "llama_p2p": "llama", "moe_allgather": "moe"}
 """One process runs the same math whatever cp_comm_type says: these shapes are compared with the Llama one's."""
 """The shapes trained on packed samples (attention within each document, rope positions restarting)."""
@@ -142,7 +154,8 @@ def check_shapes(shapes: dict) -> dict:
 
     runs = {name: CheckRun(module_factory=factory, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO,
                            dataset_factory=functools.partial(SyntheticGPTDataset, GLOBAL_BATCH * STEPS,
-                                                             packed=name in PACKED),
+                                                             packed=name in PACKED,
+                                                             ragged=name in RAGGED),
                            steps=STEPS, record_params=True)
             for name, (factory, _) in shapes.items()}
     names = list(shapes)
@@ -203,6 +216,47 @@ def test_gpt2_reference_trained(gpt2_report):
     matrices = [n for n in final if final[n].dim() == 2]
     moved = [n for n in matrices if (final[n] - init[n]).abs().max() > 1e-3]
     assert moved == matrices, sorted(set(matrices) - set(moved))
+
+
+def test_per_token_loss_is_the_mean_over_the_global_batch(reports):
+    """``calculate_per_token_loss``: one process's step in 4 microbatches of 2 ragged samples gives the loss and
+    every gradient of a plain computation, torch's cross entropy averaged over the counted tokens of the whole
+    global batch of 8; every layout gives them too. The default's objective (the mean of the microbatches'
+    means) is another gradient on these samples: the comparison can fail."""
+    import torch.nn.functional as F
+
+    report = reports["per_token"]
+    assert all(r.passed for r in report.results), report.table()
+    module = make_module(calculate_per_token_loss=True)
+    module.configure_model()
+    batch = [SyntheticGPTDataset(GLOBAL_BATCH * STEPS, ragged=True)[i] for i in range(GLOBAL_BATCH)]
+    tokens, labels, mask = (torch.stack([b[k] for b in batch]) for k in ("tokens", "labels", "loss_mask"))
+    logits = module.model_chunks[0](tokens, None)[..., :VOCAB]  # no labels: the logits, the padded vocabulary cut
+    per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    counts = mask.view(-1, MICRO, SEQ).sum(dim=(1, 2))
+    assert len(set(counts.tolist())) > 1, counts  # the microbatches count different numbers of tokens
+    objectives = {"per_token": (per_token * mask).sum() / mask.sum(),
+                  "per_microbatch": ((per_token * mask).view(-1, MICRO, SEQ).sum(dim=(1, 2)) / counts).mean()}
+    ref, tol = report.reference, 1e-4
+    grads = {}
+    for name, objective in objectives.items():
+        module.zero_grad()
+        objective.backward(retain_graph=True)
+        grads[name] = {n: (p.grad[:VOCAB] if "word_embeddings" in n else p.grad).clone()
+                       for n, p in module.sharded_named_parameters()}
+    loss = float(objectives["per_token"].detach())
+    assert abs(ref.losses[0] - loss) <= 1e-5 * loss, (ref.losses[0], loss)
+
+    def error(plain: dict) -> float:  # the parity check's rule: per tensor, at 1e-3 of the largest gradient at least
+        floor = 1e-3 * max(float(g.abs().max()) for g in plain.values())
+        return max(float((ref.grads[1][n] - g).abs().max()) / max(float(g.abs().max()), floor)
+                   for n, g in plain.items())
+
+    assert set(ref.grads[1]) == set(grads["per_token"])
+    assert error(grads["per_token"]) <= tol, error(grads["per_token"])
+    assert error(grads["per_microbatch"]) > 100 * tol, error(grads["per_microbatch"])
+    other = float(objectives["per_microbatch"].detach())
+    assert abs(other - loss) > 10 * 1e-5 * loss, (other, loss)  # the losses too: beyond the parity tolerance
 
 
 def test_final_parameter_rule_on_the_real_runs(reports):

@@ -240,7 +240,9 @@ def test_lora_cli_fit_checkpoint_holds_adapters_and_exports_give_our_logits(tmp_
     base = _llama_folder(tmp_path / "base", vocab=8192)
     shutil.copy(VOCAB_JSON, base / "tokenizer.json")
     recipe = _lora_recipe(tmp_path, base, _sft_data(base))
-    _cli("finetune", "fit", "--config", str(recipe), "--lr_schedule.max_lr", "0.01")
+    # the loss per token of the global batch (the chats' assistant tokens), as a fine-tuning user sets it
+    _cli("finetune", "fit", "--config", str(recipe), "--lr_schedule.max_lr", "0.01",
+         "--model.init_args.calculate_per_token_loss", "true")
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
 
     saved = read_model_checkpoint(ckpt)  # the adapters alone, and the base they adapt by checksum
@@ -248,6 +250,7 @@ def test_lora_cli_fit_checkpoint_holds_adapters_and_exports_give_our_logits(tmp_
     assert len(saved.state_dict) == 2 * 4 * 2
     assert saved.module_hparams["init_from_sha256"] == state_digest(GPTLightningModule.read_pretrained(str(base)).state_dict)
 
+    assert saved.module_hparams["calculate_per_token_loss"] is True
     module = GPTLightningModule.load_from_checkpoint(ckpt)
     tokens = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -323,7 +326,8 @@ def test_sft_and_lora_layouts_equal_one_process_through_check(tmp_path):
     # 4e-9, where the reductions' round-off (~3e-9 here) changes the update by O(lr): an ill-conditioned step, not
     # a difference in the math (with SGD every layout stays equal over the steps; with Adam step 1 is equal).
     lora = _cli("check", "--config", str(recipe), "--layouts", "tp2,tp2sp,pp2", "--steps", "3",
-                "--model.optimizer", "sgd", "--estimate-memory", "--estimate-time").stdout
+                "--model.optimizer", "sgd", "--model.calculate_per_token_loss", "true", "--estimate-memory",
+                "--estimate-time").stdout
     assert "tp2            PASS" in lora and "tp2sp          PASS" in lora and "pp2            PASS" in lora, lora
     assert_traffic(lora, [("tp2", 0), ("tp2sp", 0), ("pp2", 0), ("pp2", 1)])
     lora = lora.split("predicted step time")[0]

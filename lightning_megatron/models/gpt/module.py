@@ -65,6 +65,12 @@ class GPTLightningModule(LanguageLightningModule):
             token (as Hugging Face's ``generate`` stops at ``eos_token_id``): generation stops when every
             sequence of the batch has ended, and the written completion ends before it. ``False``: always
             ``predict_max_new_tokens`` tokens, EOD included as any other token.
+        calculate_per_token_loss: train on the mean over the counted tokens (``loss_mask``) of the whole
+            global batch, whatever microbatches and ranks hold them (megatron-core's option of that name;
+            Hugging Face's Trainer normalises so across gradient accumulation). ``False`` (megatron-core's
+            default): each microbatch's loss is its own tokens' mean, and the step the mean of those; where
+            samples count different numbers of tokens (fine-tuning's masked prompts, padding) the objective
+            then changes with ``micro_batch_size``. The logged ``loss`` is the objective either way.
         predict_stop_strings: texts that also end a sequence once its generated text contains one (e.g.
             ``["\\n\\n"]``); the written completion is cut before it. The rule of both settings is
             :meth:`predict_stop_rule`, the one :meth:`generate` applies (:meth:`stop_rule`).
@@ -91,12 +97,18 @@ class GPTLightningModule(LanguageLightningModule):
         predict_top_p: float = 1.0,
         predict_stop_at_eod: bool = True,
         predict_stop_strings: list[str] | None = None,
+        calculate_per_token_loss: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(config, lr=lr, weight_decay=weight_decay, adam_beta2=adam_beta2, **kwargs)
         problem = stop_strings_problem(predict_stop_strings or [], "predict_stop_strings")
         if problem:
             raise ValueError(f"{type(self).__name__}: {problem}")
+        self.calculate_per_token_loss = bool(calculate_per_token_loss)
+        """The training loss is the mean over the counted tokens of the whole global batch (the strategy's
+        :meth:`start_step` counts them); False: the mean of the microbatches' own means (megatron-core's
+        ``calculate_per_token_loss``, off by default there too)."""
+        self._token_factor: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ model
 
@@ -132,6 +144,22 @@ class GPTLightningModule(LanguageLightningModule):
 
     # ------------------------------------------------------------------ steps
 
+    def start_step(self, microbatches: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Before a training step's schedule (the strategy's ``StepRunner`` calls it with this rank's
+        microbatches): with ``calculate_per_token_loss``, the factor that turns a microbatch's summed token
+        losses into its share of the global batch's token mean, ``M x DP x CP / T`` (``T`` the counted tokens
+        of the global batch, summed over the data-parallel group: one scalar all-reduce; the schedule divides by
+        the ``M`` microbatches and the gradient reduction by ``DP x CP``). The last stage's ranks only."""
+        self._token_factor = None
+        ps = self.parallel_state
+        if not self.calculate_per_token_loss or not self.model_chunks[-1].post_process:
+            return
+        counted = torch.stack([mb["loss_mask"].float().sum() for mb in microbatches]).sum()
+        dp, cp = (ps.dp_size, ps.cp_size) if ps is not None else (1, 1)
+        if dp > 1:
+            all_reduce(counted, ps.group("dp"))
+        self._token_factor = len(microbatches) * dp * cp / counted.clamp(min=1.0)
+
     @override
     def loss_forward(self, batch: dict[str, torch.Tensor], chunk: GPTModel):
         """The next-token loss of the batch on the last chunk (averaged over ``loss_mask``, with the number of
@@ -147,25 +175,30 @@ class GPTLightningModule(LanguageLightningModule):
         if not chunk.post_process:
             return out
         loss_mask = batch["loss_mask"]
-        if context is None:
+        stage = eval_stage(self)
+        factor = self._token_factor if self.calculate_per_token_loss and not stage else None
+        if context is None and factor is None:
             loss = gpt_loss(out, loss_mask)
             value, num_tokens = loss.detach(), loss_mask.float().sum()
         else:
             # The sequence's loss is its ranks' summed losses over its counted tokens: this rank's part,
-            # times cp because the gradients are averaged over the data- and context-parallel ranks.
+            # times cp because the gradients are averaged over the data- and context-parallel ranks; per token,
+            # its share of the global batch's mean (start_step's factor).
             mask = loss_mask.float()
             local = (out.float() * mask).sum()
             totals = torch.stack([local.detach(), mask.sum()])
-            all_reduce(totals, ps.cp_group)
+            if context is not None:
+                all_reduce(totals, ps.cp_group)
             value, num_tokens = totals[0] / totals[1].clamp(min=1.0), totals[1]
-            loss = local * ps.cp_size / totals[1].clamp(min=1.0)
+            loss = local * (factor if factor is not None else ps.cp_size / totals[1].clamp(min=1.0))
         with torch.no_grad():
-            stage = eval_stage(self)
             if stage:  # the whole split's perplexity, logged at the end of the epoch
                 on_device(self.eval_metrics[stage], loss.device)["perplexity"].update(value, num_tokens)
             stats = {"lm_loss": value, "num_tokens": num_tokens}
-            if context is not None:
-                stats["loss"] = value  # logged: the whole sequence's, not this rank's objective
+            if context is not None or self.calculate_per_token_loss:
+                # logged: the microbatch's token mean (the strategy weights it by num_tokens when the loss is
+                # per token), not this rank's objective
+                stats["loss"] = value
         return loss, stats
 
     @override
