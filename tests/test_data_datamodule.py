@@ -89,6 +89,38 @@ def test_consumed_samples_from_global_step_and_state_dict():
     assert resumed.state_dict() == {"consumed_samples": 32, "global_step": 7}
 
 
+def test_a_shuffled_run_resumed_at_another_dp_size_reads_its_global_batches():
+    """``shuffle: random``: a run at DP=2 saved after 2 steps and resumed at DP=1 and DP=4 (the same global batch of 8)
+    reads, step by step, the samples the DP=2 run read next, across the ranks in order: the checkpoint records the
+    order (seed, epoch, buckets), which the DP size does not change. A resume whose epoch changed (train_samples
+    null and a larger max_steps: the epoch is the whole run) is in another order, and says so once."""
+
+    def run(dp_size, global_step=0, state=None, steps=3, max_steps=12, micro=2):
+        ranks = []
+        for rank in range(dp_size):
+            dm = _datamodule(_fake_trainer(rank, dp_size, global_step, max_steps), shuffle="random",
+                             micro_batch_size=micro)
+            if state is not None:
+                dm.load_state_dict(state)
+            dm.setup("fit")
+            ranks.append(_first_batches(dm.train_dataloader(), steps))
+        return dm, [torch.cat([r[step]["tokens"] for r in ranks]) for step in range(steps)]
+
+    dm, full = run(2, steps=5)
+    dm.trainer.global_step = 2
+    state = dm.state_dict()
+    assert state == {"consumed_samples": 16, "global_step": 2, "train_shuffle": [1234, 96, 2]}
+    for dp, micro in ((1, 2), (4, 2), (4, 1)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same order: nothing to say
+            _, resumed = run(dp, 2, state, micro=micro)
+        assert all(torch.equal(a, b) for a, b in zip(resumed, full[2:])), (dp, micro)
+    with pytest.warns(UserWarning, match=r"another order .* an epoch of 96 samples in 2 buckets -> seed 1234, 160 "
+                                         r"samples in 2 buckets\): this run reads on from sample 16"):
+        dm, _ = run(2, 2, state, steps=1, max_steps=20)
+    assert dm.state_dict()["train_shuffle"] == [1234, 160, 2]
+
+
 class _Recorder(pl.LightningModule):
     """Consumes batches without learning anything; records the first token of each sample."""
 

@@ -74,6 +74,32 @@ def test_random_sampler_epochs_cover_everything_and_resume_exactly(mbs, nmb, dp)
         assert stream(k * gbs, 15 - k) == full[k:]
 
 
+def test_random_sampler_resumed_at_another_dp_size_reads_the_run_s_global_batches():
+    """A shuffled run started at DP=2 (micro-batch 2, 2 microbatches: global batch 8) and resumed after 3 steps at
+    DP=1 and DP=4 with the same global batch reads, step by step, the samples the DP=2 run goes on to read (in the
+    same order across the ranks), through the next epochs too: the run's order is its first DP size's buckets
+    (``buckets``), whatever ranks read it. Left to the new DP size's buckets (Megatron's sampler) the order changes:
+    samples of the epoch read again, others not at all."""
+    total, gbs = 8 * 6 + 3, 8
+
+    def stream(consumed, steps, mbs, nmb, dp, **kwargs):
+        samplers = _samplers(MegatronPretrainingRandomSampler, total, consumed, mbs, nmb, dp, seed=7, **kwargs)
+        out = []
+        while len(out) < steps:
+            out.extend([i for sl in step for i in sl] for step in zip(*(iter(s) for s in samplers)))
+        return out[:steps]
+
+    full = stream(0, 15, 2, 2, 2)
+    assert _samplers(MegatronPretrainingRandomSampler, total, 0, 2, 2, 2, seed=7)[0].order_key == (7, 48, 2)
+    for mbs, nmb, dp in ((2, 4, 1), (1, 2, 4), (2, 1, 4)):
+        assert stream(3 * gbs, 12, mbs, nmb, dp, buckets=2) == full[3:], (mbs, nmb, dp)
+    regrouped = stream(3 * gbs, 3, 2, 1, 4)  # the rest of the epoch in DP=4's own buckets
+    read = [i for step in full[:3] + regrouped for i in step]
+    assert len(set(read)) < len(read) == 48  # some samples twice in one epoch
+    with pytest.raises(ValueError, match=r"buckets=3 must divide the global batch size 8"):
+        _samplers(MegatronPretrainingRandomSampler, total, 0, 2, 2, 2, buckets=3)
+
+
 def test_random_sampler_seed_matters():
     a = list(_samplers(MegatronPretrainingRandomSampler, 64, 0, 4, 2, 1, seed=1)[0])
     b = list(_samplers(MegatronPretrainingRandomSampler, 64, 0, 4, 2, 1, seed=2)[0])

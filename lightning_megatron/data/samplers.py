@@ -81,14 +81,18 @@ class MegatronPretrainingSampler(_ConsumedSamplesSampler):
 
 
 class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
-    """Shuffled per epoch, seeded: each epoch covers ``total_samples`` rounded down to whole
-    global batches; DP rank ``r`` owns the bucket ``[r*B, (r+1)*B)`` of it (``B`` = samples per
-    rank per epoch) and walks a permutation of its bucket drawn from ``seed + epoch``. Iteration
-    resumes mid-epoch from ``consumed_samples`` and advances it, so the next ``iter()`` continues with
-    the next epoch (Megatron's ``MegatronPretrainingRandomSampler``)."""
+    """Shuffled per epoch, seeded: each epoch covers ``total_samples`` rounded down to whole global batches
+    (``E`` samples), cut into ``buckets`` buckets of ``E / buckets``; one permutation drawn from ``seed + epoch``
+    orders every bucket, and global batch ``j`` of the epoch takes the next ``G / buckets`` samples of each bucket in
+    bucket order. DP rank ``r`` reads its contiguous slice of it, as from the sequential sampler. With ``buckets`` =
+    the DP size (the default) rank ``r`` walks bucket ``r`` alone: Megatron's ``MegatronPretrainingRandomSampler``.
+    A run keeps its first DP size as ``buckets`` (the datamodule records it): resumed at another DP size, it reads
+    the global batches it would have read (:attr:`order_key`). Iteration resumes mid-epoch from ``consumed_samples``
+    and advances it, so the next ``iter()`` continues with the next epoch."""
 
     def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, num_microbatches: int = 1, seed: int = 1234) -> None:
+                 data_parallel_rank: int, data_parallel_size: int, num_microbatches: int = 1, seed: int = 1234,
+                 buckets: int | None = None) -> None:
         super().__init__(total_samples=total_samples, consumed_samples=consumed_samples,
                          micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                          data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
@@ -96,23 +100,33 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
             raise ValueError(f"consumed_samples={consumed_samples} must be a multiple of the global batch size "
                              f"{self.global_batch_size} = micro_batch_size {micro_batch_size} * num_microbatches "
                              f"{num_microbatches} * data_parallel_size {data_parallel_size}")
+        self.buckets = data_parallel_size if buckets is None else buckets
+        if self.buckets < 1 or self.global_batch_size % self.buckets:
+            raise ValueError(f"buckets={self.buckets} must divide the global batch size {self.global_batch_size} (the "
+                             f"run's first data-parallel size does, with the same global batch)")
         self.seed = seed
         self.epoch_samples = total_samples - total_samples % self.global_batch_size
         if self.epoch_samples == 0:
             raise ValueError(f"total_samples={total_samples} is less than one global batch "
                              f"({self.global_batch_size}); use more samples or a smaller batch")
 
+    @property
+    def order_key(self) -> tuple[int, int, int]:
+        """``(seed, samples per epoch, buckets)``: what the order of the samples depends on (not the DP size)."""
+        return (self.seed, self.epoch_samples, self.buckets)
+
     def __len__(self) -> int:
         return self.epoch_samples // self.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, done = divmod(self.consumed_samples, self.epoch_samples)
-        bucket_size = self.epoch_samples // self.data_parallel_size
-        offset = done // self.data_parallel_size
+        bucket_size = self.epoch_samples // self.buckets
+        per_bucket = self.global_batch_size // self.buckets  # what one global batch takes of each bucket
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(bucket_size, generator=generator)[offset:] + self.data_parallel_rank * bucket_size
-        for batch in order.split(self.local_batch_size):
-            if len(batch) < self.local_batch_size:
-                break
+        order = torch.randperm(bucket_size, generator=generator)
+        mine = torch.arange(self.data_parallel_rank * self.local_batch_size,
+                            (self.data_parallel_rank + 1) * self.local_batch_size)  # positions in a global batch
+        bucket, within = mine // per_bucket, mine % per_bucket
+        for step in range(done // self.global_batch_size, len(self)):
             self.consumed_samples += self.global_batch_size
-            yield batch.tolist()
+            yield (order[step * per_bucket + within] + bucket * bucket_size).tolist()

@@ -58,7 +58,8 @@ class GPTDataModule(PretrainingDataModule):
         eval_samples: length of the validation and test sets; ``None``: one epoch of their documents
             (at least one global batch).
         shuffle: ``"sequential"`` (the shuffle index already shuffles; Megatron's default) or
-            ``"random"`` (additionally shuffled per epoch per DP rank).
+            ``"random"`` (additionally shuffled per epoch, in buckets of the run's first DP size: Megatron's per-rank
+            buckets, kept when the run resumes at another DP size).
         num_workers: DataLoader worker processes; ``None``:
             :func:`~lightning_megatron.data.loader.default_num_workers`.
         cache_dir: where the built-in corpus is cached; ``None``: ``$LIGHTNING_MEGATRON_CACHE`` or

@@ -83,6 +83,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         self._restored_order: Any = None
         """The ``order_key`` of the training set the restored checkpoint's run read (None: unrecorded, or an order
         any length keeps)."""
+        self._shuffle_key: list[int] | None = None
+        """``shuffle: random``: the sampler's ``order_key`` (seed, samples per epoch, buckets), the restored run's
+        until the training loader is built, then this run's."""
         self._sources: tuple[list[float], list[Path], list[tuple[IndexedDataset, list[range]]]] | None = None
         """The blend's weights, its prefixes and each one opened with its split's documents (set-up's)."""
         self.train_dataset: Dataset | None = None
@@ -319,8 +322,21 @@ class PretrainingDataModule(pl.LightningDataModule):
         common = dict(total_samples=len(self.train_dataset), consumed_samples=self.consumed_samples,
                       micro_batch_size=self.micro_batch_size, data_parallel_rank=dp_rank,
                       data_parallel_size=dp_size, num_microbatches=self.num_microbatches(dp_size))
-        sampler = (MegatronPretrainingRandomSampler(seed=self.seed, **common) if self.shuffle == "random"
-                   else MegatronPretrainingSampler(**common))
+        if self.shuffle != "random":
+            return self._loader(self.train_dataset, MegatronPretrainingSampler(**common))
+        # The run's order is its first DP size's buckets: resumed at another DP size, it reads the same global batches.
+        restored = self._shuffle_key
+        buckets = restored[2] if restored and self.global_batch_size % restored[2] == 0 else None
+        sampler = MegatronPretrainingRandomSampler(seed=self.seed, buckets=buckets, **common)
+        self._shuffle_key = list(sampler.order_key)
+        if restored is not None and restored != self._shuffle_key:
+            (seed, epoch, parts), now = restored, self._shuffle_key
+            rank_zero_warn(f"data.shuffle='random': the training samples are in another order than the checkpoint's "
+                           f"run read them (seed {seed}, an epoch of {epoch} samples in {parts} buckets -> seed "
+                           f"{now[0]}, {now[1]} samples in {now[2]} buckets): this run reads on from sample "
+                           f"{self._restored[0]} of its own order, some samples of the epoch again and others not at "
+                           f"all. An epoch is data.train_samples (null: max_steps x global_batch_size) rounded down "
+                           f"to whole global batches: a run goes on exactly with its seed, global batch and epoch")
         return self._loader(self.train_dataset, sampler)
 
     def _eval_loader(self, dataset: Dataset | None, name: str) -> DataLoader | list:
@@ -354,12 +370,19 @@ class PretrainingDataModule(pl.LightningDataModule):
         step = int(trainer.global_step) if trainer is not None else self._restored[1]
         state = {"consumed_samples": self.consumed_samples, "global_step": step}
         order = getattr(self.train_dataset, "order_key", None)
-        return {**state, "train_order": order} if order is not None else state
+        if order is not None:
+            state["train_order"] = order
+        if self.shuffle == "random" and self._shuffle_key is not None:
+            state["train_shuffle"] = self._shuffle_key
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = (int(state_dict["consumed_samples"]), int(state_dict.get("global_step", 0)))
         self._restored_order = state_dict.get("train_order")
+        shuffle = state_dict.get("train_shuffle")
+        known = isinstance(shuffle, (list, tuple)) and len(shuffle) == 3
+        self._shuffle_key = [int(v) for v in shuffle] if known else None
 
 
 class BertDataModule(PretrainingDataModule):
@@ -391,7 +414,8 @@ class BertDataModule(PretrainingDataModule):
         eval_samples: length of the validation and test sets; ``None``: one epoch of their documents
             (at least one global batch).
         shuffle: ``"sequential"`` (the samples mapping is already shuffled; Megatron's default) or
-            ``"random"`` (additionally shuffled per epoch per DP rank).
+            ``"random"`` (additionally shuffled per epoch, in buckets of the run's first DP size: Megatron's per-rank
+            buckets, kept when the run resumes at another DP size).
         num_workers: DataLoader worker processes (building and masking samples off the training
             process); ``None``: :func:`~lightning_megatron.data.loader.default_num_workers`
             (``min(4, cores per device - 1)`` where a device has 4 cores or more, else 0).
