@@ -209,15 +209,19 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
     if model.get("class_path"):  # named by class path: its arguments are the init_args
         model_class, model = _class(model.class_path), model.get("init_args")
     source = model.get("init_from") if model is not None and hasattr(model, "get") else None
-    if not source or (config.get("ckpt_path") and not model.get("lora")):
-        return  # a resumed run restores its own weights (a LoRA run's checkpoints hold the adapters: not the base's)
+    if not source:
+        return
     if not (isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule)):
         return  # a module of its own: init_from is its business
     from lightning_megatron.checkpoint import CheckpointError
 
+    # A command with a checkpoint (a resume, an evaluation) builds the model the run was built as, init_from's
+    # architecture included; the checkpoint's weights replace init_from's.
     try:
         architecture = model_class.read_architecture(source)
     except (CheckpointError, OSError, ValueError, ImportError) as error:  # ImportError: the hf extra not installed
+        if config.get("ckpt_path") and not model.get("lora"):
+            return  # the source gone since: the checkpoint holds every weight (its fit is checked before launch)
         raise SystemExit(f"lightning-megatron: --model.init_from {source}: {error}") from None
     # An architecture dict is flat (num_layers, ...); the module's argument may live in its config record.
     moved = model_class.moved_arguments()

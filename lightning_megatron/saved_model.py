@@ -146,6 +146,13 @@ def read_saved_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:
     return flat_hparams(dict(extra.get("hyper_parameters") or {}))
 
 
+def saved_shape(path: str | os.PathLike[str], name: str) -> tuple[int, ...] | None:
+    """The global shape of the model tensor ``name`` (a module's parameter name) in a lightning_megatron checkpoint
+    directory, from its DCP metadata, without reading any tensor; None where it holds no such tensor."""
+    md = dcp_io.read_metadata(Path(path)).state_dict_metadata.get(f"model.{name}")
+    return tuple(md.size) if md is not None and hasattr(md, "size") else None
+
+
 def refuse_architecture(wrong: list[tuple[str, Any, Any]], source_name: str, *, flag_prefix: str = "--model.") -> None:
     """Raise listing every ``(argument, the module's value, the source's)`` that differs, with the flags to set
     (``flag_prefix``: ``--model.config.`` for a language model's config record)."""

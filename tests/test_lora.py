@@ -308,6 +308,43 @@ def test_lora_cli_fit_checkpoint_holds_adapters_and_exports_give_our_logits(tmp_
         main(["export", "hf", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "merged2")])
 
 
+def test_a_full_fine_tune_goes_on_from_its_checkpoint_and_adapters_load_on_our_own_base(tmp_path):
+    """The decoder walkthrough of docs/finetune.md on our own base (``recipes/gpt_tiny.yaml``, shrunk, pretrained a
+    step: its vocabulary is the datamodule's, its record says ``vocab_size: None``), with a fine-tuning recipe that
+    names no architecture (``init_from`` gives it). ``--model.lora null`` (every weight trains) resumes with
+    ``--ckpt_path last`` and is validated from its checkpoint: both were refused before launch (the architecture of
+    ``init_from`` was not applied to a command with a checkpoint: ``GPTConfig``'s defaults, which the checkpoint does
+    not fit). LoRA adapters on the base load with ``load_from_checkpoint`` (it raised ``config.vocab_size is None``:
+    the adapters' checkpoint holds no embedding to count); the vocabulary is recorded now, read from the base's
+    checkpoint metadata."""
+    from lightning_megatron.checkpoint import checkpoint_identity
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    _cli("fit", "--config", str(REPO / "recipes" / "gpt_tiny.yaml"), "--model.config.num_layers", "1",
+         "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2", "--model.config.ffn_hidden_size",
+         "64", "--data.global_batch_size", "4", "--data.micro_batch_size", "2", "--data.seq_length", "32",
+         "--trainer.limit_val_batches", "0", "--trainer.max_steps", "1", "--lr_schedule.lr_warmup_steps", "0",
+         "--trainer.default_root_dir", str(tmp_path / "base"), "--trainer.logger", "false")
+    base = tmp_path / "base" / "checkpoints" / "last.ckpt"
+    data = _sft_data(base).replace(f"tokenizer: {base}", "tokenizer: null").replace("seq_length: 64", "seq_length: 32")
+    recipe = _lora_recipe(tmp_path, base, data)
+    full = ("--model.init_args.lora", "null", "--trainer.limit_val_batches", "0")
+    _cli("finetune", "fit", "--config", str(recipe), *full, "--trainer.max_steps", "1")
+    _cli("finetune", "fit", "--config", str(recipe), *full, "--trainer.max_steps", "2", "--ckpt_path", "last")
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert checkpoint_identity(str(ckpt))[1] == 2
+    validated = _cli("finetune", "validate", "--config", str(recipe), "--model.init_args.lora", "null",
+                     "--ckpt_path", str(ckpt))
+    assert "val_loss" in validated.stdout + validated.stderr
+
+    (tmp_path / "adapters").mkdir()
+    _cli("finetune", "fit", "--config", str(_lora_recipe(tmp_path / "adapters", base, data)), "--trainer.max_steps", "1",
+         "--trainer.limit_val_batches", "0")
+    module = GPTLightningModule.load_from_checkpoint(tmp_path / "adapters" / "run" / "checkpoints" / "last.ckpt")
+    assert module.vocab_size == 8192 and module.config.num_layers == 1 and module.lora is not None
+    assert module.config.vocab_size == 8192  # recorded by the fine-tune, from the base's embedding rows
+
+
 def test_sft_and_lora_layouts_equal_one_process_through_check(tmp_path):
     """``check`` on the SFT recipe from an HF folder: LoRA at TP=2 without and with sequence parallelism and at
     PP=2, and full fine-tuning at TP=2, give one process's losses, grad norms and gradients; its memory table

@@ -408,12 +408,18 @@ class LanguageLightningModule(MegatronLightningModule):
     @override
     def checkpoint_arguments(cls, saved: SavedModel, overrides: Mapping[str, Any]) -> dict[str, Any]:
         """As the base; a checkpoint whose run read the vocabulary from its datamodule (``vocab_size: None``)
-        gets the embedding's rows (unpadded in checkpoints)."""
+        gets the embedding's rows (unpadded in checkpoints), a LoRA checkpoint (no embedding) its base's."""
         hparams = super().checkpoint_arguments(saved, overrides)
         if hparams.get("lora") is not None:  # the checkpoint holds the adapters: the base is init_from's, checked
             hparams["init_from"] = saved.module_hparams.get("init_from")
         config = hparams[CONFIG_HPARAM]
-        if isinstance(config, Mapping) and config.get("vocab_size") is None and "embedding.word_embeddings.weight" in saved.state_dict:
-            config = {**config, "vocab_size": saved.state_dict["embedding.word_embeddings.weight"].size(0)}
-            hparams[CONFIG_HPARAM] = config
+        if isinstance(config, Mapping) and config.get("vocab_size") is None:
+            embedding = saved.state_dict.get("embedding.word_embeddings.weight")
+            if embedding is not None:
+                vocab = embedding.size(0)
+            elif hparams.get("lora") is not None and hparams.get("init_from"):  # adapters only: the base's vocabulary
+                vocab = cls.read_architecture(str(hparams["init_from"])).get("vocab_size")
+            else:
+                vocab = None
+            hparams[CONFIG_HPARAM] = {**config, "vocab_size": vocab}
         return hparams
