@@ -14,8 +14,9 @@ Training, validation, test and prediction take the same path (:meth:`StepRunner.
    the global batch's tokens there);
 3. training: :func:`~lightning_megatron.grads.finalize_model_grads` (DP reduction, sequence-parallel
    and tied-embedding sums);
-4. the metrics the loss function logged: mean over microbatches (last stage) and DP (microbatches
-   without any of the ``num_tokens`` it counts left out), broadcast along the pipeline, so every rank logs the same values; or, when predicting, the
+4. the metrics the loss function logged: mean over microbatches (last stage) and DP (weighted by the
+   ``num_tokens`` it counts when evaluating or with a per-token loss; else microbatches without any left out),
+   broadcast along the pipeline, so every rank logs the same values; or, when predicting, the
    microbatches' ``predictions`` concatenated (last stage; ``None`` on the others);
 5. training, with ``check_for_nan_in_loss_and_grad`` (megatron-core's option, on by default): THE
    NaN/Inf guard of a training step, whatever optimizer (wrapper or plain torch optimizer) steps
@@ -118,6 +119,8 @@ class StepRunner:
         self.micro_batch_size = micro_batch_size
         self.device = device
         self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
+        self.per_token_loss = bool(getattr(module, "calculate_per_token_loss", False))
+        """The module's training loss is the mean over the global batch's tokens: logged so too."""
 
     def run(self, batch: Any, batch_idx: int, stage: str, *, grad_buffer: GradBuffer | None = None,
             grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None, trace: list | None = None,
@@ -266,8 +269,9 @@ class StepRunner:
 
     def _reduce_logged(self, logged: list[dict[str, Any]], stage: str) -> dict[str, torch.Tensor]:
         """Mean over microbatches (last stage) and DP ranks, then broadcast along the pipeline. A loss function
-        that logs ``num_tokens`` (the tokens its loss averages) has its microbatches without any left out, or, where
-        the module's ``calculate_per_token_loss`` is true, each weighted by its tokens.
+        that logs ``num_tokens`` (the tokens its loss averages) has each microbatch weighted by its tokens when
+        evaluating or where the module's ``calculate_per_token_loss`` is true; else (a training loss of microbatch
+        means) its microbatches without any left out. ``num_tokens`` is then the step's total.
 
         The pipeline broadcast is one tensor op (no host sync): the metric names are sent as objects
         only on the first step of ``stage``; a loss function whose names change later is refused.
@@ -280,17 +284,22 @@ class StepRunner:
         if keys:  # a loss function may log nothing per step (fine-tuning's evaluation logs per epoch)
             stacked = torch.stack([torch.stack([d[k].detach().float().reshape(()) for k in keys]) for d in logged])
             weights = torch.ones(len(logged), device=stacked.device)
+            extra = [weights.sum()]
             if "num_tokens" in keys:
-                # A microbatch that counted no token (the padding that fills an evaluation split's last global
-                # batch) has no loss to report: it is left out of the mean, not averaged in as a zero. A loss
-                # per token (the module's calculate_per_token_loss) weighs each microbatch by its tokens.
+                # Evaluation and a loss per token (the module's calculate_per_token_loss) weigh each microbatch by
+                # its tokens: the mean over the tokens of the step, whatever microbatches hold them. A training
+                # loss of microbatch means averages those, leaving out a microbatch that counted no token (it has
+                # no loss to report). num_tokens itself is the step's count, summed.
                 counted = stacked[:, keys.index("num_tokens")]
-                per_token = getattr(self.module, "calculate_per_token_loss", False)
-                weights = counted if per_token else (counted > 0).float()
-            packed = torch.cat([(stacked * weights[:, None]).sum(dim=0), weights.sum().reshape(1)])
+                by_tokens = stage != "train" or self.per_token_loss
+                weights = counted if by_tokens else (counted > 0).float()
+                extra = [weights.sum(), counted.sum()]
+            packed = torch.cat([(stacked * weights[:, None]).sum(dim=0), torch.stack(extra)])
             if ps.dp_size > 1:
                 all_reduce(packed, ps.group("dp"))
-            values = packed[:-1] / packed[-1].clamp(min=1.0)
+            values = packed[:len(keys)] / packed[len(keys)].clamp(min=1.0)
+            if "num_tokens" in keys:
+                values[keys.index("num_tokens")] = packed[-1]
         if ps.pp_size > 1:
             keys, values = self._broadcast_logged(keys, values, stage)
         return {} if values is None else dict(zip(keys, values.unbind(0)))

@@ -476,13 +476,19 @@ class MegatronStrategy(DDPStrategy):
             # still get the global-batch mean as outputs["loss"].
             return
         module = self.lightning_module
+        # An evaluation step weighs in by the tokens it counted (the epoch's loss is the split's token mean), else 1.
+        weight = int(means["num_tokens"]) if stage != "train" and "num_tokens" in means else 1
+        if weight == 0:
+            return  # evaluation padding alone: no loss to report
         for key, value in means.items():
+            if key == "num_tokens" and stage != "train":
+                continue  # the weight of the step: its epoch mean would say nothing
             name = key if stage == "train" and key == "loss" else f"{stage}_{key}"
             # Reduced over DP and broadcast along the pipeline already: every rank holds the value. The
             # epoch-level metrics of evaluation are averaged over the world anyway (one all-reduce at
             # the end of the epoch) so that Lightning has nothing to warn about.
             module.log(name, value, on_step=stage == "train", on_epoch=stage != "train",
-                       prog_bar=key == "loss", sync_dist=stage != "train", batch_size=1)
+                       prog_bar=key == "loss", sync_dist=stage != "train", batch_size=weight)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -342,7 +342,7 @@ def test_greedy_generation_equals_transformers_generate(shape):
 
 def test_validate_and_predict_through_the_strategy():
     """``Trainer.validate`` logs ``val_perplexity`` = exp(the mean token cross entropy of the split) next to
-    ``val_loss``; ``Trainer.predict`` under the MegatronStrategy: each batch's prompts (two microbatches)
+    ``val_loss``, the same mean (2 batches of 2 microbatches counting different numbers of tokens); ``Trainer.predict`` under the MegatronStrategy: each batch's prompts (two microbatches)
     followed by ``predict_max_new_tokens`` greedy tokens, the same as ``generate`` on the whole batch."""
     from lightning.pytorch import Trainer
     from test_custom_module import hermetic
@@ -353,13 +353,18 @@ def test_validate_and_predict_through_the_strategy():
     module = GPTLightningModule(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
                                           max_sequence_length=SEQ), predict_max_new_tokens=5,
                                 predict_stop_at_eod=False)  # a plain dataloader: no tokenizer to stop at
-    prompts = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(5))
-    rows = [{"tokens": t, "labels": t, "loss_mask": torch.ones(8)} for t in prompts]
+    prompts = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(5))
+    # ragged: each row counts its last 1..8 targets (as a fine-tuning answer), so microbatches and batches differ
+    rows = [{"tokens": t, "labels": t, "loss_mask": (torch.arange(8) >= 7 - (3 * i) % 8).float()}
+            for i, t in enumerate(prompts)]
     with hermetic():
         trainer = Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), logger=False,
                           enable_progress_bar=False, enable_model_summary=False)
         [metrics] = trainer.validate(module, DataLoader(rows, batch_size=4), verbose=False)
-        [out] = trainer.predict(module, DataLoader(rows, batch_size=4))
+        [out] = trainer.predict(module, DataLoader(rows[:4], batch_size=4))
+        prompts = prompts[:4]
+    # the split's token mean, whatever batches and microbatches hold the tokens (it was the batches' mean of their
+    # microbatches' means)
     assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-5), metrics
     assert out.shape == (4, 8 + 5) and torch.equal(out[:, :8], prompts)
     assert torch.equal(out, module.generate(prompts, 5, stop_token=None))

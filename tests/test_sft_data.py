@@ -425,19 +425,27 @@ def test_predict_prompts_with_the_generation_prompt(folders, tmp_path):
 
 def test_logged_loss_leaves_out_microbatches_without_counted_tokens():
     """The validation split's last global batch is filled with copies that carry no loss (loss_mask 0): their
-    microbatches log ``num_tokens`` 0 and are left out of the logged mean, so ``val_loss`` stays the loss of
-    the real rows (averaging them in as zeros halved it: val_loss 3.57 against val_perplexity 1257 = e^7.14)."""
+    microbatches log ``num_tokens`` 0 and weigh nothing, so ``val_loss`` stays the loss of the real rows
+    (averaging them in as zeros halved it: val_loss 3.57 against val_perplexity 1257 = e^7.14). Evaluation weighs
+    each microbatch by its tokens (the step's token mean: micro-batch 1, 4 and 8 gave val_loss 8.733, 8.736 and
+    8.745 on the same chats, against val_perplexity 6276.2 = e^8.7445 for all); a training loss of microbatch
+    means averages those (its objective), and with ``calculate_per_token_loss`` weighs them by tokens too.
+    ``num_tokens`` is the step's count."""
     from types import SimpleNamespace
 
     from lightning_megatron.parallel_state import ParallelState
     from lightning_megatron.step import StepRunner
 
-    runner = SimpleNamespace(ps=ParallelState.single_process())
+    runner = SimpleNamespace(ps=ParallelState.single_process(), per_token_loss=False)
     logged = [{"loss": torch.tensor(7.0), "num_tokens": torch.tensor(12.0)},
               {"loss": torch.tensor(6.0), "num_tokens": torch.tensor(4.0)},
               {"loss": torch.tensor(0.0), "num_tokens": torch.tensor(0.0)}]
     out = StepRunner._reduce_logged(runner, logged, "val")
-    assert float(out["loss"]) == 6.5 and float(out["num_tokens"]) == 8.0  # the two microbatches with tokens
+    assert float(out["loss"]) == 6.75 and float(out["num_tokens"]) == 16.0  # (7 x 12 + 6 x 4) / 16
+    out = StepRunner._reduce_logged(runner, logged, "train")
+    assert float(out["loss"]) == 6.5 and float(out["num_tokens"]) == 16.0  # the two microbatches with tokens
+    runner.per_token_loss = True
+    assert float(StepRunner._reduce_logged(runner, logged, "train")["loss"]) == 6.75
     plain = StepRunner._reduce_logged(runner, [{"loss": torch.tensor(1.0)}, {"loss": torch.tensor(2.0)}], "train")
     assert float(plain["loss"]) == 1.5  # a loss function that counts no tokens: the plain mean
 
