@@ -25,6 +25,7 @@ def prepare_config(config: Any, argv: list[str], model_class: type | None = None
     """Every rewrite, in the order they depend on each other (``argv``: the command line's own flags;
     ``model_class``: the module class when the config does not name one by ``class_path``;
     ``subcommand``: fit, validate, test or predict; None: only building, no command to run)."""
+    _weight_decay_the_schedule_sets(config)
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
     _architecture_of_init_from(config, argv, model_class)
@@ -102,6 +103,27 @@ def _wandb_mode(config) -> None:
                        f"offline to {os.path.join(folder, 'wandb')}; upload it later with `wandb sync "
                        f"{os.path.join(folder, 'wandb', 'offline-run-*')}`, or set WANDB_MODE=offline to say so "
                        f"and silence this", category=UserWarning)
+
+
+def _weight_decay_the_schedule_sets(config) -> None:
+    """With an ``lr_schedule`` section, the schedule sets every parameter group's weight decay each step (from
+    ``start_wd`` to ``end_wd``): a ``model.weight_decay`` that is neither is not used, which is said, with the flags
+    that set the decay (a LoRA recipe's ``weight_decay: 0.0`` under the pretraining schedule's 0.1 decayed the
+    adapters at 0.1, unsaid)."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
+    model = config.get("model") if hasattr(config, "get") else None
+    if not schedule or model is None or not hasattr(model, "get"):
+        return
+    args = schedule.get("init_args") or schedule
+    model = model.get("init_args") if model.get("class_path") else model
+    decay = model.get("weight_decay") if model is not None and hasattr(model, "get") else None
+    start, end = args.get("start_wd"), args.get("end_wd")
+    if isinstance(decay, (int, float)) and start is not None and decay not in (start, end):
+        rank_zero_warn(f"model.weight_decay={decay} is not used: the lr_schedule section sets the weight decay every "
+                       f"step (start_wd={start}, end_wd={end}); to train with {decay}: --lr_schedule.start_wd {decay} "
+                       f"--lr_schedule.end_wd {decay}")
 
 
 def _named_callbacks_into_trainer(config) -> None:

@@ -128,3 +128,22 @@ def test_pretraining_recipes_start_from_the_shared_one_and_do_not_repeat_it(name
     merged = read_recipe(ROOT / "recipes" / f"{name}.yaml")
     assert "base" not in merged and merged["trainer"]["strategy"]["init_args"]["seed"] == 1234
     assert merged["trainer"]["default_root_dir"] == f"runs/{name}"  # each names its own run folder
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("_")),
+                         ids=lambda p: p.stem)
+def test_a_recipe_s_weight_decay_is_the_one_its_schedule_sets(path):
+    """Where a recipe has the ``lr_schedule`` section, the schedule sets the weight decay every step (``start_wd`` to
+    ``end_wd``): a ``model.weight_decay`` of another value is not used (the CLI says so). The LoRA recipes' 0.0 sat
+    under the pretraining schedule's 0.1, and the adapters decayed at 0.1."""
+    import inspect
+
+    from lightning_megatron.callbacks import OptimizerParamSchedulerCallback
+
+    merged = read_recipe(path)
+    schedule, model = merged.get("lr_schedule"), merged.get("model") or {}
+    decay = (model.get("init_args") or model).get("weight_decay")
+    if schedule and decay is not None:
+        defaults = inspect.signature(OptimizerParamSchedulerCallback).parameters  # what a recipe leaves out
+        wd = [schedule.get(k, defaults[k].default) for k in ("start_wd", "end_wd")]
+        assert decay in wd, (path.name, decay, wd)
