@@ -96,7 +96,8 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
     record names, else the packaged one: :func:`~lightning_megatron.data.dataset_vocab.dataset_tokenizer`,
     the datamodule's own rule) and ids below the model's ``vocab_size``. ``predicting``: the
     ``predict_file`` is read and a decoder's longest prompt plus ``predict_max_new_tokens`` must fit the
-    model's positions. A fine-tuning section (LabelledTextDataModule's arguments: ``text_key``,
+    model's positions; a chat section's (SFTDataModule's) split files are read (``read_splits``: JSON, nothing
+    tokenized). A fine-tuning section (LabelledTextDataModule's arguments: ``text_key``,
     ``label_key`` and split files): its files are read, when predicting only the input of ``predict``
     (:func:`~lightning_megatron.data.labelled_text.labelled_files_problems`). Reads only the vocabulary,
     the small sidecar and these text files, never the token data; the datamodule checks the same again
@@ -119,6 +120,13 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
     if {"chat_template", "tokenizer"} <= arguments.keys():  # chats (SFTDataModule): its own prompt reader
         if predicting and arguments.get("predict_file") is not None and data_class is not None:
             problems += _check_prompts(arguments, m, lambda: data_class(**arguments).read_prompts().lengths)
+        elif running and not predicting and data_class is not None and hasattr(data_class, "read_splits"):
+            # the chat files, read as every rank's set-up reads them (JSON only, nothing tokenized): a missing
+            # file, a chat without an answer, a split left empty; the datamodule's own argument checks too
+            try:
+                data_class(**arguments).read_splits()
+            except (OSError, ValueError) as error:
+                problems.append(f"data {error}")
         return problems
     if {"text_key", "label_key"} <= arguments.keys():
         # labelled split files (LabelledTextDataModule's arguments), read only when a command runs; predict

@@ -49,6 +49,10 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     ids = [{"sentence": r["sentence"], "label": i % 2} for i, r in enumerate(rows)]
     ids[30]["label"] = 7
     (d / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ids))
+    chat = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    (d / "chats.jsonl").write_text(json.dumps(chat) + "\n" + json.dumps(chat) + "\n")
+    (d / "one_chat.jsonl").write_text(json.dumps(chat) + "\n")
+    (d / "no_answer.jsonl").write_text(json.dumps(chat) + "\n" + json.dumps({"messages": chat["messages"][:1]}) + "\n")
     import transformers  # a Mixtral folder's config.json: what the CLI reads of init_from before launch
 
     transformers.MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -57,11 +61,15 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     return {"dir": str(d), "gpt": str(d / "gpt"), "mixtral": str(d / "mixtral"), "prompts": str(d / "prompts.txt"),
             "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
-            "ids": str(d / "ids.jsonl"), "nope": str(d / "nope.ckpt")}
+            "ids": str(d / "ids.jsonl"), "nope": str(d / "nope.ckpt"), "chats": str(d / "chats.jsonl"),
+            "one_chat": str(d / "one_chat.jsonl"), "no_answer": str(d / "no_answer.jsonl")}
 
 
 FIT, PREDICT = ["fit", "--config", GPT], ["predict", "--config", GPT, "--data.predict_file", "{prompts}"]
 FINETUNE = ["finetune", "fit", "--config", SST2, "--data.init_args.validation", "{train}"]
+SFT = ["finetune", "fit", "--config", str(ROOT / "recipes" / "gpt_tiny_lora.yaml"),
+       "--model.init_args.init_from", "null", "--model.init_args.lora", "null"]
+"""A decoder's fine-tuning on chats (SFTDataModule); the recipe's base is not needed to refuse its data."""
 
 CASES = {
     # (argv, exit code (None: the CLI's one-line ConfigError), texts the message holds, texts it must not hold)
@@ -106,6 +114,17 @@ CASES = {
     "finetune_label_key": ([*FINETUNE, "--data.init_args.train", "{train}", "--data.init_args.label_key", "labl"],
                            None, ["1 configuration problem(s)", "data.train '{train}' row 1 has no column 'labl': "
                                   "its columns are ['label', 'sentence']; set --data.label_key"], []),
+    # chat files: each rank raised it after launch, a traceback each (a missing file, a chat without an answer, a
+    # split left empty), or jsonargparse printed 83 lines around the datamodule's own message
+    "sft_missing_train_file": ([*SFT, "--data.init_args.train_file", "{nope}"], None,
+                               ["data.train_file '{nope}' does not exist"], ["Traceback"]),
+    "sft_chat_without_answer": ([*SFT, "--data.init_args.train_file", "{no_answer}"], None,
+                                ["data.train_file '{no_answer}' line 2 has no assistant message (roles ['user'])"], []),
+    "sft_val_fraction_of_one_chat": ([*SFT, "--data.init_args.train_file", "{one_chat}"], None,
+                                     ["val_fraction=0.1 of 1 records leaves none to train on"], []),
+    "sft_validation_file_and_val_fraction": (
+        [*SFT, "--data.init_args.train_file", "{chats}", "--data.init_args.validation_file", "{chats}"], None,
+        ["validation_file='{chats}' and val_fraction=0.1: use one of the two"], ["Traceback", "jsonargparse"]),
     "check_tp3_with_4_heads": (["check", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--layouts", "tp3"], 2,
                                ["found before starting any process", "layout tp3: model.config: num_attention_heads=4 is not "
                                 "divisible by tensor_model_parallel_size=3"], ["DistributedTestFailure"]),
