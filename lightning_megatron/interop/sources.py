@@ -75,14 +75,7 @@ def read_architecture(source: str | os.PathLike[str], adapter: StateDictAdapter 
     kind = source_kind(source)
     if adapter is None or kind == "ours":
         hparams = read_saved_hparams(source)  # refuses what is not our checkpoint
-        architecture = {k: hparams[k] for k in architecture_keys if k in hparams}
-        if "vocab_size" in architecture and architecture["vocab_size"] is None:
-            # the run read its vocabulary from its datamodule: the embedding's rows (unpadded in checkpoints)
-            from lightning_megatron.saved_model import saved_shape
-
-            rows = saved_shape(source, "embedding.word_embeddings.weight")
-            architecture["vocab_size"] = rows[0] if rows else None
-        return architecture
+        return {k: hparams[k] for k in architecture_keys if k in hparams}
     adapter = check_adapter(adapter, owner)
     if kind == "hf":
         from lightning_megatron.interop.hf_folder import read_hf_architecture

@@ -418,7 +418,13 @@ class LanguageLightningModule(MegatronLightningModule):
             if embedding is not None:
                 vocab = embedding.size(0)
             elif hparams.get("lora") is not None and hparams.get("init_from"):  # adapters only: the base's vocabulary
-                vocab = cls.read_architecture(str(hparams["init_from"])).get("vocab_size")
+                source = str(hparams["init_from"])
+                vocab = cls.read_architecture(source).get("vocab_size")
+                if vocab is None:  # a base of ours whose run read it from its datamodule: its embedding's rows
+                    from lightning_megatron.saved_model import saved_shape
+
+                    rows = saved_shape(source, "embedding.word_embeddings.weight")
+                    vocab = rows[0] if rows else None
             else:
                 vocab = None
             hparams[CONFIG_HPARAM] = {**config, "vocab_size": vocab}
