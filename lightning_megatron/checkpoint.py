@@ -109,7 +109,8 @@ HPARAMS_MAY_DIFFER = frozenset({
     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",  # a layout, as TP / PP
     "defer_embedding_wgrad_compute", "wgrad_deferral_limit",  # when the same weight gradient is computed
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fused_optimizer",
-    "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "hidden_dropout", "attention_dropout", "dropout",  # "dropout": the LoRA record's (RECORDS_BY_FIELD)
+    "recompute_granularity", "recompute_method", "recompute_num_layers",
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
     "make_vocab_size_divisible_by", "compile", "optimizer_kwargs", "calculate_per_token_loss",
     "tensor_model_parallel_size", "sequence_parallel",  # a config record's layout fields: the strategy's
@@ -118,6 +119,11 @@ HPARAMS_MAY_DIFFER = frozenset({
 other differing hyper-parameter is an error. (Optimizer hyper-parameters are restored from the
 checkpoint's optimizer state; the others take the current value.) A field of a config record saved as a
 dict (``config.hidden_dropout``) is named by its own name here."""
+
+RECORDS_BY_FIELD = ("lora",)
+"""Hyper-parameters saved as a dict that :func:`compare_hparams` compares field by field when both sides have one
+(``lora.rank`` an error, ``lora.dropout`` allowed); one side without it (a LoRA checkpoint, a model without
+adapters) differs as a whole."""
 
 HPARAMS_UNUSED_ON_LOAD = frozenset({
     "init_from",  # where the weights first came from
@@ -415,6 +421,10 @@ def compare_hparams(saved: dict[str, Any] | None, current: dict[str, Any] | None
     :data:`HPARAMS_MAY_DIFFER`."""
     saved, current = _fields(plain(dict(saved or {}))), _fields(plain(dict(current or {})))
     defaults = _fields(plain(dict(defaults or {})))
+    for key in RECORDS_BY_FIELD:  # a record on both sides: field by field (an adapter's dropout may differ)
+        if isinstance(saved.get(key), dict) and isinstance(current.get(key), dict):
+            saved.update({f"{key}.{k}": v for k, v in saved.pop(key).items()})
+            current.update({f"{key}.{k}": v for k, v in current.pop(key).items()})
     errors, allowed = [], []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, defaults.get(key, "<absent>")), current.get(key, "<absent>")

@@ -341,9 +341,15 @@ def test_a_full_fine_tune_goes_on_from_its_checkpoint_and_adapters_load_on_our_o
     assert "val_loss" in validated.stdout + validated.stderr
 
     (tmp_path / "adapters").mkdir()
-    _cli("finetune", "fit", "--config", str(_lora_recipe(tmp_path / "adapters", base, data)), "--trainer.max_steps", "1",
-         "--trainer.limit_val_batches", "0")
-    module = GPTLightningModule.load_from_checkpoint(tmp_path / "adapters" / "run" / "checkpoints" / "last.ckpt")
+    adapters = _lora_recipe(tmp_path / "adapters", base, data)
+    _cli("finetune", "fit", "--config", str(adapters), "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
+         "--model.init_args.lora.dropout", "0")
+    lora_ckpt = tmp_path / "adapters" / "run" / "checkpoints" / "last.ckpt"
+    # evaluated with the recipe's adapters' dropout (0.05), as hidden_dropout may differ: it was refused (the lora
+    # record compared whole), and is said now
+    validated = _cli("finetune", "validate", "--config", str(adapters), "--ckpt_path", str(lora_ckpt))
+    assert "lora.dropout: checkpoint 0.0, model 0.05" in validated.stderr, validated.stderr[-3000:]
+    module = GPTLightningModule.load_from_checkpoint(lora_ckpt)
     assert module.vocab_size == 8192 and module.config.num_layers == 1 and module.lora is not None
 
 
