@@ -262,6 +262,7 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
         listed = ", ".join(f"--model.{where[k]} {h} (the source has {w})" for k, h, w in wrong)
         raise SystemExit(f"lightning-megatron: --model.init_from {source} fixes the architecture, and these flags "
                          f"disagree with it: {listed}. Drop them.")
+    written = _written_model_arguments(argv)
     replaced = architecture_conflicts(current, architecture)
     # an argument free in both (a rope model's length: no conflict) is replaced by the source's unless flagged: said
     replaced += [(k, current[k], architecture[k]) for k in model_class.free_arguments(architecture)
@@ -270,9 +271,23 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
     for key, value in architecture.items():
         if key in where and where[key] not in flags and not (key == "vocab_size" and value is None):
             model[where[key]] = value
+    replaced = [r for r in replaced if where[r[0]] in written]  # a default the recipe never wrote is no news
     if replaced:
         warnings.warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's " + ", ".join(
             f"{where[k]}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning, stacklevel=1)
+
+
+def _written_model_arguments(argv: list[str]) -> set[str]:
+    """The model arguments the ``--config`` recipes (with their bases) write, dotted (``config.num_layers``, ``lr``)."""
+    from lightning_megatron.recipes import config_recipes
+
+    written: set[str] = set()
+    for recipe in config_recipes(argv):
+        model = recipe.get("model")
+        args = (model.get("init_args") if "class_path" in model else model) if isinstance(model, dict) else None
+        for key, value in (args or {}).items():
+            written |= {f"{key}.{k}" for k in value} if isinstance(value, dict) else {key}
+    return written
 
 
 def _checkpoint_folders(trainer) -> list[str]:

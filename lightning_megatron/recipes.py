@@ -222,17 +222,13 @@ def _merged_text(value: str) -> str:
 
 
 def config_recipes(argv: list[str]) -> list[dict[str, Any]]:
-    """The ``--config`` recipes of ``argv`` (merged YAML text or files), read with ``yaml.safe_load``."""
+    """The ``--config`` recipes of ``argv`` (merged YAML text, or files read with their bases), read with
+    ``yaml.safe_load``; one that cannot be read is left out (LightningCLI reports it)."""
     out = []
     for i, arg in enumerate(argv):
         value = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
             arg[len("--config="):] if arg.startswith("--config=") else None)
-        if value is None:
-            continue
-        try:
-            recipe = yaml.safe_load(value if "\n" in value else Path(value).read_text())
-        except (OSError, ValueError, yaml.YAMLError):
-            continue  # LightningCLI reports it
-        if isinstance(recipe, dict):
+        recipe = _recipe_or_none(value) if value is not None else None
+        if recipe is not None:
             out.append(recipe)
     return out

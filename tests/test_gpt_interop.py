@@ -115,6 +115,9 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
     # the recipe's length replaced too (a rope model's run may choose another, below), and said
     [replaced] = [str(w.message) for w in said if "replaces the recipe's" in str(w.message)]
     assert replaced.count(f"config.max_sequence_length=128 (now {SEQ})") == 1, replaced
+    # only what the recipe writes: GPTConfig's defaults it never wrote are not "the recipe's" (num_query_groups=None
+    # (now 2), kv_channels=None, ... were listed among them)
+    assert "num_query_groups" not in replaced and "kv_channels" not in replaced, replaced
     with pytest.warns(UserWarning, match="replaces the recipe's") as said:  # a rope recipe's length: replaced alike
         lightning_cli(run=False, args=[*args, "--model.config.position_embedding_type", "rope"])
     [replaced] = [str(w.message) for w in said if "replaces the recipe's" in str(w.message)]
