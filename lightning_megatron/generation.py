@@ -305,6 +305,14 @@ def _last_logits(logits: torch.Tensor, tp_group: Group, vocab_size: int | None) 
     return last if vocab_size is None else last[:, :vocab_size]
 
 
+def _all_ended(finished: torch.Tensor, group: Group) -> bool:
+    """Whether every row of every rank of ``group`` has ended (one scalar all-reduce when it has several ranks)."""
+    running = (~finished).any().to(torch.int64).reshape(1)
+    if group_size(group) > 1:
+        running = all_reduce(running, group)
+    return not bool(running)
+
+
 def _from_rank(token: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     """Group rank ``src``'s ``token`` on every rank of ``group`` (a sum in which the other ranks give zeros)."""
     if group_size(group) == 1:
@@ -349,7 +357,7 @@ def generate(forward: DecoderForward, prompt_tokens: Prompts, max_new_tokens: in
              stop_strings: Sequence[str] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
              other_stop_tokens: Sequence[int] = (), pad_token: int | None = None, vocab_size: int | None = None,
              max_sequence_length: int | None = None, tp_group: Group = None, pp_group: Group = None,
-             generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
+             step_group: Group = None, generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
     """Each prompt followed by up to ``max_new_tokens`` generated tokens.
 
     - ``prompt_tokens`` [b, s0] -> [b, s0 + n] (n <= ``max_new_tokens``: fewer when every row ended). With
@@ -364,6 +372,9 @@ def generate(forward: DecoderForward, prompt_tokens: Prompts, max_new_tokens: in
     left-padded prompts then go through a fresh cache per step, which carries their padding). ``vocab_size`` cuts
     padded vocabulary columns so they are never picked. ``max_sequence_length``: the model's positions, checked
     before any forward (:func:`context_length_problem`). ``tp_group`` / ``pp_group``: module docstring.
+    ``step_group``: ranks with prompts of their own whose forwards meet in collectives (expert parallelism's token
+    dispatch): they take the same steps, a rank whose rows all ended going on (its rows filled) until every rank's
+    have; alone, it stopped, and the others waited in the dispatch until the process group's timeout.
     """
     rule = StopRule(stop_token, tuple(stop_strings), detokenize, tuple(other_stop_tokens))
     fill = pad_token if pad_token is not None else stop_token if stop_token is not None else 0
@@ -417,8 +428,9 @@ def generate(forward: DecoderForward, prompt_tokens: Prompts, max_new_tokens: in
             ended = rule.ended(tokens[:, s0:], finished)
             kept = torch.where(ended & ~finished, step + 1, kept)
             finished = ended
-            if bool(finished.all()):
-                break
+        # every rank of step_group asks, each step, whether or not its own rows can end
+        if (rule.stops or group_size(step_group) > 1) and _all_ended(finished, step_group):
+            break
     if not ragged:
         return tokens
     return [torch.cat([p.to(tokens.device), tokens[i, s0: s0 + int(kept[i])]]) for i, p in enumerate(prompts)]

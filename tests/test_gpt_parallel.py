@@ -142,7 +142,20 @@ def _fit_each(work: list) -> dict:
     if dist.get_world_size() > 1:
         module.connect_parallel_state(initialize_model_parallel(ParallelDims(tp=dist.get_world_size(), pp=1)))
     module.configure_model()
-    return {"fits": fits, "generated": module.generate(PROMPT, 12, stop_token=None)}
+    out = {"fits": fits, "generated": module.generate(PROMPT, 12, stop_token=None)}
+    # The Mixtral shape at EP=2 (DP=2: each rank its own prompt): rank 0's prompt ends at its first new token, rank
+    # 1's goes on; one process generates each prompt alone with the same stop.
+    moe = make_module(**MOE_TINY)
+    if dist.get_world_size() > 1:
+        moe.connect_parallel_state(initialize_model_parallel(ParallelDims.parse("ep2")))
+    moe.configure_model()
+    prompts = [PROMPT[i:i + 1] for i in range(2)] if dist.get_world_size() == 1 else [PROMPT[dist.get_rank():][:1]]
+    out["moe_generated"] = []
+    for i, prompt in enumerate(prompts):
+        first = int(moe.generate(prompt, 1, stop_token=None)[0, -1])
+        ends = i == 0 if dist.get_world_size() == 1 else dist.get_rank() == 0
+        out["moe_generated"].append((first, moe.generate(prompt, 8, stop_token=first if ends else None)))
+    return out
 
 
 def check_shapes(shapes: dict) -> dict:
@@ -167,7 +180,9 @@ def check_shapes(shapes: dict) -> dict:
                                          for n in names], timeout=900)
     four = run_distributed(_fit_each, 4, [(runs[n], [ParallelDims.parse(x) for x, w in worlds[n].items() if w == 4])
                                           for n in names], timeout=900)
-    tol, reports = Tolerances(), {"generated": {"tp1": ref[0]["generated"], "tp2": [r["generated"] for r in par]}}
+    tol, reports = Tolerances(), {"generated": {"tp1": ref[0]["generated"], "tp2": [r["generated"] for r in par]},
+                                  "moe_generated": {"ep1": ref[0]["moe_generated"],
+                                                    "ep2": [r["moe_generated"][0] for r in par]}}
     for i, name in enumerate(names):
         reference = gather_runs([r["fits"][own.index(SAME_REFERENCE.get(name, name))] for r in ref])["tp1"]
         layouts = {**gather_runs([r["fits"][i] for r in par]), **gather_runs([r["fits"][i] for r in four])}
@@ -180,7 +195,7 @@ def check_shapes(shapes: dict) -> dict:
 def reports() -> dict:
     out = check_shapes(SHAPES)
     for name, report in out.items():
-        if name != "generated":
+        if name not in ("generated", "moe_generated"):
             print(f"\n{name}\n{report.table()}")
     return out
 
@@ -319,6 +334,19 @@ def test_llama_greedy_generation_at_tp2_equals_one_process(reports):
     assert generated["tp1"].shape == (2, 5 + 12) and torch.equal(generated["tp1"][:, :5], PROMPT)
     for tokens in generated["tp2"]:
         assert torch.equal(tokens, generated["tp1"]), (tokens, generated["tp1"])
+
+
+def test_moe_generation_at_ep2_goes_on_until_every_rank_s_prompts_ended(reports):
+    """Greedy generation of the Mixtral shape at EP=2, each rank its own prompt: rank 0's ends at its first new
+    token and rank 1's does not. Rank 0 goes on (its row filled with the stop token) while rank 1 generates, as the
+    experts' token dispatch needs both: it stopped, and rank 1 waited in the dispatch until the process group's
+    timeout (``predict`` hung). Each rank's tokens are one process's for its prompt alone."""
+    (first0, alone0), (first1, alone1) = reports["moe_generated"]["ep1"]
+    (got0_first, got0), (got1_first, got1) = reports["moe_generated"]["ep2"]
+    assert (got0_first, got1_first) == (first0, first1)
+    assert alone0.shape == (1, 5 + 1) and alone1.shape == (1, 5 + 8)  # one process: prompt 0 stops at once
+    assert torch.equal(got0[:, :6], alone0) and (got0[:, 6:] == first0).all() and got0.shape[1] == 5 + 8
+    assert torch.equal(got1, alone1), (got1, alone1)
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)

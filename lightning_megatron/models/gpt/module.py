@@ -333,7 +333,8 @@ class GPTLightningModule(LanguageLightningModule):
                                 stop_token=rule.stop_token, stop_strings=rule.stop_strings, detokenize=rule.detokenize,
                                 other_stop_tokens=rule.other_stop_tokens,
                                 vocab_size=self.vocab_size, max_sequence_length=self.config.max_sequence_length,
-                                tp_group=ps.group("tp"), pp_group=ps.group("pp"), **settings)
+                                tp_group=ps.group("tp"), pp_group=ps.group("pp"),
+                                step_group=ps.group("ep") if self.config.num_moe_experts else None, **settings)
         finally:
             for chunk, mode in zip(chunks, modes):
                 chunk.train(mode)
