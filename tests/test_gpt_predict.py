@@ -88,6 +88,13 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
             want, text = want[:want.index(tokenizer.eod) + 1], want[:want.index(tokenizer.eod)]
         assert record["token_ids"] == want, (prompt, record, want)
         assert record["completion"] == tokenizer.detokenize(text)
+    # at CP=2 (every CP rank generates the whole prompts): the same records, one writer (both CP ranks wrote and
+    # removed the same temporary file: FileNotFoundError on one rank, the other's connection closed)
+    _cli(tmp_path, "predict", *SMALL, "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(tmp_path / "cp"),
+         "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.strategy.context_parallel_size", "2",
+         "--data.predict_file", str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2",
+         "--data.micro_batch_size", "1", "--model.predict_max_new_tokens", str(MAX_NEW))
+    assert [json.loads(line) for line in (tmp_path / "cp" / "predictions" / "predictions.jsonl").open()] == records
     _plot_and_export_the_run(tmp_path, run, module)
 
 

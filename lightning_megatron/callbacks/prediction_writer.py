@@ -87,7 +87,9 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         strategy = trainer.strategy
         ps = strategy.parallel_state if isinstance(strategy, MegatronStrategy) else None
-        self._writes = ps is None or (ps.tp_rank == 0 and ps.is_pipeline_last_stage())
+        # one writer per data-parallel replica: its first TP and CP rank on the last stage (every CP rank generates
+        # the whole prompts; two wrote, and removed, the same temporary file)
+        self._writes = ps is None or (ps.tp_rank == 0 and ps.cp_rank == 0 and ps.is_pipeline_last_stage())
         self._suffix = f".dp{ps.dp_rank}" if ps is not None and ps.dp_size > 1 else ""
         self._dp_group = ps.dp_group if ps is not None and ps.dp_size > 1 else None
         self._folder = Path(self.output_dir or os.path.join(trainer.default_root_dir, "predictions"))
