@@ -114,6 +114,7 @@ HPARAMS_MAY_DIFFER = frozenset({
     "attention_backend", "lm_head_on_masked_only", "init_seed", "init_method_std", "params_dtype",
     "make_vocab_size_divisible_by", "compile", "optimizer_kwargs", "calculate_per_token_loss",
     "tensor_model_parallel_size", "sequence_parallel",  # a config record's layout fields: the strategy's
+    "cp_comm_type", "moe_token_dispatcher_type",  # how context parallelism and the experts' tokens communicate
 })
 """Hyper-parameters that do not change what the saved tensors mean: a difference is a warning, any
 other differing hyper-parameter is an error. (Optimizer hyper-parameters are restored from the

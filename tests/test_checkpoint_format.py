@@ -231,6 +231,13 @@ def test_compare_hparams_lists_every_differing_field():
                   "predict_max_new_tokens": 8, "predict_output": "pooled", "predict_stop_at_eod": False,
                   "predict_stop_strings": ["\n"]}
     assert ckpt.compare_hparams(saved, {**saved, **predicting}) == ([], [])
+    # how context parallelism and the experts' tokens communicate: the same weights, the same math (a run at CP=2
+    # with cp_comm_type a2a was refused when resumed at CP=1, whose default is all_gather)
+    moved = {"config": {"cp_comm_type": "a2a", "moe_token_dispatcher_type": "alltoall", "num_layers": 2}}
+    errors, allowed = ckpt.compare_hparams(moved, {"config": {"cp_comm_type": "all_gather", "num_layers": 2,
+                                                              "moe_token_dispatcher_type": "allgather"}})
+    assert errors == [] and allowed == ["config.cp_comm_type: checkpoint 'a2a', model 'all_gather'",
+                                        "config.moe_token_dispatcher_type: checkpoint 'alltoall', model 'allgather'"]
 
 
 def test_a_length_that_sizes_no_weight_may_differ_one_that_sizes_learned_positions_not():
