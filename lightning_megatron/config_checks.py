@@ -242,6 +242,15 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     cp = _int(sizes["cp"]) or 1
     if cp > 1 and model_class is not None:  # the module takes context parallelism, on a sequence it can split
         problems += [p for p in [context_parallel_problem(model_class, cp)] if p]
+        record = getattr(model_class, "config_class", None)
+        try:
+            config = record.coerce((model_hparams or {}).get("config")) if record is not None else None
+        except (TypeError, ValueError):
+            config = None  # its own problems are listed above
+        if fitting and getattr(config, "cp_comm_type", None) == "p2p" and (config.attention_dropout or 0) > 0:
+            problems.append(f"model.config: cp_comm_type='p2p' (ring attention) has no attention dropout, and "
+                            f"attention_dropout={config.attention_dropout} trains with it: set "
+                            f"--model.config.attention_dropout 0.0, or use cp_comm_type='all_gather' or 'a2a'")
         seq_length = _int(d.get("seq_length", d.get("max_seq_length")))
         problems += [p for p in [sequence_length_problem(seq_length, cp) if seq_length else None] if p]
     # --- the model against the pipeline

@@ -151,6 +151,11 @@ CASES = {
          "tensor_model_parallel_size", "1", "--data.seq_length", "30", "--model.init_args.config.max_sequence_length",
          "32"], None,
         ["sequence length 30 is not divisible by 2 x context_parallel_size = 4"], []),
+    "context_parallel_ring_attention_dropout": (  # ring attention has none: every rank raised it at its first step
+        [*FIT, "--trainer.strategy.init_args.context_parallel_size", "2", "--trainer.strategy.init_args."
+         "tensor_model_parallel_size", "1", "--model.init_args.config.cp_comm_type", "p2p"], None,
+        ["cp_comm_type='p2p' (ring attention) has no attention dropout, and attention_dropout=0.1 trains with it"],
+        []),
     "context_parallel_a2a_heads": (  # Ulysses splits the heads over CP
         [*FIT, "--trainer.strategy.init_args.context_parallel_size", "2", "--model.init_args.config.cp_comm_type",
          "a2a", "--model.init_args.config.num_attention_heads", "2", "--model.init_args.config.hidden_size", "64"],
