@@ -155,6 +155,13 @@ def _fit_each(work: list) -> dict:
         first = int(moe.generate(prompt, 1, stop_token=None)[0, -1])
         ends = i == 0 if dist.get_world_size() == 1 else dist.get_rank() == 0
         out["moe_generated"].append((first, moe.generate(prompt, 8, stop_token=first if ends else None)))
+    # Capacity-limited experts at CP=2: each CP rank generates the whole prompts, its tokens' capacity its own
+    capacity = make_module(**MOE_CAPACITY)
+    if dist.get_world_size() > 1:
+        capacity.connect_parallel_state(initialize_model_parallel(ParallelDims.parse("cp2")))
+    capacity.configure_model()
+    prompts = torch.randint(0, VOCAB, (7, 5), generator=torch.Generator().manual_seed(3))  # 35 tokens: 17.5 an expert
+    out["capacity_generated"] = capacity.generate(prompts, 12, stop_token=None)
     return out
 
 
@@ -182,7 +189,9 @@ def check_shapes(shapes: dict) -> dict:
                                           for n in names], timeout=900)
     tol, reports = Tolerances(), {"generated": {"tp1": ref[0]["generated"], "tp2": [r["generated"] for r in par]},
                                   "moe_generated": {"ep1": ref[0]["moe_generated"],
-                                                    "ep2": [r["moe_generated"][0] for r in par]}}
+                                                    "ep2": [r["moe_generated"][0] for r in par]},
+                                  "capacity_generated": {"cp1": ref[0]["capacity_generated"],
+                                                         "cp2": [r["capacity_generated"] for r in par]}}
     for i, name in enumerate(names):
         reference = gather_runs([r["fits"][own.index(SAME_REFERENCE.get(name, name))] for r in ref])["tp1"]
         layouts = {**gather_runs([r["fits"][i] for r in par]), **gather_runs([r["fits"][i] for r in four])}
@@ -195,7 +204,7 @@ def check_shapes(shapes: dict) -> dict:
 def reports() -> dict:
     out = check_shapes(SHAPES)
     for name, report in out.items():
-        if name not in ("generated", "moe_generated"):
+        if name not in ("generated", "moe_generated", "capacity_generated"):
             print(f"\n{name}\n{report.table()}")
     return out
 
@@ -347,6 +356,16 @@ def test_moe_generation_at_ep2_goes_on_until_every_rank_s_prompts_ended(reports)
     assert alone0.shape == (1, 5 + 1) and alone1.shape == (1, 5 + 8)  # one process: prompt 0 stops at once
     assert torch.equal(got0[:, :6], alone0) and (got0[:, 6:] == first0).all() and got0.shape[1] == 5 + 8
     assert torch.equal(got1, alone1), (got1, alone1)
+
+
+def test_capacity_limited_experts_generate_at_cp2_what_one_process_does(reports):
+    """Greedy generation with a capacity factor under a CP=2 strategy (every CP rank holds the whole prompts): the
+    capacity is chosen over the rank's own tokens. The router gathered them over the CP group, so each token met its
+    copy, and at an expert's capacity (35 of 70 rows, against 18 of the 35 tokens alone) one copy of a token was kept
+    and the other dropped: CP rank 1's tokens differed from one process's."""
+    want = reports["capacity_generated"]["cp1"]
+    for got in reports["capacity_generated"]["cp2"]:
+        assert torch.equal(got, want), (got, want)
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)

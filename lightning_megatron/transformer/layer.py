@@ -155,6 +155,8 @@ class TransformerLayer(nn.Module):
         hidden_states = self.post_self_attn_layernorm(hidden_states)
 
         residual = hidden_states
-        mlp_output_with_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        # a mixture of experts chooses its capacity over the sequence's tokens: it needs to know whether CP split it
+        mlp_extra = {"context_parallel": context_parallel} if getattr(self.mlp, "takes_context_parallel", False) else {}
+        mlp_output_with_bias = self.mlp(self.pre_mlp_layernorm(hidden_states), **mlp_extra)
         hidden_states = self._bda(self.mlp_bda)(mlp_output_with_bias, residual, self.hidden_dropout)
         return self.post_mlp_layernorm(hidden_states)

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -161,16 +162,24 @@ class MoELayer(nn.Module):
     def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return self.experts(rows, counts, self._capacity)  # this TP rank's partial sums
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+    takes_context_parallel = True
+    """The layer passes its ``context_parallel`` (None: this rank holds the whole sequence)."""
+
+    def forward(self, hidden_states: torch.Tensor, context_parallel: Any = None) -> tuple[torch.Tensor, None]:
         c = self.config
         s, b, h = hidden_states.shape
         x = hidden_states.reshape(s * b, h)
-        routing = self.router(x, self.groups.token)
+        token_group = self.groups.token
+        if self.groups.cp_size > 1 and context_parallel is None:
+            # the whole sequence on this rank (generation under a CP strategy runs each prompt whole on every CP
+            # rank): the capacity is chosen over its own tokens, not over CP copies of them
+            token_group = self.tp_group if c.sequence_parallel else None
+        routing = self.router(x, token_group)
         probs, experts, keep = routing.probs, routing.experts, routing.keep
         training = self.training and torch.is_grad_enabled()
         if self.training:
-            aux, z, tokens = load_balancing_losses(routing, c, num_tokens_per_sequence=s, token_group=self.groups.token)
-            token_ranks = group_size(self.groups.token)
+            aux, z, tokens = load_balancing_losses(routing, c, num_tokens_per_sequence=s, token_group=token_group)
+            token_ranks = group_size(token_group)
             self.stats += torch.cat([torch.stack([aux.detach(), z.detach()]), tokens / token_ranks])
         sp = bool(c.sequence_parallel) and group_size(self.tp_group) > 1
         self._capacity = None
