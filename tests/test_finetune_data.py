@@ -253,3 +253,50 @@ def test_epoch_metrics_values_and_nothing_logged_without_updates():
     assert out.logged["val_spearman"] == pytest.approx(0.8)  # ranks 1 3 2 4 vs 1 2 3 4
     assert out.logged["val_mse"] == pytest.approx(float(((x - y) ** 2).mean()))
     assert out.logged["val_loss"] == pytest.approx(out.logged["val_mse"])
+
+
+def test_a_resumed_fine_tune_reads_on_where_it_stopped(tmp_path):
+    """A fine-tune's training batches through Lightning: a run stopped after 2 steps and resumed from its checkpoint
+    reads the batches the uninterrupted run read next, across epochs (each epoch another shuffle). With torch's
+    DistributedSampler and no state it started its epoch again (step 3 read step 1's rows), and a checkpoint written
+    at the end of an epoch went on with the next epoch's shuffle."""
+    import warnings
+
+    import lightning.pytorch as pl
+    from dist_utils import accelerator
+
+    texts = _sentences(30)
+    train = _write(tmp_path / "train.jsonl", [{"sentence": t, "label": i % 2} for i, t in enumerate(texts)])
+
+    class Recorder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.seen: list[list[int]] = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch["tokens"][:, 1:4].tolist())  # the rows' first word pieces
+            return (self.weight * batch["tokens"].float().sum()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def fit(max_steps, root, ckpt_path=None):
+        model = Recorder()
+        dm = LabelledTextDataModule(train, train, num_classes=2, global_batch_size=8, micro_batch_size=8,
+                                    max_seq_length=16)
+        trainer = pl.Trainer(max_steps=max_steps, accelerator=accelerator(), devices=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=root, num_sanity_val_steps=0, limit_val_batches=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        return trainer, model
+
+    _, full = fit(8, tmp_path / "full")  # 3 steps an epoch (30 rows, 8 a step)
+    assert len(full.seen) == 8 and full.seen[:3] != full.seen[3:6]
+    for stop in (2, 3):  # mid-epoch, and at an epoch's end
+        trainer, first = fit(stop, tmp_path / f"first{stop}")
+        trainer.save_checkpoint(tmp_path / f"step{stop}.ckpt")
+        _, second = fit(8, tmp_path / f"second{stop}", ckpt_path=tmp_path / f"step{stop}.ckpt")
+        assert first.seen + second.seen == full.seen, (stop, first.seen, second.seen, full.seen)

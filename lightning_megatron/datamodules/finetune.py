@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_megatron.data.labelled_text import (
@@ -56,6 +56,7 @@ from lightning_megatron.data.labelled_text import (
 )
 from lightning_megatron.data.loader import MegatronDataLoader
 from lightning_megatron.data.predict import IndexedSamples, PredictBatchSampler
+from lightning_megatron.data.sft_samples import EpochShuffledBatchSampler
 
 __all__ = ["FinetuneDataModule", "LabelledTextDataModule"]
 
@@ -86,6 +87,8 @@ class FinetuneDataModule(LightningDataModule):
         self.predict_rows: list[Row] | None = None
         self.predict_dataset: EncodedRows | None = None
         self._tokenizer = None
+        self._restored = (0, 0)
+        """(consumed_samples, global_step) at the last checkpoint restored."""
 
     @property
     def num_classes(self) -> int:
@@ -173,11 +176,24 @@ class FinetuneDataModule(LightningDataModule):
             raise ValueError(f"the {split} split has {len(dataset)} rows and global_batch_size="
                              f"{self.global_batch_size}: a training step needs a full global batch; lower "
                              f"data.global_batch_size")
-        # Training takes full global batches only: at most global_batch_size - 1 rows of an epoch are
-        # left out (a different set each epoch, as the shuffle changes).
-        sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.seed,
-                                     drop_last=True)
-        return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
+        # The stream of epochs, each a permutation of the rows drawn from seed + epoch, in full global batches (an
+        # epoch's remainder carries over), from the samples consumed: a resumed run reads on where it stopped, at any
+        # DP size (the decoders' SFTDataModule's sampler). torch's DistributedSampler, with no state, started the
+        # epoch again on resume.
+        sampler = EpochShuffledBatchSampler(num_samples=len(dataset), local_batch_size=per_rank,
+                                            data_parallel_rank=rank, data_parallel_size=size, seed=self.seed,
+                                            consumed_samples=lambda: self.consumed_samples)
+        return DataLoader(dataset, batch_sampler=sampler)
+
+    @property
+    def consumed_samples(self) -> int:
+        """Training samples consumed so far: the count restored from a checkpoint plus ``global_batch_size`` per
+        optimizer step taken since."""
+        base_samples, base_step = self._restored
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return base_samples
+        return base_samples + (int(trainer.global_step) - base_step) * self.global_batch_size
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -199,7 +215,14 @@ class FinetuneDataModule(LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        trainer = getattr(self, "trainer", None)
+        step = int(trainer.global_step) if trainer is not None else self._restored[1]
+        return {"consumed_samples": self.consumed_samples, "global_step": step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "consumed_samples" in state_dict:  # a checkpoint written before this state was kept has none
+            self._restored = (int(state_dict["consumed_samples"]), int(state_dict.get("global_step", 0)))
 
 
 class LabelledTextDataModule(FinetuneDataModule):
