@@ -253,6 +253,14 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                             f"--model.config.attention_dropout 0.0, or use cp_comm_type='all_gather' or 'a2a'")
         seq_length = _int(d.get("seq_length", d.get("max_seq_length")))
         problems += [p for p in [sequence_length_problem(seq_length, cp) if seq_length else None] if p]
+    seq = _int(d.get("seq_length", d.get("max_seq_length")))
+    if sizes["sequence_parallel"] and tp > 1 and seq and seq % cp == 0 and (seq // cp) % tp:  # (CP's own: above)
+        # every rank raised "dimension 0 of size=127 is not divisible by tensor_model_parallel_size=2" at its first
+        # step (a BERT or a decoder, pretraining or fine-tuning)
+        problems.append(f"data sequence length {seq} is not divisible by tensor_model_parallel_size={tp}"
+                        + (f" x context_parallel_size={cp}" if cp > 1 else "") + ": sequence parallelism splits each "
+                        f"sequence over the TP ranks; use a multiple of {tp * cp} (data.seq_length / "
+                        f"data.max_seq_length), or sequence_parallel=false")
     # --- the model against the pipeline
     layers = _int(m.get("num_layers"))
     chunks = pp * (vp or 1)

@@ -151,6 +151,10 @@ CASES = {
          "tensor_model_parallel_size", "1", "--data.seq_length", "30", "--model.init_args.config.max_sequence_length",
          "32"], None,
         ["sequence length 30 is not divisible by 2 x context_parallel_size = 4"], []),
+    "sequence_parallel_sequence_length": (  # every rank raised it at its first step, a traceback each
+        [*FIT, "--trainer.strategy.init_args.sequence_parallel", "true", "--data.seq_length", "127"], None,
+        ["data sequence length 127 is not divisible by tensor_model_parallel_size=2: sequence parallelism splits "
+         "each sequence over the TP ranks; use a multiple of 2"], []),
     "context_parallel_ring_attention_dropout": (  # ring attention has none: every rank raised it at its first step
         [*FIT, "--trainer.strategy.init_args.context_parallel_size", "2", "--trainer.strategy.init_args."
          "tensor_model_parallel_size", "1", "--model.init_args.config.cp_comm_type", "p2p"], None,
