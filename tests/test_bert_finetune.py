@@ -199,3 +199,10 @@ def test_a_classifier_evaluated_with_its_labels_in_another_order_is_refused_at_s
     assert out["swapped"].startswith("CheckpointError: checkpoint ") and (
         "was trained with the classes ['neg', 'pos'] (in class-id order); this run's data names ['pos', 'neg']"
         in out["swapped"]), out
+    # export hf writes the encoder only: said (the folder's config named MegatronBertForPreTraining, no classifier
+    # tensor, and transformers' sequence classifier started the head anew, unsaid)
+    from lightning_megatron.export import export_hf
+
+    with pytest.warns(UserWarning, match=r"is a sequence classifier \(BertClassificationModule, classifier.weight "
+                                         r"\[2, \d+\]\): export hf writes its encoder"):
+        export_hf(tmp_path / "cls.ckpt", tmp_path / "hf")
