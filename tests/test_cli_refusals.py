@@ -111,6 +111,14 @@ CASES = {
          "--data.init_args.num_classes", "2", "--data.init_args.validation", "{ids}"], None,
         ["2 configuration problem(s)", "data.train '{ids}' row 31: label 7 is outside the classes 0..1 "
          "(data.num_classes=2)", "data.validation '{ids}' row 31: label 7"], []),
+    "finetune_regression_with_labels": (  # the rows were read against the names first, contradicting itself
+        [*FINETUNE, "--data.init_args.train", "{train}", "--data.init_args.task", "regression"], None,
+        ["task='regression' predicts one value: drop data.labels=['negative', 'positive']"], ["is not one of"]),
+    "finetune_regression_label_not_a_number": (
+        [*FINETUNE, "--data.init_args.train", "{train}", "--data.init_args.task", "regression",
+         "--data.init_args.labels", "null", "--data.init_args.num_classes", "null"], None,
+        ["data.train '{train}' row 1: label 'negative' is not a number (task='regression': the value to predict)"],
+        ["class id"]),
     "finetune_label_key": ([*FINETUNE, "--data.init_args.train", "{train}", "--data.init_args.label_key", "labl"],
                            None, ["1 configuration problem(s)", "data.train '{train}' row 1 has no column 'labl': "
                                   "its columns are ['label', 'sentence']; set --data.label_key"], []),

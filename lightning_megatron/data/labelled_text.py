@@ -188,7 +188,8 @@ def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key
                 if names is not None and not 0 <= label < len(names):
                     raise ValueError
         except (TypeError, ValueError):
-            hint = (f"one of data.labels={list(labels)}" if names is not None else
+            hint = ("a number (task='regression': the value to predict)" if regression else
+                    f"one of data.labels={list(labels)}" if names is not None else
                     "a class id (or list the label names in data.labels)")
             raise ValueError(f"{where} row {i}: label {raw!r} is not {hint}"
                              + ("" if raw not in (-1, "-1") else " (GLUE's test splits are unlabelled: -1)")) from None
@@ -247,6 +248,13 @@ def predict_split(files: Mapping[str, Any], fractions: Mapping[str, float]) -> s
     return None
 
 
+def regression_problem(labels: Any, num_classes: Any) -> str | None:
+    """``task='regression'`` with class names or several classes (the datamodule's rule, before launch too)."""
+    if labels or num_classes not in (None, 1):
+        return f"task='regression' predicts one value: drop data.labels={labels} / data.num_classes={num_classes}"
+    return None
+
+
 def labelled_files_problems(args: Mapping[str, Any], *, predicting: bool = False) -> list[str]:
     """Before launch: the problems of the split files a LabelledTextDataModule section names (``args``: its
     arguments, every one given), one line each. A ``dataset`` folder is read at set-up. ``predicting``: only
@@ -257,6 +265,8 @@ def labelled_files_problems(args: Mapping[str, Any], *, predicting: bool = False
         return []
     regression = args.get("task") == "regression"
     labels = args.get("labels")
+    if regression and (problem := regression_problem(labels, args.get("num_classes"))):
+        return [problem]  # the rows' labels would be read against names a regression has none of
     num_classes = None if regression or labels else args.get("num_classes")
     problems = []
     for split in SPLITS:

@@ -53,6 +53,7 @@ from lightning_megatron.data.labelled_text import (
     read_labelled_rows,
     read_predict_file,
     read_records,
+    regression_problem,
 )
 from lightning_megatron.data.loader import MegatronDataLoader
 from lightning_megatron.data.predict import IndexedSamples, PredictBatchSampler
@@ -281,9 +282,8 @@ class LabelledTextDataModule(FinetuneDataModule):
         if test and test_fraction:
             raise ValueError(f"data.test={test!r} and data.test_fraction={test_fraction}: use one of the two")
         if task == "regression":
-            if labels or num_classes not in (None, 1):
-                raise ValueError(f"task='regression' predicts one value: drop data.labels={labels} / "
-                                 f"data.num_classes={num_classes}")
+            if problem := regression_problem(labels, num_classes):
+                raise ValueError(problem)
         elif labels is not None and num_classes is not None and num_classes != len(labels):
             raise ValueError(f"data.num_classes={num_classes} but data.labels names {len(labels)} classes {labels}")
         elif labels is None and num_classes is None:
