@@ -133,7 +133,21 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
         # reads only its input (the predict_file, or the split it predicts)
         from lightning_megatron.data.labelled_text import labelled_files_problems
 
-        return problems + (labelled_files_problems(arguments, predicting=predicting) if running else [])
+        found = labelled_files_problems(arguments, predicting=predicting) if running else []
+        batch = arguments.get("global_batch_size")
+        if (running and not predicting and split is None and not found and arguments.get("dataset") is None
+                and data_class is not None and hasattr(data_class, "read_splits") and isinstance(batch, int)):
+            # fit: the training rows (after the held-out fractions) make at least one global batch, as the
+            # datamodule requires once every rank has started
+            try:
+                rows = len(data_class(**arguments).read_splits()["train"])
+            except (OSError, ValueError) as error:
+                found.append(f"data {error}")
+            else:
+                if rows < batch:
+                    found.append(f"data: the train split has {rows} rows and global_batch_size={batch}: a training "
+                                 f"step needs a full global batch; lower data.global_batch_size")
+        return problems + found
     prefixes: list[str] = []
     found: list[str] = []
     if data_prefix is not None:  # None: the built-in corpus, preprocessed with the right vocabulary at set-up

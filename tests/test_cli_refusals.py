@@ -46,6 +46,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     rows = [{"sentence": f"a fine film number {i}", "label": ["negative", "positive"][i % 2]} for i in range(40)]
     (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "empty.jsonl").write_text("\n")
+    (d / "small.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
     ids = [{"sentence": r["sentence"], "label": i % 2} for i, r in enumerate(rows)]
     ids[30]["label"] = 7
     (d / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ids))
@@ -61,6 +62,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     return {"dir": str(d), "gpt": str(d / "gpt"), "mixtral": str(d / "mixtral"), "prompts": str(d / "prompts.txt"),
             "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
+            "small": str(d / "small.jsonl"),
             "ids": str(d / "ids.jsonl"), "nope": str(d / "nope.ckpt"), "chats": str(d / "chats.jsonl"),
             "one_chat": str(d / "one_chat.jsonl"), "no_answer": str(d / "no_answer.jsonl")}
 
@@ -111,6 +113,10 @@ CASES = {
          "--data.init_args.num_classes", "2", "--data.init_args.validation", "{ids}"], None,
         ["2 configuration problem(s)", "data.train '{ids}' row 31: label 7 is outside the classes 0..1 "
          "(data.num_classes=2)", "data.validation '{ids}' row 31: label 7"], []),
+    "finetune_fewer_rows_than_a_batch": (  # every rank raised it once started
+        [*FINETUNE, "--data.init_args.train", "{small}"], None,
+        ["data: the train split has 20 rows and global_batch_size=32: a training step needs a full global batch"],
+        []),
     "finetune_regression_with_labels": (  # the rows were read against the names first, contradicting itself
         [*FINETUNE, "--data.init_args.train", "{train}", "--data.init_args.task", "regression"], None,
         ["task='regression' predicts one value: drop data.labels=['negative', 'positive']"], ["is not one of"]),
