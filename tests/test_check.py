@@ -139,6 +139,16 @@ def test_cli_lists_layouts_that_fit(capsys, tmp_path):
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     assert "hidden 512" in out and "tp2pp2" in out and " yes" in out
+    # fit's spelling of a class_path section's argument (--data.init_args.NAME) is check's too
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--config", str(recipe), "--estimate-memory", "--gpus", "4", "--gpu-memory", "1GB",
+              "--model.init_args.config.hidden_size", "512", "--data.init_args.micro_batch_size=2"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "hidden 512" in out and "micro batch 2," in out, out
+    with pytest.raises(SystemExit) as e:  # an argument the data module does not have: a usage error, no traceback
+        main(["check", "--config", str(recipe), "--estimate-memory", "--data.micro_batch", "2"])
+    assert e.value.code == 2
+    assert "--data.micro_batch is not an argument of BertDataModule; its arguments: " in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["check", "--config", str(recipe), "--estimate-memory", "--gpus", "4", "--gpu-memory", "1MB"])
     assert e.value.code == 1 and "0 of" in capsys.readouterr().out

@@ -38,10 +38,12 @@ class SyntheticGPTDataset(Dataset):
     ``packed``: each sample is two documents, split after a random token (``document_ids`` and restarting
     ``position_ids``, as ``GPTDataset(reset_attention_mask=True, reset_position_ids=True)`` gives them).
     ``ragged``: each sample's first 1..SEQ-2 targets hidden too, as a fine-tuning prompt is: samples and
-    microbatches count different numbers of tokens."""
+    microbatches count different numbers of tokens. ``bos``: packed, each document beginning with token 0 (a
+    tokenizer's BOS): every document's first token has the same hidden states, exact ties in a router."""
 
-    def __init__(self, num_samples: int, seed: int = 0, packed: bool = False, ragged: bool = False) -> None:
-        self.num_samples, self.seed, self.packed, self.ragged = num_samples, seed, packed, ragged
+    def __init__(self, num_samples: int, seed: int = 0, packed: bool = False, ragged: bool = False,
+                 bos: bool = False) -> None:
+        self.num_samples, self.seed, self.packed, self.ragged, self.bos = num_samples, seed, packed or bos, ragged, bos
 
     def __len__(self) -> int:
         return self.num_samples
@@ -55,12 +57,15 @@ class SyntheticGPTDataset(Dataset):
         loss_mask[int(torch.randint(0, SEQ, (1,), generator=g))] = 0.0
         if self.ragged:
             loss_mask[:int(torch.randint(1, SEQ - 1, (1,), generator=g))] = 0.0
+        if self.packed:
+            split = int(torch.randint(2, SEQ - 2, (1,), generator=g))  # the first document's last token
+            if self.bos:
+                seq[0] = seq[split + 1] = 0
         sample = {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask}
         if self.packed:
             from lightning_megatron.data.packing import document_ids, document_positions
 
-            end = np.arange(SEQ) == int(torch.randint(2, SEQ - 2, (1,), generator=g))  # the first document's last token
-            documents = document_ids(end, True)
+            documents = document_ids(np.arange(SEQ) == split, True)
             sample.update(document_ids=torch.from_numpy(documents),
                           position_ids=torch.from_numpy(document_positions(documents)))
         return sample
@@ -98,7 +103,7 @@ over their own expert-DP group of one), experts split over TP with sequence para
 MOE_ALLGATHER_LAYOUTS = ["ep2"]
 """The same model with the all-gather dispatcher."""
 MOE_CAPACITY = {**MOE_TINY, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
-MOE_CAPACITY_LAYOUTS = ["tp2sp", "cp2"]
+MOE_CAPACITY_LAYOUTS = ["tp2sp", "cp2", "tp2cp2sp"]
 """Token dropping chosen over the whole microbatch, where sequence and context parallelism split it."""
 MOE_VARIANTS = {**MOE_TINY, "moe_router_load_balancing_type": "seq_aux_loss", "moe_router_score_function": "sigmoid",
                 "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}
@@ -118,10 +123,13 @@ SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS),
           "moe_capacity": (functools.partial(make_module, **MOE_CAPACITY), MOE_CAPACITY_LAYOUTS),
           "moe_variants": (functools.partial(make_module, **MOE_VARIANTS), MOE_VARIANTS_LAYOUTS)}
 PACKED = {"llama", "llama_a2a", "llama_p2p"}
+"""The shapes trained on packed samples (attention within each document, rope positions restarting)."""
+BOS = {"moe_capacity"}
+"""Packed, every document beginning with the same token: its first tokens tie in the router, and at an expert's
+capacity the tie is broken by the tokens' place in the sequence, whichever rank holds them."""
 RAGGED = {"per_token"}
 SAME_REFERENCE = {"llama_a2a": "llama", "llama_p2p": "llama", "moe_allgather": "moe"}
 """One process runs the same math whatever cp_comm_type says: these shapes are compared with the Llama one's."""
-"""The shapes trained on packed samples (attention within each document, rope positions restarting)."""
 
 
 PROMPT = torch.tensor([[5, 7, 9, 11, 13], [100, 3, 42, 42, 7]])
@@ -175,7 +183,7 @@ def check_shapes(shapes: dict) -> dict:
     runs = {name: CheckRun(module_factory=factory, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO,
                            dataset_factory=functools.partial(SyntheticGPTDataset, GLOBAL_BATCH * STEPS,
                                                              packed=name in PACKED,
-                                                             ragged=name in RAGGED),
+                                                             ragged=name in RAGGED, bos=name in BOS),
                            steps=STEPS, record_params=True)
             for name, (factory, _) in shapes.items()}
     names = list(shapes)

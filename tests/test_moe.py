@@ -200,6 +200,32 @@ def test_capacity_keeps_the_most_probable():
     torch.testing.assert_close(unpadded(x)[0], padded, rtol=1e-6, atol=1e-6)
 
 
+def test_capacity_ties_go_to_the_earlier_token_in_any_row_order():
+    """Assignments of exactly equal probability at an expert's capacity (documents that begin with the same token):
+    the one earlier in the sequence (``order``: the rows' one-process index) is kept, whatever order the rows come
+    in (the ranks that split a sequence gather theirs in rank order). The reference sorts each expert's
+    assignments by probability, then by order, in plain Python."""
+    g = torch.Generator().manual_seed(0)
+    n, experts_n = 24, 4
+    probs = torch.tensor([0.25, 0.5, 0.75])[torch.randint(0, 3, (n, K), generator=g)]  # many exact ties
+    experts = torch.stack([torch.randperm(experts_n, generator=g)[:K] for _ in range(n)])
+    order = torch.randperm(n, generator=g)
+    keep, capacity = capacity_mask(probs, experts, num_experts=experts_n, capacity_factor=1.0, order=order)
+    assert capacity == 12
+    want = torch.zeros(n, K, dtype=torch.bool)
+    for e in range(experts_n):
+        chosen = sorted(((-float(probs[r, j]), int(order[r]), r, j) for r in range(n) for j in range(K)
+                         if experts[r, j] == e))
+        for *_, r, j in chosen[:capacity]:
+            want[r, j] = True
+    assert keep.tolist() == want.tolist()
+    assert (~want).sum() > 0
+    # the same rows in sequence order, without an order: the same choice
+    natural = torch.argsort(order)
+    keep_natural, _ = capacity_mask(probs[natural], experts[natural], num_experts=experts_n, capacity_factor=1.0)
+    assert keep_natural.tolist() == want[natural].tolist()
+
+
 def test_config_refusals():
     with pytest.raises(ValueError, match="num_moe_experts=4 but spec='llama_layer_spec' has a dense MLP"):
         GPTConfig(spec="llama_layer_spec", num_moe_experts=4, add_bias_linear=False, gated_linear_unit=True)

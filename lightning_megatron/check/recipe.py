@@ -151,7 +151,8 @@ def _dropout_arguments(cls: type) -> dict[str, float]:
 def parse_overrides(args: list[str], prefixes: tuple[str, ...] = ("model", "data")) -> dict[str, dict[str, Any]]:
     """``["--model.config.num_layers", "24", "--data.micro_batch_size=4"]`` ->
     ``{"model": {"config.num_layers": 24}, "data": {"micro_batch_size": 4}}`` (values read as YAML; a
-    dotted name sets a field of a record, :func:`load_recipe`)."""
+    dotted name sets a field of a record, :func:`load_recipe`; ``--data.init_args.NAME``, how ``fit`` spells an
+    argument of a ``class_path`` section, is ``--data.NAME``)."""
     out: dict[str, dict[str, Any]] = {p: {} for p in prefixes}
     written = " or ".join(f"--{p}.NAME VALUE" for p in prefixes)
     i = 0
@@ -169,7 +170,7 @@ def parse_overrides(args: list[str], prefixes: tuple[str, ...] = ("model", "data
                 raise ValueError(f"{arg} needs a value")
             value = args[i + 1]
             i += 2
-        out[prefix][key] = yaml.safe_load(value)
+        out[prefix][key.removeprefix("init_args.")] = yaml.safe_load(value)
     return out
 
 
@@ -186,6 +187,11 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     data_class, data = _section(cfg.get("data"))
     data.update(data_overrides or {})
     model_class, data_class = model_class or DEFAULT_MODEL_CLASS, data_class or DEFAULT_DATA_CLASS
+    data_arguments = _arguments(import_class(data_class))
+    unknown = [k for k in data_overrides or {} if k.split(".")[0] not in data_arguments]
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in data_arguments.values()):
+        raise ValueError(f"--data.{unknown[0]} is not an argument of {data_class.rsplit('.', 1)[-1]}; its arguments: "
+                         f"{', '.join(data_arguments)}")
     cls = import_class(model_class)
     if issubclass(cls, MegatronLightningModule):  # an argument where it was before it moved: say where it is now
         problems = cls.moved_argument_problems(model, spelled)

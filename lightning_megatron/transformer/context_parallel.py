@@ -112,6 +112,11 @@ class ContextParallel:
         reduce-scattered back)."""
         return gather_from_sequence_parallel_region(t, self.group, True)
 
+    def positions(self) -> torch.Tensor:
+        """This rank's tokens' places in the sequence, in the order it holds them."""
+        return torch.cat([torch.arange(c * self.chunk, (c + 1) * self.chunk, device=self.gathered.device)
+                          for c in self.chunks])
+
     def natural_order(self) -> torch.Tensor:
         """The gathered positions in sequence order (``gathered[natural_order()]`` is ``0 .. s-1``)."""
         return torch.argsort(self.gathered)

@@ -162,6 +162,16 @@ class MoELayer(nn.Module):
     def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return self.experts(rows, counts, self._capacity)  # this TP rank's partial sums
 
+    def _token_order(self, s: int, b: int, context_parallel: Any) -> torch.Tensor:
+        """[s b] each of this rank's tokens' place in the microbatch's one-process order (``[s, b]`` rows): under
+        context parallelism the ranks hold chunks from both ends of the sequence, and under sequence parallelism
+        each TP rank its part of the CP rank's."""
+        local = torch.arange(s, device=context_parallel.gathered.device)
+        if self.config.sequence_parallel:
+            local = local + group_rank(self.tp_group) * s
+        positions = context_parallel.positions()[local]
+        return (positions[:, None] * b + torch.arange(b, device=positions.device)).reshape(-1)
+
     takes_context_parallel = True
     """The layer passes its ``context_parallel`` (None: this rank holds the whole sequence)."""
 
@@ -174,7 +184,10 @@ class MoELayer(nn.Module):
             # the whole sequence on this rank (generation under a CP strategy runs each prompt whole on every CP
             # rank): the capacity is chosen over its own tokens, not over CP copies of them
             token_group = self.tp_group if c.sequence_parallel else None
-        routing = self.router(x, token_group)
+        order = None
+        if context_parallel is not None and c.moe_expert_capacity_factor is not None:
+            order = self._token_order(s, b, context_parallel)
+        routing = self.router(x, token_group, order)
         probs, experts, keep = routing.probs, routing.experts, routing.keep
         training = self.training and torch.is_grad_enabled()
         if self.training:

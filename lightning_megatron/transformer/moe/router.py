@@ -95,20 +95,30 @@ def route(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_
     return Routing(probs=probs, experts=experts, keep=None, scores=scores, logits=logits)
 
 
-def capacity_mask(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity_factor: float) -> tuple[torch.Tensor, int]:
+def capacity_mask(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity_factor: float,
+                  order: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """``(keep [n, k], capacity)``: each expert keeps its ``capacity = ceil(f k n / E)`` most probable
-    assignments (megatron-core's "probs" drop policy)."""
+    assignments (megatron-core's "probs" drop policy); of assignments of exactly equal probability the one of
+    the earlier token (``order`` [n]: the rows' place in the one-process sequence; None: the rows' order) is
+    kept, so the choice does not depend on which rank holds a row or on the sort's kernel."""
     n, k = probs.shape
     capacity = math.ceil(capacity_factor * k * n / num_experts)
     if capacity >= n:
         return torch.ones_like(experts, dtype=torch.bool), capacity
+    if order is not None:  # the rows in sequence order; the choice mapped back to the rows' order at the end
+        rows = torch.argsort(order)
+        probs, experts = probs[rows], experts[rows]
     dense = torch.zeros(n, num_experts, dtype=probs.dtype, device=probs.device).scatter(1, experts, probs.detach())
     chosen = torch.zeros(n, num_experts, dtype=torch.bool, device=probs.device).scatter(1, experts, True)
-    # Unrouted entries rank below every routed one (a routed weight may be 0 in fp32 underflow).
+    # Unrouted entries rank below every routed one (a routed weight may be 0 in fp32 underflow); the stable sort
+    # keeps ties in sequence order.
     ranked = torch.where(chosen, dense, torch.full_like(dense, -1.0))
-    top = torch.topk(ranked, capacity, dim=0).indices  # [capacity, E]
+    top = torch.sort(ranked, dim=0, descending=True, stable=True).indices[:capacity]  # [capacity, E]
     kept = torch.zeros_like(chosen).scatter(0, top, True) & chosen
-    return kept.gather(1, experts), capacity
+    keep = kept.gather(1, experts)
+    if order is not None:
+        keep = torch.empty_like(keep).index_copy_(0, rows, keep)
+    return keep, capacity
 
 
 def load_balancing_losses(routing: Routing, config: TransformerConfig, *, num_tokens_per_sequence: int,
@@ -157,16 +167,25 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(master.to(config.params_dtype))
         set_param_facts(self.weight, sequence_parallel=bool(config.sequence_parallel))
 
-    def forward(self, x: torch.Tensor, token_group: Group = None) -> Routing:
-        """``token_group``: the ranks holding the microbatch's other tokens (the capacity is chosen over all)."""
+    def forward(self, x: torch.Tensor, token_group: Group = None, order: torch.Tensor | None = None) -> Routing:
+        """``token_group``: the ranks holding the microbatch's other tokens (the capacity is chosen over all);
+        ``order`` [n]: each token's place in the microbatch's one-process order (None: the ranks' tokens gathered
+        in rank order are in that order), which breaks exact ties at an expert's capacity."""
         c = self.config
         routing = route(F.linear(x, self.weight), c.moe_router_topk, c.moe_router_score_function,
                         c.moe_router_pre_softmax)
         if c.moe_expert_capacity_factor is not None:
             probs, experts, n = routing.probs.detach(), routing.experts, x.shape[0]
             if group_size(token_group) > 1:
-                probs, experts = _gather_along_dim(probs, token_group, 0), _gather_along_dim(experts, token_group, 0)
-            keep, routing.capacity = capacity_mask(probs, experts, c.num_moe_experts, c.moe_expert_capacity_factor)
+                probs = _gather_along_dim(probs, token_group, 0)
+                if order is None:
+                    experts = _gather_along_dim(experts, token_group, 0)
+                else:  # one gather: the experts with each token's place
+                    both = _gather_along_dim(torch.cat([experts, order.to(experts.dtype)[:, None]], dim=1),
+                                             token_group, 0)
+                    experts, order = both[:, :-1], both[:, -1]
+            keep, routing.capacity = capacity_mask(probs, experts, c.num_moe_experts, c.moe_expert_capacity_factor,
+                                                   order)
             first = group_rank(token_group) * n
             routing.keep = keep[first: first + n]
         return routing
