@@ -22,6 +22,11 @@ def int_or_none(value: Any) -> int | None:
     return None
 
 
+def _data(error: Exception) -> str:
+    """A data problem's line: ``data <message>``, or the message alone when it names its ``data.`` argument."""
+    return str(error) if str(error).startswith("data.") else f"data {error}"
+
+
 def data_arguments(data_class: type | None, d: dict[str, Any]) -> dict[str, Any]:
     """The data section's arguments with the class's defaults under them (the CLI's parsed config has
     them all; a Python caller may give a few)."""
@@ -126,7 +131,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             try:
                 data_class(**arguments).read_splits()
             except (OSError, ValueError) as error:
-                problems.append(f"data {error}")
+                problems.append(_data(error))
         return problems
     if {"text_key", "label_key"} <= arguments.keys():
         # labelled split files (LabelledTextDataModule's arguments), read only when a command runs; predict
@@ -142,7 +147,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             try:
                 rows = len(data_class(**arguments).read_splits()["train"])
             except (OSError, ValueError) as error:
-                found.append(f"data {error}")
+                found.append(_data(error))
             else:
                 if rows < batch:
                     found.append(f"data: the train split has {rows} rows and global_batch_size={batch}: a training "
@@ -157,7 +162,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             prefixes = ([os.fspath(data_prefix)] if isinstance(data_prefix, (str, os.PathLike))
                         else parse_data_prefix(list(data_prefix))[1])
         except (TypeError, ValueError) as error:
-            return [*problems, f"data {error}"]
+            return [*problems, _data(error)]
         for prefix in prefixes:
             missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(f"{prefix}{ext}")]
             if not missing:
@@ -190,7 +195,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
                 continue  # no record: the datamodule warns at set-up
             check_dataset_vocab(prefix, data_tokenizer(), model_vocab)
         except (ValueError, OSError) as error:
-            problems.append(f"data {error}")
+            problems.append(_data(error))
             if tokenizer is None:
                 return problems  # the tokenizer itself cannot be had: said once
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
@@ -243,7 +248,7 @@ def _check_prompts(d: dict[str, Any], m: dict[str, Any], prompt_lengths: Any) ->
             return []
         lengths = prompt_lengths()
     except (ValueError, OSError) as error:
-        return [f"data {error}"]
+        return [_data(error)]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     need = lengths[longest] + new - 1  # the last new token is written, never fed back
     if positions is None or need <= positions:

@@ -125,6 +125,9 @@ CASES = {
          "--data.init_args.labels", "null", "--data.init_args.num_classes", "null"], None,
         ["data.train '{train}' row 1: label 'negative' is not a number (task='regression': the value to predict)"],
         ["class id"]),
+    "finetune_classes_against_labels": (  # the line named the section twice: "data data.num_classes=3 ..."
+        [*FINETUNE, "--data.init_args.train", "{train}", "--data.init_args.num_classes", "3"], None,
+        ["  - data.num_classes=3 but data.labels names 2 classes ['negative', 'positive']"], ["data data."]),
     "finetune_label_key": ([*FINETUNE, "--data.init_args.train", "{train}", "--data.init_args.label_key", "labl"],
                            None, ["1 configuration problem(s)", "data.train '{train}' row 1 has no column 'labl': "
                                   "its columns are ['label', 'sentence']; set --data.label_key"], []),
