@@ -35,6 +35,35 @@ def test_layout_search_tries_vp_and_names_what_it_skips():
     assert "TP=16 > 8 (TP stays within a node)" in big.skipped
 
 
+def test_layout_search_tries_context_parallel_where_the_model_takes_it():
+    """A decoder's search (the module takes context parallelism) tries CP sizes that split the sequence into 2 CP
+    chunks, and under SP into TP x CP parts, each left out under its reason; a BERT's does not try CP at all."""
+    decoder = GPTCost(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=4096, micro_batch_size=1,
+                      global_batch_size=64, gated_linear_unit=True, position_embedding_type="rope")
+    found = search_layouts(decoder, 8, context_parallel=True)
+    assert {ParallelDims(cp=8, dp=1), ParallelDims(tp=2, cp=2, dp=2, sequence_parallel=True, zero1=True),
+            ParallelDims(tp=2, cp=2, pp=2, vp=2, dp=1, sequence_parallel=True)} <= set(found.layouts)
+    assert all(x.world_size == 8 for x in found.layouts)
+    plain = search_layouts(decoder, 8)
+    assert {x for x in found.layouts if x.cp == 1} == set(plain.layouts) and all(x.cp == 1 for x in plain.layouts)
+    odd = search_layouts(dataclasses.replace(decoder, seq_length=4100), 8, context_parallel=True)
+    assert ParallelDims(cp=2, dp=4) in odd.layouts and not any(x.cp > 2 for x in odd.layouts)
+    assert odd.skipped["CP=4 does not split sequence 4100 into 8 chunks"] >= 1
+    assert ParallelDims(tp=2, cp=2, dp=2) in odd.layouts  # 2050 tokens a CP rank: TP=2 splits them under SP
+    short = search_layouts(dataclasses.replace(decoder, seq_length=12), 8, context_parallel=True)
+    assert ParallelDims(tp=4, cp=2, dp=1) in short.layouts  # 6 tokens a CP rank: not 4 parts for SP
+    assert ParallelDims(tp=4, cp=2, dp=1, sequence_parallel=True) not in short.layouts
+    assert ParallelDims(tp=2, cp=2, dp=2, sequence_parallel=True) in short.layouts
+    assert short.skipped["SP with TP=4 x CP=2 does not split sequence 12"] >= 1
+    heads = search_layouts(dataclasses.replace(decoder, cp_comm_type="a2a", num_attention_heads=4), 8,
+                           context_parallel=True)
+    assert ParallelDims(tp=2, cp=2, dp=2) in heads.layouts and ParallelDims(cp=4, dp=2) in heads.layouts
+    assert all((4 // x.tp) % x.cp == 0 for x in heads.layouts)
+    assert heads.skipped["cp_comm_type='a2a': CP=4 does not divide the 2 heads of a TP=2 rank"] >= 1
+    assert heads.skipped["cp_comm_type='a2a': CP=2 does not divide the 1 heads of a TP=4 rank"] >= 1
+    assert all(x.cp == 1 for x in search_layouts(BERT_LARGE, 8).layouts)
+
+
 def _saved_activation_bytes(hidden_dropout: float, attention_dropout: float) -> int:
     """Bytes autograd saves in one training forward of a 2-layer BertModel on CPU (CPU kernels)."""
     from lightning_megatron.cpu.kernels import CPUKernels

@@ -113,8 +113,12 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
     """Print every layout of ``gpus`` ranks with its predicted bytes (and, with ``timing`` =
     ``(Device, Efficiency, Framework)``, its predicted step time, tokens/s and MFU, the layouts that
     fit ranked by tokens/s), then the combinations left out and why; exit status 1 when none fits."""
+    from lightning_megatron.module import context_parallel_problem
+    from lightning_megatron.recipes import import_class
+
     m = model_shape(recipe, training=True)
-    search = search_layouts(m, gpus)
+    search = search_layouts(m, gpus, context_parallel=context_parallel_problem(import_class(recipe.model_class), 2)
+                            is None)
     rows = []
     for layout in search.layouts:
         est = estimate_memory(m, layout)
@@ -159,7 +163,7 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
     if mine is not None:
         print(_recipe_row(mine, rows, timing is not None))
     if search.skipped:
-        print(f"not tried ({sum(search.skipped.values())} TP x PP x VP combinations):")
+        print(f"not tried ({sum(search.skipped.values())} combinations of sizes):")
         for reason, n in search.skipped.items():
             print(f"  {reason}: skipped {n}")
     return 0 if fits else 1

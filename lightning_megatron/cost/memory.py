@@ -200,12 +200,16 @@ def _divisors(n: int) -> list[int]:
     return [x for x in range(1, n + 1) if n % x == 0]
 
 
-def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None = None) -> LayoutSearch:
+def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None = None,
+                   context_parallel: bool = False) -> LayoutSearch:
     """Every TP x PP (x VP) x DP of ``gpus`` ranks, with and without SP and ZeRO-1, that the model's
     sizes and the batch allow; each excluded combination is counted under its reason.
 
     VP: every v >= 2 (up to ``max_vp``) dividing the layers per stage; the interleaved schedule needs
-    the microbatches per step divisible by PP.
+    the microbatches per step divisible by PP. ``context_parallel`` (the module takes it,
+    :func:`lightning_megatron.module.context_parallel_problem`): every CP size too whose ``2 cp`` chunks split the
+    sequence (and, under SP, whose CP rank's part TP splits; with ``cp_comm_type="a2a"``, dividing a TP rank's
+    heads). EP: every size dividing the experts and the stage's ``cp x dp`` ranks (expert TP = TP).
     """
     out: list[ParallelDims] = []
     skipped: dict[str, int] = {}
@@ -214,6 +218,7 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
         skipped[reason] = skipped.get(reason, 0) + n
 
     G, b = m.global_batch_size, m.micro_batch_size
+    seq = getattr(m, "seq_length", None)
     for t in _divisors(gpus):
         pps = _divisors(gpus // t)
         if t > max_tp:
@@ -224,7 +229,6 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
             skip(problem, len(pps))
             continue
         for pp in pps:
-            d = gpus // (t * pp)
             uneven = pp > 1 and any(getattr(m, name, None) is not None for name in STAGE_SIZES)
             if uneven:  # the model's own first / last stage sizes: every stage must get its layers
                 try:
@@ -237,28 +241,42 @@ def search_layouts(m: MemoryCost, gpus: int, max_tp: int = 8, max_vp: int | None
                 continue
             else:
                 per_stage = [m.num_layers // pp]
-            if G % (b * d):
-                skip(f"DP={d} does not divide global batch {G} into micro batches of {b}")
-                continue
-            microbatches = G // (b * d)
-            vps: list[int | None] = [None]
-            if pp > 1:
-                for v in _divisors(math.gcd(*per_stage))[1:]:
-                    if max_vp is not None and v > max_vp:
-                        continue
-                    if microbatches % pp:
-                        skip(f"VP with PP={pp}: the microbatches per step (G / (b x DP)) are not divisible by PP")
-                    else:
-                        vps.append(v)
-            experts = getattr(m, "num_moe_experts", None)
-            # Expert parallelism takes its ranks from the data-parallel ones (expert TP = TP).
-            eps = [ep for ep in _divisors(d) if experts and experts % ep == 0] or [1]
-            for v in vps:
-                for sp in ((False, True) if t > 1 else (False,)):
-                    for zero1 in ((False, True) if d > 1 else (False,)):
-                        for ep in eps:
-                            out.append(ParallelDims(tp=t, pp=pp, vp=v, dp=d, ep=ep, sequence_parallel=sp,
-                                                    zero1=zero1))
+            for cp in (_divisors(gpus // (t * pp)) if context_parallel and seq else [1]):
+                if cp > 1 and seq % (2 * cp):
+                    skip(f"CP={cp} does not split sequence {seq} into {2 * cp} chunks")
+                    continue
+                if cp > 1 and getattr(m, "cp_comm_type", None) == "a2a" and (m.num_attention_heads // t) % cp:
+                    skip(f"cp_comm_type='a2a': CP={cp} does not divide the {m.num_attention_heads // t} heads of a "
+                         f"TP={t} rank")
+                    continue
+                d = gpus // (t * pp * cp)
+                if G % (b * d):
+                    skip(f"DP={d} does not divide global batch {G} into micro batches of {b}")
+                    continue
+                microbatches = G // (b * d)
+                vps: list[int | None] = [None]
+                if pp > 1:
+                    for v in _divisors(math.gcd(*per_stage))[1:]:
+                        if max_vp is not None and v > max_vp:
+                            continue
+                        if microbatches % pp:
+                            skip(f"VP with PP={pp}: the microbatches per step (G / (b x DP)) are not divisible by PP")
+                        else:
+                            vps.append(v)
+                sps = [False]
+                if t > 1 and cp > 1 and (seq // cp) % t:
+                    skip(f"SP with TP={t} x CP={cp} does not split sequence {seq}", len(vps))
+                elif t > 1:
+                    sps.append(True)
+                experts = getattr(m, "num_moe_experts", None)
+                # Expert parallelism takes its ranks from the data- and context-parallel ones (expert TP = TP).
+                eps = [ep for ep in _divisors(cp * d) if experts and experts % ep == 0] or [1]
+                for v in vps:
+                    for sp in sps:
+                        for zero1 in ((False, True) if d > 1 else (False,)):
+                            for ep in eps:
+                                out.append(ParallelDims(tp=t, pp=pp, vp=v, cp=cp, dp=d, ep=ep, sequence_parallel=sp,
+                                                        zero1=zero1))
     return LayoutSearch(layouts=out, skipped=skipped)
 
 
