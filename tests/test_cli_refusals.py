@@ -406,3 +406,15 @@ def test_a_run_this_machine_cannot_hold_is_refused_before_launch(monkeypatch, tm
     message = refused(["--trainer.accelerator", "cpu", "--trainer.devices", "2"])
     assert "on this machine's CPU the 2 rank(s) of dp2zero1 on a host need at least " in message, message
     assert "more than the 16.00 GiB it has free: the kernel would kill a rank; train a smaller" in message, message
+
+
+def test_check_takes_a_decoder_recipe_on_its_own_bpe_data(inputs):
+    """``check --config gpt_tiny.yaml --data.data_prefix DATA`` on a dataset preprocessed with a byte-level BPE: the
+    pre-launch check read the data as a BERT's ("holds a BPE tokenizer; BERT needs WordPiece", each layout), as it
+    did not know the recipe's data class; ``fit`` on the same data ran."""
+    from lightning_megatron.check.cli import _layout_problems
+    from lightning_megatron.check.recipe import load_recipe
+    from lightning_megatron.parallel_dims import ParallelDims
+
+    recipe = load_recipe(GPT, data_overrides={"data_prefix": inputs["gpt"]})
+    assert _layout_problems(recipe, [ParallelDims.parse("tp1"), ParallelDims.parse("tp2")], runs=False) == []

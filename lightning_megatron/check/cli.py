@@ -169,7 +169,8 @@ def _layout_problems(recipe, layouts: list, runs: bool = True) -> list[str]:
         found = check_config(model_hparams=model, data_hparams=data, strategy_args=dims.strategy_kwargs(),
                              trainer_args={**trainer, "devices": dims.world_size},
                              has_optimizer_callback=True if dims.zero1 else None, use_distributed_optimizer=dims.zero1,
-                             model_class=import_class(recipe.model_class), running=runs)
+                             model_class=import_class(recipe.model_class), running=runs,
+                             data_class=import_class(recipe.data_class))
         problems += [f"layout {dims}: {p}" for p in found]
     return problems
 
