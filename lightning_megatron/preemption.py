@@ -20,7 +20,8 @@ handles both itself, through public hooks only, the same way:
   when the first Ctrl-C comes handles it once the collective returns, as it would a KeyboardInterrupt.)
 - ``on_train_batch_start`` takes the max of the flag over all ranks (one all-reduce of one integer
   per step, like Lightning's own per-step SIGTERM broadcast), so every rank stops before the same
-  step, by raising Lightning's ``SIGTERMException``.
+  step, by raising Lightning's ``SIGTERMException`` (:func:`stop_before_this_batch`: with the batch it
+  fetched uncounted, so a resumed run logs and validates at the steps an uninterrupted one does).
 - ``on_exception`` (called on every rank with that exception) calls :func:`on_stop_signal`: it saves
   a checkpoint when checkpointing is configured (a ``ModelCheckpoint`` callback) as this run's
   ``last`` checkpoint (:func:`stop_checkpoint_path`: never another run's), which ``--ckpt_path last``
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "on_stop_signal",
-           "stop_checkpoint_path"]
+           "stop_before_this_batch", "stop_checkpoint_path"]
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status after a SIGTERM: 143, non-zero so that schedulers see an unfinished run."""
@@ -197,6 +198,22 @@ def stop_checkpoint_path(trainer: pl.Trainer, run_id: str | None) -> Path | None
         if not path.exists() or (run_id is not None and owner(path) == run_id):
             return path
     raise RuntimeError(f"no free name for a last checkpoint in {folder}")
+
+
+def stop_before_this_batch(trainer: pl.Trainer) -> None:
+    """Raise Lightning's ``SIGTERMException`` from ``on_train_batch_start`` (every rank at the same batch).
+
+    Lightning's training loop has counted the batch it fetched as ready, not started: saved so, a resumed run
+    takes the checkpoint for one saved in the middle of a step and counts that batch, so the step its loggers
+    write and the batch index that schedules validation ran one ahead of the optimizer steps (step 8 logged as
+    9, validation one step early). The count is rolled back first: every checkpoint saved on the way out (the
+    stop's, or ``ModelCheckpoint(save_on_exception=True)``'s) reads as one saved after the last completed step.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for counts in (progress.current, progress.total):
+        if counts.ready == counts.started + 1 == counts.processed + 1 == counts.completed + 1:
+            counts.ready -= 1
+    raise SIGTERMException()
 
 
 def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = signal.SIGTERM,

@@ -52,7 +52,7 @@ from lightning_megatron.optimizer.mixed_precision import route_non_finite_grads
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
-from lightning_megatron.preemption import PreemptionHandler, on_stop_signal
+from lightning_megatron.preemption import PreemptionHandler, on_stop_signal, stop_before_this_batch
 from lightning_megatron.protocols import (
     LightningStepsModule,
     MegatronModule,
@@ -579,7 +579,7 @@ class MegatronStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._preemption.should_stop(self.root_device):  # every rank stops before the same step
-            raise SIGTERMException()
+            stop_before_this_batch(self.lightning_module.trainer)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -5,7 +5,8 @@
 
 Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
 subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
-``ROOT/progress-<rank>.txt`` after each step and writes the step it starts from to
+``ROOT/progress-<rank>.txt`` after each step (then Lightning's ``_batches_that_stepped``, the step its loggers
+write, and ``total_batch_idx``, which schedules validation: both ``step - 1`` there) and writes the step it starts from to
 ``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``; the fault is injected at the end of step ``--fault-step`` by rank 0 (sigterm: SIGTERM
 to rank 0's own process, as a scheduler would; sigint: SIGINT to the job's process group, as Ctrl-C in a
 terminal (start the script in a session of its own); sigint2: two of them 0.5 s apart; kill0: SIGKILL of
@@ -64,9 +65,9 @@ def main() -> None:
             (root / f"pid-{trainer.global_rank}.txt").write_text(str(os.getpid()))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            rank, step = trainer.global_rank, trainer.global_step
-            with open(root / f"progress-{rank}.txt", "a") as fh:
-                fh.write(f"{step} {time.time():.3f}\n")
+            rank, step, loop = trainer.global_rank, trainer.global_step, trainer.fit_loop.epoch_loop
+            with open(root / f"progress-{rank}.txt", "a") as fh:  # and the batch counts logging and validation read
+                fh.write(f"{step} {time.time():.3f} {loop._batches_that_stepped} {loop.total_batch_idx}\n")
             if step != a.fault_step or a.fault == "none":
                 return
             if a.mid:  # at the start of the next step's first forward, before its TP collectives

@@ -43,6 +43,11 @@ def test_sigterm_saves_exits_nonzero_and_resumes(tmp_path):
     for rank in (0, 1):
         assert (tmp_path / f"start-{rank}.txt").read_text() == "3"  # no step lost, none repeated
         assert _steps(tmp_path, rank) == [1, 2, 3, 4, 5]
+        # Lightning's batch counts go on as uninterrupted: the step its loggers write and the batch index that
+        # schedules validation are step - 1 at a step's end (the stop checkpoint had counted the batch it did not
+        # start: the resumed run logged step k as k + 1 and validated one step early)
+        lines = [line.split() for line in (tmp_path / f"progress-{rank}.txt").read_text().splitlines() if line]
+        assert [(int(x[2]), int(x[3])) for x in lines] == [(s - 1, s - 1) for s in [1, 2, 3, 4, 5]], lines
 
 
 def test_handler_flags_and_exit_code():
