@@ -166,6 +166,19 @@ def test_lightning_resume_continues_the_sample_stream(tmp_path):
     assert trainer.datamodule.state_dict() == {"consumed_samples": 28, "global_step": 5}
 
 
+def test_reading_batches_leaves_the_global_rng_alone():
+    """Dropout on a CPU draws from torch's global generator, which a DataLoader without a generator of its own
+    draws each iterator's base seed from: an evaluation (a new iterator) shifted the next training step's dropout,
+    and a resumed run (a new iterator after the checkpoint's RNG states were restored) never matched the
+    uninterrupted one. The datamodules' loaders draw from their own."""
+    dm = _datamodule(_fake_trainer())
+    dm.setup("fit")
+    state = torch.get_rng_state()
+    for loader in (dm.train_dataloader(), dm.val_dataloader(), dm.val_dataloader()):
+        next(iter(loader))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_eval_loaders_repeat_the_same_batches():
     dm = _datamodule(_fake_trainer(dp_rank=1, dp_size=2))
     dm.setup("validate")

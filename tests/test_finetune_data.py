@@ -77,6 +77,10 @@ def test_files_labels_and_splits(tmp_path):
     assert dm.num_classes == 2
     dm.setup("fit")
     assert len(dm.datasets["train"]) == 30 and len(dm.datasets["validation"]) == 10
+    state = torch.get_rng_state()  # reading batches leaves dropout's generator alone (test_data_datamodule.py)
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        next(iter(loader))
+    assert torch.equal(torch.get_rng_state(), state)
     assert dm.datasets["train"].labels.tolist() == [i % 2 for i in range(30)]
     # A pair task in TSV with class ids, validation and test carved from the training rows (seeded).
     pairs = [{"premise": t, "hypothesis": texts[-1 - i], "label": i % 3} for i, t in enumerate(texts)]

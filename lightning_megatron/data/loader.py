@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 __all__ = ["MegatronDataLoader", "default_num_workers", "trainer_loader"]
@@ -31,7 +32,16 @@ class MegatronDataLoader(DataLoader):
     """A DataLoader whose position is its batch sampler's ``consumed_samples``, which the datamodule
     sets from its own checkpointed state when it builds the loader. ``state_dict`` /
     ``load_state_dict`` exist so that Lightning knows a mid-epoch resume continues where it stopped
-    (and does not warn that the loader is not resumable); they carry nothing themselves."""
+    (and does not warn that the loader is not resumable); they carry nothing themselves.
+
+    It draws its iterators' base seed (the workers' seeds) from a generator of its own (``generator``), not
+    torch's global one, which dropout on a CPU draws from: an evaluation or a resume (each a new iterator)
+    does not move the training's dropout stream. The datasets draw no random numbers of their own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator()
+        super().__init__(*args, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -184,7 +184,7 @@ class FinetuneDataModule(LightningDataModule):
         sampler = EpochShuffledBatchSampler(num_samples=len(dataset), local_batch_size=per_rank,
                                             data_parallel_rank=rank, data_parallel_size=size, seed=self.seed,
                                             consumed_samples=lambda: self.consumed_samples)
-        return DataLoader(dataset, batch_sampler=sampler)
+        return MegatronDataLoader(dataset, batch_sampler=sampler)
 
     @property
     def consumed_samples(self) -> int:
