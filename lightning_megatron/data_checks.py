@@ -124,7 +124,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
                         f"{os.fspath(source)!r} has its own tokenizer.json; set data.tokenizer={os.fspath(source)!r}")
     if {"chat_template", "tokenizer"} <= arguments.keys():  # chats (SFTDataModule): its own prompt reader
         if predicting and arguments.get("predict_file") is not None and data_class is not None:
-            problems += _check_prompts(arguments, m, lambda: data_class(**arguments).read_prompts().lengths)
+            problems += _check_prompts(arguments, m, lambda: data_class(**arguments).read_prompts())
         elif running and not predicting and data_class is not None and hasattr(data_class, "read_splits"):
             # the chat files, read as every rank's set-up reads them (JSON only, nothing tokenized): a missing
             # file, a chat without an answer, a split left empty; the datamodule's own argument checks too
@@ -207,7 +207,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
         key = arguments.get("predict_json_key", "text")
         problems += _check_prompts(arguments, m, lambda: PromptDataset(
             os.fspath(arguments["predict_file"]), data_tokenizer(), key,
-            max_length=int_or_none(arguments.get("seq_length"))).lengths)
+            max_length=int_or_none(arguments.get("seq_length"))))
     return problems
 
 
@@ -231,9 +231,10 @@ def _empty_split_problem(prefixes: list[str], splits: str, split: str, predictin
             f"weight" + (", or pass --data.predict_file" if predicting else ""))
 
 
-def _check_prompts(d: dict[str, Any], m: dict[str, Any], prompt_lengths: Any) -> list[str]:
+def _check_prompts(d: dict[str, Any], m: dict[str, Any], read_prompts: Any) -> list[str]:
     """``predict``'s ``predict_file``: readable (UTF-8, JSON lines with ``predict_json_key``; chats for an
-    ``SFTDataModule``); a decoder's prompts (``prompt_lengths()``: tokenized as the datamodule will) each fit
+    ``SFTDataModule``); a decoder's prompts (``read_prompts()``: tokenized as the datamodule will, with their
+    ``lengths`` and ``lines``) each fit
     ``seq_length``, and the longest one plus ``predict_max_new_tokens`` fits the model's positions (a trained
     model's positions are fixed: the fix is fewer new tokens or shorter prompts)."""
     import os
@@ -246,7 +247,8 @@ def _check_prompts(d: dict[str, Any], m: dict[str, Any], prompt_lengths: Any) ->
         if new is None:  # an encoder's texts (cut to max_seq_length by the datamodule)
             read_texts(path, key)
             return []
-        lengths = prompt_lengths()
+        prompts = read_prompts()
+        lengths, lines = prompts.lengths, prompts.lines
     except (ValueError, OSError) as error:
         return [_data(error)]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
@@ -256,6 +258,6 @@ def _check_prompts(d: dict[str, Any], m: dict[str, Any], prompt_lengths: Any) ->
     fewer = positions - lengths[longest] + 1
     fix = (f"generate at most {fewer} new tokens (--model.predict_max_new_tokens {fewer}) or shorten the prompts "
            f"to at most {max(positions - new + 1, 1)} tokens" if fewer >= 1 else "shorten the prompt")
-    return [f"--model.predict_max_new_tokens={new}: the longest prompt of predict_file {path!r} (prompt "
-            f"{longest + 1}, {lengths[longest]} tokens) followed by {new} new tokens needs {need} positions, more than "
-            f"the model's max_sequence_length={positions}; {fix}"]
+    return [f"--model.predict_max_new_tokens={new}: the longest prompt of predict_file {path!r} (line "
+            f"{lines[longest]}, {lengths[longest]} tokens) followed by {new} new tokens needs {need} positions, more "
+            f"than the model's max_sequence_length={positions}; {fix}"]

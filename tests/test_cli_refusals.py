@@ -86,7 +86,7 @@ CASES = {
     "predict_top_p": ([*PREDICT, "--model.predict_greedy", "false", "--model.predict_top_p", "1.5"], None,
                       ["--model.predict_top_p=1.5 must be in (0, 1]"], []),
     "predict_positions": ([*PREDICT[:-1], "{long}", "--model.predict_max_new_tokens", "100"], None,
-                          ["--model.predict_max_new_tokens=100: the longest prompt of predict_file '{long}' (prompt "
+                          ["--model.predict_max_new_tokens=100: the longest prompt of predict_file '{long}' (line "
                            "2, 60 tokens) followed by 100 new tokens needs 159 positions, more than the model's "
                            "max_sequence_length=128; generate at most 69 new tokens"], ["raise max_sequence_length"]),
     "predict_non_utf8": ([*PREDICT[:-1], "{latin1}"], None,

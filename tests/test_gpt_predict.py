@@ -64,7 +64,8 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
     assert all(" loss " in line and "lm_loss" not in line and "mfu" in line for line in lines[:2]), lines
     assert lines[2].startswith("Validation at step 2: val_loss ") and "val_perplexity" in lines[2], lines
     assert not [n for n in NOISE if n in fit.stderr], fit.stderr[-3000:]
-    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    # blank lines are skipped: each record names its line of the file (index: the prompt's place among the texts)
+    (tmp_path / "prompts.txt").write_text("\n".join([*PROMPTS[:2], "", "   ", *PROMPTS[2:4], "", PROMPTS[4]]) + "\n")
     # One global batch of 2 (two microbatches of 1) per length group.
     predicted = _cli(tmp_path, "predict", *SMALL, "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(run),
                      "--data.predict_file", str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2",
@@ -78,6 +79,7 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
         "predict/version_0", "version_0"]
     records = [json.loads(line) for line in (run / "predictions" / "predictions.jsonl").open()]
     assert [r["index"] for r in records] == list(range(len(PROMPTS)))  # every prompt once, in order
+    assert [r["line"] for r in records] == [1, 2, 5, 6, 8]  # before: none, and index alone misled past a blank line
     assert [r["prompt"] for r in records] == PROMPTS
     module = GPTLightningModule.load_from_checkpoint(ckpt)  # the reference: one process
     for record, prompt in zip(records, PROMPTS):
@@ -183,12 +185,13 @@ def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):
     from lightning_megatron.datamodules.gpt import GPTDataModule
     from lightning_megatron.data.predict import SAMPLE_INDEX, IndexedSamples, LengthGroupedBatchSampler
 
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"body": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
+    lines = [json.dumps({"body": p, "id": i}) for i, p in enumerate(PROMPTS)]
+    (tmp_path / "p.jsonl").write_text("\n".join([lines[0], "", *lines[1:]]) + "\n")  # a blank line 2
     dm = GPTDataModule(seq_length=16, global_batch_size=4, micro_batch_size=1, num_workers=0,
                        predict_file=str(tmp_path / "p.jsonl"), predict_json_key="body")
     list(dm.predict_dataloader())  # no trainer: DP=1
     prompts = dm.predict_dataset
-    assert prompts.texts == PROMPTS
+    assert prompts.texts == PROMPTS and prompts.lines == [1, 3, 4, 5, 6]
     assert [prompts[i]["tokens"].tolist() for i in range(len(PROMPTS))] == [dm.tokenizer.tokenize(p) for p in PROMPTS]
     samples = IndexedSamples(prompts)
     per_rank = [list(LengthGroupedBatchSampler(prompts.lengths, local_batch_size=2, data_parallel_rank=r,
@@ -202,7 +205,7 @@ def test_prompt_batches_at_dp2_hold_one_length_and_every_prompt_once(tmp_path):
         for i, r in zip(local0 + local1, rows):
             assert (i < 0) == (int(r[SAMPLE_INDEX]) == -1)
     assert sorted(i for i in seen if i >= 0) == list(range(len(PROMPTS)))
-    with pytest.raises(ValueError, match="prompt 4 has 7 tokens, more than 5"):
+    with pytest.raises(ValueError, match="line 5: the prompt has 7 tokens, more than 5"):  # its line, not "prompt 4"
         list(GPTDataModule(seq_length=5, global_batch_size=2, micro_batch_size=1, num_workers=0,
                            predict_file=str(tmp_path / "p.jsonl"), predict_json_key="body").predict_dataloader())
     with pytest.raises(ValueError, match="predict_file"):

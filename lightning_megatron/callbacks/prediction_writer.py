@@ -5,7 +5,7 @@ rank (``.dp<r>`` before the suffix when there are several), written by the first
 of the last pipeline stage (the only one returning predictions that others do not repeat):
 
 - ``predict_output=masked_lm``: ``predictions.jsonl``, one line per sample,
-  ``{"index": i, "masked": [{"position": p, "ids": [...], "tokens": [...], "probs": [...], "label": id}]}``
+  ``{"index": i, "line": l, "masked": [{"position": p, "ids": [...], "tokens": [...], "probs": [...], "label": id}]}``
   for every ``[MASK]`` position ``p`` (``label``: the original token, when the data has one);
 - ``pooled``: ``pooled.npy`` ``[n, h]`` and ``index.npy`` ``[n]``;
 - ``hidden``: ``hidden.npy`` ``[n, s, h]``, ``attention_mask.npy`` ``[n, s]`` and ``index.npy``;
@@ -13,7 +13,7 @@ of the last pipeline stage (the only one returning predictions that others do no
   batch's ``tokens`` ``[b, s0]``: the prompts and their continuations, as
   ``GPTLightningModule.predict_step`` does): one ``predictions.jsonl`` (the data-parallel replicas'
   records gathered, written by DP rank 0), one line per prompt in input order,
-  ``{"index": i, "prompt": text, "completion": text, "token_ids": [...]}`` (``token_ids``: the ``n``
+  ``{"index": i, "line": l, "prompt": text, "completion": text, "token_ids": [...]}`` (``token_ids``: the ``n``
   new tokens, which end at the token that ended the sequence when the module stops it (its
   ``predict_stop_rule``: the end-of-document token, ``predict_stop_strings``); ``completion``: their
   detokenized text, without the end-of-document token and cut before a stop string; ``prompt``: the
@@ -28,8 +28,10 @@ of the last pipeline stage (the only one returning predictions that others do no
   ``probabilities``, listed in class order), or ``{"index": i, "text": ..., "value": v}``; ``"text_pair"``
   after ``"text"`` for rows of two texts.
 
-``index`` is the sample's position in the predict dataset (the line of a ``predict_file``); the padding
-samples of the last batch (index -1, :mod:`lightning_megatron.data.predict`) are dropped. Files are
+``index`` is the sample's position in the predict dataset (its place among a ``predict_file``'s texts); ``line``
+(records of a ``predict_file``'s texts only) is its line of the file, 1-based: blank lines are skipped, so after
+one the two differ. The padding samples of the last batch (index -1, :mod:`lightning_megatron.data.predict`) are
+dropped. Files are
 written under a temporary name and renamed when the epoch ends.
 """
 
@@ -78,6 +80,7 @@ class PredictionWriter(BasePredictionWriter):
         self._generation = False
         self._dp_group: Any = None
         self._texts: list[str] | None = None
+        self._lines: list[int] | None = None
         self.written: list[Path] = []
         """The files this rank wrote in the last ``predict`` (``lightning-megatron predict`` names them)."""
         self._classified: FinetuneDataModule | None = None  # the data of a classifier's predictions
@@ -99,7 +102,8 @@ class PredictionWriter(BasePredictionWriter):
         # A decoder's stop rule (GPTLightningModule.predict_stop_rule: EOD, stop strings): the rule its generation
         # applied, so each sequence is cut where it ended.
         self._stop = pl_module.predict_stop_rule() if isinstance(pl_module, StopsGeneration) else StopRule()
-        self._texts = None  # the prompts' texts, read at the first batch (the dataloader is built by then)
+        self._texts = self._lines = None  # the prompts' texts and lines, read at the first batch (the dataloader
+        # is built by then)
         self._generated, self._generation = [], False
         self._classified = dm if isinstance(dm, FinetuneDataModule) else None
         self._records = []
@@ -140,9 +144,11 @@ class PredictionWriter(BasePredictionWriter):
         if _is_generation(prediction, batch):
             if not self._generation:
                 self._generation, self._texts = True, self._prompt_texts(trainer.datamodule)
+                self._lines = self._file_lines(trainer.datamodule)
             self._collect_generated(batch["tokens"], prediction, index, keep)
             return
         if isinstance(prediction, dict):
+            self._lines = self._file_lines(trainer.datamodule)
             self._write_masked(batch, prediction, index, keep)
             return
         mode = pl_module.hparams.get("predict_output")
@@ -169,7 +175,8 @@ class PredictionWriter(BasePredictionWriter):
                 if labels is not None and labels[row, p] >= 0:
                     entry["label"] = int(labels[row, p])
                 masked.append(entry)
-            self._jsonl.write(json.dumps({"index": int(index[row]), "masked": masked}) + "\n")
+            i = int(index[row])
+            self._jsonl.write(json.dumps({"index": i, **self._line(i), "masked": masked}) + "\n")
 
     def _collect_classified(self, prediction: Any, index: torch.Tensor, keep: torch.Tensor) -> None:
         """One record per kept row: its texts (the datamodule's ``predict_rows``), and its class (label
@@ -204,6 +211,11 @@ class PredictionWriter(BasePredictionWriter):
         prompts = isinstance(dm, (GPTDataModule, SFTDataModule)) and dm.predict_dataset is not None
         return dm.predict_dataset.texts if prompts else None
 
+    @staticmethod
+    def _file_lines(dm: Any) -> list[int] | None:
+        """The line of the ``predict_file`` each sample comes from (None: the samples are not a file's lines)."""
+        return getattr(getattr(dm, "predict_dataset", None), "lines", None)
+
     def _collect_generated(self, tokens: torch.Tensor, prediction: torch.Tensor, index: torch.Tensor,
                            keep: torch.Tensor) -> None:
         """One record per kept row, written sorted by index when the epoch ends."""
@@ -215,7 +227,12 @@ class PredictionWriter(BasePredictionWriter):
             new = new[: self._stop.end(new)]  # ended: up to the token that ended it, the padding after it dropped
             completion = self._stop.completion(new) if self._stop.detokenize is not None else \
                 self._tokenizer.detokenize(new) if self._tokenizer is not None else None  # the text before the stop
-            self._generated.append((i, {"index": i, "prompt": prompt, "completion": completion, "token_ids": new}))
+            self._generated.append((i, {"index": i, **self._line(i), "prompt": prompt, "completion": completion,
+                                        "token_ids": new}))
+
+    def _line(self, index: int) -> dict[str, int]:
+        """``{"line": n}``: the sample's line of the ``predict_file`` (blank lines are skipped), when it has one."""
+        return {} if self._lines is None else {"line": self._lines[index]}
 
     def _write_generated(self) -> None:
         if self._jsonl is not None:  # opened for masked_lm by default: not this module's output

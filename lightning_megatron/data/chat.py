@@ -85,6 +85,8 @@ class ChatRecord:
     """The file and line, for errors."""
     prompt: str | None = None
     completion: str | None = None
+    line: int = 0
+    """The line of the file (1-based)."""
 
 
 def packaged_sample_file() -> Path:
@@ -136,7 +138,7 @@ def read_chat_records(path: str | os.PathLike[str], where: str, *, prompts: bool
             messages = [_message(m, at) for m in rec["messages"]]
             if head and messages[0]["role"] == "system":
                 raise ValueError(f"{at} has both 'system' and a system message first: keep one")
-            records.append(ChatRecord(head + messages, at))
+            records.append(ChatRecord(head + messages, at, line=line_no))
             roles = [m["role"] for m in messages]
             if not prompts and "assistant" not in roles:
                 raise ValueError(f"{at} has no assistant message (roles {roles}): nothing to learn from")
@@ -151,7 +153,7 @@ def read_chat_records(path: str | os.PathLike[str], where: str, *, prompts: bool
             raise ValueError(f"{at} has a 'completion': a prompt to continue has none (drop it)")
         user = [{"role": "user", "content": prompt}]
         answer = [{"role": "assistant", "content": completion}] if completion is not None else []
-        records.append(ChatRecord(head + user + answer, at, prompt=prompt, completion=completion))
+        records.append(ChatRecord(head + user + answer, at, prompt=prompt, completion=completion, line=line_no))
     if not records:
         raise ValueError(f"{where} holds no records (one JSON object per line)")
     return records

@@ -30,10 +30,10 @@ from lightning_megatron.data.corpus import read_utf8_text
 from lightning_megatron.data.tokenizer import BertTokenizer
 
 __all__ = ["TextPredictionDataset", "PromptDataset", "IndexedSamples", "PredictBatchSampler",
-           "LengthGroupedBatchSampler", "SAMPLE_INDEX", "read_texts"]
+           "LengthGroupedBatchSampler", "SAMPLE_INDEX", "read_text_lines", "read_texts"]
 
 SAMPLE_INDEX = "sample_index"
-"""Batch key: the sample's index in the predict dataset (line of the input file), -1 for padding."""
+"""Batch key: the sample's index in the predict dataset (its place among the input file's texts), -1 for padding."""
 
 
 class TextPredictionDataset(Dataset):
@@ -43,7 +43,7 @@ class TextPredictionDataset(Dataset):
 
     def __init__(self, path: str | os.PathLike[str], tokenizer: BertTokenizer, max_seq_length: int,
                  json_key: str = "text") -> None:
-        texts = read_texts(path, json_key)
+        texts, self.lines = read_text_lines(path, json_key)
         self.texts, self.tokenizer, self.max_seq_length = texts, tokenizer, max_seq_length
         self.ids = tokenizer.tokenize_batch(texts)
         long = sum(len(ids) > max_seq_length - 2 for ids in self.ids)
@@ -65,16 +65,23 @@ class TextPredictionDataset(Dataset):
 
 
 def read_texts(path: str | os.PathLike[str], json_key: str = "text") -> list[str]:
-    """The texts of a ``predict_file``: a ``.jsonl`` file (the ``json_key`` field of each line) or any
-    other text file (one text per non-empty line). Errors name the file (and the line, or the byte that
-    is not UTF-8)."""
+    """The texts of a ``predict_file`` (:func:`read_text_lines`)."""
+    return read_text_lines(path, json_key)[0]
+
+
+def read_text_lines(path: str | os.PathLike[str], json_key: str = "text") -> tuple[list[str], list[int]]:
+    """``(texts, lines)``: the texts of a ``predict_file``, a ``.jsonl`` file (the ``json_key`` field of each
+    line) or any other text file (one text per line), blank lines skipped, and the line of the file each
+    comes from (1-based: what a prediction record's ``line`` says). Errors name the file (and the line, or
+    the byte that is not UTF-8)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"predict_file {str(path)!r} does not exist")
-    lines = [line for line in read_utf8_text(path, f"predict_file {str(path)!r}").splitlines() if line.strip()]
+    numbered = [(number, line) for number, line in
+                enumerate(read_utf8_text(path, f"predict_file {str(path)!r}").splitlines(), 1) if line.strip()]
     if path.suffix == ".jsonl":
         texts = []
-        for number, line in enumerate(lines, 1):
+        for number, line in numbered:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -85,10 +92,10 @@ def read_texts(path: str | os.PathLike[str], json_key: str = "text") -> list[str
                                  f"--data.predict_json_key to the field holding the text)")
             texts.append(record[json_key])
     else:
-        texts = lines
+        texts = [line for _, line in numbered]
     if not texts:
         raise ValueError(f"predict_file {str(path)!r} holds no text")
-    return texts
+    return texts, [number for number, _ in numbered]
 
 
 class PromptDataset(Dataset):
@@ -98,15 +105,15 @@ class PromptDataset(Dataset):
 
     def __init__(self, path: str | os.PathLike[str], tokenizer: Any, json_key: str = "text",
                  max_length: int | None = None) -> None:
-        self.texts = read_texts(path, json_key)
+        self.texts, self.lines = read_text_lines(path, json_key)
         self.ids = [list(tokenizer.tokenize(text)) for text in self.texts]
-        for number, ids in enumerate(self.ids, 1):
+        for number, text, ids in zip(self.lines, self.texts, self.ids):
             if not ids:
-                raise ValueError(f"predict_file {str(path)!r} prompt {number} ({self.texts[number - 1]!r}) has no "
+                raise ValueError(f"predict_file {str(path)!r} line {number}: the prompt ({text!r}) has no "
                                  f"tokens: give every prompt some text")
             if max_length is not None and len(ids) > max_length:
-                raise ValueError(f"predict_file {str(path)!r} prompt {number} has {len(ids)} tokens, more than "
-                                 f"{max_length} (the data's seq_length): shorten it or raise --data.seq_length")
+                raise ValueError(f"predict_file {str(path)!r} line {number}: the prompt has {len(ids)} tokens, more "
+                                 f"than {max_length} (the data's seq_length): shorten it or raise --data.seq_length")
 
     def __len__(self) -> int:
         return len(self.texts)

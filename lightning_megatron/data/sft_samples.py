@@ -158,10 +158,11 @@ def group_examples(examples: Sequence[Example], seq_length: int, pack: bool) -> 
 
 
 class PromptSamples(Dataset):
-    """Prompts to continue: ``{"tokens": [n] int64}`` each (unpadded), their ``texts`` and ``lengths``."""
+    """Prompts to continue: ``{"tokens": [n] int64}`` each (unpadded), their ``texts``, ``lengths`` and ``lines``
+    (of the file each comes from, 1-based)."""
 
-    def __init__(self, texts: list[str], ids: list[list[int]]) -> None:
-        self.texts, self.ids = texts, ids
+    def __init__(self, texts: list[str], ids: list[list[int]], lines: list[int]) -> None:
+        self.texts, self.ids, self.lines = texts, ids, lines
 
     def __len__(self) -> int:
         return len(self.ids)

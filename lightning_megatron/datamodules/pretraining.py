@@ -485,9 +485,11 @@ class BertDataModule(PretrainingDataModule):
         padded with ``sample_index = -1``, which the PredictionWriter drops)."""
         from lightning_megatron.data.predict import IndexedSamples, PredictBatchSampler, TextPredictionDataset
 
+        self.predict_dataset = None
         if self.predict_file is not None:
             dataset: Any = TextPredictionDataset(self.predict_file, self.tokenizer, self.max_seq_length,
                                                  self.predict_json_key)
+            self.predict_dataset = dataset  # its texts' lines (the PredictionWriter's records name them)
         else:
             if self.train_dataset is None:
                 self.setup("predict")

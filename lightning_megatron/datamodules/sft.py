@@ -265,7 +265,7 @@ class SFTDataModule(pl.LightningDataModule):
                              "{\"prompt\": ...} or {\"messages\": [...]} without the final assistant message)")
         template = self.tokenizer.template()
         records = read_chat_records(self.predict_file, f"data.predict_file {self.predict_file!r}", prompts=True)
-        texts, ids = [], []
+        texts, ids, lines = [], [], []
         for record in records:
             text, tokens = encode_prompt(record, self.tokenizer, template, raw=self.raw)
             if len(tokens) > self.seq_length:
@@ -273,7 +273,8 @@ class SFTDataModule(pl.LightningDataModule):
                                  f"{self.seq_length}: shorten it or raise seq_length")
             texts.append(text)
             ids.append(tokens)
-        return PromptSamples(texts, ids)
+            lines.append(record.line)
+        return PromptSamples(texts, ids, lines)
 
     def predict_dataloader(self) -> DataLoader:
         """``predict_file``'s prompts, every one once: full global batches of one prompt length (the last of
