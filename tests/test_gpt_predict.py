@@ -114,6 +114,10 @@ def _plot_and_export_the_run(tmp_path: Path, run: Path, module) -> None:
     main(["plot", str(run), "--output", str(tmp_path / "curves.png")])
     assert (tmp_path / "curves.png").is_file()
     main(["export", "hf", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--output", str(tmp_path / "hf")])
+    mask = os.umask(0o022)
+    os.umask(mask)  # the folder and its files readable as the umask says (mkdtemp's 0700 was left: others could not)
+    assert {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "hf", *(tmp_path / "hf").iterdir()]} == {
+        p.name: (0o777 if p.is_dir() else 0o666) & ~mask for p in [tmp_path / "hf", *(tmp_path / "hf").iterdir()]}
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert module.config.hidden_dropout == module.config.attention_dropout == 0.1
     assert (config["resid_pdrop"], config["embd_pdrop"], config["attn_pdrop"]) == (0.1, 0.1, 0.1), config

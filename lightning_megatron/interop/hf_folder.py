@@ -167,8 +167,20 @@ def write_hf_folder(model: Any, write_tokenizer: Callable[[Path], None], out: Pa
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def swap_in_folder(new: Path, target: Path) -> None:
-    """Put the finished folder ``new`` at ``target`` (a rename on one filesystem), the old one removed after."""
+    """Put the finished folder ``new`` at ``target`` (a rename on one filesystem), the old one removed after.
+    Its folders and files get the modes the process's umask gives a new folder and file (``mkdtemp`` made it
+    0700, and some writers' files are 0600: others on a shared cluster could not read an export)."""
+    mask = _umask()
+    for path in [new, *new.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
