@@ -167,3 +167,19 @@ def test_datamodule_blend_splits_each_prefix_and_resumes_exactly(tmp_path):
     resumed = datamodule(step=7, state={"consumed_samples": 70, "global_step": 7})
     after = [b["tokens"] for b, _ in zip(resumed.train_dataloader(), range(3))]
     assert all(torch.equal(x, y) for x, y in zip(after, full[7:10]))
+    # A split that leaves a prefix out (beta has no test document at 97,2,1): said when that split is read, not
+    # by every fit, validate and predict (each of them printed the test blend's omission)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm = BertDataModule([0.3, prefixes[0], 0.7, prefixes[1]], max_seq_length=64, global_batch_size=2,
+                            micro_batch_size=1, splits="97,2,1", train_samples=200, cache_dir=str(tmp_path / "cache"))
+        dm.trainer = _trainer()
+        dm.setup("fit")
+        dm.val_dataloader()
+        said_by_fit = [str(w.message) for w in caught if "blend leaves out" in str(w.message)]
+        dm.test_dataloader()
+        dm.test_dataloader()
+        said = [str(w.message) for w in caught if "blend leaves out" in str(w.message)]
+    assert said_by_fit == [] and said == [f"the test blend leaves out {[prefixes[1]]}: no test documents there"], said

@@ -93,6 +93,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.test_dataset: Dataset | None = None
         self._no_dataset: dict[str, str] = {}
         """Split -> why it has no dataset: said when a loop asks for it (a run that never tests is not told)."""
+        self._left_out: dict[str, str] = {}
+        """Split -> the blend's prefixes it leaves out (no documents there): said when the split is read, too."""
 
     # --- tokenizer and corpus -------------------------------------------------------------------
 
@@ -233,7 +235,7 @@ class PretrainingDataModule(pl.LightningDataModule):
             raise ValueError(f"splits={self.splits!r} leaves no training documents in {empty}; give train a "
                              f"weight or use more text")
         if empty:
-            rank_zero_warn(f"the {name} blend leaves out {empty}: no {name} documents there")
+            self._left_out[name] = f"the {name} blend leaves out {empty}: no {name} documents there"
             parts = [part for part in parts if str(part[1]) not in empty]
             if not parts:
                 return None
@@ -344,6 +346,8 @@ class PretrainingDataModule(pl.LightningDataModule):
             if name in self._no_dataset:  # every rank has the same data: said once
                 rank_zero_warn(f"no {name} dataset: {self._no_dataset.pop(name)}")
             return []
+        if name in self._left_out:
+            rank_zero_warn(self._left_out.pop(name))
         dp_rank, dp_size = self._dp_coordinates()
         sampler = MegatronPretrainingSampler(
             total_samples=len(dataset), consumed_samples=0, micro_batch_size=self.micro_batch_size,
@@ -497,6 +501,8 @@ class BertDataModule(PretrainingDataModule):
             if dataset is None:
                 raise ValueError(f"splits={self.splits!r} leaves no test documents to predict: give test a weight "
                                  f"or pass --data.predict_file")
+            if "test" in self._left_out:
+                rank_zero_warn(self._left_out.pop("test"))
         dp_rank, dp_size = self._dp_coordinates()
         sampler = PredictBatchSampler(total_samples=len(dataset), data_parallel_rank=dp_rank,
                                       data_parallel_size=dp_size,
