@@ -105,8 +105,8 @@ class GPTLightningModule(LanguageLightningModule):
         if problem:
             raise ValueError(f"{type(self).__name__}: {problem}")
         self.calculate_per_token_loss = bool(calculate_per_token_loss)
-        """The training loss is the mean over the counted tokens of the whole global batch (the strategy's
-        :meth:`start_step` counts them); False: the mean of the microbatches' own means (megatron-core's
+        """The training loss is the mean over the counted tokens of the whole global batch (this module's
+        :meth:`start_step`, which the step calls before its schedule, counts them); False: the mean of the microbatches' own means (megatron-core's
         ``calculate_per_token_loss``, off by default there too)."""
         self._token_factor: torch.Tensor | None = None
 
