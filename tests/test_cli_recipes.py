@@ -410,8 +410,13 @@ def _predict_from_cli_checkpoint(tmp_path: Path, ckpt: Path) -> None:
     dm = BertDataModule(max_seq_length=64, global_batch_size=8, micro_batch_size=4, eval_samples=10, num_workers=0)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         default_root_dir=tmp_path / "pooled", callbacks=[PredictionWriter()])
-    trainer.predict(pooled_module, datamodule=dm, return_predictions=False)
     folder = tmp_path / "pooled" / "predictions"
+    folder.mkdir(parents=True)  # an earlier predict's files (masked_lm at DP=2), and a file of the user's
+    for name in ("predictions.dp0.jsonl", "predictions.dp1.jsonl", "hidden.npy", "notes.txt"):
+        (folder / name).write_text("earlier")
+    trainer.predict(pooled_module, datamodule=dm, return_predictions=False)
+    # the folder holds this predict's output (before, the earlier files stayed beside it), and the user's file
+    assert sorted(p.name for p in folder.iterdir()) == ["index.npy", "notes.txt", "pooled.npy"]
     assert np.load(folder / "index.npy").tolist() == list(range(10))
     pooled = np.load(folder / "pooled.npy")
     batch = {k: torch.stack([dm.test_dataset[i][k] for i in range(10)]) for k in ("tokens", "attention_mask",

@@ -31,14 +31,16 @@ of the last pipeline stage (the only one returning predictions that others do no
 ``index`` is the sample's position in the predict dataset (its place among a ``predict_file``'s texts); ``line``
 (records of a ``predict_file``'s texts only) is its line of the file, 1-based: blank lines are skipped, so after
 one the two differ. The padding samples of the last batch (index -1, :mod:`lightning_megatron.data.predict`) are
-dropped. Files are
-written under a temporary name and renamed when the epoch ends.
+dropped. Files are written under a temporary name and renamed when the epoch ends; the files of an earlier
+``predict`` in the folder (another output mode's, another data-parallel size's) are removed when it starts, so
+the folder holds one predict's output.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_megatron.data.predict import SAMPLE_INDEX
@@ -56,6 +59,9 @@ from lightning_megatron.parallel_state import group_rank, group_size, process_gr
 from lightning_megatron.strategy import MegatronStrategy
 
 __all__ = ["PredictionWriter"]
+
+_OUTPUT_NAME = re.compile(r"(predictions|pooled|hidden|attention_mask|index)(\.dp\d+)?\.(jsonl|npy)")
+"""The files the writer publishes (a subclass's own outputs: ``predictions.npy``)."""
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -108,10 +114,25 @@ class PredictionWriter(BasePredictionWriter):
         self._classified = dm if isinstance(dm, FinetuneDataModule) else None
         self._records = []
         self.written = []
+        if trainer.is_global_zero:
+            self._remove_earlier_predictions()
+        trainer.strategy.barrier("prediction_writer")  # removed before any writer publishes
         if self._writes:
             self._folder.mkdir(parents=True, exist_ok=True)
             if self._classified is None and pl_module.hparams.get("predict_output", "masked_lm") == "masked_lm":
                 self._jsonl = open(self._tmp("predictions.jsonl"), "w", encoding="utf-8")  # noqa: SIM115
+
+    def _remove_earlier_predictions(self) -> None:
+        """The files an earlier ``predict`` wrote into the folder (our names only: another output mode's, another
+        data-parallel size's ``.dp<r>`` files), removed: the folder holds one predict's output."""
+        if not self._folder.is_dir():
+            return
+        earlier = sorted(p for p in self._folder.iterdir() if p.is_file() and _OUTPUT_NAME.fullmatch(p.name))
+        for path in earlier:
+            path.unlink()
+        if earlier:
+            rank_zero_info(f"PredictionWriter: removed the earlier predictions in {str(self._folder)!r}: "
+                           f"{', '.join(p.name for p in earlier)}")
 
     def _tmp(self, name: str) -> Path:
         stem, ext = name.rsplit(".", 1)
