@@ -173,8 +173,8 @@ def test_datamodule_blend_splits_each_prefix_and_resumes_exactly(tmp_path):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dm = BertDataModule([0.3, prefixes[0], 0.7, prefixes[1]], max_seq_length=64, global_batch_size=2,
-                            micro_batch_size=1, splits="97,2,1", train_samples=200, cache_dir=str(tmp_path / "cache"))
+        dm = BertDataModule([0.3, prefixes[0], 0.7, prefixes[1]], max_seq_length=64, global_batch_size=10,
+                            micro_batch_size=5, splits="97,2,1", train_samples=200, cache_dir=str(tmp_path / "cache"))
         dm.trainer = _trainer()
         dm.setup("fit")
         dm.val_dataloader()
@@ -183,3 +183,6 @@ def test_datamodule_blend_splits_each_prefix_and_resumes_exactly(tmp_path):
         dm.test_dataloader()
         said = [str(w.message) for w in caught if "blend leaves out" in str(w.message)]
     assert said_by_fit == [] and said == [f"the test blend leaves out {[prefixes[1]]}: no test documents there"], said
+    # ... and the split is one global batch of alpha's samples: the weight left is the whole blend's (the sample
+    # counts took alpha's 0.3 of it: "the blend takes 10 samples from alpha, which has only 4" at set-up)
+    assert len(dm.test_dataset) == 10 and len(dm.test_dataset.datasets) == 1, dm.test_dataset.datasets

@@ -242,7 +242,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         if size is None:
             one_epoch = [self._make_dataset(indexed, docs, None) for _, _, indexed, docs in parts]
             size = max(sum(len(d) for d in one_epoch), self.global_batch_size)
-        counts = blend_num_samples([w for w, *_ in parts], size)
+        total = sum(w for w, *_ in parts)  # what is left of the blend (a prefix left out): its weights, normalized
+        counts = blend_num_samples([w / total for w, *_ in parts] if empty else [w for w, *_ in parts], size)
         datasets = [self._make_dataset(indexed, docs, count) for (_, _, indexed, docs), count in zip(parts, counts)]
         cache = Path(self.samples_cache_dir) if self.samples_cache_dir is not None else self.cache_dir / "blends"
         return BlendedDataset(datasets, [w for w, *_ in parts], size, cache_dir=cache,
