@@ -385,8 +385,11 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
             ckpt_path = config.ckpt_path = str(found)
         elif not fitting:
             return  # Lightning says that there is no last checkpoint
-        else:
-            ckpt_path = None  # fit: Lightning starts a new run, where the rule below applies
+        else:  # fit: a new run, where the rule below applies (a job script that always passes `last` starts so);
+            # said here: Lightning's hint to set ModelCheckpoint(save_last=True) misleads, the recipes set it
+            ckpt_path = config.ckpt_path = None
+            print(f"lightning-megatron: --ckpt_path last: no last checkpoint in {', '.join(folders) or root} yet: "
+                  f"a new run from step 0", flush=True)
     if not fitting or (ckpt_path is None and trainer.get("fast_dev_run")):
         return  # a fast_dev_run saves nothing
     if isinstance(ckpt_path, str) and (ckpt_path in ("best", "hpc") or ckpt_path.startswith("registry")):

@@ -161,7 +161,11 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
 
     first = _cli(tmp_path, "fit", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
                  "--lr_schedule.lr_warmup_steps", "0", "--trainer.log_every_n_steps", "1",
-                 "--trainer.enable_progress_bar", "true", fresh=True)
+                 "--trainer.enable_progress_bar", "true", "--ckpt_path", "last", fresh=True)
+    # `last` with no checkpoint yet (a job script that always passes it): a new run, said in our words (Lightning's
+    # hint was to set ModelCheckpoint(save_last=True), which the recipe does)
+    assert (f"lightning-megatron: --ckpt_path last: no last checkpoint in {tmp_path / 'run' / 'checkpoints'} yet: "
+            f"a new run from step 0\n") in first.stdout and "save_last" not in first.stderr, first.stderr[-3000:]
     # Not a terminal: a plain line per logged step, with the step, loss, lr, throughput and MFU
     lines = [line for line in first.stdout.splitlines() if line.startswith("Step ")]
     assert [line.split()[1] for line in lines] == ["1/2", "2/2"], first.stdout[-3000:]
