@@ -292,10 +292,14 @@ def test_fp16_overflow_skipped_step_keeps_the_lr_schedule_and_the_logged_lr(tmp_
     logged: dict[int, dict[str, float]] = {}
     with open(trainer.logger.log_dir + "/metrics.csv") as fh:
         for row in csv.DictReader(fh):
-            for key in ("lr", "skipped_steps"):
+            for key in ("lr", "skipped_steps", "grad_norm"):
                 if row.get(key):
                     logged.setdefault(int(row["step"]), {})[key] = float(row[key])
     assert [logged[s]["skipped_steps"] for s in range(6)] == [0, 0, 1, 1, 1, 1]
+    # the skipped step has no norm: nan, not the step before's repeated (Lightning re-logs a step metric not
+    # logged again)
+    norms = [logged[s]["grad_norm"] for s in range(6)]
+    assert math.isnan(norms[2]) and all(n > 0 for i, n in enumerate(norms) if i != 2) and norms[3] != norms[1], norms
     schedule = [0, 1, 2, 2, 3, 4]  # the step of the schedule each optimizer step used
     assert [logged[s]["lr"] for s in range(6)] == pytest.approx([_lr_at(n) for n in schedule], rel=1e-6)
     assert sched_cb.scheduler.num_steps == 5

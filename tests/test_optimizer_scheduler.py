@@ -116,7 +116,8 @@ def test_state_dict_keys_and_round_trip():
     s.step(37)
     sd = s.state_dict()
     assert set(sd) == {"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps", "min_lr",
-                       "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"}
+                       "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps",  # Megatron's, and what decides the
+                       "init_lr", "wsd_decay_steps", "lr_wsd_decay_style"}  # warm-up's start and WSD's anneal
     t = _sched("cosine")
     t.load_state_dict(sd)
     assert t.state_dict() == sd
@@ -144,6 +145,51 @@ def test_load_use_checkpoint_override_and_mismatch():
         c.load_state_dict(sd)
     with pytest.raises(ValueError, match="contradict"):
         _sched(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True)
+
+
+def test_the_warm_up_start_and_the_wsd_anneal_are_the_checkpoints_too():
+    """init_lr, wsd_decay_steps and lr_wsd_decay_style decide the lr as much as max_lr does, and Megatron's state
+    leaves them out: a resume silently took the configured ones (another anneal length, another warm-up start),
+    even with neither flag, and a WSD checkpoint resumed under another style raised a TypeError (the checkpoint's
+    WSD without its anneal length). They follow the same rule as every field now; a difference that changes no
+    value (the warm-up's start after the warm-up, WSD's fields of another style) is none."""
+    saved = _sched("WSD", wsd_decay_steps=40, lr_wsd_decay_style="linear")
+    saved.step(70)
+    sd = saved.state_dict()
+    a = _sched("WSD", wsd_decay_steps=20, lr_wsd_decay_style="cosine")  # use the checkpoint's (the default)
+    a.load_state_dict(sd)
+    assert (a.wsd_decay_steps, a.lr_wsd_decay_style) == (40, "linear")
+    assert a.optimizer.param_groups[0]["lr"] == pytest.approx(_closed_form("WSD", 70, "linear", S=40))
+    assert {name for name, *_ in a.resume_differences} == {"wsd_decay_steps", "lr_wsd_decay_style"}
+    b = _sched("cosine")  # another style: the checkpoint's WSD with its anneal
+    b.load_state_dict(sd)
+    assert (b.lr_decay_style, b.wsd_decay_steps) == ("WSD", 40)
+    assert b.optimizer.param_groups[0]["lr"] == pytest.approx(_closed_form("WSD", 70, "linear", S=40))
+    c = _sched("WSD", wsd_decay_steps=20, lr_wsd_decay_style="linear", use_checkpoint_opt_param_scheduler=False)
+    with pytest.raises(ValueError, match="wsd_decay_steps: configured 20, checkpoint 40"):
+        c.load_state_dict(sd)
+    d = _sched("WSD", wsd_decay_steps=20, lr_wsd_decay_style="cosine", use_checkpoint_opt_param_scheduler=False,
+               override_opt_param_scheduler=True)
+    d.load_state_dict(sd)
+    assert d.optimizer.param_groups[0]["lr"] == pytest.approx(_closed_form("WSD", 70, "cosine", S=20))
+    # the warm-up's start, mid-warm-up
+    warm = _sched("cosine", init_lr=2e-4)
+    warm.step(4)
+    e = _sched("cosine", init_lr=5e-4)
+    e.load_state_dict(warm.state_dict())
+    assert e.init_lr == 2e-4 and e.optimizer.param_groups[0]["lr"] == pytest.approx(2e-4 + (MAX - 2e-4) * 4 / W)
+    # ... after the warm-up, and WSD's fields under another style, change no value: no difference, no error
+    after = _sched("cosine", init_lr=2e-4)
+    after.step(30)
+    f = _sched("cosine", init_lr=5e-4, wsd_decay_steps=7, lr_wsd_decay_style="linear",
+               use_checkpoint_opt_param_scheduler=False)
+    f.load_state_dict(after.state_dict())
+    assert f.resume_differences == [] and f.num_steps == 30
+    # a WSD checkpoint of before (Megatron's keys only) resumed under another style: said, not a TypeError
+    g = _sched("cosine")
+    old = {k: v for k, v in sd.items() if k not in ("init_lr", "wsd_decay_steps", "lr_wsd_decay_style")}
+    with pytest.raises(ValueError, match="lr_decay_style='WSD' of the checkpoint needs wsd_decay_steps"):
+        g.load_state_dict(old)
 
 
 def test_load_legacy_keys():

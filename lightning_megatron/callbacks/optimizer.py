@@ -25,6 +25,8 @@ that overrides ``backward`` to do so. Without either, fp16 with loss scaling is 
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import lightning.pytorch as pl
@@ -50,7 +52,7 @@ class MegatronOptimizerCallback(Callback):
             defaults. In a recipe, the ``megatron_optimizer:`` section holds these fields. (The NaN/Inf
             guard is the MegatronStrategy's training step, with or without this callback.)
 
-    Logged every training batch (rank zero): ``grad_norm`` (not on skipped steps), ``loss_scale``,
+    Logged every training batch (rank zero): ``grad_norm`` (nan on a skipped step), ``loss_scale``,
     ``skipped_steps`` and ``num_zeros`` if enabled; with several optimizers, names of optimizer
     ``i > 0`` get the suffix ``_{i}``.
     """
@@ -106,11 +108,13 @@ class MegatronOptimizerCallback(Callback):
                 f"loss_scale{suffix}": 1.0 if opt.grad_scaler is None else opt.grad_scaler.scale.detach().float(),
                 f"skipped_steps{suffix}": float(opt.num_skipped_steps),
             }
-            if opt.last_grad_norm is not None:
-                metrics[f"grad_norm{suffix}"] = opt.last_grad_norm
-            if (self.config.log_num_zeros_in_grad and isinstance(opt, MegatronOptimizer)
-                    and opt.last_num_zeros is not None):
-                metrics[f"num_zeros{suffix}"] = float(opt.last_num_zeros)
+            # A skipped step has no norm: nan (not logged, Lightning would write the step before's again)
+            skipped = bool(getattr(opt, "last_step_skipped", False))
+            if opt.last_grad_norm is not None or skipped:
+                metrics[f"grad_norm{suffix}"] = math.nan if opt.last_grad_norm is None else opt.last_grad_norm
+            if self.config.log_num_zeros_in_grad and isinstance(opt, MegatronOptimizer) and (
+                    opt.last_num_zeros is not None or skipped):
+                metrics[f"num_zeros{suffix}"] = math.nan if opt.last_num_zeros is None else float(opt.last_num_zeros)
             for name, value in metrics.items():
                 pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
         if self._step_lr_wd is not None:

@@ -278,8 +278,13 @@ class OptimizerParamScheduler:
             param_group["weight_decay"] = self.get_wd(param_group) * param_group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict[str, Any]:
-        """Megatron's keys: the schedule's values and ``num_steps``."""
+        """Megatron's keys (the schedule's values and ``num_steps``), and what Megatron's leave out but the lr
+        depends on: ``init_lr`` (the warm-up's start), ``wsd_decay_steps`` and ``lr_wsd_decay_style`` (WSD's
+        anneal)."""
         return {
+            "init_lr": self.init_lr,
+            "wsd_decay_steps": self.wsd_decay_steps,
+            "lr_wsd_decay_style": self.lr_wsd_decay_style,
             "max_lr": self.max_lr,
             "lr_warmup_steps": self.lr_warmup_steps,
             "num_steps": self.num_steps,
@@ -362,8 +367,25 @@ class OptimizerParamScheduler:
 
         lr_decay_style_ = state_dict["decay_style"] if "decay_style" in state_dict else state_dict["lr_decay_style"]
         self.lr_decay_style = self._check_and_set(self.lr_decay_style, lr_decay_style_, "lr_decay_style")
-
         num_steps = state_dict["num_iters"] if "num_iters" in state_dict else state_dict["num_steps"]
+        # Fields a value depends on only sometimes: compared where they do (a difference that changes no value
+        # is none), else the checkpoint's kept as they are, as the other fields are.
+        for names, matters in ((("wsd_decay_steps", "lr_wsd_decay_style"), self.lr_decay_style == "WSD"),
+                               (("init_lr",), num_steps < self.lr_warmup_steps)):  # the warm-up goes on
+            for name in names:
+                if name not in state_dict:  # a checkpoint of before (or of Megatron): the configured value
+                    continue
+                if matters:
+                    setattr(self, name, self._check_and_set(getattr(self, name), state_dict[name], name))
+                elif not self.override_opt_param_scheduler:
+                    setattr(self, name, state_dict[name])
+        if self.lr_decay_style == "WSD" and (self.wsd_decay_steps is None or self.lr_wsd_decay_style is None
+                                             or not 0 < self.wsd_decay_steps <= self.lr_decay_steps):
+            raise ValueError(
+                f"lr_decay_style='WSD' of the checkpoint needs wsd_decay_steps in (0, lr_decay_steps="
+                f"{self.lr_decay_steps}] and lr_wsd_decay_style (configured {self.wsd_decay_steps!r} and "
+                f"{self.lr_wsd_decay_style!r}; a checkpoint written before 2026-12-06 does not record them): set "
+                f"--lr_schedule.wsd_decay_steps and --lr_schedule.lr_wsd_decay_style to the run's")
         # Megatron adds num_steps to a freshly built scheduler (num_steps == 0). Resetting first gives
         # the same result there and restores, rather than adds, when loading into a used scheduler.
         self.num_steps = 0
