@@ -310,6 +310,14 @@ class OptimizerParamScheduler:
         logger.info("using checkpoint value %s for %s", sd_value, name)
         return sd_value
 
+    def _sometimes(self, cls_value: Any, state_dict: dict[str, Any], name: str, matters: bool) -> Any:
+        """:meth:`_check_and_set` of a field some values depend on, where ``matters``."""
+        if name not in state_dict:
+            return cls_value
+        if matters:
+            return self._check_and_set(cls_value, state_dict[name], name)
+        return cls_value if self.override_opt_param_scheduler else state_dict[name]
+
     def describe_resume_differences(self) -> str:
         """One line per differing field and which value the schedule now uses; "" when none differ."""
         if not self.resume_differences:
@@ -368,17 +376,13 @@ class OptimizerParamScheduler:
         lr_decay_style_ = state_dict["decay_style"] if "decay_style" in state_dict else state_dict["lr_decay_style"]
         self.lr_decay_style = self._check_and_set(self.lr_decay_style, lr_decay_style_, "lr_decay_style")
         num_steps = state_dict["num_iters"] if "num_iters" in state_dict else state_dict["num_steps"]
-        # Fields a value depends on only sometimes: compared where they do (a difference that changes no value
-        # is none), else the checkpoint's kept as they are, as the other fields are.
-        for names, matters in ((("wsd_decay_steps", "lr_wsd_decay_style"), self.lr_decay_style == "WSD"),
-                               (("init_lr",), num_steps < self.lr_warmup_steps)):  # the warm-up goes on
-            for name in names:
-                if name not in state_dict:  # a checkpoint of before (or of Megatron): the configured value
-                    continue
-                if matters:
-                    setattr(self, name, self._check_and_set(getattr(self, name), state_dict[name], name))
-                elif not self.override_opt_param_scheduler:
-                    setattr(self, name, state_dict[name])
+        # Fields a value depends on only sometimes (WSD's anneal under WSD, the warm-up's start while the warm-up
+        # goes on): compared where they do (a difference that changes no value is none), else the checkpoint's
+        # kept as the other fields are. A checkpoint of before (or Megatron's) has none: the configured ones.
+        wsd = self.lr_decay_style == "WSD"
+        self.wsd_decay_steps = self._sometimes(self.wsd_decay_steps, state_dict, "wsd_decay_steps", wsd)
+        self.lr_wsd_decay_style = self._sometimes(self.lr_wsd_decay_style, state_dict, "lr_wsd_decay_style", wsd)
+        self.init_lr = self._sometimes(self.init_lr, state_dict, "init_lr", num_steps < self.lr_warmup_steps)
         if self.lr_decay_style == "WSD" and (self.wsd_decay_steps is None or self.lr_wsd_decay_style is None
                                              or not 0 < self.wsd_decay_steps <= self.lr_decay_steps):
             raise ValueError(
