@@ -38,7 +38,7 @@ from lightning_megatron.protocols import OptimizerWrapper, PlainOptimizer, Shard
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 from lightning_megatron.tensor_parallel.random import get_rng_tracker
 
-__all__ = ["ShardInfo", "ShardedStateMapper", "flat_range_boxes", "optimizer_class_name", "optimizer_class_problem",
+__all__ = ["ShardInfo", "ShardedStateMapper", "duplicate_names_problem", "flat_range_boxes", "optimizer_class_name", "optimizer_class_problem",
            "optimizer_extra",
            "plain", "rng_state", "set_rng_state", "shard_info"]
 
@@ -118,6 +118,30 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple
 def _tied_copy(p: torch.Tensor, ps: ParallelState) -> bool:
     """The last stage's copy of the tied word embedding (stored by the first stage)."""
     return param_facts(p).shared_embedding and not ps.is_pipeline_first_stage()
+
+
+def duplicate_names_problem(named_parameters: list[tuple[str, nn.Parameter]], ps: ParallelState) -> str | None:
+    """Why the checkpoint could not hold these parameters, or None: every name the checkpoint stores (the tied
+    embedding's later copy aside) must be one tensor's, across this rank's chunks and the pipeline stages; a
+    checkpoint stores one tensor a name, so a second one of that name is silently dropped. Collective over the
+    PP group when there is one (one gather of the names, at set-up)."""
+    names = [n for n, p in named_parameters if not _tied_copy(p, ps)]
+    stages = [names]
+    if ps.pp_size > 1:
+        stages = [None] * ps.pp_size
+        dist.all_gather_object(stages, names, group=ps.pp_group)
+    owners: dict[str, list[int]] = {}
+    for stage, stage_names in enumerate(stages):
+        for name in stage_names:
+            owners.setdefault(name, []).append(stage)
+    for name, where in owners.items():
+        if len(where) > 1:
+            places = (f"pipeline stages {' and '.join(map(str, sorted(set(where))))}" if len(set(where)) > 1
+                      else f"{len(where)} model chunks of pipeline stage {where[0]}")
+            return (f"parameter name {name!r} is on {places}: a checkpoint stores one tensor a name, so all but one "
+                    f"would be lost; sharded_named_parameters must give layout-independent names (a layer keyed by "
+                    f"its global number, not its place on the stage or chunk)")
+    return None
 
 
 class ShardedStateMapper:

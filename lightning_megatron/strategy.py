@@ -71,7 +71,7 @@ from lightning_megatron.setup_checks import (
     describe_setup,
     resolve_batch_sizes,
 )
-from lightning_megatron.sharded_state import ShardedStateMapper
+from lightning_megatron.sharded_state import ShardedStateMapper, duplicate_names_problem
 from lightning_megatron.step import BatchSizes, StepRunner
 from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 from lightning_megatron.tensor_parallel.param_facts import mark_replicated
@@ -272,6 +272,9 @@ class MegatronStrategy(DDPStrategy):
         self._module = megatron_module(self.lightning_module, pipelined=ps.pp_size > 1, num_chunks=ps.vp_size or 1)
         # Parameters no parallel layer described are replicated across TP: said once, here (param_facts).
         mark_replicated(p for chunk in self.model_chunks for p in chunk.parameters())
+        problem = duplicate_names_problem(list(self._module.sharded_named_parameters()), ps)
+        if problem:
+            raise ValueError(f"MegatronStrategy: {problem}")
         check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams),
                         wraps_optimizers=self._optimizer_config is not None)
         schedule = get_schedule(ps.dims.schedule, ps.pp_size, ps.vp_size)
