@@ -144,3 +144,24 @@ def test_invalid_microbatches_raise_before_any_communication():
     with pytest.raises(ValueError, match="expects 1 model chunk"):
         forward_backward_pipelining_without_interleaving(microbatches=[{}] * 2, model=[_Chunk(), _Chunk()],
                                                          num_microbatches=2, **common)
+
+
+def test_a_loss_func_breaking_the_contract_is_named():
+    """forward_step returns ``(output, loss_func)`` and ``loss_func(output)`` returns ``(loss, dict to log)``: a
+    bare tensor raised "iteration over a 0-d tensor" inside the schedule, a missing loss_func "'NoneType' object is
+    not callable"; each says the contract now."""
+    ps = ParallelState(dims=ParallelDims(dp=1), rank=0, members={})
+    chunk = nn.Linear(2, 2)
+    common = dict(microbatches=[torch.ones(1, 2)], model=[chunk], num_microbatches=1, parallel_state=ps,
+                  tensor_shape=(1, 1, 2), dtype=torch.float32)
+
+    def returns(loss_func):
+        return lambda microbatch, module: (module(microbatch), loss_func)
+
+    with pytest.raises(TypeError, match=r"loss_func must return \(loss, dict of values to log\).*got a Tensor"):
+        forward_backward_no_pipelining(forward_step_func=returns(lambda out: out.sum()), **common)
+    with pytest.raises(TypeError, match="forward_step returned no loss_func on the last pipeline piece"):
+        forward_backward_no_pipelining(forward_step_func=returns(None), **common)
+    logged = forward_backward_no_pipelining(
+        forward_step_func=returns(lambda out: (out.sum(), {"loss": out.sum().detach()})), **common)
+    assert len(logged) == 1 and set(logged[0]) == {"loss"}

@@ -34,7 +34,7 @@ schedule here is written with: a new schedule (docs/pipeline.md) uses it too.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -147,7 +147,16 @@ class MicrobatchRunner:
                              f"but has no set_input_tensor(tensor) method (see docs/strategy.md)")
         output_tensor, loss_func = self.forward_step_func(self.microbatches[microbatch], module)
         if last_piece:
-            loss, logged = loss_func(output_tensor)
+            if loss_func is None:
+                raise TypeError(f"forward_step returned no loss_func on the last pipeline piece "
+                                f"({type(module).__name__}, the chunk with post_process): return (output, loss_func) "
+                                f"there, loss_func(output) -> (loss, dict of values to log)")
+            result = loss_func(output_tensor)
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Tensor)
+                    and isinstance(result[1], Mapping)):
+                raise TypeError(f"loss_func must return (loss, dict of values to log), e.g. (loss, {{'loss': "
+                                f"loss.detach()}}); got a {type(result).__name__}")
+            loss, logged = result
             if loss.dim() != 0:
                 raise ValueError(f"loss_func must return a scalar loss (the mean over the microbatch), "
                                  f"got shape {tuple(loss.shape)}")
