@@ -165,3 +165,14 @@ def test_a_loss_func_breaking_the_contract_is_named():
     logged = forward_backward_no_pipelining(
         forward_step_func=returns(lambda out: (out.sum(), {"loss": out.sum().detach()})), **common)
     assert len(logged) == 1 and set(logged[0]) == {"loss"}
+
+
+def test_a_rank_batch_the_micro_batch_does_not_divide_names_both_batch_knobs():
+    """With a plain DataLoader (no global_batch_size anywhere) the message named only the datamodule's knob: it
+    names the DataLoader's batch_size, which is each rank's, too."""
+    from lightning_megatron.pipeline.microbatches import split_microbatches
+
+    assert [len(m) for m in split_microbatches(torch.zeros(6, 2), 3)] == [3, 3]
+    with pytest.raises(ValueError, match=r"a plain DataLoader's batch_size, which is each rank's, a multiple of "
+                                         r"micro_batch_size"):
+        split_microbatches({"x": torch.zeros(8, 2)}, 3)

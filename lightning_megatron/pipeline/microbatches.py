@@ -16,7 +16,9 @@ def split_microbatches(batch: Any, micro_batch_size: int | None) -> list[Any]:
     mbs = micro_batch_size or size
     if size % mbs != 0:
         raise ValueError(f"the per-rank batch has {size} samples, not divisible by micro_batch_size={mbs}; make "
-                         f"global_batch_size a multiple of micro_batch_size x data-parallel size")
+                         f"each rank's batch a multiple of micro_batch_size (a datamodule's global_batch_size a "
+                         f"multiple of micro_batch_size x data-parallel size; a plain DataLoader's batch_size, which "
+                         f"is each rank's, a multiple of micro_batch_size)")
     return [_slice_batch(batch, i * mbs, (i + 1) * mbs) for i in range(size // mbs)]
 
 
