@@ -101,6 +101,20 @@ def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict
             f"params, loss scaling, overflow skip), or train with params_dtype='float32'")
 
 
+def unsplit_model_warning(chunks: Sequence[nn.Module], ps: ParallelState) -> str | None:
+    """A warning when TP > 1 splits none of the model's parameters (parallel layers built without the strategy's
+    ``tp_group``, e.g. in ``__init__``): every TP rank then runs the whole model, TP's work repeated; None when some
+    parameter is split, or TP is 1."""
+    from lightning_megatron.tensor_parallel.param_facts import param_facts
+
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    if ps.tp_size == 1 or not params or any(param_facts(p).tensor_model_parallel for p in params):
+        return None
+    return (f"tensor_model_parallel_size={ps.tp_size} but no parameter of the model is split over the TP ranks: each "
+            f"runs the whole model. Build the parallel layers in configure_model with the strategy's "
+            f"parallel_state.tp_group (docs/strategy.md), or use tensor_model_parallel_size=1")
+
+
 def check_optimizers(wrappers: Sequence[Any], grad_buffer: Any, *, overlap_param_gather: bool) -> None:
     """The fit's optimizers (as :class:`~lightning_megatron.protocols.OptimizerWrapper`) against the strategy:
     a ZeRO-1 optimizer shards the strategy's own grad buffer; ``overlap_param_gather`` needs one."""

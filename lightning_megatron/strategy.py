@@ -36,7 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -70,6 +70,7 @@ from lightning_megatron.setup_checks import (
     check_trainer,
     describe_setup,
     resolve_batch_sizes,
+    unsplit_model_warning,
 )
 from lightning_megatron.sharded_state import ShardedStateMapper, duplicate_names_problem
 from lightning_megatron.step import BatchSizes, StepRunner
@@ -275,6 +276,9 @@ class MegatronStrategy(DDPStrategy):
         problem = duplicate_names_problem(list(self._module.sharded_named_parameters()), ps)
         if problem:
             raise ValueError(f"MegatronStrategy: {problem}")
+        warning = unsplit_model_warning(self.model_chunks, ps)
+        if warning:
+            rank_zero_warn(f"MegatronStrategy: {warning}")
         check_precision(trainer, self.model_chunks, dict(self.lightning_module.hparams),
                         wraps_optimizers=self._optimizer_config is not None)
         schedule = get_schedule(ps.dims.schedule, ps.pp_size, ps.vp_size)

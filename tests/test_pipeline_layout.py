@@ -176,3 +176,23 @@ def test_a_rank_batch_the_micro_batch_does_not_divide_names_both_batch_knobs():
     with pytest.raises(ValueError, match=r"a plain DataLoader's batch_size, which is each rank's, a multiple of "
                                          r"micro_batch_size"):
         split_microbatches({"x": torch.zeros(8, 2)}, 3)
+
+
+def test_tensor_parallel_that_splits_nothing_is_said():
+    """Parallel layers built without the strategy's tp_group (in ``__init__``) at TP=2: nothing is split and each
+    rank runs the whole model, which trained without a word; set-up warns. A layer built with a TP group of 2
+    (faked here: the facts a split layer records) is split: nothing said."""
+    from lightning_megatron.setup_checks import unsplit_model_warning
+    from lightning_megatron.tensor_parallel import ColumnParallelLinear
+    from lightning_megatron.tensor_parallel.param_facts import set_param_facts
+
+    tp2 = ParallelState(dims=ParallelDims(tp=2, dp=1), rank=0, members={})
+    from lightning_megatron.tensor_parallel import mark_replicated
+
+    unsplit = nn.Sequential(ColumnParallelLinear(4, 8, tp_group=None), nn.LayerNorm(8))
+    mark_replicated(unsplit.parameters())  # as the strategy's set-up does first
+    message = unsplit_model_warning([unsplit], tp2)
+    assert message.startswith("tensor_model_parallel_size=2 but no parameter of the model is split"), message
+    assert unsplit_model_warning([unsplit], ParallelState(dims=ParallelDims(dp=1), rank=0, members={})) is None
+    set_param_facts(unsplit[0].weight, sharded_over=("tp",), replicated_over=(), partition_dim=0)
+    assert unsplit_model_warning([unsplit], tp2) is None
