@@ -87,6 +87,12 @@ class _PrewarmedLauncher(_SubprocessScriptLauncher):
     environment and folder); the others it starts itself."""
 
     @override
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:  # Trainer options the schedule replaces: refused once, before the ranks start
+            check_trainer(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
     def _call_children_scripts(self) -> None:
         with launch.hand_to_waiting(sys.modules[_SubprocessScriptLauncher.__module__]):
             super()._call_children_scripts()

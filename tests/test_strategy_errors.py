@@ -80,3 +80,27 @@ def test_optimizers_that_do_not_fit_the_strategy_are_refused():
     with pytest.raises(ValueError, match=r"overlap_param_gather=True\).*use_distributed_optimizer true"):
         check_optimizers([plain], ours, overlap_param_gather=True)
     check_optimizers([plain], ours, overlap_param_gather=False)
+
+
+def test_trainer_options_the_schedule_replaces_are_refused_before_the_ranks_start(monkeypatch):
+    """From Python (``Trainer(devices=2, strategy=MegatronStrategy(...))`` in a script), accumulate_grad_batches and
+    gradient_clip_val were refused at set-up, once the ranks had started: the error once a rank, then gloo's
+    "Connection closed by peer". The launcher refuses them before it starts any rank (starting one here would
+    fail the test, not re-run it)."""
+    import pytest
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_megatron.strategy import MegatronStrategy, _PrewarmedLauncher
+
+    def started(self) -> None:
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(_PrewarmedLauncher, "_call_children_scripts", started)
+    for option, message in (({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
+                            ({"gradient_clip_val": 1.0}, "gradient_clip_val")):
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=MegatronStrategy(), logger=False, max_steps=1,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **option)
+        assert isinstance(trainer.strategy.launcher, _PrewarmedLauncher)
+        with pytest.raises(ValueError, match=message):
+            trainer.fit(BoringModel())
