@@ -24,7 +24,7 @@ from torchmetrics.classification import (
 )
 from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef, SpearmanCorrCoef
 
-from lightning_megatron.metrics import EVAL_STAGES, Perplexity, eval_stage, log_epoch_metrics, on_device
+from lightning_megatron.metrics import EVAL_STAGES, Perplexity, eval_stage, float32_states, log_epoch_metrics, on_device
 from lightning_megatron.metrics import sync_args as _sync_args
 from lightning_megatron.parallel_state import ParallelState
 
@@ -58,16 +58,18 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCol
             "f1": MulticlassF1Score(num_classes, average="macro", **kw),
             "matthews_corrcoef": MulticlassMatthewsCorrCoef(num_classes, **kw), "loss": MeanMetric(**kw)})
 
-    return {stage: collection() for stage in EVAL_STAGES}
+    with float32_states():
+        return {stage: collection() for stage in EVAL_STAGES}
 
 
 def pretraining_metrics(vocab_size: int, ps: ParallelState) -> dict[str, MetricCollection]:
     """``{stage: MetricCollection(mlm_accuracy, perplexity)}`` for val and test (see :func:`finetune_metrics`)."""
     kw = _sync_args(ps)
-    return {stage: MetricCollection({
-        "mlm_accuracy": MulticlassAccuracy(vocab_size, average="micro", ignore_index=-100, validate_args=False,
-                                           **kw),
-        "perplexity": Perplexity(**kw)}) for stage in EVAL_STAGES}
+    with float32_states():
+        return {stage: MetricCollection({
+            "mlm_accuracy": MulticlassAccuracy(vocab_size, average="micro", ignore_index=-100, validate_args=False,
+                                               **kw),
+            "perplexity": Perplexity(**kw)}) for stage in EVAL_STAGES}
 
 
 def update_stage(metrics: dict[str, MetricCollection] | None, stage: str | None, preds: torch.Tensor,

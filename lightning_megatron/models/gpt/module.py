@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_megatron.generation import GenerationTokenizer, Prompts, StopRule, TokenizedData, stop_strings_problem
 from lightning_megatron.language.module import LanguageLightningModule
-from lightning_megatron.metrics import Perplexity, eval_stage, log_epoch_metrics, on_device, sync_args
+from lightning_megatron.metrics import Perplexity, eval_stage, float32_states, log_epoch_metrics, on_device, sync_args
 from lightning_megatron.models.gpt.config import GPTConfig
 from lightning_megatron.models.gpt.hf_config import GPT_ARCHITECTURE_KEYS
 from lightning_megatron.models.gpt.interop import GPTInterop
@@ -125,7 +125,8 @@ class GPTLightningModule(LanguageLightningModule):
     def on_chunks_built(self) -> None:
         # val/test perplexity of the whole split, gathered over DP (a plain dict: outside the state dict)
         kw = sync_args(self.parallel_state)
-        self.eval_metrics = {stage: MetricCollection({"perplexity": Perplexity(**kw)}) for stage in ("val", "test")}
+        with float32_states():
+            self.eval_metrics = {stage: MetricCollection({"perplexity": Perplexity(**kw)}) for stage in ("val", "test")}
 
     # ------------------------------------------------------------------ weights from elsewhere
 
