@@ -459,3 +459,31 @@ def test_update_error_is_relative_to_the_update():
     for name, final in (("one element's sign", flipped), ("lr 1% off", init["w"] - 1.01 * sum(steps)),
                         ("a step missing", init["w"] - sum(steps[:2]))):
         assert err(w=final)["w"] > 3 * tol, (name, err(w=final))
+
+
+def test_a_16_bit_reference_that_overflowed_is_said_and_the_optimizer_is_an_override(tmp_path):
+    """An fp16 recipe's check started at Megatron's loss scale 2^32: every step overflowed in the reference and the
+    layout alike (the optimizer skipped it), and each layout was judged a divergence ("gradients of output_layer:
+    nan"). A reference whose gradients are not finite is said as such, with the fix; and the fix is a flag:
+    ``--megatron_optimizer.initial_loss_scale`` (check refused every section but model and data)."""
+    import math
+    from pathlib import Path
+
+    from lightning_megatron.check.parity import LayoutRun, Tolerances, compare_runs
+    from lightning_megatron.check.recipe import load_recipe, parse_overrides
+
+    def run(norm: float) -> LayoutRun:
+        return LayoutRun(layout="ep2", losses=[9.0362], grad_norms=[norm], grads={}, params={}, memory=[],
+                         collectives=[])
+
+    result = compare_runs(run(math.nan), run(math.nan), Tolerances())
+    assert not result.passed and result.failures[0].startswith(
+        "step 1: the reference's gradients are not finite (an fp16 loss scale that overflowed: the optimizer skipped "
+        "the step), nothing compared"), result.failures
+    assert "--megatron_optimizer.initial_loss_scale" in result.failures[0]
+    overrides = parse_overrides(["--megatron_optimizer.initial_loss_scale", "1024", "--model.config.num_layers", "1"],
+                                ("model", "data", "megatron_optimizer"))
+    base = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
+    recipe = load_recipe(base, overrides["model"], overrides["data"], overrides["megatron_optimizer"])
+    [(name, args)] = [c for c in recipe.callbacks if c[0] == "MegatronOptimizerCallback"]
+    assert args["config"]["initial_loss_scale"] == 1024

@@ -109,7 +109,7 @@ class MegatronOptimizerCallback(Callback):
                 f"skipped_steps{suffix}": float(opt.num_skipped_steps),
             }
             # A skipped step has no norm: nan (not logged, Lightning would write the step before's again)
-            skipped = bool(getattr(opt, "last_step_skipped", False))
+            skipped = bool(opt.last_step_skipped)
             if opt.last_grad_norm is not None or skipped:
                 metrics[f"grad_norm{suffix}"] = math.nan if opt.last_grad_norm is None else opt.last_grad_norm
             if self.config.log_num_zeros_in_grad and isinstance(opt, MegatronOptimizer) and (

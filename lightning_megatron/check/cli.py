@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_megatron.check.recipe import factories, load_recipe, parse_overrides
 
     try:  # argument errors: a usage message, not a traceback
-        overrides = parse_overrides(rest)
-        recipe = load_recipe(args.config, overrides["model"], overrides["data"])
+        overrides = parse_overrides(rest, ("model", "data", "megatron_optimizer"))
+        recipe = load_recipe(args.config, overrides["model"], overrides["data"], overrides["megatron_optimizer"])
         layouts, reference = ParallelDims.parse_list(args.layouts), ParallelDims.parse(args.reference)
     except (ValueError, OSError) as e:
         parser.error(str(e))

@@ -248,6 +248,13 @@ def compare_runs(run: LayoutRun, ref: LayoutRun, tol: Tolerances) -> LayoutResul
     res = LayoutResult(layout=run.layout, rows=[])
     if len(run.losses) != len(ref.losses):
         res.failures.append(f"ran {len(run.losses)} steps, the reference {len(ref.losses)}")
+    overflowed = [i + 1 for i, norm in enumerate(ref.grad_norms) if not math.isfinite(norm)]
+    if overflowed:  # the reference's own step: no layout to blame
+        res.failures.append(
+            f"step {overflowed[0]}: the reference's gradients are not finite (an fp16 loss scale that overflowed: the "
+            f"optimizer skipped the step), nothing compared; start from a loss scale the gradients fit "
+            f"(--megatron_optimizer.initial_loss_scale 1024, say) or check in fp32 (--fp32)")
+        return res
     for i, (loss, loss_ref) in enumerate(zip(run.losses, ref.losses)):
         norm, norm_ref = run.grad_norms[i], ref.grad_norms[i]
         row = StepRow(step=i + 1, loss_ref=loss_ref, loss=loss, loss_rel=_rel(loss, loss_ref), norm_ref=norm_ref,

@@ -175,7 +175,8 @@ def parse_overrides(args: list[str], prefixes: tuple[str, ...] = ("model", "data
 
 
 def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
-                data_overrides: dict[str, Any] | None = None) -> RecipeCheck:
+                data_overrides: dict[str, Any] | None = None,
+                optimizer_overrides: dict[str, Any] | None = None) -> RecipeCheck:
     """Read a recipe (``yaml.safe_load``, no code runs; with its ``base:`` recipes); dropout is turned off,
     and ``defer_embedding_wgrad_compute`` (the schedule's business, not the math's)."""
     from lightning_megatron.module import MegatronLightningModule
@@ -240,6 +241,8 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
         else:
             skipped.append(path_)
     # The CLI's named sections (``megatron_optimizer:``, ``lr_schedule:``) are these callbacks too.
+    if optimizer_overrides:  # --megatron_optimizer.NAME VALUE: the section's fields
+        cfg["megatron_optimizer"] = {**(cfg.get("megatron_optimizer") or {}), **optimizer_overrides}
     for section, name in _SECTIONS.items():
         if cfg.get(section) is not None:  # megatron_optimizer: the fields of the callback's OptimizerConfig
             args = dict(cfg[section])

@@ -368,6 +368,10 @@ def _make_recorder(run: CheckRun):
             if run.measure_memory and trainer.global_step == 0:  # every parameter held, frozen ones too (LoRA)
                 self.memory["params"] = _storage_bytes(list(pl_module.parameters()))
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
+            scaler = optimizer_wrapper(optimizer).grad_scaler
+            scale = 1.0 if scaler is None else float(scaler.scale)
+            if scale != 1.0:  # fp16: the gradients of the loss, not of the scaled loss (the optimizer unscales them)
+                grads = {n: g.float() / scale for n, g in grads.items()}
             if buffer is not None and buffer.reduces_by_scatter:
                 grads = _gathered_main_grads(buffer, named, grads)
             elif any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
