@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tol = Tolerances.bf16() if _sixteen_bit(recipe)[0] else Tolerances()
     G, m = recipe.global_batch_size, recipe.micro_batch_size
-    in_fp32 = " in fp32 (--fp32: config.params_dtype float32, precision 32-true)" if args.fp32 else ""
+    in_fp32 = (" in fp32 (--fp32: config.params_dtype float32, precision 32-true)" if args.fp32
+               else f" in {recipe.precision}" if recipe.precision is not None else "")
     print(f"lightning-megatron check: {args.config}{in_fp32}, layouts {', '.join(map(str, layouts))} against "
           f"{reference}, {args.steps} step{'s' if args.steps != 1 else ''}, global batch {G}, micro batch {m}, "
           f"dropout off", flush=True)
