@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from lightning_megatron.optimizer.grad_scaler import MegatronGradScaler
 
 __all__ = [
+    "contract_problem",
     "LossFunc",
     "ForwardStepResult",
     "MegatronModule",
@@ -170,25 +171,33 @@ class LightningStepsModule:
         return self.module.named_parameters()
 
 
+def contract_problem(module: Any, *, pipelined: bool, built: bool = True) -> str | None:
+    """Why the strategy cannot run ``module``, or None: it implements the :class:`MegatronModule` contract, or none
+    of it (a plain LightningModule) without pipelining. ``built=False``: before ``configure_model`` (before the
+    ranks start), its methods only (``model_chunks`` comes from ``configure_model``)."""
+    members = _MODULE_MEMBERS if built else _MODULE_MEMBERS[1:]
+    missing = missing_members(module, members)
+    if not missing or (len(missing) == len(members) and not pipelined):
+        return None
+    why = "pipeline_model_parallel_size > 1 needs it" if len(missing) == len(members) else "it implements part of it"
+    return (f"MegatronStrategy: {type(module).__name__} does not implement the MegatronModule contract ({why}); "
+            f"missing: {', '.join(missing)}. Set self.model_chunks in configure_model and implement "
+            f"forward_step(microbatch, chunk) -> (output, loss_func), pipeline_tensor_shape(microbatch) and "
+            f"sharded_named_parameters() (lightning_megatron.protocols.MegatronModule, docs/architecture.md)")
+
+
 def megatron_module(module: Any, *, pipelined: bool, num_chunks: int) -> MegatronModule:
-    """``module`` as a :class:`MegatronModule`, checked: every member present (or none of them, for
-    a plain LightningModule without pipelining), and ``num_chunks`` model chunks."""
-    missing = missing_members(module, _MODULE_MEMBERS)
+    """``module`` as a :class:`MegatronModule`, checked (:func:`contract_problem`), with ``num_chunks`` model
+    chunks."""
+    problem = contract_problem(module, pipelined=pipelined)
+    if problem:
+        raise TypeError(problem)
     name = type(module).__name__
-    if not missing:
-        contract: MegatronModule = module
-        _warn_ignored_hooks(module)
-    elif len(missing) == len(_MODULE_MEMBERS) and not pipelined:
-        contract = LightningStepsModule(module)
+    if missing_members(module, _MODULE_MEMBERS):  # none of it: a plain LightningModule, no pipelining
+        contract: MegatronModule = LightningStepsModule(module)
     else:
-        need = ", ".join(missing)
-        why = ("pipeline_model_parallel_size > 1 needs it" if len(missing) == len(_MODULE_MEMBERS)
-               else "it implements part of it")
-        raise TypeError(
-            f"MegatronStrategy: {name} does not implement the MegatronModule contract ({why}); missing: {need}. "
-            f"Set self.model_chunks in configure_model and implement forward_step(microbatch, chunk) -> "
-            f"(output, loss_func), pipeline_tensor_shape(microbatch) and sharded_named_parameters() "
-            f"(lightning_megatron.protocols.MegatronModule, docs/architecture.md)")
+        contract = module
+        _warn_ignored_hooks(module)
     chunks = list(contract.model_chunks)
     if len(chunks) != num_chunks:
         raise ValueError(

@@ -59,6 +59,7 @@ from lightning_megatron.protocols import (
     OptimizerWrapper,
     PlainOptimizer,
     PredictsBatches,
+    contract_problem,
     megatron_module,
     optimizer_wrapper,
 )
@@ -88,8 +89,13 @@ class _PrewarmedLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None:  # Trainer options the schedule replaces: refused once, before the ranks start
-            check_trainer(trainer)
+        if trainer is not None:  # refused once, before the ranks start: Trainer options the schedule replaces, a
+            check_trainer(trainer)  # module the contract cannot run
+            module, strategy = trainer.lightning_module, trainer.strategy
+            if module is not None and isinstance(strategy, MegatronStrategy):
+                problem = contract_problem(module, pipelined=strategy.parallel_dims.pp > 1, built=False)
+                if problem:
+                    raise TypeError(problem)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override

@@ -104,3 +104,17 @@ def test_trainer_options_the_schedule_replaces_are_refused_before_the_ranks_star
         assert isinstance(trainer.strategy.launcher, _PrewarmedLauncher)
         with pytest.raises(ValueError, match=message):
             trainer.fit(BoringModel())
+
+    # ... and so is a module the contract cannot run: a plain one under pipelining, or one implementing part of it
+    # (the methods: its model_chunks come from configure_model, which runs in each rank)
+    class Partial(BoringModel):
+        def forward_step(self, microbatch, chunk):
+            raise AssertionError("refused before any step")
+
+    for strategy, module, why in ((MegatronStrategy(pipeline_model_parallel_size=2), BoringModel(),
+                                   "pipeline_model_parallel_size > 1 needs it"),
+                                  (MegatronStrategy(), Partial(), "it implements part of it")):
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, max_steps=1,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        with pytest.raises(TypeError, match=f"does not implement the MegatronModule contract \\({why}\\)"):
+            trainer.fit(module)
