@@ -487,3 +487,29 @@ def test_a_16_bit_reference_that_overflowed_is_said_and_the_optimizer_is_an_over
     recipe = load_recipe(base, overrides["model"], overrides["data"], overrides["megatron_optimizer"])
     [(name, args)] = [c for c in recipe.callbacks if c[0] == "MegatronOptimizerCallback"]
     assert args["config"]["initial_loss_scale"] == 1024
+
+
+def test_the_trainer_s_precision_is_an_override_and_other_trainer_options_are_named():
+    """``fit --config r.yaml --trainer.precision bf16-mixed`` trains the recipe in bf16; ``check`` of the same command
+    line said ``unknown argument '--trainer.precision'``: the one Trainer option that changes what a layout computes
+    is an override; any other is refused naming what the check uses instead."""
+    from pathlib import Path
+
+    from lightning_megatron.check.cli import tolerances
+    from lightning_megatron.check.parity import Tolerances
+    from lightning_megatron.check.recipe import load_recipe, parse_overrides
+
+    prefixes = ("model", "data", "megatron_optimizer", "trainer")
+    base = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml"
+    overrides = parse_overrides(["--trainer.precision", "bf16-mixed"], prefixes)
+    recipe = load_recipe(base, overrides["model"], overrides["data"], overrides["megatron_optimizer"],
+                         overrides["trainer"])
+    assert recipe.precision == "bf16-mixed" and recipe.trainer_kwargs(2)["precision"] == "bf16-mixed"
+    assert load_recipe(base).precision == "32-true"  # the recipe's own
+    # fp32 parameters under autocast: 16-bit matmuls, judged at the 16-bit bounds (fp32's failed every layout)
+    assert tolerances(recipe) == Tolerances.bf16() and tolerances(load_recipe(base)) == Tolerances()
+    for flag, named in (("--trainer.max_steps", "--steps"), ("--trainer.devices", "--layouts"),
+                        ("--trainer.strategy.init_args.tensor_model_parallel_size", "--layouts")):
+        overrides = parse_overrides([flag, "2"], prefixes)
+        with pytest.raises(ValueError, match=f"{flag} is not an override of check.*{named}"):
+            load_recipe(base, trainer_overrides=overrides["trainer"])

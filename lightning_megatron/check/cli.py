@@ -107,6 +107,14 @@ def _in_fp32(recipe) -> str | None:
     return None
 
 
+def tolerances(recipe):
+    """The recipe's :class:`~lightning_megatron.check.parity.Tolerances`: 16-bit math (16-bit parameters, or fp32 ones
+    under autocast's ``bf16-mixed`` / ``16-mixed``, whose matmuls round to 16 bits) at ``Tolerances.bf16()``."""
+    from lightning_megatron.check.parity import Tolerances
+
+    return Tolerances.bf16() if _sixteen_bit(recipe)[1] else Tolerances()
+
+
 def _sixteen_bit(recipe) -> tuple[str | None, bool]:
     """(the recipe's 16-bit parameter dtype, ``"bfloat16"`` or ``"float16"``, else None; whether its math is 16-bit:
     16-bit parameters or autocast's ``bf16-mixed`` / ``16-mixed``)."""
@@ -183,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_megatron.check.recipe import factories, load_recipe, parse_overrides
 
     try:  # argument errors: a usage message, not a traceback
-        overrides = parse_overrides(rest, ("model", "data", "megatron_optimizer"))
-        recipe = load_recipe(args.config, overrides["model"], overrides["data"], overrides["megatron_optimizer"])
+        overrides = parse_overrides(rest, ("model", "data", "megatron_optimizer", "trainer"))
+        recipe = load_recipe(args.config, overrides["model"], overrides["data"], overrides["megatron_optimizer"],
+                             overrides["trainer"])
         layouts, reference = ParallelDims.parse_list(args.layouts), ParallelDims.parse(args.reference)
     except (ValueError, OSError) as e:
         parser.error(str(e))
@@ -249,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(time_table(recipe, [reference] + [x for x in layouts if x != reference], timing), flush=True)
         return 0
-    from lightning_megatron.check.parity import Tolerances, check_layouts
+    from lightning_megatron.check.parity import check_layouts
 
-    tol = Tolerances.bf16() if _sixteen_bit(recipe)[0] else Tolerances()
+    tol = tolerances(recipe)
     G, m = recipe.global_batch_size, recipe.micro_batch_size
     in_fp32 = (" in fp32 (--fp32: config.params_dtype float32, precision 32-true)" if args.fp32
                else f" in {recipe.precision}" if recipe.precision is not None else "")

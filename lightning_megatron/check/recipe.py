@@ -174,11 +174,17 @@ def parse_overrides(args: list[str], prefixes: tuple[str, ...] = ("model", "data
     return out
 
 
+_LAYOUTS = "the layouts compared are --layouts (tp2,pp2,dp2,...; --reference the one they are compared with)"
+_CHECK_OWN = {"max_steps": "the steps compared are --steps"}
+
+
 def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
                 data_overrides: dict[str, Any] | None = None,
-                optimizer_overrides: dict[str, Any] | None = None) -> RecipeCheck:
+                optimizer_overrides: dict[str, Any] | None = None,
+                trainer_overrides: dict[str, Any] | None = None) -> RecipeCheck:
     """Read a recipe (``yaml.safe_load``, no code runs; with its ``base:`` recipes); dropout is turned off,
-    and ``defer_embedding_wgrad_compute`` (the schedule's business, not the math's)."""
+    and ``defer_embedding_wgrad_compute`` (the schedule's business, not the math's). Of the Trainer's options
+    only ``precision`` is an override (``--trainer.precision``): the others are the check's own flags."""
     from lightning_megatron.module import MegatronLightningModule
 
     cfg = read_recipe(path)
@@ -247,7 +253,12 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
         if cfg.get(section) is not None:  # megatron_optimizer: the fields of the callback's OptimizerConfig
             args = dict(cfg[section])
             kept.append((name, {"config": args} if name == "MegatronOptimizerCallback" else args))
-    precision = trainer.get("precision")
+    for key in trainer_overrides or {}:
+        if key != "precision":
+            instead = _CHECK_OWN.get(key, _LAYOUTS)
+            raise ValueError(f"--trainer.{key} is not an override of check: {instead}; of the Trainer's options only "
+                             f"--trainer.precision changes what a layout computes")
+    precision = (trainer_overrides or {}).get("precision", trainer.get("precision"))
     return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout,
                        schedule_only=schedule_only, data=data, callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"),
