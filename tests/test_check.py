@@ -211,6 +211,16 @@ def test_a_16_bit_recipes_layouts_are_checked_in_fp32_with_fp32s_bounds(capsys, 
     assert float(rows["tp2"][6]) > 0.05 and rows["tp2"][7] == "pooler.dense.bias", out
     assert "16-bit gradients beyond the bounds: judged against the fp32 truth, tp1 in fp32 from the same" in out, out
     assert "tp2            PASS\n               step 1: against the fp32 truth pooler.dense.bias is " in out, out
+    # fp16 under ZeRO-1: the recorder divided the loss scale out before it put the reduce-scattered pieces together,
+    # and so recorded the rest of each rank's buffer unreduced (grad norm 5% off, pooler.dense.bias 190%)
+    fp16 = tmp_path / "bert_tiny_fp16.yaml"
+    fp16.write_text(f"base: {base}\ntrainer:\n  precision: 16-true\nmodel:\n  config:\n    params_dtype: float16\n"
+                    f"megatron_optimizer:\n  initial_loss_scale: 1024\n")
+    assert main(["--config", str(fp16), "--layouts", "dp2zero1", "--steps", "1", "--global-batch-size", "4",
+                 "--micro-batch-size", "2", "--data.max_seq_length", "64"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    [row] = [line.split() for line in out.splitlines() if line.split()[:2] == ["dp2zero1", "1"]]
+    assert float(row[5]) < 1e-5 and float(row[6]) < 1e-3, out  # the grad norm's and gradients' differences
     assert main(args + ["--fp32", "--estimate-memory", "--estimate-time"]) == 0
     out = capsys.readouterr().out
     assert "in fp32 (--fp32: config.params_dtype float32, precision 32-true)" in out, out

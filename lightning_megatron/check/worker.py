@@ -368,11 +368,7 @@ def _make_recorder(run: CheckRun):
             if run.measure_memory and trainer.global_step == 0:  # every parameter held, frozen ones too (LoRA)
                 self.memory["params"] = _storage_bytes(list(pl_module.parameters()))
                 self.memory["grads"] = _storage_bytes([g for g in grads.values()])
-            scaler = optimizer_wrapper(optimizer).grad_scaler
-            scale = 1.0 if scaler is None else float(scaler.scale)
-            if scale != 1.0:  # fp16: the gradients of the loss, not of the scaled loss (the optimizer unscales them)
-                grads = {n: g.float() / scale for n, g in grads.items()}
-            if buffer is not None and buffer.reduces_by_scatter:
+            if buffer is not None and buffer.reduces_by_scatter:  # the buffer's pieces: before any copy of them
                 grads = _gathered_main_grads(buffer, named, grads)
             elif any(is_sharded(optimizer_wrapper(o)) for o in strategy.optimizers) and ps.dp_size > 1:
                 flat = torch.cat([g.detach().float().reshape(-1) for g in grads.values()])
@@ -380,6 +376,10 @@ def _make_recorder(run: CheckRun):
                 flat /= ps.dp_size
                 grads = dict(zip(grads, (v.view_as(g) for v, g in
                                          zip(flat.split([g.numel() for g in grads.values()]), grads.values()))))
+            scaler = optimizer_wrapper(optimizer).grad_scaler
+            scale = 1.0 if scaler is None else float(scaler.scale)
+            if scale != 1.0:  # fp16: the gradients of the loss, not of the scaled loss (the optimizer unscales them)
+                grads = {n: g.float() / scale for n, g in grads.items()}
             # In float64: torch's fp32 norm of a vocab-sized tensor is off by ~1e-4 relative, differently
             # for each TP split, which would hide the layout's own differences. Under expert parallelism
             # the experts' part is summed over their own model-parallel ranks (each expert once).
