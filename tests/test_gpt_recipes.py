@@ -69,6 +69,25 @@ def test_llama_1b_recipe_is_accepted_by_estimate_memory_and_its_layout_is_the_fa
     out = capsys.readouterr().out
     assert "the recipe's layout tp2pp2dp2sp: 9.61 GiB on its fullest rank; 19th of 51" in out, out
     assert "the fastest, dp8zero1, is predicted 1.63x as fast with 18.71 GiB" in out, out
+    # --top 3: the three fastest that fit, the recipe's own row where it is further down, and how many are left out
+    assert main(argv + ["--top", "3"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    more = lines.index("  ... 48 more layouts (--top 0 lists every one)")
+    assert [line.split()[0] for line in lines[3:more]] == ["dp8zero1", "dp8", "pp2dp4zero1"], out
+    assert "1st of 51 that fit" in out, out  # the ranking is over every layout still
+    fitting_layouts(slower, 8, 80 * 10**9, timing_inputs(slower, _parser().parse_known_args(argv)[0]), top=3)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    more = lines.index("  ... 47 more layouts (--top 0 lists every one)")
+    assert [line.split()[0] for line in lines[3:more]] == ["dp8zero1", "dp8", "pp2dp4zero1", "tp2pp2dp2sp"], out
+    assert lines[more - 1].endswith("<- the recipe's"), out
+    assert "19th of 51" in out, out
+    for wrong, said in ((argv[:4] + ["--top", "3"], "--top 3 shortens the list of layouts of --gpus N; add --gpus"),
+                        (argv + ["--top", "-1"], "--top -1: a number of layouts, >= 0")):
+        with pytest.raises(SystemExit):
+            main(wrong)
+        assert said in capsys.readouterr().err
 
 
 def test_a_compiled_loss_is_estimated_keeping_the_logits_at_one_tp_rank(tmp_path, capsys):

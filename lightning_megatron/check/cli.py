@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=None,
                    help="with --estimate-memory / --estimate-time: every layout of this many GPUs")
     p.add_argument("--gpu-memory", type=_bytes, default=None, help="with --gpus: memory per GPU, e.g. 80GB")
+    p.add_argument("--top", type=int, default=0, help="with --gpus: list the N first layouts only (and the recipe's "
+                   "own); 0, the default, lists every one")
     return p
 
 
@@ -212,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     if args.gpus is not None and not (args.estimate_memory or args.estimate_time):
         parser.error("--gpus lists layouts for --estimate-memory and/or --estimate-time; add one of them")
+    if args.top and args.gpus is None:
+        parser.error(f"--top {args.top} shortens the list of layouts of --gpus N; add --gpus (and --estimate-memory "
+                     f"and/or --estimate-time)")
+    if args.top < 0:
+        parser.error(f"--top {args.top}: a number of layouts, >= 0 (0 lists every one)")
     if args.gpus is None:  # the layouts named: refused as `fit` refuses them, before any process starts
         runs = args.estimate_memory or not args.estimate_time  # --estimate-time alone runs nothing
         problems = _layout_problems(recipe, [reference] + [x for x in layouts if x != reference], runs)
@@ -252,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.estimate_memory or args.estimate_time) and args.gpus is not None:
         from lightning_megatron.check.memory_cli import fitting_layouts
 
-        return fitting_layouts(recipe, args.gpus, args.gpu_memory, timing)
+        return fitting_layouts(recipe, args.gpus, args.gpu_memory, timing, top=args.top)
     if args.estimate_time and not args.estimate_memory:
         from lightning_megatron.check.time_cli import time_table
 

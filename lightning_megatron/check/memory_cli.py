@@ -109,10 +109,12 @@ def memory_table(recipe: Any, layouts: list[ParallelDims], report: Any) -> str:
     return "\n".join(lines)
 
 
-def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tuple | None = None) -> int:
+def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tuple | None = None, *,
+                    top: int = 0) -> int:
     """Print every layout of ``gpus`` ranks with its predicted bytes (and, with ``timing`` =
     ``(Device, Efficiency, Framework)``, its predicted step time, tokens/s and MFU, the layouts that
-    fit ranked by tokens/s), then the combinations left out and why; exit status 1 when none fits."""
+    fit ranked by tokens/s), then the combinations left out and why; exit status 1 when none fits.
+    ``top`` > 0 lists the first ``top`` rows only, and the recipe's own layout where it is further down."""
     from lightning_megatron.module import context_parallel_problem
     from lightning_megatron.recipes import import_class
 
@@ -147,7 +149,8 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
     print(head)
     g = 2**30
     mine = _recipe_layout_for(recipe, gpus)
-    for ok, est, layout, step in rows:
+    shown = rows if top <= 0 else rows[:top] + [r for r in rows[top:] if mine is not None and r[2].name == mine.name]
+    for ok, est, layout, step in shown:
         sizes = (est.param_bytes, est.grad_bytes, est.optimizer_bytes, est.activation_bytes, est.total_bytes)
         line = f"{layout.name:<22} " + " ".join(f"{x / g:7.2f}" for x in sizes) + f"  {'yes' if ok else 'no ':<3}"
         if step is not None:
@@ -156,6 +159,8 @@ def fitting_layouts(recipe: Any, gpus: int, gpu_memory: int | None, timing: tupl
             line += (f" {step.total:9.4g} {step.tokens_per_s:10.4g} {step.mfu:5.1%}  "
                      + "/".join(f"{x:.3g}" for x in parts))
         print(line + ("   <- the recipe's" if mine is not None and layout.name == mine.name else ""))
+    if len(shown) < len(rows):
+        print(f"  ... {len(rows) - len(shown)} more layouts (--top 0 lists every one)")
     fits = sum(r[0] for r in rows)
     if gpu_memory is not None:
         print(f"{fits} of {len(rows)} layouts fit (activations: {m.micro_batch_size} samples per microbatch; "
