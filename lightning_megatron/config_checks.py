@@ -48,7 +48,7 @@ from lightning_megatron.step import batch_size_problem
 from lightning_megatron.transformer.context_parallel import sequence_length_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
-           "init_timeout_problem", "ckpt_path_problem", "PRECISION_PARAMS_DTYPE"]
+           "init_timeout_problem", "ckpt_path_problem", "PRECISION_PARAMS_DTYPE", "grad_scaler_problem"]
 
 
 class ConfigError(ValueError):
@@ -64,6 +64,14 @@ PRECISION_PARAMS_DTYPE = {"32-true": "float32", "bf16-mixed": "float32", "16-mix
                           "bf16-true": "bfloat16", "16-true": "float16"}
 """Trainer precision -> the ``params_dtype`` it needs: mixed precision autocasts over fp32 parameters;
 ``*-true`` runs the parameters in that dtype (fp32 main copies live in MegatronOptimizerCallback)."""
+
+def grad_scaler_problem(precision: str) -> str:
+    """Why Lightning's fp16 autocast (``16-mixed``) cannot train under the strategy, and the fix."""
+    return (f"precision={precision!r} scales the loss with torch's GradScaler in Lightning's backward, which the "
+            f"strategy's microbatch schedule replaces (the gradients would be unscaled without ever being scaled; on "
+            f"a CPU Lightning runs bf16-mixed instead). Use precision='bf16-mixed' (autocast, no scaling), or "
+            f"params_dtype='float16' with precision='16-true' and MegatronOptimizerCallback (dynamic loss scaling)")
+
 
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "torch.float32": "float32",
@@ -325,7 +333,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     # --- precision
     precision = normalize_precision(t.get("precision"))
     params_dtype = _dtype_name(m["params_dtype"]) if m.get("params_dtype") is not None else None
-    if precision not in PRECISION_PARAMS_DTYPE:
+    if precision == "16-mixed":
+        problems.append(grad_scaler_problem(precision))
+    elif precision not in PRECISION_PARAMS_DTYPE:
         problems.append(f"precision={t.get('precision')!r} is not supported by MegatronStrategy; use one of "
                         f"{sorted(PRECISION_PARAMS_DTYPE)}")
     elif params_dtype is not None and PRECISION_PARAMS_DTYPE[precision] != params_dtype:

@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, normalize_precision
+from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, grad_scaler_problem, normalize_precision
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_dims import ParallelDims, ParallelDimsError
 from lightning_megatron.parallel_state import ParallelState
@@ -73,11 +73,7 @@ def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict
     plugin = trainer.precision_plugin
     precision = normalize_precision(plugin.precision)
     if getattr(plugin, "scaler", None) is not None:  # MixedPrecision's GradScaler (other plugins have none)
-        raise ValueError(
-            f"MegatronStrategy: precision={precision!r} scales the loss with torch's GradScaler in Lightning's "
-            f"backward, which the strategy's microbatch schedule replaces (the gradients would be unscaled "
-            f"without ever being scaled). Use precision='bf16-mixed' (autocast, no scaling), or "
-            f"params_dtype='float16' with precision='16-true' and MegatronOptimizerCallback (dynamic loss scaling)")
+        raise ValueError(f"MegatronStrategy: {grad_scaler_problem(precision)}")
     if precision not in PRECISION_PARAMS_DTYPE:
         raise ValueError(f"MegatronStrategy: precision={precision!r} is not supported; use one of "
                          f"{sorted(PRECISION_PARAMS_DTYPE)}")

@@ -96,6 +96,10 @@ def test_good_config_has_no_problems():
      "precision='bf16-mixed' needs params_dtype='float32'"),
     (dict(trainer_args=dict(precision="bf16-true")), "precision='bf16-true' needs params_dtype='bfloat16'"),
     (dict(trainer_args=dict(precision="64-true")), "precision='64-true' is not supported"),
+    # fp16 autocast: on a GPU torch's GradScaler, which the schedule's backward never scales; on a CPU Lightning
+    # runs bf16-mixed instead, warning once (the run was not what was asked for)
+    (dict(trainer_args=dict(precision="16-mixed")), "precision='16-mixed' scales the loss with torch's GradScaler"),
+    (dict(trainer_args=dict(precision=16)), "precision='16-mixed' scales the loss with torch's GradScaler"),
     (dict(trainer_args=dict(precision="16-true"), model_hparams=dict(params_dtype="float16"),
           has_optimizer_callback=False), "params_dtype='float16' without MegatronOptimizerCallback"),
     (dict(trainer_args=dict(accumulate_grad_batches=4)), "accumulate_grad_batches=4"),

@@ -111,7 +111,7 @@ def _in_fp32(recipe) -> str | None:
 
 def tolerances(recipe):
     """The recipe's :class:`~lightning_megatron.check.parity.Tolerances`: 16-bit math (16-bit parameters, or fp32 ones
-    under autocast's ``bf16-mixed`` / ``16-mixed``, whose matmuls round to 16 bits) at ``Tolerances.bf16()``."""
+    under autocast's ``bf16-mixed``, whose matmuls round to 16 bits) at ``Tolerances.bf16()``."""
     from lightning_megatron.check.parity import Tolerances
 
     return Tolerances.bf16() if _sixteen_bit(recipe)[1] else Tolerances()
