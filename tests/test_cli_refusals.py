@@ -301,7 +301,7 @@ def _killed() -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer ends a process
 
 
-def test_a_check_larger_than_this_machine_is_refused_before_launch(monkeypatch, capsys):
+def test_a_check_larger_than_this_machine_is_refused_before_launch(monkeypatch, capsys, tmp_path):
     """`check` runs every layout's ranks on this machine's CPU. A GPU recipe checked without ``--gpus``
     (mixtral_8x7b's 46.7B parameters) built the model in the reference's process until the kernel killed it:
     "rank 0 died with exit code -9 without reporting", a traceback. Each layout's ranks together (the memory
@@ -330,6 +330,12 @@ def test_a_check_larger_than_this_machine_is_refused_before_launch(monkeypatch, 
             in message, message
     from lightning_megatron.check.cli import main as check_main  # --estimate-time alone runs nothing: not refused
 
+    # a problem of the recipe, not of a layout (a data file missing), is said once, not once a layout
+    monkeypatch.chdir(tmp_path)
+    message = refused(["--config", str(ROOT / "recipes" / "bert_tiny_sst2.yaml"), "--layouts", "tp2,dp2"])
+    assert message.count("labelled data file 'data/sst2/train.jsonl' does not exist") == 1, message
+    assert "\n  - labelled data file 'data/sst2/train.jsonl' does not exist" in message, message
+    assert "lightning-megatron check: 2 problem(s), found before starting any process" in message, message
     assert check_main(["--config", str(ROOT / "recipes" / "mixtral_8x7b.yaml"), "--estimate-time"]) == 0
     assert "tp2 " in capsys.readouterr().out
     # a vocabulary left to the data's tokenizer is counted too (gpt_tiny's packaged 8,192 pieces)

@@ -170,7 +170,7 @@ def _layout_problems(recipe, layouts: list, runs: bool = True) -> list[str]:
     trainer = {"precision": recipe.precision} if recipe.precision is not None else {}
     trainer["accelerator"] = "cpu"  # a check runs every layout's ranks on this machine's CPU
     recipe = sized
-    problems = []
+    found_by_layout = []
     one_stage = copy.deepcopy(recipe.model)  # the one-stage layouts' (the reference's): every layer on the stage
     for name in STAGE_SIZES:
         (one_stage.get("config") or {}).pop(name, None)
@@ -181,8 +181,11 @@ def _layout_problems(recipe, layouts: list, runs: bool = True) -> list[str]:
                              has_optimizer_callback=True if dims.zero1 else None, use_distributed_optimizer=dims.zero1,
                              model_class=import_class(recipe.model_class), running=runs,
                              data_class=import_class(recipe.data_class))
-        problems += [f"layout {dims}: {p}" for p in found]
-    return problems
+        found_by_layout.append((dims, found))
+    # a problem every layout has is the recipe's (a data file missing): said once, before the layouts' own
+    everywhere = [p for p in found_by_layout[0][1] if all(p in found for _, found in found_by_layout)] \
+        if len(found_by_layout) > 1 else []
+    return everywhere + [f"layout {dims}: {p}" for dims, found in found_by_layout for p in found if p not in everywhere]
 
 
 def main(argv: list[str] | None = None) -> int:
