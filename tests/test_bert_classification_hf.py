@@ -56,8 +56,8 @@ def _pair(tmp_path, num_labels: int):
 
 def _ours(ours, batch) -> torch.Tensor:
     chunk = ours.model_chunks[0]
-    hidden = chunk(batch["tokens"], batch["attention_mask"], batch["token_types"], return_hidden_states=True)
-    return ours._classify(chunk, hidden)
+    pooled = chunk(batch["tokens"], batch["attention_mask"], batch["token_types"], return_pooled=True)
+    return ours._classify(chunk, pooled)
 
 
 def test_classification_logits_equal_transformers(tmp_path):

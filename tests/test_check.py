@@ -523,3 +523,27 @@ def test_the_trainer_s_precision_is_an_override_and_other_trainer_options_are_na
         overrides = parse_overrides([flag, "2"], prefixes)
         with pytest.raises(ValueError, match=f"{flag} is not an override of check.*{named}"):
             load_recipe(base, trainer_overrides=overrides["trainer"])
+
+
+def test_a_classifier_recipe_is_checked_and_its_memory_predicted(capsys):
+    """``check --config recipes/bert_tiny_finetune.yaml`` (what ``finetune fit`` trains: BERT's classifier over the
+    recipe's labelled data) built the pretraining module and died in every rank ("unexpected keyword argument
+    'classifier_dropout'"). It checks the classifier now, ``num_classes`` from the data as ``finetune`` links it,
+    and predicts its memory: no LM head runs (its logits were predicted, twice the activations measured), and the
+    classifier keeps the first token only (it kept a view of the whole final norm's output, under sequence
+    parallelism the gathered sequence)."""
+    from pathlib import Path
+
+    from lightning_megatron.check.cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny_finetune.yaml"
+    assert main(["--config", str(recipe), "--layouts", "tp2sp", "--steps", "1", "--global-batch-size", "8",
+                 "--micro-batch-size", "4", "--estimate-memory"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tp2sp          PASS" in out, out
+    rows = [line.split() for line in out.split("memory per rank")[1].splitlines()[2:] if line.strip()]
+    assert [(r[0], r[1]) for r in rows] == [("tp1", "0"), ("tp2sp", "0")], out
+    for row in rows:  # params, grads, optimizer state, activations
+        for cell in row[2:6]:
+            predicted, measured = (float(x) for x in cell.split("/"))
+            assert abs(predicted / measured - 1) < 0.02, out

@@ -178,6 +178,18 @@ _LAYOUTS = "the layouts compared are --layouts (tp2,pp2,dp2,...; --reference the
 _CHECK_OWN = {"max_steps": "the steps compared are --steps"}
 
 
+CLASSIFIER_CLASS = "lightning_megatron.models.bert.classification.BertClassificationModule"
+
+
+def _default_model_class(data_class: str) -> str:
+    """The module a recipe that names none trains, as its command builds it: over labelled data
+    (a ``FinetuneDataModule``: ``finetune fit``) BERT's classifier, else the CLI's default."""
+    from lightning_megatron.datamodules.finetune import FinetuneDataModule
+
+    cls = import_class(data_class)
+    return CLASSIFIER_CLASS if isinstance(cls, type) and issubclass(cls, FinetuneDataModule) else DEFAULT_MODEL_CLASS
+
+
 def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
                 data_overrides: dict[str, Any] | None = None,
                 optimizer_overrides: dict[str, Any] | None = None,
@@ -193,7 +205,8 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
     spelled = "model.init_args." if model_class else "model."
     data_class, data = _section(cfg.get("data"))
     data.update(data_overrides or {})
-    model_class, data_class = model_class or DEFAULT_MODEL_CLASS, data_class or DEFAULT_DATA_CLASS
+    data_class = data_class or DEFAULT_DATA_CLASS
+    model_class = model_class or _default_model_class(data_class)
     data_arguments = _arguments(import_class(data_class))
     unknown = [k for k in data_overrides or {} if k.split(".")[0] not in data_arguments]
     if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in data_arguments.values()):
@@ -361,6 +374,8 @@ def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[s
     dm.prepare_data()
     filled = replace(recipe, model=copy.deepcopy(recipe.model))
     fill_vocab_size(filled, dm)
+    if recipe.model_class == CLASSIFIER_CLASS and "num_classes" not in filled.model:  # `finetune`: the data's
+        filled.model["num_classes"] = dm.num_classes
     return dict(module_factory=functools.partial(build_module, recipe.model_class, filled.model),
                 dataset_factory=functools.partial(build_dataset, recipe.data_class, recipe.data,
                                                   steps * global_batch_size),

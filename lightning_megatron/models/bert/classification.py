@@ -73,6 +73,17 @@ class BertClassificationModule(BertLightningModule):
             last.classifier_dropout = nn.Dropout(self.hparams.classifier_dropout)
         self.eval_metrics = finetune_metrics(self.hparams.num_classes, self.parallel_state)
 
+    @classmethod
+    @override
+    def estimate_shape(cls, model: Any, data: Any, *, micro_batch_size: int, global_batch_size: int) -> Any:
+        """BERT's sizes without the LM head's work: the classifier runs on the pooled first token (the LM head's
+        parameters are held, not run; ``check --estimate-memory`` predicted its logits, twice the activations)."""
+        from dataclasses import replace
+
+        shape = super().estimate_shape(model, data, micro_batch_size=micro_batch_size,
+                                       global_batch_size=global_batch_size)
+        return replace(shape, masked_lm_prob=0.0)
+
     optional_pretrained = ("pooler.",)  # as transformers does, a source without a pooler gets a fresh one
 
     @override
@@ -89,8 +100,7 @@ class BertClassificationModule(BertLightningModule):
         tokens, mask = batch["tokens"], batch["attention_mask"]
         if not chunk.post_process:
             return chunk(tokens, mask, batch.get("token_types")), None
-        hidden = chunk(tokens, mask, batch.get("token_types"), return_hidden_states=True)  # [s, b, h]
-        logits = self._classify(chunk, hidden)
+        logits = self._classify(chunk, chunk(tokens, mask, batch.get("token_types"), return_pooled=True))
         trainer = self._trainer
         if trainer is not None and trainer.predicting:
             preds = self._predictions(logits.detach())
@@ -131,13 +141,13 @@ class BertClassificationModule(BertLightningModule):
         """Class probabilities ``softmax(logits)`` [b, c] (fp32), or the predicted values [b] for regression."""
         return logits.float().view(-1) if self.hparams.num_classes == 1 else logits.float().softmax(-1)
 
-    def _classify(self, chunk: BertModel, hidden: torch.Tensor) -> torch.Tensor:
-        pooled = torch.tanh(chunk.pooler.dense(hidden[0]))  # hidden is the full sequence here
+    def _classify(self, chunk: BertModel, pooled: torch.Tensor) -> torch.Tensor:
+        """The logits [b, c] of the pooler's output [b, h] (``chunk(..., return_pooled=True)``)."""
         return chunk.classifier(chunk.classifier_dropout(pooled))
 
     @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """One process: the probabilities [b, c] (regression: values [b]) of the batch's rows."""
         chunk = self.model_chunks[0]
-        hidden = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"), return_hidden_states=True)
-        return self._predictions(self._classify(chunk, hidden))
+        pooled = chunk(batch["tokens"], batch["attention_mask"], batch.get("token_types"), return_pooled=True)
+        return self._predictions(self._classify(chunk, pooled))

@@ -198,12 +198,15 @@ class BertModel(LanguageModule):
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, token_types: torch.Tensor | None = None,
                 lm_labels: torch.Tensor | None = None, lm_positions: torch.Tensor | None = None,
-                return_hidden_states: bool = False):
+                return_hidden_states: bool = False, return_pooled: bool = False):
         """See the class docstring for shapes. Returns
 
         - ``post_process=False``: hidden states [s, b, h] (input of the next stage);
         - ``return_hidden_states=True`` (last chunk): the encoder output [s, b, h] (after the final
           norm, the full sequence on every TP rank), without running the heads;
+        - ``return_pooled=True`` (last chunk): the pooler's output [b, h] (a classifier's input), without the
+          heads: the first token copied out of the final norm's output (under sequence parallelism its row
+          gathered, not the sequence), which is freed;
         - else ``(lm_logits [b, s, V_padded/t], binary_logits [b, 2] | None)``;
         - with ``lm_labels`` [b, s] (-100 = not masked): ``(lm_loss [b, s], binary_logits)``.
 
@@ -228,6 +231,10 @@ class BertModel(LanguageModule):
         hidden_states = self.encoder(hidden_states, mask)
         if not self.post_process:
             return hidden_states
+        if return_pooled:
+            if not self.add_binary_head:
+                raise ValueError("return_pooled needs the pooler (add_binary_head=True)")
+            return self.pooler(hidden_states)
         if return_hidden_states:
             if self.config.sequence_parallel:
                 return gather_from_sequence_parallel_region(hidden_states, self.tp_group, False)

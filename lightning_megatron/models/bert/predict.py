@@ -91,10 +91,10 @@ def predict_outputs(chunk: nn.Module, batch: dict[str, torch.Tensor], mode: str,
         logits, _ = chunk(tokens, mask, types)  # [b, s, V/t]
         probs, ids = vocab_parallel_topk(logits, tp_group, vocab_size, top_k)
         return {"ids": ids, "probs": probs}
-    hidden = chunk(tokens, mask, types, return_hidden_states=True)  # [s, b, h], full sequence
     if mode == "hidden":
+        hidden = chunk(tokens, mask, types, return_hidden_states=True)  # [s, b, h], full sequence
         return hidden.detach().transpose(0, 1).contiguous()
     if not chunk.add_binary_head:
         raise ValueError("predict_output='pooled' needs the pooler (add_binary_head=True); "
                          "use predict_output='hidden' and take the first token")
-    return torch.tanh(chunk.pooler.dense(hidden[0])).detach()
+    return chunk(tokens, mask, types, return_pooled=True).detach()
