@@ -29,7 +29,8 @@ from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import BatchSizes
 
 __all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "check_optimizers", "resolve_batch_sizes",
-           "describe_setup", "check_nodes", "gather_node_ranks", "tp_groups_across_nodes"]
+           "describe_setup", "check_nodes", "gather_node_ranks", "tp_groups_across_nodes", "run_settings",
+           "check_same_settings"]
 
 
 def check_strategy_arguments(dims: dict[str, Any], *, micro_batch_size: int | None, ddp_bucket_size_mb: float,
@@ -166,6 +167,81 @@ def tp_groups_across_nodes(dims: ParallelDims, nodes: Sequence[int]) -> list[lis
     """The TP groups of ``dims`` whose ranks sit on more than one node (``nodes[rank]``: the node of
     each rank): their all-reduces, two per layer and pass, cross the network between nodes."""
     return [g for g in dims.group_ranks("tp") if len({nodes[r] for r in g}) > 1]
+
+
+def _canonical(value: Any) -> str:
+    """``value`` as text that is the same on every rank for the same setting: plain values by ``repr``, records and
+    containers by their members, any other object by its class (its ``repr`` may hold an address)."""
+    import dataclasses
+    import os
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (torch.dtype, os.PathLike)):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{k}: {_canonical(v)}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_canonical(v) for v in value) + "]"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def run_settings(*, dims: ParallelDims, micro_batch_size: int | None, seed: int, trainer: Any, module: Any,
+                 callbacks: Sequence[Any]) -> dict[str, str]:
+    """What every rank must be started with, by name (:func:`_canonical` text): the layout and the strategy's
+    seed and micro batch, the Trainer's settings that change the steps, the module's and the datamodule's class
+    and hyper-parameters, and the settings of the callbacks that declare theirs (``run_settings()``: the
+    optimizer's and the lr schedule's)."""
+    out = {f"strategy.{k}": v for k, v in dims.strategy_kwargs().items()}
+    out.update({"strategy.micro_batch_size": micro_batch_size, "strategy.seed": seed})
+    if trainer is not None:
+        for name in ("max_steps", "max_epochs", "accumulate_grad_batches", "val_check_interval",
+                     "limit_train_batches", "limit_val_batches", "gradient_clip_val", "num_nodes"):
+            out[f"trainer.{name}"] = getattr(trainer, name, None)
+        out["trainer.precision"] = normalize_precision(trainer.precision_plugin.precision)
+    for where, obj in (("model", module), ("data", None if trainer is None else trainer.datamodule)):
+        if obj is None:
+            continue
+        out[f"{where}.class"] = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        out.update({f"{where}.{k}": v for k, v in flat_hparams(dict(getattr(obj, "hparams", {}))).items()})
+    for cb in callbacks:
+        declared = getattr(type(cb), "run_settings", None)
+        if callable(declared):
+            out.update({f"{type(cb).__name__}.{k}": v for k, v in cb.run_settings().items()})
+    return {k: _canonical(v) for k, v in out.items()}
+
+
+def check_same_settings(settings: dict[str, str], device: torch.device) -> None:
+    """Refuse, on every rank, a job whose ranks were started with different :func:`run_settings` (each node runs
+    its own command: one node's edited recipe or flag). Collective over the default group, before the model's
+    groups are made (another layout would wait in their set-up until the timeout): one all-gather of a digest, and
+    the settings themselves only when the digests differ."""
+    import hashlib
+    import json
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)],
+                        dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)  # on the backend's device
+    if all(torch.equal(d, every[0]) for d in every):
+        return
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, settings)
+    differ = []
+    for key in sorted({k for r in ranks for k in r}):
+        first = ranks[0].get(key, "(none)")
+        other = next((r for r in range(1, len(ranks)) if ranks[r].get(key, "(none)") != first), None)
+        if other is not None:
+            differ.append(f"{key}: rank {other} has {ranks[other].get(key, '(none)')}, rank 0 has {first}")
+    shown = "; ".join(differ[:8]) + (f"; and {len(differ) - 8} more" if len(differ) > 8 else "")
+    raise ValueError(f"MegatronStrategy: the ranks were started with different settings (each node's command or "
+                     f"recipe): {shown}; every node must run the same command")
 
 
 def check_nodes(ps: ParallelState, node_rank: int, device: torch.device, devices: int) -> list[int]:

@@ -67,10 +67,12 @@ from lightning_megatron.setup_checks import (
     check_nodes,
     check_precision,
     check_optimizers,
+    check_same_settings,
     check_strategy_arguments,
     check_trainer,
     describe_setup,
     resolve_batch_sizes,
+    run_settings,
     unsplit_model_warning,
 )
 from lightning_megatron.sharded_state import ShardedStateMapper, duplicate_names_problem
@@ -252,6 +254,10 @@ class MegatronStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         self.parallel_dims = self._resolved_dims()  # before launching collectives
         super().setup_environment()
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        check_same_settings(run_settings(dims=self.parallel_dims, micro_batch_size=self.micro_batch_size,
+                                         seed=self.seed, trainer=trainer, module=self.lightning_module,
+                                         callbacks=[] if trainer is None else trainer.callbacks), self.root_device)
         self.parallel_state = initialize_model_parallel(self.parallel_dims, timeout=self._timeout)
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
         self._node_ranks = check_nodes(self.parallel_state, self.node_rank, self.root_device, self.num_processes)

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import accelerator, run_distributed, run_python
 
+from lightning_megatron.callbacks import OptimizerParamSchedulerCallback
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.pipeline import stage_chunks
 from lightning_megatron.strategy import MegatronStrategy
@@ -267,6 +268,15 @@ def _two_rank_worker(ckpt_dir: str) -> dict:
         fit(1, 2, 2, module_class=LocalNames)
     except ValueError as e:
         out["local_names"] = str(e)
+    # Each node runs its own command: one started with another layout or another lr (a node's edited recipe) hung
+    # in the group set-up for the 30-minute timeout, or trained on with each rank's own schedule, unsaid.
+    rank = dist.get_rank()
+    for name, tp, max_lr in (("other_tp", 2 - rank, 1e-3), ("other_lr", 1, 1e-3 * (1 + 4 * rank))):
+        module, data = CharModel(), DataLoader(char_data(), batch_size=GLOBAL_BATCH)
+        try:
+            make_trainer(tp, 1, 2, callbacks=[OptimizerParamSchedulerCallback(max_lr=max_lr)]).fit(module, data)
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -319,7 +329,20 @@ def runs(tmp_path_factory) -> dict:
     with hermetic():   # in this process: a spawn would only add start-up time
         ref = _one_process(ckpt_dir)
     return {"ref": ref, "tp2": [r0["tp2"], r1["tp2"]], "pp2": [r0["pp2"], r1["pp2"]],
-            "local_names": [r.get("local_names") for r in (r0, r1)]}
+            "local_names": [r.get("local_names") for r in (r0, r1)], "ranks": [r0, r1]}
+
+
+def test_ranks_started_with_other_settings_are_refused_at_setup(runs):
+    """Every rank compares what it was started with (the layout, the module's and the data's hyper-parameters, the
+    Megatron callbacks' settings, the Trainer's) with rank 0's at set-up, before the groups are made: a difference
+    is named on every rank, rather than a hang in the group set-up or a run whose ranks train different things."""
+    for rank, r in enumerate(runs["ranks"]):
+        tp = r.get("other_tp")
+        assert tp is not None and tp.startswith("MegatronStrategy: the ranks were started with different settings"), tp
+        assert "strategy.tensor_model_parallel_size: rank 1 has 1, rank 0 has 2" in tp, tp
+        lr = r.get("other_lr")
+        assert lr is not None and "OptimizerParamSchedulerCallback.max_lr: rank 1 has 0.005, rank 0 has 0.001" in lr, lr
+        assert "every node must run the same command" in lr, lr
 
 
 def test_a_name_on_two_pipeline_stages_is_refused_at_setup(runs):

@@ -25,6 +25,7 @@ that overrides ``backward`` to do so. Without either, fp16 with loss scaling is 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from typing import Any
@@ -64,6 +65,10 @@ class MegatronOptimizerCallback(Callback):
         self.config = config if config is not None else OptimizerConfig()
         self._step_lr_wd: tuple[float, float] | None = None
         """(lr, weight decay) of this batch's optimizer step, logged when no schedule callback logs them."""
+
+    def run_settings(self) -> dict[str, Any]:
+        """The OptimizerConfig's fields: what every rank of a run must have been given (the strategy compares them)."""
+        return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

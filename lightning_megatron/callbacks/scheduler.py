@@ -79,6 +79,10 @@ class OptimizerParamSchedulerCallback(Callback):
         self._last_global_step = 0
         self._resolved: dict[str, int] = {}
 
+    def run_settings(self) -> dict[str, Any]:
+        """The schedule's arguments: what every rank of a run must have been given (the strategy compares them)."""
+        return dict(self.kwargs)
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.lr_scheduler_configs:
