@@ -130,7 +130,7 @@ HPARAMS_UNUSED_ON_LOAD = frozenset({
     "init_from",  # where the weights first came from
     "predict_output", "predict_top_k",  # what `predict` writes, and a decoder's generation
     "predict_max_new_tokens", "predict_greedy", "predict_temperature", "predict_top_p", "predict_stop_at_eod",
-    "predict_stop_strings",
+    "predict_stop_strings", "predict_seed",
 })
 """Hyper-parameters that are not the weights' and not the training's: where a model's weights first came from (a
 loaded checkpoint's replace them) and what ``predict`` does with them (the command's own options). :func:`compare_hparams`

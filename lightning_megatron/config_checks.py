@@ -395,6 +395,10 @@ def _generation_problems(m: dict[str, Any]) -> list[str]:
     sampling = {} if m.get("predict_greedy", True) else {
         k: m[f"predict_{k}"] for k in ("temperature", "top_k", "top_p") if f"predict_{k}" in m}
     problems = generation_problems(max_new_tokens=m["predict_max_new_tokens"], **sampling, prefix="--model.predict_")
+    seed = m.get("predict_seed", 0)
+    if not m.get("predict_greedy", True) and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        problems.append(f"--model.predict_seed={seed!r} must be an integer >= 0 (each prompt's draws are seeded from "
+                        f"it and the prompt's index)")
     return [p.replace("greedy decoding takes the argmax", "--model.predict_greedy true takes the argmax")
             for p in problems]
 

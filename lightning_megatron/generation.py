@@ -243,7 +243,10 @@ def filter_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int 
     problems = generation_problems(temperature=temperature, top_k=top_k, top_p=top_p)
     if problems:
         raise ValueError(problems[0])
-    logits = logits.float() / temperature
+    scaled = logits.float() / temperature
+    if bool(scaled.isposinf().any()):  # a temperature so small that logits / T overflows: the same softmax from
+        scaled = (logits.float() - logits.float().amax(dim=-1, keepdim=True)) / temperature  # the largest at 0
+    logits = scaled
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -257,13 +260,33 @@ def filter_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int 
 
 
 def sample_next_token(logits: torch.Tensor, *, greedy: bool = True, temperature: float = 1.0, top_k: int = 0,
-                      top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+                      top_p: float = 1.0, generator: torch.Generator | Sequence[torch.Generator] | None = None
+                      ) -> torch.Tensor:
     """The next token [b] (int64) from the last position's logits [b, V]: the argmax when ``greedy``,
-    else one draw from ``softmax(filter_logits(...))``."""
+    else one draw from ``softmax(filter_logits(...))``, with ``generator``, or row ``i`` with ``generator[i]``
+    (a sequence of one generator a row: :func:`row_generators`)."""
     if greedy:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if len(generator) != probs.shape[0]:
+        raise ValueError(f"{len(generator)} generators for {probs.shape[0]} rows: give one a row")
+    return torch.cat([torch.multinomial(row[None], 1, generator=g)[0] for row, g in zip(probs, generator)])
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of prompt ``index``'s draws under ``seed`` (a 63-bit mix of the two: neighbouring seeds and indices
+    give unrelated streams)."""
+    mixed = (int(seed) * 0x9E3779B97F4A7C15 + int(index) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**64
+    mixed ^= mixed >> 31
+    return mixed % 2**63
+
+
+def row_generators(seeds: Sequence[int], device: torch.device) -> list[torch.Generator]:
+    """One generator a row, seeded with ``seeds[i]``: a row's draws depend on its seed alone, not on the rows
+    beside it, the batch size or the layout."""
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
 def left_pad(prompts: Sequence[torch.Tensor | Sequence[int]], pad_token: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,7 +380,8 @@ def generate(forward: DecoderForward, prompt_tokens: Prompts, max_new_tokens: in
              stop_strings: Sequence[str] = (), detokenize: Callable[[Sequence[int]], str] | None = None,
              other_stop_tokens: Sequence[int] = (), pad_token: int | None = None, vocab_size: int | None = None,
              max_sequence_length: int | None = None, tp_group: Group = None, pp_group: Group = None,
-             step_group: Group = None, generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
+             step_group: Group = None, generator: torch.Generator | None = None,
+             seeds: Sequence[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
     """Each prompt followed by up to ``max_new_tokens`` generated tokens.
 
     - ``prompt_tokens`` [b, s0] -> [b, s0 + n] (n <= ``max_new_tokens``: fewer when every row ended). With
@@ -375,6 +399,8 @@ def generate(forward: DecoderForward, prompt_tokens: Prompts, max_new_tokens: in
     ``step_group``: ranks with prompts of their own whose forwards meet in collectives (expert parallelism's token
     dispatch): they take the same steps, a rank whose rows all ended going on (its rows filled) until every rank's
     have; alone, it stopped, and the others waited in the dispatch until the process group's timeout.
+    ``generator``: the sampling's (None: torch's default); ``seeds``: one a row instead, each row drawing from its
+    own generator (:func:`row_generators`), so that a row samples the same tokens in any batch and at any layout.
     """
     rule = StopRule(stop_token, tuple(stop_strings), detokenize, tuple(other_stop_tokens))
     fill = pad_token if pad_token is not None else stop_token if stop_token is not None else 0
@@ -393,6 +419,12 @@ def generate(forward: DecoderForward, prompt_tokens: Prompts, max_new_tokens: in
         filter_logits(prompt_tokens.new_zeros(1, 1, dtype=torch.float32), temperature=temperature, top_k=top_k,
                       top_p=top_p)  # validate the settings before any forward
     b, s0 = prompt_tokens.shape
+    if seeds is not None:
+        if generator is not None:
+            raise ValueError("give generator (one for the batch) or seeds (one a row), not both")
+        if len(seeds) != b:
+            raise ValueError(f"seeds: {len(seeds)} for {b} prompts; give one a prompt")
+        generator = row_generators(seeds, prompt_tokens.device)
     problem = context_length_problem(s0, max_new_tokens, max_sequence_length)
     if problem:
         raise ValueError(problem if b == 1 and not ragged else f"the longest prompt: {problem}")

@@ -86,6 +86,28 @@ def test_a_left_padded_batch_generates_what_each_prompt_does_alone(shape):
     assert [row[s0:].tolist() for row in padded] == [row[len(p):].tolist() for row, p in zip(alone, prompts)]
 
 
+def test_sampling_with_a_seed_a_prompt_draws_the_same_tokens_in_any_batch():
+    """``predict`` sampled from torch's generator, which a resume restores from the checkpoint: no seed changed its
+    samples at the checkpoint's layout, and each batch and layout drew others. With ``seeds`` each prompt draws from
+    its own generator: alone or in a batch, the same tokens; another seed, others. A temperature whose
+    ``logits / T`` overflows fp32 samples the argmax (it raised "probability tensor contains either inf, nan")."""
+    module = _module("llama")
+    module.configure_model()
+    prompts = _prompts()
+    kw = dict(stop_token=None, greedy=False, top_k=50)
+    batch = module.generate(prompts, NEW, seeds=[11, 12, 13], **kw)
+    alone = [module.generate([p], NEW, seeds=[s], **kw)[0] for p, s in zip(prompts, (11, 12, 13))]
+    assert [row.tolist() for row in batch] == [row.tolist() for row in alone]
+    assert [row.tolist() for row in module.generate(prompts, NEW, seeds=[21, 22, 23], **kw)] != \
+        [row.tolist() for row in batch]
+    with pytest.raises(ValueError, match="not both"):
+        module.generate(prompts, NEW, seeds=[1, 2, 3], generator=torch.Generator(), **kw)
+    with pytest.raises(ValueError, match="seeds: 2 for 3 prompts"):
+        module.generate(prompts, NEW, seeds=[1, 2], **kw)
+    cold = module.generate(prompts, NEW, stop_token=None, greedy=False, temperature=1e-45, seeds=[1, 2, 3])
+    assert [row.tolist() for row in cold] == [row.tolist() for row in module.generate(prompts, NEW, stop_token=None)]
+
+
 def test_a_left_padded_llama_batch_equals_transformers_generate(tmp_path):
     import transformers
     torch.manual_seed(0)
@@ -206,12 +228,17 @@ LAYOUTS = {"pp2-gpt2": ("gpt2", ParallelDims(pp=2)), "pp2": ("llama", ParallelDi
            "tp2sp": ("llama", ParallelDims(tp=2, sequence_parallel=True))}
 
 
+SAMPLED = dict(greedy=False, top_k=50, temperature=0.8, seeds=[11, 12, 13])
+"""Sampling with a seed a prompt: the same tokens at every layout."""
+
+
 def _reference() -> dict:
     out = {}
     for shape in ("gpt2", "llama"):
         module = _module(shape)
         module.configure_model()
         out[shape] = module.generate(_prompts(), NEW, stop_token=None)
+        out[f"{shape}-sampled"] = module.generate(_prompts(), NEW, stop_token=None, **SAMPLED)
     return out
 
 
@@ -230,6 +257,7 @@ def _layouts_worker(stops: dict) -> dict:
         module.configure_model()
         out[name] = {"padded": module.generate(_prompts(), NEW, stop_token=None),
                      "stopped": module.generate(_prompts(), NEW, stop_token=stops[shape]),
+                     "sampled": module.generate(_prompts(), NEW, stop_token=None, **SAMPLED),
                      "sequence_parallel_after": module.config.sequence_parallel}  # switched off while generating only
     # predict through the strategy at PP=2 (the CLI's path): every stage generates, the last one returns
     module = _module("llama", predict_max_new_tokens=NEW, predict_stop_at_eod=False)
@@ -245,7 +273,7 @@ def test_pipeline_and_sequence_parallel_layouts_generate_one_process_tokens():
     from dist_utils import run_distributed
 
     reference = _reference()
-    stops = {shape: int(reference[shape][1][9 + 2]) for shape in reference}  # row 1 ends after 3 tokens
+    stops = {shape: int(reference[shape][1][9 + 2]) for shape in ("gpt2", "llama")}  # row 1 ends after 3 tokens
     ranks = run_distributed(_layouts_worker, 2, stops, timeout=240)
     for name, (shape, _) in LAYOUTS.items():
         want = [row.tolist() for row in reference[shape]]
@@ -255,6 +283,8 @@ def test_pipeline_and_sequence_parallel_layouts_generate_one_process_tokens():
             assert out[name]["sequence_parallel_after"] == LAYOUTS[name][1].sequence_parallel
             assert [row.tolist() for row in out[name]["padded"]] == want, (name, rank)
             assert [row.tolist() for row in out[name]["stopped"]] == stopped, (name, rank)
+            assert [row.tolist() for row in out[name]["sampled"]] == \
+                [row.tolist() for row in reference[f"{shape}-sampled"]], (name, rank)
     module = _module("llama")
     module.configure_model()
     prompts = torch.stack([_prompts()[1], _prompts()[1].flip(0)])

@@ -45,6 +45,7 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_cli_predict_generates_what_generate_gives(tmp_path):
     from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.generation import row_seed
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
     tokenizer = BPETokenizer()  # GPTDataModule's default
@@ -90,13 +91,25 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
             want, text = want[:want.index(tokenizer.eod) + 1], want[:want.index(tokenizer.eod)]
         assert record["token_ids"] == want, (prompt, record, want)
         assert record["completion"] == tokenizer.detokenize(text)
-    # at CP=2 (every CP rank generates the whole prompts): the same records, one writer (both CP ranks wrote and
-    # removed the same temporary file: FileNotFoundError on one rank, the other's connection closed)
+    # at CP=2 (every CP rank generates the whole prompts), one writer (both CP ranks wrote and removed the same
+    # temporary file: FileNotFoundError on one rank, the other's connection closed); sampled with --model.predict_seed
+    # (the draws came from the generator the checkpoint restores: no seed changed them, each layout drew others):
+    # each prompt's tokens those one process samples with the prompt's seed
     _cli(tmp_path, "predict", *SMALL, "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(tmp_path / "cp"),
          "--trainer.strategy.tensor_model_parallel_size", "1", "--trainer.strategy.context_parallel_size", "2",
          "--data.predict_file", str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2",
-         "--data.micro_batch_size", "1", "--model.predict_max_new_tokens", str(MAX_NEW))
-    assert [json.loads(line) for line in (tmp_path / "cp" / "predictions" / "predictions.jsonl").open()] == records
+         "--data.micro_batch_size", "1", "--model.predict_max_new_tokens", str(MAX_NEW),
+         "--model.predict_greedy", "false", "--model.predict_top_k", "20", "--model.predict_seed", "3")
+    sampled = [json.loads(line) for line in (tmp_path / "cp" / "predictions" / "predictions.jsonl").open()]
+    assert [r["index"] for r in sampled] == list(range(len(PROMPTS)))
+    for record, prompt in zip(sampled, PROMPTS):
+        ids = torch.tensor([tokenizer.tokenize(prompt)])
+        want = module.generate(ids, MAX_NEW, stop_token=tokenizer.eod, greedy=False, top_k=20,
+                               seeds=[row_seed(3, record["index"])])[0, ids.shape[1]:].tolist()
+        if tokenizer.eod in want:
+            want = want[:want.index(tokenizer.eod) + 1]
+        assert record["token_ids"] == want, (prompt, record, want)
+    assert [r["token_ids"] for r in sampled] != [r["token_ids"] for r in records]  # sampled, not greedy
     _plot_and_export_the_run(tmp_path, run, module)
 
 

@@ -127,6 +127,8 @@ def test_good_config_has_no_problems():
     (dict(model_hparams=dict(predict_max_new_tokens=8, predict_greedy=False, predict_top_k=-2)),
      "--model.predict_top_k=-2 must be an integer >= 0"),
     (dict(model_hparams=dict(predict_max_new_tokens=8, predict_greedy=True, predict_temperature=0.0)), None),
+    (dict(model_hparams=dict(predict_max_new_tokens=8, predict_greedy=False, predict_seed=-1)),
+     "--model.predict_seed=-1 must be an integer >= 0"),
     (dict(ckpt_path="/nonexistent/last.ckpt"), "ckpt_path='/nonexistent/last.ckpt' does not exist"),
     (dict(ckpt_path="last"), None),
 ])

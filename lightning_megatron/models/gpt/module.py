@@ -61,6 +61,9 @@ class GPTLightningModule(LanguageLightningModule):
         predict_max_new_tokens, predict_greedy, predict_temperature, predict_top_k, predict_top_p: what
             ``predict`` generates after each sample's ``tokens`` (:meth:`generate`): the prompt followed by
             the new tokens, greedy or sampled (Hugging Face's temperature / top-k / top-p).
+        predict_seed: what ``predict``'s sampling draws from: each prompt its own generator, seeded from this and
+            the prompt's index (:func:`~lightning_megatron.generation.row_seed`), so the same seed samples the same
+            tokens at any layout, batch size or data-parallel size, and another seed others.
         predict_stop_at_eod: ``predict`` ends a sequence at the datamodule tokenizer's end-of-document
             token (as Hugging Face's ``generate`` stops at ``eos_token_id``): generation stops when every
             sequence of the batch has ended, and the written completion ends before it. ``False``: always
@@ -95,6 +98,7 @@ class GPTLightningModule(LanguageLightningModule):
         predict_temperature: float = 1.0,
         predict_top_k: int = 0,
         predict_top_p: float = 1.0,
+        predict_seed: int = 0,
         predict_stop_at_eod: bool = True,
         predict_stop_strings: list[str] | None = None,
         calculate_per_token_loss: bool = False,
@@ -220,7 +224,8 @@ class GPTLightningModule(LanguageLightningModule):
                  greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  stop_token: int | Literal["eod"] | None = "eod", stop_strings: Sequence[str] = (),
                  tokenizer: GenerationTokenizer | None = None, use_cache: bool = True,
-                 generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
+                 generator: torch.Generator | None = None,
+                 seeds: Sequence[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Each prompt followed by up to ``max_new_tokens`` new tokens, with a KV cache
         (:func:`lightning_megatron.generation.generate`), at any layout: every rank of the model returns the
         same tokens (call it on all of them).
@@ -241,12 +246,14 @@ class GPTLightningModule(LanguageLightningModule):
         token (:func:`~lightning_megatron.generation.pipelined_forward`: each rank its chunks, the last
         stage picks the token); a sequence-parallel model generates without splitting the sequence
         (:func:`~lightning_megatron.transformer.inference.sequence_parallel_off`: the same weights). The
-        chunks are in eval mode meanwhile.
+        chunks are in eval mode meanwhile. Sampling draws with ``generator`` (None: torch's default), or with
+        ``seeds``, one a prompt: each prompt its own generator, the same tokens in any batch and at any layout
+        (``predict`` seeds each prompt from ``predict_seed`` and its index).
         """
         rule = self.stop_rule(stop_token, stop_strings, tokenizer)
         return self._generate(prompt_tokens, max_new_tokens, rule, attention_mask=attention_mask, greedy=greedy,
                               temperature=temperature, top_k=top_k, top_p=top_p, use_cache=use_cache,
-                              generator=generator)
+                              generator=generator, seeds=seeds)
 
     def complete(self, prompts: Sequence[str], max_new_tokens: int, *, tokenizer: GenerationTokenizer | None = None,
                  stop_token: int | Literal["eod"] | None = "eod", stop_strings: Sequence[str] = (),
@@ -346,9 +353,17 @@ class GPTLightningModule(LanguageLightningModule):
         ``predict_*`` settings, stopped by :meth:`predict_stop_rule`. Every rank runs it, each pipeline stage
         its chunks token by token (:meth:`generate`); every rank returns the same tokens [b, s0 + n]."""
         hp = self.hparams
+        seeds = None
+        if not hp.predict_greedy:  # each prompt its own draws: from predict_seed and its index, at any layout
+            from lightning_megatron.data.predict import SAMPLE_INDEX
+            from lightning_megatron.generation import row_seed
+
+            b = batch["tokens"].shape[0]
+            index = batch[SAMPLE_INDEX].tolist() if SAMPLE_INDEX in batch else range(batch_idx * b, batch_idx * b + b)
+            seeds = [row_seed(hp.predict_seed, i) for i in index]
         return self._generate(batch["tokens"], hp.predict_max_new_tokens, self.predict_stop_rule(),
                               greedy=hp.predict_greedy, temperature=hp.predict_temperature, top_k=hp.predict_top_k,
-                              top_p=hp.predict_top_p)
+                              top_p=hp.predict_top_p, seeds=seeds)
 
     @override
     def predict_forward(self, batch: dict[str, torch.Tensor], chunk: GPTModel) -> torch.Tensor:
