@@ -420,6 +420,22 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
                       UserWarning, stacklevel=1)
 
 
+def _later_checkpoint(saved: Any, folders: list[str]) -> tuple[str, int] | None:
+    """The checkpoint of the same run at the furthest step beyond ``saved``'s (a
+    :class:`~lightning_megatron.loggers.SavedWandbRun`) in ``folders``, as (name, step); None when there is none."""
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    if saved.global_step is None:
+        return None
+    found = None
+    for folder in folders:
+        for name in _saved_entries(folder):
+            run, step = checkpoint_identity(os.path.join(folder, name))
+            if run == saved.run_id and step is not None and step > (found[1] if found else saved.global_step):
+                found = (name, step)
+    return found
+
+
 def _continue_wandb_run(config, subcommand: str) -> None:
     """The W&B run of a checkpoint (``--ckpt_path CKPT``; ``last`` resolved by
     :func:`_one_run_per_checkpoint_folder`), for a WandbLogger without an ``id``:
@@ -448,6 +464,13 @@ def _continue_wandb_run(config, subcommand: str) -> None:
                 if joined:
                     raise SystemExit(f"lightning-megatron: --log_to_training_run: the checkpoint {ckpt_path!r} "
                                      f"names no W&B run (it was written without a WandbLogger)")
+                continue
+            later = _later_checkpoint(saved, _checkpoint_folders(trainer)) if subcommand == "fit" else None
+            if later is not None:  # a fit from an earlier checkpoint of the run: W&B would drop its rows to that step
+                args.group = saved.run_id
+                print(f"lightning-megatron: {ckpt_path} is step {saved.global_step} of W&B run {saved.run_id}, which "
+                      f"went on to step {later[1]} ({later[0]}): W&B keeps a run's steps in order and drops the rows "
+                      f"below the last it holds, so this fit logs to a new W&B run in group {saved.run_id}", flush=True)
                 continue
             args.id = saved.run_id
             if offline or args.get("offline"):

@@ -172,6 +172,10 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
     assert re.fullmatch(r"Step 2/2 loss \d+\.\d{4} lr \S+ tok/s \S+ mfu [\d.]+%!? \d:\d\d:\d\d elapsed, "
                         r"0:00:00 left", lines[-1]), lines
     assert not [n for n in _NOISE if n in first.stderr], first.stderr[-3000:]
+    import shutil
+
+    step2 = tmp_path / "run" / "checkpoints" / "step2.ckpt"  # an earlier checkpoint of the run, to roll back to
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "last.ckpt", step2)
     # A resume whose model the checkpoint does not fit (another depth) is refused before any rank starts, in one
     # line naming the value and the fix (it was refused in every rank after they started, a traceback each)
     wrong = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.devices", "2", "--data.micro_batch_size",
@@ -231,6 +235,15 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
     csv_dir = tmp_path / "run" / "csv"
     assert sorted(p.relative_to(csv_dir).as_posix() for p in csv_dir.rglob("metrics.csv")) == [
         "validate/version_0/metrics.csv", "version_0/metrics.csv", "version_1/metrics.csv"]
+    # a fit from an earlier checkpoint of the run (step 2, the run went on to 3): W&B keeps a run's steps in order
+    # and drops rows below the last it holds, so continuing run_id would have lost the new step 2: a new W&B run
+    # in its group, said
+    rolled = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+                  "--lr_schedule.lr_warmup_steps", "0", "--trainer.log_every_n_steps", "1", "--ckpt_path", str(step2))
+    assert (f"lightning-megatron: {step2} is step 2 of W&B run {run_id}, which went on to step 3 "
+            f"(last.ckpt.tmp-1a2b3c4d): W&B keeps a run's steps in order") in rolled.stdout, rolled.stdout[-3000:]
+    [rollback] = [r for r in offline_runs(tmp_path / "run" / "wandb") if r not in (training, second, evaluation)]
+    assert rollback.run_id != run_id and rollback.group == run_id and rollback.steps == [2], rollback
 
 
 def _sums(folder: Path) -> dict[str, str]:
