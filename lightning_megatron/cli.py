@@ -216,10 +216,10 @@ def _take_allow_unverified(argv: list[str]) -> list[str]:
     return [a for a in argv if a != ALLOW_UNVERIFIED_FLAG]
 
 
-def _filter_dependency_noise() -> None:
+def _filter_dependency_noise(argv: list[str]) -> None:
     """Filter what dependencies print on every run that asks nothing of a user, narrowly (by message and
-    origin) and only in this process: the entry point of the command, never at import (a library leaves
-    process-wide filters alone). Each filter names its reason; everything else is shown."""
+    origin) and only in this process: the entry point of the command (``argv``: its arguments), never at import
+    (a library leaves process-wide filters alone). Each filter names its reason; everything else is shown."""
     import logging
     import warnings
 
@@ -238,6 +238,12 @@ def _filter_dependency_noise() -> None:
     # run's there is refused or named), where that is expected.
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty\.",
                             module=r"lightning\.pytorch\.callbacks\.model_checkpoint")
+    # ModelCheckpoint's "The dirpath has changed from ...": a checkpoint evaluated or predicted from into another
+    # run folder (every predict of a run's checkpoint into its own folder): its best-k bookkeeping is a fit's.
+    command = argv[1:2] if argv[:1] == ["finetune"] else argv[:1]
+    if command and command[0] in ("validate", "test", "predict"):
+        warnings.filterwarnings("ignore", message=r"The dirpath has changed from ",
+                                module=r"lightning\.pytorch\.callbacks\.model_checkpoint")
     # Lightning's tips for its cloud services (litlogger, litmodels), logged at every Trainer start.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_cloud_tip_filter)  # once: same object
 
@@ -267,9 +273,9 @@ def main(argv: list[str] | None = None) -> None:
 
     atexit.unregister(_collect_then_freeze)  # once per process, however often main is called
     atexit.register(_collect_then_freeze)  # before the command's own: it runs after them (W&B's teardown too)
-    _filter_dependency_noise()
     from_sys_argv = argv is None
     argv = _take_allow_unverified(list(sys.argv[1:] if argv is None else argv))
+    _filter_dependency_noise(argv)
     if from_sys_argv:
         sys.argv[1:] = argv  # LightningCLI parses sys.argv: it would not know the flag
     if not argv or argv[0] in ("-h", "--help"):
