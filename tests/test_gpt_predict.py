@@ -98,9 +98,9 @@ def test_cli_predict_generates_what_generate_gives(tmp_path):
     into_cp = _cli(tmp_path, "predict", *SMALL, "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
                    str(tmp_path / "cp"), "--trainer.strategy.tensor_model_parallel_size", "1",
                    "--trainer.strategy.context_parallel_size", "2", "--data.predict_file",
-                   str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2", "--data.micro_batch_size", "1", "--model.predict_max_new_tokens",
-                   str(MAX_NEW), "--model.predict_greedy", "false", "--model.predict_top_k", "20",
-                   "--model.predict_seed", "3")
+                   str(tmp_path / "prompts.txt"), "--data.global_batch_size", "2", "--data.micro_batch_size", "1",
+                   "--model.predict_max_new_tokens", str(MAX_NEW), "--model.predict_greedy", "false",
+                   "--model.predict_top_k", "20", "--model.predict_seed", "3")
     # into another run folder: Lightning's "The dirpath has changed" (the checkpoint's best-k bookkeeping) said nothing
     assert not [n for n in (*NOISE, "dirpath has changed") if n in into_cp.stderr], into_cp.stderr[-3000:]
     sampled = [json.loads(line) for line in (tmp_path / "cp" / "predictions" / "predictions.jsonl").open()]
