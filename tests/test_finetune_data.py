@@ -118,6 +118,24 @@ def test_refusals_name_the_value_and_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"data.train '.*ids.jsonl' row 3: label 2 is outside the classes 0..1 "
                                          r"\(data.num_classes=2\); set data.num_classes"):
         LabelledTextDataModule(ids, text_key="text", num_classes=2, val_fraction=0.5).setup()
+    # a score where a class id belongs (an STS-B file without task: regression), or true / false: truncated to a class
+    # (3.17 trained as class 3), unsaid; an id written 1.0 is the class 1
+    for value, said in ((3.17, "3.17"), (True, "True")):
+        rows = [{"text": t, "label": value if i == 2 else i % 2} for i, t in enumerate(texts)]
+        bad = _write(tmp_path / "frac.jsonl", rows)
+        with pytest.raises(ValueError, match=rf"frac.jsonl' row 3: label {said} is not a class id \(a whole number; "
+                                             rf"scores to predict: data.task regression\)"):
+            LabelledTextDataModule(bad, text_key="text", num_classes=4, val_fraction=0.5).setup()
+    whole = _write(tmp_path / "whole.jsonl", [{"text": t, "label": float(i % 2)} for i, t in enumerate(texts)])
+    dm = LabelledTextDataModule(whole, text_key="text", num_classes=2, val_fraction=0.5)
+    dm.setup()
+    # a regression score that is not finite (JSON NaN, "nan", Infinity): a run died at step 3 blaming the embedding's
+    # gradient, and one such validation row made val_mse and val_pearson nan and val_spearman a wrong number
+    for value, said in ((float("nan"), "nan"), ("nan", "'nan'"), (float("inf"), "inf")):
+        rows = [{"text": t, "label": value if i == 1 else 0.5} for i, t in enumerate(texts)]
+        bad = _write(tmp_path / "nan.jsonl", rows)
+        with pytest.raises(ValueError, match=rf"nan.jsonl' row 2: label {said} is not a finite number"):
+            LabelledTextDataModule(bad, text_key="text", task="regression", val_fraction=0.5).setup()
     (tmp_path / "empty.csv").write_text("text,label\n")  # a header, no rows: said so, not "no 'train' split"
     with pytest.raises(ValueError, match=r"data.train '.*empty.csv' is empty: it holds no rows"):
         LabelledTextDataModule(str(tmp_path / "empty.csv"), text_key="text", num_classes=2, val_fraction=0.5).setup()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -176,21 +177,30 @@ def read_labelled_rows(records: Any, where: str, *, text_key: str, text_pair_key
                              f"are {sorted(rec)}; set {' / '.join(f'--data.{o}' for o, _ in missing)} to the one that "
                              f"holds the {'label' if missing[0][0] == 'label_key' else 'text'}")
         raw = rec[label_key] if label_key is not None else None
+        hint = ("a number (task='regression': the value to predict)" if regression else
+                f"one of data.labels={list(labels)}" if names is not None else
+                "a class id (or list the label names in data.labels)")
         try:
             if label_key is None:
                 label: float | int | None = None
+            elif isinstance(raw, bool):  # JSON true / false: neither a score nor a class id (int(True) is 1)
+                raise ValueError
             elif regression:
                 label = float(raw)
+                if not math.isfinite(label):  # JSON NaN / Infinity, "nan": a loss and metrics of nan
+                    hint = "a finite number (task='regression': the value to predict)"
+                    raise ValueError
             elif names is not None and str(raw) in names:
                 label = names[str(raw)]
             else:
+                if isinstance(raw, float) and not raw.is_integer():  # int() would truncate a score to a class
+                    raise ValueError
                 label = int(raw)
                 if names is not None and not 0 <= label < len(names):
                     raise ValueError
         except (TypeError, ValueError):
-            hint = ("a number (task='regression': the value to predict)" if regression else
-                    f"one of data.labels={list(labels)}" if names is not None else
-                    "a class id (or list the label names in data.labels)")
+            if names is None and not regression and isinstance(raw, (bool, float)):
+                hint = "a class id (a whole number; scores to predict: data.task regression)"
             raise ValueError(f"{where} row {i}: label {raw!r} is not {hint}"
                              + ("" if raw not in (-1, "-1") else " (GLUE's test splits are unlabelled: -1)")) from None
         if names is None and not regression and num_classes is not None and label is not None and \
