@@ -14,6 +14,7 @@ import csv
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -266,6 +267,20 @@ def test_epoch_metrics_values_and_nothing_logged_without_updates():
     log_epoch_metrics(out, binary, "test", ps, True)
     assert out.logged["test_f1"] == pytest.approx(2 / 3) and out.logged["test_matthews_corrcoef"] == pytest.approx(
         (1 * 2 - 1 * 0) / (2 * 1 * 3 * 2) ** 0.5)
+    # Matthews' correlation as scikit-learn (GLUE's scorer) computes it, where it is undefined too (one class among
+    # the targets or the predictions: 0; torchmetrics said -1 for all wrong and 1 for all right)
+    from sklearn.metrics import matthews_corrcoef
+
+    for classes, preds, target in ((2, [0, 0, 0], [1, 1, 1]), (2, [1, 1, 1], [1, 1, 1]), (2, [1, 0, 1], [1, 1, 1]),
+                                   (2, [0, 1, 1, 0], [1, 0, 1, 0]), (3, [2, 2, 2], [0, 0, 0]),
+                                   (3, [0, 1, 2, 2, 1], [0, 2, 2, 1, 1])):
+        metrics = finetune_metrics(classes, ps)["val"]
+        update_stage({"val": metrics}, "val", torch.tensor(preds), torch.tensor(target), torch.zeros(len(preds)))
+        log_epoch_metrics(out, metrics, "val", ps, True)
+        with warnings.catch_warnings():  # scikit-learn's "A single label was found": the cases asked for
+            warnings.simplefilter("ignore", UserWarning)
+            want = matthews_corrcoef(target, preds)
+        assert out.logged["val_matthews_corrcoef"] == pytest.approx(want, abs=1e-7), (preds, target)
     regression = finetune_metrics(1, ps)["val"]
     x = torch.tensor([0.1, 0.4, 0.2, 0.9], dtype=torch.float64)
     y = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)

@@ -2,7 +2,8 @@
 model-agnostic machinery, :func:`log_epoch_metrics` and :class:`Perplexity`, is :mod:`lightning_megatron.metrics`).
 
 - fine-tuning, classification: ``accuracy``, ``f1`` (binary: of class 1; multiclass: macro),
-  ``matthews_corrcoef`` and ``loss`` (mean cross entropy per row); regression (one output):
+  ``matthews_corrcoef`` (as scikit-learn computes it: :func:`matthews_corrcoef_of`) and ``loss`` (mean cross
+  entropy per row); regression (one output):
   ``pearson``, ``spearman``, ``mse`` and ``loss`` (the same mean squared error as the training loss);
 - pretraining: ``mlm_accuracy`` (masked tokens predicted right) and ``perplexity`` (exp of the
   mean masked-LM cross entropy per masked token).
@@ -32,6 +33,34 @@ __all__ = ["EVAL_STAGES", "Perplexity", "finetune_metrics", "log_epoch_metrics",
            "update_stage"]
 
 
+def matthews_corrcoef_of(confmat: torch.Tensor) -> torch.Tensor:
+    """Matthews' correlation of a confusion matrix (``[classes, classes]``) as scikit-learn computes it, GLUE's
+    scorer: the covariances of targets and predictions, 0 where it is undefined (one class among the targets or the
+    predictions; torchmetrics gives -1 for all wrong and 1 for all right there)."""
+    c = confmat.double()
+    targets, preds, correct, n = c.sum(dim=1), c.sum(dim=0), torch.trace(c), c.sum()
+    cov_tp = correct * n - (targets * preds).sum()
+    denominator = (n * n - (preds * preds).sum()) * (n * n - (targets * targets).sum())
+    out = cov_tp / denominator.sqrt() if denominator > 0 else torch.zeros((), dtype=torch.float64)
+    return out.float()
+
+
+class _SklearnMatthews:
+    """torchmetrics' Matthews correlation (its confusion matrix, its synchronisation) computed as
+    :func:`matthews_corrcoef_of`."""
+
+    def compute(self) -> torch.Tensor:
+        return matthews_corrcoef_of(self.confmat)
+
+
+class BinaryMatthews(_SklearnMatthews, BinaryMatthewsCorrCoef):
+    """:class:`~torchmetrics.classification.BinaryMatthewsCorrCoef` as scikit-learn computes it."""
+
+
+class MulticlassMatthews(_SklearnMatthews, MulticlassMatthewsCorrCoef):
+    """:class:`~torchmetrics.classification.MulticlassMatthewsCorrCoef` as scikit-learn computes it."""
+
+
 def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCollection]:
     """``{stage: MetricCollection}`` for val and test; ``num_classes == 1`` is regression.
 
@@ -52,11 +81,11 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCol
                                     ).set_dtype(torch.float64)
         if num_classes == 2:
             return MetricCollection({"accuracy": BinaryAccuracy(**kw), "f1": BinaryF1Score(**kw),
-                                     "matthews_corrcoef": BinaryMatthewsCorrCoef(**kw), "loss": MeanMetric(**kw)})
+                                     "matthews_corrcoef": BinaryMatthews(**kw), "loss": MeanMetric(**kw)})
         return MetricCollection({
             "accuracy": MulticlassAccuracy(num_classes, average="micro", **kw),
             "f1": MulticlassF1Score(num_classes, average="macro", **kw),
-            "matthews_corrcoef": MulticlassMatthewsCorrCoef(num_classes, **kw), "loss": MeanMetric(**kw)})
+            "matthews_corrcoef": MulticlassMatthews(num_classes, **kw), "loss": MeanMetric(**kw)})
 
     with float32_states():
         return {stage: collection() for stage in EVAL_STAGES}
