@@ -492,7 +492,11 @@ class MegatronStrategy(DDPStrategy):
         with self.precision_plugin.predict_step_context():
             if isinstance(self._module, PredictsBatches):
                 return self._module.predict_batch(batch, batch_idx)
-            return self._run(batch, batch_idx, "predict")
+            out = self._run(batch, batch_idx, "predict")
+        if out is None:  # a stage before the last, by design: not the mistake Lightning's loop warns of once
+            cache = self.lightning_module.trainer.predict_loop._warning_cache
+            cache.add("predict returned None if it was on purpose, ignore this warning...")
+        return out
 
     def _log(self, means: dict[str, torch.Tensor], stage: str) -> None:
         if isinstance(self._module, LightningStepsModule):
