@@ -137,6 +137,16 @@ def test_refusals_name_the_value_and_the_fix(tmp_path, monkeypatch):
         bad = _write(tmp_path / "nan.jsonl", rows)
         with pytest.raises(ValueError, match=rf"nan.jsonl' row 2: label {said} is not a finite number"):
             LabelledTextDataModule(bad, text_key="text", task="regression", val_fraction=0.5).setup()
+    # a training file of one class (a wrong label column, a filtered file): fine-tuned without a word, F1 0
+    from lightning_megatron.data.labelled_text import labelled_files_problems
+
+    one = _write(tmp_path / "one.jsonl", [{"text": t, "label": "pos"} for t in texts])
+    args = {"text_key": "text", "label_key": "label", "labels": ["neg", "pos"], "val_fraction": 0.5}
+    assert labelled_files_problems({**args, "train": one}) == [
+        f"data.train {one!r} holds one class only, 'pos' (class 1), in its 8 rows: a classifier trained on it "
+        f"predicts that class alone; check the file and --data.label_key ('label')"]
+    two = _write(tmp_path / "two.jsonl", [{"text": t, "label": ["neg", "pos"][i % 2]} for i, t in enumerate(texts)])
+    assert labelled_files_problems({**args, "train": two}) == []
     (tmp_path / "empty.csv").write_text("text,label\n")  # a header, no rows: said so, not "no 'train' split"
     with pytest.raises(ValueError, match=r"data.train '.*empty.csv' is empty: it holds no rows"):
         LabelledTextDataModule(str(tmp_path / "empty.csv"), text_key="text", num_classes=2, val_fraction=0.5).setup()

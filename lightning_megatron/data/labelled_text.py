@@ -285,14 +285,22 @@ def labelled_files_problems(args: Mapping[str, Any], *, predicting: bool = False
             continue  # the constructor refuses a suffix
         where = file_where(split, path)
         try:
-            read_labelled_rows(read_records(Path(path), where), where, text_key=args["text_key"],
-                               text_pair_key=args.get("text_pair_key"), label_key=args["label_key"],
-                               regression=regression, labels=labels,
-                               num_classes=num_classes if isinstance(num_classes, int) else None)
+            rows = read_labelled_rows(read_records(Path(path), where), where, text_key=args["text_key"],
+                                      text_pair_key=args.get("text_pair_key"), label_key=args["label_key"],
+                                      regression=regression, labels=labels,
+                                      num_classes=num_classes if isinstance(num_classes, int) else None)
         except (ValueError, OSError) as error:
             problems.append(str(error))
             if isinstance(error, MissingColumnError):
                 break  # the same keys name every split's columns: said once
+            continue
+        classes = {label for _, _, label in rows}
+        if split == "train" and not regression and len(classes) == 1:
+            [only] = classes
+            named = f"{labels[only]!r} (class {only})" if labels else f"class {only}"
+            problems.append(f"{where} holds one class only, {named}, in its {len(rows)} rows: a classifier trained "
+                            f"on it predicts that class alone; check the file and --data.label_key "
+                            f"({args['label_key']!r})")
     return problems
 
 
