@@ -85,6 +85,21 @@ def test_hf_folder_logits_match_transformers(tmp_path, megatron):
     _close(_ours(module), _theirs(model))
 
 
+@pytest.mark.parametrize("megatron", [False, True], ids=["bert", "megatron-bert"])
+def test_an_untied_hf_output_layer_is_refused(tmp_path, megatron):
+    """A folder saved with ``tie_word_embeddings=False`` has an MLM decoder of its own: BertModel ties it to the word
+    embedding, and the import dropped it without a word (masked-LM logits 130-163% of the largest off)."""
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    model = _hf_model(megatron, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.cls.predictions.decoder.weight.normal_(0, 0.2)  # untied: its own values
+    model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"cls.predictions.decoder.weight\) is not the word embedding "
+                                         r"\(tie_word_embeddings=False\): BertLightningModule ties them"):
+        BertLightningModule.from_pretrained(str(tmp_path / "hf")).configure_model()  # the weights are read here
+
+
 class _FakeEnumModule:
     """``megatron.core.transformer.enums`` as current Megatron-LM has it, only while pickling."""
 

@@ -99,6 +99,13 @@ class BertInterop:
             raise ValueError(f"{source!r} says vocab_size={config.vocab_size} but the word embeddings have "
                              f"{word.size(0)} rows: the config does not belong to these weights (fix vocab_size in "
                              f"config.json)")
+        decoder = hf_sd.get("cls.predictions.decoder.weight")
+        if heads and (getattr(config, "tie_word_embeddings", True) is False or
+                      (decoder is not None and word is not None and not torch.equal(decoder, word))):
+            raise ValueError(f"{source!r}: its masked-LM decoder (cls.predictions.decoder.weight) is not the word "
+                             f"embedding (tie_word_embeddings={getattr(config, 'tie_word_embeddings', True)}): "
+                             f"BertLightningModule ties them, so its masked-LM logits would differ; import a folder "
+                             f"whose output layer is tied to its word embeddings")
         sd = bert_state_dict_from_hf(hf_sd, bert_config_from_hf(config), 0, 1, post_process=heads,
                                      add_binary_head=binary, make_vocab_size_divisible_by=1)
         if not heads:  # a transformers BertModel: its pooler, if saved
