@@ -369,6 +369,39 @@ def test_hf_folder_reads_through_init_from_sharded_or_not_and_refuses_auto_map(t
     (tmp_path / "one" / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}))
     with pytest.raises(ValueError, match="auto_map"):
         read_pretrained(str(tmp_path / "one"))
+    # the Hugging Face hub cache's layout (snapshot_download, from_pretrained): snapshots/<rev>/<shard> links to
+    # ../../blobs/<sha>; a sharded snapshot was refused ("shards must be .safetensors files inside the folder")
+    import os
+    import shutil
+
+    snapshot, blobs = tmp_path / "hub" / "snapshots" / "abc123", tmp_path / "hub" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted((tmp_path / "sharded").iterdir())):
+        shutil.copy(f, blobs / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / f.name)
+    saved = read_pretrained(str(snapshot))
+    assert all(torch.equal(saved.state_dict[k], want[k]) for k in want)
+    # a damaged weights file, or a pickle that names code: refused naming the file (a traceback of 23 frames ended in
+    # SafetensorError "incomplete metadata", or torch's advice to load with weights_only=False); nothing runs
+    shutil.copytree(tmp_path / "one", tmp_path / "cut")
+    (tmp_path / "cut" / "config.json").write_text(json.dumps(config))
+    data = (tmp_path / "cut" / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors' cannot be read \(.*\): the file is damaged or "
+                                         r"incomplete; download it again"):
+        read_pretrained(str(tmp_path / "cut"))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    (tmp_path / "cut" / "model.safetensors").unlink()
+    torch.save({"model.norm.weight": Evil()}, tmp_path / "cut" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model.bin' holds more than tensors \(.*system.*\): refused, "
+                                         r"nothing in it was run"):
+        read_pretrained(str(tmp_path / "cut"))
+    assert not (tmp_path / "ran").exists()
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
     (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))

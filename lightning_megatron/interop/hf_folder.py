@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -72,11 +73,9 @@ def read_hf_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face folder, never unpickling code: ``model.safetensors``, the shards a
     ``model.safetensors.index.json`` names (inside the folder), or ``pytorch_model.bin`` through
     ``torch.load(weights_only=True)``."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if (path / "model.safetensors").is_file():
-        return load_file(str(path / "model.safetensors"))
+        return _load_safetensors(path / "model.safetensors")
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -85,14 +84,32 @@ def read_hf_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             raise ValueError(f"{str(index)!r} is not a safetensors index (no weight_map): {e}") from e
         out: dict[str, torch.Tensor] = {}
         for name in sorted(set(weight_map.values())):
-            shard = (path / name).resolve()
-            if shard.parent != path.resolve() or not name.endswith(".safetensors") or not shard.is_file():
+            # a file name of the folder: no path in it (the hub cache's shards are links into its blobs/: followed)
+            plain = isinstance(name, str) and name == Path(name).name and name not in (".", "..")
+            if not plain or not name.endswith(".safetensors") or not (path / name).is_file():
                 raise ValueError(f"{str(index)!r} names {name!r}: shards must be .safetensors files inside the folder")
-            out.update(load_file(str(shard)))
+            out.update(_load_safetensors(path / name))
         return out
     if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", weights_only=True, map_location="cpu")
+        try:
+            return torch.load(path / "pytorch_model.bin", weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as e:  # weights_only: a global outside the allow-list, never imported
+            said = next((line.strip() for line in str(e).splitlines() if "global" in line.lower()), str(e)[:200])
+            raise ValueError(f"{str(path / 'pytorch_model.bin')!r} holds more than tensors ({said}): refused, nothing "
+                             f"in it was run; use the folder's safetensors weights") from None
     raise FileNotFoundError(f"{str(path)!r} has neither model.safetensors (or its index) nor pytorch_model.bin")
+
+
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; a damaged one refused by its name."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except SafetensorError as e:
+        raise ValueError(f"{str(file)!r} cannot be read ({e}): the file is damaged or incomplete; download it "
+                         f"again") from None
 
 
 def _family_config(path: Path, adapter: StateDictAdapter, owner: str) -> Any:
