@@ -141,7 +141,14 @@ def test_a_megatron_llama_3_1_with_rope_scaling_is_read_with_its_factor(tmp_path
     (dict(num_experts=8, moe_layer_freq=2), "moe_layer_freq=2"),  # dense layers among the experts
     (dict(rotary_interleaved=True), "rotary_interleaved=True"),
     (dict(position_embedding_type="relative"), "position_embedding_type='relative'"),
-], ids=["qk_layernorm", "interpolation", "moe_layer_freq", "interleaved", "relative"])
+    # GPT-OSS- / Llama-4-style settings megatron-core has and our layer does not: imported without a word, their
+    # logits off by 2.7 (off-by-one softmax) and 4.0 (L2-normalised queries and keys) of a largest 4.1-4.3
+    (dict(softmax_type="off-by-one", qk_l2_norm=True, quick_geglu=True, glu_linear_offset=1.0,
+          activation_func_clamp_value=7.0, attention_output_gate=True, no_rope_freq=4, window_size=(128, 0),
+          window_attn_skip_freq=2),
+     r"softmax_type='off-by-one' .*qk_l2_norm=True .*quick_geglu=True .*glu_linear_offset=1.0 .*"
+     r"activation_func_clamp_value=7.0 .*attention_output_gate=True .*no_rope_freq=4 .*window_size=\(128, 0\)"),
+], ids=["qk_layernorm", "interpolation", "moe_layer_freq", "interleaved", "relative", "gpt_oss"])
 def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, named):
     from lightning_megatron.models.gpt.module import GPTLightningModule
 

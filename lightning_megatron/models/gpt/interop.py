@@ -57,6 +57,15 @@ UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
     "rotary_interleaved": ((False, None), "interleaved rotary embeddings"),
     "rotary_seq_len_interpolation_factor": ((None, 1, 1.0), "rotary sequence interpolation"),
+    "softmax_type": (("vanilla", None), "another attention softmax (off-by-one, learnable offsets)"),
+    "qk_l2_norm": ((False, None), "L2-normalised queries and keys"),
+    "quick_geglu": ((False, None), "a quick-GeGLU MLP"),
+    "glu_linear_offset": ((None, 0, 0.0), "an offset on the GLU's linear half"),
+    "activation_func_clamp_value": ((None,), "a clamped activation"),
+    "attention_output_gate": ((False, None), "a gated attention output"),
+    "no_rope_freq": ((None, 0), "layers without rotary embeddings"),
+    "window_size": ((None,), "sliding-window attention"),
+    "window_attn_skip_freq": ((None,), "sliding-window attention on some layers"),
 }
 """Megatron-LM arguments whose other values change the computation in ways GPTModel does not have."""
 
