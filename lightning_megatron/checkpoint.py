@@ -485,6 +485,10 @@ def does_not_fit(path: str | os.PathLike, layout: Any, problems: list[str]) -> C
     more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
     fix = "" if all("optimizer class" in p for p in problems) else (
         ". Build the model with the checkpoint's values (the first of each pair) to load it")
+    run = Path(path).parent.parent  # the configuration the CLI saved in the run's log folder (or the run's folder)
+    saved = [p for p in (run / "config.yaml", *run.glob("csv/version_*/config.yaml")) if p.is_file()]
+    if fix and saved:
+        fix += f", e.g. with the run's own configuration: --config {max(saved, key=lambda p: p.stat().st_mtime)}"
     return CheckpointError(f"checkpoint {str(path)!r} does not fit this model (saved at layout {layout}): "
                            + "; ".join(problems[:10]) + more + fix)
 

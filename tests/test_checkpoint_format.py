@@ -265,3 +265,20 @@ def test_a_length_that_sizes_no_weight_may_differ_one_that_sizes_learned_positio
     # switching the kind of positions is no longer context: both are reported
     assert [k for k, _, _ in GPT.architecture_conflicts(flat, {**gpt2, "max_sequence_length": 32})] == [
         "max_sequence_length", "position_embedding_type"]
+
+
+def test_a_checkpoint_that_does_not_fit_names_the_run_s_own_configuration(tmp_path):
+    """A run started from a Hugging Face folder predicted with the recipe the docs show (`predict --config
+    recipes/gpt_tiny.yaml --ckpt_path RUN/checkpoints/last.ckpt`) was refused with the differing values only: the
+    configuration the CLI saved in the run's folder is named as the way to build the model that fits."""
+    from lightning_megatron.checkpoint import does_not_fit
+
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt.mkdir(parents=True)
+    message = str(does_not_fit(ckpt, {"tp": 1}, ["config.hidden_size: checkpoint 64, model 128"]))
+    assert message.endswith("Build the model with the checkpoint's values (the first of each pair) to load it"), message
+    saved = tmp_path / "run" / "csv" / "version_0" / "config.yaml"  # where it goes with the recipes' CSV logger
+    saved.parent.mkdir(parents=True)
+    saved.write_text("model: {}\n")
+    message = str(does_not_fit(ckpt, {"tp": 1}, ["config.hidden_size: checkpoint 64, model 128"]))
+    assert message.endswith(f"to load it, e.g. with the run's own configuration: --config {saved}"), message

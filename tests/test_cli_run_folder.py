@@ -187,7 +187,8 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
         f"lightning-megatron: checkpoint {str(last_ckpt)!r} does not fit this model (saved at layout {{'cp': 1, "
         f"'dp': 1, 'ep': 1, 'etp': None, 'pp': 1, 'schedule': 'auto', 'sequence_parallel': False, 'tp': 1, 'vp': None, "
         f"'world_size': 1, 'zero1': False}}): config.num_layers: checkpoint 1, model 2. Build the model with the "
-        f"checkpoint's values (the first of each pair) to load it"), said[-3000:]
+        f"checkpoint's values (the first of each pair) to load it, e.g. with the run's own configuration: --config "
+        f"{tmp_path / 'run' / 'csv' / 'version_0' / 'config.yaml'}"), said[-3000:]
     # the random shuffle goes on mid-epoch from the samples consumed (4), which another global batch must divide:
     # refused before launch (each rank raised the sampler's ValueError once started)
     shuffled = _cli(tmp_path, "fit", "--trainer.max_steps", "3", "--data.shuffle", "random", "--data.global_batch_size",
