@@ -82,7 +82,8 @@ def test_hparams_are_plain_values_and_the_flat_ones_of_before_map_into_the_recor
     assert up["config"]["ffn_hidden_size"] == 32 and up["config"]["kv_channels"] == 8  # resolved as the record does
     assert BertLightningModule.upgrade_hparams(up) == up  # today's spelling maps to itself
     old = {**OLD_GPT_ARGUMENTS, **GPT, "lr": 1e-3}
-    added = {"lora", "init_from_sha256", "predict_stop_strings", "calculate_per_token_loss"}  # born after the flat spelling
+    added = {"lora", "init_from_sha256", "predict_stop_strings", "calculate_per_token_loss",  # born after the flat
+             "predict_seed"}  # spelling
     assert GPTLightningModule.upgrade_hparams(old) == {k: v for k, v in hparams.items() if k not in added}
     with pytest.raises(TypeError, match="num_layers=... is now config.num_layers"):
         GPTLightningModule.from_pretrained("unused", num_layers=2)
