@@ -298,8 +298,6 @@ _OPTIMIZER_HPARAMS = ("optimizer", "optimizer_class", "optimizer_kwargs", "lr", 
 def run_config(trainer: Any, model: Any) -> dict[str, Any]:
     """Trainer, strategy, layout, precision, the lr schedule, clipping and the optimizer: what the W&B config
     shows next to the module's hyper-parameters (which Lightning logs itself)."""
-    import dataclasses
-
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -312,11 +310,11 @@ def run_config(trainer: Any, model: Any) -> dict[str, Any]:
         dims = strategy.parallel_dims  # Megatron's names, as the recipe writes them
         run["layout"] = {"name": dims.name, **dims.strategy_kwargs(), "data_parallel_size": dims.dp,
                          "use_distributed_optimizer": dims.zero1, "micro_batch_size": strategy.micro_batch_size}
-    for callback in trainer.callbacks:  # the lr schedule, clipping and loss scaling
+    for callback in trainer.callbacks:  # the lr schedule, clipping and loss scaling: the settings each declares
         if isinstance(callback, OptimizerParamSchedulerCallback):
-            run["lr_schedule"] = dict(callback.kwargs)
+            run["lr_schedule"] = callback.run_settings()
         elif isinstance(callback, MegatronOptimizerCallback):
-            run["megatron_optimizer"] = dataclasses.asdict(callback.config)
+            run["megatron_optimizer"] = callback.run_settings()
     hparams = dict(model.hparams)
     optimizer = {k: hparams[k] for k in _OPTIMIZER_HPARAMS if hparams.get(k) is not None}
     if optimizer:

@@ -68,7 +68,7 @@ class MegatronOptimizerCallback(Callback):
 
     def run_settings(self) -> dict[str, Any]:
         """The OptimizerConfig's fields: what every rank of a run must have been given (the strategy compares them)."""
-        return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        return dataclasses.asdict(self.config)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
