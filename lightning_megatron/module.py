@@ -282,6 +282,9 @@ class MegatronLightningModule(LightningModule):
     and ``--model.init_from``, and checked against the module's before loading."""
     optional_pretrained: tuple[str, ...] = ()
     """Name prefixes ``init_from`` may leave at their initialization when the source lacks them."""
+    unread_pretrained: tuple[str, ...] = ()
+    """Name prefixes of a source's tensors ``init_from`` leaves unread: heads the module does not have (a
+    pretraining model's heads, for a classifier). Any other tensor no parameter takes is refused."""
     missing_tensors_hint: str = ""
     """Advice added to the error when a source lacks tensors the model needs."""
     architecture_flag_prefix: str = "--model."
@@ -355,13 +358,37 @@ class MegatronLightningModule(LightningModule):
         load_full_state_dict(list(self.model_chunks), params, saved.state_dict, coordinates=ps.coordinates,
                              sizes=ps.dims.sizes(), num_layers=hparams.get("num_layers"), source_name=name,
                              optional=() if everything else self.optional_pretrained, fresh=saved.fresh,
-                             missing_hint=self.missing_tensors_hint, flag_prefix=self.architecture_flag_prefix)
+                             missing_hint=self.missing_tensors_hint, flag_prefix=self.architecture_flag_prefix,
+                             not_taken=() if everything else self.unread_pretrained, agree=self._agree_on_loading())
         fresh = [n for n, _ in params if n in saved.fresh]
         if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
             import warnings
 
             warnings.warn(f"init_from={name!r} has no {fresh} (its model has no such heads): they are initialised "
                           f"fresh, from init_seed", UserWarning, stacklevel=2)
+
+    def _agree_on_loading(self) -> Any:
+        """The minimum of every rank's flags (an all-reduce), where the layout splits the parameters' names
+        over ranks (pipeline stages, expert ranks): which source tensors no rank takes, whether every rank
+        loaded. None where each rank holds every name."""
+        import torch.distributed as dist
+
+        ps = self.parallel_state
+        if ps is None or (ps.pp_size == 1 and ps.ep_size == 1) or not dist.is_initialized():
+            return None
+        if self._trainer is not None:
+            device = self.trainer.strategy.root_device
+        elif dist.get_backend() == "gloo" or torch.accelerator.current_accelerator() is None:
+            device = torch.device("cpu")
+        else:  # a group of an accelerator's backend, without a trainer: its current device
+            device = torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+
+        def agree(flags: torch.Tensor) -> torch.Tensor:
+            flags = flags.to(device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            return flags.cpu()
+
+        return agree
 
     @classmethod
     def whole_model(cls, saved: SavedModel) -> SavedModel:

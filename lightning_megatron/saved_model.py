@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -166,19 +166,27 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                          full: dict[str, torch.Tensor], *, coordinates: Mapping[str, int],
                          sizes: Mapping[str, int], num_layers: int | None,
                          source_name: str, optional: tuple[str, ...] = (), fresh: tuple[str, ...] = (),
-                         missing_hint: str = "", flag_prefix: str = "--model.") -> None:
+                         missing_hint: str = "", flag_prefix: str = "--model.", not_taken: tuple[str, ...] = (),
+                         agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Copy this rank's slice of every tensor of ``full`` (TP=1, unpadded vocab, global layer names)
     into the parameters ``named_parameters`` (global names, as ``sharded_named_parameters``), this rank being
     at ``coordinates`` among the dimension ``sizes`` (``ParallelState.coordinates``, ``ParallelDims.sizes()``).
     Parameters whose names start with one of ``optional`` keep their initialization when the source
     lacks them (a warning names them); those named in ``fresh`` keep it silently (the caller warns once).
     ``num_layers``: checked against the source's layers (None: not checked); ``missing_hint``: the
-    family's advice when tensors are missing; ``flag_prefix``: how a fix's flag is spelled."""
+    family's advice when tensors are missing; ``flag_prefix``: how a fix's flag is spelled.
+
+    A tensor of ``full`` that no parameter takes is refused (the source computed with it: a bias, a norm, a
+    layer the model lacks would change the outputs), unless its name starts with one of ``not_taken`` (heads
+    the module does not have, e.g. a classifier's source's masked-LM head). Where the layout splits the names
+    over ranks (pipeline stages, expert ranks), ``agree`` takes this rank's flags (int32, 1 = yes) and returns
+    their minimum over every rank (an all-reduce): a tensor is refused when no rank takes it, and every rank
+    fails when one cannot load (none waits for the others in a later collective)."""
     layers = {int(m.group(1)) for m in map(_LAYER.match, full) if m}
     if num_layers is not None and layers and max(layers) + 1 != num_layers:
         raise ValueError(f"init_from={source_name!r} has {max(layers) + 1} layers but the model has "
                          f"num_layers={num_layers}: set {flag_prefix}num_layers {max(layers) + 1}")
-    missing, skipped = [], []
+    missing, skipped, errors, taken = [], [], [], set()
     with torch.no_grad():
         for name, p in named_parameters:
             key = name
@@ -194,6 +202,7 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                 else:
                     missing.append(key)
                 continue
+            taken.add(key)
             rank, count = facts.shard(coordinates, sizes)  # this rank's piece of the sharded dimensions
             sharded = count > 1
             dim = facts.partition_dim % p.dim() if sharded else 0
@@ -201,8 +210,9 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
             if real is not None:
                 padded = p.size(0) * count
                 if t.size(0) < real:
-                    raise ValueError(f"init_from={source_name!r}: {key} has a vocabulary of {t.size(0)} rows, "
-                                     f"the model's vocab_size is {real}: set {flag_prefix}vocab_size {t.size(0)}")
+                    errors.append(f"init_from={source_name!r}: {key} has a vocabulary of {t.size(0)} rows, the "
+                                  f"model's vocab_size is {real}: set {flag_prefix}vocab_size {t.size(0)}")
+                    continue
                 t = t[:real]  # Megatron-LM pads its vocabulary; the padding never is a prediction
                 t = torch.cat([t, t.new_zeros((padded - real, *t.shape[1:]))]) if padded > real else t
             if sharded and facts.partition_stride > 1:
@@ -213,14 +223,29 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
             elif sharded:
                 t = t.chunk(count, dim=dim)[rank]
             if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but "
-                                 f"the parameter has {tuple(p.shape)}; the model's sizes differ from the source's")
+                errors.append(f"init_from={source_name!r}: {key} has shape {tuple(t.shape)} for this rank but the "
+                              f"parameter has {tuple(p.shape)}; the model's sizes differ from the source's")
+                continue
             p.copy_(t.to(p.dtype))  # before the optimizers exist: their main params are copied from p
+    if missing:
+        errors.append(f"init_from={source_name!r} lacks {len(missing)} tensors the model needs, e.g. "
+                      f"{missing[:4]}{': ' + missing_hint if missing_hint else ''}")
+    names = sorted(full)
+    flags = torch.tensor([int(k not in taken and not (not_taken and k.startswith(not_taken))) for k in names]
+                         + [int(not errors)], dtype=torch.int32)
+    if agree is not None:
+        flags = agree(flags)
+    if errors:
+        raise ValueError("; ".join(errors))
+    if not flags[-1]:
+        raise ValueError(f"init_from={source_name!r} cannot be loaded on another rank (its error says why)")
+    unused = [k for k, f in zip(names, flags[:-1].tolist()) if f]
+    if unused:
+        raise ValueError(f"init_from={source_name!r} has {len(unused)} tensors no parameter of the model takes, e.g. "
+                         f"{unused[:4]}: the source computes with them and the model would not, so its outputs "
+                         f"would differ (a bias, a norm or a layer the architecture lacks?)")
     if skipped:
         import warnings
 
         warnings.warn(f"init_from={source_name!r} has no {skipped}: they keep their initialization", UserWarning,
                       stacklevel=2)
-    if missing:
-        raise ValueError(f"init_from={source_name!r} lacks {len(missing)} tensors the model needs, e.g. "
-                         f"{missing[:4]}{': ' + missing_hint if missing_hint else ''}")

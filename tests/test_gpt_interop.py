@@ -180,6 +180,27 @@ def _worker(root: str) -> dict:
             k for k in mine if k in res["shards"] and not torch.equal(
                 *(t[real] if k in ("embedding.word_embeddings.weight", "output_layer.weight") else t
                   for t in (mine[k][0], res["shards"][k][0])))]
+        # A Megatron-LM checkpoint of the folder with a bias on layer 1 (stage 1's) that no parameter takes: every
+        # stage refuses it, stage 0 too (which holds no layer 1: the stages agree on what no one took).
+        source = f"{root}/{family}/megatron"
+        if dist.get_rank() == 0:
+            import transformers
+
+            from lightning_megatron.models.gpt import hf as ghf
+            from lightning_megatron.models.gpt import hf_config as ghc
+            from test_gpt_megatron_import import _write_legacy
+
+            hf = transformers.LlamaForCausalLM.from_pretrained(folder)
+            arch = ghc.hf_architecture(hf.config)
+            _write_legacy(Path(source), ghf.gpt_state_dict_from_hf(hf.state_dict(), arch), arch, None,
+                          extra={"decoder.layers.1.mlp.linear_fc2.bias": torch.ones(32)})
+        dist.barrier()
+        unread = GPTLightningModule(GPTConfig(**kwargs), lr=0.0, init_from=source)
+        unread.connect_parallel_state(ps)
+        try:
+            unread.configure_model()
+        except ValueError as e:
+            res["unread"] = str(e)
         results[family] = res
     return results
 
@@ -250,6 +271,9 @@ def test_export_from_tp2pp2_matches_transformers_and_init_from_restores_it(measu
     if family != "llama":
         return
     assert [r[family]["restored_differ"] for r in per_rank] == [[]] * 4, "init_from the export: shards differ"
+    for r in per_rank:  # every stage refuses the tensor no stage takes
+        assert "1 tensors no parameter of the model takes, e.g. ['decoder.layers.1.mlp.linear_fc2.bias']" in (
+            r[family].get("unread") or ""), r[family].get("unread")
     for r in per_rank:  # the loss every rank logs is the last stage's, broadcast
         assert abs(r[family]["restored_loss"] - float(losses[0])) <= 1e-5 * float(losses[0]), (
             r[family]["restored_loss"], float(losses[0]))

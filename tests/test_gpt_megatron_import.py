@@ -56,7 +56,8 @@ def _args(family: str, **kw) -> argparse.Namespace:
     return argparse.Namespace(**{**common, **kw})
 
 
-def _write_legacy(root, full, arch, args):
+def _write_legacy(root, full, arch, args, extra=None):
+    """``extra``: tensors added to every TP rank's files of the stage their layer is on (ours, global names)."""
     gated = arch["spec"] == ghc.LLAMA_SPEC
     it = root / "iter_0000010"
     (root / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +67,7 @@ def _write_legacy(root, full, arch, args):
                                           num_query_groups=arch["num_query_groups"] or 4)
         if "output_layer.weight" not in shard:  # tied: the last stage holds a copy of the embedding
             shard["output_layer.weight"] = shard["embedding.word_embeddings.weight"].clone()
+        shard.update(extra or {})
         for p in range(2):
             model = {}
             for key, value in shard.items():
@@ -176,3 +178,21 @@ def test_gpt_module_from_a_megatron_checkpoint_gives_transformers_logits(tmp_pat
         ours = module.eval().model_chunks[0](tokens)[..., :VOCAB]
         theirs = model(input_ids=tokens).logits
     assert float((ours - theirs).abs().max()) <= 1e-5
+
+
+def test_a_megatron_tensor_no_parameter_takes_is_refused_by_name(tmp_path):
+    """A checkpoint whose layer holds a tensor our model has no parameter for (a bias of ``linear_fc2`` its args do
+    not declare, a norm the spec lacks) was read with the tensor dropped: the source computes with it, the model
+    did not (the logits differ). Refused by name, whichever stage holds it."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    model = _models()["llama"]
+    arch = ghc.hf_architecture(model.config)
+    full = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    extra = {"decoder.layers.1.mlp.linear_fc2.bias": torch.randn(32),
+             "decoder.final_layernorm.bias": torch.randn(32)}
+    _write_legacy(tmp_path / "ckpt", full, arch, _args("llama"), extra=extra)
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), config={"vocab_size": VOCAB})
+    with pytest.raises(ValueError, match=r"has 2 tensors no parameter of the model takes, e.g. "
+                                         r"\['decoder.final_layernorm.bias', 'decoder.layers.1.mlp.linear_fc2.bias'\]"):
+        module.configure_model()

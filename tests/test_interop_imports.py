@@ -126,12 +126,14 @@ class _FakeEnumModule:
                 sys.modules[name] = old
 
 
-def _megatron_legacy(tmp_path, megatron_hf_model):
-    """A legacy Megatron-LM checkpoint (TP=1, PP=1) of ``megatron_hf_model``'s weights, padded vocabulary."""
+def _megatron_legacy(tmp_path, megatron_hf_model, extra=None):
+    """A legacy Megatron-LM checkpoint (TP=1, PP=1) of ``megatron_hf_model``'s weights, padded vocabulary
+    (``extra``: tensors added to it, our names)."""
     from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
 
     cfg = bert_config_from_hf(megatron_hf_model.config)
     sd = bert_state_dict_from_hf(megatron_hf_model.state_dict(), cfg, make_vocab_size_divisible_by=128)
+    sd.update(extra or {})
     assert sd["embedding.word_embeddings.weight"].size(0) == 128  # Megatron's padded rows travel along
     with _FakeEnumModule() as AttnBackend:
         args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
@@ -157,6 +159,43 @@ def test_megatron_lm_legacy_logits_match_transformers_with_the_bias_gelu_fusion_
     module = BertLightningModule.from_pretrained(str(source), config={"vocab_size": VOCAB})
     assert (module.config.activation, module.config.lm_head_activation) == ("gelu_tanh", "gelu")
     _close(_ours(module), _theirs(model))
+
+
+def test_source_tensors_no_parameter_takes_are_refused(tmp_path):
+    """A source's tensor the model has no parameter for was dropped without a word, though the source computes
+    with it: a folder whose config.json says fewer layers than its weights hold imported the first layers only; a
+    Megatron-LM checkpoint's extra norm was left out. Refused by name. Another task's head (the classifier of a
+    ``BertForSequenceClassification``) is no weight of the model: said, and the rest imported."""
+    import json
+
+    import transformers
+
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    _hf_model(False).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    module = BertLightningModule.from_pretrained(str(tmp_path / "hf"))
+    assert module.config.num_layers == 1
+    with pytest.raises(ValueError, match=r"the folder has 16 tensors the conversion does not read, e.g. "
+                                         r"\['encoder.layer.1.attention.output.LayerNorm.bias'"):
+        module.configure_model()
+
+    model = _hf_model(True, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-5)
+    norm = {"encoder.layers.1.self_attention.q_layernorm.weight": torch.ones(8)}
+    source = _megatron_legacy(tmp_path, model, extra=norm)
+    module = BertLightningModule.from_pretrained(str(source), config={"vocab_size": VOCAB})
+    with pytest.raises(ValueError, match=r"has 1 tensors no parameter of the model takes, e.g. "
+                                         r"\['encoder.layers.1.self_attention.q_layernorm.weight'\]"):
+        module.configure_model()
+
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(transformers.BertConfig(**HF_KW, num_labels=3)).save_pretrained(
+        tmp_path / "classifier")
+    module = BertLightningModule.from_pretrained(str(tmp_path / "classifier"))
+    with pytest.warns(UserWarning, match=r"\['classifier.bias', 'classifier.weight'\] are not read \(another task's "
+                                         r"head"):
+        module.configure_model()
 
 
 def test_restricted_unpickler_maps_megatron_enums_and_refuses_other_globals(tmp_path):

@@ -85,6 +85,8 @@ class BertClassificationModule(BertLightningModule):
         return replace(shape, masked_lm_prob=0.0)
 
     optional_pretrained = ("pooler.",)  # as transformers does, a source without a pooler gets a fresh one
+    unread_pretrained = ("classifier.", "lm_head.", "binary_head.", "output_layer.")  # heads of pretraining or
+    # of a classifier checkpoint: this fine-tune starts its own head
 
     @override
     def pretrained_parameters(self) -> list[tuple[str, nn.Parameter]]:

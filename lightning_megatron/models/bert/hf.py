@@ -37,6 +37,7 @@ __all__ = [
     "bert_config_from_hf",
     "bert_model_kwargs_from_hf",
     "bert_state_dict_from_hf",
+    "bert_state_dict_and_unread_from_hf",
     "hf_state_dict_from_bert",
     "merge_tp_state_dicts",
     "BERT_TP_LAYOUT",
@@ -203,6 +204,21 @@ def bert_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: T
     ``post_process=True`` needs the ``cls.*`` heads of a ``BertForPreTraining`` state dict; a
     ``transformers.BertModel`` (no heads) imports with ``post_process=False`` (the encoder output).
     """
+    return bert_state_dict_and_unread_from_hf(
+        hf_state_dict, config, tp_rank, tp_size, layer_range=layer_range, pre_process=pre_process,
+        post_process=post_process, add_binary_head=add_binary_head,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by)[0]
+
+
+def bert_state_dict_and_unread_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
+                                       tp_rank: int = 0, tp_size: int = 1, *, layer_range: range | None = None,
+                                       pre_process: bool = True, post_process: bool = True,
+                                       add_binary_head: bool = True, share_embeddings_and_output_weights: bool = True,
+                                       make_vocab_size_divisible_by: int = 128) -> tuple[dict[str, torch.Tensor],
+                                                                                         list[str]]:
+    """:func:`bert_state_dict_from_hf` and the names of ``hf_state_dict`` it did not read (``bert.`` prefix and
+    old ``gamma`` / ``beta`` names normalized)."""
     if config.tensor_model_parallel_size != tp_size:
         raise ValueError(f"tensor_model_parallel_size={config.tensor_model_parallel_size} in the config but "
                          f"tp_size={tp_size}; build the config with tensor_model_parallel_size={tp_size}")
@@ -213,12 +229,14 @@ def bert_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: T
         hf["cls.predictions.bias"].size(0)
     padded = pad_vocab_size(vocab, tp_size, make_vocab_size_divisible_by)
     full: dict[str, torch.Tensor] = {}
+    read: set[str] = set()
 
     def take(hf_key: str) -> torch.Tensor:
         if hf_key not in hf:
             hint = (" (a transformers BertModel has no cls.* heads: build with post_process=False)"
                     if hf_key.startswith("cls.") else "")
             raise KeyError(f"Hugging Face state dict has no {hf_key!r}{hint}")
+        read.add(hf_key)
         return hf[hf_key]
 
     if pre_process:
@@ -252,7 +270,7 @@ def bert_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: T
         if key in _VOCAB_PADDED:
             value = _pad_rows(value, padded)
         out[key] = _shard(key, value.to(config.params_dtype), tp_rank, tp_size)
-    return out
+    return out, sorted(k for k in hf if k not in read)
 
 
 def merge_tp_state_dicts(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

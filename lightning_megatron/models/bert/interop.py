@@ -30,7 +30,7 @@ from lightning_megatron.models.bert.hf import (
     BERT_TP_LAYOUT,
     bert_config_from_hf,
     bert_model_kwargs_from_hf,
-    bert_state_dict_from_hf,
+    bert_state_dict_and_unread_from_hf,
     hf_state_dict_from_bert,
 )
 from lightning_megatron.saved_model import SavedModel, refuse_architecture
@@ -106,23 +106,57 @@ class BertInterop:
                              f"embedding (tie_word_embeddings={getattr(config, 'tie_word_embeddings', True)}): "
                              f"BertLightningModule ties them, so its masked-LM logits would differ; import a folder "
                              f"whose output layer is tied to its word embeddings")
-        sd = bert_state_dict_from_hf(hf_sd, bert_config_from_hf(config), 0, 1, post_process=heads,
-                                     add_binary_head=binary, make_vocab_size_divisible_by=1)
+        sd, unread = bert_state_dict_and_unread_from_hf(hf_sd, bert_config_from_hf(config), 0, 1,
+                                                        post_process=heads, add_binary_head=binary,
+                                                        make_vocab_size_divisible_by=1)
         if not heads:  # a transformers BertModel: its pooler, if saved
             for key in ("pooler.dense.weight", "pooler.dense.bias"):
                 src = hf_sd.get(key, hf_sd.get("bert." + key))
                 if src is not None:
                     sd[key] = src.clone()
+                    unread.remove(key)
         if config.model_type == "megatron-bert" and not heads:
             for ours_key, theirs in (("encoder.final_layernorm.weight", "encoder.ln.weight"),
                                      ("encoder.final_layernorm.bias", "encoder.ln.bias")):
                 src = hf_sd.get(theirs, hf_sd.get("bert." + theirs))
                 if src is not None:
                     sd[ours_key] = src.clone()
+                    unread.remove(theirs)
+        self._refuse_unread_hf(unread, hf_sd, heads=heads, source=source)
         # An encoder-only model (transformers' BertModel, e.g. MiniLM) or one without the binary head: the
         # heads it lacks start fresh.
         fresh = [k for k in _HF_HEADS if k not in sd and (not heads or k.startswith(("binary_head.", "pooler.")))]
         return SavedModel(state_dict=sd, hparams=architecture, fresh=tuple(fresh))
+
+    @staticmethod
+    def _refuse_unread_hf(unread: list[str], hf_sd: Mapping[str, torch.Tensor], *, heads: bool, source: str) -> None:
+        """A tensor of the folder the conversion did not read is refused when the model computes where it sits
+        (embeddings, encoder, pooler, the pretraining heads): the folder's outputs would differ from the model's
+        (a layer beyond ``num_hidden_layers``, a bias). Buffers, the tied decoder's copies and another task's
+        head (``classifier.*`` of a ``BertForSequenceClassification``) are not weights of our model: the last
+        are said in a warning."""
+        def tensor(name: str) -> torch.Tensor | None:
+            return hf_sd.get(name, hf_sd.get("bert." + name))
+
+        copies = {"cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",  # tied: checked above
+                  "cls.predictions.decoder.bias": "cls.predictions.bias"}
+        ours = ("embeddings.", "encoder.", "pooler.", "cls.") if heads else ("embeddings.", "encoder.", "pooler.")
+        refused, other_task = [], []
+        for name in unread:
+            if name in ("embeddings.position_ids", "embeddings.token_type_ids"):  # buffers older transformers saved
+                continue
+            if name in copies and tensor(copies[name]) is not None and torch.equal(tensor(name), tensor(copies[name])):
+                continue
+            (refused if name.startswith(ours) else other_task).append(name)
+        if refused:
+            raise ValueError(f"{source!r}: the folder has {len(refused)} tensors the conversion does not read, e.g. "
+                             f"{refused[:4]}: the folder's model computes with them and ours would not (a layer "
+                             f"beyond num_hidden_layers? a tensor another architecture has?)")
+        if other_task:
+            import warnings
+
+            warnings.warn(f"{source!r}: {other_task} are not read (another task's head, no weight of ours: a "
+                          f"classifier fine-tune starts its own head fresh)", UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ Megatron-LM -> ours
 

@@ -97,6 +97,7 @@ class BertLightningModule(LanguageLightningModule):
     interop = BertInterop()  # Hugging Face BERT / MegatronBERT folders, Megatron-LM checkpoints, export hf
     architecture_keys = ARCHITECTURE_KEYS
     missing_tensors_hint = MISSING_TENSORS_HINT
+    unread_pretrained = ("pooler.", "binary_head.")  # a source's next-sentence head, for a model without it
 
     @classmethod
     @override
