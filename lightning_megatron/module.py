@@ -381,7 +381,8 @@ class MegatronLightningModule(LightningModule):
         elif dist.get_backend() == "gloo" or torch.accelerator.current_accelerator() is None:
             device = torch.device("cpu")
         else:  # a group of an accelerator's backend, without a trainer: its current device
-            device = torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+            accelerator = torch.accelerator.current_accelerator()
+            device = torch.device(accelerator.type, torch.accelerator.current_device_index())
 
         def agree(flags: torch.Tensor) -> torch.Tensor:
             flags = flags.to(device)
