@@ -50,6 +50,14 @@ def tokenizer_family(data_class: type | None) -> str:
     return "wordpiece"
 
 
+def documents_need_eod(data_class: type | None) -> bool:
+    """Whether the data section's datamodule joins documents into samples (GPT's), which must end with an
+    end-of-document id."""
+    from lightning_megatron.datamodules.pretraining import PretrainingDataModule
+
+    return data_class is not None and issubclass(data_class, PretrainingDataModule) and data_class.documents_need_eod
+
+
 def checkpoint_data_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None,
                              ckpt_path: Any = None) -> list[str]:
     """What the data section's data means otherwise than a checkpoint to load records
@@ -193,7 +201,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
         try:
             if read_dataset_vocab(prefix) is None:
                 continue  # no record: the datamodule warns at set-up
-            check_dataset_vocab(prefix, data_tokenizer(), model_vocab)
+            check_dataset_vocab(prefix, data_tokenizer(), model_vocab, needs_eod=documents_need_eod(data_class))
         except (ValueError, OSError) as error:
             problems.append(_data(error))
             if tokenizer is None:

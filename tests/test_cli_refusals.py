@@ -40,6 +40,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     text = "\n\n".join(f"Document {i} is about tensor parallel layers.\nIt splits the weights." for i in range(40))
     (d / "docs.txt").write_text(text + "\n")
     preprocess_corpus([d / "docs.txt"], d / "gpt", BPETokenizer(), append_eod=True, progress=False)
+    preprocess_corpus([d / "docs.txt"], d / "noeod", BPETokenizer(), progress=False)  # without --append-eod
+    preprocess_corpus([d / "docs.txt"], d / "wordpiece", progress=False)  # BERT's packaged WordPiece
     (d / "prompts.txt").write_text("The function returns\nA list of\n")
     (d / "long.txt").write_text("The function returns\n" + " ".join(["word"] * 60) + "\n")  # 60 tokens
     (d / "latin1.txt").write_bytes(b"The function returns\ncaf\xe9 au lait\n")
@@ -59,7 +61,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     transformers.MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=8192,
                                max_position_embeddings=128).save_pretrained(d / "mixtral")
-    return {"dir": str(d), "gpt": str(d / "gpt"), "mixtral": str(d / "mixtral"), "prompts": str(d / "prompts.txt"),
+    return {"dir": str(d), "gpt": str(d / "gpt"), "noeod": str(d / "noeod"), "wordpiece": str(d / "wordpiece"),
+            "mixtral": str(d / "mixtral"), "prompts": str(d / "prompts.txt"),
             "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
             "small": str(d / "small.jsonl"),
@@ -79,6 +82,18 @@ CASES = {
         # refusal here is the timeout, to stop before launch)
         [*FIT, "--data.data_prefix", "{gpt}", "--trainer.strategy.init_args.timeout", "0"], None,
         ["1 configuration problem(s)", "strategy timeout=0"], ["another vocabulary", "bert-base-uncased"]),
+    # GPT on data it cannot read: refused after launch, by a rank (the WordPiece data's fix named --append-eod, which
+    # WordPiece refuses); the timeout row stops the launch should the data be let through
+    "gpt_on_wordpiece_data": (
+        [*FIT, "--data.data_prefix", "{wordpiece}", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "dataset '{wordpiece}' was tokenized with a WordPiece (BERT) vocabulary, and "
+         "`preprocess` ends no WordPiece document with an end-of-document id", "preprocess the text with a byte-level "
+         "BPE tokenizer: `lightning-megatron preprocess --input TEXT --output-prefix PREFIX --tokenizer "
+         "tokenizer.json --append-eod`"], []),
+    "gpt_data_without_eod": (
+        [*FIT, "--data.data_prefix", "{noeod}", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "dataset '{noeod}' was preprocessed without --append-eod: GPT samples join "
+         "documents", "`lightning-megatron preprocess --input TEXT --output-prefix {noeod} --tokenizer "], []),
     "gpt_seq_length": ([*FIT, "--data.seq_length", "256"], None,
                        ["data seq_length=256 exceeds the model's max_sequence_length=128"], []),
     "predict_temperature": ([*PREDICT, "--model.predict_greedy", "false", "--model.predict_temperature", "0"], None,

@@ -14,6 +14,7 @@ from lightning_megatron.data.blended import BlendedDataset
 from lightning_megatron.data.bpe_tokenizer import BPETokenizer
 from lightning_megatron.datamodules.gpt import GPTDataModule
 from lightning_megatron.data.gpt_dataset import GPTDataset
+from lightning_megatron.data.dataset_vocab import write_dataset_vocab
 from lightning_megatron.data.indexed_dataset import IndexedDataset
 from lightning_megatron.data.preprocess import preprocess_corpus
 
@@ -89,6 +90,9 @@ def test_blend_of_two_prefixes(tmp_path):
 
 def test_refuses_data_without_eod_or_from_another_vocabulary(tmp_path):
     no_eod = _prefix(tmp_path, "plain", 30, append_eod=False)
+    with pytest.raises(ValueError, match="was preprocessed without --append-eod: GPT samples join documents"):
+        _datamodule(no_eod)  # its record says so
+    write_dataset_vocab(no_eod, BPETokenizer())  # a record that does not say (another tool's data): read the ends
     with pytest.raises(ValueError, match="does not end with the end-of-document id 0.*append-eod"):
         _datamodule(no_eod)
     other_vocab = tmp_path / "vocab.txt"

@@ -109,23 +109,26 @@ def test_malformed_input_is_counted_never_fatal(tmp_path):
         json.dumps({"text": "   "}),
         json.dumps({"text": long_doc + ". Short tail sentence."}),
         '{"text": "truncated json',
+        '{"text": "A lone surrogate \\ud800 escaped. It stopped the whole run."}',  # no UTF-8 holds it
     ]) + "\n")
     inputs = [tmp_path / n for n in ("empty.txt", "blank.txt", "docs.txt", "latin1.txt", "data.jsonl")]
     stats = preprocess_corpus(inputs, tmp_path / "out" / "ds", tokenizer(), max_seq_length=128)
     assert (stats.files, stats.empty_files) == (5, 2)
     assert stats.empty_lines == 3 + 2 + (2 + 1) + 1  # blank.txt, leading, extra separators + trailing, jsonl
-    assert stats.non_utf8_lines == 1
+    assert stats.non_utf8_lines == 2  # latin1.txt's byte and the escaped surrogate (replaced by U+FFFD)
     assert (stats.bad_json_lines, stats.empty_documents) == (4, 1)
     assert stats.long_sentences_split == 1 and stats.long_documents == 1
-    assert stats.documents == stats.written_documents == 5  # docs.txt 2, latin1 1, jsonl 2
+    assert stats.documents == stats.written_documents == 6  # docs.txt 2, latin1 1, jsonl 3
     ds = IndexedDataset(tmp_path / "out" / "ds")
-    assert ds.num_documents == 5
+    assert ds.num_documents == 6
     tok = tokenizer()
     assert [list(s) for s in ds.document(0)] == [tok.tokenize(s) for s in
                                                  ("First sentence here.", "Second one!", "Third line.")]
     assert len(ds.document(2)) == 3  # the undecodable byte did not break the line
     long_sentence = tok.tokenize(long_doc + ".")
     assert [len(s) for s in ds.document(4)][:3] == [125, 125, len(long_sentence) - 250]
+    assert [list(s) for s in ds.document(5)] == [tok.tokenize(s) for s in ("A lone surrogate \ufffd escaped.",
+                                                                          "It stopped the whole run.")]
 
 
 def test_missing_input_file_is_a_clear_error(tmp_path):

@@ -67,3 +67,32 @@ def test_dataset_records_its_vocabulary_and_the_datamodule_uses_it(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"was tokenized with .*vocab.txt.*pass that vocabulary as "
                                                 r"data.vocab_file"):
         BertDataModule(str(tmp_path / "data")).tokenizer
+
+
+def test_a_record_of_other_data_is_refused_and_a_failed_preprocess_keeps_the_record(tmp_path):
+    """A re-run of ``preprocess`` that failed (no text, an interrupt) deleted the prefix's ``.vocab.json`` and
+    kept its ``.bin`` / ``.idx``: the datamodule then took the packaged vocabulary and trained on ids that meant
+    other pieces, with a warning only. The record stays until new data replaces it. A record beside data it does
+    not describe (another tool rewrote the prefix) was trusted: refused by its document and token counts."""
+    import shutil
+
+    from lightning_megatron.cli import main
+    from lightning_megatron.data import check_dataset_vocab, read_dataset_vocab, train_wordpiece_tokenizer
+    (tmp_path / "corpus.txt").write_text(TEXT * 20)
+    (tmp_path / "short.txt").write_text(TEXT)
+    (tmp_path / "blank.txt").write_text("\n\n")
+    vocab = train_wordpiece_tokenizer([tmp_path / "corpus.txt"], 120, tmp_path / "tok", lowercase=False)
+    for name, text in (("data", "corpus.txt"), ("short", "short.txt")):
+        main(["preprocess", "--input", str(tmp_path / text), "--output-prefix", str(tmp_path / name),
+              "--vocab-file", str(vocab), "--no-progress"])
+    record = read_dataset_vocab(tmp_path / "data")
+    with pytest.raises(SystemExit):
+        main(["preprocess", "--input", str(tmp_path / "blank.txt"), "--output-prefix", str(tmp_path / "data"),
+              "--vocab-file", str(vocab), "--no-progress"])
+    assert read_dataset_vocab(tmp_path / "data") == record
+    tok = BertTokenizer(vocab, lowercase=False)
+    check_dataset_vocab(tmp_path / "data", tok, tok.vocab_size)
+    shutil.copy(tmp_path / "short.vocab.json", tmp_path / "data.vocab.json")  # same vocabulary, other data
+    with pytest.raises(ValueError, match=r"data.vocab.json' describes 2 documents and 26 tokens, but the dataset "
+                                         r"holds 21 documents and 520 tokens: the record belongs to other data"):
+        check_dataset_vocab(tmp_path / "data", tok, tok.vocab_size)

@@ -95,7 +95,8 @@ class CorpusStats:
     empty_documents: int = 0
     """JSON documents whose text is empty or whitespace (dropped)."""
     non_utf8_lines: int = 0
-    """Lines with bytes that are not valid UTF-8 (decoded with U+FFFD replacement characters)."""
+    """Lines with bytes that are not valid UTF-8, or JSON escapes of lone surrogates (``\\ud800``) no UTF-8
+    holds (each replaced with U+FFFD)."""
     bad_json_lines: int = 0
     """JSON lines that do not parse, are not objects, or lack a string under ``json_key`` (dropped)."""
 
@@ -312,18 +313,28 @@ def _whole_text_file_documents(path: Path, stats: CorpusStats) -> Iterator[Docum
         yield ["".join(lines).rstrip("\r\n")]
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _record_document(record: Any, json_key: str, stats: CorpusStats, split: bool = True) -> Document | None:
     """The sentences of one JSON / datasets record (``split=False``: its text verbatim, one item), or
     ``None`` (counted) when it has none."""
     if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
         stats.bad_json_lines += 1
         return None
+    text = record[json_key]
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a JSON escape of a lone surrogate: no tokenizer takes it
+            text = _SURROGATE.sub("\ufffd", text)
+            stats.non_utf8_lines += 1
     if not split:
-        if not record[json_key].strip():
+        if not text.strip():
             stats.empty_documents += 1
             return None
-        return [record[json_key]]
-    sentences = [s for paragraph in record[json_key].split("\n") for s in split_sentences(paragraph)]
+        return [text]
+    sentences = [s for paragraph in text.split("\n") for s in split_sentences(paragraph)]
     if not sentences:
         stats.empty_documents += 1
         return None

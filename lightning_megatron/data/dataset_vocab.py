@@ -88,7 +88,8 @@ class DatasetVocab:
     eod: int | None = None
     """The end-of-document id of a BPE vocabulary."""
     append_eod: bool | None = None
-    """Whether every document ends with ``eod`` (``preprocess --append-eod``, Megatron's flag)."""
+    """Whether every document ends with the end-of-document id (``preprocess --append-eod``, Megatron's flag;
+    ``preprocess`` records False for WordPiece data, which it never ends so); None: not known."""
 
 
 def vocab_sidecar_path(prefix: str | os.PathLike[str]) -> Path:
@@ -155,7 +156,7 @@ def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokeni
                           num_documents=dataset.num_documents, vocab_file=str(Path(tokenizer.vocab_file).resolve()),
                           lowercase=tokenizer.lowercase, tokenizer_type=tokenizer.tokenizer_type,
                           eod=tokenizer.eod if isinstance(tokenizer, BPETokenizer) else None,
-                          append_eod=append_eod if isinstance(tokenizer, BPETokenizer) else None)
+                          append_eod=append_eod)
     path = vocab_sidecar_path(prefix)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
@@ -253,13 +254,15 @@ def dataset_tokenizer(vocab_file: str | os.PathLike[str] | None, prefix: str | o
 
 
 def check_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokenizer | None = None,
-                        model_vocab_size: int | None = None) -> DatasetVocab | None:
+                        model_vocab_size: int | None = None, *, needs_eod: bool = False) -> DatasetVocab | None:
     """Refuse a dataset that would train silently wrong; returns its record (``None``, with a
     warning, when the dataset has no ``.vocab.json``).
 
-    Raises :class:`ValueError` when the dataset is empty, when it was made with another vocabulary
+    Raises :class:`ValueError` when the record's document and token counts are not the dataset's (it belongs to
+    other data), when the dataset is empty, when it was made with another vocabulary
     than ``tokenizer``'s, or when ``model_vocab_size`` (the model's real, unpadded vocabulary) is not
-    larger than its largest token id. Each message names both values and the fix.
+    larger than its largest token id; with ``needs_eod`` (GPT data: samples join documents), when the record says
+    its documents do not end with an end-of-document id. Each message names both values and the fix.
     """
     record = read_dataset_vocab(prefix)
     if record is None:
@@ -281,6 +284,16 @@ def check_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokeni
                       f"id {largest} fits the vocabulary, but whether it was made with this vocabulary cannot be "
                       f"checked; {rebuild}", stacklevel=2)
         return None
+    from lightning_megatron.data.indexed_dataset import dataset_counts
+
+    counts = dataset_counts(prefix)
+    if counts is not None and counts != (record.num_documents, record.num_tokens):
+        raise ValueError(f"{str(vocab_sidecar_path(prefix))!r} describes {record.num_documents} documents and "
+                         f"{record.num_tokens} tokens, but the dataset holds {counts[0]} documents and {counts[1]} "
+                         f"tokens: the record belongs to other data (the prefix rewritten by another tool, or a "
+                         f"preprocess stopped between its files); preprocess it again, or record the vocabulary it "
+                         f"was made with: lightning_megatron.data.write_dataset_vocab({os.fspath(prefix)!r}, "
+                         f"tokenizer)")
     if record.num_tokens == 0 or record.num_documents == 0:
         raise ValueError(f"dataset {os.fspath(prefix)!r} is empty ({record.num_documents} documents, "
                          f"{record.num_tokens} tokens): preprocess it again from inputs that hold text")
@@ -290,6 +303,18 @@ def check_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokeni
                          f"{str(tokenizer.vocab_file)!r} (vocab_size={tokenizer.vocab_size}, sha256 "
                          f"{vocab_sha256(tokenizer)[:12]}); pass the vocab_file the dataset was preprocessed "
                          f"with, or preprocess it again with this one")
+    if needs_eod and record.append_eod is False:
+        bpe = record.tokenizer_type == "bpe"
+        fix = (f"preprocess it again with --append-eod: `lightning-megatron preprocess --input TEXT --output-prefix "
+               f"{os.fspath(prefix)} --tokenizer {record.vocab_file or 'TOKENIZER'} --append-eod`" if bpe else
+               "preprocess the text with a byte-level BPE tokenizer: `lightning-megatron preprocess --input TEXT "
+               "--output-prefix PREFIX --tokenizer tokenizer.json --append-eod` (`lightning-megatron "
+               "train-tokenizer --type bpe` makes one; without --tokenizer, the packaged BPE)")
+        made = "preprocessed without --append-eod" if bpe else (
+            "tokenized with a WordPiece (BERT) vocabulary, and `preprocess` ends no WordPiece document with an "
+            "end-of-document id")
+        raise ValueError(f"dataset {os.fspath(prefix)!r} was {made}: GPT samples join documents, which an "
+                         f"end-of-document id must separate; {fix}")
     if model_vocab_size is not None and model_vocab_size <= record.max_token_id:
         raise ValueError(f"the model's vocab_size={model_vocab_size} is not larger than the largest token id "
                          f"{record.max_token_id} in dataset {os.fspath(prefix)!r} (its vocabulary has "

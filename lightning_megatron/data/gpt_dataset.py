@@ -63,10 +63,12 @@ def document_lengths(indexed: IndexedDataset) -> np.ndarray:
     return np.diff(ends[np.asarray(indexed.doc_idx)])
 
 
-def check_documents_end_with_eod(indexed: IndexedDataset, eod_id: int, *, checked: int = 10_000) -> None:
+def check_documents_end_with_eod(indexed: IndexedDataset, eod_id: int, *, checked: int = 10_000,
+                                 wordpiece: bool = False) -> None:
     """Refuse a dataset whose documents do not end with ``eod_id`` (made without ``--append-eod``, or
     with another tokenizer): its documents would run into each other unseparated. Looks at up to
-    ``checked`` documents spread evenly over the dataset (empty ones skipped)."""
+    ``checked`` documents spread evenly over the dataset (empty ones skipped). ``wordpiece``: the tokenizer is
+    WordPiece (``eod`` its ``[SEP]``), whose data ``preprocess`` never ends so: the fix is a BPE tokenizer."""
     lengths = document_lengths(indexed)
     ends = np.cumsum(lengths)
     nonempty = np.flatnonzero(lengths)
@@ -79,9 +81,12 @@ def check_documents_end_with_eod(indexed: IndexedDataset, eod_id: int, *, checke
         doc = int(picked[bad[0]])
         raise ValueError(f"dataset {str(indexed.prefix)!r}: document {doc} does not end with the end-of-document id "
                          f"{eod_id} (its last token is {int(last[bad[0]])}; {len(bad)} of {len(picked)} documents "
-                         f"checked): GPT samples join documents, which must be separated; preprocess it again with "
-                         f"the tokenizer's EOD (`lightning-megatron preprocess ... --append-eod`, "
-                         f"preprocess_corpus(..., append_eod=True))")
+                         f"checked): GPT samples join documents, which must be separated; " + (
+                             "preprocess the text with a byte-level BPE tokenizer (`lightning-megatron preprocess "
+                             "... --tokenizer tokenizer.json --append-eod`; `preprocess` ends no WordPiece document "
+                             "with an end-of-document id)" if wordpiece else
+                             "preprocess it again with the tokenizer's EOD (`lightning-megatron preprocess ... "
+                             "--append-eod`, preprocess_corpus(..., append_eod=True))"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,6 +37,7 @@ __all__ = [
     "IndexedDatasetBuilder",
     "best_dtype",
     "data_file_path",
+    "dataset_counts",
     "index_file_path",
 ]
 
@@ -58,6 +59,21 @@ def index_file_path(prefix: str | os.PathLike[str]) -> Path:
 
 def data_file_path(prefix: str | os.PathLike[str]) -> Path:
     return Path(f"{os.fspath(prefix)}.bin")
+
+
+def dataset_counts(prefix: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """``(documents, tokens)`` of the dataset at ``prefix`` from the ``.idx`` header and the ``.bin`` size, without
+    opening it (constant time); None when a file is missing or the header is not Megatron's."""
+    idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+    try:
+        with open(idx_path, "rb") as f:
+            magic, _, code, _, n_doc = _HEADER.unpack(f.read(_HEADER.size))
+        bin_size = bin_path.stat().st_size
+    except (OSError, struct.error):
+        return None
+    if magic != MAGIC or code not in DTYPE_CODES:
+        return None
+    return n_doc - 1, bin_size // np.dtype(DTYPE_CODES[code]).itemsize
 
 
 def best_dtype(vocab_size: int) -> type[np.generic]:

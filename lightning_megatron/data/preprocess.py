@@ -29,7 +29,7 @@ import numpy as np
 
 from lightning_megatron.data.bpe_tokenizer import BPETokenizer
 from lightning_megatron.data.corpus import CorpusStats, Document, read_documents
-from lightning_megatron.data.dataset_vocab import vocab_sidecar_path, write_dataset_vocab
+from lightning_megatron.data.dataset_vocab import write_dataset_vocab
 from lightning_megatron.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from lightning_megatron.data.tokenizer import BertTokenizer, load_tokenizer
 
@@ -228,7 +228,6 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
     documents = read_documents(inputs, stats, json_key=json_key, split_sentences=not bpe)  # missing files raise here
     max_sentence = None if bpe else max_seq_length - 3
     progress_bar = _Progress(progress)
-    vocab_sidecar_path(output_prefix).unlink(missing_ok=True)  # never a stale record beside new data
     try:
         with IndexedDatasetBuilder(Path(output_prefix), dtype=best_dtype(tokenizer.vocab_size)) as builder:
             for tokenized, text_bytes in _tokenized_batches(_batches(documents), tokenizer, max_sentence, workers,
@@ -256,6 +255,8 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
                                  f"inputs and json_key={json_key!r})")
     finally:
         progress_bar.close()
+    # The record is replaced once the new pair is in place (a failed run leaves the old data and its record);
+    # a record of the old data beside the new one, were this process stopped in between, is refused by its counts.
     write_dataset_vocab(output_prefix, tokenizer, max_token_id=stats.max_token_id, append_eod=append_eod)
     stats.seconds = time.perf_counter() - start
     return stats

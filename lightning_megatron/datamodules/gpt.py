@@ -22,6 +22,7 @@ from lightning_megatron.data.gpt_dataset import GPTDataset, check_documents_end_
 from lightning_megatron.data.indexed_dataset import IndexedDataset
 from lightning_megatron.data.predict import IndexedSamples, LengthGroupedBatchSampler, PromptDataset
 from lightning_megatron.data.preprocess import preprocess_corpus
+from lightning_megatron.data.tokenizer import BertTokenizer
 from lightning_megatron.datamodules.pretraining import PretrainingDataModule
 
 __all__ = ["GPTDataModule"]
@@ -74,6 +75,7 @@ class GPTDataModule(PretrainingDataModule):
     """
 
     default_tokenizer = "bpe"
+    documents_need_eod = True
 
     def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
                  seq_length: int = 1024, global_batch_size: int = 32, micro_batch_size: int = 8,
@@ -114,7 +116,7 @@ class GPTDataModule(PretrainingDataModule):
     def _open(self, prefix: Path) -> tuple[IndexedDataset, list[range]]:
         """The base's checks, and that the documents end with the tokenizer's EOD."""
         indexed, splits = super()._open(prefix)
-        check_documents_end_with_eod(indexed, self.tokenizer.eod)
+        check_documents_end_with_eod(indexed, self.tokenizer.eod, wordpiece=isinstance(self.tokenizer, BertTokenizer))
         return indexed, splits
 
     @override

@@ -52,6 +52,8 @@ class PretrainingDataModule(pl.LightningDataModule):
 
     default_tokenizer: ClassVar[TokenizerFamily]
     """The packaged tokenizer of the data when neither ``vocab_file`` nor the dataset's record names one."""
+    documents_need_eod: ClassVar[bool] = False
+    """Whether samples join documents, which an end-of-document id must then end (GPT's)."""
     vocab_file: str | None
     _tokenizer: Any = None
 
@@ -220,7 +222,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         if indexed.num_documents == 0:
             raise ValueError(f"dataset {str(prefix)!r} holds no documents: preprocess it again from inputs that "
                              f"hold text")
-        check_dataset_vocab(prefix, self.tokenizer, self._model_vocab_size())
+        check_dataset_vocab(prefix, self.tokenizer, self._model_vocab_size(), needs_eod=self.documents_need_eod)
         bounds = get_train_valid_test_split_(self.splits, indexed.num_documents)
         return indexed, [range(bounds[i], bounds[i + 1]) for i in range(3)]
 
