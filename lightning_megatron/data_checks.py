@@ -206,6 +206,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             problems.append(_data(error))
             if tokenizer is None:
                 return problems  # the tokenizer itself cannot be had: said once
+    problems += [p for p in map(lambda prefix: _too_short_problem(prefix, data_class, arguments), found) if p]
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
         problems += [p for p in [_empty_split_problem(found, str(arguments.get("splits", "949,50,1")), split,
                                                       predicting)] if p]
@@ -217,6 +218,21 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             os.fspath(arguments["predict_file"]), data_tokenizer(), key,
             max_length=int_or_none(arguments.get("seq_length"))))
     return problems
+
+
+def _too_short_problem(prefix: str, data_class: type | None, arguments: dict[str, Any]) -> str | None:
+    """A GPT dataset holding fewer tokens in all than one sample's ``seq_length + 1`` (from the ``.idx`` header and
+    the ``.bin`` size, constant time): no split of it has a sample, which the ranks would find after launch."""
+    from lightning_megatron.data.indexed_dataset import dataset_counts
+    from lightning_megatron.datamodules.gpt import GPTDataModule
+
+    if data_class is None or not issubclass(data_class, GPTDataModule):
+        return None
+    seq_length, counts = arguments.get("seq_length"), dataset_counts(prefix)
+    if not isinstance(seq_length, int) or counts is None or counts[1] >= seq_length + 1:
+        return None
+    return (f"data seq_length={seq_length}: dataset {prefix!r} holds {counts[1]} tokens in all, fewer than one "
+            f"sample's seq_length + 1 = {seq_length + 1}; use more text or a shorter seq_length")
 
 
 def _empty_split_problem(prefixes: list[str], splits: str, split: str, predicting: bool) -> str | None:

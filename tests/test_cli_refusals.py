@@ -94,6 +94,11 @@ CASES = {
         [*FIT, "--data.data_prefix", "{noeod}", "--trainer.strategy.init_args.timeout", "0"], None,
         ["2 configuration problem(s)", "dataset '{noeod}' was preprocessed without --append-eod: GPT samples join "
          "documents", "`lightning-megatron preprocess --input TEXT --output-prefix {noeod} --tokenizer "], []),
+    "gpt_seq_length_beyond_the_data": (  # refused by a rank's traceback after launch, naming no dataset
+        [*FIT, "--data.data_prefix", "{gpt}", "--data.seq_length", "2048", "--model.config.max_sequence_length",
+         "2048", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "data seq_length=2048: dataset '{gpt}' holds ", " tokens in all, fewer than "
+         "one sample's seq_length + 1 = 2049; use more text or a shorter seq_length"], []),
     "gpt_seq_length": ([*FIT, "--data.seq_length", "256"], None,
                        ["data seq_length=256 exceeds the model's max_sequence_length=128"], []),
     "predict_temperature": ([*PREDICT, "--model.predict_greedy", "false", "--model.predict_temperature", "0"], None,

@@ -101,6 +101,16 @@ def test_refuses_data_without_eod_or_from_another_vocabulary(tmp_path):
         _datamodule(_prefix(tmp_path, "alpha", 30), vocab_file=str(other_vocab))
     with pytest.raises(ValueError, match="seq_length=1"):
         GPTDataModule(seq_length=1)
+    # the train split too short for one sample (the whole dataset is not): named with its split
+    short = _prefix(tmp_path, "short", 30)
+    tokens = IndexedDataset(short).num_tokens
+    with pytest.raises(ValueError, match=rf"dataset '{short}', its train split \(15 of 30 documents, "
+                                         rf"splits='50,50,0'\): the documents hold \d+ tokens, fewer than "
+                                         rf"seq_length \+ 1 = {tokens - 1}"):
+        dm = GPTDataModule(short, seq_length=tokens - 2, splits="50,50,0", global_batch_size=8, micro_batch_size=2,
+                           cache_dir=str(data_cache_dir()))
+        dm.trainer = _trainer(global_step=0)
+        dm.setup("fit")
     assert IndexedDataset(no_eod).num_documents == 30
 
 

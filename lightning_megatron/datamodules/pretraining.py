@@ -278,7 +278,8 @@ class PretrainingDataModule(pl.LightningDataModule):
             dataset = self._make_dataset(indexed, documents, num_samples)
         except ValueError as error:
             if name == "train":
-                raise
+                raise ValueError(f"dataset {str(indexed.prefix)!r}, its train split ({len(documents)} of "
+                                 f"{indexed.num_documents} documents, splits={self.splits!r}): {error}") from None
             self._no_dataset[name] = str(error)
             return None
         if num_samples is None and len(dataset) < self.global_batch_size:
