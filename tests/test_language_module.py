@@ -179,3 +179,40 @@ def test_the_flat_spelling_of_before_is_refused_before_launch_naming_the_new_one
     gpt = str(ROOT / "recipes" / "gpt_tiny.yaml")
     with pytest.raises(SystemExit, match=r"--model.init_args.hidden_size is now --model.init_args.config.hidden_size"):
         lightning_cli(run=False, args=["--config", gpt, "--model.init_args.hidden_size=64"])
+
+
+def test_export_of_a_16_bit_model_keeps_its_dtype(tmp_path):
+    """A model trained in bf16 (``params_dtype bf16``, ``bf16-true``) exported float32 tensors: lossless, but twice
+    the bytes, and the folder's config said float32. Its weights go out as they are, bit for bit, the config
+    saying bfloat16; a float32 model's stay float32."""
+    import transformers
+    from lightning.pytorch import Trainer
+    from safetensors.torch import load_file
+    from test_custom_module import hermetic
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron.callbacks import MegatronOptimizerCallback
+    from lightning_megatron.export import export_hf
+    from lightning_megatron.saved_model import read_model_checkpoint
+    from lightning_megatron.strategy import MegatronStrategy
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(SEQ)}
+            for t in torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)]
+    for dtype, precision in ((torch.bfloat16, "bf16-true"), (torch.float32, "32-true")):
+        with hermetic():
+            trainer = Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2), max_steps=1,
+                              precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                              use_distributed_sampler=False, callbacks=[MegatronOptimizerCallback()])
+            trainer.fit(GPTLightningModule(GPTConfig(**GPT, params_dtype=dtype), lr=1e-3),
+                        DataLoader(rows, batch_size=4))
+            trainer.save_checkpoint(tmp_path / str(dtype))
+        folder = export_hf(tmp_path / str(dtype), tmp_path / f"hf-{dtype}", tokenizer=_tokenizer(tmp_path / "t.json"))
+        weights = load_file(folder / "model.safetensors")
+        assert {t.dtype for t in weights.values()} == {dtype}
+        saved = read_model_checkpoint(tmp_path / str(dtype)).state_dict
+        fc1 = saved["decoder.layers.1.mlp.linear_fc1.weight"]
+        assert torch.equal(weights["transformer.h.1.mlp.c_fc.weight"].t(), fc1)  # GPT-2's Conv1D: transposed
+        config = transformers.AutoConfig.from_pretrained(folder)
+        assert getattr(config, "dtype", None) or config.torch_dtype == dtype

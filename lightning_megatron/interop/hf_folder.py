@@ -155,10 +155,16 @@ def hf_model(config: Any, hf_state_dict: dict[str, torch.Tensor]) -> Any:
 def hf_model_from_saved(saved: SavedModel, adapter: StateDictAdapter, *,
                         tokenizer: str | os.PathLike[str] | None = None) -> tuple[Any, Callable[[Path], None]]:
     """``(transformers model, write_tokenizer(folder))`` of a saved model of ours, through the family's
-    adapter: its config (refusals first), its tokenizer (size checked), its state dict, loaded strictly."""
+    adapter: its config (refusals first), its tokenizer (size checked), its state dict, loaded strictly, in the
+    saved weights' dtype when they all have one (a bf16 model's tensors go out bf16, bit for bit)."""
     config = adapter.hf_config(saved)
     write_tokenizer = adapter.hf_tokenizer(saved, config, tokenizer)
-    return hf_model(config, adapter.state_dict_to_hf(saved, config)), write_tokenizer
+    hf_state_dict = adapter.state_dict_to_hf(saved, config)
+    model = hf_model(config, hf_state_dict)
+    dtypes = {t.dtype for t in hf_state_dict.values() if t.is_floating_point()}
+    if len(dtypes) == 1 and dtypes != {model.dtype}:  # a 16-bit model's weights as they are (the config says so)
+        model = model.to(dtypes.pop())
+    return model, write_tokenizer
 
 
 def check_output_folder(output: str | os.PathLike[str], overwrite: bool) -> Path:
