@@ -145,6 +145,7 @@ def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = [read_run(r) for r in run_dirs]
     labels = _labels(run_dirs)
@@ -176,6 +177,7 @@ def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[
             if q == "perplexity":
                 ax.set_yscale("log")
             ax.set_ylabel(ylabel)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: a short run ticked 0.25, 0.5
             ax.grid(alpha=0.3)
             if r == 0 and title:
                 ax.set_title(title, fontsize=10)

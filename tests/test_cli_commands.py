@@ -249,3 +249,19 @@ def test_the_command_exits_collecting_its_garbage_before_freezing_the_rest(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.endswith("frozen at exit: True\n"), proc.stdout[-500:]
     assert (tmp_path / "del.txt").read_text() == "finalized"
+
+
+def test_plot_of_a_few_steps_ticks_whole_steps(tmp_path, monkeypatch):
+    """A run of 3 steps was drawn with ticks at steps 0.25, 0.5, ...: the step axis ticks whole steps."""
+    import matplotlib.pyplot as plt
+
+    from lightning_megatron.plot import plot_runs
+
+    d = tmp_path / "run" / "csv" / "version_0"
+    d.mkdir(parents=True)
+    (d / "metrics.csv").write_text("epoch,step,loss\n0,0,3.0\n0,1,2.5\n0,2,2.2\n")
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    plot_runs([tmp_path / "run"], tmp_path / "curves.png")
+    ticks = [t for ax in figures[0].axes if ax.get_visible() for t in ax.get_xticks() if 0 <= t <= 2]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
