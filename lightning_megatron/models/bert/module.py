@@ -97,7 +97,8 @@ class BertLightningModule(LanguageLightningModule):
     interop = BertInterop()  # Hugging Face BERT / MegatronBERT folders, Megatron-LM checkpoints, export hf
     architecture_keys = ARCHITECTURE_KEYS
     missing_tensors_hint = MISSING_TENSORS_HINT
-    unread_pretrained = ("pooler.", "binary_head.")  # a source's next-sentence head, for a model without it
+    unread_pretrained = ("pooler.", "binary_head.", "classifier.")  # heads a model without them leaves: the
+    # next-sentence head, a fine-tuned classifier's
 
     @classmethod
     @override
