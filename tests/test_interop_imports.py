@@ -198,6 +198,17 @@ def test_source_tensors_no_parameter_takes_are_refused(tmp_path):
         module.configure_model()
 
 
+@pytest.mark.parametrize("types", [1, 3])
+def test_a_folder_with_another_number_of_token_types_is_refused_by_its_setting(tmp_path, types):
+    """BertLightningModule has two token types (segments A and B); a folder with ``type_vocab_size`` 1 or 3 was
+    refused by a tensor's shape, naming no setting."""
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    _hf_model(False, type_vocab_size=types).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match=rf"type_vocab_size={types}: BertLightningModule has 2 token types"):
+        BertLightningModule.from_pretrained(str(tmp_path / "hf"))
+
+
 def test_restricted_unpickler_maps_megatron_enums_and_refuses_other_globals(tmp_path):
     """Megatron-LM's enums become inert records; any other global (here one named like a Megatron class
     but outside the known list, and os.system) is refused; nothing from the file runs."""

@@ -80,8 +80,13 @@ class BertInterop:
     # ------------------------------------------------------------------ Hugging Face -> ours
 
     def architecture_from_hf(self, config: Any) -> dict[str, Any]:
-        """The module arguments a transformers BERT / MegatronBERT config fixes."""
+        """The module arguments a transformers BERT / MegatronBERT config fixes; another number of token types
+        than our two (segments A and B) refused."""
         ours, kwargs = bert_config_from_hf(config), bert_model_kwargs_from_hf(config)
+        if kwargs["num_tokentypes"] != 2:
+            raise ValueError(f"type_vocab_size={kwargs['num_tokentypes']}: BertLightningModule has 2 token types "
+                             f"(segments A and B), so the folder's token type embeddings do not fit it; import a "
+                             f"BERT with type_vocab_size 2")
         return dict(num_layers=ours.num_layers, hidden_size=ours.hidden_size,
                     num_attention_heads=ours.num_attention_heads, ffn_hidden_size=ours.ffn_hidden_size,
                     spec=kwargs["spec"], activation=_HF_TO_OURS_ACT[config.hidden_act], lm_head_activation=None,
