@@ -235,8 +235,8 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                          + [int(not errors)], dtype=torch.int32)
     if agree is not None:
         flags = agree(flags)
-    if errors:
-        raise ValueError("; ".join(errors))
+    if errors:  # the first (a model of other sizes differs in every tensor), and how many more
+        raise ValueError(errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
     if not flags[-1]:
         raise ValueError(f"init_from={source_name!r} cannot be loaded on another rank (its error says why)")
     unused = [k for k, f in zip(names, flags[:-1].tolist()) if f]
