@@ -63,8 +63,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "on_stop_signal",
-           "stop_before_this_batch", "stop_checkpoint_path"]
+__all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "count_steps_as_taken",
+           "on_stop_signal", "save_the_final_step", "stop_before_this_batch", "stop_checkpoint_path"]
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status after a SIGTERM: 143, non-zero so that schedulers see an unfinished run."""
@@ -214,6 +214,32 @@ def stop_before_this_batch(trainer: pl.Trainer) -> None:
         if counts.ready == counts.started + 1 == counts.processed + 1 == counts.completed + 1:
             counts.ready -= 1
     raise SIGTERMException()
+
+
+def save_the_final_step(trainer: pl.Trainer) -> None:
+    """At the end of a ``fit`` that ran to its end, the ``ModelCheckpoint(save_last=True)``'s ``last`` checkpoint
+    is saved again when it holds an earlier step, as Megatron-LM saves at the end of training: a run of 250
+    steps saving every 200 ended with ``last`` at step 200, and ``validate`` / ``export`` of ``last`` took that
+    model without a word (Lightning saves ``last`` at the end only when the run saved none before).
+
+    Collective (a checkpoint save): every rank calls it, from the strategy's ``on_train_end``."""
+    callback = trainer.checkpoint_callback
+    if (not isinstance(callback, ModelCheckpoint) or not callback.save_last or trainer.fast_dev_run
+            or trainer.state.fn != TrainerFn.FITTING or trainer.interrupted or trainer.global_step == 0
+            or callback._last_global_step_saved >= trainer.global_step):
+        return
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))  # its names, its bookkeeping
+
+
+def count_steps_as_taken(trainer: pl.Trainer) -> None:
+    """Before a training batch: the loop's count of batches that stepped (the step its loggers write) is the
+    optimizer steps taken. A run resumed from a checkpoint saved at the end of training (Lightning's ``last`` at
+    ``on_train_end``, or :func:`save_the_final_step`'s) counted its last batch twice, and logged every step one
+    late (3, 4, 5 as 4, 5, 6). Only where a batch is one step (automatic optimization, no accumulation)."""
+    loop = trainer.fit_loop.epoch_loop
+    if (loop._batches_that_stepped != trainer.global_step and trainer.accumulate_grad_batches == 1
+            and trainer.lightning_module.automatic_optimization):
+        loop._batches_that_stepped = trainer.global_step
 
 
 def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = signal.SIGTERM,

@@ -52,7 +52,8 @@ from lightning_megatron.optimizer.mixed_precision import route_non_finite_grads
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
-from lightning_megatron.preemption import PreemptionHandler, on_stop_signal, stop_before_this_batch
+from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, on_stop_signal,
+                                          save_the_final_step, stop_before_this_batch)
 from lightning_megatron.protocols import (
     LightningStepsModule,
     MegatronModule,
@@ -603,10 +604,12 @@ class MegatronStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self.finish_param_gather()  # fit returns a model that holds its last step's params
+        save_the_final_step(self.lightning_module.trainer)  # `last` holds the final step, not the last interval's
         super().on_train_end()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        count_steps_as_taken(self.lightning_module.trainer)  # the logged step after a resume from a run's end
         if self._preemption.should_stop(self.root_device):  # every rank stops before the same step
             stop_before_this_batch(self.lightning_module.trainer)
 

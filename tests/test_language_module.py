@@ -216,3 +216,44 @@ def test_export_of_a_16_bit_model_keeps_its_dtype(tmp_path):
         assert torch.equal(weights["transformer.h.1.mlp.c_fc.weight"].t(), fc1)  # GPT-2's Conv1D: transposed
         config = transformers.AutoConfig.from_pretrained(folder)
         assert getattr(config, "dtype", None) or config.torch_dtype == dtype
+
+
+def test_the_last_checkpoint_holds_the_final_step_and_a_resume_from_it_logs_the_steps_it_takes(tmp_path):
+    """A run of 3 steps saving every 2 ended with ``last.ckpt`` at step 2: the final step was lost to every later
+    command. A run that saved no ``last`` before its end has Lightning save it then, and a resume from such a
+    checkpoint logged each step one late (steps 3, 4, 5 as 4, 5, 6; the loop's counter had counted the last
+    batch already). ``last`` holds the final step; the resumed run logs steps 3, 4, 5."""
+    import csv
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from test_custom_module import hermetic
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron.checkpoint import checkpoint_identity
+    from lightning_megatron.strategy import MegatronStrategy
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(SEQ)}
+            for t in torch.randint(0, VOCAB, (12, SEQ + 1), generator=g)]  # 3 batches: the datamodules' epoch
+    # is the run's steps (a resumed run's: the steps left), so a run's last step ends its epoch
+
+    def fit(root: Path, steps: int, every: int, ckpt_path=None) -> list[int]:
+        with hermetic():
+            logger = CSVLogger(root, name="csv")
+            trainer = Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(micro_batch_size=2),
+                              max_steps=steps, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
+                              enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=3,
+                              check_val_every_n_epoch=None, use_distributed_sampler=False, callbacks=[ModelCheckpoint(
+                                  dirpath=root / "checkpoints", save_last=True, every_n_train_steps=every)])
+            trainer.fit(GPTLightningModule(GPTConfig(**GPT), lr=1e-3), DataLoader(rows, batch_size=4),
+                        DataLoader(rows[:4], batch_size=4), ckpt_path=ckpt_path)  # validation at the last step
+        with open(logger.log_dir + "/metrics.csv") as f:
+            return [int(r["step"]) for r in csv.DictReader(f) if r.get("loss")]
+
+    fit(tmp_path / "a", 3, every=2)
+    assert checkpoint_identity(tmp_path / "a" / "checkpoints" / "last.ckpt")[1] == 3  # was 2
+    fit(tmp_path / "b", 3, every=200)  # no save before the end: Lightning's own at the end
+    assert checkpoint_identity(tmp_path / "b" / "checkpoints" / "last.ckpt")[1] == 3
+    assert fit(tmp_path / "b", 6, every=200, ckpt_path=tmp_path / "b" / "checkpoints" / "last.ckpt") == [3, 4, 5]
