@@ -206,10 +206,15 @@ validate_checkpoint_dir = verify_checkpoint
 
 def recover_last(dirpath: str | os.PathLike, name: str = "last") -> Path | None:
     """For ``ckpt_path="last"``: ``None`` when ``<dirpath>/<name>*.ckpt`` exists (or nothing was ever
-    saved there), else the newest interrupted save ``<name>.ckpt.tmp-<id>`` that verifies (a crash
-    between the two renames of a file system without ``RENAME_EXCHANGE`` leaves the complete new
-    checkpoint there and no ``<name>.ckpt``), with a warning. A temporary that does not verify is a
-    :class:`CheckpointError` listing why: resuming from step 0 instead would be silent."""
+    saved there), else, with a warning, the newest checkpoint there that verifies:
+
+    - an interrupted save ``<name>.ckpt.tmp-<id>`` (a crash between the two renames of a file system without
+      ``RENAME_EXCHANGE`` leaves the complete new checkpoint there and no ``<name>.ckpt``), newest first;
+    - else the run's newest step checkpoint (``epoch=0-step=200.ckpt``: the ``last`` save failed, on a full
+      disk, or the job was killed between Lightning's step save and its ``last`` save), by the step its marker
+      records; the step checkpoints of several runs there are a :class:`CheckpointError` naming them.
+
+    None verifying is a :class:`CheckpointError` listing why: resuming from step 0 instead would be silent."""
     d = Path(dirpath)
     if not d.is_dir():
         return None
@@ -217,7 +222,8 @@ def recover_last(dirpath: str | os.PathLike, name: str = "last") -> Path | None:
     if any(p.name.startswith(name) and p.suffix == ".ckpt" for p in entries):
         return None
     temps = [p for p in entries if p.is_dir() and p.name.startswith(f"{name}.ckpt{TMP_INFIX}")]
-    if not temps:
+    saved = [p for p in entries if p.is_dir() and p.suffix == ".ckpt"]
+    if not temps and not saved:
         return None
 
     def newest_first(p: Path) -> tuple[bool, float]:
@@ -235,10 +241,28 @@ def recover_last(dirpath: str | os.PathLike, name: str = "last") -> Path | None:
                       f"{str(temp)!r} is complete and its checksums verify: resuming from it", UserWarning,
                       stacklevel=2)
         return temp
+    identities = {p: checkpoint_identity(p) for p in saved}
+    runs = sorted({run for run, _ in identities.values()}, key=str)
+    if len(runs) > 1:
+        raise CheckpointError(
+            f"ckpt_path='last': {str(d / (name + '.ckpt'))!r} is missing and {str(d)!r} holds the checkpoints of "
+            f"{len(runs)} runs ({', '.join(f'{p.name}: run {run}' for p, (run, _) in sorted(identities.items()))}): "
+            f"pass --ckpt_path to the one to continue")
+    for path in sorted(saved, key=lambda p: (-(identities[p][1] or -1), *newest_first(p))):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            reasons.append(str(e))
+            continue
+        step = identities[path][1]
+        warnings.warn(f"ckpt_path='last': {str(d / (name + '.ckpt'))!r} is missing (its save failed or was "
+                      f"interrupted): resuming from this run's newest complete checkpoint {str(path)!r}"
+                      f"{f' (step {step})' if step is not None else ''}", UserWarning, stacklevel=2)
+        return path
     raise CheckpointError(
-        f"ckpt_path='last': {str(d / (name + '.ckpt'))!r} is missing and no interrupted save there can be "
-        f"used ({'; '.join(reasons)}); refusing to start again from step 0. Pass --ckpt_path to a complete "
-        f"checkpoint, or remove {[p.name for p in temps]} to start anew")
+        f"ckpt_path='last': {str(d / (name + '.ckpt'))!r} is missing and no checkpoint there can be used "
+        f"({'; '.join(reasons)}); refusing to start again from step 0. Pass --ckpt_path to a complete "
+        f"checkpoint, or remove {[p.name for p in temps + saved]} to start anew")
 
 
 def checkpoint_identity(path: str | os.PathLike) -> tuple[str | None, int | None]:

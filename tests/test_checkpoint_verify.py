@@ -240,13 +240,39 @@ def test_recover_last_takes_a_complete_interrupted_save_or_refuses(good, tmp_pat
         assert ckpt.recover_last(d) == d / "last.ckpt.tmp-old"
     shutil.rmtree(d / "last.ckpt.tmp-old")
     (d / "last.ckpt.tmp-5e6f7a8b").mkdir()  # a save interrupted before its marker
-    with pytest.raises(ckpt.CheckpointError, match="no interrupted save there can be used") as info:
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint there can be used") as info:
         ckpt.recover_last(d)
     message = str(info.value)
     assert "lightning_megatron.json is missing" in message and "does not match the sha256" in message, message
     assert "refusing to start again from step 0" in message and "tmp-5e6f7a8b" in message
     shutil.copytree(good, d / "last.ckpt")
     assert ckpt.recover_last(d) is None  # last.ckpt is there: Lightning's own resolution
+
+
+def test_recover_last_takes_the_runs_newest_complete_checkpoint_when_last_was_never_saved(good, tmp_path):
+    """A run whose ``last`` save failed (a full disk) or was killed between Lightning's step save and its ``last``
+    save has step checkpoints and no ``last.ckpt``: ``--ckpt_path last`` said "no last checkpoint yet: a new run
+    from step 0", then refused the new run because the folder holds checkpoints, telling the user to pass
+    ``--ckpt_path last``. The run's newest complete checkpoint is taken, with a warning; another run's beside it
+    makes "last" ambiguous, an error naming both."""
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    shutil.copytree(good, d / "epoch=0-step=2.ckpt")
+    shutil.copytree(good, d / "epoch=0-step=4.ckpt")
+    for name, step in (("epoch=0-step=2.ckpt", 2), ("epoch=0-step=4.ckpt", 4)):
+        marker = json.loads((d / name / ckpt.MARKER).read_text())
+        (d / name / ckpt.MARKER).write_text(json.dumps({**marker, "global_step": step, "run_id": "run-a"}))
+    with pytest.warns(UserWarning, match=r"last.ckpt' is missing .*: resuming from this run's newest complete "
+                                         r"checkpoint '.*epoch=0-step=4.ckpt' \(step 4\)"):
+        assert ckpt.recover_last(d) == d / "epoch=0-step=4.ckpt"
+    _damage(d / "epoch=0-step=4.ckpt", "byte_flip")
+    with pytest.warns(UserWarning, match=r"epoch=0-step=2.ckpt' \(step 2\)"):  # the damaged one passed over
+        assert ckpt.recover_last(d) == d / "epoch=0-step=2.ckpt"
+    shutil.copytree(d / "epoch=0-step=2.ckpt", d / "epoch=0-step=9.ckpt")
+    marker = json.loads((d / "epoch=0-step=9.ckpt" / ckpt.MARKER).read_text())
+    (d / "epoch=0-step=9.ckpt" / ckpt.MARKER).write_text(json.dumps({**marker, "global_step": 9, "run_id": "run-b"}))
+    with pytest.raises(ckpt.CheckpointError, match=r"the checkpoints of 2 runs .*run-a.*run-b"):
+        ckpt.recover_last(d)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
