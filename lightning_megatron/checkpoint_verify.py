@@ -82,8 +82,17 @@ def file_sha256(path: Path, sync: bool = False) -> str:
 
 
 def _files(path: Path) -> list[str]:
-    """Every file of a checkpoint directory but the marker, relative, sorted."""
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MARKER)
+    """Every file of a checkpoint directory a loader may read, relative, sorted: the DCP metadata and shards,
+    ``extra.pt``, the ranks' RNG states (``rng/rank_<r>.pt``). Others (``notes.txt``, a desktop's ``.DS_Store``,
+    an NFS ``.nfs*`` file) are no part of it: nothing reads them."""
+    return sorted(name for p in path.rglob("*") if p.is_file() and p.name != MARKER
+                  and _read_by_loaders(name := str(p.relative_to(path))))
+
+
+def _read_by_loaders(name: str) -> bool:
+    parts = Path(name).parts
+    return (name in (".metadata", "extra.pt") or (len(parts) == 1 and name.endswith(".distcp"))
+            or (len(parts) == 2 and parts[0] == "rng" and parts[1].startswith("rank_") and parts[1].endswith(".pt")))
 
 
 ALLOW_UNVERIFIED_ENV = "LIGHTNING_MEGATRON_ALLOW_UNVERIFIED_CHECKPOINT"

@@ -249,6 +249,23 @@ def test_recover_last_takes_a_complete_interrupted_save_or_refuses(good, tmp_pat
     assert ckpt.recover_last(d) is None  # last.ckpt is there: Lightning's own resolution
 
 
+def test_a_file_no_loader_reads_is_ignored_one_it_may_read_is_refused_unlisted(good, tmp_path):
+    """A file the checkpoint never held (``notes.txt``, a desktop's ``.DS_Store``, an NFS ``.nfs*`` file) made a good
+    checkpoint unverifiable ("has no checksum for ['notes.txt']", only --allow-unverified-checkpoint went on),
+    after the ranks had started. What no loader reads is left alone; an unlisted file a loader reads (a shard, a
+    rank's RNG state) is still refused."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(good, d)
+    (d / "notes.txt").write_text("lr 1e-4 looked better\n")
+    (d / ".DS_Store").write_bytes(b"\0\1")
+    (d / "rng").mkdir(exist_ok=True)
+    (d / "rng" / ".nfs000000000001").write_bytes(b"")
+    ckpt.verify_checkpoint(d)
+    (d / "rng" / "rank_7.pt").write_bytes(b"not a tensor file")
+    with pytest.raises(ckpt.CheckpointError, match=r"has no checksum for \['rng/rank_7.pt'\]"):
+        ckpt.verify_checkpoint(d)
+
+
 def test_recover_last_takes_the_runs_newest_complete_checkpoint_when_last_was_never_saved(good, tmp_path):
     """A run whose ``last`` save failed (a full disk) or was killed between Lightning's step save and its ``last``
     save has step checkpoints and no ``last.ckpt``: ``--ckpt_path last`` said "no last checkpoint yet: a new run
