@@ -95,6 +95,7 @@ __all__ = [
     "recover_last",
     "remove",
     "save",
+    "save_temporary",
     "saved_extra",
     "validate_checkpoint_dir",
     "verify_checkpoint",
@@ -201,12 +202,23 @@ def finalize_directory(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
-def _clean_stale_temporaries(final: Path) -> None:
-    """Remove ``<final>.tmp-*`` left by earlier interrupted saves of this path."""
+def save_temporary(final: Path, run_id: str | None) -> Path:
+    """Where a save of ``final`` writes before it is complete: ``<final>.tmp-<run>.<random>`` (the saving run's
+    first 8 characters), ``<final>.tmp-<random>`` without a run id."""
+    tag = f"{run_id[:8]}." if run_id else ""
+    return final.parent / f"{final.name}{TMP_INFIX}{tag}{uuid.uuid4().hex[:8]}"
+
+
+def _clean_stale_temporaries(final: Path, run_id: str | None = None) -> None:
+    """Remove ``<final>.tmp-*`` left by earlier interrupted saves of this path: this run's and those naming no
+    run; another run's (two runs started into one folder at once) is its save in progress, left alone."""
     if final.parent.is_dir():
         for p in final.parent.iterdir():
             if p.name.startswith(final.name + TMP_INFIX):
-                _remove_path(p)
+                rest = p.name[len(final.name + TMP_INFIX):]
+                owner = rest.split(".", 1)[0] if "." in rest else None
+                if owner is None or run_id is None or owner == run_id[:8]:
+                    _remove_path(p)
 
 
 def _write_error(e: BaseException, final: Path, directory: Path) -> str:
@@ -262,12 +274,12 @@ def save(mapper: ShardedStateMapper, checkpoint: dict[str, Any], filepath: str |
     final = Path(filepath)
     tmp, error = None, None
     if rank == 0:
-        tmp = final.parent / f"{final.name}{TMP_INFIX}{uuid.uuid4().hex[:8]}"
+        tmp = save_temporary(final, run_id)
         error = other_run_problem(final, run_id)
         try:
             if error is None:
                 final.parent.mkdir(parents=True, exist_ok=True)
-                _clean_stale_temporaries(final)
+                _clean_stale_temporaries(final, run_id)
                 (tmp / "rng").mkdir(parents=True)
         except OSError as e:
             error = _write_error(e, final, final.parent)
@@ -322,7 +334,11 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
                 os.fsync(f.fileno())
             os.replace(tmp / (MARKER + ".tmp"), tmp / MARKER)
             _fsync_dir(tmp)
-            finalize_directory(tmp, final)
+            error = other_run_problem(final, run_id)  # again: another run may have saved there meanwhile
+            if error is None:
+                finalize_directory(tmp, final)
+            else:
+                _remove_path(tmp)
             _fsync_dir(final.parent)
         except OSError as e:
             error = _write_error(e, final, tmp)

@@ -342,6 +342,8 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
     Refusals exit before any process is launched. A ``fast_dev_run`` (which saves nothing) is not refused."""
     import warnings
 
+    from lightning.pytorch.utilities import rank_zero_warn
+
     from lightning_megatron.checkpoint import CheckpointError, checkpoint_identity, recover_last
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
@@ -376,9 +378,13 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
             found = max(lasts, key=written)
         for folder in folders if found is None else []:
             try:
-                found = recover_last(folder)
+                with warnings.catch_warnings(record=True) as said:  # said once, by rank 0 (every rank resolves it)
+                    warnings.simplefilter("always")
+                    found = recover_last(folder)
             except CheckpointError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
+            for warning in said:
+                rank_zero_warn(str(warning.message), category=warning.category)
             if found is not None:
                 break
         if found is not None:

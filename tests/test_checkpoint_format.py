@@ -215,6 +215,15 @@ def test_swap_never_leaves_the_name_missing_and_cleans_temporaries(tmp_path):
     (tmp_path / "other.ckpt.tmp-keep").mkdir()
     ckpt._clean_stale_temporaries(final)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "other.ckpt.tmp-keep"]
+    # Two runs started at once into one folder: one's save removed the other's save in progress ("Parent directory
+    # .../epoch=0-step=1.ckpt.tmp-68ee28c7/rng does not exist"). A save's temporary names its run; a save removes
+    # its own run's (and unnamed ones, of before), never another run's.
+    assert ckpt.save_temporary(final, "3f9c1a2b77").name.startswith("last.ckpt.tmp-3f9c1a2b.")
+    for name in ("last.ckpt.tmp-3f9c1a2b.0badf00d", "last.ckpt.tmp-7d02e4c1.1234abcd", "last.ckpt.tmp-deadbeef"):
+        (tmp_path / name).mkdir()
+    ckpt._clean_stale_temporaries(final, "3f9c1a2b77")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.tmp-7d02e4c1.1234abcd",
+                                                          "other.ckpt.tmp-keep"]
 
 
 def test_compare_hparams_lists_every_differing_field():
