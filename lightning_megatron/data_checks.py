@@ -209,7 +209,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
     problems += [p for p in map(lambda prefix: _too_short_problem(prefix, data_class, arguments), found) if p]
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
         problems += [p for p in [_empty_split_problem(found, str(arguments.get("splits", "949,50,1")), split,
-                                                      predicting)] if p]
+                                                      predicting, _sample_tokens(data_class, arguments))] if p]
     if predicting and d.get("predict_file") is not None:
         from lightning_megatron.data.predict import PromptDataset
 
@@ -235,24 +235,47 @@ def _too_short_problem(prefix: str, data_class: type | None, arguments: dict[str
             f"sample's seq_length + 1 = {seq_length + 1}; use more text or a shorter seq_length")
 
 
-def _empty_split_problem(prefixes: list[str], splits: str, split: str, predicting: bool) -> str | None:
+def _sample_tokens(data_class: type | None, arguments: dict[str, Any]) -> int | None:
+    """The tokens one sample of the data section's datamodule spans, where samples join documents (GPT's
+    ``seq_length + 1``); None otherwise."""
+    from lightning_megatron.datamodules.gpt import GPTDataModule
+
+    seq_length = arguments.get("seq_length")
+    if data_class is None or not issubclass(data_class, GPTDataModule) or not isinstance(seq_length, int):
+        return None
+    return seq_length + 1
+
+
+def _empty_split_problem(prefixes: list[str], splits: str, split: str, predicting: bool,
+                         sample_tokens: int | None = None) -> str | None:
     """The ``split`` a command reads whole holding no document of any dataset of ``prefixes`` (Megatron's split of
-    each by ``splits``, as the datamodule cuts it): the command would read nothing (a split of weight 0 too)."""
+    each by ``splits``, as the datamodule cuts it): the command would read nothing (a split of weight 0 too).
+    ``sample_tokens``: where samples join documents (GPT), a split of fewer tokens than one sample holds none."""
     from lightning_megatron.data.bert_dataset import get_train_valid_test_split_
+    from lightning_megatron.data.gpt_dataset import document_lengths
     from lightning_megatron.data.indexed_dataset import IndexedDataset
 
     i = ("train", "valid", "test").index(split)
     try:
-        counts = [IndexedDataset(p).num_documents for p in prefixes]
+        datasets = [IndexedDataset(p) for p in prefixes]
+        counts = [d.num_documents for d in datasets]
         bounds = [get_train_valid_test_split_(splits, n) for n in counts]
     except (ValueError, OSError):
         return None  # said by the checks of the files and the datamodule's arguments
-    if any(b[i + 1] > b[i] for b in bounds):
-        return None
     n, command = sum(counts), "predict" if predicting else {"valid": "validate", "test": "test"}[split]
-    return (f"data splits={splits!r} gives the {split} split none of the {n} document{'s' if n != 1 else ''} of "
-            f"{', '.join(prefixes)}: `{command}` would have nothing to read; give it more documents or a larger "
-            f"weight" + (", or pass --data.predict_file" if predicting else ""))
+    fix = (f"`{command}` would have nothing to read; give it more documents or a larger weight"
+           + (", or pass --data.predict_file" if predicting else ""))
+    if not any(b[i + 1] > b[i] for b in bounds):
+        return (f"data splits={splits!r} gives the {split} split none of the {n} document{'s' if n != 1 else ''} "
+                f"of {', '.join(prefixes)}: {fix}")
+    if sample_tokens is None:
+        return None
+    tokens = [int(document_lengths(d)[b[i]:b[i + 1]].sum()) for d, b in zip(datasets, bounds)]
+    if max(tokens) >= sample_tokens:
+        return None
+    docs = sum(b[i + 1] - b[i] for b in bounds)
+    return (f"data splits={splits!r} gives the {split} split {docs} of the {n} documents of {', '.join(prefixes)}, "
+            f"holding {sum(tokens)} tokens: fewer than one sample's seq_length + 1 = {sample_tokens}; {fix}")
 
 
 def _check_prompts(d: dict[str, Any], m: dict[str, Any], read_prompts: Any) -> list[str]:

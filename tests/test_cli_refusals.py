@@ -115,6 +115,11 @@ CASES = {
         ["test", "--config", GPT, "--data.data_prefix", "{gpt}"], None,
         ["data splits='949,50,1' gives the test split none of the 40 documents of {gpt}: `test` would have "
          "nothing to read; give it more documents or a larger weight"], ["Total length"]),
+    "test_split_shorter_than_a_sample": (  # 2 documents, no sample of seq_length + 1 tokens: `test` tested nothing
+        ["test", "--config", GPT, "--data.data_prefix", "{gpt}", "--data.splits", "90,5,5",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "data splits='90,5,5' gives the test split 2 of the 40 documents of {gpt}, "
+         "holding ", " tokens: fewer than one sample's seq_length + 1 = 129; `test` would have nothing to read"], []),
     "validate_split_weight_zero": (
         ["validate", "--config", GPT, "--data.data_prefix", "{gpt}", "--data.splits", "100,0,0"], None,
         ["data splits='100,0,0' gives the valid split none of the 40 documents"], []),
