@@ -36,8 +36,10 @@ __all__ = ["ContextParallel", "context_parallel_indices", "sequence_length_probl
 def sequence_length_problem(seq_length: int, cp_size: int) -> str | None:
     """Why ``seq_length`` tokens cannot be split over ``cp_size`` ranks (the 2 cp chunks), or None."""
     if cp_size > 1 and seq_length % (2 * cp_size):
+        below, above = [k * 2 * cp_size for k in (seq_length // (2 * cp_size), seq_length // (2 * cp_size) + 1)]
         return (f"context parallelism: sequence length {seq_length} is not divisible by 2 x context_parallel_size "
-                f"= {2 * cp_size} (each rank keeps two of 2 x {cp_size} equal chunks); choose a seq_length that is")
+                f"= {2 * cp_size} (each rank keeps two of 2 x {cp_size} equal chunks); choose a seq_length that is "
+                f"a multiple of {2 * cp_size} (e.g. {f'{below} or ' if below else ''}{above})")
     return None
 
 
