@@ -298,9 +298,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         # Imported here: `plot`, `preprocess`, `train-tokenizer` and `--help` need no torch.
         from lightning_megatron.checkpoint import CheckpointError
+        from lightning_megatron.datamodules.pretraining import NoEvaluationData
         from lightning_megatron.step import NonFiniteLossOrGradError
 
-        if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError)):
+        if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError, NoEvaluationData)):
             raise
         # Every rank raises it (the ranks agree on the decision before raising): rank 0 says it once, in
         # one line (a full disk was ~240 lines and 10 tracebacks), the others exit quietly.

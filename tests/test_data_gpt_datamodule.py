@@ -114,6 +114,29 @@ def test_refuses_data_without_eod_or_from_another_vocabulary(tmp_path):
     assert IndexedDataset(no_eod).num_documents == 30
 
 
+def test_validate_or_test_of_a_split_without_samples_is_an_error(tmp_path):
+    """`lightning-megatron test` of data whose test split holds no sample (the built-in corpus's 42 tokens at
+    seq_length 128) warned "no test dataset" and exited 0 having tested nothing: a script checking the exit status
+    took it for a pass. `validate` / `test` raise, naming the split and why; during `fit`, an evaluation split
+    without samples is still left out with the warning."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    prefix = _prefix(tmp_path, "alpha", 30)
+    for fn, loader, name in ((TrainerFn.TESTING, "test_dataloader", "test"),
+                             (TrainerFn.VALIDATING, "val_dataloader", "valid")):
+        dm = GPTDataModule(prefix, seq_length=32, global_batch_size=8, micro_batch_size=2, splits="96,2,2",
+                           cache_dir=str(data_cache_dir()))
+        dm.trainer = _trainer()
+        dm.trainer.state = SimpleNamespace(fn=fn)
+        dm.setup(fn.value)
+        with pytest.raises(ValueError, match=rf"`{fn.value}` has no {name} dataset to read: the documents hold "
+                                             rf"\d+ tokens, fewer than seq_length \+ 1 = 33"):
+            getattr(dm, loader)()
+    dm.trainer.state = SimpleNamespace(fn=TrainerFn.FITTING)
+    with pytest.warns(UserWarning, match="no valid dataset"):
+        assert dm.val_dataloader() == []
+
+
 def test_a_resume_that_reorders_the_samples_says_so(tmp_path):
     """megatron-core's GPT shuffle permutes the samples of all the epochs together: a run resumed with more epochs
     (a raised max_steps, here train_samples) reads on in another order, some samples again. Said once at the resume;

@@ -32,11 +32,16 @@ from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from lightning_megatron.data.tokenizer import default_cache_dir, file_lock
 
-__all__ = ["BertDataModule", "NO_PADDING", "PretrainingDataModule"]
+__all__ = ["BertDataModule", "NO_PADDING", "NoEvaluationData", "PretrainingDataModule"]
 
 NO_PADDING = "no_padding"
 """Batch key set on the host by :meth:`BertDataModule.on_before_batch_transfer`: True when no sample of
 the batch is padded, so that the model skips the attention mask without a device -> host sync."""
+
+
+class NoEvaluationData(ValueError):
+    """``validate`` / ``test`` of a split that holds no sample: raised alike on every rank (they read the same
+    data), so the command line says it once."""
 
 
 class PretrainingDataModule(pl.LightningDataModule):
@@ -347,6 +352,12 @@ class PretrainingDataModule(pl.LightningDataModule):
 
     def _eval_loader(self, dataset: Dataset | None, name: str) -> DataLoader | list:
         if dataset is None:
+            command = {"valid": "validate", "test": "test"}[name]
+            fn = getattr(getattr(self._trainer_or_none(), "state", None), "fn", None)
+            if fn is not None and getattr(fn, "value", fn) == command and name in self._no_dataset:
+                # the command reads this split whole: nothing to read is its failure (it exited 0 having tested
+                # nothing), not a note; during fit an evaluation split without samples is left out
+                raise NoEvaluationData(f"`{command}` has no {name} dataset to read: {self._no_dataset[name]}")
             if name in self._no_dataset:  # every rank has the same data: said once
                 rank_zero_warn(f"no {name} dataset: {self._no_dataset.pop(name)}")
             return []
