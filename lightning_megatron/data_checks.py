@@ -51,8 +51,8 @@ def tokenizer_family(data_class: type | None) -> str:
 
 
 def documents_need_eod(data_class: type | None) -> bool:
-    """Whether the data section's datamodule joins documents into samples (GPT's), which must end with an
-    end-of-document id."""
+    """Whether the data section's datamodule joins documents into samples (GPT's), which must then end with an
+    end-of-document id, and a sample spans ``seq_length + 1`` tokens of them."""
     from lightning_megatron.datamodules.pretraining import PretrainingDataModule
 
     return data_class is not None and issubclass(data_class, PretrainingDataModule) and data_class.documents_need_eod
@@ -206,10 +206,11 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             problems.append(_data(error))
             if tokenizer is None:
                 return problems  # the tokenizer itself cannot be had: said once
-    problems += [p for p in map(lambda prefix: _too_short_problem(prefix, data_class, arguments), found) if p]
+    sample_tokens = _sample_tokens(data_class, arguments)
+    problems += [p for p in (_too_short_problem(prefix, sample_tokens) for prefix in found) if p]
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
         problems += [p for p in [_empty_split_problem(found, str(arguments.get("splits", "949,50,1")), split,
-                                                      predicting, _sample_tokens(data_class, arguments))] if p]
+                                                      predicting, sample_tokens)] if p]
     if predicting and d.get("predict_file") is not None:
         from lightning_megatron.data.predict import PromptDataset
 
@@ -220,30 +221,24 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
     return problems
 
 
-def _too_short_problem(prefix: str, data_class: type | None, arguments: dict[str, Any]) -> str | None:
-    """A GPT dataset holding fewer tokens in all than one sample's ``seq_length + 1`` (from the ``.idx`` header and
-    the ``.bin`` size, constant time): no split of it has a sample, which the ranks would find after launch."""
+def _too_short_problem(prefix: str, sample_tokens: int | None) -> str | None:
+    """A dataset holding fewer tokens in all than one sample spans (``sample_tokens``, where samples join documents;
+    from the ``.idx`` header and the ``.bin`` size, constant time): no split of it has a sample, which the ranks
+    would find after launch."""
     from lightning_megatron.data.indexed_dataset import dataset_counts
-    from lightning_megatron.datamodules.gpt import GPTDataModule
 
-    if data_class is None or not issubclass(data_class, GPTDataModule):
+    counts = dataset_counts(prefix) if sample_tokens is not None else None
+    if counts is None or counts[1] >= sample_tokens:
         return None
-    seq_length, counts = arguments.get("seq_length"), dataset_counts(prefix)
-    if not isinstance(seq_length, int) or counts is None or counts[1] >= seq_length + 1:
-        return None
-    return (f"data seq_length={seq_length}: dataset {prefix!r} holds {counts[1]} tokens in all, fewer than one "
-            f"sample's seq_length + 1 = {seq_length + 1}; use more text or a shorter seq_length")
+    return (f"data seq_length={sample_tokens - 1}: dataset {prefix!r} holds {counts[1]} tokens in all, fewer than "
+            f"one sample's seq_length + 1 = {sample_tokens}; use more text or a shorter seq_length")
 
 
 def _sample_tokens(data_class: type | None, arguments: dict[str, Any]) -> int | None:
     """The tokens one sample of the data section's datamodule spans, where samples join documents (GPT's
-    ``seq_length + 1``); None otherwise."""
-    from lightning_megatron.datamodules.gpt import GPTDataModule
-
+    ``seq_length + 1``, :func:`documents_need_eod`); None otherwise."""
     seq_length = arguments.get("seq_length")
-    if data_class is None or not issubclass(data_class, GPTDataModule) or not isinstance(seq_length, int):
-        return None
-    return seq_length + 1
+    return seq_length + 1 if documents_need_eod(data_class) and isinstance(seq_length, int) else None
 
 
 def _empty_split_problem(prefixes: list[str], splits: str, split: str, predicting: bool,
