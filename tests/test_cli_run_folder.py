@@ -282,10 +282,16 @@ def test_one_run_per_checkpoint_folder_last_is_this_runs_and_nan_stops_a_plain_o
     assert "Resume that run with --ckpt_path last" in message and "--trainer.default_root_dir" in message, message
     assert "Initializing distributed" not in new.stdout + new.stderr  # nothing launched
 
-    # fp32, a plain AdamW: a NaN in one weight's gradient in step 4 of A resumed (`last`: A's only)
+    # fp32, a plain AdamW: a NaN in one weight's gradient in step 4 of A resumed (`last`: A's only). Its last.ckpt
+    # under a step checkpoint's name (the `last` save failed, on a full disk): `last` is the run's newest complete
+    # checkpoint, said once (it said "a new run from step 0", which the rule above then refused)
+    (folder / "last.ckpt").rename(folder / "epoch=0-step=3.ckpt")
     nan = _cli(tmp_path, "fit", *plain, "--trainer.max_steps", "6", "--ckpt_path", "last",
                "--trainer.callbacks+=cli_faults.NaNGradientAt", "--trainer.callbacks.step=4",
                "--trainer.callbacks.name=encoder.layers.0.mlp.linear_fc1.weight", status=1)
+    assert (nan.stderr.count("resuming from this run's newest complete checkpoint") == 1
+            and f"{folder / 'epoch=0-step=3.ckpt'}' (step 3)" in nan.stderr), nan.stderr[-3000:]
+    (folder / "epoch=0-step=3.ckpt").rename(folder / "last.ckpt")
     assert _last_line(nan).startswith(
         "lightning-megatron: at step 4 (the state at global_step=4 is the last good one) the gradient is not finite "
         "(nan); first parameter with a non-finite gradient on rank 0: encoder.layers.0.mlp.linear_fc1.weight. The "
