@@ -99,15 +99,6 @@ def export_hf(ckpt_path: str | os.PathLike[str], output: str | os.PathLike[str],
     cls = import_module_class(path, named_by_user=model_class is not None)
     adapter = check_adapter(cls.interop, cls.__name__)
     saved = cls.whole_model(saved)  # a LoRA checkpoint: its base with the adapters merged in
-    head = saved.state_dict.get("classifier.weight")
-    if head is not None:  # a sequence classifier: the adapter writes the encoder and BERT's pretraining heads
-        import warnings
-
-        warnings.warn(f"checkpoint {str(ckpt_path)!r} is a sequence classifier ({cls.__name__}, classifier.weight "
-                      f"{list(head.shape)}): export hf writes its encoder with BERT's pretraining heads, without the "
-                      f"classifier; transformers' *ForSequenceClassification would start that head anew. Its "
-                      f"predictions are {cls.__name__}.load_from_checkpoint's (or `finetune predict`)", UserWarning,
-                      stacklevel=2)
     try:
         model, write_tokenizer = hf_model_from_saved(saved, adapter, tokenizer=tokenizer if vocab_file is None
                                                      else vocab_file)

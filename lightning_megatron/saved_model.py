@@ -31,7 +31,7 @@ from torch import nn
 
 from lightning_megatron import checkpoint as ckpt
 from lightning_megatron import dcp_io
-from lightning_megatron.checkpoint_data import VOCABULARY
+from lightning_megatron.checkpoint_data import LABEL_NAMES, VOCABULARY
 from lightning_megatron.tensor_parallel.param_facts import param_facts
 
 __all__ = ["SavedModel", "MODULE_CLASS", "class_path", "flat_hparams", "load_full_state_dict", "read_model_checkpoint",
@@ -69,6 +69,9 @@ class SavedModel:
     vocabulary: dict[str, Any] | None = None
     """What our checkpoint records of the vocabulary its data was tokenized with
     (:func:`~lightning_megatron.data.dataset_vocab.vocabulary_record`); None where it records none."""
+    label_names: list[str] | None = None
+    """A classifier checkpoint's class names in class-id order
+    (:data:`~lightning_megatron.checkpoint_data.LABEL_NAMES`); None where it records none."""
 
 
 def class_path(cls: type) -> str:
@@ -107,7 +110,14 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
                       hparams=flat_hparams(hparams), module_hparams=hparams,
                       datamodule_hparams=dict(extra.get("datamodule_hyper_parameters") or {}),
                       layout=dict(info.get("layout") or {}), module_class=_module_class(extra, path),
-                      vocabulary=extra.get(VOCABULARY) if isinstance(extra.get(VOCABULARY), dict) else None)
+                      vocabulary=extra.get(VOCABULARY) if isinstance(extra.get(VOCABULARY), dict) else None,
+                      label_names=_label_names(extra.get(LABEL_NAMES)))
+
+
+def _label_names(value: Any) -> list[str] | None:
+    """The recorded class names when they are a list of strings (what :func:`~lightning_megatron.checkpoint_data.
+    record_data` writes), else None."""
+    return list(value) if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value) else None
 
 
 def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:

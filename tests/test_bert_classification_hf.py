@@ -91,3 +91,43 @@ def test_regression_equals_transformers_num_labels_1(tmp_path):
         loss, _ = ours.forward_step({**batch, "labels": scores}, ours.model_chunks[0])
         torch.testing.assert_close(loss, out.loss, atol=1e-5, rtol=1e-5)
     assert os.path.isfile(tmp_path / "hf" / "config.json")
+
+
+@pytest.mark.parametrize("spec, num_labels", [("bert_layer_post_norm_spec", 1), ("bert_layer_local_spec", 3)])
+def test_the_export_of_a_classifier_is_transformers_sequence_classifier(tmp_path, spec, num_labels):
+    """The other direction (``export hf`` of a fine-tuned classifier, through the adapter it runs): our classifier's
+    weights give transformers' ``BertForSequenceClassification`` (post-norm) / ``MegatronBertForSequenceClassification``
+    (pre-norm) with the same logits, regression included; the class names recorded become ``id2label``."""
+    from lightning_megatron.interop.hf_folder import hf_model_from_saved
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.saved_model import SavedModel
+
+    torch.manual_seed(0)
+    ours = BertClassificationModule(**{**OURS, "config": {**OURS["config"], "spec": spec}}, num_classes=num_labels)
+    ours.configure_model()
+    with torch.no_grad():  # a classifier and a pooler far from their init: a head left out or fresh shows
+        for name, p in ours.sharded_named_parameters():
+            if name.startswith(("classifier.", "pooler.")):
+                p.normal_(0.0, 0.5)
+    ours.eval()
+    names = ["contradiction", "neutral", "entailment"][:num_labels] if num_labels > 1 else None
+    unpadded = {n: p.detach()[:HF["vocab_size"]] if n in ("embedding.word_embeddings.weight", "output_layer.bias")
+                else p.detach() for n, p in ours.sharded_named_parameters()}  # as a checkpoint holds them
+    saved = SavedModel(state_dict=unpadded, hparams=BertClassificationModule.flat_hparams(dict(ours.hparams)),
+                       module_hparams=dict(ours.hparams), label_names=names)
+    (tmp_path / "vocab.txt").write_text("".join(f"{p}\n" for p in [
+        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"[unused{i}]" for i in range(HF["vocab_size"] - 5))]))
+    theirs, _ = hf_model_from_saved(saved, BertClassificationModule.interop, tokenizer=tmp_path / "vocab.txt")
+    theirs.eval()
+    prefix = "MegatronBert" if spec == "bert_layer_local_spec" else "Bert"
+    assert type(theirs).__name__ == prefix + "ForSequenceClassification"
+    assert theirs.config.problem_type == ("regression" if num_labels == 1 else "single_label_classification")
+    if names:
+        assert theirs.config.id2label == dict(enumerate(names))
+    batch = _batch()
+    with torch.no_grad():
+        expected = _ours(ours, batch)
+        got = theirs(input_ids=batch["tokens"], attention_mask=batch["attention_mask"],
+                     token_type_ids=batch["token_types"]).logits
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

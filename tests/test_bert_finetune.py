@@ -199,10 +199,37 @@ def test_a_classifier_evaluated_with_its_labels_in_another_order_is_refused_at_s
     assert out["swapped"].startswith("CheckpointError: checkpoint ") and (
         "was trained with the classes ['neg', 'pos'] (in class-id order); this run's data names ['pos', 'neg']"
         in out["swapped"]), out
-    # export hf writes the encoder only: said (the folder's config named MegatronBertForPreTraining, no classifier
-    # tensor, and transformers' sequence classifier started the head anew, unsaid)
-    from lightning_megatron.export import export_hf
+    # export hf writes transformers' sequence classifier (until 2026-12-07 the encoder only, with a warning): its
+    # logits on token pairs with padding are the checkpoint's in one plain process, its labels the run's class names
+    import warnings
 
-    with pytest.warns(UserWarning, match=r"is a sequence classifier \(BertClassificationModule, classifier.weight "
-                                         r"\[2, \d+\]\): export hf writes its encoder"):
+    import transformers
+
+    from lightning_megatron.export import export_hf
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.saved_model import read_model_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         export_hf(tmp_path / "cls.ckpt", tmp_path / "hf")
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert type(theirs).__name__ == "BertForSequenceClassification"
+    assert theirs.config.id2label == {0: "neg", 1: "pos"}
+    assert theirs.config.problem_type == "single_label_classification"
+    saved = read_model_checkpoint(tmp_path / "cls.ckpt")
+    ours = BertClassificationModule(**BertClassificationModule.checkpoint_arguments(saved, {}))
+    ours.configure_model()
+    ours.load_pretrained(saved, everything=True)
+    ours.eval()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(5, saved.state_dict["embedding.word_embeddings.weight"].size(0), (4, 16), generator=g)
+    mask = torch.ones_like(tokens)
+    mask[1, 9:] = 0
+    types = torch.zeros_like(tokens)
+    types[:, 6:] = 1
+    batch = {"tokens": tokens * mask, "attention_mask": mask, "token_types": types * mask}
+    with torch.no_grad():
+        got = ours.predict_step(batch, 0)
+        logits = theirs(input_ids=batch["tokens"], attention_mask=mask, token_type_ids=batch["token_types"]).logits
+    assert logits.abs().max() > 1e-2  # a classifier that computes something
+    torch.testing.assert_close(logits.softmax(-1), got, rtol=0, atol=1e-6)

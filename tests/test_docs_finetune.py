@@ -9,6 +9,7 @@ in order, at DP=2 and at TP=2, without the training file) equal the checkpoint's
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -36,7 +37,8 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], WANDB_MODE="offline", WANDB_SILENT="true",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
     found = blocks(ROOT / "docs" / "finetune.md")
-    assert [lang for lang, _ in found] == ["bash", "python", "bash", "bash", "python", "bash", "bash", "python"]
+    assert [lang for lang, _ in found] == ["bash", "python", "bash", "bash", "python", "bash", "bash", "python",
+                                           "bash", "python"]
     outputs, predicted = [], []
     with commands_from_forkserver({"lightning-megatron": ["-m", "lightning_megatron.cli"]}, timeout=900) as commands:
         env["PATH"] = commands + os.pathsep + env["PATH"]
@@ -69,6 +71,13 @@ def test_finetune_walkthrough_runs_as_written(tmp_path):
     for rows, source in sources:
         torch.testing.assert_close(torch.tensor([r["probabilities"] for r in rows]),
                                    _single_process_probabilities(tmp_path, source), rtol=0, atol=1e-5)
+
+    # the classifier exported to transformers (its tokenizer, its id2label) gives those probabilities too
+    exported = _exported_probabilities(tmp_path / "runs" / "bert_tiny_sst2_hf", texts)
+    torch.testing.assert_close(exported, torch.tensor([r["probabilities"] for r in file_rows]), rtol=0, atol=1e-5)
+    printed = outputs[7].splitlines()
+    assert [line.split(" {")[0] for line in printed] == texts
+    assert all(set(ast.literal_eval(line[line.index(" {") + 1:])) == {"asyncio", "email"} for line in printed)
 
     # the labels in another order name every prediction and metric by the other class (the accuracy of the page's
     # check would read 1 - accuracy): the checkpoint records the class names, and the command is refused before launch
@@ -118,6 +127,19 @@ def _run_blocks(tmp_path: Path, env: dict[str, str], found: list[tuple[str, str]
         outputs.append(proc.stdout)  # the checks below read what the command prints
         if "finetune predict" in code:
             predicted.append([json.loads(line) for line in (tmp_path / PREDICTIONS).open()])
+
+
+def _exported_probabilities(folder: Path, texts: list[str]) -> torch.Tensor:
+    """softmax of transformers' logits for ``texts`` (padded to one batch) from the exported folder, in its
+    ``id2label`` order checked to be the fine-tune's class order."""
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    assert type(model).__name__ == "MegatronBertForSequenceClassification"
+    assert model.config.id2label == {0: "asyncio", 1: "email"}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        return model(**tokenizer(texts, padding=True, return_tensors="pt")).logits.softmax(-1)
 
 
 def _single_process_probabilities(run: Path, predict_file: Path) -> torch.Tensor:

@@ -279,21 +279,23 @@ def merge_tp_state_dicts(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, 
 
 
 def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig, vocab_size: int, *,
-                            model_type: Literal["BertForPreTraining", "BertForMaskedLM", "BertModel"] =
-                            "BertForPreTraining", megatron: bool = False) -> dict[str, torch.Tensor]:
+                            model_type: Literal["BertForPreTraining", "BertForMaskedLM", "BertModel",
+                                                "BertForSequenceClassification"] = "BertForPreTraining",
+                            megatron: bool = False) -> dict[str, torch.Tensor]:
     """A ``transformers`` state dict from our FULL (TP=1 or merged) state dict.
 
     ``megatron=False``: a post-norm model, keys of ``BertForPreTraining`` / ``BertForMaskedLM`` /
-    ``BertModel``; ``megatron=True``: a pre-norm LayerNorm model, keys of the ``MegatronBert*`` twins.
-    ``BertForPreTraining`` needs the heads (``lm_head``, ``output_layer``, ``pooler``, ``binary_head``);
-    ``BertForMaskedLM`` the LM head only; ``BertModel`` takes the embeddings, layers and pooler (if
-    present) and ignores the LM heads.
+    ``BertModel`` / ``BertForSequenceClassification``; ``megatron=True``: a pre-norm LayerNorm model, keys of the
+    ``MegatronBert*`` twins. ``BertForPreTraining`` needs the heads (``lm_head``, ``output_layer``, ``pooler``,
+    ``binary_head``); ``BertForMaskedLM`` the LM head only; ``BertModel`` takes the embeddings, layers and pooler
+    (if present) and ignores the LM heads; ``BertForSequenceClassification`` takes those and the ``classifier``.
     """
-    if model_type not in ("BertForPreTraining", "BertForMaskedLM", "BertModel"):
-        raise ValueError(f"model_type={model_type!r} must be 'BertForPreTraining', 'BertForMaskedLM' or 'BertModel'")
+    kinds = ("BertForPreTraining", "BertForMaskedLM", "BertModel", "BertForSequenceClassification")
+    if model_type not in kinds:
+        raise ValueError(f"model_type={model_type!r} must be one of {kinds}")
     layer_keys = _MEGATRON_LAYER_KEYS if megatron else _LAYER_KEYS
-    with_heads = model_type != "BertModel"
-    prefix = "bert." if with_heads else ""
+    lm_heads = model_type in ("BertForPreTraining", "BertForMaskedLM")
+    prefix = "" if model_type == "BertModel" else "bert."
     sd = dict(state_dict)
     for key in _VOCAB_PADDED:
         if key in sd:
@@ -312,7 +314,7 @@ def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: Tran
                 out[f"{dst}attention.self.{name}.{part}"] = tensor
         for ours, theirs in layer_keys.items():
             out[dst + theirs] = sd[src + ours].clone()
-    if with_heads:
+    if lm_heads:
         binary = _BINARY_KEYS if model_type == "BertForPreTraining" else {}
         for ours, theirs in {**_HEAD_KEYS, **binary}.items():
             if ours in sd:
@@ -320,4 +322,7 @@ def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: Tran
         if "output_layer.weight" not in sd:  # tied: the decoder is the word embedding
             out["cls.predictions.decoder.weight"] = out["bert.embeddings.word_embeddings.weight"].clone()
         out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"].clone()
+    if model_type == "BertForSequenceClassification":
+        for part in ("weight", "bias"):
+            out[f"classifier.{part}"] = sd[f"classifier.{part}"].clone()
     return out

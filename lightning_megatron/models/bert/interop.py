@@ -9,7 +9,8 @@
   layer's copy checked and dropped;
 - export: ``bert_layer_post_norm_spec`` -> ``BertForPreTraining`` (``BertForMaskedLM`` without a binary
   head), ``bert_layer_local_spec`` with LayerNorm -> ``MegatronBertForPreTraining``
-  (``MegatronBertForMaskedLM``), with the WordPiece tokenizer the model was trained with.
+  (``MegatronBertForMaskedLM``); a fine-tuned classifier (``classifier.*``) -> ``*ForSequenceClassification`` with
+  the class names its checkpoint records; with the WordPiece tokenizer the model was trained with.
 
 :func:`architecture_conflicts` / :func:`check_architecture`: the module arguments a source fixes
 (:data:`ARCHITECTURE_KEYS`) compared with the module's, every difference listed with the flag to set.
@@ -211,8 +212,8 @@ class BertInterop:
     # ------------------------------------------------------------------ ours -> Hugging Face
 
     def hf_config(self, saved: SavedModel) -> Any:
-        """``BertConfig`` (post-norm) or ``MegatronBertConfig`` (pre-norm), ``*ForPreTraining`` when the binary
-        head is saved, else ``*ForMaskedLM``."""
+        """``BertConfig`` (post-norm) or ``MegatronBertConfig`` (pre-norm): ``*ForSequenceClassification`` when a
+        classifier is saved, ``*ForPreTraining`` when the binary head is, else ``*ForMaskedLM``."""
         from lightning_megatron.interop.hf_folder import import_transformers
 
         transformers = import_transformers("a transformers config")
@@ -250,10 +251,14 @@ class BertInterop:
             layer_norm_eps=float(hp.get("layernorm_epsilon", 1e-12)),
             pad_token_id=0,
         )
-        pretraining = "binary_head.weight" in sd
+        classifier = sd.get("classifier.weight")
+        if classifier is not None:  # a fine-tuned classifier: transformers' sequence classifier, labels named
+            kwargs.update(_classifier_config(saved, classifier.size(0), megatron))
         config = (transformers.MegatronBertConfig if megatron else transformers.BertConfig)(**kwargs)
         prefix = "MegatronBert" if megatron else "Bert"
-        config.architectures = [prefix + ("ForPreTraining" if pretraining else "ForMaskedLM")]
+        head = ("ForSequenceClassification" if classifier is not None
+                else "ForPreTraining" if "binary_head.weight" in sd else "ForMaskedLM")
+        config.architectures = [prefix + head]
         return config
 
     def state_dict_to_hf(self, saved: SavedModel, config: Any) -> dict[str, torch.Tensor]:
@@ -262,9 +267,8 @@ class BertInterop:
         ours = TransformerConfig(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
                                  num_attention_heads=config.num_attention_heads,
                                  ffn_hidden_size=config.intermediate_size)
-        pretraining = config.architectures[0].endswith("ForPreTraining")
-        return hf_state_dict_from_bert(saved.state_dict, ours, config.vocab_size,
-                                       model_type="BertForPreTraining" if pretraining else "BertForMaskedLM",
+        model_type = "Bert" + config.architectures[0].removeprefix("MegatronBert").removeprefix("Bert")
+        return hf_state_dict_from_bert(saved.state_dict, ours, config.vocab_size, model_type=model_type,
                                        megatron=config.model_type == "megatron-bert")
 
     def hf_tokenizer(self, saved: SavedModel, config: Any,
@@ -281,6 +285,21 @@ class BertInterop:
         lowercase = BertTokenizer(vocab, lowercase=lowercase).lowercase  # as the run's tokenizer: a cased one is not
         return lambda folder: _save_tokenizer(vocab, folder, lowercase=lowercase,
                                               max_length=config.max_position_embeddings)
+
+
+def _classifier_config(saved: SavedModel, num_labels: int, megatron: bool) -> dict[str, Any]:
+    """The config entries of transformers' ``*ForSequenceClassification`` for a classifier of ``num_labels``
+    outputs: ``problem_type`` (one output: regression, as ``num_classes=1`` trained), the class names the checkpoint
+    records (else transformers' ``LABEL_0``, ...) and the dropout before the classifier (BERT's
+    ``classifier_dropout``; MegatronBERT's classifier takes ``hidden_dropout_prob``, which only training sees)."""
+    names = saved.label_names if saved.label_names and len(saved.label_names) == num_labels else None
+    out: dict[str, Any] = {"num_labels": num_labels,
+                           "problem_type": "regression" if num_labels == 1 else "single_label_classification"}
+    if names is not None and num_labels > 1:
+        out.update(id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)})
+    if not megatron and saved.module_hparams.get("classifier_dropout") is not None:
+        out["classifier_dropout"] = float(saved.module_hparams["classifier_dropout"])
+    return out
 
 
 def _vocab_file(saved: SavedModel, vocab_file: str | os.PathLike[str] | None) -> tuple[Path, bool | None]:
