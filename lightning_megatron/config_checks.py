@@ -315,6 +315,10 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     problems += _generation_problems(m)
 
     problems += data_files_problems(d, m, data_class=data_class, predicting=predicting, running=running, split=split)
+    if running and not fitting:
+        problems += [p for p in [_evaluated_model_problem("predict" if predicting else
+                                                          {"valid": "validate"}.get(split or "", split or "evaluate"),
+                                                          ckpt_path, m.get("init_from"), model_class)] if p]
     checkpoint_problem = ckpt_path_problem(ckpt_path)
     problems += [checkpoint_problem] if checkpoint_problem else []
     problems += checkpoint_data_problems(d, m, data_class=data_class,
@@ -383,6 +387,24 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                                         global_batch_size=gb or _int(data.get("global_batch_size")))
             problems += [memory] if memory else []
     return problems
+
+
+def _evaluated_model_problem(command: str, ckpt_path: Any, init_from: Any, model_class: type | None) -> str | None:
+    """Why ``validate`` / ``test`` / ``predict`` would evaluate a model at (part of) its random initialization: no
+    ``--ckpt_path`` and no ``--model.init_from``, or a module whose fine-tuning head ``init_from`` never loads
+    (:attr:`~lightning_megatron.module.MegatronLightningModule.fine_tuning_heads`) without its checkpoint."""
+    if ckpt_path is not None:
+        return None
+    if init_from is None:
+        return (f"{command} without --ckpt_path or --model.init_from would evaluate the model's random "
+                f"initialization: pass --ckpt_path with a checkpoint (a run's checkpoints/last.ckpt, or last for the "
+                f"run folder's newest), or --model.init_from with pretrained weights")
+    heads = getattr(model_class, "fine_tuning_heads", ())
+    if heads:
+        return (f"{command} of {model_class.__name__} needs the fine-tuned checkpoint (--ckpt_path): "
+                f"--model.init_from loads the pretrained weights and leaves {', '.join(h + '*' for h in heads)} at "
+                f"its initialization")
+    return None
 
 
 def _generation_problems(m: dict[str, Any]) -> list[str]:

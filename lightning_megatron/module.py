@@ -285,6 +285,10 @@ class MegatronLightningModule(LightningModule):
     unread_pretrained: tuple[str, ...] = ()
     """Name prefixes of a source's tensors ``init_from`` leaves unread: heads the module does not have (a
     pretraining model's heads, for a classifier). Any other tensor no parameter takes is refused."""
+    fine_tuning_heads: tuple[str, ...] = ()
+    """Name prefixes of parameters ``init_from`` never loads: a fine-tuning head the module starts at its
+    initialization (a classifier). ``validate`` / ``test`` / ``predict`` of such a module need its fine-tuned
+    checkpoint (``--ckpt_path``), refused before launch otherwise."""
     missing_tensors_hint: str = ""
     """Advice added to the error when a source lacks tensors the model needs."""
     architecture_flag_prefix: str = "--model."

@@ -102,7 +102,9 @@ def test_finetune_predict_input_refused_before_launch(case, tmp_path, monkeypatc
         main(["finetune", "predict", "--config", SST2, *args, "--trainer.default_root_dir", str(run)])
     message = str(exited.value.code)
     assert "found before launching any process" in message and wanted in message, message
-    assert message.count("\n  - ") == 1, message  # only the input of predict is read (the recipe's files are absent)
+    # only the input of predict is read (the recipe's files are absent), and no --ckpt_path is given (refused too)
+    assert message.count("\n  - ") == 2, message
+    assert "predict without --ckpt_path or --model.init_from would evaluate the model's random" in message, message
     assert not dist.is_initialized() and not run.exists()
 
 

@@ -61,8 +61,14 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     transformers.MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=8192,
                                max_position_embeddings=128).save_pretrained(d / "mixtral")
+    transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=8192, max_position_embeddings=128).save_pretrained(
+        d / "llama")
+    transformers.BertConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                            max_position_embeddings=128).save_pretrained(d / "bert")
     return {"dir": str(d), "gpt": str(d / "gpt"), "noeod": str(d / "noeod"), "wordpiece": str(d / "wordpiece"),
-            "mixtral": str(d / "mixtral"), "prompts": str(d / "prompts.txt"),
+            "mixtral": str(d / "mixtral"), "llama": str(d / "llama"), "bert": str(d / "bert"),
+            "prompts": str(d / "prompts.txt"),
             "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
             "small": str(d / "small.jsonl"),
@@ -118,7 +124,7 @@ CASES = {
     "test_split_shorter_than_a_sample": (  # 2 documents, no sample of seq_length + 1 tokens: `test` tested nothing
         ["test", "--config", GPT, "--data.data_prefix", "{gpt}", "--data.splits", "90,5,5",
          "--trainer.strategy.init_args.timeout", "0"], None,
-        ["2 configuration problem(s)", "data splits='90,5,5' gives the test split 2 of the 40 documents of {gpt}, "
+        ["3 configuration problem(s)", "data splits='90,5,5' gives the test split 2 of the 40 documents of {gpt}, "
          "holding ", " tokens: fewer than one sample's seq_length + 1 = 129; `test` would have nothing to read"], []),
     "validate_split_weight_zero": (
         ["validate", "--config", GPT, "--data.data_prefix", "{gpt}", "--data.splits", "100,0,0"], None,
@@ -230,6 +236,26 @@ CASES = {
          "true", "--model.optimizer_class", "torch.optim.Adafactor"], None,
         ["model.optimizer_class='torch.optim.Adafactor' with use_distributed_optimizer=True: Adafactor is not one of "
          "torch's elementwise optimizers", "or use_distributed_optimizer=False"], []),
+    # validate / test / predict without a checkpoint evaluated the random initialization, unsaid (a validation loss
+    # of ln(vocab), predictions of noise); --model.init_from (pretrained weights) is a model to evaluate. (Each row
+    # also sets timeout 0, a second refusal, so that nothing launches should the first be let through.)
+    "validate_without_a_checkpoint": (["validate", "--config", GPT, "--trainer.strategy.init_args.timeout", "0"],
+                                      None, [
+        "2 configuration problem(s)", "validate without --ckpt_path or --model.init_from would evaluate the model's "
+        "random initialization: pass --ckpt_path with a checkpoint (a run's checkpoints/last.ckpt, or last for the "
+        "run folder's newest), or --model.init_from with pretrained weights"], []),
+    "predict_without_a_checkpoint": ([*PREDICT, "--trainer.strategy.init_args.timeout", "0"], None,
+                                     ["2 configuration problem(s)", "predict without --ckpt_path or --model.init_from"],
+                                     []),
+    "validate_init_from_is_a_model": (
+        ["validate", "--config", GPT, "--model.init_from", "{llama}", "--trainer.strategy.init_args.timeout", "0"],
+        None, ["1 configuration problem(s)", "strategy timeout=0"], ["--ckpt_path"]),
+    "finetune_test_init_from_leaves_the_classifier_fresh": (
+        ["finetune", "test", "--config", SST2, "--data.init_args.train", "{train}", "--data.init_args.validation",
+         "{train}", "--model.init_from", "{bert}", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "test of BertClassificationModule needs the fine-tuned checkpoint "
+         "(--ckpt_path): --model.init_from loads the pretrained weights and leaves classifier.* at its "
+         "initialization"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }

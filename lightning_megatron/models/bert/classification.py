@@ -84,6 +84,7 @@ class BertClassificationModule(BertLightningModule):
                                        global_batch_size=global_batch_size)
         return replace(shape, masked_lm_prob=0.0)
 
+    fine_tuning_heads = ("classifier.",)  # init_from never loads it: evaluation needs the fine-tuned checkpoint
     optional_pretrained = ("pooler.",)  # as transformers does, a source without a pooler gets a fresh one
     unread_pretrained = ("classifier.", "lm_head.", "binary_head.", "output_layer.")  # heads of pretraining or
     # of a classifier checkpoint: this fine-tune starts its own head
