@@ -173,6 +173,27 @@ CASES = {
     "sft_validation_file_and_val_fraction": (
         [*SFT, "--data.init_args.train_file", "{chats}", "--data.init_args.validation_file", "{chats}"], None,
         ["validation_file='{chats}' and val_fraction=0.1: use one of the two"], ["Traceback", "jsonargparse"]),
+    # check's own arguments: a 0 efficiency was read as "not given" (the default used, exit 0), 0 GPUs per node
+    # changed the prediction, tp0 and --steps 0 ended in tracebacks, --gpus 0 printed an empty table and exit 1,
+    # --layouts '' compared nothing and printed PASS
+    "check_efficiency_zero": (["check", "--config", GPT, "--estimate-time", "--gpus", "8", "--gemm-efficiency", "0"],
+                              2, ["argument --gemm-efficiency: 0 is not a fraction in (0, 1]"], []),
+    "check_link_efficiency_zero": (["check", "--config", GPT, "--estimate-time", "--link-efficiency", "0"], 2,
+                                   ["argument --link-efficiency: 0 is not a fraction in (0, 1]"], []),
+    "check_devices_per_node_zero": (["check", "--config", GPT, "--estimate-time", "--devices-per-node", "0"], 2,
+                                    ["argument --devices-per-node: 0 is not a whole number >= 1"], []),
+    "check_steps_zero": (["check", "--config", GPT, "--layouts", "tp2", "--steps", "0"], 2,
+                         ["argument --steps: 0 is not a whole number >= 1"], ["Traceback"]),
+    "check_gpus_zero": (["check", "--config", GPT, "--estimate-memory", "--gpus", "0"], 2,
+                        ["argument --gpus: 0 is not a whole number >= 1"], []),
+    "check_layout_tp0": (["check", "--config", GPT, "--layouts", "tp0"], 2,
+                         ["tensor_model_parallel_size=0 must be a positive integer"], ["ZeroDivisionError"]),
+    "check_layout_ep0": (["check", "--config", GPT, "--layouts", "ep0"], 2,
+                         ["expert_model_parallel_size=0 must be a positive integer"], ["ZeroDivisionError"]),
+    "check_no_layouts": (["check", "--config", GPT, "--layouts", " , "], 2,
+                         ["--layouts ' , ' names no layout; write e.g. --layouts tp2,pp2,dp2"], []),
+    "check_a_layout_twice": (["check", "--config", GPT, "--layouts", "tp2,dp2,tp2"], 2,
+                             ["--layouts 'tp2,dp2,tp2' names tp2 twice"], []),
     "check_tp3_with_4_heads": (["check", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--layouts", "tp3"], 2,
                                ["found before starting any process", "layout tp3: model.config: num_attention_heads=4 is not "
                                 "divisible by tensor_model_parallel_size=3"], ["DistributedTestFailure"]),

@@ -994,7 +994,8 @@ def test_cli_estimate_time_ranks_layouts_and_lists_what_it_skips(capsys, tmp_pat
     # hidden: the all-gather; left: the mean of the rank's shard and what the backward does not hide of its reduction
     assert e.value.code == 0 and 0 < float(dp_column["on"]) < float(dp_column["off"]) / 2, dp_column
     for flags, message in ((["--device", "tpu"], "unknown device 'tpu'"),
-                           (["--link-efficiency", "1.5"], "efficiency link=1.5 must be in (0, 1]"),
+                           (["--link-efficiency", "1.5"],
+                            "argument --link-efficiency: 1.5 is not a fraction in (0, 1]"),
                            (["--device", "h100", "--host-op-us", "-1"], "--host-op-us -1: a GPU's host microseconds"),
                            (["--device", "this", "--host-op-us", "5"], "--device this runs the kernels on its host")):
         with pytest.raises(SystemExit) as e:

@@ -29,7 +29,45 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 80GB or 24GiB")
     unit = m.group(2).rstrip("b")
     scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-    return int(float(m.group(1)) * scale[unit])
+    try:
+        size = int(float(m.group(1)) * scale[unit])
+    except ValueError:  # "1.2.3GB"
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 80GB or 24GiB")
+    return size
+
+
+def _whole(text: str) -> int:
+    """A count (steps, GPUs, batch sizes): a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """An achievable fraction of a device's rate: in (0, 1] (0 would be a device that never finishes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction in (0, 1]")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,14 +78,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", default="tp2,pp2,dp2",
                    help="comma-separated: tp2, pp2, vp2 (with pp), dp2, sp (with tp), zero1; e.g. tp2pp2,dp2zero1")
     p.add_argument("--reference", default="tp1", help="the layout the others are compared with (default: one process)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--global-batch-size", type=int, default=None, help="default: the recipe's")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the recipe's")
-    p.add_argument("--seq-length", type=int, default=None,
+    p.add_argument("--steps", type=_whole, default=3)
+    p.add_argument("--global-batch-size", type=_whole, default=None, help="default: the recipe's")
+    p.add_argument("--micro-batch-size", type=_whole, default=None, help="default: the recipe's")
+    p.add_argument("--seq-length", type=_whole, default=None,
                    help="the data's sequence length (a decoder's data.seq_length, BERT's data.max_seq_length); "
                         "default: the recipe's")
     p.add_argument("--grad-steps", default="1", help="steps after which every gradient is compared (comma-separated)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per group of layouts of one world size")
+    p.add_argument("--timeout", type=_seconds, default=900.0, help="seconds per group of layouts of one world size")
     p.add_argument("--fp32", action="store_true",
                    help="check a 16-bit recipe's layouts in fp32 (config.params_dtype float32, precision 32-true) at "
                         "fp32's bounds: the layouts' math without 16-bit rounding (docs/check.md, '16-bit checks')")
@@ -58,10 +96,13 @@ def _parser() -> argparse.ArgumentParser:
                    "runs nothing by itself")
     p.add_argument("--device", default="h100", help="with --estimate-time: a100, h100, h200 (datasheet rates x the "
                    "efficiencies below) or 'this' (this machine, measured now)")
-    p.add_argument("--devices-per-node", type=int, default=None, help="with --estimate-time: GPUs per node (default 8)")
-    p.add_argument("--gemm-efficiency", type=float, default=None, help="achievable fraction of the dense peak (0.7)")
-    p.add_argument("--memory-efficiency", type=float, default=None, help="achievable fraction of HBM bandwidth (0.8)")
-    p.add_argument("--link-efficiency", type=float, default=None,
+    p.add_argument("--devices-per-node", type=_whole, default=None,
+                   help="with --estimate-time: GPUs per node (default 8)")
+    p.add_argument("--gemm-efficiency", type=_fraction, default=None,
+                   help="achievable fraction of the dense peak (0.7)")
+    p.add_argument("--memory-efficiency", type=_fraction, default=None,
+                   help="achievable fraction of HBM bandwidth (0.8)")
+    p.add_argument("--link-efficiency", type=_fraction, default=None,
                    help="achievable fraction of NVLink/IB bandwidth (0.8)")
     p.add_argument("--overlap-grad-reduce", choices=("on", "off"), default=None,
                    help="with --estimate-time: DP reduction overlapped with the backward (default: the strategy's "
@@ -72,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-param-gather", choices=("on", "off"), default="off",
                    help="with --estimate-time: the ZeRO-1 parameter all-gather hidden behind the next forward "
                         "(MegatronStrategy(overlap_param_gather=True); default off, as the strategy's)")
-    p.add_argument("--gpus", type=int, default=None,
+    p.add_argument("--gpus", type=_whole, default=None,
                    help="with --estimate-memory / --estimate-time: every layout of this many GPUs")
     p.add_argument("--gpu-memory", type=_bytes, default=None, help="with --gpus: memory per GPU, e.g. 80GB")
     p.add_argument("--top", type=int, default=0, help="with --gpus: list the N first layouts only (and the recipe's "
@@ -202,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         layouts, reference = ParallelDims.parse_list(args.layouts), ParallelDims.parse(args.reference)
     except (ValueError, OSError) as e:
         parser.error(str(e))
+    if not layouts:
+        parser.error(f"--layouts {args.layouts!r} names no layout; write e.g. --layouts tp2,pp2,dp2")
+    twice = sorted({x.name for x in layouts if layouts.count(x) > 1})
+    if twice:
+        parser.error(f"--layouts {args.layouts!r} names {', '.join(twice)} twice; name each layout once")
     if args.fp32:
         refused = _in_fp32(recipe)
         if refused:

@@ -56,8 +56,9 @@ def timing_inputs(recipe: Any, args: Any) -> tuple[Device, Efficiency, Framework
             raise ValueError(f"--estimate-time counts the host's ops on a small copy of the model ({m.describe()}), "
                              f"which failed: {type(e).__name__}: {e}; --host-op-us 0 predicts the device's time "
                              f"alone") from e
-    eff = Efficiency(gemm=args.gemm_efficiency or base.gemm, memory=args.memory_efficiency or base.memory,
-                     link=args.link_efficiency or base.link)
+    given = lambda value, default: default if value is None else value  # noqa: E731  (0 is refused by the parser)
+    eff = Efficiency(gemm=given(args.gemm_efficiency, base.gemm), memory=given(args.memory_efficiency, base.memory),
+                     link=given(args.link_efficiency, base.link))
     # MegatronStrategy(overlap_grad_reduce=None) overlaps, except with the CPU tuning's synchronous
     # shared-memory collectives, which also expose sequence parallelism's gathers (a tuning acts on a CPU only)
     synchronous = tuning.synchronous_collectives(torch.device("cpu"))
