@@ -137,9 +137,16 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             # the chat files, read as every rank's set-up reads them (JSON only, nothing tokenized): a missing
             # file, a chat without an answer, a split left empty; the datamodule's own argument checks too
             try:
-                data_class(**arguments).read_splits()
+                splits = data_class(**arguments).read_splits()
             except (OSError, ValueError) as error:
                 problems.append(_data(error))
+            else:
+                batch = arguments.get("global_batch_size")
+                chats = len(splits.get("train", ()))
+                if split is None and isinstance(batch, int) and chats < batch:  # fit: a chat is at most a sample
+                    problems.append(f"data: the train split has {chats} chats and global_batch_size={batch}: a "
+                                    f"training step needs a full global batch and a chat makes at most one sample; "
+                                    f"lower data.global_batch_size or give more chats")
         return problems
     if {"text_key", "label_key"} <= arguments.keys():
         # labelled split files (LabelledTextDataModule's arguments), read only when a command runs; predict

@@ -166,6 +166,12 @@ CASES = {
     # split left empty), or jsonargparse printed 83 lines around the datamodule's own message
     "sft_missing_train_file": ([*SFT, "--data.init_args.train_file", "{nope}"], None,
                                ["data.train_file '{nope}' does not exist"], ["Traceback"]),
+    "sft_fewer_chats_than_a_batch": (  # every rank raised it once started, a traceback each
+        [*SFT, "--data.init_args.train_file", "{chats}", "--data.init_args.val_fraction", "0",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "data: the train split has 2 chats and global_batch_size=8: a training step "
+         "needs a full global batch and a chat makes at most one sample; lower data.global_batch_size or give more "
+         "chats"], []),
     "sft_chat_without_answer": ([*SFT, "--data.init_args.train_file", "{no_answer}"], None,
                                 ["data.train_file '{no_answer}' line 2 has no assistant message (roles ['user'])"], []),
     "sft_val_fraction_of_one_chat": ([*SFT, "--data.init_args.train_file", "{one_chat}"], None,
