@@ -226,3 +226,30 @@ def test_read_documents_counts(tmp_path):
     stats = CorpusStats()
     assert list(read_documents([tmp_path], stats)) == [["One.", "Two."], ["Three."]]
     assert (stats.files, stats.documents, stats.sentences) == (1, 2, 3)
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """A UTF-8 byte order mark (what Excel and Notepad write first) is no character of the text, as Python's
+    ``utf-8-sig`` reads it: a corpus's first document, a CSV's first column name, a chat file's first record and a
+    predict file's first prompt read as without it (the CSV's column was 'row 1 has no column', the chat file's
+    first line 'not JSON', the JSONL corpus's first document dropped as bad JSON, a text's first token the mark)."""
+    from lightning_megatron.data.chat import read_chat_records
+    from lightning_megatron.data.labelled_text import read_records
+    from lightning_megatron.data.predict import read_text_lines
+
+    bom = "\ufeff"
+    chat = json.dumps({"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hey."}]})
+    texts = {"a.txt": "One. Two.\n\nThree.\n", "b.jsonl": '{"text": "Four."}\n{"text": "Five."}\n',
+             "rows.csv": "sentence,label\nfine,1\n", "chat.jsonl": chat + "\n", "prompts.txt": "The function\n"}
+    for folder, mark in (("plain", ""), ("marked", bom)):
+        (tmp_path / folder).mkdir()
+        for name, text in texts.items():
+            (tmp_path / folder / name).write_text(mark + text, encoding="utf-8")
+    read = {}
+    for folder in ("plain", "marked"):
+        d, stats = tmp_path / folder, CorpusStats()
+        read[folder] = (list(read_documents([d / "a.txt", d / "b.jsonl"], stats)), stats.bad_json_lines,
+                        read_records(d / "rows.csv"), [r.messages for r in read_chat_records(d / "chat.jsonl", "x")],
+                        read_text_lines(d / "prompts.txt"))
+    assert read["marked"] == read["plain"]
+    assert read["plain"][0] == [["One.", "Two."], ["Three."], ["Four."], ["Five."]] and read["plain"][1] == 0

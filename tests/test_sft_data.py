@@ -192,6 +192,12 @@ def test_records_prompt_completion_and_refusals(folders, tmp_path):
     for bad, match in ((["not json"], "line 1 is not JSON"), ([{"text": "x"}], "'messages' .* or 'prompt'"),
                        ([{"messages": [{"role": "user", "content": "x"}]}], "no assistant message"),
                        ([{"messages": [{"role": "user", "content": ["x"]}]}], "content' is not a string"),
+                       # a missing field is named (it said "'prompt' and 'completion' must be strings", and of a
+                       # message without content "content parts are not supported")
+                       ([{"prompt": "a", "response": "b"}], r"has a 'prompt' and no 'completion' \(the answer to "
+                                                            r"learn; its keys: \['prompt', 'response'\]\)"),
+                       ([{"messages": [{"role": "user", "text": "x"}]}],
+                        r"the 'user' message has no 'content' \(its keys: \['role', 'text'\]\)"),
                        ([{"system": "s", "messages": CHAT}], "both 'system' and a system message")):
         (tmp_path / "bad.jsonl").write_text("\n".join(b if isinstance(b, str) else json.dumps(b) for b in bad))
         with pytest.raises(ValueError, match=match):

@@ -103,6 +103,8 @@ def packaged_sample_file() -> Path:
 def _message(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, Mapping) or not isinstance(value.get("role"), str):
         raise ValueError(f"{where}: a message is an object with a string 'role' and 'content', got {value!r:.80}")
+    if "content" not in value:
+        raise ValueError(f"{where}: the {value['role']!r} message has no 'content' (its keys: {sorted(value)})")
     if not isinstance(value.get("content"), str):
         raise ValueError(f"{where}: the {value['role']!r} message's 'content' is not a string (text-only chats: "
                          f"content parts are not supported)")
@@ -147,6 +149,8 @@ def read_chat_records(path: str | os.PathLike[str], where: str, *, prompts: bool
                                  f"begins; drop that message")
             continue
         prompt, completion = rec["prompt"], rec.get("completion")
+        if not prompts and "completion" not in rec:
+            raise ValueError(f"{at} has a 'prompt' and no 'completion' (the answer to learn; its keys: {sorted(rec)})")
         if not isinstance(prompt, str) or (not prompts and not isinstance(completion, str)):
             raise ValueError(f"{at}: 'prompt' and 'completion' must be strings")
         if prompts and completion is not None:

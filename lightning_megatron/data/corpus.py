@@ -239,10 +239,11 @@ def expand_inputs(inputs: Iterable[Any]) -> list[Any]:
 def read_utf8_text(path: str | os.PathLike[str], where: str | None = None) -> str:
     """The whole text of a file; one that is not UTF-8 is a ValueError naming it (``where``, e.g.
     ``"predict_file '/x/p.txt'"``; default: the path), the line and the byte offset of the first bad byte
-    (what ``open().read()`` raises names neither)."""
+    (what ``open().read()`` raises names neither). A leading byte order mark (Excel's, Notepad's) is no
+    character of the text: left out, as ``utf-8-sig`` reads it."""
     data = Path(path).read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         where = where or repr(os.fspath(path))
@@ -253,16 +254,18 @@ def read_utf8_text(path: str | os.PathLike[str], where: str | None = None) -> st
 
 def _decoded_lines(path: Path, stats: CorpusStats) -> Iterator[str]:
     """Lines of a file (gzip-compressed when it ends in ``.gz``) as text; invalid UTF-8 is replaced
-    and counted, an empty file counted."""
+    and counted, an empty file counted; a leading byte order mark left out (:func:`read_utf8_text`)."""
     any_text = False
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rb") as f:
-        for raw in f:
+        for number, raw in enumerate(f):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 line = raw.decode("utf-8", errors="replace")
                 stats.non_utf8_lines += 1
+            if number == 0:
+                line = line.removeprefix("\ufeff")
             any_text = any_text or bool(line.strip())
             yield line
     if not any_text:
