@@ -48,15 +48,18 @@ _GROUP_TITLES = {"masked LM": "masked LM (encoder)", "next-token": "next-token L
 def read_run(run_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
     """Every metric of a run folder's training: ``name -> [(step, value), ...]`` sorted by step, its
     ``metrics.csv`` files joined in version order (a later version wins where steps repeat); the logs
-    under :data:`EVALUATION_FOLDERS` are left out."""
+    under :data:`EVALUATION_FOLDERS` are left out. ``run_dir`` may be one ``metrics.csv`` itself."""
     root = Path(run_dir)
+    if not root.exists():
+        raise FileNotFoundError(f"run folder {os.fspath(run_dir)!r} does not exist")
 
     def version(path: Path) -> tuple[int, str]:
         name = path.parent.name
         return (int(name.split("_")[-1]) if name.split("_")[-1].isdigit() else -1, str(path))
 
-    files = sorted((p for p in root.rglob("metrics.csv")
-                    if not set(p.relative_to(root).parts[:-1]) & set(EVALUATION_FOLDERS)), key=version)
+    files = [root] if root.is_file() and root.suffix == ".csv" else sorted(
+        (p for p in root.rglob("metrics.csv") if not set(p.relative_to(root).parts[:-1]) & set(EVALUATION_FOLDERS)),
+        key=version)
     if not files:
         raise FileNotFoundError(f"no metrics.csv under {os.fspath(run_dir)!r}: is it a run directory with a CSVLogger?")
     series: dict[str, dict[int, float]] = {}
@@ -147,7 +150,19 @@ def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    out = Path(output)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix.lower().lstrip(".") not in formats:
+        raise ValueError(f"--output {os.fspath(output)!r}: the suffix names the format, and matplotlib writes no "
+                         f"{out.suffix or 'file without one'!r}; use e.g. curves.png, curves.pdf or curves.svg")
     runs = [read_run(r) for r in run_dirs]
+    silent = [os.fspath(r) for r, run in zip(run_dirs, runs) if not run]
+    if silent:
+        raise ValueError(f"run {silent[0]!r} logged no values (its metrics.csv files hold no row with a step): "
+                         f"leave it out, or plot it once it has logged"
+                         + (f"; also {silent[1:]}" if silent[1:] else ""))
     labels = _labels(run_dirs)
     figure = columns(runs, quantities)
     if not figure:
@@ -192,9 +207,8 @@ def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[
     fig.legend(handles, [*labels, "training", "validation"], loc="upper center", ncol=min(len(handles), 4),
                fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight() * (1 + (len(handles) - 1) // 4)))
-    out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     os.replace(tmp, out)  # atomic: a reader never sees half a PNG

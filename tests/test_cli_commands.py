@@ -168,9 +168,30 @@ def test_plot_joins_resumes_names_runs_and_draws_validation(tmp_path, capsys):
     assert _labels([a, b]) == ["x/run", "y/run"]
     main(["plot", str(a), str(b), "--output", str(tmp_path / "curves.png")])
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path / "empty"), "--output", str(tmp_path / "none.png")])
     assert "no metrics.csv" in capsys.readouterr().err
+    # a run's metrics.csv itself is a run; the output's format is its suffix (out.txt got a PNG), one that
+    # matplotlib does not write is refused; a missing folder is said so (it said "no metrics.csv under"); a run
+    # that logged nothing is named (it was left out of the figure, unsaid)
+    main(["plot", str(a / "csv" / "version_0" / "metrics.csv"), "--output", str(tmp_path / "curves.svg")])
+    assert (tmp_path / "curves.svg").read_text().lstrip().startswith("<?xml")
+    silent = tmp_path / "silent" / "csv" / "version_0"
+    silent.mkdir(parents=True)
+    (silent / "metrics.csv").write_text("epoch,step,loss\n")
+    for argv, said in (([str(a), "--output", str(tmp_path / "out.txt")],
+                        "--output '" + str(tmp_path / "out.txt") + "': the suffix names the format, and matplotlib "
+                        "writes no '.txt'; use e.g. curves.png, curves.pdf or curves.svg"),
+                       ([str(tmp_path / "nope"), "--output", str(tmp_path / "none.png")],
+                        "run folder '" + str(tmp_path / "nope") + "' does not exist"),
+                       ([str(a), str(tmp_path / "silent"), "--output", str(tmp_path / "none.png")],
+                        "run '" + str(tmp_path / "silent") + "' logged no values (its metrics.csv files hold no row "
+                        "with a step)")):
+        with pytest.raises(SystemExit) as exited:
+            main(["plot", *argv])
+        assert exited.value.code == 2 and said in capsys.readouterr().err, argv
+    assert not (tmp_path / "out.txt").exists() and not (tmp_path / "none.png").exists()
 
 
 def test_run_summary_prints_every_metric_and_the_throughput(tmp_path):
