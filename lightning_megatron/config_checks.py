@@ -316,9 +316,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
 
     problems += data_files_problems(d, m, data_class=data_class, predicting=predicting, running=running, split=split)
     if running and not fitting:
-        problems += [p for p in [_evaluated_model_problem("predict" if predicting else
-                                                          {"valid": "validate"}.get(split or "", split or "evaluate"),
-                                                          ckpt_path, m.get("init_from"), model_class)] if p]
+        command = "predict" if predicting else "validate" if split == "valid" else "test"
+        problems += [p for p in [_evaluated_model_problem(command, ckpt_path, m.get("init_from"), model_class)] if p]
     checkpoint_problem = ckpt_path_problem(ckpt_path)
     problems += [checkpoint_problem] if checkpoint_problem else []
     problems += checkpoint_data_problems(d, m, data_class=data_class,

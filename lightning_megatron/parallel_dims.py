@@ -334,11 +334,9 @@ class ParallelDims:
         if not sizes:
             raise ValueError(f"layout {text!r} is empty")
         tp, cp, ep, etp = sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("ep", 1), sizes.get("etp")
-        if 0 in (tp, cp, ep, etp):  # the record names the size (the implied dp below would divide by it)
-            return cls(tp=tp, cp=cp, ep=ep, etp=etp, pp=sizes.get("pp", 1), vp=sizes.get("vp"),
-                       dp=sizes.get("dp", 1))
+        implied = 1 if 0 in (tp, cp, ep, etp) else _implied_dp(tp, cp, ep, etp)  # a size 0: the record names it
         return cls(tp=tp, cp=cp, ep=ep, etp=etp, pp=sizes.get("pp", 1), vp=sizes.get("vp"),
-                   dp=sizes.get("dp", _implied_dp(tp, cp, ep, etp)),
+                   dp=sizes.get("dp", implied),
                    sequence_parallel=bool(sizes.get("sp", False)), zero1=bool(sizes.get("zero1", False)),
                    schedule=schedule)
 

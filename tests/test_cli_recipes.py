@@ -494,5 +494,6 @@ def test_preprocess_and_plot_commands(tmp_path):
                 fh.write(f"{step},{scale * (10 - step * 0.3)},\n")
     out = plot_runs([tmp_path / "run_a", tmp_path / "run_b"], tmp_path / "curves.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no metrics.csv"):
         plot_runs([tmp_path / "empty"], tmp_path / "x.png")
