@@ -21,20 +21,23 @@ EVALUATION_COMMANDS = ("validate", "test", "predict")
 
 
 def prepare_config(config: Any, argv: list[str], model_class: type | None = None,
-                   subcommand: str | None = "fit") -> None:
+                   subcommand: str | None = "fit") -> list[tuple[Any, str, Any]]:
     """Every rewrite, in the order they depend on each other (``argv``: the command line's own flags;
     ``model_class``: the module class when the config does not name one by ``class_path``;
-    ``subcommand``: fit, validate, test or predict; None: only building, no command to run)."""
+    ``subcommand``: fit, validate, test or predict; None: only building, no command to run). Returns the values
+    derived from the run folder (:func:`_one_run_folder`), ``(section, key, value as given)``: the configuration the
+    run saves holds them as given, so that it runs again elsewhere (``--trainer.default_root_dir``)."""
     _weight_decay_the_schedule_sets(config)
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
     _architecture_of_init_from(config, argv, model_class)
     _our_wandb_logger(config)
-    _one_run_folder(config)
+    derived = _one_run_folder(config)
     _one_run_per_checkpoint_folder(config, fitting=subcommand == "fit")
     _evaluation_logs(config, subcommand or "fit")
     _wandb_mode(config)
     _continue_wandb_run(config, subcommand or "fit")
+    return derived
 
 
 def _our_wandb_logger(config) -> None:
@@ -190,16 +193,23 @@ def _is_subclass(class_path: str, base: type | tuple[type, ...]) -> bool:
     return cls is not None and issubclass(cls, base)
 
 
-def _one_run_folder(config) -> None:
+def _one_run_folder(config) -> list[tuple[Any, str, Any]]:
     """One run folder, ``trainer.default_root_dir``: a logger without a ``save_dir`` (a WandbLogger at
     its default ``"."``) and a ModelCheckpoint without a ``dirpath`` (-> ``<root>/checkpoints``) follow
-    it, and a WandbLogger without a ``name`` is named after it; explicit values are kept."""
+    it, and a WandbLogger without a ``name`` is named after it; explicit values are kept. Returns what it set,
+    ``(init_args, key, the value given)``."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import WandbLogger
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
     if not trainer:
-        return
+        return []
+    derived: list[tuple[Any, str, Any]] = []
+
+    def derive(args: Any, key: str, value: Any) -> None:
+        derived.append((args, key, args.get(key)))
+        args[key] = value
+
     root = os.fspath(trainer.get("default_root_dir") or os.getcwd())
     for logger in _entries(trainer.get("logger")):
         args = logger.init_args
@@ -207,13 +217,14 @@ def _one_run_folder(config) -> None:
             continue
         if args.save_dir is None or (_is_subclass(logger.class_path, WandbLogger) and args.save_dir == "."
                                      and not args.get("dir")):
-            args.save_dir = root
+            derive(args, "save_dir", root)
     for logger in _entries(trainer.get("logger")):
         if _is_subclass(logger.class_path, WandbLogger) and not logger.init_args.get("name"):
-            logger.init_args.name = os.path.basename(os.path.normpath(root))
+            derive(logger.init_args, "name", os.path.basename(os.path.normpath(root)))
     for callback in _entries(trainer.get("callbacks")):
         if _is_subclass(callback.class_path, ModelCheckpoint) and callback.init_args.get("dirpath") is None:
-            callback.init_args.dirpath = os.path.join(root, "checkpoints")
+            derive(callback.init_args, "dirpath", os.path.join(root, "checkpoints"))
+    return derived
 
 
 def _architecture_of_init_from(config, argv: list[str], model_class: type | None) -> None:

@@ -82,6 +82,27 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
     every = LightningCLI.subcommands()
     running = {given[0]: every[given[0]]} if given and given[0] in every else every
 
+    from lightning.pytorch.cli import SaveConfigCallback
+
+    class SaveConfigAsGiven(SaveConfigCallback):
+        """Lightning's ``config.yaml`` of the run, with the paths the run folder gave (``derived``:
+        cli_config.prepare_config) as they were given: the file runs again elsewhere with
+        ``--trainer.default_root_dir`` moving logs, W&B and checkpoints together."""
+
+        def __init__(self, *args: Any, derived: list[tuple[Any, str, Any]] = (), **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.derived = list(derived)
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            used = [(args, key, args[key]) for args, key, _ in self.derived]
+            for args, key, given in self.derived:
+                args[key] = given
+            try:
+                super().setup(trainer, pl_module, stage)
+            finally:
+                for args, key, value in used:
+                    args[key] = value
+
     class MegatronCLI(LightningCLI):
         def subcommands(self) -> dict[str, set[str]]:  # LightningCLI's staticmethod, called on the instance
             return running
@@ -178,7 +199,8 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                                  f"step: use one (--lr_schedule null drops the recipe's schedule)")
             # named callbacks, run folder, init_from, one run per checkpoint folder, last, evaluation logs, W&B:
             # cli_config.py
-            prepare_config(config, given, self.model_class, self.subcommand)
+            derived = prepare_config(config, given, self.model_class, self.subcommand)
+            self.save_config_kwargs = {**self.save_config_kwargs, "derived": derived}
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit"),
                                                   predicting=self.subcommand == "predict",
@@ -216,7 +238,7 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                                if k in running or k not in every}
     kwargs.setdefault("subclass_mode_model", model_class is None)  # a class named by class_path
     kwargs.setdefault("subclass_mode_data", datamodule_class is None)
-    return MegatronCLI(model_class, datamodule_class, args=args,
+    return MegatronCLI(model_class, datamodule_class, args=args, save_config_callback=SaveConfigAsGiven,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
 

@@ -172,6 +172,15 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
     assert re.fullmatch(r"Step 2/2 loss \d+\.\d{4} lr \S+ tok/s \S+ mfu [\d.]+%!? \d:\d\d:\d\d elapsed, "
                         r"0:00:00 left", lines[-1]), lines
     assert not [n for n in _NOISE if n in first.stderr], first.stderr[-3000:]
+    # the configuration the run saved holds the run folder's paths as given (derived from default_root_dir), so
+    # that it runs again elsewhere with --trainer.default_root_dir moving all three (it held the derived paths:
+    # the metrics and W&B of the new run went into this run's folder, its checkpoints refused as this run's)
+    saved, other = tmp_path / "run" / "csv" / "version_0" / "config.yaml", tmp_path / "other"
+    _cli(tmp_path, "fit", "--config", str(saved), "--trainer.default_root_dir", str(other), "--trainer.max_steps",
+         "1", "--trainer.limit_val_batches", "0", root="other")
+    assert (other / "csv" / "version_0" / "metrics.csv").is_file() and (other / "checkpoints" / "last.ckpt").is_dir()
+    assert [p.name for p in (other / "wandb").glob("offline-run-*")] and not (tmp_path / "run" / "csv" /
+                                                                               "version_1").exists()
     import shutil
 
     step2 = tmp_path / "run" / "checkpoints" / "step2.ckpt"  # an earlier checkpoint of the run, to roll back to
