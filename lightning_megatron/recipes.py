@@ -7,10 +7,12 @@ A recipe is read with ``yaml.safe_load`` (no code runs), its bases first (recurs
 - mappings merge key by key at any depth, and a value in the recipe replaces the base's, ``null``
   included (``lr_schedule: null`` drops the base's section);
 - lists replace the base's list, except lists of ``class_path`` entries (``trainer.callbacks``,
-  ``trainer.logger``): those merge entry by entry on ``class_path``; an entry the base has gets its
-  ``init_args`` merged, a new one is appended;
+  ``trainer.logger``, whose entries may be bare class names too): those merge entry by entry on the class; an
+  entry of a class the base lists once gets its ``init_args`` merged, a new class is appended, and a class either
+  side lists more than once is the recipe's entries of it (which would merge into which is not guessed);
 - a mapping with a ``class_path`` other than the base's (or where the base has none) replaces it
-  whole: another class's arguments do not carry over.
+  whole: another class's arguments do not carry over. A class is compared as jsonargparse resolves it (a bare
+  name, another module path of the same class: :func:`_same_class`).
 
 ``lightning-megatron fit|validate|test|predict|finetune ... --config RECIPE`` and ``check --config
 RECIPE`` read recipes this way (:func:`resolve_config_arguments`, :func:`read_recipe`); a recipe
@@ -168,29 +170,77 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     return merge_recipes(merged, recipe)
 
 
-def merge_recipes(base: Any, override: Any) -> Any:
-    """``override`` on top of ``base`` (the rules of the module docstring); neither is modified."""
+def merge_recipes(base: Any, override: Any, key: str | None = None) -> Any:
+    """``override`` on top of ``base`` (the rules of the module docstring); neither is modified. ``key``: the
+    name the two values stand under (a ``callbacks`` / ``logger`` list merges its entries, bare names included)."""
     if isinstance(base, dict) and isinstance(override, dict):
-        if "class_path" in override and base.get("class_path") != override["class_path"]:
+        if "class_path" in override and not _same_class(base.get("class_path"), override["class_path"]):
             return override
         out = dict(base)
-        for key, value in override.items():
-            out[key] = merge_recipes(base[key], value) if key in base else value
+        for name, value in override.items():
+            out[name] = merge_recipes(base[name], value, name) if name in base else value
         return out
-    if _class_path_list(base) and _class_path_list(override):
-        out = list(base)
-        index = {entry["class_path"]: i for i, entry in enumerate(out)}
-        for entry in override:
-            if entry["class_path"] in index:
-                out[index[entry["class_path"]]] = merge_recipes(out[index[entry["class_path"]]], entry)
-            else:
-                out.append(entry)
-        return out
+    if _class_path_list(base, key) and _class_path_list(override, key):
+        return _merge_entries([_entry(v) for v in base], [_entry(v) for v in override])
     return override
 
 
-def _class_path_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) and "class_path" in v for v in value)
+def _merge_entries(base: list[dict[str, Any]], override: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A list of ``class_path`` entries on top of the base's: an entry whose class the base lists once is merged
+    into it, a new class appended; a class either side lists more than once is the recipe's entries of it, in
+    place of the base's (which merges into which would be a guess)."""
+    out = [[entry] for entry in base]  # each base entry's place, holding what replaces it
+    done: set[int] = set()
+    for i, entry in enumerate(override):
+        if i in done:
+            continue
+        mine = [j for j, other in enumerate(override) if _same_class(other["class_path"], entry["class_path"])]
+        done.update(mine)
+        at = [j for j, held in enumerate(base) if _same_class(held["class_path"], entry["class_path"])]
+        if len(at) == 1 and len(mine) == 1:
+            out[at[0]] = [merge_recipes(base[at[0]], entry)]
+        elif not at:
+            out.append([override[j] for j in mine])
+        else:
+            for j in at:
+                out[j] = []
+            out[at[0]] = [override[j] for j in mine]
+    return [entry for place in out for entry in place]
+
+
+_ENTRY_LISTS = ("callbacks", "logger")
+"""The keys whose lists hold class entries, written as ``class_path`` mappings or bare class names."""
+
+
+def _entry(value: Any) -> Any:
+    return {"class_path": value} if isinstance(value, str) else value
+
+
+def _class_path_list(value: Any, key: str | None = None) -> bool:
+    if not isinstance(value, list) or not value:
+        return False
+    if all(isinstance(v, dict) and "class_path" in v for v in value):
+        return True
+    return key in _ENTRY_LISTS and all(isinstance(v, str) or (isinstance(v, dict) and "class_path" in v)
+                                       for v in value)
+
+
+def _same_class(a: Any, b: Any) -> bool:
+    """Whether two class paths name one class as jsonargparse resolves them: equal, a bare name and a path that
+    ends with it (``MegatronStrategy``), or two module paths of one class (``lightning.pytorch.callbacks.
+    ModelCheckpoint`` and ``lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint``; imported only then)."""
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    if a == b:
+        return True
+    if a.rpartition(".")[2] != b.rpartition(".")[2]:
+        return False
+    if "." not in a or "." not in b:
+        return True
+    try:
+        return import_class(a) is import_class(b)
+    except (ImportError, AttributeError, ValueError):
+        return False
 
 
 def resolve_config_arguments(argv: list[str]) -> list[str]:

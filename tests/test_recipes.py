@@ -42,6 +42,44 @@ def test_merge_rules():
     assert base["trainer"]["callbacks"][1]["init_args"] == {"z": 3}  # inputs untouched
 
 
+def test_merge_rules_match_a_class_however_written_and_never_guess_which_entry_is_which():
+    """A class written as jsonargparse takes it (a bare name, another module path) is the base's class: merged, not
+    appended or replaced (``class_path: MegatronStrategy`` dropped the base's cpu_tuning; a bare ``ModelCheckpoint``
+    was a second one, keeping 1 checkpoint). A bare string entry of a callbacks list is an entry (it made the whole
+    list replace the base's). A class the recipe or its base lists twice is not merged entry by entry (two
+    ModelCheckpoints, "best" and "periodic", became one with both's settings): the recipe's entries of that class
+    replace the base's."""
+    ckpt = "lightning.pytorch.callbacks.ModelCheckpoint"
+    base = {"trainer": {"strategy": {"class_path": "lightning_megatron.strategy.MegatronStrategy",
+                                     "init_args": {"tensor_model_parallel_size": 2, "cpu_tuning": True}},
+                        "callbacks": [{"class_path": ckpt, "init_args": {"save_top_k": -1, "save_last": True}},
+                                      {"class_path": "lightning_megatron.callbacks.ThroughputCallback"}]}}
+    short = merge_recipes(base, {"trainer": {
+        "strategy": {"class_path": "MegatronStrategy", "init_args": {"tensor_model_parallel_size": 1}},
+        "callbacks": [{"class_path": "ModelCheckpoint", "init_args": {"every_n_train_steps": 2}},
+                      "lightning.pytorch.callbacks.LearningRateMonitor"]}})
+    assert short["trainer"]["strategy"]["init_args"] == {"tensor_model_parallel_size": 1, "cpu_tuning": True}
+    assert short["trainer"]["callbacks"] == [
+        {"class_path": "ModelCheckpoint", "init_args": {"save_top_k": -1, "save_last": True, "every_n_train_steps": 2}},
+        {"class_path": "lightning_megatron.callbacks.ThroughputCallback"},
+        {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}]
+    module_path = merge_recipes(base, {"trainer": {"callbacks": [
+        {"class_path": "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint",
+         "init_args": {"verbose": True}}]}})
+    assert len(module_path["trainer"]["callbacks"]) == 2
+    assert module_path["trainer"]["callbacks"][0]["init_args"] == {"save_top_k": -1, "save_last": True, "verbose": True}
+    two = merge_recipes(base, {"trainer": {"callbacks": [
+        {"class_path": ckpt, "init_args": {"monitor": "val_loss", "save_top_k": 1, "filename": "best"}},
+        {"class_path": ckpt, "init_args": {"every_n_train_steps": 100, "filename": "periodic"}}]}})
+    assert two["trainer"]["callbacks"] == [
+        {"class_path": ckpt, "init_args": {"monitor": "val_loss", "save_top_k": 1, "filename": "best"}},
+        {"class_path": ckpt, "init_args": {"every_n_train_steps": 100, "filename": "periodic"}},
+        {"class_path": "lightning_megatron.callbacks.ThroughputCallback"}]
+    # a list of plain strings elsewhere (class names of a dataset, LoRA's targets) is a value: replaced
+    assert merge_recipes({"data": {"labels": ["a", "b"]}}, {"data": {"labels": ["b", "a"]}}) == {
+        "data": {"labels": ["b", "a"]}}
+
+
 def test_bases_relative_in_order_and_errors_name_the_files(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "a.yaml").write_text("x: 1\ny: {p: 1, q: 1}\n")
