@@ -37,7 +37,7 @@ from lightning_megatron.data_checks import checkpoint_data_problems, data_argume
 from lightning_megatron.data_checks import int_or_none as _int
 from lightning_megatron.machine_checks import accelerator_problem, cpu_memory_problem, runs_on_cpu
 from lightning_megatron.module import MegatronLightningModule, context_parallel_problem, torch_class
-from lightning_megatron.optimizer.config import gradient_clip_val_problem
+from lightning_megatron.optimizer.config import gradient_clip_val_problem, none_problems
 from lightning_megatron.optimizer.distrib_optimizer import distributed_optimizer_problem
 from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
 from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
@@ -193,7 +193,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
                  has_optimizer_callback: bool | None = None, use_distributed_optimizer: bool = False,
                  data_class: type | None = None, predicting: bool = False, ckpt_path: Any = None,
                  running: bool = True, model_class: type | None = None, split: str | None = None,
-                 fitting: bool = True, optimizer_class: str | None = None) -> list[str]:
+                 fitting: bool = True, optimizer_class: str | None = None,
+                 optimizer_config: Mapping[str, Any] | None = None) -> list[str]:
     """Every problem of this configuration, each with the offending values and the fix; [] when none.
 
     ``has_optimizer_callback``: whether a MegatronOptimizerCallback is configured (None: unknown,
@@ -211,7 +212,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     :meth:`~lightning_megatron.module.MegatronLightningModule.default_optimizer_class`, and the lr schedule of
     ``scheduler_args``, as the ranks check them at set-up). A WandbLogger in
     ``trainer_args["logger"]`` has its ``init_timeout_s`` checked against the strategy's ``timeout``
-    (:func:`init_timeout_problem`).
+    (:func:`init_timeout_problem`). ``optimizer_config``: the ``megatron_optimizer`` section (its nulls for numbers).
     """
     m, d = flat_hparams(dict(model_hparams or {})), dict(data_hparams or {})  # config.<field> at the top level
     spelled = "model.config." if isinstance((model_hparams or {}).get("config"), Mapping) else "model."
@@ -369,6 +370,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
             problems += [p for p in [distributed_optimizer_problem(
                 optimizer_class, f"model.optimizer_class={m['optimizer_class']!r}")] if p]
 
+    problems += none_problems(optimizer_config or {})  # the megatron_optimizer section's nulls
+
     # --- schedule
     if sch:
         fast_dev_run = t.get("fast_dev_run")  # Lightning runs that many steps (True: 1) and sets max_steps to it
@@ -424,8 +427,14 @@ def _generation_problems(m: dict[str, Any]) -> list[str]:
             for p in problems]
 
 
+_SCHEDULE_NUMBERS = {"init_lr": 0.0, "max_lr": 1e-4, "min_lr": 0.0, "lr_warmup_steps": 0, "start_wd": 0.01,
+                     "end_wd": 0.01}
+"""The schedule's arguments that take a number only, and their defaults (OptimizerParamSchedulerCallback's)."""
+
+
 def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run: bool = False) -> list[str]:
-    problems = []
+    problems = [f"lr_schedule.{key}=None: the schedule needs a number (leave the key out for the default, {default})"
+                for key, default in _SCHEDULE_NUMBERS.items() if key in sch and sch[key] is None]
     decay = _int(sch.get("lr_decay_steps"))
     warmup = _int(sch.get("lr_warmup_steps", 0)) or 0
     if sch.get("lr_decay_steps") is None and fast_dev_run:
@@ -537,6 +546,7 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicti
     else:
         return {}
     scheduler_args: dict[str, Any] = {}
+    optimizer_config: dict[str, Any] = {}
     has_optimizer_callback = zero1 = False
     for cb in trainer.get("callbacks") or []:
         if not isinstance(cb, Mapping):
@@ -552,6 +562,7 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicti
     if isinstance(c.get("lr_schedule"), Mapping):
         scheduler_args = dict(c["lr_schedule"])
     if isinstance(c.get("megatron_optimizer"), Mapping):
+        optimizer_config = dict(c["megatron_optimizer"])
         has_optimizer_callback = True
         zero1 = bool(c["megatron_optimizer"].get("use_distributed_optimizer"))
     data = c.get("data")
@@ -565,7 +576,8 @@ def config_from_cli(config: Mapping[str, Any], fitting: bool = True, *, predicti
                 has_optimizer_callback=has_optimizer_callback if fitting else None,
                 use_distributed_optimizer=zero1 and fitting, data_class=data_class, model_class=model_class,
                 predicting=predicting, ckpt_path=c.get("ckpt_path"), running=running, split=split,
-                fitting=fitting, optimizer_class=_optimizer_class_path(c.get("optimizer")))
+                fitting=fitting, optimizer_class=_optimizer_class_path(c.get("optimizer")),
+                optimizer_config=optimizer_config if fitting else {})
 
 
 def _optimizer_class_path(section: Any) -> str | None:

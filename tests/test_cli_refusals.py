@@ -283,6 +283,15 @@ CASES = {
         ["2 configuration problem(s)", "test of BertClassificationModule needs the fine-tuned checkpoint "
          "(--ckpt_path): --model.init_from loads the pretrained weights and leaves classifier.* at its "
          "initialization"], []),
+    # null for a number of the schedule passed every check and stopped every rank after its first step
+    # ("unsupported operand type(s) for -: 'float' and 'NoneType'"); of clipping, a jsonargparse dump
+    "schedule_number_null": (["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--lr_schedule.min_lr",
+                              "null", "--lr_schedule.start_wd", "null"], None,
+                             ["2 configuration problem(s)", "lr_schedule.min_lr=None: the schedule needs a number "
+                              "(leave the key out for the default, 0.0)", "lr_schedule.start_wd=None"], []),
+    "clip_grad_null": (["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--megatron_optimizer.clip_grad",
+                        "null"], None, ["megatron_optimizer.clip_grad=None: a number is needed (leave the key out for "
+                                     "the default, 1.0; 0 disables clipping)"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }

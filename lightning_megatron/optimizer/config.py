@@ -25,8 +25,9 @@ before launch and at set-up; it follows Lightning's meaning of the value: ``None
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +58,18 @@ def gradient_clip_val_problem(gradient_clip_val: float | None) -> str | None:
             f"{gradient_clip_val})), which clips by the norm over all tensor- and pipeline-parallel ranks")
 
 
+_NUMBERS = {"clip_grad": "1.0; 0 disables clipping", "initial_loss_scale": "2**32", "min_loss_scale": "1.0",
+            "loss_scale_window": "1000", "hysteresis": "2"}
+"""The :class:`OptimizerConfig` fields that take a number only, and what their defaults are."""
+
+
+def none_problems(values: Mapping[str, Any]) -> list[str]:
+    """A ``null`` given for a field of :class:`OptimizerConfig` that takes a number only (the CLI's
+    ``megatron_optimizer`` section: refused before launch, as the config itself refuses it)."""
+    return [f"megatron_optimizer.{key}=None: a number is needed (leave the key out for the default, {text})"
+            for key, text in _NUMBERS.items() if key in values and values[key] is None]
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """fp32 main params, loss scaling with overflow skip, and model-parallel gradient clipping."""
@@ -79,6 +92,9 @@ class OptimizerConfig:
     """Shard the fp32 main params and optimizer state over the data-parallel ranks (ZeRO-1)."""
 
     def __post_init__(self) -> None:
+        missing = none_problems(vars(self))
+        if missing:
+            raise ValueError("; ".join(missing))
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad={self.clip_grad!r} must be >= 0 (0 disables clipping)")
         if self.loss_scale is not None and not self.loss_scale > 0:
