@@ -10,6 +10,8 @@ A recipe is read with ``yaml.safe_load`` (no code runs), its bases first (recurs
   ``trainer.logger``, whose entries may be bare class names too): those merge entry by entry on the class; an
   entry of a class the base lists once gets its ``init_args`` merged, a new class is appended, and a class either
   side lists more than once is the recipe's entries of it (which would merge into which is not guessed);
+- arguments written flat over a base's mapping that has a ``class_path`` are its ``init_args`` (as the command
+  line's ``--data.NAME``);
 - a mapping with a ``class_path`` other than the base's (or where the base has none) replaces it
   whole: another class's arguments do not carry over. A class is compared as jsonargparse resolves it (a bare
   name, another module path of the same class: :func:`_same_class`).
@@ -176,6 +178,10 @@ def merge_recipes(base: Any, override: Any, key: str | None = None) -> Any:
     if isinstance(base, dict) and isinstance(override, dict):
         if "class_path" in override and not _same_class(base.get("class_path"), override["class_path"]):
             return override
+        flat = {k: v for k, v in override.items() if k not in ("class_path", "init_args", "dict_kwargs")}
+        if "class_path" in base and flat:  # a class's arguments written flat: its init_args, as --data.NAME is
+            override = {**{k: v for k, v in override.items() if k not in flat},
+                        "init_args": {**(override.get("init_args") or {}), **flat}}
         out = dict(base)
         for name, value in override.items():
             out[name] = merge_recipes(base[name], value, name) if name in base else value

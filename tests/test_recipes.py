@@ -75,6 +75,11 @@ def test_merge_rules_match_a_class_however_written_and_never_guess_which_entry_i
         {"class_path": ckpt, "init_args": {"monitor": "val_loss", "save_top_k": 1, "filename": "best"}},
         {"class_path": ckpt, "init_args": {"every_n_train_steps": 100, "filename": "periodic"}},
         {"class_path": "lightning_megatron.callbacks.ThroughputCallback"}]
+    # a recipe's flat arguments over a base's class_path section are its init_args, as the command line's
+    # --data.labels is (they ended in jsonargparse's "Not a valid subclass" dump)
+    section = {"class_path": "X", "init_args": {"a": 1, "labels": ["x", "y"]}}
+    assert merge_recipes({"data": section}, {"data": {"labels": ["neg", "pos"], "b": 2}}) == {
+        "data": {"class_path": "X", "init_args": {"a": 1, "labels": ["neg", "pos"], "b": 2}}}
     # a list of plain strings elsewhere (class names of a dataset, LoRA's targets) is a value: replaced
     assert merge_recipes({"data": {"labels": ["a", "b"]}}, {"data": {"labels": ["b", "a"]}}) == {
         "data": {"labels": ["b", "a"]}}
