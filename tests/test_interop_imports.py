@@ -209,6 +209,23 @@ def test_a_folder_with_another_number_of_token_types_is_refused_by_its_setting(t
         BertLightningModule.from_pretrained(str(tmp_path / "hf"))
 
 
+@pytest.mark.parametrize("megatron", [False, True], ids=["BertLMHeadModel", "MegatronBertForCausalLM"])
+def test_a_causal_bert_folder_is_refused_by_its_setting(tmp_path, megatron):
+    """A BERT that attends causally (``is_decoder: true``: transformers' ``BertLMHeadModel``,
+    ``MegatronBertForCausalLM``) has a masked-LM folder's tensors; it imported as a bidirectional encoder, its logits
+    4.2 off transformers' (largest 5.2), unsaid."""
+    import transformers
+
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    cls = transformers.MegatronBertForCausalLM if megatron else transformers.BertLMHeadModel
+    config = (transformers.MegatronBertConfig if megatron else transformers.BertConfig)(**HF_KW, is_decoder=True)
+    cls(config).save_pretrained(tmp_path / "causal")
+    with pytest.raises(ValueError, match=r"is_decoder=True: the folder's BERT attends causally \(each token to the "
+                                         r"ones before it\); BertLightningModule attends both ways"):
+        BertLightningModule.from_pretrained(str(tmp_path / "causal"))
+
+
 def test_restricted_unpickler_maps_megatron_enums_and_refuses_other_globals(tmp_path):
     """Megatron-LM's enums become inert records; any other global (here one named like a Megatron class
     but outside the known list, and os.system) is refused; nothing from the file runs."""

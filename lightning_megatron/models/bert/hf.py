@@ -122,6 +122,13 @@ def bert_config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
 
     ``overrides`` set any other field (``tensor_model_parallel_size``, ``sequence_parallel``, ...).
     """
+    if getattr(hf_config, "is_decoder", False):
+        raise ValueError("is_decoder=True: the folder's BERT attends causally (each token to the ones before it); "
+                         "BertLightningModule attends both ways, so its logits would differ; import an encoder "
+                         "(is_decoder false)")
+    if getattr(hf_config, "add_cross_attention", False):
+        raise ValueError("add_cross_attention=True: the folder's BERT attends to an encoder's states too; "
+                         "BertLightningModule has no cross-attention")
     if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type={hf_config.position_embedding_type!r} is not supported; "
                          f"only 'absolute' (learned positions) converts")
