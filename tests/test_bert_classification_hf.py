@@ -131,3 +131,22 @@ def test_the_export_of_a_classifier_is_transformers_sequence_classifier(tmp_path
                      token_type_ids=batch["token_types"]).logits
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("setting, said", [
+    ({"add_bias_linear": False}, "add_bias_linear=False (linear layers without biases)"),
+    ({"kv_channels": 16}, "kv_channels=16 (not hidden_size / num_attention_heads = 8)"),
+    ({"num_query_groups": 2}, "num_query_groups=2 (grouped-query attention)"),
+    ({"gated_linear_unit": True}, "gated_linear_unit=True (a gated MLP)"),
+    ({"add_qkv_bias": True, "add_bias_linear": False}, "add_bias_linear=False (linear layers without biases)"),
+])
+def test_an_export_transformers_bert_cannot_compute_is_refused_by_its_setting(setting, said):
+    """Settings the CLI trains and transformers' BERT lacks ended ``export hf`` in a KeyError or a size mismatch
+    (a wall of text): refused by name, before any tensor is converted."""
+    from lightning_megatron.models.bert.classification import BertClassificationModule
+    from lightning_megatron.saved_model import SavedModel
+
+    hparams = {"spec": "bert_layer_local_spec", "hidden_size": 32, "num_attention_heads": 4, **setting}
+    with pytest.raises(ValueError, match=r"transformers' BERT has no equivalent") as refused:
+        BertClassificationModule.interop.hf_config(SavedModel(state_dict={}, hparams=hparams))
+    assert said in str(refused.value), refused.value

@@ -228,6 +228,10 @@ class BertInterop:
             raise ValueError(f"spec={spec!r} has no transformers equivalent: export supports "
                              f"'bert_layer_post_norm_spec' (BertForPreTraining) and 'bert_layer_local_spec' with "
                              f"LayerNorm (MegatronBertForPreTraining)")
+        unsupported = _hf_unsupported(hp)
+        if unsupported:
+            raise ValueError(f"the checkpoint's model has {', '.join(unsupported)}: transformers' BERT has no "
+                             f"equivalent, so an export would not compute the same logits")
         activation = hp.get("activation", "gelu")
         head_activation = hp.get("lm_head_activation") or activation
         if head_activation != activation:
@@ -285,6 +289,23 @@ class BertInterop:
         lowercase = BertTokenizer(vocab, lowercase=lowercase).lowercase  # as the run's tokenizer: a cased one is not
         return lambda folder: _save_tokenizer(vocab, folder, lowercase=lowercase,
                                               max_length=config.max_position_embeddings)
+
+
+def _hf_unsupported(hp: Mapping[str, Any]) -> list[str]:
+    """The settings of a saved BertModel (``hp``: flat hyper-parameters) transformers' BERT cannot compute."""
+    heads, hidden = hp.get("num_attention_heads"), hp.get("hidden_size")
+    found = []
+    if hp.get("add_bias_linear") is False:
+        found.append("add_bias_linear=False (linear layers without biases)")
+    kv = hp.get("kv_channels")
+    if kv is not None and heads and hidden and kv * heads != hidden:
+        found.append(f"kv_channels={kv} (not hidden_size / num_attention_heads = {hidden // heads})")
+    groups = hp.get("num_query_groups")
+    if groups is not None and heads and groups != heads:
+        found.append(f"num_query_groups={groups} (grouped-query attention)")
+    if hp.get("gated_linear_unit"):
+        found.append("gated_linear_unit=True (a gated MLP)")
+    return found
 
 
 def _classifier_config(saved: SavedModel, num_labels: int, megatron: bool) -> dict[str, Any]:
