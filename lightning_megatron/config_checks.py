@@ -318,7 +318,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     problems += data_files_problems(d, m, data_class=data_class, predicting=predicting, running=running, split=split)
     if running and not fitting:
         command = "predict" if predicting else "validate" if split == "valid" else "test"
-        problems += [p for p in [_evaluated_model_problem(command, ckpt_path, m.get("init_from"), model_class)] if p]
+        problems += [p for p in [_evaluated_model_problem(command, ckpt_path, m.get("init_from"), model_class,
+                                                          m.get("lora"))] if p]
     checkpoint_problem = ckpt_path_problem(ckpt_path)
     problems += [checkpoint_problem] if checkpoint_problem else []
     problems += checkpoint_data_problems(d, m, data_class=data_class,
@@ -391,16 +392,23 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     return problems
 
 
-def _evaluated_model_problem(command: str, ckpt_path: Any, init_from: Any, model_class: type | None) -> str | None:
-    """Why ``validate`` / ``test`` / ``predict`` would evaluate a model at (part of) its random initialization: no
-    ``--ckpt_path`` and no ``--model.init_from``, or a module whose fine-tuning head ``init_from`` never loads
-    (:attr:`~lightning_megatron.module.MegatronLightningModule.fine_tuning_heads`) without its checkpoint."""
+def _evaluated_model_problem(command: str, ckpt_path: Any, init_from: Any, model_class: type | None,
+                             lora: Any = None) -> str | None:
+    """Why ``validate`` / ``test`` / ``predict`` would not evaluate the model meant: no ``--ckpt_path`` and no
+    ``--model.init_from`` (its random initialization), a module whose fine-tuning head ``init_from`` never loads
+    (:attr:`~lightning_megatron.module.MegatronLightningModule.fine_tuning_heads`) without its checkpoint, or LoRA
+    adapters (``lora``) without theirs (they start at zero: the base)."""
     if ckpt_path is not None:
         return None
     if init_from is None:
         return (f"{command} without --ckpt_path or --model.init_from would evaluate the model's random "
                 f"initialization: pass --ckpt_path with a checkpoint (a run's checkpoints/last.ckpt, or last for the "
                 f"run folder's newest), or --model.init_from with pretrained weights")
+    name = getattr(model_class, "__name__", "the model")
+    if lora is not None:
+        return (f"{command} of {name} with model.lora needs the fine-tuned checkpoint (--ckpt_path): "
+                f"--model.init_from loads the base and the LoRA adapters start at zero, so it would evaluate the "
+                f"base; pass --ckpt_path, or --model.lora null to evaluate the base itself")
     heads = getattr(model_class, "fine_tuning_heads", ())
     if heads:
         return (f"{command} of {model_class.__name__} needs the fine-tuned checkpoint (--ckpt_path): "
