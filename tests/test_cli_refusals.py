@@ -293,8 +293,8 @@ CASES = {
                         "null"], None, ["megatron_optimizer.clip_grad=None: a number is needed (leave the key out for "
                                      "the default, 1.0; 0 disables clipping)"], []),
     "finetune_validate_lora_without_its_checkpoint": (  # the adapters start at zero: it evaluated the base, unsaid
-        ["finetune", "validate", "--config", str(ROOT / "recipes" / "gpt_tiny_lora.yaml"), "--model.init_args.init_from",
-         "{llama}", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["finetune", "validate", "--config", str(ROOT / "recipes" / "gpt_tiny_lora.yaml"),
+         "--model.init_args.init_from", "{llama}", "--trainer.strategy.init_args.timeout", "0"], None,
         ["2 configuration problem(s)", "validate of GPTLightningModule with model.lora needs the fine-tuned checkpoint "
          "(--ckpt_path): --model.init_from loads the base and the LoRA adapters start at zero, so it would evaluate "
          "the base; pass --ckpt_path, or --model.lora null to evaluate the base itself"], []),
