@@ -298,6 +298,13 @@ CASES = {
         ["2 configuration problem(s)", "validate of GPTLightningModule with model.lora needs the fine-tuned checkpoint "
          "(--ckpt_path): --model.init_from loads the base and the LoRA adapters start at zero, so it would evaluate "
          "the base; pass --ckpt_path, or --model.lora null to evaluate the base itself"], []),
+    "post_norm_spec_with_rmsnorm": (  # the spec's LayerNorm was built, the setting ignored, unsaid
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.config.spec",
+         "bert_layer_post_norm_spec", "--model.config.normalization", "RMSNorm", "--trainer.strategy.init_args.timeout",
+         "0"], None,
+        ["2 configuration problem(s)", "normalization='RMSNorm' with spec='bert_layer_post_norm_spec': that spec is "
+         "Hugging Face BERT's, LayerNorm after each residual branch, and would ignore it; use bert_layer_local_spec "
+         "(pre-norm, its norm the config's normalization) or bert_layer_rmsnorm_spec"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }

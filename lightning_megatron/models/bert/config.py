@@ -32,6 +32,11 @@ class BertConfig(LanguageModelConfig):
     ``--bias-gelu-fusion`` need ``activation=gelu_tanh`` and ``lm_head_activation=gelu``."""
 
     def __post_init__(self) -> None:
+        if self.spec == "bert_layer_post_norm_spec" and self.normalization != "LayerNorm":
+            raise ValueError(f"normalization={self.normalization!r} with spec='bert_layer_post_norm_spec': that spec "
+                             f"is Hugging Face BERT's, LayerNorm after each residual branch, and would ignore it; use "
+                             f"bert_layer_local_spec (pre-norm, its norm the config's normalization) or "
+                             f"bert_layer_rmsnorm_spec")
         if self.lm_head_activation is not None and self.lm_head_activation not in ACTIVATIONS:
             raise ValueError(f"lm_head_activation={self.lm_head_activation!r} is not supported; use one of "
                              f"{ACTIVATIONS} or None (the MLP's activation)")
