@@ -226,6 +226,33 @@ def test_a_causal_bert_folder_is_refused_by_its_setting(tmp_path, megatron):
         BertLightningModule.from_pretrained(str(tmp_path / "causal"))
 
 
+def test_a_folder_of_sharded_bin_weights_reads_as_its_safetensors(tmp_path):
+    """A folder saved as ``pytorch_model.bin.index.json`` and its shards (older transformers, many hub models) loads
+    in transformers; ours said it had "neither model.safetensors (or its index) nor pytorch_model.bin". Its tensors
+    are read (``weights_only``) equal to the same model's safetensors; a shard outside the folder is refused."""
+    import json
+
+    from lightning_megatron.interop.hf_folder import read_hf_weights
+
+    model = _hf_model(False)
+    model.save_pretrained(tmp_path / "safe")
+    (tmp_path / "bin").mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    keys = sorted(state)
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({k: state[k] for k in part}, tmp_path / "bin" / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    safe, binary = read_hf_weights(tmp_path / "safe"), read_hf_weights(tmp_path / "bin")
+    assert set(binary) >= set(safe) and all(torch.equal(binary[k], safe[k]) for k in safe)
+    weight_map[keys[0]] = "../elsewhere.bin"
+    (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=r"names '../elsewhere.bin': shards must be .bin files inside the folder"):
+        read_hf_weights(tmp_path / "bin")
+
+
 def test_restricted_unpickler_maps_megatron_enums_and_refuses_other_globals(tmp_path):
     """Megatron-LM's enums become inert records; any other global (here one named like a Megatron class
     but outside the known list, and os.system) is refused; nothing from the file runs."""

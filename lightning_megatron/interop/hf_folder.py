@@ -71,33 +71,48 @@ def read_hf_config(path: str | os.PathLike[str]) -> Any:
 
 def read_hf_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face folder, never unpickling code: ``model.safetensors``, the shards a
-    ``model.safetensors.index.json`` names (inside the folder), or ``pytorch_model.bin`` through
-    ``torch.load(weights_only=True)``."""
+    ``model.safetensors.index.json`` names (inside the folder), ``pytorch_model.bin`` or the shards a
+    ``pytorch_model.bin.index.json`` names, through ``torch.load(weights_only=True)``."""
     path = Path(path)
     if (path / "model.safetensors").is_file():
         return _load_safetensors(path / "model.safetensors")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{str(index)!r} is not a safetensors index (no weight_map): {e}") from e
-        out: dict[str, torch.Tensor] = {}
-        for name in sorted(set(weight_map.values())):
-            # a file name of the folder: no path in it (the hub cache's shards are links into its blobs/: followed)
-            plain = isinstance(name, str) and name == Path(name).name and name not in (".", "..")
-            if not plain or not name.endswith(".safetensors") or not (path / name).is_file():
-                raise ValueError(f"{str(index)!r} names {name!r}: shards must be .safetensors files inside the folder")
-            out.update(_load_safetensors(path / name))
-        return out
+    if (path / "model.safetensors.index.json").is_file():
+        return _load_shards(path, "model.safetensors.index.json", ".safetensors", _load_safetensors)
     if (path / "pytorch_model.bin").is_file():
-        try:
-            return torch.load(path / "pytorch_model.bin", weights_only=True, map_location="cpu")
-        except pickle.UnpicklingError as e:  # weights_only: a global outside the allow-list, never imported
-            said = next((line.strip() for line in str(e).splitlines() if "global" in line.lower()), str(e)[:200])
-            raise ValueError(f"{str(path / 'pytorch_model.bin')!r} holds more than tensors ({said}): refused, nothing "
-                             f"in it was run; use the folder's safetensors weights") from None
-    raise FileNotFoundError(f"{str(path)!r} has neither model.safetensors (or its index) nor pytorch_model.bin")
+        return _load_bin(path / "pytorch_model.bin")
+    if (path / "pytorch_model.bin.index.json").is_file():
+        return _load_shards(path, "pytorch_model.bin.index.json", ".bin", _load_bin)
+    raise FileNotFoundError(f"{str(path)!r} has neither model.safetensors nor pytorch_model.bin (nor an index of "
+                            f"either's shards)")
+
+
+def _load_shards(path: Path, index_name: str, suffix: str,
+                 load: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The tensors of the shards an index names: files of the folder, each read by ``load``."""
+    index = path / index_name
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{str(index)!r} is not a shard index (no weight_map): {e}") from e
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(set(weight_map.values())):
+        # a file name of the folder: no path in it (the hub cache's shards are links into its blobs/: followed)
+        plain = isinstance(name, str) and name == Path(name).name and name not in (".", "..")
+        if not plain or not name.endswith(suffix) or not (path / name).is_file():
+            raise ValueError(f"{str(index)!r} names {name!r}: shards must be {suffix} files inside the folder")
+        out.update(load(path / name))
+    return out
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``pytorch_model*.bin`` (``weights_only``: a global outside torch's allow-list is refused,
+    never imported)."""
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        said = next((line.strip() for line in str(e).splitlines() if "global" in line.lower()), str(e)[:200])
+        raise ValueError(f"{str(file)!r} holds more than tensors ({said}): refused, nothing in it was run; use the "
+                         f"folder's safetensors weights") from None
 
 
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
