@@ -101,6 +101,28 @@ def checkpoint_extra(path: Any) -> dict[str, Any] | None:
     return saved[0] if saved is not None else None
 
 
+def _own_wordpiece_problem(arguments: dict[str, Any], source: Any) -> str | None:
+    """A BERT source folder (``init_from``) with a ``vocab.txt`` of its own while the data tokenizes with the packaged
+    vocabulary (``vocab_file`` None, no preprocessed dataset, whose record names its own): valid ids of other words,
+    a model of the packaged size failing nowhere."""
+    import os
+
+    if "vocab_file" not in arguments or arguments.get("vocab_file") is not None or arguments.get("data_prefix"):
+        return None
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isfile(os.path.join(os.fspath(source), "vocab.txt")):
+        return None
+    from lightning_megatron.data.tokenizer import packaged_vocab_file
+
+    own = [line for line in open(os.path.join(os.fspath(source), "vocab.txt"), encoding="utf-8").read().splitlines()
+           if line]
+    packaged = [line for line in packaged_vocab_file().read_text(encoding="utf-8").splitlines() if line]
+    if own == packaged:
+        return None
+    return (f"data vocab_file=None tokenizes with the packaged BERT vocabulary, but model init_from="
+            f"{os.fspath(source)!r} has its own vocab.txt ({len(own)} pieces, other than the packaged ones); set "
+            f"data.vocab_file={os.path.join(os.fspath(source), 'vocab.txt')!r}")
+
+
 def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,
                       predicting: bool = False, running: bool = True, split: str | None = None) -> list[str]:
     """The files the data section names: each ``data_prefix`` (or blend member) has its ``.bin`` and
@@ -130,6 +152,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
         # chats encoded with the packaged BPE for a model that came with its own tokenizer: valid ids, wrong text
         problems.append(f"data tokenizer=None encodes the chats with the packaged BPE, but model init_from="
                         f"{os.fspath(source)!r} has its own tokenizer.json; set data.tokenizer={os.fspath(source)!r}")
+    problems += [p for p in [_own_wordpiece_problem(arguments, source)] if p]
     if {"chat_template", "tokenizer"} <= arguments.keys():  # chats (SFTDataModule): its own prompt reader
         if predicting and arguments.get("predict_file") is not None and data_class is not None:
             problems += _check_prompts(arguments, m, lambda: data_class(**arguments).read_prompts())

@@ -66,8 +66,18 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         d / "llama")
     transformers.BertConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                             max_position_embeddings=128).save_pretrained(d / "bert")
+    import shutil
+
+    from lightning_megatron.data.tokenizer import packaged_vocab_file
+
+    shutil.copytree(d / "bert", d / "bert_own_vocab")  # a BERT with a vocabulary of its own, of the packaged size
+    pieces = packaged_vocab_file().read_text(encoding="utf-8").splitlines()
+    pieces[2000:2010] = reversed(pieces[2000:2010])
+    (d / "bert_own_vocab" / "vocab.txt").write_text("\n".join(pieces) + "\n", encoding="utf-8")
+    shutil.copy(packaged_vocab_file(), d / "bert" / "vocab.txt")  # the packaged vocabulary: nothing to say
     return {"dir": str(d), "gpt": str(d / "gpt"), "noeod": str(d / "noeod"), "wordpiece": str(d / "wordpiece"),
             "mixtral": str(d / "mixtral"), "llama": str(d / "llama"), "bert": str(d / "bert"),
+            "bert_own_vocab": str(d / "bert_own_vocab"),
             "prompts": str(d / "prompts.txt"),
             "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
@@ -305,6 +315,17 @@ CASES = {
         ["2 configuration problem(s)", "normalization='RMSNorm' with spec='bert_layer_post_norm_spec': that spec is "
          "Hugging Face BERT's, LayerNorm after each residual branch, and would ignore it; use bert_layer_local_spec "
          "(pre-norm, its norm the config's normalization) or bert_layer_rmsnorm_spec"], []),
+    # a BERT whose vocabulary is not the packaged one, trained on text the packaged vocabulary tokenized: valid ids
+    # of other words (the same size: nothing failed)
+    "init_from_bert_with_its_own_vocabulary": (
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert_own_vocab}",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "data vocab_file=None tokenizes with the packaged BERT vocabulary, but model "
+         "init_from='{bert_own_vocab}' has its own vocab.txt (30522 pieces, other than the packaged ones); set "
+         "data.vocab_file='{bert_own_vocab}/vocab.txt'"], []),
+    "init_from_bert_with_the_packaged_vocabulary": (
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
+         "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50"], []),
 }
