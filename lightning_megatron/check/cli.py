@@ -19,6 +19,7 @@ import copy
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -38,36 +39,23 @@ def _bytes(text: str) -> int:
     return size
 
 
-def _whole(text: str) -> int:
-    """A count (steps, GPUs, batch sizes): a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1")
-    return value
+def _checked(convert: Any, ok: Any, says: str) -> Any:
+    """An argparse ``type``: ``convert(text)`` when ``ok`` of it, else the usage error "TEXT is not SAYS"."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not {says}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {says}")
+        return value
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    """An achievable fraction of a device's rate: in (0, 1] (0 would be a device that never finishes)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not a fraction in (0, 1]")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
-    return value
+_whole = _checked(int, lambda v: v >= 1, "a whole number >= 1")  # a count: steps, GPUs, batch sizes
+_fraction = _checked(float, lambda v: 0.0 < v <= 1.0, "a fraction in (0, 1]")  # of a device's rate (0: never done)
+_seconds = _checked(float, lambda v: v > 0, "a number of seconds > 0")
 
 
 def _parser() -> argparse.ArgumentParser:
