@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.checkpoint_checks import ckpt_path_problem, evaluated_model_problem, resume_problems
 from lightning_megatron.data_checks import checkpoint_data_problems, data_arguments, data_files_problems
 from lightning_megatron.data_checks import int_or_none as _int
 from lightning_megatron.machine_checks import accelerator_problem, cpu_memory_problem, runs_on_cpu
@@ -137,40 +138,6 @@ def _init_timeout_problems(logger: Any, timeout: Any) -> list[str]:
     args = [entry.get("init_args") or {} for entry in entries if isinstance(entry, Mapping)]
     problems = [init_timeout_problem(a["init_timeout_s"], timeout) for a in args if "init_timeout_s" in a]
     return [p for p in problems if p]
-
-
-_LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
-"""``--ckpt_path`` values Lightning resolves itself (and ``registry[:...]``)."""
-
-
-def ckpt_path_problem(ckpt_path: Any) -> str | None:
-    """What is wrong with a ``--ckpt_path`` before launch (it does not exist, is a file: ours are directories, or
-    is not a complete checkpoint: its marker, format and files), or None; Lightning's names (``last``, ``best``,
-    ``hpc``, ``registry``) are left to it. The files' checksums are verified at set-up
-    (:func:`lightning_megatron.checkpoint.verify_checkpoint`)."""
-    import os
-
-    if not isinstance(ckpt_path, (str, os.PathLike)):
-        return None
-    path = os.fspath(ckpt_path)
-    if path in _LIGHTNING_CKPT_NAMES or path.startswith("registry"):
-        return None
-    if not os.path.exists(path):
-        return (f"ckpt_path={path!r} does not exist (relative paths start at {os.getcwd()!r}); pass a checkpoint "
-                f"directory (<default_root_dir>/checkpoints/last.ckpt), or --ckpt_path last for the run folder's "
-                f"newest")
-    if not os.path.isdir(path):
-        return (f"ckpt_path={path!r} is a file, not a lightning_megatron checkpoint directory (was it written by "
-                f"another strategy?)")
-    from pathlib import Path
-
-    from lightning_megatron.checkpoint_verify import CheckpointError, read_marker
-
-    try:  # its marker, format and files' sizes (the checksums are read at set-up, by every rank)
-        read_marker(Path(path))
-    except CheckpointError as e:
-        return str(e)
-    return None
 
 
 def _world_size(trainer_args: Mapping[str, Any]) -> int | None:
@@ -318,14 +285,14 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     problems += data_files_problems(d, m, data_class=data_class, predicting=predicting, running=running, split=split)
     if running and not fitting:
         command = "predict" if predicting else "validate" if split == "valid" else "test"
-        problems += [p for p in [_evaluated_model_problem(command, ckpt_path, m.get("init_from"), model_class,
+        problems += [p for p in [evaluated_model_problem(command, ckpt_path, m.get("init_from"), model_class,
                                                           m.get("lora"))] if p]
     checkpoint_problem = ckpt_path_problem(ckpt_path)
     problems += [checkpoint_problem] if checkpoint_problem else []
     problems += checkpoint_data_problems(d, m, data_class=data_class,
                                          ckpt_path=None if checkpoint_problem else ckpt_path)
     if fitting and ckpt_path is not None and not checkpoint_problem:
-        problems += _resume_problems(str(ckpt_path), dict(model_hparams or {}), model_class, optimizer_class, sch,
+        problems += resume_problems(str(ckpt_path), dict(model_hparams or {}), model_class, optimizer_class, sch,
                                      _int(t.get("max_steps")), data=d, data_class=data_class)
 
     prob = d.get("masked_lm_prob")
@@ -392,31 +359,6 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     return problems
 
 
-def _evaluated_model_problem(command: str, ckpt_path: Any, init_from: Any, model_class: type | None,
-                             lora: Any = None) -> str | None:
-    """Why ``validate`` / ``test`` / ``predict`` would not evaluate the model meant: no ``--ckpt_path`` and no
-    ``--model.init_from`` (its random initialization), a module whose fine-tuning head ``init_from`` never loads
-    (:attr:`~lightning_megatron.module.MegatronLightningModule.fine_tuning_heads`) without its checkpoint, or LoRA
-    adapters (``lora``) without theirs (they start at zero: the base)."""
-    if ckpt_path is not None:
-        return None
-    if init_from is None:
-        return (f"{command} without --ckpt_path or --model.init_from would evaluate the model's random "
-                f"initialization: pass --ckpt_path with a checkpoint (a run's checkpoints/last.ckpt, or last for the "
-                f"run folder's newest), or --model.init_from with pretrained weights")
-    name = getattr(model_class, "__name__", "the model")
-    if lora is not None:
-        return (f"{command} of {name} with model.lora needs the fine-tuned checkpoint (--ckpt_path): "
-                f"--model.init_from loads the base and the LoRA adapters start at zero, so it would evaluate the "
-                f"base; pass --ckpt_path, or --model.lora null to evaluate the base itself")
-    heads = getattr(model_class, "fine_tuning_heads", ())
-    if heads:
-        return (f"{command} of {model_class.__name__} needs the fine-tuned checkpoint (--ckpt_path): "
-                f"--model.init_from loads the pretrained weights and leaves {', '.join(h + '*' for h in heads)} at "
-                f"its initialization")
-    return None
-
-
 def _generation_problems(m: dict[str, Any]) -> list[str]:
     """A decoder's ``predict_*`` settings (:func:`lightning_megatron.generation.generation_problems`, the rule
     ``generate`` applies): the sampling ones only when they are used (``predict_greedy`` false)."""
@@ -459,57 +401,6 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
     problems += lr_problems(*numbers)  # the scheduler's own rules
     problems += [p for p in [resume_problem(bool(sch.get("use_checkpoint_opt_param_scheduler")),
                                             bool(sch.get("override_opt_param_scheduler")))] if p]
-    return problems
-
-
-def _resume_problems(path: str, model_hparams: dict[str, Any], model_class: type | None, optimizer_class: str | None,
-                     scheduler_args: dict[str, Any], max_steps: int | None, *, data: dict[str, Any] | None = None,
-                     data_class: type | None = None) -> list[str]:
-    """What the ranks refuse at set-up when ``fit`` resumes from ``path``, read from its ``extra.pt``: another
-    optimizer class (:func:`~lightning_megatron.sharded_state.optimizer_class_problem`) and an lr schedule it holds
-    no state of (:func:`~lightning_megatron.optimizer.scheduler.missing_state_problem`), in the same words; a
-    ``max_steps`` the checkpoint has reached (Lightning trained nothing and exited 0); and a random shuffle
-    (``data.shuffle``) going on mid-epoch from a sample count the global batch does not divide (the sampler's
-    refusal)."""
-    from pathlib import Path
-
-    from lightning_megatron.data_checks import checkpoint_extra
-    from lightning_megatron.optimizer.scheduler import missing_state_problem
-    from lightning_megatron.sharded_state import optimizer_class_name, optimizer_class_problem
-
-    extra = checkpoint_extra(Path(path))
-    if extra is None:
-        return []
-    problems: list[str] = []
-    saved = (extra.get("megatron_optimizers") or [None])[0]
-    if optimizer_class is not None:
-        try:
-            cls: type | None = torch_class(optimizer_class, torch.optim, torch.optim.Optimizer, "optimizer",
-                                           "optimizer", "torch.optim.SGD")
-        except ValueError:
-            cls = None  # the CLI's parser names a class that is not there
-    elif isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule):
-        cls = model_class.default_optimizer_class(model_hparams)
-    else:
-        cls = None
-    if cls is not None and (problem := optimizer_class_problem(saved, optimizer_class_name(cls), path)):
-        problems.append(f"checkpoint {path!r}: {problem}")
-    step = int(extra.get("global_step") or 0)
-    if max_steps is not None and 0 <= max_steps <= step:
-        problems.append(f"fit --ckpt_path {path!r} resumes at step {step}, and trainer.max_steps={max_steps} ends the "
-                        f"run there: nothing would be trained; raise --trainer.max_steps above {step}")
-    state = extra.get(data_class.__qualname__) if data_class is not None else None
-    consumed, batch = (state or {}).get("consumed_samples"), _int((data or {}).get("global_batch_size"))
-    if (data or {}).get("shuffle") == "random" and isinstance(consumed, int) and batch and consumed % batch:
-        was = (extra.get("datamodule_hyper_parameters") or {}).get("global_batch_size")
-        problems.append(f"data.shuffle='random' goes on from sample {consumed} of the checkpoint {path!r}, mid-epoch, "
-                        f"which global_batch_size={batch} does not divide: resume with a global batch that divides "
-                        f"{consumed}" + (f" (the run's was {was})" if was else "")
-                        + ", or with data.shuffle='sequential'")
-    if scheduler_args and "OptimizerParamSchedulerCallback" not in (extra.get("callbacks") or {}):
-        skipped = int(saved.get("num_skipped_steps", 0)) if isinstance(saved, dict) else 0
-        problems += [p for p in [missing_state_problem(step, step - skipped,
-                                                       bool(scheduler_args.get("override_opt_param_scheduler")))] if p]
     return problems
 
 
