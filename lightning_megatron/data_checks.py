@@ -106,21 +106,21 @@ def _own_wordpiece_problem(arguments: dict[str, Any], source: Any) -> str | None
     vocabulary (``vocab_file`` None, no preprocessed dataset, whose record names its own): valid ids of other words,
     a model of the packaged size failing nowhere."""
     import os
+    from pathlib import Path
 
     if "vocab_file" not in arguments or arguments.get("vocab_file") is not None or arguments.get("data_prefix"):
         return None
-    if not isinstance(source, (str, os.PathLike)) or not os.path.isfile(os.path.join(os.fspath(source), "vocab.txt")):
+    vocab = Path(source) / "vocab.txt" if isinstance(source, (str, os.PathLike)) else None
+    if vocab is None or not vocab.is_file():
         return None
     from lightning_megatron.data.tokenizer import packaged_vocab_file
 
-    own = [line for line in open(os.path.join(os.fspath(source), "vocab.txt"), encoding="utf-8").read().splitlines()
-           if line]
-    packaged = [line for line in packaged_vocab_file().read_text(encoding="utf-8").splitlines() if line]
-    if own == packaged:
+    own = [line for line in vocab.read_text(encoding="utf-8").splitlines() if line]
+    if own == [line for line in packaged_vocab_file().read_text(encoding="utf-8").splitlines() if line]:
         return None
     return (f"data vocab_file=None tokenizes with the packaged BERT vocabulary, but model init_from="
             f"{os.fspath(source)!r} has its own vocab.txt ({len(own)} pieces, other than the packaged ones); set "
-            f"data.vocab_file={os.path.join(os.fspath(source), 'vocab.txt')!r}")
+            f"data.vocab_file={str(vocab)!r}")
 
 
 def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,
