@@ -110,17 +110,35 @@ def _own_wordpiece_problem(arguments: dict[str, Any], source: Any) -> str | None
 
     if "vocab_file" not in arguments or arguments.get("vocab_file") is not None or arguments.get("data_prefix"):
         return None
-    vocab = Path(source) / "vocab.txt" if isinstance(source, (str, os.PathLike)) else None
-    if vocab is None or not vocab.is_file():
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    vocab = next((Path(source) / name for name in ("vocab.txt", "tokenizer.json") if (Path(source) / name).is_file()),
+                 None)
+    own = _wordpiece_pieces(vocab) if vocab is not None else None
+    if own is None:
         return None
     from lightning_megatron.data.tokenizer import packaged_vocab_file
 
-    own = [line for line in vocab.read_text(encoding="utf-8").splitlines() if line]
     if own == [line for line in packaged_vocab_file().read_text(encoding="utf-8").splitlines() if line]:
         return None
     return (f"data vocab_file=None tokenizes with the packaged BERT vocabulary, but model init_from="
-            f"{os.fspath(source)!r} has its own vocab.txt ({len(own)} pieces, other than the packaged ones); set "
+            f"{os.fspath(source)!r} has its own {vocab.name} ({len(own)} pieces, other than the packaged ones); set "
             f"data.vocab_file={str(vocab)!r}")
+
+
+def _wordpiece_pieces(file: Any) -> list[str] | None:
+    """The pieces of a WordPiece ``vocab.txt`` or a ``tokenizer.json``'s WordPiece model, in id order; None for a
+    tokenizer of another kind (a BPE's ``tokenizer.json``) or one that cannot be read."""
+    import json
+
+    try:
+        if file.name == "vocab.txt":
+            return [line for line in file.read_text(encoding="utf-8").splitlines() if line]
+        model = json.loads(file.read_text(encoding="utf-8")).get("model") or {}
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    vocab = model.get("vocab") if model.get("type") == "WordPiece" else None
+    return sorted(vocab, key=vocab.get) if isinstance(vocab, dict) else None
 
 
 def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,

@@ -75,9 +75,13 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     pieces[2000:2010] = reversed(pieces[2000:2010])
     (d / "bert_own_vocab" / "vocab.txt").write_text("\n".join(pieces) + "\n", encoding="utf-8")
     shutil.copy(packaged_vocab_file(), d / "bert" / "vocab.txt")  # the packaged vocabulary: nothing to say
+    shutil.copytree(d / "bert", d / "bert_own_tokenizer")  # the same, as a tokenizer.json only
+    (d / "bert_own_tokenizer" / "vocab.txt").unlink()
+    (d / "bert_own_tokenizer" / "tokenizer.json").write_text(json.dumps(
+        {"model": {"type": "WordPiece", "vocab": {p: i for i, p in enumerate(pieces)}}}), encoding="utf-8")
     return {"dir": str(d), "gpt": str(d / "gpt"), "noeod": str(d / "noeod"), "wordpiece": str(d / "wordpiece"),
             "mixtral": str(d / "mixtral"), "llama": str(d / "llama"), "bert": str(d / "bert"),
-            "bert_own_vocab": str(d / "bert_own_vocab"),
+            "bert_own_vocab": str(d / "bert_own_vocab"), "bert_own_tokenizer": str(d / "bert_own_tokenizer"),
             "prompts": str(d / "prompts.txt"),
             "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
@@ -323,6 +327,11 @@ CASES = {
         ["2 configuration problem(s)", "data vocab_file=None tokenizes with the packaged BERT vocabulary, but model "
          "init_from='{bert_own_vocab}' has its own vocab.txt (30522 pieces, other than the packaged ones); set "
          "data.vocab_file='{bert_own_vocab}/vocab.txt'"], []),
+    "init_from_bert_with_its_own_tokenizer_json": (
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert_own_tokenizer}",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "has its own tokenizer.json (30522 pieces, other than the packaged ones); set "
+         "data.vocab_file='{bert_own_tokenizer}/tokenizer.json'"], []),
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
