@@ -105,3 +105,21 @@ def test_training_flops_is_megatrons_count():
     T, masked = b * s * dp, int((batch["loss_mask"] > 0).sum()) * dp
     expected = 6 * T * L * (4 * h * h + 2 * h * f) + 12 * T * L * s * h + 6 * masked * (h * V + h * h)
     assert float(module.training_flops(batch, dp)) == expected
+
+
+def test_a_sequence_longer_than_the_positions_is_refused_by_its_length():
+    """From Python (``from_pretrained`` of a folder, then the model on a long text) a sequence beyond the learned
+    positions ended in torch's ``IndexError: index out of range in self``; the decoders said it, BERT now too."""
+    import pytest
+
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    module = BertLightningModule(**TINY_MODEL)
+    module.configure_model()
+    chunk = module.model_chunks[0]
+    positions = chunk.max_sequence_length
+    tokens = torch.full((1, positions + 1), 5, dtype=torch.long, device=torch.get_default_device())
+    with pytest.raises(ValueError, match=rf"a sequence of {positions + 1} tokens exceeds max_sequence_length="
+                                         rf"{positions} \(the learned positions\)"):
+        chunk(tokens, torch.ones_like(tokens))
+    chunk(tokens[:, :positions], torch.ones_like(tokens[:, :positions]))  # as many as it has: fine

@@ -226,6 +226,9 @@ class BertModel(LanguageModule):
             lm_positions = masked_positions(lm_positions)
         hidden_states = None
         if self.pre_process:
+            if tokens.size(1) > self.max_sequence_length:  # a shape: no host sync
+                raise ValueError(f"a sequence of {tokens.size(1)} tokens exceeds max_sequence_length="
+                                 f"{self.max_sequence_length} (the learned positions); cut it to at most that")
             position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
             hidden_states = self.embedding(tokens, position_ids, token_types)
         hidden_states = self.encoder(hidden_states, mask)
