@@ -290,6 +290,18 @@ def test_llama_head_dim_other_than_hidden_over_heads_becomes_kv_channels():
     assert ghc.hf_config_from_architecture(arch).head_dim == 16
 
 
+def test_llama_pretraining_tp_is_read_as_the_same_model():
+    """``pretraining_tp`` only split Meta's matmuls into slices summed again (transformers 5 ignores it): the
+    architecture is the one without it, transformers' logits within 1e-5 (it was refused until 2026-12-07)."""
+    model = _llama(pretraining_tp=2)
+    arch = ghc.hf_architecture(model.config)
+    assert arch == ghc.hf_architecture(_llama().config)
+    ours = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    with torch.no_grad():
+        err = float((_reference_logits(ours, arch, _tokens(), 1) - _theirs(model)).abs().max())
+    assert err <= 1e-5
+
+
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling"),
     (dict(attention_bias=True), "attention_bias=True"),

@@ -72,7 +72,8 @@ def _qwen2(**kw):
 
 
 MODELS = {"mixtral": _mixtral, "qwen2_moe": lambda: _qwen2_moe(),
-          "qwen2_moe_norm_topk": lambda: _qwen2_moe(norm_topk_prob=True), "qwen2": _qwen2}
+          "qwen2_moe_norm_topk": lambda: _qwen2_moe(norm_topk_prob=True), "qwen2": _qwen2,
+          "qwen2_moe_no_shared": lambda: _qwen2_moe(shared_expert_intermediate_size=0)}
 EXPECTED = {  # our config fields each HF config maps to
     "mixtral": dict(spec="llama_moe_layer_spec", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
                     moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
@@ -82,9 +83,11 @@ EXPECTED = {  # our config fields each HF config maps to
                       moe_shared_expert_gate=True, add_qkv_bias=True, moe_aux_loss_coeff=0.02),
     "qwen2_moe_norm_topk": dict(moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=40),
     "qwen2": dict(spec="llama_layer_spec", add_qkv_bias=True, add_bias_linear=False, num_moe_experts=None),
+    "qwen2_moe_no_shared": dict(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False),
 }
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-           "qwen2_moe_norm_topk": "Qwen2MoeForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+           "qwen2_moe_norm_topk": "Qwen2MoeForCausalLM", "qwen2": "Qwen2ForCausalLM",
+           "qwen2_moe_no_shared": "Qwen2MoeForCausalLM"}
 
 
 def _tokens(n=SEQ):
@@ -128,8 +131,8 @@ def test_folder_import_gives_transformers_logits_and_greedy_tokens(tmp_path, nam
     assert "decoder.layers.1.self_attention.linear_proj.bias" not in params  # Qwen's o_proj has none
     err = _max_err(_logits(module, _tokens()), _theirs(hf, _tokens()))
     assert err <= 1e-5, f"{name}: max |ours - transformers| = {err:.2e}"
-    if name == "qwen2_moe_norm_topk":
-        return  # the routing variant: the logits suffice
+    if name in ("qwen2_moe_norm_topk", "qwen2_moe_no_shared"):
+        return  # the variants: the logits suffice
     prompt = _tokens(5)
     ours = module.generate(prompt, 8, stop_token=None)
     theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -211,8 +214,10 @@ def _saved(module):
     return SavedModel(state_dict=state, hparams=module.flat_hparams(module.hparams))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2", "qwen2_moe_no_shared"])
 def test_export_round_trip_loads_in_transformers_with_our_logits(tmp_path, name):
+    """(Qwen2-MoE without a shared expert, ``shared_expert_intermediate_size`` 0, was refused by export until
+    2026-12-07: its empty shared expert is written back, with a zero gate in place of the one it multiplies.)"""
     from lightning_megatron.interop.hf_folder import hf_model_from_saved, write_hf_folder
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
@@ -220,7 +225,10 @@ def test_export_round_trip_loads_in_transformers_with_our_logits(tmp_path, name)
     arch = ghc.hf_architecture(hf.config)
     back = ghf.hf_state_dict_from_gpt(ghf.gpt_state_dict_from_hf(hf.state_dict(), arch), arch)
     assert back.keys() == hf.state_dict().keys()
-    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items()), "HF -> ours -> HF is not bit-exact"
+    gates = {k for k in back if k.endswith("shared_expert_gate.weight")} if name == "qwen2_moe_no_shared" else set()
+    assert all(torch.equal(back[k], torch.zeros_like(v)) for k, v in hf.state_dict().items() if k in gates)
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items() if k not in gates), \
+        "HF -> ours -> HF is not bit-exact"
     hf.save_pretrained(tmp_path / "in")
     module = _ours(tmp_path / "in")
     with torch.no_grad():  # weights of our own: the export must carry ours, not echo the import
@@ -239,6 +247,8 @@ def test_export_round_trip_loads_in_transformers_with_our_logits(tmp_path, name)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     if name != "qwen2":
         assert config["router_aux_loss_coef"] == 0.02 and config["num_experts_per_tok"] == 2
+    if name == "qwen2_moe_no_shared":
+        assert config["shared_expert_intermediate_size"] == 0
 
 
 # ------------------------------------------------------------------------------------------- refusals
@@ -257,6 +267,15 @@ def test_export_round_trip_loads_in_transformers_with_our_logits(tmp_path, name)
 def test_hf_settings_our_model_cannot_compute_are_refused_by_name(make, named):
     with pytest.raises(ValueError, match=named):
         ghc.hf_architecture(make())
+
+
+def test_qwen2_moe_mlp_only_layers_past_the_last_layer_name_no_dense_layer():
+    """transformers makes a layer dense when its index is in ``mlp_only_layers``: indices past the last layer
+    name none, every layer is a mixture of experts, as ours (refused until 2026-12-07)."""
+    config = transformers.Qwen2MoeConfig(**COMMON, mlp_only_layers=[2, 5])
+    assert ghc.hf_architecture(config) == ghc.hf_architecture(transformers.Qwen2MoeConfig(**COMMON))
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
+        ghc.hf_architecture(transformers.Qwen2MoeConfig(**COMMON, mlp_only_layers=[1, 5]))
 
 
 def test_router_jitter_is_dropped_with_a_warning_and_bad_expert_shapes_are_refused():
@@ -283,8 +302,10 @@ def test_export_refuses_what_mixtral_and_qwen2_moe_cannot_compute():
         ghc.hf_config_from_architecture({**mixtral, "moe_router_score_function": "sigmoid"})
     with pytest.raises(ValueError, match="moe_shared_expert_gate=False"):
         ghc.hf_config_from_architecture({**qwen, "moe_shared_expert_gate": False})
-    with pytest.raises(ValueError, match="without shared experts"):
-        ghc.hf_config_from_architecture({**mixtral, "moe_router_pre_softmax": True})
+    # unrenormalised top-k probabilities without shared experts: Qwen2-MoE with an empty one (Mixtral renormalises)
+    config = ghc.hf_config_from_architecture({**mixtral, "moe_router_pre_softmax": True})
+    assert type(config).__name__ == "Qwen2MoeConfig" and config.shared_expert_intermediate_size == 0
+    assert not config.norm_topk_prob and not config.qkv_bias
     config = ghc.hf_config_from_architecture({**qwen, "moe_router_pre_softmax": False})
     assert config.norm_topk_prob and config.qkv_bias and config.shared_expert_intermediate_size == 40
 

@@ -199,6 +199,7 @@ def hf_state_dict_from_gpt(state_dict: Mapping[str, torch.Tensor], arch: Mapping
     n = arch["num_attention_heads"]
     g = arch["num_query_groups"] or n
     out: dict[str, torch.Tensor] = {}
+    qwen_moe = hf_model_type(arch) == "qwen2_moe"
     if arch["spec"] != GPT2_SPEC:
         out["model.embed_tokens.weight"] = sd["embedding.word_embeddings.weight"]
         for i in range(arch["num_layers"]):
@@ -220,6 +221,13 @@ def hf_state_dict_from_gpt(state_dict: Mapping[str, torch.Tensor], arch: Mapping
                     out.update({dst + "mlp." + _SHARED[0]: gate, dst + "mlp." + _SHARED[1]: up,
                                 dst + "mlp." + _SHARED[2]: sd[src + "mlp.shared_experts.linear_fc2.weight"],
                                 dst + "mlp.shared_expert_gate.weight": sd[src + "mlp.shared_expert_gate"]})
+                elif qwen_moe:  # Qwen2-MoE without shared experts: its empty one (width 0), the gate of nothing
+                    router = sd[src + "mlp.router.weight"]
+                    h = router.size(1)
+                    out.update({dst + "mlp." + _SHARED[0]: router.new_zeros(0, h),
+                                dst + "mlp." + _SHARED[1]: router.new_zeros(0, h),
+                                dst + "mlp." + _SHARED[2]: router.new_zeros(h, 0),
+                                dst + "mlp.shared_expert_gate.weight": router.new_zeros(1, h)})
             else:
                 gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
                 out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up

@@ -81,10 +81,9 @@ def _rotary_decoder(cfg: dict[str, Any], bad: list[str]) -> dict[str, Any]:
     factor = _llama3_factor(rope_type, scaling or {}, bad)
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         bad.append(f"hidden_act={cfg.get('hidden_act')!r} (the Llama spec's SwiGLU uses silu)")
+    # (pretraining_tp, Meta's matmuls computed in slices summed again, is the same model: read as one matmul)
     head_dim = cfg.get("head_dim")
     kv_channels = head_dim if head_dim is not None and head_dim * heads != hidden else None
-    if (cfg.get("pretraining_tp") or 1) != 1:
-        bad.append(f"pretraining_tp={cfg['pretraining_tp']}")
     if heads % groups:
         bad.append(f"num_key_value_heads={groups} not dividing num_attention_heads={heads}")
     # Llama and Mixtral slide whenever sliding_window is set; Qwen2 / Qwen2-MoE keep a sliding_window they use
@@ -198,8 +197,9 @@ def qwen2_moe_architecture(hf_config: Any) -> dict[str, Any]:
     if (cfg.get("decoder_sparse_step") or 1) != 1:
         bad.append(f"decoder_sparse_step={cfg['decoder_sparse_step']} (dense MLP layers between the MoE layers; "
                    f"every layer of llama_moe_layer_spec is a mixture of experts)")
-    if cfg.get("mlp_only_layers"):
-        bad.append(f"mlp_only_layers={cfg['mlp_only_layers']} (dense MLP layers among the MoE layers)")
+    dense = [i for i in cfg.get("mlp_only_layers") or () if i < cfg["num_hidden_layers"]]  # past the last: none
+    if dense:
+        bad.append(f"mlp_only_layers={dense} (dense MLP layers among the MoE layers)")
     _refuse("Qwen2-MoE", bad)
     shared = cfg.get("shared_expert_intermediate_size") or None  # 0: an empty shared expert, adding nothing
     return {**arch, "add_qkv_bias": bool(cfg.get("qkv_bias", True)),
@@ -249,7 +249,8 @@ def hf_model_type(arch: Mapping[str, Any]) -> str:
     """The transformers ``model_type`` whose names and class fit our architecture (no refusal here: see
     :func:`hf_config_from_architecture`): GPT-2 for ``gpt_layer_spec``; Qwen2 for the Llama spec with a qkv
     bias, else Llama; for ``llama_moe_layer_spec`` Qwen2-MoE when the model has what only Qwen2-MoE has (shared
-    experts, a qkv bias, the top-k probabilities not renormalised), else Mixtral."""
+    experts, a qkv bias, the top-k probabilities not renormalised; without shared experts, an empty one:
+    ``shared_expert_intermediate_size`` 0), else Mixtral."""
     spec = arch["spec"]
     if spec == GPT2_SPEC:
         return "gpt2"
@@ -274,10 +275,6 @@ def _moe_export_problems(arch: Mapping[str, Any], model_type: str) -> list[str]:
     if model_type == "qwen2_moe":
         if arch.get("moe_shared_expert_intermediate_size") and not arch.get("moe_shared_expert_gate"):
             bad.append("moe_shared_expert_gate=False (Qwen2-MoE scales its shared expert by a sigmoid gate)")
-        if not arch.get("moe_shared_expert_intermediate_size"):
-            bad.append(f"add_qkv_bias={bool(arch.get('add_qkv_bias'))}, moe_router_pre_softmax="
-                       f"{bool(arch.get('moe_router_pre_softmax'))} without shared experts (Mixtral has neither a qkv "
-                       f"bias nor unrenormalised top-k probabilities; Qwen2-MoE always has a shared expert)")
     return bad
 
 
