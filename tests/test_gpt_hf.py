@@ -290,6 +290,37 @@ def test_llama_head_dim_other_than_hidden_over_heads_becomes_kv_channels():
     assert ghc.hf_config_from_architecture(arch).head_dim == 16
 
 
+def test_mistral_folder_is_the_llama_shape_read_through_from_pretrained_and_exported_as_llama(tmp_path):
+    """``MistralForCausalLM`` (Mistral 7B v0.2 / v0.3, Mistral-Nemo's ``head_dim``: no sliding window) holds
+    Llama's tensors under Llama's names: read from its folder, transformers' logits within 1e-5; export writes
+    ``LlamaForCausalLM``, which computes the same. A sliding window (Mistral 7B v0.1's 4096) is refused, naming
+    the fix. (Until 2026-12-07 a Mistral folder was refused as an unknown model type.)"""
+    import transformers
+
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    torch.manual_seed(0)
+    kw = {k: v for k, v in LLAMA_KW.items() if k != "tie_word_embeddings"}
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, head_dim=16, sliding_window=None,
+                                                                         rope_theta=1e6)).eval()
+    mistral.save_pretrained(tmp_path / "mistral")
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "mistral"))
+    module.configure_model()
+    module.eval()
+    with torch.no_grad():
+        ours = module.model_chunks[0](_tokens())[..., :VOCAB]
+    assert float((ours - _theirs(mistral)).abs().max()) <= 1e-5
+    arch = ghc.hf_architecture(mistral.config)
+    assert arch["kv_channels"] == 16 and arch["rotary_base"] == 1e6 and arch["spec"] == ghc.LLAMA_SPEC
+    config = ghc.hf_config_from_architecture(arch)
+    assert type(config).__name__ == "LlamaConfig" and config.head_dim == 16
+    llama = transformers.LlamaForCausalLM(config).eval()
+    llama.load_state_dict(ghf.hf_state_dict_from_gpt(ghf.gpt_state_dict_from_hf(mistral.state_dict(), arch), arch))
+    assert torch.equal(_theirs(llama), _theirs(mistral))
+    with pytest.raises(ValueError, match=r"sliding_window=4096 .*set \"sliding_window\": null"):
+        ghc.hf_architecture(transformers.MistralConfig(**kw, sliding_window=4096))
+
+
 def test_llama_pretraining_tp_is_read_as_the_same_model():
     """``pretraining_tp`` only split Meta's matmuls into slices summed again (transformers 5 ignores it): the
     architecture is the one without it, transformers' logits within 1e-5 (it was refused until 2026-12-07)."""

@@ -1,5 +1,6 @@
 """Hugging Face configs <-> our GPT module arguments: the architecture of ``LlamaForCausalLM`` /
-``Qwen2ForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``GPT2LMHeadModel``.
+``MistralForCausalLM`` (read only: the Llama shape, written as Llama) / ``Qwen2ForCausalLM`` /
+``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``GPT2LMHeadModel``.
 
 :func:`hf_architecture` reads a transformers config into the module arguments our model needs
 (:data:`GPT_ARCHITECTURE_KEYS`) and refuses, by name, every setting our model cannot reproduce (rope scaling,
@@ -18,8 +19,9 @@ from lightning_megatron.transformer.rotary import (LLAMA3_HIGH_FREQ_FACTOR, LLAM
                                                    LLAMA3_ORIGINAL_LENGTH)
 
 __all__ = ["GPT_ARCHITECTURE_KEYS", "LLAMA_SPEC", "GPT2_SPEC", "MOE_SPEC", "HF_MODEL_TYPES", "MODEL_NAMES",
-           "llama_architecture", "qwen2_architecture", "mixtral_architecture", "qwen2_moe_architecture",
-           "gpt2_architecture", "hf_architecture", "hf_model_type", "hf_class_name", "hf_config_from_architecture"]
+           "llama_architecture", "mistral_architecture", "qwen2_architecture", "mixtral_architecture",
+           "qwen2_moe_architecture", "gpt2_architecture", "hf_architecture", "hf_model_type", "hf_class_name",
+           "hf_config_from_architecture"]
 
 LLAMA_SPEC = "llama_layer_spec"
 """The registered layer spec of the Llama shape (RMSNorm, rotary, SwiGLU, GQA, no biases; Qwen2 adds a qkv bias)."""
@@ -39,12 +41,14 @@ GPT_ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "nu
 also carries ``moe_aux_loss_coeff``, a training setting the source suggests but does not fix)."""
 
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-"""transformers ``model_type`` -> the causal-LM class the decoder family reads and writes."""
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM"}
+"""transformers ``model_type`` -> the causal-LM class the decoder family reads and (but Mistral's, the Llama shape
+under Llama's names, written as ``LlamaForCausalLM``) writes."""
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _GPT2_ACT_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
-MODEL_NAMES = {"llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
+MODEL_NAMES = {"llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE",
+               "mistral": "Mistral"}
 """transformers ``model_type`` -> the name our messages give the family."""
 
 
@@ -93,7 +97,12 @@ def _rotary_decoder(cfg: dict[str, Any], bad: list[str]) -> dict[str, Any]:
     else:
         window_keys = ("sliding_window", "use_sliding_window")
     for key in (*window_keys, "partial_rotary_factor", "qk_norm"):
-        if cfg.get(key) not in (None, False, 1.0):
+        if key == "sliding_window" and cfg.get(key) is not None:
+            window = cfg[key]
+            bad.append(f"sliding_window={window!r} (each token attends to the last {window} only; ours attends to "
+                       f"every earlier token: the same up to {window} tokens; if no sequence is ever longer, set "
+                       f"\"sliding_window\": null in config.json)")
+        elif cfg.get(key) not in (None, False, 1.0):
             bad.append(f"{key}={cfg[key]!r}")
     other = sorted(set(cfg.get("layer_types") or ()) - {"full_attention"})
     if other:
@@ -137,6 +146,16 @@ def llama_architecture(hf_config: Any) -> dict[str, Any]:
     bad = [f"{key}=True" for key in ("attention_bias", "mlp_bias") if cfg.get(key)]
     arch = _rotary_decoder(cfg, bad)
     _refuse("Llama", bad)
+    return arch
+
+
+def mistral_architecture(hf_config: Any) -> dict[str, Any]:
+    """Our module arguments for a ``transformers.MistralConfig``: the Llama shape (Mistral 7B v0.2 / v0.3,
+    Mistral-Nemo's ``head_dim``) under Llama's tensor names; refuses a sliding window (Mistral 7B v0.1's)."""
+    cfg = _config_dict(hf_config, "mistral")
+    bad: list[str] = []
+    arch = _rotary_decoder(cfg, bad)
+    _refuse("Mistral", bad)
     return arch
 
 
@@ -232,8 +251,8 @@ def gpt2_architecture(hf_config: Any) -> dict[str, Any]:
                 untie_embeddings_and_output_weights=False, add_qkv_bias=False)
 
 
-_ARCHITECTURES = {"llama": llama_architecture, "qwen2": qwen2_architecture, "mixtral": mixtral_architecture,
-                  "qwen2_moe": qwen2_moe_architecture, "gpt2": gpt2_architecture}
+_ARCHITECTURES = {"llama": llama_architecture, "mistral": mistral_architecture, "qwen2": qwen2_architecture,
+                  "mixtral": mixtral_architecture, "qwen2_moe": qwen2_moe_architecture, "gpt2": gpt2_architecture}
 
 
 def hf_architecture(hf_config: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ __all__ = ["GPTInterop", "GPT_MODEL_TYPES", "UNSUPPORTED_GPT_ARGS", "UNSUPPORTED
 
 _EOD = "<|endoftext|>"
 
-GPT_MODEL_TYPES = tuple(ghc.HF_MODEL_TYPES)  # llama, gpt2, qwen2, mixtral, qwen2_moe
+GPT_MODEL_TYPES = tuple(ghc.HF_MODEL_TYPES)  # llama, gpt2, qwen2, mixtral, qwen2_moe, mistral
 """transformers ``model_type`` s the decoder family reads."""
 
 UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
