@@ -138,6 +138,7 @@ def test_the_export_of_a_classifier_is_transformers_sequence_classifier(tmp_path
     ({"kv_channels": 16}, "kv_channels=16 (not hidden_size / num_attention_heads = 8)"),
     ({"num_query_groups": 2}, "num_query_groups=2 (grouped-query attention)"),
     ({"gated_linear_unit": True}, "gated_linear_unit=True (a gated MLP)"),
+    ({"qk_layernorm": True}, "qk_layernorm=True (norms of the queries and keys)"),
     ({"add_qkv_bias": True, "add_bias_linear": False}, "add_bias_linear=False (linear layers without biases)"),
 ])
 def test_an_export_transformers_bert_cannot_compute_is_refused_by_its_setting(setting, said):

@@ -33,14 +33,12 @@ def _tokens() -> torch.Tensor:
 
 def write_megatron_checkpoints(root: str) -> None:
     """megatron-core's GPTModel, its logits and its two checkpoint formats (a fresh single process)."""
-    import argparse
     import contextlib
     import datetime
     import os
     from pathlib import Path
 
     import torch.distributed as dist
-    import torch.nn.functional as F
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as mps
     from megatron.core import tensor_parallel as mtp
@@ -63,15 +61,28 @@ def write_megatron_checkpoints(root: str) -> None:
     # synchronizes CUDA: CPU in this throwaway process.
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
+    root = Path(root)
+    for qk in (False, True):  # the Llama shape; with norms of each head's queries and keys (Qwen3's, qk_layernorm)
+        _write_one(root / "qk" if qk else root, qk, TransformerConfig, GPTModel, get_gpt_layer_local_spec,
+                   dist_checkpointing)
+    dist.destroy_process_group()
+
+
+def _write_one(root, qk, TransformerConfig, GPTModel, get_gpt_layer_local_spec, dist_checkpointing) -> None:
+    import argparse
+
+    import torch.nn.functional as F
+
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=48, gated_linear_unit=True, activation_func=F.silu,
                             normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False,
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                             init_method_std=0.2, bias_activation_fusion=False, masked_softmax_fusion=False,
                             persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-                            apply_rope_fusion=False)
+                            apply_rope_fusion=False, qk_layernorm=qk)
     torch.manual_seed(0)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk)
+    model = GPTModel(config=cfg, transformer_layer_spec=spec,
                      vocab_size=PADDED, max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope", rotary_base=5000).eval()
     with torch.no_grad():
@@ -82,13 +93,13 @@ def write_megatron_checkpoints(root: str) -> None:
         position_ids = torch.arange(SEQ).expand_as(tokens)
         causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
         logits = model(tokens, position_ids, causal)  # its default causal mask is built on CUDA
-    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
     torch.save({"ref": logits[..., :VOCAB].clone()}, root / "reference.pt")
     args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True,
                               num_query_groups=2, ffn_hidden_size=48, swiglu=True, normalization="RMSNorm",
                               norm_epsilon=1e-5, add_bias_linear=False, position_embedding_type="rope",
                               rotary_base=5000, rotary_percent=1.0, untie_embeddings_and_output_weights=True,
-                              max_position_embeddings=SEQ, kv_channels=8, padded_vocab_size=PADDED)
+                              max_position_embeddings=SEQ, kv_channels=8, padded_vocab_size=PADDED, qk_layernorm=qk)
     d = root / "legacy" / "iter_0000001" / "mp_rank_00"
     d.mkdir(parents=True)
     torch.save({"model": model.state_dict(), "args": args, "iteration": 1, "checkpoint_version": 3.0},
@@ -96,7 +107,6 @@ def write_megatron_checkpoints(root: str) -> None:
     (root / "legacy" / "latest_checkpointed_iteration.txt").write_text("1")
     (root / "torch_dist").mkdir()
     dist_checkpointing.save(model.sharded_state_dict(), str(root / "torch_dist"))
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -118,16 +128,20 @@ def megatron_root(tmp_path_factory):
     return root
 
 
+@pytest.mark.parametrize("qk", [False, True], ids=["llama", "qk_layernorm"])
 @pytest.mark.parametrize("source", ["legacy", "torch_dist"])
-def test_init_from_megatron_core_gpt_gives_its_logits(megatron_root, source):
+def test_init_from_megatron_core_gpt_gives_its_logits(megatron_root, source, qk):
+    """(With ``qk_layernorm``, refused until 2026-12-07.)"""
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
+    megatron_root = megatron_root / "qk" if qk else megatron_root
+    ours = {**OURS, "qk_layernorm": qk}
     if source == "legacy":  # its args give the architecture
         module = GPTLightningModule.from_pretrained(str(megatron_root / source), config=dict(
             vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0))
-        assert {k: module.hparams["config"][k] for k in OURS} == OURS
+        assert {k: module.hparams["config"][k] for k in ours} == ours
     else:  # no args saved beside it here: the architecture given, checked against the tensors
-        module = GPTLightningModule(OURS, init_from=str(megatron_root / source))
+        module = GPTLightningModule(ours, init_from=str(megatron_root / source))
     module.configure_model()
     with torch.no_grad():
         ours = module.eval().model_chunks[0](_tokens())[..., :VOCAB]

@@ -138,7 +138,6 @@ def test_a_megatron_llama_3_1_with_rope_scaling_is_read_with_its_factor(tmp_path
 
 
 @pytest.mark.parametrize(("kw", "named"), [
-    (dict(qk_layernorm=True), "qk_layernorm=True"),
     (dict(rotary_seq_len_interpolation_factor=2), "rotary_seq_len_interpolation_factor=2"),
     (dict(num_experts=8, moe_layer_freq=2), "moe_layer_freq=2"),  # dense layers among the experts
     (dict(rotary_interleaved=True), "rotary_interleaved=True"),
@@ -150,7 +149,7 @@ def test_a_megatron_llama_3_1_with_rope_scaling_is_read_with_its_factor(tmp_path
           window_attn_skip_freq=2),
      r"softmax_type='off-by-one' .*qk_l2_norm=True .*quick_geglu=True .*glu_linear_offset=1.0 .*"
      r"activation_func_clamp_value=7.0 .*attention_output_gate=True .*no_rope_freq=4 .*window_size=\(128, 0\)"),
-], ids=["qk_layernorm", "interpolation", "moe_layer_freq", "interleaved", "relative", "gpt_oss"])
+], ids=["interpolation", "moe_layer_freq", "interleaved", "relative", "gpt_oss"])
 def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, named):
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
@@ -161,6 +160,36 @@ def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, nam
     _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama", **kw))
     with pytest.raises(ValueError, match=named):
         read_pretrained(str(tmp_path / "ckpt"))
+
+
+def test_a_megatron_checkpoint_with_qk_layernorm_gives_qwen3_s_logits(tmp_path):
+    """``--qk-layernorm`` (each head's queries and keys normed: Qwen3 trained with Megatron-LM) was refused; legacy
+    files at TP=2 x PP=2 of a Qwen3 model's weights give transformers' Qwen3 logits within 1e-5 (megatron-core's own
+    model with ``qk_layernorm``: ``tests/test_gpt_megatron_core.py``, the bench extra)."""
+    import transformers
+
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    torch.manual_seed(0)
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
+        initializer_range=0.2)).eval()
+    with torch.no_grad():  # the norms of queries and keys away from 1, so a missing one shows
+        for name, p in qwen3.named_parameters():
+            if name.endswith("_norm.weight"):
+                p.uniform_(0.5, 1.5)
+    arch = ghc.hf_architecture(qwen3.config)
+    full = ghf.gpt_state_dict_from_hf(qwen3.state_dict(), arch)
+    _write_legacy(tmp_path / "ckpt", full, arch, _args("llama", qk_layernorm=True))
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), config={"vocab_size": VOCAB})
+    assert module.hparams["config"]["qk_layernorm"]
+    module.configure_model()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = module.eval().model_chunks[0](tokens)[..., :VOCAB]
+        theirs = qwen3(input_ids=tokens).logits
+    assert float((ours - theirs).abs().max()) <= 1e-5
 
 
 def test_gpt_module_from_a_megatron_checkpoint_gives_transformers_logits(tmp_path):
@@ -196,3 +225,4 @@ def test_a_megatron_tensor_no_parameter_takes_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"has 2 tensors no parameter of the model takes, e.g. "
                                          r"\['decoder.final_layernorm.bias', 'decoder.layers.1.mlp.linear_fc2.bias'\]"):
         module.configure_model()
+

@@ -109,12 +109,16 @@ MOE_VARIANTS = {**MOE_TINY, "moe_router_load_balancing_type": "seq_aux_loss", "m
                 "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}
 MOE_VARIANTS_LAYOUTS = ["tp2sp"]
 """The per-sequence balance loss, sigmoid scores and a gated shared expert (Qwen2-MoE's) under TP with SP."""
+QK_NORM_LAYOUTS = ["tp2"]
+"""The Llama shape with norms of each head's queries and keys (``qk_layernorm``, Qwen3's): each TP rank normalizes its
+own query heads and its queries' share of the one key head, the norms' gradients summed over TP."""
 PER_TOKEN_LAYOUTS = ["dp2", "pp2vp2", "cp2", "cp2dp2"]
 """``calculate_per_token_loss`` on ragged loss masks: the mean over the global batch's counted tokens, whichever
 ranks and microbatches hold them (the data- and context-parallel sizes in the loss's factor, the last stage's)."""
 SHAPES = {"gpt2": (make_module, GPT2_LAYOUTS),
           "per_token": (functools.partial(make_module, calculate_per_token_loss=True), PER_TOKEN_LAYOUTS),
           "llama": (functools.partial(make_module, **LLAMA_TINY), LLAMA_LAYOUTS),
+          "qk_norm": (functools.partial(make_module, **LLAMA_TINY, qk_layernorm=True), QK_NORM_LAYOUTS),
           "llama_a2a": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="a2a"), ULYSSES_LAYOUTS),
           "llama_p2p": (functools.partial(make_module, **LLAMA_TINY, cp_comm_type="p2p"), RING_LAYOUTS),
           "moe": (functools.partial(make_module, **MOE_TINY), MOE_LAYOUTS),
@@ -342,6 +346,16 @@ def test_llama_shape_layouts_equal_one_process(reports, layout):
     grads = report.reference.grads[1]
     assert set(report.runs[layout].grads[1]) == set(grads) and len(grads) == 1 + 4 * 6 + 2, sorted(grads)
     assert "output_layer.weight" in grads and not any(n.endswith("bias") for n in grads)
+
+
+@pytest.mark.parametrize("layout", QK_NORM_LAYOUTS)
+def test_qk_layernorm_layouts_equal_one_process(reports, layout):
+    """Norms of the queries and keys (Qwen3's): their gradients, partial on each TP rank, summed over TP."""
+    report = reports["qk_norm"]
+    [result] = [r for r in report.results if r.layout == layout]
+    assert result.passed, report.table()
+    grads = report.runs[layout].grads[1]
+    assert {f"decoder.layers.{i}.self_attention.{x}_layernorm.weight" for i in range(4) for x in "qk"} <= set(grads)
 
 
 def test_llama_greedy_generation_at_tp2_equals_one_process(reports):

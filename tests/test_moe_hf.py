@@ -71,9 +71,23 @@ def _qwen2(**kw):
                                                                                  **kw})))
 
 
+def _qwen3(**kw):
+    torch.manual_seed(5)
+    return _randomise(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**COMMON, "intermediate_size": 48,
+                                                                                 "head_dim": 16, **kw})))
+
+
+def _qwen3_moe(**kw):
+    torch.manual_seed(6)
+    config = transformers.Qwen3MoeConfig(**{**COMMON, **MOE, "intermediate_size": 64, "moe_intermediate_size": 48,
+                                            "num_experts": 4, "norm_topk_prob": True, "head_dim": 16, **kw})
+    return _randomise(transformers.Qwen3MoeForCausalLM(config))
+
+
 MODELS = {"mixtral": _mixtral, "qwen2_moe": lambda: _qwen2_moe(),
           "qwen2_moe_norm_topk": lambda: _qwen2_moe(norm_topk_prob=True), "qwen2": _qwen2,
-          "qwen2_moe_no_shared": lambda: _qwen2_moe(shared_expert_intermediate_size=0)}
+          "qwen2_moe_no_shared": lambda: _qwen2_moe(shared_expert_intermediate_size=0), "qwen3": _qwen3,
+          "qwen3_moe": _qwen3_moe}
 EXPECTED = {  # our config fields each HF config maps to
     "mixtral": dict(spec="llama_moe_layer_spec", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
                     moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
@@ -84,10 +98,15 @@ EXPECTED = {  # our config fields each HF config maps to
     "qwen2_moe_norm_topk": dict(moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=40),
     "qwen2": dict(spec="llama_layer_spec", add_qkv_bias=True, add_bias_linear=False, num_moe_experts=None),
     "qwen2_moe_no_shared": dict(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False),
+    "qwen3": dict(spec="llama_layer_spec", qk_layernorm=True, add_qkv_bias=False, kv_channels=16, num_moe_experts=None),
+    "qwen3_moe": dict(spec="llama_moe_layer_spec", qk_layernorm=True, add_qkv_bias=False, kv_channels=16,
+                      num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_router_pre_softmax=False,
+                      moe_shared_expert_intermediate_size=None, moe_aux_loss_coeff=0.02),
 }
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
            "qwen2_moe_norm_topk": "Qwen2MoeForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "qwen2_moe_no_shared": "Qwen2MoeForCausalLM"}
+           "qwen2_moe_no_shared": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+           "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def _tokens(n=SEQ):
@@ -127,7 +146,8 @@ def test_folder_import_gives_transformers_logits_and_greedy_tokens(tmp_path, nam
     config = module.hparams["config"]
     assert {k: config[k] for k in EXPECTED[name]} == EXPECTED[name]
     params = dict(module.model_chunks[0].global_named_parameters())
-    assert ("decoder.layers.1.self_attention.linear_qkv.bias" in params) == (name != "mixtral")
+    assert ("decoder.layers.1.self_attention.linear_qkv.bias" in params) == name.startswith("qwen2")
+    assert ("decoder.layers.1.self_attention.q_layernorm.weight" in params) == name.startswith("qwen3")
     assert "decoder.layers.1.self_attention.linear_proj.bias" not in params  # Qwen's o_proj has none
     err = _max_err(_logits(module, _tokens()), _theirs(hf, _tokens()))
     assert err <= 1e-5, f"{name}: max |ours - transformers| = {err:.2e}"
@@ -214,7 +234,7 @@ def _saved(module):
     return SavedModel(state_dict=state, hparams=module.flat_hparams(module.hparams))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2", "qwen2_moe_no_shared"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen2", "qwen2_moe_no_shared", "qwen3", "qwen3_moe"])
 def test_export_round_trip_loads_in_transformers_with_our_logits(tmp_path, name):
     """(Qwen2-MoE without a shared expert, ``shared_expert_intermediate_size`` 0, was refused by export until
     2026-12-07: its empty shared expert is written back, with a zero gate in place of the one it multiplies.)"""
@@ -245,7 +265,7 @@ def test_export_round_trip_loads_in_transformers_with_our_logits(tmp_path, name)
     hf.save_pretrained(tmp_path / "theirs")
     assert _keys(tmp_path / "out") == _keys(tmp_path / "theirs")  # the names transformers itself writes
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    if name != "qwen2":
+    if name not in ("qwen2", "qwen3"):
         assert config["router_aux_loss_coef"] == 0.02 and config["num_experts_per_tok"] == 2
     if name == "qwen2_moe_no_shared":
         assert config["shared_expert_intermediate_size"] == 0
@@ -308,6 +328,26 @@ def test_export_refuses_what_mixtral_and_qwen2_moe_cannot_compute():
     assert not config.norm_topk_prob and not config.qkv_bias
     config = ghc.hf_config_from_architecture({**qwen, "moe_router_pre_softmax": False})
     assert config.norm_topk_prob and config.qkv_bias and config.shared_expert_intermediate_size == 40
+
+
+def test_qwen3_settings_our_model_or_transformers_cannot_compute_are_refused_by_name():
+    """Qwen3's ``attention_bias`` puts a bias on q, k, v and o (ours: q, k, v only); its norms of queries and keys
+    (``qk_layernorm``) have no place in Llama, Qwen2, Mixtral, Qwen2-MoE or GPT-2: export refuses the mixes no
+    transformers class computes."""
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        ghc.hf_architecture(transformers.Qwen3Config(**COMMON, attention_bias=True))
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\]"):
+        ghc.hf_architecture(transformers.Qwen3MoeConfig(**COMMON, mlp_only_layers=[0]))
+    qwen3 = ghc.hf_architecture(_qwen3().config)
+    with pytest.raises(ValueError, match="qk_layernorm=True with add_qkv_bias=True"):
+        ghc.hf_config_from_architecture({**qwen3, "add_qkv_bias": True})
+    qwen3_moe = ghc.hf_architecture(_qwen3_moe().config)
+    with pytest.raises(ValueError, match="qk_layernorm=True with shared experts"):
+        ghc.hf_config_from_architecture({**qwen3_moe, "moe_shared_expert_intermediate_size": 32,
+                                         "moe_shared_expert_gate": True})
+    gpt2 = ghc.hf_architecture(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="qk_layernorm=True"):
+        ghc.hf_config_from_architecture({**gpt2, "qk_layernorm": True})
 
 
 def test_export_of_a_model_trained_with_token_dropping_warns():

@@ -51,6 +51,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from lightning_megatron.parallel_state import group_rank, group_size
+from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 from lightning_megatron.tensor_parallel import (
     divide,
     gather_from_sequence_parallel_region,
@@ -64,6 +65,7 @@ from lightning_megatron.transformer.context_parallel import ContextParallel
 from lightning_megatron.transformer.dropout import dropout
 from lightning_megatron.transformer.inference import InferenceContext
 from lightning_megatron.transformer.kernels import DEFAULT_KERNELS, Kernels
+from lightning_megatron.transformer.norms import get_norm_class
 from lightning_megatron.transformer.rotary import RotaryTable, apply_rotary_pos_emb, apply_rotary_pos_emb_heads
 from lightning_megatron.transformer.spec import ModuleSpec, build_module
 from lightning_megatron.transformer.utils import AttnMaskType, IdentityOp, owned
@@ -262,10 +264,16 @@ class SelfAttention(nn.Module):
                                         init_method=scaled_init_method_normal(config.init_method_std,
                                                                               config.num_layers),
                                         **common)
-        self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=d,
-                                        eps=config.layernorm_epsilon)
-        self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=d,
-                                        eps=config.layernorm_epsilon)
+        # Norms of each head's queries and keys: the spec's, or with qk_layernorm the config's norm in an identity
+        # slot. Each TP rank normalizes its own heads (or, with fewer groups than ranks, its queries' share of a
+        # key head), so their gradients are partial: summed over TP as a sequence-parallel norm's are.
+        slots = [submodules.q_layernorm, submodules.k_layernorm]
+        if config.qk_layernorm:
+            slots = [get_norm_class(config) if slot is IdentityOp else slot for slot in slots]
+        self.q_layernorm, self.k_layernorm = (build_module(slot, config=config, hidden_size=d,
+                                                           eps=config.layernorm_epsilon) for slot in slots)
+        for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+            set_param_facts(param, sequence_parallel=True)
 
     def _query_key_value(self, hidden_states: torch.Tensor, rotary_pos_emb: RotaryTable | None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:

@@ -85,6 +85,10 @@ class TransformerConfig:
     add_qkv_bias: bool = False
     """Give the attention's ``linear_qkv`` a bias even when ``add_bias_linear=False`` (megatron-core's name;
     Qwen2 and Qwen2-MoE: biases on q, k and v only, none on the output projection or the MLP)."""
+    qk_layernorm: bool = False
+    """Normalize each head's queries and keys (before the rotary embedding) with the norm ``normalization``
+    names (megatron-core's ``qk_layernorm``; Qwen3, Qwen3-MoE): the attention's ``q_layernorm`` / ``k_layernorm``
+    slots, built with it where the spec leaves them identity."""
     init_method_std: float = 0.02
     """Std of the N(0, std^2) weight init; output projections use std / sqrt(2 * num_layers)."""
     params_dtype: DtypeName | torch.dtype = "float32"

@@ -305,6 +305,8 @@ def _hf_unsupported(hp: Mapping[str, Any]) -> list[str]:
         found.append(f"num_query_groups={groups} (grouped-query attention)")
     if hp.get("gated_linear_unit"):
         found.append("gated_linear_unit=True (a gated MLP)")
+    if hp.get("qk_layernorm"):
+        found.append("qk_layernorm=True (norms of the queries and keys)")
     return found
 
 

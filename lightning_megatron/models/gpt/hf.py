@@ -149,6 +149,10 @@ def gpt_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor],
             for part in parts:
                 q, k, v = (_take(hf, f"{src}self_attn.{x}_proj.{part}", model) for x in "qkv")
                 out[f"{dst}self_attention.linear_qkv.{part}"] = qkv_from_separate(q, k, v, n, g)
+            if arch.get("qk_layernorm"):  # Qwen3's norms of each head's queries and keys
+                for x in "qk":
+                    norm = _take(hf, f"{src}self_attn.{x}_norm.weight", model)
+                    out[f"{dst}self_attention.{x}_layernorm.weight"] = norm
             if arch["spec"] == MOE_SPEC:
                 out.update(_experts_from_hf(hf, src, dst, arch, model))
             else:
@@ -209,6 +213,9 @@ def hf_state_dict_from_gpt(state_dict: Mapping[str, torch.Tensor], arch: Mapping
                 q, k, v = qkv_to_separate(sd[f"{src}self_attention.linear_qkv.{part}"], n, g)
                 out.update({f"{dst}self_attn.q_proj.{part}": q, f"{dst}self_attn.k_proj.{part}": k,
                             f"{dst}self_attn.v_proj.{part}": v})
+            if arch.get("qk_layernorm"):
+                for x in "qk":
+                    out[f"{dst}self_attn.{x}_norm.weight"] = sd[f"{src}self_attention.{x}_layernorm.weight"]
             if arch["spec"] == MOE_SPEC:
                 experts = range(arch["num_moe_experts"])
                 out[dst + "mlp.gate.weight"] = sd[src + "mlp.router.weight"]

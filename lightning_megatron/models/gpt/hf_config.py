@@ -20,8 +20,8 @@ from lightning_megatron.transformer.rotary import (LLAMA3_HIGH_FREQ_FACTOR, LLAM
 
 __all__ = ["GPT_ARCHITECTURE_KEYS", "LLAMA_SPEC", "GPT2_SPEC", "MOE_SPEC", "HF_MODEL_TYPES", "MODEL_NAMES",
            "llama_architecture", "mistral_architecture", "qwen2_architecture", "mixtral_architecture",
-           "qwen2_moe_architecture", "gpt2_architecture", "hf_architecture", "hf_model_type", "hf_class_name",
-           "hf_config_from_architecture"]
+           "qwen2_moe_architecture", "qwen3_architecture", "qwen3_moe_architecture", "gpt2_architecture",
+           "hf_architecture", "hf_model_type", "hf_class_name", "hf_config_from_architecture"]
 
 LLAMA_SPEC = "llama_layer_spec"
 """The registered layer spec of the Llama shape (RMSNorm, rotary, SwiGLU, GQA, no biases; Qwen2 adds a qkv bias)."""
@@ -36,19 +36,20 @@ GPT_ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "nu
                          "rotary_percent", "rope_scaling", "rope_scaling_factor", "untie_embeddings_and_output_weights",
                          "add_qkv_bias", "num_moe_experts", "moe_router_topk", "moe_router_score_function",
                          "moe_router_pre_softmax", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                         "moe_shared_expert_gate")
+                         "moe_shared_expert_gate", "qk_layernorm")
 """``GPTLightningModule`` arguments a source fixes (the architecture dicts below use these; a mixture of experts'
 also carries ``moe_aux_loss_coeff``, a training setting the source suggests but does not fix)."""
 
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 """transformers ``model_type`` -> the causal-LM class the decoder family reads and (but Mistral's, the Llama shape
 under Llama's names, written as ``LlamaForCausalLM``) writes."""
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _GPT2_ACT_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 MODEL_NAMES = {"llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE",
-               "mistral": "Mistral"}
+               "mistral": "Mistral", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}
 """transformers ``model_type`` -> the name our messages give the family."""
 
 
@@ -92,7 +93,7 @@ def _rotary_decoder(cfg: dict[str, Any], bad: list[str]) -> dict[str, Any]:
         bad.append(f"num_key_value_heads={groups} not dividing num_attention_heads={heads}")
     # Llama and Mixtral slide whenever sliding_window is set; Qwen2 / Qwen2-MoE keep a sliding_window they use
     # only in the layer_types "sliding_attention" layers (use_sliding_window, when they have no layer_types).
-    if cfg.get("model_type") in ("qwen2", "qwen2_moe"):
+    if cfg.get("model_type") in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         window_keys: tuple[str, ...] = () if "layer_types" in cfg else ("use_sliding_window",)
     else:
         window_keys = ("sliding_window", "use_sliding_window")
@@ -113,7 +114,8 @@ def _rotary_decoder(cfg: dict[str, Any], bad: list[str]) -> dict[str, Any]:
                 max_sequence_length=cfg.get("max_position_embeddings", 2048), vocab_size=cfg["vocab_size"],
                 position_embedding_type="rope", add_bias_linear=False, gated_linear_unit=True, rotary_base=theta,
                 rotary_percent=1.0, untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
-                add_qkv_bias=False, rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0)
+                add_qkv_bias=False, rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
+                qk_layernorm=False)
 
 
 def _llama3_factor(rope_type: str, scaling: dict[str, Any], bad: list[str]) -> float | None:
@@ -207,8 +209,44 @@ def qwen2_moe_architecture(hf_config: Any) -> dict[str, Any]:
     sliding-window attention."""
     cfg = _config_dict(hf_config, "qwen2_moe")
     bad: list[str] = []
+    arch, experts, topk = _qwen_moe(cfg, bad)
+    _refuse("Qwen2-MoE", bad)
+    shared = cfg.get("shared_expert_intermediate_size") or None  # 0: an empty shared expert, adding nothing
+    return {**arch, "add_qkv_bias": bool(cfg.get("qkv_bias", True)),
+            **_moe(experts, topk, cfg["moe_intermediate_size"], pre_softmax=not cfg.get("norm_topk_prob", False),
+                   shared=shared, aux=float(cfg.get("router_aux_loss_coef") or 0.0))}
+
+
+def qwen3_architecture(hf_config: Any) -> dict[str, Any]:
+    """Our module arguments for a ``transformers.Qwen3Config``: the Llama shape with RMSNorms of each head's
+    queries and keys (``qk_layernorm``), no biases; refuses ``attention_bias`` (biases on q, k, v and o) and
+    sliding-window attention."""
+    cfg = _config_dict(hf_config, "qwen3")
+    bad = ["attention_bias=True (biases on q, k, v and o)"] if cfg.get("attention_bias") else []
     arch = _rotary_decoder(cfg, bad)
-    experts, topk = cfg.get("num_experts") or 0, cfg.get("num_experts_per_tok") or 0
+    _refuse("Qwen3", bad)
+    return {**arch, "qk_layernorm": True}
+
+
+def qwen3_moe_architecture(hf_config: Any) -> dict[str, Any]:
+    """Our module arguments for a ``transformers.Qwen3MoeConfig``: Qwen3's attention (``qk_layernorm``) and
+    Qwen2-MoE's experts without a shared one (``norm_topk_prob`` -> ``moe_router_pre_softmax = not
+    norm_topk_prob``); refused as Qwen3's and Qwen2-MoE's are."""
+    cfg = _config_dict(hf_config, "qwen3_moe")
+    bad = ["attention_bias=True (biases on q, k, v and o)"] if cfg.get("attention_bias") else []
+    arch, experts, topk = _qwen_moe(cfg, bad)
+    _refuse("Qwen3-MoE", bad)
+    return {**arch, "qk_layernorm": True,
+            **_moe(experts, topk, cfg["moe_intermediate_size"], pre_softmax=not cfg.get("norm_topk_prob", False),
+                   shared=None, aux=float(cfg.get("router_aux_loss_coef") or 0.0))}
+
+
+def _qwen_moe(cfg: dict[str, Any], bad: list[str]) -> tuple[dict[str, Any], int, int]:
+    """The rotary decoder's arguments, the experts and the top-k of a Qwen MoE config (``num_experts``;
+    transformers 5's Qwen3-MoE ``num_local_experts``); dense layers among the MoE ones appended to ``bad``."""
+    arch = _rotary_decoder(cfg, bad)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    topk = cfg.get("num_experts_per_tok") or 0
     if experts < 1:
         bad.append(f"num_experts={experts} (every layer dense)")
     elif not 1 <= topk <= experts:
@@ -219,11 +257,7 @@ def qwen2_moe_architecture(hf_config: Any) -> dict[str, Any]:
     dense = [i for i in cfg.get("mlp_only_layers") or () if i < cfg["num_hidden_layers"]]  # past the last: none
     if dense:
         bad.append(f"mlp_only_layers={dense} (dense MLP layers among the MoE layers)")
-    _refuse("Qwen2-MoE", bad)
-    shared = cfg.get("shared_expert_intermediate_size") or None  # 0: an empty shared expert, adding nothing
-    return {**arch, "add_qkv_bias": bool(cfg.get("qkv_bias", True)),
-            **_moe(experts, topk, cfg["moe_intermediate_size"], pre_softmax=not cfg.get("norm_topk_prob", False),
-                   shared=shared, aux=float(cfg.get("router_aux_loss_coef") or 0.0))}
+    return arch, experts, topk
 
 
 def gpt2_architecture(hf_config: Any) -> dict[str, Any]:
@@ -248,11 +282,13 @@ def gpt2_architecture(hf_config: Any) -> dict[str, Any]:
                 layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)), max_sequence_length=cfg["n_positions"],
                 vocab_size=cfg["vocab_size"], position_embedding_type="learned_absolute", add_bias_linear=True,
                 gated_linear_unit=False, rotary_base=10000.0, rotary_percent=1.0,
-                untie_embeddings_and_output_weights=False, add_qkv_bias=False)
+                untie_embeddings_and_output_weights=False, add_qkv_bias=False,
+                qk_layernorm=False)
 
 
 _ARCHITECTURES = {"llama": llama_architecture, "mistral": mistral_architecture, "qwen2": qwen2_architecture,
-                  "mixtral": mixtral_architecture, "qwen2_moe": qwen2_moe_architecture, "gpt2": gpt2_architecture}
+                  "mixtral": mixtral_architecture, "qwen2_moe": qwen2_moe_architecture, "gpt2": gpt2_architecture,
+                  "qwen3": qwen3_architecture, "qwen3_moe": qwen3_moe_architecture}
 
 
 def hf_architecture(hf_config: Any) -> dict[str, Any]:
@@ -269,10 +305,13 @@ def hf_model_type(arch: Mapping[str, Any]) -> str:
     :func:`hf_config_from_architecture`): GPT-2 for ``gpt_layer_spec``; Qwen2 for the Llama spec with a qkv
     bias, else Llama; for ``llama_moe_layer_spec`` Qwen2-MoE when the model has what only Qwen2-MoE has (shared
     experts, a qkv bias, the top-k probabilities not renormalised; without shared experts, an empty one:
-    ``shared_expert_intermediate_size`` 0), else Mixtral."""
+    ``shared_expert_intermediate_size`` 0), else Mixtral; with norms of the queries and keys (``qk_layernorm``)
+    Qwen3 and Qwen3-MoE."""
     spec = arch["spec"]
     if spec == GPT2_SPEC:
         return "gpt2"
+    if arch.get("qk_layernorm"):  # norms of the queries and keys: Qwen3's
+        return "qwen3_moe" if spec == MOE_SPEC else "qwen3"
     if spec == MOE_SPEC:
         qwen = (arch.get("moe_shared_expert_intermediate_size") or arch.get("add_qkv_bias")
                 or arch.get("moe_router_pre_softmax"))
@@ -286,7 +325,7 @@ def hf_class_name(arch: Mapping[str, Any]) -> str:
 
 
 def _moe_export_problems(arch: Mapping[str, Any], model_type: str) -> list[str]:
-    """What Mixtral / Qwen2-MoE cannot compute of our mixture of experts."""
+    """What Mixtral / Qwen2-MoE / Qwen3-MoE cannot compute of our mixture of experts."""
     bad = []
     if arch.get("moe_router_score_function", "softmax") != "softmax":
         bad.append(f"moe_router_score_function={arch['moe_router_score_function']!r} (Mixtral and Qwen2-MoE route "
@@ -294,6 +333,9 @@ def _moe_export_problems(arch: Mapping[str, Any], model_type: str) -> list[str]:
     if model_type == "qwen2_moe":
         if arch.get("moe_shared_expert_intermediate_size") and not arch.get("moe_shared_expert_gate"):
             bad.append("moe_shared_expert_gate=False (Qwen2-MoE scales its shared expert by a sigmoid gate)")
+    if model_type == "qwen3_moe" and arch.get("moe_shared_expert_intermediate_size"):
+        bad.append("qk_layernorm=True with shared experts (Qwen3-MoE, the class with norms of queries and keys, has "
+                   "no shared expert)")
     return bad
 
 
@@ -334,6 +376,10 @@ def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
             bad.append(f"num_query_groups={g} (GPT-2 has one key/value head per query head)")
         if kv not in (None, h // n) or h % n:
             bad.append(f"kv_channels={kv} (GPT-2's heads are hidden_size / num_attention_heads wide)")
+        if arch.get("qk_layernorm"):
+            bad.append("qk_layernorm=True (GPT-2 has no norms of queries and keys)")
+    elif arch.get("qk_layernorm") and arch.get("add_qkv_bias"):
+        bad.append("qk_layernorm=True with add_qkv_bias=True (Qwen3's attention_bias puts biases on q, k, v and o)")
     if spec == MOE_SPEC:
         bad += _moe_export_problems(arch, model_type)
     cls = HF_MODEL_TYPES[model_type]
@@ -367,6 +413,14 @@ def hf_config_from_architecture(arch: Mapping[str, Any]) -> Any:
     elif model_type == "mixtral":
         config = transformers.MixtralConfig(**common, **moe, intermediate_size=expert_ffn, rope_theta=theta,
                                             sliding_window=None, num_local_experts=arch["num_moe_experts"])
+    elif model_type == "qwen3":
+        config = transformers.Qwen3Config(**common, intermediate_size=ffn, rope_theta=theta, attention_bias=False,
+                                          use_sliding_window=False)
+    elif model_type == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **common, **moe, intermediate_size=ffn, moe_intermediate_size=expert_ffn, rope_theta=theta,
+            num_experts=arch["num_moe_experts"], norm_topk_prob=not arch.get("moe_router_pre_softmax", False),
+            attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
     else:
         config = transformers.Qwen2MoeConfig(
             **common, **moe, intermediate_size=ffn, moe_intermediate_size=expert_ffn, rope_theta=theta,

@@ -50,7 +50,6 @@ UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "position_embedding_type": (("learned_absolute", "rope", "none", None), "other position embeddings"),
     "apply_residual_connection_post_layernorm": ((False, None), "residuals taken after the norm"),
     "squared_relu": ((False, None), "a squared-ReLU MLP"),
-    "qk_layernorm": ((False, None), "query/key norms"),
     "apply_layernorm_1p": ((False, None), "zero-centred norm weights (apply_layernorm_1p)"),
     "layernorm_zero_centered_gamma": ((False, None), "zero-centred norm weights"),
     "multi_latent_attention": ((False, None), "multi-latent attention"),
@@ -119,6 +118,7 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
         "spec": "llama_layer_spec" if normalization == "RMSNorm" else "gpt_layer_spec",
         "activation": activation, "gated_linear_unit": swiglu, "add_bias_linear": bool(bias),
         "add_qkv_bias": bool(get("add_qkv_bias", False)),  # megatron-core: a linear_qkv bias when either is set
+        "qk_layernorm": bool(get("qk_layernorm", False)),  # each head's queries and keys normed (the layers' norm)
         "layernorm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
         "max_sequence_length": get("max_position_embeddings"), "position_embedding_type": position,
         "untie_embeddings_and_output_weights": bool(get("untie_embeddings_and_output_weights", False)),

@@ -41,9 +41,9 @@ _OURS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linea
 def peft_state_dict(adapters: Mapping[str, torch.Tensor], arch: Mapping[str, Any], lora: LoRAConfig
                     ) -> dict[str, torch.Tensor]:
     """peft's saved names (``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight``) -> tensors, from our
-    adapters' global tensors. Llama-shaped decoders (Llama, Qwen2) without experts only."""
+    adapters' global tensors. Llama-shaped decoders (Llama, Qwen2, Qwen3) without experts only."""
     model_type = hf_model_type(arch)
-    if model_type not in ("llama", "qwen2") or arch.get("num_moe_experts"):
+    if model_type not in ("llama", "qwen2", "qwen3") or arch.get("num_moe_experts"):
         raise ValueError(f"a PEFT adapter folder is written for Llama-shaped decoders without experts; this model is "
                          f"{model_type!r}: export the merged model (export hf) instead")
     n, g = arch["num_attention_heads"], arch.get("num_query_groups") or arch["num_attention_heads"]
