@@ -141,6 +141,44 @@ def test_lora_equals_peft_on_transformers_loss_and_adapter_gradients(tmp_path):
     assert worst <= 1e-5, f"max |our adapter grad - peft's| = {worst:.2e}"
 
 
+def test_a_qwen3_lora_exports_a_peft_folder_with_our_logits(tmp_path):
+    """A LoRA of a Qwen3 folder (norms of queries and keys) -> ``write_peft_folder`` -> ``PeftModel`` over
+    transformers' Qwen3: our logits with the adapters within 1e-5 (Qwen3 adapters were refused until 2026-12-07)."""
+    import peft
+    import transformers
+
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+    from lightning_megatron.models.gpt.peft import write_peft_folder
+
+    vocab = 97
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.2)).eval()
+    hf.save_pretrained(tmp_path / "base")
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "base"), lora={"rank": 4, "alpha": 8.0},
+                                                config={"hidden_dropout": 0.0, "attention_dropout": 0.0})
+    module.configure_model()
+    chunk = module.eval().model_chunks[0]
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B starts at zero: values, so the adapters move the logits
+        for name, p in chunk.named_parameters():
+            if name.endswith("adapter.linear_out.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    tokens = torch.randint(0, vocab, (2, 16), generator=g)
+    with torch.no_grad():
+        ours = chunk(tokens)[..., :vocab]
+        base = hf(input_ids=tokens).logits
+    adapters = {n: p.detach() for n, p in chunk.global_named_parameters() if ".adapter." in n}
+    arch = ghc.hf_architecture(hf.config)
+    write_peft_folder(adapters, arch, module.lora, tmp_path / "peft", base_model=str(tmp_path / "base"))
+    theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        logits = theirs(input_ids=tokens).logits
+    assert float((ours - base).abs().max()) > 0.1  # the adapters change the logits
+    assert float((logits - ours).abs().max()) <= 1e-5
+
+
 def test_a_lora_steps_logged_flops_are_what_it_executes(tmp_path):
     """A LoRA run logs (``training_flops``: ThroughputCallback's TFLOP/s and MFU) the FLOPs its step executes, as
     ``check --estimate-time`` counts them: the frozen weights' forward and input-gradient GEMMs without their weight
