@@ -140,6 +140,9 @@ def test_a_megatron_llama_3_1_with_rope_scaling_is_read_with_its_factor(tmp_path
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(rotary_seq_len_interpolation_factor=2), "rotary_seq_len_interpolation_factor=2"),
     (dict(num_experts=8, moe_layer_freq=2), "moe_layer_freq=2"),  # dense layers among the experts
+    # megatron-core's older spelling of group-limited routing (num_groups = the EP size): read as plain top-k
+    # until 2026-12-07
+    (dict(num_experts=8, moe_router_topk_limited_devices=2), "moe_router_topk_limited_devices=2"),
     (dict(rotary_interleaved=True), "rotary_interleaved=True"),
     (dict(position_embedding_type="relative"), "position_embedding_type='relative'"),
     # GPT-OSS- / Llama-4-style settings megatron-core has and our layer does not: imported without a word, their
@@ -149,7 +152,7 @@ def test_a_megatron_llama_3_1_with_rope_scaling_is_read_with_its_factor(tmp_path
           window_attn_skip_freq=2),
      r"softmax_type='off-by-one' .*qk_l2_norm=True .*quick_geglu=True .*glu_linear_offset=1.0 .*"
      r"activation_func_clamp_value=7.0 .*attention_output_gate=True .*no_rope_freq=4 .*window_size=\(128, 0\)"),
-], ids=["interpolation", "moe_layer_freq", "interleaved", "relative", "gpt_oss"])
+], ids=["interpolation", "moe_layer_freq", "limited_devices", "interleaved", "relative", "gpt_oss"])
 def test_megatron_gpt_args_our_model_lacks_are_refused_by_name(tmp_path, kw, named):
     from lightning_megatron.models.gpt.module import GPTLightningModule
 
@@ -226,3 +229,55 @@ def test_a_megatron_tensor_no_parameter_takes_is_refused_by_name(tmp_path):
                                          r"\['decoder.final_layernorm.bias', 'decoder.layers.1.mlp.linear_fc2.bias'\]"):
         module.configure_model()
 
+
+class _NotAllowed:
+    """A class no allow-list names (a newer Megatron-LM's enum): its pickle is refused, never imported."""
+
+
+def test_a_checkpoint_that_is_not_one_whole_save_is_refused_naming_what_is_wrong(tmp_path):
+    """Until 2026-12-07: a rank file of another iteration was merged without a word (logits 7.2 off); a torch_dist
+    ``common.pt`` the allow-list refuses had its args dropped with a warning (a wrong rotary base went through,
+    0.87 off); missing pipeline stages or one rank's file given alone were read as a smaller model or refused with
+    advice about the vocabulary; a tracker naming no folder, or holding no number, got a generic message or
+    Python's int() error; the refusal of a file repeated torch's advice to load it with weights_only=False."""
+    import shutil
+
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    read_pretrained = GPTLightningModule.read_pretrained
+    model = _models()["llama"]
+    arch = ghc.hf_architecture(model.config)
+    full = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    root = tmp_path / "ckpt"
+    _write_legacy(root, full, arch, _args("llama"))
+    rank = root / "iter_0000010" / "mp_rank_01_001" / "model_optim_rng.pt"
+    saved = torch.load(rank, weights_only=False)
+    torch.save({**saved, "iteration": 12}, rank)
+    with pytest.raises(ValueError, match=r"iteration 12 .*mp_rank_01_001.* iteration 10"):
+        read_pretrained(str(root))
+    torch.save(saved, rank)
+    # one rank's file (or its folder) of a TP=2 x PP=2 save
+    for one in (rank, rank.parent):
+        with pytest.raises(ValueError, match=r"one rank's file of a checkpoint saved at tensor_model_parallel_size=2 "
+                                             r"x pipeline_model_parallel_size=2"):
+            read_pretrained(str(one))
+    # the last stage's folders gone: the args' layout names them
+    for t in range(2):
+        shutil.rmtree(root / "iter_0000010" / f"mp_rank_{t:02d}_001")
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2, but its rank files make 1 pipeline stage"):
+        read_pretrained(str(root))
+    (root / "latest_checkpointed_iteration.txt").write_text("5\n")
+    with pytest.raises(ValueError, match=r"latest_checkpointed_iteration.txt' says 5, and .*iter_0000005' is not "
+                                         r"there \(iterations there: iter_0000010\)"):
+        read_pretrained(str(root))
+    (root / "latest_checkpointed_iteration.txt").write_text("iter_1")
+    with pytest.raises(ValueError, match=r"latest_checkpointed_iteration.txt' holds 'iter_1': an iteration number "
+                                         r"or 'release' was expected"):
+        read_pretrained(str(root))
+    # torch_dist: a common.pt whose args the allow-list refuses is refused, as a legacy file's is
+    _write_torch_dist(tmp_path / "dist", full, arch, _args("llama", rotary_base=500))
+    torch.save({"args": argparse.Namespace(**{**vars(_args("llama")), "backend": _NotAllowed()})},
+               tmp_path / "dist" / "common.pt")
+    with pytest.raises(ValueError, match=r"common.pt' cannot be read .*_NotAllowed") as refused:
+        read_pretrained(str(tmp_path / "dist"))
+    assert "weights_only" not in str(refused.value).split("cannot be read with torch.load(weights_only=True)")[1]

@@ -65,6 +65,7 @@ _FUSED_NORMS = {
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
 _RANK_DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
+_ITERATION_DIR = re.compile(r"iter_(\d+)|release")
 """A legacy rank directory: ``mp_rank_TT``, ``mp_rank_TT_XXX`` (a pipeline stage, or an expert rank without
 pipeline parallelism: the ``args`` say which) or ``mp_rank_TT_PPP_EEE``."""
 _LAYER = re.compile(r"(\w+)\.layers\.(\d+)\.(.*)")
@@ -97,12 +98,22 @@ class MegatronCheckpoint:
 
 
 def _iteration_dir(path: Path) -> Path:
-    """The directory holding ``mp_rank_*`` dirs or a torch_dist checkpoint (root -> latest iteration)."""
+    """The directory holding ``mp_rank_*`` dirs or a torch_dist checkpoint (root -> latest iteration); a tracker
+    holding no iteration, or naming a folder that is not there, is refused naming both."""
     tracker = path / "latest_checkpointed_iteration.txt"
-    if tracker.is_file():
-        it = tracker.read_text().strip()
-        return path / ("release" if it == "release" else f"iter_{int(it):07d}")
-    return path
+    if not tracker.is_file():
+        return path
+    it = tracker.read_text().strip()
+    if it != "release" and not it.isdigit():
+        raise ValueError(f"{str(tracker)!r} holds {it!r}: an iteration number or 'release' was expected (Megatron-LM "
+                         f"writes the number of the iteration it saved last)")
+    d = path / ("release" if it == "release" else f"iter_{int(it):07d}")
+    if not d.is_dir():
+        there = sorted(p.name for p in path.iterdir() if p.is_dir() and _ITERATION_DIR.fullmatch(p.name))
+        raise ValueError(f"{str(tracker)!r} says {it}, and {str(d)!r} is not there (iterations there: "
+                         f"{', '.join(there) or 'none'}): give the folder of the iteration to read, or copy the "
+                         f"missing one in")
+    return d
 
 
 def _is_torch_dist(d: Path) -> bool:
@@ -113,6 +124,8 @@ def is_megatron_checkpoint(path: str | os.PathLike[str]) -> bool:
     path = Path(path)
     if path.is_file():
         return path.name == "model_optim_rng.pt"
+    if _RANK_DIR.match(path.name) and (path / "model_optim_rng.pt").is_file():  # one rank's folder
+        return True
     d = _iteration_dir(path)
     return d.is_dir() and (any(_RANK_DIR.match(p.name) for p in d.iterdir())
                            or (d / "metadata.json").is_file() and (d / ".metadata").is_file())
@@ -259,8 +272,11 @@ def _load_rank_file(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - name the file, the cause and the way out
-        raise ValueError(f"{str(path)!r} cannot be read with torch.load(weights_only=True): {e}. Re-save its model "
-                         f"state alone where you trust the file: torch.save({{'model': ckpt['model']}}, path)") from e
+        # torch's text advises loading with pickle: the line that names the refused global, not that advice
+        why = re.search(r"WeightsUnpickler error: (.*?\.)(?= Please use|\n|$)", str(e))
+        raise ValueError(f"{str(path)!r} cannot be read with torch.load(weights_only=True): "
+                         f"{why.group(1) if why else e} No code of the file was run. Where you trust the file, save "
+                         f"it again without that class (its 'args' as plain values) and read that") from e
 
 
 def read_args(path: str | os.PathLike[str]) -> argparse.Namespace | None:
@@ -275,6 +291,8 @@ def _rank_files(path: Path) -> dict[tuple[int, int | None, int | None], Path]:
     iteration."""
     if path.is_file():
         return {(0, None, None): path}
+    if _RANK_DIR.match(path.name) and (path / "model_optim_rng.pt").is_file():  # one rank's folder
+        return {(0, None, None): path / "model_optim_rng.pt"}
     d = _iteration_dir(path)
     files = {}
     for sub in d.iterdir():
@@ -323,6 +341,37 @@ def _check_expert_layout(args: argparse.Namespace | None, ep: int, path: Path) -
                          f"{ep} expert-parallel ranks")
 
 
+def _check_whole(path: Path, args: argparse.Namespace | None, tp: int, pp: int) -> None:
+    """The rank files make at least the layout the ``args`` were saved at: one rank's file given alone, or folders
+    of ranks missing, are refused naming both (the tensors of the others are not there). More files than the args
+    say (a checkpoint resharded with its args left as they were) are read."""
+    saved = tuple(int(getattr(args, k, None) or 1) for k in ("tensor_model_parallel_size",
+                                                             "pipeline_model_parallel_size"))
+    if args is None or tp >= saved[0] and pp >= saved[1]:
+        return
+    layout = f"tensor_model_parallel_size={saved[0]} x pipeline_model_parallel_size={saved[1]}"
+    if path.is_file() or _RANK_DIR.match(path.name):
+        raise ValueError(f"{str(path)!r} is one rank's file of a checkpoint saved at {layout}: give the checkpoint's "
+                         f"folder (the one holding latest_checkpointed_iteration.txt, or its iter_* folder)")
+    raise ValueError(f"{str(path)!r}: its args say {layout}, but its rank files make {pp} pipeline stage(s) of {tp} "
+                     f"tensor-parallel rank(s): rank folders are missing (copy the whole iteration folder)")
+
+
+def _check_one_iteration(path: Path, iterations: dict[Path, Any]) -> None:
+    """Every rank file holds the same ``iteration`` (the folder's, ``iter_N``): a file of another save among them is
+    refused by name (its tensors are another model's)."""
+    folder = re.fullmatch(r"iter_(\d+)", next(iter(iterations)).parent.parent.name)
+    want = int(folder.group(1)) if folder else None
+    seen = [it for it in iterations.values() if it is not None]
+    if want is None and seen:
+        want = max(set(seen), key=seen.count)
+    odd = {file: it for file, it in iterations.items() if it is not None and it != want}
+    if odd:
+        listed = ", ".join(f"iteration {it} in {str(file)!r}" for file, it in sorted(odd.items()))
+        raise ValueError(f"{str(path)!r}: its rank files are not of one save: {listed}, iteration {want} in the "
+                         f"others: copy the whole iteration folder again")
+
+
 def read_legacy_checkpoint(path: str | os.PathLike[str], adapter: StateDictAdapter) -> MegatronCheckpoint:
     """Merge the per-rank ``model_optim_rng.pt`` files of one iteration (any TP/PP/VP/EP) by the family's
     TP layout, the experts of the expert-parallel ranks under their global index."""
@@ -338,10 +387,14 @@ def read_legacy_checkpoint(path: str | os.PathLike[str], adapter: StateDictAdapt
     ep = 1 + max(e for _, _, e in files)
     if len(files) != tp * pp * ep:
         raise ValueError(f"{str(path)!r}: expected {tp} x {pp} x {ep} rank files (TP x PP x EP), found {len(files)}")
+    _check_whole(path, args, tp, pp)
     _check_expert_layout(args, ep, path)
+    iterations: dict[Path, Any] = {}
 
     def load(file: Path) -> dict[str, Any]:
-        return first if file == first_file else _load_rank_file(file)
+        state = first if file == first_file else _load_rank_file(file)
+        iterations[file] = state.get("iteration") if isinstance(state, dict) else None
+        return state
 
     stages: dict[int, list[dict[str, torch.Tensor]]] = {}  # stage -> per virtual chunk, TP- and EP-merged
     for p in range(pp):
@@ -363,6 +416,7 @@ def read_legacy_checkpoint(path: str | os.PathLike[str], adapter: StateDictAdapt
                              f"{[len(c) for c in per_ep]} virtual chunks")
         ep_names = [str(files[(0, p, e)]) for e in range(ep)]
         stages[p] = [_merge_expert_ranks([chunks[c] for chunks in per_ep], ep_names) for c in range(len(per_ep[0]))]
+    _check_one_iteration(path, iterations)
     vp = len(stages[0])
     local_layers = [len({m.group(2) for m in map(_LAYER.fullmatch, c) if m}) for p in range(pp) for c in stages[p]]
     per_chunk = local_layers[0]
@@ -405,16 +459,9 @@ def read_torch_dist_checkpoint(path: str | os.PathLike[str], adapter: StateDictA
     full = _split_dist_experts(_join_swiglu_halves(full))
     layers = {int(m.group(2)) for m in map(_LAYER.fullmatch, full) if m}
     num_layers = 1 + max(layers) if layers else 0
-    args = None
-    if (d / "common.pt").is_file():  # megatron-core saves its args there
-        try:
-            args = read_args(d / "common.pt")
-        except ValueError as e:
-            import warnings
-
-            warnings.warn(f"{str(d / 'common.pt')!r}: the training arguments are not read ({e}); the model's "
-                          f"architecture arguments are checked against the tensors' shapes only", UserWarning,
-                          stacklevel=2)
+    # megatron-core saves its args in common.pt: read as a legacy file's are (a file the allow-list refuses is
+    # refused: its args say how the model computes, which the tensors' shapes do not)
+    args = read_args(d / "common.pt") if (d / "common.pt").is_file() else None
     return MegatronCheckpoint(state_dict=full, args=args, num_layers=num_layers)
 
 
@@ -439,9 +486,12 @@ def read_megatron_architecture(path: str | os.PathLike[str], adapter: StateDictA
     path = Path(path)
     d = path if path.is_file() else _iteration_dir(path)
     if not _is_torch_dist(d):
-        first = path if path.is_file() else next((sub / "model_optim_rng.pt" for sub in sorted(d.iterdir())
-                                                  if _RANK_DIR.match(sub.name)), None)
+        one_rank = path.is_file() or _RANK_DIR.match(path.name) and (path / "model_optim_rng.pt").is_file()
+        first = (path if path.is_file() else path / "model_optim_rng.pt") if one_rank else next(
+            (sub / "model_optim_rng.pt" for sub in sorted(d.iterdir()) if _RANK_DIR.match(sub.name)), None)
         args = read_args(first) if first is not None and first.is_file() else None
         if args is not None and getattr(args, "num_layers", None):
+            if one_rank:  # a whole save of one rank only
+                _check_whole(path, args, 1, 1)
             return adapter.architecture_from_megatron(args, int(args.num_layers))
     return read_megatron_checkpoint(path, adapter).hparams

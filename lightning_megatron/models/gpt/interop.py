@@ -72,6 +72,8 @@ UNSUPPORTED_MOE_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_router_topk_scaling_factor": ((None, 1, 1.0), "routing weights scaled by a factor"),
     "moe_router_num_groups": ((None, 0, 1), "group-limited routing (device-limited top-k)"),
     "moe_router_group_topk": ((None, 0), "group-limited routing (device-limited top-k)"),
+    "moe_router_topk_limited_devices": ((None, 0), "device-limited routing (megatron-core's older spelling of "
+                                                   "group-limited top-k)"),
     "moe_router_enable_expert_bias": ((False, None), "expert-bias routing (aux-loss-free load balancing)"),
     "moe_router_force_load_balancing": ((False, None), "random routing (a benchmark setting)"),
     "moe_apply_probs_on_input": ((False, None), "routing weights applied to the experts' input"),
