@@ -221,7 +221,10 @@ def load_full_state_dict(chunks: list[nn.Module], named_parameters: list[tuple[s
                 padded = p.size(0) * count
                 if t.size(0) < real:
                     errors.append(f"init_from={source_name!r}: {key} has a vocabulary of {t.size(0)} rows, the "
-                                  f"model's vocab_size is {real}: set {flag_prefix}vocab_size {t.size(0)}")
+                                  f"model's vocab_size is {real}: the source was trained with another tokenizer than "
+                                  f"the data's; tokenize the data with the source's tokenizer and set "
+                                  f"{flag_prefix}vocab_size to its size (at most {t.size(0)}: a Megatron-LM checkpoint "
+                                  f"pads its vocabulary)")
                     continue
                 t = t[:real]  # Megatron-LM pads its vocabulary; the padding never is a prediction
                 t = torch.cat([t, t.new_zeros((padded - real, *t.shape[1:]))]) if padded > real else t

@@ -281,3 +281,18 @@ def test_a_checkpoint_that_is_not_one_whole_save_is_refused_naming_what_is_wrong
     with pytest.raises(ValueError, match=r"common.pt' cannot be read .*_NotAllowed") as refused:
         read_pretrained(str(tmp_path / "dist"))
     assert "weights_only" not in str(refused.value).split("cannot be read with torch.load(weights_only=True)")[1]
+
+
+def test_a_vocabulary_larger_than_the_checkpoint_s_names_the_tokenizer_not_a_padded_size(tmp_path):
+    """A model whose vocabulary (the data's tokenizer) is larger than a Megatron-LM checkpoint's padded rows: the
+    advice was to set vocab_size to the padded rows (256 here: neither the checkpoint's tokenizer, 97, nor the data's);
+    the refusal names the tokenizer the checkpoint was trained with."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    model = _models()["llama"]
+    arch = ghc.hf_architecture(model.config)
+    _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama"))
+    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), config={"vocab_size": 8192})
+    with pytest.raises(ValueError, match=r"has a vocabulary of 256 rows, the model's vocab_size is 8192: the source "
+                                         r"was trained with another tokenizer than the data's.*at most 256"):
+        module.configure_model()
