@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 VOCAB, PADDED, SEQ = 100, 128, 16
 
 
-def _megatron_model():
+def _megatron_model(binary_head: bool = True):
     from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -36,8 +36,8 @@ def _megatron_model():
                             layernorm_epsilon=1e-5, bias_activation_fusion=True, masked_softmax_fusion=False,
                             persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False)
     torch.manual_seed(0)
-    model = BertModel(config=cfg, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec, vocab_size=PADDED,
-                     max_sequence_length=SEQ, add_binary_head=True, parallel_output=True,
+    model = BertModel(config=cfg, num_tokentypes=2 if binary_head else 0, transformer_layer_spec=bert_layer_local_spec,
+                      vocab_size=PADDED, max_sequence_length=SEQ, add_binary_head=binary_head, parallel_output=True,
                      share_embeddings_and_output_weights=True).eval()  # as pretrain_bert.py builds it
     with torch.no_grad():  # O(1) GELU inputs (a fresh init gives ~0.1), where tanh and exact GELU differ
         for layer in model.encoder.layers:
@@ -112,6 +112,16 @@ def write_megatron_checkpoints(root: str) -> None:
                d / "model_optim_rng.pt")
     (root / "legacy" / "latest_checkpointed_iteration.txt").write_text("1")
     _split_legacy(mc.state_dict(), root, args)
+    # --bert-no-binary-head: no pooler, binary head or token-type embeddings (pretrain_bert.py's num_tokentypes 0)
+    bare = _megatron_model(binary_head=False)
+    with torch.no_grad():
+        ref_bare, _ = bare(tokens, mask, tokentype_ids=None)
+    torch.save({"ref": ref_bare[..., :VOCAB].clone()}, root / "reference_no_binary_head.pt")
+    d = root / "no_binary_head" / "iter_0000001" / "mp_rank_00"
+    d.mkdir(parents=True)
+    torch.save({"model": bare.state_dict(), "args": argparse.Namespace(**vars(args), bert_binary_head=False),
+                "iteration": 1, "checkpoint_version": 3.0}, d / "model_optim_rng.pt")
+    (root / "no_binary_head" / "latest_checkpointed_iteration.txt").write_text("1")
     (root / "torch_dist").mkdir()
     # Its writer synchronizes CUDA and reduces a flag on the CUDA device: CPU in this throwaway process.
     torch.cuda.synchronize = lambda *a, **k: None
@@ -167,6 +177,17 @@ def _worker(root: str) -> dict:
             dist.all_gather(parts, logits.contiguous(), group=ps.tp_group)
             out[f"{name}-exact{exact_mlp}"] = (torch.cat(parts, -1)[..., :VOCAB], binary)
         out[f"{name}-hparams"] = saved.hparams
+    # the checkpoint without binary head or token types, through the module at TP=2 (the batch's types left out)
+    module = BertLightningModule.from_pretrained(str(root / "no_binary_head"), config=dict(
+        vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0))
+    module.connect_parallel_state(ps)
+    module.configure_model()
+    with torch.no_grad():
+        logits, binary = module.eval().model_chunks[0](tokens, mask, types)
+    parts = [torch.empty_like(logits) for _ in range(2)]
+    dist.all_gather(parts, logits.contiguous(), group=ps.tp_group)
+    out["no_binary_head"] = (torch.cat(parts, -1)[..., :VOCAB], binary,
+                             torch.load(root / "reference_no_binary_head.pt", weights_only=True)["ref"])
     return out
 
 
@@ -206,3 +227,12 @@ def test_legacy_args_give_the_bias_gelu_fusion_numerics(measured):
     hp = measured[0]["legacy-hparams"]
     assert hp["activation"] == "gelu_tanh" and hp["lm_head_activation"] == "gelu" and hp["num_layers"] == 4
     assert measured[0]["tp2pp2-hparams"]["num_layers"] == 4
+
+
+def test_a_checkpoint_trained_without_binary_head_matches_megatron_core(measured):
+    """``--bert-no-binary-head`` (no pooler, binary head or token types; refused until 2026-12-07) at TP=2."""
+    real = _inputs()[1].bool()
+    for r in measured:
+        logits, binary, ref = r["no_binary_head"]
+        assert binary is None
+        torch.testing.assert_close(logits[real], ref[real], rtol=0, atol=1e-5)

@@ -274,6 +274,11 @@ def test_a_checkpoint_that_is_not_one_whole_save_is_refused_naming_what_is_wrong
     with pytest.raises(ValueError, match=r"latest_checkpointed_iteration.txt' holds 'iter_1': an iteration number "
                                          r"or 'release' was expected"):
         read_pretrained(str(root))
+    (root / "latest_checkpointed_iteration.txt").unlink()  # no tracker beside the iterations: which one is meant
+    shutil.copytree(root / "iter_0000010", root / "iter_0000020")
+    with pytest.raises(ValueError, match=r"has no latest_checkpointed_iteration.txt: give one of its iteration "
+                                         r"folders \(iter_0000010, iter_0000020\)"):
+        read_pretrained(str(root))
     # torch_dist: a common.pt whose args the allow-list refuses is refused, as a legacy file's is
     _write_torch_dist(tmp_path / "dist", full, arch, _args("llama", rotary_base=500))
     torch.save({"args": argparse.Namespace(**{**vars(_args("llama")), "backend": _NotAllowed()})},

@@ -126,13 +126,16 @@ class _FakeEnumModule:
                 sys.modules[name] = old
 
 
-def _megatron_legacy(tmp_path, megatron_hf_model, extra=None):
+def _megatron_legacy(tmp_path, megatron_hf_model, extra=None, **more_args):
     """A legacy Megatron-LM checkpoint (TP=1, PP=1) of ``megatron_hf_model``'s weights, padded vocabulary
-    (``extra``: tensors added to it, our names)."""
+    (``extra``: tensors added to it, our names; ``more_args``: its args; ``bert_binary_head=False``: no pooler,
+    binary head or token types, as Megatron-LM's ``--bert-no-binary-head`` builds BERT)."""
     from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
 
     cfg = bert_config_from_hf(megatron_hf_model.config)
     sd = bert_state_dict_from_hf(megatron_hf_model.state_dict(), cfg, make_vocab_size_divisible_by=128)
+    if more_args.get("bert_binary_head") is False:
+        sd = {k: v for k, v in sd.items() if not k.startswith(("pooler.", "binary_head.", "embedding.tokentype"))}
     sd.update(extra or {})
     assert sd["embedding.word_embeddings.weight"].size(0) == 128  # Megatron's padded rows travel along
     with _FakeEnumModule() as AttnBackend:
@@ -140,7 +143,7 @@ def _megatron_legacy(tmp_path, megatron_hf_model, extra=None):
                                   max_position_embeddings=SEQ, norm_epsilon=1e-5, bias_gelu_fusion=True,
                                   normalization="LayerNorm", position_embedding_type="learned_absolute",
                                   add_bias_linear=True, make_vocab_size_divisible_by=128, padded_vocab_size=128,
-                                  attention_backend=AttnBackend.auto, params_dtype=torch.float32)
+                                  attention_backend=AttnBackend.auto, params_dtype=torch.float32, **more_args)
         d = tmp_path / "megatron" / "iter_0000001" / "mp_rank_00"
         d.mkdir(parents=True)
         torch.save({"model": sd, "args": args, "iteration": 1, "checkpoint_version": 3.0}, d / "model_optim_rng.pt")
@@ -159,6 +162,25 @@ def test_megatron_lm_legacy_logits_match_transformers_with_the_bias_gelu_fusion_
     module = BertLightningModule.from_pretrained(str(source), config={"vocab_size": VOCAB})
     assert (module.config.activation, module.config.lm_head_activation) == ("gelu_tanh", "gelu")
     _close(_ours(module), _theirs(model))
+
+
+def test_a_megatron_lm_bert_without_binary_head_or_token_types_is_read(tmp_path):
+    """``--bert-no-binary-head``: Megatron-LM builds BERT without the pooler, the binary head and the token-type
+    embeddings (``num_tokentypes`` 0). Read as such (until 2026-12-07 refused: the heads missing, with advice about
+    the spec); its masked-LM logits equal transformers' on the same weights with token types that add nothing."""
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    model = _hf_model(True, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-5)
+    model.cls.predictions.transform.transform_act_fn = torch.nn.GELU()  # exact, as Megatron's LM head
+    with torch.no_grad():
+        model.bert.embeddings.token_type_embeddings.weight.zero_()  # the source has none: they add nothing
+    source = _megatron_legacy(tmp_path, model, bert_binary_head=False)
+    module = BertLightningModule.from_pretrained(str(source), config={"vocab_size": VOCAB})
+    assert (module.config.num_tokentypes, module.config.add_binary_head) == (0, False)
+    lm, binary = _ours(module)  # the batch's token types are not the model's: left out
+    assert binary is None
+    assert "embedding.tokentype_embeddings.weight" not in dict(module.model_chunks[0].named_parameters())
+    _close([lm], [_theirs(model)[0]])
 
 
 def test_source_tensors_no_parameter_takes_are_refused(tmp_path):
@@ -397,3 +419,18 @@ def test_a_failed_export_leaves_the_existing_folder_whole(tmp_path, monkeypatch)
     monkeypatch.setattr(convert, "read_model_checkpoint", lambda path: saved)
     convert.export_hf("ckpt", target, vocab_file=vocab, overwrite=True)
     assert (target / "model.safetensors").is_file() and (target / "config.json").read_text() != "{}"
+
+
+def test_the_binary_head_is_a_source_s_to_leave_not_to_invent(tmp_path):
+    """A model without the binary head starts from a source with one (its heads unread); one with the head from a
+    Megatron-LM checkpoint trained without it is refused, naming add_binary_head."""
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    model = _hf_model(True, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-5)
+    with_head = _megatron_legacy(tmp_path / "with", model)
+    module = BertLightningModule.from_pretrained(str(with_head), config={"vocab_size": VOCAB,
+                                                                         "add_binary_head": False})
+    module.configure_model()
+    without = _megatron_legacy(tmp_path / "without", model, bert_binary_head=False)
+    with pytest.raises(ValueError, match=r"add_binary_head=True but the source has False"):
+        BertLightningModule.from_pretrained(str(without), config={"vocab_size": VOCAB, "add_binary_head": True})

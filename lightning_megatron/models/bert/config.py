@@ -27,6 +27,9 @@ class BertConfig(LanguageModelConfig):
     """Epsilon added to the variance (LayerNorm) or mean square (RMSNorm); BERT's 1e-12."""
     add_binary_head: bool = True
     """The pooler and the binary (next-sentence / sentence-order) head on the last stage."""
+    num_tokentypes: int = 2
+    """Token-type (segment) embeddings: 2 (the first and the second text), or 0 (none: the batch's token types are
+    left out, as Megatron-LM's ``--bert-no-binary-head`` builds and runs BERT)."""
     lm_head_activation: Literal["gelu", "gelu_tanh", "relu", "silu"] | None = None
     """The LM head's activation; None: ``activation``. Megatron-LM models trained with
     ``--bias-gelu-fusion`` need ``activation=gelu_tanh`` and ``lm_head_activation=gelu``."""
@@ -37,6 +40,8 @@ class BertConfig(LanguageModelConfig):
                              f"is Hugging Face BERT's, LayerNorm after each residual branch, and would ignore it; use "
                              f"bert_layer_local_spec (pre-norm, its norm the config's normalization) or "
                              f"bert_layer_rmsnorm_spec")
+        if self.num_tokentypes < 0:
+            raise ValueError(f"num_tokentypes={self.num_tokentypes} must be 0 (no token types) or more")
         if self.lm_head_activation is not None and self.lm_head_activation not in ACTIVATIONS:
             raise ValueError(f"lm_head_activation={self.lm_head_activation!r} is not supported; use one of "
                              f"{ACTIVATIONS} or None (the MLP's activation)")

@@ -40,7 +40,8 @@ __all__ = ["BertInterop", "ARCHITECTURE_KEYS", "MISSING_TENSORS_HINT", "HF_ACTIV
            "check_architecture"]
 
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "spec", "activation",
-                     "lm_head_activation", "layernorm_epsilon", "max_sequence_length", "vocab_size")
+                     "lm_head_activation", "layernorm_epsilon", "max_sequence_length", "vocab_size", "num_tokentypes",
+                     "add_binary_head")
 """Module arguments a source fixes (checked by :func:`check_architecture`)."""
 
 MISSING_TENSORS_HINT = ("is the spec right (post-norm Hugging Face BERT needs --model.config.spec "
@@ -187,6 +188,8 @@ class BertInterop:
                               "layernorm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
                               "spec": "bert_layer_rmsnorm_spec" if normalization == "RMSNorm"
                               else "bert_layer_local_spec"}
+        if get("bert_binary_head") is False:  # --bert-no-binary-head: no pooler, binary head or token types
+            hp.update(add_binary_head=False, num_tokentypes=0)
         if get("bias_gelu_fusion") or get("bias_activation_fusion"):
             hp.update(activation="gelu_tanh", lm_head_activation="gelu")
         else:
@@ -366,7 +369,8 @@ def _save_tokenizer(vocab: Path, out: Path, *, lowercase: bool, max_length: int)
 def architecture_conflicts(hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(key, the module's value, the source's)`` for every argument of ``hparams`` the source fixes
     otherwise (a missing ``ffn_hidden_size`` is ``4 * hidden_size``, a missing ``lm_head_activation`` the
-    ``activation``; a ``None`` vocabulary on either side is read from the data and checked on the tensors)."""
+    ``activation``; a ``None`` vocabulary on either side is read from the data and checked on the tensors; a model
+    without the binary head may start from a source with one)."""
     wrong = []
     for key in ARCHITECTURE_KEYS:
         if key not in source or key not in hparams:
@@ -380,6 +384,8 @@ def architecture_conflicts(hparams: dict[str, Any], source: dict[str, Any]) -> l
             want, have = want or source.get("activation"), have or hparams.get("activation")
         if key == "vocab_size" and have is None:
             continue  # read from the datamodule: checked against the tensors' shapes
+        if key == "add_binary_head" and not have:
+            continue  # a model without the pooler and binary head starts from a source with them (left unread)
         if isinstance(want, float) and isinstance(have, (int, float)):
             if abs(want - have) <= 1e-12 * max(abs(want), 1e-30):
                 continue

@@ -149,7 +149,7 @@ class BertModel(LanguageModule):
                          make_vocab_size_divisible_by=make_vocab_size_divisible_by, seed=seed)
         spec = _resolve_spec(spec)
         self.spec = spec
-        self.add_binary_head = add_binary_head
+        self.add_binary_head, self.num_tokentypes = add_binary_head, num_tokentypes
         post_norm = norm_placement(spec) == "post"
         norm = layer_norm_spec(spec)  # the LM head (and the embeddings, if post-norm) use the layers' norm
 
@@ -230,7 +230,8 @@ class BertModel(LanguageModule):
                 raise ValueError(f"a sequence of {tokens.size(1)} tokens exceeds max_sequence_length="
                                  f"{self.max_sequence_length} (the learned positions); cut it to at most that")
             position_ids = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
-            hidden_states = self.embedding(tokens, position_ids, token_types)
+            # a model without token types (num_tokentypes 0) leaves the batch's out, as Megatron-LM's BERT step does
+            hidden_states = self.embedding(tokens, position_ids, token_types if self.num_tokentypes else None)
         hidden_states = self.encoder(hidden_states, mask)
         if not self.post_process:
             return hidden_states

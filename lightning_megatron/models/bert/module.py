@@ -84,6 +84,7 @@ class BertLightningModule(LanguageLightningModule):
     def build_chunk(self, config: BertConfig, place: ChunkLayout, parallel_state: ParallelState) -> BertModel:
         return BertModel(config, config.spec, self.vocab_size, config.max_sequence_length,
                          tp_group=parallel_state.group("tp"), add_binary_head=config.add_binary_head,
+                         num_tokentypes=config.num_tokentypes,
                          pre_process=place.pre_process, post_process=place.post_process, layer_range=place.layers,
                          make_vocab_size_divisible_by=config.make_vocab_size_divisible_by, seed=self.init_seed,
                          lm_head_activation=config.lm_head_activation)
