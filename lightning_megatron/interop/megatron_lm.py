@@ -102,6 +102,11 @@ def _iteration_dir(path: Path) -> Path:
     holding no iteration, or naming a folder that is not there, is refused naming both."""
     tracker = path / "latest_checkpointed_iteration.txt"
     if not tracker.is_file():
+        iterations = sorted(p.name for p in path.iterdir() if p.is_dir() and _ITERATION_DIR.fullmatch(p.name)) \
+            if path.is_dir() else []
+        if iterations and not any(_RANK_DIR.match(p.name) or p.name == ".metadata" for p in path.iterdir()):
+            raise ValueError(f"{str(path)!r} has no latest_checkpointed_iteration.txt: give one of its iteration "
+                             f"folders ({', '.join(iterations)})")
         return path
     it = tracker.read_text().strip()
     if it != "release" and not it.isdigit():
