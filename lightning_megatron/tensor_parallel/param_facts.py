@@ -10,7 +10,8 @@ Who sets what:
 - the parallel layers (``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``):
   ``sharded_over=("tp",)``, ``partition_dim``, ``partition_stride`` (through Megatron's
   :func:`set_tensor_model_parallel_attributes`), and ``sequence_parallel`` for the row-parallel bias;
-- the transformer's norms and biases under sequence parallelism: ``sequence_parallel``;
+- the transformer's norms and biases under sequence parallelism, the norms of queries and keys always:
+  ``sequence_parallel``;
 - a model with tied word embeddings: ``shared_embedding``; one with a padded vocabulary:
   ``real_vocab_size`` of its embedding and output rows;
 - every other parameter is replicated across tensor-parallel ranks: the strategy (and a standalone
@@ -73,8 +74,9 @@ class ParamFacts:
     partition_stride: int = 1
     """Megatron's stride of the shards along ``partition_dim`` (1: contiguous slices)."""
     sequence_parallel: bool = False
-    """Replicated across TP, but its gradient is partial under sequence parallelism (norm weights and
-    biases, row-parallel biases): the gradients are summed over TP."""
+    """Replicated across TP, but its gradient is partial: under sequence parallelism (norm weights and
+    biases, row-parallel biases), and always for the norms of queries and keys (each TP rank normalizes its own
+    heads): the gradients are summed over TP."""
     shared_embedding: bool = False
     """The tied word embedding: held by the first and the last pipeline stage, its gradients summed
     over the embedding group; counted once, on the first stage."""

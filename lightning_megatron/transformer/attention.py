@@ -51,7 +51,6 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from lightning_megatron.parallel_state import group_rank, group_size
-from lightning_megatron.tensor_parallel.param_facts import set_param_facts
 from lightning_megatron.tensor_parallel import (
     divide,
     gather_from_sequence_parallel_region,
@@ -59,6 +58,7 @@ from lightning_megatron.tensor_parallel import (
     init_method_normal,
     recompute,
     scaled_init_method_normal,
+    set_param_facts,
 )
 from lightning_megatron.transformer.config import TransformerConfig
 from lightning_megatron.transformer.context_parallel import ContextParallel
