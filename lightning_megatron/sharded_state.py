@@ -36,7 +36,7 @@ from lightning_megatron.optimizer.mixed_precision import MegatronOptimizer
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.protocols import OptimizerWrapper, PlainOptimizer, ShardedOptimizer, is_sharded
 from lightning_megatron.tensor_parallel.param_facts import param_facts
-from lightning_megatron.tensor_parallel.random import get_rng_tracker
+from lightning_megatron.tensor_parallel.random import default_rng_states, get_rng_tracker, set_default_rng_states
 
 __all__ = ["ShardInfo", "ShardedStateMapper", "duplicate_names_problem", "flat_range_boxes", "optimizer_class_name", "optimizer_class_problem",
            "optimizer_extra",
@@ -437,8 +437,11 @@ def _load_param_state(opt: OptimizerWrapper, main: torch.Tensor, state: dict[str
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's generators: the CPU's, the accelerator's default one (a GPU's dropout outside the tensor-parallel
+    streams draws from it) and the tracker's streams."""
     tracker = get_rng_tracker().get_states()
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    cpu, accel = default_rng_states()
+    state: dict[str, Any] = {"cpu": cpu, **({} if accel is None else {"accel": accel})}
     for name, (cpu, accel) in tracker.items():
         state[f"tracker.{name}.cpu"] = cpu
         if accel is not None:
@@ -447,7 +450,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
+    """The generators of :func:`rng_state` restored (the accelerator's where both runs have one)."""
+    set_default_rng_states((state["cpu"], state.get("accel")))
     tracker = get_rng_tracker()
     current = tracker.get_states()
     for name in list(current):

@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -209,6 +210,7 @@ class MegatronStrategy(DDPStrategy):
         self.check_for_nan_in_loss_and_grad = check_for_nan_in_loss_and_grad
         self.cpu_tuning: CPUTuning | None = CPUTuning.from_argument(cpu_tuning)
         self.parallel_state: ParallelState | None = None
+        self._groups_world: Any = None  # the default group parallel_state's groups were built on
         self.batch_sizes: BatchSizes | None = None
         """The step's batch sizes, resolved once in ``setup`` (the one place they are read from)."""
         self._module: MegatronModule | None = None  # the LightningModule under its contract, after setup
@@ -259,7 +261,7 @@ class MegatronStrategy(DDPStrategy):
         check_same_settings(run_settings(dims=self.parallel_dims, micro_batch_size=self.micro_batch_size,
                                          seed=self.seed, trainer=trainer, module=self.lightning_module,
                                          callbacks=[] if trainer is None else trainer.callbacks), self.root_device)
-        self.parallel_state = initialize_model_parallel(self.parallel_dims, timeout=self._timeout)
+        self.parallel_state = self._groups()
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
         self._node_ranks = check_nodes(self.parallel_state, self.node_rank, self.root_device, self.num_processes)
         if isinstance(self.lightning_module, MegatronLightningModule):
@@ -267,6 +269,16 @@ class MegatronStrategy(DDPStrategy):
             self.lightning_module.connect_parallel_state(self.parallel_state)
         if self.cpu_tuning is not None:  # opt-in; acts on CPU only
             self.cpu_tuning.setup(self.parallel_state, device=self.root_device, timeout=self._timeout)
+
+    def _groups(self) -> ParallelState:
+        """This layout's process groups: the ones an earlier run of this strategy built (``fit`` then ``test``) while
+        the default group and the layout are the same (a new set per run: on NCCL each holds GPU memory), else new."""
+        ps, world = self.parallel_state, dist.group.WORLD
+        if ps is not None and self._groups_world is world and ps.dims == self.parallel_dims.for_world_size(
+                dist.get_world_size()):
+            return ps
+        self._groups_world = world
+        return initialize_model_parallel(self.parallel_dims, timeout=self._timeout)
 
     @property
     @override

@@ -87,6 +87,9 @@ def _worker(root: str) -> dict:
         res["shards"] = local_shards(module)
         [metrics] = trainer.test(module, dataloaders=DataLoader(batches, batch_size=None), verbose=False)
         res["test_lm_loss"] = float(metrics["test_lm_loss"])
+        # the same strategy's second run (test after fit) keeps the process groups (it built a new set per run: on
+        # NCCL each set's communicators hold GPU memory)
+        res["same_groups"] = trainer.strategy.parallel_state is ps and module.parallel_state is ps
         tp2pp2 = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
         tp2dp2 = dict(tensor_model_parallel_size=2)
         res["ids_tp2pp2"] = _predict(spec, tp2pp2, batches, "masked_lm", ckpt_path=ckpt)
@@ -193,6 +196,7 @@ def test_test_loss_and_load_from_checkpoint(measured, spec):
     expected = float(torch.stack(losses).mean())
     for r in per_rank:
         assert abs(r[spec]["test_lm_loss"] - expected) <= 1e-5 * abs(expected)
+        assert r[spec]["same_groups"]
     loaded = BertLightningModule.load_from_checkpoint(root / spec / "ckpt")
     b = _batches()[0]
     with torch.no_grad():

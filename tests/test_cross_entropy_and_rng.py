@@ -320,3 +320,39 @@ def test_the_recomputing_cross_entropy_equals_the_vocab_parallel_function():
     assert [(shape, dtype) for shape, dtype in saved if shape[-1:] == (48,)] == [((3, 7, 48), torch.bfloat16)], saved
     torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(z.grad, results[0][1], rtol=8e-3, atol=1e-6)
+
+
+class _FakeAccelerator:
+    """An accelerator's generator as torch's device modules expose it (``get_rng_state`` / ``set_rng_state``)."""
+
+    def __init__(self):
+        self.state = torch.tensor([7], dtype=torch.uint8)
+
+    def get_rng_state(self):
+        return self.state.clone()
+
+    def set_rng_state(self, state):
+        self.state = state.clone()
+
+
+def test_model_building_leaves_the_accelerator_generator_and_checkpoints_keep_it(monkeypatch):
+    """On a GPU, dropout outside the tensor-parallel streams draws from the accelerator's default generator. Until
+    2026-12-07 every ``seeded`` block of a model build re-seeded it (``torch.manual_seed`` seeds CUDA too: the run's
+    seed had no say over it), and a checkpoint did not hold it (a resumed run's masks started over)."""
+    from lightning_megatron.sharded_state import rng_state, set_rng_state
+    from lightning_megatron.tensor_parallel import random as tp_random
+    from lightning_megatron.transformer.utils import seeded
+
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    before = torch.get_rng_state()
+    with seeded(1234, "decoder.layers.3"):
+        torch.rand(3)
+    assert reseeded == [] and torch.equal(torch.get_rng_state(), before)  # the CPU's restored, the accelerator's kept
+    fake = _FakeAccelerator()
+    monkeypatch.setattr(tp_random, "_accelerator_module", lambda: fake)
+    saved = rng_state()
+    assert torch.equal(saved["accel"], torch.tensor([7], dtype=torch.uint8))
+    fake.state = torch.tensor([9], dtype=torch.uint8)  # the generator moved on; the resume restores it
+    set_rng_state(saved)
+    assert torch.equal(fake.state, torch.tensor([7], dtype=torch.uint8))

@@ -25,6 +25,8 @@ import torch
 __all__ = [
     "RNGStatesTracker",
     "get_rng_tracker",
+    "default_rng_states",
+    "set_default_rng_states",
     "model_parallel_seed",
     "recompute",
     "MODEL_PARALLEL_RNG_TRACKER_NAME",
@@ -41,12 +43,14 @@ def _accelerator_module():
     return torch.get_device_module(acc.current_accelerator().type)
 
 
-def _get_states() -> tuple[torch.Tensor, torch.Tensor | None]:
+def default_rng_states() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The default generators' states: the CPU's, and the current accelerator's (None without one)."""
     mod = _accelerator_module()
     return torch.get_rng_state(), (mod.get_rng_state() if mod is not None else None)
 
 
-def _set_states(states: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+def set_default_rng_states(states: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    """Restore :func:`default_rng_states` (the accelerator's where there is one and a state for it)."""
     cpu, accel = states
     torch.set_rng_state(cpu)
     mod = _accelerator_module()
@@ -80,10 +84,10 @@ class RNGStatesTracker:
         if name in self.states:
             raise ValueError(f"RNG state {name!r} already exists in the tracker")
         self.seeds.add(seed)
-        saved = _get_states()
+        saved = default_rng_states()
         torch.manual_seed(seed)
-        self.states[name] = _get_states()
-        _set_states(saved)
+        self.states[name] = default_rng_states()
+        set_default_rng_states(saved)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
@@ -92,14 +96,14 @@ class RNGStatesTracker:
         if self.forked == name:  # the generators hold this stream already: draw on from it
             yield
             return
-        saved, outer = _get_states(), self.forked
-        _set_states(self.states[name])
+        saved, outer = default_rng_states(), self.forked
+        set_default_rng_states(self.states[name])
         self.forked = name
         try:
             yield
         finally:
-            self.states[name] = _get_states()
-            _set_states(saved)
+            self.states[name] = default_rng_states()
+            set_default_rng_states(saved)
             self.forked = outer
 
 
@@ -124,7 +128,7 @@ class _RecomputeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, tracker, *args):
         ctx.run_function, ctx.tracker = run_function, tracker
-        ctx.fwd_states = _get_states()
+        ctx.fwd_states = default_rng_states()
         ctx.fwd_tracker_states, ctx.fwd_forked = tracker.get_states(), tracker.forked
         with torch.no_grad():
             outputs = run_function(*args)
@@ -141,15 +145,15 @@ class _RecomputeFunction(torch.autograd.Function):
             d = t.detach()
             d.requires_grad_(t.requires_grad)
             args[i] = d
-        current, current_tracker, current_forked = _get_states(), ctx.tracker.get_states(), ctx.tracker.forked
-        _set_states(ctx.fwd_states)
+        current, current_tracker, current_forked = default_rng_states(), ctx.tracker.get_states(), ctx.tracker.forked
+        set_default_rng_states(ctx.fwd_states)
         ctx.tracker.set_states(ctx.fwd_tracker_states)
         ctx.tracker.forked = ctx.fwd_forked  # the forward ran inside that fork: its forks swap nothing again
         try:
             with torch.enable_grad():
                 outputs = ctx.run_function(*args)
         finally:
-            _set_states(current)
+            set_default_rng_states(current)
             ctx.tracker.set_states(current_tracker)
             ctx.tracker.forked = current_forked
         if torch.is_tensor(outputs):

@@ -71,10 +71,12 @@ def seeded(seed: int, key: str) -> Iterator[None]:
     """Build inside a CPU RNG stream keyed by ``(seed, key)``, restoring the caller's RNG after.
 
     Parallel layers draw their fp32 master weights on the CPU, so whichever pipeline stage builds
-    ``layers.3``, and at whatever TP size, it draws the same numbers.
+    ``layers.3``, and at whatever TP size, it draws the same numbers. Only the CPU generator is seeded:
+    ``torch.manual_seed`` would re-seed the accelerator's too, which ``fork_rng(devices=[])`` does not restore (on a
+    GPU the dropout outside the tensor-parallel streams draws from it: the run's seed would have no say).
     """
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(stable_seed(seed, key))
+        torch.default_generator.manual_seed(stable_seed(seed, key))
         yield
 
 
