@@ -303,3 +303,15 @@ def test_pp2_dp2_overlap_and_zero1_equal_plain_data_parallel():
             assert run["row_grads"] == (1 if key[1] == "cpu-tuning" and run["pp_rank"] == 0 else 0), key
             torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(base["norms"]), rtol=1e-12, atol=0)
             assert len(run["one_copy"]) == STEPS and all(run["one_copy"]), key
+
+
+def test_a_rank_without_gradients_sums_on_its_accelerator(monkeypatch):
+    """A rank holding no gradient (its stage's parameters frozen) takes part in the norm's all-reduce with a zero:
+    on the current accelerator where there is one (it was a CPU tensor, which NCCL refuses), else the CPU."""
+    from lightning_megatron.optimizer.clip_grads import sum_of_squares_fp64
+
+    assert sum_of_squares_fp64([]).device == torch.device("cpu")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("meta"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    assert sum_of_squares_fp64([]).device.type == "meta"

@@ -77,9 +77,15 @@ def grads_for_norm(
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:
-    # A rank may hold no gradient at all (e.g. a stage whose params are frozen); it still has to take
-    # part in the collective, on CPU for gloo.
-    return tensors[0].device if tensors else torch.device("cpu")
+    """Where a rank's part of the norm lives: its gradients' device; a rank holding no gradient (a stage whose
+    parameters are frozen) still takes part in the collective, on the current accelerator (NCCL refuses a CPU
+    tensor), else the CPU (gloo)."""
+    if tensors:
+        return tensors[0].device
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return torch.device(acc.current_accelerator().type, acc.current_device_index())
+    return torch.device("cpu")
 
 
 def _flat_pieces(t: torch.Tensor, piece: int) -> list[torch.Tensor]:
