@@ -162,6 +162,23 @@ def test_aux_losses_formula_and_transformers():
     torch.testing.assert_close(seq.stats[0], per_seq, rtol=1e-6, atol=0)
 
 
+def test_a_recomputed_layer_counts_its_routing_once():
+    """Under activation recomputation a layer runs twice (without gradients, then again in backward); its logged
+    statistics (aux loss, z-loss, tokens per expert) counted both until 2026-12-07: the logged aux loss doubled."""
+    from lightning_megatron.tensor_parallel import recompute
+
+    torch.manual_seed(3)
+    layer = MoELayer(_config(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=1e-3))
+    x = torch.randn(4, 2, H, requires_grad=True)
+    out, _ = layer(x)
+    out.sum().backward()
+    plain = layer.stats.clone()
+    layer.stats.zero_()
+    recompute(lambda t: layer(t)[0], x).sum().backward()
+    assert plain[2:].sum() == 4 * 2 * K  # every token's k assignments, once
+    torch.testing.assert_close(layer.stats, plain)
+
+
 def test_aux_loss_reaches_the_router_gradient():
     """The scaled-in aux loss gives the router the gradient of (output . g + coeff * aux) (autograd reference)."""
     from lightning_megatron.transformer.moe.router import load_balancing_losses

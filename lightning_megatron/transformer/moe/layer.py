@@ -19,7 +19,8 @@ count). Under
 context parallelism the scale is multiplied by the CP size, as the language-model loss is (the
 gradients are averaged over the data- and context-parallel ranks).
 
-Per training forward the layer adds to ``stats`` [2 + E]: its share of the aux loss and of the z-loss,
+Per training forward with gradients (under recomputation, the replay in backward only) the layer adds to
+``stats`` [2 + E]: its share of the aux loss and of the z-loss,
 and its share of the tokens each expert was routed (``tokens / token-group size``);
 :func:`lightning_megatron.transformer.moe.stats.moe_metrics` reduces them for logging.
 """
@@ -190,7 +191,7 @@ class MoELayer(nn.Module):
         routing = self.router(x, token_group, order)
         probs, experts, keep = routing.probs, routing.experts, routing.keep
         training = self.training and torch.is_grad_enabled()
-        if self.training:
+        if training:  # with gradients: under recomputation the replay in backward, not the pass without them
             aux, z, tokens = load_balancing_losses(routing, c, num_tokens_per_sequence=s, token_group=token_group)
             token_ranks = group_size(token_group)
             self.stats += torch.cat([torch.stack([aux.detach(), z.detach()]), tokens / token_ranks])
