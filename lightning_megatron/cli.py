@@ -137,9 +137,11 @@ def _export(argv: list[str]) -> None:
                                      description="a checkpoint (any TP/PP/DP layout) -> a Hugging Face folder")
     parser.add_argument("format", choices=["hf", "peft"],
                         help="hf: transformers BertForPreTraining (post-norm spec), MegatronBertForPreTraining "
-                             "(pre-norm, the default recipe), LlamaForCausalLM or GPT2LMHeadModel (GPT family; a LoRA "
-                             "checkpoint's adapters merged into its base); peft: a LoRA checkpoint's adapters as a PEFT "
-                             "folder (PeftModel.from_pretrained)")
+                             "(pre-norm, the default recipe), a fine-tuned classifier's *ForSequenceClassification, "
+                             "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+                             "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or GPT2LMHeadModel (GPT family, by its "
+                             "settings; a LoRA checkpoint's adapters merged into its base); peft: a LoRA checkpoint's "
+                             "adapters as a PEFT folder (PeftModel.from_pretrained)")
     parser.add_argument("--ckpt_path", required=True, help="a lightning_megatron checkpoint directory")
     parser.add_argument("--output", required=True, help="the folder to write (config, model.safetensors, tokenizer)")
     parser.add_argument("--vocab_file", default=None,

@@ -232,8 +232,6 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
     ``read_architecture``: BERT reads a config.json, saved hyper-parameters or Megatron-LM args) and
     replace the recipe's; a flag given on the command line that disagrees with the source is refused,
     listing every such flag."""
-    import warnings
-
     from lightning_megatron.module import MegatronLightningModule
 
     model = config.get("model") if hasattr(config, "get") else None
@@ -283,9 +281,11 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
         if key in where and where[key] not in flags and not (key == "vocab_size" and value is None):
             model[where[key]] = value
     replaced = [r for r in replaced if where[r[0]] in written]  # a default the recipe never wrote is no news
-    if replaced:
-        warnings.warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's " + ", ".join(
-            f"{where[k]}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning, stacklevel=1)
+    if replaced:  # said once: every rank parses the command line
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's " + ", ".join(
+            f"{where[k]}={h!r} (now {w!r})" for k, h, w in replaced), category=UserWarning, stacklevel=1)
 
 
 def _written_model_arguments(argv: list[str]) -> set[str]:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -141,7 +142,7 @@ def test_lora_equals_peft_on_transformers_loss_and_adapter_gradients(tmp_path):
     assert worst <= 1e-5, f"max |our adapter grad - peft's| = {worst:.2e}"
 
 
-def test_a_qwen3_lora_exports_a_peft_folder_with_our_logits(tmp_path):
+def test_a_qwen3_lora_exports_a_peft_folder_with_our_logits(tmp_path, monkeypatch):
     """A LoRA of a Qwen3 folder (norms of queries and keys) -> ``write_peft_folder`` -> ``PeftModel`` over
     transformers' Qwen3: our logits with the adapters within 1e-5 (Qwen3 adapters were refused until 2026-12-07)."""
     import peft
@@ -171,7 +172,10 @@ def test_a_qwen3_lora_exports_a_peft_folder_with_our_logits(tmp_path):
         base = hf(input_ids=tokens).logits
     adapters = {n: p.detach() for n, p in chunk.global_named_parameters() if ".adapter." in n}
     arch = ghc.hf_architecture(hf.config)
-    write_peft_folder(adapters, arch, module.lora, tmp_path / "peft", base_model=str(tmp_path / "base"))
+    monkeypatch.chdir(tmp_path)  # the base named as the run named it, relative: written absolute
+    write_peft_folder(adapters, arch, module.lora, tmp_path / "peft", base_model="base")
+    adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
     theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
     with torch.no_grad():
         logits = theirs(input_ids=tokens).logits

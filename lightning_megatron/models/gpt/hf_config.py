@@ -56,7 +56,7 @@ MODEL_NAMES = {"llama": "Llama", "gpt2": "GPT-2", "qwen2": "Qwen2", "mixtral": "
 def _refuse(model: str, bad: list[str]) -> None:
     if bad:
         raise ValueError(f"the {model} config has {', '.join(bad)}: our GPT model has no equivalent, so its logits "
-                         f"would differ; convert a model without these settings")
+                         f"would differ; convert a model without these settings (or as a setting above says)")
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, str, Any]:

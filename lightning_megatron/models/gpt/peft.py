@@ -68,9 +68,12 @@ def peft_state_dict(adapters: Mapping[str, torch.Tensor], arch: Mapping[str, Any
 def write_peft_folder(adapters: Mapping[str, torch.Tensor], arch: Mapping[str, Any], lora: LoRAConfig,
                       out: Path, *, base_model: str | None) -> Path:
     """``out/`` with ``adapter_config.json`` and ``adapter_model.safetensors``, written under a temporary name
-    beside it and renamed into place."""
+    beside it and renamed into place. ``base_model``: the folder the run started from (made absolute where it is a
+    folder here: a relative path would name another folder from another working directory), or a hub id."""
     from safetensors.torch import save_file
 
+    if base_model is not None and Path(base_model).is_dir():
+        base_model = str(Path(base_model).resolve())
     tensors = peft_state_dict(adapters, arch, lora)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
