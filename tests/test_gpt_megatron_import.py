@@ -301,3 +301,27 @@ def test_a_vocabulary_larger_than_the_checkpoint_s_names_the_tokenizer_not_a_pad
     with pytest.raises(ValueError, match=r"has a vocabulary of 256 rows, the model's vocab_size is 8192: the source "
                                          r"was trained with another tokenizer than the data's.*at most 256"):
         module.configure_model()
+
+
+def test_a_checkpoint_that_is_not_one_save_is_refused_before_any_weight_is_read(tmp_path):
+    """``--model.init_from``'s check before launch (``read_architecture``: the args of one file) refuses what reading
+    the weights refuses (a rank file of another iteration, missing stages): they came after the ranks launched, a
+    traceback per rank."""
+    import shutil
+
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    model = _models()["llama"]
+    arch = ghc.hf_architecture(model.config)
+    full = ghf.gpt_state_dict_from_hf(model.state_dict(), arch)
+    root = tmp_path / "ckpt"
+    _write_legacy(root, full, arch, _args("llama"))
+    assert GPTLightningModule.read_architecture(root)["num_layers"] == 2
+    rank = root / "iter_0000010" / "mp_rank_01_001" / "model_optim_rng.pt"
+    torch.save({**torch.load(rank, weights_only=False), "iteration": 12}, rank)
+    with pytest.raises(ValueError, match=r"not of one save: iteration 12"):
+        GPTLightningModule.read_architecture(root)
+    for t in range(2):
+        shutil.rmtree(root / "iter_0000010" / f"mp_rank_{t:02d}_001")
+    with pytest.raises(ValueError, match=r"its rank files make 1 pipeline stage"):
+        GPTLightningModule.read_architecture(root)

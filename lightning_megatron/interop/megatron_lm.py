@@ -259,9 +259,9 @@ MEGATRON_ARGS_CLASSES = tuple(f"megatron.core.{name}" for name in (
 may hold: read as :class:`MegatronRecord` s. Any other global is refused."""
 
 
-def _load_rank_file(path: Path) -> dict[str, Any]:
+def _load_rank_file(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     """``torch.load(weights_only=True)`` allowing ``argparse.Namespace``, NumPy RNG-state arrays and the
-    :data:`MEGATRON_ARGS_CLASSES` (as inert records) besides tensors."""
+    :data:`MEGATRON_ARGS_CLASSES` (as inert records) besides tensors (``mmap``: the tensors mapped, not read)."""
     import numpy as np
 
     allowed: list[Any] = [argparse.Namespace, np.ndarray, np.dtype]
@@ -275,7 +275,7 @@ def _load_rank_file(path: Path) -> dict[str, Any]:
     allowed += [(_Record(name), name) for name in MEGATRON_ARGS_CLASSES]
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, weights_only=True, map_location="cpu")
+            return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except Exception as e:  # noqa: BLE001 - name the file, the cause and the way out
         # torch's text advises loading with pickle: the line that names the refused global, not that advice
         why = re.search(r"WeightsUnpickler error: (.*?\.)(?= Please use|\n|$)", str(e))
@@ -375,6 +375,21 @@ def _check_one_iteration(path: Path, iterations: dict[Path, Any]) -> None:
         listed = ", ".join(f"iteration {it} in {str(file)!r}" for file, it in sorted(odd.items()))
         raise ValueError(f"{str(path)!r}: its rank files are not of one save: {listed}, iteration {want} in the "
                          f"others: copy the whole iteration folder again")
+
+
+def _check_folder(path: Path, args: argparse.Namespace) -> None:
+    """:func:`read_legacy_checkpoint`'s checks of the rank files as one save, from their names and their
+    ``iteration`` (the files memory-mapped: no tensor is read)."""
+    files = _rank_coordinates(_rank_files(path), args)
+    _check_whole(path, args, 1 + max(t for t, _, _ in files), 1 + max(p for _, p, _ in files))
+    iterations = {}
+    for file in sorted(files.values()):
+        try:
+            state = _load_rank_file(file, mmap=True)
+        except ValueError:  # not mmap-able (an old format): read_legacy_checkpoint checks it when it loads it
+            return
+        iterations[file] = state.get("iteration") if isinstance(state, dict) else None
+    _check_one_iteration(path, iterations)
 
 
 def read_legacy_checkpoint(path: str | os.PathLike[str], adapter: StateDictAdapter) -> MegatronCheckpoint:
@@ -498,5 +513,7 @@ def read_megatron_architecture(path: str | os.PathLike[str], adapter: StateDictA
         if args is not None and getattr(args, "num_layers", None):
             if one_rank:  # a whole save of one rank only
                 _check_whole(path, args, 1, 1)
+            else:  # before any process launches: the rank files one whole save, as reading them checks
+                _check_folder(path, args)
             return adapter.architecture_from_megatron(args, int(args.num_layers))
     return read_megatron_checkpoint(path, adapter).hparams
