@@ -15,7 +15,8 @@ matches on it) and by posting ops in one fixed order (forward-direction ops firs
 backend which ignores tags and matches in order (NCCL) pairs the same messages.
 
 Waits are bounded by the pipeline group's timeout (``initialize_model_parallel(timeout=...)``):
-a stage whose peer died raises instead of hanging.
+a stage whose peer died does not hang (gloo raises from the wait; NCCL's wait returns at once, the device
+waits, and its watchdog ends the process when the timeout passes).
 
 ``post_forward`` / ``post_backward`` (the interleaved schedule's ``overlap_p2p_comm``, megatron-core's
 name) post a batch and return a :class:`P2PWork` instead of waiting: the schedule computes meanwhile
