@@ -356,3 +356,46 @@ def test_model_building_leaves_the_accelerator_generator_and_checkpoints_keep_it
     fake.state = torch.tensor([9], dtype=torch.uint8)  # the generator moved on; the resume restores it
     set_rng_state(saved)
     assert torch.equal(fake.state, torch.tensor([7], dtype=torch.uint8))
+
+
+def test_a_recomputed_function_of_a_frozen_input_still_trains_its_weights():
+    """A recomputed block whose input needs no gradient (LoRA's frozen embedding feeding layer 0): the output had no
+    graph, so its trainable weights got no gradient (``block``: the first layers' adapters stayed 0 without a word)
+    or the backward failed (``uniform``: "element 0 of tensors does not require grad"). As torch's non-reentrant
+    checkpoint, the replay is reached: the weights' gradients equal the plain computation's."""
+    from lightning_megatron.tensor_parallel import recompute
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)  # frozen: no gradient wanted
+    layer(x).square().sum().backward()
+    want = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    out = recompute(layer, x)
+    assert out.requires_grad
+    out.square().sum().backward()
+    for p, w in zip(layer.parameters(), want):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
+    assert x.grad is None and not x.requires_grad  # the caller's tensor untouched
+
+
+def test_a_recomputed_function_replays_under_the_forwards_autocast():
+    """The forward under autocast (bf16 matmuls), the backward after it (plain Lightning's automatic optimization):
+    the replay ran in fp32 and the gradients came from other activations (0.31 of a largest 10.6). It replays under
+    the autocast the forward ran in, as torch.utils.checkpoint does: the gradients equal the plain computation's."""
+    from lightning_megatron.tensor_parallel import recompute
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = layer(x).float().square().sum()
+    plain.backward()
+    want = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+    layer.zero_grad()
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        replayed = recompute(layer, x).float().square().sum()
+    replayed.backward()
+    for got, w in zip([p.grad for p in layer.parameters()] + [x.grad], want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)

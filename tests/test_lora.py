@@ -142,6 +142,35 @@ def test_lora_equals_peft_on_transformers_loss_and_adapter_gradients(tmp_path):
     assert worst <= 1e-5, f"max |our adapter grad - peft's| = {worst:.2e}"
 
 
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_lora_under_full_recomputation_trains_the_first_layers_adapters(tmp_path, method):
+    """The frozen embedding feeds the first recomputed layers an input that needs no gradient: their adapters got
+    none (``block``: the first layer's stayed 0, the grad norm 17% low, unsaid) or the backward failed
+    (``uniform``). Every adapter gradient equals the run without recomputation."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    folder = _llama_folder(tmp_path / "base", vocab=97)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16), generator=g)
+    grads = []
+    for recompute in ({}, {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": 1}):
+        module = GPTLightningModule.from_pretrained(str(folder), lora={"rank": 4, "alpha": 8.0}, config={
+            "hidden_dropout": 0.0, "attention_dropout": 0.0, **recompute})
+        module.configure_model()
+        chunk = module.model_chunks[0]
+        with torch.no_grad():  # B is zero at the start: values, so A's gradients are not zero
+            for name, p in chunk.named_parameters():
+                if name.endswith("adapter.linear_out.weight"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.2)
+        loss, _ = module.loss_forward({"tokens": tokens, "labels": labels, "loss_mask": torch.ones(2, 16)}, chunk)
+        loss.backward()
+        grads.append({n: p.grad for n, p in chunk.global_named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(grads[1][n] is not None and float(grads[1][n].abs().max()) > 0 for n in grads[1])
+    for name, want in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_a_qwen3_lora_exports_a_peft_folder_with_our_logits(tmp_path, monkeypatch):
     """A LoRA of a Qwen3 folder (norms of queries and keys) -> ``write_peft_folder`` -> ``PeftModel`` over
     transformers' Qwen3: our logits with the adapters within 1e-5 (Qwen3 adapters were refused until 2026-12-07)."""

@@ -128,6 +128,7 @@ class _RecomputeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, tracker, *args):
         ctx.run_function, ctx.tracker = run_function, tracker
+        ctx.autocast = _autocast_states()  # the forward's, which the replay in backward runs under again
         ctx.fwd_states = default_rng_states()
         ctx.fwd_tracker_states, ctx.fwd_forked = tracker.get_states(), tracker.forked
         with torch.no_grad():
@@ -150,7 +151,9 @@ class _RecomputeFunction(torch.autograd.Function):
         ctx.tracker.set_states(ctx.fwd_tracker_states)
         ctx.tracker.forked = ctx.fwd_forked  # the forward ran inside that fork: its forks swap nothing again
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), contextlib.ExitStack() as autocast:
+                for device_type, kwargs in ctx.autocast:
+                    autocast.enter_context(torch.autocast(device_type, **kwargs))
                 outputs = ctx.run_function(*args)
         finally:
             set_default_rng_states(current)
@@ -165,6 +168,24 @@ class _RecomputeFunction(torch.autograd.Function):
         return (None, None) + arg_grads
 
 
+def _autocast_states() -> list[tuple[str, dict[str, Any]]]:
+    """The autocast each device type runs under now (``torch.autocast``'s arguments), the CPU's and the
+    accelerator's: what the replay of a recomputed forward enters again."""
+    acc = getattr(torch, "accelerator", None)
+    types = ["cpu"] + ([acc.current_accelerator().type] if acc is not None and acc.is_available() else [])
+    return [(t, {"enabled": torch.is_autocast_enabled(t), "dtype": torch.get_autocast_dtype(t),
+                 "cache_enabled": torch.is_autocast_cache_enabled()}) for t in types]
+
+
 def recompute(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
-    """Run ``function(*args)`` keeping only its inputs; recompute it in backward with the same RNG."""
+    """Run ``function(*args)`` keeping only its inputs; recompute it in backward with the same RNG and autocast.
+
+    When gradients are on and no input needs one (LoRA's frozen embedding feeding a recomputed first layer), the
+    first floating-point input is passed as a leaf that does: otherwise the output would carry no graph, and the
+    weights the function trains would get no gradient (torch's reentrant checkpoint has the same limit; its
+    non-reentrant one does not)."""
+    if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad for a in args):
+        first = next((i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()), None)
+        if first is not None:
+            args = (*args[:first], args[first].detach().requires_grad_(), *args[first + 1:])
     return _RecomputeFunction.apply(function, tracker or _TRACKER, *args)
