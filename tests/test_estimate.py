@@ -315,6 +315,33 @@ def test_recomputation_by_groups_or_of_the_first_layers_keeps_what_the_estimate_
         assert again > 0 and stage_flops(block, layout, 0) == pytest.approx(stage_flops(none, layout, 0) + share * again)
 
 
+def test_selective_recomputation_keeps_no_attention_probabilities_but_the_replayed_layers():
+    """``recompute_granularity: selective`` runs the core attention again in the backward: a layer keeps neither
+    the unfused attention's probabilities nor its dropout's mask (the estimate counted them: 33% over at 256 tokens),
+    and the backward's peak holds one layer's replayed attention, after its MLP's and output projection's backward
+    freed theirs. Measured within 2% (the head's peak at 128 tokens, the replay's at 256)."""
+    from lightning_megatron.check.worker import _SavedActivations
+    from lightning_megatron.models.gpt.model import GPTModel, gpt_loss
+    from lightning_megatron.tensor_parallel import model_parallel_seed
+
+    for seq, dropout in ((128, 0.0), (256, 0.0)):  # the head's peak; the replayed attention's (the longer one)
+        m = GPTCost(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
+                    seq_length=seq, micro_batch_size=2, global_batch_size=2, params_dtype="float32",
+                    hidden_dropout=0.0, attention_dropout=dropout, attention_backend="unfused",
+                    selective_recompute=True)
+        config = dataclasses.replace(m.layer_config(4), recompute_granularity="selective")
+        model_parallel_seed(0, 0)
+        model = GPTModel(config, m.layer_spec(), 256, seq).train()
+        tokens = torch.randint(0, 256, (2, seq))
+        held = _SavedActivations({p.untyped_storage().data_ptr() for p in model.parameters()})
+        with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
+            gpt_loss(model(tokens, labels=tokens), torch.ones(2, seq)).backward()
+        predicted = estimate_stage(m, ParallelDims(dp=1), 0).activation_bytes
+        kept_all = estimate_stage(dataclasses.replace(m, selective_recompute=False), ParallelDims(dp=1), 0)
+        assert kept_all.activation_bytes > 1.2 * held.peak  # what it kept without selective recomputation
+        assert abs(predicted / held.peak - 1) < 0.02, (seq, dropout, predicted, held.peak)
+
+
 def test_uneven_pipeline_stages_are_estimated_with_their_own_layers():
     """``num_layers_in_last_pipeline_stage`` (and first), and a split ``pp`` does not divide: each stage's parameters,
     activations and FLOPs are its own layers' (the estimate took ``num_layers // pp`` for every stage); the ``--gpus``

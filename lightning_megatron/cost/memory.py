@@ -129,8 +129,10 @@ def estimate_stage(m: MemoryCost, layout: ParallelDims, stage: int, *,
     window = max(sum(order[i:i + chunks]) for i in range(len(order) - chunks + 1))
     # The peak is the forward's (with the head) or, in the backward, after the head's and the kept layers' backward,
     # the recomputed layers' activations (of which the first layer's input is already kept).
-    if not m.recompute:
-        act = window + head
+    if not m.recompute:  # selective recomputation: the backward holds one layer's replayed core attention
+        replayed = getattr(m, "replay_peak_bytes", None)
+        replay = replayed(t, sp) / cp if getattr(m, "selective_recompute", False) and replayed is not None else 0.0
+        act = window + max(head, replay)
     elif block:
         act = max(window + head, window - kept(per_chunk) + (min(k, per_chunk) - 1) * kept_input + layer)
     else:

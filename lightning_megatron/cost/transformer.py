@@ -82,6 +82,10 @@ class TransformerCost:
     input) or "block" (the first :attr:`recompute_num_layers` layers of a chunk, the rest keeping everything);
     None: one-layer groups."""
     recompute_num_layers: int | None = None
+    selective_recompute: bool = False
+    """Selective recomputation (megatron-core's): the core attention runs again in the backward, so a layer keeps
+    neither its probabilities (unfused) or log-sum-exp (sdpa) nor its dropout's mask, and the backward holds one
+    layer's replayed (:meth:`replay_peak_bytes`)."""
     num_layers_in_first_pipeline_stage: int | None = None
     """Layers of the first pipeline stage (None: an even split; :mod:`lightning_megatron.pipeline.layout`)."""
     num_layers_in_last_pipeline_stage: int | None = None
@@ -139,6 +143,7 @@ class TransformerCost:
                      gated_linear_unit=config.gated_linear_unit, add_bias_linear=config.add_bias_linear,
                      params_dtype=str(config.params_dtype).removeprefix("torch."),
                      recompute=config.recompute_granularity == "full", attention_backend=config.attention_backend,
+                     selective_recompute=config.recompute_granularity == "selective",
                      attention_softmax_in_fp32=config.attention_softmax_in_fp32,
                      recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers,
                      num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
@@ -424,15 +429,36 @@ class TransformerCost:
             # the router's fp32 scores and weights and int64 choices (this rank's tokens), the dispatch's two int64
             # orders, the weights cast to a 16-bit activation dtype
             moe += (4 * experts + 12 * k) * s * b / sp + (16 + (e if e != 4 else 0)) * k * s * b
-        # sdpa keeps the attention's log-sum-exp (fp32); the unfused path its probabilities [b, a/t, s, s]
-        attention = self.probability_bytes * b * n * s * s / tp if self.unfused_attention else 4 * b * n * s / tp
+        # the core attention's own (none under selective recomputation: it runs again in the backward)
+        attention = 0.0 if self.selective_recompute else self.replayed_attention_bytes(tp)
         masks = 0.0
         if self.hidden_dropout > 0:  # the two bias-dropout-adds
             masks += 2 * self.mask_bytes * s * b * h / sp
-        if self.attention_dropout > 0 and self.unfused_attention:  # its mask and the dropped probabilities
-            masks += (self.mask_bytes + e) * b * n * s * s / tp
         masks += s * b * masks_and_copies
         return e * s * b * (replicated + parallel) + e * adapters + stats + norm_copies + attention + masks + moe
+
+    def replay_peak_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """Under selective recomputation, what the backward holds beyond the kept layers when it replays a layer's
+        core attention: :meth:`replayed_attention_bytes`, less what that layer's MLP and output projection kept
+        (their backward, which comes first, has freed it: the pre-MLP norm's input, fc1's input and output, fc2's
+        input, linear_proj's input: the context)."""
+        s, b, h, f, e = self.seq_length, self.micro_batch_size, self.hidden_size, self.ffn, self.param_bytes
+        sp = tp if sequence_parallel else 1
+        mlp = ((1 + self.keeps_input("linear_fc1")) * h / sp
+               + ((2 * f if self.gated_linear_unit else f) + (f if self.keeps_input("linear_fc2") else 0)
+                  + self.num_attention_heads * self.head_dim) / tp)
+        return max(0.0, self.replayed_attention_bytes(tp) - e * s * b * mlp)
+
+    def replayed_attention_bytes(self, tp: int = 1) -> float:
+        """What one layer's core attention keeps on a TP rank: sdpa its log-sum-exp (fp32), the unfused path its
+        probabilities ``[b, a/t, s, s]`` and, with attention dropout, the mask and the dropped probabilities."""
+        s, b, n, e = self.seq_length, self.micro_batch_size, self.num_attention_heads, self.param_bytes
+        if not self.unfused_attention:
+            return 4 * b * n * s / tp
+        kept = self.probability_bytes * b * n * s * s / tp
+        if self.attention_dropout > 0:
+            kept += (self.mask_bytes + e) * b * n * s * s / tp
+        return kept
 
     def routed_expert_bytes(self, tp: int) -> float:
         """What a mixture's routed experts keep on a TP rank: their rows ``[s b k, h]`` (their first layer's input:
