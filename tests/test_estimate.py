@@ -340,6 +340,15 @@ def test_selective_recomputation_keeps_no_attention_probabilities_but_the_replay
         kept_all = estimate_stage(dataclasses.replace(m, selective_recompute=False), ParallelDims(dp=1), 0)
         assert kept_all.activation_bytes > 1.2 * held.peak  # what it kept without selective recomputation
         assert abs(predicted / held.peak - 1) < 0.02, (seq, dropout, predicted, held.peak)
+    # the step time runs the core attention's forward again (4 T s P a layer: scores and weighted sum); the model
+    # FLOPs (the MFU's) do not count it
+    from lightning_megatron.check.timing import stage_flops
+    from lightning_megatron.cost.flops import model_flops
+
+    none = dataclasses.replace(m, selective_recompute=False)
+    again = 4 * 2 * m.seq_length * 4 * m.seq_length * 64
+    assert stage_flops(m, ParallelDims(dp=1), 0) == pytest.approx(stage_flops(none, ParallelDims(dp=1), 0) + again)
+    assert model_flops(m) == model_flops(none)
 
 
 def test_uneven_pipeline_stages_are_estimated_with_their_own_layers():

@@ -302,7 +302,8 @@ def _elementwise_rate(m: StepCost, layer_s: float, gemm_rate: float) -> float:
     tokens = m.seq_length * m.micro_batch_size
     one = ParallelDims(dp=1)
     # the timed layer does not recompute; experts padded to their capacity run the padding's GEMMs too
-    flops = layer_flops(m, 1, tokens, recompute=False) + padding_flops(m, 1, tokens, recompute=False)
+    flops = (layer_flops(m, 1, tokens, recompute=False, replay_attention=False)
+             + padding_flops(m, 1, tokens, recompute=False))
     counted = tokens * (3 * elementwise_bytes(m, one, Framework(fused_attention=not m.unfused_attention))
                         + adapter_bytes(m, one))
     rest = max(layer_s - flops / gemm_rate, 0.05 * layer_s)  # the GEMMs at their best-case rate: a floor

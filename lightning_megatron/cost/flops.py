@@ -36,18 +36,24 @@ def model_flops(m: StepCost, *, recompute: bool = False) -> float:
                              head_dense=m.head_dense)
     if adapters_only(m):
         head *= 2 / 3
-    return layer_flops(m, m.num_layers, tokens, recompute=recompute) + head
+    return layer_flops(m, m.num_layers, tokens, recompute=recompute, replay_attention=recompute) + head
 
 
-def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompute: bool | None = None) -> float:
+def layer_flops(m: StepCost, layers: int, tokens: float, tp: int = 1, *, recompute: bool | None = None,
+                replay_attention: bool = True) -> float:
     """FLOPs of ``layers`` layers over ``tokens`` tokens (forward, backward, recomputation), all TP ranks
     together; under LoRA without the frozen weights' weight-gradient GEMMs (2 of each weight's 6 FLOPs per
     token: the weight matmuls alone are the count at seq_length 0) and with all 6 for each adapter weight
-    (``tp`` ranks' adapters: a row-parallel adapter's B is on every rank); ``recompute``: the model's when None."""
+    (``tp`` ranks' adapters: a row-parallel adapter's B is on every rank); ``recompute``: the model's when None
+    (full recomputation's one more forward of every layer); ``replay_attention``: with selective recomputation,
+    the core attention's forward again (the hardware's FLOPs; a model count, the MFU's, leaves it out)."""
     shape = dict(num_layers=layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn, tokens=tokens,
                  head_tokens=0, vocab_size=0, **layer_shape(m))
     flops = transformer_flops(seq_length=m.seq_length, recompute=m.recompute if recompute is None else recompute,
                               **shape)
+    if replay_attention and getattr(m, "selective_recompute", False):  # the core attention's forward again:
+        p = shape.get("query_projection_size") or m.hidden_size  # its scores and weighted sum, 4 T s P a layer
+        flops += 4.0 * tokens * layers * m.seq_length * p
     if adapters_only(m):
         assert isinstance(m, TransformerCost)
         flops -= transformer_flops(seq_length=0, **shape) / 3
