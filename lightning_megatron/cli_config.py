@@ -282,10 +282,14 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
             model[where[key]] = value
     replaced = [r for r in replaced if where[r[0]] in written]  # a default the recipe never wrote is no news
     if replaced:  # said once: every rank parses the command line
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+        import warnings
 
-        rank_zero_warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's " + ", ".join(
-            f"{where[k]}={h!r} (now {w!r})" for k, h, w in replaced), category=UserWarning, stacklevel=1)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        if getattr(rank_zero_only, "rank", 0) == 0:
+            warnings.warn("--model.init_from: the architecture of " + str(source) + " replaces the recipe's "
+                          + ", ".join(f"{where[k]}={h!r} (now {w!r})" for k, h, w in replaced), UserWarning,
+                          stacklevel=1)
 
 
 def _written_model_arguments(argv: list[str]) -> set[str]:

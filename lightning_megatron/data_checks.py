@@ -211,6 +211,8 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
         return problems + found
     prefixes: list[str] = []
     found: list[str] = []
+    if data_prefix is None and not vocab_missing and running:
+        problems += [p for p in [_built_in_corpus_vocab_problem(vocab_file, m, data_class)] if p]
     if data_prefix is not None:  # None: the built-in corpus, preprocessed with the right vocabulary at set-up
         from lightning_megatron.data.blended import parse_data_prefix
 
@@ -267,6 +269,34 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             os.fspath(arguments["predict_file"]), data_tokenizer(), key,
             max_length=int_or_none(arguments.get("seq_length"))))
     return problems
+
+
+def _built_in_corpus_vocab_problem(vocab_file: Any, m: dict[str, Any], data_class: type | None) -> str | None:
+    """The built-in corpus is tokenized at set-up with the data's tokenizer (``vocab_file``, else the packaged one):
+    a model vocabulary smaller than it (an ``init_from`` source's) would meet ids it has no embedding for, refused
+    by every rank's datamodule after launch (advising a vocab_size the source cannot take)."""
+    import os
+
+    from lightning_megatron.data.dataset_vocab import dataset_tokenizer
+
+    model_vocab = int_or_none(m.get("vocab_size"))
+    if model_vocab is None or data_class is None:
+        return None
+    try:
+        tokenizer = dataset_tokenizer(vocab_file, None, default=tokenizer_family(data_class))
+    except (ValueError, OSError):
+        return None  # said where the datamodule reads it
+    if tokenizer.vocab_size <= model_vocab:
+        return None
+    which = "the packaged BPE" if vocab_file is None and tokenizer_family(data_class) == "bpe" else \
+        "the packaged WordPiece vocabulary" if vocab_file is None else f"vocab_file={os.fspath(vocab_file)!r}"
+    source = m.get("init_from")
+    named = f" (init_from={os.fspath(source)!r})" if source is not None else ""
+    fix = (f"tokenize the data with the source's tokenizer: data.vocab_file={os.fspath(source)!r} (its "
+           f"tokenizer.json or vocab.txt)" if source is not None else "set model vocab_size to it, or leave it null")
+    return (f"model vocab_size={model_vocab}{named} is smaller than the data's tokenizer ({which}, "
+            f"{tokenizer.vocab_size} pieces): the built-in corpus would hold ids the model has no embedding for; "
+            f"{fix}")
 
 
 def _too_short_problem(prefix: str, sample_tokens: int | None) -> str | None:

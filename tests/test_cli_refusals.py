@@ -64,6 +64,9 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=8192, max_position_embeddings=128).save_pretrained(
         d / "llama")
+    transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=97, max_position_embeddings=128).save_pretrained(
+        d / "llama97")  # a vocabulary smaller than the packaged BPE's
     transformers.BertConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                             max_position_embeddings=128).save_pretrained(d / "bert")
     import shutil
@@ -80,7 +83,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     (d / "bert_own_tokenizer" / "tokenizer.json").write_text(json.dumps(
         {"model": {"type": "WordPiece", "vocab": {p: i for i, p in enumerate(pieces)}}}), encoding="utf-8")
     return {"dir": str(d), "gpt": str(d / "gpt"), "noeod": str(d / "noeod"), "wordpiece": str(d / "wordpiece"),
-            "mixtral": str(d / "mixtral"), "llama": str(d / "llama"), "bert": str(d / "bert"),
+            "mixtral": str(d / "mixtral"), "llama": str(d / "llama"), "llama97": str(d / "llama97"),
+            "bert": str(d / "bert"),
             "bert_own_vocab": str(d / "bert_own_vocab"), "bert_own_tokenizer": str(d / "bert_own_tokenizer"),
             "prompts": str(d / "prompts.txt"),
             "long": str(d / "long.txt"),
@@ -266,6 +270,13 @@ CASES = {
          "expert_tensor_parallel_size", "1", "--trainer.strategy.init_args.tensor_model_parallel_size", "2",
          "--trainer.strategy.init_args.expert_model_parallel_size", "1"], None,
         ["expert_tensor_parallel_size=1: an expert tensor-parallel size other than the TP size (2)"], []),
+    # a source whose vocabulary is smaller than the data's tokenizer (the built-in corpus in the packaged BPE):
+    # refused by every rank's datamodule after launch, advising a vocab_size the source cannot take
+    "init_from_vocabulary_smaller_than_the_data_s": (
+        ["fit", "--config", GPT, "--model.init_args.init_from", "{llama97}",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "model vocab_size=97 (init_from='{llama97}') is smaller than the data's "
+         "tokenizer (the packaged BPE, 8192 pieces)", "data.vocab_file"], []),
     "lora_on_experts": (  # a mixture of experts' projections take no adapters: refused in every rank after launch
         ["fit", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--model.init_args.lora.rank", "8",
          "--model.init_args.init_from", "{mixtral}"], None,
