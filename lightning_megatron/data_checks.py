@@ -279,9 +279,11 @@ def _built_in_corpus_vocab_problem(vocab_file: Any, m: dict[str, Any], data_clas
 
     from lightning_megatron.data.dataset_vocab import dataset_tokenizer
 
+    from lightning_megatron.datamodules.pretraining import PretrainingDataModule
+
     model_vocab = int_or_none(m.get("vocab_size"))
-    if model_vocab is None or data_class is None:
-        return None
+    if model_vocab is None or data_class is None or not issubclass(data_class, PretrainingDataModule):
+        return None  # a datamodule of one's own: its data is its business
     try:
         tokenizer = dataset_tokenizer(vocab_file, None, default=tokenizer_family(data_class))
     except (ValueError, OSError):
