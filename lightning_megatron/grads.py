@@ -220,8 +220,7 @@ class GradBuffer:
         self._reduced = False  # between finalize_model_grads and the optimizer step (see ``reduced``)
         self.exposed_comm_seconds = 0.0
         """Seconds this step's backward and finalize_model_grads were blocked in gradient collectives: the host's
-        time (gloo's waits block it; NCCL's return at once and the device waits, so on a GPU this reads ~0 and a
-        profile of the device measures the exposed communication)."""
+        time (gloo's waits block it; NCCL's return at once, the device waits: ~0 on a GPU, where a profile tells)."""
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
         self._removed = False
         self._gathers: list[Bucket] = []  # buckets whose parameter all-gather is in flight, in launch order
