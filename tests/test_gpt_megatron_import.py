@@ -171,8 +171,6 @@ def test_a_megatron_checkpoint_with_qk_layernorm_gives_qwen3_s_logits(tmp_path):
     model with ``qk_layernorm``: ``tests/test_gpt_megatron_core.py``, the bench extra)."""
     import transformers
 
-    from lightning_megatron.models.gpt.module import GPTLightningModule
-
     torch.manual_seed(0)
     qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -185,31 +183,31 @@ def test_a_megatron_checkpoint_with_qk_layernorm_gives_qwen3_s_logits(tmp_path):
     arch = ghc.hf_architecture(qwen3.config)
     full = ghf.gpt_state_dict_from_hf(qwen3.state_dict(), arch)
     _write_legacy(tmp_path / "ckpt", full, arch, _args("llama", qk_layernorm=True))
-    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), config={"vocab_size": VOCAB})
-    assert module.hparams["config"]["qk_layernorm"]
+    module, error = _from_pretrained_logit_error(tmp_path / "ckpt", qwen3)
+    assert module.hparams["config"]["qk_layernorm"] and error <= 1e-5
+
+
+def _from_pretrained_logit_error(checkpoint, hf_model):
+    """``GPTLightningModule.from_pretrained(checkpoint)`` and its largest logit difference from ``hf_model`` on the
+    same tokens."""
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    module = GPTLightningModule.from_pretrained(str(checkpoint), config={"vocab_size": VOCAB})
     module.configure_model()
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ours = module.eval().model_chunks[0](tokens)[..., :VOCAB]
-        theirs = qwen3(input_ids=tokens).logits
-    assert float((ours - theirs).abs().max()) <= 1e-5
+        theirs = hf_model.eval()(input_ids=tokens).logits
+    return module, float((ours - theirs).abs().max())
 
 
 def test_gpt_module_from_a_megatron_checkpoint_gives_transformers_logits(tmp_path):
     """GPTLightningModule.from_pretrained(Megatron-LM legacy TP=2 x PP=2 dir): the architecture from args,
     the padded vocabulary trimmed to the model's, transformers' logits on the same weights within 1e-5."""
-    from lightning_megatron.models.gpt.module import GPTLightningModule
-
     model = _models()["llama"].eval()
     arch = ghc.hf_architecture(model.config)
     _write_legacy(tmp_path / "ckpt", ghf.gpt_state_dict_from_hf(model.state_dict(), arch), arch, _args("llama"))
-    module = GPTLightningModule.from_pretrained(str(tmp_path / "ckpt"), config={"vocab_size": VOCAB})
-    module.configure_model()
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ours = module.eval().model_chunks[0](tokens)[..., :VOCAB]
-        theirs = model(input_ids=tokens).logits
-    assert float((ours - theirs).abs().max()) <= 1e-5
+    assert _from_pretrained_logit_error(tmp_path / "ckpt", model)[1] <= 1e-5
 
 
 def test_a_megatron_tensor_no_parameter_takes_is_refused_by_name(tmp_path):
