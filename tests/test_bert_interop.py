@@ -96,8 +96,14 @@ def _worker(root: str) -> dict:
         res["hidden_tp2pp2"] = _predict(spec, tp2pp2, batches, "hidden", ckpt_path=ckpt)
         res["hidden_tp2dp2"] = _predict(spec, tp2dp2, batches, "hidden", ckpt_path=ckpt)
         from lightning_megatron.callbacks import PredictionWriter
+        from lightning_megatron.data.predict import SAMPLE_INDEX
 
-        res["pooled_tp2dp2"] = _predict(spec, tp2dp2, batches, "pooled", ckpt_path=ckpt,
+        # the PredictionWriter at DP=2 as a user's sampler feeds it: each replica its own batches (the odd ones on
+        # DP rank 0), the rows' indices with them
+        dp_rank = rank // 2  # TP=2 x DP=2: TP is the fastest-varying rank coordinate
+        mine = [{**b, SAMPLE_INDEX: torch.arange(4 * i, 4 * i + 4)} for i, b in enumerate(batches)
+                if i % 2 != dp_rank]
+        res["pooled_tp2dp2"] = _predict(spec, tp2dp2, mine, "pooled", ckpt_path=ckpt,
                                         callbacks=[PredictionWriter(output_dir=f"{root}/{spec}/predictions")])
         if rank == 0:
             export_hf(ckpt, f"{root}/{spec}/hf", vocab_file=write_vocab(Path(root) / "vocab.txt"))
@@ -170,14 +176,18 @@ def test_export_from_tp2pp2_matches_transformers(measured, spec):
     assert torch.equal(_last_stage(per_rank, spec, "ids_tp2pp2"), ids_ref)
     for key in ("hidden_tp2pp2", "hidden_tp2dp2", "hidden_init_from_hf"):
         torch.testing.assert_close(_last_stage(per_rank, spec, key), hidden_ref, rtol=0, atol=1e-5)
-    pooled = torch.tanh(ours.pooler.dense(hidden_ref[:, 0]))
-    torch.testing.assert_close(_last_stage(per_rank, spec, "pooled_tp2dp2"), pooled.detach(), rtol=0, atol=1e-5)
-    # The PredictionWriter: one pooled.npy per DP replica (each saw every batch here), written by TP rank 0.
+    pooled = torch.tanh(ours.pooler.dense(hidden_ref[:, 0])).detach()
+    for rank, r in enumerate(per_rank):  # each DP replica predicted its own batches: 1 and 3 (rows 4-7, 12-15); 0, 2
+        rows = torch.cat([torch.arange(4 * i, 4 * i + 4) for i in range(4) if i % 2 != rank // 2])
+        if r[spec]["pooled_tp2dp2"] is not None:
+            torch.testing.assert_close(r[spec]["pooled_tp2dp2"], pooled[rows], rtol=0, atol=1e-5)
+    # The PredictionWriter: one pooled.npy of every row in input order, the replicas' rows gathered; index.npy
     import numpy as np
 
-    for dp in (0, 1):
-        written = torch.from_numpy(np.load(root / spec / "predictions" / f"pooled.dp{dp}.npy"))
-        torch.testing.assert_close(written, pooled.detach(), rtol=0, atol=1e-5)
+    predictions = root / spec / "predictions"
+    assert sorted(p.name for p in predictions.iterdir()) == ["index.npy", "pooled.npy"]
+    assert np.load(predictions / "index.npy").tolist() == list(range(16))
+    torch.testing.assert_close(torch.from_numpy(np.load(predictions / "pooled.npy")), pooled, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec", SPECS)

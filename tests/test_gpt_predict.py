@@ -167,15 +167,15 @@ def test_predict_stops_at_eod_and_the_writer_cuts_there():
     tokens = torch.tensor([prompt, prompt])
     generated = torch.tensor([prompt + b + [eod, eod, eod], prompt + a + [b[0]]])
     writer._collect_generated(tokens, generated, torch.tensor([0, 1]), torch.tensor([True, True]))
-    (_, ended), (_, running) = writer._generated
+    (_, ended), (_, running) = writer._records
     assert ended["token_ids"] == b + [eod] and ended["completion"] == tokenizer.detokenize(b)
     assert running["token_ids"] == a + b and running["completion"] == tokenizer.detokenize(a + b)
     # A stop string ends row 0 at the token that completes it: the ids end there, the text before the string.
     text = tokenizer.detokenize(b)
     writer._stop = StopRule(stop_token=eod, stop_strings=[text[1:]], detokenize=tokenizer.detokenize)
-    writer._generated = []
+    writer._records = []
     writer._collect_generated(tokens, generated, torch.tensor([0, 1]), torch.tensor([True, False]))
-    [(_, cut)] = writer._generated
+    [(_, cut)] = writer._records
     assert cut["token_ids"] == b and cut["completion"] == text[:1]
     # Without a datamodule tokenizer to take EOD from, predict_stop_at_eod=True is refused, not ignored; so are
     # stop strings without a tokenizer to read the text with. Any datamodule with a tokenizer will do.

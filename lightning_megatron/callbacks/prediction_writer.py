@@ -1,8 +1,9 @@
 """PredictionWriter: ``predict`` outputs as files people load without lightning_megatron.
 
-In ``<trainer.default_root_dir>/predictions/`` (or ``output_dir``), one set of files per data-parallel
-rank (``.dp<r>`` before the suffix when there are several), written by the first tensor-parallel rank
-of the last pipeline stage (the only one returning predictions that others do not repeat):
+In ``<trainer.default_root_dir>/predictions/`` (or ``output_dir``), one set of files in input order (sorted by
+``index``): the data-parallel replicas' samples are gathered from the first tensor-parallel rank of each replica's
+last pipeline stage (the only one returning predictions that others do not repeat) and written by data-parallel
+rank 0:
 
 - ``predict_output=masked_lm``: ``predictions.jsonl``, one line per sample,
   ``{"index": i, "line": l, "masked": [{"position": p, "ids": [...], "tokens": [...], "probs": [...], "label": id}]}``
@@ -11,8 +12,7 @@ of the last pipeline stage (the only one returning predictions that others do no
 - ``hidden``: ``hidden.npy`` ``[n, s, h]``, ``attention_mask.npy`` ``[n, s]`` and ``index.npy``;
 - generation (a decoder's ``predict_step`` returns an integer tensor ``[b, s0 + n]`` that begins with the
   batch's ``tokens`` ``[b, s0]``: the prompts and their continuations, as
-  ``GPTLightningModule.predict_step`` does): one ``predictions.jsonl`` (the data-parallel replicas'
-  records gathered, written by DP rank 0), one line per prompt in input order,
+  ``GPTLightningModule.predict_step`` does): ``predictions.jsonl``, one line per prompt,
   ``{"index": i, "line": l, "prompt": text, "completion": text, "token_ids": [...]}`` (``token_ids``: the ``n``
   new tokens, which end at the token that ended the sequence when the module stops it (its
   ``predict_stop_rule``: the end-of-document token, ``predict_stop_strings``); ``completion``: their
@@ -21,9 +21,8 @@ of the last pipeline stage (the only one returning predictions that others do no
   tokenizer);
 - sequence classification (the datamodule a
   :class:`~lightning_megatron.datamodules.finetune.FinetuneDataModule`, whose module's ``predict_step``
-  returns class probabilities ``[b, c]``, or values ``[b]`` when ``num_classes`` is 1: regression): one
-  ``predictions.jsonl`` (gathered over the data-parallel replicas, written by DP rank 0), one line per
-  row in input order, ``{"index": i, "text": ..., "label": name, "label_id": id, "probabilities": [...]}``
+  returns class probabilities ``[b, c]``, or values ``[b]`` when ``num_classes`` is 1: regression):
+  ``predictions.jsonl``, one line per row, ``{"index": i, "text": ..., "label": name, "label_id": id, "probabilities": [...]}``
   (``label``: the datamodule's ``label_names[id]``, else the id; ``label_id``: the argmax of
   ``probabilities``, listed in class order), or ``{"index": i, "text": ..., "value": v}``; ``"text_pair"``
   after ``"text"`` for rows of two texts.
@@ -31,9 +30,11 @@ of the last pipeline stage (the only one returning predictions that others do no
 ``index`` is the sample's position in the predict dataset (its place among a ``predict_file``'s texts); ``line``
 (records of a ``predict_file``'s texts only) is its line of the file, 1-based: blank lines are skipped, so after
 one the two differ. The padding samples of the last batch (index -1, :mod:`lightning_megatron.data.predict`) are
-dropped. Files are written under a temporary name and renamed when the epoch ends; the files of an earlier
-``predict`` in the folder (another output mode's, another data-parallel size's) are removed when it starts, so
-the folder holds one predict's output.
+dropped. Each index is predicted once (the samplers give every row to one replica): an index two replicas
+predicted (a data loader without a distributed sampler whose batches carry no ``SAMPLE_INDEX``) is refused rather
+than written twice or dropped. Files are written under a temporary name and renamed when the epoch ends; the files
+of an earlier ``predict`` in the folder (another output mode's, the per-replica ``.dp<r>`` files releases before
+2026-12-07 wrote) are removed when it starts, so the folder holds one predict's output.
 """
 
 from __future__ import annotations
@@ -77,12 +78,9 @@ class PredictionWriter(BasePredictionWriter):
         self.output_dir, self.mask_token_id = output_dir, mask_token_id
         self._writes = False
         self._folder: Path | None = None
-        self._suffix = ""
-        self._jsonl: Any = None
         self._arrays: dict[str, list[np.ndarray]] = {}
         self._tokenizer: Any = None
         self._stop = StopRule()
-        self._generated: list[tuple[int, dict[str, Any]]] = []
         self._generation = False
         self._dp_group: Any = None
         self._texts: list[str] | None = None
@@ -96,10 +94,9 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         strategy = trainer.strategy
         ps = strategy.parallel_state if isinstance(strategy, MegatronStrategy) else None
-        # one writer per data-parallel replica: its first TP and CP rank on the last stage (every CP rank generates
-        # the whole prompts; two wrote, and removed, the same temporary file)
+        # one collector per data-parallel replica: its first TP and CP rank on the last stage (every CP rank
+        # generates the whole prompts; two wrote, and removed, the same temporary file); DP rank 0's writes
         self._writes = ps is None or (ps.tp_rank == 0 and ps.cp_rank == 0 and ps.is_pipeline_last_stage())
-        self._suffix = f".dp{ps.dp_rank}" if ps is not None and ps.dp_size > 1 else ""
         self._dp_group = ps.dp_group if ps is not None and ps.dp_size > 1 else None
         self._folder = Path(self.output_dir or os.path.join(trainer.default_root_dir, "predictions"))
         self._arrays = {}
@@ -110,7 +107,7 @@ class PredictionWriter(BasePredictionWriter):
         self._stop = pl_module.predict_stop_rule() if isinstance(pl_module, StopsGeneration) else StopRule()
         self._texts = self._lines = None  # the prompts' texts and lines, read at the first batch (the dataloader
         # is built by then)
-        self._generated, self._generation = [], False
+        self._generation = False
         self._classified = dm if isinstance(dm, FinetuneDataModule) else None
         self._records = []
         self.written = []
@@ -119,8 +116,6 @@ class PredictionWriter(BasePredictionWriter):
         trainer.strategy.barrier("prediction_writer")  # removed before any writer publishes
         if self._writes:
             self._folder.mkdir(parents=True, exist_ok=True)
-            if self._classified is None and pl_module.hparams.get("predict_output", "masked_lm") == "masked_lm":
-                self._jsonl = open(self._tmp("predictions.jsonl"), "w", encoding="utf-8")  # noqa: SIM115
 
     def _remove_earlier_predictions(self) -> None:
         """The files an earlier ``predict`` wrote into the folder (our names only: another output mode's, another
@@ -135,16 +130,11 @@ class PredictionWriter(BasePredictionWriter):
                            f"{', '.join(p.name for p in earlier)}")
 
     def _tmp(self, name: str) -> Path:
-        stem, ext = name.rsplit(".", 1)
-        return self._folder / f".{stem}{self._suffix}.{ext}.partial"
-
-    def _final(self, name: str) -> Path:
-        stem, ext = name.rsplit(".", 1)
-        return self._folder / f"{stem}{self._suffix}.{ext}"
+        return self._folder / f".{name}.partial"
 
     def _publish(self, tmp: Path, name: str) -> None:
         """The finished ``tmp`` renamed to its final name (atomic), and listed in :attr:`written`."""
-        final = self._final(name)
+        final = self._folder / name
         os.replace(tmp, final)
         self.written.append(final)
 
@@ -197,7 +187,7 @@ class PredictionWriter(BasePredictionWriter):
                     entry["label"] = int(labels[row, p])
                 masked.append(entry)
             i = int(index[row])
-            self._jsonl.write(json.dumps({"index": i, **self._line(i), "masked": masked}) + "\n")
+            self._records.append((i, {"index": i, **self._line(i), "masked": masked}))
 
     def _collect_classified(self, prediction: Any, index: torch.Tensor, keep: torch.Tensor) -> None:
         """One record per kept row: its texts (the datamodule's ``predict_rows``), and its class (label
@@ -248,64 +238,66 @@ class PredictionWriter(BasePredictionWriter):
             new = new[: self._stop.end(new)]  # ended: up to the token that ended it, the padding after it dropped
             completion = self._stop.completion(new) if self._stop.detokenize is not None else \
                 self._tokenizer.detokenize(new) if self._tokenizer is not None else None  # the text before the stop
-            self._generated.append((i, {"index": i, **self._line(i), "prompt": prompt, "completion": completion,
-                                        "token_ids": new}))
+            self._records.append((i, {"index": i, **self._line(i), "prompt": prompt, "completion": completion,
+                                      "token_ids": new}))
 
     def _line(self, index: int) -> dict[str, int]:
         """``{"line": n}``: the sample's line of the ``predict_file`` (blank lines are skipped), when it has one."""
         return {} if self._lines is None else {"line": self._lines[index]}
 
-    def _write_generated(self) -> None:
-        if self._jsonl is not None:  # opened for masked_lm by default: not this module's output
-            self._jsonl.close()
-            self._jsonl = None
-            os.remove(self._tmp("predictions.jsonl"))
-        records = self._generated
-        self._generated, self._generation = [], False
-        self._write_records(records)
+    def _gathered(self, part: Any) -> list[Any] | None:
+        """Every replica's ``part`` on data-parallel rank 0 (over the collectors' DP group: every collector is in
+        it), in DP rank order; ``None`` on the other replicas (which write nothing)."""
+        if self._dp_group is None:
+            return [part]
+        parts: list[Any] | None = [None] * group_size(self._dp_group) if group_rank(self._dp_group) == 0 else None
+        dist.gather_object(part, parts, group=process_group(self._dp_group), group_dst=0)
+        return parts
+
+    @staticmethod
+    def _check_once(index: np.ndarray) -> None:
+        """Each index predicted by one replica once (padding rows were dropped)."""
+        twice = np.unique(index[np.nonzero(index[1:] == index[:-1])[0]]) if index.size else index
+        if twice.size:
+            raise RuntimeError(f"PredictionWriter: rows {twice[:10].tolist()} were predicted more than once (by "
+                               f"several data-parallel replicas): the predict sampler must give each row to one "
+                               f"replica once, or the batches carry each row's index (SAMPLE_INDEX, "
+                               f"lightning_megatron.data.predict)")
 
     def _write_records(self, records: list[tuple[int, dict[str, Any]]]) -> None:
-        """One ``predictions.jsonl`` in input order: the data-parallel replicas' records gathered (over the
-        writers' DP group: every writer is in it) and written by DP rank 0. Each index is one replica's
-        (the samplers give every row to one rank once; padding rows were dropped)."""
-        if self._dp_group is not None:
-            parts: list[Any] = [None] * group_size(self._dp_group)
-            dist.all_gather_object(parts, records, group=process_group(self._dp_group))
-            if group_rank(self._dp_group) != 0:
-                return
-            records = [r for part in parts for r in part]
+        """``predictions.jsonl``, one line per record in index order."""
         records = sorted(records, key=lambda r: r[0])
-        twice = sorted({a for (a, _), (b, _) in zip(records, records[1:]) if a == b})
-        if twice:
-            raise RuntimeError(f"PredictionWriter: rows {twice[:10]} were predicted more than once (by several "
-                               f"data-parallel replicas): the predict sampler must give each row to one rank once")
-        self._suffix = ""
+        self._check_once(np.array([i for i, _ in records], dtype=np.int64))
         with open(self._tmp("predictions.jsonl"), "w", encoding="utf-8") as fh:
             for _, record in records:
                 fh.write(json.dumps(record) + "\n")
         self._publish(self._tmp("predictions.jsonl"), "predictions.jsonl")
 
+    def _write_arrays(self, parts: list[dict[str, np.ndarray]]) -> None:
+        """One ``.npy`` per output (``index.npy`` among them), rows in index order."""
+        index = np.concatenate([part["index"] for part in parts])
+        order = np.argsort(index, kind="stable")
+        self._check_once(index[order])
+        for name in parts[0]:
+            tmp = self._tmp(f"{name}.npy")
+            with open(tmp, "wb") as fh:
+                np.save(fh, np.concatenate([part[name] for part in parts])[order])
+            self._publish(tmp, f"{name}.npy")
+
     @override
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if not self._writes:
             return
-        if self._classified is not None:
-            records, self._records = self._records, []
-            self._write_records(records)
+        arrays = {name: np.concatenate(parts) for name, parts in self._arrays.items()}
+        parts = self._gathered((self._records, arrays))  # one gather, whichever kind of output
+        self._records, self._arrays, self._generation = [], {}, False
+        if parts is None:
             return
-        if self._generation:
-            self._write_generated()
-            return
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-            self._publish(self._tmp("predictions.jsonl"), "predictions.jsonl")
-        for name, parts in self._arrays.items():
-            tmp = self._tmp(f"{name}.npy")
-            with open(tmp, "wb") as fh:
-                np.save(fh, np.concatenate(parts))
-            self._publish(tmp, f"{name}.npy")
-        self._arrays = {}
+        array_parts = [a for _, a in parts if a]
+        if array_parts:  # pooled, hidden, a subclass's own tensors
+            self._write_arrays(array_parts)
+        else:  # masked-LM, generated or classified records (none at all: an empty predictions.jsonl)
+            self._write_records([r for records, _ in parts for r in records])
 
 
 def _is_generation(prediction: Any, batch: Any) -> bool:
