@@ -64,6 +64,7 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
     allow_unverified,
     checkpoint_identity,
     file_sha256,
+    loadable_bytes,
     read_marker,
     recover_last,
     validate_checkpoint_dir,
@@ -310,12 +311,13 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
             extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             if include_optimizer:
                 extra["megatron_optimizers"] = [optimizer_extra(opt) for opt in mapper.optimizers]
-            if "hyper_parameters" in extra:
-                extra["hyper_parameters"] = plain(extra["hyper_parameters"])
-            torch.save(extra, tmp / "extra.pt")
+            extra.update({k: plain(extra[k]) for k in ("hyper_parameters", "datamodule_hyper_parameters") if k in extra})
+            (tmp / "extra.pt").write_bytes(loadable_bytes(extra, final))
             mine += [".metadata", "extra.pt"]
         written = {name: file_sha256(tmp / name, sync=True) for name in mine}
-    except (OSError, RuntimeError) as e:
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # any failure reaches the gather below: the other ranks wait there
         error = _write_error(e, final, tmp)
     gathered = _gather((written, error))
     _agree(next((err for _, err in gathered if err), None))

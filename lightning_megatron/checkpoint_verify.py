@@ -19,8 +19,10 @@ CLI's run-folder rules read (one run's checkpoints per folder; a save never repl
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,8 @@ from lightning_megatron import dcp_io
 from lightning_megatron.dcp_io import CheckpointError
 
 __all__ = ["ALLOW_UNVERIFIED_ENV", "FORMAT_VERSION", "MARKER", "READABLE_FORMATS", "TMP_INFIX", "allow_unverified",
-           "checkpoint_identity", "file_sha256", "read_marker", "recover_last", "validate_checkpoint_dir",
-           "verify_checkpoint"]
+           "checkpoint_identity", "file_sha256", "loadable_bytes", "read_marker", "recover_last",
+           "validate_checkpoint_dir", "verify_checkpoint"]
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -158,6 +160,45 @@ def _unverified(path: Path, info: dict[str, Any]) -> str | None:
     return None
 
 
+def loadable_bytes(extra: dict[str, Any], final: Path) -> bytes:
+    """``extra`` serialized as ``extra.pt``, checked to load back under ``torch.load(weights_only=True)`` (how
+    every load reads it); a value that would not (a callback's ``timedelta`` or ``Path`` state, a lambda) is
+    refused, naming where it is, rather than saved into a checkpoint no load could read."""
+    try:
+        buffer = io.BytesIO()
+        torch.save(extra, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        return buffer.getvalue()
+    except Exception:  # noqa: BLE001 (pickling and unpickling raise many kinds): found and named below
+        bad = _unloadable(extra, "")
+    raise CheckpointError(
+        f"refusing to save {str(final)!r}: torch.load(weights_only=True), which reads every checkpoint, could not "
+        f"read back {'; '.join(bad[:5])}. Make that state plain data (str, int, float, bool, None, lists, dicts, "
+        f"tensors), e.g. a callback's state_dict returning str(path) or seconds as a float")
+
+
+def _unloadable(value: Any, where: str) -> list[str]:
+    """Where in ``value`` something does not survive ``torch.save`` + ``torch.load(weights_only=True)``:
+    ``"callbacks['Clock'] (a timedelta: ...)"``, down to the innermost dict entry or list item that fails."""
+    try:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+        return []
+    except Exception as e:  # noqa: BLE001 (pickling and unpickling raise many kinds)
+        reason = e
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    inner = [bad for k, v in items for bad in _unloadable(v, f"{where}[{k!r}]" if where else str(k))]
+    if inner:
+        return inner
+    if isinstance(reason, pickle.UnpicklingError):  # torch's message is advice to load unsafely: not ours to give
+        why = "not a type weights_only loads"
+    else:
+        why = str(reason).strip().splitlines()[0][:160] if str(reason).strip() else type(reason).__name__
+    return [f"{where or 'the checkpoint'} (a {type(value).__name__}: {why})"]
+
+
 def verify_checkpoint(path: str | os.PathLike, *, collective: bool = False) -> dict[str, Any]:
     """THE check of every path that reads a lightning_megatron checkpoint (``--ckpt_path`` of
     fit/validate/test/predict, ``init_from``, ``export hf``, ``load_from_checkpoint``); returns the marker.
@@ -186,11 +227,14 @@ def verify_checkpoint(path: str | os.PathLike, *, collective: bool = False) -> d
     error = None
     for name in sorted(sums)[rank::world]:
         f = path / name
-        if Path(name).is_absolute() or ".." in Path(name).parts or not f.is_file():
-            error = f"checkpoint {str(path)!r}: {MARKER} has a checksum for {name!r}, which is not a file in it"
-        elif file_sha256(f) != sums[name]:
-            error = (f"checkpoint {str(path)!r} is corrupt: {name} does not match the sha256 recorded "
-                     f"in {MARKER} (the file changed after it was saved)")
+        try:  # a read error (EIO, a stale NFS handle) on this rank's share reaches _agree: the others wait there
+            if Path(name).is_absolute() or ".." in Path(name).parts or not f.is_file():
+                error = f"checkpoint {str(path)!r}: {MARKER} has a checksum for {name!r}, which is not a file in it"
+            elif file_sha256(f) != sums[name]:
+                error = (f"checkpoint {str(path)!r} is corrupt: {name} does not match the sha256 recorded "
+                         f"in {MARKER} (the file changed after it was saved)")
+        except OSError as e:
+            error = f"checkpoint {str(path)!r}: reading {name} failed on this rank: {e}"
         if error:
             break
     if error is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -516,6 +517,8 @@ def plain(value: Any) -> Any:
         return value
     if isinstance(value, torch.dtype):
         return str(value)
+    if isinstance(value, os.PathLike):  # a path as its text: load_from_checkpoint passes it on as a str
+        return os.fspath(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return plain(dataclasses.asdict(value))
     return repr(value)

@@ -69,6 +69,7 @@ def _worker(root: str) -> dict:
                                                       every_n_train_steps=1)])
     trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm)
     out["listing"] = sorted(p.name for p in root_p.iterdir())
+    out["listing_root"] = root
     good = root_p / "last.ckpt"
     # --- save + load without a single warning
     with warnings.catch_warnings(record=True) as caught:
@@ -157,6 +158,32 @@ def _worker(root: str) -> dict:
     out["other_run"] = error_of(lambda: trainer.save_checkpoint(good))
     out["other_run_ids"] = trainer.strategy.run_id, before[0][0]
     out["other_run_untouched"] = (good / ckpt.MARKER).read_text() == before[1]
+    import datetime
+
+    from lightning.pytorch import Callback
+
+    # --- what extra.pt holds must load back: a datamodule's Path hyper-parameter was saved as a PosixPath that
+    # torch.load(weights_only=True) refuses (every checkpoint of the run saved, none loaded); now a record as the
+    # module's are. Callback state that cannot load back (a timedelta), or cannot be pickled at all (a lambda), is
+    # refused at the save on every rank, naming the callback (the lambda's PicklingError left rank 1 waiting).
+    trainer.datamodule.save_hyperparameters({"data_path": root_p / "data", "seed": 3})
+    trainer.save_checkpoint(root_p / "dm_path")
+    out["dm_hparams"] = ckpt.saved_extra(root_p / "dm_path")[0]["datamodule_hyper_parameters"]
+
+    class Clock(Callback):
+        def __init__(self, value):
+            self.value = value
+
+        def state_dict(self):
+            return {"elapsed": self.value}
+
+    for name, value in (("timedelta", datetime.timedelta(seconds=5)), ("lambda", lambda: 0)):
+        clock = Clock(value)
+        trainer.callbacks.append(clock)
+        out[f"clock_{name}"] = error_of(lambda: trainer.save_checkpoint(root_p / f"clock_{name}"))
+        trainer.callbacks.remove(clock)
+        torch.distributed.barrier()  # rank 0 removes the temporary after the error
+        out[f"clock_{name}_left"] = sorted(q.name for q in root_p.iterdir() if q.name.startswith(f"clock_{name}"))
     original = dcp.FileSystemWriter.write_data
     dcp.FileSystemWriter.write_data = full_disk
     try:
@@ -182,10 +209,6 @@ def _worker(root: str) -> dict:
     # --- a NaN gradient at step 2 on TP rank 1 only: every rank stops before the step with an error
     # naming the step (and, where it is, the parameter); no checkpoint is written from that state,
     # last.ckpt stays the one saved after step 1
-    import datetime
-
-    from lightning.pytorch import Callback
-
     from lightning_megatron.callbacks import MegatronOptimizerCallback
     from lightning_megatron import checkpoint as ckpt
 
@@ -343,6 +366,15 @@ def test_a_save_never_replaces_another_runs_checkpoint(results):
         assert f"another run (run {theirs} at step " in r["other_run"], r["other_run"]
         assert f") and this run is {mine}; a save never replaces another run's checkpoint" in r["other_run"]
         assert r["other_run_untouched"]
+
+
+def test_what_extra_pt_holds_loads_back_or_the_save_is_refused_on_every_rank(results):
+    for r in results:
+        assert r["dm_hparams"] == {"data_path": str(Path(r["listing_root"]) / "data"), "seed": 3}
+        for name, what in (("timedelta", "timedelta"), ("lambda", "lambda")):
+            assert "Clock" in r[f"clock_{name}"] and "callbacks" in r[f"clock_{name}"], r[f"clock_{name}"]
+            assert what in r[f"clock_{name}"], r[f"clock_{name}"]
+            assert r[f"clock_{name}_left"] == [], r[f"clock_{name}_left"]
 
 
 def test_full_disk_names_the_directory_and_keeps_the_last_checkpoint(results):
