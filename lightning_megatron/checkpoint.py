@@ -311,7 +311,8 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
             extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             if include_optimizer:
                 extra["megatron_optimizers"] = [optimizer_extra(opt) for opt in mapper.optimizers]
-            extra.update({k: plain(extra[k]) for k in ("hyper_parameters", "datamodule_hyper_parameters") if k in extra})
+            records = ("hyper_parameters", "datamodule_hyper_parameters")
+            extra.update({k: plain(extra[k]) for k in records if k in extra})
             (tmp / "extra.pt").write_bytes(loadable_bytes(extra, final))
             mine += [".metadata", "extra.pt"]
         written = {name: file_sha256(tmp / name, sync=True) for name in mine}
