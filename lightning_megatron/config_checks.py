@@ -40,7 +40,7 @@ from lightning_megatron.machine_checks import accelerator_problem, cpu_memory_pr
 from lightning_megatron.module import MegatronLightningModule, context_parallel_problem, torch_class
 from lightning_megatron.optimizer.config import gradient_clip_val_problem, none_problems
 from lightning_megatron.optimizer.distrib_optimizer import distributed_optimizer_problem
-from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, warmup_problem
+from lightning_megatron.optimizer.scheduler import lr_problems, resume_problem, style_problems, warmup_problem
 from lightning_megatron.parallel_dims import ParallelDims, parallel_dims_problems
 from lightning_megatron.pipeline.layout import get_layer_range
 from lightning_megatron.pipeline.registry import pipeline_schedule_problem
@@ -399,6 +399,9 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
     numbers = [v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
                for v in (sch.get("init_lr"), sch.get("max_lr"), sch.get("min_lr"))]
     problems += lr_problems(*numbers)  # the scheduler's own rules
+    styles = ("lr_decay_style", "lr_wsd_decay_style", "wd_incr_style", "wsd_decay_steps", "start_wd", "end_wd")
+    problems += [f"lr_schedule.{p}" for p in style_problems(**{k: sch[k] for k in styles if k in sch},
+                                                            lr_decay_steps=decay)]
     problems += [p for p in [resume_problem(bool(sch.get("use_checkpoint_opt_param_scheduler")),
                                             bool(sch.get("override_opt_param_scheduler")))] if p]
     return problems

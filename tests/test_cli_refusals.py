@@ -310,6 +310,12 @@ CASES = {
          "initialization"], []),
     # null for a number of the schedule passed every check and stopped every rank after its first step
     # ("unsupported operand type(s) for -: 'float' and 'NoneType'"); of clipping, a jsonargparse dump
+    # a style misspelled, or a WSD schedule without its decay style: refused before launch (each rank raised it
+    # from the scheduler's constructor, a traceback per rank)
+    "schedule_style": (["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--lr_schedule.lr_decay_style",
+                        "cosin", "--lr_schedule.wd_incr_style", "cosine", "--lr_schedule.end_wd", "0.001"], None,
+                       ["2 configuration problem(s)", "lr_schedule.lr_decay_style='cosin' is not one of",
+                        "lr_schedule.end_wd=0.001 must be >= start_wd=0.01"], []),
     "schedule_number_null": (["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--lr_schedule.min_lr",
                               "null", "--lr_schedule.start_wd", "null"], None,
                              ["2 configuration problem(s)", "lr_schedule.min_lr=None: the schedule needs a number "

@@ -181,6 +181,29 @@ def judged_against_truth(recipe, report, *, steps: int, grad_steps: list[int], t
     return judge_against_truth(report, truth)
 
 
+def notes(recipe, steps: int, fp32: bool) -> list[str]:
+    """What a check of ``recipe`` over ``steps`` steps cannot see, said before it runs: a schedule that starts at lr 0
+    (step 1 updates nothing: step 2's loss and gradients are the same weights'; a layout that doubled its update
+    passed a check of 2 steps), and a 16-bit recipe's loose bounds (a layout 3% off passed them)."""
+    out = []
+    schedule = next((a for name, a in recipe.callbacks if name == "OptimizerParamSchedulerCallback"), None)
+    warmup = int((schedule or {}).get("lr_warmup_steps") or 0)
+    if schedule is not None and not float(schedule.get("init_lr") or 0.0) and warmup > 0:
+        out.append(f"the recipe's lr schedule starts at lr 0 (init_lr 0, lr_warmup_steps {warmup}): step 1 updates "
+                   f"nothing, the updates are compared from step 3 on"
+                   + (f"; this check runs {steps}: add --steps 3" if steps < 3 else ""))
+    if _sixteen_bit(recipe)[1] and not fp32:
+        out.append("16-bit bounds are loose (a layout's error of a few percent passes them): --fp32 checks the "
+                   "layouts' math at fp32's")
+    return out
+
+
+def _tuned(recipe) -> dict:
+    """The MegatronStrategy arguments a check run takes from the recipe: its ``cpu_tuning`` (a check runs on this
+    machine's CPU, where ``fit`` of the recipe runs the tuning's collectives and kernels: those are checked)."""
+    return {} if recipe.cpu_tuning is None else {"cpu_tuning": recipe.cpu_tuning}
+
+
 def _layout_problems(recipe, layouts: list, runs: bool = True) -> list[str]:
     """What ``fit`` would refuse before launch for each layout (:func:`lightning_megatron.config_checks.check_config`
     on the recipe's model and data, its precision, the layout's sizes and world size; where the check ``runs`` the
@@ -198,6 +221,8 @@ def _layout_problems(recipe, layouts: list, runs: bool = True) -> list[str]:
     data = dict(sized.data)  # the run's: batch sizes, sequence length, vocabulary (the memory estimate's)
     trainer = {"precision": recipe.precision} if recipe.precision is not None else {}
     trainer["accelerator"] = "cpu"  # a check runs every layout's ranks on this machine's CPU
+    trainer.update(recipe.trainer_options, max_steps=recipe.max_steps or 1)  # a check run always has max_steps
+    schedule = next((args for name, args in recipe.callbacks if name == "OptimizerParamSchedulerCallback"), {})
     recipe = sized
     found_by_layout = []
     one_stage = copy.deepcopy(recipe.model)  # the one-stage layouts' (the reference's): every layer on the stage
@@ -206,7 +231,8 @@ def _layout_problems(recipe, layouts: list, runs: bool = True) -> list[str]:
     for dims in layouts:
         model = recipe.model if dims.pp > 1 else one_stage
         found = check_config(model_hparams=model, data_hparams=data, strategy_args=dims.strategy_kwargs(),
-                             trainer_args={**trainer, "devices": dims.world_size},
+                             trainer_args={**trainer, "devices": dims.world_size}, scheduler_args=schedule,
+                             optimizer_class=recipe.optimizer[0] if recipe.optimizer else None,
                              has_optimizer_callback=True if dims.zero1 else None, use_distributed_optimizer=dims.zero1,
                              model_class=import_class(recipe.model_class), running=runs,
                              data_class=import_class(recipe.data_class))
@@ -313,12 +339,19 @@ def main(argv: list[str] | None = None) -> int:
           f"dropout off", flush=True)
     if recipe.skipped_callbacks:
         print(f"  recipe callbacks not used by the check: {', '.join(recipe.skipped_callbacks)}", flush=True)
+    if recipe.cpu_tuning is not None:  # what `fit` of the recipe runs on a CPU: its collectives, kernels, schedule
+        print(f"  the recipe's cpu_tuning on every layout: {recipe.cpu_tuning}", flush=True)
+    for name, section in (("optimizer", recipe.optimizer), ("lr_scheduler", recipe.lr_scheduler)):
+        if section is not None:
+            print(f"  the recipe's {name}: {section[0]} {section[1] or ''}".rstrip(), flush=True)
+    for note in notes(recipe, args.steps, args.fp32):
+        print(f"  {note}", flush=True)
     report_steps = [int(s) for s in args.grad_steps.split(",") if s.strip()]
     report = check_layouts(**factories(recipe, args.steps, G), layouts=layouts, reference=reference,
                            global_batch_size=G, micro_batch_size=m, steps=args.steps, tolerances=tol,
                            trainer_kwargs=recipe.trainer_kwargs(args.steps), grad_steps=report_steps,
                            measure_memory=args.estimate_memory, measure_traffic=timing is not None,
-                           timeout=args.timeout)
+                           timeout=args.timeout, strategy_kwargs=_tuned(recipe))
     report = judged_against_truth(recipe, report, steps=args.steps, grad_steps=report_steps, timeout=args.timeout)
     print(report.table(), flush=True)
     if not report.passed and _sixteen_bit(recipe)[1]:

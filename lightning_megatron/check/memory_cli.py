@@ -38,6 +38,9 @@ def model_shape(recipe: Any, on_cpu: bool = False, training: bool = False, cpu_r
         shape = dataclasses.replace(shape, on_cpu=on_cpu)
     if "composite_rmsnorm" in fields:
         shape = dataclasses.replace(shape, composite_rmsnorm=cpu_run)
+    if "optimizer" in fields and getattr(recipe, "optimizer", None) is not None:  # the recipe's optimizer: section
+        name = recipe.optimizer[0].rsplit(".", 1)[-1].lower()  # Adam / AdamW: two moments; another: one
+        shape = dataclasses.replace(shape, optimizer=name if name in ("adam", "adamw") else "sgd")
     if not isinstance(shape, MemoryCost):
         raise ValueError(f"{recipe.model_class}.estimate_shape returned a {type(shape).__name__}, which lacks members of "
                          f"lightning_megatron.cost.MemoryCost (stage_parameters, layer_activation_bytes, ...)")

@@ -9,7 +9,9 @@ refuses a model argument written where it was before it moved (``num_layers`` ->
 and keeps, of the Trainer's callbacks,
 those that change the update: ``MegatronOptimizerCallback`` (clipping, loss scaling) and
 ``OptimizerParamSchedulerCallback`` (learning rate, weight decay). Loggers, checkpointing and throughput callbacks are left out. Only
-classes of ``lightning_megatron.callbacks`` are built from a recipe.
+classes of ``lightning_megatron.callbacks`` are built from a recipe. The top-level ``optimizer:`` / ``lr_scheduler:``
+sections go to the module as ``fit`` gives them (``use_optimizer`` / ``use_lr_scheduler``), and the strategy's
+``cpu_tuning`` to every layout's strategy.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ class RecipeCheck:
     """The recipe's own layout: its MegatronStrategy's sizes, ``megatron_optimizer.use_distributed_optimizer``
     as ``zero1``, ``dp`` from ``trainer.devices`` x ``num_nodes`` (None: no MegatronStrategy, or sizes that
     do not make a layout)."""
+    optimizer: tuple[str, dict[str, Any]] | None = None
+    """The recipe's top-level ``optimizer:`` section (class path, init args), as ``fit`` builds it
+    (``MegatronLightningModule.use_optimizer``); None: the module's own optimizer."""
+    lr_scheduler: tuple[str, dict[str, Any]] | None = None
+    """The recipe's top-level ``lr_scheduler:`` section (a torch scheduler stepped every step), as ``fit`` builds it."""
+    trainer_options: dict[str, Any] = field(default_factory=dict)
+    """The recipe's Trainer options ``fit`` refuses with a MegatronStrategy (``accumulate_grad_batches``,
+    ``gradient_clip_val``): checked before launch as ``fit`` checks them."""
     cpu_tuning: CPUTuning | None = None
     """The recipe's MegatronStrategy's ``cpu_tuning`` as the strategy reads it (``true``: every piece but the weight
     gradients once a step; a mapping: those fields; None: off, a CPU run takes the library's code path): what a CPU
@@ -272,11 +282,33 @@ def load_recipe(path: str | Path, model_overrides: dict[str, Any] | None = None,
             raise ValueError(f"--trainer.{key} is not an override of check: {instead}; of the Trainer's options only "
                              f"--trainer.precision changes what a layout computes")
     precision = (trainer_overrides or {}).get("precision", trainer.get("precision"))
-    return RecipeCheck(model=model, model_class=model_class, data_class=data_class, dropout=dropout,
+    optimizer, lr_scheduler = _torch_section(cfg, "optimizer", cls), _torch_section(cfg, "lr_scheduler", cls)
+    trainer_options = {k: trainer[k] for k in ("accumulate_grad_batches", "gradient_clip_val") if k in trainer}
+    return RecipeCheck(optimizer=optimizer, lr_scheduler=lr_scheduler, trainer_options=trainer_options,
+                       model=model, model_class=model_class, data_class=data_class, dropout=dropout,
                        schedule_only=schedule_only, data=data, callbacks=kept, skipped_callbacks=skipped,
                        precision=None if precision is None else str(precision), max_steps=trainer.get("max_steps"),
                        layout=_recipe_layout(trainer, cfg.get("megatron_optimizer")),
                        cpu_tuning=_cpu_tuning(trainer))
+
+
+def _torch_section(cfg: dict[str, Any], name: str, cls: type) -> tuple[str, dict[str, Any]] | None:
+    """The recipe's top-level ``optimizer:`` / ``lr_scheduler:`` section as (class path, init args), which ``fit``
+    hands to the module (``use_optimizer`` / ``use_lr_scheduler``); refused for a module that cannot take it, as
+    ``fit`` refuses it."""
+    from lightning_megatron.module import MegatronLightningModule
+
+    section = cfg.get(name)
+    if not section:
+        return None
+    class_path, args = (str(section), {}) if isinstance(section, str) else _section(section)
+    if class_path is None:
+        raise ValueError(f"the recipe's {name}: section names no class_path ({section!r})")
+    if not issubclass(cls, MegatronLightningModule):
+        raise ValueError(f"the recipe's {name}: section is built by a lightning_megatron.module."
+                         f"MegatronLightningModule on its parameter groups; {cls.__name__} is not one: build it in "
+                         f"its configure_optimizers")
+    return class_path, args
 
 
 def _cpu_tuning(trainer: dict[str, Any]) -> CPUTuning | None:
@@ -316,9 +348,16 @@ def _recipe_layout(trainer: dict[str, Any], optimizer: Any) -> ParallelDims | No
     return layout
 
 
-def build_module(model_class: str, model: dict[str, Any]):
-    """The recipe's module (module-level: picklable for spawn)."""
-    return import_class(model_class)(**model)
+def build_module(model_class: str, model: dict[str, Any], optimizer: tuple[str, dict[str, Any]] | None = None,
+                 lr_scheduler: tuple[str, dict[str, Any]] | None = None):
+    """The recipe's module (module-level: picklable for spawn), with the recipe's top-level ``optimizer`` and
+    ``lr_scheduler`` sections as ``fit`` gives them to it."""
+    module = import_class(model_class)(**model)
+    if optimizer is not None:
+        module.use_optimizer(*optimizer)
+    if lr_scheduler is not None:
+        module.use_lr_scheduler(*lr_scheduler)
+    return module
 
 
 def build_dataset(data_class: str, data: dict[str, Any], num_samples: int):
@@ -376,7 +415,8 @@ def factories(recipe: RecipeCheck, steps: int, global_batch_size: int) -> dict[s
     fill_vocab_size(filled, dm)
     if recipe.model_class == CLASSIFIER_CLASS and "num_classes" not in filled.model:  # `finetune`: the data's
         filled.model["num_classes"] = dm.num_classes
-    return dict(module_factory=functools.partial(build_module, recipe.model_class, filled.model),
+    return dict(module_factory=functools.partial(build_module, recipe.model_class, filled.model, recipe.optimizer,
+                                                 recipe.lr_scheduler),
                 dataset_factory=functools.partial(build_dataset, recipe.data_class, recipe.data,
                                                   steps * global_batch_size),
                 callbacks_factory=functools.partial(build_callbacks, recipe.callbacks))

@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 __all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES", "warmup_problem",
-           "warmup_for_run", "lr_problems", "missing_state_problem", "resume_problem"]
+           "warmup_for_run", "lr_problems", "style_problems", "missing_state_problem", "resume_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,34 @@ def warmup_problem(lr_warmup_steps: int, lr_decay_steps: int, source: str = "lr_
         return (f"lr_warmup_steps={lr_warmup_steps!r} must be < {source}={lr_decay_steps!r}; shorten the warm-up "
                 f"or decay later")
     return None
+
+
+def style_problems(lr_decay_style: Any = "linear", lr_wsd_decay_style: Any = None, wd_incr_style: Any = "constant",
+                   wsd_decay_steps: Any = None, lr_decay_steps: Any = None, start_wd: Any = 0.01,
+                   end_wd: Any = 0.01) -> list[str]:
+    """The rules on the schedule's styles (and the weight decay's bounds), the callback's defaults for what is not
+    given; the one validator the scheduler (at set-up) and ``config_checks`` (before launch) both call (an
+    ``lr_decay_steps`` of None, the run's length, skips WSD's bound on it)."""
+    out = []
+    if lr_decay_style not in LR_DECAY_STYLES:
+        out.append(f"lr_decay_style={lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+    elif lr_decay_style == "WSD":
+        if not isinstance(wsd_decay_steps, int) or not 0 < wsd_decay_steps <= (lr_decay_steps or wsd_decay_steps):
+            out.append(f"wsd_decay_steps={wsd_decay_steps!r} must be in (0, lr_decay_steps={lr_decay_steps}] "
+                       f"for lr_decay_style='WSD'")
+        if lr_wsd_decay_style not in WSD_DECAY_STYLES:
+            out.append(f"lr_wsd_decay_style={lr_wsd_decay_style!r} is not one of {WSD_DECAY_STYLES} (needed for WSD)")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (start_wd, end_wd))
+    if numbers and start_wd < 0.0:
+        out.append(f"start_wd={start_wd!r} must be >= 0")
+    if numbers and end_wd < start_wd:
+        out.append(f"end_wd={end_wd!r} must be >= start_wd={start_wd!r}")
+    if wd_incr_style not in WD_INCR_STYLES:
+        out.append(f"wd_incr_style={wd_incr_style!r} is not one of {WD_INCR_STYLES}")
+    elif wd_incr_style == "constant" and numbers and start_wd != end_wd:
+        out.append(f"wd_incr_style='constant' needs start_wd == end_wd (got {start_wd} and {end_wd}); "
+                   f"choose 'linear' or 'cosine' to increase weight decay")
+    return out
 
 
 def lr_problems(init_lr: float | None, max_lr: float | None, min_lr: float | None) -> list[str]:
@@ -140,33 +168,13 @@ class OptimizerParamScheduler:
         problem = warmup_problem(lr_warmup_steps, lr_decay_steps)
         if problem:
             raise ValueError(problem)
-        if lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style={lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+        problems = style_problems(lr_decay_style, lr_wsd_decay_style, wd_incr_style, wsd_decay_steps, lr_decay_steps,
+                                  start_wd, end_wd)
+        if problems:
+            raise ValueError(problems[0])
         self.lr_decay_style = lr_decay_style
-        if lr_decay_style == "WSD":
-            if wsd_decay_steps is None or not 0 < wsd_decay_steps <= lr_decay_steps:
-                raise ValueError(
-                    f"wsd_decay_steps={wsd_decay_steps!r} must be in (0, lr_decay_steps={lr_decay_steps}] "
-                    "for lr_decay_style='WSD'"
-                )
-            if lr_wsd_decay_style not in WSD_DECAY_STYLES:
-                raise ValueError(
-                    f"lr_wsd_decay_style={lr_wsd_decay_style!r} is not one of {WSD_DECAY_STYLES} (needed for WSD)"
-                )
-
         self.start_wd = start_wd
         self.end_wd = end_wd
-        if start_wd < 0.0:
-            raise ValueError(f"start_wd={start_wd!r} must be >= 0")
-        if end_wd < start_wd:
-            raise ValueError(f"end_wd={end_wd!r} must be >= start_wd={start_wd!r}")
-        if wd_incr_style not in WD_INCR_STYLES:
-            raise ValueError(f"wd_incr_style={wd_incr_style!r} is not one of {WD_INCR_STYLES}")
-        if wd_incr_style == "constant" and start_wd != end_wd:
-            raise ValueError(
-                f"wd_incr_style='constant' needs start_wd == end_wd (got {start_wd} and {end_wd}); "
-                "choose 'linear' or 'cosine' to increase weight decay"
-            )
         if wd_incr_style != "constant" and not wd_incr_steps > 0:
             raise ValueError(f"wd_incr_steps={wd_incr_steps!r} must be > 0 for wd_incr_style={wd_incr_style!r}")
         self.wd_incr_steps = wd_incr_steps
