@@ -35,13 +35,11 @@ and global tensor shapes are compared with the model's: every difference is list
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import inspect
 import json
 import os
 import shutil
-import sys
 import uuid
 import warnings
 from collections.abc import Callable
@@ -51,6 +49,7 @@ from typing import Any
 import torch
 
 from lightning_megatron import dcp_io
+from lightning_megatron.atomic_files import finalize_directory, fsync_dir, remove_path
 from lightning_megatron.checkpoint_verify import (  # the one verification of every load path, and its names
     ALLOW_UNVERIFIED_ENV,
     FORMAT_VERSION,
@@ -140,69 +139,6 @@ does not report them: a fine-tuned run predicted without its ``--model.init_from
 ``--model.predict_greedy false``, says nothing of it."""
 
 
-# ---------------------------------------------------------------------- files
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # not every file system syncs directories
-    finally:
-        os.close(fd)
-
-
-# ---------------------------------------------------------------------- atomic swap
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2). False where the system cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False  # kernel or file system without RENAME_EXCHANGE
-    raise OSError(err, os.strerror(err), str(a), None, str(b))
-
-
-def _remove_path(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    elif p.exists() or p.is_symlink():
-        p.unlink(missing_ok=True)
-
-
-def finalize_directory(tmp: Path, final: Path) -> None:
-    """Put the complete ``tmp`` at ``final``; an existing ``final`` is replaced without a moment in
-    which the name is missing (rename exchange; elsewhere two renames, the old copy kept as
-    ``<final>.tmp-old`` until the second one is done)."""
-    if final.exists() or final.is_symlink():
-        if _exchange(tmp, final):
-            _remove_path(tmp)  # the previous checkpoint, now under the temporary name
-            return
-        old = final.with_name(final.name + TMP_INFIX + "old")
-        _remove_path(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        _remove_path(old)
-    else:
-        os.replace(tmp, final)
-
-
 def save_temporary(final: Path, run_id: str | None) -> Path:
     """Where a save of ``final`` writes before it is complete: ``<final>.tmp-<run>.<random>`` (the saving run's
     first 8 characters), ``<final>.tmp-<random>`` without a run id."""
@@ -219,7 +155,7 @@ def _clean_stale_temporaries(final: Path, run_id: str | None = None) -> None:
                 rest = p.name[len(final.name + TMP_INFIX):]
                 owner = rest.split(".", 1)[0] if "." in rest else None
                 if owner is None or run_id is None or owner == run_id[:8]:
-                    _remove_path(p)
+                    remove_path(p)
 
 
 def _write_error(e: BaseException, final: Path, directory: Path) -> str:
@@ -253,8 +189,14 @@ def _is_disk_full(e: BaseException | None, depth: int = 0) -> bool:
 
 
 def other_run_problem(final: Path, run_id: str | None) -> str | None:
-    """Why saving run ``run_id`` at ``final`` would replace another run's checkpoint; None when it would
-    not (nothing there, the same run, or a run id unknown on either side)."""
+    """Why saving run ``run_id`` at ``final`` would replace another run's checkpoint, or something that is not a
+    checkpoint (a file, a folder without our marker: it was swapped out and deleted); None when it would not
+    (nothing there, an empty folder, the same run, or a run id unknown on either side)."""
+    if (final.exists() or final.is_symlink()) and not (final / MARKER).is_file() and not (
+            final.is_dir() and not final.is_symlink() and not any(final.iterdir())):
+        what = "a file" if final.is_file() else "a link" if final.is_symlink() else "a folder that is no checkpoint"
+        return (f"refusing to save {str(final)!r}: it is {what} (no {MARKER} in it), which a save would replace and "
+                f"delete; move it away, or save the checkpoint under another name")
     if run_id is None or not final.is_dir():
         return None
     owner, step = checkpoint_identity(final)
@@ -290,7 +232,7 @@ def save(mapper: ShardedStateMapper, checkpoint: dict[str, Any], filepath: str |
         _write(mapper, checkpoint, final, tmp, layout, run_id)
     except CheckpointError:
         if rank == 0:
-            _remove_path(tmp)
+            remove_path(tmp)
         raise
 
 
@@ -336,13 +278,12 @@ def _write(mapper: ShardedStateMapper, checkpoint: dict[str, Any], final: Path, 
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp / (MARKER + ".tmp"), tmp / MARKER)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             error = other_run_problem(final, run_id)  # again: another run may have saved there meanwhile
             if error is None:
                 finalize_directory(tmp, final)
             else:
-                _remove_path(tmp)
-            _fsync_dir(final.parent)
+                remove_path(tmp)
         except OSError as e:
             error = _write_error(e, final, tmp)
     _agree(error)
@@ -399,7 +340,7 @@ def check_shared_storage(folders: list[str | os.PathLike | None], nodes: list[in
 
 def remove(filepath: str | os.PathLike) -> None:
     """Delete a checkpoint directory (rank 0's job; ModelCheckpoint's top-k rotation)."""
-    _remove_path(Path(filepath))
+    remove_path(Path(filepath))
 
 
 # ---------------------------------------------------------------------- load

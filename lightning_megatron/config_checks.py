@@ -49,7 +49,8 @@ from lightning_megatron.step import batch_size_problem
 from lightning_megatron.transformer.context_parallel import sequence_length_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
-           "init_timeout_problem", "ckpt_path_problem", "PRECISION_PARAMS_DTYPE", "grad_scaler_problem"]
+           "init_timeout_problem", "ckpt_path_problem", "PRECISION_PARAMS_DTYPE", "grad_scaler_problem",
+           "save_last_problem"]
 
 
 class ConfigError(ValueError):
@@ -328,6 +329,9 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     clip_problem = gradient_clip_val_problem(t.get("gradient_clip_val"))
     if clip_problem is not None:
         problems.append(clip_problem)
+    for cb in t.get("callbacks") or []:
+        save_last = (cb.get("init_args") or {}).get("save_last") if isinstance(cb, Mapping) else None
+        problems += [p for p in [save_last_problem(save_last)] if p]
     if use_distributed_optimizer and isinstance(m.get("optimizer_class"), str):  # ZeRO-1 over a named optimizer
         try:
             optimizer_class = torch_class(m["optimizer_class"], torch.optim, torch.optim.Optimizer, "optimizer_class",
@@ -375,6 +379,16 @@ def _generation_problems(m: dict[str, Any]) -> list[str]:
                         f"it and the prompt's index)")
     return [p.replace("greedy decoding takes the argmax", "--model.predict_greedy true takes the argmax")
             for p in problems]
+
+
+def save_last_problem(save_last: Any) -> str | None:
+    """``ModelCheckpoint(save_last="link")`` refused: Lightning makes that link on rank 0 outside the strategy's
+    atomic save (a crash between its remove and its link leaves no ``last``; it replaces another run's)."""
+    if save_last != "link":
+        return None
+    return ("ModelCheckpoint(save_last='link') is not supported by MegatronStrategy: Lightning links last.ckpt on rank "
+            "0 outside the atomic, run-guarded save (a crash while it replaces the link leaves no last checkpoint, and "
+            "it replaces another run's); set save_last: true (last.ckpt saved as a checkpoint of its own)")
 
 
 _SCHEDULE_NUMBERS = {"init_lr": 0.0, "max_lr": 1e-4, "min_lr": 0.0, "lr_warmup_steps": 0, "start_wd": 0.01,

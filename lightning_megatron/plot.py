@@ -23,6 +23,8 @@ import math
 import os
 from pathlib import Path
 
+from lightning_megatron.atomic_files import unique_tag
+
 __all__ = ["EVALUATION_FOLDERS", "QUANTITIES", "columns", "objective", "plot_runs", "read_run"]
 
 _CLASSIFIER_SCORES = ("accuracy", "f1", "matthews_corrcoef", "pearson", "spearman")
@@ -208,7 +210,7 @@ def plot_runs(run_dirs: list[str | os.PathLike[str]], output: str | os.PathLike[
                fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight() * (1 + (len(handles) - 1) // 4)))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    tmp = out.with_name(f".{out.name}.tmp-{unique_tag()}{out.suffix}")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     os.replace(tmp, out)  # atomic: a reader never sees half a PNG

@@ -19,7 +19,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_megatron.config_checks import PRECISION_PARAMS_DTYPE, grad_scaler_problem, normalize_precision
+from lightning_megatron.config_checks import (PRECISION_PARAMS_DTYPE, grad_scaler_problem, normalize_precision,
+                                              save_last_problem)
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_dims import ParallelDims, ParallelDimsError
 from lightning_megatron.parallel_state import ParallelState
@@ -62,6 +63,10 @@ def check_trainer(trainer: Trainer) -> None:
     problem = gradient_clip_val_problem(trainer.gradient_clip_val)
     if problem is not None:
         raise ValueError(f"MegatronStrategy: {problem}")
+    for callback in trainer.checkpoint_callbacks:
+        problem = save_last_problem(getattr(callback, "save_last", None))
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def check_precision(trainer: Trainer, chunks: Sequence[nn.Module], hparams: dict[str, Any], *,

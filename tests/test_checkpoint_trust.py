@@ -158,6 +158,13 @@ def _worker(root: str) -> dict:
     out["other_run"] = error_of(lambda: trainer.save_checkpoint(good))
     out["other_run_ids"] = trainer.strategy.run_id, before[0][0]
     out["other_run_untouched"] = (good / ckpt.MARKER).read_text() == before[1]
+    # ... nor what is not a checkpoint: a folder of the user's at that name was swapped out and deleted
+    if rank == 0:
+        (root_p / "user_folder").mkdir()
+        (root_p / "user_folder" / "notes.txt").write_text("mine")
+    torch.distributed.barrier()
+    out["not_a_checkpoint"] = error_of(lambda: trainer.save_checkpoint(root_p / "user_folder"))
+    out["not_a_checkpoint_kept"] = sorted(q.name for q in (root_p / "user_folder").iterdir())
     import datetime
 
     from lightning.pytorch import Callback
@@ -356,6 +363,12 @@ def test_other_hyperparameters_are_listed_in_oneerror_of(results):
                                              "run configures (it was trained with another schedule, or none): it "
                                              "starts from its own first step here"], results[0]["fresh_scheduler"]
     assert results[1]["fresh_scheduler"] == []  # said once
+
+
+def test_a_save_never_replaces_what_is_not_a_checkpoint(results):
+    for r in results:
+        assert "it is a folder that is no checkpoint (no lightning_megatron.json in it)" in r["not_a_checkpoint"], r
+        assert r["not_a_checkpoint_kept"] == ["notes.txt"]
 
 
 def test_a_save_never_replaces_another_runs_checkpoint(results):

@@ -43,6 +43,9 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     preprocess_corpus([d / "docs.txt"], d / "noeod", BPETokenizer(), progress=False)  # without --append-eod
     preprocess_corpus([d / "docs.txt"], d / "wordpiece", progress=False)  # BERT's packaged WordPiece
     (d / "prompts.txt").write_text("The function returns\nA list of\n")
+    (d / "link.yaml").write_text(f"base: {ROOT / 'recipes' / 'bert_tiny.yaml'}\ntrainer:\n  callbacks:\n"
+                                 f"  - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n    init_args:\n"
+                                 f"      save_last: link\n")
     (d / "long.txt").write_text("The function returns\n" + " ".join(["word"] * 60) + "\n")  # 60 tokens
     (d / "latin1.txt").write_bytes(b"The function returns\ncaf\xe9 au lait\n")
     rows = [{"sentence": f"a fine film number {i}", "label": ["negative", "positive"][i % 2]} for i in range(40)]
@@ -86,7 +89,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
             "mixtral": str(d / "mixtral"), "llama": str(d / "llama"), "llama97": str(d / "llama97"),
             "bert": str(d / "bert"),
             "bert_own_vocab": str(d / "bert_own_vocab"), "bert_own_tokenizer": str(d / "bert_own_tokenizer"),
-            "prompts": str(d / "prompts.txt"),
+            "prompts": str(d / "prompts.txt"), "link_recipe": str(d / "link.yaml"),
             "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
             "small": str(d / "small.jsonl"),
@@ -312,6 +315,10 @@ CASES = {
     # ("unsupported operand type(s) for -: 'float' and 'NoneType'"); of clipping, a jsonargparse dump
     # a style misspelled, or a WSD schedule without its decay style: refused before launch (each rank raised it
     # from the scheduler's constructor, a traceback per rank)
+    # last.ckpt as a link: Lightning makes it on rank 0 outside the atomic, run-guarded save
+    "save_last_link": (["fit", "--config", "{link_recipe}", "--trainer.strategy.init_args.timeout", "0"], None,
+                       ["2 configuration problem(s)", "ModelCheckpoint(save_last='link') is not supported",
+                        "set save_last: true"], []),
     "schedule_style": (["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--lr_schedule.lr_decay_style",
                         "cosin", "--lr_schedule.wd_incr_style", "cosine", "--lr_schedule.end_wd", "0.001"], None,
                        ["2 configuration problem(s)", "lr_schedule.lr_decay_style='cosin' is not one of",

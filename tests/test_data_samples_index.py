@@ -195,3 +195,25 @@ def test_unwritable_data_directory_falls_back_to_the_cache(tmp_path):
     mapping = cached_samples_mapping(sizes, doc_idx, np.arange(400), cache_dir=unwritable,
                                      fallback_cache_dir=tmp_path / "fallback", **kwargs)
     assert str(mapping.filename).startswith(str(tmp_path / "fallback"))
+
+
+def test_a_held_build_lock_is_waited_for_a_bounded_time_and_temporaries_never_collide(tmp_path):
+    """The cache's build lock waited for ever (a stopped job sharing the cache folder held a rank there); a
+    temporary file's tag was the process id alone, which containers on two nodes share (the second build opened the
+    first's temporary file and truncated it)."""
+    import time
+
+    from lightning_megatron.atomic_files import unique_tag
+    from lightning_megatron.data.tokenizer import file_lock
+
+    lock = tmp_path / "cache.lock"
+    with file_lock(lock):  # held through another open file: another process's, to flock
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"waited 0 s for the lock .*cache.lock.*fuser"):
+            with file_lock(lock, timeout_s=0.3):
+                pass
+        assert 0.3 <= time.monotonic() - start < 5
+    with file_lock(lock, timeout_s=0.3):  # released: taken at once
+        pass
+    tags = {unique_tag() for _ in range(100)}
+    assert len(tags) == 100 and all(t.startswith(f"{os.getpid()}-") for t in tags)

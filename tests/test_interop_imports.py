@@ -419,6 +419,12 @@ def test_a_failed_export_leaves_the_existing_folder_whole(tmp_path, monkeypatch)
     monkeypatch.setattr(convert, "read_model_checkpoint", lambda path: saved)
     convert.export_hf("ckpt", target, vocab_file=vocab, overwrite=True)
     assert (target / "model.safetensors").is_file() and (target / "config.json").read_text() != "{}"
+    # --overwrite replaces an earlier export, never a folder of something else (it was deleted whole)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "thesis.tex").write_text("years of work")
+    with pytest.raises(FileExistsError, match=r"is not an earlier export .*--overwrite would delete what it holds"):
+        convert.export_hf("ckpt", tmp_path / "notes", vocab_file=vocab, overwrite=True)
+    assert (tmp_path / "notes" / "thesis.tex").read_text() == "years of work"
 
 
 def test_the_binary_head_is_a_source_s_to_leave_not_to_invent(tmp_path):

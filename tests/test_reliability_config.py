@@ -210,3 +210,21 @@ def test_strategy_refuses_a_zero_timeout_before_launch():
         with pytest.raises(ValueError, match=r"MegatronStrategy: strategy timeout=.* must be more than 0 seconds"):
             MegatronStrategy(timeout=timeout)
     assert MegatronStrategy(timeout=60)._timeout == datetime.timedelta(seconds=60)
+
+
+def test_a_linked_last_checkpoint_is_refused_from_python_too():
+    """``ModelCheckpoint(save_last="link")`` built in Python (no recipe for the pre-launch check to read): the
+    strategy refuses it at set-up, before any save (Lightning links last.ckpt on rank 0 outside the atomic save)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_megatron.setup_checks import check_trainer
+
+    for save_last, refused in ((True, False), ("link", True)):
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          callbacks=[ModelCheckpoint(save_last=save_last)])
+        if refused:
+            with pytest.raises(ValueError, match=r"save_last='link'\) is not supported .*set save_last: true"):
+                check_trainer(trainer)
+        else:
+            check_trainer(trainer)

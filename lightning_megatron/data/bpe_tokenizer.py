@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_megatron.atomic_files import unique_tag
+
 __all__ = [
     "BPETokenizer",
     "EOD_TOKEN",
@@ -209,7 +211,7 @@ def train_bpe_tokenizer(files: Sequence[Any] | None, vocab_size: int, output_dir
 def _save_atomic(tokenizer: Any, output: Path) -> Path:
     """``tokenizer.save`` to a temporary file in ``output``, renamed to ``tokenizer.json``."""
     output.mkdir(parents=True, exist_ok=True)
-    tmp = output / f".tokenizer.json.tmp-{os.getpid()}"
+    tmp = output / f".tokenizer.json.tmp-{unique_tag()}"
     try:
         tokenizer.save(str(tmp))
         os.replace(tmp, output / "tokenizer.json")

@@ -30,6 +30,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from lightning_megatron.atomic_files import unique_tag
+
 __all__ = [
     "DatasetTokenizer",
     "DatasetVocab",
@@ -158,7 +160,7 @@ def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokeni
                           eod=tokenizer.eod if isinstance(tokenizer, BPETokenizer) else None,
                           append_eod=append_eod)
     path = vocab_sidecar_path(prefix)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp-{unique_tag()}")
     tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
     os.replace(tmp, path)
     return record

@@ -31,6 +31,8 @@ from types import TracebackType
 
 import numpy as np
 
+from lightning_megatron.atomic_files import unique_tag
+
 __all__ = [
     "CorruptIndexedDatasetError",
     "IndexedDataset",
@@ -107,7 +109,7 @@ class IndexedDatasetBuilder:
         self._code = _dtype_code(dtype)
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp-{os.getpid()}"
+        tag = f".tmp-{unique_tag()}"
         self._tmp_bin = Path(f"{data_file_path(prefix)}{tag}")
         self._tmp_idx = Path(f"{index_file_path(prefix)}{tag}")
         self._bin = open(self._tmp_bin, "wb")

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_megatron.atomic_files import unique_tag
+
 __all__ = ["NpyStreamWriter", "SAMPLES_INDEX_VERSION", "WALK_ROUNDS", "build_samples_mapping", "cached_npy_files",
            "cached_samples_mapping", "content_key", "samples_mapping_key", "write_npy_stream"]
 
@@ -293,7 +295,7 @@ class NpyStreamWriter:
 
     def __init__(self, path: Path, dtype: np.dtype) -> None:
         self.path, self.dtype = Path(path), np.dtype(dtype)
-        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{unique_tag()}")
         self.rows, self.tail = 0, None
         self._file = open(self.tmp, "wb")
         self._file.write(b"\0" * _NPY_HEADER_BYTES)

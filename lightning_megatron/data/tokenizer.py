@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,15 +44,29 @@ def default_cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+def file_lock(path: str | os.PathLike[str], timeout_s: float = 1800.0) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (created if needed): processes of one node building
-    the same cached artefact take turns, and the later ones find it built."""
+    the same cached artefact take turns, and the later ones find it built. Waits at most ``timeout_s``
+    (the strategy's default collective timeout), then raises ``TimeoutError`` naming the lock: a holder
+    that is stopped or hung never blocks a rank for ever."""
     import fcntl
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline, pause = time.monotonic() + timeout_s, 0.05
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"waited {timeout_s:.0f} s for the lock {str(path)!r}: another process building the same "
+                        f"cached file holds it (a build still running, or a stopped job sharing the cache folder; "
+                        f"`fuser {path}` names it). The lock is released when its holder ends") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.atomic_files import finalize_directory, fsync_tree
 from lightning_megatron.interop.adapter import StateDictAdapter
 from lightning_megatron.saved_model import SavedModel
 
@@ -190,7 +191,17 @@ def check_output_folder(output: str | os.PathLike[str], overwrite: bool) -> Path
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"--output {str(out)!r} is not empty: choose another folder, or pass --overwrite to "
                               f"replace it")
+    if out.is_dir() and any(out.iterdir()) and not any((out / n).is_file() for n in _EXPORT_FILES):
+        # --overwrite replaces an earlier export, deleting the folder: never a folder of something else (a typo'd
+        # --output of a home or data folder was deleted whole)
+        raise FileExistsError(f"--output {str(out)!r} is not an earlier export (it holds none of "
+                              f"{', '.join(_EXPORT_FILES)}): --overwrite would delete what it holds; choose a new "
+                              f"or empty folder")
     return out
+
+
+_EXPORT_FILES = ("config.json", "adapter_config.json")
+"""What an export folder (a Hugging Face model's, a PEFT adapter's) holds: ``--overwrite`` replaces only those."""
 
 
 def write_hf_folder(model: Any, write_tokenizer: Callable[[Path], None], out: Path) -> None:
@@ -212,22 +223,14 @@ def _umask() -> int:
 
 
 def swap_in_folder(new: Path, target: Path) -> None:
-    """Put the finished folder ``new`` at ``target`` (a rename on one filesystem), the old one removed after.
-    Its folders and files get the modes the process's umask gives a new folder and file (``mkdtemp`` made it
-    0700, and some writers' files are 0600: others on a shared cluster could not read an export)."""
+    """Put the finished folder ``new`` at ``target`` as a checkpoint save does (:mod:`lightning_megatron.atomic_files`:
+    its files synced, then exchanged with the old folder in one step, which is removed after: a crash leaves the old
+    export or the new one whole, never no model or a half-written one). Its folders and files get the modes the
+    process's umask gives a new folder and file (``mkdtemp`` made it 0700, and some writers' files are 0600: others
+    on a shared cluster could not read an export)."""
     mask = _umask()
     for path in [new, *new.rglob("*")]:
         if not path.is_symlink():
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        target.rename(old)
-    try:
-        new.rename(target)
-    except OSError:
-        if old is not None:
-            old.rename(target)  # put it back: never leave the user without a model
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    fsync_tree(new)
+    finalize_directory(new, target)
