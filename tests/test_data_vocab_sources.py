@@ -96,3 +96,30 @@ def test_a_record_of_other_data_is_refused_and_a_failed_preprocess_keeps_the_rec
     with pytest.raises(ValueError, match=r"data.vocab.json' describes 2 documents and 26 tokens, but the dataset "
                                          r"holds 21 documents and 520 tokens: the record belongs to other data"):
         check_dataset_vocab(tmp_path / "data", tok, tok.vocab_size)
+
+
+def test_a_cased_vocabulary_in_any_script_is_kept_cased(tmp_path):
+    """``train-tokenizer --cased`` on Cyrillic text wrote a vocabulary the loader took for uncased (it looked for
+    A-Z only): "Москва Пётр" trained as "москва петр", case and ё lost without a word. The trained vocabulary says
+    it is cased (``tokenizer_config.json``, as Hugging Face's), and any script's capitals mark a vocabulary cased;
+    the packaged uncased vocabulary (whose ℝ has no lower case) stays uncased. transformers' ids are the reference."""
+    import transformers
+
+    from lightning_megatron.data.tokenizer import packaged_vocab_file, train_wordpiece_tokenizer
+
+    text = "Москва Привет Пётр Ёлка большой Город"
+    corpus = tmp_path / "ru.txt"
+    corpus.write_text("\n\n".join(f"{text} номер {i}.\nЕщё одна строка {i}." for i in range(60)) + "\n",
+                      encoding="utf-8")
+    vocab = train_wordpiece_tokenizer([corpus], 300, tmp_path / "tok", lowercase=False)
+    for folder_config in (True, False):  # as trained (with its config), and the vocabulary alone
+        if not folder_config:
+            (tmp_path / "tok" / "tokenizer_config.json").unlink()
+        ours = BertTokenizer(vocab)
+        theirs = transformers.BertTokenizer(str(vocab), do_lower_case=False)
+        assert ours.lowercase is False
+        assert ours.tokenize(text) == theirs(text, add_special_tokens=False)["input_ids"]
+        assert "Москва" in ours.convert_ids_to_tokens(ours.tokenize(text))
+    assert BertTokenizer(packaged_vocab_file()).lowercase is True
+    uncased = train_wordpiece_tokenizer([corpus], 300, tmp_path / "lower")
+    assert BertTokenizer(uncased).lowercase is True and "Москва" not in uncased.read_text(encoding="utf-8")

@@ -440,3 +440,36 @@ def test_the_binary_head_is_a_source_s_to_leave_not_to_invent(tmp_path):
     without = _megatron_legacy(tmp_path / "without", model, bert_binary_head=False)
     with pytest.raises(ValueError, match=r"add_binary_head=True but the source has False"):
         BertLightningModule.from_pretrained(str(without), config={"vocab_size": VOCAB, "add_binary_head": True})
+
+
+def test_export_reads_the_vocabulary_as_training_did_and_declares_its_pad(tmp_path, monkeypatch):
+    """A BERT trained with a WordPiece ``tokenizer.json`` (documented as accepted) could not be exported: its lines
+    were counted as pieces ("has 345 pieces but the model's vocabulary is 195"), and a folder holding it was "not
+    found"; and the export declared ``pad_token_id: 0`` whatever the vocabulary (a [PAD] last made transformers'
+    padding_idx the [UNK] row). The vocabulary is read as the run's tokenizer reads it, its [PAD] declared; the
+    exported folder's ids and logits are transformers' own."""
+    import transformers
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    from lightning_megatron import export as convert
+    from lightning_megatron.data.tokenizer import BertTokenizer
+    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
+
+    model = _hf_model(False)
+    sd = bert_state_dict_from_hf(model.state_dict(), bert_config_from_hf(model.config), make_vocab_size_divisible_by=1)
+    saved = convert.SavedModel(state_dict=sd, hparams=dict(num_attention_heads=4, spec="bert_layer_post_norm_spec"))
+    monkeypatch.setattr(convert, "read_model_checkpoint", lambda path: saved)
+    pieces = ["[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)] + ["[PAD]"]
+    (tmp_path / "vocab.txt").write_text("\n".join(pieces) + "\n")
+    (tmp_path / "tok").mkdir()
+    BertWordPieceTokenizer(str(tmp_path / "vocab.txt"), lowercase=True).save(str(tmp_path / "tok" / "tokenizer.json"))
+    for source in (tmp_path / "tok" / "tokenizer.json", tmp_path / "tok"):
+        out = tmp_path / f"hf_{source.name}"
+        convert.export_hf("ckpt", out, vocab_file=source)
+        exported = transformers.AutoModelForPreTraining.from_pretrained(out)
+        assert exported.config.pad_token_id == VOCAB - 1 == BertTokenizer(source).pad_id
+        assert exported.bert.embeddings.word_embeddings.padding_idx == VOCAB - 1
+        text = "w3 w17 w99 w42"
+        assert transformers.AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False)["input_ids"] == \
+            BertTokenizer(source).tokenize(text)
+        _close(_theirs(exported), _theirs(model))

@@ -12,8 +12,8 @@ this package as data (``data/vocab/bert-base-uncased-vocab.txt``, :func:`package
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import re
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -254,8 +254,9 @@ def _load_wordpiece(path: Path, lowercase: bool | None) -> tuple[Any, bool]:
         return tokenizer, lowercase
     if lowercase is None:
         with path.open(encoding="utf-8") as fh:
-            # A cased vocabulary (bert-base-cased: ~5,000 pieces) has pieces with A-Z; an uncased one none.
-            lowercase = not any(re.search("[A-Z]", line) for line in fh if not line.startswith("["))
+            # A cased vocabulary (bert-base-cased: ~5,000 pieces) has pieces with capitals, in any script (a cased
+            # Cyrillic one has no A-Z); an uncased one none (bert-base-uncased's ℝ has no lower case: not a capital)
+            lowercase = not any(c != c.lower() for line in fh if not line.startswith("[") for c in line)
     return BertWordPieceTokenizer(str(path), lowercase=lowercase), lowercase
 
 
@@ -291,6 +292,12 @@ def train_wordpiece_tokenizer(files: Sequence[str | os.PathLike[str]] | None, vo
     output.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output) as tmp:
         (written,) = tokenizer.save_model(tmp)
+        # what the vocabulary is for, as Hugging Face's folders say it: read back by BertTokenizer (and by
+        # transformers), so the choice made here is never a guess from the pieces
+        config = Path(tmp) / "tokenizer_config.json"
+        config.write_text(json.dumps({"do_lower_case": lowercase, "tokenizer_class": "BertTokenizer"}, indent=1) + "\n",
+                          encoding="utf-8")
+        os.replace(config, output / "tokenizer_config.json")
         os.replace(written, output / "vocab.txt")
     return output / "vocab.txt"
 

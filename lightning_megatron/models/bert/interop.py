@@ -285,12 +285,15 @@ class BertInterop:
         from lightning_megatron.data.tokenizer import BertTokenizer
 
         vocab, lowercase = _vocab_file(saved, tokenizer)
-        pieces = sum(1 for line in vocab.read_text(encoding="utf-8").splitlines() if line)
-        if pieces != config.vocab_size:
-            raise ValueError(f"vocab file {str(vocab)!r} has {pieces} pieces but the model's vocabulary is "
+        # read as the run's tokenizer read it: a vocab.txt, a WordPiece tokenizer.json or a folder with either (a
+        # tokenizer.json's lines were counted as pieces), cased or not
+        ours = BertTokenizer(vocab, lowercase=lowercase)
+        if ours.vocab_size != config.vocab_size:
+            raise ValueError(f"vocab file {str(vocab)!r} has {ours.vocab_size} pieces but the model's vocabulary is "
                              f"{config.vocab_size}: pass --vocab_file with the vocabulary it was trained with")
-        lowercase = BertTokenizer(vocab, lowercase=lowercase).lowercase  # as the run's tokenizer: a cased one is not
-        return lambda folder: _save_tokenizer(vocab, folder, lowercase=lowercase,
+        config.pad_token_id = ours.pad_id  # the vocabulary's [PAD] (transformers' padding_idx): 0 was assumed
+        pieces = ours.convert_ids_to_tokens(list(range(ours.vocab_size)))
+        return lambda folder: _save_tokenizer(pieces, folder, lowercase=ours.lowercase,
                                               max_length=config.max_position_embeddings)
 
 
@@ -341,29 +344,33 @@ def _vocab_file(saved: SavedModel, vocab_file: str | os.PathLike[str] | None) ->
 
         vocab_file = default_vocab_file()
     vocab_file = Path(vocab_file)
-    if not vocab_file.is_file():
+    if not vocab_file.exists():
         raise FileNotFoundError(f"vocab file {str(vocab_file)!r} not found: pass --vocab_file with the vocabulary "
                                 f"the model was trained with")
     return vocab_file, lowercase
 
 
-def _save_tokenizer(vocab: Path, out: Path, *, lowercase: bool, max_length: int) -> None:
-    """WordPiece tokenizer files transformers 4.x and 5.x load with ``AutoTokenizer``, plus ``vocab.txt``."""
+def _save_tokenizer(pieces: list[str], out: Path, *, lowercase: bool, max_length: int) -> None:
+    """WordPiece tokenizer files transformers 4.x and 5.x load with ``AutoTokenizer`` (``pieces`` in id order),
+    plus ``vocab.txt``."""
     import inspect
+    import tempfile
 
     from lightning_megatron.interop.hf_folder import import_transformers
 
     transformers = import_transformers("writing a transformers tokenizer")
 
     kwargs = dict(do_lower_case=lowercase, model_max_length=max_length)
+    text = "".join(p + "\n" for p in pieces)
     if "vocab" in inspect.signature(transformers.BertTokenizer.__init__).parameters:  # transformers >= 5
-        pieces = [line for line in vocab.read_text(encoding="utf-8").splitlines() if line]
         tokenizer = transformers.BertTokenizer(vocab={p: i for i, p in enumerate(pieces)}, **kwargs)
     else:
-        tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab), **kwargs)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "vocab.txt").write_text(text, encoding="utf-8")
+            tokenizer = transformers.BertTokenizerFast(vocab_file=str(Path(tmp) / "vocab.txt"), **kwargs)
     tokenizer.save_pretrained(out)
     if not (out / "vocab.txt").is_file():
-        (out / "vocab.txt").write_bytes(vocab.read_bytes())
+        (out / "vocab.txt").write_text(text, encoding="utf-8")
 
 
 def architecture_conflicts(hparams: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, Any, Any]]:
