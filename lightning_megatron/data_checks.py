@@ -212,7 +212,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
     prefixes: list[str] = []
     found: list[str] = []
     if data_prefix is None and not vocab_missing and running:
-        problems += [p for p in [_built_in_corpus_vocab_problem(vocab_file, m, data_class)] if p]
+        problems += _built_in_corpus_problems(vocab_file, m, data_class)
     if data_prefix is not None:  # None: the built-in corpus, preprocessed with the right vocabulary at set-up
         from lightning_megatron.data.blended import parse_data_prefix
 
@@ -256,6 +256,9 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             problems.append(_data(error))
             if tokenizer is None:
                 return problems  # the tokenizer itself cannot be had: said once
+    if tokenizer is not None:  # the datasets' tokenizer: a model vocabulary smaller than it (BERT's masking draws
+        # replacement ids from the whole tokenizer, past the largest id the data holds)
+        problems += [p for p in [_model_vocab_problem(tokenizer, vocab_file, m, data_class, recorded=True)] if p]
     sample_tokens = _sample_tokens(data_class, arguments)
     problems += [p for p in (_too_short_problem(prefix, sample_tokens) for prefix in found) if p]
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
@@ -271,34 +274,47 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
     return problems
 
 
-def _built_in_corpus_vocab_problem(vocab_file: Any, m: dict[str, Any], data_class: type | None) -> str | None:
+def _built_in_corpus_problems(vocab_file: Any, m: dict[str, Any], data_class: type | None) -> list[str]:
     """The built-in corpus is tokenized at set-up with the data's tokenizer (``vocab_file``, else the packaged one):
-    a model vocabulary smaller than it (an ``init_from`` source's) would meet ids it has no embedding for, refused
-    by every rank's datamodule after launch (advising a vocab_size the source cannot take)."""
-    import os
-
+    one that cannot be built (a WordPiece vocabulary without ``[MASK]``) failed every rank after launch, and a model
+    vocabulary smaller than it (:func:`_model_vocab_problem`)."""
     from lightning_megatron.data.dataset_vocab import dataset_tokenizer
+
+    from lightning_megatron.datamodules.pretraining import PretrainingDataModule
+
+    if data_class is None or not issubclass(data_class, PretrainingDataModule):
+        return []  # a datamodule of one's own: its data is its business
+    try:
+        tokenizer = dataset_tokenizer(vocab_file, None, default=tokenizer_family(data_class))
+    except (ValueError, OSError) as error:
+        return [_data(error)]
+    return [p for p in [_model_vocab_problem(tokenizer, vocab_file, m, data_class)] if p]
+
+
+def _model_vocab_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any], data_class: type | None,
+                         recorded: bool = False) -> str | None:
+    """A model ``vocab_size`` smaller than the data's tokenizer (an ``init_from`` source's, or one set by hand): the
+    data would hold ids the model has no embedding for (BERT's masking draws replacements from the whole
+    tokenizer: into padded rows at TP > 1, unsaid), and no export could name its vocabulary."""
+    import os
 
     from lightning_megatron.datamodules.pretraining import PretrainingDataModule
 
     model_vocab = int_or_none(m.get("vocab_size"))
     if model_vocab is None or data_class is None or not issubclass(data_class, PretrainingDataModule):
         return None  # a datamodule of one's own: its data is its business
-    try:
-        tokenizer = dataset_tokenizer(vocab_file, None, default=tokenizer_family(data_class))
-    except (ValueError, OSError):
-        return None  # said where the datamodule reads it
     if tokenizer.vocab_size <= model_vocab:
         return None
     which = "the packaged BPE" if vocab_file is None and tokenizer_family(data_class) == "bpe" else \
         "the packaged WordPiece vocabulary" if vocab_file is None else f"vocab_file={os.fspath(vocab_file)!r}"
+    if recorded and vocab_file is None and getattr(tokenizer, "vocab_file", None) is not None:
+        which = f"{os.fspath(tokenizer.vocab_file)!r}, the one the data records"
     source = m.get("init_from")
     named = f" (init_from={os.fspath(source)!r})" if source is not None else ""
     fix = (f"tokenize the data with the source's tokenizer: data.vocab_file={os.fspath(source)!r} (its "
            f"tokenizer.json or vocab.txt)" if source is not None else "set model vocab_size to it, or leave it null")
     return (f"model vocab_size={model_vocab}{named} is smaller than the data's tokenizer ({which}, "
-            f"{tokenizer.vocab_size} pieces): the built-in corpus would hold ids the model has no embedding for; "
-            f"{fix}")
+            f"{tokenizer.vocab_size} pieces): the data would hold ids the model has no embedding for; {fix}")
 
 
 def _too_short_problem(prefix: str, sample_tokens: int | None) -> str | None:

@@ -43,6 +43,17 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     preprocess_corpus([d / "docs.txt"], d / "noeod", BPETokenizer(), progress=False)  # without --append-eod
     preprocess_corpus([d / "docs.txt"], d / "wordpiece", progress=False)  # BERT's packaged WordPiece
     (d / "prompts.txt").write_text("The function returns\nA list of\n")
+    from lightning_megatron.data.tokenizer import SPECIAL_TOKENS, train_wordpiece_tokenizer
+
+    # a WordPiece vocabulary with 20 pieces the data never uses past its own: the data's largest id is below 290
+    vocab = train_wordpiece_tokenizer([d / "docs.txt"], 200, d / "extra")
+    pieces = vocab.read_text(encoding="utf-8").splitlines()
+    vocab.write_text("\n".join(pieces + [f"unused{i}" for i in range(20)]) + "\n", encoding="utf-8")
+    preprocess_corpus([d / "docs.txt"], d / "extra_data", vocab, progress=False)
+    (d / "extra" / "small_vocab_size").write_text(str(len(pieces)))
+    (d / "nomask").mkdir()  # a BERT vocabulary without [MASK]
+    (d / "nomask" / "vocab.txt").write_text("\n".join([t for t in SPECIAL_TOKENS if t != "[MASK]"]
+                                                      + pieces[len(SPECIAL_TOKENS):]) + "\n", encoding="utf-8")
     (d / "link.yaml").write_text(f"base: {ROOT / 'recipes' / 'bert_tiny.yaml'}\ntrainer:\n  callbacks:\n"
                                  f"  - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n    init_args:\n"
                                  f"      save_last: link\n")
@@ -90,6 +101,9 @@ def inputs(tmp_path_factory) -> dict[str, str]:
             "bert": str(d / "bert"),
             "bert_own_vocab": str(d / "bert_own_vocab"), "bert_own_tokenizer": str(d / "bert_own_tokenizer"),
             "prompts": str(d / "prompts.txt"), "link_recipe": str(d / "link.yaml"),
+            "extra_data": str(d / "extra_data"), "extra_small": (d / "extra" / "small_vocab_size").read_text(),
+            "extra_pieces": str(int((d / "extra" / "small_vocab_size").read_text()) + 20),
+            "nomask_vocab": str(d / "nomask" / "vocab.txt"),
             "long": str(d / "long.txt"),
             "latin1": str(d / "latin1.txt"), "train": str(d / "train.jsonl"), "empty": str(d / "empty.jsonl"),
             "small": str(d / "small.jsonl"),
@@ -280,6 +294,19 @@ CASES = {
          "--trainer.strategy.init_args.timeout", "0"], None,
         ["2 configuration problem(s)", "model vocab_size=97 (init_from='{llama97}') is smaller than the data's "
          "tokenizer (the packaged BPE, 8192 pieces)", "data.vocab_file"], []),
+    # a model vocabulary smaller than the data's tokenizer, set by hand over a dataset whose ids fit it: BERT's
+    # masking drew replacement ids past it (into padded rows at TP=2, unsaid), and no export could name the vocabulary
+    "model_vocabulary_smaller_than_the_dataset_tokenizer": (
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--data.data_prefix", "{extra_data}",
+         "--model.config.vocab_size", "{extra_small}", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "model vocab_size={extra_small} is smaller than the data's tokenizer (",
+         "the one the data records, {extra_pieces} pieces)", "set model vocab_size to it, or leave it null"], []),
+    # the built-in corpus with a BERT vocabulary lacking [MASK]: every rank failed after launch (a traceback each)
+    "built_in_corpus_vocabulary_without_mask": (
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--data.vocab_file", "{nomask_vocab}",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "lacks the special tokens ['[MASK]']", "train-tokenizer --type wordpiece"],
+        []),
     "lora_on_experts": (  # a mixture of experts' projections take no adapters: refused in every rank after launch
         ["fit", "--config", str(ROOT / "recipes" / "moe_tiny.yaml"), "--model.init_args.lora.rank", "8",
          "--model.init_args.init_from", "{mixtral}"], None,

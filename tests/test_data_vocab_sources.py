@@ -32,6 +32,14 @@ def test_cased_vocabulary_tokenizer_json_and_config(tmp_path):
     from_json = BertTokenizer(tmp_path / "cased")
     assert from_json.vocab_file.name == "tokenizer.json" and from_json.lowercase is False
     assert from_json.tokenize(text) == cased.tokenize(text) and from_json.vocab_size == len(pieces)
+    # the memory estimate before launch reads the vocabulary as the datamodule does (the folder was opened as a
+    # file: an IsADirectoryError traceback from fit; a tokenizer.json's lines were counted as pieces)
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    for source in (tmp_path / "cased", tmp_path / "cased" / "tokenizer.json", vocab):
+        shape = BertLightningModule.estimate_shape({}, {"vocab_file": str(source)}, micro_batch_size=2,
+                                                   global_batch_size=4)
+        assert shape.vocab_size == len(pieces), source
     # do_lower_case of tokenizer_config.json beside the vocabulary decides when no option is given.
     (tmp_path / "cased" / "tokenizer_config.json").write_text('{"do_lower_case": true}')
     assert BertTokenizer(vocab).lowercase is True

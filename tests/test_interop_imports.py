@@ -473,3 +473,35 @@ def test_export_reads_the_vocabulary_as_training_did_and_declares_its_pad(tmp_pa
         assert transformers.AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False)["input_ids"] == \
             BertTokenizer(source).tokenize(text)
         _close(_theirs(exported), _theirs(model))
+
+
+def test_a_model_larger_than_its_recorded_vocabulary_exports(tmp_path, monkeypatch):
+    """A model whose vocab_size was set past its tokenizer's (room for tokens, as Hugging Face configs often have)
+    trained, and then no export took its vocabulary ("has 100 pieces but the model's vocabulary is 110"): a finished
+    run that could not leave. With the checkpoint's record of its data's vocabulary (those 100 pieces) it exports, the
+    rows kept; without the record, or with another tokenizer, it stays refused."""
+    import transformers
+
+    from lightning_megatron import export as convert
+    from lightning_megatron.data.dataset_vocab import vocabulary_record
+    from lightning_megatron.data.tokenizer import BertTokenizer
+    from lightning_megatron.models.bert.hf import bert_config_from_hf, bert_state_dict_from_hf
+
+    model = _hf_model(False, vocab_size=VOCAB + 10)
+    sd = bert_state_dict_from_hf(model.state_dict(), bert_config_from_hf(model.config), make_vocab_size_divisible_by=1)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]))
+    hparams = dict(num_attention_heads=4, spec="bert_layer_post_norm_spec")
+    for record, refused in ((None, True), (vocabulary_record(BertTokenizer(vocab)), False)):
+        saved = convert.SavedModel(state_dict=sd, hparams=hparams, vocabulary=record)
+        monkeypatch.setattr(convert, "read_model_checkpoint", lambda path: saved)
+        out = tmp_path / f"hf_{refused}"
+        if refused:
+            with pytest.raises(ValueError, match=rf"has {VOCAB} pieces but the model's vocabulary is {VOCAB + 10}"):
+                convert.export_hf("ckpt", out, vocab_file=vocab)
+            continue
+        convert.export_hf("ckpt", out, vocab_file=vocab)
+        exported = transformers.AutoModelForPreTraining.from_pretrained(out)
+        assert exported.config.vocab_size == VOCAB + 10
+        assert len(transformers.AutoTokenizer.from_pretrained(out)) == VOCAB
+        _close(_theirs(exported), _theirs(model))

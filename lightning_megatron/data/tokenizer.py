@@ -100,7 +100,8 @@ class BertTokenizer:
         missing = [t for t in SPECIAL_TOKENS if t not in vocab]
         if missing:
             raise ValueError(f"vocab_file {str(self.vocab_file)!r} lacks the special tokens {missing}; "
-                             f"a BERT vocabulary needs all of {list(SPECIAL_TOKENS)}")
+                             f"a BERT vocabulary needs all of {list(SPECIAL_TOKENS)}: add them, or train one with "
+                             f"`lightning-megatron train-tokenizer --type wordpiece` (it writes them first)")
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[t] for t in SPECIAL_TOKENS)
         self.continuation = np.array([t.startswith("##") for t in self.inv_vocab], dtype=bool)
         """``continuation[id]`` is true for ``##`` pieces, which continue the previous word."""

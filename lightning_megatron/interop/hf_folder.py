@@ -33,7 +33,7 @@ from lightning_megatron.saved_model import SavedModel
 
 __all__ = ["HF_EXTRA", "import_transformers", "read_hf_config", "read_hf_weights", "read_hf_folder",
            "read_hf_architecture", "hf_model", "hf_model_from_saved", "check_output_folder", "write_hf_folder",
-           "swap_in_folder"]
+           "swap_in_folder", "tokenizer_size_problem"]
 
 
 HF_EXTRA = "pip install 'lightning-megatron[hf]'"
@@ -181,6 +181,19 @@ def hf_model_from_saved(saved: SavedModel, adapter: StateDictAdapter, *,
     if len(dtypes) == 1 and dtypes != {model.dtype}:  # a 16-bit model's weights as they are (the config says so)
         model = model.to(dtypes.pop())
     return model, write_tokenizer
+
+
+def tokenizer_size_problem(saved: SavedModel, size: int, model_vocab: int, source: Any, option: str) -> str | None:
+    """Why a tokenizer of ``size`` pieces (from ``source``) cannot go out with a model of ``model_vocab`` rows; None
+    when they are equal, or when the tokenizer is smaller and the checkpoint records its data's vocabulary with just
+    that many pieces (a model set larger than its tokenizer, as Hugging Face configs often are: Qwen2's 151,936 rows
+    over 151,665 tokens; the pieces themselves are compared once written). ``option``: the CLI's flag naming it."""
+    recorded = saved.vocabulary.get("vocab_size") if isinstance(saved.vocabulary, dict) else None
+    if size == model_vocab or (size < model_vocab and recorded == size):
+        return None
+    noun = "tokens" if option == "--tokenizer" else "pieces"
+    return (f"{option.removeprefix('--').replace('_', ' ')} {str(source)!r} has {size} {noun} but the model's "
+            f"vocabulary is {model_vocab}: pass {option} with the vocabulary it was trained with")
 
 
 def check_output_folder(output: str | os.PathLike[str], overwrite: bool) -> Path:

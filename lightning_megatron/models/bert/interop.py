@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.interop.hf_folder import tokenizer_size_problem
 from lightning_megatron.interop.tp import TPLayout
 from lightning_megatron.models.bert.hf import (
     BERT_TP_LAYOUT,
@@ -288,9 +289,9 @@ class BertInterop:
         # read as the run's tokenizer read it: a vocab.txt, a WordPiece tokenizer.json or a folder with either (a
         # tokenizer.json's lines were counted as pieces), cased or not
         ours = BertTokenizer(vocab, lowercase=lowercase)
-        if ours.vocab_size != config.vocab_size:
-            raise ValueError(f"vocab file {str(vocab)!r} has {ours.vocab_size} pieces but the model's vocabulary is "
-                             f"{config.vocab_size}: pass --vocab_file with the vocabulary it was trained with")
+        problem = tokenizer_size_problem(saved, ours.vocab_size, config.vocab_size, vocab, "--vocab_file")
+        if problem is not None:
+            raise ValueError(problem)
         config.pad_token_id = ours.pad_id  # the vocabulary's [PAD] (transformers' padding_idx): 0 was assumed
         pieces = ours.convert_ids_to_tokens(list(range(ours.vocab_size)))
         return lambda folder: _save_tokenizer(pieces, folder, lowercase=ours.lowercase,

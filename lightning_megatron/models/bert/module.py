@@ -125,15 +125,16 @@ class BertLightningModule(LanguageLightningModule):
                        global_batch_size: int) -> Any:
         """The sizes ``check --estimate-memory`` / ``--estimate-time`` compute with (``EstimatesCost``),
         from this module's arguments (its ``config``) and BertDataModule's; unset ones at their defaults."""
-        from pathlib import Path
-
         from lightning_megatron.models.bert.cost import BertCost
 
         config = cls.config_class.coerce(model.get("config"))
         vocab = config.vocab_size
-        if vocab is None:
+        if vocab is None:  # the data's tokenizer's, read as the datamodule reads it (a vocab.txt, a WordPiece
+            # tokenizer.json or a folder: a folder was opened as a file, a tokenizer.json's lines counted)
+            from lightning_megatron.data.tokenizer import BertTokenizer
+
             vocab_file = data.get("vocab_file")
-            vocab = 30522 if vocab_file is None else sum(1 for _ in Path(vocab_file).open(encoding="utf-8"))
+            vocab = 30522 if vocab_file is None else BertTokenizer(vocab_file).vocab_size
         return BertCost.from_config(
             config, vocab_size=int(vocab), seq_length=int(data.get("max_seq_length", 128)),
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lightning_megatron.interop.hf_folder import tokenizer_size_problem
 from lightning_megatron.interop.tp import TPLayout
 from lightning_megatron.models.gpt import hf as ghf
 from lightning_megatron.models.gpt import hf_config as ghc
@@ -373,9 +374,10 @@ class GPTInterop:
             # an instruction-tuned model: the chat template it was trained with, and where its turns end
             hf_tok.chat_template = chat.chat_template
             hf_tok.eos_token = chat.eos_token
-        if hf_tok is not None and len(hf_tok) != config.vocab_size:
-            raise ValueError(f"tokenizer {str(source)!r} has {len(hf_tok)} tokens but the model's vocabulary is "
-                             f"{config.vocab_size}: pass --tokenizer with the tokenizer it was trained with")
+        problem = tokenizer_size_problem(saved, len(hf_tok), config.vocab_size, source, "--tokenizer") \
+            if hf_tok is not None else None
+        if problem is not None:
+            raise ValueError(problem)
         eod = hf_tok.get_vocab().get(chat.eos_token if chat is not None else _EOD) if hf_tok is not None else None
         if eod is not None:  # Megatron's end-of-document token is the model's end of text
             config.bos_token_id = config.eos_token_id = eod
