@@ -277,3 +277,48 @@ def test_cpu_kernels_pad_16bit_expert_rows_to_a_multiple_of_128():
     out_tuned.float().square().sum().backward()
     for (name, a), b in zip(plain.named_parameters(), tuned.parameters()):
         torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_top1_softmax_routing_after_the_top_k_is_refused():
+    """A softmax over the one chosen logit is 1 for every token: the language-model loss never trained the router
+    (its gradient exactly 0 without an aux loss). megatron-core refuses it ("use --moe-router-pre-softmax when topk
+    is 1"); so does the config, naming the fix; pre-softmax and sigmoid top-1 route with real weights."""
+    with pytest.raises(ValueError, match=r"moe_router_topk=1 with moe_router_pre_softmax=False.*set "
+                                         r"moe_router_pre_softmax=True"):
+        _config(moe_router_topk=1)
+    for fields in (dict(moe_router_pre_softmax=True), dict(moe_router_score_function="sigmoid")):
+        layer = MoELayer(_config(moe_router_topk=1, **fields))
+        x = torch.randn(6, 2, H)
+        out, _ = layer(x)
+        out.square().sum().backward()
+        assert layer.router.weight.grad.abs().max() > 0, fields
+
+
+def test_capacity_is_megatron_core_s():
+    """An expert's capacity is megatron-core's ``get_capacity(n k, E, f) = ceil((n k / E) f)`` in floating point:
+    ``ceil(f k n / E)`` rounds the other way where the exact value is an integer (E=6, top-2, 100 tokens, f=0.9:
+    30 here, 31 there; 4 assignments more dropped, the layer's output 0.77 off megatron-core's)."""
+    probs, experts = torch.rand(100, 2), torch.stack([torch.randperm(6)[:2] for _ in range(100)])
+    for f, want in ((0.9, 31), (1.8, 61), (1.0, 34)):
+        assert capacity_mask(probs, experts, num_experts=6, capacity_factor=f)[1] == want == \
+            math.ceil((100 * 2 / 6) * f)
+
+
+@pytest.mark.parametrize("router_dtype", ["fp32", "fp64"])
+def test_the_router_dtype_computes_a_16_bit_model_s_logits_wider(router_dtype):
+    """megatron-core's ``moe_router_dtype``: the router's logits of a bf16 model in fp32 (or fp64), its gradient
+    reaching the bf16 weight; in the parameters' dtype they routed 2 of 256 tokens elsewhere and the router's
+    gradient was 0.44 off (of 22). The reference is the plain wide product."""
+    wide = {"fp32": torch.float32, "fp64": torch.float64}[router_dtype]
+    layer = MoELayer(_config(params_dtype=torch.bfloat16, moe_router_dtype=router_dtype))
+    x = torch.randn(64, H, dtype=torch.bfloat16, requires_grad=True)
+    routing = layer.router(x)
+    want = torch.nn.functional.linear(x.detach().to(wide), layer.router.weight.detach().to(wide))
+    assert routing.logits.dtype == wide
+    torch.testing.assert_close(routing.logits.detach(), want, rtol=0, atol=0)
+    top = torch.topk(want, K, dim=-1).indices
+    assert torch.equal(routing.experts, top)
+    routing.probs.sum().backward()
+    assert layer.router.weight.grad.dtype == torch.bfloat16 and layer.router.weight.grad.abs().max() > 0
+    with pytest.raises(ValueError, match="moe_router_dtype='fp16'"):
+        _config(moe_router_dtype="fp16")

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -370,3 +371,25 @@ def test_megatron_lm_add_qkv_bias_is_read_not_refused():
                               normalization="RMSNorm", swiglu=True, position_embedding_type="rope")
     arch = gpt_architecture_from_args(args, 2)
     assert arch["add_qkv_bias"] and not arch["add_bias_linear"] and arch["spec"] == "llama_layer_spec"
+
+
+def test_megatron_lm_router_settings_read_as_megatron_core_computes_them():
+    """A Megatron-LM mixture of experts' router settings: ``moe_router_dtype`` (fp32 logits of a bf16 model) was
+    dropped without a word; sigmoid scores with ``moe_router_pre_softmax`` (which megatron-core ignores under
+    sigmoid) were refused; one group of one (plain top-k) was refused; a load-balancing type and coefficient given
+    as one-element lists (megatron-core's per-type lists) were imported as no loss."""
+    from lightning_megatron.models.gpt.interop import gpt_architecture_from_args
+
+    base = dict(num_attention_heads=4, hidden_size=32, add_bias_linear=False, normalization="RMSNorm", swiglu=True,
+                position_embedding_type="rope", num_experts=4, moe_router_topk=2)
+    arch = gpt_architecture_from_args(argparse.Namespace(
+        **base, moe_router_dtype="fp32", moe_router_score_function="sigmoid", moe_router_pre_softmax=True,
+        moe_router_num_groups=1, moe_router_group_topk=1, moe_router_load_balancing_type=["seq_aux_loss"],
+        moe_aux_loss_coeff=[1e-3]), 2)
+    assert arch["moe_router_dtype"] == "fp32" and arch["moe_router_score_function"] == "sigmoid"
+    assert arch["moe_router_pre_softmax"] is False
+    assert (arch["moe_router_load_balancing_type"], arch["moe_aux_loss_coeff"]) == ("seq_aux_loss", 1e-3)
+    from lightning_megatron.models.gpt.config import GPTConfig
+
+    GPTConfig(**{**{k: v for k, v in arch.items() if k in {f.name for f in dataclasses.fields(GPTConfig)}},
+                 "ffn_hidden_size": 64, "vocab_size": 100})

@@ -141,6 +141,10 @@ class TransformerConfig:
     """Softmax: False (Mixtral) takes the top k of the logits, then a softmax over those k (equal to
     softmax, top-k, renormalise); True takes the softmax over every expert first and keeps the top k
     probabilities as they are (Qwen2-MoE's ``norm_topk_prob=False``)."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """The dtype of the router's logits (megatron-core's): None, the parameters' (a bf16 model's in bf16); "fp32" or
+    "fp64": the product taken wider (its gradient reaches the parameter in its own dtype). The scores are taken in
+    fp32 at least either way."""
     moe_ffn_hidden_size: int | None = None
     """Hidden width of each routed expert's SwiGLU; None: ``ffn_hidden_size``."""
     moe_shared_expert_intermediate_size: int | None = None
@@ -324,6 +328,15 @@ class TransformerConfig:
             problems.append(f"moe_router_score_function={self.moe_router_score_function!r}: use 'softmax' or 'sigmoid'")
         if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
             problems.append("moe_router_pre_softmax=True applies to moe_router_score_function='softmax' only")
+        if k == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax:
+            # megatron-core refuses it too ("use --moe-router-pre-softmax when topk is 1")
+            problems.append("moe_router_topk=1 with moe_router_pre_softmax=False: a softmax over the one chosen logit "
+                            "is 1 for every token, and the loss never trains the router; set "
+                            "moe_router_pre_softmax=True (the chosen expert's softmax probability over all experts) "
+                            "or moe_router_score_function='sigmoid'")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            problems.append(f"moe_router_dtype={self.moe_router_dtype!r}: use 'fp32', 'fp64' or None (the "
+                            f"parameters' dtype)")
         if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             problems.append(f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r}: use 'aux_loss', "
                             f"'seq_aux_loss' or 'none'")

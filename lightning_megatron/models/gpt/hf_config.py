@@ -36,7 +36,7 @@ GPT_ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "nu
                          "rotary_percent", "rope_scaling", "rope_scaling_factor", "untie_embeddings_and_output_weights",
                          "add_qkv_bias", "num_moe_experts", "moe_router_topk", "moe_router_score_function",
                          "moe_router_pre_softmax", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                         "moe_shared_expert_gate", "qk_layernorm")
+                         "moe_shared_expert_gate", "qk_layernorm", "moe_router_dtype")
 """``GPTLightningModule`` arguments a source fixes (the architecture dicts below use these; a mixture of experts'
 also carries ``moe_aux_loss_coeff``, a training setting the source suggests but does not fix)."""
 

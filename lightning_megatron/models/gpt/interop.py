@@ -72,7 +72,7 @@ UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
 UNSUPPORTED_MOE_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_router_topk_scaling_factor": ((None, 1, 1.0), "routing weights scaled by a factor"),
     "moe_router_num_groups": ((None, 0, 1), "group-limited routing (device-limited top-k)"),
-    "moe_router_group_topk": ((None, 0), "group-limited routing (device-limited top-k)"),
+    "moe_router_group_topk": ((None, 0, 1), "group-limited routing (device-limited top-k)"),
     "moe_router_topk_limited_devices": ((None, 0), "device-limited routing (megatron-core's older spelling of "
                                                    "group-limited top-k)"),
     "moe_router_enable_expert_bias": ((False, None), "expert-bias routing (aux-loss-free load balancing)"),
@@ -160,6 +160,8 @@ def moe_architecture_from_args(args: argparse.Namespace, unsupported: list[str])
         unsupported.append(f"num_experts={get('num_experts')} with swiglu={bool(get('swiglu'))}, add_bias_linear="
                            f"{bool(get('add_bias_linear', True))} (our experts are bias-free SwiGLU MLPs)")
     balance, coeff = get("moe_router_load_balancing_type", "aux_loss"), get("moe_aux_loss_coeff", 0.0)
+    if isinstance(balance, (list, tuple)) and len(balance) == 1:  # megatron-core's per-type lists, one type
+        balance, coeff = balance[0], coeff[0] if isinstance(coeff, (list, tuple)) and len(coeff) == 1 else coeff
     if balance == "sinkhorn":
         unsupported.append("moe_router_load_balancing_type='sinkhorn' (Sinkhorn routing)")
     dropped = []
@@ -185,7 +187,10 @@ def moe_architecture_from_args(args: argparse.Namespace, unsupported: list[str])
     score = get("moe_router_score_function") or "softmax"
     return {
         "num_moe_experts": int(get("num_experts")), "moe_router_topk": int(get("moe_router_topk") or 2),
-        "moe_router_score_function": score, "moe_router_pre_softmax": bool(get("moe_router_pre_softmax", False)),
+        # pre-softmax has no effect under sigmoid scores in megatron-core (and is refused with them here)
+        "moe_router_score_function": score,
+        "moe_router_pre_softmax": bool(get("moe_router_pre_softmax", False)) and score == "softmax",
+        "moe_router_dtype": get("moe_router_dtype") or None,
         "moe_ffn_hidden_size": get("moe_ffn_hidden_size"),
         "moe_shared_expert_intermediate_size": get("moe_shared_expert_intermediate_size") or None,
         "moe_shared_expert_gate": bool(get("moe_shared_expert_gate", False)),
@@ -351,6 +356,11 @@ class GPTInterop:
                  if k in saved.hparams}
         architecture = architecture_of_saved(saved)
         config = ghc.hf_config_from_architecture({**architecture, **extra})
+        router_dtype, dtype = architecture.get("moe_router_dtype"), str(saved.hparams.get("params_dtype", "float32"))
+        if architecture.get("num_moe_experts") and router_dtype is not None and "float32" not in dtype:
+            warnings.warn(f"export hf: the model computes its router's logits in {router_dtype} (moe_router_dtype); "
+                          f"{config.architectures[0]} in the model's {dtype}: a few tokens may route to other experts",
+                          UserWarning, stacklevel=2)
         factor = saved.hparams.get("moe_expert_capacity_factor")
         if architecture.get("num_moe_experts") and factor is not None:
             warnings.warn(f"export hf: the model routes with moe_expert_capacity_factor={factor} (tokens over an "

@@ -13,7 +13,7 @@ per token and their weights (``probs`` [n, k]), with megatron-core's names:
 The softmax and sigmoid are taken in fp32; the weights are cast to the activations' dtype (as
 transformers and megatron-core do).
 
-Capacity (``moe_expert_capacity_factor`` f): an expert takes at most ``ceil(f k N / E)`` of the ``N``
+Capacity (``moe_expert_capacity_factor`` f): an expert takes at most ``ceil((N k / E) f)`` of the ``N``
 tokens of the microbatch, the most probable ones; the others' assignments are dropped (their weight
 is not renormalised: the token keeps its other experts and its residual). The choice is taken over the
 whole microbatch whatever the layout (the ranks of the ``token_group`` exchange their routing first),
@@ -76,7 +76,7 @@ class Routing:
 
 def route(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False) -> Routing:
     """The top-k choice of ``logits`` [n, E] (module docstring); ``keep`` is None (no capacity)."""
-    logits32 = logits.float()
+    logits32 = logits if logits.dtype == torch.float64 else logits.float()  # fp32 at least (fp64: the router's)
     if score_function == "softmax":
         scores = torch.softmax(logits32, dim=-1)
         if pre_softmax:
@@ -92,17 +92,17 @@ def route(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_
         scores = sig / (sig.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"score_function={score_function!r}: use 'softmax' or 'sigmoid'")
-    return Routing(probs=probs, experts=experts, keep=None, scores=scores, logits=logits)
+    return Routing(probs=probs.float(), experts=experts, keep=None, scores=scores.float(), logits=logits)
 
 
 def capacity_mask(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity_factor: float,
                   order: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """``(keep [n, k], capacity)``: each expert keeps its ``capacity = ceil(f k n / E)`` most probable
+    """``(keep [n, k], capacity)``: each expert keeps its ``capacity = ceil((n k / E) f)`` most probable
     assignments (megatron-core's "probs" drop policy); of assignments of exactly equal probability the one of
     the earlier token (``order`` [n]: the rows' place in the one-process sequence; None: the rows' order) is
     kept, so the choice does not depend on which rank holds a row or on the sort's kernel."""
     n, k = probs.shape
-    capacity = math.ceil(capacity_factor * k * n / num_experts)
+    capacity = math.ceil((n * k / num_experts) * capacity_factor)  # megatron-core's get_capacity, to the rounding
     if capacity >= n:
         return torch.ones_like(experts, dtype=torch.bool), capacity
     if order is not None:  # the rows in sequence order; the choice mapped back to the rows' order at the end
@@ -172,8 +172,13 @@ class TopKRouter(nn.Module):
         ``order`` [n]: each token's place in the microbatch's one-process order (None: the ranks' tokens gathered
         in rank order are in that order), which breaks exact ties at an expert's capacity."""
         c = self.config
-        routing = route(F.linear(x, self.weight), c.moe_router_topk, c.moe_router_score_function,
-                        c.moe_router_pre_softmax)
+        if c.moe_router_dtype is None:
+            logits = F.linear(x, self.weight)
+        else:  # megatron-core's router dtype: the product wider than the parameters, outside any autocast
+            wide = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
+            with torch.autocast(x.device.type, enabled=False):
+                logits = F.linear(x.to(wide), self.weight.to(wide))
+        routing = route(logits, c.moe_router_topk, c.moe_router_score_function, c.moe_router_pre_softmax)
         if c.moe_expert_capacity_factor is not None:
             probs, experts, n = routing.probs.detach(), routing.experts, x.shape[0]
             if group_size(token_group) > 1:
