@@ -427,10 +427,12 @@ def resolve_recipes(argv: list[str]) -> list[str]:
     """``--config RECIPE`` with its ``base:`` recipes merged in (lightning_megatron.recipes); a class path
     that has moved (``lightning_megatron.data.gpt_datamodule.GPTDataModule``), in a recipe or on the
     command line, is refused here, before anything is built, naming the new one."""
-    from lightning_megatron.recipes import RecipeError, refuse_moved_class_paths, resolve_config_arguments
+    from lightning_megatron.recipes import (RecipeError, refuse_moved_class_paths, refuse_unknown_config_fields,
+                                            resolve_config_arguments)
 
     try:
         refuse_moved_class_paths(argv)
+        refuse_unknown_config_fields(argv)
         return resolve_config_arguments(argv)
     except RecipeError as e:
         raise SystemExit(f"lightning-megatron: {e}") from None

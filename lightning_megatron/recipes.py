@@ -27,6 +27,7 @@ rewritten behind the user's back.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from pathlib import Path
@@ -35,7 +36,8 @@ from typing import Any
 import yaml
 
 __all__ = ["BASE_KEY", "config_recipes", "DEFAULT_DATA_CLASS", "DEFAULT_MODEL_CLASS", "MOVED_CLASS_PATHS", "RecipeError", "import_class",
-           "merge_recipes", "read_recipe", "refuse_moved_class_paths", "resolve_config_arguments"]
+           "merge_recipes", "read_recipe", "refuse_moved_class_paths", "refuse_unknown_config_fields",
+           "resolve_config_arguments"]
 
 DEFAULT_MODEL_CLASS = "lightning_megatron.models.bert.module.BertLightningModule"
 """The module a recipe's ``model:`` section builds when it names no ``class_path`` (the CLI's and
@@ -114,6 +116,41 @@ def refuse_moved_class_paths(value: dict[str, Any] | list[str], source: str = "t
             found = _MOVED.search(arg)
             if found is not None:
                 _refuse(source, found.group(0))
+
+
+def refuse_unknown_config_fields(argv: list[str]) -> None:
+    """Raise :class:`RecipeError` when a ``--config`` recipe's ``model`` section gives its module's config record
+    (``config:``, a ``LanguageModelConfig``) a field the record does not have, naming it, its close matches and
+    the record: LightningCLI printed its whole usage and a 70-line dump of the parse, the one line that matters near
+    the end ("Option 'moe_router_enable_expert_bias' is not accepted")."""
+    import difflib
+    import inspect
+
+    for recipe in config_recipes(argv):
+        model = recipe.get("model")
+        if not isinstance(model, dict):
+            continue
+        named = model.get("class_path")
+        args = model.get("init_args") if named else model
+        config = args.get("config") if isinstance(args, dict) else None
+        if not isinstance(config, dict):
+            continue
+        try:
+            cls = import_class(str(named or DEFAULT_MODEL_CLASS))
+        except (ImportError, AttributeError, ValueError):
+            continue  # LightningCLI names a class it cannot import
+        record = getattr(cls, "config_class", None)
+        if not (inspect.isclass(record) and dataclasses.is_dataclass(record)):
+            continue
+        fields = sorted(f.name for f in dataclasses.fields(record) if f.init)
+        unknown = sorted(set(config) - set(fields))
+        if unknown:
+            spelled = "model.init_args.config" if named else "model.config"
+            close = {u: difflib.get_close_matches(u, fields, n=2) for u in unknown}
+            hints = "; ".join(f"{spelled}.{u}" + (f" (did you mean {' or '.join(close[u])}?)" if close[u] else "")
+                              for u in unknown)
+            raise RecipeError(f"the recipe's {hints}: not a field of {record.__module__}.{record.__name__} "
+                              f"(the {cls.__name__} config record); its fields: {', '.join(fields)}")
 
 
 def _refuse(where: str, old: str) -> None:

@@ -87,6 +87,28 @@ def test_finetune_recipes_parse_and_build():
 
 
 
+def test_a_config_record_field_it_lacks_is_one_line_naming_it(tmp_path):
+    """A recipe giving the model's config record a field it does not have (megatron-core's expert bias, or a typo)
+    printed LightningCLI's usage and a 70-line dump of the parse ending with "Option ... is not accepted". One line
+    now, before anything is built, naming the field, a close match and the record; a base recipe's fields too."""
+    from lightning_megatron.cli import main
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"base: {ROOT / 'recipes' / 'moe_tiny.yaml'}\nmodel:\n  init_args:\n    config:\n"
+                      f"      moe_router_enable_expert_bias: true\n      moe_router_topK: 2\n")
+    with pytest.raises(SystemExit) as refused:
+        main(["fit", "--config", str(recipe)])
+    message = str(refused.value.code)
+    assert message.startswith("lightning-megatron: the recipe's model.init_args.config.moe_router_enable_expert_bias; "
+                              "model.init_args.config.moe_router_topK (did you mean moe_router_topk"), message
+    assert "not a field of lightning_megatron.models.gpt.config.GPTConfig (the GPTLightningModule config " in message
+    assert message.count("\n") == 0
+    recipe.write_text("model:\n  config:\n    num_layer: 2\n")  # BERT's, the default class
+    with pytest.raises(SystemExit) as refused:
+        main(["fit", "--config", str(recipe)])
+    assert "model.config.num_layer (did you mean num_layers or " in str(refused.value.code), refused.value.code
+
+
 def test_old_datamodule_class_paths_are_refused_naming_the_new_one(tmp_path, capsys):
     """The LightningDataModules left lightning_megatron.data (which imports no Lightning) for
     lightning_megatron.datamodules: a recipe or command line naming an old class path stops before
