@@ -163,3 +163,39 @@ def test_tokenizing_batches_are_bounded_in_characters_as_well_as_sentences():
     assert [len(b) for b in _batches(iter([big] * 5))] == [2, 2, 1]
     assert [len(b) for b in _batches(iter([["x" * (2 * _BATCH_CHARS)], ["y"]]))] == [1, 1]
     assert [len(b) for b in _batches(iter([["a", "b"]] * _BATCH_SENTENCES))] == [_BATCH_SENTENCES // 2] * 2
+
+
+def test_a_folder_whose_end_of_text_is_its_eos_token_makes_gpt_data(tmp_path):
+    """A decoder's folder without ``<|endoftext|>`` (Llama 2 and Mistral end documents with ``</s>``, Llama 3 with
+    ``<|end_of_text|>``) was refused for GPT data, the fix naming an eod_token= no command takes. Its
+    ``tokenizer_config.json``'s ``eos_token`` is the end of document, as Megatron-LM's Hugging Face tokenizer takes
+    ``eos_token_id``: ids as transformers' tokenizer gives them, every document ended by it, the datamodule's check
+    of the data passing with the tokenizer it builds from the data's record."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(_texts(50), trainer=trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                                    special_tokens=["<unk>", "<s>", "</s>"]))
+    folder = tmp_path / "llama_like"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>", "special": True},
+                                                              "bos_token": "<s>"}))
+    ours, theirs = BPETokenizer(folder), transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>")
+    assert ours.eod_token == "</s>" and ours.eod == theirs.eos_token_id == 2
+    texts = [t for t in _texts(5) if t.strip()]
+    assert [ours.tokenize(t) for t in texts] == [theirs(t, add_special_tokens=False)["input_ids"] for t in texts]
+    (tmp_path / "docs.txt").write_text("\n\n".join(t.replace("\n\n", "\n") for t in texts) + "\n")
+    preprocess_corpus([tmp_path / "docs.txt"], tmp_path / "data", BPETokenizer(folder), append_eod=True,
+                      progress=False)
+    ds = IndexedDataset(str(tmp_path / "data"))
+    assert all(int(ds[i][-1]) == 2 for i in range(len(ds)))
+    from lightning_megatron.data.dataset_vocab import dataset_tokenizer
+
+    check_dataset_vocab(str(tmp_path / "data"), dataset_tokenizer(None, str(tmp_path / "data"), default="bpe"), 400,
+                        needs_eod=True)
+    assert BPETokenizer(folder, eod_token="<s>").eod == 1  # an explicit choice wins
+    assert BPETokenizer().eod_token == EOD_TOKEN  # the packaged BPE: unchanged

@@ -36,6 +36,18 @@ PACKAGED_BPE_TOKENIZER = "gpt-bpe-8192.json"
 """A byte-level BPE ``tokenizer.json`` of 8,192 pieces trained on the built-in corpus, shipped as data."""
 
 
+def _config_eos_token(vocab_file: Path) -> str | None:
+    """The ``eos_token`` of a ``tokenizer_config.json`` beside ``vocab_file`` (a string, or transformers' added-token
+    record with its ``content``); None when there is none."""
+    config = vocab_file.parent / "tokenizer_config.json"
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) and eos else None
+
+
 class BPETokenizer:
     """Byte-level BPE tokenizer from a ``tokenizer.json``, GPT-2 ``vocab.json`` + ``merges.txt``, or a
     folder holding either (``tokenizer.json`` first).
@@ -45,7 +57,9 @@ class BPETokenizer:
         merges_file: GPT-2's ``merges.txt`` when ``vocab_file`` is a ``vocab.json`` (default: the
             ``merges.txt`` beside it).
         eod_token: the end-of-document token; the vocabulary must hold it (a ``ValueError`` names
-            the fix otherwise). Llama 3's vocabulary calls it ``<|end_of_text|>``.
+            the fix otherwise). None: ``<|endoftext|>`` where the vocabulary has it, else the ``eos_token`` of a
+            ``tokenizer_config.json`` beside it (Megatron-LM's Hugging Face tokenizer takes ``eos_token_id`` as
+            its end of document: Llama 3's ``<|end_of_text|>``, Llama 2's and Mistral's ``</s>``).
 
     Text is encoded without special tokens added (Megatron's ``tokenize``); a literal
     ``<|endoftext|>`` inside the text becomes the EOD id, as with ``GPT2TokenizerFast``.
@@ -55,10 +69,9 @@ class BPETokenizer:
     lowercase = False  # byte-level BPE never normalises the text (recorded in the dataset's sidecar)
 
     def __init__(self, vocab_file: str | os.PathLike[str] | None = None,
-                 merges_file: str | os.PathLike[str] | None = None, *, eod_token: str = EOD_TOKEN) -> None:
+                 merges_file: str | os.PathLike[str] | None = None, *, eod_token: str | None = None) -> None:
         path = Path(vocab_file) if vocab_file is not None else packaged_bpe_tokenizer_file()
         self.vocab_file, self.merges_file = _bpe_files(path, Path(merges_file) if merges_file is not None else None)
-        self.eod_token = eod_token
         self._tokenizer = _load_bpe(self.vocab_file, self.merges_file)
         spec = json.loads(self._tokenizer.to_str())
         self.merges: tuple[str, ...] = tuple(" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"])
@@ -70,11 +83,16 @@ class BPETokenizer:
                 raise ValueError(f"{str(self.vocab_file)!r}: token {token!r} has id {index} but the vocabulary has "
                                  f"{len(vocab)} pieces; the ids must be 0..{len(vocab) - 1} without gaps")
             self.inv_vocab[index] = token
+        if eod_token is None:
+            eos = _config_eos_token(self.vocab_file)
+            eod_token = EOD_TOKEN if EOD_TOKEN in vocab or eos is None else eos
+        self.eod_token = eod_token
         if eod_token not in vocab:
             raise ValueError(f"{str(self.vocab_file)!r} has no end-of-document token {eod_token!r}: GPT data appends "
                              f"it to every document; train the tokenizer with it (`lightning-megatron train-tokenizer "
                              f"--type bpe` does), add it as a special token (tokenizer.add_special_tokens"
-                             f"([{eod_token!r}]) and save), or pass eod_token= with the vocabulary's own")
+                             f"([{eod_token!r}]) and save), name the vocabulary's own as eos_token in a "
+                             f"tokenizer_config.json beside it (as Hugging Face folders do), or pass eod_token=")
         self.eod_id = vocab[eod_token]
 
     def __getstate__(self) -> dict:
