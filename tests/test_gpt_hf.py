@@ -559,3 +559,44 @@ def test_export_takes_a_gpt2_vocab_json_with_its_merges(tmp_path):
     (tmp_path / "merges.txt").unlink()
     with pytest.raises(FileNotFoundError, match="merges.txt"):
         hf_model_from_saved(saved, tokenizer=tmp_path / "vocab.json")
+
+
+def test_export_of_a_model_whose_documents_end_with_its_eos_token(tmp_path):
+    """A decoder trained on a folder's tokenizer whose end of document is its ``</s>`` (a Llama 2 / Mistral folder:
+    no ``<|endoftext|>``; the data ended documents with it) exported with no eos at all (``eos_token_id`` unset, so
+    ``generate`` never stopped) and dropped the folder's ``<pad>``. The export's eos is the data's end of document,
+    its pad the folder's; the logits are transformers' own."""
+    import json
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.saved_model import SavedModel
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = ["the model ends each document with its own token", "and pads with another"] * 20
+    tok.train_from_iterator(text, trainer=trainers.BpeTrainer(
+        vocab_size=300, show_progress=False, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "src"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>",
+                                                              "pad_token": "<pad>"}))
+    vocab = tok.get_vocab_size()
+    source = _gpt2(vocab_size=vocab)
+    arch = ghc.hf_architecture(source.config)
+    ours = ghf.gpt_state_dict_from_hf(source.state_dict(), arch)
+    hparams = {k: v for k, v in arch.items() if k not in ("num_query_groups", "gated_linear_unit", "vocab_size")}
+    model, write_tokenizer = hf_model_from_saved(SavedModel(state_dict=ours, hparams=hparams), tokenizer=folder)
+    model.save_pretrained(tmp_path / "out")
+    write_tokenizer(tmp_path / "out")
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert exported.eos_token == "</s>" and loaded.config.eos_token_id == BPETokenizer(folder).eod == 2
+    assert exported.pad_token == "<pad>" and exported.pad_token_id == 3
+    tokens = _tokens() % vocab
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, source(tokens).logits, rtol=0, atol=1e-5)

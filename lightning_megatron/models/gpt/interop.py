@@ -388,7 +388,9 @@ class GPTInterop:
             if hf_tok is not None else None
         if problem is not None:
             raise ValueError(problem)
-        eod = hf_tok.get_vocab().get(chat.eos_token if chat is not None else _EOD) if hf_tok is not None else None
+        # the data's end of document (BPETokenizer's rule: <|endoftext|>, else the folder's eos_token)
+        eod_token = _eod_token(source) if source is not None else None
+        eod = hf_tok.get_vocab().get(chat.eos_token if chat is not None else eod_token) if hf_tok is not None else None
         if eod is not None:  # Megatron's end-of-document token is the model's end of text
             config.bos_token_id = config.eos_token_id = eod
         max_length = architecture_of_saved(saved)["max_sequence_length"]
@@ -398,8 +400,10 @@ class GPTInterop:
                 warnings.warn("export hf: the checkpoint names no tokenizer, so the folder has none; pass --tokenizer "
                               "with the tokenizer.json the model was trained with", UserWarning, stacklevel=3)
                 return
-            if eod is not None and hf_tok.eos_token is None:
-                hf_tok.eos_token = hf_tok.bos_token = _EOD
+            if eod is not None and chat is None:  # the token the model ends a document with
+                hf_tok.eos_token = eod_token
+                if hf_tok.bos_token is None:
+                    hf_tok.bos_token = eod_token
             if chat is not None and hf_tok.bos_token is None:
                 hf_tok.bos_token = chat.eos_token
             hf_tok.model_max_length = max_length
@@ -439,9 +443,40 @@ def _chat_tokenizer(saved: SavedModel) -> Any:
     return ChatTokenizer(path, eos_token=dm.get("eos_token"), chat_template=dm.get("chat_template"))
 
 
+def _eod_token(source: Path) -> str:
+    """The end-of-document token the data of a tokenizer at ``source`` ends documents with (:class:`BPETokenizer`'s
+    rule: ``<|endoftext|>``, else a ``tokenizer_config.json``'s ``eos_token``); ``<|endoftext|>`` for a tokenizer it
+    does not read (a word-level one)."""
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+
+    try:
+        return BPETokenizer(source).eod_token
+    except (ValueError, OSError):
+        return _EOD
+
+
+def _config_special_tokens(source: Path) -> dict[str, str]:
+    """The special tokens (``bos``, ``eos``, ``pad``, ``unk``) a ``tokenizer_config.json`` beside ``source`` names, as
+    strings (a folder's ``<pad>`` was dropped on export, ``pad_token_id`` null)."""
+    import json
+
+    config = (source if source.is_dir() else source.parent) / "tokenizer_config.json"
+    try:
+        spec = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = spec.get(name) if isinstance(spec, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            out[name] = value
+    return out
+
+
 def _hf_tokenizer(source: Path) -> Any:
     """A transformers fast tokenizer from a ``tokenizer.json``, GPT-2's ``vocab.json`` + ``merges.txt``, or a
-    folder holding either."""
+    folder holding either, with the special tokens a ``tokenizer_config.json`` beside it names."""
     import json
 
     from lightning_megatron.interop.hf_folder import import_transformers
@@ -464,4 +499,7 @@ def _hf_tokenizer(source: Path) -> Any:
 
         with tempfile.TemporaryDirectory() as tmp:
             return transformers.PreTrainedTokenizerFast(tokenizer_file=str(BPETokenizer(source).save(tmp)))
-    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(source))
+    known = set((spec.get("model") or {}).get("vocab") or {})
+    known |= {t.get("content") for t in spec.get("added_tokens") or []}
+    special = {k: v for k, v in _config_special_tokens(source).items() if v in known}  # never a token it lacks
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(source), **special)
