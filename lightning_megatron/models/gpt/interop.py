@@ -72,7 +72,7 @@ UNSUPPORTED_GPT_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
 UNSUPPORTED_MOE_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_router_topk_scaling_factor": ((None, 1, 1.0), "routing weights scaled by a factor"),
     "moe_router_num_groups": ((None, 0, 1), "group-limited routing (device-limited top-k)"),
-    "moe_router_group_topk": ((None, 0, 1), "group-limited routing (device-limited top-k)"),
+    "moe_router_group_topk": ((None, 0), "group-limited routing (device-limited top-k)"),
     "moe_router_topk_limited_devices": ((None, 0), "device-limited routing (megatron-core's older spelling of "
                                                    "group-limited top-k)"),
     "moe_router_enable_expert_bias": ((False, None), "expert-bias routing (aux-loss-free load balancing)"),
@@ -148,7 +148,9 @@ def moe_architecture_from_args(args: argparse.Namespace, unsupported: list[str])
     not bias-free SwiGLU MLPs. Load-balancing losses that only training sees and our layer lacks
     (``global_aux_loss``, several types at once) and the router's input jitter are dropped with a warning."""
     get = lambda k, d=None: getattr(args, k, d)  # noqa: E731
-    unsupported += [f"{k}={get(k)!r} ({what})" for k, (ok, what) in UNSUPPORTED_MOE_ARGS.items() if get(k) not in ok]
+    one_group = get("moe_router_num_groups") in (None, 0, 1) and get("moe_router_group_topk") == 1  # plain top-k
+    unsupported += [f"{k}={get(k)!r} ({what})" for k, (ok, what) in UNSUPPORTED_MOE_ARGS.items()
+                    if get(k) not in ok and not (one_group and k == "moe_router_group_topk")]
     freq = get("moe_layer_freq", 1)  # Megatron-LM parses it into an int (every n-th layer) or a per-layer list
     if not (freq in (None, 1, "1") or isinstance(freq, (list, tuple)) and all(f == 1 for f in freq)):
         unsupported.append(f"moe_layer_freq={freq!r} (dense layers among the mixture-of-experts layers: every layer "
