@@ -264,6 +264,10 @@ def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = 
             # What the ModelCheckpoint itself saves: the full state (model, optimizer, loops) unless it
             # is set to save_weights_only. Explicit, or Lightning logs that it picked a default.
             callback = trainer.checkpoint_callback
+            if isinstance(callback, ModelCheckpoint) and path.name.startswith(callback.CHECKPOINT_NAME_LAST):
+                # the callback's own last, recorded in the state it saves: resumed, it saves there again (it
+                # took the file for another's and wrote last-v1.ckpt beside it, last.ckpt left at the stop)
+                callback.last_model_path = str(path)
             trainer.save_checkpoint(path, weights_only=isinstance(callback, ModelCheckpoint)
                                     and callback.save_weights_only)
             rank_zero_info(f"{name} at step {step}: saved {path}; resume with --ckpt_path last. "

@@ -48,6 +48,13 @@ def test_sigterm_saves_exits_nonzero_and_resumes(tmp_path):
         # start: the resumed run logged step k as k + 1 and validated one step early)
         lines = [line.split() for line in (tmp_path / f"progress-{rank}.txt").read_text().splitlines() if line]
         assert [(int(x[2]), int(x[3])) for x in lines] == [(s - 1, s - 1) for s in [1, 2, 3, 4, 5]], lines
+    # the resumed run's final save is its last.ckpt, the one the stop wrote: the stop's save left the callback's
+    # last_model_path out of what it saved, so the resumed callback took last.ckpt for another's and wrote
+    # last-v1.ckpt beside it (a script reading last.ckpt got step 3)
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
+    assert checkpoint_identity(tmp_path / "ckpt" / "last.ckpt")[1] == 5
 
 
 def test_handler_flags_and_exit_code():
