@@ -4,6 +4,8 @@ FLOPs per step: the module's own count when it implements
 :class:`~lightning_megatron.protocols.CountsFlops` (``BertLightningModule``: Megatron's count,
 :func:`~lightning_megatron.transformer.config.training_flops`), else ``6 N T`` with N the model's
 parameter count and T the tokens of the step (the first tensor of the batch, or ``batch["tokens"]``).
+The step time is the median of the last ``window`` (5) steps' times, so a row is a smoothed rate (two rows may
+repeat it; the first few steps, which warm up, weigh in the first rows' values only).
 Achieved TFLOP/s per device = FLOPs / step time / world size. MFU = achieved / peak; the peak is
 ``peak_tflops`` or, when None, measured once on this device with a square GEMM of the model dtype
 (:func:`measure_matmul_tflops`: a size aimed at 20 ms, best of 5).
