@@ -431,8 +431,13 @@ class MegatronLightningModule(LightningModule):
 
         path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
         if path is None or not path.is_dir():
+            # Lightning's loader, weights only: it unpickled an http(s) URL with weights_only=False by default (a
+            # payload in the file ran); no argument turns that back on here
+            if kwargs.pop("weights_only", True) is not True:
+                raise ValueError(f"{cls.__name__}.load_from_checkpoint(weights_only=False) is refused: a checkpoint "
+                                 f"is read with torch.load(weights_only=True) only, never unpickled as code")
             return super().load_from_checkpoint(checkpoint_path, map_location=map_location,
-                                                hparams_file=hparams_file, strict=strict, **kwargs)
+                                                hparams_file=hparams_file, strict=strict, weights_only=True, **kwargs)
         if not (path / ckpt.MARKER).is_file():
             raise ckpt.CheckpointError(
                 f"{str(path)!r} is a directory but not a lightning_megatron checkpoint ({ckpt.MARKER} missing); "

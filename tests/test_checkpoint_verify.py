@@ -223,6 +223,47 @@ def test_hf_folder_with_auto_map_is_refused_and_its_code_never_runs(tmp_path):
     assert not sentinel.exists()
 
 
+def test_load_from_checkpoint_of_a_url_never_unpickles_code(tmp_path, monkeypatch):
+    """``load_from_checkpoint("http://...")`` went to Lightning's loader, which reads a URL with
+    ``weights_only=False``: a pickle payload in the served file ran. Read weights only now, and
+    ``weights_only=False`` is refused."""
+    import http.server
+    import os
+    import pickle
+    import threading
+
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    sentinel = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {sentinel}",))
+
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "payload.ckpt").write_bytes(pickle.dumps(Payload()))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # torch.hub's download cache
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(tmp_path / "served"), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/payload.ckpt"
+        with pytest.raises(pickle.UnpicklingError):
+            BertLightningModule.load_from_checkpoint(url)
+        with pytest.raises(ValueError, match=r"load_from_checkpoint\(weights_only=False\) is refused"):
+            BertLightningModule.load_from_checkpoint(url, weights_only=False)
+    finally:
+        server.shutdown()
+    assert not sentinel.exists()
+
+
 def test_recover_last_takes_a_complete_interrupted_save_or_refuses(good, tmp_path):
     """``ckpt_path="last"`` with last.ckpt missing (a crash between the two renames of a file system
     without RENAME_EXCHANGE): the newest complete ``last.ckpt.tmp-<id>`` whose checksums verify; one
