@@ -67,8 +67,10 @@ __all__ = [
     "MetadataUnpickler",
     "SafeFileSystemReader",
     "load",
+    "model_metadata_problem",
     "read_metadata",
     "save",
+    "saved_chunks_problem",
 ]
 
 METADATA_FILE = ".metadata"
@@ -286,6 +288,49 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage[start:start + t.nbytes], 0, t.shape, t.stride())
 
 
+def saved_chunks_problem(md: Any) -> str | None:
+    """Why the saved chunks of one tensor (``md``: its ``TensorStorageMetadata``) do not tile it: two that overlap
+    (each element is saved once; an overlap read one chunk's elements twice and left others unread, a count of
+    elements read matching all the same), or elements no chunk holds; None when they tile it exactly."""
+    chunks = list(md.chunks)
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
+    for (o, z) in boxes:
+        if any(x < 0 or n < 0 or x + n > d for x, n, d in zip(o, z, md.size)):
+            return f"a saved chunk at offsets {list(o)} of sizes {list(z)} lies outside its shape {list(md.size)}"
+    for i, (o1, z1) in enumerate(boxes):
+        for o2, z2 in boxes[i + 1:]:
+            if all(n1 and n2 and a < b + n2 and b < a + n1 for a, n1, b, n2 in zip(o1, z1, o2, z2)):
+                return (f"two saved chunks overlap (offsets {list(o1)} and {list(o2)}): the checkpoint's .metadata "
+                        f"is not one this library writes")
+    total, saved = math.prod(md.size), sum(math.prod(z) for _, z in boxes)
+    if saved != total:
+        return f"the saved chunks hold {saved} of its {total} elements (chunks missing from the checkpoint)"
+    return None
+
+
+def model_metadata_problem(metadata: Metadata) -> str | None:
+    """Why the model tensors a checkpoint's ``.metadata`` describes cannot be read as it says: chunks that do not
+    tile their tensor (:func:`saved_chunks_problem`), or a tensor whose chunks' files hold fewer bytes than its
+    elements need (a shape of 10^12 elements over a file of a few bytes: a memory bomb before any read failed).
+    None when they can."""
+    stored: dict[str, int] = {}
+    for index, item in metadata.storage_data.items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(getattr(item, "length", 0) or 0)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not fqn.startswith("model.") or not hasattr(md, "size"):
+            continue
+        if any(int(d) < 0 for d in md.size):
+            return f"{fqn} has a negative size {list(md.size)}"
+        problem = saved_chunks_problem(md)
+        if problem is not None:
+            return f"{fqn}: {problem}"
+        need = math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
+        if stored.get(fqn, 0) < need:
+            return (f"{fqn} of shape {list(md.size)} needs {need} bytes but its saved chunks hold "
+                    f"{stored.get(fqn, 0)}: the .metadata is not one this library writes")
+    return None
+
+
 class ChunkLoadPlanner(DefaultLoadPlanner):
     """Reads into :class:`Chunks` (and plain tensors) the overlapping parts of the saved chunks."""
 
@@ -309,6 +354,9 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
             shape = obj.global_shape if isinstance(obj, Chunks) else tuple(obj.shape)
             if tuple(md.size) != tuple(shape):
                 raise CheckpointError(f"{fqn}: checkpoint shape {tuple(md.size)}, model shape {tuple(shape)}")
+            problem = saved_chunks_problem(md)
+            if problem is not None:
+                raise CheckpointError(f"{fqn}: {problem}")
             if isinstance(obj, Chunks):
                 local = obj.chunk_metadata()
             else:

@@ -93,8 +93,12 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
     """Read the model of a lightning_megatron checkpoint directory (any layout) on this process only."""
     path = Path(path)
     info = ckpt.verify_checkpoint(path)  # the one verification of every load path
-    metadata = dcp_io.read_metadata(path).state_dict_metadata
-    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    read = dcp_io.read_metadata(path)
+    metadata = read.state_dict_metadata
+    problem = dcp_io.model_metadata_problem(read)  # before a byte is allocated for what it claims
+    if problem is not None:
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: {problem}")
+    state = {key: torch.zeros(tuple(md.size), dtype=md.properties.dtype)  # never uninitialised memory
              for key, md in metadata.items() if key.startswith("model.") and hasattr(md, "size")}
     if not state:
         raise ckpt.CheckpointError(f"checkpoint {str(path)!r} holds no model tensors (no 'model.*' keys)")

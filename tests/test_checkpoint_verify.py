@@ -11,6 +11,7 @@ collective path through ``checkpoint.load``) are checked on 2 ranks in tests/tes
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -262,6 +263,48 @@ def test_load_from_checkpoint_of_a_url_never_unpickles_code(tmp_path, monkeypatc
     finally:
         server.shutdown()
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("lie", ["overlap", "bomb"])
+def test_a_metadata_that_lies_about_its_chunks_is_refused_before_reading(good, tmp_path, lie):
+    """A ``.metadata`` (allow-listed, its checksum updated) whose two word-embedding chunks both claim offset 0: the
+    count of elements read matched, so one process's readers (export, init_from, load_from_checkpoint) took half
+    the rows twice and left the others as ``torch.empty`` left them (process memory in ``model.safetensors``). One
+    claiming a tensor of 10^12 elements over a few bytes: an allocation of terabytes before any read failed."""
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    from lightning_megatron import dcp_io
+    from lightning_megatron.saved_model import read_model_checkpoint
+
+    path = tmp_path / lie
+    shutil.copytree(good, path)
+    md = dcp_io.read_metadata(path)
+    emb = next(k for k in md.state_dict_metadata if k.endswith("word_embeddings.weight"))
+    tensor = md.state_dict_metadata[emb]
+    if lie == "overlap":
+        first, second = tensor.chunks
+        moved = ChunkStorageMetadata(offsets=first.offsets, sizes=second.sizes)
+        md.state_dict_metadata[emb] = dataclasses.replace(tensor, chunks=[first, moved])
+        for index, item in list(md.storage_data.items()):
+            if index.fqn == emb and tuple(index.offset) == tuple(second.offsets):
+                del md.storage_data[index]
+                md.storage_data[dataclasses.replace(index, offset=first.offsets)] = item
+        named = "two saved chunks overlap"
+    else:
+        md.state_dict_metadata["model.bomb"] = TensorStorageMetadata(
+            properties=tensor.properties, size=torch.Size([10**6, 10**6]),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([10**6, 10**6]))])
+        named = "model.bomb of shape [1000000, 1000000] needs 4000000000000 bytes but its saved chunks hold 0"
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    marker["files"][".metadata"] = (path / ".metadata").stat().st_size
+    marker["sha256"][".metadata"] = ckpt.file_sha256(path / ".metadata")
+    (path / ckpt.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(named)):
+        read_model_checkpoint(path)
 
 
 def test_recover_last_takes_a_complete_interrupted_save_or_refuses(good, tmp_path):
