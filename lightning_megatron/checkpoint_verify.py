@@ -123,7 +123,7 @@ def read_marker(path: Path) -> dict[str, Any]:
             f"or the directory is not a lightning_megatron checkpoint)")
     try:
         info = json.loads(marker.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r} has a corrupt {MARKER}: {e}") from e
     if not isinstance(info, dict) or info.get("format_version") not in READABLE_FORMATS:
         version = info.get("format_version") if isinstance(info, dict) else None
@@ -329,7 +329,7 @@ def checkpoint_identity(path: str | os.PathLike) -> tuple[str | None, int | None
     path = Path(path)
     try:
         info = json.loads((path / MARKER).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         info = None
     info = info if isinstance(info, dict) else {}
     run_id, step = info.get("run_id"), info.get("global_step")

@@ -428,9 +428,10 @@ def resolve_recipes(argv: list[str]) -> list[str]:
     that has moved (``lightning_megatron.data.gpt_datamodule.GPTDataModule``), in a recipe or on the
     command line, is refused here, before anything is built, naming the new one."""
     from lightning_megatron.recipes import (RecipeError, refuse_moved_class_paths, refuse_unknown_config_fields,
-                                            resolve_config_arguments)
+                                            refuse_unreadable_recipes, resolve_config_arguments)
 
     try:
+        refuse_unreadable_recipes(argv)
         refuse_moved_class_paths(argv)
         refuse_unknown_config_fields(argv)
         return resolve_config_arguments(argv)

@@ -37,6 +37,7 @@ import yaml
 
 __all__ = ["BASE_KEY", "config_recipes", "DEFAULT_DATA_CLASS", "DEFAULT_MODEL_CLASS", "MOVED_CLASS_PATHS", "RecipeError", "import_class",
            "merge_recipes", "read_recipe", "refuse_moved_class_paths", "refuse_unknown_config_fields",
+           "refuse_unreadable_recipes",
            "resolve_config_arguments"]
 
 DEFAULT_MODEL_CLASS = "lightning_megatron.models.bert.module.BertLightningModule"
@@ -158,6 +159,17 @@ def _refuse(where: str, old: str) -> None:
                       f"(the LightningDataModules left lightning_megatron.data for lightning_megatron.datamodules)")
 
 
+def refuse_unreadable_recipes(argv: list[str]) -> None:
+    """Raise :class:`RecipeError` for a ``--config`` recipe file :func:`read_recipe` refuses (not plain YAML, not
+    UTF-8, nested too deeply, expanding past :data:`MAX_RECIPE_VALUES`, a bad ``base:``), before LightningCLI
+    reads it (a recipe without ``base:`` went to it as it was)."""
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
+            arg[len("--config="):] if arg.startswith("--config=") else None)
+        if value is not None and "\n" not in value and Path(value).is_file():
+            read_recipe(value)
+
+
 def _recipe_or_none(value: str) -> dict[str, Any] | None:
     """The recipe a ``--config`` value holds (YAML text, or a file read with its bases), or None when it
     is neither (LightningCLI reports that)."""
@@ -171,6 +183,26 @@ def _recipe_or_none(value: str) -> dict[str, Any] | None:
     except (OSError, ValueError, yaml.YAMLError):
         return None
     return recipe if isinstance(recipe, dict) else None
+
+
+MAX_RECIPE_VALUES = 100_000
+"""The most values a recipe may expand to (a large recipe holds a few hundred)."""
+
+
+def _values_past(value: Any, limit: int) -> bool:
+    """Whether ``value`` holds more than ``limit`` values, each alias counted where it repeats (stops counting
+    there: a billion-value alias chain costs ``limit`` steps)."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def read_recipe(path: str | Path) -> dict[str, Any]:
@@ -188,6 +220,10 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise RecipeError(f"recipe {str(path)!r}{named_by} is not a file")
     try:
         recipe = yaml.safe_load(path.read_text()) or {}
+    except (RecursionError, UnicodeDecodeError) as e:
+        what = ("nests too deeply" if isinstance(e, RecursionError)
+                else f"is not UTF-8 text ({e.reason} at byte {e.start})")
+        raise RecipeError(f"recipe {str(path)!r}{named_by} {what}") from None
     except yaml.YAMLError as e:  # e.g. a !!python/object tag: safe_load refuses it, say so in one line
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -196,6 +232,10 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
                           f"plain values; tags such as !!python/object are never constructed)") from None
     if not isinstance(recipe, dict):
         raise RecipeError(f"recipe {str(path)!r}: the top level must be a mapping, not {type(recipe).__name__}")
+    if _values_past(recipe, MAX_RECIPE_VALUES):
+        raise RecipeError(f"recipe {str(path)!r}{named_by} expands to more than {MAX_RECIPE_VALUES:,} values (YAML "
+                          f"anchors and aliases repeat what they name: nine levels of ten make a billion, which hung "
+                          f"the command's parser); write the values out")
     bases = recipe.pop(BASE_KEY, None)
     if bases is None:
         return recipe

@@ -398,3 +398,19 @@ def test_cli_reports_an_agreed_error_once_on_rank_0(monkeypatch, capsys, rank, e
         cli.main(["fit", "--config", "recipe.yaml"])
     assert info.value.code == (f"lightning-megatron: {message}" if rank == 0 else 1)
     assert capsys.readouterr().err == ""
+
+
+def test_json_nested_past_the_parser_is_a_clear_error(good, tmp_path):
+    """A marker or a Hugging Face config.json nested deeper than Python's parser goes raised RecursionError, a
+    traceback before launch; one line naming the file now."""
+    path = tmp_path / "deep"
+    shutil.copytree(good, path)
+    (path / ckpt.MARKER).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ckpt.CheckpointError, match=r"has a corrupt lightning_megatron.json"):
+        ckpt.verify_checkpoint(path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    from lightning_megatron.interop.hf_folder import read_hf_config
+
+    with pytest.raises(ValueError, match=r"config.json' cannot be read as JSON"):
+        read_hf_config(tmp_path / "hf")

@@ -190,3 +190,27 @@ def test_a_recipe_s_weight_decay_is_the_one_its_schedule_sets(path):
         defaults = inspect.signature(OptimizerParamSchedulerCallback).parameters  # what a recipe leaves out
         wd = [schedule.get(k, defaults[k].default) for k in ("start_wd", "end_wd")]
         assert decay in wd, (path.name, decay, wd)
+
+
+def test_a_recipe_that_expands_without_end_is_refused_at_once(tmp_path):
+    """Nine levels of ten YAML aliases (a billion values) hung `fit` past 150 s in its parser, before anything was
+    said; a recipe that is not UTF-8 or nests past the parser's depth was a traceback. One line each, at once."""
+    import time
+
+    from lightning_megatron.cli import main
+
+    bomb = tmp_path / "bomb.yaml"
+    lines = ['a0: &a0 ["lol"]'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    bomb.write_text("\n".join(lines + ["model:\n  lr: *a9"]) + "\n")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 5000 + "]" * 5000 + "\n")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"model:\n  lr: caf\xe9\n")
+    for recipe, said in ((bomb, "expands to more than 100,000 values"), (deep, "nests too deeply"),
+                         (latin, "is not UTF-8 text (invalid continuation byte at byte 16)")):
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as refused:
+            main(["fit", "--config", str(recipe)])
+        assert time.monotonic() - start < 30
+        assert str(refused.value.code) == f"lightning-megatron: recipe {str(recipe)!r} {said}" or \
+            said in str(refused.value.code), refused.value.code

@@ -58,7 +58,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> Any:
     file = Path(path) / "config.json"
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{str(file)!r} cannot be read as JSON: {e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"{str(file)!r} is not a JSON object")
@@ -93,7 +93,7 @@ def _load_shards(path: Path, index_name: str, suffix: str,
     index = path / index_name
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as e:
         raise ValueError(f"{str(index)!r} is not a shard index (no weight_map): {e}") from e
     out: dict[str, torch.Tensor] = {}
     for name in sorted(set(weight_map.values())):
