@@ -101,44 +101,44 @@ def checkpoint_extra(path: Any) -> dict[str, Any] | None:
     return saved[0] if saved is not None else None
 
 
-def _own_wordpiece_problem(arguments: dict[str, Any], source: Any) -> str | None:
-    """A BERT source folder (``init_from``) with a ``vocab.txt`` of its own while the data tokenizes with the packaged
-    vocabulary (``vocab_file`` None, no preprocessed dataset, whose record names its own): valid ids of other words,
-    a model of the packaged size failing nowhere."""
+def _source_tokenizer_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any], data_class: type | None,
+                              recorded: bool = False) -> str | None:
+    """A source folder (``init_from``: a Hugging Face folder) with a tokenizer of its own (``vocab.txt``,
+    ``tokenizer.json``) other than the data's ``tokenizer`` (the packaged vocabulary, a ``vocab_file``, the one a
+    dataset records: ``recorded``): valid ids of other pieces, a model of the same size failing nowhere (a decoder's
+    folder was never read: its tokenizer permuted, or malformed, trained without a word)."""
     import os
     from pathlib import Path
 
-    if "vocab_file" not in arguments or arguments.get("vocab_file") is not None or arguments.get("data_prefix"):
+    from lightning_megatron.data.dataset_vocab import dataset_tokenizer, pieces_sha256
+    from lightning_megatron.datamodules.pretraining import PretrainingDataModule
+
+    source = m.get("init_from")
+    if not isinstance(source, (str, os.PathLike)) or data_class is None or not issubclass(
+            data_class, PretrainingDataModule) or not Path(source).is_dir():
         return None
-    if not isinstance(source, (str, os.PathLike)):
-        return None
-    vocab = next((Path(source) / name for name in ("vocab.txt", "tokenizer.json") if (Path(source) / name).is_file()),
-                 None)
-    own = _wordpiece_pieces(vocab) if vocab is not None else None
+    names = ("tokenizer.json", "vocab.txt", "vocab.json")
+    own = next((Path(source) / n for n in names if (Path(source) / n).is_file()), None)
     if own is None:
-        return None
-    from lightning_megatron.data.tokenizer import packaged_vocab_file
-
-    if own == [line for line in packaged_vocab_file().read_text(encoding="utf-8").splitlines() if line]:
-        return None
-    return (f"data vocab_file=None tokenizes with the packaged BERT vocabulary, but model init_from="
-            f"{os.fspath(source)!r} has its own {vocab.name} ({len(own)} pieces, other than the packaged ones); set "
-            f"data.vocab_file={str(vocab)!r}")
-
-
-def _wordpiece_pieces(file: Any) -> list[str] | None:
-    """The pieces of a WordPiece ``vocab.txt`` or a ``tokenizer.json``'s WordPiece model, in id order; None for a
-    tokenizer of another kind (a BPE's ``tokenizer.json``) or one that cannot be read."""
-    import json
-
+        return None  # no tokenizer of its own (one of our checkpoints records its vocabulary: checked at set-up)
     try:
-        if file.name == "vocab.txt":
-            return [line for line in file.read_text(encoding="utf-8").splitlines() if line]
-        model = json.loads(file.read_text(encoding="utf-8")).get("model") or {}
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        theirs = dataset_tokenizer(os.fspath(own), None, default=tokenizer_family(data_class))
+    except (ValueError, OSError) as error:
+        return f"model init_from={os.fspath(source)!r}: its {own.name} cannot be read as the data's kind: {error}"
+    if pieces_sha256(theirs.inv_vocab) == pieces_sha256(tokenizer.inv_vocab):
         return None
-    vocab = model.get("vocab") if model.get("type") == "WordPiece" else None
-    return sorted(vocab, key=vocab.get) if isinstance(vocab, dict) else None
+    if vocab_file is None and not recorded:
+        data = "data vocab_file=None tokenizes with the packaged " + (
+            "BPE" if tokenizer_family(data_class) == "bpe" else "BERT vocabulary")
+        other = "other than the packaged ones"
+    else:
+        data = (f"data vocab_file={os.fspath(vocab_file)!r} tokenizes" if vocab_file is not None
+                else f"the data was tokenized with {os.fspath(tokenizer.vocab_file)!r}")
+        other = "other than the data's"
+    fix = f"set data.vocab_file={str(own)!r}" if not recorded else (
+        f"preprocess the data with it (`lightning-megatron preprocess --tokenizer {os.fspath(source)}`)")
+    return (f"{data}, but model init_from={os.fspath(source)!r} has its own {own.name} ({theirs.vocab_size} "
+            f"pieces, {other}); {fix}")
 
 
 def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: type | None = None,
@@ -170,7 +170,6 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
         # chats encoded with the packaged BPE for a model that came with its own tokenizer: valid ids, wrong text
         problems.append(f"data tokenizer=None encodes the chats with the packaged BPE, but model init_from="
                         f"{os.fspath(source)!r} has its own tokenizer.json; set data.tokenizer={os.fspath(source)!r}")
-    problems += [p for p in [_own_wordpiece_problem(arguments, source)] if p]
     if {"chat_template", "tokenizer"} <= arguments.keys():  # chats (SFTDataModule): its own prompt reader
         if predicting and arguments.get("predict_file") is not None and data_class is not None:
             problems += _check_prompts(arguments, m, lambda: data_class(**arguments).read_prompts())
@@ -258,7 +257,8 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
                 return problems  # the tokenizer itself cannot be had: said once
     if tokenizer is not None:  # the datasets' tokenizer: a model vocabulary smaller than it (BERT's masking draws
         # replacement ids from the whole tokenizer, past the largest id the data holds)
-        problems += [p for p in [_model_vocab_problem(tokenizer, vocab_file, m, data_class, recorded=True)] if p]
+        problems += [p for p in [_model_vocab_problem(tokenizer, vocab_file, m, data_class, recorded=True),
+                                 _source_tokenizer_problem(tokenizer, vocab_file, m, data_class, recorded=True)] if p]
     sample_tokens = _sample_tokens(data_class, arguments)
     problems += [p for p in (_too_short_problem(prefix, sample_tokens) for prefix in found) if p]
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
@@ -288,7 +288,8 @@ def _built_in_corpus_problems(vocab_file: Any, m: dict[str, Any], data_class: ty
         tokenizer = dataset_tokenizer(vocab_file, None, default=tokenizer_family(data_class))
     except (ValueError, OSError) as error:
         return [_data(error)]
-    return [p for p in [_model_vocab_problem(tokenizer, vocab_file, m, data_class)] if p]
+    return [p for p in [_model_vocab_problem(tokenizer, vocab_file, m, data_class),
+                        _source_tokenizer_problem(tokenizer, vocab_file, m, data_class)] if p]
 
 
 def _model_vocab_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any], data_class: type | None,

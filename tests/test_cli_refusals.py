@@ -92,15 +92,26 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     pieces[2000:2010] = reversed(pieces[2000:2010])
     (d / "bert_own_vocab" / "vocab.txt").write_text("\n".join(pieces) + "\n", encoding="utf-8")
     shutil.copy(packaged_vocab_file(), d / "bert" / "vocab.txt")  # the packaged vocabulary: nothing to say
+    from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
+
+    shutil.copytree(d / "llama", d / "llama_own_tokenizer")  # the packaged BPE with two pieces' ids swapped
+    spec = json.loads(packaged_bpe_tokenizer_file().read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (d / "llama_own_tokenizer" / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     shutil.copytree(d / "bert", d / "bert_own_tokenizer")  # the same, as a tokenizer.json only
     (d / "bert_own_tokenizer" / "vocab.txt").unlink()
-    (d / "bert_own_tokenizer" / "tokenizer.json").write_text(json.dumps(
-        {"model": {"type": "WordPiece", "vocab": {p: i for i, p in enumerate(pieces)}}}), encoding="utf-8")
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    BertWordPieceTokenizer(str(d / "bert_own_vocab" / "vocab.txt"), lowercase=True).save(
+        str(d / "bert_own_tokenizer" / "tokenizer.json"))
     return {"dir": str(d), "gpt": str(d / "gpt"), "noeod": str(d / "noeod"), "wordpiece": str(d / "wordpiece"),
             "mixtral": str(d / "mixtral"), "llama": str(d / "llama"), "llama97": str(d / "llama97"),
             "bert": str(d / "bert"),
             "bert_own_vocab": str(d / "bert_own_vocab"), "bert_own_tokenizer": str(d / "bert_own_tokenizer"),
             "prompts": str(d / "prompts.txt"), "link_recipe": str(d / "link.yaml"),
+            "llama_own_tokenizer": str(d / "llama_own_tokenizer"),
             "extra_data": str(d / "extra_data"), "extra_small": (d / "extra" / "small_vocab_size").read_text(),
             "extra_pieces": str(int((d / "extra" / "small_vocab_size").read_text()) + 20),
             "nomask_vocab": str(d / "nomask" / "vocab.txt"),
@@ -383,6 +394,14 @@ CASES = {
          "--trainer.strategy.init_args.timeout", "0"], None,
         ["2 configuration problem(s)", "has its own tokenizer.json (30522 pieces, other than the packaged ones); set "
          "data.vocab_file='{bert_own_tokenizer}/tokenizer.json'"], []),
+    # a decoder folder whose tokenizer.json is not the packaged BPE the built-in corpus is tokenized with (its pieces
+    # permuted): its tokenizer was never read, the run trained on ids that are other pieces to the model
+    "init_from_decoder_with_its_own_tokenizer": (
+        ["fit", "--config", GPT, "--model.init_args.init_from", "{llama_own_tokenizer}",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "data vocab_file=None tokenizes with the packaged BPE, but model init_from="
+         "'{llama_own_tokenizer}' has its own tokenizer.json (8192 pieces, other than the packaged ones); set "
+         "data.vocab_file='{llama_own_tokenizer}/tokenizer.json'"], []),
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
