@@ -63,6 +63,7 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
     allow_unverified,
     checkpoint_identity,
     file_sha256,
+    load_plain,
     loadable_bytes,
     read_marker,
     recover_last,
@@ -467,11 +468,7 @@ def saved_extra(filepath: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     if want is not None and file_sha256(path / "extra.pt") != want:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: extra.pt does not match the sha256 recorded "
                               f"in {MARKER} (the file changed after it was saved)")
-    try:
-        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - name the file and the cause
-        raise CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
-                              f"(weights_only=True): {e}") from e
+    extra = load_plain(path / "extra.pt", path)
     if not isinstance(extra, dict):
         raise CheckpointError(f"checkpoint {str(path)!r}: extra.pt holds a {type(extra).__name__}, not a dict")
     return extra, info
@@ -494,11 +491,11 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     error = None
     try:
         metadata = dcp_io.read_metadata(path)
-        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
+        extra = load_plain(path / "extra.pt", path)
+        if not isinstance(extra, dict):
+            error = f"checkpoint {str(path)!r}: extra.pt holds a {type(extra).__name__}, not a dict"
     except CheckpointError as e:
-        error = f"checkpoint {str(path)!r}: {e}"
-    except Exception as e:  # noqa: BLE001 - name the file and the cause
-        error = f"checkpoint {str(path)!r}: extra.pt cannot be read safely (weights_only=True): {e}"
+        error = str(e) if str(e).startswith("checkpoint ") else f"checkpoint {str(path)!r}: {e}"
     _agree(error)
     md = metadata.state_dict_metadata
     errors, allowed = hparam_problems(dict(extra.get("hyper_parameters") or {}), hparams,
@@ -529,13 +526,15 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     mapper.sync_shared_embeddings()
     if include_optimizer:
         mapper.fill_mains_from_model(targets)
-    if _same_ranks(info.get("layout") or {}, layout):
-        rng_file = path / "rng" / f"rank_{rank}.pt"
+    if _same_ranks(info.get("layout") or {}, layout):  # the same on every rank: each restores its own, agreed
+        rng_file, error = path / "rng" / f"rank_{rank}.pt", None
         if rng_file.is_file():
             try:
-                rng = torch.load(rng_file, weights_only=True)
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"checkpoint {str(path)!r}: {rng_file.name} cannot be read safely: {e}") from e
-            set_rng_state(rng)
+                set_rng_state(load_plain(rng_file, path))
+            except CheckpointError as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001 - state of another shape: one rank's, said on every rank
+                error = f"checkpoint {str(path)!r}: {rng_file.relative_to(path)} is not RNG state ({e!r})"
+        _agree(error)
     extra.setdefault("state_dict", {})
     return extra

@@ -34,7 +34,7 @@ from lightning_megatron import dcp_io
 from lightning_megatron.dcp_io import CheckpointError
 
 __all__ = ["ALLOW_UNVERIFIED_ENV", "FORMAT_VERSION", "MARKER", "READABLE_FORMATS", "TMP_INFIX", "allow_unverified",
-           "checkpoint_identity", "file_sha256", "loadable_bytes", "read_marker", "recover_last",
+           "checkpoint_identity", "file_sha256", "load_plain", "loadable_bytes", "read_marker", "recover_last",
            "validate_checkpoint_dir", "verify_checkpoint"]
 
 FORMAT_VERSION = 2
@@ -158,6 +158,21 @@ def _unverified(path: Path, info: dict[str, Any]) -> str | None:
     if unlisted:
         return f"its {MARKER} has no checksum for {sorted(set(unlisted))}"
     return None
+
+
+def load_plain(file: Path, checkpoint: Path) -> Any:
+    """``torch.load(file, weights_only=True)`` of a checkpoint's file (``extra.pt``, ``rng/rank_<r>.pt``); what it
+    refuses (a pickled global, a damaged file) is a :class:`CheckpointError` naming the file and the refused
+    global, without torch's advice to load it unsafely."""
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - name the file and the cause
+        advice = ("weights_only", "Weights only load failed", "Please file an issue", "Check the documentation")
+        lines = [line.strip() for line in str(e).replace("WeightsUnpickler error:", "\n").splitlines()
+                 if line.strip() and not any(a in line for a in advice)]  # torch's advice to load it unsafely
+        reason = lines[0].split(" was not an allowed global")[0] if lines else type(e).__name__
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r}: {file.relative_to(checkpoint)} cannot be read safely "
+                              f"(weights_only=True; nothing in it ran): {reason}") from None
 
 
 def loadable_bytes(extra: dict[str, Any], final: Path) -> bytes:

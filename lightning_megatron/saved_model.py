@@ -104,11 +104,10 @@ def read_model_checkpoint(path: str | os.PathLike[str]) -> SavedModel:
         raise ckpt.CheckpointError(f"checkpoint {str(path)!r} holds no model tensors (no 'model.*' keys)")
     # no_dist: one process reads the global tensors, whether or not a process group exists.
     dcp_io.load(state, path, single_process=True)
-    try:
-        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - name the file and the cause
-        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
-                                   f"(weights_only=True): {e}") from e
+    extra = ckpt.load_plain(path / "extra.pt", path)
+    if not isinstance(extra, dict) or not isinstance(extra.get("hyper_parameters") or {}, dict):
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt is not what this library writes (a "
+                                   f"{type(extra).__name__}{'' if isinstance(extra, dict) else ', not a dict'})")
     hparams = dict(extra.get("hyper_parameters") or {})
     return SavedModel(state_dict={k.removeprefix("model."): v for k, v in state.items()},
                       hparams=flat_hparams(hparams), module_hparams=hparams,
@@ -152,11 +151,9 @@ def read_saved_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:
     :attr:`SavedModel.hparams`."""
     path = Path(path)
     ckpt.validate_checkpoint_dir(path)
-    try:
-        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - name the file and the cause
-        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt cannot be read safely "
-                                   f"(weights_only=True): {e}") from e
+    extra = ckpt.load_plain(path / "extra.pt", path)
+    if not isinstance(extra, dict) or not isinstance(extra.get("hyper_parameters") or {}, dict):
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r}: extra.pt is not what this library writes")
     return flat_hparams(dict(extra.get("hyper_parameters") or {}))
 
 

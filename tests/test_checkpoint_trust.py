@@ -98,6 +98,18 @@ def _worker(root: str) -> dict:
                                                               ckpt_path=planted, verbose=False))
     out["sentinel"] = sentinel.exists()
 
+    # --- one rank's RNG file holding plain data that is not RNG state (its checksum updated): that rank raised alone
+    # and the other died of a closed connection; both say it now
+    rng_other = root_p / "rng_other"
+    if rank == 0:
+        shutil.copytree(good, rng_other)
+        torch.save({"cpu": "not a state"}, rng_other / "rng" / "rank_1.pt")
+        _rewrite_marker(rng_other, "rng/rank_1.pt")
+    torch.distributed.barrier()
+    trainer, dm = _trainer(2, 6)
+    out["rng_other"] = error_of(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
+                                                    ckpt_path=rng_other))
+
     # --- a same-size byte flip in a shard
     flipped = root_p / "flipped"
     if rank == 0:
@@ -334,6 +346,11 @@ def test_planted_payload_is_refused_and_never_runs(results):
             assert r[key].startswith("CheckpointError") and "planted/.metadata" in r[key], r[key]
             assert "refusing to load global posix.system" in r[key], r[key]
         assert r["sentinel"] is False
+
+
+def test_one_ranks_bad_rng_state_is_said_on_every_rank(results):
+    for r in results:
+        assert "rng/rank_1.pt is not RNG state" in r["rng_other"], r["rng_other"]
 
 
 def test_byte_flip_names_the_file(results):

@@ -414,3 +414,34 @@ def test_json_nested_past_the_parser_is_a_clear_error(good, tmp_path):
 
     with pytest.raises(ValueError, match=r"config.json' cannot be read as JSON"):
         read_hf_config(tmp_path / "hf")
+
+
+def test_a_payload_in_extra_pt_is_refused_without_advice_to_load_it_unsafely(good, tmp_path):
+    """A pickle payload in extra.pt (its checksum updated): refused, nothing run, naming the global; torch's advice
+    ("Re-running torch.load with weights_only set to False will likely succeed") is the wrong one for a hostile file
+    and is not repeated."""
+    import os
+    import pickle
+
+    from lightning_megatron.saved_model import read_model_checkpoint
+
+    sentinel = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {sentinel}",))
+
+    path = tmp_path / "payload"
+    shutil.copytree(good, path)
+    (path / "extra.pt").write_bytes(pickle.dumps(Payload(), protocol=2))  # torch.save's protocol
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    marker["files"]["extra.pt"] = (path / "extra.pt").stat().st_size
+    marker["sha256"]["extra.pt"] = ckpt.file_sha256(path / "extra.pt")
+    (path / ckpt.MARKER).write_text(json.dumps(marker))
+    for read in (lambda: read_model_checkpoint(path), lambda: ckpt.saved_extra(path)):
+        with pytest.raises(ckpt.CheckpointError) as refused:
+            read()
+        message = str(refused.value)
+        assert "extra.pt cannot be read safely (weights_only=True; nothing in it ran)" in message, message
+        assert "system" in message and "weights_only set to False" not in message and "\n" not in message, message
+    assert not sentinel.exists()
