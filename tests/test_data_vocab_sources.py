@@ -70,6 +70,19 @@ def test_dataset_records_its_vocabulary_and_the_datamodule_uses_it(tmp_path):
     check_dataset_vocab(tmp_path / "data", tok, tok.vocab_size)
     ids = {int(i) for doc in IndexedDataset(tmp_path / "data") for i in doc}
     assert tok.tokenize("Paris")[0] in ids and tok.tokenize("Paris") != tok.tokenize("paris")
+    # A hand-edited record whose values are of other types ("append_eod": "no" read as true passed the check that
+    # GPT documents end with EOD): refused, naming each field.
+    import json
+
+    from lightning_megatron.data.dataset_vocab import vocab_sidecar_path
+
+    sidecar = vocab_sidecar_path(tmp_path / "data")
+    good = sidecar.read_text()
+    sidecar.write_text(json.dumps({**json.loads(good), "append_eod": "no", "eod": 10**30 * 1.0, "vocab_size": [1]}))
+    with pytest.raises(ValueError, match=r"vocab_size=\[1\] is not int; .*eod=1e\+30 is not int or NoneType; "
+                                         r"append_eod='no' is not bool"):
+        read_dataset_vocab(tmp_path / "data")
+    sidecar.write_text(good)
     # The recorded vocabulary gone: an error that names it and the setting to give.
     vocab.rename(tmp_path / "elsewhere.txt")
     with pytest.raises(FileNotFoundError, match=r"was tokenized with .*vocab.txt.*pass that vocabulary as "

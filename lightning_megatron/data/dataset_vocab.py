@@ -175,6 +175,24 @@ def _max_token_id(dataset) -> int:
     return largest
 
 
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "vocab_size": (int,), "vocab_sha256": (str,), "max_token_id": (int,), "num_tokens": (int,),
+    "num_documents": (int,), "vocab_file": (str, type(None)), "lowercase": (bool, type(None)),
+    "tokenizer_type": (str, type(None)), "eod": (int, type(None)), "append_eod": (bool, type(None))}
+"""The JSON types of a :class:`DatasetVocab`'s fields (an integer field takes no bool)."""
+
+
+def _record_type_problems(record: DatasetVocab) -> list[str]:
+    out = []
+    for name, types in _RECORD_TYPES.items():
+        value = getattr(record, name)
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            out.append(f"{name}={value!r} is not {' or '.join(t.__name__ for t in types)}")
+    if record.tokenizer_type not in (None, "wordpiece", "bpe"):
+        out.append(f"tokenizer_type={record.tokenizer_type!r} is not 'wordpiece' or 'bpe'")
+    return out
+
+
 def read_dataset_vocab(prefix: str | os.PathLike[str]) -> DatasetVocab | None:
     """The record of ``<prefix>.vocab.json``, or ``None`` when the file does not exist."""
     path = vocab_sidecar_path(prefix)
@@ -183,9 +201,13 @@ def read_dataset_vocab(prefix: str | os.PathLike[str]) -> DatasetVocab | None:
     try:
         raw = json.loads(path.read_text())
         optional = ("vocab_file", "lowercase", "tokenizer_type", "eod", "append_eod")  # absent in older records
-        return DatasetVocab(**{k: raw[k] if k not in optional else raw.get(k)
-                               for k in DatasetVocab.__dataclass_fields__})
-    except (ValueError, KeyError, TypeError) as error:
+        record = DatasetVocab(**{k: raw[k] if k not in optional else raw.get(k)
+                                 for k in DatasetVocab.__dataclass_fields__})
+        wrong = _record_type_problems(record)  # a hand-edited record ("append_eod": "no" passed as true)
+        if wrong:
+            raise TypeError("; ".join(wrong))
+        return record
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise ValueError(f"{str(path)!r} is not a valid dataset vocabulary record ({error}); rewrite it with "
                          f"lightning_megatron.data.write_dataset_vocab(prefix, tokenizer)") from None
 
