@@ -48,6 +48,12 @@ def lightning_cli(args: list[str] | None, model_class: type | None = None, datam
 def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | None, datamodule_class: type | None,
                   *, link_num_classes: bool, **kwargs) -> Any:
     """:func:`lightning_cli` once the recipes are resolved: build (and run) the LightningCLI."""
+    from lightning_megatron.recipes import RecipeError, refuse_unknown_config_fields
+
+    try:  # imports the model's class: here, once the other ranks import too (lightning_megatron.launch)
+        refuse_unknown_config_fields(given)
+    except RecipeError as e:
+        raise SystemExit(f"lightning-megatron: {e}") from None
     from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
     from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
     from torch.optim import Optimizer
@@ -427,13 +433,12 @@ def resolve_recipes(argv: list[str]) -> list[str]:
     """``--config RECIPE`` with its ``base:`` recipes merged in (lightning_megatron.recipes); a class path
     that has moved (``lightning_megatron.data.gpt_datamodule.GPTDataModule``), in a recipe or on the
     command line, is refused here, before anything is built, naming the new one."""
-    from lightning_megatron.recipes import (RecipeError, refuse_moved_class_paths, refuse_unknown_config_fields,
-                                            refuse_unreadable_recipes, resolve_config_arguments)
+    from lightning_megatron.recipes import (RecipeError, refuse_moved_class_paths, refuse_unreadable_recipes,
+                                            resolve_config_arguments)
 
     try:
         refuse_unreadable_recipes(argv)
         refuse_moved_class_paths(argv)
-        refuse_unknown_config_fields(argv)
         return resolve_config_arguments(argv)
     except RecipeError as e:
         raise SystemExit(f"lightning-megatron: {e}") from None
