@@ -70,6 +70,10 @@ def _preprocess(argv: list[str]) -> None:
                              "it), vocab.txt, or a folder holding one; BPE: one item per document (GPT data)")
     parser.add_argument("--append-eod", action="store_true",
                         help="end every document with the BPE tokenizer's end-of-document token (Megatron's flag)")
+    parser.add_argument("--add-special-tokens", action="store_true",
+                        help="BPE: encode as transformers' tokenizer(text) does, with the special tokens the "
+                             "tokenizer.json's post-processor adds (Llama's BOS; megatron-core's "
+                             "--tokenizer-hf-include-special-tokens)")
     parser.add_argument("--json-key", default="text", help="JSON field / dataset column holding the text")
     parser.add_argument("--max-seq-length", type=int, default=512,
                         help="WordPiece sentences longer than this minus 3 are split (BPE documents never are)")
@@ -83,7 +87,7 @@ def _preprocess(argv: list[str]) -> None:
     try:
         stats = preprocess_corpus(a.input, a.output_prefix, a.tokenizer or a.vocab_file, json_key=a.json_key,
                                   max_seq_length=a.max_seq_length, workers=a.workers, append_eod=a.append_eod,
-                                  progress=not a.no_progress)
+                                  add_special_tokens=a.add_special_tokens, progress=not a.no_progress)
     except (ValueError, OSError, ImportError) as error:
         parser.exit(2, f"lightning-megatron preprocess: error: {error}\n")
     for k, v in stats.as_dict().items():

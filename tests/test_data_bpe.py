@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -199,3 +200,65 @@ def test_a_folder_whose_end_of_text_is_its_eos_token_makes_gpt_data(tmp_path):
                         needs_eod=True)
     assert BPETokenizer(folder, eod_token="<s>").eod == 1  # an explicit choice wins
     assert BPETokenizer().eod_token == EOD_TOKEN  # the packaged BPE: unchanged
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_where_transformers_and_megatron_do(tmp_path):
+    """A Llama-style ``tokenizer.json`` whose post-processor starts every text with ``<s>``: ``tokenize`` leaves it
+    out by default (megatron-core's Hugging Face tokenizer without ``--tokenizer-hf-include-special-tokens``), and
+    ``preprocess --add-special-tokens`` gives the ids of ``tokenizer(text)`` in transformers (what Megatron-LM's
+    ``tokenize`` gave): every document starts with BOS, ends with EOD, the record says so, and the datamodule's
+    tokenizer read from the record tokenizes prompts the same way. A tokenizer that adds nothing, WordPiece, or a
+    template that already ends with EOD beside --append-eod are refused by name."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    from lightning_megatron.cli import main
+    from lightning_megatron.data.dataset_vocab import dataset_tokenizer
+    from lightning_megatron.data.predict import PromptDataset
+
+    def folder(name: str, single: str) -> Path:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.train_from_iterator(_texts(50), trainer=trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                                        special_tokens=["<unk>", "<s>", "</s>"]))
+        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", 1), ("</s>", 2)])
+        (tmp_path / name).mkdir()
+        tok.save(str(tmp_path / name / "tokenizer.json"))
+        (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+        return tmp_path / name
+
+    llama = folder("llama_like", "<s> $A")
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(llama / "tokenizer.json"))
+    texts = [t for t in _texts(5) if t.strip()]
+    assert [BPETokenizer(llama).tokenize(t) for t in texts] == [theirs(t, add_special_tokens=False)["input_ids"]
+                                                                for t in texts]
+    with_bos = BPETokenizer(llama, add_special_tokens=True)
+    assert [with_bos.tokenize(t) for t in texts] == [theirs(t)["input_ids"] for t in texts]
+    assert with_bos.tokenize_batch(texts) == [theirs(t)["input_ids"] for t in texts]
+    assert all(ids[0] == 1 for ids in with_bos.tokenize_batch(texts))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    main(["preprocess", "--input", str(tmp_path / "docs.jsonl"), "--output-prefix", str(tmp_path / "data"),
+          "--tokenizer", str(llama), "--add-special-tokens", "--append-eod", "--no-progress"])
+    ds = IndexedDataset(str(tmp_path / "data"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [theirs(t)["input_ids"] + [2] for t in texts]
+    assert read_dataset_vocab(str(tmp_path / "data")).add_special_tokens is True
+    recorded = dataset_tokenizer(None, str(tmp_path / "data"), default="bpe")
+    assert recorded.add_special_tokens is True
+    assert dataset_tokenizer(str(llama), str(tmp_path / "data"), default="bpe").add_special_tokens is True
+    (tmp_path / "prompts.txt").write_text(texts[0].splitlines()[0] + "\n")
+    assert PromptDataset(tmp_path / "prompts.txt", recorded).ids[0][0] == 1  # the prompts as the data was made
+    preprocess_corpus([tmp_path / "docs.jsonl"], tmp_path / "plain", BPETokenizer(llama), append_eod=True)
+    assert read_dataset_vocab(str(tmp_path / "plain")).add_special_tokens is False
+    assert dataset_tokenizer(None, str(tmp_path / "plain"), default="bpe").add_special_tokens is False
+    with pytest.raises(ValueError, match=r"adds no special tokens.*drop --add-special-tokens"):
+        BPETokenizer(add_special_tokens=True)  # the packaged BPE (GPT-2's scheme): no BOS to add
+    with pytest.raises(ValueError, match=r"add_special_tokens.*WordPiece"):
+        preprocess_corpus([tmp_path / "docs.jsonl"], tmp_path / "bert", BertTokenizer(), add_special_tokens=True)
+    ends = folder("ends_with_eos", "<s> $A </s>")
+    with pytest.raises(ValueError, match=r"already ends every text with '</s>'.*drop --append-eod"):
+        preprocess_corpus([tmp_path / "docs.jsonl"], tmp_path / "twice", str(ends), append_eod=True,
+                          add_special_tokens=True)
+    preprocess_corpus([tmp_path / "docs.jsonl"], tmp_path / "once", str(ends), add_special_tokens=True)
+    assert IndexedDataset(str(tmp_path / "once"))[0].tolist() == [1] + theirs(texts[0], add_special_tokens=False)[
+        "input_ids"] + [2]
+    assert read_dataset_vocab(str(tmp_path / "once")).append_eod is True  # its documents end with EOD: GPT data

@@ -60,8 +60,12 @@ class BPETokenizer:
             the fix otherwise). None: ``<|endoftext|>`` where the vocabulary has it, else the ``eos_token`` of a
             ``tokenizer_config.json`` beside it (Megatron-LM's Hugging Face tokenizer takes ``eos_token_id`` as
             its end of document: Llama 3's ``<|end_of_text|>``, Llama 2's and Mistral's ``</s>``).
+        add_special_tokens: encode as ``tokenizer(text)`` does in transformers, with the special tokens the
+            ``tokenizer.json``'s post-processor adds (Llama's BOS; megatron-core's
+            ``--tokenizer-hf-include-special-tokens``, what Megatron-LM's older ``tokenize`` did). A tokenizer that
+            adds none is refused (GPT-2's scheme has no BOS).
 
-    Text is encoded without special tokens added (Megatron's ``tokenize``); a literal
+    Text is encoded without special tokens added by default (megatron-core's Hugging Face tokenizer); a literal
     ``<|endoftext|>`` inside the text becomes the EOD id, as with ``GPT2TokenizerFast``.
     """
 
@@ -69,7 +73,8 @@ class BPETokenizer:
     lowercase = False  # byte-level BPE never normalises the text (recorded in the dataset's sidecar)
 
     def __init__(self, vocab_file: str | os.PathLike[str] | None = None,
-                 merges_file: str | os.PathLike[str] | None = None, *, eod_token: str | None = None) -> None:
+                 merges_file: str | os.PathLike[str] | None = None, *, eod_token: str | None = None,
+                 add_special_tokens: bool = False) -> None:
         path = Path(vocab_file) if vocab_file is not None else packaged_bpe_tokenizer_file()
         self.vocab_file, self.merges_file = _bpe_files(path, Path(merges_file) if merges_file is not None else None)
         self._tokenizer = _load_bpe(self.vocab_file, self.merges_file)
@@ -94,6 +99,17 @@ class BPETokenizer:
                              f"([{eod_token!r}]) and save), name the vocabulary's own as eos_token in a "
                              f"tokenizer_config.json beside it (as Hugging Face folders do), or pass eod_token=")
         self.eod_id = vocab[eod_token]
+        self.add_special_tokens = bool(add_special_tokens)
+        if self.add_special_tokens and not self.added_tokens()[0] and not self.added_tokens()[1]:
+            raise ValueError(f"{str(self.vocab_file)!r} adds no special tokens to a text (its post-processor adds "
+                             f"none: GPT-2's scheme has no BOS): drop --add-special-tokens (add_special_tokens=True)")
+
+    def added_tokens(self) -> tuple[list[int], list[int]]:
+        """(ids the post-processor puts before a text, ids it puts after): what ``add_special_tokens`` adds."""
+        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
+        full = self._tokenizer.encode("a", add_special_tokens=True).ids
+        start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+        return full[:start], full[start + len(plain):]
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -101,7 +117,7 @@ class BPETokenizer:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"add_special_tokens": False, **state})
         self._tokenizer = _load_bpe(self.vocab_file, self.merges_file)
 
     @property
@@ -115,12 +131,12 @@ class BPETokenizer:
         return self.eod_id
 
     def tokenize(self, text: str) -> list[int]:
-        """Ids of ``text`` (no special tokens added)."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        """Ids of ``text`` (special tokens added only with ``add_special_tokens``)."""
+        return self._tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`tokenize` of many texts at once (the library parallelises this)."""
-        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=self.add_special_tokens)]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special tokens kept): byte-level BPE gives back the exact text."""

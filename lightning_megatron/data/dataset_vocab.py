@@ -92,6 +92,9 @@ class DatasetVocab:
     append_eod: bool | None = None
     """Whether every document ends with the end-of-document id (``preprocess --append-eod``, Megatron's flag;
     ``preprocess`` records False for WordPiece data, which it never ends so); None: not known."""
+    add_special_tokens: bool | None = None
+    """Whether each document was encoded with the special tokens the BPE tokenizer's post-processor adds (``preprocess
+    --add-special-tokens``: Llama's BOS); the datamodule's tokenizer encodes prompts the same way."""
 
 
 def vocab_sidecar_path(prefix: str | os.PathLike[str]) -> Path:
@@ -158,7 +161,7 @@ def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokeni
                           num_documents=dataset.num_documents, vocab_file=str(Path(tokenizer.vocab_file).resolve()),
                           lowercase=tokenizer.lowercase, tokenizer_type=tokenizer.tokenizer_type,
                           eod=tokenizer.eod if isinstance(tokenizer, BPETokenizer) else None,
-                          append_eod=append_eod)
+                          append_eod=append_eod, add_special_tokens=bool(getattr(tokenizer, "add_special_tokens", False)))
     path = vocab_sidecar_path(prefix)
     tmp = path.with_name(f"{path.name}.tmp-{unique_tag()}")
     tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
@@ -178,7 +181,8 @@ def _max_token_id(dataset) -> int:
 _RECORD_TYPES: dict[str, tuple[type, ...]] = {
     "vocab_size": (int,), "vocab_sha256": (str,), "max_token_id": (int,), "num_tokens": (int,),
     "num_documents": (int,), "vocab_file": (str, type(None)), "lowercase": (bool, type(None)),
-    "tokenizer_type": (str, type(None)), "eod": (int, type(None)), "append_eod": (bool, type(None))}
+    "tokenizer_type": (str, type(None)), "eod": (int, type(None)), "append_eod": (bool, type(None)),
+    "add_special_tokens": (bool, type(None))}
 """The JSON types of a :class:`DatasetVocab`'s fields (an integer field takes no bool)."""
 
 
@@ -200,7 +204,8 @@ def read_dataset_vocab(prefix: str | os.PathLike[str]) -> DatasetVocab | None:
         return None
     try:
         raw = json.loads(path.read_text())
-        optional = ("vocab_file", "lowercase", "tokenizer_type", "eod", "append_eod")  # absent in older records
+        optional = ("vocab_file", "lowercase", "tokenizer_type", "eod", "append_eod",  # absent in older records
+                    "add_special_tokens")
         record = DatasetVocab(**{k: raw[k] if k not in optional else raw.get(k)
                                  for k in DatasetVocab.__dataclass_fields__})
         wrong = _record_type_problems(record)  # a hand-edited record ("append_eod": "no" passed as true)
@@ -274,6 +279,11 @@ def dataset_tokenizer(vocab_file: str | os.PathLike[str] | None, prefix: str | o
     tokenizer = load_tokenizer(vocab_file)
     if isinstance(tokenizer, BertTokenizer) and lowercase is not None:
         tokenizer = BertTokenizer(vocab_file, lowercase=lowercase)
+    record = read_dataset_vocab(prefix) if prefix is not None else None
+    if isinstance(tokenizer, BPETokenizer) and record is not None and record.add_special_tokens:
+        # prompts encoded as the documents were (Llama's BOS first)
+        tokenizer = BPETokenizer(tokenizer.vocab_file, tokenizer.merges_file, eod_token=tokenizer.eod_token,
+                                 add_special_tokens=True)
     return tokenizer
 
 

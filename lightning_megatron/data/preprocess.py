@@ -188,7 +188,8 @@ class _Progress:
 def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.PathLike[str],
                       tokenizer: Tokenizer | str | os.PathLike[str] | None = None, *,
                       json_key: str = "text", max_seq_length: int = 512, workers: int = 1,
-                      append_eod: bool = False, progress: bool = False) -> PreprocessStats:
+                      append_eod: bool = False, add_special_tokens: bool = False,
+                      progress: bool = False) -> PreprocessStats:
     """Tokenize documents and write ``<output_prefix>.bin`` / ``.idx`` / ``.vocab.json``.
 
     Args:
@@ -205,6 +206,9 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
             that size, so every piece fits a sample (BPE documents are never cut: the GPT dataset
             spans documents); longer documents are counted.
         append_eod: end every document with the BPE tokenizer's end-of-document id.
+        add_special_tokens: encode each document as ``tokenizer(text)`` does in transformers, with the special
+            tokens the BPE ``tokenizer.json``'s post-processor adds (Llama's BOS: megatron-core's
+            ``--tokenizer-hf-include-special-tokens``); recorded, so the datamodule tokenizes prompts the same way.
         workers: processes tokenizing in parallel (1: in this process).
         progress: show MB read and MB/s on stderr.
 
@@ -217,6 +221,18 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
     if not isinstance(tokenizer, (BertTokenizer, BPETokenizer)):
         tokenizer = load_tokenizer(tokenizer)
     bpe = isinstance(tokenizer, BPETokenizer)
+    if add_special_tokens and not bpe:
+        raise ValueError(f"add_special_tokens=True adds a BPE tokenizer's own special tokens (Llama's BOS), but "
+                         f"{str(tokenizer.vocab_file)!r} is a WordPiece (BERT) vocabulary, whose [CLS] and [SEP] the "
+                         f"BERT samples add; drop --add-special-tokens")
+    if add_special_tokens and not tokenizer.add_special_tokens:
+        tokenizer = BPETokenizer(tokenizer.vocab_file, tokenizer.merges_file, eod_token=tokenizer.eod_token,
+                                 add_special_tokens=True)
+    ends_with_eod = bpe and tokenizer.add_special_tokens and tokenizer.added_tokens()[1][-1:] == [tokenizer.eod]
+    if append_eod and ends_with_eod:
+        raise ValueError(f"the post-processor of {str(tokenizer.vocab_file)!r} already ends every text with "
+                         f"{tokenizer.eod_token!r}, the end-of-document token: drop --append-eod (append_eod), or "
+                         f"every document would end with it twice")
     if max_seq_length < 8 and not bpe:  # BPE documents are never cut
         raise ValueError(f"max_seq_length={max_seq_length} is too short for BERT samples; use at least 8")
     if append_eod and not bpe:
@@ -257,7 +273,8 @@ def preprocess_corpus(inputs: Sequence[Any] | None, output_prefix: str | os.Path
         progress_bar.close()
     # The record is replaced once the new pair is in place (a failed run leaves the old data and its record);
     # a record of the old data beside the new one, were this process stopped in between, is refused by its counts.
-    write_dataset_vocab(output_prefix, tokenizer, max_token_id=stats.max_token_id, append_eod=append_eod)
+    write_dataset_vocab(output_prefix, tokenizer, max_token_id=stats.max_token_id,
+                        append_eod=append_eod or ends_with_eod)
     stats.seconds = time.perf_counter() - start
     return stats
 
