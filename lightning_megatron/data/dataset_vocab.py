@@ -161,7 +161,8 @@ def write_dataset_vocab(prefix: str | os.PathLike[str], tokenizer: DatasetTokeni
                           num_documents=dataset.num_documents, vocab_file=str(Path(tokenizer.vocab_file).resolve()),
                           lowercase=tokenizer.lowercase, tokenizer_type=tokenizer.tokenizer_type,
                           eod=tokenizer.eod if isinstance(tokenizer, BPETokenizer) else None,
-                          append_eod=append_eod, add_special_tokens=bool(getattr(tokenizer, "add_special_tokens", False)))
+                          append_eod=append_eod,
+                          add_special_tokens=bool(getattr(tokenizer, "add_special_tokens", False)))
     path = vocab_sidecar_path(prefix)
     tmp = path.with_name(f"{path.name}.tmp-{unique_tag()}")
     tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
