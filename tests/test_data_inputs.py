@@ -319,3 +319,27 @@ def test_non_utf8_vocab_file_is_named(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"vocab_file '{vocab}' is not UTF-8" in err and "Traceback" not in err
+
+
+def test_line_readers_split_lines_at_line_ends_only(tmp_path):
+    """A prompt, chat or labelled file is one record per line. ``str.splitlines`` also breaks at form feed, NEL
+    (``\\x85``) and U+2028 / U+2029, which a line of text (and JSON written with ``ensure_ascii=False``) may hold:
+    a 4-line prompt file gave 7 prompts numbered 1-7, and a valid JSON line was refused. ``\\n``, ``\\r\\n`` and
+    ``\\r`` end a line, as a file read in text mode ends them."""
+    from lightning_megatron.data.chat import read_chat_records
+    from lightning_megatron.data.labelled_text import read_predict_file, read_records
+    from lightning_megatron.data.predict import read_text_lines
+
+    odd = ["The function\fA list", "The value\u2028is None", "Return\x85a new", "Last\u2029line\x1c."]
+    (tmp_path / "p.txt").write_text("\r\n".join(odd[:2]) + "\n\n" + "\r".join(odd[2:]) + "\n", encoding="utf-8",
+                                    newline="")
+    assert read_text_lines(tmp_path / "p.txt") == (odd, [1, 2, 4, 5])
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in odd),
+                                      encoding="utf-8")
+    assert read_text_lines(tmp_path / "p.jsonl") == (odd, [1, 2, 3, 4])
+    assert [r["text"] for r in read_records(tmp_path / "p.jsonl")] == odd
+    assert [row[0] for row in read_predict_file(tmp_path / "p.txt", text_key="text", text_pair_key=None)] == odd
+    (tmp_path / "chat.jsonl").write_text(
+        "".join(json.dumps({"prompt": t, "completion": "ok\u2028done"}, ensure_ascii=False) + "\n" for t in odd),
+        encoding="utf-8")
+    assert [r.prompt for r in read_chat_records(tmp_path / "chat.jsonl", "chat file")] == odd

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_megatron.data.corpus import read_utf8_text
+from lightning_megatron.data.corpus import read_utf8_text, text_lines
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "SAMPLE_CHATS", "ChatRecord", "ChatTemplate", "ChatTokenizer", "Example",
            "encode_chat", "encode_prompt", "packaged_sample_file", "read_chat_records", "tokens_in_spans"]
@@ -119,7 +119,7 @@ def read_chat_records(path: str | os.PathLike[str], where: str, *, prompts: bool
     if not path.is_file():
         raise FileNotFoundError(f"{where} does not exist (relative paths start at {os.getcwd()!r})")
     records = []
-    for line_no, line in enumerate(read_utf8_text(path, where).splitlines(), 1):
+    for line_no, line in enumerate(text_lines(read_utf8_text(path, where)), 1):
         if not line.strip():
             continue
         at = f"{where} line {line_no}"

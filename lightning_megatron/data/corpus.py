@@ -252,6 +252,13 @@ def read_utf8_text(path: str | os.PathLike[str], where: str | None = None) -> st
                          f"UTF-8)") from None
 
 
+def text_lines(text: str) -> list[str]:
+    """The lines of ``text`` as a file read in text mode ends them: at ``\n``, ``\r\n`` and ``\r`` only
+    (``str.splitlines`` also breaks at form feed, NEL and U+2028 / U+2029, which a line of text, or a JSON line
+    written with ``ensure_ascii=False``, may hold)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
 def _decoded_lines(path: Path, stats: CorpusStats) -> Iterator[str]:
     """Lines of a file (gzip-compressed when it ends in ``.gz``) as text; invalid UTF-8 is replaced
     and counted, an empty file counted; a leading byte order mark left out (:func:`read_utf8_text`)."""

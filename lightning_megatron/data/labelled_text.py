@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lightning_megatron.data.corpus import read_utf8_text
+from lightning_megatron.data.corpus import read_utf8_text, text_lines
 
 __all__ = ["EncodedRows", "MissingColumnError", "Row", "encode_rows", "file_where", "labelled_files_problems",
            "predict_input_problems", "predict_split", "read_labelled_rows", "read_predict_file", "read_records"]
@@ -148,7 +148,7 @@ def read_records(path: Path, where: str | None = None) -> list[dict[str, Any]]:
         return list(csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",",
                                    quoting=csv.QUOTE_MINIMAL))
     records = []
-    for line_no, line in enumerate(text.splitlines(), 1):
+    for line_no, line in enumerate(text_lines(text), 1):
         if not line.strip():
             continue
         try:
@@ -241,7 +241,7 @@ def read_predict_file(path: str | os.PathLike[str], *, text_key: str, text_pair_
         raise ValueError(f"{where}: a .txt file holds one text per line, and this data has text pairs "
                          f"(data.text_pair_key={text_pair_key!r}): give a .jsonl or .csv file with the columns "
                          f"{text_key!r} and {text_pair_key!r}")
-    texts = [line for line in read_utf8_text(path, where).splitlines() if line.strip()]
+    texts = [line for line in text_lines(read_utf8_text(path, where)) if line.strip()]
     if not texts:
         raise ValueError(f"{where} holds no text (one text per line)")
     return [(text, None, None) for text in texts]

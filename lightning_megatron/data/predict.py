@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from lightning_megatron.data.corpus import read_utf8_text
+from lightning_megatron.data.corpus import read_utf8_text, text_lines
 from lightning_megatron.data.tokenizer import BertTokenizer
 
 __all__ = ["TextPredictionDataset", "PromptDataset", "IndexedSamples", "PredictBatchSampler",
@@ -78,7 +78,7 @@ def read_text_lines(path: str | os.PathLike[str], json_key: str = "text") -> tup
     if not path.is_file():
         raise FileNotFoundError(f"predict_file {str(path)!r} does not exist")
     numbered = [(number, line) for number, line in
-                enumerate(read_utf8_text(path, f"predict_file {str(path)!r}").splitlines(), 1) if line.strip()]
+                enumerate(text_lines(read_utf8_text(path, f"predict_file {str(path)!r}")), 1) if line.strip()]
     if path.suffix == ".jsonl":
         texts = []
         for number, line in numbered:
