@@ -45,11 +45,14 @@ def _config(model=None, data=None, strategy=None, trainer=None, sched=None, has_
             lr: float = 1e-3) -> Callable[[], Any]:
     """``model``: the model's config fields that differ from GOOD_CONFIG."""
     from lightning_megatron.config_checks import validate_config
+    from lightning_megatron.models.bert.module import BertLightningModule
 
+    # the model's class is the CLI's: its records' rules (heads, FFN against TP) are the module's
     return lambda: validate_config({"config": {**GOOD_CONFIG, **(model or {})}, "lr": lr},
                                    {**GOOD_DATA, **(data or {})},
                                    {**GOOD_STRATEGY, **(strategy or {})}, {**GOOD_TRAINER, **(trainer or {})},
-                                   {**GOOD_SCHED, **(sched or {})}, has_optimizer_callback=has_cb)
+                                   {**GOOD_SCHED, **(sched or {})}, has_optimizer_callback=has_cb,
+                                   model_class=BertLightningModule)
 
 
 def _config_cases() -> list[tuple[str, str, Callable[[], Any], str]]:

@@ -55,7 +55,10 @@ class MegatronGradScaler(ABC):
 
 
 class ConstantGradScaler(MegatronGradScaler):
-    """A fixed loss scale (``--loss-scale`` in Megatron); overflowing steps are still skipped."""
+    """A fixed loss scale (``--loss-scale`` in Megatron). The wrapper skips an overflowing step (as megatron-core's
+    ``MixedPrecisionOptimizer`` does), but the strategy's guard, ``check_for_nan_in_loss_and_grad`` (on by default),
+    stops the run at a non-finite gradient first: only the dynamic scaler's overflows are skipped then
+    (docs/optimizer.md, "Loss scaling")."""
 
     def __init__(self, initial_scale: float) -> None:
         super().__init__(initial_scale)
