@@ -5,6 +5,7 @@ vocabularies, sidecars and text files, never the token data."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["checkpoint_data_problems", "checkpoint_extra", "data_arguments", "data_files_problems", "int_or_none",
@@ -212,14 +213,15 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
     found: list[str] = []
     if data_prefix is None and not vocab_missing and running:
         problems += _built_in_corpus_problems(vocab_file, m, data_class)
+    blends: list[Any] = []
     if data_prefix is not None:  # None: the built-in corpus, preprocessed with the right vocabulary at set-up
-        from lightning_megatron.data.blended import parse_data_prefix
+        from lightning_megatron.data.blended import split_blends
 
         try:
-            prefixes = ([os.fspath(data_prefix)] if isinstance(data_prefix, (str, os.PathLike))
-                        else parse_data_prefix(list(data_prefix))[1])
+            blends = split_blends(data_prefix)  # a prefix or blend for every split, or one of them per split
         except (TypeError, ValueError) as error:
             return [*problems, _data(error)]
+        prefixes = list(dict.fromkeys(p for blend in blends if blend is not None for p in blend[1]))  # train's first
         for prefix in prefixes:
             missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(f"{prefix}{ext}")]
             if not missing:
@@ -262,8 +264,19 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
     sample_tokens = _sample_tokens(data_class, arguments)
     problems += [p for p in (_too_short_problem(prefix, sample_tokens) for prefix in found) if p]
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
-        problems += [p for p in [_empty_split_problem(found, str(arguments.get("splits", "949,50,1")), split,
-                                                      predicting, sample_tokens)] if p]
+        if isinstance(data_prefix, Mapping):  # each split's data whole: the split the command reads must be named
+            i = ("train", "valid", "test").index(split)
+            mine = [p for p in (blends[i][1] if blends[i] is not None else []) if p in found]
+            command = "predict" if predicting else {"valid": "validate", "test": "test"}[split]
+            problem = (_empty_split_problem(mine, ",".join("1" if j == i else "0" for j in range(3)), split,
+                                            predicting, sample_tokens, what=f"data data_prefix.{split}") if mine else
+                       f"data data_prefix names no {split} dataset ({', '.join(data_prefix)}): `{command}` would have "
+                       f"nothing to read; add data_prefix.{split}" + (" or pass --data.predict_file" if predicting
+                                                                      else ""))
+            problems += [problem] if problem else []
+        else:
+            problems += [p for p in [_empty_split_problem(found, str(arguments.get("splits", "949,50,1")), split,
+                                                          predicting, sample_tokens)] if p]
     if predicting and d.get("predict_file") is not None:
         from lightning_megatron.data.predict import PromptDataset
 
@@ -339,10 +352,11 @@ def _sample_tokens(data_class: type | None, arguments: dict[str, Any]) -> int | 
 
 
 def _empty_split_problem(prefixes: list[str], splits: str, split: str, predicting: bool,
-                         sample_tokens: int | None = None) -> str | None:
+                         sample_tokens: int | None = None, what: str | None = None) -> str | None:
     """The ``split`` a command reads whole holding no document of any dataset of ``prefixes`` (Megatron's split of
     each by ``splits``, as the datamodule cuts it): the command would read nothing (a split of weight 0 too).
-    ``sample_tokens``: where samples join documents (GPT), a split of fewer tokens than one sample holds none."""
+    ``sample_tokens``: where samples join documents (GPT), a split of fewer tokens than one sample holds none.
+    ``what``: how the message names the cut (default ``data splits=...``)."""
     from lightning_megatron.data.bert_dataset import get_train_valid_test_split_
     from lightning_megatron.data.gpt_dataset import document_lengths
     from lightning_megatron.data.indexed_dataset import IndexedDataset
@@ -358,7 +372,8 @@ def _empty_split_problem(prefixes: list[str], splits: str, split: str, predictin
     fix = (f"`{command}` would have nothing to read; give it more documents or a larger weight"
            + (", or pass --data.predict_file" if predicting else ""))
     if not any(b[i + 1] > b[i] for b in bounds):
-        return (f"data splits={splits!r} gives the {split} split none of the {n} document{'s' if n != 1 else ''} "
+        return (f"{what or f'data splits={splits!r}'} gives the {split} split none of the {n} "
+                f"document{'s' if n != 1 else ''} "
                 f"of {', '.join(prefixes)}: {fix}")
     if sample_tokens is None:
         return None
@@ -366,7 +381,8 @@ def _empty_split_problem(prefixes: list[str], splits: str, split: str, predictin
     if max(tokens) >= sample_tokens:
         return None
     docs = sum(b[i + 1] - b[i] for b in bounds)
-    return (f"data splits={splits!r} gives the {split} split {docs} of the {n} documents of {', '.join(prefixes)}, "
+    return (f"{what or f'data splits={splits!r}'} gives the {split} split {docs} of the {n} documents of "
+            f"{', '.join(prefixes)}, "
             f"holding {sum(tokens)} tokens: fewer than one sample's seq_length + 1 = {sample_tokens}; {fix}")
 
 

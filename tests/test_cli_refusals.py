@@ -175,6 +175,17 @@ CASES = {
     "validate_split_weight_zero": (
         ["validate", "--config", GPT, "--data.data_prefix", "{gpt}", "--data.splits", "100,0,0"], None,
         ["data splits='100,0,0' gives the valid split none of the 40 documents"], []),
+    "per_split_data_prefix_path_missing": (  # a dataset per split (YAML's mapping on the command line): each found
+        [*FIT, "--data.data_prefix", "{{train: {gpt}, valid: {nope}}}", "--trainer.strategy.init_args.timeout", "0"],
+        None, ["2 configuration problem(s)", "data data_prefix='{nope}': '{nope}.bin' and '{nope}.idx' not found"],
+        []),
+    "validate_per_split_without_valid": (
+        ["validate", "--config", GPT, "--data.data_prefix", "{{train: {gpt}}}"], None,
+        ["data data_prefix names no valid dataset (train): `validate` would have nothing to read; add "
+         "data_prefix.valid"], []),
+    "per_split_data_prefix_with_splits": (
+        [*FIT, "--data.data_prefix", "{{train: {gpt}, validation: {gpt}}}", "--data.splits", "90,5,5"], None,
+        ["data_prefix: 'validation' is not a split: use train, valid and test (valid is the validation split)"], []),
     "predict_split_without_documents": (  # predicting the test split: its own refusal names predict_file
         ["predict", "--config", GPT, "--data.data_prefix", "{gpt}"], None,
         ["gives the test split none of the 40 documents of {gpt}: `predict` would have nothing to read; give it "

@@ -160,3 +160,62 @@ def test_a_resume_that_reorders_the_samples_says_so(tmp_path):
     with pytest.warns(UserWarning, match=r"the training samples are in another order than the checkpoint's run read "
                                          r"them \(1 epoch -> 3 epochs of the data\)"):
         longer.train_dataloader()
+
+
+def test_a_dataset_per_split_is_read_whole_by_its_split(tmp_path):
+    """``data_prefix: {train: ..., valid: ..., test: ...}`` (Megatron-LM's --train-data-path / --valid-data-path /
+    --test-data-path; NeMo's per-split data_prefix): each split reads its own path or blend whole, and no other's. The
+    texts tell which dataset a sample came from: every training sample decodes to the training corpora's words only,
+    every validation sample to the held-out text's. A split without an entry has no dataset (`validate` says so);
+    misspelled keys, a missing train entry and `splits` beside a per-split prefix are refused by name, as is a path
+    the pre-launch check cannot find; the tokenizer is the train data's."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_megatron.data_checks import data_files_problems
+    from lightning_megatron.datamodules.pretraining import NoEvaluationData
+
+    alpha, beta = _prefix(tmp_path, "alpha", 60), _prefix(tmp_path, "beta", 40)
+    held, final = _prefix(tmp_path, "held", 12), _prefix(tmp_path, "final", 10)
+    dm = _datamodule({"train": [0.3, alpha, 0.7, beta], "valid": held, "test": final}, train_samples=100)
+    assert isinstance(dm.train_dataset, BlendedDataset) and len(dm.train_dataset) == 100
+    assert [list(d.documents) for d in dm.train_dataset.datasets] == [list(range(60)), list(range(40))]
+
+    def words(dataset):
+        return {w for i in range(len(dataset)) for w in ("alpha", "beta", "held", "final")
+                if w in dm.tokenizer.detokenize(dataset[i]["tokens"].tolist())}
+
+    assert words(dm.train_dataset) == {"alpha", "beta"}
+    assert words(dm.val_dataset) == {"held"} and words(dm.test_dataset) == {"final"}
+    assert sorted(dm.val_dataset.documents) == list(range(12)) and sorted(dm.test_dataset.documents) == list(range(10))
+    assert len(dm.val_dataset) >= 8  # one epoch of the held-out text, at least a global batch
+
+    only_train = _datamodule({"train": alpha}, train_samples=16)
+    assert only_train.val_dataset is None and only_train.test_dataset is None
+    only_train.trainer.state = SimpleNamespace(fn=TrainerFn.FITTING)
+    assert only_train.val_dataloader() == []  # none, as asked: no warning
+    only_train.trainer.state = SimpleNamespace(fn=TrainerFn.VALIDATING)
+    with pytest.raises(NoEvaluationData, match=r"`validate` has no valid dataset to read: data_prefix names none "
+                                               r"\(its splits: train\)"):
+        only_train.val_dataloader()
+    with pytest.raises(ValueError, match=r"data_prefix: 'validation' is not a split: use train, valid and test"):
+        GPTDataModule({"train": alpha, "validation": held})
+    with pytest.raises(ValueError, match=r"data_prefix per split needs a train entry"):
+        GPTDataModule({"valid": held})
+    with pytest.raises(ValueError, match=r"splits='90,5,5' cuts one data_prefix into splits.*leave splits out"):
+        GPTDataModule({"train": alpha, "valid": held}, splits="90,5,5")
+    # before launch: every split's files, and the split a command reads whole
+    d = {"data_prefix": {"train": alpha, "valid": str(tmp_path / "nope")}, "seq_length": 32}
+    (problem,) = data_files_problems(d, {}, data_class=GPTDataModule)
+    assert f"data_prefix={str(tmp_path / 'nope')!r}" in problem and "not found" in problem, problem
+    d["data_prefix"] = {"train": alpha, "valid": held}
+    assert data_files_problems(d, {}, data_class=GPTDataModule, split="valid") == []
+    (problem,) = data_files_problems(d, {}, data_class=GPTDataModule, split="test")
+    assert "data_prefix names no test dataset" in problem and "`test` would have nothing to read" in problem, problem
+    d["data_prefix"]["test"], d["seq_length"] = final, 400  # the test text holds fewer tokens than a sample
+    problems = data_files_problems(d, {}, data_class=GPTDataModule, split="test")
+    assert any(p.startswith("data data_prefix.test gives the test split 10 of the 10 documents") and
+               "fewer than one sample's seq_length + 1 = 401" in p for p in problems), problems
+    from lightning_megatron.data.dataset_vocab import trained_vocabulary
+
+    assert trained_vocabulary({"data_prefix": {"train": [0.5, alpha, 0.5, beta], "valid": held}}) == \
+        trained_vocabulary({"data_prefix": alpha})  # the run's vocabulary: its training data's record

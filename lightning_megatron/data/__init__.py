@@ -10,7 +10,7 @@ these pieces (``BertDataModule``, ``GPTDataModule``, ``LabelledTextDataModule``)
 from __future__ import annotations
 
 from lightning_megatron.data.bert_dataset import BertDataset, create_masked_lm_predictions, get_train_valid_test_split_
-from lightning_megatron.data.blended import BlendedDataset, build_blending_indices, parse_data_prefix
+from lightning_megatron.data.blended import BlendedDataset, build_blending_indices, parse_data_prefix, split_blends
 from lightning_megatron.data.bpe_tokenizer import BPETokenizer, packaged_bpe_tokenizer_file, train_bpe_tokenizer
 from lightning_megatron.data.corpus import CorpusStats, default_corpus_documents, read_documents, split_sentences
 from lightning_megatron.data.dataset_vocab import (
@@ -63,6 +63,7 @@ __all__ = [
     "load_tokenizer",
     "packaged_bpe_tokenizer_file",
     "parse_data_prefix",
+    "split_blends",
     "preprocess_corpus",
     "read_dataset_vocab",
     "read_documents",

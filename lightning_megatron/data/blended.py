@@ -1,4 +1,5 @@
-"""Weighted blends of datasets, Megatron's way (``data_prefix: [0.3, path_a, 0.7, path_b]``).
+"""Weighted blends of datasets, Megatron's way (``data_prefix: [0.3, path_a, 0.7, path_b]``), and a path or blend
+per split (``data_prefix: {train: ..., valid: ..., test: ...}``, :func:`split_blends`).
 
 Sample ``i`` of the blend is sample ``sample_index[i]`` of dataset ``dataset_index[i]``, where
 ``dataset_index`` is Megatron's greedy (``helpers.cpp: build_blending_indices``): at every position
@@ -19,14 +20,15 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
-__all__ = ["BlendedDataset", "blend_num_samples", "build_blending_indices", "parse_data_prefix"]
+__all__ = ["BlendedDataset", "SPLIT_NAMES", "blend_num_samples", "build_blending_indices", "parse_data_prefix",
+           "split_blends"]
 
 BLEND_INDEX_VERSION = 1
 _BLEND_DTYPE = np.dtype([("dataset", "<i2"), ("sample", "<i8")])
@@ -53,6 +55,39 @@ def parse_data_prefix(data_prefix: Sequence[Any]) -> tuple[list[float], list[str
         raise ValueError(f"data_prefix={items!r} lists a path twice; merge its weights")
     total = sum(weights)
     return [w / total for w in weights], [os.fspath(p) for p in prefixes]
+
+
+SPLIT_NAMES = ("train", "valid", "test")
+"""The splits, in Megatron's order (``splits: "949,50,1"`` weighs them so; a per-split ``data_prefix`` names them)."""
+
+
+def split_blends(data_prefix: Any) -> list[tuple[list[float], list[str]] | None]:
+    """The (normalised weights, prefixes) each split (:data:`SPLIT_NAMES`) reads, None for a split without data.
+
+    ``data_prefix`` is a path or a blend ``[w, path, ...]`` (every split's: the datamodule cuts each dataset's
+    documents by ``splits``), or a mapping of a path or blend per split, ``{train: ..., valid: ..., test: ...}``
+    (Megatron-LM's ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``, NeMo's per-split
+    ``data_prefix``), each read whole by its split; ``train`` is required there, and a key that is not a split is
+    refused by name."""
+    if isinstance(data_prefix, Mapping):
+        for key in data_prefix:
+            if key not in SPLIT_NAMES:
+                hint = " (valid is the validation split)" if key in ("validation", "val", "dev") else ""
+                raise ValueError(f"data_prefix: {key!r} is not a split: use train, valid and test{hint}")
+        if data_prefix.get("train") is None:
+            raise ValueError(f"data_prefix per split needs a train entry (the data a run trains on); got the splits "
+                             f"{sorted(data_prefix)}")
+        return [_one_blend(data_prefix[k]) if data_prefix.get(k) is not None else None for k in SPLIT_NAMES]
+    return [_one_blend(data_prefix)] * len(SPLIT_NAMES)
+
+
+def _one_blend(value: Any) -> tuple[list[float], list[str]]:
+    if isinstance(value, (str, os.PathLike)):
+        return [1.0], [os.fspath(value)]
+    if isinstance(value, (list, tuple)):
+        return parse_data_prefix(value)
+    raise ValueError(f"data_prefix={value!r} must be a path, a list [weight, path, weight, path, ...] or a mapping "
+                     f"of them per split ({{train: ..., valid: ..., test: ...}})")
 
 
 def blend_num_samples(weights: Sequence[float], size: int) -> list[int]:

@@ -243,15 +243,15 @@ def trained_vocabulary(data: dict[str, Any]) -> tuple[str | None, bool | None]:
     (``vocab_file``, ``data_prefix``, ``lowercase``), by :func:`dataset_tokenizer`'s rule: its ``vocab_file``; else
     the vocabulary its first dataset's ``.vocab.json`` names; ``(None, None)``: the family's packaged one. A
     ``data_prefix`` not found here is an error (its record decides), as is a named vocabulary that is not."""
-    from lightning_megatron.data.blended import parse_data_prefix
+    from lightning_megatron.data.blended import split_blends
 
     if data.get("vocab_file") is not None:
         return os.fspath(data["vocab_file"]), data.get("lowercase")
     prefix = data.get("data_prefix")
     if prefix is None:
         return None, None
-    if isinstance(prefix, (list, tuple)):
-        prefix = parse_data_prefix(prefix)[1][0]
+    if not isinstance(prefix, (str, os.PathLike)):  # a blend, or one per split: the training data's first
+        prefix = split_blends(prefix)[0][1][0]
     if not Path(f"{os.fspath(prefix)}.idx").is_file():
         raise FileNotFoundError(f"the run trained on data_prefix {os.fspath(prefix)!r}, which is not here (relative "
                                 f"paths start at {os.getcwd()!r}): its .vocab.json names the vocabulary the run used; "

@@ -39,8 +39,10 @@ class GPTDataModule(PretrainingDataModule):
 
     Args:
         data_prefix: prefix of an indexed dataset preprocessed with ``--append-eod``; or a weighted
-            blend ``[0.3, prefix_a, 0.7, prefix_b]``; ``None``: the built-in corpus, tokenized with
-            the tokenizer below, EOD appended, cached under ``cache_dir``.
+            blend ``[0.3, prefix_a, 0.7, prefix_b]``; or one of them per split, ``{train: ..., valid: ...,
+            test: ...}``, each read whole by its split (Megatron-LM's ``--train-data-path`` ...; ``splits`` left
+            out); ``None``: the built-in corpus, tokenized with the tokenizer below, EOD appended, cached under
+            ``cache_dir``.
         vocab_file: the tokenizer's vocabulary; ``None``: the one the dataset's ``<prefix>.vocab.json``
             records, else the packaged byte-level BPE (the built-in corpus's). Its ``eod`` id ends the documents.
         seq_length: tokens per sample (the model's sequence length).
@@ -52,7 +54,8 @@ class GPTDataModule(PretrainingDataModule):
         reset_attention_mask: a token attends only to its own document of the packed sample (Megatron's
             ``--reset-attention-mask``); with ``reset_position_ids``, each document of a sample computes
             what it computes alone (docs/long_context.md).
-        splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style.
+        splits: document split weights ``"train,valid,test"``, Megatron's ``"949,50,1"`` style (one
+            ``data_prefix`` cut into the splits).
         train_samples: length of the training set; ``None``: ``trainer.max_steps * global_batch_size``
             when a trainer with ``max_steps`` is attached (a resumed run: the samples consumed by its step plus
             ``global_batch_size`` per step left), else one epoch of the training documents.
@@ -77,7 +80,8 @@ class GPTDataModule(PretrainingDataModule):
     default_tokenizer = "bpe"
     documents_need_eod = True
 
-    def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
+    def __init__(self, data_prefix: str | list[str | float] | dict[str, str | list[str | float]] | None = None,
+                 vocab_file: str | None = None, *,
                  seq_length: int = 1024, global_batch_size: int = 32, micro_batch_size: int = 8,
                  seed: int = 1234, eod_mask_loss: bool = False, reset_position_ids: bool = False,
                  reset_attention_mask: bool = False, splits: str = "949,50,1",
@@ -113,9 +117,9 @@ class GPTDataModule(PretrainingDataModule):
                           append_eod=True)
 
     @override
-    def _open(self, prefix: Path) -> tuple[IndexedDataset, list[range]]:
+    def _open(self, prefix: Path, whole: int | None = None) -> tuple[IndexedDataset, list[range]]:
         """The base's checks, and that the documents end with the tokenizer's EOD."""
-        indexed, splits = super()._open(prefix)
+        indexed, splits = super()._open(prefix, whole)
         check_documents_end_with_eod(indexed, self.tokenizer.eod, wordpiece=isinstance(self.tokenizer, BertTokenizer))
         return indexed, splits
 

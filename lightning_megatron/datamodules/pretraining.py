@@ -13,6 +13,7 @@ checkpoint (``state_dict`` / ``load_state_dict``) or else ``trainer.global_step 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_megatron.data.bert_dataset import BertDataset, get_train_valid_test_split_, split_weights
-from lightning_megatron.data.blended import BlendedDataset, blend_num_samples, parse_data_prefix
+from lightning_megatron.data.blended import SPLIT_NAMES, BlendedDataset, blend_num_samples, split_blends
 from lightning_megatron.data.corpus import default_corpus_fingerprint
 from lightning_megatron.data.dataset_vocab import (TokenizerFamily, check_dataset_vocab, dataset_tokenizer,
                                                    vocab_sidecar_path)
@@ -37,6 +38,13 @@ __all__ = ["BertDataModule", "NO_PADDING", "NoEvaluationData", "PretrainingDataM
 NO_PADDING = "no_padding"
 """Batch key set on the host by :meth:`BertDataModule.on_before_batch_transfer`: True when no sample of
 the batch is padded, so that the model skips the attention mask without a device -> host sync."""
+
+
+DataPrefix = str | list[str | float] | dict[str, str | list[str | float]] | None
+"""A pretraining datamodule's ``data_prefix``: a path, a blend ``[w, path, ...]``, a path or blend per split
+(``{train: ..., valid: ..., test: ...}``), or None (the built-in corpus)."""
+DEFAULT_SPLITS = "949,50,1"
+"""Megatron's default ``splits``."""
 
 
 class NoEvaluationData(ValueError):
@@ -62,7 +70,7 @@ class PretrainingDataModule(pl.LightningDataModule):
     vocab_file: str | None
     _tokenizer: Any = None
 
-    def _init_common(self, data_prefix: str | list[str | float] | None, *, global_batch_size: int,
+    def _init_common(self, data_prefix: DataPrefix, *, global_batch_size: int,
                      micro_batch_size: int, seed: int, splits: str, train_samples: int | None,
                      eval_samples: int | None, shuffle: str, num_workers: int | None, cache_dir: str | None,
                      samples_cache_dir: str | None) -> None:
@@ -72,8 +80,11 @@ class PretrainingDataModule(pl.LightningDataModule):
         if shuffle not in ("sequential", "random"):
             raise ValueError(f"shuffle={shuffle!r} must be 'sequential' or 'random'")
         split_weights(splits)  # validates the string now, not at setup
-        if isinstance(data_prefix, (list, tuple)):
-            parse_data_prefix(data_prefix)  # validates the blend now, not at setup
+        if data_prefix is not None:
+            split_blends(data_prefix)  # validates the blend (or the blend of each split) now, not at setup
+        if isinstance(data_prefix, Mapping) and splits != DEFAULT_SPLITS:
+            raise ValueError(f"splits={splits!r} cuts one data_prefix into splits, and data_prefix names each split's "
+                             f"data ({', '.join(data_prefix)}), read whole: leave splits out")
         self.data_prefix = data_prefix
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -93,8 +104,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         self._shuffle_key: list[int] | None = None
         """``shuffle: random``: the sampler's ``order_key`` (seed, samples per epoch, buckets), the restored run's
         until the training loader is built, then this run's."""
-        self._sources: tuple[list[float], list[Path], list[tuple[IndexedDataset, list[range]]]] | None = None
-        """The blend's weights, its prefixes and each one opened with its split's documents (set-up's)."""
+        self._sources: list[tuple[list[float], list[Path], list[tuple[IndexedDataset, list[range]]]] | None] = []
+        """Per split (train, valid, test): the blend's weights, its prefixes and each one opened with the split's
+        documents (set-up's); None for a split that a per-split data_prefix does not name."""
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
@@ -111,7 +123,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         ``vocab_file``, the first dataset's ``.vocab.json`` and :attr:`default_tokenizer` (the rule the
         check before launch applies too)."""
         if self._tokenizer is None:
-            prefix = self._blend()[1][0] if self.data_prefix is not None else None
+            prefix = self._split_blends()[0][1][0] if self.data_prefix is not None else None  # the train data's
             self._tokenizer = dataset_tokenizer(self.vocab_file, prefix, default=self.default_tokenizer)
         return self._tokenizer
 
@@ -120,17 +132,21 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Pieces in the vocabulary (the model pads it for tensor parallelism)."""
         return self.tokenizer.vocab_size
 
-    def _blend(self) -> tuple[list[float], list[Path]]:
-        """(weights, prefixes) of the data: one prefix of weight 1 unless ``data_prefix`` is a blend."""
-        if isinstance(self.data_prefix, (list, tuple)):
-            weights, prefixes = parse_data_prefix(self.data_prefix)
-            return weights, [Path(p) for p in prefixes]
-        return [1.0], [self._prefix()]
+    def _split_blends(self) -> list[tuple[list[float], list[Path]] | None]:
+        """(weights, prefixes) each split reads (:func:`~lightning_megatron.data.blended.split_blends`): one prefix
+        of weight 1 (the built-in corpus's without ``data_prefix``) unless it is a blend; None for a split a
+        per-split ``data_prefix`` does not name."""
+        if self.data_prefix is None:
+            return [([1.0], [self._prefix()])] * len(SPLIT_NAMES)
+        return [None if b is None else (b[0], [Path(p) for p in b[1]]) for b in split_blends(self.data_prefix)]
+
+    @property
+    def _per_split(self) -> bool:
+        """``data_prefix`` names each split's data, read whole (no ``splits`` cut)."""
+        return isinstance(self.data_prefix, Mapping)
 
     def _prefix(self) -> Path:
-        """The dataset prefix: ``data_prefix``, or the built-in corpus's entry in the cache."""
-        if self.data_prefix is not None:
-            return Path(self.data_prefix)  # type: ignore[arg-type]
+        """The built-in corpus's entry in the cache (``data_prefix`` null)."""
         return self._default_corpus_prefix()
 
     def _default_corpus_prefix(self) -> Path:
@@ -191,8 +207,14 @@ class PretrainingDataModule(pl.LightningDataModule):
             if trainer.local_rank == 0:
                 self._build_default_corpus()
             trainer.strategy.barrier("lightning_megatron.data.build")
-        weights, prefixes = self._blend()
-        self._sources = weights, prefixes, [self._open(prefix) for prefix in prefixes]
+        blends = self._split_blends()
+        if self._per_split:  # each split's datasets whole
+            self._sources = [None if blend is None else (*blend, [self._open(p, whole=split) for p in blend[1]])
+                             for split, blend in enumerate(blends)]
+        else:  # one blend, each dataset's documents cut by splits: opened once for every split
+            weights, prefixes = blends[0]
+            opened = [self._open(prefix) for prefix in prefixes]
+            self._sources = [(weights, prefixes, opened)] * len(SPLIT_NAMES)
         self.train_dataset = self._split_dataset(0, self._samples_to_read(), "train")
         self.val_dataset = self._split_dataset(1, self.eval_samples, "valid")
         self.test_dataset = self._split_dataset(2, self.eval_samples, "test")
@@ -200,8 +222,10 @@ class PretrainingDataModule(pl.LightningDataModule):
     def _split_dataset(self, split: int, num_samples: int | None, name: str) -> Dataset | None:
         """The dataset of one split (0 train, 1 valid, 2 test) of the opened prefixes, blended when there are
         several: ``num_samples`` samples (``None``: one epoch)."""
-        assert self._sources is not None, "setup() opens the prefixes"
-        weights, prefixes, splits = self._sources
+        assert self._sources, "setup() opens the prefixes"
+        if self._sources[split] is None:
+            return None  # a per-split data_prefix without this split: none, as asked
+        weights, prefixes, splits = self._sources[split]
         if len(prefixes) == 1:
             indexed, split_docs = splits[0]
             return self._dataset(indexed, split_docs[split], num_samples, name)
@@ -220,14 +244,18 @@ class PretrainingDataModule(pl.LightningDataModule):
         base_samples, base_step = self._restored
         return base_samples + max(0, trainer.max_steps - base_step) * self.global_batch_size
 
-    def _open(self, prefix: Path) -> tuple[IndexedDataset, list[range]]:
+    def _open(self, prefix: Path, whole: int | None = None) -> tuple[IndexedDataset, list[range]]:
         """The indexed dataset at ``prefix``, checked (not empty, same vocabulary as the tokenizer,
-        ids within the model's vocabulary), and its train/valid/test document ranges."""
+        ids within the model's vocabulary), and its train/valid/test document ranges: cut by ``splits``, or
+        (``whole``: a split's index) every document in that split, none in the others."""
         indexed = IndexedDataset(prefix)
         if indexed.num_documents == 0:
             raise ValueError(f"dataset {str(prefix)!r} holds no documents: preprocess it again from inputs that "
                              f"hold text")
         check_dataset_vocab(prefix, self.tokenizer, self._model_vocab_size(), needs_eod=self.documents_need_eod)
+        if whole is not None:
+            n = indexed.num_documents
+            return indexed, [range(n) if i == whole else range(0) for i in range(len(SPLIT_NAMES))]
         bounds = get_train_valid_test_split_(self.splits, indexed.num_documents)
         return indexed, [range(bounds[i], bounds[i + 1]) for i in range(3)]
 
@@ -358,6 +386,9 @@ class PretrainingDataModule(pl.LightningDataModule):
                 # the command reads this split whole: nothing to read is its failure (it exited 0 having tested
                 # nothing), not a note; during fit an evaluation split without samples is left out
                 raise NoEvaluationData(f"`{command}` has no {name} dataset to read: {self._no_dataset[name]}")
+            if fn is not None and getattr(fn, "value", fn) == command and self._per_split:
+                raise NoEvaluationData(f"`{command}` has no {name} dataset to read: data_prefix names none (its "
+                                       f"splits: {', '.join(self.data_prefix)}); add data_prefix.{name}")
             if name in self._no_dataset:  # every rank has the same data: said once
                 rank_zero_warn(f"no {name} dataset: {self._no_dataset.pop(name)}")
             return []
@@ -411,8 +442,9 @@ class BertDataModule(PretrainingDataModule):
         data_prefix: prefix of a preprocessed indexed dataset (``<prefix>.bin``/``.idx``, see
             ``lightning-megatron preprocess``); or a weighted blend ``[0.3, prefix_a, 0.7, prefix_b]``
             (Megatron's blending, :mod:`~lightning_megatron.data.blended`; each prefix is split into
-            train/valid/test by ``splits`` on its own); ``None``: the built-in corpus, preprocessed
-            once and cached under ``cache_dir``.
+            train/valid/test by ``splits`` on its own); or one of them per split, ``{train: ..., valid: ...,
+            test: ...}``, each read whole by its split (Megatron-LM's ``--train-data-path`` ...; ``splits`` left
+            out); ``None``: the built-in corpus, preprocessed once and cached under ``cache_dir``.
         vocab_file: WordPiece ``vocab.txt`` or ``tokenizer.json``; ``None``: the vocabulary the dataset
             was preprocessed with, as its ``<prefix>.vocab.json`` records it (the default vocabulary
             for the built-in corpus, :func:`~lightning_megatron.data.tokenizer.default_vocab_file`).
@@ -451,7 +483,8 @@ class BertDataModule(PretrainingDataModule):
 
     default_tokenizer = "wordpiece"
 
-    def __init__(self, data_prefix: str | list[str | float] | None = None, vocab_file: str | None = None, *,
+    def __init__(self, data_prefix: str | list[str | float] | dict[str, str | list[str | float]] | None = None,
+                 vocab_file: str | None = None, *,
                  max_seq_length: int = 128, global_batch_size: int = 32, micro_batch_size: int = 8,
                  seed: int = 1234, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
                  binary_head: Literal["sop", "nsp"] | None = "sop", whole_word_masking: bool = True,
@@ -513,6 +546,9 @@ class BertDataModule(PretrainingDataModule):
             if self.train_dataset is None:
                 self.setup("predict")
             dataset = self.test_dataset
+            if dataset is None and self._per_split:
+                raise ValueError(f"data_prefix names no test dataset to predict ({', '.join(self.data_prefix)}): add "
+                                 f"data_prefix.test or pass --data.predict_file")
             if dataset is None:
                 raise ValueError(f"splits={self.splits!r} leaves no test documents to predict: give test a weight "
                                  f"or pass --data.predict_file")
