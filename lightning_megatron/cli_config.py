@@ -277,6 +277,9 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
     replaced += [(k, current[k], architecture[k]) for k in model_class.free_arguments(architecture)
                  if k in current and where[k] not in flags and architecture.get(k) not in (None, current[k])
                  and k not in {r[0] for r in replaced}]
+    # the training settings the source suggests (a decoder folder's dropouts): replaced, said when the recipe wrote them
+    replaced += [(k, current[k], v) for k, v in architecture.items() if k not in model_class.architecture_keys
+                 and k in current and where[k] not in flags and v is not None and v != current[k]]
     for key, value in architecture.items():
         if key in where and where[key] not in flags and not (key == "vocab_size" and value is None):
             model[where[key]] = value

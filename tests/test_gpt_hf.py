@@ -600,3 +600,27 @@ def test_export_of_a_model_whose_documents_end_with_its_eos_token(tmp_path):
     tokens = _tokens() % vocab
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens).logits, source(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_folder_s_dropouts_are_the_module_s_unless_given(tmp_path):
+    """A Hugging Face folder's dropouts came in as our defaults (0.1 and 0.1): a Llama (no hidden dropout,
+    ``attention_dropout`` 0.0) fine-tuned with dropout transformers never applies, its train-mode losses noisy where
+    transformers' are deterministic. The folder's values now, as export writes them (Llama's ``attention_dropout``,
+    GPT-2's ``resid_pdrop`` / ``attn_pdrop``; an argument given to ``from_pretrained`` or on the command line
+    wins), and a Megatron-LM checkpoint's ``--hidden-dropout`` / ``--attention-dropout`` the same way."""
+    import argparse
+
+    from lightning_megatron.models.gpt.interop import gpt_architecture_from_args
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    _llama(attention_dropout=0.05).save_pretrained(tmp_path / "llama")
+    _gpt2(resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.3).save_pretrained(tmp_path / "gpt2")
+    for folder, want in (("llama", (0.0, 0.05)), ("gpt2", (0.2, 0.3))):
+        config = GPTLightningModule.from_pretrained(str(tmp_path / folder)).config
+        assert (config.hidden_dropout, config.attention_dropout) == want, folder
+    config = GPTLightningModule.from_pretrained(str(tmp_path / "llama"), config={"hidden_dropout": 0.1}).config
+    assert (config.hidden_dropout, config.attention_dropout) == (0.1, 0.05)
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                              attention_dropout=0.0)
+    assert {k: gpt_architecture_from_args(args, 2)[k] for k in ("hidden_dropout", "attention_dropout")} == \
+        {"hidden_dropout": 0.0, "attention_dropout": 0.0}

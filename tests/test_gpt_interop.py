@@ -118,6 +118,13 @@ def test_cli_init_from_a_llama_folder_turns_the_gpt2_recipe_into_llama_and_refus
     # only what the recipe writes: GPTConfig's defaults it never wrote are not "the recipe's" (num_query_groups=None
     # (now 2), kv_channels=None, ... were listed among them)
     assert "num_query_groups" not in replaced and "kv_channels" not in replaced, replaced
+    # the dropouts the folder suggests (Llama: none) replace the recipe's, said; a flag keeps its own
+    assert "config.hidden_dropout=0.1 (now 0.0)" in replaced and "config.attention_dropout=0.1 (now 0.0)" in replaced
+    assert (cli.model.config.hidden_dropout, cli.model.config.attention_dropout) == (0.0, 0.0)
+    with pytest.warns(UserWarning, match="replaces the recipe's") as said:
+        flagged = lightning_cli(run=False, args=[*args, "--model.config.hidden_dropout", "0.05"])
+    [replaced] = [str(w.message) for w in said if "replaces the recipe's" in str(w.message)]
+    assert "hidden_dropout" not in replaced and flagged.model.config.hidden_dropout == 0.05, replaced
     with pytest.warns(UserWarning, match="replaces the recipe's") as said:  # a rope recipe's length: replaced alike
         lightning_cli(run=False, args=[*args, "--model.config.position_embedding_type", "rope"])
     [replaced] = [str(w.message) for w in said if "replaces the recipe's" in str(w.message)]

@@ -94,7 +94,9 @@ class BertInterop:
                     num_attention_heads=ours.num_attention_heads, ffn_hidden_size=ours.ffn_hidden_size,
                     spec=kwargs["spec"], activation=_HF_TO_OURS_ACT[config.hidden_act], lm_head_activation=None,
                     layernorm_epsilon=ours.layernorm_epsilon, max_sequence_length=kwargs["max_sequence_length"],
-                    vocab_size=kwargs["vocab_size"])
+                    vocab_size=kwargs["vocab_size"],
+                    # suggested, not fixed (a flag wins): the dropouts the folder trains with in transformers
+                    hidden_dropout=ours.hidden_dropout, attention_dropout=ours.attention_dropout)
 
     def state_dict_from_hf(self, hf_state_dict: dict[str, torch.Tensor], config: Any, architecture: dict[str, Any],
                            *, source: str) -> SavedModel:

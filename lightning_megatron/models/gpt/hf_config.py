@@ -37,8 +37,9 @@ GPT_ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "nu
                          "add_qkv_bias", "num_moe_experts", "moe_router_topk", "moe_router_score_function",
                          "moe_router_pre_softmax", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                          "moe_shared_expert_gate", "qk_layernorm", "moe_router_dtype")
-"""``GPTLightningModule`` arguments a source fixes (the architecture dicts below use these; a mixture of experts'
-also carries ``moe_aux_loss_coeff``, a training setting the source suggests but does not fix)."""
+"""``GPTLightningModule`` arguments a source fixes (the architecture dicts below use these; they also carry the
+training settings a source suggests but does not fix: ``hidden_dropout`` and ``attention_dropout``, and a mixture of
+experts' ``moe_aux_loss_coeff``)."""
 
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM",
@@ -115,7 +116,8 @@ def _rotary_decoder(cfg: dict[str, Any], bad: list[str]) -> dict[str, Any]:
                 position_embedding_type="rope", add_bias_linear=False, gated_linear_unit=True, rotary_base=theta,
                 rotary_percent=1.0, untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
                 add_qkv_bias=False, rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
-                qk_layernorm=False)
+                qk_layernorm=False, hidden_dropout=0.0,  # no hidden dropout in these decoders
+                attention_dropout=float(cfg.get("attention_dropout") or 0.0))
 
 
 def _llama3_factor(rope_type: str, scaling: dict[str, Any], bad: list[str]) -> float | None:
@@ -283,7 +285,8 @@ def gpt2_architecture(hf_config: Any) -> dict[str, Any]:
                 vocab_size=cfg["vocab_size"], position_embedding_type="learned_absolute", add_bias_linear=True,
                 gated_linear_unit=False, rotary_base=10000.0, rotary_percent=1.0,
                 untie_embeddings_and_output_weights=False, add_qkv_bias=False,
-                qk_layernorm=False)
+                qk_layernorm=False, hidden_dropout=float(cfg.get("resid_pdrop", 0.1)),  # (embd_pdrop: export's too)
+                attention_dropout=float(cfg.get("attn_pdrop", 0.1)))
 
 
 _ARCHITECTURES = {"llama": llama_architecture, "mistral": mistral_architecture, "qwen2": qwen2_architecture,

@@ -125,6 +125,7 @@ def gpt_architecture_from_args(args: Any, num_layers: int) -> dict[str, Any]:
         "layernorm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
         "max_sequence_length": get("max_position_embeddings"), "position_embedding_type": position,
         "untie_embeddings_and_output_weights": bool(get("untie_embeddings_and_output_weights", False)),
+        "hidden_dropout": get("hidden_dropout"), "attention_dropout": get("attention_dropout"),  # suggested
     }
     if position == "rope":
         hp.update(rotary_base=float(get("rotary_base", 10000)), rotary_percent=float(get("rotary_percent", 1.0)),
