@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["prewarm", "import_wandb_ahead", "release", "local_processes", "named_classes", "hand_to_waiting",
-           "pause_collection", "resume_collection", "PREWARM_ENV", "CLASSES_ENV"]
+           "pause_collection", "resume_collection", "exit_when_parent_dies", "PREWARM_ENV", "CLASSES_ENV"]
 
 PREWARM_ENV = "LIGHTNING_MEGATRON_PREWARM_FD"
 """Set in a waiting rank's environment: the file descriptor of the pipe its order arrives on."""
@@ -75,6 +75,17 @@ class _Waiting:
     pipe: int  # the write end of its order pipe
 
 
+_FIRST_PARENT = os.getppid()
+"""This process's parent when it started (imported this module, or was forked): a local rank's launcher."""
+
+
+def _forked() -> None:
+    global _FIRST_PARENT
+    _FIRST_PARENT = os.getppid()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forked)
 _waiting: list[_Waiting] = []
 _collection_paused = False
 
@@ -213,6 +224,55 @@ def release() -> None:
         os.close(rank.pipe)
         rank.proc.kill()
         rank.proc.wait()
+
+
+@contextlib.contextmanager
+def exit_when_parent_dies(who: str, doing: str, poll_s: float = 0.2) -> Iterator[None]:
+    """While the block runs, end this process when its parent dies. For a local rank > 0 while it connects to the
+    other ranks through the rendezvous store that rank 0, its parent, hosts: rank 0 killed before it hosted the store
+    left the rank in the connect for the whole timeout (retried once: 30-60 minutes at the default), saying only that
+    a client socket timed out. The connect is a C call that keeps the GIL (torch's TCPStore constructor), so no
+    Python thread can watch meanwhile: on Linux the kernel kills the process when the parent dies
+    (``PR_SET_PDEATHSIG``, SIGKILL, set for the block only). Elsewhere a thread watches the parent's pid, ends the
+    process with status 1 and says why (``who``, ``doing``), when the block lets it run."""
+    if _parent_death_signal(9):
+        if os.getppid() != _FIRST_PARENT:  # died before the signal was set: the kernel will not send it
+            os.write(2, f"lightning-megatron: {who}: its launcher (pid {_FIRST_PARENT}) died before it was {doing}; "
+                        f"exiting\n".encode())
+            os._exit(1)
+        try:
+            yield
+        finally:
+            _parent_death_signal(0)
+        return
+    import threading
+
+    parent, done = _FIRST_PARENT, threading.Event()
+
+    def watch() -> None:
+        while not done.wait(poll_s):
+            if os.getppid() != parent:
+                os.write(2, f"lightning-megatron: {who}: its launcher (pid {parent}) died while it was {doing}; "
+                            f"exiting instead of waiting for the timeout\n".encode())
+                os._exit(1)
+
+    threading.Thread(target=watch, name="lightning-megatron parent watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """Linux's ``prctl(PR_SET_PDEATHSIG, signum)`` (0: none); False where it is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(1, signum, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
 
 
 def _runnable(command: list[str]) -> bool:

@@ -255,6 +255,13 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.local_rank > 0:  # rank 0, its parent, hosts the rendezvous: its death ends the rank's waits at once
+            with launch.exit_when_parent_dies(f"local rank {self.local_rank}", "connecting to the other ranks"):
+                self._setup_environment()
+        else:
+            self._setup_environment()
+
+    def _setup_environment(self) -> None:
         self.parallel_dims = self._resolved_dims()  # before launching collectives
         super().setup_environment()
         trainer = getattr(self.lightning_module, "_trainer", None)

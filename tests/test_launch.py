@@ -280,3 +280,46 @@ def test_the_command_imports_what_wandb_init_imports_last_before_torch(command, 
     proc = subprocess.run([sys.executable, "-c", _WANDB_AHEAD_PROBE, *command.split()], cwd=root,
                           capture_output=True, text=True, timeout=120, env={**environ, **env})
     assert (proc.returncode, proc.stdout) == (0, f"[{imported}, False]\n"), proc.stderr[-3000:]
+
+
+_ORPHAN = """import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+_WATCHED = """import ctypes
+from lightning_megatron.launch import exit_when_parent_dies
+with exit_when_parent_dies("local rank 1", "connecting to the other ranks"):
+    print("watching", flush=True)
+    ctypes.PyDLL(None).sleep(120)  # a C call that keeps the GIL, as torch's TCPStore constructor does
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_rank_whose_launcher_died_during_the_rendezvous_exits_at_once() -> None:
+    """Killed (or ``scancel``-ed) while its rank 0 started W&B, before rank 0 hosted the rendezvous store, the command's
+    launcher left local rank 1 in the TCPStore connect for the whole timeout, about 30-60 minutes at the default
+    (retried once), saying only that a client socket timed out; a thread watching the parent cannot run there (the
+    connect keeps the GIL). While the rank connects, the kernel ends it when its parent dies."""
+    import signal
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN, _WATCHED], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert parent.stdout.readline().strip() == "watching"  # the child's stdout is the parent's
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    killed = time.monotonic()
+    while not _gone(child) and time.monotonic() - killed < 30:
+        time.sleep(0.05)
+    assert _gone(child), "the orphaned rank is still waiting"
+    assert time.monotonic() - killed < 5
