@@ -34,8 +34,8 @@ from lightning_megatron import dcp_io
 from lightning_megatron.dcp_io import CheckpointError
 
 __all__ = ["ALLOW_UNVERIFIED_ENV", "FORMAT_VERSION", "MARKER", "READABLE_FORMATS", "TMP_INFIX", "allow_unverified",
-           "checkpoint_identity", "file_sha256", "load_plain", "loadable_bytes", "read_marker", "recover_last",
-           "validate_checkpoint_dir", "verify_checkpoint"]
+           "checkpoint_identity", "file_sha256", "load_plain", "loadable_bytes", "newer_than_last", "read_marker",
+           "recover_last", "validate_checkpoint_dir", "verify_checkpoint"]
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -266,6 +266,38 @@ def verify_checkpoint(path: str | os.PathLike, *, collective: bool = False) -> d
     elif error:
         raise CheckpointError(error)
     return info
+
+
+def newer_than_last(last: str | os.PathLike) -> Path | None:
+    """For ``ckpt_path="last"`` resolved to ``last``: the complete checkpoint of its run at a later step, written
+    after it, in its folder (newest step first), with a warning; None when there is none. A launcher killed, or
+    Ctrl-C pressed twice, during the ``last`` save that follows a step checkpoint leaves ``last.ckpt`` a save interval
+    behind. Written *before* ``last`` (the branch a run leaves when it resumes from an earlier checkpoint), another
+    run's, or not verifying: passed over."""
+    last = Path(last)
+    run, step = checkpoint_identity(last)
+    if run is None or step is None or not (last / MARKER).is_file():
+        return None
+    written = (last / MARKER).stat().st_mtime
+    later = []
+    for path in last.parent.iterdir():
+        if path == last or not path.is_dir() or not (path.suffix == ".ckpt" or ".ckpt" + TMP_INFIX in path.name):
+            continue
+        other_run, other_step = checkpoint_identity(path)
+        marker = path / MARKER
+        if other_run == run and other_step is not None and other_step > step and marker.is_file() and \
+                marker.stat().st_mtime > written:
+            later.append((other_step, path))
+    for other_step, path in sorted(later, key=lambda p: -p[0]):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError:
+            continue
+        warnings.warn(f"ckpt_path='last': {str(last)!r} is step {step}, and this run's complete checkpoint "
+                      f"{str(path)!r} (step {other_step}) was written after it: its last save was interrupted; "
+                      f"resuming from step {other_step}", UserWarning, stacklevel=2)
+        return path
+    return None
 
 
 validate_checkpoint_dir = verify_checkpoint

@@ -347,7 +347,9 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
     - ``--ckpt_path last``: the newest ``last*.ckpt`` of the folder (by the time its marker was written)
       when all of them belong to one run (:func:`~lightning_megatron.checkpoint.checkpoint_identity`);
       the last checkpoints of several runs there are refused, each named with its run and step (never
-      Lightning's "newest file of any run"). None at all: an interrupted save ``last.ckpt.tmp-<id>``
+      Lightning's "newest file of any run"), or that run's later complete checkpoint written after it (its
+      ``last`` save interrupted: :func:`~lightning_megatron.checkpoint.newer_than_last`). None at all: an
+      interrupted save ``last.ckpt.tmp-<id>``
       that verifies (:func:`~lightning_megatron.checkpoint.recover_last`), else, for ``fit``, a new run
       (below), for the others Lightning's message;
     - ``fit`` starting a new run (no ``--ckpt_path``) where checkpoints are: refused, naming the folder
@@ -362,7 +364,7 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
 
     from lightning.pytorch.utilities import rank_zero_warn
 
-    from lightning_megatron.checkpoint import CheckpointError, checkpoint_identity, recover_last
+    from lightning_megatron.checkpoint import CheckpointError, checkpoint_identity, newer_than_last, recover_last
 
     trainer = config.get("trainer") if hasattr(config, "get") else None
     if not trainer:
@@ -394,6 +396,11 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
                 return os.path.getmtime(marker if os.path.isfile(marker) else path)
 
             found = max(lasts, key=written)
+            with warnings.catch_warnings(record=True) as said:  # said once, by rank 0 (every rank resolves it)
+                warnings.simplefilter("always")
+                found = str(newer_than_last(found) or found)  # a save interval behind a later complete checkpoint
+            for warning in said:
+                rank_zero_warn(str(warning.message), category=warning.category)
         for folder in folders if found is None else []:
             try:
                 with warnings.catch_warnings(record=True) as said:  # said once, by rank 0 (every rank resolves it)

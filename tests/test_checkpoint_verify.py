@@ -445,3 +445,36 @@ def test_a_payload_in_extra_pt_is_refused_without_advice_to_load_it_unsafely(goo
         assert "extra.pt cannot be read safely (weights_only=True; nothing in it ran)" in message, message
         assert "system" in message and "weights_only set to False" not in message and "\n" not in message, message
     assert not sentinel.exists()
+
+
+def test_last_behind_a_later_complete_checkpoint_of_its_run_resumes_the_later_one(good, tmp_path):
+    """A launcher killed (or Ctrl-C pressed twice) during the ``last`` save that follows a step checkpoint left a
+    complete ``epoch=0-step=4.ckpt`` and ``last.ckpt`` at step 2: ``--ckpt_path last`` resumed step 2 and trained a save
+    interval again (200 steps in the recipes), while its own warning named the newer checkpoint. The run's complete
+    checkpoint of a later step, written after ``last.ckpt``, is resumed, with a warning; one written before it (a
+    branch the run left when it resumed from an earlier checkpoint), another run's, or one that does not verify,
+    is not."""
+    import os
+
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+
+    def saved(name, step, run="run-a", when=0.0):
+        shutil.copytree(good, d / name)
+        marker = json.loads((d / name / ckpt.MARKER).read_text())
+        (d / name / ckpt.MARKER).write_text(json.dumps({**marker, "global_step": step, "run_id": run}))
+        os.utime(d / name / ckpt.MARKER, (1e9 + when, 1e9 + when))
+        return d / name
+
+    last = saved("last.ckpt", 2, when=10)
+    assert ckpt.newer_than_last(last) is None
+    saved("epoch=0-step=6.ckpt", 6, when=5)  # the branch the run left: written before last.ckpt
+    saved("epoch=0-step=8.ckpt", 8, run="run-b", when=20)  # another run's
+    assert ckpt.newer_than_last(last) is None
+    later = saved("epoch=0-step=4.ckpt", 4, when=11)
+    with pytest.warns(UserWarning, match=r"last.ckpt' is step 2, and this run's complete checkpoint "
+                                         r"'.*epoch=0-step=4.ckpt' \(step 4\) was written after it: its last save was "
+                                         r"interrupted; resuming from step 4"):
+        assert ckpt.newer_than_last(last) == later
+    _damage(later, "byte_flip")
+    assert ckpt.newer_than_last(last) is None
