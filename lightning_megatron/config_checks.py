@@ -50,7 +50,7 @@ from lightning_megatron.transformer.context_parallel import sequence_length_prob
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
            "init_timeout_problem", "ckpt_path_problem", "PRECISION_PARAMS_DTYPE", "grad_scaler_problem",
-           "save_last_problem"]
+           "save_last_problem", "write_location_problems"]
 
 
 class ConfigError(ValueError):
@@ -332,6 +332,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     for cb in t.get("callbacks") or []:
         save_last = (cb.get("init_args") or {}).get("save_last") if isinstance(cb, Mapping) else None
         problems += [p for p in [save_last_problem(save_last)] if p]
+    if fitting and running:  # where the run writes: found at its first save (steps later) or a rank's traceback
+        problems += write_location_problems(t)
     if use_distributed_optimizer and isinstance(m.get("optimizer_class"), str):  # ZeRO-1 over a named optimizer
         try:
             optimizer_class = torch_class(m["optimizer_class"], torch.optim, torch.optim.Optimizer, "optimizer_class",
@@ -379,6 +381,42 @@ def _generation_problems(m: dict[str, Any]) -> list[str]:
                         f"it and the prompt's index)")
     return [p.replace("greedy decoding takes the argmax", "--model.predict_greedy true takes the argmax")
             for p in problems]
+
+
+def write_location_problems(trainer_args: Mapping[str, Any]) -> list[str]:
+    """The run folder (``default_root_dir``: logs, W&B, checkpoints) and each ModelCheckpoint ``dirpath``: a file
+    there, or a folder this process cannot make or write in (a read-only mount), failed at the run's first save,
+    after the steps before it, or after launch with a rank's traceback. Probed with a file made and removed in the
+    folder, or in the nearest existing folder above it (nothing is created for good)."""
+    import os
+    import tempfile
+
+    root = trainer_args.get("default_root_dir")
+    places = [("--trainer.default_root_dir", os.fspath(root))] if root else []
+    places += [("the checkpoint folder", os.fspath(cb["init_args"]["dirpath"]))
+               for cb in trainer_args.get("callbacks") or []
+               if isinstance(cb, Mapping) and isinstance(cb.get("init_args"), Mapping)
+               and cb["init_args"].get("dirpath")]
+    problems = []
+    for what, path in dict.fromkeys(places):
+        if os.path.exists(path) and not os.path.isdir(path):
+            problems.append(f"{what} {path} is a file, not a folder: the run writes its logs and checkpoints there; "
+                            f"pass a folder")
+            continue
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            problems.append(f"{what} {path} cannot be made: {existing} is a file, not a folder")
+            continue
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".lightning-megatron-probe-", dir=existing)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            problems.append(f"{what} {path} cannot be written ({existing}: {e.strerror or e}): the run would fail at "
+                            f"its first save; pass a folder it can write")
+    return problems
 
 
 def save_last_problem(save_last: Any) -> str | None:

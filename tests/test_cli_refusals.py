@@ -175,6 +175,16 @@ CASES = {
     "validate_split_weight_zero": (
         ["validate", "--config", GPT, "--data.data_prefix", "{gpt}", "--data.splits", "100,0,0"], None,
         ["data splits='100,0,0' gives the valid split none of the 40 documents"], []),
+    # where the run writes: a file there, or a folder that cannot be written, failed at the first save (after as
+    # many steps as its interval: 200 in the recipes), or after launch with a rank's traceback for the logs' folder
+    "root_dir_is_a_file": ([*FIT, "--trainer.default_root_dir", "{latin1}", "--trainer.strategy.init_args.timeout",
+                            "0"], None,
+                           ["--trainer.default_root_dir {latin1} is a file, not a folder: the run writes its logs "
+                            "and checkpoints there; pass a folder"], []),
+    "checkpoint_dir_under_a_file": (
+        [*FIT, "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath", "{latin1}/ckpts",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["the checkpoint folder {latin1}/ckpts cannot be made: {latin1} is a file, not a folder"], []),
     "per_split_data_prefix_path_missing": (  # a dataset per split (YAML's mapping on the command line): each found
         [*FIT, "--data.data_prefix", "{{train: {gpt}, valid: {nope}}}", "--trainer.strategy.init_args.timeout", "0"],
         None, ["2 configuration problem(s)", "data data_prefix='{nope}': '{nope}.bin' and '{nope}.idx' not found"],
@@ -428,7 +438,7 @@ def test_refused_before_launch_naming_the_value(case, inputs, tmp_path, monkeypa
     argv, code, wanted, unwanted = CASES[case]
     argv = [a.format(**inputs) for a in argv]
     run = tmp_path / "run"
-    if argv[0] != "check":
+    if argv[0] != "check" and "--trainer.default_root_dir" not in argv:
         argv += ["--trainer.default_root_dir", str(run)]
     with pytest.raises(SystemExit) as exited:
         main(argv)
