@@ -71,6 +71,7 @@ from lightning_megatron.checkpoint_verify import (  # the one verification of ev
     validate_checkpoint_dir,
     verify_checkpoint,
 )
+from lightning_megatron.communicator import peer_lost
 from lightning_megatron.dcp_io import CheckpointError, Chunks
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.sharded_state import (ShardedStateMapper, optimizer_class_name, optimizer_class_problem,
@@ -162,11 +163,15 @@ def _clean_stale_temporaries(final: Path, run_id: str | None = None) -> None:
 
 
 def _write_error(e: BaseException, final: Path, directory: Path) -> str:
-    """One line for a failed write; names the directory and the free space."""
+    """One line for a failed write; names the directory and the free space (another rank's death: said so)."""
     try:
         free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
     except OSError:
         free = -1
+    lost = peer_lost(e)
+    if lost is not None:
+        return (f"saving checkpoint {str(final)!r} failed: another rank died or stopped answering during the save "
+                f"({lost}); the disk is not the cause ({free / 2**30:.2f} GiB free in {str(directory)!r})")
     full = _is_disk_full(e) or 0 <= free < (1 << 20)
     what = "the disk is full" if full else "a write failed"
     return (f"saving checkpoint {str(final)!r} failed: {what} in {str(directory)!r} "

@@ -307,6 +307,16 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_megatron.datamodules.pretraining import NoEvaluationData
         from lightning_megatron.step import NonFiniteLossOrGradError
 
+        from lightning_megatron.communicator import peer_lost
+
+        lost = None if isinstance(e, CheckpointError) else peer_lost(e)
+        if lost is not None:  # another rank's process is gone: its own output says why; this one's traceback cannot
+            from lightning.pytorch.utilities import rank_zero_only
+
+            raise SystemExit(f"lightning-megatron: rank {getattr(rank_zero_only, 'rank', 0)}: another rank died or "
+                             f"stopped answering "
+                             f"({lost}), {_where(e)}: this rank stops; the cause is in that rank's own output above "
+                             f"(an error, a kill, the kernel's out-of-memory killer)") from None
         if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError, NoEvaluationData)):
             raise
         # Every rank raises it (the ranks agree on the decision before raising): rank 0 says it once, in
@@ -318,6 +328,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"lightning-megatron: {e}") from None
     finally:
         launch.resume_collection()  # a command that ended before its imports were done
+
+
+def _where(error: BaseException) -> str:
+    """``in FUNCTION (FILE:LINE)`` of the innermost frame of ``error``'s traceback outside torch and Lightning (what
+    this rank was doing), else of the innermost one."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    theirs = ("/torch/", "/lightning/", "/lightning_fabric")
+    ours = [f for f in frames if not any(part in f.filename for part in theirs)]
+    frame = (ours or frames or [None])[-1]
+    return f"in {frame.name} ({frame.filename}:{frame.lineno})" if frame is not None else "here"
 
 
 if __name__ == "__main__":

@@ -18,6 +18,22 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
+              "died before arriving")  # the last: the CPU tuning's shared-memory collectives
+"""What a collective's error says when another rank's process died (gloo's TCP pair; NCCL's abort)."""
+
+
+def peer_lost(error: BaseException | None) -> str | None:
+    """The line of ``error`` (or of what caused it) saying that another rank's process is gone, else None: a rank's
+    own failure is in its own output; the others see only their collective's connection close."""
+    seen = 0
+    while error is not None and seen < 8:
+        for line in str(error).splitlines():
+            if any(marker in line for marker in _PEER_LOST):
+                return line.strip()
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
 import torch
 import torch.distributed as dist
 

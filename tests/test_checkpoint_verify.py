@@ -478,3 +478,32 @@ def test_last_behind_a_later_complete_checkpoint_of_its_run_resumes_the_later_on
         assert ckpt.newer_than_last(last) == later
     _damage(later, "byte_flip")
     assert ckpt.newer_than_last(last) is None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_dead_peer_is_said_in_one_line_and_never_blamed_on_the_disk(monkeypatch, capsys, tmp_path, rank):
+    """A rank killed during a save, a validation or the data build left the others a ~95-line gloo traceback ending
+    in "Connection closed by peer [127.0.0.1]:port", naming no rank; killed while it wrote its shard, the save said "a
+    write failed in '...' (51.39 GiB free there)", blaming the disk. Each surviving rank now says in one line that
+    another rank died or stopped answering, and where it was; the save says the disk is not the cause."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_megatron import cli
+    from lightning_megatron.checkpoint import _write_error
+
+    gloo = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29516: Connection closed by "
+            "peer [127.0.0.1]:29516")
+    said = _write_error(RuntimeError(gloo), tmp_path / "last.ckpt", tmp_path)
+    assert "another rank died or stopped answering during the save" in said and "a write failed" not in said, said
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(gloo)
+
+    monkeypatch.setattr(cli, "lightning_cli", fail)
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", "recipe.yaml"])
+    message = str(info.value.code)
+    assert message.startswith(f"lightning-megatron: rank {rank}: another rank died or stopped answering (") and \
+        "Connection closed by peer" in message and "that rank's own output" in message, message
+    assert "in fail (" in message and "test_checkpoint_verify.py" in message, message  # where this rank was
