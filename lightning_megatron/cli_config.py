@@ -10,7 +10,9 @@ in it), the W&B mode and the W&B run a checkpoint continues. No Lightning import
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from typing import Any
 
 __all__ = ["prepare_config"]
@@ -306,6 +308,71 @@ def _written_model_arguments(argv: list[str]) -> set[str]:
         for key, value in (args or {}).items():
             written |= {f"{key}.{k}" for k in value} if isinstance(value, dict) else {key}
     return written
+
+
+RUN_LOCK = ".lightning-megatron.lock"
+"""The file in a run folder whose lock the process of global rank 0 of a ``fit`` holds while it runs."""
+_run_locks: dict[str, int] = {}
+
+
+def one_run_at_a_time(config, fitting: bool) -> None:
+    """``fit``, once its configuration passed every check (a refused command writes nothing): one run at a time in a run folder (``trainer.default_root_dir``: its logs' versions, its W&B files,
+    its checkpoints). Two runs started at once there wrote one ``csv/version_0/metrics.csv`` together and the second's
+    ``hparams.yaml`` replaced the first's. The process that will be global rank 0 takes an exclusive ``flock`` of
+    :data:`RUN_LOCK` there, held until it exits however it ends (the kernel releases it), with who holds it written
+    in the file; a lock held by another process is refused before launch, naming it. Where the file system has no
+    locks (or no ``fcntl``), nothing is checked."""
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if not fitting or not trainer or not _hosts_global_rank_zero():
+        return
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return
+    root = os.path.abspath(os.fspath(trainer.get("default_root_dir") or os.getcwd()))
+    if root in _run_locks:  # this process's own run (a program calling main twice)
+        return
+    path = os.path.join(root, RUN_LOCK)
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return  # a folder that cannot be written: the configuration check says so
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 4096).decode("utf-8", "replace")
+        os.close(fd)
+        try:
+            who = json.loads(holder)
+            said = (f"pid {who['pid']} on {who['host']}, started {who['started']}: {who['command']}")
+        except (ValueError, KeyError, TypeError):
+            said = "its process holds the lock"
+        raise SystemExit(f"lightning-megatron: another run is training in {root} now ({said}); two runs there "
+                         f"would write one metrics file and mix their logs. Wait for it to end (then --ckpt_path "
+                         f"last continues it), or start this one in another folder: --trainer.default_root_dir "
+                         f"{os.path.normpath(root)}-2") from None
+    except OSError:  # a file system without locks
+        os.close(fd)
+        return
+    import socket
+    import time
+
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": " ".join(["lightning-megatron", *sys.argv[1:]])[:300]}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    _run_locks[root] = fd  # held while this process lives
+
+
+def _hosts_global_rank_zero() -> bool:
+    """Whether this process is (or will be, the ranks' launcher) global rank 0, by the launchers' variables."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return False
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if name in os.environ:
+            return os.environ[name] == "0"
+    return os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "0"))) == "0"
 
 
 def _checkpoint_folders(trainer) -> list[str]:

@@ -645,3 +645,38 @@ def test_check_takes_a_decoder_recipe_on_its_own_bpe_data(inputs):
 
     recipe = load_recipe(GPT, data_overrides={"data_prefix": inputs["gpt"]})
     assert _layout_problems(recipe, [ParallelDims.parse("tp1"), ParallelDims.parse("tp2")], runs=False) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fcntl.flock")
+def test_a_second_fit_into_a_run_folder_in_use_is_refused_before_launch(inputs, tmp_path, monkeypatch):
+    """Two runs started at once into one run folder wrote one ``csv/version_0/metrics.csv`` together (its rows read steps
+    0, 0, 1, 1, ...) and the second's ``hparams.yaml`` replaced the first's; nothing refused the second until its first
+    save. The process of global rank 0 holds a lock in the folder while it runs (``.lightning-megatron.lock``, released
+    with the process, however it ends); another ``fit`` there is refused before launch, naming the holder."""
+    import fcntl
+    import json as jsonlib
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = os.open(run / ".lightning-megatron.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first run's process (another open file: it conflicts)
+    os.write(holder, jsonlib.dumps({"pid": 4242, "host": "node-a", "started": "2026-12-07 10:00:00",
+                                    "command": "lightning-megatron fit --config a.yaml"}).encode())
+    argv = [*FIT, "--trainer.default_root_dir", str(run), "--trainer.strategy.init_args.timeout", "0"]
+    monkeypatch.setattr("lightning_megatron.config_checks.timeout_problem", lambda timeout: None)  # passes the checks
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    message = str(exited.value.code)
+    assert message.startswith(f"lightning-megatron: another run is training in {run} now (pid 4242 on node-a, "
+                              f"started 2026-12-07 10:00:00: lightning-megatron fit --config a.yaml)"), message
+    assert "--trainer.default_root_dir" in message, message
+    fcntl.flock(holder, fcntl.LOCK_UN)  # the first run ended: the folder is free (a resume, a new run there)
+    os.close(holder)
+    monkeypatch.undo()
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert "strategy timeout=0" in str(exited.value.code)  # the lock is taken once the checks pass: refused there
