@@ -317,11 +317,12 @@ _run_locks: dict[str, int] = {}
 
 def one_run_at_a_time(config, fitting: bool) -> None:
     """``fit``, once its configuration passed every check (a refused command writes nothing): one run at a time in a
-    run folder (``trainer.default_root_dir``: its logs' versions, its W&B files, its checkpoints). Two runs started at once there wrote one ``csv/version_0/metrics.csv`` together and the second's
-    ``hparams.yaml`` replaced the first's. The process that will be global rank 0 takes an exclusive ``flock`` of
-    :data:`RUN_LOCK` there, held until it exits however it ends (the kernel releases it), with who holds it written
-    in the file; a lock held by another process is refused before launch, naming it. Where the file system has no
-    locks (or no ``fcntl``), nothing is checked."""
+    run folder (``trainer.default_root_dir``: its logs' versions, its W&B files, its checkpoints). Two runs started
+    at once there wrote one ``csv/version_0/metrics.csv`` together and the second's ``hparams.yaml`` replaced the
+    first's. The process that will be global rank 0 takes an exclusive ``flock`` of :data:`RUN_LOCK` there, held
+    until it exits however it ends (the kernel releases it), with who holds it written in the file; a lock held by
+    another process is refused before launch, naming it. Where the file system has no locks (or no ``fcntl``),
+    nothing is checked."""
     trainer = config.get("trainer") if hasattr(config, "get") else None
     if not fitting or not trainer or not _hosts_global_rank_zero():
         return

@@ -650,9 +650,10 @@ def test_check_takes_a_decoder_recipe_on_its_own_bpe_data(inputs):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fcntl.flock")
 def test_a_second_fit_into_a_run_folder_in_use_is_refused_before_launch(inputs, tmp_path, monkeypatch):
     """Two runs started at once into one run folder wrote one ``csv/version_0/metrics.csv`` together (its rows read
-    steps 0, 0, 1, 1, ...) and the second's ``hparams.yaml`` replaced the first's; nothing refused the second until its first
-    save. The process of global rank 0 holds a lock in the folder while it runs (``.lightning-megatron.lock``, released
-    with the process, however it ends); another ``fit`` there is refused before launch, naming the holder."""
+    steps 0, 0, 1, 1, ...) and the second's ``hparams.yaml`` replaced the first's; nothing refused the second until
+    its first save. The process of global rank 0 holds a lock in the folder while it runs
+    (``.lightning-megatron.lock``, released with the process, however it ends); another ``fit`` there is refused
+    before launch, naming the holder."""
     import fcntl
     import json as jsonlib
 
