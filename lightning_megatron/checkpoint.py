@@ -543,5 +543,17 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
             except Exception as e:  # noqa: BLE001 - state of another shape: one rank's, said on every rank
                 error = f"checkpoint {str(path)!r}: {rng_file.relative_to(path)} is not RNG state ({e!r})"
         _agree(error)
+    elif rank == 0:  # every rank's dropout and generator streams start from the strategy's seed instead
+        saved = info.get("layout") or {}
+        warnings.warn(f"checkpoint {str(path)!r} was saved at {_layout_words(saved)}; this run is "
+                      f"{_layout_words(layout)}: the ranks' RNG states (dropout, torch's generator) are not restored "
+                      f"(a state belongs to a rank of its layout) and start from the strategy's seed; the run goes on "
+                      f"alike, not bit for bit as it would at its own layout", UserWarning, stacklevel=2)
     extra.setdefault("state_dict", {})
     return extra
+
+
+def _layout_words(layout: dict[str, Any]) -> str:
+    """``tp=2, pp=1, dp=2`` (and the other sizes above 1) of a marker's layout, for messages."""
+    keys = ["tp", "pp", "dp"] + [k for k in ("vp", "cp", "ep") if (layout.get(k) or 1) > 1]
+    return ", ".join(f"{k}={layout.get(k) if layout.get(k) is not None else 1}" for k in keys)

@@ -272,32 +272,51 @@ def newer_than_last(last: str | os.PathLike) -> Path | None:
     """For ``ckpt_path="last"`` resolved to ``last``: the complete checkpoint of its run at a later step, written
     after it, in its folder (newest step first), with a warning; None when there is none. A launcher killed, or
     Ctrl-C pressed twice, during the ``last`` save that follows a step checkpoint leaves ``last.ckpt`` a save interval
-    behind. Written *before* ``last`` (the branch a run leaves when it resumes from an earlier checkpoint), another
-    run's, or not verifying: passed over."""
+    behind. Passed over: one written *before* ``last`` (the branch a run leaves when it resumes from an earlier
+    checkpoint), another run's, one that holds less training state than ``last`` (a ``save_weights_only``
+    callback's: no optimizer or schedule to resume), and one that does not verify."""
     last = Path(last)
     run, step = checkpoint_identity(last)
-    if run is None or step is None or not (last / MARKER).is_file():
+    try:
+        written = (last / MARKER).stat().st_mtime
+    except OSError:
         return None
-    written = (last / MARKER).stat().st_mtime
+    if run is None or step is None:
+        return None
     later = []
     for path in last.parent.iterdir():
-        if path == last or not path.is_dir() or not (path.suffix == ".ckpt" or ".ckpt" + TMP_INFIX in path.name):
+        if path == last or not (path.suffix == ".ckpt" or ".ckpt" + TMP_INFIX in path.name):
             continue
         other_run, other_step = checkpoint_identity(path)
-        marker = path / MARKER
-        if other_run == run and other_step is not None and other_step > step and marker.is_file() and \
-                marker.stat().st_mtime > written:
+        try:
+            newer = path.is_dir() and (path / MARKER).stat().st_mtime > written
+        except OSError:  # a temporary renamed meanwhile (a save in progress)
+            continue
+        if newer and other_run == run and other_step is not None and other_step > step:
             later.append((other_step, path))
+    wanted = _training_state(last)
     for other_step, path in sorted(later, key=lambda p: -p[0]):
         try:
-            verify_checkpoint(path)
-        except CheckpointError:
+            verify_checkpoint(path)  # (a recovery's one-off cost: passed over when damaged, last.ckpt resumed)
+        except (CheckpointError, OSError):
+            continue
+        if not wanted <= _training_state(path):
             continue
         warnings.warn(f"ckpt_path='last': {str(last)!r} is step {step}, and this run's complete checkpoint "
                       f"{str(path)!r} (step {other_step}) was written after it: its last save was interrupted; "
                       f"resuming from step {other_step}", UserWarning, stacklevel=2)
         return path
     return None
+
+
+def _training_state(path: Path) -> set[str]:
+    """What of a run's training state a checkpoint's ``extra.pt`` holds (optimizers, schedules, loops)."""
+    try:
+        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu", mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: holds nothing that can be resumed
+        return set()
+    keys = ("megatron_optimizers", "optimizer_states", "lr_schedulers", "loops", "callbacks")
+    return {k for k in keys if isinstance(extra, dict) and extra.get(k)}
 
 
 validate_checkpoint_dir = verify_checkpoint

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["prepare_config"]
@@ -32,10 +33,10 @@ def prepare_config(config: Any, argv: list[str], model_class: type | None = None
     _weight_decay_the_schedule_sets(config)
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
-    _architecture_of_init_from(config, argv, model_class)
     _our_wandb_logger(config)
     derived = _one_run_folder(config)
-    _one_run_per_checkpoint_folder(config, fitting=subcommand == "fit")
+    _one_run_per_checkpoint_folder(config, fitting=subcommand == "fit")  # resolves --ckpt_path last
+    _architecture_of_init_from(config, argv, model_class)  # (a resumed run's own training settings: its checkpoint's)
     _evaluation_logs(config, subcommand or "fit")
     _wandb_mode(config)
     _continue_wandb_run(config, subcommand or "fit")
@@ -256,6 +257,8 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
         if config.get("ckpt_path") and not model.get("lora"):
             return  # the source gone since: the checkpoint holds every weight (its fit is checked before launch)
         raise SystemExit(f"lightning-megatron: --model.init_from {source}: {error}") from None
+    # The training settings the source suggests (its dropouts): a resumed run's are its checkpoint's, as it trained
+    architecture.update(_saved_settings(config.get("ckpt_path"), model_class, architecture))
     # An architecture dict is flat (num_layers, ...); the module's argument may live in its config record.
     moved = model_class.moved_arguments()
     where = {k: moved.get(k, k) for k in architecture if moved.get(k, k).split(".")[0] in model}
@@ -297,6 +300,24 @@ def _architecture_of_init_from(config, argv: list[str], model_class: type | None
                           stacklevel=1)
 
 
+def _saved_settings(ckpt_path: Any, model_class: type, architecture: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's values of the settings ``architecture`` suggests without fixing them (a source's dropouts):
+    a run resumed with ``init_from`` keeps what it trained with (a source read otherwise now, or the defaults of an
+    earlier version, would change them mid-run). Its ``extra.pt`` only (weights-only; the load verifies it all)."""
+    from lightning_megatron import checkpoint as ckpt
+    from lightning_megatron.saved_model import flat_hparams
+
+    suggested = [k for k in architecture if k not in model_class.architecture_keys]
+    if not suggested or not isinstance(ckpt_path, (str, os.PathLike)) or not os.path.isdir(ckpt_path):
+        return {}
+    try:
+        extra = ckpt.load_plain(Path(ckpt_path) / "extra.pt", Path(ckpt_path))
+        saved = flat_hparams(model_class.upgrade_hparams(dict(extra.get("hyper_parameters") or {})))
+    except Exception:  # noqa: BLE001 - not readable here: the load says why, after the checks
+        return {}
+    return {k: saved[k] for k in suggested if saved.get(k) is not None}
+
+
 def _written_model_arguments(argv: list[str]) -> set[str]:
     """The model arguments the ``--config`` recipes (with their bases) write, dotted (``config.num_layers``, ``lr``)."""
     from lightning_megatron.recipes import config_recipes
@@ -324,13 +345,16 @@ def one_run_at_a_time(config, fitting: bool) -> None:
     another process is refused before launch, naming it. Where the file system has no locks (or no ``fcntl``),
     nothing is checked."""
     trainer = config.get("trainer") if hasattr(config, "get") else None
-    if not fitting or not trainer or not _hosts_global_rank_zero():
+    if not fitting or not trainer or not _launches_every_rank(trainer):
         return
     try:
         import fcntl
     except ImportError:  # not POSIX
         return
-    root = os.path.abspath(os.fspath(trainer.get("default_root_dir") or os.getcwd()))
+    given = os.fspath(trainer.get("default_root_dir") or os.getcwd())
+    if "://" in given:  # an object store: no lock there
+        return
+    root = os.path.abspath(given)
     if root in _run_locks:  # this process's own run (a program calling main twice)
         return
     path = os.path.join(root, RUN_LOCK)
@@ -352,7 +376,8 @@ def one_run_at_a_time(config, fitting: bool) -> None:
         raise SystemExit(f"lightning-megatron: another run is training in {root} now ({said}); two runs there "
                          f"would write one metrics file and mix their logs. Wait for it to end (then --ckpt_path "
                          f"last continues it), or start this one in another folder: --trainer.default_root_dir "
-                         f"{os.path.normpath(root)}-2") from None
+                         f"{os.path.normpath(root)}-2 (no such run: a network file system keeps a crashed host's "
+                         f"lock; remove {path})") from None
     except OSError:  # a file system without locks
         os.close(fd)
         return
@@ -366,14 +391,21 @@ def one_run_at_a_time(config, fitting: bool) -> None:
     _run_locks[root] = fd  # held while this process lives
 
 
-def _hosts_global_rank_zero() -> bool:
-    """Whether this process is (or will be, the ranks' launcher) global rank 0, by the launchers' variables."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return False
-    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if name in os.environ:
-            return os.environ[name] == "0"
-    return os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "0"))) == "0"
+def _launches_every_rank(trainer) -> bool:
+    """Whether this process starts every rank of the run itself (one node, no launcher of a cluster's: torchrun,
+    srun, mpirun): its refusal then ends the run whole. Where other processes start ranks too, they would wait for it
+    in the rendezvous until the timeout: no lock is taken there."""
+    started_elsewhere = ("LOCAL_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                         "TORCHELASTIC_RUN_ID", "NODE_RANK", "GROUP_RANK")
+    nodes = trainer.get("num_nodes", 1)
+    return not any(name in os.environ for name in started_elsewhere) and (nodes in (None, 1) or str(nodes) == "1")
+
+
+def release_run_locks() -> None:
+    """Release the run folders' locks this process holds (:func:`one_run_at_a_time`): a program that called the
+    command's ``main`` goes on without holding them (the command itself releases them by exiting)."""
+    while _run_locks:
+        os.close(_run_locks.popitem()[1])
 
 
 def _checkpoint_folders(trainer) -> list[str]:

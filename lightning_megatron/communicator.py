@@ -18,26 +18,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "communicator was aborted",
-              "died before arriving")  # the last: the CPU tuning's shared-memory collectives
-"""What a collective's error says when another rank's process died (gloo's TCP pair; NCCL's abort)."""
-
-
-def peer_lost(error: BaseException | None) -> str | None:
-    """The line of ``error`` (or of what caused it) saying that another rank's process is gone, else None: a rank's
-    own failure is in its own output; the others see only their collective's connection close."""
-    seen = 0
-    while error is not None and seen < 8:
-        for line in str(error).splitlines():
-            if any(marker in line for marker in _PEER_LOST):
-                return line.strip()
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return None
-
 import torch
 import torch.distributed as dist
 
-__all__ = ["Communicator", "TorchCommunicator"]
+__all__ = ["Communicator", "TorchCommunicator", "peer_lost"]
 
 # torch >= 2.10 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
 _all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -88,3 +72,32 @@ class TorchCommunicator:
 
     def close(self) -> None:
         return None
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "died before arriving")
+"""What a collective's error says when another rank's process died (gloo's TCP pair; the last: the CPU tuning's
+shared-memory collectives)."""
+
+_COLLECTIVE_FRAMES = ("torch/distributed/", "lightning_megatron/communicator.py", "lightning_megatron/cpu/")
+"""Where such an error is raised: a collective (torch.distributed, ours, the CPU tuning's)."""
+
+
+def peer_lost(error: BaseException | None) -> str | None:
+    """The line of ``error`` (or of what caused it) saying that another rank's process is gone, else None: a rank's
+    own failure is in its own output; the others see only their collective's connection close. Only a
+    ``RuntimeError`` a collective raised counts (not an ``OSError``: this process's own socket, an HTTP client, a
+    network file system; not a data-loader worker's error re-raised)."""
+    import traceback
+
+    seen = 0
+    while error is not None and seen < 8:
+        text = str(error)
+        raised_in_collective = any(part in frame.filename for frame in traceback.extract_tb(error.__traceback__)
+                                   for part in _COLLECTIVE_FRAMES)
+        if isinstance(error, RuntimeError) and not isinstance(error, OSError) and raised_in_collective \
+                and "DataLoader worker" not in text:
+            for line in text.splitlines():
+                if any(marker in line for marker in _PEER_LOST):
+                    return line.strip()
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None

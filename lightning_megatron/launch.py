@@ -47,10 +47,15 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["prewarm", "import_wandb_ahead", "release", "local_processes", "named_classes", "hand_to_waiting",
-           "pause_collection", "resume_collection", "exit_when_parent_dies", "PREWARM_ENV", "CLASSES_ENV"]
+           "pause_collection", "resume_collection", "exit_when_parent_dies", "PREWARM_ENV", "CLASSES_ENV",
+           "CHILD_ENV"]
 
 PREWARM_ENV = "LIGHTNING_MEGATRON_PREWARM_FD"
 """Set in a waiting rank's environment: the file descriptor of the pipe its order arrives on."""
+
+CHILD_ENV = "LIGHTNING_MEGATRON_LAUNCHED_BY_RANK_0"
+"""Set in the environment of a local rank that rank 0 started (Lightning's launcher through the strategy's, a waiting
+rank among them): its parent is rank 0, whose death ends it while it connects (:func:`exit_when_parent_dies`)."""
 
 CLASSES_ENV = "LIGHTNING_MEGATRON_PREWARM_CLASSES"
 """Set in a waiting rank's environment: the class paths it imports while it waits, comma-separated."""

@@ -18,6 +18,7 @@ gets the same batch); the logged loss is the mean over the global batch.
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 import sys
 import uuid
@@ -104,8 +105,12 @@ class _PrewarmedLauncher(_SubprocessScriptLauncher):
 
     @override
     def _call_children_scripts(self) -> None:
-        with launch.hand_to_waiting(sys.modules[_SubprocessScriptLauncher.__module__]):
-            super()._call_children_scripts()
+        os.environ[launch.CHILD_ENV] = "1"  # in the children's environment (Lightning copies this one), not rank 0's
+        try:
+            with launch.hand_to_waiting(sys.modules[_SubprocessScriptLauncher.__module__]):
+                super()._call_children_scripts()
+        finally:
+            os.environ.pop(launch.CHILD_ENV, None)
 
 
 class MegatronStrategy(DDPStrategy):
@@ -255,7 +260,8 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.local_rank > 0:  # rank 0, its parent, hosts the rendezvous: its death ends the rank's waits at once
+        if self.local_rank > 0 and os.environ.get(launch.CHILD_ENV) == "1":  # started by rank 0, which hosts the
+            # rendezvous: its death ends this rank's waits at once (not a rank torchrun, srun or a script started)
             with launch.exit_when_parent_dies(f"local rank {self.local_rank}", "connecting to the other ranks"):
                 self._setup_environment()
         else:

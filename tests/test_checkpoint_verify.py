@@ -452,8 +452,8 @@ def test_last_behind_a_later_complete_checkpoint_of_its_run_resumes_the_later_on
     complete ``epoch=0-step=4.ckpt`` and ``last.ckpt`` at step 2: ``--ckpt_path last`` resumed step 2 and trained a save
     interval again (200 steps in the recipes), while its own warning named the newer checkpoint. The run's complete
     checkpoint of a later step, written after ``last.ckpt``, is resumed, with a warning; one written before it (a
-    branch the run left when it resumed from an earlier checkpoint), another run's, or one that does not verify,
-    is not."""
+    branch the run left when it resumed from an earlier checkpoint), another run's, a weights-only one, or one that
+    does not verify, is not."""
     import os
 
     d = tmp_path / "checkpoints"
@@ -472,6 +472,14 @@ def test_last_behind_a_later_complete_checkpoint_of_its_run_resumes_the_later_on
     saved("epoch=0-step=8.ckpt", 8, run="run-b", when=20)  # another run's
     assert ckpt.newer_than_last(last) is None
     later = saved("epoch=0-step=4.ckpt", 4, when=11)
+    weights = saved("epoch=0-step=5.ckpt", 5, when=12)  # a save_weights_only callback's: nothing to resume training
+    extra = torch.load(weights / "extra.pt", weights_only=True)
+    torch.save({k: v for k, v in extra.items() if k not in ("megatron_optimizers", "loops")}, weights / "extra.pt")
+    marker = json.loads((weights / ckpt.MARKER).read_text())
+    marker["files"]["extra.pt"] = (weights / "extra.pt").stat().st_size
+    marker["sha256"]["extra.pt"] = ckpt.file_sha256(weights / "extra.pt")
+    (weights / ckpt.MARKER).write_text(json.dumps(marker))
+    os.utime(weights / ckpt.MARKER, (1e9 + 12, 1e9 + 12))
     with pytest.warns(UserWarning, match=r"last.ckpt' is step 2, and this run's complete checkpoint "
                                          r"'.*epoch=0-step=4.ckpt' \(step 4\) was written after it: its last save was "
                                          r"interrupted; resuming from step 4"):
@@ -486,18 +494,35 @@ def test_a_dead_peer_is_said_in_one_line_and_never_blamed_on_the_disk(monkeypatc
     in "Connection closed by peer [127.0.0.1]:port", naming no rank; killed while it wrote its shard, the save said "a
     write failed in '...' (51.39 GiB free there)", blaming the disk. Each surviving rank now says in one line that
     another rank died or stopped answering, and where it was; the save says the disk is not the cause."""
+    import torch.distributed as dist
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_megatron import cli
     from lightning_megatron.checkpoint import _write_error
+    from lightning_megatron.communicator import TorchCommunicator
 
     gloo = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29516: Connection closed by "
             "peer [127.0.0.1]:29516")
-    said = _write_error(RuntimeError(gloo), tmp_path / "last.ckpt", tmp_path)
-    assert "another rank died or stopped answering during the save" in said and "a write failed" not in said, said
 
-    def fail(*args, **kwargs):
+    def closed(*args, **kwargs):
         raise RuntimeError(gloo)
+
+    monkeypatch.setattr(dist, "all_reduce", closed)
+
+    def fail(*args, **kwargs):  # a collective of ours whose peer is gone
+        TorchCommunicator(None).all_reduce(torch.zeros(1))
+
+    try:
+        fail()
+    except RuntimeError as e:
+        said = _write_error(e, tmp_path / "last.ckpt", tmp_path)
+    assert "another rank died or stopped answering during the save" in said and "a write failed" not in said, said
+    # this process's own socket (an HTTP client's reset, W&B's), a data-loader worker's: not another rank's death
+    own = ConnectionResetError(104, "Connection reset by peer")
+    assert "a write failed" in _write_error(own, tmp_path / "last.ckpt", tmp_path)
+    from lightning_megatron.communicator import peer_lost
+
+    assert peer_lost(RuntimeError(gloo)) is None  # not raised by a collective
 
     monkeypatch.setattr(cli, "lightning_cli", fail)
     monkeypatch.setattr(rank_zero_only, "rank", rank)
@@ -506,4 +531,4 @@ def test_a_dead_peer_is_said_in_one_line_and_never_blamed_on_the_disk(monkeypatc
     message = str(info.value.code)
     assert message.startswith(f"lightning-megatron: rank {rank}: another rank died or stopped answering (") and \
         "Connection closed by peer" in message and "that rank's own output" in message, message
-    assert "in fail (" in message and "test_checkpoint_verify.py" in message, message  # where this rank was
+    assert "in closed (" in message, message  # where this rank was: the innermost frame outside torch (its stand-in)

@@ -284,3 +284,20 @@ def test_export_from_tp2pp2_matches_transformers_and_init_from_restores_it(measu
     for r in per_rank:  # the loss every rank logs is the last stage's, broadcast
         assert abs(r[family]["restored_loss"] - float(losses[0])) <= 1e-5 * float(losses[0]), (
             r[family]["restored_loss"], float(losses[0]))
+
+
+def test_a_resumed_run_keeps_the_dropouts_it_trained_with(tmp_path):
+    """`fit --ckpt_path CKPT` of a run started with ``init_from``: the source's suggested settings (its dropouts) give
+    way to the checkpoint's, so that a run started before the source's dropouts were read (our defaults, 0.1) or from
+    a source read otherwise now does not change them mid-run; the architecture still comes from the source."""
+    from lightning_megatron.cli_config import _saved_settings
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    (tmp_path / "ckpt").mkdir()
+    torch.save({"hyper_parameters": {"config": {"hidden_dropout": 0.1, "attention_dropout": 0.1, "num_layers": 3}}},
+               tmp_path / "ckpt" / "extra.pt")
+    source = {"num_layers": 3, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    assert _saved_settings(str(tmp_path / "ckpt"), GPTLightningModule, source) == {"hidden_dropout": 0.1,
+                                                                                   "attention_dropout": 0.1}
+    assert _saved_settings(None, GPTLightningModule, source) == {}  # a new run: the source's
+    assert _saved_settings(str(tmp_path / "nope"), GPTLightningModule, source) == {}

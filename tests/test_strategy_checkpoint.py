@@ -27,7 +27,12 @@ def _run(tp: int, pp: int, world: int, max_steps: int, *, ckpt_in: str | None = 
     dm = synthetic_datamodule(GLOBAL_BATCH, MICRO, dims.dp, dims.coordinates(torch.distributed.get_rank())["dp"])
     out: dict = {}
     if fit:
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)
+        import warnings
+
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            trainer.fit(module, datamodule=dm, ckpt_path=ckpt_in)
+        out["warnings"] = [str(w.message) for w in said]
         out["losses"] = recorder.losses
         if save_to:
             trainer.save_checkpoint(save_to)
@@ -82,6 +87,10 @@ def test_reshard_tp2dp2_to_tp4_and_tp1(runs):
     # Training resumes at TP=4 with the optimizer state intact: it follows the straight TP=2 x DP=2 run.
     torch.testing.assert_close(torch.tensor(r["resumed_tp4"]["losses"]),
                                torch.tensor(r["straight"]["losses"][10:]), rtol=1e-5, atol=0)
+    # Its ranks' RNG states are not the checkpoint's (another rank per state): said (was silent), not at the same layout
+    rng = [w for w in r["resumed_tp4"]["warnings"] if "RNG" in w]
+    assert len(rng) == 1 and "saved at tp=2, pp=1, dp=2; this run is tp=4, pp=1, dp=1" in rng[0], rng
+    assert not [w for w in r["resumed"]["warnings"] if "RNG" in w], r["resumed"]["warnings"]
 
 
 def test_reshard_pp2_to_pp1(runs):
