@@ -399,6 +399,8 @@ def write_location_problems(trainer_args: Mapping[str, Any]) -> list[str]:
                and cb["init_args"].get("dirpath")]
     problems = []
     for what, path in dict.fromkeys(places):
+        if "://" in path:  # an object store (s3://, gs://): the file system's to say
+            continue
         if os.path.exists(path) and not os.path.isdir(path):
             problems.append(f"{what} {path} is a file, not a folder: the run writes its logs and checkpoints there; "
                             f"pass a folder")
