@@ -328,8 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"lightning-megatron: {e}") from None
     finally:
         launch.resume_collection()  # a command that ended before its imports were done
-        if "lightning_megatron.cli_config" in sys.modules:  # the run folder's lock, held while the command ran
-            sys.modules["lightning_megatron.cli_config"].release_run_locks()
+        if "lightning_megatron.run_lock" in sys.modules:  # the run folder's lock, held while the command ran
+            sys.modules["lightning_megatron.run_lock"].release_run_locks()
 
 
 def _where(error: BaseException) -> str:

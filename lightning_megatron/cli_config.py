@@ -10,9 +10,7 @@ in it), the W&B mode and the W&B run a checkpoint continues. No Lightning import
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -329,83 +327,6 @@ def _written_model_arguments(argv: list[str]) -> set[str]:
         for key, value in (args or {}).items():
             written |= {f"{key}.{k}" for k in value} if isinstance(value, dict) else {key}
     return written
-
-
-RUN_LOCK = ".lightning-megatron.lock"
-"""The file in a run folder whose lock the process of global rank 0 of a ``fit`` holds while it runs."""
-_run_locks: dict[str, int] = {}
-
-
-def one_run_at_a_time(config, fitting: bool) -> None:
-    """``fit``, once its configuration passed every check (a refused command writes nothing): one run at a time in a
-    run folder (``trainer.default_root_dir``: its logs' versions, its W&B files, its checkpoints). Two runs started
-    at once there wrote one ``csv/version_0/metrics.csv`` together and the second's ``hparams.yaml`` replaced the
-    first's. The process that will be global rank 0 takes an exclusive ``flock`` of :data:`RUN_LOCK` there, held
-    until it exits however it ends (the kernel releases it), with who holds it written in the file; a lock held by
-    another process is refused before launch, naming it. Where the file system has no locks (or no ``fcntl``),
-    nothing is checked."""
-    trainer = config.get("trainer") if hasattr(config, "get") else None
-    if not fitting or not trainer or not _launches_every_rank(trainer):
-        return
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        return
-    given = os.fspath(trainer.get("default_root_dir") or os.getcwd())
-    if "://" in given:  # an object store: no lock there
-        return
-    root = os.path.abspath(given)
-    if root in _run_locks:  # this process's own run (a program calling main twice)
-        return
-    path = os.path.join(root, RUN_LOCK)
-    try:
-        os.makedirs(root, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return  # a folder that cannot be written: the configuration check says so
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 4096).decode("utf-8", "replace")
-        os.close(fd)
-        try:
-            who = json.loads(holder)
-            said = (f"pid {who['pid']} on {who['host']}, started {who['started']}: {who['command']}")
-        except (ValueError, KeyError, TypeError):
-            said = "its process holds the lock"
-        raise SystemExit(f"lightning-megatron: another run is training in {root} now ({said}); two runs there "
-                         f"would write one metrics file and mix their logs. Wait for it to end (then --ckpt_path "
-                         f"last continues it), or start this one in another folder: --trainer.default_root_dir "
-                         f"{os.path.normpath(root)}-2 (no such run: a network file system keeps a crashed host's "
-                         f"lock; remove {path})") from None
-    except OSError:  # a file system without locks
-        os.close(fd)
-        return
-    import socket
-    import time
-
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": " ".join(["lightning-megatron", *sys.argv[1:]])[:300]}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
-    _run_locks[root] = fd  # held while this process lives
-
-
-def _launches_every_rank(trainer) -> bool:
-    """Whether this process starts every rank of the run itself (one node, no launcher of a cluster's: torchrun,
-    srun, mpirun): its refusal then ends the run whole. Where other processes start ranks too, they would wait for it
-    in the rendezvous until the timeout: no lock is taken there."""
-    started_elsewhere = ("LOCAL_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                         "TORCHELASTIC_RUN_ID", "NODE_RANK", "GROUP_RANK")
-    nodes = trainer.get("num_nodes", 1)
-    return not any(name in os.environ for name in started_elsewhere) and (nodes in (None, 1) or str(nodes) == "1")
-
-
-def release_run_locks() -> None:
-    """Release the run folders' locks this process holds (:func:`one_run_at_a_time`): a program that called the
-    command's ``main`` goes on without holding them (the command itself releases them by exiting)."""
-    while _run_locks:
-        os.close(_run_locks.popitem()[1])
 
 
 def _checkpoint_folders(trainer) -> list[str]:

@@ -195,7 +195,7 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
         def before_instantiate_classes(self) -> None:
             # Config-only checks (lightning_megatron.config_checks) before the Trainer launches any
             # process (a warm-up as long as a short run is shortened at set-up by the schedule callback).
-            from lightning_megatron.cli_config import one_run_at_a_time, prepare_config
+            from lightning_megatron.cli_config import prepare_config
             from lightning_megatron.config_checks import ConfigError, config_from_cli, validate_config
 
             config = self.config[self.subcommand] if self.subcommand else self.config
@@ -217,6 +217,8 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                                                          "predict": "test"}.get(self.subcommand)))
             except ConfigError as e:
                 raise SystemExit(f"lightning-megatron: {e}") from None
+            from lightning_megatron.run_lock import one_run_at_a_time
+
             one_run_at_a_time(config, fitting=self.subcommand == "fit")  # the run folder's lock, held until exit
 
         def after_fit(self) -> None:
