@@ -312,8 +312,8 @@ def newer_than_last(last: str | os.PathLike) -> Path | None:
 def _training_state(path: Path) -> set[str]:
     """What of a run's training state a checkpoint's ``extra.pt`` holds (optimizers, schedules, loops)."""
     try:
-        extra = torch.load(path / "extra.pt", weights_only=True, map_location="cpu", mmap=True)
-    except Exception:  # noqa: BLE001 - unreadable: holds nothing that can be resumed
+        extra = load_plain(path / "extra.pt", path)
+    except (CheckpointError, OSError):  # unreadable: holds nothing that can be resumed
         return set()
     keys = ("megatron_optimizers", "optimizer_states", "lr_schedulers", "loops", "callbacks")
     return {k for k in keys if isinstance(extra, dict) and extra.get(k)}
