@@ -517,7 +517,9 @@ def _continue_wandb_run(config, subcommand: str) -> None:
                     raise SystemExit(f"lightning-megatron: --log_to_training_run: the checkpoint {ckpt_path!r} "
                                      f"names no W&B run (it was written without a WandbLogger)")
                 continue
-            later = _later_checkpoint(saved, _checkpoint_folders(trainer)) if subcommand == "fit" else None
+            # the run's later checkpoints: in this run's folders and, for a checkpoint of another folder, in its own
+            folders = [*_checkpoint_folders(trainer), os.path.dirname(os.path.abspath(os.fspath(ckpt_path)))]
+            later = _later_checkpoint(saved, list(dict.fromkeys(folders))) if subcommand == "fit" else None
             if later is not None:  # a fit from an earlier checkpoint of the run: W&B would drop its rows to that step
                 args.group = saved.run_id
                 print(f"lightning-megatron: {ckpt_path} is step {saved.global_step} of W&B run {saved.run_id}, which "

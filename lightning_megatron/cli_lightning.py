@@ -109,6 +109,19 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                 for args, key, value in used:
                     args[key] = value
 
+        def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            """The whole configuration, as ``config.yaml`` holds it, into each W&B run's config as ``recipe``
+            (``recipe.trainer.max_steps``, ...; rank 0, with the paths as given)."""
+            from lightning.pytorch.loggers import WandbLogger
+
+            wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+            if wandb:
+                import yaml
+
+                recipe = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+                for logger in wandb:
+                    logger.log_hyperparams({"recipe": recipe})
+
     class MegatronCLI(LightningCLI):
         def subcommands(self) -> dict[str, set[str]]:  # LightningCLI's staticmethod, called on the instance
             return running

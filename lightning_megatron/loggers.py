@@ -176,6 +176,7 @@ class WandbLogger(loggers.WandbLogger):
         bound = self.init_timeout_s
         deadline = time.monotonic() + bound
         init = dict(self._wandb_init)
+        resumes = init.get("resume") == "must" or (init.get("resume") == "allow" and _has_segments(init))
         init["id"] = init.get("id") or uuid.uuid4().hex[:8]  # named now: the offline fallback continues it
         first = dict(init, settings=self._settings(bound / 2))
         try:  # a run the stuck call still starts later is finished at once: the logger has the fallback's
@@ -188,8 +189,8 @@ class WandbLogger(loggers.WandbLogger):
         teardown.join((deadline - time.monotonic()) / 2)  # detaches the library state first, then waits
         left = deadline - time.monotonic()
         settings = self._settings(left)
-        if init.get("resume") == "must":
-            settings.resumed = True  # as __init__ for an offline resume: W&B cannot ask its server
+        if resumes:  # as __init__ for an offline resume: W&B cannot ask its server
+            settings.resumed = True
         offline = dict(init, mode="offline", settings=settings)
         try:
             run = _call_within(lambda: wandb.init(**offline), left, late=lambda run: run.finish(exit_code=1))
@@ -231,6 +232,15 @@ class WandbLogger(loggers.WandbLogger):
         if self._prefix:  # as Lightning's logger names them
             metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
         self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
+
+
+def _has_segments(init: dict[str, Any]) -> bool:
+    """Whether the W&B folder of ``wandb.init(**init)`` holds a segment of the run it names (``id``): a
+    ``resume="allow"`` that falls back to offline is then a resume (the CLI passes it online when it continues
+    a checkpoint's run), which only the server could have said."""
+    run_id = init.get("id")
+    folder = Path(init.get("dir") or os.environ.get("WANDB_DIR") or ".") / "wandb"
+    return bool(run_id) and any(any(folder.glob(f"*run-*-{run_id}{tail}")) for tail in ("", "-[0-9]*"))
 
 
 def _setting(settings: Any, name: str) -> Any:
@@ -290,14 +300,12 @@ def _failure(error: BaseException) -> str:
     return f"failed ({type(error).__name__}: {lines[0]})" if lines else f"failed ({type(error).__name__})"
 
 
-_OPTIMIZER_HPARAMS = ("optimizer", "optimizer_class", "optimizer_kwargs", "lr", "weight_decay", "adam_beta1",
-                      "adam_beta2", "adam_eps", "sgd_momentum", "lr_scheduler_class", "lr_scheduler_kwargs")
-"""The module hyper-parameters that make the optimizer (BertLightningModule's), gathered under ``optimizer``."""
-
-
 def run_config(trainer: Any, model: Any) -> dict[str, Any]:
-    """Trainer, strategy, layout, precision, the lr schedule, clipping and the optimizer: what the W&B config
-    shows next to the module's hyper-parameters (which Lightning logs itself)."""
+    """Trainer, strategy, layout, precision, the lr schedule, clipping and loss scaling: what the W&B config
+    shows next to the module's hyper-parameters (the optimizer's among them: Lightning logs them itself, at the
+    top level) and the command's whole configuration (``recipe``, logged by the CLI). Logged at set-up and again
+    when training starts, with what the run then uses: the micro batch read from the data, the lr schedule
+    resolved for the run (and at a resume the checkpoint's)."""
     from lightning_megatron.callbacks import MegatronOptimizerCallback, OptimizerParamSchedulerCallback
     from lightning_megatron.strategy import MegatronStrategy
 
@@ -308,62 +316,113 @@ def run_config(trainer: Any, model: Any) -> dict[str, Any]:
            "strategy": type(strategy).__name__}
     if isinstance(strategy, MegatronStrategy):
         dims = strategy.parallel_dims  # Megatron's names, as the recipe writes them
+        sizes = strategy.batch_sizes  # resolved in the strategy's set-up (after the callbacks' setup)
         run["layout"] = {"name": dims.name, **dims.strategy_kwargs(), "data_parallel_size": dims.dp,
-                         "use_distributed_optimizer": dims.zero1, "micro_batch_size": strategy.micro_batch_size}
+                         "use_distributed_optimizer": dims.zero1,
+                         "micro_batch_size": sizes.micro_batch_size if sizes else strategy.micro_batch_size}
     for callback in trainer.callbacks:  # the lr schedule, clipping and loss scaling: the settings each declares
         if isinstance(callback, OptimizerParamSchedulerCallback):
-            run["lr_schedule"] = callback.run_settings()
+            run["lr_schedule"] = callback.used_settings()
         elif isinstance(callback, MegatronOptimizerCallback):
             run["megatron_optimizer"] = callback.run_settings()
-    hparams = dict(model.hparams)
-    optimizer = {k: hparams[k] for k in _OPTIMIZER_HPARAMS if hparams.get(k) is not None}
-    if optimizer:
-        run["optimizer"] = optimizer
     return run
+
+
+def _wandb_loggers(trainer: Any) -> list[Any]:
+    """The trainer's WandbLoggers that write a W&B run (not one started with ``mode="disabled"`` or under
+    ``WANDB_MODE=disabled``: W&B's no-op run has an id of its own that names nothing)."""
+    found = []
+    for logger in trainer.loggers:
+        if not isinstance(logger, loggers.WandbLogger):
+            continue
+        run = logger._experiment
+        mode = (getattr(run.settings, "mode", None) if run is not None
+                else logger._wandb_init.get("mode") or os.environ.get("WANDB_MODE"))
+        if mode != "disabled":
+            found.append(logger)
+    return found
 
 
 
 class WandbRunIdCallback(Callback):
-    """Writes the run id of the trainer's ``WandbLogger`` into every checkpoint (``checkpoint["wandb_run_id"]``),
-    and :func:`run_config` into its config at set-up (on rank 0, after the launch: the W&B run no longer
-    starts in the launching process before the other ranks are started)."""
+    """Writes the run id of the trainer's ``WandbLogger`` into every checkpoint (``checkpoint["wandb_run_id"]``;
+    none when W&B is disabled), and :func:`run_config` into its config at set-up (on rank 0, after the launch:
+    the W&B run no longer starts in the launching process before the other ranks are started) and again when
+    training starts (what the run then uses)."""
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._log_run_config(trainer, pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._log_run_config(trainer, pl_module)  # after the strategy's set-up and the checkpoint's restore
+
+    @staticmethod
+    def _log_run_config(trainer: Any, pl_module: Any) -> None:
         wandb = [lg for lg in trainer.loggers if isinstance(lg, loggers.WandbLogger)]
         if wandb:
             config = run_config(trainer, pl_module)
             for logger in wandb:
-                logger.log_hyperparams(config)  # rank zero only
+                logger.log_hyperparams(config)  # rank zero only; a value logged before is replaced
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        for logger in trainer.loggers:
-            if isinstance(logger, loggers.WandbLogger) and logger.version:
+        for logger in _wandb_loggers(trainer):
+            if logger.version:
                 checkpoint[WANDB_RUN_ID] = str(logger.version)
+
+
+_FORGE_HOSTS = {"forge.coreweave.com": "api.wandb.ai", "qa.forge.coreweave.com": "api.qa.wandb.ai"}
+"""wandb's CoreWeave Forge hosts and the W&B API host behind each (``wandb.sdk.lib.urls.FORGE_HOSTS``): a key
+for either is the other's."""
+_DEFAULT_HOSTS = ("api.forge.coreweave.com", "api.wandb.ai")
+"""The server of ``wandb login`` without ``--host``: api.forge.coreweave.com since wandb 0.31, api.wandb.ai before."""
+
+
+def _wandb_hosts() -> tuple[str, ...]:
+    """The hosts whose netrc entry wandb would use: its server's (``WANDB_BASE_URL``, else the ``base_url`` that
+    ``wandb login --host`` keeps in W&B's settings file, else the default) and, for a Forge host, the W&B API
+    host behind it."""
+    import configparser
+    from urllib.parse import urlparse
+
+    url = os.environ.get("WANDB_BASE_URL")
+    if not url:
+        settings = configparser.ConfigParser()
+        folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
+        try:
+            settings.read(os.path.join(folder, "settings"))
+            url = settings.get("default", "base_url", fallback=None)
+        except (configparser.Error, OSError, UnicodeDecodeError):
+            url = None
+    if not url:
+        return _DEFAULT_HOSTS
+    host = urlparse(url).hostname or ""
+    upstream = [api for forge, api in _FORGE_HOSTS.items() if host in (forge, f"api.{forge}", api)]
+    return tuple(dict.fromkeys([host, *upstream]))
 
 
 def wandb_credentials() -> str | None:
     """Where W&B would take its credentials from, as ``wandb`` looks for them (without importing it):
-    ``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, else the netrc entry of the W&B host that
-    ``wandb login`` writes (``$NETRC``, ``~/.netrc`` or ``~/_netrc``; the host of ``WANDB_BASE_URL``,
-    default ``api.wandb.ai``). None when there are none: a run would have to be offline."""
+    ``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, else the netrc entry (``$NETRC``, ``~/.netrc`` or
+    ``~/_netrc``) of the W&B server that ``wandb login`` writes (:func:`_wandb_hosts`). None when there are
+    none: a run would have to be offline."""
     import netrc
-    from urllib.parse import urlparse
 
     for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
         if os.environ.get(variable):
             return variable
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
     candidates = ([os.environ["NETRC"]] if os.environ.get("NETRC")
                   else [os.path.expanduser("~/.netrc"), os.path.expanduser("~/_netrc")])
     for path in candidates:
         if not os.path.isfile(path):
             continue
         try:
-            entry = netrc.netrc(path).authenticators(host)
+            entries = netrc.netrc(path)
         except (netrc.NetrcParseError, OSError):
             continue  # wandb reports an unreadable file itself
-        if entry and entry[2]:
-            return f"{path} ({host})"
+        for host in _wandb_hosts():
+            entry = entries.authenticators(host)
+            if entry and entry[2]:
+                return f"{path} ({host})"
     return None
 
 

@@ -241,6 +241,19 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
         # the lr schedule, clipping and the optimizer are in the run config too
         assert all(k in run.config for k in (b"lr_schedule", b"lr_warmup_steps", b"megatron_optimizer", b"clip_grad",
                                              b"adam_beta2")), run
+    # what the run used, not what was asked: lr_decay_steps=null is max_steps (2), kept at the resume to 3 (the
+    # checkpoint's schedule); the micro batch the strategy read from the data; the whole configuration, as its
+    # config.yaml (seed, trainer, strategy options, class paths); no module setting replacing a group of ours
+    for run, decay in ((training, 2), (second, 2)):
+        assert run.settings["lr_schedule"]["lr_decay_steps"] == decay, run.settings.get("lr_schedule")
+        assert run.settings["layout"]["micro_batch_size"] == 2, run.settings.get("layout")
+        recipe = run.settings["recipe"]
+        assert recipe["trainer"]["strategy"]["init_args"]["cpu_tuning"] is False and "seed_everything" in recipe
+        assert recipe["model"]["config"]["num_layers"] == 1 and recipe["data"]["micro_batch_size"] == 2, recipe
+        assert all(isinstance(run.settings[k], dict) for k in ("trainer", "layout", "lr_schedule",
+                                                                "megatron_optimizer", "recipe")), run.settings
+    assert training.settings["recipe"]["trainer"]["max_steps"] == 2 and second.settings["recipe"]["trainer"][
+        "max_steps"] == 3
     # the CSV: a version per start of the training run, the validate's beside them
     csv_dir = tmp_path / "run" / "csv"
     assert sorted(p.relative_to(csv_dir).as_posix() for p in csv_dir.rglob("metrics.csv")) == [
@@ -328,3 +341,38 @@ def test_one_run_per_checkpoint_folder_last_is_this_runs_and_nan_stops_a_plain_o
     assert "holds checkpoints of other runs besides last-v1.ckpt" in stopped.stderr  # said once, as a warning
     assert checkpoint_identity(folder / "last-v1.ckpt") == (run_b, 3)
     assert {k: v for k, v in _sums(folder).items() if not k.startswith("last-v1.ckpt/")} == sums_a  # A untouched
+
+
+def test_a_fit_from_another_folders_checkpoint_that_run_went_past_starts_a_new_wandb_run(tmp_path, capsys):
+    """``--ckpt_path`` naming a checkpoint in another run's folder, at step 5 of W&B run ``be5f77a9``, which went
+    on to step 19 there: continuing ``be5f77a9`` from step 5 would rewrite its history (W&B drops the rows
+    below the last it holds). As for a rewind in the run's own folder: a new W&B run in its group, said."""
+    import json
+
+    import torch
+    from jsonargparse import Namespace
+
+    from lightning_megatron.cli_config import _continue_wandb_run
+
+    source = tmp_path / "runC" / "checkpoints"
+    for step in (5, 19):
+        ckpt = source / f"epoch=0-step={step}.ckpt"
+        ckpt.mkdir(parents=True)
+        (ckpt / "lightning_megatron.json").write_text(json.dumps({"run_id": "be5f77a9", "global_step": step}))
+        torch.save({"wandb_run_id": "be5f77a9", "global_step": step}, ckpt / "extra.pt")
+    logger = Namespace(class_path="lightning_megatron.loggers.WandbLogger", init_args=Namespace(name="runE"))
+    checkpoints = Namespace(class_path="lightning.pytorch.callbacks.ModelCheckpoint",
+                            init_args=Namespace(dirpath=str(tmp_path / "runE" / "checkpoints")))
+    ckpt_path = str(source / "epoch=0-step=5.ckpt")
+    config = Namespace(trainer=Namespace(logger=[logger], callbacks=[checkpoints]), ckpt_path=ckpt_path)
+    _continue_wandb_run(config, "fit")
+    assert logger.init_args.get("id") is None and logger.init_args.group == "be5f77a9", logger
+    assert (f"{ckpt_path} is step 5 of W&B run be5f77a9, which went on to step 19 (epoch=0-step=19.ckpt)"
+            in capsys.readouterr().out)
+    # the run went no further than the checkpoint: continued, in the new folder
+    other = source / "epoch=0-step=19.ckpt"  # now another run's
+    (other / "lightning_megatron.json").write_text(json.dumps({"run_id": "x", "global_step": 19}))
+    torch.save({"global_step": 19}, other / "extra.pt")
+    logger.init_args = Namespace(name="runE")
+    _continue_wandb_run(config, "fit")
+    assert logger.init_args.id == "be5f77a9" and logger.init_args.get("group") is None, logger

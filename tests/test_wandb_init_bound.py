@@ -112,6 +112,7 @@ def test_wedged_service_start_continues_offline_within_the_bound(wandb_env, wedg
     runs = {r.folder: r for r in offline_runs(wandb_env / "wandb")}
     saved = runs.pop(Path(folder))  # the folder the warning names holds the run; the stuck attempt's, nothing
     assert saved.run_id == run.id and saved.steps == [3] and saved.history[0]["loss"] == 2.5
+    assert not saved.resumed  # a new run (no earlier segment of its id here): synced as one
     assert all(not r.run_id and not r.history for r in runs.values()), runs
 
 
@@ -119,10 +120,15 @@ def test_unanswered_server_continues_offline_as_the_same_run(wandb_env, monkeypa
     """Online, a server that never answers: wandb's own init timeout (the user's 2 s, kept under the bound) ends
     the attempt with its error, well inside the first attempt's 9 s even on a loaded machine (the W&B service
     start comes before it: at half the bound, 6 s, it lost that race on a loaded CI runner), and the run
-    continues offline with the id it was given and the user's settings."""
+    continues offline with the id it was given and the user's settings, as a resume of that id's earlier
+    segment."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)  # connections are accepted by the kernel, and never answered
+    earlier = WandbLogger(project="bound", save_dir=str(wandb_env), id="boundrun1")  # the run's first segment
+    earlier.log_metrics({"loss": 3.0}, step=1)
+    earlier.experiment.finish()
+    wandb.teardown()  # W&B reads WANDB_MODE once, at its set-up
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
@@ -138,6 +144,11 @@ def test_unanswered_server_continues_offline_as_the_same_run(wandb_env, monkeypa
     assert "wandb.init failed (CommError: " in warning and "deadline exceeded" in warning, warning  # wandb's own
     assert run.id == "boundrun1" and run.settings.mode == "offline" and run.settings.console == "off"
     run.finish()
+    # the run had a segment here (the CLI passes resume="allow" online when it continues a checkpoint's run): the
+    # fallback records a resume too, else a sync would take the offline segment for a new run of that id
+    first, fallback = [r for r in offline_runs(wandb_env / "wandb") if r.run_id]
+    assert (first.run_id, first.resumed, first.steps) == ("boundrun1", False, [1]), first
+    assert (fallback.run_id, fallback.resume, fallback.resumed) == ("boundrun1", True, True), fallback
 
 
 def test_fallback_that_hangs_too_is_an_error_within_the_bound(wandb_env, wedged_service_start):
@@ -230,3 +241,62 @@ def test_rank_zero_starts_wandb_while_the_ranks_meet(wandb_env):
     run.finish()
     [saved] = [r for r in offline_runs(wandb_env / "wandb") if r.run_id]
     assert saved.run_id == run.id and saved.steps == [2]
+
+
+@pytest.mark.parametrize("machine, base_url, settings_url", [
+    ("api.forge.coreweave.com", None, None),  # `wandb login` since wandb 0.31: its default server
+    ("api.wandb.ai", None, None),  # `wandb login` before it
+    ("wandb.example.com", None, None),  # another server's key: not W&B's
+    ("wandb.example.com", "https://wandb.example.com", None),  # WANDB_BASE_URL
+    ("api.wandb.ai", "https://wandb.example.com", None),
+    ("wandb.example.com", None, "https://wandb.example.com"),  # `wandb login --host`: its settings file
+], ids=["forge", "wandb-ai", "other-host", "base-url", "base-url-elsewhere", "login-host"])
+def test_credentials_are_found_where_wandb_finds_them(tmp_path, monkeypatch, machine, base_url, settings_url):
+    """The CLI runs W&B offline (and says so) when it finds no credentials: it must find the ones wandb uses, else
+    a user who ran `wandb login` never uploads. wandb 0.31 logs in to api.forge.coreweave.com by default and
+    reads its key from the netrc under that host or the api.wandb.ai behind it; `wandb login --host` keeps the
+    server in W&B's settings file. Each case against wandb's own reading of the same files."""
+    from wandb.sdk.lib import urls
+    from wandb.sdk.lib.wbauth import wbnetrc
+
+    from lightning_megatron.loggers import wandb_credentials
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    for variable in ("NETRC", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    if base_url:
+        monkeypatch.setenv("WANDB_BASE_URL", base_url)
+    if settings_url:
+        (tmp_path / "wandb-config").mkdir()
+        (tmp_path / "wandb-config" / "settings").write_text(f"[default]\nbase_url = {settings_url}\n")
+    netrc = tmp_path / ".netrc"
+    netrc.write_text(f"machine {machine}\n  login user\n  password {'0' * 40}\n")
+    netrc.chmod(0o600)
+    server = base_url or settings_url or urls.DEFAULT_BASE_URL
+    found_by_wandb = wbnetrc.read_netrc_auth(host=server) is not None
+    assert found_by_wandb == (machine in {"api.forge.coreweave.com", "api.wandb.ai"} if server is
+                              urls.DEFAULT_BASE_URL else machine == "wandb.example.com"), (machine, server)
+    found = wandb_credentials()
+    assert (found is not None) == found_by_wandb, (found, machine, server)
+    if found:
+        assert found == f"{netrc} ({machine})", found
+
+
+def test_a_run_with_wandb_disabled_names_no_wandb_run_in_its_checkpoints(wandb_env, monkeypatch):
+    """WANDB_MODE=disabled (or mode="disabled") starts no W&B run: its checkpoints name none, so that a resume
+    with W&B on starts a run of its own instead of "continuing" one that never existed, from the middle."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.loggers import WANDB_RUN_ID, WandbRunIdCallback
+
+    for mode, given in (("offline", {"mode": "disabled"}), ("disabled", {}), ("offline", {})):
+        monkeypatch.setenv("WANDB_MODE", mode)
+        wandb.teardown()  # W&B reads WANDB_MODE once, at its set-up
+        logger = WandbLogger(project="bound", save_dir=str(wandb_env), **given)
+        run = logger.experiment  # started, as Lightning does at set-up
+        checkpoint: dict = {}
+        WandbRunIdCallback().on_save_checkpoint(SimpleNamespace(loggers=[logger]), None, checkpoint)
+        disabled = "disabled" in (mode, given.get("mode"))
+        assert checkpoint.get(WANDB_RUN_ID) == (None if disabled else run.id), (mode, given, checkpoint)
+        run.finish()

@@ -31,6 +31,8 @@ class OfflineRun:
     """Each history row: key -> value (``_step`` included)."""
     config: bytes = b""
     """The config records' bytes (the run config's keys and values)."""
+    settings: dict = field(default_factory=dict)
+    """The run config as W&B holds it at the end: key -> value, each later update replacing the key."""
     exited: bool = False
     """The file holds the exit record (``run.finish()``'s last)."""
 
@@ -90,11 +92,21 @@ def _read(folder: Path) -> OfflineRun:
                 run.run_id, run.resume, run.resumed = r.run_id, r.resume, r.resumed
                 run.group, run.job_type = r.run_group, r.job_type
                 run.config += r.config.SerializeToString()
+                _update(run.settings, r.config)
             elif kind == "config":
                 run.config += record.config.SerializeToString()
+                _update(run.settings, record.config)
             elif kind == "history":
                 run.history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                     for item in record.history.item})
             elif kind == "exit":
                 run.exited = True
     return run
+
+
+def _update(settings: dict, config) -> None:
+    """A config record's items into ``settings`` (W&B's own keys, ``_wandb``, left out)."""
+    for item in config.update:
+        key = item.key or "/".join(item.nested_key)
+        if key != "_wandb":
+            settings[key] = json.loads(item.value_json)

@@ -83,6 +83,14 @@ class OptimizerParamSchedulerCallback(Callback):
         """The schedule's arguments: what every rank of a run must have been given (the strategy compares them)."""
         return dict(self.kwargs)
 
+    def used_settings(self) -> dict[str, Any]:
+        """The schedule this fit runs once it is built (``on_fit_start``): its arguments with ``None`` resolved
+        to ``max_steps``, a warm-up shortened for the run, and at a resume the checkpoint's values Megatron's
+        rule keeps; before that, :meth:`run_settings`. What the W&B config records."""
+        if self.scheduler is None:
+            return self.run_settings()
+        return {name: getattr(self.scheduler, name, value) for name, value in self.kwargs.items()}
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.lr_scheduler_configs:
