@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         # Imported here: `plot`, `preprocess`, `train-tokenizer` and `--help` need no torch.
         from lightning_megatron.checkpoint import CheckpointError
         from lightning_megatron.datamodules.pretraining import NoEvaluationData
+        from lightning_megatron.replica_check import ReplicaGradientError
         from lightning_megatron.step import NonFiniteLossOrGradError
 
         from lightning_megatron.communicator import peer_lost
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"stopped answering "
                              f"({lost}), {_where(e)}: this rank stops; the cause is in that rank's own output above "
                              f"(an error, a kill, the kernel's out-of-memory killer)") from None
-        if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError, NoEvaluationData)):
+        if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError, NoEvaluationData, ReplicaGradientError)):
             raise
         # Every rank raises it (the ranks agree on the decision before raising): rank 0 says it once, in
         # one line (a full disk was ~240 lines and 10 tracebacks), the others exit quietly.

@@ -46,6 +46,7 @@ from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.pipeline.microbatches import split_microbatches
 from lightning_megatron.pipeline.registry import PipelineSchedule
 from lightning_megatron.protocols import LightningStepsModule, MegatronModule
+from lightning_megatron.replica_check import check_replicated_grads
 from lightning_megatron.tensor_parallel.backward import WeightGradPolicy
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 
@@ -103,7 +104,7 @@ class StepRunner:
 
     def __init__(self, parallel_state: ParallelState, module: MegatronModule, *, schedule: PipelineSchedule,
                  micro_batch_size: int | None, device: torch.device, overlap_p2p_comm: bool = False,
-                 check_for_nan_in_loss_and_grad: bool = True,
+                 check_for_nan_in_loss_and_grad: bool = True, check_replicated_grads: bool = True,
                  named_parameters: Sequence[tuple[str, torch.nn.Parameter]] = ()) -> None:
         self.ps = parallel_state
         self.check_for_nan_in_loss_and_grad = check_for_nan_in_loss_and_grad
@@ -118,6 +119,9 @@ class StepRunner:
         schedule.configure_weight_grads(self.weight_grads, list(module.model_chunks))
         self.micro_batch_size = micro_batch_size
         self.device = device
+        self._replicas_checked = not check_replicated_grads
+        """Whether the TP-replicated parameters' gradients were compared over TP (at the first training step:
+        :func:`~lightning_megatron.replica_check.check_replicated_grads`), or are not to be."""
         self._logged_keys: dict[str, list[str]] = {}  # per stage: metric names known on every pipeline rank
         self.per_token_loss = bool(getattr(module, "calculate_per_token_loss", False))
         """The module's training loss is the mean over the global batch's tokens: logged so too."""
@@ -165,6 +169,9 @@ class StepRunner:
                 # earlier stages run their last backward passes).
                 self.weight_grads.backward_weight()
             finalize_model_grads(grad_buffer, ps)
+            if not self._replicas_checked:
+                self._replicas_checked = check_replicated_grads(
+                    grad_buffer.params, ps, lambda: {id(p): name for name, p in self.named_parameters})
         if stage == "predict":
             return self._predictions(logged)
         means = self._reduce_logged(logged, stage)

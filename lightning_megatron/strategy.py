@@ -153,6 +153,9 @@ class MegatronStrategy(DDPStrategy):
             NaN/Inf, before any optimizer (wrapped or plain) steps: ``NonFiniteLossOrGradError`` on every
             rank naming the step and the parameter (megatron-core's option and default; an fp16
             overflow that the dynamic loss scaler skips is not an error). :mod:`lightning_megatron.step`.
+        check_replicated_grads: at the first training step, stop every rank with ``ReplicaGradientError`` when a
+            parameter replicated over TP got different gradients on the TP ranks (one applied to TP-split
+            activations without its facts saying so). :mod:`lightning_megatron.replica_check`.
         Others as :class:`lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -177,6 +180,7 @@ class MegatronStrategy(DDPStrategy):
         overlap_param_gather: bool = False,
         overlap_p2p_comm: bool = True,
         check_for_nan_in_loss_and_grad: bool = True,
+        check_replicated_grads: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -213,6 +217,7 @@ class MegatronStrategy(DDPStrategy):
         self.overlap_param_gather = overlap_param_gather
         self.overlap_p2p_comm = overlap_p2p_comm
         self.check_for_nan_in_loss_and_grad = check_for_nan_in_loss_and_grad
+        self.check_replicated_grads = check_replicated_grads
         self.cpu_tuning: CPUTuning | None = CPUTuning.from_argument(cpu_tuning)
         self.parallel_state: ParallelState | None = None
         self._groups_world: Any = None  # the default group parallel_state's groups were built on
@@ -331,6 +336,7 @@ class MegatronStrategy(DDPStrategy):
                                   micro_batch_size=self.batch_sizes.micro_batch_size, device=self.root_device,
                                   overlap_p2p_comm=self.overlap_p2p_comm,
                                   check_for_nan_in_loss_and_grad=self.check_for_nan_in_loss_and_grad,
+                                  check_replicated_grads=self.check_replicated_grads,
                                   named_parameters=list(self._module.sharded_named_parameters()))
         # DDPStrategy.setup minus the DDP wrapper and minus _sync_module_states (which would
         # broadcast rank 0's tensor-parallel shards over every rank when not fitting).

@@ -35,7 +35,8 @@ from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.pipeline import stage_chunks
 from lightning_megatron.strategy import MegatronStrategy
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
-from lightning_megatron.tensor_parallel.param_facts import param_facts
+from lightning_megatron.replica_check import ReplicaGradientError
+from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
 # Lightning warns that validation_step has no val_dataloader during fit (validation is run explicitly)
 pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
@@ -154,6 +155,32 @@ class LocalNames(CharModel):
                 yield ".".join(parts), p
 
 
+class ScaledLogits(CharModel):
+    """CharModel with a learned scale of its logits: a user's parameter outside the parallel layers, replicated
+    over TP, applied to the vocab-parallel logits, so that each TP rank computes a part of its gradient. With
+    ``mark``, declared as such (``set_param_facts(..., sequence_parallel=True)``: its gradient summed over TP)."""
+
+    mark = False
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model_chunks"):
+            return
+        super().configure_model()
+        for chunk in self.model_chunks:
+            if chunk.post_process:
+                chunk.logit_scale = nn.Parameter(torch.tensor(1.5))
+                if self.mark:
+                    set_param_facts(chunk.logit_scale, sequence_parallel=True)
+
+    def forward_step(self, microbatch, chunk):
+        output, loss_func = super().forward_step(microbatch, chunk)
+        return (output * chunk.logit_scale if chunk.post_process else output), loss_func
+
+
+class MarkedScaledLogits(ScaledLogits):
+    mark = True
+
+
 class CharLightningModule(MegatronLightningModule):
     """CharModel on the model-agnostic base: only the chunks, the forward step and the stage shape. Its
     ``vocab_size`` has a default, as a user writes it (``check`` keeps it; the datamodule has none)."""
@@ -268,6 +295,11 @@ def _two_rank_worker(ckpt_dir: str) -> dict:
         fit(1, 2, 2, module_class=LocalNames)
     except ValueError as e:
         out["local_names"] = str(e)
+    try:  # a replicated parameter that gets part of its gradient on each TP rank: refused at the first step
+        fit(2, 1, 2, module_class=ScaledLogits)
+    except ReplicaGradientError as e:
+        out["partial_grad"] = str(e)
+    out["marked"] = fit(2, 1, 2, module_class=MarkedScaledLogits)
     # Each node runs its own command: one started with another layout or another lr (a node's edited recipe) hung
     # in the group set-up for the 30-minute timeout, or trained on with each rank's own schedule, unsaid.
     rank = dist.get_rank()
@@ -284,6 +316,7 @@ def _one_process(ckpt_dir: str) -> dict:
     """The reference: train on one process, then load each two-rank checkpoint into a fresh module
     and validate it."""
     out = fit(1, 1, 1, validate=True)
+    out["marked"] = fit(1, 1, 1, module_class=MarkedScaledLogits)
     data = DataLoader(char_data(), batch_size=GLOBAL_BATCH)
     for layout in ("tp2", "pp2"):
         module = CharModel()
@@ -374,6 +407,26 @@ def test_custom_module_equals_one_process(runs, layout):
         assert got[name].shape == want[name].shape, name
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert (want[name] - init[name]).abs().max() > 1e-4, f"{name} did not train"
+
+
+def test_a_replicated_parameter_with_part_of_its_gradient_on_each_rank_is_refused_at_the_first_step(runs):
+    """A learned scale of the vocab-parallel logits (a user's parameter the parallel layers know nothing of) got
+    each TP rank's part of its gradient (0.16 and 0.09 of 0.25 in the audit), its copies drifting apart from
+    the first step, unsaid. Refused on every rank at the first step, before the optimizer, naming it and the fix;
+    declared with ``set_param_facts(..., sequence_parallel=True)`` it trains as on one process."""
+    for r in runs["ranks"]:
+        message = r.get("partial_grad")
+        assert message is not None and message.startswith(
+            "parameter 'logit_scale' (shape ()) is replicated over the 2 tensor-parallel ranks but got different "
+            "gradients on them at the first step (norm "), message
+        assert "set_param_facts(param, sequence_parallel=True)" in message, message
+    ref = runs["ref"]["marked"]
+    for r in runs["ranks"]:
+        marked = r["marked"]
+        torch.testing.assert_close(torch.tensor(marked["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        got, want = marked["shards"]["logit_scale"][0], ref["shards"]["logit_scale"][0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert abs(float(want) - 1.5) > 1e-3, "the scale trained"
 
 
 class HalfDone(LightningModule):
