@@ -3,6 +3,7 @@ registry, parameter counts, norms, attention backends, pipeline chunks and the l
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -69,7 +70,14 @@ def test_build_errors_name_the_module_being_built():
 def test_registry_builtins_user_specs_and_errors():
     assert {"bert_layer_local_spec", "bert_layer_post_norm_spec", "bert_layer_rmsnorm_spec"} <= set(list_specs())
     with pytest.raises(ValueError, match="already registered"):
-        register_spec("bert_layer_local_spec", bert_layer_spec())
+        register_spec("test_post_rms_taken", bert_layer_spec(), overwrite=True)
+        register_spec("test_post_rms_taken", bert_layer_spec())
+    # a built-in name is never replaced: export read a checkpoint's spec name as the built-in architecture (a
+    # ReLU^2 MLP registered over gpt_layer_spec exported as GPT-2's GELU, its own bias left out, unsaid)
+    importlib.import_module("lightning_megatron.models.gpt")  # registers the decoder specs
+    for name in ("bert_layer_local_spec", "gpt_layer_spec"):
+        with pytest.raises(ValueError, match=rf"spec '{name}' is built in: .*register_spec\('my_{name}'"):
+            register_spec(name, bert_layer_spec(), overwrite=True)
     with pytest.raises(ValueError, match="unknown spec 'nope'.*register_spec"):
         get_spec("nope")
     # A user's own spec, referred to by name: post-norm with RMSNorm.

@@ -16,6 +16,7 @@ next to the target and swaps it in whole, so a failed export never leaves a half
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -175,12 +176,54 @@ def hf_model_from_saved(saved: SavedModel, adapter: StateDictAdapter, *,
     saved weights' dtype when they all have one (a bf16 model's tensors go out bf16, bit for bit)."""
     config = adapter.hf_config(saved)
     write_tokenizer = adapter.hf_tokenizer(saved, config, tokenizer)
-    hf_state_dict = adapter.state_dict_to_hf(saved, config)
+    read = _ReadKeys(saved.state_dict)
+    hf_state_dict = adapter.state_dict_to_hf(dataclasses.replace(saved, state_dict=read), config)
+    left_out = _left_out(saved, adapter, config, hf_state_dict, read.read)
+    if left_out:
+        raise ValueError(f"export hf: the checkpoint holds {len(left_out)} tensor(s) that {config.architectures[0]} "
+                         f"has no place for: {', '.join(left_out[:4])}{' ...' if len(left_out) > 4 else ''} (a "
+                         f"parameter of a module of your own?); the export would leave them out, and the model "
+                         f"would compute without them. Export a model of the family's own architecture")
     model = hf_model(config, hf_state_dict)
     dtypes = {t.dtype for t in hf_state_dict.values() if t.is_floating_point()}
     if len(dtypes) == 1 and dtypes != {model.dtype}:  # a 16-bit model's weights as they are (the config says so)
         model = model.to(dtypes.pop())
     return model, write_tokenizer
+
+
+class _ReadKeys(dict):
+    """A state dict that records the names read from it by name (``[name]``, ``get``, ``pop``)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.read.add(key)
+        return super().pop(key, *default)
+
+
+def _left_out(saved: SavedModel, adapter: StateDictAdapter, config: Any, hf_state_dict: dict[str, torch.Tensor],
+              read: set[str]) -> list[str]:
+    """Names of the saved tensors the transformers state dict does not carry: neither read by name by the
+    adapter's mapping nor in that mapping read back (:meth:`~StateDictAdapter.state_dict_from_hf` of it: a
+    mapping may rename by pattern). An adapter maps the names it knows, so a tensor of a user's own module
+    would otherwise be dropped, unsaid."""
+    import warnings
+
+    with warnings.catch_warnings():  # reading it back says what an import would (a head it starts fresh)
+        warnings.simplefilter("ignore")
+        back = adapter.state_dict_from_hf(dict(hf_state_dict), config, adapter.architecture_from_hf(config),
+                                          source="the exported config.json")
+    return sorted(set(saved.state_dict) - set(back.state_dict) - read)
 
 
 def tokenizer_size_problem(saved: SavedModel, size: int, model_vocab: int, source: Any, option: str) -> str | None:

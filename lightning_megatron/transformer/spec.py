@@ -70,16 +70,34 @@ def build_module(spec: ModuleSpec | type | Callable[..., Any], *args: Any, **kwa
 _REGISTRY: dict[str, ModuleSpec] = {}
 
 
+_BUILT_IN: set[str] = set()
+"""The names lightning_megatron's model families register (:func:`register_built_in_spec`)."""
+
+
 def register_spec(name: str, spec: ModuleSpec, *, overwrite: bool = False) -> ModuleSpec:
     """Register ``spec`` under ``name`` so recipes can say ``spec: name``. Returns ``spec``.
 
-    Raises ``ValueError`` when ``name`` is taken, unless ``overwrite=True``.
+    Raises ``ValueError`` when ``name`` is taken, unless ``overwrite=True``; a built-in name (``gpt_layer_spec``,
+    ``bert_layer_local_spec``, ...) is never replaced: export, import and ``check`` read a checkpoint's spec name
+    as that architecture, so a model built from another spec under it would export as the built-in one, its own
+    parts left out or computed differently.
     """
     if not isinstance(spec, ModuleSpec):
         raise TypeError(f"register_spec({name!r}): expected a ModuleSpec, got {type(spec).__name__}")
+    if name in _BUILT_IN:
+        raise ValueError(f"spec {name!r} is built in: export, import and check read a checkpoint's spec name as that "
+                         f"architecture, so it is never replaced; register yours under a name of its own "
+                         f"(register_spec('my_{name}', ...)) and set the model config's spec to it")
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"spec {name!r} is already registered; choose another name or pass overwrite=True")
     _REGISTRY[name] = spec
+    return spec
+
+
+def register_built_in_spec(name: str, spec: ModuleSpec) -> ModuleSpec:
+    """:func:`register_spec` for the specs of lightning_megatron's own model families: their names are kept."""
+    register_spec(name, spec)
+    _BUILT_IN.add(name)
     return spec
 
 

@@ -303,10 +303,9 @@ def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: Tran
     layer_keys = _MEGATRON_LAYER_KEYS if megatron else _LAYER_KEYS
     lm_heads = model_type in ("BertForPreTraining", "BertForMaskedLM")
     prefix = "" if model_type == "BertModel" else "bert."
-    sd = dict(state_dict)
-    for key in _VOCAB_PADDED:
-        if key in sd:
-            sd[key] = sd[key][:vocab_size]
+    # read by name from the caller's mapping (export checks that every tensor was read), the padded vocabulary's
+    # rows cut off as read
+    sd = _VocabCut(state_dict, vocab_size)
     out: dict[str, torch.Tensor] = {}
     pooler = _POOLER_KEYS if model_type != "BertForMaskedLM" else {}
     finals = _MEGATRON_FINAL_KEYS if megatron else {}
@@ -332,4 +331,33 @@ def hf_state_dict_from_bert(state_dict: Mapping[str, torch.Tensor], config: Tran
     if model_type == "BertForSequenceClassification":
         for part in ("weight", "bias"):
             out[f"classifier.{part}"] = sd[f"classifier.{part}"].clone()
+    if not lm_heads:  # the pretraining heads a classifier's (or an encoder's) checkpoint keeps: they compute none
+        for key in (*_HEAD_KEYS, *_BINARY_KEYS, "output_layer.weight", "output_layer.bias"):  # of its outputs
+            sd.get(key)
+    elif model_type == "BertForMaskedLM":  # transformers' MLM model computes no pooler or binary head
+        for key in (*_BINARY_KEYS, *_POOLER_KEYS):
+            sd.get(key)
     return out
+
+
+class _VocabCut(Mapping):
+    """``state_dict`` read by name, its padded-vocabulary tensors (:data:`_VOCAB_PADDED`) cut to ``vocab_size`` rows."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], vocab_size: int) -> None:
+        self._sd, self._vocab_size = state_dict, vocab_size
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tensor = self._sd[key]
+        return tensor[:self._vocab_size] if key in _VOCAB_PADDED else tensor
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self._sd else self._sd.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sd
+
+    def __iter__(self):
+        return iter(self._sd)
+
+    def __len__(self) -> int:
+        return len(self._sd)

@@ -27,8 +27,8 @@ from lightning_megatron.transformer import (
     TransformerLayer,
     TransformerLayerSubmodules,
     get_bias_dropout_add,
-    register_spec,
 )
+from lightning_megatron.transformer.spec import register_built_in_spec
 
 __all__ = [
     "bert_layer_local_spec",
@@ -77,6 +77,6 @@ def bert_layer_spec(norm: type = LayerNorm, placement: str = "pre") -> ModuleSpe
     )
 
 
-bert_layer_local_spec = register_spec("bert_layer_local_spec", bert_layer_spec(Norm, "pre"))
-bert_layer_post_norm_spec = register_spec("bert_layer_post_norm_spec", bert_layer_spec(LayerNorm, "post"))
-bert_layer_rmsnorm_spec = register_spec("bert_layer_rmsnorm_spec", bert_layer_spec(RMSNorm, "pre"))
+bert_layer_local_spec = register_built_in_spec("bert_layer_local_spec", bert_layer_spec(Norm, "pre"))
+bert_layer_post_norm_spec = register_built_in_spec("bert_layer_post_norm_spec", bert_layer_spec(LayerNorm, "post"))
+bert_layer_rmsnorm_spec = register_built_in_spec("bert_layer_rmsnorm_spec", bert_layer_spec(RMSNorm, "pre"))

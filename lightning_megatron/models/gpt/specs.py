@@ -34,8 +34,8 @@ from lightning_megatron.transformer import (
     TransformerLayer,
     TransformerLayerSubmodules,
     get_bias_dropout_add,
-    register_spec,
 )
+from lightning_megatron.transformer.spec import register_built_in_spec
 from lightning_megatron.transformer.moe import MoELayer, MoESubmodules
 
 __all__ = ["decoder_layer_spec", "moe_mlp_spec", "gpt_layer_spec", "llama_layer_spec", "llama_moe_layer_spec"]
@@ -65,6 +65,6 @@ def decoder_layer_spec(norm: type, mlp: ModuleSpec | None = None) -> ModuleSpec:
                                               mlp=mlp, mlp_bda=get_bias_dropout_add))
 
 
-gpt_layer_spec = register_spec("gpt_layer_spec", decoder_layer_spec(LayerNorm))
-llama_layer_spec = register_spec("llama_layer_spec", decoder_layer_spec(RMSNorm))
-llama_moe_layer_spec = register_spec("llama_moe_layer_spec", decoder_layer_spec(RMSNorm, moe_mlp_spec()))
+gpt_layer_spec = register_built_in_spec("gpt_layer_spec", decoder_layer_spec(LayerNorm))
+llama_layer_spec = register_built_in_spec("llama_layer_spec", decoder_layer_spec(RMSNorm))
+llama_moe_layer_spec = register_built_in_spec("llama_moe_layer_spec", decoder_layer_spec(RMSNorm, moe_mlp_spec()))
