@@ -189,6 +189,30 @@ def test_eval_loaders_repeat_the_same_batches():
     assert len(dm.test_dataset) >= dm.global_batch_size  # a tiny split still gives one global batch
 
 
+def test_an_evaluation_says_the_samples_past_its_last_whole_global_batch_are_not_scored():
+    """Validation and test read whole global batches (Megatron-LM's evaluation): of a split of 111 samples, global
+    batch 8, 104 are scored. With the whole split asked for (``limit_val_batches`` 1.0, the default) that is said
+    once (the audit measured a GPT val_loss 0.0019 off the whole split's, unsaid, while the docs said "the whole
+    split"); with the batches limited anyway, nothing is said."""
+    import warnings
+
+    for limit, said in ((1.0, True), (13, False), (14, True), (0.5, False)):
+        trainer = _fake_trainer(dp_rank=0, dp_size=2)
+        trainer.limit_val_batches = limit
+        dm = _datamodule(trainer)
+        dm.setup("validate")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = dm.val_dataloader()
+            dm.val_dataloader()  # every validation of a fit asks again: said once
+        assert len(dm.val_dataset) == 111 and len(loader) == 13, (len(dm.val_dataset), len(loader))
+        messages = [str(w.message) for w in caught]
+        assert messages == ([
+            "the valid split's 111 samples are read in whole global batches of 8, as Megatron-LM's evaluation reads "
+            "them: 104 are scored and the last 7 are not; a global batch that divides 111 scores them all"]
+            if said else []), (limit, messages)
+
+
 def test_short_seq_prob_reaches_the_samples():
     """short_seq_prob=0.0: every sample targets the full max_num_tokens (= max_seq_length - 3); 1.0: every
     target is a random shorter one (uniform in [2, max_num_tokens]) and the samples the datamodule's

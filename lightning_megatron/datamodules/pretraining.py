@@ -114,6 +114,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Split -> why it has no dataset: said when a loop asks for it (a run that never tests is not told)."""
         self._left_out: dict[str, str] = {}
         """Split -> the blend's prefixes it leaves out (no documents there): said when the split is read, too."""
+        self._tail_said: set[str] = set()  # the splits whose unread last samples were said
 
     # --- tokenizer and corpus -------------------------------------------------------------------
 
@@ -398,7 +399,27 @@ class PretrainingDataModule(pl.LightningDataModule):
         sampler = MegatronPretrainingSampler(
             total_samples=len(dataset), consumed_samples=0, micro_batch_size=self.micro_batch_size,
             data_parallel_rank=dp_rank, data_parallel_size=dp_size, num_microbatches=self.num_microbatches(dp_size))
+        self._say_unread_tail(len(dataset), name)
         return self._loader(dataset, sampler)
+
+    def _say_unread_tail(self, samples: int, name: str) -> None:
+        """An evaluation reads whole global batches (Megatron-LM's): the split's last ``samples % global batch``
+        samples are not scored. Said once a split, when the run asks for the whole split (``limit_*_batches``
+        1.0, or more batches than it holds), not when it limits the batches anyway."""
+        batch = self.global_batch_size
+        whole, tail = divmod(samples, batch)
+        trainer = self._trainer_or_none()
+        limit = getattr(trainer, "limit_val_batches" if name == "valid" else "limit_test_batches", 1.0)
+        wanted_all = (limit >= 1.0) if isinstance(limit, float) else (limit is None or limit > whole)
+        if not tail or not whole or not wanted_all or name in self._tail_said:
+            return
+        self._tail_said.add(name)
+        step = self.micro_batch_size * self._dp_coordinates()[1]
+        fits = [g for g in range(batch, 0, -1) if g % step == 0 and samples % g == 0]
+        rank_zero_warn(f"the {name} split's {samples} samples are read in whole global batches of {batch}, "
+                       f"as Megatron-LM's evaluation reads them: {whole * batch} are scored and the last {tail} "
+                       f"are not; a global batch that divides {samples} scores them all"
+                       + (f" (--data.global_batch_size {fits[0]})" if fits and fits[0] > 1 else ""))
 
     @override
     def val_dataloader(self) -> DataLoader | list:
