@@ -43,11 +43,18 @@ _CLASS_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 def module_class_of(saved: SavedModel, model_class: str | None = None) -> tuple[str, str]:
     """``(class path, how it was chosen)`` for a checkpoint (the rule of the module docstring)."""
     recorded = saved.module_class or saved.hparams.get("_class_path")
+    in_script = recorded is not None and recorded.startswith("__main__.")  # a class of the script that trained it
     if model_class is not None:
-        if recorded is not None and recorded != model_class:
+        same = recorded == model_class or (in_script and model_class.rpartition(".")[2] == recorded[9:])
+        if recorded is not None and not same:
             raise ValueError(f"the checkpoint was written by {recorded}; --model-class {model_class} disagrees with "
-                             f"it: drop --model-class")
+                             f"it: " + (f"pass the script's {recorded[9:]} by its module's path" if in_script
+                                        else "drop --model-class"))
         return model_class, "--model-class"
+    if in_script:
+        raise ValueError(f"the checkpoint was written by {recorded}, a class of the script that trained it (run as "
+                         f"__main__, a name no other program imports): pass --model-class with its importable path, "
+                         f"e.g. my_script.{recorded[9:]} (the script's folder on PYTHONPATH)")
     if saved.module_class is not None:
         return saved.module_class, "recorded in the checkpoint"
     if recorded is not None:

@@ -206,6 +206,18 @@ def test_export_of_checkpoints_without_a_record_follows_the_rule(gpt_ckpt, token
     export_hf(cli, tmp_path / "cli_hf", tokenizer=tokenizer)
     _logits_equal_the_module(tmp_path / "cli_hf", gpt_ckpt)
 
+    # a class of the training script (run as __main__): `--model-class __main__.X` imports nothing, the script's
+    # module path was refused as disagreeing; the same class name by its importable path is taken
+    script = _with_extra(gpt_ckpt, tmp_path / "script", lambda e: e.update(module_class="__main__.GPTLightningModule"))
+    with pytest.raises(ValueError, match=r"a class of the script that trained it .* pass --model-class with its "
+                                         r"importable path, e\.g\. my_script\.GPTLightningModule"):
+        export_hf(script, tmp_path / "s", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=f"--model-class {BERT} disagrees with it: pass the script's "
+                                         f"GPTLightningModule by its module's path"):
+        export_hf(script, tmp_path / "s", tokenizer=tokenizer, model_class=BERT)
+    export_hf(script, tmp_path / "script_hf", tokenizer=tokenizer, model_class=GPT)
+    _logits_equal_the_module(tmp_path / "script_hf", gpt_ckpt)
+
     # a class outside lightning_megatron is imported only when the user names it
     mine = _with_extra(gpt_ckpt, tmp_path / "mine", lambda e: e.update(module_class="my_pkg.models.MyModule"))
     with pytest.raises(ValueError, match="pass --model-class my_pkg.models.MyModule"):
