@@ -114,7 +114,8 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
             (``recipe.trainer.max_steps``, ...; rank 0, with the paths as given)."""
             from lightning.pytorch.loggers import WandbLogger
 
-            wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+            wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)
+                     and getattr(logger, "history_step", None) is None]  # not a training run an evaluation joins
             if wandb:
                 import yaml
 

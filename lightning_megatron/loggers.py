@@ -240,7 +240,8 @@ def _has_segments(init: dict[str, Any]) -> bool:
     a checkpoint's run), which only the server could have said."""
     run_id = init.get("id")
     folder = Path(init.get("dir") or os.environ.get("WANDB_DIR") or ".") / "wandb"
-    return bool(run_id) and any(any(folder.glob(f"*run-*-{run_id}{tail}")) for tail in ("", "-[0-9]*"))
+    stamp = "run-" + "[0-9]" * 8 + "_" + "[0-9]" * 6  # run-YYYYMMDD_HHMMSS-<id>[-N]: not another id ending in it
+    return bool(run_id) and any(any(folder.glob(f"*{stamp}-{run_id}{tail}")) for tail in ("", "-[0-9]*"))
 
 
 def _setting(settings: Any, name: str) -> Any:
@@ -356,9 +357,18 @@ class WandbRunIdCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._log_run_config(trainer, pl_module)  # after the strategy's set-up and the checkpoint's restore
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.state.fn != "fit":  # validate: after the strategy's set-up (the micro batch)
+            self._log_run_config(trainer, pl_module)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._log_run_config(trainer, pl_module)
+
     @staticmethod
     def _log_run_config(trainer: Any, pl_module: Any) -> None:
-        wandb = [lg for lg in trainer.loggers if isinstance(lg, loggers.WandbLogger)]
+        # not into a training run an evaluation joins (--log_to_training_run): its config stays the training's
+        wandb = [lg for lg in trainer.loggers if isinstance(lg, loggers.WandbLogger)
+                 and getattr(lg, "history_step", None) is None]
         if wandb:
             config = run_config(trainer, pl_module)
             for logger in wandb:
@@ -378,11 +388,12 @@ _DEFAULT_HOSTS = ("api.forge.coreweave.com", "api.wandb.ai")
 
 
 def _wandb_hosts() -> tuple[str, ...]:
-    """The hosts whose netrc entry wandb would use: its server's (``WANDB_BASE_URL``, else the ``base_url`` that
-    ``wandb login --host`` keeps in W&B's settings file, else the default) and, for a Forge host, the W&B API
-    host behind it."""
+    """The netrc machines wandb would read a key from: its server's host (with its port: ``localhost:8080``) from
+    ``WANDB_BASE_URL``, else the ``base_url`` that ``wandb login --host`` keeps in W&B's settings file, else the
+    default; a Forge proxy address (``https://forge.coreweave.com/api/wandb``) as wandb rewrites it, and for a
+    Forge host the W&B API host behind it."""
     import configparser
-    from urllib.parse import urlparse
+    from urllib.parse import urlsplit
 
     url = os.environ.get("WANDB_BASE_URL")
     if not url:
@@ -395,9 +406,13 @@ def _wandb_hosts() -> tuple[str, ...]:
             url = None
     if not url:
         return _DEFAULT_HOSTS
-    host = urlparse(url).hostname or ""
+    parts = urlsplit(url)
+    machine = parts.netloc.rpartition("@")[2]
+    if parts.hostname in _FORGE_HOSTS and parts.path.rstrip("/") == "/api/wandb":  # the proxy: its api. host
+        machine = f"api.{parts.hostname}"
+    host = machine.partition(":")[0]
     upstream = [api for forge, api in _FORGE_HOSTS.items() if host in (forge, f"api.{forge}", api)]
-    return tuple(dict.fromkeys([host, *upstream]))
+    return tuple(dict.fromkeys([machine, *upstream]))
 
 
 def wandb_credentials() -> str | None:
@@ -410,19 +425,19 @@ def wandb_credentials() -> str | None:
     for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
         if os.environ.get(variable):
             return variable
-    candidates = ([os.environ["NETRC"]] if os.environ.get("NETRC")
-                  else [os.path.expanduser("~/.netrc"), os.path.expanduser("~/_netrc")])
-    for path in candidates:
-        if not os.path.isfile(path):
-            continue
-        try:
-            entries = netrc.netrc(path)
-        except (netrc.NetrcParseError, OSError):
-            continue  # wandb reports an unreadable file itself
-        for host in _wandb_hosts():
-            entry = entries.authenticators(host)
-            if entry and entry[2]:
-                return f"{path} ({host})"
+    path = os.environ.get("NETRC") or next(  # the one file wandb reads
+        (p for p in (os.path.expanduser("~/.netrc"), os.path.expanduser("~/_netrc")) if os.path.exists(p)), None)
+    if path is None or not os.path.isfile(os.path.expanduser(path)):
+        return None
+    path = os.path.expanduser(path)
+    try:
+        entries = netrc.netrc(path)
+    except (netrc.NetrcParseError, OSError):
+        return None  # wandb reports an unreadable file itself
+    for host in _wandb_hosts():
+        entry = entries.authenticators(host)
+        if entry and entry[2]:
+            return f"{path} ({host})"
     return None
 
 

@@ -254,6 +254,7 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
                                                                 "megatron_optimizer", "recipe")), run.settings
     assert training.settings["recipe"]["trainer"]["max_steps"] == 2 and second.settings["recipe"]["trainer"][
         "max_steps"] == 3
+    assert evaluation.settings["layout"]["micro_batch_size"] == 2, evaluation.settings["layout"]  # validate's too
     # the CSV: a version per start of the training run, the validate's beside them
     csv_dir = tmp_path / "run" / "csv"
     assert sorted(p.relative_to(csv_dir).as_posix() for p in csv_dir.rglob("metrics.csv")) == [

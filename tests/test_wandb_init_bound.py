@@ -243,15 +243,17 @@ def test_rank_zero_starts_wandb_while_the_ranks_meet(wandb_env):
     assert saved.run_id == run.id and saved.steps == [2]
 
 
-@pytest.mark.parametrize("machine, base_url, settings_url", [
-    ("api.forge.coreweave.com", None, None),  # `wandb login` since wandb 0.31: its default server
-    ("api.wandb.ai", None, None),  # `wandb login` before it
-    ("wandb.example.com", None, None),  # another server's key: not W&B's
-    ("wandb.example.com", "https://wandb.example.com", None),  # WANDB_BASE_URL
-    ("api.wandb.ai", "https://wandb.example.com", None),
-    ("wandb.example.com", None, "https://wandb.example.com"),  # `wandb login --host`: its settings file
-], ids=["forge", "wandb-ai", "other-host", "base-url", "base-url-elsewhere", "login-host"])
-def test_credentials_are_found_where_wandb_finds_them(tmp_path, monkeypatch, machine, base_url, settings_url):
+@pytest.mark.parametrize("machine, base_url, settings_url, found", [
+    ("api.forge.coreweave.com", None, None, True),  # `wandb login` since wandb 0.31: its default server
+    ("api.wandb.ai", None, None, True),  # `wandb login` before it
+    ("wandb.example.com", None, None, False),  # another server's key: not W&B's
+    ("wandb.example.com", "https://wandb.example.com", None, True),  # WANDB_BASE_URL
+    ("api.wandb.ai", "https://wandb.example.com", None, False),
+    ("wandb.example.com", None, "https://wandb.example.com", True),  # `wandb login --host`: its settings file
+    ("api.forge.coreweave.com", "https://forge.coreweave.com/api/wandb", None, True),  # the Forge proxy address
+    ("localhost:8080", "http://localhost:8080", None, True),  # a server of your own, on a port
+], ids=["forge", "wandb-ai", "other-host", "base-url", "base-url-elsewhere", "login-host", "forge-proxy", "port"])
+def test_credentials_are_found_where_wandb_finds_them(tmp_path, monkeypatch, machine, base_url, settings_url, found):
     """The CLI runs W&B offline (and says so) when it finds no credentials: it must find the ones wandb uses, else
     a user who ran `wandb login` never uploads. wandb 0.31 logs in to api.forge.coreweave.com by default and
     reads its key from the netrc under that host or the api.wandb.ai behind it; `wandb login --host` keeps the
@@ -273,14 +275,12 @@ def test_credentials_are_found_where_wandb_finds_them(tmp_path, monkeypatch, mac
     netrc = tmp_path / ".netrc"
     netrc.write_text(f"machine {machine}\n  login user\n  password {'0' * 40}\n")
     netrc.chmod(0o600)
-    server = base_url or settings_url or urls.DEFAULT_BASE_URL
-    found_by_wandb = wbnetrc.read_netrc_auth(host=server) is not None
-    assert found_by_wandb == (machine in {"api.forge.coreweave.com", "api.wandb.ai"} if server is
-                              urls.DEFAULT_BASE_URL else machine == "wandb.example.com"), (machine, server)
-    found = wandb_credentials()
-    assert (found is not None) == found_by_wandb, (found, machine, server)
+    server = urls.normalize_forge_base_url(base_url or settings_url or urls.DEFAULT_BASE_URL)  # as wandb reads it
+    assert (wbnetrc.read_netrc_auth(host=server) is not None) == found, (machine, server)  # wandb's own reading
+    ours = wandb_credentials()
+    assert (ours is not None) == found, (ours, machine, server)
     if found:
-        assert found == f"{netrc} ({machine})", found
+        assert ours == f"{netrc} ({machine})", ours
 
 
 def test_a_run_with_wandb_disabled_names_no_wandb_run_in_its_checkpoints(wandb_env, monkeypatch):
@@ -300,3 +300,20 @@ def test_a_run_with_wandb_disabled_names_no_wandb_run_in_its_checkpoints(wandb_e
         disabled = "disabled" in (mode, given.get("mode"))
         assert checkpoint.get(WANDB_RUN_ID) == (None if disabled else run.id), (mode, given, checkpoint)
         run.finish()
+
+
+def test_an_evaluation_joining_the_training_run_leaves_its_config(wandb_env):
+    """``validate --log_to_training_run true`` logs into the training run's history (``history_step``): its own
+    configuration (another command's layout, schedule) must not replace the training run's config."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.loggers import WandbRunIdCallback
+
+    logged = []
+    joined, own = (WandbLogger(project="bound", save_dir=str(wandb_env), history_step=step) for step in (7, None))
+    for logger in (joined, own):
+        logger.log_hyperparams = lambda params, logger=logger: logged.append((logger, params))
+    trainer = SimpleNamespace(loggers=[joined, own], strategy=None, callbacks=[], max_steps=5, precision="32-true",
+                              num_devices=1, num_nodes=1, accelerator=None)
+    WandbRunIdCallback().setup(trainer, None, "validate")
+    assert [logger for logger, _ in logged] == [own], logged
