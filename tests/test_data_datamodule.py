@@ -189,14 +189,18 @@ def test_eval_loaders_repeat_the_same_batches():
     assert len(dm.test_dataset) >= dm.global_batch_size  # a tiny split still gives one global batch
 
 
-def test_an_evaluation_says_the_samples_past_its_last_whole_global_batch_are_not_scored():
+def test_an_evaluation_says_the_samples_past_its_last_whole_global_batch_are_not_scored(caplog):
     """Validation and test read whole global batches (Megatron-LM's evaluation): of a split of 111 samples, global
     batch 8, 104 are scored. With the whole split asked for (``limit_val_batches`` 1.0, the default) that is said
     once (the audit measured a GPT val_loss 0.0019 off the whole split's, unsaid, while the docs said "the whole
-    split"); with the batches limited anyway, nothing is said."""
+    split"); with the batches limited, how many are scored is said instead (0.5 scored 1 of 3 GPT batches,
+    unsaid)."""
+    import logging
     import warnings
 
-    for limit, said in ((1.0, True), (13, False), (14, True), (0.5, False)):
+    caplog.set_level(logging.INFO)
+    for limit, said in ((1.0, True), (13, False), (14, True), (0.5, False), (2, False)):
+        caplog.clear()
         trainer = _fake_trainer(dp_rank=0, dp_size=2)
         trainer.limit_val_batches = limit
         dm = _datamodule(trainer)
@@ -211,6 +215,10 @@ def test_an_evaluation_says_the_samples_past_its_last_whole_global_batch_are_not
             "the valid split's 111 samples are read in whole global batches of 8, as Megatron-LM's evaluation reads "
             "them: 104 are scored and the last 7 are not; a global batch that divides 111 scores them all"]
             if said else []), (limit, messages)
+        infos = [r.getMessage() for r in caplog.records if "split" in r.getMessage()]
+        scored = {0.5: 6, 2: 2}.get(limit)
+        assert infos == ([f"the valid split: limit_val_batches={limit} scores {scored} of its 13 global batches of 8 "
+                          f"({scored * 8} of 111 samples)"] if scored else []), (limit, infos)
 
 
 def test_short_seq_prob_reaches_the_samples():

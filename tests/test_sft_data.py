@@ -326,7 +326,9 @@ def test_packed_batch_gives_each_example_its_unpacked_loss(folders, device):
             torch.testing.assert_close(packed[where], alone[:int(where.sum())], atol=1e-5, rtol=1e-5)
 
 
-def test_splits_and_evaluation_batches(folders, tmp_path):
+def test_splits_and_evaluation_batches(folders, tmp_path, caplog):
+    import logging
+
     dm = _datamodule(folders["chatml"], val_fraction=0.2, seed=7)
     records = read_chat_records(packaged_sample_file(), "sample")
     val, train = dm.read_splits()["validation"], dm.read_splits()["train"]
@@ -342,6 +344,12 @@ def test_splits_and_evaluation_batches(folders, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(torch.cat([b["tokens"] for b in batches])[:9], expected))
     assert batches[-1]["loss_mask"][1:].sum() == 0 and batches[-1]["loss_mask"][0].sum() > 0
     assert dm.test_dataloader() == []
+    # a limit on the batches is said, once (limit_val_batches 0.5 scored 2 of 4 held-out chats, unsaid)
+    caplog.set_level(logging.INFO)
+    dm.trainer.limit_val_batches = 0.5
+    dm.val_dataloader(), dm.val_dataloader()
+    assert [r.getMessage() for r in caplog.records if "split" in r.getMessage()] == [
+        "the validation split: limit_val_batches=0.5 scores 1 of its 3 global batches of 4 (4 of 9 samples)"]
     with pytest.raises(ValueError, match="use one of the two"):
         SFTDataModule(validation_file="v.jsonl", val_fraction=0.1, tokenizer=None)
     test_file = _write(tmp_path / "test.jsonl", [{"messages": CHAT}])

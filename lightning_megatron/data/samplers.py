@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["MegatronPretrainingRandomSampler", "MegatronPretrainingSampler"]
+__all__ = ["MegatronPretrainingRandomSampler", "MegatronPretrainingSampler", "evaluation_coverage"]
 
 
 class _ConsumedSamplesSampler:
@@ -130,3 +130,29 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
         for step in range(done // self.global_batch_size, len(self)):
             self.consumed_samples += self.global_batch_size
             yield (order[step * per_bucket + within] + bucket * bucket_size).tolist()
+
+
+def evaluation_coverage(split: str, samples: int, global_batch: int, limit: int | float | None, *,
+                        padded: bool, step: int = 1) -> tuple[str, bool] | None:
+    """What an evaluation of ``split`` (``samples`` samples, in global batches of ``global_batch``) scores under
+    Lightning's ``limit_val_batches`` / ``limit_test_batches`` = ``limit``, as ``(message, whether it is a
+    warning)``; None when it scores the whole split. ``padded``: the last global batch is completed with samples
+    without loss (every sample scored), else only whole global batches are read (Megatron-LM's evaluation) and
+    the samples past the last are not; ``step``: a global batch must be a multiple of it (micro batch x DP), for
+    the one suggested. A limit below the batches is said as information, the samples left unread as a warning."""
+    whole, tail = divmod(samples, global_batch)
+    batches = whole + (1 if padded and tail else 0)
+    scored = batches if limit is None else min(batches, int(limit * batches) if isinstance(limit, float)
+                                               else int(limit))
+    if 0 < scored < batches:  # (0: no evaluation)
+        read = min(samples, scored * global_batch)
+        return (f"the {split} split: limit_{'val' if split != 'test' else 'test'}_batches={limit} scores {scored} of "
+                f"its {batches} global batches of {global_batch} ({read} of {samples} samples)"), False
+    asked_all = limit is None or (limit >= 1.0 if isinstance(limit, float) else limit > batches)
+    if padded or not tail or not whole or not asked_all:
+        return None
+    fits = [g for g in range(global_batch, 1, -1) if g % step == 0 and samples % g == 0]
+    return (f"the {split} split's {samples} samples are read in whole global batches of {global_batch}, as "
+            f"Megatron-LM's evaluation reads them: {whole * global_batch} are scored and the last {tail} are not; a "
+            f"global batch that divides {samples} scores them all"
+            + (f" (--data.global_batch_size {fits[0]})" if fits else "")), True

@@ -30,7 +30,11 @@ from lightning_megatron.data.dataset_vocab import (TokenizerFamily, check_datase
 from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
 from lightning_megatron.data.loader import trainer_loader
 from lightning_megatron.data.preprocess import preprocess_corpus
-from lightning_megatron.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from lightning_megatron.data.samplers import (
+    MegatronPretrainingRandomSampler,
+    MegatronPretrainingSampler,
+    evaluation_coverage,
+)
 from lightning_megatron.data.tokenizer import default_cache_dir, file_lock
 
 __all__ = ["BertDataModule", "NO_PADDING", "NoEvaluationData", "PretrainingDataModule"]
@@ -114,7 +118,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Split -> why it has no dataset: said when a loop asks for it (a run that never tests is not told)."""
         self._left_out: dict[str, str] = {}
         """Split -> the blend's prefixes it leaves out (no documents there): said when the split is read, too."""
-        self._tail_said: set[str] = set()  # the splits whose unread last samples were said
+        self._tail_said: set[str] = set()  # the splits whose evaluation's coverage was said
 
     # --- tokenizer and corpus -------------------------------------------------------------------
 
@@ -399,27 +403,19 @@ class PretrainingDataModule(pl.LightningDataModule):
         sampler = MegatronPretrainingSampler(
             total_samples=len(dataset), consumed_samples=0, micro_batch_size=self.micro_batch_size,
             data_parallel_rank=dp_rank, data_parallel_size=dp_size, num_microbatches=self.num_microbatches(dp_size))
-        self._say_unread_tail(len(dataset), name)
+        self._say_coverage(len(dataset), name)
         return self._loader(dataset, sampler)
 
-    def _say_unread_tail(self, samples: int, name: str) -> None:
-        """An evaluation reads whole global batches (Megatron-LM's): the split's last ``samples % global batch``
-        samples are not scored. Said once a split, when the run asks for the whole split (``limit_*_batches``
-        1.0, or more batches than it holds), not when it limits the batches anyway."""
-        batch = self.global_batch_size
-        whole, tail = divmod(samples, batch)
-        trainer = self._trainer_or_none()
-        limit = getattr(trainer, "limit_val_batches" if name == "valid" else "limit_test_batches", 1.0)
-        wanted_all = (limit >= 1.0) if isinstance(limit, float) else (limit is None or limit > whole)
-        if not tail or not whole or not wanted_all or name in self._tail_said:
-            return
-        self._tail_said.add(name)
-        step = self.micro_batch_size * self._dp_coordinates()[1]
-        fits = [g for g in range(batch, 0, -1) if g % step == 0 and samples % g == 0]
-        rank_zero_warn(f"the {name} split's {samples} samples are read in whole global batches of {batch}, "
-                       f"as Megatron-LM's evaluation reads them: {whole * batch} are scored and the last {tail} "
-                       f"are not; a global batch that divides {samples} scores them all"
-                       + (f" (--data.global_batch_size {fits[0]})" if fits and fits[0] > 1 else ""))
+    def _say_coverage(self, samples: int, name: str) -> None:
+        """Once a split: what its evaluation scores when not the whole split (:func:`evaluation_coverage`: a
+        limit on the batches, or the samples past its last whole global batch, which Megatron-LM's evaluation
+        does not read either)."""
+        limit = getattr(self._trainer_or_none(), "limit_val_batches" if name == "valid" else "limit_test_batches", None)
+        said = evaluation_coverage(name, samples, self.global_batch_size, limit, padded=False,
+                                   step=self.micro_batch_size * self._dp_coordinates()[1])
+        if said is not None and name not in self._tail_said:
+            self._tail_said.add(name)
+            (rank_zero_warn if said[1] else rank_zero_info)(said[0])
 
     @override
     def val_dataloader(self) -> DataLoader | list:

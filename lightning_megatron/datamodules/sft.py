@@ -20,7 +20,7 @@ import random
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -29,6 +29,7 @@ from lightning_megatron.data.chat import (ChatRecord, ChatTokenizer, encode_chat
 from lightning_megatron.data.sft_samples import (EncodeStats, EpochShuffledBatchSampler, PromptSamples, SFTSamples,
                                                  fit_examples, group_examples)
 from lightning_megatron.data.loader import trainer_loader
+from lightning_megatron.data.samplers import evaluation_coverage
 from lightning_megatron.data.predict import IndexedSamples, LengthGroupedBatchSampler, PredictBatchSampler
 
 __all__ = ["SFTDataModule"]
@@ -101,6 +102,7 @@ class SFTDataModule(pl.LightningDataModule):
         self.raw = prompt_completion == "raw"
         self.num_workers = num_workers
         self.datasets: dict[str, SFTSamples] = {}
+        self._coverage_said: set[str] = set()  # the splits whose evaluation's limited batches were said
         """The samples of each split there is (``train``, ``validation``, ``test``), after ``setup``."""
         self.stats: dict[str, EncodeStats] = {}
         """What truncation did to each split's examples."""
@@ -246,6 +248,11 @@ class SFTDataModule(pl.LightningDataModule):
         rank, size = self._dp_coordinates()
         sampler = PredictBatchSampler(total_samples=len(dataset), data_parallel_rank=rank, data_parallel_size=size,
                                       local_batch_size=self.micro_batch_size * self.num_microbatches(size))
+        limit = getattr(self._trainer_or_none(), "limit_test_batches" if split == "test" else "limit_val_batches", None)
+        said = evaluation_coverage(split, len(dataset), self.global_batch_size, limit, padded=True)
+        if said is not None and split not in self._coverage_said:  # a limit on the batches: once a split
+            self._coverage_said.add(split)
+            rank_zero_info(said[0])
         return self._loader(dataset, sampler)
 
     @override
