@@ -43,10 +43,11 @@ class ReplicaGradientError(RuntimeError):
 
 
 def check_replicated_grads(params: Iterable[torch.nn.Parameter], ps: ParallelState,
-                           names: Callable[[], dict[int, str]]) -> bool:
+                           names: Callable[[], dict[int, str]], device: torch.device) -> bool:
     """Raise :class:`ReplicaGradientError` on every rank when a TP-replicated parameter of ``params`` (their
     reduced ``main_grad``) got different gradients on the TP ranks of any pipeline stage; ``names``:
-    ``id(param) -> name`` (read only for the message). Returns whether the check was made (False: gradients
+    ``id(param) -> name`` (read only for the message); ``device``: the gradients' (the collectives' on NCCL, a
+    rank without parameters included). Returns whether the check was made (False: gradients
     not finite somewhere). Every rank of a run with TP > 1 takes part, whatever it holds."""
     if ps.tp_size == 1:
         return True
@@ -62,7 +63,7 @@ def check_replicated_grads(params: Iterable[torch.nn.Parameter], ps: ParallelSta
         if finite:
             problem = _problem(replicated, high, low, ps.tp_size, names)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    flags = torch.tensor([float(problem is not None), float(not finite)], device=_device(params))
+    flags = torch.tensor([float(problem is not None), float(not finite)], device=device)
     if world > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank decides alike: no rank left in a collective
     if flags[1] > 0:
@@ -74,10 +75,6 @@ def check_replicated_grads(params: Iterable[torch.nn.Parameter], ps: ParallelSta
         said = [None] * world
         dist.all_gather_object(said, problem)  # the stage that found it tells every rank (rank 0 prints it)
     raise ReplicaGradientError(next(m for m in said if m is not None))
-
-
-def _device(params: Iterable[torch.nn.Parameter]) -> torch.device:
-    return next((p.device for p in params), torch.device("cpu"))
 
 
 def _problem(replicated: list[torch.nn.Parameter], high: torch.Tensor, low: torch.Tensor, tp: int,

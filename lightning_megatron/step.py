@@ -171,7 +171,8 @@ class StepRunner:
             finalize_model_grads(grad_buffer, ps)
             if not self._replicas_checked:
                 self._replicas_checked = check_replicated_grads(
-                    grad_buffer.params, ps, lambda: {id(p): name for name, p in self.named_parameters})
+                    grad_buffer.params, ps, lambda: {id(p): name for name, p in self.named_parameters},
+                    grad_buffer.data.device)
         if stage == "predict":
             return self._predictions(logged)
         means = self._reduce_logged(logged, stage)
