@@ -344,7 +344,6 @@ def _wandb_loggers(trainer: Any) -> list[Any]:
     return found
 
 
-
 class WandbRunIdCallback(Callback):
     """Writes the run id of the trainer's ``WandbLogger`` into every checkpoint (``checkpoint["wandb_run_id"]``;
     none when W&B is disabled), and :func:`run_config` into its config at set-up (on rank 0, after the launch:

@@ -51,7 +51,6 @@ def check_replicated_grads(params: Iterable[torch.nn.Parameter], ps: ParallelSta
     not finite somewhere). Every rank of a run with TP > 1 takes part, whatever it holds."""
     if ps.tp_size == 1:
         return True
-    params = list(params)
     replicated = [p for p in params if "tp" in param_facts(p).replicated_over]
     problem, finite = None, True
     if replicated:  # the same parameters on every rank of a TP group (one stage, one chunk layout)

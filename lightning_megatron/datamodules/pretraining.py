@@ -118,7 +118,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Split -> why it has no dataset: said when a loop asks for it (a run that never tests is not told)."""
         self._left_out: dict[str, str] = {}
         """Split -> the blend's prefixes it leaves out (no documents there): said when the split is read, too."""
-        self._tail_said: set[str] = set()  # the splits whose evaluation's coverage was said
+        self._coverage_said: set[str] = set()  # the splits whose evaluation's coverage was said
 
     # --- tokenizer and corpus -------------------------------------------------------------------
 
@@ -413,8 +413,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         limit = getattr(self._trainer_or_none(), "limit_val_batches" if name == "valid" else "limit_test_batches", None)
         said = evaluation_coverage(name, samples, self.global_batch_size, limit, padded=False,
                                    step=self.micro_batch_size * self._dp_coordinates()[1])
-        if said is not None and name not in self._tail_said:
-            self._tail_said.add(name)
+        if said is not None and name not in self._coverage_said:
+            self._coverage_said.add(name)
             (rank_zero_warn if said[1] else rank_zero_info)(said[0])
 
     @override

@@ -102,8 +102,8 @@ class SFTDataModule(pl.LightningDataModule):
         self.raw = prompt_completion == "raw"
         self.num_workers = num_workers
         self.datasets: dict[str, SFTSamples] = {}
-        self._coverage_said: set[str] = set()  # the splits whose evaluation's limited batches were said
         """The samples of each split there is (``train``, ``validation``, ``test``), after ``setup``."""
+        self._coverage_said: set[str] = set()  # the splits whose evaluation's limited batches were said
         self.stats: dict[str, EncodeStats] = {}
         """What truncation did to each split's examples."""
         self.predict_dataset: PromptSamples | None = None
