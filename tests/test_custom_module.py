@@ -34,7 +34,12 @@ from lightning_megatron.callbacks import OptimizerParamSchedulerCallback
 from lightning_megatron.module import MegatronLightningModule
 from lightning_megatron.pipeline import stage_chunks
 from lightning_megatron.strategy import MegatronStrategy
-from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+from lightning_megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 from lightning_megatron.replica_check import ReplicaGradientError
 from lightning_megatron.tensor_parallel.param_facts import param_facts, set_param_facts
 
@@ -181,6 +186,44 @@ class MarkedScaledLogits(ScaledLogits):
     mark = True
 
 
+class SequenceSplitChunk(nn.Module):
+    """The whole model on one stage, its activations split along the sequence over TP between the parallel layers
+    (sequence parallelism written by hand): the embedding's output scattered, a block whose fc1 gathers the
+    sequence and fc2 reduce-scatters it, the head gathering it. A replicated parameter of the user's, a learned
+    per-feature ``scale`` before fc1, sees only this rank's piece of the sequence (the embedding before the
+    scatter sees all of it: the scatter's backward gathers its gradient)."""
+
+    def __init__(self, tp_group) -> None:
+        super().__init__()
+        self.pre_process = self.post_process = True
+        self.tp_group = tp_group
+        with seeded("embed"):
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.scale = nn.Parameter(torch.ones(HIDDEN))
+        with seeded("blocks.0"):
+            self.fc1 = ColumnParallelLinear(HIDDEN, FFN, tp_group=tp_group, sequence_parallel=True)
+            self.fc2 = RowParallelLinear(FFN, HIDDEN, tp_group=tp_group, input_is_parallel=True, sequence_parallel=True)
+        with seeded("head"):
+            self.head = ColumnParallelLinear(HIDDEN, VOCAB, tp_group=tp_group, sequence_parallel=True)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        pass
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = scatter_to_sequence_parallel_region(self.embed(tokens).transpose(0, 1), self.tp_group)  # [s/t, b, h]
+        h, _ = self.fc1(x * self.scale)
+        y, _ = self.fc2(F.gelu(h))
+        return self.head(x + y)[0]  # [s, b, VOCAB / t]
+
+
+class SequenceSplit(CharModel):
+    def configure_model(self) -> None:
+        if hasattr(self, "model_chunks"):
+            return
+        self.tp_group = self.trainer.strategy.parallel_state.tp_group
+        self.model_chunks = nn.ModuleList([SequenceSplitChunk(self.tp_group)])
+
+
 class CharLightningModule(MegatronLightningModule):
     """CharModel on the model-agnostic base: only the chunks, the forward step and the stage shape. Its
     ``vocab_size`` has a default, as a user writes it (``check`` keeps it; the datamodule has none)."""
@@ -300,6 +343,10 @@ def _two_rank_worker(ckpt_dir: str) -> dict:
     except ReplicaGradientError as e:
         out["partial_grad"] = str(e)
     out["marked"] = fit(2, 1, 2, module_class=MarkedScaledLogits)
+    try:  # the same under sequence parallelism: replicated parameters on a piece of the sequence
+        fit(2, 1, 2, module_class=SequenceSplit)
+    except ReplicaGradientError as e:
+        out["sequence_split"] = str(e)
     # Each node runs its own command: one started with another layout or another lr (a node's edited recipe) hung
     # in the group set-up for the 30-minute timeout, or trained on with each rank's own schedule, unsaid.
     rank = dist.get_rank()
@@ -420,6 +467,11 @@ def test_a_replicated_parameter_with_part_of_its_gradient_on_each_rank_is_refuse
             "parameter 'logit_scale' (shape ()) is replicated over the 2 tensor-parallel ranks but got different "
             "gradients on them at the first step (elements differ by up to "), message
         assert "set_param_facts(param, sequence_parallel=True)" in message, message
+        message = r.get("sequence_split")
+        assert message is not None and message.startswith(  # (the embedding's gradient is gathered whole: fine)
+            "parameter 'scale' (shape (16,)) is replicated over the 2 tensor-parallel ranks but got different "
+            "gradients on them at the first step"), message
+        assert "as did" not in message and "a piece of the sequence" in message, message
     ref = runs["ref"]["marked"]
     for r in runs["ranks"]:
         marked = r["marked"]
