@@ -276,3 +276,37 @@ def _assert_exported_tokenizer(adapter, dm, ours, folder) -> None:
     sample = "Tensor Parallel layer 3 splits the Weights."
     assert theirs.encode(sample, add_special_tokens=False) == ours.tokenize(sample), dm
     assert len(theirs) == ours.vocab_size, dm
+
+
+def test_export_of_a_chat_run_renders_its_chats_as_the_run_did(tmp_path):
+    """An SFT run on the packaged BPE (no BOS of its own) with a Llama-style template that opens with
+    ``{{ bos_token }}``: the run rendered it empty, but the exported tokenizer named ``<|endoftext|>`` its BOS, so
+    ``apply_chat_template`` (lm-eval's ``--apply_chat_template``) put a token the model never saw before every chat
+    (exact match 0.03 against 0.58 as trained). The exported tokenizer sees the special tokens the run's did."""
+    import types
+
+    from transformers import AutoTokenizer
+
+    from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
+    from lightning_megatron.data.chat import ChatTokenizer
+    from lightning_megatron.models.gpt.interop import GPTInterop
+    from lightning_megatron.saved_model import SavedModel
+
+    template = ("{{ bos_token }}{% for m in messages %}{{ '### ' + m['role'] + ':\n' + m['content'] }}"
+                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '### assistant:\n' }}{% endif %}")
+    dm = {"tokenizer": None, "chat_template": template, "eos_token": None}
+    trained = ChatTokenizer(packaged_bpe_tokenizer_file(), chat_template=template)
+    layer = {f"decoder.layers.0.{k}": torch.zeros(shape) for k, shape in (
+        ("self_attention.linear_qkv.weight", (24, 8)), ("mlp.linear_fc1.weight", (16, 8)),
+        ("mlp.linear_fc2.weight", (8, 16)))}
+    weights = {"embedding.word_embeddings.weight": torch.zeros(trained.vocab_size, 8), **layer}
+    saved = SavedModel(state_dict=weights, hparams={"num_attention_heads": 2}, datamodule_hparams=dm)
+    config = types.SimpleNamespace(vocab_size=trained.vocab_size, max_position_embeddings=64)
+    GPTInterop().hf_tokenizer(saved, config, None)(tmp_path / "hf")
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]
+    assert exported.apply_chat_template(chat, tokenize=False) == trained.template().render(chat)
+    assert exported.apply_chat_template(chat, tokenize=True, return_dict=False) == trained.tokenize(
+        trained.template().render(chat))
+    assert exported.eos_token == trained.eos_token and config.eos_token_id == trained.eos_id

@@ -384,9 +384,15 @@ class GPTInterop:
         hf_tok = _hf_tokenizer(source) if source is not None else None
         chat = _chat_tokenizer(saved) if tokenizer is None else None
         if hf_tok is not None and chat is not None:
-            # an instruction-tuned model: the chat template it was trained with, and where its turns end
+            # an instruction-tuned model: the chat template it was trained with, where its turns end, and the
+            # special tokens its template saw (a bos_token the run rendered empty stays unnamed)
+            from lightning_megatron.data.chat import SPECIAL_TOKEN_NAMES
+
             hf_tok.chat_template = chat.chat_template
-            hf_tok.eos_token = chat.eos_token
+            vocab = hf_tok.get_vocab()
+            for name in SPECIAL_TOKEN_NAMES:
+                token = chat.special_tokens.get(name)
+                setattr(hf_tok, name, token if token in vocab else None)
         problem = tokenizer_size_problem(saved, len(hf_tok), config.vocab_size, source, "--tokenizer") \
             if hf_tok is not None else None
         if problem is not None:
@@ -407,8 +413,6 @@ class GPTInterop:
                 hf_tok.eos_token = eod_token
                 if hf_tok.bos_token is None:
                     hf_tok.bos_token = eod_token
-            if chat is not None and hf_tok.bos_token is None:
-                hf_tok.bos_token = chat.eos_token
             hf_tok.model_max_length = max_length
             hf_tok.save_pretrained(folder)
 
