@@ -50,14 +50,14 @@ def record_data(checkpoint: dict[str, Any], datamodule: Any) -> None:
         checkpoint[LABEL_NAMES] = labels
 
 
-def label_names_mismatch(saved: Any, current: Any, checkpoint: str) -> str | None:
+def label_names_mismatch(saved: Any, current: Any, checkpoint: str, argument: str = "labels") -> str | None:
     """Why a classifier trained with the class names ``saved`` (in class-id order) must not read data that names
-    ``current``. None when they agree or either is unknown."""
+    ``current`` (its ``argument``). None when they agree or either is unknown."""
     if not isinstance(saved, (list, tuple)) or not isinstance(current, (list, tuple)) or list(saved) == list(current):
         return None
     return (f"checkpoint {checkpoint!r} was trained with the classes {list(saved)} (in class-id order); this run's "
             f"data names {list(current)}: every prediction and metric would name another class; pass the run's "
-            f"labels in their order (--data.labels '[{', '.join(map(str, saved))}]')")
+            f"{argument} in their order (--data.{argument} '[{', '.join(map(str, saved))}]')")
 
 
 def data_problems(recorded: Mapping[str, Any], datamodule: Any, checkpoint: str, *, labels: bool = True) -> list[str]:
@@ -70,8 +70,9 @@ def data_problems(recorded: Mapping[str, Any], datamodule: Any, checkpoint: str,
     if isinstance(recorded.get(VOCABULARY), dict):
         problems += [p for p in [vocabulary_mismatch(recorded[VOCABULARY], _tokenizer(datamodule), checkpoint)] if p]
     if labels:
+        argument = getattr(type(datamodule), "labels_argument", "labels")  # FinetuneDataModule's
         problems += [p for p in [label_names_mismatch(recorded.get(LABEL_NAMES), data_label_names(datamodule),
-                                                      checkpoint)] if p]
+                                                      checkpoint, argument)] if p]
     return problems
 
 

@@ -112,11 +112,12 @@ def _source_tokenizer_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any]
     from pathlib import Path
 
     from lightning_megatron.data.dataset_vocab import dataset_tokenizer, pieces_sha256
+    from lightning_megatron.datamodules.finetune import FinetuneDataModule
     from lightning_megatron.datamodules.pretraining import PretrainingDataModule
 
     source = m.get("init_from")
     if not isinstance(source, (str, os.PathLike)) or data_class is None or not issubclass(
-            data_class, PretrainingDataModule) or not Path(source).is_dir():
+            data_class, (PretrainingDataModule, FinetuneDataModule)) or not Path(source).is_dir():
         return None
     names = ("tokenizer.json", "vocab.txt", "vocab.json")
     own = next((Path(source) / n for n in names if (Path(source) / n).is_file()), None)
@@ -189,6 +190,8 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
                                     f"training step needs a full global batch and a chat makes at most one sample; "
                                     f"lower data.global_batch_size or give more chats")
         return problems
+    if running and not vocab_missing:  # a classifier's rows, tokenized for the model init_from names
+        problems += _finetune_source_problems(vocab_file, arguments, m, data_class)
     if {"text_key", "label_key"} <= arguments.keys():
         # labelled split files (LabelledTextDataModule's arguments), read only when a command runs; predict
         # reads only its input (the predict_file, or the split it predicts)
@@ -285,6 +288,24 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
             os.fspath(arguments["predict_file"]), data_tokenizer(), key,
             max_length=int_or_none(arguments.get("seq_length"))))
     return problems
+
+
+def _finetune_source_problems(vocab_file: Any, arguments: dict[str, Any], m: dict[str, Any],
+                              data_class: type | None) -> list[str]:
+    """A classifier fine-tune (a :class:`~lightning_megatron.datamodules.finetune.FinetuneDataModule`) tokenizes
+    its rows with ``vocab_file`` (else the packaged WordPiece vocabulary): an ``init_from`` folder with a tokenizer
+    of its own is checked as pretraining's (:func:`_source_tokenizer_problem`)."""
+    from lightning_megatron.datamodules.finetune import FinetuneDataModule
+
+    if data_class is None or not issubclass(data_class, FinetuneDataModule) or m.get("init_from") is None:
+        return []
+    from lightning_megatron.data.tokenizer import BertTokenizer
+
+    try:
+        tokenizer = BertTokenizer(vocab_file, lowercase=arguments.get("lowercase"))
+    except (ValueError, OSError) as error:
+        return [_data(error)]
+    return [p for p in [_source_tokenizer_problem(tokenizer, vocab_file, m, data_class)] if p]
 
 
 def _built_in_corpus_problems(vocab_file: Any, m: dict[str, Any], data_class: type | None) -> list[str]:

@@ -364,6 +364,13 @@ class MegatronLightningModule(LightningModule):
                              optional=() if everything else self.optional_pretrained, fresh=saved.fresh,
                              missing_hint=self.missing_tensors_hint, flag_prefix=self.architecture_flag_prefix,
                              not_taken=() if everything else self.unread_pretrained, agree=self._agree_on_loading())
+        heads = sorted(k for k in saved.state_dict if self.fine_tuning_heads and k.startswith(self.fine_tuning_heads))
+        if heads and not everything:  # another fine-tune's head (one of our classifiers'): never read, said once
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"init_from={name!r} holds a fine-tuned head ({', '.join(heads)}), which init_from does "
+                           f"not read: this run starts its own head from init_seed; to go on training or to evaluate "
+                           f"that model, pass --ckpt_path {name}", category=UserWarning)
         fresh = [n for n, _ in params if n in saved.fresh]
         if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
             import warnings

@@ -410,6 +410,18 @@ CASES = {
         ["2 configuration problem(s)", "data vocab_file=None tokenizes with the packaged BERT vocabulary, but model "
          "init_from='{bert_own_vocab}' has its own vocab.txt (30522 pieces, other than the packaged ones); set "
          "data.vocab_file='{bert_own_vocab}/vocab.txt'"], []),
+    # the same for a classifier fine-tune (labelled rows; the built-in docstring task): not checked, trained
+    "finetune_init_from_bert_with_its_own_vocabulary": (
+        [*FINETUNE, "--data.init_args.train", "{train}", "--model.init_from", "{bert_own_vocab}",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "data vocab_file=None tokenizes with the packaged BERT vocabulary, but model "
+         "init_from='{bert_own_vocab}' has its own vocab.txt (30522 pieces, other than the packaged ones); set "
+         "data.vocab_file='{bert_own_vocab}/vocab.txt'"], []),
+    "docstring_task_init_from_bert_with_its_own_tokenizer_json": (
+        ["finetune", "fit", "--config", str(ROOT / "recipes" / "bert_tiny_finetune.yaml"), "--model.init_from",
+         "{bert_own_tokenizer}", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["2 configuration problem(s)", "has its own tokenizer.json (30522 pieces, other than the packaged ones); set "
+         "data.vocab_file='{bert_own_tokenizer}/tokenizer.json'"], []),
     "init_from_bert_with_its_own_tokenizer_json": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert_own_tokenizer}",
          "--trainer.strategy.init_args.timeout", "0"], None,

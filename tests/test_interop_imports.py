@@ -215,8 +215,8 @@ def test_source_tensors_no_parameter_takes_are_refused(tmp_path):
     transformers.BertForSequenceClassification(transformers.BertConfig(**HF_KW, num_labels=3)).save_pretrained(
         tmp_path / "classifier")
     module = BertLightningModule.from_pretrained(str(tmp_path / "classifier"))
-    with pytest.warns(UserWarning, match=r"\['classifier.bias', 'classifier.weight'\] are not read \(another task's "
-                                         r"head"):
+    with pytest.warns(UserWarning, match=r"classifier': \['classifier.bias', 'classifier.weight'\] are not read "
+                                         r"\(another task's head"):  # the folder named (its config.json was)
         module.configure_model()
 
 

@@ -99,9 +99,13 @@ class FinetuneDataModule(LightningDataModule):
         """Rows of ``train`` and ``validation`` (and ``test`` when there is one)."""
         raise NotImplementedError
 
+    labels_argument = "labels"
+    """The argument that names the classes in class-id order (what a refusal of another order asks for)."""
+
     @property
     def label_names(self) -> list[str] | None:
-        """The class names in class-id order (``predict`` writes them as ``label``); None: the ids."""
+        """The class names in class-id order (``predict`` writes them as ``label``; the checkpoint records them);
+        None: the ids."""
         return None
 
     def read_predict_rows(self) -> list[Row]:

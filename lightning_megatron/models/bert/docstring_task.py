@@ -71,9 +71,16 @@ class StdlibDocstringDataModule(FinetuneDataModule):
         self.save_hyperparameters()
         self.packages = tuple(packages or DEFAULT_PACKAGES)
 
+    labels_argument = "packages"
+
     @property
     def num_classes(self) -> int:
         return len(self.packages)
+
+    @property
+    @override
+    def label_names(self) -> list[str]:
+        return list(self.packages)
 
     @override
     def read_splits(self) -> dict[str, list[Row]]:

@@ -162,10 +162,12 @@ class BertInterop:
             raise ValueError(f"{source!r}: the folder has {len(refused)} tensors the conversion does not read, e.g. "
                              f"{refused[:4]}: the folder's model computes with them and ours would not (a layer "
                              f"beyond num_hidden_layers? a tensor another architecture has?)")
-        if other_task:
+        if other_task and not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                               and torch.distributed.get_rank() != 0):  # every rank reads the folder: said once
             import warnings
 
-            warnings.warn(f"{source!r}: {other_task} are not read (another task's head, no weight of ours: a "
+            folder = source.removesuffix("/config.json")
+            warnings.warn(f"{folder!r}: {other_task} are not read (another task's head, no weight of ours: a "
                           f"classifier fine-tune starts its own head fresh)", UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ Megatron-LM -> ours
@@ -296,8 +298,13 @@ class BertInterop:
             raise ValueError(problem)
         config.pad_token_id = ours.pad_id  # the vocabulary's [PAD] (transformers' padding_idx): 0 was assumed
         pieces = ours.convert_ids_to_tokens(list(range(ours.vocab_size)))
-        return lambda folder: _save_tokenizer(pieces, folder, lowercase=ours.lowercase,
-                                              max_length=config.max_position_embeddings)
+        # a fine-tuned classifier's texts are cut where its run cut them (the datamodule's max_seq_length), so that a
+        # pipeline's truncation is `finetune predict`'s; else the model's positions
+        length = saved.datamodule_hparams.get("max_seq_length")
+        fine_tuned = ("classifier.weight" in saved.state_dict and isinstance(length, int)
+                      and not isinstance(length, bool))
+        max_length = min(length, config.max_position_embeddings) if fine_tuned else config.max_position_embeddings
+        return lambda folder: _save_tokenizer(pieces, folder, lowercase=ours.lowercase, max_length=max_length)
 
 
 def _hf_unsupported(hp: Mapping[str, Any]) -> list[str]:
