@@ -136,6 +136,13 @@ def test_generation_marks_give_transformers_assistant_mask_and_the_prefix_rule_a
     assert not untagged.has_generation_tags
     ids2, mask2 = encode_chat(ChatRecord(CHAT, "test"), tokenizer, untagged)
     assert ids2.tolist() == ids.tolist() and mask2.tolist() == mask.tolist()
+    # an answer's own leading and trailing spaces, which ChatML keeps: targets as the marks make them (the prefix rule
+    # searched the stripped answer, and left the leading spaces out of the loss)
+    spaced = [*CHAT[1:4], {"role": "assistant", "content": "  Blue.  "}]
+    expected = hf.apply_chat_template(spaced, return_dict=True, return_assistant_tokens_mask=True)["assistant_masks"]
+    ids3, mask3 = encode_chat(ChatRecord(spaced, "test"), tokenizer, untagged)
+    assert mask3.astype(int).tolist() == expected
+    assert _runs(tokenizer, ids3, mask3)[-1] == "  Blue.  <|im_end|>"
 
 
 def test_template_sources_default_and_refusals(folders, tmp_path):
@@ -500,3 +507,40 @@ def test_generation_stops_where_transformers_does_at_every_eos_of_the_generation
     assert ours.tolist() == theirs.tolist()
     assert module.stop_rule("eod", tokenizer=tok).completion(ours[0, prompt.shape[1]:].tolist()) == tok.detokenize(
         theirs[0, prompt.shape[1]:-1].tolist())
+
+
+@pytest.mark.parametrize("name", ["llama3", "chatml"])
+def test_export_of_a_chat_run_keeps_its_stop_ids_and_bos(folders, tmp_path, name):
+    """``export hf`` of a run on a folder whose ``generation_config.json`` names several stop ids (Llama 3.1
+    Instruct's three): ``predict`` stopped at each, the export's ``generate`` at the EOS alone (it ran on past a stop
+    id); and the config's ``bos_token_id`` was the end-of-turn id (``generate()`` without a prompt began with
+    ``<|eot_id|>``). The export's generation config stops where ``predict`` does; its BOS is the tokenizer's (else the
+    end of document ``<|endoftext|>``, as GPT-2's)."""
+    import shutil
+    import types
+
+    from lightning_megatron.models.gpt.interop import GPTInterop
+    from lightning_megatron.saved_model import SavedModel
+
+    source = tmp_path / "source"
+    shutil.copytree(folders[name], source)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(source)
+    stops = ["<|eot_id|>", "<|end_of_text|>"] if name == "llama3" else ["<|im_end|>", "<|endoftext|>"]
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": hf.convert_tokens_to_ids(stops)}))
+    trained = ChatTokenizer(source)
+    assert trained.stop_ids == tuple(hf.convert_tokens_to_ids(stops))
+    layer = {f"decoder.layers.0.{k}": torch.zeros(shape) for k, shape in (
+        ("self_attention.linear_qkv.weight", (24, 8)), ("mlp.linear_fc1.weight", (16, 8)),
+        ("mlp.linear_fc2.weight", (8, 16)))}
+    weights = {"embedding.word_embeddings.weight": torch.zeros(len(hf), 8), **layer}
+    dm = {"tokenizer": str(source), "chat_template": None, "eos_token": None}
+    saved = SavedModel(state_dict=weights, hparams={"num_attention_heads": 2}, datamodule_hparams=dm)
+    config = types.SimpleNamespace(vocab_size=len(hf), max_position_embeddings=64)
+    GPTInterop().hf_tokenizer(saved, config, None)(tmp_path / "hf")
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert generation.eos_token_id == list(trained.stop_ids)
+    bos = "<|begin_of_text|>" if name == "llama3" else "<|endoftext|>"
+    assert config.bos_token_id == hf.convert_tokens_to_ids(bos) and config.eos_token_id == trained.eos_id
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported.apply_chat_template(CHAT, tokenize=True, return_dict=False) == hf.apply_chat_template(
+        CHAT, tokenize=True, return_dict=False)

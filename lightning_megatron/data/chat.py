@@ -468,8 +468,11 @@ def _assistant_spans(template: ChatTemplate, messages: list[dict[str, Any]], tex
                              f"later messages follow, so its tokens cannot be told apart; use a template that renders "
                              f"each turn the same, or mark the assistant's text with {{% generation %}}")
         start, stop = len(before), len(through)
-        content = message["content"].strip()
-        at = text.find(content, start, stop) if content else -1
+        content = message["content"]  # as written where the template keeps it (ChatML), else trimmed (Llama 3)
+        at = text.find(content, start, stop) if content.strip() else -1
+        if at < 0:
+            content = content.strip()
+            at = text.find(content, start, stop) if content else -1
         rest = start if at < 0 else at + len(content)
         start = start if at < 0 else at
         ends = [(p, t) for t in end_tokens if (p := text.find(t, rest, stop)) >= 0]

@@ -378,8 +378,9 @@ class GPTInterop:
                      tokenizer: str | os.PathLike[str] | None) -> Callable[[Path], None]:
         """``tokenizer``: the ``tokenizer.json`` / GPT-2 ``vocab.json`` (or a folder) the model was trained with;
         None takes the one the checkpoint's datamodule names (``GPTDataModule``'s default: the packaged BPE),
-        else the folder gets no tokenizer (a warning says so). Its ``<|endoftext|>`` becomes the config's
-        ``bos`` / ``eos`` token."""
+        else the folder gets no tokenizer (a warning says so). The config's ``eos`` token is the data's end of
+        document (``<|endoftext|>``), or a chat run's end of turn, its ``bos`` the tokenizer's own (else the end of
+        document); a chat run's ``generation_config.json`` stops at every id its generations stopped at."""
         source = _tokenizer_source(saved, tokenizer)
         hf_tok = _hf_tokenizer(source) if source is not None else None
         chat = _chat_tokenizer(saved) if tokenizer is None else None
@@ -399,9 +400,13 @@ class GPTInterop:
             raise ValueError(problem)
         # the data's end of document (BPETokenizer's rule: <|endoftext|>, else the folder's eos_token)
         eod_token = _eod_token(source) if source is not None else None
-        eod = hf_tok.get_vocab().get(chat.eos_token if chat is not None else eod_token) if hf_tok is not None else None
-        if eod is not None:  # Megatron's end-of-document token is the model's end of text
-            config.bos_token_id = config.eos_token_id = eod
+        vocab = hf_tok.get_vocab() if hf_tok is not None else {}
+        eod = vocab.get(chat.eos_token if chat is not None else eod_token)
+        if eod is not None:  # the model's end of text: the end of turn of chats, else Megatron's end of document;
+            # its BOS the tokenizer's own, else the end of document (GPT-2's <|endoftext|>)
+            config.eos_token_id = eod
+            own_bos = vocab.get(hf_tok.bos_token) if hf_tok.bos_token is not None else None
+            config.bos_token_id = own_bos if own_bos is not None else vocab.get(eod_token, eod)
         max_length = architecture_of_saved(saved)["max_sequence_length"]
 
         def write_tokenizer(folder: Path) -> None:
@@ -415,8 +420,22 @@ class GPTInterop:
                     hf_tok.bos_token = eod_token
             hf_tok.model_max_length = max_length
             hf_tok.save_pretrained(folder)
+            if chat is not None and len(chat.stop_ids) > 1:  # generate stops where predict did (Llama 3.1's three)
+                _write_stop_ids(folder, chat.stop_ids)
 
         return write_tokenizer
+
+
+def _write_stop_ids(folder: Path, stop_ids: tuple[int, ...]) -> None:
+    """``generation_config.json``'s ``eos_token_id``: every id a generation of the run stops at (transformers'
+    ``generate`` stops at any of a list), the rest of the file as the model's save wrote it."""
+    from lightning_megatron.interop.hf_folder import import_transformers
+
+    transformers = import_transformers("writing a generation config")
+    exists = (folder / "generation_config.json").is_file()
+    generation = transformers.GenerationConfig.from_pretrained(folder) if exists else transformers.GenerationConfig()
+    generation.eos_token_id = list(stop_ids)
+    generation.save_pretrained(folder)
 
 
 def _tokenizer_source(saved: SavedModel, tokenizer: str | os.PathLike[str] | None) -> Path | None:
