@@ -543,7 +543,8 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
             except Exception as e:  # noqa: BLE001 - state of another shape: one rank's, said on every rank
                 error = f"checkpoint {str(path)!r}: {rng_file.relative_to(path)} is not RNG state ({e!r})"
         _agree(error)
-    elif rank == 0:  # every rank's dropout and generator streams start from the strategy's seed instead
+    elif rank == 0 and include_optimizer:  # a fit: every rank's dropout and generator streams start from the
+        # strategy's seed instead (an evaluation draws no dropout: nothing to say)
         saved = info.get("layout") or {}
         warnings.warn(f"checkpoint {str(path)!r} was saved at {_layout_words(saved)}; this run is "
                       f"{_layout_words(layout)}: the ranks' RNG states (dropout, torch's generator) are not restored "

@@ -89,6 +89,7 @@ class PreemptionHandler:
         self._pid: int | None = None
         self._announce = False
         self.exiting = False  # set when the SIGTERMException is being handled: teardown calls leave()
+        self._sigint_after_leave: Any = None  # SIGINT's handler, given back once leave() has waited
 
     def install(self, launcher: Any = None, announce: bool = False) -> None:
         """Become this process's SIGTERM and SIGINT handler (main thread only; elsewhere signals cannot be
@@ -106,6 +107,11 @@ class PreemptionHandler:
     def uninstall(self) -> None:
         if self._installed and threading.current_thread() is threading.main_thread():
             for signum, previous in self._previous.items():
+                if signum == signal.SIGINT and self.exiting and self.received:
+                    # on the way out after a stop: a second Ctrl-C still ends the process at once while leave()
+                    # waits for the other ranks (KeyboardInterrupt there was a traceback and exit status 1)
+                    self._sigint_after_leave = previous
+                    continue
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._installed = False
 
@@ -167,6 +173,9 @@ class PreemptionHandler:
                 child.wait()
         if initialized:
             dist.destroy_process_group()
+        if self._sigint_after_leave is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._sigint_after_leave)
+            self._sigint_after_leave = None
 
 
 def stop_checkpoint_path(trainer: pl.Trainer, run_id: str | None) -> Path | None:

@@ -76,6 +76,22 @@ def test_handler_flags_and_exit_code():
         finally:
             handler.uninstall()
         assert {s: signal.getsignal(s) for s in previous} == previous
+    # on the way out after a Ctrl-C (the checkpoint saved, the ranks waited for) a second one still ends the process
+    # at once: teardown gave SIGINT back Python's KeyboardInterrupt, and a second press while rank 0 waited for the
+    # others printed a traceback and exited 1, not 130
+    handler = PreemptionHandler()
+    previous = signal.getsignal(signal.SIGINT)
+    handler.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        handler.exiting = True  # the stop's checkpoint is saved: teardown, then leave
+        handler.uninstall()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) != handler._handle
+        handler.leave()  # the ranks waited for: the process exits next, and the handler is given back
+        assert signal.getsignal(signal.SIGINT) == previous
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert handler.received == signal.SIGINT
 
     class _Trainer:  # not fitting: nothing to save, only the exit status
         global_step = 0
