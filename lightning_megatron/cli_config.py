@@ -29,10 +29,15 @@ def prepare_config(config: Any, argv: list[str], model_class: type | None = None
     derived from the run folder (:func:`_one_run_folder`), ``(section, key, value as given)``: the configuration the
     run saves holds them as given, so that it runs again elsewhere (``--trainer.default_root_dir``)."""
     _weight_decay_the_schedule_sets(config)
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    # the callbacks' sections and the display callbacks are saved as given: a run of the saved file (with
+    # --lr_schedule.max_lr ...) derives them again, once
+    given = [(config, key, config.get(key)) for key in ("megatron_optimizer", "lr_schedule")] + (
+        [(trainer, key, trainer.get(key)) for key in ("callbacks", "enable_model_summary")] if trainer else [])
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
     _our_wandb_logger(config)
-    derived = _one_run_folder(config)
+    derived = [*given, *_one_run_folder(config)]
     _one_run_per_checkpoint_folder(config, fitting=subcommand == "fit")  # resolves --ckpt_path last
     _architecture_of_init_from(config, argv, model_class)  # (a resumed run's own training settings: its checkpoint's)
     _evaluation_logs(config, subcommand or "fit")
@@ -139,6 +144,13 @@ def _named_callbacks_into_trainer(config) -> None:
     for key in ("megatron_optimizer", "lr_schedule"):
         spec = config.get(key)
         if spec:
+            kind = "MegatronOptimizerCallback" if key == "megatron_optimizer" else "OptimizerParamSchedulerCallback"
+            there = [c for c in _entries(trainer.get("callbacks")) if str(c.class_path).rsplit(".", 1)[-1] == kind]
+            if there:  # Lightning (or every rank) failed on the two; a config.yaml saved before 2026-12-07 holds this
+                raise SystemExit(f"lightning-megatron: the {key} section and trainer.callbacks both give the {kind}, "
+                                 f"which a run takes once: keep one (a run's config.yaml saved before 2026-12-07 holds "
+                                 f"it in trainer.callbacks: change its values there, or move them into the {key} "
+                                 f"section and remove the entry)")
             if key == "megatron_optimizer":  # the section is the callback's OptimizerConfig
                 from jsonargparse import Namespace
 

@@ -24,12 +24,12 @@ __all__ = ["lightning_cli", "finetune_cli", "leave_in_order", "resolve_recipes"]
 
 
 def lightning_cli(args: list[str] | None, model_class: type | None = None, datamodule_class: type | None = None,
-                   *, link_num_classes: bool = False, **kwargs) -> Any:
+                   *, link_num_classes: bool = False, command: str = "lightning-megatron", **kwargs) -> Any:
     """The LightningCLI over BertLightningModule and BertDataModule, the given classes, or any class the
     command line or its recipe names by ``class_path`` (subclass mode) (``run=False`` in kwargs: only
     build). ``args`` (or ``sys.argv`` when None) may name recipes with ``base:``; they are merged first
     (lightning_megatron.recipes). ``link_num_classes``: the model's ``num_classes`` is the datamodule's
-    (fine-tuning)."""
+    (fine-tuning). ``command``: how its errors name the command (``lightning-megatron finetune``)."""
     if args is None:  # LightningCLI reads sys.argv; Lightning starts the other ranks with it too
         sys.argv[1:] = resolve_recipes(sys.argv[1:])
     else:
@@ -40,13 +40,14 @@ def lightning_cli(args: list[str] | None, model_class: type | None = None, datam
     launch.prewarm(given, also=_default_classes(given, model_class, datamodule_class))
     launch.import_wandb_ahead(given)
     try:
-        return _megatron_cli(args, given, model_class, datamodule_class, link_num_classes=link_num_classes, **kwargs)
+        return _megatron_cli(args, given, model_class, datamodule_class, link_num_classes=link_num_classes,
+                             command=command, **kwargs)
     finally:
         launch.release()  # local ranks started early that no launcher took (a refusal, an error, one device)
 
 
 def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | None, datamodule_class: type | None,
-                  *, link_num_classes: bool, **kwargs) -> Any:
+                  *, link_num_classes: bool, command: str, **kwargs) -> Any:
     """:func:`lightning_cli` once the recipes are resolved: build (and run) the LightningCLI."""
     from lightning_megatron.recipes import RecipeError, refuse_unknown_config_fields
 
@@ -173,12 +174,17 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
             # LightningCLI.parse_arguments, without its warning about `args` given while sys.argv holds
             # arguments: `finetune` passes them on purpose (sys.argv keeps the word `finetune` for the ranks
             # Lightning starts with it), and the warning printed the whole merged recipe on one line.
-            from jsonargparse import Namespace
+            from jsonargparse import ArgumentError, Namespace
 
-            if isinstance(args, (dict, Namespace)):
-                self.config = parser.parse_object(args)
-            else:
-                self.config = parser.parse_args(args)
+            try:
+                if isinstance(args, (dict, Namespace)):
+                    self.config = parser.parse_object(args)
+                else:
+                    self.config = parser.parse_args(args)
+            except ArgumentError as error:  # the error and a close match, not ~100 lines of usage first
+                subcommand = list(running) if len(running) == 1 else []  # the one the command line starts with
+                print(_parse_error(parser, error, " ".join([command, *subcommand])), file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
 
         def instantiate_classes(self) -> None:
             super().instantiate_classes()
@@ -257,13 +263,55 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
     # A mistyped option that is the prefix of one (--trainer.max_step) is an error, not that option:
     # argparse's abbreviations off (jsonargparse hands the setting to every subcommand's parser).
     # (Settings for the subcommands not built are dropped: LightningCLI would read them as the main parser's.)
-    kwargs["parser_kwargs"] = {k: v for k, v in {"allow_abbrev": False, **(kwargs.get("parser_kwargs") or {})}.items()
+    # Its error comes back to MegatronCLI._parse, which says it with a close match (exit_on_error off).
+    kwargs["parser_kwargs"] = {k: v for k, v in {"allow_abbrev": False, "exit_on_error": False,
+                                                 **(kwargs.get("parser_kwargs") or {})}.items()
                                if k in running or k not in every}
     kwargs.setdefault("subclass_mode_model", model_class is None)  # a class named by class_path
     kwargs.setdefault("subclass_mode_data", datamodule_class is None)
     return MegatronCLI(model_class, datamodule_class, args=args, save_config_callback=SaveConfigAsGiven,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
+
+
+def _parse_error(parser: Any, error: Exception, command: str) -> str:
+    """argparse's error of a command line the parser refused (exit status 2), with the options closest to each one
+    it did not take and where to list them all: LightningCLI printed the whole usage first (~100 lines).
+    ``command``: ``lightning-megatron fit`` (``finetune fit``, ...)."""
+    import argparse
+    import difflib
+    import inspect
+    import re
+
+    from lightning_megatron.recipes import import_class
+
+    options: set[str] = set()
+    stack = [getattr(error, "subcommand_parser", None) or parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            options.update(o for o in action.option_strings if o.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend(action.choices.values())
+    message = str(error).strip()
+    hints = []
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    for arg in (unknown.group(1).split() if unknown else []):
+        name = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(name, sorted(options), n=2) if arg.startswith("--") else []
+        hints += [f"{name}: did you mean {' or '.join(close)}?"] if close else []
+    key = re.search(r'Parser key "([\w.]+)"', message)
+    for class_path, name in re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message):
+        try:  # a section of a class's arguments (lr_schedule, a config record): its fields
+            cls = import_class(class_path)
+            fields = [f for f in inspect.signature(cls).parameters if f not in ("self", "args", "kwargs")]
+        except (ImportError, AttributeError, ValueError, TypeError):
+            continue
+        close = difflib.get_close_matches(name, fields, n=2)
+        where = f"--{key.group(1)}." if key else "--"
+        hints += [f"{where}{name}: did you mean {' or '.join(where + c for c in close)}?"] if close else []
+    return "\n".join([f"lightning-megatron: error: {message}", *(f"  {h}" for h in hints),
+                      f"  ({command} --help lists every option)"])
 
 
 def _default_classes(given: list[str], model_class: type | None, datamodule_class: type | None) -> list[str]:
@@ -399,6 +447,7 @@ def finetune_cli(argv: list[str] | None, **kwargs: Any) -> Any:
     from lightning_megatron.models.bert.classification import BertClassificationModule
 
     named = _model_class_path(resolved)
+    kwargs.setdefault("command", "lightning-megatron finetune")
     if named is not None and not _is_classifier(named):
         return lightning_cli(argv, **kwargs)
     return lightning_cli(argv, BertClassificationModule, FinetuneDataModule, link_num_classes=True,

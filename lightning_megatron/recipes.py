@@ -38,7 +38,7 @@ import yaml
 __all__ = ["BASE_KEY", "config_recipes", "DEFAULT_DATA_CLASS", "DEFAULT_MODEL_CLASS", "MOVED_CLASS_PATHS", "RecipeError", "import_class",
            "merge_recipes", "read_recipe", "refuse_moved_class_paths", "refuse_unknown_config_fields",
            "refuse_unreadable_recipes",
-           "resolve_config_arguments"]
+           "resolve_config_arguments", "MERGED_FROM", "typed_arguments"]
 
 DEFAULT_MODEL_CLASS = "lightning_megatron.models.bert.module.BertLightningModule"
 """The module a recipe's ``model:`` section builds when it names no ``class_path`` (the CLI's and
@@ -120,38 +120,55 @@ def refuse_moved_class_paths(value: dict[str, Any] | list[str], source: str = "t
 
 
 def refuse_unknown_config_fields(argv: list[str]) -> None:
-    """Raise :class:`RecipeError` when a ``--config`` recipe's ``model`` section gives its module's config record
-    (``config:``, a ``LanguageModelConfig``) a field the record does not have, naming it, its close matches and
-    the record: LightningCLI printed its whole usage and a 70-line dump of the parse, the one line that matters near
-    the end ("Option 'moe_router_enable_expert_bias' is not accepted")."""
-    import difflib
-    import inspect
-
+    """Raise :class:`RecipeError` when a ``--config`` recipe's ``model`` section, or a ``--model.config.<field>``
+    (``--model.init_args.config.<field>``) flag, gives its module's config record (``config:``, a
+    ``LanguageModelConfig``) a field the record does not have, naming it, its close matches and the record:
+    LightningCLI printed its whole usage and a 70-line dump of the parse, the one line that matters near the end
+    ("Option 'moe_router_enable_expert_bias' is not accepted")."""
+    named_by = None  # the model's class_path, the last one given (a recipe's, then the command line's)
     for recipe in config_recipes(argv):
         model = recipe.get("model")
         if not isinstance(model, dict):
             continue
         named = model.get("class_path")
+        named_by = named or named_by
         args = model.get("init_args") if named else model
         config = args.get("config") if isinstance(args, dict) else None
-        if not isinstance(config, dict):
-            continue
-        try:
-            cls = import_class(str(named or DEFAULT_MODEL_CLASS))
-        except (ImportError, AttributeError, ValueError):
-            continue  # LightningCLI names a class it cannot import
-        record = getattr(cls, "config_class", None)
-        if not (inspect.isclass(record) and dataclasses.is_dataclass(record)):
-            continue
-        fields = sorted(f.name for f in dataclasses.fields(record) if f.init)
-        unknown = sorted(set(config) - set(fields))
-        if unknown:
-            spelled = "model.init_args.config" if named else "model.config"
-            close = {u: difflib.get_close_matches(u, fields, n=2) for u in unknown}
-            hints = "; ".join(f"{spelled}.{u}" + (f" (did you mean {' or '.join(close[u])}?)" if close[u] else "")
-                              for u in unknown)
-            raise RecipeError(f"the recipe's {hints}: not a field of {record.__module__}.{record.__name__} "
-                              f"(the {cls.__name__} config record); its fields: {', '.join(fields)}")
+        if isinstance(config, dict):
+            _refuse_unknown_fields(named, config, "the recipe's", "model.init_args.config" if named else "model.config")
+    flags: dict[str, list[str]] = {}
+    for i, arg in enumerate(argv):
+        flag = arg.split("=", 1)[0]
+        if flag in ("--model", "--model.class_path") and "=" not in arg and i + 1 < len(argv):
+            named_by = argv[i + 1]
+        elif flag in ("--model", "--model.class_path"):
+            named_by = arg.split("=", 1)[1]
+        for prefix in ("--model.config.", "--model.init_args.config."):
+            if flag.startswith(prefix) and "." not in flag[len(prefix):]:
+                flags.setdefault(prefix[2:-1], []).append(flag[len(prefix):])
+    for spelled, fields in flags.items():
+        _refuse_unknown_fields(named_by, dict.fromkeys(fields), "the command line's", spelled)
+
+
+def _refuse_unknown_fields(named: Any, config: dict[str, Any], whose: str, spelled: str) -> None:
+    import difflib
+    import inspect
+
+    try:
+        cls = import_class(str(named or DEFAULT_MODEL_CLASS))
+    except (ImportError, AttributeError, ValueError):
+        return  # LightningCLI names a class it cannot import
+    record = getattr(cls, "config_class", None)
+    if not (inspect.isclass(record) and dataclasses.is_dataclass(record)):
+        return
+    fields = sorted(f.name for f in dataclasses.fields(record) if f.init)
+    unknown = sorted(set(config) - set(fields))
+    if unknown:
+        close = {u: difflib.get_close_matches(u, fields, n=2) for u in unknown}
+        hints = "; ".join(f"{spelled}.{u}" + (f" (did you mean {' or '.join(close[u])}?)" if close[u] else "")
+                          for u in unknown)
+        raise RecipeError(f"{whose} {hints}: not a field of {record.__module__}.{record.__name__} "
+                          f"(the {cls.__name__} config record); its fields: {', '.join(fields)}")
 
 
 def _refuse(where: str, old: str) -> None:
@@ -351,7 +368,26 @@ def _merged_text(value: str) -> str:
         return value
     if not isinstance(raw, dict) or BASE_KEY not in raw:
         return value
-    return yaml.safe_dump(read_recipe(path), sort_keys=False)
+    return f"{MERGED_FROM}{value}\n" + yaml.safe_dump(read_recipe(path), sort_keys=False)
+
+
+MERGED_FROM = "# lightning-megatron: the recipe "
+"""The first line of a recipe merged with its bases, as YAML text on a command line: the file it was read from."""
+
+
+def typed_arguments(argv: list[str]) -> list[str]:
+    """Command-line arguments with each merged recipe (:func:`resolve_config_arguments`) named by its file again:
+    the command as it was typed, for what a run records of itself; YAML text of another origin is
+    ``<recipe text>``."""
+    out = []
+    for arg in argv:
+        prefix = "--config=" if arg.startswith("--config=") else ""
+        text = arg[len(prefix):]
+        if "\n" in text:
+            first = text.split("\n", 1)[0]
+            text = first[len(MERGED_FROM):] if first.startswith(MERGED_FROM) else "<recipe text>"
+        out.append(prefix + text)
+    return out
 
 
 def config_recipes(argv: list[str]) -> list[dict[str, Any]]:

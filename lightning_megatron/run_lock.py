@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-__all__ = ["RUN_LOCK", "one_run_at_a_time", "release_run_locks"]
+__all__ = ["RUN_LOCK", "command_line", "one_run_at_a_time", "release_run_locks"]
 
 RUN_LOCK = ".lightning-megatron.lock"
 """The file in a run folder whose lock the process of global rank 0 of a ``fit`` holds while it runs."""
@@ -68,10 +68,20 @@ def one_run_at_a_time(config, fitting: bool) -> None:
     import time
 
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": " ".join(["lightning-megatron", *sys.argv[1:]])[:300]}
+              "command": command_line(sys.argv[1:])[:300]}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     _run_locks[root] = fd  # held while this process lives
+
+
+def command_line(argv: list[str]) -> str:
+    """``lightning-megatron ARGS`` as it was typed (a recipe merged with its bases named by its file), quoted as a
+    shell would take it."""
+    import shlex
+
+    from lightning_megatron.recipes import typed_arguments
+
+    return shlex.join(["lightning-megatron", *typed_arguments(argv)])
 
 
 def _launches_every_rank(trainer) -> bool:

@@ -107,6 +107,14 @@ def test_a_config_record_field_it_lacks_is_one_line_naming_it(tmp_path):
     with pytest.raises(SystemExit) as refused:
         main(["fit", "--config", str(recipe)])
     assert "model.config.num_layer (did you mean num_layers or " in str(refused.value.code), refused.value.code
+    # the same typo on the command line printed ~100 lines of usage and the parse; one line too
+    for argv, said in ((["--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.config.num_layer", "3"],
+                        "the command line's model.config.num_layer (did you mean num_layers or "),
+                       (["--config", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--model.init_args.config.num_layer=3"],
+                        "the command line's model.init_args.config.num_layer (did you mean num_layers or ")):
+        with pytest.raises(SystemExit) as refused:
+            main(["fit", *argv])
+        assert str(refused.value.code).startswith(f"lightning-megatron: {said}"), refused.value.code
 
 
 def test_old_datamodule_class_paths_are_refused_naming_the_new_one(tmp_path, capsys):

@@ -438,8 +438,10 @@ CASES = {
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
+    # a mistyped option: argparse's error and a close match, not ~100 lines of usage
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
-                           ["unrecognized arguments: --trainer.max_step 50"], []),
+                           ["unrecognized arguments: --trainer.max_step 50", "did you mean --trainer.max_steps or",
+                            "(lightning-megatron fit --help lists every option)"], ["usage:"]),
 }
 
 
@@ -469,6 +471,20 @@ def test_refused_before_launch_naming_the_value(case, inputs, tmp_path, monkeypa
     assert not [p for p in psutil.Process().children() if "lightning_megatron.launch" in " ".join(p.cmdline())]
 
 
+def test_a_schedule_given_twice_is_refused_before_launch(monkeypatch, tmp_path):
+    """A run's ``config.yaml`` saved before 2026-12-07 held the schedule callback in ``trainer.callbacks``; with
+    ``--lr_schedule.max_lr`` it got a second one, and Lightning's set-up failed with a traceback (two optimizer
+    configs failed every rank's). Refused in one line, saying where the first one is."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--trainer.callbacks+=lightning_megatron."
+              "callbacks.OptimizerParamSchedulerCallback", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert str(exited.value.code).startswith("lightning-megatron: the lr_schedule section and trainer.callbacks both "
+                                             "give the OptimizerParamSchedulerCallback"), exited.value.code
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("argv, subcommand", [(["validate", "--config", GPT], "validate"), (FINETUNE, "fit")],
                          ids=["validate", "finetune-fit"])
 def test_a_command_builds_the_parser_of_its_own_subcommand_only(argv, subcommand, inputs, monkeypatch, capsys):
@@ -491,7 +507,8 @@ def test_a_command_builds_the_parser_of_its_own_subcommand_only(argv, subcommand
         main([a.format(**inputs) for a in argv] + ["--trainer.max_step", "5"])
     message = capsys.readouterr().err
     assert exited.value.code == 2 and "unrecognized arguments: --trainer.max_step 5" in message, message
-    assert f"usage: lightning-megatron [options] {subcommand} [-c CONFIG]" in message, message
+    assert "--trainer.max_step: did you mean --trainer.max_steps or" in message, message
+    assert f"(lightning-megatron {'finetune ' if argv[0] == 'finetune' else ''}{subcommand} --help lists" in message
     assert built == [subcommand]
 
 

@@ -175,9 +175,23 @@ def test_resume_continues_the_wandb_history_and_validate_logs_beside_it(tmp_path
     # the configuration the run saved holds the run folder's paths as given (derived from default_root_dir), so
     # that it runs again elsewhere with --trainer.default_root_dir moving all three (it held the derived paths:
     # the metrics and W&B of the new run went into this run's folder, its checkpoints refused as this run's)
+    # Its lr_schedule and megatron_optimizer sections are kept as sections, so that the overrides the recipes page
+    # shows apply to it (they were saved inside trainer.callbacks, the sections null: a second schedule callback
+    # failed Lightning's set-up, a second optimizer config every rank's)
     saved, other = tmp_path / "run" / "csv" / "version_0" / "config.yaml", tmp_path / "other"
+    import yaml
+
+    def schedule(path):
+        section = yaml.safe_load(path.read_text())["lr_schedule"]
+        return section["init_args"]  # the callback's arguments under its class_path
+
+    written = yaml.safe_load(saved.read_text())
+    assert schedule(saved)["lr_warmup_steps"] == 0 and written["megatron_optimizer"]["clip_grad"] == 1.0
+    assert not [c for c in written["trainer"]["callbacks"] if "Optimizer" in c["class_path"]], written
     _cli(tmp_path, "fit", "--config", str(saved), "--trainer.default_root_dir", str(other), "--trainer.max_steps",
-         "1", "--trainer.limit_val_batches", "0", root="other")
+         "1", "--trainer.limit_val_batches", "0", "--lr_schedule.max_lr", "3e-3", "--megatron_optimizer.clip_grad",
+         "0.5", root="other")
+    assert schedule(other / "csv" / "version_0" / "config.yaml")["max_lr"] == 3e-3
     assert (other / "csv" / "version_0" / "metrics.csv").is_file() and (other / "checkpoints" / "last.ckpt").is_dir()
     assert [p.name for p in (other / "wandb").glob("offline-run-*")] and not (tmp_path / "run" / "csv" /
                                                                                "version_1").exists()

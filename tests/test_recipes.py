@@ -130,6 +130,12 @@ def test_config_arguments_get_the_merged_recipe(tmp_path):
     long_text = "model:\n" + "".join(f"  k{i}: {i}\n" for i in range(400))
     assert resolve_config_arguments(["--config", long_text]) == ["--config", long_text]
     assert resolve_config_arguments(["--config", "x" * 5000]) == ["--config", "x" * 5000]  # ENAMETOOLONG
+    # what a command records of itself (the run folder's lock: "another run is training ... (its command)") names the
+    # recipe file, not the merged text (it showed "--config seed_everything: 1234\ntrainer:\n  strategy: ...")
+    from lightning_megatron.run_lock import command_line
+
+    assert command_line(args) == f"lightning-megatron fit --config {recipe} -c {plain} --trainer.max_steps 5"
+    assert command_line(["fit", "--config", long_text]) == "lightning-megatron fit --config '<recipe text>'"
 
 
 def test_moved_class_paths_are_refused_where_they_stand(tmp_path):
