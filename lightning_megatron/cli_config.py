@@ -469,10 +469,15 @@ def _one_run_per_checkpoint_folder(config, fitting: bool) -> None:
         if not others:
             continue
         if resumed is None:
+            from lightning_megatron.run_lock import holder
+
+            live = holder(root)
+            resume = ("Resume that run with --ckpt_path last" if live is None else
+                      f"That run is training now ({live}): once it ends, --ckpt_path last resumes it")
             raise SystemExit(
                 f"lightning-megatron: {folder} already holds checkpoints ({_listing(folder, saved)}): a new run there "
-                f"would mix its checkpoints with theirs. Resume that run with --ckpt_path last, or start the new "
-                f"run in a new folder: {new_folder(folder)}")
+                f"would mix its checkpoints with theirs. {resume}, or start the new run in a new folder: "
+                f"{new_folder(folder)}")
         if os.path.dirname(resumed) != folder:
             raise SystemExit(
                 f"lightning-megatron: {folder} holds checkpoints of another run than {resumed} (run {run}): "

@@ -52,7 +52,7 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
     from lightning_megatron.recipes import RecipeError, refuse_unknown_config_fields
 
     try:  # imports the model's class: here, once the other ranks import too (lightning_megatron.launch)
-        refuse_unknown_config_fields(given)
+        refuse_unknown_config_fields(given, model_class)
     except RecipeError as e:
         raise SystemExit(f"lightning-megatron: {e}") from None
     from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
@@ -185,6 +185,7 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                 subcommand = list(running) if len(running) == 1 else []  # the one the command line starts with
                 print(_parse_error(parser, error, " ".join([command, *subcommand])), file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
+            _exit_on_error(parser)  # the command line parsed: later parses (a checkpoint file's hparams) as argparse's
 
         def instantiate_classes(self) -> None:
             super().instantiate_classes()
@@ -274,6 +275,18 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
 
 
+def _exit_on_error(parser: Any) -> None:
+    """argparse's exit on error again, for the parser and its subcommands' (LightningCLI parses a ``--ckpt_path``
+    file's hyper-parameters after the command line, expecting its exit)."""
+    import argparse
+
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        p.exit_on_error = True
+        stack += [c for a in p._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()]
+
+
 def _parse_error(parser: Any, error: Exception, command: str) -> str:
     """argparse's error of a command line the parser refused (exit status 2), with the options closest to each one
     it did not take and where to list them all: LightningCLI printed the whole usage first (~100 lines).
@@ -310,8 +323,9 @@ def _parse_error(parser: Any, error: Exception, command: str) -> str:
         close = difflib.get_close_matches(name, fields, n=2)
         where = f"--{key.group(1)}." if key else "--"
         hints += [f"{where}{name}: did you mean {' or '.join(where + c for c in close)}?"] if close else []
+    listed = "every option" if command.split()[-1] in ("fit", "validate", "test", "predict") else "the commands"
     return "\n".join([f"lightning-megatron: error: {message}", *(f"  {h}" for h in hints),
-                      f"  ({command} --help lists every option)"])
+                      f"  ({command} --help lists {listed})"])
 
 
 def _default_classes(given: list[str], model_class: type | None, datamodule_class: type | None) -> list[str]:

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -103,6 +104,7 @@ class MegatronLightningModule(LightningModule):
         """Groups and coordinates of this process: the strategy's, or one process (after configure_model)."""
         self._optimizer_spec: tuple[str, dict[str, Any]] | None = None
         self._lr_scheduler_spec: tuple[str, dict[str, Any]] | None = None
+        self._unread_head: str | None = None  # init_from's fine-tuned head, said when a fit starts without resuming
 
     # ------------------------------------------------------------------ what a model family writes
 
@@ -186,12 +188,16 @@ class MegatronLightningModule(LightningModule):
         ``fit``, say what else differs (the data section, a torch LR scheduler without saved state)."""
         self._refuse_other_data(checkpoint, str(self.trainer.ckpt_path))
         if self.trainer.state.fn == "fit":
-            from lightning.pytorch.utilities import rank_zero_warn
-
             datamodule = self._datamodule()
             for message in resume_differences(checkpoint, datamodule.hparams if datamodule is not None else None,
                                               [config.scheduler for config in self.trainer.lr_scheduler_configs]):
                 rank_zero_warn(message, category=UserWarning)
+
+    @override
+    def on_fit_start(self) -> None:
+        if self._unread_head and self.trainer.ckpt_path is None:  # a resumed fit's head is its checkpoint's
+            rank_zero_warn(self._unread_head, category=UserWarning)
+        self._unread_head = None
 
     def _datamodule(self) -> Any:
         """The trainer's datamodule (None without a trainer or a datamodule)."""
@@ -365,12 +371,12 @@ class MegatronLightningModule(LightningModule):
                              missing_hint=self.missing_tensors_hint, flag_prefix=self.architecture_flag_prefix,
                              not_taken=() if everything else self.unread_pretrained, agree=self._agree_on_loading())
         heads = sorted(k for k in saved.state_dict if self.fine_tuning_heads and k.startswith(self.fine_tuning_heads))
-        if heads and not everything:  # another fine-tune's head (one of our classifiers'): never read, said once
-            from lightning.pytorch.utilities import rank_zero_warn
-
-            rank_zero_warn(f"init_from={name!r} holds a fine-tuned head ({', '.join(heads)}), which init_from does "
-                           f"not read: this run starts its own head from init_seed; to go on training or to evaluate "
-                           f"that model, pass --ckpt_path {name}", category=UserWarning)
+        if heads and not everything:  # another fine-tune's head, never read: said as a fit starts (on_fit_start)
+            self._unread_head = (f"init_from={name!r} holds a fine-tuned head ({', '.join(heads)}), which init_from "
+                                 f"does not read: this run starts its own head from init_seed; to go on training or to "
+                                 f"evaluate that model, pass --ckpt_path {name}")
+            if self._trainer is None:
+                rank_zero_warn(self._unread_head, category=UserWarning)
         fresh = [n for n, _ in params if n in saved.fresh]
         if fresh and ps.tp_rank == 0 and ps.dp_rank == 0:  # once: the heads live on the last stage
             import warnings

@@ -119,13 +119,14 @@ def refuse_moved_class_paths(value: dict[str, Any] | list[str], source: str = "t
                 _refuse(source, found.group(0))
 
 
-def refuse_unknown_config_fields(argv: list[str]) -> None:
+def refuse_unknown_config_fields(argv: list[str], model_class: type | None = None) -> None:
     """Raise :class:`RecipeError` when a ``--config`` recipe's ``model`` section, or a ``--model.config.<field>``
     (``--model.init_args.config.<field>``) flag, gives its module's config record (``config:``, a
     ``LanguageModelConfig``) a field the record does not have, naming it, its close matches and the record:
     LightningCLI printed its whole usage and a 70-line dump of the parse, the one line that matters near the end
-    ("Option 'moe_router_enable_expert_bias' is not accepted")."""
-    named_by = None  # the model's class_path, the last one given (a recipe's, then the command line's)
+    ("Option 'moe_router_enable_expert_bias' is not accepted"). ``model_class``: the class the command builds
+    where nothing names one by class_path (the CLI's default otherwise)."""
+    named_by: Any = None  # the model's class_path, the last one given (a recipe's, then the command line's)
     for recipe in config_recipes(argv):
         model = recipe.get("model")
         if not isinstance(model, dict):
@@ -135,7 +136,8 @@ def refuse_unknown_config_fields(argv: list[str]) -> None:
         args = model.get("init_args") if named else model
         config = args.get("config") if isinstance(args, dict) else None
         if isinstance(config, dict):
-            _refuse_unknown_fields(named, config, "the recipe's", "model.init_args.config" if named else "model.config")
+            _refuse_unknown_fields(named or model_class, config, "the recipe's",
+                                   "model.init_args.config" if named else "model.config")
     flags: dict[str, list[str]] = {}
     for i, arg in enumerate(argv):
         flag = arg.split("=", 1)[0]
@@ -147,15 +149,15 @@ def refuse_unknown_config_fields(argv: list[str]) -> None:
             if flag.startswith(prefix) and "." not in flag[len(prefix):]:
                 flags.setdefault(prefix[2:-1], []).append(flag[len(prefix):])
     for spelled, fields in flags.items():
-        _refuse_unknown_fields(named_by, dict.fromkeys(fields), "the command line's", spelled)
+        _refuse_unknown_fields(named_by or model_class, dict.fromkeys(fields), "the command line's", spelled)
 
 
 def _refuse_unknown_fields(named: Any, config: dict[str, Any], whose: str, spelled: str) -> None:
     import difflib
     import inspect
 
-    try:
-        cls = import_class(str(named or DEFAULT_MODEL_CLASS))
+    try:  # a class, or its class path
+        cls = named if inspect.isclass(named) else import_class(str(named or DEFAULT_MODEL_CLASS))
     except (ImportError, AttributeError, ValueError):
         return  # LightningCLI names a class it cannot import
     record = getattr(cls, "config_class", None)

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-__all__ = ["RUN_LOCK", "command_line", "one_run_at_a_time", "release_run_locks"]
+__all__ = ["RUN_LOCK", "command_line", "holder", "one_run_at_a_time", "release_run_locks"]
 
 RUN_LOCK = ".lightning-megatron.lock"
 """The file in a run folder whose lock the process of global rank 0 of a ``fit`` holds while it runs."""
@@ -49,13 +49,8 @@ def one_run_at_a_time(config, fitting: bool) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 4096).decode("utf-8", "replace")
+        said = _who(os.read(fd, 4096))
         os.close(fd)
-        try:
-            who = json.loads(holder)
-            said = (f"pid {who['pid']} on {who['host']}, started {who['started']}: {who['command']}")
-        except (ValueError, KeyError, TypeError):
-            said = "its process holds the lock"
         raise SystemExit(f"lightning-megatron: another run is training in {root} now ({said}); two runs there "
                          f"would write one metrics file and mix their logs. Wait for it to end (then --ckpt_path "
                          f"last continues it), or start this one in another folder: --trainer.default_root_dir "
@@ -72,6 +67,42 @@ def one_run_at_a_time(config, fitting: bool) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     _run_locks[root] = fd  # held while this process lives
+
+
+def holder(root: str | os.PathLike[str]) -> str | None:
+    """Who trains in the run folder ``root`` now (``pid ... on ..., started ...: command``): another process holds
+    its lock; None when none does, or where this process does, or the file system has no locks."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    folder = os.path.abspath(os.fspath(root))
+    path = os.path.join(folder, RUN_LOCK)
+    if folder in _run_locks or not os.path.isfile(path):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a moment's shared lock: free unless a run holds it
+    except BlockingIOError:
+        return _who(os.read(fd, 4096))
+    except OSError:
+        return None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _who(record: bytes) -> str:
+    try:
+        who = json.loads(record.decode("utf-8", "replace"))
+        return f"pid {who['pid']} on {who['host']}, started {who['started']}: {who['command']}"
+    except (ValueError, KeyError, TypeError):
+        return "its process holds the lock"
 
 
 def command_line(argv: list[str]) -> str:

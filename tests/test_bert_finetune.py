@@ -173,14 +173,22 @@ def _labels_worker(root: str) -> dict[str, str]:
             for i in range(16)]
     (Path(root) / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    def run(labels: list[str], max_steps: int):
+    def run(labels: list[str], max_steps: int, **more):
         trainer = make_trainer(MegatronStrategy(micro_batch_size=4), 1, max_steps, limit_val_batches=1)
         data = LabelledTextDataModule(f"{root}/rows.jsonl", f"{root}/rows.jsonl", labels=labels, max_seq_length=16,
                                       global_batch_size=4, micro_batch_size=4)
         model = BertClassificationModule(**{**MODEL, "num_classes": 2,
                                             "config": {**MODEL["config"], "vocab_size": None,
-                                                       "max_sequence_length": 32}})
+                                                       "max_sequence_length": 32}}, **more)
         return trainer, data, model
+
+    def head_warnings(call) -> list[str]:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            call()
+        return [str(w.message) for w in said if "fine-tuned head" in str(w.message)]
 
     trainer, data, model = run(["neg", "pos"], 1)
     trainer.fit(model, datamodule=data)
@@ -190,6 +198,14 @@ def _labels_worker(root: str) -> dict[str, str]:
         trainer, data, model = run(labels, 0)
         out[name] = error_of(lambda: trainer.validate(model, datamodule=data, ckpt_path=f"{root}/cls.ckpt",
                                                       verbose=False))
+    # a fine-tune from the classifier starts a head of its own, said once it starts; evaluating that run's checkpoint
+    # (its init_from loaded again, then replaced) says nothing
+    trainer, data, model = run(["neg", "pos"], 1, init_from=f"{root}/cls.ckpt")
+    out["from_classifier"] = head_warnings(lambda: trainer.fit(model, datamodule=data))
+    trainer.save_checkpoint(f"{root}/second.ckpt")
+    trainer, data, model = run(["neg", "pos"], 0, init_from=f"{root}/cls.ckpt")
+    out["second_validated"] = head_warnings(lambda: trainer.validate(model, datamodule=data,
+                                                                     ckpt_path=f"{root}/second.ckpt", verbose=False))
     return out
 
 
@@ -199,6 +215,8 @@ def test_a_classifier_evaluated_with_its_labels_in_another_order_is_refused_at_s
     other one (accuracy 1 - accuracy)."""
     [out] = run_distributed(_labels_worker, 1, str(tmp_path), timeout=300)
     assert out["same"] == "no error", out
+    assert len(out["from_classifier"]) == 1 and "pass --ckpt_path" in out["from_classifier"][0], out
+    assert out["second_validated"] == [], out
     assert out["swapped"].startswith("CheckpointError: checkpoint ") and (
         "was trained with the classes ['neg', 'pos'] (in class-id order); this run's data names ['pos', 'neg']"
         in out["swapped"]), out

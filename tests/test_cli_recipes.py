@@ -115,6 +115,15 @@ def test_a_config_record_field_it_lacks_is_one_line_naming_it(tmp_path):
         with pytest.raises(SystemExit) as refused:
             main(["fit", *argv])
         assert str(refused.value.code).startswith(f"lightning-megatron: {said}"), refused.value.code
+    # judged against the record of the class the command builds: one a program passes (lightning_cli(args,
+    # GPTLightningModule, ...)) as well as one a recipe names
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+    from lightning_megatron.recipes import RecipeError, refuse_unknown_config_fields
+
+    rope = ["fit", "--model.config.position_embedding_type", "rope"]
+    refuse_unknown_config_fields(rope, GPTLightningModule)
+    with pytest.raises(RecipeError, match="model.config.position_embedding_type: not a field of .*BertConfig"):
+        refuse_unknown_config_fields(rope)  # the CLI's default class, BERT's
 
 
 def test_old_datamodule_class_paths_are_refused_naming_the_new_one(tmp_path, capsys):

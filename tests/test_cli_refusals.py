@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -471,6 +472,22 @@ def test_refused_before_launch_naming_the_value(case, inputs, tmp_path, monkeypa
     assert not [p for p in psutil.Process().children() if "lightning_megatron.launch" in " ".join(p.cmdline())]
 
 
+def test_a_checkpoint_file_lightning_cannot_parse_is_argparse_s_exit(monkeypatch, tmp_path):
+    """The command line's parse errors come back to the CLI (to say them with close matches); the parse
+    LightningCLI does after it, of a ``--ckpt_path`` file's hyper-parameters, expects argparse's exit: it
+    became a traceback (exit 1)."""
+    import torch
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    torch.save({"hyper_parameters": {"no_such_argument": 1}}, tmp_path / "plain.ckpt")
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--ckpt_path", str(tmp_path / "plain.ckpt"),
+              "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert exited.value.code == 2
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
 def test_a_schedule_given_twice_is_refused_before_launch(monkeypatch, tmp_path):
     """A run's ``config.yaml`` saved before 2026-12-07 held the schedule callback in ``trainer.callbacks``; with
     ``--lr_schedule.max_lr`` it got a second one, and Lightning's set-up failed with a traceback (two optimizer
@@ -702,6 +719,14 @@ def test_a_second_fit_into_a_run_folder_in_use_is_refused_before_launch(inputs, 
     assert message.startswith(f"lightning-megatron: another run is training in {run} now (pid 4242 on node-a, "
                               f"started 2026-12-07 10:00:00: lightning-megatron fit --config a.yaml)"), message
     assert "--trainer.default_root_dir" in message, message
+    # once that run has saved, a new fit there is refused for its checkpoints first: the message says the run is live
+    # (it said "Resume that run with --ckpt_path last", which the lock then refused)
+    (run / "checkpoints" / "step5.ckpt").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert ("That run is training now (pid 4242 on node-a, started 2026-12-07 10:00:00: lightning-megatron fit "
+            "--config a.yaml): once it ends, --ckpt_path last resumes it") in str(exited.value.code), exited.value.code
+    shutil.rmtree(run / "checkpoints")
     fcntl.flock(holder, fcntl.LOCK_UN)  # the first run ended: the folder is free (a resume, a new run there)
     os.close(holder)
     monkeypatch.undo()
