@@ -391,9 +391,12 @@ class GPTInterop:
 
             hf_tok.chat_template = chat.chat_template
             vocab = hf_tok.get_vocab()
-            for name in SPECIAL_TOKEN_NAMES:
-                token = chat.special_tokens.get(name)
-                setattr(hf_tok, name, token if token in vocab else None)
+            seen = {name: token if (token := chat.special_tokens.get(name)) in vocab else None
+                    for name in SPECIAL_TOKEN_NAMES}
+            hf_tok.bos_token, hf_tok.eos_token = seen["bos_token"], seen["eos_token"]
+            hf_tok.unk_token, hf_tok.sep_token = seen["unk_token"], seen["sep_token"]
+            hf_tok.pad_token, hf_tok.cls_token = seen["pad_token"], seen["cls_token"]
+            hf_tok.mask_token = seen["mask_token"]
         problem = tokenizer_size_problem(saved, len(hf_tok), config.vocab_size, source, "--tokenizer") \
             if hf_tok is not None else None
         if problem is not None:
