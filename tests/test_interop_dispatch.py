@@ -20,6 +20,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -256,21 +257,26 @@ def test_export_takes_the_tokenizer_the_runs_data_was_tokenized_with(tmp_path, m
                                    tmp_path / "hf_elsewhere")
 
 
-def _assert_exported_tokenizer(adapter, dm, ours, folder) -> None:
-    """The folder ``adapter`` writes for a run of datamodule arguments ``dm`` tokenizes as ``ours`` did (a decoder's
-    sizes from its tensors: one layer of 2 heads of 4)."""
+def saved_decoder(vocab_size: int, dm: dict) -> tuple[Any, Any]:
+    """A saved decoder of a run of datamodule arguments ``dm`` (its sizes from its tensors: one layer of 2 heads of
+    4, ``vocab_size`` rows), and a config record for an adapter's ``hf_tokenizer`` to fill in."""
     import types
-
-    from transformers import AutoTokenizer
 
     from lightning_megatron.saved_model import SavedModel
 
     layer = {f"decoder.layers.0.{k}": torch.zeros(shape) for k, shape in (
         ("self_attention.linear_qkv.weight", (24, 8)), ("mlp.linear_fc1.weight", (16, 8)),
         ("mlp.linear_fc2.weight", (8, 16)))}
-    weights = {"embedding.word_embeddings.weight": torch.zeros(ours.vocab_size, 8), **layer}
+    weights = {"embedding.word_embeddings.weight": torch.zeros(vocab_size, 8), **layer}
     saved = SavedModel(state_dict=weights, hparams={"num_attention_heads": 2}, datamodule_hparams=dm)
-    config = types.SimpleNamespace(vocab_size=ours.vocab_size, max_position_embeddings=64)
+    return saved, types.SimpleNamespace(vocab_size=vocab_size, max_position_embeddings=64)
+
+
+def _assert_exported_tokenizer(adapter, dm, ours, folder) -> None:
+    """The folder ``adapter`` writes for a run of datamodule arguments ``dm`` tokenizes as ``ours`` did."""
+    from transformers import AutoTokenizer
+
+    saved, config = saved_decoder(ours.vocab_size, dm)
     adapter.hf_tokenizer(saved, config, None)(folder)
     theirs = AutoTokenizer.from_pretrained(folder)
     sample = "Tensor Parallel layer 3 splits the Weights."
@@ -283,26 +289,18 @@ def test_export_of_a_chat_run_renders_its_chats_as_the_run_did(tmp_path):
     ``{{ bos_token }}``: the run rendered it empty, but the exported tokenizer named ``<|endoftext|>`` its BOS, so
     ``apply_chat_template`` (lm-eval's ``--apply_chat_template``) put a token the model never saw before every chat
     (exact match 0.03 against 0.58 as trained). The exported tokenizer sees the special tokens the run's did."""
-    import types
-
     from transformers import AutoTokenizer
 
     from lightning_megatron.data.bpe_tokenizer import packaged_bpe_tokenizer_file
     from lightning_megatron.data.chat import ChatTokenizer
     from lightning_megatron.models.gpt.interop import GPTInterop
-    from lightning_megatron.saved_model import SavedModel
 
     template = ("{{ bos_token }}{% for m in messages %}{{ '### ' + m['role'] + ':\n' + m['content'] }}"
                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
                 "{% if add_generation_prompt %}{{ '### assistant:\n' }}{% endif %}")
     dm = {"tokenizer": None, "chat_template": template, "eos_token": None}
     trained = ChatTokenizer(packaged_bpe_tokenizer_file(), chat_template=template)
-    layer = {f"decoder.layers.0.{k}": torch.zeros(shape) for k, shape in (
-        ("self_attention.linear_qkv.weight", (24, 8)), ("mlp.linear_fc1.weight", (16, 8)),
-        ("mlp.linear_fc2.weight", (8, 16)))}
-    weights = {"embedding.word_embeddings.weight": torch.zeros(trained.vocab_size, 8), **layer}
-    saved = SavedModel(state_dict=weights, hparams={"num_attention_heads": 2}, datamodule_hparams=dm)
-    config = types.SimpleNamespace(vocab_size=trained.vocab_size, max_position_embeddings=64)
+    saved, config = saved_decoder(trained.vocab_size, dm)
     GPTInterop().hf_tokenizer(saved, config, None)(tmp_path / "hf")
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
     chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]

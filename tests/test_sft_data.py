@@ -517,10 +517,10 @@ def test_export_of_a_chat_run_keeps_its_stop_ids_and_bos(folders, tmp_path, name
     ``<|eot_id|>``). The export's generation config stops where ``predict`` does; its BOS is the tokenizer's (else the
     end of document ``<|endoftext|>``, as GPT-2's)."""
     import shutil
-    import types
+
+    from test_interop_dispatch import saved_decoder
 
     from lightning_megatron.models.gpt.interop import GPTInterop
-    from lightning_megatron.saved_model import SavedModel
 
     source = tmp_path / "source"
     shutil.copytree(folders[name], source)
@@ -529,13 +529,7 @@ def test_export_of_a_chat_run_keeps_its_stop_ids_and_bos(folders, tmp_path, name
     (source / "generation_config.json").write_text(json.dumps({"eos_token_id": hf.convert_tokens_to_ids(stops)}))
     trained = ChatTokenizer(source)
     assert trained.stop_ids == tuple(hf.convert_tokens_to_ids(stops))
-    layer = {f"decoder.layers.0.{k}": torch.zeros(shape) for k, shape in (
-        ("self_attention.linear_qkv.weight", (24, 8)), ("mlp.linear_fc1.weight", (16, 8)),
-        ("mlp.linear_fc2.weight", (8, 16)))}
-    weights = {"embedding.word_embeddings.weight": torch.zeros(len(hf), 8), **layer}
-    dm = {"tokenizer": str(source), "chat_template": None, "eos_token": None}
-    saved = SavedModel(state_dict=weights, hparams={"num_attention_heads": 2}, datamodule_hparams=dm)
-    config = types.SimpleNamespace(vocab_size=len(hf), max_position_embeddings=64)
+    saved, config = saved_decoder(len(hf), {"tokenizer": str(source), "chat_template": None, "eos_token": None})
     GPTInterop().hf_tokenizer(saved, config, None)(tmp_path / "hf")
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
     assert generation.eos_token_id == list(trained.stop_ids)
