@@ -25,9 +25,10 @@ def prepare_config(config: Any, argv: list[str], model_class: type | None = None
                    subcommand: str | None = "fit") -> list[tuple[Any, str, Any]]:
     """Every rewrite, in the order they depend on each other (``argv``: the command line's own flags;
     ``model_class``: the module class when the config does not name one by ``class_path``;
-    ``subcommand``: fit, validate, test or predict; None: only building, no command to run). Returns the values
-    derived from the run folder (:func:`_one_run_folder`), ``(section, key, value as given)``: the configuration the
-    run saves holds them as given, so that it runs again elsewhere (``--trainer.default_root_dir``)."""
+    ``subcommand``: fit, validate, test or predict; None: only building, no command to run). Returns what it
+    rewrote that the configuration the run saves holds as given, ``(section, key, value as given)``: the values derived
+    from the run folder (:func:`_one_run_folder`), so that it runs again elsewhere (``--trainer.default_root_dir``),
+    and the callbacks' sections and list, so that ``--lr_schedule.max_lr ...`` applies to it as to a recipe."""
     _weight_decay_the_schedule_sets(config)
     trainer = config.get("trainer") if hasattr(config, "get") else None
     # the callbacks' sections and the display callbacks are saved as given: a run of the saved file (with
