@@ -30,6 +30,7 @@ def prepare_config(config: Any, argv: list[str], model_class: type | None = None
     from the run folder (:func:`_one_run_folder`), so that it runs again elsewhere (``--trainer.default_root_dir``),
     and the callbacks' sections and list, so that ``--lr_schedule.max_lr ...`` applies to it as to a recipe."""
     _weight_decay_the_schedule_sets(config)
+    _lr_the_schedule_sets(config, argv)
     trainer = config.get("trainer") if hasattr(config, "get") else None
     # the callbacks' sections and the display callbacks are saved as given: a run of the saved file (with
     # --lr_schedule.max_lr ...) derives them again, once
@@ -134,6 +135,28 @@ def _weight_decay_the_schedule_sets(config) -> None:
         rank_zero_warn(f"model.weight_decay={decay} is not used: the lr_schedule section sets the weight decay every "
                        f"step (start_wd={start}, end_wd={end}); to train with {decay}: --lr_schedule.start_wd {decay} "
                        f"--lr_schedule.end_wd {decay}")
+
+
+def _lr_the_schedule_sets(config, argv: list[str]) -> None:
+    """With an ``lr_schedule`` section the schedule sets every group's lr each step (``init_lr`` -> ``max_lr`` ->
+    ``min_lr``): a ``--model.lr`` given on the command line other than ``max_lr`` is not used, which is said (the
+    recipes' own ``lr`` is a placeholder; Megatron-LM's ``--lr`` is ``--lr_schedule.max_lr``)."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
+    model = config.get("model") if hasattr(config, "get") else None
+    typed = any(a in ("--model.lr", "--model.init_args.lr") or a.startswith(("--model.lr=", "--model.init_args.lr="))
+                for a in argv)
+    if not schedule or not typed or model is None or not hasattr(model, "get"):
+        return
+    args = schedule.get("init_args") or schedule
+    model = model.get("init_args") if model.get("class_path") else model
+    lr = model.get("lr") if model is not None and hasattr(model, "get") else None
+    peak = args.get("max_lr")
+    if isinstance(lr, (int, float)) and peak is not None and lr != peak:
+        rank_zero_warn(f"model.lr={lr} is not used: the lr_schedule section sets the lr every step (init_lr="
+                       f"{args.get('init_lr')} -> max_lr={peak} -> min_lr={args.get('min_lr')}); to peak at {lr}: "
+                       f"--lr_schedule.max_lr {lr}")
 
 
 def _named_callbacks_into_trainer(config) -> None:

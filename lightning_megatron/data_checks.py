@@ -264,6 +264,8 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
         # replacement ids from the whole tokenizer, past the largest id the data holds)
         problems += [p for p in [_model_vocab_problem(tokenizer, vocab_file, m, data_class, recorded=True),
                                  _source_tokenizer_problem(tokenizer, vocab_file, m, data_class, recorded=True)] if p]
+        if not problems:
+            _warn_missing_bos(tokenizer, m, found)
     sample_tokens = _sample_tokens(data_class, arguments)
     problems += [p for p in (_too_short_problem(prefix, sample_tokens) for prefix in found) if p]
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
@@ -326,6 +328,32 @@ def _built_in_corpus_problems(vocab_file: Any, m: dict[str, Any], data_class: ty
                         _source_tokenizer_problem(tokenizer, vocab_file, m, data_class)] if p]
 
 
+def _warn_missing_bos(tokenizer: Any, m: dict[str, Any], prefixes: list[str]) -> None:
+    """Warn (once, rank 0) where datasets preprocessed without ``--add-special-tokens`` continue training a source
+    (``init_from``) whose tokenizer, the data's, puts a BOS before every text (Llama 3's): the model sees documents
+    unlike its pretraining's; Megatron's default, so said, not refused."""
+    import os
+
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lightning_megatron.data.bpe_tokenizer import BPETokenizer
+    from lightning_megatron.data.dataset_vocab import read_dataset_vocab
+
+    source = m.get("init_from")
+    if source is None or not isinstance(tokenizer, BPETokenizer) or tokenizer.add_special_tokens:
+        return
+    first = tokenizer.added_tokens()[0]
+    if not first or not os.path.isdir(os.fspath(source)):
+        return
+    plain = [p for p in prefixes if (r := read_dataset_vocab(p)) is not None and not r.add_special_tokens]
+    if plain:
+        bos = ", ".join(f"id {i}, {tokenizer.inv_vocab[i]!r}" for i in first)
+        rank_zero_warn(f"dataset {plain[0]!r} was preprocessed without --add-special-tokens, but model init_from="
+                       f"{os.fspath(source)!r} has a tokenizer that puts a BOS ({bos}) before every text: the model "
+                       f"continues training on documents unlike its pretraining's; preprocess the data with "
+                       f"--add-special-tokens (docs/data.md)")
+
+
 def _model_vocab_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any], data_class: type | None,
                          recorded: bool = False) -> str | None:
     """A model ``vocab_size`` smaller than the data's tokenizer (an ``init_from`` source's, or one set by hand): the
@@ -346,8 +374,11 @@ def _model_vocab_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any], dat
         which = f"{os.fspath(tokenizer.vocab_file)!r}, the one the data records"
     source = m.get("init_from")
     named = f" (init_from={os.fspath(source)!r})" if source is not None else ""
-    fix = (f"tokenize the data with the source's tokenizer: data.vocab_file={os.fspath(source)!r} (its "
-           f"tokenizer.json or vocab.txt)" if source is not None else "set model vocab_size to it, or leave it null")
+    fix = ("set model vocab_size to it, or leave it null" if source is None else
+           f"preprocess the data with the source's tokenizer (`lightning-megatron preprocess --tokenizer "
+           f"{os.fspath(source)}`)" if recorded else  # data.vocab_file would not change the ids written
+           f"tokenize the data with the source's tokenizer: data.vocab_file={os.fspath(source)!r} (its "
+           f"tokenizer.json or vocab.txt)")
     return (f"model vocab_size={model_vocab}{named} is smaller than the data's tokenizer ({which}, "
             f"{tokenizer.vocab_size} pieces): the data would hold ids the model has no embedding for; {fix}")
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import psutil
@@ -101,6 +102,18 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     first, second = sorted(vocab, key=vocab.get)[300:302]
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (d / "llama_own_tokenizer" / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    shutil.copytree(d / "llama", d / "llama_bos")  # the packaged BPE whose post-processor puts a BOS first (Llama 3's)
+    spec = json.loads(packaged_bpe_tokenizer_file().read_text(encoding="utf-8"))
+    eod = spec["model"]["vocab"]["<|endoftext|>"]
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [eod], "tokens": ["<|endoftext|>"]}}}
+    (d / "llama_bos" / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    bos_tokenizer = str(d / "llama_bos" / "tokenizer.json")
+    preprocess_corpus([d / "docs.txt"], d / "no_bos", bos_tokenizer, append_eod=True, progress=False)
+    preprocess_corpus([d / "docs.txt"], d / "with_bos", BPETokenizer(bos_tokenizer, add_special_tokens=True),
+                      append_eod=True, add_special_tokens=True, progress=False)
     shutil.copytree(d / "bert", d / "bert_own_tokenizer")  # the same, as a tokenizer.json only
     (d / "bert_own_tokenizer" / "vocab.txt").unlink()
     from tokenizers.implementations import BertWordPieceTokenizer
@@ -112,7 +125,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
             "bert": str(d / "bert"),
             "bert_own_vocab": str(d / "bert_own_vocab"), "bert_own_tokenizer": str(d / "bert_own_tokenizer"),
             "prompts": str(d / "prompts.txt"), "link_recipe": str(d / "link.yaml"),
-            "llama_own_tokenizer": str(d / "llama_own_tokenizer"),
+            "llama_own_tokenizer": str(d / "llama_own_tokenizer"), "llama_bos": str(d / "llama_bos"),
+            "no_bos": str(d / "no_bos"), "with_bos": str(d / "with_bos"),
             "extra_data": str(d / "extra_data"), "extra_small": (d / "extra" / "small_vocab_size").read_text(),
             "extra_pieces": str(int((d / "extra" / "small_vocab_size").read_text()) + 20),
             "nomask_vocab": str(d / "nomask" / "vocab.txt"),
@@ -436,6 +450,21 @@ CASES = {
         ["2 configuration problem(s)", "data vocab_file=None tokenizes with the packaged BPE, but model init_from="
          "'{llama_own_tokenizer}' has its own tokenizer.json (8192 pieces, other than the packaged ones); set "
          "data.vocab_file='{llama_own_tokenizer}/tokenizer.json'"], []),
+    # data that records its tokenizer, a source of a smaller vocabulary: data.vocab_file cannot change the ids written
+    "init_from_a_smaller_vocabulary_than_the_datasets": (
+        ["fit", "--config", GPT, "--model.init_args.init_from", "{llama97}", "--data.init_args.data_prefix", "{gpt}",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["model vocab_size=97 (init_from='{llama97}') is smaller than the data's tokenizer (", "the one the data "
+         "records, 8192 pieces): the data would hold ids the model has no embedding for; preprocess the data with "
+         "the source's tokenizer (`lightning-megatron preprocess --tokenizer {llama97}`)"], ["data.vocab_file="]),
+    # data made with --add-special-tokens, read with a vocab_file that adds none: it named preprocess's flag
+    "a_vocab_file_without_the_datas_bos": (
+        ["fit", "--config", GPT, "--data.init_args.data_prefix", "{with_bos}", "--data.init_args.vocab_file",
+         "{llama_own_tokenizer}/tokenizer.json", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["dataset '{with_bos}' was preprocessed with --add-special-tokens by '{llama_bos}/tokenizer.json', but data "
+         "vocab_file='{llama_own_tokenizer}/tokenizer.json' adds no special tokens to a text; leave data.vocab_file "
+         "unset (the tokenizer the data records) or preprocess the data with the one you name"],
+        ["drop --add-special-tokens"]),
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
@@ -470,6 +499,30 @@ def test_refused_before_launch_naming_the_value(case, inputs, tmp_path, monkeypa
     assert not dist.is_initialized() and not run.exists()  # nothing launched, nothing written
     # and no local rank started early outlives the refusal (it would import for seconds, for nothing)
     assert not [p for p in psutil.Process().children() if "lightning_megatron.launch" in " ".join(p.cmdline())]
+
+
+def test_data_without_the_bos_the_sources_tokenizer_puts_first_is_said_before_launch(inputs, tmp_path, monkeypatch):
+    """A Llama 3 folder's tokenizer puts a BOS before every text; its corpus preprocessed without
+    --add-special-tokens (the default, Megatron's) continues training on documents unlike the source's: said
+    once before launch, naming the flag; not said for data made with it."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
+    said = {}
+    for data in ("no_bos", "with_bos"):
+        argv = ["fit", "--config", GPT, "--model.init_args.init_from", inputs["llama_bos"],
+                "--data.init_args.data_prefix", inputs[data], "--trainer.strategy.init_args.timeout", "0",
+                "--trainer.default_root_dir", str(tmp_path / data)]
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exited:
+            warnings.simplefilter("always")
+            main(argv)
+        assert "1 configuration problem(s)" in str(exited.value.code), exited.value.code  # the timeout alone
+        said[data] = [str(w.message) for w in caught if "BOS" in str(w.message)]
+    assert said["with_bos"] == []
+    assert len(said["no_bos"]) == 1, said
+    assert (f"dataset '{inputs['no_bos']}' was preprocessed without --add-special-tokens, but model init_from="
+            f"'{inputs['llama_bos']}' has a tokenizer that puts a BOS (id 0, '<|endoftext|>') before every text"
+            in said["no_bos"][0]), said["no_bos"][0]
+    assert "preprocess the data with --add-special-tokens" in said["no_bos"][0]
 
 
 def test_a_checkpoint_file_lightning_cannot_parse_is_argparse_s_exit(monkeypatch, tmp_path):

@@ -400,10 +400,12 @@ def test_a_full_fine_tune_goes_on_from_its_checkpoint_and_adapters_load_on_our_o
     recipe = _lora_recipe(tmp_path, base, data)
     full = ("--model.init_args.lora", "null", "--trainer.limit_val_batches", "0")
     first = _cli("finetune", "fit", "--config", str(recipe), *full, "--trainer.max_steps", "1",
-                 "--model.init_args.weight_decay", "0.05")
+                 "--model.init_args.weight_decay", "0.05", "--model.init_args.lr", "5e-4")
     # the schedule sets the weight decay: a model's of another value is not used, and that is said before launch
     assert ("model.weight_decay=0.05 is not used: the lr_schedule section sets the weight decay every step "
             "(start_wd=0.1, end_wd=0.1); to train with 0.05: --lr_schedule.start_wd 0.05") in first.stderr
+    assert "model.lr=0.0005 is not used: the lr_schedule section sets the lr every step (init_lr=" in first.stderr
+    assert "; to peak at 0.0005: --lr_schedule.max_lr 0.0005" in first.stderr  # Megatron-LM's --lr
     _cli("finetune", "fit", "--config", str(recipe), *full, "--trainer.max_steps", "2", "--ckpt_path", "last")
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert checkpoint_identity(str(ckpt))[1] == 2

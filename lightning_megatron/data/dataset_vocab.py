@@ -270,7 +270,7 @@ def dataset_tokenizer(vocab_file: str | os.PathLike[str] | None, prefix: str | o
 
     if default not in ("wordpiece", "bpe"):
         raise ValueError(f"default={default!r} must be 'wordpiece' or 'bpe'")
-    lowercase = None
+    lowercase, given = None, vocab_file
     if vocab_file is None and prefix is not None:
         vocab_file, lowercase = recorded_vocabulary(prefix)
     if default == "wordpiece":
@@ -282,6 +282,11 @@ def dataset_tokenizer(vocab_file: str | os.PathLike[str] | None, prefix: str | o
         tokenizer = BertTokenizer(vocab_file, lowercase=lowercase)
     record = read_dataset_vocab(prefix) if prefix is not None else None
     if isinstance(tokenizer, BPETokenizer) and record is not None and record.add_special_tokens:
+        if given is not None and not any(tokenizer.added_tokens()):  # not the tokenizer that wrote the data
+            raise ValueError(f"dataset {os.fspath(prefix)!r} was preprocessed with --add-special-tokens by "
+                             f"{record.vocab_file!r}, but data vocab_file={os.fspath(given)!r} adds no special "
+                             f"tokens to a text; leave data.vocab_file unset (the tokenizer the data records) or "
+                             f"preprocess the data with the one you name")
         # prompts encoded as the documents were (Llama's BOS first)
         tokenizer = BPETokenizer(tokenizer.vocab_file, tokenizer.merges_file, eod_token=tokenizer.eod_token,
                                  add_special_tokens=True)
