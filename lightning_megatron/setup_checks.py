@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_megatron.config_checks import (PRECISION_PARAMS_DTYPE, grad_scaler_problem, normalize_precision,
-                                              save_last_problem)
+                                              save_last_problem, callback_problem)
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_dims import ParallelDims, ParallelDimsError
 from lightning_megatron.parallel_state import ParallelState
@@ -65,6 +65,10 @@ def check_trainer(trainer: Trainer) -> None:
         raise ValueError(f"MegatronStrategy: {problem}")
     for callback in trainer.checkpoint_callbacks:
         problem = save_last_problem(getattr(callback, "save_last", None))
+        if problem is not None:
+            raise ValueError(problem)
+    for callback in trainer.callbacks:
+        problem = callback_problem(type(callback))
         if problem is not None:
             raise ValueError(problem)
 

@@ -465,6 +465,16 @@ CASES = {
          "vocab_file='{llama_own_tokenizer}/tokenizer.json' adds no special tokens to a text; leave data.vocab_file "
          "unset (the tokenizer the data records) or preprocess the data with the one you name"],
         ["drop --add-special-tokens"]),
+    # the callback set accumulate_grad_batches after the strategy's check: each step kept its last batch's gradient
+    "gradient_accumulation_scheduler": (
+        [*FIT, "--trainer.callbacks+=lightning.pytorch.callbacks.GradientAccumulationScheduler",
+         "--trainer.callbacks.scheduling", "{{0: 2}}", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["callback GradientAccumulationScheduler is not supported by MegatronStrategy: it accumulates by setting "
+         "accumulate_grad_batches"], []),
+    "learning_rate_finder": (  # ran its sweep, then trained at the schedule's lr: "not enough points"
+        [*FIT, "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateFinder",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["callback LearningRateFinder is not supported by MegatronStrategy: the lr_schedule section sets the lr"], []),
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),

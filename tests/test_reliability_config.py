@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -210,6 +211,32 @@ def test_strategy_refuses_a_zero_timeout_before_launch():
         with pytest.raises(ValueError, match=r"MegatronStrategy: strategy timeout=.* must be more than 0 seconds"):
             MegatronStrategy(timeout=timeout)
     assert MegatronStrategy(timeout=60)._timeout == datetime.timedelta(seconds=60)
+
+
+def test_lightning_callbacks_the_strategy_cannot_honour_are_refused_at_set_up():
+    """GradientAccumulationScheduler set accumulate_grad_batches at the first epoch, after the strategy's check:
+    the step kept the last batch's gradient of each 2 (grad norm 4.534609, the second batch's alone) and read twice
+    the data, unsaid; the tuner's finders, SWA and the fine-tuning callbacks failed on the ranks or did nothing.
+    Refused at set-up, naming the fix; a subclass too, and the stock callbacks that work pass."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import (BackboneFinetuning, EarlyStopping, GradientAccumulationScheduler,
+                                             LearningRateFinder, LearningRateMonitor, StochasticWeightAveraging)
+
+    from lightning_megatron.setup_checks import check_trainer
+
+    class MyScheduler(GradientAccumulationScheduler):
+        pass
+
+    refused = {GradientAccumulationScheduler({0: 2}): "raise data global_batch_size instead",
+               MyScheduler({0: 2}): "callback MyScheduler is not supported by MegatronStrategy: it accumulates",
+               StochasticWeightAveraging(swa_lrs=1e-3): "outside the strategy's fp32 main params",
+               LearningRateFinder(): "choose lr_schedule.max_lr", BackboneFinetuning(): "freeze parameters"}
+    for callback, fix in refused.items():
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[callback])
+        with pytest.raises(ValueError, match=re.escape(fix)):
+            check_trainer(trainer)
+    check_trainer(Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          callbacks=[EarlyStopping("val_loss"), LearningRateMonitor()]))
 
 
 def test_a_linked_last_checkpoint_is_refused_from_python_too():
