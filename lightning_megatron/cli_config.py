@@ -38,6 +38,7 @@ def prepare_config(config: Any, argv: list[str], model_class: type | None = None
         [(trainer, key, trainer.get(key)) for key in ("callbacks", "enable_model_summary")] if trainer else [])
     _named_callbacks_into_trainer(config)
     _display_callbacks(config)
+    _no_checkpointing(config)
     _our_wandb_logger(config)
     derived = [*given, *_one_run_folder(config)]
     _one_run_per_checkpoint_folder(config, fitting=subcommand == "fit")  # resolves --ckpt_path last
@@ -206,6 +207,22 @@ def _display_callbacks(config) -> None:
         trainer.callbacks = [*callbacks, entry]
         if switch == "enable_model_summary":
             trainer[switch] = False  # Lightning's default summary is replaced (else it says so on every run)
+
+
+def _no_checkpointing(config) -> None:
+    """``--trainer.enable_checkpointing false`` over a recipe's ModelCheckpoint (Lightning's traceback): left out."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities import rank_zero_info
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    if trainer is None or trainer.get("enable_checkpointing") is not False:
+        return
+    callbacks = trainer.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    dropped = [c for c in _entries(callbacks) if _is_subclass(c.class_path, ModelCheckpoint)]
+    if dropped:
+        trainer.callbacks = [c for c in callbacks if not any(c is d for d in dropped)]
+        rank_zero_info("enable_checkpointing=False: the recipe's ModelCheckpoint left out; no checkpoint is saved")
 
 
 def _entries(value: Any) -> list[Any]:

@@ -46,6 +46,7 @@ from lightning_megatron.pipeline.layout import get_layer_range
 from lightning_megatron.pipeline.registry import pipeline_schedule_problem
 from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import batch_size_problem
+from lightning_megatron.trainer_checks import callback_class_problem, trainer_flag_problems
 from lightning_megatron.transformer.context_parallel import sequence_length_problem
 
 __all__ = ["ConfigError", "check_config", "validate_config", "config_from_cli", "normalize_precision", "timeout_problem",
@@ -310,7 +311,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         problems.append(grad_scaler_problem(precision))
     elif precision not in PRECISION_PARAMS_DTYPE:
         problems.append(f"precision={t.get('precision')!r} is not supported by MegatronStrategy; use one of "
-                        f"{sorted(PRECISION_PARAMS_DTYPE)}")
+                        f"{sorted(p for p in PRECISION_PARAMS_DTYPE if p != '16-mixed')}")  # 16-mixed: refused too
     elif params_dtype is not None and PRECISION_PARAMS_DTYPE[precision] != params_dtype:
         problems.append(f"precision={precision!r} needs params_dtype={PRECISION_PARAMS_DTYPE[precision]!r} but the "
                         f"model has params_dtype={params_dtype!r}; set trainer.precision="
@@ -329,9 +330,10 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     clip_problem = gradient_clip_val_problem(t.get("gradient_clip_val"))
     if clip_problem is not None:
         problems.append(clip_problem)
+    problems += trainer_flag_problems(t, data_class)
     for cb in t.get("callbacks") or []:
         save_last = (cb.get("init_args") or {}).get("save_last") if isinstance(cb, Mapping) else None
-        unsupported = _callback_class_problem(cb.get("class_path")) if isinstance(cb, Mapping) else None
+        unsupported = callback_class_problem(cb.get("class_path")) if isinstance(cb, Mapping) else None
         problems += [p for p in [save_last_problem(save_last), unsupported] if p]
     if fitting and running:  # where the run writes: found at its first save (steps later) or a rank's traceback
         problems += write_location_problems(t)
@@ -430,47 +432,6 @@ def save_last_problem(save_last: Any) -> str | None:
     return ("ModelCheckpoint(save_last='link') is not supported by MegatronStrategy: Lightning links last.ckpt on rank "
             "0 outside the atomic, run-guarded save (a crash while it replaces the link leaves no last checkpoint, and "
             "it replaces another run's); set save_last: true (last.ckpt saved as a checkpoint of its own)")
-
-
-_UNSUPPORTED_CALLBACKS = {
-    "GradientAccumulationScheduler": "it accumulates by setting accumulate_grad_batches, which the microbatch schedule "
-                                     "replaces (every batch but the last one's gradient would be dropped); raise "
-                                     "data global_batch_size instead (= micro_batch_size x microbatches x DP size)",
-    "StochasticWeightAveraging": "it averages a copy of the weights outside the strategy's fp32 main params, "
-                                 "sharded state and checkpoints",
-    "LearningRateFinder": "the lr_schedule section sets the lr every step, so the finder's sweep never reaches the "
-                          "optimizer; choose lr_schedule.max_lr by short runs (docs/optimizer.md)",
-    "BatchSizeFinder": "the batch is the data section's global_batch_size split into microbatches; `lightning-megatron "
-                       "check --estimate-memory` gives the memory of a micro_batch_size",
-    "BaseFinetuning": "it changes the optimizer's parameter groups while training, which the Megatron optimizer and "
-                      "its gradient buffer fix at set-up; freeze parameters in the module (requires_grad=False) "
-                      "before fit",
-}
-"""Lightning callbacks that would train silently wrong or fail on the ranks under MegatronStrategy, and why."""
-
-
-def callback_problem(callback_class: type) -> str | None:
-    """The refusal of a Lightning callback class (or a subclass of one) MegatronStrategy does not support."""
-    for base in callback_class.__mro__:
-        why = _UNSUPPORTED_CALLBACKS.get(base.__name__) if base.__module__.startswith(
-            ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")) else None
-        if why is not None:
-            return f"callback {callback_class.__name__} is not supported by MegatronStrategy: {why}"
-    return None
-
-
-def _callback_class_problem(class_path: Any) -> str | None:
-    """:func:`callback_problem` of a recipe's callback ``class_path`` (one that cannot be imported: LightningCLI's)."""
-    import importlib
-
-    if not isinstance(class_path, str) or "." not in class_path:
-        return None
-    module, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-    return callback_problem(cls) if isinstance(cls, type) else None
 
 
 _SCHEDULE_NUMBERS = {"init_lr": 0.0, "max_lr": 1e-4, "min_lr": 0.0, "lr_warmup_steps": 0, "start_wd": 0.01,

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_megatron.config_checks import (PRECISION_PARAMS_DTYPE, grad_scaler_problem, normalize_precision,
-                                              save_last_problem, callback_problem)
+                                              save_last_problem)
 from lightning_megatron.optimizer.config import gradient_clip_val_problem
 from lightning_megatron.parallel_dims import ParallelDims, ParallelDimsError
 from lightning_megatron.parallel_state import ParallelState
@@ -28,6 +28,7 @@ from lightning_megatron.pipeline.registry import PipelineSchedule
 from lightning_megatron.protocols import is_sharded
 from lightning_megatron.saved_model import flat_hparams
 from lightning_megatron.step import BatchSizes
+from lightning_megatron.trainer_checks import callback_problem
 
 __all__ = ["check_strategy_arguments", "check_trainer", "check_precision", "check_optimizers", "resolve_batch_sizes",
            "describe_setup", "check_nodes", "gather_node_ranks", "tp_groups_across_nodes", "run_settings",

@@ -118,16 +118,15 @@ def test_fit_refuses_missing_or_foreign_data_before_launch(tmp_path, monkeypatch
     assert "was tokenized with another vocabulary" in message and "vocab_size=30522" in message, message
 
 
-def test_fit_fast_dev_run(tmp_path):
-    """`fit --trainer.fast_dev_run true` with the recipe's 30 warm-up steps and lr_decay_steps null:
-    one training step and one validation batch run (Lightning's meaning), nothing is saved."""
+def _tiny_bert_fit(tmp_path, *flags: str) -> str:
+    """``fit`` of bert_tiny shrunk to one small layer, one process, with ``flags``: its output (exit 0)."""
     import os
     from pathlib import Path
 
     from dist_utils import run_python
 
     recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "bert_tiny.yaml")
-    cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", recipe, "--trainer.fast_dev_run", "true",
+    cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", recipe, *flags,
            "--trainer.devices", "1", "--trainer.strategy.tensor_model_parallel_size", "1",
            "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
            "--model.config.num_layers", "1", "--model.config.hidden_size", "32", "--model.config.num_attention_heads", "2",
@@ -137,10 +136,27 @@ def test_fit_fast_dev_run(tmp_path):
     proc = run_python(cmd[1:], tmp_path, env, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def test_fit_fast_dev_run(tmp_path):
+    """`fit --trainer.fast_dev_run true` with the recipe's 30 warm-up steps and lr_decay_steps null:
+    one training step and one validation batch run (Lightning's meaning), nothing is saved."""
+    out = _tiny_bert_fit(tmp_path, "--trainer.fast_dev_run", "true")
     assert "lr_decay_steps=null taken as lr_warmup_steps + 1 = 31" in out, out[-3000:]
     assert "fast_dev_run: every step, validation and test ran once on 1 batch(es); nothing was logged or saved" in out
     # warning noise the package caused itself: a model data hook next to a datamodule
     assert "on_before_batch_transfer" not in out, out[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_fit_without_checkpointing_saves_nothing(tmp_path):
+    """``--trainer.enable_checkpointing false`` (Lightning's flag) over the recipe's ModelCheckpoint was
+    Lightning's MisconfigurationException, 13 frames: the run trains and saves no checkpoint, which it says."""
+    out = _tiny_bert_fit(tmp_path, "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "2",
+                         "--trainer.limit_val_batches", "0", "--lr_schedule.lr_warmup_steps", "0")
+    assert "enable_checkpointing=False: the recipe's ModelCheckpoint left out; no checkpoint is saved" in out, out[-999:]
+    assert "max_steps=2` reached" in out, out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 

@@ -475,6 +475,19 @@ CASES = {
         [*FIT, "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateFinder",
          "--trainer.strategy.init_args.timeout", "0"], None,
         ["callback LearningRateFinder is not supported by MegatronStrategy: the lr_schedule section sets the lr"], []),
+    # Lightning's own tracebacks with the recipes' settings: said before launch with the fix
+    "fraction_of_an_epoch_validation": (
+        [*FIT, "--trainer.val_check_interval", "0.5", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["val_check_interval=0.5 is a fraction of an epoch, but check_val_every_n_epoch=None validates every "
+         "val_check_interval steps"], []),
+    "barebones": ([*FIT, "--trainer.barebones", "true", "--trainer.strategy.init_args.timeout", "0"], None,
+                  ["barebones=True turns off the logger, progress bar, model summary and checkpoints"], []),
+    "lightnings_distributed_sampler": (
+        [*FIT, "--trainer.use_distributed_sampler", "true", "--trainer.strategy.init_args.timeout", "0"], None,
+        ["use_distributed_sampler=True: GPTDataModule gives each data-parallel rank its share itself"], []),
+    "precision_64": ([*FIT, "--trainer.precision", "64", "--trainer.strategy.init_args.timeout", "0"], None,
+                     ["precision=64 is not supported by MegatronStrategy; use one of ['16-true', '32-true', "
+                      "'bf16-mixed', 'bf16-true']"], []),
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
