@@ -488,6 +488,11 @@ CASES = {
     "precision_64": ([*FIT, "--trainer.precision", "64", "--trainer.strategy.init_args.timeout", "0"], None,
                      ["precision=64 is not supported by MegatronStrategy; use one of ['16-true', '32-true', "
                       "'bf16-mixed', 'bf16-true']"], []),
+    # the compiled layer's recomputed attention drew other dropout masks than its forward: not the loss's gradients
+    "compile_with_selective_recomputation_and_dropout": (
+        [*FIT, "--model.init_args.compile", "true", "--model.init_args.config.recompute_granularity", "selective",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["model.compile=True with recompute_granularity='selective' and attention_dropout=0.1"], []),
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
