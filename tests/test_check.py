@@ -551,11 +551,13 @@ def test_a_classifier_recipe_is_checked_and_its_memory_predicted(capsys):
             assert abs(predicted / measured - 1) < 0.02, out
 
 
-def test_a_recipes_optimizer_scheduler_and_cpu_tuning_are_what_its_layouts_run(capsys, tmp_path):
+def test_a_recipes_optimizer_scheduler_and_cpu_tuning_are_what_its_layouts_run(capfd, tmp_path):
     """``check`` ran AdamW for a recipe whose top-level ``optimizer:`` named SGD (and dropped its ``lr_scheduler:``
     and its ``cpu_tuning``), and let pass what ``fit`` refuses (gradient accumulation, a misspelled decay style). The
     layouts run the recipe's optimizer, scheduler and CPU tuning now: SGD's one momentum buffer is as large as the
-    fp32 parameters (AdamW's two moments were twice), measured and predicted; what fit refuses, check refuses."""
+    fp32 parameters (AdamW's two moments were twice), measured and predicted; what fit refuses, check refuses.
+    With ``model.compile`` the layers stay compiled every step (the recorder's hooks recompiled each layer until
+    torch's limit of 8 sent the later steps eager, unsaid), which the header says."""
     from pathlib import Path
 
     from lightning_megatron.check.cli import main
@@ -567,8 +569,9 @@ def test_a_recipes_optimizer_scheduler_and_cpu_tuning_are_what_its_layouts_run(c
                       f"  init_args:\n    step_size: 1\n    gamma: 0.5\n")
     assert main(["--config", str(recipe), "--layouts", "tp2", "--steps", "2", "--global-batch-size", "4",
                  "--micro-batch-size", "2", "--data.seq_length", "32", "--model.config.num_layers", "2",
-                 "--estimate-memory"]) == 0, capsys.readouterr().out
-    out = capsys.readouterr().out
+                 "--model.compile", "true", "--estimate-memory"]) == 0, capfd.readouterr().out
+    out, err = capfd.readouterr()
+    assert "dropout off, layers compiled (model.compile)" in out and "recompile_limit" not in out + err, out + err
     assert "the recipe's optimizer: torch.optim.SGD {'momentum': 0.9}" in out, out
     assert "the recipe's lr_scheduler: torch.optim.lr_scheduler.StepLR" in out, out
     assert "the recipe's cpu_tuning on every layout: CPUTuning(" in out and "tp2            PASS" in out, out
@@ -580,7 +583,7 @@ def test_a_recipes_optimizer_scheduler_and_cpu_tuning_are_what_its_layouts_run(c
     refused.write_text(f"base: {base}\ntrainer:\n  accumulate_grad_batches: 2\nlr_schedule:\n  lr_decay_style: cosin\n")
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(refused), "--layouts", "tp2"])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert exit_.value.code == 2 and "accumulate_grad_batches=2" in err and "lr_decay_style='cosin'" in err, err
     # said before a check runs: a schedule starting at lr 0 compares no update at step 2 (a layout doubling its
     # update passed 2 steps of gpt_tiny); a 16-bit recipe's bounds pass a layout a few percent off (--fp32 does not)

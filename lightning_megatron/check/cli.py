@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                else f" in {recipe.precision}" if recipe.precision is not None else "")
     print(f"lightning-megatron check: {args.config}{in_fp32}, layouts {', '.join(map(str, layouts))} against "
           f"{reference}, {args.steps} step{'s' if args.steps != 1 else ''}, global batch {G}, micro batch {m}, "
-          f"dropout off", flush=True)
+          f"dropout off{', layers compiled (model.compile)' if recipe.model.get('compile') else ''}", flush=True)
     if recipe.skipped_callbacks:
         print(f"  recipe callbacks not used by the check: {', '.join(recipe.skipped_callbacks)}", flush=True)
     if recipe.cpu_tuning is not None:  # what `fit` of the recipe runs on a CPU: its collectives, kernels, schedule

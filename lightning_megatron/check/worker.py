@@ -443,6 +443,8 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
     strategy = MegatronStrategy(**layout.strategy_kwargs(), micro_batch_size=run.micro_batch_size, seed=run.seed,
                                 **{**run.strategy_kwargs, "check_replicated_grads": False})
     module = _one_stage_sizes(run.module_factory(), layout)
+    if getattr(module, "hparams", {}).get("compile"):
+        _room_to_recompile(getattr(getattr(module, "config", None), "num_layers", 1) or 1)
     callbacks = list(run.callbacks_factory(layout)) if run.callbacks_factory is not None else []
     optimizer_cbs = [c for c in callbacks if isinstance(c, MegatronOptimizerCallback)]
     if layout.zero1 and not optimizer_cbs:  # clip_grad=0: the same update as the plain optimizer of the other layouts
@@ -469,6 +471,17 @@ def _fit_layout(run: CheckRun, layout: ParallelDims) -> dict[str, Any]:
             "params": params, "init_params": recorder.init_params, "memory": recorder.memory,
             "collectives": recorder.collectives, "traffic": recorder.traffic, "outputs": recorder.outputs,
             "output_params": recorder.output_params}
+
+
+def _room_to_recompile(layers: int) -> None:
+    """A compiled model's layers each compile again under the recorder's forward hooks (a hook per module, its name
+    guarded) and once more without them: with torch's default limit (8 a function) the later steps of a check ran
+    its layers eager, unsaid. Room for each layer's variants."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 4 * layers + 8)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * layers + 64)
 
 
 def _one_stage_sizes(module: Any, layout: ParallelDims) -> Any:
