@@ -227,6 +227,7 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
             # named callbacks, run folder, init_from, one run per checkpoint folder, last, evaluation logs, W&B:
             # cli_config.py
             derived = prepare_config(config, given, self.model_class, self.subcommand)
+            _enum_defaults_as_values(config)
             self.save_config_kwargs = {**self.save_config_kwargs, "derived": derived}
             try:
                 validate_config(**config_from_cli(config, fitting=self.subcommand in (None, "fit"),
@@ -273,6 +274,20 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
     return MegatronCLI(model_class, datamodule_class, args=args, save_config_callback=SaveConfigAsGiven,
                        save_config_kwargs={"overwrite": True}, seed_everything_default=1234,
                        trainer_defaults=defaults, auto_configure_optimizers=False, **kwargs)
+
+
+def _enum_defaults_as_values(config: Any) -> None:
+    """A callback's enum default (``Timer``'s ``interval=Interval.step``) as its value: jsonargparse's YAML dump
+    cannot represent the enum, and ``--trainer.callbacks+=...Timer`` ended in a traceback (plain LightningCLI's too)."""
+    import enum
+
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    callbacks = trainer.get("callbacks") if trainer is not None else None
+    for entry in callbacks if isinstance(callbacks, list) else [callbacks]:
+        args = entry.get("init_args") if hasattr(entry, "get") else None
+        for key, value in (args.items() if args is not None else ()):
+            if isinstance(value, enum.Enum):
+                args[key] = value.value
 
 
 def _exit_on_error(parser: Any) -> None:

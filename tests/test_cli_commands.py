@@ -152,9 +152,12 @@ def test_fit_fast_dev_run(tmp_path):
 
 def test_fit_without_checkpointing_saves_nothing(tmp_path):
     """``--trainer.enable_checkpointing false`` (Lightning's flag) over the recipe's ModelCheckpoint was
-    Lightning's MisconfigurationException, 13 frames: the run trains and saves no checkpoint, which it says."""
+    Lightning's MisconfigurationException, 13 frames: the run trains and saves no checkpoint, which it says. And
+    Lightning's ``Timer`` callback on the command line (its enum default broke the config's YAML dump) runs."""
     out = _tiny_bert_fit(tmp_path, "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "2",
-                         "--trainer.limit_val_batches", "0", "--lr_schedule.lr_warmup_steps", "0")
+                         "--trainer.limit_val_batches", "0", "--lr_schedule.lr_warmup_steps", "0",
+                         "--trainer.callbacks+=lightning.pytorch.callbacks.Timer", "--trainer.callbacks.duration",
+                         "00:01:00:00")
     assert "enable_checkpointing=False: the recipe's ModelCheckpoint left out; no checkpoint is saved" in out, out[-999:]
     assert "max_steps=2` reached" in out, out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
