@@ -451,6 +451,10 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
             problems.append(f"lr_decay_steps=null means trainer.max_steps, but max_steps={max_steps}; set "
                             f"trainer.max_steps or lr_decay_steps")
         # else a warm-up as long as the run is shortened at set-up (scheduler.warmup_for_run), with a warning
+    if sch.get("wd_incr_steps") is None and sch.get("wd_incr_style", "constant") != "constant" and not fast_dev_run \
+            and (max_steps is None or max_steps <= 0):
+        problems.append(f"wd_incr_steps=null means trainer.max_steps, but max_steps={max_steps}; set trainer.max_steps "
+                        f"or lr_schedule.wd_incr_steps")
     elif decay is not None:
         problems += [p for p in [warmup_problem(warmup, decay)] if p]  # the scheduler's own rule
     numbers = [v if isinstance(v, (int, float)) and not isinstance(v, bool) else None

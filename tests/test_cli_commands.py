@@ -153,13 +153,17 @@ def test_fit_fast_dev_run(tmp_path):
 def test_fit_without_checkpointing_saves_nothing(tmp_path):
     """``--trainer.enable_checkpointing false`` (Lightning's flag) over the recipe's ModelCheckpoint was
     Lightning's MisconfigurationException, 13 frames: the run trains and saves no checkpoint, which it says. And
-    Lightning's ``Timer`` callback on the command line (its enum default broke the config's YAML dump) runs."""
-    out = _tiny_bert_fit(tmp_path, "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "2",
+    Lightning's ``Timer`` callback on the command line (its enum default broke the config's YAML dump) runs, and a
+    run by epochs (``max_steps -1``) with the recipe's constant weight decay (its horizon was required: a traceback
+    on the ranks, ``wd_incr_steps=None means Trainer.max_steps``)."""
+    out = _tiny_bert_fit(tmp_path, "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "-1",
+                         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+                         "--lr_schedule.lr_decay_steps", "2",
                          "--trainer.limit_val_batches", "0", "--lr_schedule.lr_warmup_steps", "0",
                          "--trainer.callbacks+=lightning.pytorch.callbacks.Timer", "--trainer.callbacks.duration",
                          "00:01:00:00")
     assert "enable_checkpointing=False: the recipe's ModelCheckpoint left out; no checkpoint is saved" in out, out[-999:]
-    assert "max_steps=2` reached" in out, out[-3000:]
+    assert "max_epochs=1` reached" in out, out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 

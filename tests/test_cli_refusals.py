@@ -493,6 +493,12 @@ CASES = {
         [*FIT, "--model.init_args.compile", "true", "--model.init_args.config.recompute_granularity", "selective",
          "--trainer.strategy.init_args.timeout", "0"], None,
         ["model.compile=True with recompute_granularity='selective' and attention_dropout=0.1"], []),
+    "weight_decay_increment_without_a_horizon": (  # a traceback on the ranks after launch
+        [*FIT, "--trainer.max_steps", "-1", "--trainer.max_epochs", "2", "--lr_schedule.lr_decay_steps", "10",
+         "--lr_schedule.wd_incr_style", "linear", "--lr_schedule.end_wd", "0.2",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["wd_incr_steps=null means trainer.max_steps, but max_steps=-1; set trainer.max_steps or "
+         "lr_schedule.wd_incr_steps"], []),
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),

@@ -103,6 +103,10 @@ class OptimizerParamSchedulerCallback(Callback):
         kwargs = dict(self.kwargs)
         for name in ("lr_decay_steps", "wd_incr_steps"):
             if kwargs[name] is None:
+                by_epochs = not (trainer.max_steps or 0) > 0
+                if name == "wd_incr_steps" and kwargs["wd_incr_style"] == "constant" and by_epochs:
+                    kwargs[name] = kwargs["lr_decay_steps"]  # a constant decay has no horizon (a run by epochs)
+                    continue
                 if trainer.max_steps is None or trainer.max_steps <= 0:
                     raise ValueError(
                         f"{name}=None means Trainer.max_steps, but max_steps={trainer.max_steps}; "
