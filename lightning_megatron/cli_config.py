@@ -117,6 +117,16 @@ def _wandb_mode(config) -> None:
                        f"and silence this", category=UserWarning)
 
 
+def _schedule_and_model(config) -> tuple[Any, Any]:
+    """(the ``lr_schedule`` section's arguments, the model's) of a parsed config; ``(None, None)`` without both."""
+    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
+    model = config.get("model") if hasattr(config, "get") else None
+    if not schedule or model is None or not hasattr(model, "get"):
+        return None, None
+    model = model.get("init_args") if model.get("class_path") else model
+    return schedule.get("init_args") or schedule, model if hasattr(model, "get") else None
+
+
 def _weight_decay_the_schedule_sets(config) -> None:
     """With an ``lr_schedule`` section, the schedule sets every parameter group's weight decay each step (from
     ``start_wd`` to ``end_wd``): a ``model.weight_decay`` that is neither is not used, which is said, with the flags
@@ -124,14 +134,10 @@ def _weight_decay_the_schedule_sets(config) -> None:
     adapters at 0.1, unsaid)."""
     from lightning.pytorch.utilities import rank_zero_warn
 
-    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
-    model = config.get("model") if hasattr(config, "get") else None
-    if not schedule or model is None or not hasattr(model, "get"):
+    args, model = _schedule_and_model(config)
+    if args is None or model is None:
         return
-    args = schedule.get("init_args") or schedule
-    model = model.get("init_args") if model.get("class_path") else model
-    decay = model.get("weight_decay") if model is not None and hasattr(model, "get") else None
-    start, end = args.get("start_wd"), args.get("end_wd")
+    decay, start, end = model.get("weight_decay"), args.get("start_wd"), args.get("end_wd")
     if isinstance(decay, (int, float)) and start is not None and decay not in (start, end):
         rank_zero_warn(f"model.weight_decay={decay} is not used: the lr_schedule section sets the weight decay every "
                        f"step (start_wd={start}, end_wd={end}); to train with {decay}: --lr_schedule.start_wd {decay} "
@@ -139,21 +145,16 @@ def _weight_decay_the_schedule_sets(config) -> None:
 
 
 def _lr_the_schedule_sets(config, argv: list[str]) -> None:
-    """With an ``lr_schedule`` section the schedule sets every group's lr each step (``init_lr`` -> ``max_lr`` ->
-    ``min_lr``): a ``--model.lr`` given on the command line other than ``max_lr`` is not used, which is said (the
-    recipes' own ``lr`` is a placeholder; Megatron-LM's ``--lr`` is ``--lr_schedule.max_lr``)."""
+    """Under an ``lr_schedule`` (it sets the lr every step) a ``--model.lr`` typed other than ``max_lr`` is unused:
+    said (Megatron-LM's ``--lr`` is ``--lr_schedule.max_lr``; the recipes' own ``lr`` is a placeholder)."""
     from lightning.pytorch.utilities import rank_zero_warn
 
-    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
-    model = config.get("model") if hasattr(config, "get") else None
+    args, model = _schedule_and_model(config)
     typed = any(a in ("--model.lr", "--model.init_args.lr") or a.startswith(("--model.lr=", "--model.init_args.lr="))
                 for a in argv)
-    if not schedule or not typed or model is None or not hasattr(model, "get"):
+    if not typed or args is None or model is None:
         return
-    args = schedule.get("init_args") or schedule
-    model = model.get("init_args") if model.get("class_path") else model
-    lr = model.get("lr") if model is not None and hasattr(model, "get") else None
-    peak = args.get("max_lr")
+    lr, peak = model.get("lr"), args.get("max_lr")
     if isinstance(lr, (int, float)) and peak is not None and lr != peak:
         rank_zero_warn(f"model.lr={lr} is not used: the lr_schedule section sets the lr every step (init_lr="
                        f"{args.get('init_lr')} -> max_lr={peak} -> min_lr={args.get('min_lr')}); to peak at {lr}: "
@@ -217,12 +218,10 @@ def _no_checkpointing(config) -> None:
     trainer = config.get("trainer") if hasattr(config, "get") else None
     if trainer is None or trainer.get("enable_checkpointing") is not False:
         return
-    callbacks = trainer.get("callbacks") or []
-    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-    dropped = [c for c in _entries(callbacks) if _is_subclass(c.class_path, ModelCheckpoint)]
-    if dropped:
+    callbacks = trainer.get("callbacks") if isinstance(trainer.get("callbacks"), list) else [trainer.get("callbacks")]
+    if dropped := [c for c in _entries(callbacks) if _is_subclass(c.class_path, ModelCheckpoint)]:
         trainer.callbacks = [c for c in callbacks if not any(c is d for d in dropped)]
-        rank_zero_info("enable_checkpointing=False: the recipe's ModelCheckpoint left out; no checkpoint is saved")
+        rank_zero_info("enable_checkpointing=False: the configured ModelCheckpoint left out; no checkpoint is saved")
 
 
 def _entries(value: Any) -> list[Any]:

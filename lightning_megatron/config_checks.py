@@ -217,6 +217,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
     # --- the model's records at this layout (heads, FFN, grouped-query groups against TP: the module's rules)
     if isinstance(model_class, type) and issubclass(model_class, MegatronLightningModule):
         problems += model_class.config_problems(dict(model_hparams or {}), nominal)
+        if fitting and (model_hparams or {}).get("compile") and hasattr(model_class, "config_class"):
+            problems += [f"model.{p}" for p in [_compile_problem(model_class, model_hparams)] if p]
     cp = _int(sizes["cp"]) or 1
     if cp > 1 and model_class is not None:  # the module takes context parallelism, on a sequence it can split
         problems += [p for p in [context_parallel_problem(model_class, cp)] if p]
@@ -439,6 +441,18 @@ _SCHEDULE_NUMBERS = {"init_lr": 0.0, "max_lr": 1e-4, "min_lr": 0.0, "lr_warmup_s
 """The schedule's arguments that take a number only, and their defaults (OptimizerParamSchedulerCallback's)."""
 
 
+def _compile_problem(model_class: type, model_hparams: Mapping[str, Any]) -> str | None:
+    """A training run's :func:`~lightning_megatron.language.module.compile_problem` (its own record's problems are
+    the module's, listed before)."""
+    from lightning_megatron.language.module import compile_problem
+
+    try:
+        config = model_class.config_class.coerce(model_hparams.get("config"))
+    except (TypeError, ValueError):
+        return None
+    return compile_problem(config, model_hparams.get("compile"))
+
+
 def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run: bool = False) -> list[str]:
     problems = [f"lr_schedule.{key}=None: the schedule needs a number (leave the key out for the default, {default})"
                 for key, default in _SCHEDULE_NUMBERS.items() if key in sch and sch[key] is None]
@@ -451,12 +465,12 @@ def _check_schedule(sch: dict[str, Any], max_steps: int | None, *, fast_dev_run:
             problems.append(f"lr_decay_steps=null means trainer.max_steps, but max_steps={max_steps}; set "
                             f"trainer.max_steps or lr_decay_steps")
         # else a warm-up as long as the run is shortened at set-up (scheduler.warmup_for_run), with a warning
+    elif decay is not None:
+        problems += [p for p in [warmup_problem(warmup, decay)] if p]  # the scheduler's own rule
     if sch.get("wd_incr_steps") is None and sch.get("wd_incr_style", "constant") != "constant" and not fast_dev_run \
             and (max_steps is None or max_steps <= 0):
         problems.append(f"wd_incr_steps=null means trainer.max_steps, but max_steps={max_steps}; set trainer.max_steps "
                         f"or lr_schedule.wd_incr_steps")
-    elif decay is not None:
-        problems += [p for p in [warmup_problem(warmup, decay)] if p]  # the scheduler's own rule
     numbers = [v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
                for v in (sch.get("init_lr"), sch.get("max_lr"), sch.get("min_lr"))]
     problems += lr_problems(*numbers)  # the scheduler's own rules

@@ -102,6 +102,15 @@ def checkpoint_extra(path: Any) -> dict[str, Any] | None:
     return saved[0] if saved is not None else None
 
 
+def _preprocess_with(source: Any, data_class: type | None) -> str:
+    """The ``preprocess`` command line that tokenizes a corpus with ``source``'s tokenizer for ``data_class``."""
+    import os
+
+    eod = " --append-eod" if documents_need_eod(data_class) else ""
+    return (f"`lightning-megatron preprocess --input YOUR_TEXT --tokenizer {os.fspath(source)}{eod} --output-prefix "
+            f"NEW_PREFIX`, then data.data_prefix=NEW_PREFIX")
+
+
 def _source_tokenizer_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any], data_class: type | None,
                               recorded: bool = False) -> str | None:
     """A source folder (``init_from``: a Hugging Face folder) with a tokenizer of its own (``vocab.txt``,
@@ -138,7 +147,7 @@ def _source_tokenizer_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any]
                 else f"the data was tokenized with {os.fspath(tokenizer.vocab_file)!r}")
         other = "other than the data's"
     fix = f"set data.vocab_file={str(own)!r}" if not recorded else (
-        f"preprocess the data with it (`lightning-megatron preprocess --tokenizer {os.fspath(source)}`)")
+        f"preprocess the data with it ({_preprocess_with(source, data_class)})")
     return (f"{data}, but model init_from={os.fspath(source)!r} has its own {own.name} ({theirs.vocab_size} "
             f"pieces, {other}); {fix}")
 
@@ -265,7 +274,7 @@ def data_files_problems(d: dict[str, Any], m: dict[str, Any], *, data_class: typ
         problems += [p for p in [_model_vocab_problem(tokenizer, vocab_file, m, data_class, recorded=True),
                                  _source_tokenizer_problem(tokenizer, vocab_file, m, data_class, recorded=True)] if p]
         if not problems:
-            _warn_missing_bos(tokenizer, m, found)
+            _warn_missing_bos(m, found)
     sample_tokens = _sample_tokens(data_class, arguments)
     problems += [p for p in (_too_short_problem(prefix, sample_tokens) for prefix in found) if p]
     if split is not None and found and running and not (predicting and d.get("predict_file") is not None):
@@ -328,26 +337,33 @@ def _built_in_corpus_problems(vocab_file: Any, m: dict[str, Any], data_class: ty
                         _source_tokenizer_problem(tokenizer, vocab_file, m, data_class)] if p]
 
 
-def _warn_missing_bos(tokenizer: Any, m: dict[str, Any], prefixes: list[str]) -> None:
-    """Warn (once, rank 0) where datasets preprocessed without ``--add-special-tokens`` continue training a source
-    (``init_from``) whose tokenizer, the data's, puts a BOS before every text (Llama 3's): the model sees documents
-    unlike its pretraining's; Megatron's default, so said, not refused."""
+def _warn_missing_bos(m: dict[str, Any], prefixes: list[str]) -> None:
+    """Warn (once, rank 0) where datasets preprocessed without ``--add-special-tokens`` continue training a Hugging
+    Face folder (``init_from``) whose own ``tokenizer.json`` puts a BOS before every text (Llama 3's): the model sees
+    documents unlike its pretraining's. Each dataset by its own record (a blend may mix them); Megatron's default,
+    so said, not refused."""
     import os
+    from pathlib import Path
 
     from lightning.pytorch.utilities import rank_zero_warn
 
     from lightning_megatron.data.bpe_tokenizer import BPETokenizer
     from lightning_megatron.data.dataset_vocab import read_dataset_vocab
+    from lightning_megatron.interop.sources import source_kind
 
     source = m.get("init_from")
-    if source is None or not isinstance(tokenizer, BPETokenizer) or tokenizer.add_special_tokens:
+    if not isinstance(source, (str, os.PathLike)) or source_kind(source) != "hf":
         return
-    first = tokenizer.added_tokens()[0]
-    if not first or not os.path.isdir(os.fspath(source)):
-        return
-    plain = [p for p in prefixes if (r := read_dataset_vocab(p)) is not None and not r.add_special_tokens]
-    if plain:
-        bos = ", ".join(f"id {i}, {tokenizer.inv_vocab[i]!r}" for i in first)
+    own = Path(source) / "tokenizer.json"
+    try:
+        theirs = BPETokenizer(own) if own.is_file() else None
+        first = theirs.added_tokens()[0] if theirs is not None else []
+    except (ValueError, OSError):
+        return  # not a BPE tokenizer: a WordPiece vocabulary's [CLS] is BERT's data's own
+    plain = [p for p in prefixes if (r := read_dataset_vocab(p)) is not None and r.tokenizer_type == "bpe"
+             and not r.add_special_tokens]
+    if first and plain:
+        bos = ", ".join(f"id {i}, {theirs.inv_vocab[i]!r}" for i in first)
         rank_zero_warn(f"dataset {plain[0]!r} was preprocessed without --add-special-tokens, but model init_from="
                        f"{os.fspath(source)!r} has a tokenizer that puts a BOS ({bos}) before every text: the model "
                        f"continues training on documents unlike its pretraining's; preprocess the data with "
@@ -375,8 +391,8 @@ def _model_vocab_problem(tokenizer: Any, vocab_file: Any, m: dict[str, Any], dat
     source = m.get("init_from")
     named = f" (init_from={os.fspath(source)!r})" if source is not None else ""
     fix = ("set model vocab_size to it, or leave it null" if source is None else
-           f"preprocess the data with the source's tokenizer (`lightning-megatron preprocess --tokenizer "
-           f"{os.fspath(source)}`)" if recorded else  # data.vocab_file would not change the ids written
+           f"preprocess the data with the source's tokenizer ({_preprocess_with(source, data_class)})" if recorded
+           else  # data.vocab_file would not change the ids written
            f"tokenize the data with the source's tokenizer: data.vocab_file={os.fspath(source)!r} (its "
            f"tokenizer.json or vocab.txt)")
     return (f"model vocab_size={model_vocab}{named} is smaller than the data's tokenizer ({which}, "

@@ -162,7 +162,7 @@ def test_fit_without_checkpointing_saves_nothing(tmp_path):
                          "--trainer.limit_val_batches", "0", "--lr_schedule.lr_warmup_steps", "0",
                          "--trainer.callbacks+=lightning.pytorch.callbacks.Timer", "--trainer.callbacks.duration",
                          "00:01:00:00")
-    assert "enable_checkpointing=False: the recipe's ModelCheckpoint left out; no checkpoint is saved" in out, out[-999:]
+    assert "enable_checkpointing=False: the configured ModelCheckpoint left out; no checkpoint is saved" in out, out
     assert "max_epochs=1` reached" in out, out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 

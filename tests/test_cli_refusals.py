@@ -456,7 +456,8 @@ CASES = {
          "--trainer.strategy.init_args.timeout", "0"], None,
         ["model vocab_size=97 (init_from='{llama97}') is smaller than the data's tokenizer (", "the one the data "
          "records, 8192 pieces): the data would hold ids the model has no embedding for; preprocess the data with "
-         "the source's tokenizer (`lightning-megatron preprocess --tokenizer {llama97}`)"], ["data.vocab_file="]),
+         "the source's tokenizer (`lightning-megatron preprocess --input YOUR_TEXT --tokenizer {llama97} "
+         "--append-eod --output-prefix NEW_PREFIX`, then data.data_prefix=NEW_PREFIX)"], ["data.vocab_file="]),
     # data made with --add-special-tokens, read with a vocab_file that adds none: it named preprocess's flag
     "a_vocab_file_without_the_datas_bos": (
         ["fit", "--config", GPT, "--data.init_args.data_prefix", "{with_bos}", "--data.init_args.vocab_file",
@@ -493,12 +494,17 @@ CASES = {
         [*FIT, "--model.init_args.compile", "true", "--model.init_args.config.recompute_granularity", "selective",
          "--trainer.strategy.init_args.timeout", "0"], None,
         ["model.compile=True with recompute_granularity='selective' and attention_dropout=0.1"], []),
+    "predict_compiled_with_selective_recomputation": (  # no backward: not refused (the timeout alone)
+        [*PREDICT, "--model.init_args.compile", "true", "--model.init_args.config.recompute_granularity",
+         "selective", "--trainer.strategy.init_args.timeout", "0"], None, ["2 configuration problem(s)",
+                                                                            "predict without --ckpt_path"],
+        ["compile=True"]),
     "weight_decay_increment_without_a_horizon": (  # a traceback on the ranks after launch
         [*FIT, "--trainer.max_steps", "-1", "--trainer.max_epochs", "2", "--lr_schedule.lr_decay_steps", "10",
-         "--lr_schedule.wd_incr_style", "linear", "--lr_schedule.end_wd", "0.2",
-         "--trainer.strategy.init_args.timeout", "0"], None,
+         "--lr_schedule.wd_incr_style", "linear", "--lr_schedule.end_wd", "0.2", "--lr_schedule.lr_warmup_steps",
+         "20", "--trainer.strategy.init_args.timeout", "0"], None,
         ["wd_incr_steps=null means trainer.max_steps, but max_steps=-1; set trainer.max_steps or "
-         "lr_schedule.wd_incr_steps"], []),
+         "lr_schedule.wd_incr_steps", "lr_warmup_steps=20 must be < lr_decay_steps=10"], []),
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
@@ -542,9 +548,10 @@ def test_data_without_the_bos_the_sources_tokenizer_puts_first_is_said_before_la
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setattr(sys, "argv", ["lightning-megatron"])
     said = {}
-    for data in ("no_bos", "with_bos"):
+    blend = f"[0.5, {inputs['with_bos']}, 0.5, {inputs['no_bos']}]"  # the first dataset's tokenizer adds the BOS
+    for data, prefix in (("no_bos", inputs["no_bos"]), ("with_bos", inputs["with_bos"]), ("blend", blend)):
         argv = ["fit", "--config", GPT, "--model.init_args.init_from", inputs["llama_bos"],
-                "--data.init_args.data_prefix", inputs[data], "--trainer.strategy.init_args.timeout", "0",
+                "--data.init_args.data_prefix", prefix, "--trainer.strategy.init_args.timeout", "0",
                 "--trainer.default_root_dir", str(tmp_path / data)]
         with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exited:
             warnings.simplefilter("always")
@@ -552,7 +559,7 @@ def test_data_without_the_bos_the_sources_tokenizer_puts_first_is_said_before_la
         assert "1 configuration problem(s)" in str(exited.value.code), exited.value.code  # the timeout alone
         said[data] = [str(w.message) for w in caught if "BOS" in str(w.message)]
     assert said["with_bos"] == []
-    assert len(said["no_bos"]) == 1, said
+    assert len(said["no_bos"]) == 1 and said["blend"] == said["no_bos"], said
     assert (f"dataset '{inputs['no_bos']}' was preprocessed without --add-special-tokens, but model init_from="
             f"'{inputs['llama_bos']}' has a tokenizer that puts a BOS (id 0, '<|endoftext|>') before every text"
             in said["no_bos"][0]), said["no_bos"][0]

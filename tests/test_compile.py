@@ -157,20 +157,38 @@ def test_the_cpu_dropout_compiled_draws_the_numbers_of_eager():
     assert 0 < (y == 0).float().mean() < 0.6, "it drops"
 
 
-def test_compile_with_selective_recomputation_and_attention_dropout_is_refused():
+def test_compile_with_selective_recomputation_and_attention_dropout_is_refused_for_training():
     """The compiled layer's recomputed attention drew other dropout masks than its forward (a GPT-2-shaped
     model at TP=1: loss equal, grad norm 1.575614 against 1.575977, the worst gradient 0.45 off; eager and full
-    recomputation exact): refused when the module is made; without dropout, with full recomputation or
-    eager, made."""
-    from lightning_megatron.models.gpt.config import GPTConfig
-    from lightning_megatron.models.gpt.module import GPTLightningModule
+    recomputation exact): refused for a training run (the rule), not for evaluating or predicting (no backward);
+    without dropout, with full recomputation or eager, not refused."""
+    from types import SimpleNamespace
 
-    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, max_sequence_length=16)
-    with pytest.raises(ValueError, match=r"compile=True with recompute_granularity='selective' and "
-                                         r"attention_dropout=0.1: the compiled layer recomputes attention with other "
-                                         r"dropout masks .* use recompute_granularity='full'"):
-        GPTLightningModule(GPTConfig(**shape, attention_dropout=0.1, recompute_granularity="selective"), compile=True)
-    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    for recompute, dropout, compiled in (({"recompute_granularity": "selective"}, 0.0, True), (full, 0.1, True),
-                                         ({"recompute_granularity": "selective"}, 0.1, False)):
-        GPTLightningModule(GPTConfig(**shape, attention_dropout=dropout, **recompute), compile=compiled)
+    from lightning_megatron.language.module import compile_problem
+
+    def config(dropout, **recompute):
+        return SimpleNamespace(attention_dropout=dropout, **recompute)
+
+    assert compile_problem(config(0.1, recompute_granularity="selective"), True) == (
+        "compile=True with recompute_granularity='selective' and attention_dropout=0.1: the compiled layer recomputes "
+        "attention with other dropout masks than its forward's (its gradients would not be the loss's); use "
+        "recompute_granularity='full', attention_dropout=0, or compile=False")
+    for dropout, granularity, compiled in ((0.0, "selective", True), (0.1, "full", True), (0.1, "selective", False)):
+        assert compile_problem(config(dropout, recompute_granularity=granularity), compiled) is None
+
+
+@pytest.mark.parametrize("command", ["fit", "predict"])
+def test_a_training_run_of_a_compiled_model_with_selective_recomputation_and_dropout_is_refused_at_set_up(command):
+    """The Python API's way (no recipe for the pre-launch check): the chunks are not built for a fit; for a
+    prediction (no backward, nothing recomputed) they are, compiled."""
+    from types import SimpleNamespace
+
+    module = BertLightningModule(BertConfig(**{**TINY_CONFIG, "num_layers": 1, "attention_dropout": 0.1,
+                                               "recompute_granularity": "selective"}), **TINY_OPTIONS, compile=True)
+    module._trainer = SimpleNamespace(state=SimpleNamespace(fn=command))  # what the Trainer's state says at set-up
+    if command == "fit":
+        with pytest.raises(ValueError, match=r"compile=True with recompute_granularity='selective'"):
+            module.configure_model()
+    else:
+        module.configure_model()
+        assert module.model_chunks is not None

@@ -122,7 +122,7 @@ class OptimizerParamSchedulerCallback(Callback):
         self.scheduler = OptimizerParamScheduler(trainer.optimizers[0], **kwargs)
         self._state_loaded = False
         self._resolved = {name: kwargs[name] for name in ("lr_decay_steps", "wd_incr_steps")
-                          if self.kwargs[name] is None}
+                          if self.kwargs[name] is None and kwargs[name] == trainer.max_steps}  # not an epoch run's
         if self._pending_state is not None:
             self._load(self._pending_state)
             self._pending_state = None

@@ -479,9 +479,13 @@ def _room_to_recompile(layers: int) -> None:
     its layers eager, unsaid. Room for each layer's variants."""
     import torch._dynamo
 
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 4 * layers + 8)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * layers + 64)
+    config = torch._dynamo.config  # torch < 2.7 names them cache_size_limit, accumulated_cache_size_limit
+    if hasattr(config, "recompile_limit"):
+        config.recompile_limit = max(config.recompile_limit, 4 * layers + 8)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * layers + 64)
+    else:
+        config.cache_size_limit = max(config.cache_size_limit, 4 * layers + 8)
+        config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 16 * layers + 64)
 
 
 def _one_stage_sizes(module: Any, layout: ParallelDims) -> Any:

@@ -140,9 +140,6 @@ class LanguageLightningModule(MegatronLightningModule):
             raise ValueError(f"optimizer={optimizer!r} must be 'adamw', 'adam' or 'sgd'")
         self.config = self.config_class.coerce(config)
         """The model's record; once the chunks are built, at the strategy's layout (the chunks' config)."""
-        problem = compile_problem(self.config, compile)
-        if problem is not None:
-            raise ValueError(problem)
         self.vocab_size: int | None = self.config.vocab_size
         """The real vocabulary: the record's, else (once the chunks are built) the datamodule's."""
         # Every __init__ of the class chain (a family's and a subclass's arguments too; under LightningCLI
@@ -197,6 +194,10 @@ class LanguageLightningModule(MegatronLightningModule):
                                   num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
                                   num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage):
             chunk = self.build_chunk(config, place, parallel_state)
+            fitting = self._trainer is not None and self.trainer.state.fn == "fit"
+            problem = compile_problem(config, self.hparams.compile) if fitting else None
+            if problem is not None:  # a training run's backward only: evaluating and predicting recompute nothing
+                raise ValueError(problem)
             if self.hparams.compile:
                 chunk.compile_layers()
                 if chunk.post_process:
@@ -352,8 +353,6 @@ class LanguageLightningModule(MegatronLightningModule):
             return [f"model.{CONFIG_HPARAM}: expert_model_parallel_size={dims.ep} but the model has no experts "
                     f"(num_moe_experts is None); use expert_model_parallel_size=1, or a spec with a mixture of experts "
                     f"(spec: llama_moe_layer_spec, num_moe_experts: ...)"]
-        if compile_problem(config, hparams.get("compile")) is not None:
-            return [f"model.{compile_problem(config, hparams.get('compile'))}"]
         heads = config.num_attention_heads // (dims.tp if dims is not None else 1)
         if dims is not None and dims.cp > 1 and config.cp_comm_type == "a2a" and heads % dims.cp:
             return [f"model.{CONFIG_HPARAM}: cp_comm_type='a2a' splits the {heads} attention heads of a tensor-parallel "
