@@ -209,8 +209,9 @@ def test_a_16_bit_recipes_layouts_are_checked_in_fp32_with_fp32s_bounds(capsys, 
     # (cpu_tuning, on in bert_tiny) in another order
     assert rows["dp2"][3] == rows["dp2"][6] == "0.00e+00" and float(rows["dp2"][5]) < 1e-12, out
     # TP=2's pooler bias (a sum over 4 samples whose terms cancel) 12.5% from one bf16 process's, as far from the
-    # fp32 truth as it (19.3%): judged against the truth, it passes, and says so
-    assert float(rows["tp2"][6]) > 0.05 and rows["tp2"][7] == "pooler.dense.bias", out
+    # fp32 truth as it (19.3%): judged against the truth, it passes, and says so (the worst of the table is the
+    # pooler's bias on the Intel AMX host, its weight, 7.6%, on the AMD Zen 4 host: their bf16 kernels differ)
+    assert float(rows["tp2"][6]) > 0.05 and rows["tp2"][7] in ("pooler.dense.bias", "pooler.dense.weight"), out
     assert "16-bit gradients beyond the bounds: judged against the fp32 truth, tp1 in fp32 from the same" in out, out
     assert "tp2            PASS\n               step 1: against the fp32 truth pooler.dense.bias is " in out, out
     # fp16 under ZeRO-1: the recorder divided the loss scale out before it put the reduce-scattered pieces together,
