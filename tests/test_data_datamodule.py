@@ -255,3 +255,21 @@ def test_a_split_too_small_for_a_document_says_so_where_validation_asks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert quiet.val_dataloader() == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_predict_texts_cut_to_the_sequence_are_said_once_by_rank_0(tmp_path, monkeypatch, rank):
+    """A predict_file whose texts are longer than max_seq_length is said once per run: by rank 0 (each rank
+    builds the dataset; at TP=2 the warning came twice)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("a short text\n" + " ".join(["word"] * 100) + "\n")
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    dm = _datamodule(_fake_trainer(), predict_file=str(texts))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.predict_dataloader()
+    said = [str(w.message) for w in caught if "are longer than max_seq_length" in str(w.message)]
+    assert said == ([f"1 of the 2 texts of {str(texts)!r} are longer than max_seq_length=64 tokens with [CLS] and "
+                     f"[SEP]: their ends are cut"] if rank == 0 else []), said

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,8 @@ SAMPLE_INDEX = "sample_index"
 class TextPredictionDataset(Dataset):
     """One sample per text: ``[CLS] text [SEP]`` padded to ``max_seq_length``; ``[MASK]`` in the text is
     the mask token. ``path``: a ``.jsonl`` file (the ``json_key`` field of each line) or any other
-    text file (one text per non-empty line)."""
+    text file (one text per non-empty line). ``cut_warning``: what to say when texts are longer than
+    ``max_seq_length`` (their ends are cut), ``None`` when none is; the datamodule says it once, on rank 0."""
 
     def __init__(self, path: str | os.PathLike[str], tokenizer: BertTokenizer, max_seq_length: int,
                  json_key: str = "text") -> None:
@@ -47,9 +47,8 @@ class TextPredictionDataset(Dataset):
         self.texts, self.tokenizer, self.max_seq_length = texts, tokenizer, max_seq_length
         self.ids = tokenizer.tokenize_batch(texts)
         long = sum(len(ids) > max_seq_length - 2 for ids in self.ids)
-        if long:
-            warnings.warn(f"{long} of the {len(texts)} texts of {str(path)!r} are longer than max_seq_length="
-                          f"{max_seq_length} tokens with [CLS] and [SEP]: their ends are cut", UserWarning, stacklevel=2)
+        self.cut_warning = (f"{long} of the {len(texts)} texts of {str(path)!r} are longer than max_seq_length="
+                            f"{max_seq_length} tokens with [CLS] and [SEP]: their ends are cut") if long else None
 
     def __len__(self) -> int:
         return len(self.texts)

@@ -559,6 +559,8 @@ class BertDataModule(PretrainingDataModule):
             dataset: Any = TextPredictionDataset(self.predict_file, self.tokenizer, self.max_seq_length,
                                                  self.predict_json_key)
             self.predict_dataset = dataset  # its texts' lines (the PredictionWriter's records name them)
+            if dataset.cut_warning is not None:
+                rank_zero_warn(dataset.cut_warning, category=UserWarning)
         else:
             if self.train_dataset is None:
                 self.setup("predict")
