@@ -23,7 +23,8 @@ from torchmetrics import MeanMetric, Metric, MetricCollection
 from lightning_megatron.parallel_state import ParallelState
 from lightning_megatron.tensor_parallel.mappings import all_reduce
 
-__all__ = ["EVAL_STAGES", "Perplexity", "eval_stage", "float32_states", "log_epoch_metrics", "on_device", "sync_args"]
+__all__ = ["EVAL_STAGES", "Mean", "Perplexity", "eval_stage", "float32_states", "log_epoch_metrics", "on_device",
+           "sync_args"]
 
 EVAL_STAGES = ("val", "test")
 
@@ -47,7 +48,22 @@ def float32_states() -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-class Perplexity(MeanMetric):
+class Mean(MeanMetric):
+    """A weighted mean whose non-finite values stay in it: torchmetrics' default (``nan_strategy="warn"``) dropped
+    a nan microbatch loss with a warning, so a split's perplexity was the other microbatches' while its logged loss
+    was nan, and its check read the device at every update (a host synchronisation per evaluation microbatch on a
+    GPU); its ``nan_strategy="disable"`` drops the weights instead (torchmetrics 1.9). A microbatch without counted
+    tokens adds 0 with weight 0 (the losses' ``clamp``)."""
+
+    def update(self, value: torch.Tensor | float, weight: torch.Tensor | float | None = None) -> None:
+        value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
+        weight = torch.ones_like(value) if weight is None else torch.as_tensor(weight, dtype=self.dtype,
+                                                                                 device=self.device)
+        self.mean_value += (value * weight.broadcast_to(value.shape)).sum()
+        self.weight += weight.broadcast_to(value.shape).sum()
+
+
+class Perplexity(Mean):
     """exp of the weighted mean of per-token cross entropies (update with the mean and the token count)."""
 
     def compute(self) -> torch.Tensor:

@@ -43,3 +43,43 @@ def test_eval_metrics_built_under_a_16_bit_default_dtype_sum_in_fp32(dtype):
         got = float(metric.compute())
         got = got if name != "classifier" else math.exp(got)
         assert got == pytest.approx(want, rel=1e-6), (name, dtype, got, want)
+
+
+def test_eval_means_keep_a_nan_loss_and_read_nothing_from_the_device():
+    """A microbatch's non-finite loss makes the split's perplexity (and a classifier's mean loss) nan, as its
+    logged loss is: torchmetrics' default (``nan_strategy="warn"``) dropped it with a warning, and the split's
+    perplexity was the other microbatches' (exp(3) here). Its check also read the device at every update (``if
+    nans.any()``: a host synchronisation per evaluation microbatch on a GPU); the updates read nothing. The means stay
+    weighted by the token counts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_megatron.models.bert.metrics import finetune_metrics, pretraining_metrics
+    from lightning_megatron.models.gpt import GPTConfig
+    from lightning_megatron.models.gpt.module import GPTLightningModule
+
+    ps = ParallelState(dims=ParallelDims(dp=1), rank=0, members={})
+    gpt = GPTLightningModule(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64,
+                                       max_sequence_length=8))
+    gpt.configure_model()
+    means = {"gpt": gpt.eval_metrics["val"]["perplexity"], "bert": pretraining_metrics(64, ps)["val"]["perplexity"],
+             "classifier": finetune_metrics(2, ps)["val"]["loss"]}
+    reads = []
+
+    class CountReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                reads.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for name, metric in means.items():
+        with CountReads():
+            metric.update(torch.tensor(float("nan")), torch.tensor(4.0))
+            metric.update(torch.tensor(3.0), torch.tensor(4.0))
+        assert reads == [], (name, reads)
+        assert math.isnan(float(metric.compute())), name
+        metric.reset()  # weighted by the counts (torchmetrics' nan_strategy="disable" weighs every update 1)
+        metric.update(torch.tensor(2.0), torch.tensor(1.0))
+        metric.update(torch.tensor(4.0), torch.tensor(3.0))
+        metric.update(torch.tensor(0.0), torch.tensor(0.0))  # no counted tokens: the losses' clamp gives 0
+        got = float(metric.compute())
+        assert (got if name == "classifier" else math.log(got)) == pytest.approx(3.5, rel=1e-6), (name, got)

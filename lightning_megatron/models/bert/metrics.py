@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics import MetricCollection
 from torchmetrics.classification import (
     BinaryAccuracy,
     BinaryF1Score,
@@ -25,7 +25,8 @@ from torchmetrics.classification import (
 )
 from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef, SpearmanCorrCoef
 
-from lightning_megatron.metrics import EVAL_STAGES, Perplexity, eval_stage, float32_states, log_epoch_metrics, on_device
+from lightning_megatron.metrics import (EVAL_STAGES, Mean, Perplexity, eval_stage, float32_states, log_epoch_metrics,
+                                        on_device)
 from lightning_megatron.metrics import sync_args as _sync_args
 from lightning_megatron.parallel_state import ParallelState
 
@@ -77,15 +78,15 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCol
             # Moments merged over ranks in float64: the same correlation at every layout to ~1e-12
             # (float32 moments drift by ~1e-5 for a near-zero correlation).
             return MetricCollection({"pearson": PearsonCorrCoef(**kw), "spearman": spearman,
-                                     "mse": MeanSquaredError(**kw), "loss": MeanMetric(**kw)}
+                                     "mse": MeanSquaredError(**kw), "loss": Mean(**kw)}
                                     ).set_dtype(torch.float64)
         if num_classes == 2:
             return MetricCollection({"accuracy": BinaryAccuracy(**kw), "f1": BinaryF1Score(**kw),
-                                     "matthews_corrcoef": BinaryMatthews(**kw), "loss": MeanMetric(**kw)})
+                                     "matthews_corrcoef": BinaryMatthews(**kw), "loss": Mean(**kw)})
         return MetricCollection({
             "accuracy": MulticlassAccuracy(num_classes, average="micro", **kw),
             "f1": MulticlassF1Score(num_classes, average="macro", **kw),
-            "matthews_corrcoef": MulticlassMatthews(num_classes, **kw), "loss": MeanMetric(**kw)})
+            "matthews_corrcoef": MulticlassMatthews(num_classes, **kw), "loss": Mean(**kw)})
 
     with float32_states():
         return {stage: collection() for stage in EVAL_STAGES}
