@@ -74,9 +74,10 @@ class TorchCommunicator:
         return None
 
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "died before arriving")
-"""What a collective's error says when another rank's process died (gloo's TCP pair; the last: the CPU tuning's
-shared-memory collectives)."""
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "died before arriving",
+              "remote process exited or there was a network error", "Connection closed by remote peer")
+"""What a collective's error says when another rank's process died: gloo's TCP pair, the CPU tuning's shared-memory
+collectives, NCCL's ``ncclRemoteError`` (raised as ``DistBackendError``: the peer's process or the network)."""
 
 _COLLECTIVE_FRAMES = ("torch/distributed/", "lightning_megatron/communicator.py", "lightning_megatron/cpu/")
 """Where such an error is raised: a collective (torch.distributed, ours, the CPU tuning's)."""

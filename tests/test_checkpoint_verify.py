@@ -532,3 +532,28 @@ def test_a_dead_peer_is_said_in_one_line_and_never_blamed_on_the_disk(monkeypatc
     assert message.startswith(f"lightning-megatron: rank {rank}: another rank died or stopped answering (") and \
         "Connection closed by peer" in message and "that rank's own output" in message, message
     assert "in closed (" in message, message  # where this rank was: the innermost frame outside torch (its stand-in)
+
+
+def test_an_nccl_peer_that_died_is_said_as_a_gloo_one_is(monkeypatch):
+    """NCCL says a dead peer in its own words (``ncclRemoteError``, raised as ``DistBackendError``): the CLI's "another
+    rank died or stopped answering" line and the save's "not the disk" named it only on gloo's ("Connection closed
+    by peer"), and an NCCL run (our users') got the raw error."""
+    import torch.distributed as dist
+
+    from lightning_megatron.communicator import TorchCommunicator, peer_lost
+
+    nccl = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, remote process exited or "
+            "there was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network "
+            "error or a remote process exiting prematurely.\nLast error:\nsocketProgress: Connection closed by remote "
+            "peer node-7<52118>")
+
+    def closed(*args, **kwargs):
+        raise dist.DistBackendError(nccl)
+
+    monkeypatch.setattr(dist, "all_reduce", closed)
+    try:
+        TorchCommunicator(None).all_reduce(torch.zeros(1))
+    except RuntimeError as e:
+        said = peer_lost(e)
+    assert said == nccl.splitlines()[0], said
+    assert peer_lost(dist.DistBackendError(nccl)) is None  # not raised by a collective
