@@ -35,10 +35,14 @@ handles both itself, through public hooks only, the same way:
   status -6 instead of 143); and Lightning's child-process observer SIGKILLs the launching rank
   when a child exits non-zero first, which every child now does.
 
-A SIGTERM during validation takes effect at the next training step. SLURM's requeue works as in
-Lightning: with ``#SBATCH --signal=USR1@90`` and ``SLURMEnvironment(auto_requeue=True)`` (the
-default), SIGUSR1 makes Lightning save ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` and requeue the
-job, which resumes from it by itself; the SIGTERM that follows, or a plain one, takes the path above.
+A SIGTERM during validation takes effect at the next training step. SLURM's requeue (``#SBATCH
+--signal=USR1@90`` with ``SLURMEnvironment(auto_requeue=True)``, Lightning's default under SLURM) takes
+the same path: the environment's ``requeue_signal`` (SIGUSR1) is a stop signal too, and once every rank
+has stopped before the same step and the ``last`` checkpoint is saved, rank 0 requeues the job
+(``scontrol requeue``, as Lightning does) and the ranks exit with 128 + the signal (138); the requeued
+job's command resumes with ``--ckpt_path last``. Lightning's own handler saved ``hpc_ckpt_<n>.ckpt``
+from inside the signal handler, on each rank wherever its step was: a collective save entered at
+different points of the ranks' collectives, and a file ``--ckpt_path last`` does not read.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "count_steps_as_taken",
-           "on_stop_signal", "save_the_final_step", "stop_before_this_batch", "stop_checkpoint_path"]
+           "on_stop_signal", "requeue_job", "requeue_signal", "save_the_final_step", "stop_before_this_batch",
+           "stop_checkpoint_path"]
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status after a SIGTERM: 143, non-zero so that schedulers see an unfinished run."""
@@ -90,18 +95,24 @@ class PreemptionHandler:
         self._announce = False
         self.exiting = False  # set when the SIGTERMException is being handled: teardown calls leave()
         self._sigint_after_leave: Any = None  # SIGINT's handler, given back once leave() has waited
+        self.requeue_signal: int | None = None
+        self.requeue = False  # the requeue signal came (to any rank, after should_stop): requeue after the save
 
-    def install(self, launcher: Any = None, announce: bool = False) -> None:
+    def install(self, launcher: Any = None, announce: bool = False, requeue_signal: int | None = None) -> None:
         """Become this process's SIGTERM and SIGINT handler (main thread only; elsewhere signals cannot be
-        handled). ``announce``: say on stderr what a first Ctrl-C does (the job's rank 0)."""
+        handled). ``announce``: say on stderr what a first Ctrl-C does (the job's rank 0). ``requeue_signal``:
+        SLURM's requeue signal (``SLURMEnvironment.requeue_signal`` with ``auto_requeue``), handled the same way,
+        the job requeued after the save (:func:`on_stop_signal`)."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._launcher = launcher
         self._announce = announce
+        self.requeue_signal = None if requeue_signal is None else int(requeue_signal)
         self._pid = os.getpid()
         self.received = 0
         self.exiting = False
-        self._previous = {int(s): signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        stops = (*STOP_SIGNALS, *(() if self.requeue_signal in (None, *STOP_SIGNALS) else (self.requeue_signal,)))
+        self._previous = {int(s): signal.signal(s, self._handle) for s in stops}
         self._installed = True
 
     def uninstall(self) -> None:
@@ -125,6 +136,8 @@ class PreemptionHandler:
             return  # a process forked after install (a DataLoader worker): the training process decides
         first_sigterm = signum == signal.SIGTERM and self.received != signal.SIGTERM
         self.received = max(self.received, int(signum))
+        if signum == self.requeue_signal:
+            self.requeue = True
         if signum == signal.SIGINT:
             # A second Ctrl-C takes SIGINT's default action: the process ends at once, even while it
             # waits inside a collective (a Python handler would only run once the collective returned).
@@ -140,9 +153,10 @@ class PreemptionHandler:
         single process decides from its own flag: no tensor, no device read that would wait for the
         accelerator at every step)."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([self.received], dtype=torch.int32, device=device)
+            flag = torch.tensor([self.received, int(self.requeue)], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            self.received = int(flag.item())
+            received, requeue = flag.tolist()
+            self.received, self.requeue = int(received), bool(requeue)
         return self.received != 0
 
     def leave(self, launcher: Any = None, wait_s: float = 120.0) -> None:
@@ -252,9 +266,10 @@ def count_steps_as_taken(trainer: pl.Trainer) -> None:
 
 
 def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = signal.SIGTERM,
-                   run_id: str | None = None) -> None:
+                   run_id: str | None = None, requeue: bool = False) -> None:
     """On the ``SIGTERMException`` a stop signal raised: save a checkpoint if configured
-    (:func:`stop_checkpoint_path`), and make the exit status 128 + ``signum`` (143, 130).
+    (:func:`stop_checkpoint_path`), make the exit status 128 + ``signum`` (143, 130, 138), and with ``requeue``
+    (SLURM's requeue signal came) requeue the job from rank 0 once the save is done (:func:`requeue_job`).
 
     Collective (the checkpoint save): every rank calls it, which the strategy guarantees by raising
     the exception on every rank at the same batch boundary.
@@ -281,4 +296,39 @@ def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = 
                                     and callback.save_weights_only)
             rank_zero_info(f"{name} at step {step}: saved {path}; resume with --ckpt_path last. "
                            f"Exiting with status {code}")
+    if requeue and trainer.is_global_zero:
+        requeue_job()
     exception.code = code
+
+
+def requeue_signal(environment: Any) -> int | None:
+    """The signal after which a job requeues itself: SLURM's (``SLURMEnvironment.requeue_signal``, SIGUSR1) when
+    its ``auto_requeue`` is on (Lightning's default under SLURM), else None."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return int(environment.requeue_signal or signal.SIGUSR1)
+    return None
+
+
+def requeue_job() -> bool:
+    """``scontrol requeue`` this SLURM job (an array job's task by its array id), as Lightning's SIGUSR1 handler
+    does; says what happened. True when scontrol succeeded."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = (f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}" if array_job
+           else os.environ.get("SLURM_JOB_ID", ""))
+    if not job or not all(c.isdigit() or c in "_-" for c in job):
+        rank_zero_warn(f"the job is not requeued: no SLURM job id in the environment ({job!r}); resubmit it with "
+                       f"--ckpt_path last")
+        return False
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        rank_zero_warn(f"scontrol requeue {job} failed ({e}); resubmit the job with --ckpt_path last")
+        return False
+    if result.returncode != 0:
+        rank_zero_warn(f"scontrol requeue {job} failed (status {result.returncode}: {result.stderr.strip()[-500:]}); "
+                       f"resubmit the job with --ckpt_path last")
+        return False
+    rank_zero_info(f"requeued SLURM job {job}: its next start resumes with --ckpt_path last")
+    return True

@@ -54,7 +54,7 @@ from lightning_megatron.optimizer.mixed_precision import route_non_finite_grads
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
-from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, on_stop_signal,
+from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, on_stop_signal, requeue_signal,
                                           save_the_final_step, stop_before_this_batch)
 from lightning_megatron.protocols import (
     LightningStepsModule,
@@ -623,8 +623,9 @@ class MegatronStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         if self.overlap_param_gather and self._grad_buffer is not None:
             self._grad_buffer.add_param_gather_hooks(self.model_chunks)
-        # SIGTERM and Ctrl-C: see lightning_megatron.preemption
-        self._preemption.install(self.launcher, announce=self.global_rank == 0)
+        # SIGTERM, Ctrl-C and SLURM's requeue signal: see lightning_megatron.preemption
+        self._preemption.install(self.launcher, announce=self.global_rank == 0,
+                                 requeue_signal=requeue_signal(self.cluster_environment))
 
     @override
     def on_validation_start(self) -> None:
@@ -649,7 +650,7 @@ class MegatronStrategy(DDPStrategy):
         # SIGTERM / Ctrl-C: save a checkpoint (when configured) and exit 143 / 130 (lightning_megatron.preemption).
         if isinstance(exception, SIGTERMException) and self.lightning_module is not None:
             on_stop_signal(self.lightning_module.trainer, exception, self._preemption.received or signal.SIGTERM,
-                           self.run_id)
+                           self.run_id, requeue=self._preemption.requeue)
             self._preemption.exiting = True
 
     @override

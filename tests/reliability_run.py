@@ -1,7 +1,7 @@
 """A short real training run for the fault tests and benchmarks/faults.py (not a test module).
 
-    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigint|sigint2|kill0|kill1|raise1
-        --fault-step 3] [--ckpt-path last] [--every 2] [--prewarm]
+    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigint|sigint2|kill0|kill1|raise1|
+        usr1 --fault-step 3] [--ckpt-path last] [--every 2] [--prewarm]
 
 Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
 subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
@@ -10,7 +10,8 @@ write, and ``total_batch_idx``, which schedules validation: both ``step - 1`` th
 ``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``; the fault is injected at the end of step ``--fault-step`` by rank 0 (sigterm: SIGTERM
 to rank 0's own process, as a scheduler would; sigint: SIGINT to the job's process group, as Ctrl-C in a
 terminal (start the script in a session of its own); sigint2: two of them 0.5 s apart; kill0: SIGKILL of
-rank 0; kill1 / raise1: rank 1 is SIGKILLed / raises), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps. ``--prewarm``: ranks 1.. start before torch is imported and wait for
+rank 0; kill1 / raise1: rank 1 is SIGKILLed / raises; usr1: SIGUSR1 to every rank, as SLURM's
+``--signal=USR1@90`` signals every task: start each rank as a SLURM task, its ``SLURM_*`` variables set), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps. ``--prewarm``: ranks 1.. start before torch is imported and wait for
 Lightning's command (``lightning_megatron.launch.prewarm``), as the ``lightning-megatron`` command starts them.
 """
 
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("root")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--fault", choices=["none", "sigterm", "sigint", "sigint2", "kill0", "kill1", "raise1"],
+    parser.add_argument("--fault", choices=["none", "sigterm", "sigint", "sigint2", "kill0", "kill1", "raise1", "usr1"],
                         default="none")
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--mid", action="store_true",
@@ -96,6 +97,9 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif a.fault == "kill1" and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif a.fault == "usr1" and rank == 0:
+                for r in range(a.devices):
+                    os.kill(int((root / f"pid-{r}.txt").read_text()), signal.SIGUSR1)
             elif a.fault == "raise1" and rank == 1:
                 raise RuntimeError(f"injected failure on rank 1 at step {step}")
 

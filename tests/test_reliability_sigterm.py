@@ -188,3 +188,36 @@ def test_leave_waits_for_children_without_being_killed_by_lightnings_observer():
     # child does after a SIGTERM (143): leave() waits for the children with the observer disarmed.
     proc = run_python(["-c", _LEAVE_SCRIPT], REPO, {**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 0 and "left" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
+def test_slurms_requeue_signal_stops_every_rank_saves_last_and_requeues(tmp_path):
+    """SLURM's requeue (``#SBATCH --signal=USR1@90``, Lightning's ``SLURMEnvironment(auto_requeue=True)``): SIGUSR1
+    reaches every task at the end of step 3 of 20 of a 2-rank (TP=2) run started as SLURM tasks. Both ranks stop
+    before the same step, this run's ``last`` checkpoint holds step 3, rank 0 runs ``scontrol requeue <job>`` once
+    (a stand-in on PATH records it), and the ranks exit 138 (128 + SIGUSR1). Lightning's handler saved
+    ``hpc_ckpt_1.ckpt`` from inside the signal handler on each rank, wherever its step was (a collective save at
+    different points of the ranks' collectives), which ``--ckpt_path last`` does not read, and trained on."""
+    from dist_utils import start_python
+    from launch_lines import free_port, slurm_job_id
+
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.txt'}\n")
+    (bindir / "scontrol").chmod(0o755)
+    job = slurm_job_id()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
+           "MASTER_PORT": str(free_port()), "SLURM_JOB_ID": job, "SLURM_JOB_NAME": "bert", "SLURM_NNODES": "1",
+           "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
+    args = [str(SCRIPT), str(tmp_path), "--devices", "2", "--max-steps", "20", "--fault", "usr1", "--fault-step", "3",
+            "--every", "100", "--timeout", "120"]
+    ranks = [start_python(args, tmp_path, {**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}) for i in (0, 1)]
+    done = [rank.wait(timeout=300) for rank in ranks]
+    out = "".join(d.stdout + d.stderr for d in done)
+    assert [d.returncode for d in done] == [128 + signal.SIGUSR1] * 2, out[-4000:]
+    assert _steps(tmp_path, 0) == [1, 2, 3] and _steps(tmp_path, 1) == [1, 2, 3], out[-3000:]
+    assert checkpoint_identity(tmp_path / "ckpt" / "last.ckpt")[1] == 3
+    assert (tmp_path / "scontrol.txt").read_text() == f"requeue {job}\n"
+    assert "SIGUSR1 at step 3: saved" in out and f"requeued SLURM job {job}" in out, out[-3000:]
+    assert not list(tmp_path.rglob("hpc_ckpt*")), out[-3000:]
