@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from lightning_megatron.checkpoint_checks import ckpt_path_problem, evaluated_model_problem, resume_problems
-from lightning_megatron.data_checks import checkpoint_data_problems, data_arguments, data_files_problems
+from lightning_megatron.data_checks import (binary_head_problem, checkpoint_data_problems, data_arguments,
+                                           data_files_problems)
 from lightning_megatron.data_checks import int_or_none as _int
 from lightning_megatron.machine_checks import accelerator_problem, cpu_memory_problem, runs_on_cpu
 from lightning_megatron.module import MegatronLightningModule, context_parallel_problem, torch_class
@@ -299,6 +300,7 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         problems += resume_problems(str(ckpt_path), dict(model_hparams or {}), model_class, optimizer_class, sch,
                                      _int(t.get("max_steps")), data=d, data_class=data_class)
 
+    problems += [p for p in [binary_head_problem(data_arguments(data_class, d), m, model_class)] if p]
     prob = d.get("masked_lm_prob")
     if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
         problems.append(f"data masked_lm_prob={prob} must be in (0, 1) (BERT masks 0.15 of the tokens)")

@@ -40,6 +40,30 @@ def data_arguments(data_class: type | None, d: dict[str, Any]) -> dict[str, Any]
     return {**defaults, **d}
 
 
+def binary_head_problem(d: dict[str, Any], m: dict[str, Any], model_class: type | None) -> str | None:
+    """BERT's sentence pairs and its binary head go together (Megatron-LM's one ``--bert-binary-head`` builds both):
+    data without pairs (``binary_head=None``) trained the model's head on a constant label 0, and pairs whose labels
+    no head reads swapped half the samples' sentences for nothing. ``d``: the data section's arguments with the
+    class's defaults (:func:`data_arguments`), ``m``: the model's flat hyper-parameters."""
+    import dataclasses
+
+    record = getattr(model_class, "config_class", None)
+    fields = {f.name: f.default for f in dataclasses.fields(record)} if dataclasses.is_dataclass(record) else {}
+    if "binary_head" not in d or "add_binary_head" not in fields:
+        return None
+    pairs, head = d["binary_head"], m.get("add_binary_head", fields["add_binary_head"])
+    if pairs is None and head:
+        return ("data binary_head=None builds samples without sentence pairs (binary label 0), and the model's "
+                "add_binary_head=True would train its pooler and binary head on that constant label: set "
+                "--model.config.add_binary_head false --model.config.num_tokentypes 0 (Megatron-LM's "
+                "--bert-no-binary-head), or --data.binary_head sop")
+    if pairs is not None and not head:
+        return (f"data binary_head={pairs!r} builds sentence pairs for a binary head (half of them swapped or "
+                f"replaced), and the model has none (add_binary_head=False): set --data.binary_head null, or "
+                f"--model.config.add_binary_head true")
+    return None
+
+
 def tokenizer_family(data_class: type | None) -> str:
     """The packaged tokenizer of the data section's datamodule (``default_tokenizer``); WordPiece (BERT's,
     the CLI's default datamodule) when unknown."""

@@ -508,6 +508,33 @@ CASES = {
     "init_from_bert_with_the_packaged_vocabulary": (
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.init_from", "{bert}",
          "--trainer.strategy.init_args.timeout", "0"], None, ["1 configuration problem(s)", "strategy timeout=0"], []),
+    # settings no part of the model reads, trained without a word (the audit of silently ignored settings)
+    "bert_with_experts": (  # a dense BERT with MoE metric columns, all zero; EP=2 held the whole model on each rank
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.config.num_moe_experts", "8",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["num_moe_experts=8 but spec='bert_layer_local_spec' has a dense MLP; use a spec of your own (register_spec) "
+         "whose MLP slot is transformer.moe.MoELayer"], []),
+    "bert_with_rotary_settings": (
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.config.rotary_base", "500000",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["rotary_base=500000.0 would not be used: BERT's positions are learned (max_sequence_length rows), it has no "
+         "rotary embedding: drop them"], []),
+    "rotary_settings_on_learned_positions": (
+        [*FIT, "--model.init_args.config.rotary_base", "500000", "--model.init_args.config.rotary_percent", "0.5",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["rotary_base=500000.0, rotary_percent=0.5 would not be used: position_embedding_type='learned_absolute' has "
+         "no rotary embedding: set position_embedding_type: rope, or drop them"], []),
+    "bert_binary_head_without_pairs": (  # the head trained on a constant label 0
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--data.binary_head", "null",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["data binary_head=None builds samples without sentence pairs (binary label 0), and the model's "
+         "add_binary_head=True would train its pooler and binary head on that constant label: set "
+         "--model.config.add_binary_head false --model.config.num_tokentypes 0"], []),
+    "bert_pairs_without_binary_head": (  # half the samples' sentences swapped, the labels read by nothing
+        ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--model.config.add_binary_head", "false",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["data binary_head='sop' builds sentence pairs for a binary head (half of them swapped or replaced), and the "
+         "model has none (add_binary_head=False): set --data.binary_head null"], []),
     # a mistyped option: argparse's error and a close match, not ~100 lines of usage
     "abbreviated_option": ([*FIT, "--trainer.max_step", "50"], 2,
                            ["unrecognized arguments: --trainer.max_step 50", "did you mean --trainer.max_steps or",

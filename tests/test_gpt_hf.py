@@ -270,7 +270,7 @@ def test_llama_3_1_rope_scaling_is_read_computed_and_written_as_transformers_doe
     assert {k: loaded.config.rope_parameters[k] for k in LLAMA3_ROPE} == LLAMA3_ROPE
     with torch.no_grad():
         assert float((loaded(input_ids=tokens).logits - theirs).abs().max()) <= 1e-5
-    with pytest.raises(ValueError, match="rope_scaling=True scales rope's frequencies, and position_embedding_type="):
+    with pytest.raises(ValueError, match="rope_scaling=True would not be used: position_embedding_type="):
         GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, rope_scaling=True)
     for key, value in (("low_freq_factor", 2.0), ("high_freq_factor", 8.0), ("original_max_position_embeddings", 4096)):
         other = transformers.LlamaConfig(**{**LLAMA_KW, **shape, "rope_parameters": {**LLAMA3_ROPE, key: value}})

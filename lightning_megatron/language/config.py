@@ -23,13 +23,17 @@ import torch
 
 from lightning_megatron.transformer.config import TransformerConfig, dtype_name
 
-__all__ = ["LanguageModelConfig", "LAYOUT_FIELDS"]
+__all__ = ["LanguageModelConfig", "LAYOUT_FIELDS", "ROPE_FIELDS"]
 
 LAYOUT_FIELDS = {"tensor_model_parallel_size": "tensor_model_parallel_size", "sequence_parallel": "sequence_parallel",
                  "expert_model_parallel_size": "expert_model_parallel_size"}
 """The record's fields the strategy sets -> the MegatronStrategy argument a user sets instead."""
 
 _Config = TypeVar("_Config", bound="LanguageModelConfig")
+
+ROPE_FIELDS = ("rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor")
+"""The rotary embedding's fields: a model without it refuses them set (a rotary_base given to learned positions
+trained without a word)."""
 
 
 @dataclass(kw_only=True)
@@ -84,6 +88,30 @@ class LanguageModelConfig(TransformerConfig):
             super().__post_init__()
         finally:
             self.tensor_model_parallel_size, self.sequence_parallel, self.expert_model_parallel_size = layout
+
+    def _refuse_unused(self, names: tuple[str, ...], why: str) -> None:
+        """Refuse the fields of ``names`` set to other than their defaults, which this model would not read
+        (``why``: what the model has instead, and the way on)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unused = [f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) != defaults[n]]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} would not be used: {why}")
+
+    def _check_experts(self, moe_spec: str | None) -> None:
+        """A mixture-of-experts spec needs ``num_moe_experts``, and ``num_moe_experts`` needs such a spec (a dense
+        spec would silently ignore it); ``moe_spec``: the family's built-in spec with experts, if it has one. The
+        family's specs are registered before."""
+        from lightning_megatron.transformer import get_spec
+        from lightning_megatron.transformer.moe import MoELayer
+
+        mlp = getattr(get_spec(self.spec).submodules, "mlp", None)
+        has_experts = getattr(mlp, "module", None) is MoELayer
+        if has_experts and not self.num_moe_experts:
+            raise ValueError(f"spec={self.spec!r} has a mixture of experts: set num_moe_experts (e.g. 8)")
+        if self.num_moe_experts and not has_experts:
+            use = f"spec: {moe_spec} (or a spec" if moe_spec else "a spec of your own (register_spec)"
+            raise ValueError(f"num_moe_experts={self.num_moe_experts} but spec={self.spec!r} has a dense MLP; use "
+                             f"{use} whose MLP slot is transformer.moe.MoELayer{')' if moe_spec else ''}")
 
     @classmethod
     def coerce(cls: type[_Config], value: _Config | Mapping[str, Any] | None) -> _Config:

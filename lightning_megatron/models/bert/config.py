@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_megatron.language.config import LanguageModelConfig
+from lightning_megatron.language.config import ROPE_FIELDS, LanguageModelConfig
 from lightning_megatron.transformer.config import ACTIVATIONS
 
 __all__ = ["BertConfig"]
@@ -40,6 +40,11 @@ class BertConfig(LanguageModelConfig):
                              f"is Hugging Face BERT's, LayerNorm after each residual branch, and would ignore it; use "
                              f"bert_layer_local_spec (pre-norm, its norm the config's normalization) or "
                              f"bert_layer_rmsnorm_spec")
+        import lightning_megatron.models.bert.specs  # noqa: F401  (the built-in specs registered)
+
+        self._check_experts(None)
+        self._refuse_unused(ROPE_FIELDS, "BERT's positions are learned (max_sequence_length rows), it has no rotary "
+                                         "embedding: drop them")
         if self.num_tokentypes < 0:
             raise ValueError(f"num_tokentypes={self.num_tokentypes} must be 0 (no token types) or more")
         if self.lm_head_activation is not None and self.lm_head_activation not in ACTIVATIONS:

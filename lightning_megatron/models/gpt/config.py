@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_megatron.language.config import LanguageModelConfig
+from lightning_megatron.language.config import ROPE_FIELDS, LanguageModelConfig
 from lightning_megatron.models.gpt.model import POSITION_EMBEDDING_TYPES
 
 __all__ = ["GPTConfig", "SPEC_NORMALIZATION"]
@@ -36,8 +36,9 @@ class GPTConfig(LanguageModelConfig):
     """The output layer has its own weight (Llama) instead of the word embedding's (GPT-2)."""
 
     def __post_init__(self) -> None:
+        import lightning_megatron.models.gpt.specs  # noqa: F401  (the built-in specs registered)
+
         if self.spec not in SPEC_NORMALIZATION:
-            import lightning_megatron.models.gpt.specs  # noqa: F401  (a user's spec registered by name)
             from lightning_megatron.transformer import get_spec
 
             get_spec(self.spec)  # ValueError listing the registered names
@@ -46,27 +47,11 @@ class GPTConfig(LanguageModelConfig):
                              f"{SPEC_NORMALIZATION[self.spec]}: drop normalization, or use the other spec")
         if self.normalization is None:
             self.normalization = SPEC_NORMALIZATION.get(self.spec, "LayerNorm")
-        self._check_experts()
+        self._check_experts("llama_moe_layer_spec")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type={self.position_embedding_type!r} must be one of "
                              f"{POSITION_EMBEDDING_TYPES}")
-        if self.rope_scaling and self.position_embedding_type != "rope":
-            raise ValueError(f"rope_scaling=True scales rope's frequencies, and position_embedding_type="
-                             f"{self.position_embedding_type!r} has none: set position_embedding_type: rope, or drop "
-                             f"rope_scaling")
+        if self.position_embedding_type != "rope":
+            self._refuse_unused(ROPE_FIELDS, f"position_embedding_type={self.position_embedding_type!r} has no "
+                                             f"rotary embedding: set position_embedding_type: rope, or drop them")
         super().__post_init__()
-
-    def _check_experts(self) -> None:
-        """A mixture-of-experts spec needs ``num_moe_experts``, and ``num_moe_experts`` needs such a spec
-        (a dense spec would silently ignore it)."""
-        import lightning_megatron.models.gpt.specs  # noqa: F401  (the built-in specs registered)
-        from lightning_megatron.transformer import get_spec
-        from lightning_megatron.transformer.moe import MoELayer
-
-        mlp = getattr(get_spec(self.spec).submodules, "mlp", None)
-        has_experts = getattr(mlp, "module", None) is MoELayer
-        if has_experts and not self.num_moe_experts:
-            raise ValueError(f"spec={self.spec!r} has a mixture of experts: set num_moe_experts (e.g. 8)")
-        if self.num_moe_experts and not has_experts:
-            raise ValueError(f"num_moe_experts={self.num_moe_experts} but spec={self.spec!r} has a dense MLP; use "
-                             f"spec: llama_moe_layer_spec (or a spec whose MLP slot is transformer.moe.MoELayer)")
