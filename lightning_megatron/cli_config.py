@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning_megatron.unused_settings import say_unused_settings
+
 __all__ = ["prepare_config"]
 
 
@@ -29,8 +31,7 @@ def prepare_config(config: Any, argv: list[str], model_class: type | None = None
     rewrote that the configuration the run saves holds as given, ``(section, key, value as given)``: the values derived
     from the run folder (:func:`_one_run_folder`), so that it runs again elsewhere (``--trainer.default_root_dir``),
     and the callbacks' sections and list, so that ``--lr_schedule.max_lr ...`` applies to it as to a recipe."""
-    _weight_decay_the_schedule_sets(config)
-    _lr_the_schedule_sets(config, argv)
+    say_unused_settings(config, argv)
     trainer = config.get("trainer") if hasattr(config, "get") else None
     # the callbacks' sections and the display callbacks are saved as given: a run of the saved file (with
     # --lr_schedule.max_lr ...) derives them again, once
@@ -115,50 +116,6 @@ def _wandb_mode(config) -> None:
                        f"offline to {os.path.join(folder, 'wandb')}; upload it later with `wandb sync "
                        f"{os.path.join(folder, 'wandb', 'offline-run-*')}`, or set WANDB_MODE=offline to say so "
                        f"and silence this", category=UserWarning)
-
-
-def _schedule_and_model(config) -> tuple[Any, Any]:
-    """(the ``lr_schedule`` section's arguments, the model's) of a parsed config; ``(None, None)`` without both."""
-    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
-    model = config.get("model") if hasattr(config, "get") else None
-    if not schedule or model is None or not hasattr(model, "get"):
-        return None, None
-    model = model.get("init_args") if model.get("class_path") else model
-    return schedule.get("init_args") or schedule, model if hasattr(model, "get") else None
-
-
-def _weight_decay_the_schedule_sets(config) -> None:
-    """With an ``lr_schedule`` section, the schedule sets every parameter group's weight decay each step (from
-    ``start_wd`` to ``end_wd``): a ``model.weight_decay`` that is neither is not used, which is said, with the flags
-    that set the decay (a LoRA recipe's ``weight_decay: 0.0`` under the pretraining schedule's 0.1 decayed the
-    adapters at 0.1, unsaid)."""
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    args, model = _schedule_and_model(config)
-    if args is None or model is None:
-        return
-    decay, start, end = model.get("weight_decay"), args.get("start_wd"), args.get("end_wd")
-    if isinstance(decay, (int, float)) and start is not None and decay not in (start, end):
-        rank_zero_warn(f"model.weight_decay={decay} is not used: the lr_schedule section sets the weight decay every "
-                       f"step (start_wd={start}, end_wd={end}); to train with {decay}: --lr_schedule.start_wd {decay} "
-                       f"--lr_schedule.end_wd {decay}")
-
-
-def _lr_the_schedule_sets(config, argv: list[str]) -> None:
-    """Under an ``lr_schedule`` (it sets the lr every step) a ``--model.lr`` typed other than ``max_lr`` is unused:
-    said (Megatron-LM's ``--lr`` is ``--lr_schedule.max_lr``; the recipes' own ``lr`` is a placeholder)."""
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    args, model = _schedule_and_model(config)
-    typed = any(a in ("--model.lr", "--model.init_args.lr") or a.startswith(("--model.lr=", "--model.init_args.lr="))
-                for a in argv)
-    if not typed or args is None or model is None:
-        return
-    lr, peak = model.get("lr"), args.get("max_lr")
-    if isinstance(lr, (int, float)) and peak is not None and lr != peak:
-        rank_zero_warn(f"model.lr={lr} is not used: the lr_schedule section sets the lr every step (init_lr="
-                       f"{args.get('init_lr')} -> max_lr={peak} -> min_lr={args.get('min_lr')}); to peak at {lr}: "
-                       f"--lr_schedule.max_lr {lr}")
 
 
 def _named_callbacks_into_trainer(config) -> None:

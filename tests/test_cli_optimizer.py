@@ -87,3 +87,37 @@ def test_optimizer_and_lr_scheduler_from_the_command_line(tmp_path):
     # The recipe's 30 warm-up steps reach the callback as written; it shortens them at set-up for a
     # 10-step run (the one rule for every way in: tests/test_optimizer_scheduler.py).
     assert overridden["schedule"]["max_lr"] == 0.5 and overridden["schedule"]["lr_warmup_steps"] == 30
+
+
+def _said(*args: str, recipe: str) -> list[str]:
+    """What the command says (its warnings) building ``recipe`` with ``args``, nothing run."""
+    import warnings
+
+    from lightning_megatron.cli_lightning import lightning_cli
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lightning_cli(run=False, args=["--config", recipe, "--trainer.logger", "false", *args])
+    return [str(w.message) for w in caught if "not used" in str(w.message) or "seed_everything" in str(w.message)]
+
+
+def test_the_models_optimizer_arguments_and_a_typed_seed_everything_are_said_when_unused():
+    """``--optimizer torch.optim.AdamW`` builds with torch's betas (0.9, 0.999): a decoder recipe's adam_beta2 0.95
+    gave way, unsaid; ``--seed_everything 7`` changed none of the run's numbers (weights, dropout and samples follow
+    seeds of their own): a replicate run was the same run. Both are said, with the flags that do what was meant."""
+    gpt = str(ROOT / "recipes" / "gpt_tiny.yaml")
+    assert _said("--optimizer", "torch.optim.AdamW", recipe=gpt) == [
+        "model.adam_beta1=0.9, model.adam_beta2=0.95 not used: --optimizer torch.optim.AdamW builds with its own "
+        "betas=(0.9, 0.999); to train with the model's: --optimizer.betas [0.9,0.95]"]
+    assert _said("--optimizer", "torch.optim.AdamW", "--optimizer.betas", "[0.9,0.95]", recipe=gpt) == []
+    assert _said("--optimizer", "torch.optim.SGD", recipe=gpt) == [  # the model's SGD: Megatron-LM's momentum 0.9
+        "model.sgd_momentum=0.9 not used: --optimizer torch.optim.SGD builds with its own momentum=0.0; to train with "
+        "the model's: --optimizer.momentum 0.9"]
+    assert _said("--optimizer", "torch.optim.SGD", "--optimizer.momentum", "0", recipe=gpt) == []  # typed: meant
+    assert _said("--seed_everything", "7", recipe=gpt) == [
+        "seed_everything=7 does not change this run's numbers: the weights follow the model's init_seed, dropout the "
+        "strategy's seed, the samples the data's seed; for another replicate set them: --model.init_args.init_seed 7 "
+        "--trainer.strategy.init_args.seed 7 --data.init_args.seed 7"]
+    assert _said("--seed_everything", "7", recipe=RECIPE)[0].endswith(
+        "--model.init_seed 7 --trainer.strategy.init_args.seed 7 --data.seed 7")
+    assert _said(recipe=RECIPE) == []  # the recipe's own seed_everything is not typed
