@@ -481,6 +481,18 @@ def saved_extra(filepath: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     return extra, info
 
 
+def _same_checkpoint_everywhere(path: Path) -> None:
+    """Collective: every rank loads the same run's same step. Each rank resolves ``--ckpt_path last`` from its own
+    listing of the folder; a node whose network file system still showed an older one would load another step than
+    the others, without a word. Raises :class:`CheckpointError` on every rank, naming what each rank was given."""
+    seen = _gather((str(path), *checkpoint_identity(path)))
+    if len({(run, step) for _, run, step in seen}) > 1:
+        given = "; ".join(f"rank {r}: {p} (run {run}, step {step})" for r, (p, run, step) in enumerate(seen))
+        raise CheckpointError(f"the ranks were given different checkpoints to load: {given}. A node that saw an older "
+                              f"listing of the folder (a network file system's cache) resolved --ckpt_path last "
+                              f"otherwise: pass the checkpoint's own path, the same on every node")
+
+
 def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[str, Any] | None,
          layout: dict[str, int | None], load_optimizer: bool,
          hparam_defaults: dict[str, Any] | None = None,
@@ -494,6 +506,7 @@ def load(mapper: ShardedStateMapper, filepath: str | os.PathLike, hparams: dict[
     ``max_sequence_length``), allowed to differ where both models have them free."""
     rank, _ = _rank_world()
     path = Path(filepath)
+    _same_checkpoint_everywhere(path)
     info = verify_checkpoint(path, collective=True)
     error = None
     try:

@@ -224,6 +224,12 @@ def _worker(root: str) -> dict:
     trainer, dm = _trainer(1, 6, pp=2, callbacks=[resumed])
     trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm, ckpt_path=root_p / "pp2" / "step=3.ckpt")
     out["pp2_straight"], out["pp2_resumed"] = straight.losses, resumed.losses
+    # the ranks given different checkpoints (a node whose stale listing resolved `last` to an older save): rank 0
+    # would train steps 4-6 while rank 1, at step 6, had ended (a hang), or each stage at another step
+    trainer, dm = _trainer(1, 6, pp=2)
+    mine = root_p / "pp2" / ("step=3.ckpt" if rank == 0 else "step=6.ckpt")
+    out["different_checkpoints"] = error_of(lambda: trainer.fit(BertLightningModule(**TINY_MODEL), datamodule=dm,
+                                                                ckpt_path=mine))
 
     # --- a NaN gradient at step 2 on TP rank 1 only: every rank stops before the step with an error
     # naming the step (and, where it is, the parameter); no checkpoint is written from that state,
@@ -331,6 +337,13 @@ def _worker(root: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("trust")), timeout=600)
+
+
+def test_ranks_given_different_checkpoints_are_refused_on_every_rank(results):
+    for r in results:
+        said = r["different_checkpoints"]
+        assert "the ranks were given different checkpoints to load: rank 0: " in said, said
+        assert "step=3.ckpt (run " in said and ", step 3); rank 1: " in said and "step=6.ckpt (run " in said, said
 
 
 def test_saving_is_atomic_warning_free_and_found_as_last(results):
