@@ -48,28 +48,36 @@ def file_lock(path: str | os.PathLike[str], timeout_s: float = 1800.0) -> Iterat
     """Hold an exclusive ``flock`` on ``path`` (created if needed): processes of one node building
     the same cached artefact take turns, and the later ones find it built. Waits at most ``timeout_s``
     (the strategy's default collective timeout), then raises ``TimeoutError`` naming the lock: a holder
-    that is stopped or hung never blocks a rank for ever."""
+    that is stopped or hung never blocks a rank for ever. On a file system without ``flock`` (Lustre mounted
+    ``noflock``, NFS without its lock daemon: ENOSYS, ENOLCK) it goes on unlocked, as the builds may: each cached
+    file is named by its content's key and published by an atomic rename (two builders write the same bytes)."""
     import fcntl
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    locked = False
     try:
         deadline, pause = time.monotonic() + timeout_s, 0.05
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"waited {timeout_s:.0f} s for the lock {str(path)!r}: another process building the same "
                         f"cached file holds it (a build still running, or a stopped job sharing the cache folder; "
-                        f"`fuser {path}` names it). The lock is released when its holder ends") from None
+                        f"`fuser {path}` names it on this host; a lock taken on another host of a network file "
+                        f"system is released when its holder ends)") from None
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
+            except OSError:  # no locks on this file system (ENOSYS, ENOLCK, EOPNOTSUPP): build unlocked
+                break
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
