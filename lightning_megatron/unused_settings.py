@@ -18,6 +18,7 @@ def say_unused_settings(config: Any, argv: list[str]) -> None:
     _lr_the_schedule_sets(config, argv)
     _optimizer_arguments_of_the_model(config, argv)
     _seed_everything_typed(config, argv)
+    _schedule_fields_of_other_styles(config)
 
 
 def _section(config: Any, key: str) -> tuple[Any, str]:
@@ -143,3 +144,22 @@ def _seed_everything_typed(config: Any, argv: list[str]) -> None:
     rank_zero_warn(f"seed_everything={value} does not change this run's numbers: the weights follow the model's "
                    f"init_seed, dropout the strategy's seed, the samples the data's seed; for another replicate set "
                    f"them: {' '.join(seeds)}", category=UserWarning)
+
+
+def _schedule_fields_of_other_styles(config: Any) -> None:
+    """The ``lr_schedule`` fields of a style the schedule does not run: WSD's (``wsd_decay_steps``,
+    ``lr_wsd_decay_style``) under another ``lr_decay_style``, ``wd_incr_steps`` under a constant weight decay."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    schedule = config.get("lr_schedule") if hasattr(config, "get") else None
+    args = (schedule.get("init_args") or schedule) if hasattr(schedule, "get") else None
+    if not hasattr(args, "get"):
+        return
+    unused = []
+    if args.get("lr_decay_style") != "WSD":
+        unused += [(n, f"lr_decay_style={args.get('lr_decay_style')!r} (WSD's)")
+                   for n in ("wsd_decay_steps", "lr_wsd_decay_style") if args.get(n) is not None]
+    if args.get("wd_incr_style") == "constant" and args.get("wd_incr_steps") is not None:
+        unused.append(("wd_incr_steps", "wd_incr_style='constant' (the weight decay start_wd throughout)"))
+    for name, why in unused:
+        rank_zero_warn(f"lr_schedule.{name}={args.get(name)!r} is not used under {why}", category=UserWarning)

@@ -121,3 +121,7 @@ def test_the_models_optimizer_arguments_and_a_typed_seed_everything_are_said_whe
     assert _said("--seed_everything", "7", recipe=RECIPE)[0].endswith(
         "--model.init_seed 7 --trainer.strategy.init_args.seed 7 --data.seed 7")
     assert _said(recipe=RECIPE) == []  # the recipe's own seed_everything is not typed
+    # the schedule's fields of a style it does not run (the recipe's: cosine decay, constant weight decay)
+    assert _said("--lr_schedule.wsd_decay_steps", "2", "--lr_schedule.wd_incr_steps", "1", recipe=RECIPE) == [
+        "lr_schedule.wsd_decay_steps=2 is not used under lr_decay_style='cosine' (WSD's)",
+        "lr_schedule.wd_incr_steps=1 is not used under wd_incr_style='constant' (the weight decay start_wd throughout)"]

@@ -524,6 +524,11 @@ CASES = {
          "--trainer.strategy.init_args.timeout", "0"], None,
         ["rotary_base=500000.0, rotary_percent=0.5 would not be used: position_embedding_type='learned_absolute' has "
          "no rotary embedding: set position_embedding_type: rope, or drop them"], []),
+    "expert_settings_on_a_dense_decoder": (
+        [*FIT, "--model.init_args.config.moe_router_topk", "1", "--model.init_args.config.moe_aux_loss_coeff", "0.5",
+         "--trainer.strategy.init_args.timeout", "0"], None,
+        ["moe_router_topk=1, moe_aux_loss_coeff=0.5 would not be used: num_moe_experts is not set, so the model has "
+         "no experts"], []),
     "bert_binary_head_without_pairs": (  # the head trained on a constant label 0
         ["fit", "--config", str(ROOT / "recipes" / "bert_tiny.yaml"), "--data.binary_head", "null",
          "--trainer.strategy.init_args.timeout", "0"], None,

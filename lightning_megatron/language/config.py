@@ -99,8 +99,8 @@ class LanguageModelConfig(TransformerConfig):
 
     def _check_experts(self, moe_spec: str | None) -> None:
         """A mixture-of-experts spec needs ``num_moe_experts``, and ``num_moe_experts`` needs such a spec (a dense
-        spec would silently ignore it); ``moe_spec``: the family's built-in spec with experts, if it has one. The
-        family's specs are registered before."""
+        spec would silently ignore it), as do the ``moe_*`` fields; ``moe_spec``: the family's built-in spec with
+        experts, if it has one. The family's specs are registered before."""
         from lightning_megatron.transformer import get_spec
         from lightning_megatron.transformer.moe import MoELayer
 
@@ -108,6 +108,10 @@ class LanguageModelConfig(TransformerConfig):
         has_experts = getattr(mlp, "module", None) is MoELayer
         if has_experts and not self.num_moe_experts:
             raise ValueError(f"spec={self.spec!r} has a mixture of experts: set num_moe_experts (e.g. 8)")
+        if not self.num_moe_experts:
+            self._refuse_unused(tuple(f.name for f in dataclasses.fields(self) if f.name.startswith("moe_")),
+                                "num_moe_experts is not set, so the model has no experts: set it (with a spec whose "
+                                "MLP is transformer.moe.MoELayer), or drop them")
         if self.num_moe_experts and not has_experts:
             use = f"spec: {moe_spec} (or a spec" if moe_spec else "a spec of your own (register_spec)"
             raise ValueError(f"num_moe_experts={self.num_moe_experts} but spec={self.spec!r} has a dense MLP; use "
