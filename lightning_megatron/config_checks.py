@@ -300,7 +300,8 @@ def check_config(model_hparams: Mapping[str, Any] | None = None, data_hparams: M
         problems += resume_problems(str(ckpt_path), dict(model_hparams or {}), model_class, optimizer_class, sch,
                                      _int(t.get("max_steps")), data=d, data_class=data_class)
 
-    problems += [p for p in [binary_head_problem(data_arguments(data_class, d), m, model_class)] if p]
+    if fitting:  # what the samples are trained on (evaluation reads the split, predict its texts)
+        problems += [p for p in [binary_head_problem(data_arguments(data_class, d), m, model_class)] if p]
     prob = d.get("masked_lm_prob")
     if isinstance(prob, (int, float)) and not 0.0 < prob < 1.0:
         problems.append(f"data masked_lm_prob={prob} must be in (0, 1) (BERT masks 0.15 of the tokens)")

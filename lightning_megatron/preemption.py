@@ -108,6 +108,7 @@ class PreemptionHandler:
         self._launcher = launcher
         self._announce = announce
         self.requeue_signal = None if requeue_signal is None else int(requeue_signal)
+        self.requeue = False
         self._pid = os.getpid()
         self.received = 0
         self.exiting = False
@@ -156,7 +157,9 @@ class PreemptionHandler:
             flag = torch.tensor([self.received, int(self.requeue)], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             received, requeue = flag.tolist()
-            self.received, self.requeue = int(received), bool(requeue)
+            # the agreed decision; a signal handled while the collective ran (its flag set since) stays for the next
+            self.received, self.requeue = max(self.received, int(received)), self.requeue or bool(requeue)
+            return received != 0
         return self.received != 0
 
     def leave(self, launcher: Any = None, wait_s: float = 120.0) -> None:

@@ -623,7 +623,11 @@ class MegatronStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         if self.overlap_param_gather and self._grad_buffer is not None:
             self._grad_buffer.add_param_gather_hooks(self.model_chunks)
-        # SIGTERM, Ctrl-C and SLURM's requeue signal: see lightning_megatron.preemption
+        self._install_stop_signals()
+
+    def _install_stop_signals(self) -> None:
+        """SIGTERM, Ctrl-C and SLURM's requeue signal: see lightning_megatron.preemption (once a fit, from its
+        sanity check on: Lightning's own handlers, registered before it, would save inside the signal handler)."""
         self._preemption.install(self.launcher, announce=self.global_rank == 0,
                                  requeue_signal=requeue_signal(self.cluster_environment))
 
@@ -631,6 +635,8 @@ class MegatronStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         # The forward pre-hooks would wait bucket by bucket; a module's own hooks may read params first.
         self.finish_param_gather()
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._install_stop_signals()
         super().on_validation_start()
 
     @override

@@ -861,3 +861,22 @@ def test_a_second_fit_into_a_run_folder_in_use_is_refused_before_launch(inputs, 
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert "strategy timeout=0" in str(exited.value.code)  # the lock is taken once the checks pass: refused there
+
+
+def test_sentence_pairs_are_the_training_samples_concern_only():
+    """The pairs and the head must agree for what is trained; a BERT without a binary head (Megatron-LM's
+    --bert-no-binary-head, imported) predicts and validates under the data section's default binary_head."""
+    from lightning_megatron.config_checks import check_config
+    from lightning_megatron.datamodules.pretraining import BertDataModule
+    from lightning_megatron.models.bert.module import BertLightningModule
+
+    model = {"config": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "add_binary_head": False,
+                        "num_tokentypes": 0}}
+    for fitting, predicting in ((True, False), (False, True), (False, False)):
+        problems = check_config(model, {"predict_file": "texts.txt"} if predicting else {}, data_class=BertDataModule,
+                                model_class=BertLightningModule, predicting=predicting, running=False,
+                                fitting=fitting)
+        assert [p for p in problems if "binary_head" in p] == ([
+            "data binary_head='sop' builds sentence pairs for a binary head (half of them swapped or replaced), and "
+            "the model has none (add_binary_head=False): set --data.binary_head null, or --model.config.add_binary_head "
+            "true"] if fitting else []), (fitting, predicting, problems)

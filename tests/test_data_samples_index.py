@@ -225,6 +225,7 @@ def test_a_file_system_without_locks_builds_unlocked(tmp_path, monkeypatch):
     unlocked (the cached files are named by their content and published by an atomic rename)."""
     import errno
     import fcntl
+    import warnings
 
     from lightning_megatron.data.tokenizer import file_lock
 
@@ -232,7 +233,22 @@ def test_a_file_system_without_locks_builds_unlocked(tmp_path, monkeypatch):
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr("lightning_megatron.data.tokenizer._said_unlocked", [])
     ran = []
-    with file_lock(tmp_path / "cache.lock", timeout_s=0.3):
-        ran.append(True)
-    assert ran == [True]
+    with pytest.warns(UserWarning, match="this file system takes no locks .No locks available.: cached files are "
+                                         "built without one"):
+        with file_lock(tmp_path / "cache.lock", timeout_s=0.3):
+            ran.append(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once a process
+        with file_lock(tmp_path / "cache.lock", timeout_s=0.3):
+            ran.append(True)
+    assert ran == [True, True]
+
+    def failing(fd, operation):  # another error is not a file system without locks
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(fcntl, "flock", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        with file_lock(tmp_path / "cache.lock", timeout_s=0.3):
+            pass

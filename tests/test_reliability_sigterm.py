@@ -221,3 +221,22 @@ def test_slurms_requeue_signal_stops_every_rank_saves_last_and_requeues(tmp_path
     assert (tmp_path / "scontrol.txt").read_text() == f"requeue {job}\n"
     assert "SIGUSR1 at step 3: saved" in out and f"requeued SLURM job {job}" in out, out[-3000:]
     assert not list(tmp_path.rglob("hpc_ckpt*")), out[-3000:]
+
+
+def test_a_signal_handled_during_the_agreement_stops_the_next_step(monkeypatch):
+    """A signal whose handler ran while the ranks' all-reduce of the flags was in flight (on a GPU, while the host
+    waited for the device) was overwritten by the reduced value: SLURM's requeue signal, sent once, was lost."""
+    import torch.distributed as dist
+
+    handler = PreemptionHandler()
+    handler.requeue_signal, handler._pid = int(signal.SIGUSR1), os.getpid()  # as install() sets them
+
+    def all_reduce(flag, op=None):  # the others had no signal; this rank's handler runs meanwhile
+        handler._handle(signal.SIGUSR1, None)
+
+    with monkeypatch.context() as m:  # undone before the fixtures' teardown looks for a process group
+        m.setattr(dist, "is_initialized", lambda: True)
+        m.setattr(dist, "get_world_size", lambda group=None: 2)
+        m.setattr(dist, "all_reduce", all_reduce)
+        assert not handler.should_stop(torch.device("cpu"))  # the agreed decision of this step: go on
+    assert handler.received == signal.SIGUSR1 and handler.requeue  # kept for the next agreement

@@ -12,10 +12,12 @@ this package as data (``data/vocab/bert-base-uncased-vocab.txt``, :func:`package
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,10 @@ def default_cache_dir() -> Path:
     """``$LIGHTNING_MEGATRON_CACHE`` if set, else ``~/.cache/lightning_megatron``."""
     env = os.environ.get("LIGHTNING_MEGATRON_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "lightning_megatron"
+
+
+_said_unlocked: list[bool] = []
+"""Whether :func:`file_lock` said that this file system takes no locks (once a process)."""
 
 
 @contextlib.contextmanager
@@ -72,7 +78,14 @@ def file_lock(path: str | os.PathLike[str], timeout_s: float = 1800.0) -> Iterat
                         f"system is released when its holder ends)") from None
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
-            except OSError:  # no locks on this file system (ENOSYS, ENOLCK, EOPNOTSUPP): build unlocked
+            except OSError as e:  # no locks on this file system: build unlocked, said once
+                if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                if not _said_unlocked:
+                    _said_unlocked.append(True)
+                    warnings.warn(f"{str(path)!r}: this file system takes no locks ({e.strerror}): cached files are "
+                                  f"built without one (two processes may build the same file; neither reads a "
+                                  f"partial one)", stacklevel=3)
                 break
         yield
     finally:
