@@ -17,7 +17,7 @@ import sys
 import uuid
 from pathlib import Path
 
-__all__ = ["finalize_directory", "fsync_dir", "fsync_tree", "remove_path", "unique_tag"]
+__all__ = ["finalize_directory", "fsync_dir", "fsync_tree", "publish_once", "remove_path", "unique_tag"]
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -93,6 +93,30 @@ def finalize_directory(tmp: Path, final: Path) -> None:
     else:
         os.replace(tmp, final)
         fsync_dir(final.parent)
+
+
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV)
+"""``link`` errors of a file system without hard links (some FUSE and object-store mounts): publish by rename."""
+
+
+def publish_once(tmp: Path, final: Path) -> None:
+    """Put the complete file ``tmp`` at ``final`` unless a file is already there, and remove ``tmp``.
+
+    For a cached file named by its content's key: a second builder (another node whose lock did not see the
+    first's) holds the same bytes, and its copy is dropped. The file in place is never replaced, so a process that
+    has it open or memory-mapped keeps reading it (a network file system's client reads a replaced file's pages
+    as ``ESTALE``). ``os.link`` fails when the name is taken; a file system without hard links renames instead.
+    """
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        pass  # published by another builder: keep theirs
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+        os.replace(tmp, final)
+        return
+    os.unlink(tmp)
 
 
 def unique_tag() -> str:

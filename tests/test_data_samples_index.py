@@ -252,3 +252,35 @@ def test_a_file_system_without_locks_builds_unlocked(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Input/output error"):
         with file_lock(tmp_path / "cache.lock", timeout_s=0.3):
             pass
+
+
+def test_a_second_builder_never_replaces_a_published_cache_file(tmp_path, monkeypatch):
+    """Two builders of one cache file (nodes whose locks do not see each other's: NFS with node-local locks, a
+    file system without locks) each renamed their copy into place; the second rename replaced the file the first
+    node had memory-mapped, whose pages an NFS client then reads as ESTALE. The first copy published stays: the
+    second builder's identical bytes are dropped, and neither leaves a temporary file."""
+    import errno
+
+    from lightning_megatron.data.samples_index import NpyStreamWriter
+
+    path = tmp_path / "index.npy"
+    rows = np.arange(12, dtype=np.int64).reshape(4, 3)
+    with NpyStreamWriter(path, np.int64) as first:
+        first.write(rows)
+    inode = path.stat().st_ino
+    mapped = np.load(path, mmap_mode="r", allow_pickle=False)
+    with NpyStreamWriter(path, np.int64) as second:
+        second.write(rows)
+    assert path.stat().st_ino == inode  # still the file the first reader mapped
+    assert np.array_equal(mapped, rows) and np.array_equal(np.load(path, allow_pickle=False), rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.npy"]
+
+    def no_links(src, dst):  # a file system without hard links (some FUSE and object-store mounts) renames
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    fresh = tmp_path / "fresh.npy"
+    with NpyStreamWriter(fresh, np.int64) as writer:
+        writer.write(rows)
+    assert np.array_equal(np.load(fresh, allow_pickle=False), rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.npy", "index.npy"]

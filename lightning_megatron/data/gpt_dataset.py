@@ -23,7 +23,7 @@ of samples is asked for, default 1); the dataset's length is ``num_samples`` (el
 
 :func:`cached_gpt_indices` stores the three as ``<name>.gpt-<key>.{document,sample,shuffle}.npy``
 (:func:`~lightning_megatron.data.samples_index.cached_npy_files`: built once under a file lock,
-streamed chunk by chunk into temporary files renamed into place, memory-mapped by every process),
+streamed chunk by chunk into temporary files published in place, memory-mapped by every process),
 the key a sha256 of the token count of every document, the split's documents, ``seq_length``,
 ``seed``, the number of samples or epochs and the algorithm version.
 """
@@ -211,7 +211,7 @@ def build_gpt_indices(lengths: np.ndarray, documents: Sequence[int] | np.ndarray
 
 def _write_indices(paths: list[Path], lengths: np.ndarray, documents: np.ndarray, *, seq_length: int, seed: int,
                    plan: GPTIndexPlan) -> None:
-    """Stream the three indices into ``paths`` (document, sample, shuffle), each renamed into place when
+    """Stream the three indices into ``paths`` (document, sample, shuffle), each published in place when
     complete; the shuffle index, the one permutation held whole, last."""
     doc_dtype, sample_dtype, shuffle_dtype = _dtypes(lengths, len(documents), plan)
     with NpyStreamWriter(paths[0], doc_dtype) as doc_writer, NpyStreamWriter(paths[1], sample_dtype) as writer:

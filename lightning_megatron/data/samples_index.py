@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_megatron.atomic_files import unique_tag
+from lightning_megatron.atomic_files import publish_once, unique_tag
 
 __all__ = ["NpyStreamWriter", "SAMPLES_INDEX_VERSION", "WALK_ROUNDS", "build_samples_mapping", "cached_npy_files",
            "cached_samples_mapping", "content_key", "samples_mapping_key", "write_npy_stream"]
@@ -290,8 +290,9 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
 
 class NpyStreamWriter:
     """Writes a ``.npy`` at ``path`` chunk by chunk (arrays of equal trailing shape; memory: one chunk)
-    into a temporary file, renamed into place by :meth:`close`; an exception inside the ``with`` block
-    removes it. ``rows`` counts what was written."""
+    into a temporary file, published by :meth:`close` unless another builder published ``path`` first
+    (:func:`~lightning_megatron.atomic_files.publish_once`: a cached file is never replaced under a reader);
+    an exception inside the ``with`` block removes it. ``rows`` counts what was written."""
 
     def __init__(self, path: Path, dtype: np.dtype) -> None:
         self.path, self.dtype = Path(path), np.dtype(dtype)
@@ -311,7 +312,7 @@ class NpyStreamWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        os.replace(self.tmp, self.path)
+        publish_once(self.tmp, self.path)
 
     def __enter__(self) -> NpyStreamWriter:
         return self
@@ -326,7 +327,7 @@ class NpyStreamWriter:
 
 def write_npy_stream(path: Path, chunks: Iterator[np.ndarray], dtype: np.dtype) -> int:
     """Write the concatenation of ``chunks`` (arrays of equal trailing shape) as ``.npy`` at ``path``,
-    one chunk at a time (memory: one chunk), into a temporary file renamed into place; returns the
+    one chunk at a time (memory: one chunk), into a temporary file published in place; returns the
     number of rows."""
     with NpyStreamWriter(path, dtype) as writer:
         for chunk in chunks:
@@ -356,7 +357,7 @@ def cached_samples_mapping(sizes: np.ndarray, doc_idx: np.ndarray, documents: Se
     of ``<cache_dir>/<name>.samples-<key>.npy``.
 
     The first process builds it (holding ``<file>.lock``; the others block on the lock, then find the
-    file), writing one epoch at a time into a temporary file renamed into place. Rows are ``uint32``
+    file), writing one epoch at a time into a temporary file published in place. Rows are ``uint32``
     when every value fits, else ``int64``. ``cache_dir`` not writable: ``fallback_cache_dir`` (the
     default cache) is used instead.
     """

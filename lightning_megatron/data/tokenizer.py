@@ -56,7 +56,7 @@ def file_lock(path: str | os.PathLike[str], timeout_s: float = 1800.0) -> Iterat
     (the strategy's default collective timeout), then raises ``TimeoutError`` naming the lock: a holder
     that is stopped or hung never blocks a rank for ever. On a file system without ``flock`` (Lustre mounted
     ``noflock``, NFS without its lock daemon: ENOSYS, ENOLCK) it goes on unlocked, as the builds may: each cached
-    file is named by its content's key and published by an atomic rename (two builders write the same bytes)."""
+    file is named by its content's key and published once, atomically (two builders write the same bytes)."""
     import fcntl
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
