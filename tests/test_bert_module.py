@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_utils import accelerator, run_distributed
-from megatron_testing import TINY_MODEL, SyntheticBertDataset
+from megatron_testing import SEQ, TINY_MODEL, SyntheticBertDataset
 
 
 def _loss_and_grads(masked_only: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
@@ -123,3 +123,30 @@ def test_a_sequence_longer_than_the_positions_is_refused_by_its_length():
                                          rf"{positions} \(the learned positions\)"):
         chunk(tokens, torch.ones_like(tokens))
     chunk(tokens[:, :positions], torch.ones_like(tokens[:, :positions]))  # as many as it has: fine
+
+
+def test_a_python_fit_refuses_sentence_pairs_the_model_does_not_match(tmp_path):
+    """The CLI refused data and model that disagree on sentence pairs before launch; from Python,
+    ``BertDataModule(binary_head=None)`` with the model's head on trained the pooler and head on a constant label 0,
+    and pairs with no head swapped half the samples' sentences for nothing. A fit refuses both before a step."""
+    import pytest
+    from lightning.pytorch import Trainer
+    from test_custom_module import hermetic
+
+    from lightning_megatron.datamodules.pretraining import BertDataModule
+    from lightning_megatron.models.bert.module import BertLightningModule
+    from lightning_megatron.strategy import MegatronStrategy
+
+    cases = ((None, True, r"data binary_head=None builds samples without sentence pairs .* add_binary_head=True"),
+             ("sop", False, r"data binary_head='sop' builds sentence pairs .* the model has none"))
+    for pairs, head, message in cases:
+        config = {**TINY_MODEL["config"], "vocab_size": None, "add_binary_head": head,
+                  "num_tokentypes": 2 if head else 0}
+        model = BertLightningModule(**{**TINY_MODEL, "config": config})
+        data = BertDataModule(binary_head=pairs, max_seq_length=SEQ, global_batch_size=2, micro_batch_size=2,
+                              num_workers=0)
+        with hermetic(), pytest.raises(ValueError, match=message):
+            Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(), max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, use_distributed_sampler=False,
+                    default_root_dir=tmp_path).fit(model, datamodule=data)

@@ -24,7 +24,8 @@ from typing import Any, Literal
 import torch
 from typing_extensions import override
 
-from lightning_megatron.datamodules.pretraining import NO_PADDING  # set on the host: skip the mask, no sync
+from lightning_megatron.datamodules.pretraining import (  # NO_PADDING: set on the host: skip the mask, no sync
+    NO_PADDING, BertDataModule)
 from lightning_megatron.language.module import LanguageLightningModule
 from lightning_megatron.models.bert.config import BertConfig
 from lightning_megatron.models.bert.interop import ARCHITECTURE_KEYS, MISSING_TENSORS_HINT, BertInterop
@@ -186,6 +187,19 @@ class BertLightningModule(LanguageLightningModule):
                 stats["mlm_accuracy"] = ((preds == target) & masked).sum().float() / num_masked.clamp(min=1).float()
             stats["num_masked_tokens"] = num_masked.float()
         return total, stats
+
+    @override
+    def on_fit_start(self) -> None:
+        """Refuse sentence pairs the model does not match (the CLI's pre-launch rule, for a fit from Python)."""
+        super().on_fit_start()
+        datamodule = self._datamodule()
+        if isinstance(datamodule, BertDataModule):
+            from lightning_megatron.data_checks import binary_head_problem
+
+            problem = binary_head_problem({"binary_head": datamodule.hparams["binary_head"]},
+                                          {"add_binary_head": self.config.add_binary_head}, type(self))
+            if problem:
+                raise ValueError(f"{type(datamodule).__name__} and {type(self).__name__}: {problem}")
 
     @override
     def on_validation_epoch_end(self) -> None:
