@@ -34,7 +34,7 @@ def test_moe_tiny_fits_at_ep2_logs_routing_and_resumes_at_ep1(tmp_path):
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("train_moe/max_load")]
     assert len(rows) == 2, rows
     for row in rows:
-        for layer in (1, 2):
+        for layer in (0, 1):  # numbered as the checkpoint's decoder.layers.{i} and megatron-core's moe/..._layer_{i}
             loads = [float(row[f"train_moe/load/layer_{layer}/expert_{e}"]) for e in range(4)]
             assert abs(sum(loads) - 1.0) < 1e-5 and min(loads) > 0, loads  # every expert got tokens
             assert 0.0 < float(row[f"train_moe/aux_loss/layer_{layer}"]) < 0.1  # ~ coeff 0.01 when balanced

@@ -25,8 +25,9 @@ __all__ = ["moe_metrics"]
 def moe_metrics(chunks: Iterable[nn.Module], parallel_state: ParallelState | None, *, num_layers: int,
                 num_experts: int, num_microbatches: int) -> dict[str, torch.Tensor]:
     """``{"moe/aux_loss/layer_L", "moe/z_loss/layer_L", "moe/load/layer_L/expert_e", "moe/max_load"}``
-    (layers 1-based, load the fraction of the layer's routed tokens) from the layers' ``stats`` of this
-    step (reset here). A collective over the world: every rank calls it."""
+    (layers numbered from 0, as the checkpoint's ``decoder.layers.{i}`` and megatron-core's ``moe/..._layer_{i}``;
+    load the fraction of the layer's routed tokens) from the layers' ``stats`` of this step (reset here). A
+    collective over the world: every rank calls it."""
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
     width = 2 + num_experts
     device = layers[0].stats.device if layers else torch.device("cpu")
@@ -43,9 +44,9 @@ def moe_metrics(chunks: Iterable[nn.Module], parallel_state: ParallelState | Non
     out: dict[str, torch.Tensor] = {}
     loads = table[:, 2:] / table[:, 2:].sum(dim=1, keepdim=True).clamp(min=1e-12)
     for i in range(num_layers):
-        out[f"moe/aux_loss/layer_{i + 1}"] = table[i, 0]
-        out[f"moe/z_loss/layer_{i + 1}"] = table[i, 1]
+        out[f"moe/aux_loss/layer_{i}"] = table[i, 0]
+        out[f"moe/z_loss/layer_{i}"] = table[i, 1]
         for e in range(num_experts):
-            out[f"moe/load/layer_{i + 1}/expert_{e}"] = loads[i, e]
+            out[f"moe/load/layer_{i}/expert_{e}"] = loads[i, e]
     out["moe/max_load"] = loads.max() * num_experts  # 1.0: perfectly balanced
     return out
