@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_megatron.checkpoint import CheckpointError
         from lightning_megatron.datamodules.pretraining import NoEvaluationData
         from lightning_megatron.replica_check import ReplicaGradientError
+        from lightning_megatron.run_lock import RunFolderBusy
         from lightning_megatron.step import NonFiniteLossOrGradError
 
         from lightning_megatron.communicator import peer_lost
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"stopped answering "
                              f"({lost}), {_where(e)}: this rank stops; the cause is in that rank's own output above "
                              f"(an error, a kill, the kernel's out-of-memory killer)") from None
-        if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError, NoEvaluationData, ReplicaGradientError)):
+        if not isinstance(e, (CheckpointError, NonFiniteLossOrGradError, NoEvaluationData, ReplicaGradientError,
+                              RunFolderBusy)):
             raise
         # Every rank raises it (the ranks agree on the decision before raising): rank 0 says it once, in
         # one line (a full disk was ~240 lines and 10 tracebacks), the others exit quietly.

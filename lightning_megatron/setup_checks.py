@@ -224,21 +224,28 @@ def run_settings(*, dims: ParallelDims, micro_batch_size: int | None, seed: int,
     return {k: _canonical(v) for k, v in out.items()}
 
 
-def check_same_settings(settings: dict[str, str], device: torch.device) -> None:
+def check_same_settings(settings: dict[str, str], device: torch.device, *, busy: str | None = None) -> None:
     """Refuse, on every rank, a job whose ranks were started with different :func:`run_settings` (each node runs
-    its own command: one node's edited recipe or flag). Collective over the default group, before the model's
-    groups are made (another layout would wait in their set-up until the timeout): one all-gather of a digest, and
-    the settings themselves only when the digests differ."""
+    its own command: one node's edited recipe or flag), or whose run folder another run holds (``busy``: why, from
+    global rank 0's :func:`~lightning_megatron.run_lock.claim_at_setup`). Collective over the default group, before
+    the model's groups are made (another layout would wait in their set-up until the timeout): one all-gather of a
+    digest and the busy flag, and the settings themselves only when the digests differ."""
     import hashlib
     import json
 
+    from lightning_megatron.run_lock import RunFolderBusy
+
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if busy is not None:
+            raise RunFolderBusy(busy)
         return
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)],
-                        dtype=torch.int64, device=device)
+    mine = torch.tensor([int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+                        + [int(busy is not None)], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)  # on the backend's device
+    if any(int(d[-1]) for d in every):  # said by global rank 0 (the command quiets the others)
+        raise RunFolderBusy(busy or "global rank 0 found the run folder in use by another run")
     if all(torch.equal(d, every[0]) for d in every):
         return
     ranks: list[Any] = [None] * dist.get_world_size()

@@ -66,6 +66,7 @@ from lightning_megatron.protocols import (
     megatron_module,
     optimizer_wrapper,
 )
+from lightning_megatron.run_lock import claim_at_setup
 from lightning_megatron.setup_checks import (
     check_nodes,
     check_precision,
@@ -278,7 +279,8 @@ class MegatronStrategy(DDPStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         check_same_settings(run_settings(dims=self.parallel_dims, micro_batch_size=self.micro_batch_size,
                                          seed=self.seed, trainer=trainer, module=self.lightning_module,
-                                         callbacks=[] if trainer is None else trainer.callbacks), self.root_device)
+                                         callbacks=[] if trainer is None else trainer.callbacks), self.root_device,
+                            busy=claim_at_setup(self.global_rank))  # the run folder's lock, under a launcher
         self.parallel_state = self._groups()
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
         self._node_ranks = check_nodes(self.parallel_state, self.node_rank, self.root_device, self.num_processes)

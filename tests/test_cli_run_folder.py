@@ -391,3 +391,43 @@ def test_a_fit_from_another_folders_checkpoint_that_run_went_past_starts_a_new_w
     logger.init_args = Namespace(name="runE")
     _continue_wandb_run(config, "fit")
     assert logger.init_args.id == "be5f77a9" and logger.init_args.get("group") is None, logger
+
+
+def test_a_fit_started_by_slurm_into_a_run_folder_in_use_is_refused_by_every_rank(tmp_path):
+    """The run folder's lock was taken only where the command starts every rank itself: a job submitted twice (two
+    ``sbatch`` of one script, two torchrun jobs into one folder) trained both runs into one folder, the second's
+    checkpoints replacing the first's (``last`` among them). Started by a launcher (here two SLURM tasks), the
+    process of global rank 0 takes the lock once the ranks are connected, and every rank refuses, before the model
+    is built, when another run holds it."""
+    import fcntl
+    import json as jsonlib
+
+    from dist_utils import start_python
+    from launch_lines import free_port, slurm_job_id
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = os.open(run / ".lightning-megatron.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first job's rank 0 (another open file: it conflicts)
+    os.write(holder, jsonlib.dumps({"pid": 4242, "host": "node-a", "started": "2026-12-07 10:00:00",
+                                    "command": "lightning-megatron fit --config a.yaml"}).encode())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "MASTER_PORT": str(free_port()),
+           "SLURM_JOB_ID": slurm_job_id(), "SLURM_JOB_NAME": "bert", "SLURM_NNODES": "1", "SLURM_NTASKS": "2",
+           "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
+    args = ["-m", "lightning_megatron.cli", "fit", "--config", RECIPE, "--trainer.devices", "2",
+            "--trainer.default_root_dir", str(run), "--trainer.logger", "false", "--trainer.max_steps", "2",
+            "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+            "--trainer.strategy.init_args.timeout", "120", "--model.config.num_layers", "1",
+            "--data.global_batch_size", "8", "--data.micro_batch_size", "4"]
+    try:
+        ranks = [start_python(args, tmp_path, {**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)})
+                 for i in (0, 1)]
+        done = [rank.wait(timeout=300) for rank in ranks]
+    finally:
+        os.close(holder)
+    out = [d.stdout + d.stderr for d in done]
+    assert [d.returncode for d in done] == [1, 1], out
+    assert (f"lightning-megatron: another run is training in {run} now (pid 4242 on node-a, started 2026-12-07 "
+            f"10:00:00: lightning-megatron fit --config a.yaml)") in out[0], out[0][-3000:]
+    assert "another run is training" not in out[1] and "Traceback" not in out[0] + out[1], out[1][-3000:]
+    assert not (run / "checkpoints").exists() and "MegatronStrategy: world 2" not in out[0], out[0][-3000:]
