@@ -85,6 +85,7 @@ class WandbLogger(loggers.WandbLogger):
             raise ValueError(problem)
         super().__init__(*args, **kwargs)
         self._starting: tuple[threading.Thread, dict[str, Any]] | None = None
+        self._service_lost: str | None = None  # why W&B's service stopped answering (then nothing is sent)
         self.history_step = history_step
         self.init_timeout_s = float(init_timeout_s)
         for name in ("init_timeout", "x_service_wait"):  # wandb's own waits, kept when the user sets them
@@ -225,13 +226,46 @@ class WandbLogger(loggers.WandbLogger):
     @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        step = self.history_step if self.history_step is not None else step
-        if step is None or self._wandb_init.get("sync_tensorboard"):
-            super().log_metrics(metrics, step)
+        if self._service_lost is not None:
             return
-        if self._prefix:  # as Lightning's logger names them
-            metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
-        self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
+        step = self.history_step if self.history_step is not None else step
+        try:
+            if step is None or self._wandb_init.get("sync_tensorboard"):
+                super().log_metrics(metrics, step)
+                return
+            if self._prefix:  # as Lightning's logger names them
+                metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
+            self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
+        except ConnectionError as error:
+            self._lose_service(error)
+
+    @override
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        if self._service_lost is not None:
+            return
+        try:
+            super().log_hyperparams(params)
+        except ConnectionError as error:
+            self._lose_service(error)
+
+    def _lose_service(self, error: ConnectionError) -> None:
+        """W&B's service process (``wandb-core``) is gone: the job's stop signal reached it too (SLURM's time limit
+        and ``scancel`` signal every process of the job; Kubernetes ends the pod's processes), or it crashed. Every
+        call to the run then raises ``ConnectionResetError``, and one from ``log_metrics`` ended the training step:
+        the rank died before its stop checkpoint was saved. Said once; the run goes on without W&B (its CSV log and
+        checkpoints do not depend on it), and W&B's library state is released so that its exit hook does not
+        raise again."""
+        import wandb
+
+        self._service_lost = f"{type(error).__name__}: {error}"
+        rank_zero_warn(f"W&B: the W&B service stopped answering ({self._service_lost}): the job's stop signal reached "
+                       f"it too, or it crashed. This run logs no more to W&B and goes on (its CSV log and checkpoints "
+                       f"do not depend on W&B); what W&B wrote until now is in {self.save_dir or 'wandb'}/")
+        try:
+            wandb.teardown()
+        except Exception:  # noqa: BLE001 - the service is gone: its teardown fails the same way
+            pass
 
 
 def _has_segments(init: dict[str, Any]) -> bool:

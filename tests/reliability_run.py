@@ -1,18 +1,28 @@
 """A short real training run for the fault tests and benchmarks/faults.py (not a test module).
 
-    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigint|sigint2|kill0|kill1|raise1|
-        usr1 --fault-step 3] [--ckpt-path last] [--every 2] [--prewarm]
+    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigterm-wandb|sigint|sigint2|
+        kill0|kill1|raise1|usr1 --fault-step 3] [--ckpt-path last] [--every 2] [--prewarm] [--wandb]
 
 Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
 subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
 ``ROOT/progress-<rank>.txt`` after each step (then Lightning's ``_batches_that_stepped``, the step its loggers
-write, and ``total_batch_idx``, which schedules validation: both ``step - 1`` there) and writes the step it starts from to
-``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``; the fault is injected at the end of step ``--fault-step`` by rank 0 (sigterm: SIGTERM
-to rank 0's own process, as a scheduler would; sigint: SIGINT to the job's process group, as Ctrl-C in a
-terminal (start the script in a session of its own); sigint2: two of them 0.5 s apart; kill0: SIGKILL of
-rank 0; kill1 / raise1: rank 1 is SIGKILLed / raises; usr1: SIGUSR1 to every rank, as SLURM's
-``--signal=USR1@90`` signals every task: start each rank as a SLURM task, its ``SLURM_*`` variables set), and its time is written to ``ROOT/fault.txt``. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps. ``--prewarm``: ranks 1.. start before torch is imported and wait for
-Lightning's command (``lightning_megatron.launch.prewarm``), as the ``lightning-megatron`` command starts them.
+write, and ``total_batch_idx``, which schedules validation: both ``step - 1`` there) and writes the step it starts
+from to ``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``.
+
+The fault is injected at the end of step ``--fault-step`` by rank 0, and its time written to ``ROOT/fault.txt``:
+
+- sigterm: SIGTERM to rank 0's own process, as a scheduler would;
+- sigterm-wandb: the same after SIGTERM to W&B's service process, which a signal to every process of the job
+  (SLURM's time limit, ``scancel``) reaches too;
+- sigint: SIGINT to the job's process group, as Ctrl-C in a terminal (start the script in a session of its own);
+  sigint2: two of them 0.5 s apart;
+- kill0: SIGKILL of rank 0; kill1 / raise1: rank 1 is SIGKILLed / raises;
+- usr1: SIGUSR1 to every rank, as SLURM's ``--signal=USR1@90`` signals every task (start each rank as a SLURM task,
+  its ``SLURM_*`` variables set).
+
+Checkpoints: ``ROOT/ckpt`` every ``--every`` steps. ``--wandb``: the recipes' W&B logger, offline, in
+``ROOT/wandb``. ``--prewarm``: ranks 1.. start before torch is imported and wait for Lightning's command
+(``lightning_megatron.launch.prewarm``), as the ``lightning-megatron`` command starts them.
 """
 
 from __future__ import annotations
@@ -32,7 +42,8 @@ def main() -> None:
     parser.add_argument("root")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--fault", choices=["none", "sigterm", "sigint", "sigint2", "kill0", "kill1", "raise1", "usr1"],
+    parser.add_argument("--fault", choices=["none", "sigterm", "sigterm-wandb", "sigint", "sigint2", "kill0", "kill1",
+                                            "raise1", "usr1"],
                         default="none")
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--mid", action="store_true",
@@ -42,6 +53,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800, help="collective timeout (s); 1800 is the default")
     parser.add_argument("--gloo", action="store_true", help="no CPU tuning: torch.distributed (gloo) collectives")
     parser.add_argument("--prewarm", action="store_true", help="start ranks 1.. now, as lightning-megatron does")
+    parser.add_argument("--wandb", action="store_true", help="log to W&B offline (ROOT/wandb), as the recipes do")
     a = parser.parse_args()
     if a.prewarm:
         from lightning_megatron.launch import prewarm
@@ -86,7 +98,14 @@ def main() -> None:
         def inject(rank: int, step: int) -> None:
             if rank == 0:
                 (root / "fault.txt").write_text(f"{a.fault} {step} {time.time():.3f}")
-            if a.fault == "sigterm" and rank == 0:
+            if a.fault == "sigterm-wandb" and rank == 0:  # W&B's service first: it exits before the ranks log again
+                import psutil
+
+                [service] = [p for p in psutil.Process().children(recursive=True)
+                             if "wandb-core" in " ".join(p.cmdline())]
+                service.send_signal(signal.SIGTERM)
+                service.wait(30)
+            if a.fault in ("sigterm", "sigterm-wandb") and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
             elif a.fault in ("sigint", "sigint2") and rank == 0:
                 os.killpg(os.getpgid(0), signal.SIGINT)
@@ -106,9 +125,16 @@ def main() -> None:
     strategy = MegatronStrategy(tensor_model_parallel_size=a.devices, micro_batch_size=4, timeout=a.timeout,
                                 cpu_tuning=not a.gloo)
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=a.every, save_top_k=-1, save_last=True)
-    trainer = Trainer(accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.max_steps, logger=False,
-                      callbacks=[Faults(), checkpoint], enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+    logger = False
+    if a.wandb:
+        from lightning_megatron.loggers import WandbLogger
+
+        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+        logger = WandbLogger(project="reliability", save_dir=str(root))
+    trainer = Trainer(accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.max_steps, logger=logger,
+                      log_every_n_steps=1, callbacks=[Faults(), checkpoint], enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                      use_distributed_sampler=False)
     trainer.fit(BertLightningModule(**TINY_MODEL), train_dataloaders=dataloader(8, 1, 0),
                 ckpt_path=a.ckpt_path)
 
