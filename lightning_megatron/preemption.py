@@ -50,6 +50,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -68,8 +69,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "count_steps_as_taken",
-           "on_stop_signal", "requeue_job", "requeue_signal", "save_the_final_step", "stop_before_this_batch",
-           "stop_checkpoint_path"]
+           "on_stop_signal", "requeue_job", "requeue_signal", "save_the_final_step", "say_a_signal_after_the_end",
+           "stop_before_this_batch", "stop_checkpoint_path"]
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status after a SIGTERM: 143, non-zero so that schedulers see an unfinished run."""
@@ -97,6 +98,7 @@ class PreemptionHandler:
         self._sigint_after_leave: Any = None  # SIGINT's handler, given back once leave() has waited
         self.requeue_signal: int | None = None
         self.requeue = False  # the requeue signal came (to any rank, after should_stop): requeue after the save
+        self.failed = False  # the fit ended by an exception other than a stop signal's
 
     def install(self, launcher: Any = None, announce: bool = False, requeue_signal: int | None = None) -> None:
         """Become this process's SIGTERM and SIGINT handler (main thread only; elsewhere signals cannot be
@@ -111,7 +113,7 @@ class PreemptionHandler:
         self.requeue = False
         self._pid = os.getpid()
         self.received = 0
-        self.exiting = False
+        self.exiting = self.failed = False
         stops = (*STOP_SIGNALS, *(() if self.requeue_signal in (None, *STOP_SIGNALS) else (self.requeue_signal,)))
         self._previous = {int(s): signal.signal(s, self._handle) for s in stops}
         self._installed = True
@@ -266,6 +268,19 @@ def count_steps_as_taken(trainer: pl.Trainer) -> None:
     if (loop._batches_that_stepped != trainer.global_step and trainer.accumulate_grad_batches == 1
             and trainer.lightning_module.automatic_optimization):
         loop._batches_that_stepped = trainer.global_step
+
+
+def say_a_signal_after_the_end(trainer: pl.Trainer, handler: PreemptionHandler) -> None:
+    """A stop signal that came after the last step's agreement (during the final save or the teardown): the run
+    had finished, its ``last`` checkpoint holds the final step, and the process exits 0 as a finished run does
+    (no requeue). Said by global rank 0 when it received one: Ctrl-C's announcement had promised status 130, and a
+    SIGTERM there was silent."""
+    if (not handler.received or handler.exiting or handler.failed or not trainer.is_global_zero
+            or trainer.state.fn != TrainerFn.FITTING):
+        return
+    name = signal.Signals(handler.received).name
+    print(f"lightning-megatron: {name} after the last step ({trainer.global_step}): the run had finished; its "
+          f"checkpoints are complete; exiting with status 0", file=sys.stderr, flush=True)
 
 
 def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = signal.SIGTERM,

@@ -55,7 +55,7 @@ from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
 from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, on_stop_signal, requeue_signal,
-                                          save_the_final_step, stop_before_this_batch)
+                                          save_the_final_step, say_a_signal_after_the_end, stop_before_this_batch)
 from lightning_megatron.protocols import (
     LightningStepsModule,
     MegatronModule,
@@ -660,9 +660,13 @@ class MegatronStrategy(DDPStrategy):
             on_stop_signal(self.lightning_module.trainer, exception, self._preemption.received or signal.SIGTERM,
                            self.run_id, requeue=self._preemption.requeue)
             self._preemption.exiting = True
+        else:
+            self._preemption.failed = True
 
     @override
     def teardown(self) -> None:
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            say_a_signal_after_the_end(self.lightning_module.trainer, self._preemption)
         self._preemption.uninstall()
         self._optimizer_config = None  # handed over again by the callback's setup of the next fit
         self._grads_checked_by_optimizers = self._loss_checked_by_optimizers = False

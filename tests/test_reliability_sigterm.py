@@ -42,8 +42,13 @@ def test_sigterm_saves_exits_nonzero_and_resumes(tmp_path):
     assert (tmp_path / "ckpt" / "last.ckpt").is_dir(), out[-3000:]
     assert _steps(tmp_path, 0) == [1, 2, 3] and _steps(tmp_path, 1) == [1, 2, 3]  # stopped, both ranks together
 
-    second = _run(tmp_path, "--max-steps", "5", "--ckpt-path", "last", "--every", "100")
+    # resumed to step 5, with a SIGTERM at the end of step 5 (after the last step's agreement): the run had
+    # finished, and exits 0 saying so (a Ctrl-C there was announced as "exit status 130", then exited 0, unsaid)
+    second = _run(tmp_path, "--max-steps", "5", "--ckpt-path", "last", "--every", "100", "--fault", "sigterm",
+                  "--fault-step", "5")
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert ("lightning-megatron: SIGTERM after the last step (5): the run had finished; its checkpoints are complete; "
+            "exiting with status 0") in second.stderr, second.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"start-{rank}.txt").read_text() == "3"  # no step lost, none repeated
         assert _steps(tmp_path, rank) == [1, 2, 3, 4, 5]
