@@ -94,21 +94,29 @@ class PreemptionHandler:
         self._installed = False
         self._pid: int | None = None
         self._announce = False
+        self._announcement = b""
         self.exiting = False  # set when the SIGTERMException is being handled: teardown calls leave()
         self._sigint_after_leave: Any = None  # SIGINT's handler, given back once leave() has waited
         self.requeue_signal: int | None = None
         self.requeue = False  # the requeue signal came (to any rank, after should_stop): requeue after the save
         self.failed = False  # the fit ended by an exception other than a stop signal's
 
-    def install(self, launcher: Any = None, announce: bool = False, requeue_signal: int | None = None) -> None:
+    def install(self, launcher: Any = None, announce: bool = False, requeue_signal: int | None = None,
+                saves: bool = True) -> None:
         """Become this process's SIGTERM and SIGINT handler (main thread only; elsewhere signals cannot be
         handled). ``announce``: say on stderr what a first Ctrl-C does (the job's rank 0). ``requeue_signal``:
         SLURM's requeue signal (``SLURMEnvironment.requeue_signal`` with ``auto_requeue``), handled the same way,
-        the job requeued after the save (:func:`on_stop_signal`)."""
+        the job requeued after the save (:func:`on_stop_signal`). ``saves``: a fit (a stop saves a checkpoint); an
+        evaluation or predict only stops."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._launcher = launcher
         self._announce = announce
+        self._announcement = (b"\nlightning-megatron: Ctrl-C: every rank stops after the current step and saves a "
+                              b"checkpoint (exit status 130); press Ctrl-C again to abort at once without saving\n"
+                              if saves else
+                              b"\nlightning-megatron: Ctrl-C: every rank stops before its next batch (exit status "
+                              b"130); press Ctrl-C again to abort at once\n")
         self.requeue_signal = None if requeue_signal is None else int(requeue_signal)
         self.requeue = False
         self._pid = os.getpid()
@@ -146,8 +154,7 @@ class PreemptionHandler:
             # waits inside a collective (a Python handler would only run once the collective returned).
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             if self._announce:  # os.write: safe inside a signal handler (print is not)
-                os.write(2, b"\nlightning-megatron: Ctrl-C: every rank stops after the current step and saves a "
-                            b"checkpoint (exit status 130); press Ctrl-C again to abort at once without saving\n")
+                os.write(2, self._announcement)
         elif first_sigterm and self._launcher is not None:
             self._launcher.kill(signum)  # the ranks this process started (Lightning's subprocess launcher)
 
@@ -279,8 +286,8 @@ def say_a_signal_after_the_end(trainer: pl.Trainer, handler: PreemptionHandler) 
             or trainer.state.fn != TrainerFn.FITTING):
         return
     name = signal.Signals(handler.received).name
-    print(f"lightning-megatron: {name} after the last step ({trainer.global_step}): the run had finished; its "
-          f"checkpoints are complete; exiting with status 0", file=sys.stderr, flush=True)
+    print(f"lightning-megatron: {name} after the last step ({trainer.global_step}): the run had finished (its "
+          f"checkpoints are complete): it ends as a finished run, status 0", file=sys.stderr, flush=True)
 
 
 def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = signal.SIGTERM,
@@ -314,6 +321,10 @@ def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = 
                                     and callback.save_weights_only)
             rank_zero_info(f"{name} at step {step}: saved {path}; resume with --ckpt_path last. "
                            f"Exiting with status {code}")
+    else:
+        stage = getattr(trainer.state.fn, "value", "evaluation")
+        rank_zero_info(f"{name}: every rank stopped before the same {stage} batch (nothing to save). Exiting with "
+                       f"status {code}")
     if requeue and trainer.is_global_zero:
         requeue_job()
     exception.code = code

@@ -513,6 +513,7 @@ class MegatronStrategy(DDPStrategy):
         return self._eval_step("test", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     def _eval_step(self, stage: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        self._stop_before_this_evaluation_batch()
         with context:
             means = self._run(*_batch_and_index(args, kwargs), stage)
         self._log(means, stage)
@@ -523,6 +524,7 @@ class MegatronStrategy(DDPStrategy):
         """The batch's predictions on the last pipeline stage (``None`` on the others); a module that predicts by
         a loop of its own (:class:`~lightning_megatron.protocols.PredictsBatches`: generation) runs it instead."""
         batch, batch_idx = _batch_and_index(args, kwargs)
+        self._stop_before_this_evaluation_batch()
         with self.precision_plugin.predict_step_context():
             if isinstance(self._module, PredictsBatches):
                 return self._module.predict_batch(batch, batch_idx)
@@ -629,17 +631,37 @@ class MegatronStrategy(DDPStrategy):
 
     def _install_stop_signals(self) -> None:
         """SIGTERM, Ctrl-C and SLURM's requeue signal: see lightning_megatron.preemption (once a fit, from its
-        sanity check on: Lightning's own handlers, registered before it, would save inside the signal handler)."""
+        sanity check on; validate, test and predict from their start). Lightning's own handlers, registered before,
+        would save inside the signal handler (SLURM's requeue), and its SIGTERM handler broadcasts from inside the
+        handler: a SIGTERM to one rank during `validate` left it waiting there while the others waited in the
+        model's next collective, both until the collective timeout."""
         self._preemption.install(self.launcher, announce=self.global_rank == 0,
-                                 requeue_signal=requeue_signal(self.cluster_environment))
+                                 requeue_signal=requeue_signal(self.cluster_environment),
+                                 saves=self.lightning_module.trainer.state.fn == TrainerFn.FITTING)
+
+    def _stop_before_this_evaluation_batch(self) -> None:
+        """validate / test / predict: every rank stops before the same batch once any rank had a stop signal (a fit
+        decides before its training steps; its validation runs to its end)."""
+        if (self.lightning_module.trainer.state.fn != TrainerFn.FITTING
+                and self._preemption.should_stop(self.root_device)):
+            raise SIGTERMException()
 
     @override
     def on_validation_start(self) -> None:
         # The forward pre-hooks would wait bucket by bucket; a module's own hooks may read params first.
         self.finish_param_gather()
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._install_stop_signals()
+        self._install_stop_signals()
         super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._install_stop_signals()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._install_stop_signals()
+        super().on_predict_start()
 
     @override
     def on_train_end(self) -> None:

@@ -2,6 +2,7 @@
 
     python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigterm-wandb|sigint|sigint2|
         kill0|kill1|raise1|usr1 --fault-step 3] [--ckpt-path last] [--every 2] [--prewarm] [--wandb]
+        [--then-validate]
 
 Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
 subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
@@ -20,7 +21,8 @@ The fault is injected at the end of step ``--fault-step`` by rank 0, and its tim
 - usr1: SIGUSR1 to every rank, as SLURM's ``--signal=USR1@90`` signals every task (start each rank as a SLURM task,
   its ``SLURM_*`` variables set).
 
-Checkpoints: ``ROOT/ckpt`` every ``--every`` steps. ``--wandb``: the recipes' W&B logger, offline, in
+``--then-validate``: after the fit, ``trainer.validate`` of 8 batches, rank 1 sending SIGTERM to itself alone at the
+first. Checkpoints: ``ROOT/ckpt`` every ``--every`` steps. ``--wandb``: the recipes' W&B logger, offline, in
 ``ROOT/wandb``. ``--prewarm``: ranks 1.. start before torch is imported and wait for Lightning's command
 (``lightning_megatron.launch.prewarm``), as the ``lightning-megatron`` command starts them.
 """
@@ -54,6 +56,8 @@ def main() -> None:
     parser.add_argument("--gloo", action="store_true", help="no CPU tuning: torch.distributed (gloo) collectives")
     parser.add_argument("--prewarm", action="store_true", help="start ranks 1.. now, as lightning-megatron does")
     parser.add_argument("--wandb", action="store_true", help="log to W&B offline (ROOT/wandb), as the recipes do")
+    parser.add_argument("--then-validate", action="store_true",
+                        help="after the fit, validate 8 batches, rank 1 SIGTERMing itself at the first")
     a = parser.parse_args()
     if a.prewarm:
         from lightning_megatron.launch import prewarm
@@ -76,6 +80,10 @@ def main() -> None:
         def on_train_start(self, trainer, pl_module) -> None:
             (root / f"start-{trainer.global_rank}.txt").write_text(str(trainer.global_step))
             (root / f"pid-{trainer.global_rank}.txt").write_text(str(os.getpid()))
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+            if a.then_validate and trainer.state.fn == "validate" and trainer.global_rank == 1 and batch_idx == 0:
+                os.kill(os.getpid(), signal.SIGTERM)  # this rank alone: the others are in the model's collectives
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             rank, step, loop = trainer.global_rank, trainer.global_step, trainer.fit_loop.epoch_loop
@@ -135,8 +143,11 @@ def main() -> None:
                       log_every_n_steps=1, callbacks=[Faults(), checkpoint], enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                       use_distributed_sampler=False)
-    trainer.fit(BertLightningModule(**TINY_MODEL), train_dataloaders=dataloader(8, 1, 0),
-                ckpt_path=a.ckpt_path)
+    model = BertLightningModule(**TINY_MODEL)
+    trainer.fit(model, train_dataloaders=dataloader(8, 1, 0), ckpt_path=a.ckpt_path)
+    if a.then_validate:
+        trainer.limit_val_batches = 8
+        trainer.validate(model, dataloaders=dataloader(8, 1, 0))
 
 
 if __name__ == "__main__":

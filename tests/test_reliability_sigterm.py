@@ -43,12 +43,18 @@ def test_sigterm_saves_exits_nonzero_and_resumes(tmp_path):
     assert _steps(tmp_path, 0) == [1, 2, 3] and _steps(tmp_path, 1) == [1, 2, 3]  # stopped, both ranks together
 
     # resumed to step 5, with a SIGTERM at the end of step 5 (after the last step's agreement): the run had
-    # finished, and exits 0 saying so (a Ctrl-C there was announced as "exit status 130", then exited 0, unsaid)
+    # finished, and says so (a Ctrl-C there was announced as "exit status 130", then exited 0, unsaid). Then
+    # `trainer.validate`, with a SIGTERM to rank 1 alone at its first batch: every rank stops before the same batch,
+    # exit 143. Lightning's SIGTERM handler broadcast from inside the handler there, and rank 1 waited in it while
+    # rank 0 waited in the model's next collective, both until the collective timeout (60 s here), then exit 1.
     second = _run(tmp_path, "--max-steps", "5", "--ckpt-path", "last", "--every", "100", "--fault", "sigterm",
-                  "--fault-step", "5")
-    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
-    assert ("lightning-megatron: SIGTERM after the last step (5): the run had finished; its checkpoints are complete; "
-            "exiting with status 0") in second.stderr, second.stderr[-3000:]
+                  "--fault-step", "5", "--then-validate", "--timeout", "60")
+    out = second.stdout + second.stderr
+    assert second.returncode == SIGTERM_EXIT_CODE, out[-3000:]
+    assert ("lightning-megatron: SIGTERM after the last step (5): the run had finished (its checkpoints are complete): "
+            "it ends as a finished run, status 0") in second.stderr, out[-3000:]
+    assert ("SIGTERM: every rank stopped before the same validate batch (nothing to save). Exiting with status 143"
+            in out), out[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"start-{rank}.txt").read_text() == "3"  # no step lost, none repeated
         assert _steps(tmp_path, rank) == [1, 2, 3, 4, 5]
