@@ -69,8 +69,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "count_steps_as_taken",
-           "on_stop_signal", "requeue_job", "requeue_signal", "save_the_final_step", "say_a_signal_after_the_end",
-           "stop_before_this_batch", "stop_checkpoint_path"]
+           "on_stop_signal", "requeue_job", "requeue_signal", "save_the_final_step", "stop_before_this_batch",
+           "stop_checkpoint_path"]
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status after a SIGTERM: 143, non-zero so that schedulers see an unfinished run."""
@@ -125,6 +125,33 @@ class PreemptionHandler:
         stops = (*STOP_SIGNALS, *(() if self.requeue_signal in (None, *STOP_SIGNALS) else (self.requeue_signal,)))
         self._previous = {int(s): signal.signal(s, self._handle) for s in stops}
         self._installed = True
+
+    def install_for(self, trainer: pl.Trainer, launcher: Any, environment: Any) -> None:
+        """:meth:`install` for this stage of ``trainer``: a fit (from its sanity check on) saves on the way out;
+        validate, test and predict (from their start) only stop. Lightning's own handlers, registered before, would
+        save inside the signal handler (SLURM's requeue), and its SIGTERM handler broadcasts from inside the
+        handler: a SIGTERM to one rank during ``validate`` left it waiting there while the others waited in the
+        model's next collective, both until the collective timeout."""
+        self.install(launcher, announce=trainer.global_rank == 0, requeue_signal=requeue_signal(environment),
+                     saves=trainer.state.fn == TrainerFn.FITTING)
+
+    def stop_before_evaluation_batch(self, trainer: pl.Trainer, device: torch.device) -> None:
+        """validate / test / predict: every rank stops before the same batch once any rank had a stop signal
+        (collective; a fit decides before its training steps, and its validation runs to its end)."""
+        if trainer.state.fn != TrainerFn.FITTING and self.should_stop(device):
+            raise SIGTERMException()
+
+    def say_if_after_the_end(self, trainer: pl.Trainer) -> None:
+        """A stop signal that came after the last step's agreement (during the final save or the teardown): the run
+        had finished, its ``last`` checkpoint holds the final step, and the process exits 0 as a finished run does
+        (no requeue). Said by global rank 0 when it received one: Ctrl-C's announcement had promised status 130,
+        and a SIGTERM there was silent."""
+        if (not self.received or self.exiting or self.failed or not trainer.is_global_zero
+                or trainer.state.fn != TrainerFn.FITTING):
+            return
+        name = signal.Signals(self.received).name
+        print(f"lightning-megatron: {name} after the last step ({trainer.global_step}): the run had finished (its "
+              f"checkpoints are complete): it ends as a finished run, status 0", file=sys.stderr, flush=True)
 
     def uninstall(self) -> None:
         if self._installed and threading.current_thread() is threading.main_thread():
@@ -275,19 +302,6 @@ def count_steps_as_taken(trainer: pl.Trainer) -> None:
     if (loop._batches_that_stepped != trainer.global_step and trainer.accumulate_grad_batches == 1
             and trainer.lightning_module.automatic_optimization):
         loop._batches_that_stepped = trainer.global_step
-
-
-def say_a_signal_after_the_end(trainer: pl.Trainer, handler: PreemptionHandler) -> None:
-    """A stop signal that came after the last step's agreement (during the final save or the teardown): the run
-    had finished, its ``last`` checkpoint holds the final step, and the process exits 0 as a finished run does
-    (no requeue). Said by global rank 0 when it received one: Ctrl-C's announcement had promised status 130, and a
-    SIGTERM there was silent."""
-    if (not handler.received or handler.exiting or handler.failed or not trainer.is_global_zero
-            or trainer.state.fn != TrainerFn.FITTING):
-        return
-    name = signal.Signals(handler.received).name
-    print(f"lightning-megatron: {name} after the last step ({trainer.global_step}): the run had finished (its "
-          f"checkpoints are complete): it ends as a finished run, status 0", file=sys.stderr, flush=True)
 
 
 def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = signal.SIGTERM,

@@ -54,8 +54,8 @@ from lightning_megatron.optimizer.mixed_precision import route_non_finite_grads
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
-from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, on_stop_signal, requeue_signal,
-                                          save_the_final_step, say_a_signal_after_the_end, stop_before_this_batch)
+from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, on_stop_signal, save_the_final_step,
+                                          stop_before_this_batch)
 from lightning_megatron.protocols import (
     LightningStepsModule,
     MegatronModule,
@@ -630,21 +630,12 @@ class MegatronStrategy(DDPStrategy):
         self._install_stop_signals()
 
     def _install_stop_signals(self) -> None:
-        """SIGTERM, Ctrl-C and SLURM's requeue signal: see lightning_megatron.preemption (once a fit, from its
-        sanity check on; validate, test and predict from their start). Lightning's own handlers, registered before,
-        would save inside the signal handler (SLURM's requeue), and its SIGTERM handler broadcasts from inside the
-        handler: a SIGTERM to one rank during `validate` left it waiting there while the others waited in the
-        model's next collective, both until the collective timeout."""
-        self._preemption.install(self.launcher, announce=self.global_rank == 0,
-                                 requeue_signal=requeue_signal(self.cluster_environment),
-                                 saves=self.lightning_module.trainer.state.fn == TrainerFn.FITTING)
+        """SIGTERM, Ctrl-C and SLURM's requeue signal (:meth:`PreemptionHandler.install_for`): a fit's from its sanity
+        check on; validate, test and predict from their start."""
+        self._preemption.install_for(self.lightning_module.trainer, self.launcher, self.cluster_environment)
 
     def _stop_before_this_evaluation_batch(self) -> None:
-        """validate / test / predict: every rank stops before the same batch once any rank had a stop signal (a fit
-        decides before its training steps; its validation runs to its end)."""
-        if (self.lightning_module.trainer.state.fn != TrainerFn.FITTING
-                and self._preemption.should_stop(self.root_device)):
-            raise SIGTERMException()
+        self._preemption.stop_before_evaluation_batch(self.lightning_module.trainer, self.root_device)
 
     @override
     def on_validation_start(self) -> None:
@@ -688,7 +679,7 @@ class MegatronStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            say_a_signal_after_the_end(self.lightning_module.trainer, self._preemption)
+            self._preemption.say_if_after_the_end(self.lightning_module.trainer)
         self._preemption.uninstall()
         self._optimizer_config = None  # handed over again by the callback's setup of the next fit
         self._grads_checked_by_optimizers = self._loss_checked_by_optimizers = False
