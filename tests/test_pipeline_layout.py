@@ -81,6 +81,14 @@ def test_layer_range_uneven_stages_refused():
         get_layer_range(8, 4, 0, 2, 0, num_layers_in_first_pipeline_stage=3, num_layers_in_last_pipeline_stage=3)
     with pytest.raises(ValueError, match=r"num_layers_in_last_pipeline_stage=4 needs pipeline_model_parallel_size >= 2"):
         get_layer_range(8, 1, 0, num_layers_in_last_pipeline_stage=4)
+    # fewer layers than the stage's model chunks: said as that rule alone, with the fix (it said "needs
+    # pipeline_model_parallel_size >= 2 (got 2) and at least one layer per model chunk", as if the first rule failed)
+    with pytest.raises(ValueError) as refused:
+        get_layer_range(5, 2, 0, 2, 0, num_layers_in_first_pipeline_stage=1)
+    assert str(refused.value) == (
+        "num_layers_in_first_pipeline_stage=1 is fewer layers than the stage's 2 model chunks "
+        "(virtual_pipeline_model_parallel_size=2; every chunk needs at least one layer): give it at least 2 layers, "
+        "or fewer chunks"), refused.value
 
 
 def test_layer_range_rejects_more_pieces_than_layers():

@@ -65,9 +65,15 @@ def _piece_sizes(num_layers: int, pp_size: int, v: int, first: int | None, last:
     ends = {0: first, pp_size - 1: last}
     fixed = {s: n for s, n in ends.items() if n is not None}
     for name, n in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
-        if n is not None and (pp_size < 2 or not isinstance(n, int) or n < v):
-            raise ValueError(f"{name}={n!r} needs pipeline_model_parallel_size >= 2 (got {pp_size}) and at least "
-                             f"one layer per model chunk of the stage ({v})")
+        if n is None:
+            continue
+        if pp_size < 2 or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}={n!r} needs pipeline_model_parallel_size >= 2 (got {pp_size}) and a whole "
+                             f"number of layers >= 1")
+        if n < v:
+            raise ValueError(f"{name}={n} is fewer layers than the stage's {v} model chunks "
+                             f"(virtual_pipeline_model_parallel_size={v}; every chunk needs at least one layer): give "
+                             f"it at least {v} layers, or fewer chunks")
     middle = [s for s in range(pp_size) if s not in fixed]
     rest = num_layers - sum(fixed.values())
     if rest < len(middle) * v or (not middle and rest != 0):
