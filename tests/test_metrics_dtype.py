@@ -83,3 +83,32 @@ def test_eval_means_keep_a_nan_loss_and_read_nothing_from_the_device():
         metric.update(torch.tensor(0.0), torch.tensor(0.0))  # no counted tokens: the losses' clamp gives 0
         got = float(metric.compute())
         assert (got if name == "classifier" else math.log(got)) == pytest.approx(3.5, rel=1e-6), (name, got)
+
+
+def test_a_classifiers_evaluation_updates_read_nothing_from_the_device():
+    """torchmetrics' checks of the labels (``torch.unique``, ``.item()``: 12 reads an update for two classes, 6 for
+    three) read the device at every evaluation microbatch of a fine-tuned classifier: a host synchronisation each on
+    a GPU. The labels are checked when the data is read; the updates read nothing, and compute as before."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_megatron.models.bert.metrics import finetune_metrics, update_stage
+
+    ps = ParallelState(dims=ParallelDims(dp=1), rank=0, members={})
+    reads = []
+
+    class CountReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default) or \
+                    "unique" in func.overloadpacket.__name__:
+                reads.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    for classes in (2, 3):
+        metrics = finetune_metrics(classes, ps)
+        preds, target = (torch.randint(0, classes, (64,), generator=g) for _ in range(2))
+        with CountReads():
+            update_stage(metrics, "val", preds, target, loss=torch.rand(64, generator=g))
+        assert reads == [], (classes, reads)
+        got = {k: float(v) for k, v in metrics["val"].compute().items()}
+        assert got["accuracy"] == pytest.approx(float((preds == target).float().mean()), abs=1e-7), got

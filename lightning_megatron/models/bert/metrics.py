@@ -80,13 +80,17 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCol
             return MetricCollection({"pearson": PearsonCorrCoef(**kw), "spearman": spearman,
                                      "mse": MeanSquaredError(**kw), "loss": Mean(**kw)}
                                     ).set_dtype(torch.float64)
+        # validate_args=False: torchmetrics' checks of the labels (torch.unique, .item()) read the device at every
+        # update, a host synchronisation per evaluation microbatch on a GPU; the labels are the datamodule's,
+        # checked against num_classes when they are read, and the predictions an argmax
+        cls = dict(kw, validate_args=False)
         if num_classes == 2:
-            return MetricCollection({"accuracy": BinaryAccuracy(**kw), "f1": BinaryF1Score(**kw),
-                                     "matthews_corrcoef": BinaryMatthews(**kw), "loss": Mean(**kw)})
+            return MetricCollection({"accuracy": BinaryAccuracy(**cls), "f1": BinaryF1Score(**cls),
+                                     "matthews_corrcoef": BinaryMatthews(**cls), "loss": Mean(**kw)})
         return MetricCollection({
-            "accuracy": MulticlassAccuracy(num_classes, average="micro", **kw),
-            "f1": MulticlassF1Score(num_classes, average="macro", **kw),
-            "matthews_corrcoef": MulticlassMatthews(num_classes, **kw), "loss": Mean(**kw)})
+            "accuracy": MulticlassAccuracy(num_classes, average="micro", **cls),
+            "f1": MulticlassF1Score(num_classes, average="macro", **cls),
+            "matthews_corrcoef": MulticlassMatthews(num_classes, **cls), "loss": Mean(**kw)})
 
     with float32_states():
         return {stage: collection() for stage in EVAL_STAGES}
