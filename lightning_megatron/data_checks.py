@@ -40,11 +40,13 @@ def data_arguments(data_class: type | None, d: dict[str, Any]) -> dict[str, Any]
     return {**defaults, **d}
 
 
-def binary_head_problem(d: dict[str, Any], m: dict[str, Any], model_class: type | None) -> str | None:
+def binary_head_problem(d: dict[str, Any], m: dict[str, Any], model_class: type | None, *,
+                        python: bool = False) -> str | None:
     """BERT's sentence pairs and its binary head go together (Megatron-LM's one ``--bert-binary-head`` builds both):
     data without pairs (``binary_head=None``) trained the model's head on a constant label 0, and pairs whose labels
     no head reads swapped half the samples' sentences for nothing. ``d``: the data section's arguments with the
-    class's defaults (:func:`data_arguments`), ``m``: the model's flat hyper-parameters."""
+    class's defaults (:func:`data_arguments`), ``m``: the model's flat hyper-parameters. ``python``: the fixes
+    spelled as the classes' arguments (a fit from Python) instead of the command's flags."""
     import dataclasses
 
     record = getattr(model_class, "config_class", None)
@@ -52,15 +54,18 @@ def binary_head_problem(d: dict[str, Any], m: dict[str, Any], model_class: type 
     if "binary_head" not in d or "add_binary_head" not in fields:
         return None
     pairs, head = d["binary_head"], m.get("add_binary_head", fields["add_binary_head"])
+    no_head, pairs_on, no_pairs, head_on = (
+        ("BertConfig(add_binary_head=False, num_tokentypes=0)", "BertDataModule(binary_head='sop')",
+         "BertDataModule(binary_head=None)", "BertConfig(add_binary_head=True)") if python else
+        ("--model.config.add_binary_head false --model.config.num_tokentypes 0", "--data.binary_head sop",
+         "--data.binary_head null", "--model.config.add_binary_head true"))
     if pairs is None and head:
-        return ("data binary_head=None builds samples without sentence pairs (binary label 0), and the model's "
-                "add_binary_head=True would train its pooler and binary head on that constant label: set "
-                "--model.config.add_binary_head false --model.config.num_tokentypes 0 (Megatron-LM's "
-                "--bert-no-binary-head), or --data.binary_head sop")
+        return (f"data binary_head=None builds samples without sentence pairs (binary label 0), and the model's "
+                f"add_binary_head=True would train its pooler and binary head on that constant label: set {no_head} "
+                f"(Megatron-LM's --bert-no-binary-head), or {pairs_on}")
     if pairs is not None and not head:
         return (f"data binary_head={pairs!r} builds sentence pairs for a binary head (half of them swapped or "
-                f"replaced), and the model has none (add_binary_head=False): set --data.binary_head null, or "
-                f"--model.config.add_binary_head true")
+                f"replaced), and the model has none (add_binary_head=False): set {no_pairs}, or {head_on}")
     return None
 
 

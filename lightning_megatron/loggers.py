@@ -249,13 +249,32 @@ class WandbLogger(loggers.WandbLogger):
         except ConnectionError as error:
             self._lose_service(error)
 
+    @override
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        if self._service_lost is not None:
+            return
+        try:
+            super().after_save_checkpoint(checkpoint_callback)  # log_model: the checkpoints uploaded as artifacts
+        except ConnectionError as error:
+            self._lose_service(error)
+
+    @override
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._service_lost is not None:
+            return
+        try:
+            super().finalize(status)
+        except ConnectionError as error:
+            self._lose_service(error)
+
     def _lose_service(self, error: ConnectionError) -> None:
         """W&B's service process (``wandb-core``) is gone: the job's stop signal reached it too (SLURM's time limit
         and ``scancel`` signal every process of the job; Kubernetes ends the pod's processes), or it crashed. Every
         call to the run then raises ``ConnectionResetError``, and one from ``log_metrics`` ended the training step:
         the rank died before its stop checkpoint was saved. Said once; the run goes on without W&B (its CSV log and
         checkpoints do not depend on it), and W&B's library state is released so that its exit hook does not
-        raise again."""
+        raise again and no later logger reuses the run."""
         import wandb
 
         self._service_lost = f"{type(error).__name__}: {error}"
@@ -266,6 +285,10 @@ class WandbLogger(loggers.WandbLogger):
             wandb.teardown()
         except Exception:  # noqa: BLE001 - the service is gone: its teardown fails the same way
             pass
+        if wandb.run is self._experiment:  # no later logger reuses a run that cannot log (wandb.finish's own step)
+            from wandb.sdk.lib import module
+
+            module.unset_globals()
 
 
 def _has_segments(init: dict[str, Any]) -> bool:

@@ -92,6 +92,7 @@ class PreemptionHandler:
         self._launcher: Any = None
         self._previous: dict[int, Any] = {}
         self._installed = False
+        self._agreeing = False  # an evaluation stage's ranks agree at each batch (install_for)
         self._pid: int | None = None
         self._announce = False
         self._announcement = b""
@@ -126,19 +127,26 @@ class PreemptionHandler:
         self._previous = {int(s): signal.signal(s, self._handle) for s in stops}
         self._installed = True
 
-    def install_for(self, trainer: pl.Trainer, launcher: Any, environment: Any) -> None:
+    def install_for(self, trainer: pl.Trainer, launcher: Any, environment: Any, device: torch.device) -> None:
         """:meth:`install` for this stage of ``trainer``: a fit (from its sanity check on) saves on the way out;
         validate, test and predict (from their start) only stop. Lightning's own handlers, registered before, would
         save inside the signal handler (SLURM's requeue), and its SIGTERM handler broadcasts from inside the
         handler: a SIGTERM to one rank during ``validate`` left it waiting there while the others waited in the
-        model's next collective, both until the collective timeout."""
+        model's next collective, both until the collective timeout. An evaluation whose ranks read different numbers
+        of batches (a plain loader under Lightning's unrepeated sampler, for predict) cannot agree at each batch: there
+        Lightning's handlers stay (collective: every rank compares its batch counts once)."""
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not fitting:  # the same decision on every rank (from the gathered counts), whatever each one installs
+            self._agreeing = _same_batches_everywhere(trainer, device)
+            if not self._agreeing:
+                return
         self.install(launcher, announce=trainer.global_rank == 0, requeue_signal=requeue_signal(environment),
-                     saves=trainer.state.fn == TrainerFn.FITTING)
+                     saves=fitting)
 
     def stop_before_evaluation_batch(self, trainer: pl.Trainer, device: torch.device) -> None:
         """validate / test / predict: every rank stops before the same batch once any rank had a stop signal
         (collective; a fit decides before its training steps, and its validation runs to its end)."""
-        if trainer.state.fn != TrainerFn.FITTING and self.should_stop(device):
+        if trainer.state.fn != TrainerFn.FITTING and self._agreeing and self.should_stop(device):
             raise SIGTERMException()
 
     def say_if_after_the_end(self, trainer: pl.Trainer) -> None:
@@ -162,7 +170,7 @@ class PreemptionHandler:
                     self._sigint_after_leave = previous
                     continue
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._installed = False
+        self._installed = self._agreeing = False
 
     @property
     def exit_code(self) -> int:
@@ -229,6 +237,21 @@ class PreemptionHandler:
         if self._sigint_after_leave is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._sigint_after_leave)
             self._sigint_after_leave = None
+
+
+def _same_batches_everywhere(trainer: pl.Trainer, device: torch.device) -> bool:
+    """Whether every rank reads the same number of batches of each dataloader in this evaluation stage (collective:
+    one all-gather; an unknown length counts as a difference)."""
+    counts = {TrainerFn.VALIDATING: trainer.num_val_batches, TrainerFn.TESTING: trainer.num_test_batches,
+              TrainerFn.PREDICTING: trainer.num_predict_batches}.get(trainer.state.fn, [])
+    known = [int(n) if n != float("inf") else -1 for n in counts]
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return True
+    mine = torch.tensor([len(known), sum(known), min(known, default=0), max(known, default=0)], dtype=torch.int64,
+                        device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return min(known, default=0) >= 0 and all(torch.equal(t, every[0]) for t in every)
 
 
 def stop_checkpoint_path(trainer: pl.Trainer, run_id: str | None) -> Path | None:

@@ -159,5 +159,6 @@ def _launches_every_rank(trainer) -> bool:
 def release_run_locks() -> None:
     """Release the run folders' locks this process holds (:func:`one_run_at_a_time`): a program that called the
     command's ``main`` goes on without holding them (the command itself releases them by exiting)."""
+    _deferred.clear()  # a folder noted for a set-up that never came is not the next fit's
     while _run_locks:
         os.close(_run_locks.popitem()[1])

@@ -233,6 +233,7 @@ class MegatronStrategy(DDPStrategy):
         self._grads_checked_by_optimizers = False  # the NaN guard's gradient check rides on the optimizers' norm
         self._loss_checked_by_optimizers = False  # and its loss check, where they decide on the device
         self._preemption = PreemptionHandler()
+        self._busy: str | None = None  # why the run folder is not this run's (run_lock.claim_at_setup, rank 0)
         self.run_id: str | None = None
         """The run this fit continues or starts: the run id of the checkpoint it resumed, else the W&B
         run id when it logs to W&B, else a random one (set in ``setup`` and ``load_checkpoint`` when
@@ -261,8 +262,10 @@ class MegatronStrategy(DDPStrategy):
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
         if self.global_rank == 0:  # known now: rank 0's W&B run starts while the rendezvous waits for the others
-            for logger in getattr(getattr(self.lightning_module, "_trainer", None), "loggers", ()):
-                getattr(logger, "start_in_background", lambda: None)()  # WandbLogger.start_in_background
+            self._busy = self._busy or claim_at_setup(0)  # the run folder's lock under a launcher: said at the gather
+            if self._busy is None:  # a folder another run holds gets no W&B run of this one
+                for logger in getattr(getattr(self.lightning_module, "_trainer", None), "loggers", ()):
+                    getattr(logger, "start_in_background", lambda: None)()  # WandbLogger.start_in_background
 
     @override
     def setup_environment(self) -> None:
@@ -280,7 +283,7 @@ class MegatronStrategy(DDPStrategy):
         check_same_settings(run_settings(dims=self.parallel_dims, micro_batch_size=self.micro_batch_size,
                                          seed=self.seed, trainer=trainer, module=self.lightning_module,
                                          callbacks=[] if trainer is None else trainer.callbacks), self.root_device,
-                            busy=claim_at_setup(self.global_rank))  # the run folder's lock, under a launcher
+                            busy=self._busy or claim_at_setup(self.global_rank))  # the run folder's lock
         self.parallel_state = self._groups()
         model_parallel_seed(self.seed + 100 * self.parallel_state.pp_rank, self.parallel_state.tp_rank)
         self._node_ranks = check_nodes(self.parallel_state, self.node_rank, self.root_device, self.num_processes)
@@ -632,7 +635,8 @@ class MegatronStrategy(DDPStrategy):
     def _install_stop_signals(self) -> None:
         """SIGTERM, Ctrl-C and SLURM's requeue signal (:meth:`PreemptionHandler.install_for`): a fit's from its sanity
         check on; validate, test and predict from their start."""
-        self._preemption.install_for(self.lightning_module.trainer, self.launcher, self.cluster_environment)
+        self._preemption.install_for(self.lightning_module.trainer, self.launcher, self.cluster_environment,
+                                     self.root_device)
 
     def _stop_before_this_evaluation_batch(self) -> None:
         self._preemption.stop_before_evaluation_batch(self.lightning_module.trainer, self.root_device)

@@ -137,7 +137,8 @@ def test_a_python_fit_refuses_sentence_pairs_the_model_does_not_match(tmp_path):
     from lightning_megatron.models.bert.module import BertLightningModule
     from lightning_megatron.strategy import MegatronStrategy
 
-    cases = ((None, True, r"data binary_head=None builds samples without sentence pairs .* add_binary_head=True"),
+    cases = ((None, True, r"data binary_head=None builds samples without sentence pairs .* add_binary_head=True .*"
+                          r"set BertConfig\(add_binary_head=False, num_tokentypes=0\)"),
              ("sop", False, r"data binary_head='sop' builds sentence pairs .* the model has none"))
     for pairs, head, message in cases:
         config = {**TINY_MODEL["config"], "vocab_size": None, "add_binary_head": head,

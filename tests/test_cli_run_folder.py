@@ -398,7 +398,7 @@ def test_a_fit_started_by_slurm_into_a_run_folder_in_use_is_refused_by_every_ran
     ``sbatch`` of one script, two torchrun jobs into one folder) trained both runs into one folder, the second's
     checkpoints replacing the first's (``last`` among them). Started by a launcher (here two SLURM tasks), the
     process of global rank 0 takes the lock once the ranks are connected, and every rank refuses, before the model
-    is built, when another run holds it."""
+    is built and before anything of this job is written there (its W&B run), when another run holds it."""
     import fcntl
     import json as jsonlib
 
@@ -411,11 +411,11 @@ def test_a_fit_started_by_slurm_into_a_run_folder_in_use_is_refused_by_every_ran
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first job's rank 0 (another open file: it conflicts)
     os.write(holder, jsonlib.dumps({"pid": 4242, "host": "node-a", "started": "2026-12-07 10:00:00",
                                     "command": "lightning-megatron fit --config a.yaml"}).encode())
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "MASTER_PORT": str(free_port()),
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "MASTER_PORT": str(free_port()),
            "SLURM_JOB_ID": slurm_job_id(), "SLURM_JOB_NAME": "bert", "SLURM_NNODES": "1", "SLURM_NTASKS": "2",
            "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
     args = ["-m", "lightning_megatron.cli", "fit", "--config", RECIPE, "--trainer.devices", "2",
-            "--trainer.default_root_dir", str(run), "--trainer.logger", "false", "--trainer.max_steps", "2",
+            "--trainer.default_root_dir", str(run), "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
             "--trainer.strategy.init_args.timeout", "120", "--model.config.num_layers", "1",
             "--data.global_batch_size", "8", "--data.micro_batch_size", "4"]
@@ -431,3 +431,6 @@ def test_a_fit_started_by_slurm_into_a_run_folder_in_use_is_refused_by_every_ran
             f"10:00:00: lightning-megatron fit --config a.yaml)") in out[0], out[0][-3000:]
     assert "another run is training" not in out[1] and "Traceback" not in out[0] + out[1], out[1][-3000:]
     assert not (run / "checkpoints").exists() and "MegatronStrategy: world 2" not in out[0], out[0][-3000:]
+    # nothing of this job in the other run's folder: rank 0 started its W&B run there while the ranks met, before
+    # the lock was checked (its wandb/latest-run then named the refused job's run)
+    assert sorted(p.name for p in run.iterdir()) == [".lightning-megatron.lock"], list(run.iterdir())

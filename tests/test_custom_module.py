@@ -332,8 +332,27 @@ def fit(tp: int, pp: int, devices: int, save_to: str | None = None, validate: bo
     return out
 
 
+class PlainPredictor(LightningModule):
+    """A plain module (no forward_step) that predicts; a module's arguments have defaults."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, 2)
+
+    def predict_step(self, batch, batch_idx):
+        return self.lin(batch)
+
+
 def _two_rank_worker(ckpt_dir: str) -> dict:
-    out = {"tp2": fit(2, 1, 2, f"{ckpt_dir}/tp2"), "pp2": fit(1, 2, 2, f"{ckpt_dir}/pp2")}
+    # predict from Python with a plain loader at DP=2: Lightning's unrepeated sampler gives the ranks 2 and 1 of the 3
+    # rows, and they stop at different batches. The stop signals' agreement at each batch of an evaluation waited on
+    # rank 0's second batch for a rank that had ended (until the collective timeout); the ranks compare their batch
+    # counts once and agree at each batch only where they are the same.
+    rows = [torch.full((4,), float(i)) for i in range(3)]
+    t = Trainer(accelerator=accelerator(), devices=2, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, strategy=MegatronStrategy(micro_batch_size=1))
+    out = {"uneven_predict": len(t.predict(PlainPredictor(), DataLoader(rows, batch_size=1)))}
+    out.update({"tp2": fit(2, 1, 2, f"{ckpt_dir}/tp2"), "pp2": fit(1, 2, 2, f"{ckpt_dir}/pp2")})
     try:
         fit(1, 2, 2, module_class=LocalNames)
     except ValueError as e:
@@ -410,6 +429,10 @@ def runs(tmp_path_factory) -> dict:
         ref = _one_process(ckpt_dir)
     return {"ref": ref, "tp2": [r0["tp2"], r1["tp2"]], "pp2": [r0["pp2"], r1["pp2"]],
             "local_names": [r.get("local_names") for r in (r0, r1)], "ranks": [r0, r1]}
+
+
+def test_a_predict_whose_ranks_read_different_numbers_of_batches_ends_on_every_rank(runs):
+    assert [r["uneven_predict"] for r in runs["ranks"]] == [2, 1]
 
 
 def test_ranks_started_with_other_settings_are_refused_at_setup(runs):

@@ -317,3 +317,38 @@ def test_an_evaluation_joining_the_training_run_leaves_its_config(wandb_env):
                               num_devices=1, num_nodes=1, accelerator=None)
     WandbRunIdCallback().setup(trainer, None, "validate")
     assert [logger for logger, _ in logged] == [own], logged
+
+
+def test_a_wandb_service_gone_ends_wandb_not_the_run(wandb_env):
+    """W&B's service process (``wandb-core``) ended by the job's stop signal (SLURM signals every process of the job)
+    or a crash: every call to the run raised ``ConnectionResetError``, from ``log_metrics`` (the next step), from a
+    ``ModelCheckpoint`` save's ``after_save_checkpoint`` (``log_model="all"`` uploads each checkpoint) and from
+    ``finalize``. Said once; the run goes on without W&B. (A 2-rank run killed this way saves and exits 143:
+    tests/test_reliability_sigterm.py.)"""
+    import os
+    import signal
+    import warnings
+
+    import psutil
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    logger = WandbLogger(project="bound", save_dir=str(wandb_env), log_model="all")
+    logger.experiment  # started
+    logger.log_metrics({"loss": 1.0}, step=1)
+    services = [p for p in psutil.Process().children(recursive=True) if "wandb-core" in " ".join(p.cmdline())]
+    for service in services:  # this test's, and any an earlier test of this process left running
+        service.send_signal(signal.SIGTERM)
+        service.wait(30)
+    assert services
+    checkpoint = ModelCheckpoint(dirpath=wandb_env / "ckpt")
+    (wandb_env / "ckpt").mkdir()
+    checkpoint.last_model_path = str(wandb_env / "ckpt" / "last.ckpt")
+    (wandb_env / "ckpt" / "last.ckpt").write_bytes(b"a checkpoint")
+    with pytest.warns(UserWarning, match=r"W&B: the W&B service stopped answering \(ConnectionResetError"):
+        logger.after_save_checkpoint(checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        logger.log_metrics({"loss": 0.5}, step=2)
+        logger.log_hyperparams({"lr": 1e-3})
+        logger.finalize("success")
+    assert os.path.isdir(wandb_env / "wandb")

@@ -81,8 +81,8 @@ def finetune_metrics(num_classes: int, ps: ParallelState) -> dict[str, MetricCol
                                      "mse": MeanSquaredError(**kw), "loss": Mean(**kw)}
                                     ).set_dtype(torch.float64)
         # validate_args=False: torchmetrics' checks of the labels (torch.unique, .item()) read the device at every
-        # update, a host synchronisation per evaluation microbatch on a GPU; the labels are the datamodule's,
-        # checked against num_classes when they are read, and the predictions an argmax
+        # update, a host synchronisation per evaluation microbatch on a GPU; a label outside the classes fails the
+        # loss's cross entropy first (and LabelledTextDataModule refuses it when reading), the predictions an argmax
         cls = dict(kw, validate_args=False)
         if num_classes == 2:
             return MetricCollection({"accuracy": BinaryAccuracy(**cls), "f1": BinaryF1Score(**cls),

@@ -197,7 +197,7 @@ class BertLightningModule(LanguageLightningModule):
             from lightning_megatron.data_checks import binary_head_problem
 
             problem = binary_head_problem({"binary_head": datamodule.hparams["binary_head"]},
-                                          {"add_binary_head": self.config.add_binary_head}, type(self))
+                                          {"add_binary_head": self.config.add_binary_head}, type(self), python=True)
             if problem:
                 raise ValueError(f"{type(datamodule).__name__} and {type(self).__name__}: {problem}")
 
