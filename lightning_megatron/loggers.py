@@ -226,45 +226,35 @@ class WandbLogger(loggers.WandbLogger):
     @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if self._service_lost is not None:
-            return
         step = self.history_step if self.history_step is not None else step
-        try:
-            if step is None or self._wandb_init.get("sync_tensorboard"):
-                super().log_metrics(metrics, step)
-                return
-            if self._prefix:  # as Lightning's logger names them
-                metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
-            self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step)
-        except ConnectionError as error:
-            self._lose_service(error)
+        if step is None or self._wandb_init.get("sync_tensorboard"):
+            self._to_service(lambda: super(WandbLogger, self).log_metrics(metrics, step))
+            return
+        if self._prefix:  # as Lightning's logger names them
+            metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
+        self._to_service(lambda: self.experiment.log(dict(metrics, **{"trainer/global_step": step}), step=step))
 
     @override
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
-        if self._service_lost is not None:
-            return
-        try:
-            super().log_hyperparams(params)
-        except ConnectionError as error:
-            self._lose_service(error)
+        self._to_service(lambda: super(WandbLogger, self).log_hyperparams(params))
 
     @override
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        if self._service_lost is not None:
-            return
-        try:
-            super().after_save_checkpoint(checkpoint_callback)  # log_model: the checkpoints uploaded as artifacts
-        except ConnectionError as error:
-            self._lose_service(error)
+        # log_model: the checkpoints uploaded as artifacts
+        self._to_service(lambda: super(WandbLogger, self).after_save_checkpoint(checkpoint_callback))
 
     @override
     @rank_zero_only
     def finalize(self, status: str) -> None:
+        self._to_service(lambda: super(WandbLogger, self).finalize(status))
+
+    def _to_service(self, call: Callable[[], Any]) -> None:
+        """``call()``, a call to W&B's service; nothing once the service is lost (:meth:`_lose_service`)."""
         if self._service_lost is not None:
             return
         try:
-            super().finalize(status)
+            call()
         except ConnectionError as error:
             self._lose_service(error)
 
