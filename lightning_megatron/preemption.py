@@ -53,6 +53,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -69,8 +70,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "count_steps_as_taken",
-           "on_stop_signal", "requeue_job", "requeue_signal", "save_the_final_step", "stop_before_this_batch",
-           "stop_checkpoint_path"]
+           "WorkerIgnoresStopSignals", "leave_stop_signals_to_the_trainer", "on_stop_signal", "requeue_job",
+           "requeue_signal", "save_the_final_step", "stop_before_this_batch", "stop_checkpoint_path"]
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status after a SIGTERM: 143, non-zero so that schedulers see an unfinished run."""
@@ -237,6 +238,35 @@ class PreemptionHandler:
         if self._sigint_after_leave is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._sigint_after_leave)
             self._sigint_after_leave = None
+
+
+class WorkerIgnoresStopSignals:
+    """A DataLoader's ``worker_init_fn`` that first leaves the stop signals to the training process (SIGTERM, SIGINT,
+    SIGUSR1: ignored in the worker), then runs ``then`` (the loader's own, if any). SLURM's time limit, ``scancel`` and
+    its requeue signal reach every process of the job, and a Ctrl-C every process of the terminal's group: a worker
+    ended by one made PyTorch raise "DataLoader worker (pid ...) is killed by signal: Terminated" in its rank at once,
+    before the stop checkpoint (exit 1, the steps since the last save lost). A worker still ends with its training
+    process (PyTorch's workers watch it)."""
+
+    def __init__(self, then: Callable[[int], Any] | None = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(signum, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def leave_stop_signals_to_the_trainer(dataloader: Any) -> Any:
+    """``dataloader`` with workers that ignore the stop signals (:class:`WorkerIgnoresStopSignals`), its own
+    ``worker_init_fn`` kept; anything else unchanged (the strategy's ``process_dataloader``)."""
+    from torch.utils.data import DataLoader
+
+    if (isinstance(dataloader, DataLoader) and dataloader.num_workers > 0
+            and not isinstance(dataloader.worker_init_fn, WorkerIgnoresStopSignals)):
+        dataloader.worker_init_fn = WorkerIgnoresStopSignals(dataloader.worker_init_fn)
+    return dataloader
 
 
 def _same_batches_everywhere(trainer: pl.Trainer, device: torch.device) -> bool:

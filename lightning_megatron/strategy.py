@@ -54,8 +54,8 @@ from lightning_megatron.optimizer.mixed_precision import route_non_finite_grads
 from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
-from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, on_stop_signal, save_the_final_step,
-                                          stop_before_this_batch)
+from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, leave_stop_signals_to_the_trainer,
+                                          on_stop_signal, save_the_final_step, stop_before_this_batch)
 from lightning_megatron.protocols import (
     LightningStepsModule,
     MegatronModule,
@@ -302,6 +302,12 @@ class MegatronStrategy(DDPStrategy):
             return ps
         self._groups_world = world
         return initialize_model_parallel(self.parallel_dims, timeout=self._timeout)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # its workers leave SIGTERM, Ctrl-C and the requeue signal to the training process (a job-wide signal ended
+        # them, and PyTorch's error about it ended the rank before its stop checkpoint)
+        return leave_stop_signals_to_the_trainer(super().process_dataloader(dataloader))
 
     @property
     @override

@@ -55,11 +55,13 @@ class SyntheticBertDataset(Dataset):
                 "binary_labels": torch.randint(0, 2, (), generator=g)}
 
 
-def dataloader(per_rank_batch: int, dp_size: int, dp_rank: int, num_samples: int = 512) -> DataLoader:
+def dataloader(per_rank_batch: int, dp_size: int, dp_rank: int, num_samples: int = 512,
+               num_workers: int = 0) -> DataLoader:
     """Per-DP-rank batches of a global batch of ``per_rank_batch * dp_size`` samples, in order."""
     ds = SyntheticBertDataset(num_samples)
     sampler = DistributedSampler(ds, num_replicas=dp_size, rank=dp_rank, shuffle=False)
-    return DataLoader(ds, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
+    return DataLoader(ds, batch_size=per_rank_batch, sampler=sampler, drop_last=True, num_workers=num_workers,
+                      persistent_workers=num_workers > 0)
 
 
 class LossRecorder:

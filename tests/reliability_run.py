@@ -1,8 +1,8 @@
 """A short real training run for the fault tests and benchmarks/faults.py (not a test module).
 
-    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigterm-wandb|sigint|sigint2|
+    python tests/reliability_run.py ROOT --devices 2 --max-steps 20 [--fault sigterm|sigterm-job|sigint|sigint2|
         kill0|kill1|raise1|usr1 --fault-step 3] [--ckpt-path last] [--every 2] [--prewarm] [--wandb]
-        [--then-validate]
+        [--workers N] [--then-validate]
 
 Tiny BERT on synthetic batches under MegatronStrategy (TP = devices), launched by Lightning's own
 subprocess launcher (rank 0 is the launcher). Every rank appends ``step wall_time`` to
@@ -13,8 +13,9 @@ from to ``ROOT/start-<rank>.txt`` and its pid to ``ROOT/pid-<rank>.txt``.
 The fault is injected at the end of step ``--fault-step`` by rank 0, and its time written to ``ROOT/fault.txt``:
 
 - sigterm: SIGTERM to rank 0's own process, as a scheduler would;
-- sigterm-wandb: the same after SIGTERM to W&B's service process, which a signal to every process of the job
-  (SLURM's time limit, ``scancel``) reaches too;
+- sigterm-job: the same after SIGTERM to the job's other processes (W&B's service, the ranks' data workers), which a
+  signal to every process of the job (SLURM's time limit, ``scancel``) reaches too (rank 1 left out: the ranks'
+  agreement stops it);
 - sigint: SIGINT to the job's process group, as Ctrl-C in a terminal (start the script in a session of its own);
   sigint2: two of them 0.5 s apart;
 - kill0: SIGKILL of rank 0; kill1 / raise1: rank 1 is SIGKILLed / raises;
@@ -44,7 +45,7 @@ def main() -> None:
     parser.add_argument("root")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--fault", choices=["none", "sigterm", "sigterm-wandb", "sigint", "sigint2", "kill0", "kill1",
+    parser.add_argument("--fault", choices=["none", "sigterm", "sigterm-job", "sigint", "sigint2", "kill0", "kill1",
                                             "raise1", "usr1"],
                         default="none")
     parser.add_argument("--fault-step", type=int, default=3)
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--gloo", action="store_true", help="no CPU tuning: torch.distributed (gloo) collectives")
     parser.add_argument("--prewarm", action="store_true", help="start ranks 1.. now, as lightning-megatron does")
     parser.add_argument("--wandb", action="store_true", help="log to W&B offline (ROOT/wandb), as the recipes do")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes of each rank")
     parser.add_argument("--then-validate", action="store_true",
                         help="after the fit, validate 8 batches, rank 1 SIGTERMing itself at the first")
     a = parser.parse_args()
@@ -106,14 +108,17 @@ def main() -> None:
         def inject(rank: int, step: int) -> None:
             if rank == 0:
                 (root / "fault.txt").write_text(f"{a.fault} {step} {time.time():.3f}")
-            if a.fault == "sigterm-wandb" and rank == 0:  # W&B's service first: it exits before the ranks log again
-                import psutil
+            if a.fault == "sigterm-job" and rank == 0:  # the job's other processes first: W&B's service, the ranks'
+                import psutil  # data workers (rank 1 itself left out: the ranks' agreement stops it)
 
-                [service] = [p for p in psutil.Process().children(recursive=True)
-                             if "wandb-core" in " ".join(p.cmdline())]
-                service.send_signal(signal.SIGTERM)
-                service.wait(30)
-            if a.fault in ("sigterm", "sigterm-wandb") and rank == 0:
+                rank1 = int((root / "pid-1.txt").read_text())
+                others = [p for p in psutil.Process().children(recursive=True) if p.pid != rank1]
+                names = [(p, p.name(), " ".join(p.cmdline())) for p in others]
+                assert {n for _, n, _ in names} >= ({"pt_data_worker"} if a.workers else set()), names
+                for p in others:
+                    p.send_signal(signal.SIGTERM)
+                psutil.wait_procs([p for p, _, line in names if "wandb-core" in line], timeout=30)
+            if a.fault in ("sigterm", "sigterm-job") and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
             elif a.fault in ("sigint", "sigint2") and rank == 0:
                 os.killpg(os.getpgid(0), signal.SIGINT)
@@ -144,7 +149,7 @@ def main() -> None:
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                       use_distributed_sampler=False)
     model = BertLightningModule(**TINY_MODEL)
-    trainer.fit(model, train_dataloaders=dataloader(8, 1, 0), ckpt_path=a.ckpt_path)
+    trainer.fit(model, train_dataloaders=dataloader(8, 1, 0, num_workers=a.workers), ckpt_path=a.ckpt_path)
     if a.then_validate:
         trainer.limit_val_batches = 8
         trainer.validate(model, dataloaders=dataloader(8, 1, 0))

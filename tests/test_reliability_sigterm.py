@@ -30,11 +30,13 @@ def _steps(root: Path, rank: int) -> list[int]:
 
 def test_sigterm_saves_exits_nonzero_and_resumes(tmp_path):
     # 2 ranks (TP=2, rank 0 is Lightning's launcher, rank 1 started early as the command starts it), logging to W&B
-    # (offline) as the recipes do; rank 0 gets SIGTERM at the end of step 3 of 20, and so does W&B's service
-    # process, as a signal to every process of the job (SLURM's time limit, scancel) reaches it. Rank 0's next
-    # log to W&B raised ConnectionResetError there and the rank died before saving (exit 1, no checkpoint).
-    first = _run(tmp_path, "--max-steps", "20", "--fault", "sigterm-wandb", "--fault-step", "3", "--every", "100",
-                 "--wandb")
+    # (offline) as the recipes do, 2 data workers each; rank 0 gets SIGTERM at the end of step 3 of 20, and so do
+    # W&B's service process and the data workers, as a signal to every process of the job (SLURM's time limit,
+    # scancel) reaches them. Rank 0's next log to W&B raised ConnectionResetError there, and a worker ended by the
+    # signal made PyTorch raise "DataLoader worker ... is killed by signal: Terminated": either way the rank died
+    # before saving (exit 1, no checkpoint).
+    first = _run(tmp_path, "--max-steps", "20", "--fault", "sigterm-job", "--fault-step", "3", "--every", "100",
+                 "--wandb", "--workers", "2")
     out = first.stdout + first.stderr
     assert first.returncode == SIGTERM_EXIT_CODE, out[-3000:]
     assert "SIGTERM at step 3: saved" in out, out[-3000:]
