@@ -242,30 +242,33 @@ class PreemptionHandler:
 
 class WorkerIgnoresStopSignals:
     """A DataLoader's ``worker_init_fn`` that first leaves the stop signals to the training process (SIGTERM, SIGINT,
-    SIGUSR1: ignored in the worker), then runs ``then`` (the loader's own, if any). SLURM's time limit, ``scancel`` and
-    its requeue signal reach every process of the job, and a Ctrl-C every process of the terminal's group: a worker
-    ended by one made PyTorch raise "DataLoader worker (pid ...) is killed by signal: Terminated" in its rank at once,
-    before the stop checkpoint (exit 1, the steps since the last save lost). A worker still ends with its training
-    process (PyTorch's workers watch it)."""
+    SIGUSR1 and the environment's requeue signal: ignored in the worker), then runs ``then`` (the loader's own, if
+    any). SLURM's time limit, ``scancel`` and its requeue signal reach every process of the job, and a Ctrl-C every
+    process of the terminal's group: a worker ended by one made PyTorch raise "DataLoader worker (pid ...) is killed
+    by signal: Terminated" in its rank at once, before the stop checkpoint (exit 1, the steps since the last save
+    lost). A worker still ends with its training process (PyTorch's workers watch it)."""
 
-    def __init__(self, then: Callable[[int], Any] | None = None) -> None:
+    def __init__(self, then: Callable[[int], Any] | None = None, requeue_signal: int | None = None) -> None:
         self.then = then
+        self.signals = sorted({int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGUSR1),
+                               *(() if requeue_signal is None else (int(requeue_signal),))})
 
     def __call__(self, worker_id: int) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for signum in self.signals:
             signal.signal(signum, signal.SIG_IGN)
         if self.then is not None:
             self.then(worker_id)
 
 
-def leave_stop_signals_to_the_trainer(dataloader: Any) -> Any:
-    """``dataloader`` with workers that ignore the stop signals (:class:`WorkerIgnoresStopSignals`), its own
-    ``worker_init_fn`` kept; anything else unchanged (the strategy's ``process_dataloader``)."""
+def leave_stop_signals_to_the_trainer(dataloader: Any, environment: Any = None) -> Any:
+    """``dataloader`` with workers that ignore the stop signals (:class:`WorkerIgnoresStopSignals`; SLURM's requeue
+    signal of ``environment`` too), its own ``worker_init_fn`` kept; anything else unchanged (the strategy's
+    ``process_dataloader``)."""
     from torch.utils.data import DataLoader
 
     if (isinstance(dataloader, DataLoader) and dataloader.num_workers > 0
             and not isinstance(dataloader.worker_init_fn, WorkerIgnoresStopSignals)):
-        dataloader.worker_init_fn = WorkerIgnoresStopSignals(dataloader.worker_init_fn)
+        dataloader.worker_init_fn = WorkerIgnoresStopSignals(dataloader.worker_init_fn, requeue_signal(environment))
     return dataloader
 
 

@@ -307,7 +307,7 @@ class MegatronStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         # its workers leave SIGTERM, Ctrl-C and the requeue signal to the training process (a job-wide signal ended
         # them, and PyTorch's error about it ended the rank before its stop checkpoint)
-        return leave_stop_signals_to_the_trainer(super().process_dataloader(dataloader))
+        return leave_stop_signals_to_the_trainer(super().process_dataloader(dataloader), self.cluster_environment)
 
     @property
     @override

@@ -257,3 +257,38 @@ def test_a_signal_handled_during_the_agreement_stops_the_next_step(monkeypatch):
         m.setattr(dist, "all_reduce", all_reduce)
         assert not handler.should_stop(torch.device("cpu"))  # the agreed decision of this step: go on
     assert handler.received == signal.SIGUSR1 and handler.requeue  # kept for the next agreement
+
+
+class _WorkerSignals(torch.utils.data.Dataset):
+    """Each item: what the worker reading it does on SIGTERM, SIGUSR2 and SIGHUP, and what its own init set."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i):
+        return [int(signal.getsignal(s)) if isinstance(signal.getsignal(s), int) else -1
+                for s in (signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)] + [int(os.environ.get("INIT_RAN", "0"))]
+
+
+def _own_init(worker_id: int) -> None:
+    os.environ["INIT_RAN"] = "1"
+
+
+def test_data_workers_leave_the_stop_signals_to_the_training_process():
+    """A signal to every process of the job reaches the data workers too; ended by it, PyTorch raised "DataLoader
+    worker ... is killed by signal: Terminated" in the rank before its stop save (the 2-rank run above signals them).
+    The workers ignore the stop signals and the environment's requeue signal (SIGUSR2 here), the loader's own
+    ``worker_init_fn`` still runs, and other signals keep their action."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron.preemption import WorkerIgnoresStopSignals, leave_stop_signals_to_the_trainer
+
+    loader = DataLoader(_WorkerSignals(), batch_size=None, num_workers=1, worker_init_fn=_own_init)
+    assert leave_stop_signals_to_the_trainer(loader, SLURMEnvironment(requeue_signal=signal.SIGUSR2)) is loader
+    assert isinstance(loader.worker_init_fn, WorkerIgnoresStopSignals)
+    [[term, usr2, hup, init_ran]] = [list(x) for x in loader]
+    assert (term, usr2, init_ran) == (int(signal.SIG_IGN), int(signal.SIG_IGN), 1)
+    assert hup == int(signal.getsignal(signal.SIGHUP))  # not a stop signal: left alone
+    in_process = DataLoader(_WorkerSignals(), batch_size=None)
+    assert leave_stop_signals_to_the_trainer(in_process).worker_init_fn is None  # no workers: nothing to do
