@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_megatron.parallel_dims import STRATEGY_ARGUMENTS
+
 __all__ = [
     "STAGE_SIZES",
     "ChunkLayout",
@@ -72,7 +74,7 @@ def _piece_sizes(num_layers: int, pp_size: int, v: int, first: int | None, last:
                              f"number of layers >= 1")
         if n < v:
             raise ValueError(f"{name}={n} is fewer layers than the stage's {v} model chunks "
-                             f"(virtual_pipeline_model_parallel_size={v}; every chunk needs at least one layer): give "
+                             f"({STRATEGY_ARGUMENTS['vp']}={v}; every chunk needs at least one layer): give "
                              f"it at least {v} layers, or fewer chunks")
     middle = [s for s in range(pp_size) if s not in fixed]
     rest = num_layers - sum(fixed.values())
