@@ -4,6 +4,21 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+
+def _leave_ctrl_c_to_rank_0_if_started_by_it() -> None:
+    # A local rank that rank 0's launcher started ignores Ctrl-C from its first import of the package (the CLI's
+    # included) until its stop handler is in place (lightning_megatron.launch.leave_ctrl_c_to_rank_0). The variable
+    # is launch.CHILD_ENV (spelled out: launch is imported only where it is set; tests/test_launch.py reads it).
+    import os
+
+    if os.environ.get("LIGHTNING_MEGATRON_LAUNCHED_BY_RANK_0") == "1":
+        from lightning_megatron.launch import leave_ctrl_c_to_rank_0
+
+        leave_ctrl_c_to_rank_0()
+
+
+_leave_ctrl_c_to_rank_0_if_started_by_it()
+
 _LAZY = {"MegatronStrategy": "lightning_megatron.strategy", "MegatronLightningModule": "lightning_megatron.module",
          "ParallelDims": "lightning_megatron.parallel_dims",
          "ParallelState": "lightning_megatron.parallel_state",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,13 @@ def main(argv: list[str] | None = None) -> None:
             return
         # From the command line LightningCLI reads sys.argv itself (passing args too makes it warn).
         leave_in_order(lightning_cli(None if from_sys_argv else argv))
+    except KeyboardInterrupt:  # Ctrl-C outside Lightning's run (the parse, the classes' build): a line, not a traceback
+        print("\nlightning-megatron: stopped by Ctrl-C", file=sys.stderr)
+        raise SystemExit(128 + int(signal.SIGINT)) from None  # 130, what a shell reports for Ctrl-C
+    except SystemExit as e:
+        if e.code == 1 and isinstance(e.__context__, KeyboardInterrupt):  # Lightning's own exit after a Ctrl-C
+            raise SystemExit(128 + int(signal.SIGINT)) from None  # 130, as after our stop handler's save
+        raise
     except Exception as e:
         # Imported here: `plot`, `preprocess`, `train-tokenizer` and `--help` need no torch.
         from lightning_megatron.checkpoint import CheckpointError

@@ -47,15 +47,16 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["prewarm", "import_wandb_ahead", "release", "local_processes", "named_classes", "hand_to_waiting",
-           "pause_collection", "resume_collection", "exit_when_parent_dies", "PREWARM_ENV", "CLASSES_ENV",
-           "CHILD_ENV"]
+           "pause_collection", "resume_collection", "exit_when_parent_dies", "leave_ctrl_c_to_rank_0",
+           "sigint_handler_after_start", "PREWARM_ENV", "CLASSES_ENV", "CHILD_ENV"]
 
 PREWARM_ENV = "LIGHTNING_MEGATRON_PREWARM_FD"
 """Set in a waiting rank's environment: the file descriptor of the pipe its order arrives on."""
 
 CHILD_ENV = "LIGHTNING_MEGATRON_LAUNCHED_BY_RANK_0"
 """Set in the environment of a local rank that rank 0 started (Lightning's launcher through the strategy's, a waiting
-rank among them): its parent is rank 0, whose death ends it while it connects (:func:`exit_when_parent_dies`)."""
+rank among them): its parent is rank 0, whose death ends it while it connects (:func:`exit_when_parent_dies`), and
+it leaves Ctrl-C to rank 0 until its stop handler is in place (:func:`leave_ctrl_c_to_rank_0`)."""
 
 CLASSES_ENV = "LIGHTNING_MEGATRON_PREWARM_CLASSES"
 """Set in a waiting rank's environment: the class paths it imports while it waits, comma-separated."""
@@ -93,6 +94,33 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_forked)
 _waiting: list[_Waiting] = []
 _collection_paused = False
+_ctrl_c_left_to_rank_0 = False
+
+
+def leave_ctrl_c_to_rank_0() -> None:
+    """In a local rank that rank 0 started (:data:`CHILD_ENV`): ignore SIGINT until the stop handler is in place.
+    Ctrl-C in a terminal reaches every process of the job. In this rank's start-up (its imports, the parse, the
+    rendezvous, the model's build) Python's KeyboardInterrupt ended it with a traceback and status 1, and
+    Lightning's child observer then SIGKILLed rank 0 (status 137). Rank 0 ends the command alone now: Lightning's
+    KeyboardInterrupt path there kills the ranks it started, and the command exits 130. Once the ranks' stop handlers
+    are in place (``PreemptionHandler.install``), a Ctrl-C is agreed by every rank as before; the handler gives
+    Python's default back when it leaves (:func:`sigint_handler_after_start`)."""
+    import signal
+    import threading
+
+    global _ctrl_c_left_to_rank_0
+    if (os.environ.get(CHILD_ENV) == "1" and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _ctrl_c_left_to_rank_0 = True
+
+
+def sigint_handler_after_start(handler: Any) -> Any:
+    """SIGINT's handler for a stop handler to give back when it leaves, ``handler`` being the one it replaced:
+    Python's default where :func:`leave_ctrl_c_to_rank_0` ignored SIGINT for the start-up only."""
+    import signal
+
+    return signal.default_int_handler if _ctrl_c_left_to_rank_0 and handler == signal.SIG_IGN else handler
 
 
 def pause_collection() -> None:
@@ -212,8 +240,10 @@ def _start_waiting(local_rank: int, classes: list[str]) -> _Waiting:
     for its order (:func:`_wait`) on a pipe whose write end is returned (tests/dist_utils.py forks it
     instead)."""
     read, write = os.pipe()
-    env = dict(os.environ, LOCAL_RANK=str(local_rank), **{PREWARM_ENV: str(read), CLASSES_ENV: ",".join(classes)})
-    # LOCAL_RANK: as Lightning's rank k has it at import (rank_zero_only.rank is read from it then)
+    env = dict(os.environ, LOCAL_RANK=str(local_rank), **{PREWARM_ENV: str(read), CLASSES_ENV: ",".join(classes),
+                                                           CHILD_ENV: "1"})
+    # LOCAL_RANK: as Lightning's rank k has it at import (rank_zero_only.rank is read from it then); CHILD_ENV: it
+    # leaves Ctrl-C to rank 0 from its first import of the package (leave_ctrl_c_to_rank_0)
     proc = subprocess.Popen([sys.executable, "-c", "from lightning_megatron.launch import _wait; _wait()"],
                             env=env, pass_fds=(read,))
     os.close(read)
@@ -354,6 +384,8 @@ def _wait() -> None:
     import runpy
 
     fd = int(os.environ.pop(PREWARM_ENV))
+    os.environ[CHILD_ENV] = "1"  # started by rank 0 (a fork too), which ends it when it is not needed (release)
+    leave_ctrl_c_to_rank_0()
     classes = [c for c in os.environ.pop(CLASSES_ENV, "").split(",") if c]
     pause_collection()
     try:
@@ -363,7 +395,7 @@ def _wait() -> None:
         resume_collection()
         with os.fdopen(fd, "rb") as pipe:
             order = pipe.read()
-    except KeyboardInterrupt:  # Ctrl-C of the command before this rank was needed
+    except KeyboardInterrupt:  # Ctrl-C of the command before this rank ignored it (its interpreter's start)
         raise SystemExit(130) from None
     if not order:
         raise SystemExit(0)  # not needed (rank 0 launched otherwise, failed, or exited)

@@ -66,11 +66,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_megatron.launch import sigint_handler_after_start
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["SIGINT_EXIT_CODE", "SIGTERM_EXIT_CODE", "STOP_SIGNALS", "PreemptionHandler", "count_steps_as_taken",
            "WorkerIgnoresStopSignals", "leave_stop_signals_to_the_trainer", "on_stop_signal", "requeue_job",
+           "say_ctrl_c_in_start_up",
            "requeue_signal", "save_the_final_step", "stop_before_this_batch", "stop_checkpoint_path"]
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
@@ -126,6 +129,7 @@ class PreemptionHandler:
         self.exiting = self.failed = False
         stops = (*STOP_SIGNALS, *(() if self.requeue_signal in (None, *STOP_SIGNALS) else (self.requeue_signal,)))
         self._previous = {int(s): signal.signal(s, self._handle) for s in stops}
+        self._previous[int(signal.SIGINT)] = sigint_handler_after_start(self._previous[int(signal.SIGINT)])
         self._installed = True
 
     def install_for(self, trainer: pl.Trainer, launcher: Any, environment: Any, device: torch.device) -> None:
@@ -398,6 +402,16 @@ def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = 
     if requeue and trainer.is_global_zero:
         requeue_job()
     exception.code = code
+
+
+def say_ctrl_c_in_start_up(module: Any) -> None:
+    """Ctrl-C before the ranks' stop handlers were in place: Lightning's KeyboardInterrupt path, which ends the ranks
+    that rank 0 started (those ignored it: ``lightning_megatron.launch.leave_ctrl_c_to_rank_0``); the command exits
+    130 (``lightning_megatron.cli``). Said by global rank 0, with the step: no stop checkpoint is written there."""
+    trainer = getattr(module, "_trainer", None)
+    step = getattr(trainer, "global_step", 0)
+    when = "during start-up (before the first step)" if not step else f"at step {step}, outside the training steps"
+    rank_zero_info(f"lightning-megatron: Ctrl-C {when}: every rank stops; no checkpoint is saved for it")
 
 
 def requeue_signal(environment: Any) -> int | None:

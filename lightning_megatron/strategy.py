@@ -55,7 +55,8 @@ from lightning_megatron.parallel_dims import ParallelDims
 from lightning_megatron.parallel_state import ParallelState, initialize_model_parallel
 from lightning_megatron.pipeline.registry import AUTO, get_schedule, pipeline_schedule_problem
 from lightning_megatron.preemption import (PreemptionHandler, count_steps_as_taken, leave_stop_signals_to_the_trainer,
-                                          on_stop_signal, save_the_final_step, stop_before_this_batch)
+                                          on_stop_signal, save_the_final_step, say_ctrl_c_in_start_up,
+                                          stop_before_this_batch)
 from lightning_megatron.protocols import (
     LightningStepsModule,
     MegatronModule,
@@ -685,6 +686,8 @@ class MegatronStrategy(DDPStrategy):
             self._preemption.exiting = True
         else:
             self._preemption.failed = True
+        if isinstance(exception, KeyboardInterrupt):  # Lightning's own path: our stop handler was not in place yet
+            say_ctrl_c_in_start_up(self.lightning_module)
 
     @override
     def teardown(self) -> None:

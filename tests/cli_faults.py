@@ -13,13 +13,22 @@ from lightning.pytorch import Callback
 class SignalAt(Callback):
     """At the end of training step ``step``, rank 0 sends ``signal``: ``SIGTERM`` to its own process (as
     a scheduler does), ``SIGINT`` to the job's process group (as Ctrl-C in a terminal does: every rank
-    gets it; start the job in a session of its own). ``times``: how often (a second Ctrl-C)."""
+    gets it; start the job in a session of its own). ``times``: how often (a second Ctrl-C). Step 0: at the set-up
+    (the ranks connected, before the sanity check and the first step)."""
 
     def __init__(self, step: int, signal: str = "SIGTERM", times: int = 1) -> None:
         self.step, self.signal, self.times = step, signal, times
 
+    def setup(self, trainer, pl_module, stage) -> None:
+        if self.step == 0:
+            self._send(trainer)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step != self.step or trainer.global_rank != 0:
+        if trainer.global_step == self.step:
+            self._send(trainer)
+
+    def _send(self, trainer) -> None:
+        if trainer.global_rank != 0:
             return
         signum = signal.Signals[self.signal]
         for _ in range(self.times):

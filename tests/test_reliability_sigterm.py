@@ -148,14 +148,8 @@ def test_a_second_ctrl_c_aborts_at_once():
     assert proc.stderr.count("press Ctrl-C again to abort at once") == 1, proc.stderr
 
 
-def test_ctrl_c_of_a_two_rank_cli_run_saves_and_exits_130(tmp_path):
-    """Ctrl-C in a terminal (SIGINT to every process of the job) at the end of step 3 of 20 of a 2-rank
-    `lightning-megatron fit` (TP=2): both ranks stop after step 3, last.ckpt holds step 3, the CSV log
-    has every step, and the exit status is 130. Before: exit 1, nothing saved, the CSV empty."""
-    import csv
-
-    from lightning_megatron.checkpoint import checkpoint_identity
-
+def _ctrl_c_run(tmp_path, step: int):
+    """A 2-rank `lightning-megatron fit` (TP=2) whose rank 0 sends Ctrl-C to the job at ``step`` (0: at set-up)."""
     cmd = [sys.executable, "-m", "lightning_megatron.cli", "fit", "--config", str(REPO / "recipes" / "bert_tiny.yaml"),
            "--trainer.devices", "2", "--trainer.strategy.tensor_model_parallel_size", "2",
            "--trainer.strategy.cpu_tuning", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
@@ -164,12 +158,23 @@ def test_ctrl_c_of_a_two_rank_cli_run_saves_and_exits_130(tmp_path):
            "--model.config.ffn_hidden_size", "64", "--data.global_batch_size", "2",
            "--data.micro_batch_size", "2", "--data.max_seq_length", "32", "--model.config.max_sequence_length", "32",
            "--trainer.max_steps", "20", "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1",
-           "--trainer.callbacks+=cli_faults.SignalAt", "--trainer.callbacks.step=3",
+           "--trainer.callbacks+=cli_faults.SignalAt", f"--trainer.callbacks.step={step}",
            "--trainer.callbacks.signal=SIGINT"]
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH") or str(REPO)])}
     # A session of its own: the job's process group is what a terminal's Ctrl-C reaches (not pytest)
-    proc = run_python(cmd[1:], tmp_path, env, timeout=400, start_new_session=True)
+    return run_python(cmd[1:], tmp_path, env, timeout=400, start_new_session=True)
+
+
+def test_ctrl_c_of_a_two_rank_cli_run_saves_and_exits_130(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to every process of the job) at the end of step 3 of 20 of a 2-rank
+    `lightning-megatron fit` (TP=2): both ranks stop after step 3, last.ckpt holds step 3, the CSV log
+    has every step, and the exit status is 130. Before: exit 1, nothing saved, the CSV empty."""
+    import csv
+
+    from lightning_megatron.checkpoint import checkpoint_identity
+
+    proc = _ctrl_c_run(tmp_path, 3)
     out = proc.stdout + proc.stderr
     assert proc.returncode == SIGINT_EXIT_CODE, out[-4000:]
     assert out.count("press Ctrl-C again to abort at once") == 1, out[-4000:]
@@ -178,6 +183,18 @@ def test_ctrl_c_of_a_two_rank_cli_run_saves_and_exits_130(tmp_path):
     assert checkpoint_identity(last)[1] == 3
     [metrics] = (tmp_path / "run").rglob("metrics.csv")
     assert len([r for r in csv.DictReader(metrics.open()) if r.get("loss")]) == 3, metrics.read_text()
+
+
+def test_ctrl_c_in_start_up_ends_every_rank_with_130_and_no_traceback(tmp_path):
+    """Ctrl-C while the ranks start (at set-up: connected, the stop handlers not yet in place). Rank 1, which rank 0
+    started, raised KeyboardInterrupt with a traceback; its exit made Lightning's observer SIGKILL rank 0 (status
+    137, or 1). It leaves Ctrl-C to rank 0 now: rank 0 ends the ranks it started, says so once, and exits 130."""
+    proc = _ctrl_c_run(tmp_path, 0)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == SIGINT_EXIT_CODE, out[-4000:]
+    assert "Traceback" not in out and "Forcefully terminating" not in out, out[-4000:]
+    assert out.count("lightning-megatron: Ctrl-C during start-up (before the first step): every rank stops") == 1, out
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 
 _LEAVE_SCRIPT = """
