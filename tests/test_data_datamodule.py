@@ -166,6 +166,39 @@ def test_lightning_resume_continues_the_sample_stream(tmp_path):
     assert trainer.datamodule.state_dict() == {"consumed_samples": 28, "global_step": 5}
 
 
+def test_a_resume_with_a_larger_global_batch_or_in_a_later_pass_continues_the_stream(tmp_path):
+    """Resumed from the checkpoints a ModelCheckpoint saved at a step's end (the CLI's). With a larger global batch
+    (4 steps of 4 samples, then 8 a step): Lightning counted the interrupted epoch in the checkpoint's batches and
+    ended it at 6 of 6 steps of 8, two early, then read the next pass from sample 0: samples 16..23 again and 40..47
+    never, unsaid. In the second pass of a training set smaller than the run (16 samples, 8 a step), the sampler
+    started at sample 24 of 16 and read nothing of the pass (an epoch-bounded fit resumed there ended at once,
+    status 0), and under limit_train_batches the resumed pass started past the epoch's samples. Each reads on from
+    where it stopped now."""
+    def fit(max_steps, root, ckpt_path=None, every=None, limit=None, **data):
+        model = _Recorder()
+        saves = [pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1)] if every else []
+        trainer = pl.Trainer(max_steps=max_steps, accelerator=accelerator(), devices=1, logger=False, callbacks=saves,
+                             enable_checkpointing=bool(every), enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=root, num_sanity_val_steps=0, limit_train_batches=limit)
+        trainer.fit(model, datamodule=_datamodule(splits="100,0,0", **data), ckpt_path=ckpt_path)
+        return [sample for batch in model.seen for sample in batch]
+
+    stream = fit(12, tmp_path / "full", global_batch_size=4, train_samples=48)
+    assert fit(4, tmp_path / "first", every=4, global_batch_size=4, train_samples=48) == stream[:16]
+    step4 = tmp_path / "first" / "epoch=0-step=4.ckpt"
+    assert fit(8, tmp_path / "larger", ckpt_path=step4, global_batch_size=8, train_samples=48) == stream[16:48]
+    passes = fit(5, tmp_path / "passes", train_samples=16)
+    assert passes[:16] == passes[16:32] and passes[32:] == passes[:8]  # 2 steps a pass, the same each pass
+    assert fit(3, tmp_path / "pass2", every=3, train_samples=16) == passes[:24]
+    step3 = tmp_path / "pass2" / "epoch=1-step=3.ckpt"
+    assert fit(5, tmp_path / "pass2_resumed", ckpt_path=step3, train_samples=16) == passes[24:]
+    # limit_train_batches=2 of 6 steps a pass: each epoch reads the pass's first 2 steps, a resumed one too (it read
+    # on from sample 24 of the pass)
+    assert fit(5, tmp_path / "limited", every=3, limit=2, train_samples=48) == passes
+    step3 = tmp_path / "limited" / "epoch=1-step=3.ckpt"
+    assert fit(5, tmp_path / "limited_resumed", ckpt_path=step3, limit=2, train_samples=48) == passes[24:]
+
+
 def test_reading_batches_leaves_the_global_rng_alone():
     """Dropout on a CPU draws from torch's global generator, which a DataLoader without a generator of its own
     draws each iterator's base seed from: an evaluation (a new iterator) shifted the next training step's dropout,

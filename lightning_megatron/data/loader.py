@@ -3,7 +3,8 @@
 :class:`MegatronDataLoader` is a plain ``DataLoader`` whose position is its batch sampler's
 ``consumed_samples`` (:mod:`~lightning_megatron.data.samplers`); :func:`default_num_workers` is the
 worker count when a datamodule's ``num_workers`` is None; :func:`trainer_loader` builds the loader a datamodule
-hands its trainer. None imports Lightning.
+hands its trainer, and :func:`count_the_resumed_pass` makes a resumed fit's count of its epoch the sampler's. None
+imports Lightning.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["MegatronDataLoader", "default_num_workers", "trainer_loader"]
+__all__ = ["MegatronDataLoader", "count_the_resumed_pass", "default_num_workers", "epoch_steps",
+           "trainer_loader"]
 
 
 def default_num_workers(processes_per_node: int = 1) -> int:
@@ -60,3 +62,29 @@ def trainer_loader(dataset: Any, batch_sampler: Any, trainer: Any, num_workers: 
     pin = root is not None and getattr(root, "type", "cpu") != "cpu"
     return MegatronDataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers,
                               persistent_workers=workers > 0, pin_memory=pin)
+
+
+def count_the_resumed_pass(trainer: Any, sampler: Any) -> Any:
+    """A resumed fit: Lightning's count of the interrupted epoch's batches made the sampler's ``steps_taken_in_pass``.
+    Lightning restores the count in the checkpoint's run's global batches and ends the epoch when it reaches
+    ``len(sampler)``: resumed with a larger global batch (6 steps of 4 samples restored, 10 steps of 8 a pass), it
+    ended the pass 2 steps early and read the next from its start, some samples twice and the pass's last ones not
+    at all, unsaid; with a smaller one its count ended the epoch late. Every counter of the epoch's batch progress
+    moves by the same amount, so Lightning's own restart arithmetic (a checkpoint saved at a batch's end or after
+    it) stays as it was. Returns ``sampler``."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is not None and getattr(trainer.fit_loop, "restarting", False):
+        current = loop.batch_progress.current
+        shift = sampler.steps_taken_in_pass - current.ready
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(current, counter, getattr(current, counter) + shift)
+    return sampler
+
+
+def epoch_steps(trainer: Any, steps: int) -> int | None:
+    """The training steps of an epoch of ``steps`` global batches under ``trainer``'s ``limit_train_batches`` (an
+    int caps them, a fraction scales them down, as Lightning reads it); None without a trainer."""
+    limit = getattr(trainer, "limit_train_batches", None) if trainer is not None else None
+    if limit is None:
+        return None
+    return min(steps, limit) if isinstance(limit, int) else int(steps * float(limit))

@@ -8,11 +8,14 @@ local batch into ``num_microbatches`` micro-batches.
 
 Iteration starts after ``consumed_samples``, so a run resumed with the number of samples consumed
 so far (``global_step * global_batch_size`` when the batch size never changed) continues with the
-next unseen sample.
+next unseen sample, in the pass (epoch) that count falls in.
 
-``len()`` is the number of steps in a whole pass (epoch), counting the ones consumed before a resume:
-that is what Lightning expects, since it counts the batches of the interrupted epoch it already ran
-and stops the resumed epoch after the rest.
+``len()`` is the number of steps in a whole pass (epoch), counting the ones consumed before a resume, and
+:attr:`steps_taken_in_pass` those of the pass a resumed ``iter()`` skips, in this sampler's global batches.
+Lightning counts the batches of an interrupted epoch itself, in the checkpoint's run's batches, and ends
+the resumed epoch when its count reaches ``len()``: the datamodule sets that count to
+:attr:`steps_taken_in_pass` (``PretrainingDataModule.train_dataloader``), so that a resume with another
+global batch ends the epoch where the sampler's pass ends.
 """
 
 from __future__ import annotations
@@ -57,16 +60,32 @@ class MegatronPretrainingSampler(_ConsumedSamplesSampler):
 
     def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, num_microbatches: int = 1,
-                 drop_last: bool = True) -> None:
+                 drop_last: bool = True, pass_steps: int | None = None) -> None:
         super().__init__(total_samples=total_samples, consumed_samples=consumed_samples,
                          micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                          data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
         self.drop_last = drop_last
-        self._resume_from = consumed_samples
+        self.pass_steps = len(self) if pass_steps is None else max(1, min(len(self), pass_steps))
+        """The steps of a pass: ``len()``, or fewer where the trainer reads fewer an epoch (``limit_train_batches``)."""
+        # Where the first pass starts: ``consumed_samples`` in the pass it falls in (a pass reads whole global
+        # batches); where the rest of that pass holds no whole global batch (a resume with a larger one), the next.
+        first = consumed_samples % (self.pass_steps * self.global_batch_size) if self.pass_steps else 0
+        self._resume_from = first if self._pass_end - first >= self.global_batch_size else 0
+
+    @property
+    def _pass_end(self) -> int:
+        return self.total_samples if self.pass_steps == len(self) else self.pass_steps * self.global_batch_size
 
     def __len__(self) -> int:
         full, rest = divmod(self.total_samples, self.global_batch_size)
         return full + (0 if self.drop_last or rest == 0 else 1)
+
+    @property
+    def steps_taken_in_pass(self) -> int:
+        """The steps of the pass that the next ``iter()`` does not make (consumed before a resume), in this sampler's
+        global batches: :attr:`pass_steps` less the batches it yields to the pass's end."""
+        left, batch = self._pass_end - self._resume_from, self.global_batch_size
+        return self.pass_steps - (left // batch if self.drop_last else -(-left // batch))
 
     def __iter__(self) -> Iterator[list[int]]:
         first, self._resume_from = self._resume_from, 0
@@ -117,6 +136,11 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
 
     def __len__(self) -> int:
         return self.epoch_samples // self.global_batch_size
+
+    @property
+    def steps_taken_in_pass(self) -> int:
+        """The steps of the epoch that the next ``iter()`` does not make (consumed before it)."""
+        return self.consumed_samples % self.epoch_samples // self.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, done = divmod(self.consumed_samples, self.epoch_samples)

@@ -28,7 +28,7 @@ from lightning_megatron.data.corpus import default_corpus_fingerprint
 from lightning_megatron.data.dataset_vocab import (TokenizerFamily, check_dataset_vocab, dataset_tokenizer,
                                                    vocab_sidecar_path)
 from lightning_megatron.data.indexed_dataset import IndexedDataset, index_file_path
-from lightning_megatron.data.loader import trainer_loader
+from lightning_megatron.data.loader import count_the_resumed_pass, epoch_steps, trainer_loader
 from lightning_megatron.data.preprocess import preprocess_corpus
 from lightning_megatron.data.samplers import (
     MegatronPretrainingRandomSampler,
@@ -366,12 +366,15 @@ class PretrainingDataModule(pl.LightningDataModule):
         common = dict(total_samples=len(self.train_dataset), consumed_samples=self.consumed_samples,
                       micro_batch_size=self.micro_batch_size, data_parallel_rank=dp_rank,
                       data_parallel_size=dp_size, num_microbatches=self.num_microbatches(dp_size))
-        if self.shuffle != "random":
-            return self._loader(self.train_dataset, MegatronPretrainingSampler(**common))
+        if self.shuffle != "random":  # a pass is the trainer's epoch (limit_train_batches can shorten it)
+            steps = epoch_steps(self._trainer_or_none(), len(self.train_dataset) // self.global_batch_size)
+            sampler = MegatronPretrainingSampler(**common, pass_steps=steps)
+            return self._loader(self.train_dataset, count_the_resumed_pass(self._trainer_or_none(), sampler))
         # The run's order is its first DP size's buckets: resumed at another DP size, it reads the same global batches.
         restored = self._shuffle_key
         buckets = restored[2] if restored and self.global_batch_size % restored[2] == 0 else None
-        sampler = MegatronPretrainingRandomSampler(seed=self.seed, buckets=buckets, **common)
+        sampler = count_the_resumed_pass(self._trainer_or_none(),
+                                         MegatronPretrainingRandomSampler(seed=self.seed, buckets=buckets, **common))
         self._shuffle_key = list(sampler.order_key)
         if restored is not None and restored != self._shuffle_key:
             (seed, epoch, parts), now = restored, self._shuffle_key
@@ -594,3 +597,4 @@ def _epochs(order: Any) -> str:
     if isinstance(order, list) and order and isinstance(order[0], int):
         return f"{order[0]} epoch{'s' if order[0] != 1 else ''}"
     return "epochs " + ", ".join(str(k[0]) if isinstance(k, list) and k else "-" for k in order)
+
