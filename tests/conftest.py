@@ -39,13 +39,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 SLOW_MODULES_FIRST = (
-    "test_docs_finetune.py", "test_cli_run_folder.py", "test_cli_recipes.py", "test_lora.py",
-    "test_reliability_sigterm.py", "test_gpt_parallel.py", "test_docs_blocks.py", "test_strategy_checkpoint.py",
-    "test_moe_cli.py", "test_gpt_predict.py", "test_gpu_check.py", "test_cpu_shared_memory.py",
-    "test_wandb_init_bound.py", "test_distributed_optimizer_fit.py", "test_custom_module.py", "test_lm_eval.py",
+    "test_cli_recipes.py", "test_cli_refusals.py", "test_check.py", "test_lora.py", "test_cli_run_folder.py",
+    "test_gpt_parallel.py", "test_docs_blocks.py", "test_docs_finetune.py", "test_strategy_checkpoint.py",
+    "test_moe_cli.py", "test_reliability_sigterm.py", "test_context_parallel.py", "test_wandb_init_bound.py",
+    "test_cpu_shared_memory.py", "test_estimate.py", "test_distributed_optimizer_fit.py", "test_strategy_parity.py",
+    "test_launch.py", "test_lm_eval.py", "test_gpt_predict.py", "test_custom_module.py", "test_base_install.py",
 )
-"""The modules that take longest, longest first (each module's summed ``pytest --durations``, 2026-12-03, AVX2
-host: 211 s down to 26 s of the suite's 1465 s), run first: with ``-n 2 --dist loadscope`` (the README's
+"""The modules that take longest, longest first (each module's summed ``pytest --durations=0``, 2026-12-08, AMD EPYC
+host: 90 s down to 16 s of the suite's 1210 s), run first: with ``-n 2 --dist loadscope`` (the README's
 command) a worker that takes one of them last would finish alone, minutes after the other."""
 
 

@@ -76,8 +76,8 @@ def count_the_resumed_pass(trainer: Any, sampler: Any) -> Any:
     if loop is not None and getattr(trainer.fit_loop, "restarting", False):
         current = loop.batch_progress.current
         shift = sampler.steps_taken_in_pass - current.ready
-        for counter in ("ready", "started", "processed", "completed"):
-            setattr(current, counter, getattr(current, counter) + shift)
+        current.ready, current.started = current.ready + shift, current.started + shift
+        current.processed, current.completed = current.processed + shift, current.completed + shift
     return sampler
 
 
