@@ -173,7 +173,7 @@ def test_a_resume_with_a_larger_global_batch_or_in_a_later_pass_continues_the_st
     never, unsaid. In the second pass of a training set smaller than the run (16 samples, 8 a step), the sampler
     started at sample 24 of 16 and read nothing of the pass (an epoch-bounded fit resumed there ended at once,
     status 0), and under limit_train_batches the resumed pass started past the epoch's samples. Each reads on from
-    where it stopped now."""
+    where it stopped now, as the uninterrupted run does."""
     def fit(max_steps, root, ckpt_path=None, every=None, limit=None, **data):
         model = _Recorder()
         saves = [pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1)] if every else []
@@ -197,6 +197,13 @@ def test_a_resume_with_a_larger_global_batch_or_in_a_later_pass_continues_the_st
     assert fit(5, tmp_path / "limited", every=3, limit=2, train_samples=48) == passes
     step3 = tmp_path / "limited" / "epoch=1-step=3.ckpt"
     assert fit(5, tmp_path / "limited_resumed", ckpt_path=step3, limit=2, train_samples=48) == passes[24:]
+    # shuffled, with DataLoader workers, under that limit: the workers drew batches past the epoch's 2 steps, and the
+    # sampler's count of them made the uninterrupted run's next epoch skip the ones never trained on; a resumed run,
+    # counting steps, read them
+    shuffled = dict(limit=2, shuffle="random", train_samples=48, num_workers=2)
+    stream = fit(5, tmp_path / "shuffled", every=3, **shuffled)
+    step3 = tmp_path / "shuffled" / "epoch=1-step=3.ckpt"
+    assert fit(5, tmp_path / "shuffled_resumed", ckpt_path=step3, **shuffled) == stream[24:]
 
 
 def test_reading_batches_leaves_the_global_rng_alone():

@@ -20,7 +20,7 @@ global batch ends the epoch where the sampler's pass ends.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -107,11 +107,15 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
     the DP size (the default) rank ``r`` walks bucket ``r`` alone: Megatron's ``MegatronPretrainingRandomSampler``.
     A run keeps its first DP size as ``buckets`` (the datamodule records it): resumed at another DP size, it reads
     the global batches it would have read (:attr:`order_key`). Iteration resumes mid-epoch from ``consumed_samples``
-    and advances it, so the next ``iter()`` continues with the next epoch."""
+    and advances it, so the next ``iter()`` continues with the next epoch. ``run_consumed_samples``: the run's own
+    count (the datamodule's: the optimizer steps taken), read at each ``iter()`` instead. DataLoader workers and
+    Lightning's fetcher draw batches ahead of the steps, so where an epoch stops before the sampler's end
+    (``limit_train_batches``) the count advanced by drawing ran ahead: the next epoch skipped the batches drawn and
+    never trained on (as many as were prefetched), and a resumed run, counting steps, read them."""
 
     def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, num_microbatches: int = 1, seed: int = 1234,
-                 buckets: int | None = None) -> None:
+                 buckets: int | None = None, run_consumed_samples: Callable[[], int] | None = None) -> None:
         super().__init__(total_samples=total_samples, consumed_samples=consumed_samples,
                          micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                          data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
@@ -124,6 +128,7 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
             raise ValueError(f"buckets={self.buckets} must divide the global batch size {self.global_batch_size} (the "
                              f"run's first data-parallel size does, with the same global batch)")
         self.seed = seed
+        self.run_consumed_samples = run_consumed_samples
         self.epoch_samples = total_samples - total_samples % self.global_batch_size
         if self.epoch_samples == 0:
             raise ValueError(f"total_samples={total_samples} is less than one global batch "
@@ -143,6 +148,8 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
         return self.consumed_samples % self.epoch_samples // self.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.run_consumed_samples is not None:
+            self.consumed_samples = self.run_consumed_samples()
         epoch, done = divmod(self.consumed_samples, self.epoch_samples)
         bucket_size = self.epoch_samples // self.buckets
         per_bucket = self.global_batch_size // self.buckets  # what one global batch takes of each bucket

@@ -373,8 +373,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         # The run's order is its first DP size's buckets: resumed at another DP size, it reads the same global batches.
         restored = self._shuffle_key
         buckets = restored[2] if restored and self.global_batch_size % restored[2] == 0 else None
-        sampler = count_the_resumed_pass(self._trainer_or_none(),
-                                         MegatronPretrainingRandomSampler(seed=self.seed, buckets=buckets, **common))
+        sampler = count_the_resumed_pass(self._trainer_or_none(), MegatronPretrainingRandomSampler(
+            seed=self.seed, buckets=buckets, run_consumed_samples=lambda: self.consumed_samples, **common))
         self._shuffle_key = list(sampler.order_key)
         if restored is not None and restored != self._shuffle_key:
             (seed, epoch, parts), now = restored, self._shuffle_key
