@@ -48,7 +48,7 @@ from typing import Any
 
 __all__ = ["prewarm", "import_wandb_ahead", "release", "local_processes", "named_classes", "hand_to_waiting",
            "pause_collection", "resume_collection", "exit_when_parent_dies", "leave_ctrl_c_to_rank_0",
-           "sigint_handler_after_start", "PREWARM_ENV", "CLASSES_ENV", "CHILD_ENV"]
+           "sigint_handler_after_start", "started_by_rank_0", "PREWARM_ENV", "CLASSES_ENV", "CHILD_ENV"]
 
 PREWARM_ENV = "LIGHTNING_MEGATRON_PREWARM_FD"
 """Set in a waiting rank's environment: the file descriptor of the pipe its order arrives on."""
@@ -94,33 +94,48 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_forked)
 _waiting: list[_Waiting] = []
 _collection_paused = False
-_ctrl_c_left_to_rank_0 = False
+_started_by_rank_0 = False
+
+
+def started_by_rank_0() -> bool:
+    """Whether this process is a local rank that rank 0 started (:data:`CHILD_ENV` in its environment when the
+    package was first imported, or when its order came: :func:`leave_ctrl_c_to_rank_0`)."""
+    return _started_by_rank_0
+
+
+def _ctrl_c_during_start_up(signum: int, frame: Any) -> None:
+    """SIGINT's handler in a rank that rank 0 started, until its stop handler is in place: nothing (rank 0 decides)."""
 
 
 def leave_ctrl_c_to_rank_0() -> None:
-    """In a local rank that rank 0 started (:data:`CHILD_ENV`): ignore SIGINT until the stop handler is in place.
+    """In a local rank that rank 0 started (:data:`CHILD_ENV`): Ctrl-C does nothing until the stop handler is in place.
     Ctrl-C in a terminal reaches every process of the job. In this rank's start-up (its imports, the parse, the
     rendezvous, the model's build) Python's KeyboardInterrupt ended it with a traceback and status 1, and
     Lightning's child observer then SIGKILLed rank 0 (status 137). Rank 0 ends the command alone now: Lightning's
     KeyboardInterrupt path there kills the ranks it started, and the command exits 130. Once the ranks' stop handlers
     are in place (``PreemptionHandler.install``), a Ctrl-C is agreed by every rank as before; the handler gives
-    Python's default back when it leaves (:func:`sigint_handler_after_start`)."""
+    Python's default back when it leaves (:func:`sigint_handler_after_start`). A handler that does nothing, not
+    ``SIG_IGN``: a program this rank starts begins with Ctrl-C's default action (an ignored signal stays ignored
+    across ``exec``), and the variable leaves the environment (:func:`started_by_rank_0` keeps it), so that what this
+    rank starts is not taken for a rank."""
     import signal
     import threading
 
-    global _ctrl_c_left_to_rank_0
-    if (os.environ.get(CHILD_ENV) == "1" and threading.current_thread() is threading.main_thread()
+    global _started_by_rank_0
+    if os.environ.pop(CHILD_ENV, None) != "1":
+        return
+    _started_by_rank_0 = True
+    if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _ctrl_c_left_to_rank_0 = True
+        signal.signal(signal.SIGINT, _ctrl_c_during_start_up)
 
 
 def sigint_handler_after_start(handler: Any) -> Any:
     """SIGINT's handler for a stop handler to give back when it leaves, ``handler`` being the one it replaced:
-    Python's default where :func:`leave_ctrl_c_to_rank_0` ignored SIGINT for the start-up only."""
+    Python's default where :func:`leave_ctrl_c_to_rank_0` left Ctrl-C to rank 0 for the start-up only."""
     import signal
 
-    return signal.default_int_handler if _ctrl_c_left_to_rank_0 and handler == signal.SIG_IGN else handler
+    return signal.default_int_handler if handler is _ctrl_c_during_start_up else handler
 
 
 def pause_collection() -> None:
@@ -402,6 +417,7 @@ def _wait() -> None:
     order = json.loads(order)
     os.environ.clear()
     os.environ.update(order["env"])
+    leave_ctrl_c_to_rank_0()  # its variable, back with the order's environment, leaves it again
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
     rank_zero_only.rank = _get_rank() or 0  # as read at import by a process started with this environment

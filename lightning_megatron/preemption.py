@@ -409,8 +409,10 @@ def say_ctrl_c_in_start_up(module: Any) -> None:
     that rank 0 started (those ignored it: ``lightning_megatron.launch.leave_ctrl_c_to_rank_0``); the command exits
     130 (``lightning_megatron.cli``). Said by global rank 0, with the step: no stop checkpoint is written there."""
     trainer = getattr(module, "_trainer", None)
-    step = getattr(trainer, "global_step", 0)
-    when = "during start-up (before the first step)" if not step else f"at step {step}, outside the training steps"
+    step, fn = getattr(trainer, "global_step", 0), getattr(getattr(trainer, "state", None), "fn", None)
+    when = ("during start-up (before the first step)" if not step else f"at step {step}, outside the training steps")
+    if fn is not None and fn != TrainerFn.FITTING:  # an evaluation whose ranks read different batch counts has none
+        when = f"during {fn.value}"
     rank_zero_info(f"lightning-megatron: Ctrl-C {when}: every rank stops; no checkpoint is saved for it")
 
 

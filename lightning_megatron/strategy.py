@@ -270,7 +270,7 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.local_rank > 0 and os.environ.get(launch.CHILD_ENV) == "1":  # started by rank 0, which hosts the
+        if self.local_rank > 0 and launch.started_by_rank_0():  # started by rank 0, which hosts the
             # rendezvous: its death ends this rank's waits at once (not a rank torchrun, srun or a script started)
             with launch.exit_when_parent_dies(f"local rank {self.local_rank}", "connecting to the other ranks"):
                 self._setup_environment()

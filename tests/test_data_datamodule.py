@@ -174,6 +174,8 @@ def test_a_resume_with_a_larger_global_batch_or_in_a_later_pass_continues_the_st
     started at sample 24 of 16 and read nothing of the pass (an epoch-bounded fit resumed there ended at once,
     status 0), and under limit_train_batches the resumed pass started past the epoch's samples. Each reads on from
     where it stopped now, as the uninterrupted run does."""
+    epochs = []  # each fit's epoch and batch index at its end
+
     def fit(max_steps, root, ckpt_path=None, every=None, limit=None, **data):
         model = _Recorder()
         saves = [pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1)] if every else []
@@ -181,6 +183,7 @@ def test_a_resume_with_a_larger_global_batch_or_in_a_later_pass_continues_the_st
                              enable_checkpointing=bool(every), enable_progress_bar=False, enable_model_summary=False,
                              default_root_dir=root, num_sanity_val_steps=0, limit_train_batches=limit)
         trainer.fit(model, datamodule=_datamodule(splits="100,0,0", **data), ckpt_path=ckpt_path)
+        epochs.append((trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx))
         return [sample for batch in model.seen for sample in batch]
 
     stream = fit(12, tmp_path / "full", global_batch_size=4, train_samples=48)
@@ -204,6 +207,7 @@ def test_a_resume_with_a_larger_global_batch_or_in_a_later_pass_continues_the_st
     stream = fit(5, tmp_path / "shuffled", every=3, **shuffled)
     step3 = tmp_path / "shuffled" / "epoch=1-step=3.ckpt"
     assert fit(5, tmp_path / "shuffled_resumed", ckpt_path=step3, **shuffled) == stream[24:]
+    assert epochs[-1] == epochs[-2], epochs  # its epochs the uninterrupted run's: 2 steps each, not the sampler's 6
 
 
 def test_reading_batches_leaves_the_global_rng_alone():

@@ -325,27 +325,35 @@ def test_a_rank_whose_launcher_died_during_the_rendezvous_exits_at_once() -> Non
     assert time.monotonic() - killed < 5
 
 
-def test_a_rank_started_by_rank_0_ignores_ctrl_c_until_its_stop_handler_is_in_place(monkeypatch) -> None:
-    """Rank 0 started it (``CHILD_ENV``): from the package's first import it ignores SIGINT (Ctrl-C reaches every
-    process of the job; in the start-up rank 0 alone ends the command, lightning_megatron.launch). Its stop handler
-    takes SIGINT over and, leaving, gives Python's default back, not the start-up's ignoring."""
+def test_a_rank_started_by_rank_0_leaves_ctrl_c_to_it_until_its_stop_handler_is_in_place(monkeypatch) -> None:
+    """Rank 0 started it (``CHILD_ENV``): from the package's first import Ctrl-C does nothing there (Ctrl-C reaches
+    every process of the job; in the start-up rank 0 alone ends the command, lightning_megatron.launch). A program it
+    starts is not a rank: the variable leaves the environment, and the program begins with Ctrl-C's default action
+    (SIG_IGN, which exec keeps, left the programs a rank started running after a Ctrl-C). Its stop handler takes SIGINT
+    over and, leaving, gives Python's default back."""
     import signal
 
     from lightning_megatron.preemption import PreemptionHandler
 
-    said = "import signal, lightning_megatron; print(signal.getsignal(signal.SIGINT) is signal.{})"
-    for env, expected in (({launch.CHILD_ENV: "1"}, "SIG_IGN"), ({}, "default_int_handler")):
+    probe = ("import os, signal, subprocess, sys, lightning_megatron; from lightning_megatron import launch; "
+             "child = subprocess.run([sys.executable, '-c', 'import signal; print(signal.getsignal(signal.SIGINT) is "
+             "signal.default_int_handler)'], capture_output=True, text=True).stdout.strip(); "
+             "print(signal.getsignal(signal.SIGINT).__name__, launch.started_by_rank_0(), launch.CHILD_ENV in "
+             "os.environ, child)")
+    for env, expected in (({launch.CHILD_ENV: "1"}, "_ctrl_c_during_start_up True False True"),
+                          ({}, "default_int_handler False False True")):
         started = {k: v for k, v in os.environ.items() if k != launch.CHILD_ENV}
-        proc = subprocess.run([sys.executable, "-c", said.format(expected)], env={**started, **env}, timeout=60,
+        proc = subprocess.run([sys.executable, "-c", probe], env={**started, **env}, timeout=60,
                               capture_output=True, text=True)  # a new interpreter: the package's first import
-        assert proc.stdout.strip() == "True", (env, proc.stdout, proc.stderr[-2000:])
+        assert proc.stdout.strip() == expected, (env, proc.stdout, proc.stderr[-2000:])
     before = signal.getsignal(signal.SIGINT)
     monkeypatch.setenv(launch.CHILD_ENV, "1")
-    monkeypatch.setattr(launch, "_ctrl_c_left_to_rank_0", False)
+    monkeypatch.setattr(launch, "_started_by_rank_0", False)
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         launch.leave_ctrl_c_to_rank_0()
-        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert launch.started_by_rank_0() and launch.CHILD_ENV not in os.environ
+        assert signal.getsignal(signal.SIGINT) is launch._ctrl_c_during_start_up
         handler = PreemptionHandler()
         handler.install()
         assert signal.getsignal(signal.SIGINT) == handler._handle

@@ -71,11 +71,12 @@ def count_the_resumed_pass(trainer: Any, sampler: Any) -> Any:
     ended the pass 2 steps early and read the next from its start, some samples twice and the pass's last ones not
     at all, unsaid; with a smaller one its count ended the epoch late. Every counter of the epoch's batch progress
     moves by the same amount, so Lightning's own restart arithmetic (a checkpoint saved at a batch's end or after
-    it) stays as it was. Returns ``sampler``."""
+    it) stays as it was. A sampler that cannot say (None) leaves Lightning's count. Returns ``sampler``."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    if loop is not None and getattr(trainer.fit_loop, "restarting", False):
+    taken = sampler.steps_taken_in_pass
+    if loop is not None and getattr(trainer.fit_loop, "restarting", False) and taken is not None:
         current = loop.batch_progress.current
-        shift = sampler.steps_taken_in_pass - current.ready
+        shift = taken - current.ready
         current.ready, current.started = current.ready + shift, current.started + shift
         current.processed, current.completed = current.processed + shift, current.completed + shift
     return sampler

@@ -115,7 +115,8 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
 
     def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, num_microbatches: int = 1, seed: int = 1234,
-                 buckets: int | None = None, run_consumed_samples: Callable[[], int] | None = None) -> None:
+                 buckets: int | None = None, run_consumed_samples: Callable[[], int] | None = None,
+                 pass_steps: int | None = None) -> None:
         super().__init__(total_samples=total_samples, consumed_samples=consumed_samples,
                          micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                          data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
@@ -133,6 +134,8 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
         if self.epoch_samples == 0:
             raise ValueError(f"total_samples={total_samples} is less than one global batch "
                              f"({self.global_batch_size}); use more samples or a smaller batch")
+        self.pass_steps = len(self) if pass_steps is None else max(1, min(len(self), pass_steps))
+        """The trainer's steps an epoch: ``len()``, or fewer (``limit_train_batches``)."""
 
     @property
     def order_key(self) -> tuple[int, int, int]:
@@ -143,8 +146,12 @@ class MegatronPretrainingRandomSampler(_ConsumedSamplesSampler):
         return self.epoch_samples // self.global_batch_size
 
     @property
-    def steps_taken_in_pass(self) -> int:
-        """The steps of the epoch that the next ``iter()`` does not make (consumed before it)."""
+    def steps_taken_in_pass(self) -> int | None:
+        """The steps of the epoch that the next ``iter()`` does not make (consumed before it); None where the trainer
+        reads fewer steps an epoch (``pass_steps``, from ``limit_train_batches``): its epochs are then runs of
+        ``pass_steps`` steps along the sampler's, and its own count of them is the one to keep."""
+        if self.pass_steps < len(self):
+            return None
         return self.consumed_samples % self.epoch_samples // self.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:

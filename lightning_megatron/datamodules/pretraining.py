@@ -366,9 +366,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         common = dict(total_samples=len(self.train_dataset), consumed_samples=self.consumed_samples,
                       micro_batch_size=self.micro_batch_size, data_parallel_rank=dp_rank,
                       data_parallel_size=dp_size, num_microbatches=self.num_microbatches(dp_size))
-        if self.shuffle != "random":  # a pass is the trainer's epoch (limit_train_batches can shorten it)
-            steps = epoch_steps(self._trainer_or_none(), len(self.train_dataset) // self.global_batch_size)
-            sampler = MegatronPretrainingSampler(**common, pass_steps=steps)
+        common["pass_steps"] = epoch_steps(self._trainer_or_none(), len(self.train_dataset) // self.global_batch_size)
+        if self.shuffle != "random":
+            sampler = MegatronPretrainingSampler(**common)
             return self._loader(self.train_dataset, count_the_resumed_pass(self._trainer_or_none(), sampler))
         # The run's order is its first DP size's buckets: resumed at another DP size, it reads the same global batches.
         restored = self._shuffle_key
