@@ -8,7 +8,8 @@ __version__ = "0.1.0"
 def _leave_ctrl_c_to_rank_0_if_started_by_it() -> None:
     # A local rank that rank 0's launcher started leaves Ctrl-C to rank 0 from its first import of the package (the
     # CLI's included) until its stop handler is in place (lightning_megatron.launch.leave_ctrl_c_to_rank_0). The
-    # variable is launch.CHILD_ENV (spelled out: launch is imported only where it is set; tests/test_launch.py reads it).
+    # variable is launch.CHILD_ENV (spelled out: launch is imported only where it is set; tests/test_launch.py
+    # reads it).
     import os
 
     if os.environ.get("LIGHTNING_MEGATRON_LAUNCHED_BY_RANK_0") == "1":
