@@ -192,6 +192,8 @@ def _megatron_cli(args: list[str] | None, given: list[str], model_class: type | 
             strategy = self.trainer.strategy
             if not (isinstance(strategy, MegatronStrategy) and isinstance(strategy.launcher, _SubprocessScriptLauncher)):
                 launch.release()  # no launcher that hands local ranks to the waiting ones: they exit
+            if isinstance(strategy, MegatronStrategy):
+                strategy.leave_after_the_command()  # leave_in_order, once the subcommand has run
             config = self.config[self.subcommand] if self.subcommand else self.config
             ckpt_path = config.get("ckpt_path")
             if (isinstance(strategy, MegatronStrategy) and isinstance(self.model, MegatronLightningModule)

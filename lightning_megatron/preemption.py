@@ -102,6 +102,7 @@ class PreemptionHandler:
         self._announcement = b""
         self.exiting = False  # set when the SIGTERMException is being handled: teardown calls leave()
         self._sigint_after_leave: Any = None  # SIGINT's handler, given back once leave() has waited
+        self.leave_follows = False  # the command calls leave() once its subcommand has run: SIGINT ours till then
         self.requeue_signal: int | None = None
         self.requeue = False  # the requeue signal came (to any rank, after should_stop): requeue after the save
         self.failed = False  # the fit ended by an exception other than a stop signal's
@@ -166,13 +167,25 @@ class PreemptionHandler:
         print(f"lightning-megatron: {name} after the last step ({trainer.global_step}): the run had finished (its "
               f"checkpoints are complete): it ends as a finished run, status 0", file=sys.stderr, flush=True)
 
-    def uninstall(self) -> None:
+    def uninstall(self, lightning_signals: Any = None) -> None:
+        """Give the signals their handlers back; SIGINT's only once :meth:`leave` has waited, on the way out after a
+        stop or where the command leaves next (:attr:`leave_follows`). ``lightning_signals``: the trainer's signal
+        connector, which gives every signal the handler it had at the stage's start when it tears down, after this:
+        SIGINT's is made this handler there too."""
         if self._installed and threading.current_thread() is threading.main_thread():
             for signum, previous in self._previous.items():
-                if signum == signal.SIGINT and self.exiting and self.received:
-                    # on the way out after a stop: a second Ctrl-C still ends the process at once while leave()
-                    # waits for the other ranks (KeyboardInterrupt there was a traceback and exit status 1)
+                if signum == signal.SIGINT and ((self.exiting and self.received) or self.leave_follows):
+                    # A second Ctrl-C still ends the process at once while leave() waits for the other ranks. A first
+                    # one after the end raised KeyboardInterrupt in one rank while the others waited in leave()'s
+                    # barrier: "another rank died", status 130 or -2, for a finished run.
                     self._sigint_after_leave = previous
+                    originals = getattr(lightning_signals, "_original_handlers", None)
+                    if isinstance(originals, dict) and signum in originals:
+                        originals[signum] = self._handle
+                    if not self.exiting:
+                        self._announcement = (b"\nlightning-megatron: Ctrl-C after the run finished: the ranks "
+                                              b"leave in order and it ends as a finished run; press Ctrl-C again to "
+                                              b"abort at once\n")
                     continue
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._installed = self._agreeing = False

@@ -691,9 +691,10 @@ class MegatronStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            self._preemption.say_if_after_the_end(self.lightning_module.trainer)
-        self._preemption.uninstall()
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:
+            self._preemption.say_if_after_the_end(trainer)
+        self._preemption.uninstall(getattr(trainer, "_signal_connector", None))
         self._optimizer_config = None  # handed over again by the callback's setup of the next fit
         self._grads_checked_by_optimizers = self._loss_checked_by_optimizers = False
         if self._grad_buffer is not None:
@@ -713,6 +714,10 @@ class MegatronStrategy(DDPStrategy):
         interpreter exit, the launching rank was seen aborting on its way out ("terminate called without
         an active exception", status -6; docs/reliability.md)."""
         self._preemption.leave(self.launcher)
+
+    def leave_after_the_command(self) -> None:
+        """The command calls :meth:`leave` once its subcommand has run: Ctrl-C keeps the stop handler until then."""
+        self._preemption.leave_follows = True
 
 
 def _batch_and_index(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, int]:

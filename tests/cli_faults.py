@@ -14,7 +14,8 @@ class SignalAt(Callback):
     """At the end of training step ``step``, rank 0 sends ``signal``: ``SIGTERM`` to its own process (as
     a scheduler does), ``SIGINT`` to the job's process group (as Ctrl-C in a terminal does: every rank
     gets it; start the job in a session of its own). ``times``: how often (a second Ctrl-C). Step 0: at the set-up
-    (the ranks connected, before the sanity check and the first step)."""
+    (the ranks connected, before the sanity check and the first step); -1: at the fit's end (after the strategy's
+    teardown, before the command's ordered way out)."""
 
     def __init__(self, step: int, signal: str = "SIGTERM", times: int = 1) -> None:
         self.step, self.signal, self.times = step, signal, times
@@ -25,6 +26,10 @@ class SignalAt(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
+            self._send(trainer)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.step == -1:
             self._send(trainer)
 
     def _send(self, trainer) -> None:

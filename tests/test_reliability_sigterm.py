@@ -197,6 +197,18 @@ def test_ctrl_c_in_start_up_ends_every_rank_with_130_and_no_traceback(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 
+def test_ctrl_c_after_the_fit_ends_leaves_in_order_and_exits_0(tmp_path):
+    """Ctrl-C once the fit has ended (its last checkpoint saved, the strategy torn down), before the command's ordered
+    way out: rank 0 raised KeyboardInterrupt while rank 1 waited in leave()'s barrier, which said "another rank died"
+    with status 130 (or rank 0 died of the signal, -2) for a finished run. The stop handler keeps SIGINT until the ranks
+    have left: the command says so and exits 0, as a finished run."""
+    proc = _ctrl_c_run(tmp_path, -1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "Traceback" not in out and "another rank died" not in out, out[-4000:]
+    assert out.count("lightning-megatron: Ctrl-C after the run finished: the ranks leave in order") == 1, out[-4000:]
+
+
 _LEAVE_SCRIPT = """
 import subprocess, sys, time
 from lightning.fabric.plugins.environments import LightningEnvironment
