@@ -410,7 +410,7 @@ def _wait() -> None:
         resume_collection()
         with os.fdopen(fd, "rb") as pipe:
             order = pipe.read()
-    except KeyboardInterrupt:  # Ctrl-C of the command before this rank ignored it (its interpreter's start)
+    except KeyboardInterrupt:  # Ctrl-C of the command before this rank left it to rank 0 (its interpreter's start)
         raise SystemExit(130) from None
     if not order:
         raise SystemExit(0)  # not needed (rank 0 launched otherwise, failed, or exited)

@@ -419,8 +419,9 @@ def on_stop_signal(trainer: pl.Trainer, exception: BaseException, signum: int = 
 
 def say_ctrl_c_in_start_up(module: Any) -> None:
     """Ctrl-C before the ranks' stop handlers were in place: Lightning's KeyboardInterrupt path, which ends the ranks
-    that rank 0 started (those ignored it: ``lightning_megatron.launch.leave_ctrl_c_to_rank_0``); the command exits
-    130 (``lightning_megatron.cli``). Said by global rank 0, with the step: no stop checkpoint is written there."""
+    that rank 0 started (those left Ctrl-C to it: ``lightning_megatron.launch.leave_ctrl_c_to_rank_0``); the command
+    exits 130 (``lightning_megatron.cli``). Said by global rank 0, with the step: no stop checkpoint is written
+    there."""
     trainer = getattr(module, "_trainer", None)
     step, fn = getattr(trainer, "global_step", 0), getattr(getattr(trainer, "state", None), "fn", None)
     when = ("during start-up (before the first step)" if not step else f"at step {step}, outside the training steps")
